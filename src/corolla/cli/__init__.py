@@ -1,0 +1,1 @@
+"""Entry points only: parse config, build objects, run, shut down."""

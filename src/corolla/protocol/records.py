@@ -1,0 +1,172 @@
+"""DHT records shared with Petals 2.x: `ServerState`, `ServerInfo` (stored as a `(state, throughput, extra)` tuple
+under `"<prefix>.<i>"`/peer id), `ModelInfo` (under `"_petals.models"`/prefix) and the client-side span views."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+MODELS_INDEX_KEY = "_petals.models"
+
+
+class ServerState(IntEnum):
+    OFFLINE = 0
+    JOINING = 1
+    ONLINE = 2
+
+
+def _check_rps(name: str, value: Any, *, optional: bool) -> float | None:
+    if value is None and optional:
+        return None
+    # Petals uses `confloat(strict=True)`: ints and bools are rejected, only real floats pass.
+    if not isinstance(value, float):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite float >= 0, got {value}")
+    return value
+
+
+def _check_nonneg_int(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _check_optional(name: str, value: Any, kind: type) -> Any:
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be {kind.__name__} or None, got {type(value).__name__}")
+    return value
+
+
+@dataclass
+class ServerInfo:
+    """What a server announces for each block it holds; field names and types are Petals' exactly."""
+
+    state: ServerState
+    throughput: float
+
+    start_block: int | None = None
+    end_block: int | None = None
+
+    public_name: str | None = None
+    version: str | None = None
+
+    network_rps: float | None = None
+    forward_rps: float | None = None
+    inference_rps: float | None = None
+
+    adapters: Sequence[str] = ()
+    torch_dtype: str | None = None
+    quant_type: str | None = None
+    using_relay: bool | None = None
+    cache_tokens_left: int | None = None
+    next_pings: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.state, bool) or not isinstance(self.state, int):
+            raise TypeError(f"state must be an int, got {type(self.state).__name__}")
+        self.state = ServerState(self.state)  # raises ValueError for unknown states
+        self.throughput = _check_rps("throughput", self.throughput, optional=False)
+        self.start_block = _check_nonneg_int("start_block", self.start_block)
+        self.end_block = _check_nonneg_int("end_block", self.end_block)
+        if self.start_block is not None and self.end_block is not None and self.end_block <= self.start_block:
+            raise ValueError(f"end_block ({self.end_block}) must be > start_block ({self.start_block})")
+        for name in ("network_rps", "forward_rps", "inference_rps"):
+            setattr(self, name, _check_rps(name, getattr(self, name), optional=True))
+        for name in ("public_name", "version", "torch_dtype", "quant_type"):
+            _check_optional(name, getattr(self, name), str)
+        _check_optional("using_relay", self.using_relay, bool)
+        self.cache_tokens_left = _check_nonneg_int("cache_tokens_left", self.cache_tokens_left)
+        if isinstance(self.adapters, str) or not isinstance(self.adapters, Sequence):
+            raise TypeError("adapters must be a sequence of strings")
+        if not all(isinstance(a, str) for a in self.adapters):
+            raise TypeError("adapters must be a sequence of strings")
+        self.adapters = tuple(self.adapters)
+        if self.next_pings is not None:
+            if not isinstance(self.next_pings, Mapping):
+                raise TypeError("next_pings must be a dict")
+            pings = {}
+            for peer, rtt in self.next_pings.items():
+                if not isinstance(peer, str) or not isinstance(rtt, float) or not rtt >= 0:  # inf allowed, NaN not
+                    raise ValueError(f"next_pings entries must be str -> float >= 0, got {peer!r}: {rtt!r}")
+                pings[peer] = rtt
+            self.next_pings = pings
+
+    def to_tuple(self) -> tuple[int, float, dict[str, Any]]:
+        extra = dataclasses.asdict(self)
+        del extra["state"], extra["throughput"]
+        extra["adapters"] = tuple(self.adapters)
+        return (int(self.state), self.throughput, extra)
+
+    @classmethod
+    def from_tuple(cls, source: Any) -> ServerInfo:
+        """Parses a record as stored by corolla or Petals 2.x; unknown extra keys are ignored, 2-tuples accepted."""
+        if not isinstance(source, (tuple, list)) or len(source) < 2:
+            raise ValueError(f"ServerInfo record must be a tuple of 2 or 3 items, got {source!r:.200}")
+        state, throughput = source[:2]
+        extra = source[2] if len(source) > 2 else {}
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"ServerInfo extra must be a dict, got {type(extra).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"state", "throughput"}
+        kwargs = {k: v for k, v in extra.items() if k in known}
+        return cls(state=state, throughput=throughput, **kwargs)
+
+
+@dataclass
+class ModelInfo:
+    """Value of the `_petals.models` record for one DHT prefix."""
+
+    num_blocks: int
+    repository: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {self.num_blocks!r}")
+        _check_optional("repository", self.repository, str)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, source: Any) -> ModelInfo:
+        if not isinstance(source, Mapping):
+            raise TypeError(f"ModelInfo must be a dict, got {type(source).__name__}")
+        return cls(num_blocks=source.get("num_blocks"), repository=source.get("repository"))
+
+
+@dataclass
+class RemoteModuleInfo:
+    """All servers announcing one block uid; keys are base58 peer ids."""
+
+    uid: str
+    servers: dict[str, ServerInfo] = field(default_factory=dict)
+
+
+@dataclass
+class RemoteSpanInfo:
+    """One server's contiguous span `[start, end)` in block indices relative to the sequence's first uid."""
+
+    peer_id: str
+    start: int
+    end: int
+    server_info: ServerInfo
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def state(self) -> ServerState:
+        return self.server_info.state
+
+    @property
+    def throughput(self) -> float:
+        return self.server_info.throughput

@@ -1,0 +1,3 @@
+"""Who serves what: the DHT/P2P factory with safe network defaults (`dht`), announcing and reading block
+records (`records_io`), span reconstruction (`spans`), block selection and rebalancing math (`block_selection`,
+pure functions), reachability and pings."""

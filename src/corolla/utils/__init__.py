@@ -1,0 +1,1 @@
+"""Helpers that know nothing of blocks or swarms: logging, environment, asyncio glue."""
