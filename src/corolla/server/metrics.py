@@ -1,0 +1,154 @@
+"""Prometheus metrics of one server: a private registry, the metric objects, and a small API the server calls.
+
+Usage from the server (every call is cheap, thread-safe and never raises):
+
+    metrics = ServerMetrics()                    # one per Server; own CollectorRegistry (several servers per process ok)
+    metrics.blocks_served(end - start)           # after loading blocks
+    metrics.set_cache(used_bytes, free_bytes)    # after each KV allocation / free (MemoryCache sizes)
+    with metrics.session():                      # around one rpc_inference stream (or session_opened()/session_closed())
+        metrics.queue_wait(seconds)              # time a task waited in the runtime queue
+        metrics.observe_step(seconds)            # time the runtime spent executing one task
+        metrics.batch_size(n)                    # sessions/rows merged into that executed task
+        metrics.tokens("inference", n)           # tokens processed; kind in {"inference", "forward", "backward"}
+    metrics.rejected("cache_full")               # a request refused; reason in REJECT_REASONS (others -> "other")
+    metrics.announce_failed()                    # a DHT declare that failed or timed out
+    exporter = metrics.serve(port)               # HTTP exporter at http://127.0.0.1:<port>/metrics; exporter.close()
+
+Names exported (prefix `corolla_`): sessions_active, sessions_opened_total, tokens_processed_total{kind},
+step_seconds, queue_wait_seconds, batch_size (histograms), requests_rejected_total{reason},
+kv_cache_used_bytes, kv_cache_free_bytes, blocks_served, announce_failures_total.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+TOKEN_KINDS = ("inference", "forward", "backward")
+REJECT_REASONS = ("bad_request", "cache_full", "too_long", "overloaded", "timeout", "other")
+
+# Decode steps on CPU take ~1 ms to ~1 s; on GPU ~0.1-50 ms. Exponential buckets cover both.
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class MetricsExporter:
+    """A running HTTP exporter; `close()` stops it (idempotent)."""
+
+    host: str
+    port: int
+    _server: WSGIServer
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class ServerMetrics:
+    """The metrics of one server process, kept in their own `CollectorRegistry`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._sessions_active = Gauge("corolla_sessions_active", "Inference sessions open now", registry=r)
+        self._sessions_opened = Counter("corolla_sessions_opened", "Inference sessions opened", registry=r)
+        self._tokens = Counter(
+            "corolla_tokens_processed", "Tokens processed by the served blocks, by kind", ["kind"], registry=r
+        )
+        self._step = Histogram(
+            "corolla_step_seconds", "Time the runtime spent executing one task", buckets=_LATENCY_BUCKETS_S, registry=r
+        )
+        self._queue_wait = Histogram(
+            "corolla_queue_wait_seconds", "Time a task waited before execution", buckets=_LATENCY_BUCKETS_S, registry=r
+        )
+        self._batch = Histogram(
+            "corolla_batch_size", "Sessions or rows merged into one executed task", buckets=_BATCH_BUCKETS, registry=r
+        )
+        self._rejected = Counter("corolla_requests_rejected", "Requests refused, by reason", ["reason"], registry=r)
+        self._cache_used = Gauge("corolla_kv_cache_used_bytes", "KV cache bytes allocated", registry=r)
+        self._cache_free = Gauge("corolla_kv_cache_free_bytes", "KV cache bytes still free", registry=r)
+        self._blocks = Gauge("corolla_blocks_served", "Transformer blocks this server holds", registry=r)
+        self._announce_failures = Counter(
+            "corolla_announce_failures", "DHT announcements that failed or timed out", registry=r
+        )
+        # Pre-create labelled children so every series is exported (as 0) from the start.
+        for kind in TOKEN_KINDS:
+            self._tokens.labels(kind=kind)
+        for reason in REJECT_REASONS:
+            self._rejected.labels(reason=reason)
+
+    # --- sessions ---
+    def session_opened(self) -> None:
+        self._sessions_opened.inc()
+        self._sessions_active.inc()
+
+    def session_closed(self) -> None:
+        self._sessions_active.dec()
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Counts one open session for the duration of the block, on every exit path."""
+        self.session_opened()
+        try:
+            yield
+        finally:
+            self.session_closed()
+
+    # --- work ---
+    def tokens(self, kind: str, n: int) -> None:
+        if kind not in TOKEN_KINDS:
+            raise ValueError(f"token kind must be one of {TOKEN_KINDS}, got {kind!r}")
+        if n < 0:
+            raise ValueError(f"token count must be >= 0, got {n}")
+        self._tokens.labels(kind=kind).inc(n)
+
+    def observe_step(self, seconds: float) -> None:
+        self._step.observe(max(0.0, seconds))
+
+    def queue_wait(self, seconds: float) -> None:
+        self._queue_wait.observe(max(0.0, seconds))
+
+    def batch_size(self, n: int) -> None:
+        self._batch.observe(n)
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(reason=reason if reason in REJECT_REASONS else "other").inc()
+
+    # --- resources and lifecycle ---
+    def set_cache(self, used_bytes: int, free_bytes: int) -> None:
+        self._cache_used.set(used_bytes)
+        self._cache_free.set(free_bytes)
+
+    def blocks_served(self, n: int) -> None:
+        self._blocks.set(n)
+
+    def announce_failed(self) -> None:
+        self._announce_failures.inc()
+
+    # --- export ---
+    def render(self) -> bytes:
+        """The text exposition format (what `/metrics` returns)."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> MetricsExporter:
+        """Starts an HTTP exporter thread at `http://host:port/metrics` (port 0 picks a free port)."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        bound_port = server.server_address[1]
+        logger.info(f"metrics.serve(url=http://{host}:{bound_port}/metrics)")
+        return MetricsExporter(host=host, port=bound_port, _server=server, _thread=thread)
