@@ -1,0 +1,198 @@
+"""The device thread: owns the blocks and KV tensors and runs submitted tasks by priority, one batch at a time,
+in a `schedule -> execute -> complete` loop; results go back to the asyncio loop that submitted them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from corolla.server.task import KIND_GENERIC, Task, TaskQueue
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# Runs several merged tasks at once; returns one result per task (an exception instance fails only that task).
+BatchExecutor = Callable[[list[Task]], list[Any]]
+
+
+class RuntimeStopped(RuntimeError):
+    """The runtime stopped before a pending task could run."""
+
+
+class Runtime:
+    """One thread executing device work in priority order (lower `priority` first, then oldest first).
+
+    Use as a context manager (`with Runtime(...) as runtime:`); `submit` is called from a running asyncio loop and
+    returns an `asyncio.Future` resolved in that loop. A failing task passes its exception to its caller only.
+    Kinds registered with `register_batch_executor` get tasks sharing a `merge_key` executed together.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_batch_size_tokens: int,
+        device: torch.device | str | None = None,
+        name: str = "corolla-runtime",
+        stop_timeout_s: float = 30.0,
+    ):
+        if max_batch_size_tokens < 1:
+            raise ValueError(f"max_batch_size_tokens must be >= 1, got {max_batch_size_tokens}")
+        self.max_batch_size_tokens = max_batch_size_tokens
+        self.device = torch.device(device) if device is not None else None
+        self.name = name
+        self.stop_timeout_s = stop_timeout_s
+        self._queue = TaskQueue()
+        self._batch_executors: dict[str, BatchExecutor] = {}
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopped = False
+        self.num_batches_done = 0
+        self.num_tasks_done = 0
+
+    # ---- lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("Runtime.start: already started")
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        logger.info(f"runtime.start(max_batch_size_tokens={self.max_batch_size_tokens}, device={self.device})")
+
+    def stop(self) -> None:
+        """Lets the running batch finish, ends the thread and fails every task that has not run."""
+        if self._stopped:
+            return
+        self._stopped = True
+        pending = self._queue.close()
+        error = RuntimeStopped("The server's runtime stopped before this task ran (server shutting down)")
+        for task in pending:
+            _deliver(task, None, error)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.stop_timeout_s)
+            if self._thread.is_alive():
+                logger.warning(f"runtime.stop: thread still busy after {self.stop_timeout_s} s")
+        logger.info(f"runtime.stop(failed_pending={len(pending)}, tasks_done={self.num_tasks_done})")
+
+    def __enter__(self) -> Runtime:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._queue)
+
+    def register_batch_executor(self, kind: str, executor: BatchExecutor) -> None:
+        """Lets tasks of `kind` with equal `merge_key` run together through `executor` (up to the token limit)."""
+        self._batch_executors[kind] = executor
+
+    # ---- submission (event loop side)
+
+    def submit(
+        self,
+        fn: Callable[[], Any],
+        *,
+        priority: float,
+        size_tokens: int,
+        kind: str = KIND_GENERIC,
+        merge_key: Hashable | None = None,
+        payload: Any = None,
+    ) -> asyncio.Future:
+        """Queues `fn()` for the device thread; returns a future of its result in the calling asyncio loop.
+        Raises ValueError if `size_tokens` exceeds `max_batch_size_tokens`, RuntimeError if the runtime is stopped."""
+        if size_tokens > self.max_batch_size_tokens:
+            raise ValueError(
+                f"Task of {size_tokens} tokens (batch x length) exceeds the server's max_batch_size "
+                f"of {self.max_batch_size_tokens} tokens; send smaller batches or shorter chunks"
+            )
+        if size_tokens < 0:
+            raise ValueError(f"size_tokens must be >= 0, got {size_tokens}")
+        if self._stopped:
+            raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks")
+        loop = asyncio.get_running_loop()
+        task = Task(
+            fn=fn,
+            priority=float(priority),
+            size_tokens=size_tokens,
+            future=loop.create_future(),
+            loop=loop,
+            kind=kind,
+            merge_key=merge_key,
+            payload=payload,
+        )
+        self._queue.push(task)
+        return task.future
+
+    # ---- device thread
+
+    def _run(self) -> None:
+        try:
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+        finally:
+            self._ready.set()
+        mergeable = frozenset(self._batch_executors)
+        while True:
+            batch = self._queue.pop_batch(max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=mergeable)
+            if batch is None:
+                break
+            if not batch:
+                continue
+            results = self._execute(batch)
+            self._complete(batch, results)
+            mergeable = frozenset(self._batch_executors)
+
+    def _execute(self, batch: list[Task]) -> list[tuple[Any, BaseException | None]]:
+        started = time.perf_counter()
+        try:
+            if len(batch) == 1:
+                outputs: list[Any] = [batch[0].fn()]
+            else:
+                outputs = self._batch_executors[batch[0].kind](batch)
+                if len(outputs) != len(batch):
+                    raise RuntimeError(
+                        f"Batch executor for {batch[0].kind!r} returned {len(outputs)} results for {len(batch)} tasks"
+                    )
+        except Exception as e:
+            logger.warning(f"runtime.task_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
+            logger.debug("runtime.task_failed traceback", exc_info=True)
+            return [(None, e)] * len(batch)
+        finally:
+            elapsed_ms = (time.perf_counter() - started) * 1000
+            logger.debug(f"runtime.execute(kind={batch[0].kind}, tasks={len(batch)}, ms={elapsed_ms:.2f})")
+        return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
+
+    def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
+        for task, (result, error) in zip(batch, results, strict=True):
+            _deliver(task, result, error)
+        self.num_batches_done += 1
+        self.num_tasks_done += len(batch)
+
+
+def _deliver(task: Task, result: Any, error: BaseException | None) -> None:
+    """Resolves the task's future inside its own event loop (thread-safe)."""
+    try:
+        task.loop.call_soon_threadsafe(_resolve, task.future, result, error)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        logger.debug(f"runtime.deliver_dropped(kind={task.kind}): event loop closed")
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # cancelled by its caller meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,123 @@
+"""What the runtime executes: a `Task` (a callable plus its priority, size and merge identity) and the
+`TaskQueue` that orders pending tasks and picks the next batch (most urgent first, oldest first within a priority)."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import threading
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+# Lower is more urgent (same convention as the reference's prioritizer: inference 1.0, everything else 2.0).
+PRIORITY_INFERENCE: float = 1.0
+PRIORITY_FORWARD: float = 2.0
+PRIORITY_BACKWARD: float = 2.0
+
+KIND_GENERIC = "generic"
+KIND_INFERENCE = "inference"
+KIND_FORWARD = "forward"
+KIND_BACKWARD = "backward"
+
+
+@dataclass(eq=False)
+class Task:
+    """One unit of device work. `fn()` runs it alone; tasks with the same `(kind, merge_key)` may instead be handed
+    together to a batch executor registered for `kind` (continuous batching), which reads their `payload`s."""
+
+    fn: Callable[[], Any]
+    priority: float
+    size_tokens: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    kind: str = KIND_GENERIC
+    merge_key: Hashable | None = None
+    payload: Any = None
+    submitted_at: float = field(default_factory=time.monotonic)
+    seq: int = 0
+
+    @property
+    def sort_key(self) -> tuple[float, float, int]:
+        return (self.priority, self.submitted_at, self.seq)
+
+    @property
+    def abandoned(self) -> bool:
+        """True once the caller gave up on the result (its future was cancelled)."""
+        return self.future.done()
+
+
+class TaskQueue:
+    """Thread-safe priority queue of pending tasks: the event loop pushes, the device thread pops batches."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, float, int, Task]] = []
+        self._cond = threading.Condition()
+        self._seq = 0
+        self._closed = False
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._heap)
+
+    def push(self, task: Task) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("The runtime is stopped; it accepts no new tasks")
+            self._seq += 1
+            task.seq = self._seq
+            heapq.heappush(self._heap, (*task.sort_key, task))
+            self._cond.notify()
+
+    def close(self) -> list[Task]:
+        """Stops accepting tasks, wakes the waiting consumer and returns the tasks that never ran."""
+        with self._cond:
+            self._closed = True
+            remaining = [item[-1] for item in sorted(self._heap)]
+            self._heap.clear()
+            self._cond.notify_all()
+        return remaining
+
+    def pop_batch(
+        self, *, max_batch_tokens: int, mergeable_kinds: frozenset[str], timeout_s: float | None = None
+    ) -> list[Task] | None:
+        """Waits for work and returns the most urgent task, plus (if its kind is mergeable) the other pending tasks
+        with the same `(kind, merge_key)` in priority order while their total size fits `max_batch_tokens`.
+        Returns None once the queue is closed, or an empty list on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                while self._heap and self._heap[0][-1].abandoned:
+                    heapq.heappop(self._heap)  # the caller was cancelled before the task ran
+                if self._heap:
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return []
+                self._cond.wait(remaining)
+
+            first = heapq.heappop(self._heap)[-1]
+            batch = [first]
+            if first.merge_key is None or first.kind not in mergeable_kinds:
+                return batch
+            total_tokens = first.size_tokens
+            kept: list[tuple[float, float, int, Task]] = []
+            for item in sorted(self._heap):
+                task = item[-1]
+                if task.abandoned:
+                    continue
+                if (
+                    task.kind == first.kind
+                    and task.merge_key == first.merge_key
+                    and total_tokens + task.size_tokens <= max_batch_tokens
+                ):
+                    batch.append(task)
+                    total_tokens += task.size_tokens
+                else:
+                    kept.append(item)
+            if len(batch) > 1:
+                self._heap = kept  # a sorted list is a valid heap
+            return batch

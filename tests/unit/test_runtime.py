@@ -1,0 +1,137 @@
+"""Runtime: one device thread running tasks by priority, failures isolated, pending tasks failed on stop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from corolla.server.runtime import Runtime, RuntimeStopped
+from corolla.server.task import PRIORITY_FORWARD, PRIORITY_INFERENCE
+
+
+async def _block_runtime(runtime: Runtime) -> tuple[threading.Event, asyncio.Future]:
+    """Occupies the device thread until the returned event is set, so that later submissions queue up."""
+    started, gate = threading.Event(), threading.Event()
+
+    def blocker() -> str:
+        started.set()
+        gate.wait(10)
+        return "blocker"
+
+    future = runtime.submit(blocker, priority=0, size_tokens=1)
+    assert await asyncio.to_thread(started.wait, 5)
+    return gate, future
+
+
+async def test_runs_by_priority_then_submission_time() -> None:
+    order: list[str] = []
+    with Runtime(max_batch_size_tokens=100) as runtime:
+        gate, blocker = await _block_runtime(runtime)
+        submitted = [
+            ("forward-1", PRIORITY_FORWARD),
+            ("inference-1", PRIORITY_INFERENCE),
+            ("forward-2", PRIORITY_FORWARD),
+            ("inference-2", PRIORITY_INFERENCE),
+            ("urgent", 0.5),
+            ("inference-3", PRIORITY_INFERENCE),
+        ]
+        futures = [
+            runtime.submit(lambda name=name: order.append(name) or name, priority=priority, size_tokens=1)
+            for name, priority in submitted
+        ]
+        assert runtime.num_pending == len(submitted)
+        gate.set()
+        results = await asyncio.wait_for(asyncio.gather(blocker, *futures), 10)
+    assert results == ["blocker"] + [name for name, _ in submitted]
+    assert order == ["urgent", "inference-1", "inference-2", "inference-3", "forward-1", "forward-2"]
+
+
+async def test_tasks_run_in_one_thread_and_results_return_to_the_loop() -> None:
+    with Runtime(max_batch_size_tokens=10) as runtime:
+        thread_names = await asyncio.gather(
+            *[runtime.submit(lambda: threading.current_thread().name, priority=1, size_tokens=1) for _ in range(20)]
+        )
+    assert set(thread_names) == {runtime.name}
+    assert runtime.name != threading.current_thread().name
+
+
+async def test_failing_task_reports_to_its_caller_and_the_loop_goes_on() -> None:
+    def broken() -> None:
+        raise ValueError("bad input: limit is 3")
+
+    with Runtime(max_batch_size_tokens=10) as runtime:
+        bad = runtime.submit(broken, priority=1, size_tokens=1)
+        good = runtime.submit(lambda: 42, priority=1, size_tokens=1)
+        with pytest.raises(ValueError, match="limit is 3"):
+            await asyncio.wait_for(bad, 5)
+        assert await asyncio.wait_for(good, 5) == 42
+        assert await asyncio.wait_for(runtime.submit(lambda: "still alive", priority=2, size_tokens=1), 5) == (
+            "still alive"
+        )
+        assert runtime.is_running
+
+
+async def test_oversized_task_is_rejected_naming_the_limit() -> None:
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        with pytest.raises(ValueError, match="max_batch_size of 64 tokens"):
+            runtime.submit(lambda: None, priority=1, size_tokens=65)
+        assert await runtime.submit(lambda: "fits", priority=1, size_tokens=64) == "fits"
+
+
+async def test_stop_fails_pending_tasks_and_refuses_new_ones() -> None:
+    runtime = Runtime(max_batch_size_tokens=10)
+    runtime.start()
+    gate, blocker = await _block_runtime(runtime)
+    pending = [runtime.submit(lambda: "never", priority=1, size_tokens=1) for _ in range(3)]
+    stopper = asyncio.get_running_loop().run_in_executor(None, runtime.stop)
+    await asyncio.sleep(0.05)
+    gate.set()  # the running task finishes normally
+    await asyncio.wait_for(stopper, 10)
+    assert await asyncio.wait_for(blocker, 5) == "blocker"
+    for future in pending:
+        with pytest.raises(RuntimeStopped, match="stopped before this task ran"):
+            await asyncio.wait_for(future, 5)
+    with pytest.raises(RuntimeError, match="stopped"):
+        runtime.submit(lambda: None, priority=1, size_tokens=1)
+    assert not runtime.is_running
+
+
+async def test_cancelled_task_is_skipped() -> None:
+    ran: list[str] = []
+    with Runtime(max_batch_size_tokens=10) as runtime:
+        gate, blocker = await _block_runtime(runtime)
+        skipped = runtime.submit(lambda: ran.append("skipped"), priority=1, size_tokens=1)
+        kept = runtime.submit(lambda: ran.append("kept"), priority=1, size_tokens=1)
+        skipped.cancel()
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(blocker, kept), 5)
+    assert ran == ["kept"]
+
+
+async def test_tasks_with_a_merge_key_run_together_through_the_batch_executor() -> None:
+    batches: list[list[int]] = []
+
+    def executor(tasks):
+        batches.append([t.payload for t in tasks])
+        return [ValueError("odd") if t.payload % 2 else t.payload * 10 for t in tasks]
+
+    with Runtime(max_batch_size_tokens=3) as runtime:
+        runtime.register_batch_executor("decode", executor)
+        gate, blocker = await _block_runtime(runtime)
+        futures = [
+            runtime.submit(
+                lambda i=i: ("solo", i), priority=1, size_tokens=1, kind="decode", merge_key="span", payload=i
+            )
+            for i in range(5)
+        ]
+        other = runtime.submit(lambda: "other span", priority=1, size_tokens=1, kind="decode", merge_key="x")
+        gate.set()
+        await blocker
+        results = await asyncio.wait_for(asyncio.gather(*futures, other, return_exceptions=True), 5)
+    # the token limit (3) splits the five tasks into two merged batches; the other merge key runs on its own
+    assert batches == [[0, 1, 2], [3, 4]]
+    assert results[0] == 0 and results[2] == 20 and results[4] == 40
+    assert isinstance(results[1], ValueError) and isinstance(results[3], ValueError)
+    assert results[5] == "other span"
