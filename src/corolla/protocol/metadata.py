@@ -1,0 +1,265 @@
+"""Request metadata (`ExpertRequest.metadata`): msgpack exactly as hivemind's `MSGPackSerializer` (tuples as ext
+type 0x40) and typed, validated views of the keys Petals uses (reference section 7.4). Unknown keys are kept aside."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+TUPLE_EXT_TYPE = 0x40
+MAX_METADATA_BYTES = 1 << 20  # metadata is a handful of keys; anything bigger is a bad request
+
+_COMPRESSION_VALUES = frozenset(runtime_pb2.CompressionType.values())
+
+
+def encode_metadata(metadata: Mapping[str, Any]) -> bytes:
+    """Encodes a dict the way Petals peers do (hivemind's MSGPackSerializer)."""
+    return MSGPackSerializer.dumps(dict(metadata))
+
+
+def decode_metadata(data: bytes) -> dict[str, Any]:
+    """Decodes request metadata; empty bytes -> `{}`; anything but a str-keyed map -> ValueError."""
+    if not data:
+        return {}
+    if len(data) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is {len(data)} bytes, more than the limit of {MAX_METADATA_BYTES}")
+    try:
+        value = MSGPackSerializer.loads(data)
+    except Exception as e:  # msgpack raises a zoo of exception types on garbage
+        raise ValueError(f"metadata is not valid msgpack: {e!r:.200}") from e
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"metadata must be a map with str keys, got {type(value).__name__}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _get_str(source: Mapping[str, Any], key: str, default: str | None) -> str | None:
+    value = source.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"metadata[{key!r}] must be a str, got {type(value).__name__}")
+    return value
+
+
+def _get_nonneg_int(source: Mapping[str, Any], key: str) -> int | None:
+    value = source.get(key)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"metadata[{key!r}] must be an int >= 0, got {value!r:.100}")
+    return value
+
+
+def _get_points(source: Mapping[str, Any]) -> float:
+    value = source.get("points", 0.0)
+    if value is None:
+        return 0.0
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"metadata['points'] must be a finite number, got {value!r:.100}")
+    return float(value)
+
+
+def _get_alloc_timeout(source: Mapping[str, Any]) -> float:
+    value = source.get("alloc_timeout", 0.0)
+    if value is None:
+        return 0.0
+    if not _is_number(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"metadata['alloc_timeout'] must be a finite number >= 0, got {value!r:.100}")
+    return float(value)
+
+
+def _get_bool(source: Mapping[str, Any], key: str) -> bool:
+    value = source.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"metadata[{key!r}] must be a bool, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class NextServer:
+    """One hop of `next_servers`: where to push this step's outputs (`[peer_id_b58, session_id, start, end]`)."""
+
+    peer_id: str
+    session_id: str
+    start: int
+    end: int
+
+    def to_list(self) -> list[Any]:
+        return [self.peer_id, self.session_id, self.start, self.end]
+
+
+def _get_next_servers(source: Mapping[str, Any]) -> tuple[NextServer, ...]:
+    value = source.get("next_servers")
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"metadata['next_servers'] must be a list, got {type(value).__name__}")
+    hops = []
+    for item in value:
+        if (
+            not isinstance(item, (list, tuple))
+            or len(item) != 4
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], str)
+            or not _is_int(item[2])
+            or not _is_int(item[3])
+            or not 0 <= item[2] < item[3]
+        ):
+            raise ValueError(
+                f"metadata['next_servers'] items must be [peer_id: str, session_id: str, start: int, end: int] "
+                f"with 0 <= start < end, got {item!r:.200}"
+            )
+        hops.append(NextServer(*item))
+    return tuple(hops)
+
+
+def _get_output_compression(source: Mapping[str, Any]) -> tuple[int, ...] | None:
+    value = source.get("output_compression")
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(_is_int(v) and v in _COMPRESSION_VALUES for v in value):
+        raise ValueError(
+            f"metadata['output_compression'] must be a list of CompressionType ints "
+            f"{sorted(_COMPRESSION_VALUES)}, got {value!r:.200}"
+        )
+    return tuple(value)
+
+
+_INFERENCE_KEYS = frozenset(
+    {
+        "session_id",
+        "step_id",
+        "max_length",
+        "points",
+        "alloc_timeout",
+        "active_adapter",
+        "args_structure",
+        "start_from_position",
+        "next_servers",
+        "pushed",
+    }
+)
+_FORWARD_KEYS = frozenset({"points", "active_adapter", "args_structure", "output_compression"})
+
+
+@dataclass(frozen=True)
+class InferenceRequestMetadata:
+    """Metadata of one `rpc_inference` step (or an `rpc_push`). Wire key `alloc_timeout` maps to `alloc_timeout_s`.
+
+    `max_length` is required on a session's first request only; the handler checks it against its own limit."""
+
+    session_id: str | None = None
+    step_id: str | None = None
+    max_length: int | None = None
+    points: float = 0.0
+    alloc_timeout_s: float = 0.0
+    active_adapter: str = ""
+    args_structure: Any = None
+    start_from_position: int | None = None
+    next_servers: tuple[NextServer, ...] = ()
+    pushed: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)  # keys we don't know, kept for extensions
+
+    @classmethod
+    def from_dict(cls, source: Mapping[str, Any]) -> InferenceRequestMetadata:
+        if not isinstance(source, Mapping):
+            raise ValueError(f"metadata must be a dict, got {type(source).__name__}")
+        return cls(
+            session_id=_get_str(source, "session_id", None),
+            step_id=_get_str(source, "step_id", None),
+            max_length=_get_nonneg_int(source, "max_length"),
+            points=_get_points(source),
+            alloc_timeout_s=_get_alloc_timeout(source),
+            active_adapter=_get_str(source, "active_adapter", "") or "",
+            args_structure=source.get("args_structure"),
+            start_from_position=_get_nonneg_int(source, "start_from_position"),
+            next_servers=_get_next_servers(source),
+            pushed=_get_bool(source, "pushed"),
+            extra={k: v for k, v in source.items() if k not in _INFERENCE_KEYS},
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> InferenceRequestMetadata:
+        return cls.from_dict(decode_metadata(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Only the keys that are set, as a Petals client would send them."""
+        out: dict[str, Any] = dict(self.extra)
+        for key, value in (("session_id", self.session_id), ("step_id", self.step_id)):
+            if value is not None:
+                out[key] = value
+        if self.max_length is not None:
+            out["max_length"] = self.max_length
+        if self.points:
+            out["points"] = self.points
+        if self.alloc_timeout_s:
+            out["alloc_timeout"] = self.alloc_timeout_s
+        if self.active_adapter:
+            out["active_adapter"] = self.active_adapter
+        if self.args_structure is not None:
+            out["args_structure"] = self.args_structure
+        if self.start_from_position is not None:
+            out["start_from_position"] = self.start_from_position
+        if self.next_servers:
+            out["next_servers"] = [hop.to_list() for hop in self.next_servers]
+        if self.pushed:
+            out["pushed"] = True
+        return out
+
+    def to_bytes(self) -> bytes:
+        return encode_metadata(self.to_dict())
+
+
+@dataclass(frozen=True)
+class ForwardRequestMetadata:
+    """Metadata of `rpc_forward`/`rpc_backward` (and their stream variants)."""
+
+    points: float = 0.0
+    active_adapter: str = ""
+    args_structure: Any = None
+    output_compression: tuple[int, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, source: Mapping[str, Any]) -> ForwardRequestMetadata:
+        if not isinstance(source, Mapping):
+            raise ValueError(f"metadata must be a dict, got {type(source).__name__}")
+        return cls(
+            points=_get_points(source),
+            active_adapter=_get_str(source, "active_adapter", "") or "",
+            args_structure=source.get("args_structure"),
+            output_compression=_get_output_compression(source),
+            extra={k: v for k, v in source.items() if k not in _FORWARD_KEYS},
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ForwardRequestMetadata:
+        return cls.from_dict(decode_metadata(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.extra)
+        if self.points:
+            out["points"] = self.points
+        if self.active_adapter:
+            out["active_adapter"] = self.active_adapter
+        if self.args_structure is not None:
+            out["args_structure"] = self.args_structure
+        if self.output_compression is not None:
+            out["output_compression"] = tuple(self.output_compression)
+        return out
+
+    def to_bytes(self) -> bytes:
+        return encode_metadata(self.to_dict())

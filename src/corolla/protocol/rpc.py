@@ -1,0 +1,103 @@
+"""The RPC service Petals peers call: `TransformerConnectionHandler` with its seven `rpc_*` handlers. Handle names
+(libp2p protocol ids) are `"TransformerConnectionHandler.rpc_<name>"`; message types come from the type hints.
+
+The server subclasses `TransformerConnectionHandler` and overrides the methods (its module must import the hinted
+names at module level: hivemind resolves hints with `typing.get_type_hints`). Clients use `get_stub(p2p, peer_id)`."""
+
+from __future__ import annotations
+
+import collections.abc
+import typing
+from collections.abc import AsyncIterator
+
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase, StubBase
+from hivemind.proto import runtime_pb2
+
+SERVICE_NAME = "TransformerConnectionHandler"
+RPC_NAMES = (
+    "rpc_inference",
+    "rpc_forward",
+    "rpc_forward_stream",
+    "rpc_backward",
+    "rpc_backward_stream",
+    "rpc_push",
+    "rpc_info",
+)
+STREAM_RPC_NAMES = frozenset({"rpc_inference", "rpc_forward_stream", "rpc_backward_stream"})
+
+
+def handle_name(method_name: str) -> str:
+    """`"rpc_info" -> "TransformerConnectionHandler.rpc_info"` (no namespace, as Petals)."""
+    return f"{SERVICE_NAME}.{method_name}"
+
+
+class TransformerConnectionHandler(ServicerBase):
+    """Declares the service's signatures; bodies raise NotImplementedError (the server overrides them).
+
+    Unlike plain hivemind servicers, every subclass collects its own handlers (so a subclass may add new `rpc_*`
+    extensions) and always registers under `SERVICE_NAME`, whatever the subclass is called."""
+
+    @classmethod
+    def _collect_rpc_handlers(cls) -> None:
+        if "_rpc_handlers" not in cls.__dict__:  # hivemind caches on the class; don't reuse a parent's cache
+            cls._rpc_handlers = None
+            cls._stub_type = None
+        super()._collect_rpc_handlers()
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        name = handle_name(method_name)
+        return name if namespace is None else f"{namespace}::{name}"
+
+    @staticmethod
+    def _strip_iterator_hint(hint: type) -> tuple[type, bool]:
+        # hivemind only recognizes `typing.AsyncIterator[...]`; accept `collections.abc` generics too.
+        if typing.get_origin(hint) in (collections.abc.AsyncIterator, collections.abc.AsyncIterable):
+            return typing.get_args(hint)[0], True
+        return hint, False
+
+    @classmethod
+    def handle_names(cls) -> dict[str, bool]:
+        """`{handle name: is_stream}` for every rpc this class serves (used by tests and diagnostics)."""
+        cls._collect_rpc_handlers()
+        return {
+            cls._get_handle_name(None, h.method_name): (h.stream_input or h.stream_output) for h in cls._rpc_handlers
+        }
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Bidirectional stream: one session, one request/response per step (KV cache kept between steps)."""
+        raise NotImplementedError
+        yield  # makes this an async generator, like the overrides
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        raise NotImplementedError
+
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield
+
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        raise NotImplementedError
+
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield
+
+    async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """Server-to-server push of a step's outputs to the next server of the chain."""
+        raise NotImplementedError
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        """Returns msgpack-serialized server info (schemas, limits) in `ExpertInfo.serialized_info`."""
+        raise NotImplementedError
+
+
+def get_stub(p2p: P2P, peer_id: PeerID) -> StubBase:
+    """A stub whose `rpc_*` coroutines call `peer_id`; stream-output calls take no timeout (wrap with wait_for)."""
+    return TransformerConnectionHandler.get_stub(p2p, peer_id)
