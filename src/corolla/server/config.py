@@ -1,0 +1,242 @@
+"""`ServerConfig`: every setting of a server, with units in names, and the mapping from the reference's `run_server`
+flag names (`--update_period`, `--max_batch_size`, ...) to these fields. Pure data: nothing here touches the network."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPRESSION_NAMES = ("NONE", "MEANSTD_16BIT", "FLOAT16", "QUANTILE_8BIT", "UNIFORM_8BIT", "BLOCKWISE_8BIT")
+TORCH_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
+QUANT_TYPE_NAMES = ("none", "int8", "nf4")
+THROUGHPUT_MODES = ("auto", "eval", "dry_run")
+LOOPBACK_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+WILDCARD_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0")
+
+# reference flag name -> ServerConfig field name (flags not listed map to the field of the same name)
+FLAG_TO_FIELD: dict[str, str] = {
+    "converted_model_name_or_path": "model_name_or_path",
+    "model": "model_name_or_path",
+    "daemon_startup_timeout": "daemon_startup_timeout_s",
+    "inference_max_length": "inference_max_length_tokens",
+    "min_batch_size": "min_batch_size_tokens",
+    "max_batch_size": "max_batch_size_tokens",
+    "attn_cache_tokens": "attn_cache_tokens",
+    "max_disk_space": "max_disk_space_bytes",
+    "max_alloc_timeout": "max_alloc_timeout_s",
+    "update_period": "update_period_s",
+    "expiration": "expiration_s",
+    "request_timeout": "request_timeout_s",
+    "session_timeout": "session_timeout_s",
+    "step_timeout": "step_timeout_s",
+    "stats_report_interval": "stats_report_interval_s",
+    "mean_balance_check_period": "mean_balance_check_period_s",
+    "mean_block_selection_delay": "mean_block_selection_delay_s",
+}
+
+
+def parse_block_indices(text: str) -> tuple[int, int]:
+    """`"a:b"` -> `(a, b)` with `0 <= a < b` (end exclusive), else ValueError."""
+    try:
+        start_text, end_text = text.split(":")
+        start, end = int(start_text), int(end_text)
+    except ValueError:
+        raise ValueError(f"block_indices must be start:end (e.g. 0:18), got {text!r}") from None
+    if not 0 <= start < end:
+        raise ValueError(f"block_indices must be start:end with 0 <= start < end, got {text!r}")
+    return start, end
+
+
+def parse_size_bytes(value: Any) -> int | None:
+    """`"50GB"`, `"100GiB"`, `1024` -> bytes (humanfriendly rules: GB decimal, GiB binary)."""
+    if value is None or isinstance(value, int):
+        return value
+    import humanfriendly
+
+    return int(humanfriendly.parse_size(str(value)))
+
+
+def parse_throughput(value: Any) -> str | float:
+    """`auto|eval|dry_run` or a finite float >= 0 (tokens/s)."""
+    if isinstance(value, str) and value in THROUGHPUT_MODES:
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"throughput must be a float or one of {THROUGHPUT_MODES}, got {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"throughput must be a finite float >= 0, got {value!r}")
+    return number
+
+
+@dataclass
+class ServerConfig:
+    """Settings of one server. Defaults are the reference CLI's (section 2 of petals-reference.md)."""
+
+    model_name_or_path: str
+    # what to serve
+    num_blocks: int | None = None
+    block_indices: tuple[int, int] | None = None  # [start, end), fixed: disables rebalancing
+    dht_prefix: str | None = None
+    adapters: tuple[str, ...] = ()
+    public_name: str | None = None
+    token: str | bool | None = None
+    revision: str | None = None
+    cache_dir: str | None = None
+    max_disk_space_bytes: int | None = None
+    custom_module_path: str | None = None  # legacy hivemind option: accepted, ignored
+    # device and numerics
+    device: str | None = None
+    torch_dtype: str = "auto"
+    quant_type: str | None = None  # None -> nf4 on CUDA, none elsewhere
+    tensor_parallel_devices: tuple[str, ...] | None = None
+    compression: str = "NONE"
+    # limits
+    inference_max_length_tokens: int | None = None  # None -> 8192 with GQA/MQA, else 2048
+    min_batch_size_tokens: int = 1
+    max_batch_size_tokens: int | None = None  # None -> 8192 with GQA/MQA, else 2048
+    max_chunk_size_bytes: int = 256 * 1024 * 1024
+    attn_cache_tokens: int | None = None  # None -> 16384 with GQA/MQA, else 4096
+    max_alloc_timeout_s: float = 600.0
+    request_timeout_s: float = 180.0
+    session_timeout_s: float = 1800.0
+    step_timeout_s: float = 300.0
+    # swarm
+    initial_peers: tuple[str, ...] | None = None  # None -> the public swarm's peers (unless new_swarm)
+    new_swarm: bool = False
+    host_maddrs: tuple[str, ...] | None = None
+    announce_maddrs: tuple[str, ...] | None = None
+    port: int | None = None
+    public_ip: str | None = None
+    use_auto_relay: bool = True  # only used in the public swarm; `--no_auto_relay` clears it
+    identity_path: str | None = None
+    daemon_startup_timeout_s: float = 60.0
+    skip_reachability_check: bool = False
+    reachable_via_relay: bool | None = None  # None -> check (public swarm only)
+    update_period_s: float = 120.0
+    expiration_s: float | None = None  # None -> max(2 * update_period_s, 3)
+    balance_quality: float = 0.75
+    mean_balance_check_period_s: float = 60.0
+    mean_block_selection_delay_s: float = 5.0
+    # throughput
+    throughput: str | float = "auto"
+    # tokens of the forward measurement; None -> 1024 on accelerators, 128 on CPU (keeps CPU servers and tests quick,
+    # the figure is per token so it stays comparable)
+    throughput_forward_tokens: int | None = None
+    # process
+    increase_file_limit: int = 4096
+    stats_report_interval_s: float | None = None
+    # accepted for CLI compatibility with the reference; corolla serves all RPCs from one asyncio loop
+    num_handlers: int = 8
+    prefetch_batches: int = 1
+    sender_threads: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.model_name_or_path:
+            raise ValueError("a model name or path is required")
+        if isinstance(self.block_indices, str):
+            self.block_indices = parse_block_indices(self.block_indices)
+        elif self.block_indices is not None:
+            self.block_indices = parse_block_indices(f"{self.block_indices[0]}:{self.block_indices[1]}")
+        if self.num_blocks is not None and self.block_indices is not None:
+            raise ValueError("num_blocks and block_indices are mutually exclusive: give one of them")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.dht_prefix is not None and ("." in self.dht_prefix or " " in self.dht_prefix or not self.dht_prefix):
+            raise ValueError(f"dht_prefix must be non-empty without '.' or ' ', got {self.dht_prefix!r}")
+        self.max_disk_space_bytes = parse_size_bytes(self.max_disk_space_bytes)
+        if self.torch_dtype not in TORCH_DTYPE_NAMES:
+            raise ValueError(f"torch_dtype must be one of {TORCH_DTYPE_NAMES}, got {self.torch_dtype!r}")
+        if self.quant_type is not None:
+            self.quant_type = self.quant_type.lower()
+            if self.quant_type not in QUANT_TYPE_NAMES:
+                raise ValueError(f"quant_type must be one of {QUANT_TYPE_NAMES}, got {self.quant_type!r}")
+        self.compression = self.compression.upper()
+        if self.compression not in COMPRESSION_NAMES:
+            raise ValueError(f"compression must be one of {COMPRESSION_NAMES}, got {self.compression!r}")
+        self.throughput = parse_throughput(self.throughput)
+        for name in ("adapters", "initial_peers", "host_maddrs", "announce_maddrs", "tensor_parallel_devices"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, tuple(value))
+        if self.new_swarm and self.initial_peers:
+            raise ValueError("--new_swarm starts a new swarm: it can't be combined with --initial_peers")
+        if self.port is not None and self.host_maddrs:
+            raise ValueError("--port sets host_maddrs: it can't be combined with --host_maddrs")
+        if self.public_ip is not None:
+            if not self.port:
+                raise ValueError("--public_ip requires a non-zero --port")
+            if self.announce_maddrs:
+                raise ValueError("--public_ip sets announce_maddrs: it can't be combined with --announce_maddrs")
+        for name in ("update_period_s", "request_timeout_s", "session_timeout_s", "step_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_alloc_timeout_s", "mean_balance_check_period_s", "mean_block_selection_delay_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.balance_quality < 0:
+            raise ValueError(f"balance_quality must be >= 0, got {self.balance_quality}")
+        for name in ("inference_max_length_tokens", "max_batch_size_tokens", "attn_cache_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_chunk_size_bytes < 1:
+            raise ValueError(f"max_chunk_size_bytes must be >= 1, got {self.max_chunk_size_bytes}")
+
+    # ---- derived settings -------------------------------------------------------------------------------------
+    @property
+    def is_private_swarm(self) -> bool:
+        """True for --new_swarm or explicit initial peers other than the public ones."""
+        if self.new_swarm:
+            return True
+        if self.initial_peers is None:
+            return False
+        from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
+
+        return tuple(self.initial_peers) != tuple(PUBLIC_INITIAL_PEERS)
+
+    @property
+    def resolved_initial_peers(self) -> tuple[str, ...]:
+        if self.new_swarm:
+            return ()
+        if self.initial_peers is None:
+            from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
+
+            return tuple(PUBLIC_INITIAL_PEERS)
+        return tuple(self.initial_peers)
+
+    @property
+    def resolved_host_maddrs(self) -> tuple[str, ...]:
+        if self.host_maddrs:
+            return tuple(self.host_maddrs)
+        if self.port is not None:
+            return (f"/ip4/0.0.0.0/tcp/{self.port}", f"/ip6/::/tcp/{self.port}")
+        return LOOPBACK_HOST_MADDRS if self.is_private_swarm else WILDCARD_HOST_MADDRS
+
+    @property
+    def resolved_announce_maddrs(self) -> tuple[str, ...] | None:
+        if self.public_ip is not None:
+            return (f"/ip4/{self.public_ip}/tcp/{self.port}",)
+        return self.announce_maddrs
+
+    @property
+    def resolved_expiration_s(self) -> float:
+        return self.expiration_s if self.expiration_s is not None else max(2 * self.update_period_s, 3.0)
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any]) -> ServerConfig:
+        """Builds a config from reference-named flags (e.g. parsed CLI args); `None` values keep the defaults."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for flag, value in flags.items():
+            if value is None:
+                continue
+            name = FLAG_TO_FIELD.get(flag, flag)
+            if name not in known:
+                raise ValueError(f"unknown server setting {flag!r}")
+            kwargs[name] = value
+        return cls(**kwargs)

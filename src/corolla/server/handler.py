@@ -1,0 +1,418 @@
+"""The RPC service (transport only): `TransformerConnectionHandler` with the seven Petals rpcs on a P2P replica of the
+DHT's daemon, all in the server's one asyncio loop. It decodes messages and metadata, delegates validation and
+compute to `block_functions`, keeps sessions (`sessions`), pushes steps to the next server and encodes replies."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.tensor_descr import BatchTensorDescriptor
+
+from corolla import PETALS_COMPAT_VERSION
+from corolla.protocol import rpc
+from corolla.protocol.codecs import (
+    MAX_UNARY_PAYLOAD_BYTES,
+    STREAM_CHUNK_BYTES,
+    deserialize_tensor,
+    serialize_tensor,
+    split_for_streaming,
+)
+from corolla.protocol.codecs import combine_parts as combine_tensor_parts
+from corolla.protocol.metadata import (
+    ForwardRequestMetadata,
+    InferenceRequestMetadata,
+    decode_metadata,
+    encode_metadata,
+)
+from corolla.protocol.uids import make_chain
+from corolla.server import block_functions as bf
+from corolla.server.block_functions import ServingLimits
+from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
+from corolla.utils.errors import AllocationFailed
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAX_STREAM_MESSAGES = 4096
+
+
+class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
+    """Serves one span of blocks. Same class name as Petals', so handle names match."""
+
+    def __init__(
+        self,
+        *,
+        limits: ServingLimits,
+        backend: Any,
+        runtime: Any,
+        memory_cache: Any,
+        timeouts: SessionTimeouts,
+        compression: int = runtime_pb2.CompressionType.NONE,
+        dht_client_mode: bool = False,
+        sessions: SessionRegistry | None = None,
+    ):
+        self.limits = limits
+        self.backend = backend
+        self.runtime = runtime
+        self.memory_cache = memory_cache
+        self.timeouts = timeouts
+        self.compression = compression
+        self.dht_client_mode = dht_client_mode
+        self.sessions = sessions if sessions is not None else SessionRegistry()
+        self.p2p: P2P | None = None
+        self._push_tasks: set[asyncio.Task] = set()
+        self.cache_bytes_per_token_block = max(1, backend.cache_bytes_per_token([limits.start_block]))
+        self.max_stream_bytes = 4 * limits.max_batch_size_tokens * limits.hidden_size * 8 + (1 << 20)
+
+    # ---- registration ---------------------------------------------------------------------------------------------
+
+    async def add_p2p_handlers(self, p2p: P2P, *args: Any, **kwargs: Any) -> None:
+        self.p2p = p2p
+        await super().add_p2p_handlers(p2p, *args, **kwargs)
+
+    async def shutdown(self) -> None:
+        """Ends all sessions (freeing their caches) and outstanding pushes."""
+        await self.sessions.close_all()
+        for task in list(self._push_tasks):
+            task.cancel()
+
+    # ---- helpers --------------------------------------------------------------------------------------------------
+
+    @property
+    def cache_tokens_available(self) -> int:
+        """KV cache left in (token x block) units: a session of max_length over k blocks takes k * max_length."""
+        return max(0, self.memory_cache.bytes_left // self.cache_bytes_per_token_block)
+
+    def _serialize_output(self, tensor: torch.Tensor, compression: int | None = None) -> runtime_pb2.Tensor:
+        return serialize_tensor(tensor.to(self.limits.dtype), self.compression if compression is None else compression)
+
+    @staticmethod
+    def _check_unary_size(response: runtime_pb2.ExpertResponse, rpc_name: str) -> runtime_pb2.ExpertResponse:
+        size = sum(len(t.buffer) for t in response.tensors)
+        if size > MAX_UNARY_PAYLOAD_BYTES:
+            raise ValueError(
+                f"response of {size} bytes exceeds the unary limit of {MAX_UNARY_PAYLOAD_BYTES} bytes; "
+                f"call {rpc_name}_stream for large tensors"
+            )
+        return response
+
+    def _deserialize(self, tensors: Sequence[runtime_pb2.Tensor]) -> list[torch.Tensor]:
+        if len(tensors) > bf.MAX_TENSORS_PER_REQUEST:
+            raise ValueError(f"request has {len(tensors)} tensors, more than the limit of {bf.MAX_TENSORS_PER_REQUEST}")
+        return [deserialize_tensor(t) for t in tensors]
+
+    async def _gather_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+    ) -> tuple[str, list[torch.Tensor], bytes]:
+        """Reads a whole `*_stream` request: uid and metadata from the first message; uid equal in all parts."""
+        uid: str | None = None
+        metadata = b""
+        parts: list[runtime_pb2.Tensor] = []
+        total_bytes = 0
+        deadline = time.monotonic() + self.timeouts.request_timeout_s
+        iterator = requests.__aiter__()
+        for count in range(MAX_STREAM_MESSAGES + 1):
+            remaining = deadline - time.monotonic()
+            try:
+                message = await asyncio.wait_for(iterator.__anext__(), max(remaining, 0.001))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise ValueError(
+                    f"stream request not complete within request_timeout={self.timeouts.request_timeout_s} s"
+                ) from None
+            if count == MAX_STREAM_MESSAGES:
+                raise ValueError(f"stream request has more than {MAX_STREAM_MESSAGES} messages")
+            if uid is None:
+                uid, metadata = message.uid, message.metadata
+            elif message.uid != uid:
+                raise ValueError("all messages of a stream request must carry the same uid")
+            total_bytes += sum(len(t.buffer) for t in message.tensors)
+            if total_bytes > self.max_stream_bytes:
+                raise ValueError(f"stream request is larger than the limit of {self.max_stream_bytes} bytes")
+            parts.extend(message.tensors)
+        if uid is None:
+            raise ValueError("stream request is empty: expected at least one message with uid and tensors")
+        serialized = combine_tensor_parts(parts)
+        return uid, self._deserialize(serialized), metadata
+
+    @staticmethod
+    def _stream_response(tensors: Sequence[runtime_pb2.Tensor]) -> list[runtime_pb2.ExpertResponse]:
+        return [
+            runtime_pb2.ExpertResponse(tensors=[part])
+            for tensor in tensors
+            for part in split_for_streaming(tensor, STREAM_CHUNK_BYTES)
+        ]
+
+    def _output_compressions(self, metadata: ForwardRequestMetadata, count: int) -> list[int]:
+        if metadata.output_compression is None:
+            return [self.compression] * count
+        if len(metadata.output_compression) != count:
+            raise ValueError(
+                f"output_compression must have {count} entries (one per output tensor), "
+                f"got {len(metadata.output_compression)}"
+            )
+        return list(metadata.output_compression)
+
+    # ---- forward / backward ---------------------------------------------------------------------------------------
+
+    async def _forward(self, uid: str, tensors: list[torch.Tensor], raw_metadata: bytes) -> list[runtime_pb2.Tensor]:
+        block_indices = bf.resolve_chain(uid, self.limits)
+        metadata = ForwardRequestMetadata.from_dict(decode_metadata(raw_metadata))
+        adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
+        compressions = self._output_compressions(metadata, 1)
+        args = bf.unpack_request_args(tensors, metadata.args_structure)
+        inputs = bf.parse_forward_inputs(args, self.limits, num_blocks=len(block_indices))
+        outputs = await asyncio.wait_for(
+            bf.run_forward(self.backend, self.runtime, block_indices, inputs, active_adapter=adapter),
+            self.timeouts.request_timeout_s,
+        )
+        return [self._serialize_output(outputs, compressions[0])]
+
+    async def _backward(self, uid: str, tensors: list[torch.Tensor], raw_metadata: bytes) -> list[runtime_pb2.Tensor]:
+        block_indices = bf.resolve_chain(uid, self.limits)
+        metadata = ForwardRequestMetadata.from_dict(decode_metadata(raw_metadata))
+        adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
+        args = bf.unpack_request_args(tensors, metadata.args_structure)
+        inputs = bf.parse_backward_inputs(args, self.limits, num_blocks=len(block_indices))
+        compressions = self._output_compressions(metadata, 2 if inputs.has_prompts else 1)
+        grads = await asyncio.wait_for(
+            bf.run_backward(self.backend, self.runtime, block_indices, inputs, active_adapter=adapter),
+            self.timeouts.request_timeout_s,
+        )
+        return [self._serialize_output(g, c) for g, c in zip(grads, compressions, strict=True)]
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        tensors = self._deserialize(request.tensors)
+        outputs = await self._run_logged("rpc_forward", self._forward(request.uid, tensors, request.metadata))
+        return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), "rpc_forward")
+
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        uid, tensors, metadata = await self._gather_stream(requests)
+        outputs = await self._run_logged("rpc_forward_stream", self._forward(uid, tensors, metadata))
+        for response in self._stream_response(outputs):
+            yield response
+
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        tensors = self._deserialize(request.tensors)
+        outputs = await self._run_logged("rpc_backward", self._backward(request.uid, tensors, request.metadata))
+        return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), "rpc_backward")
+
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        uid, tensors, metadata = await self._gather_stream(requests)
+        outputs = await self._run_logged("rpc_backward_stream", self._backward(uid, tensors, metadata))
+        for response in self._stream_response(outputs):
+            yield response
+
+    @staticmethod
+    async def _run_logged(name: str, coro: Any) -> Any:
+        try:
+            return await coro
+        except (ValueError, KeyError, AllocationFailed) as e:
+            logger.info(f"{name}.rejected({e})")
+            raise
+        except asyncio.TimeoutError:
+            logger.info(f"{name}.timeout")
+            raise TimeoutError(f"{name} did not finish within request_timeout") from None
+
+    # ---- info -----------------------------------------------------------------------------------------------------
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        info: dict[str, Any] = {
+            "version": PETALS_COMPAT_VERSION,
+            "dht_client_mode": self.dht_client_mode,
+            "cache_tokens_available": self.cache_tokens_available,
+        }
+        if request.uid:
+            bf.resolve_chain(request.uid, self.limits)
+            hidden = BatchTensorDescriptor(
+                1, 2048, self.limits.hidden_size, dtype=self.limits.dtype, compression=self.compression
+            )
+            info["forward_schema"] = ((hidden,), {})
+            info["outputs_schema"] = (hidden,)
+            info["keyword_names"] = ()
+            info["inference_schema"] = (
+                (
+                    hidden,
+                    BatchTensorDescriptor((), dtype=self.limits.dtype),
+                    BatchTensorDescriptor((), dtype=torch.int64),
+                ),
+                {},
+            )
+        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(info))
+
+    # ---- push -----------------------------------------------------------------------------------------------------
+
+    async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        metadata = InferenceRequestMetadata.from_bytes(request.metadata)
+        if metadata.session_id is None:
+            raise ValueError("rpc_push requires metadata['session_id']")
+        if not self.sessions.push(metadata.session_id, request):
+            logger.debug(f"rpc_push.ignored(session_id={metadata.session_id!r:.40}): unknown session or queue full")
+        return runtime_pb2.ExpertResponse()
+
+    def _schedule_push(
+        self, request: runtime_pb2.ExpertRequest, output: runtime_pb2.Tensor, metadata: InferenceRequestMetadata
+    ) -> None:
+        if not metadata.next_servers or self.p2p is None:
+            return
+        task = asyncio.create_task(self._push_outputs(request, output, metadata))
+        self._push_tasks.add(task)
+        task.add_done_callback(self._push_tasks.discard)
+
+    async def _push_outputs(
+        self, request: runtime_pb2.ExpertRequest, output: runtime_pb2.Tensor, metadata: InferenceRequestMetadata
+    ) -> None:
+        hop, rest = metadata.next_servers[0], metadata.next_servers[1:]
+        try:
+            step_metadata = metadata.to_dict()
+            step_metadata.update(session_id=hop.session_id, next_servers=[h.to_list() for h in rest], pushed=True)
+            pushed = runtime_pb2.ExpertRequest(
+                uid=make_chain(self.limits.dht_prefix, hop.start, hop.end),
+                tensors=[output, *request.tensors[1:]],
+                metadata=encode_metadata(step_metadata),
+            )
+            stub = type(self).get_stub(self.p2p, PeerID.from_base58(hop.peer_id))
+            await stub.rpc_push(pushed, timeout=self.timeouts.request_timeout_s)
+        except Exception as e:
+            logger.debug(f"rpc_push.failed(peer={hop.peer_id:.12}): {e!r}")
+
+    # ---- inference ------------------------------------------------------------------------------------------------
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        started = time.monotonic()
+        deadline = started + self.timeouts.session_timeout_s
+        requests = requests.__aiter__()
+        try:
+            first = await asyncio.wait_for(requests.__anext__(), self.timeouts.step_timeout_s)
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            logger.info("rpc_inference.no_first_request")
+            return
+        try:
+            block_indices = bf.resolve_chain(first.uid, self.limits)
+            metadata = InferenceRequestMetadata.from_bytes(first.metadata)
+            max_length = metadata.max_length
+            if max_length is None:
+                raise ValueError("the first inference request must set metadata['max_length'] (KV cache length)")
+            if not 0 <= max_length <= self.limits.inference_max_length_tokens:
+                raise ValueError(
+                    f"Cannot allocate KV cache for max_length={max_length} tokens, "
+                    f"max = {self.limits.inference_max_length_tokens}"
+                )
+            adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
+            batch_size = int(first.tensors[0].size[0]) if first.tensors and len(first.tensors[0].size) > 0 else 1
+            if not 1 <= batch_size <= self.limits.max_batch_size_tokens:
+                raise ValueError(
+                    f"inference batch size must be in [1, {self.limits.max_batch_size_tokens}], got {batch_size}"
+                )
+        except ValueError as e:
+            logger.info(f"rpc_inference.rejected({e})")
+            raise
+
+        descriptors_per_block = self.backend.cache_descriptors(block_indices, batch_size, max(max_length, 1))
+        flat = [d for descriptors in descriptors_per_block for d in descriptors]
+        logger.info(
+            f"rpc_inference.open(blocks={block_indices[0]}:{block_indices[-1] + 1}, batch={batch_size}, "
+            f"max_length={max_length}, session_id={metadata.session_id!r:.40})"
+        )
+        push_queue = self.sessions.open(metadata.session_id)
+        try:
+            async with self.memory_cache.allocate_cache(*flat, timeout_s=metadata.alloc_timeout_s) as handles:
+                nested: list[tuple[int, ...]] = []
+                offset = 0
+                for descriptors in descriptors_per_block:
+                    nested.append(tuple(handles[offset : offset + len(descriptors)]))
+                    offset += len(descriptors)
+                session = SessionState(
+                    session_id=metadata.session_id,
+                    block_indices=block_indices,
+                    batch_size=batch_size,
+                    max_length=max_length,
+                    cache_handles=tuple(nested),
+                    active_adapter=adapter,
+                    args_structure=metadata.args_structure,
+                    push_queue=push_queue,
+                )
+                async for request, step_metadata in iterate_steps(first, requests, session, self.timeouts, deadline):
+                    output, can_push = await self._inference_step(session, request, step_metadata, deadline)
+                    if can_push:
+                        self._schedule_push(request, output, step_metadata)
+                    yield runtime_pb2.ExpertResponse(tensors=[output])
+        except (ValueError, KeyError, AllocationFailed) as e:
+            logger.info(f"rpc_inference.rejected({e})")
+            raise
+        finally:
+            self.sessions.close(metadata.session_id)
+            logger.info(
+                f"rpc_inference.close(session_id={metadata.session_id!r:.40}, seconds={time.monotonic() - started:.2f})"
+            )
+
+    async def _inference_step(
+        self,
+        session: SessionState,
+        request: runtime_pb2.ExpertRequest,
+        metadata: InferenceRequestMetadata,
+        deadline: float,
+    ) -> tuple[runtime_pb2.Tensor, bool]:
+        tensors = self._deserialize(request.tensors)
+        structure = metadata.args_structure if metadata.args_structure is not None else session.args_structure
+        args = bf.unpack_request_args(tensors, structure)
+        hidden = bf.validate_hidden_states(args[0] if args else None, self.limits, allow_empty_seq=True)
+        batch_size, length, _ = hidden.shape
+        if batch_size != session.batch_size:
+            raise ValueError(f"step batch size {batch_size} differs from the session's batch size {session.batch_size}")
+        if metadata.start_from_position is not None:
+            if not 0 <= metadata.start_from_position <= session.prefix_length:
+                raise ValueError(
+                    f"start_from_position={metadata.start_from_position} must be in [0, {session.prefix_length}] "
+                    f"(the session's current length)"
+                )
+            session.prefix_length = metadata.start_from_position
+        if session.prefix_length + length > session.max_length:
+            raise ValueError(
+                f"Maximum length exceeded: prefix {session.prefix_length} + current {length} exceeds "
+                f"pre-allocated maximum {session.max_length}"
+            )
+        raw_prompts = args[1] if len(args) > 1 else None
+        prompts = bf.validate_prompts(
+            raw_prompts, self.limits, num_blocks=len(session.block_indices), batch_size=batch_size, length=None
+        )
+        hypo_ids = bf.validate_hypo_ids(args[2] if len(args) > 2 else None, batch_size=batch_size)
+        has_prompts = any(p is not None for p in prompts)
+        if length == 0:
+            output = hidden  # zero-token step: nothing to compute, reply with an empty [B, 0, H]
+        else:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"session_timeout={self.timeouts.session_timeout_s} s exceeded")
+            output = await asyncio.wait_for(
+                bf.run_inference_step(
+                    self.backend,
+                    self.runtime,
+                    self.memory_cache,
+                    session.block_indices,
+                    hidden,
+                    cache_handles=session.cache_handles,
+                    prefix_length=session.prefix_length,
+                    max_length=session.max_length,
+                    prompts=prompts,
+                    hypo_ids=hypo_ids,
+                    active_adapter=session.active_adapter,
+                ),
+                remaining,
+            )
+        session.prefix_length += length
+        return self._serialize_output(output), not has_prompts

@@ -1,0 +1,165 @@
+"""Inference sessions of one server: the registry that routes `rpc_push` messages to open sessions and ends every
+session on shutdown, and the step iterator that merges client steps with pushed ones (de-duplicated by `step_id`)
+under `step_timeout` and `session_timeout`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol.metadata import InferenceRequestMetadata
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAX_PUSH_QUEUE = 8  # pushed steps waiting per session; a session is driven one step at a time
+MAX_REMEMBERED_STEP_IDS = 4096
+
+
+@dataclass(frozen=True)
+class SessionTimeouts:
+    step_timeout_s: float
+    session_timeout_s: float
+    request_timeout_s: float
+
+
+@dataclass
+class SessionState:
+    """Server-side state of one open `rpc_inference` stream."""
+
+    session_id: str | None
+    block_indices: list[int]
+    batch_size: int
+    max_length: int
+    cache_handles: tuple[tuple[int, ...], ...]
+    active_adapter: str
+    args_structure: object
+    prefix_length: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+    push_queue: asyncio.Queue | None = None
+    seen_step_ids: set[str] = field(default_factory=set)
+    num_late_pushes: int = 0
+
+
+class SessionRegistry:
+    """Open sessions by id (for pushes) and the tasks serving them (for shutdown)."""
+
+    def __init__(self) -> None:
+        self._push_queues: dict[str, asyncio.Queue] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    @property
+    def num_open(self) -> int:
+        return len(self._tasks)
+
+    def open(self, session_id: str | None) -> asyncio.Queue | None:
+        """Registers the current task as serving a session; returns its push queue (if it has an id)."""
+        if self._closed:
+            raise RuntimeError("The server is shutting down; it accepts no new sessions")
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        if session_id is None:
+            return None
+        if session_id in self._push_queues:
+            raise ValueError(f"session_id {session_id!r:.100} is already open on this server; use a fresh id")
+        queue: asyncio.Queue = asyncio.Queue(MAX_PUSH_QUEUE)
+        self._push_queues[session_id] = queue
+        return queue
+
+    def close(self, session_id: str | None) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.discard(task)
+        if session_id is not None:
+            self._push_queues.pop(session_id, None)
+
+    def push(self, session_id: str, request: runtime_pb2.ExpertRequest) -> bool:
+        """Delivers a pushed step to its session; False if the session is unknown or its queue is full."""
+        queue = self._push_queues.get(session_id)
+        if queue is None:
+            return False
+        try:
+            queue.put_nowait(request)
+        except asyncio.QueueFull:
+            logger.debug(f"sessions.push_dropped(session_id={session_id!r:.40}): queue full")
+            return False
+        return True
+
+    async def close_all(self, timeout_s: float = 5.0) -> None:
+        """Ends every open session (their KV caches are freed by their own context managers)."""
+        self._closed = True
+        tasks = [t for t in self._tasks if not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        logger.info(f"sessions.closed_all(count={len(tasks)})")
+
+
+async def _next_client_request(requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> runtime_pb2.ExpertRequest | None:
+    try:
+        return await requests.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def iterate_steps(
+    first: runtime_pb2.ExpertRequest,
+    requests: AsyncIterator[runtime_pb2.ExpertRequest],
+    session: SessionState,
+    timeouts: SessionTimeouts,
+    deadline: float,
+) -> AsyncIterator[tuple[runtime_pb2.ExpertRequest, InferenceRequestMetadata]]:
+    """Yields the session's steps: the first request, then whichever comes first of the next client message and a
+        pushed message, until an empty request, the end of the client stream, `step_timeout` or the session `deadline`
+    (a `time.monotonic()` value). A step whose `step_id`
+        was already processed (it came both pushed and directly) is skipped."""
+    request: runtime_pb2.ExpertRequest | None = first
+    client_next: asyncio.Task | None = None
+    push_next: asyncio.Task | None = None
+    try:
+        while request is not None and request.tensors:
+            metadata = InferenceRequestMetadata.from_bytes(request.metadata)
+            if metadata.step_id is None or metadata.step_id not in session.seen_step_ids:
+                if metadata.step_id is not None:
+                    if len(session.seen_step_ids) >= MAX_REMEMBERED_STEP_IDS:
+                        session.seen_step_ids.clear()
+                    session.seen_step_ids.add(metadata.step_id)
+                yield request, metadata
+            elif metadata.pushed:
+                session.num_late_pushes += 1
+
+            if client_next is None:
+                client_next = asyncio.ensure_future(_next_client_request(requests))
+            waiting = {client_next}
+            if session.push_queue is not None:
+                if push_next is None:
+                    push_next = asyncio.ensure_future(session.push_queue.get())
+                waiting.add(push_next)
+            wait_s = min(timeouts.step_timeout_s, deadline - time.monotonic())
+            done: set = set()
+            if wait_s > 0:
+                done, _ = await asyncio.wait(waiting, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                logger.info(
+                    f"rpc_inference.step_timeout(session_id={session.session_id!r:.40}, "
+                    f"step_timeout_s={timeouts.step_timeout_s}, session_timeout_s={timeouts.session_timeout_s})"
+                )
+                return
+            if client_next in done:
+                request = client_next.result()
+                client_next = None
+            else:
+                assert push_next is not None
+                request = push_next.result()
+                push_next = None
+    finally:
+        for pending in (client_next, push_next):
+            if pending is not None and not pending.done():
+                pending.cancel()
