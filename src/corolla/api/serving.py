@@ -1,0 +1,65 @@
+"""Runs an ASGI app (the API gateway or the health monitor) with uvicorn: blocking for CLIs, or in a background
+thread for the demo and tests (`serve_in_thread(app, port=0)` binds a free loopback port and returns its URL)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class RunningServer:
+    """A uvicorn server on a background thread; `close()` stops it (bounded wait)."""
+
+    server: uvicorn.Server
+    thread: threading.Thread
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout_s)
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(timeout=timeout_s)
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def serve_in_thread(
+    app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0
+) -> RunningServer:
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{host}:{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"uvicorn did not start on {host}:{port} within {startup_timeout_s} s")
+        time.sleep(0.02)
+    bound_port = server.servers[0].sockets[0].getsockname()[1]
+    logger.info(f"http.serving(url=http://{host}:{bound_port})")
+    return RunningServer(server=server, thread=thread, host=host, port=bound_port)
+
+
+def serve_forever(app: Any, *, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Blocks until interrupted (Ctrl-C / SIGTERM handled by uvicorn)."""
+    uvicorn.run(app, host=host, port=port, log_level="info", lifespan="on")

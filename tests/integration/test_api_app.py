@@ -1,0 +1,289 @@
+"""corolla-api over a scripted in-process backend, driven by the official `openai` client and raw HTTP:
+response/chunk formats, stop cutting across tokens, errors and concurrency (the swarm itself is in test_api_swarm)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+
+import openai
+import pytest
+import torch
+
+from corolla.api.app import ApiConfig, create_app
+from corolla.api.backend import plain_chat_prompt
+from corolla.api.sampling import SamplingParams, sample_next_token
+from corolla.api.serving import serve_in_thread
+from corolla.utils.errors import MissingBlocksError
+
+MODEL = "fake/scripted-model"
+EOS = 0
+VOCAB = ["<eos>", "Hel", "lo", " wo", "rld", "!", " ST", "OP", " and", " more", "\n"]
+SCRIPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # "Hello world! STOP and more\n"
+CHAR_BASE = 100  # prompt characters encode as CHAR_BASE + ord(c)
+
+
+class ScriptedBackend:
+    """Greedy: yields SCRIPT (then EOS); sampling: random logits over VOCAB from the request's generator."""
+
+    model_id = MODEL
+    max_context_tokens = 256
+    eos_token_ids = frozenset([EOS])
+
+    def __init__(self, token_delay_s: float = 0.0):
+        self.token_delay_s = token_delay_s
+        self.active = 0
+        self.peak_active = 0
+        self.closed_sessions = 0
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        return [CHAR_BASE + ord(c) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(VOCAB[i] if i < CHAR_BASE else chr(i - CHAR_BASE) for i in ids if i != EOS)
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(plain_chat_prompt(messages))
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+        prompt = self.decode(prompt_ids)
+        if "missing" in prompt:
+            raise MissingBlocksError([2, 3])
+        with self._lock:
+            self.active += 1
+            self.peak_active = max(self.peak_active, self.active)
+        try:
+            generator = params.make_generator()
+            for step in range(params.max_new_tokens):
+                time.sleep(self.token_delay_s)
+                if params.greedy:
+                    yield SCRIPT[step] if step < len(SCRIPT) else EOS
+                else:
+                    logits = torch.randn(len(VOCAB) - 1, generator=generator)
+                    yield 1 + sample_next_token(logits, params, generator)  # never EOS
+        finally:
+            with self._lock:
+                self.active -= 1
+                self.closed_sessions += 1
+
+
+def script_text(n: int) -> str:
+    return "".join(VOCAB[t] for t in SCRIPT[:n])
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return ScriptedBackend(token_delay_s=0.01)
+
+
+@pytest.fixture(scope="module")
+def api(backend):
+    with serve_in_thread(create_app(backend, ApiConfig(model_aliases=("alias",)))) as running:
+        yield running
+
+
+@pytest.fixture()
+def client(api):
+    return openai.OpenAI(base_url=api.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def post_raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_models(client):
+    ids = {m.id for m in client.models.list().data}
+    assert ids == {MODEL, "alias"}
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_greedy(client):
+    out = client.completions.create(model=MODEL, prompt="Say hi", max_tokens=5, temperature=0)
+    assert out.object == "text_completion"
+    assert out.choices[0].text == script_text(5) == "Hello world!"
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (6, 5, 11)
+
+
+def test_completion_eos_finishes_with_stop(client):
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=50, temperature=0)
+    assert out.choices[0].text == script_text(len(SCRIPT))
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == len(SCRIPT) + 1  # the EOS token was generated too
+
+
+def test_stream_matches_non_stream(client):
+    full = client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "stop, expected",
+    [
+        ("lo w", "Hel"),  # spans the tokens "lo" and " wo"
+        (["zzz", "d!"], "Hello worl"),  # inside "rld" + "!"
+        (" STOP", "Hello world!"),  # exactly two tokens
+        ("H", ""),  # at the very start
+        ("never", "Hello world! STOP and"),  # no hit: length
+    ],
+)
+def test_stop_sequences_cut(client, stream, stop, expected):
+    kwargs = dict(model=MODEL, prompt="p", max_tokens=8, temperature=0, stop=stop)
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        out = client.completions.create(**kwargs)
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+    assert text == expected
+    assert finish == ("length" if stop == "never" else "stop")
+
+
+def test_chat_plain_template_and_stream(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == script_text(4)
+    assert out.usage.prompt_tokens == len(plain_chat_prompt(messages))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == script_text(4)
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+
+
+def test_chat_stop_and_max_completion_tokens(client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "go"}], max_completion_tokens=9, temperature=0, stop="!"
+    )
+    assert out.choices[0].message.content == "Hello world"
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducible_sampling(client):
+    def sample(seed: int) -> str:
+        out = client.completions.create(model=MODEL, prompt="s", max_tokens=12, temperature=1.0, top_p=0.9, seed=seed)
+        return out.choices[0].text
+
+    assert sample(1) == sample(1)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_raw_sse_format(api):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "q"}], "max_tokens": 3, "stream": True})
+    status, raw = post_raw(api.url + "/v1/chat/completions", body.encode())
+    assert status == 200
+    events = [e for e in raw.decode().split("\n\n") if e and not e.startswith(":")]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    for c in chunks:
+        assert c["object"] == "chat.completion.chunk" and c["model"] == MODEL and c["id"].startswith("chatcmpl-")
+
+
+def test_errors(api, client):
+    status, raw = post_raw(api.url + "/v1/completions", b'{"model": "x", "prompt": ')
+    assert status == 400
+    error = json.loads(raw)["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x")
+    assert e.value.body["code"] == "model_not_found"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
+    assert e.value.body["param"] == "max_tokens"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+    assert e.value.body["param"] == "n"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1000)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", temperature=3.5)
+
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError) as e:
+            client.completions.create(model=MODEL, prompt="missing blocks", stream=stream)
+        assert e.value.status_code == 503
+        assert e.value.body["missing_blocks"] == [2, 3] and "[2, 3]" in e.value.body["message"]
+
+    status, raw = post_raw(api.url + "/v1/nowhere", b"{}")
+    assert status == 404 and "error" in json.loads(raw)
+
+
+def test_api_key():
+    backend = ScriptedBackend()
+    with serve_in_thread(create_app(backend, ApiConfig(api_key="sekret"))) as running:
+        bad = openai.OpenAI(base_url=running.url + "/v1", api_key="wrong", max_retries=0, timeout=10)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt="x")
+        good = openai.OpenAI(base_url=running.url + "/v1", api_key="sekret", max_retries=0, timeout=10)
+        assert good.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).choices[0].text == "Hello"
+
+
+def test_concurrent_streams_run_concurrently(api, backend, client):
+    results: list[str | BaseException] = [None] * 8
+    backend.peak_active = 0
+    closed_before = backend.closed_sessions
+
+    def one(i: int) -> None:
+        try:
+            chunks = client.completions.create(model=MODEL, prompt=f"r{i}", max_tokens=10, temperature=0, stream=True)
+            results[i] = "".join(c.choices[0].text for c in chunks)
+        except BaseException as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == [script_text(10)] * 8
+    assert backend.peak_active >= 4  # sessions overlapped rather than queueing one by one
+    assert backend.closed_sessions - closed_before == 8
+
+
+def test_client_disconnect_closes_session(api, backend, client):
+    closed_before = backend.closed_sessions
+    stream = client.completions.create(model=MODEL, prompt="d", max_tokens=200, temperature=1.0, stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.monotonic() + 10
+    while backend.closed_sessions == closed_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.closed_sessions == closed_before + 1
