@@ -1,0 +1,54 @@
+"""One asyncio event loop per process, in a daemon thread, that runs all client networking (P2P replica, stubs)
+so that synchronous torch code can call remote servers."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def get_loop() -> asyncio.AbstractEventLoop:
+    """Starts the loop thread on first use."""
+    global _loop
+    with _lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def _run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            threading.Thread(target=_run, name="corolla-client-loop", daemon=True).start()
+            ready.wait()
+            _loop = loop
+        return _loop
+
+
+def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    return asyncio.run_coroutine_threadsafe(coro, get_loop())
+
+
+def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+    """Runs `coro` on the loop thread and waits for its result (must not be called from the loop thread)."""
+    loop = get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    assert running is not loop, "blocking on the client loop from inside it would deadlock"
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout_s)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"client call did not finish within {timeout_s} s") from None

@@ -1,0 +1,51 @@
+"""Bans of failing servers: `ban_timeout * rate^n` seconds after the n-th consecutive failure, cleared on success."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class _BanRecord:
+    banned_until_s: float
+    num_bans: int
+
+
+class BanList:
+    """Thread-safe set of banned peers. A failure of a peer that is not banned right now bans it for
+    `base_timeout_s * backoff_rate ** n`, n = bans since its last success (15, 30, 60 s... by default)."""
+
+    def __init__(self, base_timeout_s: float, backoff_rate: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.base_timeout_s, self.backoff_rate, self._clock = base_timeout_s, backoff_rate, clock
+        self._records: dict[str, _BanRecord] = {}
+        self._lock = threading.Lock()
+
+    def ban(self, peer_id: str) -> float:
+        """Registers a failure; returns the ban duration in seconds (0 if the peer was already banned)."""
+        with self._lock:
+            now = self._clock()
+            record = self._records.get(peer_id)
+            if record is not None and record.banned_until_s > now:
+                return 0.0
+            num_bans = record.num_bans if record is not None else 0
+            duration_s = self.base_timeout_s * self.backoff_rate**num_bans
+            self._records[peer_id] = _BanRecord(banned_until_s=now + duration_s, num_bans=num_bans + 1)
+            return duration_s
+
+    def clear(self, peer_id: str) -> None:
+        """A success forgets the peer's failures."""
+        with self._lock:
+            self._records.pop(peer_id, None)
+
+    def is_banned(self, peer_id: str) -> bool:
+        with self._lock:
+            record = self._records.get(peer_id)
+            return record is not None and record.banned_until_s > self._clock()
+
+    def banned_peers(self) -> set[str]:
+        with self._lock:
+            now = self._clock()
+            return {peer for peer, record in self._records.items() if record.banned_until_s > now}

@@ -1,0 +1,80 @@
+"""`ClientConfig`: every knob of the client (routing, retries, bans, timeouts) with units in names."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _env_max_retries() -> int | None:
+    value = os.environ.get("COROLLA_MAX_RETRIES", os.environ.get("PETALS_MAX_RETRIES"))
+    return int(value) if value not in (None, "") else None
+
+
+@dataclass
+class ClientConfig:
+    """Client settings; defaults follow Petals 2.x so that a corolla client behaves like a stock one in public swarms."""
+
+    initial_peers: Sequence[str] = ()  # multiaddrs of swarm members; empty = corolla.swarm.dht.PUBLIC_INITIAL_PEERS
+    dht_prefix: str | None = None  # None = corolla.models.config.default_dht_prefix(model)
+    daemon_startup_timeout_s: float = 60.0  # start-up of the client's p2pd / DHT
+    show_route: Literal["inference", "always", "never"] = "inference"  # log the chosen chain at INFO
+
+    allowed_servers: Sequence[str] | None = None  # base58 peer ids; None = any server
+    blocked_servers: Sequence[str] | None = None  # base58 peer ids never used
+
+    connect_timeout_s: float = 5.0  # opening a stream to a server
+    request_timeout_s: float = 180.0  # waiting for one response (unary call or inference step)
+    dht_timeout_s: float = 30.0  # one DHT read of block records
+    update_period_s: float = 60.0  # background refresh of block records
+    max_retries: int | None = field(default_factory=_env_max_retries)  # None = retry forever
+    min_backoff_s: float = 1.0  # sleep before the 2nd retry; doubles each retry after that
+    max_backoff_s: float = 60.0  # cap on the sleep between retries
+    ban_timeout_s: float = 15.0  # first ban of a failing server; doubles on each repeated failure
+    ban_backoff_rate: float = 2.0
+
+    active_adapter: str | None = None  # LoRA adapter name; only servers announcing it are used
+    max_pinged: int = 3  # servers pinged per sampled block at each refresh
+    ping_timeout_s: float = 2.0
+
+    alloc_timeout_s: float = 0.0  # how long servers may wait for KV cache memory (sent as `alloc_timeout`)
+    points: float = 0.0  # priority budget sent as `points`
+
+    def __post_init__(self) -> None:
+        for name in (
+            "daemon_startup_timeout_s",
+            "connect_timeout_s",
+            "request_timeout_s",
+            "dht_timeout_s",
+            "update_period_s",
+            "min_backoff_s",
+            "max_backoff_s",
+            "ban_timeout_s",
+            "ping_timeout_s",
+            "alloc_timeout_s",
+        ):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.max_retries is not None and self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0 or None, got {self.max_retries}")
+        if self.max_pinged < 0:
+            raise ValueError(f"max_pinged must be >= 0, got {self.max_pinged}")
+        if self.ban_backoff_rate < 1:
+            raise ValueError(f"ban_backoff_rate must be >= 1, got {self.ban_backoff_rate}")
+        if self.show_route not in ("inference", "always", "never"):
+            raise ValueError(f"show_route must be 'inference', 'always' or 'never', got {self.show_route!r}")
+        if isinstance(self.initial_peers, str):
+            self.initial_peers = (self.initial_peers,)
+        self.initial_peers = tuple(self.initial_peers)
+
+    def retry_delay_s(self, attempt: int) -> float:
+        """Sleep before retry number `attempt` (0-based): 0, then min(min_backoff * 2^(attempt-1), max_backoff)."""
+        if attempt <= 0:
+            return 0.0
+        return min(self.min_backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
+
+    def retries_exhausted(self, attempt: int) -> bool:
+        """True when `attempt` failed attempts already used up the retry budget."""
+        return self.max_retries is not None and attempt > self.max_retries

@@ -1,0 +1,319 @@
+"""`InferenceSession`: one inference stream per server span of the chain; keeps every span's inputs so that when
+a server fails, a replacement chain for its span replays them (start_from_position=0) and rebuilds the KV cache."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client import background_loop
+from corolla.client.routing import RemoteSequenceManager
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+from corolla.protocol.metadata import encode_metadata
+from corolla.protocol.packing import pack_args_kwargs
+from corolla.protocol.records import RemoteSpanInfo
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+DUMMY = torch.empty(0)
+DUMMY_INT64 = torch.empty(0, dtype=torch.int64)
+
+
+class _SpanSession:
+    """The stream to one server for blocks `[span.start, span.end)`.
+
+    `history` holds this span's inputs for positions `[0, position)` (`[B, position, H]`), i.e. exactly what the
+    server's KV cache was built from, so a replacement server can be given the same inputs.
+    """
+
+    def __init__(self, manager: RemoteSequenceManager, span: RemoteSpanInfo, max_length: int):
+        self.manager, self.span, self.max_length = manager, span, max_length
+        self.session_id = str(uuid.uuid4())
+        self.position = 0  # tokens in the server's cache
+        self.history: torch.Tensor | None = None  # [B, position, H]
+        self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
+        self._responses: Any = None
+        self._started = False
+        self._closed = False
+
+    async def open(self) -> None:
+        stub = await self.manager.get_stub(self.span.peer_id)
+
+        async def _read_requests():
+            while True:
+                request = await self._requests.get()
+                if request is None:
+                    return
+                yield request
+
+        stream = await asyncio.wait_for(stub.rpc_inference(_read_requests()), self.manager.config.connect_timeout_s)
+        self._responses = stream.__aiter__()
+
+    def inputs_from(self, send_from: int, hidden: torch.Tensor, hidden_from: int) -> torch.Tensor:
+        """This span's inputs for positions `[send_from, hidden_from + hidden.shape[1])` from history + `hidden`."""
+        if send_from >= hidden_from:
+            return hidden[:, send_from - hidden_from :]
+        have = 0 if self.history is None else self.history.shape[1]
+        assert have >= hidden_from, f"span {self.span.start}:{self.span.end} lacks inputs [{have}, {hidden_from})"
+        return torch.cat([self.history[:, send_from:hidden_from], hidden], dim=1)
+
+    async def step(
+        self,
+        hidden: torch.Tensor,
+        hidden_from: int,
+        *,
+        position: int,
+        prompts: torch.Tensor,
+        hypo_ids: torch.Tensor,
+        step_id: str,
+    ) -> tuple[torch.Tensor, int]:
+        """Runs positions `[min(self.position, position), position + T)`; returns (outputs, their first position).
+
+        `hidden` [B, *, H] holds this span's inputs from `hidden_from` on. A fresh session (position 0) replays its
+        whole history; a rollback (`position < self.position`) overwrites the server's cache from `position`.
+        """
+        send_from = min(self.position, position)
+        inputs = self.inputs_from(send_from, hidden, hidden_from)  # [B, n, H]
+        tensors, structure = pack_args_kwargs(inputs, prompts, hypo_ids)
+        metadata: dict[str, Any] = {
+            "session_id": self.session_id,
+            "step_id": step_id,
+            "start_from_position": send_from,
+            "args_structure": structure,
+            **self.manager.request_metadata(),
+        }
+        if not self._started:
+            metadata["max_length"] = self.max_length
+            if self.manager.config.alloc_timeout_s:
+                metadata["alloc_timeout"] = float(self.manager.config.alloc_timeout_s)
+        request = runtime_pb2.ExpertRequest(
+            uid=self.manager.make_chain(self.span.start, self.span.end),
+            tensors=[serialize_tensor(t) for t in tensors],
+            metadata=encode_metadata(metadata),
+        )
+        self._started = True
+        await self._requests.put(request)
+        try:
+            response = await asyncio.wait_for(anext(self._responses), self.manager.config.request_timeout_s)
+        except StopAsyncIteration:
+            raise ConnectionError(f"server ...{self.span.peer_id[-6:]} closed the inference stream") from None
+        if not response.tensors:
+            raise ConnectionError(f"server ...{self.span.peer_id[-6:]} sent an empty inference response")
+        outputs = deserialize_tensor(response.tensors[0])
+        if outputs.shape != inputs.shape:
+            raise ConnectionError(f"server returned shape {list(outputs.shape)} for inputs {list(inputs.shape)}")
+        base = self.history[:, :send_from] if self.history is not None else inputs[:, :0]
+        self.history = torch.cat([base, inputs], dim=1)
+        self.position = send_from + inputs.shape[1]
+        return outputs.to(hidden.dtype), send_from
+
+    def reorder(self, hypo_ids: torch.Tensor) -> None:
+        """Mirrors the server's cache reordering for beam search on the history we keep."""
+        if self.history is not None:
+            self.history = self.history[hypo_ids]
+
+    async def _drain(self) -> None:
+        async for _ in self._responses:
+            pass
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._started:
+                await self._requests.put(runtime_pb2.ExpertRequest())  # empty request = end of session
+            await self._requests.put(None)  # end of our input stream
+            if self._responses is not None:
+                await asyncio.wait_for(self._drain(), self.manager.config.connect_timeout_s)
+        except Exception as e:  # the server may already be gone; closing must never fail
+            logger.debug("inference_session.close_failed(peer=...%s, error=%r)", self.span.peer_id[-6:], e)
+
+
+class InferenceSession:
+    """Autoregressive inference over blocks `[start, end)` of the manager's sequence, `max_length` tokens at most.
+
+    Use as a context manager; `step(hidden [B, T, H])` returns the last block's outputs `[B, T, H]`. Setting
+    `position` rolls back (the next step overwrites the servers' caches from there).
+    """
+
+    def __init__(self, manager: RemoteSequenceManager, max_length: int, *, start: int = 0, end: int | None = None):
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        self.manager, self.max_length = manager, max_length
+        self.start, self.end = start, manager.num_blocks if end is None else end
+        self._spans: list[_SpanSession] = []
+        self._position = 0
+        self._zero_prompts: torch.Tensor | None = None  # deep prompts given at position 0, needed for replays
+        self._closed = False
+        self.output_ids: torch.Tensor | None = None  # tokens generated so far (kept by generate())
+        self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
+        self.on_exit: list[Callable[[], None]] = []
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @position.setter
+    def position(self, value: int) -> None:
+        if not 0 <= value <= self._position:
+            raise ValueError(f"can only roll back to a position in [0, {self._position}], got {value}")
+        self._position = value
+
+    def step(
+        self,
+        inputs: torch.Tensor,
+        prompts: torch.Tensor | None = None,
+        hypo_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError("inference session is closed")
+        if inputs.ndim != 3:
+            raise ValueError(f"inputs must be [batch, tokens, hidden], got shape {list(inputs.shape)}")
+        batch_size, num_tokens, _ = inputs.shape
+        if self._position + num_tokens > self.max_length:
+            raise ValueError(
+                f"session max_length={self.max_length} exceeded: position {self._position} + {num_tokens} new tokens"
+            )
+        if prompts is not None and prompts.numel() > 0:
+            if prompts.ndim != 4 or prompts.shape[0] != self.num_blocks or prompts.shape[1] not in (1, batch_size):
+                raise ValueError(
+                    f"deep prompts must be [num_blocks={self.num_blocks}, batch or 1, prefix, hidden], got {list(prompts.shape)}"
+                )
+            if prompts.shape[2] > num_tokens:
+                raise ValueError(f"deep prompt length {prompts.shape[2]} exceeds the {num_tokens} tokens of this step")
+            prompts = prompts.detach().cpu()
+        else:
+            prompts = None
+        if hypo_ids is not None:
+            if hypo_ids.dtype != torch.int64 or hypo_ids.shape != (batch_size,):
+                raise ValueError(f"hypo_ids must be int64 [{batch_size}], got {hypo_ids.dtype} {list(hypo_ids.shape)}")
+            hypo_ids = hypo_ids.cpu()
+        if self._position == 0:
+            self._zero_prompts = prompts
+        outputs = background_loop.run(self._step(inputs.detach().cpu(), prompts, hypo_ids))
+        self._position += num_tokens
+        return outputs.to(inputs.device)
+
+    async def _step(
+        self, inputs: torch.Tensor, prompts: torch.Tensor | None, hypo_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        position, step_id = self._position, str(uuid.uuid4())
+        if hypo_ids is not None:
+            for span_session in self._spans:
+                span_session.reorder(hypo_ids)
+        hidden, hidden_from = inputs, position  # `hidden` holds the inputs of block `block` from `hidden_from` on
+        block, index, attempt = self.start, 0, 0
+        while block < self.end:
+            span_session = self._spans[index] if index < len(self._spans) else None
+            try:
+                if span_session is None:
+                    await self._replace_spans(index, block, None)
+                    continue
+                span = span_session.span
+                span_prompts = self._prompts_for(
+                    span, prompts, sends_from_zero=min(span_session.position, position) == 0
+                )
+                outputs, outputs_from = await span_session.step(
+                    hidden,
+                    hidden_from,
+                    position=position,
+                    prompts=span_prompts,
+                    hypo_ids=hypo_ids if hypo_ids is not None else DUMMY_INT64,
+                    step_id=step_id,
+                )
+                self.manager.on_request_success(span.peer_id)
+                hidden, hidden_from = outputs, outputs_from
+                block, index, attempt = span.end, index + 1, 0
+            except Exception as e:
+                if isinstance(e, (AssertionError, asyncio.CancelledError)):
+                    raise
+                attempt += 1
+                failed = span_session.span.peer_id if span_session is not None else None
+                logger.warning(
+                    "inference_session.span_failed(blocks=%d:%d, peer=...%s, error=%r)",
+                    block,
+                    span_session.span.end if span_session is not None else self.end,
+                    (failed or "?")[-6:],
+                    e,
+                )
+                self.manager.on_request_failure(failed)
+                delay_s = await asyncio.to_thread(self.manager.check_retry, e, attempt)
+                await asyncio.sleep(delay_s)
+                if span_session is not None:
+                    await self._replace_spans(index, block, span_session)
+        assert hidden_from <= position, "the last span always covers the new tokens"
+        return hidden[:, position - hidden_from :]
+
+    def _prompts_for(
+        self, span: RemoteSpanInfo, prompts: torch.Tensor | None, *, sends_from_zero: bool
+    ) -> torch.Tensor:
+        """Deep prompts for a span's request; a request replaying from position 0 needs the prompts of position 0."""
+        source = self._zero_prompts if sends_from_zero else prompts
+        if source is None:
+            return DUMMY
+        return source[span.start - self.start : span.end - self.start]
+
+    async def _replace_spans(self, index: int, block: int, failed: _SpanSession | None) -> None:
+        """Swaps `_spans[index]` (failed or missing) for a fresh chain covering the same blocks; the first new
+        session inherits the failed one's history so that its first step replays it."""
+        end = failed.span.end if failed is not None else self.end
+        if failed is not None:
+            await failed.close()
+        route = await asyncio.to_thread(
+            self.manager.make_sequence, block, end, mode="min_latency", cache_tokens_needed=self.max_length
+        )
+        new_sessions: list[_SpanSession] = []
+        try:
+            for span in route:
+                session = _SpanSession(self.manager, span, self.max_length)
+                new_sessions.append(session)
+                await session.open()
+        except BaseException:
+            for session in new_sessions:
+                await session.close()
+            if failed is not None:  # keep a placeholder so the retry loop replans this span again
+                self._spans[index] = failed
+            raise
+        if failed is not None and failed.history is not None:
+            new_sessions[0].history = failed.history[:, : self._position]
+        self._spans[index : index + 1 if failed is not None else index] = new_sessions
+        logger.info(
+            "inference_session.route(blocks=%d:%d) %s",
+            block,
+            end,
+            " => ".join(f"{s.span.start}:{s.span.end} via ...{s.span.peer_id[-6:]}" for s in new_sessions),
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def _close_all() -> None:
+            await asyncio.gather(*(session.close() for session in self._spans), return_exceptions=True)
+
+        background_loop.run(_close_all(), timeout_s=self.manager.config.connect_timeout_s + 5)
+        self._spans = []
+
+    def __enter__(self) -> InferenceSession:
+        for hook in self.on_enter:
+            hook()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.close()
+        finally:
+            for hook in self.on_exit:
+                hook()

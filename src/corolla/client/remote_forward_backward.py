@@ -1,0 +1,81 @@
+"""One forward or backward call to one server span (`rpc_forward`/`rpc_backward`, or their `_stream` variants
+when the payload exceeds 1 MiB)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client.routing import RemoteSequenceManager
+from corolla.protocol.codecs import (
+    STREAM_CHUNK_BYTES,
+    deserialize_tensor,
+    deserialize_tensor_stream,
+    needs_streaming,
+    serialize_tensor,
+    split_for_streaming,
+)
+from corolla.protocol.metadata import encode_metadata
+from corolla.protocol.packing import pack_args_kwargs
+from corolla.protocol.records import RemoteSpanInfo
+
+
+async def _call(
+    manager: RemoteSequenceManager, span: RemoteSpanInfo, method: str, tensors: Sequence[torch.Tensor], structure: Any
+) -> list[torch.Tensor]:
+    stub = await manager.get_stub(span.peer_id)
+    uid = manager.make_chain(span.start, span.end)
+    metadata = encode_metadata({**manager.request_metadata(), "args_structure": structure})
+    serialized = [serialize_tensor(t) for t in tensors]
+    config = manager.config
+    if not needs_streaming(tensors):
+        request = runtime_pb2.ExpertRequest(uid=uid, tensors=serialized, metadata=metadata)
+        response = await getattr(stub, method)(request, timeout=config.request_timeout_s)
+        return [deserialize_tensor(t) for t in response.tensors]
+
+    async def _requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        for tensor in serialized:
+            for part in split_for_streaming(tensor, STREAM_CHUNK_BYTES):
+                yield runtime_pb2.ExpertRequest(uid=uid, tensors=[part], metadata=metadata)
+
+    stream = await asyncio.wait_for(getattr(stub, f"{method}_stream")(_requests()), config.connect_timeout_s)
+
+    async def _parts() -> AsyncIterator[list[runtime_pb2.Tensor]]:
+        async for response in stream:
+            yield list(response.tensors)
+
+    return await asyncio.wait_for(deserialize_tensor_stream(_parts()), config.request_timeout_s)
+
+
+async def run_remote_forward(
+    manager: RemoteSequenceManager, span: RemoteSpanInfo, inputs: torch.Tensor, prompts: torch.Tensor
+) -> torch.Tensor:
+    """Outputs `[B, T, H]` of blocks `[span.start, span.end)` for `inputs [B, T, H]` (prompts: `[blocks, B|1, P, H]`
+    or empty)."""
+    tensors, structure = pack_args_kwargs(inputs, prompts)
+    outputs = await _call(manager, span, "rpc_forward", tensors, structure)
+    if len(outputs) != 1 or outputs[0].shape != inputs.shape:
+        raise ConnectionError(
+            f"rpc_forward returned {[list(t.shape) for t in outputs]} for inputs {list(inputs.shape)}"
+        )
+    return outputs[0]
+
+
+async def run_remote_backward(
+    manager: RemoteSequenceManager,
+    span: RemoteSpanInfo,
+    inputs: torch.Tensor,
+    grad_outputs: torch.Tensor,
+    prompts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad wrt inputs `[B, T, H]`, grad wrt this span's deep prompts or None)."""
+    tensors, structure = pack_args_kwargs(inputs, grad_outputs, prompts)
+    grads = await _call(manager, span, "rpc_backward", tensors, structure)
+    if not grads or grads[0].shape != inputs.shape:
+        raise ConnectionError(f"rpc_backward returned {[list(t.shape) for t in grads]} for inputs {list(inputs.shape)}")
+    grad_prompts = grads[1] if len(grads) > 1 and grads[1].numel() > 0 else None
+    return grads[0], grad_prompts

@@ -1,0 +1,314 @@
+"""`RemoteSequenceManager`: keeps a fresh view of which servers hold which blocks (background refresh from the DHT,
+bans, allow/block lists, pings) and turns it into chains of server spans for inference or forward/backward."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import random
+import threading
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from corolla.client import background_loop
+from corolla.client.bans import BanList
+from corolla.client.config import ClientConfig
+from corolla.client.route_planning import make_max_throughput_route, make_min_latency_route
+from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
+from corolla.utils.errors import MissingBlocksError
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+RouteMode = Literal["min_latency", "max_throughput"]
+PING_EMA_ALPHA = 0.2  # weight of the newest RTT sample
+
+
+class RemoteSequenceManager:
+    """Routing state for a sequence of block uids (usually all blocks of one model).
+
+    A daemon thread refreshes block records every `update_period_s` (or at once when a failure leaves a block
+    uncovered); `make_sequence` plans a chain from the latest view. Servers in state JOINING are never used.
+    """
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        block_uids: Sequence[str],
+        *,
+        dht: Any | None = None,
+        start_updates: bool = True,
+    ):
+        if not block_uids:
+            raise ValueError("block_uids must name at least one block")
+        self.config = config
+        self.block_uids = list(block_uids)
+        self._own_dht = False
+        if dht is None and start_updates:
+            dht = self._create_client_dht(config)
+            self._own_dht = True
+        self.dht = dht
+        self.bans = BanList(config.ban_timeout_s, config.ban_backoff_rate)
+        self.rng = random.Random()
+        self._lock = threading.Lock()
+        self._spans: list[RemoteSpanInfo] = []
+        self._rtts_s: dict[str, float] = {}
+        self._ready = threading.Event()
+        self._update_requested = threading.Event()
+        self._closed = threading.Event()
+        self._last_update_error: BaseException | None = None
+        self._update_lock = threading.Lock()
+        self._p2p: Any = None
+        self._stubs: dict[str, Any] = {}
+        self._thread: threading.Thread | None = None
+        if start_updates:
+            self._thread = threading.Thread(target=self._update_loop, name="corolla-routing-update", daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _create_client_dht(config: ClientConfig) -> Any:
+        from corolla.swarm.dht import PUBLIC_INITIAL_PEERS, SwarmConfig, create_dht
+
+        initial_peers = list(config.initial_peers) or list(PUBLIC_INITIAL_PEERS)
+        swarm_config = SwarmConfig(
+            initial_peers=initial_peers, client_mode=True, startup_timeout_s=config.daemon_startup_timeout_s
+        )
+        return create_dht(swarm_config)
+
+    # ---------------------------------------------------------------- view of the swarm
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_uids)
+
+    @property
+    def spans(self) -> list[RemoteSpanInfo]:
+        with self._lock:
+            return list(self._spans)
+
+    @property
+    def client_rtts_s(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._rtts_s)
+
+    def fetch_module_infos(self) -> list[RemoteModuleInfo]:
+        """Reads the block records (subclasses and tests may override the source)."""
+        from corolla.swarm.records_io import get_remote_module_infos
+
+        return get_remote_module_infos(
+            self.dht,
+            self.block_uids,
+            active_adapter=self.config.active_adapter or None,
+            latest=True,
+            timeout_s=self.config.dht_timeout_s,
+        )
+
+    def measure_rtts_s(self, peer_ids: Sequence[str]) -> dict[str, float]:
+        """Round-trip times in seconds (inf = unreachable) to `peer_ids`, measured concurrently."""
+        if self.dht is None or not peer_ids:
+            return {}
+        from corolla.swarm.ping import ping
+
+        async def _ping_all() -> dict[str, float]:
+            import asyncio
+
+            from hivemind import PeerID
+
+            p2p = await self._get_p2p()
+
+            async def _one(peer_id: str) -> float:
+                try:
+                    result = ping(PeerID.from_base58(peer_id), p2p, self.config.ping_timeout_s)
+                    return float(await result) if inspect.isawaitable(result) else float(result)
+                except Exception as e:  # a failed ping means "unreachable", never a crash of the refresh
+                    logger.debug("routing.ping_failed(peer=%s, error=%r)", peer_id[-6:], e)
+                    return math.inf
+
+            rtts = await asyncio.gather(*(_one(peer) for peer in peer_ids))
+            return dict(zip(peer_ids, rtts, strict=True))
+
+        return background_loop.run(_ping_all(), timeout_s=self.config.ping_timeout_s + 10)
+
+    def update(self) -> None:
+        """Refreshes the view now (blocking): records -> filters -> spans -> pings."""
+        from corolla.swarm.spans import compute_spans
+
+        with self._update_lock:
+            infos = self.fetch_module_infos()
+            infos = self._filter_servers(infos)
+            spans_by_peer = compute_spans(infos, min_state=ServerState.ONLINE)
+            spans = sorted(spans_by_peer.values(), key=lambda span: span.length, reverse=True)
+            to_ping = self._choose_peers_to_ping(infos)
+            rtts = self.measure_rtts_s(to_ping) if to_ping else {}
+            with self._lock:
+                self._spans = spans
+                for peer_id, rtt in rtts.items():
+                    old = self._rtts_s.get(peer_id)
+                    if old is None or not math.isfinite(old) or not math.isfinite(rtt):
+                        self._rtts_s[peer_id] = rtt
+                    else:
+                        self._rtts_s[peer_id] = PING_EMA_ALPHA * rtt + (1 - PING_EMA_ALPHA) * old
+            self._ready.set()
+            logger.debug("routing.updated(servers=%d, pinged=%d)", len(spans), len(rtts))
+
+    def _filter_servers(self, infos: list[RemoteModuleInfo]) -> list[RemoteModuleInfo]:
+        allowed = set(self.config.allowed_servers) if self.config.allowed_servers is not None else None
+        blocked = set(self.config.blocked_servers or ())
+        banned = self.bans.banned_peers()
+        result = []
+        for info in infos:
+            servers = {
+                peer: server
+                for peer, server in info.servers.items()
+                if (allowed is None or peer in allowed) and peer not in blocked
+            }
+            usable = {peer: server for peer, server in servers.items() if peer not in banned}
+            if servers and not usable:
+                logger.debug("routing.ignoring_bans(uid=%s): every server of this block is banned", info.uid)
+                usable = servers
+            result.append(dataclasses.replace(info, servers=usable))
+        return result
+
+    def _choose_peers_to_ping(self, infos: list[RemoteModuleInfo]) -> list[str]:
+        """Samples up to `max_pinged` servers from each of the first, middle and last blocks."""
+        if self.config.max_pinged <= 0 or not infos:
+            return []
+        chosen: set[str] = set()
+        for index in sorted({0, len(infos) // 2, len(infos) - 1}):
+            peers = [peer for peer, server in infos[index].servers.items() if server.state == ServerState.ONLINE]
+            chosen.update(self.rng.sample(peers, min(len(peers), self.config.max_pinged)))
+        return sorted(chosen)
+
+    def _update_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self.update()
+                self._last_update_error = None
+            except Exception as e:
+                self._last_update_error = e
+                logger.warning("routing.update_failed(error=%r)", e)
+            self._update_requested.wait(self.config.update_period_s)
+            self._update_requested.clear()
+
+    def request_update(self) -> None:
+        """Asks the background thread to refresh now (non-blocking)."""
+        self._update_requested.set()
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        timeout_s = self.config.dht_timeout_s + self.config.ping_timeout_s + 10 if timeout_s is None else timeout_s
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(
+                f"routing: no view of the swarm after {timeout_s} s (last error: {self._last_update_error!r})"
+            )
+
+    # ---------------------------------------------------------------- planning
+
+    def make_sequence(
+        self,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        mode: RouteMode,
+        cache_tokens_needed: int | None = None,
+    ) -> list[RemoteSpanInfo]:
+        """A chain of spans covering blocks `[start, end)`; raises MissingBlocksError if some block has no server."""
+        end = self.num_blocks if end is None else end
+        if not 0 <= start < end <= self.num_blocks:
+            raise ValueError(f"block range [{start}, {end}) is outside [0, {self.num_blocks})")
+        self.wait_ready()
+        spans, rtts = self.spans, self.client_rtts_s
+        if mode == "min_latency":
+            route = make_min_latency_route(
+                spans, start, end, client_rtts_s=rtts, cache_tokens_needed=cache_tokens_needed
+            )
+        elif mode == "max_throughput":
+            route = make_max_throughput_route(spans, start, end, client_rtts_s=rtts, rng=self.rng)
+        else:
+            raise ValueError(f"mode must be 'min_latency' or 'max_throughput', got {mode!r}")
+        show = self.config.show_route == "always" or (self.config.show_route == "inference" and mode == "min_latency")
+        (logger.info if show else logger.debug)(
+            "routing.route(blocks=%d:%d, mode=%s) %s",
+            start,
+            end,
+            mode,
+            " => ".join(f"{span.start}:{span.end} via ...{span.peer_id[-6:]}" for span in route),
+        )
+        return route
+
+    def on_request_failure(self, peer_id: str | None) -> None:
+        """Bans the peer and drops it from the current view; refreshes at once if a block became uncovered."""
+        if peer_id is None:
+            self.request_update()
+            return
+        duration_s = self.bans.ban(peer_id)
+        if duration_s:
+            logger.info("routing.ban(peer=...%s, duration_s=%.0f)", peer_id[-6:], duration_s)
+        with self._lock:
+            remaining = [span for span in self._spans if span.peer_id != peer_id]
+            self._spans = remaining
+        covered = set()
+        for span in remaining:
+            covered.update(range(span.start, span.end))
+        if len(covered) < self.num_blocks:
+            self.request_update()
+
+    def on_request_success(self, peer_id: str) -> None:
+        self.bans.clear(peer_id)
+
+    def retry_delay_s(self, attempt: int) -> float:
+        return self.config.retry_delay_s(attempt)
+
+    def check_retry(self, error: BaseException, attempt: int) -> float:
+        """After failure number `attempt` (1-based): re-raises `error` if retries are exhausted, else returns the
+        sleep before the next try and, for missing blocks, asks for a fresh view."""
+        if self.config.retries_exhausted(attempt):
+            raise error
+        if isinstance(error, MissingBlocksError):
+            self.request_update()
+        delay_s = self.config.retry_delay_s(attempt - 1)
+        logger.warning("routing.retry(attempt=%d, delay_s=%.1f, error=%r)", attempt, delay_s, error)
+        return delay_s
+
+    # ---------------------------------------------------------------- RPC plumbing
+
+    def make_chain(self, start: int, end: int) -> str:
+        """The uid chain `"prefix.start ... prefix.end-1"` that names a span in requests."""
+        from corolla.protocol.uids import CHAIN_DELIMITER
+
+        return CHAIN_DELIMITER.join(self.block_uids[start:end])
+
+    def request_metadata(self) -> dict[str, Any]:
+        return {"points": self.config.points, "active_adapter": self.config.active_adapter or ""}
+
+    async def _get_p2p(self) -> Any:
+        if self._p2p is None:
+            self._p2p = await self.dht.replicate_p2p()
+        return self._p2p
+
+    async def get_stub(self, peer_id: str) -> Any:
+        """RPC stub of a server (must be awaited on the client loop)."""
+        stub = self._stubs.get(peer_id)
+        if stub is None:
+            from hivemind import PeerID
+
+            from corolla.protocol.rpc import TransformerConnectionHandler
+
+            stub = TransformerConnectionHandler.get_stub(await self._get_p2p(), PeerID.from_base58(peer_id))
+            self._stubs[peer_id] = stub
+        return stub
+
+    def shutdown(self) -> None:
+        self._closed.set()
+        self._update_requested.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.config.dht_timeout_s + self.config.ping_timeout_s + 15)
+        if self._own_dht and self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+    def __enter__(self) -> RemoteSequenceManager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
