@@ -1,0 +1,172 @@
+"""The server's DHT heartbeat: announces its `ServerInfo` for every block it holds (JOINING on start, ONLINE once
+its handlers answer, OFFLINE on shutdown), refreshed every `update_period_s` with `expiration_s`, with live
+`cache_tokens_left` and `next_pings`, plus the `_petals.models` record unless the prefix starts with `_`."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
+from corolla.protocol.uids import make_uid
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAX_PINGED = 5
+PING_EMA_ALPHA = 0.2
+DHT_CALL_TIMEOUT_S = 10.0
+PING_TIMEOUT_S = 5.0
+
+
+class Announcer:
+    """Runs in the server's asyncio loop; blocking DHT calls go to a worker thread, each with a timeout."""
+
+    def __init__(
+        self,
+        *,
+        dht: Any,
+        dht_prefix: str,
+        block_indices: range,
+        total_blocks: int,
+        server_info: ServerInfo,
+        model_info: ModelInfo,
+        cache_tokens_left: Callable[[], int],
+        update_period_s: float,
+        expiration_s: float,
+        p2p: Any = None,
+        local_peer_id: str | None = None,
+    ):
+        self.dht = dht
+        self.dht_prefix = dht_prefix
+        self.block_indices = block_indices
+        self.uids = [make_uid(dht_prefix, i) for i in block_indices]
+        self.server_info = server_info
+        self.server_info.start_block = block_indices.start
+        self.server_info.end_block = block_indices.stop
+        self.model_info = model_info
+        self.cache_tokens_left = cache_tokens_left
+        self.update_period_s = update_period_s
+        self.expiration_s = expiration_s
+        self.p2p = p2p
+        self.local_peer_id = local_peer_id
+        # the blocks after our first one, up to and including the block right after our span
+        last_next = min(block_indices.stop + 1, total_blocks)
+        self.next_uids = [make_uid(dht_prefix, i) for i in range(block_indices.start + 1, last_next)]
+        self._pings: dict[str, float] = {}
+        self._trigger = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.num_announcements = 0
+
+    @property
+    def state(self) -> ServerState:
+        return self.server_info.state
+
+    def start(self, state: ServerState = ServerState.JOINING) -> None:
+        """Announces `state` at once and then every `update_period_s`."""
+        self.server_info.state = state
+        self._task = asyncio.create_task(self._run(), name="corolla-announcer")
+
+    async def announce(self, state: ServerState, timeout_s: float = 2 * DHT_CALL_TIMEOUT_S) -> None:
+        """Switches state and re-announces now; OFFLINE waits (bounded) until the record is stored and the loop ends."""
+        self.server_info.state = state
+        self._trigger.set()
+        if state == ServerState.OFFLINE and self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            except asyncio.TimeoutError:
+                logger.warning(f"announcer.offline_timeout(timeout_s={timeout_s})")
+                self._task.cancel()
+            except Exception as e:
+                logger.warning(f"announcer.offline_failed({e!r})")
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            started = time.monotonic()
+            self._trigger.clear()
+            state = self.server_info.state
+            try:
+                await self._announce_once(state)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning(f"announcer.failed(state={state.name}): {e!r}")
+            if state == ServerState.OFFLINE:
+                return
+            delay = self.update_period_s - (time.monotonic() - started)
+            if delay < 0:
+                logger.warning(f"announcer.slow(update_period_s={self.update_period_s}, took={-delay:.1f}s over)")
+            try:
+                await asyncio.wait_for(self._trigger.wait(), max(delay, 0.0))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _announce_once(self, state: ServerState) -> None:
+        from corolla.swarm.records_io import declare_active_modules, declare_model_info
+
+        self.server_info.cache_tokens_left = max(0, int(self.cache_tokens_left()))
+        if state != ServerState.OFFLINE:
+            await self._ping_next_servers()
+            self.server_info.next_pings = dict(self._pings)
+        else:
+            self.server_info.next_pings = None
+        expiration_time = time.time() + self.expiration_s  # hivemind's get_dht_time() is wall-clock time
+        await asyncio.to_thread(
+            declare_active_modules,
+            self.dht,
+            self.uids,
+            self.server_info,
+            expiration_time,
+            timeout_s=DHT_CALL_TIMEOUT_S,
+        )
+        self.num_announcements += 1
+        logger.info(
+            f"announcer.declared(state={state.name}, blocks={self.block_indices.start}:{self.block_indices.stop}, "
+            f"cache_tokens_left={self.server_info.cache_tokens_left})"
+        )
+        if state != ServerState.OFFLINE and not self.dht_prefix.startswith("_"):
+            await asyncio.to_thread(declare_model_info, self.dht, self.dht_prefix, self.model_info, expiration_time)
+
+    async def _ping_next_servers(self) -> None:
+        if self.p2p is None or not self.next_uids:
+            return
+        try:
+            from corolla.swarm.ping import ping
+            from corolla.swarm.records_io import get_remote_module_infos
+
+            infos = await asyncio.to_thread(
+                get_remote_module_infos, self.dht, self.next_uids, latest=True, timeout_s=DHT_CALL_TIMEOUT_S
+            )
+            middle = {peer for info in infos[:-1] for peer in info.servers}
+            last = set(infos[-1].servers) if infos else set()
+            middle.discard(self.local_peer_id)
+            last.discard(self.local_peer_id)
+            chosen = random.sample(sorted(middle), min(MAX_PINGED, len(middle)))
+            chosen += random.sample(sorted(last - set(chosen)), min(MAX_PINGED, len(last - set(chosen))))
+            if not chosen:
+                return
+            from hivemind.p2p import PeerID
+
+            rtts = await asyncio.gather(
+                *[ping(PeerID.from_base58(peer), self.p2p, PING_TIMEOUT_S) for peer in chosen], return_exceptions=True
+            )
+            for peer, rtt in zip(chosen, rtts, strict=True):
+                rtt = float(rtt) if isinstance(rtt, (int, float)) else math.inf
+                previous = self._pings.get(peer)
+                if previous is None or math.isinf(previous) or math.isinf(rtt):
+                    self._pings[peer] = rtt
+                else:
+                    self._pings[peer] = PING_EMA_ALPHA * rtt + (1 - PING_EMA_ALPHA) * previous
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.debug(f"announcer.ping_failed({e!r})")

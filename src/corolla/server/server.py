@@ -1,0 +1,562 @@
+"""The server lifecycle: resolve settings (device, dtype, quantization, limits, cache budget, throughput), join the
+swarm, choose blocks, load them, serve them (`SpanService`: runtime + handler on a P2P replica, one asyncio loop),
+check the swarm balance and move when it should, restart the serving part if it crashes, and on stop announce
+OFFLINE, end sessions, free memory and leave no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from corolla import PETALS_COMPAT_VERSION
+from corolla.protocol.codecs import compression_from_name
+from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
+from corolla.protocol.uids import make_uid, validate_dht_prefix
+from corolla.server.announcer import Announcer
+from corolla.server.block_functions import ServingLimits
+from corolla.server.config import ServerConfig
+from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.memory_cache import MemoryCache
+from corolla.server.runtime import Runtime
+from corolla.server.sessions import SessionTimeouts
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+READY_PREFIX = "corolla-server: ready"
+MAX_CONSECUTIVE_FAILURES = 5
+DHT_READ_TIMEOUT_S = 20.0
+
+
+class SpanService:
+    """The serving part for one span: runtime thread + RPC handler registered on a P2P instance."""
+
+    def __init__(
+        self,
+        *,
+        backend: Any,
+        limits: ServingLimits,
+        memory_cache: MemoryCache,
+        timeouts: SessionTimeouts,
+        compression: int = 0,
+        dht_client_mode: bool = False,
+        device: torch.device | None = None,
+    ):
+        self.backend = backend
+        self.limits = limits
+        self.memory_cache = memory_cache
+        self.runtime = Runtime(max_batch_size_tokens=limits.max_batch_size_tokens, device=device)
+        self.handler = TransformerConnectionHandler(
+            limits=limits,
+            backend=backend,
+            runtime=self.runtime,
+            memory_cache=memory_cache,
+            timeouts=timeouts,
+            compression=compression,
+            dht_client_mode=dht_client_mode,
+        )
+        self.p2p: Any = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.runtime.is_running
+
+    async def start(self, p2p: Any) -> None:
+        await asyncio.to_thread(self.runtime.start)
+        self.p2p = p2p
+        await self.handler.add_p2p_handlers(p2p)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Unregisters the handlers, ends every session (freeing its cache) and stops the runtime."""
+        if self.p2p is not None:
+            try:
+                await asyncio.wait_for(self.handler.remove_p2p_handlers(self.p2p), timeout_s)
+            except Exception as e:
+                logger.debug(f"span_service.remove_handlers_failed({e!r})")
+        await self.handler.shutdown()
+        await asyncio.to_thread(self.runtime.stop)
+
+
+@dataclass
+class ResolvedSettings:
+    """What the server derived from its config and the model config (logged at start)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    quant_type: str
+    dht_prefix: str
+    total_blocks: int
+    num_blocks: int
+    hidden_size: int
+    inference_max_length_tokens: int
+    max_batch_size_tokens: int
+    attn_cache_tokens: int
+    kv_bytes_per_token_block: int  # K or V of one token in one block (the announced cache_tokens_left unit)
+    cache_bytes_per_block: int
+
+
+def _default_device(requested: str | None) -> torch.device:
+    if requested is not None:
+        device = torch.device(requested)
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        device = torch.device("mps")
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda:0")
+    return device
+
+
+class Server:
+    """One server process. `run()` blocks until stopped (SIGINT/SIGTERM via `request_stop()`); `start()` runs the
+    same loop in a background thread (for in-process tests) and waits until it serves."""
+
+    def __init__(self, config: ServerConfig):
+        from corolla.models.config import default_dht_prefix, load_config, resolve_block_dtype
+        from corolla.models.registry import get_family
+
+        self.config = config
+        self.model_config = load_config(
+            config.model_name_or_path, revision=config.revision, token=config.token, cache_dir=config.cache_dir
+        )
+        self.family = get_family(self.model_config)
+        mc = self.model_config
+        device = _default_device(config.device)
+        dtype = resolve_block_dtype(mc, config.torch_dtype, device=device)
+        quant_type = config.quant_type or ("nf4" if device.type == "cuda" else "none")
+        dht_prefix = validate_dht_prefix(config.dht_prefix or default_dht_prefix(config.model_name_or_path, mc))
+        total_blocks = int(mc.num_hidden_layers)
+        num_heads = int(mc.num_attention_heads)
+        kv_heads = int(self.family.num_kv_heads(mc))
+        head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // num_heads)
+        grouped = kv_heads < num_heads
+        attn_cache_tokens = config.attn_cache_tokens or (16384 if grouped else 4096)
+        kv_bytes = kv_heads * head_dim * dtype.itemsize
+        if config.block_indices is not None:
+            start, end = config.block_indices
+            if end > total_blocks:
+                raise ValueError(f"block_indices {start}:{end} go past the model's {total_blocks} blocks")
+            num_blocks = end - start
+        elif config.num_blocks is not None:
+            num_blocks = min(config.num_blocks, total_blocks)
+        else:
+            num_blocks = self._choose_num_blocks(device, dtype, quant_type, 2 * kv_bytes * attn_cache_tokens)
+        self.settings = ResolvedSettings(
+            device=device,
+            dtype=dtype,
+            quant_type=quant_type,
+            dht_prefix=dht_prefix,
+            total_blocks=total_blocks,
+            num_blocks=num_blocks,
+            hidden_size=int(mc.hidden_size),
+            inference_max_length_tokens=config.inference_max_length_tokens or (8192 if grouped else 2048),
+            max_batch_size_tokens=config.max_batch_size_tokens or (8192 if grouped else 2048),
+            attn_cache_tokens=attn_cache_tokens,
+            kv_bytes_per_token_block=kv_bytes,
+            cache_bytes_per_block=2 * kv_bytes * attn_cache_tokens,
+        )
+        self.module_uids = [make_uid(dht_prefix, i) for i in range(total_blocks)]
+        self.compression = compression_from_name(config.compression)
+        self.timeouts = SessionTimeouts(config.step_timeout_s, config.session_timeout_s, config.request_timeout_s)
+        self.dht: Any = None
+        self.throughput_info: dict[str, float] = {}
+        self.using_relay = bool(config.reachable_via_relay)
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_stop: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._shutdown_done = False
+        self.block_indices: range | None = None
+        self.peer_id: str | None = None
+        self.join_maddrs: list[str] = []
+        self.service: SpanService | None = None
+        self.announcer: Announcer | None = None
+        self.num_moves = 0
+        self.num_restarts = 0
+
+    # ---- settings ---------------------------------------------------------------------------------------------
+
+    def _choose_num_blocks(self, device: torch.device, dtype: torch.dtype, quant_type: str, cache_bytes: int) -> int:
+        try:
+            from corolla.server.sizing import choose_num_blocks
+        except ImportError:
+            choose_num_blocks = None
+        if device.type == "cpu" or choose_num_blocks is None:
+            raise ValueError(
+                "Can't choose the number of blocks automatically here (no GPU): pass --num_blocks or --block_indices"
+            )
+        return int(
+            choose_num_blocks(
+                self.model_config, device=device, dtype=dtype, quant_type=quant_type, cache_bytes_per_block=cache_bytes
+            )
+        )
+
+    def describe(self) -> str:
+        s = self.settings
+        return (
+            f"device={s.device}, dtype={str(s.dtype).removeprefix('torch.')}, quant={s.quant_type}, "
+            f"blocks={self.config.block_indices or s.num_blocks} of {s.total_blocks}, prefix={s.dht_prefix}, "
+            f"cache={s.cache_bytes_per_block * s.num_blocks / 2**20:.1f} MiB ({s.attn_cache_tokens} tokens/block), "
+            f"inference_max_length={s.inference_max_length_tokens}, max_batch_size={s.max_batch_size_tokens}"
+        )
+
+    def measure_throughput(self) -> dict[str, float]:
+        from corolla.server.throughput import get_server_throughput
+
+        c, s = self.config, self.settings
+        if not isinstance(c.throughput, str):
+            return {"throughput": float(c.throughput)}
+        tp_devices = [torch.device(d) for d in c.tensor_parallel_devices or ()]
+        return get_server_throughput(
+            c.model_name_or_path,
+            self.model_config,
+            s.device,
+            s.dtype,
+            num_blocks=s.num_blocks,
+            quant_type=s.quant_type,
+            tensor_parallel_devices=tp_devices,
+            using_relay=self.using_relay,
+            public_swarm=not c.is_private_swarm,
+            force_eval=c.throughput in ("eval", "dry_run"),
+            cache_dir=c.cache_dir,
+            forward_tokens=c.throughput_forward_tokens,
+        )
+
+    # ---- entry points -----------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Measures/reads throughput, joins the swarm and serves until `request_stop()`. Returns an exit code."""
+        logger.info(f"server.settings({self.describe()})")
+        if self.config.throughput == "dry_run":
+            info = self.measure_throughput()
+            print("corolla-server: throughput " + " ".join(f"{k}={v:.3f}" for k, v in sorted(info.items())), flush=True)
+            return 0
+        self._prepare()
+        return asyncio.run(self._main())
+
+    def start(self, timeout_s: float = 120.0) -> Server:
+        """Runs the server in a background thread (DHT created in the calling thread) and waits until it serves."""
+        self._prepare()
+        result: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                result["code"] = asyncio.run(self._main())
+            except BaseException as e:  # surfaced by wait_ready
+                result["error"] = e
+                self._ready.set()
+
+        self._thread = threading.Thread(target=target, name="corolla-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or "error" in result:
+            self.shutdown()
+            raise RuntimeError(f"server did not become ready within {timeout_s} s: {result.get('error')!r}")
+        return self
+
+    def request_stop(self) -> None:
+        """Signal-safe: asks the serving loop to announce OFFLINE, end sessions and return."""
+        self._stop.set()
+        loop, event = self._loop, self._async_stop
+        if loop is not None and event is not None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:
+                pass
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stops serving (if running in a thread) and the DHT; idempotent."""
+        if self._shutdown_done:
+            return
+        self._shutdown_done = True
+        self.request_stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        if self.dht is not None:
+            from corolla.swarm.dht import shutdown_dht
+
+            shutdown_dht(self.dht)
+            self.dht = None
+        logger.info("server.shutdown_done")
+
+    # ---- internals --------------------------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, get_visible_maddrs
+
+        c = self.config
+        public = not c.is_private_swarm
+        if public and c.reachable_via_relay is None and not c.skip_reachability_check:
+            self.using_relay = self._check_reachability()
+        swarm_config = SwarmConfig(
+            initial_peers=c.resolved_initial_peers,
+            host_maddrs=c.resolved_host_maddrs,
+            announce_maddrs=c.resolved_announce_maddrs,
+            identity_path=c.identity_path,
+            client_mode=self.using_relay,
+            use_relay=public,
+            use_auto_relay=public and c.use_auto_relay,
+            nat_port_map=public,
+            auto_nat=public,
+            startup_timeout_s=c.daemon_startup_timeout_s,
+            num_workers=max(1, min(self.settings.total_blocks, 32)),
+        )
+        self.dht = create_dht(swarm_config)  # before threads and CUDA: hivemind forks
+        self.peer_id = get_peer_id(self.dht).to_base58()
+        self.join_maddrs = get_visible_maddrs(self.dht)
+        logger.info(f"server.dht_ready(peer_id={self.peer_id}, maddrs={' '.join(self.join_maddrs)})")
+        if c.new_swarm:
+            print(
+                f"corolla-server: new swarm, others join with --initial_peers {' '.join(self.join_maddrs)}", flush=True
+            )
+        self.throughput_info = self.measure_throughput()
+        logger.info(f"server.throughput({', '.join(f'{k}={v:.1f}' for k, v in sorted(self.throughput_info.items()))})")
+
+    def _check_reachability(self) -> bool:
+        """Public swarm only: True if we must go through relays. Unknown -> assume directly reachable."""
+        try:
+            from corolla.swarm.reachability import check_direct_reachability
+        except ImportError:
+            return False
+        try:
+            result = check_direct_reachability(self.config.resolved_initial_peers)
+        except Exception as e:
+            logger.warning(f"server.reachability_check_failed({e!r})")
+            return False
+        return result is False
+
+    def _make_server_info(self) -> ServerInfo:
+        s = self.settings
+        extra = {k: float(v) for k, v in self.throughput_info.items() if k != "throughput"}
+        return ServerInfo(
+            state=ServerState.JOINING,
+            throughput=float(self.throughput_info.get("throughput", 1.0)),
+            public_name=self.config.public_name,
+            version=PETALS_COMPAT_VERSION,
+            adapters=tuple(self.config.adapters),
+            torch_dtype=str(s.dtype).removeprefix("torch."),
+            quant_type=s.quant_type,
+            using_relay=self.using_relay,
+            **extra,
+        )
+
+    def _model_info(self) -> ModelInfo:
+        from corolla.models.config import is_local_path
+
+        name = self.config.model_name_or_path
+        repository = None if is_local_path(name) else f"https://huggingface.co/{name}"
+        return ModelInfo(num_blocks=self.settings.total_blocks, repository=repository)
+
+    async def _main(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._async_stop = asyncio.Event()
+        if self._stop.is_set():
+            return 0
+        p2p = await self.dht.replicate_p2p()
+        failures = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    outcome = await self._serve_once(p2p)
+                    failures = 0
+                except Exception as e:
+                    failures += 1
+                    self.num_restarts += 1
+                    logger.exception(f"server.serving_failed(attempt={failures}): {e!r}")
+                    if failures >= MAX_CONSECUTIVE_FAILURES:
+                        return 1
+                    await self._sleep(min(2.0**failures, 30.0))
+                    continue
+                if outcome == "stop":
+                    break
+                if outcome == "crashed":
+                    self.num_restarts += 1
+                    logger.warning("server.restart(reason=serving part crashed)")
+                elif outcome == "move":
+                    self.num_moves += 1
+        finally:
+            self._ready.set()
+            try:
+                await asyncio.wait_for(p2p.shutdown(), 5.0)
+            except Exception as e:
+                logger.debug(f"server.p2p_replica_shutdown_failed({e!r})")
+        return 0
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleeps unless stopped first; True if a stop was requested."""
+        assert self._async_stop is not None
+        try:
+            await asyncio.wait_for(self._async_stop.wait(), max(seconds, 0.0))
+            return True
+        except asyncio.TimeoutError:
+            return self._stop.is_set()
+
+    async def _choose_blocks(self) -> range:
+        c, s = self.config, self.settings
+        if c.block_indices is not None:
+            return range(*c.block_indices)
+        from corolla.swarm.block_selection import choose_best_blocks
+        from corolla.swarm.records_io import get_remote_module_infos
+
+        if await self._sleep(random.uniform(0, 2 * c.mean_block_selection_delay_s)):
+            raise asyncio.CancelledError
+        infos = await asyncio.to_thread(
+            get_remote_module_infos, self.dht, self.module_uids, latest=True, timeout_s=DHT_READ_TIMEOUT_S
+        )
+        chosen = choose_best_blocks(s.num_blocks, infos)
+        return range(chosen[0], chosen[-1] + 1)
+
+    def _load_blocks(self, block_indices: range) -> dict[int, Any]:
+        from corolla.models.loading import load_pretrained_block
+
+        c, s = self.config, self.settings
+        blocks = {}
+        for index in block_indices:
+            block = load_pretrained_block(
+                c.model_name_or_path,
+                index,
+                config=self.model_config,
+                torch_dtype=s.dtype,
+                cache_dir=c.cache_dir,
+                revision=c.revision,
+                token=c.token,
+                max_disk_space_bytes=c.max_disk_space_bytes,
+            )
+            if s.quant_type != "none":
+                from corolla.models.quantization import QuantType, quantize_block
+
+                block = quantize_block(block, QuantType[s.quant_type.upper()], s.device)
+            else:
+                block = block.to(s.device)
+            if c.tensor_parallel_devices and len(c.tensor_parallel_devices) > 1:
+                from corolla.models.tensor_parallel import make_tensor_parallel
+
+                block = make_tensor_parallel(block, [torch.device(d) for d in c.tensor_parallel_devices])
+            blocks[index] = block
+        return blocks
+
+    async def _serve_once(self, p2p: Any) -> str:
+        """Chooses, loads and serves one span until stop ("stop"), a crash ("crashed") or a move ("move")."""
+        from corolla.server.backend import SpanBackend
+
+        c, s = self.config, self.settings
+        try:
+            block_indices = await self._choose_blocks()
+        except asyncio.CancelledError:
+            if self._stop.is_set():
+                return "stop"
+            raise
+        self.block_indices = block_indices
+        memory_cache = MemoryCache(s.cache_bytes_per_block * len(block_indices), c.max_alloc_timeout_s)
+        announcer = Announcer(
+            dht=self.dht,
+            dht_prefix=s.dht_prefix,
+            block_indices=block_indices,
+            total_blocks=s.total_blocks,
+            server_info=self._make_server_info(),
+            model_info=self._model_info(),
+            cache_tokens_left=lambda: memory_cache.bytes_left // s.kv_bytes_per_token_block,
+            update_period_s=c.update_period_s,
+            expiration_s=c.resolved_expiration_s,
+            p2p=p2p,
+            local_peer_id=self.peer_id,
+        )
+        self.announcer = announcer
+        announcer.start(ServerState.JOINING)
+        service: SpanService | None = None
+        backend = None
+        try:
+            logger.info(f"server.loading(blocks={block_indices.start}:{block_indices.stop})")
+            blocks = await asyncio.to_thread(self._load_blocks, block_indices)
+            backend = SpanBackend(
+                blocks,
+                config=self.model_config,
+                dtype=s.dtype,
+                device=s.device,
+                max_chunk_size_bytes=c.max_chunk_size_bytes,
+                adapters=c.adapters,
+            )
+            del blocks
+            limits = ServingLimits(
+                dht_prefix=s.dht_prefix,
+                start_block=block_indices.start,
+                end_block=block_indices.stop,
+                hidden_size=s.hidden_size,
+                dtype=s.dtype,
+                inference_max_length_tokens=s.inference_max_length_tokens,
+                max_batch_size_tokens=s.max_batch_size_tokens,
+                adapters=tuple(c.adapters),
+            )
+            service = SpanService(
+                backend=backend,
+                limits=limits,
+                memory_cache=memory_cache,
+                timeouts=self.timeouts,
+                compression=self.compression,
+                dht_client_mode=self.using_relay,
+                device=s.device,
+            )
+            await service.start(p2p)
+            self.service = service
+            await announcer.announce(ServerState.ONLINE)
+            print(
+                f"{READY_PREFIX} peer_id={self.peer_id} blocks={block_indices.start}:{block_indices.stop} "
+                f"initial_peers={' '.join(self.join_maddrs)}",
+                flush=True,
+            )
+            logger.info(
+                f"server.online(blocks={block_indices.start}:{block_indices.stop}, "
+                f"throughput={announcer.server_info.throughput:.1f}, join={' '.join(self.join_maddrs)})"
+            )
+            self._ready.set()
+            return await self._watch(service)
+        finally:
+            await announcer.announce(ServerState.OFFLINE)
+            await announcer.stop()
+            if service is not None:
+                await service.stop()
+            self.service = None
+            del service, backend
+            gc.collect()
+            if s.device.type == "cuda":
+                torch.cuda.empty_cache()
+            logger.info(f"server.span_released(blocks={block_indices.start}:{block_indices.stop})")
+
+    async def _watch(self, service: SpanService) -> str:
+        c = self.config
+        while True:
+            wait_s = random.uniform(0, 2 * c.mean_balance_check_period_s)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:  # check health every second while waiting
+                if await self._sleep(min(1.0, deadline - time.monotonic())):
+                    return "stop"
+                if not service.healthy:
+                    return "crashed"
+            if await self._should_move():
+                logger.info("server.move(reason=swarm is imbalanced)")
+                return "move"
+
+    async def _should_move(self) -> bool:
+        c = self.config
+        if c.block_indices is not None or c.balance_quality <= 0:
+            return False
+        from corolla.swarm.block_selection import should_choose_other_blocks
+        from corolla.swarm.records_io import get_remote_module_infos
+
+        try:
+            infos = await asyncio.to_thread(
+                get_remote_module_infos, self.dht, self.module_uids, latest=True, timeout_s=DHT_READ_TIMEOUT_S
+            )
+            return bool(should_choose_other_blocks(self.peer_id, infos, c.balance_quality))
+        except Exception as e:
+            logger.warning(f"server.balance_check_failed({e!r})")
+            return False
