@@ -1,0 +1,347 @@
+"""SpanBackend: forward / backward / inference_step over a chain of blocks (chunking, hypo_ids, rollback, limits)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corolla.server.backend import SpanBackend
+from corolla.server.memory_cache import MemoryCache, allocation_size_bytes
+from corolla.server.runtime import Runtime
+from corolla.server.task import PRIORITY_INFERENCE
+
+try:
+    from corolla.models.block_base import TensorDescriptor
+except ImportError:  # models helper not committed yet: same contract
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class TensorDescriptor:  # type: ignore[no-redef]
+        shape: tuple[int, ...]
+        dtype: torch.dtype
+        device: torch.device
+
+
+HIDDEN, HEADS, KV_HEADS, NUM_BLOCKS = 32, 4, 2, 4
+ATOL = 1e-5
+
+
+class FakeBlock(nn.Module):
+    """A small rotary GQA decoder layer that follows the CorollaBlock contract (cache K/V [B, kv, L, hd])."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q = nn.Linear(hidden, heads * self.head_dim)
+        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim)
+        self.o = nn.Linear(heads * self.head_dim, hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.GELU(), nn.Linear(2 * hidden, hidden))
+
+    def cache_descriptors(self, batch_size: int, max_length: int) -> list[TensorDescriptor]:
+        p = self.o.weight
+        shape = (batch_size, self.kv_heads, max_length, self.head_dim)
+        return [TensorDescriptor(shape, p.dtype, p.device), TensorDescriptor(shape, p.dtype, p.device)]
+
+    def _rotate(self, x: torch.Tensor, position: int) -> torch.Tensor:
+        T, half = x.shape[2], self.head_dim // 2
+        freqs = 1.0 / (100.0 ** (torch.arange(half, dtype=torch.float32) / half))  # [hd/2]
+        angles = torch.arange(position, position + T, dtype=torch.float32)[:, None] * freqs  # [T, hd/2]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    def forward(self, x: torch.Tensor, *, cache: list[torch.Tensor] | None = None, position: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        h = self.norm1(x)
+        q = self._rotate(self.q(h).view(B, T, self.heads, self.head_dim).transpose(1, 2), position)  # [B,h,T,hd]
+        k, v = self.kv(h).view(B, T, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # [B,kv,T,hd] each
+        k = self._rotate(k, position)
+        if cache is not None:
+            k_cache, v_cache = cache
+            k_cache[:, :, position : position + T] = k
+            v_cache[:, :, position : position + T] = v
+            k, v = k_cache[:, :, : position + T], v_cache[:, :, : position + T]
+        S = k.shape[2]
+        allowed = torch.ones(T, S, dtype=torch.bool).tril(diagonal=S - T)  # query i sees keys <= its position
+        k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)  # [B,h,T,hd]
+        x = x + self.o(attn.transpose(1, 2).reshape(B, T, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+def _build_llama_blocks():
+    from transformers import LlamaConfig
+
+    from corolla.models.llama.block import LlamaBlock
+
+    config = LlamaConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        num_hidden_layers=NUM_BLOCKS,
+        max_position_embeddings=256,
+    )
+    return config, {i: LlamaBlock(config, i) for i in range(NUM_BLOCKS)}
+
+
+def _build_fake_blocks():
+    config = SimpleNamespace(hidden_size=HIDDEN, num_attention_heads=HEADS)
+    return config, {i: FakeBlock(HIDDEN, HEADS, KV_HEADS) for i in range(NUM_BLOCKS)}
+
+
+@pytest.fixture(params=["fake", "llama"])
+def blocks_and_config(request):
+    torch.manual_seed(0)
+    if request.param == "fake":
+        config, blocks = _build_fake_blocks()
+    else:
+        try:
+            config, blocks = _build_llama_blocks()
+        except ImportError as e:
+            pytest.skip(f"real llama block not available yet: {e}")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for block in blocks.values():
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    return blocks, config
+
+
+def make_backend(blocks_and_config, **kwargs) -> SpanBackend:
+    blocks, config = blocks_and_config
+    kwargs.setdefault("max_chunk_size_bytes", 2**30)
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu", **kwargs)
+
+
+def new_cache(backend: SpanBackend, indices: list[int], batch_size: int, max_length: int) -> list[list[torch.Tensor]]:
+    return [
+        [torch.zeros(d.shape, dtype=d.dtype) for d in descriptors]
+        for descriptors in backend.cache_descriptors(indices, batch_size, max_length)
+    ]
+
+
+def plain_stack(backend: SpanBackend, indices: list[int], x: torch.Tensor) -> torch.Tensor:
+    for i in indices:
+        x = backend.blocks[i](x)
+    return x
+
+
+def test_forward_equals_the_plain_stack_of_blocks(blocks_and_config) -> None:
+    backend = make_backend(blocks_and_config)
+    x = torch.randn(2, 7, HIDDEN)
+    with torch.no_grad():
+        expected = plain_stack(backend, [1, 2, 3], x)
+    assert torch.allclose(backend.forward([1, 2, 3], x), expected, atol=ATOL)
+    assert backend.forward([0], x[:, :0]).shape == (2, 0, HIDDEN)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 4 * HEADS * 2 * 12])
+def test_inference_prefill_then_decode_equals_forward_chunked_or_not(blocks_and_config, chunk_bytes) -> None:
+    reference = make_backend(blocks_and_config)
+    chunked = make_backend(blocks_and_config, max_chunk_size_bytes=chunk_bytes)
+    indices = [0, 1, 2, 3]
+    x = torch.randn(2, 12, HIDDEN)
+    expected = reference.forward(indices, x)  # [2, 12, H]
+    for backend in (reference, chunked):
+        cache = new_cache(backend, indices, batch_size=2, max_length=16)
+        out_prefill = backend.inference_step(indices, x[:, :9], cache, prefix_length=0, max_length=16)
+        steps = [out_prefill]
+        for t in range(9, 12):
+            steps.append(backend.inference_step(indices, x[:, t : t + 1], cache, prefix_length=t, max_length=16))
+        assert torch.allclose(torch.cat(steps, dim=1), expected, atol=1e-4)
+    # chunked prefill writes the same cache as unchunked
+    cache_a = new_cache(reference, indices, 2, 16)
+    cache_b = new_cache(chunked, indices, 2, 16)
+    out_a = reference.inference_step(indices, x, cache_a, prefix_length=0, max_length=16)
+    out_b = chunked.inference_step(indices, x, cache_b, prefix_length=0, max_length=16)
+    assert torch.allclose(out_a, out_b, atol=1e-4)
+    for tensors_a, tensors_b in zip(cache_a, cache_b, strict=True):
+        for a, b in zip(tensors_a, tensors_b, strict=True):
+            assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_chunk_length_keeps_attention_scores_under_the_limit(blocks_and_config) -> None:
+    backend = make_backend(blocks_and_config, max_chunk_size_bytes=HEADS * 2 * 4 * 20 * 5)
+    assert backend._max_chunk_length(batch_size=2, total_length=20) == 5
+    assert backend._max_chunk_length(batch_size=2, total_length=10_000) == 1
+
+
+def test_hypo_ids_reorder_the_cache(blocks_and_config) -> None:
+    backend = make_backend(blocks_and_config)
+    indices = [1, 2]
+    x, new_token = torch.randn(3, 6, HIDDEN), torch.randn(3, 1, HIDDEN)
+    hypo_ids = torch.tensor([2, 0, 0])
+    cache = new_cache(backend, indices, 3, 8)
+    backend.inference_step(indices, x, cache, prefix_length=0, max_length=8)
+    out = backend.inference_step(indices, new_token, cache, prefix_length=6, max_length=8, hypo_ids=hypo_ids)
+
+    fresh = new_cache(backend, indices, 3, 8)
+    backend.inference_step(indices, x[hypo_ids], fresh, prefix_length=0, max_length=8)
+    expected = backend.inference_step(indices, new_token, fresh, prefix_length=6, max_length=8)
+    assert torch.allclose(out, expected, atol=1e-5)
+    for tensors_a, tensors_b in zip(cache, fresh, strict=True):
+        for a, b in zip(tensors_a, tensors_b, strict=True):
+            assert torch.allclose(a, b, atol=1e-5)
+
+    for bad in (torch.tensor([0, 1, 3]), torch.tensor([-1, 0, 0]), torch.tensor([0, 1]), torch.tensor([0.0, 1, 2])):
+        with pytest.raises(ValueError, match="hypo_ids"):
+            backend.inference_step(indices, new_token, cache, prefix_length=7, max_length=8, hypo_ids=bad)
+
+
+def test_zero_token_step_returns_empty_without_touching_the_cache(blocks_and_config) -> None:
+    backend = make_backend(blocks_and_config)
+    cache = new_cache(backend, [0, 1], 2, 8)
+    backend.inference_step([0, 1], torch.randn(2, 4, HIDDEN), cache, prefix_length=0, max_length=8)
+    snapshot = [[t.clone() for t in tensors] for tensors in cache]
+    out = backend.inference_step([0, 1], torch.randn(2, 0, HIDDEN), cache, prefix_length=4, max_length=8)
+    assert out.shape == (2, 0, HIDDEN)
+    assert all(torch.equal(a, b) for ta, tb in zip(cache, snapshot, strict=True) for a, b in zip(ta, tb, strict=True))
+    # a zero-token step is allowed even when the cache is full
+    assert backend.inference_step([0, 1], torch.randn(2, 0, HIDDEN), cache, prefix_length=8, max_length=8).numel() == 0
+
+
+def test_rollback_overwrites_the_cache(blocks_and_config) -> None:
+    backend = make_backend(blocks_and_config)
+    indices = [0, 1, 2]
+    a, b = torch.randn(1, 8, HIDDEN), torch.randn(1, 3, HIDDEN)
+    cache = new_cache(backend, indices, 1, 10)
+    backend.inference_step(indices, a, cache, prefix_length=0, max_length=10)
+    out = backend.inference_step(indices, b, cache, prefix_length=5, max_length=10)  # back to position 5
+    expected = backend.forward(indices, torch.cat([a[:, :5], b], dim=1))[:, 5:]
+    assert torch.allclose(out, expected, atol=1e-4)
+    # and decoding continues from the rolled-back state
+    c = torch.randn(1, 1, HIDDEN)
+    out_c = backend.inference_step(indices, c, cache, prefix_length=8, max_length=10)
+    expected_c = backend.forward(indices, torch.cat([a[:, :5], b, c], dim=1))[:, 8:]
+    assert torch.allclose(out_c, expected_c, atol=1e-4)
+
+
+def test_max_length_is_enforced(blocks_and_config) -> None:
+    backend = make_backend(blocks_and_config)
+    cache = new_cache(backend, [0], 1, 6)
+    backend.inference_step([0], torch.randn(1, 4, HIDDEN), cache, prefix_length=0, max_length=6)
+    with pytest.raises(ValueError, match=r"prefix_length 4 \+ 3 new tokens > max_length 6"):
+        backend.inference_step([0], torch.randn(1, 3, HIDDEN), cache, prefix_length=4, max_length=6)
+    with pytest.raises(ValueError, match="prefix_length"):
+        backend.inference_step([0], torch.randn(1, 1, HIDDEN), cache, prefix_length=-1, max_length=6)
+    assert backend.inference_step([0], torch.randn(1, 2, HIDDEN), cache, prefix_length=4, max_length=6).shape == (
+        1,
+        2,
+        HIDDEN,
+    )
+
+
+def test_backward_matches_autograd_on_a_plain_stack(blocks_and_config) -> None:
+    backend = make_backend(blocks_and_config)
+    indices = [1, 2, 3]
+    x, grad_out = torch.randn(2, 5, HIDDEN), torch.randn(2, 5, HIDDEN)
+    prompts = torch.randn(3, 1, 2, HIDDEN)
+
+    x_ref, prompts_ref = x.clone().requires_grad_(True), prompts.clone().requires_grad_(True)
+    hidden = x_ref
+    for i, index in enumerate(indices):
+        hidden = torch.cat([hidden[:, :2] + prompts_ref[i], hidden[:, 2:]], dim=1)
+        hidden = backend.blocks[index](hidden)
+    torch.autograd.backward(hidden, grad_out)
+
+    grad_x, grad_prompts = backend.backward(indices, x, grad_out, prompts)
+    assert torch.allclose(grad_x, x_ref.grad, atol=1e-4)
+    assert grad_prompts is not None and grad_prompts.shape == prompts.shape
+    assert torch.allclose(grad_prompts, prompts_ref.grad, atol=1e-4)
+    # forward applies the same deep prompts
+    assert torch.allclose(backend.forward(indices, x, prompts), hidden.detach(), atol=1e-4)
+
+    grad_plain, none = backend.backward(indices, x, grad_out)
+    assert none is None and grad_plain.shape == x.shape
+    assert all(p.grad is None and not p.requires_grad for b in backend.blocks.values() for p in b.parameters())
+
+
+def test_deep_prompts_in_inference_apply_at_absolute_positions(blocks_and_config) -> None:
+    backend = make_backend(blocks_and_config)
+    indices = [0, 1]
+    x, prompts = torch.randn(2, 6, HIDDEN), torch.randn(2, 2, 3, HIDDEN)
+    expected = backend.forward(indices, x, prompts)
+    cache = new_cache(backend, indices, 2, 6)
+    first = backend.inference_step(indices, x[:, :2], cache, prefix_length=0, max_length=6, prompts=prompts)
+    second = backend.inference_step(indices, x[:, 2:], cache, prefix_length=2, max_length=6, prompts=prompts)
+    assert torch.allclose(torch.cat([first, second], dim=1), expected, atol=1e-4)
+
+
+def test_bad_requests_are_value_errors(blocks_and_config) -> None:
+    backend = make_backend(blocks_and_config, adapters=("known",))
+    x = torch.randn(1, 2, HIDDEN)
+    cases = {
+        "not served": lambda: backend.forward([3, 4], x),
+        "contiguous": lambda: backend.forward([0, 2], x),
+        "contiguous and ascending": lambda: backend.forward([1, 0], x),
+        "at least one block": lambda: backend.forward([], x),
+        "shape": lambda: backend.forward([0], torch.randn(1, 2, HIDDEN + 1)),
+        "floating": lambda: backend.forward([0], torch.ones(1, 2, HIDDEN, dtype=torch.int64)),
+        "prompts": lambda: backend.forward([0, 1], x, torch.randn(3, 1, 1, HIDDEN)),
+        "Unknown adapter": lambda: backend.forward([0], x, None, "missing"),
+        "grad_outputs": lambda: backend.backward([0], x, torch.randn(1, 3, HIDDEN)),
+        "batch size": lambda: backend.inference_step(
+            [0], torch.randn(2, 1, HIDDEN), new_cache(backend, [0], 1, 4), prefix_length=0, max_length=4
+        ),
+        "cache tensors for": lambda: backend.inference_step(
+            [0, 1], x, new_cache(backend, [0], 1, 4), prefix_length=0, max_length=4
+        ),
+    }
+    for message, call in cases.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_cache_descriptors_and_bytes_per_token(blocks_and_config) -> None:
+    backend = make_backend(blocks_and_config)
+    descriptors = backend.cache_descriptors([1, 2], batch_size=3, max_length=10)
+    assert len(descriptors) == 2
+    head_dim = HIDDEN // HEADS
+    per_block_per_token = 2 * KV_HEADS * head_dim * 4  # K + V, fp32
+    assert allocation_size_bytes([d for ds in descriptors for d in ds]) == 2 * 3 * 10 * per_block_per_token
+    assert backend.cache_bytes_per_token([1]) == per_block_per_token
+    assert backend.cache_bytes_per_token() == NUM_BLOCKS * per_block_per_token
+    with pytest.raises(ValueError):
+        backend.cache_descriptors([0], batch_size=0, max_length=4)
+
+
+async def test_runtime_memory_cache_and_backend_together(blocks_and_config) -> None:
+    """The serving path: allocate handles in the loop, run steps in the device thread, free on exit."""
+    backend = make_backend(blocks_and_config)
+    indices = [0, 1, 2, 3]
+    descriptors = backend.cache_descriptors(indices, 1, 8)
+    flat = [d for ds in descriptors for d in ds]
+    cache = MemoryCache(max_size_bytes=allocation_size_bytes(flat))
+    x = torch.randn(1, 5, HIDDEN)
+    expected = backend.forward(indices, x)
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        async with cache.allocate_cache(*flat, timeout_s=0) as handles:
+            nested = [handles[2 * i : 2 * i + 2] for i in range(len(indices))]
+
+            def step(hidden: torch.Tensor, prefix: int) -> torch.Tensor:
+                tensors = [cache.use_cache(*h) for h in nested]
+                return backend.inference_step(indices, hidden, tensors, prefix_length=prefix, max_length=8)
+
+            outputs = [await runtime.submit(lambda: step(x[:, :3], 0), priority=PRIORITY_INFERENCE, size_tokens=3)]
+            for t in (3, 4):
+                outputs.append(
+                    await asyncio.wait_for(
+                        runtime.submit(
+                            lambda t=t: step(x[:, t : t + 1], t), priority=PRIORITY_INFERENCE, size_tokens=1
+                        ),
+                        10,
+                    )
+                )
+            assert cache.bytes_left == 0
+    assert torch.allclose(torch.cat(outputs, dim=1), expected, atol=1e-4)
+    assert cache.current_size_bytes == 0 and cache.num_handles == 0
+    assert math.isclose(cache.bytes_left, cache.max_size_bytes)
