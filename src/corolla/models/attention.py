@@ -1,0 +1,115 @@
+"""Self-attention shared by all families: one fused q/k/v projection (rows `[q heads | k heads | v heads]`),
+rotary or ALiBi positions, optional sliding window, our KV cache layout `[B, kv_heads, max_length, head_dim]`,
+and `scaled_dot_product_attention`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corolla.models.block_base import TensorDescriptor
+from corolla.models.positions import RotaryEmbedding, alibi_slopes
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query / multi-query attention over `num_heads` query heads and `num_kv_heads` KV heads.
+
+    `head_ids` are the global ids of the query heads held here (all unless tensor parallel split them); they pick
+    the ALiBi slopes. ALiBi bias is `slope * key_position * alibi_scale` (BLOOM: scale 1; Falcon: 1/sqrt(hd),
+    with the slope-position product rounded to bf16 as Falcon does).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool,
+        out_bias: bool,
+        rotary: RotaryEmbedding | None = None,
+        alibi: bool = False,
+        alibi_scale: float = 1.0,
+        alibi_bf16_product: bool = False,
+        total_heads: int | None = None,
+        sliding_window: int | None = None,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.hidden_size = hidden_size
+        self.qkv = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=out_bias)
+        self.rotary = rotary
+        self.alibi = alibi
+        self.alibi_scale = alibi_scale
+        self.alibi_bf16_product = alibi_bf16_product
+        self.total_heads = total_heads or num_heads
+        self.head_ids: list[int] = list(range(num_heads))
+        self.sliding_window = sliding_window
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def cache_descriptors(self, batch_size: int, max_length: int, dtype: torch.dtype) -> list[TensorDescriptor]:
+        """K and V, each `[batch, kv_heads, max_length, head_dim]` on this module's device."""
+        device = self.o_proj.weight.device
+        shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
+        return [TensorDescriptor(shape, dtype, device), TensorDescriptor(shape, dtype, device)]
+
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        h, kv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)  # [B, T, (h + 2 kv) hd]
+        q, k, v = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
+        q = q.view(B, T, h, hd).transpose(1, 2)  # [B, h, T, hd]
+        k = k.view(B, T, kv, hd).transpose(1, 2)  # [B, kv, T, hd]
+        v = v.view(B, T, kv, hd).transpose(1, 2)  # [B, kv, T, hd]
+        if self.rotary is not None:
+            q, k = self.rotary.apply(q, k, position)
+
+        if cache is not None:
+            k_cache, v_cache = cache  # [B, kv, L_max, hd] each
+            if k_cache.shape[0] != B or k_cache.shape[1] != kv or k_cache.shape[3] != hd:
+                raise ValueError(f"cache shape {tuple(k_cache.shape)} does not fit batch {B}, {kv} kv heads, {hd} dims")
+            if position + T > k_cache.shape[2]:
+                raise ValueError(f"position {position} + {T} tokens exceeds the cache length {k_cache.shape[2]}")
+            k_cache[:, :, position : position + T] = k.to(k_cache.dtype)
+            v_cache[:, :, position : position + T] = v.to(v_cache.dtype)
+            k_all = k_cache[:, :, : position + T].to(q.dtype)  # [B, kv, P+T, hd]
+            v_all = v_cache[:, :, : position + T].to(q.dtype)
+            key_start = 0
+        else:
+            k_all, v_all = k, v
+            key_start = position
+        out = self._attend(q, k_all, v_all, query_start=position, key_start=key_start)  # [B, h, T, hd]
+        out = out.transpose(1, 2).reshape(B, T, h * hd)  # [B, T, h hd]
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_start: int, key_start: int):
+        """q [B,h,T,hd], k/v [B,kv,S,hd]; query i sits at absolute position query_start+i, key j at key_start+j."""
+        T, S = q.shape[-2], k.shape[-2]
+        gqa = self.num_kv_heads != self.num_heads
+        simple_causal = not self.alibi and (self.sliding_window is None or query_start + T <= self.sliding_window)
+        if simple_causal and (T == 1 or query_start - key_start == S - T == 0):
+            # One query sees every key; or a fresh square causal block.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
+        q_pos = torch.arange(query_start, query_start + T, device=q.device)  # [T]
+        k_pos = torch.arange(key_start, key_start + S, device=q.device)  # [S]
+        allowed = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+        if self.sliding_window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
+        if not self.alibi:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=gqa)
+        slopes = alibi_slopes(self.total_heads).to(q.device)[self.head_ids]  # [h] fp32
+        if self.alibi_bf16_product:
+            bias = (slopes.bfloat16()[:, None] * k_pos[None, :]).to(q.dtype) * self.alibi_scale  # [h, S]
+        else:
+            bias = (slopes[:, None] * k_pos[None, :].float() * self.alibi_scale).to(q.dtype)  # [h, S]
+        mask = bias[:, None, :].masked_fill(~allowed[None], float("-inf"))  # [h, T, S]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], scale=self.scale, enable_gqa=gqa)

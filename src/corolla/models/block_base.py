@@ -1,0 +1,170 @@
+"""The block contract shared by every family: `CorollaBlock` (one decoder layer, our own code), the
+`TensorDescriptor` of its KV cache, and `TensorTarget`, the map from checkpoint tensor names to our parameters."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorDescriptor:
+    """Shape, dtype and device of one tensor to allocate (used for KV caches)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def make_zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
+@dataclass(frozen=True)
+class TensorTarget:
+    """Where a checkpoint tensor goes: `param` (our dotted parameter name) and, for fused projections,
+    `rows`: checkpoint row i is written to row `rows[i]` of our parameter (None = the whole parameter)."""
+
+    param: str
+    rows: torch.Tensor | None = None
+
+
+# The adapter selected for the current request (see `lora.using_adapter`); "" means none.
+_ACTIVE_ADAPTER: contextvars.ContextVar[str] = contextvars.ContextVar("corolla_active_adapter", default="")
+
+
+def active_adapter() -> str:
+    return _ACTIVE_ADAPTER.get()
+
+
+@contextlib.contextmanager
+def _set_active_adapter(name: str) -> Iterator[None]:
+    token = _ACTIVE_ADAPTER.set(name)
+    try:
+        yield
+    finally:
+        _ACTIVE_ADAPTER.reset(token)
+
+
+class CorollaBlock(nn.Module):
+    """One decoder layer. Subclasses build `self.attn` (an `attention.Attention` or its tensor-parallel
+    replacement) and implement `_forward` and `checkpoint_layout`.
+
+    forward(hidden_states [B,T,H], *, cache=None, position=0) -> [B,T,H]:
+      * with `cache` (the tensors described by `cache_descriptors`: K and V `[B, kv_heads, max_length, head_dim]`
+        per attention shard), writes this step's keys/values at `[position, position+T)` and attends causally
+        over `[0, position+T)`; rolling back is calling again with a smaller `position`;
+      * without `cache`: causal attention over the T tokens (positions start at `position`); supports autograd.
+    """
+
+    attn: nn.Module
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.hidden_size: int = config.hidden_size
+        self.adapter_names: set[str] = set()
+
+    # --- the contract -------------------------------------------------------------------------------------
+    def forward(
+        self, hidden_states: torch.Tensor, *, cache: list[torch.Tensor] | None = None, position: int = 0
+    ) -> torch.Tensor:
+        if hidden_states.ndim != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states must be [batch, tokens, {self.hidden_size}], got {tuple(hidden_states.shape)}"
+            )
+        position = int(position)
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        name = active_adapter()
+        if name and name not in self.adapter_names:
+            raise KeyError(f"Unknown adapter {name!r}; this block has {sorted(self.adapter_names) or 'none'}")
+        return self._forward(hidden_states, cache=cache, position=position)
+
+    def _forward(self, hidden_states: torch.Tensor, *, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def cache_descriptors(self, batch_size: int, max_length: int) -> list[TensorDescriptor]:
+        """K and V `[batch, kv_heads, max_length, head_dim]` for each attention shard, in the block's dtype/device."""
+        if batch_size < 1 or max_length < 1:
+            raise ValueError(f"batch_size and max_length must be >= 1, got {batch_size}, {max_length}")
+        return self.attn.cache_descriptors(batch_size, max_length, self.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: that of the norms (never quantized)."""
+        for p in self.parameters():
+            if p.dtype in (torch.float32, torch.float16, torch.bfloat16):
+                return p.dtype
+        return torch.bfloat16
+
+    # --- weights --------------------------------------------------------------------------------------------
+    def checkpoint_layout(self) -> dict[str, TensorTarget]:
+        """Checkpoint tensor names (relative to the layer prefix) -> where they go in this (unsplit) block."""
+        raise NotImplementedError
+
+    def normalize_checkpoint_names(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Maps alternative spellings of the checkpoint names (e.g. newer transformers layouts) onto
+        `checkpoint_layout` names. Default: unchanged."""
+        return dict(state_dict)
+
+    def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        params = dict(self.named_parameters())
+        shapes = {}
+        for name, target in self.checkpoint_layout().items():
+            shape = tuple(params[target.param].shape)
+            if target.rows is not None:
+                shape = (len(target.rows), *shape[1:])
+            shapes[name] = shape
+        return shapes
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, source: str = "state_dict") -> None:
+        """Copies checkpoint tensors (names relative to the layer prefix, e.g. `self_attn.q_proj.weight`) into
+        this block, casting floats to the block's dtype. Missing or mis-shaped tensors raise `ValueError`
+        naming the tensor and `source`; unknown names are ignored with a log line."""
+        state_dict = self.normalize_checkpoint_names(state_dict)
+        layout = self.checkpoint_layout()
+        shapes = self.expected_checkpoint_shapes()
+        params = dict(self.named_parameters())
+        missing = sorted(set(layout) - set(state_dict))
+        if missing:
+            raise ValueError(
+                f"Tensor {missing[0]!r} (layer {self.layer_idx}) is missing from {source}: missing {missing}"
+            )
+        unknown = sorted(set(state_dict) - set(layout))
+        if unknown:
+            logger.info("load_hf_state_dict.ignored(layer=%d, names=%s)", self.layer_idx, unknown)
+        for name, target in layout.items():
+            value = state_dict[name]
+            if tuple(value.shape) != shapes[name]:
+                raise ValueError(
+                    f"Tensor {name!r} (layer {self.layer_idx}) in {source} has shape {tuple(value.shape)}, "
+                    f"expected {shapes[name]}"
+                )
+            param = params[target.param]
+            value = value.to(device=param.device, dtype=param.dtype if value.is_floating_point() else value.dtype)
+            if target.rows is None:
+                param.copy_(value)
+            else:
+                param[target.rows.to(param.device)] = value

@@ -1,0 +1,98 @@
+"""Small building blocks shared by the families: RMSNorm, gated (SwiGLU-style) and dense MLPs, and the sparse
+mixture-of-experts MLP. Projections are plain `nn.Linear` so quantization, LoRA and tensor parallelism can
+replace or slice them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def activation(name: str):
+    """Activation by the name transformers configs use."""
+    if name in ("silu", "swish"):
+        return F.silu
+    if name == "gelu":
+        return F.gelu
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "bloom_gelu"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"Unsupported activation {name!r}")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, scaled in the input dtype (as Llama/Mistral/Mixtral do)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one projection: rows [gate (I); up (I)]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(act)
+        self.act_name = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # 2 x [..., I]
+        return self.down(self.act(gate) * up)
+
+
+class DenseMLP(nn.Module):
+    """down(act(up(x))) (Falcon, BLOOM)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = True):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.up = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = activation(act)
+        self.act_name = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        return self.down(self.act(self.up(x)))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts (Mixtral): softmax over router logits in fp32, top-k renormalized, each token's
+    output the weighted sum of its experts' GatedMLP outputs. `expert_ids` are the global ids of the experts this
+    module holds (all of them unless tensor parallel split them); the router is always complete."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, act: str):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size, act) for _ in range(num_experts))
+        self.expert_ids: list[int] = list(range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B,T,H] -> [B,T,H]
+        B, T, H = x.shape
+        flat = x.reshape(B * T, H)  # [N, H]
+        logits = F.linear(flat, self.router.weight.to(flat.device))  # [N, E]
+        probs = torch.softmax(logits.float(), dim=-1)  # [N, E] fp32
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)  # fp32, as the reference
+        out = torch.zeros_like(flat)  # [N, H]
+        for local, expert_id in enumerate(self.expert_ids):
+            token_idx, slot = torch.where(top_i == expert_id)  # [n], [n]
+            if token_idx.numel() == 0:
+                continue
+            y = self.experts[local](flat[token_idx]) * top_w[token_idx, slot, None]  # [n, H] fp32
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out.reshape(B, T, H)

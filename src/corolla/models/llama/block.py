@@ -1,0 +1,123 @@
+"""The Llama decoder layer (also Mistral and Qwen2): pre-RMSNorm, rotary GQA attention, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+
+from corolla.models.attention import Attention
+from corolla.models.block_base import CorollaBlock, TensorTarget
+from corolla.models.layers import GatedMLP, RMSNorm
+from corolla.models.positions import RotaryEmbedding, rope_parameters
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """Mistral: `sliding_window` for every layer; Qwen2: only layers whose `layer_types` entry says so."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_idx < len(layer_types) and layer_types[layer_idx] != "sliding_attention":
+        return None
+    if getattr(config, "model_type", None) == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return int(window)
+
+
+def make_rotary_attention(config, layer_idx: int) -> Attention:
+    hd = head_dim_of(config)
+    qwen2 = getattr(config, "model_type", None) == "qwen2"
+    attention_bias = bool(getattr(config, "attention_bias", False))
+    rotary = RotaryEmbedding(hd, rope_parameters(config), config.max_position_embeddings)
+    return Attention(
+        config.hidden_size,
+        config.num_attention_heads,
+        num_kv_heads_of(config),
+        hd,
+        qkv_bias=attention_bias or qwen2,
+        out_bias=attention_bias,
+        rotary=rotary,
+        sliding_window=sliding_window_of(config, layer_idx),
+    )
+
+
+def qkv_layout(config, q_name: str, k_name: str, v_name: str, o_name: str, *, qkv_bias: bool, out_bias: bool):
+    """Separate checkpoint q/k/v projections -> row ranges of our fused `attn.qkv`."""
+    hd = head_dim_of(config)
+    nq, nkv = config.num_attention_heads * hd, num_kv_heads_of(config) * hd
+    rows = {
+        q_name: torch.arange(0, nq),
+        k_name: torch.arange(nq, nq + nkv),
+        v_name: torch.arange(nq + nkv, nq + 2 * nkv),
+    }
+    layout = {}
+    for name, r in rows.items():
+        layout[f"{name}.weight"] = TensorTarget("attn.qkv.weight", r)
+        if qkv_bias:
+            layout[f"{name}.bias"] = TensorTarget("attn.qkv.bias", r)
+    layout[f"{o_name}.weight"] = TensorTarget("attn.o_proj.weight")
+    if out_bias:
+        layout[f"{o_name}.bias"] = TensorTarget("attn.o_proj.bias")
+    return layout
+
+
+class LlamaBlock(CorollaBlock):
+    """x + attn(norm(x)), then + mlp(norm(.)). Checkpoint names: `self_attn.{q,k,v,o}_proj`,
+    `mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm`."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = make_rotary_attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = self._make_mlp(config)
+
+    def _make_mlp(self, config):
+        return GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+    def _forward(self, hidden_states: torch.Tensor, *, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
+        x = hidden_states  # [B, T, H]
+        x = x + self.attn(self.input_layernorm(x), cache, position)  # [B, T, H]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, H]
+
+    def checkpoint_layout(self) -> dict[str, TensorTarget]:
+        attn = self.attn_layout()
+        mlp_bias = bool(getattr(self.config, "mlp_bias", False))
+        inter = self.config.intermediate_size
+        layout = {
+            "input_layernorm.weight": TensorTarget("input_layernorm.weight"),
+            "post_attention_layernorm.weight": TensorTarget("post_attention_layernorm.weight"),
+            "mlp.gate_proj.weight": TensorTarget("mlp.gate_up.weight", torch.arange(0, inter)),
+            "mlp.up_proj.weight": TensorTarget("mlp.gate_up.weight", torch.arange(inter, 2 * inter)),
+            "mlp.down_proj.weight": TensorTarget("mlp.down.weight"),
+        }
+        if mlp_bias:
+            layout["mlp.gate_proj.bias"] = TensorTarget("mlp.gate_up.bias", torch.arange(0, inter))
+            layout["mlp.up_proj.bias"] = TensorTarget("mlp.gate_up.bias", torch.arange(inter, 2 * inter))
+            layout["mlp.down_proj.bias"] = TensorTarget("mlp.down.bias")
+        return {**attn, **layout}
+
+    def attn_layout(self) -> dict[str, TensorTarget]:
+        qwen2 = getattr(self.config, "model_type", None) == "qwen2"
+        attention_bias = bool(getattr(self.config, "attention_bias", False))
+        return qkv_layout(
+            self.config,
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            qkv_bias=attention_bias or qwen2,
+            out_bias=attention_bias,
+        )

@@ -1,0 +1,225 @@
+"""Loading one block's weights and nothing else: from a safetensors index (only the shards holding the block),
+a single safetensors file, or pytorch `.bin` files; from a local directory or the hub (through the shared
+disk cache of `disk_cache`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from corolla.models import disk_cache
+from corolla.models.block_base import CorollaBlock
+from corolla.models.config import checkpoint_dtype, is_local_path, parse_dtype
+from corolla.models.registry import get_family
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+CHECKPOINT_FILES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+# Called with the path of every checkpoint file opened to read weights (tests assert which shards were read).
+FILE_OPEN_HOOKS: list[Callable[[str], None]] = []
+HUB_DOWNLOAD_RETRIES = 3
+
+
+def load_pretrained_block(
+    name_or_path: str | os.PathLike,
+    block_index: int,
+    *,
+    config,
+    torch_dtype: str | torch.dtype = "auto",
+    cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
+    token=None,
+    max_disk_space_bytes: int | None = None,
+) -> CorollaBlock:
+    """Builds block `block_index` of the model on CPU in `torch_dtype` ("auto": the checkpoint's dtype unless
+    float32, else bfloat16) with its parameters frozen, reading only that block's tensors."""
+    family = get_family(config)
+    if not 0 <= block_index < config.num_hidden_layers:
+        raise ValueError(f"block_index must be in [0, {config.num_hidden_layers}), got {block_index}")
+    dtype = parse_dtype(torch_dtype)
+    if dtype is None:
+        dtype = checkpoint_dtype(config)
+        dtype = torch.bfloat16 if dtype in (None, torch.float32) else dtype
+    started = time.perf_counter()
+
+    with torch.device("meta"):
+        block = family.build_block(config, block_index)
+    block = block.to(dtype).to_empty(device="cpu")
+
+    source = _CheckpointSource(name_or_path, cache_dir=cache_dir, revision=revision, token=token,
+                               max_disk_space_bytes=max_disk_space_bytes)  # fmt: skip
+    state_dict, origin = source.read_block(family.block_prefixes, block_index)
+    expected = block.expected_checkpoint_shapes()
+    normalized = block.normalize_checkpoint_names(state_dict)
+    for name, shape in expected.items():
+        if name not in normalized:
+            raise ValueError(
+                f"Tensor {name!r} of block {block_index} is missing from the checkpoint {source.describe()} "
+                f"(looked in {sorted(set(origin.values())) or source.describe()})"
+            )
+        if tuple(normalized[name].shape) != shape:
+            raise ValueError(
+                f"Tensor {name!r} of block {block_index} in {origin.get(name, source.describe())} has shape "
+                f"{tuple(normalized[name].shape)}, expected {shape}"
+            )
+    block.load_hf_state_dict(normalized, source=source.describe())
+    block.requires_grad_(False)
+    logger.info(
+        "load_pretrained_block.done(model=%s, block=%d, dtype=%s, files=%d, seconds=%.2f)",
+        name_or_path, block_index, dtype, len(set(origin.values())), time.perf_counter() - started,
+    )  # fmt: skip
+    return block
+
+
+def _notify_open(path: str) -> None:
+    logger.debug("load.open_file(path=%s)", path)
+    for hook in list(FILE_OPEN_HOOKS):
+        hook(path)
+
+
+def read_tensors(path: str | os.PathLike, prefix: str) -> dict[str, torch.Tensor]:
+    """Tensors whose names start with `prefix`, with the prefix stripped; safetensors are read lazily
+    (only those tensors), `.bin` files are loaded with `weights_only=True` and filtered."""
+    path = str(path)
+    _notify_open(path)
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            return {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)}
+
+
+class _CheckpointSource:
+    """A checkpoint in a local directory or a hub repo; hands out local paths of its files."""
+
+    def __init__(self, name_or_path, *, cache_dir, revision, token, max_disk_space_bytes):
+        self.name_or_path = str(name_or_path)
+        self.local = is_local_path(name_or_path)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else disk_cache.DEFAULT_CACHE_DIR
+        self.revision = revision
+        self.token = token
+        self.max_disk_space_bytes = max_disk_space_bytes
+
+    def describe(self) -> str:
+        return self.name_or_path
+
+    # --- which files -------------------------------------------------------------------------------------
+    def _find_index_file(self) -> str:
+        if self.local:
+            for name in CHECKPOINT_FILES:
+                if (Path(self.name_or_path) / name).is_file():
+                    return name
+            raise FileNotFoundError(f"No checkpoint in {self.name_or_path}: expected one of {CHECKPOINT_FILES}")
+        for name in CHECKPOINT_FILES:  # a cached copy first, so offline restarts work
+            if self._cached_path(name) is not None:
+                return name
+        import huggingface_hub
+
+        for name in CHECKPOINT_FILES:
+            if huggingface_hub.file_exists(self.name_or_path, name, revision=self.revision, token=self.token):
+                return name
+        raise FileNotFoundError(f"No checkpoint in hub repo {self.name_or_path}: expected one of {CHECKPOINT_FILES}")
+
+    def read_block(self, prefixes: tuple[str, ...], block_index: int):
+        """(state dict relative to the layer prefix, {name: file it came from})."""
+        index_name = self._find_index_file()
+        if index_name.endswith(".index.json"):
+            with open(self.get_file(index_name)) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            prefix = _pick_prefix(prefixes, block_index, weight_map.keys())
+            if prefix is None:
+                raise ValueError(
+                    f"No tensors of block {block_index} (prefixes {[f'{p}.{block_index}.' for p in prefixes]}) "
+                    f"in {self.describe()}/{index_name}"
+                )
+            files = sorted({file for name, file in weight_map.items() if name.startswith(prefix)})
+        else:
+            files, prefix = [index_name], None
+        state_dict: dict[str, torch.Tensor] = {}
+        origin: dict[str, str] = {}
+        progress = tqdm(files, desc=f"Loading block {block_index}", unit="file", disable=len(files) < 4, leave=False)
+        for file in progress:
+            local_path = self.get_file(file)
+            with disk_cache.allow_cache_reads(self.cache_dir) if not self.local else contextlib.nullcontext():
+                if prefix is None:
+                    prefix = _pick_prefix(prefixes, block_index, _tensor_names(local_path))
+                    if prefix is None:
+                        raise ValueError(f"No tensors of block {block_index} in {local_path}")
+                tensors = read_tensors(local_path, prefix)
+            if not self.local:
+                disk_cache.mark_used(local_path)
+            state_dict.update(tensors)
+            origin.update({name: str(local_path) for name in tensors})
+        return state_dict, origin
+
+    # --- fetching -------------------------------------------------------------------------------------------
+    def _cached_path(self, filename: str) -> str | None:
+        import huggingface_hub
+
+        with disk_cache.allow_cache_reads(self.cache_dir):
+            try:
+                return huggingface_hub.hf_hub_download(
+                    self.name_or_path, filename, revision=self.revision, token=self.token,
+                    cache_dir=self.cache_dir, local_files_only=True,
+                )  # fmt: skip
+            except Exception:  # any miss (not cached, offline) means "download it"
+                return None
+
+    def get_file(self, filename: str) -> str:
+        if self.local:
+            return str(Path(self.name_or_path) / filename)
+        cached = self._cached_path(filename)
+        if cached is not None:
+            return cached
+        import huggingface_hub
+
+        last_error: Exception | None = None
+        for attempt in range(HUB_DOWNLOAD_RETRIES):
+            try:
+                with disk_cache.allow_cache_writes(self.cache_dir):
+                    url = huggingface_hub.hf_hub_url(self.name_or_path, filename, revision=self.revision)
+                    size = huggingface_hub.get_hf_file_metadata(url, token=self.token).size or 0
+                    disk_cache.free_disk_space_for(
+                        size, cache_dir=self.cache_dir, max_disk_space_bytes=self.max_disk_space_bytes
+                    )
+                    return huggingface_hub.hf_hub_download(
+                        self.name_or_path, filename, revision=self.revision, token=self.token, cache_dir=self.cache_dir
+                    )
+            except (OSError, huggingface_hub.errors.HfHubHTTPError) as e:
+                last_error = e
+                logger.warning("load.download_retry(file=%s, attempt=%d, error=%r)", filename, attempt + 1, e)
+                time.sleep(min(30.0, 2.0**attempt))
+        raise RuntimeError(f"Could not download {filename} from {self.name_or_path}: {last_error}") from last_error
+
+
+def _tensor_names(path: str) -> list[str]:
+    if str(path).endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    return list(torch.load(path, map_location="cpu", weights_only=True, mmap=True).keys())
+
+
+def _pick_prefix(prefixes: tuple[str, ...], block_index: int, names) -> str | None:
+    names = list(names)
+    for p in prefixes:
+        full = f"{p}.{block_index}."
+        if any(n.startswith(full) for n in names):
+            return full
+    return None

@@ -1,0 +1,129 @@
+"""The model families corolla serves, keyed by `config.model_type`: weight prefix, block builder, KV head count,
+default DHT prefix rule (Petals' rules for hub names) and, for tests, the transformers reference layer."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+
+def _repo_name(repo_id: str) -> str:
+    return str(repo_id).rstrip("/").split("/")[-1]
+
+
+def _llama_prefix(repo_id: str) -> str:
+    """Repo name only, "." -> "-", "-hf" appended if missing (e.g. `Meta-Llama-3-1-405B-Instruct-hf`)."""
+    prefix = _repo_name(repo_id).replace(".", "-")
+    return prefix if prefix.endswith("-hf") else prefix + "-hf"
+
+
+def _falcon_prefix(repo_id: str) -> str:
+    """Repo name only, "." -> "-"."""
+    return _repo_name(repo_id).replace(".", "-")
+
+
+def _mixtral_prefix(repo_id: str) -> str:
+    """Full repo id, "." -> "-" (e.g. `mistralai/Mixtral-8x22B-Instruct-v0-1`)."""
+    return str(repo_id).replace(".", "-")
+
+
+def _bloom_prefix(repo_id: str) -> str:
+    """Full repo id + "-petals", "." -> "-" (e.g. `bigscience/bloom-petals`)."""
+    return (str(repo_id) + "-petals").replace(".", "-")
+
+
+def _config_kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _falcon_kv_heads(config) -> int:
+    if getattr(config, "new_decoder_architecture", False):
+        return config.num_kv_heads
+    if getattr(config, "multi_query", False):
+        return 1
+    return config.num_attention_heads
+
+
+def _bloom_kv_heads(config) -> int:
+    return config.n_head
+
+
+def _lazy(path: str) -> Callable[..., Any]:
+    module_name, attr = path.rsplit(":", 1)
+
+    def build(config, layer_idx: int):
+        return getattr(importlib.import_module(module_name), attr)(config, layer_idx)
+
+    return build
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What corolla needs to know about one `model_type`."""
+
+    model_type: str
+    family: str  # the folder under corolla.models implementing the block
+    block_prefix: str  # e.g. "model.layers": block i's tensors are "<block_prefix>.<i>.<name>"
+    build_block: Callable[..., nn.Module]  # (config, layer_idx) -> CorollaBlock, on the current default device
+    num_kv_heads: Callable[[Any], int]  # (config) -> KV heads cached per block (all shards together)
+    default_dht_prefix: Callable[[str], str]  # (hub repo id) -> DHT prefix; local paths: see config.default_dht_prefix
+    hf_layer_path: str  # "module:Class" of the transformers reference decoder layer
+    alt_block_prefixes: tuple[str, ...] = field(default=())  # other spellings found in checkpoints
+
+    @property
+    def hf_layer_class(self) -> type[nn.Module]:
+        module_name, attr = self.hf_layer_path.rsplit(":", 1)
+        return getattr(importlib.import_module(module_name), attr)
+
+    @property
+    def block_prefixes(self) -> tuple[str, ...]:
+        return (self.block_prefix, *self.alt_block_prefixes)
+
+
+_TF = "transformers.models"
+_FAMILIES: dict[str, ModelFamily] = {
+    f.model_type: f
+    for f in [
+        ModelFamily(
+            "llama", "llama", "model.layers", _lazy("corolla.models.llama.block:LlamaBlock"), _config_kv_heads,
+            _llama_prefix, f"{_TF}.llama.modeling_llama:LlamaDecoderLayer",
+        ),
+        ModelFamily(
+            "mistral", "llama", "model.layers", _lazy("corolla.models.llama.block:LlamaBlock"), _config_kv_heads,
+            _llama_prefix, f"{_TF}.mistral.modeling_mistral:MistralDecoderLayer",
+        ),
+        ModelFamily(
+            "qwen2", "llama", "model.layers", _lazy("corolla.models.llama.block:LlamaBlock"), _config_kv_heads,
+            _llama_prefix, f"{_TF}.qwen2.modeling_qwen2:Qwen2DecoderLayer",
+        ),
+        ModelFamily(
+            "mixtral", "mixtral", "model.layers", _lazy("corolla.models.mixtral.block:MixtralBlock"),
+            _config_kv_heads, _mixtral_prefix, f"{_TF}.mixtral.modeling_mixtral:MixtralDecoderLayer",
+        ),
+        ModelFamily(
+            "falcon", "falcon", "transformer.h", _lazy("corolla.models.falcon.block:FalconBlock"), _falcon_kv_heads,
+            _falcon_prefix, f"{_TF}.falcon.modeling_falcon:FalconDecoderLayer",
+        ),
+        ModelFamily(
+            "bloom", "bloom", "h", _lazy("corolla.models.bloom.block:BloomBlock"), _bloom_kv_heads,
+            _bloom_prefix, f"{_TF}.bloom.modeling_bloom:BloomBlock", alt_block_prefixes=("transformer.h",),
+        ),
+    ]
+}  # fmt: skip
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
+
+
+def get_family(config_or_type) -> ModelFamily:
+    """The family for a config (or a `model_type` string); `ValueError` listing the supported types otherwise."""
+    model_type = config_or_type if isinstance(config_or_type, str) else getattr(config_or_type, "model_type", None)
+    try:
+        return _FAMILIES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"Unsupported model_type {model_type!r}; corolla supports {', '.join(SUPPORTED_MODEL_TYPES)}"
+        ) from None

@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny offline models (`tiny_models`) and swarm fixtures (`swarm`)."""
