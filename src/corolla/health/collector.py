@@ -1,0 +1,163 @@
+"""Keeps the health document fresh: every `refresh_period_s` a background thread reads the model index and every
+block's records from a client-mode DHT, pings the online servers and bootstrap peers, and rebuilds the state."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+
+from corolla.health.state import ModelEntry, build_state
+from corolla.protocol.records import ServerState
+from corolla.protocol.uids import make_uid
+from corolla.swarm.dht import run_in_dht
+from corolla.swarm.ping import ping_parallel
+from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class HealthConfig:
+    refresh_period_s: float = 30.0  # how often the state is rebuilt (the page polls at the same period)
+    dht_timeout_s: float = 20.0  # bound on each DHT read
+    ping_timeout_s: float = 3.0  # a server that does not answer a ping in time is shown as unreachable
+    check_reachability: bool = True
+    use_models_index: bool = True  # also watch every model announced under `_petals.models`
+    initial_peers: Sequence[str] = field(default_factory=tuple)  # for the bootstrap peers' states
+
+    def __post_init__(self) -> None:
+        if self.refresh_period_s <= 0:
+            raise ValueError(f"refresh_period_s must be > 0, got {self.refresh_period_s}")
+
+
+async def _ping_peers(_dht: hivemind.DHT, node: Any, *, peer_ids: list[str], timeout_s: float) -> dict[str, float]:
+    return await ping_parallel(peer_ids, node.p2p, timeout_s, node.protocol.node_info)
+
+
+def _bootstrap_peer_ids(initial_peers: Sequence[str]) -> list[str]:
+    ids: list[str] = []
+    for addr in initial_peers:
+        try:
+            peer_id = Multiaddr(addr)["p2p"]
+        except Exception:  # a multiaddr without /p2p/ cannot be checked
+            continue
+        if peer_id not in ids:
+            ids.append(peer_id)
+    return ids
+
+
+class StateCollector:
+    """Owns the refresh thread; `state` is the latest document (a placeholder until the first refresh ends)."""
+
+    def __init__(self, dht: hivemind.DHT, models: Sequence[ModelEntry] = (), config: HealthConfig | None = None):
+        self.dht = dht
+        self.config = config or HealthConfig()
+        self.pinned_models = list(models)
+        self._state: dict[str, Any] = {
+            "bootstrap_states": [],
+            "top_contributors": {},
+            "model_reports": [],
+            "reachability_issues": [],
+            "last_updated": None,
+            "update_period": self.config.refresh_period_s,
+            "update_duration": None,
+        }
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._refreshed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            return self._state
+
+    def wait_first_refresh(self, timeout_s: float) -> bool:
+        return self._refreshed.wait(timeout_s)
+
+    def models(self) -> list[ModelEntry]:
+        """Pinned models first, then the index's (largest first), each prefix once."""
+        models = list(self.pinned_models)
+        if self.config.use_models_index:
+            seen = {m.dht_prefix for m in models}
+            indexed = get_model_infos(self.dht, latest=True, timeout_s=self.config.dht_timeout_s)
+            extra = [
+                ModelEntry(dht_prefix=prefix, num_blocks=info.num_blocks, repository=info.repository)
+                for prefix, info in indexed.items()
+                if prefix not in seen
+            ]
+            models.extend(sorted(extra, key=lambda m: (-m.num_blocks, m.dht_prefix)))
+        return models
+
+    def refresh(self) -> dict[str, Any]:
+        """Rebuilds the state now (blocking) and returns it."""
+        started = time.perf_counter()
+        models = self.models()
+        uids = [make_uid(m.dht_prefix, i) for m in models for i in range(m.num_blocks)]
+        infos = get_remote_module_infos(self.dht, uids, latest=True, timeout_s=self.config.dht_timeout_s)
+        per_model, offset = {}, 0
+        for m in models:
+            per_model[m.dht_prefix] = infos[offset : offset + m.num_blocks]
+            offset += m.num_blocks
+
+        rtts: dict[str, float] = {}
+        bootstrap_ids = _bootstrap_peer_ids(self.config.initial_peers)
+        if self.config.check_reachability:
+            online = sorted(
+                {p for info in infos for p, s in info.servers.items() if s.state == ServerState.ONLINE}
+                | set(bootstrap_ids)
+            )
+            if online:
+                coro = partial(_ping_peers, peer_ids=online, timeout_s=self.config.ping_timeout_s)
+                rtts = run_in_dht(self.dht, coro, timeout_s=self.config.ping_timeout_s + 10, what="health.ping")
+        bootstrap_states = ["unreachable" if rtts.get(p) == float("inf") else "online" for p in bootstrap_ids]
+
+        state = build_state(
+            models,
+            per_model,
+            rtts_s=rtts,
+            bootstrap_states=bootstrap_states,
+            last_updated=time.time(),
+            update_period_s=self.config.refresh_period_s,
+            update_duration_s=time.perf_counter() - started,
+        )
+        with self._lock:
+            self._state = state
+        self._refreshed.set()
+        logger.info(
+            f"health.refreshed(models={len(models)}, servers={sum(len(r['server_rows']) for r in state['model_reports'])}"
+            f", took={state['update_duration']:.2f}s)"
+        )
+        return state
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+            except Exception as e:  # keep the last good state and try again next period
+                logger.warning(f"health.refresh_failed({e!r:.300})")
+            self._stop.wait(self.config.refresh_period_s)
+
+    def start(self) -> StateCollector:
+        self._thread = threading.Thread(target=self._run, name="corolla-health-refresh", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> StateCollector:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
