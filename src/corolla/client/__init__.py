@@ -1,2 +1,19 @@
-"""Using remote spans as local modules: `routing` (sequence manager), `inference_session` (fail-over),
-`remote_sequential` (autograd through the swarm) and distributed causal-LM models with `generate()`."""
+"""Using remote spans as local modules. `config` (ClientConfig), `bans` + `route_planning` (pure) + `routing`
+(RemoteSequenceManager), `inference_session` (fail-over by replay), `remote_forward_backward` + `remote_sequential`
+(autograd through the swarm), `checkpoint` + `distributed_model` + `generation` (causal LMs with generate()).
+All networking runs on one background asyncio loop (`background_loop`)."""
+
+from corolla.client.config import ClientConfig
+from corolla.client.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
+from corolla.client.inference_session import InferenceSession
+from corolla.client.remote_sequential import RemoteSequential
+from corolla.client.routing import RemoteSequenceManager
+
+__all__ = [
+    "AutoDistributedModelForCausalLM",
+    "ClientConfig",
+    "DistributedModelForCausalLM",
+    "InferenceSession",
+    "RemoteSequenceManager",
+    "RemoteSequential",
+]

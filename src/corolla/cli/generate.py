@@ -1,0 +1,133 @@
+"""`corolla-generate MODEL --initial_peers ... "prompt"`: streams generated text through a swarm and reports
+tokens/s; `--interactive` keeps one session open for a chat-style loop."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from corolla.client.config import ClientConfig
+from corolla.client.distributed_model import AutoDistributedModelForCausalLM
+
+
+class _TextStreamer:
+    """Prints decoded text as tokens arrive (skips the echoed prompt) and counts generated tokens."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out = tokenizer, out
+        self.tokens: list[int] = []
+        self.printed = 0
+        self.skip_prompt = True
+        self.num_generated = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.skip_prompt:
+            self.skip_prompt = False
+            return
+        self.num_generated += 1
+        self.tokens.extend(value.flatten().tolist()[:1])
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            self.out.write(text[self.printed :])
+            self.out.flush()
+            self.printed = len(text)
+
+    def end(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model", help="model repository or local directory (only embeddings/head are loaded)")
+    parser.add_argument("prompt", nargs="?", default=None, help="text to continue (omit with --interactive)")
+    parser.add_argument("--initial_peers", nargs="+", default=(), help="multiaddrs of swarm members")
+    parser.add_argument("--dht_prefix", default=None, help="DHT prefix the servers announce (default: from model)")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--do_sample", action="store_true")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top_k", type=int, default=None)
+    parser.add_argument("--top_p", type=float, default=None)
+    parser.add_argument("--repetition_penalty", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max_length", type=int, default=2048, help="session length in tokens (--interactive)")
+    parser.add_argument("--interactive", action="store_true", help="chat loop; an empty line or Ctrl-D quits")
+    parser.add_argument("--request_timeout_s", type=float, default=ClientConfig.request_timeout_s)
+    parser.add_argument("--max_retries", type=int, default=None)
+    parser.add_argument("--torch_dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.prompt is None and not args.interactive:
+        print("corolla-generate: give a prompt or --interactive", file=sys.stderr)
+        return 2
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    config = ClientConfig(request_timeout_s=args.request_timeout_s, max_retries=args.max_retries)
+    dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
+    sampling = {
+        k: v
+        for k, v in dict(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty
+        ).items()
+        if v is not None
+    }
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        args.model,
+        initial_peers=args.initial_peers,
+        dht_prefix=args.dht_prefix,
+        client_config=config,
+        torch_dtype=dtype,
+    ) as model:
+        if not args.interactive:
+            ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+            print(args.prompt, end="", flush=True)
+            streamer = _TextStreamer(tokenizer)
+            started = time.perf_counter()
+            model.generate(
+                ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, streamer=streamer, **sampling
+            )
+            elapsed_s = time.perf_counter() - started
+            print(
+                f"[{streamer.num_generated} tokens in {elapsed_s:.2f} s: {streamer.num_generated / elapsed_s:.2f} tokens/s]"
+            )
+            return 0
+        with model.inference_session(max_length=args.max_length) as session:
+            while True:
+                try:
+                    line = input("> ")
+                except EOFError:
+                    break
+                if not line.strip():
+                    break
+                ids = tokenizer(line if session.position == 0 else " " + line, return_tensors="pt")["input_ids"]
+                if session.position > 0 and tokenizer.bos_token_id is not None and ids[0, 0] == tokenizer.bos_token_id:
+                    ids = ids[:, 1:]
+                if session.position + ids.shape[1] + args.max_new_tokens + 1 > args.max_length:
+                    print("[session is full; restart to continue]")
+                    break
+                streamer = _TextStreamer(tokenizer)
+                started = time.perf_counter()
+                model.generate(
+                    ids,
+                    session=session,
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=args.do_sample,
+                    streamer=streamer,
+                    **sampling,
+                )
+                elapsed_s = time.perf_counter() - started
+                print(f"[{streamer.num_generated / elapsed_s:.2f} tokens/s]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""`generate()` for distributed models: our own decoding loop with `transformers`' logits processors (same order
+and defaults as `transformers.generate`), greedy or sampling, left-padded batches and sessions that continue."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from corolla.client.inference_session import InferenceSession
+
+if TYPE_CHECKING:
+    from corolla.client.distributed_model import DistributedModelForCausalLM
+
+_UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None, "assistant_model": None}
+
+
+class GenerationLoop:
+    """One `generate()` call of a distributed model."""
+
+    def __init__(self, model: DistributedModelForCausalLM):
+        self.model = model
+
+    def _generation_config(
+        self, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+    ) -> GenerationConfig:
+        config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+        model_defaults = self.model.generation_config or GenerationConfig()
+        config.update(**model_defaults.to_dict(), defaults_only=True, allow_custom_entries=True)
+        config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
+        unused = config.update(**kwargs)
+        if unused:
+            raise ValueError(f"generate() got unsupported arguments {sorted(unused)}")
+        for name, default in _UNSUPPORTED.items():
+            if getattr(config, name, default) not in (default, None):
+                raise ValueError(f"generate(): {name}={getattr(config, name)!r} is not supported by distributed models")
+        return config
+
+    @staticmethod
+    def _processors(
+        config: GenerationConfig, prompt_length: int, eos: torch.Tensor | None, attention_mask: torch.Tensor | None
+    ) -> LogitsProcessorList:
+        """The subset of `transformers`' processors we support, built in `_get_logits_processor`'s order."""
+        processors = LogitsProcessorList()
+        if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+            ignore = (attention_mask != 0).int().argmax(dim=1) if attention_mask is not None else None
+            processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty, prompt_ignore_length=ignore))
+        if config.no_repeat_ngram_size is not None and config.no_repeat_ngram_size > 0:
+            processors.append(NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+        if eos is not None and config.min_length is not None and config.min_length > 0:
+            processors.append(MinLengthLogitsProcessor(config.min_length, eos))
+        if eos is not None and config.min_new_tokens is not None and config.min_new_tokens > 0:
+            processors.append(MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, eos))
+        if config.do_sample:
+            if config.temperature is not None and config.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(config.temperature))
+            if config.top_k is not None and config.top_k != 0:
+                processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+            if config.top_p is not None and config.top_p < 1.0:
+                processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+            if config.min_p is not None:
+                processors.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
+            if config.typical_p is not None and config.typical_p < 1.0:
+                processors.append(TypicalLogitsWarper(mass=config.typical_p, min_tokens_to_keep=1))
+        return processors
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        session: InferenceSession | None = None,
+        generation_config: GenerationConfig | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        streamer: Any = None,
+        prompts: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        model = self.model
+        if inputs is not None and input_ids is not None:
+            raise ValueError("pass the prompt as `inputs` or `input_ids`, not both")
+        new_ids = inputs if inputs is not None else input_ids
+        session = session or model.transformer.active_session
+        previous = session.output_ids if session is not None else None
+        if new_ids is None:
+            if previous is None:
+                raise ValueError("generate() needs input_ids unless it continues a session that already generated")
+            new_ids = previous.new_zeros(previous.shape[0], 0)
+        if new_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {list(new_ids.shape)}")
+        new_ids = new_ids.to(torch.int64)
+        config = self._generation_config(generation_config, kwargs)
+
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if padded and (session is not None or prompts is not None):
+            raise ValueError("left-padded batches are generated in fresh sessions, without deep prompts")
+        if previous is not None and previous.shape[0] != new_ids.shape[0]:
+            raise ValueError(f"session holds {previous.shape[0]} sequences, got a batch of {new_ids.shape[0]}")
+        all_ids = torch.cat([previous, new_ids], dim=1) if previous is not None else new_ids  # what processors see
+        # the last token of a previous call was sampled but never run through the blocks
+        to_send = torch.cat([previous[:, -1:], new_ids], dim=1) if previous is not None else new_ids
+
+        prompt_length = all_ids.shape[1]
+        if config.max_new_tokens is not None:
+            max_new_tokens = config.max_new_tokens
+        else:
+            max_new_tokens = config.max_length - prompt_length
+        if max_new_tokens < 0:
+            raise ValueError(f"max_length={config.max_length} is shorter than the {prompt_length}-token prompt")
+        eos = config.eos_token_id
+        eos_tensor = torch.tensor([eos] if isinstance(eos, int) else list(eos)) if eos is not None else None
+        pad_token_id = config.pad_token_id
+        if pad_token_id is None and eos_tensor is not None:
+            pad_token_id = int(eos_tensor[0])
+        processors = self._processors(config, prompt_length, eos_tensor, attention_mask)
+        if logits_processor is not None:
+            processors.extend(logits_processor)
+
+        with contextlib.ExitStack() as stack:
+            if padded:
+                from corolla.client.distributed_model import padding_groups
+
+                groups = []
+                for rows, pad in padding_groups(attention_mask):
+                    max_length = prompt_length - pad + max_new_tokens
+                    group_session = stack.enter_context(InferenceSession(model.manager, max(max_length, 1)))
+                    groups.append((rows, pad, group_session))
+            else:
+                if session is None:
+                    max_length = max(prompt_length + max_new_tokens, 1)
+                    session = stack.enter_context(InferenceSession(model.manager, max_length))
+                groups = [(torch.arange(new_ids.shape[0]), 0, session)]
+            if streamer is not None:
+                streamer.put(new_ids.cpu())
+
+            unfinished = torch.ones(all_ids.shape[0], dtype=torch.bool)
+            first = True
+            for _ in range(max_new_tokens):
+                logits = self._step(groups, to_send, first, prompts)  # [B, V] fp32
+                first = False
+                scores = processors(all_ids, logits)
+                if config.do_sample:
+                    next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    next_tokens = torch.argmax(scores, dim=-1)
+                if eos_tensor is not None:
+                    next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad_token_id))
+                all_ids = torch.cat([all_ids, next_tokens[:, None]], dim=1)
+                if streamer is not None:
+                    streamer.put(next_tokens.cpu())
+                if eos_tensor is not None:
+                    unfinished &= ~torch.isin(next_tokens, eos_tensor)
+                    if not bool(unfinished.any()):
+                        break
+                to_send = next_tokens[:, None]
+            if streamer is not None:
+                streamer.end()
+            if session is not None and not padded:
+                session.output_ids = all_ids
+        return all_ids[:, previous.shape[1] :] if previous is not None else all_ids
+
+    def _step(
+        self, groups: list[tuple[torch.Tensor, int, InferenceSession]], to_send: torch.Tensor, first: bool, prompts: Any
+    ) -> torch.Tensor:
+        """Runs the new tokens through every group's session; returns the last position's logits [B, V] in fp32."""
+        model = self.model
+        logits = None
+        for rows, pad, session in groups:
+            ids = to_send[rows, pad:] if first else to_send[rows]
+            step_prompts = prompts if session.position == 0 else None
+            hidden = session.step(model.embed(ids), step_prompts)  # [b, t, H]
+            group_logits = model.head(hidden[:, -1:]).to(torch.float32)[:, -1]  # [b, V]
+            if logits is None:
+                logits = group_logits.new_zeros(to_send.shape[0], group_logits.shape[-1])
+            logits[rows] = group_logits
+        assert logits is not None
+        return logits
