@@ -1,0 +1,103 @@
+"""Block selection and rebalancing, pure functions with the reference's exact math (section 4): cover the weakest
+window (lexicographic on sorted window throughputs, ties to the lower start), and move only if a simulated
+re-convergence of the whole swarm improves its bottleneck throughput by more than `balance_quality` allows."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
+from corolla.swarm.spans import compute_spans
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+EPS = 1e-3  # the current position wins ties (reduces oscillation between equally good spans)
+_MAX_CONVERGENCE_PASSES = 1000  # the eps trick converges far sooner; this only bounds pathological inputs
+
+
+def compute_throughputs(spans: Mapping[str, RemoteSpanInfo], *, total_blocks: int) -> np.ndarray:
+    """Per-block sum of span throughputs `[total_blocks]`, summed in sorted peer-id order (bit-identical on peers)."""
+    throughputs = np.zeros(total_blocks)
+    for peer_id in sorted(spans):
+        span = spans[peer_id]
+        throughputs[span.start : span.end] += span.throughput
+    return throughputs
+
+
+def _choose_best_start(throughputs: np.ndarray, num_blocks: int) -> int:
+    """The window whose ascending-sorted throughputs are lexicographically smallest; ties go to the lower start."""
+    options = ((sorted(throughputs[i : i + num_blocks].tolist()), i) for i in range(len(throughputs) - num_blocks + 1))
+    return min(options)[1]
+
+
+def choose_best_blocks(num_blocks: int, module_infos: Sequence[RemoteModuleInfo]) -> list[int]:
+    """Indices (relative to `module_infos`) a new server with `num_blocks` blocks should serve."""
+    if not 1 <= num_blocks <= len(module_infos):
+        raise ValueError(f"num_blocks must be in [1, {len(module_infos)}], got {num_blocks}")
+    spans = compute_spans(module_infos, min_state=ServerState.JOINING)
+    throughputs = compute_throughputs(spans, total_blocks=len(module_infos))
+    start = _choose_best_start(throughputs, num_blocks)
+    return list(range(start, start + num_blocks))
+
+
+def _move(span: RemoteSpanInfo, new_start: int) -> None:
+    span.start, span.end = new_start, new_start + span.length
+
+
+def should_choose_other_blocks(
+    local_peer_id: str,
+    module_infos: Sequence[RemoteModuleInfo],
+    balance_quality: float,
+    *,
+    rng: random.Random | None = None,
+) -> bool:
+    """True if moving this server would raise the swarm's bottleneck throughput enough (quality < balance_quality).
+
+    Never moves if leaving would open a gap. `rng` orders the simulated convergence (default: module `random`)."""
+    if balance_quality > 1.0:
+        return True  # debug mode: always move
+    spans = compute_spans(module_infos, min_state=ServerState.JOINING)
+    throughputs = compute_throughputs(spans, total_blocks=len(module_infos))
+    initial_throughput = throughputs.min()
+
+    local_span = spans.get(local_peer_id)
+    if local_span is None:  # the reference asserts here (a known crash); not seeing ourselves is no reason to move
+        logger.warning(f"block_selection.own_span_missing(peer={local_peer_id}): staying on the current blocks")
+        return False
+    throughputs[local_span.start : local_span.end] -= local_span.throughput * (1 + EPS)
+    if initial_throughput > EPS and throughputs.min() <= 0:
+        return False  # leaving would open a gap
+    new_start = _choose_best_start(throughputs, local_span.length)
+    if local_span.start == new_start:
+        return False
+    throughputs[local_span.start : local_span.end] += local_span.throughput * EPS
+    _move(local_span, new_start)
+    throughputs[local_span.start : local_span.end] += local_span.throughput
+
+    rng = rng or random.Random()
+    for _ in range(_MAX_CONVERGENCE_PASSES):
+        peers = sorted(spans)
+        rng.shuffle(peers)
+        moved = False
+        for peer_id in peers:
+            span = spans[peer_id]
+            throughputs[span.start : span.end] -= span.throughput * (1 + EPS)
+            new_start = _choose_best_start(throughputs, span.length)
+            throughputs[span.start : span.end] += span.throughput * EPS
+            if span.start != new_start:
+                _move(span, new_start)
+                moved = True
+            throughputs[span.start : span.end] += span.throughput
+        if not moved:
+            break
+
+    new_throughput = throughputs.min()
+    if new_throughput < initial_throughput or new_throughput < EPS:
+        return False
+    quality = initial_throughput / new_throughput
+    logger.info(f"block_selection.balance(quality={quality * 100:.1f}%, threshold={balance_quality * 100:.1f}%)")
+    return bool(quality < balance_quality - EPS)

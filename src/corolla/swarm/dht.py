@@ -1,0 +1,277 @@
+"""The hivemind DHT factory: safe network defaults (nothing leaves the machine unless joining the public swarm),
+a bounded start-up, and orphan-proofing (the DHT process and its `p2pd` die with their owner, even on SIGKILL).
+
+Pitfalls handled here (design.md section 3): no UPnP/NAT-PMP/AutoNAT/relays for private swarms; explicit listen
+addresses; every wait bounded (`call_with_timeout`); `DHT.run_coroutine` gets module-level functions only; create the
+DHT before starting threads (fork)."""
+
+from __future__ import annotations
+
+import asyncio
+import asyncio.subprocess
+import concurrent.futures
+import ctypes
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import hivemind
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.mpfuture import MPFuture
+
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+T = TypeVar("T")
+
+PUBLIC_INITIAL_PEERS: tuple[str, ...] = (
+    "/dns/bootstrap1.petals.dev/tcp/31337/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY",
+    "/dns/bootstrap2.petals.dev/tcp/31338/p2p/QmQGTqmM7NKjV6ggU1ZCap8zWiyKR89RViDXiqehSiCpY5",
+    "/dns6/bootstrap1.petals.dev/tcp/31337/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY",
+    "/dns6/bootstrap2.petals.dev/tcp/31338/p2p/QmQGTqmM7NKjV6ggU1ZCap8zWiyKR89RViDXiqehSiCpY5",
+    "/ip4/159.89.214.152/tcp/31337/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY",
+    "/ip4/159.203.156.48/tcp/31338/p2p/QmQGTqmM7NKjV6ggU1ZCap8zWiyKR89RViDXiqehSiCpY5",
+)
+PRIVATE_HOST_MADDRS: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+PUBLIC_HOST_MADDRS: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0")
+
+DEFAULT_DHT_TIMEOUT_S = 30.0  # DHT calls that take longer than this are considered failed
+_WATCHDOG_PERIOD_S = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class SwarmConfig:
+    """How to join (or start) a swarm. Network extras (`use_relay`, `use_auto_relay`, `nat_port_map`, `auto_nat`)
+    default to None = "only when joining the public swarm" (they send traffic to gateways and relays)."""
+
+    initial_peers: Sequence[str] = ()
+    host_maddrs: Sequence[str] | None = None  # None -> 127.0.0.1 for private swarms, 0.0.0.0/:: for the public one
+    announce_maddrs: Sequence[str] | None = None
+    identity_path: str | None = None
+    client_mode: bool = False
+    use_relay: bool | None = None
+    use_auto_relay: bool | None = None
+    nat_port_map: bool | None = None
+    auto_nat: bool | None = None
+    startup_timeout_s: float = 60.0
+    num_workers: int = 4
+    extra_dht_kwargs: dict[str, Any] = field(default_factory=dict)  # forwarded to hivemind.DHT / DHTNode / P2P
+
+    @property
+    def is_public(self) -> bool:
+        """True when bootstrapping from the public Petals swarm's initial peers."""
+        return bool(self.initial_peers) and set(self.initial_peers) <= set(PUBLIC_INITIAL_PEERS)
+
+    def _flag(self, value: bool | None) -> bool:
+        return self.is_public if value is None else value
+
+    def dht_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `hivemind.DHT` with every network option explicit."""
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        host_maddrs = self.host_maddrs
+        if host_maddrs is None:
+            host_maddrs = PUBLIC_HOST_MADDRS if self.is_public else PRIVATE_HOST_MADDRS
+        kwargs: dict[str, Any] = dict(
+            initial_peers=list(self.initial_peers),
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(self.announce_maddrs) if self.announce_maddrs else None,
+            identity_path=self.identity_path,
+            client_mode=self.client_mode,
+            use_relay=self._flag(self.use_relay),
+            use_auto_relay=self._flag(self.use_auto_relay),
+            nat_port_map=self._flag(self.nat_port_map),
+            auto_nat=self._flag(self.auto_nat),
+            use_ipfs=False,
+            startup_timeout=self.startup_timeout_s,
+            num_workers=self.num_workers,
+        )
+        kwargs.update(self.extra_dht_kwargs)
+        return kwargs
+
+
+# ---------------------------------------------------------------------------------------------- orphan-proofing
+
+
+def _libc_prctl() -> Any | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_prctl = _libc_prctl()
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Asks Linux to send `sig` to this process when the thread that created it exits. False where unsupported."""
+    if _prctl is None:
+        return False
+    return _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+def _p2pd_preexec(expected_parent_pid: int) -> None:
+    # Runs in the forked child right before exec of p2pd: the setting survives exec (p2pd is not set-uid).
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != expected_parent_pid:  # parent died before prctl took effect
+        os._exit(1)
+
+
+_p2pd_patch_lock = threading.Lock()
+_p2pd_patched_in_pid: int | None = None
+
+
+def install_p2pd_deathsig() -> None:
+    """Makes every `p2pd` that hivemind spawns from this process die when this process dies (idempotent).
+
+    hivemind launches p2pd via `asyncio.subprocess.create_subprocess_exec`; we wrap it to add a `preexec_fn`
+    setting PR_SET_PDEATHSIG for the p2pd binary only. Caveat: Linux ties the signal to the spawning *thread*,
+    so create P2P instances from a thread that lives as long as they do (the DHT process's main thread does)."""
+    global _p2pd_patched_in_pid
+    if _prctl is None:
+        return
+    with _p2pd_patch_lock:
+        if _p2pd_patched_in_pid is not None:
+            return
+        original = asyncio.subprocess.create_subprocess_exec
+
+        async def create_subprocess_exec(program: Any, *args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+            if os.path.basename(os.fspath(program)) == "p2pd" and kwargs.get("preexec_fn") is None:
+                parent = os.getpid()
+                kwargs["preexec_fn"] = lambda: _p2pd_preexec(parent)
+            return await original(program, *args, **kwargs)
+
+        asyncio.subprocess.create_subprocess_exec = create_subprocess_exec
+        _p2pd_patched_in_pid = os.getpid()
+
+
+def _watch_owner(owner_pid: int) -> None:
+    while True:
+        if os.getppid() != owner_pid:
+            logger.warning(f"dht.owner_gone(owner_pid={owner_pid}): exiting the DHT process")
+            os.kill(os.getpid(), signal.SIGKILL)  # p2pd follows through its own parent-death signal
+        threading.Event().wait(_WATCHDOG_PERIOD_S)
+
+
+class OrphanProofDHT(hivemind.DHT):
+    """`hivemind.DHT` whose forked process dies with its owner, taking its `p2pd` with it.
+
+    Two mechanisms: PR_SET_PDEATHSIG (immediate; only when created from the owner's main thread, since Linux ties it
+    to the forking thread) and a watchdog thread polling `getppid()` (always)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._created_in_main_thread = threading.current_thread() is threading.main_thread()
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        owner_pid = self._parent_pid
+        if self._created_in_main_thread:
+            set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != owner_pid:
+            os._exit(1)
+        threading.Thread(target=_watch_owner, args=(owner_pid,), name="dht-owner-watchdog", daemon=True).start()
+        install_p2pd_deathsig()
+        super().run()
+
+
+# ---------------------------------------------------------------------------------------------- factory and calls
+
+
+def create_dht(config: SwarmConfig) -> hivemind.DHT:
+    """Starts a DHT node in a child process and waits (bounded) until it is ready; TimeoutError otherwise.
+
+    Call before starting threads or touching CUDA (hivemind forks)."""
+    kwargs = config.dht_kwargs()
+    initial_peers = kwargs.pop("initial_peers")
+    num_workers = kwargs.pop("num_workers")
+    if config.is_public:
+        logger.info("dht.create(public swarm): relays, AutoNAT and NAT port mapping follow the Petals defaults")
+    install_p2pd_deathsig()  # also protects p2pd instances created directly in this process (probes, clients)
+    dht = OrphanProofDHT(initial_peers=initial_peers, start=False, num_workers=num_workers, **kwargs)
+    # the P2P start-up has its own timeout; bootstrapping from initial peers needs a little more
+    wait_s = config.startup_timeout_s + 30.0
+    dht.start()
+    try:
+        dht.wait_until_ready(timeout=wait_s)
+    except concurrent.futures.TimeoutError as e:
+        shutdown_dht(dht)
+        raise TimeoutError(
+            f"DHT did not start within {wait_s:.0f} s (startup_timeout_s={config.startup_timeout_s})"
+        ) from e
+    except BaseException:
+        shutdown_dht(dht)
+        raise
+    logger.debug(f"dht.ready(pid={dht.pid}, initial_peers={len(initial_peers)}, client_mode={config.client_mode})")
+    return dht
+
+
+def shutdown_dht(dht: hivemind.DHT, timeout_s: float = 5.0) -> None:
+    """Stops the DHT process (and its p2pd); kills it if it does not stop within `timeout_s`."""
+    try:
+        if dht.is_alive():
+            dht.shutdown()
+        dht.join(timeout_s)
+    except Exception as e:  # a half-started DHT may lack its pipe; make sure the process goes anyway
+        logger.debug(f"dht.shutdown_error({e!r})")
+    if dht.pid is not None and dht.is_alive():
+        dht.kill()
+        dht.join(timeout_s)
+
+
+def call_with_timeout(future: MPFuture[T] | concurrent.futures.Future[T], timeout_s: float, what: str) -> T:
+    """Waits for a DHT future; on timeout cancels it and raises TimeoutError naming the operation."""
+    try:
+        return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError as e:
+        future.cancel()
+        raise TimeoutError(f"{what} did not finish within {timeout_s} s") from e
+
+
+def run_in_dht(dht: hivemind.DHT, coro: Any, *, timeout_s: float, what: str) -> Any:
+    """`dht.run_coroutine(coro)` with a timeout; `coro` must be picklable (module-level function or partial)."""
+    return call_with_timeout(dht.run_coroutine(coro, return_future=True), timeout_s, what)
+
+
+def get_visible_maddrs(dht: hivemind.DHT, *, timeout_s: float = DEFAULT_DHT_TIMEOUT_S) -> list[str]:
+    """The multiaddrs (with `/p2p/<peer id>`) other peers should pass as initial peers to reach this node."""
+    maddrs = run_in_dht(dht, _visible_maddrs, timeout_s=timeout_s, what="get_visible_maddrs")
+    return [str(m) for m in maddrs]
+
+
+async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list[Any]:
+    return await node.get_visible_maddrs(latest=True)
+
+
+async def replicate_p2p(dht: hivemind.DHT, *, timeout_s: float = DEFAULT_DHT_TIMEOUT_S) -> P2P:
+    """A new P2P client of the DHT's daemon, bound to the running event loop (unlike `DHT.replicate_p2p`, which
+    caches one replica per process even across event loops). Shut it down with `await p2p.shutdown()`."""
+    maddr = await asyncio.wait_for(
+        asyncio.wrap_future(dht.run_coroutine(_daemon_listen_maddr, return_future=True)), timeout_s
+    )
+    return await asyncio.wait_for(P2P.replicate(maddr), timeout_s)
+
+
+async def _daemon_listen_maddr(_dht: hivemind.DHT, node: Any) -> Any:
+    return node.p2p.daemon_listen_maddr
+
+
+def get_peer_id(dht: hivemind.DHT, *, timeout_s: float = DEFAULT_DHT_TIMEOUT_S) -> PeerID:
+    """The DHT's peer id, fetched once with a bounded wait (`dht.peer_id` would wait forever)."""
+    if dht._peer_id is None:
+        dht._peer_id = run_in_dht(dht, _peer_id, timeout_s=timeout_s, what="get_peer_id")
+    return dht._peer_id
+
+
+async def _peer_id(_dht: hivemind.DHT, node: Any) -> PeerID:
+    return node.peer_id

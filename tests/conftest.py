@@ -1,0 +1,106 @@
+"""Suite-wide checks. The process-leak check fails the run if a `p2pd`, a DHT process or a corolla process started
+by these tests is still alive at the end (after a grace period), and kills what it finds.
+
+Attribution is robust to other test runs on the same machine: at session start we put a unique
+`COROLLA_TEST_RUN_ID` into the environment, which every process we exec inherits (hivemind copies `os.environ` for
+p2pd). Forked processes (hivemind's DHT process) keep the environment of the original exec, so they are recognised
+as descendants of this process with its command line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+RUN_ID_ENV = "COROLLA_TEST_RUN_ID"
+LEAK_GRACE_S = 5.0
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def find_leaked_processes(run_id: str, *, own_pid: int | None = None) -> dict[int, str]:
+    """`{pid: description}` of live p2pd / DHT / corolla processes whose environment carries `run_id`.
+
+    DHT processes are forks of the test process, so they share its command line; other forked helpers (e.g.
+    multiprocessing's resource tracker) have a different one and are not counted."""
+    own_pid = os.getpid() if own_pid is None else own_pid
+    own_cmdline = _read(Path(f"/proc/{own_pid}/cmdline"))
+    marker = f"{RUN_ID_ENV}={run_id}".encode()
+    parents: dict[int, int] = {}
+    states: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _read(entry / "stat").decode(errors="replace").rsplit(")", 1)[-1].split()
+            if len(fields) >= 2:
+                states[int(entry.name)], parents[int(entry.name)] = fields[0], int(fields[1])
+
+    def is_descendant(pid: int) -> bool:
+        for _ in range(64):
+            pid = parents.get(pid, 0)
+            if pid == own_pid:
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+    leaked = {}
+    for pid, state in states.items():
+        if pid == own_pid or state == "Z":  # zombies are already dead
+            continue
+        entry = Path(f"/proc/{pid}")
+        cmdline = _read(entry / "cmdline")
+        ours = marker in _read(entry / "environ").split(b"\0") or (cmdline == own_cmdline and is_descendant(pid))
+        if not ours:
+            continue
+        comm = _read(entry / "comm").decode(errors="replace").strip()
+        readable = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+        if comm == "p2pd" or cmdline == own_cmdline or b"corolla" in cmdline:
+            leaked[pid] = f"{comm}: {readable}"
+    return leaked
+
+
+@pytest.fixture
+def leak_finder():
+    """The leak detector of this run, for tests that check it."""
+    return find_leaked_processes
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    os.environ[RUN_ID_ENV] = uuid.uuid4().hex
+
+
+@pytest.hookimpl(trylast=True)  # after session-scoped fixtures were torn down
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    run_id = os.environ.get(RUN_ID_ENV)
+    if not run_id or not Path("/proc/self/environ").exists():
+        return
+    deadline = time.monotonic() + LEAK_GRACE_S
+    leaked = find_leaked_processes(run_id)
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.25)
+        leaked = find_leaked_processes(run_id)
+    if not leaked:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"process leak check: {len(leaked)} process(es) started by the tests survived:"]
+    lines += [f"  pid {pid}: {what}" for pid, what in sorted(leaked.items())]
+    for pid in leaked:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+        else:
+            print(line)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,196 @@
+"""Loopback swarms of 2-3 DHT nodes: ServerInfo records under `prefix.i`/peer-id subkeys with expiration, spans
+rebuilt from one surviving key, filters, the model index, bounded calls, pings and the RPC service names."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import pytest
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+from corolla.protocol import rpc
+from corolla.protocol.records import MODELS_INDEX_KEY, ModelInfo, ServerInfo, ServerState
+from corolla.protocol.uids import make_uid
+from corolla.swarm.dht import (
+    SwarmConfig,
+    create_dht,
+    get_peer_id,
+    get_visible_maddrs,
+    replicate_p2p,
+    run_in_dht,
+    shutdown_dht,
+)
+from corolla.swarm.ping import PingAggregator, ping
+from corolla.swarm.records_io import (
+    declare_active_modules,
+    declare_model_info,
+    get_model_infos,
+    get_remote_module_infos,
+)
+from corolla.swarm.spans import compute_spans
+
+PREFIX = "tiny-test"
+UIDS = [make_uid(PREFIX, i) for i in range(6)]
+TIMEOUT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def swarm():
+    """Three nodes: a bootstrap node and two nodes that join through its printed address."""
+    nodes = []
+    try:
+        nodes.append(create_dht(SwarmConfig(startup_timeout_s=20)))
+        maddrs = get_visible_maddrs(nodes[0], timeout_s=TIMEOUT_S)
+        assert maddrs and all(m.startswith("/ip4/127.0.0.1/tcp/") for m in maddrs)
+        for _ in range(2):
+            nodes.append(create_dht(SwarmConfig(initial_peers=maddrs, startup_timeout_s=20)))
+        yield nodes
+    finally:
+        for node in nodes:
+            shutdown_dht(node)
+
+
+def _info(state: ServerState, throughput: float, start: int, end: int, **kwargs) -> ServerInfo:
+    return ServerInfo(state=state, throughput=throughput, start_block=start, end_block=end, **kwargs)
+
+
+def test_store_get_with_subkeys_and_expiration(swarm):
+    boot, b, c = swarm
+    b_id, c_id = get_peer_id(b).to_base58(), get_peer_id(c).to_base58()
+    now = get_dht_time()
+    info_b = _info(ServerState.ONLINE, 10.0, 0, 4, adapters=("lora-x",))
+    info_c = _info(ServerState.JOINING, 5.0, 2, 6)
+    # b: blocks 0..2 expire soon, block 3 stays; c: blocks 2..5
+    assert all(declare_active_modules(b, UIDS[:3], info_b, now + 2.0, timeout_s=TIMEOUT_S).values())
+    assert all(declare_active_modules(b, UIDS[3:4], info_b, now + 60, timeout_s=TIMEOUT_S).values())
+    assert all(declare_active_modules(c, UIDS[2:], info_c, now + 60, timeout_s=TIMEOUT_S).values())
+
+    infos = get_remote_module_infos(boot, UIDS, latest=True, timeout_s=TIMEOUT_S)
+    assert [i.uid for i in infos] == UIDS
+    assert [sorted(i.servers) for i in infos] == [
+        [b_id],
+        [b_id],
+        sorted([b_id, c_id]),
+        sorted([b_id, c_id]),
+        [c_id],
+        [c_id],
+    ]
+    assert infos[0].servers[b_id] == info_b and infos[5].servers[c_id] == info_c
+
+    only_lora = get_remote_module_infos(boot, UIDS, active_adapter="lora-x", latest=True, timeout_s=TIMEOUT_S)
+    assert [sorted(i.servers) for i in only_lora] == [[b_id]] * 4 + [[], []]
+
+    time.sleep(max(0.0, now + 2.5 - get_dht_time()))  # b's records for blocks 0..2 expire
+    infos = get_remote_module_infos(c, UIDS, latest=True, timeout_s=TIMEOUT_S)
+    assert [b_id in i.servers for i in infos] == [False, False, False, True, False, False]
+
+    # one surviving key is enough to rebuild b's whole span [0, 4)
+    spans = compute_spans(infos, min_state=ServerState.JOINING)
+    assert (spans[b_id].start, spans[b_id].end, spans[b_id].state) == (0, 4, ServerState.ONLINE)
+    assert (spans[c_id].start, spans[c_id].end) == (2, 6)
+    assert set(compute_spans(infos, min_state=ServerState.ONLINE)) == {b_id}
+
+    # a window of uids that starts later: indices are relative to its first uid
+    tail = get_remote_module_infos(boot, UIDS[3:], latest=True, timeout_s=TIMEOUT_S)
+    tail_spans = compute_spans(tail, min_state=ServerState.JOINING)
+    assert (tail_spans[b_id].start, tail_spans[b_id].end) == (0, 1)
+    assert (tail_spans[c_id].start, tail_spans[c_id].end) == (0, 3)
+
+
+def test_malformed_records_are_skipped_with_a_log_line(swarm):
+    boot, b, _ = swarm
+    uid = make_uid("malformed-test", 0)
+    good_peer = get_peer_id(b).to_base58()
+    fake_peer = PeerID.from_base58("QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY").to_base58()
+    exp = get_dht_time() + 30
+    assert declare_active_modules(b, [uid], _info(ServerState.ONLINE, 1.0, 0, 1), exp, timeout_s=TIMEOUT_S)[uid]
+    for subkey, value in ((fake_peer, (2, "fast", {})), ("not-a-peer-id", (2, 1.0, {})), (fake_peer + "x", [1])):
+        assert boot.store(uid, value, exp, subkey=subkey, return_future=True).result(TIMEOUT_S)
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("corolla.swarm.records_io")
+    logger.addHandler(handler)
+    try:
+        (info,) = get_remote_module_infos(boot, [uid], latest=True, timeout_s=TIMEOUT_S)
+    finally:
+        logger.removeHandler(handler)
+    assert list(info.servers) == [good_peer]
+    assert sum("records.malformed" in r.getMessage() for r in records) == 3
+
+
+def test_model_index_record(swarm):
+    boot, b, _ = swarm
+    exp = get_dht_time() + 30
+    assert declare_model_info(b, PREFIX, ModelInfo(num_blocks=6, repository="local"), exp, timeout_s=TIMEOUT_S)
+    assert not declare_model_info(b, "_private", ModelInfo(num_blocks=2), exp, timeout_s=TIMEOUT_S)
+    assert boot.store(MODELS_INDEX_KEY, {"num_blocks": "six"}, exp, subkey="broken", return_future=True).result(
+        TIMEOUT_S
+    )
+    models = get_model_infos(boot, timeout_s=TIMEOUT_S)
+    assert models[PREFIX] == ModelInfo(num_blocks=6, repository="local")
+    assert "_private" not in models and "broken" not in models
+
+
+async def _sleepy(_dht, _node) -> str:
+    await asyncio.sleep(5)
+    return "late"
+
+
+def test_every_dht_call_is_bounded(swarm):
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="sleepy"):
+        run_in_dht(swarm[0], _sleepy, timeout_s=0.3, what="sleepy")
+    assert time.monotonic() - started < 3
+
+
+async def test_ping_and_aggregator(swarm):
+    boot, b, _ = swarm
+    p2p = await replicate_p2p(b)
+    try:
+        rtt = await ping(get_peer_id(boot), p2p, timeout_s=5)
+        assert 0 < rtt < 5
+        unknown = PeerID.from_base58("QmQGTqmM7NKjV6ggU1ZCap8zWiyKR89RViDXiqehSiCpY5")
+        assert math.isinf(await ping(unknown, p2p, timeout_s=1))
+    finally:
+        await p2p.shutdown()
+
+    aggregator = PingAggregator(b)
+    await asyncio.to_thread(aggregator.ping, [get_peer_id(boot)], timeout_s=5)
+    smoothed = aggregator.to_dict()
+    assert list(smoothed) == [get_peer_id(boot).to_base58()] and 0 < smoothed[get_peer_id(boot).to_base58()] < 5
+
+
+async def test_rpc_service_reachable_under_petals_handle_names(swarm):
+    boot, b, _ = swarm
+
+    class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
+        async def rpc_info(self, request: runtime_pb2.ExpertUID, context: rpc.P2PContext) -> runtime_pb2.ExpertInfo:
+            return runtime_pb2.ExpertInfo(serialized_info=request.uid.encode())
+
+    server_p2p = await replicate_p2p(boot)
+    client_p2p = await replicate_p2p(b)
+    handler = TransformerConnectionHandler()
+    await handler.add_p2p_handlers(server_p2p)
+    try:
+        stub = rpc.get_stub(client_p2p, server_p2p.peer_id)
+        reply = await stub.rpc_info(runtime_pb2.ExpertUID(uid="tiny-test.0"), timeout=5)
+        assert reply.serialized_info == b"tiny-test.0"
+        # the raw handle name a Petals client dials
+        raw = await client_p2p.call_protobuf_handler(
+            server_p2p.peer_id,
+            "TransformerConnectionHandler.rpc_info",
+            runtime_pb2.ExpertUID(uid="x"),
+            runtime_pb2.ExpertInfo,
+        )
+        assert raw.serialized_info == b"x"
+    finally:
+        await handler.remove_p2p_handlers(server_p2p)
+        await server_p2p.shutdown()
+        await client_p2p.shutdown()
