@@ -76,11 +76,38 @@ class SwarmBackend(TokenizerCodec):
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
         generator = params.make_generator()
-        max_length = len(prompt_ids) + params.max_new_tokens
-        with torch.inference_mode(), self.model.inference_session(max_length=max_length):
-            input_ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T]
-            for _ in range(params.max_new_tokens):
-                logits = self.model(input_ids=input_ids).logits  # [1, T, V]
-                token = sample_next_token(logits[0, -1], params, generator)
-                yield token
-                input_ids = torch.tensor([[token]], dtype=torch.long)  # [1, 1]
+        # An explicit session per request (never the model's shared `active_session`): requests run in parallel.
+        session = self.model.inference_session(max_length=len(prompt_ids) + params.max_new_tokens)
+        try:
+            with torch.inference_mode():
+                input_ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T]
+                for _ in range(params.max_new_tokens):
+                    logits = self.model(input_ids, session=session).logits  # [1, T, V]
+                    token = sample_next_token(logits[0, -1], params, generator)
+                    yield token
+                    input_ids = torch.tensor([[token]], dtype=torch.long)  # [1, 1]
+        finally:
+            session.close()
+
+
+def load_swarm_backend(
+    name_or_path: str,
+    *,
+    initial_peers: Sequence[str],
+    dht_prefix: str | None = None,
+    model_id: str | None = None,
+    max_retries: int | None = 3,
+    torch_dtype: str = "float32",
+) -> SwarmBackend:
+    """Connects a distributed model and its tokenizer to a swarm. `max_retries` bounds fail-over so that a swarm
+    missing blocks yields a prompt 503 rather than a request waiting forever."""
+    from transformers import AutoTokenizer
+
+    from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+
+    client_config = ClientConfig(initial_peers=tuple(initial_peers), dht_prefix=dht_prefix, max_retries=max_retries)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        name_or_path, client_config=client_config, torch_dtype=torch_dtype
+    )
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    return SwarmBackend(model, tokenizer, model_id=model_id or str(name_or_path))

@@ -1,8 +1,10 @@
-"""Runs an ASGI app (the API gateway or the health monitor) with uvicorn: blocking for CLIs, or in a background
-thread for the demo and tests (`serve_in_thread(app, port=0)` binds a free loopback port and returns its URL)."""
+"""Runs an ASGI app (the API gateway or the health monitor) with uvicorn in a background thread, for the demo and
+tests (`serve_in_thread(app, port=0)` binds a free loopback port and returns its URL) and, under
+`serve_until_signalled`, for the CLIs."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -60,6 +62,13 @@ def serve_in_thread(
     return RunningServer(server=server, thread=thread, host=host, port=bound_port)
 
 
-def serve_forever(app: Any, *, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Blocks until interrupted (Ctrl-C / SIGTERM handled by uvicorn)."""
-    uvicorn.run(app, host=host, port=port, log_level="info", lifespan="on")
+def serve_until_signalled(app: Any, *, host: str, port: int, banner: str) -> None:
+    """For CLIs: serves until SIGINT/SIGTERM; prints `banner` with "{url}" replaced once bound (port 0 = a free port)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with serve_in_thread(app, host=host, port=port) as running:
+        print(banner.replace("{url}", running.url), flush=True)
+        while not stop.wait(1.0):
+            if not running.thread.is_alive():
+                raise RuntimeError("the HTTP server stopped unexpectedly")

@@ -1,0 +1,75 @@
+"""`corolla-api`: an OpenAI-compatible HTTP gateway (`/v1/completions`, `/v1/chat/completions`, `/v1/models`) in front
+of a swarm serving one model. Listens on 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+import configargparse
+
+from corolla.api.app import ApiConfig, create_app
+from corolla.api.backend import load_swarm_backend
+from corolla.api.serving import serve_until_signalled
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def build_parser() -> configargparse.ArgParser:
+    parser = configargparse.ArgParser(
+        prog="corolla-api",
+        description="Serve an OpenAI-compatible API for a model hosted by a corolla/Petals swarm.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("-c", "--config", is_config_file=True, help="YAML/INI config file with the same keys")
+    parser.add_argument("--model", required=True, help="Hugging Face repo or local path of the model (client part)")
+    parser.add_argument("--initial_peers", nargs="+", required=True, help="multiaddrs of peers of the swarm")
+    parser.add_argument("--dht_prefix", default=None, help="DHT prefix of the model's blocks (default: from --model)")
+    parser.add_argument(
+        "--served_model_name", nargs="+", default=[], help="names clients use in `model` (default: --model)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api_key",
+        default=os.environ.get("COROLLA_API_KEY"),
+        help="require `Authorization: Bearer <key>` (default: $COROLLA_API_KEY; unset = no key)",
+    )
+    parser.add_argument("--max_concurrent_requests", type=int, default=64, help="generations running at once")
+    parser.add_argument("--default_chat_max_tokens", type=int, default=512)
+    parser.add_argument(
+        "--max_retries", type=int, default=3, help="client fail-over retries before a request fails (503)"
+    )
+    parser.add_argument("--torch_dtype", default="float32", help="dtype of the local embeddings and LM head")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = list(args.served_model_name) or [args.model]
+    backend = load_swarm_backend(
+        args.model,
+        initial_peers=args.initial_peers,
+        dht_prefix=args.dht_prefix,
+        model_id=names[0],
+        max_retries=args.max_retries,
+        torch_dtype=args.torch_dtype,
+    )
+    config = ApiConfig(
+        api_key=args.api_key,
+        model_aliases=tuple(names[1:]),
+        max_concurrent_requests=args.max_concurrent_requests,
+        default_chat_max_tokens=args.default_chat_max_tokens,
+    )
+    try:
+        banner = f"corolla-api: serving {names[0]} at {{url}}/v1"
+        serve_until_signalled(create_app(backend, config), host=args.host, port=args.port, banner=banner)
+    finally:
+        backend.model.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
