@@ -1,0 +1,211 @@
+"""Continuous batching: pending steps of all sessions on one span are merged each iteration into one batched
+decode forward (sessions join and leave between iterations, oldest first, one step per session per iteration),
+with multi-token steps (prefill) run one by one after it. Usable inside the server's `Runtime` as a batch
+executor, or on its own thread."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from corolla.server.engine.span_engine import EngineSession, SpanEngine, StepRequest
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[torch.Tensor | BaseException]:
+    """Runs a set of step requests with as much merging as is correct and returns one result per request, in order
+    (a `ValueError` instance for an invalid request, without affecting the others). Single-token steps of distinct
+    sessions share one batched forward; a session's later steps in the same set run in later rounds, in order."""
+    results: list[torch.Tensor | BaseException | None] = [None] * len(requests)
+    remaining = list(range(len(requests)))
+    while remaining:
+        seen: set[int] = set()
+        this_round, later = [], []
+        for i in remaining:  # one step per session per round, keeping each session's order
+            key = id(requests[i].session)
+            (later if key in seen else this_round).append(i)
+            seen.add(key)
+        decode, prefill = [], []
+        for i in this_round:
+            try:
+                engine.validate(requests[i])
+            except ValueError as e:
+                results[i] = e
+                continue
+            (decode if requests[i].num_tokens == 1 else prefill).append(i)
+        if decode:
+            try:
+                outs = engine.decode_many([requests[i] for i in decode])
+                for i, out in zip(decode, outs, strict=True):
+                    results[i] = out
+            except Exception as e:  # a device failure fails this round's decode steps only
+                logger.warning(f"batcher.decode_failed(steps={len(decode)}, error={e!r})")
+                for i in decode:
+                    results[i] = e
+        for i in prefill:
+            req = requests[i]
+            try:
+                results[i] = engine.step(req.session, req.hidden, req.position, req.hypo_ids)
+            except Exception as e:
+                results[i] = e
+        remaining = later
+    return results  # type: ignore[return-value]
+
+
+def runtime_batch_executor(engine: SpanEngine):
+    """A `Runtime.register_batch_executor` callback: tasks carry a `StepRequest` as `payload`."""
+
+    def execute(tasks: list) -> list:
+        return execute_steps(engine, [task.payload for task in tasks])
+
+    return execute
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: StepRequest
+    future: Future
+    seq: int
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+class ContinuousBatcher:
+    """Own-thread continuous batching over one `SpanEngine`.
+
+    `submit` (any thread) returns a `concurrent.futures.Future` of the step's output; the batcher thread runs
+    iterations: up to `max_batch_rows` rows of single-token steps from distinct sessions, oldest first (so no
+    session starves), then at most `max_prefill_tokens_per_iteration` tokens of multi-token steps (at least one)."""
+
+    def __init__(
+        self,
+        engine: SpanEngine,
+        *,
+        max_batch_rows: int | None = None,
+        max_prefill_tokens_per_iteration: int = 4096,
+        name: str = "corolla-batcher",
+    ):
+        self.engine = engine
+        self.max_batch_rows = max_batch_rows or engine.max_batch_rows
+        self.max_prefill_tokens_per_iteration = max_prefill_tokens_per_iteration
+        self.name = name
+        self._pending: list[_Pending] = []
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.iterations = 0
+        self.batch_rows_history: list[int] = []  # rows of each batched decode (bounded, for tests and stats)
+
+    # ------------------------------------------------------------------------------------------ API
+
+    def submit(
+        self, session: EngineSession, hidden: torch.Tensor, position: int, hypo_ids: torch.Tensor | None = None
+    ) -> Future:
+        future: Future = Future()
+        item = _Pending(StepRequest(session, hidden, int(position), hypo_ids), future, next(self._seq))
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("The batcher is stopped; it accepts no new steps")
+            self._pending.append(item)
+            self._cond.notify()
+        return future
+
+    @property
+    def num_pending(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def run_once(self) -> int:
+        """Runs one iteration on the calling thread; returns the number of steps completed."""
+        with self._cond:
+            decode, prefill = self._select()
+            chosen = {id(p) for p in decode + prefill}
+            self._pending = [p for p in self._pending if id(p) not in chosen]
+        if not decode and not prefill:
+            return 0
+        items = decode + prefill
+        live = [p for p in items if p.future.set_running_or_notify_cancel()]
+        results = execute_steps(self.engine, [p.request for p in live])
+        for item, result in zip(live, results, strict=True):
+            if isinstance(result, BaseException):
+                item.future.set_exception(result)
+            else:
+                item.future.set_result(result)
+        self.iterations += 1
+        if decode:
+            self.batch_rows_history.append(sum(p.request.rows for p in decode))
+            del self.batch_rows_history[:-1000]
+        return len(live)
+
+    def _select(self) -> tuple[list[_Pending], list[_Pending]]:
+        """Oldest-first choice of this iteration's steps: one per session, decode rows and prefill tokens budgeted."""
+        sessions: set[int] = set()
+        decode: list[_Pending] = []
+        prefill: list[_Pending] = []
+        rows = prefill_tokens = 0
+        for item in sorted(self._pending, key=lambda p: p.seq):
+            req = item.request
+            key = id(req.session)
+            if key in sessions:
+                continue
+            sessions.add(key)  # a session's later steps wait behind its earliest one
+            if req.num_tokens == 1:
+                if rows + req.rows <= self.max_batch_rows or not decode:
+                    decode.append(item)
+                    rows += req.rows
+            else:
+                tokens = req.rows * req.num_tokens
+                if not prefill or prefill_tokens + tokens <= self.max_prefill_tokens_per_iteration:
+                    prefill.append(item)
+                    prefill_tokens += tokens
+        return decode, prefill
+
+    # ------------------------------------------------------------------------------------------ own thread
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("ContinuousBatcher.start: already started")
+        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Finishes the running iteration, then fails every pending step."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._cond:
+            pending, self._pending = self._pending, []
+        for item in pending:
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_exception(RuntimeError("The batcher stopped before this step ran"))
+
+    def __enter__(self) -> ContinuousBatcher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _loop(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.set_device(self.engine.device)
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.run_once()
+            except Exception:  # never let one bad iteration kill the thread
+                logger.exception("batcher.iteration_failed")

@@ -1,0 +1,249 @@
+"""A llama-family span as plain tensors: fused q/k/v and gate/up weights (shared with the loaded blocks, no copy),
+rotary tables, a batched single-token decode step over ragged per-row positions (CUDA-graph safe) and a chunked
+prefill for one sequence with large matmuls."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from corolla.server.engine.config import LlamaSpec
+from corolla.server.engine.kv_pool import KVPool, SequenceSlot
+from corolla.server.engine.ops import DecodeOps
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors: `w_qkv` rows are [q heads | k heads | v heads], `w_gate_up` rows [gate | up]."""
+
+    ln1: torch.Tensor  # [H]
+    w_qkv: torch.Tensor  # [(nq + 2 nkv) D, H]
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor  # [H, nq D]
+    b_o: torch.Tensor | None
+    ln2: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor  # [2 I, H]
+    b_gate_up: torch.Tensor | None
+    w_down: torch.Tensor  # [H, I]
+    b_down: torch.Tensor | None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
+
+
+def _linear_residual(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    # residual [N, H] + x [N, K] @ weight[H, K]^T (+ bias): one GEMM with the residual in its epilogue
+    out = torch.addmm(residual, x, weight.t())
+    return out if bias is None else out + bias
+
+
+class FastLlamaSpan:
+    """Consecutive llama-family layers with a batched decode step and a prefill step over a `KVPool`."""
+
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        layers: Sequence[LayerWeights],
+        inv_freq: torch.Tensor,
+        *,
+        max_positions: int,
+        use_triton: bool = True,
+        attention_splits_max: int = 16,
+    ):
+        if not layers:
+            raise ValueError("FastLlamaSpan needs at least one layer")
+        self.spec = spec
+        self.layers = list(layers)
+        self.device = layers[0].w_qkv.device
+        self.dtype = layers[0].w_qkv.dtype
+        self.max_positions = max_positions
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)  # [P]
+        freqs = positions[:, None] * inv_freq.to(self.device, torch.float32)[None, :]  # [P, D/2]
+        self.cos = freqs.cos().contiguous()
+        self.sin = freqs.sin().contiguous()
+        self.ops = DecodeOps(
+            self.device, spec.head_dim, use_triton=use_triton, attention_splits_max=attention_splits_max
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def weight_bytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    # ------------------------------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_blocks(cls, blocks: Sequence[torch.nn.Module], *, max_positions: int, **kwargs) -> FastLlamaSpan:
+        """Uses the tensors of loaded `corolla.models.llama` blocks in place (ValueError if a block is quantized,
+        carries adapters or is not a plain llama-family layer)."""
+        if not blocks:
+            raise ValueError("from_blocks needs at least one block")
+        spec = LlamaSpec.from_hf_config(blocks[0].config)
+        layers = []
+        for block in blocks:
+            attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+            if attn is None or mlp is None or not hasattr(attn, "qkv") or not hasattr(mlp, "gate_up"):
+                raise ValueError(f"{type(block).__name__} is not a llama-family block with fused qkv/gate_up")
+            if getattr(block, "adapter_names", None):
+                raise ValueError("The fast path does not apply LoRA adapters")
+            mods = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)
+            if any(type(m) is not torch.nn.Linear for m in mods):
+                raise ValueError("The fast path needs plain (unquantized, unsplit) linear layers")
+            if getattr(attn, "alibi", False) or getattr(mlp, "act_name", "silu") not in ("silu", "swish"):
+                raise ValueError("The fast path needs rotary attention and a SiLU-gated MLP")
+            layers.append(
+                LayerWeights(
+                    ln1=block.input_layernorm.weight.data,
+                    w_qkv=attn.qkv.weight.data,
+                    b_qkv=None if attn.qkv.bias is None else attn.qkv.bias.data,
+                    w_o=attn.o_proj.weight.data,
+                    b_o=None if attn.o_proj.bias is None else attn.o_proj.bias.data,
+                    ln2=block.post_attention_layernorm.weight.data,
+                    w_gate_up=mlp.gate_up.weight.data,
+                    b_gate_up=None if mlp.gate_up.bias is None else mlp.gate_up.bias.data,
+                    w_down=mlp.down.weight.data,
+                    b_down=None if mlp.down.bias is None else mlp.down.bias.data,
+                )
+            )
+        rotary = blocks[0].attn.rotary
+        if rotary is None:
+            raise ValueError("The fast path needs rotary position embeddings")
+        if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
+            raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
+        inv_freq = rotary.inv_freq(layers[0].w_qkv.device, 0)  # [D/2] fp32
+        return cls(spec, layers, inv_freq, max_positions=max_positions, **kwargs)
+
+    @classmethod
+    def from_hf_state_dicts(
+        cls,
+        config,
+        state_dicts: Sequence[dict[str, torch.Tensor]],
+        *,
+        max_positions: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        **kwargs,
+    ) -> FastLlamaSpan:
+        """Builds fused copies from per-layer checkpoint tensors named as in transformers (`self_attn.q_proj.weight`)."""
+        from corolla.models.positions import RotaryEmbedding, rope_parameters
+
+        spec = LlamaSpec.from_hf_config(config)
+
+        def get(sd, name):
+            return sd[name].to(device=device, dtype=dtype) if name in sd else None
+
+        layers = []
+        for sd in state_dicts:
+            qkv_names = [f"self_attn.{p}_proj" for p in "qkv"]
+            layers.append(
+                LayerWeights(
+                    ln1=get(sd, "input_layernorm.weight"),
+                    w_qkv=torch.cat([get(sd, f"{n}.weight") for n in qkv_names]),
+                    b_qkv=torch.cat([get(sd, f"{n}.bias") for n in qkv_names]) if spec.qkv_bias else None,
+                    w_o=get(sd, "self_attn.o_proj.weight"),
+                    b_o=get(sd, "self_attn.o_proj.bias"),
+                    ln2=get(sd, "post_attention_layernorm.weight"),
+                    w_gate_up=torch.cat([get(sd, "mlp.gate_proj.weight"), get(sd, "mlp.up_proj.weight")]),
+                    b_gate_up=(
+                        torch.cat([get(sd, "mlp.gate_proj.bias"), get(sd, "mlp.up_proj.bias")])
+                        if spec.mlp_bias
+                        else None
+                    ),
+                    w_down=get(sd, "mlp.down_proj.weight"),
+                    b_down=get(sd, "mlp.down_proj.bias"),
+                )
+            )
+        rotary = RotaryEmbedding(spec.head_dim, rope_parameters(config), config.max_position_embeddings)
+        inv_freq = rotary.inv_freq(torch.device(device), 0)
+        return cls(spec, layers, inv_freq, max_positions=max_positions, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ compute
+
+    def slots_for(self, block_tables: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+        # block_tables [N, maxp] int32, positions [N] long -> flat cache slot of each position [N] long
+        pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()
+        return pages * page + positions % page
+
+    @torch.inference_mode()
+    def decode(
+        self, hidden: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, pool: KVPool
+    ) -> torch.Tensor:
+        """One token per row: hidden [B, H]; positions [B] long (row b writes at positions[b] and attends to
+        [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H]. Static shapes, no host sync."""
+        s = self.spec
+        b = hidden.shape[0]
+        seq_lens = (positions + 1).to(torch.int32)  # [B]
+        slots = self.slots_for(block_tables, positions, pool.page_size_tokens)  # [B]
+        h = hidden
+        for i, w in enumerate(self.layers):
+            x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [B, H]
+            qkv = F.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq + 2 nkv) D]
+            q = self.ops.rope_and_store(
+                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
+            )  # [B, nq, D]
+            attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale)
+            h = _linear_residual(h, attn.reshape(b, s.q_size), w.w_o, w.b_o)  # [B, H]
+            x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
+            act = self.ops.silu_mul(F.linear(x, w.w_gate_up, w.b_gate_up))  # [B, I]
+            h = _linear_residual(h, act, w.w_down, w.b_down)  # [B, H]
+        return h
+
+    @torch.inference_mode()
+    def prefill(
+        self, hidden: torch.Tensor, start: int, slot: SequenceSlot, pool: KVPool, *, chunk_tokens: int
+    ) -> torch.Tensor:
+        """One sequence: hidden [T, H] at positions [start, start + T) attending causally to [0, start + T).
+        Runs in chunks of `chunk_tokens` tokens. Returns [T, H]."""
+        outputs = []
+        for offset in range(0, hidden.shape[0], chunk_tokens):
+            chunk = hidden[offset : offset + chunk_tokens]
+            outputs.append(self._prefill_chunk(chunk, start + offset, slot, pool))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _prefill_chunk(self, hidden: torch.Tensor, start: int, slot: SequenceSlot, pool: KVPool) -> torch.Tensor:
+        s = self.spec
+        t = hidden.shape[0]
+        page = pool.page_size_tokens
+        total = start + t
+        table = slot.table.to(self.device, non_blocking=True)[None]  # [1, maxp]
+        all_pos = torch.arange(total, device=self.device)  # [L]
+        all_slots = self.slots_for(table.expand(total, -1), all_pos, page)  # [L]
+        positions, slots = all_pos[start:], all_slots[start:]  # [T]
+        mask = None
+        if start > 0:
+            mask = all_pos[None, :] <= positions[:, None]  # [T, L]
+        gqa = s.num_kv_heads != s.num_heads
+        h = hidden
+        for i, w in enumerate(self.layers):
+            x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
+            qkv = F.linear(x, w.w_qkv, w.b_qkv)
+            q = self.ops.rope_and_store(
+                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
+            )  # [T, nq, D]
+            k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim)[all_slots]  # [L, nkv, D]
+            v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim)[all_slots]
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],  # [1, nq, T, D]
+                k.transpose(0, 1)[None],  # [1, nkv, L, D]
+                v.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=gqa,
+            )  # [1, nq, T, D]
+            attn = attn[0].transpose(0, 1).reshape(t, s.q_size)  # [T, nq D]
+            h = _linear_residual(h, attn, w.w_o, w.b_o)
+            x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
+            act = self.ops.silu_mul(F.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
+            h = _linear_residual(h, act, w.w_down, w.b_down)
+        return h

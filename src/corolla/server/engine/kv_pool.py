@@ -1,0 +1,142 @@
+"""A server-wide KV cache preallocated once: per layer, K and V pages of `page_size_tokens` tokens, handed out to
+sequences as block tables (lists of page ids), so sessions of any length share one pool without per-step allocation.
+Page 0 is never handed out: padded batch rows write there."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from corolla.utils.errors import AllocationFailed
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+TRASH_PAGE = 0
+
+
+@dataclass(eq=False)
+class SequenceSlot:
+    """One sequence's pages (a block table) and a host copy of it padded to the pool's `max_pages_per_seq`."""
+
+    pages: list[int]
+    table: torch.Tensor  # [max_pages_per_seq] int32, CPU; unused entries point to the trash page
+    capacity_tokens: int
+    length_tokens: int = 0  # positions [0, length) hold valid keys/values
+    freed: bool = field(default=False)
+
+
+class KVPool:
+    """K/V storage `[num_layers, num_pages, page_size, kv_heads, head_dim]` (two tensors) plus a free list.
+
+    `allocate(num_sequences, max_length_tokens)` reserves whole pages up front (scarcity -> `AllocationFailed`,
+    never a partial reservation); `free(slots)` returns them. Thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size_tokens: int,
+        max_pages_per_seq: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        if num_pages < 2:
+            raise ValueError(f"KVPool needs at least 2 pages (one is reserved), got {num_pages}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_pages = num_pages
+        self.page_size_tokens = page_size_tokens
+        self.max_pages_per_seq = max_pages_per_seq
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, num_pages, page_size_tokens, num_kv_heads, head_dim)
+        # Filled with zeros once so that the trash page and unwritten slots never hold NaN/Inf garbage.
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._free: list[int] = list(range(num_pages - 1, TRASH_PAGE, -1))  # pop() hands out low ids first
+        self._lock = threading.Lock()
+        logger.info(
+            f"kv_pool.create(pages={num_pages}, page_tokens={page_size_tokens}, layers={num_layers}, "
+            f"GiB={2 * self.k.numel() * self.k.element_size() / 2**30:.2f}, device={self.device})"
+        )
+
+    @classmethod
+    def bytes_per_page(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size_tokens: int, dtype) -> int:
+        return 2 * num_layers * page_size_tokens * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def pages_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def tokens_free(self) -> int:
+        return self.pages_free * self.page_size_tokens
+
+    def pages_for(self, max_length_tokens: int) -> int:
+        return max(1, -(-max_length_tokens // self.page_size_tokens))
+
+    def allocate(self, num_sequences: int, max_length_tokens: int) -> list[SequenceSlot]:
+        """Reserves pages for `num_sequences` sequences of up to `max_length_tokens` each, all or nothing."""
+        if num_sequences < 1:
+            raise ValueError(f"num_sequences must be >= 1, got {num_sequences}")
+        if max_length_tokens < 0:
+            raise ValueError(f"max_length_tokens must be >= 0, got {max_length_tokens}")
+        per_seq = self.pages_for(max_length_tokens)
+        if per_seq > self.max_pages_per_seq:
+            raise ValueError(
+                f"Cannot allocate KV cache for {max_length_tokens} tokens, max = "
+                f"{self.max_pages_per_seq * self.page_size_tokens}"
+            )
+        needed = per_seq * num_sequences
+        with self._lock:
+            if needed > len(self._free):
+                raise AllocationFailed(
+                    f"KV pool is full: need {needed} pages ({num_sequences} x {max_length_tokens} tokens), "
+                    f"{len(self._free)} of {self.num_pages - 1} free"
+                )
+            taken = [self._free.pop() for _ in range(needed)]
+        slots = []
+        for i in range(num_sequences):
+            pages = taken[i * per_seq : (i + 1) * per_seq]
+            table = torch.full((self.max_pages_per_seq,), TRASH_PAGE, dtype=torch.int32)
+            table[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            slots.append(SequenceSlot(pages=pages, table=table, capacity_tokens=per_seq * self.page_size_tokens))
+        return slots
+
+    def free(self, slots: Sequence[SequenceSlot]) -> None:
+        """Returns the slots' pages to the pool (idempotent per slot)."""
+        with self._lock:
+            for slot in slots:
+                if slot.freed:
+                    continue
+                slot.freed = True
+                self._free.extend(reversed(slot.pages))
+
+    @torch.no_grad()
+    def reorder(self, slots: Sequence[SequenceSlot], hypo_ids: torch.Tensor) -> None:
+        """Beam-search reordering: sequence i takes the keys/values (and length) of sequence `hypo_ids[i]`."""
+        if hypo_ids.ndim != 1 or len(hypo_ids) != len(slots):
+            raise ValueError(f"hypo_ids must have shape [{len(slots)}], got {tuple(hypo_ids.shape)}")
+        order = [int(i) for i in hypo_ids.tolist()]
+        if any(i < 0 or i >= len(slots) for i in order):
+            raise ValueError(f"hypo_ids must lie in [0, {len(slots)}), got {order}")
+        if order == list(range(len(slots))):
+            return
+        used = max(self.pages_for(max(s.length_tokens for s in slots)), 1)
+        src = torch.tensor([slots[i].pages[:used] for i in order], dtype=torch.long).flatten()
+        dst = torch.tensor([s.pages[:used] for s in slots], dtype=torch.long).flatten()
+        src, dst = src.to(self.device), dst.to(self.device)
+        self.k[:, dst] = self.k[:, src]  # the right side is gathered into a new tensor first: no overlap hazard
+        self.v[:, dst] = self.v[:, src]
+        lengths = [slots[i].length_tokens for i in order]
+        for slot, length in zip(slots, lengths, strict=True):
+            slot.length_tokens = length

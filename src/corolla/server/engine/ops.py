@@ -1,0 +1,130 @@
+"""The decode step's non-matmul operations, each with a plain PyTorch version (CPU, reference, fallback) and a
+Triton kernel on CUDA. All are CUDA-graph safe: static shapes, no host synchronization."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
+    from corolla.server.engine import triton_kernels
+except ImportError:  # pragma: no cover - depends on the installation
+    triton_kernels = None
+
+
+def triton_usable(device: torch.device, head_dim: int) -> bool:
+    """Whether the Triton kernels can run for this device and head size."""
+    return triton_kernels is not None and device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+# ---------------------------------------------------------------------------------------------- reference versions
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x [N, H], weight [H] -> [N, H]; statistics in float32 as in the reference layer
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * y.to(x.dtype)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [N, heads, D] (float32), cos/sin [N, 1, D/2]: rotate-half convention of Llama
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_and_store_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """qkv [N, (nq + 2 nkv) * D]; cos/sin tables [P, D/2] float32; positions, slots [N] long;
+    caches [pages, page, nkv, D]. Writes rotated keys and values at `slots`; returns rotated queries [N, nq, D]."""
+    n = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    c = cos[positions].unsqueeze(1)  # [N, 1, D/2]
+    s = sin[positions].unsqueeze(1)
+    q = _rotate(q.reshape(n, num_heads, head_dim).float(), c, s).to(qkv.dtype)
+    k = _rotate(k.reshape(n, num_kv_heads, head_dim).float(), c, s).to(qkv.dtype)
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [pages * page, nkv, D]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, slots, k)
+    v_flat.index_copy_(0, slots, v.reshape(n, num_kv_heads, head_dim))
+    return q
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, nq, D]; caches [pages, page, nkv, D]; block_tables [B, maxp] int32; seq_lens [B] int32 (>= 1).
+    Each row attends to its own first `seq_lens[b]` tokens. Returns [B, nq, D]."""
+    b, nq, d = q.shape
+    nkv = k_cache.shape[2]
+    tables = block_tables.long()
+    k = k_cache[tables].reshape(b, -1, nkv, d)  # [B, maxp * page, nkv, D]
+    v = v_cache[tables].reshape(b, -1, nkv, d)
+    group = nq // nkv
+    k = k.repeat_interleave(group, dim=2).float()  # [B, L, nq, D]
+    v = v.repeat_interleave(group, dim=2).float()
+    scores = torch.einsum("bhd,blhd->bhl", q.float(), k) * scale  # [B, nq, L]
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None].long()  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("bhl,blhd->bhd", probs, v).to(q.dtype)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up [N, 2I] -> [N, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+
+
+class DecodeOps:
+    """Picks Triton kernels or reference versions once, for a device and head size."""
+
+    def __init__(self, device: torch.device, head_dim: int, *, use_triton: bool, attention_splits_max: int = 16):
+        self.use_triton = use_triton and triton_usable(device, head_dim)
+        self.attention_splits_max = attention_splits_max
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.use_triton:
+            return triton_kernels.rms_norm(x, weight, eps)
+        return rms_norm_ref(x, weight, eps)
+
+    def rope_and_store(self, qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim):
+        fn = triton_kernels.rope_and_store if self.use_triton else rope_and_store_ref
+        return fn(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim)
+
+    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+        if self.use_triton:
+            splits = self.num_splits(q.shape[0], k_cache.shape[2])
+            return triton_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, splits)
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            return triton_kernels.silu_mul(gate_up)
+        return silu_mul_ref(gate_up)
+
+    def num_splits(self, batch: int, num_kv_heads: int) -> int:
+        """Sequence splits per (row, kv head) so that about two programs run per multiprocessor."""
+        want = math.ceil(2 * self.num_sms / max(1, batch * num_kv_heads))
+        return max(1, min(self.attention_splits_max, want))

@@ -1,0 +1,279 @@
+"""The session-level face of the fast path: `SpanEngine` owns the span's fused layers, the KV pool and the CUDA
+graphs; `EngineSession` is one client's reservation in the pool. `step` runs one session alone; `decode_many`
+merges single-token steps of many sessions into one batched forward (what the batcher calls)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from corolla.server.engine.config import EngineConfig
+from corolla.server.engine.cuda_graphs import DecodeGraphs
+from corolla.server.engine.fast_llama import FastLlamaSpan
+from corolla.server.engine.kv_pool import KVPool, SequenceSlot
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class EngineSession:
+    """`batch_size` sequences of up to `max_length_tokens` reserved in the engine's pool; a context manager that
+    returns the pages on exit. All rows share one position (the client sends whole batches)."""
+
+    def __init__(self, engine: SpanEngine, slots: list[SequenceSlot], max_length_tokens: int):
+        self.engine = engine
+        self.slots = slots
+        self.batch_size = len(slots)
+        self.max_length_tokens = max_length_tokens
+
+    @property
+    def length_tokens(self) -> int:
+        """Positions [0, length) hold keys/values written by earlier steps."""
+        return self.slots[0].length_tokens
+
+    @property
+    def closed(self) -> bool:
+        return self.slots[0].freed
+
+    def close(self) -> None:
+        self.engine.pool.free(self.slots)
+
+    def __enter__(self) -> EngineSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@dataclass(eq=False)
+class StepRequest:
+    """One inference step of one session: hidden [B, T, H] written at [position, position + T)."""
+
+    session: EngineSession
+    hidden: torch.Tensor
+    position: int
+    hypo_ids: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.hidden.shape[1])
+
+    @property
+    def rows(self) -> int:
+        return int(self.hidden.shape[0])
+
+
+class SpanEngine:
+    """Fast inference for one llama-family span; every compute method must be called from one thread (the
+    server's device thread), while `open_session` and `EngineSession.close` are thread-safe."""
+
+    def __init__(self, model: FastLlamaSpan, config: EngineConfig = EngineConfig()):
+        self.model = model
+        self.config = config
+        self.device = model.device
+        self.dtype = model.dtype
+        spec = model.spec
+        max_seq = min(config.max_seq_len_tokens, model.max_positions)
+        if spec.sliding_window_tokens is not None:
+            max_seq = min(max_seq, spec.sliding_window_tokens)  # full attention equals the window up to its length
+        self.max_seq_len_tokens = max_seq
+        page = config.page_size_tokens
+        page_bytes = KVPool.bytes_per_page(
+            num_layers=model.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            page_size_tokens=page,
+            dtype=self.dtype,
+        )
+        num_pages = max(2, config.kv_pool_bytes // page_bytes)
+        self.pool = KVPool(
+            num_layers=model.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            num_pages=num_pages,
+            page_size_tokens=page,
+            max_pages_per_seq=-(-max_seq // page),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.graphs: DecodeGraphs | None = None
+        self.max_batch_rows = config.max_batch_rows
+        if self.device.type == "cuda":
+            if config.use_cuda_graphs:
+                buckets = tuple(b for b in config.graph_buckets if b <= config.max_batch_rows) or (
+                    config.max_batch_rows,
+                )
+                self.graphs = DecodeGraphs(model, self.pool, buckets)
+                self.max_batch_rows = self.graphs.max_rows
+            rows, h = self.max_batch_rows, spec.hidden_size
+            self._pin_hidden = torch.empty((rows, h), dtype=self.dtype, pin_memory=True)
+            self._pin_out = torch.empty((rows, h), dtype=self.dtype, pin_memory=True)
+            self._pin_pos = torch.empty((rows,), dtype=torch.long, pin_memory=True)
+            self._pin_tables = torch.empty((rows, self.pool.max_pages_per_seq), dtype=torch.int32, pin_memory=True)
+            self._pin_pos_np = self._pin_pos.numpy()
+
+    @classmethod
+    def from_blocks(cls, blocks: Sequence[torch.nn.Module], config: EngineConfig = EngineConfig()) -> SpanEngine:
+        """Wraps loaded llama-family blocks (their tensors are used in place); ValueError if unsupported."""
+        max_positions = min(config.max_seq_len_tokens, int(blocks[0].config.max_position_embeddings))
+        model = FastLlamaSpan.from_blocks(
+            blocks,
+            max_positions=max_positions,
+            use_triton=config.use_triton,
+            attention_splits_max=config.attention_splits_max,
+        )
+        return cls(model, config)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.spec.hidden_size
+
+    def warmup(self) -> None:
+        """Captures every CUDA-graph bucket now rather than at first use."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
+    # ------------------------------------------------------------------------------------------ sessions
+
+    def open_session(self, batch_size: int, max_length_tokens: int) -> EngineSession:
+        """Reserves pages for `batch_size` sequences (ValueError past `max_seq_len_tokens`, AllocationFailed when
+        the pool is full)."""
+        if max_length_tokens > self.max_seq_len_tokens:
+            raise ValueError(
+                f"Cannot allocate KV cache for {max_length_tokens} tokens, max = {self.max_seq_len_tokens}"
+            )
+        return EngineSession(self, self.pool.allocate(batch_size, max_length_tokens), max_length_tokens)
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def validate(self, req: StepRequest) -> None:
+        """ValueError describing the first problem with a step request (before any compute)."""
+        session, hidden, position = req.session, req.hidden, req.position
+        if session.engine is not self:
+            raise ValueError("The session belongs to another engine")
+        if session.closed:
+            raise ValueError("The inference session is closed")
+        if hidden.ndim != 3 or hidden.shape[0] != session.batch_size or hidden.shape[2] != self.hidden_size:
+            raise ValueError(
+                f"hidden states must be [{session.batch_size}, tokens, {self.hidden_size}], got {tuple(hidden.shape)}"
+            )
+        if not hidden.is_floating_point():
+            raise ValueError(f"hidden states must be floating point, got {hidden.dtype}")
+        if position < 0 or position > session.length_tokens:
+            raise ValueError(
+                f"start position {position} must lie in [0, {session.length_tokens}] (tokens already processed)"
+            )
+        if position + hidden.shape[1] > session.max_length_tokens:
+            raise ValueError(
+                f"Maximum length exceeded: prefix {position} + current {hidden.shape[1]} exceeds pre-allocated "
+                f"maximum {session.max_length_tokens}"
+            )
+        if req.hypo_ids is not None and req.hypo_ids.numel() > 0:
+            ids = req.hypo_ids
+            if ids.ndim != 1 or len(ids) != session.batch_size or ids.dtype != torch.int64:
+                raise ValueError(
+                    f"hypo_ids must be int64 of shape [{session.batch_size}], got {ids.dtype} {tuple(ids.shape)}"
+                )
+            if bool(((ids < 0) | (ids >= session.batch_size)).any()):
+                raise ValueError(f"hypo_ids must lie in [0, {session.batch_size}), got {ids.tolist()}")
+
+    def _prepare(self, req: StepRequest) -> None:
+        self.validate(req)
+        if req.hypo_ids is not None and req.hypo_ids.numel() > 0:
+            self.pool.reorder(req.session.slots, req.hypo_ids)
+
+    def step(
+        self, session: EngineSession, hidden: torch.Tensor, position: int, hypo_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One step of one session: hidden [B, T, H] -> [B, T, H] (on hidden's device, in the engine's dtype)."""
+        req = StepRequest(session, hidden, int(position), hypo_ids)
+        if req.num_tokens == 1:
+            return self.decode_many([req])[0]
+        self._prepare(req)
+        return self._prefill(req)
+
+    def _prefill(self, req: StepRequest) -> torch.Tensor:
+        b, t, h = req.hidden.shape
+        if t == 0:
+            return torch.empty((b, 0, h), dtype=self.dtype, device=req.hidden.device)
+        hidden = req.hidden.to(self.device, self.dtype, non_blocking=True)
+        outs = []
+        for row, slot in enumerate(req.session.slots):
+            outs.append(
+                self.model.prefill(
+                    hidden[row], req.position, slot, self.pool, chunk_tokens=self.config.prefill_chunk_tokens
+                )
+            )
+        for slot in req.session.slots:
+            slot.length_tokens = req.position + t
+        return torch.stack(outs).to(req.hidden.device)
+
+    def decode_many(self, reqs: Sequence[StepRequest]) -> list[torch.Tensor]:
+        """Single-token steps of several sessions as one batched forward per `max_batch_rows` rows; every request
+        must be valid (see `validate`) and no session may appear twice. Returns [B_i, 1, H] per request."""
+        for req in reqs:
+            if req.num_tokens != 1:
+                raise ValueError(f"decode_many takes single-token steps, got {req.num_tokens} tokens")
+            self._prepare(req)
+        if len({id(r.session) for r in reqs}) != len(reqs):
+            raise ValueError("decode_many got two steps of one session; run them one after another")
+        results: list[torch.Tensor] = []
+        group: list[StepRequest] = []
+        rows = 0
+        for req in reqs:
+            if group and rows + req.rows > self.max_batch_rows:
+                results.extend(self._decode_group(group))
+                group, rows = [], 0
+            group.append(req)
+            rows += req.rows
+        if group:
+            results.extend(self._decode_group(group))
+        return results
+
+    def _decode_group(self, group: list[StepRequest]) -> list[torch.Tensor]:
+        rows = sum(r.rows for r in group)
+        h = self.hidden_size
+        positions: list[int] = []
+        tables: list[torch.Tensor] = []
+        for req in group:
+            positions.extend([req.position] * req.rows)
+            tables.extend(slot.table for slot in req.session.slots)
+        on_cpu = [r.hidden.device.type == "cpu" for r in group]
+        if self.graphs is not None and rows <= self.graphs.max_rows:
+            g = self.graphs
+            if all(on_cpu):  # stage through pinned host buffers: one asynchronous copy per input
+                torch.cat([r.hidden.reshape(r.rows, h).to(self.dtype) for r in group], out=self._pin_hidden[:rows])
+                g.hidden[:rows].copy_(self._pin_hidden[:rows], non_blocking=True)
+            else:
+                g.hidden[:rows].copy_(
+                    torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
+                )
+            self._pin_pos_np[:rows] = np.asarray(positions, dtype=np.int64)
+            torch.stack(tables, out=self._pin_tables[:rows])
+            g.positions[:rows].copy_(self._pin_pos[:rows], non_blocking=True)
+            g.block_tables[:rows].copy_(self._pin_tables[:rows], non_blocking=True)
+            out = g.run(rows)  # [rows, H], static buffer
+        else:
+            hidden = torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
+            pos = torch.tensor(positions, dtype=torch.long).to(self.device)
+            tab = torch.stack(tables).to(self.device)
+            out = self.model.decode(hidden, pos, tab, self.pool)  # [rows, H]
+        for req in group:
+            for slot in req.session.slots:
+                slot.length_tokens = req.position + 1
+        if self.device.type == "cuda" and all(on_cpu):
+            host = self._pin_out[:rows]
+            host.copy_(out, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            out = host.clone()  # the pinned buffer is reused by the next iteration
+        elif self.device.type == "cuda":
+            out = out.clone()
+        results = []
+        start = 0
+        for req in group:
+            results.append(out[start : start + req.rows].view(req.rows, 1, h).to(req.hidden.device))
+            start += req.rows
+        return results

@@ -1,0 +1,255 @@
+"""Triton kernels of the decode step: RMSNorm, rotary embedding fused with the KV-cache write, paged decode
+attention (split over the sequence, then combined) and SiLU-gated product. Importing fails without Triton."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = (x * rstd).to(w.dtype) * w  # rounded before scaling, as the reference layer does
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x [N, H] (last dim contiguous), weight [H] -> [N, H]
+    n, h = x.shape
+    out = torch.empty_like(x)
+    block = triton.next_power_of_2(h)
+    _rms_norm_kernel[(n,)](x, weight, out, x.stride(0), out.stride(0), h, eps, BLOCK=block, num_warps=8)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- RoPE + KV write
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    q_out_ptr,
+    k_ptr,
+    v_ptr,
+    stride_qkv,
+    stride_qo_n,
+    stride_slot,
+    NQ: tl.constexpr,
+    NKV: tl.constexpr,
+    D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)  # [0, NQ): queries, [NQ, NQ + NKV): keys, then values
+    HALF: tl.constexpr = D // 2
+    offs = tl.arange(0, HALF)
+    src = qkv_ptr + row * stride_qkv + head * D
+    x1 = tl.load(src + offs)
+    x2 = tl.load(src + HALF + offs)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if head < NQ + NKV:
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        c = tl.load(cos_ptr + pos * HALF + offs)
+        s = tl.load(sin_ptr + pos * HALF + offs)
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        y1 = (a * c - b * s).to(x1.dtype)
+        y2 = (b * c + a * s).to(x1.dtype)
+        if head < NQ:
+            dst = q_out_ptr + row * stride_qo_n + head * D
+        else:
+            dst = k_ptr + slot * stride_slot + (head - NQ) * D
+        tl.store(dst + offs, y1)
+        tl.store(dst + HALF + offs, y2)
+    else:
+        dst = v_ptr + slot * stride_slot + (head - NQ - NKV) * D
+        tl.store(dst + offs, x1)
+        tl.store(dst + HALF + offs, x2)
+
+
+def rope_and_store(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim):
+    """Same contract as `ops.rope_and_store_ref`; one program per (row, head)."""
+    n = qkv.shape[0]
+    q_out = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    stride_slot = num_kv_heads * head_dim  # caches are [pages, page, nkv, D], contiguous
+    grid = (n, num_heads + 2 * num_kv_heads)
+    _rope_store_kernel[grid](
+        qkv, cos, sin, positions, slots, q_out, k_cache, v_cache,
+        qkv.stride(0), q_out.stride(0), stride_slot,
+        NQ=num_heads, NKV=num_kv_heads, D=head_dim, num_warps=1,
+    )  # fmt: skip
+    return q_out
+
+
+# ---------------------------------------------------------------------------------------------- paged attention
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    lens_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    scale,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    NKV: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    n_pages = tl.cdiv(seq_len, PAGE)
+    per_split = tl.cdiv(n_pages, S)
+    p_start = split * per_split
+    p_end = tl.minimum(p_start + per_split, n_pages)
+
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, PAGE)
+    g_mask = offs_g < G
+    q = tl.load(
+        q_ptr + b * stride_qb + (kvh * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    )  # [GP, D]
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    token_stride: tl.constexpr = NKV * D
+    page_stride: tl.constexpr = PAGE * NKV * D
+    for p in range(p_start, p_end):
+        page_id = tl.load(bt_ptr + b * stride_bt + p).to(tl.int64)
+        base = page_id * page_stride + kvh * D
+        tile = base + offs_t[:, None] * token_stride + offs_d[None, :]
+        k = tl.load(k_ptr + tile)  # [PAGE, D]
+        s = tl.dot(q, tl.trans(k)) * scale  # [GP, PAGE]
+        valid = (p * PAGE + offs_t) < seq_len
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        probs = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(probs, axis=1)
+        v = tl.load(v_ptr + tile)  # [PAGE, D]
+        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v)
+        m_i = m_new
+    if S == 1:
+        out = acc / l_i[:, None]
+        dst = out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        part = (b * NKV + kvh) * S + split  # scratch layout [B, NKV, S, GP(, D)]
+        tl.store(m_ptr + part * GP + offs_g, m_i)
+        tl.store(l_ptr + part * GP + offs_g, l_i)
+        tl.store(acc_ptr + (part * GP + offs_g)[:, None] * D + offs_d[None, :], acc)
+
+
+@triton.jit
+def _paged_attn_combine_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    NKV: tl.constexpr,
+    D: tl.constexpr,
+    S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    first = (b * NKV + kvh) * S
+    m_all = tl.full([GP], float("-inf"), dtype=tl.float32)
+    for s in range(S):
+        m_all = tl.maximum(m_all, tl.load(m_ptr + (first + s) * GP + offs_g))
+    l_all = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    for s in range(S):
+        m_s = tl.load(m_ptr + (first + s) * GP + offs_g)
+        w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_all))  # empty splits weigh nothing
+        l_all += tl.load(l_ptr + (first + s) * GP + offs_g) * w
+        acc += tl.load(acc_ptr + ((first + s) * GP + offs_g)[:, None] * D + offs_d[None, :]) * w[:, None]
+    out = acc / l_all[:, None]
+    g_mask = offs_g < G
+    dst = out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, splits: int) -> torch.Tensor:
+    """Same contract as `ops.paged_decode_attention_ref`; `splits` programs share each (row, kv head)."""
+    b, nq, d = q.shape
+    page, nkv = k_cache.shape[1], k_cache.shape[2]
+    group = nq // nkv
+    gp = max(16, triton.next_power_of_2(group))
+    out = torch.empty_like(q)
+    if splits > 1:
+        m = torch.empty((b, nkv, splits, gp), dtype=torch.float32, device=q.device)
+        l_ = torch.empty_like(m)
+        acc = torch.empty((b, nkv, splits, gp, d), dtype=torch.float32, device=q.device)
+    else:
+        m = l_ = acc = out  # unused
+    _paged_attn_kernel[(b, nkv, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale,
+        G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if splits > 1:
+        _paged_attn_combine_kernel[(b, nkv)](
+            m, l_, acc, out, out.stride(0), out.stride(1), G=group, GP=gp, NKV=nkv, D=d, S=splits, num_warps=4
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- SiLU gate
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up [N, 2I] -> [N, I]
+    n, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty((n, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(n, triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+    )
+    return out

@@ -1,0 +1,179 @@
+"""The fast-path engine on CPU computes what the span's blocks compute: prefill and decode against the blocks'
+own cached forward, batched ragged decode equal to each session alone, rollback, beam reordering, validation,
+and the paged KV pool's accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corolla.models.registry import get_family
+from corolla.server.engine import EngineConfig, SpanEngine
+from corolla.server.engine.span_engine import StepRequest
+from corolla.utils.errors import AllocationFailed
+from helpers.tiny_models import tiny_config
+
+H = 64  # tiny_config hidden size
+MAX_LEN = 96
+
+
+def make_blocks(family: str = "llama", num_layers: int = 3, seed: int = 0) -> list[torch.nn.Module]:
+    torch.manual_seed(seed)
+    config = tiny_config(family, num_layers)
+    blocks = [get_family(config).build_block(config, i) for i in range(num_layers)]
+    for block in blocks:
+        for p in block.parameters():  # norms away from 1 and biases away from 0, so every tensor matters
+            if p.ndim > 1:
+                torch.nn.init.normal_(p, std=0.15)
+            else:
+                torch.nn.init.normal_(p, mean=1.0 if p.shape[0] == H else 0.0, std=0.2)
+        block.eval()
+    return blocks
+
+
+def make_engine(blocks, **overrides) -> SpanEngine:
+    settings = dict(kv_pool_bytes=2 << 20, page_size_tokens=16, max_seq_len_tokens=128, max_batch_rows=8)
+    settings.update(overrides)
+    return SpanEngine.from_blocks(blocks, EngineConfig(**settings))
+
+
+@torch.no_grad()
+def reference_steps(blocks, steps: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """The blocks' own KV-cached forward over (hidden [B,T,H], position) steps."""
+    batch = steps[0][0].shape[0]
+    caches = [[d.make_zeros() for d in b.cache_descriptors(batch, MAX_LEN)] for b in blocks]
+    outs = []
+    for x, position in steps:
+        h = x
+        for block, cache in zip(blocks, caches, strict=True):
+            h = block(h, cache=cache, position=position)
+        outs.append(h)
+    return outs
+
+
+def run_steps(engine, session, steps):
+    return [engine.step(session, x, position) for x, position in steps]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_prefill_then_decode_matches_blocks(family: str) -> None:
+    blocks = make_blocks(family)
+    engine = make_engine(blocks)
+    steps = [(torch.randn(2, 21, H), 0)] + [(torch.randn(2, 1, H), 21 + i) for i in range(4)]
+    steps.append((torch.randn(2, 5, H), 25))  # multi-token step on top of a cached prefix (spans pages)
+    expected = reference_steps(blocks, steps)
+    with engine.open_session(2, MAX_LEN) as session:
+        got = run_steps(engine, session, steps)
+        assert session.length_tokens == 30
+    for out, ref in zip(got, expected, strict=True):
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_batched_ragged_decode_equals_each_session_alone() -> None:
+    blocks = make_blocks()
+    solo, merged = make_engine(blocks), make_engine(blocks)
+    prefixes = [3, 17, 40, 1, 33]  # different lengths: rows sit at different positions and pages
+    batch_sizes = [1, 2, 1, 3, 1]
+    prompts = [torch.randn(b, n, H) for b, n in zip(batch_sizes, prefixes, strict=True)]
+    tokens = [[torch.randn(b, 1, H) for _ in range(3)] for b in batch_sizes]
+    expected = []
+    for prompt, toks in zip(prompts, tokens, strict=True):
+        with solo.open_session(prompt.shape[0], MAX_LEN) as s:
+            solo.step(s, prompt, 0)
+            expected.append([solo.step(s, t, prompt.shape[1] + i) for i, t in enumerate(toks)])
+    sessions = [merged.open_session(p.shape[0], MAX_LEN) for p in prompts]
+    for s, prompt in zip(sessions, prompts, strict=True):
+        merged.step(s, prompt, 0)
+    for i in range(3):
+        reqs = [StepRequest(s, toks[i], p.shape[1] + i) for s, toks, p in zip(sessions, tokens, prompts, strict=True)]
+        outs = merged.decode_many(reqs)  # 8 rows > max_batch_rows? no: 8 rows exactly, one forward
+        for k, out in enumerate(outs):
+            torch.testing.assert_close(out, expected[k][i], atol=1e-5, rtol=0)
+    for s in sessions:
+        s.close()
+
+
+def test_decode_many_splits_batches_above_max_rows() -> None:
+    blocks = make_blocks(num_layers=1)
+    engine = make_engine(blocks, max_batch_rows=2)
+    sessions = [engine.open_session(1, MAX_LEN) for _ in range(5)]
+    xs = [torch.randn(1, 1, H) for _ in sessions]
+    outs = engine.decode_many([StepRequest(s, x, 0) for s, x in zip(sessions, xs, strict=True)])
+    ref = [reference_steps(blocks, [(x, 0)])[0] for x in xs]
+    for out, r in zip(outs, ref, strict=True):
+        torch.testing.assert_close(out, r, atol=1e-5, rtol=0)
+
+
+def test_rollback_overwrites_from_the_given_position() -> None:
+    blocks = make_blocks()
+    engine = make_engine(blocks)
+    prompt, a, b = torch.randn(1, 9, H), torch.randn(1, 3, H), torch.randn(1, 2, H)
+    expected = reference_steps(blocks, [(prompt, 0), (b, 6)])  # as if only prompt[:6] then b were ever sent
+    with engine.open_session(1, MAX_LEN) as session:
+        engine.step(session, prompt, 0)
+        engine.step(session, a, 9)
+        out = engine.step(session, b, 6)  # speculative rollback to position 6
+        assert session.length_tokens == 8
+    torch.testing.assert_close(out, expected[1], atol=1e-4, rtol=0)
+
+
+def test_hypo_ids_reorder_rows() -> None:
+    blocks = make_blocks()
+    engine = make_engine(blocks)
+    prompt, tok = torch.randn(3, 7, H), torch.randn(3, 1, H)
+    hypo = torch.tensor([2, 0, 0])
+    expected = reference_steps(blocks, [(prompt[hypo], 0), (tok, 7)])[1]
+    with engine.open_session(3, MAX_LEN) as session:
+        engine.step(session, prompt, 0)
+        out = engine.step(session, tok, 7, hypo_ids=hypo)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+
+
+def test_invalid_steps_raise_value_error_naming_the_limit() -> None:
+    engine = make_engine(make_blocks(num_layers=1))
+    with engine.open_session(2, 10) as session:
+        with pytest.raises(ValueError, match="Maximum length exceeded"):
+            engine.step(session, torch.randn(2, 11, H), 0)
+        with pytest.raises(ValueError, match=r"must lie in \[0, 0\]"):
+            engine.step(session, torch.randn(2, 1, H), 3)  # skipping ahead would read unwritten keys
+        with pytest.raises(ValueError, match="hidden states must be"):
+            engine.step(session, torch.randn(1, 1, H), 0)
+        with pytest.raises(ValueError, match="hypo_ids"):
+            engine.step(session, torch.randn(2, 1, H), 0, hypo_ids=torch.tensor([0, 5]))
+        assert engine.step(session, torch.randn(2, 0, H), 0).shape == (2, 0, H)
+    with pytest.raises(ValueError, match="closed"):
+        engine.step(session, torch.randn(2, 1, H), 0)
+    with pytest.raises(ValueError, match="max = 128"):
+        engine.open_session(1, 129)
+
+
+def test_pool_reserves_all_or_nothing_and_frees_on_exit() -> None:
+    page_bytes = 2 * 1 * 16 * 2 * 16 * 4  # K and V x 1 layer x 16 tokens x 2 kv heads x 16 dims x fp32
+    engine = make_engine(make_blocks(num_layers=1), kv_pool_bytes=10 * page_bytes)
+    pool = engine.pool
+    assert pool.num_pages == 10 and pool.pages_free == 9  # page 0 is the trash page
+    with engine.open_session(2, 64) as s:  # 4 pages each
+        assert pool.pages_free == 1
+        assert 0 not in {p for slot in s.slots for p in slot.pages}
+        with pytest.raises(AllocationFailed):
+            engine.open_session(1, 32)
+        assert pool.pages_free == 1  # nothing taken by the failed attempt
+    assert pool.pages_free == 9
+    s.close()  # idempotent
+    assert pool.pages_free == 9
+
+
+def test_engine_refuses_unsupported_blocks() -> None:
+    config = tiny_config("falcon", 1)
+    block = get_family(config).build_block(config, 0)
+    with pytest.raises(ValueError):
+        SpanEngine.from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20))
+
+
+def test_sliding_window_limits_the_session_length() -> None:
+    blocks = make_blocks("mistral", num_layers=1)  # tiny mistral: window of 12 tokens
+    engine = make_engine(blocks)
+    assert engine.max_seq_len_tokens == 12
+    with pytest.raises(ValueError, match="max = 12"):
+        engine.open_session(1, 13)
