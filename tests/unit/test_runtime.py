@@ -126,12 +126,33 @@ async def test_tasks_with_a_merge_key_run_together_through_the_batch_executor() 
             )
             for i in range(5)
         ]
-        other = runtime.submit(lambda: "other span", priority=1, size_tokens=1, kind="decode", merge_key="x")
+        other = runtime.submit(lambda: "solo", priority=1, size_tokens=1, kind="decode", merge_key="x", payload=100)
+        unkeyed = runtime.submit(lambda: "no merge key", priority=1, size_tokens=1, kind="decode")
         gate.set()
         await blocker
-        results = await asyncio.wait_for(asyncio.gather(*futures, other, return_exceptions=True), 5)
-    # the token limit (3) splits the five tasks into two merged batches; the other merge key runs on its own
-    assert batches == [[0, 1, 2], [3, 4]]
+        results = await asyncio.wait_for(asyncio.gather(*futures, other, unkeyed, return_exceptions=True), 5)
+    # the token limit (3) splits the five tasks into two merged batches; the other merge key is a batch of one;
+    # a task without a merge key runs alone as fn()
+    assert batches == [[0, 1, 2], [3, 4], [100]]
     assert results[0] == 0 and results[2] == 20 and results[4] == 40
     assert isinstance(results[1], ValueError) and isinstance(results[3], ValueError)
-    assert results[5] == "other span"
+    assert results[5] == 1000 and results[6] == "no merge key"
+
+
+async def test_a_failing_batch_executor_fails_only_its_batch() -> None:
+    def executor(tasks):
+        raise RuntimeError("device error in merged step")
+
+    with Runtime(max_batch_size_tokens=8) as runtime:
+        runtime.register_batch_executor("decode", executor)
+        gate, blocker = await _block_runtime(runtime)
+        merged = [
+            runtime.submit(lambda: None, priority=1, size_tokens=1, kind="decode", merge_key="span") for _ in range(3)
+        ]
+        after = runtime.submit(lambda: "ok", priority=2, size_tokens=1)
+        gate.set()
+        await blocker
+        results = await asyncio.wait_for(asyncio.gather(*merged, return_exceptions=True), 5)
+        assert all(isinstance(r, RuntimeError) and "merged step" in str(r) for r in results)
+        assert await asyncio.wait_for(after, 5) == "ok"
+        assert runtime.num_batches_done >= 3  # blocker, the merged batch, `after`

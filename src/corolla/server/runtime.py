@@ -29,7 +29,9 @@ class Runtime:
 
     Use as a context manager (`with Runtime(...) as runtime:`); `submit` is called from a running asyncio loop and
     returns an `asyncio.Future` resolved in that loop. A failing task passes its exception to its caller only.
-    Kinds registered with `register_batch_executor` get tasks sharing a `merge_key` executed together.
+    Tasks of a kind registered with `register_batch_executor` that have a `merge_key` always go through that
+    executor, together with the other queued tasks of the same `(kind, merge_key)` (continuous batching);
+    all other tasks run alone as `fn()`.
     """
 
     def __init__(
@@ -143,24 +145,25 @@ class Runtime:
                 torch.cuda.set_device(self.device)
         finally:
             self._ready.set()
-        mergeable = frozenset(self._batch_executors)
-        while True:
-            batch = self._queue.pop_batch(max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=mergeable)
+        while True:  # schedule -> execute -> complete
+            batch = self._queue.pop_batch(
+                max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys()
+            )
             if batch is None:
                 break
             if not batch:
                 continue
             results = self._execute(batch)
             self._complete(batch, results)
-            mergeable = frozenset(self._batch_executors)
 
     def _execute(self, batch: list[Task]) -> list[tuple[Any, BaseException | None]]:
         started = time.perf_counter()
         try:
-            if len(batch) == 1:
+            executor = self._batch_executors.get(batch[0].kind) if batch[0].merge_key is not None else None
+            if executor is None:
                 outputs: list[Any] = [batch[0].fn()]
             else:
-                outputs = self._batch_executors[batch[0].kind](batch)
+                outputs = executor(batch)
                 if len(outputs) != len(batch):
                     raise RuntimeError(
                         f"Batch executor for {batch[0].kind!r} returned {len(outputs)} results for {len(batch)} tasks"

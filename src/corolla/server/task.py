@@ -7,7 +7,7 @@ import asyncio
 import heapq
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +80,7 @@ class TaskQueue:
         return remaining
 
     def pop_batch(
-        self, *, max_batch_tokens: int, mergeable_kinds: frozenset[str], timeout_s: float | None = None
+        self, *, max_batch_tokens: int, mergeable_kinds: Container[str], timeout_s: float | None = None
     ) -> list[Task] | None:
         """Waits for work and returns the most urgent task, plus (if its kind is mergeable) the other pending tasks
         with the same `(kind, merge_key)` in priority order while their total size fits `max_batch_tokens`.
