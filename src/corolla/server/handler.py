@@ -283,10 +283,13 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 tensors=[output, *request.tensors[1:]],
                 metadata=encode_metadata(step_metadata),
             )
+            if hop.peer_id == self.p2p.peer_id.to_base58():  # the next span is ours too: no network hop
+                self.sessions.push(hop.session_id, pushed)
+                return
             stub = type(self).get_stub(self.p2p, PeerID.from_base58(hop.peer_id))
             await stub.rpc_push(pushed, timeout=self.timeouts.request_timeout_s)
         except Exception as e:
-            logger.debug(f"rpc_push.failed(peer={hop.peer_id:.12}): {e!r}")
+            logger.info(f"rpc_push.failed(peer={hop.peer_id:.12}): {e!r}")
 
     # ---- inference ------------------------------------------------------------------------------------------------
 

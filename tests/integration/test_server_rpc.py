@@ -1,0 +1,304 @@
+"""A server (in-process, tiny Llama, blocks 0:4) called through a plain hivemind stub as a stock Petals client would:
+forward, backward and multi-step inference equal the local blocks; `cache_tokens_available` accounting per session
+(close, error, timeout, disconnect); `next_servers` push and `step_id` de-duplication."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import torch
+from hivemind.compression.serialization import deserialize_torch_tensor
+from hivemind.p2p import P2PHandlerError
+
+from corolla.models.loading import load_pretrained_block
+from corolla.server.config import ServerConfig
+from corolla.server.server import Server
+from helpers.swarm import ClientThread, InferenceStream, packed_request, wait_until
+from helpers.tiny_models import make_tiny_model
+
+HIDDEN = 64
+NUM_BLOCKS = 4
+MAX_LENGTH_LIMIT = 64
+MAX_BATCH_TOKENS = 256
+CACHE_TOKENS_PER_BLOCK = 160
+STEP_TIMEOUT_S = 1.5
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory: pytest.TempPathFactory):
+    config = ServerConfig(
+        model_name_or_path=str(model_path),
+        new_swarm=True,
+        block_indices=(0, NUM_BLOCKS),
+        throughput=10.0,
+        torch_dtype="float32",
+        inference_max_length_tokens=MAX_LENGTH_LIMIT,
+        max_batch_size_tokens=MAX_BATCH_TOKENS,
+        attn_cache_tokens=CACHE_TOKENS_PER_BLOCK,
+        step_timeout_s=STEP_TIMEOUT_S,
+        session_timeout_s=30.0,
+        request_timeout_s=20.0,
+        update_period_s=30.0,
+        max_alloc_timeout_s=1.0,
+        cache_dir=str(tmp_path_factory.mktemp("cache")),
+    )
+    server = Server(config).start(timeout_s=90)
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    client = ClientThread(server.join_maddrs, server.peer_id)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def blocks(model_path, server):
+    config = server.model_config
+    return [
+        load_pretrained_block(model_path, i, config=config, torch_dtype=torch.float32).eval() for i in range(NUM_BLOCKS)
+    ]
+
+
+def chain(server, start: int, end: int) -> str:
+    return " ".join(f"{server.settings.dht_prefix}.{i}" for i in range(start, end))
+
+
+def local_forward(blocks, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        for block in blocks[start:end]:
+            hidden = block(hidden)
+    return hidden
+
+
+def initial_cache_tokens() -> int:
+    return NUM_BLOCKS * CACHE_TOKENS_PER_BLOCK
+
+
+def test_rpc_info_schemas_and_cache_tokens(server, client):
+    info = client.info()
+    assert set(info) == {"version", "dht_client_mode", "cache_tokens_available"}
+    assert info["dht_client_mode"] is False
+    assert info["cache_tokens_available"] == initial_cache_tokens()
+    info = client.info(f"{server.settings.dht_prefix}.2")
+    args, kwargs = info["forward_schema"]
+    assert kwargs == {} and len(args) == 1 and args[0].dtype == torch.float32 and args[0].size[-1] == HIDDEN
+    assert info["outputs_schema"][0].size[-1] == HIDDEN
+    assert info["keyword_names"] == ()
+    hidden_descr, prompts_descr, hypo_descr = info["inference_schema"][0]
+    assert hypo_descr.dtype == torch.int64 and prompts_descr.dtype == torch.float32
+
+
+def test_forward_backward_equal_local_blocks(server, client, blocks):
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 7, HIDDEN)
+    uid = chain(server, 1, 4)
+    response = client.run(lambda stub: stub.rpc_forward(packed_request(uid, hidden, torch.empty(0)), timeout=20))
+    output = deserialize_torch_tensor(response.tensors[0])
+    torch.testing.assert_close(output, local_forward(blocks, 1, 4, hidden), atol=1e-4, rtol=0)
+
+    grad_outputs = torch.randn(2, 7, HIDDEN)
+    response = client.run(
+        lambda stub: stub.rpc_backward(packed_request(uid, hidden, grad_outputs, torch.empty(0)), timeout=20)
+    )
+    grad_inputs = deserialize_torch_tensor(response.tensors[0])
+    leaf = hidden.clone().requires_grad_(True)
+    out = leaf
+    for block in blocks[1:4]:
+        out = block(out)
+    out.backward(grad_outputs)
+    torch.testing.assert_close(grad_inputs, leaf.grad, atol=1e-4, rtol=0)
+
+
+def test_forward_stream_for_large_tensors(server, client, blocks):
+    hidden = torch.randn(1, 250, HIDDEN)  # small enough for max_batch_size, sent in 16 KiB-ish parts anyway
+
+    async def go(stub):
+        from hivemind.compression.serialization import serialize_torch_tensor
+        from hivemind.proto import runtime_pb2
+        from hivemind.utils.serializer import MSGPackSerializer
+
+        from corolla.protocol.codecs import split_for_streaming
+        from corolla.protocol.packing import pack_args_kwargs
+
+        tensors, structure = pack_args_kwargs(hidden, torch.empty(0))
+        metadata = MSGPackSerializer.dumps({"args_structure": structure})
+        parts = [p for t in tensors for p in split_for_streaming(serialize_torch_tensor(t), 16384)]
+
+        async def requests():
+            for part in parts:
+                yield runtime_pb2.ExpertRequest(uid=chain(server, 0, 2), tensors=[part], metadata=metadata)
+
+        from corolla.protocol.codecs import combine_parts
+
+        responses = [r async for r in await stub.rpc_forward_stream(requests())]
+        return [deserialize_torch_tensor(t) for t in combine_parts([t for r in responses for t in r.tensors])]
+
+    (output,) = client.run(go)
+    torch.testing.assert_close(output, local_forward(blocks, 0, 2, hidden), atol=1e-4, rtol=0)
+
+
+def test_multi_step_inference_equals_local(server, client, blocks):
+    torch.manual_seed(2)
+    tokens = torch.randn(1, 9, HIDDEN)
+    expected = local_forward(blocks, 0, 4, tokens)
+    uid = chain(server, 0, 4)
+    session_id = str(uuid.uuid4())
+    stream = InferenceStream(client).open()
+    outputs = []
+    position = 0
+    for piece in (tokens[:, :4], tokens[:, 4:4], tokens[:, 4:5], tokens[:, 5:6], tokens[:, 6:9]):  # incl. 0 tokens
+        metadata = {"session_id": session_id, "step_id": str(uuid.uuid4()), "start_from_position": position}
+        if position == 0 and not outputs:
+            metadata["max_length"] = 20
+        response = stream.step(
+            packed_request(uid, piece, torch.empty(0), torch.empty(0, dtype=torch.int64), **metadata)
+        )
+        output = deserialize_torch_tensor(response.tensors[0])
+        assert output.shape == piece.shape
+        outputs.append(output)
+        position += piece.shape[1]
+    assert client.info()["cache_tokens_available"] == initial_cache_tokens() - 4 * 20
+    torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=1e-3, rtol=0)
+
+    # rollback: overwrite from position 5 with different tokens -> equals the local run on the new sequence
+    new_tail = torch.randn(1, 3, HIDDEN)
+    response = stream.step(
+        packed_request(uid, new_tail, torch.empty(0), torch.empty(0, dtype=torch.int64), start_from_position=5)
+    )
+    expected_new = local_forward(blocks, 0, 4, torch.cat([tokens[:, :5], new_tail], dim=1))[:, 5:]
+    torch.testing.assert_close(deserialize_torch_tensor(response.tensors[0]), expected_new, atol=1e-3, rtol=0)
+    stream.close()
+    assert wait_until(lambda: client.info()["cache_tokens_available"] == initial_cache_tokens(), 5)
+
+
+def test_cache_tokens_drop_per_session_and_return(server, client):
+    base = client.info()["cache_tokens_available"]
+    assert base == initial_cache_tokens()
+    first = InferenceStream(client).open()
+    first.step(packed_request(chain(server, 0, 3), torch.randn(1, 2, HIDDEN), max_length=50))
+    assert client.info()["cache_tokens_available"] == base - 50 * 3
+    second = InferenceStream(client).open()
+    second.step(packed_request(chain(server, 2, 3), torch.randn(1, 1, HIDDEN), max_length=20))
+    assert client.info()["cache_tokens_available"] == base - 50 * 3 - 20
+    second.close()
+    assert wait_until(lambda: client.info()["cache_tokens_available"] == base - 50 * 3, 5)
+    first.close()
+    assert wait_until(lambda: client.info()["cache_tokens_available"] == base, 5)
+
+    # an error inside a session frees its cache
+    broken = InferenceStream(client).open()
+    broken.step(packed_request(chain(server, 0, 2), torch.randn(1, 2, HIDDEN), max_length=10))
+    assert client.info()["cache_tokens_available"] == base - 20
+    with pytest.raises(P2PHandlerError, match="Maximum length exceeded"):
+        broken.step(packed_request(chain(server, 0, 2), torch.randn(1, 9, HIDDEN)))
+    assert wait_until(lambda: client.info()["cache_tokens_available"] == base, 5)
+
+    # a session whose client goes silent ends after step_timeout and frees its cache
+    silent = InferenceStream(client).open()
+    silent.step(packed_request(chain(server, 1, 4), torch.randn(1, 1, HIDDEN), max_length=30))
+    assert client.info()["cache_tokens_available"] == base - 90
+    assert wait_until(lambda: client.info()["cache_tokens_available"] == base, STEP_TIMEOUT_S + 5)
+
+    # a client that disconnects mid-session frees its cache too
+    dropped = InferenceStream(client).open()
+    dropped.step(packed_request(chain(server, 0, 4), torch.randn(1, 1, HIDDEN), max_length=10))
+    assert client.info()["cache_tokens_available"] == base - 40
+    dropped.abort()
+    assert wait_until(lambda: client.info()["cache_tokens_available"] == base, 5)
+
+
+def test_push_to_next_session_and_step_dedup(server, client, blocks):
+    """Blocks 0:2 push their output to a session on blocks 2:4 (same server); the pushed step is processed once
+    even when the client also sends it directly (step_id de-duplication)."""
+    torch.manual_seed(3)
+    hidden = torch.randn(1, 3, HIDDEN)
+    downstream_id, upstream_id = str(uuid.uuid4()), str(uuid.uuid4())
+    downstream = InferenceStream(client).open()
+    first_down = downstream.step(
+        packed_request(chain(server, 2, 4), torch.randn(1, 0, HIDDEN), max_length=10, session_id=downstream_id)
+    )
+    assert deserialize_torch_tensor(first_down.tensors[0]).shape == (1, 0, HIDDEN)
+    upstream = InferenceStream(client).open()
+    step_id = str(uuid.uuid4())
+    next_servers = [[server.peer_id, downstream_id, 2, 4]]
+    response = upstream.step(
+        packed_request(
+            chain(server, 0, 2), hidden, max_length=10, session_id=upstream_id, step_id=step_id,
+            next_servers=next_servers,
+        )
+    )  # fmt: skip
+    mid = deserialize_torch_tensor(response.tensors[0])
+    torch.testing.assert_close(mid, local_forward(blocks, 0, 2, hidden), atol=1e-4, rtol=0)
+
+    async def next_response(_stub):
+        import asyncio
+
+        return await asyncio.wait_for(downstream.responses.__anext__(), 10)
+
+    pushed = client.run(next_response)  # the downstream session answered the pushed step
+    torch.testing.assert_close(
+        deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 0, 4, hidden), atol=1e-3, rtol=0
+    )
+    # the same step sent directly is skipped (no response); the next one continues at position 3
+    follow = torch.randn(1, 1, HIDDEN)
+    direct = packed_request(chain(server, 2, 4), mid, session_id=downstream_id, step_id=step_id)
+
+    async def send_only(_stub):
+        await downstream.queue.put(direct)
+
+    client.run(send_only)
+    after = downstream.step(
+        packed_request(chain(server, 2, 4), follow, session_id=downstream_id, step_id=str(uuid.uuid4()))
+    )
+    expected = local_forward(blocks, 2, 4, torch.cat([mid, follow], dim=1))[:, 3:]
+    torch.testing.assert_close(deserialize_torch_tensor(after.tensors[0]), expected, atol=1e-3, rtol=0)
+    upstream.close()
+    downstream.close()
+    assert wait_until(lambda: client.info()["cache_tokens_available"] == initial_cache_tokens(), 5)
+
+
+def test_push_between_servers(server, client, blocks, model_path, tmp_path):
+    """A second server (blocks 2:4) receives the output of blocks 0:2 by `rpc_push` from the first server."""
+    config = ServerConfig(
+        model_name_or_path=str(model_path), initial_peers=tuple(server.join_maddrs), block_indices=(2, 4),
+        throughput=10.0, torch_dtype="float32", update_period_s=30.0, cache_dir=str(tmp_path),
+    )  # fmt: skip
+    second = Server(config).start(timeout_s=90)
+    try:
+        hidden = torch.randn(1, 2, HIDDEN)
+        downstream_id = str(uuid.uuid4())
+        downstream = InferenceStream(client, second.peer_id).open()
+        downstream.step(
+            packed_request(chain(server, 2, 4), torch.randn(1, 0, HIDDEN), max_length=8, session_id=downstream_id)
+        )
+        upstream = InferenceStream(client).open()
+        upstream.step(
+            packed_request(
+                chain(server, 0, 2), hidden, max_length=8, session_id=str(uuid.uuid4()), step_id=str(uuid.uuid4()),
+                next_servers=[[second.peer_id, downstream_id, 2, 4]],
+            )
+        )  # fmt: skip
+
+        async def next_response(_stub):
+            return await asyncio.wait_for(downstream.responses.__anext__(), 15)
+
+        pushed = client.run(next_response)
+        torch.testing.assert_close(
+            deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 0, 4, hidden), atol=1e-3, rtol=0
+        )
+        upstream.close()
+        downstream.close()
+    finally:
+        second.shutdown()
