@@ -4,6 +4,7 @@ plus a byte-level tokenizer built with `tokenizers`; cached per process so repea
 from __future__ import annotations
 
 import atexit
+import contextlib
 import shutil
 import tempfile
 import threading
@@ -85,15 +86,21 @@ def build_tokenizer():
 
 
 def _build(family: str, out: Path, *, num_layers: int, sharded: bool, dtype: torch.dtype, seed: int) -> None:
+    save_tiny_model(tiny_config(family, num_layers), out, sharded=sharded, dtype=dtype, seed=seed)
+
+
+def save_tiny_model(config, out: str | Path, *, sharded: bool = False, dtype=torch.float32, seed: int = 0) -> Path:
+    """Builds a random causal LM from any transformers `config` and saves it with the tiny tokenizer into `out`
+    (for variants that `make_tiny_model` does not cover: rope scaling, ALiBi Falcon, ...)."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(family, num_layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     model.config.dtype = dtype
     kwargs = {"max_shard_size": SHARD_SIZE} if sharded else {"max_shard_size": "10GB"}
     model.save_pretrained(out, safe_serialization=True, **kwargs)
     build_tokenizer().save_pretrained(out)
+    return Path(out)
 
 
 def model_dir_name(family: str, *, num_layers: int = 4, sharded: bool = False, dtype=torch.float32, seed: int = 0):
@@ -174,3 +181,14 @@ def capture_hf_layer(model, layer_idx: int, input_ids: torch.Tensor):
         for h in handles:
             h.remove()
     return seen["in"].clone(), seen["out"].clone(), seen["kwargs"]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Tiny-model math is fastest single-threaded, above all on a loaded 2-core machine; restores on exit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

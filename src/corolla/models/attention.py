@@ -113,3 +113,24 @@ class Attention(nn.Module):
             bias = (slopes[:, None] * k_pos[None, :].float() * self.alibi_scale).to(q.dtype)  # [h, S]
         mask = bias[:, None, :].masked_fill(~allowed[None], float("-inf"))  # [h, T, S]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], scale=self.scale, enable_gqa=gqa)
+
+
+def interleaved_qkv_rows(num_heads: int, head_dim: int) -> torch.Tensor:
+    """Row map for checkpoints fusing q/k/v per head (`[head, (q|k|v), head_dim]`, BLOOM and old Falcon):
+    checkpoint row i goes to our row `result[i]` in the `[q heads | k heads | v heads]` layout."""
+    h = torch.arange(num_heads)[:, None, None]  # [h, 1, 1]
+    t = torch.arange(3)[None, :, None]  # [1, 3, 1]
+    d = torch.arange(head_dim)[None, None, :]  # [1, 1, hd]
+    return ((t * num_heads + h) * head_dim + d).reshape(-1)  # [3 h hd]
+
+
+def grouped_qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Row map for Falcon's new decoder architecture: per KV group g the checkpoint holds its `group` query
+    heads, then its key, then its value (`[kv, group + 2, head_dim]`)."""
+    group = num_heads // num_kv_heads
+    rows = []
+    for g in range(num_kv_heads):
+        heads = [g * group + j for j in range(group)] + [num_heads + g, num_heads + num_kv_heads + g]
+        for our_head in heads:
+            rows.append(torch.arange(our_head * head_dim, (our_head + 1) * head_dim))
+    return torch.cat(rows)  # [(h + 2 kv) hd]
