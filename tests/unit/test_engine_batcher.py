@@ -1,0 +1,181 @@
+"""Continuous batching on CPU: concurrent sessions get exactly what they would get alone while their steps share
+batched forwards; sessions join and leave between iterations; oldest steps go first so nobody starves; a bad
+step fails alone; and the server's Runtime can drive the same merging as a batch executor."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from corolla.models.registry import get_family
+from corolla.server.engine import ContinuousBatcher, EngineConfig, SpanEngine
+from corolla.server.engine.batcher import execute_steps, runtime_batch_executor
+from corolla.server.engine.span_engine import StepRequest
+from corolla.server.runtime import Runtime
+from corolla.server.task import KIND_INFERENCE, PRIORITY_INFERENCE
+from helpers.tiny_models import tiny_config
+
+H = 64
+WAIT_S = 60
+
+
+def make_engine(num_layers: int = 2, **overrides) -> SpanEngine:
+    torch.manual_seed(0)
+    config = tiny_config("llama", num_layers)
+    blocks = [get_family(config).build_block(config, i).eval() for i in range(num_layers)]
+    for block in blocks:
+        for p in block.parameters():
+            torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.15)
+    settings = dict(kv_pool_bytes=4 << 20, page_size_tokens=16, max_seq_len_tokens=128, max_batch_rows=8)
+    settings.update(overrides)
+    return SpanEngine.from_blocks(blocks, EngineConfig(**settings))
+
+
+def solo_outputs(engine: SpanEngine, prompt: torch.Tensor, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    with engine.open_session(prompt.shape[0], 64) as s:
+        outs = [engine.step(s, prompt, 0)]
+        outs += [engine.step(s, t, prompt.shape[1] + i) for i, t in enumerate(tokens)]
+    return outs
+
+
+def test_concurrent_sessions_match_solo_and_share_forwards() -> None:
+    engine = make_engine()
+    n_sessions, n_tokens = 6, 5
+    prompts = [torch.randn(1, 3 + 4 * i, H) for i in range(n_sessions)]
+    tokens = [[torch.randn(1, 1, H) for _ in range(n_tokens)] for _ in range(n_sessions)]
+    expected = [solo_outputs(engine, p, t) for p, t in zip(prompts, tokens, strict=True)]
+    results: dict[int, list[torch.Tensor]] = {}
+    barrier = threading.Barrier(n_sessions)
+
+    def client(i: int) -> None:
+        with engine.open_session(1, 64) as s:
+            outs = [batcher.submit(s, prompts[i], 0).result(WAIT_S)]
+            barrier.wait(WAIT_S)  # everyone decodes at the same time
+            for k, tok in enumerate(tokens[i]):
+                outs.append(batcher.submit(s, tok, prompts[i].shape[1] + k).result(WAIT_S))
+            results[i] = outs
+
+    with ContinuousBatcher(engine) as batcher:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n_sessions)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+    assert sorted(results) == list(range(n_sessions))
+    for i in range(n_sessions):
+        for got, ref in zip(results[i], expected[i], strict=True):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert max(batcher.batch_rows_history) > 1  # steps of different sessions did share a forward
+    assert engine.pool.pages_free == engine.pool.num_pages - 1
+
+
+def test_sessions_join_and_leave_between_iterations() -> None:
+    engine = make_engine()
+    batcher = ContinuousBatcher(engine)  # driven by hand: run_once is one iteration
+    a, b = engine.open_session(1, 64), engine.open_session(2, 64)
+    xa, xb = torch.randn(1, 4, H), torch.randn(2, 6, H)
+    fa, fb = batcher.submit(a, xa, 0), batcher.submit(b, xb, 0)
+    while batcher.num_pending:
+        batcher.run_once()
+    ta, tb = torch.randn(1, 1, H), torch.randn(2, 1, H)
+    fa, fb = batcher.submit(a, ta, 4), batcher.submit(b, tb, 6)
+    assert batcher.run_once() == 2 and batcher.batch_rows_history[-1] == 3  # both decode rows in one forward
+    assert fb.result(WAIT_S).shape == (2, 1, H)
+    b.close()  # b leaves; c joins
+    c = engine.open_session(1, 64)
+    xc = torch.randn(1, 2, H)
+    fc = batcher.submit(c, xc, 0)
+    ta2 = torch.randn(1, 1, H)
+    fa2 = batcher.submit(a, ta2, 5)
+    fb2 = batcher.submit(b, torch.randn(2, 1, H), 7)  # a closed session's step fails alone
+    batcher.run_once()
+    with pytest.raises(ValueError, match="closed"):
+        fb2.result(WAIT_S)
+    expected_a = solo_outputs(engine, xa, [ta, ta2])
+    expected_c = solo_outputs(engine, xc, [])
+    torch.testing.assert_close(fa.result(WAIT_S), expected_a[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fa2.result(WAIT_S), expected_a[2], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fc.result(WAIT_S), expected_c[0], atol=1e-5, rtol=0)
+    a.close()
+    c.close()
+
+
+def test_oldest_steps_go_first_and_each_session_keeps_its_order() -> None:
+    engine = make_engine(num_layers=1, max_batch_rows=2)
+    batcher = ContinuousBatcher(engine)
+    sessions = [engine.open_session(1, 64) for _ in range(5)]
+    futures = [batcher.submit(s, torch.randn(1, 1, H), 0) for s in sessions]
+    second = batcher.submit(sessions[0], torch.randn(1, 1, H), 1)  # queued behind session 0's first step
+    done_after: list[set[int]] = []
+    while batcher.num_pending:
+        batcher.run_once()
+        done_after.append({i for i, f in enumerate(futures) if f.done()})
+    assert done_after[0] == {0, 1}  # two rows per iteration, oldest first
+    assert done_after[1] == {0, 1, 2, 3}
+    assert done_after[2] == {0, 1, 2, 3, 4}
+    assert second.done() and len(done_after) == 3  # ran with session 4, after session 0's first step
+    assert sessions[0].length_tokens == 2
+    for s in sessions:
+        s.close()
+
+
+def test_execute_steps_isolates_invalid_requests_and_orders_repeated_sessions() -> None:
+    engine = make_engine(num_layers=1)
+    s = engine.open_session(1, 64)
+    x0, x1 = torch.randn(1, 3, H), torch.randn(1, 1, H)
+    bad = StepRequest(s, torch.randn(1, 1, H), 40)  # beyond what was written
+    results = execute_steps(engine, [StepRequest(s, x0, 0), bad, StepRequest(s, x1, 3)])
+    assert isinstance(results[1], ValueError)
+    expected = solo_outputs(engine, x0, [x1])
+    torch.testing.assert_close(results[0], expected[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(results[2], expected[1], atol=1e-5, rtol=0)
+    s.close()
+
+
+async def test_runtime_merges_inference_steps_through_the_engine() -> None:
+    engine = make_engine()
+    sessions = [engine.open_session(1, 64) for _ in range(4)]
+    prompts = [torch.randn(1, 5 + i, H) for i in range(4)]
+    toks = [torch.randn(1, 1, H) for _ in range(4)]
+    expected = [solo_outputs(engine, p, [t]) for p, t in zip(prompts, toks, strict=True)]
+    executor = runtime_batch_executor(engine)
+    batches: list[int] = []
+
+    def counting_executor(tasks):
+        batches.append(len(tasks))
+        return executor(tasks)
+
+    def submit(runtime, session, x, position):
+        req = StepRequest(session, x, position)
+        return runtime.submit(
+            lambda: engine.step(session, x, position),
+            priority=PRIORITY_INFERENCE,
+            size_tokens=x.shape[0] * x.shape[1],
+            kind=KIND_INFERENCE,
+            merge_key="span",
+            payload=req,
+        )
+
+    with Runtime(max_batch_size_tokens=4096) as runtime:
+        runtime.register_batch_executor(KIND_INFERENCE, counting_executor)
+        gate = threading.Event()
+        blocker = runtime.submit(lambda: gate.wait(10), priority=0, size_tokens=1)
+        firsts = [submit(runtime, s, p, 0) for s, p in zip(sessions, prompts, strict=True)]
+        gate.set()
+        await asyncio.wait_for(blocker, WAIT_S)
+        outs = await asyncio.wait_for(asyncio.gather(*firsts), WAIT_S)
+        gate.clear()
+        blocker = runtime.submit(lambda: gate.wait(10), priority=0, size_tokens=1)
+        seconds = [submit(runtime, s, t, p.shape[1]) for s, t, p in zip(sessions, toks, prompts, strict=True)]
+        gate.set()
+        await asyncio.wait_for(blocker, WAIT_S)
+        outs2 = await asyncio.wait_for(asyncio.gather(*seconds), WAIT_S)
+    assert 4 in batches  # the queued steps ran as merged batches
+    for i in range(4):
+        torch.testing.assert_close(outs[i], expected[i][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(outs2[i], expected[i][1], atol=1e-5, rtol=0)
+    for s in sessions:
+        s.close()
