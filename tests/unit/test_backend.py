@@ -77,20 +77,24 @@ class FakeBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def _build_llama_blocks():
-    from transformers import LlamaConfig
+def _build_family_blocks(family: str):
+    """Real corolla blocks through the models registry (tiny random configs, no weights loaded)."""
+    from transformers import BloomConfig, LlamaConfig
 
-    from corolla.models.llama.block import LlamaBlock
+    from corolla.models.registry import get_family
 
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        num_hidden_layers=NUM_BLOCKS,
-        max_position_embeddings=256,
-    )
-    return config, {i: LlamaBlock(config, i) for i in range(NUM_BLOCKS)}
+    if family == "llama":
+        config = LlamaConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=2 * HIDDEN,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            num_hidden_layers=NUM_BLOCKS,
+            max_position_embeddings=256,
+        )
+    else:
+        config = BloomConfig(hidden_size=HIDDEN, n_head=HEADS, n_layer=NUM_BLOCKS)
+    return config, {i: get_family(config).build_block(config, i) for i in range(NUM_BLOCKS)}
 
 
 def _build_fake_blocks():
@@ -98,16 +102,16 @@ def _build_fake_blocks():
     return config, {i: FakeBlock(HIDDEN, HEADS, KV_HEADS) for i in range(NUM_BLOCKS)}
 
 
-@pytest.fixture(params=["fake", "llama"])
+@pytest.fixture(params=["fake", "llama", "bloom"])
 def blocks_and_config(request):
     torch.manual_seed(0)
     if request.param == "fake":
         config, blocks = _build_fake_blocks()
     else:
         try:
-            config, blocks = _build_llama_blocks()
+            config, blocks = _build_family_blocks(request.param)
         except ImportError as e:
-            pytest.skip(f"real llama block not available yet: {e}")
+            pytest.skip(f"corolla {request.param} block not available yet: {e}")
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for block in blocks.values():
@@ -306,7 +310,8 @@ def test_cache_descriptors_and_bytes_per_token(blocks_and_config) -> None:
     descriptors = backend.cache_descriptors([1, 2], batch_size=3, max_length=10)
     assert len(descriptors) == 2
     head_dim = HIDDEN // HEADS
-    per_block_per_token = 2 * KV_HEADS * head_dim * 4  # K + V, fp32
+    kv_heads = HEADS if getattr(blocks_and_config[1], "model_type", None) == "bloom" else KV_HEADS
+    per_block_per_token = 2 * kv_heads * head_dim * 4  # K + V, fp32
     assert allocation_size_bytes([d for ds in descriptors for d in ds]) == 2 * 3 * 10 * per_block_per_token
     assert backend.cache_bytes_per_token([1]) == per_block_per_token
     assert backend.cache_bytes_per_token() == NUM_BLOCKS * per_block_per_token
