@@ -355,3 +355,20 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def start_inprocess_server(model_path: str | Path, cache_dir: str | Path, **overrides: Any) -> Any:
+    """A `Server` on a tiny model in this process (own thread and loop), new private swarm, CPU float32."""
+    from corolla.server.config import ServerConfig
+    from corolla.server.server import Server
+
+    settings: dict[str, Any] = dict(
+        model_name_or_path=str(model_path),
+        new_swarm=True,
+        throughput=10.0,
+        torch_dtype="float32",
+        update_period_s=30.0,
+        cache_dir=str(cache_dir),
+    )
+    settings.update(overrides)
+    return Server(ServerConfig(**settings)).start(timeout_s=90)
