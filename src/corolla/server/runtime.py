@@ -178,10 +178,10 @@ class Runtime:
         return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
 
     def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
+        self.num_batches_done += 1  # counted before the callers can observe their results
+        self.num_tasks_done += len(batch)
         for task, (result, error) in zip(batch, results, strict=True):
             _deliver(task, result, error)
-        self.num_batches_done += 1
-        self.num_tasks_done += len(batch)
 
 
 def _deliver(task: Task, result: Any, error: BaseException | None) -> None:

@@ -87,28 +87,25 @@ def _quant_name(quant_type: Any) -> str:
 
 
 def block_num_params(config: Any) -> int:
-    """Parameters of one decoder block, counted on the meta device (no memory used)."""
+    """Parameters of one decoder block, counted on the meta device (no memory used): our own block through the
+    models registry, else the `transformers` reference layer of the family."""
     try:
-        from corolla.models.sizing import block_num_params as models_block_num_params  # type: ignore
+        from corolla.models.sizing import count_block_parameters
 
-        return int(models_block_num_params(config))
-    except ImportError:
+        return int(count_block_parameters(config))
+    except ImportError:  # models/sizing.py absent, or this family's block not written yet
         pass
-    builders = []
     try:
         from corolla.models.registry import get_family
 
         family = get_family(config)
-        builders.append(lambda: family.build_block(config, 0))
-        hf_config = copy.deepcopy(config)
-        if getattr(hf_config, "_attn_implementation", None) is None:
-            hf_config._attn_implementation = "eager"
-        builders.append(lambda: family.hf_layer_class(hf_config, 0))
-        builders.append(lambda: family.hf_layer_class(hf_config))
     except (ImportError, ValueError) as e:
         raise ValueError(f"Cannot size blocks of model_type {getattr(config, 'model_type', None)!r}: {e}") from e
+    hf_config = copy.deepcopy(config)
+    if getattr(hf_config, "_attn_implementation", None) is None:
+        hf_config._attn_implementation = "eager"
     errors = []
-    for build in builders:
+    for build in (lambda: family.hf_layer_class(hf_config, 0), lambda: family.hf_layer_class(hf_config)):
         try:
             with torch.device("meta"):
                 block = build()
@@ -121,15 +118,15 @@ def block_num_params(config: Any) -> int:
 def block_size_bytes(
     config: Any, *, dtype: torch.dtype, quant_type: Any = "none", location: str = "memory", eps: float = 0.01
 ) -> int:
-    """Bytes of one block: in `memory` with `quant_type` (none: dtype bytes, int8: 1, nf4: 4.25/8 per parameter),
-    or on `disk` in the checkpoint's dtype. Uses models/sizing.py if the models folder provides it."""
-    try:
-        from corolla.models.sizing import block_size_bytes as models_block_size_bytes  # type: ignore
-
-        return int(models_block_size_bytes(config, dtype=dtype, quant_type=quant_type, location=location))
-    except ImportError:
-        pass
+    """Bytes of one block: in `memory` with `quant_type` (none: dtype bytes, int8: 1, nf4: 4.25/8 per parameter,
+    plus `eps`), or on `disk` in the checkpoint's dtype. Memory sizes come from models/sizing.py when it can."""
     if location == "memory":
+        try:
+            from corolla.models.sizing import block_size_bytes as models_block_size_bytes
+
+            return int(models_block_size_bytes(config, dtype, quant_type))
+        except ImportError:  # models/sizing.py absent, or this family's block not written yet
+            pass
         quant = _quant_name(quant_type)
         if quant == "none":
             bytes_per_param = float(dtype.itemsize)
