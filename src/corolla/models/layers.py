@@ -73,13 +73,22 @@ class SparseMoE(nn.Module):
     output the weighted sum of its experts' GatedMLP outputs. `expert_ids` are the global ids of the experts this
     module holds (all of them unless tensor parallel split them); the router is always complete."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, act: str):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        act: str,
+        expert_ids: list[int] | None = None,
+    ):
         super().__init__()
+        self.hidden_size, self.intermediate_size, self.act_name = hidden_size, intermediate_size, act
         self.num_experts = num_experts
         self.top_k = top_k
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size, act) for _ in range(num_experts))
-        self.expert_ids: list[int] = list(range(num_experts))
+        self.expert_ids: list[int] = list(range(num_experts)) if expert_ids is None else list(expert_ids)
+        self.experts = nn.ModuleList(GatedMLP(hidden_size, intermediate_size, act) for _ in self.expert_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B,T,H] -> [B,T,H]
         B, T, H = x.shape

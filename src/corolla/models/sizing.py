@@ -1,0 +1,35 @@
+"""Memory sizing of blocks: parameter bytes per quantization type (reference 6.1) and KV bytes per token."""
+
+from __future__ import annotations
+
+import torch
+
+from corolla.models.quantization import BYTES_PER_VALUE, QuantType
+from corolla.models.registry import get_family
+
+SIZE_MARGIN = 0.01  # the reference's 1% slack
+
+
+def count_block_parameters(config) -> int:
+    """Parameters of one block (block 0), counted on the meta device (no memory is used)."""
+    with torch.device("meta"):
+        block = get_family(config).build_block(config, 0)
+    return sum(p.numel() for p in block.parameters())
+
+
+def block_size_bytes(config, dtype: torch.dtype, quant_type: QuantType | str = QuantType.NONE) -> int:
+    """Bytes one block takes in device memory: parameters x bytes per value (dtype size, 1 for int8, 4.25/8 for
+    nf4), plus 1%."""
+    quant_type = QuantType.parse(quant_type)
+    if quant_type == QuantType.NONE:
+        bytes_per_value = torch.empty((), dtype=dtype).element_size()
+    else:
+        bytes_per_value = BYTES_PER_VALUE[quant_type]
+    return round(count_block_parameters(config) * bytes_per_value * (1 + SIZE_MARGIN))
+
+
+def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K and V bytes one token takes in one block's cache (all shards together)."""
+    family = get_family(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * family.num_kv_heads(config) * head_dim * torch.empty((), dtype=dtype).element_size()
