@@ -28,7 +28,7 @@ PAGE_HTML = """<!doctype html>
   th { background: #eef1f4; }
   td.state-online { color: #2e9d48; } td.state-joining { color: #b57f00; }
   td.state-offline, td.state-unreachable { color: #d1342f; }
-  .spanbar { display: flex; width: 8rem; height: .6rem; background: #e6e9ed; }
+  .spanbar { display: inline-flex; vertical-align: middle; width: 8rem; height: .6rem; background: #e6e9ed; }
   .spanbar div { height: 100%; } .spanbar .on { background: #2e9d48; }
   .mono { font-family: ui-monospace, monospace; }
   #error { color: #d1342f; }
@@ -83,7 +83,8 @@ function serverTable(report) {
   for (const c of COLUMNS) head.appendChild(el("th", {}, c));
   table.appendChild(el("thead")).appendChild(head);
   const body = table.appendChild(el("tbody"));
-  for (const row of report.server_rows) {
+  const rows = [...report.server_rows].sort((a, b) => a.span.start - b.span.start || a.span.end - b.span.end);
+  for (const row of rows) {
     const info = row.span.server_info;
     const tr = el("tr", {"class": "server-row", "data-peer-id": row.peer_id, "data-state": row.state});
     const pings = Object.entries(info.next_pings || {}).map(
@@ -134,6 +135,7 @@ function render(state) {
   document.getElementById("period").textContent = state.update_period;
   document.getElementById("bootstrap").textContent = state.bootstrap_states.join(", ") || "none";
   document.body.dataset.lastUpdated = state.last_updated === null ? "" : String(state.last_updated);
+  window.renderedState = state;  // what the page shows, for tools and tests that compare it with the API
 }
 
 async function refresh() {

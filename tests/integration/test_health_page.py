@@ -1,0 +1,160 @@
+"""`corolla-health` (its CLI, as a process) watching a loopback swarm of three servers, its page opened in headless
+Chromium: every server listed, a complete coverage bar, then a red gap once a server stops; the page shows exactly
+what `/api/v1/state` says. Screenshots go to test-artifacts/. Skips when Chromium or Playwright is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from helpers.swarm import ManagedProcess, Swarm
+from helpers.tiny_models import make_tiny_model
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+HEALTH_BANNER = "corolla-health: serving at "
+SPANS = ((0, 2), (2, 4), (4, 6))
+
+pytestmark = pytest.mark.timeout(240)
+
+if not os.access(CHROMIUM, os.X_OK):
+    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
+sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+
+
+def fetch_state(url: str) -> dict:
+    with urllib.request.urlopen(url + "api/v1/state", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def page_view(page) -> dict:
+    """What the page shows, read from the DOM: rows (peer id -> state, blocks text) and block states."""
+    return page.evaluate(
+        """() => ({
+            rows: Object.fromEntries([...document.querySelectorAll('tr.server-row')].map(
+                (tr) => [tr.dataset.peerId, [tr.dataset.state, tr.children[2].textContent.trim()]])),
+            blocks: [...document.querySelectorAll('.coverage .block')].map(
+                (b) => [b.className.replace('block ', '').split(' ')[0], Number(b.dataset.servers)]),
+            rendered: window.renderedState,
+        })"""
+    )
+
+
+def view_of_state(state: dict) -> dict:
+    (report,) = state["model_reports"]
+    return {
+        "rows": {r["peer_id"]: [r["state"], f"{r['span']['start']}:{r['span']['end']}"] for r in report["server_rows"]},
+        "blocks": [[b["state"], b["num_servers"]] for b in report["blocks"]],
+    }
+
+
+def assert_page_matches_api(page, url: str) -> dict:
+    view = page_view(page)
+    rendered = view.pop("rendered")
+    assert view == view_of_state(rendered)  # the DOM shows the document the page fetched...
+    fresh = fetch_state(url)  # ...which is what the API serves (unchanged unless the swarm changed meanwhile)
+    assert view_of_state(fresh) == view_of_state(rendered)
+    assert fresh["model_reports"][0]["server_rows"] == rendered["model_reports"][0]["server_rows"] or (
+        fresh["last_updated"] != rendered["last_updated"]  # refreshed in between: only measured figures may differ
+    )
+    return view
+
+
+def stop_all(swarm: Swarm) -> None:
+    """Asks every process to stop at once (graceful shutdowns overlap), then reaps them all."""
+    for proc in swarm.processes:
+        proc.signal(signal.SIGTERM)
+    swarm.close()
+
+
+@pytest.fixture(scope="module")
+def monitored_swarm(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("health-swarm")
+    model_path = make_tiny_model("llama", workdir / "models", num_layers=6)
+    swarm = Swarm(workdir)
+    try:
+        swarm.start_bootstrap()
+        servers = [
+            swarm.start_server(
+                model_path, "--block_indices", f"{a}:{b}", "--throughput", "1.0", "--public_name", f"srv{a}",
+                wait=False,
+            )
+            for a, b in SPANS
+        ]  # fmt: skip
+        for server in servers:
+            server.wait_ready(90)
+        health = ManagedProcess(
+            [
+                sys.executable, "-m", "corolla.cli.health", "--initial_peers", *swarm.initial_peers,
+                "--model", str(model_path), "--refresh_period", "1", "--ping_timeout", "2", "--port", "0",
+            ],
+            name="corolla-health",
+        )  # fmt: skip
+        swarm.processes.append(health)
+        line = health.wait_for_line(lambda s: s.startswith(HEALTH_BANNER), 90)
+        yield swarm, servers, line[len(HEALTH_BANNER) :].strip()
+    finally:
+        stop_all(swarm)
+
+
+def test_page_shows_servers_then_gap(monitored_swarm):
+    swarm, servers, url = monitored_swarm
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 700})
+            external = []
+            page.on("request", lambda r: None if r.url.startswith(url) else external.append(r.url))
+            page.goto(url)
+
+            # all three servers online and every block covered (bounded wait for announcements and refreshes)
+            page.wait_for_function(
+                """() => document.querySelectorAll('tr.server-row[data-state="online"]').length === 3
+                   && document.querySelectorAll('.coverage .block').length === 6
+                   && document.querySelectorAll('.coverage .block.gap').length === 0""",
+                timeout=60_000,
+            )
+            page.screenshot(path=str(ARTIFACTS / "health-complete.png"), full_page=True)
+            view = assert_page_matches_api(page, url)
+            assert set(view["rows"]) == {s.peer_id for s in servers}
+            assert {tuple(v) for v in view["rows"].values()} == {("online", f"{a}:{b}") for a, b in SPANS}
+            assert view["blocks"] == [["online", 1]] * 6
+            assert page.locator("section.model").get_attribute("data-state") == "healthy"
+            for a, _ in SPANS:
+                assert page.get_by_text(f"srv{a}").count() == 1
+
+            # one server leaves: its blocks become a red gap
+            servers[2].kill_group(grace_s=10)
+            page.wait_for_function(
+                """() => document.querySelectorAll('.coverage .block.gap').length === 2""", timeout=60_000
+            )
+            page.screenshot(path=str(ARTIFACTS / "health-gap.png"), full_page=True)
+            view = assert_page_matches_api(page, url)
+            assert [b[0] for b in view["blocks"]] == ["online"] * 4 + ["gap"] * 2
+            # its row says offline/unreachable until its records expire, then it is gone
+            assert view["rows"].get(servers[2].peer_id, ["gone"])[0] in ("offline", "unreachable", "gone")
+            assert [view["rows"][s.peer_id][0] for s in servers[:2]] == ["online", "online"]
+            assert page.locator("section.model").get_attribute("data-state") == "broken"
+            gap_color = page.locator(".coverage .block.gap").first.evaluate(
+                "(b) => getComputedStyle(b).backgroundColor"
+            )
+            assert gap_color == "rgb(209, 52, 47)"  # red
+            assert external == []  # nothing loaded from outside the monitor
+        finally:
+            browser.close()
