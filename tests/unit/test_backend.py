@@ -11,22 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from corolla.models.block_base import TensorDescriptor
 from corolla.server.backend import SpanBackend
 from corolla.server.memory_cache import MemoryCache, allocation_size_bytes
 from corolla.server.runtime import Runtime
 from corolla.server.task import PRIORITY_INFERENCE
-
-try:
-    from corolla.models.block_base import TensorDescriptor
-except ImportError:  # models helper not committed yet: same contract
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class TensorDescriptor:  # type: ignore[no-redef]
-        shape: tuple[int, ...]
-        dtype: torch.dtype
-        device: torch.device
-
 
 HIDDEN, HEADS, KV_HEADS, NUM_BLOCKS = 32, 4, 2, 4
 ATOL = 1e-5
@@ -350,3 +339,38 @@ async def test_runtime_memory_cache_and_backend_together(blocks_and_config) -> N
     assert torch.allclose(torch.cat(outputs, dim=1), expected, atol=1e-4)
     assert cache.current_size_bytes == 0 and cache.num_handles == 0
     assert math.isclose(cache.bytes_left, cache.max_size_bytes)
+
+
+def test_adapters_are_selected_per_request() -> None:
+    from corolla.models.lora import LoraWeights, add_adapter, using_adapter
+
+    torch.manual_seed(0)
+    config, blocks = _build_family_blocks("llama")
+    rank = 2
+    for index, block in blocks.items():
+        modules = {
+            "self_attn.q_proj": (torch.randn(rank, HIDDEN), torch.randn(HIDDEN, rank), 0.5),
+            "mlp.down_proj": (torch.randn(rank, 2 * HIDDEN), torch.randn(HIDDEN, rank), 0.5),
+        }
+        add_adapter(block, "tuned", LoraWeights("test", index, modules))
+    backend = SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu", adapters=("tuned",))
+    indices, x = [0, 1, 2], torch.randn(1, 5, HIDDEN)
+    with torch.no_grad(), using_adapter("tuned"):
+        expected = plain_stack(backend, indices, x)
+    base = backend.forward(indices, x)
+    tuned = backend.forward(indices, x, None, "tuned")
+    assert not torch.allclose(base, tuned, atol=1e-3)
+    assert torch.allclose(tuned, expected, atol=1e-4)
+
+    cache = new_cache(backend, indices, 1, 5)
+    steps = backend.inference_step(indices, x, cache, prefix_length=0, max_length=5, adapter="tuned")
+    assert torch.allclose(steps, expected, atol=1e-4)
+
+    grad_out = torch.randn_like(x)
+    x_ref = x.clone().requires_grad_(True)
+    with using_adapter("tuned"):
+        torch.autograd.backward(plain_stack(backend, indices, x_ref), grad_out)
+    grad_x, _ = backend.backward(indices, x, grad_out, None, "tuned")
+    assert torch.allclose(grad_x, x_ref.grad, atol=1e-4)
+    with pytest.raises(ValueError, match="Unknown adapter"):
+        backend.forward(indices, x, None, "other")

@@ -10,20 +10,9 @@ import time
 import pytest
 import torch
 
+from corolla.models.block_base import TensorDescriptor
 from corolla.server.memory_cache import MemoryCache, allocation_size_bytes
 from corolla.utils.errors import AllocationFailed
-
-try:
-    from corolla.models.block_base import TensorDescriptor
-except ImportError:  # the models helper has not committed it yet: same contract
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class TensorDescriptor:  # type: ignore[no-redef]
-        shape: tuple[int, ...]
-        dtype: torch.dtype
-        device: torch.device
-
 
 CPU = torch.device("cpu")
 
