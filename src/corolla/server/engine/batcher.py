@@ -82,7 +82,9 @@ class ContinuousBatcher:
 
     `submit` (any thread) returns a `concurrent.futures.Future` of the step's output; the batcher thread runs
     iterations: up to `max_batch_rows` rows of single-token steps from distinct sessions, oldest first (so no
-    session starves), then at most `max_prefill_tokens_per_iteration` tokens of multi-token steps (at least one)."""
+    session starves), then at most `max_prefill_tokens_per_iteration` tokens of multi-token steps (at least one).
+    While fewer sessions have a step pending than took part in the last batched decode, an iteration waits up to
+    `gather_window_s` for their next steps (a lone session never waits)."""
 
     def __init__(
         self,
@@ -90,12 +92,15 @@ class ContinuousBatcher:
         *,
         max_batch_rows: int | None = None,
         max_prefill_tokens_per_iteration: int = 4096,
+        gather_window_s: float = 0.002,
         name: str = "corolla-batcher",
     ):
         self.engine = engine
         self.max_batch_rows = max_batch_rows or engine.max_batch_rows
         self.max_prefill_tokens_per_iteration = max_prefill_tokens_per_iteration
+        self.gather_window_s = gather_window_s
         self.name = name
+        self._last_decode_sessions = 0
         self._pending: list[_Pending] = []
         self._cond = threading.Condition()
         self._seq = itertools.count()
@@ -140,6 +145,7 @@ class ContinuousBatcher:
             else:
                 item.future.set_result(result)
         self.iterations += 1
+        self._last_decode_sessions = len(decode)
         if decode:
             self.batch_rows_history.append(sum(p.request.rows for p in decode))
             del self.batch_rows_history[:-1000]
@@ -203,6 +209,15 @@ class ContinuousBatcher:
             with self._cond:
                 while not self._pending and not self._stopping:
                     self._cond.wait()
+                deadline = time.monotonic() + self.gather_window_s
+                while (
+                    not self._stopping
+                    and len({id(p.request.session) for p in self._pending}) < self._last_decode_sessions
+                ):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
                 if self._stopping:
                     return
             try:

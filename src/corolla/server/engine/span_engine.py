@@ -259,7 +259,8 @@ class SpanEngine:
         else:
             hidden = torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
             pos = torch.tensor(positions, dtype=torch.long).to(self.device)
-            tab = torch.stack(tables).to(self.device)
+            needed_pages = max(positions) // self.pool.page_size_tokens + 1  # eager path: attend to used pages only
+            tab = torch.stack(tables)[:, :needed_pages].to(self.device)
             out = self.model.decode(hidden, pos, tab, self.pool)  # [rows, H]
         for req in group:
             for slot in req.session.slots:

@@ -1,0 +1,237 @@
+"""`corolla-bench`: one process measures the HBM floor, `transformers` eager/compiled decode and prefill, and
+corolla's span step, prefill, concurrent sessions and (optionally) the client-observed step through a local
+server, all on one card with one random-weight model; writes JSON, a markdown table and a PNG plot."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from corolla.bench import engine_bench, hf_baseline, measure, report
+from corolla.bench.model import ModelShape, build_hf_model
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="corolla-bench", description=__doc__)
+    p.add_argument("--hidden_size", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv_heads", type=int, default=8)
+    p.add_argument("--intermediate_size", type=int, default=14336)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--quant_type", default="none", choices=["none", "int8", "nf4"])
+    p.add_argument("--prefix_tokens", type=int, default=512)
+    p.add_argument("--decode_steps", type=int, default=64)
+    p.add_argument("--prefill_tokens", type=int, default=2048)
+    p.add_argument("--sessions", default="1,8,32,64", help="comma-separated concurrent session counts")
+    p.add_argument("--concurrent_steps", type=int, default=24)
+    p.add_argument("--kv_pool_gib", type=float, default=12.0)
+    p.add_argument("--no_hf_compiled", action="store_true", help="skip the torch.compile baseline (slow to compile)")
+    p.add_argument("--hf_compiled_prefill", action="store_true", help="also compile transformers for prefill")
+    p.add_argument("--no_triton", action="store_true", help="reference PyTorch ops instead of Triton kernels")
+    p.add_argument("--no_graphs", action="store_true", help="eager decode instead of CUDA graphs")
+    p.add_argument("--rpc", action="store_true", help="also measure the client-observed step through a local server")
+    p.add_argument("--rpc_layers", type=int, default=32, help="layers served by the local server for --rpc")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="")
+    p.add_argument("--cpu_smoke", action="store_true", help="run on the CPU (tiny shapes only; checks the script)")
+    return p.parse_args(argv)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        print("corolla-bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    dtype = getattr(torch, args.dtype)
+    shape = ModelShape(
+        hidden_size=args.hidden_size,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        intermediate_size=args.intermediate_size,
+    )
+    card = "cpu" if args.cpu_smoke else torch.cuda.get_device_name(device)
+    results: dict = {
+        "card": card,
+        "torch": torch.__version__,
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "shape": vars(shape),
+        "shape_desc": f"hidden {shape.hidden_size}, {shape.num_layers} layers, {shape.num_kv_heads} KV heads",
+        "dtype": args.dtype,
+        "prefix_tokens": args.prefix_tokens,
+        "prefill_tokens": args.prefill_tokens,
+        "notes": [],
+        "checks": {},
+    }
+    import transformers
+
+    results["transformers"] = transformers.__version__
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {msg}", flush=True)
+
+    if args.cpu_smoke:
+        bw = 1e10
+        results["matmul_tflops"] = 0.0
+    else:
+        bw = measure.copy_bandwidth_bytes_per_s(device)
+        torch.cuda.empty_cache()
+        results["matmul_tflops"] = measure.matmul_tflops(device)
+        torch.cuda.empty_cache()
+    results["copy_bandwidth_tb_s"] = bw / 1e12
+    log(f"card {card}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {results['matmul_tflops']:.0f} TFLOP/s")
+
+    model = build_hf_model(shape, dtype, device)
+    layers = list(model.layers)
+    weight_bytes = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+    results["weight_gb"] = weight_bytes / 1e9
+    results["floor_ms"] = weight_bytes / bw * 1000
+    log(f"model built: {weight_bytes / 1e9:.2f} GB of layer weights, floor {results['floor_ms']:.2f} ms/token")
+
+    torch.manual_seed(1)
+    h = shape.hidden_size
+    prefix = torch.randn(1, args.prefix_tokens, h, device=device, dtype=dtype)
+    check_steps = [torch.randn(1, 1, h, device=device, dtype=dtype) for _ in range(8)]
+    hf_steps = check_steps + [torch.randn(1, 1, h, device=device, dtype=dtype) for _ in range(24)]
+    times, hf_outs = hf_baseline.eager_decode(model, prefix, hf_steps)
+    results["hf_eager_ms"] = measure.median(times[4:])
+    log(f"transformers eager decode: {results['hf_eager_ms']:.2f} ms/token")
+    prompt = torch.randn(1, args.prefill_tokens, h, device=device, dtype=dtype)
+    hf_pf = hf_baseline.prefill_ms(model, prompt)
+    results["hf_prefill_tokens_per_s"] = args.prefill_tokens / (hf_pf / 1000)
+    log(f"transformers eager prefill: {results['hf_prefill_tokens_per_s']:.0f} tokens/s")
+    if not args.no_hf_compiled:
+        try:
+            comp = hf_baseline.compiled_decode(model, prefix, hf_steps)
+            results["hf_compiled_ms"] = measure.median(comp["step_ms"][4:])
+            results["hf_compile_s"] = comp["compile_s"]
+            log(
+                f"transformers compiled decode: {results['hf_compiled_ms']:.2f} ms/token (compile {comp['compile_s']:.0f} s)"
+            )
+        except Exception as e:  # keep the rest of the benchmark
+            results["notes"].append(f"transformers compiled decode failed: {e!r}"[:300])
+            log(f"transformers compiled decode FAILED: {e!r}")
+        if args.hf_compiled_prefill:
+            try:
+                compiled = torch.compile(model, mode="max-autotune-no-cudagraphs")
+                pf = hf_baseline.prefill_ms(compiled, prompt)
+                results["hf_compiled_prefill_tokens_per_s"] = args.prefill_tokens / (pf / 1000)
+                log(f"transformers compiled prefill: {results['hf_compiled_prefill_tokens_per_s']:.0f} tokens/s")
+            except Exception as e:
+                results["notes"].append(f"transformers compiled prefill failed: {e!r}"[:300])
+        torch._dynamo.reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if args.quant_type != "none":
+        results["notes"].append(f"quant_type={args.quant_type}: the fast path serves unquantized weights only")
+
+    # ---- corolla engine on the same weights
+    from corolla.server.engine import EngineConfig, SpanEngine
+    from corolla.server.engine.fast_llama import FastLlamaSpan
+
+    max_sessions = max(int(s) for s in args.sessions.split(","))
+    config = EngineConfig(
+        kv_pool_bytes=int(args.kv_pool_gib * 2**30),
+        max_seq_len_tokens=max(4096, args.prefill_tokens),
+        max_batch_rows=max(64, max_sessions),
+        use_cuda_graphs=not args.no_graphs,
+        use_triton=not args.no_triton,
+    )
+    span = FastLlamaSpan.from_hf_state_dicts(
+        shape.hf_config(),
+        [layer.state_dict() for layer in layers],
+        max_positions=config.max_seq_len_tokens,
+        device=device,
+        dtype=dtype,
+        use_triton=config.use_triton,
+    )
+    engine = SpanEngine(span, config)
+    results["engine"] = {"triton": span.ops.use_triton, "graphs": engine.graphs is not None}
+    t0 = time.perf_counter()
+    engine.warmup()
+    results["engine"]["warmup_s"] = time.perf_counter() - t0
+    log(f"engine ready (triton={span.ops.use_triton}, graphs captured in {results['engine']['warmup_s']:.1f} s)")
+
+    with torch.inference_mode(), engine.open_session(1, args.prefix_tokens + 16) as session:  # same inputs as HF
+        engine.step(session, prefix.cpu(), 0)
+        errs = []
+        for i, x in enumerate(check_steps):
+            out = engine.step(session, x.cpu(), args.prefix_tokens + i).to(device)
+            ref = hf_outs[i]
+            got = model.norm(out)
+            errs.append(float((got.float() - ref.float()).norm() / ref.float().norm()))
+    results["checks"]["rel_err_vs_transformers"] = f"{max(errs):.2e}"
+    log(f"engine vs transformers (same weights, 8 decode steps): max relative error {max(errs):.2e}")
+
+    single = engine_bench.single_session(engine, prefix_tokens=args.prefix_tokens, steps=args.decode_steps)
+    results["span_step_ms"] = single["median_ms"]
+    results["span_step_p90_ms"] = single["p90_ms"]
+    results["span_replay_ms"] = single["replay_ms"]
+    log(f"corolla span step: {single['median_ms']:.2f} ms (p90 {single['p90_ms']:.2f}), replay {single['replay_ms']}")
+    pf = engine_bench.prefill(engine, tokens=args.prefill_tokens)
+    results["prefill_tokens_per_s"] = pf["tokens_per_s"]
+    log(f"corolla prefill: {pf['tokens_per_s']:.0f} tokens/s")
+    results["concurrency"] = []
+    for n in (int(s) for s in args.sessions.split(",")):
+        c = engine_bench.concurrent_sessions(
+            engine, sessions=n, prefix_tokens=args.prefix_tokens, steps=args.concurrent_steps
+        )
+        results["concurrency"].append(c)
+        log(
+            f"{n} sessions: merged {c['merged_step_ms']:.2f} ms, client {c['client_step_median_ms']:.2f} ms, "
+            f"{c['aggregate_tokens_per_s']:.0f} tok/s (mean batch {c['mean_batch_rows']:.1f})"
+        )
+
+    if args.rpc:
+        try:
+            from corolla.bench import rpc_bench
+
+            del engine, span
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            results["rpc"] = rpc_bench.measure(model, shape, dtype, args, log)
+        except Exception as e:
+            results["notes"].append(f"RPC path not measured: {e!r}"[:400])
+            log(f"RPC path FAILED: {e!r}")
+
+    floor = results["floor_ms"]
+    conc = {c["sessions"]: c for c in results["concurrency"]}
+    checks = results["checks"]
+    checks["span_step_x_floor"] = f"{results['span_step_ms'] / floor:.2f} (target <= 1.5)"
+    if 1 in conc and max(conc) > 1:
+        top = conc[max(conc)]
+        checks[f"aggregate_{max(conc)}_over_1"] = (
+            f"{top['aggregate_tokens_per_s'] / conc[1]['aggregate_tokens_per_s']:.1f} (target >= 30)"
+        )
+        checks[f"step_{max(conc)}_over_single"] = (
+            f"{top['worst_session_median_ms'] / results['span_step_ms']:.2f} (target <= 3)"
+        )
+    ref_pf = results.get("hf_compiled_prefill_tokens_per_s") or results["hf_prefill_tokens_per_s"]
+    checks["prefill_over_hf"] = f"{results['prefill_tokens_per_s'] / ref_pf:.2f} (target >= 0.8)"
+    if results.get("rpc"):
+        rpc = results["rpc"]
+        checks["rpc_overhead_ms"] = f"{rpc['client_step_ms'] - rpc['server_step_ms']:.2f} (target <= 1)"
+    results["total_s"] = time.perf_counter() - started
+    stem = (
+        f"bench-{_slug(card)}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M}{'-' + _slug(args.tag) if args.tag else ''}"
+    )
+    paths = report.write(results, Path(args.out), stem)
+    print(report.table(results))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0

@@ -1,0 +1,122 @@
+"""Measurements of corolla's engine on the GPU: the span's single-session decode step (host to host, and the
+CUDA-graph replay alone), prefill throughput, and many concurrent sessions through the continuous batcher."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from corolla.bench.measure import event_median_ms, median, percentile, sync
+from corolla.server.engine import ContinuousBatcher, SpanEngine
+from corolla.server.engine.span_engine import StepRequest
+
+
+def _cpu_inputs(n: int, rows: int, tokens: int, hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.randn(rows, tokens, hidden).to(dtype) for _ in range(n)]
+
+
+@torch.inference_mode()
+def single_session(engine: SpanEngine, *, prefix_tokens: int, steps: int) -> dict:
+    """Batch-1 decode after a `prefix_tokens` prompt: per-step host-to-host milliseconds (what a server's step
+    costs, inputs and outputs on the CPU) and the graph replay alone (device time)."""
+    h, dtype = engine.hidden_size, engine.dtype
+    prompt = _cpu_inputs(1, 1, prefix_tokens, h, dtype)[0]
+    tokens = _cpu_inputs(steps + 5, 1, 1, h, dtype)
+    with engine.open_session(1, prefix_tokens + steps + 8) as session:
+        engine.step(session, prompt, 0)
+        for i in range(5):  # warm-up (captures the bucket-1 graph if not yet captured)
+            engine.step(session, tokens[i], prefix_tokens + i)
+        times = []
+        for i in range(steps):
+            sync()
+            start = time.perf_counter()
+            engine.step(session, tokens[5 + i], prefix_tokens + 5 + i)
+            times.append((time.perf_counter() - start) * 1000)
+        replay_ms = None
+        if engine.graphs is not None:  # replays at the session's last position (rewrites the same slot)
+            replay_ms = event_median_ms(lambda: engine.graphs.run(1), 50)
+    return {"step_ms": times, "median_ms": median(times), "p90_ms": percentile(times, 0.9), "replay_ms": replay_ms}
+
+
+@torch.inference_mode()
+def prefill(engine: SpanEngine, *, tokens: int, iters: int = 3) -> dict:
+    """Tokens per second of one `tokens`-long prompt (input and output on the CPU), median of `iters` runs."""
+    prompt = _cpu_inputs(1, 1, tokens, engine.hidden_size, engine.dtype)[0]
+    times = []
+    with engine.open_session(1, tokens) as session:
+        for i in range(iters + 1):
+            sync()
+            start = time.perf_counter()
+            engine.step(session, prompt, 0)  # position 0 each time: a rollback over the same pages
+            sync()
+            if i:
+                times.append((time.perf_counter() - start) * 1000)
+    ms = median(times)
+    return {"tokens": tokens, "median_ms": ms, "tokens_per_s": tokens / (ms / 1000)}
+
+
+@torch.inference_mode()
+def concurrent_sessions(engine: SpanEngine, *, sessions: int, prefix_tokens: int, steps: int) -> dict:
+    """`sessions` clients, each a thread decoding `steps` tokens through one `ContinuousBatcher` after its own
+    prompt; per-step latency seen by each client and aggregate tokens/s. Also the engine's merged step alone."""
+    h, dtype = engine.hidden_size, engine.dtype
+    max_len = prefix_tokens + 2 * steps + 16
+    opened = [engine.open_session(1, max_len) for _ in range(sessions)]
+    try:
+        prompt = _cpu_inputs(1, 1, prefix_tokens, h, dtype)[0]
+        for s in opened:
+            engine.step(s, prompt, 0)
+        tokens = _cpu_inputs(steps, 1, 1, h, dtype)
+        # 1) the engine's merged step alone (one thread, all sessions in every forward)
+        merged = []
+        for i in range(steps):
+            reqs = [StepRequest(s, tokens[i], prefix_tokens + i) for s in opened]
+            sync()
+            start = time.perf_counter()
+            engine.decode_many(reqs)
+            merged.append((time.perf_counter() - start) * 1000)
+        # 2) real concurrency: one client thread per session, the batcher on its own thread
+        base = prefix_tokens + steps
+        latencies: list[list[float]] = [[] for _ in opened]
+        barrier = threading.Barrier(sessions + 1)
+        errors: list[BaseException] = []
+
+        def client(k: int) -> None:
+            try:
+                barrier.wait(60)
+                for i in range(steps):
+                    start = time.perf_counter()
+                    batcher.submit(opened[k], tokens[i], base + i).result(60)
+                    latencies[k].append((time.perf_counter() - start) * 1000)
+            except BaseException as e:  # reported, never hangs the benchmark
+                errors.append(e)
+
+        with ContinuousBatcher(engine) as batcher:
+            threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(sessions)]
+            for t in threads:
+                t.start()
+            barrier.wait(60)
+            wall_start = time.perf_counter()
+            for t in threads:
+                t.join(300)
+            wall_s = time.perf_counter() - wall_start
+            rows = list(batcher.batch_rows_history)
+        if errors:
+            raise RuntimeError(f"{len(errors)} client threads failed, first: {errors[0]!r}")
+        per_session = [median(lat[2:] or lat) for lat in latencies]  # skip each client's first two (ramp-up)
+        all_lat = [x for lat in latencies for x in lat[2:]]
+        return {
+            "sessions": sessions,
+            "merged_step_ms": median(merged[2:] or merged),
+            "merged_tokens_per_s": sessions / (median(merged[2:] or merged) / 1000),
+            "client_step_median_ms": median(all_lat),
+            "client_step_p90_ms": percentile(all_lat, 0.9),
+            "worst_session_median_ms": max(per_session),
+            "aggregate_tokens_per_s": sessions * steps / wall_s,
+            "mean_batch_rows": sum(rows) / max(1, len(rows)),
+        }
+    finally:
+        for s in opened:
+            s.close()

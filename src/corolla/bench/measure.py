@@ -1,0 +1,70 @@
+"""Timing helpers for the benchmark: medians of host-timed synchronous calls, CUDA-event timing, and the
+device's measured copy bandwidth (bytes read plus bytes written)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def host_times_ms(fn: Callable[[], object], iters: int, *, warmup: int = 2) -> list[float]:
+    """Wall-clock milliseconds of `iters` calls of `fn` (each followed by a device synchronize)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def event_median_ms(fn: Callable[[], object], iters: int, *, warmup: int = 3) -> float:
+    """Median device milliseconds of `fn` measured with CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def copy_bandwidth_bytes_per_s(device: torch.device, size_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate counting bytes read plus bytes written (as the issue's anchors do)."""
+    n = size_bytes // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = event_median_ms(lambda: dst.copy_(src), 10)
+    return 2 * size_bytes / (ms / 1000)
+
+
+def matmul_tflops(device: torch.device, n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    ms = event_median_ms(lambda: a @ b, 10)
+    return 2 * n**3 / (ms / 1000) / 1e12
