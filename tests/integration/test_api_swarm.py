@@ -1,0 +1,231 @@
+"""`corolla-api` (its CLI, as a process) over a loopback swarm of two servers holding a tiny Llama, driven by the
+official `openai` client: same tokens as local `transformers` greedy generation, stops, concurrency, errors."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from corolla.api.backend import plain_chat_prompt
+from corolla.cli.run_server import build_parser as server_parser
+from helpers.swarm import ManagedProcess, Swarm
+from helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.timeout(240)
+
+MODEL_ID = "tiny-llama-chat"
+PROMPT = "The swarm says"
+API_BANNER = "corolla-api: serving "
+SERVERS_HAVE_METRICS = "--metrics_port" in server_parser().format_help()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+class Gateway:
+    def __init__(self, swarm: Swarm, model_path, servers):
+        self.swarm, self.model_path, self.servers = swarm, model_path, servers
+        self.tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(model_path)
+        self.reference = __import__("transformers").AutoModelForCausalLM.from_pretrained(model_path).eval()
+        self.process = ManagedProcess(
+            [
+                sys.executable, "-m", "corolla.cli.api", "--model", str(model_path),
+                "--initial_peers", *swarm.initial_peers, "--served_model_name", MODEL_ID,
+                "--port", "0", "--max_retries", "2",
+            ],
+            name="corolla-api",
+        )  # fmt: skip
+        swarm.processes.append(self.process)
+        line = self.process.wait_for_line(lambda s: s.startswith(API_BANNER), 90)
+        self.base_url = line.rsplit(" at ", 1)[1].strip()  # http://127.0.0.1:PORT/v1
+        self.client = openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[str, int]:
+        """Local transformers greedy generation: (text of the new tokens, number of new tokens)."""
+        with torch.no_grad():
+            out = self.reference.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+            )
+        new = out[0, len(prompt_ids) :].tolist()
+        return self.tokenizer.decode(new, skip_special_tokens=True), len(new)
+
+
+def stop_all(swarm: Swarm) -> None:
+    """Asks every process to stop at once (graceful shutdowns overlap), then reaps them all."""
+    for proc in swarm.processes:
+        proc.signal(signal.SIGTERM)
+    swarm.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("api-swarm")
+    model_path = make_tiny_model("llama", workdir / "models")
+    swarm = Swarm(workdir)
+    try:
+        swarm.start_bootstrap()
+        servers = []
+        for a, b in ((0, 2), (2, 4)):
+            extra = ["--metrics_port", str(port := free_port())] if SERVERS_HAVE_METRICS else []
+            server = swarm.start_server(
+                model_path, "--block_indices", f"{a}:{b}", "--throughput", "1.0", *extra, wait=False
+            )
+            server.metrics_port = port if SERVERS_HAVE_METRICS else None
+            servers.append(server)
+        gateway = Gateway(swarm, model_path, servers)  # starts while the servers load their blocks
+        for server in servers:
+            server.wait_ready(90)
+        yield gateway
+    finally:
+        stop_all(swarm)
+
+
+def prompt_ids(gateway: Gateway) -> list[int]:
+    return gateway.tokenizer(PROMPT)["input_ids"]
+
+
+def test_completions_match_local_greedy(gateway):
+    expected, num_new = gateway.greedy(prompt_ids(gateway), 12)
+    out = gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.choices[0].text == expected
+    assert out.usage.prompt_tokens == len(prompt_ids(gateway))
+    assert out.usage.completion_tokens == num_new
+    assert out.choices[0].finish_reason == ("length" if num_new == 12 else "stop")
+
+    chunks = list(
+        gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+
+def test_chat_matches_local_greedy(gateway):
+    messages = [{"role": "user", "content": "Hi there"}]
+    ids = gateway.tokenizer(plain_chat_prompt(messages))["input_ids"]  # the tiny tokenizer has no chat template
+    expected, num_new = gateway.greedy(ids, 10)
+    out = gateway.client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=10, temperature=0)
+    assert out.choices[0].message.content == expected
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), num_new)
+    chunks = list(
+        gateway.client.chat.completions.create(
+            model=MODEL_ID, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+
+
+def test_stop_sequence_cut(gateway):
+    full, _ = gateway.greedy(prompt_ids(gateway), 16)
+    candidates = [full[i : i + 2] for i in range(3, len(full) - 2) if "\ufffd" not in full[i : i + 2]]
+    assert candidates, f"no usable stop sequence in {full!r}"
+    stop = candidates[0]
+    expected = full[: full.index(stop)]
+    out = gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(
+        gateway.client.completions.create(
+            model=MODEL_ID, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop], stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_eight_concurrent_streams(gateway):
+    expected, _ = gateway.greedy(prompt_ids(gateway), 8)
+    results: list = [None] * 8
+
+    def one(i: int) -> None:
+        try:
+            stream = gateway.client.completions.create(
+                model=MODEL_ID, prompt=PROMPT, max_tokens=8, temperature=0, stream=True
+            )
+            results[i] = "".join(c.choices[0].text for c in stream)
+        except Exception as e:  # reported below
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results == [expected] * 8
+
+
+def test_bad_requests(gateway):
+    request = urllib.request.Request(
+        gateway.base_url + "/completions", data=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 400
+    assert json.loads(e.value.read())["error"]["type"] == "invalid_request_error"
+
+    with pytest.raises(openai.NotFoundError):
+        gateway.client.completions.create(model="gpt-unknown", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError) as e:
+        gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=-1)
+    assert e.value.body["param"] == "max_tokens"
+
+
+@pytest.mark.skipif(not SERVERS_HAVE_METRICS, reason="corolla-server has no --metrics_port yet")
+def test_server_metrics_move_across_a_generation(gateway):
+    port = gateway.servers[0].metrics_port
+    sessions = ("corolla_sessions_active", ())
+    tokens = ("corolla_tokens_processed_total", (("kind", "inference"),))
+    before = scrape(port)
+    assert before[sessions] == 0
+
+    stream = gateway.client.completions.create(
+        model=MODEL_ID, prompt=PROMPT, max_tokens=40, temperature=1.0, seed=0, stream=True
+    )
+    chunks = iter(stream)
+    next(chunks)  # the session is open on the server now
+    during = scrape(port)
+    for _ in chunks:
+        pass
+    assert during[sessions] >= 1
+
+    deadline = time.monotonic() + 15
+    while (after := scrape(port))[sessions] != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert after[sessions] == 0
+    # the prompt, then one token per step for each generated token but the last
+    assert after[tokens] - before[tokens] >= len(prompt_ids(gateway))
+    assert after[("corolla_step_seconds_count", ())] > before[("corolla_step_seconds_count", ())]
+
+
+def test_missing_block_is_503(gateway):
+    """Runs last: stops the server of blocks 2:4, so the swarm cannot serve the model any more."""
+    second = gateway.servers[1]
+    second.kill_group(grace_s=10)
+    with pytest.raises(openai.InternalServerError) as e:
+        gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert e.value.status_code == 503
+    assert e.value.body["code"] == "missing_blocks"
+    assert e.value.body["missing_blocks"] == [2, 3]
