@@ -139,3 +139,25 @@ def test_tensor_parallel_memory_uses_the_smallest_device() -> None:
     with pytest.raises(ValueError, match="1.5x"):
         sizing.combined_memory_bytes([40, 100])
     assert math.isclose(sizing.combined_memory_bytes([100]), 100)
+
+
+def test_adapter_bytes_count_the_lora_tensors_of_one_block(tmp_path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    rank, hidden = 4, 64
+    tensors = {}
+    for layer in (0, 1):
+        prefix = f"base_model.model.model.layers.{layer}"
+        tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"] = torch.zeros(rank, hidden)
+        tensors[f"{prefix}.self_attn.q_proj.lora_B.weight"] = torch.zeros(hidden, rank)
+        tensors[f"{prefix}.mlp.down_proj.lora_A.weight"] = torch.zeros(rank, 160)
+        tensors[f"{prefix}.mlp.down_proj.lora_B.weight"] = torch.zeros(hidden, rank)
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8}))
+
+    per_block_params = rank * hidden * 2 + rank * 160 + hidden * rank
+    assert sizing.adapter_bytes_per_block([str(tmp_path)], dtype=torch.bfloat16) == 2 * per_block_params
+    assert sizing.adapter_bytes_per_block([str(tmp_path)] * 2, dtype=torch.float32) == 2 * 4 * per_block_params
+    assert sizing.adapter_bytes_per_block([], dtype=torch.float32) == 0

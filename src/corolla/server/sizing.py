@@ -148,6 +148,18 @@ def _checkpoint_dtype(config: Any) -> torch.dtype:
     return value if isinstance(value, torch.dtype) else torch.float32
 
 
+def adapter_bytes_per_block(
+    adapters: Sequence[str], *, dtype: torch.dtype, block_index: int = 0, **load_kwargs: Any
+) -> int:
+    """Device memory the LoRA `adapters` add to one block (their tensors for `block_index`, in `dtype`).
+    `load_kwargs` go to `models.lora.load_adapter` (cache_dir, revision, token, max_disk_space_bytes)."""
+    if not adapters:
+        return 0
+    from corolla.models.lora import adapter_size_bytes, load_adapter
+
+    return sum(adapter_size_bytes(load_adapter(name, block_index, **load_kwargs), dtype) for name in adapters)
+
+
 def autograd_reserve_bytes(config: Any, num_devices: int = 1) -> int:
     """Memory kept free for forward/backward activations (the reference's rule)."""
     return round(
