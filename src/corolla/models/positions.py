@@ -36,6 +36,7 @@ class RotaryEmbedding:
         self.rope_type: str = params["rope_type"]
         self.max_position_embeddings = max_position_embeddings
         self._cache: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _base_inv_freq(self, device: torch.device, base: float) -> torch.Tensor:
         dim = self.head_dim
@@ -63,13 +64,30 @@ class RotaryEmbedding:
             self._cache[key] = inv_freq
         return inv_freq
 
-    def cos_sin(self, position: int, length: int, device: torch.device, dtype: torch.dtype):
-        """cos, sin: [length, head_dim] for absolute positions position..position+length-1, in `dtype`."""
-        inv_freq = self.inv_freq(device, position + length)
-        positions = torch.arange(position, position + length, device=device, dtype=torch.float32)  # [T]
+    def _compute(self, start: int, end: int, device: torch.device, dtype: torch.dtype, seq_len: int):
+        inv_freq = self.inv_freq(device, seq_len)
+        positions = torch.arange(start, end, device=device, dtype=torch.float32)  # [T]
         freqs = positions[:, None] * inv_freq[None, :]  # [T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def cos_sin(self, position: int, length: int, device: torch.device, dtype: torch.dtype):
+        """cos, sin: [length, head_dim] for absolute positions position..position+length-1, in `dtype`.
+        Served from a per-device table (grown by doubling) unless dynamic scaling makes them length-dependent."""
+        end = position + length
+        if self.rope_type == "dynamic" and end > self.max_position_embeddings:
+            return self._compute(position, end, device, dtype, end)
+        if device.type == "meta":
+            return self._compute(position, end, device, dtype, end)
+        key = (device, dtype)
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] < end:
+            size = max(256, 1 << (end - 1).bit_length())
+            if self.rope_type == "dynamic":
+                size = min(size, self.max_position_embeddings)
+            table = self._compute(0, size, device, dtype, size)
+            self._tables[key] = table
+        return table[0][position:end], table[1][position:end]
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B,h,T,hd], k [B,kv,T,hd] -> rotated copies (same shapes and dtype)."""
