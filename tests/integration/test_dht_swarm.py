@@ -26,6 +26,7 @@ from corolla.swarm.dht import (
     shutdown_dht,
 )
 from corolla.swarm.ping import PingAggregator, ping
+from corolla.swarm.reachability import attach_reachability_protocol, check_direct_reachability
 from corolla.swarm.records_io import (
     declare_active_modules,
     declare_model_info,
@@ -194,3 +195,15 @@ async def test_rpc_service_reachable_under_petals_handle_names(swarm):
         await handler.remove_p2p_handlers(server_p2p)
         await server_p2p.shutdown()
         await client_p2p.shutdown()
+
+
+def test_reachability_check_against_a_serving_peer(swarm):
+    boot, b, _ = swarm
+    assert check_direct_reachability(SwarmConfig(initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/QmX"])) is None  # private
+    service = attach_reachability_protocol(b)
+    try:
+        maddrs = get_visible_maddrs(boot, timeout_s=TIMEOUT_S)
+        # a temporary node joins, asks the peers it knows to dial it back; only b serves the protocol
+        assert check_direct_reachability(SwarmConfig(initial_peers=maddrs), force=True, timeout_s=30) is True
+    finally:
+        service.shutdown()

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import configargparse
@@ -24,7 +25,7 @@ from corolla.swarm.dht import (
 )
 from corolla.utils.logging import get_logger
 
-logger = get_logger(__name__)
+logger = get_logger("corolla.cli.run_dht")  # not __name__: it is "__main__" under `python -m`
 
 INITIAL_PEER_PREFIX = "corolla-dht: initial peer: "
 REFRESH_TIMEOUT_S = 30.0
@@ -132,8 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _make_refresh(key: str) -> Any:
-    from functools import partial
-
     return partial(_refresh, key=key)
 
 
