@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf_compiled_prefill", action="store_true", help="also compile transformers for prefill")
     p.add_argument("--no_triton", action="store_true", help="reference PyTorch ops instead of Triton kernels")
     p.add_argument("--no_graphs", action="store_true", help="eager decode instead of CUDA graphs")
+    p.add_argument("--no_tune", action="store_true", help="always cuBLAS for projections (no Triton GEMM tuning)")
     p.add_argument("--rpc", action="store_true", help="also measure the client-observed step through a local server")
     p.add_argument("--rpc_layers", type=int, default=32, help="layers served by the local server for --rpc")
     p.add_argument("--out", default="benchmarks/results")
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_rows=max(64, max_sessions),
         use_cuda_graphs=not args.no_graphs,
         use_triton=not args.no_triton,
+        tune_gemm=not args.no_tune,
     )
     span = FastLlamaSpan.from_hf_state_dicts(
         shape.hf_config(),
@@ -164,8 +166,24 @@ def main(argv: list[str] | None = None) -> int:
     engine = SpanEngine(span, config)
     results["engine"] = {"triton": span.ops.use_triton, "graphs": engine.graphs is not None}
     t0 = time.perf_counter()
-    engine.warmup()
+    tuning = engine.warmup()
     results["engine"]["warmup_s"] = time.perf_counter() - t0
+    if tuning:
+        counts = {shape: 0 for shape in tuning}
+        for layer in span.layers:
+            for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+                counts[tuple(getattr(layer, name).shape)] += 1
+        results["engine"]["gemm_tuning"] = {f"{n}x{k}": r for (n, k), r in tuning.items()}
+        results["engine"]["gemm_total_ms"] = sum(r["best_us"] * counts[s] for s, r in tuning.items()) / 1000
+        results["engine"]["cublas_total_ms"] = sum(r["cublas_us"] * counts[s] for s, r in tuning.items()) / 1000
+        log(
+            f"single-row GEMMs over the span: chosen {results['engine']['gemm_total_ms']:.2f} ms, "
+            f"cuBLAS {results['engine']['cublas_total_ms']:.2f} ms; "
+            + ", ".join(
+                f"{n}x{k}: {r['best']} {r['best_us']:.0f}us (cuBLAS {r['cublas_us']:.0f}us)"
+                for (n, k), r in tuning.items()
+            )
+        )
     log(f"engine ready (triton={span.ops.use_triton}, graphs captured in {results['engine']['warmup_s']:.1f} s)")
 
     with torch.inference_mode(), engine.open_session(1, args.prefix_tokens + 16) as session:  # same inputs as HF

@@ -20,6 +20,7 @@ class EngineConfig:
     graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     use_cuda_graphs: bool = True
     use_triton: bool = True
+    tune_gemm: bool = True  # at warm-up, time cuBLAS against Triton for single-row projections and keep the faster
     prefill_chunk_tokens: int = 4096
     attention_splits_max: int = 16
 

@@ -38,12 +38,6 @@ class LayerWeights:
         return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
 
 
-def _linear_residual(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    # residual [N, H] + x [N, K] @ weight[H, K]^T (+ bias): one GEMM with the residual in its epilogue
-    out = torch.addmm(residual, x, weight.t())
-    return out if bias is None else out + bias
-
-
 class FastLlamaSpan:
     """Consecutive llama-family layers with a batched decode step and a prefill step over a `KVPool`."""
 
@@ -79,6 +73,24 @@ class FastLlamaSpan:
 
     def weight_bytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def tune(self) -> dict:
+        """Picks cuBLAS or a Triton kernel per projection shape for single-row decode (CUDA + Triton only)."""
+        by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for layer in self.layers:
+            for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+                w = getattr(layer, name)
+                by_shape.setdefault(tuple(w.shape), []).append(w)
+        report = self.ops.tune_linear(by_shape)
+        if report:
+            logger.info(
+                "fast_llama.tune("
+                + ", ".join(
+                    f"{s}: {r['best']} {r['best_us']:.1f}us vs cublas {r['cublas_us']:.1f}us" for s, r in report.items()
+                )
+                + ")"
+            )
+        return report
 
     # ------------------------------------------------------------------------------------------ construction
 
@@ -187,15 +199,15 @@ class FastLlamaSpan:
         h = hidden
         for i, w in enumerate(self.layers):
             x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [B, H]
-            qkv = F.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq + 2 nkv) D]
+            qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq + 2 nkv) D]
             q = self.ops.rope_and_store(
                 qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
             )  # [B, nq, D]
             attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale)
-            h = _linear_residual(h, attn.reshape(b, s.q_size), w.w_o, w.b_o)  # [B, H]
+            h = self.ops.linear(attn.reshape(b, s.q_size), w.w_o, w.b_o, residual=h)  # [B, H]
             x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
-            act = self.ops.silu_mul(F.linear(x, w.w_gate_up, w.b_gate_up))  # [B, I]
-            h = _linear_residual(h, act, w.w_down, w.b_down)  # [B, H]
+            act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [B, I]
+            h = self.ops.linear(act, w.w_down, w.b_down, residual=h)  # [B, H]
         return h
 
     @torch.inference_mode()
@@ -242,8 +254,8 @@ class FastLlamaSpan:
                 enable_gqa=gqa,
             )  # [1, nq, T, D]
             attn = attn[0].transpose(0, 1).reshape(t, s.q_size)  # [T, nq D]
-            h = _linear_residual(h, attn, w.w_o, w.b_o)
+            h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)
             x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
-            act = self.ops.silu_mul(F.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
-            h = _linear_residual(h, act, w.w_down, w.b_down)
+            act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
+            h = self.ops.linear(act, w.w_down, w.b_down, residual=h)
         return h

@@ -96,6 +96,20 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- dispatch
 
 
+def _median_event_ms(fn, reps: int) -> float:
+    fn()  # warm-up (compiles)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 class DecodeOps:
     """Picks Triton kernels or reference versions once, for a device and head size."""
 
@@ -103,6 +117,58 @@ class DecodeOps:
         self.use_triton = use_triton and triton_usable(device, head_dim)
         self.attention_splits_max = attention_splits_max
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        # (N, K) of a weight -> Triton skinny-GEMM config for single-row inputs (absent: cuBLAS); see tune_linear
+        self.single_row_gemm: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """residual + x @ weight^T + bias; x [M, K], weight [N, K] -> [M, N]."""
+        config = self.single_row_gemm.get(tuple(weight.shape)) if x.shape[0] == 1 and bias is None else None
+        if config is not None:
+            return triton_kernels.skinny_gemm(x, weight, residual, config)
+        if residual is None:
+            return F.linear(x, weight, bias)
+        out = torch.addmm(residual, x, weight.t())  # the residual rides in the GEMM epilogue
+        return out if bias is None else out + bias
+
+    @torch.inference_mode()
+    def tune_linear(self, weights_by_shape: dict[tuple[int, int], list[torch.Tensor]], *, reps: int = 5) -> dict:
+        """Times cuBLAS against each Triton skinny-GEMM config for one input row over all layers' weights of
+        each shape (distinct weights, so the L2 cache does not flatter anyone) and keeps the fastest.
+        Returns {shape: {"cublas_us": .., "best": config or None, "best_us": ..}} per layer call."""
+        if not self.use_triton:
+            return {}
+        report = {}
+        for shape, weights in weights_by_shape.items():
+            n, k = shape
+            x = torch.randn(1, k, device=weights[0].device, dtype=weights[0].dtype)
+            res = torch.randn(1, n, device=x.device, dtype=x.dtype)
+
+            def run(config, weights=weights, x=x, res=res):
+                for w in weights:
+                    if config is None:
+                        torch.addmm(res, x, w.t())
+                    else:
+                        triton_kernels.skinny_gemm(x, w, res, config)
+
+            timings = {None: _median_event_ms(lambda: run(None), reps)}
+            for config in triton_kernels.SKINNY_GEMM_CONFIGS:
+                try:
+                    timings[config] = _median_event_ms(lambda c=config: run(c), reps)
+                except Exception:  # a config that does not compile or fit is skipped
+                    continue
+            best = min(timings, key=timings.get)
+            if best is not None:
+                self.single_row_gemm[shape] = best
+            per_call = 1000 / len(weights)
+            report[shape] = {
+                "cublas_us": timings[None] * per_call,
+                "best": best,
+                "best_us": timings[best] * per_call,
+                "all_us": {str(c): t * per_call for c, t in timings.items()},
+            }
+        return report
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.use_triton:

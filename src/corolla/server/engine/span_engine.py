@@ -131,10 +131,15 @@ class SpanEngine:
     def hidden_size(self) -> int:
         return self.model.spec.hidden_size
 
-    def warmup(self) -> None:
-        """Captures every CUDA-graph bucket now rather than at first use."""
+    def warmup(self) -> dict:
+        """Chooses projection kernels (if `tune_gemm`) and captures every CUDA-graph bucket now rather than at
+        first use. Call before serving; returns the kernel timings."""
+        report = {}
+        if self.device.type == "cuda" and self.config.tune_gemm:
+            report = self.model.tune()
         if self.graphs is not None:
             self.graphs.capture_all()
+        return report
 
     # ------------------------------------------------------------------------------------------ sessions
 

@@ -253,3 +253,80 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------- skinny GEMM
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    M_P: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
+    # out[M, N] = x[M, K] @ w[N, K]^T (+ res[M, N]); each program streams BLOCK_N weight rows once
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_P)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    acc = tl.zeros([M_P, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        if M_P >= 16:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+    mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_RES:
+        acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates, chosen per weight shape by timing on the device
+SKINNY_GEMM_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
+    (16, 256, 4, 4),
+    (32, 128, 4, 4),
+    (8, 512, 4, 3),
+    (16, 512, 8, 3),
+    (32, 256, 8, 3),
+    (64, 128, 8, 3),
+)
+
+
+def skinny_gemm(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, config: tuple[int, int, int, int]
+) -> torch.Tensor:
+    """x [M, K] (M <= 16) @ weight[N, K]^T (+ residual [M, N]) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    block_n, block_k, warps, stages = config
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    m_p = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    res = residual if residual is not None else out
+    _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, res, out, m, n, k,
+        x.stride(0), weight.stride(0), res.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, M_P=m_p, HAS_RES=residual is not None,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
