@@ -21,6 +21,15 @@ HIDDEN, HEADS, KV_HEADS, NUM_BLOCKS = 32, 4, 2, 4
 ATOL = 1e-5
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny tensors: one intra-op thread is fastest, above all on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class FakeBlock(nn.Module):
     """A small rotary GQA decoder layer that follows the CorollaBlock contract (cache K/V [B, kv, L, hd])."""
 
@@ -374,3 +383,25 @@ def test_adapters_are_selected_per_request() -> None:
     assert torch.allclose(grad_x, x_ref.grad, atol=1e-4)
     with pytest.raises(ValueError, match="Unknown adapter"):
         backend.forward(indices, x, None, "other")
+
+
+def test_tensor_parallel_blocks_give_the_same_steps() -> None:
+    import copy
+
+    from corolla.models.tensor_parallel import make_tensor_parallel
+
+    torch.manual_seed(0)
+    config, blocks = _build_family_blocks("llama")
+    plain = SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+    split_blocks = {i: make_tensor_parallel(copy.deepcopy(b), ["cpu", "cpu"]) for i, b in blocks.items()}
+    split = SpanBackend(split_blocks, config=config, dtype=torch.float32, device="cpu", max_chunk_size_bytes=1)
+    indices, x, token = [0, 1, 2, 3], torch.randn(2, 6, HIDDEN), torch.randn(2, 1, HIDDEN)
+    hypo_ids = torch.tensor([1, 1])
+    outputs = []
+    for backend in (plain, split):
+        cache = new_cache(backend, indices, 2, 8)
+        first = backend.inference_step(indices, x, cache, prefix_length=0, max_length=8)
+        second = backend.inference_step(indices, token, cache, prefix_length=6, max_length=8, hypo_ids=hypo_ids)
+        outputs.append(torch.cat([first, second], dim=1))
+    assert len(split.cache_descriptors(indices, 2, 8)[0]) == 4  # K and V per shard
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-4)

@@ -213,9 +213,11 @@ class SpanBackend:
 
         with torch.inference_mode(), self._adapter_context(adapter):
             if hypo_ids is not None:
+                ids_on = {}  # tensor-parallel caches live on several devices
                 for tensors in cache_tensors:
                     for tensor in tensors:
-                        tensor.copy_(tensor.index_select(0, hypo_ids))  # whole cache, all positions
+                        ids = ids_on.setdefault(tensor.device, hypo_ids.to(tensor.device))
+                        tensor.copy_(tensor.index_select(0, ids))  # whole cache, all positions
             if num_tokens == 0:
                 return hidden.clone()
             chunk_length = self._max_chunk_length(batch_size, prefix_length + num_tokens)
@@ -242,7 +244,7 @@ class SpanBackend:
         low, high = int(hypo_ids.min()), int(hypo_ids.max())
         if low < 0 or high >= batch_size:
             raise ValueError(f"hypo_ids must be in [0, {batch_size}), got values in [{low}, {high}]")
-        return hypo_ids.to(self.device)
+        return hypo_ids
 
     def _max_chunk_length(self, batch_size: int, total_length: int) -> int:
         """Tokens per chunk so that attention scores [B, heads, chunk, total_length] fit `max_chunk_size_bytes`."""
