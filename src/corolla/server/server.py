@@ -134,13 +134,11 @@ class Server:
         dtype = resolve_block_dtype(mc, config.torch_dtype, device=device)
         quant_type = config.quant_type or ("nf4" if device.type == "cuda" else "none")
         dht_prefix = validate_dht_prefix(config.dht_prefix or default_dht_prefix(config.model_name_or_path, mc))
+        from corolla.server import sizing
+
         total_blocks = int(mc.num_hidden_layers)
-        num_heads = int(mc.num_attention_heads)
-        kv_heads = int(self.family.num_kv_heads(mc))
-        head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // num_heads)
-        grouped = kv_heads < num_heads
-        attn_cache_tokens = config.attn_cache_tokens or (16384 if grouped else 4096)
-        kv_bytes = kv_heads * head_dim * dtype.itemsize
+        attn_cache_tokens = config.attn_cache_tokens or sizing.default_attn_cache_tokens(mc)
+        kv_bytes = sizing.kv_bytes_per_token_block(mc, dtype)
         if config.block_indices is not None:
             start, end = config.block_indices
             if end > total_blocks:
@@ -158,8 +156,9 @@ class Server:
             total_blocks=total_blocks,
             num_blocks=num_blocks,
             hidden_size=int(mc.hidden_size),
-            inference_max_length_tokens=config.inference_max_length_tokens or (8192 if grouped else 2048),
-            max_batch_size_tokens=config.max_batch_size_tokens or (8192 if grouped else 2048),
+            inference_max_length_tokens=config.inference_max_length_tokens
+            or sizing.default_inference_max_length_tokens(mc),
+            max_batch_size_tokens=config.max_batch_size_tokens or sizing.default_max_batch_size_tokens(mc),
             attn_cache_tokens=attn_cache_tokens,
             kv_bytes_per_token_block=kv_bytes,
             cache_bytes_per_block=2 * kv_bytes * attn_cache_tokens,
@@ -187,17 +186,21 @@ class Server:
     # ---- settings ---------------------------------------------------------------------------------------------
 
     def _choose_num_blocks(self, device: torch.device, dtype: torch.dtype, quant_type: str, cache_bytes: int) -> int:
-        try:
-            from corolla.server.sizing import choose_num_blocks
-        except ImportError:
-            choose_num_blocks = None
-        if device.type == "cpu" or choose_num_blocks is None:
-            raise ValueError(
-                "Can't choose the number of blocks automatically here (no GPU): pass --num_blocks or --block_indices"
-            )
+        from corolla.server.sizing import adapter_bytes_per_block, choose_num_blocks
+
+        c = self.config
+        adapter_bytes = adapter_bytes_per_block(
+            c.adapters, dtype=dtype, cache_dir=c.cache_dir, revision=c.revision, token=c.token
+        )
         return int(
             choose_num_blocks(
-                self.model_config, device=device, dtype=dtype, quant_type=quant_type, cache_bytes_per_block=cache_bytes
+                self.model_config,
+                device=device,
+                dtype=dtype,
+                quant_type=quant_type,
+                cache_bytes_per_block=cache_bytes,
+                adapter_bytes_per_block=adapter_bytes,
+                tensor_parallel_devices=[torch.device(d) for d in c.tensor_parallel_devices or ()],
             )
         )
 
@@ -431,16 +434,24 @@ class Server:
                 token=c.token,
                 max_disk_space_bytes=c.max_disk_space_bytes,
             )
-            if s.quant_type != "none":
-                from corolla.models.quantization import QuantType, quantize_block
-
-                block = quantize_block(block, QuantType[s.quant_type.upper()], s.device)
-            else:
-                block = block.to(s.device)
             if c.tensor_parallel_devices and len(c.tensor_parallel_devices) > 1:
                 from corolla.models.tensor_parallel import make_tensor_parallel
 
                 block = make_tensor_parallel(block, [torch.device(d) for d in c.tensor_parallel_devices])
+            if s.quant_type != "none":
+                from corolla.models.quantization import quantize_block
+
+                block = quantize_block(block, s.quant_type, s.device)
+            elif not (c.tensor_parallel_devices and len(c.tensor_parallel_devices) > 1):
+                block = block.to(s.device)
+            for adapter in c.adapters:
+                from corolla.models.lora import add_adapter, load_adapter
+
+                weights = load_adapter(
+                    adapter, index, cache_dir=c.cache_dir, revision=c.revision, token=c.token,
+                    max_disk_space_bytes=c.max_disk_space_bytes,
+                )  # fmt: skip
+                add_adapter(block, adapter, weights)
             blocks[index] = block
         return blocks
 
