@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import hivemind
@@ -108,7 +109,7 @@ async def _check_async(config: SwarmConfig, max_peers: int, threshold: float) ->
 
 
 def check_direct_reachability(
-    config: SwarmConfig,
+    config: SwarmConfig | Sequence[str],
     *,
     max_peers: int = 5,
     threshold: float = 0.5,
@@ -116,7 +117,11 @@ def check_direct_reachability(
     force: bool = False,
 ) -> bool | None:
     """True if most peers asked (up to `max_peers`) reached a temporary node with our network options directly;
-    False if not (use relays); None if nobody answered or the swarm is private (skipped unless `force`)."""
+    False if not (use relays); None if nobody answered or the swarm is private (skipped unless `force`).
+
+    `config` is the node's SwarmConfig (its listen/announce addresses are tested) or just a list of initial peers."""
+    if not isinstance(config, SwarmConfig):
+        config = SwarmConfig(initial_peers=list(config))
     if not (config.is_public or force):
         return None
     install_p2pd_deathsig()
