@@ -262,6 +262,10 @@ def test_backward_matches_autograd_on_a_plain_stack(blocks_and_config) -> None:
     # forward applies the same deep prompts
     assert torch.allclose(backend.forward(indices, x, prompts), hidden.detach(), atol=1e-4)
 
+    grad_empty, grad_prompts_empty = backend.backward(indices, x[:, :0], grad_out[:, :0], prompts)
+    assert grad_empty.shape == (2, 0, HIDDEN) and grad_prompts_empty is not None
+    assert grad_prompts_empty.shape == prompts.shape and not grad_prompts_empty.any()
+
     grad_plain, none = backend.backward(indices, x, grad_out)
     assert none is None and grad_plain.shape == x.shape
     assert all(p.grad is None and not p.requires_grad for b in backend.blocks.values() for p in b.parameters())

@@ -150,6 +150,9 @@ class SpanBackend:
             )
         per_block_prompts = self._check_prompts(prompts, len(indices), inputs.shape[0])
         has_prompts = per_block_prompts[0] is not None
+        if inputs.shape[1] == 0:  # nothing flows back
+            empty_prompts = torch.zeros_like(torch.stack(per_block_prompts)) if has_prompts else None
+            return torch.zeros_like(inputs), empty_prompts
         with self._adapter_context(adapter):
             # inputs of every block, without keeping activations: [B, T, H] each
             block_inputs = [inputs]
