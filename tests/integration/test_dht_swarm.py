@@ -103,6 +103,17 @@ def test_store_get_with_subkeys_and_expiration(swarm):
     assert (tail_spans[c_id].start, tail_spans[c_id].end) == (0, 3)
 
 
+def test_oversized_records_refused_and_dead_bootstrap_fails_fast(swarm):
+    pings = {f"Qm{i:044d}": 0.001 for i in range(400)}  # a next_pings map far too big for one DHT value
+    with pytest.raises(ValueError, match="limit"):
+        declare_active_modules(swarm[1], UIDS[:1], _info(ServerState.ONLINE, 1.0, 0, 1, next_pings=pings), 1e10)
+    started = time.monotonic()
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGssBkjH2kANT2jVFQ3nv8xpqZRxAvr4iAAXVHKQMZQJm"
+    with pytest.raises(Exception, match="bootstrap"):
+        create_dht(SwarmConfig(initial_peers=[dead], startup_timeout_s=10))
+    assert time.monotonic() - started < 30
+
+
 def test_malformed_records_are_skipped_with_a_log_line(swarm):
     boot, b, _ = swarm
     uid = make_uid("malformed-test", 0)

@@ -11,6 +11,7 @@ from typing import Any
 import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol.records import MODELS_INDEX_KEY, ModelInfo, RemoteModuleInfo, ServerInfo
 from corolla.protocol.uids import parse_uid, validate_dht_prefix
@@ -18,6 +19,15 @@ from corolla.swarm.dht import DEFAULT_DHT_TIMEOUT_S, call_with_timeout, run_in_d
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+# hivemind's DHT intermittently hangs or crashes on values over ~16 KiB (upstream PR 660); ours stay far below
+MAX_RECORD_BYTES = 8 * 1024
+
+
+def _check_record_size(what: str, value: Any) -> None:
+    size = len(MSGPackSerializer.dumps(value))
+    if size > MAX_RECORD_BYTES:
+        raise ValueError(f"{what} record is {size} bytes, more than the limit of {MAX_RECORD_BYTES} bytes")
 
 
 def declare_active_modules(
@@ -34,7 +44,9 @@ def declare_active_modules(
         parse_uid(uid)  # ValueError on a malformed uid
     if not uids:
         return {}
-    coro = partial(_store_records, uids=uids, value=server_info.to_tuple(), expiration_time=expiration_time)
+    value = server_info.to_tuple()
+    _check_record_size("ServerInfo", value)
+    coro = partial(_store_records, uids=uids, value=value, expiration_time=expiration_time)
     return run_in_dht(dht, coro, timeout_s=timeout_s, what=f"declare_active_modules({uids[0]}.., n={len(uids)})")
 
 
@@ -132,6 +144,7 @@ def declare_model_info(
     validate_dht_prefix(dht_prefix)
     if dht_prefix.startswith("_"):
         return False
+    _check_record_size("ModelInfo", model_info.to_dict())
     future = dht.store(
         MODELS_INDEX_KEY,
         model_info.to_dict(),
