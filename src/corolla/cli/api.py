@@ -4,13 +4,17 @@ of a swarm serving one model. Listens on 127.0.0.1 unless told otherwise."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shlex
+import signal
 from collections.abc import Sequence
 
 import configargparse
 
 from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import load_swarm_backend
+from corolla.api.local_swarm import LocalSwarm
 from corolla.api.serving import serve_until_signalled
 from corolla.utils.logging import get_logger
 
@@ -25,7 +29,17 @@ def build_parser() -> configargparse.ArgParser:
     )
     parser.add_argument("-c", "--config", is_config_file=True, help="YAML/INI config file with the same keys")
     parser.add_argument("--model", required=True, help="Hugging Face repo or local path of the model (client part)")
-    parser.add_argument("--initial_peers", nargs="+", required=True, help="multiaddrs of peers of the swarm")
+    swarm = parser.add_mutually_exclusive_group(required=True)
+    swarm.add_argument("--initial_peers", nargs="+", help="multiaddrs of peers of an existing swarm")
+    swarm.add_argument(
+        "--new_swarm",
+        type=int,
+        metavar="NUM_SERVERS",
+        help="local mode: start a private loopback swarm of this many servers splitting the model's blocks",
+    )
+    parser.add_argument(
+        "--server_args", default="", help="extra corolla-server arguments for --new_swarm, as one quoted string"
+    )
     parser.add_argument("--dht_prefix", default=None, help="DHT prefix of the model's blocks (default: from --model)")
     parser.add_argument(
         "--served_model_name", nargs="+", default=[], help="names clients use in `model` (default: --model)"
@@ -48,10 +62,24 @@ def build_parser() -> configargparse.ArgParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM during start-up also unwinds (stops the swarm)
+    with contextlib.ExitStack() as stack:
+        initial_peers = args.initial_peers
+        if args.new_swarm is not None:
+            swarm = stack.enter_context(
+                LocalSwarm(args.model, num_servers=args.new_swarm, server_args=shlex.split(args.server_args))
+            )
+            initial_peers = swarm.initial_peers
+            print(f"corolla-api: started a local swarm; its initial peers: {' '.join(initial_peers)}", flush=True)
+        serve(args, initial_peers)
+    return 0
+
+
+def serve(args: argparse.Namespace, initial_peers: Sequence[str]) -> None:
     names = list(args.served_model_name) or [args.model]
     backend = load_swarm_backend(
         args.model,
-        initial_peers=args.initial_peers,
+        initial_peers=initial_peers,
         dht_prefix=args.dht_prefix,
         model_id=names[0],
         max_retries=args.max_retries,
@@ -68,7 +96,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve_until_signalled(create_app(backend, config), host=args.host, port=args.port, banner=banner)
     finally:
         backend.model.shutdown()
-    return 0
 
 
 if __name__ == "__main__":
