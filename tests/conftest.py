@@ -98,6 +98,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    if reporter is not None:
+        reporter.write("\n")
     for line in lines:
         if reporter is not None:
             reporter.write_line(line, red=True)
