@@ -1,0 +1,123 @@
+"""Announcer: JOINING at once, refreshes every update period with expiration and live `cache_tokens_left`, ONLINE on
+request, OFFLINE stored before `announce(OFFLINE)` returns; `_petals.models` skipped for `_`-prefixes; and the
+request validation of `block_functions` (uid chains, shapes, limits)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
+from corolla.server import block_functions as bf
+from corolla.server.announcer import Announcer
+
+
+class FakeRecords:
+    def __init__(self) -> None:
+        self.stored: list[tuple[list[str], tuple, float, float]] = []
+        self.models: list[str] = []
+
+    def declare_active_modules(self, dht, uids, server_info, expiration_time, *, timeout_s):
+        self.stored.append((list(uids), server_info.to_tuple(), expiration_time, time.time()))
+        return {uid: True for uid in uids}
+
+    def declare_model_info(self, dht, prefix, model_info, expiration_time, **_):
+        self.models.append(prefix)
+        return True
+
+
+@pytest.fixture
+def records(monkeypatch):
+    fake = FakeRecords()
+    import corolla.swarm.records_io as records_io
+
+    monkeypatch.setattr(records_io, "declare_active_modules", fake.declare_active_modules)
+    monkeypatch.setattr(records_io, "declare_model_info", fake.declare_model_info)
+    return fake
+
+
+def make_announcer(prefix: str, cache_left: list[int]) -> Announcer:
+    return Announcer(
+        dht=None,
+        dht_prefix=prefix,
+        block_indices=range(2, 5),
+        total_blocks=8,
+        server_info=ServerInfo(state=ServerState.JOINING, throughput=3.0),
+        model_info=ModelInfo(num_blocks=8),
+        cache_tokens_left=lambda: cache_left[0],
+        update_period_s=0.2,
+        expiration_s=5.0,
+    )
+
+
+async def test_lifecycle_and_refresh(records):
+    cache_left = [100]
+    announcer = make_announcer("model", cache_left)
+    assert announcer.next_uids == ["model.3", "model.4", "model.5"]
+    announcer.start()
+    await asyncio.sleep(0.05)
+    uids, (state, throughput, extra), expiration, stored_at = records.stored[0]
+    assert uids == ["model.2", "model.3", "model.4"] and state == ServerState.JOINING and throughput == 3.0
+    assert extra["start_block"] == 2 and extra["end_block"] == 5 and extra["cache_tokens_left"] == 100
+    assert expiration == pytest.approx(stored_at + 5.0, abs=0.5)
+    cache_left[0] = 40
+    await announcer.announce(ServerState.ONLINE)
+    await asyncio.sleep(0.05)
+    assert records.stored[-1][1][0] == ServerState.ONLINE and records.stored[-1][1][2]["cache_tokens_left"] == 40
+    count = len(records.stored)
+    await asyncio.sleep(0.5)
+    assert len(records.stored) >= count + 1  # refreshed every update period
+    await announcer.announce(ServerState.OFFLINE)  # returns once OFFLINE is stored and the loop ended
+    assert records.stored[-1][1][0] == ServerState.OFFLINE and records.stored[-1][1][2]["next_pings"] is None
+    count = len(records.stored)
+    await asyncio.sleep(0.4)
+    assert len(records.stored) == count
+    assert records.models and set(records.models) == {"model"}
+
+
+async def test_private_prefix_skips_models_index(records):
+    announcer = make_announcer("_private", [1])
+    announcer.start()
+    await asyncio.sleep(0.05)
+    await announcer.announce(ServerState.OFFLINE)
+    assert records.stored and records.models == []
+
+
+LIMITS = bf.ServingLimits(
+    dht_prefix="p", start_block=2, end_block=5, hidden_size=8, dtype=torch.float32,
+    inference_max_length_tokens=16, max_batch_size_tokens=32,
+)  # fmt: skip
+
+
+def test_resolve_chain():
+    assert bf.resolve_chain("p.2 p.3 p.4", LIMITS) == [2, 3, 4]
+    assert bf.resolve_chain("p.4", LIMITS) == [4]
+    for chain, message in [
+        ("p.1", "does not serve"), ("p.5", "does not serve"), ("q.2", "does not serve"), ("p.2 p.4", "contiguous"),
+        ("p.3 p.2", "contiguous"), ("", "empty"), ("p.2 ", "uid"), ("p.-1", "uid"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            bf.resolve_chain(chain, LIMITS)
+
+
+def test_tensor_validation():
+    good = torch.randn(2, 3, 8)
+    assert bf.validate_hidden_states(good, LIMITS) is not None
+    with pytest.raises(ValueError, match="max_batch_size of 32"):
+        bf.validate_hidden_states(torch.randn(4, 9, 8), LIMITS)
+    with pytest.raises(ValueError, match="float"):
+        bf.validate_hidden_states(torch.ones(1, 1, 8, dtype=torch.int32), LIMITS)
+    assert bf.validate_hidden_states(torch.randn(1, 0, 8), LIMITS, allow_empty_seq=True).shape == (1, 0, 8)
+    assert bf.validate_prompts(torch.empty(0), LIMITS, num_blocks=2, batch_size=2, length=3) == [None, None]
+    prompts = bf.validate_prompts(torch.randn(2, 1, 3, 8), LIMITS, num_blocks=2, batch_size=2, length=3)
+    assert [p.shape for p in prompts] == [(1, 3, 8), (1, 3, 8)]
+    with pytest.raises(ValueError, match="prompts"):
+        bf.validate_prompts(torch.randn(2, 3, 3, 8), LIMITS, num_blocks=2, batch_size=2, length=3)
+    assert bf.validate_hypo_ids(torch.tensor([1, 0]), batch_size=2).tolist() == [1, 0]
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        bf.validate_hypo_ids(torch.tensor([2, 0]), batch_size=2)
+    with pytest.raises(ValueError, match="adapter"):
+        bf.validate_adapter("nope", LIMITS)

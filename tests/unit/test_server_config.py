@@ -1,0 +1,114 @@
+"""`corolla-server` flags: the reference's names and defaults, config files, environment variables, bad combinations
+rejected at once, and the derived network settings (loopback for private swarms)."""
+
+from __future__ import annotations
+
+import pytest
+
+from corolla.cli.run_server import build_parser, parse_config
+from corolla.server.config import ServerConfig
+from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
+
+# (flag, expected default as the parser stores it) for every reference run_server flag (section 2)
+REFERENCE_DEFAULTS = {
+    "converted_model_name_or_path": None, "public_name": None, "token": None, "num_blocks": None,
+    "block_indices": None, "dht_prefix": None, "port": None, "public_ip": None, "host_maddrs": None,
+    "announce_maddrs": None, "daemon_startup_timeout": 60, "compression": "NONE", "num_handlers": 8,
+    "prefetch_batches": 1, "sender_threads": 1, "inference_max_length": None, "min_batch_size": 1,
+    "max_batch_size": None, "max_chunk_size_bytes": 256 * 1024 * 1024, "attn_cache_tokens": None, "cache_dir": None,
+    "max_disk_space": None, "device": None, "torch_dtype": "auto", "max_alloc_timeout": 600, "revision": None,
+    "throughput": "auto", "update_period": 120, "expiration": None, "request_timeout": 180, "session_timeout": 1800,
+    "step_timeout": 300, "initial_peers": None, "new_swarm": False, "increase_file_limit": 4096,
+    "stats_report_interval": None, "custom_module_path": None, "identity_path": None, "balance_quality": 0.75,
+    "mean_balance_check_period": 60, "quant_type": None, "tensor_parallel_devices": None,
+    "skip_reachability_check": False, "adapters": (), "use_auth_token": False, "use_auto_relay": True,
+}  # fmt: skip
+
+
+def test_every_reference_flag_with_its_default():
+    args = vars(build_parser().parse_args(["some/model"]))
+    for flag, default in REFERENCE_DEFAULTS.items():
+        assert flag in args, f"missing flag --{flag}"
+        assert args[flag] == default, f"--{flag}: default {args[flag]!r} != reference {default!r}"
+
+
+def test_defaults_map_onto_server_config():
+    config = parse_config(["some/model"])
+    assert config.model_name_or_path == "some/model"
+    assert config.update_period_s == 120 and config.resolved_expiration_s == 240
+    assert config.mean_balance_check_period_s == 60 and config.mean_block_selection_delay_s == 5
+    assert config.request_timeout_s == 180 and config.session_timeout_s == 1800 and config.step_timeout_s == 300
+    assert config.max_alloc_timeout_s == 600 and config.throughput == "auto"
+    assert config.resolved_initial_peers == tuple(PUBLIC_INITIAL_PEERS) and not config.is_private_swarm
+
+
+def test_flags_are_converted():
+    config = parse_config(
+        ["--converted_model_name_or_path", "m", "--block_indices", "3:7", "--throughput", "12.5",
+         "--max_disk_space", "2GiB", "--compression", "float16", "--quant_type", "NF4", "--use_auth_token",
+         "--adapters", "a/b", "c/d", "--initial_peers", "/ip4/127.0.0.1/tcp/5/p2p/QmX", "--update_period", "7"]
+    )  # fmt: skip
+    assert config.block_indices == (3, 7) and config.num_blocks is None
+    assert config.throughput == 12.5 and config.max_disk_space_bytes == 2 * 2**30
+    assert config.compression == "FLOAT16" and config.quant_type == "nf4" and config.token is True
+    assert config.adapters == ("a/b", "c/d") and config.is_private_swarm
+    assert config.resolved_host_maddrs == ("/ip4/127.0.0.1/tcp/0",)  # private swarm: loopback by default
+    assert config.resolved_expiration_s == 14
+
+
+def test_new_swarm_is_private_on_loopback_and_port_opens_wildcards():
+    config = parse_config(["m", "--new_swarm"])
+    assert config.resolved_initial_peers == () and config.is_private_swarm
+    assert config.resolved_host_maddrs == ("/ip4/127.0.0.1/tcp/0",)
+    config = parse_config(["m", "--new_swarm", "--port", "31337", "--public_ip", "1.2.3.4"])
+    assert config.resolved_host_maddrs == ("/ip4/0.0.0.0/tcp/31337", "/ip6/::/tcp/31337")
+    assert config.resolved_announce_maddrs == ("/ip4/1.2.3.4/tcp/31337",)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["m", "--num_blocks", "2", "--block_indices", "0:2"], "mutually exclusive"),
+        (["m", "--block_indices", "5"], "start:end"),
+        (["m", "--block_indices", "4:2"], "start:end"),
+        (["m", "--throughput", "fast"], "throughput"),
+        (["m", "--throughput", "-1"], "throughput"),
+        (["m", "--port", "1", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], "--port"),
+        (["m", "--public_ip", "1.2.3.4"], "--public_ip"),
+        (["m", "--new_swarm", "--initial_peers", "/ip4/1.2.3.4/tcp/1"], "not allowed with"),
+        (["m", "--converted_model_name_or_path", "n"], "not allowed with"),
+        (["m", "--dht_prefix", "a.b"], "dht_prefix"),
+        (["m", "--step_timeout", "0"], "step_timeout"),
+        (["m", "--torch_dtype", "int8"], "torch_dtype"),
+        ([], "required"),
+    ],
+)
+def test_bad_combinations_fail_at_once(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_config(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_file_and_environment(tmp_path, monkeypatch):
+    config_file = tmp_path / "server.yml"
+    config_file.write_text("num_blocks: 3\nupdate_period: 9\nadapters: [x/y]\n")
+    config = parse_config(["m", "-c", str(config_file)])
+    assert config.num_blocks == 3 and config.update_period_s == 9 and config.adapters == ("x/y",)
+    monkeypatch.setenv("COROLLA_STEP_TIMEOUT", "12")
+    monkeypatch.setenv("COROLLA_NEW_SWARM", "true")
+    config = parse_config(["m", "-c", str(config_file), "--update_period", "4"])  # CLI beats file
+    assert config.step_timeout_s == 12 and config.new_swarm and config.update_period_s == 4
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.yml").write_text("balance_quality: 0.5\n")  # read automatically from the working dir
+    assert parse_config(["m"]).balance_quality == 0.5
+
+
+def test_server_config_rejects_bad_values_directly():
+    with pytest.raises(ValueError, match="num_blocks"):
+        ServerConfig(model_name_or_path="m", num_blocks=0)
+    with pytest.raises(ValueError, match="compression"):
+        ServerConfig(model_name_or_path="m", compression="zip")
+    with pytest.raises(ValueError, match="unknown server setting"):
+        ServerConfig.from_flags({"model": "m", "no_such_flag": 1})
+    assert ServerConfig(model_name_or_path="m", block_indices="1:2").block_indices == (1, 2)
