@@ -129,3 +129,17 @@ def test_importing_corolla_never_imports_bitsandbytes():
         "assert 'bitsandbytes' not in sys.modules, 'bitsandbytes was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon", "bloom"])
+def test_backward_after_inference_mode_forward(family):
+    """Tables cached during an inference-mode call (rotary cos/sin) must not break a later autograd pass."""
+    config = tiny_config(family)
+    block = get_family(config).build_block(config, 0)
+    x = torch.randn(1, 5, 64)
+    with torch.inference_mode():
+        block(x)
+        block(x[:, :2], cache=[d.make_zeros() for d in block.cache_descriptors(1, 8)], position=0)
+    leaf = x.clone().requires_grad_(True)
+    block(leaf).sum().backward()
+    assert leaf.grad is not None and leaf.grad.abs().sum() > 0

@@ -55,6 +55,11 @@ class RotaryEmbedding:
         key = (device, key_len)
         if key in self._cache:
             return self._cache[key]
+        with torch.inference_mode(False), torch.no_grad():  # cached: must stay usable by later autograd passes
+            return self._inv_freq_uncached(device, base, key)
+
+    def _inv_freq_uncached(self, device: torch.device, base: float, key: tuple[torch.device, int]) -> torch.Tensor:
+        key_len = key[1]
         inv_freq = self._base_inv_freq(device, base)
         if self.rope_type == "linear":
             inv_freq = inv_freq / float(self.params["factor"])
@@ -85,7 +90,8 @@ class RotaryEmbedding:
             size = max(256, 1 << (end - 1).bit_length())
             if self.rope_type == "dynamic":
                 size = min(size, self.max_position_embeddings)
-            table = self._compute(0, size, device, dtype, size)
+            with torch.inference_mode(False), torch.no_grad():  # cached: must not be an inference tensor
+                table = self._compute(0, size, device, dtype, size)
             self._tables[key] = table
         return table[0][position:end], table[1][position:end]
 
