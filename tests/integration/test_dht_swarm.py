@@ -63,15 +63,16 @@ def _info(state: ServerState, throughput: float, start: int, end: int, **kwargs)
 def test_store_get_with_subkeys_and_expiration(swarm):
     boot, b, c = swarm
     b_id, c_id = get_peer_id(b).to_base58(), get_peer_id(c).to_base58()
-    now = get_dht_time()
     info_b = _info(ServerState.ONLINE, 10.0, 0, 4, adapters=("lora-x",))
     info_c = _info(ServerState.JOINING, 5.0, 2, 6)
-    # b: blocks 0..2 expire soon, block 3 stays; c: blocks 2..5
-    assert all(declare_active_modules(b, UIDS[:3], info_b, now + 2.0, timeout_s=TIMEOUT_S).values())
-    assert all(declare_active_modules(b, UIDS[3:4], info_b, now + 60, timeout_s=TIMEOUT_S).values())
-    assert all(declare_active_modules(c, UIDS[2:], info_c, now + 60, timeout_s=TIMEOUT_S).values())
+    # b: block 3 stays, blocks 0..2 expire soon; c: blocks 2..5
+    assert all(declare_active_modules(b, UIDS[3:4], info_b, get_dht_time() + 60, timeout_s=TIMEOUT_S).values())
+    assert all(declare_active_modules(c, UIDS[2:], info_c, get_dht_time() + 60, timeout_s=TIMEOUT_S).values())
+    short_expiration = get_dht_time() + 3.0
+    assert all(declare_active_modules(b, UIDS[:3], info_b, short_expiration, timeout_s=TIMEOUT_S).values())
 
     infos = get_remote_module_infos(boot, UIDS, latest=True, timeout_s=TIMEOUT_S)
+    assert get_dht_time() < short_expiration, "machine too slow: records expired before the first read"
     assert [i.uid for i in infos] == UIDS
     assert [sorted(i.servers) for i in infos] == [
         [b_id],
@@ -86,7 +87,7 @@ def test_store_get_with_subkeys_and_expiration(swarm):
     only_lora = get_remote_module_infos(boot, UIDS, active_adapter="lora-x", latest=True, timeout_s=TIMEOUT_S)
     assert [sorted(i.servers) for i in only_lora] == [[b_id]] * 4 + [[], []]
 
-    time.sleep(max(0.0, now + 2.5 - get_dht_time()))  # b's records for blocks 0..2 expire
+    time.sleep(max(0.0, short_expiration + 0.3 - get_dht_time()))  # b's records for blocks 0..2 expire
     infos = get_remote_module_infos(c, UIDS, latest=True, timeout_s=TIMEOUT_S)
     assert [b_id in i.servers for i in infos] == [False, False, False, True, False, False]
 
