@@ -15,7 +15,7 @@ from hivemind.p2p import P2PHandlerError
 from corolla.models.loading import load_pretrained_block
 from corolla.server.config import ServerConfig
 from corolla.server.server import Server
-from helpers.swarm import ClientThread, InferenceStream, packed_request, wait_until
+from helpers.swarm import ClientThread, InferenceStream, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
 
 HIDDEN = 64
@@ -302,3 +302,20 @@ def test_push_between_servers(server, client, blocks, model_path, tmp_path):
         downstream.close()
     finally:
         second.shutdown()
+
+
+def test_crashed_serving_part_is_restarted(model_path, tmp_path):
+    """If the runtime thread dies, the server notices within its health check and serves again."""
+    server = start_inprocess_server(model_path, tmp_path, block_indices=(0, 2), mean_balance_check_period_s=60.0)
+    client = ClientThread(server.join_maddrs, server.peer_id)
+    try:
+        first_service = server.service
+        first_service.runtime.stop()  # simulate a crash of the device thread
+        assert wait_until(lambda: server.service is not None and server.service is not first_service, 20)
+        assert server.num_restarts == 1
+        hidden = torch.randn(1, 2, HIDDEN)
+        response = client.run(lambda stub: stub.rpc_forward(packed_request(chain(server, 0, 2), hidden), timeout=15))
+        assert deserialize_torch_tensor(response.tensors[0]).shape == hidden.shape
+    finally:
+        client.close()
+        server.shutdown()
