@@ -131,7 +131,7 @@ def test_cuda_graph_step_equals_eager_step(rows: int) -> None:
     tokens = [[torch.randn(1, 1, 512, dtype=BF16) for _ in range(3)] for _ in range(rows)]
     outs = {}
     for name, engine in (("graphed", graphed), ("eager", eager)):
-        sessions = [engine.open_session(1, 256) for _ in range(rows)]
+        sessions = [engine.open_session(1, 512) for _ in range(rows)]
         for s, p in zip(sessions, prompts, strict=True):
             engine.step(s, p, 0)
         outs[name] = []
