@@ -47,8 +47,8 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         running = None
     assert running is not loop, "blocking on the client loop from inside it would deadlock"
     future = asyncio.run_coroutine_threadsafe(coro, loop)
-    try:
-        return future.result(timeout_s)
-    except concurrent.futures.TimeoutError:
+    done, _ = concurrent.futures.wait([future], timeout_s)
+    if not done:
         future.cancel()
-        raise TimeoutError(f"client call did not finish within {timeout_s} s") from None
+        raise TimeoutError(f"client call did not finish within {timeout_s} s")
+    return future.result()

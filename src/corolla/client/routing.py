@@ -56,6 +56,7 @@ class RemoteSequenceManager:
         self._rtts_s: dict[str, float] = {}
         self._ready = threading.Event()
         self._update_requested = threading.Event()
+        self._attempted = threading.Event()  # set after the first update attempt, failed or not
         self._closed = threading.Event()
         self._last_update_error: BaseException | None = None
         self._update_lock = threading.Lock()
@@ -113,7 +114,7 @@ class RemoteSequenceManager:
         async def _ping_all() -> dict[str, float]:
             import asyncio
 
-            from hivemind import PeerID
+            from hivemind.p2p import PeerID
 
             p2p = await self._get_p2p()
 
@@ -188,6 +189,7 @@ class RemoteSequenceManager:
             except Exception as e:
                 self._last_update_error = e
                 logger.warning("routing.update_failed(error=%r)", e)
+            self._attempted.set()
             self._update_requested.wait(self.config.update_period_s)
             self._update_requested.clear()
 
@@ -197,6 +199,8 @@ class RemoteSequenceManager:
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         timeout_s = self.config.dht_timeout_s + self.config.ping_timeout_s + 10 if timeout_s is None else timeout_s
+        if self._thread is not None and self._attempted.wait(timeout_s) and not self._ready.is_set():
+            raise ConnectionError(f"routing: cannot read block records: {self._last_update_error!r}")
         if not self._ready.wait(timeout_s):
             raise TimeoutError(
                 f"routing: no view of the swarm after {timeout_s} s (last error: {self._last_update_error!r})"
@@ -290,7 +294,7 @@ class RemoteSequenceManager:
         """RPC stub of a server (must be awaited on the client loop)."""
         stub = self._stubs.get(peer_id)
         if stub is None:
-            from hivemind import PeerID
+            from hivemind.p2p import PeerID
 
             from corolla.protocol.rpc import TransformerConnectionHandler
 
@@ -303,6 +307,12 @@ class RemoteSequenceManager:
         self._update_requested.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.config.dht_timeout_s + self.config.ping_timeout_s + 15)
+        if self._p2p is not None:
+            try:
+                background_loop.run(self._p2p.shutdown(), timeout_s=5)
+            except Exception as e:
+                logger.debug("routing.p2p_shutdown_failed(error=%r)", e)
+            self._p2p = None
         if self._own_dht and self.dht is not None:
             self.dht.shutdown()
             self.dht = None
