@@ -148,3 +148,70 @@ def test_cache_lock_writers_wait_for_readers(tmp_path):
         assert not acquired.wait(0.3)
     assert acquired.wait(5.0)
     thread.join(5.0)
+
+
+class _FakeHub:
+    """Serves a local folder as hub repo "org/tiny" into the hub-style cache (blobs + snapshot symlinks)."""
+
+    def __init__(self, remote_dir, monkeypatch):
+        import huggingface_hub
+
+        self.remote = remote_dir
+        self.downloads: list[str] = []
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", self.hf_hub_download)
+        monkeypatch.setattr(huggingface_hub, "hf_hub_url", lambda repo, filename, revision=None: filename)
+        monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", self.metadata)
+        monkeypatch.setattr(huggingface_hub, "file_exists", lambda repo, name, **kw: (self.remote / name).exists())
+
+    def metadata(self, url, token=None):
+        return type("Meta", (), {"size": (self.remote / url).stat().st_size})()
+
+    def hf_hub_download(self, repo_id, filename, *, revision=None, token=None, cache_dir=None, local_files_only=False):
+        root = cache_dir / "models--org--tiny"
+        link = root / "snapshots" / "main" / filename
+        if link.exists():
+            return str(link)
+        if local_files_only:
+            raise FileNotFoundError(filename)
+        blob = root / "blobs" / f"blob-{filename}"
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes((self.remote / filename).read_bytes())
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(blob)
+        self.downloads.append(filename)
+        return str(link)
+
+
+def test_hub_loading_downloads_only_needed_shards_and_evicts(tmp_path, monkeypatch):
+    remote = make_tiny_model("llama", tmp_path, sharded=True)
+    hub = _FakeHub(remote, monkeypatch)
+    config = load_config(remote)
+    cache = tmp_path / "cache"
+    weight_map = json.loads((remote / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def shards(index):
+        return {f for n, f in weight_map.items() if n.startswith(f"model.layers.{index}.")}
+
+    def size(files):
+        return sum((remote / f).stat().st_size for f in files)
+
+    block = load_pretrained_block("org/tiny", 2, config=config, torch_dtype=torch.float32, cache_dir=cache)
+    assert set(hub.downloads) == {"model.safetensors.index.json"} | shards(2)
+    _same_weights(block, _load(remote, 2))
+
+    hub.downloads.clear()  # cached: a second server on this host downloads nothing
+    load_pretrained_block("org/tiny", 2, config=config, torch_dtype=torch.float32, cache_dir=cache)
+    assert hub.downloads == []
+
+    # A disk budget that holds block 0's shards but not block 2's as well: the least recently used go.
+    budget = size(shards(0) | {"model.safetensors.index.json"}) + 1024
+    assert budget < disk_cache.cache_size_bytes(cache) + size(shards(0) - shards(2))
+    block0 = load_pretrained_block(
+        "org/tiny", 0, config=config, torch_dtype=torch.float32, cache_dir=cache, max_disk_space_bytes=budget
+    )
+    _same_weights(block0, _load(remote, 0))
+    assert disk_cache.cache_size_bytes(cache) <= budget
+    with pytest.raises(AllocationFailed, match="Insufficient disk space"):
+        load_pretrained_block(
+            "org/tiny", 3, config=config, torch_dtype=torch.float32, cache_dir=tmp_path / "c2", max_disk_space_bytes=100
+        )
