@@ -1,0 +1,237 @@
+"""`python -m corolla.cli.demo` (what `make demo` runs): starts a private loopback swarm of a bootstrap node and two
+servers splitting the demo model's blocks, prints who serves what, streams a generation through the swarm with the
+client, prints tokens/s and stops every process (also on Ctrl-C). `--keep_running` leaves the swarm up."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
+from corolla.demo.local_swarm import ChildProcess, LocalSwarm, LocalSwarmConfig
+from corolla.protocol.records import RemoteSpanInfo
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+DEFAULT_PROMPT = "The Python interpreter"
+RULE = "-" * 78
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="corolla-demo", description=__doc__)
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text for the model to continue")
+    parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens (bytes) to generate")
+    parser.add_argument("--model_dir", type=Path, default=DEMO_CHECKPOINT_DIR, help="checkpoint (built if missing)")
+    parser.add_argument("--num_servers", type=int, default=2, help="servers splitting the blocks evenly")
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding instead of seeded sampling")
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top_k", type=int, default=20)
+    parser.add_argument("--repetition_penalty", type=float, default=1.1)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
+    parser.add_argument("--startup_timeout_s", type=float, default=90.0, help="limit for the swarm to come up")
+    parser.add_argument("--keep_running", action="store_true", help="leave the swarm up until Ctrl-C")
+    parser.add_argument("--verbose", action="store_true", help="show corolla's logs (servers log to files)")
+    return parser
+
+
+def split_blocks(num_blocks: int, num_servers: int) -> tuple[tuple[int, int], ...]:
+    """Contiguous, nearly equal block ranges [start, end), one per server."""
+    if not 1 <= num_servers <= num_blocks:
+        raise ValueError(f"num_servers must be in 1..{num_blocks} (the model's blocks), got {num_servers}")
+    bounds = [round(i * num_blocks / num_servers) for i in range(num_servers + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+class _TextStreamer:
+    """`generate(streamer=...)` sink: prints new text as it arrives and times the generated tokens."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.num_printed_chars = 0
+        self.prompt_seen = False
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # the first call echoes the prompt
+            self.prompt_seen = True
+            return
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.token_ids.extend(value.flatten().tolist()[:1])  # batch of one
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # the rest of a multi-byte character is still to come
+            sys.stdout.write(text[self.num_printed_chars :])
+            sys.stdout.flush()
+            self.num_printed_chars = len(text)
+
+    def end(self) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def wait_for_coverage(manager: Any, num_blocks: int, *, timeout_s: float) -> list[RemoteSpanInfo]:
+    """Re-reads the block records (rather than waiting for the next periodic refresh) until every block has an
+    online server; returns the spans, or raises TimeoutError naming the uncovered blocks."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        manager.update()
+        spans = manager.spans
+        missing = [b for b in range(num_blocks) if not any(s.start <= b < s.end for s in spans)]
+        if not missing:
+            return spans
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"blocks {missing} have no online server in the DHT after {timeout_s} s")
+        time.sleep(0.5)
+
+
+def print_swarm(spans: Sequence[RemoteSpanInfo], num_blocks: int) -> None:
+    """Prints each server's span (as read from the DHT by the client's routing) and each block's coverage."""
+    spans = sorted(spans, key=lambda span: (span.start, span.peer_id))
+    print(f"Swarm (read from the DHT): {len(spans)} servers")
+    for span in spans:
+        info = span.server_info
+        print(
+            f"  {span.peer_id}  blocks {span.start}:{span.end}  state={info.state.name.lower()}  "
+            f"throughput={info.throughput:.1f}  dtype={info.torch_dtype}  cache_tokens_left={info.cache_tokens_left}"
+        )
+    coverage = [sum(1 for s in spans if s.start <= block < s.end) for block in range(num_blocks)]
+    print("  servers per block: " + " ".join(f"[{block}]={count}" for block, count in enumerate(coverage)))
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_web_tools(swarm: LocalSwarm, model_dir: Path, work_dir: Path) -> tuple[list[ChildProcess], list[str]]:
+    """With --keep_running: the health page and the OpenAI-compatible API on loopback, where those CLIs exist."""
+    processes, lines = [], []
+    peers = list(swarm.initial_peers)
+    tools = [
+        ("health", "corolla.cli.health", ["--initial_peers", *peers], "health page: http://127.0.0.1:{port}/"),
+        ("api", "corolla.cli.api", ["--model", str(model_dir), "--initial_peers", *peers],
+         "OpenAI API:  http://127.0.0.1:{port}/v1  (e.g. curl http://127.0.0.1:{port}/v1/models)"),
+    ]  # fmt: skip
+    for name, module, args, line in tools:
+        if importlib.util.find_spec(module) is None:
+            continue
+        port = _free_loopback_port()
+        command = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)]
+        processes.append(ChildProcess(name, command, log_path=work_dir / f"{name}.log"))
+        lines.append(line.format(port=port))
+    return processes, lines
+
+
+def _raise_keyboard_interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from corolla.client.config import ClientConfig
+    from corolla.client.distributed_model import AutoDistributedModelForCausalLM
+
+    model_dir = ensure_demo_checkpoint(args.model_dir)
+    num_blocks = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    block_ranges = split_blocks(num_blocks, args.num_servers)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with tempfile.TemporaryDirectory(prefix="corolla-demo-") as work:
+        work_dir = Path(work)
+        config = LocalSwarmConfig(model_dir, block_ranges, work_dir, startup_timeout_s=args.startup_timeout_s)
+        print(f"Model: {model_dir} ({num_blocks} blocks)")
+        print(f"Starting a private swarm on 127.0.0.1: a bootstrap node and {len(block_ranges)} servers "
+              f"(blocks {', '.join(f'{a}:{b}' for a, b in block_ranges)}) ...", flush=True)  # fmt: skip
+        with LocalSwarm(config) as swarm:
+            print(f"Bootstrap node: {swarm.initial_peers[0]}", flush=True)
+            client_config = ClientConfig(daemon_startup_timeout_s=args.startup_timeout_s, request_timeout_s=60.0,
+                                         max_retries=3, show_route="never")  # fmt: skip
+            # the client joins (and loads the embeddings and head) while the servers load their blocks
+            with AutoDistributedModelForCausalLM.from_pretrained(
+                model_dir, initial_peers=swarm.initial_peers, client_config=client_config
+            ) as model:
+                startup_s = swarm.wait_servers_ready()
+                print(f"Swarm up in {startup_s:.1f} s.")
+                spans = wait_for_coverage(model.manager, num_blocks, timeout_s=args.startup_timeout_s)
+                print_swarm(spans, num_blocks)
+                _generate(model, tokenizer, args)
+            if args.keep_running:
+                _keep_running(swarm, model_dir, work_dir)
+    print("Swarm stopped: bootstrap node and servers have exited.")
+    return 0
+
+
+def _generate(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
+    input_ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]  # [1, prompt_tokens]
+    sampling: dict[str, Any] = {"do_sample": False}
+    if not args.greedy:
+        torch.manual_seed(args.seed)
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k}
+    if args.repetition_penalty != 1.0:
+        sampling["repetition_penalty"] = args.repetition_penalty
+    mode = "greedy" if args.greedy else f"sampling, seed {args.seed}"
+    print(f"Generating {args.max_new_tokens} tokens through the swarm ({mode}):")
+    print(RULE)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    streamer = _TextStreamer(tokenizer)
+    started = time.perf_counter()
+    model.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **sampling)
+    elapsed_s = time.perf_counter() - started
+    print(RULE)
+    num_tokens = len(streamer.token_ids)
+    decode_s = time.perf_counter() - (streamer.first_token_at or started)
+    decode_rate = (num_tokens - 1) / decode_s if num_tokens > 1 and decode_s > 0 else 0.0
+    print(f"Generated {num_tokens} tokens in {elapsed_s:.2f} s: {num_tokens / elapsed_s:.1f} tokens/s "
+          f"({decode_rate:.1f} tokens/s after the first token)", flush=True)  # fmt: skip
+
+
+def _keep_running(swarm: LocalSwarm, model_dir: Path, work_dir: Path) -> None:
+    peers = " ".join(swarm.initial_peers)
+    tools, urls = _start_web_tools(swarm, model_dir, work_dir)
+    try:
+        print("The swarm keeps running. Connect to it with:")
+        print(f'  corolla-generate {shlex.quote(str(model_dir))} --initial_peers {peers} "Python is"')
+        print(f"  corolla-server {shlex.quote(str(model_dir))} --initial_peers {peers} --block_indices 0:2 "
+              "--device cpu --torch_dtype float32   # one more server")  # fmt: skip
+        for url in urls:
+            print(f"  {url}")
+        print(f"Logs: {work_dir}. Press Ctrl-C to stop.", flush=True)
+        threading.Event().wait()  # until KeyboardInterrupt
+    finally:
+        for tool in tools:
+            tool.stop(10.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise SystemExit("corolla-demo: --max_new_tokens must be >= 1")
+    if not args.verbose:
+        logging.getLogger("corolla").setLevel(logging.WARNING)  # keep the terminal for the demo's own lines
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the swarm on `kill` as on Ctrl-C
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("\nInterrupted: the swarm has been stopped.", flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""The demo model: a small Llama trained on CPU on prose that ships with Python, so `make demo` prints readable text.
+
+`corpus` gathers the text, `tokenizer` builds an offline byte-level tokenizer, `train` trains and saves the
+checkpoint (deterministic, seeded), `checkpoint` locates the committed copy under `assets/` or rebuilds it.
+"""
