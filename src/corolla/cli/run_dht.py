@@ -4,6 +4,8 @@ its routing table fresh, and stops cleanly on SIGINT/SIGTERM (its DHT process an
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import secrets
 import signal
 import sys
@@ -95,6 +97,16 @@ async def _refresh(_dht: Any, node: Any, *, key: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point: runs the node, then exits at once (interpreter teardown of torch takes seconds)."""
+    code = run(argv)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Runs a bootstrap node until SIGINT/SIGTERM; returns the exit code."""
     args = build_parser().parse_args(argv)
     if args.refresh_period <= 0:
         raise SystemExit("corolla-dht: --refresh_period must be > 0")
