@@ -137,3 +137,19 @@ VARIANTS = {
 def test_config_variants_match_transformers(variant, tmp_path):
     config = VARIANTS[variant]()
     _check_block(save_tiny_model(config, tmp_path / variant), check_grads=variant.startswith("falcon"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_block_matches_transformers_in_bfloat16(family, tmp_path):
+    """Same numerics in bf16 (norms in fp32 where the reference does them, rotary tables cast like it): at most
+    about one bf16 rounding step apart, with and without cache."""
+    model_dir = make_tiny_model(family, tmp_path, dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    block = load_pretrained_block(model_dir, LAYER, config=load_config(model_dir), torch_dtype="auto")
+    assert block.dtype == torch.bfloat16
+    x, ref, _ = capture_hf_layer(hf, LAYER, torch.randint(3, 300, (2, SEQ)))
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), ref, atol=0.07, rtol=0.01)
+        cache = [d.make_zeros() for d in block.cache_descriptors(2, SEQ)]
+        steps = [block(x[:, :10], cache=cache, position=0), block(x[:, 10:], cache=cache, position=10)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), ref, atol=0.07, rtol=0.01)
