@@ -124,7 +124,8 @@ class SpanBackend:
         indices = self.validate_block_indices(block_indices)
         hidden = self._check_hidden(hidden)
         per_block_prompts = self._check_prompts(prompts, len(indices), hidden.shape[0])
-        with torch.inference_mode(), self._adapter_context(adapter):
+        # no_grad, not inference_mode: outputs and anything a block caches stay usable by later autograd passes
+        with torch.no_grad(), self._adapter_context(adapter):
             if hidden.shape[1] == 0:
                 return hidden.clone()
             for index, prompt in zip(indices, per_block_prompts, strict=True):
