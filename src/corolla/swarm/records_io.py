@@ -72,9 +72,9 @@ def _entries(found: Any) -> Mapping[Any, Any] | None:
     return value if isinstance(value, Mapping) else None
 
 
-async def _get_records(_dht: hivemind.DHT, node: Any, *, keys: list[str], latest: bool) -> dict[str, Any]:
-    expiration = math.inf if latest else get_dht_time()
-    found = await node.get_many(keys, expiration)
+async def _get_records(dht: hivemind.DHT, node: Any, *, keys: list[str], latest: bool) -> dict[str, Any]:
+    expiration = math.inf if latest else get_dht_time()  # inf: look for the freshest copy, not the first found
+    found = await node.get_many(keys, expiration, num_workers=min(len(keys), dht.num_workers))
     out: dict[str, Any] = {}
     for key in keys:
         entries = _entries(found.get(key))
