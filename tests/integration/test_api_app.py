@@ -32,6 +32,7 @@ class ScriptedBackend:
 
     model_id = MODEL
     max_context_tokens = 256
+    vocab_size = CHAR_BASE + 0x110000
     eos_token_ids = frozenset([EOS])
 
     def __init__(self, token_delay_s: float = 0.0):
@@ -233,6 +234,10 @@ def test_errors(api, client):
 
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", temperature=3.5)
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[5, 5_000_000], max_tokens=2)
+    assert e.value.body["param"] == "prompt"
 
     for stream in (False, True):
         with pytest.raises(openai.InternalServerError) as e:

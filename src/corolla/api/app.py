@@ -330,8 +330,9 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 raise invalid_param("Only one prompt per request is supported", "prompt")
             prompt = prompt[0]
         prompt_ids = backend.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if any(t < 0 for t in prompt_ids):
-            raise invalid_param("Token ids must be >= 0", "prompt")
+        vocab_size = getattr(backend, "vocab_size", None)
+        if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in prompt_ids):
+            raise invalid_param(f"Token ids must be in [0, {vocab_size}) for this model", "prompt")
         max_tokens = budget(prompt_ids, req.max_tokens, 16, "max_tokens", "prompt")
         params = sampling(req, max_tokens)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -389,7 +390,10 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         except ValueError as e:
             raise invalid_param(str(e), "messages") from None
-        prompt_ids = backend.chat_prompt_ids(messages)
+        try:
+            prompt_ids = backend.chat_prompt_ids(messages)
+        except Exception as e:  # e.g. a template that refuses a role order
+            raise invalid_param(f"Could not apply the model's chat template: {e}", "messages") from None
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = budget(prompt_ids, requested, config.default_chat_max_tokens, param, "messages")

@@ -73,6 +73,7 @@ class SwarmBackend(TokenizerCodec):
         super().__init__(tokenizer, max_context_tokens=max_context_tokens)
         self.model = model
         self.model_id = model_id
+        self.vocab_size = int(model.config.vocab_size)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
         generator = params.make_generator()
@@ -106,8 +107,11 @@ def load_swarm_backend(
     from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 
     client_config = ClientConfig(initial_peers=tuple(initial_peers), dht_prefix=dht_prefix, max_retries=max_retries)
+    dtype = torch_dtype if torch_dtype == "auto" else getattr(torch, torch_dtype)
+    if not isinstance(dtype, (str, torch.dtype)):
+        raise ValueError(f"torch_dtype must be 'auto' or a torch dtype name like 'float32', got {torch_dtype!r}")
     model = AutoDistributedModelForCausalLM.from_pretrained(
-        name_or_path, client_config=client_config, torch_dtype=torch_dtype
+        name_or_path, client_config=client_config, torch_dtype=dtype
     )
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     return SwarmBackend(model, tokenizer, model_id=model_id or str(name_or_path))
