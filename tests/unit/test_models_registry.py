@@ -143,3 +143,24 @@ def test_backward_after_inference_mode_forward(family):
     leaf = x.clone().requires_grad_(True)
     block(leaf).sum().backward()
     assert leaf.grad is not None and leaf.grad.abs().sum() > 0
+
+
+def test_dynamic_rope_scaling_matches_transformers_formula():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from corolla.models.positions import RotaryEmbedding, rope_parameters
+
+    config = tf.LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    )
+    rotary = RotaryEmbedding(16, rope_parameters(config), config.max_position_embeddings)
+    cpu = torch.device("cpu")
+    for seq_len in (10, 16, 40):
+        expected, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, cpu, seq_len=seq_len)
+        torch.testing.assert_close(rotary.inv_freq(cpu, seq_len), expected)
+    assert not torch.equal(rotary.inv_freq(cpu, 40), rotary.inv_freq(cpu, 16))  # scaled beyond the trained length
+    with pytest.raises(ValueError, match="Unsupported rope type 'longrope'"):
+        rope_parameters(type("Config", (), {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}})())
