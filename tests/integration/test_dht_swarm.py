@@ -17,6 +17,7 @@ from corolla.protocol import rpc
 from corolla.protocol.records import MODELS_INDEX_KEY, ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.swarm.dht import (
+    PUBLIC_INITIAL_PEERS,
     SwarmConfig,
     create_dht,
     get_peer_id,
@@ -219,3 +220,33 @@ def test_reachability_check_against_a_serving_peer(swarm):
         assert check_direct_reachability(maddrs, force=True, timeout_s=30) is True
     finally:
         service.shutdown()
+
+
+def test_ping_aggregator_ema_and_expiry():
+    agg = PingAggregator(ema_alpha=0.2, expiration_s=300)
+    agg.update("A", 0.010, now=0)
+    agg.update("A", 0.020, now=1)
+    assert agg.to_dict(now=2)["A"] == pytest.approx(0.2 * 0.020 + 0.8 * 0.010)
+    agg.update("B", math.inf, now=0)
+    agg.update("B", 0.030, now=1)  # a fresh value replaces inf
+    assert agg.to_dict(now=2)["B"] == 0.030
+    agg.update("B", math.inf, now=3)  # a failed ping makes the peer unreachable until it answers again
+    assert math.isinf(agg.to_dict(now=4)["B"])
+    assert set(agg.to_dict(now=302)) == {"B"}  # A was last refreshed at t=1: forgotten after 300 s
+    with pytest.raises(RuntimeError):
+        agg.ping(["QmQGTqmM7NKjV6ggU1ZCap8zWiyKR89RViDXiqehSiCpY5"])  # no DHT to ping through
+
+
+def test_swarm_config_network_defaults():
+    private = SwarmConfig(initial_peers=["/ip4/127.0.0.1/tcp/5/p2p/QmX"]).dht_kwargs()
+    assert private["host_maddrs"] == ["/ip4/127.0.0.1/tcp/0"]
+    assert not any(private[k] for k in ("nat_port_map", "auto_nat", "use_relay", "use_auto_relay", "use_ipfs"))
+    public_config = SwarmConfig(initial_peers=list(PUBLIC_INITIAL_PEERS))
+    public = public_config.dht_kwargs()
+    assert public_config.is_public and public["host_maddrs"] == ["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"]
+    assert all(public[k] for k in ("nat_port_map", "auto_nat", "use_relay", "use_auto_relay"))
+    assert (
+        SwarmConfig(initial_peers=list(PUBLIC_INITIAL_PEERS), nat_port_map=False).dht_kwargs()["nat_port_map"] is False
+    )
+    with pytest.raises(ValueError):
+        SwarmConfig(startup_timeout_s=0).dht_kwargs()
