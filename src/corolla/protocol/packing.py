@@ -55,6 +55,8 @@ def _check_structure(value: Any, depth: int, budget: list[int]) -> None:
         for item in value:
             _check_structure(item, depth + 1, budget)
     elif isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise ValueError("args_structure dicts must have str keys")
         for item in value.values():
             _check_structure(item, depth + 1, budget)
 
@@ -67,8 +69,6 @@ def unpack_args_kwargs(tensors: Sequence[torch.Tensor], structure: Any) -> tuple
     args, kwargs = structure
     if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
         raise ValueError("args_structure must be (args: tuple|list, kwargs: dict)")
-    if not all(isinstance(k, str) for k in kwargs):
-        raise ValueError("args_structure kwargs must have str keys")
 
     def unmask(value: Any) -> Any:
         if not (isinstance(value, bytes) and value.startswith(MARKER_PREFIX)):
