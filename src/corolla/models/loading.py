@@ -100,8 +100,16 @@ def read_tensors(path: str | os.PathLike, prefix: str) -> dict[str, torch.Tensor
 
         with safe_open(path, framework="pt", device="cpu") as f:
             return {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
-    loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    loaded = _torch_load(path)
     return {k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)}
+
+
+def _torch_load(path: str) -> dict[str, torch.Tensor]:
+    """`weights_only` (no pickled code); memory-mapped when the file format allows it (zip, torch >= 1.6)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 class _CheckpointSource:
@@ -112,7 +120,8 @@ class _CheckpointSource:
         self.local = is_local_path(name_or_path)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else disk_cache.DEFAULT_CACHE_DIR
         self.revision = revision
-        self.token = token
+        # Meta's Llama 2 repos are gated: use the locally saved token when none is given (as the reference does).
+        self.token = True if token is None and self.name_or_path.startswith("meta-llama/Llama-2-") else token
         self.max_disk_space_bytes = max_disk_space_bytes
 
     def describe(self) -> str:
@@ -213,7 +222,7 @@ def _tensor_names(path: str) -> list[str]:
 
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return list(f.keys())
-    return list(torch.load(path, map_location="cpu", weights_only=True, mmap=True).keys())
+    return list(_torch_load(str(path)).keys())
 
 
 def _pick_prefix(prefixes: tuple[str, ...], block_index: int, names) -> str | None:
