@@ -9,6 +9,7 @@ as descendants of this process with its command line."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 import uuid
@@ -27,11 +28,22 @@ def _read(path: Path) -> bytes:
         return b""
 
 
-def find_leaked_processes(run_id: str, *, own_pid: int | None = None) -> dict[int, str]:
-    """`{pid: description}` of live p2pd / DHT / corolla processes whose environment carries `run_id`.
+_COROLLA_MODULE = re.compile(rb"(?:^|[\s;(])corolla\.[A-Za-z_]")
 
-    DHT processes are forks of the test process, so they share its command line; other forked helpers (e.g.
-    multiprocessing's resource tracker) have a different one and are not counted."""
+
+def _runs_corolla(cmdline: bytes) -> bool:
+    """A corolla console script (`.../corolla-dht`) or Python code naming a corolla module (`-m corolla.cli...`);
+    not merely a path that contains "corolla" (CI checkouts often live in a directory of that name)."""
+    for arg in cmdline.split(b"\0"):
+        if arg.rsplit(b"/", 1)[-1].startswith(b"corolla-") or _COROLLA_MODULE.search(arg):
+            return True
+    return False
+
+
+def find_leaked_processes(run_id: str, *, own_pid: int | None = None) -> dict[int, str]:
+    """`{pid: description}` of live p2pd / DHT / corolla processes that are descendants of this process or carry
+    `run_id` in their environment (orphans). DHT processes are forks of their owner, so they share its command
+    line; other helpers (e.g. multiprocessing's resource tracker) have a different one and are not counted."""
     own_pid = os.getpid() if own_pid is None else own_pid
     own_cmdline = _read(Path(f"/proc/{own_pid}/cmdline"))
     marker = f"{RUN_ID_ENV}={run_id}".encode()
@@ -58,12 +70,12 @@ def find_leaked_processes(run_id: str, *, own_pid: int | None = None) -> dict[in
             continue
         entry = Path(f"/proc/{pid}")
         cmdline = _read(entry / "cmdline")
-        ours = marker in _read(entry / "environ").split(b"\0") or (cmdline == own_cmdline and is_descendant(pid))
+        ours = is_descendant(pid) or marker in _read(entry / "environ").split(b"\0")
         if not ours:
             continue
         comm = _read(entry / "comm").decode(errors="replace").strip()
         readable = cmdline.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
-        if comm == "p2pd" or cmdline == own_cmdline or b"corolla" in cmdline:
+        if comm == "p2pd" or cmdline == own_cmdline or _runs_corolla(cmdline):
             leaked[pid] = f"{comm}: {readable}"
     return leaked
 
