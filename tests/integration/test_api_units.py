@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from corolla.api.backend import TokenizerCodec, plain_chat_prompt
+from corolla.api.local_swarm import LocalSwarm
 from corolla.api.sampling import SamplingParams, sample_next_token
 from corolla.api.textstream import TextStream
 from helpers.tiny_models import build_tokenizer
@@ -89,3 +90,10 @@ def test_chat_prompt_template_and_fallback():
     assert tokenizer.decode(ids) == "<s><|user|>hi<|assistant|>"
     assert ids.count(tokenizer.bos_token_id) == 1  # the template's BOS is not doubled
     assert codec.eos_token_ids == {tokenizer.eos_token_id}
+
+
+def test_local_swarm_splits_blocks_evenly():
+    assert LocalSwarm("m", num_servers=3, num_blocks=8)._spans() == [(0, 3), (3, 5), (5, 8)]
+    assert LocalSwarm("m", num_servers=4, num_blocks=2)._spans() == [(0, 1), (1, 2)]  # never an empty span
+    with pytest.raises(ValueError):
+        LocalSwarm("m", num_servers=0)

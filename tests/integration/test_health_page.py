@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -63,16 +64,18 @@ def view_of_state(state: dict) -> dict:
     }
 
 
-def assert_page_matches_api(page, url: str) -> dict:
-    view = page_view(page)
-    rendered = view.pop("rendered")
-    assert view == view_of_state(rendered)  # the DOM shows the document the page fetched...
-    fresh = fetch_state(url)  # ...which is what the API serves (unchanged unless the swarm changed meanwhile)
-    assert view_of_state(fresh) == view_of_state(rendered)
-    assert fresh["model_reports"][0]["server_rows"] == rendered["model_reports"][0]["server_rows"] or (
-        fresh["last_updated"] != rendered["last_updated"]  # refreshed in between: only measured figures may differ
-    )
-    return view
+def assert_page_matches_api(page, url: str, timeout_s: float = 15.0) -> dict:
+    """The DOM shows exactly the document the page fetched, and that document is what the API serves (retried
+    briefly: the monitor may refresh between the page's fetch and ours)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        view = page_view(page)
+        rendered = view.pop("rendered")
+        assert view == view_of_state(rendered)
+        if view == view_of_state(fetch_state(url)):
+            return view
+        assert time.monotonic() < deadline, f"page {view} never matched the API"
+        time.sleep(0.3)
 
 
 def stop_all(swarm: Swarm) -> None:
@@ -89,15 +92,7 @@ def monitored_swarm(tmp_path_factory):
     swarm = Swarm(workdir)
     try:
         swarm.start_bootstrap()
-        servers = [
-            swarm.start_server(
-                model_path, "--block_indices", f"{a}:{b}", "--throughput", "1.0", "--public_name", f"srv{a}",
-                wait=False,
-            )
-            for a, b in SPANS
-        ]  # fmt: skip
-        for server in servers:
-            server.wait_ready(90)
+        # the monitor starts alongside the servers (it refreshes every second), which saves start-up time
         health = ManagedProcess(
             [
                 sys.executable, "-m", "corolla.cli.health", "--initial_peers", *swarm.initial_peers,
@@ -106,7 +101,16 @@ def monitored_swarm(tmp_path_factory):
             name="corolla-health",
         )  # fmt: skip
         swarm.processes.append(health)
+        servers = [
+            swarm.start_server(
+                model_path, "--block_indices", f"{a}:{b}", "--throughput", "1.0", "--public_name", f"srv{a}",
+                wait=False,
+            )
+            for a, b in SPANS
+        ]  # fmt: skip
         line = health.wait_for_line(lambda s: s.startswith(HEALTH_BANNER), 90)
+        for server in servers:
+            server.wait_ready(90)
         yield swarm, servers, line[len(HEALTH_BANNER) :].strip()
     finally:
         stop_all(swarm)

@@ -45,6 +45,7 @@ PAGE_HTML = """<!doctype html>
   <span><i style="background:#d1342f"></i>gap: no online server</span>
 </div>
 <div id="models"><p class="meta">loading&hellip;</p></div>
+<div id="issues"></div>
 <script>
 "use strict";
 const COLUMNS = ["Name", "Peer ID", "Blocks", "State", "Throughput", "Inference rps", "Forward rps",
@@ -129,6 +130,15 @@ function render(state) {
     section.appendChild(coverageBar(report));
     section.appendChild(serverTable(report));
     models.appendChild(section);
+  }
+  const issues = document.getElementById("issues");
+  issues.replaceChildren();
+  if (state.reachability_issues.length > 0) {
+    issues.appendChild(el("h2", {}, "Reachability issues"));
+    const list = issues.appendChild(el("ul", {"class": "meta"}));
+    for (const issue of state.reachability_issues) {
+      list.appendChild(el("li", {"class": "mono"}, issue.peer_id + ": " + issue.err));
+    }
   }
   const updated = state.last_updated ? new Date(state.last_updated * 1000).toLocaleTimeString() : "never";
   document.getElementById("updated").textContent = updated;
