@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
+from corolla.cli.run_server import main as run_server_main
 from corolla.protocol.records import ServerState
 from corolla.swarm.dht import SwarmConfig, create_dht, shutdown_dht
 from corolla.swarm.records_io import get_remote_module_infos
@@ -42,21 +41,19 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.3):
         time.sleep(interval_s)
 
 
-def test_dry_run_then_swarm_lifecycle(swarm: Swarm, tmp_path):  # noqa: F811
+def test_dry_run_then_swarm_lifecycle(swarm: Swarm, tmp_path, capsys):  # noqa: F811
     model = make_tiny_model("llama", tmp_path / "models", num_layers=NUM_LAYERS)
     prefix = model.name  # local directories use their name as the DHT prefix
     cache_dir = swarm.workdir / "cache"
 
-    # --throughput dry_run: prints the figures, writes the cache, exits 0
-    dry = subprocess.run(
-        [sys.executable, "-m", "corolla.cli.run_server", str(model), "--new_swarm", "--device", "cpu",
-         "--torch_dtype", "float32", "--num_blocks", "2", "--throughput", "dry_run", "--cache_dir", str(cache_dir)],
-        capture_output=True, text=True, timeout=120,
+    # --throughput dry_run: prints the figures, writes the cache, exits 0 (the CLI's main, in this process)
+    code = run_server_main(
+        [str(model), "--new_swarm", "--device", "cpu", "--torch_dtype", "float32", "--num_blocks", "2",
+         "--throughput", "dry_run", "--cache_dir", str(cache_dir)]
     )  # fmt: skip
-    assert dry.returncode == 0, dry.stderr[-3000:]
-    assert (
-        "corolla-server: throughput" in dry.stdout and "forward_rps=" in dry.stdout and "inference_rps=" in dry.stdout
-    )
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "corolla-server: throughput" in printed and "forward_rps=" in printed and "inference_rps=" in printed
     cached = json.loads((cache_dir / "throughput_v1.json").read_text())
     assert len(cached) == 1 and all(v > 0 for v in next(iter(cached.values())).values())
 

@@ -4,7 +4,6 @@ environment variables), build a `Server`, run it until SIGINT/SIGTERM and shut i
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -127,25 +126,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from corolla.server.server import Server
 
-    server = Server(config)
+    try:
+        server = Server(config)
+    except ValueError as e:  # e.g. CPU + float16, blocks past the model's depth, no GPU to size num_blocks
+        logger.error(f"server.bad_settings: {e}")
+        print(f"corolla-server: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if config.throughput == "dry_run":
+        return server.run()  # measures, prints the figures and returns: no swarm, no signal handlers
+
     stop_reason: dict[str, Any] = {}
 
     def _on_signal(signum: int, _frame: Any) -> None:
         stop_reason.setdefault("signal", signal.Signals(signum).name)
         server.request_stop()
 
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return server.run()
     except KeyboardInterrupt:
         return 0
     finally:
         server.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if "signal" in stop_reason:
             logger.info(f"server.stopped(signal={stop_reason['signal']})")
         sys.stdout.flush()
-        os.sys.stderr.flush()
+        sys.stderr.flush()
 
 
 if __name__ == "__main__":
