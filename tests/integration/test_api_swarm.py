@@ -196,27 +196,35 @@ def test_bad_requests(gateway):
 @pytest.mark.skipif(not SERVERS_HAVE_METRICS, reason="corolla-server has no --metrics_port yet")
 def test_server_metrics_move_across_a_generation(gateway):
     port = gateway.servers[0].metrics_port
-    sessions = ("corolla_sessions_active", ())
+    active, opened = ("corolla_sessions_active", ()), ("corolla_sessions_opened_total", ())
     tokens = ("corolla_tokens_processed_total", (("kind", "inference"),))
     before = scrape(port)
-    assert before[sessions] == 0
+    assert before[active] == 0
 
-    stream = gateway.client.completions.create(
-        model=MODEL_ID, prompt=PROMPT, max_tokens=40, temperature=1.0, seed=0, stream=True
-    )
-    chunks = iter(stream)
-    next(chunks)  # the session is open on the server now
-    during = scrape(port)
-    for _ in chunks:
-        pass
-    assert during[sessions] >= 1
+    peak_active, done = [0.0], threading.Event()
+
+    def poll() -> None:  # watches the gauge while the generation runs
+        while not done.is_set():
+            peak_active[0] = max(peak_active[0], scrape(port)[active])
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        out = gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=30, temperature=0)
+    finally:
+        done.set()
+        poller.join(10)
+    generated = out.usage.completion_tokens
 
     deadline = time.monotonic() + 15
-    while (after := scrape(port))[sessions] != 0 and time.monotonic() < deadline:
+    while (after := scrape(port))[active] != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert after[sessions] == 0
-    # the prompt, then one token per step for each generated token but the last
-    assert after[tokens] - before[tokens] >= len(prompt_ids(gateway))
+    assert peak_active[0] >= 1  # up during the generation...
+    assert after[active] == 0  # ...and down after it
+    assert after[opened] - before[opened] >= 1
+    # the prompt in one step, then each generated token but the last is fed back
+    assert after[tokens] - before[tokens] >= len(prompt_ids(gateway)) + generated - 1
     assert after[("corolla_step_seconds_count", ())] > before[("corolla_step_seconds_count", ())]
 
 
