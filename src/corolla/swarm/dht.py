@@ -230,11 +230,11 @@ def shutdown_dht(dht: hivemind.DHT, timeout_s: float = 5.0) -> None:
 
 
 def call_with_timeout(future: MPFuture[T] | concurrent.futures.Future[T], timeout_s: float, what: str) -> T:
-    """Waits for a DHT future; on timeout cancels it and raises TimeoutError naming the operation."""
+    """Waits for a DHT future; on timeout raises TimeoutError naming the operation. The future is not cancelled:
+    that would not stop the work in the DHT process, and hivemind logs an error when it later sets the result."""
     try:
         return future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError as e:
-        future.cancel()
         raise TimeoutError(f"{what} did not finish within {timeout_s} s") from e
 
 
