@@ -33,6 +33,9 @@ logger = get_logger(__name__)
 READY_PREFIX = "corolla-server: ready"
 MAX_CONSECUTIVE_FAILURES = 5
 DHT_READ_TIMEOUT_S = 20.0
+REACHABILITY_API_URL = "https://health.petals.dev"
+REACHABILITY_WAIT_S = 420.0
+REACHABILITY_RETRY_S = 15.0
 
 
 class SpanService:
@@ -182,6 +185,8 @@ class Server:
         self.announcer: Announcer | None = None
         self.num_moves = 0
         self.num_restarts = 0
+        self._reachability_service: Any = None
+        self._validated_reachability = False
 
     # ---- settings ---------------------------------------------------------------------------------------------
 
@@ -284,6 +289,9 @@ class Server:
         self.request_stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        if self._reachability_service is not None:
+            self._reachability_service.shutdown()
+            self._reachability_service = None
         if self.dht is not None:
             from corolla.swarm.dht import shutdown_dht
 
@@ -298,14 +306,11 @@ class Server:
 
         c = self.config
         public = not c.is_private_swarm
-        if public and c.reachable_via_relay is None and not c.skip_reachability_check:
-            self.using_relay = self._check_reachability()
         swarm_config = SwarmConfig(
             initial_peers=c.resolved_initial_peers,
             host_maddrs=c.resolved_host_maddrs,
             announce_maddrs=c.resolved_announce_maddrs,
             identity_path=c.identity_path,
-            client_mode=self.using_relay,
             use_relay=public,
             use_auto_relay=public and c.use_auto_relay,
             nat_port_map=public,
@@ -313,10 +318,21 @@ class Server:
             startup_timeout_s=c.daemon_startup_timeout_s,
             num_workers=max(1, min(self.settings.total_blocks, 32)),
         )
+        if public and c.reachable_via_relay is None:
+            # unreachable directly -> relays, a client-mode DHT and the relay throughput penalty (unknown -> direct)
+            self.using_relay = self._check_reachability(swarm_config)
+        swarm_config.client_mode = self.using_relay
         self.dht = create_dht(swarm_config)  # before threads and CUDA: hivemind forks
         self.peer_id = get_peer_id(self.dht).to_base58()
         self.join_maddrs = get_visible_maddrs(self.dht)
         logger.info(f"server.dht_ready(peer_id={self.peer_id}, maddrs={' '.join(self.join_maddrs)})")
+        if public and not self.using_relay:
+            try:  # lets other joining servers ask us whether they are reachable
+                from corolla.swarm.reachability import attach_reachability_protocol
+
+                self._reachability_service = attach_reachability_protocol(self.dht)
+            except Exception as e:
+                logger.warning(f"server.reachability_protocol_failed({e!r})")
         if c.new_swarm:
             print(
                 f"corolla-server: new swarm, others join with --initial_peers {' '.join(self.join_maddrs)}", flush=True
@@ -324,18 +340,43 @@ class Server:
         self.throughput_info = self.measure_throughput()
         logger.info(f"server.throughput({', '.join(f'{k}={v:.1f}' for k, v in sorted(self.throughput_info.items()))})")
 
-    def _check_reachability(self) -> bool:
+    def _check_reachability(self, swarm_config: Any) -> bool:
         """Public swarm only: True if we must go through relays. Unknown -> assume directly reachable."""
+        from corolla.swarm.reachability import check_direct_reachability
+
         try:
-            from corolla.swarm.reachability import check_direct_reachability
-        except ImportError:
-            return False
-        try:
-            result = check_direct_reachability(self.config.resolved_initial_peers)
+            result = check_direct_reachability(swarm_config)
         except Exception as e:
             logger.warning(f"server.reachability_check_failed({e!r})")
             return False
+        logger.info(f"server.reachability(direct={result})")
         return result is False
+
+    def _validate_reachability(self) -> None:
+        """Public swarm only (unless --skip_reachability_check): asks the swarm's health monitor whether it can reach
+        us, retrying for up to 7 minutes; a monitor that is down skips the check."""
+        import json
+        import urllib.request
+
+        deadline = time.monotonic() + REACHABILITY_WAIT_S
+        url = f"{REACHABILITY_API_URL}/api/v1/is_reachable/{self.peer_id}"
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    answer = json.loads(response.read())
+            except Exception as e:
+                logger.info(f"server.reachability_validation_skipped({e!r:.200})")
+                return
+            if answer.get("success"):
+                logger.info("server.reachable(health monitor reached us directly)")
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"The swarm can't reach this server: {answer.get('message')}. Open a port and pass "
+                    f"--port <port> (and --public_ip {answer.get('your_ip', '<your ip>')} if behind NAT)"
+                )
+            logger.info("server.not_reachable_yet(retrying; relays may take a while)")
+            time.sleep(REACHABILITY_RETRY_S)
 
     def _make_server_info(self) -> ServerInfo:
         s = self.settings
@@ -516,6 +557,10 @@ class Server:
                 dht_client_mode=self.using_relay,
                 device=s.device,
             )
+            c_public = not c.is_private_swarm
+            if c_public and not c.skip_reachability_check and not self._validated_reachability:
+                await asyncio.to_thread(self._validate_reachability)
+                self._validated_reachability = True
             await service.start(p2p)
             self.service = service
             await announcer.announce(ServerState.ONLINE)
