@@ -111,20 +111,18 @@ def test_demo_runs_to_completion_and_leaves_nothing(tmp_path: Path) -> None:
     assert "Swarm stopped" in stdout
 
 
-def test_demo_keep_running_stops_cleanly_on_ctrl_c() -> None:
-    proc, marker = _start_demo("--max_new_tokens", "8", "--keep_running")
+def test_demo_stops_every_process_on_ctrl_c() -> None:
+    proc, marker = _start_demo("--max_new_tokens", "8")
     lines: list[str] = []
     try:
         assert proc.stdout is not None
-        deadline = time.monotonic() + DEMO_TIMEOUT_S
-        for line in proc.stdout:  # bounded by the process: the demo exits on failure
+        for line in proc.stdout:  # bounded: the demo gives up after its start-up timeout
             lines.append(line)
-            if "Press Ctrl-C to stop" in line or time.monotonic() > deadline:
+            if line.startswith("Swarm up in"):
                 break
-        assert any("Press Ctrl-C to stop" in line for line in lines), "".join(lines) + proc.stderr.read()
-        assert any("--initial_peers /ip4/127.0.0.1/" in line for line in lines), "".join(lines)
-        assert len(_processes_with_marker(marker)) > 3  # demo, bootstrap node, servers (and their p2pd)
-        os.kill(proc.pid, signal.SIGINT)
+        assert any(line.startswith("Swarm up in") for line in lines), "".join(lines) + proc.stderr.read()
+        assert len(_processes_with_marker(marker)) >= 4  # the demo, the bootstrap node, two servers (+ p2pd)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: SIGINT to the foreground group
         rest, _ = proc.communicate(timeout=60.0)
     finally:
         if proc.poll() is None:

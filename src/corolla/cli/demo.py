@@ -119,23 +119,39 @@ def _free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_web_tools(swarm: LocalSwarm, model_dir: Path, work_dir: Path) -> tuple[list[ChildProcess], list[str]]:
-    """With --keep_running: the health page and the OpenAI-compatible API on loopback, where those CLIs exist."""
-    processes, lines = [], []
+def _port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _start_web_tools(
+    swarm: LocalSwarm, model_dir: Path, work_dir: Path, timeout_s: float
+) -> tuple[list[ChildProcess], list[str]]:
+    """With --keep_running: the health page and the OpenAI-compatible API on loopback (where those CLIs exist),
+    waited for (bounded) so that the printed URLs answer."""
     peers = list(swarm.initial_peers)
     tools = [
-        ("health", "corolla.cli.health", ["--initial_peers", *peers], "health page: http://127.0.0.1:{port}/"),
+        ("health", "corolla.cli.health", ["--initial_peers", *peers, "--refresh_period", "5"],
+         "health page: http://127.0.0.1:{port}/   (JSON: http://127.0.0.1:{port}/api/v1/state)"),
         ("api", "corolla.cli.api", ["--model", str(model_dir), "--initial_peers", *peers],
-         "OpenAI API:  http://127.0.0.1:{port}/v1  (e.g. curl http://127.0.0.1:{port}/v1/models)"),
+         "OpenAI API:  http://127.0.0.1:{port}/v1   (try: curl http://127.0.0.1:{port}/v1/models)"),
     ]  # fmt: skip
+    started: list[tuple[ChildProcess, int, str]] = []
     for name, module, args, line in tools:
         if importlib.util.find_spec(module) is None:
             continue
         port = _free_loopback_port()
         command = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)]
-        processes.append(ChildProcess(name, command, log_path=work_dir / f"{name}.log"))
-        lines.append(line.format(port=port))
-    return processes, lines
+        started.append((ChildProcess(name, command, log_path=work_dir / f"{name}.log"), port, line))
+    deadline = time.monotonic() + timeout_s
+    lines = []
+    for process, port, line in started:
+        while not _port_open(port) and process.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ok = _port_open(port)
+        lines.append(line.format(port=port) if ok else f"{process.name} did not start; see {process.log_path}")
+    return [process for process, _, _ in started], lines
 
 
 def _raise_keyboard_interrupt(_signum: int, _frame: Any) -> None:
@@ -172,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
                 print_swarm(spans, num_blocks)
                 _generate(model, tokenizer, args)
             if args.keep_running:
-                _keep_running(swarm, model_dir, work_dir)
+                _keep_running(swarm, model_dir, work_dir, args.startup_timeout_s)
     print("Swarm stopped: bootstrap node and servers have exited.")
     return 0
 
@@ -202,9 +218,9 @@ def _generate(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
           f"({decode_rate:.1f} tokens/s after the first token)", flush=True)  # fmt: skip
 
 
-def _keep_running(swarm: LocalSwarm, model_dir: Path, work_dir: Path) -> None:
+def _keep_running(swarm: LocalSwarm, model_dir: Path, work_dir: Path, timeout_s: float) -> None:
     peers = " ".join(swarm.initial_peers)
-    tools, urls = _start_web_tools(swarm, model_dir, work_dir)
+    tools, urls = _start_web_tools(swarm, model_dir, work_dir, timeout_s)
     try:
         print("The swarm keeps running. Connect to it with:")
         print(f'  corolla-generate {shlex.quote(str(model_dir))} --initial_peers {peers} "Python is"')

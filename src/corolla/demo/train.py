@@ -44,7 +44,7 @@ class DemoTrainConfig:
     warmup_steps: int = 60
     weight_decay: float = 0.05
     seed: int = 0
-    num_threads: int = 2
+    num_threads: int = 1  # one thread: the same weights on any machine, and no spin-waiting when cores are busy
     validation_share: float = 0.03
     log_every_steps: int = 50
 
