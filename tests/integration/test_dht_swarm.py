@@ -175,6 +175,17 @@ async def test_ping_and_aggregator(swarm):
     finally:
         await p2p.shutdown()
 
+    # a client-mode DHT node serves no DHT protocol: its "protocol not supported" answer still proves it is alive
+    client = create_dht(SwarmConfig(initial_peers=get_visible_maddrs(boot), client_mode=True, startup_timeout_s=20))
+    try:
+        boot_p2p = await replicate_p2p(boot)
+        try:
+            assert 0 < await ping(get_peer_id(client), boot_p2p, timeout_s=5) < 5
+        finally:
+            await boot_p2p.shutdown()
+    finally:
+        shutdown_dht(client)
+
     aggregator = PingAggregator(b)
     await asyncio.to_thread(aggregator.ping, [get_peer_id(boot)], timeout_s=5)
     smoothed = aggregator.to_dict()

@@ -51,7 +51,7 @@ async def ping(
         await stub.rpc_ping(request, timeout=timeout_s)
         return time.perf_counter() - start
     except Exception as e:
-        if str(e) == "protocol not supported":
+        if "not supported" in str(e):  # "protocols not supported: [...]": the peer answered, it just has no DHT
             return time.perf_counter() - start
         logger.debug(f"ping.failed(peer={peer_id}): {e!r:.200}")
         return math.inf
