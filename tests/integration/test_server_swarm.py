@@ -89,6 +89,16 @@ def test_dry_run_then_swarm_lifecycle(swarm: Swarm, tmp_path, capsys):  # noqa: 
         assert covered == set(range(NUM_LAYERS))
         assert set(states[b.peer_id]) == {0, 1} and len(b.ready_lines()) == 1  # the fixed server stayed put
 
+        # B (0:2) pings the servers of the blocks after its first one, including A (2:4), and announces the RTTs
+        def b_pings():
+            info = get_remote_module_infos(reader, [f"{prefix}.0"], latest=True, timeout_s=10)[0].servers.get(b.peer_id)
+            return info is not None and info.next_pings and a.peer_id in info.next_pings and info
+
+        info = wait_for(b_pings, 15)
+        assert info, "B never announced a ping to A"
+        assert 0 <= info.next_pings[a.peer_id] < 5 and info.cache_tokens_left > 0
+        assert (info.start_block, info.end_block, info.torch_dtype, info.quant_type) == (0, 2, "float32", "none")
+
         # SIGTERM: OFFLINE is announced, then the whole process group exits
         c.signal(signal.SIGTERM)
         assert c.wait(30) == 0

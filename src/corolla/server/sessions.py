@@ -61,13 +61,13 @@ class SessionRegistry:
         """Registers the current task as serving a session; returns its push queue (if it has an id)."""
         if self._closed:
             raise RuntimeError("The server is shutting down; it accepts no new sessions")
+        if session_id is not None and session_id in self._push_queues:
+            raise ValueError(f"session_id {session_id!r:.100} is already open on this server; use a fresh id")
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
         if session_id is None:
             return None
-        if session_id in self._push_queues:
-            raise ValueError(f"session_id {session_id!r:.100} is already open on this server; use a fresh id")
         queue: asyncio.Queue = asyncio.Queue(MAX_PUSH_QUEUE)
         self._push_queues[session_id] = queue
         return queue
