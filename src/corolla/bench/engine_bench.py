@@ -3,7 +3,7 @@ CUDA-graph replay alone), prefill throughput, and many concurrent sessions throu
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 
 import torch
@@ -59,8 +59,9 @@ def prefill(engine: SpanEngine, *, tokens: int, iters: int = 3) -> dict:
 
 @torch.inference_mode()
 def concurrent_sessions(engine: SpanEngine, *, sessions: int, prefix_tokens: int, steps: int) -> dict:
-    """`sessions` clients, each a thread decoding `steps` tokens through one `ContinuousBatcher` after its own
-    prompt; per-step latency seen by each client and aggregate tokens/s. Also the engine's merged step alone."""
+    """`sessions` clients, each decoding `steps` tokens through one `ContinuousBatcher` after its own prompt (as
+    coroutines of one asyncio loop, like the server's handler); per-step latency seen by each client and aggregate
+    tokens/s. Also the engine's merged step alone."""
     h, dtype = engine.hidden_size, engine.dtype
     max_len = prefix_tokens + 2 * steps + 16
     opened = [engine.open_session(1, max_len) for _ in range(sessions)]
@@ -77,34 +78,25 @@ def concurrent_sessions(engine: SpanEngine, *, sessions: int, prefix_tokens: int
             start = time.perf_counter()
             engine.decode_many(reqs)
             merged.append((time.perf_counter() - start) * 1000)
-        # 2) real concurrency: one client thread per session, the batcher on its own thread
+        # 2) real concurrency as a server sees it: one asyncio loop (the RPC handler's), one coroutine per session,
+        # results handed back from the batcher thread through futures
         base = prefix_tokens + steps
         latencies: list[list[float]] = [[] for _ in opened]
-        barrier = threading.Barrier(sessions + 1)
-        errors: list[BaseException] = []
 
-        def client(k: int) -> None:
-            try:
-                barrier.wait(60)
-                for i in range(steps):
-                    start = time.perf_counter()
-                    batcher.submit(opened[k], tokens[i], base + i).result(60)
-                    latencies[k].append((time.perf_counter() - start) * 1000)
-            except BaseException as e:  # reported, never hangs the benchmark
-                errors.append(e)
+        async def client(k: int) -> None:
+            for i in range(steps):
+                start = time.perf_counter()
+                await asyncio.wrap_future(batcher.submit(opened[k], tokens[i], base + i))
+                latencies[k].append((time.perf_counter() - start) * 1000)
+
+        async def all_clients() -> float:
+            wall_start = time.perf_counter()
+            await asyncio.wait_for(asyncio.gather(*(client(k) for k in range(sessions))), 300)
+            return time.perf_counter() - wall_start
 
         with ContinuousBatcher(engine) as batcher:
-            threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(sessions)]
-            for t in threads:
-                t.start()
-            barrier.wait(60)
-            wall_start = time.perf_counter()
-            for t in threads:
-                t.join(300)
-            wall_s = time.perf_counter() - wall_start
+            wall_s = asyncio.run(all_clients())
             rows = list(batcher.batch_rows_history)
-        if errors:
-            raise RuntimeError(f"{len(errors)} client threads failed, first: {errors[0]!r}")
         per_session = [median(lat[2:] or lat) for lat in latencies]  # skip each client's first two (ramp-up)
         all_lat = [x for lat in latencies for x in lat[2:]]
         return {

@@ -75,20 +75,22 @@ class FastLlamaSpan:
         return sum(layer.nbytes() for layer in self.layers)
 
     def tune(self) -> dict:
-        """Picks cuBLAS or a Triton kernel per projection shape for single-row decode (CUDA + Triton only)."""
-        by_shape: dict[tuple[int, int], list[torch.Tensor]] = {}
+        """Picks, per projection of the single-row decode step, the unfused path (norm/gating kernel + cuBLAS) or
+        a fused Triton kernel, by timing both on this device (CUDA + Triton only)."""
+        slots: dict[tuple[int, int, str, bool], list[tuple]] = {}
         for layer in self.layers:
-            for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
-                w = getattr(layer, name)
-                by_shape.setdefault(tuple(w.shape), []).append(w)
-        report = self.ops.tune_linear(by_shape)
-        if report:
+            for w, bias, prologue, norm_w, has_res in (
+                (layer.w_qkv, layer.b_qkv, "rmsnorm", layer.ln1, False),
+                (layer.w_o, layer.b_o, "none", None, True),
+                (layer.w_gate_up, layer.b_gate_up, "rmsnorm", layer.ln2, False),
+                (layer.w_down, layer.b_down, "silu", None, True),
+            ):
+                if bias is None:
+                    slots.setdefault((w.shape[0], w.shape[1], prologue, has_res), []).append((w, norm_w))
+        report = self.ops.tune_linear(slots, self.spec.rms_norm_eps)
+        for key, r in report.items():
             logger.info(
-                "fast_llama.tune("
-                + ", ".join(
-                    f"{s}: {r['best']} {r['best_us']:.1f}us vs cublas {r['cublas_us']:.1f}us" for s, r in report.items()
-                )
-                + ")"
+                f"fast_llama.tune(slot={key}, best={r['best']}, us={r['best_us']:.1f}, unfused_us={r['unfused_us']:.1f})"
             )
         return report
 
@@ -197,17 +199,18 @@ class FastLlamaSpan:
         seq_lens = (positions + 1).to(torch.int32)  # [B]
         slots = self.slots_for(block_tables, positions, pool.page_size_tokens)  # [B]
         h = hidden
+        eps = s.rms_norm_eps
         for i, w in enumerate(self.layers):
-            x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [B, H]
-            qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq + 2 nkv) D]
+            qkv = self.ops.linear(
+                h, w.w_qkv, w.b_qkv, prologue="rmsnorm", norm_weight=w.ln1, eps=eps
+            )  # [B, (nq+2nkv)D]
             q = self.ops.rope_and_store(
                 qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
             )  # [B, nq, D]
             attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale)
             h = self.ops.linear(attn.reshape(b, s.q_size), w.w_o, w.b_o, residual=h)  # [B, H]
-            x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
-            act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [B, I]
-            h = self.ops.linear(act, w.w_down, w.b_down, residual=h)  # [B, H]
+            gate_up = self.ops.linear(h, w.w_gate_up, w.b_gate_up, prologue="rmsnorm", norm_weight=w.ln2, eps=eps)
+            h = self.ops.linear(gate_up, w.w_down, w.b_down, residual=h, prologue="silu")  # [B, H]
         return h
 
     @torch.inference_mode()

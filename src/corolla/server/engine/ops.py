@@ -96,17 +96,27 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- dispatch
 
 
-def _median_event_ms(fn, reps: int) -> float:
-    fn()  # warm-up (compiles)
+def _graph_median_ms(fn, reps: int) -> float:
+    """Median device milliseconds of `fn` captured once as a CUDA graph and replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up: compiles kernels, creates library handles
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    del graph
     return sorted(times)[len(times) // 2]
 
 
@@ -117,53 +127,78 @@ class DecodeOps:
         self.use_triton = use_triton and triton_usable(device, head_dim)
         self.attention_splits_max = attention_splits_max
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        # (N, K) of a weight -> Triton skinny-GEMM config for single-row inputs (absent: cuBLAS); see tune_linear
-        self.single_row_gemm: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+        # (N, K, prologue, has_residual) -> Triton skinny-GEMM config for single-row inputs (absent: the prologue as
+        # its own kernel, then cuBLAS); filled by tune_linear
+        self.single_row_gemm: dict[tuple[int, int, str, bool], tuple[int, int, int, int]] = {}
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        residual: torch.Tensor | None = None,
+        prologue: str = "none",
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
     ) -> torch.Tensor:
-        """residual + x @ weight^T + bias; x [M, K], weight [N, K] -> [M, N]."""
-        config = self.single_row_gemm.get(tuple(weight.shape)) if x.shape[0] == 1 and bias is None else None
-        if config is not None:
-            return triton_kernels.skinny_gemm(x, weight, residual, config)
+        """residual + f(x) @ weight^T + bias, with f = identity, "rmsnorm" (weight `norm_weight`) or "silu"
+        (x = [gate | up]); x [M, K or 2K], weight [N, K] -> [M, N]. Single rows may run as one fused Triton kernel."""
+        if x.shape[0] == 1 and bias is None:
+            key = (weight.shape[0], weight.shape[1], prologue, residual is not None)
+            config = self.single_row_gemm.get(key)
+            if config is not None:
+                return self._fused(x, weight, residual, prologue, norm_weight, eps, config)
+        return self._unfused(x, weight, bias, residual, prologue, norm_weight, eps)
+
+    def _fused(self, x, weight, residual, prologue, norm_weight, eps, config):
+        code = {"none": 0, "rmsnorm": 1, "silu": 2}[prologue]
+        return triton_kernels.skinny_gemm(x, weight, residual, config, prologue=code, norm_weight=norm_weight, eps=eps)
+
+    def _unfused(self, x, weight, bias, residual, prologue, norm_weight, eps):
+        if prologue == "rmsnorm":
+            x = self.rms_norm(x, norm_weight, eps)
+        elif prologue == "silu":
+            x = self.silu_mul(x)
         if residual is None:
             return F.linear(x, weight, bias)
         out = torch.addmm(residual, x, weight.t())  # the residual rides in the GEMM epilogue
         return out if bias is None else out + bias
 
     @torch.inference_mode()
-    def tune_linear(self, weights_by_shape: dict[tuple[int, int], list[torch.Tensor]], *, reps: int = 5) -> dict:
-        """Times cuBLAS against each Triton skinny-GEMM config for one input row over all layers' weights of
-        each shape (distinct weights, so the L2 cache does not flatter anyone) and keeps the fastest.
-        Returns {shape: {"cublas_us": .., "best": config or None, "best_us": ..}} per layer call."""
+    def tune_linear(self, slots: dict[tuple[int, int, str, bool], list[tuple]], eps: float, *, reps: int = 7) -> dict:
+        """For each single-row projection slot `(N, K, prologue, has_residual)` -> [(weight, norm_weight), ...]
+        (one per layer), times the unfused path (prologue kernel + cuBLAS) against every Triton config, each as a
+        CUDA graph over all layers' weights (distinct weights: no L2 flattery, no launch gaps), and keeps the
+        fastest. Returns {slot: {"unfused_us", "best", "best_us", "all_us"}} per layer call."""
         if not self.use_triton:
             return {}
         report = {}
-        for shape, weights in weights_by_shape.items():
-            n, k = shape
-            x = torch.randn(1, k, device=weights[0].device, dtype=weights[0].dtype)
-            res = torch.randn(1, n, device=x.device, dtype=x.dtype)
+        for key, items in slots.items():
+            n, k, prologue, has_res = key
+            dev, dt = items[0][0].device, items[0][0].dtype
+            x = torch.randn(1, 2 * k if prologue == "silu" else k, device=dev, dtype=dt)
+            res = torch.randn(1, n, device=dev, dtype=dt) if has_res else None
 
-            def run(config, weights=weights, x=x, res=res):
-                for w in weights:
+            def run(config, items=items, x=x, res=res, prologue=prologue):
+                for w, nw in items:
                     if config is None:
-                        torch.addmm(res, x, w.t())
+                        self._unfused(x, w, None, res, prologue, nw, eps)
                     else:
-                        triton_kernels.skinny_gemm(x, w, res, config)
+                        self._fused(x, w, res, prologue, nw, eps, config)
 
-            timings = {None: _median_event_ms(lambda: run(None), reps)}
-            for config in triton_kernels.SKINNY_GEMM_CONFIGS:
+            timings = {}
+            for config in (None, *triton_kernels.SKINNY_GEMM_CONFIGS):
                 try:
-                    timings[config] = _median_event_ms(lambda c=config: run(c), reps)
+                    timings[config] = _graph_median_ms(lambda c=config: run(c), reps)
                 except Exception:  # a config that does not compile or fit is skipped
                     continue
             best = min(timings, key=timings.get)
             if best is not None:
-                self.single_row_gemm[shape] = best
-            per_call = 1000 / len(weights)
-            report[shape] = {
-                "cublas_us": timings[None] * per_call,
+                self.single_row_gemm[key] = best
+            per_call = 1000 / len(items)
+            report[key] = {
+                "unfused_us": timings[None] * per_call,
                 "best": best,
                 "best_us": timings[best] * per_call,
                 "all_us": {str(c): t * per_call for c, t in timings.items()},

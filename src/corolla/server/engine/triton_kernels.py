@@ -257,6 +257,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- skinny GEMM
 
+PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_SILU = 0, 1, 2
+
 
 @triton.jit
 def _skinny_gemm_kernel(
@@ -264,6 +266,7 @@ def _skinny_gemm_kernel(
     w_ptr,
     res_ptr,
     out_ptr,
+    nw_ptr,
     M,
     N,
     K,
@@ -271,17 +274,30 @@ def _skinny_gemm_kernel(
     stride_wn,
     stride_rm,
     stride_om,
+    eps,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     M_P: tl.constexpr,
     HAS_RES: tl.constexpr,
+    PROLOGUE: tl.constexpr,
 ):
-    # out[M, N] = x[M, K] @ w[N, K]^T (+ res[M, N]); each program streams BLOCK_N weight rows once
+    # out[M, N] = f(x)[M, K] @ w[N, K]^T (+ res[M, N]); each program streams BLOCK_N weight rows once.
+    # f: identity; RMSNorm with weight nw[K] (each program recomputes the row statistics, x is tiny);
+    # or SiLU-gating of x[M, 2K] = [gate | up].
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_P)
     n_mask = offs_n < N
     m_mask = offs_m < M
+    dt = w_ptr.dtype.element_ty
+    if PROLOGUE == 1:
+        ss = tl.zeros([M_P], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xm = m_mask[:, None] & (offs_k < K)[None, :]
+            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=xm, other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros([M_P, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -289,11 +305,20 @@ def _skinny_gemm_kernel(
         w = tl.load(
             w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0
         )
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
-        )
+        xm = m_mask[:, None] & k_mask[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        if PROLOGUE == 2:
+            g = tl.load(x_ptrs, mask=xm, other=0.0).to(tl.float32)
+            u = tl.load(x_ptrs + K, mask=xm, other=0.0).to(tl.float32)
+            x = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)  # rounded as the reference MLP
+        elif PROLOGUE == 1:
+            xs = tl.load(x_ptrs, mask=xm, other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = ((xs * rstd[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)  # rounded as the reference norm
+        else:
+            x = tl.load(x_ptrs, mask=xm, other=0.0)
         if M_P >= 16:
-            acc += tl.dot(x, tl.trans(w))
+            acc += tl.dot(x.to(dt), tl.trans(w))
         else:
             acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
     mask = m_mask[:, None] & n_mask[None, :]
@@ -302,31 +327,39 @@ def _skinny_gemm_kernel(
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates, chosen per weight shape by timing on the device
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates, chosen per projection by timing on the device
 SKINNY_GEMM_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     (16, 256, 4, 4),
     (32, 128, 4, 4),
     (8, 512, 4, 3),
     (16, 512, 8, 3),
     (32, 256, 8, 3),
-    (64, 128, 8, 3),
 )
 
 
 def skinny_gemm(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, config: tuple[int, int, int, int]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None,
+    config: tuple[int, int, int, int],
+    *,
+    prologue: int = PROLOGUE_NONE,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 16) @ weight[N, K]^T (+ residual [M, N]) -> [M, N] in x's dtype."""
-    m, k = x.shape
-    n = weight.shape[0]
+    """f(x) [M, K] (M <= 16) @ weight[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype, where f is the
+    identity, RMSNorm with `norm_weight`, or SiLU gating of x [M, 2K]."""
+    m = x.shape[0]
+    n, k = weight.shape
     block_n, block_k, warps, stages = config
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     m_p = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     res = residual if residual is not None else out
+    nw = norm_weight if norm_weight is not None else weight
     _skinny_gemm_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, res, out, m, n, k,
-        x.stride(0), weight.stride(0), res.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, M_P=m_p, HAS_RES=residual is not None,
+        x, weight, res, out, nw, m, n, k,
+        x.stride(0), weight.stride(0), res.stride(0), out.stride(0), eps,
+        BLOCK_N=block_n, BLOCK_K=block_k, M_P=m_p, HAS_RES=residual is not None, PROLOGUE=prologue,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
