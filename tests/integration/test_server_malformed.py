@@ -5,6 +5,7 @@ its KV cache is back to empty."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ NUM_BLOCKS = 4
 CACHE_TOKENS_PER_BLOCK = 128
 MAX_BATCH_TOKENS = 256
 MAX_LENGTH_LIMIT = 64
+SESSION_TIMEOUT_S = 5.0
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,6 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         max_batch_size_tokens=MAX_BATCH_TOKENS,
         attn_cache_tokens=CACHE_TOKENS_PER_BLOCK,
         step_timeout_s=2.0,
+        session_timeout_s=SESSION_TIMEOUT_S,
         request_timeout_s=10.0,
         max_alloc_timeout_s=0.5,
     )
@@ -231,3 +234,19 @@ def test_abandoned_sessions_are_freed(server, client):
     idle = InferenceStream(client).open()
     assert idle.responses is not None
     check_healthy(server, client)
+
+
+def test_session_timeout_ends_a_busy_session(server, client):
+    """A session that keeps stepping is still ended (and its cache freed) after session_timeout."""
+    if not PREFIX:
+        PREFIX.append(server.settings.dht_prefix)
+    full = NUM_BLOCKS * CACHE_TOKENS_PER_BLOCK
+    stream = InferenceStream(client).open()
+    stream.step(packed_request(uid(), x(1, 1, HIDDEN), max_length=MAX_LENGTH_LIMIT))
+    started = time.monotonic()
+    with pytest.raises((P2PHandlerError, StopAsyncIteration, asyncio.TimeoutError, TimeoutError, ConnectionError)):
+        for _ in range(MAX_LENGTH_LIMIT - 1):
+            stream.step(packed_request(uid(), x(1, 1, HIDDEN)), timeout_s=SESSION_TIMEOUT_S + 5)
+            time.sleep(1.0)
+    assert SESSION_TIMEOUT_S - 1 <= time.monotonic() - started <= SESSION_TIMEOUT_S + 5
+    assert wait_until(lambda: client.info()["cache_tokens_available"] == full, 5)

@@ -310,9 +310,15 @@ def test_crashed_serving_part_is_restarted(model_path, tmp_path):
     client = ClientThread(server.join_maddrs, server.peer_id)
     try:
         first_service = server.service
+        stream = InferenceStream(client).open()
+        stream.step(packed_request(chain(server, 0, 2), torch.randn(1, 1, HIDDEN), max_length=16))
+        assert first_service.memory_cache.current_size_bytes > 0
         first_service.runtime.stop()  # simulate a crash of the device thread
         assert wait_until(lambda: server.service is not None and server.service is not first_service, 20)
         assert server.num_restarts == 1
+        assert first_service.memory_cache.current_size_bytes == 0  # the open session was ended and its cache freed
+        with pytest.raises((P2PHandlerError, StopAsyncIteration, asyncio.TimeoutError, TimeoutError, ConnectionError)):
+            stream.step(packed_request(chain(server, 0, 2), torch.randn(1, 1, HIDDEN)), timeout_s=5)
         hidden = torch.randn(1, 2, HIDDEN)
         response = client.run(lambda stub: stub.rpc_forward(packed_request(chain(server, 0, 2), hidden), timeout=15))
         assert deserialize_torch_tensor(response.tensors[0]).shape == hidden.shape

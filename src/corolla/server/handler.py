@@ -400,8 +400,8 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         else:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"session_timeout={self.timeouts.session_timeout_s} s exceeded")
-            output = await asyncio.wait_for(
+                raise TimeoutError(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
+            step = asyncio.wait_for(
                 bf.run_inference_step(
                     self.backend,
                     self.runtime,
@@ -417,5 +417,11 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 ),
                 remaining,
             )
+            try:
+                output = await step
+            except asyncio.TimeoutError:
+                raise TimeoutError(
+                    f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
+                ) from None
         session.prefix_length += length
         return self._serialize_output(output), not has_prompts

@@ -146,6 +146,9 @@ async def iterate_steps(
             done: set = set()
             if wait_s > 0:
                 done, _ = await asyncio.wait(waiting, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done and time.monotonic() >= deadline:
+                logger.info(f"rpc_inference.session_timeout(session_id={session.session_id!r:.40})")
+                raise TimeoutError(f"inference session exceeded session_timeout={timeouts.session_timeout_s} s")
             if not done:
                 logger.info(
                     f"rpc_inference.step_timeout(session_id={session.session_id!r:.40}, "
