@@ -125,19 +125,20 @@ class ManagedProcess:
             time.sleep(0.1)
         return not self.group_alive()
 
-    def kill_group(self, grace_s: float = 3.0) -> None:
-        """SIGTERM to the group, then SIGKILL after `grace_s`; reaps the child."""
-        if self.group_alive():
+    def kill_group(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to the leader (a clean shutdown: servers announce OFFLINE), SIGKILL to the whole group after
+        `grace_s`; reaps the child."""
+        self.signal(signal.SIGTERM)
+        self.finish_kill(time.monotonic() + grace_s)
+
+    def finish_kill(self, deadline: float) -> None:
+        """Waits until `deadline` for the group to exit, then SIGKILLs whatever is left of it."""
+        if not self.wait_group_gone(max(0.0, deadline - time.monotonic())):
             try:
-                os.killpg(self.pgid, signal.SIGTERM)
+                os.killpg(self.pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            if not self.wait_group_gone(grace_s):
-                try:
-                    os.killpg(self.pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.wait_group_gone(5.0)
+            self.wait_group_gone(5.0)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -217,9 +218,13 @@ class Swarm:
             proc.wait_ready(timeout_s)
         return proc
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to every process at once, then SIGKILL to the groups still alive after `grace_s`."""
+        for proc in self.processes:
+            proc.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         for proc in reversed(self.processes):
-            proc.kill_group()
+            proc.finish_kill(deadline)
 
 
 @pytest.fixture
