@@ -49,6 +49,7 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
         request_timeout_s=20.0,
         update_period_s=30.0,
         max_alloc_timeout_s=1.0,
+        metrics_port=0,
         cache_dir=str(tmp_path_factory.mktemp("cache")),
     )
     server = Server(config).start(timeout_s=90)
@@ -325,3 +326,40 @@ def test_crashed_serving_part_is_restarted(model_path, tmp_path):
     finally:
         client.close()
         server.shutdown()
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.metrics_exporter.url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_move_with_requests(server, client):
+    before = scrape(server)
+    assert before[("corolla_blocks_served", ())] == NUM_BLOCKS
+    assert before[("corolla_sessions_active", ())] == 0
+    stream = InferenceStream(client).open()
+    stream.step(packed_request(chain(server, 0, 4), torch.randn(1, 3, HIDDEN), max_length=10))
+    during = scrape(server)
+    assert during[("corolla_sessions_active", ())] == 1
+    assert during[("corolla_kv_cache_used_bytes", ())] > 0
+    stream.close()
+    with pytest.raises(P2PHandlerError):
+        client.run(lambda stub: stub.rpc_forward(packed_request(chain(server, 0, 1), torch.randn(1, 2, 3)), timeout=10))
+    assert wait_until(lambda: scrape(server)[("corolla_sessions_active", ())] == 0, 5)
+    after = scrape(server)
+    tokens = ("corolla_tokens_processed_total", (("kind", "inference"),))
+    assert after[tokens] - before[tokens] == 3
+    assert after[("corolla_sessions_opened_total", ())] - before[("corolla_sessions_opened_total", ())] == 1
+    rejected = ("corolla_requests_rejected_total", (("reason", "bad_request"),))
+    assert after[rejected] - before[rejected] == 1
+    assert after[("corolla_kv_cache_used_bytes", ())] == 0
+    assert after[("corolla_step_seconds_count", ())] > before[("corolla_step_seconds_count", ())]

@@ -40,6 +40,7 @@ class Announcer:
         expiration_s: float,
         p2p: Any = None,
         local_peer_id: str | None = None,
+        on_failure: Callable[[], None] | None = None,
     ):
         self.dht = dht
         self.dht_prefix = dht_prefix
@@ -54,6 +55,7 @@ class Announcer:
         self.expiration_s = expiration_s
         self.p2p = p2p
         self.local_peer_id = local_peer_id
+        self.on_failure = on_failure
         # the blocks after our first one, up to and including the block right after our span
         last_next = min(block_indices.stop + 1, total_blocks)
         self.next_uids = [make_uid(dht_prefix, i) for i in range(block_indices.start + 1, last_next)]
@@ -100,6 +102,8 @@ class Announcer:
                 raise
             except Exception as e:
                 logger.warning(f"announcer.failed(state={state.name}): {e!r}")
+                if self.on_failure is not None:
+                    self.on_failure()
             if state == ServerState.OFFLINE:
                 return
             delay = self.update_period_s - (time.monotonic() - started)

@@ -4,7 +4,8 @@ submitted to the runtime as one task per span. No networking here."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,8 +200,32 @@ def _stack_prompts(prompts: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.stack(prompts)  # type: ignore[arg-type]
 
 
+def _measured(fn: Callable[[], Any], metrics: Any, kind: str, batch_size: int, num_tokens: int) -> Callable[[], Any]:
+    """Wraps a runtime task so that it reports its queue wait, execution time, batch size and tokens."""
+    if metrics is None:
+        return fn
+    submitted = time.perf_counter()
+
+    def task() -> Any:
+        started = time.perf_counter()
+        metrics.queue_wait(started - submitted)
+        result = fn()
+        metrics.observe_step(time.perf_counter() - started)
+        metrics.batch_size(batch_size)
+        metrics.tokens(kind, num_tokens)
+        return result
+
+    return task
+
+
 async def run_forward(
-    backend: Any, runtime: Any, block_indices: list[int], inputs: ForwardInputs, *, active_adapter: str
+    backend: Any,
+    runtime: Any,
+    block_indices: list[int],
+    inputs: ForwardInputs,
+    *,
+    active_adapter: str,
+    metrics: Any = None,
 ) -> torch.Tensor:
     """Hidden states after the blocks `block_indices`: `[B, T, H]`."""
     batch_size, length, _ = inputs.hidden_states.shape
@@ -209,11 +234,22 @@ async def run_forward(
     def task() -> torch.Tensor:
         return backend.forward(block_indices, inputs.hidden_states, prompts, active_adapter)
 
-    return await runtime.submit(task, priority=PRIORITY_FORWARD, size_tokens=batch_size * length, kind=KIND_FORWARD)
+    return await runtime.submit(
+        _measured(task, metrics, "forward", batch_size, batch_size * length),
+        priority=PRIORITY_FORWARD,
+        size_tokens=batch_size * length,
+        kind=KIND_FORWARD,
+    )
 
 
 async def run_backward(
-    backend: Any, runtime: Any, block_indices: list[int], inputs: BackwardInputs, *, active_adapter: str
+    backend: Any,
+    runtime: Any,
+    block_indices: list[int],
+    inputs: BackwardInputs,
+    *,
+    active_adapter: str,
+    metrics: Any = None,
 ) -> list[torch.Tensor]:
     """`[grad_inputs]` or, with deep prompts, `[grad_inputs, grad_prompts [num_blocks, B|1, P, H]]`."""
     batch_size, length, _ = inputs.hidden_states.shape
@@ -223,7 +259,10 @@ async def run_backward(
         return backend.backward(block_indices, inputs.hidden_states, inputs.grad_outputs, prompts, active_adapter)
 
     grad_inputs, grad_prompts = await runtime.submit(
-        task, priority=PRIORITY_BACKWARD, size_tokens=batch_size * length, kind=KIND_BACKWARD
+        _measured(task, metrics, "backward", batch_size, batch_size * length),
+        priority=PRIORITY_BACKWARD,
+        size_tokens=batch_size * length,
+        kind=KIND_BACKWARD,
     )
     if grad_prompts is None:
         return [grad_inputs]
@@ -243,6 +282,7 @@ async def run_inference_step(
     prompts: list[torch.Tensor | None],
     hypo_ids: torch.Tensor | None,
     active_adapter: str,
+    metrics: Any = None,
 ) -> torch.Tensor:
     """One step of an inference session over the whole span, as one runtime task at inference priority."""
     batch_size, length, _ = hidden_states.shape
@@ -262,5 +302,8 @@ async def run_inference_step(
         )
 
     return await runtime.submit(
-        task, priority=PRIORITY_INFERENCE, size_tokens=batch_size * max(length, 1), kind=KIND_INFERENCE
+        _measured(task, metrics, "inference", batch_size, batch_size * length),
+        priority=PRIORITY_INFERENCE,
+        size_tokens=batch_size * max(length, 1),
+        kind=KIND_INFERENCE,
     )

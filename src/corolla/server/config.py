@@ -127,6 +127,7 @@ class ServerConfig:
     # the figure is per token so it stays comparable)
     throughput_forward_tokens: int | None = None
     # process
+    metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0 = any free port)
     increase_file_limit: int = 4096
     stats_report_interval_s: float | None = None
     # accepted for CLI compatibility with the reference; corolla serves all RPCs from one asyncio loop

@@ -34,6 +34,8 @@ from corolla.protocol.metadata import (
 from corolla.protocol.uids import make_chain
 from corolla.server import block_functions as bf
 from corolla.server.block_functions import ServingLimits
+from corolla.server.metrics import ServerMetrics
+from corolla.server.runtime import RuntimeStopped
 from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
@@ -57,6 +59,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         compression: int = runtime_pb2.CompressionType.NONE,
         dht_client_mode: bool = False,
         sessions: SessionRegistry | None = None,
+        metrics: ServerMetrics | None = None,
     ):
         self.limits = limits
         self.backend = backend
@@ -66,6 +69,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         self.compression = compression
         self.dht_client_mode = dht_client_mode
         self.sessions = sessions if sessions is not None else SessionRegistry()
+        self.metrics = metrics if metrics is not None else ServerMetrics()
         self.p2p: P2P | None = None
         self._push_tasks: set[asyncio.Task] = set()
         self.cache_bytes_per_token_block = max(1, backend.cache_bytes_per_token([limits.start_block]))
@@ -84,6 +88,10 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             task.cancel()
 
     # ---- helpers --------------------------------------------------------------------------------------------------
+
+    def _report_cache(self) -> None:
+        used = self.memory_cache.current_size_bytes
+        self.metrics.set_cache(used, max(0, self.memory_cache.max_size_bytes - used))
 
     @property
     def cache_tokens_available(self) -> int:
@@ -171,7 +179,9 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         args = bf.unpack_request_args(tensors, metadata.args_structure)
         inputs = bf.parse_forward_inputs(args, self.limits, num_blocks=len(block_indices))
         outputs = await asyncio.wait_for(
-            bf.run_forward(self.backend, self.runtime, block_indices, inputs, active_adapter=adapter),
+            bf.run_forward(
+                self.backend, self.runtime, block_indices, inputs, active_adapter=adapter, metrics=self.metrics
+            ),
             self.timeouts.request_timeout_s,
         )
         return [self._serialize_output(outputs, compressions[0])]
@@ -184,47 +194,71 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         inputs = bf.parse_backward_inputs(args, self.limits, num_blocks=len(block_indices))
         compressions = self._output_compressions(metadata, 2 if inputs.has_prompts else 1)
         grads = await asyncio.wait_for(
-            bf.run_backward(self.backend, self.runtime, block_indices, inputs, active_adapter=adapter),
+            bf.run_backward(
+                self.backend, self.runtime, block_indices, inputs, active_adapter=adapter, metrics=self.metrics
+            ),
             self.timeouts.request_timeout_s,
         )
         return [self._serialize_output(g, c) for g, c in zip(grads, compressions, strict=True)]
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        tensors = self._deserialize(request.tensors)
-        outputs = await self._run_logged("rpc_forward", self._forward(request.uid, tensors, request.metadata))
+        outputs = await self._run_logged("rpc_forward", self._unary(self._forward, request))
         return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), "rpc_forward")
 
     async def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        uid, tensors, metadata = await self._gather_stream(requests)
-        outputs = await self._run_logged("rpc_forward_stream", self._forward(uid, tensors, metadata))
+        outputs = await self._run_logged("rpc_forward_stream", self._streamed(self._forward, requests))
         for response in self._stream_response(outputs):
             yield response
 
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        tensors = self._deserialize(request.tensors)
-        outputs = await self._run_logged("rpc_backward", self._backward(request.uid, tensors, request.metadata))
+        outputs = await self._run_logged("rpc_backward", self._unary(self._backward, request))
         return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), "rpc_backward")
 
     async def rpc_backward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        uid, tensors, metadata = await self._gather_stream(requests)
-        outputs = await self._run_logged("rpc_backward_stream", self._backward(uid, tensors, metadata))
+        outputs = await self._run_logged("rpc_backward_stream", self._streamed(self._backward, requests))
         for response in self._stream_response(outputs):
             yield response
 
-    @staticmethod
-    async def _run_logged(name: str, coro: Any) -> Any:
+    async def _unary(self, compute: Any, request: runtime_pb2.ExpertRequest) -> list[runtime_pb2.Tensor]:
+        return await compute(request.uid, self._deserialize(request.tensors), request.metadata)
+
+    async def _streamed(
+        self, compute: Any, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+    ) -> list[runtime_pb2.Tensor]:
+        uid, tensors, metadata = await self._gather_stream(requests)
+        return await compute(uid, tensors, metadata)
+
+    def _reject(self, name: str, error: BaseException) -> None:
+        """Logs and counts a refused request by reason."""
+        if isinstance(error, AllocationFailed):
+            reason = "cache_full"
+        elif isinstance(error, TimeoutError):
+            reason = "timeout"
+        elif isinstance(error, RuntimeStopped):
+            reason = "overloaded"
+        elif isinstance(error, ValueError) and ("max_length" in str(error) or "Maximum length" in str(error)):
+            reason = "too_long"
+        elif isinstance(error, (ValueError, KeyError)):
+            reason = "bad_request"
+        else:
+            reason = "other"
+        self.metrics.rejected(reason)
+        logger.info(f"{name}.rejected(reason={reason}): {error}")
+
+    async def _run_logged(self, name: str, coro: Any) -> Any:
         try:
             return await coro
-        except (ValueError, KeyError, AllocationFailed) as e:
-            logger.info(f"{name}.rejected({e})")
-            raise
         except asyncio.TimeoutError:
-            logger.info(f"{name}.timeout")
-            raise TimeoutError(f"{name} did not finish within request_timeout") from None
+            error = TimeoutError(f"{name} did not finish within request_timeout={self.timeouts.request_timeout_s} s")
+            self._reject(name, error)
+            raise error from None
+        except Exception as e:
+            self._reject(name, e)
+            raise
 
     # ---- info -----------------------------------------------------------------------------------------------------
 
@@ -322,7 +356,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                     f"inference batch size must be in [1, {self.limits.max_batch_size_tokens}], got {batch_size}"
                 )
         except ValueError as e:
-            logger.info(f"rpc_inference.rejected({e})")
+            self._reject("rpc_inference", e)
             raise
 
         descriptors_per_block = self.backend.cache_descriptors(block_indices, batch_size, max(max_length, 1))
@@ -334,6 +368,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         push_queue = self.sessions.open(metadata.session_id)
         try:
             async with self.memory_cache.allocate_cache(*flat, timeout_s=metadata.alloc_timeout_s) as handles:
+                self._report_cache()
                 nested: list[tuple[int, ...]] = []
                 offset = 0
                 for descriptors in descriptors_per_block:
@@ -349,16 +384,19 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                     args_structure=metadata.args_structure,
                     push_queue=push_queue,
                 )
-                async for request, step_metadata in iterate_steps(first, requests, session, self.timeouts, deadline):
-                    output, can_push = await self._inference_step(session, request, step_metadata, deadline)
-                    if can_push:
-                        self._schedule_push(request, output, step_metadata)
-                    yield runtime_pb2.ExpertResponse(tensors=[output])
-        except (ValueError, KeyError, AllocationFailed) as e:
-            logger.info(f"rpc_inference.rejected({e})")
+                with self.metrics.session():
+                    steps = iterate_steps(first, requests, session, self.timeouts, deadline)
+                    async for request, step_metadata in steps:
+                        output, can_push = await self._inference_step(session, request, step_metadata, deadline)
+                        if can_push:
+                            self._schedule_push(request, output, step_metadata)
+                        yield runtime_pb2.ExpertResponse(tensors=[output])
+        except Exception as e:
+            self._reject("rpc_inference", e)
             raise
         finally:
             self.sessions.close(metadata.session_id)
+            self._report_cache()
             logger.info(
                 f"rpc_inference.close(session_id={metadata.session_id!r:.40}, seconds={time.monotonic() - started:.2f})"
             )
@@ -414,6 +452,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                     prompts=prompts,
                     hypo_ids=hypo_ids,
                     active_adapter=session.active_adapter,
+                    metrics=self.metrics,
                 ),
                 remaining,
             )

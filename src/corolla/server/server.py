@@ -24,6 +24,7 @@ from corolla.server.block_functions import ServingLimits
 from corolla.server.config import ServerConfig
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.memory_cache import MemoryCache
+from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.runtime import Runtime
 from corolla.server.sessions import SessionTimeouts
 from corolla.utils.logging import get_logger
@@ -51,6 +52,7 @@ class SpanService:
         compression: int = 0,
         dht_client_mode: bool = False,
         device: torch.device | None = None,
+        metrics: ServerMetrics | None = None,
     ):
         self.backend = backend
         self.limits = limits
@@ -64,6 +66,7 @@ class SpanService:
             timeouts=timeouts,
             compression=compression,
             dht_client_mode=dht_client_mode,
+            metrics=metrics,
         )
         self.p2p: Any = None
 
@@ -186,6 +189,8 @@ class Server:
         self.num_moves = 0
         self.num_restarts = 0
         self._reachability_service: Any = None
+        self.metrics = ServerMetrics()
+        self.metrics_exporter: MetricsExporter | None = None
         self._validated_reachability = False
 
     # ---- settings ---------------------------------------------------------------------------------------------
@@ -289,6 +294,9 @@ class Server:
         self.request_stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        if self.metrics_exporter is not None:
+            self.metrics_exporter.close()
+            self.metrics_exporter = None
         if self._reachability_service is not None:
             self._reachability_service.shutdown()
             self._reachability_service = None
@@ -333,6 +341,9 @@ class Server:
                 self._reachability_service = attach_reachability_protocol(self.dht)
             except Exception as e:
                 logger.warning(f"server.reachability_protocol_failed({e!r})")
+        if c.metrics_port is not None:
+            self.metrics_exporter = self.metrics.serve(c.metrics_port)
+            print(f"corolla-server: metrics at {self.metrics_exporter.url}", flush=True)
         if c.new_swarm:
             print(
                 f"corolla-server: new swarm, others join with --initial_peers {' '.join(self.join_maddrs)}", flush=True
@@ -521,6 +532,7 @@ class Server:
             expiration_s=c.resolved_expiration_s,
             p2p=p2p,
             local_peer_id=self.peer_id,
+            on_failure=self.metrics.announce_failed,
         )
         self.announcer = announcer
         announcer.start(ServerState.JOINING)
@@ -556,6 +568,7 @@ class Server:
                 compression=self.compression,
                 dht_client_mode=self.using_relay,
                 device=s.device,
+                metrics=self.metrics,
             )
             c_public = not c.is_private_swarm
             if c_public and not c.skip_reachability_check and not self._validated_reachability:
@@ -563,6 +576,8 @@ class Server:
                 self._validated_reachability = True
             await service.start(p2p)
             self.service = service
+            self.metrics.blocks_served(len(block_indices))
+            self.metrics.set_cache(0, memory_cache.max_size_bytes)
             await announcer.announce(ServerState.ONLINE)
             print(
                 f"{READY_PREFIX} peer_id={self.peer_id} blocks={block_indices.start}:{block_indices.stop} "
