@@ -212,6 +212,14 @@ def test_cache_tokens_drop_per_session_and_return(server, client):
     assert client.info()["cache_tokens_available"] == base - 90
     assert wait_until(lambda: client.info()["cache_tokens_available"] == base, STEP_TIMEOUT_S + 5)
 
+    # max_length=0 (a probe): only zero-token steps fit, nothing is reserved
+    probe = InferenceStream(client).open()
+    empty = probe.step(packed_request(chain(server, 0, 4), torch.randn(1, 0, HIDDEN), max_length=0))
+    assert deserialize_torch_tensor(empty.tensors[0]).shape == (1, 0, HIDDEN)
+    assert client.info()["cache_tokens_available"] == base
+    with pytest.raises(P2PHandlerError, match="Maximum length exceeded"):
+        probe.step(packed_request(chain(server, 0, 4), torch.randn(1, 1, HIDDEN)))
+
     # a client that disconnects mid-session frees its cache too
     dropped = InferenceStream(client).open()
     dropped.step(packed_request(chain(server, 0, 4), torch.randn(1, 1, HIDDEN), max_length=10))

@@ -5,6 +5,7 @@ compute to `block_functions`, keeps sessions (`sessions`), pushes steps to the n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -43,6 +44,11 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 MAX_STREAM_MESSAGES = 4096
+
+
+@contextlib.asynccontextmanager
+async def _no_allocation() -> AsyncIterator[tuple[int, ...]]:
+    yield ()
 
 
 class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
@@ -359,15 +365,20 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             self._reject("rpc_inference", e)
             raise
 
-        descriptors_per_block = self.backend.cache_descriptors(block_indices, batch_size, max(max_length, 1))
-        flat = [d for descriptors in descriptors_per_block for d in descriptors]
+        if max_length > 0:
+            descriptors_per_block = self.backend.cache_descriptors(block_indices, batch_size, max_length)
+            flat = [d for descriptors in descriptors_per_block for d in descriptors]
+            allocation = self.memory_cache.allocate_cache(*flat, timeout_s=metadata.alloc_timeout_s)
+        else:  # a probe: only zero-token steps fit, nothing to reserve
+            descriptors_per_block = [[] for _ in block_indices]
+            allocation = _no_allocation()
         logger.info(
             f"rpc_inference.open(blocks={block_indices[0]}:{block_indices[-1] + 1}, batch={batch_size}, "
             f"max_length={max_length}, session_id={metadata.session_id!r:.40})"
         )
         push_queue = self.sessions.open(metadata.session_id)
         try:
-            async with self.memory_cache.allocate_cache(*flat, timeout_s=metadata.alloc_timeout_s) as handles:
+            async with allocation as handles:
                 self._report_cache()
                 nested: list[tuple[int, ...]] = []
                 offset = 0
