@@ -11,6 +11,7 @@ import pytest
 import torch
 from hivemind.compression.serialization import deserialize_torch_tensor
 from hivemind.p2p import P2PHandlerError
+from hivemind.proto import runtime_pb2
 
 from corolla.models.loading import load_pretrained_block
 from corolla.server.config import ServerConfig
@@ -109,6 +110,12 @@ def test_forward_backward_equal_local_blocks(server, client, blocks):
     output = deserialize_torch_tensor(response.tensors[0])
     torch.testing.assert_close(output, local_forward(blocks, 1, 4, hidden), atol=1e-4, rtol=0)
 
+    # lossy response on request (output_compression), restored to the block dtype by the codec
+    lossy = packed_request(uid, hidden, torch.empty(0), output_compression=(runtime_pb2.CompressionType.FLOAT16,))
+    response = client.run(lambda stub: stub.rpc_forward(lossy, timeout=20))
+    assert response.tensors[0].compression == runtime_pb2.CompressionType.FLOAT16
+    torch.testing.assert_close(deserialize_torch_tensor(response.tensors[0]), output, atol=1e-2, rtol=1e-2)
+
     grad_outputs = torch.randn(2, 7, HIDDEN)
     response = client.run(
         lambda stub: stub.rpc_backward(packed_request(uid, hidden, grad_outputs, torch.empty(0)), timeout=20)
@@ -120,6 +127,26 @@ def test_forward_backward_equal_local_blocks(server, client, blocks):
         out = block(out)
     out.backward(grad_outputs)
     torch.testing.assert_close(grad_inputs, leaf.grad, atol=1e-4, rtol=0)
+
+
+def test_deep_prompts_forward_and_backward(server, client, blocks):
+    torch.manual_seed(4)
+    hidden, prompts, grad_outputs = torch.randn(2, 5, HIDDEN), torch.randn(3, 1, 2, HIDDEN), torch.randn(2, 5, HIDDEN)
+    uid = chain(server, 1, 4)
+    leaf_hidden, leaf_prompts = hidden.clone().requires_grad_(True), prompts.clone().requires_grad_(True)
+    out = leaf_hidden
+    for i, block in enumerate(blocks[1:4]):
+        out = block(torch.cat([out[:, :2] + leaf_prompts[i], out[:, 2:]], dim=1))
+    out.backward(grad_outputs)
+
+    response = client.run(lambda stub: stub.rpc_forward(packed_request(uid, hidden, prompts), timeout=20))
+    torch.testing.assert_close(deserialize_torch_tensor(response.tensors[0]), out.detach(), atol=1e-4, rtol=0)
+    response = client.run(
+        lambda stub: stub.rpc_backward(packed_request(uid, hidden, grad_outputs, prompts), timeout=20)
+    )
+    grad_inputs, grad_prompts = (deserialize_torch_tensor(t) for t in response.tensors)
+    torch.testing.assert_close(grad_inputs, leaf_hidden.grad, atol=1e-4, rtol=0)
+    torch.testing.assert_close(grad_prompts, leaf_prompts.grad, atol=1e-4, rtol=0)
 
 
 def test_forward_stream_for_large_tensors(server, client, blocks):
