@@ -398,3 +398,15 @@ def test_metrics_move_with_requests(server, client):
     assert after[rejected] - before[rejected] == 1
     assert after[("corolla_kv_cache_used_bytes", ())] == 0
     assert after[("corolla_step_seconds_count", ())] > before[("corolla_step_seconds_count", ())]
+
+
+def test_hypo_ids_reorder_the_cache(server, client, blocks):
+    torch.manual_seed(5)
+    prefix, new = torch.randn(2, 3, HIDDEN), torch.randn(2, 1, HIDDEN)
+    uid = chain(server, 0, 4)
+    stream = InferenceStream(client).open()
+    stream.step(packed_request(uid, prefix, torch.empty(0), torch.empty(0, dtype=torch.int64), max_length=8))
+    response = stream.step(packed_request(uid, new, torch.empty(0), torch.tensor([1, 0])))
+    expected = local_forward(blocks, 0, 4, torch.cat([prefix[[1, 0]], new], dim=1))[:, 3:]
+    torch.testing.assert_close(deserialize_torch_tensor(response.tensors[0]), expected, atol=1e-3, rtol=0)
+    stream.close()
