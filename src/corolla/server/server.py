@@ -604,6 +604,7 @@ class Server:
 
     async def _watch(self, service: SpanService) -> str:
         c = self.config
+        last_report = time.monotonic()
         while True:
             wait_s = random.uniform(0, 2 * c.mean_balance_check_period_s)
             deadline = time.monotonic() + wait_s
@@ -612,9 +613,21 @@ class Server:
                     return "stop"
                 if not service.healthy:
                     return "crashed"
+                if c.stats_report_interval_s and time.monotonic() - last_report >= c.stats_report_interval_s:
+                    last_report = time.monotonic()
+                    self._report_stats(service)
             if await self._should_move():
                 logger.info("server.move(reason=swarm is imbalanced)")
                 return "move"
+
+    @staticmethod
+    def _report_stats(service: SpanService) -> None:
+        runtime, cache = service.runtime, service.memory_cache
+        logger.info(
+            f"server.stats(tasks_done={runtime.num_tasks_done}, batches_done={runtime.num_batches_done}, "
+            f"pending={runtime.num_pending}, sessions={service.handler.sessions.num_open}, "
+            f"cache_used_bytes={cache.current_size_bytes}, cache_left_bytes={cache.bytes_left})"
+        )
 
     async def _should_move(self) -> bool:
         c = self.config
