@@ -179,3 +179,23 @@ async def test_runtime_merges_inference_steps_through_the_engine() -> None:
         torch.testing.assert_close(outs2[i], expected[i][1], atol=1e-5, rtol=0)
     for s in sessions:
         s.close()
+
+
+def test_sessions_over_different_layer_ranges_are_batched_separately() -> None:
+    engine = make_engine(num_layers=3)
+    whole, part = engine.open_session(1, 64), engine.open_session(1, 64, layers=(1, 3))
+    xw, xp = torch.randn(1, 5, H), torch.randn(1, 6, H)
+    tw, tp = torch.randn(1, 1, H), torch.randn(1, 1, H)
+    execute_steps(engine, [StepRequest(whole, xw, 0), StepRequest(part, xp, 0)])
+    outs = execute_steps(engine, [StepRequest(whole, tw, 5), StepRequest(part, tp, 6)])
+    with engine.open_session(1, 64) as s:  # whole span alone
+        engine.step(s, xw, 0)
+        torch.testing.assert_close(outs[0], engine.step(s, tw, 5), atol=1e-5, rtol=0)
+    with engine.open_session(1, 64, layers=(1, 3)) as s:  # layers 1..2 alone
+        engine.step(s, xp, 0)
+        torch.testing.assert_close(outs[1], engine.step(s, tp, 6), atol=1e-5, rtol=0)
+    with engine.open_session(1, 64) as s:  # and not what the whole span computes
+        engine.step(s, xp, 0)
+        assert not torch.allclose(outs[1], engine.step(s, tp, 6), atol=1e-3)
+    whole.close()
+    part.close()

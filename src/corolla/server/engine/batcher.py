@@ -40,20 +40,23 @@ def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[t
             except ValueError as e:
                 results[i] = e
                 continue
-            (decode if requests[i].num_tokens == 1 else prefill).append(i)
-        if decode:
+            (decode if requests[i].is_decode else prefill).append(i)
+        by_layers: dict[tuple[int, int], list[int]] = {}
+        for i in decode:  # one batched forward per layer range (sessions may cover part of the span)
+            by_layers.setdefault(requests[i].session.layers, []).append(i)
+        for group in by_layers.values():
             try:
-                outs = engine.decode_many([requests[i] for i in decode])
-                for i, out in zip(decode, outs, strict=True):
+                outs = engine.decode_many([requests[i] for i in group])
+                for i, out in zip(group, outs, strict=True):
                     results[i] = out
-            except Exception as e:  # a device failure fails this round's decode steps only
-                logger.warning(f"batcher.decode_failed(steps={len(decode)}, error={e!r})")
-                for i in decode:
+            except Exception as e:  # a device failure fails this group's decode steps only
+                logger.warning(f"batcher.decode_failed(steps={len(group)}, error={e!r})")
+                for i in group:
                     results[i] = e
         for i in prefill:
             req = requests[i]
             try:
-                results[i] = engine.step(req.session, req.hidden, req.position, req.hypo_ids)
+                results[i] = engine.step(req.session, req.hidden, req.position, req.hypo_ids, req.prompts)
             except Exception as e:
                 results[i] = e
         remaining = later
@@ -112,10 +115,15 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------------------------------ API
 
     def submit(
-        self, session: EngineSession, hidden: torch.Tensor, position: int, hypo_ids: torch.Tensor | None = None
+        self,
+        session: EngineSession,
+        hidden: torch.Tensor,
+        position: int,
+        hypo_ids: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> Future:
         future: Future = Future()
-        item = _Pending(StepRequest(session, hidden, int(position), hypo_ids), future, next(self._seq))
+        item = _Pending(StepRequest(session, hidden, int(position), hypo_ids, prompts), future, next(self._seq))
         with self._cond:
             if self._stopping:
                 raise RuntimeError("The batcher is stopped; it accepts no new steps")
@@ -163,7 +171,7 @@ class ContinuousBatcher:
             if key in sessions:
                 continue
             sessions.add(key)  # a session's later steps wait behind its earliest one
-            if req.num_tokens == 1:
+            if req.is_decode:
                 if rows + req.rows <= self.max_batch_rows or not decode:
                     decode.append(item)
                     rows += req.rows

@@ -30,8 +30,8 @@ class DecodeGraphs:
         self.block_tables = torch.full(
             (self.max_rows, pool.max_pages_per_seq), TRASH_PAGE, dtype=torch.int32, device=dev
         )
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}  # (first layer, end layer, bucket)
+        self._outputs: dict[tuple[int, int, int], torch.Tensor] = {}
         self._mempool = torch.cuda.graph_pool_handle()
 
     def bucket_for(self, rows: int) -> int:
@@ -41,17 +41,19 @@ class DecodeGraphs:
         raise ValueError(f"{rows} rows exceed the largest CUDA-graph bucket ({self.max_rows})")
 
     def capture_all(self) -> None:
-        """Captures every bucket now (largest first, so smaller graphs reuse its memory)."""
+        """Captures every bucket of the whole span now (largest first, so smaller graphs reuse its memory).
+        Sessions over part of the span get their graphs at first use."""
         for bucket in reversed(self.buckets):
-            self._capture(bucket)
+            self._capture((0, self.model.num_layers, bucket))
 
     @torch.inference_mode()
-    def _capture(self, bucket: int) -> None:
-        if bucket in self._graphs:
+    def _capture(self, key: tuple[int, int, int]) -> None:
+        if key in self._graphs:
             return
+        first, end, bucket = key
         saved = (self.positions[:bucket].clone(), self.block_tables[:bucket].clone())  # a caller may have filled them
         self._reset_rows(0, bucket)  # warm-up and capture touch only the trash page
-        args = (self.hidden[:bucket], self.positions[:bucket], self.block_tables[:bucket], self.pool)
+        args = (self.hidden[:bucket], self.positions[:bucket], self.block_tables[:bucket], self.pool, (first, end))
         stream = torch.cuda.Stream(device=self.model.device)
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(stream):  # warm-up compiles kernels and creates library handles outside capture
@@ -61,22 +63,24 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
             out = self.model.decode(*args)
-        self._graphs[bucket] = graph
-        self._outputs[bucket] = out
+        self._graphs[key] = graph
+        self._outputs[key] = out
         self.positions[:bucket].copy_(saved[0])
         self.block_tables[:bucket].copy_(saved[1])
-        logger.info(f"cuda_graphs.capture(bucket={bucket}, layers={self.model.num_layers})")
+        logger.info(f"cuda_graphs.capture(bucket={bucket}, layers={first}:{end})")
 
     def _reset_rows(self, start: int, stop: int) -> None:
         if stop > start:
             self.positions[start:stop].zero_()
             self.block_tables[start:stop].fill_(TRASH_PAGE)
 
-    def run(self, rows: int) -> torch.Tensor:
-        """Replays the bucket for `rows` live rows; returns the static output [rows, H] (valid until the next run)."""
-        bucket = self.bucket_for(rows)
-        if bucket not in self._graphs:
-            self._capture(bucket)
-        self._reset_rows(rows, bucket)
-        self._graphs[bucket].replay()
-        return self._outputs[bucket][:rows]
+    def run(self, rows: int, layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """Replays layers [first, end) (default: all) for `rows` live rows; returns the static output [rows, H]
+        (valid until the next run)."""
+        first, end = layers or (0, self.model.num_layers)
+        key = (first, end, self.bucket_for(rows))
+        if key not in self._graphs:
+            self._capture(key)
+        self._reset_rows(rows, key[2])
+        self._graphs[key].replay()
+        return self._outputs[key][:rows]

@@ -190,17 +190,25 @@ class FastLlamaSpan:
 
     @torch.inference_mode()
     def decode(
-        self, hidden: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, pool: KVPool
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        pool: KVPool,
+        layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """One token per row: hidden [B, H]; positions [B] long (row b writes at positions[b] and attends to
-        [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H]. Static shapes, no host sync."""
+        """One token per row through layers [start, end) (default: all): hidden [B, H]; positions [B] long (row b
+        writes at positions[b] and attends to [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H].
+        Static shapes, no host sync."""
         s = self.spec
         b = hidden.shape[0]
         seq_lens = (positions + 1).to(torch.int32)  # [B]
         slots = self.slots_for(block_tables, positions, pool.page_size_tokens)  # [B]
         h = hidden
         eps = s.rms_norm_eps
-        for i, w in enumerate(self.layers):
+        start, end = layers or (0, self.num_layers)
+        for i in range(start, end):
+            w = self.layers[i]
             qkv = self.ops.linear(
                 h, w.w_qkv, w.b_qkv, prologue="rmsnorm", norm_weight=w.ln1, eps=eps
             )  # [B, (nq+2nkv)D]
@@ -215,17 +223,36 @@ class FastLlamaSpan:
 
     @torch.inference_mode()
     def prefill(
-        self, hidden: torch.Tensor, start: int, slot: SequenceSlot, pool: KVPool, *, chunk_tokens: int
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        slot: SequenceSlot,
+        pool: KVPool,
+        *,
+        chunk_tokens: int,
+        layers: tuple[int, int] | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One sequence: hidden [T, H] at positions [start, start + T) attending causally to [0, start + T).
-        Runs in chunks of `chunk_tokens` tokens. Returns [T, H]."""
+        """One sequence through layers [first, last) (default: all): hidden [T, H] at positions [start, start + T)
+        attending causally to [0, start + T); `prompts` [n_layers, P, H] (deep prompts) are added to the input of
+        each layer at positions < P. Runs in chunks of `chunk_tokens` tokens. Returns [T, H]."""
         outputs = []
         for offset in range(0, hidden.shape[0], chunk_tokens):
             chunk = hidden[offset : offset + chunk_tokens]
-            outputs.append(self._prefill_chunk(chunk, start + offset, slot, pool))
+            outputs.append(
+                self._prefill_chunk(chunk, start + offset, slot, pool, layers or (0, self.num_layers), prompts)
+            )
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _prefill_chunk(self, hidden: torch.Tensor, start: int, slot: SequenceSlot, pool: KVPool) -> torch.Tensor:
+    def _prefill_chunk(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        slot: SequenceSlot,
+        pool: KVPool,
+        layers: tuple[int, int],
+        prompts: torch.Tensor | None,
+    ) -> torch.Tensor:
         s = self.spec
         t = hidden.shape[0]
         page = pool.page_size_tokens
@@ -239,7 +266,12 @@ class FastLlamaSpan:
             mask = all_pos[None, :] <= positions[:, None]  # [T, L]
         gqa = s.num_kv_heads != s.num_heads
         h = hidden
-        for i, w in enumerate(self.layers):
+        overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here
+        for j, i in enumerate(range(*layers)):
+            w = self.layers[i]
+            if overlap:
+                h = h.clone() if j == 0 else h
+                h[:overlap] += prompts[j, start : start + overlap].to(h.dtype)
             x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
             qkv = F.linear(x, w.w_qkv, w.b_qkv)
             q = self.ops.rope_and_store(

@@ -20,14 +20,20 @@ logger = get_logger(__name__)
 
 
 class EngineSession:
-    """`batch_size` sequences of up to `max_length_tokens` reserved in the engine's pool; a context manager that
-    returns the pages on exit. All rows share one position (the client sends whole batches)."""
+    """`batch_size` sequences of up to `max_length_tokens` reserved in the engine's pool, run through the engine's
+    layers [first, end); a context manager that returns the pages on exit. All rows share one position (the client
+    sends whole batches)."""
 
-    def __init__(self, engine: SpanEngine, slots: list[SequenceSlot], max_length_tokens: int):
+    def __init__(self, engine: SpanEngine, slots: list[SequenceSlot], max_length_tokens: int, layers: tuple[int, int]):
         self.engine = engine
         self.slots = slots
         self.batch_size = len(slots)
         self.max_length_tokens = max_length_tokens
+        self.layers = layers
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
 
     @property
     def length_tokens(self) -> int:
@@ -50,12 +56,24 @@ class EngineSession:
 
 @dataclass(eq=False)
 class StepRequest:
-    """One inference step of one session: hidden [B, T, H] written at [position, position + T)."""
+    """One inference step of one session: hidden [B, T, H] written at [position, position + T); optional beam
+    reordering `hypo_ids` [B] and deep `prompts` [session layers, B or 1, P, H]."""
 
     session: EngineSession
     hidden: torch.Tensor
     position: int
     hypo_ids: torch.Tensor | None = None
+    prompts: torch.Tensor | None = None
+
+    @property
+    def needs_prompts(self) -> bool:
+        """Whether deep prompts touch this step's positions."""
+        return self.prompts is not None and self.prompts.numel() > 0 and self.position < self.prompts.shape[2]
+
+    @property
+    def is_decode(self) -> bool:
+        """A single-token step that can join a batched (graph) forward."""
+        return self.num_tokens == 1 and not self.needs_prompts
 
     @property
     def num_tokens(self) -> int:
@@ -143,14 +161,19 @@ class SpanEngine:
 
     # ------------------------------------------------------------------------------------------ sessions
 
-    def open_session(self, batch_size: int, max_length_tokens: int) -> EngineSession:
-        """Reserves pages for `batch_size` sequences (ValueError past `max_seq_len_tokens`, AllocationFailed when
-        the pool is full)."""
+    def open_session(
+        self, batch_size: int, max_length_tokens: int, *, layers: tuple[int, int] | None = None
+    ) -> EngineSession:
+        """Reserves pages for `batch_size` sequences over the engine's layers [first, end) (default: all);
+        ValueError past `max_seq_len_tokens` or for a bad layer range, AllocationFailed when the pool is full."""
         if max_length_tokens > self.max_seq_len_tokens:
             raise ValueError(
                 f"Cannot allocate KV cache for {max_length_tokens} tokens, max = {self.max_seq_len_tokens}"
             )
-        return EngineSession(self, self.pool.allocate(batch_size, max_length_tokens), max_length_tokens)
+        first, end = layers or (0, self.model.num_layers)
+        if not 0 <= first < end <= self.model.num_layers:
+            raise ValueError(f"layers must satisfy 0 <= first < end <= {self.model.num_layers}, got {(first, end)}")
+        return EngineSession(self, self.pool.allocate(batch_size, max_length_tokens), max_length_tokens, (first, end))
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -184,6 +207,15 @@ class SpanEngine:
                 )
             if bool(((ids < 0) | (ids >= session.batch_size)).any()):
                 raise ValueError(f"hypo_ids must lie in [0, {session.batch_size}), got {ids.tolist()}")
+        if req.prompts is not None and req.prompts.numel() > 0:
+            p = req.prompts
+            if p.ndim != 4 or p.shape[0] != session.num_layers or p.shape[1] not in (1, session.batch_size):
+                raise ValueError(
+                    f"prompts must be [{session.num_layers}, 1 or {session.batch_size}, length, {self.hidden_size}], "
+                    f"got {tuple(p.shape)}"
+                )
+            if p.shape[3] != self.hidden_size:
+                raise ValueError(f"prompts must end with hidden size {self.hidden_size}, got {tuple(p.shape)}")
 
     def _prepare(self, req: StepRequest) -> None:
         self.validate(req)
@@ -191,11 +223,16 @@ class SpanEngine:
             self.pool.reorder(req.session.slots, req.hypo_ids)
 
     def step(
-        self, session: EngineSession, hidden: torch.Tensor, position: int, hypo_ids: torch.Tensor | None = None
+        self,
+        session: EngineSession,
+        hidden: torch.Tensor,
+        position: int,
+        hypo_ids: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step of one session: hidden [B, T, H] -> [B, T, H] (on hidden's device, in the engine's dtype)."""
-        req = StepRequest(session, hidden, int(position), hypo_ids)
-        if req.num_tokens == 1:
+        req = StepRequest(session, hidden, int(position), hypo_ids, prompts)
+        if req.is_decode:
             return self.decode_many([req])[0]
         self._prepare(req)
         return self._prefill(req)
@@ -205,11 +242,21 @@ class SpanEngine:
         if t == 0:
             return torch.empty((b, 0, h), dtype=self.dtype, device=req.hidden.device)
         hidden = req.hidden.to(self.device, self.dtype, non_blocking=True)
+        prompts = None
+        if req.needs_prompts:
+            prompts = req.prompts.to(self.device, self.dtype)  # [layers, B or 1, P, H]
         outs = []
         for row, slot in enumerate(req.session.slots):
+            row_prompts = None if prompts is None else prompts[:, row if prompts.shape[1] > 1 else 0]  # [layers, P, H]
             outs.append(
                 self.model.prefill(
-                    hidden[row], req.position, slot, self.pool, chunk_tokens=self.config.prefill_chunk_tokens
+                    hidden[row],
+                    req.position,
+                    slot,
+                    self.pool,
+                    chunk_tokens=self.config.prefill_chunk_tokens,
+                    layers=req.session.layers,
+                    prompts=row_prompts,
                 )
             )
         for slot in req.session.slots:
@@ -217,14 +264,17 @@ class SpanEngine:
         return torch.stack(outs).to(req.hidden.device)
 
     def decode_many(self, reqs: Sequence[StepRequest]) -> list[torch.Tensor]:
-        """Single-token steps of several sessions as one batched forward per `max_batch_rows` rows; every request
-        must be valid (see `validate`) and no session may appear twice. Returns [B_i, 1, H] per request."""
+        """Single-token steps of several sessions over the same layers as one batched forward per `max_batch_rows`
+        rows; every request must be valid (see `validate`) and no session may appear twice. Returns [B_i, 1, H]
+        per request."""
         for req in reqs:
-            if req.num_tokens != 1:
-                raise ValueError(f"decode_many takes single-token steps, got {req.num_tokens} tokens")
+            if not req.is_decode:
+                raise ValueError(f"decode_many takes single-token steps without prompts, got {req.num_tokens} tokens")
             self._prepare(req)
         if len({id(r.session) for r in reqs}) != len(reqs):
             raise ValueError("decode_many got two steps of one session; run them one after another")
+        if len({r.session.layers for r in reqs}) > 1:
+            raise ValueError("decode_many got sessions over different layer ranges; batch them separately")
         results: list[torch.Tensor] = []
         group: list[StepRequest] = []
         rows = 0
@@ -260,13 +310,13 @@ class SpanEngine:
             torch.stack(tables, out=self._pin_tables[:rows])
             g.positions[:rows].copy_(self._pin_pos[:rows], non_blocking=True)
             g.block_tables[:rows].copy_(self._pin_tables[:rows], non_blocking=True)
-            out = g.run(rows)  # [rows, H], static buffer
+            out = g.run(rows, group[0].session.layers)  # [rows, H], static buffer
         else:
             hidden = torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
             pos = torch.tensor(positions, dtype=torch.long).to(self.device)
             needed_pages = max(positions) // self.pool.page_size_tokens + 1  # eager path: attend to used pages only
             tab = torch.stack(tables)[:, :needed_pages].to(self.device)
-            out = self.model.decode(hidden, pos, tab, self.pool)  # [rows, H]
+            out = self.model.decode(hidden, pos, tab, self.pool, group[0].session.layers)  # [rows, H]
         for req in group:
             for slot in req.session.slots:
                 slot.length_tokens = req.position + 1
