@@ -410,3 +410,42 @@ def test_hypo_ids_reorder_the_cache(server, client, blocks):
     expected = local_forward(blocks, 0, 4, torch.cat([prefix[[1, 0]], new], dim=1))[:, 3:]
     torch.testing.assert_close(deserialize_torch_tensor(response.tensors[0]), expected, atol=1e-3, rtol=0)
     stream.close()
+
+
+def test_alloc_timeout_waits_for_memory_and_is_capped(server, client):
+    """A session that doesn't fit waits up to its alloc_timeout (capped by the server's max_alloc_timeout=1 s)."""
+    import threading
+    import time
+
+    big = InferenceStream(client).open()  # 2 x 64 tokens x 4 blocks = 512 of 640 token-blocks
+    big.step(packed_request(chain(server, 0, 4), torch.randn(2, 1, HIDDEN), max_length=MAX_LENGTH_LIMIT))
+    started = time.monotonic()
+    with pytest.raises(P2PHandlerError, match="allocate"):  # asks for 100 s, gets the 1 s cap
+        InferenceStream(client).open().step(
+            packed_request(
+                chain(server, 0, 4), torch.randn(1, 1, HIDDEN), max_length=MAX_LENGTH_LIMIT, alloc_timeout=100.0
+            )
+        )
+    assert 0.8 <= time.monotonic() - started < 10
+
+    waiting = InferenceStream(client).open()
+    result: dict = {}
+
+    def step() -> None:
+        try:
+            result["response"] = waiting.step(
+                packed_request(
+                    chain(server, 0, 4), torch.randn(1, 1, HIDDEN), max_length=MAX_LENGTH_LIMIT, alloc_timeout=1.0
+                )
+            )
+        except Exception as e:  # reported below
+            result["error"] = e
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    assert wait_until(lambda: server.service.memory_cache.num_waiting == 1, 5)
+    big.close()  # frees memory while the second session waits
+    thread.join(20)
+    assert "response" in result, result.get("error")
+    waiting.close()
+    assert wait_until(lambda: client.info()["cache_tokens_available"] == initial_cache_tokens(), 5)
