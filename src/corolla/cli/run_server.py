@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         server = Server(config)
-    except ValueError as e:  # e.g. CPU + float16, blocks past the model's depth, no GPU to size num_blocks
+    except (ValueError, OSError) as e:  # bad settings (CPU + float16, blocks past the depth), unloadable model
         logger.error(f"server.bad_settings: {e}")
         print(f"corolla-server: error: {e}", file=sys.stderr, flush=True)
         return 2
