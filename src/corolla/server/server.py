@@ -171,6 +171,8 @@ class Server:
         )
         self.module_uids = [make_uid(dht_prefix, i) for i in range(total_blocks)]
         self.compression = compression_from_name(config.compression)
+        if config.compression == "FLOAT16" and dtype == torch.bfloat16:
+            raise ValueError("--compression FLOAT16 can't carry bfloat16 outputs; use NONE or MEANSTD_16BIT")
         self.timeouts = SessionTimeouts(config.step_timeout_s, config.session_timeout_s, config.request_timeout_s)
         self.dht: Any = None
         self.throughput_info: dict[str, float] = {}
