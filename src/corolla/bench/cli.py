@@ -241,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             results["rpc"] = rpc_bench.measure(model, shape, dtype, args, log)
+            results["rpc"]["device"] = card
         except Exception as e:
             results["notes"].append(f"RPC path not measured: {e!r}"[:400])
             log(f"RPC path FAILED: {e!r}")

@@ -217,15 +217,16 @@ def build_fast_path(
     max_batch_rows: int = 64,
     max_alloc_timeout_s: float | None = None,
     warmup: bool = True,
+    require_cuda: bool = True,
 ) -> tuple[EngineSpanBackend, EngineMemoryCache] | None:
     """Wraps `backend` (a `SpanBackend`) with the fast path when it can serve it: CUDA, bf16/fp16 llama-family
     blocks without quantization, tensor parallelism or adapters. Returns None (and logs why) otherwise.
-    The KV pool takes `kv_pool_bytes` of device memory at once."""
+    The KV pool takes `kv_pool_bytes` of device memory at once. `require_cuda=False` allows the CPU (tests)."""
     device = torch.device(backend.device)
     reason = None
-    if device.type != "cuda":
+    if device.type != "cuda" and require_cuda:
         reason = "not on CUDA"
-    elif backend.dtype not in (torch.bfloat16, torch.float16):
+    elif backend.dtype not in (torch.bfloat16, torch.float16) and require_cuda:
         reason = f"dtype {backend.dtype}"
     elif getattr(backend, "adapters", ()):
         reason = "adapters are loaded"

@@ -1,0 +1,181 @@
+"""The client-observed step through one local corolla server over the real RPC path (hivemind P2P on loopback,
+`rpc_inference` stream, our handler and runtime), with the fast path behind the handler's interfaces, next to the
+server-side step of the same span and a zero-token round trip (RPC cost alone)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from corolla.bench import engine_bench
+from corolla.bench.measure import median, percentile
+
+_P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
+_LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def build_blocks(model, shape, dtype: torch.dtype, device: torch.device, num_layers: int) -> dict[int, torch.nn.Module]:
+    """corolla llama blocks holding the same weights as the transformers model's first `num_layers` layers."""
+    from corolla.models.registry import get_family
+
+    config = shape.hf_config()
+    family = get_family(config)
+    blocks = {}
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        for i in range(num_layers):
+            with torch.device(device):
+                block = family.build_block(config, i)
+            block.load_hf_state_dict(model.layers[i].state_dict())
+            blocks[i] = block.eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(previous)
+    return blocks
+
+
+def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], None]) -> dict:
+    from corolla.server.backend import SpanBackend
+    from corolla.server.block_functions import ServingLimits
+    from corolla.server.engine.serving import build_fast_path
+    from corolla.server.server import SpanService
+    from corolla.server.sessions import SessionTimeouts
+
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    n = min(args.rpc_layers, shape.num_layers)
+    blocks = build_blocks(model, shape, dtype, device, n)
+    backend = SpanBackend(blocks, config=shape.hf_config(), dtype=dtype, device=device)
+    pool_bytes = (64 << 20) if args.cpu_smoke else (2 << 30)
+    fast = build_fast_path(
+        backend, kv_pool_bytes=pool_bytes, max_seq_len_tokens=4096, max_batch_rows=64, require_cuda=not args.cpu_smoke
+    )
+    if fast is None:
+        raise RuntimeError("the fast path refused this span")
+    fast_backend, cache = fast
+    server_side = engine_bench.single_session(fast_backend.engine, prefix_tokens=args.prefix_tokens, steps=64)
+    log(f"RPC span ({n} layers, engine from corolla blocks): server-side step {server_side['median_ms']:.2f} ms")
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="bench-server-loop", daemon=True)
+    thread.start()
+
+    def on_server(coro, timeout_s: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
+
+    from hivemind.p2p import P2P
+
+    limits = ServingLimits(
+        dht_prefix="bench",
+        start_block=0,
+        end_block=n,
+        hidden_size=shape.hidden_size,
+        dtype=dtype,
+        inference_max_length_tokens=4096,
+        max_batch_size_tokens=8192,
+    )
+    service = None
+    server_p2p = None
+    try:
+        server_p2p = on_server(P2P.create(host_maddrs=_LOOPBACK, **_P2P_FLAGS))
+        service = SpanService(
+            backend=fast_backend,
+            limits=limits,
+            memory_cache=cache,
+            timeouts=SessionTimeouts(step_timeout_s=60, session_timeout_s=600, request_timeout_s=60),
+            device=device,
+        )
+        on_server(service.start(server_p2p))
+        maddrs = [str(m) for m in on_server(server_p2p.get_visible_maddrs())]
+        result = asyncio.run(_client(maddrs, server_p2p.peer_id, shape, dtype, n, args))
+    finally:
+        if service is not None:
+            on_server(service.stop())
+        if server_p2p is not None:
+            on_server(server_p2p.shutdown())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    result["server_step_ms"] = server_side["median_ms"]
+    result["layers"] = n
+    log(
+        f"RPC: client-observed step {result['client_step_ms']:.2f} ms (p90 {result['client_step_p90_ms']:.2f}), "
+        f"zero-token round trip {result['empty_rtt_ms']:.2f} ms, server-side step {result['server_step_ms']:.2f} ms"
+    )
+    return result
+
+
+async def _client(maddrs: list[str], server_peer_id, shape, dtype: torch.dtype, n: int, args: Any) -> dict:
+    from hivemind.p2p import P2P
+    from hivemind.proto import runtime_pb2
+
+    from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+    from corolla.protocol.metadata import encode_metadata
+    from corolla.protocol.packing import pack_args_kwargs
+    from corolla.protocol.rpc import get_stub
+    from corolla.protocol.uids import make_chain
+
+    p2p = await P2P.create(initial_peers=maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
+    try:
+        stub = get_stub(p2p, server_peer_id)
+        chain = make_chain("bench", 0, n)
+        session_id = str(uuid.uuid4())
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                yield item
+
+        responses = (await asyncio.wait_for(stub.rpc_inference(requests()), 30)).__aiter__()
+
+        def request(hidden: torch.Tensor, position: int, first: bool = False) -> runtime_pb2.ExpertRequest:
+            tensors, structure = pack_args_kwargs(hidden, torch.empty(0), torch.empty(0, dtype=torch.int64))
+            meta = {"session_id": session_id, "step_id": str(uuid.uuid4()), "start_from_position": position}
+            meta["args_structure"] = structure
+            if first:
+                meta["max_length"] = args.prefix_tokens + 512
+            return runtime_pb2.ExpertRequest(
+                uid=chain, tensors=[serialize_tensor(t) for t in tensors], metadata=encode_metadata(meta)
+            )
+
+        async def round_trip(req: runtime_pb2.ExpertRequest) -> torch.Tensor:
+            await queue.put(req)
+            response = await asyncio.wait_for(responses.__anext__(), 60)
+            return deserialize_tensor(response.tensors[0])
+
+        h = shape.hidden_size
+        prefix = torch.randn(1, args.prefix_tokens, h).to(dtype)
+        out = await round_trip(request(prefix, 0, first=True))
+        assert out.shape == prefix.shape
+        position = args.prefix_tokens
+        tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(80)]
+        times = []
+        for i, tok in enumerate(tokens):
+            start = time.perf_counter()
+            out = await round_trip(request(tok, position))  # client-observed: serialize, send, step, receive
+            elapsed = (time.perf_counter() - start) * 1000
+            assert out.shape == (1, 1, h)
+            position += 1
+            if i >= 10:
+                times.append(elapsed)
+        empty = torch.empty(1, 0, h, dtype=dtype)
+        empty_times = []
+        for _ in range(40):
+            start = time.perf_counter()
+            await round_trip(request(empty, position))
+            empty_times.append((time.perf_counter() - start) * 1000)
+        await queue.put(None)
+        return {
+            "client_step_ms": median(times),
+            "client_step_p90_ms": percentile(times, 0.9),
+            "empty_rtt_ms": median(empty_times[5:]),
+        }
+    finally:
+        await p2p.shutdown()
