@@ -152,18 +152,25 @@ class DecodeOps:
         return self._unfused(x, weight, bias, residual, prologue, norm_weight, eps)
 
     def _fused(self, x, weight, residual, prologue, norm_weight, eps, config):
+        if config[0] == "pad":  # cuBLAS on a zero-padded batch: other kernels than its single-row GEMV
+            return self._unfused(x, weight, None, residual, prologue, norm_weight, eps, pad_rows=config[1])
         code = {"none": 0, "rmsnorm": 1, "silu": 2}[prologue]
         return triton_kernels.skinny_gemm(x, weight, residual, config, prologue=code, norm_weight=norm_weight, eps=eps)
 
-    def _unfused(self, x, weight, bias, residual, prologue, norm_weight, eps):
+    def _unfused(self, x, weight, bias, residual, prologue, norm_weight, eps, pad_rows: int = 0):
         if prologue == "rmsnorm":
             x = self.rms_norm(x, norm_weight, eps)
         elif prologue == "silu":
             x = self.silu_mul(x)
+        rows = x.shape[0]
+        if pad_rows > rows:
+            x = F.pad(x, (0, 0, 0, pad_rows - rows))  # [pad_rows, K], zeros below
         if residual is None:
-            return F.linear(x, weight, bias)
-        out = torch.addmm(residual, x, weight.t())  # the residual rides in the GEMM epilogue
-        return out if bias is None else out + bias
+            out = F.linear(x, weight, bias)
+        else:
+            out = torch.addmm(residual, x, weight.t())  # the residual rides in the GEMM epilogue (broadcast if padded)
+            out = out if bias is None else out + bias
+        return out[:rows] if pad_rows > rows else out
 
     @torch.inference_mode()
     def tune_linear(self, slots: dict[tuple[int, int, str, bool], list[tuple]], eps: float, *, reps: int = 7) -> dict:
@@ -188,7 +195,7 @@ class DecodeOps:
                         self._fused(x, w, res, prologue, nw, eps, config)
 
             timings = {}
-            for config in (None, *triton_kernels.SKINNY_GEMM_CONFIGS):
+            for config in (None, ("pad", 8), ("pad", 16), *triton_kernels.SKINNY_GEMM_CONFIGS):
                 try:
                     timings[config] = _graph_median_ms(lambda c=config: run(c), reps)
                 except Exception:  # a config that does not compile or fit is skipped
