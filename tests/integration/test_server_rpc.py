@@ -449,3 +449,55 @@ def test_alloc_timeout_waits_for_memory_and_is_capped(server, client):
     assert "response" in result, result.get("error")
     waiting.close()
     assert wait_until(lambda: client.info()["cache_tokens_available"] == initial_cache_tokens(), 5)
+
+
+def test_fast_path_backend_through_the_handler(server, blocks):
+    """The GPU fast path (here on CPU) behind the same handler: a multi-step session equals the local blocks."""
+    import asyncio
+    import threading
+
+    from hivemind.p2p import P2P
+
+    from corolla.server.backend import SpanBackend
+    from corolla.server.block_functions import ServingLimits
+    from corolla.server.engine.serving import build_fast_path
+    from corolla.server.server import SpanService
+    from corolla.server.sessions import SessionTimeouts
+
+    backend = SpanBackend(dict(enumerate(blocks)), config=server.model_config, dtype=torch.float32, device="cpu")
+    fast = build_fast_path(backend, kv_pool_bytes=8 << 20, max_seq_len_tokens=128, require_cuda=False, warmup=False)
+    assert fast is not None
+    fast_backend, cache = fast
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    p2p = on_loop(P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, auto_nat=False, use_relay=False))
+    limits = ServingLimits(
+        dht_prefix="fast", start_block=0, end_block=NUM_BLOCKS, hidden_size=HIDDEN, dtype=torch.float32,
+        inference_max_length_tokens=128, max_batch_size_tokens=1024,
+    )  # fmt: skip
+    service = SpanService(backend=fast_backend, limits=limits, memory_cache=cache, timeouts=SessionTimeouts(10, 60, 10))
+    on_loop(service.start(p2p))
+    client = ClientThread([str(m) for m in on_loop(p2p.get_visible_maddrs())], p2p.peer_id.to_base58())
+    try:
+        base = client.info()["cache_tokens_available"]
+        tokens = torch.randn(1, 6, HIDDEN)
+        uid = "fast.0 fast.1 fast.2 fast.3"
+        stream = InferenceStream(client).open()
+        outputs = [deserialize_torch_tensor(stream.step(packed_request(uid, tokens[:, :3], max_length=32)).tensors[0])]
+        assert client.info()["cache_tokens_available"] < base
+        for i in range(3, 6):
+            outputs.append(deserialize_torch_tensor(stream.step(packed_request(uid, tokens[:, i : i + 1])).tensors[0]))
+        torch.testing.assert_close(torch.cat(outputs, dim=1), local_forward(blocks, 0, 4, tokens), atol=1e-3, rtol=0)
+        stream.close()
+        assert wait_until(lambda: client.info()["cache_tokens_available"] == base, 5)
+    finally:
+        client.close()
+        on_loop(service.stop())
+        on_loop(p2p.shutdown())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

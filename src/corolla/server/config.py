@@ -126,6 +126,8 @@ class ServerConfig:
     # tokens of the forward measurement; None -> 1024 on accelerators, 128 on CPU (keeps CPU servers and tests quick,
     # the figure is per token so it stays comparable)
     throughput_forward_tokens: int | None = None
+    # GPU fast path (paged KV pool, CUDA graphs, batching across sessions) when the span is eligible
+    fast_path: bool = True
     # process
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0 = any free port)
     increase_file_limit: int = 4096

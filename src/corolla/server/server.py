@@ -521,7 +521,8 @@ class Server:
                 return "stop"
             raise
         self.block_indices = block_indices
-        memory_cache = MemoryCache(s.cache_bytes_per_block * len(block_indices), c.max_alloc_timeout_s)
+        memory_cache: Any = MemoryCache(s.cache_bytes_per_block * len(block_indices), c.max_alloc_timeout_s)
+        cache_ref = [memory_cache]  # the fast path may swap in its own KV pool after loading
         announcer = Announcer(
             dht=self.dht,
             dht_prefix=s.dht_prefix,
@@ -529,7 +530,7 @@ class Server:
             total_blocks=s.total_blocks,
             server_info=self._make_server_info(),
             model_info=self._model_info(),
-            cache_tokens_left=lambda: memory_cache.bytes_left // s.kv_bytes_per_token_block,
+            cache_tokens_left=lambda: cache_ref[0].bytes_left // s.kv_bytes_per_token_block,
             update_period_s=c.update_period_s,
             expiration_s=c.resolved_expiration_s,
             p2p=p2p,
@@ -552,6 +553,10 @@ class Server:
                 adapters=c.adapters,
             )
             del blocks
+            fast = await asyncio.to_thread(self._maybe_fast_path, backend, memory_cache.max_size_bytes)
+            if fast is not None:
+                backend, memory_cache = fast
+                cache_ref[0] = memory_cache
             limits = ServingLimits(
                 dht_prefix=s.dht_prefix,
                 start_block=block_indices.start,
@@ -603,6 +608,26 @@ class Server:
             if s.device.type == "cuda":
                 torch.cuda.empty_cache()
             logger.info(f"server.span_released(blocks={block_indices.start}:{block_indices.stop})")
+
+    def _maybe_fast_path(self, backend: Any, kv_pool_bytes: int) -> tuple[Any, Any] | None:
+        """The GPU fast path (paged KV pool, fused span, CUDA graphs, batching across sessions) when eligible."""
+        c, s = self.config, self.settings
+        if not c.fast_path or s.device.type != "cuda" or s.quant_type != "none":
+            return None
+        if c.tensor_parallel_devices and len(c.tensor_parallel_devices) > 1:
+            return None
+        from corolla.server.engine.serving import build_fast_path
+
+        try:
+            return build_fast_path(
+                backend,
+                kv_pool_bytes=kv_pool_bytes,
+                max_seq_len_tokens=s.inference_max_length_tokens,
+                max_alloc_timeout_s=c.max_alloc_timeout_s,
+            )
+        except Exception as e:  # the plain path always works
+            logger.warning(f"server.fast_path_failed({e!r}); serving with the plain path")
+            return None
 
     async def _watch(self, service: SpanService) -> str:
         c = self.config
