@@ -214,11 +214,13 @@ class InferenceSession:
                 span_session.reorder(hypo_ids)
         hidden, hidden_from = inputs, position  # `hidden` holds the inputs of block `block` from `hidden_from` on
         block, index, attempt = self.start, 0, 0
+        pending_replacement: _SpanSession | None = None
         while block < self.end:
             span_session = self._spans[index] if index < len(self._spans) else None
             try:
-                if span_session is None:
-                    await self._replace_spans(index, block, None)
+                if span_session is None or span_session is pending_replacement:
+                    await self._replace_spans(index, block, span_session)
+                    pending_replacement = None
                     continue
                 span = span_session.span
                 span_prompts = self._prompts_for(
@@ -250,8 +252,7 @@ class InferenceSession:
                 self.manager.on_request_failure(failed)
                 delay_s = await asyncio.to_thread(self.manager.check_retry, e, attempt)
                 await asyncio.sleep(delay_s)
-                if span_session is not None:
-                    await self._replace_spans(index, block, span_session)
+                pending_replacement = span_session  # replaced (and its history replayed) on the next iteration
         assert hidden_from <= position, "the last span always covers the new tokens"
         return hidden[:, position - hidden_from :]
 

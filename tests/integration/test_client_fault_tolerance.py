@@ -1,0 +1,132 @@
+"""Fail-over through real server processes: a server SIGKILLed during a 64-token greedy generation is replaced by
+another holding the same blocks (history replayed, output identical); when the only server of a span dies, a new
+one started within the retry window takes over."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from tests.helpers.swarm import Swarm
+from tests.helpers.tiny_models import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPT = torch.tensor([[1, 8, 27, 64, 125]])
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("models"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
+    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
+    try:
+        swarm.start_bootstrap()
+        servers = [
+            swarm.start_server(model_path, "--block_indices", blocks, "--throughput", "1.0", wait=False)
+            for blocks in ("0:2", "2:4", "2:4")
+        ]
+        for server in servers:
+            server.wait_ready(120)
+        yield swarm
+    finally:
+        swarm.close()
+
+
+@pytest.fixture(scope="module")
+def expected(model_path):
+    local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return local.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+class KillAt:
+    """A streamer that, at generated token `at`, runs `action(session)` once."""
+
+    def __init__(self, at: int, action):
+        self.at, self.action, self.count, self.session = at, action, 0, None
+
+    def put(self, value):
+        self.count += 1
+        if self.count == self.at + 1:  # the first put is the prompt
+            self.action(self.session)
+
+    def end(self):
+        pass
+
+
+def _server_of_block(swarm: Swarm, session, block: int):
+    peers = [s.span.peer_id for s in session._spans if s.span.start <= block < s.span.end]
+    assert len(peers) == 1
+    return next(p for p in swarm.processes if getattr(p, "peer_id", None) == peers[0])
+
+
+def _alive_servers_of_block(swarm: Swarm, block: int):
+    return [
+        p
+        for p in swarm.processes
+        if getattr(p, "start_block", -1) <= block < getattr(p, "end_block", -1) and p.proc.poll() is None
+    ]
+
+
+def _generate(swarm, model_path, streamer, config: ClientConfig) -> torch.Tensor:
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=swarm.initial_peers, client_config=config
+    ) as model:
+        with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as session:
+            streamer.session = session
+            return model.generate(
+                PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, session=session, streamer=streamer
+            )
+
+
+def test_sigkill_mid_generation_fails_over_to_a_replica(swarm, model_path, expected):
+    killed = []
+
+    def kill(session):
+        victim = _server_of_block(swarm, session, 2)
+        os.killpg(victim.pgid, signal.SIGKILL)  # the server process, its DHT process and its p2pd
+        killed.append(victim)
+
+    config = ClientConfig(max_retries=5, min_backoff_s=0.2, update_period_s=2.0, request_timeout_s=3.0)
+    output = _generate(swarm, model_path, KillAt(20, kill), config)
+    assert killed and killed[0].wait(10) is not None
+    assert output.shape[1] == PROMPT.shape[1] + NEW_TOKENS
+    assert output.tolist() == expected.tolist()
+
+
+def test_only_server_of_a_span_dies_and_a_new_one_takes_over(swarm, model_path, expected):
+    started = []
+
+    def kill_all_and_restart(session):
+        for victim in _alive_servers_of_block(swarm, 2):
+            os.killpg(victim.pgid, signal.SIGKILL)
+        # a new server joins while the client is retrying
+        threading.Thread(
+            target=lambda: started.append(
+                swarm.start_server(model_path, "--block_indices", "2:4", "--throughput", "1.0", wait=False)
+            ),
+            daemon=True,
+        ).start()
+
+    config = ClientConfig(
+        max_retries=40,
+        min_backoff_s=0.5,
+        max_backoff_s=2.0,
+        update_period_s=1.0,
+        ban_timeout_s=5.0,
+        request_timeout_s=3.0,
+    )
+    output = _generate(swarm, model_path, KillAt(30, kill_all_and_restart), config)
+    assert started and started[0].proc.poll() is None
+    assert output.tolist() == expected.tolist()
