@@ -250,3 +250,26 @@ def test_session_timeout_ends_a_busy_session(server, client):
             time.sleep(1.0)
     assert SESSION_TIMEOUT_S - 1 <= time.monotonic() - started <= SESSION_TIMEOUT_S + 5
     assert wait_until(lambda: client.info()["cache_tokens_available"] == full, 5)
+
+
+def test_bad_push_does_not_end_the_session(server, client):
+    """A malformed `rpc_push` into someone's session is dropped; the session goes on."""
+    if not PREFIX:
+        PREFIX.append(server.settings.dht_prefix)
+    session_id = str(uuid.uuid4())
+    stream = InferenceStream(client).open()
+    stream.step(packed_request(uid(), x(), max_length=8, session_id=session_id))
+    good = x(1, 1, HIDDEN)
+    for pushed in (x(1, 1, HIDDEN // 2), torch.full((1, 1, HIDDEN), float("nan")), x(1, 9, HIDDEN), good):
+        request = packed_request(uid(), pushed, session_id=session_id, pushed=True, step_id=str(uuid.uuid4()))
+        client.run(lambda stub, request=request: stub.rpc_push(request))
+
+    async def pushed_output(_stub):  # the session answers the good push (processed after the bad ones)
+        return await asyncio.wait_for(stream.responses.__anext__(), 10)
+
+    assert deserialize_torch_tensor(client.run(pushed_output).tensors[0]).shape == (1, 1, HIDDEN)
+    # the session is at position 3 + 1: a step continuing from there is accepted
+    response = stream.step(packed_request(uid(), x(1, 2, HIDDEN), step_id=str(uuid.uuid4()), start_from_position=4))
+    assert deserialize_torch_tensor(response.tensors[0]).shape == (1, 2, HIDDEN)
+    stream.close()
+    check_healthy(server, client)

@@ -398,7 +398,15 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 with self.metrics.session():
                     steps = iterate_steps(first, requests, session, self.timeouts, deadline)
                     async for request, step_metadata in steps:
-                        output, can_push = await self._inference_step(session, request, step_metadata, deadline)
+                        try:
+                            output, can_push = await self._inference_step(session, request, step_metadata, deadline)
+                        except ValueError as e:
+                            if not step_metadata.pushed:
+                                raise
+                            # a bad push (from another server) must not end this client's session
+                            logger.info(f"rpc_inference.bad_push_ignored(session_id={session.session_id!r:.40}): {e}")
+                            session.seen_step_ids.discard(step_metadata.step_id)
+                            continue
                         if can_push:
                             self._schedule_push(request, output, step_metadata)
                         yield runtime_pb2.ExpertResponse(tensors=[output])
@@ -426,16 +434,17 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         batch_size, length, _ = hidden.shape
         if batch_size != session.batch_size:
             raise ValueError(f"step batch size {batch_size} differs from the session's batch size {session.batch_size}")
+        prefix_length = session.prefix_length  # the session changes only once the step is valid
         if metadata.start_from_position is not None:
             if not 0 <= metadata.start_from_position <= session.prefix_length:
                 raise ValueError(
                     f"start_from_position={metadata.start_from_position} must be in [0, {session.prefix_length}] "
                     f"(the session's current length)"
                 )
-            session.prefix_length = metadata.start_from_position
-        if session.prefix_length + length > session.max_length:
+            prefix_length = metadata.start_from_position
+        if prefix_length + length > session.max_length:
             raise ValueError(
-                f"Maximum length exceeded: prefix {session.prefix_length} + current {length} exceeds "
+                f"Maximum length exceeded: prefix {prefix_length} + current {length} exceeds "
                 f"pre-allocated maximum {session.max_length}"
             )
         raw_prompts = args[1] if len(args) > 1 else None
@@ -458,7 +467,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                     session.block_indices,
                     hidden,
                     cache_handles=session.cache_handles,
-                    prefix_length=session.prefix_length,
+                    prefix_length=prefix_length,
                     max_length=session.max_length,
                     prompts=prompts,
                     hypo_ids=hypo_ids,
@@ -473,5 +482,5 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 raise TimeoutError(
                     f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
                 ) from None
-        session.prefix_length += length
+        session.prefix_length = prefix_length + length
         return self._serialize_output(output), not has_prompts
