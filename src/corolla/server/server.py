@@ -553,6 +553,8 @@ class Server:
                 adapters=c.adapters,
             )
             del blocks
+            if self._stop.is_set():  # stopped while loading: never go ONLINE
+                return "stop"
             fast = await asyncio.to_thread(self._maybe_fast_path, backend, memory_cache.max_size_bytes)
             if fast is not None:
                 backend, memory_cache = fast
