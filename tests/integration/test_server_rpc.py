@@ -340,11 +340,16 @@ def test_push_between_servers(server, client, blocks, model_path, tmp_path):
         second.shutdown()
 
 
-def test_crashed_serving_part_is_restarted(model_path, tmp_path):
-    """If the runtime thread dies, the server notices within its health check and serves again."""
+def test_crashed_serving_part_is_restarted(model_path, tmp_path, capsys):
+    """If the runtime thread dies, the server notices within its health check and serves again. (Also: a new
+    swarm prints the address to join and a parsable ready line.)"""
     server = start_inprocess_server(model_path, tmp_path, block_indices=(0, 2), mean_balance_check_period_s=60.0)
     client = ClientThread(server.join_maddrs, server.peer_id)
     try:
+        printed = capsys.readouterr().out
+        assert f"others join with --initial_peers {' '.join(server.join_maddrs)}" in printed
+        assert f"corolla-server: ready peer_id={server.peer_id} blocks=0:2 initial_peers=" in printed
+        assert all(m.startswith("/ip4/127.0.0.1/tcp/") and m.endswith(server.peer_id) for m in server.join_maddrs)
         first_service = server.service
         stream = InferenceStream(client).open()
         stream.step(packed_request(chain(server, 0, 2), torch.randn(1, 1, HIDDEN), max_length=16))
