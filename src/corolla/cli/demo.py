@@ -34,7 +34,7 @@ RULE = "-" * 78
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="corolla-demo", description=__doc__)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text for the model to continue")
-    parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens (bytes) to generate")
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens (bytes) to generate")
     parser.add_argument("--model_dir", type=Path, default=DEMO_CHECKPOINT_DIR, help="checkpoint (built if missing)")
     parser.add_argument("--num_servers", type=int, default=2, help="servers splitting the blocks evenly")
     parser.add_argument("--greedy", action="store_true", help="greedy decoding instead of seeded sampling")
