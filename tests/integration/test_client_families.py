@@ -1,0 +1,49 @@
+"""Every served family through the client: one server per family (tiny models, one shared bootstrap node);
+logits match local `transformers` (fp32, atol 1e-3) and greedy generation is token-identical."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.swarm import Swarm
+from tests.helpers.tiny_models import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+
+pytestmark = pytest.mark.timeout(240)
+
+FAMILIES = ["mistral", "qwen2", "mixtral", "falcon", "falcon_mq", "bloom"]  # llama: test_client_generation.py
+
+
+@pytest.fixture(scope="module")
+def swarm_with_models(tmp_path_factory: pytest.TempPathFactory):
+    models_dir = tmp_path_factory.mktemp("models")
+    paths = {family: make_tiny_model(family, models_dir, num_layers=2) for family in FAMILIES}
+    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
+    try:
+        swarm.start_bootstrap()
+        servers = [
+            swarm.start_server(path, "--block_indices", "0:2", "--throughput", "1.0", wait=False)
+            for path in paths.values()
+        ]
+        for server in servers:
+            server.wait_ready(180)
+        yield swarm, paths
+    finally:
+        swarm.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_logits_and_greedy_match_local(swarm_with_models, family):
+    swarm, paths = swarm_with_models
+    local = AutoModelForCausalLM.from_pretrained(paths[family], dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    config = ClientConfig(max_retries=3, min_backoff_s=0.2)
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        paths[family], initial_peers=swarm.initial_peers, client_config=config
+    ) as model:
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, local(ids).logits, atol=1e-3, rtol=0)
+            expected = local.generate(ids, max_new_tokens=8, do_sample=False)
+        assert model.generate(ids, max_new_tokens=8, do_sample=False).tolist() == expected.tolist()
