@@ -233,14 +233,15 @@ def measure_compute_rps(
 
     family = get_family(config)
     block = family.build_block(config, 0).to(dtype)
-    if quant_type not in ("none", ""):
-        from corolla.models.quantization import QuantType, quantize_block
-
-        block = quantize_block(block, QuantType[quant_type.upper()], device)
+    # Split first, then quantize each shard on its own device: quantized weights cannot be sliced.
     if len(tensor_parallel_devices) > 1:
         from corolla.models.tensor_parallel import make_tensor_parallel
 
         block = make_tensor_parallel(block, list(tensor_parallel_devices))
+    if quant_type not in ("none", ""):
+        from corolla.models.quantization import QuantType, quantize_block
+
+        block = quantize_block(block, QuantType[quant_type.upper()], device)
     block = block.to(device) if quant_type in ("none", "") and len(tensor_parallel_devices) <= 1 else block
     block.eval()
     hidden_size = config.hidden_size
