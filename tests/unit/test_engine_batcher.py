@@ -199,3 +199,29 @@ def test_sessions_over_different_layer_ranges_are_batched_separately() -> None:
         assert not torch.allclose(outs[1], engine.step(s, tp, 6), atol=1e-3)
     whole.close()
     part.close()
+
+
+async def test_async_steps_from_one_loop_share_forwards() -> None:
+    engine = make_engine()
+    prompts = [torch.randn(1, 3 + 2 * i, H) for i in range(5)]
+    tokens = [[torch.randn(1, 1, H) for _ in range(4)] for _ in range(5)]
+    expected = [solo_outputs(engine, p, t) for p, t in zip(prompts, tokens, strict=True)]
+    sessions = [engine.open_session(1, 64) for _ in prompts]
+
+    async def client(k: int) -> list[torch.Tensor]:
+        outs = [await batcher.step(sessions[k], prompts[k], 0)]
+        for i, tok in enumerate(tokens[k]):
+            outs.append(await batcher.step(sessions[k], tok, prompts[k].shape[1] + i))
+        return outs
+
+    with ContinuousBatcher(engine) as batcher:
+        got = await asyncio.wait_for(asyncio.gather(*(client(k) for k in range(5))), WAIT_S)
+        with pytest.raises(ValueError, match="closed"):
+            sessions[0].close()
+            await asyncio.wait_for(batcher.step(sessions[0], tokens[0][0], 7), WAIT_S)
+    for outs, ref in zip(got, expected, strict=True):
+        for a, b in zip(outs, ref, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert max(batcher.batch_rows_history) > 1
+    for s in sessions:
+        s.close()

@@ -86,7 +86,7 @@ def concurrent_sessions(engine: SpanEngine, *, sessions: int, prefix_tokens: int
         async def client(k: int) -> None:
             for i in range(steps):
                 start = time.perf_counter()
-                await asyncio.wrap_future(batcher.submit(opened[k], tokens[i], base + i))
+                await batcher.step(opened[k], tokens[i], base + i)
                 latencies[k].append((time.perf_counter() - start) * 1000)
 
         async def all_clients() -> float:

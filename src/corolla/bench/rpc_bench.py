@@ -47,7 +47,7 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     from corolla.server.server import SpanService
     from corolla.server.sessions import SessionTimeouts
 
-    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", torch.cuda.current_device())
     n = min(args.rpc_layers, shape.num_layers)
     blocks = build_blocks(model, shape, dtype, device, n)
     backend = SpanBackend(blocks, config=shape.hf_config(), dtype=dtype, device=device)

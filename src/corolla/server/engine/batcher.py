@@ -5,12 +5,15 @@ executor, or on its own thread."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,7 +49,7 @@ def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[t
             by_layers.setdefault(requests[i].session.layers, []).append(i)
         for group in by_layers.values():
             try:
-                outs = engine.decode_many([requests[i] for i in group])
+                outs = engine.decode_many([requests[i] for i in group], validated=True)
                 for i, out in zip(group, outs, strict=True):
                     results[i] = out
             except Exception as e:  # a device failure fails this group's decode steps only
@@ -74,16 +77,38 @@ def runtime_batch_executor(engine: SpanEngine):
 
 @dataclass(eq=False)
 class _Pending:
+    """A queued step: its result goes to a `concurrent.futures.Future` (`submit`) or to an asyncio future of
+    `loop` (`step`)."""
+
     request: StepRequest
-    future: Future
+    future: Future | asyncio.Future
     seq: int
+    loop: asyncio.AbstractEventLoop | None = None
     submitted_at: float = field(default_factory=time.monotonic)
+
+    def start(self) -> bool:
+        """False if the caller gave up (cancelled) before the step ran."""
+        if self.loop is None:
+            return self.future.set_running_or_notify_cancel()
+        return not self.future.done()
+
+
+def _resolve_all(pairs: list[tuple[asyncio.Future, Any]]) -> None:
+    for future, result in pairs:  # runs in the futures' loop
+        if future.done():
+            continue
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
 
 class ContinuousBatcher:
     """Own-thread continuous batching over one `SpanEngine`.
 
-    `submit` (any thread) returns a `concurrent.futures.Future` of the step's output; the batcher thread runs
+    `submit` (any thread) returns a `concurrent.futures.Future` of the step's output, `await step(...)` (in an
+    asyncio loop) returns the output itself, with one loop wake-up per iteration for all of that loop's steps;
+    the batcher thread runs
     iterations: up to `max_batch_rows` rows of single-token steps from distinct sessions, oldest first (so no
     session starves), then at most `max_prefill_tokens_per_iteration` tokens of multi-token steps (at least one).
     While fewer sessions have a step pending than took part in the last batched decode, an iteration waits up to
@@ -131,6 +156,26 @@ class ContinuousBatcher:
             self._cond.notify()
         return future
 
+    async def step(
+        self,
+        session: EngineSession,
+        hidden: torch.Tensor,
+        position: int,
+        hypo_ids: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Runs one step through the batcher from an asyncio loop; returns its output [B, T, H]."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        request = StepRequest(session, hidden, int(position), hypo_ids, prompts)
+        item = _Pending(request, future, next(self._seq), loop=loop)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("The batcher is stopped; it accepts no new steps")
+            self._pending.append(item)
+            self._cond.notify()
+        return await future
+
     @property
     def num_pending(self) -> int:
         with self._cond:
@@ -145,13 +190,21 @@ class ContinuousBatcher:
         if not decode and not prefill:
             return 0
         items = decode + prefill
-        live = [p for p in items if p.future.set_running_or_notify_cancel()]
+        live = [p for p in items if p.start()]
         results = execute_steps(self.engine, [p.request for p in live])
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
         for item, result in zip(live, results, strict=True):
-            if isinstance(result, BaseException):
+            if item.loop is not None:
+                by_loop.setdefault(id(item.loop), (item.loop, []))[1].append((item.future, result))
+            elif isinstance(result, BaseException):
                 item.future.set_exception(result)
             else:
                 item.future.set_result(result)
+        for loop, pairs in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_resolve_all, pairs)
+            except RuntimeError:  # that loop is closed: nobody waits any more
+                pass
         self.iterations += 1
         self._last_decode_sessions = len(decode)
         if decode:
@@ -199,9 +252,13 @@ class ContinuousBatcher:
             self._thread.join(timeout_s)
         with self._cond:
             pending, self._pending = self._pending, []
+        error = RuntimeError("The batcher stopped before this step ran")
         for item in pending:
-            if item.future.set_running_or_notify_cancel():
-                item.future.set_exception(RuntimeError("The batcher stopped before this step ran"))
+            if item.loop is not None:
+                with contextlib.suppress(RuntimeError):
+                    item.loop.call_soon_threadsafe(_resolve_all, [(item.future, error)])
+            elif item.future.set_running_or_notify_cancel():
+                item.future.set_exception(error)
 
     def __enter__(self) -> ContinuousBatcher:
         self.start()

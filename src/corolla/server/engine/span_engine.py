@@ -5,7 +5,7 @@ merges single-token steps of many sessions into one batched forward (what the ba
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -64,24 +64,19 @@ class StepRequest:
     position: int
     hypo_ids: torch.Tensor | None = None
     prompts: torch.Tensor | None = None
+    # derived once (read many times per batched step)
+    rows: int = field(init=False)
+    num_tokens: int = field(init=False)
+    needs_prompts: bool = field(init=False)  # deep prompts touch this step's positions
+    is_decode: bool = field(init=False)  # a single-token step that can join a batched (graph) forward
 
-    @property
-    def needs_prompts(self) -> bool:
-        """Whether deep prompts touch this step's positions."""
-        return self.prompts is not None and self.prompts.numel() > 0 and self.position < self.prompts.shape[2]
-
-    @property
-    def is_decode(self) -> bool:
-        """A single-token step that can join a batched (graph) forward."""
-        return self.num_tokens == 1 and not self.needs_prompts
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.hidden.shape[1])
-
-    @property
-    def rows(self) -> int:
-        return int(self.hidden.shape[0])
+    def __post_init__(self) -> None:
+        shape = self.hidden.shape
+        self.rows = int(shape[0]) if len(shape) > 0 else 0
+        self.num_tokens = int(shape[1]) if len(shape) > 1 else 0
+        p = self.prompts
+        self.needs_prompts = p is not None and p.numel() > 0 and p.ndim == 4 and self.position < p.shape[2]
+        self.is_decode = self.num_tokens == 1 and not self.needs_prompts
 
 
 class SpanEngine:
@@ -217,8 +212,9 @@ class SpanEngine:
             if p.shape[3] != self.hidden_size:
                 raise ValueError(f"prompts must end with hidden size {self.hidden_size}, got {tuple(p.shape)}")
 
-    def _prepare(self, req: StepRequest) -> None:
-        self.validate(req)
+    def _prepare(self, req: StepRequest, *, validated: bool = False) -> None:
+        if not validated:
+            self.validate(req)
         if req.hypo_ids is not None and req.hypo_ids.numel() > 0:
             self.pool.reorder(req.session.slots, req.hypo_ids)
 
@@ -263,14 +259,14 @@ class SpanEngine:
             slot.length_tokens = req.position + t
         return torch.stack(outs).to(req.hidden.device)
 
-    def decode_many(self, reqs: Sequence[StepRequest]) -> list[torch.Tensor]:
+    def decode_many(self, reqs: Sequence[StepRequest], *, validated: bool = False) -> list[torch.Tensor]:
         """Single-token steps of several sessions over the same layers as one batched forward per `max_batch_rows`
         rows; every request must be valid (see `validate`) and no session may appear twice. Returns [B_i, 1, H]
-        per request."""
+        per request. `validated=True` skips `validate` (the caller just ran it)."""
         for req in reqs:
             if not req.is_decode:
                 raise ValueError(f"decode_many takes single-token steps without prompts, got {req.num_tokens} tokens")
-            self._prepare(req)
+            self._prepare(req, validated=validated)
         if len({id(r.session) for r in reqs}) != len(reqs):
             raise ValueError("decode_many got two steps of one session; run them one after another")
         if len({r.session.layers for r in reqs}) > 1:
@@ -291,16 +287,18 @@ class SpanEngine:
     def _decode_group(self, group: list[StepRequest]) -> list[torch.Tensor]:
         rows = sum(r.rows for r in group)
         h = self.hidden_size
-        positions: list[int] = []
-        tables: list[torch.Tensor] = []
-        for req in group:
-            positions.extend([req.position] * req.rows)
-            tables.extend(slot.table for slot in req.session.slots)
-        on_cpu = [r.hidden.device.type == "cpu" for r in group]
+        positions = [r.position for r in group for _ in range(r.rows)]
+        tables = [slot.table for r in group for slot in r.session.slots]
+        all_cpu = all(r.hidden.device.type == "cpu" for r in group)
         if self.graphs is not None and rows <= self.graphs.max_rows:
             g = self.graphs
-            if all(on_cpu):  # stage through pinned host buffers: one asynchronous copy per input
-                torch.cat([r.hidden.reshape(r.rows, h).to(self.dtype) for r in group], out=self._pin_hidden[:rows])
+            if all_cpu:  # stage through pinned host buffers: one asynchronous copy per input
+                dt = self.dtype
+                hidden = [
+                    r.hidden.view(r.rows, h) if r.hidden.dtype == dt else r.hidden.reshape(r.rows, h).to(dt)
+                    for r in group
+                ]
+                torch.cat(hidden, out=self._pin_hidden[:rows])
                 g.hidden[:rows].copy_(self._pin_hidden[:rows], non_blocking=True)
             else:
                 g.hidden[:rows].copy_(
@@ -320,7 +318,7 @@ class SpanEngine:
         for req in group:
             for slot in req.session.slots:
                 slot.length_tokens = req.position + 1
-        if self.device.type == "cuda" and all(on_cpu):
+        if self.device.type == "cuda" and all_cpu:
             host = self._pin_out[:rows]
             host.copy_(out, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
@@ -330,6 +328,7 @@ class SpanEngine:
         results = []
         start = 0
         for req in group:
-            results.append(out[start : start + req.rows].view(req.rows, 1, h).to(req.hidden.device))
+            piece = out[start : start + req.rows].view(req.rows, 1, h)
+            results.append(piece if piece.device == req.hidden.device else piece.to(req.hidden.device))
             start += req.rows
         return results
