@@ -168,3 +168,15 @@ def test_corolla_generate_cli_streams_text(swarm, model_path):
     assert code == 0
     text = out.getvalue()
     assert text.startswith("the quick brown") and "8 tokens in" in text and "tokens/s" in text
+
+
+def test_corolla_generate_interactive_keeps_one_session(swarm, model_path, monkeypatch):
+    from corolla.cli.generate import main
+
+    lines = iter(["hello there", "and then", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main([str(model_path), "--interactive", "--initial_peers", *swarm.initial_peers, "--max_new_tokens", "4"])
+    assert code == 0
+    assert out.getvalue().count("tokens/s]") == 2
