@@ -289,7 +289,7 @@ class InferenceSession:
         if failed is not None and failed.history is not None:
             new_sessions[0].history = failed.history[:, : self._position]
         self._spans[index : index + 1 if failed is not None else index] = new_sessions
-        logger.info(
+        logger.debug(
             "inference_session.route(blocks=%d:%d) %s",
             block,
             end,
