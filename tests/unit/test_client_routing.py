@@ -200,3 +200,14 @@ def test_check_retry_raises_after_max_retries():
     assert manager.check_retry(error, 2) == 0.5
     with pytest.raises(MissingBlocksError):
         manager.check_retry(error, 3)
+
+
+def test_active_adapter_selects_servers_that_hold_it():
+    servers = {"plain": info(0, 2, inference_rps=1000.0), "tuned": info(0, 2, adapters=("my-lora",))}
+    manager = FakeSwarmManager(ClientConfig(active_adapter="my-lora"), servers, 2)
+    manager.update()
+    assert chain(manager.make_sequence(mode="min_latency")) == [("tuned", 0, 2)]
+    assert manager.request_metadata()["active_adapter"] == "my-lora"
+    manager = FakeSwarmManager(ClientConfig(), servers, 2)
+    manager.update()
+    assert chain(manager.make_sequence(mode="min_latency")) == [("plain", 0, 2)]

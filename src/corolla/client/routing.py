@@ -157,12 +157,15 @@ class RemoteSequenceManager:
         allowed = set(self.config.allowed_servers) if self.config.allowed_servers is not None else None
         blocked = set(self.config.blocked_servers or ())
         banned = self.bans.banned_peers()
+        adapter = self.config.active_adapter or None
         result = []
         for info in infos:
             servers = {
                 peer: server
                 for peer, server in info.servers.items()
-                if (allowed is None or peer in allowed) and peer not in blocked
+                if (allowed is None or peer in allowed)
+                and peer not in blocked
+                and (adapter is None or adapter in server.adapters)
             }
             usable = {peer: server for peer, server in servers.items() if peer not in banned}
             if servers and not usable:

@@ -1,0 +1,112 @@
+"""RemoteSequential's autograd through in-process fake servers (no network): outputs, input and deep-prompt
+gradients equal local autograd; a server failing in forward or before backward is replaced by re-planning."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from hivemind.proto import runtime_pb2
+from tests.unit.test_client_inference_session import HIDDEN, FakeManager, block_fn
+
+from corolla.client.remote_sequential import RemoteSequential
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+from corolla.protocol.metadata import decode_metadata
+from corolla.protocol.packing import unpack_args_kwargs
+
+SEED_PICKING_B_FIRST = 4  # max-throughput routing is random; this seed tries B before C
+
+
+def run_blocks(blocks: list[int], x: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor:
+    for i, b in enumerate(blocks):
+        if prompts is not None and prompts.numel():
+            x = torch.cat([x[:, : prompts.shape[2]] + prompts[i], x[:, prompts.shape[2] :]], dim=1)
+        x = block_fn(b, x, x[:, :0])
+    return x
+
+
+class FakeForwardServer:
+    """Answers rpc_forward / rpc_backward like a server holding blocks [start, end)."""
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end = start, end
+        self.inference_rps = 100.0
+        self.dead = False
+        self.calls: list[str] = []
+
+    def _parse(self, request):
+        metadata = decode_metadata(request.metadata)
+        args, _ = unpack_args_kwargs([deserialize_tensor(t) for t in request.tensors], metadata["args_structure"])
+        blocks = [int(uid.split(".")[1]) for uid in request.uid.split(" ")]
+        assert all(self.start <= b < self.end for b in blocks)
+        return blocks, args
+
+    async def rpc_forward(self, request, timeout=None):
+        self.calls.append("forward")
+        if self.dead:
+            raise ConnectionError("server died")
+        blocks, (x, prompts) = self._parse(request)
+        return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(run_blocks(blocks, x, prompts))])
+
+    async def rpc_backward(self, request, timeout=None):
+        self.calls.append("backward")
+        if self.dead:
+            raise ConnectionError("server died")
+        blocks, (x, grad_outputs, prompts) = self._parse(request)
+        x = x.clone().requires_grad_(True)
+        with_prompts = prompts.numel() > 0
+        prompts = prompts.clone().requires_grad_(with_prompts)
+        with torch.enable_grad():
+            out = run_blocks(blocks, x, prompts)
+            grads = torch.autograd.grad(out, [x, prompts] if with_prompts else [x], grad_outputs)
+        return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(g) for g in grads])
+
+
+def _check(remote: RemoteSequential, blocks: list[int], prompts: torch.Tensor | None, before_backward=None):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, HIDDEN, requires_grad=True)
+    grad = torch.randn(3, 5, HIDDEN)
+    out = remote(x, prompts)
+    if before_backward is not None:
+        before_backward()
+    out.backward(grad)
+    x_ref = x.detach().clone().requires_grad_(True)
+    p_ref = prompts.detach().clone().requires_grad_(True) if prompts is not None else None
+    ref = run_blocks(blocks, x_ref, p_ref)
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=0)
+    if prompts is not None:
+        torch.testing.assert_close(prompts.grad, p_ref.grad, atol=1e-5, rtol=0)
+
+
+def test_forward_backward_with_and_without_deep_prompts():
+    servers = {"A": FakeForwardServer(0, 3), "B": FakeForwardServer(3, 5)}
+    remote = RemoteSequential(FakeManager(servers, 5))
+    _check(remote, [0, 1, 2, 3, 4], None)
+    _check(remote, [0, 1, 2, 3, 4], torch.randn(5, 1, 2, HIDDEN, requires_grad=True))
+    _check(remote[1:4], [1, 2, 3], torch.randn(3, 3, 2, HIDDEN, requires_grad=True))  # per-row prompts, sub-range
+
+
+def test_failed_servers_are_replaced_in_forward_and_backward():
+    servers = {"A": FakeForwardServer(0, 2), "B": FakeForwardServer(2, 4), "C": FakeForwardServer(2, 4)}
+    manager = FakeManager(servers, 4)
+    manager.rng = random.Random(SEED_PICKING_B_FIRST)
+    servers["B"].dead = True
+    prompts = torch.randn(4, 1, 2, HIDDEN, requires_grad=True)
+    _check(RemoteSequential(manager), [0, 1, 2, 3], prompts)
+    assert servers["B"].calls == ["forward"] and servers["C"].calls == ["forward", "backward"]
+
+    servers["B"].dead, manager.bans = False, type(manager.bans)(manager.config.ban_timeout_s)
+    manager.update()
+
+    def kill_forward_servers():
+        for name in ("B", "C"):
+            if servers[name].calls[-1:] == ["forward"]:
+                servers[name].dead = True
+
+    for s in servers.values():
+        s.calls.clear()
+    _check(RemoteSequential(manager), [0, 1, 2, 3], prompts.detach().requires_grad_(True), kill_forward_servers)
+    survivors = [name for name in ("B", "C") if not servers[name].dead]
+    assert len(survivors) == 1 and servers[survivors[0]].calls == ["forward", "backward"]
