@@ -34,10 +34,6 @@ def get_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-    return asyncio.run_coroutine_threadsafe(coro, get_loop())
-
-
 def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
     """Runs `coro` on the loop thread and waits for its result (must not be called from the loop thread)."""
     loop = get_loop()

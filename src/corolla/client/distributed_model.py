@@ -199,7 +199,7 @@ class AutoDistributedModelForCausalLM:
         token: str | bool | None = None,
         cache_dir: str | None = None,
     ) -> DistributedModelForCausalLM:
-        from corolla.models.config import default_dht_prefix, load_config
+        from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
         from corolla.protocol.uids import make_uid
 
         config = load_config(str(name_or_path), revision=revision, token=token, cache_dir=cache_dir)
@@ -218,9 +218,8 @@ class AutoDistributedModelForCausalLM:
             model.load_client_weights(
                 CheckpointReader(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
             )
-            if torch_dtype == "auto":
-                torch_dtype = getattr(config, "dtype", None) or torch.float32
-            model.to(torch_dtype)
+            dtype = parse_dtype(torch_dtype) or checkpoint_dtype(config) or torch.float32  # "auto": the checkpoint's
+            model.to(dtype)
             model.generation_config = _load_generation_config(name_or_path, config, revision, token, cache_dir)
         except BaseException:
             manager.shutdown()

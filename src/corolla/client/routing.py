@@ -263,9 +263,6 @@ class RemoteSequenceManager:
     def on_request_success(self, peer_id: str) -> None:
         self.bans.clear(peer_id)
 
-    def retry_delay_s(self, attempt: int) -> float:
-        return self.config.retry_delay_s(attempt)
-
     def check_retry(self, error: BaseException, attempt: int) -> float:
         """After failure number `attempt` (1-based): re-raises `error` if retries are exhausted, else returns the
         sleep before the next try and, for missing blocks, asks for a fresh view."""
