@@ -121,8 +121,8 @@ def test_engine_matches_blocks_in_bf16() -> None:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("rows", [1, 3, 9])
-def test_cuda_graph_step_equals_eager_step(rows: int) -> None:
+@pytest.mark.parametrize("rows, layers", [(1, None), (3, None), (9, None), (3, (1, 3))])
+def test_cuda_graph_step_equals_eager_step(rows: int, layers) -> None:
     blocks = make_blocks()
     graphed, eager = make_engine(blocks), make_engine(blocks, use_cuda_graphs=False)
     assert graphed.graphs is not None and eager.graphs is None
@@ -131,7 +131,7 @@ def test_cuda_graph_step_equals_eager_step(rows: int) -> None:
     tokens = [[torch.randn(1, 1, 512, dtype=BF16) for _ in range(3)] for _ in range(rows)]
     outs = {}
     for name, engine in (("graphed", graphed), ("eager", eager)):
-        sessions = [engine.open_session(1, 512) for _ in range(rows)]
+        sessions = [engine.open_session(1, 512, layers=layers) for _ in range(rows)]
         for s, p in zip(sessions, prompts, strict=True):
             engine.step(s, p, 0)
         outs[name] = []

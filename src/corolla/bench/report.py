@@ -41,6 +41,8 @@ def table(results: dict[str, Any]) -> str:
     if r.get("rpc"):
         row("corolla client-observed step via local server (RPC)", r["rpc"].get("client_step_ms"))
         row("corolla server-side step of that server span", r["rpc"].get("server_step_ms"))
+        row("  of which: zero-token RPC round trip", r["rpc"].get("empty_rtt_ms"))
+        row("  of which: step as run on the runtime thread", r["rpc"].get("runtime_task_ms"))
     lines += ["", "| prefill | tokens/s | / HF eager | / HF compiled |", "|---|---|---|---|"]
     hf_pf, hf_pf_c = r.get("hf_prefill_tokens_per_s"), r.get("hf_compiled_prefill_tokens_per_s")
     for name, tps in (
