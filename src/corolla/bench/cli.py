@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no_tune", action="store_true", help="always cuBLAS for projections (no Triton GEMM tuning)")
     p.add_argument("--rpc", action="store_true", help="also measure the client-observed step through a local server")
     p.add_argument("--rpc_layers", type=int, default=32, help="layers served by the local server for --rpc")
+    p.add_argument("--rpc_sessions", type=int, default=16, help="concurrent streams through the local server")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="")
     p.add_argument("--cpu_smoke", action="store_true", help="run on the CPU (tiny shapes only; checks the script)")

@@ -43,6 +43,13 @@ def table(results: dict[str, Any]) -> str:
         row("corolla server-side step of that server span", r["rpc"].get("server_step_ms"))
         row("  of which: zero-token RPC round trip", r["rpc"].get("empty_rtt_ms"))
         row("  of which: step as run on the runtime thread", r["rpc"].get("runtime_task_ms"))
+        rpc = r["rpc"]
+        if rpc.get("concurrent_sessions"):
+            lines.append(
+                f"| {rpc['concurrent_sessions']} concurrent streams via the server: step (median) | "
+                f"{_fmt(rpc['concurrent_client_step_ms'])} ms | {rpc['concurrent_aggregate_tokens_per_s']:.0f} tok/s | "
+                f"{rpc['concurrent_mean_merged_steps']:.1f} steps per forward | |"
+            )
     lines += ["", "| prefill | tokens/s | / HF eager | / HF compiled |", "|---|---|---|---|"]
     hf_pf, hf_pf_c = r.get("hf_prefill_tokens_per_s"), r.get("hf_compiled_prefill_tokens_per_s")
     for name, tps in (

@@ -61,10 +61,13 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     task_ms: list[float] = []  # the merged step as the runtime thread runs it (host tensors in and out)
     executor = fast_backend._execute_tasks  # registered with the runtime at the first step: wrap it before
 
+    merged: list[int] = []
+
     def timed_executor(tasks):
         start = time.perf_counter()
         out = executor(tasks)
         task_ms.append((time.perf_counter() - start) * 1000)
+        merged.append(len(tasks))
         return out
 
     fast_backend._execute_tasks = timed_executor
@@ -114,22 +117,67 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     result["runtime_task_ms"] = median([t for t in task_ms[1:]][:70] or [float("nan")])
     result["handoff_ms"] = result["client_step_ms"] - result["empty_rtt_ms"] - result["runtime_task_ms"]
     result["layers"] = n
+    tail = merged[-(args.rpc_sessions * 10) :]
+    result["concurrent_mean_merged_steps"] = sum(tail) / max(1, len(tail))
     log(
         f"RPC: client-observed step {result['client_step_ms']:.2f} ms (p90 {result['client_step_p90_ms']:.2f}), "
         f"zero-token round trip {result['empty_rtt_ms']:.2f} ms, server-side step {result['server_step_ms']:.2f} ms, "
         f"step on the runtime thread {result['runtime_task_ms']:.2f} ms, so handler->runtime->handler hand-off and "
-        f"tensor handling {result['handoff_ms']:.2f} ms"
+        f"tensor handling {result['handoff_ms']:.2f} ms; {result['concurrent_sessions']} concurrent streams: step "
+        f"{result['concurrent_client_step_ms']:.2f} ms, {result['concurrent_aggregate_tokens_per_s']:.0f} tok/s, "
+        f"{result['concurrent_mean_merged_steps']:.1f} steps per merged forward"
     )
     return result
 
 
+class _Stream:
+    """One `rpc_inference` stream as a stock Petals client drives it (session metadata, start_from_position)."""
+
+    def __init__(self, stub: Any, chain: str, max_length: int):
+        self.stub, self.chain, self.max_length = stub, chain, max_length
+        self.session_id = str(uuid.uuid4())
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.responses: Any = None
+        self.first = True
+
+    async def open(self) -> _Stream:
+        async def requests():
+            while True:
+                item = await self.queue.get()
+                if item is None:
+                    return
+                yield item
+
+        self.responses = (await asyncio.wait_for(self.stub.rpc_inference(requests()), 30)).__aiter__()
+        return self
+
+    async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        from hivemind.proto import runtime_pb2
+
+        from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+        from corolla.protocol.metadata import encode_metadata
+        from corolla.protocol.packing import pack_args_kwargs
+
+        tensors, structure = pack_args_kwargs(hidden, torch.empty(0), torch.empty(0, dtype=torch.int64))
+        meta = {"session_id": self.session_id, "step_id": str(uuid.uuid4()), "start_from_position": position}
+        meta["args_structure"] = structure
+        if self.first:
+            meta["max_length"] = self.max_length
+            self.first = False
+        request = runtime_pb2.ExpertRequest(
+            uid=self.chain, tensors=[serialize_tensor(t) for t in tensors], metadata=encode_metadata(meta)
+        )
+        await self.queue.put(request)
+        response = await asyncio.wait_for(self.responses.__anext__(), 120)
+        return deserialize_tensor(response.tensors[0])
+
+    async def close(self) -> None:
+        await self.queue.put(None)
+
+
 async def _client(maddrs: list[str], server_peer_id, shape, dtype: torch.dtype, n: int, args: Any) -> dict:
     from hivemind.p2p import P2P
-    from hivemind.proto import runtime_pb2
 
-    from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
-    from corolla.protocol.metadata import encode_metadata
-    from corolla.protocol.packing import pack_args_kwargs
     from corolla.protocol.rpc import get_stub
     from corolla.protocol.uids import make_chain
 
@@ -137,43 +185,19 @@ async def _client(maddrs: list[str], server_peer_id, shape, dtype: torch.dtype, 
     try:
         stub = get_stub(p2p, server_peer_id)
         chain = make_chain("bench", 0, n)
-        session_id = str(uuid.uuid4())
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def requests():
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                yield item
-
-        responses = (await asyncio.wait_for(stub.rpc_inference(requests()), 30)).__aiter__()
-
-        def request(hidden: torch.Tensor, position: int, first: bool = False) -> runtime_pb2.ExpertRequest:
-            tensors, structure = pack_args_kwargs(hidden, torch.empty(0), torch.empty(0, dtype=torch.int64))
-            meta = {"session_id": session_id, "step_id": str(uuid.uuid4()), "start_from_position": position}
-            meta["args_structure"] = structure
-            if first:
-                meta["max_length"] = args.prefix_tokens + 512
-            return runtime_pb2.ExpertRequest(
-                uid=chain, tensors=[serialize_tensor(t) for t in tensors], metadata=encode_metadata(meta)
-            )
-
-        async def round_trip(req: runtime_pb2.ExpertRequest) -> torch.Tensor:
-            await queue.put(req)
-            response = await asyncio.wait_for(responses.__anext__(), 60)
-            return deserialize_tensor(response.tensors[0])
-
         h = shape.hidden_size
+        max_length = args.prefix_tokens + 512
         prefix = torch.randn(1, args.prefix_tokens, h).to(dtype)
-        out = await round_trip(request(prefix, 0, first=True))
+        tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(80)]
+
+        stream = await _Stream(stub, chain, max_length).open()
+        out = await stream.step(prefix, 0)
         assert out.shape == prefix.shape
         position = args.prefix_tokens
-        tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(80)]
         times = []
         for i, tok in enumerate(tokens):
             start = time.perf_counter()
-            out = await round_trip(request(tok, position))  # client-observed: serialize, send, step, receive
+            out = await stream.step(tok, position)  # client-observed: serialize, send, step, receive
             elapsed = (time.perf_counter() - start) * 1000
             assert out.shape == (1, 1, h)
             position += 1
@@ -183,13 +207,38 @@ async def _client(maddrs: list[str], server_peer_id, shape, dtype: torch.dtype, 
         empty_times = []
         for _ in range(40):
             start = time.perf_counter()
-            await round_trip(request(empty, position))
+            await stream.step(empty, position)
             empty_times.append((time.perf_counter() - start) * 1000)
-        await queue.put(None)
-        return {
+        await stream.close()
+        result = {
             "client_step_ms": median(times),
             "client_step_p90_ms": percentile(times, 0.9),
             "empty_rtt_ms": median(empty_times[5:]),
         }
+
+        # many sessions at once through the same server: steps merge in the runtime (continuous batching)
+        k, steps = args.rpc_sessions, 24
+        streams = [await _Stream(stub, chain, max_length).open() for _ in range(k)]
+        await asyncio.gather(*(s.step(prefix, 0) for s in streams))
+        latencies: list[float] = []
+
+        async def decode(s: _Stream) -> None:
+            for i in range(steps):
+                start = time.perf_counter()
+                await s.step(tokens[i], args.prefix_tokens + i)
+                if i >= 4:
+                    latencies.append((time.perf_counter() - start) * 1000)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(decode(s) for s in streams))
+        wall_s = time.perf_counter() - start
+        for s in streams:
+            await s.close()
+        result.update(
+            concurrent_sessions=k,
+            concurrent_client_step_ms=median(latencies),
+            concurrent_aggregate_tokens_per_s=k * steps / wall_s,
+        )
+        return result
     finally:
         await p2p.shutdown()
