@@ -223,7 +223,7 @@ def _keep_running(swarm: LocalSwarm, model_dir: Path, work_dir: Path, timeout_s:
     tools, urls = _start_web_tools(swarm, model_dir, work_dir, timeout_s)
     try:
         print("The swarm keeps running. Connect to it with:")
-        print(f'  corolla-generate {shlex.quote(str(model_dir))} --initial_peers {peers} "Python is"')
+        print(f'  corolla-generate {shlex.quote(str(model_dir))} "A function is" --initial_peers {peers} --do_sample')
         print(f"  corolla-server {shlex.quote(str(model_dir))} --initial_peers {peers} --block_indices 0:2 "
               "--device cpu --torch_dtype float32   # one more server")  # fmt: skip
         for url in urls:
