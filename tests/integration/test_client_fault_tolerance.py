@@ -4,7 +4,6 @@ one started within the retry window takes over."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 
@@ -95,10 +94,10 @@ def test_sigkill_mid_generation_fails_over_to_a_replica(swarm, model_path, expec
 
     def kill(session):
         victim = _server_of_block(swarm, session, 2)
-        os.killpg(victim.pgid, signal.SIGKILL)  # the server process, its DHT process and its p2pd
+        victim.signal(signal.SIGKILL)  # the server process only: its DHT process and p2pd follow (orphan-proof)
         killed.append(victim)
 
-    config = ClientConfig(max_retries=5, min_backoff_s=0.2, update_period_s=2.0, request_timeout_s=3.0)
+    config = ClientConfig(max_retries=5, min_backoff_s=0.2, update_period_s=2.0, liveness_check_period_s=1.0)
     output = _generate(swarm, model_path, KillAt(20, kill), config)
     assert killed and killed[0].wait(10) is not None
     assert output.shape[1] == PROMPT.shape[1] + NEW_TOKENS
@@ -110,7 +109,7 @@ def test_only_server_of_a_span_dies_and_a_new_one_takes_over(swarm, model_path, 
 
     def kill_all_and_restart(session):
         for victim in _alive_servers_of_block(swarm, 2):
-            os.killpg(victim.pgid, signal.SIGKILL)
+            victim.signal(signal.SIGKILL)
         # a new server joins while the client is retrying
         threading.Thread(
             target=lambda: started.append(

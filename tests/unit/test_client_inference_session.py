@@ -3,6 +3,10 @@ duplicated tokens (Petals bug #587), rollback, hypo_ids, zero-token steps, deep 
 
 from __future__ import annotations
 
+import asyncio
+import math
+import time
+
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
@@ -41,6 +45,7 @@ class FakeServer:
     def __init__(self, start: int, end: int, inference_rps: float = 100.0):
         self.start, self.end, self.inference_rps = start, end, inference_rps
         self.dead = False
+        self.hung = False  # accepts requests but never answers (its stream reports no error)
         self.first_requests: list[dict] = []  # metadata of each session's first request
         self.requests: list[tuple[dict, int]] = []  # (metadata, tokens)
         self.open_streams = 0
@@ -56,6 +61,8 @@ class FakeServer:
             async for request in requests:
                 if self.dead:
                     raise ConnectionError("server died")
+                if self.hung:
+                    await asyncio.sleep(3600)
                 if not request.tensors:
                     break
                 metadata = decode_metadata(request.metadata)
@@ -114,6 +121,9 @@ class FakeManager(RemoteSequenceManager):
 
     def measure_rtts_s(self, peer_ids):
         return {p: 0.001 for p in peer_ids}
+
+    async def ping_s(self, peer_id):
+        return math.inf if self.servers[peer_id].hung else 0.001
 
     async def get_stub(self, peer_id):
         return self.servers[peer_id]
@@ -192,3 +202,18 @@ def test_missing_span_fails_after_max_retries():
         with pytest.raises(MissingBlocksError) as info:
             session.step(torch.randn(1, 1, HIDDEN))
     assert info.value.missing == [2, 3]
+
+
+def test_hung_server_is_detected_by_liveness_pings():
+    torch.manual_seed(3)
+    servers = {"A": FakeServer(0, 2), "B": FakeServer(2, 4, inference_rps=1000.0), "C": FakeServer(2, 4)}
+    manager = FakeManager(servers, 4, liveness_check_period_s=0.2, request_timeout_s=60.0)
+    x = torch.randn(1, 5, HIDDEN)
+    with InferenceSession(manager, max_length=5) as session:
+        outs = [session.step(x[:, :3])]
+        servers["B"].hung = True
+        started = time.monotonic()
+        outs.append(session.step(x[:, 3:5]))
+        assert time.monotonic() - started < 3  # liveness pings, not request_timeout_s
+    torch.testing.assert_close(torch.cat(outs, dim=1), reference(x, 4), atol=1e-5, rtol=0)
+    assert servers["C"].requests[0][1] == 5

@@ -27,6 +27,7 @@ class ClientConfig:
 
     connect_timeout_s: float = 5.0  # opening a stream to a server
     request_timeout_s: float = 180.0  # waiting for one response (unary call or inference step)
+    liveness_check_period_s: float = 5.0  # while an inference step waits, ping its server this often; 0 = never
     dht_timeout_s: float = 30.0  # one DHT read of block records
     update_period_s: float = 60.0  # background refresh of block records
     max_retries: int | None = field(default_factory=_env_max_retries)  # None = retry forever
@@ -47,6 +48,7 @@ class ClientConfig:
             "daemon_startup_timeout_s",
             "connect_timeout_s",
             "request_timeout_s",
+            "liveness_check_period_s",
             "dht_timeout_s",
             "update_period_s",
             "min_backoff_s",

@@ -4,6 +4,7 @@ a server fails, a replacement chain for its span replays them (start_from_positi
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -100,7 +101,7 @@ class _SpanSession:
         self._started = True
         await self._requests.put(request)
         try:
-            response = await asyncio.wait_for(anext(self._responses), self.manager.config.request_timeout_s)
+            response = await self._next_response()
         except StopAsyncIteration:
             raise ConnectionError(f"server ...{self.span.peer_id[-6:]} closed the inference stream") from None
         if not response.tensors:
@@ -113,6 +114,27 @@ class _SpanSession:
         self.position = send_from + inputs.shape[1]
         return outputs.to(hidden.dtype), send_from
 
+    async def _next_response(self) -> runtime_pb2.ExpertResponse:
+        """The next response within `request_timeout_s`; while waiting, pings the server every
+        `liveness_check_period_s` so that a dead server (whose stream may never report an error) fails in seconds."""
+        config = self.manager.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.request_timeout_s
+        pending = asyncio.ensure_future(anext(self._responses))
+        try:
+            while True:
+                wait_s = min(config.liveness_check_period_s or math.inf, deadline - loop.time())
+                done, _ = await asyncio.wait({pending}, timeout=max(wait_s, 0.0))
+                if done:
+                    return pending.result()
+                if loop.time() >= deadline:
+                    raise TimeoutError(f"no response within request_timeout_s={config.request_timeout_s}")
+                if math.isinf(await self.manager.ping_s(self.span.peer_id)) and not pending.done():
+                    raise ConnectionError(f"server ...{self.span.peer_id[-6:]} stopped answering pings")
+        finally:
+            if not pending.done():
+                pending.cancel()
+
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Mirrors the server's cache reordering for beam search on the history we keep."""
         if self.history is not None:
@@ -122,16 +144,21 @@ class _SpanSession:
         async for _ in self._responses:
             pass
 
-    async def close(self) -> None:
+    async def close(self, *, drain: bool = True) -> None:
+        """Ends the server session (empty request) and our input stream; `drain=False` (a failed server) does not
+        wait for the server's last messages."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._started:
+            if self._started and drain:
                 await self._requests.put(runtime_pb2.ExpertRequest())  # empty request = end of session
             await self._requests.put(None)  # end of our input stream
             if self._responses is not None:
-                await asyncio.wait_for(self._drain(), self.manager.config.connect_timeout_s)
+                if drain:
+                    await asyncio.wait_for(self._drain(), self.manager.config.connect_timeout_s)
+                else:
+                    await asyncio.wait_for(self._responses.aclose(), 1.0)
         except Exception as e:  # the server may already be gone; closing must never fail
             logger.debug("inference_session.close_failed(peer=...%s, error=%r)", self.span.peer_id[-6:], e)
 
@@ -241,7 +268,8 @@ class InferenceSession:
                 if isinstance(e, (AssertionError, asyncio.CancelledError)):
                     raise
                 attempt += 1
-                failed = span_session.span.peer_id if span_session is not None else None
+                replacing = span_session is None or span_session is pending_replacement
+                failed = span_session.span.peer_id if span_session is not None and not replacing else None
                 logger.warning(
                     "inference_session.span_failed(blocks=%d:%d, peer=...%s, error=%r)",
                     block,
@@ -270,7 +298,7 @@ class InferenceSession:
         session inherits the failed one's history so that its first step replays it."""
         end = failed.span.end if failed is not None else self.end
         if failed is not None:
-            await failed.close()
+            await failed.close(drain=False)
         route = await asyncio.to_thread(
             self.manager.make_sequence, block, end, mode="min_latency", cache_tokens_needed=self.max_length
         )
@@ -279,10 +307,14 @@ class InferenceSession:
             for span in route:
                 session = _SpanSession(self.manager, span, self.max_length)
                 new_sessions.append(session)
-                await session.open()
+                try:
+                    await session.open()
+                except Exception:
+                    self.manager.on_request_failure(span.peer_id)  # blame the server we could not reach
+                    raise
         except BaseException:
             for session in new_sessions:
-                await session.close()
+                await session.close(drain=False)
             if failed is not None:  # keep a placeholder so the retry loop replans this span again
                 self._spans[index] = failed
             raise

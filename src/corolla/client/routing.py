@@ -3,8 +3,8 @@ bans, allow/block lists, pings) and turns it into chains of server spans for inf
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import inspect
 import math
 import random
 import threading
@@ -105,28 +105,25 @@ class RemoteSequenceManager:
             timeout_s=self.config.dht_timeout_s,
         )
 
+    async def ping_s(self, peer_id: str) -> float:
+        """Round-trip time in seconds to one server (inf = unreachable); runs on the client loop."""
+        from hivemind.p2p import PeerID
+
+        from corolla.swarm.ping import ping
+
+        try:
+            return float(await ping(PeerID.from_base58(peer_id), await self._get_p2p(), self.config.ping_timeout_s))
+        except Exception as e:  # a failed ping means "unreachable", never a crash of the caller
+            logger.debug("routing.ping_failed(peer=...%s, error=%r)", peer_id[-6:], e)
+            return math.inf
+
     def measure_rtts_s(self, peer_ids: Sequence[str]) -> dict[str, float]:
         """Round-trip times in seconds (inf = unreachable) to `peer_ids`, measured concurrently."""
         if self.dht is None or not peer_ids:
             return {}
-        from corolla.swarm.ping import ping
 
         async def _ping_all() -> dict[str, float]:
-            import asyncio
-
-            from hivemind.p2p import PeerID
-
-            p2p = await self._get_p2p()
-
-            async def _one(peer_id: str) -> float:
-                try:
-                    result = ping(PeerID.from_base58(peer_id), p2p, self.config.ping_timeout_s)
-                    return float(await result) if inspect.isawaitable(result) else float(result)
-                except Exception as e:  # a failed ping means "unreachable", never a crash of the refresh
-                    logger.debug("routing.ping_failed(peer=%s, error=%r)", peer_id[-6:], e)
-                    return math.inf
-
-            rtts = await asyncio.gather(*(_one(peer) for peer in peer_ids))
+            rtts = await asyncio.gather(*(self.ping_s(peer) for peer in peer_ids))
             return dict(zip(peer_ids, rtts, strict=True))
 
         return background_loop.run(_ping_all(), timeout_s=self.config.ping_timeout_s + 10)
