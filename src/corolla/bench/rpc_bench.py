@@ -51,7 +51,7 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     n = min(args.rpc_layers, shape.num_layers)
     blocks = build_blocks(model, shape, dtype, device, n)
     backend = SpanBackend(blocks, config=shape.hf_config(), dtype=dtype, device=device)
-    pool_bytes = (64 << 20) if args.cpu_smoke else (2 << 30)
+    pool_bytes = (64 << 20) if args.cpu_smoke else (8 << 30)
     fast = build_fast_path(
         backend, kv_pool_bytes=pool_bytes, max_seq_len_tokens=4096, max_batch_rows=64, require_cuda=not args.cpu_smoke
     )
@@ -186,7 +186,7 @@ async def _client(maddrs: list[str], server_peer_id, shape, dtype: torch.dtype, 
         stub = get_stub(p2p, server_peer_id)
         chain = make_chain("bench", 0, n)
         h = shape.hidden_size
-        max_length = args.prefix_tokens + 512
+        max_length = args.prefix_tokens + 128
         prefix = torch.randn(1, args.prefix_tokens, h).to(dtype)
         tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(80)]
 
