@@ -177,6 +177,8 @@ def test_corolla_generate_interactive_keeps_one_session(swarm, model_path, monke
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     out = io.StringIO()
     with redirect_stdout(out):
-        code = main([str(model_path), "--interactive", "--initial_peers", *swarm.initial_peers, "--max_new_tokens", "4"])
+        code = main(
+            [str(model_path), "--interactive", "--initial_peers", *swarm.initial_peers, "--max_new_tokens", "4"]
+        )
     assert code == 0
     assert out.getvalue().count("tokens/s]") == 2

@@ -27,7 +27,15 @@ from corolla.client.inference_session import InferenceSession
 if TYPE_CHECKING:
     from corolla.client.distributed_model import DistributedModelForCausalLM
 
-_UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1, "penalty_alpha": None, "assistant_model": None}
+_UNSUPPORTED = {  # generate() arguments we refuse rather than silently ignore
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "penalty_alpha": None,
+    "assistant_model": None,
+    "return_dict_in_generate": False,
+    "output_scores": False,
+    "output_logits": False,
+}
 
 
 class GenerationLoop:
