@@ -149,11 +149,12 @@ def test_remote_sequential_inference_session_and_large_payload_stream(model, mod
             x = block(x)
         torch.testing.assert_close(remote(big), x, atol=1e-4, rtol=0)
         steps = torch.randn(1, 4, hidden)
+        prompts = torch.randn(4, 1, 2, hidden)  # deep prompts, applied to the first 2 positions at every block
         with remote.inference_session(max_length=8):
-            out = torch.cat([remote(steps[:, :3]), remote(steps[:, 3:])], dim=1)
+            out = torch.cat([remote(steps[:, :3], prompts), remote(steps[:, 3:])], dim=1)
         x = steps
-        for block in blocks:
-            x = block(x)
+        for i, block in enumerate(blocks):
+            x = block(torch.cat([x[:, :2] + prompts[i], x[:, 2:]], dim=1))
     torch.testing.assert_close(out, x, atol=1e-3, rtol=0)
 
 
