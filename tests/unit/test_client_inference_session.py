@@ -174,6 +174,8 @@ def test_rollback_hypo_ids_zero_token_steps_and_deep_prompts():
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
         with pytest.raises(ValueError, match="max_length"):
             session.step(torch.randn(2, 4, HIDDEN))
+        with pytest.raises(ValueError, match="batch size is 2"):
+            session.step(torch.randn(3, 1, HIDDEN))
         with pytest.raises(ValueError, match="deep prompts"):
             session.step(new, prompts=torch.randn(3, 1, 1, HIDDEN))
     assert servers["A"].open_streams == servers["B"].open_streams == 0

@@ -177,6 +177,7 @@ class InferenceSession:
         self.start, self.end = start, manager.num_blocks if end is None else end
         self._spans: list[_SpanSession] = []
         self._position = 0
+        self._batch_size: int | None = None  # fixed by the first step (servers allocate caches for it)
         self._zero_prompts: torch.Tensor | None = None  # deep prompts given at position 0, needed for replays
         self._closed = False
         self.output_ids: torch.Tensor | None = None  # tokens generated so far (kept by generate())
@@ -208,6 +209,8 @@ class InferenceSession:
         if inputs.ndim != 3:
             raise ValueError(f"inputs must be [batch, tokens, hidden], got shape {list(inputs.shape)}")
         batch_size, num_tokens, _ = inputs.shape
+        if self._batch_size is not None and batch_size != self._batch_size:
+            raise ValueError(f"this session's batch size is {self._batch_size}, got inputs of batch {batch_size}")
         if self._position + num_tokens > self.max_length:
             raise ValueError(
                 f"session max_length={self.max_length} exceeded: position {self._position} + {num_tokens} new tokens"
@@ -228,6 +231,7 @@ class InferenceSession:
             hypo_ids = hypo_ids.cpu()
         if self._position == 0:
             self._zero_prompts = prompts
+        self._batch_size = batch_size
         outputs = background_loop.run(self._step(inputs.detach().cpu(), prompts, hypo_ids))
         self._position += num_tokens
         return outputs.to(inputs.device)
