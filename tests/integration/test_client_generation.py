@@ -164,7 +164,7 @@ def test_corolla_generate_cli_streams_text(swarm, model_path):
     out = io.StringIO()
     with redirect_stdout(out):
         code = main(
-            [str(model_path), "the quick brown", "--initial_peers", *swarm.initial_peers, "--max_new_tokens", "8"]
+            [str(model_path), "--max_new_tokens", "8", "--initial_peers", *swarm.initial_peers, "the quick brown"]
         )
     assert code == 0
     text = out.getvalue()

@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # `--initial_peers A B "prompt"`: multiaddrs start with "/", so a trailing non-address is the prompt
+    peers = list(args.initial_peers)
+    if args.prompt is None and peers and not peers[-1].startswith("/"):
+        args.prompt = peers.pop()
+    args.initial_peers = peers
     if args.prompt is None and not args.interactive:
         print("corolla-generate: give a prompt or --interactive", file=sys.stderr)
         return 2
