@@ -134,7 +134,8 @@ async def test_submit_inference_step_merges_sessions_through_the_runtime() -> No
                 )
             executor = runtime._batch_executors["engine_inference"]
             runtime.register_batch_executor(
-                "engine_inference", lambda tasks: (batch_sizes.append(sum(len(t.payload) for t in tasks)), executor(tasks))[1]
+                "engine_inference",
+                lambda tasks: (batch_sizes.append(sum(len(t.payload) for t in tasks)), executor(tasks))[1],
             )
             gate = asyncio.Event()
             blocker = runtime.submit(
