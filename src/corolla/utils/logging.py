@@ -20,7 +20,9 @@ def _configure() -> None:
     root.setLevel(level)
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s [%(name)s] %(message)s", "%H:%M:%S"))
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)s [%(name)s] %(message)s", "%H:%M:%S")
+        )
         root.addHandler(handler)
     root.propagate = False
     # hivemind is chatty at INFO; keep its warnings.
