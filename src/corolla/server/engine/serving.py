@@ -122,14 +122,6 @@ class EngineSpanBackend:
         self.engine = engine
         self.first_block = min(backend.block_indices)
         self._runtimes: set[int] = set()
-        # Gathering of single-token steps (event-loop side, see submit_inference_step). None = adaptive: the window
-        # is 1.5 recent merged steps (at most 20 ms), a session counts as active for 4 steps + 5 ms after its last.
-        self.gather_window_s: float | None = None
-        self.active_horizon_s: float | None = None
-        self._step_ema_s = 0.005
-        self._gathering: list[tuple[StepRequest, asyncio.Future]] = []
-        self._last_seen: dict[int, float] = {}  # id(session) -> monotonic time of its last single-token step
-        self._flush_handle: asyncio.TimerHandle | None = None
 
     def __getattr__(self, name: str) -> Any:  # forward, backward, validate_block_indices, hidden_size, ...
         return getattr(self.backend, name)
@@ -192,9 +184,8 @@ class EngineSpanBackend:
         hypo_ids: torch.Tensor | None,
         active_adapter: str,
     ) -> torch.Tensor:
-        """Runs one inference step through the runtime (inference priority). Single-token steps wait here (in the
-        event loop) up to `gather_window_s` for the other sessions that stepped together last time, then go to the
-        runtime as one task; tasks queued meanwhile are merged too. Multi-token steps go at once."""
+        """Submits one inference step as a mergeable runtime task: the runtime hands queued steps of this span to
+        one batch executor, which merges their single-token steps into one batched forward."""
         if id(runtime) not in self._runtimes:
             runtime.register_batch_executor(KIND_ENGINE_INFERENCE, self._execute_tasks)
             self._runtimes.add(id(runtime))
@@ -204,83 +195,18 @@ class EngineSpanBackend:
                 block_indices, hidden_states, cache_tensors, prefix_length, hypo_ids, prompts, active_adapter
             )
         )
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        if not req.is_decode:
-            self._submit(runtime, [(req, future)])
-            return await future
-        now = time.monotonic()
-        self._last_seen[id(req.session)] = now
-        self._gathering.append((req, future))
-        horizon = self.active_horizon_s if self.active_horizon_s is not None else 4 * self._step_ema_s + 0.005
-        self._last_seen = {k: t for k, t in self._last_seen.items() if now - t <= horizon}
-        if len({id(r.session) for r, _ in self._gathering}) >= len(self._last_seen):
-            self._flush(runtime)  # every recently active session is here
-        elif self._flush_handle is None:
-            window = self.gather_window_s if self.gather_window_s is not None else min(0.02, 1.5 * self._step_ema_s)
-            self._flush_handle = loop.call_later(window, self._flush, runtime)
-        return await future
-
-    def _flush(self, runtime: Any) -> None:
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
-        batch, self._gathering = self._gathering, []
-        chunk: list = []
-        tokens = 0
-        for item in batch:  # keep each runtime task within the runtime's token limit
-            if chunk and tokens + item[0].rows > runtime.max_batch_size_tokens:
-                self._submit(runtime, chunk)
-                chunk, tokens = [], 0
-            chunk.append(item)
-            tokens += item[0].rows
-        if chunk:
-            self._submit(runtime, chunk)
-
-    def _submit(self, runtime: Any, items: list[tuple[StepRequest, asyncio.Future]]) -> None:
-        reqs = [r for r, _ in items]
-        size = sum(r.rows * max(r.num_tokens, 1) for r in reqs)
-        submitted = time.monotonic()
-        try:
-            task_future = runtime.submit(
-                lambda: execute_steps(self.engine, reqs),
-                priority=PRIORITY_INFERENCE,
-                size_tokens=min(size, runtime.max_batch_size_tokens),
-                kind=KIND_ENGINE_INFERENCE,
-                merge_key=("engine", id(self.engine)),
-                payload=reqs,
-            )
-        except Exception as e:
-            for _, f in items:
-                if not f.done():
-                    f.set_exception(e)
-            return
-
-        def deliver(done: asyncio.Future) -> None:
-            if all(r.is_decode for r in reqs):  # the merged step's duration sets the gathering window
-                self._step_ema_s = 0.8 * self._step_ema_s + 0.2 * min(0.05, time.monotonic() - submitted)
-            error = done.exception() if not done.cancelled() else asyncio.CancelledError()
-            results = None if error is not None else done.result()
-            for i, (_, f) in enumerate(items):
-                if f.done():
-                    continue
-                result = error if error is not None else results[i]
-                if isinstance(result, BaseException):
-                    f.set_exception(result)
-                else:
-                    f.set_result(result)
-
-        task_future.add_done_callback(deliver)
+        batch_size, length = hidden_states.shape[:2]
+        return await runtime.submit(
+            lambda: self.engine.step(req.session, req.hidden, req.position, req.hypo_ids, req.prompts),
+            priority=PRIORITY_INFERENCE,
+            size_tokens=batch_size * max(length, 1),
+            kind=KIND_ENGINE_INFERENCE,
+            merge_key=("engine", id(self.engine)),
+            payload=req,
+        )
 
     def _execute_tasks(self, tasks: list) -> list:
-        """Runtime batch executor: each task carries a list of step requests; returns one list per task."""
-        flat = [req for task in tasks for req in task.payload]
-        results = execute_steps(self.engine, flat)
-        out, start = [], 0
-        for task in tasks:
-            out.append(results[start : start + len(task.payload)])
-            start += len(task.payload)
-        return out
+        return execute_steps(self.engine, [task.payload for task in tasks])
 
 
 def build_fast_path(
