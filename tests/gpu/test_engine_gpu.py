@@ -200,6 +200,15 @@ def test_fused_skinny_gemm_matches_reference() -> None:
             assert rel_err(out, ops.rms_norm_ref(x, nw, 1e-5) @ w.t()) < 1e-2, config
             out = tk.skinny_gemm(gu, w, res, config, prologue=tk.PROLOGUE_SILU)
             assert rel_err(out, res + ops.silu_mul_ref(gu) @ w.t()) < 1e-2, config
+        if m > 1:
+            continue
+        for config in tk.SPLITK_CONFIGS:  # single-row split-K variants
+            out = tk.splitk_gemv(x, w, res, config)
+            assert rel_err(out, res + x @ w.t()) < 1e-2, config
+            out = tk.splitk_gemv(x, w, None, config, prologue=tk.PROLOGUE_RMSNORM, norm_weight=nw, eps=1e-5)
+            assert rel_err(out, ops.rms_norm_ref(x, nw, 1e-5) @ w.t()) < 1e-2, config
+            out = tk.splitk_gemv(gu, w, res, config, prologue=tk.PROLOGUE_SILU)
+            assert rel_err(out, res + ops.silu_mul_ref(gu) @ w.t()) < 1e-2, config
 
 
 @torch.no_grad()

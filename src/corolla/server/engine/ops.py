@@ -155,6 +155,10 @@ class DecodeOps:
         if config[0] == "pad":  # cuBLAS on a zero-padded batch: other kernels than its single-row GEMV
             return self._unfused(x, weight, None, residual, prologue, norm_weight, eps, pad_rows=config[1])
         code = {"none": 0, "rmsnorm": 1, "silu": 2}[prologue]
+        if config[0] == "splitk":
+            return triton_kernels.splitk_gemv(
+                x, weight, residual, config, prologue=code, norm_weight=norm_weight, eps=eps
+            )
         return triton_kernels.skinny_gemm(x, weight, residual, config, prologue=code, norm_weight=norm_weight, eps=eps)
 
     def _unfused(self, x, weight, bias, residual, prologue, norm_weight, eps, pad_rows: int = 0):
@@ -195,7 +199,8 @@ class DecodeOps:
                         self._fused(x, w, res, prologue, nw, eps, config)
 
             timings = {}
-            for config in (None, ("pad", 8), ("pad", 16), *triton_kernels.SKINNY_GEMM_CONFIGS):
+            candidates = (None, ("pad", 8), *triton_kernels.SKINNY_GEMM_CONFIGS, *triton_kernels.SPLITK_CONFIGS)
+            for config in candidates:
                 try:
                     timings[config] = _graph_median_ms(lambda c=config: run(c), reps)
                 except Exception:  # a config that does not compile or fit is skipped

@@ -363,3 +363,104 @@ def skinny_gemm(
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _splitk_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    nw_ptr,
+    ws_ptr,
+    N,
+    K,
+    stride_wn,
+    eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+):
+    # ws[split, N] = f(x)[k-range of this split] @ w[N, k-range]^T for one input row (x [K] or [2K] for SiLU)
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    dt = w_ptr.dtype.element_ty
+    if PROLOGUE == 1:
+        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+            ss += xs * xs
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    k_per = tl.cdiv(K, SPLIT)
+    k_start = split * k_per
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_start + k_per, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = (offs_k < K) & (offs_k < k_start + k_per)
+        w = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        if PROLOGUE == 2:
+            g = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        elif PROLOGUE == 1:
+            xs = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = ((xs * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    tl.store(ws_ptr + split * N + offs_n, acc, mask=n_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, res_ptr, out_ptr, N, SPLIT: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(ws_ptr + s * N + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        acc += tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ("splitk", BLOCK_N, BLOCK_K, num_warps, splits) candidates for one input row
+SPLITK_CONFIGS: tuple[tuple, ...] = (
+    ("splitk", 32, 256, 4, 2),
+    ("splitk", 32, 256, 4, 4),
+    ("splitk", 64, 128, 4, 4),
+    ("splitk", 16, 512, 4, 4),
+    ("splitk", 32, 128, 4, 8),
+)
+
+
+def splitk_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor | None,
+    config: tuple,
+    *,
+    prologue: int = PROLOGUE_NONE,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """Like `skinny_gemm` for one input row, with K split over `splits` programs per output block (more programs
+    in flight for small weights) and a second kernel summing the fp32 partials (+ residual)."""
+    _, block_n, block_k, warps, splits = config
+    n, k = weight.shape
+    ws = torch.empty((splits, n), dtype=torch.float32, device=x.device)
+    nw = norm_weight if norm_weight is not None else weight
+    _splitk_gemv_kernel[(triton.cdiv(n, block_n), splits)](
+        x, weight, nw, ws, n, k, weight.stride(0), eps,
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits, PROLOGUE=prologue, num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    out = torch.empty((1, n), dtype=weight.dtype, device=x.device)
+    res = residual if residual is not None else out
+    _splitk_reduce_kernel[(triton.cdiv(n, 1024),)](
+        ws, res, out, n, SPLIT=splits, HAS_RES=residual is not None, BLOCK=1024, num_warps=4
+    )
+    return out
