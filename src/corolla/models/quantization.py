@@ -78,6 +78,11 @@ def _quantized_linear(linear: nn.Linear, quant_type: QuantType, bnb) -> nn.Modul
     return new
 
 
+# MoE routers stay in the block dtype: they are tiny (hidden x experts), their logits pick the experts, and the
+# MoE layer reads their weight directly (a packed 4/8-bit weight cannot be used there).
+KEEP_FULL_PRECISION = frozenset({"router"})
+
+
 def quantize_block(block: nn.Module, quant_type: QuantType | str, device: torch.device | str) -> nn.Module:
     """Moves `block` to `device` with its linear layers quantized (call after `make_tensor_parallel`: each
     shard's linears stay on their own CUDA device). NONE just moves the block. Returns the block."""
@@ -92,7 +97,7 @@ def quantize_block(block: nn.Module, quant_type: QuantType | str, device: torch.
     replaced = 0
     for parent in list(block.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and name not in KEEP_FULL_PRECISION:
                 target = child.weight.device if child.weight.device.type == "cuda" else device
                 setattr(parent, name, _quantized_linear(child, quant_type, bnb).to(target))
                 replaced += 1

@@ -142,7 +142,8 @@ class Runtime:
     def _run(self) -> None:
         try:
             if self.device is not None and self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
+                # a bare "cuda" has no index: it means the current device, which set_device rejects
+                torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
         finally:
             self._ready.set()
         while True:  # schedule -> execute -> complete
