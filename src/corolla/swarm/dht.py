@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import asyncio.subprocess
 import concurrent.futures
-import ctypes
 import os
 import signal
-import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.mpfuture import MPFuture
 
 from corolla.utils.logging import get_logger
+from corolla.utils.processes import parent_death_signal_supported, set_parent_death_signal
 
 logger = get_logger(__name__)
 
@@ -42,7 +41,6 @@ PUBLIC_HOST_MADDRS: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0")
 
 DEFAULT_DHT_TIMEOUT_S = 30.0  # DHT calls that take longer than this are considered failed
 _WATCHDOG_PERIOD_S = 0.5
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -101,26 +99,6 @@ class SwarmConfig:
 # ---------------------------------------------------------------------------------------------- orphan-proofing
 
 
-def _libc_prctl() -> Any | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_prctl = _libc_prctl()
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Asks Linux to send `sig` to this process when the thread that created it exits. False where unsupported."""
-    if _prctl is None:
-        return False
-    return _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-
-
 def _p2pd_preexec(expected_parent_pid: int) -> None:
     # Runs in the forked child right before exec of p2pd: the setting survives exec (p2pd is not set-uid).
     set_parent_death_signal(signal.SIGKILL)
@@ -139,7 +117,7 @@ def install_p2pd_deathsig() -> None:
     setting PR_SET_PDEATHSIG for the p2pd binary only. Caveat: Linux ties the signal to the spawning *thread*,
     so create P2P instances from a thread that lives as long as they do (the DHT process's main thread does)."""
     global _p2pd_patched_in_pid
-    if _prctl is None:
+    if not parent_death_signal_supported():
         return
     with _p2pd_patch_lock:
         if _p2pd_patched_in_pid is not None:
