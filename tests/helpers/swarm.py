@@ -1,16 +1,12 @@
-"""Loopback swarm fixtures: a bootstrap node (`python -m corolla.cli.run_dht`) and server processes
-(`python -m corolla.cli.run_server`) on port 0, each in its own process group; the address they print is parsed,
-every wait is bounded, and teardown kills whole process groups so nothing is left behind. Also a stock-client
-stand-in (`ClientThread`, `InferenceStream`): a plain hivemind P2P calling the rpcs as a Petals client would."""
+"""Loopback swarm fixtures on `corolla.swarm.local.LocalSwarm`: a bootstrap node and server processes on port 0,
+each in its own process group, every wait bounded, teardown killing whole process groups so nothing is left behind.
+Also a stock-client stand-in (`ClientThread`, `InferenceStream`): a plain hivemind P2P calling the rpcs as a Petals
+client would."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -26,176 +22,48 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.rpc import TransformerConnectionHandler
+from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
+from corolla.swarm.local import ServerProcess as LocalServerProcess
+from corolla.utils.processes import ChildProcess
 
 T = TypeVar("T")
 
-DHT_PEER_PREFIX = "corolla-dht: initial peer: "
-SERVER_READY_PREFIX = "corolla-server: ready"
-_READY_RE = re.compile(r"peer_id=(\S+) blocks=(\d+):(\d+) initial_peers=(.+)$")
 
+class ManagedProcess(ChildProcess):
+    """A `ChildProcess` logging at INFO unless COROLLA_LOGLEVEL says otherwise (tests read the log lines)."""
 
-class ManagedProcess:
-    """A child process in its own session (process group) whose combined output is collected line by line."""
-
-    def __init__(self, args: Sequence[str], *, name: str, env: dict[str, str] | None = None, cwd: str | None = None):
-        self.name = name
-        self.args = list(args)
-        full_env = dict(os.environ)
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
-        full_env.setdefault("COROLLA_LOGLEVEL", "INFO")
-        if env:
-            full_env.update(env)
-        self.proc = subprocess.Popen(
-            self.args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=full_env,
-            cwd=cwd,
-            start_new_session=True,
-            text=True,
-            bufsize=1,
-        )
-        self.pgid = self.proc.pid  # leader of its own group
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, name=f"reader-{name}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    @property
-    def output(self) -> str:
-        with self._cond:
-            return "\n".join(self.lines)
-
-    def wait_for_line(self, predicate: Callable[[str], bool], timeout_s: float, *, start: int = 0) -> str:
-        """Returns the first line (from index `start`) satisfying `predicate`; fails on timeout or process exit."""
-        deadline = time.monotonic() + timeout_s
-        index = start
-        with self._cond:
-            while True:
-                while index < len(self.lines):
-                    if predicate(self.lines[index]):
-                        return self.lines[index]
-                    index += 1
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"{self.name}: no expected line within {timeout_s} s; output:\n{self.tail()}")
-                if self.proc.poll() is not None and not self._reader.is_alive():
-                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; output:\n{self.tail()}")
-                self._cond.wait(min(remaining, 0.2))
-
-    def tail(self, n: int = 60) -> str:
-        with self._cond:
-            return "\n".join(self.lines[-n:])
-
-    def group_alive(self) -> bool:
-        """True while any process of this group (the child or anything it started) lives."""
-        try:
-            os.killpg(self.pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        # zombies still count for killpg; reap our direct child so it doesn't
-        self.proc.poll()
-        return _group_has_live_members(self.pgid)
-
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def wait(self, timeout_s: float) -> int:
-        return self.proc.wait(timeout=timeout_s)
-
-    def wait_group_gone(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.proc.poll()
-            if not self.group_alive():
-                return True
-            time.sleep(0.1)
-        return not self.group_alive()
+    def __init__(self, args: Sequence[str], *, name: str, env: dict[str, str] | None = None, **kwargs: Any):
+        loglevel = os.environ.get("COROLLA_LOGLEVEL", "INFO")
+        super().__init__(args, name=name, env={"COROLLA_LOGLEVEL": loglevel, **(env or {})}, **kwargs)
 
     def kill_group(self, grace_s: float = 5.0) -> None:
-        """SIGTERM to the leader (a clean shutdown: servers announce OFFLINE), SIGKILL to the whole group after
-        `grace_s`; reaps the child."""
-        self.signal(signal.SIGTERM)
-        self.finish_kill(time.monotonic() + grace_s)
-
-    def finish_kill(self, deadline: float) -> None:
-        """Waits until `deadline` for the group to exit, then SIGKILLs whatever is left of it."""
-        if not self.wait_group_gone(max(0.0, deadline - time.monotonic())):
-            try:
-                os.killpg(self.pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.wait_group_gone(5.0)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        """SIGTERM to the child (a clean shutdown), SIGKILL to its whole group after `grace_s`; reaps it."""
+        self.stop(grace_s)
 
 
-def _group_has_live_members(pgid: int) -> bool:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return False
+class ServerProcess(LocalServerProcess, ManagedProcess):
+    """A server child (`wait_ready()`, `peer_id`, `start_block`, `end_block`, `initial_peers`) with test logging."""
 
 
-class ServerProcess(ManagedProcess):
-    peer_id: str = ""
-    start_block: int = -1
-    end_block: int = -1
-    initial_peers: list[str]
+class Swarm(LocalSwarm):
+    """A `LocalSwarm` with test defaults (CPU float32, fast block selection and announcements, cache and server
+    working directory in `workdir`); `close()` stops every process in `processes`, appended ones included."""
 
-    def wait_ready(self, timeout_s: float = 60.0, *, start: int = 0) -> ServerProcess:
-        line = self.wait_for_line(lambda s: s.startswith(SERVER_READY_PREFIX), timeout_s, start=start)
-        match = _READY_RE.search(line)
-        assert match, f"unparsable ready line: {line!r}"
-        self.peer_id = match.group(1)
-        self.start_block, self.end_block = int(match.group(2)), int(match.group(3))
-        self.initial_peers = match.group(4).split()
-        return self
-
-    def ready_lines(self) -> list[str]:
-        with self._cond:
-            return [line for line in self.lines if line.startswith(SERVER_READY_PREFIX)]
-
-
-class Swarm:
-    """Starts processes and remembers them so that `close()` kills every one of them."""
+    bootstrap_class = ManagedProcess
+    server_class = ServerProcess
 
     def __init__(self, workdir: Path):
+        server_args = (
+            "--device", "cpu", "--torch_dtype", "float32", "--cache_dir", str(workdir / "cache"),
+            "--mean_block_selection_delay", "0.2", "--update_period", "2",
+        )  # fmt: skip
+        super().__init__(LocalSwarmConfig(server_args=server_args, startup_timeout_s=90.0, stop_grace_s=5.0))
         self.workdir = workdir
-        self.processes: list[ManagedProcess] = []
-        self.initial_peers: list[str] = []
 
-    def start_bootstrap(self, timeout_s: float = 60.0) -> ManagedProcess:
-        proc = ManagedProcess([sys.executable, "-m", "corolla.cli.run_dht"], name="bootstrap")
-        self.processes.append(proc)
-        line = proc.wait_for_line(lambda s: s.startswith(DHT_PEER_PREFIX), timeout_s)
-        self.initial_peers = [line[len(DHT_PEER_PREFIX) :].strip()]
-        return proc
+    def start_bootstrap(self, timeout_s: float = 60.0) -> ChildProcess:
+        return super().start_bootstrap(timeout_s)
 
-    def start_server(
+    def start_server(  # type: ignore[override]
         self,
         model_path: str | Path,
         *args: str,
@@ -204,27 +72,11 @@ class Swarm:
         name: str | None = None,
         env: dict[str, str] | None = None,
     ) -> ServerProcess:
-        command = [sys.executable, "-m", "corolla.cli.run_server", str(model_path)]
-        if self.initial_peers and "--new_swarm" not in args:
-            command += ["--initial_peers", *self.initial_peers]
-        command += [
-            "--device", "cpu", "--torch_dtype", "float32", "--cache_dir", str(self.workdir / "cache"),
-            "--mean_block_selection_delay", "0.2", "--update_period", "2",
-            *args,
-        ]  # fmt: skip
-        proc = ServerProcess(command, name=name or f"server{len(self.processes)}", env=env, cwd=str(self.workdir))
-        self.processes.append(proc)
-        if wait:
-            proc.wait_ready(timeout_s)
-        return proc
-
-    def close(self, grace_s: float = 5.0) -> None:
-        """SIGTERM to every process at once, then SIGKILL to the groups still alive after `grace_s`."""
-        for proc in self.processes:
-            proc.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in reversed(self.processes):
-            proc.finish_kill(deadline)
+        server = super().start_server(
+            model_path, *args, wait=wait, timeout_s=timeout_s, name=name, env=env, cwd=self.workdir
+        )
+        assert isinstance(server, ServerProcess)
+        return server
 
 
 @pytest.fixture

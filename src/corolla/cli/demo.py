@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
-from corolla.demo.local_swarm import ChildProcess, LocalSwarm, LocalSwarmConfig
 from corolla.protocol.records import RemoteSpanInfo
+from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 from corolla.utils.logging import get_logger
+from corolla.utils.processes import ChildProcess
 
 logger = get_logger(__name__)
 
@@ -52,8 +53,7 @@ def split_blocks(num_blocks: int, num_servers: int) -> tuple[tuple[int, int], ..
     """Contiguous, nearly equal block ranges [start, end), one per server."""
     if not 1 <= num_servers <= num_blocks:
         raise ValueError(f"num_servers must be in 1..{num_blocks} (the model's blocks), got {num_servers}")
-    bounds = [round(i * num_blocks / num_servers) for i in range(num_servers + 1)]
-    return tuple(zip(bounds[:-1], bounds[1:], strict=True))
+    return tuple(even_block_ranges(num_blocks, num_servers))
 
 
 class _TextStreamer:
@@ -143,7 +143,7 @@ def _start_web_tools(
             continue
         port = _free_loopback_port()
         command = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)]
-        started.append((ChildProcess(name, command, log_path=work_dir / f"{name}.log"), port, line))
+        started.append((ChildProcess(command, name=name, log_path=work_dir / f"{name}.log"), port, line))
     deadline = time.monotonic() + timeout_s
     lines = []
     for process, port, line in started:
@@ -170,11 +170,18 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory(prefix="corolla-demo-") as work:
         work_dir = Path(work)
-        config = LocalSwarmConfig(model_dir, block_ranges, work_dir, startup_timeout_s=args.startup_timeout_s)
+        config = LocalSwarmConfig(
+            server_args=("--device", "cpu", "--torch_dtype", "float32", "--throughput", "1.0",
+                         "--cache_dir", str(work_dir / "cache")),
+            log_dir=work_dir,
+            startup_timeout_s=args.startup_timeout_s,
+            stop_grace_s=15.0,
+        )  # fmt: skip
         print(f"Model: {model_dir} ({num_blocks} blocks)")
         print(f"Starting a private swarm on 127.0.0.1: a bootstrap node and {len(block_ranges)} servers "
               f"(blocks {', '.join(f'{a}:{b}' for a, b in block_ranges)}) ...", flush=True)  # fmt: skip
         with LocalSwarm(config) as swarm:
+            swarm.start(model_dir, block_ranges, wait=False)  # the servers load their blocks in the background
             print(f"Bootstrap node: {swarm.initial_peers[0]}", flush=True)
             client_config = ClientConfig(daemon_startup_timeout_s=args.startup_timeout_s, request_timeout_s=60.0,
                                          max_retries=3, show_route="never")  # fmt: skip
