@@ -296,6 +296,18 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
+    def envelope(rid: str, kind: str, created: int, model: str, choices: list[Any], **extra: Any) -> dict[str, Any]:
+        """The fields every completion object and stream chunk shares, then `choices` and `extra` (e.g. usage)."""
+        return {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": choices,
+            **extra,
+        }
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
         check_auth(request)
@@ -339,41 +351,19 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
 
         if not req.stream:
             done = await complete(prompt_ids, params, req.stop_list)
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": now,
-                "model": req.model,
-                "system_fingerprint": None,
-                "choices": [{"text": done.text, "index": 0, "logprobs": None, "finish_reason": done.finish_reason}],
-                "usage": usage(len(prompt_ids), done.completion_tokens),
-            }
+            choice = {"text": done.text, "index": 0, "logprobs": None, "finish_reason": done.finish_reason}
+            usage_now = usage(len(prompt_ids), done.completion_tokens)
+            return envelope(rid, "text_completion", now, req.model, [choice], usage=usage_now)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
-            out = {
-                "id": rid,
-                "object": "text_completion",
-                "created": now,
-                "model": req.model,
-                "system_fingerprint": None,
-                "choices": [{"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}],
-            }
-            if include_usage:
-                out["usage"] = None
-            return out
+            choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+            extra = {"usage": None} if include_usage else {}
+            return envelope(rid, "text_completion", now, req.model, [choice], **extra)
 
         def usage_chunk(completion_tokens: int) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": now,
-                "model": req.model,
-                "system_fingerprint": None,
-                "choices": [],
-                "usage": usage(len(prompt_ids), completion_tokens),
-            }
+            return envelope(rid, "text_completion", now, req.model, [], usage=usage(len(prompt_ids), completion_tokens))
 
         return await stream(prompt_ids, params, req.stop_list, chunk, [], usage_chunk if include_usage else None)
 
@@ -402,51 +392,28 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
 
         if not req.stream:
             done = await complete(prompt_ids, params, req.stop_list)
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": now,
-                "model": req.model,
-                "system_fingerprint": None,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": done.text, "refusal": None},
-                        "logprobs": None,
-                        "finish_reason": done.finish_reason,
-                    }
-                ],
-                "usage": usage(len(prompt_ids), done.completion_tokens),
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": done.text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": done.finish_reason,
             }
+            usage_now = usage(len(prompt_ids), done.completion_tokens)
+            return envelope(rid, "chat.completion", now, req.model, [choice], usage=usage_now)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk_with(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-            out = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": now,
-                "model": req.model,
-                "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-            }
-            if include_usage:
-                out["usage"] = None
-            return out
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            extra = {"usage": None} if include_usage else {}
+            return envelope(rid, "chat.completion.chunk", now, req.model, [choice], **extra)
 
         def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
             return chunk_with({} if text is None else {"content": text}, finish_reason)
 
         def usage_chunk(completion_tokens: int) -> dict[str, Any]:
-            return {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": now,
-                "model": req.model,
-                "system_fingerprint": None,
-                "choices": [],
-                "usage": usage(len(prompt_ids), completion_tokens),
-            }
+            final_usage = usage(len(prompt_ids), completion_tokens)
+            return envelope(rid, "chat.completion.chunk", now, req.model, [], usage=final_usage)
 
         prelude = [chunk_with({"role": "assistant", "content": ""}, None)]
         return await stream(prompt_ids, params, req.stop_list, chunk, prelude, usage_chunk if include_usage else None)

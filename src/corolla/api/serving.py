@@ -1,15 +1,17 @@
 """Runs an ASGI app (the API gateway or the health monitor) with uvicorn in a background thread, for the demo and
 tests (`serve_in_thread(app, port=0)` binds a free loopback port and returns its URL) and, under
-`serve_until_signalled`, for the CLIs."""
+`serve_until_signalled`, for the CLIs (whose common flags `http_cli_parser` declares)."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import configargparse
 import uvicorn
 
 from corolla.utils.logging import get_logger
@@ -72,3 +74,15 @@ def serve_until_signalled(app: Any, *, host: str, port: int, banner: str) -> Non
         while not stop.wait(1.0):
             if not running.thread.is_alive():
                 raise RuntimeError("the HTTP server stopped unexpectedly")
+
+
+def http_cli_parser(prog: str, description: str, *, default_port: int) -> configargparse.ArgParser:
+    """The argument parser of a CLI serving HTTP: `-c/--config` (a file with the same keys), `--host` (loopback by
+    default) and `--port` (0 = a free port); the CLI adds its own flags."""
+    parser = configargparse.ArgParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("-c", "--config", is_config_file=True, help="YAML/INI config file with the same keys")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
+    parser.add_argument("--port", type=int, default=default_port, help="HTTP port (0 = a free port, printed at start)")
+    return parser

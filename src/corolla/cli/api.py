@@ -15,19 +15,16 @@ import configargparse
 from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import load_swarm_backend
 from corolla.api.local_swarm import LocalSwarm
-from corolla.api.serving import serve_until_signalled
+from corolla.api.serving import http_cli_parser, serve_until_signalled
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 
 def build_parser() -> configargparse.ArgParser:
-    parser = configargparse.ArgParser(
-        prog="corolla-api",
-        description="Serve an OpenAI-compatible API for a model hosted by a corolla/Petals swarm.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = http_cli_parser(
+        "corolla-api", "Serve an OpenAI-compatible API for a model hosted by a corolla/Petals swarm.", default_port=8000
     )
-    parser.add_argument("-c", "--config", is_config_file=True, help="YAML/INI config file with the same keys")
     parser.add_argument("--model", required=True, help="Hugging Face repo or local path of the model (client part)")
     swarm = parser.add_mutually_exclusive_group(required=True)
     swarm.add_argument("--initial_peers", nargs="+", help="multiaddrs of peers of an existing swarm")
@@ -44,8 +41,6 @@ def build_parser() -> configargparse.ArgParser:
     parser.add_argument(
         "--served_model_name", nargs="+", default=[], help="names clients use in `model` (default: --model)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
-    parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--api_key",
         default=os.environ.get("COROLLA_API_KEY"),

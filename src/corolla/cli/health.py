@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import configargparse
 
-from corolla.api.serving import serve_until_signalled
+from corolla.api.serving import http_cli_parser, serve_until_signalled
 from corolla.health.app import create_app
 from corolla.health.collector import HealthConfig, StateCollector
 from corolla.health.state import ModelEntry
@@ -20,12 +20,11 @@ logger = get_logger(__name__)
 
 
 def build_parser() -> configargparse.ArgParser:
-    parser = configargparse.ArgParser(
-        prog="corolla-health",
-        description="Monitor a corolla/Petals swarm: block coverage and servers of each model, as a page and JSON.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = http_cli_parser(
+        "corolla-health",
+        "Monitor a corolla/Petals swarm: block coverage and servers of each model, as a page and JSON.",
+        default_port=8090,
     )
-    parser.add_argument("-c", "--config", is_config_file=True, help="YAML/INI config file with the same keys")
     parser.add_argument("--initial_peers", nargs="+", required=True, help="multiaddrs of peers of the swarm")
     parser.add_argument(
         "--model", nargs="*", default=[], help="models to watch (repo or local path; prefix and blocks from its config)"
@@ -42,8 +41,6 @@ def build_parser() -> configargparse.ArgParser:
     parser.add_argument("--refresh_period", type=float, default=30.0, help="seconds between state refreshes")
     parser.add_argument("--ping_timeout", type=float, default=3.0, help="seconds before a server counts as unreachable")
     parser.add_argument("--no_reachability", action="store_true", help="do not ping servers")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it to the network)")
-    parser.add_argument("--port", type=int, default=8090, help="HTTP port (0 = a free port, printed at start)")
     return parser
 
 
