@@ -42,3 +42,7 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+
+# Opt-in: a venv with stock Petals 2.2.0 from PyPI for tests/interop (skipped without it).
+interop-setup:
+	bash tests/interop/setup_petals_venv.sh .venv-petals
