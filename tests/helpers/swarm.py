@@ -78,6 +78,13 @@ class Swarm(LocalSwarm):
         assert isinstance(server, ServerProcess)
         return server
 
+    def close(self, grace_s: float | None = None) -> None:
+        """Like `LocalSwarm.close`, but the bootstrap node is asked to stop together with the rest (its shutdown
+        overlaps theirs: shorter teardowns; the swarm is discarded anyway)."""
+        for process in self.processes:
+            process.terminate()
+        super().close(grace_s)
+
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[Swarm]:
