@@ -108,6 +108,11 @@ def test_demo_runs_to_completion_and_leaves_nothing(tmp_path: Path) -> None:
     assert len(words) >= 5 and " " in generated, repr(generated)  # text with words and spaces, not random bytes
     rate = re.search(r"Generated (\d+) tokens in [\d.]+ s: ([\d.]+) tokens/s", stdout)
     assert rate and int(rate.group(1)) == 48 and float(rate.group(2)) > 0, stdout
+    # the health page and the OpenAI API were up, saw the swarm, and their URLs were printed
+    assert "Health monitor: corolla-demo-llama is healthy, 2 servers, 4 blocks" in stdout, stdout
+    assert re.search(r"OpenAI API /v1/completions \(greedy, 24 tokens\): A list is\S*\s*\S+", stdout), stdout
+    assert re.search(r"health page: http://127\.0\.0\.1:\d+/", stdout), stdout
+    assert re.search(r"OpenAI API: +http://127\.0\.0\.1:\d+/v1", stdout), stdout
     assert "Swarm stopped" in stdout
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import shlex
 import signal
@@ -14,7 +15,9 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
     parser.add_argument("--startup_timeout_s", type=float, default=90.0, help="limit for the swarm to come up")
     parser.add_argument("--keep_running", action="store_true", help="leave the swarm up until Ctrl-C")
+    parser.add_argument("--no_web", action="store_true", help="do not start the health page and the OpenAI API")
     parser.add_argument("--verbose", action="store_true", help="show corolla's logs (servers log to files)")
     return parser
 
@@ -125,33 +129,79 @@ def _port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _start_web_tools(
-    swarm: LocalSwarm, model_dir: Path, work_dir: Path, timeout_s: float
-) -> tuple[list[ChildProcess], list[str]]:
-    """With --keep_running: the health page and the OpenAI-compatible API on loopback (where those CLIs exist),
-    waited for (bounded) so that the printed URLs answer."""
-    peers = list(swarm.initial_peers)
+@dataclass
+class _WebTool:
+    """The health page or the OpenAI-compatible API, started beside the swarm on a free loopback port."""
+
+    name: str
+    process: ChildProcess
+    port: int
+    url_line: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _launch_web_tools(peers: Sequence[str], model_dir: Path, work_dir: Path) -> list[_WebTool]:
+    """Starts `corolla-health` and `corolla-api` for the swarm without waiting (they boot while servers load)."""
     tools = [
-        ("health", "corolla.cli.health", ["--initial_peers", *peers, "--refresh_period", "5"],
+        ("health", "corolla.cli.health", ["--initial_peers", *peers, "--refresh_period", "2"],
          "health page: http://127.0.0.1:{port}/   (JSON: http://127.0.0.1:{port}/api/v1/state)"),
         ("api", "corolla.cli.api", ["--model", str(model_dir), "--initial_peers", *peers],
          "OpenAI API:  http://127.0.0.1:{port}/v1   (try: curl http://127.0.0.1:{port}/v1/models)"),
     ]  # fmt: skip
-    started: list[tuple[ChildProcess, int, str]] = []
+    started = []
     for name, module, args, line in tools:
         if importlib.util.find_spec(module) is None:
             continue
         port = _free_loopback_port()
         command = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)]
-        started.append((ChildProcess(command, name=name, log_path=work_dir / f"{name}.log"), port, line))
-    deadline = time.monotonic() + timeout_s
+        process = ChildProcess(command, name=name, log_path=work_dir / f"{name}.log")
+        started.append(_WebTool(name, process, port, line.format(port=port)))
+    return started
+
+
+def _http_json(url: str, payload: dict[str, Any] | None = None, timeout_s: float = 30.0) -> Any:
+    data = json.dumps(payload).encode() if payload is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:  # loopback only
+        return json.loads(response.read())
+
+
+def _show_web_tools(tools: Sequence[_WebTool], prompt: str, timeout_s: float) -> list[str]:
+    """Waits (bounded) until each tool answers, shows what it says about the swarm, returns the URL lines."""
     lines = []
-    for process, port, line in started:
-        while not _port_open(port) and process.proc.poll() is None and time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout_s
+    for tool in tools:
+        while not _port_open(tool.port) and tool.process.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        ok = _port_open(port)
-        lines.append(line.format(port=port) if ok else f"{process.name} did not start; see {process.log_path}")
-    return [process for process, _, _ in started], lines
+        if not _port_open(tool.port):
+            lines.append(f"{tool.name} did not start; see {tool.process.log_path}")
+            continue
+        lines.append(tool.url_line)
+        try:
+            if tool.name == "health":
+                report = None
+                while time.monotonic() < deadline:  # the monitor's first refresh may not have seen every server
+                    reports = _http_json(f"{tool.base_url}/api/v1/state").get("model_reports", [])
+                    report = reports[0] if reports else None
+                    if report is not None and report["state"] == "healthy":
+                        break
+                    time.sleep(0.5)
+                if report is not None:
+                    print(f"Health monitor: {report['name']} is {report['state']}, {len(report['server_rows'])} "
+                          f"servers, {report['num_blocks']} blocks")  # fmt: skip
+            elif tool.name == "api":
+                body = {"model": "corolla-demo", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+                models = _http_json(f"{tool.base_url}/v1/models")["data"]
+                body["model"] = models[0]["id"]
+                answer = _http_json(f"{tool.base_url}/v1/completions", body)
+                text = answer["choices"][0]["text"].replace("\n", " ")
+                print(f"OpenAI API /v1/completions (greedy, 24 tokens): {prompt}{text}")
+        except (OSError, ValueError, KeyError, IndexError) as e:
+            print(f"{tool.name}: could not query it ({e}); see {tool.process.log_path}")
+    return lines
 
 
 def _raise_keyboard_interrupt(_signum: int, _frame: Any) -> None:
@@ -183,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         with LocalSwarm(config) as swarm:
             swarm.start(model_dir, block_ranges, wait=False)  # the servers load their blocks in the background
             print(f"Bootstrap node: {swarm.initial_peers[0]}", flush=True)
+            tools = [] if args.no_web else _launch_web_tools(swarm.initial_peers, model_dir, work_dir)
             client_config = ClientConfig(daemon_startup_timeout_s=args.startup_timeout_s, request_timeout_s=60.0,
                                          max_retries=3, show_route="never")  # fmt: skip
             # the client joins (and loads the embeddings and head) while the servers load their blocks
@@ -194,9 +245,19 @@ def run(args: argparse.Namespace) -> int:
                 spans = wait_for_coverage(model.manager, num_blocks, timeout_s=args.startup_timeout_s)
                 print_swarm(spans, num_blocks)
                 _generate(model, tokenizer, args)
-            if args.keep_running:
-                _keep_running(swarm, model_dir, work_dir, args.startup_timeout_s)
-    print("Swarm stopped: bootstrap node and servers have exited.")
+            try:
+                urls = _show_web_tools(tools, args.prompt, args.startup_timeout_s)
+                if args.keep_running:
+                    _keep_running(swarm, model_dir, work_dir, urls)
+                elif urls:
+                    print("While the demo runs, the swarm is also watched and served by:")
+                    for url in urls:
+                        print(f"  {url}")
+                    print('(they stop with the demo; keep everything up with `make demo DEMO_ARGS="--keep_running"`)')
+            finally:
+                for tool in tools:
+                    tool.process.stop(10.0)
+    print("Swarm stopped: bootstrap node, servers, health page and API have exited.")
     return 0
 
 
@@ -225,21 +286,16 @@ def _generate(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
           f"({decode_rate:.1f} tokens/s after the first token)", flush=True)  # fmt: skip
 
 
-def _keep_running(swarm: LocalSwarm, model_dir: Path, work_dir: Path, timeout_s: float) -> None:
+def _keep_running(swarm: LocalSwarm, model_dir: Path, work_dir: Path, urls: Sequence[str]) -> None:
     peers = " ".join(swarm.initial_peers)
-    tools, urls = _start_web_tools(swarm, model_dir, work_dir, timeout_s)
-    try:
-        print("The swarm keeps running. Connect to it with:")
-        print(f'  corolla-generate {shlex.quote(str(model_dir))} "A function is" --initial_peers {peers} --do_sample')
-        print(f"  corolla-server {shlex.quote(str(model_dir))} --initial_peers {peers} --block_indices 0:2 "
-              "--device cpu --torch_dtype float32   # one more server")  # fmt: skip
-        for url in urls:
-            print(f"  {url}")
-        print(f"Logs: {work_dir}. Press Ctrl-C to stop.", flush=True)
-        threading.Event().wait()  # until KeyboardInterrupt
-    finally:
-        for tool in tools:
-            tool.stop(10.0)
+    print("The swarm keeps running. Connect to it with:")
+    print(f'  corolla-generate {shlex.quote(str(model_dir))} "A function is" --initial_peers {peers} --do_sample')
+    print(f"  corolla-server {shlex.quote(str(model_dir))} --initial_peers {peers} --block_indices 0:2 "
+          "--device cpu --torch_dtype float32   # one more server")  # fmt: skip
+    for url in urls:
+        print(f"  {url}")
+    print(f"Logs: {work_dir}. Press Ctrl-C to stop.", flush=True)
+    threading.Event().wait()  # until KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
