@@ -21,12 +21,12 @@ from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid, validate_dht_prefix
 from corolla.server.announcer import Announcer
 from corolla.server.block_functions import ServingLimits
+from corolla.server.block_loading import load_span_blocks
 from corolla.server.config import ServerConfig
-from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import MetricsExporter, ServerMetrics
-from corolla.server.runtime import Runtime
 from corolla.server.sessions import SessionTimeouts
+from corolla.server.span_service import SpanService
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -37,57 +37,6 @@ DHT_READ_TIMEOUT_S = 20.0
 REACHABILITY_API_URL = "https://health.petals.dev"
 REACHABILITY_WAIT_S = 420.0
 REACHABILITY_RETRY_S = 15.0
-
-
-class SpanService:
-    """The serving part for one span: runtime thread + RPC handler registered on a P2P instance."""
-
-    def __init__(
-        self,
-        *,
-        backend: Any,
-        limits: ServingLimits,
-        memory_cache: MemoryCache,
-        timeouts: SessionTimeouts,
-        compression: int = 0,
-        dht_client_mode: bool = False,
-        device: torch.device | None = None,
-        metrics: ServerMetrics | None = None,
-    ):
-        self.backend = backend
-        self.limits = limits
-        self.memory_cache = memory_cache
-        self.runtime = Runtime(max_batch_size_tokens=limits.max_batch_size_tokens, device=device)
-        self.handler = TransformerConnectionHandler(
-            limits=limits,
-            backend=backend,
-            runtime=self.runtime,
-            memory_cache=memory_cache,
-            timeouts=timeouts,
-            compression=compression,
-            dht_client_mode=dht_client_mode,
-            metrics=metrics,
-        )
-        self.p2p: Any = None
-
-    @property
-    def healthy(self) -> bool:
-        return self.runtime.is_running
-
-    async def start(self, p2p: Any) -> None:
-        await asyncio.to_thread(self.runtime.start)
-        self.p2p = p2p
-        await self.handler.add_p2p_handlers(p2p)
-
-    async def stop(self, timeout_s: float = 10.0) -> None:
-        """Unregisters the handlers, ends every session (freeing its cache) and stops the runtime."""
-        if self.p2p is not None:
-            try:
-                await asyncio.wait_for(self.handler.remove_p2p_handlers(self.p2p), timeout_s)
-            except Exception as e:
-                logger.debug(f"span_service.remove_handlers_failed({e!r})")
-        await self.handler.shutdown()
-        await asyncio.to_thread(self.runtime.stop)
 
 
 @dataclass
@@ -473,41 +422,8 @@ class Server:
         return range(chosen[0], chosen[-1] + 1)
 
     def _load_blocks(self, block_indices: range) -> dict[int, Any]:
-        from corolla.models.loading import load_pretrained_block
-
-        c, s = self.config, self.settings
-        blocks = {}
-        for index in block_indices:
-            block = load_pretrained_block(
-                c.model_name_or_path,
-                index,
-                config=self.model_config,
-                torch_dtype=s.dtype,
-                cache_dir=c.cache_dir,
-                revision=c.revision,
-                token=c.token,
-                max_disk_space_bytes=c.max_disk_space_bytes,
-            )
-            if c.tensor_parallel_devices and len(c.tensor_parallel_devices) > 1:
-                from corolla.models.tensor_parallel import make_tensor_parallel
-
-                block = make_tensor_parallel(block, [torch.device(d) for d in c.tensor_parallel_devices])
-            if s.quant_type != "none":
-                from corolla.models.quantization import quantize_block
-
-                block = quantize_block(block, s.quant_type, s.device)
-            elif not (c.tensor_parallel_devices and len(c.tensor_parallel_devices) > 1):
-                block = block.to(s.device)
-            for adapter in c.adapters:
-                from corolla.models.lora import add_adapter, load_adapter
-
-                weights = load_adapter(
-                    adapter, index, cache_dir=c.cache_dir, revision=c.revision, token=c.token,
-                    max_disk_space_bytes=c.max_disk_space_bytes,
-                )  # fmt: skip
-                add_adapter(block, adapter, weights)
-            blocks[index] = block
-        return blocks
+        return load_span_blocks(self.config, self.model_config, block_indices, dtype=self.settings.dtype,
+                                device=self.settings.device, quant_type=self.settings.quant_type)  # fmt: skip
 
     async def _serve_once(self, p2p: Any) -> str:
         """Chooses, loads and serves one span until stop ("stop"), a crash ("crashed") or a move ("move")."""

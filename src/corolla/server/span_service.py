@@ -1,0 +1,70 @@
+"""The serving part for one span: the runtime thread and the RPC handler registered on a P2P instance, started and
+stopped together (stopping ends every session, which frees its KV cache)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from corolla.server.block_functions import ServingLimits
+from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.memory_cache import MemoryCache
+from corolla.server.metrics import ServerMetrics
+from corolla.server.runtime import Runtime
+from corolla.server.sessions import SessionTimeouts
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class SpanService:
+    """The serving part for one span: runtime thread + RPC handler registered on a P2P instance."""
+
+    def __init__(
+        self,
+        *,
+        backend: Any,
+        limits: ServingLimits,
+        memory_cache: MemoryCache,
+        timeouts: SessionTimeouts,
+        compression: int = 0,
+        dht_client_mode: bool = False,
+        device: torch.device | None = None,
+        metrics: ServerMetrics | None = None,
+    ):
+        self.backend = backend
+        self.limits = limits
+        self.memory_cache = memory_cache
+        self.runtime = Runtime(max_batch_size_tokens=limits.max_batch_size_tokens, device=device)
+        self.handler = TransformerConnectionHandler(
+            limits=limits,
+            backend=backend,
+            runtime=self.runtime,
+            memory_cache=memory_cache,
+            timeouts=timeouts,
+            compression=compression,
+            dht_client_mode=dht_client_mode,
+            metrics=metrics,
+        )
+        self.p2p: Any = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.runtime.is_running
+
+    async def start(self, p2p: Any) -> None:
+        await asyncio.to_thread(self.runtime.start)
+        self.p2p = p2p
+        await self.handler.add_p2p_handlers(p2p)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Unregisters the handlers, ends every session (freeing its cache) and stops the runtime."""
+        if self.p2p is not None:
+            try:
+                await asyncio.wait_for(self.handler.remove_p2p_handlers(self.p2p), timeout_s)
+            except Exception as e:
+                logger.debug(f"span_service.remove_handlers_failed({e!r})")
+        await self.handler.shutdown()
+        await asyncio.to_thread(self.runtime.stop)
