@@ -1,4 +1,3 @@
-"""Who serves what: the DHT factory with safe network defaults and orphan-proofing (`dht`), announcing and reading
-block records (`records_io`), span reconstruction (`spans`), block selection and rebalancing math
-(`block_selection`, pure functions), pings (`ping`) and the public-swarm reachability check (`reachability`).
-Every DHT call here is bounded by a timeout; nothing here imports `server` or `client`."""
+"""Who serves what: the DHT/P2P factory with safe network defaults (`dht`), announcing and reading block
+records (`records_io`), span reconstruction (`spans`), block selection and rebalancing math (`block_selection`,
+pure functions), `reachability` and `ping`; `local` starts a private loopback swarm of CLI processes."""
