@@ -124,9 +124,15 @@ def run_client(args: argparse.Namespace) -> int:
         results["loss"] = loss.detach()
         results["embeds_grad"] = embeds.grad
     torch.save(results, args.out)
-    model.model.layers.sequence_manager.dht.shutdown()
     print("petals-client: done", flush=True)
-    return 0
+    # petals' client teardown (DHT shutdown, interpreter exit with hivemind threads) sometimes hangs after all RPCs
+    # have finished; bound it, then leave (the caller kills our process group, reaping the DHT and p2pd children)
+    closer = threading.Thread(target=model.model.layers.sequence_manager.dht.shutdown, daemon=True)
+    closer.start()
+    closer.join(10)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> int:
