@@ -36,6 +36,10 @@ _DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.items()}
+_ITEMSIZES: dict[torch.dtype, int] = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES.values()}
+_RAW_VIEWS = frozenset(_DTYPES.values())  # dtypes whose NONE form is built here (numpy can hold their bytes)
+_COMPRESSION_VALUES = frozenset(CompressionType.values())
 _FLOAT_ONLY = frozenset(
     {
         CompressionType.FLOAT16,
@@ -56,7 +60,7 @@ def compression_from_name(name: str) -> int:
 
 def serialize_tensor(tensor: torch.Tensor, compression: int = CompressionType.NONE) -> runtime_pb2.Tensor:
     """Serializes one tensor (moved to CPU if needed). Non-float tensors always go uncompressed, as in Petals."""
-    if compression not in CompressionType.values():
+    if compression not in _COMPRESSION_VALUES:
         raise ValueError(f"unknown compression type {compression!r}")
     if not tensor.dtype.is_floating_point:
         compression = CompressionType.NONE
@@ -64,7 +68,27 @@ def serialize_tensor(tensor: torch.Tensor, compression: int = CompressionType.NO
         raise ValueError("FLOAT16 compression cannot carry bfloat16 tensors; use NONE or MEANSTD_16BIT")
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
+    if compression == CompressionType.NONE and tensor.dtype in _RAW_VIEWS:
+        return _serialize_raw(tensor)
     return serialize_torch_tensor(tensor, compression)
+
+
+def _serialize_raw(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    """The bytes hivemind's NONE codec writes (raw bf16 unless legacy mode), built directly: one copy, no registry
+    lookups (the per-step output path)."""
+    requires_grad = tensor.requires_grad
+    data = tensor.detach()
+    if data.dtype == torch.bfloat16 and hivemind.compression.base.USE_LEGACY_BFLOAT16:
+        data = data.float()
+    elif data.dtype == torch.bfloat16:
+        data = data.view(torch.int16)  # numpy has no bfloat16: same bytes as a 2-byte integer type
+    return runtime_pb2.Tensor(
+        compression=CompressionType.NONE,
+        buffer=data.numpy().tobytes(),
+        size=tensor.shape,
+        dtype=_DTYPE_NAMES[tensor.dtype],
+        requires_grad=requires_grad,
+    )
 
 
 def serialize_tensors(
@@ -79,7 +103,7 @@ def serialize_tensors(
 
 
 def _check_header(serialized: runtime_pb2.Tensor) -> torch.Size:
-    if serialized.compression not in CompressionType.values():
+    if serialized.compression not in _COMPRESSION_VALUES:
         raise ValueError(f"unknown tensor compression {serialized.compression}")
     if len(serialized.size) > MAX_TENSOR_NDIM:
         raise ValueError(f"tensor has {len(serialized.size)} dims, more than the limit of {MAX_TENSOR_NDIM}")
@@ -88,8 +112,7 @@ def _check_header(serialized: runtime_pb2.Tensor) -> torch.Size:
         dtype = _DTYPES.get(serialized.dtype)
         if dtype is None:
             raise ValueError(f"unsupported tensor dtype {serialized.dtype!r}, expected one of {sorted(_DTYPES)}")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        expected = shape.numel() * itemsize
+        expected = shape.numel() * _ITEMSIZES[dtype]
         legacy_bf16 = dtype == torch.bfloat16 and len(serialized.buffer) == shape.numel() * 4
         if len(serialized.buffer) != expected and not legacy_bf16:
             raise ValueError(
@@ -98,9 +121,29 @@ def _check_header(serialized: runtime_pb2.Tensor) -> torch.Size:
     return shape
 
 
+def _deserialize_raw(serialized: runtime_pb2.Tensor, shape: torch.Size) -> torch.Tensor:
+    """hivemind's NONE decoding (raw values, or legacy fp32-coded bf16), straight from the (checked) buffer into a
+    writable tensor of its own: one copy, no numpy round trip (the per-step input path)."""
+    dtype = _DTYPES[serialized.dtype]
+    numel = shape.numel()
+    if numel == 0:
+        tensor = torch.empty(shape, dtype=dtype)
+    elif dtype == torch.bfloat16 and len(serialized.buffer) == numel * 4:  # legacy form: fp32 values
+        tensor = torch.frombuffer(bytearray(serialized.buffer), dtype=torch.float32).to(torch.bfloat16).view(shape)
+    else:
+        tensor = torch.frombuffer(bytearray(serialized.buffer), dtype=dtype).view(shape)
+    if serialized.requires_grad:
+        if not dtype.is_floating_point:
+            raise ValueError(f"cannot decode tensor ({serialized.dtype}{list(shape)}): only float tensors require grad")
+        tensor.requires_grad_(True)
+    return tensor
+
+
 def deserialize_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
     """Restores a tensor; malformed input (bad dtype, size mismatch, corrupt payload) -> ValueError."""
     shape = _check_header(serialized)
+    if serialized.compression == CompressionType.NONE:
+        return _deserialize_raw(serialized, shape)
     try:
         tensor = deserialize_torch_tensor(serialized)
     except ValueError:
