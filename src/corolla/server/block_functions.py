@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from corolla.protocol.packing import unpack_args_kwargs
@@ -42,6 +43,21 @@ class ServingLimits:
 
 def is_dummy(tensor: torch.Tensor) -> bool:
     return tensor.numel() == 0
+
+
+_EXPONENT_MASKS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}  # all exponent bits set: inf or NaN
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """True if no value is NaN or infinite. Host tensors are checked through numpy (a few microseconds for one
+    token's hidden states, against ~15 for torch's op dispatch); device tensors with torch."""
+    if tensor.device.type != "cpu":
+        return bool(torch.isfinite(tensor).all())
+    mask = _EXPONENT_MASKS.get(tensor.dtype)
+    if mask is not None:
+        bits = tensor.detach().view(torch.int16).numpy()
+        return not bool(((bits & mask) == mask).any())
+    return bool(np.isfinite(tensor.detach().numpy()).all())
 
 
 # ---- validation -------------------------------------------------------------------------------------------------
@@ -95,7 +111,7 @@ def validate_hidden_states(
             f"{name} has {batch_size} x {length} = {batch_size * length} tokens, more than the server's "
             f"max_batch_size of {limits.max_batch_size_tokens} tokens"
         )
-    if not torch.isfinite(tensor).all():
+    if not all_finite(tensor):
         raise ValueError(f"{name} contains NaN or infinite values")
     return tensor.to(limits.dtype)
 
@@ -123,7 +139,7 @@ def validate_prompts(
             f"prompts must have shape [num_blocks={num_blocks}, batch={batch_size} or 1, prefix <= {length or 'any'}, "
             f"hidden={limits.hidden_size}], got {shape}"
         )
-    if not torch.isfinite(prompts).all():
+    if not all_finite(prompts):
         raise ValueError("prompts contain NaN or infinite values")
     prompts = prompts.to(limits.dtype)
     return [prompts[i] for i in range(num_blocks)]
