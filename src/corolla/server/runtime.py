@@ -181,8 +181,17 @@ class Runtime:
     def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
         self.num_tasks_done += len(batch)
+        if len(batch) == 1:
+            _deliver(batch[0], *results[0])
+            return
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}  # one loop wake-up per batch, not per task
         for task, (result, error) in zip(batch, results, strict=True):
-            _deliver(task, result, error)
+            by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.future, result, error))
+        for loop, items in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_resolve_all, items)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
 
 
 def _deliver(task: Task, result: Any, error: BaseException | None) -> None:
@@ -200,3 +209,8 @@ def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _resolve_all(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    for future, result, error in items:
+        _resolve(future, result, error)
