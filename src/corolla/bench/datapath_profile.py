@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> dict:
     blocks = build_blocks(model, shape, dtype, device, args.layers)
     backend = SpanBackend(blocks, config=shape.hf_config(), dtype=dtype, device=device)
     fast = build_fast_path(
-        backend, kv_pool_bytes=64 << 20, max_seq_len_tokens=1024, max_batch_rows=8, require_cuda=args.cuda
+        backend, kv_pool_bytes=64 << 20, max_seq_len_tokens=1024, max_batch_rows=8, require_cuda=args.cuda, warmup=False
     )
     assert fast is not None, "the fast path refused this span"
     fast_backend, cache = fast
