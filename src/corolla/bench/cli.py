@@ -43,6 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rpc", action="store_true", help="also measure the client-observed step through a local server")
     p.add_argument("--rpc_layers", type=int, default=32, help="layers served by the local server for --rpc")
     p.add_argument("--rpc_sessions", type=int, default=16, help="concurrent streams through the local server")
+    p.add_argument(
+        "--rpc_client_process", action="store_true", help="run the --rpc client in its own process (as real clients)"
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="")
     p.add_argument("--cpu_smoke", action="store_true", help="run on the CPU (tiny shapes only; checks the script)")

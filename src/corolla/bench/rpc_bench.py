@@ -105,7 +105,10 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
         )
         on_server(service.start(server_p2p))
         maddrs = [str(m) for m in on_server(server_p2p.get_visible_maddrs())]
-        result = asyncio.run(_client(maddrs, server_p2p.peer_id, shape, dtype, n, args))
+        if getattr(args, "rpc_client_process", False):
+            result = _client_in_process(maddrs, server_p2p.peer_id.to_base58(), shape, dtype, n, args)
+        else:
+            result = asyncio.run(_client(maddrs, server_p2p.peer_id, shape, dtype, n, args))
     finally:
         if service is not None:
             on_server(service.stop())
@@ -173,6 +176,38 @@ class _Stream:
 
     async def close(self) -> None:
         await self.queue.put(None)
+
+
+def _client_main(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype, n: int, args: Any, results) -> None:
+    from hivemind.p2p import PeerID
+
+    try:
+        results.put(asyncio.run(_client(maddrs, PeerID.from_base58(peer_id_b58), shape, dtype, n, args)))
+    except BaseException as e:
+        results.put(RuntimeError(f"RPC bench client failed: {e!r}"))
+        raise
+
+
+def _client_in_process(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype, n: int, args: Any) -> dict:
+    """The client in a process of its own, as real clients are (no GIL shared with the server's threads)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(
+        target=_client_main, args=(maddrs, peer_id_b58, shape, dtype, n, args, results), name="bench-rpc-client"
+    )
+    process.start()
+    try:
+        result = results.get(timeout=600)
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+    if isinstance(result, BaseException):
+        raise result
+    result["client_process"] = True
+    return result
 
 
 async def _client(maddrs: list[str], server_peer_id, shape, dtype: torch.dtype, n: int, args: Any) -> dict:
