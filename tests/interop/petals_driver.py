@@ -28,6 +28,7 @@ READY_PREFIX = "petals-server: ready"
 def run_server(args: argparse.Namespace) -> int:
     """Serves `--block_indices` of `--model` with petals' own Server class until SIGTERM."""
     import torch
+    from hivemind.proto.runtime_pb2 import CompressionType
     from petals.server.server import Server
 
     torch.set_num_threads(1)
@@ -39,7 +40,8 @@ def run_server(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks,
         throughput=1.0,  # a float skips the speedtest (network) and the compute benchmark
         device="cpu",
-        torch_dtype="float32",
+        torch_dtype=args.torch_dtype,
+        compression=getattr(CompressionType, args.compression),
         num_handlers=2,
         update_period=args.update_period,
         mean_block_selection_delay=0.2,
@@ -146,6 +148,8 @@ def main() -> int:
     where.add_argument("--num_blocks", type=int)
     server.add_argument("--initial_peers", nargs="*", default=[])
     server.add_argument("--cache_dir", default=None)
+    server.add_argument("--torch_dtype", default="float32")
+    server.add_argument("--compression", default="NONE")
     server.add_argument("--update_period", type=float, default=5.0)
     server.add_argument("--ready_timeout_s", type=float, default=90.0)
     client = sub.add_parser("client")

@@ -213,5 +213,18 @@ def test_mixed_swarm_both_clients(interop_swarm, petals_py, model_dir, reference
     assert_clean_logs(interop_swarm.servers)
 
 
+def test_clients_compress_inputs_as_the_server_asks(interop_swarm, petals_py, model_dir, tmp_path):
+    """A server started with --compression FLOAT16 advertises it in rpc_info; Petals clients then send their
+    activations in float16 too. corolla's client must do the same: same server, same inputs -> identical logits."""
+    interop_swarm.start_bootstrap()
+    start_corolla_server(interop_swarm, model_dir, ["--block_indices", f"0:{NUM_LAYERS}", "--compression", "FLOAT16"])
+    petals = run_petals_client(
+        petals_py, model_dir, interop_swarm.initial_peers, tmp_path / "out.pt", "forward,session,backward"
+    )
+    ours = corolla_results(model_dir, interop_swarm.initial_peers, "forward,session,backward")
+    for key in ("logits", "session_logits", "embeds_grad"):
+        torch.testing.assert_close(ours[key], petals[key], atol=1e-5, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))

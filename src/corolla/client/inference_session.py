@@ -13,8 +13,9 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
+from corolla.client.remote_forward_backward import serialize_activations
 from corolla.client.routing import RemoteSequenceManager
-from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+from corolla.protocol.codecs import deserialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.records import RemoteSpanInfo
@@ -93,9 +94,10 @@ class _SpanSession:
             metadata["max_length"] = self.max_length
             if self.manager.config.alloc_timeout_s:
                 metadata["alloc_timeout"] = float(self.manager.config.alloc_timeout_s)
+        compression = await self.manager.input_compression(self.span.peer_id, self.manager.block_uids[self.span.start])
         request = runtime_pb2.ExpertRequest(
             uid=self.manager.make_chain(self.span.start, self.span.end),
-            tensors=[serialize_tensor(t) for t in tensors],
+            tensors=serialize_activations(tensors, compression),
             metadata=encode_metadata(metadata),
         )
         self._started = True

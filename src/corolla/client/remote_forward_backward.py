@@ -24,13 +24,27 @@ from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.records import RemoteSpanInfo
 
 
+def serialize_activations(tensors: Sequence[torch.Tensor], compression: int) -> list[runtime_pb2.Tensor]:
+    """Floating-point tensors in the server's requested `compression` (as Petals clients send them); integer and
+    empty tensors, and bfloat16 where float16 was asked (it cannot carry bf16), stay uncompressed."""
+    none = runtime_pb2.CompressionType.NONE
+    bf16_in_fp16 = (torch.bfloat16, runtime_pb2.CompressionType.FLOAT16)
+    return [
+        serialize_tensor(t, compression)
+        if t.is_floating_point() and t.numel() > 0 and (t.dtype, compression) != bf16_in_fp16
+        else serialize_tensor(t, none)
+        for t in tensors
+    ]
+
+
 async def _call(
     manager: RemoteSequenceManager, span: RemoteSpanInfo, method: str, tensors: Sequence[torch.Tensor], structure: Any
 ) -> list[torch.Tensor]:
     stub = await manager.get_stub(span.peer_id)
     uid = manager.make_chain(span.start, span.end)
     metadata = encode_metadata({**manager.request_metadata(), "args_structure": structure})
-    serialized = [serialize_tensor(t) for t in tensors]
+    compression = await manager.input_compression(span.peer_id, manager.block_uids[span.start])
+    serialized = serialize_activations(tensors, compression)
     config = manager.config
     if not needs_streaming(tensors):
         request = runtime_pb2.ExpertRequest(uid=uid, tensors=serialized, metadata=metadata)

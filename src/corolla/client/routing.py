@@ -62,6 +62,7 @@ class RemoteSequenceManager:
         self._update_lock = threading.Lock()
         self._p2p: Any = None
         self._stubs: dict[str, Any] = {}
+        self._input_compressions: dict[str, int] = {}  # peer -> compression its rpc_info asks for
         self._thread: threading.Thread | None = None
         if start_updates:
             self._thread = threading.Thread(target=self._update_loop, name="corolla-routing-update", daemon=True)
@@ -298,6 +299,33 @@ class RemoteSequenceManager:
             stub = TransformerConnectionHandler.get_stub(await self._get_p2p(), PeerID.from_base58(peer_id))
             self._stubs[peer_id] = stub
         return stub
+
+    async def input_compression(self, peer_id: str, block_uid: str) -> int:
+        """The compression a server asks clients to send activations in (its `rpc_info` schema, as Petals clients
+        read it; servers started with `--compression`); NONE when it says nothing or cannot be asked now."""
+        cached = self._input_compressions.get(peer_id)
+        if cached is not None:
+            return cached
+        from hivemind.proto import runtime_pb2
+
+        from corolla.protocol.metadata import decode_metadata
+
+        try:
+            stub = await self.get_stub(peer_id)
+            response = await stub.rpc_info(runtime_pb2.ExpertUID(uid=block_uid), timeout=self.config.request_timeout_s)
+            info = decode_metadata(response.serialized_info)
+        except Exception as e:  # the request that follows reports a dead server; don't cache a guess
+            logger.debug(f"routing.rpc_info_failed(peer=...{peer_id[-6:]}): {e!r}")
+            return runtime_pb2.CompressionType.NONE
+        compression = runtime_pb2.CompressionType.NONE
+        for key in ("forward_schema", "inference_schema"):
+            try:
+                compression = int(info[key][0][0].compression)
+                break
+            except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+                continue
+        self._input_compressions[peer_id] = compression
+        return compression
 
     def shutdown(self) -> None:
         self._closed.set()
