@@ -106,7 +106,8 @@ def run_petals_client(petals_py: Path, model_dir: Path, initial_peers: list[str]
             "--new_tokens", str(NEW_TOKENS), "--cases", cases, "--out", str(out)]  # fmt: skip
     log_path = out.with_suffix(".log")
     with open(log_path, "w") as log:  # a file, not a pipe: its orphaned DHT children must not hold our reads open
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, "PETALS_DRIVER_DUMP_S": str(CLIENT_TIMEOUT_S - 10)}  # stacks in the log if it hangs
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         process.wait(timeout=CLIENT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
