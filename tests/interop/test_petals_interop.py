@@ -193,6 +193,22 @@ def test_petals_client_against_corolla_servers(interop_swarm, petals_py, model_d
 def test_corolla_client_against_petals_server(interop_swarm, petals_py, model_dir, reference):
     server = start_petals_server(interop_swarm, petals_py, model_dir, ["--block_indices", f"0:{NUM_LAYERS}"], [])
     check_results(corolla_results(model_dir, server.initial_peers), reference, ALL_CASES)
+    # its DHT records parse with corolla's readers (the health monitor and block selection use them)
+    from corolla.protocol.records import ServerState
+    from corolla.swarm.dht import SwarmConfig, create_dht, shutdown_dht
+    from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
+
+    dht = create_dht(SwarmConfig(initial_peers=server.initial_peers, client_mode=True))
+    try:
+        uids = [f"{DHT_PREFIX}.{i}" for i in range(NUM_LAYERS)]
+        infos = get_remote_module_infos(dht, uids, latest=True, timeout_s=20)
+        records = [info.servers.get(server.peer_id) for info in infos]
+        assert all(r is not None and r.state == ServerState.ONLINE for r in records), records
+        assert (records[0].start_block, records[0].end_block) == (0, NUM_LAYERS)
+        assert records[0].version == "2.2.0.post1" and records[0].torch_dtype == "float32"
+        assert get_model_infos(dht, timeout_s=20)[DHT_PREFIX].num_blocks == NUM_LAYERS
+    finally:
+        shutdown_dht(dht)
 
 
 @pytest.mark.parametrize("first", ["corolla", "petals"])
