@@ -33,7 +33,7 @@ PY
 "${PIP[@]}" install petals==2.2.0.post1
 # Second workaround: torch 2.13 moved two private names hivemind 1.1.10 imports; re-export them at start-up.
 SP="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-cp tests/interop/petals_torch_compat.py "$SP/_corolla_petals_compat.py"
+cp "$(dirname "$0")/petals_torch_compat.py" "$SP/_corolla_petals_compat.py"
 echo "import _corolla_petals_compat" > "$SP/_corolla_petals_compat.pth"
 "$VENV/bin/python" -c "import petals, hivemind; print('petals', petals.__version__, 'hivemind', hivemind.__version__)"
 echo "petals venv ready at $VENV in $(( $(date +%s) - start )) s"
