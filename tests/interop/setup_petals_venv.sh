@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates the stock-Petals venv used by tests/interop (CPU torch, petals==2.2.0.post1 from PyPI).
-# Workaround: hivemind 1.1.10.post2 (pinned by petals) is sdist-only and its build downloads p2pd from GitHub;
-# we build that sdist unchanged except that p2pd comes from the hivemind 1.1.12 wheel (same daemon CLI and proto).
+# Workarounds (Petals itself is untouched): (1) hivemind 1.1.10.post2, pinned by petals, is sdist-only and its build
+# downloads p2pd from GitHub: we build that sdist with p2pd taken from the hivemind 1.1.12 wheel (same daemon flags
+# and control proto); (2) multiaddr pinned to 0.0.9 (newer ones break hivemind 1.1.10's unix socket paths);
+# (3) a start-up shim re-exports two private torch names that torch 2.13 moved (hivemind 1.1.10 imports them).
 set -euo pipefail
 VENV="${1:-.venv-petals}"
 PY="${PETALS_BASE_PYTHON:-python3.11}"
