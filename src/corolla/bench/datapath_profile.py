@@ -217,8 +217,13 @@ def run(args: argparse.Namespace) -> dict:
             for _ in range(args.steps):
                 await step(empty, position)
             empty_steps = marks.steps[-args.steps + 5 :]
+            idle_s = median([(m["client_done"] - m["client_start"]) / 1e9 for m in decode_steps])
+            for _ in range(args.steps):  # as above after an idle wait as long as a real step: threads go to sleep
+                await asyncio.sleep(idle_s)
+                await step(empty, position)
+            idle_steps = marks.steps[-args.steps + 5 :]
             await queue.put(None)
-            return {"decode": decode_steps, "empty": empty_steps}
+            return {"decode": decode_steps, "empty": empty_steps, "empty_after_idle": idle_steps}
         finally:
             await p2p.shutdown()
 

@@ -42,6 +42,7 @@ def table(results: dict[str, Any]) -> str:
         row("corolla client-observed step via local server (RPC)", r["rpc"].get("client_step_ms"))
         row("corolla server-side step of that server span", r["rpc"].get("server_step_ms"))
         row("  of which: zero-token RPC round trip", r["rpc"].get("empty_rtt_ms"))
+        row("  zero-token round trip after a step-long idle wait", r["rpc"].get("idle_empty_rtt_ms"))
         row("  of which: step as run on the runtime thread", r["rpc"].get("runtime_task_ms"))
         rpc = r["rpc"]
         if rpc.get("concurrent_sessions"):

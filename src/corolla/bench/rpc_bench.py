@@ -119,14 +119,16 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     result["server_step_ms"] = server_side["median_ms"]
     result["runtime_task_ms"] = median([t for t in task_ms[1:]][:70] or [float("nan")])
     result["handoff_ms"] = result["client_step_ms"] - result["empty_rtt_ms"] - result["runtime_task_ms"]
+    result["idle_handoff_ms"] = result["client_step_ms"] - result["idle_empty_rtt_ms"] - result["runtime_task_ms"]
     result["layers"] = n
     tail = merged[-(args.rpc_sessions * 10) :]
     result["concurrent_mean_merged_steps"] = sum(tail) / max(1, len(tail))
     log(
         f"RPC: client-observed step {result['client_step_ms']:.2f} ms (p90 {result['client_step_p90_ms']:.2f}), "
-        f"zero-token round trip {result['empty_rtt_ms']:.2f} ms, server-side step {result['server_step_ms']:.2f} ms, "
+        f"zero-token round trip {result['empty_rtt_ms']:.2f} ms (after an idle wait as long as a step: "
+        f"{result['idle_empty_rtt_ms']:.2f} ms), server-side step {result['server_step_ms']:.2f} ms, "
         f"step on the runtime thread {result['runtime_task_ms']:.2f} ms, so handler->runtime->handler hand-off and "
-        f"tensor handling {result['handoff_ms']:.2f} ms; {result['concurrent_sessions']} concurrent streams: step "
+        f"tensor handling {result['handoff_ms']:.2f} ms ({result['idle_handoff_ms']:.2f} ms over the idle round trip); {result['concurrent_sessions']} concurrent streams: step "
         f"{result['concurrent_client_step_ms']:.2f} ms, {result['concurrent_aggregate_tokens_per_s']:.0f} tok/s, "
         f"{result['concurrent_mean_merged_steps']:.1f} steps per merged forward"
     )
@@ -244,11 +246,21 @@ async def _client(maddrs: list[str], server_peer_id, shape, dtype: torch.dtype, 
             start = time.perf_counter()
             await stream.step(empty, position)
             empty_times.append((time.perf_counter() - start) * 1000)
+        # the same zero-token step after the client waited as long as a real step takes: every thread on the path
+        # (client loop, both p2pd daemons, server loop) has gone idle, as it has during a real step
+        idle_s = median(times) / 1000
+        idle_times = []
+        for _ in range(40):
+            await asyncio.sleep(idle_s)
+            start = time.perf_counter()
+            await stream.step(empty, position)
+            idle_times.append((time.perf_counter() - start) * 1000)
         await stream.close()
         result = {
             "client_step_ms": median(times),
             "client_step_p90_ms": percentile(times, 0.9),
             "empty_rtt_ms": median(empty_times[5:]),
+            "idle_empty_rtt_ms": median(idle_times[5:]),
         }
 
         # many sessions at once through the same server: steps merge in the runtime (continuous batching)
