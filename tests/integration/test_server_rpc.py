@@ -14,8 +14,6 @@ from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.models.loading import load_pretrained_block
-from corolla.server.config import ServerConfig
-from corolla.server.server import Server
 from helpers.swarm import ClientThread, InferenceStream, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
 
@@ -36,24 +34,19 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory: pytest.TempPathFactory):
-    config = ServerConfig(
-        model_name_or_path=str(model_path),
-        new_swarm=True,
+    server = start_inprocess_server(
+        model_path,
+        tmp_path_factory.mktemp("cache"),
         block_indices=(0, NUM_BLOCKS),
-        throughput=10.0,
-        torch_dtype="float32",
         inference_max_length_tokens=MAX_LENGTH_LIMIT,
         max_batch_size_tokens=MAX_BATCH_TOKENS,
         attn_cache_tokens=CACHE_TOKENS_PER_BLOCK,
         step_timeout_s=STEP_TIMEOUT_S,
         session_timeout_s=30.0,
         request_timeout_s=20.0,
-        update_period_s=30.0,
         max_alloc_timeout_s=1.0,
         metrics_port=0,
-        cache_dir=str(tmp_path_factory.mktemp("cache")),
     )
-    server = Server(config).start(timeout_s=90)
     yield server
     server.shutdown()
 
@@ -307,11 +300,9 @@ def test_push_to_next_session_and_step_dedup(server, client, blocks):
 
 def test_push_between_servers(server, client, blocks, model_path, tmp_path):
     """A second server (blocks 2:4) receives the output of blocks 0:2 by `rpc_push` from the first server."""
-    config = ServerConfig(
-        model_name_or_path=str(model_path), initial_peers=tuple(server.join_maddrs), block_indices=(2, 4),
-        throughput=10.0, torch_dtype="float32", update_period_s=30.0, cache_dir=str(tmp_path),
-    )  # fmt: skip
-    second = Server(config).start(timeout_s=90)
+    second = start_inprocess_server(
+        model_path, tmp_path, new_swarm=False, initial_peers=tuple(server.join_maddrs), block_indices=(2, 4)
+    )
     try:
         hidden = torch.randn(1, 2, HIDDEN)
         downstream_id = str(uuid.uuid4())
