@@ -1,5 +1,5 @@
-"""Loading a server's span: each block's own tensors from the checkpoint, then tensor-parallel split, quantization
-(per shard, after the split: quantized weights cannot be sliced) and the pre-loaded LoRA adapters, in that order."""
+"""Loading a server's span: each block's own tensors from the checkpoint, placed on the device(s) by
+`models.placement.place_block` (tensor-parallel split, quantization), then the pre-loaded LoRA adapters."""
 
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ def load_span_blocks(
 ) -> dict[int, Any]:
     """Returns {block index: block} on `device` (or on the tensor-parallel devices), ready to serve."""
     from corolla.models.loading import load_pretrained_block
+    from corolla.models.placement import place_block
 
     c = config
-    tensor_parallel = bool(c.tensor_parallel_devices) and len(c.tensor_parallel_devices) > 1
+    tp_devices = tuple(c.tensor_parallel_devices or ())
     blocks = {}
     for index in block_indices:
         block = load_pretrained_block(
@@ -36,16 +37,7 @@ def load_span_blocks(
             token=c.token,
             max_disk_space_bytes=c.max_disk_space_bytes,
         )
-        if tensor_parallel:
-            from corolla.models.tensor_parallel import make_tensor_parallel
-
-            block = make_tensor_parallel(block, [torch.device(d) for d in c.tensor_parallel_devices])
-        if quant_type != "none":
-            from corolla.models.quantization import quantize_block
-
-            block = quantize_block(block, quant_type, device)
-        elif not tensor_parallel:
-            block = block.to(device)
+        block = place_block(block, device=device, quant_type=quant_type, tensor_parallel_devices=tp_devices)
         for adapter in c.adapters:
             from corolla.models.lora import add_adapter, load_adapter
 

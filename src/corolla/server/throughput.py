@@ -229,20 +229,12 @@ def measure_compute_rps(
     inference: bool,
 ) -> float:
     """Tokens per second per block of a random-init block with the same config, dtype and quantization."""
+    from corolla.models.placement import place_block
     from corolla.models.registry import get_family
 
     family = get_family(config)
     block = family.build_block(config, 0).to(dtype)
-    # Split first, then quantize each shard on its own device: quantized weights cannot be sliced.
-    if len(tensor_parallel_devices) > 1:
-        from corolla.models.tensor_parallel import make_tensor_parallel
-
-        block = make_tensor_parallel(block, list(tensor_parallel_devices))
-    if quant_type not in ("none", ""):
-        from corolla.models.quantization import QuantType, quantize_block
-
-        block = quantize_block(block, QuantType[quant_type.upper()], device)
-    block = block.to(device) if quant_type in ("none", "") and len(tensor_parallel_devices) <= 1 else block
+    block = place_block(block, device=device, quant_type=quant_type, tensor_parallel_devices=tensor_parallel_devices)
     block.eval()
     hidden_size = config.hidden_size
     with torch.inference_mode():
