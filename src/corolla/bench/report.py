@@ -16,6 +16,14 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
 
 
+RPC_VARIANTS = (
+    ("local_", "same-host unix socket (default for co-located clients)"),
+    ("", "p2p through two p2pd daemons"),
+    ("local_poll_", "unix socket, client loop busy-polling"),
+    ("poll_", "p2p, client loop busy-polling"),
+)
+
+
 def table(results: dict[str, Any]) -> str:
     r = results
     floor = r["floor_ms"]
@@ -39,18 +47,22 @@ def table(results: dict[str, Any]) -> str:
     row("corolla span step, batch 1 (host tensors in/out)", r.get("span_step_ms"))
     row("corolla span step, CUDA-graph replay only", r.get("span_replay_ms"))
     if r.get("rpc"):
-        row("corolla client-observed step via local server (RPC)", r["rpc"].get("client_step_ms"))
-        row("corolla server-side step of that server span", r["rpc"].get("server_step_ms"))
-        row("  of which: zero-token RPC round trip", r["rpc"].get("empty_rtt_ms"))
-        row("  zero-token round trip after a step-long idle wait", r["rpc"].get("idle_empty_rtt_ms"))
-        row("  of which: step as run on the runtime thread", r["rpc"].get("runtime_task_ms"))
         rpc = r["rpc"]
-        if rpc.get("concurrent_sessions"):
-            lines.append(
-                f"| {rpc['concurrent_sessions']} concurrent streams via the server: step (median) | "
-                f"{_fmt(rpc['concurrent_client_step_ms'])} ms | {rpc['concurrent_aggregate_tokens_per_s']:.0f} tok/s | "
-                f"{rpc['concurrent_mean_merged_steps']:.1f} steps per forward | |"
-            )
+        row("corolla server-side step of the RPC server's span", rpc.get("server_step_ms"))
+        for prefix, name in RPC_VARIANTS:
+            if f"{prefix}client_step_ms" not in rpc:
+                continue
+            row(f"corolla client-observed step via one server, {name}", rpc[f"{prefix}client_step_ms"])
+            lines.append(f"|   over the server-side step | +{_fmt(rpc[f'{prefix}overhead_ms'])} ms | | | |")
+            row("  zero-token round trip (after a step-long idle wait)", rpc.get(f"{prefix}idle_empty_rtt_ms"))
+            row("  step as run on the server's runtime thread", rpc.get(f"{prefix}runtime_task_ms"))
+            if rpc.get(f"{prefix}concurrent_sessions"):
+                lines.append(
+                    f"|   {rpc[f'{prefix}concurrent_sessions']} concurrent streams: step (median) | "
+                    f"{_fmt(rpc[f'{prefix}concurrent_client_step_ms'])} ms | "
+                    f"{rpc[f'{prefix}concurrent_aggregate_tokens_per_s']:.0f} tok/s | "
+                    f"{rpc[f'{prefix}concurrent_mean_merged_steps']:.1f} steps per forward | |"
+                )
     lines += ["", "| prefill | tokens/s | / HF eager | / HF compiled |", "|---|---|---|---|"]
     hf_pf, hf_pf_c = r.get("hf_prefill_tokens_per_s"), r.get("hf_compiled_prefill_tokens_per_s")
     for name, tps in (

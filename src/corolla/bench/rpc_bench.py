@@ -58,16 +58,14 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     if fast is None:
         raise RuntimeError("the fast path refused this span")
     fast_backend, cache = fast
-    task_ms: list[float] = []  # the merged step as the runtime thread runs it (host tensors in and out)
+    # each merged step as the runtime thread runs it (host tensors in and out): (unix time, ms, steps merged)
+    task_log: list[tuple[float, float, int]] = []
     executor = fast_backend._execute_tasks  # registered with the runtime at the first step: wrap it before
-
-    merged: list[int] = []
 
     def timed_executor(tasks):
         start = time.perf_counter()
         out = executor(tasks)
-        task_ms.append((time.perf_counter() - start) * 1000)
-        merged.append(len(tasks))
+        task_log.append((time.time(), (time.perf_counter() - start) * 1000, len(tasks)))
         return out
 
     fast_backend._execute_tasks = timed_executor
@@ -117,35 +115,54 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
     result["server_step_ms"] = server_side["median_ms"]
-    result["runtime_task_ms"] = median([t for t in task_ms[1:]][:70] or [float("nan")])
-    result["handoff_ms"] = result["client_step_ms"] - result["empty_rtt_ms"] - result["runtime_task_ms"]
-    result["idle_handoff_ms"] = result["client_step_ms"] - result["idle_empty_rtt_ms"] - result["runtime_task_ms"]
+
+    def logged(p: str, phase: str) -> list[tuple[float, int]]:
+        lo, hi = result[f"{p}{phase}_from_unix"], result[f"{p}{phase}_to_unix"]
+        return [(ms, size) for t, ms, size in task_log if lo <= t <= hi]
+
+    for p in result["variants"]:
+        result[f"{p}runtime_task_ms"] = median([ms for ms, _ in logged(p, "single")] or [float("nan")])
+        client_ms = result[f"{p}client_step_ms"]
+        result[f"{p}overhead_ms"] = client_ms - result["server_step_ms"]
+        result[f"{p}handoff_ms"] = client_ms - result[f"{p}empty_rtt_ms"] - result[f"{p}runtime_task_ms"]
+        result[f"{p}idle_handoff_ms"] = client_ms - result[f"{p}idle_empty_rtt_ms"] - result[f"{p}runtime_task_ms"]
+        sizes = [size for _, size in logged(p, "concurrent")]
+        result[f"{p}concurrent_mean_merged_steps"] = sum(sizes) / max(1, len(sizes))
     result["layers"] = n
-    tail = merged[-(args.rpc_sessions * 10) :]
-    result["concurrent_mean_merged_steps"] = sum(tail) / max(1, len(tail))
-    log(
-        f"RPC: client-observed step {result['client_step_ms']:.2f} ms (p90 {result['client_step_p90_ms']:.2f}), "
-        f"zero-token round trip {result['empty_rtt_ms']:.2f} ms (after an idle wait as long as a step: "
-        f"{result['idle_empty_rtt_ms']:.2f} ms), server-side step {result['server_step_ms']:.2f} ms, "
-        f"step on the runtime thread {result['runtime_task_ms']:.2f} ms, so handler->runtime->handler hand-off and "
-        f"tensor handling {result['handoff_ms']:.2f} ms ({result['idle_handoff_ms']:.2f} ms over the idle round trip); {result['concurrent_sessions']} concurrent streams: step "
-        f"{result['concurrent_client_step_ms']:.2f} ms, {result['concurrent_aggregate_tokens_per_s']:.0f} tok/s, "
-        f"{result['concurrent_mean_merged_steps']:.1f} steps per merged forward"
+    names = {"": "p2p (two p2pd daemons)", "local_": "same-host unix socket"}
+    names.update(
+        {"poll_": names[""] + ", client busy-polling", "local_poll_": names["local_"] + ", client busy-polling"}
     )
+    for p in result["variants"]:
+        name = names[p]
+        log(
+            f"RPC over {name}: client-observed step {result[f'{p}client_step_ms']:.2f} ms "
+            f"(p90 {result[f'{p}client_step_p90_ms']:.2f}) = server-side step {result['server_step_ms']:.2f} ms "
+            f"+ {result[f'{p}overhead_ms']:.2f} ms; zero-token round trip {result[f'{p}empty_rtt_ms']:.2f} ms "
+            f"({result[f'{p}idle_empty_rtt_ms']:.2f} ms after a step-long idle wait); step on the runtime thread "
+            f"{result[f'{p}runtime_task_ms']:.2f} ms; hand-off and tensor handling {result[f'{p}handoff_ms']:.2f} ms "
+            f"({result[f'{p}idle_handoff_ms']:.2f} ms over the idle round trip); {result[f'{p}concurrent_sessions']} "
+            f"concurrent streams: step {result[f'{p}concurrent_client_step_ms']:.2f} ms, "
+            f"{result[f'{p}concurrent_aggregate_tokens_per_s']:.0f} tok/s, "
+            f"{result[f'{p}concurrent_mean_merged_steps']:.1f} steps per merged forward"
+        )
     return result
 
 
 class _Stream:
     """One `rpc_inference` stream as a stock Petals client drives it (session metadata, start_from_position)."""
 
-    def __init__(self, stub: Any, chain: str, max_length: int):
+    def __init__(self, stub: Any, chain: str, max_length: int, local_peer_id: str | None = None):
         self.stub, self.chain, self.max_length = stub, chain, max_length
+        self.local_peer_id = local_peer_id  # set: open over the server's unix socket instead of p2p
         self.session_id = str(uuid.uuid4())
         self.queue: asyncio.Queue = asyncio.Queue()
         self.responses: Any = None
         self.first = True
 
     async def open(self) -> _Stream:
+        from corolla.client.local_transport import open_local_inference
+
         async def requests():
             while True:
                 item = await self.queue.get()
@@ -153,7 +170,13 @@ class _Stream:
                     return
                 yield item
 
-        self.responses = (await asyncio.wait_for(self.stub.rpc_inference(requests()), 30)).__aiter__()
+        if self.local_peer_id is not None:
+            stream = await open_local_inference(self.local_peer_id, requests(), timeout_s=30)
+            if stream is None:
+                raise RuntimeError("the server's local socket is not usable")
+        else:
+            stream = await asyncio.wait_for(self.stub.rpc_inference(requests()), 30)
+        self.responses = stream.__aiter__()
         return self
 
     async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
@@ -183,11 +206,18 @@ class _Stream:
 def _client_main(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype, n: int, args: Any, results) -> None:
     from hivemind.p2p import PeerID
 
+    from corolla.utils.busy_poll import BusyPollSelector
+
+    selector = BusyPollSelector(0.0)  # the busy-poll variants widen its window (this process has one Python thread)
+    loop = asyncio.SelectorEventLoop(selector)
     try:
-        results.put(asyncio.run(_client(maddrs, PeerID.from_base58(peer_id_b58), shape, dtype, n, args)))
+        coro = _client(maddrs, PeerID.from_base58(peer_id_b58), shape, dtype, n, args, selector)
+        results.put(loop.run_until_complete(coro))
     except BaseException as e:
         results.put(RuntimeError(f"RPC bench client failed: {e!r}"))
         raise
+    finally:
+        loop.close()
 
 
 def _client_in_process(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype, n: int, args: Any) -> dict:
@@ -212,80 +242,112 @@ def _client_in_process(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.
     return result
 
 
-async def _client(maddrs: list[str], server_peer_id, shape, dtype: torch.dtype, n: int, args: Any) -> dict:
+TRANSPORTS = (("", False, False), ("local_", True, False), ("poll_", False, True), ("local_poll_", True, True))
+BUSY_POLL_WINDOW_S = 0.02
+
+
+async def _client(
+    maddrs: list[str], server_peer_id, shape, dtype: torch.dtype, n: int, args: Any, selector: Any = None
+) -> dict:
+    """Each transport from one client, p2p first: figures of the p2p stream under the plain keys, those of the
+    same-host unix socket under `local_*`; with a busy-poll `selector` (client in its own process), both again with
+    the client loop polling instead of sleeping (`poll_*`, `local_poll_*`)."""
     from hivemind.p2p import P2P
 
     from corolla.protocol.rpc import get_stub
-    from corolla.protocol.uids import make_chain
 
     p2p = await P2P.create(initial_peers=maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
     try:
         stub = get_stub(p2p, server_peer_id)
-        chain = make_chain("bench", 0, n)
-        h = shape.hidden_size
-        max_length = args.prefix_tokens + 128
-        prefix = torch.randn(1, args.prefix_tokens, h).to(dtype)
-        tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(80)]
-
-        stream = await _Stream(stub, chain, max_length).open()
-        out = await stream.step(prefix, 0)
-        assert out.shape == prefix.shape
-        position = args.prefix_tokens
-        times = []
-        for i, tok in enumerate(tokens):
-            start = time.perf_counter()
-            out = await stream.step(tok, position)  # client-observed: serialize, send, step, receive
-            elapsed = (time.perf_counter() - start) * 1000
-            assert out.shape == (1, 1, h)
-            position += 1
-            if i >= 10:
-                times.append(elapsed)
-        empty = torch.empty(1, 0, h, dtype=dtype)
-        empty_times = []
-        for _ in range(40):
-            start = time.perf_counter()
-            await stream.step(empty, position)
-            empty_times.append((time.perf_counter() - start) * 1000)
-        # the same zero-token step after the client waited as long as a real step takes: every thread on the path
-        # (client loop, both p2pd daemons, server loop) has gone idle, as it has during a real step
-        idle_s = median(times) / 1000
-        idle_times = []
-        for _ in range(40):
-            await asyncio.sleep(idle_s)
-            start = time.perf_counter()
-            await stream.step(empty, position)
-            idle_times.append((time.perf_counter() - start) * 1000)
-        await stream.close()
-        result = {
-            "client_step_ms": median(times),
-            "client_step_p90_ms": percentile(times, 0.9),
-            "empty_rtt_ms": median(empty_times[5:]),
-            "idle_empty_rtt_ms": median(idle_times[5:]),
-        }
-
-        # many sessions at once through the same server: steps merge in the runtime (continuous batching)
-        k, steps = args.rpc_sessions, 24
-        streams = [await _Stream(stub, chain, max_length).open() for _ in range(k)]
-        await asyncio.gather(*(s.step(prefix, 0) for s in streams))
-        latencies: list[float] = []
-
-        async def decode(s: _Stream) -> None:
-            for i in range(steps):
-                start = time.perf_counter()
-                await s.step(tokens[i], args.prefix_tokens + i)
-                if i >= 4:
-                    latencies.append((time.perf_counter() - start) * 1000)
-
-        start = time.perf_counter()
-        await asyncio.gather(*(decode(s) for s in streams))
-        wall_s = time.perf_counter() - start
-        for s in streams:
-            await s.close()
-        result.update(
-            concurrent_sessions=k,
-            concurrent_client_step_ms=median(latencies),
-            concurrent_aggregate_tokens_per_s=k * steps / wall_s,
-        )
+        result: dict[str, Any] = {"variants": []}
+        for prefix, local, poll in TRANSPORTS:
+            if poll and selector is None:
+                continue
+            if selector is not None:
+                selector.window_s = BUSY_POLL_WINDOW_S if poll else 0.0
+            peer = server_peer_id.to_base58() if local else None
+            figures = await _measure_transport(stub, peer, shape, dtype, n, args)
+            result.update({f"{prefix}{key}": value for key, value in figures.items()})
+            result["variants"].append(prefix)
         return result
     finally:
         await p2p.shutdown()
+
+
+async def _measure_transport(
+    stub: Any, local_peer_id: str | None, shape, dtype: torch.dtype, n: int, args: Any
+) -> dict:
+    from corolla.protocol.uids import make_chain
+
+    chain = make_chain("bench", 0, n)
+    h = shape.hidden_size
+    max_length = args.prefix_tokens + 128
+    prefix = torch.randn(1, args.prefix_tokens, h).to(dtype)
+    tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(80)]
+
+    stream = await _Stream(stub, chain, max_length, local_peer_id).open()
+    out = await stream.step(prefix, 0)
+    assert out.shape == prefix.shape
+    position = args.prefix_tokens
+    times = []
+    single_from_unix = time.time()
+    for i, tok in enumerate(tokens):
+        start = time.perf_counter()
+        out = await stream.step(tok, position)  # client-observed: serialize, send, step, receive
+        elapsed = (time.perf_counter() - start) * 1000
+        assert out.shape == (1, 1, h)
+        position += 1
+        if i >= 10:
+            times.append(elapsed)
+    single_to_unix = time.time()
+    empty = torch.empty(1, 0, h, dtype=dtype)
+    empty_times = []
+    for _ in range(40):
+        start = time.perf_counter()
+        await stream.step(empty, position)
+        empty_times.append((time.perf_counter() - start) * 1000)
+    # the same zero-token step after the client waited as long as a real step takes: every thread on the path
+    # (client loop, both p2pd daemons, server loop) has gone idle, as it has during a real step
+    idle_s = median(times) / 1000
+    idle_times = []
+    for _ in range(40):
+        await asyncio.sleep(idle_s)
+        start = time.perf_counter()
+        await stream.step(empty, position)
+        idle_times.append((time.perf_counter() - start) * 1000)
+    await stream.close()
+    result = {
+        "client_step_ms": median(times),
+        "client_step_p90_ms": percentile(times, 0.9),
+        "empty_rtt_ms": median(empty_times[5:]),
+        "idle_empty_rtt_ms": median(idle_times[5:]),
+        "single_from_unix": single_from_unix,
+        "single_to_unix": single_to_unix,
+    }
+
+    # many sessions at once through the same server: steps merge in the runtime (continuous batching)
+    k, steps = args.rpc_sessions, 24
+    streams = [await _Stream(stub, chain, max_length, local_peer_id).open() for _ in range(k)]
+    await asyncio.gather(*(s.step(prefix, 0) for s in streams))
+    latencies: list[float] = []
+
+    async def decode(s: _Stream) -> None:
+        for i in range(steps):
+            start = time.perf_counter()
+            await s.step(tokens[i], args.prefix_tokens + i)
+            if i >= 4:
+                latencies.append((time.perf_counter() - start) * 1000)
+
+    start, from_unix = time.perf_counter(), time.time()
+    await asyncio.gather(*(decode(s) for s in streams))
+    wall_s, to_unix = time.perf_counter() - start, time.time()
+    for s in streams:
+        await s.close()
+    result.update(
+        concurrent_sessions=k,
+        concurrent_client_step_ms=median(latencies),
+        concurrent_aggregate_tokens_per_s=k * steps / wall_s,
+        concurrent_from_unix=from_unix,
+        concurrent_to_unix=to_unix,
+    )
+    return result

@@ -74,6 +74,12 @@ def build_parser() -> configargparse.ArgParser:
     peers.add("--initial_peers", nargs="*", default=None, help="multiaddrs of peers to join (public swarm if unset)")
     peers.add("--new_swarm", action="store_true", help="start a new private swarm and print its address")
     parser.add("--no_fast_path", action="store_false", dest="fast_path", help="disable the GPU fast path")
+    parser.add(
+        "--no_local_socket",
+        action="store_false",
+        dest="local_socket",
+        help="don't serve same-host corolla clients over a unix socket (they use p2p like everyone else)",
+    )
     parser.add("--metrics_port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:<port>")
     parser.add("--increase_file_limit", type=int, default=4096, help="raise RLIMIT_NOFILE to this (0 = keep)")
     parser.add("--stats_report_interval", type=float, default=None, help="log runtime stats every N seconds")

@@ -40,6 +40,8 @@ class ClientConfig:
     max_pinged: int = 3  # servers pinged per sampled block at each refresh
     ping_timeout_s: float = 2.0
 
+    local_transport: bool = True  # inference with servers on this machine over their unix socket, not p2pd
+
     alloc_timeout_s: float = 0.0  # how long servers may wait for KV cache memory (sent as `alloc_timeout`)
     points: float = 0.0  # priority budget sent as `points`
 

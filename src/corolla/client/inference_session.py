@@ -13,6 +13,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
+from corolla.client.local_transport import open_local_inference
 from corolla.client.remote_forward_backward import serialize_activations
 from corolla.client.routing import RemoteSequenceManager
 from corolla.protocol.codecs import deserialize_tensor
@@ -41,11 +42,12 @@ class _SpanSession:
         self.history: torch.Tensor | None = None  # [B, position, H]
         self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._responses: Any = None
+        self.transport: str | None = None  # "local" (unix socket) or "p2p" once open
         self._started = False
         self._closed = False
 
     async def open(self) -> None:
-        stub = await self.manager.get_stub(self.span.peer_id)
+        """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
 
         async def _read_requests():
             while True:
@@ -54,7 +56,14 @@ class _SpanSession:
                     return
                 yield request
 
-        stream = await asyncio.wait_for(stub.rpc_inference(_read_requests()), self.manager.config.connect_timeout_s)
+        config = self.manager.config
+        stream = None
+        if config.local_transport:
+            stream = await open_local_inference(self.span.peer_id, _read_requests(), timeout_s=config.connect_timeout_s)
+        self.transport = "p2p" if stream is None else "local"
+        if stream is None:
+            stub = await self.manager.get_stub(self.span.peer_id)
+            stream = await asyncio.wait_for(stub.rpc_inference(_read_requests()), config.connect_timeout_s)
         self._responses = stream.__aiter__()
 
     def inputs_from(self, send_from: int, hidden: torch.Tensor, hidden_from: int) -> torch.Tensor:
@@ -331,7 +340,9 @@ class InferenceSession:
             "inference_session.route(blocks=%d:%d) %s",
             block,
             end,
-            " => ".join(f"{s.span.start}:{s.span.end} via ...{s.span.peer_id[-6:]}" for s in new_sessions),
+            " => ".join(
+                f"{s.span.start}:{s.span.end} via ...{s.span.peer_id[-6:]} ({s.transport})" for s in new_sessions
+            ),
         )
 
     def close(self) -> None:

@@ -128,6 +128,8 @@ class ServerConfig:
     throughput_forward_tokens: int | None = None
     # GPU fast path (paged KV pool, CUDA graphs, batching across sessions) when the span is eligible
     fast_path: bool = True
+    # serve inference streams of same-host corolla clients over a unix socket (skips both p2pd daemons)
+    local_socket: bool = True
     # process
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0 = any free port)
     increase_file_limit: int = 4096

@@ -494,6 +494,7 @@ class Server:
                 dht_client_mode=self.using_relay,
                 device=s.device,
                 metrics=self.metrics,
+                local_socket=c.local_socket,
             )
             c_public = not c.is_private_swarm
             if c_public and not c.skip_reachability_check and not self._validated_reachability:

@@ -1,5 +1,6 @@
-"""The serving part for one span: the runtime thread and the RPC handler registered on a P2P instance, started and
-stopped together (stopping ends every session, which frees its KV cache)."""
+"""The serving part for one span: the runtime thread, the RPC handler registered on a P2P instance and the
+same-host unix-socket endpoint for inference streams, started and stopped together (stopping ends every session,
+which frees its KV cache)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from corolla.server.block_functions import ServingLimits
 from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.local_endpoint import LocalEndpoint
 from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import ServerMetrics
 from corolla.server.runtime import Runtime
@@ -33,6 +35,7 @@ class SpanService:
         dht_client_mode: bool = False,
         device: torch.device | None = None,
         metrics: ServerMetrics | None = None,
+        local_socket: bool = True,
     ):
         self.backend = backend
         self.limits = limits
@@ -49,6 +52,8 @@ class SpanService:
             metrics=metrics,
         )
         self.p2p: Any = None
+        self.local_socket = local_socket
+        self.local_endpoint: LocalEndpoint | None = None
 
     @property
     def healthy(self) -> bool:
@@ -58,9 +63,19 @@ class SpanService:
         await asyncio.to_thread(self.runtime.start)
         self.p2p = p2p
         await self.handler.add_p2p_handlers(p2p)
+        if self.local_socket:
+            endpoint = LocalEndpoint(self.handler, p2p.peer_id)
+            try:
+                if await endpoint.start():
+                    self.local_endpoint = endpoint
+            except OSError as e:  # same-host clients fall back to p2p
+                logger.warning(f"span_service.local_endpoint_failed({e!r})")
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Unregisters the handlers, ends every session (freeing its cache) and stops the runtime."""
+        if self.local_endpoint is not None:
+            await self.local_endpoint.stop()
+            self.local_endpoint = None
         if self.p2p is not None:
             try:
                 await asyncio.wait_for(self.handler.remove_p2p_handlers(self.p2p), timeout_s)

@@ -1,0 +1,133 @@
+"""The same-host inference stream: `rpc_inference` between a corolla client and a corolla server on one machine over
+a unix socket instead of through two p2pd daemons (which cost ~1 ms per step on loopback, most of it waking idle
+threads of the two Go daemons).
+
+Messages are the same `ExpertRequest` / `ExpertResponse` protobufs as on the p2p stream, so the handler cannot tell
+the transports apart; only framing differs. Each frame is a 5-byte header (kind: u8, payload length: u32 big
+endian) and the payload:
+
+    client -> server: HELLO {"version", "rpc", "peer_id"} (JSON); then MESSAGE* (ExpertRequest); END
+    server -> client: ACCEPT (empty) or ERROR; then MESSAGE* (ExpertResponse); END, or ERROR (utf-8 text)
+
+Where: `<socket dir>/<server peer id>.sock`, the socket dir being `$COROLLA_LOCAL_SOCKET_DIR` or
+`<tmp>/corolla-<uid>`, created 0700. A client only uses a socket in a dir owned by its own uid and closed to
+group and others, so only a process of the same user (who could read the server's memory anyway) can have put it
+there; anyone else keeps to p2p. Nothing here ever leaves the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+LOCAL_STREAM_VERSION = 1
+SOCKET_DIR_ENV = "COROLLA_LOCAL_SOCKET_DIR"
+
+HELLO, ACCEPT, MESSAGE, ERROR, END = 1, 2, 3, 4, 5
+FRAME_KINDS = (HELLO, ACCEPT, MESSAGE, ERROR, END)
+_HEADER = struct.Struct(">BI")
+HEADER_BYTES = _HEADER.size  # 5
+MAX_HELLO_BYTES = 4096
+MAX_ERROR_BYTES = 64 * 1024
+UNIX_PATH_MAX_BYTES = 107  # sun_path is 108 bytes on Linux, one for the NUL
+
+
+def socket_dir() -> Path:
+    """Where this user's servers put their sockets."""
+    override = os.environ.get(SOCKET_DIR_ENV)
+    if override:
+        return Path(override)
+    return Path(tempfile.gettempdir()) / f"corolla-{os.getuid()}"
+
+
+def socket_path(peer_id: str, directory: Path | None = None) -> Path:
+    """The socket of the server with base58 `peer_id`; ValueError for a peer id that is not a plain file name."""
+    if not peer_id or not peer_id.isalnum():
+        raise ValueError(f"peer id must be a non-empty base58 string, got {peer_id!r:.80}")
+    return (directory if directory is not None else socket_dir()) / f"{peer_id}.sock"
+
+
+def is_private_dir(directory: Path) -> bool:
+    """True if `directory` is a real directory owned by this uid with no group/other access (so only this user, or
+    root, can have created sockets in it)."""
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and (st.st_mode & 0o077) == 0
+
+
+def ensure_private_dir(directory: Path) -> bool:
+    """Creates `directory` (0700) if missing; True when it is private to this user (see `is_private_dir`)."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return is_private_dir(directory)
+
+
+def usable_socket(peer_id: str, directory: Path | None = None) -> Path | None:
+    """The path of `peer_id`'s socket if a server of this user may be listening there, else None (no socket, a dir
+    another user could write to, a path too long for a unix socket)."""
+    try:
+        path = socket_path(peer_id, directory)
+    except ValueError:
+        return None
+    if len(os.fsencode(path)) > UNIX_PATH_MAX_BYTES or not is_private_dir(path.parent):
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return path if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid() else None
+
+
+@dataclass(frozen=True)
+class LocalHello:
+    """The client's first frame: which rpc it opens and which server it expects behind the socket."""
+
+    rpc: str
+    peer_id: str
+    version: int = LOCAL_STREAM_VERSION
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"version": self.version, "rpc": self.rpc, "peer_id": self.peer_id}).encode()
+
+    @classmethod
+    def from_bytes(cls, payload: bytes) -> LocalHello:
+        try:
+            data = json.loads(payload)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"local stream hello is not JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("local stream hello must be a JSON object")
+        rpc, peer_id, version = data.get("rpc"), data.get("peer_id"), data.get("version")
+        if not isinstance(rpc, str) or not isinstance(peer_id, str) or not isinstance(version, int):
+            raise ValueError("local stream hello needs string 'rpc', string 'peer_id' and integer 'version'")
+        return cls(rpc=rpc, peer_id=peer_id, version=version)
+
+
+def frame(kind: int, payload: bytes = b"") -> list[bytes]:
+    """One frame as buffers for `writer.writelines` (the payload is not copied)."""
+    if kind not in FRAME_KINDS:
+        raise ValueError(f"unknown frame kind {kind}")
+    return [_HEADER.pack(kind, len(payload)), payload]
+
+
+async def read_frame(reader: asyncio.StreamReader, max_payload_bytes: int) -> tuple[int, bytes]:
+    """The next (kind, payload). `asyncio.IncompleteReadError` at end of stream; ValueError (nothing more is read)
+    for an unknown kind or a payload over `max_payload_bytes`."""
+    header = await reader.readexactly(HEADER_BYTES)
+    kind, length = _HEADER.unpack(header)
+    if kind not in FRAME_KINDS:
+        raise ValueError(f"unknown local stream frame kind {kind}")
+    if length > max_payload_bytes:
+        raise ValueError(f"local stream frame of {length} bytes exceeds the limit of {max_payload_bytes} bytes")
+    payload = await reader.readexactly(length) if length else b""
+    return kind, payload

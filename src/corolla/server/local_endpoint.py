@@ -1,0 +1,149 @@
+"""`LocalEndpoint`: serves `rpc_inference` to corolla clients on the same machine over a unix socket (framing in
+`protocol.local_stream`), on the handler's own asyncio loop and through the very same handler method as the p2p
+stream, so sessions, validation, batching and cache accounting are shared. Remote clients and stock Petals clients
+keep using p2p; this only removes the two p2pd daemons from the same-host path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.message import DecodeError
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol import local_stream as ls
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+HELLO_TIMEOUT_S = 5.0
+SERVED_RPCS = ("rpc_inference",)
+
+
+class LocalEndpoint:
+    """A unix-socket listener for the handler of one span; `start()` returns False (and serves nothing) where the
+    socket dir is not private to this user or the path does not fit a unix socket."""
+
+    def __init__(self, handler: Any, peer_id: Any, *, directory: Path | None = None):
+        self.handler = handler
+        self.peer_id = peer_id  # hivemind PeerID (handed to the handler as the context's local id)
+        self.peer_id_b58 = peer_id.to_base58()
+        self.directory = directory if directory is not None else ls.socket_dir()
+        self.path: Path | None = None
+        self.max_frame_bytes = int(handler.max_stream_bytes) + (1 << 20)
+        self.streams_opened = 0
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._connections)
+
+    async def start(self) -> bool:
+        if not ls.ensure_private_dir(self.directory):
+            logger.warning(f"local_endpoint.disabled(dir={self.directory}): not a directory private to this user")
+            return False
+        path = ls.socket_path(self.peer_id_b58, self.directory)
+        if len(os.fsencode(path)) > ls.UNIX_PATH_MAX_BYTES:
+            logger.warning(f"local_endpoint.disabled(path={path}): longer than a unix socket path may be")
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a socket left by an earlier run with the same identity
+        self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=1 << 16)
+        os.chmod(path, 0o600)
+        self.path = path
+        logger.info(f"local_endpoint.listening(path={path})")
+        return True
+
+    async def stop(self) -> None:
+        """Stops accepting, ends open streams (their sessions free their caches) and removes the socket."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.wait(list(self._connections), timeout=10)
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            self.path = None
+        self._server = None
+
+    async def __aenter__(self) -> LocalEndpoint:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            if await self._accept(reader, writer):
+                self.streams_opened += 1
+                await self._stream(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.debug(f"local_endpoint.connection_lost({e!r})")
+        finally:
+            self._connections.discard(task)
+            writer.close()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        try:
+            kind, payload = await asyncio.wait_for(ls.read_frame(reader, ls.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
+            if kind != ls.HELLO:
+                raise ValueError(f"expected a hello frame first, got kind {kind}")
+            hello = ls.LocalHello.from_bytes(payload)
+            if hello.version != ls.LOCAL_STREAM_VERSION:
+                raise ValueError(f"local stream version {hello.version} is not {ls.LOCAL_STREAM_VERSION}")
+            if hello.peer_id != self.peer_id_b58:
+                raise ValueError("this socket belongs to another peer id")
+            if hello.rpc not in SERVED_RPCS:
+                raise ValueError(f"rpc {hello.rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
+        except asyncio.TimeoutError:
+            logger.info("local_endpoint.rejected(reason=no_hello)")
+            return False
+        except ValueError as e:
+            logger.info(f"local_endpoint.rejected(reason=bad_hello): {e}")
+            writer.writelines(ls.frame(ls.ERROR, str(e).encode()[: ls.MAX_ERROR_BYTES]))
+            return False
+        writer.writelines(ls.frame(ls.ACCEPT))
+        return True
+
+    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        context = P2PContext(handle_name="rpc_inference", local_id=self.peer_id, remote_id=None)
+
+        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+            while True:
+                try:
+                    kind, payload = await ls.read_frame(reader, self.max_frame_bytes)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return  # the client went away: the handler ends the session
+                if kind == ls.END:
+                    return
+                if kind != ls.MESSAGE:
+                    raise ValueError(f"expected a request frame, got kind {kind}")
+                try:
+                    request = runtime_pb2.ExpertRequest.FromString(payload)
+                except DecodeError as e:
+                    raise ValueError(f"request frame is not an ExpertRequest: {e}") from None
+                yield request
+
+        try:
+            async for response in self.handler.rpc_inference(requests(), context):
+                writer.writelines(ls.frame(ls.MESSAGE, response.SerializeToString()))
+                await writer.drain()
+        except Exception as e:  # reported to the client as the p2p stream would (the handler already logged it)
+            with contextlib.suppress(Exception):
+                writer.writelines(ls.frame(ls.ERROR, (str(e) or repr(e)).encode()[: ls.MAX_ERROR_BYTES]))
+                await writer.drain()
+            return
+        writer.writelines(ls.frame(ls.END))
+        await writer.drain()
