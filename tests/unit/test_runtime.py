@@ -156,3 +156,49 @@ async def test_a_failing_batch_executor_fails_only_its_batch() -> None:
         assert all(isinstance(r, RuntimeError) and "merged step" in str(r) for r in results)
         assert await asyncio.wait_for(after, 5) == "ok"
         assert runtime.num_batches_done >= 3  # blocker, the merged batch, `after`
+
+
+def _thread_name_executor(tasks: list) -> list:
+    return [(task.payload, threading.current_thread().name) for task in tasks]
+
+
+async def test_lone_short_step_runs_inline_when_idle_and_queues_otherwise() -> None:
+    from corolla.server.runtime import INLINE_MAX_TOKENS
+
+    here = threading.current_thread().name
+    with Runtime(max_batch_size_tokens=1000) as runtime:
+        runtime.register_batch_executor("decode", _thread_name_executor, inline_when_idle=True)
+        runtime.register_batch_executor("plain", _thread_name_executor)
+
+        def step(payload: str, *, kind: str = "decode", inline: bool = True, size: int = 1) -> asyncio.Future:
+            return runtime.submit(
+                lambda: None, priority=1, size_tokens=size, kind=kind, merge_key="k", payload=payload, inline=inline
+            )
+
+        future = step("idle")  # idle runtime: ran right here, already resolved
+        assert future.done() and future.result() == ("idle", here)
+        assert runtime.num_inline_batches == 1
+        # not asked, a kind not registered for it, or a long prefill: the device thread runs them
+        for f in (step("no", inline=False), step("plain", kind="plain"), step("long", size=INLINE_MAX_TOKENS + 1)):
+            assert (await asyncio.wait_for(f, 5))[1] == runtime.name
+        # a busy runtime (or queued work) never lets a step jump the queue
+        gate, blocker = await _block_runtime(runtime)
+        queued = step("busy")
+        assert not queued.done() and runtime.num_pending == 1
+        gate.set()
+        assert (await asyncio.wait_for(queued, 5)) == ("busy", runtime.name)
+        await blocker
+        assert runtime.num_inline_batches == 1
+
+
+async def test_failing_inline_step_reports_to_its_caller() -> None:
+    def failing(tasks: list) -> list:
+        raise ValueError("bad step")
+
+    with Runtime(max_batch_size_tokens=10) as runtime:
+        runtime.register_batch_executor("decode", failing, inline_when_idle=True)
+        future = runtime.submit(lambda: None, priority=1, size_tokens=1, kind="decode", merge_key="k", inline=True)
+        assert future.done()
+        with pytest.raises(ValueError, match="bad step"):
+            await future
+        assert await runtime.submit(lambda: "still serving", priority=1, size_tokens=1) == "still serving"

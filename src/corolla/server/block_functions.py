@@ -299,8 +299,11 @@ async def run_inference_step(
     hypo_ids: torch.Tensor | None,
     active_adapter: str,
     metrics: Any = None,
+    lone_session: bool = False,
 ) -> torch.Tensor:
-    """One step of an inference session over the whole span, as one runtime task at inference priority."""
+    """One step of an inference session over the whole span, as one runtime task at inference priority.
+    `lone_session`: no other session is open, so the fast path may run the step inline when its runtime is idle
+    (nothing to batch it with; saves two thread hand-offs)."""
     batch_size, length, _ = hidden_states.shape
     stacked_prompts = _stack_prompts(prompts)
     if hasattr(backend, "submit_inference_step"):  # the GPU fast path merges steps of many sessions itself
@@ -316,6 +319,7 @@ async def run_inference_step(
             prompts=stacked_prompts,
             hypo_ids=hypo_ids,
             active_adapter=active_adapter,
+            inline=lone_session,
         )
         if metrics is not None:
             metrics.observe_step(time.perf_counter() - started)  # includes the queue wait here

@@ -485,6 +485,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                     hypo_ids=hypo_ids,
                     active_adapter=session.active_adapter,
                     metrics=self.metrics,
+                    lone_session=self.sessions.num_open == 1,
                 ),
                 remaining,
             )

@@ -20,6 +20,11 @@ logger = get_logger(__name__)
 BatchExecutor = Callable[[list[Task]], list[Any]]
 
 
+# the largest task (batch x length) that may run inline: decode steps, never a long prefill that would hold the
+# caller's event loop for long
+INLINE_MAX_TOKENS = 64
+
+
 class RuntimeStopped(RuntimeError):
     """The runtime stopped before a pending task could run."""
 
@@ -50,11 +55,15 @@ class Runtime:
         self.stop_timeout_s = stop_timeout_s
         self._queue = TaskQueue()
         self._batch_executors: dict[str, BatchExecutor] = {}
+        self._inline_kinds: set[str] = set()
+        self._executing = threading.Lock()  # held while a batch runs, on the device thread or inline
+        self._inline_threads = threading.local()  # the CUDA device is set once per thread running inline batches
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopped = False
         self.num_batches_done = 0
         self.num_tasks_done = 0
+        self.num_inline_batches = 0
 
     # ---- lifecycle
 
@@ -96,9 +105,15 @@ class Runtime:
     def num_pending(self) -> int:
         return len(self._queue)
 
-    def register_batch_executor(self, kind: str, executor: BatchExecutor) -> None:
-        """Lets tasks of `kind` with equal `merge_key` run together through `executor` (up to the token limit)."""
+    def register_batch_executor(self, kind: str, executor: BatchExecutor, *, inline_when_idle: bool = False) -> None:
+        """Lets tasks of `kind` with equal `merge_key` run together through `executor` (up to the token limit).
+        `inline_when_idle`: a task submitted with `inline=True` may run at once in the submitting thread when
+        the runtime is idle (for short device steps whose latency matters more than the caller's thread)."""
         self._batch_executors[kind] = executor
+        if inline_when_idle:
+            self._inline_kinds.add(kind)
+        else:
+            self._inline_kinds.discard(kind)
 
     # ---- submission (event loop side)
 
@@ -111,9 +126,12 @@ class Runtime:
         kind: str = KIND_GENERIC,
         merge_key: Hashable | None = None,
         payload: Any = None,
+        inline: bool = False,
     ) -> asyncio.Future:
         """Queues `fn()` for the device thread; returns a future of its result in the calling asyncio loop.
-        Raises ValueError if `size_tokens` exceeds `max_batch_size_tokens`, RuntimeError if the runtime is stopped."""
+        With `inline` (and a kind registered `inline_when_idle`), an idle runtime runs the task right here instead
+        and returns a resolved future. Raises ValueError if `size_tokens` exceeds `max_batch_size_tokens`,
+        RuntimeError if the runtime is stopped."""
         if size_tokens > self.max_batch_size_tokens:
             raise ValueError(
                 f"Task of {size_tokens} tokens (batch x length) exceeds the server's max_batch_size "
@@ -134,8 +152,34 @@ class Runtime:
             merge_key=merge_key,
             payload=payload,
         )
+        inline = inline and kind in self._inline_kinds and merge_key is not None and size_tokens <= INLINE_MAX_TOKENS
+        if inline and self._run_inline(task):
+            return task.future
         self._queue.push(task)
         return task.future
+
+    def _run_inline(self, task: Task) -> bool:
+        """Runs `task` now in this thread if nothing is queued or running; False (not run) otherwise.
+
+        A lone session's step then skips two thread hand-offs (loop -> device thread -> loop), each of which
+        costs a wake-up of an idle core. The caller's loop is blocked for the step, which is why only short
+        steps of registered kinds ask for it, and only while no other session could be batched with them."""
+        if self._stopped or len(self._queue) > 0 or not self._executing.acquire(blocking=False):
+            return False
+        try:
+            if len(self._queue) > 0:  # the device thread queued work meanwhile: keep the priority order
+                return False
+            if self.device is not None and self.device.type == "cuda" and not getattr(self._inline_threads, "set", 0):
+                torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
+                self._inline_threads.set = 1
+            results = self._execute([task])
+        finally:
+            self._executing.release()
+        self.num_batches_done += 1
+        self.num_tasks_done += 1
+        self.num_inline_batches += 1
+        _resolve(task.future, *results[0])
+        return True
 
     # ---- device thread
 
@@ -154,7 +198,8 @@ class Runtime:
                 break
             if not batch:
                 continue
-            results = self._execute(batch)
+            with self._executing:
+                results = self._execute(batch)
             self._complete(batch, results)
 
     def _execute(self, batch: list[Task]) -> list[tuple[Any, BaseException | None]]:

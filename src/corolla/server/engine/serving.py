@@ -183,11 +183,13 @@ class EngineSpanBackend:
         prompts: torch.Tensor | None,
         hypo_ids: torch.Tensor | None,
         active_adapter: str,
+        inline: bool = False,
     ) -> torch.Tensor:
         """Submits one inference step as a mergeable runtime task: the runtime hands queued steps of this span to
-        one batch executor, which merges their single-token steps into one batched forward."""
+        one batch executor, which merges their single-token steps into one batched forward. `inline`: the caller
+        is the only session, so an idle runtime may run the step in the caller's thread (see `Runtime.submit`)."""
         if id(runtime) not in self._runtimes:
-            runtime.register_batch_executor(KIND_ENGINE_INFERENCE, self._execute_tasks)
+            runtime.register_batch_executor(KIND_ENGINE_INFERENCE, self._execute_tasks, inline_when_idle=True)
             self._runtimes.add(id(runtime))
         cache_tensors = [memory_cache.use_cache(*handles) for handles in cache_handles]
         req = StepRequest(
@@ -203,6 +205,7 @@ class EngineSpanBackend:
             kind=KIND_ENGINE_INFERENCE,
             merge_key=("engine", id(self.engine)),
             payload=req,
+            inline=inline,
         )
 
     def _execute_tasks(self, tasks: list) -> list:
