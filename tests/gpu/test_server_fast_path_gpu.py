@@ -51,6 +51,7 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
         tmp_path_factory.mktemp("cache"),
         block_indices=(0, LAYERS),
         torch_dtype="bfloat16",
+        quant_type="none",
         device="cuda",
         attn_cache_tokens=4096,
     )
@@ -114,6 +115,7 @@ def test_lone_session_steps_run_inline_and_match_the_threaded_path(server, model
     inline_before = runtime.num_inline_batches
     alone_socket = _over_socket(server, inputs)
     assert runtime.num_inline_batches - inline_before >= STEPS  # decode steps ran on the loop thread
+    assert server.selector.polled_events > 0  # and the loop polled for the next ones instead of sleeping
 
     client = ClientThread(server.join_maddrs, server.peer_id)
     try:

@@ -40,6 +40,12 @@ def test_defaults_map_onto_server_config():
     assert config.request_timeout_s == 180 and config.session_timeout_s == 1800 and config.step_timeout_s == 300
     assert config.max_alloc_timeout_s == 600 and config.throughput == "auto"
     assert config.resolved_initial_peers == tuple(PUBLIC_INITIAL_PEERS) and not config.is_private_swarm
+    assert config.local_socket is True and config.busy_poll_ms == 5.0 and config.fast_path is True
+
+
+def test_same_host_socket_and_busy_poll_flags():
+    config = parse_config(["m", "--no_local_socket", "--busy_poll_ms", "0"])
+    assert config.local_socket is False and config.busy_poll_ms == 0
 
 
 def test_flags_are_converted():
@@ -80,6 +86,7 @@ def test_new_swarm_is_private_on_loopback_and_port_opens_wildcards():
         (["m", "--dht_prefix", "a.b"], "dht_prefix"),
         (["m", "--step_timeout", "0"], "step_timeout"),
         (["m", "--torch_dtype", "int8"], "torch_dtype"),
+        (["m", "--busy_poll_ms", "-1"], "busy_poll_ms"),
         ([], "required"),
     ],
 )

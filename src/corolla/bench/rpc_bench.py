@@ -15,6 +15,7 @@ import torch
 
 from corolla.bench import engine_bench
 from corolla.bench.measure import median, percentile
+from corolla.utils.busy_poll import BusyPollSelector
 
 _P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 _LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -72,7 +73,8 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     server_side = engine_bench.single_session(fast_backend.engine, prefix_tokens=args.prefix_tokens, steps=64)
     log(f"RPC span ({n} layers, engine from corolla blocks): server-side step {server_side['median_ms']:.2f} ms")
 
-    loop = asyncio.new_event_loop()
+    selector = BusyPollSelector()  # as the server's: hot only after a lone session's inline step
+    loop = asyncio.SelectorEventLoop(selector)
     thread = threading.Thread(target=loop.run_forever, name="bench-server-loop", daemon=True)
     thread.start()
 
@@ -100,6 +102,7 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
             memory_cache=cache,
             timeouts=SessionTimeouts(step_timeout_s=60, session_timeout_s=600, request_timeout_s=60),
             device=device,
+            busy_poll=None if args.cpu_smoke else selector,  # as a GPU server's
         )
         on_server(service.start(server_p2p))
         maddrs = [str(m) for m in on_server(server_p2p.get_visible_maddrs())]
@@ -205,8 +208,6 @@ class _Stream:
 
 def _client_main(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype, n: int, args: Any, results) -> None:
     from hivemind.p2p import PeerID
-
-    from corolla.utils.busy_poll import BusyPollSelector
 
     selector = BusyPollSelector(0.0)  # the busy-poll variants widen its window (this process has one Python thread)
     loop = asyncio.SelectorEventLoop(selector)

@@ -80,6 +80,12 @@ def build_parser() -> configargparse.ArgParser:
         dest="local_socket",
         help="don't serve same-host corolla clients over a unix socket (they use p2p like everyone else)",
     )
+    parser.add(
+        "--busy_poll_ms",
+        type=float,
+        default=5.0,
+        help="after a lone session's GPU step, poll this long for its next request instead of sleeping (0 = never)",
+    )
     parser.add("--metrics_port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:<port>")
     parser.add("--increase_file_limit", type=int, default=4096, help="raise RLIMIT_NOFILE to this (0 = keep)")
     parser.add("--stats_report_interval", type=float, default=None, help="log runtime stats every N seconds")

@@ -130,6 +130,9 @@ class ServerConfig:
     fast_path: bool = True
     # serve inference streams of same-host corolla clients over a unix socket (skips both p2pd daemons)
     local_socket: bool = True
+    # after a lone session's step ran inline, poll for its next request this long instead of sleeping (saves an
+    # idle core's wake-up per token on a GPU server; burns one core meanwhile); 0 = never poll
+    busy_poll_ms: float = 5.0
     # process
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0 = any free port)
     increase_file_limit: int = 4096
@@ -168,6 +171,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, tuple(value))
+        if not 0 <= self.busy_poll_ms <= 1000:
+            raise ValueError(f"busy_poll_ms must be in [0, 1000], got {self.busy_poll_ms}")
         if self.new_swarm and self.initial_peers:
             raise ValueError("--new_swarm starts a new swarm: it can't be combined with --initial_peers")
         if self.port is not None and self.host_maddrs:

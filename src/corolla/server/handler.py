@@ -38,6 +38,7 @@ from corolla.server.block_functions import ServingLimits
 from corolla.server.metrics import ServerMetrics
 from corolla.server.runtime import RuntimeStopped
 from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
+from corolla.utils.busy_poll import BusyPollSelector
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
 
@@ -78,8 +79,12 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         dht_client_mode: bool = False,
         sessions: SessionRegistry | None = None,
         metrics: ServerMetrics | None = None,
+        busy_poll: BusyPollSelector | None = None,
+        busy_poll_s: float = 0.005,
     ):
         self.limits = limits
+        self.busy_poll = busy_poll  # the serving loop's selector: hot after a lone session's inline step
+        self.busy_poll_s = busy_poll_s
         self.backend = backend
         self.runtime = runtime
         self.memory_cache = memory_cache
@@ -489,11 +494,14 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 ),
                 remaining,
             )
+            inline_before = getattr(self.runtime, "num_inline_batches", 0)
             try:
                 output = await step
             except asyncio.TimeoutError:
                 raise TimeoutError(
                     f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
                 ) from None
+            if self.busy_poll is not None and getattr(self.runtime, "num_inline_batches", 0) != inline_before:
+                self.busy_poll.keep_hot(self.busy_poll_s)  # a lone session: its next step is due in a moment
         session.prefix_length = prefix_length + length
         return self._serialize_output(output), not has_prompts

@@ -27,6 +27,7 @@ from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.sessions import SessionTimeouts
 from corolla.server.span_service import SpanService
+from corolla.utils import busy_poll
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -128,6 +129,7 @@ class Server:
         self.using_relay = bool(config.reachable_via_relay)
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.selector: busy_poll.BusyPollSelector | None = None  # the serving loop's (set when it starts)
         self._async_stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -206,7 +208,13 @@ class Server:
             print("corolla-server: throughput " + " ".join(f"{k}={v:.3f}" for k, v in sorted(info.items())), flush=True)
             return 0
         self._prepare()
-        return asyncio.run(self._main())
+        return busy_poll.run(self._main(), self._new_selector())
+
+    def _new_selector(self) -> busy_poll.BusyPollSelector:
+        """The serving loop's selector: it polls (instead of sleeping) only when a lone session's step just ran
+        inline and its next request is due (`busy_poll_ms`)."""
+        self.selector = busy_poll.BusyPollSelector()
+        return self.selector
 
     def start(self, timeout_s: float = 120.0) -> Server:
         """Runs the server in a background thread (DHT created in the calling thread) and waits until it serves."""
@@ -215,7 +223,7 @@ class Server:
 
         def target() -> None:
             try:
-                result["code"] = asyncio.run(self._main())
+                result["code"] = busy_poll.run(self._main(), self._new_selector())
             except BaseException as e:  # surfaced by wait_ready
                 result["error"] = e
                 self._ready.set()
@@ -495,6 +503,8 @@ class Server:
                 device=s.device,
                 metrics=self.metrics,
                 local_socket=c.local_socket,
+                busy_poll=self.selector if c.busy_poll_ms > 0 else None,
+                busy_poll_s=c.busy_poll_ms / 1000,
             )
             c_public = not c.is_private_swarm
             if c_public and not c.skip_reachability_check and not self._validated_reachability:

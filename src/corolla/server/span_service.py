@@ -16,6 +16,7 @@ from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import ServerMetrics
 from corolla.server.runtime import Runtime
 from corolla.server.sessions import SessionTimeouts
+from corolla.utils.busy_poll import BusyPollSelector
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -36,6 +37,8 @@ class SpanService:
         device: torch.device | None = None,
         metrics: ServerMetrics | None = None,
         local_socket: bool = True,
+        busy_poll: BusyPollSelector | None = None,
+        busy_poll_s: float = 0.005,
     ):
         self.backend = backend
         self.limits = limits
@@ -50,6 +53,8 @@ class SpanService:
             compression=compression,
             dht_client_mode=dht_client_mode,
             metrics=metrics,
+            busy_poll=busy_poll,
+            busy_poll_s=busy_poll_s,
         )
         self.p2p: Any = None
         self.local_socket = local_socket
