@@ -9,18 +9,22 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from corolla.utils.busy_poll import BusyPollSelector
+
 T = TypeVar("T")
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
+_selector: BusyPollSelector | None = None
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
     """Starts the loop thread on first use."""
-    global _loop
+    global _loop, _selector
     with _lock:
         if _loop is None or _loop.is_closed():
-            loop = asyncio.new_event_loop()
+            _selector = BusyPollSelector()  # sleeps unless a session polls for a due response (busy_poll_ms)
+            loop = asyncio.SelectorEventLoop(_selector)
             ready = threading.Event()
 
             def _run() -> None:
@@ -32,6 +36,13 @@ def get_loop() -> asyncio.AbstractEventLoop:
             ready.wait()
             _loop = loop
         return _loop
+
+
+def get_selector() -> BusyPollSelector:
+    """The loop's selector (to poll for an inference response instead of sleeping; see ClientConfig.busy_poll_ms)."""
+    get_loop()
+    assert _selector is not None
+    return _selector
 
 
 def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:

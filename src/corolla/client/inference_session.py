@@ -132,6 +132,9 @@ class _SpanSession:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.request_timeout_s
         pending = asyncio.ensure_future(anext(self._responses))
+        poller = background_loop.get_selector() if config.busy_poll_ms > 0 else None
+        if poller is not None and asyncio.get_running_loop() is background_loop.get_loop():
+            poller.keep_hot(config.busy_poll_ms / 1000)
         try:
             while True:
                 wait_s = min(config.liveness_check_period_s or math.inf, deadline - loop.time())
@@ -143,6 +146,8 @@ class _SpanSession:
                 if math.isinf(await self.manager.ping_s(self.span.peer_id)) and not pending.done():
                     raise ConnectionError(f"server ...{self.span.peer_id[-6:]} stopped answering pings")
         finally:
+            if poller is not None:
+                poller.cool()
             if not pending.done():
                 pending.cancel()
 

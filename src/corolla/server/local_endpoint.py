@@ -22,6 +22,7 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 HELLO_TIMEOUT_S = 5.0
+LINGER_S = 2.0  # after its last frame, how long the server waits for the client to close its side
 SERVED_RPCS = ("rpc_inference",)
 
 
@@ -140,10 +141,20 @@ class LocalEndpoint:
             async for response in self.handler.rpc_inference(requests(), context):
                 writer.writelines(ls.frame(ls.MESSAGE, response.SerializeToString()))
                 await writer.drain()
+            last = ls.frame(ls.END)
         except Exception as e:  # reported to the client as the p2p stream would (the handler already logged it)
-            with contextlib.suppress(Exception):
-                writer.writelines(ls.frame(ls.ERROR, (str(e) or repr(e)).encode()[: ls.MAX_ERROR_BYTES]))
-                await writer.drain()
+            last = ls.frame(ls.ERROR, (str(e) or repr(e)).encode()[: ls.MAX_ERROR_BYTES])
+        with contextlib.suppress(Exception):
+            writer.writelines(last)
+            writer.write_eof()
+            await _discard_until_eof(reader, LINGER_S)
+
+
+async def _discard_until_eof(reader: asyncio.StreamReader, timeout_s: float) -> None:
+    """Reads (and drops) what the client still sends until it closes, for at most `timeout_s`: closing a unix
+    socket with unread data resets the connection, and the client could lose our last frame."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (remaining := deadline - loop.time()) > 0:
+        if not await asyncio.wait_for(reader.read(1 << 16), remaining):
             return
-        writer.writelines(ls.frame(ls.END))
-        await writer.drain()

@@ -35,6 +35,10 @@ class BusyPollSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
         """Poll for the next `seconds` (from the loop's thread)."""
         self._hot_until = max(self._hot_until, time.monotonic() + seconds)
 
+    def cool(self) -> None:
+        """Stop polling now (the expected message came)."""
+        self._hot_until = 0.0
+
     def select(self, timeout: float | None = None) -> list:
         now = time.monotonic()
         if now < self._hot_until and (timeout is None or timeout > 0):
