@@ -98,8 +98,11 @@ def test_sigkill_mid_generation_fails_over_to_a_replica(swarm, model_path, expec
         killed.append(victim)
 
     config = ClientConfig(max_retries=5, min_backoff_s=0.2, update_period_s=2.0, liveness_check_period_s=1.0)
-    output = _generate(swarm, model_path, KillAt(20, kill), config)
+    streamer = KillAt(20, kill)
+    output = _generate(swarm, model_path, streamer, config)
     assert killed and killed[0].wait(10) is not None
+    # the servers share this machine: steps ran over their sockets in this thread, before and after the fail-over
+    assert streamer.session.num_steps_here > 20
     assert output.shape[1] == PROMPT.shape[1] + NEW_TOKENS
     assert output.tolist() == expected.tolist()
 

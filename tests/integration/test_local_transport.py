@@ -17,7 +17,7 @@ from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from transformers import AutoModelForCausalLM
 
-from corolla.client import AutoDistributedModelForCausalLM, ClientConfig, background_loop
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.local_transport import open_local_inference
 from corolla.protocol import local_stream as ls
 from helpers.swarm import ClientThread, InferenceStream, packed_request, start_inprocess_server, wait_until
@@ -196,19 +196,21 @@ def test_handler_errors_reach_the_client_like_p2p_errors(server):
 @pytest.mark.parametrize("local_transport, busy_poll_ms", [(True, 0.0), (False, 0.0), (True, 200.0)])
 def test_client_generates_the_same_tokens_over_socket_and_p2p(server, model_path, local, local_transport, busy_poll_ms):
     config = ClientConfig(local_transport=local_transport, max_retries=2, busy_poll_ms=busy_poll_ms)
-    polled_before = background_loop.get_selector().polled_events
     with AutoDistributedModelForCausalLM.from_pretrained(
         model_path, initial_peers=server.join_maddrs, client_config=config
     ) as model:
         with model.inference_session(max_length=32) as session:
             output = model.generate(PROMPT, max_new_tokens=12, do_sample=False, session=session)
             transports = {span.transport for span in session._spans}
+            steps_here = session.num_steps_here
+            polled = sum(span.local.polled_responses for span in session._spans if span.local is not None)
     with torch.no_grad():
         expected = local.generate(PROMPT, max_new_tokens=12, do_sample=False)
     assert output.tolist() == expected.tolist()
     assert transports == {"local" if local_transport else "p2p"}
-    polled = background_loop.get_selector().polled_events - polled_before
-    assert (polled > 0) == (busy_poll_ms > 0)  # responses picked up by polling only when asked for
+    # over the socket, every step after the prompt runs in this thread (no hop to the client loop)
+    assert steps_here == (11 if local_transport else 0)
+    assert (polled > 0) == (busy_poll_ms > 0)  # with busy_poll_ms, responses are picked up by polling
 
 
 def test_no_socket_or_a_stale_one_means_p2p_and_stop_removes_the_socket(server, model_path, local, tmp_path):

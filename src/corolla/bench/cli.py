@@ -266,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     checks["prefill_over_hf"] = f"{results['prefill_tokens_per_s'] / ref_pf:.2f} (target >= 0.8)"
     if results.get("rpc"):
         rpc = results["rpc"]
-        for prefix in rpc.get("variants", [""]):
-            checks[f"rpc_{prefix}overhead_ms"] = f"{rpc[f'{prefix}overhead_ms']:.2f} (target <= 1)"
+        for prefix in [*rpc.get("variants", [""]), "corolla_", "corolla_local_", "corolla_local_poll_"]:
+            if f"{prefix}overhead_ms" in rpc:
+                checks[f"rpc_{prefix}overhead_ms"] = f"{rpc[f'{prefix}overhead_ms']:.2f} (target <= 1)"
     results["total_s"] = time.perf_counter() - started
     stem = (
         f"bench-{_slug(card)}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M}{'-' + _slug(args.tag) if args.tag else ''}"

@@ -17,10 +17,13 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 RPC_VARIANTS = (
-    ("local_", "same-host unix socket (default for co-located clients)"),
-    ("", "p2p through two p2pd daemons"),
-    ("local_poll_", "unix socket, client loop busy-polling"),
-    ("poll_", "p2p, client loop busy-polling"),
+    ("local_", "stream client, same-host unix socket (default for co-located clients)"),
+    ("", "stream client, p2p through two p2pd daemons"),
+    ("local_poll_", "stream client, unix socket, polling while a step is in flight"),
+    ("poll_", "stream client, p2p, polling while a step is in flight"),
+    ("corolla_local_", "corolla's InferenceSession, unix socket (default)"),
+    ("corolla_local_poll_", "corolla's InferenceSession, unix socket, busy_poll_ms=20"),
+    ("corolla_", "corolla's InferenceSession, p2p"),
 )
 
 
@@ -54,8 +57,9 @@ def table(results: dict[str, Any]) -> str:
                 continue
             row(f"corolla client-observed step via one server, {name}", rpc[f"{prefix}client_step_ms"])
             lines.append(f"|   over the server-side step | +{_fmt(rpc[f'{prefix}overhead_ms'])} ms | | | |")
-            row("  zero-token round trip (after a step-long idle wait)", rpc.get(f"{prefix}idle_empty_rtt_ms"))
-            row("  step as run on the server's runtime thread", rpc.get(f"{prefix}runtime_task_ms"))
+            if f"{prefix}idle_empty_rtt_ms" in rpc:
+                row("  zero-token round trip (after a step-long idle wait)", rpc[f"{prefix}idle_empty_rtt_ms"])
+                row("  step as run on the server's runtime thread", rpc.get(f"{prefix}runtime_task_ms"))
             if rpc.get(f"{prefix}concurrent_sessions"):
                 lines.append(
                     f"|   {rpc[f'{prefix}concurrent_sessions']} concurrent streams: step (median) | "

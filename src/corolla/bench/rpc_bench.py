@@ -131,6 +131,14 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
         result[f"{p}idle_handoff_ms"] = client_ms - result[f"{p}idle_empty_rtt_ms"] - result[f"{p}runtime_task_ms"]
         sizes = [size for _, size in logged(p, "concurrent")]
         result[f"{p}concurrent_mean_merged_steps"] = sum(sizes) / max(1, len(sizes))
+    for prefix, _, _ in COROLLA_CLIENT_VARIANTS:
+        if f"{prefix}client_step_ms" in result:
+            result[f"{prefix}overhead_ms"] = result[f"{prefix}client_step_ms"] - result["server_step_ms"]
+            log(
+                f"RPC, corolla's client ({prefix.rstrip('_')}): InferenceSession.step {result[f'{prefix}client_step_ms']:.2f} ms "
+                f"(p90 {result[f'{prefix}client_step_p90_ms']:.2f}) = server-side step + {result[f'{prefix}overhead_ms']:.2f} ms, "
+                f"{result[f'{prefix}steps_here']} steps in the caller's thread"
+            )
     result["layers"] = n
     names = {"": "p2p (two p2pd daemons)", "local_": "same-host unix socket"}
     names.update(
@@ -155,8 +163,9 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
 class _Stream:
     """One `rpc_inference` stream as a stock Petals client drives it (session metadata, start_from_position)."""
 
-    def __init__(self, stub: Any, chain: str, max_length: int, local_peer_id: str | None = None):
+    def __init__(self, stub: Any, chain: str, max_length: int, local_peer_id: str | None = None, poller: Any = None):
         self.stub, self.chain, self.max_length = stub, chain, max_length
+        self.poller = poller  # a BusyPollSelector kept hot while a step is in flight (ClientConfig.busy_poll_ms)
         self.local_peer_id = local_peer_id  # set: open over the server's unix socket instead of p2p
         self.session_id = str(uuid.uuid4())
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -198,8 +207,14 @@ class _Stream:
         request = runtime_pb2.ExpertRequest(
             uid=self.chain, tensors=[serialize_tensor(t) for t in tensors], metadata=encode_metadata(meta)
         )
+        if self.poller is not None:
+            self.poller.keep_hot(BUSY_POLL_S)
         await self.queue.put(request)
-        response = await asyncio.wait_for(self.responses.__anext__(), 120)
+        try:
+            response = await asyncio.wait_for(self.responses.__anext__(), 120)
+        finally:
+            if self.poller is not None:
+                self.poller.cool()
         return deserialize_tensor(response.tensors[0])
 
     async def close(self) -> None:
@@ -209,16 +224,71 @@ class _Stream:
 def _client_main(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype, n: int, args: Any, results) -> None:
     from hivemind.p2p import PeerID
 
-    selector = BusyPollSelector(0.0)  # the busy-poll variants widen its window (this process has one Python thread)
+    selector = BusyPollSelector()  # the busy-poll variants keep it hot while a step is in flight
     loop = asyncio.SelectorEventLoop(selector)
     try:
         coro = _client(maddrs, PeerID.from_base58(peer_id_b58), shape, dtype, n, args, selector)
-        results.put(loop.run_until_complete(coro))
+        result = loop.run_until_complete(coro)
+        loop.close()
+        for prefix, local, poll_ms in COROLLA_CLIENT_VARIANTS:
+            figures = _measure_corolla_client(maddrs, peer_id_b58, shape, dtype, n, args, local, poll_ms)
+            result.update({f"{prefix}{key}": value for key, value in figures.items()})
+        results.put(result)
     except BaseException as e:
         results.put(RuntimeError(f"RPC bench client failed: {e!r}"))
         raise
     finally:
-        loop.close()
+        if not loop.is_closed():
+            loop.close()
+
+
+# corolla's own client (InferenceSession from the user's thread): over p2p, over the socket, over the socket polling
+COROLLA_CLIENT_VARIANTS = (("corolla_", False, 0.0), ("corolla_local_", True, 0.0), ("corolla_local_poll_", True, 20.0))
+
+
+def _measure_corolla_client(
+    maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype, n: int, args: Any, local: bool, busy_poll_ms: float
+) -> dict:
+    """Single-session decode steps through `InferenceSession.step` (what `generate` calls per token), routed to the
+    bench server by a fixed route instead of the DHT."""
+    from hivemind.p2p import P2P
+
+    from corolla.client.config import ClientConfig
+    from corolla.client.inference_session import InferenceSession
+    from corolla.client.routing import RemoteSequenceManager
+    from corolla.protocol.records import RemoteModuleInfo, ServerInfo, ServerState
+
+    class FixedRoute(RemoteSequenceManager):
+        def fetch_module_infos(self) -> list[RemoteModuleInfo]:
+            info = ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=n)
+            return [RemoteModuleInfo(uid, {peer_id_b58: info}) for uid in self.block_uids]
+
+        def measure_rtts_s(self, peer_ids):
+            return {p: 0.001 for p in peer_ids}
+
+        async def _get_p2p(self) -> Any:
+            if self._p2p is None:
+                self._p2p = await P2P.create(initial_peers=maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
+            return self._p2p
+
+    config = ClientConfig(local_transport=local, busy_poll_ms=busy_poll_ms, max_retries=0)
+    manager = FixedRoute(config, [f"bench.{i}" for i in range(n)], start_updates=False)
+    h = shape.hidden_size
+    try:
+        manager.update()
+        times = []
+        with InferenceSession(manager, max_length=args.prefix_tokens + SINGLE_STEPS + 16) as session:
+            session.step(torch.randn(1, args.prefix_tokens, h).to(dtype))
+            for i in range(SINGLE_STEPS + 10):
+                token = torch.randn(1, 1, h).to(dtype)
+                start = time.perf_counter()
+                session.step(token)
+                if i >= 10:
+                    times.append((time.perf_counter() - start) * 1000)
+            steps_here = session.num_steps_here
+        return {"client_step_ms": median(times), "client_step_p90_ms": percentile(times, 0.9), "steps_here": steps_here}
+    finally:
+        manager.shutdown()
 
 
 def _client_in_process(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype, n: int, args: Any) -> dict:
@@ -244,7 +314,8 @@ def _client_in_process(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.
 
 
 TRANSPORTS = (("", False, False), ("local_", True, False), ("poll_", False, True), ("local_poll_", True, True))
-BUSY_POLL_WINDOW_S = 0.02
+SINGLE_STEPS = 200  # timed single-session steps per transport (after 10 warm-up steps)
+BUSY_POLL_S = 0.02  # as ClientConfig(busy_poll_ms=20)
 
 
 async def _client(
@@ -264,10 +335,8 @@ async def _client(
         for prefix, local, poll in TRANSPORTS:
             if poll and selector is None:
                 continue
-            if selector is not None:
-                selector.window_s = BUSY_POLL_WINDOW_S if poll else 0.0
             peer = server_peer_id.to_base58() if local else None
-            figures = await _measure_transport(stub, peer, shape, dtype, n, args)
+            figures = await _measure_transport(stub, peer, shape, dtype, n, args, selector if poll else None)
             result.update({f"{prefix}{key}": value for key, value in figures.items()})
             result["variants"].append(prefix)
         return result
@@ -276,17 +345,17 @@ async def _client(
 
 
 async def _measure_transport(
-    stub: Any, local_peer_id: str | None, shape, dtype: torch.dtype, n: int, args: Any
+    stub: Any, local_peer_id: str | None, shape, dtype: torch.dtype, n: int, args: Any, poller: Any = None
 ) -> dict:
     from corolla.protocol.uids import make_chain
 
     chain = make_chain("bench", 0, n)
     h = shape.hidden_size
-    max_length = args.prefix_tokens + 128
+    max_length = args.prefix_tokens + SINGLE_STEPS + 64
     prefix = torch.randn(1, args.prefix_tokens, h).to(dtype)
-    tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(80)]
+    tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(SINGLE_STEPS + 10)]
 
-    stream = await _Stream(stub, chain, max_length, local_peer_id).open()
+    stream = await _Stream(stub, chain, max_length, local_peer_id, poller).open()
     out = await stream.step(prefix, 0)
     assert out.shape == prefix.shape
     position = args.prefix_tokens
@@ -328,7 +397,7 @@ async def _measure_transport(
 
     # many sessions at once through the same server: steps merge in the runtime (continuous batching)
     k, steps = args.rpc_sessions, 24
-    streams = [await _Stream(stub, chain, max_length, local_peer_id).open() for _ in range(k)]
+    streams = [await _Stream(stub, chain, max_length, local_peer_id, poller).open() for _ in range(k)]
     await asyncio.gather(*(s.step(prefix, 0) for s in streams))
     latencies: list[float] = []
 

@@ -13,7 +13,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
-from corolla.client.local_transport import open_local_inference
+from corolla.client.local_transport import LocalInferenceStream, responses_of
 from corolla.client.remote_forward_backward import serialize_activations
 from corolla.client.routing import RemoteSequenceManager
 from corolla.protocol.codecs import deserialize_tensor
@@ -43,6 +43,7 @@ class _SpanSession:
         self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._responses: Any = None
         self.transport: str | None = None  # "local" (unix socket) or "p2p" once open
+        self.local: LocalInferenceStream | None = None  # set for "local": also usable from the user's thread
         self._started = False
         self._closed = False
 
@@ -57,11 +58,12 @@ class _SpanSession:
                 yield request
 
         config = self.manager.config
-        stream = None
         if config.local_transport:
-            stream = await open_local_inference(self.span.peer_id, _read_requests(), timeout_s=config.connect_timeout_s)
-        self.transport = "p2p" if stream is None else "local"
-        if stream is None:
+            self.local = await LocalInferenceStream.open(self.span.peer_id, timeout_s=config.connect_timeout_s)
+        self.transport = "p2p" if self.local is None else "local"
+        if self.local is not None:
+            stream = responses_of(self.local, _read_requests())
+        else:
             stub = await self.manager.get_stub(self.span.peer_id)
             stream = await asyncio.wait_for(stub.rpc_inference(_read_requests()), config.connect_timeout_s)
         self._responses = stream.__aiter__()
@@ -73,6 +75,52 @@ class _SpanSession:
         have = 0 if self.history is None else self.history.shape[1]
         assert have >= hidden_from, f"span {self.span.start}:{self.span.end} lacks inputs [{have}, {hidden_from})"
         return torch.cat([self.history[:, send_from:hidden_from], hidden], dim=1)
+
+    def _request(
+        self,
+        hidden: torch.Tensor,
+        hidden_from: int,
+        position: int,
+        prompts: torch.Tensor,
+        hypo_ids: torch.Tensor,
+        step_id: str,
+        compression: int,
+    ) -> tuple[runtime_pb2.ExpertRequest, torch.Tensor, int]:
+        """The request for positions `[min(self.position, position), ...)`: (request, its inputs, their start)."""
+        send_from = min(self.position, position)
+        inputs = self.inputs_from(send_from, hidden, hidden_from)  # [B, n, H]
+        tensors, structure = pack_args_kwargs(inputs, prompts, hypo_ids)
+        metadata: dict[str, Any] = {
+            "session_id": self.session_id,
+            "step_id": step_id,
+            "start_from_position": send_from,
+            "args_structure": structure,
+            **self.manager.request_metadata(),
+        }
+        if not self._started:
+            metadata["max_length"] = self.max_length
+            if self.manager.config.alloc_timeout_s:
+                metadata["alloc_timeout"] = float(self.manager.config.alloc_timeout_s)
+        request = runtime_pb2.ExpertRequest(
+            uid=self.manager.make_chain(self.span.start, self.span.end),
+            tensors=serialize_activations(tensors, compression),
+            metadata=encode_metadata(metadata),
+        )
+        return request, inputs, send_from
+
+    def _accept(
+        self, response: runtime_pb2.ExpertResponse, inputs: torch.Tensor, send_from: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, int]:
+        """Checks the response, records the inputs as the server's cache contents; returns (outputs, first position)."""
+        if not response.tensors:
+            raise ConnectionError(f"server ...{self.span.peer_id[-6:]} sent an empty inference response")
+        outputs = deserialize_tensor(response.tensors[0])
+        if outputs.shape != inputs.shape:
+            raise ConnectionError(f"server returned shape {list(outputs.shape)} for inputs {list(inputs.shape)}")
+        base = self.history[:, :send_from] if self.history is not None else inputs[:, :0]
+        self.history = torch.cat([base, inputs], dim=1)
+        self.position = send_from + inputs.shape[1]
+        return outputs.to(dtype), send_from
 
     async def step(
         self,
@@ -89,25 +137,9 @@ class _SpanSession:
         `hidden` [B, *, H] holds this span's inputs from `hidden_from` on. A fresh session (position 0) replays its
         whole history; a rollback (`position < self.position`) overwrites the server's cache from `position`.
         """
-        send_from = min(self.position, position)
-        inputs = self.inputs_from(send_from, hidden, hidden_from)  # [B, n, H]
-        tensors, structure = pack_args_kwargs(inputs, prompts, hypo_ids)
-        metadata: dict[str, Any] = {
-            "session_id": self.session_id,
-            "step_id": step_id,
-            "start_from_position": send_from,
-            "args_structure": structure,
-            **self.manager.request_metadata(),
-        }
-        if not self._started:
-            metadata["max_length"] = self.max_length
-            if self.manager.config.alloc_timeout_s:
-                metadata["alloc_timeout"] = float(self.manager.config.alloc_timeout_s)
         compression = await self.manager.input_compression(self.span.peer_id, self.manager.block_uids[self.span.start])
-        request = runtime_pb2.ExpertRequest(
-            uid=self.manager.make_chain(self.span.start, self.span.end),
-            tensors=serialize_activations(tensors, compression),
-            metadata=encode_metadata(metadata),
+        request, inputs, send_from = self._request(
+            hidden, hidden_from, position, prompts, hypo_ids, step_id, compression
         )
         self._started = True
         await self._requests.put(request)
@@ -115,15 +147,46 @@ class _SpanSession:
             response = await self._next_response()
         except StopAsyncIteration:
             raise ConnectionError(f"server ...{self.span.peer_id[-6:]} closed the inference stream") from None
-        if not response.tensors:
-            raise ConnectionError(f"server ...{self.span.peer_id[-6:]} sent an empty inference response")
-        outputs = deserialize_tensor(response.tensors[0])
-        if outputs.shape != inputs.shape:
-            raise ConnectionError(f"server returned shape {list(outputs.shape)} for inputs {list(inputs.shape)}")
-        base = self.history[:, :send_from] if self.history is not None else inputs[:, :0]
-        self.history = torch.cat([base, inputs], dim=1)
-        self.position = send_from + inputs.shape[1]
-        return outputs.to(hidden.dtype), send_from
+        return self._accept(response, inputs, send_from, hidden.dtype)
+
+    def can_step_here(self) -> bool:
+        """True when `step_here` may run: an open local stream with a known input compression."""
+        return (
+            self.local is not None
+            and not self.local.closed
+            and not self._closed
+            and self._started
+            and self.manager.cached_input_compression(self.span.peer_id) is not None
+        )
+
+    def step_here(
+        self,
+        hidden: torch.Tensor,
+        hidden_from: int,
+        *,
+        position: int,
+        prompts: torch.Tensor,
+        hypo_ids: torch.Tensor,
+        step_id: str,
+    ) -> tuple[torch.Tensor, int]:
+        """`step` in the calling thread over the local stream (no hop to the client loop). On any failure the
+        stream is closed, so the async path replaces this span (replaying its history) instead of reading a late
+        response as the answer to a new request."""
+        assert self.local is not None
+        config = self.manager.config
+        compression = self.manager.cached_input_compression(self.span.peer_id)
+        assert compression is not None
+        request, inputs, send_from = self._request(
+            hidden, hidden_from, position, prompts, hypo_ids, step_id, compression
+        )
+        try:
+            response = self.local.exchange(
+                request, timeout_s=config.request_timeout_s, poll_s=config.busy_poll_ms / 1000
+            )
+            return self._accept(response, inputs, send_from, hidden.dtype)
+        except BaseException:
+            self.local.close()
+            raise
 
     async def _next_response(self) -> runtime_pb2.ExpertResponse:
         """The next response within `request_timeout_s`; while waiting, pings the server every
@@ -197,6 +260,7 @@ class InferenceSession:
         self._zero_prompts: torch.Tensor | None = None  # deep prompts given at position 0, needed for replays
         self._closed = False
         self.output_ids: torch.Tensor | None = None  # tokens generated so far (kept by generate())
+        self.num_steps_here = 0  # steps run in the caller's thread over local streams (no client-loop hop)
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
 
@@ -248,9 +312,45 @@ class InferenceSession:
         if self._position == 0:
             self._zero_prompts = prompts
         self._batch_size = batch_size
-        outputs = background_loop.run(self._step(inputs.detach().cpu(), prompts, hypo_ids))
+        cpu_inputs = inputs.detach().cpu()
+        outputs = self._step_here(cpu_inputs, prompts) if hypo_ids is None else None
+        if outputs is None:
+            outputs = background_loop.run(self._step(cpu_inputs, prompts, hypo_ids))
         self._position += num_tokens
         return outputs.to(inputs.device)
+
+    def _step_here(self, inputs: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor | None:
+        """The step in this thread when every span of the chain is on a local stream (servers on this machine):
+        no hop to the client loop and back, each an idle thread's wake-up. None when not possible or when a span
+        fails: then the async path runs the step (spans already stepped are re-sent from the same position, which
+        the servers overwrite; the failed span's stream is closed, so it is replaced and replayed)."""
+        spans = self._spans
+        if not spans or spans[0].span.start != self.start or spans[-1].span.end != self.end:
+            return None
+        if any(a.span.end != b.span.start for a, b in zip(spans[:-1], spans[1:], strict=True)) or not all(
+            s.can_step_here() for s in spans
+        ):
+            return None
+        position, step_id = self._position, str(uuid.uuid4())
+        hidden, hidden_from = inputs, position
+        for span_session in spans:
+            span_prompts = self._prompts_for(
+                span_session.span, prompts, sends_from_zero=min(span_session.position, position) == 0
+            )
+            try:
+                hidden, hidden_from = span_session.step_here(
+                    hidden, hidden_from, position=position, prompts=span_prompts, hypo_ids=DUMMY_INT64, step_id=step_id
+                )
+            except Exception as e:
+                logger.info(
+                    "inference_session.local_step_failed(peer=...%s, error=%r): retrying through the client loop",
+                    span_session.span.peer_id[-6:],
+                    e,
+                )
+                return None
+            self.manager.on_request_success(span_session.span.peer_id)
+        self.num_steps_here += 1
+        return hidden[:, position - hidden_from :]
 
     async def _step(
         self, inputs: torch.Tensor, prompts: torch.Tensor | None, hypo_ids: torch.Tensor | None

@@ -300,6 +300,10 @@ class RemoteSequenceManager:
             self._stubs[peer_id] = stub
         return stub
 
+    def cached_input_compression(self, peer_id: str) -> int | None:
+        """`input_compression` if already known (any thread), else None."""
+        return self._input_compressions.get(peer_id)
+
     async def input_compression(self, peer_id: str, block_uid: str) -> int:
         """The compression a server asks clients to send activations in (its `rpc_info` schema, as Petals clients
         read it; servers started with `--compression`); NONE when it says nothing or cannot be asked now."""

@@ -1,0 +1,129 @@
+"""Same-host stream pieces without a server: frame encoding and limits, hello validation, where sockets may be
+trusted, and the client stream's sync `exchange` (partial frames, errors, end of stream, timeouts, polling)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+import pytest
+from hivemind.p2p import P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from corolla.client.local_transport import LocalInferenceStream
+from corolla.protocol import local_stream as ls
+
+
+def _read(data: bytes, limit: int = 1 << 20):
+    async def go():
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await ls.read_frame(reader, limit)
+
+    return asyncio.run(go())
+
+
+def test_frames_round_trip_and_limits() -> None:
+    assert _read(b"".join(ls.frame(ls.MESSAGE, b"abc"))) == (ls.MESSAGE, b"abc")
+    assert _read(b"".join(ls.frame(ls.END))) == (ls.END, b"")
+    with pytest.raises(ValueError, match="exceeds the limit of 2 bytes"):
+        _read(b"".join(ls.frame(ls.MESSAGE, b"abc")), limit=2)
+    with pytest.raises(ValueError, match="unknown local stream frame kind 9"):
+        _read(bytes([9, 0, 0, 0, 0]))
+    with pytest.raises(asyncio.IncompleteReadError):
+        _read(b"".join(ls.frame(ls.MESSAGE, b"abc"))[:-1])
+    with pytest.raises(ValueError, match="unknown frame kind"):
+        ls.frame(42)
+
+
+def test_hello_round_trip_and_rejects() -> None:
+    hello = ls.LocalHello(rpc="rpc_inference", peer_id="QmAbc")
+    assert ls.LocalHello.from_bytes(hello.to_bytes()) == hello
+    for bad in (b"\xff", b"[1]", b'{"rpc": 1, "peer_id": "x", "version": 1}', b'{"rpc": "r", "peer_id": "x"}'):
+        with pytest.raises(ValueError):
+            ls.LocalHello.from_bytes(bad)
+
+
+def test_only_private_dirs_and_own_sockets_are_trusted(tmp_path, monkeypatch) -> None:
+    directory = tmp_path / "socks"
+    monkeypatch.setenv(ls.SOCKET_DIR_ENV, str(directory))
+    assert ls.socket_dir() == directory
+    assert ls.usable_socket("QmPeer") is None  # no dir yet
+    assert ls.ensure_private_dir(directory) and (directory.stat().st_mode & 0o777) == 0o700
+    assert ls.usable_socket("QmPeer") is None  # no socket
+    (directory / "QmFile.sock").write_text("")  # a plain file is not a socket
+    assert ls.usable_socket("QmFile") is None
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(str(ls.socket_path("QmPeer")))
+        assert ls.usable_socket("QmPeer") == directory / "QmPeer.sock"
+        os.chmod(directory, 0o755)  # others could now have put sockets here
+        assert not ls.is_private_dir(directory) and ls.usable_socket("QmPeer") is None
+        assert not ls.ensure_private_dir(directory)
+    finally:
+        server.close()
+    for bad in ("", "../etc", "a/b", "x y"):
+        assert ls.usable_socket(bad) is None
+        with pytest.raises(ValueError):
+            ls.socket_path(bad)
+    assert ls.usable_socket("Q" * 200) is None  # longer than a unix socket path may be
+
+
+def _stream_pair() -> tuple[LocalInferenceStream, socket.socket]:
+    client, server = socket.socketpair()
+    client.setblocking(False)
+    return LocalInferenceStream(client, "QmPeer"), server
+
+
+def _response(value: float) -> bytes:
+    payload = runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=b"x", size=[1], dtype=str(value))])
+    return b"".join(ls.frame(ls.MESSAGE, payload.SerializeToString()))
+
+
+@pytest.mark.parametrize("poll_s", [0.0, 1.0])
+def test_exchange_reads_a_response_sent_in_pieces(poll_s: float) -> None:
+    stream, server = _stream_pair()
+    data = _response(1.5)
+
+    def serve() -> None:
+        kind, length = server.recv(1)[0], int.from_bytes(server.recv(4), "big")
+        assert kind == ls.MESSAGE and runtime_pb2.ExpertRequest.FromString(server.recv(length)).uid == "a.0"
+        for i in range(0, len(data), 3):  # dribble the response
+            server.sendall(data[i : i + 3])
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        response = stream.exchange(runtime_pb2.ExpertRequest(uid="a.0"), timeout_s=5, poll_s=poll_s)
+        assert response.tensors[0].dtype == "1.5"
+        assert stream.polled_responses == (1 if poll_s else 0)
+    finally:
+        thread.join(5)
+        stream.close()
+        server.close()
+
+
+def test_exchange_reports_errors_end_and_timeouts() -> None:
+    stream, server = _stream_pair()
+    try:
+        server.sendall(b"".join(ls.frame(ls.ERROR, b"Maximum length exceeded")))
+        with pytest.raises(P2PHandlerError, match="Maximum length exceeded"):
+            stream.exchange(runtime_pb2.ExpertRequest(), timeout_s=5)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            stream.exchange(runtime_pb2.ExpertRequest(), timeout_s=0.05)
+        assert time.monotonic() - started < 2
+        server.sendall(b"".join(ls.frame(ls.END)))
+        with pytest.raises(ConnectionError, match="ended"):
+            stream.exchange(runtime_pb2.ExpertRequest(), timeout_s=5)
+        server.close()
+        with pytest.raises(ConnectionError):  # broken pipe or closed, whichever the OS reports first
+            stream.exchange(runtime_pb2.ExpertRequest(), timeout_s=5)
+    finally:
+        stream.close()
+        server.close()
