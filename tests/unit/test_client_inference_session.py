@@ -150,6 +150,22 @@ def test_failover_replays_history_without_lost_or_duplicated_tokens():
     assert manager.bans.is_banned("B")
 
 
+def test_history_grows_in_place_and_holds_every_input():
+    torch.manual_seed(2)
+    manager = FakeManager({"A": FakeServer(0, 4)}, 4)
+    tokens = torch.randn(1, 200, HIDDEN)
+    buffers = set()
+    with InferenceSession(manager, max_length=200) as session:
+        session.step(tokens[:, :8])
+        for t in range(8, 200):
+            session.step(tokens[:, t : t + 1])
+            buffers.add(session._spans[0]._history_buf.data_ptr())
+        span = session._spans[0]
+        torch.testing.assert_close(span.history, tokens, atol=0, rtol=0)
+        assert span.position == 200
+    assert len(buffers) <= 5  # doubling: a handful of reallocations, not one whole-history copy per token
+
+
 def test_rollback_hypo_ids_zero_token_steps_and_deep_prompts():
     torch.manual_seed(1)
     servers = {"A": FakeServer(0, 3), "B": FakeServer(3, 5)}

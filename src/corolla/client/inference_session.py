@@ -39,7 +39,8 @@ class _SpanSession:
         self.manager, self.span, self.max_length = manager, span, max_length
         self.session_id = str(uuid.uuid4())
         self.position = 0  # tokens in the server's cache
-        self.history: torch.Tensor | None = None  # [B, position, H]
+        self._history_buf: torch.Tensor | None = None  # [B, capacity, H]; positions [0, _history_len) are valid
+        self._history_len = 0  # == position, except in a replacement that has yet to replay its inherited history
         self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._responses: Any = None
         self.transport: str | None = None  # "local" (unix socket) or "p2p" once open
@@ -67,6 +68,31 @@ class _SpanSession:
             stub = await self.manager.get_stub(self.span.peer_id)
             stream = await asyncio.wait_for(stub.rpc_inference(_read_requests()), config.connect_timeout_s)
         self._responses = stream.__aiter__()
+
+    @property
+    def history(self) -> torch.Tensor | None:
+        """This span's inputs we hold, `[B, n, H]` (a view: copy before keeping)."""
+        return None if self._history_buf is None else self._history_buf[:, : self._history_len]
+
+    @history.setter
+    def history(self, value: torch.Tensor | None) -> None:
+        """Replaces the history (a replacement span inherits a failed one's, replayed by its first step)."""
+        self._history_buf = None if value is None else value.clone()
+        self._history_len = 0 if value is None else value.shape[1]
+
+    def _record(self, inputs: torch.Tensor, send_from: int) -> None:
+        """Writes `inputs` [B, n, H] as positions `[send_from, send_from + n)`, growing the buffer by doubling (a
+        whole-history copy per token would cost O(position) each step)."""
+        end = send_from + inputs.shape[1]
+        buf = self._history_buf
+        if buf is None or buf.shape[1] < end or buf.shape[0] != inputs.shape[0] or buf.dtype != inputs.dtype:
+            capacity = max(end, 2 * (buf.shape[1] if buf is not None else 0), 16)
+            grown = inputs.new_empty(inputs.shape[0], min(capacity, max(self.max_length, end)), inputs.shape[2])
+            if buf is not None and send_from > 0:
+                grown[:, :send_from] = buf[:, :send_from]
+            self._history_buf = buf = grown
+        buf[:, send_from:end] = inputs
+        self._history_len = self.position = end
 
     def inputs_from(self, send_from: int, hidden: torch.Tensor, hidden_from: int) -> torch.Tensor:
         """This span's inputs for positions `[send_from, hidden_from + hidden.shape[1])` from history + `hidden`."""
@@ -117,9 +143,7 @@ class _SpanSession:
         outputs = deserialize_tensor(response.tensors[0])
         if outputs.shape != inputs.shape:
             raise ConnectionError(f"server returned shape {list(outputs.shape)} for inputs {list(inputs.shape)}")
-        base = self.history[:, :send_from] if self.history is not None else inputs[:, :0]
-        self.history = torch.cat([base, inputs], dim=1)
-        self.position = send_from + inputs.shape[1]
+        self._record(inputs, send_from)
         return outputs.to(dtype), send_from
 
     async def step(
@@ -216,8 +240,8 @@ class _SpanSession:
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Mirrors the server's cache reordering for beam search on the history we keep."""
-        if self.history is not None:
-            self.history = self.history[hypo_ids]
+        if self._history_buf is not None:
+            self._history_buf = self._history_buf[hypo_ids]
 
     async def _drain(self) -> None:
         async for _ in self._responses:
