@@ -1,5 +1,5 @@
-"""BusyPollSelector: sleeps like the default selector unless hot; while hot it picks events up by polling; the
-window mode stays hot after each event; `run` is asyncio.run on that selector (leftover tasks cancelled)."""
+"""BusyPollSelector: sleeps like the default selector unless hot; while hot it picks events up by polling; `cool`
+ends that at once; `run` is asyncio.run on that selector (leftover tasks cancelled)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import asyncio
 import socket
 import threading
 import time
-
-import pytest
 
 from corolla.utils import busy_poll
 from corolla.utils.busy_poll import BusyPollSelector
@@ -53,17 +51,15 @@ def test_hot_selector_polls_an_event_that_arrives_later() -> None:
         b.close()
 
 
-def test_window_mode_stays_hot_after_each_event() -> None:
-    with pytest.raises(ValueError, match=">= 0"):
-        BusyPollSelector(-1)
-    selector = BusyPollSelector(window_s=1.0)
+def test_cool_stops_polling_at_once() -> None:
+    selector = BusyPollSelector()
     a, b = _pair_with_selector(selector)
     try:
-        a.send(b"x")
-        assert selector.select(1) and selector.polled_events == 0  # first event: the selector was cold
-        b.recv(1)
-        threading.Timer(0.02, a.send, args=(b"y",)).start()
-        assert selector.select(None) and selector.polled_events == 1  # the next one is polled
+        selector.keep_hot(60.0)
+        selector.cool()
+        started = time.monotonic()
+        assert selector.select(0.02) == [] and selector.polled_events == 0
+        assert time.monotonic() - started < 1
     finally:
         selector.close()
         a.close()

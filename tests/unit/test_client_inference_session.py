@@ -235,3 +235,17 @@ def test_hung_server_is_detected_by_liveness_pings():
         assert time.monotonic() - started < 3  # liveness pings, not request_timeout_s
     torch.testing.assert_close(torch.cat(outs, dim=1), reference(x, 4), atol=1e-5, rtol=0)
     assert servers["C"].requests[0][1] == 5
+
+
+def test_busy_poll_only_for_the_process_s_only_step_in_flight(monkeypatch):
+    from corolla.client import inference_session as module
+
+    config = ClientConfig(busy_poll_ms=20)
+    monkeypatch.setattr(module, "_steps_in_flight", 1)
+    assert module._poll_s(config) == 0.02
+    monkeypatch.setattr(module, "_steps_in_flight", 2)  # another session steps too: its thread needs the GIL
+    assert module._poll_s(config) == 0.0
+    monkeypatch.setattr(module, "_steps_in_flight", 1)
+    assert module._poll_s(ClientConfig()) == 0.0
+    with pytest.raises(ValueError, match="busy_poll_ms"):
+        ClientConfig(busy_poll_ms=-1)

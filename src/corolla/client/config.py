@@ -41,9 +41,8 @@ class ClientConfig:
     ping_timeout_s: float = 2.0
 
     local_transport: bool = True  # inference with servers on this machine over their unix socket, not p2pd
-    # while an inference step is in flight, the client loop polls for the response up to this long instead of
-    # sleeping: ~0.2-0.4 ms less per token on VMs, one core busy meanwhile, and other Python threads of this
-    # process wait longer for the GIL; 0 = never (default)
+    # while an inference step is in flight (and it is this process's only one), poll for the response up to this
+    # long instead of sleeping: ~0.2-0.4 ms less per token on VMs, one core busy meanwhile; 0 = never (default)
     busy_poll_ms: float = 0.0
 
     alloc_timeout_s: float = 0.0  # how long servers may wait for KV cache memory (sent as `alloc_timeout`)

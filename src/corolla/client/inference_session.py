@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,15 @@ logger = get_logger(__name__)
 
 DUMMY = torch.empty(0)
 DUMMY_INT64 = torch.empty(0, dtype=torch.int64)
+
+_steps_in_flight = 0  # inference steps of this process running now (any session, any thread)
+_steps_lock = threading.Lock()
+
+
+def _poll_s(config: Any) -> float:
+    """How long to poll for a response instead of sleeping: `busy_poll_ms`, but only while this is the process's
+    only step in flight (a polling thread delays every other Python thread's GIL hand-over by up to 5 ms)."""
+    return config.busy_poll_ms / 1000 if config.busy_poll_ms > 0 and _steps_in_flight == 1 else 0.0
 
 
 class _SpanSession:
@@ -204,9 +214,7 @@ class _SpanSession:
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression
         )
         try:
-            response = self.local.exchange(
-                request, timeout_s=config.request_timeout_s, poll_s=config.busy_poll_ms / 1000
-            )
+            response = self.local.exchange(request, timeout_s=config.request_timeout_s, poll_s=_poll_s(config))
             return self._accept(response, inputs, send_from, hidden.dtype)
         except BaseException:
             self.local.close()
@@ -219,9 +227,10 @@ class _SpanSession:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.request_timeout_s
         pending = asyncio.ensure_future(anext(self._responses))
-        poller = background_loop.get_selector() if config.busy_poll_ms > 0 else None
+        poll_s = _poll_s(config)
+        poller = background_loop.get_selector() if poll_s > 0 else None
         if poller is not None and asyncio.get_running_loop() is background_loop.get_loop():
-            poller.keep_hot(config.busy_poll_ms / 1000)
+            poller.keep_hot(poll_s)
         try:
             while True:
                 wait_s = min(config.liveness_check_period_s or math.inf, deadline - loop.time())
@@ -337,9 +346,16 @@ class InferenceSession:
             self._zero_prompts = prompts
         self._batch_size = batch_size
         cpu_inputs = inputs.detach().cpu()
-        outputs = self._step_here(cpu_inputs, prompts) if hypo_ids is None else None
-        if outputs is None:
-            outputs = background_loop.run(self._step(cpu_inputs, prompts, hypo_ids))
+        global _steps_in_flight
+        with _steps_lock:
+            _steps_in_flight += 1
+        try:
+            outputs = self._step_here(cpu_inputs, prompts) if hypo_ids is None else None
+            if outputs is None:
+                outputs = background_loop.run(self._step(cpu_inputs, prompts, hypo_ids))
+        finally:
+            with _steps_lock:
+                _steps_in_flight -= 1
         self._position += num_tokens
         return outputs.to(inputs.device)
 

@@ -1,11 +1,11 @@
 """An asyncio loop that can poll instead of sleeping, so that an expected message is picked up without the
 wake-up latency of an idle core (measured at 0.2-0.4 ms per wake-up on the lent H100/H200 VMs).
 
-Polling is only safe while the loop's thread is the only Python thread with work: a polling thread retakes the GIL
-microseconds after each poll, so another thread waiting for the GIL waits for the interpreter's switch interval
-(5 ms). Hence two modes: `window_s` (poll for that long after every event: a client process whose only busy thread
-is its loop) and `keep_hot(seconds)` (poll only when the owner says a message is due and nothing else runs: a
-server right after a lone session's inline step, its device thread idle).
+The owner says when a message is due (`keep_hot(seconds)`) and when it came (`cool()`). Polling is only safe while
+the loop's thread is the only Python thread with work: a polling thread retakes the GIL microseconds after each
+poll, so another thread waiting for the GIL waits for the interpreter's switch interval (5 ms). So a server keeps its
+loop hot only right after a lone session's inline step (its device thread idle), a client only while its process's
+only inference step is in flight (the user's thread blocked on it).
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ class BusyPollSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
     """`select` polls without blocking until the hot period ends (or the caller's timeout), then blocks as usual:
     a loop that is not hot sleeps and costs nothing."""
 
-    def __init__(self, window_s: float = 0.0):
+    def __init__(self) -> None:
         super().__init__()
-        if window_s < 0:
-            raise ValueError(f"busy-poll window must be >= 0 s, got {window_s}")
-        self.window_s = window_s
         self._hot_until = 0.0
         self.polled_events = 0  # select calls that found events while polling (would otherwise have slept)
 
@@ -48,15 +45,10 @@ class BusyPollSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
                 events = super().select(0)
                 if events:
                     self.polled_events += 1
-                    return self._touched(events)
+                    return events
                 now = time.monotonic()
             timeout = None if deadline is None else max(0.0, deadline - now)
-        return self._touched(super().select(timeout))
-
-    def _touched(self, events: list) -> list:
-        if events and self.window_s > 0:
-            self._hot_until = max(self._hot_until, time.monotonic() + self.window_s)
-        return events
+        return super().select(timeout)
 
 
 def new_event_loop(selector: BusyPollSelector | None = None) -> asyncio.AbstractEventLoop:
