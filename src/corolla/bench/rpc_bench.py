@@ -131,6 +131,11 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
         result[f"{p}idle_handoff_ms"] = client_ms - result[f"{p}idle_empty_rtt_ms"] - result[f"{p}runtime_task_ms"]
         sizes = [size for _, size in logged(p, "concurrent")]
         result[f"{p}concurrent_mean_merged_steps"] = sum(sizes) / max(1, len(sizes))
+        # is the device thread busy (forwards slow) or idle (waiting for requests) while the streams run?
+        forwards_ms = [ms for ms, _ in logged(p, "concurrent")]
+        window_ms = (result[f"{p}concurrent_to_unix"] - result[f"{p}concurrent_from_unix"]) * 1000
+        result[f"{p}concurrent_forward_ms"] = median(forwards_ms or [float("nan")])
+        result[f"{p}concurrent_runtime_busy"] = sum(forwards_ms) / window_ms if window_ms > 0 else float("nan")
     for prefix, _, _ in COROLLA_CLIENT_VARIANTS:
         if f"{prefix}client_step_ms" in result:
             result[f"{prefix}overhead_ms"] = result[f"{prefix}client_step_ms"] - result["server_step_ms"]
@@ -155,7 +160,8 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
             f"({result[f'{p}idle_handoff_ms']:.2f} ms over the idle round trip); {result[f'{p}concurrent_sessions']} "
             f"concurrent streams: step {result[f'{p}concurrent_client_step_ms']:.2f} ms, "
             f"{result[f'{p}concurrent_aggregate_tokens_per_s']:.0f} tok/s, "
-            f"{result[f'{p}concurrent_mean_merged_steps']:.1f} steps per merged forward"
+            f"{result[f'{p}concurrent_mean_merged_steps']:.1f} steps per merged forward of "
+            f"{result[f'{p}concurrent_forward_ms']:.2f} ms, device thread busy {result[f'{p}concurrent_runtime_busy']:.0%}"
         )
     return result
 
