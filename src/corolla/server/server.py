@@ -545,10 +545,10 @@ class Server:
             return None
         if c.tensor_parallel_devices and len(c.tensor_parallel_devices) > 1:
             return None
-        from corolla.server.engine.serving import build_fast_path
+        from corolla.server.engine.serving import build_fast_path, shorten_gil_switch_interval
 
         try:
-            return build_fast_path(
+            fast = build_fast_path(
                 backend,
                 kv_pool_bytes=kv_pool_bytes,
                 max_seq_len_tokens=s.inference_max_length_tokens,
@@ -557,6 +557,9 @@ class Server:
         except Exception as e:  # the plain path always works
             logger.warning(f"server.fast_path_failed({e!r}); serving with the plain path")
             return None
+        if fast is not None:
+            shorten_gil_switch_interval()
+        return fast
 
     async def _watch(self, service: SpanService) -> str:
         c = self.config
