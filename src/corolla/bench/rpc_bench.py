@@ -44,7 +44,7 @@ def build_blocks(model, shape, dtype: torch.dtype, device: torch.device, num_lay
 def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], None]) -> dict:
     from corolla.server.backend import SpanBackend
     from corolla.server.block_functions import ServingLimits
-    from corolla.server.engine.serving import build_fast_path, shorten_gil_switch_interval
+    from corolla.server.engine.serving import build_fast_path
     from corolla.server.server import SpanService
     from corolla.server.sessions import SessionTimeouts
 
@@ -59,8 +59,6 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     if fast is None:
         raise RuntimeError("the fast path refused this span")
     fast_backend, cache = fast
-    if not args.cpu_smoke:
-        shorten_gil_switch_interval()  # as a GPU server does
     # each merged step as the runtime thread runs it (host tensors in and out): (unix time, ms, steps merged)
     task_log: list[tuple[float, float, int]] = []
     executor = fast_backend._execute_tasks  # registered with the runtime at the first step: wrap it before

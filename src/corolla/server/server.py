@@ -129,7 +129,9 @@ class Server:
         self.using_relay = bool(config.reachable_via_relay)
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.selector: busy_poll.BusyPollSelector | None = None  # the serving loop's (set when it starts)
+        # the serving loop's selector (set when it starts): polls instead of sleeping only when a lone session's step
+        # just ran inline and its next request is due (`busy_poll_ms`)
+        self.selector: busy_poll.BusyPollSelector | None = None
         self._async_stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -208,13 +210,8 @@ class Server:
             print("corolla-server: throughput " + " ".join(f"{k}={v:.3f}" for k, v in sorted(info.items())), flush=True)
             return 0
         self._prepare()
-        return busy_poll.run(self._main(), self._new_selector())
-
-    def _new_selector(self) -> busy_poll.BusyPollSelector:
-        """The serving loop's selector: it polls (instead of sleeping) only when a lone session's step just ran
-        inline and its next request is due (`busy_poll_ms`)."""
         self.selector = busy_poll.BusyPollSelector()
-        return self.selector
+        return busy_poll.run(self._main(), self.selector)
 
     def start(self, timeout_s: float = 120.0) -> Server:
         """Runs the server in a background thread (DHT created in the calling thread) and waits until it serves."""
@@ -223,7 +220,8 @@ class Server:
 
         def target() -> None:
             try:
-                result["code"] = busy_poll.run(self._main(), self._new_selector())
+                self.selector = busy_poll.BusyPollSelector()
+                result["code"] = busy_poll.run(self._main(), self.selector)
             except BaseException as e:  # surfaced by wait_ready
                 result["error"] = e
                 self._ready.set()
@@ -545,10 +543,10 @@ class Server:
             return None
         if c.tensor_parallel_devices and len(c.tensor_parallel_devices) > 1:
             return None
-        from corolla.server.engine.serving import build_fast_path, shorten_gil_switch_interval
+        from corolla.server.engine.serving import build_fast_path
 
         try:
-            fast = build_fast_path(
+            return build_fast_path(
                 backend,
                 kv_pool_bytes=kv_pool_bytes,
                 max_seq_len_tokens=s.inference_max_length_tokens,
@@ -557,9 +555,6 @@ class Server:
         except Exception as e:  # the plain path always works
             logger.warning(f"server.fast_path_failed({e!r}); serving with the plain path")
             return None
-        if fast is not None:
-            shorten_gil_switch_interval()
-        return fast
 
     async def _watch(self, service: SpanService) -> str:
         c = self.config

@@ -262,4 +262,6 @@ def build_fast_path(
     if warmup:
         engine.warmup()
     logger.info(f"fast_path.enabled(layers={engine.model.num_layers}, pool_pages={engine.pool.num_pages})")
+    if device.type == "cuda":
+        shorten_gil_switch_interval()  # this process now serves a GPU span: see GIL_SWITCH_INTERVAL_S
     return EngineSpanBackend(backend, engine), EngineMemoryCache(engine, max_alloc_timeout_s)
