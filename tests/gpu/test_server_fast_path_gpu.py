@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from corolla.client.local_transport import open_local_inference
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
-from helpers.swarm import ClientThread, InferenceStream, packed_request, start_inprocess_server
+from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,13 +61,13 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _requests(server, inputs: list[torch.Tensor]):
-    chain = " ".join(f"{server.settings.dht_prefix}.{i}" for i in range(LAYERS))
+    uid = chain(server, 0, LAYERS)
     position, session_id = 0, str(uuid.uuid4())
     for i, hidden in enumerate(inputs):
         meta = dict(session_id=session_id, step_id=str(uuid.uuid4()), start_from_position=position)
         if i == 0:
             meta["max_length"] = 64
-        yield packed_request(chain, hidden, torch.empty(0), torch.empty(0, dtype=torch.int64), **meta)
+        yield packed_request(uid, hidden, torch.empty(0), torch.empty(0, dtype=torch.int64), **meta)
         position += hidden.shape[1]
 
 

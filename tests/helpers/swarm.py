@@ -22,6 +22,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.rpc import TransformerConnectionHandler
+from corolla.protocol.uids import make_chain
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 from corolla.swarm.local import ServerProcess as LocalServerProcess
 from corolla.utils.processes import ChildProcess
@@ -149,6 +150,11 @@ def make_request(
 ) -> runtime_pb2.ExpertRequest:
     raw = metadata if isinstance(metadata, bytes) else MSGPackSerializer.dumps(metadata or {})
     return runtime_pb2.ExpertRequest(uid=uid, tensors=[serialize_torch_tensor(t) for t in tensors], metadata=raw)
+
+
+def chain(server: Any, start: int, end: int) -> str:
+    """The uid chain of blocks `[start, end)` of an in-process server's model."""
+    return make_chain(server.settings.dht_prefix, start, end)
 
 
 def packed_request(uid: str, *args: torch.Tensor, **metadata: Any) -> runtime_pb2.ExpertRequest:

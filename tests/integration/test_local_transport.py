@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.local_transport import open_local_inference
 from corolla.protocol import local_stream as ls
-from helpers.swarm import ClientThread, InferenceStream, packed_request, start_inprocess_server, wait_until
+from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
 
 HIDDEN = 64
@@ -49,10 +49,6 @@ def local(model_path):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
-def chain(server) -> str:
-    return " ".join(f"{server.settings.dht_prefix}.{i}" for i in range(NUM_BLOCKS))
-
-
 def cache_used(server) -> int:
     return server.service.memory_cache.current_size_bytes
 
@@ -60,7 +56,9 @@ def cache_used(server) -> int:
 def first_request(server, hidden: torch.Tensor, session_id: str, **metadata) -> runtime_pb2.ExpertRequest:
     meta = dict(session_id=session_id, step_id=str(uuid.uuid4()), max_length=32, start_from_position=0)
     meta.update(metadata)
-    return packed_request(chain(server), hidden, torch.empty(0), torch.empty(0, dtype=torch.int64), **meta)
+    return packed_request(
+        chain(server, 0, NUM_BLOCKS), hidden, torch.empty(0), torch.empty(0, dtype=torch.int64), **meta
+    )
 
 
 async def _hello(path, payload: bytes, kind: int = ls.HELLO):
@@ -116,7 +114,9 @@ def test_stream_over_socket_equals_p2p_and_frees_the_cache_when_dropped(server):
         p2p_outputs = [
             deserialize_torch_tensor(stream.step(first_request(server, prefix, str(uuid.uuid4()))).tensors[0]),
             deserialize_torch_tensor(
-                stream.step(packed_request(chain(server), token, step_id="b", start_from_position=5)).tensors[0]
+                stream.step(
+                    packed_request(chain(server, 0, NUM_BLOCKS), token, step_id="b", start_from_position=5)
+                ).tensors[0]
             ),
         ]
         stream.close()
@@ -135,7 +135,7 @@ def test_stream_over_socket_equals_p2p_and_frees_the_cache_when_dropped(server):
         assert responses is not None
         await queue.put(first_request(server, prefix, str(uuid.uuid4())))
         outputs = [deserialize_torch_tensor((await anext(responses)).tensors[0])]
-        await queue.put(packed_request(chain(server), token, step_id="b", start_from_position=5))
+        await queue.put(packed_request(chain(server, 0, NUM_BLOCKS), token, step_id="b", start_from_position=5))
         outputs.append(deserialize_torch_tensor((await anext(responses)).tensors[0]))
         used = cache_used(server)
         await responses.aclose()  # drop the connection mid-session, like a crashed client

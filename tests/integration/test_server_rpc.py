@@ -14,7 +14,7 @@ from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.models.loading import load_pretrained_block
-from helpers.swarm import ClientThread, InferenceStream, packed_request, start_inprocess_server, wait_until
+from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
 
 HIDDEN = 64
@@ -64,10 +64,6 @@ def blocks(model_path, server):
     return [
         load_pretrained_block(model_path, i, config=config, torch_dtype=torch.float32).eval() for i in range(NUM_BLOCKS)
     ]
-
-
-def chain(server, start: int, end: int) -> str:
-    return " ".join(f"{server.settings.dht_prefix}.{i}" for i in range(start, end))
 
 
 def local_forward(blocks, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -235,7 +235,6 @@ def _client_main(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype,
     try:
         coro = _client(maddrs, PeerID.from_base58(peer_id_b58), shape, dtype, n, args, selector)
         result = loop.run_until_complete(coro)
-        loop.close()
         for prefix, local, poll_ms in COROLLA_CLIENT_VARIANTS:
             figures = _measure_corolla_client(maddrs, peer_id_b58, shape, dtype, n, args, local, poll_ms)
             result.update({f"{prefix}{key}": value for key, value in figures.items()})
@@ -244,8 +243,7 @@ def _client_main(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype,
         results.put(RuntimeError(f"RPC bench client failed: {e!r}"))
         raise
     finally:
-        if not loop.is_closed():
-            loop.close()
+        loop.close()
 
 
 # corolla's own client (InferenceSession from the user's thread): over p2p, over the socket, over the socket polling

@@ -53,8 +53,7 @@ class _SpanSession:
         self._history_len = 0  # == position, except in a replacement that has yet to replay its inherited history
         self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
         self._responses: Any = None
-        self.transport: str | None = None  # "local" (unix socket) or "p2p" once open
-        self.local: LocalInferenceStream | None = None  # set for "local": also usable from the user's thread
+        self.local: LocalInferenceStream | None = None  # the server's unix socket, if open: usable from any one thread
         self._started = False
         self._closed = False
 
@@ -71,13 +70,19 @@ class _SpanSession:
         config = self.manager.config
         if config.local_transport:
             self.local = await LocalInferenceStream.open(self.span.peer_id, timeout_s=config.connect_timeout_s)
-        self.transport = "p2p" if self.local is None else "local"
         if self.local is not None:
             stream = responses_of(self.local, _read_requests())
         else:
             stub = await self.manager.get_stub(self.span.peer_id)
             stream = await asyncio.wait_for(stub.rpc_inference(_read_requests()), config.connect_timeout_s)
         self._responses = stream.__aiter__()
+
+    @property
+    def transport(self) -> str | None:
+        """`local` (unix socket) or `p2p` once open, else None."""
+        if self._responses is None:
+            return None
+        return "p2p" if self.local is None else "local"
 
     @property
     def history(self) -> torch.Tensor | None:
@@ -229,7 +234,7 @@ class _SpanSession:
         pending = asyncio.ensure_future(anext(self._responses))
         poll_s = _poll_s(config)
         poller = background_loop.get_selector() if poll_s > 0 else None
-        if poller is not None and asyncio.get_running_loop() is background_loop.get_loop():
+        if poller is not None and loop is background_loop.get_loop():
             poller.keep_hot(poll_s)
         try:
             while True:

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import select
 import socket
-import struct
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,7 +26,6 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 MAX_RESPONSE_FRAME_BYTES = 1 << 30  # a 2048-token bf16 prefill at hidden 16384 is 64 MiB: far below
-_HEADER = struct.Struct(">BI")
 
 
 class LocalInferenceStream:
@@ -141,11 +139,10 @@ class LocalInferenceStream:
         buffer = self._buffer
         if len(buffer) < ls.HEADER_BYTES:
             return None
-        kind, length = _HEADER.unpack_from(buffer)
-        if kind not in ls.FRAME_KINDS:
-            raise ConnectionError(f"unexpected local stream frame kind {kind} from ...{self.peer_id[-6:]}")
-        if length > max_payload_bytes:
-            raise ConnectionError(f"local stream frame of {length} bytes from ...{self.peer_id[-6:]} is too large")
+        try:
+            kind, length = ls.parse_header(buffer, max_payload_bytes)
+        except ValueError as e:  # the server broke the framing: this stream is unusable
+            raise ConnectionError(f"local stream from ...{self.peer_id[-6:]}: {e}") from None
         end = ls.HEADER_BYTES + length
         if len(buffer) < end:
             return None

@@ -120,14 +120,20 @@ def frame(kind: int, payload: bytes = b"") -> list[bytes]:
     return [_HEADER.pack(kind, len(payload)), payload]
 
 
-async def read_frame(reader: asyncio.StreamReader, max_payload_bytes: int) -> tuple[int, bytes]:
-    """The next (kind, payload). `asyncio.IncompleteReadError` at end of stream; ValueError (nothing more is read)
-    for an unknown kind or a payload over `max_payload_bytes`."""
-    header = await reader.readexactly(HEADER_BYTES)
-    kind, length = _HEADER.unpack(header)
+def parse_header(buffer: bytes | bytearray, max_payload_bytes: int) -> tuple[int, int]:
+    """(kind, payload length) from the first `HEADER_BYTES` of `buffer`; ValueError for an unknown kind or a
+    payload over `max_payload_bytes`."""
+    kind, length = _HEADER.unpack_from(buffer)
     if kind not in FRAME_KINDS:
         raise ValueError(f"unknown local stream frame kind {kind}")
     if length > max_payload_bytes:
         raise ValueError(f"local stream frame of {length} bytes exceeds the limit of {max_payload_bytes} bytes")
+    return kind, length
+
+
+async def read_frame(reader: asyncio.StreamReader, max_payload_bytes: int) -> tuple[int, bytes]:
+    """The next (kind, payload). `asyncio.IncompleteReadError` at end of stream; ValueError (nothing more is read)
+    for an unknown kind or a payload over `max_payload_bytes`."""
+    kind, length = parse_header(await reader.readexactly(HEADER_BYTES), max_payload_bytes)
     payload = await reader.readexactly(length) if length else b""
     return kind, payload

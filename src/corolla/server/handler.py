@@ -494,14 +494,14 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 ),
                 remaining,
             )
-            inline_before = getattr(self.runtime, "num_inline_batches", 0)
+            inline_before = self.runtime.num_inline_batches
             try:
                 output = await step
             except asyncio.TimeoutError:
                 raise TimeoutError(
                     f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
                 ) from None
-            if self.busy_poll is not None and getattr(self.runtime, "num_inline_batches", 0) != inline_before:
+            if self.busy_poll is not None and self.runtime.num_inline_batches != inline_before:
                 self.busy_poll.keep_hot(self.busy_poll_s)  # a lone session: its next step is due in a moment
         session.prefix_length = prefix_length + length
         return self._serialize_output(output), not has_prompts
