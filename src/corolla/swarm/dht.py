@@ -21,6 +21,7 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.mpfuture import MPFuture
 
+from corolla.swarm.membership import SwarmKey, SwarmKeyAuthorizer
 from corolla.utils.logging import get_logger
 from corolla.utils.processes import parent_death_signal_supported, set_parent_death_signal
 
@@ -60,6 +61,7 @@ class SwarmConfig:
     startup_timeout_s: float = 60.0
     num_workers: int = 4
     extra_dht_kwargs: dict[str, Any] = field(default_factory=dict)  # forwarded to hivemind.DHT / DHTNode / P2P
+    swarm_key: SwarmKey | None = None  # private swarm with membership (swarm.membership); None = open swarm
 
     @property
     def is_public(self) -> bool:
@@ -92,6 +94,10 @@ class SwarmConfig:
             startup_timeout=self.startup_timeout_s,
             num_workers=self.num_workers,
         )
+        if self.swarm_key is not None:
+            if self.is_public:
+                raise ValueError("a swarm key is for private swarms: the public swarm's peers have none")
+            kwargs["authorizer"] = SwarmKeyAuthorizer(self.swarm_key)  # every DHT request/response is MAC-checked
         kwargs.update(self.extra_dht_kwargs)
         return kwargs
 

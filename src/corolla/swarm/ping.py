@@ -40,13 +40,20 @@ def _as_peer_id(peer_id: PeerID | str) -> PeerID:
 
 
 async def ping(
-    peer_id: PeerID | str, p2p: P2P, timeout_s: float = DEFAULT_PING_TIMEOUT_S, node_info: Any = None
+    peer_id: PeerID | str,
+    p2p: P2P,
+    timeout_s: float = DEFAULT_PING_TIMEOUT_S,
+    node_info: Any = None,
+    authorizer: Any = None,
 ) -> float:
     """RTT in seconds to `peer_id`, or `inf` on failure. A "protocol not supported" answer (a client-mode DHT
-    peer) still proves the peer is alive and counts, as in the reference."""
+    peer) still proves the peer is alive and counts, as in the reference. In a private swarm pass the DHT's
+    `authorizer` (members refuse unsigned pings)."""
     request = dht_pb2.PingRequest(peer=node_info) if node_info is not None else dht_pb2.PingRequest()
     start = time.perf_counter()
     try:
+        if authorizer is not None:
+            await authorizer.sign_request(request, None)
         stub = _DHTPingService.get_stub(p2p, _as_peer_id(peer_id))
         await stub.rpc_ping(request, timeout=timeout_s)
         return time.perf_counter() - start
@@ -66,7 +73,9 @@ async def ping_parallel(
 
 
 async def _ping_from_dht(_dht: hivemind.DHT, node: Any, *, peer_ids: list[str], timeout_s: float) -> dict[str, float]:
-    return await ping_parallel(peer_ids, node.p2p, timeout_s, node.protocol.node_info)
+    authorizer = node.protocol.authorizer
+    rtts = await asyncio.gather(*(ping(p, node.p2p, timeout_s, node.protocol.node_info, authorizer) for p in peer_ids))
+    return dict(zip(peer_ids, rtts, strict=True))
 
 
 class PingAggregator:

@@ -1,0 +1,150 @@
+"""Who may call this server: the membership gate of a private swarm (`PeerAuth`: every RPC carries a proof bound to
+the sender's libp2p peer id and ours) and the per-session push rule (`SessionPushGuard`: `rpc_push` only from the
+upstream peer the session's client named, and onward pushes only to hops that client named itself)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol.auth import MEMBER_PROOF_KEY, MemberProof, parse_upstream_peer, split_info_uid
+from corolla.protocol.metadata import InferenceRequestMetadata, decode_metadata
+from corolla.server.metrics import ServerMetrics
+from corolla.swarm.membership import MembershipError, RpcMembership
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAX_DECLARED_NEXT_HOPS = 64  # (peer, session) pairs a session's client may name as its next hop
+
+
+def remote_peer(context: P2PContext | None) -> str | None:
+    """The libp2p-authenticated sender (base58), or None for the same-user unix socket (`local_endpoint`)."""
+    remote_id = getattr(context, "remote_id", None)
+    return None if remote_id is None else remote_id.to_base58()
+
+
+class PeerAuth:
+    """The membership gate of a server in a private swarm. Requests from the same-user unix socket (no libp2p
+    sender) pass: only this OS user can open it, and that user can read the swarm key file anyway."""
+
+    def __init__(self, membership: RpcMembership, local_peer_id: str, metrics: ServerMetrics | None = None):
+        self.membership = membership
+        self.local_peer_id = local_peer_id
+        self.metrics = metrics
+
+    def _refuse(self, rpc_name: str, sender: str | None, error: Exception) -> MembershipError:
+        if self.metrics is not None:
+            self.metrics.rejected("not_member")
+        logger.info(f"{rpc_name}.refused_not_member(peer={str(sender)[-8:]}): {error}")
+        return error if isinstance(error, MembershipError) else MembershipError(str(error))
+
+    def check_proof(self, rpc_name: str, context: P2PContext | None, raw_proof: Any) -> None:
+        sender = remote_peer(context)
+        if sender is None:
+            return
+        try:
+            proof = None if raw_proof is None else MemberProof.from_wire(raw_proof)
+            self.membership.verify(proof, sender=sender, receiver=self.local_peer_id)
+        except (ValueError, MembershipError) as e:
+            raise self._refuse(rpc_name, sender, e) from None
+
+    def check_metadata(self, rpc_name: str, context: P2PContext | None, raw_metadata: bytes) -> None:
+        """MembershipError unless the metadata carries a valid proof from the context's sender to this server."""
+        if remote_peer(context) is None:
+            return
+        try:
+            raw_proof = decode_metadata(raw_metadata).get(MEMBER_PROOF_KEY)
+        except ValueError as e:
+            raise self._refuse(rpc_name, remote_peer(context), e) from None
+        self.check_proof(rpc_name, context, raw_proof)
+
+    def check_info_uid(self, context: P2PContext | None, uid: str) -> str:
+        """The plain uid of an `rpc_info` request after checking the proof appended to it (rpc_info has no metadata)."""
+        plain, proof_text = split_info_uid(uid)
+        try:
+            raw = None if proof_text is None else MemberProof.from_text(proof_text).to_wire()
+        except ValueError as e:
+            raise self._refuse("rpc_info", remote_peer(context), e) from None
+        self.check_proof("rpc_info", context, raw)
+        return plain
+
+    def proof_metadata(self, receiver: str) -> dict[str, Any]:
+        """Metadata entries proving our membership to `receiver` (for the pushes this server sends)."""
+        proof = self.membership.make_proof(sender=self.local_peer_id, receiver=receiver)
+        return {MEMBER_PROOF_KEY: proof.to_wire()}
+
+
+def check_request(
+    auth: PeerAuth | None, rpc_name: str, context: P2PContext | None, request: runtime_pb2.ExpertRequest
+) -> None:
+    """No-op in an open swarm; else MembershipError unless `request` proves its sender is a member."""
+    if auth is not None:
+        auth.check_metadata(rpc_name, context, request.metadata)
+
+
+async def gate_stream(
+    auth: PeerAuth | None,
+    rpc_name: str,
+    requests: AsyncIterator[runtime_pb2.ExpertRequest],
+    context: P2PContext | None,
+) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    """`requests`, after checking the membership proof in the first message (no-op in an open swarm)."""
+    first = True
+    async for request in requests:
+        if first and auth is not None:
+            auth.check_metadata(rpc_name, context, request.metadata)
+        first = False
+        yield request
+
+
+def info_uid(auth: PeerAuth | None, context: P2PContext | None, uid: str) -> str:
+    """The uid an `rpc_info` asks about (checked and stripped of its proof in a private swarm)."""
+    return uid if auth is None else auth.check_info_uid(context, uid)
+
+
+@dataclass
+class SessionPushGuard:
+    """Who may push into one session, and where its pushed steps may be pushed on.
+
+    `upstream` is the peer its client named (`corolla.upstream_peer`) when opening it or in a later direct step;
+    None (e.g. a stock Petals client, which names none) refuses every push: such clients send every step directly,
+    so nothing is lost. `next_hops` are the `(peer, session_id)` the client itself named as next hop: a pushed step
+    may be pushed on only there, so an upstream cannot make this server push into other people's sessions."""
+
+    upstream: str | None = None
+    next_hops: set[tuple[str, str]] = field(default_factory=set)
+
+    @classmethod
+    def from_open_request(cls, metadata: InferenceRequestMetadata) -> SessionPushGuard:
+        """The guard of a session opened with `metadata` (ValueError on a malformed upstream peer id)."""
+        guard = cls()
+        guard.observe_client_step(metadata)
+        return guard
+
+    def accepts_push_from(self, sender: str | None) -> bool:
+        return self.upstream is not None and sender == self.upstream
+
+    def observe_client_step(self, metadata: InferenceRequestMetadata) -> None:
+        """Learns from a step the session's own client sent on its stream (never from a pushed one)."""
+        upstream = parse_upstream_peer(metadata.extra)
+        if upstream is not None:
+            self.upstream = upstream
+        if metadata.next_servers:
+            if len(self.next_hops) >= MAX_DECLARED_NEXT_HOPS:
+                self.next_hops.clear()
+            hop = metadata.next_servers[0]
+            self.next_hops.add((hop.peer_id, hop.session_id))
+
+    def may_push_on(self, metadata: InferenceRequestMetadata) -> bool:
+        """Whether a step's `next_servers[0]` may receive this step's outputs by push."""
+        if not metadata.next_servers:
+            return False
+        if not metadata.pushed:
+            return True  # the session's own client named it
+        hop = metadata.next_servers[0]
+        return (hop.peer_id, hop.session_id) in self.next_hops
