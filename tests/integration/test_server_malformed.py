@@ -258,7 +258,8 @@ def test_bad_push_does_not_end_the_session(server, client):
         PREFIX.append(server.settings.dht_prefix)
     session_id = str(uuid.uuid4())
     stream = InferenceStream(client).open()
-    stream.step(packed_request(uid(), x(), max_length=8, session_id=session_id))
+    upstream = {"corolla.upstream_peer": client.p2p.peer_id.to_base58()}  # pushes only from the named upstream
+    stream.step(packed_request(uid(), x(), max_length=8, session_id=session_id, **upstream))
     good = x(1, 1, HIDDEN)
     for pushed in (x(1, 1, HIDDEN // 2), torch.full((1, 1, HIDDEN), float("nan")), x(1, 9, HIDDEN), good):
         request = packed_request(uid(), pushed, session_id=session_id, pushed=True, step_id=str(uuid.uuid4()))

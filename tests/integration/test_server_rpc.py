@@ -14,6 +14,7 @@ from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.models.loading import load_pretrained_block
+from corolla.server.limits import PeerLimits
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
 
@@ -46,6 +47,7 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
         request_timeout_s=20.0,
         max_alloc_timeout_s=1.0,
         metrics_port=0,
+        peer_limits=PeerLimits(max_kv_fraction_per_peer=1.0),  # one test client fills the cache on purpose
     )
     yield server
     server.shutdown()
@@ -252,8 +254,11 @@ def test_push_to_next_session_and_step_dedup(server, client, blocks):
     downstream_id, upstream_id = str(uuid.uuid4()), str(uuid.uuid4())
     downstream = InferenceStream(client).open()
     first_down = downstream.step(
-        packed_request(chain(server, 2, 4), torch.randn(1, 0, HIDDEN), max_length=10, session_id=downstream_id)
-    )
+        packed_request(
+            chain(server, 2, 4), torch.randn(1, 0, HIDDEN), max_length=10, session_id=downstream_id,
+            **{"corolla.upstream_peer": server.peer_id},  # pushes are accepted only from the upstream the client names
+        )
+    )  # fmt: skip
     assert deserialize_torch_tensor(first_down.tensors[0]).shape == (1, 0, HIDDEN)
     upstream = InferenceStream(client).open()
     step_id = str(uuid.uuid4())
@@ -304,8 +309,11 @@ def test_push_between_servers(server, client, blocks, model_path, tmp_path):
         downstream_id = str(uuid.uuid4())
         downstream = InferenceStream(client, second.peer_id).open()
         downstream.step(
-            packed_request(chain(server, 2, 4), torch.randn(1, 0, HIDDEN), max_length=8, session_id=downstream_id)
-        )
+            packed_request(
+                chain(server, 2, 4), torch.randn(1, 0, HIDDEN), max_length=8, session_id=downstream_id,
+                **{"corolla.upstream_peer": server.peer_id},
+            )
+        )  # fmt: skip
         upstream = InferenceStream(client).open()
         upstream.step(
             packed_request(

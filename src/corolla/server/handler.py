@@ -36,8 +36,10 @@ from corolla.protocol.uids import make_chain
 from corolla.server import block_functions as bf
 from corolla.server.block_functions import ServingLimits
 from corolla.server.metrics import ServerMetrics
+from corolla.server.peer_auth import PeerAuth, SessionPushGuard, check_request, gate_stream, info_uid, remote_peer
 from corolla.server.runtime import RuntimeStopped
 from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
+from corolla.swarm.membership import MembershipError
 from corolla.utils.busy_poll import BusyPollSelector
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
@@ -81,8 +83,10 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         metrics: ServerMetrics | None = None,
         busy_poll: BusyPollSelector | None = None,
         busy_poll_s: float = 0.005,
+        peer_auth: PeerAuth | None = None,
     ):
         self.limits = limits
+        self.peer_auth = peer_auth  # private swarm: every RPC proves membership (server.peer_auth); None = open
         self.busy_poll = busy_poll  # the serving loop's selector: hot after a lone session's inline step
         self.busy_poll_s = busy_poll_s
         self.backend = backend
@@ -225,23 +229,27 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         return [self._serialize_output(g, c) for g, c in zip(grads, compressions, strict=True)]
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        check_request(self.peer_auth, "rpc_forward", context, request)
         outputs = await self._run_logged("rpc_forward", self._unary(self._forward, request))
         return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), "rpc_forward")
 
     async def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        requests = gate_stream(self.peer_auth, "rpc_forward_stream", requests, context)
         outputs = await self._run_logged("rpc_forward_stream", self._streamed(self._forward, requests))
         for response in self._stream_response(outputs):
             yield response
 
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        check_request(self.peer_auth, "rpc_backward", context, request)
         outputs = await self._run_logged("rpc_backward", self._unary(self._backward, request))
         return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), "rpc_backward")
 
     async def rpc_backward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        requests = gate_stream(self.peer_auth, "rpc_backward_stream", requests, context)
         outputs = await self._run_logged("rpc_backward_stream", self._streamed(self._backward, requests))
         for response in self._stream_response(outputs):
             yield response
@@ -279,6 +287,8 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             error = TimeoutError(f"{name} did not finish within request_timeout={self.timeouts.request_timeout_s} s")
             self._reject(name, error)
             raise error from None
+        except MembershipError:
+            raise  # counted as not_member by peer_auth
         except Exception as e:
             self._reject(name, e)
             raise
@@ -286,13 +296,14 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
     # ---- info -----------------------------------------------------------------------------------------------------
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        uid = info_uid(self.peer_auth, context, request.uid)  # private swarm: members append a proof to the uid
         info: dict[str, Any] = {
             "version": PETALS_COMPAT_VERSION,
             "dht_client_mode": self.dht_client_mode,
             "cache_tokens_available": self.cache_tokens_available,
         }
-        if request.uid:
-            bf.resolve_chain(request.uid, self.limits)
+        if uid:
+            bf.resolve_chain(uid, self.limits)
             hidden = BatchTensorDescriptor(
                 1, 2048, self.limits.hidden_size, dtype=self.limits.dtype, compression=self.compression
             )
@@ -312,11 +323,17 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
     # ---- push -----------------------------------------------------------------------------------------------------
 
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        check_request(self.peer_auth, "rpc_push", context, request)
         metadata = InferenceRequestMetadata.from_bytes(request.metadata)
         if metadata.session_id is None:
             raise ValueError("rpc_push requires metadata['session_id']")
-        if not self.sessions.push(metadata.session_id, request):
-            logger.debug(f"rpc_push.ignored(session_id={metadata.session_id!r:.40}): unknown session or queue full")
+        # `pushed` is ours to set: a step that came by push never passes for one the session's client sent
+        pushed = runtime_pb2.ExpertRequest(
+            uid=request.uid, tensors=request.tensors, metadata=encode_metadata({**metadata.to_dict(), "pushed": True})
+        )
+        if not self.sessions.push(metadata.session_id, pushed, sender=remote_peer(context)):
+            # the same empty answer either way: the pusher learns nothing about which sessions exist
+            logger.debug(f"rpc_push.ignored(session_id={metadata.session_id!r:.40}): unknown, not upstream or full")
         return runtime_pb2.ExpertResponse()
 
     def _schedule_push(
@@ -335,13 +352,15 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         try:
             step_metadata = metadata.to_dict()
             step_metadata.update(session_id=hop.session_id, next_servers=[h.to_list() for h in rest], pushed=True)
+            if self.peer_auth is not None:
+                step_metadata.update(self.peer_auth.proof_metadata(hop.peer_id))
             pushed = runtime_pb2.ExpertRequest(
                 uid=make_chain(self.limits.dht_prefix, hop.start, hop.end),
                 tensors=[output, *request.tensors[1:]],
                 metadata=encode_metadata(step_metadata),
             )
             if hop.peer_id == self.p2p.peer_id.to_base58():  # the next span is ours too: no network hop
-                self.sessions.push(hop.session_id, pushed)
+                self.sessions.push(hop.session_id, pushed, sender=hop.peer_id)
                 return
             stub = type(self).get_stub(self.p2p, PeerID.from_base58(hop.peer_id))
             await stub.rpc_push(pushed, timeout=self.timeouts.request_timeout_s)
@@ -355,7 +374,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         started = time.monotonic()
         deadline = started + self.timeouts.session_timeout_s
-        requests = requests.__aiter__()
+        requests = gate_stream(self.peer_auth, "rpc_inference", requests, context).__aiter__()
         try:
             first = await asyncio.wait_for(requests.__anext__(), self.timeouts.step_timeout_s)
         except (asyncio.TimeoutError, StopAsyncIteration):
@@ -373,6 +392,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                     f"max = {self.limits.inference_max_length_tokens}"
                 )
             adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
+            push_guard = SessionPushGuard.from_open_request(metadata)  # who may push into it (ValueError: bad id)
             batch_size = int(first.tensors[0].size[0]) if first.tensors and len(first.tensors[0].size) > 0 else 1
             if not 1 <= batch_size <= self.limits.max_batch_size_tokens:
                 raise ValueError(
@@ -393,7 +413,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             f"rpc_inference.open(blocks={block_indices[0]}:{block_indices[-1] + 1}, batch={batch_size}, "
             f"max_length={max_length}, session_id={metadata.session_id!r:.40})"
         )
-        push_queue = self.sessions.open(metadata.session_id)
+        push_queue = self.sessions.open(metadata.session_id, push_guard)
         try:
             async with allocation as handles:
                 self._report_cache()
@@ -424,7 +444,9 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                             logger.info(f"rpc_inference.bad_push_ignored(session_id={session.session_id!r:.40}): {e}")
                             session.seen_step_ids.discard(step_metadata.step_id)
                             continue
-                        if can_push:
+                        if not step_metadata.pushed:  # from the session's own client: may name upstream, next hop
+                            push_guard.observe_client_step(step_metadata)
+                        if can_push and push_guard.may_push_on(step_metadata):
                             self._schedule_push(request, output, step_metadata)
                         yield runtime_pb2.ExpertResponse(tensors=[output])
         except Exception as e:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.metadata import InferenceRequestMetadata
+from corolla.server.peer_auth import SessionPushGuard
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -50,6 +51,7 @@ class SessionRegistry:
 
     def __init__(self) -> None:
         self._push_queues: dict[str, asyncio.Queue] = {}
+        self._push_guards: dict[str, SessionPushGuard] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
 
@@ -57,8 +59,9 @@ class SessionRegistry:
     def num_open(self) -> int:
         return len(self._tasks)
 
-    def open(self, session_id: str | None) -> asyncio.Queue | None:
-        """Registers the current task as serving a session; returns its push queue (if it has an id)."""
+    def open(self, session_id: str | None, guard: SessionPushGuard | None = None) -> asyncio.Queue | None:
+        """Registers the current task as serving a session; returns its push queue (if it has an id). Pushes are
+        accepted only from the upstream `guard` names (none without a guard)."""
         if self._closed:
             raise RuntimeError("The server is shutting down; it accepts no new sessions")
         if session_id is not None and session_id in self._push_queues:
@@ -70,6 +73,7 @@ class SessionRegistry:
             return None
         queue: asyncio.Queue = asyncio.Queue(MAX_PUSH_QUEUE)
         self._push_queues[session_id] = queue
+        self._push_guards[session_id] = guard if guard is not None else SessionPushGuard()
         return queue
 
     def close(self, session_id: str | None) -> None:
@@ -78,11 +82,16 @@ class SessionRegistry:
             self._tasks.discard(task)
         if session_id is not None:
             self._push_queues.pop(session_id, None)
+            self._push_guards.pop(session_id, None)
 
-    def push(self, session_id: str, request: runtime_pb2.ExpertRequest) -> bool:
-        """Delivers a pushed step to its session; False if the session is unknown or its queue is full."""
+    def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
+        """Delivers a step pushed by peer `sender` to its session; False if the session is unknown, `sender` is not
+        the upstream its client named, or its queue is full."""
         queue = self._push_queues.get(session_id)
         if queue is None:
+            return False
+        if not self._push_guards[session_id].accepts_push_from(sender):
+            logger.info(f"sessions.push_refused(session_id={session_id!r:.40}, sender={str(sender)[-8:]}): not upstream")
             return False
         try:
             queue.put_nowait(request)
