@@ -86,6 +86,18 @@ def build_parser() -> configargparse.ArgParser:
         default=5.0,
         help="after a lone session's GPU step, poll this long for its next request instead of sleeping (0 = never)",
     )
+    parser.add(
+        "--drain_timeout_s",
+        type=float,
+        default=5.0,
+        help="on SIGTERM or a move: announce OFFLINE and wait this long for open sessions to move (0 = cut at once)",
+    )
+    parser.add(
+        "--no_kv_handoff",
+        action="store_false",
+        dest="kv_handoff",
+        help="never export a draining session's KV cache nor import one (clients replay their history instead)",
+    )
     parser.add("--metrics_port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:<port>")
     parser.add("--increase_file_limit", type=int, default=4096, help="raise RLIMIT_NOFILE to this (0 = keep)")
     parser.add("--stats_report_interval", type=float, default=None, help="log runtime stats every N seconds")

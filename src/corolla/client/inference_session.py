@@ -14,6 +14,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
+from corolla.client.handoff import HandoffLog, hand_off_draining_spans, needs_handoff, read_drain_notice
 from corolla.client.local_transport import LocalInferenceStream, responses_of
 from corolla.client.remote_forward_backward import serialize_activations
 from corolla.client.routing import RemoteSequenceManager
@@ -56,6 +57,7 @@ class _SpanSession:
         self.local: LocalInferenceStream | None = None  # the server's unix socket, if open: usable from any one thread
         self._started = False
         self._closed = False
+        self.drain_notice = None  # set when the server says it drains (client.handoff moves the span)
 
     async def open(self) -> None:
         """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
@@ -159,6 +161,7 @@ class _SpanSession:
         if outputs.shape != inputs.shape:
             raise ConnectionError(f"server returned shape {list(outputs.shape)} for inputs {list(inputs.shape)}")
         self._record(inputs, send_from)
+        self.drain_notice = read_drain_notice(response)
         return outputs.to(dtype), send_from
 
     async def step(
@@ -299,6 +302,7 @@ class InferenceSession:
         self._closed = False
         self.output_ids: torch.Tensor | None = None  # tokens generated so far (kept by generate())
         self.num_steps_here = 0  # steps run in the caller's thread over local streams (no client-loop hop)
+        self.handoffs = HandoffLog()  # spans moved off draining servers with their KV cache
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
 
@@ -361,6 +365,8 @@ class InferenceSession:
         finally:
             with _steps_lock:
                 _steps_in_flight -= 1
+        if needs_handoff(self):  # a server drains: move its span's cache to another server (no replay)
+            background_loop.run(hand_off_draining_spans(self))
         self._position += num_tokens
         return outputs.to(inputs.device)
 

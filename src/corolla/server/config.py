@@ -133,6 +133,10 @@ class ServerConfig:
     # after a lone session's step ran inline, poll for its next request this long instead of sleeping (saves an
     # idle core's wake-up per token on a GPU server; burns one core meanwhile); 0 = never poll
     busy_poll_ms: float = 5.0
+    # on SIGTERM or before a rebalance: announce OFFLINE, take no new sessions and wait this long for open ones to
+    # move away (their clients carry the KV cache to another server); then end the rest as before. 0 = no wait
+    drain_timeout_s: float = 5.0
+    kv_handoff: bool = True  # export a draining session's KV cache to its client / import one from a client
     # process
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0 = any free port)
     increase_file_limit: int = 4096
@@ -185,7 +189,12 @@ class ServerConfig:
         for name in ("update_period_s", "request_timeout_s", "session_timeout_s", "step_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_alloc_timeout_s", "mean_balance_check_period_s", "mean_block_selection_delay_s"):
+        for name in (
+            "max_alloc_timeout_s",
+            "mean_balance_check_period_s",
+            "mean_block_selection_delay_s",
+            "drain_timeout_s",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.balance_quality < 0:

@@ -35,6 +35,7 @@ from corolla.protocol.metadata import (
 from corolla.protocol.uids import make_chain
 from corolla.server import block_functions as bf
 from corolla.server.block_functions import ServingLimits
+from corolla.server.drain import SessionHandoff
 from corolla.server.metrics import ServerMetrics
 from corolla.server.peer_auth import PeerAuth, SessionPushGuard, check_request, gate_stream, info_uid, remote_peer
 from corolla.server.runtime import RuntimeStopped
@@ -96,6 +97,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         self.compression = compression
         self.dht_client_mode = dht_client_mode
         self.sessions = sessions if sessions is not None else SessionRegistry()
+        self.handoff = SessionHandoff(self)  # drain: refuses new sessions, exports and imports KV caches
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.p2p: P2P | None = None
         self._push_tasks: set[asyncio.Task] = set()
@@ -381,8 +383,10 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             logger.info("rpc_inference.no_first_request")
             return
         try:
+            self.handoff.check_accepting()
             block_indices = bf.resolve_chain(first.uid, self.limits)
             metadata = InferenceRequestMetadata.from_bytes(first.metadata)
+            kv_import = self.handoff.import_header(metadata)  # a session moved here from a draining server
             max_length = metadata.max_length
             if max_length is None:
                 raise ValueError("the first inference request must set metadata['max_length'] (KV cache length)")
@@ -432,9 +436,15 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                     args_structure=metadata.args_structure,
                     push_queue=push_queue,
                 )
+                if kv_import is not None:
+                    await self.handoff.import_kv(session, kv_import, first.uid, requests)
                 with self.metrics.session():
                     steps = iterate_steps(first, requests, session, self.timeouts, deadline)
                     async for request, step_metadata in steps:
+                        if self.handoff.wants_export(step_metadata):  # draining: the client moves the cache
+                            async for response in self.handoff.export(session):
+                                yield response
+                            continue
                         try:
                             output, can_push = await self._inference_step(session, request, step_metadata, deadline)
                         except ValueError as e:
@@ -448,7 +458,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                             push_guard.observe_client_step(step_metadata)
                         if can_push and push_guard.may_push_on(step_metadata):
                             self._schedule_push(request, output, step_metadata)
-                        yield runtime_pb2.ExpertResponse(tensors=[output])
+                        yield self.handoff.response(output)
         except Exception as e:
             self._reject("rpc_inference", e)
             raise

@@ -23,8 +23,10 @@ from corolla.server.announcer import Announcer
 from corolla.server.block_functions import ServingLimits
 from corolla.server.block_loading import load_span_blocks
 from corolla.server.config import ServerConfig
+from corolla.server.drain import drain_sessions
 from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import MetricsExporter, ServerMetrics
+from corolla.server.reachability_gate import validate_reachability
 from corolla.server.sessions import SessionTimeouts
 from corolla.server.span_service import SpanService
 from corolla.utils import busy_poll
@@ -35,9 +37,6 @@ logger = get_logger(__name__)
 READY_PREFIX = "corolla-server: ready"
 MAX_CONSECUTIVE_FAILURES = 5
 DHT_READ_TIMEOUT_S = 20.0
-REACHABILITY_API_URL = "https://health.petals.dev"
-REACHABILITY_WAIT_S = 420.0
-REACHABILITY_RETRY_S = 15.0
 
 
 @dataclass
@@ -320,32 +319,6 @@ class Server:
         logger.info(f"server.reachability(direct={result})")
         return result is False
 
-    def _validate_reachability(self) -> None:
-        """Public swarm only (unless --skip_reachability_check): asks the swarm's health monitor whether it can reach
-        us, retrying for up to 7 minutes; a monitor that is down skips the check."""
-        import json
-        import urllib.request
-
-        deadline = time.monotonic() + REACHABILITY_WAIT_S
-        url = f"{REACHABILITY_API_URL}/api/v1/is_reachable/{self.peer_id}"
-        while True:
-            try:
-                with urllib.request.urlopen(url, timeout=10) as response:
-                    answer = json.loads(response.read())
-            except Exception as e:
-                logger.info(f"server.reachability_validation_skipped({e!r:.200})")
-                return
-            if answer.get("success"):
-                logger.info("server.reachable(health monitor reached us directly)")
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"The swarm can't reach this server: {answer.get('message')}. Open a port and pass "
-                    f"--port <port> (and --public_ip {answer.get('your_ip', '<your ip>')} if behind NAT)"
-                )
-            logger.info("server.not_reachable_yet(retrying; relays may take a while)")
-            time.sleep(REACHABILITY_RETRY_S)
-
     def _make_server_info(self) -> ServerInfo:
         s = self.settings
         extra = {k: float(v) for k, v in self.throughput_info.items() if k != "throughput"}
@@ -504,9 +477,10 @@ class Server:
                 busy_poll=self.selector if c.busy_poll_ms > 0 else None,
                 busy_poll_s=c.busy_poll_ms / 1000,
             )
+            service.handler.handoff.enabled = c.kv_handoff
             c_public = not c.is_private_swarm
             if c_public and not c.skip_reachability_check and not self._validated_reachability:
-                await asyncio.to_thread(self._validate_reachability)
+                await asyncio.to_thread(validate_reachability, self.peer_id)
                 self._validated_reachability = True
             await service.start(p2p)
             self.service = service
@@ -525,6 +499,8 @@ class Server:
             self._ready.set()
             return await self._watch(service)
         finally:
+            if service is not None and service.healthy and c.drain_timeout_s > 0:  # stop or move: let sessions move
+                await drain_sessions(service.handler.handoff, service.handler.sessions, announcer, c.drain_timeout_s)
             await announcer.announce(ServerState.OFFLINE)
             await announcer.stop()
             if service is not None:

@@ -1,0 +1,228 @@
+"""Graceful drain, client side: when a server marks its responses as draining (`protocol.handoff.DrainNotice`),
+the session asks it for the span's KV cache on the same stream and relays the parts, unread, to a replacement
+server holding the same blocks, which validates and imports them; the session then continues there with no replay
+of its history. If no replacement takes it or anything fails, the draining stream is closed and the next step
+replays the history on a replacement, as after any failure. Works with `inference_session._SpanSession` internals
+(its request queue, response stream and history), which is why it lives beside it in `client/`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol import handoff as wire
+from corolla.protocol.codecs import serialize_tensor
+from corolla.protocol.metadata import decode_metadata, encode_metadata
+from corolla.protocol.packing import pack_args_kwargs
+from corolla.protocol.records import RemoteSpanInfo
+from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from corolla.client.inference_session import InferenceSession, _SpanSession
+
+logger = get_logger(__name__)
+
+MAX_CANDIDATES = 2  # replacement servers tried per hand-off before falling back to a replay
+NONE = runtime_pb2.CompressionType.NONE
+
+
+class HandoffFailed(RuntimeError):
+    """This hand-off did not happen (no replacement, refused export or import, bad data): replay instead."""
+
+
+@dataclass
+class HandoffRecord:
+    """One hand-off attempt of a span: where from, where to (None: fell back to replay), how much, how long."""
+
+    start: int
+    end: int
+    from_peer: str
+    to_peer: str | None
+    position: int
+    num_bytes: int
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class HandoffLog:
+    """The hand-offs of one `InferenceSession` (each span stream is tried once)."""
+
+    records: list[HandoffRecord] = field(default_factory=list)
+    tried: set[str] = field(default_factory=set)  # span session ids already handed off or given up
+
+    @property
+    def num_moved(self) -> int:
+        return sum(r.to_peer is not None for r in self.records)
+
+
+def read_drain_notice(response: runtime_pb2.ExpertResponse) -> wire.DrainNotice | None:
+    """The server's drain notice in a response's metadata; None when absent or garbled (never raises)."""
+    if not response.metadata:
+        return None
+    try:
+        raw = decode_metadata(response.metadata).get(wire.DRAINING_KEY)
+        return None if raw is None else wire.DrainNotice.from_dict(raw)
+    except ValueError:
+        return None
+
+
+def needs_handoff(session: InferenceSession) -> bool:
+    log = session.handoffs
+    return any(s.drain_notice is not None and s.session_id not in log.tried for s in session._spans)
+
+
+async def hand_off_draining_spans(session: InferenceSession) -> None:
+    """Moves every span whose server drains (once per span stream); on failure, closes that stream so that the
+    next step replaces the span and replays its history."""
+    for index, old in enumerate(list(session._spans)):
+        if old.drain_notice is None or old.session_id in session.handoffs.tried:
+            continue
+        session.handoffs.tried.add(old.session_id)
+        started = time.perf_counter()
+        record = HandoffRecord(old.span.start, old.span.end, old.span.peer_id, None, old.position, 0, 0.0)
+        try:
+            new, record.num_bytes = await _move(session, old)
+            session._spans[index] = new
+            record.to_peer = new.span.peer_id
+        except Exception as e:  # anything at all: the replay path still works
+            record.error = repr(e)[:300]
+            logger.warning(
+                "handoff.failed(blocks=%d:%d, peer=...%s, error=%r): the next step replays the history",
+                old.span.start,
+                old.span.end,
+                old.span.peer_id[-6:],
+                e,
+            )
+        record.seconds = time.perf_counter() - started
+        session.handoffs.records.append(record)
+        await old.close()  # ends the session on the draining server, which can then stop sooner
+        if record.to_peer is not None:
+            logger.info(
+                "handoff.moved(blocks=%d:%d, from=...%s, to=...%s, position=%d, bytes=%d, seconds=%.4f)",
+                record.start,
+                record.end,
+                record.from_peer[-6:],
+                record.to_peer[-6:],
+                record.position,
+                record.num_bytes,
+                record.seconds,
+            )
+
+
+def _candidates(session: InferenceSession, old: _SpanSession) -> list[RemoteSpanInfo]:
+    """Servers other than the draining one that hold all of its blocks and announce room for the session, nearest
+    first; each cut to exactly the draining span."""
+    start, end = old.span.start, old.span.end
+    rtts = session.manager.client_rtts_s
+    needed = session.max_length * (end - start)
+    result = [
+        dataclasses.replace(span, start=start, end=end)
+        for span in session.manager.spans
+        if span.peer_id != old.span.peer_id
+        and span.start <= start
+        and span.end >= end
+        and (span.server_info.cache_tokens_left is None or span.server_info.cache_tokens_left >= needed)
+    ]
+    result.sort(key=lambda span: (rtts.get(span.peer_id, math.inf), -span.throughput))
+    return result[:MAX_CANDIDATES]
+
+
+async def _move(session: InferenceSession, old: _SpanSession) -> tuple[_SpanSession, int]:
+    """Exports the span's cache from `old` and imports it on a replacement; returns (new span session, bytes)."""
+    from corolla.client.inference_session import _SpanSession
+
+    candidates = _candidates(session, old)
+    if not candidates:
+        raise HandoffFailed(f"no other server holds blocks {old.span.start}:{old.span.end}")
+    if old.history is None or old.history.shape[1] != old.position:
+        raise HandoffFailed("the span's history does not match its position")
+    header, messages = await _export(session, old)
+    errors = []
+    for span in candidates:
+        new = _SpanSession(session.manager, span, session.max_length)
+        try:
+            await new.open()
+            await _import(new, old, header, messages)
+            return new, header.total_bytes
+        except Exception as e:
+            errors.append(f"...{span.peer_id[-6:]}: {e!r:.200}")
+            await new.close(drain=False)
+    raise HandoffFailed(f"no replacement imported the cache ({'; '.join(errors)})")
+
+
+def _empty_step(old: _SpanSession) -> tuple[list[runtime_pb2.Tensor], Any, torch.Tensor]:
+    """A zero-token step's tensors `[B, 0, H]` (+ dummies), its args structure and the empty inputs."""
+    assert old.history is not None
+    empty = old.history[:, :0]  # [B, 0, H]
+    tensors, structure = pack_args_kwargs(empty, torch.empty(0), torch.empty(0, dtype=torch.int64))
+    return [serialize_tensor(t, NONE) for t in tensors], structure, empty
+
+
+async def _export(session: InferenceSession, old: _SpanSession) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
+    """Asks the draining server for the span's cache on its stream; checks what comes back against what we know
+    (position, batch, blocks, byte counts, `kv_handoff_max_bytes`)."""
+    manager = session.manager
+    tensors, structure, empty = _empty_step(old)
+    metadata = {"session_id": old.session_id, "args_structure": structure, wire.EXPORT_KEY: {}}
+    uid = manager.make_chain(old.span.start, old.span.end)
+    await old._requests.put(runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=encode_metadata(metadata)))
+    first = await old._next_response()
+    try:
+        raw = decode_metadata(first.metadata).get(wire.KV_HEADER_KEY) if first.metadata else None
+    except ValueError as e:
+        raise HandoffFailed(f"garbled export header: {e}") from None
+    if raw is None:
+        raise HandoffFailed("the server sent no KV export")
+    error = wire.export_error(raw)
+    if error is not None:
+        raise HandoffFailed(f"the server refused to export: {error}")
+    header = wire.KvHeader.from_dict(raw)
+    expected = (old.position, empty.shape[0], old.span.start, old.span.end)
+    if (header.position, header.batch_size, header.start_block, header.end_block) != expected:
+        raise HandoffFailed(f"export header {header} does not match the span's state {expected}")
+    max_bytes = getattr(manager.config, "kv_handoff_max_bytes", None)
+    if max_bytes is not None and header.total_bytes > max_bytes:
+        raise HandoffFailed(f"export of {header.total_bytes} bytes exceeds kv_handoff_max_bytes={max_bytes}")
+    messages, received = [], 0
+    for _ in range(header.num_messages):
+        response = await old._next_response()
+        received += wire.message_bytes(response.tensors)
+        if received > header.total_bytes:
+            raise HandoffFailed(f"the server sent more than the {header.total_bytes} bytes it announced")
+        messages.append(list(response.tensors))
+    if received != header.total_bytes:
+        raise HandoffFailed(f"the server sent {received} bytes, announced {header.total_bytes}")
+    return header, messages
+
+
+async def _import(
+    new: _SpanSession, old: _SpanSession, header: wire.KvHeader, messages: list[list[runtime_pb2.Tensor]]
+) -> None:
+    """Opens the replacement's session at `header.position` with the cache parts; its first (zero-token) answer
+    confirms the import. The new span session inherits the old one's history (for a later replay)."""
+    assert old.history is not None
+    new.history = old.history
+    new.position = header.position
+    empty = old.history[:, :0]  # [B, 0, H]
+    request, inputs, send_from = new._request(
+        empty, header.position, header.position, torch.empty(0), torch.empty(0, dtype=torch.int64),
+        str(uuid.uuid4()), NONE,
+    )  # fmt: skip
+    metadata = decode_metadata(request.metadata)
+    metadata[wire.IMPORT_KEY] = header.to_dict()
+    new._started = True
+    await new._requests.put(
+        runtime_pb2.ExpertRequest(uid=request.uid, tensors=request.tensors, metadata=encode_metadata(metadata))
+    )
+    for parts in messages:
+        await new._requests.put(runtime_pb2.ExpertRequest(uid=request.uid, tensors=parts))
+    response = await new._next_response()
+    new._accept(response, inputs, send_from, empty.dtype)

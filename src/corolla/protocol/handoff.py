@@ -1,0 +1,137 @@
+"""Wire records of the graceful drain with KV hand-off (corolla <-> corolla only; stock Petals peers never send them
+and ignore them: response metadata is unread by stock clients, and the request keys only go to corolla servers).
+
+A draining server marks each inference response with `DRAINING_KEY`; the client then sends, on the same stream, a
+zero-token step whose metadata holds `EXPORT_KEY`, and the server answers with one message whose metadata holds
+`KV_HEADER_KEY` (a `KvHeader`, or `{"error": ...}`) followed by `header.num_messages` messages of tensor parts. The
+client relays those parts, unread, to a replacement server: the first request of a new stream carries `IMPORT_KEY`
+(the same `KvHeader`) and a zero-token hidden state `[B, 0, H]`, then the part messages follow.
+
+Canonical layout: for each block of the span in order, its K then its V, each `[B, kv_heads, position, head_dim]`
+in the block dtype, whatever the sending server stores (serialized with `codecs.serialize_tensor`, split into parts
+of at most `STREAM_CHUNK_BYTES` and packed into messages of at most that many buffer bytes)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol.codecs import STREAM_CHUNK_BYTES, split_for_streaming
+
+DRAINING_KEY = "corolla.draining"  # response metadata: {"deadline_s": seconds left before the server cuts sessions}
+EXPORT_KEY = "corolla.export_kv"  # request metadata (open stream): {} -> the server streams the session's KV
+KV_HEADER_KEY = "corolla.kv"  # response metadata of the export's first message: a KvHeader or {"error": str}
+IMPORT_KEY = "corolla.import_kv"  # first request metadata of a new stream: a KvHeader, parts follow
+
+MAX_MESSAGE_BYTES = STREAM_CHUNK_BYTES  # buffer bytes per part message, both directions
+MAX_ERROR_CHARS = 500
+
+
+@dataclass(frozen=True)
+class DrainNotice:
+    """What a draining server tells the client with each response: seconds left before it ends the session."""
+
+    deadline_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"deadline_s": float(self.deadline_s)}
+
+    @classmethod
+    def from_dict(cls, value: Any) -> DrainNotice:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{DRAINING_KEY} must be a map, got {type(value).__name__}")
+        deadline = value.get("deadline_s")
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
+            raise ValueError(f"{DRAINING_KEY}['deadline_s'] must be a finite number, got {deadline!r:.100}")
+        return cls(max(0.0, float(deadline)))
+
+
+def _nonneg_int(source: Mapping[str, Any], key: str, *, low: int = 0) -> int:
+    value = source.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"KV header {key!r} must be an int >= {low}, got {value!r:.100}")
+    return value
+
+
+@dataclass(frozen=True)
+class KvHeader:
+    """Announces an exported session cache: `position` tokens of `batch_size` rows over blocks `[start, end)`, sent
+    as `num_messages` part messages holding `total_bytes` buffer bytes in all."""
+
+    position: int
+    batch_size: int
+    start_block: int
+    end_block: int
+    num_messages: int
+    total_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.position < 1 or self.batch_size < 1 or not 0 <= self.start_block < self.end_block:
+            raise ValueError(f"invalid KV header {self}")
+        if self.num_messages < 1 or self.total_bytes < 1:
+            raise ValueError(f"invalid KV header {self}: no data")
+        # every message holds at most MAX_MESSAGE_BYTES, and all but the last of a tensor's parts are full, so a
+        # cache of k tensors never needs more than ceil(bytes / max) + k messages
+        num_tensors = 2 * (self.end_block - self.start_block)
+        if self.num_messages > math.ceil(self.total_bytes / MAX_MESSAGE_BYTES) + num_tensors:
+            raise ValueError(f"KV header announces {self.num_messages} messages for {self.total_bytes} bytes")
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "position": self.position,
+            "batch_size": self.batch_size,
+            "start_block": self.start_block,
+            "end_block": self.end_block,
+            "num_messages": self.num_messages,
+            "total_bytes": self.total_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, value: Any) -> KvHeader:
+        """Parses a header from hostile metadata: ValueError for anything but the six non-negative ints."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"KV header must be a map, got {type(value).__name__}")
+        return cls(
+            position=_nonneg_int(value, "position", low=1),
+            batch_size=_nonneg_int(value, "batch_size", low=1),
+            start_block=_nonneg_int(value, "start_block"),
+            end_block=_nonneg_int(value, "end_block", low=1),
+            num_messages=_nonneg_int(value, "num_messages", low=1),
+            total_bytes=_nonneg_int(value, "total_bytes", low=1),
+        )
+
+
+def export_error(value: Any) -> str | None:
+    """The refusal reason if an export's first message says it cannot export, else None."""
+    if isinstance(value, Mapping) and "error" in value:
+        return str(value["error"])[:MAX_ERROR_CHARS]
+    return None
+
+
+def pack_messages(
+    tensors: Iterable[runtime_pb2.Tensor], max_message_bytes: int = MAX_MESSAGE_BYTES
+) -> list[list[runtime_pb2.Tensor]]:
+    """Splits serialized tensors into parts and packs consecutive parts into messages of <= `max_message_bytes`
+    buffer bytes each (one part per message where a part alone is that big)."""
+    messages: list[list[runtime_pb2.Tensor]] = []
+    current: list[runtime_pb2.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        for part in split_for_streaming(tensor, max_message_bytes):
+            part_bytes = len(part.buffer)
+            if current and size + part_bytes > max_message_bytes:
+                messages.append(current)
+                current, size = [], 0
+            current.append(part)
+            size += part_bytes
+    if current:
+        messages.append(current)
+    return messages
+
+
+def message_bytes(parts: Iterable[runtime_pb2.Tensor]) -> int:
+    return sum(len(part.buffer) for part in parts)

@@ -1,0 +1,207 @@
+"""Graceful drain with KV hand-off, server side. `SessionHandoff` (one per handler) knows whether the server is
+draining: it refuses new sessions, marks every inference response with a `DrainNotice`, streams a session's KV
+cache to its own client on request (only while draining, once per session), and imports a cache sent by a client
+into a new session (validated as hostile input). `drain_sessions` is the lifecycle step run on SIGTERM or before a
+rebalance: announce OFFLINE, wait up to `drain_timeout_s` for open sessions to move, then let the server stop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol import handoff as wire
+from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize_tensor
+from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
+from corolla.protocol.records import ServerState
+from corolla.server import kv_handoff as kv
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+DRAIN_POLL_S = 0.02
+
+
+class Draining(RuntimeError):
+    """The server is draining: it accepts no new sessions."""
+
+
+class SessionHandoff:
+    """The handler's drain state and the two hand-off operations (export, import) on its sessions."""
+
+    def __init__(self, handler: Any, *, enabled: bool = True):
+        self.handler = handler
+        self.enabled = enabled  # --no_kv_handoff: neither export nor import (draining still refuses new sessions)
+        self.deadline: float | None = None  # time.monotonic() at which the drain ends open sessions
+        self.num_exported = 0
+        self.num_imported = 0
+        self._exported: set[int] = set()  # id() of sessions already exported (no new sessions while draining)
+
+    @property
+    def draining(self) -> bool:
+        return self.deadline is not None
+
+    def start_draining(self, timeout_s: float) -> None:
+        self.deadline = time.monotonic() + max(0.0, timeout_s)
+
+    # ---- hooks called by the handler
+
+    def check_accepting(self) -> None:
+        """Raises `Draining` (counted as a rejection) when the server takes no new sessions."""
+        if self.draining:
+            self.handler.metrics.rejected("draining")
+            raise Draining("this server is draining (shutting down or moving); open the session elsewhere")
+
+    def response(self, output: runtime_pb2.Tensor) -> runtime_pb2.ExpertResponse:
+        """An inference step's response; while draining, it tells the client how long the session has left."""
+        if self.deadline is None:
+            return runtime_pb2.ExpertResponse(tensors=[output])
+        notice = wire.DrainNotice(self.deadline - time.monotonic())
+        return runtime_pb2.ExpertResponse(
+            tensors=[output], metadata=encode_metadata({wire.DRAINING_KEY: notice.to_dict()})
+        )
+
+    @staticmethod
+    def wants_export(metadata: InferenceRequestMetadata) -> bool:
+        return wire.EXPORT_KEY in metadata.extra
+
+    def import_header(self, metadata: InferenceRequestMetadata) -> wire.KvHeader | None:
+        """The `KvHeader` of a session opened with an imported cache, None for a plain session; ValueError if bad."""
+        raw = metadata.extra.get(wire.IMPORT_KEY)
+        if raw is None:
+            return None
+        if not self.enabled:
+            raise ValueError("this server does not accept KV imports (--no_kv_handoff)")
+        return wire.KvHeader.from_dict(raw)
+
+    # ---- export (draining server -> its own client, on the session's stream)
+
+    async def export(self, session: Any) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """The header message, then the part messages of the session's cache; one error message if it can't."""
+        started = time.perf_counter()
+        try:
+            header, messages = await self._export_messages(session)
+        except Exception as e:  # unsupported, not draining, runtime gone: the client replays instead
+            logger.info(f"handoff.export_refused(session_id={session.session_id!r:.40}): {e}")
+            yield runtime_pb2.ExpertResponse(metadata=encode_metadata({wire.KV_HEADER_KEY: {"error": str(e)}}))
+            return
+        yield runtime_pb2.ExpertResponse(metadata=encode_metadata({wire.KV_HEADER_KEY: header.to_dict()}))
+        for parts in messages:
+            yield runtime_pb2.ExpertResponse(tensors=parts)
+        self.num_exported += 1
+        logger.info(
+            f"handoff.exported(session_id={session.session_id!r:.40}, position={header.position}, "
+            f"bytes={header.total_bytes}, messages={header.num_messages}, "
+            f"seconds={time.perf_counter() - started:.4f})"
+        )
+
+    async def _export_messages(self, session: Any) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
+        h = self.handler
+        if not self.enabled:
+            raise kv.HandoffUnsupported("KV hand-off is disabled on this server (--no_kv_handoff)")
+        if not self.draining:
+            raise ValueError("a session's KV cache is exported only while the server drains")
+        if id(session) in self._exported:
+            raise ValueError("this session's KV cache was already exported")
+        position = session.prefix_length
+        if position < 1:
+            raise ValueError("the session holds no tokens to export")
+        descriptors = h.backend.cache_descriptors(session.block_indices, session.batch_size, session.max_length)
+        kv.check_supported(h.backend, h.memory_cache, descriptors)
+        self._exported.add(id(session))
+        tensors = await kv.run_on_runtime(
+            h.runtime, lambda: kv.read_kv(h.memory_cache, session.cache_handles, position)
+        )
+        messages = wire.pack_messages(serialize_tensor(t) for t in tensors)
+        header = wire.KvHeader(
+            position=position,
+            batch_size=session.batch_size,
+            start_block=session.block_indices[0],
+            end_block=session.block_indices[-1] + 1,
+            num_messages=len(messages),
+            total_bytes=sum(wire.message_bytes(m) for m in messages),
+        )
+        return header, messages
+
+    # ---- import (client -> replacement server, first messages of a new stream)
+
+    async def import_kv(
+        self, session: Any, header: wire.KvHeader, uid: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+    ) -> None:
+        """Reads `header.num_messages` part messages from the stream, validates them against this session's own
+        cache layout (exact bytes, shapes, dtypes, finite values) and writes them; the session then starts at
+        `header.position`. ValueError (nothing written) on any mismatch or past `request_timeout_s`."""
+        h = self.handler
+        started = time.perf_counter()
+        blocks = session.block_indices
+        if (header.batch_size, header.start_block, header.end_block) != (session.batch_size, blocks[0], blocks[-1] + 1):
+            raise ValueError(
+                f"KV import is for batch {header.batch_size}, blocks {header.start_block}:{header.end_block}; "
+                f"this session has batch {session.batch_size}, blocks {blocks[0]}:{blocks[-1] + 1}"
+            )
+        if header.position > session.max_length:
+            raise ValueError(
+                f"KV import of {header.position} tokens exceeds the session's max_length {session.max_length}"
+            )
+        descriptors = h.backend.cache_descriptors(blocks, session.batch_size, session.max_length)
+        kv.check_supported(h.backend, h.memory_cache, descriptors)
+        expected = kv.canonical_nbytes(descriptors, header.position)
+        if header.total_bytes != expected:
+            raise ValueError(f"KV import announces {header.total_bytes} bytes; {header.position} tokens are {expected}")
+        parts = await self._read_parts(header, uid, requests, expected)
+        tensors = [deserialize_tensor(t) for t in combine_parts(parts)]
+        del parts
+        kv.validate_import(tensors, descriptors, header.position)
+        await kv.run_on_runtime(
+            h.runtime, lambda: kv.write_kv(h.memory_cache, session.cache_handles, tensors, header.position)
+        )
+        session.prefix_length = header.position
+        self.num_imported += 1
+        logger.info(
+            f"handoff.imported(session_id={session.session_id!r:.40}, blocks={blocks[0]}:{blocks[-1] + 1}, "
+            f"position={header.position}, bytes={expected}, seconds={time.perf_counter() - started:.4f})"
+        )
+
+    async def _read_parts(
+        self, header: wire.KvHeader, uid: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], expected: int
+    ) -> list[runtime_pb2.Tensor]:
+        timeout_s = self.handler.timeouts.request_timeout_s
+        deadline = time.monotonic() + timeout_s
+        parts: list[runtime_pb2.Tensor] = []
+        received = 0
+        for _ in range(header.num_messages):
+            try:
+                message = await asyncio.wait_for(requests.__anext__(), max(deadline - time.monotonic(), 0.001))
+            except StopAsyncIteration:
+                raise ValueError(f"KV import ended after {received} of {expected} bytes") from None
+            except asyncio.TimeoutError:
+                raise ValueError(f"KV import not complete within request_timeout={timeout_s} s") from None
+            if message.uid != uid:
+                raise ValueError("KV import messages must carry the session's uid")
+            received += wire.message_bytes(message.tensors)
+            if received > expected:
+                raise ValueError(f"KV import sent more than the {expected} bytes it announced")
+            parts.extend(message.tensors)
+        if received != expected:
+            raise ValueError(f"KV import sent {received} bytes, announced {expected}")
+        return parts
+
+
+async def drain_sessions(handoff: SessionHandoff, sessions: Any, announcer: Any, timeout_s: float) -> None:
+    """Announces OFFLINE (so no client plans new sessions here) while waiting up to `timeout_s` for the open
+    sessions to move away; then returns, and the caller ends whatever is left as before."""
+    started = time.monotonic()
+    handoff.start_draining(timeout_s)
+    num_open = sessions.num_open
+    logger.info(f"drain.start(sessions={num_open}, timeout_s={timeout_s})")
+    offline = asyncio.ensure_future(announcer.announce(ServerState.OFFLINE))
+    while sessions.num_open > 0 and time.monotonic() - started < timeout_s:
+        await asyncio.sleep(DRAIN_POLL_S)
+    await offline
+    logger.info(
+        f"drain.done(sessions_at_start={num_open}, exported={handoff.num_exported}, left={sessions.num_open}, "
+        f"seconds={time.monotonic() - started:.2f})"
+    )

@@ -1,0 +1,300 @@
+"""KV hand-off without a network: the wire records (hostile headers rejected, message packing bounds), a draining
+server's export and a replacement's import on the demo model's real blocks (the next step after the import equals
+the undisturbed one bit for bit), and every malformed import refused with nothing written."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client.handoff import read_drain_notice
+from corolla.models.config import load_config
+from corolla.models.loading import load_pretrained_block
+from corolla.protocol import handoff as wire
+from corolla.protocol.codecs import serialize_tensor
+from corolla.protocol.metadata import decode_metadata, encode_metadata
+from corolla.server.backend import SpanBackend
+from corolla.server.drain import Draining, SessionHandoff
+from corolla.server.memory_cache import MemoryCache
+from corolla.server.metrics import ServerMetrics
+from corolla.server.runtime import Runtime
+from corolla.server.sessions import SessionTimeouts
+
+DEMO = Path(__file__).parents[2] / "src/corolla/demo/assets/corolla-demo-llama"
+MAX_LENGTH = 64
+PREFIX = 40
+UID = "demo.0 demo.1 demo.2 demo.3"
+
+
+# ---- wire records ---------------------------------------------------------------------------------------------
+
+
+def _header(**changes) -> dict:
+    good = dict(position=10, batch_size=1, start_block=0, end_block=4, num_messages=1, total_bytes=1000)
+    good.update(changes)
+    return good
+
+
+def test_kv_header_round_trip():
+    header = wire.KvHeader.from_dict(_header())
+    assert wire.KvHeader.from_dict(header.to_dict()) == header
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        _header(position=0),
+        _header(position=-1),
+        _header(position=1.5),
+        _header(position=True),
+        _header(batch_size="1"),
+        _header(start_block=4),
+        _header(num_messages=0),
+        _header(total_bytes=0),
+        _header(num_messages=10**6),  # far more messages than the bytes need
+        {"position": 10},
+        [1, 2, 3],
+        "header",
+    ],
+)
+def test_kv_header_rejects_hostile_values(bad):
+    with pytest.raises(ValueError):
+        wire.KvHeader.from_dict(bad)
+
+
+@pytest.mark.parametrize("sizes", [[3], [2**20 + 7, 5, 3 * 2**20], [wire.MAX_MESSAGE_BYTES // 4 + 1] * 9])
+def test_pack_messages_stays_within_bounds(sizes):
+    tensors = [serialize_tensor(torch.ones(n, dtype=torch.uint8)) for n in sizes]
+    messages = wire.pack_messages(tensors)
+    total = sum(sizes)
+    assert all(wire.message_bytes(m) <= wire.MAX_MESSAGE_BYTES for m in messages)
+    assert sum(wire.message_bytes(m) for m in messages) == total
+    assert len(messages) <= math.ceil(total / wire.MAX_MESSAGE_BYTES) + len(sizes)
+
+
+@pytest.mark.parametrize(
+    "metadata, expected",
+    [
+        (b"", None),
+        (encode_metadata({wire.DRAINING_KEY: {"deadline_s": 2.5}}), 2.5),
+        (encode_metadata({wire.DRAINING_KEY: {"deadline_s": -1.0}}), 0.0),
+        (encode_metadata({wire.DRAINING_KEY: {"deadline_s": float("nan")}}), None),
+        (encode_metadata({wire.DRAINING_KEY: "soon"}), None),
+        (b"\xc1\xc1garbage", None),
+    ],
+)
+def test_read_drain_notice_never_raises(metadata, expected):
+    notice = read_drain_notice(runtime_pb2.ExpertResponse(metadata=metadata))
+    assert (notice.deadline_s if notice is not None else None) == expected
+
+
+# ---- export / import on real blocks ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backend():
+    config = load_config(str(DEMO))
+    blocks = {i: load_pretrained_block(str(DEMO), i, config=config, torch_dtype=torch.float32) for i in range(4)}
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+
+
+def _server(backend: SpanBackend, runtime: Runtime) -> SimpleNamespace:
+    handler = SimpleNamespace(
+        backend=backend,
+        runtime=runtime,
+        memory_cache=MemoryCache(64 * 2**20),
+        metrics=ServerMetrics(),
+        timeouts=SessionTimeouts(step_timeout_s=5, session_timeout_s=60, request_timeout_s=2),
+    )
+    handler.handoff = SessionHandoff(handler)
+    return handler
+
+
+class _Session:
+    """What the handler keeps per session (the fields hand-off uses), with its cache allocated."""
+
+    def __init__(self, server: SimpleNamespace, allocation_handles: tuple[int, ...]):
+        self.session_id = "s"
+        self.block_indices = [0, 1, 2, 3]
+        self.batch_size = 1
+        self.max_length = MAX_LENGTH
+        self.cache_handles = tuple(tuple(allocation_handles[2 * i : 2 * i + 2]) for i in range(4))
+        self.prefix_length = 0
+        self.server = server
+
+    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        server, position = self.server, self.prefix_length
+
+        def task():
+            caches = [server.memory_cache.use_cache(*h) for h in self.cache_handles]
+            return server.backend.inference_step(
+                self.block_indices, hidden, caches, prefix_length=position, max_length=MAX_LENGTH
+            )
+
+        out = await server.runtime.submit(task, priority=1.0, size_tokens=1)
+        self.prefix_length += hidden.shape[1]
+        return out
+
+    def cache(self) -> list[torch.Tensor]:
+        return [t.clone() for h in self.cache_handles for t in self.server.memory_cache.use_cache(*h)]
+
+
+async def _requests(messages):
+    for parts in messages:
+        yield runtime_pb2.ExpertRequest(uid=UID, tensors=parts)
+
+
+def _allocate(server, backend):
+    descriptors = [d for ds in backend.cache_descriptors([0, 1, 2, 3], 1, MAX_LENGTH) for d in ds]
+    return server.memory_cache.allocate_cache(*descriptors)
+
+
+async def _export(server, session) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
+    responses = [r async for r in server.handoff.export(session)]
+    raw = decode_metadata(responses[0].metadata)[wire.KV_HEADER_KEY]
+    if wire.export_error(raw):
+        raise RuntimeError(wire.export_error(raw))
+    return wire.KvHeader.from_dict(raw), [list(r.tensors) for r in responses[1:]]
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_export_then_import_continues_bit_for_bit(backend):
+    torch.manual_seed(0)
+    hidden = torch.randn(1, PREFIX + 2, 256)
+
+    async def main():
+        with Runtime(max_batch_size_tokens=4096) as runtime:
+            old, new = _server(backend, runtime), _server(backend, runtime)
+            async with _allocate(old, backend) as a, _allocate(new, backend) as b:
+                source, target = _Session(old, a), _Session(new, b)
+                await source.step(hidden[:, :PREFIX])
+                await source.step(hidden[:, PREFIX : PREFIX + 1])
+                with pytest.raises(RuntimeError, match="only while the server drains"):
+                    await _export(old, source)  # no export unless draining
+                old.handoff.start_draining(5.0)
+                with pytest.raises(Draining):
+                    old.handoff.check_accepting()
+                header, messages = await _export(old, source)
+                assert header.position == PREFIX + 1
+                with pytest.raises(RuntimeError, match="already exported"):
+                    await _export(old, source)
+                await new.handoff.import_kv(target, header, UID, _requests(messages))
+                assert target.prefix_length == PREFIX + 1
+                expected = await source.step(hidden[:, PREFIX + 1 :])
+                got = await target.step(hidden[:, PREFIX + 1 :])
+                assert torch.equal(got, expected)
+                assert new.handoff.num_imported == 1 and old.handoff.num_exported == 1
+
+    _run(main())
+
+
+def _corrupt(messages, fn):
+    """Decodes the canonical tensors, lets `fn` change them, re-encodes."""
+    from corolla.protocol.codecs import combine_parts, deserialize_tensor
+
+    tensors = [deserialize_tensor(t) for t in combine_parts([p for m in messages for p in m])]
+    tensors = fn(tensors)
+    return wire.pack_messages(serialize_tensor(t) for t in tensors)
+
+
+def _nan(tensors):
+    tensors[3][0, 0, 5, 0] = float("nan")
+    return tensors
+
+
+def _half(tensors):
+    return [t.half() if i == 0 else t for i, t in enumerate(tensors)]
+
+
+def _shorter(tensors):
+    return [t[:, :, :-1] for t in tensors]
+
+
+def _more_heads(tensors):
+    return [torch.cat([t, t], dim=1) if i == 7 else t for i, t in enumerate(tensors)]
+
+
+def _one_less(tensors):
+    return tensors[:-1]
+
+
+def _reshaped(tensors):  # same bytes, heads and length swapped around
+    return [t.reshape(1, 8, PREFIX // 2, 32) if i == 2 else t for i, t in enumerate(tensors)]
+
+
+def _int_view(tensors):  # same bytes, another dtype
+    return [t.view(torch.int32) if i == 1 else t for i, t in enumerate(tensors)]
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "nan",
+        "half",
+        "shorter",
+        "more_heads",
+        "one_less",
+        "reshaped",
+        "int_view",
+        "extra_bytes",
+        "truncated",
+        "wrong_uid",
+        "too_long",
+        "wrong_batch",
+        "wrong_blocks",
+        "bytes_mismatch",
+    ],
+)
+def test_hostile_import_is_refused_and_writes_nothing(backend, attack):
+    torch.manual_seed(1)
+    hidden = torch.randn(1, PREFIX, 256)
+
+    async def main():
+        with Runtime(max_batch_size_tokens=4096) as runtime:
+            old, new = _server(backend, runtime), _server(backend, runtime)
+            async with _allocate(old, backend) as a, _allocate(new, backend) as b:
+                source, target = _Session(old, a), _Session(new, b)
+                await source.step(hidden)
+                old.handoff.start_draining(5.0)
+                header, messages = await _export(old, source)
+                fields = header.to_dict()
+                uid = UID
+                corruptions = {"nan": _nan, "half": _half, "shorter": _shorter, "more_heads": _more_heads}
+                corruptions.update(one_less=_one_less, reshaped=_reshaped, int_view=_int_view)
+                if attack in corruptions:
+                    messages = _corrupt(messages, corruptions[attack])
+                    fields.update(num_messages=len(messages), total_bytes=sum(wire.message_bytes(m) for m in messages))
+                    if attack in ("shorter", "half", "one_less", "more_heads"):
+                        fields["total_bytes"] = header.total_bytes  # the bytes as announced; the data disagrees
+                elif attack == "extra_bytes":
+                    messages = messages + [[serialize_tensor(torch.zeros(8))]]
+                    fields["num_messages"] = len(messages)
+                elif attack == "truncated":
+                    messages = messages[:-1] if len(messages) > 1 else [messages[0][:-1]]
+                elif attack == "wrong_uid":
+                    uid = "demo.0 demo.1"
+                elif attack == "too_long":
+                    fields["position"] = MAX_LENGTH + 1
+                elif attack == "wrong_batch":
+                    fields["batch_size"] = 2
+                elif attack == "wrong_blocks":
+                    fields["start_block"], fields["end_block"] = 1, 5
+                elif attack == "bytes_mismatch":
+                    fields["total_bytes"] = header.total_bytes + 4
+                before = target.cache()
+                with pytest.raises(ValueError):
+                    hostile = wire.KvHeader.from_dict(fields)
+                    await new.handoff.import_kv(target, hostile, uid, _requests(messages))
+                assert target.prefix_length == 0 and new.handoff.num_imported == 0
+                assert all(torch.equal(x, y) for x, y in zip(before, target.cache(), strict=True))
+
+    _run(main())
