@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LOOPBACK := ../shared/tools/loopback-only
 
-.PHONY: install test lint format demo clean
+.PHONY: install test lint format demo clean soak
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,26 @@ demo: $(STAMP)
 		$(LOOPBACK) $(PY) -m corolla.cli.demo $(DEMO_ARGS); \
 	else \
 		$(PY) -m corolla.cli.demo $(DEMO_ARGS); \
+	fi
+
+# Opt-in churn soak (10 min by default): servers SIGKILLed, SIGTERMed and restarted under generating clients; fails on
+# any failed or differing generation or a process left behind. E.g. `make soak SOAK_DURATION_S=1800 SOAK_SEED=7
+# SOAK_REPLICAS=3 SOAK_CLIENTS=3`; other flags of `python -m corolla.bench.churn --help` go in SOAK_ARGS. The report
+# (JSON) and every process's log stay in SOAK_DIR.
+SOAK_DURATION_S ?= 600
+SOAK_SEED ?= 1
+SOAK_REPLICAS ?= 3
+SOAK_CLIENTS ?= 2
+SOAK_DIR ?= /tmp/corolla-soak
+SOAK_FLAGS = --duration_s $(SOAK_DURATION_S) --seed $(SOAK_SEED) --replicas_per_span $(SOAK_REPLICAS) \
+	--num_clients $(SOAK_CLIENTS) --work_dir $(SOAK_DIR) --json $(SOAK_DIR)/report.json $(SOAK_ARGS)
+
+soak: $(STAMP)
+	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
+		$(LOOPBACK) $(PY) -m corolla.bench.churn $(SOAK_FLAGS); \
+	else \
+		echo "make soak: loopback-only namespace unavailable, running plainly"; \
+		$(PY) -m corolla.bench.churn $(SOAK_FLAGS); \
 	fi
 
 clean:

@@ -1,0 +1,105 @@
+"""The churn soak in CI (issue 11 item 8): a loopback swarm of the demo model (2 spans x 2 replicas), two client
+processes generating greedily (one over the same-host socket, one over p2p), servers SIGKILLed, SIGTERMed and
+restarted at random (seeded; at least one outage of a whole span): 0 failed and 0 differing generations, nothing left
+behind or orphaned. `make soak` runs the long version. Also checks that the soak's own checks can fail: a planted
+orphan is found, a wrong or failed generation and a client that never finished are counted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from corolla.bench.churn import ChurnConfig, ChurnReport, _collect, run_churn
+from corolla.bench.churn_worker import DONE_LINE, GenerationResult
+from corolla.bench.leftovers import RUN_MARKER_ENV, find_leftovers, kill_all, orphans_among
+
+CI_DURATION_S = float(os.environ.get("COROLLA_CHURN_DURATION_S", "60"))
+CI_SEED = int(os.environ.get("COROLLA_CHURN_SEED", "0"))
+
+
+@pytest.mark.timeout(CI_DURATION_S + 400)
+def test_churn_soak_loses_nothing(tmp_path: Path) -> None:
+    config = ChurnConfig(duration_s=CI_DURATION_S, seed=CI_SEED, work_dir=tmp_path)
+    report = run_churn(config)
+    (tmp_path / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
+    print(report.summary())
+    details = "\n".join([*report.failures, *report.differences, *report.client_problems, *report.leaked])
+    details += "\n" + "\n".join(report.chaos.events) + f"\nlogs: {report.log_dir}"
+    assert report.failed == 0 and report.differing == 0, details
+    assert not report.client_problems and report.chaos.crashes == 0, details
+    assert not report.leaked and not report.orphans and report.chaos.kill_leftovers == 0, details
+    # the churn really happened, and the clients made progress through it
+    assert report.chaos.kills + report.chaos.terms >= 3 and report.chaos.restarts >= 2, details
+    assert report.chaos.outages >= 1, details
+    assert report.generations >= 10 * config.num_clients, details
+    assert all(count > 0 for count in report.per_client.values()), details
+    assert report.ok
+
+
+def test_leftover_scan_finds_an_orphan_and_the_run_processes() -> None:
+    """A marked grandchild whose parent exits is an orphan; a marked child of ours is left behind, not orphaned."""
+    run_id = uuid.uuid4().hex
+    env = {**os.environ, RUN_MARKER_ENV: run_id}
+    sleeper = [sys.executable, "-c", "import corolla.utils, time; time.sleep(60)"]
+    spawn_and_leave = f"import subprocess; print(subprocess.Popen({sleeper!r}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid, flush=True)"
+    orphan_pid = int(subprocess.run([sys.executable, "-c", spawn_and_leave], env=env, capture_output=True,
+                                    text=True, timeout=30, check=True).stdout)  # fmt: skip
+    child = subprocess.Popen(sleeper, env=env)
+    try:
+        deadline = time.monotonic() + 10
+        leaked, _ = find_leftovers(run_id)
+        while {orphan_pid, child.pid} - {info.pid for info in leaked} and time.monotonic() < deadline:
+            time.sleep(0.1)
+            leaked, _ = find_leftovers(run_id)
+        assert {orphan_pid, child.pid} <= {info.pid for info in leaked}
+        assert [info.pid for info in orphans_among(leaked)] == [orphan_pid]
+    finally:
+        kill_all(find_leftovers(run_id)[0])
+        child.wait(10)
+    deadline = time.monotonic() + 10
+    while find_leftovers(run_id)[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert find_leftovers(run_id)[0] == []
+
+
+def _client(name: str, results: list[GenerationResult], *, done: bool = True) -> SimpleNamespace:
+    lines = ["some log line", *(r.to_line() for r in results), *([DONE_LINE] if done else [])]
+    return SimpleNamespace(
+        name=name, output="\n".join(lines), proc=SimpleNamespace(returncode=0 if done else -9), log_path=None
+    )
+
+
+def test_collect_counts_wrong_failed_and_unfinished_generations() -> None:
+    reference = [[5, 6, 7], [8, 9, 10]]
+    good = GenerationResult("a", 0, 1, True, [8, 9, 10], 0.2)
+    wrong = GenerationResult("a", 1, 0, True, [5, 6, 8], 0.3)
+    failed = GenerationResult("b", 0, 0, False, [], 4.0, "MissingBlocksError: no servers")
+    report = ChurnReport(seed=0, duration_s=1.0)
+    _collect(report, [_client("a", [good, wrong]), _client("b", [failed, good], done=False)], reference)
+    assert report.generations == 4
+    assert report.differing == 1 and "prompt 0" in report.differences[0]
+    assert report.failed == 2  # the error, and client b's generation that never finished
+    assert len(report.client_problems) == 1 and report.client_problems[0].startswith("b:")
+    assert report.per_client == {"a": 2, "b": 2} and report.max_generation_s == 4.0
+    assert not report.ok
+
+    clean = ChurnReport(seed=0, duration_s=1.0)
+    _collect(clean, [_client("a", [good, good])], reference)
+    assert clean.ok and clean.generations == 2
+
+
+def test_result_lines_round_trip_and_reject_garbage() -> None:
+    result = GenerationResult("c", 3, 1, True, [1, 2], 0.5)
+    assert GenerationResult.from_line(result.to_line()) == result
+    with pytest.raises(ValueError):
+        GenerationResult.from_line("churn-resul {}")
+    with pytest.raises(ValueError):
+        GenerationResult.from_line("churn-result [1]")
