@@ -1,10 +1,18 @@
 """Tensor (de)serialization through hivemind's codecs, as Petals peers expect it: bf16 goes raw (2 bytes/value),
-the legacy fp32 form is still decoded; large tensors are split into 4 MiB stream parts. Decoding validates input."""
+the legacy fp32 form is still decoded; large tensors are split into 4 MiB stream parts.
+
+Decoding trusts nothing: before anything is allocated, the header is checked against `TensorLimits` (dtype in the
+compression's whitelist, ndim, element count, decoded bytes) and the buffer must be exactly as long as the
+compression's byte layout implies for that shape (hivemind's own decoders would otherwise `np.dtype()` any declared
+dtype, e.g. `S16000000`, and allocate `numel` items of it). `check_castable` refuses values that a cast to the block
+dtype would turn into inf."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import AsyncIterable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import hivemind.compression.base
 import torch
@@ -23,6 +31,25 @@ STREAM_CHUNK_BYTES = 4 * 1024 * 1024  # hivemind's DEFAULT_MAX_MSG_SIZE, used by
 MAX_UNARY_PAYLOAD_BYTES = 2 * 1024 * 1024  # unary messages stay well under p2pd's 4 MiB limit
 STREAM_THRESHOLD_BYTES = 1024 * 1024  # send through `*_stream` handlers above this raw size (reference does too)
 MAX_TENSOR_NDIM = 8
+MAX_TENSOR_ELEMENTS = 1 << 28  # 256 Mi values: far above any hidden state a server accepts (it checks its own limit)
+MAX_TENSOR_DECODED_BYTES = 1 << 30  # what one decoded tensor may occupy
+
+
+@dataclass(frozen=True)
+class TensorLimits:
+    """Bounds checked on a serialized tensor's header before its buffer is decoded."""
+
+    max_ndim: int = MAX_TENSOR_NDIM
+    max_elements: int = MAX_TENSOR_ELEMENTS
+    max_decoded_bytes: int = MAX_TENSOR_DECODED_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("max_ndim", "max_elements", "max_decoded_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TensorLimits.{name} must be >= 1, got {getattr(self, name)}")
+
+
+DEFAULT_TENSOR_LIMITS = TensorLimits()
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -40,14 +67,19 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in _DTYPES.i
 _ITEMSIZES: dict[torch.dtype, int] = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES.values()}
 _RAW_VIEWS = frozenset(_DTYPES.values())  # dtypes whose NONE form is built here (numpy can hold their bytes)
 _COMPRESSION_VALUES = frozenset(CompressionType.values())
-_FLOAT_ONLY = frozenset(
-    {
-        CompressionType.FLOAT16,
-        CompressionType.MEANSTD_16BIT,
-        CompressionType.QUANTILE_8BIT,
-        CompressionType.UNIFORM_8BIT,
-    }
-)
+# dtype names each hivemind codec writes (numpy names, or "bfloat16"), so the only ones we decode
+_FP16_CODEC_DTYPES = frozenset({"float16", "float32", "float64"})  # FLOAT16 and MEANSTD_16BIT refuse bf16
+_8BIT_CODEC_DTYPES = frozenset({"float16", "float32", "float64", "bfloat16"})
+_CODEC_DTYPES: dict[int, frozenset[str]] = {
+    CompressionType.NONE: frozenset(_DTYPES),
+    CompressionType.FLOAT16: _FP16_CODEC_DTYPES,
+    CompressionType.MEANSTD_16BIT: _FP16_CODEC_DTYPES,
+    CompressionType.QUANTILE_8BIT: _8BIT_CODEC_DTYPES,
+    CompressionType.UNIFORM_8BIT: _8BIT_CODEC_DTYPES,
+    CompressionType.BLOCKWISE_8BIT: _8BIT_CODEC_DTYPES,
+}
+_CODEBOOK_MAX_ENTRIES = 256  # 8-bit indices: hivemind's codebooks have 256 float32 entries
+_BLOCKWISE_BLOCK_ELEMENTS = 4096  # hivemind's _BLOCKWISE_QUANTIZATION_BLOCKSIZE: one float32 absmax per block
 
 
 def compression_from_name(name: str) -> int:
@@ -102,23 +134,123 @@ def serialize_tensors(
     return [serialize_tensor(t, c) for t, c in zip(tensors, compressions, strict=True)]
 
 
-def _check_header(serialized: runtime_pb2.Tensor) -> torch.Size:
-    if serialized.compression not in _COMPRESSION_VALUES:
-        raise ValueError(f"unknown tensor compression {serialized.compression}")
-    if len(serialized.size) > MAX_TENSOR_NDIM:
-        raise ValueError(f"tensor has {len(serialized.size)} dims, more than the limit of {MAX_TENSOR_NDIM}")
-    shape = torch.Size(serialized.size)
-    if serialized.compression == CompressionType.NONE:
-        dtype = _DTYPES.get(serialized.dtype)
-        if dtype is None:
-            raise ValueError(f"unsupported tensor dtype {serialized.dtype!r}, expected one of {sorted(_DTYPES)}")
-        expected = shape.numel() * _ITEMSIZES[dtype]
-        legacy_bf16 = dtype == torch.bfloat16 and len(serialized.buffer) == shape.numel() * 4
-        if len(serialized.buffer) != expected and not legacy_bf16:
+def _int64_at(buffer: bytes, offset: int) -> int:
+    if len(buffer) < offset + 8:
+        raise ValueError(f"tensor buffer has {len(buffer)} bytes, too short for its codebook header")
+    return int.from_bytes(buffer[offset : offset + 8], "little", signed=True)
+
+
+def _expected_buffer_bytes(compression: int, shape: Sequence[int], numel: int, buffer: bytes) -> int:
+    """The exact buffer length hivemind's codec `compression` writes for this shape (quantized codecs: using the
+    codebook sizes at the start of the buffer, themselves checked). ValueError if the layout cannot hold."""
+    if compression == CompressionType.FLOAT16:
+        return 2 * numel  # fp16 values
+    if compression == CompressionType.MEANSTD_16BIT:
+        if not shape:
+            raise ValueError("MEANSTD_16BIT tensors need at least one dimension")
+        rows = math.prod(shape[:-1])
+        return 2 * numel + 2 * 4 * rows  # fp16 values, then fp32 means and stds per row
+    if compression in (CompressionType.QUANTILE_8BIT, CompressionType.UNIFORM_8BIT):
+        codebook = _int64_at(buffer, 0)
+        if not 1 <= codebook <= _CODEBOOK_MAX_ENTRIES:
+            raise ValueError(f"codebook has {codebook} entries, expected 1..{_CODEBOOK_MAX_ENTRIES}")
+        return 8 + 4 * codebook + numel  # int64 size, fp32 codebook, uint8 indices
+    if compression == CompressionType.BLOCKWISE_8BIT:
+        absmax, codebook = _int64_at(buffer, 0), _int64_at(buffer, 8)
+        blocks = -(-numel // _BLOCKWISE_BLOCK_ELEMENTS)
+        if absmax != blocks or not 1 <= codebook <= _CODEBOOK_MAX_ENTRIES:
             raise ValueError(
-                f"tensor buffer has {len(serialized.buffer)} bytes, expected {expected} for {serialized.dtype}{list(shape)}"
+                f"blockwise header says {absmax} blocks and {codebook} codebook entries, expected {blocks} "
+                f"and 1..{_CODEBOOK_MAX_ENTRIES}"
             )
-    return shape
+        return 16 + 4 * (absmax + codebook) + numel  # int64 sizes, fp32 absmax per block, fp32 codebook, indices
+    raise ValueError(f"unknown tensor compression {compression}")
+
+
+def _check_shape(serialized: runtime_pb2.Tensor, limits: TensorLimits) -> tuple[list[int], int]:
+    """Header checks that need no buffer: compression, dtype whitelist, ndim, element count, decoded bytes."""
+    compression = serialized.compression
+    allowed = _CODEC_DTYPES.get(compression)
+    if allowed is None:
+        raise ValueError(f"unknown tensor compression {compression}")
+    if serialized.dtype not in allowed:
+        raise ValueError(
+            f"unsupported tensor dtype {serialized.dtype[:40]!r} for compression "
+            f"{CompressionType.Name(compression)}, expected one of {sorted(allowed)}"
+        )
+    if len(serialized.size) > limits.max_ndim:
+        raise ValueError(f"tensor has {len(serialized.size)} dims, more than the limit of {limits.max_ndim}")
+    shape = list(serialized.size)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"tensor shape {shape} has a negative dimension")
+    numel = math.prod(shape)  # Python ints: no overflow
+    if numel > limits.max_elements:
+        raise ValueError(f"tensor of shape {shape} has {numel} elements, more than the limit of {limits.max_elements}")
+    decoded_bytes = numel * _ITEMSIZES[_DTYPES[serialized.dtype]]
+    if decoded_bytes > limits.max_decoded_bytes:
+        raise ValueError(
+            f"tensor {serialized.dtype}{shape} would take {decoded_bytes} bytes, more than the limit of "
+            f"{limits.max_decoded_bytes}"
+        )
+    return shape, numel
+
+
+def _check_header(serialized: runtime_pb2.Tensor, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> torch.Size:
+    shape, numel = _check_shape(serialized, limits)
+    buffer = serialized.buffer
+    if serialized.compression == CompressionType.NONE:
+        expected = numel * _ITEMSIZES[_DTYPES[serialized.dtype]]
+        legacy_bf16 = serialized.dtype == "bfloat16" and len(buffer) == numel * 4
+        if len(buffer) != expected and not legacy_bf16:
+            raise ValueError(
+                f"tensor buffer has {len(buffer)} bytes, expected {expected} for {serialized.dtype}{shape}"
+            )
+    else:
+        expected = _expected_buffer_bytes(serialized.compression, shape, numel, buffer)
+        if len(buffer) != expected:
+            raise ValueError(
+                f"tensor buffer has {len(buffer)} bytes, expected {expected} for {serialized.dtype}{shape} "
+                f"compressed as {CompressionType.Name(serialized.compression)}"
+            )
+    return torch.Size(shape)
+
+
+def _max_buffer_bytes(header: runtime_pb2.Tensor, limits: TensorLimits) -> int:
+    """An upper bound on the buffer of a tensor with this (first stream part's) header, from its shape alone."""
+    shape, numel = _check_shape(header, limits)
+    compression = header.compression
+    if compression == CompressionType.NONE:
+        return numel * max(_ITEMSIZES[_DTYPES[header.dtype]], 4 if header.dtype == "bfloat16" else 0)
+    if compression in (CompressionType.FLOAT16, CompressionType.MEANSTD_16BIT):
+        return 2 * numel + (8 * math.prod(shape[:-1]) if shape else 0)
+    blocks = -(-numel // _BLOCKWISE_BLOCK_ELEMENTS)
+    return 16 + 4 * (blocks + _CODEBOOK_MAX_ENTRIES) + numel
+
+
+def check_castable(
+    tensor: torch.Tensor, dtype: torch.dtype, *, name: str = "tensor", finite_checked: bool = False
+) -> None:
+    """ValueError if casting float `tensor` to float `dtype` would yield inf or NaN: non-finite values, or values
+    beyond `dtype`'s finite range (e.g. float64 1e300 into a float32/bf16 block, 1e5 into float16). One pass over
+    the tensor only when `dtype` is narrower; otherwise only the finiteness check (skipped if `finite_checked`)."""
+    if not tensor.dtype.is_floating_point or not dtype.is_floating_point:
+        return
+    target_max = torch.finfo(dtype).max
+    if torch.finfo(tensor.dtype).max <= target_max:  # widening or same range: a finite value stays finite
+        if not finite_checked and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{name} contains NaN or infinite values")
+        return
+    if tensor.numel() == 0:
+        return
+    low, high = torch.aminmax(tensor.detach())  # NaN propagates into both; inf shows up as one of them
+    low, high = float(low), float(high)
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    if high > target_max or low < -target_max:
+        raise ValueError(
+            f"{name} has values in [{low:.3g}, {high:.3g}], outside the finite range of {dtype} "
+            f"(+-{target_max:.3g}) it is cast to"
+        )
 
 
 def _deserialize_raw(serialized: runtime_pb2.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -139,9 +271,10 @@ def _deserialize_raw(serialized: runtime_pb2.Tensor, shape: torch.Size) -> torch
     return tensor
 
 
-def deserialize_tensor(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    """Restores a tensor; malformed input (bad dtype, size mismatch, corrupt payload) -> ValueError."""
-    shape = _check_header(serialized)
+def deserialize_tensor(serialized: runtime_pb2.Tensor, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> torch.Tensor:
+    """Restores a tensor; malformed input (dtype outside the compression's whitelist, shape over `limits`, buffer
+    not exactly the codec's layout, corrupt payload) -> ValueError, raised before the payload is decoded."""
+    shape = _check_header(serialized, limits)
     if serialized.compression == CompressionType.NONE:
         return _deserialize_raw(serialized, shape)
     try:
@@ -164,16 +297,25 @@ def split_for_streaming(
     return _hivemind_split(serialized, chunk_bytes)
 
 
-def combine_parts(parts: Iterable[runtime_pb2.Tensor]) -> list[runtime_pb2.Tensor]:
-    """Groups stream parts back into whole serialized tensors (a part with a dtype starts a new tensor)."""
+def combine_parts(
+    parts: Iterable[runtime_pb2.Tensor], limits: TensorLimits = DEFAULT_TENSOR_LIMITS
+) -> list[runtime_pb2.Tensor]:
+    """Groups stream parts back into whole serialized tensors (a part with a dtype starts a new tensor). Each
+    tensor's header is checked on its first part, and its parts may not add up to more than its shape allows."""
     tensors: list[runtime_pb2.Tensor] = []
     current: list[runtime_pb2.Tensor] = []
+    budget = 0
     for part in parts:
         if part.dtype and current:
             tensors.append(combine_from_streaming(current))
             current = []
-        if not current and not part.dtype:
-            raise ValueError("stream part without a header (dtype) where a new tensor should start")
+        if not current:
+            if not part.dtype:
+                raise ValueError("stream part without a header (dtype) where a new tensor should start")
+            budget = _max_buffer_bytes(part, limits)
+        budget -= len(part.buffer)
+        if budget < 0:
+            raise ValueError(f"stream parts of tensor {part.dtype or current[0].dtype} exceed its declared shape")
         current.append(part)
     if current:
         tensors.append(combine_from_streaming(current))

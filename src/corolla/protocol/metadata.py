@@ -1,5 +1,6 @@
 """Request metadata (`ExpertRequest.metadata`): msgpack exactly as hivemind's `MSGPackSerializer` (tuples as ext
-type 0x40) and typed, validated views of the keys Petals uses (reference section 7.4). Unknown keys are kept aside."""
+type 0x40), decoded within `bounded_msgpack.METADATA_LIMITS`, and typed, validated views of the keys Petals uses
+(reference section 7.4). Unknown keys are kept aside."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from typing import Any
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-TUPLE_EXT_TYPE = 0x40
-MAX_METADATA_BYTES = 1 << 20  # metadata is a handful of keys; anything bigger is a bad request
+from corolla.protocol import bounded_msgpack
+from corolla.protocol.bounded_msgpack import METADATA_LIMITS
+
+TUPLE_EXT_TYPE = bounded_msgpack.TUPLE_EXT_TYPE
+MAX_METADATA_BYTES = METADATA_LIMITS.max_bytes  # metadata is a handful of keys; anything bigger is a bad request
 
 _COMPRESSION_VALUES = frozenset(runtime_pb2.CompressionType.values())
 
@@ -23,15 +27,16 @@ def encode_metadata(metadata: Mapping[str, Any]) -> bytes:
 
 
 def decode_metadata(data: bytes) -> dict[str, Any]:
-    """Decodes request metadata; empty bytes -> `{}`; anything but a str-keyed map -> ValueError."""
+    """Decodes request metadata (or an `rpc_info` reply) within `METADATA_LIMITS`; empty bytes -> `{}`; anything
+    but a str-keyed map, or over a limit (bytes, depth, lengths, items) -> ValueError naming the limit."""
     if not data:
         return {}
     if len(data) > MAX_METADATA_BYTES:
         raise ValueError(f"metadata is {len(data)} bytes, more than the limit of {MAX_METADATA_BYTES}")
     try:
-        value = MSGPackSerializer.loads(data)
-    except Exception as e:  # msgpack raises a zoo of exception types on garbage
-        raise ValueError(f"metadata is not valid msgpack: {e!r:.200}") from e
+        value = bounded_msgpack.loads(data, METADATA_LIMITS)
+    except ValueError as e:
+        raise ValueError(f"metadata is not valid msgpack: {e}") from None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise ValueError(f"metadata must be a map with str keys, got {type(value).__name__}")
     return value

@@ -21,7 +21,10 @@ import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.mpfuture import MPFuture
 
+from corolla.protocol.bounded_msgpack import install_bounded_serializer
+from corolla.swarm.identity import prepare_identity, set_signer
 from corolla.swarm.membership import SwarmKey, SwarmKeyAuthorizer
+from corolla.swarm.signed_records import default_record_validators
 from corolla.utils.logging import get_logger
 from corolla.utils.processes import parent_death_signal_supported, set_parent_death_signal
 
@@ -182,6 +185,10 @@ def create_dht(config: SwarmConfig) -> hivemind.DHT:
     if config.is_public:
         logger.info("dht.create(public swarm): relays, AutoNAT and NAT port mapping follow the Petals defaults")
     install_p2pd_deathsig()  # also protects p2pd instances created directly in this process (probes, clients)
+    install_bounded_serializer()  # hivemind decodes DHT values with it; the forked DHT process inherits it
+    # signed records (swarm.signed_records): refuse forged ones, sign ours with the key behind our peer id
+    kwargs["record_validators"] = [*default_record_validators(), *kwargs.get("record_validators", ())]
+    identity = prepare_identity(kwargs)
     dht = OrphanProofDHT(initial_peers=initial_peers, start=False, num_workers=num_workers, **kwargs)
     # the P2P start-up has its own timeout; bootstrapping from initial peers needs a little more
     wait_s = config.startup_timeout_s + 30.0
@@ -190,12 +197,15 @@ def create_dht(config: SwarmConfig) -> hivemind.DHT:
         dht.wait_until_ready(timeout=wait_s)
     except concurrent.futures.TimeoutError as e:
         shutdown_dht(dht)
+        identity.cleanup()
         raise TimeoutError(
             f"DHT did not start within {wait_s:.0f} s (startup_timeout_s={config.startup_timeout_s})"
         ) from e
     except BaseException:
         shutdown_dht(dht)
+        identity.cleanup()
         raise
+    set_signer(dht, identity.load_signer())
     logger.debug(f"dht.ready(pid={dht.pid}, initial_peers={len(initial_peers)}, client_mode={config.client_mode})")
     return dht
 

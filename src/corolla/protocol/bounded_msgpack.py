@@ -1,0 +1,268 @@
+"""The one msgpack decoder for bytes from the network (request metadata, `rpc_info` replies, DHT values): hivemind's
+`MSGPackSerializer` format (tuples as ext 0x40, `DictionaryDHTValue` as ext 0x50, `BatchTensorDescriptor` as ext
+0x51) decoded under explicit limits on total bytes, nesting depth, container lengths, str/bin lengths and items.
+
+hivemind's own decoder re-enters the C unpacker through a Python ext hook once per nested tuple, so ~250 nested
+tuples (~1.2 KB) overflow the C stack and kill the process (SIGSEGV). Here every ext payload is decoded by this
+module with the caller's remaining depth, so nesting stops at `max_depth` with a `MsgpackLimitError` (a ValueError).
+`install_bounded_serializer()` makes hivemind's `MSGPackSerializer.loads` (used by its DHT node, protocol, storage
+and schema validators) this decoder too (undecodable values come back as their bytes, so a reader skips one bad
+record instead of losing the whole key); encoding stays hivemind's, so bytes on the wire are unchanged."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from hivemind.utils.serializer import MSGPackSerializer
+
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+TUPLE_EXT_TYPE = 0x40  # hivemind: a tuple, payload = msgpack array
+DICTIONARY_DHT_VALUE_EXT_TYPE = 0x50  # hivemind.dht.storage.DictionaryDHTValue: [maxsize, latest_exp, items]
+BATCH_TENSOR_DESCRIPTOR_EXT_TYPE = 0x51  # hivemind.utils.tensor_descr.BatchTensorDescriptor: a dict of fields
+
+
+class MsgpackLimitError(ValueError):
+    """The bytes exceed a decoding limit (or are not msgpack); the message names the limit."""
+
+
+@dataclass(frozen=True)
+class MsgpackLimits:
+    """Bounds on one decoded message. Each is checked before the corresponding object is allocated, except
+    `max_items`, checked as each container completes (so at most one container's worth is built past it)."""
+
+    max_bytes: int  # whole message
+    max_depth: int = 32  # containers and ext payloads nested in each other (a tuple inside a list = 2)
+    max_container_len: int = 4096  # elements of one array, pairs of one map
+    max_str_bytes: int = 64 * 1024  # one str (utf-8 bytes)
+    max_bin_bytes: int = 1 << 20  # one bin
+    max_items: int = 1 << 16  # elements of all containers together (amplification bound: an empty list is 1 byte)
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_depth", "max_container_len", "max_str_bytes", "max_bin_bytes", "max_items"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MsgpackLimits.{name} must be >= 1, got {getattr(self, name)}")
+
+
+# Request metadata and rpc_info replies: a handful of keys (Petals sends < 1 KiB).
+METADATA_LIMITS = MsgpackLimits(
+    max_bytes=64 * 1024, max_depth=16, max_container_len=1024, max_str_bytes=16 * 1024, max_bin_bytes=64 * 1024,
+    max_items=8192,
+)  # fmt: skip
+# DHT values: a block's DictionaryDHTValue holds one ServerInfo record per server (< 1 KiB each).
+DHT_LIMITS = MsgpackLimits(
+    max_bytes=4 << 20, max_depth=32, max_container_len=1 << 16, max_str_bytes=1 << 20, max_bin_bytes=4 << 20,
+    max_items=1 << 18,
+)  # fmt: skip
+
+
+class _Budget:
+    """Shared by one top-level decode and all ext payloads inside it."""
+
+    __slots__ = ("containers", "items", "limits")
+
+    def __init__(self, limits: MsgpackLimits):
+        self.limits = limits
+        self.items = 0
+        self.containers = 0
+
+    def count(self, container: Any) -> Any:
+        """msgpack's list_hook/object_hook: called as each array/map completes (tuples are arrays first)."""
+        self.containers += 1
+        self.items += len(container) + 1
+        if self.items > self.limits.max_items:
+            raise MsgpackLimitError(f"msgpack value has more than max_items={self.limits.max_items} elements")
+        return container
+
+
+def _check_depth(value: Any, depth_left: int, limits: MsgpackLimits) -> None:
+    """Iterative walk (no recursion): containers nested deeper than `depth_left` -> MsgpackLimitError."""
+    stack = [(value, depth_left)]
+    while stack:
+        node, left = stack.pop()
+        if isinstance(node, (list, tuple)):
+            children = node
+        elif isinstance(node, dict):
+            children = node.values()  # keys are str/bytes (strict_map_key)
+        else:
+            continue
+        if left <= 0:
+            raise MsgpackLimitError(f"msgpack value is nested deeper than max_depth={limits.max_depth}")
+        for child in children:
+            if isinstance(child, (list, tuple, dict)):
+                stack.append((child, left - 1))
+
+
+def _decode(data: bytes, budget: _Budget, depth_left: int, *, top: bool = False) -> Any:
+    """One (C) unpack; ext payloads come back here one level deeper, so the C unpacker is re-entered at most
+    `max_depth` times. The exact depth of the whole value is checked once, by the top-level call."""
+    limits = budget.limits
+    if depth_left <= 0:
+        raise MsgpackLimitError(f"msgpack value is nested deeper than max_depth={limits.max_depth}")
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        return _decode_ext(code, payload, budget, depth_left - 1)
+
+    value = msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=True,
+        ext_hook=ext_hook,
+        list_hook=budget.count,
+        object_hook=budget.count,
+        max_str_len=limits.max_str_bytes,
+        max_bin_len=limits.max_bin_bytes,
+        max_array_len=limits.max_container_len,
+        max_map_len=limits.max_container_len,
+        max_ext_len=limits.max_bytes,
+    )
+    if top and budget.containers > depth_left:  # fewer containers than that cannot nest deeper (the usual case)
+        _check_depth(value, depth_left, limits)
+    return value
+
+
+def _decode_ext(code: int, payload: bytes, budget: _Budget, depth_left: int) -> Any:
+    if code == TUPLE_EXT_TYPE:
+        items = _decode(payload, budget, depth_left)
+        if not isinstance(items, list):
+            raise MsgpackLimitError(f"tuple ext (0x40) must hold an array, got {type(items).__name__}")
+        return tuple(items)
+    if code == DICTIONARY_DHT_VALUE_EXT_TYPE:
+        return _dictionary_dht_value(_decode(payload, budget, depth_left))
+    if code == BATCH_TENSOR_DESCRIPTOR_EXT_TYPE:
+        return _batch_tensor_descriptor(_decode(payload, budget, depth_left))
+    logger.debug(f"msgpack.unknown_ext(code={code}, bytes={len(payload)}): left as bytes")
+    return payload  # as hivemind does for codes it does not know
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _dictionary_dht_value(fields: Any) -> Any:
+    """hivemind's `DictionaryDHTValue.unpackb`, on an already bounded-decoded `[maxsize, latest_exp, items]`."""
+    from hivemind.dht.storage import DictionaryDHTValue
+
+    if not isinstance(fields, list) or len(fields) != 3:
+        raise MsgpackLimitError("DictionaryDHTValue (0x50) must be [maxsize, latest_expiration_time, items]")
+    maxsize, latest_expiration_time, items = fields
+    if not _is_number(maxsize) or not _is_number(latest_expiration_time) or not isinstance(items, list):
+        raise MsgpackLimitError("DictionaryDHTValue (0x50) fields have wrong types")
+    with DictionaryDHTValue(maxsize).freeze() as value:
+        for item in items:
+            if not isinstance(item, list) or len(item) != 3 or not _is_number(item[2]):
+                raise MsgpackLimitError("DictionaryDHTValue (0x50) items must be [subkey, value, expiration_time]")
+            key, item_value, expiration_time = item
+            if isinstance(key, (list, dict)):
+                raise MsgpackLimitError("DictionaryDHTValue (0x50) subkeys must be hashable")
+            value.store(key, item_value, expiration_time)
+        value.latest_expiration_time = latest_expiration_time
+        return value
+
+
+_DESCRIPTOR_KEYS = frozenset(
+    {"size", "dtype", "layout", "device_type", "device_index", "requires_grad", "pin_memory", "compression"}
+)
+
+
+def _batch_tensor_descriptor(fields: Any) -> Any:
+    """hivemind's `BatchTensorDescriptor.unpackb`, on an already bounded-decoded dict, with its fields checked."""
+    import torch
+    from hivemind.utils.tensor_descr import BatchTensorDescriptor
+
+    if not isinstance(fields, dict) or set(fields) != _DESCRIPTOR_KEYS:
+        raise MsgpackLimitError(f"BatchTensorDescriptor (0x51) must be a dict with keys {sorted(_DESCRIPTOR_KEYS)}")
+    size = fields["size"]
+    if (
+        not isinstance(size, (list, tuple))
+        or not 1 <= len(size) <= 16
+        or not all(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 0) for d in size)
+    ):
+        raise MsgpackLimitError(f"BatchTensorDescriptor (0x51) size must be a short list of ints, got {size!r:.100}")
+    kwargs: dict[str, Any] = {}
+    for key, kind in (("dtype", torch.dtype), ("layout", torch.layout)):
+        name = fields[key]
+        if name is None:
+            kwargs[key] = None
+            continue
+        value = getattr(torch, name.split(".")[-1], None) if isinstance(name, str) and len(name) <= 64 else None
+        if not isinstance(value, kind):
+            raise MsgpackLimitError(f"BatchTensorDescriptor (0x51) {key} is not a torch {kind.__name__}: {name!r:.64}")
+        kwargs[key] = value
+    device_type, device_index = fields["device_type"], fields["device_index"]
+    if device_type is None:
+        kwargs["device"] = None
+    else:
+        if device_type not in ("cpu", "cuda", "mps", "meta") or not (
+            device_index is None or isinstance(device_index, int)
+        ):
+            raise MsgpackLimitError(f"BatchTensorDescriptor (0x51) device is not valid: {device_type!r:.32}")
+        kwargs["device"] = torch.device(device_type, device_index)
+    for key in ("requires_grad", "pin_memory"):
+        if not isinstance(fields[key], bool):
+            raise MsgpackLimitError(f"BatchTensorDescriptor (0x51) {key} must be a bool")
+        kwargs[key] = fields[key]
+    if not isinstance(fields["compression"], int) or isinstance(fields["compression"], bool):
+        raise MsgpackLimitError("BatchTensorDescriptor (0x51) compression must be an int")
+    kwargs["compression"] = fields["compression"]
+    return BatchTensorDescriptor(*size[1:], **kwargs)
+
+
+def loads(data: bytes | bytearray | memoryview, limits: MsgpackLimits = METADATA_LIMITS) -> Any:
+    """Decodes hivemind-msgpack bytes within `limits`; any violation or malformed input -> ValueError
+    (`MsgpackLimitError` for limits and format errors)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise MsgpackLimitError(f"expected bytes to decode, got {type(data).__name__}")
+    if len(data) > limits.max_bytes:
+        raise MsgpackLimitError(f"msgpack message is {len(data)} bytes, more than max_bytes={limits.max_bytes}")
+    try:
+        return _decode(bytes(data), _Budget(limits), limits.max_depth, top=True)
+    except MsgpackLimitError:
+        raise
+    except RecursionError as e:  # cannot happen within max_depth, but never let it escape as something else
+        raise MsgpackLimitError(f"msgpack value is nested too deep: {e}") from None
+    except Exception as e:  # msgpack and the ext constructors raise a zoo of types on garbage
+        raise MsgpackLimitError(f"not valid msgpack: {e!r:.200}") from None
+
+
+# ---- hivemind integration ------------------------------------------------------------------------------------------
+
+_ORIGINAL_LOADS = MSGPackSerializer.__dict__["loads"]
+_install_lock = threading.Lock()
+
+
+def _bounded_serializer_loads(cls: type, buf: bytes) -> Any:
+    """hivemind's DHT decodes values where an exception would leave a search unfinished (its caller then times out)
+    and one bad subkey would hide every other record of the key; so bytes that fail here come back undecoded, as
+    hivemind does for ext codes it does not know, and corolla's record parsers skip them as malformed."""
+    try:
+        return loads(buf, DHT_LIMITS)
+    except ValueError as e:
+        logger.info(f"msgpack.dht_value_undecodable(bytes={len(buf)}): {e}")
+        return bytes(buf)
+
+
+def install_bounded_serializer() -> None:
+    """Makes hivemind's `MSGPackSerializer.loads` (hence its DHT node, protocol, storage and validators) decode with
+    `DHT_LIMITS`, returning undecodable bytes as they are. Idempotent; call before the DHT process forks so the
+    child inherits it."""
+    with _install_lock:
+        if not bounded_serializer_installed():
+            MSGPackSerializer.loads = classmethod(_bounded_serializer_loads)
+            logger.debug("msgpack.bounded_serializer_installed()")
+
+
+def uninstall_bounded_serializer() -> None:
+    """Restores hivemind's own decoder (tests only)."""
+    with _install_lock:
+        MSGPackSerializer.loads = _ORIGINAL_LOADS
+
+
+def bounded_serializer_installed() -> bool:
+    current = MSGPackSerializer.__dict__["loads"]
+    return isinstance(current, classmethod) and current.__func__ is _bounded_serializer_loads
