@@ -30,7 +30,11 @@ class ClientConfig:
     liveness_check_period_s: float = 5.0  # while an inference step waits, ping its server this often; 0 = never
     dht_timeout_s: float = 30.0  # one DHT read of block records
     update_period_s: float = 60.0  # background refresh of block records
-    max_retries: int | None = field(default_factory=_env_max_retries)  # None = retry forever
+    max_retries: int | None = field(default_factory=_env_max_retries)  # None = no limit on the count
+    # a call (inference step, forward, backward) that keeps failing ends in NoHonestServerError after this many
+    # seconds from its first failure (bans, fail-overs and back-off included; a request in flight may add up to
+    # request_timeout_s); None = retry forever (Petals' behaviour)
+    max_wait_s: float | None = 60.0
     min_backoff_s: float = 1.0  # sleep before the 2nd retry; doubles each retry after that
     max_backoff_s: float = 60.0  # cap on the sleep between retries
     ban_timeout_s: float = 15.0  # first ban of a failing server; doubles on each repeated failure
@@ -47,6 +51,12 @@ class ClientConfig:
 
     alloc_timeout_s: float = 0.0  # how long servers may wait for KV cache memory (sent as `alloc_timeout`)
     points: float = 0.0  # priority budget sent as `points`
+
+    # re-run this fraction of inference steps (sampled) on a second server of the same span and ban a server whose
+    # outputs disagree beyond the dtype-derived tolerance (`client.output_checks.verify_rtol`); 0 = off
+    verify_fraction: float = 0.0
+    verify_rtol: float | None = None  # None = derived from the dtypes of the two outputs
+    verify_max_referees: int = 2  # servers asked per verified span (a second, then a third to break a tie)
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,6 +75,14 @@ class ClientConfig:
         ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.max_wait_s is not None and not self.max_wait_s >= 0:
+            raise ValueError(f"max_wait_s must be >= 0 or None, got {self.max_wait_s!r}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction!r}")
+        if self.verify_rtol is not None and not self.verify_rtol > 0:
+            raise ValueError(f"verify_rtol must be > 0 or None, got {self.verify_rtol!r}")
+        if self.verify_max_referees < 1:
+            raise ValueError(f"verify_max_referees must be >= 1, got {self.verify_max_referees}")
         if self.max_retries is not None and self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0 or None, got {self.max_retries}")
         if self.max_pinged < 0:

@@ -16,8 +16,11 @@ from hivemind.proto import runtime_pb2
 from corolla.client import background_loop
 from corolla.client.handoff import HandoffLog, hand_off_draining_spans, needs_handoff, read_drain_notice
 from corolla.client.local_transport import LocalInferenceStream, responses_of
+from corolla.client.output_checks import BadServerOutput, check_outputs
 from corolla.client.remote_forward_backward import serialize_activations
+from corolla.client.retries import RetryBudget
 from corolla.client.routing import RemoteSequenceManager
+from corolla.client.verification import StepVerifier
 from corolla.protocol.codecs import deserialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
@@ -58,6 +61,7 @@ class _SpanSession:
         self._started = False
         self._closed = False
         self.drain_notice = None  # set when the server says it drains (client.handoff moves the span)
+        self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
 
     async def open(self) -> None:
         """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
@@ -154,14 +158,19 @@ class _SpanSession:
     def _accept(
         self, response: runtime_pb2.ExpertResponse, inputs: torch.Tensor, send_from: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, int]:
-        """Checks the response, records the inputs as the server's cache contents; returns (outputs, first position)."""
-        if not response.tensors:
-            raise ConnectionError(f"server ...{self.span.peer_id[-6:]} sent an empty inference response")
-        outputs = deserialize_tensor(response.tensors[0])
-        if outputs.shape != inputs.shape:
-            raise ConnectionError(f"server returned shape {list(outputs.shape)} for inputs {list(inputs.shape)}")
+        """Checks the response (shape as sent, wire dtype, finite: else BadServerOutput, the failure of this span's
+        server), records the inputs as the server's cache contents; returns (outputs, first position)."""
+        peer_id = self.span.peer_id
+        if len(response.tensors) != 1:
+            raise BadServerOutput(peer_id, f"inference response has {len(response.tensors)} tensors, expected 1")
+        try:
+            outputs = deserialize_tensor(response.tensors[0])
+        except ValueError as e:
+            raise BadServerOutput(peer_id, f"undecodable inference output: {e}") from e
+        check_outputs(outputs, expected_shape=inputs.shape, peer_id=peer_id, what="inference output")
         self._record(inputs, send_from)
         self.drain_notice = read_drain_notice(response)
+        self.last_outputs = outputs
         return outputs.to(dtype), send_from
 
     async def step(
@@ -303,6 +312,7 @@ class InferenceSession:
         self.output_ids: torch.Tensor | None = None  # tokens generated so far (kept by generate())
         self.num_steps_here = 0  # steps run in the caller's thread over local streams (no client-loop hop)
         self.handoffs = HandoffLog()  # spans moved off draining servers with their KV cache
+        self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
 
@@ -358,10 +368,11 @@ class InferenceSession:
         global _steps_in_flight
         with _steps_lock:
             _steps_in_flight += 1
+        verify = prompts is None and self._zero_prompts is None and self.verifier.sample()  # see StepVerifier
         try:
-            outputs = self._step_here(cpu_inputs, prompts) if hypo_ids is None else None
+            outputs = self._step_here(cpu_inputs, prompts) if hypo_ids is None and not verify else None
             if outputs is None:
-                outputs = background_loop.run(self._step(cpu_inputs, prompts, hypo_ids))
+                outputs = background_loop.run(self._step(cpu_inputs, prompts, hypo_ids, verify=verify))
         finally:
             with _steps_lock:
                 _steps_in_flight -= 1
@@ -404,14 +415,14 @@ class InferenceSession:
         return hidden[:, position - hidden_from :]
 
     async def _step(
-        self, inputs: torch.Tensor, prompts: torch.Tensor | None, hypo_ids: torch.Tensor | None
+        self, inputs: torch.Tensor, prompts: torch.Tensor | None, hypo_ids: torch.Tensor | None, *, verify: bool = False
     ) -> torch.Tensor:
         position, step_id = self._position, str(uuid.uuid4())
         if hypo_ids is not None:
             for span_session in self._spans:
                 span_session.reorder(hypo_ids)
         hidden, hidden_from = inputs, position  # `hidden` holds the inputs of block `block` from `hidden_from` on
-        block, index, attempt = self.start, 0, 0
+        block, index, budget = self.start, 0, RetryBudget(self.manager)
         pending_replacement: _SpanSession | None = None
         while block < self.end:
             span_session = self._spans[index] if index < len(self._spans) else None
@@ -432,15 +443,20 @@ class InferenceSession:
                     hypo_ids=hypo_ids if hypo_ids is not None else DUMMY_INT64,
                     step_id=step_id,
                 )
+                if verify and span_session.last_outputs is not None and span_session.history is not None:
+                    await self.verifier.verify(span, span_session.history, span_session.last_outputs)
                 self.manager.on_request_success(span.peer_id)
+                budget.on_success()
                 hidden, hidden_from = outputs, outputs_from
-                block, index, attempt = span.end, index + 1, 0
+                block, index = span.end, index + 1
             except Exception as e:
                 if isinstance(e, (AssertionError, asyncio.CancelledError)):
                     raise
-                attempt += 1
                 replacing = span_session is None or span_session is pending_replacement
                 failed = span_session.span.peer_id if span_session is not None and not replacing else None
+                if isinstance(e, BadServerOutput) and e.taints_history:
+                    for later in self._spans[index + 1 :]:  # they may hold states built from its earlier lies
+                        later.position = 0
                 logger.warning(
                     "inference_session.span_failed(blocks=%d:%d, peer=...%s, error=%r)",
                     block,
@@ -448,8 +464,8 @@ class InferenceSession:
                     (failed or "?")[-6:],
                     e,
                 )
-                self.manager.on_request_failure(failed)
-                delay_s = await asyncio.to_thread(self.manager.check_retry, e, attempt)
+                blocks = (block, span_session.span.end if span_session is not None else self.end)
+                delay_s = await asyncio.to_thread(budget.on_failure, e, failed, blocks)
                 await asyncio.sleep(delay_s)
                 pending_replacement = span_session  # replaced (and its history replayed) on the next iteration
         assert hidden_from <= position, "the last span always covers the new tokens"

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.client.output_checks import BadServerOutput, check_outputs
 from corolla.client.routing import RemoteSequenceManager
 from corolla.protocol.codecs import (
     STREAM_CHUNK_BYTES,
@@ -72,11 +73,9 @@ async def run_remote_forward(
     or empty)."""
     tensors, structure = pack_args_kwargs(inputs, prompts)
     outputs = await _call(manager, span, "rpc_forward", tensors, structure)
-    if len(outputs) != 1 or outputs[0].shape != inputs.shape:
-        raise ConnectionError(
-            f"rpc_forward returned {[list(t.shape) for t in outputs]} for inputs {list(inputs.shape)}"
-        )
-    return outputs[0]
+    if len(outputs) != 1:
+        raise BadServerOutput(span.peer_id, f"rpc_forward returned {len(outputs)} tensors, expected 1")
+    return check_outputs(outputs[0], expected_shape=inputs.shape, peer_id=span.peer_id, what="rpc_forward output")
 
 
 async def run_remote_backward(
@@ -89,7 +88,12 @@ async def run_remote_backward(
     """(grad wrt inputs `[B, T, H]`, grad wrt this span's deep prompts or None)."""
     tensors, structure = pack_args_kwargs(inputs, grad_outputs, prompts)
     grads = await _call(manager, span, "rpc_backward", tensors, structure)
-    if not grads or grads[0].shape != inputs.shape:
-        raise ConnectionError(f"rpc_backward returned {[list(t.shape) for t in grads]} for inputs {list(inputs.shape)}")
+    if not 1 <= len(grads) <= 2:
+        raise BadServerOutput(span.peer_id, f"rpc_backward returned {len(grads)} tensors, expected 1 or 2")
+    grad_inputs = check_outputs(grads[0], expected_shape=inputs.shape, peer_id=span.peer_id, what="input gradient")
     grad_prompts = grads[1] if len(grads) > 1 and grads[1].numel() > 0 else None
-    return grads[0], grad_prompts
+    if grad_prompts is not None:
+        if prompts.numel() == 0:
+            raise BadServerOutput(span.peer_id, "rpc_backward returned prompt gradients for a call without prompts")
+        check_outputs(grad_prompts, expected_shape=prompts.shape, peer_id=span.peer_id, what="prompt gradient")
+    return grad_inputs, grad_prompts

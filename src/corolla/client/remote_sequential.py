@@ -13,6 +13,7 @@ from torch import nn
 from corolla.client import background_loop
 from corolla.client.inference_session import DUMMY, InferenceSession
 from corolla.client.remote_forward_backward import run_remote_backward, run_remote_forward
+from corolla.client.retries import RetryBudget
 from corolla.client.routing import RemoteSequenceManager
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
@@ -22,10 +23,11 @@ logger = get_logger(__name__)
 MAX_TOKENS_IN_BATCH = 1024  # rows per sub-batch = max(1024 // seq_len, 1); sub-batches run concurrently
 
 
-async def _retry(manager: RemoteSequenceManager, peer_id: str | None, error: Exception, attempt: int) -> None:
+async def _retry(budget: RetryBudget, peer_id: str | None, error: Exception, blocks: tuple[int, int]) -> None:
+    """Bans the server that failed (a bad output is the failure of the server that produced it) and sleeps; raises
+    NoHonestServerError when the call's retry budget is spent."""
     logger.warning("remote_sequential.span_failed(peer=...%s, error=%r)", (peer_id or "?")[-6:], error)
-    manager.on_request_failure(peer_id)
-    delay_s = await asyncio.to_thread(manager.check_retry, error, attempt)
+    delay_s = await asyncio.to_thread(budget.on_failure, error, peer_id, blocks)
     await asyncio.sleep(delay_s)
 
 
@@ -38,7 +40,7 @@ async def sequential_forward(
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[RemoteSpanInfo]]:
     """Runs blocks `[start, end)`; returns (outputs, the input of every span used, those spans)."""
     hidden, span_inputs, spans = inputs, [], []
-    block, attempt, route = start, 0, None
+    block, route, budget = start, None, RetryBudget(manager)
     while block < end:
         span = None
         try:
@@ -48,13 +50,14 @@ async def sequential_forward(
             # prompts are indexed relative to `start` of the whole call; spans relative to the manager
             outputs = await run_remote_forward(manager, span, hidden, _prompt_slice(prompts, span, start))
             manager.on_request_success(span.peer_id)
+            budget.on_success()
             span_inputs.append(hidden)
             spans.append(span)
-            hidden, block, route, attempt = outputs, span.end, route[1:], 0
+            hidden, block, route = outputs, span.end, route[1:]
         except Exception as e:
-            attempt += 1
             route = None
-            await _retry(manager, span.peer_id if span is not None else None, e, attempt)
+            blocks = (block, span.end if span is not None else end)
+            await _retry(budget, span.peer_id if span is not None else None, e, blocks)
     return hidden, span_inputs, spans
 
 
@@ -69,7 +72,7 @@ async def sequential_backward(
     """Back-propagates through `spans` in reverse; a failed span is re-run forward on fresh servers first."""
     span_inputs, spans = list(span_inputs), list(spans)
     grad_prompts: dict[int, torch.Tensor] = {}  # first block of a span -> grad of its prompts
-    attempt = 0
+    budget = RetryBudget(manager)
     while spans:
         span, inputs = spans[-1], span_inputs[-1]
         try:
@@ -82,10 +85,9 @@ async def sequential_backward(
             grad_outputs = grad_inputs
             spans.pop()
             span_inputs.pop()
-            attempt = 0
+            budget.on_success()
         except Exception as e:
-            attempt += 1
-            await _retry(manager, span.peer_id, e, attempt)
+            await _retry(budget, span.peer_id, e, (span.start, span.end))
             # fresh servers for this span's blocks (and their intermediate inputs); prompts re-sliced from span.start
             _, new_inputs, new_spans = await sequential_forward(
                 manager, inputs, _prompt_slice(prompts, span, start), span.start, span.end

@@ -13,3 +13,20 @@ class MissingBlocksError(RuntimeError):
     def __init__(self, missing: list[int], message: str | None = None):
         self.missing = list(missing)
         super().__init__(message or f"No servers hold blocks {self.missing}; wait for servers to join or start one")
+
+
+class NoHonestServerError(MissingBlocksError):
+    """Client: every server tried for some blocks failed (refused, hung, died or returned bad outputs) until the retry
+    budget (`ClientConfig.max_retries` / `max_wait_s`) ran out. `.missing` names the blocks, `.tried` and `.banned`
+    the servers (base58 peer ids)."""
+
+    def __init__(self, missing: list[int], *, tried: list[str], banned: list[str], waited_s: float, last_error: str):
+        self.tried, self.banned, self.waited_s, self.last_error = list(tried), list(banned), waited_s, last_error
+        blocks = f"{min(missing)}:{max(missing) + 1}" if missing else "?"
+        short = ", ".join(f"...{peer[-6:]}" for peer in self.tried) or "none"
+        banned_short = ", ".join(f"...{peer[-6:]}" for peer in self.banned) or "none"
+        super().__init__(
+            missing,
+            f"no honest server for blocks {blocks} after {waited_s:.1f} s: tried {short}; banned {banned_short}; "
+            f"last error: {last_error}",
+        )

@@ -1,0 +1,130 @@
+"""`StepVerifier`: re-runs a sampled fraction of inference steps on other servers of the same span (a stateless
+`rpc_forward` over the span's recorded inputs) and compares the new positions; the server outvoted by the others is
+banned. Two servers that disagree with no third to decide are both banned."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from corolla.client.output_checks import BadServerOutput, relative_error, verify_rtol
+from corolla.client.remote_forward_backward import run_remote_forward
+from corolla.client.routing import RemoteSequenceManager
+from corolla.protocol.records import RemoteSpanInfo
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+QUANTIZED_RTOL = 0.3  # a server announcing int8/nf4 weights differs from a float one by more than rounding
+DUMMY = torch.empty(0)
+
+
+class StepVerifier:
+    """Per inference session: `sample()` decides if a step is verified; `await verify(span, inputs, outputs, ...)`
+    raises BadServerOutput (`taints_history`) for the span's server when other servers outvote it."""
+
+    def __init__(self, manager: RemoteSequenceManager, *, rng: random.Random | None = None):
+        self.manager = manager
+        self.rng = rng or random.Random()
+        self.num_verified = 0  # span steps compared with at least one other server
+        self.num_rejected = 0  # span steps whose server was outvoted or could not be told from a disagreeing one
+        self._lone_spans_logged: set[tuple[int, int]] = set()
+
+    @property
+    def fraction(self) -> float:
+        return self.manager.config.verify_fraction
+
+    def sample(self) -> bool:
+        return self.fraction > 0 and (self.fraction >= 1 or self.rng.random() < self.fraction)
+
+    def _referees(self, span: RemoteSpanInfo) -> list[RemoteSpanInfo]:
+        """Other unbanned servers holding all of the span's blocks, in random order, as spans of exactly its blocks."""
+        banned = self.manager.bans.banned_peers()
+        others = [
+            RemoteSpanInfo(peer_id=s.peer_id, start=span.start, end=span.end, server_info=s.server_info)
+            for s in self.manager.spans
+            if s.peer_id != span.peer_id and s.peer_id not in banned and s.start <= span.start and span.end <= s.end
+        ]
+        self.rng.shuffle(others)
+        return others
+
+    def _agree(self, a: torch.Tensor, b: torch.Tensor, spans: tuple[RemoteSpanInfo, ...]) -> tuple[bool, float]:
+        config = self.manager.config
+        rtol = config.verify_rtol if config.verify_rtol is not None else verify_rtol(a.dtype, b.dtype)
+        if config.verify_rtol is None and any(s.server_info.quant_type not in (None, "", "none") for s in spans):
+            rtol = max(rtol, QUANTIZED_RTOL)
+        error = relative_error(a, b)
+        return error <= rtol, error
+
+    async def verify(
+        self, span: RemoteSpanInfo, inputs: torch.Tensor, outputs: torch.Tensor, *, prompts: torch.Tensor = DUMMY
+    ) -> None:
+        """`inputs` [B, n, H]: the span's inputs for positions [0, n); `outputs` [B, m, H] (as the server sent them):
+        its claimed outputs for positions [n - m, n)."""
+        referees = self._referees(span)
+        if not referees:
+            if (span.start, span.end) not in self._lone_spans_logged:
+                self._lone_spans_logged.add((span.start, span.end))
+                logger.warning(
+                    "verification.single_server(blocks=%d:%d, peer=...%s): no other server holds these blocks; "
+                    "its outputs are not cross-checked",
+                    span.start,
+                    span.end,
+                    span.peer_id[-6:],
+                )
+            return
+        num_new = outputs.shape[1]
+        dissent: list[tuple[RemoteSpanInfo, torch.Tensor]] = []  # referees that disagreed with the span's server
+        for referee in referees[: self.manager.config.verify_max_referees]:
+            try:
+                other = (await run_remote_forward(self.manager, referee, inputs, prompts))[
+                    :, inputs.shape[1] - num_new :
+                ]
+            except Exception as e:  # the referee failed, not the server under test
+                logger.info("verification.referee_failed(peer=...%s, error=%r)", referee.peer_id[-6:], e)
+                self.manager.on_request_failure(referee.peer_id)
+                continue
+            agrees, error = self._agree(outputs, other, (span, referee))
+            if agrees:
+                self.num_verified += 1
+                for liar, _ in dissent:  # outvoted: the span's server and this referee agree against it
+                    self._ban(liar, f"outvoted by ...{span.peer_id[-6:]} and ...{referee.peer_id[-6:]}")
+                return
+            logger.info(
+                "verification.disagreement(blocks=%d:%d, server=...%s, referee=...%s, rel_error=%.3g)",
+                span.start,
+                span.end,
+                span.peer_id[-6:],
+                referee.peer_id[-6:],
+                error,
+            )
+            for earlier, earlier_out in dissent:
+                if self._agree(other, earlier_out, (referee, earlier))[0]:  # two referees outvote the server
+                    self.num_verified += 1
+                    self.num_rejected += 1
+                    raise BadServerOutput(
+                        span.peer_id,
+                        f"outputs for blocks {span.start}:{span.end} disagree with ...{referee.peer_id[-6:]} and "
+                        f"...{earlier.peer_id[-6:]} (relative error {error:.3g})",
+                        taints_history=True,
+                    )
+            dissent.append((referee, other))
+        if not dissent:
+            return  # every referee failed: nothing was compared
+        self.num_verified += 1
+        self.num_rejected += 1
+        for referee, _ in dissent:  # no majority: we cannot tell who lies, so trust neither for a while
+            self._ban(referee, f"disagrees with ...{span.peer_id[-6:]} and no third server decides")
+        raise BadServerOutput(
+            span.peer_id,
+            f"outputs for blocks {span.start}:{span.end} disagree with "
+            f"{', '.join('...' + r.peer_id[-6:] for r, _ in dissent)} and no majority decides",
+            taints_history=True,
+        )
+
+    def _ban(self, span: RemoteSpanInfo, reason: str) -> None:
+        logger.warning(
+            "verification.ban(peer=...%s, blocks=%d:%d): %s", span.peer_id[-6:], span.start, span.end, reason
+        )
+        self.manager.on_request_failure(span.peer_id)

@@ -1,0 +1,149 @@
+"""A real corolla server process that lies on demand (tests only, never shipped): `python -m
+tests.helpers.hostile_server MODEL ...flags` runs `corolla.cli.run_server.main` with its handler patched according to
+the environment, so clients can be tested against servers that return NaN, finite garbage, wrong shapes or dtypes,
+refuse, or hang.
+
+Environment:
+- `COROLLA_HOSTILE_MODE`: `nan`, `garbage`, `shape`, `dtype`, `refuse` or `hang` (unset or `honest`: no change);
+- `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
+- `COROLLA_HOSTILE_ATTRACT=1`: announce very high compute/network speeds so clients route through this server first
+  (what a liar would do to get traffic).
+
+`start_hostile_server(swarm, model, mode, *flags, ...)` starts one in a `tests.helpers.swarm.Swarm`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODES = ("honest", "nan", "garbage", "shape", "dtype", "refuse", "hang")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Trigger:
+    """Counts answers; `fires()` is True once `after` honest answers were given (thread-safe)."""
+
+    def __init__(self, after: int):
+        self.after, self.count = after, 0
+        self._lock = threading.Lock()
+
+    def fires(self) -> bool:
+        with self._lock:
+            self.count += 1
+            return self.count > self.after
+
+
+def corrupt(tensor: torch.Tensor, mode: str, generator: torch.Generator) -> torch.Tensor:
+    """The lie a `mode` tells instead of `tensor` ([B, T, H] outputs or gradients)."""
+    if mode == "nan":
+        bad = tensor.clone()
+        bad.view(-1)[:: max(1, bad.numel() // 7)] = float("nan")
+        return bad
+    if mode == "garbage":  # finite, same scale and shape: only a comparison can tell
+        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32).to(tensor.dtype)
+        return noise * tensor.float().std().clamp_min(1e-3).to(tensor.dtype)
+    if mode == "shape":
+        return tensor[..., :-1].contiguous() if tensor.shape[-1] > 1 else tensor.repeat(1, 1, 2)
+    if mode == "dtype":
+        return (tensor * 1000).to(torch.int32)
+    raise ValueError(f"mode {mode!r} does not corrupt tensors")
+
+
+def install(mode: str, after: int = 0, attract: bool = False) -> None:
+    """Patches the server classes of this process (call before the server starts)."""
+    if mode not in MODES:
+        raise ValueError(f"COROLLA_HOSTILE_MODE must be one of {MODES}, got {mode!r}")
+    from corolla.server.handler import TransformerConnectionHandler
+    from corolla.server.server import Server
+
+    trigger = _Trigger(after)
+    generator = torch.Generator().manual_seed(1234)
+
+    if mode in ("nan", "garbage", "shape", "dtype"):
+        original_serialize = TransformerConnectionHandler._serialize_output
+
+        def _serialize_output(self: Any, tensor: torch.Tensor, compression: int | None = None) -> Any:
+            if tensor.numel() > 0 and trigger.fires():
+                tensor = corrupt(tensor.to(self.limits.dtype), mode, generator)
+                from corolla.protocol.codecs import serialize_tensor
+
+                return serialize_tensor(tensor, self.compression if compression is None else compression)
+            return original_serialize(self, tensor, compression)
+
+        TransformerConnectionHandler._serialize_output = _serialize_output
+    elif mode in ("refuse", "hang"):
+        for name in ("_inference_step", "_forward", "_backward"):
+            original = getattr(TransformerConnectionHandler, name)
+
+            def _wrap(original: Any = original) -> Any:
+                async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+                    if trigger.fires():
+                        if mode == "refuse":
+                            raise ValueError("hostile server refuses to compute")
+                        await asyncio.sleep(3600)
+                    return await original(self, *args, **kwargs)
+
+                return method
+
+            setattr(TransformerConnectionHandler, name, _wrap())
+
+    if attract:
+
+        def measure_throughput(self: Any) -> dict[str, float]:
+            return {"throughput": 1000.0, "inference_rps": 1e6, "forward_rps": 1e6, "network_rps": 1e6}
+
+        Server.measure_throughput = measure_throughput
+    print(f"hostile_server: mode={mode} after={after} attract={attract}", file=sys.stderr, flush=True)
+
+
+def start_hostile_server(
+    swarm: Any,
+    model_path: str | Path,
+    mode: str,
+    *args: str,
+    after: int = 0,
+    attract: bool = False,
+    wait: bool = True,
+    timeout_s: float = 90.0,
+    name: str | None = None,
+) -> Any:
+    """Starts a hostile server in a `tests.helpers.swarm.Swarm` (same flags and clean-up as `start_server`)."""
+    command = ["tests.helpers.hostile_server", str(model_path)]
+    if swarm.initial_peers:
+        command += ["--initial_peers", *swarm.initial_peers]
+    command += [*swarm.config.server_args, *args]
+    env = {
+        "COROLLA_HOSTILE_MODE": mode,
+        "COROLLA_HOSTILE_AFTER": str(after),
+        "COROLLA_HOSTILE_ATTRACT": "1" if attract else "0",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    }
+    server = swarm._spawn(
+        swarm.server_class, command, name or f"hostile-{mode}{len(swarm.servers)}", env, swarm.workdir
+    )
+    swarm.servers.append(server)
+    if wait:
+        server.wait_ready(timeout_s)
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    install(
+        os.environ.get("COROLLA_HOSTILE_MODE", "honest") or "honest",
+        after=int(os.environ.get("COROLLA_HOSTILE_AFTER", "0") or 0),
+        attract=os.environ.get("COROLLA_HOSTILE_ATTRACT", "0") == "1",
+    )
+    from corolla.cli.run_server import main as run_server_main
+
+    return run_server_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

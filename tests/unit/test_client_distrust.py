@@ -1,0 +1,217 @@
+"""Clients that do not trust servers (in-process fake servers, no network): NaN, finite garbage, wrong shapes and
+dtypes are failures of the server that produced them (banned, replaced, history replayed), never of the next one;
+sampled verification outvotes a liar; a span with no honest server ends in NoHonestServerError within max_wait_s."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+from tests.helpers.hostile_server import corrupt
+from tests.unit.test_client_inference_session import HIDDEN, FakeManager, FakeServer, block_fn, reference
+
+from corolla.client.config import ClientConfig
+from corolla.client.inference_session import InferenceSession
+from corolla.client.output_checks import BadServerOutput, check_outputs, relative_error, verify_rtol
+from corolla.client.remote_sequential import RemoteSequential
+from corolla.client.retries import RetryBudget
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+from corolla.protocol.metadata import decode_metadata
+from corolla.protocol.packing import unpack_args_kwargs
+from corolla.utils.errors import MissingBlocksError, NoHonestServerError
+
+
+class Server(FakeServer):
+    """A fake server that rejects non-finite inputs (as real servers do), answers rpc_forward too, and, with a
+    `mode` of `tests.helpers.hostile_server.corrupt`, lies in every answer after the first `after`."""
+
+    def __init__(self, start: int, end: int, mode: str = "honest", after: int = 0, inference_rps: float = 100.0):
+        super().__init__(start, end, inference_rps)
+        self.mode, self.after, self.answers = mode, after, 0
+        self.rejected_inputs = 0
+        self.forward_calls = 0
+        self.generator = torch.Generator().manual_seed(0)
+
+    def _lie(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.answers += 1
+        if self.mode == "honest" or self.answers <= self.after:
+            return tensor
+        return corrupt(tensor, self.mode, self.generator)
+
+    async def _serve(self, requests):
+        async def checked():
+            async for request in requests:
+                if request.tensors and not bool(torch.isfinite(deserialize_tensor(request.tensors[0])).all()):
+                    self.rejected_inputs += 1
+                    raise ValueError("hidden states must be finite")
+                yield request
+
+        async for response in super()._serve(checked()):
+            yield runtime_pb2.ExpertResponse(
+                tensors=[serialize_tensor(self._lie(deserialize_tensor(response.tensors[0])))]
+            )
+
+    async def rpc_forward(self, request, timeout=None):
+        self.forward_calls += 1
+        if self.dead:
+            raise ConnectionError("server died")
+        metadata = decode_metadata(request.metadata)
+        args, _ = unpack_args_kwargs([deserialize_tensor(t) for t in request.tensors], metadata["args_structure"])
+        x = args[0]
+        if not bool(torch.isfinite(x).all()):
+            self.rejected_inputs += 1
+            raise ValueError("hidden states must be finite")
+        for uid in request.uid.split(" "):
+            x = block_fn(int(uid.split(".")[1]), x, x[:, :0])
+        return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(self._lie(x))])
+
+
+def _generate(manager, tokens: torch.Tensor, max_length: int | None = None) -> torch.Tensor:
+    outputs = []
+    with InferenceSession(manager, max_length=max_length or tokens.shape[1]) as session:
+        outputs.append(session.step(tokens[:, :4]))
+        for t in range(4, tokens.shape[1]):
+            outputs.append(session.step(tokens[:, t : t + 1]))
+    return torch.cat(outputs, dim=1)
+
+
+@pytest.mark.parametrize("mode", ["nan", "shape", "dtype"])
+def test_bad_first_span_output_bans_its_server_not_the_downstream_one(mode):
+    torch.manual_seed(0)
+    # the liar looks fastest, so the route goes through it first; it lies from its 3rd answer on
+    servers = {"liar": Server(0, 2, mode, after=2, inference_rps=1e6), "A2": Server(0, 2), "B": Server(2, 4)}
+    manager = FakeManager(servers, 4, max_wait_s=10)
+    tokens = torch.randn(1, 10, HIDDEN)
+    out = _generate(manager, tokens)
+    torch.testing.assert_close(out, reference(tokens, 4), atol=1e-5, rtol=0)
+    assert servers["liar"].answers >= 3  # it was used and lied
+    assert manager.bans.is_banned("liar")
+    assert not manager.bans.is_banned("B") and servers["B"].rejected_inputs == 0
+
+
+def test_finite_garbage_is_caught_by_verification_and_the_liar_banned():
+    torch.manual_seed(1)
+    servers = {
+        "liar": Server(0, 2, "garbage", after=3, inference_rps=1e6),
+        "A2": Server(0, 2),
+        "A3": Server(0, 2),
+        "B": Server(2, 4),
+    }
+    tokens = torch.randn(1, 10, HIDDEN)
+    manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
+    with InferenceSession(manager, max_length=10) as session:
+        out = [session.step(tokens[:, :4])]
+        out += [session.step(tokens[:, t : t + 1]) for t in range(4, 10)]
+        assert session.verifier.num_rejected == 1 and session.verifier.num_verified == 8  # 7 steps of 0:2, 1 rejected
+    torch.testing.assert_close(torch.cat(out, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
+    assert manager.bans.is_banned("liar") and not manager.bans.banned_peers() & {"A2", "A3", "B"}
+
+
+def test_without_verification_finite_garbage_goes_unnoticed():
+    """The attack the verification above defeats: nothing else can tell finite garbage from real outputs."""
+    torch.manual_seed(1)
+    servers = {"liar": Server(0, 2, "garbage", after=3, inference_rps=1e6), "A2": Server(0, 2), "B": Server(2, 4)}
+    tokens = torch.randn(1, 10, HIDDEN)
+    out = _generate(FakeManager(servers, 4, max_wait_s=10), tokens)
+    assert relative_error(out[:, -1], reference(tokens, 4)[:, -1]) > 0.05
+
+
+def test_verification_without_a_majority_bans_both_and_with_a_lone_server_logs_once(caplog):
+    torch.manual_seed(2)
+    tokens = torch.randn(1, 6, HIDDEN)
+    servers = {"liar": Server(0, 2, "garbage", inference_rps=1e6), "A2": Server(0, 2), "B": Server(2, 4)}
+    manager = FakeManager(servers, 4, max_wait_s=0.5, verify_fraction=1.0)
+    with pytest.raises(NoHonestServerError), InferenceSession(manager, max_length=6) as session:
+        session.step(tokens[:, :4])
+    assert {"liar", "A2"} <= manager.bans.banned_peers() and not manager.bans.is_banned("B")
+
+    manager = FakeManager({"A": Server(0, 2), "B": Server(2, 4)}, 4, verify_fraction=1.0)
+    with caplog.at_level("WARNING", logger="corolla.client.verification"):
+        out = _generate(manager, tokens)
+    torch.testing.assert_close(out, reference(tokens, 4), atol=1e-5, rtol=0)
+    lone = [r for r in caplog.records if "single_server" in r.getMessage()]
+    assert len(lone) == 2  # once per span (0:2 and 2:4), not once per step
+
+
+@pytest.mark.parametrize("mode", ["nan", "refuse", "hang"])
+def test_lone_bad_server_ends_in_a_clear_error_within_max_wait(mode):
+    torch.manual_seed(3)
+    liar = Server(0, 2, "nan" if mode == "nan" else "honest")
+    liar.dead = mode == "refuse"
+    liar.hung = mode == "hang"
+    servers = {"liar": liar, "B": Server(2, 4)}
+    manager = FakeManager(servers, 4, max_wait_s=1.5, max_backoff_s=0.2, liveness_check_period_s=0.2)
+    started = time.monotonic()
+    with pytest.raises(NoHonestServerError) as info, InferenceSession(manager, max_length=6) as session:
+        session.step(torch.randn(1, 4, HIDDEN))
+    elapsed_s = time.monotonic() - started
+    assert 1.5 <= elapsed_s < 6.0, elapsed_s
+    message = str(info.value)
+    assert "blocks 0:2" in message and "...liar" in message and info.value.missing == [0, 1]
+    assert isinstance(info.value, MissingBlocksError)  # what corolla-api and corolla-generate report
+    assert not manager.bans.is_banned("B")
+
+
+def test_missing_blocks_end_after_max_wait_not_forever():
+    manager = FakeManager({"A": Server(0, 2)}, 4, max_wait_s=1.0, max_backoff_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(NoHonestServerError, match=r"blocks 2:4") as info:
+        with InferenceSession(manager, max_length=4) as session:
+            session.step(torch.randn(1, 2, HIDDEN))
+    assert 1.0 <= time.monotonic() - started < 5.0
+    assert info.value.missing == [2, 3]
+
+
+def test_forward_backward_bad_outputs_fail_their_server():
+    torch.manual_seed(4)
+    servers = {"liar": Server(0, 2, "nan", inference_rps=1e6), "A2": Server(0, 2), "B": Server(2, 4)}
+    manager = FakeManager(servers, 4, max_wait_s=10)
+    remote = RemoteSequential(manager)
+    x = torch.randn(2, 5, HIDDEN)
+    for _ in range(6):  # max-throughput routing is random: try until the liar was picked at least once
+        torch.testing.assert_close(remote(x), reference(x, 4), atol=1e-5, rtol=0)
+        if servers["liar"].forward_calls:
+            break
+    assert servers["liar"].forward_calls and manager.bans.is_banned("liar")
+    assert servers["B"].rejected_inputs == 0 and not manager.bans.is_banned("B")
+
+
+def test_check_outputs_and_tolerances():
+    good = torch.randn(1, 3, 4)
+    assert check_outputs(good, expected_shape=(1, 3, 4), peer_id="p", what="x") is good
+    for bad, match in [
+        (good[..., :3], "shape"),
+        (good.to(torch.float64), "dtype"),
+        ((good * 10).int(), "dtype"),
+        (torch.where(good > 0, torch.inf, good), "non-finite"),
+    ]:
+        with pytest.raises(BadServerOutput, match=match):
+            check_outputs(bad, expected_shape=(1, 3, 4), peer_id="p", what="x")
+    assert verify_rtol(torch.float32) == pytest.approx(1e-3)
+    assert verify_rtol(torch.float32, torch.bfloat16) == pytest.approx(0.25)
+    assert verify_rtol(torch.float16) == pytest.approx(32 * 2**-10)
+    assert relative_error(good, good + 1e-6) < 1e-5 and relative_error(good, torch.randn(1, 3, 4)) > 0.3
+
+
+def test_retry_budget_counts_time_from_the_first_failure_and_resets_on_success():
+    now = [0.0]
+    manager = FakeManager({"A": Server(0, 1)}, 1, max_wait_s=10.0, min_backoff_s=1.0, max_backoff_s=8.0)
+    budget = RetryBudget(manager, clock=lambda: now[0])
+    error = ConnectionError("boom")
+    assert budget.on_failure(error, "A", (0, 1)) == 0.0
+    now[0] = 9.5
+    assert budget.on_failure(error, "A", (0, 1)) == pytest.approx(0.5)  # capped at the deadline
+    budget.on_success()
+    now[0] = 100.0
+    assert budget.on_failure(error, None, (0, 1)) == 0.0  # a fresh budget
+    now[0] = 110.0
+    with pytest.raises(NoHonestServerError, match=r"after 10.0 s"):
+        budget.on_failure(error, None, (0, 1))
+    with pytest.raises(ValueError, match="max_wait_s"):
+        ClientConfig(max_wait_s=-1)
+    with pytest.raises(ValueError, match="verify_fraction"):
+        ClientConfig(verify_fraction=1.5)
+    assert asyncio.iscoroutinefunction(Server.rpc_forward)
