@@ -4,6 +4,7 @@ tokens/s; `--interactive` keeps one session open for a chat-style loop."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -11,6 +12,7 @@ import torch
 
 from corolla.client.config import ClientConfig
 from corolla.client.distributed_model import AutoDistributedModelForCausalLM
+from corolla.utils.errors import MissingBlocksError
 
 
 class _TextStreamer:
@@ -57,11 +59,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--interactive", action="store_true", help="chat loop; an empty line or Ctrl-D quits")
     parser.add_argument("--request_timeout_s", type=float, default=ClientConfig.request_timeout_s)
     parser.add_argument("--max_retries", type=int, default=None)
+    parser.add_argument(
+        "--max_wait_s",
+        type=float,
+        default=ClientConfig.max_wait_s,
+        help="give up (exit 1) when some blocks have had no working server for this long; <= 0: never",
+    )
+    parser.add_argument(
+        "--verify_fraction",
+        type=float,
+        default=ClientConfig.verify_fraction,
+        help="re-run this fraction of steps on a second server of each span and ban servers that disagree",
+    )
     parser.add_argument("--torch_dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except MissingBlocksError as e:  # no (honest) server for some blocks within --max_wait_s: one line, no traceback
+        print(f"\ncorolla-generate: error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # `--initial_peers A B "prompt"`: multiaddrs start with "/", so a trailing non-address is the prompt
     peers = list(args.initial_peers)
@@ -77,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     config = ClientConfig(request_timeout_s=args.request_timeout_s, max_retries=args.max_retries)
+    wait_s = args.max_wait_s if args.max_wait_s > 0 else None
+    config = dataclasses.replace(config, max_wait_s=wait_s, verify_fraction=args.verify_fraction)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     sampling = {
         k: v
