@@ -20,7 +20,7 @@ class FakeRecords:
         self.stored: list[tuple[list[str], tuple, float, float]] = []
         self.models: list[str] = []
 
-    def declare_active_modules(self, dht, uids, server_info, expiration_time, *, timeout_s):
+    def declare_active_modules(self, dht, uids, server_info, expiration_time, *, timeout_s, model_info=None):
         self.stored.append((list(uids), server_info.to_tuple(), expiration_time, time.time()))
         return {uid: True for uid in uids}
 

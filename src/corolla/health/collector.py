@@ -18,7 +18,7 @@ from corolla.protocol.records import ServerState
 from corolla.protocol.uids import make_uid
 from corolla.swarm.dht import run_in_dht
 from corolla.swarm.ping import ping_parallel
-from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
+from corolla.swarm.records_io import get_remote_module_infos, get_verified_model_infos
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -88,7 +88,7 @@ class StateCollector:
         models = list(self.pinned_models)
         if self.config.use_models_index:
             seen = {m.dht_prefix for m in models}
-            indexed = get_model_infos(self.dht, latest=True, timeout_s=self.config.dht_timeout_s)
+            indexed = get_verified_model_infos(self.dht, latest=True, timeout_s=self.config.dht_timeout_s)
             extra = [
                 ModelEntry(dht_prefix=prefix, num_blocks=info.num_blocks, repository=info.repository)
                 for prefix, info in indexed.items()

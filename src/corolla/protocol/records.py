@@ -11,6 +11,7 @@ from enum import IntEnum
 from typing import Any
 
 MODELS_INDEX_KEY = "_petals.models"
+MAX_MODEL_BLOCKS = 4096  # no model has more layers; a record claiming more (e.g. 10**7) is refused, not iterated
 
 
 class ServerState(IntEnum):
@@ -130,6 +131,8 @@ class ModelInfo:
     def __post_init__(self) -> None:
         if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {self.num_blocks!r}")
+        if self.num_blocks > MAX_MODEL_BLOCKS:
+            raise ValueError(f"num_blocks must be <= {MAX_MODEL_BLOCKS}, got {self.num_blocks}")
         _check_optional("repository", self.repository, str)
 
     def to_dict(self) -> dict[str, Any]:

@@ -130,6 +130,7 @@ class Announcer:
             self.uids,
             self.server_info,
             expiration_time,
+            model_info=self.model_info,  # goes into our signed record (swarm.signed_records)
             timeout_s=DHT_CALL_TIMEOUT_S,
         )
         self.num_announcements += 1

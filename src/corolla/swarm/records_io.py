@@ -1,5 +1,7 @@
 """Announcing and reading block records in the DHT with Petals' layout: key `"<prefix>.<i>"`, subkey = peer id
-(base58), value = `ServerInfo.to_tuple()`; plus the `_petals.models` index. Every call is bounded by `timeout_s`."""
+(base58), value = `ServerInfo.to_tuple()`; plus the `_petals.models` index. A corolla server also stores its signed
+record (`swarm.signed_records`) in the same batch, and readers let it replace every unsigned record about that peer.
+Every call is bounded by `timeout_s`."""
 
 from __future__ import annotations
 
@@ -14,14 +16,28 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol.records import MODELS_INDEX_KEY, ModelInfo, RemoteModuleInfo, ServerInfo
-from corolla.protocol.uids import parse_uid, validate_dht_prefix
+from corolla.protocol.uids import make_uid, parse_uid, validate_dht_prefix
 from corolla.swarm.dht import DEFAULT_DHT_TIMEOUT_S, call_with_timeout, run_in_dht
+from corolla.swarm.identity import get_signer
+from corolla.swarm.signed_records import (
+    SignedLookup,
+    SignedRecordError,
+    apply_signed_records,
+    candidate_pairs,
+    check_found_entry,
+    sign_server_record,
+    signed_record_key,
+    vote_model_info,
+)
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 # hivemind's DHT intermittently hangs or crashes on values over ~16 KiB (upstream PR 660); ours stay far below
 MAX_RECORD_BYTES = 8 * 1024
+# signed records looked up per read (one per announced peer): a key flooded with made-up peer ids costs at most this
+DEFAULT_MAX_SIGNED_LOOKUPS = 1024
+MAX_INDEXED_MODELS = 256  # `_petals.models` prefixes checked against signed records per read
 
 
 def _check_record_size(what: str, value: Any) -> None:
@@ -36,31 +52,57 @@ def declare_active_modules(
     server_info: ServerInfo,
     expiration_time: float,
     *,
+    model_info: ModelInfo | None = None,
     timeout_s: float = DEFAULT_DHT_TIMEOUT_S,
 ) -> dict[str, bool]:
-    """Stores `server_info` under every uid (subkey = this node's peer id); returns per-uid store success."""
+    """Stores `server_info` under every uid (subkey = this node's peer id); returns per-uid store success. When the
+    DHT has a signing identity (`create_dht` gives it one) and `server_info` names its span, the signed record
+    (`server_info` + `model_info`) goes in the same batch."""
     uids = list(uids)
-    for uid in uids:
-        parse_uid(uid)  # ValueError on a malformed uid
+    prefixes = {parse_uid(uid)[0] for uid in uids}  # ValueError on a malformed uid
     if not uids:
         return {}
     value = server_info.to_tuple()
     _check_record_size("ServerInfo", value)
-    coro = partial(_store_records, uids=uids, value=value, expiration_time=expiration_time)
+    signed: tuple[str, str, Any] | None = None
+    signer = get_signer(dht)
+    if signer is not None and len(prefixes) == 1 and server_info.start_block is not None:
+        signed = sign_server_record(signer, prefixes.pop(), server_info, model_info, expiration_time)
+        _check_record_size("signed ServerInfo", signed[2])
+    coro = partial(
+        _store_records,
+        uids=uids,
+        value=value,
+        expiration_time=expiration_time,
+        signed=signed,
+        signer_peer_id=signer.peer_id if signer is not None else None,
+    )
     return run_in_dht(dht, coro, timeout_s=timeout_s, what=f"declare_active_modules({uids[0]}.., n={len(uids)})")
 
 
 async def _store_records(
-    dht: hivemind.DHT, node: Any, *, uids: list[str], value: Any, expiration_time: float
+    dht: hivemind.DHT,
+    node: Any,
+    *,
+    uids: list[str],
+    value: Any,
+    expiration_time: float,
+    signed: tuple[str, str, Any] | None = None,
+    signer_peer_id: str | None = None,
 ) -> dict[str, bool]:
     subkey = node.peer_id.to_base58()
+    keys, subkeys, values = list(uids), [subkey] * len(uids), [value] * len(uids)
+    if signed is not None and signer_peer_id == subkey:  # sign only as ourselves (a foreign identity would be refused)
+        keys.append(signed[0]), subkeys.append(signed[1]), values.append(signed[2])
     store_ok = await node.store_many(
-        keys=uids,
-        subkeys=[subkey] * len(uids),
-        values=[value] * len(uids),
+        keys=keys,
+        subkeys=subkeys,
+        values=values,
         expiration_time=expiration_time,
-        num_workers=min(len(uids), dht.num_workers),
+        num_workers=min(len(keys), dht.num_workers),
     )  # keyed by (key, subkey)
+    if len(keys) > len(uids) and not store_ok.get((keys[-1], subkeys[-1])):
+        logger.warning(f"records.signed_store_failed(key={keys[-1][:80]})")
     return {uid: bool(store_ok.get((uid, subkey))) for uid in uids}
 
 
@@ -85,6 +127,41 @@ async def _get_records(dht: hivemind.DHT, node: Any, *, keys: list[str], latest:
     return out
 
 
+async def _lookup_signed(
+    dht: hivemind.DHT, node: Any, *, keys: list[str], raw: dict[str, Any], latest: bool, max_signed_lookups: int
+) -> SignedLookup:
+    """One batched get of the signed records of every peer announced under `keys`, verified here (cached)."""
+    pairs, skipped = candidate_pairs(keys, raw, max_signed_lookups)
+    lookup = SignedLookup(skipped_lookups=skipped)
+    if skipped:
+        logger.warning(f"records.signed_lookups_capped(max_signed_lookups={max_signed_lookups}, skipped={skipped})")
+    if not pairs:
+        return lookup
+    signed_keys = [signed_record_key(prefix, peer) for prefix, peer in pairs]
+    expiration = math.inf if latest else get_dht_time()
+    found = await node.get_many(signed_keys, expiration, num_workers=min(len(signed_keys), dht.num_workers))
+    for pair, key in zip(pairs, signed_keys, strict=True):
+        try:
+            record = check_found_entry(key, found.get(key))
+        except SignedRecordError as e:
+            lookup.refused += 1
+            logger.warning(f"records.signed_refused(peer={pair[1][:60]}): {e}")
+            continue
+        if record is not None:
+            lookup.records[pair] = record
+    return lookup
+
+
+async def _get_block_records(
+    dht: hivemind.DHT, node: Any, *, keys: list[str], latest: bool, max_signed_lookups: int
+) -> tuple[dict[str, Any], SignedLookup]:
+    raw = await _get_records(dht, node, keys=keys, latest=latest)
+    if max_signed_lookups <= 0:
+        return raw, SignedLookup()
+    lookup = await _lookup_signed(dht, node, keys=keys, raw=raw, latest=latest, max_signed_lookups=max_signed_lookups)
+    return raw, lookup
+
+
 def get_remote_module_infos(
     dht: hivemind.DHT,
     uids: Sequence[str],
@@ -92,14 +169,18 @@ def get_remote_module_infos(
     active_adapter: str | None = None,
     latest: bool = False,
     timeout_s: float = DEFAULT_DHT_TIMEOUT_S,
+    max_signed_lookups: int = DEFAULT_MAX_SIGNED_LOOKUPS,
 ) -> list[RemoteModuleInfo]:
     """Reads who serves each uid (aligned with `uids`). `latest=True` searches for the freshest records instead of
-    the first found. Servers lacking `active_adapter` (when given) are left out; malformed records are skipped."""
+    the first found. Servers lacking `active_adapter` (when given) are left out; malformed records are skipped.
+    A peer with a verified signed record is described by that record only (its unsigned ones are ignored); peers
+    without one (stock Petals servers) by their unsigned records. `max_signed_lookups=0` reads unsigned only."""
     uids = list(uids)
     if not uids:
         return []
-    coro = partial(_get_records, keys=uids, latest=latest)
-    raw = run_in_dht(dht, coro, timeout_s=timeout_s, what=f"get_remote_module_infos({uids[0]}.., n={len(uids)})")
+    coro = partial(_get_block_records, keys=uids, latest=latest, max_signed_lookups=max_signed_lookups)
+    what = f"get_remote_module_infos({uids[0]}.., n={len(uids)})"
+    raw, lookup = run_in_dht(dht, coro, timeout_s=timeout_s, what=what)
     infos = []
     for uid in uids:
         info = RemoteModuleInfo(uid=uid, servers={})
@@ -115,7 +196,7 @@ def get_remote_module_infos(
                     continue
                 info.servers[server[0]] = server[1]
         infos.append(info)
-    return infos
+    return apply_signed_records(infos, lookup.records, active_adapter=active_adapter)
 
 
 def _parse_server(uid: str, subkey: Any, value: Any) -> tuple[str, ServerInfo] | None:
@@ -172,4 +253,60 @@ def get_model_infos(
             models[prefix] = ModelInfo.from_dict(value)
         except (TypeError, ValueError) as e:
             logger.warning(f"records.malformed(key={MODELS_INDEX_KEY}, subkey={str(prefix)[:60]!r}): {e}")
+    return models
+
+
+async def _get_index_and_signed(
+    dht: hivemind.DHT, node: Any, *, latest: bool, max_signed_lookups: int
+) -> tuple[dict[str, Any], SignedLookup]:
+    """The raw `_petals.models` entries and the signed records of the servers of each indexed model's first block
+    (and last block, if the entry names a plausible size)."""
+    index = (await _get_records(dht, node, keys=[MODELS_INDEX_KEY], latest=latest)).get(MODELS_INDEX_KEY)
+    if not isinstance(index, dict):
+        return {}, SignedLookup()
+    entries: dict[str, Any] = {}
+    probe: list[str] = []
+    for prefix, value in index.items():
+        try:
+            probe.append(make_uid(prefix, 0))  # ValueError on a malformed prefix
+        except ValueError:
+            continue
+        entries[prefix] = value
+        try:
+            probe.append(make_uid(prefix, ModelInfo.from_dict(value).num_blocks - 1))
+        except (TypeError, ValueError):
+            pass
+        if len(entries) >= MAX_INDEXED_MODELS:
+            logger.warning(f"records.index_capped(max_models={MAX_INDEXED_MODELS})")
+            break
+    if max_signed_lookups <= 0 or not probe:
+        return entries, SignedLookup()
+    probe = list(dict.fromkeys(probe))
+    raw = await _get_records(dht, node, keys=probe, latest=latest)
+    lookup = await _lookup_signed(dht, node, keys=probe, raw=raw, latest=latest, max_signed_lookups=max_signed_lookups)
+    return entries, lookup
+
+
+def get_verified_model_infos(
+    dht: hivemind.DHT,
+    *,
+    latest: bool = True,
+    timeout_s: float = DEFAULT_DHT_TIMEOUT_S,
+    max_signed_lookups: int = DEFAULT_MAX_SIGNED_LOOKUPS,
+) -> dict[str, ModelInfo]:
+    """The `_petals.models` index as a corolla reader should believe it: every prefix named there, even one whose
+    entry was overwritten with garbage, described by the `ModelInfo` its servers' signed records agree on; the
+    unsigned entry is used only for models no signed record speaks for (stock Petals servers: forgeable)."""
+    coro = partial(_get_index_and_signed, latest=latest, max_signed_lookups=max_signed_lookups)
+    entries, lookup = run_in_dht(dht, coro, timeout_s=timeout_s, what="get_verified_model_infos")
+    models = {}
+    for prefix, value in entries.items():
+        signed = vote_model_info(lookup.records.values(), prefix)
+        if signed is not None:
+            models[prefix] = signed
+            continue
+        try:
+            models[prefix] = ModelInfo.from_dict(value)
+        except (TypeError, ValueError) as e:
+            logger.warning(f"records.malformed(key={MODELS_INDEX_KEY}, subkey={prefix[:60]!r}): {e}")
     return models
