@@ -99,6 +99,7 @@ def load_swarm_backend(
     model_id: str | None = None,
     max_retries: int | None = 3,
     torch_dtype: str = "float32",
+    swarm_key_file: str | None = None,
 ) -> SwarmBackend:
     """Connects a distributed model and its tokenizer to a swarm. `max_retries` bounds fail-over so that a swarm
     missing blocks yields a prompt 503 rather than a request waiting forever."""
@@ -106,7 +107,12 @@ def load_swarm_backend(
 
     from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 
-    client_config = ClientConfig(initial_peers=tuple(initial_peers), dht_prefix=dht_prefix, max_retries=max_retries)
+    client_config = ClientConfig(
+        initial_peers=tuple(initial_peers),
+        dht_prefix=dht_prefix,
+        max_retries=max_retries,
+        swarm_key_file=swarm_key_file,
+    )
     dtype = torch_dtype if torch_dtype == "auto" else getattr(torch, torch_dtype)
     if not isinstance(dtype, (str, torch.dtype)):
         raise ValueError(f"torch_dtype must be 'auto' or a torch dtype name like 'float32', got {torch_dtype!r}")

@@ -39,6 +39,11 @@ def build_parser() -> configargparse.ArgParser:
     )
     parser.add_argument("--dht_prefix", default=None, help="DHT prefix of the model's blocks (default: from --model)")
     parser.add_argument(
+        "--swarm_key_file",
+        default=None,
+        help="private swarm with membership: the swarm key file (made by corolla-dht --new_swarm_key PATH)",
+    )
+    parser.add_argument(
         "--served_model_name", nargs="+", default=[], help="names clients use in `model` (default: --model)"
     )
     parser.add_argument(
@@ -79,6 +84,7 @@ def serve(args: argparse.Namespace, initial_peers: Sequence[str]) -> None:
         model_id=names[0],
         max_retries=args.max_retries,
         torch_dtype=args.torch_dtype,
+        swarm_key_file=args.swarm_key_file,
     )
     config = ApiConfig(
         api_key=args.api_key,

@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("prompt", nargs="?", default=None, help="text to continue (omit with --interactive)")
     parser.add_argument("--initial_peers", nargs="+", default=(), help="multiaddrs of swarm members")
     parser.add_argument("--dht_prefix", default=None, help="DHT prefix the servers announce (default: from model)")
+    parser.add_argument(
+        "--swarm_key_file",
+        default=None,
+        help="private swarm with membership: the swarm key file (made by corolla-dht --new_swarm_key PATH)",
+    )
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--do_sample", action="store_true")
     parser.add_argument("--temperature", type=float, default=None)
@@ -98,7 +103,9 @@ def _main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    config = ClientConfig(request_timeout_s=args.request_timeout_s, max_retries=args.max_retries)
+    config = ClientConfig(
+        request_timeout_s=args.request_timeout_s, max_retries=args.max_retries, swarm_key_file=args.swarm_key_file
+    )
     wait_s = args.max_wait_s if args.max_wait_s > 0 else None
     config = dataclasses.replace(config, max_wait_s=wait_s, verify_fraction=args.verify_fraction)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)

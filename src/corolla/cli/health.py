@@ -13,6 +13,7 @@ from corolla.health.app import create_app
 from corolla.health.collector import HealthConfig, StateCollector
 from corolla.health.state import ModelEntry
 from corolla.swarm.dht import SwarmConfig, create_dht, shutdown_dht
+from corolla.swarm.membership import load_swarm_key
 from corolla.swarm.records_io import get_model_infos
 from corolla.utils.logging import get_logger
 
@@ -26,6 +27,11 @@ def build_parser() -> configargparse.ArgParser:
         default_port=8090,
     )
     parser.add_argument("--initial_peers", nargs="+", required=True, help="multiaddrs of peers of the swarm")
+    parser.add_argument(
+        "--swarm_key_file",
+        default=None,
+        help="private swarm with membership: the swarm key file (made by corolla-dht --new_swarm_key PATH)",
+    )
     parser.add_argument(
         "--model", nargs="*", default=[], help="models to watch (repo or local path; prefix and blocks from its config)"
     )
@@ -79,7 +85,8 @@ def model_entries(args: argparse.Namespace, dht) -> list[ModelEntry]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # the DHT forks: create it before any thread starts
-    dht = create_dht(SwarmConfig(initial_peers=list(args.initial_peers), client_mode=True))
+    swarm_key = load_swarm_key(args.swarm_key_file)
+    dht = create_dht(SwarmConfig(initial_peers=list(args.initial_peers), client_mode=True, swarm_key=swarm_key))
     try:
         config = HealthConfig(
             refresh_period_s=args.refresh_period,

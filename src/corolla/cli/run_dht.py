@@ -25,6 +25,7 @@ from corolla.swarm.dht import (
     run_in_dht,
     shutdown_dht,
 )
+from corolla.swarm.membership import SwarmKey, load_swarm_key
 from corolla.utils.logging import get_logger
 
 logger = get_logger("corolla.cli.run_dht")  # not __name__: it is "__main__" under `python -m`
@@ -62,6 +63,17 @@ def build_parser() -> configargparse.ArgParser:
         "--identity_path", default=None, help="libp2p private key file for a stable peer id (created if absent)"
     )
     parser.add_argument(
+        "--swarm_key_file",
+        default=None,
+        help="private swarm with membership: the swarm key file (made by corolla-dht --new_swarm_key PATH)",
+    )
+    parser.add_argument(
+        "--new_swarm_key",
+        default=None,
+        metavar="PATH",
+        help="write a new random swarm key to PATH (readable by you only), print its fingerprint and exit",
+    )
+    parser.add_argument(
         "--no_relay",
         action="store_true",
         help="disable libp2p circuit relays (they are off anyway unless joining the public swarm)",
@@ -88,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> SwarmConfig:
         use_auto_relay=True if args.use_auto_relay else None,
         startup_timeout_s=args.startup_timeout,
         extra_dht_kwargs={"use_ipfs": True} if args.use_ipfs else {},
+        swarm_key=load_swarm_key(args.swarm_key_file),
     )
 
 
@@ -110,6 +123,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.refresh_period <= 0:
         raise SystemExit("corolla-dht: --refresh_period must be > 0")
+    if args.new_swarm_key:
+        key = SwarmKey.generate()
+        try:
+            key.save(args.new_swarm_key)
+        except FileExistsError:
+            raise SystemExit(f"corolla-dht: {args.new_swarm_key} exists; not overwriting a swarm key") from None
+        print(f"corolla-dht: new swarm key {key.fingerprint} written to {args.new_swarm_key}", flush=True)
+        return 0
     config = config_from_args(args)
 
     stop = threading.Event()

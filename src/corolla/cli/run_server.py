@@ -103,6 +103,7 @@ def build_parser() -> configargparse.ArgParser:
     parser.add("--stats_report_interval", type=float, default=None, help="log runtime stats every N seconds")
     parser.add("--custom_module_path", default=None, help="legacy hivemind option (ignored)")
     parser.add("--identity_path", default=None, help="libp2p private key file (stable peer id)")
+    parser.add("--swarm_key_file", default=None, help="private swarm: the key file from corolla-dht --new_swarm_key")
     parser.add("--balance_quality", type=float, default=0.75, help="move if swarm throughput < this x optimum")
     parser.add("--mean_balance_check_period", type=float, default=60, help="mean seconds between balance checks")
     parser.add("--mean_block_selection_delay", type=float, default=5, help="mean random delay before choosing blocks")

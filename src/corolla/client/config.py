@@ -51,6 +51,7 @@ class ClientConfig:
 
     alloc_timeout_s: float = 0.0  # how long servers may wait for KV cache memory (sent as `alloc_timeout`)
     points: float = 0.0  # priority budget sent as `points`
+    swarm_key_file: str | None = None  # private swarm with membership (`corolla-dht --new_swarm_key`); None = open
 
     # re-run this fraction of inference steps (sampled) on a second server of the same span and ban a server whose
     # outputs disagree beyond the dtype-derived tolerance (`client.output_checks.verify_rtol`); 0 = off

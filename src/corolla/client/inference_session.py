@@ -21,6 +21,7 @@ from corolla.client.remote_forward_backward import serialize_activations
 from corolla.client.retries import RetryBudget
 from corolla.client.routing import RemoteSequenceManager
 from corolla.client.verification import StepVerifier
+from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.codecs import deserialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
@@ -60,6 +61,8 @@ class _SpanSession:
         self.local: LocalInferenceStream | None = None  # the server's unix socket, if open: usable from any one thread
         self._started = False
         self._closed = False
+        self.upstream_peer: str | None = None  # the previous span's server: the only peer that may push to this one
+        self._declared_upstream: str | None = None
         self.drain_notice = None  # set when the server says it drains (client.handoff moves the span)
         self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
 
@@ -142,8 +145,10 @@ class _SpanSession:
             "step_id": step_id,
             "start_from_position": send_from,
             "args_structure": structure,
-            **self.manager.request_metadata(),
+            **self.manager.request_metadata(self.span.peer_id),
         }
+        if self.upstream_peer is not None and self.upstream_peer != self._declared_upstream:
+            metadata[UPSTREAM_PEER_KEY] = self._declared_upstream = self.upstream_peer  # who may rpc_push to it
         if not self._started:
             metadata["max_length"] = self.max_length
             if self.manager.config.alloc_timeout_s:
@@ -508,6 +513,9 @@ class InferenceSession:
         if failed is not None and failed.history is not None:
             new_sessions[0].history = failed.history[:, : self._position]
         self._spans[index : index + 1 if failed is not None else index] = new_sessions
+        chain = self._spans[max(0, index - 1) : index + len(new_sessions) + 1]
+        for previous, following in zip(chain, chain[1:], strict=False):
+            following.upstream_peer = previous.span.peer_id
         logger.debug(
             "inference_session.route(blocks=%d:%d) %s",
             block,

@@ -43,7 +43,7 @@ async def _call(
 ) -> list[torch.Tensor]:
     stub = await manager.get_stub(span.peer_id)
     uid = manager.make_chain(span.start, span.end)
-    metadata = encode_metadata({**manager.request_metadata(), "args_structure": structure})
+    metadata = encode_metadata({**manager.request_metadata(span.peer_id), "args_structure": structure})
     compression = await manager.input_compression(span.peer_id, manager.block_uids[span.start])
     serialized = serialize_activations(tensors, compression)
     config = manager.config

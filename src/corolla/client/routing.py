@@ -25,6 +25,14 @@ RouteMode = Literal["min_latency", "max_throughput"]
 PING_EMA_ALPHA = 0.2  # weight of the newest RTT sample
 
 
+def _membership(swarm_key_file: str | None) -> tuple[Any, Any]:
+    """(RpcMembership, SwarmKeyAuthorizer) of a private swarm's key file, or (None, None)."""
+    from corolla.swarm.membership import RpcMembership, SwarmKeyAuthorizer, load_swarm_key
+
+    key = load_swarm_key(swarm_key_file)
+    return (None, None) if key is None else (RpcMembership(key), SwarmKeyAuthorizer(key))
+
+
 class RemoteSequenceManager:
     """Routing state for a sequence of block uids (usually all blocks of one model).
 
@@ -63,6 +71,7 @@ class RemoteSequenceManager:
         self._p2p: Any = None
         self._stubs: dict[str, Any] = {}
         self._input_compressions: dict[str, int] = {}  # peer -> compression its rpc_info asks for
+        self.membership, self.authorizer = _membership(config.swarm_key_file)  # private swarm: prove it per request
         self._thread: threading.Thread | None = None
         if start_updates:
             self._thread = threading.Thread(target=self._update_loop, name="corolla-routing-update", daemon=True)
@@ -73,8 +82,13 @@ class RemoteSequenceManager:
         from corolla.swarm.dht import PUBLIC_INITIAL_PEERS, SwarmConfig, create_dht
 
         initial_peers = list(config.initial_peers) or list(PUBLIC_INITIAL_PEERS)
+        from corolla.swarm.membership import load_swarm_key
+
         swarm_config = SwarmConfig(
-            initial_peers=initial_peers, client_mode=True, startup_timeout_s=config.daemon_startup_timeout_s
+            initial_peers=initial_peers,
+            client_mode=True,
+            startup_timeout_s=config.daemon_startup_timeout_s,
+            swarm_key=load_swarm_key(config.swarm_key_file),
         )
         return create_dht(swarm_config)
 
@@ -113,7 +127,10 @@ class RemoteSequenceManager:
         from corolla.swarm.ping import ping
 
         try:
-            return float(await ping(PeerID.from_base58(peer_id), await self._get_p2p(), self.config.ping_timeout_s))
+            p2p = await self._get_p2p()
+            return float(
+                await ping(PeerID.from_base58(peer_id), p2p, self.config.ping_timeout_s, None, self.authorizer)
+            )
         except Exception as e:  # a failed ping means "unreachable", never a crash of the caller
             logger.debug("routing.ping_failed(peer=...%s, error=%r)", peer_id[-6:], e)
             return math.inf
@@ -280,8 +297,22 @@ class RemoteSequenceManager:
 
         return CHAIN_DELIMITER.join(self.block_uids[start:end])
 
-    def request_metadata(self) -> dict[str, Any]:
-        return {"points": self.config.points, "active_adapter": self.config.active_adapter or ""}
+    def request_metadata(self, peer_id: str | None = None) -> dict[str, Any]:
+        """Metadata every request carries; in a private swarm also the membership proof for server `peer_id`."""
+        metadata: dict[str, Any] = {"points": self.config.points, "active_adapter": self.config.active_adapter or ""}
+        if self.membership is not None and peer_id is not None:
+            from corolla.protocol.auth import MEMBER_PROOF_KEY
+
+            proof = self.membership.make_proof(sender=self._local_peer_id(), receiver=peer_id)
+            metadata[MEMBER_PROOF_KEY] = proof.to_wire()
+        return metadata
+
+    def _local_peer_id(self) -> str:
+        if self._p2p is not None:
+            return self._p2p.peer_id.to_base58()
+        from corolla.swarm.dht import get_peer_id
+
+        return get_peer_id(self.dht).to_base58()
 
     async def _get_p2p(self) -> Any:
         if self._p2p is None:
@@ -316,6 +347,11 @@ class RemoteSequenceManager:
 
         try:
             stub = await self.get_stub(peer_id)
+            if self.membership is not None:  # rpc_info has no metadata: the proof rides on the uid
+                from corolla.protocol.auth import join_info_uid
+
+                proof = self.membership.make_proof(sender=self._local_peer_id(), receiver=peer_id)
+                block_uid = join_info_uid(block_uid, proof)
             response = await stub.rpc_info(runtime_pb2.ExpertUID(uid=block_uid), timeout=self.config.request_timeout_s)
             info = decode_metadata(response.serialized_info)
         except Exception as e:  # the request that follows reports a dead server; don't cache a guess

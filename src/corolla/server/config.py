@@ -113,6 +113,7 @@ class ServerConfig:
     public_ip: str | None = None
     use_auto_relay: bool = True  # only used in the public swarm; `--no_auto_relay` clears it
     identity_path: str | None = None
+    swarm_key_file: str | None = None  # private swarm with membership (swarm.membership); None = open swarm
     daemon_startup_timeout_s: float = 60.0
     skip_reachability_check: bool = False
     reachable_via_relay: bool | None = None  # None -> check (public swarm only)
@@ -177,6 +178,8 @@ class ServerConfig:
                 setattr(self, name, tuple(value))
         if not 0 <= self.busy_poll_ms <= 1000:
             raise ValueError(f"busy_poll_ms must be in [0, 1000], got {self.busy_poll_ms}")
+        if self.swarm_key_file and not self.is_private_swarm:
+            raise ValueError("--swarm_key_file is for private swarms: pass --new_swarm or --initial_peers")
         if self.new_swarm and self.initial_peers:
             raise ValueError("--new_swarm starts a new swarm: it can't be combined with --initial_peers")
         if self.port is not None and self.host_maddrs:

@@ -14,7 +14,7 @@ from hivemind.proto import runtime_pb2
 from corolla.protocol.auth import MEMBER_PROOF_KEY, MemberProof, parse_upstream_peer, split_info_uid
 from corolla.protocol.metadata import InferenceRequestMetadata, decode_metadata
 from corolla.server.metrics import ServerMetrics
-from corolla.swarm.membership import MembershipError, RpcMembership
+from corolla.swarm.membership import MembershipError, RpcMembership, SwarmKey
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -77,6 +77,14 @@ class PeerAuth:
         """Metadata entries proving our membership to `receiver` (for the pushes this server sends)."""
         proof = self.membership.make_proof(sender=self.local_peer_id, receiver=receiver)
         return {MEMBER_PROOF_KEY: proof.to_wire()}
+
+
+def make_peer_auth(key: SwarmKey | None, local_peer_id: str, metrics: ServerMetrics | None = None) -> PeerAuth | None:
+    """The membership gate of a server with swarm key `key`; None (no gate) for an open swarm."""
+    if key is None:
+        return None
+    logger.info(f"peer_auth.private_swarm(key={key.fingerprint}): every RPC must prove membership")
+    return PeerAuth(RpcMembership(key), local_peer_id, metrics)
 
 
 def check_request(

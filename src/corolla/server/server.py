@@ -26,6 +26,7 @@ from corolla.server.config import ServerConfig
 from corolla.server.drain import drain_sessions
 from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import MetricsExporter, ServerMetrics
+from corolla.server.peer_auth import make_peer_auth
 from corolla.server.reachability_gate import validate_reachability
 from corolla.server.sessions import SessionTimeouts
 from corolla.server.span_service import SpanService
@@ -144,6 +145,7 @@ class Server:
         self.num_restarts = 0
         self._reachability_service: Any = None
         self.metrics = ServerMetrics()
+        self.peer_auth: Any = None  # server.peer_auth.PeerAuth in a private swarm with a swarm key
         self.metrics_exporter: MetricsExporter | None = None
         self._validated_reachability = False
 
@@ -267,6 +269,7 @@ class Server:
 
     def _prepare(self) -> None:
         from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, get_visible_maddrs
+        from corolla.swarm.membership import load_swarm_key
 
         c = self.config
         public = not c.is_private_swarm
@@ -281,6 +284,7 @@ class Server:
             auto_nat=public,
             startup_timeout_s=c.daemon_startup_timeout_s,
             num_workers=max(1, min(self.settings.total_blocks, 32)),
+            swarm_key=load_swarm_key(c.swarm_key_file),
         )
         if public and c.reachable_via_relay is None:
             # unreachable directly -> relays, a client-mode DHT and the relay throughput penalty (unknown -> direct)
@@ -288,6 +292,7 @@ class Server:
         swarm_config.client_mode = self.using_relay
         self.dht = create_dht(swarm_config)  # before threads and CUDA: hivemind forks
         self.peer_id = get_peer_id(self.dht).to_base58()
+        self.peer_auth = make_peer_auth(swarm_config.swarm_key, self.peer_id, self.metrics)  # None: open swarm
         self.join_maddrs = get_visible_maddrs(self.dht)
         logger.info(f"server.dht_ready(peer_id={self.peer_id}, maddrs={' '.join(self.join_maddrs)})")
         if public and not self.using_relay:
@@ -477,6 +482,7 @@ class Server:
                 busy_poll=self.selector if c.busy_poll_ms > 0 else None,
                 busy_poll_s=c.busy_poll_ms / 1000,
             )
+            service.handler.peer_auth = self.peer_auth
             service.handler.handoff.enabled = c.kv_handoff
             c_public = not c.is_private_swarm
             if c_public and not c.skip_reachability_check and not self._validated_reachability:
