@@ -56,8 +56,8 @@ def declare_active_modules(
     timeout_s: float = DEFAULT_DHT_TIMEOUT_S,
 ) -> dict[str, bool]:
     """Stores `server_info` under every uid (subkey = this node's peer id); returns per-uid store success. When the
-    DHT has a signing identity (`create_dht` gives it one) and `server_info` names its span, the signed record
-    (`server_info` + `model_info`) goes in the same batch."""
+    DHT has a signing identity (`create_dht` gives it one) and `uids` are exactly the span `server_info` names, the
+    signed record (`server_info` + `model_info`) goes in the same batch."""
     uids = list(uids)
     prefixes = {parse_uid(uid)[0] for uid in uids}  # ValueError on a malformed uid
     if not uids:
@@ -66,7 +66,13 @@ def declare_active_modules(
     _check_record_size("ServerInfo", value)
     signed: tuple[str, str, Any] | None = None
     signer = get_signer(dht)
-    if signer is not None and len(prefixes) == 1 and server_info.start_block is not None:
+    span = [parse_uid(uid)[1] for uid in uids]
+    if (
+        signer is not None
+        and len(prefixes) == 1
+        and server_info.start_block is not None
+        and span == list(range(server_info.start_block, server_info.end_block or 0))
+    ):  # only a declaration of the whole span is signed: the signed record speaks for every block of it
         signed = sign_server_record(signer, prefixes.pop(), server_info, model_info, expiration_time)
         _check_record_size("signed ServerInfo", signed[2])
     coro = partial(
