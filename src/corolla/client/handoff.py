@@ -75,6 +75,10 @@ def read_drain_notice(response: runtime_pb2.ExpertResponse) -> wire.DrainNotice 
 
 
 def needs_handoff(session: InferenceSession) -> bool:
+    """True when a span's server said it drains and that span was not handed off yet (`ClientConfig.kv_handoff`
+    off: never; such spans are replayed once their server ends the stream)."""
+    if not session.manager.config.kv_handoff:
+        return False
     log = session.handoffs
     return any(s.drain_notice is not None and s.session_id not in log.tried for s in session._spans)
 
@@ -188,8 +192,8 @@ async def _export(session: InferenceSession, old: _SpanSession) -> tuple[wire.Kv
     expected = (old.position, empty.shape[0], old.span.start, old.span.end)
     if (header.position, header.batch_size, header.start_block, header.end_block) != expected:
         raise HandoffFailed(f"export header {header} does not match the span's state {expected}")
-    max_bytes = getattr(manager.config, "kv_handoff_max_bytes", None)
-    if max_bytes is not None and header.total_bytes > max_bytes:
+    max_bytes = manager.config.kv_handoff_max_bytes
+    if header.total_bytes > max_bytes:
         raise HandoffFailed(f"export of {header.total_bytes} bytes exceeds kv_handoff_max_bytes={max_bytes}")
     messages, received = [], 0
     for _ in range(header.num_messages):
