@@ -12,6 +12,7 @@ from typing import Any
 import configargparse
 
 from corolla.server.config import COMPRESSION_NAMES, QUANT_TYPE_NAMES, TORCH_DTYPE_NAMES, ServerConfig
+from corolla.server.limits import add_limit_flags
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -111,6 +112,7 @@ def build_parser() -> configargparse.ArgParser:
     parser.add("--tensor_parallel_devices", nargs="+", default=None, help="split every block across these devices")
     parser.add("--skip_reachability_check", action="store_true", help="skip the public reachability check")
     parser.add("--adapters", nargs="*", default=(), help="LoRA adapters to pre-load")
+    add_limit_flags(parser)  # fair-use limits: --max_sessions_per_peer, --max_kv_fraction_per_peer, ...
     return parser
 
 

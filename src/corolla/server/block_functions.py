@@ -14,6 +14,7 @@ import torch
 
 from corolla.protocol.packing import unpack_args_kwargs
 from corolla.protocol.uids import parse_chain, parse_uid
+from corolla.server.forward_chunks import run_forward_chunked
 from corolla.server.task import (
     KIND_BACKWARD,
     KIND_FORWARD,
@@ -242,10 +243,23 @@ async def run_forward(
     *,
     active_adapter: str,
     metrics: Any = None,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
-    """Hidden states after the blocks `block_indices`: `[B, T, H]`."""
+    """Hidden states after the blocks `block_indices`: `[B, T, H]`. With `chunk_tokens` > 0, as one runtime task
+    per block and chunk of at most that many tokens (`forward_chunks`), so that inference steps run in between."""
     batch_size, length, _ = inputs.hidden_states.shape
     prompts = _stack_prompts(inputs.prompts)
+    if chunk_tokens and (len(block_indices) > 1 or batch_size * length > chunk_tokens):
+        return await run_forward_chunked(
+            backend,
+            runtime,
+            block_indices,
+            inputs.hidden_states,
+            prompts,
+            active_adapter=active_adapter,
+            chunk_tokens=chunk_tokens,
+            measured=lambda fn, num_tokens: _measured(fn, metrics, "forward", batch_size, num_tokens),
+        )
 
     def task() -> torch.Tensor:
         return backend.forward(block_indices, inputs.hidden_states, prompts, active_adapter)

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from corolla.server.limits import PeerLimits
+
 COMPRESSION_NAMES = ("NONE", "MEANSTD_16BIT", "FLOAT16", "QUANTILE_8BIT", "UNIFORM_8BIT", "BLOCKWISE_8BIT")
 TORCH_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 QUANT_TYPE_NAMES = ("none", "int8", "nf4")
@@ -147,6 +149,9 @@ class ServerConfig:
     prefetch_batches: int = 1
     sender_threads: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
+    # fair-use limits per peer and in total (sessions, KV share, idle eviction, stream bytes, forward chunks);
+    # each field of `PeerLimits` is also a flag of the same name
+    peer_limits: PeerLimits = field(default_factory=PeerLimits)
 
     def __post_init__(self) -> None:
         if not self.model_name_or_path:
@@ -253,12 +258,19 @@ class ServerConfig:
     def from_flags(cls, flags: Mapping[str, Any]) -> ServerConfig:
         """Builds a config from reference-named flags (e.g. parsed CLI args); `None` values keep the defaults."""
         known = {f.name for f in dataclasses.fields(cls)}
+        limit_names = {f.name for f in dataclasses.fields(PeerLimits)}
         kwargs: dict[str, Any] = {}
+        limits: dict[str, Any] = {}
         for flag, value in flags.items():
             if value is None:
+                continue
+            if flag in limit_names:
+                limits[flag] = value
                 continue
             name = FLAG_TO_FIELD.get(flag, flag)
             if name not in known:
                 raise ValueError(f"unknown server setting {flag!r}")
             kwargs[name] = value
+        if limits:
+            kwargs["peer_limits"] = dataclasses.replace(kwargs.get("peer_limits", PeerLimits()), **limits)
         return cls(**kwargs)

@@ -18,14 +18,7 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from corolla import PETALS_COMPAT_VERSION
 from corolla.protocol import rpc
-from corolla.protocol.codecs import (
-    MAX_UNARY_PAYLOAD_BYTES,
-    STREAM_CHUNK_BYTES,
-    deserialize_tensor,
-    serialize_tensor,
-    split_for_streaming,
-)
-from corolla.protocol.codecs import combine_parts as combine_tensor_parts
+from corolla.protocol.codecs import MAX_UNARY_PAYLOAD_BYTES, deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import (
     ForwardRequestMetadata,
     InferenceRequestMetadata,
@@ -34,21 +27,21 @@ from corolla.protocol.metadata import (
 )
 from corolla.protocol.uids import make_chain
 from corolla.server import block_functions as bf
+from corolla.server.admission import ForwardSlots, SessionAdmission
 from corolla.server.block_functions import ServingLimits
 from corolla.server.drain import SessionHandoff
+from corolla.server.limits import PeerLimits, peer_key, rejection_reason
+from corolla.server.memory_cache import allocation_size_bytes
 from corolla.server.metrics import ServerMetrics
 from corolla.server.peer_auth import PeerAuth, SessionPushGuard, check_request, gate_stream, info_uid, remote_peer
-from corolla.server.runtime import RuntimeStopped
 from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
+from corolla.server.stream_guard import StreamBudget, register_handlers
+from corolla.server.stream_requests import gather_stream, stream_response
 from corolla.swarm.membership import MembershipError
 from corolla.utils.busy_poll import BusyPollSelector
-from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-MAX_STREAM_MESSAGES = 4096
-
 
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
@@ -84,10 +77,13 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         metrics: ServerMetrics | None = None,
         busy_poll: BusyPollSelector | None = None,
         busy_poll_s: float = 0.005,
+        peer_limits: PeerLimits | None = None,
         peer_auth: PeerAuth | None = None,
     ):
         self.limits = limits
         self.peer_auth = peer_auth  # private swarm: every RPC proves membership (server.peer_auth); None = open
+        self.memory_cache = memory_cache
+        self.configure_limits(peer_limits if peer_limits is not None else PeerLimits())
         self.busy_poll = busy_poll  # the serving loop's selector: hot after a lone session's inline step
         self.busy_poll_s = busy_poll_s
         self.backend = backend
@@ -104,11 +100,18 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         self.cache_bytes_per_token_block = max(1, backend.cache_bytes_per_token([limits.start_block]))
         self.max_stream_bytes = 4 * limits.max_batch_size_tokens * limits.hidden_size * 8 + (1 << 20)
 
+    def configure_limits(self, peer_limits: PeerLimits) -> None:
+        """Sets the fair-use limits (before serving): sessions and KV cache per peer, stream bytes, forwards."""
+        self.peer_limits = peer_limits
+        self.admission = SessionAdmission(peer_limits, self.memory_cache)
+        self.stream_budget = StreamBudget(peer_limits)  # bytes of unfinished streamed requests
+        self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)
+
     # ---- registration ---------------------------------------------------------------------------------------------
 
     async def add_p2p_handlers(self, p2p: P2P, *args: Any, **kwargs: Any) -> None:
         self.p2p = p2p
-        await super().add_p2p_handlers(p2p, *args, **kwargs)
+        await register_handlers(self, p2p, self.stream_budget, self._reject)  # streams read within byte budgets
 
     async def shutdown(self) -> None:
         """Ends all sessions (freeing their caches) and outstanding pushes."""
@@ -145,49 +148,6 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             raise ValueError(f"request has {len(tensors)} tensors, more than the limit of {bf.MAX_TENSORS_PER_REQUEST}")
         return [deserialize_tensor(t) for t in tensors]
 
-    async def _gather_stream(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest]
-    ) -> tuple[str, list[torch.Tensor], bytes]:
-        """Reads a whole `*_stream` request: uid and metadata from the first message; uid equal in all parts."""
-        uid: str | None = None
-        metadata = b""
-        parts: list[runtime_pb2.Tensor] = []
-        total_bytes = 0
-        deadline = time.monotonic() + self.timeouts.request_timeout_s
-        iterator = requests.__aiter__()
-        for count in range(MAX_STREAM_MESSAGES + 1):
-            remaining = deadline - time.monotonic()
-            try:
-                message = await asyncio.wait_for(iterator.__anext__(), max(remaining, 0.001))
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                raise ValueError(
-                    f"stream request not complete within request_timeout={self.timeouts.request_timeout_s} s"
-                ) from None
-            if count == MAX_STREAM_MESSAGES:
-                raise ValueError(f"stream request has more than {MAX_STREAM_MESSAGES} messages")
-            if uid is None:
-                uid, metadata = message.uid, message.metadata
-            elif message.uid != uid:
-                raise ValueError("all messages of a stream request must carry the same uid")
-            total_bytes += sum(len(t.buffer) for t in message.tensors)
-            if total_bytes > self.max_stream_bytes:
-                raise ValueError(f"stream request is larger than the limit of {self.max_stream_bytes} bytes")
-            parts.extend(message.tensors)
-        if uid is None:
-            raise ValueError("stream request is empty: expected at least one message with uid and tensors")
-        serialized = combine_tensor_parts(parts)
-        return uid, self._deserialize(serialized), metadata
-
-    @staticmethod
-    def _stream_response(tensors: Sequence[runtime_pb2.Tensor]) -> list[runtime_pb2.ExpertResponse]:
-        return [
-            runtime_pb2.ExpertResponse(tensors=[part])
-            for tensor in tensors
-            for part in split_for_streaming(tensor, STREAM_CHUNK_BYTES)
-        ]
-
     def _output_compressions(self, metadata: ForwardRequestMetadata, count: int) -> list[int]:
         if metadata.output_compression is None:
             return [self.compression] * count
@@ -200,85 +160,88 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
 
     # ---- forward / backward ---------------------------------------------------------------------------------------
 
-    async def _forward(self, uid: str, tensors: list[torch.Tensor], raw_metadata: bytes) -> list[runtime_pb2.Tensor]:
+    async def _forward(
+        self, uid: str, tensors: list[torch.Tensor], raw_metadata: bytes, peer: str
+    ) -> list[runtime_pb2.Tensor]:
         block_indices = bf.resolve_chain(uid, self.limits)
         metadata = ForwardRequestMetadata.from_dict(decode_metadata(raw_metadata))
         adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
         compressions = self._output_compressions(metadata, 1)
         args = bf.unpack_request_args(tensors, metadata.args_structure)
         inputs = bf.parse_forward_inputs(args, self.limits, num_blocks=len(block_indices))
-        outputs = await _await_within(
-            bf.run_forward(
-                self.backend, self.runtime, block_indices, inputs, active_adapter=adapter, metrics=self.metrics
-            ),
-            self.timeouts.request_timeout_s,
-        )
+        async with self.forward_slots.hold(peer):  # one peer's flood of forwards waits here, not in the runtime
+            outputs = await _await_within(
+                bf.run_forward(
+                    self.backend,
+                    self.runtime,
+                    block_indices,
+                    inputs,
+                    active_adapter=adapter,
+                    metrics=self.metrics,
+                    chunk_tokens=self.peer_limits.forward_chunk_tokens,
+                ),
+                self.timeouts.request_timeout_s,
+            )
         return [self._serialize_output(outputs, compressions[0])]
 
-    async def _backward(self, uid: str, tensors: list[torch.Tensor], raw_metadata: bytes) -> list[runtime_pb2.Tensor]:
+    async def _backward(
+        self, uid: str, tensors: list[torch.Tensor], raw_metadata: bytes, peer: str
+    ) -> list[runtime_pb2.Tensor]:
         block_indices = bf.resolve_chain(uid, self.limits)
         metadata = ForwardRequestMetadata.from_dict(decode_metadata(raw_metadata))
         adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
         args = bf.unpack_request_args(tensors, metadata.args_structure)
         inputs = bf.parse_backward_inputs(args, self.limits, num_blocks=len(block_indices))
         compressions = self._output_compressions(metadata, 2 if inputs.has_prompts else 1)
-        grads = await _await_within(
-            bf.run_backward(
-                self.backend, self.runtime, block_indices, inputs, active_adapter=adapter, metrics=self.metrics
-            ),
-            self.timeouts.request_timeout_s,
-        )
+        async with self.forward_slots.hold(peer):
+            grads = await _await_within(
+                bf.run_backward(
+                    self.backend, self.runtime, block_indices, inputs, active_adapter=adapter, metrics=self.metrics
+                ),
+                self.timeouts.request_timeout_s,
+            )
         return [self._serialize_output(g, c) for g, c in zip(grads, compressions, strict=True)]
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         check_request(self.peer_auth, "rpc_forward", context, request)
-        outputs = await self._run_logged("rpc_forward", self._unary(self._forward, request))
+        outputs = await self._run_logged("rpc_forward", self._unary(self._forward, request, context))
         return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), "rpc_forward")
 
     async def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         requests = gate_stream(self.peer_auth, "rpc_forward_stream", requests, context)
-        outputs = await self._run_logged("rpc_forward_stream", self._streamed(self._forward, requests))
-        for response in self._stream_response(outputs):
+        outputs = await self._run_logged("rpc_forward_stream", self._streamed(self._forward, requests, context))
+        for response in stream_response(outputs):
             yield response
 
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         check_request(self.peer_auth, "rpc_backward", context, request)
-        outputs = await self._run_logged("rpc_backward", self._unary(self._backward, request))
+        outputs = await self._run_logged("rpc_backward", self._unary(self._backward, request, context))
         return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), "rpc_backward")
 
     async def rpc_backward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         requests = gate_stream(self.peer_auth, "rpc_backward_stream", requests, context)
-        outputs = await self._run_logged("rpc_backward_stream", self._streamed(self._backward, requests))
-        for response in self._stream_response(outputs):
+        outputs = await self._run_logged("rpc_backward_stream", self._streamed(self._backward, requests, context))
+        for response in stream_response(outputs):
             yield response
 
-    async def _unary(self, compute: Any, request: runtime_pb2.ExpertRequest) -> list[runtime_pb2.Tensor]:
-        return await compute(request.uid, self._deserialize(request.tensors), request.metadata)
+    async def _unary(self, compute: Any, request: runtime_pb2.ExpertRequest, context: Any) -> list[runtime_pb2.Tensor]:
+        return await compute(request.uid, self._deserialize(request.tensors), request.metadata, peer_key(context))
 
     async def _streamed(
-        self, compute: Any, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+        self, compute: Any, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: Any
     ) -> list[runtime_pb2.Tensor]:
-        uid, tensors, metadata = await self._gather_stream(requests)
-        return await compute(uid, tensors, metadata)
+        uid, serialized, metadata = await gather_stream(
+            requests, request_timeout_s=self.timeouts.request_timeout_s, max_stream_bytes=self.max_stream_bytes
+        )
+        return await compute(uid, self._deserialize(serialized), metadata, peer_key(context))
 
     def _reject(self, name: str, error: BaseException) -> None:
-        """Logs and counts a refused request by reason."""
-        if isinstance(error, AllocationFailed):
-            reason = "cache_full"
-        elif isinstance(error, TimeoutError):
-            reason = "timeout"
-        elif isinstance(error, RuntimeStopped):
-            reason = "overloaded"
-        elif isinstance(error, ValueError) and ("max_length" in str(error) or "Maximum length" in str(error)):
-            reason = "too_long"
-        elif isinstance(error, (ValueError, KeyError)):
-            reason = "bad_request"
-        else:
-            reason = "other"
+        """Logs and counts a refused request by reason (`limits.rejection_reason`: by the error's type)."""
+        reason = rejection_reason(error)
         self.metrics.rejected(reason)
         logger.info(f"{name}.rejected(reason={reason}): {error}")
 
@@ -410,7 +373,9 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             descriptors_per_block = self.backend.cache_descriptors(block_indices, batch_size, max_length)
             flat = [d for descriptors in descriptors_per_block for d in descriptors]
             allocation = self.memory_cache.allocate_cache(*flat, timeout_s=metadata.alloc_timeout_s)
+            reserve_bytes = allocation_size_bytes(flat)
         else:  # a probe: only zero-token steps fit, nothing to reserve
+            reserve_bytes = 0
             descriptors_per_block = [[] for _ in block_indices]
             allocation = _no_allocation()
         logger.info(
@@ -419,7 +384,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         )
         push_queue = self.sessions.open(metadata.session_id, push_guard)
         try:
-            async with allocation as handles:
+            async with self.admission.admit(peer_key(context), reserve_bytes) as ticket, allocation as handles:
                 self._report_cache()
                 nested: list[tuple[int, ...]] = []
                 offset = 0
@@ -435,6 +400,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                     active_adapter=adapter,
                     args_structure=metadata.args_structure,
                     push_queue=push_queue,
+                    ticket=ticket,
                 )
                 if kv_import is not None:
                     await self.handoff.import_kv(session, kv_import, first.uid, requests)
@@ -445,6 +411,9 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                             async for response in self.handoff.export(session):
                                 yield response
                             continue
+                        if session.resend_pending:  # the client re-sent a step: never leave it without an answer
+                            yield runtime_pb2.ExpertResponse(tensors=[session.resend_output(step_metadata.step_id)])
+                            continue
                         try:
                             output, can_push = await self._inference_step(session, request, step_metadata, deadline)
                         except ValueError as e:
@@ -454,6 +423,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                             logger.info(f"rpc_inference.bad_push_ignored(session_id={session.session_id!r:.40}): {e}")
                             session.seen_step_ids.discard(step_metadata.step_id)
                             continue
+                        session.record_output(step_metadata, output)
                         if not step_metadata.pushed:  # from the session's own client: may name upstream, next hop
                             push_guard.observe_client_step(step_metadata)
                         if can_push and push_guard.may_push_on(step_metadata):
@@ -536,4 +506,6 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             if self.busy_poll is not None and self.runtime.num_inline_batches != inline_before:
                 self.busy_poll.keep_hot(self.busy_poll_s)  # a lone session: its next step is due in a moment
         session.prefix_length = prefix_length + length
+        if session.ticket is not None:
+            session.ticket.touch(batch_size * length)  # zero-token keep-alives are not use
         return self._serialize_output(output), not has_prompts

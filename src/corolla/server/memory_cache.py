@@ -94,6 +94,11 @@ class MemoryCache:
         return len(self._waiters)
 
     @property
+    def bytes_waiting(self) -> int:
+        """Bytes asked for by the allocations waiting in the queue."""
+        return sum(w.size_bytes for w in self._waiters if not w.future.done())
+
+    @property
     def num_handles(self) -> int:
         with self._lock:
             return len(self._descriptors)

@@ -29,12 +29,14 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from corolla.server.limits import LIMIT_REASONS
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 TOKEN_KINDS = ("inference", "forward", "backward")
-REJECT_REASONS = ("bad_request", "cache_full", "too_long", "overloaded", "timeout", "draining", "other")
+# fair-use limits add theirs (peer_kv, sessions_full, evicted, stream_stalled, ...: `limits.LIMIT_REASONS`)
+REJECT_REASONS = ("bad_request", "cache_full", "too_long", "overloaded", "timeout", "draining", *LIMIT_REASONS, "other")
 
 # Decode steps on CPU take ~1 ms to ~1 s; on GPU ~0.1-50 ms. Exponential buckets cover both.
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -8,10 +8,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.metadata import InferenceRequestMetadata
+from corolla.server.limits import DuplicateStep
 from corolla.server.peer_auth import SessionPushGuard
 from corolla.utils.logging import get_logger
 
@@ -43,7 +45,29 @@ class SessionState:
     started_at: float = field(default_factory=time.monotonic)
     push_queue: asyncio.Queue | None = None
     seen_step_ids: set[str] = field(default_factory=set)
+    direct_step_ids: set[str] = field(default_factory=set)  # steps the client itself sent (not only pushed)
     num_late_pushes: int = 0
+    ticket: Any = None  # admission.SessionTicket: idle time and eviction
+    last_step_id: str | None = None
+    last_output: runtime_pb2.Tensor | None = None
+    resend_pending: bool = False  # the step being yielded is the client's re-send of a step already answered
+    num_resends: int = 0
+
+    def record_output(self, metadata: InferenceRequestMetadata, output: runtime_pb2.Tensor) -> None:
+        """Keeps the last step's reply, to answer a client that re-sends that step."""
+        self.last_step_id, self.last_output = metadata.step_id, output
+
+    def resend_output(self, step_id: str | None) -> runtime_pb2.Tensor:
+        """The reply to a re-sent step: the cached output if it is the last step, else DuplicateStep."""
+        self.resend_pending = False
+        self.num_resends += 1
+        if step_id is not None and step_id == self.last_step_id and self.last_output is not None:
+            logger.info(f"rpc_inference.resent_step(session_id={self.session_id!r:.40}, step_id={step_id!r:.40})")
+            return self.last_output
+        raise DuplicateStep(
+            f"step_id {step_id!r:.60} was already processed by this session and is not its last step; "
+            f"a step can't be re-run in place: send it with a new step_id and start_from_position"
+        )
 
 
 class SessionRegistry:
@@ -91,7 +115,9 @@ class SessionRegistry:
         if queue is None:
             return False
         if not self._push_guards[session_id].accepts_push_from(sender):
-            logger.info(f"sessions.push_refused(session_id={session_id!r:.40}, sender={str(sender)[-8:]}): not upstream")
+            logger.info(
+                f"sessions.push_refused(session_id={session_id!r:.40}, sender={str(sender)[-8:]}): not upstream"
+            )
             return False
         try:
             queue.put_nowait(request)
@@ -132,17 +158,27 @@ async def iterate_steps(
     request: runtime_pb2.ExpertRequest | None = first
     client_next: asyncio.Task | None = None
     push_next: asyncio.Task | None = None
+    evicted = asyncio.ensure_future(session.ticket.evicted.wait()) if session.ticket is not None else None
     try:
         while request is not None and request.tensors:
             metadata = InferenceRequestMetadata.from_bytes(request.metadata)
-            if metadata.step_id is None or metadata.step_id not in session.seen_step_ids:
-                if metadata.step_id is not None:
+            step_id = metadata.step_id
+            if step_id is None or step_id not in session.seen_step_ids:
+                if step_id is not None:
                     if len(session.seen_step_ids) >= MAX_REMEMBERED_STEP_IDS:
                         session.seen_step_ids.clear()
-                    session.seen_step_ids.add(metadata.step_id)
+                        session.direct_step_ids.clear()
+                    session.seen_step_ids.add(step_id)
+                    if not metadata.pushed:
+                        session.direct_step_ids.add(step_id)
                 yield request, metadata
-            elif metadata.pushed:
+            elif metadata.pushed:  # the client's own copy came first and was answered: no second reply
                 session.num_late_pushes += 1
+            elif step_id not in session.direct_step_ids:  # its pushed copy came first and was answered
+                session.direct_step_ids.add(step_id)
+            else:  # the client sent this step twice: answer it (Petals drops it, leaving the client to time out)
+                session.resend_pending = True
+                yield request, metadata
 
             if client_next is None:
                 client_next = asyncio.ensure_future(_next_client_request(requests))
@@ -151,6 +187,8 @@ async def iterate_steps(
                 if push_next is None:
                     push_next = asyncio.ensure_future(session.push_queue.get())
                 waiting.add(push_next)
+            if evicted is not None:
+                waiting.add(evicted)
             wait_s = min(timeouts.step_timeout_s, deadline - time.monotonic())
             done: set = set()
             if wait_s > 0:
@@ -164,6 +202,8 @@ async def iterate_steps(
                     f"step_timeout_s={timeouts.step_timeout_s}, session_timeout_s={timeouts.session_timeout_s})"
                 )
                 return
+            if evicted is not None and evicted in done:  # idle under memory pressure: end with a clear error
+                raise session.ticket.eviction
             if client_next in done:
                 request = client_next.result()
                 client_next = None
@@ -172,6 +212,6 @@ async def iterate_steps(
                 request = push_next.result()
                 push_next = None
     finally:
-        for pending in (client_next, push_next):
+        for pending in (client_next, push_next, evicted):
             if pending is not None and not pending.done():
                 pending.cancel()

@@ -1,0 +1,159 @@
+"""Fair-use limits of one server (`PeerLimits`, flags with defaults), the typed errors a limit raises, and the one
+place that maps any refusal to its `corolla_requests_rejected_total{reason}` label. Peers are keyed by their
+authenticated libp2p id; every same-host unix-socket client counts as the one peer `LOCAL_PEER`."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from corolla.utils.errors import AllocationFailed
+
+LOCAL_PEER = "local"  # every client of the same-host unix socket (one user: the socket dir is private to it)
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class PeerLimits:
+    """Caps that keep one peer (or a crowd of them) from starving the others. 0 or None disables a cap."""
+
+    max_sessions_per_peer: int = 64  # open inference sessions of one peer
+    max_sessions_total: int = 1024  # open inference sessions of all peers together
+    max_kv_fraction_per_peer: float = 0.5  # share of the KV cache budget one peer may reserve
+    # under memory pressure a session that processed no token for this long is ended to admit a new one
+    # (zero-token keep-alive steps do not count as use); 0 = never evict
+    session_idle_evict_s: float = 60.0
+    evict_wait_s: float = 5.0  # how long a new session waits for the evicted ones to free their cache
+    # streamed requests (rpc_*_stream, rpc_inference): bytes received but not yet processed
+    max_stream_message_bytes: int = 64 * MiB  # one message (hivemind would buffer any declared length)
+    max_stream_bytes_per_peer: int = 256 * MiB
+    max_stream_bytes_total: int = 512 * MiB
+    stream_idle_timeout_s: float = 10.0  # no byte of a started message (or of a forward stream) for this long
+    max_forwards_per_peer: int = 2  # concurrent forward/backward requests of one peer (others wait)
+    forward_chunk_tokens: int = 256  # a forward runs as runtime tasks of <= this many tokens x one block; 0 = whole
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_sessions_per_peer",
+            "max_sessions_total",
+            "max_stream_message_bytes",
+            "max_stream_bytes_per_peer",
+            "max_stream_bytes_total",
+            "max_forwards_per_peer",
+            "forward_chunk_tokens",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = unlimited), got {getattr(self, name)}")
+        if not 0 < self.max_kv_fraction_per_peer <= 1:
+            raise ValueError(f"max_kv_fraction_per_peer must be in (0, 1], got {self.max_kv_fraction_per_peer}")
+        for name in ("session_idle_evict_s", "evict_wait_s", "stream_idle_timeout_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+class LimitExceeded(AllocationFailed):
+    """A fair-use limit refused the request; `reason` is its metrics label."""
+
+    reason = "limit"
+
+
+class PeerLimitExceeded(LimitExceeded):
+    """One peer asked for more than its share (sessions, KV cache, stream bytes, concurrent forwards)."""
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class ServerLimitExceeded(LimitExceeded):
+    """All peers together reached a global cap and nothing could be evicted."""
+
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class SessionEvicted(AllocationFailed):
+    """This idle session was ended to free its KV cache for another user."""
+
+    reason = "evicted"
+
+
+class StreamStalled(ValueError):
+    """The peer stopped sending in the middle of a streamed request."""
+
+    reason = "stream_stalled"
+
+
+class DuplicateStep(ValueError):
+    """A step whose `step_id` this session already processed (and whose output is no longer the last one)."""
+
+    reason = "duplicate_step"
+
+
+# every reason label a limit or refusal can produce (metrics pre-creates these series)
+LIMIT_REASONS = (
+    "peer_sessions",
+    "sessions_full",
+    "peer_kv",
+    "peer_stream_bytes",
+    "stream_bytes_full",
+    "stream_message_too_big",
+    "stream_stalled",
+    "evicted",
+    "duplicate_step",
+)
+
+
+def rejection_reason(error: BaseException) -> str:
+    """The metrics label of a refused request, from the error's type (never from its text)."""
+    from corolla.server.runtime import RuntimeStopped
+
+    reason = getattr(error, "reason", None)
+    if isinstance(reason, str) and isinstance(error, (LimitExceeded, SessionEvicted, StreamStalled, DuplicateStep)):
+        return reason
+    if isinstance(error, AllocationFailed):
+        return "cache_full"
+    if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+        return "timeout"
+    if isinstance(error, RuntimeStopped):
+        return "overloaded"
+    if isinstance(error, ValueError) and ("max_length" in str(error) or "Maximum length" in str(error)):
+        return "too_long"  # kept as before: these come from many validators (a typed error is H1's to add)
+    if isinstance(error, (ValueError, KeyError)):
+        return "bad_request"
+    return "other"
+
+
+def peer_key(context: Any) -> str:
+    """The peer a request counts against: its authenticated libp2p id, or `LOCAL_PEER` for the unix socket."""
+    remote = getattr(context, "remote_id", None)
+    if remote is None:
+        return LOCAL_PEER
+    to_base58 = getattr(remote, "to_base58", None)
+    return to_base58() if to_base58 is not None else str(remote)
+
+
+LIMIT_FLAG_HELP = {
+    "max_sessions_per_peer": "open inference sessions one peer may hold (0 = unlimited)",
+    "max_sessions_total": "open inference sessions of all peers together (0 = unlimited)",
+    "max_kv_fraction_per_peer": "share of the KV cache one peer may reserve, in (0, 1]",
+    "session_idle_evict_s": "end a session idle this long (no token processed) when a new one needs its cache (0 = never)",
+    "evict_wait_s": "how long a new session waits for evicted sessions to free their cache",
+    "max_stream_message_bytes": "largest message of a streamed request (0 = unlimited)",
+    "max_stream_bytes_per_peer": "bytes of unfinished streamed requests one peer may have in flight (0 = unlimited)",
+    "max_stream_bytes_total": "bytes of unfinished streamed requests of all peers together (0 = unlimited)",
+    "stream_idle_timeout_s": "cut a stream whose peer sends nothing for this long mid-message or mid-request (0 = off)",
+    "max_forwards_per_peer": "concurrent forward/backward requests of one peer; the rest wait (0 = unlimited)",
+    "forward_chunk_tokens": "run forwards as tasks of one block and at most this many tokens (0 = one task)",
+}
+
+
+def add_limit_flags(parser: Any) -> None:
+    """Adds one `--<field>` flag per `PeerLimits` field to an argparse-like parser (default None = the field's)."""
+    import dataclasses
+
+    for f in dataclasses.fields(PeerLimits):
+        kind = float if isinstance(f.default, float) else int
+        parser.add_argument(f"--{f.name}", type=kind, default=None, help=f"{LIMIT_FLAG_HELP[f.name]} [{f.default}]")

@@ -1,0 +1,272 @@
+"""Bounded reading of streamed RPCs (`rpc_*_stream`, `rpc_inference`): the same wire framing as hivemind's
+protobuf stream handler (marker byte, 8-byte length, message; an error marker ends the input), but a message's
+declared length is checked and charged to per-stream, per-peer and global byte budgets BEFORE its bytes are read,
+a peer that stops sending mid-message (or between the parts of a forward stream) is cut off after
+`stream_idle_timeout_s`, and every charged byte is given back when the message is processed or the stream ends."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from contextlib import suppress
+from typing import Any
+
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
+
+from corolla.server.limits import MiB, PeerLimitExceeded, PeerLimits, ServerLimitExceeded, StreamStalled, peer_key
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+READ_CHUNK_BYTES = 1 * MiB
+MAX_PREFETCH_MESSAGES = 5  # as hivemind's handler: messages read ahead of the one being processed
+TRIM_AFTER_BYTES = 16 * MiB  # give freed stream buffers back to the OS (glibc keeps them otherwise)
+# streams whose handler reads one message at a time, each governed by the handler's own step timeout
+PER_MESSAGE_RPCS = ("rpc_inference",)
+
+
+class StreamBudget:
+    """Bytes of streamed requests received and not yet processed: per peer and in total (event loop only)."""
+
+    def __init__(self, limits: PeerLimits):
+        self.limits = limits
+        self.total_bytes = 0
+        self.per_peer: dict[str, int] = defaultdict(int)
+        self._freed_since_trim = 0
+
+    def charge(self, peer: str, nbytes: int) -> None:
+        limits = self.limits
+        if nbytes <= 0:
+            return  # an empty message (e.g. the end of a session) holds nothing
+        if limits.max_stream_message_bytes and nbytes > limits.max_stream_message_bytes:
+            raise PeerLimitExceeded(
+                f"stream message of {nbytes} bytes exceeds max_stream_message_bytes={limits.max_stream_message_bytes}",
+                reason="stream_message_too_big",
+            )
+        held = self.per_peer.get(peer, 0)
+        if limits.max_stream_bytes_per_peer and held + nbytes > limits.max_stream_bytes_per_peer:
+            raise PeerLimitExceeded(
+                f"stream message of {nbytes} bytes refused: this peer already has {held} bytes of unfinished "
+                f"requests, the limit is max_stream_bytes_per_peer={limits.max_stream_bytes_per_peer}",
+                reason="peer_stream_bytes",
+            )
+        if limits.max_stream_bytes_total and self.total_bytes + nbytes > limits.max_stream_bytes_total:
+            raise ServerLimitExceeded(
+                f"stream message of {nbytes} bytes refused: the server holds {self.total_bytes} bytes of unfinished "
+                f"requests, the limit is max_stream_bytes_total={limits.max_stream_bytes_total}; retry later",
+                reason="stream_bytes_full",
+            )
+        self.per_peer[peer] = held + nbytes
+        self.total_bytes += nbytes
+
+    def release(self, peer: str, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        left = self.per_peer.get(peer, 0) - nbytes
+        assert left >= 0 and self.total_bytes >= nbytes, "stream budget released more than it charged"
+        if left:
+            self.per_peer[peer] = left
+        else:
+            self.per_peer.pop(peer, None)
+        self.total_bytes -= nbytes
+        self._freed_since_trim += nbytes
+
+    def maybe_trim(self) -> None:
+        """After large frees with nothing left in flight, asks glibc to return free heap pages to the OS."""
+        if self._freed_since_trim >= TRIM_AFTER_BYTES and self.total_bytes == 0:
+            self._freed_since_trim = 0
+            malloc_trim()
+
+
+_libc: Any = None
+
+
+def malloc_trim() -> bool:
+    """`malloc_trim(0)` where the C library has it (glibc); False elsewhere."""
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        try:
+            _libc = ctypes.CDLL(name) if name else False
+        except OSError:
+            _libc = False
+    trim = getattr(_libc, "malloc_trim", None) if _libc else None
+    if trim is None:
+        return False
+    return bool(trim(0))
+
+
+class _Lease:
+    """The bytes one stream holds in a `StreamBudget`; `close()` gives back whatever is left."""
+
+    def __init__(self, budget: StreamBudget, peer: str):
+        self.budget, self.peer, self.held = budget, peer, 0
+
+    def charge(self, nbytes: int) -> None:
+        self.budget.charge(self.peer, nbytes)
+        self.held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        nbytes = min(nbytes, self.held)
+        self.held -= nbytes
+        self.budget.release(self.peer, nbytes)
+
+    def close(self) -> None:
+        self.release(self.held)
+        self.budget.maybe_trim()
+
+
+async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
+    if not timeout_s:
+        return await awaitable
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except asyncio.TimeoutError:
+        raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={timeout_s} s {what}") from None
+
+
+async def _read_message(
+    reader: asyncio.StreamReader, lease: _Lease, *, idle_s: float, between_s: float | None
+) -> tuple[runtime_pb2.ExpertRequest | None, int]:
+    """One framed message (None at the end of the input) and the bytes it was charged."""
+    marker = await _within(reader.readexactly(1), between_s, "between the parts of a streamed request")
+    header = await _within(reader.readexactly(P2P.HEADER_LEN), idle_s, "inside a message")
+    length = int.from_bytes(header, P2P.BYTEORDER)
+    if marker == P2P.ERROR_MARKER:  # the caller's end-of-stream (or its error): small, read and ignore
+        if length > 64 * 1024:
+            raise ValueError(f"end-of-stream message of {length} bytes is larger than 65536")
+        await _within(reader.readexactly(length), idle_s, "inside a message")
+        return None, 0
+    if marker != P2P.MESSAGE_MARKER:
+        raise ValueError("invalid stream message marker")
+    lease.charge(length)  # before a single byte of the body is buffered
+    chunks: list[bytes] = []
+    remaining = length
+    while remaining > 0:
+        chunk = await _within(reader.read(min(remaining, READ_CHUNK_BYTES)), idle_s, "inside a message")
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", remaining)
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    del chunks
+    request = runtime_pb2.ExpertRequest()
+    request.ParseFromString(data)
+    return request, length
+
+
+StreamHandlerFn = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], AsyncIterator[Any]]
+
+
+def guarded_stream_handler(
+    p2p: P2P,
+    name: str,
+    method: StreamHandlerFn,
+    budget: StreamBudget,
+    *,
+    per_message: bool,
+    on_reject: Callable[[str, BaseException], None],
+) -> Callable[..., Any]:
+    """A binary stream handler serving `method` (an async-generator rpc) with bounded reading."""
+    limits = budget.limits
+
+    async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
+        lease = _Lease(budget, peer_key(context))
+        queue: asyncio.Queue = asyncio.Queue(MAX_PREFETCH_MESSAGES)
+
+        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+            while True:
+                request, nbytes = await queue.get()
+                if request is None:
+                    return
+                if per_message:  # processed one at a time: its bytes are the handler's now
+                    lease.release(nbytes)
+                yield request
+
+        async def process() -> None:
+            try:
+                async for response in method(requests(), context):
+                    try:
+                        await P2P.send_protobuf(response, writer)
+                    except Exception:
+                        logger.debug("stream_guard.send_failed", exc_info=True)
+                        return
+            except Exception as e:
+                with suppress(Exception):
+                    await P2P.send_protobuf(RPCError(message=str(e)), writer)
+
+        processing = asyncio.create_task(process())
+        between_s = None if per_message else limits.stream_idle_timeout_s
+        try:
+            while True:
+                receiving = asyncio.ensure_future(
+                    _read_message(reader, lease, idle_s=limits.stream_idle_timeout_s, between_s=between_s)
+                )
+                await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
+                if processing.done():
+                    receiving.cancel()
+                    with suppress(asyncio.CancelledError, Exception):
+                        await receiving
+                    return
+                try:
+                    item = receiving.result()
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return  # the caller closed or died: processing is cancelled below
+                await queue.put(item)
+                if item[0] is None:
+                    await processing
+                    return
+        except (PeerLimitExceeded, ServerLimitExceeded, StreamStalled, ValueError) as e:
+            processing.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await processing
+            on_reject(name, e)
+            with suppress(Exception):
+                await P2P.send_protobuf(RPCError(message=str(e)), writer)
+        finally:
+            processing.cancel()
+            while not queue.empty():
+                queue.get_nowait()
+            lease.close()
+            with suppress(Exception):
+                writer.close()
+
+    return handle
+
+
+async def register_handlers(servicer: Any, p2p: P2P, budget: StreamBudget, on_reject: Any) -> list[str]:
+    """Registers the servicer's rpcs on `p2p` like hivemind's `ServicerBase.add_p2p_handlers`, with every
+    stream-input rpc read through `guarded_stream_handler`. Returns the names of the guarded handles."""
+    servicer._collect_rpc_handlers()
+    guarded: list[str] = []
+    calls = []
+    for handler in servicer._rpc_handlers:
+        handle_name = servicer._get_handle_name(None, handler.method_name)
+        method = getattr(servicer, handler.method_name)
+        if handler.stream_input and handler.stream_output:
+            per_message = handler.method_name in PER_MESSAGE_RPCS
+            stream_handle = guarded_stream_handler(
+                p2p, handle_name, method, budget, per_message=per_message, on_reject=on_reject
+            )
+            calls.append(p2p.add_binary_stream_handler(handle_name, stream_handle))
+            guarded.append(handle_name)
+        else:
+            calls.append(
+                p2p.add_protobuf_handler(
+                    handle_name,
+                    method,
+                    handler.request_type,
+                    stream_input=handler.stream_input,
+                    stream_output=handler.stream_output,
+                )
+            )
+    await asyncio.gather(*calls)
+    logger.debug(f"stream_guard.registered(guarded={len(guarded)}, at={time.monotonic():.0f})")
+    return guarded
