@@ -74,7 +74,7 @@ class _Budget:
     def count(self, container: Any) -> Any:
         """msgpack's list_hook/object_hook: called as each array/map completes (tuples are arrays first)."""
         self.containers += 1
-        self.items += len(container) + 1
+        self.items += len(container)
         if self.items > self.limits.max_items:
             raise MsgpackLimitError(f"msgpack value has more than max_items={self.limits.max_items} elements")
         return container
@@ -98,15 +98,16 @@ def _check_depth(value: Any, depth_left: int, limits: MsgpackLimits) -> None:
                 stack.append((child, left - 1))
 
 
-def _decode(data: bytes, budget: _Budget, depth_left: int, *, top: bool = False) -> Any:
-    """One (C) unpack; ext payloads come back here one level deeper, so the C unpacker is re-entered at most
-    `max_depth` times. The exact depth of the whole value is checked once, by the top-level call."""
+def _decode(data: bytes, budget: _Budget, reentries_left: int, *, top: bool = False) -> Any:
+    """One (C) unpack. Ext payloads come back here with one re-entry less (each ext nests at least one level inside
+    the value around it, except a value that is one ext: hence max_depth + 1 at the top), so the C unpacker is
+    re-entered at most max_depth + 1 times. The exact depth of the whole value is checked once, at the top."""
     limits = budget.limits
-    if depth_left <= 0:
+    if reentries_left <= 0:
         raise MsgpackLimitError(f"msgpack value is nested deeper than max_depth={limits.max_depth}")
 
     def ext_hook(code: int, payload: bytes) -> Any:
-        return _decode_ext(code, payload, budget, depth_left - 1)
+        return _decode_ext(code, payload, budget, reentries_left - 1)
 
     value = msgpack.unpackb(
         data,
@@ -121,21 +122,21 @@ def _decode(data: bytes, budget: _Budget, depth_left: int, *, top: bool = False)
         max_map_len=limits.max_container_len,
         max_ext_len=limits.max_bytes,
     )
-    if top and budget.containers > depth_left:  # fewer containers than that cannot nest deeper (the usual case)
-        _check_depth(value, depth_left, limits)
+    if top and budget.containers > limits.max_depth:  # fewer containers than that cannot nest deeper (usual case)
+        _check_depth(value, limits.max_depth, limits)
     return value
 
 
-def _decode_ext(code: int, payload: bytes, budget: _Budget, depth_left: int) -> Any:
+def _decode_ext(code: int, payload: bytes, budget: _Budget, reentries_left: int) -> Any:
     if code == TUPLE_EXT_TYPE:
-        items = _decode(payload, budget, depth_left)
+        items = _decode(payload, budget, reentries_left)
         if not isinstance(items, list):
             raise MsgpackLimitError(f"tuple ext (0x40) must hold an array, got {type(items).__name__}")
         return tuple(items)
     if code == DICTIONARY_DHT_VALUE_EXT_TYPE:
-        return _dictionary_dht_value(_decode(payload, budget, depth_left))
+        return _dictionary_dht_value(_decode(payload, budget, reentries_left))
     if code == BATCH_TENSOR_DESCRIPTOR_EXT_TYPE:
-        return _batch_tensor_descriptor(_decode(payload, budget, depth_left))
+        return _batch_tensor_descriptor(_decode(payload, budget, reentries_left))
     logger.debug(f"msgpack.unknown_ext(code={code}, bytes={len(payload)}): left as bytes")
     return payload  # as hivemind does for codes it does not know
 
@@ -221,7 +222,7 @@ def loads(data: bytes | bytearray | memoryview, limits: MsgpackLimits = METADATA
     if len(data) > limits.max_bytes:
         raise MsgpackLimitError(f"msgpack message is {len(data)} bytes, more than max_bytes={limits.max_bytes}")
     try:
-        return _decode(bytes(data), _Budget(limits), limits.max_depth, top=True)
+        return _decode(bytes(data), _Budget(limits), limits.max_depth + 1, top=True)
     except MsgpackLimitError:
         raise
     except RecursionError as e:  # cannot happen within max_depth, but never let it escape as something else

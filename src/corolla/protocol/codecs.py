@@ -15,6 +15,7 @@ from collections.abc import AsyncIterable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import hivemind.compression.base
+import numpy as np
 import torch
 from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
@@ -271,12 +272,29 @@ def _deserialize_raw(serialized: runtime_pb2.Tensor, shape: torch.Size) -> torch
     return tensor
 
 
+def _deserialize_codebook(serialized: runtime_pb2.Tensor, shape: torch.Size) -> torch.Tensor:
+    """hivemind's QUANTILE_8BIT/UNIFORM_8BIT decoding (`codebook[indices]`) on a checked buffer; done here because
+    hivemind 1.1.12's own `Quantization.extract` fails under numpy 2 (`int()` of a 1-element array)."""
+    buffer = serialized.buffer
+    codebook_size = _int64_at(buffer, 0)
+    codebook = np.frombuffer(buffer, dtype=np.float32, count=codebook_size, offset=8)
+    indices = np.frombuffer(buffer, dtype=np.uint8, offset=8 + 4 * codebook_size)
+    if indices.size and int(indices.max()) >= codebook_size:
+        raise ValueError(f"tensor has codebook index {int(indices.max())}, codebook has {codebook_size} entries")
+    dtype = _DTYPES[serialized.dtype]
+    table = torch.from_numpy(codebook.copy()).to(dtype)
+    tensor = table[torch.from_numpy(indices.astype(np.int64))].reshape(shape)
+    return tensor.requires_grad_(serialized.requires_grad)
+
+
 def deserialize_tensor(serialized: runtime_pb2.Tensor, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> torch.Tensor:
     """Restores a tensor; malformed input (dtype outside the compression's whitelist, shape over `limits`, buffer
     not exactly the codec's layout, corrupt payload) -> ValueError, raised before the payload is decoded."""
     shape = _check_header(serialized, limits)
     if serialized.compression == CompressionType.NONE:
         return _deserialize_raw(serialized, shape)
+    if serialized.compression in (CompressionType.QUANTILE_8BIT, CompressionType.UNIFORM_8BIT):
+        return _deserialize_codebook(serialized, shape)
     try:
         tensor = deserialize_torch_tensor(serialized)
     except ValueError:

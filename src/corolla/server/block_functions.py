@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from corolla.protocol.codecs import check_castable
 from corolla.protocol.packing import unpack_args_kwargs
 from corolla.protocol.uids import parse_chain, parse_uid
 from corolla.server.forward_chunks import run_forward_chunked
@@ -114,6 +115,7 @@ def validate_hidden_states(
         )
     if not all_finite(tensor):
         raise ValueError(f"{name} contains NaN or infinite values")
+    check_castable(tensor, limits.dtype, name=name, finite_checked=True)  # e.g. float64 1e300 -> inf in the block
     return tensor.to(limits.dtype)
 
 
@@ -142,6 +144,7 @@ def validate_prompts(
         )
     if not all_finite(prompts):
         raise ValueError("prompts contain NaN or infinite values")
+    check_castable(prompts, limits.dtype, name="prompts", finite_checked=True)
     prompts = prompts.to(limits.dtype)
     return [prompts[i] for i in range(num_blocks)]
 
