@@ -1,5 +1,10 @@
 """Keeps the health document fresh: every `refresh_period_s` a background thread reads the model index and every
-block's records from a client-mode DHT, pings the online servers and bootstrap peers, and rebuilds the state."""
+block's records from a client-mode DHT, pings the online servers and bootstrap peers, and rebuilds the state.
+
+Everything read is untrusted: an index entry declaring more than `max_model_blocks` blocks is skipped, block
+records are read `blocks_per_read` keys per DHT call, at most `max_blocks_per_refresh` keys per refresh (smallest
+indexed models first), and a model whose records cannot be read or reported is skipped with a log line; the
+others stay on the page."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.health.state import ModelEntry, build_state
-from corolla.protocol.records import ServerState
+from corolla.protocol.records import RemoteModuleInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.swarm.dht import run_in_dht
 from corolla.swarm.ping import ping_parallel
@@ -32,10 +37,16 @@ class HealthConfig:
     check_reachability: bool = True
     use_models_index: bool = True  # also watch every model announced under `_petals.models`
     initial_peers: Sequence[str] = field(default_factory=tuple)  # for the bootstrap peers' states
+    max_model_blocks: int = 4096  # an index entry declaring more blocks is garbage (the largest models have ~130)
+    max_blocks_per_refresh: int = 16384  # block keys read per refresh over all models; models past it are skipped
+    blocks_per_read: int = 256  # block keys per DHT call
 
     def __post_init__(self) -> None:
         if self.refresh_period_s <= 0:
             raise ValueError(f"refresh_period_s must be > 0, got {self.refresh_period_s}")
+        for name in ("max_model_blocks", "max_blocks_per_refresh", "blocks_per_read"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 async def _ping_peers(_dht: hivemind.DHT, node: Any, *, peer_ids: list[str], timeout_s: float) -> dict[str, float]:
@@ -84,29 +95,64 @@ class StateCollector:
         return self._refreshed.wait(timeout_s)
 
     def models(self) -> list[ModelEntry]:
-        """Pinned models first, then the index's (largest first), each prefix once."""
+        """Pinned models first, then the index's (largest first), each prefix once; index entries over
+        `max_model_blocks` are skipped with a log line."""
         models = list(self.pinned_models)
         if self.config.use_models_index:
             seen = {m.dht_prefix for m in models}
             indexed = get_verified_model_infos(self.dht, latest=True, timeout_s=self.config.dht_timeout_s)
-            extra = [
-                ModelEntry(dht_prefix=prefix, num_blocks=info.num_blocks, repository=info.repository)
-                for prefix, info in indexed.items()
-                if prefix not in seen
-            ]
+            extra = []
+            for prefix, info in indexed.items():
+                if prefix in seen:
+                    continue
+                if info.num_blocks > self.config.max_model_blocks:
+                    logger.warning(
+                        f"health.model_skipped(prefix={prefix[:60]!r}, num_blocks={info.num_blocks}): more than "
+                        f"max_model_blocks={self.config.max_model_blocks}"
+                    )
+                    continue
+                extra.append(ModelEntry(dht_prefix=prefix, num_blocks=info.num_blocks, repository=info.repository))
             models.extend(sorted(extra, key=lambda m: (-m.num_blocks, m.dht_prefix)))
         return models
+
+    def _within_budget(self, models: list[ModelEntry]) -> list[ModelEntry]:
+        """The models whose blocks fit `max_blocks_per_refresh`: pinned ones first, then the smallest indexed ones
+        (a flood of large fake entries cannot push real models off the page); order kept."""
+        budget = self.config.max_blocks_per_refresh
+        pinned = {id(m) for m in self.pinned_models}
+        chosen: set[int] = set()
+        for m in sorted(models, key=lambda m: (id(m) not in pinned, m.num_blocks)):
+            if m.num_blocks <= budget:
+                chosen.add(id(m))
+                budget -= m.num_blocks
+            else:
+                logger.warning(
+                    f"health.model_skipped(prefix={m.dht_prefix[:60]!r}, num_blocks={m.num_blocks}): over "
+                    f"max_blocks_per_refresh={self.config.max_blocks_per_refresh} for this refresh"
+                )
+        return [m for m in models if id(m) in chosen]
+
+    def _read_model(self, model: ModelEntry) -> list[RemoteModuleInfo]:
+        """The records of every block of `model`, `blocks_per_read` keys per (bounded) DHT call."""
+        infos: list[RemoteModuleInfo] = []
+        step = self.config.blocks_per_read
+        for start in range(0, model.num_blocks, step):
+            uids = [make_uid(model.dht_prefix, i) for i in range(start, min(start + step, model.num_blocks))]
+            infos.extend(get_remote_module_infos(self.dht, uids, latest=True, timeout_s=self.config.dht_timeout_s))
+        return infos
 
     def refresh(self) -> dict[str, Any]:
         """Rebuilds the state now (blocking) and returns it."""
         started = time.perf_counter()
-        models = self.models()
-        uids = [make_uid(m.dht_prefix, i) for m in models for i in range(m.num_blocks)]
-        infos = get_remote_module_infos(self.dht, uids, latest=True, timeout_s=self.config.dht_timeout_s)
-        per_model, offset = {}, 0
-        for m in models:
-            per_model[m.dht_prefix] = infos[offset : offset + m.num_blocks]
-            offset += m.num_blocks
+        per_model: dict[str, list[RemoteModuleInfo]] = {}
+        models = []
+        for m in self._within_budget(self.models()):
+            try:
+                per_model[m.dht_prefix] = self._read_model(m)
+                models.append(m)
+            except Exception as e:  # one unreadable model must not empty the page
+                logger.warning(f"health.model_unreadable(prefix={m.dht_prefix[:60]!r}): {e!r:.300}")
+        infos = [info for m in models for info in per_model[m.dht_prefix]]
 
         rtts: dict[str, float] = {}
         bootstrap_ids = _bootstrap_peer_ids(self.config.initial_peers)

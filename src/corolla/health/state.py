@@ -32,6 +32,9 @@ from typing import Any
 
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
 from corolla.swarm.spans import compute_spans
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 SHOW_PUBLIC_NAME_MIN_BLOCKS = 10  # as the reference monitor: names only for online servers holding this many blocks
 
@@ -158,7 +161,12 @@ def build_state(
     """The whole `/api/v1/state` document; `module_infos[prefix]` aligned with blocks 0..n-1 of each model."""
     rtts_s = rtts_s or {}
     top_contributors: Counter = Counter()
-    reports = [build_model_report(m, module_infos[m.dht_prefix], rtts_s, top_contributors) for m in models]
+    reports = []
+    for m in models:
+        try:
+            reports.append(build_model_report(m, module_infos[m.dht_prefix], rtts_s, top_contributors))
+        except Exception as e:  # garbage from one model's records must not take the others off the page
+            logger.warning(f"health.model_report_failed(prefix={m.dht_prefix[:60]!r}): {e!r:.300}")
     issues = [
         {"peer_id": peer_id, "err": "did not answer a ping"}
         for peer_id, rtt in sorted(rtts_s.items())
