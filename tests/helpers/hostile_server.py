@@ -6,6 +6,8 @@ refuse, or hang.
 Environment:
 - `COROLLA_HOSTILE_MODE`: `nan`, `garbage`, `shape`, `dtype`, `refuse` or `hang` (unset or `honest`: no change);
 - `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
+- `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER]`, read at every answer (tests switch one server's lie
+  without restarting it; the count of honest answers restarts whenever the file changes);
 - `COROLLA_HOSTILE_ATTRACT=1`: announce very high compute/network speeds so clients route through this server first
   (what a liar would do to get traffic).
 
@@ -28,16 +30,30 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Trigger:
-    """Counts answers; `fires()` is True once `after` honest answers were given (thread-safe)."""
+    """Counts answers; `lie()` is the mode to apply to this answer (`honest` for the first `after`), thread-safe."""
 
-    def __init__(self, after: int):
-        self.after, self.count = after, 0
+    def __init__(self, mode: str, after: int, mode_file: str | None = None):
+        self.mode, self.after, self.count, self.mode_file = mode, after, 0, mode_file
+        self._seen: str | None = None
         self._lock = threading.Lock()
 
-    def fires(self) -> bool:
+    def lie(self) -> str:
         with self._lock:
+            if self.mode_file is not None:
+                try:
+                    text = Path(self.mode_file).read_text().strip()
+                except OSError:
+                    text = "honest"
+                if text != self._seen:
+                    parts = text.split() or ["honest"]
+                    self._seen, self.mode, self.after, self.count = (
+                        text,
+                        parts[0],
+                        int(parts[1:2][0] if parts[1:] else 0),
+                        0,
+                    )
             self.count += 1
-            return self.count > self.after
+            return self.mode if self.count > self.after else "honest"
 
 
 def corrupt(tensor: torch.Tensor, mode: str, generator: torch.Generator) -> torch.Tensor:
@@ -56,43 +72,45 @@ def corrupt(tensor: torch.Tensor, mode: str, generator: torch.Generator) -> torc
     raise ValueError(f"mode {mode!r} does not corrupt tensors")
 
 
-def install(mode: str, after: int = 0, attract: bool = False) -> None:
+def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | None = None) -> None:
     """Patches the server classes of this process (call before the server starts)."""
     if mode not in MODES:
         raise ValueError(f"COROLLA_HOSTILE_MODE must be one of {MODES}, got {mode!r}")
+    from corolla.protocol.codecs import serialize_tensor
     from corolla.server.handler import TransformerConnectionHandler
     from corolla.server.server import Server
 
-    trigger = _Trigger(after)
+    trigger = _Trigger(mode, after, mode_file)
     generator = torch.Generator().manual_seed(1234)
+    original_serialize = TransformerConnectionHandler._serialize_output
 
-    if mode in ("nan", "garbage", "shape", "dtype"):
-        original_serialize = TransformerConnectionHandler._serialize_output
+    def _serialize_output(self: Any, tensor: torch.Tensor, compression: int | None = None) -> Any:
+        lie = getattr(self, "_hostile_lie", "honest")  # decided when the request came in (see below)
+        if tensor.numel() > 0 and lie in ("nan", "garbage", "shape", "dtype"):
+            tensor = corrupt(tensor.to(self.limits.dtype), lie, generator)
+            return serialize_tensor(tensor, self.compression if compression is None else compression)
+        return original_serialize(self, tensor, compression)
 
-        def _serialize_output(self: Any, tensor: torch.Tensor, compression: int | None = None) -> Any:
-            if tensor.numel() > 0 and trigger.fires():
-                tensor = corrupt(tensor.to(self.limits.dtype), mode, generator)
-                from corolla.protocol.codecs import serialize_tensor
+    TransformerConnectionHandler._serialize_output = _serialize_output
+    for name in ("_inference_step", "_forward", "_backward"):
+        original = getattr(TransformerConnectionHandler, name)
 
-                return serialize_tensor(tensor, self.compression if compression is None else compression)
-            return original_serialize(self, tensor, compression)
-
-        TransformerConnectionHandler._serialize_output = _serialize_output
-    elif mode in ("refuse", "hang"):
-        for name in ("_inference_step", "_forward", "_backward"):
-            original = getattr(TransformerConnectionHandler, name)
-
-            def _wrap(original: Any = original) -> Any:
-                async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-                    if trigger.fires():
-                        if mode == "refuse":
-                            raise ValueError("hostile server refuses to compute")
-                        await asyncio.sleep(3600)
+        def _wrap(original: Any = original) -> Any:
+            async def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+                lie = trigger.lie()
+                if lie == "refuse":
+                    raise ValueError("hostile server refuses to compute")
+                if lie == "hang":
+                    await asyncio.sleep(3600)
+                self._hostile_lie = lie  # one loop thread: read by _serialize_output of this same call
+                try:
                     return await original(self, *args, **kwargs)
+                finally:
+                    self._hostile_lie = "honest"
 
-                return method
+            return method
 
-            setattr(TransformerConnectionHandler, name, _wrap())
+        setattr(TransformerConnectionHandler, name, _wrap())
 
     if attract:
 
@@ -110,6 +128,7 @@ def start_hostile_server(
     *args: str,
     after: int = 0,
     attract: bool = False,
+    mode_file: str | Path | None = None,
     wait: bool = True,
     timeout_s: float = 90.0,
     name: str | None = None,
@@ -123,6 +142,7 @@ def start_hostile_server(
         "COROLLA_HOSTILE_MODE": mode,
         "COROLLA_HOSTILE_AFTER": str(after),
         "COROLLA_HOSTILE_ATTRACT": "1" if attract else "0",
+        "COROLLA_HOSTILE_MODE_FILE": str(mode_file or ""),
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
     }
     server = swarm._spawn(
@@ -139,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.get("COROLLA_HOSTILE_MODE", "honest") or "honest",
         after=int(os.environ.get("COROLLA_HOSTILE_AFTER", "0") or 0),
         attract=os.environ.get("COROLLA_HOSTILE_ATTRACT", "0") == "1",
+        mode_file=os.environ.get("COROLLA_HOSTILE_MODE_FILE") or None,
     )
     from corolla.cli.run_server import main as run_server_main
 

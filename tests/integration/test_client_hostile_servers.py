@@ -1,0 +1,137 @@
+"""Clients against real lying server processes (`tests.helpers.hostile_server`): one server of blocks 0:2 that
+announces itself as the fastest (so routes go through it) lies as a file tells it to; two honest replicas of 0:2 and
+one honest server of 2:4. NaN, wrong shapes and hangs fail over to an honest replica with greedy output identical to
+local `transformers` and only the liar banned; finite garbage is caught by verification; a lone liar or missing
+blocks end in NoHonestServerError (corolla-generate: one line, exit 1) within max_wait_s."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from tests.helpers.hostile_server import start_hostile_server
+from tests.helpers.swarm import Swarm
+from tests.helpers.tiny_models import make_tiny_model
+from transformers import AutoModelForCausalLM
+
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.utils.errors import NoHonestServerError
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = torch.tensor([[1, 8, 27, 64, 125]])
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("models"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def mode_file(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("hostile") / "mode"
+    path.write_text("honest")
+    return path
+
+
+@pytest.fixture(scope="module")
+def swarm(model_path, mode_file, tmp_path_factory: pytest.TempPathFactory):
+    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
+    try:
+        swarm.start_bootstrap()
+        liar = start_hostile_server(
+            swarm, model_path, "honest", "--block_indices", "0:2", attract=True, mode_file=mode_file, wait=False
+        )
+        honest = [
+            swarm.start_server(model_path, "--block_indices", blocks, "--throughput", "1.0", wait=False)
+            for blocks in ("0:2", "0:2", "2:4")
+        ]
+        for server in [liar, *honest]:
+            server.wait_ready(150)
+        swarm.liar, swarm.honest = liar, honest
+        yield swarm
+    finally:
+        swarm.close()
+
+
+@pytest.fixture(scope="module")
+def expected(model_path):
+    local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return local.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def _config(**overrides) -> ClientConfig:
+    settings = dict(
+        update_period_s=2.0, min_backoff_s=0.2, max_backoff_s=1.0, liveness_check_period_s=1.0, max_wait_s=20.0,
+        max_pinged=0,  # no RTTs (a ping lost on a busy machine would steer the route): the announced speeds decide
+    )  # fmt: skip
+    settings.update(overrides)
+    return ClientConfig(**settings)
+
+
+def _generate(swarm, model_path, config: ClientConfig):
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=swarm.initial_peers, client_config=config
+    ) as model:
+        model.manager.wait_ready()
+        deadline = time.monotonic() + 30
+        while len(model.manager.spans) < 4 and time.monotonic() < deadline:  # every server announced
+            model.manager.update()
+        first_hop = model.manager.make_sequence(mode="min_latency")[0].peer_id
+        with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as session:
+            output = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, session=session)
+        return output, model.manager.bans.banned_peers(), first_hop, session
+
+
+@pytest.mark.parametrize(
+    "lie, transport",
+    [("nan 3", True), ("nan 3", False), ("shape 3", False), ("dtype 0", False), ("hang 3", True)],
+    ids=["nan-socket", "nan-p2p", "shape", "dtype", "hang"],
+)
+def test_bad_outputs_fail_over_and_ban_only_the_liar(swarm, model_path, mode_file, expected, lie, transport):
+    mode_file.write_text(lie)
+    config = _config(local_transport=transport, request_timeout_s=3.0)
+    output, banned, first_hop, _ = _generate(swarm, model_path, config)
+    assert first_hop == swarm.liar.peer_id  # the route went through the liar first
+    assert output.tolist() == expected.tolist()
+    assert swarm.liar.peer_id in banned
+    assert not banned & {server.peer_id for server in swarm.honest}  # never the honest downstream server
+
+
+def test_finite_garbage_is_caught_by_verification(swarm, model_path, mode_file, expected):
+    mode_file.write_text("garbage 3")
+    output, banned, first_hop, session = _generate(swarm, model_path, _config(verify_fraction=1.0))
+    assert first_hop == swarm.liar.peer_id
+    assert output.tolist() == expected.tolist()
+    assert session.verifier.num_rejected >= 1
+    assert swarm.liar.peer_id in banned and not banned & {server.peer_id for server in swarm.honest}
+
+
+def test_lone_liar_ends_in_a_clear_error_within_max_wait(swarm, model_path, mode_file):
+    mode_file.write_text("nan 0")
+    others = [server.peer_id for server in swarm.honest[:2]]  # the liar is the only server of 0:2 for this client
+    config = _config(blocked_servers=others, max_wait_s=4.0)
+    started = time.monotonic()
+    with pytest.raises(NoHonestServerError) as info:
+        _generate(swarm, model_path, config)
+    elapsed_s = time.monotonic() - started
+    assert elapsed_s < 60, elapsed_s
+    assert "blocks 0:2" in str(info.value) and swarm.liar.peer_id[-6:] in str(info.value)
+
+
+def test_corolla_generate_prints_one_line_and_exits_nonzero(swarm, model_path, capsys):
+    from corolla.cli.generate import main
+
+    started = time.monotonic()
+    code = main(
+        [str(model_path), "hello", "--initial_peers", *swarm.initial_peers, "--dht_prefix", "nobody-serves-this",
+         "--max_wait_s", "3", "--max_new_tokens", "2"]
+    )  # fmt: skip
+    elapsed_s = time.monotonic() - started
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and elapsed_s < 60
+    assert err[-1].startswith("corolla-generate: error: no honest server for blocks 0:4")
+    assert not any("Traceback" in line for line in err)
