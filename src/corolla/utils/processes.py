@@ -46,6 +46,52 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     return _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
+class _Spawner:
+    """One thread that lives as long as the process and forks every child started from another non-main thread:
+    Linux fires PR_SET_PDEATHSIG when the *thread* that forked the child exits, so a child forked by a short-lived
+    worker thread would die with that thread, and one forked without the signal outlives its parent (a client left
+    orphaned when a harness is killed). Forking here gives such children the signal, tied to the process's life."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: list[tuple[Callable[[], Any], threading.Event, list[Any]]] = []
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        done, result = threading.Event(), []
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid():  # none yet, or inherited dead through a fork
+                self._thread, self._pid = (
+                    threading.Thread(target=self._loop, name="corolla-spawner", daemon=True),
+                    os.getpid(),
+                )
+                self._thread.start()
+            self._jobs.append((fn, done, result))
+            self._wake.notify()
+        done.wait()
+        value, error = result
+        if error is not None:
+            raise error
+        return value
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs:
+                    self._wake.wait()
+                fn, done, result = self._jobs.pop(0)
+            try:
+                result.extend([fn(), None])
+            except BaseException as e:  # handed to the caller
+                result.extend([None, e])
+            done.set()
+
+
+_spawner = _Spawner()
+
+
 def _die_with(parent_pid: int) -> None:
     # Runs in the child between fork and exec: SIGTERM when the parent dies (even by SIGKILL), so the child shuts
     # down cleanly instead of being orphaned; exits at once if the parent is already gone.
@@ -73,8 +119,8 @@ class ChildProcess:
     stdout and stderr merged; `lines` holds every output line (also written to `log_path` and, with `echo`, to our
     stderr as `[name] line`). Leaving the block stops the whole group.
 
-    `die_with_parent` sets PR_SET_PDEATHSIG (SIGTERM) in the child. Linux ties it to the spawning *thread*, so it is
-    applied only when spawning from the main thread (a child started from a short-lived thread would die with it)."""
+    `die_with_parent` sets PR_SET_PDEATHSIG (SIGTERM) in the child. Linux ties it to the spawning *thread*, so a child
+    started from another thread is forked by a thread that lives as long as the process (`_Spawner`)."""
 
     def __init__(
         self,
@@ -98,13 +144,11 @@ class ChildProcess:
         self._log: IO[str] | None = open(log_path, "w", encoding="utf-8") if log_path is not None else None
         preexec: Callable[[], None] | None = None
         if die_with_parent and parent_death_signal_supported():
-            if threading.current_thread() is threading.main_thread():
-                parent_pid = os.getpid()
-                preexec = lambda: _die_with(parent_pid)  # noqa: E731
-            else:
-                logger.debug(f"processes.no_death_signal(name={name}, reason=spawned outside the main thread)")
+            parent_pid = os.getpid()
+            preexec = lambda: _die_with(parent_pid)  # noqa: E731
+        in_main_thread = threading.current_thread() is threading.main_thread()
         try:
-            self.proc = subprocess.Popen(
+            popen = lambda: subprocess.Popen(  # noqa: E731
                 self.args,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -116,6 +160,8 @@ class ChildProcess:
                 text=True,
                 bufsize=1,
             )
+            # outside the main thread, fork from the process-long spawner thread (see _Spawner)
+            self.proc = popen() if preexec is None or in_main_thread else _spawner.run(popen)
         except BaseException:
             if self._log is not None:
                 self._log.close()
