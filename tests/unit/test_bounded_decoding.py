@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 import resource
-import struct
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,23 +34,6 @@ from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
 
 CT = runtime_pb2.CompressionType
-
-
-def nested_tuples(depth: int, leaf: bytes = b"\x01") -> bytes:
-    """`{"x": ((((1,),),),)}` with `depth` tuples, as hivemind encodes it (ext 0x40 around a 1-array), built
-    by hand: hivemind's own encoder recurses in C and cannot build the deep ones."""
-    body = leaf
-    for _ in range(depth):
-        payload = b"\x91" + body
-        n = len(payload)
-        if n < 256:
-            header = b"\xc7" + bytes([n])
-        elif n < 65536:
-            header = b"\xc8" + struct.pack(">H", n)
-        else:
-            header = b"\xc9" + struct.pack(">I", n)
-        body = header + b"\x40" + payload
-    return b"\x81\xa1x" + body
 
 
 # ---- msgpack: compatibility ----------------------------------------------------------------------------------------
@@ -192,8 +175,8 @@ def test_nested_tuples_do_not_crash_any_decoder():
         f"""
         import sys
         sys.setrecursionlimit(100000)  # the crash is in C; Python's own limit must not hide it
-        sys.path.insert(0, {str(__file__.rsplit("/", 1)[0])!r})
-        from test_bounded_decoding import nested_tuples
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        from helpers.hostile_bytes import nested_tuples
         from hivemind.utils.serializer import MSGPackSerializer
         from corolla.protocol.bounded_msgpack import install_bounded_serializer, DHT_LIMITS, loads
         from corolla.protocol.metadata import decode_metadata
