@@ -7,6 +7,7 @@ replays the history on a replacement, as after any failure. Works with `inferenc
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import time
@@ -30,7 +31,11 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 MAX_CANDIDATES = 2  # replacement servers tried per hand-off before falling back to a replay
+MIN_HANDOFF_S = 2.0  # a hand-off may take the draining server's remaining time, at least this, + connect_timeout_s
 NONE = runtime_pb2.CompressionType.NONE
+
+
+_closing: set[asyncio.Future] = set()  # old streams being closed in the background (kept referenced)
 
 
 class HandoffFailed(RuntimeError):
@@ -92,8 +97,9 @@ async def hand_off_draining_spans(session: InferenceSession) -> None:
         session.handoffs.tried.add(old.session_id)
         started = time.perf_counter()
         record = HandoffRecord(old.span.start, old.span.end, old.span.peer_id, None, old.position, 0, 0.0)
+        timeout_s = max(MIN_HANDOFF_S, old.drain_notice.deadline_s) + session.manager.config.connect_timeout_s
         try:
-            new, record.num_bytes = await _move(session, old)
+            new, record.num_bytes = await asyncio.wait_for(_move(session, old), timeout_s)
             session._spans[index] = new
             record.to_peer = new.span.peer_id
         except Exception as e:  # anything at all: the replay path still works
@@ -107,7 +113,10 @@ async def hand_off_draining_spans(session: InferenceSession) -> None:
             )
         record.seconds = time.perf_counter() - started
         session.handoffs.records.append(record)
-        await old.close()  # ends the session on the draining server, which can then stop sooner
+        # end the session on the draining server (it can then stop sooner) without making this step wait for it
+        closing = asyncio.ensure_future(old.close())
+        _closing.add(closing)
+        closing.add_done_callback(_closing.discard)
         if record.to_peer is not None:
             logger.info(
                 "handoff.moved(blocks=%d:%d, from=...%s, to=...%s, position=%d, bytes=%d, seconds=%.4f)",
@@ -148,12 +157,20 @@ async def _move(session: InferenceSession, old: _SpanSession) -> tuple[_SpanSess
         raise HandoffFailed(f"no other server holds blocks {old.span.start}:{old.span.end}")
     if old.history is None or old.history.shape[1] != old.position:
         raise HandoffFailed("the span's history does not match its position")
-    header, messages = await _export(session, old)
+    first = _SpanSession(session.manager, candidates[0], session.max_length)
+    opening = asyncio.ensure_future(first.open())  # connect to the replacement while the cache is exported
+    try:
+        header, messages = await _export(session, old)
+    except BaseException:
+        opening.cancel()
+        await asyncio.gather(opening, return_exceptions=True)
+        await first.close(drain=False)
+        raise
     errors = []
     for span in candidates:
-        new = _SpanSession(session.manager, span, session.max_length)
+        new = first if span is candidates[0] else _SpanSession(session.manager, span, session.max_length)
         try:
-            await new.open()
+            await (opening if new is first else new.open())
             await _import(new, old, header, messages)
             return new, header.total_bytes
         except Exception as e:
