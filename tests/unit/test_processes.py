@@ -94,15 +94,25 @@ def test_stop_kills_the_whole_group_including_a_stubborn_grandchild() -> None:
 
 
 @pytest.mark.skipif(not parent_death_signal_supported(), reason="PR_SET_PDEATHSIG is Linux-only")
-def test_child_dies_with_its_parent(tmp_path: Path) -> None:
-    # An intermediate Python process starts a ChildProcess from its main thread, then is SIGKILLed: no cleanup code
-    # runs in it, so only the parent-death signal can stop the child.
+@pytest.mark.parametrize("from_thread", [False, True], ids=["main-thread", "short-lived-thread"])
+def test_child_dies_with_its_parent(tmp_path: Path, from_thread: bool) -> None:
+    # An intermediate Python process starts a ChildProcess from its main thread (or from a worker thread that ends
+    # at once, as a harness starting clients concurrently would), then is SIGKILLed: no cleanup code runs in it, so
+    # only the parent-death signal can stop the child (and it must not fire when the worker thread ends).
     parent_code = f"""
-        import sys, time
+        import sys, threading, time
         sys.path.insert(0, {str(Path(__file__).resolve().parents[2] / "src")!r})
         from corolla.utils.processes import ChildProcess
-        child = ChildProcess([sys.executable, "-c", "import time; print('child up', flush=True); time.sleep(60)"],
-                             name="child")
+        start = lambda: ChildProcess([sys.executable, "-c", "import time; print('child up', flush=True); time.sleep(60)"],
+                                     name="child")
+        started = []
+        if {from_thread!r}:
+            worker = threading.Thread(target=lambda: started.append(start()))
+            worker.start()
+            worker.join()
+            child = started[0]
+        else:
+            child = start()
         child.wait_for_line(lambda s: s == "child up", 20)
         print(f"child pid={{child.proc.pid}}", flush=True)
         time.sleep(60)
@@ -116,7 +126,8 @@ def test_child_dies_with_its_parent(tmp_path: Path) -> None:
         line = parent.stdout.readline()  # bounded by the test timeout; the parent prints it within seconds
         assert line.startswith("child pid="), line
         child_pid = int(line.strip().split("=", 1)[1])
-        assert _alive(child_pid)
+        time.sleep(0.3)
+        assert _alive(child_pid)  # alive after the thread that started it ended
         parent.kill()
         parent.wait(10)
         assert _wait_dead(child_pid, 10.0), "the child outlived its SIGKILLed parent"
