@@ -27,6 +27,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from corolla.api.backend import GenerationBackend
+from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from corolla.api.errors import ApiError, invalid_param, missing_blocks
 from corolla.api.sampling import SamplingParams
 from corolla.api.schemas import ChatCompletionRequest, CompletionRequest
@@ -44,6 +45,11 @@ class ApiConfig:
     max_concurrent_requests: int = 64  # generation threads; further requests wait for a free one
     default_chat_max_tokens: int = 512  # chat requests without max_tokens get min(this, context left)
     sse_ping_interval_s: float = 15.0  # keep-alive comments on idle streams
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413, refused before they are read
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
 
 # --- events from a generation thread to the event loop ---
@@ -120,8 +126,8 @@ def _validation_message(err: ValidationError | RequestValidationError) -> tuple[
     return (f"Invalid value for '{param}': {msg}" if param else f"Invalid request: {msg}"), param
 
 
-async def _parse(request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
-    raw = await request.body()
+async def _parse(request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest], max_bytes: int) -> Any:
+    raw = await read_body(request, max_bytes)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -328,7 +334,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         check_auth(request)
-        req: CompletionRequest = await _parse(request, CompletionRequest)
+        req: CompletionRequest = await _parse(request, CompletionRequest, config.max_request_bytes)
         check_common(req)
         if (req.best_of or 1) > 1:
             raise invalid_param("best_of > 1 is not supported", "best_of")
@@ -370,7 +376,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         check_auth(request)
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, config.max_request_bytes)
         check_common(req)
         if req.tools:
             raise invalid_param("tools are not supported", "tools")

@@ -14,6 +14,7 @@ import configargparse
 
 from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import load_swarm_backend
+from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES
 from corolla.api.local_swarm import LocalSwarm
 from corolla.api.serving import http_cli_parser, serve_until_signalled
 from corolla.utils.logging import get_logger
@@ -54,6 +55,12 @@ def build_parser() -> configargparse.ArgParser:
     parser.add_argument("--max_concurrent_requests", type=int, default=64, help="generations running at once")
     parser.add_argument("--default_chat_max_tokens", type=int, default=512)
     parser.add_argument(
+        "--max_request_bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies get 413 before they are read (default: 1 MiB)",
+    )
+    parser.add_argument(
         "--max_retries", type=int, default=3, help="client fail-over retries before a request fails (503)"
     )
     parser.add_argument("--torch_dtype", default="float32", help="dtype of the local embeddings and LM head")
@@ -91,6 +98,7 @@ def serve(args: argparse.Namespace, initial_peers: Sequence[str]) -> None:
         model_aliases=tuple(names[1:]),
         max_concurrent_requests=args.max_concurrent_requests,
         default_chat_max_tokens=args.default_chat_max_tokens,
+        max_request_bytes=args.max_request_bytes,
     )
     try:
         banner = f"corolla-api: serving {names[0]} at {{url}}/v1"
