@@ -40,6 +40,7 @@ class Announcer:
         expiration_s: float,
         p2p: Any = None,
         local_peer_id: str | None = None,
+        ping_authorizer: Any = None,
         on_failure: Callable[[], None] | None = None,
     ):
         self.dht = dht
@@ -55,6 +56,7 @@ class Announcer:
         self.expiration_s = expiration_s
         self.p2p = p2p
         self.local_peer_id = local_peer_id
+        self.ping_authorizer = ping_authorizer  # private swarm: members refuse unsigned pings
         self.on_failure = on_failure
         # the blocks after our first one, up to and including the block right after our span
         last_next = min(block_indices.stop + 1, total_blocks)
@@ -162,7 +164,11 @@ class Announcer:
             from hivemind.p2p import PeerID
 
             rtts = await asyncio.gather(
-                *[ping(PeerID.from_base58(peer), self.p2p, PING_TIMEOUT_S) for peer in chosen], return_exceptions=True
+                *[
+                    ping(PeerID.from_base58(peer), self.p2p, PING_TIMEOUT_S, None, self.ping_authorizer)
+                    for peer in chosen
+                ],
+                return_exceptions=True,
             )
             for peer, rtt in zip(chosen, rtts, strict=True):
                 rtt = float(rtt) if isinstance(rtt, (int, float)) else math.inf

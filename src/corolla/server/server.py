@@ -146,6 +146,7 @@ class Server:
         self._reachability_service: Any = None
         self.metrics = ServerMetrics()
         self.peer_auth: Any = None  # server.peer_auth.PeerAuth in a private swarm with a swarm key
+        self.ping_authorizer: Any = None  # signs the announcer's pings in a private swarm (members refuse others)
         self.metrics_exporter: MetricsExporter | None = None
         self._validated_reachability = False
 
@@ -269,7 +270,7 @@ class Server:
 
     def _prepare(self) -> None:
         from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, get_visible_maddrs
-        from corolla.swarm.membership import load_swarm_key
+        from corolla.swarm.membership import SwarmKeyAuthorizer, load_swarm_key
 
         c = self.config
         public = not c.is_private_swarm
@@ -293,6 +294,7 @@ class Server:
         self.dht = create_dht(swarm_config)  # before threads and CUDA: hivemind forks
         self.peer_id = get_peer_id(self.dht).to_base58()
         self.peer_auth = make_peer_auth(swarm_config.swarm_key, self.peer_id, self.metrics)  # None: open swarm
+        self.ping_authorizer = None if swarm_config.swarm_key is None else SwarmKeyAuthorizer(swarm_config.swarm_key)
         self.join_maddrs = get_visible_maddrs(self.dht)
         logger.info(f"server.dht_ready(peer_id={self.peer_id}, maddrs={' '.join(self.join_maddrs)})")
         if public and not self.using_relay:
@@ -435,6 +437,7 @@ class Server:
             expiration_s=c.resolved_expiration_s,
             p2p=p2p,
             local_peer_id=self.peer_id,
+            ping_authorizer=self.ping_authorizer,
             on_failure=self.metrics.announce_failed,
         )
         self.announcer = announcer
