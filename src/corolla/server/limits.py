@@ -27,8 +27,10 @@ class PeerLimits:
     evict_wait_s: float = 5.0  # how long a new session waits for the evicted ones to free their cache
     # streamed requests (rpc_*_stream, rpc_inference): bytes received but not yet processed
     max_stream_message_bytes: int = 64 * MiB  # one message (hivemind would buffer any declared length)
-    max_stream_bytes_per_peer: int = 256 * MiB
-    max_stream_bytes_total: int = 512 * MiB
+    # (a received message is held twice while it is parsed; with the totals below a crowd of stalled streams
+    # stays within ~256 MiB of RSS; raise them for very large training batches)
+    max_stream_bytes_per_peer: int = 96 * MiB
+    max_stream_bytes_total: int = 128 * MiB
     stream_idle_timeout_s: float = 10.0  # no byte of a started message (or of a forward stream) for this long
     max_forwards_per_peer: int = 2  # concurrent forward/backward requests of one peer (others wait)
     forward_chunk_tokens: int = 256  # a forward runs as runtime tasks of <= this many tokens x one block; 0 = whole

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +28,7 @@ logger = get_logger(__name__)
 READ_CHUNK_BYTES = 1 * MiB
 MAX_PREFETCH_MESSAGES = 5  # as hivemind's handler: messages read ahead of the one being processed
 TRIM_AFTER_BYTES = 16 * MiB  # give freed stream buffers back to the OS (glibc keeps them otherwise)
+TRIM_DELAY_S = 0.5
 # streams whose handler reads one message at a time, each governed by the handler's own step timeout
 PER_MESSAGE_RPCS = ("rpc_inference",)
 
@@ -81,7 +83,9 @@ class StreamBudget:
         """After large frees with nothing left in flight, asks glibc to return free heap pages to the OS."""
         if self._freed_since_trim >= TRIM_AFTER_BYTES and self.total_bytes == 0:
             self._freed_since_trim = 0
+            gc.collect(1)  # a refused message's buffer may sit in an exception's traceback cycle
             malloc_trim()
+            logger.debug("stream_guard.trimmed")
 
 
 _libc: Any = None
@@ -119,7 +123,8 @@ class _Lease:
 
     def close(self) -> None:
         self.release(self.held)
-        self.budget.maybe_trim()
+        # trim once the stream's handler has unwound (its frames still hold the buffers now)
+        asyncio.get_running_loop().call_later(TRIM_DELAY_S, self.budget.maybe_trim)
 
 
 async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
@@ -146,18 +151,14 @@ async def _read_message(
     if marker != P2P.MESSAGE_MARKER:
         raise ValueError("invalid stream message marker")
     lease.charge(length)  # before a single byte of the body is buffered
-    chunks: list[bytes] = []
-    remaining = length
-    while remaining > 0:
-        chunk = await _within(reader.read(min(remaining, READ_CHUNK_BYTES)), idle_s, "inside a message")
+    data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
+    while len(data) < length:
+        chunk = await _within(reader.read(min(length - len(data), READ_CHUNK_BYTES)), idle_s, "inside a message")
         if not chunk:
-            raise asyncio.IncompleteReadError(b"", remaining)
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    del chunks
+            raise asyncio.IncompleteReadError(b"", length - len(data))
+        data += chunk
     request = runtime_pb2.ExpertRequest()
-    request.ParseFromString(data)
+    request.ParseFromString(memoryview(data))
     return request, length
 
 
