@@ -131,6 +131,27 @@ def test_sigterm_mid_generation_moves_the_session_without_replay(swarm, prompt, 
     )
 
 
+def test_refused_handoff_falls_back_to_replay(swarm, prompt):
+    """One of the two servers takes no hand-off (`--no_kv_handoff`): whichever drains, the export or the import is
+    refused, the client closes the draining stream and replays the history on the other server; same text."""
+    for server in _alive_servers(swarm)[1:]:
+        server.stop(10)
+    swarm.start_server(DEMO, *SERVER_FLAGS, "--no_kv_handoff", wait=False).wait_ready(120)
+    undisturbed = _generate(swarm, prompt, ActAt(None), local_transport=False)
+
+    def sigterm(session):
+        peer = session._spans[0].span.peer_id
+        next(p for p in _alive_servers(swarm) if p.peer_id == peer).signal(signal.SIGTERM)
+
+    streamer = ActAt(3, sigterm)
+    output = _generate(swarm, prompt, streamer, local_transport=False)
+    assert output.tolist() == undisturbed.tolist()
+    (record,) = streamer.session.handoffs.records
+    assert record.to_peer is None and record.error is not None
+    refusals = ("does not accept KV imports", "KV hand-off is disabled")
+    assert any(r in line for p in swarm.processes for line in p.lines for r in refusals)
+
+
 @pytest.mark.skipif(not os.environ.get("COROLLA_DRAIN_BENCH"), reason="opt-in measurement: COROLLA_DRAIN_BENCH=1")
 @pytest.mark.parametrize("local_transport", [True, False], ids=["socket", "p2p"])
 def test_replay_baseline(swarm, prompt, local_transport):

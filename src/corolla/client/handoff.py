@@ -113,21 +113,23 @@ async def hand_off_draining_spans(session: InferenceSession) -> None:
             )
         record.seconds = time.perf_counter() - started
         session.handoffs.records.append(record)
+        if record.to_peer is None:  # the next step finds this stream closed and replays on a replacement
+            await old.close(drain=False)
+            continue
         # end the session on the draining server (it can then stop sooner) without making this step wait for it
         closing = asyncio.ensure_future(old.close())
         _closing.add(closing)
         closing.add_done_callback(_closing.discard)
-        if record.to_peer is not None:
-            logger.info(
-                "handoff.moved(blocks=%d:%d, from=...%s, to=...%s, position=%d, bytes=%d, seconds=%.4f)",
-                record.start,
-                record.end,
-                record.from_peer[-6:],
-                record.to_peer[-6:],
-                record.position,
-                record.num_bytes,
-                record.seconds,
-            )
+        logger.info(
+            "handoff.moved(blocks=%d:%d, from=...%s, to=...%s, position=%d, bytes=%d, seconds=%.4f)",
+            record.start,
+            record.end,
+            record.from_peer[-6:],
+            record.to_peer[-6:],
+            record.position,
+            record.num_bytes,
+            record.seconds,
+        )
 
 
 def _candidates(session: InferenceSession, old: _SpanSession) -> list[RemoteSpanInfo]:
