@@ -10,6 +10,7 @@ import argparse
 import json
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,23 +57,36 @@ class ChurnConfig:
     chaos_min_interval_s: float = 3.0  # between two chaos actions
     chaos_max_interval_s: float = 8.0
     sigkill_share: float = 0.5  # of actions; the rest are SIGTERMs
-    outage_probability: float = 0.15  # chance that an action may take down the last ready replica of a span
-    force_outage: bool = True  # at least one outage per run (after half of the duration if none happened yet)
+    outage_probability: float = 0.1  # chance that an action may take down the last ready replica of a span
+    force_outage: bool = (
+        True  # at least one outage per run (a SIGKILL after a third of the duration if none happened yet)
+    )
     restart_min_delay_s: float = 0.5  # a stopped replica is restarted after a random delay in this range
     restart_max_delay_s: float = 6.0
     server_ready_timeout_s: float = 180.0  # a (re)started server must print its ready line within this
     stop_grace_s: float = 20.0  # a SIGTERMed server must exit within this, else its group is SIGKILLed
-    kill_reap_s: float = 5.0  # a stopped server's whole group (DHT process, p2pd) must vanish within this
+    kill_reap_s: float = 10.0  # a stopped server's whole group (DHT process, p2pd) must vanish within this
     client_startup_timeout_s: float = 120.0
     client_finish_timeout_s: float = 180.0  # after the deadline, for each client's last generation
     leftover_grace_s: float = 5.0
-    client_max_retries: int = 60  # the clients' bounded wait: retries with backoff from min to max
+    # the clients' bounded wait: a call that keeps failing (no server of a span, say) ends in an error after
+    # client_max_wait_s (retries back off from min to max); it must outlast an outage: a restart on busy cores
+    client_max_wait_s: float = 180.0
+    client_max_retries: int = -1  # < 0: no limit on the count (the time bounds the wait)
     client_min_backoff_s: float = 0.5
     client_max_backoff_s: float = 2.0
     client_request_timeout_s: float = 20.0
     client_update_period_s: float = 2.0
     client_ban_timeout_s: float = 2.0
-    server_args: tuple[str, ...] = ()  # extra flags for every server
+    # extra flags for every server; no busy polling by default: on a few shared CPU cores the pollers of servers with
+    # one busy session each starve the restarting servers (it is a GPU latency feature, unrelated to churn)
+    server_args: tuple[str, ...] = ("--busy_poll_ms", "0")
+    # at the end, the swarm stops under one more client's long generation; it must end by itself within its
+    # bounded wait (a client that retries forever is what a harness leaves orphaned)
+    probe_abandoned_client: bool = True
+    probe_max_wait_s: float = 20.0
+    probe_new_tokens: int = 600
+    probe_head_start_s: float = 3.0  # it generates this long before the swarm stops
     work_dir: Path | None = None  # logs under <work_dir>/logs; None = a temporary directory, removed afterwards
     echo: bool = False  # children's output on our stderr
 
@@ -115,6 +129,8 @@ class ChurnReport:
     orphans: list[str] = field(default_factory=list)  # among them, those whose parent is gone
     foreign_orphans: list[str] = field(default_factory=list)  # other runs' orphaned corolla/p2pd processes (info)
     log_dir: str = ""
+    probe_exit_s: float | None = None  # how long the abandoned client took to end after the swarm stopped
+    probe_result: str = ""  # its last generation's error (or why there is none)
 
     @property
     def ok(self) -> bool:
@@ -137,7 +153,9 @@ class ChurnReport:
             f"({c.outage_s:.1f} s without a ready replica of some span), {c.crashes} crashed, "
             f"{c.kill_leftovers} left processes after SIGKILL, {c.slow_exits} slow SIGTERM exits; "
             f"{len(self.client_problems)} client problems; {len(self.leaked)} processes left behind "
-            f"({len(self.orphans)} orphaned); {'OK' if self.ok else 'FAILED'}"
+            f"({len(self.orphans)} orphaned); abandoned client ended "
+            f"{'-' if self.probe_exit_s is None else f'{self.probe_exit_s:.1f}'} s after the swarm stopped; "
+            f"{'OK' if self.ok else 'FAILED'}"
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -180,23 +198,54 @@ def reference_outputs(model_path: Path, prompts: Sequence[Sequence[int]], new_to
 
 
 def _start_client(
-    config: ChurnConfig, index: int, initial_peers: Sequence[str], work_dir: Path, env: dict[str, str], log_dir: Path,
+    config: ChurnConfig, name: str, initial_peers: Sequence[str], work_dir: Path, env: dict[str, str], *,
+    seed: int, p2p_only: bool, go_file: str = "go.json", new_tokens: int | None = None,
+    max_wait_s: float | None = None, die_with_parent: bool = True,
 ) -> ChildProcess:  # fmt: skip
-    name = f"client{index}"
     command = [
         sys.executable, "-m", "corolla.bench.churn_worker", "--model", str(config.model_path),
         "--initial_peers", *initial_peers, "--prompts_file", str(work_dir / "prompts.json"),
-        "--new_tokens", str(config.new_tokens), "--go_file", str(work_dir / "go.json"),
+        "--new_tokens", str(new_tokens or config.new_tokens), "--go_file", str(work_dir / go_file),
         "--go_timeout_s", str(config.server_ready_timeout_s + config.client_startup_timeout_s + 120),
-        "--name", name, "--seed", str(config.seed * 1000 + index),
-        "--max_retries", str(config.client_max_retries), "--min_backoff_s", str(config.client_min_backoff_s),
-        "--max_backoff_s", str(config.client_max_backoff_s),
+        "--name", name, "--seed", str(seed),
+        "--max_retries", str(config.client_max_retries),
+        "--max_wait_s", str(config.client_max_wait_s if max_wait_s is None else max_wait_s),
+        "--min_backoff_s", str(config.client_min_backoff_s), "--max_backoff_s", str(config.client_max_backoff_s),
         "--request_timeout_s", str(config.client_request_timeout_s),
         "--update_period_s", str(config.client_update_period_s), "--ban_timeout_s", str(config.client_ban_timeout_s),
     ]  # fmt: skip
-    if index % 2 == 1:
+    if p2p_only:
         command.append("--no_local_transport")
-    return ChildProcess(command, name=name, env=env, log_path=log_dir / f"{name}.log", echo=config.echo)
+    log_path = work_dir / "logs" / f"{name}.log"
+    return ChildProcess(
+        command, name=name, env=env, log_path=log_path, echo=config.echo, die_with_parent=die_with_parent
+    )
+
+
+def _probe_abandoned_client(config: ChurnConfig, report: ChurnReport, swarm: LocalSwarm, probe: ChildProcess) -> None:
+    """The swarm goes away under a long generation of `probe` (started without a parent-death signal, as by a
+    harness that does not stop its clients): the probe must end by itself within its bounded wait, else it would be
+    left running (orphaned once its parent exits)."""
+    probe.wait_for_line(lambda line: line == READY_LINE, config.client_startup_timeout_s)
+    write_go_file(Path(report.log_dir).parent / "probe-go.json", time.time() + 0.5)  # exactly one generation
+    time.sleep(config.probe_head_start_s)
+    swarm.close()
+    stopped = time.monotonic()
+    limit_s = config.probe_max_wait_s + config.client_request_timeout_s + config.stop_grace_s
+    try:
+        probe.wait(limit_s)
+    except subprocess.TimeoutExpired:
+        report.client_problems.append(
+            f"{probe.name}: still running {limit_s:.0f} s after the swarm stopped (its bounded wait is "
+            f"{config.probe_max_wait_s:.0f} s): a client whose parent exits would be orphaned; see {probe.log_path}"
+        )
+        return
+    report.probe_exit_s = time.monotonic() - stopped
+    results = [GenerationResult.from_line(line) for line in probe.lines if line.startswith(RESULT_PREFIX)]
+    if not results:
+        report.probe_result = "no result"
+    else:
+        report.probe_result = results[-1].error or "its generation finished before the swarm stopped"
 
 
 def _collect(report: ChurnReport, clients: Sequence[ChildProcess], reference: Sequence[Sequence[int]]) -> None:
@@ -252,7 +301,8 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
             work_dir = Path(config.work_dir)
         log_dir = work_dir / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        (work_dir / "go.json").unlink(missing_ok=True)  # a previous run's would start the clients at once
+        for stale in ("go.json", "probe-go.json"):  # a previous run's would start the clients at once
+            (work_dir / stale).unlink(missing_ok=True)
         report.log_dir = str(log_dir)
         server_args = (
             "--device", "cpu", "--torch_dtype", "float32", "--throughput", "1.0",
@@ -266,7 +316,7 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
             startup_timeout_s=config.server_ready_timeout_s,
             stop_grace_s=config.stop_grace_s,
         )
-        clients: list[ChildProcess] = []
+        clients: list[ChildProcess] = []  # the probe too, once started: stopped in every case
         chaos = ChaosLoop(config, random.Random(config.seed))
         try:
             with LocalSwarm(swarm_config) as swarm:
@@ -277,7 +327,12 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
                     prompts = make_prompts(config.model_path, config.num_prompts)
                     (work_dir / "prompts.json").write_text(json.dumps(prompts))
                     for i in range(config.num_clients):  # they join while the servers load
-                        clients.append(_start_client(config, i, swarm.initial_peers, work_dir, env, log_dir))
+                        name, seed = f"client{i}", config.seed * 1000 + i
+                        clients.append(
+                            _start_client(
+                                config, name, swarm.initial_peers, work_dir, env, seed=seed, p2p_only=i % 2 == 1
+                            )
+                        )
                     reference = reference_outputs(config.model_path, prompts, config.new_tokens)
                     chaos.wait_all_ready(config.server_ready_timeout_s)
                     for client in clients:
@@ -290,8 +345,20 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
                         chaos.tick(allow_actions=True)
                         time.sleep(0.1)
                     logger.info(f"churn.chaos_over({chaos.counters})")
-                    _wait_clients_done(clients, chaos, config.client_finish_timeout_s)
-                    _collect(report, clients, reference)
+                    probe = None
+                    if config.probe_abandoned_client:  # it loads while the others finish
+                        probe = _start_client(
+                            config, "probe", swarm.initial_peers, work_dir, env, seed=config.seed, p2p_only=False,
+                            go_file="probe-go.json", new_tokens=config.probe_new_tokens,
+                            max_wait_s=config.probe_max_wait_s, die_with_parent=False,
+                        )  # fmt: skip
+                    generating = list(clients)
+                    if probe is not None:
+                        clients.append(probe)
+                    _wait_clients_done(generating, chaos, config.client_finish_timeout_s)
+                    _collect(report, generating, reference)
+                    if probe is not None:
+                        _probe_abandoned_client(config, report, swarm, probe)
                 finally:
                     for client in clients:  # before the servers: a client left without a swarm only retries
                         client.terminate()
@@ -323,7 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(f"--{f.name}", type=lambda s: s.lower() in ("1", "true", "yes"), default=value)
         else:
             parser.add_argument(f"--{f.name}", type=kind, default=value)
-    parser.add_argument("--server_args", default="", help="extra flags for every server, one string")
+    parser.add_argument(
+        "--server_args", default=" ".join(defaults.server_args), help="extra flags for every server, one string"
+    )
     parser.add_argument("--echo", action="store_true", help="children's output on stderr")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     return parser

@@ -172,6 +172,8 @@ class ChaosLoop:
                 slot.signalled, slot.signalled_at = "SIGKILL", now
             return
         if slot.restart_at is None:  # it has just exited
+            since = f"{now - slot.signalled_at:.1f} s after {slot.signalled}" if slot.signalled else "unasked"
+            self._event(f"{process.name} exited (code {process.proc.returncode}) {since}")
             if not slot.signalled:
                 self.counters.crashes += 1
                 self._event(f"{process.name} exited unasked (code {process.proc.returncode}); see {process.log_path}")
@@ -194,7 +196,7 @@ class ChaosLoop:
             self.counters.skipped += 1
             return
         spare = [s for s in ready if sum(o.span == s.span for o in ready) > 1]
-        forced = c.force_outage and self.counters.outages == 0 and now - self._t0 > c.duration_s / 2
+        forced = c.force_outage and self.counters.outages == 0 and now - self._t0 > c.duration_s / 3
         outage = forced or self.rng.random() < c.outage_probability
         if not outage and not spare:
             self.counters.skipped += 1  # only last replicas are up: wait for restarts rather than cut a span
@@ -205,7 +207,8 @@ class ChaosLoop:
         else:
             victims = [self.rng.choice(spare)]
         for slot in victims:
-            sig = signal.SIGKILL if self.rng.random() < c.sigkill_share else signal.SIGTERM
+            # a forced outage kills: a SIGTERMed server drains and exits over seconds, a restart takes longer still
+            sig = signal.SIGKILL if forced or self.rng.random() < c.sigkill_share else signal.SIGTERM
             assert slot.process is not None
             slot.process.signal(sig)  # the server process only: its DHT process and p2pd must follow by themselves
             slot.signalled, slot.signalled_at = sig.name, now

@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--name", default="client")
     parser.add_argument("--seed", type=int, default=0, help="picks the order of prompts")
     parser.add_argument("--no_local_transport", action="store_true", help="talk to servers over p2p only")
-    parser.add_argument("--max_retries", type=int, default=60)
+    parser.add_argument("--max_retries", type=int, default=-1, help="< 0: no limit on the count")
+    parser.add_argument(
+        "--max_wait_s", type=float, default=180.0, help="a call failing this long ends in an error; < 0: retry forever"
+    )
     parser.add_argument("--min_backoff_s", type=float, default=0.5)
     parser.add_argument("--max_backoff_s", type=float, default=2.0)
     parser.add_argument("--request_timeout_s", type=float, default=20.0)
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if not prompts or not all(isinstance(p, list) and p for p in prompts):
         raise ValueError(f"{args.prompts_file}: expected a non-empty list of non-empty token lists")
     config = ClientConfig(
-        max_retries=args.max_retries,
+        max_retries=args.max_retries if args.max_retries >= 0 else None,
+        max_wait_s=args.max_wait_s if args.max_wait_s >= 0 else None,
         min_backoff_s=args.min_backoff_s,
         max_backoff_s=args.max_backoff_s,
         request_timeout_s=args.request_timeout_s,
