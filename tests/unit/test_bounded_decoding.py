@@ -362,3 +362,11 @@ def test_check_castable_accepts_representable_values():
     check_castable(torch.randn(4, 8, dtype=torch.float16), torch.float32)
     check_castable(torch.empty(0, 8, dtype=torch.float64), torch.float16)
     check_castable(torch.tensor([1, 2**40]), torch.float16)  # integer tensors are not this check's business
+
+
+def test_errors_never_repr_the_decoded_value():
+    """msgpack's ExtraData carries the decoded value; 1000 nested arrays then trailing bytes made the error
+    message's repr raise RecursionError (found by the fuzz test)."""
+    wire = b"\x91" * 1000 + b"\x01" + b"\x01"
+    with pytest.raises(bm.MsgpackLimitError, match="ExtraData"):
+        bm.loads(wire, bm.DHT_LIMITS)

@@ -228,7 +228,16 @@ def loads(data: bytes | bytearray | memoryview, limits: MsgpackLimits = METADATA
     except RecursionError as e:  # cannot happen within max_depth, but never let it escape as something else
         raise MsgpackLimitError(f"msgpack value is nested too deep: {e}") from None
     except Exception as e:  # msgpack and the ext constructors raise a zoo of types on garbage
-        raise MsgpackLimitError(f"not valid msgpack: {e!r:.200}") from None
+        raise MsgpackLimitError(f"not valid msgpack: {_describe(e)}") from None
+
+
+def _describe(error: Exception) -> str:
+    """A short message; never the repr of what was decoded (msgpack's ExtraData holds the value: a repr of 1000
+    nested lists raises RecursionError)."""
+    try:
+        return f"{type(error).__name__}: {str(error)[:200]}"
+    except Exception:  # a hostile value inside the exception's str
+        return type(error).__name__
 
 
 # ---- hivemind integration ------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def decode_metadata(data: bytes) -> dict[str, Any]:
     try:
         value = bounded_msgpack.loads(data, METADATA_LIMITS)
     except ValueError as e:
-        raise ValueError(f"metadata is not valid msgpack: {e}") from None
+        raise ValueError(f"metadata rejected: {e}") from None
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise ValueError(f"metadata must be a map with str keys, got {type(value).__name__}")
     return value
