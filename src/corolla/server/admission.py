@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corolla.server.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded, SessionEvicted
+from corolla.server.memory_cache import allocation_size_bytes
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -85,6 +86,34 @@ class SessionAdmission:
                 if not peer_tickets:
                     del self._per_peer[peer]
             ticket.released.set()
+
+    @contextlib.asynccontextmanager
+    async def reserve(
+        self,
+        peer: str,
+        backend: Any,
+        block_indices: list[int],
+        batch_size: int,
+        max_length: int,
+        alloc_timeout_s: float | None,
+    ) -> AsyncIterator[tuple[SessionTicket, tuple[tuple[int, ...], ...]]]:
+        """Admits a session and allocates its KV cache (nothing for a `max_length=0` probe); yields its ticket and
+        one tuple of cache handles per block. Everything is given back on exit."""
+        if max_length > 0:
+            per_block = backend.cache_descriptors(block_indices, batch_size, max_length)
+        else:  # a probe: only zero-token steps fit, nothing to reserve
+            per_block = [[] for _ in block_indices]
+        flat = [d for descriptors in per_block for d in descriptors]
+        async with self.admit(peer, allocation_size_bytes(flat)) as ticket:
+            if not flat:
+                yield ticket, tuple(() for _ in block_indices)
+                return
+            async with self.memory_cache.allocate_cache(*flat, timeout_s=alloc_timeout_s) as handles:
+                nested, offset = [], 0
+                for descriptors in per_block:
+                    nested.append(tuple(handles[offset : offset + len(descriptors)]))
+                    offset += len(descriptors)
+                yield ticket, tuple(nested)
 
     def _check(self, peer: str, reserve_bytes: int) -> None:
         limits = self.limits

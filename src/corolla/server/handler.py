@@ -5,7 +5,6 @@ compute to `block_functions`, keeps sessions (`sessions`), pushes steps to the n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -31,7 +30,6 @@ from corolla.server.admission import ForwardSlots, SessionAdmission
 from corolla.server.block_functions import ServingLimits
 from corolla.server.drain import SessionHandoff
 from corolla.server.limits import PeerLimits, peer_key, rejection_reason
-from corolla.server.memory_cache import allocation_size_bytes
 from corolla.server.metrics import ServerMetrics
 from corolla.server.peer_auth import PeerAuth, SessionPushGuard, check_request, gate_stream, info_uid, remote_peer
 from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
@@ -53,11 +51,6 @@ async def _await_within(coro: Any, timeout_s: float) -> Any:
         return await asyncio.wait_for(coro, timeout_s)
     async with _timeout(timeout_s):
         return await coro
-
-
-@contextlib.asynccontextmanager
-async def _no_allocation() -> AsyncIterator[tuple[int, ...]]:
-    yield ()
 
 
 class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
@@ -369,34 +362,23 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             self._reject("rpc_inference", e)
             raise
 
-        if max_length > 0:
-            descriptors_per_block = self.backend.cache_descriptors(block_indices, batch_size, max_length)
-            flat = [d for descriptors in descriptors_per_block for d in descriptors]
-            allocation = self.memory_cache.allocate_cache(*flat, timeout_s=metadata.alloc_timeout_s)
-            reserve_bytes = allocation_size_bytes(flat)
-        else:  # a probe: only zero-token steps fit, nothing to reserve
-            reserve_bytes = 0
-            descriptors_per_block = [[] for _ in block_indices]
-            allocation = _no_allocation()
         logger.info(
             f"rpc_inference.open(blocks={block_indices[0]}:{block_indices[-1] + 1}, batch={batch_size}, "
             f"max_length={max_length}, session_id={metadata.session_id!r:.40})"
         )
         push_queue = self.sessions.open(metadata.session_id, push_guard)
         try:
-            async with self.admission.admit(peer_key(context), reserve_bytes) as ticket, allocation as handles:
+            reservation = self.admission.reserve(
+                peer_key(context), self.backend, block_indices, batch_size, max_length, metadata.alloc_timeout_s
+            )  # per-peer caps, idle eviction, then the KV cache itself (none for a max_length=0 probe)
+            async with reservation as (ticket, cache_handles):
                 self._report_cache()
-                nested: list[tuple[int, ...]] = []
-                offset = 0
-                for descriptors in descriptors_per_block:
-                    nested.append(tuple(handles[offset : offset + len(descriptors)]))
-                    offset += len(descriptors)
                 session = SessionState(
                     session_id=metadata.session_id,
                     block_indices=block_indices,
                     batch_size=batch_size,
                     max_length=max_length,
-                    cache_handles=tuple(nested),
+                    cache_handles=cache_handles,
                     active_adapter=adapter,
                     args_structure=metadata.args_structure,
                     push_queue=push_queue,
