@@ -228,6 +228,16 @@ def _max_buffer_bytes(header: runtime_pb2.Tensor, limits: TensorLimits) -> int:
     return 16 + 4 * (blocks + _CODEBOOK_MAX_ENTRIES) + numel
 
 
+_FINITE_MAX: dict[torch.dtype, float] = {}
+
+
+def _finite_max(dtype: torch.dtype) -> float:
+    value = _FINITE_MAX.get(dtype)
+    if value is None:
+        value = _FINITE_MAX[dtype] = torch.finfo(dtype).max
+    return value
+
+
 def check_castable(
     tensor: torch.Tensor, dtype: torch.dtype, *, name: str = "tensor", finite_checked: bool = False
 ) -> None:
@@ -236,8 +246,8 @@ def check_castable(
     the tensor only when `dtype` is narrower; otherwise only the finiteness check (skipped if `finite_checked`)."""
     if not tensor.dtype.is_floating_point or not dtype.is_floating_point:
         return
-    target_max = torch.finfo(dtype).max
-    if torch.finfo(tensor.dtype).max <= target_max:  # widening or same range: a finite value stays finite
+    target_max = _finite_max(dtype)
+    if tensor.dtype == dtype or _finite_max(tensor.dtype) <= target_max:  # a finite value stays finite
         if not finite_checked and tensor.numel() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{name} contains NaN or infinite values")
         return
