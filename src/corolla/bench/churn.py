@@ -391,7 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(f"--{f.name}", type=kind, default=value)
     parser.add_argument(
-        "--server_args", default=" ".join(defaults.server_args), help="extra flags for every server, one string"
+        "--server_args",
+        default=" ".join(defaults.server_args),
+        help="flags for every server, one string: --server_args='--busy_poll_ms 0 --step_timeout 60'",
     )
     parser.add_argument("--echo", action="store_true", help="children's output on stderr")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
