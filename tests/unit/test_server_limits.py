@@ -292,3 +292,27 @@ async def test_resent_steps_are_answered_once_and_pushed_duplicates_stay_silent(
     assert await _drive([_step("a"), _step("a", pushed=True)], _session()) == ["ran:a"]
     # ... and a true re-send after both copies is answered again
     assert await _drive([_step("a", pushed=True), _step("a"), _step("a")], _session()) == ["ran:a", "resent:a"]
+
+
+def test_stream_budgets_derive_from_the_largest_step() -> None:
+    MiB = 1 << 20
+    demo = PeerLimits().with_stream_defaults(8192 * 256 * 4)  # demo model: 8 MiB steps
+    assert (demo.max_stream_message_bytes, demo.max_stream_bytes_per_peer, demo.max_stream_bytes_total) == (
+        9 * MiB,
+        96 * MiB,
+        128 * MiB,
+    )
+    big = PeerLimits().with_stream_defaults(8192 * 8192 * 4)  # a 70B span accepts its own 8192-token prefill
+    assert big.max_stream_message_bytes == 257 * MiB and big.max_stream_bytes_total == 3 * 257 * MiB
+    fixed = PeerLimits(max_stream_bytes_total=0).with_stream_defaults(MiB)  # explicit values win (0 = unlimited)
+    assert fixed.max_stream_bytes_total == 0
+
+
+def test_limit_flags_reach_the_server_config() -> None:
+    from corolla.cli.run_server import parse_config
+
+    config = parse_config(["model", "--new_swarm", "--max_kv_fraction_per_peer", "0.3", "--forward_chunk_tokens", "0"])
+    assert config.peer_limits == PeerLimits(max_kv_fraction_per_peer=0.3, forward_chunk_tokens=0)
+    assert parse_config(["model", "--new_swarm"]).peer_limits == PeerLimits()
+    with pytest.raises(ValueError, match="max_kv_fraction_per_peer"):
+        PeerLimits(max_kv_fraction_per_peer=0)

@@ -97,7 +97,8 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         """Sets the fair-use limits (before serving): sessions and KV cache per peer, stream bytes, forwards."""
         self.peer_limits = peer_limits
         self.admission = SessionAdmission(peer_limits, self.memory_cache)
-        self.stream_budget = StreamBudget(peer_limits)  # bytes of unfinished streamed requests
+        step_bytes = self.limits.max_batch_size_tokens * self.limits.hidden_size * 4  # one step in float32
+        self.stream_budget = StreamBudget(peer_limits.with_stream_defaults(step_bytes))  # unfinished streamed bytes
         self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)
 
     # ---- registration ---------------------------------------------------------------------------------------------

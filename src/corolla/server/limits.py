@@ -5,6 +5,7 @@ authenticated libp2p id; every same-host unix-socket client counts as the one pe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +27,13 @@ class PeerLimits:
     session_idle_evict_s: float = 60.0
     evict_wait_s: float = 5.0  # how long a new session waits for the evicted ones to free their cache
     # streamed requests (rpc_*_stream, rpc_inference): bytes received but not yet processed
-    max_stream_message_bytes: int = 64 * MiB  # one message (hivemind would buffer any declared length)
-    # (a received message is held twice while it is parsed; with the totals below a crowd of stalled streams
-    # stays within ~256 MiB of RSS; raise them for very large training batches)
-    max_stream_bytes_per_peer: int = 96 * MiB
-    max_stream_bytes_total: int = 128 * MiB
+    # None = derived from the span (`with_stream_defaults`): a message may hold one step of the server's
+    # max_batch_size tokens in float32 (hivemind would buffer any declared length); one peer twice that, at least
+    # 96 MiB; all peers three times that, at least 128 MiB (a received message is briefly held twice while parsed:
+    # on the demo model a crowd of stalled streams then stays within ~256 MiB of RSS)
+    max_stream_message_bytes: int | None = None
+    max_stream_bytes_per_peer: int | None = None
+    max_stream_bytes_total: int | None = None
     stream_idle_timeout_s: float = 10.0  # no byte of a started message (or of a forward stream) for this long
     max_forwards_per_peer: int = 2  # concurrent forward/backward requests of one peer (others wait)
     forward_chunk_tokens: int = 256  # a forward runs as runtime tasks of <= this many tokens x one block; 0 = whole
@@ -45,13 +48,25 @@ class PeerLimits:
             "max_forwards_per_peer",
             "forward_chunk_tokens",
         ):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = unlimited), got {getattr(self, name)}")
         if not 0 < self.max_kv_fraction_per_peer <= 1:
             raise ValueError(f"max_kv_fraction_per_peer must be in (0, 1], got {self.max_kv_fraction_per_peer}")
         for name in ("session_idle_evict_s", "evict_wait_s", "stream_idle_timeout_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def with_stream_defaults(self, step_bytes: int) -> PeerLimits:
+        """These limits with each unset stream budget derived from `step_bytes` (the largest valid step)."""
+        message = self.max_stream_message_bytes
+        message = step_bytes + MiB if message is None else message
+        per_peer = self.max_stream_bytes_per_peer
+        per_peer = max(96 * MiB, 2 * message) if per_peer is None else per_peer
+        total = self.max_stream_bytes_total
+        total = max(128 * MiB, 3 * message) if total is None else total
+        return dataclasses.replace(
+            self, max_stream_message_bytes=message, max_stream_bytes_per_peer=per_peer, max_stream_bytes_total=total
+        )
 
 
 class LimitExceeded(AllocationFailed):
@@ -143,9 +158,9 @@ LIMIT_FLAG_HELP = {
     "max_kv_fraction_per_peer": "share of the KV cache one peer may reserve, in (0, 1]",
     "session_idle_evict_s": "end a session idle this long (no token processed) when a new one needs its cache (0 = never)",
     "evict_wait_s": "how long a new session waits for evicted sessions to free their cache",
-    "max_stream_message_bytes": "largest message of a streamed request (0 = unlimited)",
-    "max_stream_bytes_per_peer": "bytes of unfinished streamed requests one peer may have in flight (0 = unlimited)",
-    "max_stream_bytes_total": "bytes of unfinished streamed requests of all peers together (0 = unlimited)",
+    "max_stream_message_bytes": "largest message of a streamed request (unset: max_batch_size x hidden x 4 + 1 MiB)",
+    "max_stream_bytes_per_peer": "bytes of unfinished streamed requests of one peer (unset: max(96 MiB, 2 x message))",
+    "max_stream_bytes_total": "bytes of unfinished streamed requests of all peers (unset: max(128 MiB, 3 x message))",
     "stream_idle_timeout_s": "cut a stream whose peer sends nothing for this long mid-message or mid-request (0 = off)",
     "max_forwards_per_peer": "concurrent forward/backward requests of one peer; the rest wait (0 = unlimited)",
     "forward_chunk_tokens": "run forwards as tasks of one block and at most this many tokens (0 = one task)",
@@ -157,5 +172,5 @@ def add_limit_flags(parser: Any) -> None:
     import dataclasses
 
     for f in dataclasses.fields(PeerLimits):
-        kind = float if isinstance(f.default, float) else int
+        kind = float if isinstance(f.default, float) else int  # None defaults: byte counts
         parser.add_argument(f"--{f.name}", type=kind, default=None, help=f"{LIMIT_FLAG_HELP[f.name]} [{f.default}]")
