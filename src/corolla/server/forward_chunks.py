@@ -5,6 +5,7 @@ concurrent forwards take turns, instead of waiting behind one long task."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -42,48 +43,77 @@ async def run_forward_chunked(
     measured: Callable[[Callable[[], Any], int], Callable[[], Any]],
 ) -> torch.Tensor:
     """The same result as `backend.forward(block_indices, hidden, prompts, adapter)` ([B, T, H]) computed as
-    several runtime tasks. `measured(fn, num_tokens)` wraps each task for metrics."""
+    several runtime tasks. `measured(fn, num_tokens)` wraps each task for metrics.
+
+    All tasks are queued at once, in an order where each one's inputs come from tasks queued before it (chunk by
+    chunk, block by block within a chunk): the runtime runs tasks of one priority oldest first, so no task waits
+    for a round trip through the event loop, and more urgent tasks still run between any two of them."""
     batch_size, length, _ = hidden.shape
     split_tokens = can_split_tokens(backend, prompts, active_adapter)
     chunks = plan_token_chunks(length, batch_size, chunk_tokens) if split_tokens else [(0, length)]
-    for position, index in enumerate(block_indices):
-        block_prompts = None if prompts is None else prompts[position : position + 1]
-        if len(chunks) == 1:
-            hidden = await _submit(
-                runtime,
-                measured(_whole_block(backend, index, hidden, block_prompts, active_adapter), batch_size * length),
-                batch_size * length,
+    # results[(position, chunk)]: that block's output for that chunk; written and read in the device thread only
+    results: dict[tuple[int, int], torch.Tensor] = {}
+    caches: dict[int, list[torch.Tensor]] = {position: [] for position in range(len(block_indices))}
+    futures = []
+    for k, (start, end) in enumerate(chunks):
+        for position, index in enumerate(block_indices):
+            if len(chunks) == 1:
+                block_prompts = None if prompts is None else prompts[position : position + 1]
+                fn = _whole_block(backend, index, hidden, block_prompts, active_adapter, results, position)
+            else:
+                fn = _cached_chunk(backend, index, hidden, caches[position], results, position, k, start, end, length)
+            size = batch_size * (end - start)
+            futures.append(
+                runtime.submit(measured(fn, size), priority=PRIORITY_FORWARD, size_tokens=size, kind=KIND_FORWARD)
             )
-            continue
-        cache: list[torch.Tensor] = []  # this block's keys/values of the tokens done so far (device thread only)
-        outputs = []
-        for start, end in chunks:
-            task = _cached_chunk(backend, index, hidden[:, start:end], cache, start, length)
-            outputs.append(
-                await _submit(runtime, measured(task, batch_size * (end - start)), batch_size * (end - start))
-            )
-        cache.clear()
-        hidden = torch.cat(outputs, dim=1)
-    return hidden
+    try:
+        await asyncio.gather(*futures)
+    finally:
+        for future in futures:
+            future.cancel()  # after a failure: the rest is skipped by the runtime (no-op for finished ones)
+    last = len(block_indices) - 1
+    outputs = [results[(last, k)] for k in range(len(chunks))]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
 
 def _whole_block(
-    backend: Any, index: int, hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str
-) -> Callable[[], torch.Tensor]:
-    return lambda: backend.forward([index], hidden, prompts, adapter)
-
-
-def _cached_chunk(
-    backend: Any, index: int, hidden: torch.Tensor, cache: list[torch.Tensor], start: int, length: int
+    backend: Any,
+    index: int,
+    hidden: torch.Tensor,
+    prompts: torch.Tensor | None,
+    adapter: str,
+    results: dict[tuple[int, int], torch.Tensor],
+    position: int,
 ) -> Callable[[], torch.Tensor]:
     def task() -> torch.Tensor:
-        if not cache:  # created in the device thread on first use; freed with the request
-            for d in backend.cache_descriptors([index], hidden.shape[0], length)[0]:
-                cache.append(torch.zeros(tuple(d.shape), dtype=d.dtype, device=d.device))
-        return backend.inference_step([index], hidden, [cache], prefix_length=start, max_length=length)
+        inputs = hidden if position == 0 else results[(position - 1, 0)]
+        results[(position, 0)] = output = backend.forward([index], inputs, prompts, adapter)
+        return output
 
     return task
 
 
-async def _submit(runtime: Any, fn: Callable[[], Any], size_tokens: int) -> Any:
-    return await runtime.submit(fn, priority=PRIORITY_FORWARD, size_tokens=size_tokens, kind=KIND_FORWARD)
+def _cached_chunk(
+    backend: Any,
+    index: int,
+    hidden: torch.Tensor,
+    cache: list[torch.Tensor],
+    results: dict[tuple[int, int], torch.Tensor],
+    position: int,
+    k: int,
+    start: int,
+    end: int,
+    length: int,
+) -> Callable[[], torch.Tensor]:
+    def task() -> torch.Tensor:
+        inputs = hidden[:, start:end] if position == 0 else results[(position - 1, k)]
+        if not cache:  # created in the device thread on first use; freed with the request
+            for d in backend.cache_descriptors([index], inputs.shape[0], length)[0]:
+                cache.append(torch.zeros(tuple(d.shape), dtype=d.dtype, device=d.device))
+        output = backend.inference_step([index], inputs, [cache], prefix_length=start, max_length=length)
+        results[(position, k)] = output
+        if position > 0:
+            del results[(position - 1, k)]  # consumed: keep only what later tasks read
+        return output
+
+    return task
