@@ -30,3 +30,21 @@ class NoHonestServerError(MissingBlocksError):
             f"no honest server for blocks {blocks} after {waited_s:.1f} s: tried {short}; banned {banned_short}; "
             f"last error: {last_error}",
         )
+
+
+class ConfigurationError(ValueError):
+    """A setting that cannot work here (bad flag value, missing model directory, taken port, unusable device): the
+    CLIs print it as one line and exit with code 2; servers never retry it like a crash."""
+
+
+class PortInUseError(ConfigurationError):
+    """A port asked for with `--port` (or `--metrics_port`) is already taken on this host."""
+
+    def __init__(self, host: str, port: int, flag: str = "--port"):
+        self.host, self.port, self.flag = host, port, flag
+        super().__init__(f"{host}:{port} is already in use; pick another {flag} (0 = a free port)")
+
+
+class BootstrapError(RuntimeError):
+    """Joining the swarm failed: none of `--initial_peers` answered (wrong address, peer down, other network or swarm
+    key). Runtime failure (exit code 1); a malformed multiaddr is a `ConfigurationError` instead."""
