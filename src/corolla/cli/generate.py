@@ -1,5 +1,6 @@
 """`corolla-generate MODEL --initial_peers ... "prompt"`: streams generated text through a swarm and reports
-tokens/s; `--interactive` keeps one session open for a chat-style loop."""
+tokens/s; `--interactive` keeps one session open for a chat-style loop. Text goes to stdout; logs are off unless
+`--verbose` (then on stderr), and a mistake ends with one line on stderr (cli.errors)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import time
 
 import torch
 
+from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli
 from corolla.client.config import ClientConfig
 from corolla.client.distributed_model import AutoDistributedModelForCausalLM
-from corolla.utils.errors import MissingBlocksError
+from corolla.utils.logging import quiet_logs
 
 
 class _TextStreamer:
@@ -43,7 +45,7 @@ class _TextStreamer:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="corolla-generate", description=__doc__)
     parser.add_argument("model", help="model repository or local directory (only embeddings/head are loaded)")
     parser.add_argument("prompt", nargs="?", default=None, help="text to continue (omit with --interactive)")
     parser.add_argument("--initial_peers", nargs="+", default=(), help="multiaddrs of swarm members")
@@ -77,15 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-run this fraction of steps on a second server of each span and ban servers that disagree",
     )
     parser.add_argument("--torch_dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    add_common_flags(parser, verbose_help="show logs (on stderr) and tracebacks; quiet by default")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except MissingBlocksError as e:  # no (honest) server for some blocks within --max_wait_s: one line, no traceback
-        print(f"\ncorolla-generate: error: {e}", file=sys.stderr, flush=True)
-        return 1
+    """Missing blocks past --max_wait_s, unreachable peers, a bad path: one line on stderr, exit 1 or 2; Ctrl-C: 130."""
+    return run_cli("corolla-generate", lambda: _main(argv), argv)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -96,8 +96,12 @@ def _main(argv: list[str] | None = None) -> int:
         args.prompt = peers.pop()
     args.initial_peers = peers
     if args.prompt is None and not args.interactive:
-        print("corolla-generate: give a prompt or --interactive", file=sys.stderr)
+        print("corolla-generate: error: give a prompt or --interactive", file=sys.stderr)
         return 2
+    if not args.verbose:
+        quiet_logs()
+    check_model_argument(args.model)
+    check_initial_peers(args.initial_peers)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     from transformers import AutoTokenizer

@@ -47,7 +47,9 @@ class RetryBudget:
                 tried=self.tried,
                 banned=sorted(self.manager.bans.banned_peers()),
                 waited_s=waited_s,
-                last_error=f"{type(error).__name__}: {error}",
+                last_error=self.manager.describe_missing(missing)
+                if isinstance(error, MissingBlocksError)
+                else f"{type(error).__name__}: {error}",
             ) from error
         if isinstance(error, MissingBlocksError):
             self.manager.request_update()

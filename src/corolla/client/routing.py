@@ -275,6 +275,28 @@ class RemoteSequenceManager:
         if len(covered) < self.num_blocks:
             self.request_update()
 
+    def describe_missing(self, missing: Sequence[int], timeout_s: float = 5.0) -> str:
+        """What the swarm does serve, for a missing-blocks message: the DHT prefix asked for, the prefixes in the
+        swarm's model index (`_petals.models`), and a `--dht_prefix` hint when ours is not among them."""
+        prefix = self.block_uids[0].rsplit(".", 1)[0]
+        blocks = f"{min(missing)}:{max(missing) + 1}" if missing else "?"
+        text = f"blocks {blocks} of DHT prefix {prefix!r} have no server"
+        if self.dht is None:
+            return text
+        try:
+            from corolla.swarm.records_io import get_model_infos
+
+            served = sorted(get_model_infos(self.dht, latest=True, timeout_s=timeout_s))
+        except Exception as e:  # a diagnosis must not hide the real error
+            return f"{text} (could not read the swarm's model index: {type(e).__name__})"
+        others = [p for p in served if p != prefix]
+        if not served:
+            return f"{text}; the swarm announces no models (are servers up and joined to these --initial_peers?)"
+        text += f"; the swarm serves DHT prefixes: {', '.join(repr(p) for p in served[:8])}"
+        if prefix not in served and others:
+            text += f" (if the servers run the same model under another name, pass --dht_prefix {others[0]})"
+        return text
+
     def on_request_success(self, peer_id: str) -> None:
         self.bans.clear(peer_id)
 

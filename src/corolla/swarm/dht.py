@@ -25,6 +25,7 @@ from corolla.protocol.bounded_msgpack import install_bounded_serializer
 from corolla.swarm.identity import prepare_identity, set_signer
 from corolla.swarm.membership import SwarmKey, SwarmKeyAuthorizer
 from corolla.swarm.signed_records import default_record_validators
+from corolla.utils.errors import BootstrapError, ConfigurationError
 from corolla.utils.logging import get_logger
 from corolla.utils.processes import parent_death_signal_supported, set_parent_death_signal
 
@@ -80,6 +81,8 @@ class SwarmConfig:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        for maddr in self.initial_peers:
+            check_peer_maddr(maddr)
         host_maddrs = self.host_maddrs
         if host_maddrs is None:
             host_maddrs = PUBLIC_HOST_MADDRS if self.is_public else PRIVATE_HOST_MADDRS
@@ -175,6 +178,22 @@ class OrphanProofDHT(hivemind.DHT):
 # ---------------------------------------------------------------------------------------------- factory and calls
 
 
+def check_peer_maddr(maddr: str) -> None:
+    """ConfigurationError unless `maddr` is a multiaddr with a peer id, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm..."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        parsed = Multiaddr(maddr)
+        problem = None if "p2p" in (p.name for p in parsed.protocols()) else "it has no /p2p/<peer id> part"
+    except Exception as e:  # StringParseError (a ValueError) and friends
+        problem = str(e)
+    if problem is not None:
+        raise ConfigurationError(
+            f"bad --initial_peers address {maddr!r}: {problem}; expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm... "
+            "(copy it from the 'initial peer' line that corolla-dht or corolla-server --new_swarm prints)"
+        )
+
+
 def create_dht(config: SwarmConfig) -> hivemind.DHT:
     """Starts a DHT node in a child process and waits (bounded) until it is ready; TimeoutError otherwise.
 
@@ -201,6 +220,17 @@ def create_dht(config: SwarmConfig) -> hivemind.DHT:
         raise TimeoutError(
             f"DHT did not start within {wait_s:.0f} s (startup_timeout_s={config.startup_timeout_s})"
         ) from e
+    except Exception as e:
+        shutdown_dht(dht)
+        identity.cleanup()
+        if initial_peers and "bootstrap" in str(
+            e
+        ):  # p2pd: "failed to connect to bootstrap peers"; DHTNode: "bootstrap failed"
+            raise BootstrapError(
+                f"could not reach any of --initial_peers {' '.join(initial_peers)} (wrong address or peer id, the peer "
+                "is down, or another network namespace or swarm key)"
+            ) from e
+        raise
     except BaseException:
         shutdown_dht(dht)
         identity.cleanup()

@@ -35,3 +35,17 @@ def get_logger(name: str) -> logging.Logger:
     if name != _ROOT and not name.startswith(_ROOT + "."):
         name = f"{_ROOT}.{name}"
     return logging.getLogger(name)
+
+
+def quiet_logs(level: int = logging.ERROR) -> None:
+    """For CLIs whose stdout carries the result (`corolla-generate` streams text): corolla's, hivemind's and
+    transformers' logs and Python warnings only at `level` and above, so nothing lands in the streamed text. Call
+    before forking helpers (the DHT process inherits the levels)."""
+    import warnings
+
+    _configure()
+    logging.getLogger(_ROOT).setLevel(level)
+    logging.getLogger("hivemind").setLevel(level)
+    logging.getLogger("transformers").setLevel(level)
+    if level > logging.WARNING:
+        warnings.simplefilter("ignore")
