@@ -16,7 +16,6 @@ import torch
 
 from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import plain_chat_prompt
-from corolla.api.sampling import SamplingParams, sample_next_token
 from corolla.api.serving import serve_in_thread
 from corolla.utils.errors import MissingBlocksError
 
@@ -28,21 +27,24 @@ CHAR_BASE = 100  # prompt characters encode as CHAR_BASE + ord(c)
 
 
 class ScriptedBackend:
-    """Greedy: yields SCRIPT (then EOS); sampling: random logits over VOCAB from the request's generator."""
+    """Logits over VOCAB (ids < len(VOCAB)): the argmax follows SCRIPT, then EOS; every other token gets seeded noise
+    (a function of the prompt and step), so sampling really samples. EOS is impossible before SCRIPT ends."""
 
     model_id = MODEL
     max_context_tokens = 256
     vocab_size = CHAR_BASE + 0x110000
     eos_token_ids = frozenset([EOS])
+    generation_defaults: dict = {}
 
     def __init__(self, token_delay_s: float = 0.0):
         self.token_delay_s = token_delay_s
         self.active = 0
         self.peak_active = 0
         self.closed_sessions = 0
+        self.sent: list[list[int]] = []  # tokens sent back to each session, in order
         self._lock = threading.Lock()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [CHAR_BASE + ord(c) for c in text]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -51,22 +53,30 @@ class ScriptedBackend:
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(plain_chat_prompt(messages))
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
+    def logits_at(self, prompt_ids: list[int], step: int) -> torch.Tensor:
+        noise = torch.Generator().manual_seed(hash((tuple(prompt_ids), step)) % 2**31)
+        logits = torch.randn(len(VOCAB), generator=noise)
+        favored = SCRIPT[step] if step < len(SCRIPT) else EOS
+        logits[EOS] = float("-inf") if step < len(SCRIPT) else logits[EOS]
+        logits[favored] = logits.max() + 0.5
+        return logits
+
+    def step_logits(self, prompt_ids: list[int], max_length: int) -> Iterator[torch.Tensor]:
         prompt = self.decode(prompt_ids)
         if "missing" in prompt:
             raise MissingBlocksError([2, 3])
         with self._lock:
             self.active += 1
             self.peak_active = max(self.peak_active, self.active)
+            sent: list[int] = []
+            self.sent.append(sent)
         try:
-            generator = params.make_generator()
-            for step in range(params.max_new_tokens):
+            step = 0
+            while len(prompt_ids) + step < max_length:
                 time.sleep(self.token_delay_s)
-                if params.greedy:
-                    yield SCRIPT[step] if step < len(SCRIPT) else EOS
-                else:
-                    logits = torch.randn(len(VOCAB) - 1, generator=generator)
-                    yield 1 + sample_next_token(logits, params, generator)  # never EOS
+                sent.append((yield self.logits_at(prompt_ids, step)))
+                step += 1
+            raise AssertionError(f"the app asked for more than max_length={max_length} tokens")
         finally:
             with self._lock:
                 self.active -= 1
@@ -205,7 +215,13 @@ def test_raw_sse_format(api):
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+    }
     for c in chunks:
         assert c["object"] == "chat.completion.chunk" and c["model"] == MODEL and c["id"].startswith("chatcmpl-")
 
@@ -225,7 +241,7 @@ def test_errors(api, client):
     assert e.value.body["param"] == "max_tokens"
 
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=99)
     assert e.value.body["param"] == "n"
 
     with pytest.raises(openai.BadRequestError) as e:
@@ -285,7 +301,9 @@ def test_concurrent_streams_run_concurrently(api, backend, client):
 
 def test_client_disconnect_closes_session(api, backend, client):
     closed_before = backend.closed_sessions
-    stream = client.completions.create(model=MODEL, prompt="d", max_tokens=200, temperature=1.0, stream=True)
+    stream = client.completions.create(
+        model=MODEL, prompt="d", max_tokens=200, temperature=1.0, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     stream.close()
     deadline = time.monotonic() + 10

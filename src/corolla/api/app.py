@@ -1,5 +1,8 @@
 """The FastAPI app of `corolla-api`: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (plain JSON or SSE
-chunks exactly as OpenAI sends them, ending in `data: [DONE]`), API-key check and OpenAI-style errors.
+chunks exactly as OpenAI sends them, ending in `data: [DONE]`; `n` choices, logprobs, every OpenAI and vLLM sampling
+parameter honored or refused with a 400 naming it), the service routes of `service_routes` (`/health`, `/version`,
+`/tokenize`, `/detokenize`, `/metrics`), API-key check and OpenAI-style errors. Sampling fields a request leaves
+unset take the model's `generation_config.json` values (`backend.generation_defaults`), then OpenAI's defaults.
 
 Each request runs its blocking generation loop in a worker thread of its own, so concurrent requests are concurrent
 inference sessions in the swarm (which the servers may batch); the event loop only moves text between them.
@@ -29,9 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from corolla.api.backend import GenerationBackend
 from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES, read_body
 from corolla.api.errors import ApiError, invalid_param, missing_blocks
+from corolla.api.generation import ChoiceDone, Delta, Failed, Finished, GenerationRequest, TokenLogprob, run_generation
+from corolla.api.metrics import ApiMetrics
 from corolla.api.sampling import SamplingParams
-from corolla.api.schemas import ChatCompletionRequest, CompletionRequest
-from corolla.api.textstream import TextStream
+from corolla.api.schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
+from corolla.api.service_routes import add_service_routes
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
@@ -42,69 +47,19 @@ logger = get_logger(__name__)
 class ApiConfig:
     api_key: str | None = None  # when set, every /v1 request needs `Authorization: Bearer <api_key>`
     model_aliases: tuple[str, ...] = ()  # extra names accepted in the `model` field besides backend.model_id
+    unlisted_model_names: tuple[str, ...] = ()  # accepted in `model` but not listed by /v1/models (the --model path)
     max_concurrent_requests: int = 64  # generation threads; further requests wait for a free one
     default_chat_max_tokens: int = 512  # chat requests without max_tokens get min(this, context left)
     sse_ping_interval_s: float = 15.0  # keep-alive comments on idle streams
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413, refused before they are read
+    max_n: int = 8  # choices per request (`n`); more is a 400
+    max_logprobs: int = 20  # `logprobs` (completions) / `top_logprobs` (chat) above it is a 400 (vLLM's default)
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
-
-
-# --- events from a generation thread to the event loop ---
-@dataclass
-class _Delta:
-    text: str
-
-
-@dataclass
-class _Done:
-    finish_reason: str  # "stop" | "length"
-    completion_tokens: int
-    text: str
-
-
-@dataclass
-class _Failed:
-    error: BaseException
-
-
-def _run_generation(
-    backend: GenerationBackend,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    stops: list[str],
-    emit: Callable[[Any], None],
-    cancelled: threading.Event,
-) -> None:
-    """Blocking: generates, cuts stops, and emits `_Delta`* then `_Done` or `_Failed`."""
-    try:
-        stream = TextStream(backend.decode, stops)
-        finish_reason, num_tokens = "length", 0
-        tokens = backend.generate(prompt_ids, params)
-        try:
-            for token in tokens:
-                if cancelled.is_set():
-                    return
-                num_tokens += 1
-                if token in backend.eos_token_ids:
-                    finish_reason = "stop"
-                    break
-                text, hit_stop = stream.push(token)
-                if text:
-                    emit(_Delta(text))
-                if hit_stop:
-                    finish_reason = "stop"
-                    break
-        finally:
-            tokens.close()  # ends the inference session now, in this thread
-        tail = stream.finish()
-        if tail:
-            emit(_Delta(tail))
-        emit(_Done(finish_reason, num_tokens, stream.text))
-    except BaseException as e:  # reported to the client; never kills the worker pool
-        emit(_Failed(e))
+        if self.max_n < 1 or self.max_logprobs < 0:
+            raise ValueError(f"max_n must be >= 1 and max_logprobs >= 0, got {self.max_n}, {self.max_logprobs}")
 
 
 def _error_for(exc: BaseException, model_id: str) -> ApiError:
@@ -123,10 +78,14 @@ def _validation_message(err: ValidationError | RequestValidationError) -> tuple[
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        return f"Unsupported parameter '{param}': this server does not implement it (leave it out)", param
     return (f"Invalid value for '{param}': {msg}" if param else f"Invalid request: {msg}"), param
 
 
-async def _parse(request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest], max_bytes: int) -> Any:
+async def _parse(request: Request, choose: Callable[[dict], type], max_bytes: int, kind: str | None = None) -> Any:
+    """The body validated as the model `choose(body)` names; with `kind`, no-op fields dropped and unsupported ones
+    refused first (`schemas.refuse_unsupported`)."""
     raw = await read_body(request, max_bytes)
     try:
         body = json.loads(raw)
@@ -136,19 +95,46 @@ async def _parse(request: Request, model: type[CompletionRequest] | type[ChatCom
         ) from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object", code="invalid_json")
+    if kind is not None:
+        body, param, why = refuse_unsupported(body, kind)
+        if param is not None:
+            raise invalid_param(why, param, code="unsupported_parameter")
     try:
-        return model.model_validate(body)
+        return choose(body).model_validate(body)
     except ValidationError as e:
         message, param = _validation_message(e)
         raise ApiError(400, message, param=param) from None
+
+
+class RequestCounter:
+    """ASGI middleware: counts each request to `paths` by the HTTP status it is answered with (streams: at start)."""
+
+    def __init__(self, app: Any, *, metrics: ApiMetrics, paths: tuple[str, ...]):
+        self.app, self.metrics, self.paths = app, metrics, paths
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope.get("path")
+        if scope["type"] != "http" or path not in self.paths:
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.request(path, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> FastAPI:
     """Builds the gateway around `backend` (owns a thread pool that closes with the app's lifespan)."""
     config = config or ApiConfig()
     model_names = {backend.model_id, *config.model_aliases}
+    accepted_names = model_names | set(config.unlisted_model_names)
     executor = ThreadPoolExecutor(max_workers=config.max_concurrent_requests, thread_name_prefix="corolla-api-gen")
     created = int(time.time())
+    metrics = ApiMetrics()
+    defaults = dict(getattr(backend, "generation_defaults", None) or {})
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -160,6 +146,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
     app = FastAPI(title="corolla OpenAI-compatible API", lifespan=lifespan)
     app.state.backend = backend
     app.state.config = config
+    app.state.metrics = metrics
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -175,6 +162,8 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return ApiError(exc.status_code, str(exc.detail), code=code).response()
 
+    app.add_middleware(RequestCounter, metrics=metrics, paths=("/v1/completions", "/v1/chat/completions"))
+
     def check_auth(request: Request) -> None:
         if config.api_key is None:
             return
@@ -184,7 +173,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
             raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
 
     def check_model(name: str) -> None:
-        if name not in model_names:
+        if name not in accepted_names:
             raise ApiError(
                 404,
                 f"The model `{name}` does not exist; this gateway serves {sorted(model_names)}",
@@ -192,17 +181,15 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 code="model_not_found",
             )
 
-    def check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
-        check_model(req.model)
-        if (req.n or 1) > 1:
-            raise invalid_param("n > 1 is not supported; send one request per completion", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name):
-                raise invalid_param(f"{name} is not supported (use 0 or leave it out)", name)
-        if req.logit_bias:
-            raise invalid_param("logit_bias is not supported", "logit_bias")
-        if req.logprobs:
-            raise invalid_param("logprobs are not supported", "logprobs")
+    async def parse(request: Request, choose: Callable[[dict], type], kind: str | None = None) -> Any:
+        return await _parse(request, choose, config.max_request_bytes, kind)
+
+    add_service_routes(app, backend, metrics, parse=parse, check_auth=check_auth, check_model=check_model)
+
+    def check_token_ids(ids: list[int], param: str) -> None:
+        vocab_size = getattr(backend, "vocab_size", None)
+        if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in ids):
+            raise invalid_param(f"Token ids must be in [0, {vocab_size}) for this model", param)
 
     def budget(prompt_ids: list[int], requested: int | None, default: int, param: str, prompt_param: str) -> int:
         if not prompt_ids:
@@ -221,17 +208,53 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
             )
         return max_tokens
 
-    def sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            seed=req.seed,
-        )
+    def generation_request(
+        req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], max_tokens: int, logprobs: int | None
+    ) -> GenerationRequest:
+        """The request's sampling: its own values, else generation_config.json's, else OpenAI's defaults."""
+        check_model(req.model)
+        n = req.n or 1
+        if n > config.max_n:
+            raise invalid_param(f"n must be <= {config.max_n} (--max_n), got {n}", "n")
+        if logprobs is not None and logprobs > config.max_logprobs:
+            param = "logprobs" if isinstance(req, CompletionRequest) else "top_logprobs"
+            raise invalid_param(f"{param} must be <= {config.max_logprobs} (--max_logprobs), got {logprobs}", param)
+        for param in ("stop_token_ids", "allowed_token_ids"):
+            check_token_ids(list(getattr(req, param) or ()), param)
+        try:
+            bias = tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items())
+        except ValueError:
+            raise invalid_param("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+        check_token_ids([t for t, _ in bias], "logit_bias")
 
-    async def start_generation(
-        prompt_ids: list[int], params: SamplingParams, stops: list[str]
-    ) -> tuple[asyncio.Queue, threading.Event]:
+        def pick(name: str, fallback: Any) -> Any:
+            value = getattr(req, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        try:
+            params = SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                min_tokens=req.min_tokens,
+                ignore_eos=req.ignore_eos,
+                stop_token_ids=frozenset(req.stop_token_ids or ()),
+                logit_bias=bias,
+                allowed_token_ids=tuple(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
+                logprobs=logprobs,
+                seed=req.seed,
+            )
+        except ValueError as e:
+            name = str(e).split(" ", 1)[0]
+            raise invalid_param(str(e), name if name in SamplingParams.__dataclass_fields__ else None) from None
+        return GenerationRequest(prompt_ids, params, req.stop_list, n)
+
+    async def start_generation(request: GenerationRequest) -> tuple[asyncio.Queue, threading.Event]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
@@ -242,55 +265,62 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
             except RuntimeError:  # the loop has closed (shutdown): nobody is listening
                 cancelled.set()
 
-        loop.run_in_executor(executor, _run_generation, backend, prompt_ids, params, stops, emit, cancelled)
+        metrics.prompt_tokens(len(request.prompt_ids) * request.n)
+        loop.run_in_executor(executor, run_generation, backend, request, emit, cancelled, metrics)
         return queue, cancelled
 
-    async def complete(prompt_ids: list[int], params: SamplingParams, stops: list[str]) -> _Done:
-        queue, cancelled = await start_generation(prompt_ids, params, stops)
+    async def complete(request: GenerationRequest) -> list[ChoiceDone]:
+        queue, cancelled = await start_generation(request)
+        metrics.running(1)
         try:
+            choices: list[ChoiceDone] = []
             while True:
                 event = await queue.get()
-                if isinstance(event, _Done):
-                    return event
-                if isinstance(event, _Failed):
+                if isinstance(event, ChoiceDone):
+                    choices.append(event)
+                elif isinstance(event, Finished):
+                    return choices
+                elif isinstance(event, Failed):
                     raise _error_for(event.error, backend.model_id)
         finally:
+            metrics.running(-1)
             cancelled.set()
 
     async def stream(
-        prompt_ids: list[int],
-        params: SamplingParams,
-        stops: list[str],
-        make_chunk: Callable[[str | None, str | None], dict[str, Any]],
+        request: GenerationRequest,
+        make_chunk: Callable[[int, str | None, ChoiceDone | None, list[TokenLogprob]], dict[str, Any]],
         prelude: list[dict[str, Any]],
         usage_chunk: Callable[[int], dict[str, Any]] | None,
     ) -> Response:
-        queue, cancelled = await start_generation(prompt_ids, params, stops)
+        queue, cancelled = await start_generation(request)
         # Wait for the first event so that failures before any output get a proper HTTP status.
         first = await queue.get()
-        if isinstance(first, _Failed):
+        if isinstance(first, Failed):
             cancelled.set()
             raise _error_for(first.error, backend.model_id)
 
         async def events() -> AsyncIterator[str]:
+            metrics.running(1)
             try:
                 for chunk in prelude:
                     yield json.dumps(chunk)
                 event = first
                 while True:
-                    if isinstance(event, _Delta):
-                        yield json.dumps(make_chunk(event.text, None))
-                    elif isinstance(event, _Done):
-                        yield json.dumps(make_chunk(None, event.finish_reason))
+                    if isinstance(event, Delta):
+                        yield json.dumps(make_chunk(event.index, event.text, None, event.logprobs))
+                    elif isinstance(event, ChoiceDone):
+                        yield json.dumps(make_chunk(event.index, None, event, []))
+                    elif isinstance(event, Finished):
                         if usage_chunk is not None:
                             yield json.dumps(usage_chunk(event.completion_tokens))
                         yield "[DONE]"
                         return
-                    elif isinstance(event, _Failed):
+                    elif isinstance(event, Failed):
                         yield json.dumps(_error_for(event.error, backend.model_id).body())
                         return
                     event = await queue.get()
             finally:
+                metrics.running(-1)
                 cancelled.set()  # also on client disconnect: the worker stops at its next token
 
         return EventSourceResponse(events(), sep="\n", ping=config.sse_ping_interval_s)
@@ -334,56 +364,68 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         check_auth(request)
-        req: CompletionRequest = await _parse(request, CompletionRequest, config.max_request_bytes)
-        check_common(req)
-        if (req.best_of or 1) > 1:
-            raise invalid_param("best_of > 1 is not supported", "best_of")
-        if req.echo:
-            raise invalid_param("echo is not supported", "echo")
-        if req.suffix:
-            raise invalid_param("suffix is not supported", "suffix")
+        req: CompletionRequest = await parse(request, lambda body: CompletionRequest, "completion")
+        check_model(req.model)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise invalid_param("Only one prompt per request is supported", "prompt")
             prompt = prompt[0]
         prompt_ids = backend.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab_size = getattr(backend, "vocab_size", None)
-        if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in prompt_ids):
-            raise invalid_param(f"Token ids must be in [0, {vocab_size}) for this model", "prompt")
+        check_token_ids(prompt_ids, "prompt")
         max_tokens = budget(prompt_ids, req.max_tokens, 16, "max_tokens", "prompt")
-        params = sampling(req, max_tokens)
+        gen = generation_request(req, prompt_ids, max_tokens, req.logprobs)
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        offsets = [0] * gen.n  # text offset of the next logprobs entry, per choice
+
+        def logprobs_of(index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+            if entries is None or gen.params.logprobs is None:
+                return None
+            return completion_logprobs(entries, offsets, index)
 
         if not req.stream:
-            done = await complete(prompt_ids, params, req.stop_list)
-            choice = {"text": done.text, "index": 0, "logprobs": None, "finish_reason": done.finish_reason}
-            usage_now = usage(len(prompt_ids), done.completion_tokens)
-            return envelope(rid, "text_completion", now, req.model, [choice], usage=usage_now)
+            done = await complete(gen)
+            choices = [
+                {
+                    "text": d.text,
+                    "index": d.index,
+                    "logprobs": logprobs_of(d.index, d.logprobs),
+                    "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason,
+                }
+                for d in done
+            ]
+            usage_now = usage(len(prompt_ids), sum(d.completion_tokens for d in done))
+            return envelope(rid, "text_completion", now, req.model, choices, usage=usage_now)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
-            choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        def chunk(index: int, text: str | None, done: ChoiceDone | None, entries: list[TokenLogprob]) -> dict[str, Any]:
+            choice = {
+                "text": text or "",
+                "index": index,
+                "logprobs": logprobs_of(index, entries) if done is None else None,
+                "finish_reason": done.finish_reason if done else None,
+            }
+            if done is not None:
+                choice["stop_reason"] = done.stop_reason
             extra = {"usage": None} if include_usage else {}
             return envelope(rid, "text_completion", now, req.model, [choice], **extra)
 
         def usage_chunk(completion_tokens: int) -> dict[str, Any]:
             return envelope(rid, "text_completion", now, req.model, [], usage=usage(len(prompt_ids), completion_tokens))
 
-        return await stream(prompt_ids, params, req.stop_list, chunk, [], usage_chunk if include_usage else None)
+        return await stream(gen, chunk, [], usage_chunk if include_usage else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         check_auth(request)
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, config.max_request_bytes)
-        check_common(req)
-        if req.tools:
-            raise invalid_param("tools are not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise invalid_param("only the text response_format is supported", "response_format")
+        req: ChatCompletionRequest = await parse(request, lambda body: ChatCompletionRequest, "chat")
+        check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise invalid_param("top_logprobs needs logprobs=true", "top_logprobs")
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [m.as_dict() for m in req.messages]
         except ValueError as e:
             raise invalid_param(str(e), "messages") from None
         try:
@@ -393,35 +435,76 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = budget(prompt_ids, requested, config.default_chat_max_tokens, param, "messages")
-        params = sampling(req, max_tokens)
+        gen = generation_request(req, prompt_ids, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
+        def logprobs_of(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+            return None if entries is None or gen.params.logprobs is None else chat_logprobs(entries)
+
         if not req.stream:
-            done = await complete(prompt_ids, params, req.stop_list)
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": done.text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": done.finish_reason,
-            }
-            usage_now = usage(len(prompt_ids), done.completion_tokens)
-            return envelope(rid, "chat.completion", now, req.model, [choice], usage=usage_now)
+            done = await complete(gen)
+            choices = [
+                {
+                    "index": d.index,
+                    "message": {"role": "assistant", "content": d.text, "refusal": None},
+                    "logprobs": logprobs_of(d.logprobs),
+                    "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason,
+                }
+                for d in done
+            ]
+            usage_now = usage(len(prompt_ids), sum(d.completion_tokens for d in done))
+            return envelope(rid, "chat.completion", now, req.model, choices, usage=usage_now)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk_with(delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        def chunk_with(index: int, delta: dict[str, Any], done: ChoiceDone | None, logprobs: Any) -> dict[str, Any]:
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": done.finish_reason if done else None,
+            }
+            if done is not None:
+                choice["stop_reason"] = done.stop_reason
             extra = {"usage": None} if include_usage else {}
             return envelope(rid, "chat.completion.chunk", now, req.model, [choice], **extra)
 
-        def chunk(text: str | None, finish_reason: str | None) -> dict[str, Any]:
-            return chunk_with({} if text is None else {"content": text}, finish_reason)
+        def chunk(index: int, text: str | None, done: ChoiceDone | None, entries: list[TokenLogprob]) -> dict[str, Any]:
+            delta = {} if text is None else {"content": text}
+            return chunk_with(index, delta, done, logprobs_of(entries) if done is None else None)
 
         def usage_chunk(completion_tokens: int) -> dict[str, Any]:
             final_usage = usage(len(prompt_ids), completion_tokens)
             return envelope(rid, "chat.completion.chunk", now, req.model, [], usage=final_usage)
 
-        prelude = [chunk_with({"role": "assistant", "content": ""}, None)]
-        return await stream(prompt_ids, params, req.stop_list, chunk, prelude, usage_chunk if include_usage else None)
+        prelude = [chunk_with(i, {"role": "assistant", "content": ""}, None, None) for i in range(gen.n)]
+        return await stream(gen, chunk, prelude, usage_chunk if include_usage else None)
 
     return app
+
+
+def completion_logprobs(entries: list[TokenLogprob], offsets: list[int], index: int) -> dict[str, Any]:
+    """The legacy completions `logprobs` object; the sampled token is always among `top_logprobs` (as OpenAI does)."""
+    text_offset = []
+    for entry in entries:
+        text_offset.append(offsets[index])
+        offsets[index] += len(entry.text)
+    return {
+        "tokens": [e.text for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict([*e.top, (e.text, e.logprob)]) if e.top else {e.text: e.logprob} for e in entries],
+        "text_offset": text_offset,
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """The chat `logprobs` object: `content`, one entry per token with its `top_logprobs`."""
+
+    def item(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [{**item(e.text, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries],
+        "refusal": None,
+    }

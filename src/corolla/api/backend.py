@@ -1,18 +1,20 @@
-"""What the gateway needs from a model: a text codec (encode, decode, chat prompt) and a blocking token generator.
+"""What the gateway needs from a model: a text codec (encode, decode, chat prompt) and a blocking stream of logits.
 
-`GenerationBackend` is the protocol `create_app` drives; `TokenizerCodec` adapts a Hugging Face tokenizer (its chat
-template, or plain "role: content" lines when it has none); `SwarmBackend` generates through a distributed model,
-one inference session per request, so concurrent requests reach the servers as concurrent sessions.
+`GenerationBackend` is the protocol `create_app` drives (the app samples, so that every sampling parameter is applied
+in one place whatever the backend); `TokenizerCodec` adapts a Hugging Face tokenizer (its chat template, or plain
+"role: content" lines when it has none); `SwarmBackend` runs a distributed model, one inference session per request,
+so concurrent requests reach the servers as concurrent sessions. `generation_defaults` reads the sampling defaults of
+a model's `generation_config.json` (applied by the app when a request leaves them unset, as vLLM does).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Generator, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from corolla.api.sampling import SamplingParams, sample_next_token
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -22,16 +24,19 @@ class GenerationBackend(Protocol):
     model_id: str
     max_context_tokens: int
     eos_token_ids: frozenset[int]
+    vocab_size: int | None
+    generation_defaults: dict[str, Any]  # SamplingParams field -> default (from generation_config.json)
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]: ...
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-        """Yields up to `params.max_new_tokens` token ids (blocking; run in a worker thread). Closing the iterator
-        early must release the inference session. May raise `corolla.utils.errors.MissingBlocksError`."""
+    def step_logits(self, prompt_ids: list[int], max_length: int) -> Generator[torch.Tensor, int, None]:
+        """Yields the next-token logits [V] after the prompt, then after each token sent in (blocking; run in a
+        worker thread); the sequence never exceeds `max_length` tokens. Closing the generator early must release
+        the inference session. May raise `corolla.utils.errors.MissingBlocksError`."""
         ...
 
 
@@ -47,11 +52,11 @@ class TokenizerCodec:
     def __init__(self, tokenizer: Any, *, max_context_tokens: int):
         self.tokenizer = tokenizer
         self.max_context_tokens = max_context_tokens
-        eos = tokenizer.eos_token_id
-        self.eos_token_ids = frozenset([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
+        self.eos_token_ids = frozenset(_ids(tokenizer.eos_token_id))
+        self.generation_defaults: dict[str, Any] = {}
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -65,7 +70,7 @@ class TokenizerCodec:
 
 
 class SwarmBackend(TokenizerCodec):
-    """Generates with a `corolla.client` distributed causal LM: prefill once, then one token per step."""
+    """Runs a `corolla.client` distributed causal LM: prefill once, then one token per step."""
 
     def __init__(self, model: Any, tokenizer: Any, *, model_id: str, max_context_tokens: int | None = None):
         if max_context_tokens is None:
@@ -74,21 +79,49 @@ class SwarmBackend(TokenizerCodec):
         self.model = model
         self.model_id = model_id
         self.vocab_size = int(model.config.vocab_size)
+        generation_config = getattr(model, "generation_config", None)
+        self.generation_defaults = generation_defaults(generation_config)
+        self.eos_token_ids = self.eos_token_ids | frozenset(_ids(getattr(generation_config, "eos_token_id", None)))
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
-        generator = params.make_generator()
+    def step_logits(self, prompt_ids: list[int], max_length: int) -> Generator[torch.Tensor, int, None]:
         # An explicit session per request (never the model's shared `active_session`): requests run in parallel.
-        session = self.model.inference_session(max_length=len(prompt_ids) + params.max_new_tokens)
+        session = self.model.inference_session(max_length=max_length)
         try:
             with torch.inference_mode():
                 input_ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T]
-                for _ in range(params.max_new_tokens):
+                while True:
                     logits = self.model(input_ids, session=session).logits  # [1, T, V]
-                    token = sample_next_token(logits[0, -1], params, generator)
-                    yield token
+                    token = yield logits[0, -1]
                     input_ids = torch.tensor([[token]], dtype=torch.long)  # [1, 1]
         finally:
             session.close()
+
+
+# generation_config.json fields the API applies as defaults, by SamplingParams field (vLLM's `--generation-config`)
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(generation_config: Any) -> dict[str, Any]:
+    """The sampling defaults a model's generation config sets (only the fields it differs from transformers' own
+    defaults on, as vLLM reads them), keyed by `SamplingParams` field."""
+    if generation_config is None:
+        return {}
+    diff = generation_config.to_diff_dict()
+    return {name: diff[name] for name in GENERATION_DEFAULT_FIELDS if diff.get(name) is not None}
+
+
+def default_model_id(name_or_path: str) -> str:
+    """The name clients use by default: a local directory's basename, a hub repo id as it is."""
+    path = os.path.expanduser(str(name_or_path))
+    if os.path.isdir(path):
+        return os.path.basename(os.path.normpath(path)) or str(name_or_path)
+    return str(name_or_path)
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
 def load_swarm_backend(
@@ -120,4 +153,4 @@ def load_swarm_backend(
         name_or_path, client_config=client_config, torch_dtype=dtype
     )
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    return SwarmBackend(model, tokenizer, model_id=model_id or str(name_or_path))
+    return SwarmBackend(model, tokenizer, model_id=model_id or default_model_id(str(name_or_path)))

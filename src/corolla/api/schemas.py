@@ -1,5 +1,10 @@
-"""Request bodies of the OpenAI API subset we serve, as pydantic models (unknown fields are accepted and ignored,
-as OpenAI clients send many optional ones); responses are built as plain dicts in `app` to match OpenAI exactly."""
+"""Request bodies of the OpenAI and vLLM APIs we serve, as pydantic models; responses are built as plain dicts in `app`
+to match OpenAI exactly.
+
+No field is silently ignored: every field a model declares is honored, `ONLY_DEFAULT` lists the fields accepted only at
+their no-op value (anything else is refused by `refuse_unsupported` with a 400 naming the field), `METADATA_FIELDS`
+are request metadata that change no output, and any other field is refused (pydantic `extra="forbid"`).
+"""
 
 from __future__ import annotations
 
@@ -9,27 +14,99 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_SEQUENCES = 4
 
+# fields that carry no instruction for generation (accepted, recorded nowhere)
+METADATA_FIELDS = ("user", "metadata", "request_id", "service_tier", "store")
+
+# field -> the values that mean "off": accepted (and dropped); any other value is a 400 naming the field
+_COMMON_ONLY_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "truncate_prompt_tokens": (),
+    "prompt_logprobs": (),
+    "bad_words": ([],),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "structured_outputs": (),
+    "priority": (0,),
+    "echo": (False,),
+    "response_format": ({"type": "text"},),
+}
+ONLY_DEFAULT: dict[str, dict[str, tuple[Any, ...]]] = {
+    "completion": {**_COMMON_ONLY_DEFAULT, "suffix": ("",), "best_of": (1,)},
+    "chat": {
+        **_COMMON_ONLY_DEFAULT,
+        "tools": ([],),
+        "tool_choice": ("none", "auto"),
+        "parallel_tool_calls": (True, False),
+        "functions": ([],),
+        "function_call": ("none", "auto"),
+        "add_generation_prompt": (True,),
+        "continue_final_message": (False,),
+        "chat_template": (),
+        "chat_template_kwargs": ({},),
+        "documents": ([],),
+        "modalities": (["text"],),
+        "audio": (),
+        "reasoning_effort": (),
+        "prediction": (),
+        "web_search_options": (),
+    },
+}
+
+
+def refuse_unsupported(body: dict[str, Any], kind: str) -> tuple[dict[str, Any], str | None, str | None]:
+    """Drops the no-op fields of `body` (a new dict); returns it with the first field set to something we do not
+    implement (and why), else None."""
+    kept = {}
+    for name, value in body.items():
+        allowed = ONLY_DEFAULT[kind].get(name)
+        if allowed is None:
+            kept[name] = value
+        elif value is not None and value not in allowed:
+            shown = f" (only {', '.join(repr(v) for v in allowed)} or unset)" if allowed else " (leave it unset)"
+            return kept, name, f"{name}={value!r} is not supported by this server{shown}"
+    return kept, None, None
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     n: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     seed: int | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    # request metadata (METADATA_FIELDS): no effect on the output
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    request_id: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -49,18 +126,22 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = Field(default=None, ge=1)
-    suffix: str | None = None
+    logprobs: int | None = Field(default=None, ge=0)
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        """The message as a chat template takes it (ValueError for non-text content)."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         """The message's text; content parts must all be of type "text"."""
@@ -81,5 +162,4 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)

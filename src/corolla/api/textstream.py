@@ -23,6 +23,11 @@ class TextStream:
         self.text = ""  # the final text once finished (stop removed)
 
     @property
+    def full_text(self) -> str:
+        """Everything decoded so far, stop sequences included."""
+        return self._full
+
+    @property
     def num_tokens(self) -> int:
         return len(self._ids)
 

@@ -1,5 +1,6 @@
-"""`corolla-api`: an OpenAI-compatible HTTP gateway (`/v1/completions`, `/v1/chat/completions`, `/v1/models`) in front
-of a swarm serving one model. Listens on 127.0.0.1 unless told otherwise."""
+"""`corolla-api`: an OpenAI- and vLLM-compatible HTTP gateway (`/v1/completions`, `/v1/chat/completions`,
+`/v1/models`, `/health`, `/version`, `/tokenize`, `/detokenize`, `/metrics`) in front of a swarm serving one model.
+Listens on 127.0.0.1 unless told otherwise."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 import configargparse
 
 from corolla.api.app import ApiConfig, create_app
-from corolla.api.backend import load_swarm_backend
+from corolla.api.backend import default_model_id, load_swarm_backend
 from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES
 from corolla.api.local_swarm import LocalSwarm
 from corolla.api.serving import http_cli_parser, serve_until_signalled
@@ -45,7 +46,11 @@ def build_parser() -> configargparse.ArgParser:
         help="private swarm with membership: the swarm key file (made by corolla-dht --new_swarm_key PATH)",
     )
     parser.add_argument(
-        "--served_model_name", nargs="+", default=[], help="names clients use in `model` (default: --model)"
+        "--served_model_name",
+        nargs="+",
+        default=[],
+        help="names clients use in `model`, the first one reported in responses (default: the basename of a local "
+        "--model directory, else --model itself); the --model value is accepted too",
     )
     parser.add_argument(
         "--api_key",
@@ -54,6 +59,10 @@ def build_parser() -> configargparse.ArgParser:
     )
     parser.add_argument("--max_concurrent_requests", type=int, default=64, help="generations running at once")
     parser.add_argument("--default_chat_max_tokens", type=int, default=512)
+    parser.add_argument("--max_n", type=int, default=8, help="most choices per request (`n`); more is a 400")
+    parser.add_argument(
+        "--max_logprobs", type=int, default=20, help="most top log-probabilities per token (`logprobs`/`top_logprobs`)"
+    )
     parser.add_argument(
         "--max_request_bytes",
         type=int,
@@ -83,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace, initial_peers: Sequence[str]) -> None:
-    names = list(args.served_model_name) or [args.model]
+    names = list(args.served_model_name) or [default_model_id(args.model)]
     backend = load_swarm_backend(
         args.model,
         initial_peers=initial_peers,
@@ -96,6 +105,9 @@ def serve(args: argparse.Namespace, initial_peers: Sequence[str]) -> None:
     config = ApiConfig(
         api_key=args.api_key,
         model_aliases=tuple(names[1:]),
+        unlisted_model_names=(str(args.model),),
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
         max_concurrent_requests=args.max_concurrent_requests,
         default_chat_max_tokens=args.default_chat_max_tokens,
         max_request_bytes=args.max_request_bytes,
