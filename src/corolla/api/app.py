@@ -11,6 +11,7 @@ inference sessions in the swarm (which the servers may batch); the event loop on
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import threading
@@ -31,9 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from corolla.api.backend import GenerationBackend
 from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES, read_body
+from corolla.api.chat_page import install_chat_page
 from corolla.api.errors import ApiError, invalid_param, missing_blocks
 from corolla.api.generation import ChoiceDone, Delta, Failed, Finished, GenerationRequest, TokenLogprob, run_generation
 from corolla.api.metrics import ApiMetrics
+from corolla.api.route_trace import DEFAULT_ROUTE_LOG_ENTRIES
 from corolla.api.sampling import SamplingParams
 from corolla.api.schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
 from corolla.api.service_routes import add_service_routes
@@ -54,6 +57,7 @@ class ApiConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413, refused before they are read
     max_n: int = 8  # choices per request (`n`); more is a 400
     max_logprobs: int = 20  # `logprobs` (completions) / `top_logprobs` (chat) above it is a 400 (vLLM's default)
+    route_log_entries: int = DEFAULT_ROUTE_LOG_ENTRIES  # generations whose route /corolla/route keeps (0 = off)
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
@@ -185,6 +189,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         return await _parse(request, choose, config.max_request_bytes, kind)
 
     add_service_routes(app, backend, metrics, parse=parse, check_auth=check_auth, check_model=check_model)
+    install_chat_page(app, check_auth, route_log_entries=config.route_log_entries)  # `/`, `/corolla/route`
 
     def check_token_ids(ids: list[int], param: str) -> None:
         vocab_size = getattr(backend, "vocab_size", None)
@@ -266,7 +271,9 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 cancelled.set()
 
         metrics.prompt_tokens(len(request.prompt_ids) * request.n)
-        loop.run_in_executor(executor, run_generation, backend, request, emit, cancelled, metrics)
+        # the context goes along: the backend reports this request's route to its trace (`api.route_trace`)
+        context = contextvars.copy_context()
+        loop.run_in_executor(executor, context.run, run_generation, backend, request, emit, cancelled, metrics)
         return queue, cancelled
 
     async def complete(request: GenerationRequest) -> list[ChoiceDone]:

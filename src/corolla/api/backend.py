@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from corolla.api.route_trace import current_trace
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -86,15 +87,18 @@ class SwarmBackend(TokenizerCodec):
     def step_logits(self, prompt_ids: list[int], max_length: int) -> Generator[torch.Tensor, int, None]:
         # An explicit session per request (never the model's shared `active_session`): requests run in parallel.
         session = self.model.inference_session(max_length=max_length)
+        trace = current_trace()  # the servers of this request, for /corolla/route (a no-op outside a request)
         try:
             with torch.inference_mode():
                 input_ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T]
                 while True:
                     logits = self.model(input_ids, session=session).logits  # [1, T, V]
+                    trace.step(session.route)
                     token = yield logits[0, -1]
                     input_ids = torch.tensor([[token]], dtype=torch.long)  # [1, 1]
         finally:
             session.close()
+            trace.finish()
 
 
 # generation_config.json fields the API applies as defaults, by SamplingParams field (vLLM's `--generation-config`)

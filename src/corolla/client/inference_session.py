@@ -326,6 +326,11 @@ class InferenceSession:
         return self.end - self.start
 
     @property
+    def route(self) -> list[tuple[RemoteSpanInfo, str | None]]:
+        """The chain in use now: each span's `RemoteSpanInfo` and transport (`local`/`p2p`/None), in block order."""
+        return [(s.span, s.transport) for s in list(self._spans)]
+
+    @property
     def position(self) -> int:
         return self._position
 

@@ -1,0 +1,198 @@
+"""Which servers each generation of `corolla-api` goes through: the route log behind `/corolla/route` and the chat
+page's "servers" panel.
+
+`RouteTraceMiddleware` gives every completion request a `GenerationTrace` in a context variable (the gateway copies
+the context into its generation thread); the backend reports its inference session's chain after every step
+(`current_trace().step(session.route)`) and `finish()`es when the session is closed. A trace enters the bounded
+`RouteLog` only when its generation reports a first step (failed, refused or unauthenticated requests leave
+nothing), and its id goes back in the `x-corolla-route-id` response header. Outside a request, `current_trace()` is
+a no-op object, so backends call it unconditionally.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+ROUTE_ID_HEADER = "x-corolla-route-id"
+DEFAULT_ROUTE_LOG_ENTRIES = 256
+MAX_PUBLIC_NAME_CHARS = 64  # server-chosen text, cut before it reaches a page
+TRACED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    """One server of a chain: its peer id, blocks `[start, end)`, announced name and the transport in use."""
+
+    peer_id: str
+    start: int
+    end: int
+    public_name: str | None
+    transport: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.peer_id,
+            "start": self.start,
+            "end": self.end,
+            "public_name": self.public_name,
+            "transport": self.transport,
+        }
+
+
+def hops_of(route: Sequence[tuple[Any, str | None]]) -> tuple[RouteHop, ...]:
+    """`InferenceSession.route` (`(RemoteSpanInfo, transport)` pairs) as `RouteHop`s."""
+    hops = []
+    for span, transport in route:
+        name = getattr(span.server_info, "public_name", None)
+        name = name[:MAX_PUBLIC_NAME_CHARS] if isinstance(name, str) else None
+        hops.append(RouteHop(str(span.peer_id), int(span.start), int(span.end), name, transport))
+    return tuple(hops)
+
+
+class GenerationTrace:
+    """The route of one request's generation: hops (the latest chain), steps run, running or finished."""
+
+    def __init__(self, log: RouteLog, trace_id: str | None = None):
+        self.id = trace_id or uuid.uuid4().hex
+        self._log = log
+        self._lock = threading.Lock()
+        self.hops: tuple[RouteHop, ...] = ()
+        self.steps = 0
+        self.route_changes = 0  # how often the chain changed after the first step (fail-over, hand-off)
+        self.started_at: float | None = None
+        self.finished_at: float | None = None
+        self.registered = False
+
+    def step(self, route: Sequence[tuple[Any, str | None]]) -> None:
+        """Called by the backend after each inference step with `session.route`."""
+        hops = hops_of(route)
+        with self._lock:
+            if self.steps > 0 and hops != self.hops:
+                self.route_changes += 1
+            self.hops, self.steps = hops, self.steps + 1
+            self.finished_at = None  # a request with n > 1 runs one session per choice, one after the other
+            if self.started_at is None:
+                self.started_at = time.time()
+            first = not self.registered
+            self.registered = True
+        if first:
+            self._log.add(self)
+
+    def finish(self) -> None:
+        """Called by the backend once its inference session is closed (done, failed or stopped by the client)."""
+        with self._lock:
+            if self.started_at is not None and self.finished_at is None:
+                self.finished_at = time.time()
+
+    def to_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "id": self.id,
+                "state": "finished" if self.finished_at is not None else "running",
+                "steps": self.steps,
+                "route_changes": self.route_changes,
+                "started_at": self.started_at,
+                "finished_at": self.finished_at,
+                "route": [hop.to_dict() for hop in self.hops],
+            }
+
+
+class _NoTrace:
+    """What `current_trace()` returns outside a traced request: records nothing."""
+
+    def step(self, route: Sequence[tuple[Any, str | None]]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+NO_TRACE = _NoTrace()
+_current: ContextVar[GenerationTrace | None] = ContextVar("corolla_api_generation_trace", default=None)
+
+
+def current_trace() -> GenerationTrace | _NoTrace:
+    """The trace of the request this generation serves, or a no-op one."""
+    return _current.get() or NO_TRACE
+
+
+class RouteLog:
+    """The last `max_entries` traces (oldest dropped first), thread-safe; `max_entries=0` records nothing."""
+
+    def __init__(self, max_entries: int = DEFAULT_ROUTE_LOG_ENTRIES):
+        if max_entries < 0:
+            raise ValueError(f"route_log_entries must be >= 0, got {max_entries}")
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._traces: OrderedDict[str, GenerationTrace] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0
+
+    def new_trace(self) -> GenerationTrace:
+        return GenerationTrace(self)
+
+    def add(self, trace: GenerationTrace) -> None:
+        with self._lock:
+            self._traces[trace.id] = trace
+            while len(self._traces) > self.max_entries:
+                self._traces.popitem(last=False)
+
+    def get(self, trace_id: str) -> GenerationTrace | None:
+        with self._lock:
+            return self._traces.get(trace_id)
+
+    def latest(self, limit: int) -> list[GenerationTrace]:
+        """Up to `limit` traces, the most recent first."""
+        with self._lock:
+            traces = list(self._traces.values())
+        return traces[::-1][: max(0, limit)]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._traces)
+
+
+class RouteTraceMiddleware:
+    """Pure ASGI middleware: a trace per POST to a completion endpoint, in the context of the whole request, and
+    its id in the response headers once its generation has started (pure ASGI, so the endpoint runs in this
+    context: Starlette's BaseHTTPMiddleware would run it in another task)."""
+
+    def __init__(self, app: Any, route_log: RouteLog):
+        self.app, self.route_log = app, route_log
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if (
+            not self.route_log.enabled
+            or scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or scope.get("path") not in TRACED_PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        trace = self.route_log.new_trace()
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and trace.registered:
+                headers = list(message.get("headers", []))
+                headers.append((ROUTE_ID_HEADER.encode(), trace.id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        token = _current.set(trace)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            _current.reset(token)
