@@ -11,8 +11,17 @@ from typing import Any
 
 import configargparse
 
+from corolla.cli.errors import (
+    add_common_flags,
+    check_initial_peers,
+    check_model_argument,
+    check_port_free,
+    exit_now,
+    run_cli,
+)
 from corolla.server.config import COMPRESSION_NAMES, QUANT_TYPE_NAMES, TORCH_DTYPE_NAMES, ServerConfig
 from corolla.server.limits import add_limit_flags
+from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -113,6 +122,7 @@ def build_parser() -> configargparse.ArgParser:
     parser.add("--skip_reachability_check", action="store_true", help="skip the public reachability check")
     parser.add("--adapters", nargs="*", default=(), help="LoRA adapters to pre-load")
     add_limit_flags(parser)  # fair-use limits: --max_sessions_per_peer, --max_kv_fraction_per_peer, ...
+    add_common_flags(parser)
     return parser
 
 
@@ -121,6 +131,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     args.pop("config", None)
+    args.pop("verbose", None)  # cli.errors reads it from argv
     use_auth_token = args.pop("use_auth_token")
     if use_auth_token:
         args["token"] = True
@@ -149,8 +160,34 @@ def increase_file_limit(limit: int) -> None:
         logger.warning(f"increase_file_limit.failed(limit={limit}): {e}")
 
 
+def preflight(config: ServerConfig) -> None:
+    """Mistakes found before anything slow starts (ConfigurationError, exit 2): a malformed `--initial_peers`, a local
+    model path that is not there, a taken `--port` / `--host_maddrs` port (p2pd would silently come up on the other
+    address family only) or `--metrics_port`."""
+    check_initial_peers(config.initial_peers)
+    check_model_argument(config.model_name_or_path)
+    for maddr in config.resolved_host_maddrs:
+        parts = maddr.split("/")  # /ip4/HOST/tcp/PORT
+        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and parts[4].isdigit():
+            flag = "--port" if config.port is not None else "--host_maddrs"
+            check_port_free(parts[2], int(parts[4]), flag=flag)
+    if config.metrics_port:
+        check_port_free("127.0.0.1", config.metrics_port, flag="--metrics_port")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point: a mistake ends with one line on stderr and exit code 2 (1 for runtime failures). Run from
+    the command line (argv None), the process exits right after the shutdown: the interpreter's teardown of torch
+    and hivemind took ~4 s more after a SIGTERM."""
+    code = run_cli("corolla-server", lambda: _main(argv), argv)
+    if argv is None:
+        exit_now(code)
+    return code
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
+    preflight(config)
     increase_file_limit(config.increase_file_limit)
 
     from corolla.server.server import Server
@@ -162,7 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"corolla-server: error: {e}", file=sys.stderr, flush=True)
         return 2
     if config.throughput == "dry_run":
-        return server.run()  # measures, prints the figures and returns: no swarm, no signal handlers
+        try:
+            return server.run()  # measures, prints the figures and returns: no swarm, no signal handlers
+        except ConfigurationError as e:
+            print(f"corolla-server: error: {e}", file=sys.stderr, flush=True)
+            return 2
 
     stop_reason: dict[str, Any] = {}
 
@@ -173,6 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return server.run()
+    except ConfigurationError as e:  # found while loading (checkpoint missing offline, ...): never retried
+        print(f"corolla-server: error: {e}", file=sys.stderr, flush=True)
+        return 2
     except KeyboardInterrupt:
         return 0
     finally:

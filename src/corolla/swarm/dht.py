@@ -116,6 +116,9 @@ def _p2pd_preexec(expected_parent_pid: int) -> None:
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != expected_parent_pid:  # parent died before prctl took effect
         os._exit(1)
+    # its own process group: a process-group SIGTERM/SIGINT (systemd, `timeout`, Ctrl-C) must not kill p2pd before
+    # the server announced OFFLINE through it; it still dies with the DHT process (the parent-death signal above)
+    os.setpgid(0, 0)
 
 
 _p2pd_patch_lock = threading.Lock()
@@ -168,6 +171,9 @@ class OrphanProofDHT(hivemind.DHT):
         owner_pid = self._parent_pid
         if self._created_in_main_thread:
             set_parent_death_signal(signal.SIGKILL)
+        # the owner decides when the DHT stops (shutdown message, then SIGKILL): a process-group SIGTERM must leave
+        # it up for the OFFLINE announcement (hivemind already ignores SIGINT here)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if os.getppid() != owner_pid:
             os._exit(1)
         threading.Thread(target=_watch_owner, args=(owner_pid,), name="dht-owner-watchdog", daemon=True).start()
@@ -244,8 +250,8 @@ def shutdown_dht(dht: hivemind.DHT, timeout_s: float = 5.0) -> None:
     """Stops the DHT process (and its p2pd); kills it if it does not stop within `timeout_s`."""
     try:
         if dht.is_alive():
-            dht.shutdown()
-        dht.join(timeout_s)
+            dht.shutdown_timeout = min(dht.shutdown_timeout, timeout_s)
+            dht.shutdown()  # the graceful way, within `timeout_s` (it ignores the SIGTERM hivemind sends after that)
     except Exception as e:  # a half-started DHT may lack its pipe; make sure the process goes anyway
         logger.debug(f"dht.shutdown_error({e!r})")
     if dht.pid is not None and dht.is_alive():
