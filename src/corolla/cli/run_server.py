@@ -166,6 +166,9 @@ def preflight(config: ServerConfig) -> None:
     address family only) or `--metrics_port`."""
     check_initial_peers(config.initial_peers)
     check_model_argument(config.model_name_or_path)
+    from corolla.server.startup_checks import check_settings
+
+    check_settings(config)  # a device, quantization or dtype that cannot run here (before the heavy imports)
     for maddr in config.resolved_host_maddrs:
         parts = maddr.split("/")  # /ip4/HOST/tcp/PORT
         if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and parts[4].isdigit():
@@ -195,7 +198,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     try:
         server = Server(config)
     except (ValueError, OSError) as e:  # bad settings (CPU + float16, blocks past the depth), unloadable model
-        logger.error(f"server.bad_settings: {e}")
+        logger.debug(f"server.bad_settings: {e}")  # the one line on stderr is the print below
         print(f"corolla-server: error: {e}", file=sys.stderr, flush=True)
         return 2
     if config.throughput == "dry_run":

@@ -31,6 +31,7 @@ from corolla.server.reachability_gate import validate_reachability
 from corolla.server.sessions import SessionTimeouts
 from corolla.server.span_service import SpanService
 from corolla.utils import busy_poll
+from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -58,37 +59,26 @@ class ResolvedSettings:
     cache_bytes_per_block: int
 
 
-def _default_device(requested: str | None) -> torch.device:
-    if requested is not None:
-        device = torch.device(requested)
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        device = torch.device("mps")
-    else:
-        device = torch.device("cpu")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda:0")
-    return device
-
-
 class Server:
     """One server process. `run()` blocks until stopped (SIGINT/SIGTERM via `request_stop()`); `start()` runs the
     same loop in a background thread (for in-process tests) and waits until it serves."""
 
     def __init__(self, config: ServerConfig):
-        from corolla.models.config import default_dht_prefix, load_config, resolve_block_dtype
+        from corolla.models.config import default_dht_prefix, load_config
         from corolla.models.registry import get_family
+        from corolla.server import startup_checks
 
         self.config = config
+        # device and quantization first (no model needed): a setting that cannot run here ends in seconds
+        device, quant_type = startup_checks.resolve_device_and_quant(
+            config.device, config.quant_type, config.tensor_parallel_devices
+        )
         self.model_config = load_config(
             config.model_name_or_path, revision=config.revision, token=config.token, cache_dir=config.cache_dir
         )
         self.family = get_family(self.model_config)
         mc = self.model_config
-        device = _default_device(config.device)
-        dtype = resolve_block_dtype(mc, config.torch_dtype, device=device)
-        quant_type = config.quant_type or ("nf4" if device.type == "cuda" else "none")
+        dtype = startup_checks.resolve_dtype(mc, config.torch_dtype, device)
         dht_prefix = validate_dht_prefix(config.dht_prefix or default_dht_prefix(config.model_name_or_path, mc))
         from corolla.server import sizing
 
@@ -360,6 +350,8 @@ class Server:
                 try:
                     outcome = await self._serve_once(p2p)
                     failures = 0
+                except ConfigurationError:
+                    raise  # cannot work here (no checkpoint, bitsandbytes missing, ...): retrying would not help
                 except Exception as e:
                     failures += 1
                     self.num_restarts += 1
