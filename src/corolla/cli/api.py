@@ -64,6 +64,12 @@ def build_parser() -> configargparse.ArgParser:
         "--max_logprobs", type=int, default=20, help="most top log-probabilities per token (`logprobs`/`top_logprobs`)"
     )
     parser.add_argument(
+        "--route_log_entries",
+        type=int,
+        default=256,
+        help="generations whose servers /corolla/route (and the chat page at /) can show; 0 = no route tracking",
+    )
+    parser.add_argument(
         "--max_request_bytes",
         type=int,
         default=DEFAULT_MAX_REQUEST_BYTES,
@@ -108,6 +114,7 @@ def serve(args: argparse.Namespace, initial_peers: Sequence[str]) -> None:
         unlisted_model_names=(str(args.model),),
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
+        route_log_entries=args.route_log_entries,
         max_concurrent_requests=args.max_concurrent_requests,
         default_chat_max_tokens=args.default_chat_max_tokens,
         max_request_bytes=args.max_request_bytes,
