@@ -18,6 +18,7 @@ from corolla.api.backend import default_model_id, load_swarm_backend
 from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES
 from corolla.api.local_swarm import LocalSwarm
 from corolla.api.serving import http_cli_parser, serve_until_signalled
+from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, check_port_free, run_cli
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -79,11 +80,20 @@ def build_parser() -> configargparse.ArgParser:
         "--max_retries", type=int, default=3, help="client fail-over retries before a request fails (503)"
     )
     parser.add_argument("--torch_dtype", default="float32", help="dtype of the local embeddings and LM head")
+    add_common_flags(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """A mistake (taken port, bad peers, missing model directory) ends with one line on stderr and exit code 2 or 1."""
+    return run_cli("corolla-api", lambda: _main(argv), argv)
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_port_free(args.host, args.port)  # before the slow part: uvicorn would only fail after the model loaded
+    check_initial_peers(args.initial_peers)
+    check_model_argument(args.model)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM during start-up also unwinds (stops the swarm)
     with contextlib.ExitStack() as stack:
         initial_peers = args.initial_peers

@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import shlex
 import signal
 import socket
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from corolla.cli.errors import add_common_flags, run_cli
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep_running", action="store_true", help="leave the swarm up until Ctrl-C")
     parser.add_argument("--no_web", action="store_true", help="do not start the health page and the OpenAI API")
     parser.add_argument("--verbose", action="store_true", help="show corolla's logs (servers log to files)")
+    add_common_flags(parser)
     return parser
 
 
@@ -294,8 +297,33 @@ def _keep_running(swarm: LocalSwarm, model_dir: Path, work_dir: Path, urls: Sequ
           "--device cpu --torch_dtype float32   # one more server")  # fmt: skip
     for url in urls:
         print(f"  {url}")
+    hint = namespace_hint()
+    if hint:
+        print(hint)
     print(f"Logs: {work_dir}. Press Ctrl-C to stop.", flush=True)
     threading.Event().wait()  # until KeyboardInterrupt
+
+
+def namespace_hint(pid: int | None = None) -> str | None:
+    """How to reach the swarm from another terminal when this process runs in a network namespace that has only
+    `lo` (the loopback-only tool, `unshare -n`): its 127.0.0.1 is not the other terminal's. None otherwise."""
+    try:
+        interfaces = sorted(name for _, name in socket.if_nameindex())  # this namespace's (not /sys's) interfaces
+    except OSError:
+        return None
+    if interfaces != ["lo"]:
+        return None
+    pid = os.getpid() if pid is None else pid
+    enter = (
+        f"nsenter --net=/proc/{pid}/ns/net --"
+        if os.geteuid() == 0
+        else f"nsenter --target {pid} --user --net --preserve-credentials --"
+    )
+    return (
+        "This demo runs in a network namespace with only loopback (e.g. under loopback-only): 127.0.0.1 above is "
+        "its own. From another terminal, run the commands and URLs above inside it:\n"
+        f"  {enter} corolla-generate ...   /   {enter} curl http://127.0.0.1:PORT/..."
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -305,11 +333,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         logging.getLogger("corolla").setLevel(logging.WARNING)  # keep the terminal for the demo's own lines
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the swarm on `kill` as on Ctrl-C
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        print("\nInterrupted: the swarm has been stopped.", flush=True)
-        return 130
+
+    def body() -> int:
+        try:
+            return run(args)
+        except KeyboardInterrupt:
+            print("\nInterrupted: the swarm has been stopped.", flush=True)
+            return 130
+
+    return run_cli("corolla-demo", body, argv)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import configargparse
 
 from corolla.api.serving import http_cli_parser, serve_until_signalled
+from corolla.cli.errors import add_common_flags, check_initial_peers, check_port_free, run_cli
 from corolla.health.app import create_app
 from corolla.health.collector import HealthConfig, StateCollector
 from corolla.health.state import ModelEntry
@@ -47,6 +48,7 @@ def build_parser() -> configargparse.ArgParser:
     parser.add_argument("--refresh_period", type=float, default=30.0, help="seconds between state refreshes")
     parser.add_argument("--ping_timeout", type=float, default=3.0, help="seconds before a server counts as unreachable")
     parser.add_argument("--no_reachability", action="store_true", help="do not ping servers")
+    add_common_flags(parser)
     return parser
 
 
@@ -83,7 +85,14 @@ def model_entries(args: argparse.Namespace, dht) -> list[ModelEntry]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """A mistake (taken port, bad or unreachable peers) ends with one line on stderr and exit code 2 or 1."""
+    return run_cli("corolla-health", lambda: _main(argv), argv)
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_port_free(args.host, args.port)  # before joining the swarm
+    check_initial_peers(args.initial_peers)
     # the DHT forks: create it before any thread starts
     swarm_key = load_swarm_key(args.swarm_key_file)
     dht = create_dht(SwarmConfig(initial_peers=list(args.initial_peers), client_mode=True, swarm_key=swarm_key))

@@ -16,6 +16,7 @@ from typing import Any
 
 import configargparse
 
+from corolla.cli.errors import add_common_flags, check_initial_peers, run_cli
 from corolla.swarm.dht import (
     PRIVATE_HOST_MADDRS,
     PUBLIC_HOST_MADDRS,
@@ -87,6 +88,7 @@ def build_parser() -> configargparse.ArgParser:
     parser.add_argument(
         "--startup_timeout", type=float, default=60.0, help="seconds to wait for the p2p daemon and bootstrap"
     )
+    add_common_flags(parser)
     return parser
 
 
@@ -111,7 +113,7 @@ async def _refresh(_dht: Any, node: Any, *, key: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: runs the node, then exits at once (interpreter teardown of torch takes seconds)."""
-    code = run(argv)
+    code = run_cli("corolla-dht", lambda: run(argv), argv)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -131,6 +133,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"corolla-dht: {args.new_swarm_key} exists; not overwriting a swarm key") from None
         print(f"corolla-dht: new swarm key {key.fingerprint} written to {args.new_swarm_key}", flush=True)
         return 0
+    check_initial_peers(args.initial_peers)
     config = config_from_args(args)
 
     stop = threading.Event()
