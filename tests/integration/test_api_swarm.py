@@ -28,6 +28,7 @@ MODEL_ID = "tiny-llama-chat"
 PROMPT = "The swarm says"
 API_BANNER = "corolla-api: serving "
 SERVERS_HAVE_METRICS = "--metrics_port" in server_parser().format_help()
+GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.9, "top_k": 1}
 
 
 def free_port() -> int:
@@ -85,6 +86,10 @@ def stop_all(swarm: Swarm) -> None:
 def gateway(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("api-swarm")
     model_path = make_tiny_model("llama", workdir / "models")
+    # sampling defaults the gateway must apply when a request leaves them unset (greedy requests are unaffected)
+    config = json.loads((model_path / "generation_config.json").read_text())
+    config.update(GENERATION_DEFAULTS)
+    (model_path / "generation_config.json").write_text(json.dumps(config))
     swarm = Swarm(workdir)
     try:
         swarm.start_bootstrap()
@@ -191,6 +196,81 @@ def test_bad_requests(gateway):
     with pytest.raises(openai.BadRequestError) as e:
         gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=-1)
     assert e.value.body["param"] == "max_tokens"
+
+
+def test_logprobs_match_local_log_softmax(gateway):
+    ids = prompt_ids(gateway)
+    tokens = greedy_ids(gateway, ids, 4)
+    out = gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == out.usage.completion_tokens == len(tokens)
+    with torch.no_grad():
+        logits = gateway.reference(torch.tensor([ids + tokens])).logits[0].float()  # [T, V]
+    reference = torch.log_softmax(logits, dim=-1)
+    for step, token in enumerate(tokens):
+        row = reference[len(ids) - 1 + step]  # the distribution the step-th new token was drawn from
+        assert lp.token_logprobs[step] == pytest.approx(float(row[token]), abs=2e-3)
+        assert lp.tokens[step] == gateway.tokenizer.decode([token], skip_special_tokens=True)
+        best = max(lp.top_logprobs[step].values())
+        assert best == pytest.approx(float(row.max()), abs=2e-3)
+
+
+def greedy_ids(gateway: Gateway, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = gateway.reference.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def test_vllm_params_on_the_real_model(gateway):
+    ids = prompt_ids(gateway)
+    greedy = greedy_ids(gateway, ids, 8)
+    stop_at = next(i for i in range(2, 8) if greedy[i] not in greedy[:i])  # a token not generated before it
+    out = gateway.client.completions.create(
+        model=MODEL_ID, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"stop_token_ids": [greedy[stop_at]]}
+    )
+    assert out.choices[0].text == gateway.tokenizer.decode(greedy[:stop_at], skip_special_tokens=True)
+    assert (out.choices[0].finish_reason, out.usage.completion_tokens) == ("stop", stop_at + 1)
+
+    # generation_config.json says top_k=1: a request that leaves top_k unset samples the argmax only
+    expected, _ = gateway.greedy(ids, 6)
+    for seed in (1, 2):
+        out = gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=seed)
+        assert out.choices[0].text == expected
+    sampled = {
+        gateway.client.completions.create(
+            model=MODEL_ID, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=seed, extra_body={"top_k": -1}
+        )
+        .choices[0]
+        .text
+        for seed in (1, 2, 3)
+    }
+    assert sampled != {expected}  # top_k=-1 (off) in the request wins over the default
+
+
+def test_service_routes_and_model_names(gateway):
+    root = gateway.base_url.removesuffix("/v1")
+    with urllib.request.urlopen(root + "/health", timeout=10) as response:
+        assert response.status == 200
+    body = json.dumps({"model": MODEL_ID, "prompt": PROMPT}).encode()
+    request = urllib.request.Request(root + "/tokenize", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        tokenized = json.loads(response.read())
+    assert tokenized["tokens"] == prompt_ids(gateway) and tokenized["count"] == len(prompt_ids(gateway))
+    body = json.dumps({"model": MODEL_ID, "tokens": tokenized["tokens"]}).encode()
+    request = urllib.request.Request(root + "/detokenize", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert json.loads(response.read())["prompt"] == gateway.tokenizer.decode(
+            tokenized["tokens"], skip_special_tokens=True
+        )
+
+    assert [m.id for m in gateway.client.models.list().data] == [MODEL_ID]  # the local path is not listed...
+    out = gateway.client.completions.create(model=str(gateway.model_path), prompt=PROMPT, max_tokens=2, temperature=0)
+    assert out.model == str(gateway.model_path)  # ...but accepted
+    with urllib.request.urlopen(root + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+    assert values["corolla_api_time_to_first_token_seconds_count"] >= 1
+    assert values["corolla_api_generation_tokens_total"] >= 2
 
 
 @pytest.mark.skipif(not SERVERS_HAVE_METRICS, reason="corolla-server has no --metrics_port yet")
