@@ -166,7 +166,9 @@ class _FakeHub:
     def metadata(self, url, token=None):
         return type("Meta", (), {"size": (self.remote / url).stat().st_size})()
 
-    def hf_hub_download(self, repo_id, filename, *, revision=None, token=None, cache_dir=None, local_files_only=False):
+    def hf_hub_download(
+        self, repo_id, filename, *, revision=None, token=None, cache_dir=None, local_files_only=False, **_bars
+    ):
         root = cache_dir / "models--org--tiny"
         link = root / "snapshots" / "main" / filename
         if link.exists():

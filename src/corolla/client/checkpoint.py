@@ -37,16 +37,28 @@ class CheckpointReader:
         self._resolve()
 
     def _fetch(self, filename: str) -> str | None:
+        """A local path of `filename`, or None when the repo has no such file (or, offline, no cached copy)."""
         if self._local:
             path = Path(self.name_or_path) / filename
             return str(path) if path.exists() else None
+        from corolla.models import hub_files
+
+        dirs = hub_files.search_dirs(self.cache_dir)
+        cached = hub_files.cached_file(self.name_or_path, filename, revision=self.revision, cache_dirs=dirs)
+        if cached is not None:
+            return cached
+        if hub_files.hub_offline() or hub_files.known_missing(
+            self.name_or_path, filename, revision=self.revision, cache_dirs=dirs
+        ):
+            return None
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError
 
         try:
             return hf_hub_download(
-                self.name_or_path, filename, revision=self.revision, token=self.token, cache_dir=self.cache_dir
-            )
+                self.name_or_path, filename, revision=self.revision, token=self.token, cache_dir=self.cache_dir,
+                tqdm_class=hub_files.TerminalTqdm,
+            )  # fmt: skip
         except EntryNotFoundError:
             return None
 
@@ -61,6 +73,14 @@ class CheckpointReader:
             if self._fetch(single) is not None:
                 self._single_file = single
                 return
+        if not self._local:
+            from corolla.models import hub_files
+
+            if hub_files.hub_offline():
+                raise hub_files.not_cached_offline(
+                    self.name_or_path, "A checkpoint", revision=self.revision,
+                    cache_dirs=hub_files.search_dirs(self.cache_dir),
+                )  # fmt: skip
         raise FileNotFoundError(f"no safetensors or .bin checkpoint found in {self.name_or_path}")
 
     def _names_in_file(self, filename: str) -> list[str]:

@@ -23,7 +23,15 @@ def load_config(name_or_path: str | os.PathLike, *, revision: str | None = None,
     """A transformers config for a supported family (local directory or hub repo id); `ValueError` otherwise."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(name_or_path), revision=revision, token=token, cache_dir=cache_dir)
+    try:
+        config = AutoConfig.from_pretrained(str(name_or_path), revision=revision, token=token, cache_dir=cache_dir)
+    except OSError as first_error:
+        if cache_dir is None:
+            raise
+        try:  # e.g. offline, with the model in Hugging Face's own cache rather than in the given --cache_dir
+            config = AutoConfig.from_pretrained(str(name_or_path), revision=revision, token=token)
+        except OSError:
+            raise first_error from None
     get_family(config)  # raises for unsupported model types
     return config
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from corolla.models import disk_cache
+from corolla.models import disk_cache, hub_files
 from corolla.models.block_base import CorollaBlock
 from corolla.models.config import checkpoint_dtype, is_local_path, parse_dtype
 from corolla.models.registry import get_family
+from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -66,12 +67,12 @@ def load_pretrained_block(
     normalized = block.normalize_checkpoint_names(state_dict)
     for name, shape in expected.items():
         if name not in normalized:
-            raise ValueError(
+            raise ConfigurationError(
                 f"Tensor {name!r} of block {block_index} is missing from the checkpoint {source.describe()} "
                 f"(looked in {sorted(set(origin.values())) or source.describe()})"
             )
         if tuple(normalized[name].shape) != shape:
-            raise ValueError(
+            raise ConfigurationError(
                 f"Tensor {name!r} of block {block_index} in {origin.get(name, source.describe())} has shape "
                 f"{tuple(normalized[name].shape)}, expected {shape}"
             )
@@ -123,6 +124,7 @@ class _CheckpointSource:
         # Meta's Llama 2 repos are gated: use the locally saved token when none is given (as the reference does).
         self.token = True if token is None and self.name_or_path.startswith("meta-llama/Llama-2-") else token
         self.max_disk_space_bytes = max_disk_space_bytes
+        self.search_dirs = hub_files.search_dirs(self.cache_dir)  # corolla's cache, then Hugging Face's
 
     def describe(self) -> str:
         return self.name_or_path
@@ -133,16 +135,27 @@ class _CheckpointSource:
             for name in CHECKPOINT_FILES:
                 if (Path(self.name_or_path) / name).is_file():
                     return name
-            raise FileNotFoundError(f"No checkpoint in {self.name_or_path}: expected one of {CHECKPOINT_FILES}")
-        for name in CHECKPOINT_FILES:  # a cached copy first, so offline restarts work
+            raise ConfigurationError(f"No checkpoint in {self.name_or_path}: expected one of {CHECKPOINT_FILES}")
+        for name in CHECKPOINT_FILES:  # a cached copy first (corolla's cache, then HF's): offline restarts work
             if self._cached_path(name) is not None:
                 return name
+        if hub_files.hub_offline():
+            raise hub_files.not_cached_offline(
+                self.name_or_path, f"A checkpoint ({' or '.join(CHECKPOINT_FILES)})",
+                revision=self.revision, cache_dirs=self.search_dirs,
+            )  # fmt: skip
         import huggingface_hub
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
         for name in CHECKPOINT_FILES:
-            if huggingface_hub.file_exists(self.name_or_path, name, revision=self.revision, token=self.token):
-                return name
-        raise FileNotFoundError(f"No checkpoint in hub repo {self.name_or_path}: expected one of {CHECKPOINT_FILES}")
+            if hub_files.known_missing(self.name_or_path, name, revision=self.revision, cache_dirs=self.search_dirs):
+                continue
+            try:
+                if huggingface_hub.file_exists(self.name_or_path, name, revision=self.revision, token=self.token):
+                    return name
+            except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError) as e:
+                raise ConfigurationError(f"Can't read hub repo {self.name_or_path}: {_first_line(e)}") from None
+        raise ConfigurationError(f"No checkpoint in hub repo {self.name_or_path}: expected one of {CHECKPOINT_FILES}")
 
     def read_block(self, prefixes: tuple[str, ...], block_index: int):
         """(state dict relative to the layer prefix, {name: file it came from})."""
@@ -152,7 +165,7 @@ class _CheckpointSource:
                 weight_map: dict[str, str] = json.load(f)["weight_map"]
             prefix = _pick_prefix(prefixes, block_index, weight_map.keys())
             if prefix is None:
-                raise ValueError(
+                raise ConfigurationError(
                     f"No tensors of block {block_index} (prefixes {[f'{p}.{block_index}.' for p in prefixes]}) "
                     f"in {self.describe()}/{index_name}"
                 )
@@ -168,7 +181,7 @@ class _CheckpointSource:
                 if prefix is None:
                     prefix = _pick_prefix(prefixes, block_index, _tensor_names(local_path))
                     if prefix is None:
-                        raise ValueError(f"No tensors of block {block_index} in {local_path}")
+                        raise ConfigurationError(f"No tensors of block {block_index} in {local_path}")
                 tensors = read_tensors(local_path, prefix)
             if not self.local:
                 disk_cache.mark_used(local_path)
@@ -178,16 +191,8 @@ class _CheckpointSource:
 
     # --- fetching -------------------------------------------------------------------------------------------
     def _cached_path(self, filename: str) -> str | None:
-        import huggingface_hub
-
-        with disk_cache.allow_cache_reads(self.cache_dir):
-            try:
-                return huggingface_hub.hf_hub_download(
-                    self.name_or_path, filename, revision=self.revision, token=self.token,
-                    cache_dir=self.cache_dir, local_files_only=True,
-                )  # fmt: skip
-            except Exception:  # any miss (not cached, offline) means "download it"
-                return None
+        """A local copy in corolla's cache or Hugging Face's (at `revision`), found without the network."""
+        return hub_files.cached_file(self.name_or_path, filename, revision=self.revision, cache_dirs=self.search_dirs)
 
     def get_file(self, filename: str) -> str:
         if self.local:
@@ -195,7 +200,18 @@ class _CheckpointSource:
         cached = self._cached_path(filename)
         if cached is not None:
             return cached
+        if hub_files.hub_offline():
+            raise hub_files.not_cached_offline(
+                self.name_or_path, filename, revision=self.revision, cache_dirs=self.search_dirs
+            )
         import huggingface_hub
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            GatedRepoError,
+            OfflineModeIsEnabled,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
 
         last_error: Exception | None = None
         for attempt in range(HUB_DOWNLOAD_RETRIES):
@@ -206,14 +222,28 @@ class _CheckpointSource:
                     disk_cache.free_disk_space_for(
                         size, cache_dir=self.cache_dir, max_disk_space_bytes=self.max_disk_space_bytes
                     )
+                    logger.info("load.download(repo=%s, file=%s, bytes=%d)", self.name_or_path, filename, size)
                     return huggingface_hub.hf_hub_download(
-                        self.name_or_path, filename, revision=self.revision, token=self.token, cache_dir=self.cache_dir
-                    )
+                        self.name_or_path, filename, revision=self.revision, token=self.token,
+                        cache_dir=self.cache_dir, tqdm_class=hub_files.TerminalTqdm,
+                    )  # fmt: skip
+            except (RepositoryNotFoundError, RevisionNotFoundError, GatedRepoError, EntryNotFoundError) as e:
+                raise ConfigurationError(
+                    f"Can't download {filename} of {self.name_or_path}: {_first_line(e)}"
+                ) from None
+            except OfflineModeIsEnabled:
+                raise hub_files.not_cached_offline(
+                    self.name_or_path, filename, revision=self.revision, cache_dirs=self.search_dirs
+                ) from None
             except (OSError, huggingface_hub.errors.HfHubHTTPError) as e:
                 last_error = e
                 logger.warning("load.download_retry(file=%s, attempt=%d, error=%r)", filename, attempt + 1, e)
                 time.sleep(min(30.0, 2.0**attempt))
         raise RuntimeError(f"Could not download {filename} from {self.name_or_path}: {last_error}") from last_error
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def _tensor_names(path: str) -> list[str]:
