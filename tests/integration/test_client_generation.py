@@ -1,6 +1,7 @@
 """Client through a loopback swarm of two servers (tiny Llama, blocks 0:2 and 2:4): logits, greedy, sampling,
 padded batches and continued sessions equal local `transformers`; RemoteSequential forward/backward (with and
-without deep prompts) equal local blocks; `corolla-generate` streams text."""
+without deep prompts) equal local blocks; `corolla-generate` streams text; `pipeline("text-generation")`, `dtype=` and
+`stop_strings` behave as in transformers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from tests.helpers.swarm import Swarm
 from tests.helpers.tiny_models import make_tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig, RemoteSequential
 from corolla.models.config import load_config
@@ -183,3 +184,52 @@ def test_corolla_generate_interactive_keeps_one_session(swarm, model_path, monke
         )
     assert code == 0
     assert out.getvalue().count("tokens/s]") == 2
+
+
+# --- where transformers users put a model: pipeline("text-generation"), dtype=, stop_strings ---
+HF_PROMPT = "The swarm"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def test_text_generation_pipeline_matches_local(model, local, tokenizer):
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    ours = pipeline("text-generation", model=model, tokenizer=tokenizer)(HF_PROMPT, **kwargs)
+    theirs = pipeline("text-generation", model=local, tokenizer=tokenizer)(HF_PROMPT, **kwargs)
+    assert ours == theirs
+    assert ours[0]["generated_text"].startswith(HF_PROMPT) and len(ours[0]["generated_text"]) > len(HF_PROMPT)
+
+
+def test_stop_strings_stop_where_transformers_stops(model, local, tokenizer):
+    ids = tokenizer(HF_PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        full = local.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)[0, ids.shape[1] :]
+    text = tokenizer.decode(full, skip_special_tokens=True)
+    # a stop string from the middle of the greedy text: two whole tokens' worth of printable characters
+    pieces = [tokenizer.decode(full[i : i + 2]) for i in range(2, len(full) - 4)]
+    stop = next(p for p in pieces if p.isprintable() and p.strip() and text.index(p) > 0)
+    with torch.no_grad():
+        theirs = local.generate(ids, max_new_tokens=16, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    ours = model.generate(ids, max_new_tokens=16, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    assert ours.tolist() == theirs.tolist()
+    assert ours.shape[1] < ids.shape[1] + 16  # it did stop early
+    assert tokenizer.decode(ours[0, ids.shape[1] :]).endswith(stop)
+
+    with pytest.raises(ValueError, match="tokenizer"):
+        model.generate(ids, max_new_tokens=4, stop_strings=[stop])
+    with pytest.raises(ValueError, match="bad_words_ids"):
+        model.generate(ids, max_new_tokens=4, bad_words_ids=[[5]])
+
+
+def test_dtype_alias_of_torch_dtype(swarm, model_path):
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=swarm.initial_peers, dtype=torch.bfloat16
+    ) as model:
+        assert model.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="not both"):
+        AutoDistributedModelForCausalLM.from_pretrained(
+            model_path, initial_peers=swarm.initial_peers, dtype=torch.bfloat16, torch_dtype=torch.float16
+        )

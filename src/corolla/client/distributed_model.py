@@ -156,9 +156,18 @@ class DistributedModelForCausalLM(nn.Module):
     def inference_session(self, max_length: int) -> InferenceSession:
         return self.transformer.inference_session(max_length=max_length)
 
+    # what `transformers.pipeline("text-generation", model=this, tokenizer=...)` asks of a model
+    main_input_name = "input_ids"
+    input_modalities = ("text",)
+    output_modalities = ("text",)
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return True
+
     def generate(self, inputs: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        """`transformers`-style generation (greedy, sampling with temperature/top-k/top-p, repetition penalty,
-        left-padded batches, `session=` to continue). Returns prompt + new tokens ([B, L + N]); when continuing a
+        """`transformers`-style generation (greedy, sampling with temperature/top-k/top-p/min-p, repetition penalty,
+        `stop_strings` with `tokenizer=`, left-padded batches, `session=` to continue; other arguments: ValueError). Returns prompt + new tokens ([B, L + N]); when continuing a
         session, the tokens after those of its previous calls."""
         return GenerationLoop(self).generate(inputs, **kwargs)
 
@@ -194,14 +203,20 @@ class AutoDistributedModelForCausalLM:
         dht_prefix: str | None = None,
         client_config: ClientConfig | None = None,
         dht: Any | None = None,
-        torch_dtype: torch.dtype | str = torch.float32,
+        torch_dtype: torch.dtype | str | None = None,
+        dtype: torch.dtype | str | None = None,
         revision: str | None = None,
         token: str | bool | None = None,
         cache_dir: str | None = None,
     ) -> DistributedModelForCausalLM:
+        """`dtype=` (transformers 5's spelling) or `torch_dtype=`: the dtype of the local embeddings and head (default
+        float32; "auto" = the checkpoint's)."""
         from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
         from corolla.protocol.uids import make_uid
 
+        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+            raise ValueError(f"pass dtype= or torch_dtype=, not both (got {dtype!r} and {torch_dtype!r})")
+        torch_dtype = next((d for d in (dtype, torch_dtype) if d is not None), torch.float32)
         config = load_config(str(name_or_path), revision=revision, token=token, cache_dir=cache_dir)
         layout = LAYOUTS.get(config.model_type)
         if layout is None:

@@ -1,5 +1,7 @@
 """`generate()` for distributed models: our own decoding loop with `transformers`' logits processors (same order
-and defaults as `transformers.generate`), greedy or sampling, left-padded batches and sessions that continue."""
+and defaults as `transformers.generate`), greedy or sampling, left-padded batches and sessions that continue,
+`stop_strings` (with `tokenizer=`, through `transformers`' `StopStringCriteria`). An argument it does not implement is
+a ValueError, never silently ignored."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from corolla.client.inference_session import InferenceSession
 
@@ -36,6 +39,12 @@ _UNSUPPORTED = {  # generate() arguments we refuse rather than silently ignore
     "output_scores": False,
     "output_logits": False,
 }
+# generate() arguments (GenerationConfig fields) this loop implements; any other one passed is a ValueError
+_IMPLEMENTED = {
+    "max_new_tokens", "max_length", "min_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+    "min_p", "typical_p", "repetition_penalty", "no_repeat_ngram_size", "eos_token_id", "pad_token_id",
+    "bos_token_id", "stop_strings", "use_cache", *_UNSUPPORTED,
+}  # fmt: skip
 
 
 class GenerationLoop:
@@ -51,9 +60,10 @@ class GenerationLoop:
         model_defaults = self.model.generation_config or GenerationConfig()
         config.update(**model_defaults.to_dict(), defaults_only=True, allow_custom_entries=True)
         config.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
-        unused = config.update(**kwargs)
-        if unused:
-            raise ValueError(f"generate() got unsupported arguments {sorted(unused)}")
+        not_implemented = set(kwargs) - _IMPLEMENTED
+        if not_implemented:
+            raise ValueError(f"generate() got unsupported arguments {sorted(not_implemented)}")
+        config.update(**kwargs)
         for name, default in _UNSUPPORTED.items():
             if getattr(config, name, default) not in (default, None):
                 raise ValueError(f"generate(): {name}={getattr(config, name)!r} is not supported by distributed models")
@@ -98,6 +108,7 @@ class GenerationLoop:
         logits_processor: LogitsProcessorList | None = None,
         streamer: Any = None,
         prompts: torch.Tensor | None = None,
+        tokenizer: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         model = self.model
@@ -139,6 +150,12 @@ class GenerationLoop:
         processors = self._processors(config, prompt_length, eos_tensor, attention_mask)
         if logits_processor is not None:
             processors.extend(logits_processor)
+        stop_strings = None
+        if config.stop_strings:
+            if tokenizer is None:
+                raise ValueError("generate(stop_strings=...) needs tokenizer= (as in transformers)")
+            stop_strings = StopStringCriteria(tokenizer, config.stop_strings)
+        stops = eos_tensor is not None or stop_strings is not None
 
         with contextlib.ExitStack() as stack:
             if padded:
@@ -167,15 +184,17 @@ class GenerationLoop:
                     next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
                 else:
                     next_tokens = torch.argmax(scores, dim=-1)
-                if eos_tensor is not None:
+                if stops and pad_token_id is not None:
                     next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad_token_id))
                 all_ids = torch.cat([all_ids, next_tokens[:, None]], dim=1)
                 if streamer is not None:
                     streamer.put(next_tokens.cpu())
                 if eos_tensor is not None:
                     unfinished &= ~torch.isin(next_tokens, eos_tensor)
-                    if not bool(unfinished.any()):
-                        break
+                if stop_strings is not None:
+                    unfinished &= ~stop_strings(all_ids, scores).to(unfinished.device)
+                if stops and not bool(unfinished.any()):
+                    break
                 to_send = next_tokens[:, None]
             if streamer is not None:
                 streamer.end()
