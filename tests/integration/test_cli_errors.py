@@ -1,0 +1,277 @@
+"""Every CLI as a user runs it, making the common mistakes: each must end with ONE line `PROG: error: ...` on stderr,
+no traceback, and exit code 2 (usage/configuration) or 1 (runtime); `--version` everywhere; on a loopback swarm:
+missing blocks name the blocks, the prefix asked for and the prefixes served; Ctrl-C ends corolla-generate with no
+traceback; corolla-generate prints nothing but text on stdout and nothing on stderr; a process-group SIGTERM stops a
+server within seconds after announcing OFFLINE. Run inside the loopback-only tool (subprocesses, bounded waits)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
+
+RUN_TIMEOUT_S = 120.0  # a CLI imports torch; several start at once on a loaded 2-core machine
+READY_TIMEOUT_S = 150.0
+SIGTERM_EXIT_LIMIT_S = 10.0  # target <= 5 s with no open session; margin for a loaded 2-core machine
+UNREACHABLE_PEER = "/ip4/127.0.0.1/tcp/{port}/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY"
+CLIS = ("run_dht", "run_server", "generate", "api", "health", "demo")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(ensure_demo_checkpoint(DEMO_CHECKPOINT_DIR))
+
+
+def _cli(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", f"corolla.cli.{module}", *args]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("COROLLA_VERBOSE", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run_all(commands: dict[str, list[str]], timeout_s: float = RUN_TIMEOUT_S) -> dict[str, tuple[int, str, str]]:
+    """Runs the commands at once; {name: (exit code, stdout, stderr)}. Each is killed at the deadline."""
+    procs = {
+        name: subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+        )
+        for name, cmd in commands.items()
+    }
+    results, deadline = {}, time.monotonic() + timeout_s
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{name} did not exit within {timeout_s} s: {err[-2000:]}")
+        results[name] = (proc.returncode, out, err)
+    return results
+
+
+def _assert_one_line_error(name: str, result: tuple[int, str, str], code: int, prog: str, *patterns: str) -> str:
+    rc, _out, err = result
+    assert "Traceback" not in err, f"{name}: a traceback:\n{err[-3000:]}"
+    errors = [line for line in err.splitlines() if line.startswith(f"{prog}: error:")]
+    assert len(errors) == 1, f"{name}: expected one '{prog}: error:' line, stderr:\n{err[-3000:]}"
+    assert rc == code, f"{name}: exit code {rc}, expected {code}; {errors[0]}"
+    for pattern in patterns:
+        assert re.search(pattern, errors[0]), f"{name}: {pattern!r} not in {errors[0]!r}"
+    return errors[0]
+
+
+@pytest.fixture
+def taken_port():
+    """A port listened on at 0.0.0.0 (so both 127.0.0.1 and the wildcard are taken)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def _closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_version_everywhere():
+    results = _run_all({name: _cli(name, "--version") for name in CLIS})
+    from corolla import __version__
+
+    for name, (rc, out, err) in results.items():
+        assert rc == 0 and f"corolla {__version__}" in out, f"{name}: rc={rc} out={out!r} err={err[-2000:]}"
+
+
+def test_configuration_mistakes_end_in_one_line_and_exit_2(model_dir: str, taken_port: int):
+    peer = UNREACHABLE_PEER.format(port=_closed_port())
+    server = ("--new_swarm", "--block_indices", "0:2", "--device", "cpu", "--throughput", "1")
+    results = _run_all(
+        {
+            "generate_missing_dir": _cli("generate", "./no-such-model-dir", "hi", "--initial_peers", peer),
+            "generate_bad_peer": _cli("generate", model_dir, "hi", "--initial_peers", "garbage"),
+            "generate_peer_without_id": _cli("generate", model_dir, "hi", "--initial_peers", "/ip4/127.0.0.1/tcp/1"),
+            "dht_bad_peer": _cli("run_dht", "--initial_peers", "not-an-address"),
+            "server_missing_dir": _cli("run_server", "/no/such/model", *server),
+            "server_taken_port": _cli("run_server", model_dir, *server, "--port", str(taken_port)),
+            "api_taken_port": _cli("api", "--model", model_dir, "--initial_peers", peer, "--port", str(taken_port)),
+            "health_taken_port": _cli("health", "--initial_peers", peer, "--port", str(taken_port)),
+        }
+    )
+    r = results
+    _assert_one_line_error("generate_missing_dir", r["generate_missing_dir"], 2, "corolla-generate", "no-such-model")
+    _assert_one_line_error("generate_bad_peer", r["generate_bad_peer"], 2, "corolla-generate", "'garbage'")
+    _assert_one_line_error("generate_peer_without_id", r["generate_peer_without_id"], 2, "corolla-generate", "/p2p/")
+    _assert_one_line_error("dht_bad_peer", r["dht_bad_peer"], 2, "corolla-dht", "not-an-address")
+    _assert_one_line_error("server_missing_dir", r["server_missing_dir"], 2, "corolla-server", "/no/such/model")
+    in_use = f":{taken_port} is already in use"
+    _assert_one_line_error("server_taken_port", r["server_taken_port"], 2, "corolla-server", in_use, "--port")
+    _assert_one_line_error("api_taken_port", r["api_taken_port"], 2, "corolla-api", in_use)
+    _assert_one_line_error("health_taken_port", r["health_taken_port"], 2, "corolla-health", in_use)
+    # quiet by default: corolla-generate's stderr is that one line and nothing else
+    assert r["generate_bad_peer"][2].strip().count("\n") == 0, r["generate_bad_peer"][2]
+
+
+def test_unreachable_peers_end_in_one_line_and_exit_1(model_dir: str):
+    peer = UNREACHABLE_PEER.format(port=_closed_port())
+    results = _run_all(
+        {
+            "generate": _cli("generate", model_dir, "hi", "--initial_peers", peer),
+            "dht": _cli("run_dht", "--initial_peers", peer),
+            "health": _cli("health", "--initial_peers", peer, "--port", "0"),
+        }
+    )
+    for name, prog in (("generate", "corolla-generate"), ("dht", "corolla-dht"), ("health", "corolla-health")):
+        _assert_one_line_error(name, results[name], 1, prog, "could not reach any of --initial_peers")
+
+
+class _Server:
+    """A corolla-server in its own process group (as systemd or a shell job runs it), logging to a file."""
+
+    def __init__(self, model_dir: str, log_path: Path, *args: str):
+        self.log_path = log_path
+        self._log = open(log_path, "w")  # closed in stop()
+        common = ("--device", "cpu", "--torch_dtype", "float32", "--throughput", "1", "--update_period", "5")
+        self.proc = subprocess.Popen(
+            _cli("run_server", model_dir, *common, *args),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            start_new_session=True,
+        )
+
+    def wait_ready(self) -> str:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            match = re.search(r"corolla-server: ready .* initial_peers=(\S+)", self.log_path.read_text())
+            if match:
+                return match.group(1)
+            assert self.proc.poll() is None, f"server exited: {self.log_path.read_text()[-3000:]}"
+            time.sleep(0.5)
+        raise AssertionError(f"server not ready within {READY_TIMEOUT_S} s: {self.log_path.read_text()[-3000:]}")
+
+    def sigterm_group(self) -> float:
+        """SIGTERM to the whole process group (systemd's default); returns the seconds until the server exited."""
+        started = time.monotonic()
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30.0)
+        except subprocess.TimeoutExpired:
+            self.stop()
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10.0)
+        self._log.close()
+
+
+def _interrupt_when(cmd: Sequence[str], marker: str, timeout_s: float) -> tuple[int, str]:
+    """Starts `cmd` in its own process group, sends SIGINT to the group (Ctrl-C) once `marker` shows on stderr;
+    returns (exit code, stderr)."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+    )
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def _read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if marker in line:
+                seen.set()
+
+    reader = threading.Thread(target=_read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(timeout_s), f"{marker!r} never appeared: {''.join(lines)[-3000:]}"
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(30.0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10.0)
+    reader.join(10.0)
+    return rc, "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def partial_swarm(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    """A one-server swarm serving blocks 0:2 of the demo model's 4: (server, initial peers)."""
+    server = _Server(
+        model_dir, tmp_path_factory.mktemp("cli-swarm") / "first.log", "--new_swarm", "--block_indices", "0:2"
+    )
+    try:
+        yield server, server.wait_ready()
+    finally:
+        server.stop()
+
+
+def test_missing_blocks_name_blocks_prefix_and_served_prefixes(model_dir: str, partial_swarm):
+    _, peers = partial_swarm
+    # blocks 2:4 have no server: a bounded wait, then one line naming blocks, prefix asked and prefixes served
+    wait = ("--max_wait_s", "3", "--initial_peers", peers)
+    results = _run_all(
+        {
+            "missing": _cli("generate", model_dir, "hi", *wait),
+            "wrong_prefix": _cli("generate", model_dir, "hi", *wait, "--dht_prefix", "someone-elses-model"),
+        }
+    )
+    line = _assert_one_line_error("missing", results["missing"], 1, "corolla-generate", "2:4")
+    assert "'corolla-demo-llama'" in line and "serves DHT prefixes" in line, line
+    line = _assert_one_line_error("wrong_prefix", results["wrong_prefix"], 1, "corolla-generate", "0:4")
+    assert "'someone-elses-model'" in line and "--dht_prefix corolla-demo-llama" in line, line
+
+
+def test_ctrl_c_on_generate_prints_no_traceback(model_dir: str, partial_swarm):
+    _, peers = partial_swarm
+    # Ctrl-C (SIGINT to the process group) while it waits for the missing blocks: no traceback from it, its DHT
+    # process or p2pd; exit 130
+    waiting = _cli("generate", model_dir, "hi", "--initial_peers", peers, "--max_wait_s", "0", "--verbose")
+    rc, err = _interrupt_when(waiting, "retry.scheduled", RUN_TIMEOUT_S)
+    assert rc == 130 and "Traceback" not in err, f"rc={rc}\n{err[-3000:]}"
+    assert err.rstrip().endswith("corolla-generate: interrupted"), err[-1000:]
+
+
+def test_quiet_generation_then_group_sigterm_announces_offline_and_exits_fast(
+    model_dir: str, partial_swarm, tmp_path: Path
+):
+    first, peers = partial_swarm
+    second = _Server(model_dir, tmp_path / "second.log", "--initial_peers", peers, "--block_indices", "2:4")
+    try:
+        second.wait_ready()
+        results = _run_all(
+            {"ok": _cli("generate", model_dir, "The", "--initial_peers", peers, "--max_new_tokens", "8")}
+        )
+        rc, out, err = results["ok"]
+        assert rc == 0, err[-3000:]
+        assert err == "", f"corolla-generate is quiet by default, stderr:\n{err[-3000:]}"
+        assert out.startswith("The") and re.search(r"\[8 tokens in .* tokens/s\]\n$", out), out
+
+        for name, server in (("second", second), ("first", first)):
+            exit_s = server.sigterm_group()
+            log = server.log_path.read_text()
+            assert server.proc.returncode == 0, f"{name}: rc={server.proc.returncode}\n{log[-3000:]}"
+            assert "Traceback" not in log, f"{name}:\n{log[-3000:]}"
+            assert "announcer.declared(state=OFFLINE" in log, f"{name}: no OFFLINE announcement\n{log[-3000:]}"
+            assert "offline_failed" not in log and "offline_timeout" not in log, f"{name}:\n{log[-3000:]}"
+            print(f"{name} server: process-group SIGTERM -> exit in {exit_s:.2f} s")
+            assert exit_s < SIGTERM_EXIT_LIMIT_S, f"{name}: exit took {exit_s:.1f} s\n{log[-3000:]}"
+    finally:
+        second.stop()
