@@ -118,6 +118,8 @@ class Sampler:
         self._min_tokens_masked = sorted(masked)
         self._counts: torch.Tensor | None = None  # [V] occurrences of each token in the output
         self._seen: torch.Tensor | None = None  # [V] in the prompt or the output
+        self._bias: torch.Tensor | None = None  # [V] logit_bias (summed per token), built once
+        self._disallowed: torch.Tensor | None = None  # [V] bool, tokens outside allowed_token_ids
 
     def choose(self, logits: torch.Tensor) -> SampledToken:
         """Picks the next token from the last position's logits [V] and records it."""
@@ -128,6 +130,7 @@ class Sampler:
             self._seen = torch.zeros(vocab, dtype=torch.bool)
             prompt = torch.tensor([t for t in self.prompt_ids if 0 <= t < vocab], dtype=torch.long)
             self._seen[prompt] = True
+            self._prepare_masks(vocab)
         scores = self.process(logits)
         token = pick(scores, self.params, self.generator)
         result = SampledToken(token)
@@ -147,14 +150,12 @@ class Sampler:
         """The logits after every processor except temperature and truncation (a new tensor)."""
         params, scores = self.params, logits.clone()
         vocab = scores.shape[-1]
-        if params.allowed_token_ids is not None:
-            allowed = torch.tensor([t for t in params.allowed_token_ids if t < vocab], dtype=torch.long)
-            mask = torch.ones(vocab, dtype=torch.bool)
-            mask[allowed] = False
-            scores = scores.masked_fill(mask, float("-inf"))
-        for token, bias in params.logit_bias:
-            if token < vocab:
-                scores[token] += bias
+        if self._bias is None or self._bias.shape[-1] != vocab:
+            self._prepare_masks(vocab)
+        if self._disallowed is not None:
+            scores = scores.masked_fill(self._disallowed, float("-inf"))
+        if params.logit_bias:
+            scores = scores + self._bias
         if len(self.generated) < params.min_tokens and self._min_tokens_masked:
             ids = torch.tensor([t for t in self._min_tokens_masked if t < vocab], dtype=torch.long)
             scores[ids] = float("-inf")
@@ -164,6 +165,17 @@ class Sampler:
         if (params.presence_penalty or params.frequency_penalty) and self._counts is not None:
             scores = scores - self._counts * params.frequency_penalty - (self._counts > 0) * params.presence_penalty
         return scores
+
+    def _prepare_masks(self, vocab: int) -> None:
+        """Tensors of `logit_bias` and `allowed_token_ids` (each token once per request, not once per step)."""
+        self._bias = torch.zeros(vocab)
+        ids = torch.tensor([t for t, _ in self.params.logit_bias if t < vocab], dtype=torch.long)
+        biases = torch.tensor([b for t, b in self.params.logit_bias if t < vocab], dtype=torch.float32)
+        self._bias.index_add_(0, ids, biases)
+        if self.params.allowed_token_ids is not None:
+            allowed = torch.tensor([t for t in self.params.allowed_token_ids if t < vocab], dtype=torch.long)
+            self._disallowed = torch.ones(vocab, dtype=torch.bool)
+            self._disallowed[allowed] = False
 
 
 def pick(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
