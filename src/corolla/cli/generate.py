@@ -5,13 +5,14 @@ tokens/s; `--interactive` keeps one session open for a chat-style loop. Text goe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
 
 import torch
 
-from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli
+from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli, wants_verbose
 from corolla.client.config import ClientConfig
 from corolla.client.distributed_model import AutoDistributedModelForCausalLM
 from corolla.utils.logging import quiet_logs
@@ -85,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Missing blocks past --max_wait_s, unreachable peers, a bad path: one line on stderr, exit 1 or 2; Ctrl-C: 130."""
-    return run_cli("corolla-generate", lambda: _main(argv), argv)
+    with contextlib.ExitStack() as stack:
+        if not wants_verbose(argv):
+            stack.enter_context(quiet_logs())
+        return run_cli("corolla-generate", lambda: _main(argv), argv)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -98,8 +102,6 @@ def _main(argv: list[str] | None = None) -> int:
     if args.prompt is None and not args.interactive:
         print("corolla-generate: error: give a prompt or --interactive", file=sys.stderr)
         return 2
-    if not args.verbose:
-        quiet_logs()
     check_model_argument(args.model)
     check_initial_peers(args.initial_peers)
     if args.seed is not None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 _ROOT = "corolla"
 _configured = False
@@ -37,15 +39,22 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
-def quiet_logs(level: int = logging.ERROR) -> None:
-    """For CLIs whose stdout carries the result (`corolla-generate` streams text): corolla's, hivemind's and
-    transformers' logs and Python warnings only at `level` and above, so nothing lands in the streamed text. Call
-    before forking helpers (the DHT process inherits the levels)."""
+@contextlib.contextmanager
+def quiet_logs(level: int = logging.ERROR) -> Iterator[None]:
+    """For CLIs whose stdout carries the result (`corolla-generate` streams text): within the block, corolla's,
+    hivemind's and transformers' logs only at `level` and above, and no Python warnings, so nothing lands in the
+    streamed text. Enter before forking helpers (the DHT process inherits the levels); levels come back on exit."""
     import warnings
 
     _configure()
-    logging.getLogger(_ROOT).setLevel(level)
-    logging.getLogger("hivemind").setLevel(level)
-    logging.getLogger("transformers").setLevel(level)
-    if level > logging.WARNING:
-        warnings.simplefilter("ignore")
+    loggers = [logging.getLogger(name) for name in (_ROOT, "hivemind", "transformers")]
+    previous = [logger.level for logger in loggers]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for logger in loggers:
+                logger.setLevel(level)
+            yield
+    finally:
+        for logger, old in zip(loggers, previous, strict=True):
+            logger.setLevel(old)
