@@ -365,3 +365,13 @@ def test_model_path_accepted_but_not_listed(backend):
         assert [m.id for m in client.models.list().data] == [MODEL]
         out = client.completions.create(model="/models/fake/scripted-model", prompt="p", max_tokens=2, temperature=0)
         assert out.choices[0].text == script_text(2)
+
+
+def test_default_model_id_is_the_directory_basename(tmp_path):
+    from corolla.api.backend import default_model_id
+
+    model_dir = tmp_path / "models" / "tiny-llama"
+    model_dir.mkdir(parents=True)
+    assert default_model_id(str(model_dir)) == "tiny-llama"
+    assert default_model_id(str(model_dir) + "/") == "tiny-llama"
+    assert default_model_id("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"  # a hub id
