@@ -375,3 +375,15 @@ def test_default_model_id_is_the_directory_basename(tmp_path):
     assert default_model_id(str(model_dir)) == "tiny-llama"
     assert default_model_id(str(model_dir) + "/") == "tiny-llama"
     assert default_model_id("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"  # a hub id
+
+
+def test_a_response_message_sent_back_in_the_history(client, api):
+    messages = [{"role": "user", "content": "q"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    history = [*messages, first.choices[0].message, {"role": "user", "content": "more"}]  # refusal=None etc. included
+    again = client.chat.completions.create(model=MODEL, messages=history, max_tokens=2, temperature=0)
+    assert again.choices[0].message.content == script_text(2)
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {"model": MODEL, "messages": [{"role": "assistant", "content": None, "tool_calls": [tool_call]}]}
+    status, raw = post_raw(api.url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and "tool_calls" in json.loads(raw)["error"]["message"]

@@ -135,9 +135,21 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # fields of an assistant message as a response carried them, sent back in the history: `refusal` and
+    # `annotations` are output-only (not shown to the model); tool and audio fields are refused unless empty
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
 
     def as_dict(self) -> dict[str, str]:
-        """The message as a chat template takes it (ValueError for non-text content)."""
+        """The message as a chat template takes it (ValueError for non-text content or tool/audio fields)."""
+        for field in ("tool_calls", "tool_call_id", "function_call", "audio"):
+            if getattr(self, field):
+                raise ValueError(f"messages with {field} are not supported (tools and audio are not implemented)")
         message = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
