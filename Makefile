@@ -3,17 +3,33 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# `make demo` needs only corolla's own dependencies (no test tools, no browser driver): its own stamp. `make test`'s
+# install (the dev extras) includes them, so a venv made by `make test` serves the demo as it is.
+DEMO_STAMP := $(VENV)/.installed-demo
+# The torch the project is tested with (on our dev/CI machines the CPU wheel in the local wheel cache); e.g.
+# `make demo TORCH=torch` for the newest build your index offers (CUDA on Linux from PyPI).
+TORCH ?= torch==2.13.0
 LOOPBACK := ../shared/tools/loopback-only
 
-.PHONY: install test lint format demo clean soak
+.PHONY: install install-demo test lint format demo clean soak
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
-	@touch $(STAMP)
+	@touch $(STAMP) $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then touch $(DEMO_STAMP); else \
+		{ test -x $(PY) || $(PYTHON) -m venv $(VENV); } && \
+		$(PY) -m pip install -q --upgrade pip && \
+		$(PY) -m pip install -q -e . '$(TORCH)' && \
+		touch $(DEMO_STAMP); \
+	fi
 
 install: $(STAMP)
+
+install-demo: $(DEMO_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -33,7 +49,7 @@ test: lint
 		$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS) tests; \
 	fi
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
 		$(LOOPBACK) $(PY) -m corolla.cli.demo $(DEMO_ARGS); \
 	else \

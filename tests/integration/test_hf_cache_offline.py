@@ -122,12 +122,14 @@ CLIENT_SCRIPT = """
 import json, sys
 from transformers import AutoTokenizer
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-peers, repos = sys.argv[1].split(), sys.argv[2:]
 out = {}
-for repo in repos:
+for arg in sys.argv[1:]:
+    repo, peers = arg.split("=", 1)
     ids = AutoTokenizer.from_pretrained(repo)(sys.stdin.readline().strip() or "x", return_tensors="pt").input_ids
     config = ClientConfig(max_retries=3, min_backoff_s=0.2)
-    with AutoDistributedModelForCausalLM.from_pretrained(repo, initial_peers=peers, client_config=config) as model:
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        repo, initial_peers=peers.split(), client_config=config
+    ) as model:
         out[repo] = model.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist()
 print("RESULT " + json.dumps(out), flush=True)
 """
@@ -137,16 +139,24 @@ def test_servers_and_client_run_offline_from_the_hf_cache(hub, tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub.cache), "HF_HOME": str(tmp_path / "hf-home")}
     swarm = Swarm(tmp_path)  # its servers use an empty corolla --cache_dir: blocks must come from the HF cache
     try:
-        first = swarm.start_server(SINGLE, "--new_swarm", "--num_blocks", "4", "--throughput", "1", env=env)
-        peers = first.initial_peers
-        swarm.start_server(SHARDED, "--initial_peers", *peers, "--num_blocks", "4", "--throughput", "1", env=env)
+        servers = {  # one small swarm per repo, started side by side
+            repo: swarm.start_server(repo, "--new_swarm", "--num_blocks", "4", "--throughput", "1", env=env, wait=False)
+            for repo in (SINGLE, SHARDED)
+        }
+        for server in servers.values():
+            server.wait_ready(150)
         result = subprocess.run(
-            [sys.executable, "-c", CLIENT_SCRIPT, " ".join(peers), SINGLE, SHARDED],
+            [
+                sys.executable,
+                "-c",
+                CLIENT_SCRIPT,
+                *(f"{repo}={' '.join(s.initial_peers)}" for repo, s in servers.items()),
+            ],
             input=PROMPT + "\n" + PROMPT + "\n",
             env={**os.environ, **env},
             capture_output=True,
             text=True,
-            timeout=180,
+            timeout=150,
         )
     finally:
         swarm.close()
