@@ -182,6 +182,12 @@ def pick(scores: torch.Tensor, params: SamplingParams, generator: torch.Generato
     """Greedy, or temperature + top-k + top-p + min-p sampling over processed logits [V]."""
     if params.greedy:
         return int(torch.argmax(scores))
+    return int(torch.multinomial(truncated_probs(scores, params), 1, generator=generator))
+
+
+def truncated_probs(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from [V] (sums to 1): softmax at the temperature, then top-k, top-p and min-p
+    (each on the distribution left by the previous one, as transformers' warpers and vLLM apply them)."""
     probs = torch.softmax(scores / params.temperature, dim=-1)  # [V]
     if params.top_k > 0 and params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k).values[-1]
@@ -195,7 +201,7 @@ def pick(scores: torch.Tensor, params: SamplingParams, generator: torch.Generato
     if params.min_p > 0.0:
         probs = probs / probs.sum()
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return probs / probs.sum()
 
 
 def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
