@@ -21,7 +21,14 @@ import torch
 from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import plain_chat_prompt
 from corolla.api.chat_page import CONTENT_SECURITY_POLICY
-from corolla.api.route_trace import MAX_PUBLIC_NAME_CHARS, ROUTE_ID_HEADER, current_trace, hops_of
+from corolla.api.route_trace import (
+    MAX_PUBLIC_NAME_CHARS,
+    MAX_ROUTE_HOPS,
+    ROUTE_ID_HEADER,
+    RouteLog,
+    current_trace,
+    hops_of,
+)
 from corolla.api.serving import serve_in_thread
 
 MODEL = "fake/routed"
@@ -224,3 +231,20 @@ def test_hops_of_bounds_server_text():
     assert hop.public_name == long_name[:MAX_PUBLIC_NAME_CHARS]
     (hop,) = hops_of([(FakeSpan("p", 0, 1, FakeInfo(12345)), None)])
     assert hop.public_name is None
+
+
+def test_long_routes_are_cut():
+    """A chain of 4096 one-block servers (hostile servers can announce tiny spans): the log keeps its first
+    MAX_ROUTE_HOPS hops and says so; the same chain stepped again is not converted again."""
+    log = RouteLog(4)
+    route = [(FakeSpan(f"peer{i}", i, i + 1, FakeInfo(f"s{i}")), "p2p") for i in range(4096)]
+    trace = log.new_trace()
+    trace.step(route)
+    first_hops = trace.hops
+    trace.step(route)
+    trace.finish()
+    view = trace.to_dict()
+    assert len(view["route"]) == MAX_ROUTE_HOPS and view["route_truncated"] is True
+    assert view["route"][-1]["peer_id"] == f"peer{MAX_ROUTE_HOPS - 1}"
+    assert view["steps"] == 2 and view["route_changes"] == 0 and trace.hops is first_hops
+    assert view["state"] == "finished" and log.get(trace.id) is trace

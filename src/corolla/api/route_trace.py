@@ -27,6 +27,7 @@ logger = get_logger(__name__)
 ROUTE_ID_HEADER = "x-corolla-route-id"
 DEFAULT_ROUTE_LOG_ENTRIES = 256
 MAX_PUBLIC_NAME_CHARS = 64  # server-chosen text, cut before it reaches a page
+MAX_ROUTE_HOPS = 256  # hops kept per trace (a real chain is far shorter); bounds the log at ~10 MiB
 TRACED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
@@ -51,9 +52,9 @@ class RouteHop:
 
 
 def hops_of(route: Sequence[tuple[Any, str | None]]) -> tuple[RouteHop, ...]:
-    """`InferenceSession.route` (`(RemoteSpanInfo, transport)` pairs) as `RouteHop`s."""
+    """`InferenceSession.route` (`(RemoteSpanInfo, transport)` pairs) as `RouteHop`s, the first `MAX_ROUTE_HOPS`."""
     hops = []
-    for span, transport in route:
+    for span, transport in route[:MAX_ROUTE_HOPS]:
         name = getattr(span.server_info, "public_name", None)
         name = name[:MAX_PUBLIC_NAME_CHARS] if isinstance(name, str) else None
         hops.append(RouteHop(str(span.peer_id), int(span.start), int(span.end), name, transport))
@@ -68,19 +69,36 @@ class GenerationTrace:
         self._log = log
         self._lock = threading.Lock()
         self.hops: tuple[RouteHop, ...] = ()
+        self.route_length = 0  # hops of the chain, including any beyond MAX_ROUTE_HOPS
         self.steps = 0
         self.route_changes = 0  # how often the chain changed after the first step (fail-over, hand-off)
         self.started_at: float | None = None
         self.finished_at: float | None = None
         self.registered = False
+        self._last: list[tuple[Any, str | None]] = []  # the chain of the last step (only the backend's thread)
+        self._last_length = 0
+
+    def _same_as_last(self, route: Sequence[tuple[Any, str | None]]) -> bool:
+        last = self._last
+        return (
+            bool(last)
+            and len(route) == self._last_length
+            and all(s is ls and t == lt for (s, t), (ls, lt) in zip(route, last, strict=False))
+        )
 
     def step(self, route: Sequence[tuple[Any, str | None]]) -> None:
-        """Called by the backend after each inference step with `session.route`."""
+        """Called by the backend after each inference step with `session.route` (converted only when it changed)."""
+        if self._same_as_last(route):
+            with self._lock:
+                self.steps += 1
+                self.finished_at = None
+            return
+        self._last, self._last_length = list(route[:MAX_ROUTE_HOPS]), len(route)
         hops = hops_of(route)
         with self._lock:
             if self.steps > 0 and hops != self.hops:
                 self.route_changes += 1
-            self.hops, self.steps = hops, self.steps + 1
+            self.hops, self.steps, self.route_length = hops, self.steps + 1, len(route)
             self.finished_at = None  # a request with n > 1 runs one session per choice, one after the other
             if self.started_at is None:
                 self.started_at = time.time()
@@ -91,6 +109,7 @@ class GenerationTrace:
 
     def finish(self) -> None:
         """Called by the backend once its inference session is closed (done, failed or stopped by the client)."""
+        self._last = []  # the spans themselves are not kept in the log
         with self._lock:
             if self.started_at is not None and self.finished_at is None:
                 self.finished_at = time.time()
@@ -105,6 +124,7 @@ class GenerationTrace:
                 "started_at": self.started_at,
                 "finished_at": self.finished_at,
                 "route": [hop.to_dict() for hop in self.hops],
+                "route_truncated": self.route_length > len(self.hops),
             }
 
 

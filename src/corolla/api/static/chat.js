@@ -99,8 +99,9 @@ function renderRoute(trace) {
   panel.dataset.state = trace.state;
   panel.dataset.steps = String(trace.steps);
   const changes = trace.route_changes ? ", route changed " + trace.route_changes + "x" : "";
+  const cut = trace.route_truncated ? " (the first " + trace.route.length + " shown)" : "";
   $("route-summary").textContent = trace.state + ": " + trace.steps + " step(s) through " +
-    trace.route.length + " server(s)" + changes;
+    trace.route.length + " server(s)" + cut + changes;
   const body = $("route-hops");
   body.replaceChildren();
   for (const hop of trace.route) {
@@ -135,6 +136,13 @@ function startRoutePolling(routeId) {
     if (page.routeId === routeId && page.controller) page.routeTimer = setTimeout(tick, ROUTE_POLL_MS);
   };
   tick();
+}
+
+function noRoute() {
+  page.routeId = null;
+  $("route").dataset.state = "none";
+  $("route-summary").textContent = "the gateway reports no route (route tracking off: --route_log_entries 0)";
+  $("route-hops").replaceChildren();
 }
 
 function stopRoutePolling() {
@@ -192,6 +200,7 @@ async function send() {
     });
     routeId = response.headers.get("x-corolla-route-id");
     if (routeId) startRoutePolling(routeId);
+    else if (response.ok) noRoute();
     if (!response.ok) throw new Error(await errorText(response));
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
