@@ -23,6 +23,7 @@ from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 
 RUN_TIMEOUT_S = 120.0  # a CLI imports torch; several start at once on a loaded 2-core machine
 READY_TIMEOUT_S = 150.0
+DRAIN_TIMEOUT_S = 5.0  # corolla-server's --drain_timeout_s default
 SIGTERM_EXIT_LIMIT_S = 10.0  # target <= 5 s with no open session; margin for a loaded 2-core machine
 UNREACHABLE_PEER = "/ip4/127.0.0.1/tcp/{port}/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY"
 CLIS = ("run_dht", "run_server", "generate", "api", "health", "demo")
@@ -165,10 +166,11 @@ class _Server:
             time.sleep(0.5)
         raise AssertionError(f"server not ready within {READY_TIMEOUT_S} s: {self.log_path.read_text()[-3000:]}")
 
-    def sigterm_group(self) -> float:
-        """SIGTERM to the whole process group (systemd's default); returns the seconds until the server exited."""
+    def signal_group(self, sig: int = signal.SIGTERM) -> float:
+        """`sig` to the whole process group (SIGTERM: systemd's default; SIGINT: Ctrl-C); returns the seconds until
+        the server exited."""
         started = time.monotonic()
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        os.killpg(self.proc.pid, sig)
         try:
             self.proc.wait(30.0)
         except subprocess.TimeoutExpired:
@@ -249,7 +251,7 @@ def test_ctrl_c_on_generate_prints_no_traceback(model_dir: str, partial_swarm):
     assert err.rstrip().endswith("corolla-generate: interrupted"), err[-1000:]
 
 
-def test_quiet_generation_then_group_sigterm_announces_offline_and_exits_fast(
+def test_quiet_generation_then_ctrl_c_and_group_sigterm_announce_offline_and_exit_fast(
     model_dir: str, partial_swarm, tmp_path: Path
 ):
     first, peers = partial_swarm
@@ -264,14 +266,38 @@ def test_quiet_generation_then_group_sigterm_announces_offline_and_exits_fast(
         assert err == "", f"corolla-generate is quiet by default, stderr:\n{err[-3000:]}"
         assert out.startswith("The") and re.search(r"\[8 tokens in .* tokens/s\]\n$", out), out
 
-        for name, server in (("second", second), ("first", first)):
-            exit_s = server.sigterm_group()
-            log = server.log_path.read_text()
-            assert server.proc.returncode == 0, f"{name}: rc={server.proc.returncode}\n{log[-3000:]}"
-            assert "Traceback" not in log, f"{name}:\n{log[-3000:]}"
-            assert "announcer.declared(state=OFFLINE" in log, f"{name}: no OFFLINE announcement\n{log[-3000:]}"
-            assert "offline_failed" not in log and "offline_timeout" not in log, f"{name}:\n{log[-3000:]}"
-            print(f"{name} server: process-group SIGTERM -> exit in {exit_s:.2f} s")
-            assert exit_s < SIGTERM_EXIT_LIMIT_S, f"{name}: exit took {exit_s:.1f} s\n{log[-3000:]}"
+        # Ctrl-C on the second server while a session is open on it (drain, then cut), SIGTERM on the idle first
+        generating = subprocess.Popen(
+            _cli(
+                "generate", model_dir, "The", "--initial_peers", peers, "--max_new_tokens", "900", "--max_wait_s", "2"
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            start_new_session=True,
+        )
+        try:
+            assert generating.stdout.read(len("The") + 8), "no text streamed"  # the session is open and stepping
+            limits = {"second": SIGTERM_EXIT_LIMIT_S + DRAIN_TIMEOUT_S, "first": SIGTERM_EXIT_LIMIT_S}
+            for name, server, sig in (("second", second, signal.SIGINT), ("first", first, signal.SIGTERM)):
+                exit_s = server.signal_group(sig)
+                _check_stopped(name, server, exit_s, limits[name])
+            out, err = generating.communicate(timeout=RUN_TIMEOUT_S)
+        finally:
+            if generating.poll() is None:
+                os.killpg(generating.pid, signal.SIGKILL)
+                generating.wait(10.0)
+        _assert_one_line_error("cut_session", (generating.returncode, out, err), 1, "corolla-generate", "blocks")
     finally:
         second.stop()
+
+
+def _check_stopped(name: str, server: _Server, exit_s: float, limit_s: float) -> None:
+    log = server.log_path.read_text()
+    assert server.proc.returncode == 0, f"{name}: rc={server.proc.returncode}\n{log[-3000:]}"
+    assert "Traceback" not in log, f"{name}:\n{log[-3000:]}"
+    assert "announcer.declared(state=OFFLINE" in log, f"{name}: no OFFLINE announcement\n{log[-3000:]}"
+    assert "offline_failed" not in log and "offline_timeout" not in log, f"{name}:\n{log[-3000:]}"
+    print(f"{name} server: process-group signal -> exit in {exit_s:.2f} s")
+    assert exit_s < limit_s, f"{name}: exit took {exit_s:.1f} s\n{log[-3000:]}"
