@@ -20,31 +20,34 @@ def load_span_blocks(
     quant_type: str,
 ) -> dict[int, Any]:
     """Returns {block index: block} on `device` (or on the tensor-parallel devices), ready to serve."""
+    from corolla.models.hub_files import TerminalTqdm
     from corolla.models.loading import load_pretrained_block
     from corolla.models.placement import place_block
 
     c = config
     tp_devices = tuple(c.tensor_parallel_devices or ())
     blocks = {}
-    for index in block_indices:
-        block = load_pretrained_block(
-            c.model_name_or_path,
-            index,
-            config=model_config,
-            torch_dtype=dtype,
-            cache_dir=c.cache_dir,
-            revision=c.revision,
-            token=c.token,
-            max_disk_space_bytes=c.max_disk_space_bytes,
-        )
-        block = place_block(block, device=device, quant_type=quant_type, tensor_parallel_devices=tp_devices)
-        for adapter in c.adapters:
-            from corolla.models.lora import add_adapter, load_adapter
-
-            weights = load_adapter(
-                adapter, index, cache_dir=c.cache_dir, revision=c.revision, token=c.token,
+    with TerminalTqdm(total=len(block_indices), desc="Loading blocks", unit="block", leave=False) as progress:
+        for index in block_indices:
+            block = load_pretrained_block(
+                c.model_name_or_path,
+                index,
+                config=model_config,
+                torch_dtype=dtype,
+                cache_dir=c.cache_dir,
+                revision=c.revision,
+                token=c.token,
                 max_disk_space_bytes=c.max_disk_space_bytes,
-            )  # fmt: skip
-            add_adapter(block, adapter, weights)
-        blocks[index] = block
+            )
+            block = place_block(block, device=device, quant_type=quant_type, tensor_parallel_devices=tp_devices)
+            for adapter in c.adapters:
+                from corolla.models.lora import add_adapter, load_adapter
+
+                weights = load_adapter(
+                    adapter, index, cache_dir=c.cache_dir, revision=c.revision, token=c.token,
+                    max_disk_space_bytes=c.max_disk_space_bytes,
+                )  # fmt: skip
+                add_adapter(block, adapter, weights)
+            blocks[index] = block
+            progress.update(1)
     return blocks
