@@ -16,6 +16,7 @@ from corolla.health.state import ModelEntry
 from corolla.swarm.dht import SwarmConfig, create_dht, shutdown_dht
 from corolla.swarm.membership import load_swarm_key
 from corolla.swarm.records_io import get_model_infos
+from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -75,8 +76,10 @@ def model_entries(args: argparse.Namespace, dht) -> list[ModelEntry]:
         if index is None:
             index = get_model_infos(dht, latest=True)
         if spec not in index:
-            raise SystemExit(
-                f"corolla-health: {spec!r} is not in the swarm's model index; pass it as {spec}:NUM_BLOCKS"
+            served = ", ".join(sorted(index)) or "none"
+            raise ConfigurationError(
+                f"--dht_prefix {spec!r} is not in the swarm's model index (it has: {served}); "
+                f"pass it as {spec}:NUM_BLOCKS"
             )
         entries.append(
             ModelEntry(dht_prefix=spec, num_blocks=index[spec].num_blocks, repository=index[spec].repository)
