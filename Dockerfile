@@ -13,13 +13,15 @@
 #     EXTRAS=gpu docker/build-wheels.sh
 #   docker build --build-arg BASE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 -t corolla:cuda .
 #   docker run --rm --gpus all --network host corolla:cuda corolla-server ORG/MODEL --initial_peers ...
-# A base without Python (the nvidia/cuda images) gets python3 and python3-venv from its own apt sources, so that one
-# build needs the network for apt (leave out `--network none` there).
+# A base without Python (the nvidia/cuda images) gets python3, python3-venv and tini from its own apt sources, so that
+# one build needs the network for apt (leave out `--network none` there). tini runs as PID 1: it forwards signals and
+# reaps the orphaned grandchildren (p2pd daemons) of corolla's processes, which a Python PID 1 would leave as zombies.
 ARG BASE=corolla-base:bookworm
 
 FROM ${BASE} AS base
-RUN if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then \
+RUN if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || ! [ -x /usr/bin/tini ]; then \
         apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv \
+            tini \
         && rm -rf /var/lib/apt/lists/*; \
     fi
 
@@ -40,4 +42,5 @@ ENV PATH=/opt/corolla/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     LANG=C.UTF-8
 WORKDIR /work
+ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["python", "-m", "corolla.cli.demo"]

@@ -29,12 +29,16 @@ index_args=()
 if [ -z "${PYTHON_VERSION:-}" ] && [ "$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" != "3.11" ]; then
   PYTHON_VERSION=3.11
 fi
-key="$(cat pyproject.toml | sha256sum | cut -c1-16)|$torch_spec|${TORCH_INDEX_URL:-}|$extras|${PYTHON_VERSION:-}|$("$python" -c 'import sys; print(sys.version_info[:2])')"
+# The dependency wheels are keyed on what decides them: corolla's requirements (not the rest of pyproject.toml).
+requirements="$("$python" -c 'import json, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(json.dumps([p["dependencies"], p.get("optional-dependencies", {})], sort_keys=True))')"
+key="$(printf '%s' "$requirements" | sha256sum | cut -c1-16)|$torch_spec|${TORCH_INDEX_URL:-}|$extras|${PYTHON_VERSION:-}|$("$python" -c 'import sys; print(sys.version_info[:2])')"
 start_s=$(date +%s)
 if [ -f "$out/deps/.key" ] && [ "$(cat "$out/deps/.key")" = "$key" ]; then
   echo "build-wheels: dependency wheels are up to date ($out/deps)"
 else
-  rm -rf "$out/deps" && mkdir -p "$out/deps"
+  # Built aside and swapped in only when complete: a failed refresh (no index reachable) keeps the old wheels.
+  staging="$out/deps.new"
+  rm -rf "$staging" && mkdir -p "$staging"
   if [ -n "${PYTHON_VERSION:-}" ]; then
     # Binary wheels only, for the target Python; corolla's own requirements come from its metadata.
     mapfile -t reqs < <("$python" - "$extras" <<'PY'
@@ -48,12 +52,13 @@ PY
     )
     nice -n 10 "$python" -m pip download -q --only-binary=:all: --python-version "$PYTHON_VERSION" \
       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --implementation cp \
-      --dest "$out/deps" "${index_args[@]}" "$torch_spec" "${reqs[@]}"
+      --dest "$staging" "${index_args[@]}" "$torch_spec" "${reqs[@]}"
   else
-    nice -n 10 "$python" -m pip wheel -q --wheel-dir "$out/deps" "${index_args[@]}" "$target" "$torch_spec"
-    rm -f "$out"/deps/corolla-*.whl
+    nice -n 10 "$python" -m pip wheel -q --wheel-dir "$staging" "${index_args[@]}" "$target" "$torch_spec"
+    rm -f "$staging"/corolla-*.whl
   fi
-  echo "$key" >"$out/deps/.key"
+  echo "$key" >"$staging/.key"
+  rm -rf "$out/deps" && mv "$staging" "$out/deps"
 fi
 rm -rf "$out/corolla" && mkdir -p "$out/corolla"
 nice -n 10 "$python" -m pip wheel -q --no-deps --no-build-isolation --wheel-dir "$out/corolla" . 2>/dev/null \

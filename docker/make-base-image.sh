@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the default base image of corolla's Dockerfile without Docker Hub: a minimal Debian root file system made by
-# `debootstrap` from this machine's Debian mirror, with Python 3 and venv, imported with `docker import`.
+# `debootstrap` from this machine's Debian mirror, with Python 3, venv and tini (PID 1: reaps orphans, forwards signals), imported with `docker import`.
 # Usage: docker/make-base-image.sh [TAG]   (default corolla-base:bookworm; needs root, debootstrap and a daemon).
 # Environment: SUITE (bookworm: its python3 is 3.11, the ABI of the wheels built by docker/build-wheels.sh),
 # MIRROR (default: the first Debian mirror in /etc/apt/sources*, else http://deb.debian.org/debian), FORCE=1 rebuilds
@@ -29,7 +29,7 @@ rootfs="$(mktemp -d /tmp/corolla-rootfs.XXXXXX)"
 trap 'rm -rf "$rootfs"' EXIT
 echo "make-base-image: debootstrap $suite from $mirror into $rootfs"
 start_s=$(date +%s)
-nice -n 10 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+nice -n 10 debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,tini \
   "$suite" "$rootfs" "$mirror" >"$rootfs.log" 2>&1 || { tail -n 30 "$rootfs.log" >&2; rm -f "$rootfs.log"; exit 1; }
 rm -f "$rootfs.log"
 # Nothing the image needs at run time: package caches, package lists, logs.
