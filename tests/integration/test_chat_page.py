@@ -104,6 +104,11 @@ def test_chat_streams_stops_and_shows_route(gateway):
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 720})
+            page.add_init_script(
+                """window.cspViolations = [];
+                document.addEventListener('securitypolicyviolation',
+                    (e) => window.cspViolations.push(e.violatedDirective + ' ' + e.blockedURI));"""
+            )
             external: list[str] = []
             page.on("request", lambda r: None if r.url.startswith(url) else external.append(r.url))
             response = page.goto(url)
@@ -163,6 +168,7 @@ def test_chat_streams_stops_and_shows_route(gateway):
 
             page.screenshot(path=os.path.join(ARTIFACTS, "chat-page.png"))
             assert external == []  # nothing was fetched from outside the gateway
+            assert page.evaluate("() => window.cspViolations") == []  # the page lives within its own policy
 
             # the policy refuses a load from outside the gateway
             violation = page.evaluate(
