@@ -81,8 +81,6 @@ class SwarmConfig:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        for maddr in self.initial_peers:
-            check_peer_maddr(maddr)
         host_maddrs = self.host_maddrs
         if host_maddrs is None:
             host_maddrs = PUBLIC_HOST_MADDRS if self.is_public else PRIVATE_HOST_MADDRS
@@ -206,6 +204,8 @@ def create_dht(config: SwarmConfig) -> hivemind.DHT:
     Call before starting threads or touching CUDA (hivemind forks)."""
     kwargs = config.dht_kwargs()
     initial_peers = kwargs.pop("initial_peers")
+    for maddr in initial_peers:  # before p2pd, whose error would be a traceback after seconds
+        check_peer_maddr(maddr)
     num_workers = kwargs.pop("num_workers")
     if config.is_public:
         logger.info("dht.create(public swarm): relays, AutoNAT and NAT port mapping follow the Petals defaults")
