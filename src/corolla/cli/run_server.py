@@ -117,7 +117,13 @@ def build_parser() -> configargparse.ArgParser:
     parser.add("--balance_quality", type=float, default=0.75, help="move if swarm throughput < this x optimum")
     parser.add("--mean_balance_check_period", type=float, default=60, help="mean seconds between balance checks")
     parser.add("--mean_block_selection_delay", type=float, default=5, help="mean random delay before choosing blocks")
-    parser.add("--quant_type", type=str.lower, default=None, choices=QUANT_TYPE_NAMES, help="nf4 on CUDA by default")
+    parser.add(
+        "--quant_type",
+        type=str.lower,
+        default=None,
+        choices=QUANT_TYPE_NAMES,
+        help="default: nf4 on CUDA with bitsandbytes, else none",
+    )
     parser.add("--tensor_parallel_devices", nargs="+", default=None, help="split every block across these devices")
     parser.add("--skip_reachability_check", action="store_true", help="skip the public reachability check")
     parser.add("--adapters", nargs="*", default=(), help="LoRA adapters to pre-load")
