@@ -301,3 +301,53 @@ def _check_stopped(name: str, server: _Server, exit_s: float, limit_s: float) ->
     assert "offline_failed" not in log and "offline_timeout" not in log, f"{name}:\n{log[-3000:]}"
     print(f"{name} server: process-group signal -> exit in {exit_s:.2f} s")
     assert exit_s < limit_s, f"{name}: exit took {exit_s:.1f} s\n{log[-3000:]}"
+
+
+NAMESPACE_CHILD = """
+import socket, sys
+from corolla.cli.demo import namespace_hint
+with socket.socket() as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    print(server.getsockname()[1], flush=True)
+    print(namespace_hint(), flush=True)
+    server.settimeout(60)
+    conn, _ = server.accept()
+    conn.sendall(b"hello from the namespace")
+    conn.close()
+"""
+NAMESPACE_CLIENT = """
+import socket, sys
+with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10) as sock:
+    print(sock.recv(100).decode())
+"""
+
+
+def test_keep_running_hint_reaches_a_loopback_only_namespace():
+    """`--keep_running` inside the loopback-only tool prints how to get in from another terminal: that command,
+    run from outside the namespace, reaches what listens on the namespace's 127.0.0.1 (which a plain connection
+    from outside does not)."""
+    tool = Path(__file__).resolve().parents[3] / "shared" / "tools" / "loopback-only"
+    if not tool.exists() or subprocess.run(["which", "nsenter"], capture_output=True).returncode != 0:
+        pytest.skip("needs the loopback-only tool and nsenter")
+    child = subprocess.Popen(
+        [str(tool), sys.executable, "-c", NAMESPACE_CHILD], stdout=subprocess.PIPE, text=True, env=_env()
+    )
+    try:
+        port = int(child.stdout.readline())
+        hint = child.stdout.readline() + child.stdout.readline()  # namespace_hint() prints two lines
+        assert "network namespace with only loopback" in hint, hint
+        enter = re.search(r"^  (nsenter .*? --) corolla-generate", hint, re.MULTILINE)
+        assert enter, hint
+        client = [sys.executable, "-c", NAMESPACE_CLIENT, str(port)]
+        outside = subprocess.run(client, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env())
+        assert outside.returncode != 0, "the namespace's 127.0.0.1 should not be reachable from outside"
+        inside = subprocess.run(
+            [*enter.group(1).split(), *client], capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env()
+        )
+        assert inside.stdout.strip() == "hello from the namespace", inside.stderr[-2000:]
+        assert child.wait(30.0) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10.0)
