@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import configargparse
 
 from corolla.api.serving import http_cli_parser, serve_until_signalled
-from corolla.cli.errors import add_common_flags, check_initial_peers, check_port_free, run_cli
+from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, check_port_free, run_cli
 from corolla.health.app import create_app
 from corolla.health.collector import HealthConfig, StateCollector
 from corolla.health.state import ModelEntry
@@ -96,6 +96,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_port_free(args.host, args.port)  # before joining the swarm
     check_initial_peers(args.initial_peers)
+    for model in args.model:
+        check_model_argument(model)
     # the DHT forks: create it before any thread starts
     swarm_key = load_swarm_key(args.swarm_key_file)
     dht = create_dht(SwarmConfig(initial_peers=list(args.initial_peers), client_mode=True, swarm_key=swarm_key))
