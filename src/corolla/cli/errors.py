@@ -9,7 +9,6 @@ import argparse
 import errno
 import logging
 import os
-import signal
 import socket
 import sys
 import traceback
@@ -92,12 +91,6 @@ def run_cli(prog: str, body: Callable[[], int], argv: Sequence[str] | None = Non
 def _quiet_logs_after_error() -> None:
     # the line above is the verdict: teardown chatter (hivemind's "shutting down" warnings) would bury it
     logging.getLogger("hivemind").setLevel(logging.CRITICAL)
-
-
-def ignore_sigint_in_children() -> None:
-    """For a CLI's forked helpers (DHT process): Ctrl-C reaches the whole foreground process group; the parent alone
-    decides how to stop, so children must not print their own KeyboardInterrupt tracebacks."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def check_port_free(host: str, port: int, *, flag: str = "--port") -> None:
