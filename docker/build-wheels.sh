@@ -8,7 +8,7 @@
 #                    version must be the image's (bookworm: 3.11) unless PYTHON_VERSION is set
 #   TORCH_SPEC       the torch requirement (default torch==2.13.0+cpu, the CPU wheel on this machine's index)
 #   TORCH_INDEX_URL  an extra index for torch, e.g. https://download.pytorch.org/whl/cu126 for a CUDA build
-#   EXTRAS           corolla extras to include, e.g. gpu (bitsandbytes)
+#   EXTRAS           corolla extras to include, e.g. bench
 #   PYTHON_VERSION   e.g. 3.12: download binary wheels for that Python (pip download --python-version) instead of
 #                    building with PYTHON's own version, for a base image with another Python (CUDA images); when
 #                    unset and PYTHON is not 3.11 (the default base image's Python), 3.11 is downloaded for
