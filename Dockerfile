@@ -9,7 +9,7 @@
 #   docker build --network none -t corolla .
 #   docker run --rm --network none corolla
 # GPU (a CUDA base image and CUDA torch wheels for that image's Python, e.g. Ubuntu 24.04's 3.12):
-#   PYTHON_VERSION=3.12 TORCH_SPEC=torch==2.13.0 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 \
+#   PYTHON=python3.12 PYTHON_VERSION=3.12 TORCH_SPEC=torch==2.13.0 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 \
 #     docker/build-wheels.sh            # bitsandbytes (nf4, the CUDA default) is a dependency on Linux already
 #   docker build --build-arg BASE=nvidia/cuda:12.6.3-runtime-ubuntu24.04 -t corolla:cuda .
 #   docker run --rm --gpus all --network host corolla:cuda corolla-server ORG/MODEL --initial_peers ...
