@@ -147,7 +147,10 @@ def test_corolla_dht_bootstraps_a_second_node_and_stops_on_sigterm(procs):
     node = create_dht(SwarmConfig(initial_peers=maddrs, startup_timeout_s=20))
     try:
         assert run_in_dht(node, _routing_table_size, timeout_s=10, what="routing table") >= 1
-        assert node.store("k", "v", expiration_time=time.time() + 30, return_future=True).result(10)
+        # corolla DHT nodes store only dictionary values (subkeys), as Petals writes them: a plain value could wipe a
+        # whole block key or the model index (see swarm/signed_records)
+        assert node.store("k", "v", expiration_time=time.time() + 30, subkey="s", return_future=True).result(10)
+        assert not node.store("k2", "v", expiration_time=time.time() + 30, return_future=True).result(10)
         assert get_peer_id(node) is not None
     finally:
         shutdown_dht(node)
