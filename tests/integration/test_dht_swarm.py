@@ -35,6 +35,7 @@ from corolla.swarm.records_io import (
     get_remote_module_infos,
 )
 from corolla.swarm.spans import compute_spans
+from corolla.utils.errors import BootstrapError
 
 PREFIX = "tiny-test"
 UIDS = [make_uid(PREFIX, i) for i in range(6)]
@@ -111,7 +112,7 @@ def test_oversized_records_refused_and_dead_bootstrap_fails_fast(swarm):
         declare_active_modules(swarm[1], UIDS[:1], _info(ServerState.ONLINE, 1.0, 0, 1, next_pings=pings), 1e10)
     started = time.monotonic()
     dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGssBkjH2kANT2jVFQ3nv8xpqZRxAvr4iAAXVHKQMZQJm"
-    with pytest.raises(Exception, match="bootstrap"):
+    with pytest.raises(BootstrapError, match="could not reach any of --initial_peers"):
         create_dht(SwarmConfig(initial_peers=[dead], startup_timeout_s=10))
     assert time.monotonic() - started < 30
 
