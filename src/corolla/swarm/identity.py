@@ -5,6 +5,7 @@ directory when no `identity_path` is given, removed once p2pd has loaded it), `g
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -131,6 +132,23 @@ class PreparedIdentity:
             self.temporary_dir = None
 
 
+_TEMPORARY_KEY_PREFIX = "corolla-identity-"
+
+
+class _HideTemporaryKeyNotice(logging.Filter):
+    """Drops hivemind's INFO line about generating a key file when the file is our own throw-away one (an
+    implementation detail that would otherwise land in the middle of a CLI's output)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Generating new identity") and _TEMPORARY_KEY_PREFIX in message)
+
+
+_hivemind_p2p_logger = logging.getLogger("hivemind.p2p.p2p_daemon")
+if not any(isinstance(f, _HideTemporaryKeyNotice) for f in _hivemind_p2p_logger.filters):
+    _hivemind_p2p_logger.addFilter(_HideTemporaryKeyNotice())
+
+
 def prepare_identity(dht_kwargs: dict[str, Any]) -> PreparedIdentity:
     """Makes sure the DHT starts from a key file we can read. Without `identity_path`, points it at a path in a new
     0700 temporary directory: hivemind then generates the key there (no "identity taken" probe, since the file is
@@ -138,7 +156,7 @@ def prepare_identity(dht_kwargs: dict[str, Any]) -> PreparedIdentity:
     path = dht_kwargs.get("identity_path")
     if path is not None:
         return PreparedIdentity(path=os.fspath(path), temporary_dir=None)
-    directory = tempfile.mkdtemp(prefix="corolla-identity-")  # mode 0700
+    directory = tempfile.mkdtemp(prefix=_TEMPORARY_KEY_PREFIX)  # mode 0700
     dht_kwargs["identity_path"] = os.path.join(directory, "identity.key")
     return PreparedIdentity(path=dht_kwargs["identity_path"], temporary_dir=directory)
 
