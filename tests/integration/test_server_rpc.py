@@ -460,7 +460,7 @@ def test_fast_path_backend_through_the_handler(server, blocks):
 
     from corolla.server.backend import SpanBackend
     from corolla.server.block_functions import ServingLimits
-    from corolla.server.engine.serving import build_fast_path
+    from corolla.engine.serving import build_fast_path
     from corolla.server.server import SpanService
     from corolla.server.sessions import SessionTimeouts
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from corolla.models.registry import get_family
-from corolla.server.engine import ContinuousBatcher, EngineConfig, SpanEngine
-from corolla.server.engine.batcher import execute_steps, runtime_batch_executor
-from corolla.server.engine.span_engine import StepRequest
+from corolla.engine import ContinuousBatcher, EngineConfig, SpanEngine
+from corolla.engine.batcher import execute_steps, runtime_batch_executor
+from corolla.engine.span_engine import StepRequest
 from corolla.server.runtime import Runtime
 from corolla.server.task import KIND_INFERENCE, PRIORITY_INFERENCE
 from helpers.tiny_models import tiny_config

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from corolla.models.registry import get_family
-from corolla.server.engine import EngineConfig, SpanEngine
-from corolla.server.engine.span_engine import StepRequest
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.span_engine import StepRequest
 from corolla.utils.errors import AllocationFailed
 from helpers.tiny_models import tiny_config
 

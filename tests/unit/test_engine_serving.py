@@ -11,8 +11,8 @@ import torch
 
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
-from corolla.server.engine import EngineConfig, SpanEngine
-from corolla.server.engine.serving import EngineMemoryCache, EngineSpanBackend, build_fast_path
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.serving import EngineMemoryCache, EngineSpanBackend, build_fast_path
 from corolla.server.memory_cache import MemoryCache
 from corolla.server.runtime import Runtime
 from corolla.utils.errors import AllocationFailed

@@ -521,7 +521,7 @@ class Server:
             return None
         if c.tensor_parallel_devices and len(c.tensor_parallel_devices) > 1:
             return None
-        from corolla.server.engine.serving import build_fast_path
+        from corolla.engine.serving import build_fast_path
 
         try:
             return build_fast_path(

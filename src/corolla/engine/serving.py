@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from corolla.server.engine.batcher import execute_steps
-from corolla.server.engine.config import EngineConfig
-from corolla.server.engine.span_engine import EngineSession, SpanEngine, StepRequest
+from corolla.engine.batcher import execute_steps
+from corolla.engine.config import EngineConfig
+from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
 

@@ -3,9 +3,9 @@ batched ragged decode step and chunked prefill (`fast_llama`, kernels in `ops`/`
 graphs per batch bucket (`cuda_graphs`), the session-level facade (`span_engine`) and continuous batching across
 sessions (`batcher`). Runs on CPU too (reference ops, no graphs) so that tests check the same math."""
 
-from corolla.server.engine.batcher import ContinuousBatcher
-from corolla.server.engine.config import EngineConfig, LlamaSpec
-from corolla.server.engine.kv_pool import KVPool
-from corolla.server.engine.span_engine import EngineSession, SpanEngine
+from corolla.engine.batcher import ContinuousBatcher
+from corolla.engine.config import EngineConfig, LlamaSpec
+from corolla.engine.kv_pool import KVPool
+from corolla.engine.span_engine import EngineSession, SpanEngine
 
 __all__ = ["ContinuousBatcher", "EngineConfig", "EngineSession", "KVPool", "LlamaSpec", "SpanEngine"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from corolla.server.engine.span_engine import EngineSession, SpanEngine, StepRequest
+from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from corolla.server.engine.config import LlamaSpec
-from corolla.server.engine.kv_pool import KVPool, SequenceSlot
-from corolla.server.engine.ops import DecodeOps
+from corolla.engine.config import LlamaSpec
+from corolla.engine.kv_pool import KVPool, SequenceSlot
+from corolla.engine.ops import DecodeOps
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
-    from corolla.server.engine import triton_kernels
+    from corolla.engine import triton_kernels
 except ImportError:  # pragma: no cover - depends on the installation
     triton_kernels = None
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from corolla.server.engine.config import EngineConfig
-from corolla.server.engine.cuda_graphs import DecodeGraphs
-from corolla.server.engine.fast_llama import FastLlamaSpan
-from corolla.server.engine.kv_pool import KVPool, SequenceSlot
+from corolla.engine.config import EngineConfig
+from corolla.engine.cuda_graphs import DecodeGraphs
+from corolla.engine.fast_llama import FastLlamaSpan
+from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

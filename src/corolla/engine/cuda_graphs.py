@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from corolla.server.engine.fast_llama import FastLlamaSpan
-from corolla.server.engine.kv_pool import TRASH_PAGE, KVPool
+from corolla.engine.fast_llama import FastLlamaSpan
+from corolla.engine.kv_pool import TRASH_PAGE, KVPool
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
