@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         results["notes"].append(f"quant_type={args.quant_type}: the fast path serves unquantized weights only")
 
     # ---- corolla engine on the same weights
-    from corolla.server.engine import EngineConfig, SpanEngine
-    from corolla.server.engine.fast_llama import FastLlamaSpan
+    from corolla.engine import EngineConfig, SpanEngine
+    from corolla.engine.fast_llama import FastLlamaSpan
 
     max_sessions = max(int(s) for s in args.sessions.split(","))
     config = EngineConfig(

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     from corolla.protocol.uids import make_chain
     from corolla.server.backend import SpanBackend
     from corolla.server.block_functions import ServingLimits
-    from corolla.server.engine.serving import build_fast_path
+    from corolla.engine.serving import build_fast_path
     from corolla.server.server import SpanService
     from corolla.server.sessions import SessionTimeouts
 

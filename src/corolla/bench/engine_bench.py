@@ -9,8 +9,8 @@ import time
 import torch
 
 from corolla.bench.measure import event_median_ms, median, percentile, sync
-from corolla.server.engine import ContinuousBatcher, SpanEngine
-from corolla.server.engine.span_engine import StepRequest
+from corolla.engine import ContinuousBatcher, SpanEngine
+from corolla.engine.span_engine import StepRequest
 
 
 def _cpu_inputs(n: int, rows: int, tokens: int, hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:

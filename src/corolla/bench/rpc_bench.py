@@ -44,7 +44,7 @@ def build_blocks(model, shape, dtype: torch.dtype, device: torch.device, num_lay
 def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], None]) -> dict:
     from corolla.server.backend import SpanBackend
     from corolla.server.block_functions import ServingLimits
-    from corolla.server.engine.serving import build_fast_path
+    from corolla.engine.serving import build_fast_path
     from corolla.server.server import SpanService
     from corolla.server.sessions import SessionTimeouts
 
