@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+from corolla.models.rope_yarn import yarn_attention_factor, yarn_inv_freq
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def rope_parameters(config) -> dict[str, Any]:
@@ -37,6 +39,9 @@ class RotaryEmbedding:
         self.max_position_embeddings = max_position_embeddings
         self._cache: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.attention_scaling = 1.0  # multiplies cos and sin (YaRN's attention factor)
+        if self.rope_type == "yarn":
+            self.attention_scaling = yarn_attention_factor(params, max_position_embeddings)
 
     def _base_inv_freq(self, device: torch.device, base: float) -> torch.Tensor:
         dim = self.head_dim
@@ -65,6 +70,8 @@ class RotaryEmbedding:
             inv_freq = inv_freq / float(self.params["factor"])
         elif self.rope_type == "llama3":
             inv_freq = _llama3_scale(inv_freq, self.params)
+        elif self.rope_type == "yarn":
+            inv_freq = yarn_inv_freq(self.head_dim, self.params, self.max_position_embeddings, device)
         if key_len == 0:
             self._cache[key] = inv_freq
         return inv_freq
@@ -74,7 +81,8 @@ class RotaryEmbedding:
         positions = torch.arange(start, end, device=device, dtype=torch.float32)  # [T]
         freqs = positions[:, None] * inv_freq[None, :]  # [T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        scale = self.attention_scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
     def cos_sin(self, position: int, length: int, device: torch.device, dtype: torch.dtype):
         """cos, sin: [length, head_dim] for absolute positions position..position+length-1, in `dtype`.
