@@ -109,6 +109,18 @@ _FAMILIES: dict[str, ModelFamily] = {
             _falcon_prefix, f"{_TF}.falcon.modeling_falcon:FalconDecoderLayer",
         ),
         ModelFamily(
+            "gemma2", "gemma", "model.layers", _lazy("corolla.models.gemma.block:Gemma2Block"), _config_kv_heads,
+            _llama_prefix, f"{_TF}.gemma2.modeling_gemma2:Gemma2DecoderLayer",
+        ),
+        ModelFamily(
+            "gemma3_text", "gemma", "model.layers", _lazy("corolla.models.gemma.block:Gemma3Block"),
+            _config_kv_heads, _llama_prefix, f"{_TF}.gemma3.modeling_gemma3:Gemma3DecoderLayer",
+        ),
+        ModelFamily(
+            "gpt_oss", "gpt_oss", "model.layers", _lazy("corolla.models.gpt_oss.block:GptOssBlock"),
+            _config_kv_heads, _llama_prefix, f"{_TF}.gpt_oss.modeling_gpt_oss:GptOssDecoderLayer",
+        ),
+        ModelFamily(
             "bloom", "bloom", "h", _lazy("corolla.models.bloom.block:BloomBlock"), _bloom_kv_heads,
             _bloom_prefix, f"{_TF}.bloom.modeling_bloom:BloomBlock", alt_block_prefixes=("transformer.h",),
         ),

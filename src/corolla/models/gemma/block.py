@@ -1,0 +1,121 @@
+"""Gemma 2 and Gemma 3 (text) decoder layers: RMSNorms scaled by (1 + weight) around both sublayers (pre and
+post), GQA attention scaled by `query_pre_attn_scalar`**-0.5 with sliding-window layers (`layer_types`), Gemma 2's
+attention logit soft-capping, Gemma 3's per-head q/k norms and per-layer-type rope bases, and a GELU-tanh gated
+MLP. Embedding scaling, the final norm and final logit soft-capping run on the client."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from corolla.models.block_base import CorollaBlock, TensorTarget
+from corolla.models.layers import GatedMLP
+from corolla.models.llama.block import head_dim_of, num_kv_heads_of, qkv_layout
+from corolla.models.positions import RotaryEmbedding, rope_parameters
+from corolla.models.window_attention import WindowedAttention, WindowedAttentionConfig
+
+SLIDING = "sliding_attention"
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), all in fp32, cast back to the input dtype (weights are stored as offsets)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def layer_type_of(config, layer_idx: int) -> str:
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types or layer_idx >= len(layer_types):
+        raise ValueError(f"config.layer_types must name layer {layer_idx}'s attention type, got {layer_types!r}")
+    return str(layer_types[layer_idx])
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The window of a `sliding_attention` layer, None for full attention."""
+    if layer_type_of(config, layer_idx) != SLIDING:
+        return None
+    return int(config.sliding_window)
+
+
+def layer_rope_parameters(config, layer_idx: int) -> dict:
+    """Gemma 3 keeps one rope dict per layer type (local/global bases); Gemma 2 one dict for all layers."""
+    params = getattr(config, "rope_parameters", None)
+    layer_type = layer_type_of(config, layer_idx)
+    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        return rope_parameters(SimpleNamespace(rope_parameters=params[layer_type]))
+    return rope_parameters(config)
+
+
+def make_gemma_attention(config, layer_idx: int, *, qk_norm: bool) -> WindowedAttention:
+    hd = head_dim_of(config)
+    bias = bool(getattr(config, "attention_bias", False))
+    cfg = WindowedAttentionConfig(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=num_kv_heads_of(config),
+        head_dim=hd,
+        scale=float(config.query_pre_attn_scalar) ** -0.5,
+        qkv_bias=bias,
+        out_bias=bias,
+        sliding_window_tokens=sliding_window_of(config, layer_idx),
+        logit_softcap=getattr(config, "attn_logit_softcapping", None),
+    )
+    rotary = RotaryEmbedding(hd, layer_rope_parameters(config, layer_idx), config.max_position_embeddings)
+    norms = (GemmaRMSNorm(hd, config.rms_norm_eps), GemmaRMSNorm(hd, config.rms_norm_eps)) if qk_norm else (None, None)
+    return WindowedAttention(cfg, rotary, q_norm=norms[0], k_norm=norms[1])
+
+
+class Gemma2Block(CorollaBlock):
+    """x + post_attn_norm(attn(input_norm(x))), then + post_ff_norm(mlp(pre_ff_norm(.))).
+    Checkpoint names: `self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, the four norms."""
+
+    QK_NORM = False
+    NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(H, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(H, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(H, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(H, eps)
+        self.attn = make_gemma_attention(config, layer_idx, qk_norm=self.QK_NORM)
+        self.mlp = GatedMLP(H, config.intermediate_size, config.hidden_activation)
+
+    def _forward(self, hidden_states: torch.Tensor, *, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
+        x = hidden_states  # [B, T, H]
+        x = x + self.post_attention_layernorm(self.attn(self.input_layernorm(x), cache, position))  # [B, T, H]
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))  # [B, T, H]
+
+    def checkpoint_layout(self) -> dict[str, TensorTarget]:
+        bias = bool(getattr(self.config, "attention_bias", False))
+        inter = self.config.intermediate_size
+        layout = qkv_layout(
+            self.config, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            qkv_bias=bias, out_bias=bias,
+        )  # fmt: skip
+        layout.update({f"{name}.weight": TensorTarget(f"{name}.weight") for name in self.NORMS})
+        layout["mlp.gate_proj.weight"] = TensorTarget("mlp.gate_up.weight", torch.arange(0, inter))
+        layout["mlp.up_proj.weight"] = TensorTarget("mlp.gate_up.weight", torch.arange(inter, 2 * inter))
+        layout["mlp.down_proj.weight"] = TensorTarget("mlp.down.weight")
+        if self.QK_NORM:
+            layout["self_attn.q_norm.weight"] = TensorTarget("attn.q_norm.weight")
+            layout["self_attn.k_norm.weight"] = TensorTarget("attn.k_norm.weight")
+        return layout
+
+
+class Gemma3Block(Gemma2Block):
+    """Gemma 2's layer plus per-head RMSNorms on q and k (`self_attn.{q,k}_norm`); soft-capping only if the config
+    sets `attn_logit_softcapping`; local (sliding) and global layers rotate with their own rope parameters."""
+
+    QK_NORM = True

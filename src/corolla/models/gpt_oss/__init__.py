@@ -1,0 +1,5 @@
+"""OpenAI gpt-oss decoder layers (attention sinks, alternating sliding/full attention, clamped-SwiGLU MoE)."""
+
+from corolla.models.gpt_oss.block import GptOssBlock, GptOssMoE
+
+__all__ = ["GptOssBlock", "GptOssMoE"]

@@ -1,0 +1,123 @@
+"""The gpt-oss decoder layer: pre-RMSNorm; GQA attention with q/k/v/o biases, learned per-head sink logits,
+YaRN rotary and a 128-token window on every other layer; and a mixture of experts: router (with bias) -> top-k
+logits -> softmax over the chosen, each expert a clamped SwiGLU `(up + 1) * gate * sigmoid(alpha * gate)` with
+biases. Expert weights stay stacked as the checkpoint stores them (`[E, H, 2I]` with gate/up interleaved by
+column, `[E, I, H]`); routing is local to the block, so no expert traffic leaves the server."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corolla.models.block_base import CorollaBlock, TensorTarget
+from corolla.models.gemma.block import sliding_window_of
+from corolla.models.llama.block import head_dim_of, num_kv_heads_of, qkv_layout
+from corolla.models.positions import RotaryEmbedding, rope_parameters
+from corolla.models.window_attention import WindowedAttention, WindowedAttentionConfig
+
+
+class GptOssRMSNorm(nn.Module):
+    """x / rms(x) * weight in fp32, cast back to the input dtype (the weight multiplies before the cast)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype)
+
+
+class GptOssMoE(nn.Module):
+    """Top-k experts per token. `router` [E, H] + bias; `gate_up_proj` [E, H, 2I] (even columns gate, odd up),
+    `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, H], `down_proj_bias` [E, H]."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, alpha: float, limit: float
+    ):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
+        self.num_experts, self.top_k, self.alpha, self.limit = num_experts, top_k, alpha, limit
+        self.router = nn.Linear(hidden_size, num_experts, bias=True)
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, 2 * intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, intermediate_size, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I]
+        gate = gate_up[..., ::2].clamp(max=self.limit)  # [n, I]
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)  # [n, I]
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
+        B, T, H = x.shape
+        flat = x.reshape(B * T, H)  # [N, H]
+        logits = F.linear(flat, self.router.weight, self.router.bias)  # [N, E]
+        top_logits, top_i = torch.topk(logits, self.top_k, dim=-1)  # [N, k]
+        top_w = torch.softmax(top_logits, dim=-1)  # [N, k], softmax over the chosen experts only
+        out = torch.zeros_like(flat)  # [N, H]
+        for e in torch.unique(top_i).tolist():
+            token_idx, slot = torch.where(top_i == e)  # [n], [n]
+            y = self._expert(e, flat[token_idx]) * top_w[token_idx, slot, None]  # [n, H]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out.reshape(B, T, H)
+
+
+class GptOssBlock(CorollaBlock):
+    """x + attn(norm(x)), then + moe(norm(.)). Checkpoint names: `self_attn.{q,k,v,o}_proj.{weight,bias}`,
+    `self_attn.sinks`, `mlp.router.{weight,bias}`, `mlp.experts.{gate_up_proj,down_proj}[_bias]`,
+    `input_layernorm`, `post_attention_layernorm`."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        H, hd = config.hidden_size, head_dim_of(config)
+        self.input_layernorm = GptOssRMSNorm(H, config.rms_norm_eps)
+        self.post_attention_layernorm = GptOssRMSNorm(H, config.rms_norm_eps)
+        bias = bool(getattr(config, "attention_bias", True))
+        cfg = WindowedAttentionConfig(
+            hidden_size=H,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=num_kv_heads_of(config),
+            head_dim=hd,
+            scale=hd**-0.5,
+            qkv_bias=bias,
+            out_bias=bias,
+            sliding_window_tokens=sliding_window_of(config, layer_idx),
+            sinks=True,
+        )
+        rotary = RotaryEmbedding(hd, rope_parameters(config), config.max_position_embeddings)
+        self.attn = WindowedAttention(cfg, rotary)
+        self.mlp = GptOssMoE(
+            H, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok,
+            float(config.swiglu_alpha), float(config.swiglu_limit),
+        )  # fmt: skip
+
+    def _forward(self, hidden_states: torch.Tensor, *, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
+        x = hidden_states  # [B, T, H]
+        x = x + self.attn(self.input_layernorm(x), cache, position)  # [B, T, H]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, H]
+
+    def checkpoint_layout(self) -> dict[str, TensorTarget]:
+        bias = bool(getattr(self.config, "attention_bias", True))
+        layout = qkv_layout(
+            self.config, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            qkv_bias=bias, out_bias=bias,
+        )  # fmt: skip
+        layout["self_attn.sinks"] = TensorTarget("attn.sinks")
+        layout["input_layernorm.weight"] = TensorTarget("input_layernorm.weight")
+        layout["post_attention_layernorm.weight"] = TensorTarget("post_attention_layernorm.weight")
+        layout["mlp.router.weight"] = TensorTarget("mlp.router.weight")
+        layout["mlp.router.bias"] = TensorTarget("mlp.router.bias")
+        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            layout[f"mlp.experts.{name}"] = TensorTarget(f"mlp.{name}")
+        return layout
+
+    def expert_parameter_names(self) -> tuple[str, ...]:
+        """Our parameters holding expert weights (all of them are memory; `top_k` of E are used per token)."""
+        return ("mlp.gate_up_proj", "mlp.gate_up_proj_bias", "mlp.down_proj", "mlp.down_proj_bias")

@@ -1,0 +1,99 @@
+"""Gemma 2, Gemma 3 (text) and gpt-oss blocks, loaded from tiny random checkpoints, compute what the transformers
+decoder layers compute: forward over sliding and full layers, KV-cached steps through a wrapping sliding-window
+ring with rollbacks (and the refusal of a rollback past the slack), and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import helpers.tiny_models_fam_b as fam_b
+from corolla.models.config import load_config
+from corolla.models.loading import load_pretrained_block
+from corolla.models.registry import get_family
+from helpers.tiny_models import capture_hf_layer, hf_layers, make_tiny_model, torch_threads
+
+SEQ = 20  # > the tiny window (6) and > the ring (window + slack 2 = 8)
+STEPS = (10, 1, 1, 1, 3, 1)  # first step longer than the ring: only its last 8 keys stay
+SLACK = 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module", params=fam_b.FAM_B_FAMILIES)
+def tiny(request, tmp_path_factory):
+    family = request.param
+    path = make_tiny_model(family, tmp_path_factory.mktemp(family), num_layers=3)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return family, path, load_config(path), hf
+
+
+def _layers_to_check(config) -> list[int]:
+    types = list(config.layer_types)
+    return [types.index("sliding_attention"), types.index("full_attention")]
+
+
+def test_registry_prefix_and_reference(tiny):
+    family, _, config, hf = tiny
+    fam = get_family(config)
+    assert type(hf_layers(hf)[0]) is fam.hf_layer_class
+    assert fam.default_dht_prefix(f"org/{family}-9b.1") == f"{family}-9b-1-hf"
+
+
+def test_forward_cached_steps_rollback_and_grads(tiny):
+    _, path, config, hf = tiny
+    torch.manual_seed(7)
+    ids = torch.randint(3, config.vocab_size, (2, SEQ))
+    for layer in _layers_to_check(config):
+        block = load_pretrained_block(path, layer, config=config, torch_dtype=torch.float32)
+        x, ref, ref_kwargs = capture_hf_layer(hf, layer, ids)  # [2, SEQ, H]
+        sliding = block.attn.sliding_window is not None
+        with torch.no_grad():
+            torch.testing.assert_close(block(x), ref, atol=1e-4, rtol=0)
+            block.attn.slack_tokens = SLACK
+            cache = [d.make_zeros() for d in block.cache_descriptors(2, 40)]
+            assert cache[0].shape[2] == (fam_b.WINDOW + SLACK if sliding else 40)
+            position = 0
+            for n in STEPS:
+                out = block(x[:, position : position + n], cache=cache, position=position)
+                torch.testing.assert_close(out, ref[:, position : position + n], atol=1e-4, rtol=0)
+                position += n
+            # Rollback by slack + 1 tokens (the most a sliding ring guarantees) with different tokens.
+            back = position - (SLACK + 1)
+            ids2 = torch.cat([ids[:, :back], torch.randint(3, config.vocab_size, (2, SEQ - back))], dim=1)
+            x2, ref2, _ = capture_hf_layer(hf, layer, ids2)
+            out = block(x2[:, back : back + 2], cache=cache, position=back)
+            torch.testing.assert_close(out, ref2[:, back : back + 2], atol=1e-4, rtol=0)
+            out = block(x2[:, back + 2 : SEQ], cache=cache, position=back + 2)
+            torch.testing.assert_close(out, ref2[:, back + 2 : SEQ], atol=1e-4, rtol=0)
+            far_back = SEQ - (SLACK + 2)
+            if sliding:
+                with pytest.raises(ValueError, match=r"rollbacks of more than 3 tokens"):
+                    block(x2[:, far_back : far_back + 1], cache=cache, position=far_back)
+            else:  # full layers keep every position
+                out = block(x2[:, far_back : far_back + 1], cache=cache, position=far_back)
+                torch.testing.assert_close(out, ref2[:, far_back : far_back + 1], atol=1e-4, rtol=0)
+        _check_grads(block, hf_layers(hf)[layer], x, ref, ref_kwargs)
+
+
+def _check_grads(block, layer, x, ref, ref_kwargs) -> None:
+    block.requires_grad_(True)
+    weight = torch.randn_like(ref)
+    ours_in = x.clone().requires_grad_(True)
+    (block(ours_in) * weight).sum().backward()
+    ref_in = x.clone().requires_grad_(True)
+    ref_out = layer(ref_in, **ref_kwargs)
+    ref_out = ref_out[0] if isinstance(ref_out, tuple) else ref_out
+    (ref_out * weight).sum().backward()
+    torch.testing.assert_close(ours_in.grad, ref_in.grad, atol=1e-4, rtol=1e-4)
+    ref_grads = {n: p.grad for n, p in layer.named_parameters()}
+    params = dict(block.named_parameters())
+    for name, target in block.checkpoint_layout().items():
+        grad = params[target.param].grad
+        grad = grad if target.rows is None else grad[target.rows]
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-4, rtol=1e-4, msg=f"grad of {name}")
