@@ -88,7 +88,7 @@ def _check_depth(value: Any, depth_left: int, limits: MsgpackLimits) -> None:
         if isinstance(node, (list, tuple)):
             children = node
         elif isinstance(node, dict):
-            children = node.values()  # keys are str/bytes (strict_map_key)
+            children = tuple(node.values())  # keys are str/bytes (strict_map_key)
         else:
             continue
         if left <= 0:
@@ -203,7 +203,9 @@ def _batch_tensor_descriptor(fields: Any) -> Any:
             device_index is None or isinstance(device_index, int)
         ):
             raise MsgpackLimitError(f"BatchTensorDescriptor (0x51) device is not valid: {device_type!r:.32}")
-        kwargs["device"] = torch.device(device_type, device_index)
+        kwargs["device"] = (
+            torch.device(device_type) if device_index is None else torch.device(device_type, device_index)
+        )
     for key in ("requires_grad", "pin_memory"):
         if not isinstance(fields[key], bool):
             raise MsgpackLimitError(f"BatchTensorDescriptor (0x51) {key} must be a bool")

@@ -253,8 +253,8 @@ def check_castable(
         return
     if tensor.numel() == 0:
         return
-    low, high = torch.aminmax(tensor.detach())  # NaN propagates into both; inf shows up as one of them
-    low, high = float(low), float(high)
+    low_t, high_t = torch.aminmax(tensor.detach())  # NaN propagates into both; inf shows up as one of them
+    low, high = float(low_t), float(high_t)
     if not (math.isfinite(low) and math.isfinite(high)):
         raise ValueError(f"{name} contains NaN or infinite values")
     if high > target_max or low < -target_max:

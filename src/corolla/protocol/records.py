@@ -23,6 +23,10 @@ class ServerState(IntEnum):
 def _check_rps(name: str, value: Any, *, optional: bool) -> float | None:
     if value is None and optional:
         return None
+    return _check_finite_rps(name, value)
+
+
+def _check_finite_rps(name: str, value: Any) -> float:
     # Petals uses `confloat(strict=True)`: ints and bools are rejected, only real floats pass.
     if not isinstance(value, float):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
@@ -75,7 +79,7 @@ class ServerInfo:
         if isinstance(self.state, bool) or not isinstance(self.state, int):
             raise TypeError(f"state must be an int, got {type(self.state).__name__}")
         self.state = ServerState(self.state)  # raises ValueError for unknown states
-        self.throughput = _check_rps("throughput", self.throughput, optional=False)
+        self.throughput = _check_finite_rps("throughput", self.throughput)
         self.start_block = _check_nonneg_int("start_block", self.start_block)
         self.end_block = _check_nonneg_int("end_block", self.end_block)
         if self.start_block is not None and self.end_block is not None and self.end_block <= self.start_block:
@@ -142,7 +146,8 @@ class ModelInfo:
     def from_dict(cls, source: Any) -> ModelInfo:
         if not isinstance(source, Mapping):
             raise TypeError(f"ModelInfo must be a dict, got {type(source).__name__}")
-        return cls(num_blocks=source.get("num_blocks"), repository=source.get("repository"))
+        num_blocks: Any = source.get("num_blocks")  # hostile: checked in __post_init__
+        return cls(num_blocks=num_blocks, repository=source.get("repository"))
 
 
 @dataclass

@@ -95,7 +95,7 @@ class SwarmKey:
 
 def load_swarm_key(path: str | os.PathLike[str] | None) -> SwarmKey | None:
     """`SwarmKey.load(path)`, or None for the public/open path (no key file given)."""
-    return None if path in (None, "") else SwarmKey.load(path)
+    return SwarmKey.load(path) if path is not None and path != "" else None
 
 
 class RpcMembership:

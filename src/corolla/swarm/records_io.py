@@ -99,7 +99,9 @@ async def _store_records(
     subkey = node.peer_id.to_base58()
     keys, subkeys, values = list(uids), [subkey] * len(uids), [value] * len(uids)
     if signed is not None and signer_peer_id == subkey:  # sign only as ourselves (a foreign identity would be refused)
-        keys.append(signed[0]), subkeys.append(signed[1]), values.append(signed[2])
+        keys.append(signed[0])
+        subkeys.append(signed[1])
+        values.append(signed[2])
     store_ok = await node.store_many(
         keys=keys,
         subkeys=subkeys,

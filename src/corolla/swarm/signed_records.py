@@ -91,7 +91,10 @@ class SignedServerRecord:
 
     @property
     def span(self) -> range:
-        return range(self.server_info.start_block, self.server_info.end_block)
+        start, end = self.server_info.start_block, self.server_info.end_block
+        if start is None or end is None:  # only a record with both bounds is ever signed
+            return range(0)
+        return range(start, end)
 
 
 def sign_server_record(

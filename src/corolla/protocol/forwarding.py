@@ -1,0 +1,24 @@
+"""corolla-only metadata for server-to-server forwarding (`next_servers` + `rpc_push`): the step id a client
+announces for its next step, so that a server accepts a pushed step only if the session's own client is about to
+send it. Stock Petals peers ignore unknown metadata keys, so this is a wire-compatible extension."""
+
+from __future__ import annotations
+
+from typing import Any
+
+NEXT_STEP_KEY = "corolla.next_step_id"  # metadata key of a direct step: the step_id of the client's next step
+MAX_STEP_ID_CHARS = 128  # uuid4 strings are 36 characters
+
+
+def parse_next_step_id(metadata_extra: dict[str, Any]) -> str | None:
+    """The next step id a client announced in a request's extra metadata (None when absent); ValueError when it is
+    not a non-empty str of at most `MAX_STEP_ID_CHARS` characters."""
+    value = metadata_extra.get(NEXT_STEP_KEY)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_STEP_ID_CHARS:
+        raise ValueError(f"{NEXT_STEP_KEY} must be a str of 1 to {MAX_STEP_ID_CHARS} characters, got {value!r:.80}")
+    return value
+
+
+PUSHED_REPLY_KEY = "corolla.pushed"  # response metadata: this reply answers a step that reached the server by push
