@@ -8,7 +8,9 @@ import contextlib
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,6 +22,14 @@ SHARD_SIZE = "60KB"  # with sharded=True: several shards per model, so a block's
 
 _lock = threading.Lock()
 _cache_root: Path | None = None
+# More tiny families registered by other helper modules: name -> (num_layers -> transformers config).
+EXTRA_FAMILIES: dict[str, Callable[[int], Any]] = {}
+
+
+def register_tiny_family(name: str, build_config: Callable[[int], Any]) -> None:
+    """Makes `tiny_config(name)` / `make_tiny_model(name, ...)` build `build_config(num_layers)` (not in FAMILIES,
+    so the suites parametrized over FAMILIES do not pick it up)."""
+    EXTRA_FAMILIES[name] = build_config
 
 
 def _common(num_layers: int) -> dict:
@@ -40,6 +50,8 @@ def tiny_config(family: str, num_layers: int = 4):
     """The transformers config of a tiny model of `family` (see FAMILIES)."""
     import transformers as tf
 
+    if family in EXTRA_FAMILIES:
+        return EXTRA_FAMILIES[family](num_layers)
     c = _common(num_layers)
     llama_like = dict(intermediate_size=128, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
     if family == "llama":
@@ -130,8 +142,8 @@ def make_tiny_model(
     `AutoTokenizer.from_pretrained(path)` and `AutoModelForCausalLM.from_pretrained(path)` work offline.
     Same arguments give the same weights (built once per process, then copied)."""
     global _cache_root
-    if family not in FAMILIES:
-        raise ValueError(f"Unknown tiny family {family!r}; choose from {FAMILIES}")
+    if family not in FAMILIES and family not in EXTRA_FAMILIES:
+        raise ValueError(f"Unknown tiny family {family!r}; choose from {FAMILIES + tuple(EXTRA_FAMILIES)}")
     name = model_dir_name(family, num_layers=num_layers, sharded=sharded, dtype=dtype, seed=seed)
     with _lock:
         if _cache_root is None:

@@ -19,7 +19,7 @@ from helpers.tiny_models import make_tiny_model, tiny_config
 
 
 def test_families_and_prefixes():
-    assert set(SUPPORTED_MODEL_TYPES) == {"llama", "mistral", "qwen2", "mixtral", "falcon", "bloom"}
+    assert {"llama", "mistral", "qwen2", "mixtral", "falcon", "bloom"} <= set(SUPPORTED_MODEL_TYPES)
     assert get_family("mistral").family == get_family("qwen2").family == "llama"
     assert get_family(tiny_config("falcon")).block_prefix == "transformer.h"
     assert get_family("bloom").block_prefix == "h" and get_family("mixtral").block_prefix == "model.layers"

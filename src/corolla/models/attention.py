@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from corolla.models.block_base import TensorDescriptor
+from corolla.models.layers import RMSNorm
 from corolla.models.positions import RotaryEmbedding, alibi_slopes
 
 
@@ -37,6 +38,7 @@ class Attention(nn.Module):
         alibi_bf16_product: bool = False,
         total_heads: int | None = None,
         sliding_window: int | None = None,
+        qk_norm_eps: float | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -55,6 +57,10 @@ class Attention(nn.Module):
         self.head_ids: list[int] = list(range(num_heads))
         self.sliding_window = sliding_window
         self.scale = 1.0 / math.sqrt(head_dim)
+        # Qwen3: RMSNorm over each head's q and k (weights `[head_dim]`, shared by the heads) before rotary.
+        self.qk_norm_eps = qk_norm_eps
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def cache_descriptors(self, batch_size: int, max_length: int, dtype: torch.dtype) -> list[TensorDescriptor]:
         """K and V, each `[batch, kv_heads, max_length, head_dim]` on this module's device."""
@@ -70,6 +76,8 @@ class Attention(nn.Module):
         q = q.view(B, T, h, hd).transpose(1, 2)  # [B, h, T, hd]
         k = k.view(B, T, kv, hd).transpose(1, 2)  # [B, kv, T, hd]
         v = v.view(B, T, kv, hd).transpose(1, 2)  # [B, kv, T, hd]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, over hd
         if self.rotary is not None:
             q, k = self.rotary.apply(q, k, position)
 

@@ -81,9 +81,12 @@ class SparseMoE(nn.Module):
         top_k: int,
         act: str,
         expert_ids: list[int] | None = None,
+        *,
+        normalize_top_k: bool = True,
     ):
         super().__init__()
         self.hidden_size, self.intermediate_size, self.act_name = hidden_size, intermediate_size, act
+        self.normalize_top_k = normalize_top_k  # False: the top-k softmax weights as they are (Qwen3-MoE option)
         self.num_experts = num_experts
         self.top_k = top_k
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
@@ -96,7 +99,8 @@ class SparseMoE(nn.Module):
         logits = F.linear(flat, self.router.weight.to(flat.device))  # [N, E]
         probs = torch.softmax(logits.float(), dim=-1)  # [N, E] fp32
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)  # fp32, as the reference
+        if self.normalize_top_k:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)  # fp32, as the reference
         out = torch.zeros_like(flat)  # [N, H]
         for local, expert_id in enumerate(self.expert_ids):
             token_idx, slot = torch.where(top_i == expert_id)  # [n], [n]

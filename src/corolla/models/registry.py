@@ -52,6 +52,16 @@ def _bloom_kv_heads(config) -> int:
     return config.n_head
 
 
+def _mla_kv_heads(config) -> int:
+    """MLA caches one latent "head" per token (the latent and the shared rotary key), whatever the query heads."""
+    return 1
+
+
+def _mla_cache_values(config) -> int:
+    """MLA: the compressed latent (`kv_lora_rank`) + the shared rotary key (`qk_rope_head_dim`) per token."""
+    return int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
+
+
 def _lazy(path: str) -> Callable[..., Any]:
     module_name, attr = path.rsplit(":", 1)
 
@@ -73,6 +83,8 @@ class ModelFamily:
     default_dht_prefix: Callable[[str], str]  # (hub repo id) -> DHT prefix; local paths: see config.default_dht_prefix
     hf_layer_path: str  # "module:Class" of the transformers reference decoder layer
     alt_block_prefixes: tuple[str, ...] = field(default=())  # other spellings found in checkpoints
+    # (config) -> values one token takes in one block's KV cache; None: K + V = 2 * kv heads * head_dim
+    cache_values_per_token: Callable[[Any], int] | None = None
 
     @property
     def hf_layer_class(self) -> type[nn.Module]:
@@ -123,6 +135,23 @@ _FAMILIES: dict[str, ModelFamily] = {
         ModelFamily(
             "bloom", "bloom", "h", _lazy("corolla.models.bloom.block:BloomBlock"), _bloom_kv_heads,
             _bloom_prefix, f"{_TF}.bloom.modeling_bloom:BloomBlock", alt_block_prefixes=("transformer.h",),
+        ),
+        ModelFamily(
+            "qwen3", "qwen3", "model.layers", _lazy("corolla.models.qwen3.block:Qwen3Block"), _config_kv_heads,
+            _llama_prefix, f"{_TF}.qwen3.modeling_qwen3:Qwen3DecoderLayer",
+        ),
+        ModelFamily(
+            "qwen3_moe", "qwen3_moe", "model.layers", _lazy("corolla.models.qwen3_moe.block:Qwen3MoeBlock"),
+            _config_kv_heads, _llama_prefix, f"{_TF}.qwen3_moe.modeling_qwen3_moe:Qwen3MoeDecoderLayer",
+        ),
+        ModelFamily(
+            "phi3", "phi3", "model.layers", _lazy("corolla.models.phi3.block:Phi3Block"), _config_kv_heads,
+            _llama_prefix, f"{_TF}.phi3.modeling_phi3:Phi3DecoderLayer",
+        ),
+        ModelFamily(
+            "deepseek_v3", "deepseek_v3", "model.layers", _lazy("corolla.models.deepseek_v3.block:DeepseekV3Block"),
+            _mla_kv_heads, _llama_prefix, f"{_TF}.deepseek_v3.modeling_deepseek_v3:DeepseekV3DecoderLayer",
+            cache_values_per_token=_mla_cache_values,
         ),
     ]
 }  # fmt: skip

@@ -29,7 +29,7 @@ def block_size_bytes(config, dtype: torch.dtype, quant_type: QuantType | str = Q
 
 
 def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K and V bytes one token takes in one block's cache (all shards together)."""
-    family = get_family(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * family.num_kv_heads(config) * head_dim * torch.empty((), dtype=dtype).element_size()
+    """K and V bytes one token takes in one block's cache (all shards together; MLA: latent + rotary key)."""
+    from corolla.models.kv_sizing import kv_cache_bytes_per_token as from_architecture
+
+    return from_architecture(config, dtype)

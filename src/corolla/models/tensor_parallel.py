@@ -169,8 +169,11 @@ def _split_attention(attn: Attention, devices: list[torch.device]) -> list[Atten
                 attn.hidden_size, len(q_heads), len(kv_heads), hd, qkv_bias=False, out_bias=False,
                 rotary=copy.copy(attn.rotary), alibi=attn.alibi, alibi_scale=attn.alibi_scale,
                 alibi_bf16_product=attn.alibi_bf16_product, total_heads=attn.total_heads,
-                sliding_window=attn.sliding_window,
+                sliding_window=attn.sliding_window, qk_norm_eps=attn.qk_norm_eps,
             )  # fmt: skip
+        if attn.q_norm is not None and attn.k_norm is not None:  # per-head norms: every shard holds them whole
+            shard.q_norm = copy.deepcopy(attn.q_norm).to(devices[i])
+            shard.k_norm = copy.deepcopy(attn.k_norm).to(devices[i])
         shard.head_ids = [attn.head_ids[q] for q in q_heads]
         shard.qkv = _sliced_linear(attn.qkv, devices[i], rows=torch.tensor(q_rows + k_rows + v_rows))
         shard.o_proj = _sliced_linear(attn.o_proj, devices[i], cols=torch.tensor(q_rows), bias=i == 0)
@@ -205,7 +208,8 @@ def _split_moe(moe: SparseMoE, devices: list[torch.device]) -> list[SparseMoE]:
         expert_ids = [moe.expert_ids[int(e)] for e in ids]
         with torch.device("meta"):
             shard = SparseMoE(
-                moe.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.act_name, expert_ids
+                moe.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.act_name, expert_ids,
+                normalize_top_k=moe.normalize_top_k,
             )
         shard.router = copy.deepcopy(moe.router).to(devices[i])  # the router is small: every shard has it
         shard.experts = nn.ModuleList(copy.deepcopy(moe.experts[int(e)]).to(devices[i]) for e in ids)

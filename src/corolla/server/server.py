@@ -166,7 +166,8 @@ class Server:
         return (
             f"device={s.device}, dtype={str(s.dtype).removeprefix('torch.')}, quant={s.quant_type}, "
             f"blocks={self.config.block_indices or s.num_blocks} of {s.total_blocks}, prefix={s.dht_prefix}, "
-            f"cache={s.cache_bytes_per_block * s.num_blocks / 2**20:.1f} MiB ({s.attn_cache_tokens} tokens/block), "
+            f"cache={s.cache_bytes_per_block * s.num_blocks / 2**20:.1f} MiB ({s.attn_cache_tokens} tokens/block, "
+            f"{2 * s.kv_bytes_per_token_block} KV bytes/token/block), "
             f"inference_max_length={s.inference_max_length_tokens}, max_batch_size={s.max_batch_size_tokens}"
         )
 

@@ -67,8 +67,11 @@ def default_max_batch_size_tokens(config: Any) -> int:
 
 
 def kv_bytes_per_token_block(config: Any, dtype: torch.dtype) -> int:
-    """Bytes of K (or V) of one token in one block: the unit of the announced `cache_tokens_left`."""
-    return num_kv_heads(config) * head_dim(config) * dtype.itemsize
+    """Bytes of K (or V) of one token in one block: the unit of the announced `cache_tokens_left` (half the
+    architecture's per-token cache bytes, e.g. MLA's latent + rotary key)."""
+    from corolla.models.kv_sizing import kv_cache_bytes_per_token
+
+    return kv_cache_bytes_per_token(config, dtype) // 2
 
 
 def cache_bytes_per_block(config: Any, dtype: torch.dtype, attn_cache_tokens: int | None = None) -> int:

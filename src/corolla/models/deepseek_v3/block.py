@@ -1,0 +1,77 @@
+"""The DeepSeek-V3 decoder layer: pre-RMSNorm residual layout around multi-head latent attention (`mla.py`) and,
+from layer `first_k_dense_replace` on, the routed + shared experts of `moe.py` (before it, a dense SwiGLU MLP of
+`intermediate_size`). The KV cache holds the compressed latent and the shared rotary key per token."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from corolla.models.block_base import CorollaBlock, TensorTarget
+from corolla.models.deepseek_v3.mla import LatentAttention
+from corolla.models.deepseek_v3.moe import GroupLimitedMoE
+from corolla.models.layers import GatedMLP, RMSNorm
+from corolla.models.qwen3_moe.block import unstack_experts
+
+
+def is_moe_layer(config, layer_idx: int) -> bool:
+    return layer_idx >= int(config.first_k_dense_replace) and int(config.n_routed_experts) > 0
+
+
+def _swiglu_layout(theirs: str, ours: str, inter: int) -> dict[str, TensorTarget]:
+    return {
+        f"{theirs}.gate_proj.weight": TensorTarget(f"{ours}.gate_up.weight", torch.arange(0, inter)),
+        f"{theirs}.up_proj.weight": TensorTarget(f"{ours}.gate_up.weight", torch.arange(inter, 2 * inter)),
+        f"{theirs}.down_proj.weight": TensorTarget(f"{ours}.down.weight"),
+    }
+
+
+class DeepseekV3Block(CorollaBlock):
+    """Checkpoint names: `self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj}`, `self_attn.kv_a_proj_with_mqa`,
+    `self_attn.kv_a_layernorm`, `self_attn.kv_b_proj`, `self_attn.o_proj`; dense layers `mlp.{gate,up,down}_proj`;
+    MoE layers `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`, `mlp.experts.<e>.{gate,up,down}_proj`,
+    `mlp.shared_experts.{gate,up,down}_proj`; `input_layernorm`, `post_attention_layernorm`."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = LatentAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module
+        if is_moe_layer(config, layer_idx):
+            self.mlp = GroupLimitedMoE(config)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def _forward(self, hidden_states: torch.Tensor, *, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
+        x = hidden_states  # [B, T, H]
+        x = x + self.attn(self.input_layernorm(x), cache, position)  # [B, T, H]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, H]
+
+    def checkpoint_layout(self) -> dict[str, TensorTarget]:
+        config = self.config
+        layout = {
+            "input_layernorm.weight": TensorTarget("input_layernorm.weight"),
+            "post_attention_layernorm.weight": TensorTarget("post_attention_layernorm.weight"),
+        }
+        attn_names = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+        attn_names += ["q_proj"] if config.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
+        for name in attn_names:
+            layout[f"self_attn.{name}.weight"] = TensorTarget(f"attn.{name}.weight")
+        if getattr(config, "attention_bias", False):
+            for name in ["kv_a_proj_with_mqa", "o_proj"] + ([] if config.q_lora_rank is None else ["q_a_proj"]):
+                layout[f"self_attn.{name}.bias"] = TensorTarget(f"attn.{name}.bias")
+        if not is_moe_layer(config, self.layer_idx):
+            return {**layout, **_swiglu_layout("mlp", "mlp", int(config.intermediate_size))}
+        inter = int(config.moe_intermediate_size)
+        layout["mlp.gate.weight"] = TensorTarget("mlp.router.weight")
+        layout["mlp.gate.e_score_correction_bias"] = TensorTarget("mlp.e_score_correction_bias")
+        for e in range(int(config.n_routed_experts)):
+            layout.update(_swiglu_layout(f"mlp.experts.{e}", f"mlp.experts.{e}", inter))
+        layout.update(_swiglu_layout("mlp.shared_experts", "mlp.shared_experts", inter * int(config.n_shared_experts)))
+        return layout
+
+    def normalize_checkpoint_names(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return unstack_experts(state_dict, int(self.config.moe_intermediate_size))

@@ -1,0 +1,70 @@
+"""DeepSeek-V3's mixture of experts: sigmoid router scores, group-limited top-k choice (the best `topk_group` of
+`n_group` expert groups, each group ranked by the sum of its two best biased scores), `e_score_correction_bias`
+added for the choice only, chosen weights renormalized when `norm_topk_prob` and scaled by
+`routed_scaling_factor`; plus `n_shared_experts` always-on experts fused into one SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from corolla.models.layers import GatedMLP
+
+NORM_EPS = 1e-20  # added to the top-k weight sum, as the reference does
+
+
+class GroupLimitedMoE(nn.Module):
+    """forward(x [B,T,H]) -> [B,T,H]. The router (`router.weight` [E, H], `e_score_correction_bias` [E]) is kept
+    and computed in fp32 whatever the block dtype, as transformers keeps it."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.hidden_size = int(config.hidden_size)
+        self.intermediate_size = int(config.moe_intermediate_size)
+        self.num_experts = int(config.n_routed_experts)
+        self.top_k = int(config.num_experts_per_tok)
+        self.n_group = int(config.n_group)
+        self.topk_group = int(config.topk_group)
+        if self.num_experts % self.n_group:
+            raise ValueError(f"n_routed_experts={self.num_experts} must be a multiple of n_group={self.n_group}")
+        if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"num_experts_per_tok={self.top_k} exceeds the experts of topk_group={self.topk_group}")
+        self.norm_topk_prob = bool(config.norm_topk_prob)
+        self.routed_scaling_factor = float(config.routed_scaling_factor)
+        self.router = nn.Linear(self.hidden_size, self.num_experts, bias=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+        act = config.hidden_act
+        self.experts = nn.ModuleList(
+            GatedMLP(self.hidden_size, self.intermediate_size, act) for _ in range(self.num_experts)
+        )
+        self.shared_experts = GatedMLP(self.hidden_size, self.intermediate_size * int(config.n_shared_experts), act)
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """flat [N, H] -> (weights [N, k] fp32, expert ids [N, k])."""
+        logits = F.linear(flat.float(), self.router.weight.float())  # [N, E] fp32
+        scores = logits.sigmoid()  # [N, E]
+        biased = scores + self.e_score_correction_bias.float()  # [N, E]: for the choice only
+        N = flat.shape[0]
+        per_group = biased.view(N, self.n_group, self.num_experts // self.n_group)  # [N, G, E/G]
+        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices  # [N, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)  # [N, G]
+        expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(N, self.num_experts)  # [N, E]
+        choice = biased.masked_fill(~expert_mask, float("-inf"))
+        top_i = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [N, k]
+        top_w = scores.gather(1, top_i)  # [N, k] unbiased sigmoid scores
+        if self.norm_topk_prob:
+            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + NORM_EPS)
+        return top_w * self.routed_scaling_factor, top_i
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B,T,H] -> [B,T,H]
+        B, T, H = x.shape
+        flat = x.reshape(B * T, H)  # [N, H]
+        top_w, top_i = self.route(flat)  # [N, k] each
+        out = torch.zeros_like(flat)  # [N, H]
+        for expert_id in torch.unique(top_i).tolist():
+            token_idx, slot = torch.where(top_i == expert_id)  # [n], [n]
+            y = self.experts[expert_id](flat[token_idx]) * top_w[token_idx, slot, None]  # [n, H] fp32
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out.reshape(B, T, H) + self.shared_experts(x)
