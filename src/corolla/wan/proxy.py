@@ -148,6 +148,7 @@ class WanProxy:
         self._port: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._ids = itertools.count()
+        self._upstream_ports: set[int] = set()
 
     @property
     def port(self) -> int:
@@ -158,6 +159,11 @@ class WanProxy:
     @property
     def address(self) -> str:
         return f"{self.listen_host}:{self.port}"
+
+    def upstream_ports(self) -> set[int]:
+        """Local ports of the proxy's open connections to the target: what the target sees as its peers' ports (a
+        check that nothing reaches the target around the proxy)."""
+        return set(self._upstream_ports)
 
     def set_config(self, config: LinkConfig) -> None:
         self.config = config
@@ -212,6 +218,8 @@ class WanProxy:
                 logger.warning(f"wan.target_unreachable(target={self.target_host}:{self.target_port}, error={e!r})")
                 return
             target_writer = connected_writer
+            upstream_port = int(connected_writer.get_extra_info("sockname")[1])
+            self._upstream_ports.add(upstream_port)
             self.stats.connections += 1
             up = _Direction(self, client_reader, connected_writer, to_target=True, seed_offset=2 * conn_id)
             down = _Direction(self, target_reader, client_writer, to_target=False, seed_offset=2 * conn_id + 1)
@@ -226,6 +234,7 @@ class WanProxy:
                 for pump in pumps:
                     pump.cancel()
                 await asyncio.gather(*pumps, return_exceptions=True)
+                self._upstream_ports.discard(upstream_port)
         finally:
             for writer in (client_writer, target_writer):
                 if writer is not None:
