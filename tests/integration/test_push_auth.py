@@ -14,6 +14,7 @@ from hivemind.compression.serialization import deserialize_torch_tensor
 
 from corolla.models.loading import load_pretrained_block
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
+from corolla.protocol.forwarding import NEXT_STEP_KEY
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server
 from helpers.tiny_models import make_tiny_model
 
@@ -106,31 +107,74 @@ def test_third_peer_cannot_push_into_a_session(server, peers, blocks):
 
 
 def test_declared_upstream_can_push_and_can_be_redeclared(server, peers, blocks):
-    """A push from the declared upstream is served; a later direct step may name a new upstream (fail-over)."""
+    """A push from the declared upstream carrying the step id the client announced is served; a later direct step
+    may name a new upstream (fail-over)."""
     victim, attacker, upstream = peers
     session_id = str(uuid.uuid4())
     stream = open_victim(victim, server, session_id, **{UPSTREAM_PEER_KEY: upstream.p2p.peer_id.to_base58()})
     torch.manual_seed(1)
-    first = torch.randn(1, 2, HIDDEN)
-    push_from(upstream, server, packed_request(chain(server, 2, 4), first, session_id=session_id, step_id="p1"))
-    pushed = next_response(stream, 10)
-    torch.testing.assert_close(
-        deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 2, 4, first), atol=1e-3, rtol=0
+    prefill = torch.randn(1, 2, HIDDEN)
+    stream.step(
+        packed_request(chain(server, 2, 4), prefill, session_id=session_id, step_id="d0", **{NEXT_STEP_KEY: "p1"})
     )
+    first = torch.randn(1, 1, HIDDEN)
+    push_from(
+        upstream,
+        server,
+        packed_request(chain(server, 2, 4), first, session_id=session_id, step_id="p1", start_from_position=2),
+    )
+    pushed = next_response(stream, 10)
+    expected = local_forward(blocks, 2, 4, torch.cat([prefill, first], dim=1))[:, 2:]
+    torch.testing.assert_close(deserialize_torch_tensor(pushed.tensors[0]), expected, atol=1e-3, rtol=0)
 
     # the client moves its upstream to the "attacker" peer (now its honest new upstream); the old one is refused
-    new_upstream = {UPSTREAM_PEER_KEY: attacker.p2p.peer_id.to_base58()}
+    new_upstream = {UPSTREAM_PEER_KEY: attacker.p2p.peer_id.to_base58(), NEXT_STEP_KEY: "p3"}
     empty = stream.step(
         packed_request(chain(server, 2, 4), torch.zeros(1, 0, HIDDEN), session_id=session_id, **new_upstream)
     )
     assert deserialize_torch_tensor(empty.tensors[0]).shape == (1, 0, HIDDEN)
     second = torch.randn(1, 1, HIDDEN)
     stale = torch.full((1, 1, HIDDEN), 7.0)
-    push_from(upstream, server, packed_request(chain(server, 2, 4), stale, session_id=session_id, step_id="p2"))
-    push_from(attacker, server, packed_request(chain(server, 2, 4), second, session_id=session_id, step_id="p3"))
+    for pusher, tensor in ((upstream, stale), (attacker, second)):
+        request = packed_request(
+            chain(server, 2, 4), tensor, session_id=session_id, step_id="p3", start_from_position=3
+        )
+        push_from(pusher, server, request)
     pushed = next_response(stream, 10)
-    expected = local_forward(blocks, 2, 4, torch.cat([first, second], dim=1))[:, 2:]
+    expected = local_forward(blocks, 2, 4, torch.cat([prefill, first, second], dim=1))[:, 3:]
     torch.testing.assert_close(deserialize_torch_tensor(pushed.tensors[0]), expected, atol=1e-3, rtol=0)
+    stream.close()
+
+
+def test_declared_upstream_cannot_push_steps_the_client_did_not_announce(server, peers, blocks):
+    """The declared upstream (a server the client trusts with its activations, not with its session) pushes a step
+    id the client never announced, then the announced id with more tokens than any step of the client and with a
+    rewind to 0: none runs (each would shift or overwrite the victim's cache: wrong output), the client's own step
+    does."""
+    victim, _, upstream = peers
+    session_id = str(uuid.uuid4())
+    stream = open_victim(victim, server, session_id, **{UPSTREAM_PEER_KEY: upstream.p2p.peer_id.to_base58()})
+    torch.manual_seed(2)
+    prefill = torch.randn(1, 2, HIDDEN)
+    stream.step(
+        packed_request(chain(server, 2, 4), prefill, session_id=session_id, step_id="d0", **{NEXT_STEP_KEY: "n1"})
+    )
+    uid = chain(server, 2, 4)
+    for step_id, tensor, start in (("forged", torch.full((1, 1, HIDDEN), 5.0), 2), ("n1", torch.ones(1, 3, HIDDEN), 2)):
+        push_from(
+            upstream,
+            server,
+            packed_request(uid, tensor, session_id=session_id, step_id=step_id, start_from_position=start),
+        )
+    push_from(
+        upstream,
+        server,
+        packed_request(uid, torch.ones(1, 1, HIDDEN), session_id=session_id, step_id="n1", start_from_position=0),
+    )
+    honest = torch.randn(1, 1, HIDDEN)
+    response = stream.step(packed_request(uid, honest, session_id=session_id, step_id="n1", start_from_position=2))
+    expected = local_forward(blocks, 2, 4, torch.cat([prefill, honest], dim=1))[:, 2:]
+    torch.testing.assert_close(deserialize_torch_tensor(response.tensors[0]), expected, atol=1e-3, rtol=0)
     stream.close()
 
 
@@ -163,9 +207,14 @@ def test_pushed_next_servers_cannot_redirect_into_other_sessions(server, peers, 
             **{UPSTREAM_PEER_KEY: attacker.p2p.peer_id.to_base58()},
         )
     )  # fmt: skip
+    stream_a.step(
+        packed_request(
+            chain(server, 0, 2), torch.ones(1, 2, HIDDEN), session_id=session_a, step_id="a0", **{NEXT_STEP_KEY: "x"}
+        )
+    )  # the client announces step "x": its upstream may push that one
     evil = packed_request(
         chain(server, 0, 2), torch.full((1, 2, HIDDEN), 3.0), session_id=session_a, step_id="x",
-        next_servers=[[server.peer_id, session_b, 2, 4]],
+        start_from_position=2, next_servers=[[server.peer_id, session_b, 2, 4]],
     )  # fmt: skip
     push_from(attacker, server, evil)
     next_response(stream_a, 10)  # session A ran the step its upstream pushed...

@@ -13,8 +13,9 @@ from typing import Any
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.metadata import InferenceRequestMetadata
+from corolla.server.executor import SessionCache
 from corolla.server.limits import DuplicateStep
-from corolla.server.peer_auth import SessionPushGuard
+from corolla.server.peer_auth import SessionPushGuard, screen_step
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -38,12 +39,13 @@ class SessionState:
     block_indices: list[int]
     batch_size: int
     max_length: int
-    cache_handles: tuple[tuple[int, ...], ...]
+    cache: SessionCache | None  # the executor's cache of this session (None: a max_length=0 probe)
     active_adapter: str
     args_structure: object
     prefix_length: int = 0
     started_at: float = field(default_factory=time.monotonic)
     push_queue: asyncio.Queue | None = None
+    push_guard: SessionPushGuard | None = None  # what pushed steps may do (None: none runs); peer_auth.screen_step
     seen_step_ids: set[str] = field(default_factory=set)
     direct_step_ids: set[str] = field(default_factory=set)  # steps the client itself sent (not only pushed)
     num_late_pushes: int = 0
@@ -161,9 +163,15 @@ async def iterate_steps(
     evicted = asyncio.ensure_future(session.ticket.evicted.wait()) if session.ticket is not None else None
     try:
         while request is not None and request.tensors:
-            metadata = InferenceRequestMetadata.from_bytes(request.metadata)
-            step_id = metadata.step_id
-            if step_id is None or step_id not in session.seen_step_ids:
+            parsed = InferenceRequestMetadata.from_bytes(request.metadata)
+            step_id = parsed.step_id
+            metadata = screen_step(  # learns from the client's own steps; None: a pushed step that breaks the rules
+                session.push_guard, request, parsed, prefix_length=session.prefix_length,
+                args_structure=session.args_structure, already_seen=step_id in session.seen_step_ids,
+            )  # fmt: skip
+            if metadata is None:
+                pass
+            elif step_id is None or step_id not in session.seen_step_ids:
                 if step_id is not None:
                     if len(session.seen_step_ids) >= MAX_REMEMBERED_STEP_IDS:
                         session.seen_step_ids.clear()
