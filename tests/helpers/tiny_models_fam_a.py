@@ -90,3 +90,10 @@ for _name, _build in (
     ("deepseek_v3", deepseek_v3_config),
 ):
     register_tiny_family(_name, _build)
+
+
+def tiny_config_of(family: str, num_layers: int = 2) -> Any:
+    """The tiny config of a FAM-A family (see FAM_A_FAMILIES)."""
+    builders = {"qwen3": qwen3_config, "qwen3_moe": qwen3_moe_config, "phi3": phi3_config}
+    builders["deepseek_v3"] = deepseek_v3_config
+    return builders[family](num_layers)

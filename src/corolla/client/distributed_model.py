@@ -41,6 +41,10 @@ LAYOUTS: dict[str, ClientLayout] = {
     "mistral": _RMS,
     "qwen2": _RMS,
     "mixtral": _RMS,
+    "qwen3": _RMS,
+    "qwen3_moe": _RMS,
+    "phi3": _RMS,
+    "deepseek_v3": _RMS,
     "falcon": ClientLayout(
         embeddings="transformer.word_embeddings",
         final_norm="transformer.ln_f",

@@ -62,6 +62,18 @@ def _mla_cache_values(config) -> int:
     return int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
 
 
+def qwen3_moe_sparse_layer(config, layer_idx: int) -> bool:
+    """Experts unless the layer is in `mlp_only_layers` or off the `decoder_sparse_step` grid (transformers' rule)."""
+    mlp_only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return layer_idx not in mlp_only and int(config.num_experts) > 0 and (layer_idx + 1) % step == 0
+
+
+def deepseek_sparse_layer(config, layer_idx: int) -> bool:
+    """Experts from layer `first_k_dense_replace` on."""
+    return layer_idx >= int(config.first_k_dense_replace) and int(config.n_routed_experts) > 0
+
+
 def _lazy(path: str) -> Callable[..., Any]:
     module_name, attr = path.rsplit(":", 1)
 
@@ -85,6 +97,8 @@ class ModelFamily:
     alt_block_prefixes: tuple[str, ...] = field(default=())  # other spellings found in checkpoints
     # (config) -> values one token takes in one block's KV cache; None: K + V = 2 * kv heads * head_dim
     cache_values_per_token: Callable[[Any], int] | None = None
+    # (config, layer index) -> whether that layer holds routed experts; None: every layer alike
+    is_sparse_layer: Callable[[Any, int], bool] | None = None
 
     @property
     def hf_layer_class(self) -> type[nn.Module]:
@@ -143,6 +157,7 @@ _FAMILIES: dict[str, ModelFamily] = {
         ModelFamily(
             "qwen3_moe", "qwen3_moe", "model.layers", _lazy("corolla.models.qwen3_moe.block:Qwen3MoeBlock"),
             _config_kv_heads, _llama_prefix, f"{_TF}.qwen3_moe.modeling_qwen3_moe:Qwen3MoeDecoderLayer",
+            is_sparse_layer=qwen3_moe_sparse_layer,
         ),
         ModelFamily(
             "phi3", "phi3", "model.layers", _lazy("corolla.models.phi3.block:Phi3Block"), _config_kv_heads,
@@ -151,7 +166,7 @@ _FAMILIES: dict[str, ModelFamily] = {
         ModelFamily(
             "deepseek_v3", "deepseek_v3", "model.layers", _lazy("corolla.models.deepseek_v3.block:DeepseekV3Block"),
             _mla_kv_heads, _llama_prefix, f"{_TF}.deepseek_v3.modeling_deepseek_v3:DeepseekV3DecoderLayer",
-            cache_values_per_token=_mla_cache_values,
+            cache_values_per_token=_mla_cache_values, is_sparse_layer=deepseek_sparse_layer,
         ),
     ]
 }  # fmt: skip

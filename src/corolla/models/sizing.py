@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 
 from corolla.models.quantization import BYTES_PER_VALUE, QuantType
-from corolla.models.registry import get_family
 
 SIZE_MARGIN = 0.01  # the reference's 1% slack
 
 
 def count_block_parameters(config) -> int:
-    """Parameters of one block (block 0), counted on the meta device (no memory is used)."""
-    with torch.device("meta"):
-        block = get_family(config).build_block(config, 0)
-    return sum(p.numel() for p in block.parameters())
+    """Parameters of one block (the largest: a routed-experts one when the model mixes dense and MoE layers),
+    counted on the meta device (no memory is used)."""
+    from corolla.models.moe_sizing import largest_block_params
+
+    return largest_block_params(config)
 
 
 def block_size_bytes(config, dtype: torch.dtype, quant_type: QuantType | str = QuantType.NONE) -> int:

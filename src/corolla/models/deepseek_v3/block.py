@@ -14,10 +14,11 @@ from corolla.models.deepseek_v3.mla import LatentAttention
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE
 from corolla.models.layers import GatedMLP, RMSNorm
 from corolla.models.qwen3_moe.block import unstack_experts
+from corolla.models.registry import deepseek_sparse_layer
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:
-    return layer_idx >= int(config.first_k_dense_replace) and int(config.n_routed_experts) > 0
+    return deepseek_sparse_layer(config, layer_idx)
 
 
 def _swiglu_layout(theirs: str, ours: str, inter: int) -> dict[str, TensorTarget]:
