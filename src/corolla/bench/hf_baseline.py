@@ -1,5 +1,7 @@
-"""`transformers` baselines on the same card and weights: eager decode with a dynamic cache, decode under
-`torch.compile(mode="reduce-overhead")` with a static cache, and prefill throughput."""
+"""`transformers` baselines on the same card and weights, each as a competent user would run it: `generate()`
+(greedy, the default `DynamicCache`, the model's sdpa attention) timed per token; the same forward called step by
+step (one sync per step, to time each step and keep its output for the accuracy check); decode under
+`torch.compile(mode="reduce-overhead")` with a static cache; and prefill throughput."""
 
 from __future__ import annotations
 
@@ -33,6 +35,39 @@ def eager_decode(model, prefix: torch.Tensor, steps: list[torch.Tensor]) -> tupl
         outs.append(out)
         position += 1
     return times, outs
+
+
+@torch.inference_mode()
+def generate_ms_per_token(model, *, prompt_tokens: int, new_tokens: int, repeats: int = 3) -> float:
+    """Milliseconds per decoded token of `LlamaForCausalLM.generate` around `model` (its layers and final norm, a
+    small LM head added): greedy, default cache and attention, no per-step sync beyond generate's own. The prompt's
+    prefill cancels out: (time of 1 + `new_tokens` tokens - time of 1 token) / `new_tokens`, medians of `repeats`."""
+    from transformers import LlamaForCausalLM
+
+    config = model.config
+    weight = model.norm.weight
+    with torch.device("meta"):
+        lm = LlamaForCausalLM(config)
+    lm.model = model
+    lm.lm_head = torch.nn.Linear(
+        config.hidden_size, config.vocab_size, bias=False, device=weight.device, dtype=weight.dtype
+    )
+    lm = lm.eval().requires_grad_(False)
+    gen = lm.generation_config
+    gen.pad_token_id, gen.eos_token_id, gen.bos_token_id = 0, None, None
+    ids = torch.randint(1, config.vocab_size, (1, prompt_tokens), device=weight.device)
+
+    def timed(n: int) -> float:
+        sync()
+        start = time.perf_counter()
+        lm.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids))
+        sync()
+        return (time.perf_counter() - start) * 1000
+
+    timed(4)  # warm-up (kernels, allocator)
+    one = median([timed(1) for _ in range(repeats)])
+    many = median([timed(1 + new_tokens) for _ in range(repeats)])
+    return (many - one) / new_tokens
 
 
 @torch.inference_mode()

@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,23 @@ INLINE_MAX_TOKENS = 64
 
 class RuntimeStopped(RuntimeError):
     """The runtime stopped before a pending task could run."""
+
+
+@dataclass(frozen=True)
+class KindStats:
+    """Totals for one task kind since the runtime started: batches run, tasks in them, seconds spent running them."""
+
+    batches: int = 0
+    tasks: int = 0
+    busy_s: float = 0.0
+
+    def since(self, earlier: KindStats) -> KindStats:
+        return KindStats(self.batches - earlier.batches, self.tasks - earlier.tasks, self.busy_s - earlier.busy_s)
+
+    @property
+    def tasks_per_batch(self) -> float:
+        """Mean steps merged into one forward (1.0 where nothing merges)."""
+        return self.tasks / self.batches if self.batches else 0.0
 
 
 class Runtime:
@@ -64,6 +82,11 @@ class Runtime:
         self.num_batches_done = 0
         self.num_tasks_done = 0
         self.num_inline_batches = 0
+        self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
+
+    def stats(self) -> dict[str, KindStats]:
+        """Per task kind: batches, tasks and busy seconds so far (a snapshot; diff two with `KindStats.since`)."""
+        return dict(self._kind_stats)
 
     # ---- lifecycle
 
@@ -219,7 +242,11 @@ class Runtime:
             logger.debug("runtime.task_failed traceback", exc_info=True)
             return [(None, e)] * len(batch)
         finally:
-            elapsed_ms = (time.perf_counter() - started) * 1000
+            elapsed_s = time.perf_counter() - started
+            kind = batch[0].kind
+            old = self._kind_stats.get(kind, KindStats())
+            self._kind_stats[kind] = KindStats(old.batches + 1, old.tasks + len(batch), old.busy_s + elapsed_s)
+            elapsed_ms = elapsed_s * 1000
             logger.debug(f"runtime.execute(kind={batch[0].kind}, tasks={len(batch)}, ms={elapsed_ms:.2f})")
         return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
 

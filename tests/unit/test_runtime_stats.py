@@ -1,0 +1,51 @@
+"""The runtime's per-kind counters (batches, tasks merged into them, busy seconds) that the multi-user benchmark
+reads for "steps per merged forward" and the device thread's busy share."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from corolla.server.runtime import KindStats, Runtime
+
+
+def test_merged_tasks_are_counted_per_batch_and_kind():
+    gate_s = 0.05
+
+    async def main() -> None:
+        with Runtime(max_batch_size_tokens=64) as runtime:
+            runtime.register_batch_executor("merge", lambda tasks: [t.payload * 2 for t in tasks])
+            before = runtime.stats()
+            # a slow generic task holds the device thread while 4 mergeable tasks queue up behind it
+            blocker = runtime.submit(lambda: time.sleep(gate_s), priority=0.0, size_tokens=1)
+            await asyncio.sleep(0.01)
+            merged = [
+                runtime.submit(lambda: None, priority=1.0, size_tokens=1, kind="merge", merge_key="k", payload=i)
+                for i in range(4)
+            ]
+            await blocker
+            assert await asyncio.gather(*merged) == [0, 2, 4, 6]
+            after = runtime.stats()
+        d = after["merge"].since(before.get("merge", KindStats()))
+        assert (d.batches, d.tasks) == (1, 4)
+        assert d.tasks_per_batch == 4.0
+        generic = after["generic"]
+        assert generic.batches == 1 and generic.busy_s >= gate_s * 0.9
+
+    asyncio.run(main())
+
+
+def test_failed_batches_count_too():
+    async def main() -> None:
+        with Runtime(max_batch_size_tokens=8) as runtime:
+
+            def boom() -> None:
+                raise ValueError("x")
+
+            try:
+                await runtime.submit(boom, priority=1.0, size_tokens=1)
+            except ValueError:
+                pass
+            assert runtime.stats()["generic"] == KindStats(1, 1, runtime.stats()["generic"].busy_s)
+
+    asyncio.run(main())
