@@ -14,6 +14,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from corolla.client.checkpoint import CheckpointReader
 from corolla.client.config import ClientConfig
+from corolla.client.family_head import GEMMA_NORM, GPT_OSS_NORM, cap_logits, family_norm, scale_embeddings
 from corolla.client.generation import GenerationLoop
 from corolla.client.inference_session import InferenceSession
 from corolla.client.remote_sequential import RemoteSequential
@@ -36,11 +37,15 @@ class ClientLayout:
 
 
 _RMS = ClientLayout(embeddings="model.embed_tokens", final_norm="model.norm", norm_kind="rms", base_prefix="model.")
+_GEMMA = dataclasses.replace(_RMS, norm_kind=GEMMA_NORM)
 LAYOUTS: dict[str, ClientLayout] = {
     "llama": _RMS,
     "mistral": _RMS,
     "qwen2": _RMS,
     "mixtral": _RMS,
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA,
+    "gpt_oss": dataclasses.replace(_RMS, norm_kind=GPT_OSS_NORM),
     "qwen3": _RMS,
     "qwen3_moe": _RMS,
     "phi3": _RMS,
@@ -62,6 +67,8 @@ LAYOUTS: dict[str, ClientLayout] = {
 
 
 def _make_norm(kind: str, hidden_size: int, config: Any) -> nn.Module:
+    if (family_specific := family_norm(kind, hidden_size, config)) is not None:
+        return family_specific
     if kind == "rms":
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -124,11 +131,11 @@ class DistributedModelForCausalLM(nn.Module):
                 self.lm_head.weight.copy_(head)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embeddings(input_ids.to(self.device))  # [B, T, H]
+        hidden = scale_embeddings(self.config, self.embeddings(input_ids.to(self.device)))  # [B, T, H]
         return self.embeddings_norm(hidden) if self.embeddings_norm is not None else hidden
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.final_norm(hidden))  # [B, T, V]
+        return cap_logits(self.config, self.lm_head(self.final_norm(hidden)))  # [B, T, V]
 
     def forward(
         self,
