@@ -46,9 +46,11 @@ def table(results: dict) -> str:
         "same tokens | acceptance |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
-    for r in results["rows"]:
-        if "mode" not in r:
-            continue
+    order = list(LABELS)
+    measured = sorted(
+        (r for r in results["rows"] if "mode" in r), key=lambda r: (r["n"], r["delay_ms"], order.index(r["mode"]))
+    )
+    for r in measured:
         if r["error"]:
             lines.append(
                 f"| {r['n']} | {r['delay_ms']:g} | {LABELS[r['mode']]} | n/a: {r['error']} |  |  |  |  |  |  |  |"
