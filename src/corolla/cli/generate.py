@@ -1,5 +1,7 @@
 """`corolla-generate MODEL --initial_peers ... "prompt"`: streams generated text through a swarm and reports
-tokens/s; `--interactive` keeps one session open for a chat-style loop. Text goes to stdout; logs are off unless
+tokens/s; `--interactive` keeps one session open for a chat-style loop; `--speculative draft|lookup` drafts tokens
+locally and verifies several per pass through the swarm (same text as without it for greedy, same distribution when
+sampling) and reports the acceptance rate. Text goes to stdout; logs are off unless
 `--verbose` (then on stderr), and a mistake ends with one line on stderr (cli.errors)."""
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli, wants_verbose
 from corolla.client.config import ClientConfig
-from corolla.client.distributed_model import AutoDistributedModelForCausalLM
+from corolla.client.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
+from corolla.client.speculative import MAX_DRAFT_TOKENS, SpeculativeConfig
 from corolla.utils.logging import quiet_logs
 
 
@@ -79,6 +82,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=ClientConfig.verify_fraction,
         help="re-run this fraction of steps on a second server of each span and ban servers that disagree",
     )
+    parser.add_argument(
+        "--speculative",
+        choices=["draft", "lookup"],
+        default=None,
+        help="speculative decoding: 'draft' = a small local draft model (--draft_model; default: the demo model's "
+        "draft, for the demo model only), 'lookup' = prompt lookup (n-grams of the text so far, no model). Verifies "
+        "k drafted tokens in one pass through the swarm; greedy text is identical, sampled text has the same "
+        "distribution",
+    )
+    parser.add_argument(
+        "--num_draft_tokens",
+        type=int,
+        default=None,
+        help=f"speculative: a fixed k (1..{MAX_DRAFT_TOKENS}); default: chosen each round from the measured "
+        "acceptance rate and round-trip time, up to --max_draft_tokens",
+    )
+    parser.add_argument(
+        "--max_draft_tokens", type=int, default=SpeculativeConfig.max_draft_tokens, help="speculative: bound on k"
+    )
+    parser.add_argument(
+        "--draft_model", default=None, help="speculative draft: a local causal LM with the same tokenizer"
+    )
     parser.add_argument("--torch_dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     add_common_flags(parser, verbose_help="show logs (on stderr) and tracebacks; quiet by default")
     return parser
@@ -115,13 +140,26 @@ def _main(argv: list[str] | None = None) -> int:
     wait_s = args.max_wait_s if args.max_wait_s > 0 else None
     config = dataclasses.replace(config, max_wait_s=wait_s, verify_fraction=args.verify_fraction)
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
-    sampling = {
+    speculative = None
+    if args.speculative is not None:
+        speculative = SpeculativeConfig(
+            drafter=args.speculative,
+            num_draft_tokens=args.num_draft_tokens,
+            max_draft_tokens=args.max_draft_tokens,
+            draft_model_path=args.draft_model,
+        )
+    elif args.num_draft_tokens is not None or args.draft_model is not None:
+        print("corolla-generate: error: --num_draft_tokens/--draft_model need --speculative", file=sys.stderr)
+        return 2
+    sampling: dict = {
         k: v
         for k, v in dict(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty
         ).items()
         if v is not None
     }
+    if speculative is not None:
+        sampling["speculative"] = speculative
     with AutoDistributedModelForCausalLM.from_pretrained(
         args.model,
         initial_peers=args.initial_peers,
@@ -139,7 +177,8 @@ def _main(argv: list[str] | None = None) -> int:
             )
             elapsed_s = time.perf_counter() - started
             print(
-                f"[{streamer.num_generated} tokens in {elapsed_s:.2f} s: {streamer.num_generated / elapsed_s:.2f} tokens/s]"
+                f"[{streamer.num_generated} tokens in {elapsed_s:.2f} s: {streamer.num_generated / elapsed_s:.2f} tokens/s"
+                f"{_speculative_summary(model)}]"
             )
             return 0
         with model.inference_session(max_length=args.max_length) as session:
@@ -167,8 +206,17 @@ def _main(argv: list[str] | None = None) -> int:
                     **sampling,
                 )
                 elapsed_s = time.perf_counter() - started
-                print(f"[{streamer.num_generated / elapsed_s:.2f} tokens/s]")
+                print(f"[{streamer.num_generated / elapsed_s:.2f} tokens/s{_speculative_summary(model)}]")
     return 0
+
+
+def _speculative_summary(model: DistributedModelForCausalLM) -> str:
+    stats = model.speculative_stats
+    if stats is None:
+        return ""
+    rate = stats.acceptance_rate
+    accepted = "n/a" if rate is None else f"{rate:.0%}"
+    return f"; speculative: {accepted} of drafts accepted, {stats.tokens_per_round:.2f} tokens per pass"
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from corolla.client.generation import GenerationLoop
 from corolla.client.inference_session import InferenceSession
 from corolla.client.remote_sequential import RemoteSequential
 from corolla.client.routing import RemoteSequenceManager
+from corolla.client.speculative_loop import SpeculativeStats
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -43,13 +44,13 @@ LAYOUTS: dict[str, ClientLayout] = {
     "mistral": _RMS,
     "qwen2": _RMS,
     "mixtral": _RMS,
-    "gemma2": _GEMMA,
-    "gemma3_text": _GEMMA,
-    "gpt_oss": dataclasses.replace(_RMS, norm_kind=GPT_OSS_NORM),
     "qwen3": _RMS,
     "qwen3_moe": _RMS,
     "phi3": _RMS,
     "deepseek_v3": _RMS,
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA,
+    "gpt_oss": dataclasses.replace(_RMS, norm_kind=GPT_OSS_NORM),
     "falcon": ClientLayout(
         embeddings="transformer.word_embeddings",
         final_norm="transformer.ln_f",
@@ -91,6 +92,7 @@ class DistributedModelForCausalLM(nn.Module):
         self.final_norm = _make_norm(layout.norm_kind, hidden, config)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.generation_config: Any = None
+        self.speculative_stats: SpeculativeStats | None = None  # the last speculative generate()'s measurements
 
     @property
     def device(self) -> torch.device:
@@ -178,7 +180,8 @@ class DistributedModelForCausalLM(nn.Module):
 
     def generate(self, inputs: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         """`transformers`-style generation (greedy, sampling with temperature/top-k/top-p/min-p, repetition penalty,
-        `stop_strings` with `tokenizer=`, left-padded batches, `session=` to continue; other arguments: ValueError). Returns prompt + new tokens ([B, L + N]); when continuing a
+        `stop_strings` with `tokenizer=`, left-padded batches, `session=` to continue, `speculative=SpeculativeConfig(...)`
+        for speculative decoding of one sequence; other arguments: ValueError). Returns prompt + new tokens ([B, L + N]); when continuing a
         session, the tokens after those of its previous calls."""
         return GenerationLoop(self).generate(inputs, **kwargs)
 

@@ -1,7 +1,8 @@
 """`generate()` for distributed models: our own decoding loop with `transformers`' logits processors (same order
 and defaults as `transformers.generate`), greedy or sampling, left-padded batches and sessions that continue,
-`stop_strings` (with `tokenizer=`, through `transformers`' `StopStringCriteria`). An argument it does not implement is
-a ValueError, never silently ignored."""
+`stop_strings` (with `tokenizer=`, through `transformers`' `StopStringCriteria`), and opt-in speculative decoding
+(`speculative=SpeculativeConfig(...)`: `corolla.client.speculative_loop`). An argument it does not implement is a
+ValueError, never silently ignored."""
 
 from __future__ import annotations
 
@@ -26,9 +27,14 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from corolla.client.inference_session import InferenceSession
+from corolla.client.speculative import KChooser, SpeculativeConfig
+from corolla.client.speculative_loop import SessionTarget, SpeculativeLoop, SpeculativeStats
+from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from corolla.client.distributed_model import DistributedModelForCausalLM
+
+logger = get_logger(__name__)
 
 _UNSUPPORTED = {  # generate() arguments we refuse rather than silently ignore
     "num_beams": 1,
@@ -109,6 +115,7 @@ class GenerationLoop:
         streamer: Any = None,
         prompts: torch.Tensor | None = None,
         tokenizer: Any = None,
+        speculative: SpeculativeConfig | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         model = self.model
@@ -156,6 +163,32 @@ class GenerationLoop:
                 raise ValueError("generate(stop_strings=...) needs tokenizer= (as in transformers)")
             stop_strings = StopStringCriteria(tokenizer, config.stop_strings)
         stops = eos_tensor is not None or stop_strings is not None
+        if speculative is not None:
+            if new_ids.shape[0] != 1 or padded:
+                raise ValueError("speculative decoding generates one unpadded sequence at a time (batch size 1)")
+            with contextlib.ExitStack() as stack:
+                if session is None:
+                    session = stack.enter_context(
+                        InferenceSession(model.manager, max(prompt_length + max_new_tokens, 1))
+                    )
+                if streamer is not None:
+                    streamer.put(new_ids.cpu())
+                ids = self._speculative(
+                    session,
+                    speculative,
+                    all_ids,
+                    max_new_tokens,
+                    processors,
+                    config,
+                    eos_tensor,
+                    stop_strings,
+                    prompts,
+                    streamer,
+                )
+                if streamer is not None:
+                    streamer.end()
+                session.output_ids = ids
+            return ids[:, previous.shape[1] :] if previous is not None else ids
 
         with contextlib.ExitStack() as stack:
             if padded:
@@ -201,6 +234,49 @@ class GenerationLoop:
             if session is not None and not padded:
                 session.output_ids = all_ids
         return all_ids[:, previous.shape[1] :] if previous is not None else all_ids
+
+    def _speculative(
+        self,
+        session: InferenceSession,
+        speculative: SpeculativeConfig,
+        all_ids: torch.Tensor,
+        max_new_tokens: int,
+        processors: LogitsProcessorList,
+        config: GenerationConfig,
+        eos: torch.Tensor | None,
+        stop_strings: StopStringCriteria | None,
+        prompts: Any,
+        streamer: Any,
+    ) -> torch.Tensor:
+        """One sequence `all_ids` [1, L] through `SpeculativeLoop`; returns [1, L + N] and records the stats on the
+        model (`model.speculative_stats`)."""
+        from corolla.client.speculative_drafters import make_drafter
+
+        eos_ids = set(eos.tolist()) if eos is not None else set()
+
+        def stop(ids: list[int], logits: torch.Tensor) -> bool:
+            if ids[-1] in eos_ids:
+                return True
+            if stop_strings is None:
+                return False
+            return bool(stop_strings(torch.tensor([ids]), None)[0])
+
+        loop = SpeculativeLoop(
+            target=SessionTarget(self.model, session, prompts),
+            drafter=make_drafter(speculative),
+            chooser=KChooser(max_k=speculative.max_draft_tokens, fixed_k=speculative.num_draft_tokens),
+            processors=processors,
+            do_sample=bool(config.do_sample),
+        )
+        self.model.speculative_stats = loop.stats
+        ids = loop.run(all_ids[0].tolist(), max_new_tokens, stop, streamer)
+        stats: SpeculativeStats = loop.stats
+        rate = stats.acceptance_rate
+        logger.info(
+            f"speculative.done(drafter={speculative.drafter}, tokens={stats.generated_tokens}, rounds={stats.rounds}, "
+            f"acceptance={'n/a' if rate is None else f'{rate:.3f}'}, tokens_per_round={stats.tokens_per_round:.2f})"
+        )
+        return torch.tensor([ids], dtype=torch.int64)
 
     def _step(
         self, groups: list[tuple[torch.Tensor, int, InferenceSession]], to_send: torch.Tensor, first: bool, prompts: Any
