@@ -61,6 +61,7 @@ class LlamaSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     sliding_window_tokens: int | None = None
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of queries and keys before the rotary embedding
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -79,8 +80,10 @@ class LlamaSpec:
     def from_hf_config(cls, config) -> LlamaSpec:
         """Reads a `LlamaConfig`-like object; ValueError for features the fast path does not implement."""
         model_type = getattr(config, "model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"The fast path supports llama/mistral/qwen2 blocks, not {model_type!r}")
+        if model_type not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ValueError(f"The fast path supports llama/mistral/qwen2/qwen3 blocks, not {model_type!r}")
+        if model_type == "qwen3" and getattr(config, "use_sliding_window", False):
+            raise ValueError("The fast path does not implement Qwen3's sliding-window layers")
         num_heads = int(config.num_attention_heads)
         num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
@@ -101,6 +104,7 @@ class LlamaSpec:
             o_bias=bool(getattr(config, "attention_bias", False)) and model_type != "qwen2",
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             sliding_window_tokens=getattr(config, "sliding_window", None) if model_type == "mistral" else None,
+            qk_norm=model_type == "qwen3",
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int) -> int:

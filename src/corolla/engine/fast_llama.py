@@ -1,6 +1,7 @@
 """A llama-family span as plain tensors: fused q/k/v and gate/up weights (shared with the loaded blocks, no copy),
 rotary tables, a batched single-token decode step over ragged per-row positions (CUDA-graph safe) and a chunked
-prefill for one sequence with large matmuls."""
+prefill for one sequence with large matmuls. Projection weights may be bitsandbytes' NF4/Int8 layouts
+(`engine.quant`, read in place); Qwen3's per-head q/k RMSNorm runs when the layer has `q_norm`/`k_norm`."""
 
 from __future__ import annotations
 
@@ -13,29 +14,46 @@ import torch.nn.functional as F
 
 from corolla.engine.config import LlamaSpec
 from corolla.engine.kv_pool import KVPool, SequenceSlot
-from corolla.engine.ops import DecodeOps
+from corolla.engine.ops import DecodeOps, _quant_key
+from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quantized_weight_of
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 
+Weight = torch.Tensor | NF4Weight | Int8Weight
+
+
 @dataclass
 class LayerWeights:
-    """One decoder layer's tensors: `w_qkv` rows are [q heads | k heads | v heads], `w_gate_up` rows [gate | up]."""
+    """One decoder layer's tensors: `w_qkv` rows are [q heads | k heads | v heads], `w_gate_up` rows [gate | up];
+    the four projections are dense tensors or quantized layouts; `q_norm`/`k_norm` [D] for Qwen3-style layers."""
 
     ln1: torch.Tensor  # [H]
-    w_qkv: torch.Tensor  # [(nq + 2 nkv) D, H]
+    w_qkv: Weight  # [(nq + 2 nkv) D, H]
     b_qkv: torch.Tensor | None
-    w_o: torch.Tensor  # [H, nq D]
+    w_o: Weight  # [H, nq D]
     b_o: torch.Tensor | None
     ln2: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor  # [2 I, H]
+    w_gate_up: Weight  # [2 I, H]
     b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor  # [H, I]
+    w_down: Weight  # [H, I]
     b_down: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # [D]
+    k_norm: torch.Tensor | None = None  # [D]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
+        """Bytes one decode step reads from this layer's weights (quantized ones as stored)."""
+        total = 0
+        for t in vars(self).values():
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+            elif isinstance(t, NF4Weight | Int8Weight):
+                total += t.nbytes()
+        return total
+
+    def projections(self) -> tuple[Weight, Weight, Weight, Weight]:
+        return self.w_qkv, self.w_o, self.w_gate_up, self.w_down
 
 
 class FastLlamaSpan:
@@ -55,8 +73,8 @@ class FastLlamaSpan:
             raise ValueError("FastLlamaSpan needs at least one layer")
         self.spec = spec
         self.layers = list(layers)
-        self.device = layers[0].w_qkv.device
-        self.dtype = layers[0].w_qkv.dtype
+        self.device = layers[0].ln1.device
+        self.dtype = layers[0].ln1.dtype
         self.max_positions = max_positions
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)  # [P]
@@ -78,28 +96,35 @@ class FastLlamaSpan:
         """Picks, per projection of the single-row decode step, the unfused path (norm/gating kernel + cuBLAS) or
         a fused Triton kernel, by timing both on this device (CUDA + Triton only)."""
         slots: dict[tuple[int, int, str, bool], list[tuple]] = {}
+        quantized: dict[tuple[str, int, int], list] = {}
         for layer in self.layers:
+            for w in layer.projections():
+                if isinstance(w, NF4Weight | Int8Weight):
+                    quantized.setdefault(_quant_key(w), []).append(w)
             for w, bias, prologue, norm_w, has_res in (
                 (layer.w_qkv, layer.b_qkv, "rmsnorm", layer.ln1, False),
                 (layer.w_o, layer.b_o, "none", None, True),
                 (layer.w_gate_up, layer.b_gate_up, "rmsnorm", layer.ln2, False),
                 (layer.w_down, layer.b_down, "silu", None, True),
             ):
-                if bias is None:
+                if bias is None and isinstance(w, torch.Tensor):
                     slots.setdefault((w.shape[0], w.shape[1], prologue, has_res), []).append((w, norm_w))
         report = self.ops.tune_linear(slots, self.spec.rms_norm_eps)
         for key, r in report.items():
             logger.info(
                 f"fast_llama.tune(slot={key}, best={r['best']}, us={r['best_us']:.1f}, unfused_us={r['unfused_us']:.1f})"
             )
-        return report
+        quant_report = self.ops.tune_quantized(quantized)
+        for key, r in quant_report.items():
+            logger.info(f"fast_llama.tune_quantized(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
+        return {**report, **quant_report}
 
     # ------------------------------------------------------------------------------------------ construction
 
     @classmethod
     def from_blocks(cls, blocks: Sequence[torch.nn.Module], *, max_positions: int, **kwargs) -> FastLlamaSpan:
-        """Uses the tensors of loaded `corolla.models.llama` blocks in place (ValueError if a block is quantized,
-        carries adapters or is not a plain llama-family layer)."""
+        """Uses the tensors of loaded `corolla.models.llama` blocks in place, bitsandbytes NF4/Int8 linears in their
+        packed form (ValueError if a block carries adapters, split linears or is not a llama-family layer)."""
         if not blocks:
             raise ValueError("from_blocks needs at least one block")
         spec = LlamaSpec.from_hf_config(blocks[0].config)
@@ -110,23 +135,29 @@ class FastLlamaSpan:
                 raise ValueError(f"{type(block).__name__} is not a llama-family block with fused qkv/gate_up")
             if getattr(block, "adapter_names", None):
                 raise ValueError("The fast path does not apply LoRA adapters")
-            mods = (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)
-            if any(type(m) is not torch.nn.Linear for m in mods):
-                raise ValueError("The fast path needs plain (unquantized, unsplit) linear layers")
+            weights = [
+                _projection_weight(m, block.input_layernorm.weight.dtype)
+                for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)
+            ]
             if getattr(attn, "alibi", False) or getattr(mlp, "act_name", "silu") not in ("silu", "swish"):
                 raise ValueError("The fast path needs rotary attention and a SiLU-gated MLP")
+            q_norm = k_norm = None
+            if spec.qk_norm:
+                q_norm, k_norm = attn.q_norm.weight.data, attn.k_norm.weight.data
             layers.append(
                 LayerWeights(
                     ln1=block.input_layernorm.weight.data,
-                    w_qkv=attn.qkv.weight.data,
-                    b_qkv=None if attn.qkv.bias is None else attn.qkv.bias.data,
-                    w_o=attn.o_proj.weight.data,
-                    b_o=None if attn.o_proj.bias is None else attn.o_proj.bias.data,
+                    w_qkv=weights[0],
+                    b_qkv=linear_bias(attn.qkv),
+                    w_o=weights[1],
+                    b_o=linear_bias(attn.o_proj),
                     ln2=block.post_attention_layernorm.weight.data,
-                    w_gate_up=mlp.gate_up.weight.data,
-                    b_gate_up=None if mlp.gate_up.bias is None else mlp.gate_up.bias.data,
-                    w_down=mlp.down.weight.data,
-                    b_down=None if mlp.down.bias is None else mlp.down.bias.data,
+                    w_gate_up=weights[2],
+                    b_gate_up=linear_bias(mlp.gate_up),
+                    w_down=weights[3],
+                    b_down=linear_bias(mlp.down),
+                    q_norm=q_norm,
+                    k_norm=k_norm,
                 )
             )
         rotary = blocks[0].attn.rotary
@@ -134,7 +165,7 @@ class FastLlamaSpan:
             raise ValueError("The fast path needs rotary position embeddings")
         if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
             raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
-        inv_freq = rotary.inv_freq(layers[0].w_qkv.device, 0)  # [D/2] fp32
+        inv_freq = rotary.inv_freq(layers[0].ln1.device, 0)  # [D/2] fp32
         return cls(spec, layers, inv_freq, max_positions=max_positions, **kwargs)
 
     @classmethod
@@ -175,6 +206,8 @@ class FastLlamaSpan:
                     ),
                     w_down=get(sd, "mlp.down_proj.weight"),
                     b_down=get(sd, "mlp.down_proj.bias"),
+                    q_norm=get(sd, "self_attn.q_norm.weight") if spec.qk_norm else None,
+                    k_norm=get(sd, "self_attn.k_norm.weight") if spec.qk_norm else None,
                 )
             )
         rotary = RotaryEmbedding(spec.head_dim, rope_parameters(config), config.max_position_embeddings)
@@ -212,6 +245,8 @@ class FastLlamaSpan:
             qkv = self.ops.linear(
                 h, w.w_qkv, w.b_qkv, prologue="rmsnorm", norm_weight=w.ln1, eps=eps
             )  # [B, (nq+2nkv)D]
+            if w.q_norm is not None:
+                qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, eps)
             q = self.ops.rope_and_store(
                 qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
             )  # [B, nq, D]
@@ -273,7 +308,9 @@ class FastLlamaSpan:
                 h = h.clone() if j == 0 else h
                 h[:overlap] += prompts[j, start : start + overlap].to(h.dtype)
             x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
-            qkv = F.linear(x, w.w_qkv, w.b_qkv)
+            qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [T, (nq+2nkv)D]
+            if w.q_norm is not None:
+                qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, s.rms_norm_eps)
             q = self.ops.rope_and_store(
                 qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
             )  # [T, nq, D]
@@ -294,3 +331,13 @@ class FastLlamaSpan:
             act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
             h = self.ops.linear(act, w.w_down, w.b_down, residual=h)
         return h
+
+
+def _projection_weight(module: torch.nn.Module, dtype: torch.dtype) -> Weight:
+    """A projection's weight as the fast path reads it: a plain linear's tensor or a bitsandbytes layout."""
+    if type(module) is torch.nn.Linear:
+        return module.weight.data
+    quantized = quantized_weight_of(module, dtype)
+    if quantized is None:
+        raise ValueError(f"The fast path needs plain or bitsandbytes linear layers, not {type(module).__name__}")
+    return quantized

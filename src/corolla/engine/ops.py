@@ -8,10 +8,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from corolla.engine.qk_norm import qk_norm_ref, qk_norm_triton
+from corolla.engine.quant import Int8Weight, NF4Weight
+
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
-    from corolla.engine import triton_kernels
+    from corolla.engine import quant_kernels, triton_kernels
 except ImportError:  # pragma: no cover - depends on the installation
     triton_kernels = None
+    quant_kernels = None
 
 
 def triton_usable(device: torch.device, head_dim: int) -> bool:
@@ -120,6 +124,11 @@ def _graph_median_ms(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _quant_key(weight: NF4Weight | Int8Weight) -> tuple[str, int, int]:
+    n, k = weight.shape
+    return ("nf4" if isinstance(weight, NF4Weight) else "int8", n, k)
+
+
 class DecodeOps:
     """Picks Triton kernels or reference versions once, for a device and head size."""
 
@@ -130,6 +139,8 @@ class DecodeOps:
         # (N, K, prologue, has_residual) -> Triton skinny-GEMM config for single-row inputs (absent: the prologue as
         # its own kernel, then cuBLAS); filled by tune_linear
         self.single_row_gemm: dict[tuple[int, int, str, bool], tuple[int, int, int, int]] = {}
+        # (kind, N, K) -> dequantize-GEMM config of quant_kernels for decode-sized inputs; filled by tune_quantized
+        self.quant_gemm: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 
     def linear(
         self,
@@ -143,7 +154,10 @@ class DecodeOps:
         eps: float = 0.0,
     ) -> torch.Tensor:
         """residual + f(x) @ weight^T + bias, with f = identity, "rmsnorm" (weight `norm_weight`) or "silu"
-        (x = [gate | up]); x [M, K or 2K], weight [N, K] -> [M, N]. Single rows may run as one fused Triton kernel."""
+        (x = [gate | up]); x [M, K or 2K], weight [N, K] -> [M, N]. Single rows may run as one fused Triton kernel.
+        A quantized weight (NF4/Int8) runs its dequantize-GEMM kernel for decode-sized inputs."""
+        if isinstance(weight, NF4Weight | Int8Weight):
+            return self._quantized(x, weight, bias, residual, prologue, norm_weight, eps)
         if x.shape[0] == 1 and bias is None:
             key = (weight.shape[0], weight.shape[1], prologue, residual is not None)
             config = self.single_row_gemm.get(key)
@@ -160,6 +174,63 @@ class DecodeOps:
                 x, weight, residual, config, prologue=code, norm_weight=norm_weight, eps=eps
             )
         return triton_kernels.skinny_gemm(x, weight, residual, config, prologue=code, norm_weight=norm_weight, eps=eps)
+
+    def _quantized(self, x, weight, bias, residual, prologue, norm_weight, eps):
+        if prologue == "rmsnorm":
+            x = self.rms_norm(x, norm_weight, eps)
+        elif prologue == "silu":
+            x = self.silu_mul(x)
+        if self.use_triton and x.shape[0] <= quant_kernels.QUANT_KERNEL_MAX_ROWS:
+            config = self.quant_gemm.get(_quant_key(weight), quant_kernels.DEFAULT_CONFIG)
+            out = quant_kernels.quant_matmul(x.contiguous(), weight, None if bias is not None else residual, config)
+            if bias is None:
+                return out
+            out = out + bias
+            return out if residual is None else out + residual
+        # prefill-sized inputs (or no Triton): dequantize once, then one dense GEMM
+        dense = (
+            quant_kernels.nf4_dequantize(weight)
+            if self.use_triton and isinstance(weight, NF4Weight)
+            else weight.dequantize()
+        )  # [N, K]
+        return self._unfused(x, dense, bias, residual, "none", None, eps)
+
+    @torch.inference_mode()
+    def tune_quantized(self, weights: dict[tuple[str, int, int], list], *, reps: int = 7) -> dict:
+        """For each quantized shape (kind, N, K) -> [weight per layer], times every dequantize-GEMM config on a
+        single-row input as a CUDA graph over all layers' weights, and keeps the fastest (the same config then
+        serves every batch size, which keeps rows batch-invariant). Returns {shape: {"best", "best_us", "all_us"}}."""
+        if not self.use_triton:
+            return {}
+        report = {}
+        for key, items in weights.items():
+            k = key[2]
+            x = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
+            timings = {}
+            for config in quant_kernels.QUANT_CONFIGS:
+                try:
+                    timings[config] = _graph_median_ms(
+                        lambda c=config, x=x, items=items: [quant_kernels.quant_matmul(x, w, None, c) for w in items],
+                        reps,
+                    )
+                except Exception:  # a config that does not compile or fit is skipped
+                    continue
+            if not timings:
+                raise RuntimeError(f"no dequantize-GEMM config runs for {key}")
+            best = min(timings, key=timings.get)
+            self.quant_gemm[key] = best
+            per_call = 1000 / len(items)
+            report[key] = {
+                "best": best,
+                "best_us": timings[best] * per_call,
+                "all_us": {str(c): t * per_call for c, t in timings.items()},
+            }
+        return report
+
+    def qk_norm(self, qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
+        if self.use_triton:
+            return qk_norm_triton(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
+        return qk_norm_ref(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
 
     def _unfused(self, x, weight, bias, residual, prologue, norm_weight, eps, pad_rows: int = 0):
         if prologue == "rmsnorm":

@@ -1,0 +1,260 @@
+"""GPU benchmark of the fast path with quantized weights and of Qwen3 on the fast path (random weights, real layer
+shapes): `python -m corolla.engine.quant_bench --out DIR`.
+
+Measures in one process, on one card: the copy bandwidth; a span step (batch 1, after a 512-token prefix) of 32
+Llama-3-8B-shaped layers in bf16, NF4 and INT8, each against its floor (bytes the step reads / bandwidth); 64 NF4
+sessions in one merged step against one; whether two identical NF4 sessions merged in one step give identical
+rows; a Qwen3-32B-shaped span (a few layers) against its floor and transformers' own Qwen3 layers. Writes a JSON
+and a log under --out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from corolla.bench.measure import copy_bandwidth_bytes_per_s
+from corolla.engine.config import EngineConfig, LlamaSpec
+from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
+from corolla.engine.quant import quantize_int8, quantize_nf4
+from corolla.engine.span_engine import SpanEngine, StepRequest
+
+LLAMA3_8B = LlamaSpec(
+    hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, rms_norm_eps=1e-5
+)
+QWEN3_32B = LlamaSpec(
+    hidden_size=5120,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=25600,
+    rms_norm_eps=1e-6,
+    qk_norm=True,
+)
+TINY = LlamaSpec(  # --tiny: a CPU dry run of every code path in seconds
+    hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512, rms_norm_eps=1e-6
+)
+PROJECTIONS = ("w_qkv", "w_o", "w_gate_up", "w_down")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def log(lines: list[str], text: str) -> None:
+    print(text, flush=True)
+    lines.append(text)
+
+
+def random_layer(spec: LlamaSpec, device: torch.device, gen: torch.Generator) -> LayerWeights:
+    h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+
+    def mat(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, device=device, generator=gen) * (0.5 / math.sqrt(k))).to(torch.bfloat16)
+
+    def norm(n: int) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(n, device=device, generator=gen)).to(torch.bfloat16)
+
+    return LayerWeights(
+        ln1=norm(h),
+        w_qkv=mat(spec.q_size + 2 * spec.kv_size, h),
+        b_qkv=None,
+        w_o=mat(h, spec.q_size),
+        b_o=None,
+        ln2=norm(h),
+        w_gate_up=mat(2 * i, h),
+        b_gate_up=None,
+        w_down=mat(h, i),
+        b_down=None,
+        q_norm=norm(d) if spec.qk_norm else None,
+        k_norm=norm(d) if spec.qk_norm else None,
+    )
+
+
+def quantized(layer: LayerWeights, kind: str) -> LayerWeights:
+    fn = quantize_nf4 if kind == "nf4" else quantize_int8
+    return LayerWeights(**{**vars(layer), **{name: fn(getattr(layer, name)) for name in PROJECTIONS}})
+
+
+def make_engine(spec: LlamaSpec, layers: list[LayerWeights], max_rows: int) -> SpanEngine:
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
+    model = FastLlamaSpan(spec, layers, inv_freq, max_positions=2048, use_triton=layers[0].ln1.is_cuda)
+    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_rows)
+    config = EngineConfig(
+        kv_pool_bytes=(6 << 30) if layers[0].ln1.is_cuda else (256 << 20),
+        max_seq_len_tokens=1024,
+        max_batch_rows=max_rows,
+        graph_buckets=buckets,
+    )
+    engine = SpanEngine(model, config)
+    if engine.device.type == "cuda":
+        engine.warmup()
+    return engine
+
+
+STEPS = 30  # timed decode steps per measurement
+
+
+def step_ms(
+    engine: SpanEngine, sessions: list, prefix: int, steps: int | None = None
+) -> tuple[float, list[torch.Tensor]]:
+    """Median milliseconds of one merged decode step of `sessions` (each after `prefix` tokens), GPU inputs."""
+    h = engine.hidden_size
+    gen = torch.Generator(device=engine.device).manual_seed(7)
+    times, outs = [], []
+    for i in range(steps or STEPS):
+        reqs = [
+            StepRequest(s, torch.randn(1, 1, h, device=engine.device, dtype=engine.dtype, generator=gen), prefix + i)
+            for s in sessions
+        ]
+        sync(engine.device)
+        start = time.perf_counter()
+        outs = engine.decode_many(reqs)
+        sync(engine.device)
+        times.append((time.perf_counter() - start) * 1000)
+    return sorted(times)[len(times) // 2], outs
+
+
+def open_prefilled(engine: SpanEngine, count: int, prefix: int, gen: torch.Generator) -> list:
+    sessions = []
+    for _ in range(count):
+        s = engine.open_session(1, prefix + 64)
+        hidden = torch.randn(1, prefix, engine.hidden_size, device=engine.device, generator=gen).to(engine.dtype)
+        engine.step(s, hidden, 0)
+        sessions.append(s)
+    return sessions
+
+
+def bench_llama(
+    results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev, sessions_n: int
+) -> None:
+    gen = torch.Generator(device=dev).manual_seed(0)
+    spec = TINY if dev.type == "cpu" else LLAMA3_8B
+    dense = [random_layer(spec, dev, gen) for _ in range(layers_n)]
+    for kind in ("bf16", "nf4", "int8"):
+        layers = dense if kind == "bf16" else [quantized(layer, kind) for layer in dense]
+        engine = make_engine(spec, layers, 64 if kind == "nf4" else 1)  # [1, 64] rows: graph buckets
+        floor = engine.model.weight_bytes() / bandwidth * 1000
+        one = open_prefilled(engine, 1, prefix, gen)
+        ms, _ = step_ms(engine, one, prefix)
+        row = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor, "weight_bytes": engine.model.weight_bytes()}
+        log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x)")
+        if kind == "nf4":
+            many = open_prefilled(engine, sessions_n - 1, prefix, gen)
+            ms64, _ = step_ms(engine, one + many, prefix, steps=max(1, STEPS // 2))
+            row["sessions"] = sessions_n
+            row["step_many_ms"] = ms64
+            row["speedup_many"] = sessions_n * ms / ms64
+            log(
+                lines,
+                f"  {sessions_n} nf4 sessions: step {ms64:.3f} ms = {sessions_n * ms / ms64:.1f}x the tokens/s of one",
+            )
+            # two identical sessions merged in one step (plus others) must give identical rows
+            twins = open_prefilled(engine, 0, prefix, gen)
+            h0 = torch.randn(1, prefix, engine.hidden_size, device=dev, generator=gen).to(engine.dtype)
+            for _ in range(2):
+                s = engine.open_session(1, prefix + 8)
+                engine.step(s, h0, 0)
+                twins.append(s)
+            x = torch.randn(1, 1, engine.hidden_size, device=dev, generator=gen).to(engine.dtype)
+            outs = engine.decode_many([StepRequest(s, x, prefix) for s in twins] + [
+                StepRequest(s, torch.randn_like(x), s.length_tokens) for s in many[:5]
+            ])  # fmt: skip
+            row["twins_identical"] = bool(torch.equal(outs[0], outs[1]))
+            log(lines, f"  two identical nf4 sessions in one merged step: identical={row['twins_identical']}")
+            for s in one + many + twins:
+                s.close()
+        results[f"llama3_8b_{kind}"] = row
+        if kind == "bf16":
+            bf16_ms = ms
+        else:
+            row["x_bf16"] = ms / bf16_ms
+            log(lines, f"  {kind} / bf16 step = {ms / bf16_ms:.2f}")
+        del engine, layers
+        free_cache(dev)
+    del dense
+    free_cache(dev)
+
+
+def bench_qwen3(results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev) -> None:
+    from transformers import DynamicCache, Qwen3Config, Qwen3Model
+
+    gen = torch.Generator(device=dev).manual_seed(1)
+    spec = QWEN3_32B if dev.type == "cuda" else LlamaSpec(**{**vars(TINY), "qk_norm": True})
+    layers = [random_layer(spec, dev, gen) for _ in range(layers_n)]
+    engine = make_engine(spec, layers, 1)
+    floor = engine.model.weight_bytes() / bandwidth * 1000
+    ms, _ = step_ms(engine, open_prefilled(engine, 1, prefix, gen), prefix)
+    log(lines, f"qwen3-32b x{layers_n} bf16 corolla: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x)")
+    del engine
+    free_cache(dev)
+    config = Qwen3Config(
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        num_hidden_layers=layers_n,
+        vocab_size=128,
+        max_position_embeddings=2048,
+        rms_norm_eps=spec.rms_norm_eps,
+    )
+    config._attn_implementation = "sdpa"
+    model = Qwen3Model(config).to(dev, torch.bfloat16).eval()
+    with torch.inference_mode():
+        cache = DynamicCache(config=config)
+        model(inputs_embeds=torch.randn(1, prefix, spec.hidden_size, device=dev, dtype=torch.bfloat16),
+              past_key_values=cache, use_cache=True)  # fmt: skip
+        times = []
+        for _ in range(30):
+            x = torch.randn(1, 1, spec.hidden_size, device=dev, dtype=torch.bfloat16)
+            sync(dev)
+            start = time.perf_counter()
+            model(inputs_embeds=x, past_key_values=cache, use_cache=True)
+            sync(dev)
+            times.append((time.perf_counter() - start) * 1000)
+    hf_ms = sorted(times)[len(times) // 2]
+    log(lines, f"qwen3-32b x{layers_n} transformers (sdpa, eager): step {hf_ms:.3f} ms ({hf_ms / ms:.1f}x corolla)")
+    results["qwen3_32b"] = {"layers": layers_n, "step_ms": ms, "floor_ms": floor, "x_floor": ms / floor,
+                            "transformers_ms": hf_ms}  # fmt: skip
+
+
+def main() -> None:
+    global STEPS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prefix_tokens", type=int, default=512)
+    parser.add_argument("--llama_layers", type=int, default=32)
+    parser.add_argument("--qwen3_layers", type=int, default=4)
+    parser.add_argument("--sessions", type=int, default=64, help="NF4 sessions merged in one step")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
+    args = parser.parse_args()
+    STEPS = args.steps
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(args.device)
+    lines: list[str] = []
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    bandwidth = copy_bandwidth_bytes_per_s(dev) if dev.type == "cuda" else 1e10
+    results: dict = {"device": name, "bandwidth_bytes_per_s": bandwidth, "prefix_tokens": args.prefix_tokens}
+    log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    bench_llama(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, args.sessions)
+    bench_qwen3(results, lines, bandwidth, args.prefix_tokens, args.qwen3_layers, dev)
+    stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
+    base = args.out / f"quant-{name.lower().replace(' ', '-')}-{stamp}"
+    base.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+    base.with_suffix(".log").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Triton dequantize-GEMM kernels for few-row inputs (decode steps of up to `QUANT_KERNEL_MAX_ROWS` rows) reading
+the NF4 and Int8 layouts of `engine.quant` in place: out[M, N] = x[M, K] @ W[N, K]^T (+ residual).
+
+Batch invariance: every program computes a fixed 16-row tile of the output with the same instruction sequence
+and the same K order, and a split of K (when the tuned config has one) is summed in a fixed order by a second
+kernel: no atomics, no choice that depends on M. A row's output is therefore bit-identical whether it runs alone or
+merged with other sessions' rows. CUDA-graph safe: static shapes, no host synchronization. Importing fails without
+Triton."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from corolla.engine.quant import NF4_BLOCK_VALUES, Int8Weight, NF4Weight
+
+QUANT_KERNEL_MAX_ROWS = 64  # larger inputs (prefill) dequantize the weight and use cuBLAS
+TILE_M = 16
+
+# (BLOCK_N, BLOCK_K values, SPLIT_K, num_warps, num_stages), timed per weight shape at warm-up
+QUANT_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (16, 128, 1, 4, 3),
+    (16, 256, 1, 4, 3),
+    (32, 128, 1, 4, 3),
+    (16, 128, 2, 4, 3),
+    (16, 256, 4, 4, 3),
+    (32, 128, 4, 4, 3),
+    (64, 128, 4, 4, 3),
+    (16, 128, 8, 4, 3),
+    (32, 256, 2, 8, 3),
+)
+DEFAULT_CONFIG = (16, 128, 2, 4, 3)
+
+
+@triton.jit
+def _store_tile(acc, offs_m, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
+                SPLIT: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
+    # SPLIT == 1: the finished tile (column scale, residual, cast); else fp32 partial sums into ws[split, M, N]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT == 1:
+        if HAS_SCALE:
+            acc = acc * tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        if HAS_RES:
+            acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ws_ptr + (split * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _nf4_gemm_kernel(
+    x_ptr,
+    q_ptr,
+    aq_ptr,
+    na_ptr,
+    nc_ptr,
+    code_ptr,
+    ws_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_om,
+    offset,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
+    # ws[split, M, N] (fp32) = x[M, K-range of split] @ dequant(W)[N, K-range]^T for one 16-row, BLOCK_N tile.
+    # W bytes: row n, byte j holds elements 2j (high nibble) and 2j+1 (low nibble); absmax block of (n, 2j) is
+    # n * K / 64 + 2j / 64; x's even and odd columns multiply the high and low nibbles in two dots.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, 16)
+    pid_m = pid % num_m  # the M tiles of one N tile run next to each other (their weight bytes hit L2)
+    pid_n = pid // num_m
+    HALF: tl.constexpr = BLOCK_K // 2
+    NB: tl.constexpr = BLOCK_K // 64  # absmax blocks per K step
+    offs_m = pid_m * 16 + tl.arange(0, 16)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    kh = K // 2
+    steps = tl.cdiv(kh, HALF)
+    per_split = tl.cdiv(steps, SPLIT)
+    dt = x_ptr.dtype.element_ty
+    b_idx = tl.arange(0, NB)
+    t_idx = tl.arange(0, 32)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
+        j0 = step * HALF
+        # bytes as [NB, 32, BLOCK_N]: absmax block b covers bytes j0 + 32 b + [0, 32)
+        offs_j = j0 + b_idx[:, None, None] * 32 + t_idx[None, :, None]  # [NB, 32, 1]
+        jm = offs_j < kh
+        byte = tl.load(q_ptr + offs_n[None, None, :] * kh + offs_j, mask=jm & n_mask[None, None, :], other=0)
+        blk = offs_n[None, :] * (K // 64) + (j0 // 32 + b_idx)[:, None]  # [NB, BLOCK_N]
+        bm = ((j0 // 32 + b_idx) < K // 64)[:, None] & n_mask[None, :]
+        aq = tl.load(aq_ptr + blk, mask=bm, other=0).to(tl.int32)
+        scale = tl.load(nc_ptr + aq) * tl.load(na_ptr + blk // 256, mask=bm, other=0.0) + offset  # [NB, BN] fp32
+        hi = tl.load(code_ptr + (byte >> 4).to(tl.int32)) * scale[:, None, :]
+        lo = tl.load(code_ptr + (byte & 15).to(tl.int32)) * scale[:, None, :]
+        w_hi = tl.reshape(hi.to(dt), [HALF, BLOCK_N])  # rounded once, as the reference dequantizer
+        w_lo = tl.reshape(lo.to(dt), [HALF, BLOCK_N])
+        offs_k = j0 + tl.arange(0, HALF)
+        xm = m_mask[:, None] & (offs_k < kh)[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + 2 * offs_k[None, :]
+        x_even = tl.load(x_ptrs, mask=xm, other=0.0)  # [16, HALF]
+        x_odd = tl.load(x_ptrs + 1, mask=xm, other=0.0)
+        acc = tl.dot(x_even, w_hi, acc)
+        acc = tl.dot(x_odd, w_lo, acc)
+    _store_tile(acc, offs_m, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om,
+                SPLIT, HAS_RES, False)  # fmt: skip
+
+
+@triton.jit
+def _int8_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    res_ptr,
+    cs_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
+    # ws[split, M, N] (fp32) = x[M, K-range] @ codes[N, K-range]^T (int8 codes are exact in bf16/fp16)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, 16)
+    pid_m = pid % num_m
+    pid_n = pid // num_m
+    offs_m = pid_m * 16 + tl.arange(0, 16)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT)
+    dt = x_ptr.dtype.element_ty
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
+        offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :])
+        acc = tl.dot(x, w.to(dt), acc)
+    _store_tile(acc, offs_m, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
+                SPLIT, HAS_RES, True)  # fmt: skip
+
+
+@triton.jit
+def _reduce_kernel(
+    ws_ptr, res_ptr, col_scale_ptr, out_ptr, M, N, stride_rm, stride_om,
+    SPLIT: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # out[m, n] = (sum_s ws[s, m, n]) * col_scale[n] + res[m, n], summed in split order
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(col_scale_ptr + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        acc += tl.load(res_ptr + m * stride_rm + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    weight: NF4Weight | Int8Weight,
+    residual: torch.Tensor | None,
+    config: tuple[int, int, int, int, int] = DEFAULT_CONFIG,
+) -> torch.Tensor:
+    """x [M, K] (M <= QUANT_KERNEL_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual
+    [M, N]) -> [M, N] in the weight's dtype."""
+    m, k = x.shape
+    n, wk = weight.shape
+    if wk != k or m > QUANT_KERNEL_MAX_ROWS or x.stride(1) != 1:
+        raise ValueError(f"quant_matmul takes [<= {QUANT_KERNEL_MAX_ROWS}, {wk}] contiguous rows, got {tuple(x.shape)}")
+    block_n, block_k, split, warps, stages = config
+    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
+    ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out  # [S, M, N]
+    res = residual if residual is not None else out
+    # final epilogue in the GEMM kernel when not split; else in the reduce kernel
+    res_k, has_res_k = (res, residual is not None) if split == 1 else (out, False)
+    grid = (triton.cdiv(m, TILE_M) * triton.cdiv(n, block_n), split)
+    if isinstance(weight, NF4Weight):
+        if block_k % NF4_BLOCK_VALUES:
+            raise ValueError(f"NF4 BLOCK_K must be a multiple of {NF4_BLOCK_VALUES}")
+        _nf4_gemm_kernel[grid](
+            x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.code, ws,
+            res_k, out, m, n, k, x.stride(0), res_k.stride(0), out.stride(0), weight.nested_offset,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=has_res_k, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        col_scale = None
+    else:
+        col_scale = weight.col_scale  # per output feature: codes * absmax / 127
+        _int8_gemm_kernel[grid](
+            x, weight.codes, ws, res_k, col_scale, out, m, n, k, x.stride(0), res_k.stride(0), out.stride(0),
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=has_res_k, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _reduce_kernel[(m, triton.cdiv(n, block))](
+            ws, res, col_scale if col_scale is not None else ws, out, m, n, res.stride(0), out.stride(0),
+            SPLIT=split, HAS_RES=residual is not None, HAS_SCALE=col_scale is not None, BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _nf4_dequant_kernel(q_ptr, aq_ptr, na_ptr, nc_ptr, code_ptr, out_ptr, total_bytes, offset, BLOCK: tl.constexpr):
+    # out (flat, element order) from the packed bytes; BLOCK bytes per program
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total_bytes
+    byte = tl.load(q_ptr + offs, mask=mask, other=0)
+    blk = offs // 32
+    aq = tl.load(aq_ptr + blk, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(nc_ptr + aq) * tl.load(na_ptr + blk // 256, mask=mask, other=0.0) + offset
+    hi = (tl.load(code_ptr + (byte >> 4).to(tl.int32)) * scale).to(out_ptr.dtype.element_ty)
+    lo = (tl.load(code_ptr + (byte & 15).to(tl.int32)) * scale).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + 2 * offs, hi, mask=mask)
+    tl.store(out_ptr + 2 * offs + 1, lo, mask=mask)
+
+
+def nf4_dequantize(weight: NF4Weight) -> torch.Tensor:
+    """[N, K] in the weight's dtype, equal to `weight.dequantize()`, in one kernel."""
+    n, k = weight.shape
+    out = torch.empty((n, k), dtype=weight.dtype, device=weight.device)
+    total = weight.packed.numel()
+    block = 1024
+    _nf4_dequant_kernel[(triton.cdiv(total, block),)](
+        weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.code, out,
+        total, weight.nested_offset, BLOCK=block,
+    )  # fmt: skip
+    return out
