@@ -55,7 +55,7 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
         device="cuda",
         attn_cache_tokens=4096,
     )
-    assert type(server.service.backend).__name__ == "EngineSpanBackend", "the fast path must serve this span"
+    assert server.service.executor.path == "fast", "the fast path must serve this span"
     yield server
     server.shutdown()
 

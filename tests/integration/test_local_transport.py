@@ -50,7 +50,7 @@ def local(model_path):
 
 
 def cache_used(server) -> int:
-    return server.service.memory_cache.current_size_bytes
+    return server.service.executor.max_size_bytes - server.service.executor.bytes_left
 
 
 def first_request(server, hidden: torch.Tensor, session_id: str, **metadata) -> runtime_pb2.ExpertRequest:

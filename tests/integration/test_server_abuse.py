@@ -80,7 +80,7 @@ def keepalive(stream: InferenceStream, server) -> runtime_pb2.ExpertResponse:
 
 
 def cache_free(server) -> int:
-    return server.service.memory_cache.bytes_left
+    return server.service.executor.bytes_left
 
 
 def test_one_peer_cannot_hoard_the_cache(server, peers):

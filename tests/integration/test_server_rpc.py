@@ -81,7 +81,8 @@ def initial_cache_tokens() -> int:
 
 def test_rpc_info_schemas_and_cache_tokens(server, client):
     info = client.info()
-    assert set(info) == {"version", "dht_client_mode", "cache_tokens_available"}
+    assert set(info) == {"version", "dht_client_mode", "cache_tokens_available", "serving_path"}
+    assert info["serving_path"] == "plain"  # CPU: the auto rule keeps the plain path
     assert info["dht_client_mode"] is False
     assert info["cache_tokens_available"] == initial_cache_tokens()
     info = client.info(f"{server.settings.dht_prefix}.2")
@@ -348,11 +349,12 @@ def test_crashed_serving_part_is_restarted(model_path, tmp_path, capsys):
         first_service = server.service
         stream = InferenceStream(client).open()
         stream.step(packed_request(chain(server, 0, 2), torch.randn(1, 1, HIDDEN), max_length=16))
-        assert first_service.memory_cache.current_size_bytes > 0
+        assert first_service.executor.bytes_left < first_service.executor.max_size_bytes
         first_service.runtime.stop()  # simulate a crash of the device thread
         assert wait_until(lambda: server.service is not None and server.service is not first_service, 20)
         assert server.num_restarts == 1
-        assert first_service.memory_cache.current_size_bytes == 0  # the open session was ended and its cache freed
+        executor = first_service.executor
+        assert executor.bytes_left == executor.max_size_bytes  # the open session was ended and its cache freed
         with pytest.raises((P2PHandlerError, StopAsyncIteration, asyncio.TimeoutError, TimeoutError, ConnectionError)):
             stream.step(packed_request(chain(server, 0, 2), torch.randn(1, 1, HIDDEN)), timeout_s=5)
         hidden = torch.randn(1, 2, HIDDEN)
@@ -443,7 +445,7 @@ def test_alloc_timeout_waits_for_memory_and_is_capped(server, client):
 
     thread = threading.Thread(target=step)
     thread.start()
-    assert wait_until(lambda: server.service.memory_cache.num_waiting == 1, 5)
+    assert wait_until(lambda: server.service.executor.memory_cache.num_waiting == 1, 5)
     big.close()  # frees memory while the second session waits
     thread.join(20)
     assert "response" in result, result.get("error")
@@ -460,14 +462,14 @@ def test_fast_path_backend_through_the_handler(server, blocks):
 
     from corolla.server.backend import SpanBackend
     from corolla.server.block_functions import ServingLimits
-    from corolla.engine.serving import build_fast_path
+    from corolla.server.fast_executor import build_fast_executor
+    from corolla.server.runtime import Runtime
     from corolla.server.server import SpanService
     from corolla.server.sessions import SessionTimeouts
 
     backend = SpanBackend(dict(enumerate(blocks)), config=server.model_config, dtype=torch.float32, device="cpu")
-    fast = build_fast_path(backend, kv_pool_bytes=8 << 20, max_seq_len_tokens=128, require_cuda=False, warmup=False)
-    assert fast is not None
-    fast_backend, cache = fast
+    runtime = Runtime(max_batch_size_tokens=1024)
+    executor = build_fast_executor(backend, runtime, kv_pool_bytes=8 << 20, max_seq_len_tokens=128, warmup=False)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -480,11 +482,12 @@ def test_fast_path_backend_through_the_handler(server, blocks):
         dht_prefix="fast", start_block=0, end_block=NUM_BLOCKS, hidden_size=HIDDEN, dtype=torch.float32,
         inference_max_length_tokens=128, max_batch_size_tokens=1024,
     )  # fmt: skip
-    service = SpanService(backend=fast_backend, limits=limits, memory_cache=cache, timeouts=SessionTimeouts(10, 60, 10))
+    service = SpanService(executor=executor, limits=limits, timeouts=SessionTimeouts(10, 60, 10))
     on_loop(service.start(p2p))
     client = ClientThread([str(m) for m in on_loop(p2p.get_visible_maddrs())], p2p.peer_id.to_base58())
     try:
         base = client.info()["cache_tokens_available"]
+        assert client.info()["serving_path"] == "fast"
         tokens = torch.randn(1, 6, HIDDEN)
         uid = "fast.0 fast.1 fast.2 fast.3"
         stream = InferenceStream(client).open()

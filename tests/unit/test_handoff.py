@@ -21,10 +21,11 @@ from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.server.backend import SpanBackend
 from corolla.server.drain import Draining, SessionHandoff
+from corolla.server.executor import SessionCache, SessionSpec, StepInputs
 from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import ServerMetrics
+from corolla.server.plain_executor import PlainExecutor, PlainSessionCache
 from corolla.server.runtime import Runtime
-from corolla.server.sessions import SessionTimeouts
 
 DEMO = Path(__file__).parents[2] / "src/corolla/demo/assets/corolla-demo-llama"
 MAX_LENGTH = 64
@@ -105,44 +106,32 @@ def backend():
 
 
 def _server(backend: SpanBackend, runtime: Runtime) -> SimpleNamespace:
-    handler = SimpleNamespace(
-        backend=backend,
-        runtime=runtime,
-        memory_cache=MemoryCache(64 * 2**20),
-        metrics=ServerMetrics(),
-        timeouts=SessionTimeouts(step_timeout_s=5, session_timeout_s=60, request_timeout_s=2),
-    )
-    handler.handoff = SessionHandoff(handler)
-    return handler
+    executor = PlainExecutor(backend, MemoryCache(64 * 2**20), runtime, ServerMetrics())
+    return SimpleNamespace(executor=executor, handoff=SessionHandoff(executor, request_timeout_s=2))
 
 
 class _Session:
-    """What the handler keeps per session (the fields hand-off uses), with its cache allocated."""
+    """What the handler keeps per session (the fields hand-off uses), with its cache open."""
 
-    def __init__(self, server: SimpleNamespace, allocation_handles: tuple[int, ...]):
+    def __init__(self, server: SimpleNamespace, cache: SessionCache):
         self.session_id = "s"
         self.block_indices = [0, 1, 2, 3]
         self.batch_size = 1
         self.max_length = MAX_LENGTH
-        self.cache_handles = tuple(tuple(allocation_handles[2 * i : 2 * i + 2]) for i in range(4))
+        self.cache = cache
         self.prefix_length = 0
         self.server = server
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        server, position = self.server, self.prefix_length
-
-        def task():
-            caches = [server.memory_cache.use_cache(*h) for h in self.cache_handles]
-            return server.backend.inference_step(
-                self.block_indices, hidden, caches, prefix_length=position, max_length=MAX_LENGTH
-            )
-
-        out = await server.runtime.submit(task, priority=1.0, size_tokens=1)
+        inputs = StepInputs(hidden, self.prefix_length, None, None, "", lone_session=False)
+        out = await self.server.executor.step(self.cache, inputs)
         self.prefix_length += hidden.shape[1]
         return out
 
-    def cache(self) -> list[torch.Tensor]:
-        return [t.clone() for h in self.cache_handles for t in self.server.memory_cache.use_cache(*h)]
+    def cache_tensors(self) -> list[torch.Tensor]:
+        executor: PlainExecutor = self.server.executor
+        assert isinstance(self.cache, PlainSessionCache)
+        return [t.clone() for h in self.cache.handles for t in executor.memory_cache.use_cache(*h)]
 
 
 async def _requests(messages):
@@ -151,8 +140,7 @@ async def _requests(messages):
 
 
 def _allocate(server, backend):
-    descriptors = [d for ds in backend.cache_descriptors([0, 1, 2, 3], 1, MAX_LENGTH) for d in ds]
-    return server.memory_cache.allocate_cache(*descriptors)
+    return server.executor.open_session(SessionSpec((0, 1, 2, 3), 1, MAX_LENGTH), alloc_timeout_s=0)
 
 
 async def _export(server, session) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
@@ -290,11 +278,11 @@ def test_hostile_import_is_refused_and_writes_nothing(backend, attack):
                     fields["start_block"], fields["end_block"] = 1, 5
                 elif attack == "bytes_mismatch":
                     fields["total_bytes"] = header.total_bytes + 4
-                before = target.cache()
+                before = target.cache_tensors()
                 with pytest.raises(ValueError):
                     hostile = wire.KvHeader.from_dict(fields)
                     await new.handoff.import_kv(target, hostile, uid, _requests(messages))
                 assert target.prefix_length == 0 and new.handoff.num_imported == 0
-                assert all(torch.equal(x, y) for x, y in zip(before, target.cache(), strict=True))
+                assert all(torch.equal(x, y) for x, y in zip(before, target.cache_tensors(), strict=True))
 
     _run(main())

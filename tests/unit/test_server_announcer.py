@@ -111,9 +111,9 @@ def test_tensor_validation():
     with pytest.raises(ValueError, match="float"):
         bf.validate_hidden_states(torch.ones(1, 1, 8, dtype=torch.int32), LIMITS)
     assert bf.validate_hidden_states(torch.randn(1, 0, 8), LIMITS, allow_empty_seq=True).shape == (1, 0, 8)
-    assert bf.validate_prompts(torch.empty(0), LIMITS, num_blocks=2, batch_size=2, length=3) == [None, None]
+    assert bf.validate_prompts(torch.empty(0), LIMITS, num_blocks=2, batch_size=2, length=3) is None
     prompts = bf.validate_prompts(torch.randn(2, 1, 3, 8), LIMITS, num_blocks=2, batch_size=2, length=3)
-    assert [p.shape for p in prompts] == [(1, 3, 8), (1, 3, 8)]
+    assert prompts is not None and prompts.shape == (2, 1, 3, 8)
     with pytest.raises(ValueError, match="prompts"):
         bf.validate_prompts(torch.randn(2, 3, 3, 8), LIMITS, num_blocks=2, batch_size=2, length=3)
     assert bf.validate_hypo_ids(torch.tensor([1, 0]), batch_size=2).tolist() == [1, 0]

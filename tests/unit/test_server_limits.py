@@ -23,9 +23,9 @@ from corolla.server.limits import (
     SessionEvicted,
     StreamStalled,
     peer_key,
-    rejection_reason,
 )
 from corolla.server.memory_cache import MemoryCache
+from corolla.server.refusals import rejection_reason
 from corolla.server.sessions import SessionState, SessionTimeouts, iterate_steps
 from corolla.server.stream_guard import StreamBudget
 from corolla.utils.errors import AllocationFailed
@@ -229,7 +229,8 @@ async def test_chunked_forward_equals_one_task(llama_backend, batch_size: int) -
     expected = backend.forward([0, 1, 2], hidden)
     runtime = _InlineRuntime()
     got = await run_forward_chunked(
-        backend, runtime, [0, 1, 2], hidden, None, active_adapter="", chunk_tokens=8, measured=lambda fn, n: fn
+        backend, runtime, [0, 1, 2], hidden, None, active_adapter="", chunk_tokens=8, split_tokens=True,
+        measured=lambda fn, n: fn,
     )
     chunks = len(plan_token_chunks(37, batch_size, 8))
     assert runtime.num_tasks == 3 * chunks > 3
@@ -240,7 +241,8 @@ async def test_chunked_forward_equals_one_task(llama_backend, batch_size: int) -
     expected = backend.forward([0, 1, 2], hidden, prompts)
     runtime = _InlineRuntime()
     got = await run_forward_chunked(
-        backend, runtime, [0, 1, 2], hidden, prompts, active_adapter="", chunk_tokens=8, measured=lambda fn, n: fn
+        backend, runtime, [0, 1, 2], hidden, prompts, active_adapter="", chunk_tokens=8, split_tokens=True,
+        measured=lambda fn, n: fn,
     )
     assert runtime.num_tasks == 3 and torch.equal(got, expected)
 
@@ -277,7 +279,7 @@ async def _drive(requests: list[runtime_pb2.ExpertRequest], session: SessionStat
 
 def _session() -> SessionState:
     return SessionState(
-        session_id="s", block_indices=[0], batch_size=1, max_length=8, cache_handles=((),), active_adapter="",
+        session_id="s", block_indices=[0], batch_size=1, max_length=8, cache=None, active_adapter="",
         args_structure=None, push_queue=None,
     )  # fmt: skip
 

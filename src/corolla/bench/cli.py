@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--rpc_client_process", action="store_true", help="run the --rpc client in its own process (as real clients)"
     )
+    p.add_argument(
+        "--users", default="", help="with --rpc: comma-separated session counts, each run through the one server"
+    )
+    p.add_argument("--user_processes", type=int, default=4, help="client processes for --users")
+    p.add_argument("--user_transports", default="socket,p2p", help="transports for --users: socket, p2p")
+    p.add_argument("--user_steps", type=int, default=32, help="decode steps per session for --users")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="")
     p.add_argument("--cpu_smoke", action="store_true", help="run on the CPU (tiny shapes only; checks the script)")
@@ -286,6 +292,25 @@ def main(argv: list[str] | None = None) -> int:
         for prefix in [*rpc.get("variants", [""]), "corolla_", "corolla_local_", "corolla_local_poll_"]:
             if f"{prefix}overhead_ms" in rpc:
                 checks[f"rpc_{prefix}overhead_ms"] = f"{rpc[f'{prefix}overhead_ms']:.2f} (target <= 1)"
+    for transport in args.user_transports.split(",") if results.get("rpc", {}).get("users") else ():
+        users = {u["sessions"]: u for u in results["rpc"]["users"] if u["transport"] == transport}
+        if 1 not in users:
+            continue
+        lone = users[1]
+        for n, u in users.items():
+            if n == 1:
+                continue
+            key = f"users_{transport}_{n}"
+            checks[f"{key}_over_1_rpc"] = (
+                f"{u['aggregate_tokens_per_s'] / lone['aggregate_tokens_per_s']:.1f} (target >= 30)"
+            )
+            checks[f"{key}_step_over_lone"] = (
+                f"{u['worst_session_median_ms'] / lone['step_median_ms']:.2f} (target <= 2)"
+            )
+            checks[f"{key}_errors_lost"] = f"{len(u['errors'])}/{n - u['sessions_finished']} (target 0/0)"
+            if n in conc:
+                ratio = u["aggregate_tokens_per_s"] / conc[n]["aggregate_tokens_per_s"]
+                checks[f"{key}_over_engine"] = f"{ratio:.2f} (target >= 0.8)"
     results["total_s"] = time.perf_counter() - started
     stem = (
         f"bench-{_slug(card)}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M}{'-' + _slug(args.tag) if args.tag else ''}"

@@ -55,6 +55,7 @@ def _instrument(marks: _Marks, fast_backend: Any) -> None:
     """Wraps the hand-off points of the handler, runtime and fast path (this process only)."""
     from corolla.server import handler as handler_module
     from corolla.server import runtime as runtime_module
+    from corolla.server.fast_executor import KIND_ENGINE_INFERENCE
 
     executor = fast_backend._execute_tasks
 
@@ -64,7 +65,7 @@ def _instrument(marks: _Marks, fast_backend: Any) -> None:
         marks.mark("runtime_end")
         return out
 
-    fast_backend._execute_tasks = timed_executor
+    fast_backend.runtime.register_batch_executor(KIND_ENGINE_INFERENCE, timed_executor, inline_when_idle=True)
 
     cls = handler_module.TransformerConnectionHandler
     original_step = cls._inference_step
@@ -126,7 +127,8 @@ def run(args: argparse.Namespace) -> dict:
     from corolla.protocol.uids import make_chain
     from corolla.server.backend import SpanBackend
     from corolla.server.block_functions import ServingLimits
-    from corolla.engine.serving import build_fast_path
+    from corolla.server.fast_executor import build_fast_executor
+    from corolla.server.runtime import Runtime
     from corolla.server.server import SpanService
     from corolla.server.sessions import SessionTimeouts
 
@@ -142,11 +144,10 @@ def run(args: argparse.Namespace) -> dict:
     model = build_hf_model(shape, dtype, device)
     blocks = build_blocks(model, shape, dtype, device, args.layers)
     backend = SpanBackend(blocks, config=shape.hf_config(), dtype=dtype, device=device)
-    fast = build_fast_path(
-        backend, kv_pool_bytes=64 << 20, max_seq_len_tokens=1024, max_batch_rows=8, require_cuda=args.cuda, warmup=False
+    runtime = Runtime(max_batch_size_tokens=8192, device=device)
+    fast_backend = build_fast_executor(
+        backend, runtime, kv_pool_bytes=64 << 20, max_seq_len_tokens=1024, max_batch_rows=8, warmup=False
     )
-    assert fast is not None, "the fast path refused this span"
-    fast_backend, cache = fast
     marks = _Marks()
     _instrument(marks, fast_backend)
 
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
     limits = ServingLimits("prof", 0, args.layers, shape.hidden_size, dtype, 1024, 8192)
     timeouts = SessionTimeouts(step_timeout_s=60, session_timeout_s=600, request_timeout_s=60)
     server_p2p = on_server(P2P.create(host_maddrs=_LOOPBACK, **_P2P_FLAGS))
-    service = SpanService(backend=fast_backend, limits=limits, memory_cache=cache, timeouts=timeouts, device=device)
+    service = SpanService(executor=fast_backend, limits=limits, timeouts=timeouts)
     on_server(service.start(server_p2p))
     awake = threading.Event()
     if args.keep_awake:  # a callback always ready: the loop never sleeps in epoll, so no wake-up latency

@@ -92,11 +92,43 @@ def table(results: dict[str, Any]) -> str:
             f"{_fmt(c['aggregate_tokens_per_s'], 0)} | {_ratio(c['aggregate_tokens_per_s'], base)} | "
             f"{_ratio(c['worst_session_median_ms'], single)} |"
         )
+    lines += users_table(r)
     if r.get("checks"):
         lines += ["", "checks: " + ", ".join(f"{k}={v}" for k, v in r["checks"].items())]
     if r.get("notes"):
         lines += [""] + [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)
+
+
+def users_table(r: dict[str, Any]) -> list[str]:
+    """Many sessions through the one RPC server (clients in separate processes) beside the in-process engine's
+    figure of the same run (its own, labelled rows)."""
+    users = (r.get("rpc") or {}).get("users") or []
+    if not users:
+        return []
+    lines = [
+        "",
+        "| many users at once | sessions (client processes) | aggregate tok/s | x 1 RPC session | client step median / "
+        "p90 / worst ms | worst session median ms | steps per merged forward | runtime busy | errors / lost |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lone = {u["transport"]: u["aggregate_tokens_per_s"] for u in users if u["sessions"] == 1}
+    for u in users:
+        lines.append(
+            f"| through one server over {u['transport']} | {u['sessions']} ({u['client_processes']}) | "
+            f"{_fmt(u['aggregate_tokens_per_s'], 0)} | {_ratio(u['aggregate_tokens_per_s'], lone.get(u['transport']))} | "
+            f"{_fmt(u['step_median_ms'])} / {_fmt(u['step_p90_ms'])} / {_fmt(u['step_worst_ms'])} | "
+            f"{_fmt(u['worst_session_median_ms'])} | {_fmt(u['steps_per_merged_forward'], 1)} | "
+            f"{u['device_busy_share']:.0%} | {len(u['errors'])} / {u['sessions'] - u['sessions_finished']} |"
+        )
+    for c in r.get("concurrency", []):
+        lines.append(
+            f"| in-process engine (ContinuousBatcher, no RPC) | {c['sessions']} (1) | "
+            f"{_fmt(c['aggregate_tokens_per_s'], 0)} | - | {_fmt(c['client_step_median_ms'])} / "
+            f"{_fmt(c['client_step_p90_ms'])} / - | {_fmt(c['worst_session_median_ms'])} | "
+            f"{_fmt(c['mean_batch_rows'], 1)} | - | - |"
+        )
+    return lines
 
 
 def plot(results: dict[str, Any], path: Path) -> bool:

@@ -5,7 +5,6 @@ server-side step of the same span and a zero-token round trip (RPC cost alone)."
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -19,6 +18,35 @@ from corolla.utils.busy_poll import BusyPollSelector
 
 _P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 _LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def _users(server: Any, args: Any, log: Callable[[str], None]) -> list[dict]:
+    """Many sessions at once through the same server, the clients in `args.user_processes` processes."""
+    from dataclasses import asdict
+
+    from corolla.bench.multi_user import UsersConfig, run_users
+
+    rows = []
+    for transport in args.user_transports.split(","):
+        for n in (int(x) for x in args.users.split(",")):
+            config = UsersConfig(
+                sessions=n,
+                client_processes=args.user_processes,
+                transport=transport,
+                prefix_tokens=args.prefix_tokens,
+                decode_steps=args.user_steps,
+            )
+            row = asdict(run_users(server, config, "fast"))
+            log(
+                f"users over {transport}: {n} sessions in {row['client_processes']} processes: "
+                f"{row['aggregate_tokens_per_s']:.0f} tok/s, step median {row['step_median_ms']:.2f} ms "
+                f"(p90 {row['step_p90_ms']:.2f}, worst {row['step_worst_ms']:.2f}), "
+                f"{row['steps_per_merged_forward']:.1f} steps per merged forward of {row['merged_forward_ms']:.2f} ms, "
+                f"runtime busy {row['device_busy_share']:.0%}, errors {len(row['errors'])}, "
+                f"unfinished {n - row['sessions_finished']}"
+            )
+            rows.append(row)
+    return rows
 
 
 def build_blocks(model, shape, dtype: torch.dtype, device: torch.device, num_layers: int) -> dict[int, torch.nn.Module]:
@@ -42,81 +70,37 @@ def build_blocks(model, shape, dtype: torch.dtype, device: torch.device, num_lay
 
 
 def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], None]) -> dict:
-    from corolla.server.backend import SpanBackend
-    from corolla.server.block_functions import ServingLimits
-    from corolla.engine.serving import build_fast_path
-    from corolla.server.server import SpanService
-    from corolla.server.sessions import SessionTimeouts
+    from hivemind.p2p import PeerID
+
+    from corolla.bench.multi_user import BenchServer, build_executor
+    from corolla.server.fast_executor import KIND_ENGINE_INFERENCE, FastExecutor
 
     device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", torch.cuda.current_device())
     n = min(args.rpc_layers, shape.num_layers)
-    blocks = build_blocks(model, shape, dtype, device, n)
-    backend = SpanBackend(blocks, config=shape.hf_config(), dtype=dtype, device=device)
     pool_bytes = (64 << 20) if args.cpu_smoke else (8 << 30)
-    fast = build_fast_path(
-        backend, kv_pool_bytes=pool_bytes, max_seq_len_tokens=4096, max_batch_rows=64, require_cuda=not args.cpu_smoke
+    executor = build_executor(
+        shape, dtype, device, num_layers=n, serving_path="fast", cache_bytes=pool_bytes, model=model
     )
-    if fast is None:
-        raise RuntimeError("the fast path refused this span")
-    fast_backend, cache = fast
+    assert isinstance(executor, FastExecutor)
     # each merged step as the runtime thread runs it (host tensors in and out): (unix time, ms, steps merged)
     task_log: list[tuple[float, float, int]] = []
-    executor = fast_backend._execute_tasks  # registered with the runtime at the first step: wrap it before
 
-    def timed_executor(tasks):
-        start = time.perf_counter()
-        out = executor(tasks)
-        task_log.append((time.time(), (time.perf_counter() - start) * 1000, len(tasks)))
-        return out
+    def observe(kind: str, tasks: int, seconds: float) -> None:
+        if kind == KIND_ENGINE_INFERENCE:
+            task_log.append((time.time(), seconds * 1000, tasks))
 
-    fast_backend._execute_tasks = timed_executor
-    server_side = engine_bench.single_session(fast_backend.engine, prefix_tokens=args.prefix_tokens, steps=64)
+    executor.runtime.add_batch_observer(observe)
+    server_side = engine_bench.single_session(executor.engine, prefix_tokens=args.prefix_tokens, steps=64)
     log(f"RPC span ({n} layers, engine from corolla blocks): server-side step {server_side['median_ms']:.2f} ms")
-
-    selector = BusyPollSelector()  # as the server's: hot only after a lone session's inline step
-    loop = asyncio.SelectorEventLoop(selector)
-    thread = threading.Thread(target=loop.run_forever, name="bench-server-loop", daemon=True)
-    thread.start()
-
-    def on_server(coro, timeout_s: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
-
-    from hivemind.p2p import P2P
-
-    limits = ServingLimits(
-        dht_prefix="bench",
-        start_block=0,
-        end_block=n,
-        hidden_size=shape.hidden_size,
-        dtype=dtype,
-        inference_max_length_tokens=4096,
-        max_batch_size_tokens=8192,
-    )
-    service = None
-    server_p2p = None
-    try:
-        server_p2p = on_server(P2P.create(host_maddrs=_LOOPBACK, **_P2P_FLAGS))
-        service = SpanService(
-            backend=fast_backend,
-            limits=limits,
-            memory_cache=cache,
-            timeouts=SessionTimeouts(step_timeout_s=60, session_timeout_s=600, request_timeout_s=60),
-            device=device,
-            busy_poll=None if args.cpu_smoke else selector,  # as a GPU server's
-        )
-        on_server(service.start(server_p2p))
-        maddrs = [str(m) for m in on_server(server_p2p.get_visible_maddrs())]
+    server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=n, dtype=dtype, device=device)
+    with server.running():
+        maddrs, peer = server.maddrs, server.peer_id_b58
         if getattr(args, "rpc_client_process", False):
-            result = _client_in_process(maddrs, server_p2p.peer_id.to_base58(), shape, dtype, n, args)
+            result = _client_in_process(maddrs, peer, shape, dtype, n, args)
         else:
-            result = asyncio.run(_client(maddrs, server_p2p.peer_id, shape, dtype, n, args))
-    finally:
-        if service is not None:
-            on_server(service.stop())
-        if server_p2p is not None:
-            on_server(server_p2p.shutdown())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+            result = asyncio.run(_client(maddrs, PeerID.from_base58(peer), shape, dtype, n, args))
+        if getattr(args, "users", ""):
+            result["users"] = _users(server, args, log)
     result["server_step_ms"] = server_side["median_ms"]
 
     def logged(p: str, phase: str) -> list[tuple[float, int]]:

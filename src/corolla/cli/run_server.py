@@ -60,10 +60,10 @@ def build_parser() -> configargparse.ArgParser:
 
     parser.add("--compression", type=str.upper, default="NONE", choices=COMPRESSION_NAMES, help="output compression")
     parser.add("--num_handlers", type=int, default=8, help="accepted for compatibility (one asyncio loop serves all)")
-    parser.add("--prefetch_batches", type=int, default=1, help="accepted for compatibility")
-    parser.add("--sender_threads", type=int, default=1, help="accepted for compatibility")
+    parser.add("--prefetch_batches", type=int, default=1, help="accepted, no effect (Petals compatibility)")
+    parser.add("--sender_threads", type=int, default=1, help="accepted, no effect (Petals compatibility)")
     parser.add("--inference_max_length", type=int, default=None, help="max KV length per session (8192 GQA/2048)")
-    parser.add("--min_batch_size", type=int, default=1, help="accepted for compatibility")
+    parser.add("--min_batch_size", type=int, default=1, help="accepted, no effect (Petals compatibility)")
     parser.add("--max_batch_size", type=int, default=None, help="max tokens (batch x length) per task (8192/2048)")
     parser.add("--max_chunk_size_bytes", type=int, default=256 * 1024 * 1024, help="attention chunk budget")
     parser.add("--attn_cache_tokens", type=int, default=None, help="KV cache budget in tokens per block (16384/4096)")
@@ -84,6 +84,13 @@ def build_parser() -> configargparse.ArgParser:
     peers.add("--initial_peers", nargs="*", default=None, help="multiaddrs of peers to join (public swarm if unset)")
     peers.add("--new_swarm", action="store_true", help="start a new private swarm and print its address")
     parser.add("--no_fast_path", action="store_false", dest="fast_path", help="disable the GPU fast path")
+    parser.add(
+        "--serving_path",
+        choices=("auto", "fast", "plain"),
+        default="auto",
+        help="executor of inference steps: auto (fast path where supported on CUDA), fast (also on CPU; an error "
+        "where the engine can't serve the span) or plain",
+    )
     parser.add(
         "--no_local_socket",
         action="store_false",

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE
+from corolla.models.gpt_oss.block import GptOssMoE
 from corolla.models.layers import SparseMoE
 from corolla.models.registry import get_family
 
@@ -58,7 +59,7 @@ def _layer_split(config: Any, layer_idx: int) -> SpanParameterSplit:
             experts += p.numel()
     mlp = block.get_submodule("mlp")
     active = total
-    if isinstance(mlp, (SparseMoE, GroupLimitedMoE)):  # a token reads top_k of num_experts routed experts
+    if isinstance(mlp, (SparseMoE, GroupLimitedMoE, GptOssMoE)):  # a token reads top_k of num_experts routed experts
         active = total - experts + experts * mlp.top_k // mlp.num_experts
     return SpanParameterSplit(total, experts, active)
 

@@ -1,6 +1,6 @@
 """Admission of inference sessions: per-peer and global caps on open sessions and on reserved KV cache, and
 eviction of idle sessions (no token processed for `session_idle_evict_s`; zero-token steps are not use) when a new
-session does not fit the cache. Runs in the server's asyncio loop; the KV bytes themselves stay in `MemoryCache`."""
+session does not fit the cache. Runs in the server's asyncio loop; the KV bytes themselves belong to the executor (`SpanExecutor.open_session`)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,26 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
+from corolla.server.executor import SessionCache, SessionSpec, SpanExecutor
 from corolla.server.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded, SessionEvicted
-from corolla.server.memory_cache import allocation_size_bytes
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+
+class CacheBudget(Protocol):
+    """The KV cache bytes admission weighs sessions against (a `SpanExecutor` or a `MemoryCache`)."""
+
+    @property
+    def max_size_bytes(self) -> int: ...
+
+    @property
+    def bytes_left(self) -> int: ...
+
+    @property
+    def bytes_waiting(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -48,9 +61,9 @@ class SessionTicket:
 class SessionAdmission:
     """Decides whether a new session may open, evicting idle ones under memory pressure."""
 
-    def __init__(self, limits: PeerLimits, memory_cache: Any):
+    def __init__(self, limits: PeerLimits, budget: CacheBudget):
         self.limits = limits
-        self.memory_cache = memory_cache
+        self.budget = budget
         self._tickets: set[SessionTicket] = set()
         self._per_peer: dict[str, set[SessionTicket]] = defaultdict(set)
         self.num_evicted = 0
@@ -89,31 +102,17 @@ class SessionAdmission:
 
     @contextlib.asynccontextmanager
     async def reserve(
-        self,
-        peer: str,
-        backend: Any,
-        block_indices: list[int],
-        batch_size: int,
-        max_length: int,
-        alloc_timeout_s: float | None,
-    ) -> AsyncIterator[tuple[SessionTicket, tuple[tuple[int, ...], ...]]]:
-        """Admits a session and allocates its KV cache (nothing for a `max_length=0` probe); yields its ticket and
-        one tuple of cache handles per block. Everything is given back on exit."""
-        if max_length > 0:
-            per_block = backend.cache_descriptors(block_indices, batch_size, max_length)
-        else:  # a probe: only zero-token steps fit, nothing to reserve
-            per_block = [[] for _ in block_indices]
-        flat = [d for descriptors in per_block for d in descriptors]
-        async with self.admit(peer, allocation_size_bytes(flat)) as ticket:
-            if not flat:
-                yield ticket, tuple(() for _ in block_indices)
-                return
-            async with self.memory_cache.allocate_cache(*flat, timeout_s=alloc_timeout_s) as handles:
-                nested, offset = [], 0
-                for descriptors in per_block:
-                    nested.append(tuple(handles[offset : offset + len(descriptors)]))
-                    offset += len(descriptors)
-                yield ticket, tuple(nested)
+        self, peer: str, executor: SpanExecutor, spec: SessionSpec, alloc_timeout_s: float | None
+    ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
+        """Admits a session and opens its KV cache (none for a `max_length=0` probe); yields its ticket and cache.
+        Everything is given back on exit."""
+        if spec.max_length_tokens == 0:  # a probe: only zero-token steps fit, nothing to reserve
+            async with self.admit(peer, 0) as ticket:
+                yield ticket, None
+            return
+        async with self.admit(peer, executor.session_bytes(spec)) as ticket:
+            async with executor.open_session(spec, alloc_timeout_s) as cache:
+                yield ticket, cache
 
     def _check(self, peer: str, reserve_bytes: int) -> None:
         limits = self.limits
@@ -141,7 +140,7 @@ class SessionAdmission:
             )
 
     def _peer_cap_bytes(self) -> int | None:
-        total = int(self.memory_cache.max_size_bytes)
+        total = int(self.budget.max_size_bytes)
         if total >= 2**62 or self.limits.max_kv_fraction_per_peer >= 1:
             return None
         return int(total * self.limits.max_kv_fraction_per_peer)
@@ -177,7 +176,7 @@ class SessionAdmission:
 
     async def _make_room(self, size: int, ticket: SessionTicket) -> None:
         """Evicts the longest-idle sessions when `size` does not fit what is free, if that makes it fit."""
-        free = int(self.memory_cache.bytes_left) - self._bytes_waited_for()
+        free = int(self.budget.bytes_left) - self._bytes_waited_for()
         pending = [t for t in self._tickets if t.evicted.is_set() and not t.released.is_set()]
         free += sum(t.reserved_bytes for t in pending)
         if free >= size:
@@ -198,7 +197,7 @@ class SessionAdmission:
         await self._wait_released(pending + chosen)
 
     def _bytes_waited_for(self) -> int:
-        return int(getattr(self.memory_cache, "bytes_waiting", 0))  # queued allocations are served first
+        return int(self.budget.bytes_waiting)  # queued allocations are served first
 
     async def _wait_released(self, tickets: list[SessionTicket]) -> None:
         waits = [asyncio.ensure_future(t.released.wait()) for t in tickets]

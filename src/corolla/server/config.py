@@ -131,6 +131,9 @@ class ServerConfig:
     throughput_forward_tokens: int | None = None
     # GPU fast path (paged KV pool, CUDA graphs, batching across sessions) when the span is eligible
     fast_path: bool = True
+    # which executor serves: auto (fast where the engine supports the span on CUDA), fast (also on CPU; an error
+    # where the engine can't serve the span) or plain (`server.serving_path`); --no_fast_path means plain
+    serving_path: str = "auto"
     # serve inference streams of same-host corolla clients over a unix socket (skips both p2pd daemons)
     local_socket: bool = True
     # after a lone session's step ran inline, poll for its next request this long instead of sleeping (saves an
@@ -146,8 +149,8 @@ class ServerConfig:
     stats_report_interval_s: float | None = None
     # accepted for CLI compatibility with the reference; corolla serves all RPCs from one asyncio loop
     num_handlers: int = 8
-    prefetch_batches: int = 1
-    sender_threads: int = 1
+    prefetch_batches: int = 1  # accepted, no effect (`ignored_flags`)
+    sender_threads: int = 1  # accepted, no effect
     extra: dict[str, Any] = field(default_factory=dict)
     # fair-use limits per peer and in total (sessions, KV share, idle eviction, stream bytes, forward chunks);
     # each field of `PeerLimits` is also a flag of the same name
@@ -169,6 +172,8 @@ class ServerConfig:
         self.max_disk_space_bytes = parse_size_bytes(self.max_disk_space_bytes)
         if self.torch_dtype not in TORCH_DTYPE_NAMES:
             raise ValueError(f"torch_dtype must be one of {TORCH_DTYPE_NAMES}, got {self.torch_dtype!r}")
+        if self.serving_path not in ("auto", "fast", "plain"):
+            raise ValueError(f"serving_path must be auto, fast or plain, got {self.serving_path!r}")
         if self.quant_type is not None:
             self.quant_type = self.quant_type.lower()
             if self.quant_type not in QUANT_TYPE_NAMES:
@@ -274,3 +279,16 @@ class ServerConfig:
         if limits:
             kwargs["peer_limits"] = dataclasses.replace(kwargs.get("peer_limits", PeerLimits()), **limits)
         return cls(**kwargs)
+
+
+# Petals flags that corolla accepts and ignores (its runtime schedules and batches by itself), with their defaults
+IGNORED_FLAG_DEFAULTS: dict[str, int] = {"prefetch_batches": 1, "sender_threads": 1, "min_batch_size_tokens": 1}
+
+
+def ignored_flags(config: ServerConfig) -> list[str]:
+    """`name=value` of every accepted-but-ignored flag set to a value other than its default."""
+    return [
+        f"{name}={getattr(config, name)}"
+        for name, default in IGNORED_FLAG_DEFAULTS.items()
+        if getattr(config, name) != default
+    ]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from hivemind.proto import runtime_pb2
 
@@ -18,22 +17,24 @@ from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.records import ServerState
 from corolla.server import kv_handoff as kv
+from corolla.server.announcer import Announcer
+from corolla.server.executor import SpanExecutor
+from corolla.server.refusals import Draining
+from corolla.server.sessions import SessionRegistry, SessionState
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 DRAIN_POLL_S = 0.02
-
-
-class Draining(RuntimeError):
-    """The server is draining: it accepts no new sessions."""
+__all__ = ["Draining", "SessionHandoff", "drain_sessions"]
 
 
 class SessionHandoff:
     """The handler's drain state and the two hand-off operations (export, import) on its sessions."""
 
-    def __init__(self, handler: Any, *, enabled: bool = True):
-        self.handler = handler
+    def __init__(self, executor: SpanExecutor, request_timeout_s: float, *, enabled: bool = True):
+        self.executor = executor
+        self.request_timeout_s = request_timeout_s  # an import's part messages must all arrive within this
         self.enabled = enabled  # --no_kv_handoff: neither export nor import (draining still refuses new sessions)
         self.deadline: float | None = None  # time.monotonic() at which the drain ends open sessions
         self.num_exported = 0
@@ -50,9 +51,8 @@ class SessionHandoff:
     # ---- hooks called by the handler
 
     def check_accepting(self) -> None:
-        """Raises `Draining` (counted as a rejection) when the server takes no new sessions."""
+        """Raises `Draining` (the handler counts it as a refusal) when the server takes no new sessions."""
         if self.draining:
-            self.handler.metrics.rejected("draining")
             raise Draining("this server is draining (shutting down or moving); open the session elsewhere")
 
     def response(self, output: runtime_pb2.Tensor) -> runtime_pb2.ExpertResponse:
@@ -79,7 +79,7 @@ class SessionHandoff:
 
     # ---- export (draining server -> its own client, on the session's stream)
 
-    async def export(self, session: Any) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def export(self, session: SessionState) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The header message, then the part messages of the session's cache; one error message if it can't."""
         started = time.perf_counter()
         try:
@@ -98,8 +98,7 @@ class SessionHandoff:
             f"seconds={time.perf_counter() - started:.4f})"
         )
 
-    async def _export_messages(self, session: Any) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
-        h = self.handler
+    async def _export_messages(self, session: SessionState) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
         if not self.enabled:
             raise kv.HandoffUnsupported("KV hand-off is disabled on this server (--no_kv_handoff)")
         if not self.draining:
@@ -107,14 +106,11 @@ class SessionHandoff:
         if id(session) in self._exported:
             raise ValueError("this session's KV cache was already exported")
         position = session.prefix_length
-        if position < 1:
+        if position < 1 or session.cache is None:
             raise ValueError("the session holds no tokens to export")
-        descriptors = h.backend.cache_descriptors(session.block_indices, session.batch_size, session.max_length)
-        kv.check_supported(h.backend, h.memory_cache, descriptors)
+        self.executor.handoff_layout(session.cache.spec)  # HandoffUnsupported: the client replays
         self._exported.add(id(session))
-        tensors = await kv.run_on_runtime(
-            h.runtime, lambda: kv.read_kv(h.memory_cache, session.cache_handles, position)
-        )
+        tensors = await self.executor.read_kv(session.cache, position)
         messages = wire.pack_messages(serialize_tensor(t) for t in tensors)
         header = wire.KvHeader(
             position=position,
@@ -129,12 +125,11 @@ class SessionHandoff:
     # ---- import (client -> replacement server, first messages of a new stream)
 
     async def import_kv(
-        self, session: Any, header: wire.KvHeader, uid: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+        self, session: SessionState, header: wire.KvHeader, uid: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]
     ) -> None:
         """Reads `header.num_messages` part messages from the stream, validates them against this session's own
         cache layout (exact bytes, shapes, dtypes, finite values) and writes them; the session then starts at
         `header.position`. ValueError (nothing written) on any mismatch or past `request_timeout_s`."""
-        h = self.handler
         started = time.perf_counter()
         blocks = session.block_indices
         if (header.batch_size, header.start_block, header.end_block) != (session.batch_size, blocks[0], blocks[-1] + 1):
@@ -146,8 +141,9 @@ class SessionHandoff:
             raise ValueError(
                 f"KV import of {header.position} tokens exceeds the session's max_length {session.max_length}"
             )
-        descriptors = h.backend.cache_descriptors(blocks, session.batch_size, session.max_length)
-        kv.check_supported(h.backend, h.memory_cache, descriptors)
+        if session.cache is None:
+            raise ValueError("a KV import needs a session with max_length > 0")
+        descriptors = self.executor.handoff_layout(session.cache.spec)  # HandoffUnsupported: the client replays
         expected = kv.canonical_nbytes(descriptors, header.position)
         if header.total_bytes != expected:
             raise ValueError(f"KV import announces {header.total_bytes} bytes; {header.position} tokens are {expected}")
@@ -155,9 +151,7 @@ class SessionHandoff:
         tensors = [deserialize_tensor(t) for t in combine_parts(parts)]
         del parts
         kv.validate_import(tensors, descriptors, header.position)
-        await kv.run_on_runtime(
-            h.runtime, lambda: kv.write_kv(h.memory_cache, session.cache_handles, tensors, header.position)
-        )
+        await self.executor.write_kv(session.cache, tensors, header.position)
         session.prefix_length = header.position
         self.num_imported += 1
         logger.info(
@@ -168,7 +162,7 @@ class SessionHandoff:
     async def _read_parts(
         self, header: wire.KvHeader, uid: str, requests: AsyncIterator[runtime_pb2.ExpertRequest], expected: int
     ) -> list[runtime_pb2.Tensor]:
-        timeout_s = self.handler.timeouts.request_timeout_s
+        timeout_s = self.request_timeout_s
         deadline = time.monotonic() + timeout_s
         parts: list[runtime_pb2.Tensor] = []
         received = 0
@@ -190,7 +184,9 @@ class SessionHandoff:
         return parts
 
 
-async def drain_sessions(handoff: SessionHandoff, sessions: Any, announcer: Any, timeout_s: float) -> None:
+async def drain_sessions(
+    handoff: SessionHandoff, sessions: SessionRegistry, announcer: Announcer, timeout_s: float
+) -> None:
     """Announces OFFLINE (so no client plans new sessions here) while waiting up to `timeout_s` for the open
     sessions to move away; then returns, and the caller ends whatever is left as before."""
     started = time.monotonic()

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from corolla.server.backend import SpanBackend
+from corolla.server.runtime import Runtime
 from corolla.server.task import KIND_FORWARD, PRIORITY_FORWARD
 
 
@@ -20,36 +22,32 @@ def plan_token_chunks(length: int, batch_size: int, chunk_tokens: int) -> list[t
     return [(start, min(length, start + step)) for start in range(0, length, step)]
 
 
-def can_split_tokens(backend: Any, prompts: torch.Tensor | None, adapter: str) -> bool:
-    """Token chunks need the plain backend's per-block cache path; deep prompts and adapters go block by block."""
-    return (
-        prompts is None
-        and not adapter
-        and hasattr(backend, "inference_step")
-        and hasattr(backend, "cache_descriptors")
-        and not hasattr(backend, "submit_inference_step")  # the GPU fast path keeps its own cache pool
-    )
+def can_split_tokens(prompts: torch.Tensor | None, adapter: str) -> bool:
+    """Token chunks use temporary per-block caches; deep prompts and adapters go block by block, whole."""
+    return prompts is None and not adapter
 
 
 async def run_forward_chunked(
-    backend: Any,
-    runtime: Any,
+    backend: SpanBackend,
+    runtime: Runtime,
     block_indices: list[int],
     hidden: torch.Tensor,
     prompts: torch.Tensor | None,
     *,
     active_adapter: str,
     chunk_tokens: int,
+    split_tokens: bool,
     measured: Callable[[Callable[[], Any], int], Callable[[], Any]],
 ) -> torch.Tensor:
     """The same result as `backend.forward(block_indices, hidden, prompts, adapter)` ([B, T, H]) computed as
-    several runtime tasks. `measured(fn, num_tokens)` wraps each task for metrics.
+    several runtime tasks. `measured(fn, num_tokens)` wraps each task for metrics. `split_tokens`: the caller
+    allows token chunks (temporary per-block caches of `backend`); else one task per whole block.
 
     All tasks are queued at once, in an order where each one's inputs come from tasks queued before it (chunk by
     chunk, block by block within a chunk): the runtime runs tasks of one priority oldest first, so no task waits
     for a round trip through the event loop, and more urgent tasks still run between any two of them."""
     batch_size, length, _ = hidden.shape
-    split_tokens = can_split_tokens(backend, prompts, active_adapter)
+    split_tokens = split_tokens and can_split_tokens(prompts, active_adapter)
     chunks = plan_token_chunks(length, batch_size, chunk_tokens) if split_tokens else [(0, length)]
     # results[(position, chunk)]: that block's output for that chunk; written and read in the device thread only
     results: dict[tuple[int, int], torch.Tensor] = {}
@@ -77,7 +75,7 @@ async def run_forward_chunked(
 
 
 def _whole_block(
-    backend: Any,
+    backend: SpanBackend,
     index: int,
     hidden: torch.Tensor,
     prompts: torch.Tensor | None,
@@ -94,7 +92,7 @@ def _whole_block(
 
 
 def _cached_chunk(
-    backend: Any,
+    backend: SpanBackend,
     index: int,
     hidden: torch.Tensor,
     cache: list[torch.Tensor],

@@ -1,6 +1,7 @@
 """The RPC service (transport only): `TransformerConnectionHandler` with the seven Petals rpcs on a P2P replica of the
-DHT's daemon, all in the server's one asyncio loop. It decodes messages and metadata, delegates validation and
-compute to `block_functions`, keeps sessions (`sessions`), pushes steps to the next server and encodes replies."""
+DHT's daemon, all in the server's one asyncio loop. It decodes messages and metadata, validates them once
+(`block_functions`), hands the typed records to its `SpanExecutor` (`executor`), keeps sessions (`sessions`),
+pushes steps to the next server, encodes replies and counts refusals (`refusals`)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ from corolla.protocol.uids import make_chain
 from corolla.server import block_functions as bf
 from corolla.server.admission import ForwardSlots, SessionAdmission
 from corolla.server.block_functions import ServingLimits
-from corolla.server.drain import SessionHandoff
-from corolla.server.limits import PeerLimits, peer_key, rejection_reason
+from corolla.server.drain import Draining, SessionHandoff
+from corolla.server.executor import SessionSpec, SpanExecutor
+from corolla.server.limits import PeerLimits, peer_key
 from corolla.server.metrics import ServerMetrics
 from corolla.server.peer_auth import (
     PeerAuth,
@@ -40,6 +42,7 @@ from corolla.server.peer_auth import (
     mark_pushed_reply,
     remote_peer,
 )
+from corolla.server.refusals import BadRequest, Refusals, RequestTimeout
 from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
 from corolla.server.stream_guard import StreamBudget, register_handlers
 from corolla.server.stream_requests import gather_stream, stream_response
@@ -68,9 +71,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         self,
         *,
         limits: ServingLimits,
-        backend: Any,
-        runtime: Any,
-        memory_cache: Any,
+        executor: SpanExecutor,
         timeouts: SessionTimeouts,
         compression: int = runtime_pb2.CompressionType.NONE,
         dht_client_mode: bool = False,
@@ -83,28 +84,26 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
     ):
         self.limits = limits
         self.peer_auth = peer_auth  # private swarm: every RPC proves membership (server.peer_auth); None = open
-        self.memory_cache = memory_cache
+        self.executor = executor
         self.configure_limits(peer_limits if peer_limits is not None else PeerLimits())
         self.busy_poll = busy_poll  # the serving loop's selector: hot after a lone session's inline step
         self.busy_poll_s = busy_poll_s
-        self.backend = backend
-        self.runtime = runtime
-        self.memory_cache = memory_cache
         self.timeouts = timeouts
         self.compression = compression
         self.dht_client_mode = dht_client_mode
         self.sessions = sessions if sessions is not None else SessionRegistry()
-        self.handoff = SessionHandoff(self)  # drain: refuses new sessions, exports and imports KV caches
+        self.handoff = SessionHandoff(executor, timeouts.request_timeout_s)  # drain: refuses new sessions, moves KV
         self.metrics = metrics if metrics is not None else ServerMetrics()
+        self.refusals = Refusals(self.metrics)  # the one place a refusal becomes a metric and a log line
         self.p2p: P2P | None = None
         self._push_tasks: set[asyncio.Task] = set()
-        self.cache_bytes_per_token_block = max(1, backend.cache_bytes_per_token([limits.start_block]))
+        self.cache_bytes_per_token_block = max(1, executor.cache_bytes_per_token((limits.start_block,)))
         self.max_stream_bytes = 4 * limits.max_batch_size_tokens * limits.hidden_size * 8 + (1 << 20)
 
     def configure_limits(self, peer_limits: PeerLimits) -> None:
         """Sets the fair-use limits (before serving): sessions and KV cache per peer, stream bytes, forwards."""
         self.peer_limits = peer_limits
-        self.admission = SessionAdmission(peer_limits, self.memory_cache)
+        self.admission = SessionAdmission(peer_limits, self.executor)
         step_bytes = self.limits.max_batch_size_tokens * self.limits.hidden_size * 4  # one step in float32
         self.stream_budget = StreamBudget(peer_limits.with_stream_defaults(step_bytes))  # unfinished streamed bytes
         self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)
@@ -124,13 +123,13 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
     # ---- helpers --------------------------------------------------------------------------------------------------
 
     def _report_cache(self) -> None:
-        used = self.memory_cache.current_size_bytes
-        self.metrics.set_cache(used, max(0, self.memory_cache.max_size_bytes - used))
+        left = self.executor.bytes_left
+        self.metrics.set_cache(max(0, self.executor.max_size_bytes - left), left)
 
     @property
     def cache_tokens_available(self) -> int:
         """KV cache left in (token x block) units: a session of max_length over k blocks takes k * max_length."""
-        return max(0, self.memory_cache.bytes_left // self.cache_bytes_per_token_block)
+        return max(0, self.executor.bytes_left // self.cache_bytes_per_token_block)
 
     def _serialize_output(self, tensor: torch.Tensor, compression: int | None = None) -> runtime_pb2.Tensor:
         return serialize_tensor(tensor.to(self.limits.dtype), self.compression if compression is None else compression)
@@ -147,14 +146,14 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
 
     def _deserialize(self, tensors: Sequence[runtime_pb2.Tensor]) -> list[torch.Tensor]:
         if len(tensors) > bf.MAX_TENSORS_PER_REQUEST:
-            raise ValueError(f"request has {len(tensors)} tensors, more than the limit of {bf.MAX_TENSORS_PER_REQUEST}")
+            raise BadRequest(f"request has {len(tensors)} tensors, more than the limit of {bf.MAX_TENSORS_PER_REQUEST}")
         return [deserialize_tensor(t) for t in tensors]
 
     def _output_compressions(self, metadata: ForwardRequestMetadata, count: int) -> list[int]:
         if metadata.output_compression is None:
             return [self.compression] * count
         if len(metadata.output_compression) != count:
-            raise ValueError(
+            raise BadRequest(
                 f"output_compression must have {count} entries (one per output tensor), "
                 f"got {len(metadata.output_compression)}"
             )
@@ -170,18 +169,10 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
         compressions = self._output_compressions(metadata, 1)
         args = bf.unpack_request_args(tensors, metadata.args_structure)
-        inputs = bf.parse_forward_inputs(args, self.limits, num_blocks=len(block_indices))
+        inputs = bf.parse_forward_inputs(args, self.limits, num_blocks=len(block_indices), adapter=adapter)
         async with self.forward_slots.hold(peer):  # one peer's flood of forwards waits here, not in the runtime
             outputs = await _await_within(
-                bf.run_forward(
-                    self.backend,
-                    self.runtime,
-                    block_indices,
-                    inputs,
-                    active_adapter=adapter,
-                    metrics=self.metrics,
-                    chunk_tokens=self.peer_limits.forward_chunk_tokens,
-                ),
+                self.executor.forward(tuple(block_indices), inputs, chunk_tokens=self.peer_limits.forward_chunk_tokens),
                 self.timeouts.request_timeout_s,
             )
         return [self._serialize_output(outputs, compressions[0])]
@@ -193,14 +184,11 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         metadata = ForwardRequestMetadata.from_dict(decode_metadata(raw_metadata))
         adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
         args = bf.unpack_request_args(tensors, metadata.args_structure)
-        inputs = bf.parse_backward_inputs(args, self.limits, num_blocks=len(block_indices))
+        inputs = bf.parse_backward_inputs(args, self.limits, num_blocks=len(block_indices), adapter=adapter)
         compressions = self._output_compressions(metadata, 2 if inputs.has_prompts else 1)
         async with self.forward_slots.hold(peer):
             grads = await _await_within(
-                bf.run_backward(
-                    self.backend, self.runtime, block_indices, inputs, active_adapter=adapter, metrics=self.metrics
-                ),
-                self.timeouts.request_timeout_s,
+                self.executor.backward(tuple(block_indices), inputs), self.timeouts.request_timeout_s
             )
         return [self._serialize_output(g, c) for g, c in zip(grads, compressions, strict=True)]
 
@@ -242,16 +230,14 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         return await compute(uid, self._deserialize(serialized), metadata, peer_key(context))
 
     def _reject(self, name: str, error: BaseException) -> None:
-        """Logs and counts a refused request by reason (`limits.rejection_reason`: by the error's type)."""
-        reason = rejection_reason(error)
-        self.metrics.rejected(reason)
-        logger.info(f"{name}.rejected(reason={reason}): {error}")
+        """Logs and counts a refused request by reason (`refusals`: by the error's type)."""
+        self.refusals.record(name, error)
 
     async def _run_logged(self, name: str, coro: Any) -> Any:
         try:
             return await coro
         except asyncio.TimeoutError:
-            error = TimeoutError(f"{name} did not finish within request_timeout={self.timeouts.request_timeout_s} s")
+            error = RequestTimeout(f"{name} did not finish within request_timeout={self.timeouts.request_timeout_s} s")
             self._reject(name, error)
             raise error from None
         except MembershipError:
@@ -268,6 +254,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             "version": PETALS_COMPAT_VERSION,
             "dht_client_mode": self.dht_client_mode,
             "cache_tokens_available": self.cache_tokens_available,
+            "serving_path": self.executor.path,  # corolla's: fast or plain (Petals clients ignore extra keys)
         }
         if uid:
             bf.resolve_chain(uid, self.limits)
@@ -293,7 +280,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         check_request(self.peer_auth, "rpc_push", context, request)
         metadata = InferenceRequestMetadata.from_bytes(request.metadata)
         if metadata.session_id is None:
-            raise ValueError("rpc_push requires metadata['session_id']")
+            raise BadRequest("rpc_push requires metadata['session_id']")
         # `pushed` is ours to set: a step that came by push never passes for one the session's client sent
         pushed = runtime_pb2.ExpertRequest(
             uid=request.uid, tensors=request.tensors, metadata=encode_metadata({**metadata.to_dict(), "pushed": True})
@@ -352,22 +339,11 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             block_indices = bf.resolve_chain(first.uid, self.limits)
             metadata = InferenceRequestMetadata.from_bytes(first.metadata)
             kv_import = self.handoff.import_header(metadata)  # a session moved here from a draining server
-            max_length = metadata.max_length
-            if max_length is None:
-                raise ValueError("the first inference request must set metadata['max_length'] (KV cache length)")
-            if not 0 <= max_length <= self.limits.inference_max_length_tokens:
-                raise ValueError(
-                    f"Cannot allocate KV cache for max_length={max_length} tokens, "
-                    f"max = {self.limits.inference_max_length_tokens}"
-                )
             adapter = bf.validate_adapter(metadata.active_adapter, self.limits)
             push_guard = SessionPushGuard.from_open_request(metadata)  # who may push into it (ValueError: bad id)
-            batch_size = int(first.tensors[0].size[0]) if first.tensors and len(first.tensors[0].size) > 0 else 1
-            if not 1 <= batch_size <= self.limits.max_batch_size_tokens:
-                raise ValueError(
-                    f"inference batch size must be in [1, {self.limits.max_batch_size_tokens}], got {batch_size}"
-                )
-        except ValueError as e:
+            declared_batch = int(first.tensors[0].size[0]) if first.tensors and len(first.tensors[0].size) > 0 else 1
+            max_length, batch_size = bf.validate_session_open(metadata.max_length, declared_batch, self.limits)
+        except (ValueError, Draining) as e:
             self._reject("rpc_inference", e)
             raise
 
@@ -377,17 +353,18 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         )
         push_queue = self.sessions.open(metadata.session_id, push_guard)
         try:
+            spec = SessionSpec(tuple(block_indices), batch_size, max_length)
             reservation = self.admission.reserve(
-                peer_key(context), self.backend, block_indices, batch_size, max_length, metadata.alloc_timeout_s
+                peer_key(context), self.executor, spec, metadata.alloc_timeout_s
             )  # per-peer caps, idle eviction, then the KV cache itself (none for a max_length=0 probe)
-            async with reservation as (ticket, cache_handles):
+            async with reservation as (ticket, cache):
                 self._report_cache()
                 session = SessionState(
                     session_id=metadata.session_id,
                     block_indices=block_indices,
                     batch_size=batch_size,
                     max_length=max_length,
-                    cache_handles=cache_handles,
+                    cache=cache,
                     active_adapter=adapter,
                     args_structure=metadata.args_structure,
                     push_queue=push_queue,
@@ -440,64 +417,35 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
     ) -> tuple[runtime_pb2.Tensor, bool]:
         tensors = self._deserialize(request.tensors)
         structure = metadata.args_structure if metadata.args_structure is not None else session.args_structure
-        args = bf.unpack_request_args(tensors, structure)
-        hidden = bf.validate_hidden_states(args[0] if args else None, self.limits, allow_empty_seq=True)
-        batch_size, length, _ = hidden.shape
-        if batch_size != session.batch_size:
-            raise ValueError(f"step batch size {batch_size} differs from the session's batch size {session.batch_size}")
-        prefix_length = session.prefix_length  # the session changes only once the step is valid
-        if metadata.start_from_position is not None:
-            if not 0 <= metadata.start_from_position <= session.prefix_length:
-                raise ValueError(
-                    f"start_from_position={metadata.start_from_position} must be in [0, {session.prefix_length}] "
-                    f"(the session's current length)"
-                )
-            prefix_length = metadata.start_from_position
-        if prefix_length + length > session.max_length:
-            raise ValueError(
-                f"Maximum length exceeded: prefix {prefix_length} + current {length} exceeds "
-                f"pre-allocated maximum {session.max_length}"
-            )
-        raw_prompts = args[1] if len(args) > 1 else None
-        prompts = bf.validate_prompts(
-            raw_prompts, self.limits, num_blocks=len(session.block_indices), batch_size=batch_size, length=None
-        )
-        hypo_ids = bf.validate_hypo_ids(args[2] if len(args) > 2 else None, batch_size=batch_size)
-        has_prompts = any(p is not None for p in prompts)
-        if length == 0:
-            output = hidden  # zero-token step: nothing to compute, reply with an empty [B, 0, H]
+        inputs = bf.parse_step_inputs(
+            bf.unpack_request_args(tensors, structure),
+            self.limits,
+            num_blocks=len(session.block_indices),
+            batch_size=session.batch_size,
+            current_length=session.prefix_length,
+            start_from_position=metadata.start_from_position,
+            max_length_tokens=session.max_length,
+            adapter=session.active_adapter,
+            lone_session=self.sessions.num_open == 1,
+        )  # the session changes only once the step is valid
+        batch_size, length, _ = inputs.hidden_states.shape
+        if length == 0 or session.cache is None:
+            output = inputs.hidden_states  # zero-token step: nothing to compute, reply with an empty [B, 0, H]
         else:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
-            step = _await_within(
-                bf.run_inference_step(
-                    self.backend,
-                    self.runtime,
-                    self.memory_cache,
-                    session.block_indices,
-                    hidden,
-                    cache_handles=session.cache_handles,
-                    prefix_length=prefix_length,
-                    max_length=session.max_length,
-                    prompts=prompts,
-                    hypo_ids=hypo_ids,
-                    active_adapter=session.active_adapter,
-                    metrics=self.metrics,
-                    lone_session=self.sessions.num_open == 1,
-                ),
-                remaining,
-            )
-            inline_before = self.runtime.num_inline_batches
+                raise RequestTimeout(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
+            runtime = self.executor.runtime
+            inline_before = runtime.num_inline_batches
             try:
-                output = await step
+                output = await _await_within(self.executor.step(session.cache, inputs), remaining)
             except asyncio.TimeoutError:
-                raise TimeoutError(
+                raise RequestTimeout(
                     f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
                 ) from None
-            if self.busy_poll is not None and self.runtime.num_inline_batches != inline_before:
+            if self.busy_poll is not None and runtime.num_inline_batches != inline_before:
                 self.busy_poll.keep_hot(self.busy_poll_s)  # a lone session: its next step is due in a moment
-        session.prefix_length = prefix_length + length
+        session.prefix_length = inputs.prefix_length + length
         if session.ticket is not None:
             session.ticket.touch(batch_size * length)  # zero-token keep-alives are not use
-        return self._serialize_output(output), not has_prompts
+        return self._serialize_output(output), inputs.prompts is None

@@ -1,10 +1,9 @@
-"""Fair-use limits of one server (`PeerLimits`, flags with defaults), the typed errors a limit raises, and the one
-place that maps any refusal to its `corolla_requests_rejected_total{reason}` label. Peers are keyed by their
+"""Fair-use limits of one server (`PeerLimits`, flags with defaults), the typed errors a limit raises and their
+reason labels (`refusals.rejection_reason` maps any refusal to its label). Peers are keyed by their
 authenticated libp2p id; every same-host unix-socket client counts as the one peer `LOCAL_PEER`."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -121,26 +120,6 @@ LIMIT_REASONS = (
     "evicted",
     "duplicate_step",
 )
-
-
-def rejection_reason(error: BaseException) -> str:
-    """The metrics label of a refused request, from the error's type (never from its text)."""
-    from corolla.server.runtime import RuntimeStopped
-
-    reason = getattr(error, "reason", None)
-    if isinstance(reason, str) and isinstance(error, (LimitExceeded, SessionEvicted, StreamStalled, DuplicateStep)):
-        return reason
-    if isinstance(error, AllocationFailed):
-        return "cache_full"
-    if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
-        return "timeout"
-    if isinstance(error, RuntimeStopped):
-        return "overloaded"
-    if isinstance(error, ValueError) and ("max_length" in str(error) or "Maximum length" in str(error)):
-        return "too_long"  # kept as before: these come from many validators (a typed error is H1's to add)
-    if isinstance(error, (ValueError, KeyError)):
-        return "bad_request"
-    return "other"
 
 
 def peer_key(context: Any) -> str:

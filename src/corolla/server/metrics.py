@@ -86,6 +86,9 @@ class ServerMetrics:
         self._cache_used = Gauge("corolla_kv_cache_used_bytes", "KV cache bytes allocated", registry=r)
         self._cache_free = Gauge("corolla_kv_cache_free_bytes", "KV cache bytes still free", registry=r)
         self._blocks = Gauge("corolla_blocks_served", "Transformer blocks this server holds", registry=r)
+        self._serving_path = Gauge(
+            "corolla_serving_path", "1 for the executor serving this span (fast or plain)", ["path"], registry=r
+        )
         self._announce_failures = Counter(
             "corolla_announce_failures", "DHT announcements that failed or timed out", registry=r
         )
@@ -139,6 +142,11 @@ class ServerMetrics:
 
     def blocks_served(self, n: int) -> None:
         self._blocks.set(n)
+
+    def serving_path(self, path: str) -> None:
+        """Marks `path` (fast or plain) as the one serving now: 1 for it, 0 for the other."""
+        for name in ("fast", "plain"):
+            self._serving_path.labels(path=name).set(1 if name == path else 0)
 
     def announce_failed(self) -> None:
         self._announce_failures.inc()

@@ -19,6 +19,8 @@ logger = get_logger(__name__)
 
 # Runs several merged tasks at once; returns one result per task (an exception instance fails only that task).
 BatchExecutor = Callable[[list[Task]], list[Any]]
+# Told of each batch after it ran (kind, tasks in it, seconds it took), in the thread that ran it.
+BatchObserver = Callable[[str, int, float], None]
 
 
 # the largest task (batch x length) that may run inline: decode steps, never a long prefill that would hold the
@@ -83,6 +85,12 @@ class Runtime:
         self.num_tasks_done = 0
         self.num_inline_batches = 0
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
+        self._observers: list[BatchObserver] = []
+
+    def add_batch_observer(self, observer: BatchObserver) -> None:
+        """Calls `observer(kind, num_tasks, seconds)` after every batch (benchmarks, profiling); it must be quick
+        and must not raise (an exception is logged and the observer dropped)."""
+        self._observers.append(observer)
 
     def stats(self) -> dict[str, KindStats]:
         """Per task kind: batches, tasks and busy seconds so far (a snapshot; diff two with `KindStats.since`)."""
@@ -246,6 +254,12 @@ class Runtime:
             kind = batch[0].kind
             old = self._kind_stats.get(kind, KindStats())
             self._kind_stats[kind] = KindStats(old.batches + 1, old.tasks + len(batch), old.busy_s + elapsed_s)
+            for observer in list(self._observers):
+                try:
+                    observer(kind, len(batch), elapsed_s)
+                except Exception as e:
+                    logger.warning(f"runtime.observer_failed(error={e!r}): dropped")
+                    self._observers.remove(observer)
             elapsed_ms = elapsed_s * 1000
             logger.debug(f"runtime.execute(kind={batch[0].kind}, tasks={len(batch)}, ms={elapsed_ms:.2f})")
         return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]

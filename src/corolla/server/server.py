@@ -20,14 +20,16 @@ from corolla.protocol.codecs import compression_from_name
 from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid, validate_dht_prefix
 from corolla.server.announcer import Announcer
+from corolla.server.backend import SpanBackend
 from corolla.server.block_functions import ServingLimits
 from corolla.server.block_loading import load_span_blocks
-from corolla.server.config import ServerConfig
+from corolla.server.config import ServerConfig, ignored_flags
 from corolla.server.drain import drain_sessions
-from corolla.server.memory_cache import MemoryCache
+from corolla.server.executor import SpanExecutor
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.peer_auth import make_peer_auth
 from corolla.server.reachability_gate import validate_reachability
+from corolla.server.runtime import Runtime
 from corolla.server.sessions import SessionTimeouts
 from corolla.server.span_service import SpanService
 from corolla.utils import busy_poll
@@ -198,6 +200,9 @@ class Server:
     def run(self) -> int:
         """Measures/reads throughput, joins the swarm and serves until `request_stop()`. Returns an exit code."""
         logger.info(f"server.settings({self.describe()})")
+        ignored = ignored_flags(self.config)
+        if ignored:
+            logger.info(f"server.ignored_flags({', '.join(ignored)}): accepted for Petals compatibility, no effect")
         if self.config.throughput == "dry_run":
             info = self.measure_throughput()
             print("corolla-server: throughput " + " ".join(f"{k}={v:.3f}" for k, v in sorted(info.items())), flush=True)
@@ -406,8 +411,6 @@ class Server:
 
     async def _serve_once(self, p2p: Any) -> str:
         """Chooses, loads and serves one span until stop ("stop"), a crash ("crashed") or a move ("move")."""
-        from corolla.server.backend import SpanBackend
-
         c, s = self.config, self.settings
         try:
             block_indices = await self._choose_blocks()
@@ -416,8 +419,6 @@ class Server:
                 return "stop"
             raise
         self.block_indices = block_indices
-        memory_cache: Any = MemoryCache(s.cache_bytes_per_block * len(block_indices), c.max_alloc_timeout_s)
-        cache_ref = [memory_cache]  # the fast path may swap in its own KV pool after loading
         announcer = Announcer(
             dht=self.dht,
             dht_prefix=s.dht_prefix,
@@ -425,7 +426,7 @@ class Server:
             total_blocks=s.total_blocks,
             server_info=self._make_server_info(),
             model_info=self._model_info(),
-            cache_tokens_left=lambda: cache_ref[0].bytes_left // s.kv_bytes_per_token_block,
+            cache_tokens_left=self._cache_tokens_left,
             update_period_s=c.update_period_s,
             expiration_s=c.resolved_expiration_s,
             p2p=p2p,
@@ -436,7 +437,7 @@ class Server:
         self.announcer = announcer
         announcer.start(ServerState.JOINING)
         service: SpanService | None = None
-        backend = None
+        executor: SpanExecutor | None = None
         try:
             logger.info(f"server.loading(blocks={block_indices.start}:{block_indices.stop})")
             blocks = await asyncio.to_thread(self._load_blocks, block_indices)
@@ -451,10 +452,10 @@ class Server:
             del blocks
             if self._stop.is_set():  # stopped while loading: never go ONLINE
                 return "stop"
-            fast = await asyncio.to_thread(self._maybe_fast_path, backend, memory_cache.max_size_bytes)
-            if fast is not None:
-                backend, memory_cache = fast
-                cache_ref[0] = memory_cache
+            executor = await asyncio.to_thread(
+                self._make_executor, backend, s.cache_bytes_per_block * len(block_indices)
+            )
+            del backend
             limits = ServingLimits(
                 dht_prefix=s.dht_prefix,
                 start_block=block_indices.start,
@@ -466,13 +467,11 @@ class Server:
                 adapters=tuple(c.adapters),
             )
             service = SpanService(
-                backend=backend,
+                executor=executor,
                 limits=limits,
-                memory_cache=memory_cache,
                 timeouts=self.timeouts,
                 compression=self.compression,
                 dht_client_mode=self.using_relay,
-                device=s.device,
                 metrics=self.metrics,
                 local_socket=c.local_socket,
                 busy_poll=self.selector if c.busy_poll_ms > 0 else None,
@@ -488,7 +487,7 @@ class Server:
             await service.start(p2p)
             self.service = service
             self.metrics.blocks_served(len(block_indices))
-            self.metrics.set_cache(0, memory_cache.max_size_bytes)
+            self.metrics.set_cache(0, executor.max_size_bytes)
             await announcer.announce(ServerState.ONLINE)
             print(
                 f"{READY_PREFIX} peer_id={self.peer_id} blocks={block_indices.start}:{block_indices.stop} "
@@ -509,31 +508,43 @@ class Server:
             if service is not None:
                 await service.stop()
             self.service = None
-            del service, backend
+            del service, executor
             gc.collect()
             if s.device.type == "cuda":
                 torch.cuda.empty_cache()
             logger.info(f"server.span_released(blocks={block_indices.start}:{block_indices.stop})")
 
-    def _maybe_fast_path(self, backend: Any, kv_pool_bytes: int) -> tuple[Any, Any] | None:
-        """The GPU fast path (paged KV pool, fused span, CUDA graphs, batching across sessions) when eligible."""
-        c, s = self.config, self.settings
-        if not c.fast_path or s.device.type != "cuda" or s.quant_type != "none":
-            return None
-        if c.tensor_parallel_devices and len(c.tensor_parallel_devices) > 1:
-            return None
-        from corolla.engine.serving import build_fast_path
+    def _make_executor(self, backend: SpanBackend, cache_bytes: int) -> SpanExecutor:
+        """The executor of this span: the fast path where the engine supports it (`serving_path`), else plain."""
+        from corolla.engine.serving import SpanTraits
+        from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
 
-        try:
-            return build_fast_path(
-                backend,
-                kv_pool_bytes=kv_pool_bytes,
-                max_seq_len_tokens=s.inference_max_length_tokens,
-                max_alloc_timeout_s=c.max_alloc_timeout_s,
-            )
-        except Exception as e:  # the plain path always works
-            logger.warning(f"server.fast_path_failed({e!r}); serving with the plain path")
-            return None
+        c, s = self.config, self.settings
+        tp_devices = len(c.tensor_parallel_devices or ())
+        traits = SpanTraits(
+            device_type=s.device.type,
+            dtype=s.dtype,
+            quant_type=s.quant_type,
+            family=self.family.family,
+            num_adapters=len(c.adapters),
+            tensor_parallel_devices=tp_devices,
+        )
+        choice = choose_serving_path(c.serving_path if c.fast_path else "plain", traits)
+        runtime = Runtime(max_batch_size_tokens=s.max_batch_size_tokens, device=s.device)
+        settings = ExecutorSettings(
+            cache_bytes=cache_bytes,
+            max_seq_len_tokens=s.inference_max_length_tokens,
+            max_alloc_timeout_s=c.max_alloc_timeout_s,
+            tensor_parallel=tp_devices > 1,
+        )
+        return make_executor(choice, backend, runtime, settings, self.metrics)
+
+    def _cache_tokens_left(self) -> int:
+        """Announced cache_tokens_left (K or V of one token in one block): the whole budget until serving."""
+        s, service = self.settings, self.service
+        if service is None:
+            return s.cache_bytes_per_block * s.num_blocks // s.kv_bytes_per_token_block
+        return service.executor.bytes_left // s.kv_bytes_per_token_block
 
     async def _watch(self, service: SpanService) -> str:
         c = self.config
@@ -555,11 +566,12 @@ class Server:
 
     @staticmethod
     def _report_stats(service: SpanService) -> None:
-        runtime, cache = service.runtime, service.memory_cache
+        runtime, executor = service.runtime, service.executor
         logger.info(
-            f"server.stats(tasks_done={runtime.num_tasks_done}, batches_done={runtime.num_batches_done}, "
-            f"pending={runtime.num_pending}, sessions={service.handler.sessions.num_open}, "
-            f"cache_used_bytes={cache.current_size_bytes}, cache_left_bytes={cache.bytes_left})"
+            f"server.stats(path={executor.path}, tasks_done={runtime.num_tasks_done}, "
+            f"batches_done={runtime.num_batches_done}, pending={runtime.num_pending}, "
+            f"sessions={service.handler.sessions.num_open}, "
+            f"cache_used_bytes={executor.max_size_bytes - executor.bytes_left}, cache_left_bytes={executor.bytes_left})"
         )
 
     async def _should_move(self) -> bool:

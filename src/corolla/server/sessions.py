@@ -13,6 +13,7 @@ from typing import Any
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.metadata import InferenceRequestMetadata
+from corolla.server.executor import SessionCache
 from corolla.server.limits import DuplicateStep
 from corolla.server.peer_auth import SessionPushGuard, screen_step
 from corolla.utils.logging import get_logger
@@ -38,7 +39,7 @@ class SessionState:
     block_indices: list[int]
     batch_size: int
     max_length: int
-    cache_handles: tuple[tuple[int, ...], ...]
+    cache: SessionCache | None  # the executor's cache of this session (None: a max_length=0 probe)
     active_adapter: str
     args_structure: object
     prefix_length: int = 0

@@ -1,20 +1,17 @@
-"""The serving part for one span: the runtime thread, the RPC handler registered on a P2P instance and the
-same-host unix-socket endpoint for inference streams, started and stopped together (stopping ends every session,
-which frees its KV cache)."""
+"""The serving part for one span: the executor's runtime thread, the RPC handler registered on a P2P instance and
+the same-host unix-socket endpoint for inference streams, started and stopped together (stopping ends every
+session, which frees its KV cache)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-import torch
-
 from corolla.server.block_functions import ServingLimits
+from corolla.server.executor import SpanExecutor
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.local_endpoint import LocalEndpoint
-from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import ServerMetrics
-from corolla.server.runtime import Runtime
 from corolla.server.sessions import SessionTimeouts
 from corolla.utils.busy_poll import BusyPollSelector
 from corolla.utils.logging import get_logger
@@ -23,32 +20,27 @@ logger = get_logger(__name__)
 
 
 class SpanService:
-    """The serving part for one span: runtime thread + RPC handler registered on a P2P instance."""
+    """The serving part for one span: the executor's runtime thread + RPC handler registered on a P2P instance."""
 
     def __init__(
         self,
         *,
-        backend: Any,
+        executor: SpanExecutor,
         limits: ServingLimits,
-        memory_cache: MemoryCache,
         timeouts: SessionTimeouts,
         compression: int = 0,
         dht_client_mode: bool = False,
-        device: torch.device | None = None,
         metrics: ServerMetrics | None = None,
         local_socket: bool = True,
         busy_poll: BusyPollSelector | None = None,
         busy_poll_s: float = 0.005,
     ):
-        self.backend = backend
+        self.executor = executor
         self.limits = limits
-        self.memory_cache = memory_cache
-        self.runtime = Runtime(max_batch_size_tokens=limits.max_batch_size_tokens, device=device)
+        self.runtime = executor.runtime  # started and stopped here
         self.handler = TransformerConnectionHandler(
             limits=limits,
-            backend=backend,
-            runtime=self.runtime,
-            memory_cache=memory_cache,
+            executor=executor,
             timeouts=timeouts,
             compression=compression,
             dht_client_mode=dht_client_mode,

@@ -1,0 +1,510 @@
+"""Many users at once through one real server, measured as users meet it.
+
+One corolla span server runs in this process (hivemind P2P on loopback, the `rpc_inference` handler, the runtime
+thread, the same-host socket endpoint); the clients run in several other processes (spawned, each with its own
+P2P instance or unix-socket connections), each driving some of the sessions as a stock Petals client does
+(`rpc_inference` stream, session metadata, `start_from_position`). All sessions prefill, wait at a common start,
+then decode `decode_steps` tokens each. Reported: aggregate decode tokens/s, each client step (median, p90,
+worst; the worst session's median), steps merged per forward and the runtime thread's busy share (from the
+runtime's own per-kind counters), errors and sessions that did not finish.
+
+CPU use: `python -m corolla.bench.multi_user --cpu` (a ~160M-parameter Llama-shaped span, float32); the GPU run
+goes through `corolla-bench --users ...` (see `cli.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import multiprocessing
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from corolla.bench.measure import median, percentile
+from corolla.bench.model import ModelShape
+from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from corolla.server.executor import SpanExecutor
+    from corolla.server.runtime import Runtime
+    from corolla.server.span_service import SpanService
+
+logger = get_logger(__name__)
+
+Transport = Literal["p2p", "socket"]
+ServingPath = Literal["fast", "plain"]
+_P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
+_LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+DHT_PREFIX = "bench"
+# the runtime kinds that run inference steps (plain path: one task per session step; fast path: merged steps)
+INFERENCE_KINDS = ("inference", "engine_inference")
+MAX_LENGTH_TOKENS = 4096
+MAX_BATCH_SIZE_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class UsersConfig:
+    """One measurement: `sessions` concurrent sessions spread over `client_processes` processes."""
+
+    sessions: int
+    client_processes: int
+    transport: Transport
+    prefix_tokens: int = 32
+    decode_steps: int = 32
+    warmup_steps: int = 3  # each session's first steps are left out of the latency figures (ramp-up)
+    step_timeout_s: float = 120.0
+    start_timeout_s: float = 300.0  # spawning, opening and prefilling every session
+
+    def __post_init__(self) -> None:
+        if self.sessions < 1 or self.client_processes < 1:
+            raise ValueError(
+                f"sessions and client_processes must be >= 1, got {self.sessions}, {self.client_processes}"
+            )
+        if self.decode_steps <= self.warmup_steps:
+            raise ValueError(f"decode_steps ({self.decode_steps}) must exceed warmup_steps ({self.warmup_steps})")
+        if self.transport not in ("p2p", "socket"):
+            raise ValueError(f"transport must be 'p2p' or 'socket', got {self.transport!r}")
+
+    def split(self) -> list[int]:
+        """Sessions per client process (no process without sessions)."""
+        processes = min(self.client_processes, self.sessions)
+        base, extra = divmod(self.sessions, processes)
+        return [base + (i < extra) for i in range(processes)]
+
+
+@dataclass
+class UsersResult:
+    sessions: int
+    client_processes: int
+    transport: str
+    serving_path: str
+    aggregate_tokens_per_s: float
+    step_median_ms: float
+    step_p90_ms: float
+    step_worst_ms: float
+    worst_session_median_ms: float
+    steps_per_merged_forward: float
+    device_busy_share: float
+    merged_forward_ms: float
+    wall_s: float
+    sessions_finished: int
+    errors: list[str] = field(default_factory=list)
+
+
+# ---- the server (this process)
+
+
+def build_executor(
+    shape: ModelShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    num_layers: int,
+    serving_path: ServingPath,
+    cache_bytes: int,
+    seed: int = 0,
+    model: torch.nn.Module | None = None,
+) -> SpanExecutor:
+    """The span executor of a random-weight span of `num_layers` corolla llama blocks, as the server builds it
+    (`serving_path.make_executor`): plain (blocks + `MemoryCache`, one runtime task per session step) or fast
+    (`SpanEngine`, the steps of all sessions merged into one forward; on the CPU with its reference ops).
+    `model`: a transformers `LlamaModel` of `shape` whose first layers' weights the blocks take (default: a new
+    random one)."""
+    from corolla.bench.model import build_hf_model
+    from corolla.bench.rpc_bench import build_blocks
+    from corolla.engine.serving import SpanTraits
+    from corolla.server.backend import SpanBackend
+    from corolla.server.runtime import Runtime
+    from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
+
+    small = ModelShape(**{**asdict(shape), "num_layers": num_layers})
+    source = model if model is not None else build_hf_model(small, dtype, device, seed=seed)
+    blocks = build_blocks(source, small, dtype, device, num_layers)
+    del source
+    backend = SpanBackend(blocks, config=small.hf_config(), dtype=dtype, device=device)
+    traits = SpanTraits(
+        device_type=device.type,
+        dtype=dtype,
+        quant_type="none",
+        family="llama",
+        num_adapters=0,
+        tensor_parallel_devices=0,
+    )
+    choice = choose_serving_path(serving_path, traits)  # ConfigurationError if "fast" can't serve it
+    runtime = Runtime(max_batch_size_tokens=MAX_BATCH_SIZE_TOKENS, device=device)
+    settings = ExecutorSettings(
+        cache_bytes=cache_bytes, max_seq_len_tokens=MAX_LENGTH_TOKENS, max_alloc_timeout_s=None, tensor_parallel=False
+    )
+    executor = make_executor(choice, backend, runtime, settings)
+    if executor.path != serving_path:
+        raise RuntimeError(f"asked for the {serving_path} path, the server built {executor.path}")
+    return executor
+
+
+class BenchServer:
+    """One span server on its own asyncio loop thread in this process, listening on loopback only."""
+
+    def __init__(self, executor: SpanExecutor, *, hidden_size: int, num_layers: int, dtype, device):
+        from corolla.server.block_functions import ServingLimits
+
+        self.executor, self.device = executor, device
+        self.num_layers, self.hidden_size, self.dtype = num_layers, hidden_size, dtype
+        self.limits = ServingLimits(
+            dht_prefix=DHT_PREFIX,
+            start_block=0,
+            end_block=num_layers,
+            hidden_size=hidden_size,
+            dtype=dtype,
+            inference_max_length_tokens=MAX_LENGTH_TOKENS,
+            max_batch_size_tokens=MAX_BATCH_SIZE_TOKENS,
+        )
+        self.maddrs: list[str] = []
+        self.peer_id_b58 = ""
+        self.service: SpanService | None = None
+
+    @contextmanager
+    def running(self) -> Iterator[BenchServer]:
+        from hivemind.p2p import P2P
+
+        from corolla.server.sessions import SessionTimeouts
+        from corolla.server.span_service import SpanService
+        from corolla.utils.busy_poll import BusyPollSelector
+
+        selector = BusyPollSelector()
+        loop = asyncio.SelectorEventLoop(selector)
+        thread = threading.Thread(target=loop.run_forever, name="bench-users-server", daemon=True)
+        thread.start()
+
+        def on_loop(coro, timeout_s: float = 120.0):
+            return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
+
+        p2p = service = None
+        try:
+            p2p = on_loop(P2P.create(host_maddrs=_LOOPBACK, **_P2P_FLAGS))
+            service = SpanService(
+                executor=self.executor,
+                limits=self.limits,
+                timeouts=SessionTimeouts(step_timeout_s=120, session_timeout_s=1800, request_timeout_s=120),
+                busy_poll=selector if self.device.type == "cuda" else None,  # as the server does
+            )
+            on_loop(service.start(p2p))
+            self.service = service
+            self.maddrs = [str(m) for m in on_loop(p2p.get_visible_maddrs())]
+            self.peer_id_b58 = p2p.peer_id.to_base58()
+            yield self
+        finally:
+            if service is not None:
+                on_loop(service.stop())
+            if p2p is not None:
+                on_loop(p2p.shutdown())
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.executor.runtime
+
+
+# ---- the clients (other processes)
+
+
+def _client_process(
+    maddrs: list[str],
+    peer_id_b58: str,
+    chain: str,
+    config: UsersConfig,
+    num_sessions: int,
+    hidden_size: int,
+    dtype_name: str,
+    seed: int,
+    ready: multiprocessing.Queue,
+    go: threading.Event,
+    results: multiprocessing.Queue,
+) -> None:
+    try:
+        result = asyncio.run(
+            _client_sessions(maddrs, peer_id_b58, chain, config, num_sessions, hidden_size, dtype_name, seed, ready, go)
+        )
+    except BaseException as e:  # reported to the parent, which counts the sessions as lost
+        result = {"errors": [f"client process failed: {e!r}"[:300]], "latencies": [], "finished": 0}
+    results.put(result)
+
+
+async def _client_sessions(
+    maddrs, peer_id_b58, chain, config: UsersConfig, k: int, h: int, dtype_name: str, seed: int, ready, go
+) -> dict:
+    from hivemind.p2p import P2P, PeerID
+
+    from corolla.bench.rpc_bench import _Stream
+    from corolla.protocol.rpc import get_stub
+
+    torch.manual_seed(seed)
+    dtype = getattr(torch, dtype_name)
+    max_length = config.prefix_tokens + config.decode_steps + 8
+    prefix = torch.randn(1, config.prefix_tokens, h).to(dtype)
+    tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(8)]
+    p2p = await P2P.create(initial_peers=maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
+    errors: list[str] = []
+    latencies: list[list[float]] = [[] for _ in range(k)]
+    windows: list[tuple[float, float]] = []
+    finished = 0
+    try:
+        stub = get_stub(p2p, PeerID.from_base58(peer_id_b58))
+        local = peer_id_b58 if config.transport == "socket" else None
+        streams = [await _Stream(stub, chain, max_length, local).open() for _ in range(k)]
+        await asyncio.gather(*(s.step(prefix, 0) for s in streams))
+        ready.put(k)
+        if not await asyncio.to_thread(go.wait, config.start_timeout_s):
+            raise TimeoutError("no start signal")
+
+        async def decode(i: int) -> None:
+            nonlocal finished
+            stream, lat = streams[i], latencies[i]
+            start = time.time()
+            try:
+                for step in range(config.decode_steps):
+                    t0 = time.perf_counter()
+                    out = await asyncio.wait_for(
+                        stream.step(tokens[step % len(tokens)], config.prefix_tokens + step), config.step_timeout_s
+                    )
+                    if out.shape != (1, 1, h):
+                        raise ValueError(f"response of shape {tuple(out.shape)}")
+                    if step >= config.warmup_steps:
+                        lat.append((time.perf_counter() - t0) * 1000)
+                finished += 1
+            except Exception as e:
+                errors.append(f"session {i}: {e!r}"[:300])
+            finally:
+                windows.append((start, time.time()))
+                await stream.close()
+
+        await asyncio.gather(*(decode(i) for i in range(k)))
+    finally:
+        await p2p.shutdown()
+    return {"errors": errors, "latencies": latencies, "finished": finished, "windows": windows}
+
+
+def run_users(server: BenchServer, config: UsersConfig, serving_path: str) -> UsersResult:
+    """One measurement against a running `server` (its runtime counters give the merged-forward figures)."""
+    from corolla.protocol.uids import make_chain
+
+    context = multiprocessing.get_context("spawn")
+    ready, results = context.Queue(), context.Queue()
+    go = context.Event()
+    chain = make_chain(DHT_PREFIX, 0, server.num_layers)
+    dtype_name = str(server.dtype).removeprefix("torch.")
+    split = config.split()
+    processes = [
+        context.Process(
+            target=_client_process,
+            args=(server.maddrs, server.peer_id_b58, chain, config, k, server.hidden_size, dtype_name, 100 + i),
+            kwargs=dict(ready=ready, go=go, results=results),
+            name=f"bench-users-{i}",
+            daemon=True,
+        )
+        for i, k in enumerate(split)
+    ]
+    for p in processes:
+        p.start()
+    collected: list[dict] = []
+    try:
+        deadline = time.monotonic() + config.start_timeout_s
+        opened = 0
+        for _ in processes:  # every process has opened and prefilled its sessions (or failed)
+            try:
+                opened += ready.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+        before = server.runtime.stats()
+        started = time.time()
+        go.set()
+        budget_s = config.step_timeout_s * config.decode_steps + 60
+        for _ in processes:
+            try:
+                collected.append(results.get(timeout=budget_s))
+            except queue.Empty:
+                collected.append({"errors": ["a client process sent no result"], "latencies": [], "finished": 0})
+        ended = time.time()
+        after = server.runtime.stats()
+    finally:
+        go.set()
+        for p in processes:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return _summarize(config, serving_path, collected, before, after, started, ended)
+
+
+def _summarize(config: UsersConfig, serving_path: str, collected, before, after, started, ended) -> UsersResult:
+    from corolla.server.runtime import KindStats
+
+    errors = [e for r in collected for e in r["errors"]]
+    per_session = [lat for r in collected for lat in r["latencies"] if lat]
+    flat = [x for lat in per_session for x in lat] or [float("nan")]
+    windows = [w for r in collected for w in r.get("windows", [])]
+    finished = sum(r["finished"] for r in collected)
+    wall_s = (max(w[1] for w in windows) - min(w[0] for w in windows)) if windows else ended - started
+    delta = KindStats()
+    for kind in INFERENCE_KINDS:
+        d = after.get(kind, KindStats()).since(before.get(kind, KindStats()))
+        delta = KindStats(delta.batches + d.batches, delta.tasks + d.tasks, delta.busy_s + d.busy_s)
+    busy_all = sum(s.since(before.get(k, KindStats())).busy_s for k, s in after.items())
+    return UsersResult(
+        sessions=config.sessions,
+        client_processes=len(config.split()),
+        transport=config.transport,
+        serving_path=serving_path,
+        aggregate_tokens_per_s=finished * config.decode_steps / wall_s if wall_s > 0 else float("nan"),
+        step_median_ms=median(flat),
+        step_p90_ms=percentile(flat, 0.9),
+        step_worst_ms=max(flat),
+        worst_session_median_ms=max((median(lat) for lat in per_session), default=float("nan")),
+        steps_per_merged_forward=delta.tasks_per_batch,
+        device_busy_share=busy_all / (ended - started) if ended > started else float("nan"),
+        merged_forward_ms=delta.busy_s / delta.batches * 1000 if delta.batches else float("nan"),
+        wall_s=wall_s,
+        sessions_finished=finished,
+        errors=errors,
+    )
+
+
+# ---- report
+
+
+def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
+    lines = [
+        f"### {title}",
+        "",
+        "| serving path | transport | sessions (processes) | aggregate tok/s | x 1 session | client step median / p90 / worst ms"
+        " | worst session median ms | steps per merged forward | runtime busy | errors / unfinished |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lone = {(r.serving_path, r.transport): r.aggregate_tokens_per_s for r in rows if r.sessions == 1}
+    for r in rows:
+        base = lone.get((r.serving_path, r.transport))
+        ratio = f"{r.aggregate_tokens_per_s / base:.1f}x" if base else "-"
+        lines.append(
+            f"| {r.serving_path} | {r.transport} | {r.sessions} ({r.client_processes}) | "
+            f"{r.aggregate_tokens_per_s:.1f} | {ratio} | {r.step_median_ms:.1f} / {r.step_p90_ms:.1f} / "
+            f"{r.step_worst_ms:.1f} | {r.worst_session_median_ms:.1f} | {r.steps_per_merged_forward:.1f} | "
+            f"{r.device_busy_share:.0%} | {len(r.errors)} / {r.sessions - r.sessions_finished} |"
+        )
+    lines += ["", *[f"- {n}" for n in notes]]
+    return "\n".join(lines)
+
+
+def _engine_row(executor: SpanExecutor, sessions: int, prefix_tokens: int, steps: int) -> dict | None:
+    """The fast path's engine driven in this process by its `ContinuousBatcher` (no RPC): its own, labelled row."""
+    from corolla.bench import engine_bench
+    from corolla.server.fast_executor import FastExecutor
+
+    if not isinstance(executor, FastExecutor):
+        return None
+    engine = executor.engine
+    return engine_bench.concurrent_sessions(engine, sessions=sessions, prefix_tokens=prefix_tokens, steps=steps)
+
+
+CPU_SHAPE = ModelShape(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=16, intermediate_size=5120)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m corolla.bench.multi_user", description=__doc__)
+    p.add_argument("--cpu", action="store_true", help="run on the CPU (float32; the default shape is CPU_SHAPE)")
+    p.add_argument("--sessions", default="1,16")
+    p.add_argument("--processes", type=int, default=4, help="client processes (sessions are spread over them)")
+    p.add_argument("--transports", default="p2p,socket")
+    p.add_argument("--serving_paths", default="fast,plain")
+    p.add_argument("--prefix_tokens", type=int, default=32)
+    p.add_argument("--decode_steps", type=int, default=32)
+    p.add_argument("--torch_threads", type=int, default=0, help="torch threads of the server (0: torch's default)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="cpu-users")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.cpu:
+        raise SystemExit("the GPU run goes through corolla-bench --users; this entry point is the CPU mode (--cpu)")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    shape, dtype, device = CPU_SHAPE, torch.float32, torch.device("cpu")
+    params = shape.num_layers * (
+        2 * shape.hidden_size**2
+        + 2 * shape.hidden_size * shape.hidden_size * shape.num_kv_heads // shape.num_heads
+        + 3 * shape.hidden_size * shape.intermediate_size
+    )
+    counts = [int(s) for s in args.sessions.split(",")]
+    rows: list[UsersResult] = []
+    engine_rows: list[dict] = []
+    started = time.perf_counter()
+    for path in args.serving_paths.split(","):
+        executor = build_executor(
+            shape, dtype, device, num_layers=shape.num_layers, serving_path=path, cache_bytes=1 << 30
+        )
+        server = BenchServer(
+            executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers, dtype=dtype, device=device
+        )
+        with server.running():
+            for transport in args.transports.split(","):
+                for n in counts:
+                    config = UsersConfig(
+                        sessions=n,
+                        client_processes=args.processes,
+                        transport=transport,  # type: ignore[arg-type]
+                        prefix_tokens=args.prefix_tokens,
+                        decode_steps=args.decode_steps,
+                    )
+                    row = run_users(server, config, path)
+                    rows.append(row)
+                    print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
+        if path == "fast":
+            for n in counts:
+                r = _engine_row(executor, n, args.prefix_tokens, args.decode_steps)
+                if r is not None:
+                    engine_rows.append(r)
+                    print(f"[{time.perf_counter() - started:6.1f}s] in-process engine: {json.dumps(r)}", flush=True)
+        del executor, server
+    notes = [
+        f"CPU ({torch.get_num_threads()} torch threads), float32, span of {shape.num_layers} Llama layers, hidden "
+        f"{shape.hidden_size}, MLP {shape.intermediate_size}: {params / 1e6:.0f}M parameters; prefix "
+        f"{args.prefix_tokens} tokens, {args.decode_steps} decode steps per session (first 3 not timed).",
+        "Server: one corolla span server in the bench process (hivemind P2P on loopback + same-host socket, the real "
+        "handler and runtime); clients: stock-Petals-style rpc_inference streams in "
+        f"{args.processes} spawned processes. 'fast' = SpanEngine merging decode steps of all sessions; "
+        "'plain' = blocks + MemoryCache, one runtime task per session step.",
+        "steps per merged forward and runtime busy come from the runtime's per-kind counters over the decode window.",
+    ]
+    for r in engine_rows:
+        notes.append(
+            f"in-process engine (ContinuousBatcher in one process, no RPC; its own row): {r['sessions']} sessions "
+            f"{r['aggregate_tokens_per_s']:.1f} tok/s, client step median {r['client_step_median_ms']:.1f} ms, "
+            f"merged step {r['merged_step_ms']:.1f} ms"
+        )
+    text = markdown(rows, title="Many users at once through one server (CPU)", notes=notes)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"users-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M}-{args.tag}"
+    (out / f"{stem}.md").write_text(text + "\n")
+    (out / f"{stem}.json").write_text(
+        json.dumps({"rows": [asdict(r) for r in rows], "engine": engine_rows, "notes": notes}, indent=1)
+    )
+    print(f"wrote {out / stem}.md/.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

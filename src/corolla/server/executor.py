@@ -1,0 +1,157 @@
+"""The seam between the RPC handler and the device: `SpanExecutor`, the one interface the handler, admission and
+the drain hand-off talk to, and the typed records that cross it. Two implementations submit work to the one
+`Runtime`: `plain_executor.PlainExecutor` (the blocks of a `SpanBackend` + `MemoryCache`) and
+`fast_executor.FastExecutor` (the engine's `SpanEngine` + its paged `KVPool`).
+
+Everything that crosses the seam was validated by the handler (`block_functions`), where it entered: an executor
+trusts shapes, dtypes, lengths and positions and only enforces what it alone knows (free cache)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from corolla.server.memory_cache import TensorDescriptorLike
+from corolla.server.runtime import Runtime
+
+PATH_PLAIN = "plain"
+PATH_FAST = "fast"
+SERVING_PATHS = (PATH_PLAIN, PATH_FAST)
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What one inference session reserves: `batch_size` sequences of up to `max_length_tokens` over the
+    contiguous ascending `block_indices` (validated against the span by the handler)."""
+
+    block_indices: tuple[int, ...]
+    batch_size: int
+    max_length_tokens: int  # > 0; a max_length=0 probe opens no cache at all
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_indices)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One validated inference step of one session."""
+
+    hidden_states: torch.Tensor  # [B, T, H] in the block dtype, finite; T >= 1 (the handler answers T = 0 itself)
+    prefix_length: int  # the step writes positions [prefix_length, prefix_length + T) (rollback if < length)
+    prompts: torch.Tensor | None  # deep prompts [num_blocks, B|1, P, H] in the block dtype, or None
+    hypo_ids: torch.Tensor | None  # int64 [B] with values in [0, B): reorder the cache first; None = keep
+    adapter: str  # "" = the base model
+    lone_session: bool  # no other session is open: an idle runtime may run the step inline
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """A validated forward (no cache)."""
+
+    hidden_states: torch.Tensor  # [B, T, H] in the block dtype
+    prompts: torch.Tensor | None  # [num_blocks, B|1, P, H] with P <= T, or None
+    adapter: str
+
+
+@dataclass(frozen=True)
+class BackwardInputs:
+    """A validated backward."""
+
+    hidden_states: torch.Tensor  # [B, T, H] in the block dtype
+    grad_outputs: torch.Tensor  # [B, T, H] in the block dtype
+    prompts: torch.Tensor | None  # [num_blocks, B|1, P, H] with P <= T, or None
+    adapter: str
+
+    @property
+    def has_prompts(self) -> bool:
+        return self.prompts is not None
+
+
+class SessionCache:
+    """An open session's KV cache, as an executor hands it out (`SpanExecutor.open_session`). Each executor
+    subclasses it with what it needs; an executor refuses (TypeError) a cache of another executor."""
+
+    def __init__(self, spec: SessionSpec):
+        self.spec = spec
+
+
+class HandoffUnsupported(ValueError):
+    """This executor's cache can't be exported or imported (paged pool, tensor parallel): the client replays."""
+
+
+class SpanExecutor(Protocol):
+    """What the handler needs from the device side of one span. Coroutines run in the server's event loop and
+    submit their device work to `runtime`; a failing step fails its caller only."""
+
+    @property
+    def path(self) -> str:
+        """`PATH_PLAIN` or `PATH_FAST` (metrics, `rpc_info`, logs)."""
+        ...
+
+    @property
+    def runtime(self) -> Runtime:
+        """The one device thread all work of this span runs on."""
+        ...
+
+    # ---- cache accounting (event loop)
+
+    @property
+    def max_size_bytes(self) -> int: ...
+
+    @property
+    def bytes_left(self) -> int: ...
+
+    @property
+    def bytes_waiting(self) -> int:
+        """Bytes asked for by allocations queued for free cache (served before new ones)."""
+        ...
+
+    def session_bytes(self, spec: SessionSpec) -> int:
+        """Cache bytes a session of `spec` reserves (admission's per-peer accounting)."""
+        ...
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
+        """Cache bytes of one token of one sequence over `block_indices`."""
+        ...
+
+    def open_session(
+        self, spec: SessionSpec, alloc_timeout_s: float | None
+    ) -> AbstractAsyncContextManager[SessionCache]:
+        """Reserves the session's cache (waiting up to `alloc_timeout_s` for free space; AllocationFailed past
+        it) and frees it on exit, whatever the exit path."""
+        ...
+
+    # ---- compute (event loop side: submits to the runtime)
+
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        """One inference step: [B, T, H] -> [B, T, H]."""
+        ...
+
+    async def forward(
+        self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
+    ) -> torch.Tensor:
+        """Hidden states after the blocks: [B, T, H]. `chunk_tokens` > 0 splits long forwards into runtime tasks."""
+        ...
+
+    async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
+        """`[grad_inputs]`, or `[grad_inputs, grad_prompts]` with deep prompts."""
+        ...
+
+    # ---- KV hand-off (drain)
+
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+        """The canonical K and V descriptors per block of a session of `spec` ([B, kv_heads, max_length,
+        head_dim] each); HandoffUnsupported if this executor can't export or import caches."""
+        ...
+
+    async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
+        """CPU copies of the first `position` tokens of every block's K and V (canonical layout)."""
+        ...
+
+    async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
+        """Writes validated canonical K/V tensors into positions [0, position) of the session's cache."""
+        ...

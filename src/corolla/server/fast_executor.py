@@ -1,0 +1,223 @@
+"""The fast `SpanExecutor`: inference steps run on the engine's `SpanEngine` (fused llama-family span, paged
+`KVPool`, CUDA graphs) and single-token steps of all sessions queued at once are merged into one batched forward
+by the runtime (`engine.batcher.execute_steps` as its batch executor). Forward and backward run on the same blocks
+through `SpanBackend` (shared tensors). The paged pool is not handed off on drain: clients replay instead."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import torch
+
+from corolla.engine.batcher import execute_steps
+from corolla.engine.config import EngineConfig
+from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
+from corolla.server.backend import SpanBackend
+from corolla.server.executor import (
+    PATH_FAST,
+    BackwardInputs,
+    ForwardInputs,
+    HandoffUnsupported,
+    SessionCache,
+    SessionSpec,
+    StepInputs,
+)
+from corolla.server.memory_cache import TensorDescriptorLike
+from corolla.server.metrics import ServerMetrics
+from corolla.server.plain_executor import SpanCompute
+from corolla.server.runtime import Runtime
+from corolla.server.task import PRIORITY_INFERENCE, Task
+from corolla.utils.errors import AllocationFailed
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+KIND_ENGINE_INFERENCE = "engine_inference"
+ALLOC_POLL_S = 0.005  # how often a waiting allocation looks for free pages
+
+# With the fast path the device thread needs the GIL for short moments between GPU waits, while the serving loop can
+# run Python for a millisecond or more at a time (a burst of requests from many sessions); under the default 5 ms
+# switch interval such a burst delays the merged forward that is waiting for the GIL. 0.5 ms bounds that delay.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+class FastSessionCache(SessionCache):
+    """One engine session (all blocks of the request share its pages)."""
+
+    def __init__(self, spec: SessionSpec, session: EngineSession):
+        super().__init__(spec)
+        self.session = session
+
+
+class FastExecutor:
+    """`SpanExecutor` over a `SpanEngine` built from the blocks of `backend` (see the module docstring)."""
+
+    path = PATH_FAST
+
+    def __init__(
+        self,
+        backend: SpanBackend,
+        engine: SpanEngine,
+        runtime: Runtime,
+        metrics: ServerMetrics | None = None,
+        *,
+        max_alloc_timeout_s: float | None = None,
+    ):
+        self.backend = backend
+        self.engine = engine
+        self._runtime = runtime
+        self.metrics = metrics
+        self.max_alloc_timeout_s = max_alloc_timeout_s
+        self.first_block = min(backend.block_indices)
+        pool = engine.pool
+        self.bytes_per_page = 2 * pool.k[:, 0].numel() * pool.k.element_size()
+        self._merge_key = ("engine", id(engine))
+        # token chunks of a long forward use temporary caches of the plain blocks: the engine keeps its own pool
+        self.compute = SpanCompute(backend, runtime, metrics, split_tokens=False)
+        runtime.register_batch_executor(KIND_ENGINE_INFERENCE, self._execute_tasks, inline_when_idle=True)
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime
+
+    # ---- cache accounting (pages of the pool; page 0 is the pool's reserved null page)
+
+    @property
+    def max_size_bytes(self) -> int:
+        return (self.engine.pool.num_pages - 1) * self.bytes_per_page
+
+    @property
+    def bytes_left(self) -> int:
+        return self.engine.pool.pages_free * self.bytes_per_page
+
+    @property
+    def bytes_waiting(self) -> int:
+        return 0  # waiting allocations poll the pool; none holds a place in a queue
+
+    def session_bytes(self, spec: SessionSpec) -> int:
+        return self.engine.pool.pages_for(spec.max_length_tokens) * spec.batch_size * self.bytes_per_page
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
+        return self.backend.cache_bytes_per_token(block_indices)
+
+    def _layers(self, block_indices: tuple[int, ...]) -> tuple[int, int]:
+        return block_indices[0] - self.first_block, block_indices[-1] + 1 - self.first_block
+
+    @contextlib.asynccontextmanager
+    async def open_session(self, spec: SessionSpec, alloc_timeout_s: float | None) -> AsyncIterator[SessionCache]:
+        """Opens one engine session, waiting up to `alloc_timeout_s` (capped by `max_alloc_timeout_s`) for free
+        pages; AllocationFailed if none come in time."""
+        if alloc_timeout_s is not None and not alloc_timeout_s >= 0:
+            raise ValueError(f"Allocation timeout must be >= 0 seconds, got {alloc_timeout_s}")
+        if self.max_alloc_timeout_s is not None:
+            cap = self.max_alloc_timeout_s
+            alloc_timeout_s = cap if alloc_timeout_s is None else min(alloc_timeout_s, cap)
+        deadline = time.monotonic() + (alloc_timeout_s or 0.0)
+        layers = self._layers(spec.block_indices)
+        while True:
+            try:
+                session = self.engine.open_session(spec.batch_size, spec.max_length_tokens, layers=layers)
+                break
+            except AllocationFailed:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(ALLOC_POLL_S)
+        try:
+            yield FastSessionCache(spec, session)
+        finally:
+            session.close()
+
+    @staticmethod
+    def _own(cache: SessionCache) -> FastSessionCache:
+        if not isinstance(cache, FastSessionCache):
+            raise TypeError(f"FastExecutor got a cache of another executor: {type(cache).__name__}")
+        return cache
+
+    # ---- compute
+
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        """A mergeable runtime task: queued steps of this span go to one batch executor call, which merges their
+        single-token steps into one batched forward. A lone session's step may run inline on an idle runtime."""
+        if inputs.adapter:
+            raise ValueError("This server's fast inference path serves the base model only (no adapters)")
+        own = self._own(cache)
+        request = StepRequest(own.session, inputs.hidden_states, inputs.prefix_length, inputs.hypo_ids, inputs.prompts)
+        batch_size, length = inputs.hidden_states.shape[:2]
+        engine = self.engine
+        started = time.perf_counter()
+        output: torch.Tensor = await self._runtime.submit(
+            lambda: engine.step(request.session, request.hidden, request.position, request.hypo_ids, request.prompts),
+            priority=PRIORITY_INFERENCE,
+            size_tokens=batch_size * max(length, 1),
+            kind=KIND_ENGINE_INFERENCE,
+            merge_key=self._merge_key,
+            payload=request,
+            inline=inputs.lone_session,
+        )
+        if self.metrics is not None:
+            self.metrics.observe_step(time.perf_counter() - started)  # includes the queue wait
+            self.metrics.tokens("inference", batch_size * length)
+        return output
+
+    def _execute_tasks(self, tasks: list[Task]) -> list[torch.Tensor | BaseException]:
+        requests: list[StepRequest] = []
+        for task in tasks:
+            if not isinstance(task.payload, StepRequest):
+                raise TypeError(f"{KIND_ENGINE_INFERENCE} task without a StepRequest payload")
+            requests.append(task.payload)
+        return execute_steps(self.engine, requests)
+
+    async def forward(
+        self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
+    ) -> torch.Tensor:
+        return await self.compute.forward(block_indices, inputs, chunk_tokens=chunk_tokens)
+
+    async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
+        return await self.compute.backward(block_indices, inputs)
+
+    # ---- KV hand-off: not for the paged pool
+
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+        raise HandoffUnsupported("KV hand-off is not supported on the fast path (paged KV pool)")
+
+    async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
+        raise HandoffUnsupported("KV hand-off is not supported on the fast path (paged KV pool)")
+
+    async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
+        raise HandoffUnsupported("KV hand-off is not supported on the fast path (paged KV pool)")
+
+
+def shorten_gil_switch_interval() -> None:
+    """Lowers this process's GIL switch interval to `GIL_SWITCH_INTERVAL_S` (never raises it)."""
+    if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        logger.info(f"fast_path.gil_switch_interval(seconds={GIL_SWITCH_INTERVAL_S})")
+
+
+def build_fast_executor(
+    backend: SpanBackend,
+    runtime: Runtime,
+    *,
+    kv_pool_bytes: int,
+    max_seq_len_tokens: int,
+    metrics: ServerMetrics | None = None,
+    max_batch_rows: int = 64,
+    max_alloc_timeout_s: float | None = None,
+    warmup: bool = True,
+) -> FastExecutor:
+    """The engine over `backend`'s blocks (their tensors used in place) with a KV pool of `kv_pool_bytes`.
+    ValueError if the engine can't serve these blocks; eligibility is decided before (`serving_path`)."""
+    config = EngineConfig(
+        kv_pool_bytes=kv_pool_bytes, max_seq_len_tokens=max_seq_len_tokens, max_batch_rows=max_batch_rows
+    )
+    engine = SpanEngine.from_blocks([backend.blocks[i] for i in sorted(backend.blocks)], config)
+    if warmup:
+        engine.warmup()
+    if engine.device.type == "cuda":
+        shorten_gil_switch_interval()  # this process now serves a GPU span: see GIL_SWITCH_INTERVAL_S
+    logger.info(f"fast_path.enabled(layers={engine.model.num_layers}, pool_pages={engine.pool.num_pages})")
+    return FastExecutor(backend, engine, runtime, metrics, max_alloc_timeout_s=max_alloc_timeout_s)

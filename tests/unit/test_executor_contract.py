@@ -1,0 +1,262 @@
+"""The `SpanExecutor` contract, run against both executors on CPU (the plain blocks + `MemoryCache` and the
+engine's `SpanEngine` + paged pool): inference steps equal `SpanBackend.inference_step` on fresh caches (whole span,
+sub-span, deep prompts, beam reordering, rollback), forward and backward equal the backend's, cache accounting
+returns to where it was, allocations fail in time, concurrent sessions stay independent, a cache of another
+executor is refused, and KV hand-off either round-trips or is refused as a whole. Plus the fast executor's own
+promise (steps of many sessions merged into one batch) and the choice of serving path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import torch
+
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.serving import SpanTraits
+from corolla.models.registry import get_family
+from corolla.server.backend import SpanBackend
+from corolla.server.executor import (
+    BackwardInputs,
+    ForwardInputs,
+    HandoffUnsupported,
+    SessionSpec,
+    SpanExecutor,
+    StepInputs,
+)
+from corolla.server.fast_executor import FastExecutor
+from corolla.server.memory_cache import MemoryCache
+from corolla.server.metrics import ServerMetrics
+from corolla.server.plain_executor import PlainExecutor
+from corolla.server.runtime import Runtime
+from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
+from corolla.utils.errors import AllocationFailed, ConfigurationError
+from helpers.tiny_models import tiny_config
+
+H, FIRST, N_BLOCKS = 64, 3, 4  # the server holds blocks 3..6
+SPAN = tuple(range(FIRST, FIRST + N_BLOCKS))
+POOL_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def backend() -> SpanBackend:
+    torch.manual_seed(0)
+    config = tiny_config("llama", FIRST + N_BLOCKS)
+    blocks = {}
+    for i in SPAN:
+        block = get_family(config).build_block(config, i)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.15)
+        blocks[i] = block
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+
+
+def _plain(backend: SpanBackend, runtime: Runtime) -> PlainExecutor:
+    return PlainExecutor(backend, MemoryCache(POOL_BYTES), runtime, ServerMetrics())
+
+
+def _fast(backend: SpanBackend, runtime: Runtime) -> FastExecutor:
+    config = EngineConfig(kv_pool_bytes=POOL_BYTES, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
+    engine = SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config)
+    return FastExecutor(backend, engine, runtime, ServerMetrics())
+
+
+EXECUTORS: dict[str, Callable[[SpanBackend, Runtime], SpanExecutor]] = {"plain": _plain, "fast": _fast}
+
+
+@contextlib.asynccontextmanager
+async def _executor(backend: SpanBackend, kind: str) -> AsyncIterator[SpanExecutor]:
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        yield EXECUTORS[kind](backend, runtime)
+
+
+def _reference(backend: SpanBackend, blocks: tuple[int, ...], steps: list[StepInputs], batch: int, max_length: int):
+    """The steps straight through `SpanBackend.inference_step` on fresh zero caches."""
+    caches = []
+    for per_block in backend.cache_descriptors(blocks, batch, max_length):
+        caches.append([torch.zeros(tuple(d.shape), dtype=d.dtype) for d in per_block])
+    return [
+        backend.inference_step(
+            blocks, s.hidden_states, caches, prefix_length=s.prefix_length, max_length=max_length,
+            hypo_ids=s.hypo_ids, prompts=s.prompts,
+        )
+        for s in steps
+    ]  # fmt: skip
+
+
+def _step(hidden, position, hypo_ids=None, prompts=None, lone=False) -> StepInputs:
+    return StepInputs(hidden, position, prompts, hypo_ids, "", lone_session=lone)
+
+
+@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+@pytest.mark.parametrize("blocks", [SPAN, SPAN[1:3]])
+async def test_steps_equal_the_backend(backend, kind, blocks) -> None:
+    torch.manual_seed(1)
+    prompts = torch.randn(len(blocks), 1, 5, H) * 0.1
+    steps = [
+        _step(torch.randn(2, 7, H), 0, prompts=prompts),  # deep prompts touch positions 0..4
+        _step(torch.randn(2, 1, H), 7, hypo_ids=torch.tensor([1, 1]), prompts=prompts),  # beams, past the prompts
+        _step(torch.randn(2, 3, H), 8, lone=True),
+        _step(torch.randn(2, 1, H), 5),  # rollback
+    ]
+    expected = _reference(backend, blocks, steps, batch=2, max_length=40)
+    async with _executor(backend, kind) as executor:
+        left = executor.bytes_left
+        spec = SessionSpec(blocks, 2, 40)
+        async with executor.open_session(spec, alloc_timeout_s=0) as cache:
+            assert executor.bytes_left == left - executor.session_bytes(spec) < left
+            got = [await executor.step(cache, s) for s in steps]
+        assert executor.bytes_left == left
+    for out, ref in zip(got, expected, strict=True):
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+async def test_forward_and_backward_equal_the_backend(backend, kind) -> None:
+    torch.manual_seed(2)
+    hidden, grads, prompts = torch.randn(2, 9, H), torch.randn(2, 9, H), torch.randn(N_BLOCKS, 1, 3, H) * 0.1
+    async with _executor(backend, kind) as executor:
+        out = await executor.forward(SPAN, ForwardInputs(hidden, None, ""), chunk_tokens=4)  # chunked
+        whole = await executor.forward(SPAN, ForwardInputs(hidden, prompts, ""), chunk_tokens=0)
+        got = await executor.backward(SPAN, BackwardInputs(hidden, grads, prompts, ""))
+    torch.testing.assert_close(out, backend.forward(SPAN, hidden), atol=1e-5, rtol=0)
+    assert torch.equal(whole, backend.forward(SPAN, hidden, prompts))
+    grad_inputs, grad_prompts = backend.backward(SPAN, hidden, grads, prompts)
+    assert len(got) == 2 and torch.equal(got[0], grad_inputs) and torch.equal(got[1], grad_prompts)
+
+
+@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+async def test_allocation_fails_in_time_and_frees_everything(backend, kind) -> None:
+    async with _executor(backend, kind) as executor:
+        total = executor.bytes_left
+        spec = SessionSpec(SPAN, 4, 64)
+        async with contextlib.AsyncExitStack() as stack:
+            with pytest.raises(AllocationFailed):  # fill the cache until a session no longer fits
+                for _ in range(1000):
+                    await stack.enter_async_context(executor.open_session(spec, alloc_timeout_s=0))
+            assert executor.bytes_left < executor.session_bytes(spec)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(AllocationFailed):
+                async with executor.open_session(spec, alloc_timeout_s=0.2):
+                    pass
+            assert 0.15 < loop.time() - started < 5
+        assert executor.bytes_left == total == executor.max_size_bytes
+
+
+@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+async def test_concurrent_sessions_stay_independent_and_caches_are_not_interchangeable(backend, kind) -> None:
+    torch.manual_seed(3)
+    prefixes = [torch.randn(1, 3 + i, H) for i in range(4)]
+    tokens = [torch.randn(1, 1, H) for _ in range(4)]
+    expected = [
+        _reference(backend, SPAN, [_step(p, 0), _step(t, p.shape[1])], batch=1, max_length=16)[1]
+        for p, t in zip(prefixes, tokens, strict=True)
+    ]
+    async with _executor(backend, kind) as executor, contextlib.AsyncExitStack() as stack:
+        caches = [await stack.enter_async_context(executor.open_session(SessionSpec(SPAN, 1, 16), 0)) for _ in prefixes]
+        for cache, p in zip(caches, prefixes, strict=True):
+            await executor.step(cache, _step(p, 0))
+        steps = [executor.step(c, _step(t, p.shape[1])) for c, t, p in zip(caches, tokens, prefixes, strict=True)]
+        got = await asyncio.wait_for(asyncio.gather(*steps), 30)
+        other = EXECUTORS["fast" if kind == "plain" else "plain"](backend, executor.runtime)
+        async with other.open_session(SessionSpec(SPAN, 1, 16), 0) as foreign:
+            with pytest.raises(TypeError):
+                await executor.step(foreign, _step(tokens[0], 0))
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+async def test_kv_handoff_round_trips_or_is_refused(backend, kind) -> None:
+    torch.manual_seed(4)
+    hidden, nxt = torch.randn(1, 6, H), torch.randn(1, 1, H)
+    spec = SessionSpec(SPAN, 1, 16)
+    async with _executor(backend, kind) as executor:
+        async with executor.open_session(spec, 0) as source, executor.open_session(spec, 0) as target:
+            await executor.step(source, _step(hidden, 0))
+            try:
+                layout = executor.handoff_layout(spec)
+            except HandoffUnsupported:
+                with pytest.raises(HandoffUnsupported):
+                    await executor.read_kv(source, 6)
+                with pytest.raises(HandoffUnsupported):
+                    await executor.write_kv(target, [], 6)
+                assert kind == "fast"
+                return
+            tensors = await executor.read_kv(source, 6)
+            assert [t.shape[2] for t in tensors] == [6] * 2 * len(layout)
+            await executor.write_kv(target, tensors, 6)
+            expected = await executor.step(source, _step(nxt, 6))
+            got = await executor.step(target, _step(nxt, 6))
+    assert torch.equal(got, expected)
+
+
+async def test_fast_executor_merges_steps_of_many_sessions(backend) -> None:
+    """Single-token steps queued while the device is busy run as one batch."""
+    async with _executor(backend, "fast") as executor, contextlib.AsyncExitStack() as stack:
+        assert isinstance(executor, FastExecutor)
+        runtime = executor.runtime
+        caches = [await stack.enter_async_context(executor.open_session(SessionSpec(SPAN, 1, 16), 0)) for _ in "abcd"]
+        for cache in caches:
+            await executor.step(cache, _step(torch.randn(1, 2, H), 0))
+        batch_sizes: list[int] = []
+        execute = executor._execute_tasks
+        runtime.register_batch_executor(
+            "engine_inference", lambda tasks: (batch_sizes.append(len(tasks)), execute(tasks))[1]
+        )
+        gate = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        blocker = runtime.submit(
+            lambda: asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(10), priority=0, size_tokens=1
+        )
+        steps = [asyncio.ensure_future(executor.step(c, _step(torch.randn(1, 1, H), 2))) for c in caches]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await blocker
+        await asyncio.wait_for(asyncio.gather(*steps), 30)
+    assert batch_sizes == [4]
+
+
+def _traits(**changes) -> SpanTraits:
+    values = dict(
+        device_type="cuda", dtype=torch.bfloat16, quant_type="none", family="llama", num_adapters=0,
+        tensor_parallel_devices=0,
+    )  # fmt: skip
+    values.update(changes)
+    return SpanTraits(**values)  # type: ignore[arg-type]
+
+
+def test_serving_path_choice_names_the_reason() -> None:
+    assert choose_serving_path("auto", _traits()).path == "fast"
+    for changes, words in [
+        (dict(device_type="cpu", dtype=torch.float32), "device cpu"),
+        (dict(quant_type="nf4"), "quant_type nf4"),
+        (dict(family="bloom"), "family bloom"),
+        (dict(num_adapters=2), "adapters"),
+        (dict(tensor_parallel_devices=2), "tensor parallel"),
+        (dict(dtype=torch.float32), "dtype float32"),
+    ]:
+        choice = choose_serving_path("auto", _traits(**changes))
+        assert choice.path == "plain" and words in choice.reason, (changes, choice)
+    assert choose_serving_path("plain", _traits()).path == "plain"
+    # --serving_path fast: the CPU is allowed, an unsupported span is a configuration error (no silent fallback)
+    assert choose_serving_path("fast", _traits(device_type="cpu", dtype=torch.float32)).path == "fast"
+    with pytest.raises(ConfigurationError, match="nf4"):
+        choose_serving_path("fast", _traits(quant_type="nf4"))
+
+
+async def test_make_executor_reports_the_path(backend) -> None:
+    metrics = ServerMetrics()
+    settings = ExecutorSettings(cache_bytes=POOL_BYTES, max_seq_len_tokens=64, max_alloc_timeout_s=None,
+                                tensor_parallel=False, warmup=False)  # fmt: skip
+    cpu = _traits(device_type="cpu", dtype=torch.float32)
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        assert make_executor(choose_serving_path("auto", cpu), backend, runtime, settings, metrics).path == "plain"
+        assert b'corolla_serving_path{path="plain"} 1.0' in metrics.render()
+        assert make_executor(choose_serving_path("fast", cpu), backend, runtime, settings, metrics).path == "fast"
+        text = metrics.render()
+        assert b'corolla_serving_path{path="fast"} 1.0' in text and b'corolla_serving_path{path="plain"} 0.0' in text

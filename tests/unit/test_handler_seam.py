@@ -1,0 +1,192 @@
+"""The RPC handler against a fake `SpanExecutor` (no model, no network): what reaches the executor is validated
+once and typed (positions, rollback, lone session), refusals are typed and counted under their reason (too long,
+bad request, cache full) before any device work, and `rpc_info` names the serving path."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+from corolla.protocol.metadata import encode_metadata
+from corolla.server.block_functions import ServingLimits
+from corolla.server.executor import (
+    PATH_PLAIN,
+    BackwardInputs,
+    ForwardInputs,
+    HandoffUnsupported,
+    SessionCache,
+    SessionSpec,
+    StepInputs,
+)
+from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.limits import PeerLimits
+from corolla.server.memory_cache import TensorDescriptorLike
+from corolla.server.metrics import ServerMetrics
+from corolla.server.refusals import BadRequest, TooLong
+from corolla.server.runtime import Runtime
+from corolla.server.sessions import SessionTimeouts
+from corolla.utils.errors import AllocationFailed
+
+H = 8
+LIMITS = ServingLimits(
+    dht_prefix="p", start_block=0, end_block=2, hidden_size=H, dtype=torch.float32,
+    inference_max_length_tokens=32, max_batch_size_tokens=64,
+)  # fmt: skip
+BYTES_PER_TOKEN = 100
+
+
+class FakeExecutor:
+    """Doubles the hidden states and records what it was asked; a budget of `max_size_bytes`."""
+
+    path = PATH_PLAIN
+
+    def __init__(self, *, max_size_bytes: int = 10**6):
+        self._runtime = Runtime(max_batch_size_tokens=64)
+        self.max_size_bytes = max_size_bytes
+        self.bytes_left = max_size_bytes
+        self.bytes_waiting = 0
+        self.steps: list[StepInputs] = []
+        self.opened: list[SessionSpec] = []
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime
+
+    def session_bytes(self, spec: SessionSpec) -> int:
+        return spec.batch_size * spec.max_length_tokens * spec.num_blocks * BYTES_PER_TOKEN
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
+        return len(block_indices) * BYTES_PER_TOKEN
+
+    @contextlib.asynccontextmanager
+    async def open_session(self, spec: SessionSpec, alloc_timeout_s: float | None) -> AsyncIterator[SessionCache]:
+        size = self.session_bytes(spec)
+        if size > self.bytes_left:
+            raise AllocationFailed(f"Could not allocate {size} bytes: {self.bytes_left} left")
+        self.bytes_left -= size
+        self.opened.append(spec)
+        try:
+            yield SessionCache(spec)
+        finally:
+            self.bytes_left += size
+
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        self.steps.append(inputs)
+        return inputs.hidden_states * 2
+
+    async def forward(
+        self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
+    ) -> torch.Tensor:
+        return inputs.hidden_states * 2
+
+    async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
+        return [inputs.grad_outputs * 2]
+
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+        raise HandoffUnsupported("fake")
+
+    async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
+        raise HandoffUnsupported("fake")
+
+    async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
+        raise HandoffUnsupported("fake")
+
+
+class _Context:
+    remote_id = None  # the same-host socket's peer
+
+
+def _handler(executor: FakeExecutor) -> TransformerConnectionHandler:
+    return TransformerConnectionHandler(
+        limits=LIMITS, executor=executor, timeouts=SessionTimeouts(5, 30, 5), metrics=ServerMetrics()
+    )
+
+
+def _request(hidden: torch.Tensor, **metadata) -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(
+        uid="p.0 p.1", tensors=[serialize_tensor(hidden)], metadata=encode_metadata(metadata)
+    )
+
+
+async def _session(handler: TransformerConnectionHandler, requests: list[runtime_pb2.ExpertRequest]) -> list:
+    async def stream() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        for r in requests:
+            yield r
+
+    outputs = []
+    async for response in handler.rpc_inference(stream(), _Context()):  # type: ignore[arg-type]
+        outputs.append(deserialize_tensor(response.tensors[0]))
+    return outputs
+
+
+def _rejected(handler: TransformerConnectionHandler, reason: str) -> float:
+    text = handler.metrics.render().decode()
+    match = re.search(rf'corolla_requests_rejected_total{{reason="{reason}"}} ([0-9.]+)', text)
+    assert match is not None, reason
+    return float(match.group(1))
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_steps_reach_the_executor_typed_and_once() -> None:
+    executor = FakeExecutor()
+    handler = _handler(executor)
+    a, b, c = torch.randn(1, 3, H), torch.randn(1, 1, H), torch.randn(1, 2, H)
+    outputs = _run(
+        _session(
+            handler,
+            [
+                _request(a, max_length=8, session_id="s"),
+                _request(b),
+                _request(c, start_from_position=2),  # rollback over the last two tokens
+                _request(torch.randn(1, 0, H)),  # a zero-token keep-alive: never reaches the executor
+            ],
+        )
+    )
+    assert [o.shape[1] for o in outputs] == [3, 1, 2, 0]
+    assert torch.equal(outputs[0], a * 2) and torch.equal(outputs[2], c * 2)
+    assert [s.prefix_length for s in executor.steps] == [0, 3, 2]
+    assert all(s.lone_session and s.prompts is None and s.hypo_ids is None for s in executor.steps)
+    assert executor.opened == [SessionSpec((0, 1), 1, 8)]
+    assert executor.bytes_left == executor.max_size_bytes  # the session's cache was given back
+
+
+@pytest.mark.parametrize(
+    "requests, error, reason",
+    [
+        ([_request(torch.randn(1, 1, H), max_length=33)], TooLong, "too_long"),  # over inference_max_length
+        ([_request(torch.randn(1, 5, H), max_length=8), _request(torch.randn(1, 4, H))], TooLong, "too_long"),
+        ([_request(torch.randn(1, 1, H))], BadRequest, "bad_request"),  # no max_length
+        ([_request(torch.randn(1, 1, H + 1), max_length=8)], BadRequest, "bad_request"),
+        ([_request(torch.full((1, 1, H), float("nan")), max_length=8)], BadRequest, "bad_request"),
+        ([_request(torch.randn(1, 1, H), max_length=8), _request(torch.randn(1, 1, H), start_from_position=5)],
+         BadRequest, "bad_request"),
+        ([_request(torch.randn(2, 1, H), max_length=32)], AllocationFailed, "cache_full"),
+    ],
+)  # fmt: skip
+def test_refusals_are_typed_and_counted_once(requests, error, reason) -> None:
+    executor = FakeExecutor(max_size_bytes=2 * 32 * 2 * BYTES_PER_TOKEN - 1)  # a batch of 2 x 32 tokens won't fit
+    handler = _handler(executor)
+    handler.configure_limits(PeerLimits(max_kv_fraction_per_peer=1.0))  # the cache itself refuses, not a peer cap
+    with pytest.raises(error):
+        _run(_session(handler, requests))
+    assert _rejected(handler, reason) == 1
+    assert sum(s.hidden_states.shape[1] for s in executor.steps) <= 5  # only steps before the refused one ran
+
+
+def test_rpc_info_names_the_serving_path() -> None:
+    handler = _handler(FakeExecutor())
+    info = _run(handler.rpc_info(runtime_pb2.ExpertUID(uid="p.0"), _Context()))  # type: ignore[arg-type]
+    answer = MSGPackSerializer.loads(info.serialized_info)
+    assert answer["serving_path"] == "plain"
+    assert answer["cache_tokens_available"] == 10**6 // BYTES_PER_TOKEN
