@@ -122,3 +122,38 @@ def test_phi3_partial_rotary_and_sliding_window(tmp_path):
     config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
     config.sliding_window = 6
     check_block(save_tiny_model(config, tmp_path / "m"), check_grads=False)
+
+
+def test_deepseek_v3_yarn_rope_with_mscale(tmp_path):
+    """DeepSeek-V3's published rope: YaRN (factor 40) with mscale_all_dim, which also scales the softmax."""
+    config = fam_a.deepseek_v3_config(2)
+    config.rope_parameters = {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+    }  # fmt: skip
+    check_block(save_with_random_router_bias(config, tmp_path / "m"), check_grads=False)
+
+
+def test_deepseek_v3_router_bias_changes_the_choice(tmp_path):
+    """The correction bias decides which experts run: zeroing it changes the output (so the test above covers it)."""
+    model_dir = save_with_random_router_bias(fam_a.deepseek_v3_config(2), tmp_path / "m")
+    block = load_pretrained_block(model_dir, 1, config=load_config(model_dir), torch_dtype=torch.float32)
+    x = torch.randn(1, 7, 64)
+    with torch.no_grad():
+        before = block(x)
+        block.mlp.e_score_correction_bias.zero_()
+        assert not torch.allclose(block(x), before, atol=1e-3)
+
+
+@pytest.mark.parametrize("original_max", [8, 64])  # 8: past the original context (long factors); 64: short ones
+def test_phi3_longrope_with_partial_rotary(original_max, tmp_path):
+    """Phi-4-mini's combination: LongRoPE over the first 3/4 of each head."""
+    config = fam_a.phi3_config(2)
+    half = 6  # head_dim 16 * 0.75 / 2
+    config.rope_parameters = {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.0 + 2.0 * i for i in range(half)],
+        "original_max_position_embeddings": original_max,
+    }  # fmt: skip
+    config.original_max_position_embeddings = original_max
+    check_block(save_tiny_model(config, tmp_path / "m"), check_grads=False)

@@ -75,9 +75,12 @@ class LlamaBlock(CorollaBlock):
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = make_rotary_attention(config, layer_idx)
+        self.attn = self._make_attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = self._make_mlp(config)
+
+    def _make_attention(self, config, layer_idx: int):
+        return make_rotary_attention(config, layer_idx)
 
     def _make_mlp(self, config):
         return GatedMLP(

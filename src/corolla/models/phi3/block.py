@@ -1,21 +1,18 @@
 """The Phi-3 / Phi-4 decoder layer: Llama's layout with the checkpoint's fused projections read as stored
 (`self_attn.qkv_proj` rows `[q heads | k heads | v heads]`, `mlp.gate_up_proj` rows `[gate | up]`, both the row
-order of our fused parameters), optional partial rotary (`partial_rotary_factor`, Phi-4-mini) and a sliding
-window over every layer where the config sets `sliding_window`."""
+order of our fused parameters), optional partial rotary (`partial_rotary_factor`, Phi-4-mini), LongRoPE scaling
+(`rotary.py`) and a sliding window over every layer where the config sets `sliding_window`."""
 
 from __future__ import annotations
 
 from corolla.models.attention import Attention
 from corolla.models.block_base import TensorTarget
 from corolla.models.llama.block import LlamaBlock, head_dim_of, num_kv_heads_of
-from corolla.models.phi3.rotary import PartialRotaryEmbedding
-from corolla.models.positions import rope_parameters
+from corolla.models.phi3.rotary import make_phi3_rotary
 
 
 def make_phi3_attention(config) -> Attention:
     hd = head_dim_of(config)
-    params = rope_parameters(config)
-    rotary_dim = int(hd * float(params.get("partial_rotary_factor", 1.0)))
     window = getattr(config, "sliding_window", None)
     return Attention(
         config.hidden_size,
@@ -24,7 +21,7 @@ def make_phi3_attention(config) -> Attention:
         hd,
         qkv_bias=False,
         out_bias=False,
-        rotary=PartialRotaryEmbedding(hd, params, config.max_position_embeddings, rotary_dim=rotary_dim),
+        rotary=make_phi3_rotary(config, hd),
         sliding_window=None if window is None else int(window),
     )
 
@@ -33,9 +30,8 @@ class Phi3Block(LlamaBlock):
     """Checkpoint names: `self_attn.qkv_proj`, `self_attn.o_proj`, `mlp.gate_up_proj`, `mlp.down_proj`,
     `input_layernorm`, `post_attention_layernorm` (no biases)."""
 
-    def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.attn = make_phi3_attention(config)
+    def _make_attention(self, config, layer_idx: int) -> Attention:
+        return make_phi3_attention(config)
 
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
         return {

@@ -42,9 +42,8 @@ class Qwen3Block(LlamaBlock):
     """Checkpoint names: `self_attn.{q,k,v,o}_proj`, `self_attn.{q,k}_norm`, `mlp.{gate,up,down}_proj`,
     `input_layernorm`, `post_attention_layernorm`."""
 
-    def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.attn = make_qk_norm_attention(config, layer_idx)
+    def _make_attention(self, config, layer_idx: int) -> Attention:
+        return make_qk_norm_attention(config, layer_idx)
 
     def attn_layout(self) -> dict[str, TensorTarget]:
         return qk_norm_attn_layout(self.config)
