@@ -49,6 +49,10 @@ class ClientConfig:
     # long instead of sleeping: ~0.2-0.4 ms less per token on VMs, one core busy meanwhile; 0 = never (default)
     busy_poll_ms: float = 0.0
 
+    # name the following spans as `next_servers` so each server pushes its outputs straight to the next one (n+1
+    # one-way delays per step instead of 2n); the client still sends every span its own copy (client.forwarding)
+    server_forwarding: bool = True
+
     alloc_timeout_s: float = 0.0  # how long servers may wait for KV cache memory (sent as `alloc_timeout`)
     points: float = 0.0  # priority budget sent as `points`
     # move a span off a draining server by its KV cache (no replay of the history); cap on the bytes relayed

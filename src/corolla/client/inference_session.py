@@ -14,6 +14,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
+from corolla.client.forwarding import StepForwarding, is_pushed_reply, push_went_stale
 from corolla.client.handoff import HandoffLog, hand_off_draining_spans, needs_handoff, read_drain_notice
 from corolla.client.local_transport import LocalInferenceStream, responses_of
 from corolla.client.output_checks import BadServerOutput, check_outputs
@@ -65,6 +66,8 @@ class _SpanSession:
         self._declared_upstream: str | None = None
         self.drain_notice = None  # set when the server says it drains (client.handoff moves the span)
         self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
+        self.expected_push: tuple[str, int] | None = None  # (step_id, start) last named to reach it by push
+        self.last_reply_pushed = False  # the server flagged its last reply as the answer to a pushed step
 
     async def open(self) -> None:
         """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
@@ -85,6 +88,16 @@ class _SpanSession:
             stub = await self.manager.get_stub(self.span.peer_id)
             stream = await asyncio.wait_for(stub.rpc_inference(_read_requests()), config.connect_timeout_s)
         self._responses = stream.__aiter__()
+
+    @property
+    def accepts_pushes(self) -> bool:
+        """Open on its server (a push into a session the server does not have yet is dropped)."""
+        return self._started and not self._closed
+
+    @property
+    def declared_upstream(self) -> str | None:
+        """The upstream peer this span's server was told (the only peer it accepts pushes from)."""
+        return self._declared_upstream
 
     @property
     def transport(self) -> str | None:
@@ -135,6 +148,7 @@ class _SpanSession:
         hypo_ids: torch.Tensor,
         step_id: str,
         compression: int,
+        extra: dict[str, Any],
     ) -> tuple[runtime_pb2.ExpertRequest, torch.Tensor, int]:
         """The request for positions `[min(self.position, position), ...)`: (request, its inputs, their start)."""
         send_from = min(self.position, position)
@@ -146,6 +160,7 @@ class _SpanSession:
             "start_from_position": send_from,
             "args_structure": structure,
             **self.manager.request_metadata(self.span.peer_id),
+            **extra,  # client.forwarding: next step id, next_servers
         }
         if self.upstream_peer is not None and self.upstream_peer != self._declared_upstream:
             metadata[UPSTREAM_PEER_KEY] = self._declared_upstream = self.upstream_peer  # who may rpc_push to it
@@ -176,6 +191,7 @@ class _SpanSession:
         self._record(inputs, send_from)
         self.drain_notice = read_drain_notice(response)
         self.last_outputs = outputs
+        self.last_reply_pushed = is_pushed_reply(response)
         return outputs.to(dtype), send_from
 
     async def step(
@@ -187,6 +203,7 @@ class _SpanSession:
         prompts: torch.Tensor,
         hypo_ids: torch.Tensor,
         step_id: str,
+        extra: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, int]:
         """Runs positions `[min(self.position, position), position + T)`; returns (outputs, their first position).
 
@@ -195,7 +212,7 @@ class _SpanSession:
         """
         compression = await self.manager.input_compression(self.span.peer_id, self.manager.block_uids[self.span.start])
         request, inputs, send_from = self._request(
-            hidden, hidden_from, position, prompts, hypo_ids, step_id, compression
+            hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
         self._started = True
         await self._requests.put(request)
@@ -224,6 +241,7 @@ class _SpanSession:
         prompts: torch.Tensor,
         hypo_ids: torch.Tensor,
         step_id: str,
+        extra: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, int]:
         """`step` in the calling thread over the local stream (no hop to the client loop). On any failure the
         stream is closed, so the async path replaces this span (replaying its history) instead of reading a late
@@ -233,7 +251,7 @@ class _SpanSession:
         compression = self.manager.cached_input_compression(self.span.peer_id)
         assert compression is not None
         request, inputs, send_from = self._request(
-            hidden, hidden_from, position, prompts, hypo_ids, step_id, compression
+            hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
         try:
             response = self.local.exchange(request, timeout_s=config.request_timeout_s, poll_s=_poll_s(config))
@@ -316,6 +334,8 @@ class InferenceSession:
         self._closed = False
         self.output_ids: torch.Tensor | None = None  # tokens generated so far (kept by generate())
         self.num_steps_here = 0  # steps run in the caller's thread over local streams (no client-loop hop)
+        self.forwarding = StepForwarding(manager.config.server_forwarding)  # step ids, next_servers
+        self.num_pushed_steps = 0  # span steps whose server answered the copy pushed by the previous server
         self.handoffs = HandoffLog()  # spans moved off draining servers with their KV cache
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
@@ -403,15 +423,21 @@ class InferenceSession:
             s.can_step_here() for s in spans
         ):
             return None
-        position, step_id = self._position, str(uuid.uuid4())
+        position, step_id = self._position, self.forwarding.take_step_id()
         hidden, hidden_from = inputs, position
-        for span_session in spans:
+        for span_index, span_session in enumerate(spans):
             span_prompts = self._prompts_for(
                 span_session.span, prompts, sends_from_zero=min(span_session.position, position) == 0
             )
             try:
                 hidden, hidden_from = span_session.step_here(
-                    hidden, hidden_from, position=position, prompts=span_prompts, hypo_ids=DUMMY_INT64, step_id=step_id
+                    hidden,
+                    hidden_from,
+                    position=position,
+                    prompts=span_prompts,
+                    hypo_ids=DUMMY_INT64,
+                    step_id=step_id,
+                    extra=self.forwarding.request_extra(spans, span_index, position, step_id, allowed=False),
                 )
             except Exception as e:
                 logger.info(
@@ -427,7 +453,8 @@ class InferenceSession:
     async def _step(
         self, inputs: torch.Tensor, prompts: torch.Tensor | None, hypo_ids: torch.Tensor | None, *, verify: bool = False
     ) -> torch.Tensor:
-        position, step_id = self._position, str(uuid.uuid4())
+        position, step_id = self._position, self.forwarding.take_step_id()
+        may_forward = prompts is None and hypo_ids is None and self._zero_prompts is None  # see client.forwarding
         if hypo_ids is not None:
             for span_session in self._spans:
                 span_session.reorder(hypo_ids)
@@ -442,6 +469,11 @@ class InferenceSession:
                     pending_replacement = None
                     continue
                 span = span_session.span
+                if push_went_stale(span_session, step_id, position):  # its stream may hold another answer: reopen
+                    logger.info("inference_session.stale_push(blocks=%d:%d): reopening the span", span.start, span.end)
+                    span_session.expected_push = None
+                    pending_replacement = span_session
+                    continue
                 span_prompts = self._prompts_for(
                     span, prompts, sends_from_zero=min(span_session.position, position) == 0
                 )
@@ -452,7 +484,9 @@ class InferenceSession:
                     prompts=span_prompts,
                     hypo_ids=hypo_ids if hypo_ids is not None else DUMMY_INT64,
                     step_id=step_id,
+                    extra=self.forwarding.request_extra(self._spans, index, position, step_id, allowed=may_forward),
                 )
+                self.num_pushed_steps += span_session.last_reply_pushed
                 if verify and span_session.last_outputs is not None and span_session.history is not None:
                     await self.verifier.verify(span, span_session.history, span_session.last_outputs)
                 self.manager.on_request_success(span.peer_id)

@@ -1,0 +1,117 @@
+"""Server-to-server forwarding of inference steps (`ClientConfig.server_forwarding`).
+
+The client names, in each span's request, the following spans that can take this step's outputs by push
+(`next_servers`, Petals' wire format): span i's server pushes its outputs straight to span i+1's server, which
+computes and pushes on, so the last span's reply reaches the client after n+1 one-way delays instead of 2n. The
+client still sends every span its own copy of the step (same `step_id`; servers de-duplicate), as soon as it has
+the previous span's outputs: a lost or refused push costs latency, never correctness, and the client keeps every
+span's inputs for replays after a failure. Each request also announces the id of the client's next step
+(`corolla.next_step_id`): corolla servers run a pushed step only if it carries that id (server/peer_auth.py).
+
+A span is pushed to only when the push would be exactly the request the client sends it: same start position
+(not a replay or a replacement that has yet to catch up), no deep prompts and no `hypo_ids` (stock Petals servers
+push the session's *first* prompts/hypo_ids), an open session whose server already knows its upstream.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol.forwarding import NEXT_STEP_KEY, PUSHED_REPLY_KEY
+from corolla.protocol.metadata import decode_metadata
+from corolla.protocol.records import RemoteSpanInfo
+
+
+class ForwardingSpan(Protocol):
+    """What the planner reads of a span session (`inference_session._SpanSession`)."""
+
+    span: RemoteSpanInfo
+    session_id: str
+    position: int
+    expected_push: tuple[str, int] | None  # (step_id, start position) of the last step named to be pushed to it
+
+    @property
+    def accepts_pushes(self) -> bool: ...
+
+    @property
+    def declared_upstream(self) -> str | None: ...
+
+
+def _start(span: ForwardingSpan, position: int) -> int:
+    """The position a span's request for a step at `position` starts from (a replacement replays from 0)."""
+    return min(span.position, position)
+
+
+def can_push(source: ForwardingSpan, target: ForwardingSpan, position: int) -> bool:
+    """Whether `source`'s outputs for a step at `position` are exactly `target`'s next request."""
+    return (
+        source.span.end == target.span.start
+        and target.accepts_pushes
+        and target.declared_upstream == source.span.peer_id
+        and _start(source, position) == _start(target, position)
+    )
+
+
+def push_chain(spans: Sequence[ForwardingSpan], index: int, position: int) -> list[ForwardingSpan]:
+    """The spans after `spans[index]` that this step's outputs reach by push, in order (maybe none)."""
+    chain: list[ForwardingSpan] = []
+    source = spans[index]
+    for target in spans[index + 1 :]:
+        if not can_push(source, target, position):
+            break
+        chain.append(target)
+        source = target
+    return chain
+
+
+class StepForwarding:
+    """Step ids and the forwarding metadata of one `InferenceSession`."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._next_step_id = str(uuid.uuid4())
+
+    def take_step_id(self) -> str:
+        """The id of the step starting now (the one announced so far); announces a fresh one for the next step."""
+        step_id, self._next_step_id = self._next_step_id, str(uuid.uuid4())
+        return step_id
+
+    def request_extra(
+        self, spans: Sequence[ForwardingSpan], index: int, position: int, step_id: str, *, allowed: bool
+    ) -> dict[str, Any]:
+        """Metadata to add to `spans[index]`'s request: the next step's id and, when `allowed` (no prompts, no
+        hypo_ids), the `next_servers` chain; marks the spans named there as expecting this step by push."""
+        if not self.enabled:
+            return {}
+        extra: dict[str, Any] = {NEXT_STEP_KEY: self._next_step_id}
+        chain = push_chain(spans, index, position) if allowed else []
+        if chain:
+            extra["next_servers"] = [[s.span.peer_id, s.session_id, s.span.start, s.span.end] for s in chain]
+            for target in chain:
+                target.expected_push = (step_id, _start(target, position))
+        return extra
+
+
+def push_went_stale(span: ForwardingSpan, step_id: str, position: int) -> bool:
+    """True when `span` may have answered this step by push from another start position than the request the
+    client must send it now (e.g. a tainted history makes it replay): its stream may hold an answer that is not the
+    one the client needs, so the span must be reopened instead."""
+    return (
+        span.expected_push is not None
+        and span.expected_push[0] == step_id
+        and (span.expected_push[1] != _start(span, position))
+    )
+
+
+def is_pushed_reply(response: runtime_pb2.ExpertResponse) -> bool:
+    """Whether a corolla server flagged `response` as the answer to a step that reached it by push."""
+    if not response.metadata:
+        return False
+    try:
+        return decode_metadata(response.metadata).get(PUSHED_REPLY_KEY) is True
+    except ValueError:
+        return False  # only a statistic: a malformed flag counts as not pushed

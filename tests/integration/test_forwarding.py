@@ -1,0 +1,150 @@
+"""Server-to-server forwarding (client.forwarding) through a chain of three in-process servers (tiny Llama, blocks
+0:2, 2:3, 3:4, plus a replica of 2:3), each behind a WAN proxy (corolla.wan) with a small one-way delay: greedy
+tokens identical to local transformers with the push path in use (replies flagged as answers to pushed steps), and
+the middle server cut off mid-generation (its proxy closed: connections reset, new ones refused, as for a killed
+process) still gives identical tokens, the replacement chain being pushed to in turn."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.wan import LinkConfig, ProxyThread
+from helpers.swarm import start_inprocess_server
+from helpers.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.timeout(180)
+
+DELAY_MS = 5.0
+PROMPT = torch.tensor([[1, 8, 27, 64, 125]])
+NEW_TOKENS = 16
+SPANS = ((0, 2), (2, 3), (2, 3), (3, 4))  # the second (2, 3) is the replica that takes over
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("models"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def chain(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """(servers, their proxies, the ProxyThread): every connection to a server crosses its proxy."""
+    servers, proxies = [], []
+    with ProxyThread() as wan:
+        try:
+            for index, (start, end) in enumerate(SPANS):
+                port = _free_port()
+                proxy = wan.add(port, LinkConfig(delay_ms=DELAY_MS))
+                peers = (
+                    {"new_swarm": True}
+                    if not servers
+                    else {"new_swarm": False, "initial_peers": tuple(servers[0].join_maddrs)}
+                )
+                servers.append(
+                    start_inprocess_server(
+                        model_path,
+                        tmp_path_factory.mktemp(f"cache{index}"),
+                        host_maddrs=(f"/ip4/127.0.0.1/tcp/{port}",),
+                        announce_maddrs=(f"/ip4/127.0.0.1/tcp/{proxy.port}",),
+                        local_socket=False,
+                        throughput=1.0,
+                        block_indices=(start, end),
+                        step_timeout_s=30.0,
+                        request_timeout_s=10.0,
+                        **peers,
+                    )
+                )
+                proxies.append(proxy)
+            yield servers, proxies, wan
+        finally:
+            for server in servers:
+                server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(model_path: Path) -> list[list[int]]:
+    local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return local.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+
+
+class AtToken:
+    """A streamer that runs `action(session)` once, at generated token `at`, and times every token."""
+
+    def __init__(self, at: int | None, action=None):
+        self.at, self.action, self.count, self.session = at, action, 0, None
+        self.times: list[float] = []
+        self.route: list[tuple[str, int, int]] = []  # the chain when the last token came
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+        if self.session is not None:
+            self.route = [(span.peer_id, span.start, span.end) for span, _ in self.session.route]
+        self.count += 1
+        if self.at is not None and self.count == self.at + 1:  # the first put is the prompt
+            self.action(self.session)
+
+    def end(self) -> None:
+        pass
+
+
+def _generate(servers, streamer: AtToken, **config) -> list[list[int]]:
+    client_config = ClientConfig(
+        max_retries=5,
+        min_backoff_s=0.1,
+        update_period_s=2.0,
+        liveness_check_period_s=1.0,
+        request_timeout_s=20.0,
+        local_transport=False,
+        **config,
+    )
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        servers[0].config.model_name_or_path, initial_peers=list(servers[0].join_maddrs), client_config=client_config
+    ) as model:
+        with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as session:
+            streamer.session = session
+            return model.generate(
+                PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, session=session, streamer=streamer
+            ).tolist()
+
+
+def test_forwarding_through_a_delayed_chain_is_token_identical(chain, expected):
+    servers, _, _ = chain
+    streamer = AtToken(None)
+    assert _generate(servers, streamer) == expected
+    assert [(start, end) for _, start, end in streamer.route] == [(0, 2), (2, 3), (3, 4)]
+    per_token_ms = 1000 * (streamer.times[-1] - streamer.times[2]) / (len(streamer.times) - 3)
+    print(f"forwarding: {per_token_ms:.1f} ms per token through 3 servers behind {DELAY_MS} ms proxies")
+    # every step after the prefill: spans 2 and 3 answered the copy pushed by the previous server
+    assert streamer.session.num_pushed_steps >= 2 * (NEW_TOKENS - 2), streamer.session.num_pushed_steps
+
+
+def test_middle_server_cut_off_mid_generation(chain, expected):
+    servers, proxies, wan = chain
+    cut: list[str] = []
+
+    def cut_off(session) -> None:
+        middle = next(span.peer_id for span, _ in session.route if span.start == 2)
+        index = next(i for i, server in enumerate(servers) if server.peer_id == middle)
+        asyncio.run_coroutine_threadsafe(proxies[index].close(), wan.loop).result(10)
+        cut.append(middle)
+
+    streamer = AtToken(6, cut_off)
+    assert _generate(servers, streamer) == expected
+    middle_now = next(peer_id for peer_id, start, _ in streamer.route if start == 2)
+    assert cut and middle_now != cut[0]
+    # the replacement chain is pushed to as well: the last tokens' spans 2 and 3 answered pushed copies
+    assert streamer.session.num_pushed_steps >= 2 * (NEW_TOKENS - 2) - 6, streamer.session.num_pushed_steps
