@@ -4,6 +4,7 @@ the inputs and the weights; plus config variants (dense/sparse layers, q_proj wi
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,8 @@ from transformers import AutoModelForCausalLM
 import helpers.tiny_models_fam_a as fam_a
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
+from corolla.models.registry import get_family
+from corolla.models.tensor_parallel import make_tensor_parallel
 from helpers.tiny_models import capture_hf_layer, hf_layers, make_tiny_model, save_tiny_model, torch_threads
 
 SEQ = 13  # = the inference steps 10, 1, 1, 1
@@ -157,3 +160,32 @@ def test_phi3_longrope_with_partial_rotary(original_max, tmp_path):
     }  # fmt: skip
     config.original_max_position_embeddings = original_max
     check_block(save_tiny_model(config, tmp_path / "m"), check_grads=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "phi3"])
+def test_tensor_parallel_split_equals_unsplit(family, tmp_path):
+    """Two CPU shards: per-head q/k norms travel with every shard, the un-renormalized router option too."""
+    config = fam_a.tiny_config_of(family)
+    if family == "qwen3_moe":
+        config.norm_topk_prob = False
+    if family == "phi3":
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    model_dir = save_tiny_model(config, tmp_path / "m")
+    block = load_pretrained_block(model_dir, 1, config=load_config(model_dir), torch_dtype=torch.float32)
+    split = make_tensor_parallel(copy.deepcopy(block), ["cpu", "cpu"])
+    x = torch.randn(2, 9, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(split(x), block(x), atol=1e-5, rtol=0)
+        caches = [[d.make_zeros() for d in b.cache_descriptors(2, 16)] for b in (block, split)]
+        for position, n in ((0, 6), (6, 1), (3, 2)):  # the last one rolls back
+            chunk = x[:, position : position + n]
+            ours = split(chunk, cache=caches[1], position=position)
+            torch.testing.assert_close(ours, block(chunk, cache=caches[0], position=position), atol=1e-5, rtol=0)
+
+
+def test_tensor_parallel_refuses_latent_attention():
+    config = fam_a.deepseek_v3_config(2)
+    with torch.device("meta"):
+        block = get_family(config).build_block(config, 1)
+    with pytest.raises(ValueError, match="can't split LatentAttention"):
+        make_tensor_parallel(block, ["meta", "meta"])

@@ -34,8 +34,10 @@ def make_tensor_parallel(
     for name, module in block.named_modules():
         if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
             raise ValueError(f"{name} is already quantized ({type(module).__name__}): call make_tensor_parallel first")
-    if not isinstance(block.attn, Attention):
+    if isinstance(block.attn, ParallelAttention):
         raise ValueError("block is already tensor parallel")
+    if not isinstance(block.attn, Attention):  # e.g. DeepSeek-V3's latent attention
+        raise ValueError(f"tensor parallelism can't split {type(block.attn).__name__}")
     block.attn = ParallelAttention(_split_attention(block.attn, devices), out)
     if isinstance(block.mlp, SparseMoE):
         block.mlp = ParallelMLP(_split_moe(block.mlp, devices), out)
