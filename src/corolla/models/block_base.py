@@ -71,7 +71,7 @@ class CorollaBlock(nn.Module):
 
     forward(hidden_states [B,T,H], *, cache=None, position=0) -> [B,T,H]:
       * with `cache` (the tensors described by `cache_descriptors`: K and V `[B, kv_heads, max_length, head_dim]`
-        per attention shard), writes this step's keys/values at `[position, position+T)` and attends causally
+        per attention shard; MLA blocks: latent and rotary key `[B, 1, max_length, dim]`), writes this step's keys/values at `[position, position+T)` and attends causally
         over `[0, position+T)`; rolling back is calling again with a smaller `position`;
       * without `cache`: causal attention over the T tokens (positions start at `position`); supports autograd.
     """
@@ -105,7 +105,8 @@ class CorollaBlock(nn.Module):
         raise NotImplementedError
 
     def cache_descriptors(self, batch_size: int, max_length: int) -> list[TensorDescriptor]:
-        """K and V `[batch, kv_heads, max_length, head_dim]` for each attention shard, in the block's dtype/device."""
+        """The attention's cache tensors (K and V `[batch, kv_heads, max_length, head_dim]` per shard; MLA: latent
+        and rotary key), in the block's dtype/device."""
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"batch_size and max_length must be >= 1, got {batch_size}, {max_length}")
         return self.attn.cache_descriptors(batch_size, max_length, self.dtype)
