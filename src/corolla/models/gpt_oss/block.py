@@ -31,9 +31,28 @@ class GptOssRMSNorm(nn.Module):
         return (self.weight * x32).to(x.dtype)
 
 
-class GptOssMoE(nn.Module):
-    """Top-k experts per token. `router` [E, H] + bias; `gate_up_proj` [E, H, 2I] (even columns gate, odd up),
+class GptOssExperts(nn.Module):
+    """E clamped-SwiGLU experts, stacked as stored: `gate_up_proj` [E, H, 2I] (even columns gate, odd up),
     `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, H], `down_proj_bias` [E, H]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, 2 * intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, intermediate_size, hidden_size))
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def run(self, e: int, x: torch.Tensor) -> torch.Tensor:  # expert e: [n, H] -> [n, H]
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I]
+        gate = gate_up[..., ::2].clamp(max=self.limit)  # [n, I]
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)  # [n, I]
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
+
+
+class GptOssMoE(nn.Module):
+    """Top-k experts per token: `router` [E, H] + bias, softmax over the k largest logits, `experts`."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, alpha: float, limit: float
@@ -41,19 +60,9 @@ class GptOssMoE(nn.Module):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
-        self.num_experts, self.top_k, self.alpha, self.limit = num_experts, top_k, alpha, limit
+        self.num_experts, self.top_k = num_experts, top_k
         self.router = nn.Linear(hidden_size, num_experts, bias=True)
-        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, 2 * intermediate_size))
-        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size))
-        self.down_proj = nn.Parameter(torch.zeros(num_experts, intermediate_size, hidden_size))
-        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
-
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I]
-        gate = gate_up[..., ::2].clamp(max=self.limit)  # [n, I]
-        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)  # [n, I]
-        glu = gate * torch.sigmoid(gate * self.alpha)
-        return ((up + 1) * glu) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
+        self.experts = GptOssExperts(hidden_size, intermediate_size, num_experts, alpha, limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, H] -> [B, T, H]
         B, T, H = x.shape
@@ -64,7 +73,7 @@ class GptOssMoE(nn.Module):
         out = torch.zeros_like(flat)  # [N, H]
         for e in torch.unique(top_i).tolist():
             token_idx, slot = torch.where(top_i == e)  # [n], [n]
-            y = self._expert(e, flat[token_idx]) * top_w[token_idx, slot, None]  # [n, H]
+            y = self.experts.run(e, flat[token_idx]) * top_w[token_idx, slot, None]  # [n, H]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out.reshape(B, T, H)
 
@@ -115,9 +124,5 @@ class GptOssBlock(CorollaBlock):
         layout["mlp.router.weight"] = TensorTarget("mlp.router.weight")
         layout["mlp.router.bias"] = TensorTarget("mlp.router.bias")
         for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
-            layout[f"mlp.experts.{name}"] = TensorTarget(f"mlp.{name}")
+            layout[f"mlp.experts.{name}"] = TensorTarget(f"mlp.experts.{name}")
         return layout
-
-    def expert_parameter_names(self) -> tuple[str, ...]:
-        """Our parameters holding expert weights (all of them are memory; `top_k` of E are used per token)."""
-        return ("mlp.gate_up_proj", "mlp.gate_up_proj_bias", "mlp.down_proj", "mlp.down_proj_bias")
