@@ -121,3 +121,14 @@ def test_tensor_validation():
         bf.validate_hypo_ids(torch.tensor([2, 0]), batch_size=2)
     with pytest.raises(ValueError, match="adapter"):
         bf.validate_adapter("nope", LIMITS)
+
+
+def test_announced_pings_forget_a_peer_that_left() -> None:
+    """The announcer smooths RTTs with the one `PingAggregator` and drops peers not pinged for a few rounds."""
+    announcer = make_announcer("model", [100])  # update_period_s=0.2
+    pings = announcer._pings
+    pings.update("stays", 0.10, now=0.0)
+    pings.update("leaves", 0.30, now=0.0)
+    pings.update("stays", 0.20, now=0.5)
+    assert pings.to_dict(now=0.5) == {"stays": pytest.approx(0.8 * 0.10 + 0.2 * 0.20), "leaves": 0.30}
+    assert pings.to_dict(now=0.9) == {"stays": pytest.approx(0.12)}  # 0.9 s > 3 rounds of 0.2 s since "leaves"

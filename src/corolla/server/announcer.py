@@ -13,6 +13,7 @@ from typing import Any
 
 from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
+from corolla.swarm.ping import PingAggregator
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -21,6 +22,7 @@ MAX_PINGED = 5
 PING_EMA_ALPHA = 0.2
 DHT_CALL_TIMEOUT_S = 10.0
 PING_TIMEOUT_S = 5.0
+PING_FORGET_ROUNDS = 3
 
 
 class Announcer:
@@ -61,7 +63,9 @@ class Announcer:
         # the blocks after our first one, up to and including the block right after our span
         last_next = min(block_indices.stop + 1, total_blocks)
         self.next_uids = [make_uid(dht_prefix, i) for i in range(block_indices.start + 1, last_next)]
-        self._pings: dict[str, float] = {}
+        # smoothed RTTs to the next servers; a peer not pinged for PING_FORGET_ROUNDS announcements (it left, or
+        # was not sampled) is forgotten
+        self._pings = PingAggregator(ema_alpha=PING_EMA_ALPHA, expiration_s=PING_FORGET_ROUNDS * update_period_s)
         self._trigger = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_announcements = 0
@@ -122,7 +126,7 @@ class Announcer:
         self.server_info.cache_tokens_left = max(0, int(self.cache_tokens_left()))
         if state != ServerState.OFFLINE:
             await self._ping_next_servers()
-            self.server_info.next_pings = dict(self._pings)
+            self.server_info.next_pings = self._pings.to_dict()
         else:
             self.server_info.next_pings = None
         expiration_time = time.time() + self.expiration_s  # hivemind's get_dht_time() is wall-clock time
@@ -171,12 +175,7 @@ class Announcer:
                 return_exceptions=True,
             )
             for peer, rtt in zip(chosen, rtts, strict=True):
-                rtt = float(rtt) if isinstance(rtt, (int, float)) else math.inf
-                previous = self._pings.get(peer)
-                if previous is None or math.isinf(previous) or math.isinf(rtt):
-                    self._pings[peer] = rtt
-                else:
-                    self._pings[peer] = PING_EMA_ALPHA * rtt + (1 - PING_EMA_ALPHA) * previous
+                self._pings.update(peer, float(rtt) if isinstance(rtt, (int, float)) else math.inf)
         except asyncio.CancelledError:
             raise
         except Exception as e:

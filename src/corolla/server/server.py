@@ -10,7 +10,6 @@ import gc
 import random
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from corolla import PETALS_COMPAT_VERSION
 from corolla.protocol.codecs import compression_from_name
 from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
-from corolla.protocol.uids import make_uid, validate_dht_prefix
+from corolla.protocol.uids import make_uid
 from corolla.server.announcer import Announcer
 from corolla.server.backend import SpanBackend
 from corolla.server.block_functions import ServingLimits
@@ -29,8 +28,8 @@ from corolla.server.executor import SpanExecutor
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.peer_auth import make_peer_auth
 from corolla.server.reachability_gate import validate_reachability
-from corolla.server.runtime import Runtime
 from corolla.server.sessions import SessionTimeouts
+from corolla.server.settings import describe_settings, resolve_settings
 from corolla.server.span_service import SpanService
 from corolla.utils import busy_poll
 from corolla.utils.errors import ConfigurationError
@@ -43,30 +42,12 @@ MAX_CONSECUTIVE_FAILURES = 5
 DHT_READ_TIMEOUT_S = 20.0
 
 
-@dataclass
-class ResolvedSettings:
-    """What the server derived from its config and the model config (logged at start)."""
-
-    device: torch.device
-    dtype: torch.dtype
-    quant_type: str
-    dht_prefix: str
-    total_blocks: int
-    num_blocks: int
-    hidden_size: int
-    inference_max_length_tokens: int
-    max_batch_size_tokens: int
-    attn_cache_tokens: int
-    kv_bytes_per_token_block: int  # K or V of one token in one block (the announced cache_tokens_left unit)
-    cache_bytes_per_block: int
-
-
 class Server:
     """One server process. `run()` blocks until stopped (SIGINT/SIGTERM via `request_stop()`); `start()` runs the
     same loop in a background thread (for in-process tests) and waits until it serves."""
 
     def __init__(self, config: ServerConfig):
-        from corolla.models.config import default_dht_prefix, load_config
+        from corolla.models.config import load_config
         from corolla.models.registry import get_family
         from corolla.server import startup_checks
 
@@ -79,38 +60,8 @@ class Server:
             config.model_name_or_path, revision=config.revision, token=config.token, cache_dir=config.cache_dir
         )
         self.family = get_family(self.model_config)
-        mc = self.model_config
-        dtype = startup_checks.resolve_dtype(mc, config.torch_dtype, device)
-        dht_prefix = validate_dht_prefix(config.dht_prefix or default_dht_prefix(config.model_name_or_path, mc))
-        from corolla.server import sizing
-
-        total_blocks = int(mc.num_hidden_layers)
-        attn_cache_tokens = config.attn_cache_tokens or sizing.default_attn_cache_tokens(mc)
-        kv_bytes = sizing.kv_bytes_per_token_block(mc, dtype)
-        if config.block_indices is not None:
-            start, end = config.block_indices
-            if end > total_blocks:
-                raise ValueError(f"block_indices {start}:{end} go past the model's {total_blocks} blocks")
-            num_blocks = end - start
-        elif config.num_blocks is not None:
-            num_blocks = min(config.num_blocks, total_blocks)
-        else:
-            num_blocks = self._choose_num_blocks(device, dtype, quant_type, 2 * kv_bytes * attn_cache_tokens)
-        self.settings = ResolvedSettings(
-            device=device,
-            dtype=dtype,
-            quant_type=quant_type,
-            dht_prefix=dht_prefix,
-            total_blocks=total_blocks,
-            num_blocks=num_blocks,
-            hidden_size=int(mc.hidden_size),
-            inference_max_length_tokens=config.inference_max_length_tokens
-            or sizing.default_inference_max_length_tokens(mc),
-            max_batch_size_tokens=config.max_batch_size_tokens or sizing.default_max_batch_size_tokens(mc),
-            attn_cache_tokens=attn_cache_tokens,
-            kv_bytes_per_token_block=kv_bytes,
-            cache_bytes_per_block=2 * kv_bytes * attn_cache_tokens,
-        )
+        self.settings = resolve_settings(config, self.model_config, device, quant_type)
+        dtype, dht_prefix, total_blocks = self.settings.dtype, self.settings.dht_prefix, self.settings.total_blocks
         self.module_uids = [make_uid(dht_prefix, i) for i in range(total_blocks)]
         self.compression = compression_from_name(config.compression)
         if config.compression == "FLOAT16" and dtype == torch.bfloat16:
@@ -144,34 +95,8 @@ class Server:
 
     # ---- settings ---------------------------------------------------------------------------------------------
 
-    def _choose_num_blocks(self, device: torch.device, dtype: torch.dtype, quant_type: str, cache_bytes: int) -> int:
-        from corolla.server.sizing import adapter_bytes_per_block, choose_num_blocks
-
-        c = self.config
-        adapter_bytes = adapter_bytes_per_block(
-            c.adapters, dtype=dtype, cache_dir=c.cache_dir, revision=c.revision, token=c.token
-        )
-        return int(
-            choose_num_blocks(
-                self.model_config,
-                device=device,
-                dtype=dtype,
-                quant_type=quant_type,
-                cache_bytes_per_block=cache_bytes,
-                adapter_bytes_per_block=adapter_bytes,
-                tensor_parallel_devices=[torch.device(d) for d in c.tensor_parallel_devices or ()],
-            )
-        )
-
     def describe(self) -> str:
-        s = self.settings
-        return (
-            f"device={s.device}, dtype={str(s.dtype).removeprefix('torch.')}, quant={s.quant_type}, "
-            f"blocks={self.config.block_indices or s.num_blocks} of {s.total_blocks}, prefix={s.dht_prefix}, "
-            f"cache={s.cache_bytes_per_block * s.num_blocks / 2**20:.1f} MiB ({s.attn_cache_tokens} tokens/block, "
-            f"{2 * s.kv_bytes_per_token_block} KV bytes/token/block), "
-            f"inference_max_length={s.inference_max_length_tokens}, max_batch_size={s.max_batch_size_tokens}"
-        )
+        return describe_settings(self.settings, self.config)
 
     def measure_throughput(self) -> dict[str, float]:
         from corolla.server.throughput import get_server_throughput
@@ -516,28 +441,9 @@ class Server:
 
     def _make_executor(self, backend: SpanBackend, cache_bytes: int) -> SpanExecutor:
         """The executor of this span: the fast path where the engine supports it (`serving_path`), else plain."""
-        from corolla.engine.serving import SpanTraits
-        from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
+        from corolla.server.serving_path import executor_for_span
 
-        c, s = self.config, self.settings
-        tp_devices = len(c.tensor_parallel_devices or ())
-        traits = SpanTraits(
-            device_type=s.device.type,
-            dtype=s.dtype,
-            quant_type=s.quant_type,
-            family=self.family.family,
-            num_adapters=len(c.adapters),
-            tensor_parallel_devices=tp_devices,
-        )
-        choice = choose_serving_path(c.serving_path if c.fast_path else "plain", traits)
-        runtime = Runtime(max_batch_size_tokens=s.max_batch_size_tokens, device=s.device)
-        settings = ExecutorSettings(
-            cache_bytes=cache_bytes,
-            max_seq_len_tokens=s.inference_max_length_tokens,
-            max_alloc_timeout_s=c.max_alloc_timeout_s,
-            tensor_parallel=tp_devices > 1,
-        )
-        return make_executor(choice, backend, runtime, settings, self.metrics)
+        return executor_for_span(self.config, self.settings, self.family.family, backend, cache_bytes, self.metrics)
 
     def _cache_tokens_left(self) -> int:
         """Announced cache_tokens_left (K or V of one token in one block): the whole budget until serving."""

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.server.backend import SpanBackend
+from corolla.server.config import ServerConfig
 from corolla.server.executor import PATH_FAST, PATH_PLAIN, SpanExecutor
 from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import ServerMetrics
 from corolla.server.plain_executor import PlainExecutor
 from corolla.server.runtime import Runtime
+from corolla.server.settings import ResolvedSettings
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
@@ -98,3 +100,33 @@ def _report(path: str, reason: str, metrics: ServerMetrics | None) -> None:
     logger.info(f"server.serving_path(path={path}, reason={reason!r})")
     if metrics is not None:
         metrics.serving_path(path)
+
+
+def executor_for_span(
+    config: ServerConfig,
+    settings: ResolvedSettings,
+    family: str,
+    backend: SpanBackend,
+    cache_bytes: int,
+    metrics: ServerMetrics | None,
+) -> SpanExecutor:
+    """A server's executor for its loaded span, on a new runtime: `--serving_path` (and `--no_fast_path`, which
+    means plain) against what the engine supports."""
+    tp_devices = len(config.tensor_parallel_devices or ())
+    traits = SpanTraits(
+        device_type=settings.device.type,
+        dtype=settings.dtype,
+        quant_type=settings.quant_type,
+        family=family,
+        num_adapters=len(config.adapters),
+        tensor_parallel_devices=tp_devices,
+    )
+    choice = choose_serving_path(config.serving_path if config.fast_path else PATH_PLAIN, traits)
+    runtime = Runtime(max_batch_size_tokens=settings.max_batch_size_tokens, device=settings.device)
+    executor_settings = ExecutorSettings(
+        cache_bytes=cache_bytes,
+        max_seq_len_tokens=settings.inference_max_length_tokens,
+        max_alloc_timeout_s=config.max_alloc_timeout_s,
+        tensor_parallel=tp_devices > 1,
+    )
+    return make_executor(choice, backend, runtime, executor_settings, metrics)

@@ -3,13 +3,14 @@ block bytes per quantization type, and `choose_num_blocks` from device memory (c
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from corolla.models import sizing as models_sizing
+from corolla.models.registry import get_family
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
 
@@ -19,8 +20,6 @@ GQA_ATTN_CACHE_TOKENS = 16384
 MHA_ATTN_CACHE_TOKENS = 4096
 GQA_MAX_LENGTH_TOKENS = 8192  # inference_max_length and max_batch_size defaults with GQA/MQA
 MHA_MAX_LENGTH_TOKENS = 2048
-# Bytes per parameter in memory for each quantization type (nf4 includes its quantization statistics).
-QUANT_BYTES_PER_PARAM = {"int8": 1.0, "nf4": 4.25 / 8}
 BLOCK_SIZE_MARGIN = 1.01
 # Reserve for activations of forward/backward: 2 GiB per device at BLOOM-176B's hidden size, scaled linearly.
 AUTOGRAD_RESERVE_BYTES_AT_REFERENCE = 2 * 2**30
@@ -34,10 +33,8 @@ MAX_TENSOR_PARALLEL_MEMORY_RATIO = 1.5
 def num_kv_heads(config: Any) -> int:
     """KV heads cached per block, from the model family (Mixtral's `num_key_value_heads` counted correctly)."""
     try:
-        from corolla.models.registry import get_family
-
         return int(get_family(config).num_kv_heads(config))
-    except (ImportError, ValueError):  # unknown family: the common config attribute
+    except ValueError:  # unknown family: the common config attribute
         return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
 
 
@@ -85,59 +82,19 @@ def cache_bytes_per_block(config: Any, dtype: torch.dtype, attn_cache_tokens: in
 _cache_bytes_per_block = cache_bytes_per_block  # reachable inside functions whose argument shares the name
 
 
-def _quant_name(quant_type: Any) -> str:
-    return str(getattr(quant_type, "name", quant_type) or "none").lower()
-
-
 def block_num_params(config: Any) -> int:
-    """Parameters of one decoder block, counted on the meta device (no memory used): our own block through the
-    models registry, else the `transformers` reference layer of the family."""
-    try:
-        from corolla.models.sizing import count_block_parameters
-
-        return int(count_block_parameters(config))
-    except ImportError:  # models/sizing.py absent, or this family's block not written yet
-        pass
-    try:
-        from corolla.models.registry import get_family
-
-        family = get_family(config)
-    except (ImportError, ValueError) as e:
-        raise ValueError(f"Cannot size blocks of model_type {getattr(config, 'model_type', None)!r}: {e}") from e
-    hf_config = copy.deepcopy(config)
-    if getattr(hf_config, "_attn_implementation", None) is None:
-        hf_config._attn_implementation = "eager"
-    errors = []
-    for build in (lambda: family.hf_layer_class(hf_config, 0), lambda: family.hf_layer_class(hf_config)):
-        try:
-            with torch.device("meta"):
-                block = build()
-            return sum(p.numel() for p in block.parameters())
-        except Exception as e:  # try the next way of building a block
-            errors.append(repr(e))
-    raise ValueError(f"Cannot build a block of {config.model_type!r} to count its parameters: {errors}")
+    """Parameters of one decoder block (the largest one), counted on the meta device (no memory used)."""
+    return int(models_sizing.count_block_parameters(config))
 
 
 def block_size_bytes(
     config: Any, *, dtype: torch.dtype, quant_type: Any = "none", location: str = "memory", eps: float = 0.01
 ) -> int:
-    """Bytes of one block: in `memory` with `quant_type` (none: dtype bytes, int8: 1, nf4: 4.25/8 per parameter,
-    plus `eps`), or on `disk` in the checkpoint's dtype. Memory sizes come from models/sizing.py when it can."""
+    """Bytes of one block: in `memory` with `quant_type` (models/sizing.py: none: dtype bytes, int8: 1, nf4: 4.25/8
+    per parameter, plus 1%), or on `disk` in the checkpoint's dtype (plus `eps`)."""
     if location == "memory":
-        try:
-            from corolla.models.sizing import block_size_bytes as models_block_size_bytes
-
-            return int(models_block_size_bytes(config, dtype, quant_type))
-        except ImportError:  # models/sizing.py absent, or this family's block not written yet
-            pass
-        quant = _quant_name(quant_type)
-        if quant == "none":
-            bytes_per_param = float(dtype.itemsize)
-        elif quant in QUANT_BYTES_PER_PARAM:
-            bytes_per_param = QUANT_BYTES_PER_PARAM[quant]
-        else:
-            raise ValueError(f"Unknown quant_type {quant!r}; expected none, int8 or nf4")
-    elif location == "disk":
+        return int(models_sizing.block_size_bytes(config, dtype, quant_type))
+    if location == "disk":
         bytes_per_param = float(_checkpoint_dtype(config).itemsize)
     else:
         raise ValueError(f"location must be 'memory' or 'disk', got {location!r}")
