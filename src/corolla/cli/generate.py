@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-run this fraction of steps on a second server of each span and ban servers that disagree",
     )
     parser.add_argument(
+        "--server_forwarding",
+        action=argparse.BooleanOptionalAction,
+        default=ClientConfig.server_forwarding,
+        help="each server pushes its outputs straight to the next one (n+1 one-way delays per token instead of 2n); "
+        "--no-server_forwarding relays every hop through this client",
+    )
+    parser.add_argument(
         "--speculative",
         choices=["draft", "lookup"],
         default=None,
@@ -138,7 +145,9 @@ def _main(argv: list[str] | None = None) -> int:
         request_timeout_s=args.request_timeout_s, max_retries=args.max_retries, swarm_key_file=args.swarm_key_file
     )
     wait_s = args.max_wait_s if args.max_wait_s > 0 else None
-    config = dataclasses.replace(config, max_wait_s=wait_s, verify_fraction=args.verify_fraction)
+    config = dataclasses.replace(
+        config, max_wait_s=wait_s, verify_fraction=args.verify_fraction, server_forwarding=args.server_forwarding
+    )
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     speculative = None
     if args.speculative is not None:
