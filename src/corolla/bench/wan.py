@@ -113,7 +113,7 @@ def _corolla_rows(args, wan, workdir: Path, model_path: Path, n: int, prompt: to
         clients = {}
         try:
             for kind in sorted({kinds[m][0] for m in wanted} & set(configs)):
-                config = ClientConfig(max_retries=3, update_period_s=60.0, **configs[kind])
+                config = dataclasses.replace(ClientConfig(max_retries=3, update_period_s=60.0), **configs[kind])
                 clients[kind] = AutoDistributedModelForCausalLM.from_pretrained(
                     model_path, initial_peers=chain.initial_peers, client_config=config
                 )
@@ -137,6 +137,11 @@ def _corolla_rows(args, wan, workdir: Path, model_path: Path, n: int, prompt: to
             for client in clients.values():
                 client.shutdown()
     return rows
+
+
+def _round_line(i: int):
+    prefix = f'petals-wan: round {{"round": {i},'
+    return lambda line: line.startswith(prefix)
 
 
 def _petals_rows(args, wan, workdir: Path, model_path: Path, n: int, prompt: torch.Tensor, log) -> list[dict]:
@@ -171,7 +176,7 @@ def _petals_rows(args, wan, workdir: Path, model_path: Path, n: int, prompt: tor
             for i, d in enumerate(delays):
                 chain.set_link(_link(args, d))
                 (rounds_dir / f"go-{i}").touch()
-                line = client.wait_for_line(lambda s, i=i: s.startswith(f'petals-wan: round {{"round": {i},'), 600)
+                line = client.wait_for_line(_round_line(i), 600)
                 runs = json.loads(line.split("petals-wan: round ", 1)[1])["runs"][1:]  # the first one warms up
                 result = ModeResult("petals")
                 from corolla.bench.wan_measure import decode_ms_per_token
