@@ -1,8 +1,8 @@
 """Triton dequantize-GEMM kernels for few-row inputs (decode steps of up to `QUANT_KERNEL_MAX_ROWS` rows) reading
 the NF4 and Int8 layouts of `engine.quant` in place: out[M, N] = x[M, K] @ W[N, K]^T (+ residual).
 
-Batch invariance: every program computes a fixed 16-row tile of the output with the same instruction sequence
-and the same K order, and a split of K (when the tuned config has one) is summed in a fixed order by a second
+Batch invariance: every 16-row tile of the output is computed with the same instruction sequence and the same K
+order (an NF4 program may carry up to four such tiles to read its weight bytes once), and a split of K (when the tuned config has one) is summed in a fixed order by a second
 kernel: no atomics, no choice that depends on M. A row's output is therefore bit-identical whether it runs alone or
 merged with other sessions' rows. CUDA-graph safe: static shapes, no host synchronization. Importing fails without
 Triton."""
@@ -49,6 +49,17 @@ def _store_tile(acc, offs_m, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_p
 
 
 @triton.jit
+def _nf4_block_dot(x_ptr, offs_m, M, stride_xm, cols, valid, c_hi, c_lo, scale):
+    # one 16-row tile's contribution of one 64-value block: scale * (x_even @ levels_hi + x_odd @ levels_lo)
+    xm = (offs_m < M)[:, None] & valid
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
+    x_even = tl.load(x_ptrs, mask=xm, other=0.0)  # [16, 32]
+    x_odd = tl.load(x_ptrs + 1, mask=xm, other=0.0)
+    part = tl.dot(x_odd, c_lo, tl.dot(x_even, c_hi))  # [16, BLOCK_N] fp32
+    return part * scale[None, :]
+
+
+@triton.jit
 def _nf4_gemm_kernel(
     x_ptr,
     q_ptr,
@@ -70,51 +81,60 @@ def _nf4_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_RES: tl.constexpr,
+    TILES: tl.constexpr,
 ):
-    # ws[split, M, N] (fp32) = x[M, K-range of split] @ dequant(W)[N, K-range]^T for one 16-row, BLOCK_N tile.
-    # W bytes: row n, byte j holds elements 2j (high nibble) and 2j+1 (low nibble); absmax block of (n, 2j) is
-    # n * K / 64 + 2j / 64; x's even and odd columns multiply the high and low nibbles in two dots.
+    # ws[split, M, N] (fp32) = x[M, K-range of split] @ dequant(W)[N, K-range]^T for TILES 16-row tiles and
+    # BLOCK_N columns. W bytes: row n, byte j holds elements 2j (high nibble) and 2j+1 (low nibble); per 64-value
+    # block (32 bytes) the levels multiply x's even and odd columns in two dots and the block's absmax scales the
+    # result (no dequantized weight tile is built). Each 16-row tile runs the same instructions whatever TILES is.
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_m = tl.cdiv(M, 16)
-    pid_m = pid % num_m  # the M tiles of one N tile run next to each other (their weight bytes hit L2)
+    num_m = tl.cdiv(M, 16 * TILES)
+    pid_m = pid % num_m  # the M groups of one N tile run next to each other (their weight bytes hit L2)
     pid_n = pid // num_m
-    HALF: tl.constexpr = BLOCK_K // 2
     NB: tl.constexpr = BLOCK_K // 64  # absmax blocks per K step
-    offs_m = pid_m * 16 + tl.arange(0, 16)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
     n_mask = offs_n < N
-    kh = K // 2
-    steps = tl.cdiv(kh, HALF)
+    offs_t = tl.arange(0, 32)
+    offs_m0 = pid_m * 16 * TILES + tl.arange(0, 16)
+    kb = K // 64  # absmax blocks per row
+    steps = tl.cdiv(kb, NB)
     per_split = tl.cdiv(steps, SPLIT)
     dt = x_ptr.dtype.element_ty
-    b_idx = tl.arange(0, NB)
-    t_idx = tl.arange(0, 32)
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc0 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
-        j0 = step * HALF
-        # bytes as [NB, 32, BLOCK_N]: absmax block b covers bytes j0 + 32 b + [0, 32)
-        offs_j = j0 + b_idx[:, None, None] * 32 + t_idx[None, :, None]  # [NB, 32, 1]
-        jm = offs_j < kh
-        byte = tl.load(q_ptr + offs_n[None, None, :] * kh + offs_j, mask=jm & n_mask[None, None, :], other=0)
-        blk = offs_n[None, :] * (K // 64) + (j0 // 32 + b_idx)[:, None]  # [NB, BLOCK_N]
-        bm = ((j0 // 32 + b_idx) < K // 64)[:, None] & n_mask[None, :]
-        aq = tl.load(aq_ptr + blk, mask=bm, other=0).to(tl.int32)
-        scale = tl.load(nc_ptr + aq) * tl.load(na_ptr + blk // 256, mask=bm, other=0.0) + offset  # [NB, BN] fp32
-        hi = tl.load(code_ptr + (byte >> 4).to(tl.int32)) * scale[:, None, :]
-        lo = tl.load(code_ptr + (byte & 15).to(tl.int32)) * scale[:, None, :]
-        w_hi = tl.reshape(hi.to(dt), [HALF, BLOCK_N])  # rounded once, as the reference dequantizer
-        w_lo = tl.reshape(lo.to(dt), [HALF, BLOCK_N])
-        offs_k = j0 + tl.arange(0, HALF)
-        xm = m_mask[:, None] & (offs_k < kh)[None, :]
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + 2 * offs_k[None, :]
-        x_even = tl.load(x_ptrs, mask=xm, other=0.0)  # [16, HALF]
-        x_odd = tl.load(x_ptrs + 1, mask=xm, other=0.0)
-        acc = tl.dot(x_even, w_hi, acc)
-        acc = tl.dot(x_odd, w_lo, acc)
-    _store_tile(acc, offs_m, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om,
+        for b in tl.static_range(NB):
+            blk = step * NB + b
+            valid = blk < kb
+            bmask = n_mask & valid
+            byte = tl.load(
+                q_ptr + offs_n[None, :] * (K // 2) + blk * 32 + offs_t[:, None], mask=bmask[None, :], other=0
+            )
+            c_hi = tl.load(code_ptr + (byte >> 4).to(tl.int32)).to(dt)  # [32, BLOCK_N]
+            c_lo = tl.load(code_ptr + (byte & 15).to(tl.int32)).to(dt)
+            gb = offs_n * kb + blk  # [BLOCK_N] absmax block of each column
+            aq = tl.load(aq_ptr + gb, mask=bmask, other=0).to(tl.int32)
+            scale = tl.load(nc_ptr + aq) * tl.load(na_ptr + gb // 256, mask=bmask, other=0.0) + offset
+            cols = blk * 64 + 2 * offs_t  # [32] even columns of x
+            acc0 += _nf4_block_dot(x_ptr, offs_m0, M, stride_xm, cols, valid, c_hi, c_lo, scale)
+            if TILES >= 2:
+                acc1 += _nf4_block_dot(x_ptr, offs_m0 + 16, M, stride_xm, cols, valid, c_hi, c_lo, scale)
+            if TILES >= 4:
+                acc2 += _nf4_block_dot(x_ptr, offs_m0 + 32, M, stride_xm, cols, valid, c_hi, c_lo, scale)
+                acc3 += _nf4_block_dot(x_ptr, offs_m0 + 48, M, stride_xm, cols, valid, c_hi, c_lo, scale)
+    _store_tile(acc0, offs_m0, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om,
                 SPLIT, HAS_RES, False)  # fmt: skip
+    if TILES >= 2:
+        _store_tile(acc1, offs_m0 + 16, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om,
+                    SPLIT, HAS_RES, False)  # fmt: skip
+    if TILES >= 4:
+        _store_tile(acc2, offs_m0 + 32, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om,
+                    SPLIT, HAS_RES, False)  # fmt: skip
+        _store_tile(acc3, offs_m0 + 48, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om,
+                    SPLIT, HAS_RES, False)  # fmt: skip
 
 
 @triton.jit
@@ -201,10 +221,13 @@ def quant_matmul(
     if isinstance(weight, NF4Weight):
         if block_k % NF4_BLOCK_VALUES:
             raise ValueError(f"NF4 BLOCK_K must be a multiple of {NF4_BLOCK_VALUES}")
+        tiles = 1 if m <= TILE_M else 2 if m <= 2 * TILE_M else 4  # 16-row tiles sharing one read of the weight
+        grid = (triton.cdiv(m, TILE_M * tiles) * triton.cdiv(n, block_n), split)
         _nf4_gemm_kernel[grid](
             x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.code, ws,
             res_k, out, m, n, k, x.stride(0), res_k.stride(0), out.stride(0), weight.nested_offset,
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=has_res_k, num_warps=warps, num_stages=stages,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=has_res_k, TILES=tiles,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
         col_scale = None
     else:
