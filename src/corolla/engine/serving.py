@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_FAMILIES = ("llama",)  # the engine's fused span: rotary attention, fused qkv / gate_up, SiLU-gated MLP
-SUPPORTED_QUANT_TYPES = ("none",)
+SUPPORTED_FAMILIES = ("llama", "qwen3")  # the engine's fused span: rotary attention, fused qkv / gate_up, SiLU MLP
+SUPPORTED_QUANT_TYPES = ("none", "nf4", "int8")  # bitsandbytes layouts read in place (corolla.engine.quant)
 GPU_DTYPES = (torch.bfloat16, torch.float16)
 
 
