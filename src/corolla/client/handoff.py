@@ -101,6 +101,8 @@ async def hand_off_draining_spans(session: InferenceSession) -> None:
         try:
             new, record.num_bytes = await asyncio.wait_for(_move(session, old), timeout_s)
             session._spans[index] = new
+            for previous, following in zip(session._spans, session._spans[1:], strict=False):
+                following.upstream_peer = previous.span.peer_id  # forwarding: who may push to it now
             record.to_peer = new.span.peer_id
         except Exception as e:  # anything at all: the replay path still works
             record.error = repr(e)[:300]
