@@ -40,6 +40,15 @@ class GroupLimitedMoE(nn.Module):
         )
         self.shared_experts = GatedMLP(self.hidden_size, self.intermediate_size * int(config.n_shared_experts), act)
 
+    def _apply(self, fn, recurse: bool = True):
+        """Dtype/device moves keep the router in fp32 (as transformers keeps `gate.weight` and the correction
+        bias): in bf16 the bias, whose small differences between experts decide the choice, would be rounded away."""
+        super()._apply(fn, recurse)
+        for param in (self.router.weight, self.e_score_correction_bias):
+            if param.dtype != torch.float32:
+                param.data = param.data.float()
+        return self
+
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """flat [N, H] -> (weights [N, k] fp32, expert ids [N, k])."""
         logits = F.linear(flat.float(), self.router.weight.float())  # [N, E] fp32
