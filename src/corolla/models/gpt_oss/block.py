@@ -6,12 +6,15 @@ column, `[E, I, H]`); routing is local to the block, so no expert traffic leaves
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from corolla.models.block_base import CorollaBlock, TensorTarget
 from corolla.models.gemma.block import sliding_window_of
+from corolla.models.gpt_oss.mxfp4 import dequantize_expert_tensors
 from corolla.models.llama.block import head_dim_of, num_kv_heads_of, qkv_layout
 from corolla.models.positions import RotaryEmbedding, rope_parameters
 from corolla.models.window_attention import WindowedAttention, WindowedAttentionConfig
@@ -126,3 +129,7 @@ class GptOssBlock(CorollaBlock):
         for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
             layout[f"mlp.experts.{name}"] = TensorTarget(f"mlp.experts.{name}")
         return layout
+
+    def normalize_checkpoint_names(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """OpenAI's MXFP4 checkpoints store the experts' matrices as `*_blocks` + `*_scales`: dequantized here."""
+        return dequantize_expert_tensors(dict(state_dict), ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
