@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rpc", action="store_true", help="also measure the client-observed step through a local server")
     p.add_argument("--rpc_layers", type=int, default=32, help="layers served by the local server for --rpc")
     p.add_argument("--rpc_sessions", type=int, default=16, help="concurrent streams through the local server")
+    p.add_argument("--rpc_single_steps", type=int, default=200, help="timed single-session steps per transport")
     p.add_argument(
         "--rpc_client_process", action="store_true", help="run the --rpc client in its own process (as real clients)"
     )

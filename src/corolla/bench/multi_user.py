@@ -49,6 +49,7 @@ DHT_PREFIX = "bench"
 # the runtime kinds that run inference steps (plain path: one task per session step; fast path: merged steps)
 INFERENCE_KINDS = ("inference", "engine_inference")
 MAX_LENGTH_TOKENS = 4096
+PREFILLS_AT_ONCE = 8  # per client process: users arrive spread out, not all with their prompt at one instant
 MAX_BATCH_SIZE_TOKENS = 16384
 
 
@@ -98,6 +99,7 @@ class UsersResult:
     merged_forward_ms: float
     wall_s: float
     sessions_finished: int
+    prefill_median_ms: float  # client-observed prefill of `prefix_tokens` (each process's sessions at once)
     errors: list[str] = field(default_factory=list)
 
 
@@ -176,6 +178,7 @@ class BenchServer:
     def running(self) -> Iterator[BenchServer]:
         from hivemind.p2p import P2P
 
+        from corolla.server.limits import PeerLimits
         from corolla.server.sessions import SessionTimeouts
         from corolla.server.span_service import SpanService
         from corolla.utils.busy_poll import BusyPollSelector
@@ -197,6 +200,9 @@ class BenchServer:
                 timeouts=SessionTimeouts(step_timeout_s=120, session_timeout_s=1800, request_timeout_s=120),
                 busy_poll=selector if self.device.type == "cuda" else None,  # as the server does
             )
+            # one bench process plays many users: the per-peer fair-use caps (sessions, KV share) would refuse
+            # them (every socket client is the one peer "local"), so they are lifted here; the rest stay default
+            service.handler.configure_limits(PeerLimits(max_sessions_per_peer=0, max_kv_fraction_per_peer=1.0))
             on_loop(service.start(p2p))
             self.service = service
             self.maddrs = [str(m) for m in on_loop(p2p.get_visible_maddrs())]
@@ -258,12 +264,22 @@ async def _client_sessions(
     errors: list[str] = []
     latencies: list[list[float]] = [[] for _ in range(k)]
     windows: list[tuple[float, float]] = []
+    prefill_ms: list[float] = []  # client-observed, all of this process's sessions prefilling at once
     finished = 0
     try:
         stub = get_stub(p2p, PeerID.from_base58(peer_id_b58))
         local = peer_id_b58 if config.transport == "socket" else None
         streams = [await _Stream(stub, chain, max_length, local).open() for _ in range(k)]
-        await asyncio.gather(*(s.step(prefix, 0) for s in streams))
+
+        gate = asyncio.Semaphore(PREFILLS_AT_ONCE)
+
+        async def prefill(stream: _Stream) -> None:
+            async with gate:
+                t0 = time.perf_counter()
+                await asyncio.wait_for(stream.step(prefix, 0), config.step_timeout_s)
+                prefill_ms.append((time.perf_counter() - t0) * 1000)
+
+        await asyncio.gather(*(prefill(s) for s in streams))
         ready.put(k)
         if not await asyncio.to_thread(go.wait, config.start_timeout_s):
             raise TimeoutError("no start signal")
@@ -292,7 +308,13 @@ async def _client_sessions(
         await asyncio.gather(*(decode(i) for i in range(k)))
     finally:
         await p2p.shutdown()
-    return {"errors": errors, "latencies": latencies, "finished": finished, "windows": windows}
+    return {
+        "errors": errors,
+        "latencies": latencies,
+        "finished": finished,
+        "windows": windows,
+        "prefill_ms": prefill_ms,
+    }
 
 
 def run_users(server: BenchServer, config: UsersConfig, serving_path: str) -> UsersResult:
@@ -376,6 +398,7 @@ def _summarize(config: UsersConfig, serving_path: str, collected, before, after,
         merged_forward_ms=delta.busy_s / delta.batches * 1000 if delta.batches else float("nan"),
         wall_s=wall_s,
         sessions_finished=finished,
+        prefill_median_ms=median([x for r in collected for x in r.get("prefill_ms", [])] or [float("nan")]),
         errors=errors,
     )
 

@@ -109,6 +109,7 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
 
     for p in result["variants"]:
         result[f"{p}runtime_task_ms"] = median([ms for ms, _ in logged(p, "single")] or [float("nan")])
+        result[f"{p}server_prefill_ms"] = median([ms for ms, _ in logged(p, "prefill")][1:] or [float("nan")])
         client_ms = result[f"{p}client_step_ms"]
         result[f"{p}overhead_ms"] = client_ms - result["server_step_ms"]
         result[f"{p}handoff_ms"] = client_ms - result[f"{p}empty_rtt_ms"] - result[f"{p}runtime_task_ms"]
@@ -136,7 +137,9 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     for p in result["variants"]:
         name = names[p]
         log(
-            f"RPC over {name}: client-observed step {result[f'{p}client_step_ms']:.2f} ms "
+            f"RPC over {name}: prefill of {args.prefix_tokens} tokens {result[f'{p}prefill_ms']:.2f} ms client-observed, "
+            f"{result[f'{p}server_prefill_ms']:.2f} ms on the runtime thread; "
+            f"client-observed step {result[f'{p}client_step_ms']:.2f} ms "
             f"(p90 {result[f'{p}client_step_p90_ms']:.2f}) = server-side step {result['server_step_ms']:.2f} ms "
             f"+ {result[f'{p}overhead_ms']:.2f} ms; zero-token round trip {result[f'{p}empty_rtt_ms']:.2f} ms "
             f"({result[f'{p}idle_empty_rtt_ms']:.2f} ms after a step-long idle wait); step on the runtime thread "
@@ -265,9 +268,9 @@ def _measure_corolla_client(
     try:
         manager.update()
         times = []
-        with InferenceSession(manager, max_length=args.prefix_tokens + SINGLE_STEPS + 16) as session:
+        with InferenceSession(manager, max_length=args.prefix_tokens + args.rpc_single_steps + 16) as session:
             session.step(torch.randn(1, args.prefix_tokens, h).to(dtype))
-            for i in range(SINGLE_STEPS + 10):
+            for i in range(args.rpc_single_steps + 10):
                 token = torch.randn(1, 1, h).to(dtype)
                 start = time.perf_counter()
                 session.step(token)
@@ -302,7 +305,6 @@ def _client_in_process(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.
 
 
 TRANSPORTS = (("", False, False), ("local_", True, False), ("poll_", False, True), ("local_poll_", True, True))
-SINGLE_STEPS = 200  # timed single-session steps per transport (after 10 warm-up steps)
 BUSY_POLL_S = 0.02  # as ClientConfig(busy_poll_ms=20)
 
 
@@ -339,13 +341,19 @@ async def _measure_transport(
 
     chain = make_chain("bench", 0, n)
     h = shape.hidden_size
-    max_length = args.prefix_tokens + SINGLE_STEPS + 64
+    max_length = args.prefix_tokens + args.rpc_single_steps + 64
     prefix = torch.randn(1, args.prefix_tokens, h).to(dtype)
-    tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(SINGLE_STEPS + 10)]
+    tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(args.rpc_single_steps + 10)]
 
     stream = await _Stream(stub, chain, max_length, local_peer_id, poller).open()
-    out = await stream.step(prefix, 0)
+    prefill_times = []
+    prefill_from_unix = time.time()
+    for _ in range(4):  # the same prompt again at position 0 (a rollback): client-observed prefill
+        start = time.perf_counter()
+        out = await stream.step(prefix, 0)
+        prefill_times.append((time.perf_counter() - start) * 1000)
     assert out.shape == prefix.shape
+    prefill_to_unix = time.time()
     position = args.prefix_tokens
     times = []
     single_from_unix = time.time()
@@ -375,6 +383,9 @@ async def _measure_transport(
         idle_times.append((time.perf_counter() - start) * 1000)
     await stream.close()
     result = {
+        "prefill_ms": median(prefill_times[1:]),
+        "prefill_from_unix": prefill_from_unix,
+        "prefill_to_unix": prefill_to_unix,
         "client_step_ms": median(times),
         "client_step_p90_ms": percentile(times, 0.9),
         "empty_rtt_ms": median(empty_times[5:]),
