@@ -8,7 +8,7 @@ bitsandbytes (GPU benchmarks and tests run where bitsandbytes is not installed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ class NF4Weight:
     nested_offset: float  # added to every decoded first-level absmax (their mean before quantization)
     code: torch.Tensor  # [16] fp32: the 4-bit levels
     dtype: torch.dtype  # compute dtype (inputs and outputs)
+    pair_levels: torch.Tensor = field(init=False, repr=False)  # [256] int32, derived from `code` (1 KiB)
 
     def __post_init__(self) -> None:
         n, kh = self.packed.shape
@@ -63,6 +64,17 @@ class NF4Weight:
             raise ValueError(f"expected {-(-blocks // NESTED_BLOCK_ABSMAXES)} nested absmaxes")
         if self.nested_code.numel() != 256 or self.code.numel() != 16:
             raise ValueError("NF4 needs a 256-entry nested code table and a 16-entry level table")
+        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"NF4 compute dtype must be a float type, got {self.dtype}")
+        self.pair_levels = self._pair_levels()
+
+    def _pair_levels(self) -> torch.Tensor:
+        """[256] int32: for byte b, the bits of level(b >> 4) in the compute dtype in the high half and of
+        level(b & 15) in the low half (16-bit dtypes; the Triton kernel decodes two values with one gather)."""
+        if self.dtype == torch.float32:
+            return torch.zeros(256, dtype=torch.int32, device=self.code.device)  # the kernels run 16-bit dtypes
+        bits = self.code.to(self.dtype).view(torch.int16).to(torch.int32) & 0xFFFF  # [16]
+        return ((bits[:, None] << 16) | bits[None, :]).reshape(256).contiguous()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -118,6 +130,7 @@ class Int8Weight:
     codes: torch.Tensor  # [N, K] int8
     row_absmax: torch.Tensor  # [N] fp32
     dtype: torch.dtype
+    col_scale: torch.Tensor = field(init=False, repr=False)  # [N] fp32: row_absmax / 127
 
     def __post_init__(self) -> None:
         if self.codes.dtype != torch.int8 or self.codes.ndim != 2:

@@ -83,6 +83,7 @@ def _nf4_gemm_kernel(
     HAS_RES: tl.constexpr,
     TILES: tl.constexpr,
 ):
+    # code_ptr: int32 [256] pair table of the levels in x's dtype (NF4Weight.pair_levels).
     # ws[split, M, N] (fp32) = x[M, K-range of split] @ dequant(W)[N, K-range]^T for TILES 16-row tiles and
     # BLOCK_N columns. W bytes: row n, byte j holds elements 2j (high nibble) and 2j+1 (low nibble); per 64-value
     # block (32 bytes) the levels multiply x's even and odd columns in two dots and the block's absmax scales the
@@ -113,8 +114,10 @@ def _nf4_gemm_kernel(
             byte = tl.load(
                 q_ptr + offs_n[None, :] * (K // 2) + blk * 32 + offs_t[:, None], mask=bmask[None, :], other=0
             )
-            c_hi = tl.load(code_ptr + (byte >> 4).to(tl.int32)).to(dt)  # [32, BLOCK_N]
-            c_lo = tl.load(code_ptr + (byte & 15).to(tl.int32)).to(dt)
+            # one gather per byte from the 256-entry pair table: (level(hi) bits << 16) | level(lo) bits
+            pair = tl.load(code_ptr + byte.to(tl.int32))  # [32, BLOCK_N] int32
+            c_hi = (pair >> 16).to(tl.int16).to(dt, bitcast=True)
+            c_lo = (pair & 0xFFFF).to(tl.int16).to(dt, bitcast=True)
             gb = offs_n * kb + blk  # [BLOCK_N] absmax block of each column
             aq = tl.load(aq_ptr + gb, mask=bmask, other=0).to(tl.int32)
             scale = tl.load(nc_ptr + aq) * tl.load(na_ptr + gb // 256, mask=bmask, other=0.0) + offset
@@ -224,7 +227,7 @@ def quant_matmul(
         tiles = 1 if m <= TILE_M else 2 if m <= 2 * TILE_M else 4  # 16-row tiles sharing one read of the weight
         grid = (triton.cdiv(m, TILE_M * tiles) * triton.cdiv(n, block_n), split)
         _nf4_gemm_kernel[grid](
-            x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.code, ws,
+            x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.pair_levels, ws,
             res_k, out, m, n, k, x.stride(0), res_k.stride(0), out.stride(0), weight.nested_offset,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=has_res_k, TILES=tiles,
             num_warps=warps, num_stages=stages,
