@@ -403,7 +403,7 @@ async def _measure_transport(
     async def decode(s: _Stream) -> None:
         for i in range(steps):
             start = time.perf_counter()
-            await s.step(tokens[i], args.prefix_tokens + i)
+            await s.step(tokens[i % len(tokens)], args.prefix_tokens + i)
             if i >= 4:
                 latencies.append((time.perf_counter() - start) * 1000)
 
