@@ -78,7 +78,8 @@ class DraftModelDrafter:
         if self._cache is None or common == 0:
             self._cache, self._seen = self._cache_type(), []
             return ids
-        self._cache.crop(common)
+        if common < len(self._seen):
+            self._cache.crop(common - len(self._seen))  # transformers 5: a negative count of tokens to drop
         self._seen = self._seen[:common]
         return ids[common:]
 
