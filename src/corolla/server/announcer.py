@@ -159,8 +159,8 @@ class Announcer:
             )
             middle = {peer for info in infos[:-1] for peer in info.servers}
             last = set(infos[-1].servers) if infos else set()
-            middle.discard(self.local_peer_id)
-            last.discard(self.local_peer_id)
+            middle.discard(self.local_peer_id or "")
+            last.discard(self.local_peer_id or "")
             chosen = random.sample(sorted(middle), min(MAX_PINGED, len(middle)))
             chosen += random.sample(sorted(last - set(chosen)), min(MAX_PINGED, len(last - set(chosen))))
             if not chosen:

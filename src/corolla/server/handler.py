@@ -313,6 +313,8 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 tensors=[output, *request.tensors[1:]],
                 metadata=encode_metadata(step_metadata),
             )
+            if self.p2p is None:  # stopped meanwhile
+                return
             if hop.peer_id == self.p2p.peer_id.to_base58():  # the next span is ours too: no network hop
                 self.sessions.push(hop.session_id, pushed, sender=hop.peer_id)
                 return
@@ -390,7 +392,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                                 raise
                             # a bad push (from another server) must not end this client's session
                             logger.info(f"rpc_inference.bad_push_ignored(session_id={session.session_id!r:.40}): {e}")
-                            session.seen_step_ids.discard(step_metadata.step_id)
+                            session.seen_step_ids.discard(step_metadata.step_id or "")
                             continue
                         session.record_output(step_metadata, output)
                         if not step_metadata.pushed:  # from the session's own client: may name upstream, next hop

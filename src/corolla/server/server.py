@@ -249,7 +249,7 @@ class Server:
 
     def _make_server_info(self) -> ServerInfo:
         s = self.settings
-        extra = {k: float(v) for k, v in self.throughput_info.items() if k != "throughput"}
+        rps = self.throughput_info
         return ServerInfo(
             state=ServerState.JOINING,
             throughput=float(self.throughput_info.get("throughput", 1.0)),
@@ -259,7 +259,9 @@ class Server:
             torch_dtype=str(s.dtype).removeprefix("torch."),
             quant_type=s.quant_type,
             using_relay=self.using_relay,
-            **extra,
+            network_rps=rps.get("network_rps"),
+            forward_rps=rps.get("forward_rps"),
+            inference_rps=rps.get("inference_rps"),
         )
 
     def _model_info(self) -> ModelInfo:
@@ -407,7 +409,7 @@ class Server:
             service.handler.configure_limits(c.peer_limits)
             c_public = not c.is_private_swarm
             if c_public and not c.skip_reachability_check and not self._validated_reachability:
-                await asyncio.to_thread(validate_reachability, self.peer_id)
+                await asyncio.to_thread(validate_reachability, self.peer_id or "")
                 self._validated_reachability = True
             await service.start(p2p)
             self.service = service
@@ -491,7 +493,7 @@ class Server:
             infos = await asyncio.to_thread(
                 get_remote_module_infos, self.dht, self.module_uids, latest=True, timeout_s=DHT_READ_TIMEOUT_S
             )
-            return bool(should_choose_other_blocks(self.peer_id, infos, c.balance_quality))
+            return bool(should_choose_other_blocks(self.peer_id or "", infos, c.balance_quality))
         except Exception as e:
             logger.warning(f"server.balance_check_failed({e!r})")
             return False
