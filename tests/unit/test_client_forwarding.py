@@ -56,6 +56,9 @@ def test_no_push_into_a_replay_an_unopened_session_or_an_undeclared_upstream():
     spans = chain_of_three()
     spans[1].declared_upstream = "old"  # its server would refuse A's push
     assert push_chain(spans, 0, 10) == []
+    spans = chain_of_three()
+    spans[0].accepts_pushes = False  # A's first request: a stock server would push its metadata on every step
+    assert push_chain(spans, 0, 10) == []
 
 
 def test_a_rollback_keeps_forwarding():

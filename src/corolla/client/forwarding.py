@@ -9,8 +9,11 @@ span's inputs for replays after a failure. Each request also announces the id of
 (`corolla.next_step_id`): corolla servers run a pushed step only if it carries that id (server/peer_auth.py).
 
 A span is pushed to only when the push would be exactly the request the client sends it: same start position
-(not a replay or a replacement that has yet to catch up), no deep prompts and no `hypo_ids` (stock Petals servers
-push the session's *first* prompts/hypo_ids), an open session whose server already knows its upstream.
+(not a replay or a replacement that has yet to catch up), no deep prompts and no `hypo_ids`, an open session whose
+server already knows its upstream. A session's first request never names `next_servers`: stock Petals 2.2 servers
+push every later step with their session's *first* request's metadata and tensors[1:] (its step_id, start
+position, prompts, hypo_ids), so they forward nothing useful after it; naming hops there would only send stale
+copies. Through stock servers the chain therefore falls back to the client's own copies (relaying), still exact.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def can_push(source: ForwardingSpan, target: ForwardingSpan, position: int) -> b
     """Whether `source`'s outputs for a step at `position` are exactly `target`'s next request."""
     return (
         source.span.end == target.span.start
+        and source.accepts_pushes  # not the source session's first request (see the module docstring)
         and target.accepts_pushes
         and target.declared_upstream == source.span.peer_id
         and _start(source, position) == _start(target, position)
