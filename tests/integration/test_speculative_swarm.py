@@ -1,0 +1,109 @@
+"""Speculative decoding through a 3-server chain of the demo model, each server behind a WAN proxy (corolla.wan,
+5 ms one-way): greedy text with each drafter (prompt lookup, the demo draft model) is token-identical to plain
+greedy with fewer passes through the swarm, and after a speculative generation (with rejections rolled back) the
+servers' caches equal a fresh session's (a following step gives the same logits)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from tests.helpers.swarm import start_inprocess_server
+from transformers import AutoTokenizer
+
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.client.speculative import SpeculativeConfig
+from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR
+from corolla.wan import LinkConfig, ProxyThread
+
+pytestmark = pytest.mark.timeout(180)
+
+DELAY_MS = 5.0
+SPANS = ((0, 1), (1, 3), (3, 4))
+PROMPT = "The interpreter reads the source file and the source file is read by the interpreter and"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    cache_dir = tmp_path_factory.mktemp("cache")
+    servers = []
+    with ProxyThread() as wan:
+        try:
+            peers: tuple[str, ...] | None = None
+            for start, end in SPANS:
+                port = _free_port()
+                proxy = wan.add(port, LinkConfig(delay_ms=DELAY_MS))
+                server = start_inprocess_server(
+                    DEMO_CHECKPOINT_DIR,
+                    cache_dir,
+                    host_maddrs=(f"/ip4/127.0.0.1/tcp/{port}",),
+                    announce_maddrs=(f"/ip4/127.0.0.1/tcp/{proxy.port}",),
+                    local_socket=False,
+                    block_indices=(start, end),
+                    new_swarm=peers is None,
+                    initial_peers=peers,
+                )
+                servers.append(server)
+                peers = peers or tuple(server.join_maddrs)
+            config = ClientConfig(max_retries=2, update_period_s=30.0, local_transport=False)
+            with AutoDistributedModelForCausalLM.from_pretrained(
+                DEMO_CHECKPOINT_DIR, initial_peers=list(peers or ()), client_config=config
+            ) as model:
+                yield model
+        finally:
+            for server in servers:
+                server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids() -> torch.Tensor:
+    return AutoTokenizer.from_pretrained(DEMO_CHECKPOINT_DIR)(PROMPT, return_tensors="pt")["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(model, prompt_ids) -> list[int]:
+    with torch.no_grad():
+        return model.generate(prompt_ids, max_new_tokens=40, do_sample=False).tolist()
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "draft"])
+def test_greedy_is_token_identical_to_plain_greedy(model, prompt_ids, plain_greedy, drafter) -> None:
+    with torch.no_grad():
+        out = model.generate(
+            prompt_ids, max_new_tokens=40, do_sample=False, speculative=SpeculativeConfig(drafter=drafter)
+        )
+    assert out.tolist() == plain_greedy
+    stats = model.speculative_stats
+    assert stats is not None and stats.generated_tokens == 40
+    assert stats.accepted_tokens > 0 and stats.rounds < 40  # drafts were accepted: fewer passes than tokens
+    assert stats.accepted_tokens < stats.drafted_tokens  # and some rejected: rollbacks happened
+
+
+def test_rollback_leaves_caches_as_a_fresh_session(model, prompt_ids) -> None:
+    torch.manual_seed(5)
+    speculative = SpeculativeConfig(drafter="draft", num_draft_tokens=4)
+    with torch.no_grad():
+        with model.inference_session(max_length=160) as session:
+            ids = model.generate(
+                prompt_ids, max_new_tokens=20, do_sample=True, session=session, speculative=speculative
+            )
+            assert model.speculative_stats is not None and model.speculative_stats.accepted_tokens < (
+                model.speculative_stats.drafted_tokens
+            )
+            assert session.position == ids.shape[1] - 1  # the last token is pending, as after plain generation
+            after_rollback = model(ids[:, -1:], session=session).logits[0, -1]
+        with model.inference_session(max_length=160) as fresh:
+            expected = model(ids, session=fresh).logits[0, -1]
+    torch.testing.assert_close(after_rollback, expected, atol=1e-4, rtol=0)
+
+
+def test_batches_are_refused(model) -> None:
+    with pytest.raises(ValueError, match="batch size 1"):
+        model.generate(torch.tensor([[1, 2], [3, 4]]), max_new_tokens=2, speculative=SpeculativeConfig())
