@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from corolla.wan import LinkConfig, ProxyThread
 from helpers.swarm import start_inprocess_server
 from helpers.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(400)  # setup included: four servers start in ~80 s on a loaded 2-core host
 
 DELAY_MS = 5.0
 PROMPT = torch.tensor([[1, 8, 27, 64, 125]])
@@ -41,37 +42,35 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def chain(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
-    """(servers, their proxies, the ProxyThread): every connection to a server crosses its proxy."""
-    servers, proxies = [], []
-    with ProxyThread() as wan:
+    """(servers, their proxies, the ProxyThread): every connection to a server crosses its proxy. The first server
+    starts the swarm, the others join it one by one; all stop together (each stop waits for its announcements)."""
+    servers: list = []
+    with ProxyThread() as wan, ThreadPoolExecutor(len(SPANS)) as pool:
+        ports = [_free_port() for _ in SPANS]
+        proxies = [wan.add(port, LinkConfig(delay_ms=DELAY_MS)) for port in ports]
+
+        def start(index: int, **peers):
+            return start_inprocess_server(
+                model_path,
+                tmp_path_factory.mktemp(f"cache{index}"),
+                host_maddrs=(f"/ip4/127.0.0.1/tcp/{ports[index]}",),
+                announce_maddrs=(f"/ip4/127.0.0.1/tcp/{proxies[index].port}",),
+                local_socket=False,
+                throughput=1.0,
+                block_indices=SPANS[index],
+                step_timeout_s=30.0,
+                request_timeout_s=10.0,
+                **peers,
+            )
+
         try:
-            for index, (start, end) in enumerate(SPANS):
-                port = _free_port()
-                proxy = wan.add(port, LinkConfig(delay_ms=DELAY_MS))
-                peers = (
-                    {"new_swarm": True}
-                    if not servers
-                    else {"new_swarm": False, "initial_peers": tuple(servers[0].join_maddrs)}
-                )
-                servers.append(
-                    start_inprocess_server(
-                        model_path,
-                        tmp_path_factory.mktemp(f"cache{index}"),
-                        host_maddrs=(f"/ip4/127.0.0.1/tcp/{port}",),
-                        announce_maddrs=(f"/ip4/127.0.0.1/tcp/{proxy.port}",),
-                        local_socket=False,
-                        throughput=1.0,
-                        block_indices=(start, end),
-                        step_timeout_s=30.0,
-                        request_timeout_s=10.0,
-                        **peers,
-                    )
-                )
-                proxies.append(proxy)
+            servers.append(start(0, new_swarm=True))
+            joining = dict(new_swarm=False, initial_peers=tuple(servers[0].join_maddrs))
+            for index in range(1, len(SPANS)):  # one by one: joins through a proxy all at once time out here
+                servers.append(start(index, **joining))
             yield servers, proxies, wan
         finally:
-            for server in servers:
-                server.shutdown()
+            list(pool.map(lambda server: server.shutdown(), servers))
 
 
 @pytest.fixture(scope="module")
