@@ -6,6 +6,7 @@ servers' caches equal a fresh session's (a following step gives the same logits)
 from __future__ import annotations
 
 import socket
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 import torch
@@ -32,34 +33,42 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory):
-    cache_dir = tmp_path_factory.mktemp("cache")
-    servers = []
-    with ProxyThread() as wan:
+    """A client of the chain. The first server starts the swarm, the other two join it at once; all stop together."""
+    cache_dirs = [tmp_path_factory.mktemp(f"cache{index}") for index in range(len(SPANS))]
+    servers: list = []
+    with ProxyThread() as wan, ThreadPoolExecutor(len(SPANS)) as pool:
+        ports = [_free_port() for _ in SPANS]
+        proxies = [wan.add(port, LinkConfig(delay_ms=DELAY_MS)) for port in ports]
+
+        def start(index: int, peers: tuple[str, ...] | None):
+            return start_inprocess_server(
+                DEMO_CHECKPOINT_DIR,
+                cache_dirs[index],
+                host_maddrs=(f"/ip4/127.0.0.1/tcp/{ports[index]}",),
+                announce_maddrs=(f"/ip4/127.0.0.1/tcp/{proxies[index].port}",),
+                local_socket=False,
+                block_indices=SPANS[index],
+                new_swarm=peers is None,
+                initial_peers=peers,
+                drain_timeout_s=0.0,  # no session to drain at the end
+            )
+
         try:
-            peers: tuple[str, ...] | None = None
-            for start, end in SPANS:
-                port = _free_port()
-                proxy = wan.add(port, LinkConfig(delay_ms=DELAY_MS))
-                server = start_inprocess_server(
-                    DEMO_CHECKPOINT_DIR,
-                    cache_dir,
-                    host_maddrs=(f"/ip4/127.0.0.1/tcp/{port}",),
-                    announce_maddrs=(f"/ip4/127.0.0.1/tcp/{proxy.port}",),
-                    local_socket=False,
-                    block_indices=(start, end),
-                    new_swarm=peers is None,
-                    initial_peers=peers,
-                )
-                servers.append(server)
-                peers = peers or tuple(server.join_maddrs)
+            servers.append(start(0, None))
+            peers = tuple(servers[0].join_maddrs)
+            joining = [pool.submit(start, index, peers) for index in range(1, len(SPANS))]
+            wait(joining)  # every start is waited for, so a failed one leaves no server running
+            servers += [future.result() for future in joining if future.exception() is None]
+            for future in joining:
+                if future.exception() is not None:
+                    raise RuntimeError("a server did not start") from future.exception()
             config = ClientConfig(max_retries=2, update_period_s=30.0, local_transport=False)
             with AutoDistributedModelForCausalLM.from_pretrained(
-                DEMO_CHECKPOINT_DIR, initial_peers=list(peers or ()), client_config=config
+                DEMO_CHECKPOINT_DIR, initial_peers=list(peers), client_config=config
             ) as model:
                 yield model
         finally:
-            for server in servers:
-                server.shutdown()
+            list(pool.map(lambda server: server.shutdown(), servers))
 
 
 @pytest.fixture(scope="module")
