@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--user_processes", type=int, default=4, help="client processes for --users")
     p.add_argument("--user_transports", default="socket,p2p", help="transports for --users: socket, p2p")
     p.add_argument("--user_steps", type=int, default=32, help="decode steps per session for --users")
+    p.add_argument(
+        "--gil_switch_interval_ms",
+        type=float,
+        default=None,
+        help="the process's GIL switch interval in ms, as the server's flag (default: 0.5 with the GPU fast path)",
+    )
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="")
     p.add_argument("--cpu_smoke", action="store_true", help="run on the CPU (tiny shapes only; checks the script)")
@@ -73,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print("corolla-bench needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.gil_switch_interval_ms is not None:
+        from corolla.utils.gil import configure_switch_interval
+
+        configure_switch_interval(args.gil_switch_interval_ms)
     started = time.perf_counter()
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     dtype = getattr(torch, args.dtype)
@@ -92,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape_desc": f"hidden {shape.hidden_size}, {shape.num_layers} layers, {shape.num_kv_heads} KV heads",
         "dtype": args.dtype,
         "prefix_tokens": args.prefix_tokens,
+        "gil_switch_interval_ms": args.gil_switch_interval_ms,
         "prefill_tokens": args.prefill_tokens,
         "notes": [],
         "checks": {},

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corolla.server.limits import PeerLimits
+from corolla.utils.gil import check_switch_interval_ms
 
 COMPRESSION_NAMES = ("NONE", "MEANSTD_16BIT", "FLOAT16", "QUANTILE_8BIT", "UNIFORM_8BIT", "BLOCKWISE_8BIT")
 TORCH_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
@@ -139,6 +140,9 @@ class ServerConfig:
     # after a lone session's step ran inline, poll for its next request this long instead of sleeping (saves an
     # idle core's wake-up per token on a GPU server; burns one core meanwhile); 0 = never poll
     busy_poll_ms: float = 5.0
+    # the process's GIL switch interval (`corolla.utils.gil`): how long the runtime thread may wait for the GIL while
+    # the serving loop runs Python; None = the fast path's 0.5 ms on a GPU server, the interpreter's 5 ms elsewhere
+    gil_switch_interval_ms: float | None = None
     # on SIGTERM or before a rebalance: announce OFFLINE, take no new sessions and wait this long for open ones to
     # move away (their clients carry the KV cache to another server); then end the rest as before. 0 = no wait
     drain_timeout_s: float = 5.0
@@ -186,6 +190,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, tuple(value))
+        if self.gil_switch_interval_ms is not None:
+            check_switch_interval_ms(self.gil_switch_interval_ms)
         if not 0 <= self.busy_poll_ms <= 1000:
             raise ValueError(f"busy_poll_ms must be in [0, 1000], got {self.busy_poll_ms}")
         if self.swarm_key_file and not self.is_private_swarm:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -32,6 +31,7 @@ from corolla.server.plain_executor import SpanCompute
 from corolla.server.runtime import Runtime
 from corolla.server.task import PRIORITY_INFERENCE, Task
 from corolla.utils.errors import AllocationFailed
+from corolla.utils.gil import lower_switch_interval
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -192,10 +192,9 @@ class FastExecutor:
 
 
 def shorten_gil_switch_interval() -> None:
-    """Lowers this process's GIL switch interval to `GIL_SWITCH_INTERVAL_S` (never raises it)."""
-    if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        logger.info(f"fast_path.gil_switch_interval(seconds={GIL_SWITCH_INTERVAL_S})")
+    """Lowers this process's GIL switch interval to `GIL_SWITCH_INTERVAL_S` (never raises it; an operator's
+    `--gil_switch_interval_ms` wins: `corolla.utils.gil`)."""
+    lower_switch_interval(GIL_SWITCH_INTERVAL_S, reason="fast_path")
 
 
 def build_fast_executor(

@@ -50,8 +50,11 @@ class Server:
         from corolla.models.config import load_config
         from corolla.models.registry import get_family
         from corolla.server import startup_checks
+        from corolla.utils.gil import configure_switch_interval
 
         self.config = config
+        if config.gil_switch_interval_ms is not None:  # before the runtime and serving threads start
+            configure_switch_interval(config.gil_switch_interval_ms)
         # device and quantization first (no model needed): a setting that cannot run here ends in seconds
         device, quant_type = startup_checks.resolve_device_and_quant(
             config.device, config.quant_type, config.tensor_parallel_devices
