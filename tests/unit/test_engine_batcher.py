@@ -1,6 +1,7 @@
 """Continuous batching on CPU: concurrent sessions get exactly what they would get alone while their steps share
 batched forwards; sessions join and leave between iterations; oldest steps go first so nobody starves; a bad
-step fails alone; and the server's Runtime can drive the same merging as a batch executor."""
+step fails alone (the bench's `ContinuousBatcher`); and the server's Runtime drives the same merging
+(`execute_steps`) as a batch executor."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import threading
 import pytest
 import torch
 
-from corolla.models.registry import get_family
-from corolla.engine import ContinuousBatcher, EngineConfig, SpanEngine
-from corolla.engine.batcher import execute_steps, runtime_batch_executor
+from corolla.bench.engine_batcher import ContinuousBatcher
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.batcher import execute_steps
 from corolla.engine.span_engine import StepRequest
+from corolla.models.registry import get_family
 from corolla.server.runtime import Runtime
 from corolla.server.task import KIND_INFERENCE, PRIORITY_INFERENCE
 from helpers.tiny_models import tiny_config
@@ -141,12 +143,11 @@ async def test_runtime_merges_inference_steps_through_the_engine() -> None:
     prompts = [torch.randn(1, 5 + i, H) for i in range(4)]
     toks = [torch.randn(1, 1, H) for _ in range(4)]
     expected = [solo_outputs(engine, p, [t]) for p, t in zip(prompts, toks, strict=True)]
-    executor = runtime_batch_executor(engine)
     batches: list[int] = []
 
-    def counting_executor(tasks):
+    def counting_executor(tasks):  # what the fast executor registers: each task's StepRequest through execute_steps
         batches.append(len(tasks))
-        return executor(tasks)
+        return execute_steps(engine, [task.payload for task in tasks])
 
     def submit(runtime, session, x, position):
         req = StepRequest(session, x, position)

@@ -1,5 +1,6 @@
 """Measurements of corolla's engine on the GPU: the span's single-session decode step (host to host, and the
-CUDA-graph replay alone), prefill throughput, and many concurrent sessions through the continuous batcher."""
+CUDA-graph replay alone), prefill throughput, and many concurrent sessions through the bench's in-process
+`ContinuousBatcher` (the labelled in-process row; the server schedules through its runtime instead)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import time
 
 import torch
 
+from corolla.bench.engine_batcher import ContinuousBatcher
 from corolla.bench.measure import event_median_ms, median, percentile, sync
-from corolla.engine import ContinuousBatcher, SpanEngine
+from corolla.engine import SpanEngine
 from corolla.engine.span_engine import StepRequest
 
 
