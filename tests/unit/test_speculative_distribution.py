@@ -1,7 +1,8 @@
 """Speculative sampling on the demo model (run locally, no swarm) has exactly the plain sampling distribution:
 the joint distribution of the first two sampled tokens (temperature 0.8, top-k 4: the processed p) passes a Pearson
-chi-square test against the exact one (prompt lookup; the broken-rule check is on toy distributions in
-test_speculative_rule). Greedy speculative text equals plain greedy with each drafter."""
+chi-square test against the exact one, with prompt lookup and with the demo draft model; with the draft model and a
+broken rule (always accept: the text then follows the draft's q) the same test fails, so it has power. Greedy
+speculative text equals plain greedy with each drafter."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.timeout(240)
 
 PROMPT = "The value of the object is the value of the"
 SAMPLES = 800
+DRAFT_SAMPLES = 300  # the draft model runs per sample; at 300 the always-accept rule still fails by far (q != p)
 SAMPLING = GenerationConfig(do_sample=True, temperature=0.8, top_k=4)
 
 
@@ -70,29 +72,38 @@ def _exact_joint(target: MemoTarget, prompt: list[int]) -> torch.Tensor:
 
 
 def _sampled_joint(target: MemoTarget, prompt: list[int], drafter: str, *, always_accept: bool = False) -> torch.Tensor:
+    samples = DRAFT_SAMPLES if drafter == "draft" else SAMPLES
     torch.manual_seed(1234)
     config = SpeculativeConfig(drafter=drafter, num_draft_tokens=2)
     draft = make_drafter(config)
     vocab = target.model.config.vocab_size
     counts = torch.zeros(vocab * vocab)
     drafted = 0
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         target.position = 0
         loop = SpeculativeLoop(
             target, draft, KChooser(max_k=2, fixed_k=2), _processors(len(prompt)), True, always_accept=always_accept
         )
-        ids = loop.run(prompt, 2, lambda ids, logits: False)
+        # three tokens so that the first round drafts two (k <= tokens left - 1): both counted ones were drafted
+        ids = loop.run(prompt, 3, lambda ids, logits: False)
         drafted += loop.stats.drafted_tokens
-        counts[ids[-2] * vocab + ids[-1]] += 1
-    assert drafted >= SAMPLES  # every sample verified at least one drafted token
+        counts[ids[len(prompt)] * vocab + ids[len(prompt) + 1]] += 1
+    assert drafted >= samples  # every sample verified at least one drafted token
     return counts
 
 
-@pytest.mark.parametrize("drafter", ["lookup"])
+@pytest.mark.parametrize("drafter", ["lookup", "draft"])
 def test_sampled_text_has_the_plain_sampling_distribution(target, prompt, drafter) -> None:
     statistic, p_value = chi_square_p_value(_sampled_joint(target, prompt, drafter), _exact_joint(target, prompt))
-    print(f"chi-square {drafter}: statistic={statistic:.1f}, p={p_value:.3f}")
+    print(f"chi-square {drafter}: statistic={statistic:.1f}, p={p_value:.3g}")
     assert p_value > 0.001
+
+
+def test_always_accepting_draft_model_tokens_fails_the_test(target, prompt) -> None:
+    counts = _sampled_joint(target, prompt, "draft", always_accept=True)
+    statistic, p_value = chi_square_p_value(counts, _exact_joint(target, prompt))
+    print(f"chi-square draft, always accept: statistic={statistic:.1f}, p={p_value:.3g}")
+    assert p_value < 1e-6
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "draft"])

@@ -40,6 +40,7 @@ from corolla.api.route_trace import DEFAULT_ROUTE_LOG_ENTRIES
 from corolla.api.sampling import SamplingParams
 from corolla.api.schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
 from corolla.api.service_routes import add_service_routes
+from corolla.client.speculative import SpeculativeConfig
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
@@ -58,6 +59,7 @@ class ApiConfig:
     max_n: int = 8  # choices per request (`n`); more is a 400
     max_logprobs: int = 20  # `logprobs` (completions) / `top_logprobs` (chat) above it is a 400 (vLLM's default)
     route_log_entries: int = DEFAULT_ROUTE_LOG_ENTRIES  # generations whose route /corolla/route keeps (0 = off)
+    speculative: SpeculativeConfig | None = None  # opt-in speculative decoding of every choice (api.speculative)
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
@@ -273,7 +275,9 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         metrics.prompt_tokens(len(request.prompt_ids) * request.n)
         # the context goes along: the backend reports this request's route to its trace (`api.route_trace`)
         context = contextvars.copy_context()
-        loop.run_in_executor(executor, context.run, run_generation, backend, request, emit, cancelled, metrics)
+        loop.run_in_executor(
+            executor, context.run, run_generation, backend, request, emit, cancelled, metrics, config.speculative
+        )
         return queue, cancelled
 
     async def complete(request: GenerationRequest) -> list[ChoiceDone]:

@@ -9,13 +9,16 @@ a model's `generation_config.json` (applied by the app when a request leaves the
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
 
-from corolla.api.route_trace import current_trace
+from corolla.api.route_trace import GenerationTrace, _NoTrace, current_trace
+from corolla.client.speculative_loop import SessionTarget, VerifyTarget
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -38,6 +41,12 @@ class GenerationBackend(Protocol):
         """Yields the next-token logits [V] after the prompt, then after each token sent in (blocking; run in a
         worker thread); the sequence never exceeds `max_length` tokens. Closing the generator early must release
         the inference session. May raise `corolla.utils.errors.MissingBlocksError`."""
+        ...
+
+    def verify_target(self, prompt_ids: list[int], max_length: int) -> AbstractContextManager[VerifyTarget]:
+        """For speculative decoding: a fresh rollback-able target (`corolla.client.speculative_loop.VerifyTarget`,
+        empty cache) for a sequence of at most `max_length` tokens, released on exit. Backends without one raise
+        `NotImplementedError` (the app then refuses `--speculative` at start)."""
         ...
 
 
@@ -99,6 +108,30 @@ class SwarmBackend(TokenizerCodec):
         finally:
             session.close()
             trace.finish()
+
+    @contextlib.contextmanager
+    def verify_target(self, prompt_ids: list[int], max_length: int) -> Iterator[VerifyTarget]:
+        session = self.model.inference_session(max_length=max_length)
+        trace = current_trace()
+        try:
+            with torch.inference_mode():
+                yield _TracedTarget(self.model, session, trace)
+        finally:
+            session.close()
+            trace.finish()
+
+
+class _TracedTarget(SessionTarget):
+    """`SessionTarget` that reports each verification pass's servers to the request's route trace."""
+
+    def __init__(self, model: Any, session: Any, trace: GenerationTrace | _NoTrace):
+        super().__init__(model, session)
+        self.trace = trace
+
+    def forward(self, ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        logits = super().forward(ids, num_logits)  # [num_logits, V]
+        self.trace.step(self.session.route)
+        return logits
 
 
 # generation_config.json fields the API applies as defaults, by SamplingParams field (vLLM's `--generation-config`)

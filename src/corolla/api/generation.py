@@ -14,7 +14,9 @@ from typing import Any
 from corolla.api.backend import GenerationBackend
 from corolla.api.metrics import ApiMetrics
 from corolla.api.sampling import SampledToken, Sampler, SamplingParams
+from corolla.api.speculative import run_speculative_choice
 from corolla.api.textstream import TextStream
+from corolla.client.speculative import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -68,13 +70,15 @@ def run_generation(
     emit: Callable[[Any], None],
     cancelled: threading.Event,
     metrics: ApiMetrics | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> None:
-    """Blocking: emits, per choice, `Delta`* then `ChoiceDone`; then `Finished`, or `Failed` on any error."""
+    """Blocking: emits, per choice, `Delta`* then `ChoiceDone`; then `Finished`, or `Failed` on any error. With
+    `speculative` set, each choice drafts and verifies several tokens per pass (`corolla.api.speculative`)."""
     try:
         generator = request.params.make_generator()  # shared by the choices: a seeded request is reproducible
         started, total = time.perf_counter(), 0
         for index in range(request.n):
-            done = _run_choice(backend, request, index, generator, emit, cancelled, metrics, started)
+            done = _run_choice(backend, request, index, generator, emit, cancelled, metrics, started, speculative)
             if done is None:
                 return
             total += done.completion_tokens
@@ -93,54 +97,95 @@ def _run_choice(
     cancelled: threading.Event,
     metrics: ApiMetrics | None,
     started: float,
+    speculative: SpeculativeConfig | None = None,
 ) -> ChoiceDone | None:
     params = request.params
     sampler = Sampler(params, request.prompt_ids, backend.eos_token_ids, generator)
-    stream = TextStream(backend.decode, request.stops)
-    want_logprobs = params.logprobs is not None
-    pending: list[TokenLogprob] = []
-    every: list[TokenLogprob] = []
-    finish_reason, stop_reason, num_tokens = "length", None, 0
-    last = started
-    steps = backend.step_logits(request.prompt_ids, len(request.prompt_ids) + params.max_new_tokens)
+    choice = _Choice(backend, request, index, emit, metrics, started)
+    max_length = len(request.prompt_ids) + params.max_new_tokens
+    if speculative is not None:
+        with backend.verify_target(request.prompt_ids, max_length) as target:
+            run_speculative_choice(
+                target, speculative, sampler, request.prompt_ids, params.max_new_tokens, choice.push, cancelled
+            )
+        return None if cancelled.is_set() and not choice.ended else choice.finish()
+    steps = backend.step_logits(request.prompt_ids, max_length)
     try:
         logits = next(steps)
         while True:
             if cancelled.is_set():
                 return None
-            sampled = sampler.choose(logits)
-            token = sampled.token_id
-            num_tokens += 1
-            now = time.perf_counter()
-            if metrics is not None:
-                metrics.token(first=num_tokens == 1, since_s=None if (num_tokens == 1 and index > 0) else now - last)
-            last = now
-            if want_logprobs:
-                entry = _logprob_entry(backend, sampled)
-                pending.append(entry)
-                every.append(entry)
-            if token in params.stop_token_ids:
-                finish_reason, stop_reason = "stop", token
+            if choice.push(sampler.choose(logits)):
                 break
-            if token in backend.eos_token_ids and not params.ignore_eos:
-                finish_reason = "stop"
-                break
-            text, hit_stop = stream.push(token)
-            if text:
-                emit(Delta(index, text, pending))
-                pending = []
-            if hit_stop:
-                finish_reason, stop_reason = "stop", _which_stop(stream.text, request.stops, stream)
-                break
-            if num_tokens >= params.max_new_tokens:
-                break
-            logits = steps.send(token)
+            logits = steps.send(sampler.generated[-1])
     finally:
         steps.close()  # ends the inference session now, in this thread
-    tail = stream.finish()
-    if tail or pending:
-        emit(Delta(index, tail, pending))
-    return ChoiceDone(index, finish_reason, num_tokens, stream.text, every if want_logprobs else None, stop_reason)
+    return choice.finish()
+
+
+class _Choice:
+    """What one choice has produced: counts tokens (metrics), collects log-probabilities, cuts at EOS, stop tokens,
+    stop strings and the length limit, and emits `Delta`s of text."""
+
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        request: GenerationRequest,
+        index: int,
+        emit: Callable[[Any], None],
+        metrics: ApiMetrics | None,
+        started: float,
+    ):
+        self.backend, self.request, self.index, self.emit, self.metrics = backend, request, index, emit, metrics
+        self.stream = TextStream(backend.decode, request.stops)
+        self.want_logprobs = request.params.logprobs is not None
+        self.pending: list[TokenLogprob] = []
+        self.every: list[TokenLogprob] = []
+        self.finish_reason: str = "length"
+        self.stop_reason: int | str | None = None
+        self.num_tokens = 0
+        self.last = started
+        self.ended = False
+
+    def push(self, sampled: SampledToken) -> bool:
+        """Takes the next token; True when the choice ends with it."""
+        params, token = self.request.params, sampled.token_id
+        self.num_tokens += 1
+        now = time.perf_counter()
+        if self.metrics is not None:
+            first = self.num_tokens == 1
+            self.metrics.token(first=first, since_s=None if (first and self.index > 0) else now - self.last)
+        self.last = now
+        if self.want_logprobs:
+            entry = _logprob_entry(self.backend, sampled)
+            self.pending.append(entry)
+            self.every.append(entry)
+        self.ended = self._ends(token, params)
+        return self.ended
+
+    def _ends(self, token: int, params: SamplingParams) -> bool:
+        if token in params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+            return True
+        if token in self.backend.eos_token_ids and not params.ignore_eos:
+            self.finish_reason = "stop"
+            return True
+        text, hit_stop = self.stream.push(token)
+        if text:
+            self.emit(Delta(self.index, text, self.pending))
+            self.pending = []
+        if hit_stop:
+            self.finish_reason = "stop"
+            self.stop_reason = _which_stop(self.stream.text, self.request.stops, self.stream)
+            return True
+        return self.num_tokens >= params.max_new_tokens
+
+    def finish(self) -> ChoiceDone:
+        tail = self.stream.finish()
+        if tail or self.pending:
+            self.emit(Delta(self.index, tail, self.pending))
+        logprobs = self.every if self.want_logprobs else None
+        return ChoiceDone(self.index, self.finish_reason, self.num_tokens, self.stream.text, logprobs, self.stop_reason)
 
 
 def _which_stop(text: str, stops: list[str], stream: TextStream) -> str | None:

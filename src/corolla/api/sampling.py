@@ -124,15 +124,17 @@ class Sampler:
     def choose(self, logits: torch.Tensor) -> SampledToken:
         """Picks the next token from the last position's logits [V] and records it."""
         logits = logits.float()  # [V]
+        self._ensure_state(logits.shape[-1])
+        token = pick(self.process(logits), self.params, self.generator)
+        return self.record(token, logits)
+
+    def record(self, token: int, logits: torch.Tensor) -> SampledToken:
+        """Records `token` as the next one of the sequence (chosen from raw `logits` [V], by `choose` or by the
+        speculative rule over `distribution_after`); returns it with its log-probabilities when asked."""
+        logits = logits.float()  # [V]
         vocab = logits.shape[-1]
-        if self._counts is None:
-            self._counts = torch.zeros(vocab)
-            self._seen = torch.zeros(vocab, dtype=torch.bool)
-            prompt = torch.tensor([t for t in self.prompt_ids if 0 <= t < vocab], dtype=torch.long)
-            self._seen[prompt] = True
-            self._prepare_masks(vocab)
-        scores = self.process(logits)
-        token = pick(scores, self.params, self.generator)
+        self._ensure_state(vocab)
+        assert self._counts is not None and self._seen is not None
         result = SampledToken(token)
         if self.params.logprobs is not None:
             logprobs = torch.log_softmax(logits, dim=-1)  # [V]: the model's own distribution
@@ -141,29 +143,65 @@ class Sampler:
             top = tuple(zip(top_ids.tolist(), top_values.tolist(), strict=True))
             result = SampledToken(token, float(logprobs[token]), top)
         self.generated.append(token)
-        if token < vocab:
+        if 0 <= token < vocab:
             self._counts[token] += 1
             self._seen[token] = True
         return result
 
+    def _ensure_state(self, vocab: int) -> None:
+        if self._counts is None:
+            self._counts = torch.zeros(vocab)
+            self._seen = torch.zeros(vocab, dtype=torch.bool)
+            prompt = torch.tensor([t for t in self.prompt_ids if 0 <= t < vocab], dtype=torch.long)
+            self._seen[prompt] = True
+            self._prepare_masks(vocab)
+
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits after every processor except temperature and truncation (a new tensor)."""
+        return self._process(logits, self._counts, self._seen, len(self.generated))
+
+    def scores_after(self, extra: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """`process` as it would be after the tokens `extra` had also been recorded (nothing is recorded): the
+        penalties and `min_tokens` of a drafted continuation. `logits` [V] raw; returns [V]."""
+        logits = logits.float()  # [V]
+        vocab = logits.shape[-1]
+        self._ensure_state(vocab)
+        assert self._counts is not None and self._seen is not None
+        counts, seen = self._counts, self._seen
+        extra_ids = torch.tensor([t for t in extra if 0 <= t < vocab], dtype=torch.long)
+        if extra_ids.numel():
+            counts = counts.clone().index_add_(0, extra_ids, torch.ones(extra_ids.numel()))
+            seen = seen.clone()
+            seen[extra_ids] = True
+        return self._process(logits, counts, seen, len(self.generated) + len(extra))
+
+    def distribution_after(self, extra: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """The distribution `choose` would draw from [V] (sums to 1) after `extra` (see `scores_after`): the
+        truncated sampling distribution, or a point mass at the argmax when greedy."""
+        scores = self.scores_after(extra, logits)  # [V]
+        if self.params.greedy:
+            return torch.nn.functional.one_hot(torch.argmax(scores), scores.shape[-1]).to(torch.float32)
+        return truncated_probs(scores, self.params)
+
+    def _process(
+        self, logits: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None, num_generated: int
+    ) -> torch.Tensor:
         params, scores = self.params, logits.clone()
         vocab = scores.shape[-1]
         if self._bias is None or self._bias.shape[-1] != vocab:
             self._prepare_masks(vocab)
         if self._disallowed is not None:
             scores = scores.masked_fill(self._disallowed, float("-inf"))
-        if params.logit_bias:
+        if params.logit_bias and self._bias is not None:
             scores = scores + self._bias
-        if len(self.generated) < params.min_tokens and self._min_tokens_masked:
+        if num_generated < params.min_tokens and self._min_tokens_masked:
             ids = torch.tensor([t for t in self._min_tokens_masked if t < vocab], dtype=torch.long)
             scores[ids] = float("-inf")
-        if params.repetition_penalty != 1.0 and self._seen is not None:
+        if params.repetition_penalty != 1.0 and seen is not None:
             penalized = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
-            scores = torch.where(self._seen, penalized, scores)
-        if (params.presence_penalty or params.frequency_penalty) and self._counts is not None:
-            scores = scores - self._counts * params.frequency_penalty - (self._counts > 0) * params.presence_penalty
+            scores = torch.where(seen, penalized, scores)
+        if (params.presence_penalty or params.frequency_penalty) and counts is not None:
+            scores = scores - counts * params.frequency_penalty - (counts > 0) * params.presence_penalty
         return scores
 
     def _prepare_masks(self, vocab: int) -> None:
