@@ -1,12 +1,13 @@
 """Many users at once through one real server, measured as users meet it.
 
 One corolla span server runs in this process (hivemind P2P on loopback, the `rpc_inference` handler, the runtime
-thread, the same-host socket endpoint); the clients run in several other processes (spawned, each with its own
-P2P instance or unix-socket connections), each driving some of the sessions as a stock Petals client does
-(`rpc_inference` stream, session metadata, `start_from_position`). All sessions prefill, wait at a common start,
-then decode `decode_steps` tokens each. Reported: aggregate decode tokens/s, each client step (median, p90,
-worst; the worst session's median), steps merged per forward and the runtime thread's busy share (from the
-runtime's own per-kind counters), errors and sessions that did not finish.
+thread, the same-host socket endpoint); the clients run in several other processes (forked from one forkserver
+that imported torch and hivemind once; each with its own P2P instance or unix-socket connections), each driving
+some of the sessions as a stock Petals client does (`rpc_inference` stream, session metadata,
+`start_from_position`). All sessions prefill, wait at a common start, then decode `decode_steps` tokens each.
+Reported: aggregate decode tokens/s, each client step (median, p90, worst; the worst session's median), steps merged
+per forward and the runtime thread's busy share (from the runtime's own per-kind counters), errors and sessions that
+did not finish.
 
 CPU use: `python -m corolla.bench.multi_user --cpu` (a ~160M-parameter Llama-shaped span, float32); the GPU run
 goes through `corolla-bench --users ...` (see `cli.py`).
@@ -317,11 +318,17 @@ async def _client_sessions(
     }
 
 
+CLIENT_PRELOAD = ("corolla.bench.multi_user", "corolla.bench.rpc_bench", "corolla.protocol.rpc", "hivemind.p2p")
+
+
 def run_users(server: BenchServer, config: UsersConfig, serving_path: str) -> UsersResult:
     """One measurement against a running `server` (its runtime counters give the merged-forward figures)."""
     from corolla.protocol.uids import make_chain
 
-    context = multiprocessing.get_context("spawn")
+    # forkserver: one fresh interpreter imports torch and hivemind once (the preload), then forks every client
+    # process from it; no client inherits this process's threads, CUDA context or event loop (as with spawn)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(CLIENT_PRELOAD))
     ready, results = context.Queue(), context.Queue()
     go = context.Event()
     chain = make_chain(DHT_PREFIX, 0, server.num_layers)
