@@ -17,6 +17,7 @@ from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from corolla.protocol.forwarding import NEXT_STEP_KEY
 from helpers.swarm import (
     ClientThread,
     InferenceStream,
@@ -253,24 +254,51 @@ def test_session_timeout_ends_a_busy_session(server, client):
 
 
 def test_bad_push_does_not_end_the_session(server, client):
-    """A malformed `rpc_push` into someone's session is dropped; the session goes on."""
+    """A malformed `rpc_push` into someone's session, sent as a real upstream server sends it (from the upstream the
+    client named, with the step id the client announced), is dropped; the client's own copy of that step is still
+    answered, and the session goes on, pushed steps included."""
     if not PREFIX:
         PREFIX.append(server.settings.dht_prefix)
     session_id = str(uuid.uuid4())
+    step_ids = [str(uuid.uuid4()) for _ in range(4)]  # what the client announces, one step ahead
+    registry = server.service.handler.sessions
     stream = InferenceStream(client).open()
     upstream = {"corolla.upstream_peer": client.p2p.peer_id.to_base58()}  # pushes only from the named upstream
-    stream.step(packed_request(uid(), x(), max_length=8, session_id=session_id, **upstream))
-    good = x(1, 1, HIDDEN)
-    for pushed in (x(1, 1, HIDDEN // 2), torch.full((1, 1, HIDDEN), float("nan")), x(1, 9, HIDDEN), good):
-        request = packed_request(uid(), pushed, session_id=session_id, pushed=True, step_id=str(uuid.uuid4()))
+    first = packed_request(uid(), x(), max_length=16, session_id=session_id, **upstream, **{NEXT_STEP_KEY: step_ids[0]})
+    stream.step(first)
+    position = 3
+    bad_pushes = (x(1, 1, HIDDEN // 2), torch.full((1, 1, HIDDEN), float("nan")), x(1, 9, HIDDEN))
+    for i, pushed in enumerate(bad_pushes):
+        request = packed_request(
+            uid(), pushed, session_id=session_id, pushed=True, step_id=step_ids[i], start_from_position=position
+        )
         client.run(lambda stub, request=request: stub.rpc_push(request))
+        if i < 2:  # within the push rules: admitted (its step id used up), then refused by the step's validation
+            assert wait_until(lambda: registry._push_guards[session_id].expected_step_id is None, 10)
+        else:  # 9 tokens, more than the client's biggest step: refused by the push rules
+            assert wait_until(lambda: registry._push_queues[session_id].empty(), 10)
+        honest = packed_request(
+            uid(),
+            x(1, 1, HIDDEN),
+            step_id=step_ids[i],
+            start_from_position=position,
+            **{NEXT_STEP_KEY: step_ids[i + 1]},
+        )
+        assert deserialize_torch_tensor(stream.step(honest).tensors[0]).shape == (1, 1, HIDDEN)
+        position += 1
+    good = packed_request(
+        uid(), x(1, 1, HIDDEN), session_id=session_id, pushed=True, step_id=step_ids[3], start_from_position=position
+    )
+    client.run(lambda stub: stub.rpc_push(good))
 
-    async def pushed_output(_stub):  # the session answers the good push (processed after the bad ones)
+    async def pushed_output(_stub):  # the session answers the good push
         return await asyncio.wait_for(stream.responses.__anext__(), 10)
 
     assert deserialize_torch_tensor(client.run(pushed_output).tensors[0]).shape == (1, 1, HIDDEN)
-    # the session is at position 3 + 1: a step continuing from there is accepted
-    response = stream.step(packed_request(uid(), x(1, 2, HIDDEN), step_id=str(uuid.uuid4()), start_from_position=4))
+    # the session is at position 6 + 1: a step continuing from there is accepted
+    response = stream.step(
+        packed_request(uid(), x(1, 2, HIDDEN), step_id=str(uuid.uuid4()), start_from_position=position + 1)
+    )
     assert deserialize_torch_tensor(response.tensors[0]).shape == (1, 2, HIDDEN)
     stream.close()
     check_healthy(server, client)
