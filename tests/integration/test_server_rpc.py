@@ -14,6 +14,8 @@ from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.models.loading import load_pretrained_block
+from corolla.protocol.auth import UPSTREAM_PEER_KEY
+from corolla.protocol.forwarding import NEXT_STEP_KEY
 from corolla.server.limits import PeerLimits
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
@@ -248,52 +250,63 @@ def test_cache_tokens_drop_per_session_and_return(server, client):
 
 
 def test_push_to_next_session_and_step_dedup(server, client, blocks):
-    """Blocks 0:2 push their output to a session on blocks 2:4 (same server); the pushed step is processed once
-    even when the client also sends it directly (step_id de-duplication)."""
+    """Blocks 0:2 push their output to a session on blocks 2:4 (same server), driven as corolla's client drives it:
+    the first step goes to both spans directly (naming no next_servers), each request announces the next step's id,
+    and the session on 2:4 names its upstream. The pushed step is processed once even when the client also sends
+    it directly (step_id de-duplication)."""
     torch.manual_seed(3)
-    hidden = torch.randn(1, 3, HIDDEN)
+    prefill, hidden, follow = torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN), torch.randn(1, 1, HIDDEN)
     downstream_id, upstream_id = str(uuid.uuid4()), str(uuid.uuid4())
-    downstream = InferenceStream(client).open()
-    first_down = downstream.step(
+    step_ids = [str(uuid.uuid4()) for _ in range(3)]
+    upstream, downstream = InferenceStream(client).open(), InferenceStream(client).open()
+    first_up = upstream.step(
         packed_request(
-            chain(server, 2, 4), torch.randn(1, 0, HIDDEN), max_length=10, session_id=downstream_id,
-            **{"corolla.upstream_peer": server.peer_id},  # pushes are accepted only from the upstream the client names
+            chain(server, 0, 2), prefill, max_length=10, session_id=upstream_id, step_id=step_ids[0],
+            **{NEXT_STEP_KEY: step_ids[1]},
         )
     )  # fmt: skip
-    assert deserialize_torch_tensor(first_down.tensors[0]).shape == (1, 0, HIDDEN)
-    upstream = InferenceStream(client).open()
-    step_id = str(uuid.uuid4())
+    mid0 = deserialize_torch_tensor(first_up.tensors[0])
+    first_down = downstream.step(
+        packed_request(
+            chain(server, 2, 4), mid0, max_length=10, session_id=downstream_id, step_id=step_ids[0],
+            **{UPSTREAM_PEER_KEY: server.peer_id, NEXT_STEP_KEY: step_ids[1]},  # pushes only from this upstream
+        )
+    )  # fmt: skip
+    assert deserialize_torch_tensor(first_down.tensors[0]).shape == (1, 3, HIDDEN)
     next_servers = [[server.peer_id, downstream_id, 2, 4]]
     response = upstream.step(
         packed_request(
-            chain(server, 0, 2), hidden, max_length=10, session_id=upstream_id, step_id=step_id,
-            next_servers=next_servers,
+            chain(server, 0, 2), hidden, session_id=upstream_id, step_id=step_ids[1], start_from_position=3,
+            next_servers=next_servers, **{NEXT_STEP_KEY: step_ids[2]},
         )
     )  # fmt: skip
     mid = deserialize_torch_tensor(response.tensors[0])
-    torch.testing.assert_close(mid, local_forward(blocks, 0, 2, hidden), atol=1e-4, rtol=0)
+    whole = torch.cat([prefill, hidden], dim=1)
+    torch.testing.assert_close(mid, local_forward(blocks, 0, 2, whole)[:, 3:], atol=1e-4, rtol=0)
 
     async def next_response(_stub):
-        import asyncio
-
         return await asyncio.wait_for(downstream.responses.__anext__(), 10)
 
     pushed = client.run(next_response)  # the downstream session answered the pushed step
     torch.testing.assert_close(
-        deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 0, 4, hidden), atol=1e-3, rtol=0
+        deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 0, 4, whole)[:, 3:], atol=1e-3, rtol=0
     )
-    # the same step sent directly is skipped (no response); the next one continues at position 3
-    follow = torch.randn(1, 1, HIDDEN)
-    direct = packed_request(chain(server, 2, 4), mid, session_id=downstream_id, step_id=step_id)
+    # the same step sent directly is skipped (no response); the next one continues at position 4
+    direct = packed_request(
+        chain(server, 2, 4), mid, session_id=downstream_id, step_id=step_ids[1], start_from_position=3,
+        **{NEXT_STEP_KEY: step_ids[2]},
+    )  # fmt: skip
 
     async def send_only(_stub):
         await downstream.queue.put(direct)
 
     client.run(send_only)
     after = downstream.step(
-        packed_request(chain(server, 2, 4), follow, session_id=downstream_id, step_id=str(uuid.uuid4()))
+        packed_request(
+            chain(server, 2, 4), follow, session_id=downstream_id, step_id=step_ids[2], start_from_position=4
+        )
     )
-    expected = local_forward(blocks, 2, 4, torch.cat([mid, follow], dim=1))[:, 3:]
+    expected = local_forward(blocks, 2, 4, torch.cat([mid0, mid, follow], dim=1))[:, 4:]
     torch.testing.assert_close(deserialize_torch_tensor(after.tensors[0]), expected, atol=1e-3, rtol=0)
     upstream.close()
     downstream.close()
@@ -301,25 +314,33 @@ def test_push_to_next_session_and_step_dedup(server, client, blocks):
 
 
 def test_push_between_servers(server, client, blocks, model_path, tmp_path):
-    """A second server (blocks 2:4) receives the output of blocks 0:2 by `rpc_push` from the first server."""
+    """A second server (blocks 2:4) receives the output of blocks 0:2 by `rpc_push` from the first server (the
+    client's first step goes to both directly, as corolla's client does; the second step is pushed)."""
     second = start_inprocess_server(
         model_path, tmp_path, new_swarm=False, initial_peers=tuple(server.join_maddrs), block_indices=(2, 4)
     )
     try:
-        hidden = torch.randn(1, 2, HIDDEN)
-        downstream_id = str(uuid.uuid4())
-        downstream = InferenceStream(client, second.peer_id).open()
-        downstream.step(
+        prefill, hidden = torch.randn(1, 2, HIDDEN), torch.randn(1, 1, HIDDEN)
+        downstream_id, upstream_id = str(uuid.uuid4()), str(uuid.uuid4())
+        step_ids = [str(uuid.uuid4()) for _ in range(3)]
+        upstream, downstream = InferenceStream(client).open(), InferenceStream(client, second.peer_id).open()
+        first_up = upstream.step(
             packed_request(
-                chain(server, 2, 4), torch.randn(1, 0, HIDDEN), max_length=8, session_id=downstream_id,
-                **{"corolla.upstream_peer": server.peer_id},
+                chain(server, 0, 2), prefill, max_length=8, session_id=upstream_id, step_id=step_ids[0],
+                **{NEXT_STEP_KEY: step_ids[1]},
             )
         )  # fmt: skip
-        upstream = InferenceStream(client).open()
+        downstream.step(
+            packed_request(
+                chain(server, 2, 4), deserialize_torch_tensor(first_up.tensors[0]), max_length=8,
+                session_id=downstream_id, step_id=step_ids[0],
+                **{UPSTREAM_PEER_KEY: server.peer_id, NEXT_STEP_KEY: step_ids[1]},
+            )
+        )  # fmt: skip
         upstream.step(
             packed_request(
-                chain(server, 0, 2), hidden, max_length=8, session_id=str(uuid.uuid4()), step_id=str(uuid.uuid4()),
-                next_servers=[[second.peer_id, downstream_id, 2, 4]],
+                chain(server, 0, 2), hidden, session_id=upstream_id, step_id=step_ids[1], start_from_position=2,
+                next_servers=[[second.peer_id, downstream_id, 2, 4]], **{NEXT_STEP_KEY: step_ids[2]},
             )
         )  # fmt: skip
 
@@ -327,8 +348,9 @@ def test_push_between_servers(server, client, blocks, model_path, tmp_path):
             return await asyncio.wait_for(downstream.responses.__anext__(), 15)
 
         pushed = client.run(next_response)
+        whole = torch.cat([prefill, hidden], dim=1)
         torch.testing.assert_close(
-            deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 0, 4, hidden), atol=1e-3, rtol=0
+            deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 0, 4, whole)[:, 2:], atol=1e-3, rtol=0
         )
         upstream.close()
         downstream.close()
