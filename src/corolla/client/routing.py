@@ -16,6 +16,7 @@ from corolla.client.bans import BanList
 from corolla.client.config import ClientConfig
 from corolla.client.route_planning import make_max_throughput_route, make_min_latency_route
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
+from corolla.swarm.ping import PingAggregator
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
@@ -61,7 +62,7 @@ class RemoteSequenceManager:
         self.rng = random.Random()
         self._lock = threading.Lock()
         self._spans: list[RemoteSpanInfo] = []
-        self._rtts_s: dict[str, float] = {}
+        self._rtts = PingAggregator(ema_alpha=PING_EMA_ALPHA, expiration_s=math.inf)  # smoothed RTTs, never forgotten
         self._ready = threading.Event()
         self._update_requested = threading.Event()
         self._attempted = threading.Event()  # set after the first update attempt, failed or not
@@ -106,7 +107,7 @@ class RemoteSequenceManager:
     @property
     def client_rtts_s(self) -> dict[str, float]:
         with self._lock:
-            return dict(self._rtts_s)
+            return self._rtts.to_dict()
 
     def fetch_module_infos(self) -> list[RemoteModuleInfo]:
         """Reads the block records (subclasses and tests may override the source)."""
@@ -160,11 +161,7 @@ class RemoteSequenceManager:
             with self._lock:
                 self._spans = spans
                 for peer_id, rtt in rtts.items():
-                    old = self._rtts_s.get(peer_id)
-                    if old is None or not math.isfinite(old) or not math.isfinite(rtt):
-                        self._rtts_s[peer_id] = rtt
-                    else:
-                        self._rtts_s[peer_id] = PING_EMA_ALPHA * rtt + (1 - PING_EMA_ALPHA) * old
+                    self._rtts.update(peer_id, rtt)
             self._ready.set()
             logger.debug("routing.updated(servers=%d, pinged=%d)", len(spans), len(rtts))
 
@@ -269,7 +266,7 @@ class RemoteSequenceManager:
         with self._lock:
             remaining = [span for span in self._spans if span.peer_id != peer_id]
             self._spans = remaining
-        covered = set()
+        covered: set[int] = set()
         for span in remaining:
             covered.update(range(span.start, span.end))
         if len(covered) < self.num_blocks:
@@ -338,6 +335,8 @@ class RemoteSequenceManager:
 
     async def _get_p2p(self) -> Any:
         if self._p2p is None:
+            if self.dht is None:
+                raise RuntimeError("routing.no_p2p: this sequence manager has neither a p2p instance nor a DHT")
             self._p2p = await self.dht.replicate_p2p()
         return self._p2p
 
