@@ -108,7 +108,7 @@ class DistributedModelForCausalLM(nn.Module):
             self.layout.embeddings: self.embeddings,
             self.layout.final_norm: self.final_norm,
         }
-        if self.layout.embeddings_norm:
+        if self.layout.embeddings_norm and self.embeddings_norm is not None:  # built iff the layout names one
             modules[self.layout.embeddings_norm] = self.embeddings_norm
         wanted: dict[str, tuple[nn.Module, str]] = {}
         for prefix, module in modules.items():

@@ -191,7 +191,7 @@ class GenerationLoop:
             return ids[:, previous.shape[1] :] if previous is not None else ids
 
         with contextlib.ExitStack() as stack:
-            if padded:
+            if padded and attention_mask is not None:  # (padded implies a mask)
                 from corolla.client.distributed_model import padding_groups
 
                 groups = []

@@ -239,7 +239,7 @@ async def _import(
     empty = old.history[:, :0]  # [B, 0, H]
     request, inputs, send_from = new._request(
         empty, header.position, header.position, torch.empty(0), torch.empty(0, dtype=torch.int64),
-        str(uuid.uuid4()), NONE,
+        str(uuid.uuid4()), NONE, {},
     )  # fmt: skip
     metadata = decode_metadata(request.metadata)
     metadata[wire.IMPORT_KEY] = header.to_dict()

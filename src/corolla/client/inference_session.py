@@ -24,6 +24,7 @@ from corolla.client.routing import RemoteSequenceManager
 from corolla.client.verification import StepVerifier
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.codecs import deserialize_tensor
+from corolla.protocol.handoff import DrainNotice
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.records import RemoteSpanInfo
@@ -64,7 +65,8 @@ class _SpanSession:
         self._closed = False
         self.upstream_peer: str | None = None  # the previous span's server: the only peer that may push to this one
         self._declared_upstream: str | None = None
-        self.drain_notice = None  # set when the server says it drains (client.handoff moves the span)
+        # set when the server says it drains (client.handoff moves the span)
+        self.drain_notice: DrainNotice | None = None
         self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
         self.expected_push: tuple[str, int] | None = None  # (step_id, start) last named to reach it by push
         self.last_reply_pushed = False  # the server flagged its last reply as the answer to a pushed step
@@ -135,9 +137,12 @@ class _SpanSession:
         """This span's inputs for positions `[send_from, hidden_from + hidden.shape[1])` from history + `hidden`."""
         if send_from >= hidden_from:
             return hidden[:, send_from - hidden_from :]
-        have = 0 if self.history is None else self.history.shape[1]
-        assert have >= hidden_from, f"span {self.span.start}:{self.span.end} lacks inputs [{have}, {hidden_from})"
-        return torch.cat([self.history[:, send_from:hidden_from], hidden], dim=1)
+        history = self.history  # [B, have, H]
+        have = 0 if history is None else history.shape[1]
+        assert history is not None and have >= hidden_from, (
+            f"span {self.span.start}:{self.span.end} lacks inputs [{have}, {hidden_from})"
+        )
+        return torch.cat([history[:, send_from:hidden_from], hidden], dim=1)
 
     def _request(
         self,
@@ -456,8 +461,8 @@ class InferenceSession:
         position, step_id = self._position, self.forwarding.take_step_id()
         may_forward = prompts is None and hypo_ids is None and self._zero_prompts is None  # see client.forwarding
         if hypo_ids is not None:
-            for span_session in self._spans:
-                span_session.reorder(hypo_ids)
+            for reordered in self._spans:
+                reordered.reorder(hypo_ids)
         hidden, hidden_from = inputs, position  # `hidden` holds the inputs of block `block` from `hidden_from` on
         block, index, budget = self.start, 0, RetryBudget(self.manager)
         pending_replacement: _SpanSession | None = None

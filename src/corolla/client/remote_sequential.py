@@ -95,7 +95,7 @@ async def sequential_backward(
             spans[-1:], span_inputs[-1:] = new_spans, new_inputs
     if not prompts.numel():
         return grad_outputs, None
-    parts = [grad_prompts.get(b) for b in sorted(grad_prompts)]
+    parts = [grad_prompts[b] for b in sorted(grad_prompts)]
     if sum(p.shape[0] for p in parts) != prompts.shape[0]:
         raise ConnectionError("servers returned deep-prompt gradients for only some blocks")
     return grad_outputs, torch.cat(parts, dim=0)

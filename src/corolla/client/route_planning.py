@@ -30,7 +30,7 @@ def spans_by_block(spans: Sequence[RemoteSpanInfo], num_blocks: int) -> list[lis
 
 
 def find_missing_blocks(spans: Sequence[RemoteSpanInfo], start: int, end: int) -> list[int]:
-    covered = set()
+    covered: set[int] = set()
     for span in spans:
         covered.update(range(max(span.start, start), min(span.end, end)))
     return [block for block in range(start, end) if block not in covered]

@@ -136,7 +136,7 @@ class FastLlamaSpan:
             if getattr(block, "adapter_names", None):
                 raise ValueError("The fast path does not apply LoRA adapters")
             weights = [
-                _projection_weight(m, block.input_layernorm.weight.dtype)
+                _projection_weight(m, _norm_weight(block, "input_layernorm").dtype)
                 for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)
             ]
             if getattr(attn, "alibi", False) or getattr(mlp, "act_name", "silu") not in ("silu", "swish"):
@@ -146,12 +146,12 @@ class FastLlamaSpan:
                 q_norm, k_norm = attn.q_norm.weight.data, attn.k_norm.weight.data
             layers.append(
                 LayerWeights(
-                    ln1=block.input_layernorm.weight.data,
+                    ln1=_norm_weight(block, "input_layernorm").data,
                     w_qkv=weights[0],
                     b_qkv=linear_bias(attn.qkv),
                     w_o=weights[1],
                     b_o=linear_bias(attn.o_proj),
-                    ln2=block.post_attention_layernorm.weight.data,
+                    ln2=_norm_weight(block, "post_attention_layernorm").data,
                     w_gate_up=weights[2],
                     b_gate_up=linear_bias(mlp.gate_up),
                     w_down=weights[3],
@@ -160,8 +160,10 @@ class FastLlamaSpan:
                     k_norm=k_norm,
                 )
             )
-        rotary = blocks[0].attn.rotary
-        if rotary is None:
+        from corolla.models.positions import RotaryEmbedding
+
+        rotary = getattr(blocks[0].attn, "rotary", None)
+        if not isinstance(rotary, RotaryEmbedding):
             raise ValueError("The fast path needs rotary position embeddings")
         if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
             raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
@@ -304,7 +306,7 @@ class FastLlamaSpan:
         overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here
         for j, i in enumerate(range(*layers)):
             w = self.layers[i]
-            if overlap:
+            if overlap and prompts is not None:
                 h = h.clone() if j == 0 else h
                 h[:overlap] += prompts[j, start : start + overlap].to(h.dtype)
             x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
@@ -331,6 +333,14 @@ class FastLlamaSpan:
             act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
             h = self.ops.linear(act, w.w_down, w.b_down, residual=h)
         return h
+
+
+def _norm_weight(block: torch.nn.Module, name: str) -> torch.Tensor:
+    """The weight [H] of the block's norm layer `name` (ValueError when that layer has no weight tensor)."""
+    weight = block.get_submodule(name).weight
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"{type(block).__name__}.{name} has no weight tensor")
+    return weight
 
 
 def _projection_weight(module: torch.nn.Module, dtype: torch.dtype) -> Weight:

@@ -13,14 +13,15 @@ from corolla.engine.quant import Int8Weight, NF4Weight
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
     from corolla.engine import quant_kernels, triton_kernels
+
+    TRITON_IMPORTED = True
 except ImportError:  # pragma: no cover - depends on the installation
-    triton_kernels = None
-    quant_kernels = None
+    TRITON_IMPORTED = False  # the kernel modules stay unbound: only `use_triton` paths name them
 
 
 def triton_usable(device: torch.device, head_dim: int) -> bool:
     """Whether the Triton kernels can run for this device and head size."""
-    return triton_kernels is not None and device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return TRITON_IMPORTED and device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 # ---------------------------------------------------------------------------------------------- reference versions
@@ -145,7 +146,7 @@ class DecodeOps:
     def linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | NF4Weight | Int8Weight,
         bias: torch.Tensor | None,
         *,
         residual: torch.Tensor | None = None,
@@ -217,7 +218,7 @@ class DecodeOps:
                     continue
             if not timings:
                 raise RuntimeError(f"no dequantize-GEMM config runs for {key}")
-            best = min(timings, key=timings.get)
+            best = min(timings, key=timings.__getitem__)
             self.quant_gemm[key] = best
             per_call = 1000 / len(items)
             report[key] = {
@@ -276,7 +277,7 @@ class DecodeOps:
                     timings[config] = _graph_median_ms(lambda c=config: run(c), reps)
                 except Exception:  # a config that does not compile or fit is skipped
                     continue
-            best = min(timings, key=timings.get)
+            best = min(timings, key=timings.__getitem__)
             if best is not None:
                 self.single_row_gemm[key] = best
             per_call = 1000 / len(items)

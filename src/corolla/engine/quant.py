@@ -9,9 +9,13 @@ bitsandbytes (GPU benchmarks and tests run where bitsandbytes is not installed).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # only for annotations: bitsandbytes is imported at run time only for its own layers
+    import bitsandbytes as bnb
 
 NF4_BLOCK_VALUES = 64  # values per first-level block (what models/quantization.py asks bitsandbytes for)
 NESTED_BLOCK_ABSMAXES = 256  # first-level absmaxes per second-level block (bitsandbytes' compress_statistics)
@@ -103,9 +107,10 @@ class NF4Weight:
         return values.reshape(n, k).to(self.dtype)
 
     @classmethod
-    def from_bnb(cls, module: nn.Module, dtype: torch.dtype) -> NF4Weight:
+    def from_bnb(cls, module: bnb.nn.Linear4bit, dtype: torch.dtype) -> NF4Weight:
         """The packed weight of a bitsandbytes `Linear4bit` (nf4, blocksize 64, compress_statistics=True)."""
-        weight = module.weight
+        # bitsandbytes declares `Linear4bit.weight` as nn.Linear's Tensor; it holds a `Params4bit` (with quant_state)
+        weight = cast("bnb.nn.Params4bit", module.weight)
         state = weight.quant_state
         if state is None or state.quant_type != "nf4" or state.blocksize != NF4_BLOCK_VALUES:
             raise ValueError(f"the fast path reads nf4 weights with blocksize {NF4_BLOCK_VALUES}")
@@ -154,7 +159,7 @@ class Int8Weight:
         return (self.codes.float() * self.col_scale[:, None]).to(self.dtype)
 
     @classmethod
-    def from_bnb(cls, module: nn.Module, dtype: torch.dtype) -> Int8Weight:
+    def from_bnb(cls, module: bnb.nn.Linear8bitLt, dtype: torch.dtype) -> Int8Weight:
         """The int8 weight of a bitsandbytes `Linear8bitLt` (has_fp16_weights=False) after it moved to CUDA."""
         weight = module.weight
         scb = getattr(weight, "SCB", None) if weight.dtype == torch.int8 else None
@@ -181,8 +186,13 @@ def quantized_weight_of(module: nn.Module, dtype: torch.dtype) -> QuantizedWeigh
 
 
 def linear_bias(module: nn.Module) -> torch.Tensor | None:
+    """The bias of a linear layer (dense or bitsandbytes), None when it has none."""
     bias = module.bias
-    return None if bias is None else bias.data
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor):
+        raise ValueError(f"{type(module).__name__}.bias is a {type(bias).__name__}, not a tensor")
+    return bias.data
 
 
 # ---------------------------------------------------------------------------------------------- quantizers

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +16,9 @@ from corolla.engine.cuda_graphs import DecodeGraphs
 from corolla.engine.fast_llama import FastLlamaSpan
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = get_logger(__name__)
 
@@ -131,7 +135,8 @@ class SpanEngine:
     @classmethod
     def from_blocks(cls, blocks: Sequence[torch.nn.Module], config: EngineConfig = EngineConfig()) -> SpanEngine:
         """Wraps loaded llama-family blocks (their tensors are used in place); ValueError if unsupported."""
-        max_positions = min(config.max_seq_len_tokens, int(blocks[0].config.max_position_embeddings))
+        hf_config: PretrainedConfig = blocks[0].config  # every corolla block keeps its model's config
+        max_positions = min(config.max_seq_len_tokens, int(hf_config.max_position_embeddings))
         model = FastLlamaSpan.from_blocks(
             blocks,
             max_positions=max_positions,
@@ -239,7 +244,7 @@ class SpanEngine:
             return torch.empty((b, 0, h), dtype=self.dtype, device=req.hidden.device)
         hidden = req.hidden.to(self.device, self.dtype, non_blocking=True)
         prompts = None
-        if req.needs_prompts:
+        if req.needs_prompts and req.prompts is not None:
             prompts = req.prompts.to(self.device, self.dtype)  # [layers, B or 1, P, H]
         outs = []
         for row, slot in enumerate(req.session.slots):
@@ -294,11 +299,11 @@ class SpanEngine:
             g = self.graphs
             if all_cpu:  # stage through pinned host buffers: one asynchronous copy per input
                 dt = self.dtype
-                hidden = [
+                row_hidden = [
                     r.hidden.view(r.rows, h) if r.hidden.dtype == dt else r.hidden.reshape(r.rows, h).to(dt)
                     for r in group
-                ]
-                torch.cat(hidden, out=self._pin_hidden[:rows])
+                ]  # [r.rows, H] each
+                torch.cat(row_hidden, out=self._pin_hidden[:rows])
                 g.hidden[:rows].copy_(self._pin_hidden[:rows], non_blocking=True)
             else:
                 g.hidden[:rows].copy_(

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from corolla.server.memory_cache import allocation_size_bytes
 from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from corolla.models.block_base import CorollaBlock
 
 logger = get_logger(__name__)
 
@@ -27,7 +29,7 @@ class SpanBackend:
 
     def __init__(
         self,
-        blocks: Mapping[int, nn.Module],
+        blocks: Mapping[int, CorollaBlock],
         *,
         config: Any,
         dtype: torch.dtype,
@@ -39,7 +41,7 @@ class SpanBackend:
             raise ValueError("SpanBackend needs at least one block")
         if max_chunk_size_bytes < 1:
             raise ValueError(f"max_chunk_size_bytes must be >= 1, got {max_chunk_size_bytes}")
-        self.blocks: dict[int, nn.Module] = dict(sorted(blocks.items()))
+        self.blocks: dict[int, CorollaBlock] = dict(sorted(blocks.items()))
         self.config = config
         self.hidden_size: int = int(config.hidden_size)
         self.num_attention_heads: int = int(config.num_attention_heads)
@@ -152,7 +154,8 @@ class SpanBackend:
         per_block_prompts = self._check_prompts(prompts, len(indices), inputs.shape[0])
         has_prompts = per_block_prompts[0] is not None
         if inputs.shape[1] == 0:  # nothing flows back
-            empty_prompts = torch.zeros_like(torch.stack(per_block_prompts)) if has_prompts else None
+            present = [p for p in per_block_prompts if p is not None]  # all or none: see _check_prompts
+            empty_prompts = torch.zeros_like(torch.stack(present)) if has_prompts else None
             return torch.zeros_like(inputs), empty_prompts
         with self._adapter_context(adapter):
             # inputs of every block, without keeping activations: [B, T, H] each
@@ -170,10 +173,11 @@ class SpanBackend:
                 with torch.enable_grad():
                     output = self.blocks[indices[i]](_add_prompt(block_input, prompt, position=0))
                     torch.autograd.backward(output, grad)
-                grad = block_input.grad
+                grad = _filled_grad(block_input.grad)
                 if prompt is not None:
                     grad_prompts[i] = prompt.grad
-        grads_prompts = torch.stack(grad_prompts) if has_prompts else None  # [n_blocks, B|1, P, H]
+        grads_prompts = torch.stack([_filled_grad(g) for g in grad_prompts]) if has_prompts else None
+        # grads_prompts: [n_blocks, B|1, P, H]
         return grad, grads_prompts
 
     # ---- inference
@@ -217,7 +221,7 @@ class SpanBackend:
 
         with torch.inference_mode(), self._adapter_context(adapter):
             if hypo_ids is not None:
-                ids_on = {}  # tensor-parallel caches live on several devices
+                ids_on: dict[torch.device, torch.Tensor] = {}  # tensor-parallel caches live on several devices
                 for tensors in cache_tensors:
                     for tensor in tensors:
                         ids = ids_on.setdefault(tensor.device, hypo_ids.to(tensor.device))
@@ -268,6 +272,13 @@ class SpanBackend:
         """Bytes of keys + values for one token of one sequence, summed over `block_indices` (default: all)."""
         indices = self.block_indices if block_indices is None else self.validate_block_indices(block_indices)
         return sum(allocation_size_bytes(self.blocks[i].cache_descriptors(1, 1)) for i in indices)
+
+
+def _filled_grad(grad: torch.Tensor | None) -> torch.Tensor:
+    """A gradient that autograd must have filled (it does for every leaf that took part in the forward)."""
+    if grad is None:
+        raise RuntimeError("autograd left an input of the span without a gradient")
+    return grad
 
 
 def _add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, *, position: int) -> torch.Tensor:

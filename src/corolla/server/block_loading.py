@@ -20,6 +20,7 @@ def load_span_blocks(
     quant_type: str,
 ) -> dict[int, Any]:
     """Returns {block index: block} on `device` (or on the tensor-parallel devices), ready to serve."""
+    from corolla.models.block_base import CorollaBlock
     from corolla.models.hub_files import TerminalTqdm
     from corolla.models.loading import load_pretrained_block
     from corolla.models.placement import place_block
@@ -39,7 +40,9 @@ def load_span_blocks(
                 token=c.token,
                 max_disk_space_bytes=c.max_disk_space_bytes,
             )
-            block = place_block(block, device=device, quant_type=quant_type, tensor_parallel_devices=tp_devices)
+            placed = place_block(block, device=device, quant_type=quant_type, tensor_parallel_devices=tp_devices)
+            if not isinstance(placed, CorollaBlock):  # place_block splits and quantizes the block in place
+                raise TypeError(f"place_block returned a {type(placed).__name__}, not the block it was given")
             for adapter in c.adapters:
                 from corolla.models.lora import add_adapter, load_adapter
 
@@ -47,7 +50,7 @@ def load_span_blocks(
                     adapter, index, cache_dir=c.cache_dir, revision=c.revision, token=c.token,
                     max_disk_space_bytes=c.max_disk_space_bytes,
                 )  # fmt: skip
-                add_adapter(block, adapter, weights)
-            blocks[index] = block
+                add_adapter(placed, adapter, weights)
+            blocks[index] = placed
             progress.update(1)
     return blocks

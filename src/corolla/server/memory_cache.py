@@ -25,11 +25,17 @@ UNLIMITED_BYTES = 2**63 - 1
 
 
 class TensorDescriptorLike(Protocol):
-    """What `models.block_base.TensorDescriptor` offers: the shape, dtype and device of one cache tensor."""
+    """What `models.block_base.TensorDescriptor` offers: the shape, dtype and device of one cache tensor (read-only
+    properties, so that frozen dataclasses match)."""
 
-    shape: Sequence[int]
-    dtype: torch.dtype
-    device: Any
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> Any: ...
 
 
 def descriptor_nbytes(descriptor: TensorDescriptorLike) -> int:

@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -123,7 +123,8 @@ def get_server_throughput(
     return result
 
 
-def _valid_figures(cached: Any) -> bool:
+def _valid_figures(cached: object) -> TypeGuard[dict[str, float]]:
+    """Whether a cache entry holds the three positive, finite figures (it came from a file anyone can edit)."""
     if not isinstance(cached, dict):
         return False
     for name in ("inference_rps", "forward_rps", "network_rps"):
@@ -146,7 +147,6 @@ def measure_throughput_info(
     on_cpu = device.type == "cpu"
     if forward_tokens is None:
         forward_tokens = FORWARD_TOKENS_CPU if on_cpu else FORWARD_TOKENS_ACCELERATOR
-    common = dict(quant_type=quant_type, tensor_parallel_devices=tensor_parallel_devices)
     inference_rps = measure_compute_rps(
         config,
         device,
@@ -154,7 +154,8 @@ def measure_throughput_info(
         n_tokens=1,
         n_steps=INFERENCE_STEPS_CPU if on_cpu else INFERENCE_STEPS,
         inference=True,
-        **common,
+        quant_type=quant_type,
+        tensor_parallel_devices=tensor_parallel_devices,
     )
     forward_rps = measure_compute_rps(
         config,
@@ -163,7 +164,8 @@ def measure_throughput_info(
         n_tokens=forward_tokens,
         n_steps=FORWARD_STEPS_CPU if on_cpu else FORWARD_STEPS,
         inference=False,
-        **common,
+        quant_type=quant_type,
+        tensor_parallel_devices=tensor_parallel_devices,
     )
     network_rps = measure_network_rps(config, public_swarm=public_swarm)
     info = {"inference_rps": inference_rps, "forward_rps": forward_rps, "network_rps": network_rps}
@@ -229,12 +231,15 @@ def measure_compute_rps(
     inference: bool,
 ) -> float:
     """Tokens per second per block of a random-init block with the same config, dtype and quantization."""
+    from corolla.models.block_base import CorollaBlock
     from corolla.models.placement import place_block
     from corolla.models.registry import get_family
 
     family = get_family(config)
-    block = family.build_block(config, 0).to(dtype)
-    block = place_block(block, device=device, quant_type=quant_type, tensor_parallel_devices=tensor_parallel_devices)
+    built = family.build_block(config, 0).to(dtype)
+    block = place_block(built, device=device, quant_type=quant_type, tensor_parallel_devices=tensor_parallel_devices)
+    if not isinstance(block, CorollaBlock):  # place_block splits and quantizes the block in place
+        raise TypeError(f"place_block returned a {type(block).__name__}, not the block it was given")
     block.eval()
     hidden_size = config.hidden_size
     with torch.inference_mode():
