@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from corolla.models.loading import read_named_tensors, tensor_names
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -86,12 +87,7 @@ class CheckpointReader:
     def _names_in_file(self, filename: str) -> list[str]:
         path = self._fetch(filename)
         assert path is not None
-        if filename.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            with safe_open(path, framework="pt") as f:
-                return list(f.keys())
-        return list(torch.load(path, map_location="cpu", weights_only=True, mmap=True).keys())
+        return tensor_names(path)
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         names = list(names)
@@ -111,14 +107,5 @@ class CheckpointReader:
             path = self._fetch(filename)
             assert path is not None
             logger.debug("checkpoint.read(file=%s, tensors=%d)", filename, len(wanted))
-            if filename.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                with safe_open(path, framework="pt") as f:
-                    for name in wanted:
-                        result[name] = f.get_tensor(name)
-            else:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                for name in wanted:
-                    result[name] = state[name].clone()
+            result.update(read_named_tensors(path, wanted))
         return result

@@ -8,7 +8,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -92,17 +92,28 @@ def _notify_open(path: str) -> None:
 
 
 def read_tensors(path: str | os.PathLike, prefix: str) -> dict[str, torch.Tensor]:
-    """Tensors whose names start with `prefix`, with the prefix stripped; safetensors are read lazily
-    (only those tensors), `.bin` files are loaded with `weights_only=True` and filtered."""
+    """Tensors whose names start with `prefix`, with the prefix stripped (see `read_file_tensors`)."""
+    loaded = read_file_tensors(path, lambda name: name.startswith(prefix))
+    return {k[len(prefix) :]: v for k, v in loaded.items()}
+
+
+def read_named_tensors(path: str | os.PathLike, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The tensors of one checkpoint file named in `names` (absent names are left out)."""
+    wanted = set(names)
+    return read_file_tensors(path, wanted.__contains__)
+
+
+def read_file_tensors(path: str | os.PathLike, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The one reader of checkpoint files: `{name: tensor}` of the tensors whose name `keep` accepts; safetensors
+    are read lazily (only those tensors), `.bin` files are loaded with `weights_only=True` and filtered."""
     path = str(path)
     _notify_open(path)
     if path.endswith(".safetensors"):
         from safetensors import safe_open
 
         with safe_open(path, framework="pt", device="cpu") as f:
-            return {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
-    loaded = _torch_load(path)
-    return {k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)}
+            return {k: f.get_tensor(k) for k in f.keys() if keep(k)}
+    return {k: v for k, v in _torch_load(path).items() if keep(k)}
 
 
 def _torch_load(path: str) -> dict[str, torch.Tensor]:
@@ -179,7 +190,7 @@ class _CheckpointSource:
             local_path = self.get_file(file)
             with disk_cache.allow_cache_reads(self.cache_dir) if not self.local else contextlib.nullcontext():
                 if prefix is None:
-                    prefix = _pick_prefix(prefixes, block_index, _tensor_names(local_path))
+                    prefix = _pick_prefix(prefixes, block_index, tensor_names(local_path))
                     if prefix is None:
                         raise ConfigurationError(f"No tensors of block {block_index} in {local_path}")
                 tensors = read_tensors(local_path, prefix)
@@ -246,7 +257,8 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def _tensor_names(path: str) -> list[str]:
+def tensor_names(path: str) -> list[str]:
+    """The names of the tensors in one checkpoint file (safetensors: without reading them)."""
     if str(path).endswith(".safetensors"):
         from safetensors import safe_open
 
