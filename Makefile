@@ -34,20 +34,25 @@ install-demo: $(DEMO_STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix src tests benchmarks
 	$(VENV)/bin/ruff format src tests benchmarks
 
-# Runs the suite inside a network namespace holding only `lo` when the machine allows it.
+# Runs the suite inside a network namespace holding only `lo` when the machine allows it: first everything not marked
+# `serial` on PYTEST_WORKERS processes (whole files per worker, so a file's swarm fixture is built once), then the
+# `serial` tests (timing bounds, CPU-hungry benchmarks) alone.
+PYTEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 test: lint
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
-		echo "make test: running inside $(LOOPBACK)"; \
-		$(LOOPBACK) $(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS) tests; \
+		echo "make test: running inside $(LOOPBACK)"; RUN="$(LOOPBACK)"; \
 	else \
-		echo "make test: loopback-only namespace unavailable, running plainly"; \
-		$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS) tests; \
-	fi
+		echo "make test: loopback-only namespace unavailable, running plainly"; RUN=""; \
+	fi; \
+	$$RUN $(PYTEST) -n $(PYTEST_WORKERS) --dist loadfile -m "not serial" tests && \
+	$$RUN $(PYTEST) -m serial tests
 
 demo: $(DEMO_STAMP)
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \

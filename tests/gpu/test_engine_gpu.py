@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from corolla.models.registry import get_family
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.span_engine import StepRequest
+from corolla.models.registry import get_family
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,6 +21,8 @@ import pytest
 
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 
+pytestmark = pytest.mark.serial  # exit-time bounds (SIGTERM within seconds) need the CPU to itself
+
 RUN_TIMEOUT_S = 120.0  # a CLI imports torch; several start at once on a loaded 2-core machine
 READY_TIMEOUT_S = 150.0
 DRAIN_TIMEOUT_S = 5.0  # corolla-server's --drain_timeout_s default

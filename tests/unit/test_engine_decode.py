@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.models.registry import get_family
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.span_engine import StepRequest
+from corolla.models.registry import get_family
 from corolla.utils.errors import AllocationFailed
 from helpers.tiny_models import tiny_config
 

@@ -229,7 +229,14 @@ async def test_chunked_forward_equals_one_task(llama_backend, batch_size: int) -
     expected = backend.forward([0, 1, 2], hidden)
     runtime = _InlineRuntime()
     got = await run_forward_chunked(
-        backend, runtime, [0, 1, 2], hidden, None, active_adapter="", chunk_tokens=8, split_tokens=True,
+        backend,
+        runtime,
+        [0, 1, 2],
+        hidden,
+        None,
+        active_adapter="",
+        chunk_tokens=8,
+        split_tokens=True,
         measured=lambda fn, n: fn,
     )
     chunks = len(plan_token_chunks(37, batch_size, 8))
@@ -241,7 +248,14 @@ async def test_chunked_forward_equals_one_task(llama_backend, batch_size: int) -
     expected = backend.forward([0, 1, 2], hidden, prompts)
     runtime = _InlineRuntime()
     got = await run_forward_chunked(
-        backend, runtime, [0, 1, 2], hidden, prompts, active_adapter="", chunk_tokens=8, split_tokens=True,
+        backend,
+        runtime,
+        [0, 1, 2],
+        hidden,
+        prompts,
+        active_adapter="",
+        chunk_tokens=8,
+        split_tokens=True,
         measured=lambda fn, n: fn,
     )
     assert runtime.num_tasks == 3 and torch.equal(got, expected)

@@ -10,7 +10,7 @@ from typing import Literal
 
 def _env_max_retries() -> int | None:
     value = os.environ.get("COROLLA_MAX_RETRIES", os.environ.get("PETALS_MAX_RETRIES"))
-    return int(value) if value not in (None, "") else None
+    return int(value) if value else None
 
 
 @dataclass

@@ -210,7 +210,12 @@ def _split_moe(moe: SparseMoE, devices: list[torch.device]) -> list[SparseMoE]:
         expert_ids = [moe.expert_ids[int(e)] for e in ids]
         with torch.device("meta"):
             shard = SparseMoE(
-                moe.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.act_name, expert_ids,
+                moe.hidden_size,
+                moe.intermediate_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.act_name,
+                expert_ids,
                 normalize_top_k=moe.normalize_top_k,
             )
         shard.router = copy.deepcopy(moe.router).to(devices[i])  # the router is small: every shard has it
