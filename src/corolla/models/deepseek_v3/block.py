@@ -12,21 +12,13 @@ from torch import nn
 from corolla.models.block_base import CorollaBlock, TensorTarget
 from corolla.models.deepseek_v3.mla import LatentAttention
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE
+from corolla.models.expert_names import swiglu_layout, unstack_experts
 from corolla.models.layers import GatedMLP, RMSNorm
-from corolla.models.qwen3_moe.block import unstack_experts
 from corolla.models.registry import deepseek_sparse_layer
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:
     return deepseek_sparse_layer(config, layer_idx)
-
-
-def _swiglu_layout(theirs: str, ours: str, inter: int) -> dict[str, TensorTarget]:
-    return {
-        f"{theirs}.gate_proj.weight": TensorTarget(f"{ours}.gate_up.weight", torch.arange(0, inter)),
-        f"{theirs}.up_proj.weight": TensorTarget(f"{ours}.gate_up.weight", torch.arange(inter, 2 * inter)),
-        f"{theirs}.down_proj.weight": TensorTarget(f"{ours}.down.weight"),
-    }
 
 
 class DeepseekV3Block(CorollaBlock):
@@ -65,13 +57,13 @@ class DeepseekV3Block(CorollaBlock):
             for name in ["kv_a_proj_with_mqa", "o_proj"] + ([] if config.q_lora_rank is None else ["q_a_proj"]):
                 layout[f"self_attn.{name}.bias"] = TensorTarget(f"attn.{name}.bias")
         if not is_moe_layer(config, self.layer_idx):
-            return {**layout, **_swiglu_layout("mlp", "mlp", int(config.intermediate_size))}
+            return {**layout, **swiglu_layout("mlp", "mlp", int(config.intermediate_size))}
         inter = int(config.moe_intermediate_size)
         layout["mlp.gate.weight"] = TensorTarget("mlp.router.weight")
         layout["mlp.gate.e_score_correction_bias"] = TensorTarget("mlp.e_score_correction_bias")
         for e in range(int(config.n_routed_experts)):
-            layout.update(_swiglu_layout(f"mlp.experts.{e}", f"mlp.experts.{e}", inter))
-        layout.update(_swiglu_layout("mlp.shared_experts", "mlp.shared_experts", inter * int(config.n_shared_experts)))
+            layout.update(swiglu_layout(f"mlp.experts.{e}", f"mlp.experts.{e}", inter))
+        layout.update(swiglu_layout("mlp.shared_experts", "mlp.shared_experts", inter * int(config.n_shared_experts)))
         return layout
 
     def normalize_checkpoint_names(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

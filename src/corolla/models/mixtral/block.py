@@ -7,8 +7,12 @@ from collections.abc import Mapping
 import torch
 
 from corolla.models.block_base import TensorTarget
+from corolla.models.expert_names import experts_layout, unstack_experts
 from corolla.models.layers import SparseMoE
 from corolla.models.llama.block import LlamaBlock
+
+_STORED_EXPERTS = "block_sparse_moe.experts"
+_MIXTRAL_NAMES = ("w1", "w3", "w2")  # gate, up, down
 
 
 class MixtralBlock(LlamaBlock):
@@ -26,33 +30,17 @@ class MixtralBlock(LlamaBlock):
         )
 
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
-        inter = self.config.intermediate_size
-        gate_rows, up_rows = torch.arange(0, inter), torch.arange(inter, 2 * inter)
         layout = {
             **self.attn_layout(),
             "input_layernorm.weight": TensorTarget("input_layernorm.weight"),
             "post_attention_layernorm.weight": TensorTarget("post_attention_layernorm.weight"),
             "block_sparse_moe.gate.weight": TensorTarget("mlp.router.weight"),
         }
-        for e in range(self.config.num_local_experts):
-            ours, theirs = f"mlp.experts.{e}", f"block_sparse_moe.experts.{e}"
-            layout[f"{theirs}.w1.weight"] = TensorTarget(f"{ours}.gate_up.weight", gate_rows)
-            layout[f"{theirs}.w3.weight"] = TensorTarget(f"{ours}.gate_up.weight", up_rows)
-            layout[f"{theirs}.w2.weight"] = TensorTarget(f"{ours}.down.weight")
-        return layout
+        inter, experts = self.config.intermediate_size, self.config.num_local_experts
+        return {**layout, **experts_layout(_STORED_EXPERTS, experts, inter, _MIXTRAL_NAMES)}
 
     def normalize_checkpoint_names(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        result = dict(state_dict)
-        inter = self.config.intermediate_size
+        result = unstack_experts(state_dict, self.config.intermediate_size, _STORED_EXPERTS, _MIXTRAL_NAMES)
         if "mlp.gate.weight" in result:
             result["block_sparse_moe.gate.weight"] = result.pop("mlp.gate.weight")
-        if "mlp.experts.gate_up_proj" in result:
-            stacked = result.pop("mlp.experts.gate_up_proj")  # [E, 2I, H]
-            for e in range(stacked.shape[0]):
-                result[f"block_sparse_moe.experts.{e}.w1.weight"] = stacked[e, :inter]
-                result[f"block_sparse_moe.experts.{e}.w3.weight"] = stacked[e, inter:]
-        if "mlp.experts.down_proj" in result:
-            stacked = result.pop("mlp.experts.down_proj")  # [E, H, I]
-            for e in range(stacked.shape[0]):
-                result[f"block_sparse_moe.experts.{e}.w2.weight"] = stacked[e]
         return result
