@@ -11,6 +11,7 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 from corolla.utils.logging import get_logger
@@ -47,8 +48,29 @@ def established_remote_ports(port: int) -> list[int]:
     return remotes
 
 
+_ChainT = TypeVar("_ChainT", bound="_Chain")
+
+
 class _Chain:
     """What both kinds share: the proxies (one per server) and the server ports behind them."""
+
+    swarm: LocalSwarm  # set by each kind's constructor
+
+    @property
+    def initial_peers(self) -> list[str]:
+        return self.swarm.initial_peers
+
+    def check(self) -> dict[str, int]:
+        return self.check_all_through_proxies(self._port_of(self.swarm.initial_peers[0]))
+
+    def close(self) -> None:
+        self.swarm.close()
+
+    def __enter__(self: _ChainT) -> _ChainT:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def __init__(self, wan: ProxyThread, workdir: Path, num_servers: int, num_blocks: int):
         self.wan = wan
@@ -145,22 +167,6 @@ class CorollaChain(_Chain):
                     f"server {server.peer_id} gives addresses other than its proxy's: {server.initial_peers}"
                 )
 
-    @property
-    def initial_peers(self) -> list[str]:
-        return self.swarm.initial_peers
-
-    def check(self) -> dict[str, int]:
-        return self.check_all_through_proxies(self._port_of(self.swarm.initial_peers[0]))
-
-    def close(self) -> None:
-        self.swarm.close()
-
-    def __enter__(self) -> CorollaChain:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
 
 class PetalsChain(_Chain):
     """n stock Petals 2.2 servers (the Petals venv's `python`), each behind its proxy, on a corolla bootstrap node."""
@@ -201,22 +207,6 @@ class PetalsChain(_Chain):
         except BaseException:
             self.swarm.close()
             raise
-
-    @property
-    def initial_peers(self) -> list[str]:
-        return self.swarm.initial_peers
-
-    def check(self) -> dict[str, int]:
-        return self.check_all_through_proxies(self._port_of(self.swarm.initial_peers[0]))
-
-    def close(self) -> None:
-        self.swarm.close()
-
-    def __enter__(self) -> PetalsChain:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def petals_python_default() -> Path:
