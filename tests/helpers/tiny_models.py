@@ -32,7 +32,8 @@ def register_tiny_family(name: str, build_config: Callable[[int], Any]) -> None:
     EXTRA_FAMILIES[name] = build_config
 
 
-def _common(num_layers: int) -> dict:
+def common_config(num_layers: int) -> dict:
+    """Config fields every tiny family shares (ids, sizes, init scale)."""
     return dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=HIDDEN_SIZE,
@@ -52,7 +53,7 @@ def tiny_config(family: str, num_layers: int = 4):
 
     if family in EXTRA_FAMILIES:
         return EXTRA_FAMILIES[family](num_layers)
-    c = _common(num_layers)
+    c = common_config(num_layers)
     llama_like = dict(intermediate_size=128, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
     if family == "llama":
         return tf.LlamaConfig(**c, **llama_like)

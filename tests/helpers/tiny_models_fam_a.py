@@ -5,25 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from helpers.tiny_models import BOS_ID, EOS_ID, HIDDEN_SIZE, PAD_ID, VOCAB_SIZE, register_tiny_family
+from helpers.tiny_models import common_config, register_tiny_family
 
 FAM_A_FAMILIES = ("qwen3", "qwen3_moe", "phi3", "deepseek_v3")
 
 
 def _common(num_layers: int) -> dict[str, Any]:
-    return dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=HIDDEN_SIZE,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        initializer_range=0.15,  # larger than the default so attention patterns (and position bugs) show
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-    )
+    return {**common_config(num_layers), "max_position_embeddings": 512, "rms_norm_eps": 1e-5}
 
 
 def qwen3_config(num_layers: int) -> Any:
