@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         from corolla.bench import wan
 
         return wan.main([a for a in argv if a != "--wan"])
+    if "--two_gpu" in argv:  # a 70B-shaped model over two GPUs (two servers) vs device_map="auto": bench.two_gpu
+        from corolla.bench import two_gpu
+
+        return two_gpu.main([a for a in argv if a != "--two_gpu"])
     args = parse_args(argv)
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print("corolla-bench needs a CUDA GPU", file=sys.stderr)
