@@ -44,6 +44,7 @@ DRY_RUN_SHAPE = dict(
     hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512
 )
 _SERVING_PATH_RE = re.compile(r"server\.serving_path\(path=(\w+)")
+_REASON_RE = re.compile(r"server\.serving_path\(path=\w+, reason=(.*)\)$", re.MULTILINE)
 _POOL_RE = re.compile(r"fast_path\.enabled\(layers=(\d+), pool_pages=(\d+)\)")
 
 
@@ -150,9 +151,11 @@ def run_child(args: list[str], *, name: str, env: dict[str, str], timeout_s: flo
 
 
 def _server_args(config: TwoGpuConfig) -> tuple[str, ...]:
-    device = ("--device", "cpu") if config.cpu_dry_run else ("--device", "cuda")
+    # GPU: "auto" = the fast path, or plain with the reason logged (each server's path is in the results); a lone
+    # device call must not lose the whole corolla side to a fast-path build failure. CPU: fast (auto would be plain)
+    device = ("--device", "cpu", "--serving_path", "fast") if config.cpu_dry_run else ("--device", "cuda")
     return (
-        *device, "--torch_dtype", config.dtype, "--quant_type", "none", "--serving_path", "fast",
+        *device, "--torch_dtype", config.dtype, "--quant_type", "none",
         "--throughput", "1.0", "--inference_max_length", str(config.inference_max_length),
         "--attn_cache_tokens", str(config.attn_cache_tokens), "--mean_block_selection_delay", "0.1",
         "--update_period", "30", "--cache_dir", str(config.workdir / "cache"), "--skip_reachability_check",
@@ -278,9 +281,11 @@ def run(config: TwoGpuConfig) -> Results:
 def _server_facts(output: str) -> dict[str, Any]:
     """What a server's log says about how it serves: the serving path and the fast path's KV pool."""
     path = _SERVING_PATH_RE.search(output)
+    reason = _REASON_RE.search(output)
     pool = _POOL_RE.search(output)
     return {
         "serving_path": path.group(1) if path else None,
+        "serving_path_reason": reason.group(1) if reason else None,
         "fast_path_layers": int(pool.group(1)) if pool else None,
         "kv_pool_pages": int(pool.group(2)) if pool else None,
     }
