@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -17,7 +18,9 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.serving import SpanTraits
 from corolla.models.registry import get_family
+from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
+from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
 from corolla.server.executor import (
     BackwardInputs,
     ForwardInputs,
@@ -27,9 +30,11 @@ from corolla.server.executor import (
     StepInputs,
 )
 from corolla.server.fast_executor import FastExecutor
+from corolla.server.limits import PeerLimits
 from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import ServerMetrics
 from corolla.server.plain_executor import PlainExecutor
+from corolla.server.proxy_executor import DeviceLink, ProxyExecutor
 from corolla.server.runtime import Runtime
 from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
 from corolla.utils.errors import AllocationFailed, ConfigurationError
@@ -66,10 +71,37 @@ def _fast(backend: SpanBackend, runtime: Runtime) -> FastExecutor:
 EXECUTORS: dict[str, Callable[[SpanBackend, Runtime], SpanExecutor]] = {"plain": _plain, "fast": _fast}
 
 
+# a handler process's proxy (`--num_handlers` > 1) over a socketpair to a device channel serving the real executor
+KINDS = sorted(EXECUTORS) + ["proxy_fast", "proxy_plain"]
+
+
+@contextlib.asynccontextmanager
+async def _proxied(real: SpanExecutor, admission: SessionAdmission | None = None) -> AsyncIterator[ProxyExecutor]:
+    device_end, handler_end = socket.socketpair()
+    device_reader, device_writer = await asyncio.open_unix_connection(sock=device_end)
+    handler_reader, handler_writer = await asyncio.open_unix_connection(sock=handler_end)
+    channel = DeviceChannel(
+        0, device_reader, device_writer, executor=real,
+        admission=admission if admission is not None else SessionAdmission(PeerLimits(), real),
+        router=PushRouter(DeviceSessionRegistry()), span=SPAN, max_frame_bytes=1 << 24,
+    )  # fmt: skip
+    serving = asyncio.create_task(channel.serve())
+    link = await DeviceLink.connect(handler_reader, handler_writer)
+    try:
+        yield ProxyExecutor(link)
+    finally:
+        await link.close()
+        await asyncio.wait_for(serving, 10)
+
+
 @contextlib.asynccontextmanager
 async def _executor(backend: SpanBackend, kind: str) -> AsyncIterator[SpanExecutor]:
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        yield EXECUTORS[kind](backend, runtime)
+        if kind.startswith("proxy_"):
+            async with _proxied(EXECUTORS[kind.removeprefix("proxy_")](backend, runtime)) as proxy:
+                yield proxy
+        else:
+            yield EXECUTORS[kind](backend, runtime)
 
 
 def _reference(backend: SpanBackend, blocks: tuple[int, ...], steps: list[StepInputs], batch: int, max_length: int):
@@ -90,7 +122,7 @@ def _step(hidden, position, hypo_ids=None, prompts=None, lone=False) -> StepInpu
     return StepInputs(hidden, position, prompts, hypo_ids, "", lone_session=lone)
 
 
-@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("blocks", [SPAN, SPAN[1:3]])
 async def test_steps_equal_the_backend(backend, kind, blocks) -> None:
     torch.manual_seed(1)
@@ -114,7 +146,7 @@ async def test_steps_equal_the_backend(backend, kind, blocks) -> None:
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+@pytest.mark.parametrize("kind", KINDS)
 async def test_forward_and_backward_equal_the_backend(backend, kind) -> None:
     torch.manual_seed(2)
     hidden, grads, prompts = torch.randn(2, 9, H), torch.randn(2, 9, H), torch.randn(N_BLOCKS, 1, 3, H) * 0.1
@@ -128,7 +160,7 @@ async def test_forward_and_backward_equal_the_backend(backend, kind) -> None:
     assert len(got) == 2 and torch.equal(got[0], grad_inputs) and torch.equal(got[1], grad_prompts)
 
 
-@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+@pytest.mark.parametrize("kind", KINDS)
 async def test_allocation_fails_in_time_and_frees_everything(backend, kind) -> None:
     async with _executor(backend, kind) as executor:
         total = executor.bytes_left
@@ -147,7 +179,7 @@ async def test_allocation_fails_in_time_and_frees_everything(backend, kind) -> N
         assert executor.bytes_left == total == executor.max_size_bytes
 
 
-@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+@pytest.mark.parametrize("kind", KINDS)
 async def test_concurrent_sessions_stay_independent_and_caches_are_not_interchangeable(backend, kind) -> None:
     torch.manual_seed(3)
     prefixes = [torch.randn(1, 3 + i, H) for i in range(4)]
@@ -162,15 +194,16 @@ async def test_concurrent_sessions_stay_independent_and_caches_are_not_interchan
             await executor.step(cache, _step(p, 0))
         steps = [executor.step(c, _step(t, p.shape[1])) for c, t, p in zip(caches, tokens, prefixes, strict=True)]
         got = await asyncio.wait_for(asyncio.gather(*steps), 30)
-        other = EXECUTORS["fast" if kind == "plain" else "plain"](backend, executor.runtime)
-        async with other.open_session(SessionSpec(SPAN, 1, 16), 0) as foreign:
-            with pytest.raises(TypeError):
-                await executor.step(foreign, _step(tokens[0], 0))
+        with Runtime(max_batch_size_tokens=1024) as other_runtime:
+            other = EXECUTORS["fast" if kind == "plain" else "plain"](backend, other_runtime)
+            async with other.open_session(SessionSpec(SPAN, 1, 16), 0) as foreign:
+                with pytest.raises(TypeError):
+                    await executor.step(foreign, _step(tokens[0], 0))
     for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+@pytest.mark.parametrize("kind", KINDS)
 async def test_kv_handoff_round_trips_or_is_refused(backend, kind) -> None:
     torch.manual_seed(4)
     hidden, nxt = torch.randn(1, 6, H), torch.randn(1, 1, H)
@@ -185,7 +218,7 @@ async def test_kv_handoff_round_trips_or_is_refused(backend, kind) -> None:
                     await executor.read_kv(source, 6)
                 with pytest.raises(HandoffUnsupported):
                     await executor.write_kv(target, [], 6)
-                assert kind == "fast"
+                assert kind in ("fast", "proxy_fast", "proxy_plain")
                 return
             tensors = await executor.read_kv(source, 6)
             assert [t.shape[2] for t in tensors] == [6] * 2 * len(layout)

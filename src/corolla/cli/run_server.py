@@ -59,7 +59,7 @@ def build_parser() -> configargparse.ArgParser:
     parser.add("--daemon_startup_timeout", type=float, default=60, help="seconds to wait for the p2p daemon")
 
     parser.add("--compression", type=str.upper, default="NONE", choices=COMPRESSION_NAMES, help="output compression")
-    parser.add("--num_handlers", type=int, default=8, help="accepted for compatibility (one asyncio loop serves all)")
+    parser.add("--num_handlers", type=int, default=1, help="processes serving p2p streams (1: the server's own loop)")
     parser.add("--prefetch_batches", type=int, default=1, help="accepted, no effect (Petals compatibility)")
     parser.add("--sender_threads", type=int, default=1, help="accepted, no effect (Petals compatibility)")
     parser.add("--inference_max_length", type=int, default=None, help="max KV length per session (8192 GQA/2048)")

@@ -151,8 +151,9 @@ class ServerConfig:
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0 = any free port)
     increase_file_limit: int = 4096
     stats_report_interval_s: float | None = None
-    # accepted for CLI compatibility with the reference; corolla serves all RPCs from one asyncio loop
-    num_handlers: int = 8
+    # 1: this process's asyncio loop serves every RPC (beside the device thread); N > 1: N handler processes own
+    # the p2p streams and feed this one (server.handler_pool); the reference's 8 would be 8 idle interpreters here
+    num_handlers: int = 1
     prefetch_batches: int = 1  # accepted, no effect (`ignored_flags`)
     sender_threads: int = 1  # accepted, no effect
     extra: dict[str, Any] = field(default_factory=dict)
@@ -192,6 +193,8 @@ class ServerConfig:
                 setattr(self, name, tuple(value))
         if self.gil_switch_interval_ms is not None:
             check_switch_interval_ms(self.gil_switch_interval_ms)
+        if not 1 <= self.num_handlers <= MAX_NUM_HANDLERS:
+            raise ValueError(f"num_handlers must be in [1, {MAX_NUM_HANDLERS}], got {self.num_handlers}")
         if not 0 <= self.busy_poll_ms <= 1000:
             raise ValueError(f"busy_poll_ms must be in [0, 1000], got {self.busy_poll_ms}")
         if self.swarm_key_file and not self.is_private_swarm:
@@ -286,6 +289,8 @@ class ServerConfig:
             kwargs["peer_limits"] = dataclasses.replace(kwargs.get("peer_limits", PeerLimits()), **limits)
         return cls(**kwargs)
 
+
+MAX_NUM_HANDLERS = 64
 
 # Petals flags that corolla accepts and ignores (its runtime schedules and batches by itself), with their defaults
 IGNORED_FLAG_DEFAULTS: dict[str, int] = {"prefetch_batches": 1, "sender_threads": 1, "min_batch_size_tokens": 1}

@@ -110,9 +110,10 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
 
     # ---- registration ---------------------------------------------------------------------------------------------
 
-    async def add_p2p_handlers(self, p2p: P2P, *args: Any, **kwargs: Any) -> None:
+    async def add_p2p_handlers(self, p2p: P2P, *args: Any, balanced: bool = False, **kwargs: Any) -> None:
+        """`balanced`: p2pd spreads streams over every process that registered (handler processes)."""
         self.p2p = p2p
-        await register_handlers(self, p2p, self.stream_budget, self._reject)  # streams read within byte budgets
+        await register_handlers(self, p2p, self.stream_budget, self._reject, balanced=balanced)  # bounded reads
 
     async def shutdown(self) -> None:
         """Ends all sessions (freeing their caches) and outstanding pushes."""
@@ -437,15 +438,15 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestTimeout(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
-            runtime = self.executor.runtime
-            inline_before = runtime.num_inline_batches
+            runtime = self.executor.runtime if self.busy_poll is not None else None  # handler processes: None
+            inline_before = runtime.num_inline_batches if runtime is not None else 0
             try:
                 output = await _await_within(self.executor.step(session.cache, inputs), remaining)
             except asyncio.TimeoutError:
                 raise RequestTimeout(
                     f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
                 ) from None
-            if self.busy_poll is not None and runtime.num_inline_batches != inline_before:
+            if self.busy_poll is not None and runtime is not None and runtime.num_inline_batches != inline_before:
                 self.busy_poll.keep_hot(self.busy_poll_s)  # a lone session: its next step is due in a moment
         session.prefix_length = inputs.prefix_length + length
         if session.ticket is not None:

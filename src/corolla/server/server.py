@@ -387,26 +387,16 @@ class Server:
             )
             del backend
             limits = ServingLimits(
-                dht_prefix=s.dht_prefix,
-                start_block=block_indices.start,
-                end_block=block_indices.stop,
-                hidden_size=s.hidden_size,
-                dtype=s.dtype,
-                inference_max_length_tokens=s.inference_max_length_tokens,
-                max_batch_size_tokens=s.max_batch_size_tokens,
-                adapters=tuple(c.adapters),
-            )
+                dht_prefix=s.dht_prefix, start_block=block_indices.start, end_block=block_indices.stop,
+                hidden_size=s.hidden_size, dtype=s.dtype, inference_max_length_tokens=s.inference_max_length_tokens,
+                max_batch_size_tokens=s.max_batch_size_tokens, adapters=tuple(c.adapters),
+            )  # fmt: skip
             service = SpanService(
-                executor=executor,
-                limits=limits,
-                timeouts=self.timeouts,
-                compression=self.compression,
-                dht_client_mode=self.using_relay,
-                metrics=self.metrics,
-                local_socket=c.local_socket,
-                busy_poll=self.selector if c.busy_poll_ms > 0 else None,
-                busy_poll_s=c.busy_poll_ms / 1000,
-            )
+                executor=executor, limits=limits, timeouts=self.timeouts, compression=self.compression,
+                dht_client_mode=self.using_relay, metrics=self.metrics, local_socket=c.local_socket,
+                busy_poll=self.selector if c.busy_poll_ms > 0 else None, busy_poll_s=c.busy_poll_ms / 1000,
+                num_handlers=c.num_handlers, swarm_key_file=c.swarm_key_file,  # N > 1: handler processes
+            )  # fmt: skip
             service.handler.peer_auth = self.peer_auth
             service.handler.handoff.enabled = c.kv_handoff
             service.handler.configure_limits(c.peer_limits)

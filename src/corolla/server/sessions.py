@@ -102,6 +102,10 @@ class SessionRegistry:
         self._push_guards[session_id] = guard if guard is not None else SessionPushGuard()
         return queue
 
+    def holds(self, session_id: str) -> bool:
+        """True if a session with this id is open here."""
+        return session_id in self._push_queues
+
     def close(self, session_id: str | None) -> None:
         task = asyncio.current_task()
         if task is not None:

@@ -1,6 +1,7 @@
-"""The serving part for one span: the executor's runtime thread, the RPC handler registered on a P2P instance and
-the same-host unix-socket endpoint for inference streams, started and stopped together (stopping ends every
-session, which frees its KV cache)."""
+"""The serving part for one span: the executor's runtime thread, the RPC handler registered on a P2P instance (or,
+with `num_handlers` > 1, the handler processes that serve the p2p streams, `handler_pool`) and the same-host
+unix-socket endpoint for inference streams, started and stopped together (stopping ends every session, which frees
+its KV cache)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import asyncio
 from typing import Any
 
 from corolla.server.block_functions import ServingLimits
+from corolla.server.device_channel import DeviceSessionRegistry
 from corolla.server.executor import SpanExecutor
 from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.handler_pool import HandlerPool
+from corolla.server.handler_process import HandlerSettings
 from corolla.server.local_endpoint import LocalEndpoint
 from corolla.server.metrics import ServerMetrics
 from corolla.server.sessions import SessionTimeouts
@@ -34,16 +38,24 @@ class SpanService:
         local_socket: bool = True,
         busy_poll: BusyPollSelector | None = None,
         busy_poll_s: float = 0.005,
+        num_handlers: int = 1,
+        swarm_key_file: str | None = None,
     ):
+        if num_handlers < 1:
+            raise ValueError(f"num_handlers must be >= 1, got {num_handlers}")
         self.executor = executor
         self.limits = limits
+        self.timeouts = timeouts
         self.runtime = executor.runtime  # started and stopped here
+        self.num_handlers = num_handlers  # 1: this process serves the streams; N > 1: N handler processes do
+        self.swarm_key_file = swarm_key_file
         self.handler = TransformerConnectionHandler(
             limits=limits,
             executor=executor,
             timeouts=timeouts,
             compression=compression,
             dht_client_mode=dht_client_mode,
+            sessions=DeviceSessionRegistry() if num_handlers > 1 else None,  # routes pushes to handler processes
             metrics=metrics,
             busy_poll=busy_poll,
             busy_poll_s=busy_poll_s,
@@ -51,15 +63,19 @@ class SpanService:
         self.p2p: Any = None
         self.local_socket = local_socket
         self.local_endpoint: LocalEndpoint | None = None
+        self.pool: HandlerPool | None = None
 
     @property
     def healthy(self) -> bool:
-        return self.runtime.is_running
+        return self.runtime.is_running and (self.pool is None or self.pool.healthy)
 
     async def start(self, p2p: Any) -> None:
         await asyncio.to_thread(self.runtime.start)
         self.p2p = p2p
-        await self.handler.add_p2p_handlers(p2p)
+        if self.num_handlers == 1:
+            await self.handler.add_p2p_handlers(p2p)
+        else:
+            await self._start_pool(p2p)
         if self.local_socket:
             endpoint = LocalEndpoint(self.handler, p2p.peer_id)
             try:
@@ -68,12 +84,42 @@ class SpanService:
             except OSError as e:  # same-host clients fall back to p2p
                 logger.warning(f"span_service.local_endpoint_failed({e!r})")
 
+    async def _start_pool(self, p2p: Any) -> None:
+        handler = self.handler
+        assert isinstance(handler.sessions, DeviceSessionRegistry)
+        settings = HandlerSettings(
+            daemon_listen_maddr=str(p2p.daemon_listen_maddr),
+            limits=self.limits,
+            timeouts=self.timeouts,
+            peer_limits=handler.peer_limits,
+            compression=handler.compression,
+            dht_client_mode=handler.dht_client_mode,
+            peer_id=p2p.peer_id.to_base58(),
+            swarm_key_file=self.swarm_key_file,
+            kv_handoff=handler.handoff.enabled,
+        )
+        self.pool = HandlerPool(
+            self.num_handlers,
+            settings,
+            executor=self.executor,
+            admission=lambda: handler.admission,  # one admission for all processes (configure_limits sets it)
+            sessions=handler.sessions,
+            span=tuple(range(self.limits.start_block, self.limits.end_block)),
+            max_frame_bytes=4 * handler.max_stream_bytes,  # float16 on the wire may arrive as float32 here
+            metrics=handler.metrics,
+            check_accepting=handler.handoff.check_accepting,
+        )
+        await self.pool.start()
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Unregisters the handlers, ends every session (freeing its cache) and stops the runtime."""
+        if self.pool is not None:
+            await self.pool.stop()
+            self.pool = None
         if self.local_endpoint is not None:
             await self.local_endpoint.stop()
             self.local_endpoint = None
-        if self.p2p is not None:
+        if self.p2p is not None and self.num_handlers == 1:
             try:
                 await asyncio.wait_for(self.handler.remove_p2p_handlers(self.p2p), timeout_s)
             except Exception as e:

@@ -242,9 +242,12 @@ def guarded_stream_handler(
     return handle
 
 
-async def register_handlers(servicer: Any, p2p: P2P, budget: StreamBudget, on_reject: Any) -> list[str]:
+async def register_handlers(
+    servicer: Any, p2p: P2P, budget: StreamBudget, on_reject: Any, *, balanced: bool = False
+) -> list[str]:
     """Registers the servicer's rpcs on `p2p` like hivemind's `ServicerBase.add_p2p_handlers`, with every
-    stream-input rpc read through `guarded_stream_handler`. Returns the names of the guarded handles."""
+    stream-input rpc read through `guarded_stream_handler` (`balanced`: shared with other processes' registrations
+    of the same names). Returns the names of the guarded handles."""
     servicer._collect_rpc_handlers()
     guarded: list[str] = []
     calls = []
@@ -256,7 +259,7 @@ async def register_handlers(servicer: Any, p2p: P2P, budget: StreamBudget, on_re
             stream_handle = guarded_stream_handler(
                 p2p, handle_name, method, budget, per_message=per_message, on_reject=on_reject
             )
-            calls.append(p2p.add_binary_stream_handler(handle_name, stream_handle))
+            calls.append(p2p.add_binary_stream_handler(handle_name, stream_handle, balanced=balanced))
             guarded.append(handle_name)
         else:
             calls.append(
@@ -266,6 +269,7 @@ async def register_handlers(servicer: Any, p2p: P2P, budget: StreamBudget, on_re
                     handler.request_type,
                     stream_input=handler.stream_input,
                     stream_output=handler.stream_output,
+                    balanced=balanced,
                 )
             )
     await asyncio.gather(*calls)

@@ -1,0 +1,156 @@
+"""`--num_handlers N` (N > 1): N handler processes own the p2p streams (each on a P2P replica of the server's p2pd,
+registered `balanced=True`), and this process, the device process, keeps the runtime, the executor, the KV caches
+and the one admission, serving each handler process through a `DeviceChannel`.
+
+Processes come from a forkserver that imported the handler module once (a fork of it costs milliseconds, not a
+second interpreter importing torch). A handler process that dies is logged and restarted; more than
+`MAX_RESTARTS_PER_MINUTE` deaths in a minute mark the pool failed, and the server restarts its serving part
+(`healthy` is False). Stopping closes every channel: each handler process ends its sessions and exits; one that
+does not within `stop_timeout_s` is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import socket
+import time
+from collections.abc import Callable
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+
+from corolla.server.admission import SessionAdmission
+from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.executor import SpanExecutor
+from corolla.server.handler_process import HandlerSettings, main
+from corolla.server.metrics import ServerMetrics
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MAX_RESTARTS_PER_MINUTE = 5
+START_TIMEOUT_S = 120.0
+
+
+def _context() -> BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["corolla.server.handler_process"])
+    return context
+
+
+class HandlerPool:
+    """The handler processes of one span and their channels (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_handlers: int,
+        settings: HandlerSettings,
+        *,
+        executor: SpanExecutor,
+        admission: Callable[[], SessionAdmission],
+        sessions: DeviceSessionRegistry,
+        span: tuple[int, ...],
+        max_frame_bytes: int,
+        metrics: ServerMetrics | None = None,
+        check_accepting: Callable[[], None] | None = None,
+        stop_timeout_s: float = 10.0,
+    ):
+        if num_handlers < 2:
+            raise ValueError(f"a handler pool needs num_handlers >= 2, got {num_handlers} (1 = no pool)")
+        self.num_handlers, self.settings, self.executor = num_handlers, settings, executor
+        self.admission = admission  # the device handler's current admission (configure_limits may replace it)
+        self.router = PushRouter(sessions)
+        sessions.router = self.router
+        self.span, self.max_frame_bytes, self.metrics = span, max_frame_bytes, metrics
+        self.check_accepting = check_accepting
+        self.stop_timeout_s = stop_timeout_s
+        self.processes: list[BaseProcess | None] = [None] * num_handlers
+        self.channels: list[DeviceChannel | None] = [None] * num_handlers
+        self._tasks: list[asyncio.Task[None]] = []
+        self._deaths: list[float] = []
+        self.num_restarts = 0
+        self.failed = False
+        self._stopping = False
+
+    @property
+    def healthy(self) -> bool:
+        return not self.failed
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid or 0 for p in self.processes if p is not None]
+
+    async def start(self) -> None:
+        """Starts every handler process and waits until each has registered its handlers."""
+        started = [await self._spawn(i) for i in range(self.num_handlers)]
+        waits = [asyncio.ensure_future(c.ready.wait()) for c in started]
+        done, pending = await asyncio.wait(waits, timeout=START_TIMEOUT_S)
+        if pending:
+            for w in pending:
+                w.cancel()
+            await self.stop()
+            raise RuntimeError(f"{len(pending)} of {self.num_handlers} handler processes did not start in time")
+        logger.info(f"handler_pool.started(num_handlers={self.num_handlers}, pids={self.pids})")
+
+    async def _spawn(self, index: int) -> DeviceChannel:
+        context = _context()
+        ours, theirs = context.Pipe(duplex=True)
+        process = context.Process(  # type: ignore[attr-defined]
+            target=main, args=(self.settings, index, theirs), name=f"corolla-handler-{index}", daemon=True
+        )
+        await asyncio.to_thread(process.start)
+        theirs.close()
+        sock = socket.socket(fileno=os.dup(ours.fileno()))
+        ours.close()
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        channel = DeviceChannel(
+            index, reader, writer, executor=self.executor, admission=self.admission(), router=self.router,
+            span=self.span, max_frame_bytes=self.max_frame_bytes, metrics=self.metrics,
+            check_accepting=self.check_accepting,
+        )  # fmt: skip
+        self.processes[index], self.channels[index] = process, channel
+        self._tasks.append(asyncio.create_task(self._serve(index, process, channel)))
+        return channel
+
+    async def _serve(self, index: int, process: BaseProcess, channel: DeviceChannel) -> None:
+        await channel.serve()  # returns when the channel ends: a stop, or the process died
+        if self._stopping:
+            return
+        await asyncio.to_thread(process.join, 5.0)
+        now = time.monotonic()
+        self._deaths = [t for t in self._deaths if now - t < 60.0] + [now]
+        logger.error(
+            f"handler_pool.handler_died(index={index}, pid={process.pid}, exitcode={process.exitcode}, "
+            f"deaths_last_minute={len(self._deaths)})"
+        )
+        if len(self._deaths) > MAX_RESTARTS_PER_MINUTE:
+            self.failed = True
+            logger.error("handler_pool.failed(reason=handler processes keep dying): the server restarts serving")
+            return
+        self.num_restarts += 1
+        try:
+            await self._spawn(index)
+        except Exception as e:
+            self.failed = True
+            logger.error(f"handler_pool.restart_failed(index={index}): {e!r}")
+
+    async def stop(self) -> None:
+        """Closes every channel and waits for the processes to exit (killing any that does not)."""
+        self._stopping = True
+        for channel in self.channels:
+            if channel is not None:
+                channel.writer.close()
+        for task in self._tasks:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self.stop_timeout_s)
+            except (asyncio.TimeoutError, Exception) as e:
+                logger.debug(f"handler_pool.channel_stop_failed({e!r})")
+        for process in self.processes:
+            if process is None:
+                continue
+            await asyncio.to_thread(process.join, self.stop_timeout_s)
+            if process.is_alive():
+                logger.warning(f"handler_pool.kill(pid={process.pid}): did not exit within {self.stop_timeout_s} s")
+                process.kill()
+                await asyncio.to_thread(process.join, 5.0)
+        logger.info(f"handler_pool.stopped(num_handlers={self.num_handlers}, restarts={self.num_restarts})")

@@ -1,0 +1,116 @@
+"""One handler process of `--num_handlers` > 1: its own asyncio loop on a P2P replica of the server's p2pd, the
+same `TransformerConnectionHandler` as the one-process server registered with `balanced=True` (p2pd spreads
+incoming streams over the processes that registered a name), and a `ProxyExecutor` that sends the decoded, validated
+work to the device process (`device_channel`). The process lives as long as its channel: when the device process
+closes it or dies, the handler ends its sessions, unregisters and exits (no orphans)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from hivemind.p2p import P2P
+from hivemind.utils.multiaddr import Multiaddr
+
+from corolla.server import proxy_wire as wire
+from corolla.server.block_functions import ServingLimits
+from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.limits import PeerLimits
+from corolla.server.metrics import ServerMetrics
+from corolla.server.peer_auth import make_peer_auth
+from corolla.server.proxy_executor import DeviceLink, ProxyExecutor, RemoteAdmission, RoutingSessionRegistry
+from corolla.server.sessions import SessionTimeouts
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# what a handler process reports to the device's metrics (its own registry is never scraped)
+METRIC_SESSION_OPENED, METRIC_SESSION_CLOSED, METRIC_REJECTED = 1, 2, 3
+
+
+@dataclass(frozen=True)
+class HandlerSettings:
+    """What every handler process of one span needs (pickled to it at start)."""
+
+    daemon_listen_maddr: str  # the server's p2pd control socket
+    limits: ServingLimits
+    timeouts: SessionTimeouts
+    peer_limits: PeerLimits
+    compression: int
+    dht_client_mode: bool
+    peer_id: str
+    swarm_key_file: str | None  # private swarm: every RPC proves membership here too
+    kv_handoff: bool
+
+
+class ForwardedMetrics(ServerMetrics):
+    """Session and refusal counts go to the device process, which exports one set of metrics for the server."""
+
+    def __init__(self, link: DeviceLink):
+        super().__init__()
+        self.link = link
+
+    def _send(self, event: int, label: str = "") -> None:
+        if not self.link.closed.is_set():
+            self.link.send(wire.METRICS, 0, wire.Writer().u8(event).text(label))
+
+    def session_opened(self) -> None:
+        self._send(METRIC_SESSION_OPENED)
+
+    def session_closed(self) -> None:
+        self._send(METRIC_SESSION_CLOSED)
+
+    def rejected(self, reason: str) -> None:
+        self._send(METRIC_REJECTED, reason)
+
+
+def main(settings: HandlerSettings, index: int, channel: Connection) -> None:
+    """The process's entry point (multiprocessing): serves until the channel to the device process ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which closes the channel
+    sock = socket.socket(fileno=os.dup(channel.fileno()))
+    channel.close()
+    asyncio.run(_serve(settings, index, sock))
+
+
+async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> None:
+    from corolla.swarm.membership import load_swarm_key
+
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    link = await DeviceLink.connect(reader, writer)
+    executor = ProxyExecutor(link)
+    metrics = ForwardedMetrics(link)
+    handler = TransformerConnectionHandler(
+        limits=settings.limits,
+        executor=executor,
+        timeouts=settings.timeouts,
+        compression=settings.compression,
+        dht_client_mode=settings.dht_client_mode,
+        sessions=RoutingSessionRegistry(link),
+        metrics=metrics,
+        peer_limits=settings.peer_limits,
+        peer_auth=make_peer_auth(load_swarm_key(settings.swarm_key_file), settings.peer_id, metrics),
+    )
+    handler.admission = RemoteAdmission(settings.peer_limits, executor)  # global: decided by the device process
+    handler.handoff.enabled = settings.kv_handoff
+    p2p = await P2P.replicate(Multiaddr(settings.daemon_listen_maddr))
+    try:
+        await handler.add_p2p_handlers(p2p, balanced=True)
+        link.send(wire.READY, 0, wire.Writer().u32(os.getpid()))
+        logger.info(f"handler_process.ready(index={index}, pid={os.getpid()})")
+        await link.closed.wait()
+    finally:
+        logger.info(f"handler_process.stopping(index={index}, sessions={handler.sessions.num_open})")
+        await handler.shutdown()
+        try:
+            await asyncio.wait_for(handler.remove_p2p_handlers(p2p), 5.0)
+        except Exception as e:
+            logger.debug(f"handler_process.remove_handlers_failed({e!r})")
+        await link.close()
+        try:
+            await asyncio.wait_for(p2p.shutdown(), 5.0)
+        except Exception as e:
+            logger.debug(f"handler_process.p2p_shutdown_failed({e!r})")

@@ -1,0 +1,346 @@
+"""The handler process's side of `--num_handlers` > 1: `ProxyExecutor`, a `SpanExecutor` that forwards every
+session, step, forward and backward to the device process over the channel (`proxy_wire`), so the unchanged
+`TransformerConnectionHandler` serves streams in this process while the KV caches, the runtime and the batching
+stay in the device process.
+
+What must stay global lives in the device process and is asked for here: admission (`RemoteAdmission`: sessions
+and KV per peer, idle eviction, counted once for all handler processes) and pushes (`RoutingSessionRegistry`: a push
+for a session whose stream another process holds is routed there through the device process). Cache accounting
+(`bytes_left`) is the device's figure, refreshed with every reply and whenever any process opens or closes a
+session."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.server import proxy_wire as wire
+from corolla.server.admission import SessionAdmission, SessionTicket
+from corolla.server.executor import (
+    BackwardInputs,
+    ForwardInputs,
+    HandoffUnsupported,
+    SessionCache,
+    SessionSpec,
+    StepInputs,
+)
+from corolla.server.limits import PeerLimits
+from corolla.server.memory_cache import TensorDescriptorLike
+from corolla.server.peer_auth import SessionPushGuard
+from corolla.server.runtime import Runtime
+from corolla.server.sessions import SessionRegistry
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+_HANDOFF_UNSUPPORTED = "KV hand-off is not available with handler processes (--num_handlers > 1): the client replays"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the device process tells a handler process once (the HELLO frame)."""
+
+    path: str
+    handler_index: int
+    max_frame_bytes: int
+    block_bytes_per_token: dict[int, int]  # KV bytes of one token of one sequence, per block
+    page_tokens: int  # 1: caches are reserved per token; > 1: per page of this many tokens
+    page_row_bytes: int  # > 0: one page of one sequence over all blocks (the fast path's pool); 0: per token
+
+    def to_json(self) -> bytes:
+        fields = dict(self.__dict__, block_bytes_per_token={str(k): v for k, v in self.block_bytes_per_token.items()})
+        return json.dumps(fields).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> DeviceInfo:
+        fields = json.loads(data)
+        table = {int(k): int(v) for k, v in dict(fields.pop("block_bytes_per_token")).items()}
+        return cls(block_bytes_per_token=table, **fields)
+
+    def session_bytes(self, spec: SessionSpec) -> int:
+        if self.page_row_bytes > 0:
+            pages = max(1, -(-spec.max_length_tokens // self.page_tokens))
+            return pages * spec.batch_size * self.page_row_bytes
+        return spec.batch_size * spec.max_length_tokens * self.cache_bytes_per_token(spec.block_indices)
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
+        return sum(self.block_bytes_per_token[i] for i in block_indices)
+
+
+class ProxySessionCache(SessionCache):
+    """A session whose cache lives in the device process under `handle`."""
+
+    def __init__(self, spec: SessionSpec, link: DeviceLink, handle: int):
+        super().__init__(spec)
+        self.link = link
+        self.handle = handle
+
+
+PushSink = Callable[[str, runtime_pb2.ExpertRequest, "str | None"], bool]
+
+
+class DeviceLink:
+    """One handler process's channel to the device process: requests with ids, replies matched to them, and the
+    frames the device sends on its own (state, evictions, routed pushes)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: DeviceInfo):
+        self.reader, self.writer, self.info = reader, writer, info
+        self.bytes_left = 0
+        self.bytes_waiting = 0
+        self.max_size_bytes = 0
+        self.tickets: dict[int, SessionTicket] = {}  # mirrors of the device's tickets (evictions end the stream)
+        self.push_sink: PushSink | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._reading: asyncio.Task[None] | None = None
+        self.closed = asyncio.Event()
+
+    @classmethod
+    async def connect(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_hello_bytes: int = 1 << 20):
+        kind, _, payload = await wire.read_frame(reader, max_hello_bytes)
+        if kind != wire.HELLO:
+            raise wire.FrameError(f"expected HELLO from the device process, got frame kind {kind}")
+        link = cls(reader, writer, DeviceInfo.from_json(payload))
+        kind, _, payload = await wire.read_frame(reader, max_hello_bytes)
+        if kind != wire.STATE:
+            raise wire.FrameError(f"expected STATE after HELLO from the device process, got frame kind {kind}")
+        link._apply_state(wire.Reader(payload))
+        link._reading = asyncio.create_task(link._read_forever())
+        return link
+
+    def _apply_state(self, reader: wire.Reader) -> None:
+        self.bytes_left, self.bytes_waiting, self.max_size_bytes = reader.u64(), reader.u64(), reader.u64()
+
+    async def _read_forever(self) -> None:
+        try:
+            while True:
+                kind, request_id, payload = await wire.read_frame(self.reader, self.info.max_frame_bytes)
+                if kind == wire.STATE:
+                    self._apply_state(wire.Reader(payload))
+                elif kind == wire.EVICT:
+                    ticket = self.tickets.get(request_id)
+                    if ticket is not None:
+                        ticket.evict(wire.Reader(payload).text())
+                elif kind == wire.PUSH_OUT:
+                    fields = wire.Reader(payload)
+                    session_id, sender, raw = fields.text(), fields.text(), fields.blob()
+                    if self.push_sink is not None:
+                        self.push_sink(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender or None)
+                else:
+                    future = self._pending.pop(request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result((kind, payload))
+        except wire.ChannelClosed:
+            logger.info("proxy_executor.channel_closed")
+        except Exception as e:  # a malformed frame from our own device process: stop serving, never guess
+            logger.error(f"proxy_executor.channel_failed({e!r})")
+        finally:
+            self.closed.set()
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(wire.ChannelClosed("the device process is gone"))
+            self._pending.clear()
+
+    def send(self, kind: int, request_id: int, body: wire.Writer) -> None:
+        if self.closed.is_set():
+            raise wire.ChannelClosed("the device process is gone")
+        self.writer.write(body.frame(kind, request_id))
+
+    async def call(self, kind: int, body: wire.Writer) -> wire.Reader:
+        """Sends a request and waits for its reply; the device's typed refusal is raised here."""
+        request_id = next(self._ids) & 0xFFFFFFFF
+        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            self.send(kind, request_id, body)
+            if self.writer.transport.get_write_buffer_size() > (1 << 20):
+                await self.writer.drain()
+            reply_kind, payload = await future
+        finally:
+            self._pending.pop(request_id, None)
+        reader = wire.Reader(payload)
+        self._apply_state(reader)
+        if reply_kind == wire.REPLY_ERROR:
+            raise wire.decode_error(reader)
+        return reader
+
+    async def close(self) -> None:
+        if self._reading is not None:
+            self._reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reading
+        self.writer.close()
+
+
+class ProxyExecutor:
+    """A `SpanExecutor` whose work runs in the device process (see the module docstring)."""
+
+    def __init__(self, link: DeviceLink):
+        self.link = link
+
+    @property
+    def path(self) -> str:
+        return self.link.info.path
+
+    @property
+    def runtime(self) -> Runtime:
+        raise RuntimeError("a handler process has no runtime: its executor's work runs in the device process")
+
+    @property
+    def max_size_bytes(self) -> int:
+        return self.link.max_size_bytes
+
+    @property
+    def bytes_left(self) -> int:
+        return self.link.bytes_left
+
+    @property
+    def bytes_waiting(self) -> int:
+        return self.link.bytes_waiting
+
+    def session_bytes(self, spec: SessionSpec) -> int:
+        return self.link.info.session_bytes(spec)
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
+        return self.link.info.cache_bytes_per_token(block_indices)
+
+    @contextlib.asynccontextmanager
+    async def open_session(self, spec: SessionSpec, alloc_timeout_s: float | None) -> AsyncIterator[SessionCache]:
+        async with self.open_remote(spec, alloc_timeout_s, admit_peer=None) as (cache, _):
+            assert cache is not None  # max_length > 0 without admission always has a cache
+            yield cache
+
+    @contextlib.asynccontextmanager
+    async def open_remote(
+        self, spec: SessionSpec, alloc_timeout_s: float | None, *, admit_peer: str | None, session_id: str | None = None
+    ) -> AsyncIterator[tuple[ProxySessionCache | None, int]]:
+        """Opens a session in the device process: through its admission as `admit_peer` or (None) straight from
+        its executor. Yields the cache (None for a max_length=0 probe) and the device's handle of the session."""
+        body = wire.Writer().u32(spec.block_indices[0]).u32(spec.block_indices[-1] + 1).u32(spec.batch_size)
+        body.u32(spec.max_length_tokens).f64(alloc_timeout_s).u8(admit_peer is not None).text(admit_peer)
+        reply = await self.link.call(wire.OPEN, body.text(session_id))
+        handle, has_cache = reply.u32(), reply.u8()
+        try:
+            yield (ProxySessionCache(spec, self.link, handle) if has_cache else None), handle
+        finally:
+            self.link.tickets.pop(handle, None)
+            with contextlib.suppress(wire.ChannelClosed):
+                await asyncio.shield(self.link.call(wire.CLOSE, wire.Writer().u32(handle)))
+
+    def _own(self, cache: SessionCache) -> ProxySessionCache:
+        if not isinstance(cache, ProxySessionCache) or cache.link is not self.link:
+            raise TypeError(f"{type(cache).__name__} is not a cache of this proxy executor")
+        return cache
+
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        handle = self._own(cache).handle
+        body = wire.Writer().u32(handle).u32(inputs.prefix_length).u8(inputs.lone_session).text(inputs.adapter)
+        body.tensor(inputs.hidden_states).tensor(inputs.prompts).tensor(inputs.hypo_ids)
+        return _one_tensor(await self.link.call(wire.STEP, body))
+
+    async def forward(
+        self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
+    ) -> torch.Tensor:
+        body = wire.Writer().u32(block_indices[0]).u32(block_indices[-1] + 1).u32(chunk_tokens).text(inputs.adapter)
+        body.tensor(inputs.hidden_states).tensor(inputs.prompts)
+        return _one_tensor(await self.link.call(wire.FORWARD, body))
+
+    async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
+        body = wire.Writer().u32(block_indices[0]).u32(block_indices[-1] + 1).text(inputs.adapter)
+        body.tensor(inputs.hidden_states).tensor(inputs.grad_outputs).tensor(inputs.prompts)
+        return _tensors(await self.link.call(wire.BACKWARD, body))
+
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+        raise HandoffUnsupported(_HANDOFF_UNSUPPORTED)
+
+    async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
+        raise HandoffUnsupported(_HANDOFF_UNSUPPORTED)
+
+    async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
+        raise HandoffUnsupported(_HANDOFF_UNSUPPORTED)
+
+
+def _tensors(reader: wire.Reader) -> list[torch.Tensor]:
+    count = reader.u8()
+    tensors = []
+    for _ in range(count):
+        tensor = reader.tensor()
+        if tensor is None:
+            raise wire.FrameError("a reply tensor is missing")
+        tensors.append(tensor)
+    reader.done()
+    return tensors
+
+
+def _one_tensor(reader: wire.Reader) -> torch.Tensor:
+    tensors = _tensors(reader)
+    if len(tensors) != 1:
+        raise wire.FrameError(f"expected one reply tensor, got {len(tensors)}")
+    return tensors[0]
+
+
+class RemoteAdmission(SessionAdmission):
+    """Admission decided by the device process for all handler processes at once (per-peer session and KV caps,
+    idle eviction); this process keeps a mirror ticket per session that the device's EVICT frame ends."""
+
+    def __init__(self, limits: PeerLimits, executor: ProxyExecutor):
+        super().__init__(limits, executor)
+        self.executor = executor
+
+    @contextlib.asynccontextmanager
+    async def reserve(
+        self, peer: str, executor: object, spec: SessionSpec, alloc_timeout_s: float | None
+    ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
+        reserved = self.executor.session_bytes(spec) if spec.max_length_tokens else 0
+        async with self.executor.open_remote(spec, alloc_timeout_s, admit_peer=peer) as (cache, handle):
+            ticket = SessionTicket(peer=peer, reserved_bytes=reserved)
+            self.executor.link.tickets[handle] = ticket
+            self._tickets.add(ticket)
+            try:
+                yield ticket, cache
+            finally:
+                self._tickets.discard(ticket)
+                ticket.released.set()
+
+
+class RoutingSessionRegistry(SessionRegistry):
+    """This process's sessions; a push for a session it does not hold goes to the device process, which routes it
+    to the process that holds the session's stream (or its own same-host socket sessions)."""
+
+    def __init__(self, link: DeviceLink):
+        super().__init__()
+        self.link = link
+        link.push_sink = self.push_local
+
+    def open(self, session_id: str | None, guard: SessionPushGuard | None = None) -> asyncio.Queue | None:
+        queue = super().open(session_id, guard)
+        if session_id is not None:  # the device process routes pushes for this id here
+            self.link.send(wire.ROUTE_ADD, 0, wire.Writer().text(session_id))
+        return queue
+
+    def close(self, session_id: str | None) -> None:
+        held = session_id is not None and self.holds(session_id)
+        super().close(session_id)
+        if held and not self.link.closed.is_set():
+            self.link.send(wire.ROUTE_DEL, 0, wire.Writer().text(session_id))
+
+    def push_local(self, session_id: str, request: runtime_pb2.ExpertRequest, sender: str | None) -> bool:
+        return super().push(session_id, request, sender=sender)
+
+    def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
+        if self.holds(session_id):
+            return self.push_local(session_id, request, sender)  # ours: refused here if not from its upstream
+        body = wire.Writer().text(session_id).text(sender).blob(request.SerializeToString())
+        try:
+            self.link.send(wire.PUSH_IN, 0, body)
+        except (wire.ChannelClosed, wire.FrameError) as e:
+            logger.info(f"proxy_executor.push_not_routed(session_id={session_id!r:.40}): {e!r}")
+            return False
+        return True

@@ -1,0 +1,244 @@
+"""The channel between a handler process and the device process (`--num_handlers` > 1): compact frames over a
+unix socketpair, tensors as raw bytes behind a dtype/shape record.
+
+Frame: a 9-byte header (payload length: u32, kind: u8, request id: u32; big endian) and the payload. The reader
+checks the length against the channel's `max_frame_bytes` before it reads (allocates) the payload, and every
+tensor record's byte count against what is left of the payload before it copies. Both ends are processes of the
+same server, but the sizes are still bounded: a bug on one side must fail a request, not exhaust memory.
+
+Payload fields, in the order each message kind writes them (`Writer` / `Reader`): u8, u32, u64, f64, text (u16
+length + utf-8), blob (u32 length), tensor (u8 dtype code, u8 ndim, u32 per dim, then the raw bytes; dtype code
+255 = no tensor)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+
+import torch
+
+# handler -> device
+OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, ROUTE_ADD, ROUTE_DEL, METRICS, READY = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+# device -> handler
+HELLO, STATE, REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT = 20, 21, 22, 23, 24, 25, 26, 27
+FRAME_KINDS = frozenset(
+    (OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, ROUTE_ADD, ROUTE_DEL, METRICS, READY, HELLO, STATE)
+    + (REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT)
+)
+
+HEADER = struct.Struct(">IBI")
+HEADER_BYTES = HEADER.size  # 9
+MAX_TENSOR_DIMS = 8
+MAX_STR_BYTES = 65535
+NO_TENSOR = 255
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.uint8, torch.bool, torch.int8,
+)  # fmt: skip
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_U8, _U32, _U64, _F64 = struct.Struct(">B"), struct.Struct(">I"), struct.Struct(">Q"), struct.Struct(">d")
+
+
+class ChannelClosed(ConnectionError):
+    """The other end of the handler <-> device channel is gone."""
+
+
+class FrameError(ValueError):
+    """A frame or field that breaks the channel's format or bounds."""
+
+
+class Writer:
+    """Builds one payload."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes | memoryview] = []
+
+    def u8(self, value: int) -> Writer:
+        self.parts.append(_U8.pack(value))
+        return self
+
+    def u32(self, value: int) -> Writer:
+        self.parts.append(_U32.pack(value))
+        return self
+
+    def u64(self, value: int) -> Writer:
+        self.parts.append(_U64.pack(value))
+        return self
+
+    def f64(self, value: float | None) -> Writer:
+        self.parts.append(_F64.pack(math.nan if value is None else value))
+        return self
+
+    def text(self, value: str | None) -> Writer:
+        data = (value or "").encode()
+        if len(data) > MAX_STR_BYTES:
+            raise FrameError(f"string of {len(data)} bytes exceeds {MAX_STR_BYTES}")
+        self.parts.append(struct.pack(">H", len(data)) + data)
+        return self
+
+    def blob(self, value: bytes) -> Writer:
+        self.parts.append(_U32.pack(len(value)))
+        self.parts.append(value)
+        return self
+
+    def tensor(self, tensor: torch.Tensor | None) -> Writer:
+        if tensor is None:
+            self.parts.append(_U8.pack(NO_TENSOR))
+            return self
+        code = _DTYPE_CODES.get(tensor.dtype)
+        if code is None or tensor.dim() > MAX_TENSOR_DIMS:
+            raise FrameError(f"can't send a {tensor.dtype} tensor of {tensor.dim()} dims")
+        tensor = tensor.detach().to("cpu").contiguous()  # [any shape]
+        self.parts.append(struct.pack(f">BB{tensor.dim()}I", code, tensor.dim(), *tensor.shape))
+        if tensor.numel():
+            self.parts.append(tensor.view(torch.uint8).reshape(-1).numpy().data)
+        return self
+
+    def frame(self, kind: int, request_id: int) -> bytes:
+        payload = b"".join(self.parts)
+        return HEADER.pack(len(payload), kind, request_id) + payload
+
+
+class Reader:
+    """Reads the fields of one payload in order, each bounded by what is left of it."""
+
+    def __init__(self, payload: bytes):
+        self.data = memoryview(payload)
+        self.offset = 0
+
+    def _take(self, n: int) -> memoryview:
+        if n < 0 or self.offset + n > len(self.data):
+            raise FrameError(f"field of {n} bytes runs past the payload ({len(self.data) - self.offset} left)")
+        chunk = self.data[self.offset : self.offset + n]
+        self.offset += n
+        return chunk
+
+    def u8(self) -> int:
+        return int(_U8.unpack(self._take(1))[0])
+
+    def u32(self) -> int:
+        return int(_U32.unpack(self._take(4))[0])
+
+    def u64(self) -> int:
+        return int(_U64.unpack(self._take(8))[0])
+
+    def f64(self) -> float | None:
+        value = float(_F64.unpack(self._take(8))[0])
+        return None if math.isnan(value) else value
+
+    def text(self) -> str:
+        (length,) = struct.unpack(">H", self._take(2))
+        return bytes(self._take(length)).decode()
+
+    def blob(self) -> bytes:
+        return bytes(self._take(self.u32()))
+
+    def tensor(self) -> torch.Tensor | None:
+        code = self.u8()
+        if code == NO_TENSOR:
+            return None
+        if code >= len(_DTYPES):
+            raise FrameError(f"unknown dtype code {code}")
+        ndim = self.u8()
+        if ndim > MAX_TENSOR_DIMS:
+            raise FrameError(f"tensor of {ndim} dims exceeds {MAX_TENSOR_DIMS}")
+        shape = struct.unpack(f">{ndim}I", self._take(4 * ndim))
+        dtype = _DTYPES[code]
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        raw = self._take(nbytes)  # bounded by the payload before anything is allocated
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def done(self) -> None:
+        if self.offset != len(self.data):
+            raise FrameError(f"{len(self.data) - self.offset} trailing bytes in a frame")
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tuple[int, int, bytes]:
+    """(kind, request id, payload) of the next frame; ChannelClosed at EOF, FrameError past the bounds."""
+    try:
+        header = await reader.readexactly(HEADER_BYTES)
+    except (asyncio.IncompleteReadError, ConnectionError) as e:
+        raise ChannelClosed("handler channel closed") from e
+    length, kind, request_id = HEADER.unpack(header)
+    if kind not in FRAME_KINDS:
+        raise FrameError(f"unknown frame kind {kind}")
+    if length > max_frame_bytes:
+        raise FrameError(f"frame of {length} bytes exceeds max_frame_bytes={max_frame_bytes}")
+    try:
+        payload = await reader.readexactly(length)
+    except (asyncio.IncompleteReadError, ConnectionError) as e:
+        raise ChannelClosed("handler channel closed mid-frame") from e
+    return kind, request_id, payload
+
+
+# ---- errors: the device's typed refusal crosses the channel as (code, reason, message) and is raised again as the
+# same type in the handler process, so the handler counts and answers it exactly as in one process
+
+
+def encode_error(error: BaseException) -> Writer:
+    from corolla.server.executor import HandoffUnsupported
+    from corolla.server.limits import PeerLimitExceeded, ServerLimitExceeded, SessionEvicted
+    from corolla.server.refusals import BadRequest, Draining, Overloaded, TooLong
+    from corolla.server.runtime import RuntimeStopped
+    from corolla.utils.errors import AllocationFailed
+
+    code, reason, value, limit = 0, "", 0, 0
+    if isinstance(error, TooLong):
+        code, value, limit = 2, error.value, error.limit
+    elif isinstance(error, HandoffUnsupported):
+        code = 9
+    elif isinstance(error, BadRequest):
+        code = 1
+    elif isinstance(error, (PeerLimitExceeded, ServerLimitExceeded)):
+        code, reason = (4 if isinstance(error, PeerLimitExceeded) else 5), error.reason
+    elif isinstance(error, SessionEvicted):
+        code = 11
+    elif isinstance(error, AllocationFailed):
+        code = 3
+    elif isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+        code = 6
+    elif isinstance(error, (Overloaded, RuntimeStopped)):
+        code = 7
+    elif isinstance(error, TypeError):
+        code = 8
+    elif isinstance(error, Draining):
+        code = 10
+    elif isinstance(error, ValueError):
+        code = 1
+    return Writer().u8(code).text(reason).u64(max(0, value)).u64(max(0, limit)).text(str(error)[:4096])
+
+
+def decode_error(reader: Reader) -> Exception:
+    from corolla.server.executor import HandoffUnsupported
+    from corolla.server.limits import PeerLimitExceeded, ServerLimitExceeded, SessionEvicted
+    from corolla.server.refusals import BadRequest, Draining, Overloaded, RequestTimeout, TooLong
+    from corolla.utils.errors import AllocationFailed
+
+    code, reason, value, limit, message = reader.u8(), reader.text(), reader.u64(), reader.u64(), reader.text()
+    if code == 1:
+        return BadRequest(message)
+    if code == 2:
+        return TooLong(message, value=value, limit=limit)
+    if code == 3:
+        return AllocationFailed(message)
+    if code == 4:
+        return PeerLimitExceeded(message, reason=reason)
+    if code == 5:
+        return ServerLimitExceeded(message, reason=reason)
+    if code == 6:
+        return RequestTimeout(message)
+    if code == 7:
+        return Overloaded(message)
+    if code == 8:
+        return TypeError(message)
+    if code == 9:
+        return HandoffUnsupported(message)
+    if code == 10:
+        return Draining(message)
+    if code == 11:
+        return SessionEvicted(message)
+    return RuntimeError(message)
