@@ -1,12 +1,12 @@
-"""Whole-span decode steps captured as CUDA graphs, one per batch-size bucket, replayed with new inputs copied into
+"""Whole-span decode steps of any `SpanModel` captured as CUDA graphs, one per batch-size bucket, replayed with new inputs copied into
 static buffers. Rows past the live batch are pointed at the pool's trash page so they never touch real caches."""
 
 from __future__ import annotations
 
 import torch
 
-from corolla.engine.fast_llama import FastLlamaSpan
 from corolla.engine.kv_pool import TRASH_PAGE, KVPool
+from corolla.engine.span_model import SpanModel
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -16,7 +16,7 @@ class DecodeGraphs:
     """Static inputs sized for the largest bucket; `run(rows)` replays the smallest bucket holding `rows` rows after
     the caller filled `hidden[:rows]`, `positions[:rows]`, `block_tables[:rows]`. Use from one thread."""
 
-    def __init__(self, model: FastLlamaSpan, pool: KVPool, buckets: tuple[int, ...], *, warmup_iters: int = 2):
+    def __init__(self, model: SpanModel, pool: KVPool, buckets: tuple[int, ...], *, warmup_iters: int = 2):
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA model")
         self.model = model

@@ -1,9 +1,11 @@
-"""A server-wide KV cache preallocated once: per layer, K and V pages of `page_size_tokens` tokens, handed out to
+"""A server-wide KV cache preallocated once: per layer, pages of `page_size_tokens` tokens of two per-token tensors
+(a `KVLayout`: K and V heads for standard attention; MLA's compressed latent and shared rotary key), handed out to
 sequences as block tables (lists of page ids), so sessions of any length share one pool without per-step allocation.
 Page 0 is never handed out: padded batch rows write there."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +20,41 @@ logger = get_logger(__name__)
 TRASH_PAGE = 0
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token occupies in one layer's cache: the pool's tensor `k` holds `k_token_shape` per token and `v`
+    holds `v_token_shape`. Standard attention: K and V heads, `(kv_heads, head_dim)` each. Multi-head latent
+    attention: `k` the normalized latent `(1, kv_lora_rank)`, `v` the rotary key shared by all heads
+    `(1, qk_rope_head_dim)` (never per-head K/V)."""
+
+    k_token_shape: tuple[int, ...]
+    v_token_shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for shape in (self.k_token_shape, self.v_token_shape):
+            if not shape or any(int(d) < 1 for d in shape):
+                raise ValueError(f"KVLayout token shapes must be non-empty and positive, got {shape}")
+
+    @property
+    def values_per_token(self) -> int:
+        """Cache values one token takes in one layer (both tensors)."""
+        return math.prod(self.k_token_shape) + math.prod(self.v_token_shape)
+
+    def bytes_per_token(self, dtype: torch.dtype, num_layers: int = 1) -> int:
+        """Bytes one token takes across `num_layers` layers in `dtype`."""
+        return num_layers * self.values_per_token * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def heads(cls, num_kv_heads: int, head_dim: int) -> KVLayout:
+        """Standard attention: K and V of `num_kv_heads` heads of `head_dim`."""
+        return cls((num_kv_heads, head_dim), (num_kv_heads, head_dim))
+
+    @classmethod
+    def latent(cls, kv_lora_rank: int, rope_dim: int) -> KVLayout:
+        """Multi-head latent attention: the latent and the shared rotary key."""
+        return cls((1, kv_lora_rank), (1, rope_dim))
+
+
 @dataclass(eq=False)
 class SequenceSlot:
     """One sequence's pages (a block table) and a host copy of it padded to the pool's `max_pages_per_seq`."""
@@ -30,7 +67,8 @@ class SequenceSlot:
 
 
 class KVPool:
-    """K/V storage `[num_layers, num_pages, page_size, kv_heads, head_dim]` (two tensors) plus a free list.
+    """Cache storage `k` [num_layers, num_pages, page_size, *layout.k_token_shape] and `v` [..., *layout.v_token_shape]
+    plus a free list.
 
     `allocate(num_sequences, max_length_tokens)` reserves whole pages up front (scarcity -> `AllocationFailed`,
     never a partial reservation); `free(slots)` returns them. Thread-safe."""
@@ -39,8 +77,7 @@ class KVPool:
         self,
         *,
         num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        layout: KVLayout,
         num_pages: int,
         page_size_tokens: int,
         max_pages_per_seq: int,
@@ -50,27 +87,35 @@ class KVPool:
         if num_pages < 2:
             raise ValueError(f"KVPool needs at least 2 pages (one is reserved), got {num_pages}")
         self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+        self.layout = layout
         self.num_pages = num_pages
         self.page_size_tokens = page_size_tokens
         self.max_pages_per_seq = max_pages_per_seq
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, num_pages, page_size_tokens, num_kv_heads, head_dim)
+        pages = (num_layers, num_pages, page_size_tokens)
         # Filled with zeros once so that the trash page and unwritten slots never hold NaN/Inf garbage.
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k = torch.zeros((*pages, *layout.k_token_shape), dtype=dtype, device=self.device)
+        self.v = torch.zeros((*pages, *layout.v_token_shape), dtype=dtype, device=self.device)
         self._free: list[int] = list(range(num_pages - 1, TRASH_PAGE, -1))  # pop() hands out low ids first
         self._lock = threading.Lock()
         logger.info(
             f"kv_pool.create(pages={num_pages}, page_tokens={page_size_tokens}, layers={num_layers}, "
-            f"GiB={2 * self.k.numel() * self.k.element_size() / 2**30:.2f}, device={self.device})"
+            f"bytes_per_token={layout.bytes_per_token(dtype, num_layers)}, "
+            f"GiB={num_pages * self.page_bytes / 2**30:.2f}, device={self.device})"
         )
 
     @classmethod
-    def bytes_per_page(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, page_size_tokens: int, dtype) -> int:
-        return 2 * num_layers * page_size_tokens * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_page(cls, *, num_layers: int, layout: KVLayout, page_size_tokens: int, dtype: torch.dtype) -> int:
+        """Bytes of one page over all layers (both tensors)."""
+        return page_size_tokens * layout.bytes_per_token(dtype, num_layers)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one of this pool's pages over all its layers (both tensors)."""
+        return self.bytes_per_page(
+            num_layers=self.num_layers, layout=self.layout, page_size_tokens=self.page_size_tokens, dtype=self.dtype
+        )
 
     @property
     def pages_free(self) -> int:

@@ -1,5 +1,6 @@
-"""The session-level face of the fast path: `SpanEngine` owns the span's fused layers, the KV pool and the CUDA
-graphs; `EngineSession` is one client's reservation in the pool. `step` runs one session alone; `decode_many`
+"""The session-level face of the fast path: `SpanEngine` owns the span's fused layers (a `SpanModel`: llama-family
+`FastLlamaSpan` or DeepSeek-V3 `FastMlaSpan`, chosen from the blocks), the KV pool sized by the model's per-token
+`KVLayout`, and the CUDA graphs; `EngineSession` is one client's reservation in the pool. `step` runs one session alone; `decode_many`
 merges single-token steps of many sessions into one batched forward (what the batcher calls)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from corolla.engine.config import EngineConfig
 from corolla.engine.cuda_graphs import DecodeGraphs
 from corolla.engine.fast_llama import FastLlamaSpan
 from corolla.engine.kv_pool import KVPool, SequenceSlot
+from corolla.engine.span_model import SpanModel
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -84,10 +86,10 @@ class StepRequest:
 
 
 class SpanEngine:
-    """Fast inference for one llama-family span; every compute method must be called from one thread (the
+    """Fast inference for one span (any `SpanModel`); every compute method must be called from one thread (the
     server's device thread), while `open_session` and `EngineSession.close` are thread-safe."""
 
-    def __init__(self, model: FastLlamaSpan, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: SpanModel, config: EngineConfig = EngineConfig()):
         self.model = model
         self.config = config
         self.device = model.device
@@ -98,18 +100,14 @@ class SpanEngine:
             max_seq = min(max_seq, spec.sliding_window_tokens)  # full attention equals the window up to its length
         self.max_seq_len_tokens = max_seq
         page = config.page_size_tokens
+        layout = spec.kv_layout
         page_bytes = KVPool.bytes_per_page(
-            num_layers=model.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            page_size_tokens=page,
-            dtype=self.dtype,
+            num_layers=model.num_layers, layout=layout, page_size_tokens=page, dtype=self.dtype
         )
         num_pages = max(2, config.kv_pool_bytes // page_bytes)
         self.pool = KVPool(
             num_layers=model.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
+            layout=layout,
             num_pages=num_pages,
             page_size_tokens=page,
             max_pages_per_seq=-(-max_seq // page),
@@ -134,9 +132,16 @@ class SpanEngine:
 
     @classmethod
     def from_blocks(cls, blocks: Sequence[torch.nn.Module], config: EngineConfig = EngineConfig()) -> SpanEngine:
-        """Wraps loaded llama-family blocks (their tensors are used in place); ValueError if unsupported."""
+        """Wraps loaded llama-family or DeepSeek-V3 blocks (their tensors are used in place), the span type chosen by
+        the blocks' model type; ValueError if unsupported."""
         hf_config: PretrainedConfig = blocks[0].config  # every corolla block keeps its model's config
         max_positions = min(config.max_seq_len_tokens, int(hf_config.max_position_embeddings))
+        model: SpanModel
+        if getattr(hf_config, "model_type", None) == "deepseek_v3":
+            from corolla.engine.fast_mla import FastMlaSpan
+
+            model = FastMlaSpan.from_blocks(blocks, max_positions=max_positions, use_triton=config.use_triton)
+            return cls(model, config)
         model = FastLlamaSpan.from_blocks(
             blocks,
             max_positions=max_positions,

@@ -74,7 +74,7 @@ class FastExecutor:
         self.max_alloc_timeout_s = max_alloc_timeout_s
         self.first_block = min(backend.block_indices)
         pool = engine.pool
-        self.bytes_per_page = 2 * pool.k[:, 0].numel() * pool.k.element_size()
+        self.bytes_per_page = pool.page_bytes  # all layers, both tensors of the layout (K/V or MLA latent/rope)
         self._merge_key = ("engine", id(engine))
         # token chunks of a long forward use temporary caches of the plain blocks: the engine keeps its own pool
         self.compute = SpanCompute(backend, runtime, metrics, split_tokens=False)

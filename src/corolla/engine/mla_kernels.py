@@ -1,0 +1,99 @@
+"""The non-GEMM operations of the DeepSeek-V3 fast path, all CUDA-graph safe (static shapes, no host sync):
+`rope_rotate` (DeepSeek's interleaved pairs or rotate-half, math in fp32), `store_latent` (the token's latent and
+rotary key into the paged pool), `paged_latent_attention` (absorbed decode attention: queries already in the latent
+space score against cached latents + rotary keys, the output stays in the latent space) and `group_limited_route`
+(DeepSeek-V3's sigmoid router with group-limited top-k, as `models/deepseek_v3/moe.py` routes)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NORM_EPS = 1e-20  # added to the top-k weight sum, as the reference router does
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """x [N, n, r]; cos/sin [N, r/2] fp32 (one angle per pair). Interleaved: the pairs are (2i, 2i+1) and the output
+    is de-interleaved to [evens | odds] (as the plain block and transformers do, for queries and keys alike);
+    otherwise rotate-half. Returns [N, n, r] in x's dtype."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    if interleaved:
+        a, b = xf[..., 0::2], xf[..., 1::2]  # [N, n, r/2] each
+    else:
+        a, b = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]  # [N, 1, r/2]
+    return torch.cat((a * c - b * s, b * c + a * s), dim=-1).to(x.dtype)
+
+
+def store_latent(
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    slots: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+) -> None:
+    """latent [N, c], k_rope [N, r] written at flat cache `slots` [N] long of latent_cache [pages, page, 1, c] and
+    rope_cache [pages, page, 1, r]."""
+    latent_cache.view(-1, latent.shape[-1]).index_copy_(0, slots, latent.to(latent_cache.dtype))
+    rope_cache.view(-1, k_rope.shape[-1]).index_copy_(0, slots, k_rope.to(rope_cache.dtype))
+
+
+def paged_latent_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA decode attention. q_latent [B, n, c] (q_nope through kv_b's key half), q_rope [B, n, r];
+    latent_cache [pages, page, 1, c], rope_cache [pages, page, 1, r]; block_tables [B, maxp] int32; seq_lens [B]
+    int32 (>= 1): row b attends to its first seq_lens[b] tokens. score = (q_latent . c + q_rope . k_rope) * scale;
+    returns sum_j p_j c_j [B, n, c] in q's dtype (scores and softmax in fp32). Reads the latents once for all
+    heads; never forms per-head keys or values."""
+    b, n, c = q_latent.shape
+    r = q_rope.shape[-1]
+    tables = block_tables.long()
+    lat = latent_cache[tables].reshape(b, -1, c).float()  # [B, L, c] with L = maxp * page
+    rope = rope_cache[tables].reshape(b, -1, r).float()  # [B, L, r]
+    scores = torch.baddbmm(
+        torch.bmm(q_rope.float(), rope.transpose(1, 2)), q_latent.float(), lat.transpose(1, 2)
+    )  # [B, n, L]
+    valid = torch.arange(lat.shape[1], device=q_latent.device)[None, :] < seq_lens[:, None].long()  # [B, L]
+    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)  # [B, n, L] fp32
+    return torch.bmm(probs, lat).to(q_latent.dtype)  # [B, n, c]
+
+
+def group_limited_route(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    score_bias: torch.Tensor,
+    *,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, H]; router_weight [E, H], score_bias [E] (fp32). Sigmoid scores in fp32; the biased scores choose:
+    the `topk_groups` best of `num_groups` groups (ranked by the sum of each group's two best), then the `top_k`
+    best experts inside them; the chosen unbiased scores are renormalized when `normalize` and scaled by `scaling`.
+    Returns (weights [N, k] fp32, ids [N, k] int64). No host sync (CUDA-graph safe)."""
+    n = x.shape[0]
+    num_experts = router_weight.shape[0]
+    scores = F.linear(x.float(), router_weight.float()).sigmoid()  # [N, E] fp32
+    biased = scores + score_bias.float()  # [N, E]: for the choice only
+    per_group = biased.view(n, num_groups, num_experts // num_groups)  # [N, G, E/G]
+    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)  # [N, G]
+    best_groups = group_scores.topk(topk_groups, dim=-1, sorted=False).indices  # [N, topk_groups]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)  # [N, G]
+    expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(n, num_experts)  # [N, E]
+    choice = biased.masked_fill(~expert_mask, float("-inf"))  # [N, E]
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices  # [N, k]
+    weights = scores.gather(1, ids)  # [N, k]
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + NORM_EPS)
+    return weights * scaling, ids

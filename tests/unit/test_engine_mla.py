@@ -1,0 +1,204 @@
+"""The DeepSeek-V3 fast path (`engine.fast_mla`) on CPU computes what the plain corolla blocks compute: prefill and
+absorbed-form decode against the blocks' own latent-cached forward (with and without q_lora, interleaved or
+rotate-half rope, biases), several sessions merged into one ragged batch, rollback, beam reordering; the pool's
+pages hold the latent + rotary key only (bytes per token = the MLA formula); the graph-safe router equals the
+block's router."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.fast_mla import FastMlaSpan
+from corolla.engine.kv_pool import KVLayout
+from corolla.engine.mla_kernels import group_limited_route
+from corolla.engine.span_engine import StepRequest
+from corolla.models.kv_sizing import kv_cache_bytes_per_token
+from corolla.models.registry import get_family
+from helpers.tiny_models_fam_a import tiny_config_of
+
+MAX_LEN = 96
+VARIANTS = {
+    "q_lora_interleaved": {},
+    "q_proj_rotate_half_bias": {"q_lora_rank": None, "rope_interleave": False, "attention_bias": True},
+}
+
+
+def make_config(num_layers: int = 3, **changes):
+    config = tiny_config_of("deepseek_v3", num_layers)  # layer 0 dense, then MoE layers
+    for name, value in changes.items():
+        setattr(config, name, value)
+    return config
+
+
+def make_blocks(num_layers: int = 3, seed: int = 0, **changes) -> list[torch.nn.Module]:
+    torch.manual_seed(seed)
+    config = make_config(num_layers, **changes)
+    blocks = [get_family(config).build_block(config, i) for i in range(num_layers)]
+    for block in blocks:
+        for name, p in block.named_parameters():  # norms away from 1, biases away from 0: every tensor matters
+            if p.ndim > 1:
+                torch.nn.init.normal_(p, std=0.15)
+            else:
+                torch.nn.init.normal_(p, mean=0.0 if "bias" in name else 1.0, std=0.2)
+        block.eval()
+    return blocks
+
+
+def make_engine(blocks, **overrides) -> SpanEngine:
+    settings = dict(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=128, max_batch_rows=8)
+    settings.update(overrides)
+    return SpanEngine.from_blocks(blocks, EngineConfig(**settings))
+
+
+@torch.no_grad()
+def reference_steps(blocks, steps: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """The blocks' own latent-cached forward over (hidden [B,T,H], position) steps."""
+    caches = [[d.make_zeros() for d in b.cache_descriptors(steps[0][0].shape[0], MAX_LEN)] for b in blocks]
+    outs = []
+    for x, position in steps:
+        h = x
+        for block, cache in zip(blocks, caches, strict=True):
+            h = block(h, cache=cache, position=position)
+        outs.append(h)
+    return outs
+
+
+def hidden_size(blocks) -> int:
+    return int(blocks[0].config.hidden_size)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_prefill_then_decode_matches_blocks(variant: str) -> None:
+    blocks = make_blocks(**VARIANTS[variant])
+    engine = make_engine(blocks)
+    assert isinstance(engine.model, FastMlaSpan)
+    h = hidden_size(blocks)
+    steps = [(torch.randn(2, 21, h), 0)] + [(torch.randn(2, 1, h), 21 + i) for i in range(4)]
+    steps.append((torch.randn(2, 5, h), 25))  # multi-token step on top of a cached prefix (spans pages)
+    steps.append((torch.randn(2, 1, h), 30))
+    expected = reference_steps(blocks, steps)
+    with engine.open_session(2, MAX_LEN) as session:
+        got = [engine.step(session, x, position) for x, position in steps]
+        assert session.length_tokens == 31
+    for out, ref in zip(got, expected, strict=True):
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_pool_pages_hold_the_latent_and_rope_key_only() -> None:
+    blocks = make_blocks(num_layers=2)
+    config = blocks[0].config
+    engine = make_engine(blocks)
+    pool = engine.pool
+    c, r = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
+    assert pool.layout == KVLayout((1, c), (1, r))
+    assert tuple(pool.k.shape[2:]) == (16, 1, c) and tuple(pool.v.shape[2:]) == (16, 1, r)
+    per_token = (c + r) * 4 * 2  # fp32, two layers
+    assert pool.page_bytes == 16 * per_token == 16 * kv_cache_bytes_per_token(config, torch.float32) * 2
+    assert pool.num_pages == (1 << 20) // pool.page_bytes
+    per_head_kv = 2 * int(config.num_attention_heads) * (int(config.qk_nope_head_dim) + r)
+    assert c + r < per_head_kv  # the point of the latent cache (even at these tiny shapes)
+
+
+def test_batched_ragged_decode_equals_each_session_alone() -> None:
+    blocks = make_blocks()
+    h = hidden_size(blocks)
+    solo, merged = make_engine(blocks), make_engine(blocks)
+    prefixes, batch_sizes = [3, 17, 40, 1], [1, 2, 1, 3]  # rows at different positions and pages; 7 rows
+    prompts = [torch.randn(b, n, h) for b, n in zip(batch_sizes, prefixes, strict=True)]
+    tokens = [[torch.randn(b, 1, h) for _ in range(2)] for b in batch_sizes]
+    expected = []
+    for prompt, toks in zip(prompts, tokens, strict=True):
+        with solo.open_session(prompt.shape[0], MAX_LEN) as s:
+            solo.step(s, prompt, 0)
+            expected.append([solo.step(s, t, prompt.shape[1] + i) for i, t in enumerate(toks)])
+    sessions = [merged.open_session(p.shape[0], MAX_LEN) for p in prompts]
+    for s, prompt in zip(sessions, prompts, strict=True):
+        merged.step(s, prompt, 0)
+    for i in range(2):
+        reqs = [StepRequest(s, t[i], p.shape[1] + i) for s, t, p in zip(sessions, tokens, prompts, strict=True)]
+        for k, out in enumerate(merged.decode_many(reqs)):  # one forward of 7 rows
+            torch.testing.assert_close(out, expected[k][i], atol=1e-5, rtol=0)
+    for s in sessions:
+        s.close()
+
+
+def test_rollback_and_beam_reordering() -> None:
+    blocks = make_blocks()
+    h = hidden_size(blocks)
+    engine = make_engine(blocks)
+    prompt, a, b = torch.randn(1, 9, h), torch.randn(1, 3, h), torch.randn(1, 2, h)
+    expected = reference_steps(blocks, [(prompt, 0), (b, 6)])  # as if only prompt[:6] then b were ever sent
+    with engine.open_session(1, MAX_LEN) as session:
+        engine.step(session, prompt, 0)
+        engine.step(session, a, 9)
+        out = engine.step(session, b, 6)  # speculative rollback to position 6
+        assert session.length_tokens == 8
+    torch.testing.assert_close(out, expected[1], atol=1e-4, rtol=0)
+
+    beams, tok, hypo = torch.randn(3, 7, h), torch.randn(3, 1, h), torch.tensor([2, 0, 0])
+    expected_beams = reference_steps(blocks, [(beams[hypo], 0), (tok, 7)])[1]
+    with engine.open_session(3, MAX_LEN) as session:
+        engine.step(session, beams, 0)
+        got = engine.step(session, tok, 7, hypo_ids=hypo)  # latent pages copied between rows
+    torch.testing.assert_close(got, expected_beams, atol=1e-4, rtol=0)
+
+
+def test_sub_span_sessions_and_deep_prompts() -> None:
+    blocks = make_blocks()
+    h = hidden_size(blocks)
+    engine = make_engine(blocks)
+    x, tok = torch.randn(1, 6, h), torch.randn(1, 1, h)
+    prompts = torch.randn(2, 1, 4, h) * 0.1  # [layers of the session, 1, P, H]
+    sub = blocks[1:]  # the MoE layers only
+
+    def with_prompt(j: int, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        out = hidden.clone()
+        overlap = max(0, min(4 - position, hidden.shape[1]))
+        out[:, :overlap] += prompts[j, :, position : position + overlap]
+        return out
+
+    caches = [[d.make_zeros() for d in blk.cache_descriptors(1, MAX_LEN)] for blk in sub]
+    expected = []
+    with torch.no_grad():
+        for hidden, position in ((x, 0), (tok, 6)):
+            for j, (blk, cache) in enumerate(zip(sub, caches, strict=True)):
+                hidden = blk(with_prompt(j, hidden, position), cache=cache, position=position)
+            expected.append(hidden)
+    with engine.open_session(1, MAX_LEN, layers=(1, 3)) as session:
+        got = [engine.step(session, x, 0, prompts=prompts), engine.step(session, tok, 6, prompts=prompts)]
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_group_limited_route_equals_the_blocks_router() -> None:
+    blocks = make_blocks(num_layers=2, seed=3)
+    moe = blocks[1].mlp
+    x = torch.randn(64, hidden_size(blocks))
+    ref_w, ref_i = moe.route(x)
+    w, i = group_limited_route(
+        x, moe.router.weight, moe.e_score_correction_bias, top_k=moe.top_k, num_groups=moe.n_group,
+        topk_groups=moe.topk_group, normalize=moe.norm_topk_prob, scaling=moe.routed_scaling_factor,
+    )  # fmt: skip
+    order, ref_order = i.argsort(dim=1), ref_i.argsort(dim=1)  # the same set of experts per token, any order
+    assert torch.equal(i.gather(1, order), ref_i.gather(1, ref_order))
+    torch.testing.assert_close(w.gather(1, order), ref_w.gather(1, ref_order))
+    assert len(torch.unique(i)) > 2  # the inputs exercise several experts and groups
+
+
+def test_active_bytes_count_the_chosen_experts_only() -> None:
+    blocks = make_blocks(num_layers=2)
+    span = FastMlaSpan.from_blocks(blocks, max_positions=64)
+    config = blocks[0].config
+    expert = 3 * int(config.hidden_size) * int(config.moe_intermediate_size) * 4
+    unused = (int(config.n_routed_experts) - int(config.num_experts_per_tok)) * expert
+    assert span.weight_bytes() == sum(p.numel() * 4 for b in blocks for p in b.parameters())
+    assert span.active_weight_bytes() == span.weight_bytes() - unused
+
+
+def test_unsupported_deepseek_blocks_are_refused() -> None:
+    blocks = make_blocks(num_layers=1, hidden_act="gelu")
+    with pytest.raises(ValueError, match="silu"):
+        make_engine(blocks)
