@@ -238,7 +238,7 @@ def test_hung_server_is_detected_by_liveness_pings():
 
 
 def test_busy_poll_only_for_the_process_s_only_step_in_flight(monkeypatch):
-    from corolla.client import inference_session as module
+    from corolla.client import span_session as module
 
     config = ClientConfig(busy_poll_ms=20)
     monkeypatch.setattr(module, "_steps_in_flight", 1)

@@ -30,7 +30,7 @@ from corolla.protocol.records import RemoteSpanInfo
 
 
 class ForwardingSpan(Protocol):
-    """What the planner reads of a span session (`inference_session._SpanSession`)."""
+    """What the planner reads of a span session (`span_session.SpanSession`)."""
 
     span: RemoteSpanInfo
     session_id: str

@@ -2,7 +2,7 @@
 the session asks it for the span's KV cache on the same stream and relays the parts, unread, to a replacement
 server holding the same blocks, which validates and imports them; the session then continues there with no replay
 of its history. If no replacement takes it or anything fails, the draining stream is closed and the next step
-replays the history on a replacement, as after any failure. Works with `inference_session._SpanSession` internals
+replays the history on a replacement, as after any failure. Works with `span_session.SpanSession` internals
 (its request queue, response stream and history), which is why it lives beside it in `client/`."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
-    from corolla.client.inference_session import InferenceSession, _SpanSession
+    from corolla.client.inference_session import InferenceSession
+    from corolla.client.span_session import SpanSession
 
 logger = get_logger(__name__)
 
@@ -134,7 +135,7 @@ async def hand_off_draining_spans(session: InferenceSession) -> None:
         )
 
 
-def _candidates(session: InferenceSession, old: _SpanSession) -> list[RemoteSpanInfo]:
+def _candidates(session: InferenceSession, old: SpanSession) -> list[RemoteSpanInfo]:
     """Servers other than the draining one that hold all of its blocks and announce room for the session, nearest
     first; each cut to exactly the draining span."""
     start, end = old.span.start, old.span.end
@@ -152,16 +153,16 @@ def _candidates(session: InferenceSession, old: _SpanSession) -> list[RemoteSpan
     return result[:MAX_CANDIDATES]
 
 
-async def _move(session: InferenceSession, old: _SpanSession) -> tuple[_SpanSession, int]:
+async def _move(session: InferenceSession, old: SpanSession) -> tuple[SpanSession, int]:
     """Exports the span's cache from `old` and imports it on a replacement; returns (new span session, bytes)."""
-    from corolla.client.inference_session import _SpanSession
+    from corolla.client.span_session import SpanSession
 
     candidates = _candidates(session, old)
     if not candidates:
         raise HandoffFailed(f"no other server holds blocks {old.span.start}:{old.span.end}")
     if old.history is None or old.history.shape[1] != old.position:
         raise HandoffFailed("the span's history does not match its position")
-    first = _SpanSession(session.manager, candidates[0], session.max_length)
+    first = SpanSession(session.manager, candidates[0], session.max_length)
     opening = asyncio.ensure_future(first.open())  # connect to the replacement while the cache is exported
     try:
         header, messages = await _export(session, old)
@@ -172,7 +173,7 @@ async def _move(session: InferenceSession, old: _SpanSession) -> tuple[_SpanSess
         raise
     errors = []
     for span in candidates:
-        new = first if span is candidates[0] else _SpanSession(session.manager, span, session.max_length)
+        new = first if span is candidates[0] else SpanSession(session.manager, span, session.max_length)
         try:
             await (opening if new is first else new.open())
             await _import(new, old, header, messages)
@@ -183,7 +184,7 @@ async def _move(session: InferenceSession, old: _SpanSession) -> tuple[_SpanSess
     raise HandoffFailed(f"no replacement imported the cache ({'; '.join(errors)})")
 
 
-def _empty_step(old: _SpanSession) -> tuple[list[runtime_pb2.Tensor], Any, torch.Tensor]:
+def _empty_step(old: SpanSession) -> tuple[list[runtime_pb2.Tensor], Any, torch.Tensor]:
     """A zero-token step's tensors `[B, 0, H]` (+ dummies), its args structure and the empty inputs."""
     assert old.history is not None
     empty = old.history[:, :0]  # [B, 0, H]
@@ -191,7 +192,7 @@ def _empty_step(old: _SpanSession) -> tuple[list[runtime_pb2.Tensor], Any, torch
     return [serialize_tensor(t, NONE) for t in tensors], structure, empty
 
 
-async def _export(session: InferenceSession, old: _SpanSession) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
+async def _export(session: InferenceSession, old: SpanSession) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
     """Asks the draining server for the span's cache on its stream; checks what comes back against what we know
     (position, batch, blocks, byte counts, `kv_handoff_max_bytes`)."""
     manager = session.manager
@@ -229,7 +230,7 @@ async def _export(session: InferenceSession, old: _SpanSession) -> tuple[wire.Kv
 
 
 async def _import(
-    new: _SpanSession, old: _SpanSession, header: wire.KvHeader, messages: list[list[runtime_pb2.Tensor]]
+    new: SpanSession, old: SpanSession, header: wire.KvHeader, messages: list[list[runtime_pb2.Tensor]]
 ) -> None:
     """Opens the replacement's session at `header.position` with the cache parts; its first (zero-token) answer
     confirms the import. The new span session inherits the old one's history (for a later replay)."""

@@ -1,0 +1,333 @@
+"""`SpanSession`: the client's inference stream to one server for blocks `[span.start, span.end)` (over the
+server's unix socket when it runs on this machine, else through p2p). It keeps the span's inputs (`history`), exactly
+what the server's KV cache was built from, so that `inference_session.InferenceSession` can replay them on a
+replacement server; it builds each step's request, checks the response and pings a silent server.
+
+The process-wide count of steps in flight (`steps_in_flight`) decides whether waiting for a response may busy-poll."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client import background_loop
+from corolla.client.forwarding import is_pushed_reply
+from corolla.client.handoff import read_drain_notice
+from corolla.client.local_transport import LocalInferenceStream, responses_of
+from corolla.client.output_checks import BadServerOutput, check_outputs
+from corolla.client.remote_forward_backward import serialize_activations
+from corolla.client.routing import RemoteSequenceManager
+from corolla.protocol.auth import UPSTREAM_PEER_KEY
+from corolla.protocol.codecs import deserialize_tensor
+from corolla.protocol.handoff import DrainNotice
+from corolla.protocol.metadata import encode_metadata
+from corolla.protocol.packing import pack_args_kwargs
+from corolla.protocol.records import RemoteSpanInfo
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+_steps_in_flight = 0  # inference steps of this process running now (any session, any thread)
+_steps_lock = threading.Lock()
+
+
+@contextmanager
+def steps_in_flight() -> Iterator[None]:
+    """Counts one inference step of this process as in flight while the block runs."""
+    global _steps_in_flight
+    with _steps_lock:
+        _steps_in_flight += 1
+    try:
+        yield
+    finally:
+        with _steps_lock:
+            _steps_in_flight -= 1
+
+
+def _poll_s(config: Any) -> float:
+    """How long to poll for a response instead of sleeping: `busy_poll_ms`, but only while this is the process's
+    only step in flight (a polling thread delays every other Python thread's GIL hand-over by up to 5 ms)."""
+    return config.busy_poll_ms / 1000 if config.busy_poll_ms > 0 and _steps_in_flight == 1 else 0.0
+
+
+class SpanSession:
+    """The stream to one server for blocks `[span.start, span.end)`.
+
+    `history` holds this span's inputs for positions `[0, position)` (`[B, position, H]`), i.e. exactly what the
+    server's KV cache was built from, so a replacement server can be given the same inputs.
+    """
+
+    def __init__(self, manager: RemoteSequenceManager, span: RemoteSpanInfo, max_length: int):
+        self.manager, self.span, self.max_length = manager, span, max_length
+        self.session_id = str(uuid.uuid4())
+        self.position = 0  # tokens in the server's cache
+        self._history_buf: torch.Tensor | None = None  # [B, capacity, H]; positions [0, _history_len) are valid
+        self._history_len = 0  # == position, except in a replacement that has yet to replay its inherited history
+        self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
+        self._responses: Any = None
+        self.local: LocalInferenceStream | None = None  # the server's unix socket, if open: usable from any one thread
+        self._started = False
+        self._closed = False
+        self.upstream_peer: str | None = None  # the previous span's server: the only peer that may push to this one
+        self._declared_upstream: str | None = None
+        # set when the server says it drains (client.handoff moves the span)
+        self.drain_notice: DrainNotice | None = None
+        self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
+        self.expected_push: tuple[str, int] | None = None  # (step_id, start) last named to reach it by push
+        self.last_reply_pushed = False  # the server flagged its last reply as the answer to a pushed step
+
+    async def open(self) -> None:
+        """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
+
+        async def _read_requests():
+            while True:
+                request = await self._requests.get()
+                if request is None:
+                    return
+                yield request
+
+        config = self.manager.config
+        if config.local_transport:
+            self.local = await LocalInferenceStream.open(self.span.peer_id, timeout_s=config.connect_timeout_s)
+        if self.local is not None:
+            stream = responses_of(self.local, _read_requests())
+        else:
+            stub = await self.manager.get_stub(self.span.peer_id)
+            stream = await asyncio.wait_for(stub.rpc_inference(_read_requests()), config.connect_timeout_s)
+        self._responses = stream.__aiter__()
+
+    @property
+    def accepts_pushes(self) -> bool:
+        """Open on its server (a push into a session the server does not have yet is dropped)."""
+        return self._started and not self._closed
+
+    @property
+    def declared_upstream(self) -> str | None:
+        """The upstream peer this span's server was told (the only peer it accepts pushes from)."""
+        return self._declared_upstream
+
+    @property
+    def transport(self) -> str | None:
+        """`local` (unix socket) or `p2p` once open, else None."""
+        if self._responses is None:
+            return None
+        return "p2p" if self.local is None else "local"
+
+    @property
+    def history(self) -> torch.Tensor | None:
+        """This span's inputs we hold, `[B, n, H]` (a view: copy before keeping)."""
+        return None if self._history_buf is None else self._history_buf[:, : self._history_len]
+
+    @history.setter
+    def history(self, value: torch.Tensor | None) -> None:
+        """Replaces the history (a replacement span inherits a failed one's, replayed by its first step)."""
+        self._history_buf = None if value is None else value.clone()
+        self._history_len = 0 if value is None else value.shape[1]
+
+    def _record(self, inputs: torch.Tensor, send_from: int) -> None:
+        """Writes `inputs` [B, n, H] as positions `[send_from, send_from + n)`, growing the buffer by doubling (a
+        whole-history copy per token would cost O(position) each step)."""
+        end = send_from + inputs.shape[1]
+        buf = self._history_buf
+        if buf is None or buf.shape[1] < end or buf.shape[0] != inputs.shape[0] or buf.dtype != inputs.dtype:
+            capacity = max(end, 2 * (buf.shape[1] if buf is not None else 0), 16)
+            grown = inputs.new_empty(inputs.shape[0], min(capacity, max(self.max_length, end)), inputs.shape[2])
+            if buf is not None and send_from > 0:
+                grown[:, :send_from] = buf[:, :send_from]
+            self._history_buf = buf = grown
+        buf[:, send_from:end] = inputs
+        self._history_len = self.position = end
+
+    def inputs_from(self, send_from: int, hidden: torch.Tensor, hidden_from: int) -> torch.Tensor:
+        """This span's inputs for positions `[send_from, hidden_from + hidden.shape[1])` from history + `hidden`."""
+        if send_from >= hidden_from:
+            return hidden[:, send_from - hidden_from :]
+        history = self.history  # [B, have, H]
+        have = 0 if history is None else history.shape[1]
+        assert history is not None and have >= hidden_from, (
+            f"span {self.span.start}:{self.span.end} lacks inputs [{have}, {hidden_from})"
+        )
+        return torch.cat([history[:, send_from:hidden_from], hidden], dim=1)
+
+    def _request(
+        self,
+        hidden: torch.Tensor,
+        hidden_from: int,
+        position: int,
+        prompts: torch.Tensor,
+        hypo_ids: torch.Tensor,
+        step_id: str,
+        compression: int,
+        extra: dict[str, Any],
+    ) -> tuple[runtime_pb2.ExpertRequest, torch.Tensor, int]:
+        """The request for positions `[min(self.position, position), ...)`: (request, its inputs, their start)."""
+        send_from = min(self.position, position)
+        inputs = self.inputs_from(send_from, hidden, hidden_from)  # [B, n, H]
+        tensors, structure = pack_args_kwargs(inputs, prompts, hypo_ids)
+        metadata: dict[str, Any] = {
+            "session_id": self.session_id,
+            "step_id": step_id,
+            "start_from_position": send_from,
+            "args_structure": structure,
+            **self.manager.request_metadata(self.span.peer_id),
+            **extra,  # client.forwarding: next step id, next_servers
+        }
+        if self.upstream_peer is not None and self.upstream_peer != self._declared_upstream:
+            metadata[UPSTREAM_PEER_KEY] = self._declared_upstream = self.upstream_peer  # who may rpc_push to it
+        if not self._started:
+            metadata["max_length"] = self.max_length
+            if self.manager.config.alloc_timeout_s:
+                metadata["alloc_timeout"] = float(self.manager.config.alloc_timeout_s)
+        request = runtime_pb2.ExpertRequest(
+            uid=self.manager.make_chain(self.span.start, self.span.end),
+            tensors=serialize_activations(tensors, compression),
+            metadata=encode_metadata(metadata),
+        )
+        return request, inputs, send_from
+
+    def _accept(
+        self, response: runtime_pb2.ExpertResponse, inputs: torch.Tensor, send_from: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, int]:
+        """Checks the response (shape as sent, wire dtype, finite: else BadServerOutput, the failure of this span's
+        server), records the inputs as the server's cache contents; returns (outputs, first position)."""
+        peer_id = self.span.peer_id
+        if len(response.tensors) != 1:
+            raise BadServerOutput(peer_id, f"inference response has {len(response.tensors)} tensors, expected 1")
+        try:
+            outputs = deserialize_tensor(response.tensors[0])
+        except ValueError as e:
+            raise BadServerOutput(peer_id, f"undecodable inference output: {e}") from e
+        check_outputs(outputs, expected_shape=inputs.shape, peer_id=peer_id, what="inference output")
+        self._record(inputs, send_from)
+        self.drain_notice = read_drain_notice(response)
+        self.last_outputs = outputs
+        self.last_reply_pushed = is_pushed_reply(response)
+        return outputs.to(dtype), send_from
+
+    async def step(
+        self,
+        hidden: torch.Tensor,
+        hidden_from: int,
+        *,
+        position: int,
+        prompts: torch.Tensor,
+        hypo_ids: torch.Tensor,
+        step_id: str,
+        extra: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """Runs positions `[min(self.position, position), position + T)`; returns (outputs, their first position).
+
+        `hidden` [B, *, H] holds this span's inputs from `hidden_from` on. A fresh session (position 0) replays its
+        whole history; a rollback (`position < self.position`) overwrites the server's cache from `position`.
+        """
+        compression = await self.manager.input_compression(self.span.peer_id, self.manager.block_uids[self.span.start])
+        request, inputs, send_from = self._request(
+            hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
+        )
+        self._started = True
+        await self._requests.put(request)
+        try:
+            response = await self._next_response()
+        except StopAsyncIteration:
+            raise ConnectionError(f"server ...{self.span.peer_id[-6:]} closed the inference stream") from None
+        return self._accept(response, inputs, send_from, hidden.dtype)
+
+    def can_step_here(self) -> bool:
+        """True when `step_here` may run: an open local stream with a known input compression."""
+        return (
+            self.local is not None
+            and not self.local.closed
+            and not self._closed
+            and self._started
+            and self.manager.cached_input_compression(self.span.peer_id) is not None
+        )
+
+    def step_here(
+        self,
+        hidden: torch.Tensor,
+        hidden_from: int,
+        *,
+        position: int,
+        prompts: torch.Tensor,
+        hypo_ids: torch.Tensor,
+        step_id: str,
+        extra: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """`step` in the calling thread over the local stream (no hop to the client loop). On any failure the
+        stream is closed, so the async path replaces this span (replaying its history) instead of reading a late
+        response as the answer to a new request."""
+        assert self.local is not None
+        config = self.manager.config
+        compression = self.manager.cached_input_compression(self.span.peer_id)
+        assert compression is not None
+        request, inputs, send_from = self._request(
+            hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
+        )
+        try:
+            response = self.local.exchange(request, timeout_s=config.request_timeout_s, poll_s=_poll_s(config))
+            return self._accept(response, inputs, send_from, hidden.dtype)
+        except BaseException:
+            self.local.close()
+            raise
+
+    async def _next_response(self) -> runtime_pb2.ExpertResponse:
+        """The next response within `request_timeout_s`; while waiting, pings the server every
+        `liveness_check_period_s` so that a dead server (whose stream may never report an error) fails in seconds."""
+        config = self.manager.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.request_timeout_s
+        pending = asyncio.ensure_future(anext(self._responses))
+        poll_s = _poll_s(config)
+        poller = background_loop.get_selector() if poll_s > 0 else None
+        if poller is not None and loop is background_loop.get_loop():
+            poller.keep_hot(poll_s)
+        try:
+            while True:
+                wait_s = min(config.liveness_check_period_s or math.inf, deadline - loop.time())
+                done, _ = await asyncio.wait({pending}, timeout=max(wait_s, 0.0))
+                if done:
+                    return pending.result()
+                if loop.time() >= deadline:
+                    raise TimeoutError(f"no response within request_timeout_s={config.request_timeout_s}")
+                if math.isinf(await self.manager.ping_s(self.span.peer_id)) and not pending.done():
+                    raise ConnectionError(f"server ...{self.span.peer_id[-6:]} stopped answering pings")
+        finally:
+            if poller is not None:
+                poller.cool()
+            if not pending.done():
+                pending.cancel()
+
+    def reorder(self, hypo_ids: torch.Tensor) -> None:
+        """Mirrors the server's cache reordering for beam search on the history we keep."""
+        if self._history_buf is not None:
+            self._history_buf = self._history_buf[hypo_ids]
+
+    async def _drain(self) -> None:
+        async for _ in self._responses:
+            pass
+
+    async def close(self, *, drain: bool = True) -> None:
+        """Ends the server session (empty request) and our input stream; `drain=False` (a failed server) does not
+        wait for the server's last messages."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._started and drain:
+                await self._requests.put(runtime_pb2.ExpertRequest())  # empty request = end of session
+            await self._requests.put(None)  # end of our input stream
+            if self._responses is not None:
+                if drain:
+                    await asyncio.wait_for(self._drain(), self.manager.config.connect_timeout_s)
+                else:
+                    await asyncio.wait_for(self._responses.aclose(), 1.0)
+        except Exception as e:  # the server may already be gone; closing must never fail
+            logger.debug("inference_session.close_failed(peer=...%s, error=%r)", self.span.peer_id[-6:], e)
