@@ -26,22 +26,23 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from corolla.api.backend import GenerationBackend
-from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES, read_body
+from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES
 from corolla.api.chat_page import install_chat_page
-from corolla.api.errors import ApiError, invalid_param, missing_blocks
+from corolla.api.errors import ApiError, invalid_param
 from corolla.api.generation import ChoiceDone, Delta, Failed, Finished, GenerationRequest, TokenLogprob, run_generation
 from corolla.api.metrics import ApiMetrics
+from corolla.api.openai_objects import chat_logprobs, completion_logprobs, envelope, usage
+from corolla.api.request_handling import RequestCounter, error_for, parse_body, validation_message
 from corolla.api.route_trace import DEFAULT_ROUTE_LOG_ENTRIES
 from corolla.api.sampling import SamplingParams
-from corolla.api.schemas import ChatCompletionRequest, CompletionRequest, refuse_unsupported
+from corolla.api.schemas import ChatCompletionRequest, CompletionRequest
 from corolla.api.service_routes import add_service_routes
 from corolla.client.speculative import SpeculativeConfig
-from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -66,70 +67,6 @@ class ApiConfig:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_n < 1 or self.max_logprobs < 0:
             raise ValueError(f"max_n must be >= 1 and max_logprobs >= 0, got {self.max_n}, {self.max_logprobs}")
-
-
-def _error_for(exc: BaseException, model_id: str) -> ApiError:
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, MissingBlocksError):
-        return missing_blocks(model_id, exc.missing)
-    if isinstance(exc, ValueError):
-        return ApiError(400, str(exc))
-    logger.error(f"api.generation_failed(error={exc!r})", exc_info=exc)
-    return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
-
-
-def _validation_message(err: ValidationError | RequestValidationError) -> tuple[str, str | None]:
-    first = err.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request")
-    if first.get("type") == "extra_forbidden":
-        return f"Unsupported parameter '{param}': this server does not implement it (leave it out)", param
-    return (f"Invalid value for '{param}': {msg}" if param else f"Invalid request: {msg}"), param
-
-
-async def _parse(request: Request, choose: Callable[[dict], type], max_bytes: int, kind: str | None = None) -> Any:
-    """The body validated as the model `choose(body)` names; with `kind`, no-op fields dropped and unsupported ones
-    refused first (`schemas.refuse_unsupported`)."""
-    raw = await read_body(request, max_bytes)
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(
-            400, f"We could not parse the JSON body of your request ({e}); send valid JSON", code="invalid_json"
-        ) from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object", code="invalid_json")
-    if kind is not None:
-        body, param, why = refuse_unsupported(body, kind)
-        if param is not None:
-            raise invalid_param(why, param, code="unsupported_parameter")
-    try:
-        return choose(body).model_validate(body)
-    except ValidationError as e:
-        message, param = _validation_message(e)
-        raise ApiError(400, message, param=param) from None
-
-
-class RequestCounter:
-    """ASGI middleware: counts each request to `paths` by the HTTP status it is answered with (streams: at start)."""
-
-    def __init__(self, app: Any, *, metrics: ApiMetrics, paths: tuple[str, ...]):
-        self.app, self.metrics, self.paths = app, metrics, paths
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        path = scope.get("path")
-        if scope["type"] != "http" or path not in self.paths:
-            await self.app(scope, receive, send)
-            return
-
-        async def counting_send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.request(path, message["status"])
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
 
 
 def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> FastAPI:
@@ -160,7 +97,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return ApiError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -187,8 +124,8 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 code="model_not_found",
             )
 
-    async def parse(request: Request, choose: Callable[[dict], type], kind: str | None = None) -> Any:
-        return await _parse(request, choose, config.max_request_bytes, kind)
+    async def parse(request: Request, choose: Callable[[dict], type[BaseModel]], kind: str | None = None) -> Any:
+        return await parse_body(request, choose, config.max_request_bytes, kind)
 
     add_service_routes(app, backend, metrics, parse=parse, check_auth=check_auth, check_model=check_model)
     install_chat_page(app, check_auth, route_log_entries=config.route_log_entries)  # `/`, `/corolla/route`
@@ -292,7 +229,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 elif isinstance(event, Finished):
                     return choices
                 elif isinstance(event, Failed):
-                    raise _error_for(event.error, backend.model_id)
+                    raise error_for(event.error, backend.model_id)
         finally:
             metrics.running(-1)
             cancelled.set()
@@ -308,7 +245,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         first = await queue.get()
         if isinstance(first, Failed):
             cancelled.set()
-            raise _error_for(first.error, backend.model_id)
+            raise error_for(first.error, backend.model_id)
 
         async def events() -> AsyncIterator[str]:
             metrics.running(1)
@@ -327,7 +264,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                         yield "[DONE]"
                         return
                     elif isinstance(event, Failed):
-                        yield json.dumps(_error_for(event.error, backend.model_id).body())
+                        yield json.dumps(error_for(event.error, backend.model_id).body())
                         return
                     event = await queue.get()
             finally:
@@ -335,25 +272,6 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 cancelled.set()  # also on client disconnect: the worker stops at its next token
 
         return EventSourceResponse(events(), sep="\n", ping=config.sse_ping_interval_s)
-
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
-
-    def envelope(rid: str, kind: str, created: int, model: str, choices: list[Any], **extra: Any) -> dict[str, Any]:
-        """The fields every completion object and stream chunk shares, then `choices` and `extra` (e.g. usage)."""
-        return {
-            "id": rid,
-            "object": kind,
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": choices,
-            **extra,
-        }
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
@@ -493,29 +411,3 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         return await stream(gen, chunk, prelude, usage_chunk if include_usage else None)
 
     return app
-
-
-def completion_logprobs(entries: list[TokenLogprob], offsets: list[int], index: int) -> dict[str, Any]:
-    """The legacy completions `logprobs` object; the sampled token is always among `top_logprobs` (as OpenAI does)."""
-    text_offset = []
-    for entry in entries:
-        text_offset.append(offsets[index])
-        offsets[index] += len(entry.text)
-    return {
-        "tokens": [e.text for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [dict([*e.top, (e.text, e.logprob)]) if e.top else {e.text: e.logprob} for e in entries],
-        "text_offset": text_offset,
-    }
-
-
-def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    """The chat `logprobs` object: `content`, one entry per token with its `top_logprobs`."""
-
-    def item(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {
-        "content": [{**item(e.text, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries],
-        "refusal": None,
-    }
