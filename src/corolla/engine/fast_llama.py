@@ -1,7 +1,9 @@
 """A llama-family span as plain tensors: fused q/k/v and gate/up weights (shared with the loaded blocks, no copy),
 rotary tables, a batched single-token decode step over ragged per-row positions (CUDA-graph safe) and a chunked
 prefill for one sequence with large matmuls. Projection weights may be bitsandbytes' NF4/Int8 layouts
-(`engine.quant`, read in place); Qwen3's per-head q/k RMSNorm runs when the layer has `q_norm`/`k_norm`."""
+(`engine.quant`, read in place); Qwen3's per-head q/k RMSNorm runs when the layer has `q_norm`/`k_norm`. A layer
+whose MLP is a routed mixture of experts (Mixtral, Qwen3-MoE) carries a `moe.RoutedMoE` instead of gate_up/down:
+softmax top-k routing and the grouped expert kernels of `engine.moe`, inside the same CUDA-graphed step."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import torch.nn.functional as F
 
 from corolla.engine.config import LlamaSpec
 from corolla.engine.kv_pool import KVPool, SequenceSlot
+from corolla.engine.moe import RoutedMoE, tune_experts
 from corolla.engine.ops import DecodeOps, _quant_key
 from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quantized_weight_of
+from corolla.models.layers import SparseMoE
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -27,7 +31,8 @@ Weight = torch.Tensor | NF4Weight | Int8Weight
 @dataclass
 class LayerWeights:
     """One decoder layer's tensors: `w_qkv` rows are [q heads | k heads | v heads], `w_gate_up` rows [gate | up];
-    the four projections are dense tensors or quantized layouts; `q_norm`/`k_norm` [D] for Qwen3-style layers."""
+    the four projections are dense tensors or quantized layouts; `q_norm`/`k_norm` [D] for Qwen3-style layers.
+    A mixture-of-experts layer has `moe` and no `w_gate_up`/`w_down`."""
 
     ln1: torch.Tensor  # [H]
     w_qkv: Weight  # [(nq + 2 nkv) D, H]
@@ -35,16 +40,22 @@ class LayerWeights:
     w_o: Weight  # [H, nq D]
     b_o: torch.Tensor | None
     ln2: torch.Tensor  # [H]
-    w_gate_up: Weight  # [2 I, H]
+    w_gate_up: Weight | None  # [2 I, H]; None in a mixture-of-experts layer
     b_gate_up: torch.Tensor | None
-    w_down: Weight  # [H, I]
+    w_down: Weight | None  # [H, I]; None in a mixture-of-experts layer
     b_down: torch.Tensor | None
     q_norm: torch.Tensor | None = None  # [D]
     k_norm: torch.Tensor | None = None  # [D]
+    moe: RoutedMoE | None = None  # the routed MLP of a Mixtral / Qwen3-MoE layer
+
+    def __post_init__(self) -> None:
+        if (self.moe is None) == (self.w_gate_up is None or self.w_down is None):
+            raise ValueError("A layer has either gate_up/down projections or a routed mixture of experts")
 
     def nbytes(self) -> int:
-        """Bytes one decode step reads from this layer's weights (quantized ones as stored)."""
-        total = 0
+        """Bytes of this layer's weights (quantized ones as stored; every expert of a mixture): what one decode
+        step of a dense layer reads."""
+        total = 0 if self.moe is None else self.moe.nbytes()
         for t in vars(self).values():
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
@@ -52,7 +63,7 @@ class LayerWeights:
                 total += t.nbytes()
         return total
 
-    def projections(self) -> tuple[Weight, Weight, Weight, Weight]:
+    def projections(self) -> tuple[Weight, Weight, Weight | None, Weight | None]:
         return self.w_qkv, self.w_o, self.w_gate_up, self.w_down
 
 
@@ -84,6 +95,8 @@ class FastLlamaSpan:
         self.ops = DecodeOps(
             self.device, spec.head_dim, use_triton=use_triton, attention_splits_max=attention_splits_max
         )
+        self.use_triton = use_triton  # the expert kernels need CUDA + Triton only (not the head-size rule of `ops`)
+        self.moe_configs: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}  # moe.moe_shape -> config
 
     @property
     def num_layers(self) -> int:
@@ -117,7 +130,19 @@ class FastLlamaSpan:
         quant_report = self.ops.tune_quantized(quantized)
         for key, r in quant_report.items():
             logger.info(f"fast_llama.tune_quantized(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
-        return {**report, **quant_report}
+        moe_report = {}
+        if self.use_triton:
+            mixtures: dict[tuple[int, int, int, int], list[RoutedMoE]] = {}
+            for layer in self.layers:
+                if layer.moe is not None:
+                    mixtures.setdefault(layer.moe.shape, []).append(layer.moe)
+            for key, items in mixtures.items():
+                r = tune_experts(items)
+                if r:
+                    self.moe_configs[key] = r["best"]
+                    moe_report[("moe", *key)] = r
+                    logger.info(f"fast_llama.tune_experts(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
+        return {**report, **quant_report, **moe_report}
 
     # ------------------------------------------------------------------------------------------ construction
 
@@ -131,14 +156,16 @@ class FastLlamaSpan:
         layers = []
         for block in blocks:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
-            if attn is None or mlp is None or not hasattr(attn, "qkv") or not hasattr(mlp, "gate_up"):
+            moe = RoutedMoE.from_module(mlp) if isinstance(mlp, SparseMoE) else None
+            if attn is None or mlp is None or not hasattr(attn, "qkv") or (moe is None and not hasattr(mlp, "gate_up")):
                 raise ValueError(f"{type(block).__name__} is not a llama-family block with fused qkv/gate_up")
             if getattr(block, "adapter_names", None):
                 raise ValueError("The fast path does not apply LoRA adapters")
-            weights = [
-                _projection_weight(m, _norm_weight(block, "input_layernorm").dtype)
-                for m in (attn.qkv, attn.o_proj, mlp.gate_up, mlp.down)
-            ]
+            dtype = _norm_weight(block, "input_layernorm").dtype
+            w_qkv, w_o = _projection_weight(attn.qkv, dtype), _projection_weight(attn.o_proj, dtype)
+            w_gate_up = w_down = None
+            if moe is None:
+                w_gate_up, w_down = _projection_weight(mlp.gate_up, dtype), _projection_weight(mlp.down, dtype)
             if getattr(attn, "alibi", False) or getattr(mlp, "act_name", "silu") not in ("silu", "swish"):
                 raise ValueError("The fast path needs rotary attention and a SiLU-gated MLP")
             q_norm = k_norm = None
@@ -147,17 +174,18 @@ class FastLlamaSpan:
             layers.append(
                 LayerWeights(
                     ln1=_norm_weight(block, "input_layernorm").data,
-                    w_qkv=weights[0],
+                    w_qkv=w_qkv,
                     b_qkv=linear_bias(attn.qkv),
-                    w_o=weights[1],
+                    w_o=w_o,
                     b_o=linear_bias(attn.o_proj),
                     ln2=_norm_weight(block, "post_attention_layernorm").data,
-                    w_gate_up=weights[2],
-                    b_gate_up=linear_bias(mlp.gate_up),
-                    w_down=weights[3],
-                    b_down=linear_bias(mlp.down),
+                    w_gate_up=w_gate_up,
+                    b_gate_up=None if moe is not None else linear_bias(mlp.gate_up),
+                    w_down=w_down,
+                    b_down=None if moe is not None else linear_bias(mlp.down),
                     q_norm=q_norm,
                     k_norm=k_norm,
+                    moe=moe,
                 )
             )
         from corolla.models.positions import RotaryEmbedding
@@ -254,9 +282,17 @@ class FastLlamaSpan:
             )  # [B, nq, D]
             attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale)
             h = self.ops.linear(attn.reshape(b, s.q_size), w.w_o, w.b_o, residual=h)  # [B, H]
+            if w.moe is not None:
+                h = h + self._experts(w.moe, self.ops.rms_norm(h, w.ln2, eps))  # [B, H]
+                continue
+            assert w.w_gate_up is not None and w.w_down is not None  # LayerWeights.__post_init__: moe or both
             gate_up = self.ops.linear(h, w.w_gate_up, w.b_gate_up, prologue="rmsnorm", norm_weight=w.ln2, eps=eps)
             h = self.ops.linear(gate_up, w.w_down, w.b_down, residual=h, prologue="silu")  # [B, H]
         return h
+
+    def _experts(self, moe: RoutedMoE, x: torch.Tensor) -> torch.Tensor:
+        # x [N, H] normed -> routed experts' output [N, H]
+        return moe.forward(x, use_triton=self.use_triton, config=self.moe_configs.get(moe.shape))
 
     @torch.inference_mode()
     def prefill(
@@ -330,6 +366,10 @@ class FastLlamaSpan:
             attn = attn[0].transpose(0, 1).reshape(t, s.q_size)  # [T, nq D]
             h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)
             x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
+            if w.moe is not None:
+                h = h + self._experts(w.moe, x)  # [T, H]
+                continue
+            assert w.w_gate_up is not None and w.w_down is not None
             act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
             h = self.ops.linear(act, w.w_down, w.b_down, residual=h)
         return h

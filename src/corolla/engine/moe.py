@@ -240,12 +240,19 @@ class RoutedMoE:
         num_experts = int(moe.num_experts)
         if list(moe.expert_ids) != list(range(num_experts)):
             raise ValueError("The fast path needs every expert of the layer (not a tensor-parallel slice)")
+        if type(moe.router) is not torch.nn.Linear:
+            raise ValueError(f"The router must be a plain torch.nn.Linear, not {type(moe.router).__name__}")
         return cls(
             router=moe.router.weight.data,
             experts=ExpertWeights.from_modules(list(moe.experts)),
             top_k=int(moe.top_k),
             normalize_top_k=bool(moe.normalize_top_k),
         )
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(experts, hidden size, expert intermediate size, top_k): what a kernel config is tuned for."""
+        return (self.experts.num_experts, self.experts.hidden_size, self.experts.intermediate_size, self.top_k)
 
     def nbytes(self) -> int:
         return self.router.numel() * self.router.element_size() + self.experts.nbytes()
@@ -261,3 +268,33 @@ class RoutedMoE:
         logits = F.linear(x, self.router)  # [N, E] in x's dtype, as the plain block
         weights, ids = softmax_topk(logits, self.top_k, normalize=self.normalize_top_k)  # [N, k] each
         return experts_forward(x, ids, weights, self.experts, use_triton=use_triton, config=config)
+
+
+@torch.inference_mode()
+def tune_experts(layers: Sequence[RoutedMoE], *, rows: int = 1, reps: int = 7) -> dict:
+    """Times every `moe_kernels.EXPERT_CONFIGS` entry on `rows` random tokens routed by each layer's own router, as
+    one CUDA graph over all `layers` (distinct weights, no launch gaps), and returns {"best": config, "best_us",
+    "all_us"} per layer call; {} without CUDA + Triton. One config then serves every batch size (rows stay
+    batch-invariant)."""
+    if not layers or not kernel_usable(layers[0].experts.device):
+        return {}
+    from corolla.engine.ops import _graph_median_ms
+
+    first = layers[0]
+    x = torch.randn(rows, first.experts.hidden_size, device=first.experts.device, dtype=first.experts.dtype)
+    timings = {}
+    for config in moe_kernels.EXPERT_CONFIGS:
+        try:
+            timings[config] = _graph_median_ms(lambda c=config: [moe.forward(x, config=c) for moe in layers], reps)
+        except Exception as e:  # a config that does not compile or fit is skipped
+            logger.info(f"moe.tune_experts.skip(config={config}, error={type(e).__name__})")
+            continue
+    if not timings:
+        raise RuntimeError(f"no expert kernel config runs for {first.shape}")
+    best = min(timings, key=timings.__getitem__)
+    per_call = 1000 / len(layers)
+    return {
+        "best": best,
+        "best_us": timings[best] * per_call,
+        "all_us": {str(c): t * per_call for c, t in timings.items()},
+    }
