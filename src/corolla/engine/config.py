@@ -84,7 +84,7 @@ class LlamaSpec:
         """Reads a `LlamaConfig`-like object; ValueError for features the fast path does not implement."""
         model_type = getattr(config, "model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
-            raise ValueError(f"The fast path supports llama/mistral/qwen2/qwen3(_moe)/mixtral blocks, not {model_type!r}")
+            raise ValueError(f"The fast path supports llama-family and Mixtral/Qwen3-MoE blocks, not {model_type!r}")
         if model_type in ("qwen3", "qwen3_moe") and getattr(config, "use_sliding_window", False):
             raise ValueError("The fast path does not implement Qwen3's sliding-window layers")
         num_heads = int(config.num_attention_heads)
