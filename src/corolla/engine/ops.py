@@ -10,13 +10,16 @@ import torch.nn.functional as F
 
 from corolla.engine.qk_norm import qk_norm_ref, qk_norm_triton
 from corolla.engine.quant import Int8Weight, NF4Weight
+from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
-    from corolla.engine import quant_kernels, triton_kernels
+    from corolla.engine import quant_gemv, quant_kernels, quant_tile, triton_kernels
 
     TRITON_IMPORTED = True
 except ImportError:  # pragma: no cover - depends on the installation
     TRITON_IMPORTED = False  # the kernel modules stay unbound: only `use_triton` paths name them
+
+logger = get_logger(__name__)
 
 
 def triton_usable(device: torch.device, head_dim: int) -> bool:
@@ -125,6 +128,25 @@ def _graph_median_ms(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _time_configs(configs, call, items: list, reps: int) -> dict:
+    """{config: median ms of `call(config, w)` over every weight in `items`, one CUDA graph}; configs that do not
+    compile or fit on this device are left out (logged)."""
+    timings = {}
+    for config in configs:
+        try:
+            timings[config] = _graph_median_ms(lambda c=config: [call(c, w) for w in items], reps)
+        except Exception as e:  # a config that does not compile or fit is skipped
+            logger.warning(f"ops.tune_skipped(config={config}, error={type(e).__name__}: {str(e)[:200]})")
+    return timings
+
+
+def _gemm(kernel: str, config: tuple[int, int, int, int, int]):
+    """(x, weight, residual) -> out of the merged-step kernel `kernel` ("block" or "tile") with `config`."""
+    if kernel == "tile":
+        return lambda x, w, res: quant_tile.nf4_tile_matmul(x, w, res, config)
+    return lambda x, w, res: quant_kernels.quant_matmul(x, w, res, config)
+
+
 def _quant_key(weight: NF4Weight | Int8Weight) -> tuple[str, int, int]:
     n, k = weight.shape
     return ("nf4" if isinstance(weight, NF4Weight) else "int8", n, k)
@@ -140,8 +162,11 @@ class DecodeOps:
         # (N, K, prologue, has_residual) -> Triton skinny-GEMM config for single-row inputs (absent: the prologue as
         # its own kernel, then cuBLAS); filled by tune_linear
         self.single_row_gemm: dict[tuple[int, int, str, bool], tuple[int, int, int, int]] = {}
-        # (kind, N, K) -> dequantize-GEMM config of quant_kernels for decode-sized inputs; filled by tune_quantized
-        self.quant_gemm: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
+        # (kind, N, K) -> (kernel, config) for merged decode steps of more than GEMV_MAX_ROWS rows ("block":
+        # quant_kernels.quant_matmul, "tile": quant_tile.nf4_tile_matmul), and dequantize-GEMV config of quant_gemv
+        # for fewer rows; filled by tune_quantized
+        self.quant_gemm: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
+        self.quant_gemv: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 
     def linear(
         self,
@@ -182,8 +207,14 @@ class DecodeOps:
         elif prologue == "silu":
             x = self.silu_mul(x)
         if self.use_triton and x.shape[0] <= quant_kernels.QUANT_KERNEL_MAX_ROWS:
-            config = self.quant_gemm.get(_quant_key(weight), quant_kernels.DEFAULT_CONFIG)
-            out = quant_kernels.quant_matmul(x.contiguous(), weight, None if bias is not None else residual, config)
+            key, res = _quant_key(weight), None if bias is not None else residual
+            if x.shape[0] <= quant_gemv.GEMV_MAX_ROWS:
+                default = quant_gemv.DEFAULT_NF4_CONFIG if key[0] == "nf4" else quant_gemv.DEFAULT_INT8_CONFIG
+                out = quant_gemv.quant_gemv(x.contiguous(), weight, res, self.quant_gemv.get(key, default))
+            else:
+                out = _gemm(*self.quant_gemm.get(key, ("block", quant_kernels.DEFAULT_CONFIG)))(
+                    x.contiguous(), weight, res
+                )
             if bias is None:
                 return out
             out = out + bias
@@ -198,33 +229,39 @@ class DecodeOps:
 
     @torch.inference_mode()
     def tune_quantized(self, weights: dict[tuple[str, int, int], list], *, reps: int = 7) -> dict:
-        """For each quantized shape (kind, N, K) -> [weight per layer], times every dequantize-GEMM config on a
-        single-row input as a CUDA graph over all layers' weights, and keeps the fastest (the same config then
-        serves every batch size, which keeps rows batch-invariant). Returns {shape: {"best", "best_us", "all_us"}}."""
+        """For each quantized shape (kind, N, K) -> [weight per layer], times every dequantize-GEMV config on a
+        single-row input and every dequantize-GEMM (tl.dot) config on a `QUANT_KERNEL_MAX_ROWS`-row input, each as
+        a CUDA graph over all layers' weights, and keeps the fastest of each (one config per kernel then serves
+        every batch size it takes, which keeps rows batch-invariant). Returns {shape: {"best", "best_us",
+        "all_us", "gemm_best", "gemm_best_us", "gemm_all_us"}}, microseconds per layer call."""
         if not self.use_triton:
             return {}
         report = {}
         for key, items in weights.items():
             k = key[2]
-            x = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
-            timings = {}
-            for config in quant_kernels.QUANT_CONFIGS:
-                try:
-                    timings[config] = _graph_median_ms(
-                        lambda c=config, x=x, items=items: [quant_kernels.quant_matmul(x, w, None, c) for w in items],
-                        reps,
-                    )
-                except Exception:  # a config that does not compile or fit is skipped
-                    continue
-            if not timings:
-                raise RuntimeError(f"no dequantize-GEMM config runs for {key}")
-            best = min(timings, key=timings.__getitem__)
-            self.quant_gemm[key] = best
+            gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
+            if items[0].dtype == torch.float32:  # the pair table holds 16-bit levels
+                gemv_configs = tuple(c for c in gemv_configs if c[4] == 0)
+            one = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
+            many = torch.randn(quant_kernels.QUANT_KERNEL_MAX_ROWS, k, device=one.device, dtype=one.dtype)
+            gemv = _time_configs(gemv_configs, lambda c, w, x=one: quant_gemv.quant_gemv(x, w, None, c), items, reps)
+            gemm_configs = [("block", c) for c in quant_kernels.QUANT_CONFIGS]
+            if key[0] == "nf4":
+                gemm_configs += [("tile", c) for c in quant_tile.NF4_TILE_CONFIGS]
+            gemm = _time_configs(gemm_configs, lambda c, w, x=many: _gemm(*c)(x, w, None), items, reps)
+            if not gemv or not gemm:
+                raise RuntimeError(f"no dequantize-GEMV or -GEMM config runs for {key}")
+            best, gemm_best = min(gemv, key=gemv.__getitem__), min(gemm, key=gemm.__getitem__)
+            self.quant_gemv[key] = best
+            self.quant_gemm[key] = gemm_best
             per_call = 1000 / len(items)
             report[key] = {
                 "best": best,
-                "best_us": timings[best] * per_call,
-                "all_us": {str(c): t * per_call for c, t in timings.items()},
+                "best_us": gemv[best] * per_call,
+                "all_us": {str(c): t * per_call for c, t in gemv.items()},
+                "gemm_best": gemm_best,
+                "gemm_best_us": gemm[gemm_best] * per_call,
+                "gemm_all_us": {str(c): t * per_call for c, t in gemm.items()},
             }
         return report
 

@@ -86,7 +86,8 @@ def quantized(layer: LayerWeights, kind: str) -> LayerWeights:
     return LayerWeights(**{**vars(layer), **{name: fn(getattr(layer, name)) for name in PROJECTIONS}})
 
 
-def make_engine(spec: LlamaSpec, layers: list[LayerWeights], max_rows: int) -> SpanEngine:
+def make_engine(spec: LlamaSpec, layers: list[LayerWeights], max_rows: int) -> tuple[SpanEngine, dict]:
+    """The engine over `layers` and its warm-up's kernel timings (empty on CPU)."""
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
     model = FastLlamaSpan(spec, layers, inv_freq, max_positions=2048, use_triton=layers[0].ln1.is_cuda)
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_rows)
@@ -97,9 +98,33 @@ def make_engine(spec: LlamaSpec, layers: list[LayerWeights], max_rows: int) -> S
         graph_buckets=buckets,
     )
     engine = SpanEngine(model, config)
-    if engine.device.type == "cuda":
-        engine.warmup()
-    return engine
+    report = engine.warmup() if engine.device.type == "cuda" else {}
+    return engine, report
+
+
+def log_kernels(lines: list[str], kind: str, report: dict, layer: LayerWeights, bandwidth: float) -> dict:
+    """Per projection shape: the chosen kernel's microseconds per layer call against that weight's floor (its
+    bytes / bandwidth), for the single-row step (and the tl.dot kernel at 64 rows for quantized weights)."""
+    rows = {}
+    for name in PROJECTIONS:
+        w = getattr(layer, name)
+        n, k = w.shape
+        nbytes = w.nbytes() if not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
+        floor_us = nbytes / bandwidth * 1e6
+        hits = [r for key, r in report.items() if key[1:3] == (n, k) or key[:2] == (n, k)]
+        if not hits:
+            continue
+        best_us = min(r["best_us"] for r in hits)
+        row = {"n": n, "k": k, "bytes": nbytes, "floor_us": floor_us, "best_us": best_us, "x_floor": best_us / floor_us}
+        row["best"] = str(min(hits, key=lambda r: r["best_us"])["best"])
+        if "gemm_best_us" in hits[0]:
+            row["gemm_64_rows_us"] = hits[0]["gemm_best_us"]
+            row["gemm_best"] = str(hits[0]["gemm_best"])
+        rows[name] = row
+        extra = f", tl.dot at 64 rows {row['gemm_64_rows_us']:.1f} us" if "gemm_64_rows_us" in row else ""
+        log(lines, f"  {kind} {name} [{n}x{k}]: 1 row {best_us:.1f} us, floor {floor_us:.1f} us "
+                   f"({best_us / floor_us:.2f}x) with {row['best']}{extra}")  # fmt: skip
+    return rows
 
 
 STEPS = 30  # timed decode steps per measurement
@@ -143,11 +168,14 @@ def bench_llama(
     dense = [random_layer(spec, dev, gen) for _ in range(layers_n)]
     for kind in ("bf16", "nf4", "int8"):
         layers = dense if kind == "bf16" else [quantized(layer, kind) for layer in dense]
-        engine = make_engine(spec, layers, 64 if kind == "nf4" else 1)  # [1, 64] rows: graph buckets
+        engine, report = make_engine(spec, layers, 64 if kind == "nf4" else 1)  # [1, 64] rows: graph buckets
         floor = engine.model.weight_bytes() / bandwidth * 1000
+        kernels = log_kernels(lines, kind, report, layers[0], bandwidth)
         one = open_prefilled(engine, 1, prefix, gen)
         ms, _ = step_ms(engine, one, prefix)
-        row = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor, "weight_bytes": engine.model.weight_bytes()}
+        row: dict[str, object] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor}
+        row["weight_bytes"] = engine.model.weight_bytes()
+        row["kernels"] = kernels
         log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x)")
         if kind == "nf4":
             many = open_prefilled(engine, sessions_n - 1, prefix, gen)
@@ -192,7 +220,7 @@ def bench_qwen3(results: dict, lines: list[str], bandwidth: float, prefix: int, 
     gen = torch.Generator(device=dev).manual_seed(1)
     spec = QWEN3_32B if dev.type == "cuda" else LlamaSpec(**{**vars(TINY), "qk_norm": True})
     layers = [random_layer(spec, dev, gen) for _ in range(layers_n)]
-    engine = make_engine(spec, layers, 1)
+    engine, _ = make_engine(spec, layers, 1)
     floor = engine.model.weight_bytes() / bandwidth * 1000
     ms, _ = step_ms(engine, open_prefilled(engine, 1, prefix, gen), prefix)
     log(lines, f"qwen3-32b x{layers_n} bf16 corolla: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x)")
@@ -235,7 +263,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--prefix_tokens", type=int, default=512)
     parser.add_argument("--llama_layers", type=int, default=32)
-    parser.add_argument("--qwen3_layers", type=int, default=4)
+    parser.add_argument("--qwen3_layers", type=int, default=4, help="0 skips the Qwen3 span")
     parser.add_argument("--sessions", type=int, default=64, help="NF4 sessions merged in one step")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
@@ -249,7 +277,8 @@ def main() -> None:
     results: dict = {"device": name, "bandwidth_bytes_per_s": bandwidth, "prefix_tokens": args.prefix_tokens}
     log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     bench_llama(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, args.sessions)
-    bench_qwen3(results, lines, bandwidth, args.prefix_tokens, args.qwen3_layers, dev)
+    if args.qwen3_layers > 0:
+        bench_qwen3(results, lines, bandwidth, args.prefix_tokens, args.qwen3_layers, dev)
     stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
     base = args.out / f"quant-{name.lower().replace(' ', '-')}-{stamp}"
     base.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))

@@ -1,0 +1,297 @@
+"""Triton dequantize-GEMV kernels for decode steps of a few rows (up to `GEMV_MAX_ROWS`), reading the NF4 and Int8
+layouts of `engine.quant` in place without the matrix units: out[M, N] = x[M, K] @ W[N, K]^T (+ residual).
+
+Why not `tl.dot`: at one to a few rows a matrix instruction wastes 15/16 of its work and forces the decoded weight
+tile through a shared-memory layout change; here each program streams a [BLOCK_N, bytes] tile of packed weight
+rows with 16-byte loads, decodes it in registers and multiplies in fp32 on the CUDA cores.
+
+NF4 decode (`lut` in the config): 0 = each nibble looked up in the 16-entry fp32 level table (64 bytes: one
+cache line, so a warp's lookups are served in one L1 pass); 1 = each byte looked up in the 256-entry pair table
+(`NF4Weight.pair_levels`: both levels in the compute dtype, one lookup per byte but eight lines per warp). Both
+are timed by `DecodeOps.tune_quantized`. The two nibbles are interleaved back into element order in registers
+(`tl.join`), each 64-value block is summed against x and scaled once by its decoded absmax (uint8 code ->
+nested code table * second-level absmax + offset), accumulated in fp32.
+
+Batch invariance: a row's output is computed by the same instructions in the same K order whatever the other
+rows are: programs take ROWS rows each (1, 2 or 4, by M) and each row has its own accumulator, reduced in a
+fixed order; a split of K is summed in split order by a second kernel (no atomics). The GEMV and the `tl.dot`
+kernel of `quant_kernels` (more than `GEMV_MAX_ROWS` rows) round differently: a row's output depends on which
+of the two served its step (within fp32 accumulation error of each other), never on the other rows' values.
+CUDA-graph safe: static shapes, no host synchronization. Importing fails without Triton."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from corolla.engine.quant import Int8Weight, NF4Weight
+
+GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
+
+# (BLOCK_N, 64-value blocks per step, K splits, num_warps, lut) for NF4; (BLOCK_N, BLOCK_K, K splits, num_warps,
+# 0) for Int8. Each tile is 2048 bytes (16 bytes per thread of 4 warps); splits are a run-time argument.
+NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = tuple(
+    (bn, nb, s, 4, lut) for lut in (0, 1) for bn, nb in ((32, 2), (16, 4)) for s in (1, 2, 4, 8)
+)
+INT8_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = tuple(
+    (bn, bk, s, 4, 0) for bn, bk in ((16, 128), (8, 256)) for s in (1, 2, 4, 8)
+)
+DEFAULT_NF4_CONFIG = (32, 2, 2, 4, 0)  # before (or without) tuning
+DEFAULT_INT8_CONFIG = (16, 128, 2, 4, 0)
+
+
+def rows_per_program(m: int) -> int:
+    """Rows one program multiplies against its decoded weight tile (each with its own accumulator)."""
+    return 1 if m == 1 else 2 if m == 2 else 4
+
+
+@triton.jit
+def _finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
+                USE_WS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
+    # vals [BLOCK_N] fp32 of one row: finished here (scale, residual, cast) or kept as a split's partial sum
+    mask = (offs_n < N) & (row < M)
+    if USE_WS:
+        tl.store(ws_ptr + (split * M + row) * N + offs_n, vals, mask=mask)
+    else:
+        if HAS_SCALE:
+            vals = vals * tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)
+        if HAS_RES:
+            vals += tl.load(res_ptr + row * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_om + offs_n, vals.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nf4_row_block_sums(w, x_ptr, row, M, stride_xm, k0, K, NB: tl.constexpr):
+    # w [BLOCK_N, NB, 64] fp32 levels; x[row, k0 : k0 + 64 NB] -> [BLOCK_N, NB] per-block dot products
+    offs_k = k0 + tl.arange(0, NB * 64)
+    xr = tl.load(x_ptr + row * stride_xm + offs_k, mask=(offs_k < K) & (row < M), other=0.0).to(tl.float32)
+    return tl.sum(w * tl.reshape(xr, [NB, 64])[None, :, :], axis=2)
+
+
+@triton.jit
+def _nf4_gemv_kernel(
+    x_ptr,
+    q_ptr,
+    aq_ptr,
+    na_ptr,
+    nc_ptr,
+    lut_ptr,
+    ws_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_rm,
+    stride_om,
+    offset,
+    splits,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+    ROWS: tl.constexpr,
+    LUT: tl.constexpr,
+    USE_WS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
+    # program (n tile, split, row group): rows pid_m * ROWS + [0, ROWS) against W[n tile, k-range of the split].
+    # Packed row n: byte j holds element 2j (high nibble) and 2j + 1 (low nibble); absmax block b of row n is
+    # absmax_codes[n * K / 64 + b], its second-level absmax nested[(n * K / 64 + b) // 256].
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    row0 = tl.program_id(2) * ROWS
+    BB: tl.constexpr = NB * 32  # packed bytes per row per step
+    dt = x_ptr.dtype.element_ty
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_bb = tl.arange(0, BB)
+    offs_nb = tl.arange(0, NB)
+    kb = K // 64  # absmax blocks per row
+    row_bytes = K // 2
+    steps = tl.cdiv(kb, NB)
+    per_split = tl.cdiv(steps, splits)
+    acc0 = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
+        b0 = step * NB  # first absmax block of this step
+        cols = b0 * 32 + offs_bb  # [BB] byte columns
+        byte = tl.load(
+            q_ptr + offs_n[:, None] * stride_qn + cols[None, :],
+            mask=n_mask[:, None] & (cols < row_bytes)[None, :],
+            other=0,
+        )  # [BLOCK_N, BB] uint8
+        if LUT == 0:
+            hi = tl.load(lut_ptr + (byte >> 4).to(tl.int32))  # [BLOCK_N, BB] fp32
+            lo = tl.load(lut_ptr + (byte & 15).to(tl.int32))
+        else:
+            pair = tl.load(lut_ptr + byte.to(tl.int32))  # [BLOCK_N, BB] int32: level(hi) bits << 16 | level(lo)
+            hi = (pair >> 16).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
+            lo = (pair & 0xFFFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
+        w = tl.reshape(tl.join(hi, lo), [BLOCK_N, NB, 64])  # [BLOCK_N, NB, 64] levels in element order
+        gb = offs_n[:, None] * kb + b0 + offs_nb[None, :]  # [BLOCK_N, NB] absmax block index
+        smask = n_mask[:, None] & ((b0 + offs_nb) < kb)[None, :]
+        aq = tl.load(aq_ptr + gb, mask=smask, other=0).to(tl.int32)
+        scale = tl.load(nc_ptr + aq) * tl.load(na_ptr + gb // 256, mask=smask, other=0.0) + offset  # [BLOCK_N, NB]
+        k0 = b0 * 64
+        acc0 += _nf4_row_block_sums(w, x_ptr, row0, M, stride_xm, k0, K, NB) * scale
+        if ROWS >= 2:
+            acc1 += _nf4_row_block_sums(w, x_ptr, row0 + 1, M, stride_xm, k0, K, NB) * scale
+        if ROWS >= 4:
+            acc2 += _nf4_row_block_sums(w, x_ptr, row0 + 2, M, stride_xm, k0, K, NB) * scale
+            acc3 += _nf4_row_block_sums(w, x_ptr, row0 + 3, M, stride_xm, k0, K, NB) * scale
+    _finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
+                stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+    if ROWS >= 2:
+        _finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
+                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+    if ROWS >= 4:
+        _finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
+                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+        _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
+                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+
+
+@triton.jit
+def _int8_row_products(w, x_ptr, row, M, stride_xm, offs_k, K):
+    # w [BLOCK_N, BLOCK_K] fp32 codes; x[row, offs_k] -> [BLOCK_N, BLOCK_K] products
+    xr = tl.load(x_ptr + row * stride_xm + offs_k, mask=(offs_k < K) & (row < M), other=0.0).to(tl.float32)
+    return w * xr[None, :]
+
+
+@triton.jit
+def _int8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    cs_ptr,
+    ws_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_rm,
+    stride_om,
+    splits,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+    USE_WS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
+    # program (n tile, split, row group): per-element fp32 accumulators over the split's K range, summed once at
+    # the end; the output scale (row absmax / 127) is applied to the finished sum
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    row0 = tl.program_id(2) * ROWS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, splits)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
+        offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+            mask=n_mask[:, None] & (offs_k < K)[None, :],
+            other=0,
+        ).to(tl.float32)  # [BLOCK_N, BLOCK_K] int8 codes, exact in fp32
+        acc0 += _int8_row_products(w, x_ptr, row0, M, stride_xm, offs_k, K)
+        if ROWS >= 2:
+            acc1 += _int8_row_products(w, x_ptr, row0 + 1, M, stride_xm, offs_k, K)
+        if ROWS >= 4:
+            acc2 += _int8_row_products(w, x_ptr, row0 + 2, M, stride_xm, offs_k, K)
+            acc3 += _int8_row_products(w, x_ptr, row0 + 3, M, stride_xm, offs_k, K)
+    _finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm,
+                stride_om, USE_WS, HAS_RES, True)  # fmt: skip
+    if ROWS >= 2:
+        _finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
+                    stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
+    if ROWS >= 4:
+        _finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
+                    stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
+        _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
+                    stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
+
+
+@triton.jit
+def _split_sum_kernel(ws_ptr, res_ptr, cs_ptr, out_ptr, M, N, stride_rm, stride_om, splits,
+                      HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # out[m, n] = (sum over s in order of ws[s, m, n]) * col_scale[n] + res[m, n]
+    m = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(cs_ptr + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        acc += tl.load(res_ptr + m * stride_rm + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quant_gemv(
+    x: torch.Tensor,
+    weight: NF4Weight | Int8Weight,
+    residual: torch.Tensor | None,
+    config: tuple[int, int, int, int, int],
+) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual [M, N])
+    -> [M, N] in the weight's dtype. `config` is one of NF4_GEMV_CONFIGS / INT8_GEMV_CONFIGS (ValueError for a
+    config of the other kind, a bad shape or a pair-table lookup on fp32)."""
+    m, k = x.shape
+    n, wk = weight.shape
+    if wk != k or not 1 <= m <= GEMV_MAX_ROWS or x.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(
+            f"quant_gemv takes [1..{GEMV_MAX_ROWS}, {wk}] contiguous {weight.dtype} rows, got {tuple(x.shape)} {x.dtype}"
+        )
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be a [{m}, {n}] tensor with a contiguous last dim")
+    block_n, block_k, splits, warps, lut = config
+    if splits < 1 or block_n < 1 or block_k < 1:
+        raise ValueError(f"bad GEMV config {config}")
+    rows = rows_per_program(m)
+    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
+    use_ws = splits > 1
+    ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if use_ws else out  # [S, M, N]
+    res = residual if residual is not None else out
+    grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
+    if isinstance(weight, NF4Weight):
+        if config not in NF4_GEMV_CONFIGS:
+            raise ValueError(f"{config} is not an NF4 GEMV config")
+        if lut == 1 and weight.dtype == torch.float32:
+            raise ValueError("the NF4 pair table holds 16-bit levels: fp32 weights take lut=0")
+        blocks = block_k  # 64-value blocks per step
+        _nf4_gemv_kernel[grid](
+            x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code,
+            weight.code if lut == 0 else weight.pair_levels, ws, res, out,
+            m, n, k, x.stride(0), weight.packed.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
+            BLOCK_N=block_n, NB=blocks, ROWS=rows, LUT=lut, USE_WS=use_ws,
+            HAS_RES=residual is not None and not use_ws, num_warps=warps,
+        )  # fmt: skip
+        col_scale = None
+    else:
+        if config not in INT8_GEMV_CONFIGS:
+            raise ValueError(f"{config} is not an Int8 GEMV config")
+        col_scale = weight.col_scale
+        _int8_gemv_kernel[grid](
+            x, weight.codes, col_scale, ws, res, out, m, n, k, x.stride(0), weight.codes.stride(0), res.stride(0),
+            out.stride(0), splits, BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, USE_WS=use_ws,
+            HAS_RES=residual is not None and not use_ws, num_warps=warps,
+        )  # fmt: skip
+    if use_ws:
+        block = 1024
+        _split_sum_kernel[(m, triton.cdiv(n, block))](
+            ws, res, col_scale if col_scale is not None else ws, out, m, n, res.stride(0), out.stride(0), splits,
+            HAS_RES=residual is not None, HAS_SCALE=col_scale is not None, BLOCK=block,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,133 @@
+"""The dequantize-GEMV kernels (engine/quant_gemv.py) on a real GPU: every NF4 and Int8 config, with and without
+residual and split K, equals the reference dequantizer + fp32 matmul on fresh random weights and inputs (outputs
+poisoned first: every element written), each row's output is bit-identical alone and merged with other rows
+(1, 2 and 4 rows per program), DecodeOps serves up to GEMV_MAX_ROWS rows with the tuned GEMV and more with the
+tl.dot kernel, and bad calls are refused. Skipped without CUDA (tests/unit/test_engine_quant.py ties the reference
+dequantizer to bitsandbytes on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def _weight(kind: str, n: int, k: int, seed: int, dtype: torch.dtype = BF16):
+    from corolla.engine.quant import quantize_int8, quantize_nf4
+
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    dense = (torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype)
+    return quantize_nf4(dense) if kind == "nf4" else quantize_int8(dense)
+
+
+def _configs(kind: str):
+    from corolla.engine import quant_gemv
+
+    return quant_gemv.NF4_GEMV_CONFIGS if kind == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("shape", [(200, 1088), (96, 4160)])
+def test_gemv_matches_reference(kind, dtype, shape) -> None:
+    from corolla.engine import quant_gemv
+
+    n, k = shape
+    weight = _weight(kind, n, k, seed=n + k, dtype=dtype)
+    dense = weight.dequantize().float()  # [N, K]
+    for m in (1, 3, quant_gemv.GEMV_MAX_ROWS):
+        x = torch.randn(m, k, device=DEV, dtype=dtype)
+        res = torch.randn(m, n, device=DEV, dtype=dtype)
+        expected = x.float() @ dense.t()  # [M, N]
+        for config in _configs(kind):
+            out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
+            out.copy_(quant_gemv.quant_gemv(x, weight, None, config))
+            assert torch.isfinite(out).all(), (kind, m, config)
+            err = float((out.float() - expected).norm() / expected.norm())
+            assert err < 1e-2, (kind, m, config, err)
+            with_res = quant_gemv.quant_gemv(x, weight, res, config)
+            err = float((with_res.float() - expected - res.float()).norm() / expected.norm())
+            assert err < 1.5e-2, (kind, m, config, err)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_gemv_rows_are_batch_invariant(kind) -> None:
+    from corolla.engine import quant_gemv
+
+    weight = _weight(kind, 512, 2048, seed=11)
+    rows = torch.randn(quant_gemv.GEMV_MAX_ROWS, 2048, device=DEV, dtype=BF16)
+    res = torch.randn(quant_gemv.GEMV_MAX_ROWS, 512, device=DEV, dtype=BF16)
+    for config in _configs(kind):
+        merged = quant_gemv.quant_gemv(rows, weight, res, config)  # 4 rows per program
+        for r in (0, 3, 5, quant_gemv.GEMV_MAX_ROWS - 1):
+            alone = quant_gemv.quant_gemv(rows[r : r + 1].contiguous(), weight, res[r : r + 1], config)
+            assert torch.equal(alone[0], merged[r]), (kind, config, r)
+        pair = quant_gemv.quant_gemv(rows[2:4].contiguous(), weight, res[2:4].contiguous(), config)  # 2 per program
+        assert torch.equal(pair, merged[2:4]), (kind, config)
+        three = quant_gemv.quant_gemv(rows[:3].contiguous(), weight, res[:3].contiguous(), config)
+        assert torch.equal(three, merged[:3]), (kind, config)
+
+
+def test_gemv_refuses_bad_calls() -> None:
+    from corolla.engine import quant_gemv
+    from corolla.engine.quant import quantize_nf4
+
+    nf4 = _weight("nf4", 64, 256, seed=1)
+    int8 = _weight("int8", 64, 256, seed=1)
+    x = torch.randn(1, 256, device=DEV, dtype=BF16)
+    with pytest.raises(ValueError, match="rows"):
+        quant_gemv.quant_gemv(torch.randn(quant_gemv.GEMV_MAX_ROWS + 1, 256, device=DEV, dtype=BF16), nf4, None,
+                              quant_gemv.DEFAULT_NF4_CONFIG)  # fmt: skip
+    with pytest.raises(ValueError, match="rows"):
+        quant_gemv.quant_gemv(x.float(), nf4, None, quant_gemv.DEFAULT_NF4_CONFIG)
+    with pytest.raises(ValueError, match="NF4 GEMV config"):
+        quant_gemv.quant_gemv(x, nf4, None, quant_gemv.DEFAULT_INT8_CONFIG)
+    with pytest.raises(ValueError, match="Int8 GEMV config"):
+        quant_gemv.quant_gemv(x, int8, None, quant_gemv.DEFAULT_NF4_CONFIG)
+    with pytest.raises(ValueError, match="residual"):
+        quant_gemv.quant_gemv(x, nf4, torch.randn(2, 64, device=DEV, dtype=BF16), quant_gemv.DEFAULT_NF4_CONFIG)
+    fp32 = quantize_nf4(torch.randn(64, 256, device=DEV) * 0.03, dtype=torch.float32)
+    with pytest.raises(ValueError, match="fp32"):
+        quant_gemv.quant_gemv(x.float(), fp32, None, next(c for c in quant_gemv.NF4_GEMV_CONFIGS if c[4] == 1))
+    lut0 = next(c for c in quant_gemv.NF4_GEMV_CONFIGS if c[4] == 0)
+    out = quant_gemv.quant_gemv(x.float(), fp32, None, lut0)
+    expected = x.float() @ fp32.dequantize().t()
+    assert float((out - expected).norm() / expected.norm()) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_decode_ops_routes_rows_to_gemv_and_dot(kind) -> None:
+    from corolla.engine import quant_gemv, quant_kernels, quant_tile
+    from corolla.engine.ops import DecodeOps
+
+    weights = [_weight(kind, 256, 1024, seed=20 + i) for i in range(2)]
+    ops = DecodeOps(DEV, 64, use_triton=True)
+    report = ops.tune_quantized({(kind, 256, 1024): weights}, reps=3)
+    entry = report[(kind, 256, 1024)]
+    kernel, gemm_config = entry["gemm_best"]
+    assert entry["best"] in _configs(kind)
+    assert gemm_config in (quant_tile.NF4_TILE_CONFIGS if kernel == "tile" else quant_kernels.QUANT_CONFIGS)
+    assert kind == "nf4" or kernel == "block"
+    assert entry["best_us"] > 0 and entry["gemm_best_us"] > 0
+    gemv_config = ops.quant_gemv[(kind, 256, 1024)]
+    assert ops.quant_gemm[(kind, 256, 1024)] == (kernel, gemm_config)
+    for m in (1, quant_gemv.GEMV_MAX_ROWS, quant_gemv.GEMV_MAX_ROWS + 1, 40):
+        x = torch.randn(m, 1024, device=DEV, dtype=BF16)
+        res = torch.randn(m, 256, device=DEV, dtype=BF16)
+        got = ops.linear(x, weights[1], None, residual=res)
+        if m <= quant_gemv.GEMV_MAX_ROWS:
+            want = quant_gemv.quant_gemv(x, weights[1], res, gemv_config)
+        elif kernel == "tile":
+            want = quant_tile.nf4_tile_matmul(x, weights[1], res, gemm_config)
+        else:
+            want = quant_kernels.quant_matmul(x, weights[1], res, gemm_config)
+        assert torch.equal(got, want), (kind, m)
+        expected = x.float() @ weights[1].dequantize().float().t() + res.float()
+        assert float((got.float() - expected).norm() / expected.norm()) < 1.5e-2
