@@ -117,7 +117,9 @@ def log_kernels(lines: list[str], kind: str, report: dict, layer: LayerWeights, 
         best_us = min(r["best_us"] for r in hits)
         row = {"n": n, "k": k, "bytes": nbytes, "floor_us": floor_us, "best_us": best_us, "x_floor": best_us / floor_us}
         row["best"] = str(min(hits, key=lambda r: r["best_us"])["best"])
+        row["all_us"] = hits[0]["all_us"]  # every candidate's time (the tuner's table)
         if "gemm_best_us" in hits[0]:
+            row["gemm_all_us"] = hits[0]["gemm_all_us"]
             row["gemm_64_rows_us"] = hits[0]["gemm_best_us"]
             row["gemm_best"] = str(hits[0]["gemm_best"])
         rows[name] = row
