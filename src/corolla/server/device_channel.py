@@ -145,6 +145,8 @@ class DeviceChannel:
         self.check_accepting = check_accepting  # raises Draining while the server drains
         self.ready = asyncio.Event()  # the handler process registered its handlers
         self.pid = 0
+        self.listen_maddr = ""  # the handler process's p2pd client socket (its streams arrive there)
+        self.stream_names: list[str] = []
         self.sessions: dict[int, _Held] = {}
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
@@ -188,7 +190,9 @@ class DeviceChannel:
                 elif kind == wire.METRICS:
                     self._count(wire.Reader(payload))
                 elif kind == wire.READY:
-                    self.pid = wire.Reader(payload).u32()
+                    fields = wire.Reader(payload)
+                    self.pid, self.listen_maddr = fields.u32(), fields.text()
+                    self.stream_names = [fields.text() for _ in range(fields.u8())]
                     self.ready.set()
                 elif kind in (wire.ROUTE_ADD, wire.ROUTE_DEL):
                     session_id = wire.Reader(payload).text()

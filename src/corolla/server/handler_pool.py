@@ -19,6 +19,11 @@ from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 
+from hivemind.p2p.p2p_daemon_bindings.control import DaemonConnector
+from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_safe, write_pbmsg
+from hivemind.proto import p2pd_pb2 as p2pd_pb
+from hivemind.utils.multiaddr import Multiaddr
+
 from corolla.server.admission import SessionAdmission
 from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
 from corolla.server.executor import SpanExecutor
@@ -36,6 +41,30 @@ def _context() -> BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["corolla.server.handler_process"])
     return context
+
+
+async def remove_stream_handlers(daemon_listen_maddr: str, client_listen_maddr: str, names: list[str]) -> None:
+    """Unregisters a dead handler process's stream handlers from p2pd (else p2pd keeps dealing it streams that
+    fail); its unary handlers went with its control connection."""
+    if not client_listen_maddr:
+        return
+    connector = DaemonConnector(Multiaddr(daemon_listen_maddr))
+    for name in names:
+        try:
+            reader, writer = await connector.open_connection()
+            request = p2pd_pb.Request(
+                type=p2pd_pb.Request.REMOVE_STREAM_HANDLER,
+                removeStreamHandler=p2pd_pb.RemoveStreamHandlerRequest(
+                    addr=Multiaddr(client_listen_maddr).to_bytes(), proto=[name]
+                ),
+            )
+            await write_pbmsg(writer, request)
+            response = p2pd_pb.Response()
+            await read_pbmsg_safe(reader, response)
+            writer.close()
+            raise_if_failed(response)
+        except Exception as e:
+            logger.warning(f"handler_pool.unregister_failed(name={name}): {e!r}")
 
 
 class HandlerPool:
@@ -117,19 +146,22 @@ class HandlerPool:
         if self._stopping:
             return
         await asyncio.to_thread(process.join, 5.0)
+        if self._stopping:
+            return
         now = time.monotonic()
         self._deaths = [t for t in self._deaths if now - t < 60.0] + [now]
         logger.error(
             f"handler_pool.handler_died(index={index}, pid={process.pid}, exitcode={process.exitcode}, "
             f"deaths_last_minute={len(self._deaths)})"
         )
+        await remove_stream_handlers(self.settings.daemon_listen_maddr, channel.listen_maddr, channel.stream_names)
         if len(self._deaths) > MAX_RESTARTS_PER_MINUTE:
             self.failed = True
             logger.error("handler_pool.failed(reason=handler processes keep dying): the server restarts serving")
             return
-        self.num_restarts += 1
         try:
             await self._spawn(index)
+            self.num_restarts += 1
         except Exception as e:
             self.failed = True
             logger.error(f"handler_pool.restart_failed(index={index}): {e!r}")
@@ -140,7 +172,7 @@ class HandlerPool:
         for channel in self.channels:
             if channel is not None:
                 channel.writer.close()
-        for task in self._tasks:
+        for task in list(self._tasks):
             try:
                 await asyncio.wait_for(asyncio.shield(task), self.stop_timeout_s)
             except (asyncio.TimeoutError, Exception) as e:

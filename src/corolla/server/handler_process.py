@@ -68,6 +68,16 @@ class ForwardedMetrics(ServerMetrics):
         self._send(METRIC_REJECTED, reason)
 
 
+def stream_handle_names(handler: TransformerConnectionHandler) -> list[str]:
+    """The handle names p2pd routes as streams to this process (a dead process's must be unregistered)."""
+    handler._collect_rpc_handlers()
+    return [
+        handler._get_handle_name(None, rpc.method_name)
+        for rpc in handler._rpc_handlers
+        if rpc.stream_input or rpc.stream_output
+    ]
+
+
 def main(settings: HandlerSettings, index: int, channel: Connection) -> None:
     """The process's entry point (multiprocessing): serves until the channel to the device process ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which closes the channel
@@ -99,7 +109,14 @@ async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> 
     p2p = await P2P.replicate(Multiaddr(settings.daemon_listen_maddr))
     try:
         await handler.add_p2p_handlers(p2p, balanced=True)
-        link.send(wire.READY, 0, wire.Writer().u32(os.getpid()))
+        if link.closed.is_set():  # stopped while starting
+            return
+        ready = wire.Writer().u32(os.getpid()).text(str(p2p._client_listen_maddr))  # where p2pd sends our streams
+        names = stream_handle_names(handler)
+        ready.u8(len(names))
+        for name in names:
+            ready.text(name)
+        link.send(wire.READY, 0, ready)
         logger.info(f"handler_process.ready(index={index}, pid={os.getpid()})")
         await link.closed.wait()
     finally:

@@ -1,0 +1,189 @@
+"""`--num_handlers 2` through the real p2p path (in-process server on a tiny Llama, blocks 0:4, plain path on CPU):
+sessions opened by several client peers land on both handler processes and give bitwise identical outputs there
+(equal to the local blocks); a forward is served; a push crosses from the process that holds the upstream session
+to the one that holds the downstream session; a killed handler process is detected and replaced, and sessions
+keep working (no leaked KV cache)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+
+import pytest
+import torch
+from hivemind.compression.serialization import deserialize_torch_tensor
+
+from corolla.models.loading import load_pretrained_block
+from corolla.protocol.auth import UPSTREAM_PEER_KEY
+from corolla.protocol.forwarding import NEXT_STEP_KEY
+from corolla.server.limits import PeerLimits
+from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
+from helpers.tiny_models import make_tiny_model
+
+HIDDEN = 64
+NUM_BLOCKS = 4
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory: pytest.TempPathFactory):
+    server = start_inprocess_server(
+        model_path,
+        tmp_path_factory.mktemp("cache"),
+        block_indices=(0, NUM_BLOCKS),
+        num_handlers=2,
+        inference_max_length_tokens=64,
+        session_timeout_s=60.0,
+        request_timeout_s=30.0,
+        peer_limits=PeerLimits(max_kv_fraction_per_peer=1.0),
+    )
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def clients(server):
+    clients = [ClientThread(server.join_maddrs, server.peer_id) for _ in range(2)]  # two peers, two p2pd daemons
+    yield clients
+    for client in clients:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def blocks(model_path, server):
+    config = server.model_config
+    return [load_pretrained_block(model_path, i, config=config, torch_dtype=torch.float32).eval() for i in range(4)]
+
+
+def local_forward(blocks, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        for block in blocks[start:end]:
+            hidden = block(hidden)
+    return hidden
+
+
+def _opened_per_process(server) -> list[int]:
+    return [channel.num_sessions_opened for channel in server.service.pool.channels]
+
+
+def _two_steps(streams, server, prefill, token):
+    outputs = []
+    for stream in streams:
+        first = stream.step(packed_request(chain(server, 0, 4), prefill, max_length=16))
+        second = stream.step(packed_request(chain(server, 0, 4), token, start_from_position=prefill.shape[1]))
+        outputs.append((deserialize_torch_tensor(first.tensors[0]), deserialize_torch_tensor(second.tensors[0])))
+    return outputs
+
+
+def test_sessions_spread_over_processes_with_identical_outputs(server, clients, blocks):
+    torch.manual_seed(0)
+    prefill, token = torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN)
+    before = _opened_per_process(server)
+    streams = [InferenceStream(clients[i % 2]).open() for i in range(6)]  # all open at once
+    outputs = _two_steps(streams, server, prefill, token)
+    for stream in streams:
+        stream.close()
+    opened = [after - b for after, b in zip(_opened_per_process(server), before, strict=True)]
+    assert sum(opened) == 6 and min(opened) >= 1, f"sessions per handler process: {opened}"
+    for first, second in outputs[1:]:  # the same bytes whichever process served the stream
+        assert torch.equal(first, outputs[0][0]) and torch.equal(second, outputs[0][1])
+    whole = local_forward(blocks, 0, 4, torch.cat([prefill, token], dim=1))
+    torch.testing.assert_close(outputs[0][0], whole[:, :3], atol=1e-4, rtol=0)
+    torch.testing.assert_close(outputs[0][1], whole[:, 3:], atol=1e-4, rtol=0)
+    executor = server.service.executor
+    assert wait_until(lambda: executor.bytes_left == executor.max_size_bytes, 10)  # every session's cache freed
+    info = clients[0].info(chain(server, 0, 4))
+    assert info["cache_tokens_available"] > 0 and info["serving_path"] == "plain"
+
+
+def test_forward_is_served_by_a_handler_process(server, clients, blocks):
+    from helpers.swarm import make_request
+
+    hidden = torch.randn(2, 5, HIDDEN)
+
+    async def go(stub):
+        return await stub.rpc_forward(make_request(chain(server, 1, 3), [hidden]), timeout=30)
+
+    for client in clients:
+        response = client.run(go)
+        torch.testing.assert_close(
+            deserialize_torch_tensor(response.tensors[0]), local_forward(blocks, 1, 3, hidden), atol=1e-4, rtol=0
+        )
+
+
+def test_push_crosses_to_the_process_holding_the_session(server, clients, blocks):
+    """Blocks 0:2 push to a session on blocks 2:4 of the same server whose stream another handler process holds:
+    the push goes through the device process to that process, which answers it on the downstream stream."""
+    client = clients[0]
+    router = server.service.pool.router
+    for _attempt in range(4):  # p2pd deals streams round-robin: two sessions opened in a row land apart
+        torch.manual_seed(3)
+        prefill, hidden = torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN)
+        upstream_id, downstream_id = str(uuid.uuid4()), str(uuid.uuid4())
+        step_ids = [str(uuid.uuid4()) for _ in range(2)]
+        upstream, downstream = InferenceStream(client).open(), InferenceStream(client).open()
+        first_up = upstream.step(
+            packed_request(
+                chain(server, 0, 2), prefill, max_length=10, session_id=upstream_id, step_id=step_ids[0],
+                **{NEXT_STEP_KEY: step_ids[1]},
+            )
+        )  # fmt: skip
+        mid0 = deserialize_torch_tensor(first_up.tensors[0])
+        downstream.step(
+            packed_request(
+                chain(server, 2, 4), mid0, max_length=10, session_id=downstream_id, step_id=step_ids[0],
+                **{UPSTREAM_PEER_KEY: server.peer_id, NEXT_STEP_KEY: step_ids[1]},
+            )
+        )  # fmt: skip
+        if router.routes[upstream_id] is router.routes[downstream_id]:
+            upstream.close()
+            downstream.close()
+            continue
+        upstream.step(
+            packed_request(
+                chain(server, 0, 2), hidden, session_id=upstream_id, step_id=step_ids[1], start_from_position=3,
+                next_servers=[[server.peer_id, downstream_id, 2, 4]],
+            )
+        )  # fmt: skip
+
+        async def next_response(_stub, stream=downstream):
+            return await asyncio.wait_for(stream.responses.__anext__(), 15)
+
+        pushed = client.run(next_response)
+        whole = torch.cat([prefill, hidden], dim=1)
+        torch.testing.assert_close(
+            deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 0, 4, whole)[:, 3:], atol=1e-3, rtol=0
+        )
+        upstream.close()
+        downstream.close()
+        return
+    pytest.fail("four upstream/downstream pairs all landed on one handler process")
+
+
+def test_killed_handler_process_is_replaced(server, clients):
+    pool = server.service.pool
+    victim = pool.processes[0]
+    assert victim is not None and victim.pid is not None
+    restarts = pool.num_restarts
+    os.kill(victim.pid, signal.SIGKILL)
+    assert wait_until(lambda: pool.num_restarts == restarts + 1, 60), "the dead handler process was not replaced"
+    replacement = pool.processes[0]
+    assert replacement is not None and replacement.pid != victim.pid
+    assert wait_until(lambda: pool.channels[0] is not None and pool.channels[0].ready.is_set(), 60)
+    assert server.service.healthy
+    prefill, token = torch.randn(1, 2, HIDDEN), torch.randn(1, 1, HIDDEN)
+    streams = [InferenceStream(clients[i % 2]).open() for i in range(4)]
+    outputs = _two_steps(streams, server, prefill, token)  # no stream is sent to the dead process's handlers
+    for stream in streams:
+        stream.close()
+    assert all(torch.equal(o[1], outputs[0][1]) for o in outputs)
+    executor = server.service.executor
+    assert wait_until(lambda: executor.bytes_left == executor.max_size_bytes, 10)
