@@ -1,0 +1,98 @@
+"""A tiny DeepSeek-V3 span served by the server's fast executor on CPU (`--serving_path fast`): the serving path
+chooses the engine for the family, inference steps (prefill, merged decode of two sessions, rollback) equal
+`SpanBackend.inference_step`, and the executor's cache accounting counts the latent pool's bytes: the MLA formula
+(kv_lora_rank + qk_rope_head_dim values per token per block), the number the server logs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from corolla.engine.fast_mla import FastMlaSpan
+from corolla.engine.serving import SpanTraits
+from corolla.models.kv_sizing import kv_cache_bytes_per_token
+from corolla.models.registry import get_family
+from corolla.server.backend import SpanBackend
+from corolla.server.executor import SessionSpec, StepInputs
+from corolla.server.fast_executor import FastExecutor
+from corolla.server.metrics import ServerMetrics
+from corolla.server.runtime import Runtime
+from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
+from helpers.tiny_models_fam_a import tiny_config_of
+
+FIRST, N_BLOCKS = 0, 3  # block 0 dense, 1..2 MoE
+SPAN = tuple(range(FIRST, FIRST + N_BLOCKS))
+POOL_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def backend() -> SpanBackend:
+    torch.manual_seed(0)
+    config = tiny_config_of("deepseek_v3", N_BLOCKS)
+    blocks = {}
+    for i in SPAN:
+        block = get_family(config).build_block(config, i)
+        for name, p in block.named_parameters():
+            if p.ndim > 1:
+                torch.nn.init.normal_(p, std=0.15)
+            else:
+                torch.nn.init.normal_(p, mean=0.0 if "bias" in name else 1.0, std=0.2)
+        blocks[i] = block.eval()
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+
+
+def _step(hidden: torch.Tensor, position: int) -> StepInputs:
+    return StepInputs(hidden, position, None, None, "", lone_session=False)
+
+
+async def test_deepseek_span_runs_on_the_fast_path(backend: SpanBackend) -> None:
+    traits = SpanTraits(
+        device_type="cpu", dtype=torch.float32, quant_type="none", family=get_family(backend.config).family,
+        num_adapters=0, tensor_parallel_devices=0,
+    )  # fmt: skip
+    choice = choose_serving_path("fast", traits)
+    settings = ExecutorSettings(cache_bytes=POOL_BYTES, max_seq_len_tokens=64, max_alloc_timeout_s=None,
+                                tensor_parallel=False, warmup=False)  # fmt: skip
+    h = int(backend.config.hidden_size)
+    torch.manual_seed(1)
+    prompts = [torch.randn(1, 9, h), torch.randn(1, 4, h)]
+    tokens = [torch.randn(1, 1, h), torch.randn(1, 1, h)]
+    redo = torch.randn(1, 2, h)
+    expected = []
+    for prompt, token in zip(prompts, tokens, strict=True):
+        caches = [[torch.zeros(tuple(d.shape)) for d in per] for per in backend.cache_descriptors(SPAN, 1, 32)]
+        run = [_step(prompt, 0), _step(token, prompt.shape[1])]
+        if prompt is prompts[0]:
+            run.append(_step(redo, 5))  # rollback onto position 5
+        expected.append(
+            [backend.inference_step(SPAN, s.hidden_states, caches, prefix_length=s.prefix_length, max_length=32)
+             for s in run]
+        )  # fmt: skip
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        executor = make_executor(choice, backend, runtime, settings, ServerMetrics())
+        assert isinstance(executor, FastExecutor) and executor.path == "fast"
+        assert isinstance(executor.engine.model, FastMlaSpan)
+        per_token = kv_cache_bytes_per_token(backend.config, torch.float32) * N_BLOCKS
+        config = backend.config
+        assert per_token == (int(config.kv_lora_rank) + int(config.qk_rope_head_dim)) * 4 * N_BLOCKS
+        page = executor.engine.pool.page_size_tokens
+        assert executor.bytes_per_page == page * per_token  # the pool is sized and counted by the latent bytes
+        assert executor.cache_bytes_per_token(SPAN) == per_token
+        left = executor.bytes_left
+        spec = SessionSpec(SPAN, 1, 32)
+        async with executor.open_session(spec, 0) as a, executor.open_session(spec, 0) as b:
+            assert executor.bytes_left == left - 2 * executor.session_bytes(spec)
+            assert executor.session_bytes(spec) == executor.engine.pool.pages_for(32) * page * per_token
+            got_a = [await executor.step(a, _step(prompts[0], 0))]
+            got_b = [await executor.step(b, _step(prompts[1], 0))]
+            pair = await asyncio.wait_for(
+                asyncio.gather(executor.step(a, _step(tokens[0], 9)), executor.step(b, _step(tokens[1], 4))), 30
+            )
+            got_a.append(pair[0])
+            got_b.append(pair[1])
+            got_a.append(await executor.step(a, _step(redo, 5)))
+        assert executor.bytes_left == left
+    for got, ref in zip(got_a + got_b, expected[0] + expected[1], strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
