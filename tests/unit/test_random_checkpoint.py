@@ -156,3 +156,16 @@ def test_report_of_a_partial_and_a_whole_run():
     }
     text = markdown(whole)
     assert "2.00x faster" in text and "6.0x" in text
+
+
+def test_a_failed_sides_partial_json_is_kept_with_the_orchestrators_error(tmp_path):
+    from corolla.bench import two_gpu
+
+    side = tmp_path / "corolla.json"
+    side.write_text(json.dumps({"side": "corolla", "client_load_s": 3.0, "error": "RuntimeError('device')"}))
+    config = two_gpu.TwoGpuConfig(workdir=tmp_path, out_dir=tmp_path / "out", checkpoint_dirs=(tmp_path,))
+    results = two_gpu.Results(config, "NVIDIA H100 80GB HBM3")
+    results.phase("corolla", **{**two_gpu._read(side), "error": "client exited with 1", "phase_s": 1.0})
+    written = json.loads(results.stem.with_suffix(".json").read_text())["phases"]["corolla"]
+    assert written["error"] == "client exited with 1" and written["side_error"] == "RuntimeError('device')"
+    assert written["client_load_s"] == 3.0 and results.stem.name.startswith("two-gpu-nvidia-h100-80gb-hbm3-")

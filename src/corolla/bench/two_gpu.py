@@ -242,7 +242,7 @@ def run(config: TwoGpuConfig) -> Results:
         )  # fmt: skip
         results.phase("hf", phase_s=time.time() - t0, **_read(hf_json))
     except PhaseFailed as e:
-        results.phase("hf", error=str(e)[-3000:], phase_s=time.time() - t0, **_read(hf_json))
+        results.phase("hf", **{**_read(hf_json), "error": str(e)[-3000:], "phase_s": time.time() - t0})
 
     # 3. corolla: two servers, one per GPU, then the client through both
     swarm_config = LocalSwarmConfig(
@@ -272,7 +272,7 @@ def run(config: TwoGpuConfig) -> Results:
             )  # fmt: skip
             results.phase("corolla", phase_s=time.time() - t0, **_read(corolla_json))
         except PhaseFailed as e:
-            results.phase("corolla", error=str(e)[-3000:], phase_s=time.time() - t0, **_read(corolla_json))
+            results.phase("corolla", **{**_read(corolla_json), "error": str(e)[-3000:], "phase_s": time.time() - t0})
     results.data["total_s"] = round(time.time() - results.started, 1)
     results.write()
     return results
@@ -292,10 +292,13 @@ def _server_facts(output: str) -> dict[str, Any]:
 
 
 def _read(path: Path) -> dict[str, Any]:
+    """A side's JSON (what it measured before it ended); its own `error` is kept as `side_error`."""
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
     data.pop("side", None)
+    if "error" in data:
+        data["side_error"] = data.pop("error")
     return data
 
 

@@ -281,7 +281,8 @@ class GenerationLoop:
     def _step(
         self, groups: list[tuple[torch.Tensor, int, InferenceSession]], to_send: torch.Tensor, first: bool, prompts: Any
     ) -> torch.Tensor:
-        """Runs the new tokens through every group's session; returns the last position's logits [B, V] in fp32."""
+        """Runs the new tokens through every group's session; returns the last position's logits [B, V] in fp32 on
+        the ids' device (the embeddings and head may live on a GPU; the loop's ids, processors and sampling don't)."""
         model = self.model
         logits = None
         for rows, pad, session in groups:
@@ -293,4 +294,4 @@ class GenerationLoop:
                 logits = group_logits.new_zeros(to_send.shape[0], group_logits.shape[-1])
             logits[rows] = group_logits
         assert logits is not None
-        return logits
+        return logits.to(to_send.device)
