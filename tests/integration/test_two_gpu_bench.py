@@ -48,3 +48,5 @@ def test_cpu_dry_run_matches_transformers_through_two_servers(tmp_path):
     written = json.loads(results.stem.with_suffix(".json").read_text())
     assert written["phases"].keys() == phases.keys()
     assert "| corolla: 2 servers" in results.stem.with_suffix(".md").read_text()
+    logs = results.stem.with_suffix(".log").read_text()
+    assert all(f"===== {name}.log" in logs for name in ("checkpoint", "hf", "server0", "server1", "client"))

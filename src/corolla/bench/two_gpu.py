@@ -190,12 +190,33 @@ def layers_that_fit(config: TwoGpuConfig, overrides: dict[str, Any]) -> tuple[in
 
 
 def run(config: TwoGpuConfig) -> Results:
+    """Every phase that fits the budget; the results (JSON, markdown) and the tails of every process's log
+    (`<stem>.log`) are in `config.out_dir` however it ends."""
     deadline = time.time() + config.budget_s
     facts = machine_facts(config.checkpoint_dirs)
     card = "cpu" if config.cpu_dry_run else (facts["gpus"][0].split(",")[0] if facts["gpus"] else "unknown")
     results = Results(config, card)
     results.phase("machine", **facts)
     config.workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        _run_phases(config, results, deadline)
+    finally:
+        results.data["total_s"] = round(time.time() - results.started, 1)
+        results.write()
+        bundle_logs(config.workdir, results.stem.with_suffix(".log"))
+    return results
+
+
+def bundle_logs(workdir: Path, target: Path, tail_lines: int = 150) -> None:
+    """The last `tail_lines` lines of each process's log in one file (progress bars left out)."""
+    parts = []
+    for log in sorted(workdir.glob("*.log")):
+        lines = [line for line in log.read_text(errors="replace").splitlines() if "it/s]" not in line]
+        parts.append(f"===== {log.name}\n" + "\n".join(line[:600] for line in lines[-tail_lines:]))
+    target.write_text("\n".join(parts) + "\n")
+
+
+def _run_phases(config: TwoGpuConfig, results: Results, deadline: float) -> None:
     model_dir = config.checkpoint_dirs[0] / "model"
     cpu = config.cpu_dry_run
     plan_json = json.dumps(asdict(config.plan))
@@ -208,7 +229,7 @@ def run(config: TwoGpuConfig) -> Results:
     layers, need_bytes = layers_that_fit(config, overrides)
     if layers < 2:
         results.phase("checkpoint", error=f"no room for 2 layers in {[str(d) for d in config.checkpoint_dirs]}")
-        return results
+        return
     if layers < config.layers:
         results.data["notes"].append(
             f"only {layers} of {config.layers} layers fit the checkpoint directories' free space: served {layers}"
@@ -229,7 +250,7 @@ def run(config: TwoGpuConfig) -> Results:
         results.phase("checkpoint", phase_s=time.time() - t0, **json.loads(report_path.read_text()))
     except PhaseFailed as e:
         results.phase("checkpoint", error=str(e)[-3000:], phase_s=time.time() - t0)
-        return results
+        return
 
     # 2. the transformers baseline over both GPUs
     hf_json = config.workdir / "hf.json"
@@ -245,6 +266,14 @@ def run(config: TwoGpuConfig) -> Results:
         results.phase("hf", **{**_read(hf_json), "error": str(e)[-3000:], "phase_s": time.time() - t0})
 
     # 3. corolla: two servers, one per GPU, then the client through both
+    results.data["notes"] += [
+        "corolla: the client reaches both servers over their same-host unix socket (its default for servers on its "
+        "machine); server 0 pushes each step's outputs to server 1 over hivemind p2p (loopback), the client sends "
+        "server 1 its own copy too (client.forwarding)",
+        "transformers: device_map='auto' with max_memory = each GPU's free memory less 1.5 GiB (no CPU offload); "
+        "eager decode, accelerate's hooks move activations between the GPUs",
+        "ms/token: median interval between consecutive tokens as the caller receives them (streamer), after warm-up",
+    ]
     swarm_config = LocalSwarmConfig(
         server_args=_server_args(config), log_dir=config.workdir, startup_timeout_s=max(10.0, left() - 30)
     )
@@ -257,7 +286,7 @@ def run(config: TwoGpuConfig) -> Results:
             startup_s = swarm.wait_servers_ready(max(10.0, left() - 30))
         except (TimeoutError, RuntimeError) as e:
             results.phase("servers", error=str(e)[-3000:], phase_s=time.time() - t0)
-            return results
+            return
         servers = [_server_facts(s.output) for s in swarm.servers]
         results.phase("servers", startup_s=startup_s, servers=servers, gpu_memory_used_gb=gpu_memory_used_gb())
         corolla_json = config.workdir / "corolla.json"
@@ -273,9 +302,6 @@ def run(config: TwoGpuConfig) -> Results:
             results.phase("corolla", phase_s=time.time() - t0, **_read(corolla_json))
         except PhaseFailed as e:
             results.phase("corolla", **{**_read(corolla_json), "error": str(e)[-3000:], "phase_s": time.time() - t0})
-    results.data["total_s"] = round(time.time() - results.started, 1)
-    results.write()
-    return results
 
 
 def _server_facts(output: str) -> dict[str, Any]:
