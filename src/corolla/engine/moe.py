@@ -271,30 +271,36 @@ class RoutedMoE:
 
 
 @torch.inference_mode()
-def tune_experts(layers: Sequence[RoutedMoE], *, rows: int = 1, reps: int = 7) -> dict:
-    """Times every `moe_kernels.EXPERT_CONFIGS` entry on `rows` random tokens routed by each layer's own router, as
-    one CUDA graph over all `layers` (distinct weights, no launch gaps), and returns {"best": config, "best_us",
-    "all_us"} per layer call; {} without CUDA + Triton. One config then serves every batch size (rows stay
-    batch-invariant)."""
+def tune_experts(layers: Sequence[RoutedMoE], *, rows: Sequence[int] = (1, 8), reps: int = 7) -> dict:
+    """Times every `moe_kernels.EXPERT_CONFIGS` entry at each token count in `rows` (random tokens routed by each
+    layer's own router), as one CUDA graph over all `layers` (distinct weights, no launch gaps), and keeps the
+    config with the least summed slowdown against each count's fastest. One config then serves every batch size
+    (rows stay batch-invariant). Returns {"best": config, "best_us": per layer call at rows[0], "us": {rows:
+    {config: us}}}; {} without CUDA + Triton."""
     if not layers or not kernel_usable(layers[0].experts.device):
         return {}
     from corolla.engine.ops import _graph_median_ms
 
     first = layers[0]
-    x = torch.randn(rows, first.experts.hidden_size, device=first.experts.device, dtype=first.experts.dtype)
-    timings = {}
-    for config in moe_kernels.EXPERT_CONFIGS:
-        try:
-            timings[config] = _graph_median_ms(lambda c=config: [moe.forward(x, config=c) for moe in layers], reps)
-        except Exception as e:  # a config that does not compile or fit is skipped
-            logger.info(f"moe.tune_experts.skip(config={config}, error={type(e).__name__})")
-            continue
-    if not timings:
-        raise RuntimeError(f"no expert kernel config runs for {first.shape}")
-    best = min(timings, key=timings.__getitem__)
     per_call = 1000 / len(layers)
+    timings: dict[int, dict[tuple[int, int, int, int], float]] = {}
+    for n in rows:
+        x = torch.randn(n, first.experts.hidden_size, device=first.experts.device, dtype=first.experts.dtype)
+        timings[n] = {}
+        for config in moe_kernels.EXPERT_CONFIGS:
+            try:
+                ms = _graph_median_ms(lambda c=config, x=x: [moe.forward(x, config=c) for moe in layers], reps)
+            except Exception as e:  # a config that does not compile or fit is skipped
+                logger.info(f"moe.tune_experts.skip(config={config}, rows={n}, error={type(e).__name__})")
+                continue
+            timings[n][config] = ms * per_call
+    common = set.intersection(*(set(t) for t in timings.values()))
+    if not common:
+        raise RuntimeError(f"no expert kernel config runs for {first.shape}")
+    fastest = {n: min(t.values()) for n, t in timings.items()}
+    best = min(common, key=lambda c: sum(timings[n][c] / fastest[n] for n in rows))
     return {
         "best": best,
-        "best_us": timings[best] * per_call,
-        "all_us": {str(c): t * per_call for c, t in timings.items()},
+        "best_us": timings[rows[0]][best],
+        "us": {n: {str(c): us for c, us in t.items()} for n, t in timings.items()},
     }
