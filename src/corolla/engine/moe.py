@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - depends on the installation
 
 logger = get_logger(__name__)
 
+WEIGHT_ALIGNMENT_BYTES = 16  # the kernels load expert rows as 16-byte vectors from the address table
 KERNEL_MAX_TOKENS = 256  # above this (prefill chunks) one dense GEMM per used expert is faster than the grouped kernel
 
 
@@ -72,6 +73,8 @@ class ExpertWeights:
                     raise ValueError(f"expert {e}: every tensor must be {first.dtype} on {first.device}")
                 if not t.is_floating_point() or not t.is_contiguous():
                     raise ValueError(f"expert {e}: weights must be contiguous floating-point tensors")
+                if t.data_ptr() % WEIGHT_ALIGNMENT_BYTES:
+                    raise ValueError(f"expert {e}: weights must start on {WEIGHT_ALIGNMENT_BYTES}-byte boundaries")
         dev = first.device
         object.__setattr__(self, "gate_up_ptrs", _address_table(self.gate_up, dev))
         object.__setattr__(self, "down_ptrs", _address_table(self.down, dev))

@@ -50,7 +50,7 @@ def _gate_up_kernel(
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     dtype = x_ptr.dtype.element_ty
-    w_ptr = tl.load(ptrs_ptr + e).to(tl.pointer_type(dtype))
+    w_ptr = tl.multiple_of(tl.load(ptrs_ptr + e).to(tl.pointer_type(dtype)), 16)  # 16-byte aligned (ExpertWeights)
     rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns (gate rows; up rows at + INTER)
     mask_n = rn < INTER
     rk0 = tl.arange(0, BLOCK_K)
@@ -99,7 +99,7 @@ def _down_kernel(
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     dtype = act_ptr.dtype.element_ty
-    w_ptr = tl.load(ptrs_ptr + e).to(tl.pointer_type(dtype))
+    w_ptr = tl.multiple_of(tl.load(ptrs_ptr + e).to(tl.pointer_type(dtype)), 16)  # 16-byte aligned (ExpertWeights)
     rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden columns
     mask_n = rn < H
     rk0 = tl.arange(0, BLOCK_K)
