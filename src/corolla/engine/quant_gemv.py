@@ -30,15 +30,19 @@ from corolla.engine.quant import Int8Weight, NF4Weight
 GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
 
 # (BLOCK_N, 64-value blocks per step, K splits, num_warps, lut) for NF4; (BLOCK_N, BLOCK_K, K splits, num_warps,
-# 0) for Int8. Each tile is 2048 bytes (16 bytes per thread of 4 warps); splits are a run-time argument.
+# 0) for Int8. Each tile is 2048 bytes (16 bytes per thread of 4 warps); splits are a run-time argument. Kept:
+# the tiles that won some Llama-3-8B projection on an H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-
+# 20261126-1712.json: NF4 [16, 128-byte] tiles were 10-25% slower than [32, 64-byte] ones on every shape; Int8
+# [8, 256] won three of four shapes, [16, 128] with 4 splits came within 4% on the fourth).
 NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = tuple(
-    (bn, nb, s, 4, lut) for lut in (0, 1) for bn, nb in ((32, 2), (16, 4)) for s in (1, 2, 4, 8)
+    (32, 2, s, 4, lut) for lut in (0, 1) for s in (1, 2, 4, 8)
 )
-INT8_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = tuple(
-    (bn, bk, s, 4, 0) for bn, bk in ((16, 128), (8, 256)) for s in (1, 2, 4, 8)
+INT8_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    *((8, 256, s, 4, 0) for s in (1, 2, 4, 8)),
+    (16, 128, 4, 4, 0),
 )
-DEFAULT_NF4_CONFIG = (32, 2, 2, 4, 0)  # before (or without) tuning
-DEFAULT_INT8_CONFIG = (16, 128, 2, 4, 0)
+DEFAULT_NF4_CONFIG = (32, 2, 4, 4, 1)  # before (or without) tuning
+DEFAULT_INT8_CONFIG = (8, 256, 2, 4, 0)
 
 
 def rows_per_program(m: int) -> int:

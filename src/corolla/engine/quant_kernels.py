@@ -1,5 +1,6 @@
 """Triton dequantize-GEMM kernels for few-row inputs (decode steps of up to `QUANT_KERNEL_MAX_ROWS` rows) reading
-the NF4 and Int8 layouts of `engine.quant` in place: out[M, N] = x[M, K] @ W[N, K]^T (+ residual).
+the NF4 and Int8 layouts of `engine.quant` in place: out[M, N] = x[M, K] @ W[N, K]^T (+ residual). DecodeOps runs
+them for merged steps of more than `quant_gemv.GEMV_MAX_ROWS` rows (fewer go to quant_gemv's CUDA-core kernels).
 
 Batch invariance: every 16-row tile of the output is computed with the same instruction sequence and the same K
 order (an NF4 program may carry up to four such tiles to read its weight bytes once), and a split of K (when the tuned config has one) is summed in a fixed order by a second
@@ -18,19 +19,16 @@ from corolla.engine.quant import NF4_BLOCK_VALUES, Int8Weight, NF4Weight
 QUANT_KERNEL_MAX_ROWS = 64  # larger inputs (prefill) dequantize the weight and use cuBLAS
 TILE_M = 16
 
-# (BLOCK_N, BLOCK_K values, SPLIT_K, num_warps, num_stages), timed per weight shape at warm-up
+# (BLOCK_N, BLOCK_K values, SPLIT_K, num_warps, num_stages), timed per weight shape at warm-up on a 64-row
+# input (DecodeOps.tune_quantized; fewer than quant_gemv.GEMV_MAX_ROWS + 1 rows go to quant_gemv). Kept: the
+# winners of every Llama-3-8B projection at 64 rows on an H100 and the runner-up (benchmarks/results/
+# quant-nvidia-h100-80gb-hbm3-20261126-1712.json; 16-wide tiles were 2-6x slower there).
 QUANT_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    (16, 128, 1, 4, 3),
-    (16, 256, 1, 4, 3),
     (32, 128, 1, 4, 3),
-    (16, 128, 2, 4, 3),
-    (16, 256, 4, 4, 3),
     (32, 128, 4, 4, 3),
     (64, 128, 4, 4, 3),
-    (16, 128, 8, 4, 3),
-    (32, 256, 2, 8, 3),
 )
-DEFAULT_CONFIG = (16, 128, 2, 4, 3)
+DEFAULT_CONFIG = (64, 128, 4, 4, 3)
 
 
 @triton.jit

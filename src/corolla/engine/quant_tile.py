@@ -26,14 +26,12 @@ from corolla.engine.quant_gemv import _split_sum_kernel
 TILE_M = 16
 MAX_TILES = 4  # 16-row tiles one program multiplies against its decoded weight tile
 
-# (BLOCK_N, BLOCK_K values, K splits, num_warps, num_stages)
+# (BLOCK_N, BLOCK_K values, K splits, num_warps, num_stages). Kept: the two that came within 15% of the best
+# 64-row kernel on every Llama-3-8B projection on an H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-
+# 20261126-1712.json; 32-wide tiles and one split of 128-wide tiles were 2-4x slower).
 NF4_TILE_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    (32, 128, 2, 4, 3),
-    (32, 128, 4, 4, 3),
     (64, 128, 2, 4, 3),
     (64, 128, 4, 4, 3),
-    (64, 256, 2, 8, 3),
-    (128, 128, 1, 8, 3),
 )
 
 
