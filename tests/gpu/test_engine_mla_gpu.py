@@ -44,7 +44,11 @@ def make_blocks(layers: int = 3, seed: int = 0) -> list[torch.nn.Module]:
                 torch.nn.init.normal_(p, std=0.05)
             else:
                 torch.nn.init.normal_(p, mean=0.0 if "bias" in name else 1.0, std=0.1)
-        blocks.append(block.to(DEV, BF16).eval())
+        block = block.to(DEV, BF16).eval()
+        bias = getattr(block.mlp, "e_score_correction_bias", None)
+        if bias is not None:  # well separated choices: bf16 rounding never flips an expert between two paths
+            bias.data.copy_(2.0 * torch.randperm(bias.numel()).float())
+        blocks.append(block)
     return blocks
 
 
@@ -74,9 +78,10 @@ def test_graph_decode_equals_eager_and_the_plain_blocks() -> None:
         for block, cache in zip(blocks, caches, strict=True):
             h = block(h, cache=cache, position=pos)
         ref_outs.append(h.cpu())
-    for og, oe, ref in zip(outs_g, outs_e, ref_outs, strict=True):
-        assert rel_err(og, oe) < 1e-2  # same kernels, graph vs eager (attention over padded vs used pages)
-        assert rel_err(og, ref) < 3e-2  # absorbed bf16 decode vs the decompressing block
+    for step, (og, oe, ref) in enumerate(zip(outs_g, outs_e, ref_outs, strict=True)):
+        graph_vs_eager, vs_block = rel_err(og, oe), rel_err(og, ref)
+        assert graph_vs_eager < 1e-2, (step, graph_vs_eager)  # same kernels (attention over padded vs used pages)
+        assert vs_block < 3e-2, (step, vs_block)  # absorbed bf16 decode vs the decompressing block
 
 
 @torch.inference_mode()

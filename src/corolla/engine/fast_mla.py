@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from corolla.engine.config import MlaSpec
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.mla_kernels import group_limited_route, paged_latent_attention, rope_rotate, store_latent
-from corolla.engine.moe import ExpertWeights, experts_forward
+from corolla.engine.moe import ExpertWeights, experts_forward, kernel_usable
 from corolla.engine.ops import DecodeOps
 from corolla.models.deepseek_v3.block import DeepseekV3Block
 from corolla.models.deepseek_v3.mla import LatentAttention
@@ -122,6 +122,7 @@ class FastMlaSpan:
         self.cos = cos.to(self.device, torch.float32).contiguous()  # [P, r/2]
         self.sin = sin.to(self.device, torch.float32).contiguous()
         self.ops = DecodeOps(self.device, OPS_HEAD_DIM, use_triton=use_triton)
+        self.expert_config: tuple[int, int, int, int] | None = None  # grouped-experts kernel config (tune)
         n, nope = spec.num_heads, spec.qk_nope_head_dim
         # per layer: kv_b viewed as [n, nope + v, c]; key half [n, nope, c], value half transposed [n, c, v]: views
         self._w_uk = [w.attn.kv_b.view(n, nope + spec.v_head_dim, -1)[:, :nope] for w in self.layers]
@@ -161,10 +162,52 @@ class FastMlaSpan:
             else:  # the shared experts read the normed input the router also reads
                 add(mlp.shared.gate_up, "none", None, False)
                 add(mlp.shared.down, "silu", None, True)
-        report = self.ops.tune_linear(slots, self.spec.rms_norm_eps)
+        report: dict = self.ops.tune_linear(slots, self.spec.rms_norm_eps)
         for key, r in report.items():
             logger.info(f"fast_mla.tune(slot={key}, best={r['best']}, us={r['best_us']:.1f})")
+        experts = self._tune_experts()
+        if experts:
+            report["experts"] = experts
         return report
+
+    @torch.inference_mode()
+    def _tune_experts(self, rows: Sequence[int] = (1, 8), reps: int = 7) -> dict:
+        """Times every grouped-experts kernel config at each token count in `rows` (random tokens routed by each
+        MoE layer's own group-limited router), one CUDA graph over all MoE layers, and keeps the config with the
+        least summed slowdown against each count's fastest (one config for every batch size: rows stay
+        batch-invariant). {} without CUDA + Triton or MoE layers."""
+        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoeWeights)]
+        if not moes or not self.ops.use_triton or not kernel_usable(self.device):
+            return {}
+        from corolla.engine import moe_kernels
+        from corolla.engine.ops import _graph_median_ms
+
+        timings: dict[int, dict[tuple[int, int, int, int], float]] = {}
+        for n in rows:
+            x = torch.randn(n, self.spec.hidden_size, device=self.device, dtype=self.dtype)  # [n, H]
+            routes = [self._route(m, x) for m in moes]  # (weights, ids) [n, k] each
+            timings[n] = {}
+            for config in moe_kernels.EXPERT_CONFIGS:
+                try:
+                    ms = _graph_median_ms(
+                        lambda c=config, x=x, routes=routes: [
+                            experts_forward(x, ids, w, m.experts, config=c)
+                            for m, (w, ids) in zip(moes, routes, strict=True)
+                        ],
+                        reps,
+                    )
+                except Exception as e:  # a config that does not compile or fit is skipped
+                    logger.info(f"fast_mla.tune_experts.skip(config={config}, rows={n}, error={type(e).__name__})")
+                    continue
+                timings[n][config] = ms * 1000 / len(moes)
+        common = set.intersection(*(set(t) for t in timings.values()))
+        if not common:
+            raise RuntimeError("no grouped-experts kernel config runs for this span's experts")
+        fastest = {n: min(t.values()) for n, t in timings.items()}
+        best = min(common, key=lambda c: sum(timings[n][c] / fastest[n] for n in rows))
+        self.expert_config = best
+        logger.info(f"fast_mla.tune_experts(best={best}, us={timings[rows[0]][best]:.1f}, rows={rows[0]})")
+        return {"best": best, "us": {n: {str(c): us for c, us in t.items()} for n, t in timings.items()}}
 
     # ------------------------------------------------------------------------------------------ construction
 
@@ -217,15 +260,10 @@ class FastMlaSpan:
         k_rope = rope_rotate(kv[:, None, s.kv_lora_rank :], cos, sin, interleaved=s.rope_interleave)[:, 0]  # [N, r]
         return q[..., : s.qk_nope_head_dim], q_rope, latent, k_rope
 
-    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """Residual + MLP of layer i: h [N, H] -> [N, H]."""
-        s, w = self.spec, self.layers[i]
-        mlp = w.mlp
-        if isinstance(mlp, DenseMlpWeights):
-            gate_up = self.ops.linear(h, mlp.gate_up, None, prologue="rmsnorm", norm_weight=w.ln2, eps=s.rms_norm_eps)
-            return self.ops.linear(gate_up, mlp.down, None, residual=h, prologue="silu")
-        x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)  # [N, H]
-        weights, ids = group_limited_route(
+    def _route(self, mlp: MoeWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] (normed) -> (weights [N, k] fp32, expert ids [N, k])."""
+        s = self.spec
+        return group_limited_route(
             x,
             mlp.router,
             mlp.score_bias,
@@ -234,8 +272,20 @@ class FastMlaSpan:
             topk_groups=s.topk_groups,
             normalize=s.norm_topk_prob,
             scaling=s.routed_scaling_factor,
-        )  # [N, k] each
-        routed = experts_forward(x, ids, weights, mlp.experts, use_triton=self.ops.use_triton)  # [N, H]
+        )
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Residual + MLP of layer i: h [N, H] -> [N, H]."""
+        s, w = self.spec, self.layers[i]
+        mlp = w.mlp
+        if isinstance(mlp, DenseMlpWeights):
+            gate_up = self.ops.linear(h, mlp.gate_up, None, prologue="rmsnorm", norm_weight=w.ln2, eps=s.rms_norm_eps)
+            return self.ops.linear(gate_up, mlp.down, None, residual=h, prologue="silu")
+        x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)  # [N, H]
+        weights, ids = self._route(mlp, x)  # [N, k] each
+        routed = experts_forward(
+            x, ids, weights, mlp.experts, use_triton=self.ops.use_triton, config=self.expert_config
+        )  # [N, H]
         shared = self.ops.linear(x, mlp.shared.gate_up, None)  # [N, 2 I_shared]
         return self.ops.linear(shared, mlp.shared.down, None, residual=h + routed, prologue="silu")
 

@@ -153,6 +153,32 @@ def bench_transformers(config, device: torch.device, dtype: torch.dtype, prefix:
     return {"step_ms": ms, "attn_implementation": "sdpa", "experts_implementation": str(experts_impl)}
 
 
+def kernel_profile(span: FastMlaSpan, graphs, engine: SpanEngine, lines: list[str]) -> list[dict]:
+    """Device time per kernel of one eager batch-1 decode step (the graph's inputs as last replayed), largest first:
+    where the step's time goes (eager: the sum excludes the launch gaps the graph removes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step() -> None:
+        span.decode(graphs.hidden[:1], graphs.positions[:1], graphs.block_tables[:1], engine.pool)
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = float(getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0))
+        if us > 0:
+            rows.append({"kernel": event.key[:90], "calls": int(event.count), "us": us})
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    log(lines, f"eager decode step kernels: {sum(r['calls'] for r in rows)} launches, {total / 1000:.3f} ms device")
+    for r in rows[:14]:
+        log(lines, f"  {r['us']:9.1f} us  x{r['calls']:<3d} {r['kernel']}")
+    return rows
+
+
 @torch.inference_mode()
 def bench_corolla(config, device, dtype, args: argparse.Namespace, bandwidth: float, lines: list[str]) -> dict:
     from corolla.models.registry import get_family
@@ -204,6 +230,9 @@ def bench_corolla(config, device, dtype, args: argparse.Namespace, bandwidth: fl
         if engine.graphs is not None:
             graphs = engine.graphs
             result["replay_ms"] = median_ms(lambda: graphs.run(1), 20, device)
+            result["kernels"] = kernel_profile(span, graphs, engine, lines)
+        if "experts" in tune:
+            result["experts_config"] = tune["experts"]["best"]
         # the engine's decode step against the plain blocks' step on the same prefix and token
         plain = [b for b in blocks if isinstance(b, CorollaBlock)]
         caches = [[d.make_zeros() for d in b.cache_descriptors(1, prefix + 1)] for b in plain]
