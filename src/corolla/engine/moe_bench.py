@@ -213,6 +213,12 @@ def main() -> None:
     results["bandwidth_bytes_per_s"] = bandwidth
     log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.layers} {args.shape} layers")
     gen = torch.Generator(device=dev).manual_seed(1)
+    stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
+    base = args.out / f"moe-{args.shape}-{name.lower().replace(' ', '-')}-{stamp}"
+
+    def save() -> None:  # after every section: a run cut short keeps what it measured
+        base.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+        base.with_suffix(".log").write_text("\n".join(lines) + "\n")
 
     model = hf_model(args.shape, args.layers, dev, dtype)
     layers = engine_layers(model)
@@ -244,6 +250,7 @@ def main() -> None:
     rel = agreement(engine, model, args.prefix_tokens, gen)
     results["rel_err_vs_transformers"] = rel
     log(lines, f"engine vs transformers on one decode step: relative error {rel:.4f}")
+    save()
 
     dense_bytes = sum(layer.nbytes() - layer.moe.experts.nbytes() for layer in layers if layer.moe is not None)
     kv_bytes_per_row = spec.kv_bytes_per_token(dtype, args.layers) * args.prefix_tokens
@@ -274,10 +281,7 @@ def main() -> None:
         log(lines, f"batch {batch}: engine {row['step_ms']:.3f} ms/step, floor {floor_ms:.3f} ms "
                    f"({row['x_floor']:.2f}x; {experts_per_step / args.layers:.2f} experts/layer), transformers "
                    f"{hf_ms:.2f} ms (the engine {row['speedup_vs_transformers']:.1f}x faster)")  # fmt: skip
-    stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
-    base = args.out / f"moe-{args.shape}-{name.lower().replace(' ', '-')}-{stamp}"
-    base.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
-    base.with_suffix(".log").write_text("\n".join(lines) + "\n")
+        save()
 
 
 if __name__ == "__main__":
