@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_FAMILIES = ("llama", "qwen3")  # the engine's fused span: rotary attention, fused qkv / gate_up, SiLU MLP
+# the engine's fused span: rotary attention, fused qkv, SiLU-gated MLP or routed SiLU experts (engine.moe)
+SUPPORTED_FAMILIES = ("llama", "qwen3", "mixtral", "qwen3_moe")
+UNQUANTIZED_EXPERT_FAMILIES = ("mixtral", "qwen3_moe")  # engine.moe reads dense expert weights only
 SUPPORTED_QUANT_TYPES = ("none", "nf4", "int8")  # bitsandbytes layouts read in place (corolla.engine.quant)
 GPU_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -37,6 +39,8 @@ def unsupported_reason(traits: SpanTraits, *, allow_cpu: bool = False) -> str | 
         return f"quant_type {traits.quant_type} (the fast path supports {', '.join(SUPPORTED_QUANT_TYPES)})"
     if traits.family not in SUPPORTED_FAMILIES:
         return f"family {traits.family} (the fast path supports {', '.join(SUPPORTED_FAMILIES)})"
+    if traits.family in UNQUANTIZED_EXPERT_FAMILIES and traits.quant_type != "none":
+        return f"quant_type {traits.quant_type} with {traits.family} (the fast path reads unquantized experts only)"
     if traits.num_adapters:
         return f"{traits.num_adapters} LoRA adapters loaded (the fast path serves the base model only)"
     if traits.tensor_parallel_devices > 1:
