@@ -202,3 +202,11 @@ def test_unsupported_deepseek_blocks_are_refused() -> None:
     blocks = make_blocks(num_layers=1, hidden_act="gelu")
     with pytest.raises(ValueError, match="silu"):
         make_engine(blocks)
+
+
+def test_kv_layout_refuses_empty_or_non_positive_token_shapes() -> None:
+    for shapes in [((), (1, 8)), ((1, 0), (1, 8)), ((1, 16), (-1, 8))]:
+        with pytest.raises(ValueError, match="KVLayout"):
+            KVLayout(*shapes)
+    assert KVLayout.latent(512, 64).bytes_per_token(torch.bfloat16, 61) == 61 * 576 * 2  # DeepSeek-V3's 61 layers
+    assert KVLayout.heads(8, 128).values_per_token == 2 * 8 * 128
