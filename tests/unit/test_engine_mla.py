@@ -22,6 +22,18 @@ MAX_LEN = 96
 VARIANTS = {
     "q_lora_interleaved": {},
     "q_proj_rotate_half_bias": {"q_lora_rank": None, "rope_interleave": False, "attention_bias": True},
+    "yarn": {  # DeepSeek-V3's own rope: YaRN with mscale (the softmax scale grows by mscale^2)
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    },  # fmt: skip
 }
 
 
