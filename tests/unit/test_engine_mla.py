@@ -33,7 +33,7 @@ VARIANTS = {
             "beta_fast": 32,
             "beta_slow": 1,
         },
-    },  # fmt: skip
+    },
 }
 
 
