@@ -1,8 +1,8 @@
 """The dequantize-GEMV kernels (engine/quant_gemv.py) on a real GPU: every NF4 and Int8 config, with and without
 residual and split K, equals the reference dequantizer + fp32 matmul on fresh random weights and inputs (outputs
 poisoned first: every element written), each row's output is bit-identical alone and merged with other rows
-(1, 2 and 4 rows per program), DecodeOps serves up to GEMV_MAX_ROWS rows with the tuned GEMV and more with the
-tl.dot kernel, and bad calls are refused. Skipped without CUDA (tests/unit/test_engine_quant.py ties the reference
+(1, 2 and 4 rows per program), DecodeOps' tuner times every candidate and serves each row range (up to
+GEMV_MAX_ROWS rows, more) with the kernel and config it picked, and bad calls are refused. Skipped without CUDA (tests/unit/test_engine_quant.py ties the reference
 dequantizer to bitsandbytes on CPU)."""
 
 from __future__ import annotations
@@ -102,8 +102,15 @@ def test_gemv_refuses_bad_calls() -> None:
     assert float((out - expected).norm() / expected.norm()) < 1e-4
 
 
+def _run(kernel: str, config, x, weight, res):
+    from corolla.engine import quant_gemv, quant_kernels, quant_tile
+
+    fn = {"gemv": quant_gemv.quant_gemv, "block": quant_kernels.quant_matmul, "tile": quant_tile.nf4_tile_matmul}
+    return fn[kernel](x, weight, res, config)
+
+
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
-def test_decode_ops_routes_rows_to_gemv_and_dot(kind) -> None:
+def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
     from corolla.engine import quant_gemv, quant_kernels, quant_tile
     from corolla.engine.ops import DecodeOps
 
@@ -111,23 +118,19 @@ def test_decode_ops_routes_rows_to_gemv_and_dot(kind) -> None:
     ops = DecodeOps(DEV, 64, use_triton=True)
     report = ops.tune_quantized({(kind, 256, 1024): weights}, reps=3)
     entry = report[(kind, 256, 1024)]
-    kernel, gemm_config = entry["gemm_best"]
-    assert entry["best"] in _configs(kind)
-    assert gemm_config in (quant_tile.NF4_TILE_CONFIGS if kernel == "tile" else quant_kernels.QUANT_CONFIGS)
-    assert kind == "nf4" or kernel == "block"
+    small, gemm = entry["best"], entry["gemm_best"]
+    assert small in [("gemv", c) for c in _configs(kind)] + [("block", c) for c in quant_kernels.QUANT_CONFIGS]
+    assert gemm in [("block", c) for c in quant_kernels.QUANT_CONFIGS] + [
+        ("tile", c) for c in quant_tile.NF4_TILE_CONFIGS if kind == "nf4"
+    ]
+    assert len(entry["all_us"]) == len(_configs(kind)) + len(quant_kernels.QUANT_CONFIGS)  # every candidate ran
     assert entry["best_us"] > 0 and entry["gemm_best_us"] > 0
-    gemv_config = ops.quant_gemv[(kind, 256, 1024)]
-    assert ops.quant_gemm[(kind, 256, 1024)] == (kernel, gemm_config)
+    assert ops.quant_small[(kind, 256, 1024)] == small and ops.quant_gemm[(kind, 256, 1024)] == gemm
     for m in (1, quant_gemv.GEMV_MAX_ROWS, quant_gemv.GEMV_MAX_ROWS + 1, 40):
         x = torch.randn(m, 1024, device=DEV, dtype=BF16)
         res = torch.randn(m, 256, device=DEV, dtype=BF16)
         got = ops.linear(x, weights[1], None, residual=res)
-        if m <= quant_gemv.GEMV_MAX_ROWS:
-            want = quant_gemv.quant_gemv(x, weights[1], res, gemv_config)
-        elif kernel == "tile":
-            want = quant_tile.nf4_tile_matmul(x, weights[1], res, gemm_config)
-        else:
-            want = quant_kernels.quant_matmul(x, weights[1], res, gemm_config)
+        want = _run(*(small if m <= quant_gemv.GEMV_MAX_ROWS else gemm), x, weights[1], res)
         assert torch.equal(got, want), (kind, m)
         expected = x.float() @ weights[1].dequantize().float().t() + res.float()
         assert float((got.float() - expected).norm() / expected.norm()) < 1.5e-2

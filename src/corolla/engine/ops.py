@@ -140,11 +140,16 @@ def _time_configs(configs, call, items: list, reps: int) -> dict:
     return timings
 
 
-def _gemm(kernel: str, config: tuple[int, int, int, int, int]):
-    """(x, weight, residual) -> out of the merged-step kernel `kernel` ("block" or "tile") with `config`."""
+def _quant_kernel(kernel: str, config: tuple[int, int, int, int, int]):
+    """(x, weight, residual) -> out of the quantized kernel `kernel` with `config`: "gemv" (quant_gemv, up to
+    GEMV_MAX_ROWS rows), "block" (quant_kernels.quant_matmul) or "tile" (quant_tile.nf4_tile_matmul, NF4)."""
+    if kernel == "gemv":
+        return lambda x, w, res: quant_gemv.quant_gemv(x, w, res, config)
     if kernel == "tile":
         return lambda x, w, res: quant_tile.nf4_tile_matmul(x, w, res, config)
-    return lambda x, w, res: quant_kernels.quant_matmul(x, w, res, config)
+    if kernel == "block":
+        return lambda x, w, res: quant_kernels.quant_matmul(x, w, res, config)
+    raise ValueError(f"unknown quantized kernel {kernel!r}")
 
 
 def _quant_key(weight: NF4Weight | Int8Weight) -> tuple[str, int, int]:
@@ -162,11 +167,11 @@ class DecodeOps:
         # (N, K, prologue, has_residual) -> Triton skinny-GEMM config for single-row inputs (absent: the prologue as
         # its own kernel, then cuBLAS); filled by tune_linear
         self.single_row_gemm: dict[tuple[int, int, str, bool], tuple[int, int, int, int]] = {}
-        # (kind, N, K) -> (kernel, config) for merged decode steps of more than GEMV_MAX_ROWS rows ("block":
-        # quant_kernels.quant_matmul, "tile": quant_tile.nf4_tile_matmul), and dequantize-GEMV config of quant_gemv
-        # for fewer rows; filled by tune_quantized
+        # (kind, N, K) -> (kernel, config) of _quant_kernel for decode steps of up to GEMV_MAX_ROWS rows
+        # (quant_small: "gemv" or "block") and for larger merged steps (quant_gemm: "block" or "tile"); filled by
+        # tune_quantized
+        self.quant_small: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
         self.quant_gemm: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
-        self.quant_gemv: dict[tuple[str, int, int], tuple[int, int, int, int, int]] = {}
 
     def linear(
         self,
@@ -210,11 +215,10 @@ class DecodeOps:
             key, res = _quant_key(weight), None if bias is not None else residual
             if x.shape[0] <= quant_gemv.GEMV_MAX_ROWS:
                 default = quant_gemv.DEFAULT_NF4_CONFIG if key[0] == "nf4" else quant_gemv.DEFAULT_INT8_CONFIG
-                out = quant_gemv.quant_gemv(x.contiguous(), weight, res, self.quant_gemv.get(key, default))
+                kernel, config = self.quant_small.get(key, ("gemv", default))
             else:
-                out = _gemm(*self.quant_gemm.get(key, ("block", quant_kernels.DEFAULT_CONFIG)))(
-                    x.contiguous(), weight, res
-                )
+                kernel, config = self.quant_gemm.get(key, ("block", quant_kernels.DEFAULT_CONFIG))
+            out = _quant_kernel(kernel, config)(x.contiguous(), weight, res)
             if bias is None:
                 return out
             out = out + bias
@@ -229,11 +233,12 @@ class DecodeOps:
 
     @torch.inference_mode()
     def tune_quantized(self, weights: dict[tuple[str, int, int], list], *, reps: int = 7) -> dict:
-        """For each quantized shape (kind, N, K) -> [weight per layer], times every dequantize-GEMV config on a
-        single-row input and every dequantize-GEMM (tl.dot) config on a `QUANT_KERNEL_MAX_ROWS`-row input, each as
-        a CUDA graph over all layers' weights, and keeps the fastest of each (one config per kernel then serves
-        every batch size it takes, which keeps rows batch-invariant). Returns {shape: {"best", "best_us",
-        "all_us", "gemm_best", "gemm_best_us", "gemm_all_us"}}, microseconds per layer call."""
+        """For each quantized shape (kind, N, K) -> [weight per layer], times every dequantize-GEMV and "block"
+        tl.dot config on a single-row input (the fastest serves steps of up to GEMV_MAX_ROWS rows) and every
+        "block" and "tile" tl.dot config on a `QUANT_KERNEL_MAX_ROWS`-row input (the fastest serves larger merged
+        steps), each as a CUDA graph over all layers' weights. One (kernel, config) per row range keeps rows
+        batch-invariant within it. Returns {shape: {"best", "best_us", "all_us", "gemm_best", "gemm_best_us",
+        "gemm_all_us"}}, microseconds per layer call."""
         if not self.use_triton:
             return {}
         report = {}
@@ -244,15 +249,17 @@ class DecodeOps:
                 gemv_configs = tuple(c for c in gemv_configs if c[4] == 0)
             one = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
             many = torch.randn(quant_kernels.QUANT_KERNEL_MAX_ROWS, k, device=one.device, dtype=one.dtype)
-            gemv = _time_configs(gemv_configs, lambda c, w, x=one: quant_gemv.quant_gemv(x, w, None, c), items, reps)
-            gemm_configs = [("block", c) for c in quant_kernels.QUANT_CONFIGS]
-            if key[0] == "nf4":
-                gemm_configs += [("tile", c) for c in quant_tile.NF4_TILE_CONFIGS]
-            gemm = _time_configs(gemm_configs, lambda c, w, x=many: _gemm(*c)(x, w, None), items, reps)
+            block_configs = [("block", c) for c in quant_kernels.QUANT_CONFIGS]
+            small_configs = [("gemv", c) for c in gemv_configs] + block_configs
+            gemv = _time_configs(small_configs, lambda c, w, x=one: _quant_kernel(*c)(x, w, None), items, reps)
+            gemm_configs = block_configs + (
+                [("tile", c) for c in quant_tile.NF4_TILE_CONFIGS] if key[0] == "nf4" else []
+            )
+            gemm = _time_configs(gemm_configs, lambda c, w, x=many: _quant_kernel(*c)(x, w, None), items, reps)
             if not gemv or not gemm:
                 raise RuntimeError(f"no dequantize-GEMV or -GEMM config runs for {key}")
             best, gemm_best = min(gemv, key=gemv.__getitem__), min(gemm, key=gemm.__getitem__)
-            self.quant_gemv[key] = best
+            self.quant_small[key] = best
             self.quant_gemm[key] = gemm_best
             per_call = 1000 / len(items)
             report[key] = {

@@ -19,14 +19,21 @@ from corolla.engine.quant import NF4_BLOCK_VALUES, Int8Weight, NF4Weight
 QUANT_KERNEL_MAX_ROWS = 64  # larger inputs (prefill) dequantize the weight and use cuBLAS
 TILE_M = 16
 
-# (BLOCK_N, BLOCK_K values, SPLIT_K, num_warps, num_stages), timed per weight shape at warm-up on a 64-row
-# input (DecodeOps.tune_quantized; fewer than quant_gemv.GEMV_MAX_ROWS + 1 rows go to quant_gemv). Kept: the
-# winners of every Llama-3-8B projection at 64 rows on an H100 and the runner-up (benchmarks/results/
-# quant-nvidia-h100-80gb-hbm3-20261126-1712.json; 16-wide tiles were 2-6x slower there).
+# (BLOCK_N, BLOCK_K values, SPLIT_K, num_warps, num_stages), timed per weight shape at warm-up on one row (against
+# quant_gemv's kernels, for steps of up to quant_gemv.GEMV_MAX_ROWS rows) and on 64 rows (against quant_tile's,
+# for larger merged steps) by DecodeOps.tune_quantized. At 64 rows the 64-wide tile won every Llama-3-8B
+# projection on an H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-1712.json); the narrow ones are
+# kept for one row, where this kernel served INT8 at 1.58x its floor (quant-nvidia-h100-80gb-hbm3-20261126-1416).
 QUANT_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (16, 128, 1, 4, 3),
+    (16, 256, 1, 4, 3),
     (32, 128, 1, 4, 3),
+    (16, 128, 2, 4, 3),
+    (16, 256, 4, 4, 3),
     (32, 128, 4, 4, 3),
     (64, 128, 4, 4, 3),
+    (16, 128, 8, 4, 3),
+    (32, 256, 2, 8, 3),
 )
 DEFAULT_CONFIG = (64, 128, 4, 4, 3)
 
