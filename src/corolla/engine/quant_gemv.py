@@ -7,7 +7,7 @@ rows with 16-byte loads, decodes it in registers and multiplies in fp32 on the C
 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-1712.json): NF4 4.1-5.8x its bytes' floor per
 projection, bound by the decode (about nine instructions per weight value in the SASS: per byte a lookup with
 its 64-bit address, the nibble/byte extraction, and a shared-memory layout change between the byte load and the
-lookups, which Triton places in different layouts); the step 2.7x faster than the tl.dot kernel's at one row.
+lookups, which Triton places in different layouts).
 
 NF4 decode (`lut` in the config): 0 = each nibble looked up in the 16-entry fp32 level table (64 bytes: one
 cache line, so a warp's lookups are served in one L1 pass); 1 = each byte looked up in the 256-entry pair table
