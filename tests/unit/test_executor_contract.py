@@ -76,14 +76,17 @@ KINDS = sorted(EXECUTORS) + ["proxy_fast", "proxy_plain"]
 
 
 @contextlib.asynccontextmanager
-async def _proxied(real: SpanExecutor, admission: SessionAdmission | None = None) -> AsyncIterator[ProxyExecutor]:
+async def _proxied(
+    real: SpanExecutor, admission: SessionAdmission | None = None, router: PushRouter | None = None
+) -> AsyncIterator[ProxyExecutor]:
     device_end, handler_end = socket.socketpair()
     device_reader, device_writer = await asyncio.open_unix_connection(sock=device_end)
     handler_reader, handler_writer = await asyncio.open_unix_connection(sock=handler_end)
     channel = DeviceChannel(
         0, device_reader, device_writer, executor=real,
         admission=admission if admission is not None else SessionAdmission(PeerLimits(), real),
-        router=PushRouter(DeviceSessionRegistry()), span=SPAN, max_frame_bytes=1 << 24,
+        router=router if router is not None else PushRouter(DeviceSessionRegistry()), span=SPAN,
+        max_frame_bytes=1 << 24,
     )  # fmt: skip
     serving = asyncio.create_task(channel.serve())
     link = await DeviceLink.connect(handler_reader, handler_writer)
@@ -293,3 +296,64 @@ async def test_make_executor_reports_the_path(backend) -> None:
         assert make_executor(choose_serving_path("fast", cpu), backend, runtime, settings, metrics).path == "fast"
         text = metrics.render()
         assert b'corolla_serving_path{path="fast"} 1.0' in text and b'corolla_serving_path{path="plain"} 0.0' in text
+
+
+# ---- the proxy's own promises (handler processes): sizes without asking, one global admission, routed pushes
+
+
+@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+async def test_proxy_sizes_sessions_as_the_device_does(backend, kind) -> None:
+    async with _executor(backend, "proxy_" + kind) as proxy, _executor(backend, kind) as real:
+        for spec in [SessionSpec(SPAN, 1, 1), SessionSpec(SPAN, 3, 17), SessionSpec(SPAN[1:3], 2, 64)]:
+            assert proxy.session_bytes(spec) == real.session_bytes(spec)
+            assert proxy.cache_bytes_per_token(spec.block_indices) == real.cache_bytes_per_token(spec.block_indices)
+        assert proxy.max_size_bytes == real.max_size_bytes and proxy.path == real.path
+
+
+async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(backend) -> None:
+    from corolla.server.limits import PeerLimitExceeded
+    from corolla.server.proxy_executor import RemoteAdmission
+
+    limits = PeerLimits(max_sessions_per_peer=1, max_kv_fraction_per_peer=1.0, session_idle_evict_s=0.01)
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        real = _plain(backend, runtime)
+        device_admission = SessionAdmission(limits, real)
+        async with _proxied(real, device_admission) as first, _proxied(real, device_admission) as second:
+            spec = SessionSpec(SPAN, 1, 16)
+            async with RemoteAdmission(limits, first).reserve("peer-a", first, spec, 0) as (ticket, cache):
+                assert cache is not None and device_admission.num_open == 1
+                with pytest.raises(PeerLimitExceeded) as refused:  # the same peer through another process
+                    async with RemoteAdmission(limits, second).reserve("peer-a", second, spec, 0):
+                        pass
+                assert refused.value.reason == "peer_sessions"
+                await asyncio.sleep(0.05)  # idle past session_idle_evict_s
+                device_admission._evict(next(iter(device_admission._tickets)), "test")
+                await asyncio.wait_for(ticket.evicted.wait(), 5)  # the stream's process learns it
+            assert device_admission.num_open == 0 and real.bytes_left == real.max_size_bytes
+
+
+async def test_push_is_routed_to_the_process_holding_the_session(backend) -> None:
+    from hivemind.proto import runtime_pb2
+
+    from corolla.server.peer_auth import SessionPushGuard
+    from corolla.server.proxy_executor import RoutingSessionRegistry
+
+    router = PushRouter(DeviceSessionRegistry())
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        real = _plain(backend, runtime)
+        async with _proxied(real, router=router) as holder, _proxied(real, router=router) as other:
+            holding, receiving = RoutingSessionRegistry(holder.link), RoutingSessionRegistry(other.link)
+            guard = SessionPushGuard(upstream="upstream")
+            queue = holding.open("session-1", guard)
+            assert queue is not None
+            await asyncio.sleep(0.05)  # ROUTE_ADD reaches the device process
+            request = runtime_pb2.ExpertRequest(uid="x", metadata=b"step")
+            assert receiving.push("session-1", request, sender="upstream")  # landed on the other process
+            got = await asyncio.wait_for(queue.get(), 5)
+            assert got.uid == "x" and got.metadata == b"step"
+            receiving.push("session-1", request, sender="someone-else")  # routed, then refused by the guard
+            await asyncio.sleep(0.05)
+            assert queue.empty()
+            holding.close("session-1")
+            await asyncio.sleep(0.05)
+            assert "session-1" not in router.routes

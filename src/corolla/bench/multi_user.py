@@ -15,10 +15,7 @@ goes through `corolla-bench --users ...` (see `cli.py`).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime as dt
-import json
 import multiprocessing
 import queue
 import threading
@@ -26,7 +23,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -102,6 +98,7 @@ class UsersResult:
     sessions_finished: int
     prefill_median_ms: float  # client-observed prefill of `prefix_tokens` (each process's sessions at once)
     errors: list[str] = field(default_factory=list)
+    num_handlers: int = 1  # processes serving the p2p streams (1: the server's own loop; server.handler_pool)
 
 
 # ---- the server (this process)
@@ -157,10 +154,12 @@ def build_executor(
 class BenchServer:
     """One span server on its own asyncio loop thread in this process, listening on loopback only."""
 
-    def __init__(self, executor: SpanExecutor, *, hidden_size: int, num_layers: int, dtype, device):
+    def __init__(
+        self, executor: SpanExecutor, *, hidden_size: int, num_layers: int, dtype, device, num_handlers: int = 1
+    ):
         from corolla.server.block_functions import ServingLimits
 
-        self.executor, self.device = executor, device
+        self.executor, self.device, self.num_handlers = executor, device, num_handlers
         self.num_layers, self.hidden_size, self.dtype = num_layers, hidden_size, dtype
         self.limits = ServingLimits(
             dht_prefix=DHT_PREFIX,
@@ -176,7 +175,7 @@ class BenchServer:
         self.service: SpanService | None = None
 
     @contextmanager
-    def running(self) -> Iterator[BenchServer]:
+    def running(self, keep_runtime: bool = False) -> Iterator[BenchServer]:
         from hivemind.p2p import P2P
 
         from corolla.server.limits import PeerLimits
@@ -200,6 +199,7 @@ class BenchServer:
                 limits=self.limits,
                 timeouts=SessionTimeouts(step_timeout_s=120, session_timeout_s=1800, request_timeout_s=120),
                 busy_poll=selector if self.device.type == "cuda" else None,  # as the server does
+                num_handlers=self.num_handlers,
             )
             # one bench process plays many users: the per-peer fair-use caps (sessions, KV share) would refuse
             # them (every socket client is the one peer "local"), so they are lifted here; the rest stay default
@@ -211,7 +211,7 @@ class BenchServer:
             yield self
         finally:
             if service is not None:
-                on_loop(service.stop())
+                on_loop(service.stop(keep_runtime=keep_runtime))
             if p2p is not None:
                 on_loop(p2p.shutdown())
             loop.call_soon_threadsafe(loop.stop)
@@ -373,7 +373,9 @@ def run_users(server: BenchServer, config: UsersConfig, serving_path: str) -> Us
             if p.is_alive():
                 p.kill()
                 p.join(5)
-    return _summarize(config, serving_path, collected, before, after, started, ended)
+    result = _summarize(config, serving_path, collected, before, after, started, ended)
+    result.num_handlers = server.num_handlers
+    return result
 
 
 def _summarize(config: UsersConfig, serving_path: str, collected, before, after, started, ended) -> UsersResult:
@@ -410,130 +412,13 @@ def _summarize(config: UsersConfig, serving_path: str, collected, before, after,
     )
 
 
-# ---- report
-
-
-def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
-    lines = [
-        f"### {title}",
-        "",
-        "| serving path | transport | sessions (processes) | aggregate tok/s | x 1 session | client step median / p90 / worst ms"
-        " | worst session median ms | steps per merged forward | runtime busy | errors / unfinished |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    lone = {(r.serving_path, r.transport): r.aggregate_tokens_per_s for r in rows if r.sessions == 1}
-    for r in rows:
-        base = lone.get((r.serving_path, r.transport))
-        ratio = f"{r.aggregate_tokens_per_s / base:.1f}x" if base else "-"
-        lines.append(
-            f"| {r.serving_path} | {r.transport} | {r.sessions} ({r.client_processes}) | "
-            f"{r.aggregate_tokens_per_s:.1f} | {ratio} | {r.step_median_ms:.1f} / {r.step_p90_ms:.1f} / "
-            f"{r.step_worst_ms:.1f} | {r.worst_session_median_ms:.1f} | {r.steps_per_merged_forward:.1f} | "
-            f"{r.device_busy_share:.0%} | {len(r.errors)} / {r.sessions - r.sessions_finished} |"
-        )
-    lines += ["", *[f"- {n}" for n in notes]]
-    return "\n".join(lines)
-
-
-def _engine_row(executor: SpanExecutor, sessions: int, prefix_tokens: int, steps: int) -> dict | None:
-    """The fast path's engine driven in this process by its `ContinuousBatcher` (no RPC): its own, labelled row."""
-    from corolla.bench import engine_bench
-    from corolla.server.fast_executor import FastExecutor
-
-    if not isinstance(executor, FastExecutor):
-        return None
-    engine = executor.engine
-    return engine_bench.concurrent_sessions(engine, sessions=sessions, prefix_tokens=prefix_tokens, steps=steps)
-
-
-CPU_SHAPE = ModelShape(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=16, intermediate_size=5120)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m corolla.bench.multi_user", description=__doc__)
-    p.add_argument("--cpu", action="store_true", help="run on the CPU (float32; the default shape is CPU_SHAPE)")
-    p.add_argument("--sessions", default="1,16")
-    p.add_argument("--processes", type=int, default=4, help="client processes (sessions are spread over them)")
-    p.add_argument("--transports", default="p2p,socket")
-    p.add_argument("--serving_paths", default="fast,plain")
-    p.add_argument("--prefix_tokens", type=int, default=32)
-    p.add_argument("--decode_steps", type=int, default=32)
-    p.add_argument("--torch_threads", type=int, default=0, help="torch threads of the server (0: torch's default)")
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default="cpu-users")
-    return p.parse_args(argv)
+# ---- report and command line: `users_report` (python -m corolla.bench.multi_user runs its `main`)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if not args.cpu:
-        raise SystemExit("the GPU run goes through corolla-bench --users; this entry point is the CPU mode (--cpu)")
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    shape, dtype, device = CPU_SHAPE, torch.float32, torch.device("cpu")
-    params = shape.num_layers * (
-        2 * shape.hidden_size**2
-        + 2 * shape.hidden_size * shape.hidden_size * shape.num_kv_heads // shape.num_heads
-        + 3 * shape.hidden_size * shape.intermediate_size
-    )
-    counts = [int(s) for s in args.sessions.split(",")]
-    rows: list[UsersResult] = []
-    engine_rows: list[dict] = []
-    started = time.perf_counter()
-    for path in args.serving_paths.split(","):
-        executor = build_executor(
-            shape, dtype, device, num_layers=shape.num_layers, serving_path=path, cache_bytes=1 << 30
-        )
-        server = BenchServer(
-            executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers, dtype=dtype, device=device
-        )
-        with server.running():
-            for transport in args.transports.split(","):
-                for n in counts:
-                    config = UsersConfig(
-                        sessions=n,
-                        client_processes=args.processes,
-                        transport=transport,  # type: ignore[arg-type]
-                        prefix_tokens=args.prefix_tokens,
-                        decode_steps=args.decode_steps,
-                    )
-                    row = run_users(server, config, path)
-                    rows.append(row)
-                    print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
-        if path == "fast":
-            for n in counts:
-                r = _engine_row(executor, n, args.prefix_tokens, args.decode_steps)
-                if r is not None:
-                    engine_rows.append(r)
-                    print(f"[{time.perf_counter() - started:6.1f}s] in-process engine: {json.dumps(r)}", flush=True)
-        del executor, server
-    notes = [
-        f"CPU ({torch.get_num_threads()} torch threads), float32, span of {shape.num_layers} Llama layers, hidden "
-        f"{shape.hidden_size}, MLP {shape.intermediate_size}: {params / 1e6:.0f}M parameters; prefix "
-        f"{args.prefix_tokens} tokens, {args.decode_steps} decode steps per session (first 3 not timed).",
-        "Server: one corolla span server in the bench process (hivemind P2P on loopback + same-host socket, the real "
-        "handler and runtime); clients: stock-Petals-style rpc_inference streams in "
-        f"{args.processes} spawned processes. 'fast' = SpanEngine merging decode steps of all sessions; "
-        "'plain' = blocks + MemoryCache, one runtime task per session step.",
-        "steps per merged forward and runtime busy come from the runtime's per-kind counters over the decode window.",
-    ]
-    for r in engine_rows:
-        notes.append(
-            f"in-process engine (ContinuousBatcher in one process, no RPC; its own row): {r['sessions']} sessions "
-            f"{r['aggregate_tokens_per_s']:.1f} tok/s, client step median {r['client_step_median_ms']:.1f} ms, "
-            f"merged step {r['merged_step_ms']:.1f} ms"
-        )
-    text = markdown(rows, title="Many users at once through one server (CPU)", notes=notes)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"users-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M}-{args.tag}"
-    (out / f"{stem}.md").write_text(text + "\n")
-    (out / f"{stem}.json").write_text(
-        json.dumps({"rows": [asdict(r) for r in rows], "engine": engine_rows, "notes": notes}, indent=1)
-    )
-    print(f"wrote {out / stem}.md/.json")
-    return 0
+    from corolla.bench.users_report import main as run
+
+    return run(argv)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ class SpanService:
         return self.runtime.is_running and (self.pool is None or self.pool.healthy)
 
     async def start(self, p2p: Any) -> None:
-        await asyncio.to_thread(self.runtime.start)
+        if not self.runtime.is_running:  # a bench may serve one executor with several services in turn
+            await asyncio.to_thread(self.runtime.start)
         self.p2p = p2p
         if self.num_handlers == 1:
             await self.handler.add_p2p_handlers(p2p)
@@ -111,8 +112,9 @@ class SpanService:
         )
         await self.pool.start()
 
-    async def stop(self, timeout_s: float = 10.0) -> None:
-        """Unregisters the handlers, ends every session (freeing its cache) and stops the runtime."""
+    async def stop(self, timeout_s: float = 10.0, *, keep_runtime: bool = False) -> None:
+        """Unregisters the handlers, ends every session (freeing its cache) and stops the runtime (unless
+        `keep_runtime`: the next service of the same executor uses it)."""
         if self.pool is not None:
             await self.pool.stop()
             self.pool = None
@@ -125,4 +127,5 @@ class SpanService:
             except Exception as e:
                 logger.debug(f"span_service.remove_handlers_failed({e!r})")
         await self.handler.shutdown()
-        await asyncio.to_thread(self.runtime.stop)
+        if not keep_runtime:
+            await asyncio.to_thread(self.runtime.stop)

@@ -1,0 +1,178 @@
+"""The report and command line of the many-users bench (`multi_user`): `python -m corolla.bench.multi_user --cpu`
+(the CPU shape, float32) or `--gpu_layers N` (N Llama-3-8B-shaped layers, bfloat16, one CUDA device), each serving
+path built once and served by one server per `--num_handlers` value, every transport x session count through it,
+the in-process engine's rows and a lone session's server-side step beside them."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from corolla.bench.model import ModelShape
+from corolla.bench.multi_user import BenchServer, UsersConfig, UsersResult, build_executor, run_users
+from corolla.server.executor import SpanExecutor
+
+
+def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
+    lines = [
+        f"### {title}",
+        "",
+        "| serving path | handler processes | transport | sessions (client processes) | aggregate tok/s | x 1 session"
+        " | client step median / p90 / worst ms | worst session median ms | steps per merged forward | runtime busy"
+        " | errors / unfinished |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lone = {(r.serving_path, r.num_handlers, r.transport): r.aggregate_tokens_per_s for r in rows if r.sessions == 1}
+    for r in rows:
+        base = lone.get((r.serving_path, r.num_handlers, r.transport))
+        ratio = f"{r.aggregate_tokens_per_s / base:.1f}x" if base else "-"
+        lines.append(
+            f"| {r.serving_path} | {r.num_handlers} | {r.transport} | {r.sessions} ({r.client_processes}) | "
+            f"{r.aggregate_tokens_per_s:.1f} | {ratio} | {r.step_median_ms:.1f} / {r.step_p90_ms:.1f} / "
+            f"{r.step_worst_ms:.1f} | {r.worst_session_median_ms:.1f} | {r.steps_per_merged_forward:.1f} | "
+            f"{r.device_busy_share:.0%} | {len(r.errors)} / {r.sessions - r.sessions_finished} |"
+        )
+    lines += ["", *[f"- {n}" for n in notes]]
+    return "\n".join(lines)
+
+
+def _engine_row(executor: SpanExecutor, sessions: int, prefix_tokens: int, steps: int) -> dict | None:
+    """The fast path's engine driven in this process by its `ContinuousBatcher` (no RPC): its own, labelled row."""
+    from corolla.bench import engine_bench
+    from corolla.server.fast_executor import FastExecutor
+
+    if not isinstance(executor, FastExecutor):
+        return None
+    engine = executor.engine
+    return engine_bench.concurrent_sessions(engine, sessions=sessions, prefix_tokens=prefix_tokens, steps=steps)
+
+
+def _measure(
+    server: BenchServer, args: argparse.Namespace, counts: list[int], path: str, rows: list, started: float, last: bool
+) -> None:
+    """Every transport x session count through one running `server` (its runtime kept for the next one unless
+    `last`)."""
+    with server.running(keep_runtime=not last):
+        for transport in args.transports.split(","):
+            for n in counts:
+                config = UsersConfig(sessions=n, client_processes=args.processes, transport=transport,
+                                     prefix_tokens=args.prefix_tokens, decode_steps=args.decode_steps)  # fmt: skip
+                row = run_users(server, config, path)
+                rows.append(row)
+                print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
+
+
+def _server_step_ms(executor: SpanExecutor, prefix_tokens: int) -> float:
+    """A lone session's step on the engine itself (no RPC): the floor a client step is compared with."""
+    from corolla.bench import engine_bench
+    from corolla.server.fast_executor import FastExecutor
+
+    assert isinstance(executor, FastExecutor)
+    return float(engine_bench.single_session(executor.engine, prefix_tokens=prefix_tokens, steps=64)["median_ms"])
+
+
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+
+
+CPU_SHAPE = ModelShape(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=16, intermediate_size=5120)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m corolla.bench.multi_user", description=__doc__)
+    p.add_argument("--cpu", action="store_true", help="run on the CPU (float32; the default shape is CPU_SHAPE)")
+    p.add_argument("--gpu_layers", type=int, default=0, help="instead of --cpu: N Llama-3-8B layers, bf16, on cuda")
+    p.add_argument("--num_handlers", default="1", help="comma-separated handler process counts, each a server")
+    p.add_argument("--sessions", default="1,16")
+    p.add_argument("--processes", type=int, default=4, help="client processes (sessions are spread over them)")
+    p.add_argument("--transports", default="p2p,socket")
+    p.add_argument("--serving_paths", default="fast,plain")
+    p.add_argument("--prefix_tokens", type=int, default=32)
+    p.add_argument("--decode_steps", type=int, default=32)
+    p.add_argument("--torch_threads", type=int, default=0, help="torch threads of the server (0: torch's default)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="cpu-users")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.cpu == bool(args.gpu_layers):
+        raise SystemExit("pass --cpu (the CPU shape, float32) or --gpu_layers N (Llama-3-8B layers, bf16, cuda)")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    shape, dtype, device = CPU_SHAPE, torch.float32, torch.device("cpu")
+    if args.gpu_layers:
+        shape, dtype, device = ModelShape(num_layers=args.gpu_layers), torch.bfloat16, torch.device("cuda")
+    params = shape.num_layers * (
+        2 * shape.hidden_size**2
+        + 2 * shape.hidden_size * shape.hidden_size * shape.num_kv_heads // shape.num_heads
+        + 3 * shape.hidden_size * shape.intermediate_size
+    )
+    counts = [int(s) for s in args.sessions.split(",")]
+    rows: list[UsersResult] = []
+    engine_rows: list[dict] = []
+    started = time.perf_counter()
+    lone_steps: dict[str, float] = {}  # server-side step of a lone session (the engine, no RPC), per path
+    for path in args.serving_paths.split(","):
+        cache_bytes = (16 << 30) if args.gpu_layers else (1 << 30)
+        executor = build_executor(
+            shape, dtype, device, num_layers=shape.num_layers, serving_path=path, cache_bytes=cache_bytes
+        )
+        if path == "fast" and args.gpu_layers:  # on a CPU it costs minutes and the RPC is not what limits
+            lone_steps[path] = _server_step_ms(executor, args.prefix_tokens)
+        handler_counts = [int(x) for x in args.num_handlers.split(",")]
+        for i, handlers in enumerate(handler_counts):
+            server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
+                                 dtype=dtype, device=device, num_handlers=handlers)  # fmt: skip
+            _measure(server, args, counts, path, rows, started, last=i == len(handler_counts) - 1)
+        if path == "fast":
+            for n in counts:
+                r = _engine_row(executor, n, args.prefix_tokens, args.decode_steps)
+                if r is not None:
+                    engine_rows.append(r)
+                    print(f"[{time.perf_counter() - started:6.1f}s] in-process engine: {json.dumps(r)}", flush=True)
+        del executor
+    where = f"CPU ({torch.get_num_threads()} torch threads), float32" if args.cpu else f"{_gpu_name()}, bfloat16"
+    notes = [
+        f"{where}, span of {shape.num_layers} Llama layers, hidden "
+        f"{shape.hidden_size}, MLP {shape.intermediate_size}: {params / 1e6:.0f}M parameters; prefix "
+        f"{args.prefix_tokens} tokens, {args.decode_steps} decode steps per session (first 3 not timed).",
+        "Server: one corolla span server in the bench process (hivemind P2P on loopback + same-host socket, the real "
+        "handler and runtime; 'handler processes' N > 1: N processes own the p2p streams and feed this one, "
+        "server.handler_pool; the same-host socket stays in the device process); clients: stock-Petals-style "
+        f"rpc_inference streams in {args.processes} forked processes. 'fast' = SpanEngine merging decode steps of all "
+        "sessions; 'plain' = blocks + MemoryCache, one runtime task per session step.",
+        "steps per merged forward and runtime busy come from the runtime's per-kind counters over the decode window.",
+    ]
+    for path, step_ms in lone_steps.items():
+        for row in rows:
+            if row.serving_path == path and row.sessions == 1:
+                notes.append(
+                    f"lone session, {path}, {row.num_handlers} handler process(es), {row.transport}: client step median "
+                    f"{row.step_median_ms:.2f} ms = server-side step {step_ms:.2f} ms + {row.step_median_ms - step_ms:.2f} ms"
+                )
+    for r in engine_rows:
+        notes.append(
+            f"in-process engine (ContinuousBatcher in one process, no RPC; its own row): {r['sessions']} sessions "
+            f"{r['aggregate_tokens_per_s']:.1f} tok/s, client step median {r['client_step_median_ms']:.1f} ms, "
+            f"merged step {r['merged_step_ms']:.1f} ms"
+        )
+    title = "Many users at once through one server (" + ("CPU" if args.cpu else _gpu_name()) + ")"
+    text = markdown(rows, title=title, notes=notes)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"users-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M}-{args.tag}"
+    (out / f"{stem}.md").write_text(text + "\n")
+    (out / f"{stem}.json").write_text(
+        json.dumps({"rows": [asdict(r) for r in rows], "engine": engine_rows, "notes": notes}, indent=1)
+    )
+    print(f"wrote {out / stem}.md/.json")
+    return 0
