@@ -1,6 +1,7 @@
 """Mixtral and Qwen3-MoE spans on the fast-path engine (CPU, fp32, reference ops): prefill and decode against the
 plain corolla blocks' own cached forward, several sessions merged in one decode step equal to each alone, the
-layers the engine refuses (tensor-parallel expert slices), and the serving rule for MoE families."""
+server's fast executor over a Mixtral span (deep prompts, beams, rollback) equal to the backend, the layers the
+engine refuses (tensor-parallel expert slices), and the serving rule for MoE families."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import StepRequest
 from corolla.models.layers import SparseMoE
 from corolla.models.registry import get_family
+from corolla.server.backend import SpanBackend
+from corolla.server.executor import SessionSpec, StepInputs
+from corolla.server.fast_executor import FastExecutor
+from corolla.server.metrics import ServerMetrics
+from corolla.server.runtime import Runtime
 from helpers.tiny_models import HIDDEN_SIZE as H
 from helpers.tiny_models import tiny_config
 
@@ -90,6 +96,34 @@ def test_merged_decode_of_sessions_equals_each_alone(family: str) -> None:
     finally:
         for s in sessions:
             s.close()
+
+
+async def test_fast_executor_over_a_mixtral_span_equals_the_backend() -> None:
+    blocks = make_blocks("mixtral", num_layers=3, seed=2)
+    config = tiny_config("mixtral", 3)
+    backend = SpanBackend(dict(enumerate(blocks)), config=config, dtype=torch.float32, device="cpu")
+    span = (0, 1, 2)
+    prompts = torch.randn(3, 1, 4, H) * 0.1
+    steps = [
+        StepInputs(torch.randn(2, 6, H), 0, prompts, None, "", lone_session=False),  # deep prompts touch positions 0..3
+        StepInputs(torch.randn(2, 1, H), 6, prompts, torch.tensor([1, 0]), "", lone_session=False),  # beams swap
+        StepInputs(torch.randn(2, 1, H), 5, None, None, "", lone_session=False),  # rollback
+    ]
+    caches = [[torch.zeros(tuple(d.shape)) for d in per_block] for per_block in backend.cache_descriptors(span, 2, 32)]
+    expected = [
+        backend.inference_step(
+            span, st.hidden_states, caches, prefix_length=st.prefix_length, max_length=32, hypo_ids=st.hypo_ids,
+            prompts=st.prompts,
+        )
+        for st in steps
+    ]  # fmt: skip
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        engine = make_engine(blocks)
+        executor = FastExecutor(backend, engine, runtime, ServerMetrics())
+        async with executor.open_session(SessionSpec(span, 2, 32), alloc_timeout_s=0) as cache:
+            got = [await executor.step(cache, st) for st in steps]
+    for out, ref in zip(got, expected, strict=True):
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 
 def test_weight_bytes_count_every_expert() -> None:
