@@ -6,6 +6,8 @@ block's router."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from corolla.engine.mla_kernels import group_limited_route
 from corolla.engine.span_engine import StepRequest
 from corolla.models.kv_sizing import kv_cache_bytes_per_token
 from corolla.models.registry import get_family
+from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of
 
 MAX_LEN = 96
@@ -35,6 +38,13 @@ VARIANTS = {
         },
     },
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is fastest, above all on a loaded machine (restored after the module)."""
+    with torch_threads(1):
+        yield
 
 
 def make_config(num_layers: int = 3, **changes):

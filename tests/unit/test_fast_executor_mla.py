@@ -6,6 +6,7 @@ chooses the engine for the family, inference steps (prefill, merged decode of tw
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,11 +21,19 @@ from corolla.server.fast_executor import FastExecutor
 from corolla.server.metrics import ServerMetrics
 from corolla.server.runtime import Runtime
 from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
+from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of
 
 FIRST, N_BLOCKS = 0, 3  # block 0 dense, 1..2 MoE
 SPAN = tuple(range(FIRST, FIRST + N_BLOCKS))
 POOL_BYTES = 1 << 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is fastest, above all on a loaded machine (restored after the module)."""
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
