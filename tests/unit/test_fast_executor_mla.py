@@ -105,3 +105,14 @@ async def test_deepseek_span_runs_on_the_fast_path(backend: SpanBackend) -> None
         assert executor.bytes_left == left
     for got, ref in zip(got_a + got_b, expected[0] + expected[1], strict=True):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_quantized_deepseek_spans_stay_plain_with_the_reason() -> None:
+    traits = SpanTraits(
+        device_type="cuda", dtype=torch.bfloat16, quant_type="nf4", family="deepseek_v3", num_adapters=0,
+        tensor_parallel_devices=0,
+    )  # fmt: skip
+    choice = choose_serving_path("auto", traits)
+    assert choice.path == "plain" and "unquantized" in choice.reason
+    unquantized = SpanTraits(**{**vars(traits), "quant_type": "none"})
+    assert choose_serving_path("auto", unquantized).path == "fast"
