@@ -283,16 +283,16 @@ class FastLlamaSpan:
             attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale)
             h = self.ops.linear(attn.reshape(b, s.q_size), w.w_o, w.b_o, residual=h)  # [B, H]
             if w.moe is not None:
-                h = h + self._experts(w.moe, self.ops.rms_norm(h, w.ln2, eps))  # [B, H]
+                h = h + self._experts(w.moe, self.ops.rms_norm(h, w.ln2, eps), graph_safe=True)  # [B, H]
                 continue
             assert w.w_gate_up is not None and w.w_down is not None  # LayerWeights.__post_init__: moe or both
             gate_up = self.ops.linear(h, w.w_gate_up, w.b_gate_up, prologue="rmsnorm", norm_weight=w.ln2, eps=eps)
             h = self.ops.linear(gate_up, w.w_down, w.b_down, residual=h, prologue="silu")  # [B, H]
         return h
 
-    def _experts(self, moe: RoutedMoE, x: torch.Tensor) -> torch.Tensor:
+    def _experts(self, moe: RoutedMoE, x: torch.Tensor, *, graph_safe: bool = False) -> torch.Tensor:
         # x [N, H] normed -> routed experts' output [N, H]
-        return moe.forward(x, use_triton=self.use_triton, config=self.moe_configs.get(moe.shape))
+        return moe.forward(x, use_triton=self.use_triton, config=self.moe_configs.get(moe.shape), graph_safe=graph_safe)
 
     @torch.inference_mode()
     def prefill(

@@ -187,11 +187,13 @@ def experts_forward(
     *,
     use_triton: bool = True,
     config: tuple[int, int, int, int] | None = None,
+    graph_safe: bool = False,
 ) -> torch.Tensor:
     """x [N, H], expert_ids [N, k] int, expert_weights [N, k] fp32 -> [N, H] in x's dtype (module docstring).
-    `use_triton=False` forces the reference; `config` is a `moe_kernels.EXPERT_CONFIGS` entry (default: the first)."""
+    `use_triton=False` forces the reference; `config` is a `moe_kernels.EXPERT_CONFIGS` entry (default: the first);
+    `graph_safe=True` keeps the kernel (no host sync) on CUDA whatever N, as a step captured in a CUDA graph needs."""
     _check_inputs(x, expert_ids, expert_weights, experts)
-    if use_triton and kernel_usable(experts.device) and x.shape[0] <= KERNEL_MAX_TOKENS:
+    if use_triton and kernel_usable(experts.device) and (graph_safe or x.shape[0] <= KERNEL_MAX_TOKENS):
         return moe_kernels.grouped_experts(x, expert_ids, expert_weights, experts, config or moe_kernels.DEFAULT_CONFIG)
     return experts_forward_ref(x, expert_ids, expert_weights, experts)
 
@@ -265,12 +267,19 @@ class RoutedMoE:
         return self.router.numel() * self.router.element_size() + num_used_experts * self.experts.expert_nbytes()
 
     def forward(
-        self, x: torch.Tensor, *, use_triton: bool = True, config: tuple[int, int, int, int] | None = None
+        self,
+        x: torch.Tensor,
+        *,
+        use_triton: bool = True,
+        config: tuple[int, int, int, int] | None = None,
+        graph_safe: bool = False,
     ) -> torch.Tensor:
         """x [N, H] (already normed) -> [N, H]."""
         logits = F.linear(x, self.router)  # [N, E] in x's dtype, as the plain block
         weights, ids = softmax_topk(logits, self.top_k, normalize=self.normalize_top_k)  # [N, k] each
-        return experts_forward(x, ids, weights, self.experts, use_triton=use_triton, config=config)
+        return experts_forward(
+            x, ids, weights, self.experts, use_triton=use_triton, config=config, graph_safe=graph_safe
+        )
 
 
 @torch.inference_mode()

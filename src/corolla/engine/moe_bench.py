@@ -129,7 +129,7 @@ class ExpertCounter:
         self.model = model
         self.counts: list[int] = []
 
-    def __call__(self, moe: RoutedMoE, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, moe: RoutedMoE, x: torch.Tensor, *, graph_safe: bool = False) -> torch.Tensor:
         weights, ids = softmax_topk(F.linear(x, moe.router), moe.top_k, normalize=moe.normalize_top_k)
         self.counts.append(int(torch.unique(ids).numel()))
         return experts_forward(x, ids, weights, moe.experts, config=self.model.moe_configs.get(moe.shape))
