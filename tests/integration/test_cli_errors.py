@@ -21,8 +21,6 @@ import pytest
 
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 
-pytestmark = pytest.mark.serial  # exit-time bounds (SIGTERM within seconds) need the CPU to itself
-
 RUN_TIMEOUT_S = 120.0  # a CLI imports torch; several start at once on a loaded 2-core machine
 READY_TIMEOUT_S = 150.0
 DRAIN_TIMEOUT_S = 5.0  # corolla-server's --drain_timeout_s default
@@ -253,6 +251,7 @@ def test_ctrl_c_on_generate_prints_no_traceback(model_dir: str, partial_swarm):
     assert err.rstrip().endswith("corolla-generate: interrupted"), err[-1000:]
 
 
+@pytest.mark.serial  # its exit-time bounds (SIGTERM within seconds) need the CPU to itself; the rest run in parallel
 def test_quiet_generation_then_ctrl_c_and_group_sigterm_announce_offline_and_exit_fast(
     model_dir: str, partial_swarm, tmp_path: Path
 ):
