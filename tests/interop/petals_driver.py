@@ -1,100 +1,40 @@
-"""Runs stock Petals (2.2.0) from its own venv for tests/interop: `server` serves blocks with petals' Server, `client`
-drives petals' AutoDistributedModelForCausalLM and saves what it saw (torch.save) for the corolla-side test to check.
-Every DHT it creates listens on 127.0.0.1 only, with relays, AutoNAT and NAT port mapping off."""
+"""Runs stock Petals (2.2.0) from its own venv for tests/interop: `server` serves blocks with petals' Server
+(`corolla.bench.petals_server.serve`, shared with `corolla-bench --wan`), `client` drives petals'
+AutoDistributedModelForCausalLM and saves what it saw (torch.save) for the corolla-side test to check. Every DHT it
+creates listens on 127.0.0.1 only, with relays, AutoNAT and NAT port mapping off."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
-import signal
 import sys
 import threading
-import time
+from pathlib import Path
 
-os.environ.setdefault("PETALS_IGNORE_DEPENDENCY_VERSION", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-LOOPBACK_DHT_KWARGS = dict(
-    host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-    use_relay=False,
-    use_auto_relay=False,
-    nat_port_map=False,
-    auto_nat=False,
-)
+def _load_petals_server():
+    """corolla's shared stock-Petals server (`src/corolla/bench/petals_server.py`, which imports nothing of corolla:
+    this interpreter has no corolla), loaded by its path."""
+    path = Path(__file__).resolve().parents[2] / "src" / "corolla" / "bench" / "petals_server.py"
+    spec = importlib.util.spec_from_file_location("petals_server", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+petals_server = _load_petals_server()
 READY_PREFIX = "petals-server: ready"
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Serves `--block_indices` of `--model` with petals' own Server class until SIGTERM."""
-    import torch
-    from hivemind.proto.runtime_pb2 import CompressionType
-    from petals.server.server import Server
-
-    torch.set_num_threads(1)
-    server = Server(
-        initial_peers=args.initial_peers,
-        dht_prefix=args.dht_prefix,
-        converted_model_name_or_path=args.model,
-        block_indices=args.block_indices,
-        num_blocks=args.num_blocks,
-        throughput=1.0,  # a float skips the speedtest (network) and the compute benchmark
-        device="cpu",
-        torch_dtype=args.torch_dtype,
-        compression=getattr(CompressionType, args.compression),
-        num_handlers=2,
-        update_period=args.update_period,
-        mean_block_selection_delay=0.2,
-        inference_max_length=256,
-        cache_dir=args.cache_dir,
-        skip_reachability_check=True,
-        reachable_via_relay=False,  # a full DHT peer; also skips the reachability probe
-        use_relay=False,
-        use_auto_relay=False,
-        nat_port_map=False,
-        auto_nat=False,
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-    )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    thread = threading.Thread(target=server.run, name="petals-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + args.ready_timeout_s
-    while time.monotonic() < deadline and not stop.is_set():
-        container = server.module_container
-        if container is not None and container.ready.is_set():
-            break
-        time.sleep(0.1)
-    else:
-        print("petals-server: not ready in time", flush=True)
-        server.shutdown()
-        return 1
-    maddrs = " ".join(str(a) for a in server.dht.get_visible_maddrs())
-    blocks = sorted(int(uid.rsplit(".", 1)[1]) for uid in server.module_container.module_backends)
-    print(
-        f"{READY_PREFIX} peer_id={server.dht.peer_id} blocks={blocks[0]}:{blocks[-1] + 1} initial_peers={maddrs}",
-        flush=True,
-    )
-    stop.wait()
-    server.shutdown()
-    thread.join(10)
-    return 0
 
 
 def run_client(args: argparse.Namespace) -> int:
     """Forward logits, greedy generation, a multi-step inference session and a backward pass through the swarm."""
-    import petals.client.routing.sequence_manager as sequence_manager
     import torch
     from petals import AutoDistributedModelForCausalLM
 
     torch.set_num_threads(1)
-
-    # keep petals' client DHT on loopback with no relay/NAT traffic (petals' client does not expose these options)
-    class LoopbackDHT(sequence_manager.DHT):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**LOOPBACK_DHT_KWARGS, **kwargs})
-
-    sequence_manager.DHT = LoopbackDHT
+    petals_server.loopback_client_dht()
     model = AutoDistributedModelForCausalLM.from_pretrained(
         args.model,
         initial_peers=args.initial_peers,
@@ -140,18 +80,7 @@ def run_client(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    server = sub.add_parser("server")
-    server.add_argument("--model", required=True)
-    server.add_argument("--dht_prefix", required=True)
-    where = server.add_mutually_exclusive_group(required=True)
-    where.add_argument("--block_indices")
-    where.add_argument("--num_blocks", type=int)
-    server.add_argument("--initial_peers", nargs="*", default=[])
-    server.add_argument("--cache_dir", default=None)
-    server.add_argument("--torch_dtype", default="float32")
-    server.add_argument("--compression", default="NONE")
-    server.add_argument("--update_period", type=float, default=5.0)
-    server.add_argument("--ready_timeout_s", type=float, default=90.0)
+    petals_server.add_server_args(sub.add_parser("server"), inference_max_length=256, ready_timeout_s=90.0)
     client = sub.add_parser("client")
     client.add_argument("--model", required=True)
     client.add_argument("--dht_prefix", required=True)
@@ -161,7 +90,7 @@ def main() -> int:
     client.add_argument("--cases", default="forward,generate,session,backward")
     client.add_argument("--out", required=True)
     args = parser.parse_args()
-    return run_server(args) if args.command == "server" else run_client(args)
+    return petals_server.serve(args, READY_PREFIX) if args.command == "server" else run_client(args)
 
 
 if __name__ == "__main__":

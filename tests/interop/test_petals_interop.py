@@ -81,7 +81,7 @@ class PetalsServer(ManagedProcess):
         fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
         self.peer_id = fields["peer_id"]
         self.start_block, self.end_block = map(int, fields["blocks"].split(":"))
-        self.initial_peers = [fields["initial_peers"]]
+        self.initial_peers = [fields["maddrs"]]  # the first visible multiaddr
         return self
 
 
