@@ -5,21 +5,13 @@ replaced by its replica with identical output (for DeepSeek-V3 the replayed cach
 
 from __future__ import annotations
 
-import json
-import signal
-import urllib.request
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import helpers.tiny_models_fam_a as fam_a
-from corolla.api.app import create_app
-from corolla.api.backend import SwarmBackend
-from corolla.api.serving import serve_in_thread
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from helpers.swarm import Swarm
-from helpers.tiny_models import make_tiny_model
+from helpers.family_swarm import KillAt, chat_through_api, local_argmax_tokens, local_greedy, served_families
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -38,75 +30,11 @@ CLIENT = ClientConfig(
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory):
-    models_dir = tmp_path_factory.mktemp("models")
-    paths = {family: make_tiny_model(family, models_dir, num_layers=2) for family in FAMILIES}
-    for path in paths.values():  # a chat template, as the real tokenizers of these families carry
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        tokenizer.chat_template = CHAT_TEMPLATE
-        tokenizer.save_pretrained(path)
-    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
-    try:
-        swarm.start_bootstrap(timeout_s=180)  # generous: a loaded 2-core CI machine
-        servers = [
-            swarm.start_server(path, "--block_indices", "0:2", "--throughput", "1.0", wait=False)
-            for path in paths.values()
-            for _ in range(2)
-        ]
-        for server in servers:
-            server.wait_ready(500)
-        yield swarm, paths
-    finally:
-        swarm.close()
-
-
-def _local_argmax_tokens(path, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    """What `ignore_eos` greedy decoding gives: the argmax even when it is EOS (unlike `min_new_tokens`, which bans
-    EOS and so picks the runner-up)."""
-    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    seq = ids
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            next_id = local(seq).logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
-            seq = torch.cat([seq, next_id], dim=1)
-    return seq[0, ids.shape[1] :].tolist()
-
-
-def _local_greedy(path, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = local.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    return out[0].tolist()
-
-
-def _chat_through_api(model, tokenizer, family: str, messages: list[dict[str, str]]) -> dict:
-    backend = SwarmBackend(model, tokenizer, model_id=family)
-    with serve_in_thread(create_app(backend)) as running:
-        body = {"model": family, "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{running.port}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return json.loads(response.read())
-
-
-class KillAt:
-    """A streamer that SIGKILLs the server of the session's first span at generated token `at`."""
-
-    def __init__(self, swarm: Swarm, at: int):
-        self.swarm, self.at, self.count, self.session, self.killed = swarm, at, 0, None, []
-
-    def put(self, value):
-        self.count += 1
-        if self.count == self.at + 1:  # the first put is the prompt
-            peer_id = self.session._spans[0].span.peer_id
-            victim = next(p for p in self.swarm.processes if getattr(p, "peer_id", None) == peer_id)
-            victim.signal(signal.SIGKILL)
-            self.killed.append(victim)
-
-    def end(self):
-        pass
+    # generous timeouts: a loaded 2-core CI machine
+    with served_families(
+        tmp_path_factory, FAMILIES, CHAT_TEMPLATE, bootstrap_timeout_s=180, ready_timeout_s=500
+    ) as swarm_and_paths:
+        yield swarm_and_paths
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -114,13 +42,13 @@ def test_family_served_end_to_end(served, family):
     """One client per family (client start-up is most of the cost): greedy through the client, one chat request
     through corolla-api, then greedy again with the session's first server SIGKILLed mid-generation."""
     swarm, paths = served
-    expected = _local_greedy(paths[family], PROMPT, NEW_TOKENS)
+    expected = local_greedy(paths[family], PROMPT, NEW_TOKENS)
     tokenizer = AutoTokenizer.from_pretrained(paths[family])
     messages = [{"role": "user", "content": "Hi swarm"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>assistant\n")  # the tokenizer's own template was applied
     chat_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    expected_chat = tokenizer.decode(_local_argmax_tokens(paths[family], chat_ids, 8), skip_special_tokens=True)
+    expected_chat = tokenizer.decode(local_argmax_tokens(paths[family], chat_ids, 8), skip_special_tokens=True)
 
     with AutoDistributedModelForCausalLM.from_pretrained(
         paths[family], initial_peers=swarm.initial_peers, client_config=CLIENT
@@ -128,7 +56,7 @@ def test_family_served_end_to_end(served, family):
         out = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         assert out[0].tolist() == expected
 
-        reply = _chat_through_api(model, tokenizer, family, messages)
+        reply = chat_through_api(model, tokenizer, family, messages)
         assert reply["choices"][0]["message"]["content"] == expected_chat
         assert reply["usage"]["prompt_tokens"] == chat_ids.shape[1]
 

@@ -1,0 +1,118 @@
+"""Shared pieces of the family end-to-end tests (`test_families_fam_a.py`, `test_families_fam_b.py`): one loopback
+swarm per module with every family's servers started at once (`served_families`), local transformers references
+(one model load per family and process), a chat request through corolla-api, and a streamer that SIGKILLs the
+server of a session's first span mid-generation."""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from corolla.api.app import create_app
+from corolla.api.backend import SwarmBackend
+from corolla.api.serving import serve_in_thread
+from helpers.swarm import Swarm
+from helpers.tiny_models import make_tiny_model
+
+CHAT_TIMEOUT_S = 60
+
+
+@contextmanager
+def served_families(
+    tmp_path_factory: pytest.TempPathFactory,
+    families: Sequence[str],
+    chat_template: str,
+    *,
+    replicas: int = 2,
+    bootstrap_timeout_s: float = 60.0,
+    ready_timeout_s: float = 120.0,
+) -> Iterator[tuple[Swarm, dict[str, Path]]]:
+    """Tiny 2-layer models of `families` (with `chat_template` in their tokenizers, as real ones carry) served by
+    `replicas` servers each, all holding blocks 0:2; every server is started before any is waited for."""
+    models_dir = tmp_path_factory.mktemp("models")
+    paths = {family: make_tiny_model(family, models_dir, num_layers=2) for family in families}
+    for path in paths.values():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(path)
+    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
+    try:
+        swarm.start_bootstrap(timeout_s=bootstrap_timeout_s)
+        servers = [
+            swarm.start_server(path, "--block_indices", "0:2", "--throughput", "1.0", wait=False)
+            for path in paths.values()
+            for _ in range(replicas)
+        ]
+        for server in servers:
+            server.wait_ready(ready_timeout_s)
+        yield swarm, paths
+    finally:
+        swarm.close()
+
+
+@functools.cache
+def local_model(path: Path) -> Any:
+    """The float32 transformers model at `path` (loaded once per process; tests only read it)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def local_greedy(path: Path, ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """Local greedy decoding of exactly `new_tokens` (`min_new_tokens`: EOS banned until then), prompt included."""
+    with torch.no_grad():
+        out = local_model(path).generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return out[0].tolist()
+
+
+def local_argmax_tokens(path: Path, ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """What `ignore_eos` greedy decoding gives: the argmax even when it is EOS (unlike `min_new_tokens`, which bans
+    EOS and so picks the runner-up); new tokens only."""
+    seq = ids  # [1, T]
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            next_id = local_model(path)(seq).logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1]
+            seq = torch.cat([seq, next_id], dim=1)
+    return seq[0, ids.shape[1] :].tolist()
+
+
+def chat_through_api(model: Any, tokenizer: Any, family: str, messages: list[dict[str, str]]) -> dict:
+    """One greedy (`ignore_eos`) 8-token chat completion through corolla-api on `model`, as parsed JSON."""
+    backend = SwarmBackend(model, tokenizer, model_id=family)
+    with serve_in_thread(create_app(backend)) as running:
+        body = {"model": family, "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{running.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=CHAT_TIMEOUT_S) as response:
+            return json.loads(response.read())
+
+
+class KillAt:
+    """A streamer that SIGKILLs the server of the session's first span at generated token `at`."""
+
+    def __init__(self, swarm: Swarm, at: int):
+        self.swarm, self.at, self.count = swarm, at, 0
+        self.session: Any = None
+        self.killed: list[Any] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.count += 1
+        if self.count == self.at + 1:  # the first put is the prompt
+            peer_id = self.session._spans[0].span.peer_id
+            victim = next(p for p in self.swarm.processes if getattr(p, "peer_id", None) == peer_id)
+            victim.signal(signal.SIGKILL)
+            self.killed.append(victim)
+
+    def end(self) -> None:
+        pass
