@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -123,6 +124,14 @@ class FastMlaSpan:
         self.sin = sin.to(self.device, torch.float32).contiguous()
         self.ops = DecodeOps(self.device, OPS_HEAD_DIM, use_triton=use_triton)
         self.expert_config: tuple[int, int, int, int] | None = None  # grouped-experts kernel config (tune)
+        # the decode step's Triton kernels (rope + latent norm + cache write, paged latent attention); None: the
+        # torch reference of `mla_kernels`. `use_attention_kernels` may be turned off (a benchmark's baseline).
+        self.kernels: ModuleType | None = None
+        if self.ops.use_triton:
+            from corolla.engine import mla_triton
+
+            self.kernels = mla_triton
+        self.use_attention_kernels = self.kernels is not None
         n, nope = spec.num_heads, spec.qk_nope_head_dim
         # per layer: kv_b viewed as [n, nope + v, c]; key half [n, nope, c], value half transposed [n, c, v]: views
         self._w_uk = [w.attn.kv_b.view(n, nope + spec.v_head_dim, -1)[:, :nope] for w in self.layers]
@@ -242,18 +251,21 @@ class FastMlaSpan:
         pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()
         return pages * page + positions % page
 
-    def _project(self, i: int, x: torch.Tensor, positions: torch.Tensor):
-        """x [N, H] (normed) at positions [N] -> q_nope [N, n, nope], q_rope [N, n, r] (rotated), latent [N, c]
-        (normed), k_rope [N, r] (rotated)."""
+    def _project_raw(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] (normed) -> q [N, n, qk] (rope part not rotated), kv [N, c + r] (kv_a's output)."""
         s, a = self.spec, self.layers[i].attn
-        n = x.shape[0]
         if a.q_a is not None:
             cq = self.ops.linear(x, a.q_a, a.q_a_bias)  # [N, q_lora]
             q = self.ops.linear(cq, a.q_b, None, prologue="rmsnorm", norm_weight=a.q_a_norm, eps=s.latent_norm_eps)
         else:
             q = self.ops.linear(x, a.q_b, None)  # [N, n qk]
-        q = q.view(n, s.num_heads, s.qk_head_dim)
-        kv = self.ops.linear(x, a.kv_a, a.kv_a_bias)  # [N, c + r]
+        return q.view(x.shape[0], s.num_heads, s.qk_head_dim), self.ops.linear(x, a.kv_a, a.kv_a_bias)
+
+    def _project(self, i: int, x: torch.Tensor, positions: torch.Tensor):
+        """x [N, H] (normed) at positions [N] -> q_nope [N, n, nope], q_rope [N, n, r] (rotated), latent [N, c]
+        (normed), k_rope [N, r] (rotated)."""
+        s, a = self.spec, self.layers[i].attn
+        q, kv = self._project_raw(i, x)  # [N, n, qk], [N, c + r]
         latent = self.ops.rms_norm(kv[:, : s.kv_lora_rank].contiguous(), a.kv_a_norm, s.latent_norm_eps)  # [N, c]
         cos, sin = self.cos[positions], self.sin[positions]  # [N, r/2]
         q_rope = rope_rotate(q[..., s.qk_nope_head_dim :], cos, sin, interleaved=s.rope_interleave)  # [N, n, r]
@@ -310,12 +322,28 @@ class FastMlaSpan:
         for i in range(start, end):
             w = self.layers[i]
             x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [B, H]
-            q_nope, q_rope, latent, k_rope = self._project(i, x, positions)
-            store_latent(latent, k_rope, slots, pool.k[i], pool.v[i])
+            kernels = self.kernels if self.use_attention_kernels else None
+            if kernels is not None:  # one launch: q's rope, the latent's norm, both cache entries written
+                q, kv = self._project_raw(i, x)  # [B, n, qk], [B, c + r]
+                q_nope = q[..., : s.qk_nope_head_dim]  # [B, n, nope]
+                q_rope = kernels.rope_norm_store(
+                    q, kv, w.attn.kv_a_norm, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
+                    nope=s.qk_nope_head_dim, eps=s.latent_norm_eps, interleaved=s.rope_interleave,
+                )  # fmt: skip
+            else:
+                q_nope, q_rope, latent, k_rope = self._project(i, x, positions)
+                store_latent(latent, k_rope, slots, pool.k[i], pool.v[i])
             q_latent = torch.bmm(q_nope.transpose(0, 1), self._w_uk[i]).transpose(0, 1)  # [B, n, c]
-            out_latent = paged_latent_attention(
-                q_latent, q_rope, pool.k[i], pool.v[i], block_tables, seq_lens, s.softmax_scale
-            )  # [B, n, c]
+            if kernels is not None:  # reads only each row's real tokens, whatever the table's width
+                head_blocks = -(-s.num_heads // kernels.HEADS_PER_PROGRAM)
+                out_latent = kernels.paged_latent_attention(
+                    q_latent, q_rope, pool.k[i], pool.v[i], block_tables, seq_lens, s.softmax_scale,
+                    self.ops.num_splits(b, head_blocks),
+                )  # fmt: skip
+            else:
+                out_latent = paged_latent_attention(
+                    q_latent, q_rope, pool.k[i], pool.v[i], block_tables, seq_lens, s.softmax_scale
+                )  # [B, n, c]
             out = torch.bmm(out_latent.transpose(0, 1), self._w_uv_t[i]).transpose(0, 1)  # [B, n, v]
             h = self.ops.linear(out.reshape(b, s.num_heads * s.v_head_dim), w.attn.o, w.attn.o_bias, residual=h)
             h = self._mlp(i, h)

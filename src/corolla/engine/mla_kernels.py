@@ -48,23 +48,35 @@ def paged_latent_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Absorbed MLA decode attention. q_latent [B, n, c] (q_nope through kv_b's key half), q_rope [B, n, r];
-    latent_cache [pages, page, 1, c], rope_cache [pages, page, 1, r]; block_tables [B, maxp] int32; seq_lens [B]
-    int32 (>= 1): row b attends to its first seq_lens[b] tokens. score = (q_latent . c + q_rope . k_rope) * scale;
-    returns sum_j p_j c_j [B, n, c] in q's dtype (scores and softmax in fp32). Reads the latents once for all
-    heads; never forms per-head keys or values."""
+    """Absorbed MLA decode attention (the torch reference). q_latent [B, n, c] (q_nope through kv_b's key half),
+    q_rope [B, n, r]; latent_cache [pages, page, 1, c], rope_cache [pages, page, 1, r]; block_tables [B, maxp]
+    int32; seq_lens [B] int32 (>= 1): row b attends to its first seq_lens[b] tokens. score = (q_latent . c +
+    q_rope . k_rope) * scale; returns sum_j p_j c_j [B, n, c] in q's dtype (scores and softmax in fp32; entries
+    past a row's length are zeroed, whatever their page holds). Reads the latents once for all heads; never forms
+    per-head keys or values. Outside CUDA-graph capture it gathers only the pages up to the longest row (bounded by
+    the real lengths); under capture all `maxp` (graphs use `mla_triton.paged_latent_attention`, which reads only
+    each row's real tokens)."""
     b, n, c = q_latent.shape
     r = q_rope.shape[-1]
     tables = block_tables.long()
-    lat = latent_cache[tables].reshape(b, -1, c).float()  # [B, L, c] with L = maxp * page
-    rope = rope_cache[tables].reshape(b, -1, r).float()  # [B, L, r]
+    if not _capturing(q_latent.device):  # gather only the pages the longest row uses (one host sync)
+        page = latent_cache.shape[1]
+        tables = tables[:, : max(1, -(-int(seq_lens.max()) // page))]  # [B, used pages]
+    valid = torch.arange(tables.shape[1] * latent_cache.shape[1], device=q_latent.device)[None, :]
+    valid = valid < seq_lens[:, None].long()  # [B, L] with L = pages * page
+    lat = latent_cache[tables].reshape(b, -1, c).float().masked_fill(~valid[..., None], 0.0)  # [B, L, c]
+    rope = rope_cache[tables].reshape(b, -1, r).float().masked_fill(~valid[..., None], 0.0)  # [B, L, r]
     scores = torch.baddbmm(
         torch.bmm(q_rope.float(), rope.transpose(1, 2)), q_latent.float(), lat.transpose(1, 2)
     )  # [B, n, L]
-    valid = torch.arange(lat.shape[1], device=q_latent.device)[None, :] < seq_lens[:, None].long()  # [B, L]
     scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)  # [B, n, L] fp32
     return torch.bmm(probs, lat).to(q_latent.dtype)  # [B, n, c]
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on `device` (no host sync allowed; shapes must stay static)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def group_limited_route(
