@@ -286,8 +286,8 @@ class FastMlaSpan:
             scaling=s.routed_scaling_factor,
         )
 
-    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """Residual + MLP of layer i: h [N, H] -> [N, H]."""
+    def _mlp(self, i: int, h: torch.Tensor, *, graph_safe: bool = False) -> torch.Tensor:
+        """Residual + MLP of layer i: h [N, H] -> [N, H]; `graph_safe`: no host sync whatever N (decode steps)."""
         s, w = self.spec, self.layers[i]
         mlp = w.mlp
         if isinstance(mlp, DenseMlpWeights):
@@ -296,7 +296,13 @@ class FastMlaSpan:
         x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)  # [N, H]
         weights, ids = self._route(mlp, x)  # [N, k] each
         routed = experts_forward(
-            x, ids, weights, mlp.experts, use_triton=self.ops.use_triton, config=self.expert_config
+            x,
+            ids,
+            weights,
+            mlp.experts,
+            use_triton=self.ops.use_triton,
+            config=self.expert_config,
+            graph_safe=graph_safe,
         )  # [N, H]
         shared = self.ops.linear(x, mlp.shared.gate_up, None)  # [N, 2 I_shared]
         return self.ops.linear(shared, mlp.shared.down, None, residual=h + routed, prologue="silu")
@@ -346,7 +352,7 @@ class FastMlaSpan:
                 )  # [B, n, c]
             out = torch.bmm(out_latent.transpose(0, 1), self._w_uv_t[i]).transpose(0, 1)  # [B, n, v]
             h = self.ops.linear(out.reshape(b, s.num_heads * s.v_head_dim), w.attn.o, w.attn.o_bias, residual=h)
-            h = self._mlp(i, h)
+            h = self._mlp(i, h, graph_safe=True)
         return h
 
     @torch.inference_mode()

@@ -262,12 +262,82 @@ def bench_corolla(config, device, dtype, args: argparse.Namespace, bandwidth: fl
     result["merged8_step_ms"] = median_ms(merged_step, min(steps, 12), device)
     for s in opened:
         s.close()
+    if args.long_max_tokens:
+        for attention in ("kernel", "torch") if span.kernels is not None else ("torch",):
+            try:
+                result[f"long_{attention}"] = bench_long_max(blocks, span, attention, args, device, lines)
+            except Exception as e:  # recorded and shown (e.g. the torch path out of memory), the run goes on
+                result[f"long_{attention}"] = {"error": repr(e)}
+                log(lines, f"long max length, {attention} attention: FAILED {e!r}")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     log(
         lines,
         f"corolla fast path: step {result['step_ms']:.3f} ms (graph replay {result.get('replay_ms', float('nan')):.3f}"
         f" ms), floor {floor_ms:.3f} ms ({active / 1e9:.2f} GB active of {result['weight_bytes'] / 1e9:.1f} GB) -> "
         f"{result['step_ms'] / floor_ms:.2f}x floor; 8 sessions merged: {result['merged8_step_ms']:.3f} ms; "
         f"rel. error vs plain blocks {result['rel_error_vs_plain_blocks']:.2e}",
+    )
+    return result
+
+
+@torch.inference_mode()
+def bench_long_max(blocks, tuned: FastMlaSpan, attention: str, args, device, lines: list[str]) -> dict:
+    """An engine over the same blocks allowing `--long_max_tokens` per row with graph buckets `--long_buckets`
+    (the tuned span's kernel choices copied, no re-tuning), attention by the Triton kernel or the torch reference:
+    the memory its warm-up (graph capture) takes beyond the pool, and the batch-1 step after the same prefix."""
+    buckets = tuple(int(b) for b in args.long_buckets.split(","))
+    config = EngineConfig(
+        kv_pool_bytes=1 << 30,
+        page_size_tokens=64,
+        max_seq_len_tokens=args.long_max_tokens,
+        max_batch_rows=max(buckets),
+        graph_buckets=buckets,
+        tune_gemm=False,
+    )
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    engine = SpanEngine.from_blocks(blocks, config)
+    span = engine.model
+    assert isinstance(span, FastMlaSpan)
+    span.ops.single_row_gemm.update(tuned.ops.single_row_gemm)
+    span.expert_config = tuned.expert_config
+    span.use_attention_kernels = attention == "kernel"
+    started = time.perf_counter()
+    engine.warmup()
+    warm_s = time.perf_counter() - started
+    pool_bytes = sum(t.numel() * t.element_size() for t in (engine.pool.k, engine.pool.v))
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    h, prefix = span.spec.hidden_size, args.prefix_tokens
+    prompt = torch.randn(1, prefix, h, generator=torch.Generator().manual_seed(2)).to(span.dtype)
+    tokens = [torch.randn(1, 1, h).to(span.dtype) for _ in range(args.steps + 5)]
+    with engine.open_session(1, prefix + args.steps + 8) as session:
+        engine.step(session, prompt, 0)
+        for i in range(5):
+            engine.step(session, tokens[i], prefix + i)
+        pos, it = iter(range(prefix + 5, prefix + 5 + args.steps)), iter(tokens[5:])
+        step_ms = median_ms(lambda: engine.step(session, next(it), next(pos)), args.steps, device)
+        replay_big = None
+        if engine.graphs is not None:
+            graphs = engine.graphs
+            replay_big = median_ms(lambda: graphs.run(max(buckets)), 10, device)
+    result = {
+        "attention": attention,
+        "max_seq_len_tokens": args.long_max_tokens,
+        "graph_buckets": buckets,
+        "warmup_s": warm_s,
+        "warmup_peak_bytes_beyond_pool": peak - before - pool_bytes if device.type == "cuda" else None,
+        "step_ms": step_ms,
+        f"replay_{max(buckets)}_rows_ms": replay_big,
+    }
+    log(
+        lines,
+        f"max length {args.long_max_tokens}, buckets {buckets}, {attention} attention: warm-up {warm_s:.1f} s, "
+        f"peak {(peak - before - pool_bytes) / 2**20:.0f} MiB beyond the pool; batch-1 step "
+        f"{step_ms:.3f} ms (prefix {prefix}); {max(buckets)}-row graph replay {replay_big} ms",
     )
     return result
 
@@ -282,6 +352,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="test-sized layers instead of DeepSeek-V3's")
     parser.add_argument("--skip_transformers", action="store_true")
     parser.add_argument("--no_tune", action="store_true", help="cuBLAS for every projection (no kernel timing)")
+    parser.add_argument("--long_max_tokens", type=int, default=8192, help="0: skip the long max-length engines")
+    parser.add_argument("--long_buckets", default="1,8,64", help="graph buckets of the long max-length engines")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
