@@ -232,3 +232,27 @@ def test_kv_layout_refuses_empty_or_non_positive_token_shapes() -> None:
             KVLayout(*shapes)
     assert KVLayout.latent(512, 64).bytes_per_token(torch.bfloat16, 61) == 61 * 576 * 2  # DeepSeek-V3's 61 layers
     assert KVLayout.heads(8, 128).values_per_token == 2 * 8 * 128
+
+
+def test_reference_attention_reads_only_up_to_the_longest_row() -> None:
+    """The torch decode attention outside graph capture is bounded by the real lengths: table entries past the
+    longest row name pages that do not exist (gathering them would raise), and a NaN page inside the gathered
+    width but past a row's length never reaches the output."""
+    from corolla.engine.mla_kernels import paged_latent_attention
+
+    torch.manual_seed(5)
+    page, c, r = 16, 24, 8
+    latent, rope = torch.randn(4, page, 1, c), torch.randn(4, page, 1, r)
+    latent[3], rope[3] = float("nan"), float("nan")
+    tables = torch.tensor([[0, 3], [1, 2]], dtype=torch.int32)  # row 0 (3 tokens) must not read page 3
+    wide = torch.cat([tables, torch.full((2, 998), 10**6, dtype=torch.int32)], dim=1)  # [B, 1000]
+    q_lat, q_rope = torch.randn(2, 4, c), torch.randn(2, 4, r)
+    lens = torch.tensor([3, 20], dtype=torch.int32)
+    got = paged_latent_attention(q_lat, q_rope, latent, rope, wide, lens, 0.5)  # [B, n, c]
+    assert torch.isfinite(got).all()
+    for i in range(2):  # each row alone over its own pages, computed directly
+        n = int(lens[i])
+        lat = latent[tables[i].long()].reshape(-1, c)[:n]  # [n, c]
+        key = rope[tables[i].long()].reshape(-1, r)[:n]
+        probs = ((q_lat[i] @ lat.T + q_rope[i] @ key.T) * 0.5).softmax(-1)  # [heads, n]
+        torch.testing.assert_close(got[i], probs @ lat)
