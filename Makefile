@@ -45,6 +45,9 @@ format: $(STAMP)
 # `serial` tests (timing bounds, CPU-hungry benchmarks) alone.
 PYTEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
+# The serial part collects only the files that mark tests `serial` (`pytest.mark.serial` / `mark.serial`, as a
+# decorator or in `pytestmark`), not the whole suite a third time: ~25 s less CPU.
+SERIAL_FILES = $(shell grep -rlE 'mark\.serial' tests --include='test_*.py')
 test: lint
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
 		echo "make test: running inside $(LOOPBACK)"; RUN="$(LOOPBACK)"; \
@@ -52,7 +55,7 @@ test: lint
 		echo "make test: loopback-only namespace unavailable, running plainly"; RUN=""; \
 	fi; \
 	$$RUN $(PYTEST) -n $(PYTEST_WORKERS) --dist loadfile -m "not serial" tests && \
-	$$RUN $(PYTEST) -m serial tests
+	$$RUN $(PYTEST) -m serial $(or $(SERIAL_FILES),tests)
 
 demo: $(DEMO_STAMP)
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
