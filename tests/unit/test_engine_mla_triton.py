@@ -113,14 +113,17 @@ def test_span_decode_with_the_kernels_equals_the_torch_path() -> None:
     for block in blocks:
         for p in block.parameters():
             torch.nn.init.normal_(p, std=0.15) if p.ndim > 1 else torch.nn.init.normal_(p, 1.0, 0.2)
-    settings = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=PAGE, max_seq_len_tokens=128, max_batch_rows=8)
+    blocks = [block.to(DEV) for block in blocks]
+    settings = EngineConfig(
+        kv_pool_bytes=1 << 20, page_size_tokens=PAGE, max_seq_len_tokens=128, max_batch_rows=8, use_cuda_graphs=False
+    )
     engines = [SpanEngine.from_blocks(blocks, settings) for _ in range(2)]
     engines[0].model.kernels, engines[0].model.use_attention_kernels = mla_triton, True
-    assert not engines[1].model.use_attention_kernels  # CPU: the torch reference
+    engines[1].model.use_attention_kernels = False  # the torch reference
     h = int(config.hidden_size)
     prefixes = [3, 17, 40]
-    prompts = [torch.randn(1, n, h) for n in prefixes]
-    tokens = [torch.randn(1, 1, h) for _ in prefixes]
+    prompts = [torch.randn(1, n, h).to(DEV) for n in prefixes]
+    tokens = [torch.randn(1, 1, h).to(DEV) for _ in prefixes]
     outs = []
     for engine in engines:
         sessions = [engine.open_session(1, 64) for _ in prefixes]
@@ -130,4 +133,5 @@ def test_span_decode_with_the_kernels_equals_the_torch_path() -> None:
         outs.append(torch.cat(engine.decode_many(reqs)))
         for s in sessions:
             s.close()
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    tol = 2e-2 if DEV.type == "cuda" else 1e-4  # tf32 dot products on a GPU
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)

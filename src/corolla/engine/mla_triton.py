@@ -71,24 +71,22 @@ def _rope_norm_store_kernel(
         w = tl.load(norm_ptr + offs_c, mask=c_mask, other=0.0)
         y = (xf * rstd).to(w.dtype) * w  # rounded before scaling, as the reference norm does
         tl.store(lat_cache_ptr + slot * C + offs_c, y.to(lat_cache_ptr.dtype.element_ty), mask=c_mask)
-        a = tl.load(kv_ptr + row * stride_kv + C + ia, mask=i_mask, other=0.0)
-        b = tl.load(kv_ptr + row * stride_kv + C + ib, mask=i_mask, other=0.0)
-        af = a.to(tl.float32)
-        bf = b.to(tl.float32)
-        dst = rope_cache_ptr + slot * R + offs_i
-        tl.store(dst, (af * cos - bf * sin).to(a.dtype).to(rope_cache_ptr.dtype.element_ty), mask=i_mask)
-        tl.store(dst + HALF, (bf * cos + af * sin).to(a.dtype).to(rope_cache_ptr.dtype.element_ty), mask=i_mask)
+        ka = tl.load(kv_ptr + row * stride_kv + C + ia, mask=i_mask, other=0.0)  # [HALF_P]
+        kb = tl.load(kv_ptr + row * stride_kv + C + ib, mask=i_mask, other=0.0)
+        kaf = ka.to(tl.float32)
+        kbf = kb.to(tl.float32)
+        k_dst = rope_cache_ptr + slot * R + offs_i
+        tl.store(k_dst, (kaf * cos - kbf * sin).to(ka.dtype).to(rope_cache_ptr.dtype.element_ty), mask=i_mask)
+        tl.store(k_dst + HALF, (kbf * cos + kaf * sin).to(ka.dtype).to(rope_cache_ptr.dtype.element_ty), mask=i_mask)
     else:
         heads = (blk - 1) * BH + tl.arange(0, BH)
         m = (heads < NH)[:, None] & i_mask[None, :]  # [BH, HALF_P]
         src = q_ptr + row * stride_qn + heads[:, None] * stride_qh + NOPE
-        a = tl.load(src + ia[None, :], mask=m, other=0.0)  # [BH, HALF_P]
-        b = tl.load(src + ib[None, :], mask=m, other=0.0)
-        af = a.to(tl.float32)
-        bf = b.to(tl.float32)
-        dst = q_rope_ptr + (row * NH + heads)[:, None] * R + offs_i[None, :]
-        tl.store(dst, (af * cos[None, :] - bf * sin[None, :]).to(q_rope_ptr.dtype.element_ty), mask=m)
-        tl.store(dst + HALF, (bf * cos[None, :] + af * sin[None, :]).to(q_rope_ptr.dtype.element_ty), mask=m)
+        qa = tl.load(src + ia[None, :], mask=m, other=0.0).to(tl.float32)  # [BH, HALF_P]
+        qb = tl.load(src + ib[None, :], mask=m, other=0.0).to(tl.float32)
+        q_dst = q_rope_ptr + (row * NH + heads)[:, None] * R + offs_i[None, :]
+        tl.store(q_dst, (qa * cos[None, :] - qb * sin[None, :]).to(q_rope_ptr.dtype.element_ty), mask=m)
+        tl.store(q_dst + HALF, (qb * cos[None, :] + qa * sin[None, :]).to(q_rope_ptr.dtype.element_ty), mask=m)
 
 
 def rope_norm_store(
