@@ -263,12 +263,14 @@ def bench_corolla(config, device, dtype, args: argparse.Namespace, bandwidth: fl
     for s in opened:
         s.close()
     if args.long_max_tokens:
-        for attention in ("kernel", "torch") if span.kernels is not None else ("torch",):
-            try:
-                result[f"long_{attention}"] = bench_long_max(blocks, span, attention, args, device, lines)
+        runs = [("kernel", args.long_max_tokens), ("torch", args.long_max_tokens), ("kernel", prefix + steps + 64)]
+        for attention, max_tokens in runs if span.kernels is not None else runs[1:2]:
+            name = f"{'long' if max_tokens == args.long_max_tokens else 'short'}_{attention}"
+            try:  # short_kernel: the same untuned engine at the main engine's max length (the control)
+                result[name] = bench_long_max(blocks, span, attention, max_tokens, args, device, lines)
             except Exception as e:  # recorded and shown (e.g. the torch path out of memory), the run goes on
-                result[f"long_{attention}"] = {"error": repr(e)}
-                log(lines, f"long max length, {attention} attention: FAILED {e!r}")
+                result[name] = {"error": repr(e)}
+                log(lines, f"{name}: FAILED {e!r}")
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -283,15 +285,15 @@ def bench_corolla(config, device, dtype, args: argparse.Namespace, bandwidth: fl
 
 
 @torch.inference_mode()
-def bench_long_max(blocks, tuned: FastMlaSpan, attention: str, args, device, lines: list[str]) -> dict:
-    """An engine over the same blocks allowing `--long_max_tokens` per row with graph buckets `--long_buckets`
+def bench_long_max(blocks, tuned: FastMlaSpan, attention: str, max_tokens: int, args, device, lines: list[str]) -> dict:
+    """An engine over the same blocks allowing `max_tokens` per row with graph buckets `--long_buckets`
     (the tuned span's kernel choices copied, no re-tuning), attention by the Triton kernel or the torch reference:
     the memory its warm-up (graph capture) takes beyond the pool, and the batch-1 step after the same prefix."""
     buckets = tuple(int(b) for b in args.long_buckets.split(","))
     config = EngineConfig(
         kv_pool_bytes=1 << 30,
         page_size_tokens=64,
-        max_seq_len_tokens=args.long_max_tokens,
+        max_seq_len_tokens=max_tokens,
         max_batch_rows=max(buckets),
         graph_buckets=buckets,
         tune_gemm=False,
@@ -326,7 +328,7 @@ def bench_long_max(blocks, tuned: FastMlaSpan, attention: str, args, device, lin
             replay_big = median_ms(lambda: graphs.run(max(buckets)), 10, device)
     result = {
         "attention": attention,
-        "max_seq_len_tokens": args.long_max_tokens,
+        "max_seq_len_tokens": engine.max_seq_len_tokens,
         "graph_buckets": buckets,
         "warmup_s": warm_s,
         "warmup_peak_bytes_beyond_pool": peak - before - pool_bytes if device.type == "cuda" else None,
@@ -335,7 +337,7 @@ def bench_long_max(blocks, tuned: FastMlaSpan, attention: str, args, device, lin
     }
     log(
         lines,
-        f"max length {args.long_max_tokens}, buckets {buckets}, {attention} attention: warm-up {warm_s:.1f} s, "
+        f"max length {engine.max_seq_len_tokens}, buckets {buckets}, {attention} attention: warm-up {warm_s:.1f} s, "
         f"peak {(peak - before - pool_bytes) / 2**20:.0f} MiB beyond the pool; batch-1 step "
         f"{step_ms:.3f} ms (prefix {prefix}); {max(buckets)}-row graph replay {replay_big} ms",
     )
@@ -359,7 +361,8 @@ def main() -> None:
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    config = make_config(TINY_SHAPES if args.tiny else DEEPSEEK_V3_SHAPES, 1 + args.moe_layers, 4096)
+    positions = max(4096, args.long_max_tokens)  # the engines cap their max length at the config's positions
+    config = make_config(TINY_SHAPES if args.tiny else DEEPSEEK_V3_SHAPES, 1 + args.moe_layers, positions)
     lines: list[str] = []
     bandwidth = copy_bandwidth_bytes_per_s(dev) if dev.type == "cuda" else 1e10
     results: dict = {
