@@ -97,8 +97,14 @@ class PushRouter:
         return True
 
     def broadcast_state(self) -> None:
+        """Every handler process learns the cache left; the server's metrics too."""
         for channel in list(self.channels):
             channel.send_state()
+        if self.channels and self.channels[0].metrics is not None:
+            executor = self.channels[0].executor
+            self.channels[0].metrics.set_cache(
+                max(0, executor.max_size_bytes - executor.bytes_left), executor.bytes_left
+            )
 
 
 class DeviceSessionRegistry(SessionRegistry):

@@ -103,7 +103,10 @@ class DeviceLink:
         self.closed = asyncio.Event()
 
     @classmethod
-    async def connect(cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_hello_bytes: int = 1 << 20):
+    async def connect(
+        cls, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_hello_bytes: int = 1 << 20
+    ) -> DeviceLink:
+        """Reads the device's HELLO and first STATE, then starts reading its replies."""
         kind, _, payload = await wire.read_frame(reader, max_hello_bytes)
         if kind != wire.HELLO:
             raise wire.FrameError(f"expected HELLO from the device process, got frame kind {kind}")
