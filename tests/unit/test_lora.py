@@ -10,6 +10,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+# importing these registers the newer families' tiny configs with make_tiny_model
+import helpers.tiny_models_fam_a
+import helpers.tiny_models_fam_b  # noqa: F401
 from corolla.models.config import load_config
 from corolla.models.lora import adapter_size_bytes, add_adapter, load_adapter, using_adapter
 from corolla.models.tensor_parallel import make_tensor_parallel
@@ -21,6 +24,13 @@ TARGETS = {
     "falcon": ["query_key_value", "dense", "dense_h_to_4h"],
     "bloom": ["query_key_value", "dense_4h_to_h"],
     "mixtral": ["k_proj", "o_proj"],
+    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+    "qwen3_moe": ["q_proj", "k_proj", "o_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "gemma2": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+    "gemma3_text": ["q_proj", "k_proj", "o_proj", "up_proj"],
+    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "gpt_oss": ["q_proj", "k_proj", "v_proj", "o_proj"],
 }
 
 
