@@ -13,6 +13,7 @@ from transformers import LlamaConfig
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
+from helpers.numerics import rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,11 +22,6 @@ pytestmark = [
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert torch.isfinite(a).all(), "non-finite output"
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
 def make_blocks(hidden=512, heads=8, kv_heads=2, layers=3, inter=1024, seed=0, dtype=BF16):

@@ -12,6 +12,7 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.fast_mla import FastMlaSpan
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
+from helpers.numerics import rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,11 +21,6 @@ pytestmark = [
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert torch.isfinite(a).all(), "non-finite output"
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
 def make_blocks(layers: int = 3, seed: int = 0, max_positions: int = 1024) -> list[torch.nn.Module]:

@@ -19,6 +19,7 @@ from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.moe import RoutedMoE, tune_experts
 from corolla.engine.ops import DecodeOps, _quant_key
 from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quantized_weight_of
+from corolla.engine.span_model import prefill_in_chunks
 from corolla.models.layers import SparseMoE
 from corolla.utils.logging import get_logger
 
@@ -309,13 +310,13 @@ class FastLlamaSpan:
         """One sequence through layers [first, last) (default: all): hidden [T, H] at positions [start, start + T)
         attending causally to [0, start + T); `prompts` [n_layers, P, H] (deep prompts) are added to the input of
         each layer at positions < P. Runs in chunks of `chunk_tokens` tokens. Returns [T, H]."""
-        outputs = []
-        for offset in range(0, hidden.shape[0], chunk_tokens):
-            chunk = hidden[offset : offset + chunk_tokens]
-            outputs.append(
-                self._prefill_chunk(chunk, start + offset, slot, pool, layers or (0, self.num_layers), prompts)
-            )
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        span = layers or (0, self.num_layers)
+        return prefill_in_chunks(
+            lambda chunk, chunk_start: self._prefill_chunk(chunk, chunk_start, slot, pool, span, prompts),
+            hidden,
+            start,
+            chunk_tokens,
+        )
 
     def _prefill_chunk(
         self,

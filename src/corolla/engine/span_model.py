@@ -5,6 +5,7 @@ says what one token takes in that pool per layer (`KVLayout`). Implemented by `f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -75,3 +76,15 @@ class SpanModel(Protocol):
     ) -> torch.Tensor:
         """One sequence: hidden [T, H] at positions [start, start + T); prompts [n_layers, P, H] -> [T, H]."""
         ...
+
+
+def prefill_in_chunks(
+    run_chunk: Callable[[torch.Tensor, int], torch.Tensor], hidden: torch.Tensor, start: int, chunk_tokens: int
+) -> torch.Tensor:
+    """The chunking both span types' `prefill` share: `run_chunk(chunk [t, H], chunk_start)` for consecutive chunks
+    of at most `chunk_tokens` tokens of hidden [T, H] starting at position `start`; returns their outputs [T, H]."""
+    outputs = [
+        run_chunk(hidden[offset : offset + chunk_tokens], start + offset)
+        for offset in range(0, hidden.shape[0], chunk_tokens)
+    ]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
