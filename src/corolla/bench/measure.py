@@ -10,23 +10,34 @@ from collections.abc import Callable
 import torch
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def sync(device: torch.device | None = None) -> None:
+    """Waits for `device`'s queued work (None: the current CUDA device, when there is one; a CPU device: nothing)."""
+    if device is None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    elif device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def host_times_ms(fn: Callable[[], object], iters: int, *, warmup: int = 2) -> list[float]:
-    """Wall-clock milliseconds of `iters` calls of `fn` (each followed by a device synchronize)."""
+def host_times_ms(
+    fn: Callable[[], object], iters: int, *, warmup: int = 2, device: torch.device | None = None
+) -> list[float]:
+    """Wall-clock milliseconds of `iters` calls of `fn` (each followed by a synchronize of `device`)."""
     for _ in range(warmup):
         fn()
-    sync()
+    sync(device)
     times = []
     for _ in range(iters):
         start = time.perf_counter()
         fn()
-        sync()
+        sync(device)
         times.append((time.perf_counter() - start) * 1000)
     return times
+
+
+def host_median_ms(fn: Callable[[], object], iters: int, device: torch.device | None = None) -> float:
+    """Median wall-clock milliseconds of `iters` synchronized calls of `fn`, no warm-up calls."""
+    return statistics.median(host_times_ms(fn, iters, warmup=0, device=device))
 
 
 def event_median_ms(fn: Callable[[], object], iters: int, *, warmup: int = 3) -> float:

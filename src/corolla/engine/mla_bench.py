@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from corolla.bench.measure import copy_bandwidth_bytes_per_s
+from corolla.bench.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
 from corolla.engine.config import EngineConfig
 from corolla.engine.fast_mla import FastMlaSpan
 from corolla.engine.span_engine import SpanEngine
@@ -91,11 +91,6 @@ def log(lines: list[str], text: str) -> None:
     lines.append(text)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     saved = torch.get_default_dtype()
@@ -121,17 +116,6 @@ def randomize(module: torch.nn.Module, gen: torch.Generator) -> None:
             p.fill_(1.0)
 
 
-def median_ms(fn, iters: int, device: torch.device) -> float:
-    times = []
-    for _ in range(iters):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - start) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
 @torch.inference_mode()
 def bench_transformers(config, device: torch.device, dtype: torch.dtype, prefix: int, steps: int) -> dict:
     """transformers' DeepseekV3Model layers: batch-1 decode step (host-timed, inputs on the device) after `prefix`."""
@@ -148,7 +132,7 @@ def bench_transformers(config, device: torch.device, dtype: torch.dtype, prefix:
     model(inputs_embeds=torch.randn(1, prefix, h, device=device, dtype=dtype, generator=gen), past_key_values=cache)
     xs = [torch.randn(1, 1, h, device=device, dtype=dtype, generator=gen) for _ in range(steps + 3)]
     it = iter(xs)
-    ms = median_ms(lambda: model(inputs_embeds=next(it), past_key_values=cache), steps + 3, device)
+    ms = host_median_ms(lambda: model(inputs_embeds=next(it), past_key_values=cache), steps + 3, device)
     experts_impl = getattr(config, "_experts_implementation", None)
     return {"step_ms": ms, "attn_implementation": "sdpa", "experts_implementation": str(experts_impl)}
 
@@ -226,10 +210,10 @@ def bench_corolla(config, device, dtype, args: argparse.Namespace, bandwidth: fl
             engine.step(session, tokens[i], prefix + i)
         pos = iter(range(prefix + 5, prefix + 5 + steps))
         it = iter(tokens[5:])
-        result["step_ms"] = median_ms(lambda: engine.step(session, next(it), next(pos)), steps, device)
+        result["step_ms"] = host_median_ms(lambda: engine.step(session, next(it), next(pos)), steps, device)
         if engine.graphs is not None:
             graphs = engine.graphs
-            result["replay_ms"] = median_ms(lambda: graphs.run(1), 20, device)
+            result["replay_ms"] = host_median_ms(lambda: graphs.run(1), 20, device)
             result["kernels"] = kernel_profile(span, graphs, engine, lines)
         if "experts" in tune:
             result["experts_config"] = tune["experts"]["best"]
@@ -259,7 +243,7 @@ def bench_corolla(config, device, dtype, args: argparse.Namespace, bandwidth: fl
         k = next(counter)
         engine.decode_many([StepRequest(s, tokens[k % len(tokens)], n + k) for s in opened])
 
-    result["merged8_step_ms"] = median_ms(merged_step, min(steps, 12), device)
+    result["merged8_step_ms"] = host_median_ms(merged_step, min(steps, 12), device)
     for s in opened:
         s.close()
     if args.long_max_tokens:
@@ -321,11 +305,11 @@ def bench_long_max(blocks, tuned: FastMlaSpan, attention: str, max_tokens: int, 
         for i in range(5):
             engine.step(session, tokens[i], prefix + i)
         pos, it = iter(range(prefix + 5, prefix + 5 + args.steps)), iter(tokens[5:])
-        step_ms = median_ms(lambda: engine.step(session, next(it), next(pos)), args.steps, device)
+        step_ms = host_median_ms(lambda: engine.step(session, next(it), next(pos)), args.steps, device)
         replay_big = None
         if engine.graphs is not None:
             graphs = engine.graphs
-            replay_big = median_ms(lambda: graphs.run(max(buckets)), 10, device)
+            replay_big = host_median_ms(lambda: graphs.run(max(buckets)), 10, device)
     result = {
         "attention": attention,
         "max_seq_len_tokens": engine.max_seq_len_tokens,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from corolla.bench.measure import copy_bandwidth_bytes_per_s
+from corolla.bench.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
 from corolla.engine.config import EngineConfig, LlamaSpec
 from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
 from corolla.engine.moe import ExpertWeights, RoutedMoE, experts_forward, softmax_topk, tune_experts
@@ -47,11 +47,6 @@ SHAPES = {
 def log(lines: list[str], text: str) -> None:
     print(text, flush=True)
     lines.append(text)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def hf_model(shape: str, layers: int, device: torch.device, dtype: torch.dtype):
@@ -110,17 +105,6 @@ def engine_layers(model) -> list[LayerWeights]:
     return result
 
 
-def median_ms(fn, reps: int, device: torch.device) -> float:
-    times = []
-    for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - start) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
 class ExpertCounter:
     """Stands in for `FastLlamaSpan._experts` during one eager step: routes as the span does, records how many
     distinct experts each layer's tokens chose (host sync: never inside the timed or graphed steps)."""
@@ -172,7 +156,9 @@ def hf_step_ms(model, batch: int, prefix: int, steps: int, gen: torch.Generator)
         cache = DynamicCache(config=model.config)
         model(inputs_embeds=torch.randn(batch, prefix, h, device=dev, generator=gen).to(dt), past_key_values=cache)
         tokens = iter([torch.randn(batch, 1, h, device=dev, generator=gen).to(dt) for _ in range(steps + 3)])
-        return median_ms(lambda: model(inputs_embeds=next(tokens), past_key_values=cache, use_cache=True), steps, dev)
+        return host_median_ms(
+            lambda: model(inputs_embeds=next(tokens), past_key_values=cache, use_cache=True), steps, dev
+        )
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from corolla.bench.measure import copy_bandwidth_bytes_per_s
+from corolla.bench.measure import copy_bandwidth_bytes_per_s, sync
 from corolla.engine.config import EngineConfig, LlamaSpec
 from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
 from corolla.engine.quant import quantize_int8, quantize_nf4
@@ -39,11 +39,6 @@ TINY = LlamaSpec(  # --tiny: a CPU dry run of every code path in seconds
     hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512, rms_norm_eps=1e-6
 )
 PROJECTIONS = ("w_qkv", "w_o", "w_gate_up", "w_down")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def free_cache(device: torch.device) -> None:
