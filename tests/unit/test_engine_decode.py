@@ -11,6 +11,7 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
 from corolla.utils.errors import AllocationFailed
+from helpers.engine_reference import cached_block_steps
 from helpers.tiny_models import tiny_config
 
 H = 64  # tiny_config hidden size
@@ -37,20 +38,6 @@ def make_engine(blocks, **overrides) -> SpanEngine:
     return SpanEngine.from_blocks(blocks, EngineConfig(**settings))
 
 
-@torch.no_grad()
-def reference_steps(blocks, steps: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
-    """The blocks' own KV-cached forward over (hidden [B,T,H], position) steps."""
-    batch = steps[0][0].shape[0]
-    caches = [[d.make_zeros() for d in b.cache_descriptors(batch, MAX_LEN)] for b in blocks]
-    outs = []
-    for x, position in steps:
-        h = x
-        for block, cache in zip(blocks, caches, strict=True):
-            h = block(h, cache=cache, position=position)
-        outs.append(h)
-    return outs
-
-
 def run_steps(engine, session, steps):
     return [engine.step(session, x, position) for x, position in steps]
 
@@ -61,7 +48,7 @@ def test_prefill_then_decode_matches_blocks(family: str) -> None:
     engine = make_engine(blocks)
     steps = [(torch.randn(2, 21, H), 0)] + [(torch.randn(2, 1, H), 21 + i) for i in range(4)]
     steps.append((torch.randn(2, 5, H), 25))  # multi-token step on top of a cached prefix (spans pages)
-    expected = reference_steps(blocks, steps)
+    expected = cached_block_steps(blocks, MAX_LEN, steps)
     with engine.open_session(2, MAX_LEN) as session:
         got = run_steps(engine, session, steps)
         assert session.length_tokens == 30
@@ -100,7 +87,7 @@ def test_decode_many_splits_batches_above_max_rows() -> None:
     sessions = [engine.open_session(1, MAX_LEN) for _ in range(5)]
     xs = [torch.randn(1, 1, H) for _ in sessions]
     outs = engine.decode_many([StepRequest(s, x, 0) for s, x in zip(sessions, xs, strict=True)])
-    ref = [reference_steps(blocks, [(x, 0)])[0] for x in xs]
+    ref = [cached_block_steps(blocks, MAX_LEN, [(x, 0)])[0] for x in xs]
     for out, r in zip(outs, ref, strict=True):
         torch.testing.assert_close(out, r, atol=1e-5, rtol=0)
 
@@ -109,7 +96,7 @@ def test_rollback_overwrites_from_the_given_position() -> None:
     blocks = make_blocks()
     engine = make_engine(blocks)
     prompt, a, b = torch.randn(1, 9, H), torch.randn(1, 3, H), torch.randn(1, 2, H)
-    expected = reference_steps(blocks, [(prompt, 0), (b, 6)])  # as if only prompt[:6] then b were ever sent
+    expected = cached_block_steps(blocks, MAX_LEN, [(prompt, 0), (b, 6)])  # as if only prompt[:6] then b were ever sent
     with engine.open_session(1, MAX_LEN) as session:
         engine.step(session, prompt, 0)
         engine.step(session, a, 9)
@@ -123,7 +110,7 @@ def test_hypo_ids_reorder_rows() -> None:
     engine = make_engine(blocks)
     prompt, tok = torch.randn(3, 7, H), torch.randn(3, 1, H)
     hypo = torch.tensor([2, 0, 0])
-    expected = reference_steps(blocks, [(prompt[hypo], 0), (tok, 7)])[1]
+    expected = cached_block_steps(blocks, MAX_LEN, [(prompt[hypo], 0), (tok, 7)])[1]
     with engine.open_session(3, MAX_LEN) as session:
         engine.step(session, prompt, 0)
         out = engine.step(session, tok, 7, hypo_ids=hypo)

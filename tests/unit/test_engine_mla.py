@@ -18,6 +18,7 @@ from corolla.engine.mla_kernels import group_limited_route
 from corolla.engine.span_engine import StepRequest
 from corolla.models.kv_sizing import kv_cache_bytes_per_token
 from corolla.models.registry import get_family
+from helpers.engine_reference import cached_block_steps
 from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of
 
@@ -74,19 +75,6 @@ def make_engine(blocks, **overrides) -> SpanEngine:
     return SpanEngine.from_blocks(blocks, EngineConfig(**settings))
 
 
-@torch.no_grad()
-def reference_steps(blocks, steps: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
-    """The blocks' own latent-cached forward over (hidden [B,T,H], position) steps."""
-    caches = [[d.make_zeros() for d in b.cache_descriptors(steps[0][0].shape[0], MAX_LEN)] for b in blocks]
-    outs = []
-    for x, position in steps:
-        h = x
-        for block, cache in zip(blocks, caches, strict=True):
-            h = block(h, cache=cache, position=position)
-        outs.append(h)
-    return outs
-
-
 def hidden_size(blocks) -> int:
     return int(blocks[0].config.hidden_size)
 
@@ -100,7 +88,7 @@ def test_prefill_then_decode_matches_blocks(variant: str) -> None:
     steps = [(torch.randn(2, 21, h), 0)] + [(torch.randn(2, 1, h), 21 + i) for i in range(4)]
     steps.append((torch.randn(2, 5, h), 25))  # multi-token step on top of a cached prefix (spans pages)
     steps.append((torch.randn(2, 1, h), 30))
-    expected = reference_steps(blocks, steps)
+    expected = cached_block_steps(blocks, MAX_LEN, steps)
     with engine.open_session(2, MAX_LEN) as session:
         got = [engine.step(session, x, position) for x, position in steps]
         assert session.length_tokens == 31
@@ -152,7 +140,7 @@ def test_rollback_and_beam_reordering() -> None:
     h = hidden_size(blocks)
     engine = make_engine(blocks)
     prompt, a, b = torch.randn(1, 9, h), torch.randn(1, 3, h), torch.randn(1, 2, h)
-    expected = reference_steps(blocks, [(prompt, 0), (b, 6)])  # as if only prompt[:6] then b were ever sent
+    expected = cached_block_steps(blocks, MAX_LEN, [(prompt, 0), (b, 6)])  # as if only prompt[:6] then b were ever sent
     with engine.open_session(1, MAX_LEN) as session:
         engine.step(session, prompt, 0)
         engine.step(session, a, 9)
@@ -161,7 +149,7 @@ def test_rollback_and_beam_reordering() -> None:
     torch.testing.assert_close(out, expected[1], atol=1e-4, rtol=0)
 
     beams, tok, hypo = torch.randn(3, 7, h), torch.randn(3, 1, h), torch.tensor([2, 0, 0])
-    expected_beams = reference_steps(blocks, [(beams[hypo], 0), (tok, 7)])[1]
+    expected_beams = cached_block_steps(blocks, MAX_LEN, [(beams[hypo], 0), (tok, 7)])[1]
     with engine.open_session(3, MAX_LEN) as session:
         engine.step(session, beams, 0)
         got = engine.step(session, tok, 7, hypo_ids=hypo)  # latent pages copied between rows

@@ -20,6 +20,7 @@ from corolla.server.executor import SessionSpec, StepInputs
 from corolla.server.fast_executor import FastExecutor
 from corolla.server.metrics import ServerMetrics
 from corolla.server.runtime import Runtime
+from helpers.engine_reference import cached_block_steps
 from helpers.tiny_models import HIDDEN_SIZE as H
 from helpers.tiny_models import tiny_config
 
@@ -46,19 +47,6 @@ def make_engine(blocks) -> SpanEngine:
     return SpanEngine.from_blocks(blocks, config)
 
 
-@torch.no_grad()
-def reference_steps(blocks, steps: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
-    batch = steps[0][0].shape[0]
-    caches = [[d.make_zeros() for d in b.cache_descriptors(batch, MAX_LEN)] for b in blocks]
-    outs = []
-    for x, position in steps:
-        h = x
-        for block, cache in zip(blocks, caches, strict=True):
-            h = block(h, cache=cache, position=position)
-        outs.append(h)
-    return outs
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_moe_span_prefill_and_decode_match_blocks(family: str) -> None:
     blocks = make_blocks(family)
@@ -68,7 +56,7 @@ def test_moe_span_prefill_and_decode_match_blocks(family: str) -> None:
     assert any(layer.moe is not None for layer in layers)
     steps = [(torch.randn(2, 19, H), 0)] + [(torch.randn(2, 1, H), 19 + i) for i in range(3)]
     steps.append((torch.randn(2, 4, H), 22))  # several tokens on top of a cached prefix
-    expected = reference_steps(blocks, steps)
+    expected = cached_block_steps(blocks, MAX_LEN, steps)
     with engine.open_session(2, MAX_LEN) as session:
         for (x, position), ref in zip(steps, expected, strict=True):
             torch.testing.assert_close(engine.step(session, x, position), ref, atol=1e-4, rtol=0)
