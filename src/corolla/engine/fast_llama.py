@@ -3,7 +3,8 @@ rotary tables, a batched single-token decode step over ragged per-row positions 
 prefill for one sequence with large matmuls. Projection weights may be bitsandbytes' NF4/Int8 layouts
 (`engine.quant`, read in place); Qwen3's per-head q/k RMSNorm runs when the layer has `q_norm`/`k_norm`. A layer
 whose MLP is a routed mixture of experts (Mixtral, Qwen3-MoE) carries a `moe.RoutedMoE` instead of gate_up/down:
-softmax top-k routing and the grouped expert kernels of `engine.moe`, inside the same CUDA-graphed step."""
+softmax top-k routing and the grouped expert kernels of `engine.moe`, inside the same CUDA-graphed step. LoRA
+adapters (`engine.fast_lora.SpanAdapters`) add each row's low-rank delta to the projections they target."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine.config import LlamaSpec
+from corolla.engine.fast_lora import DecodeRows, OneAdapter, SpanAdapters, adapters_from_blocks
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.moe import RoutedMoE, tune_experts
 from corolla.engine.ops import DecodeOps, _quant_key
 from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quantized_weight_of
 from corolla.engine.span_model import prefill_in_chunks
 from corolla.models.layers import SparseMoE
+from corolla.models.lora import LoraLinear
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -80,6 +83,7 @@ class FastLlamaSpan:
         max_positions: int,
         use_triton: bool = True,
         attention_splits_max: int = 16,
+        adapters: SpanAdapters | None = None,
     ):
         if not layers:
             raise ValueError("FastLlamaSpan needs at least one layer")
@@ -98,6 +102,9 @@ class FastLlamaSpan:
         )
         self.use_triton = use_triton  # the expert kernels need CUDA + Triton only (not the head-size rule of `ops`)
         self.moe_configs: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}  # moe.moe_shape -> config
+        if adapters is not None and len(adapters.layers) != len(self.layers):
+            raise ValueError(f"adapters cover {len(adapters.layers)} layers, the span has {len(self.layers)}")
+        self.adapters = adapters  # LoRA adapters of the loaded blocks (engine.fast_lora), or None
 
     @property
     def num_layers(self) -> int:
@@ -148,20 +155,22 @@ class FastLlamaSpan:
     # ------------------------------------------------------------------------------------------ construction
 
     @classmethod
-    def from_blocks(cls, blocks: Sequence[torch.nn.Module], *, max_positions: int, **kwargs) -> FastLlamaSpan:
+    def from_blocks(
+        cls, blocks: Sequence[torch.nn.Module], *, max_positions: int, adapter_mode: str = "auto", **kwargs
+    ) -> FastLlamaSpan:
         """Uses the tensors of loaded `corolla.models.llama` blocks in place, bitsandbytes NF4/Int8 linears in their
-        packed form (ValueError if a block carries adapters, split linears or is not a llama-family layer)."""
+        packed form, LoRA adapters stacked (`fast_lora`; ValueError for an adapter on another module, split linears
+        or a block that is not a llama-family layer)."""
         if not blocks:
             raise ValueError("from_blocks needs at least one block")
         spec = LlamaSpec.from_hf_config(blocks[0].config)
+        adapters = adapters_from_blocks(blocks, mode=adapter_mode)  # first: refuses adapters on other modules
         layers = []
         for block in blocks:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
             moe = RoutedMoE.from_module(mlp) if isinstance(mlp, SparseMoE) else None
             if attn is None or mlp is None or not hasattr(attn, "qkv") or (moe is None and not hasattr(mlp, "gate_up")):
                 raise ValueError(f"{type(block).__name__} is not a llama-family block with fused qkv/gate_up")
-            if getattr(block, "adapter_names", None):
-                raise ValueError("The fast path does not apply LoRA adapters")
             dtype = _norm_weight(block, "input_layernorm").dtype
             w_qkv, w_o = _projection_weight(attn.qkv, dtype), _projection_weight(attn.o_proj, dtype)
             w_gate_up = w_down = None
@@ -197,7 +206,7 @@ class FastLlamaSpan:
         if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
             raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
         inv_freq = rotary.inv_freq(layers[0].ln1.device, 0)  # [D/2] fp32
-        return cls(spec, layers, inv_freq, max_positions=max_positions, **kwargs)
+        return cls(spec, layers, inv_freq, max_positions=max_positions, adapters=adapters, **kwargs)
 
     @classmethod
     def from_hf_state_dicts(
@@ -270,26 +279,45 @@ class FastLlamaSpan:
         slots = self.slots_for(block_tables, positions, pool.page_size_tokens)  # [B]
         h = hidden
         eps = s.rms_norm_eps
+        lora = None if self.adapters is None else self.adapters.for_decode(b)  # rows' adapters, or None
         start, end = layers or (0, self.num_layers)
         for i in range(start, end):
             w = self.layers[i]
-            qkv = self.ops.linear(
-                h, w.w_qkv, w.b_qkv, prologue="rmsnorm", norm_weight=w.ln1, eps=eps
-            )  # [B, (nq+2nkv)D]
+            if lora is not None and lora.targets(i, "qkv"):
+                x = self.ops.rms_norm(h, w.ln1, eps)  # [B, H]
+                qkv = lora.apply(i, "qkv", x, self.ops.linear(x, w.w_qkv, w.b_qkv))
+            else:
+                qkv = self.ops.linear(
+                    h, w.w_qkv, w.b_qkv, prologue="rmsnorm", norm_weight=w.ln1, eps=eps
+                )  # [B, (nq+2nkv)D]
             if w.q_norm is not None:
                 qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, eps)
             q = self.ops.rope_and_store(
                 qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
             )  # [B, nq, D]
             attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale)
-            h = self.ops.linear(attn.reshape(b, s.q_size), w.w_o, w.b_o, residual=h)  # [B, H]
+            attn = attn.reshape(b, s.q_size)  # [B, nq D]
+            h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)  # [B, H]
+            if lora is not None:
+                h = lora.apply(i, "o", attn, h)
             if w.moe is not None:
                 h = h + self._experts(w.moe, self.ops.rms_norm(h, w.ln2, eps), graph_safe=True)  # [B, H]
                 continue
             assert w.w_gate_up is not None and w.w_down is not None  # LayerWeights.__post_init__: moe or both
+            if lora is not None and (lora.targets(i, "gate_up") or lora.targets(i, "down")):
+                h = self._adapted_mlp(lora, i, w, h)
+                continue
             gate_up = self.ops.linear(h, w.w_gate_up, w.b_gate_up, prologue="rmsnorm", norm_weight=w.ln2, eps=eps)
             h = self.ops.linear(gate_up, w.w_down, w.b_down, residual=h, prologue="silu")  # [B, H]
         return h
+
+    def _adapted_mlp(self, lora: DecodeRows | OneAdapter, i: int, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """h [N, H] + the gated MLP of layer i with the adapters' deltas on gate_up and down -> [N, H]."""
+        assert w.w_gate_up is not None and w.w_down is not None
+        x = self.ops.rms_norm(h, w.ln2, self.spec.rms_norm_eps)  # [N, H]
+        gate_up = lora.apply(i, "gate_up", x, self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [N, 2 I]
+        act = self.ops.silu_mul(gate_up)  # [N, I]
+        return lora.apply(i, "down", act, self.ops.linear(act, w.w_down, w.b_down, residual=h))  # [N, H]
 
     def _experts(self, moe: RoutedMoE, x: torch.Tensor, *, graph_safe: bool = False) -> torch.Tensor:
         # x [N, H] normed -> routed experts' output [N, H]
@@ -339,6 +367,7 @@ class FastLlamaSpan:
         if start > 0:
             mask = all_pos[None, :] <= positions[:, None]  # [T, L]
         gqa = s.num_kv_heads != s.num_heads
+        lora = None if self.adapters is None else self.adapters.for_prefill()  # the sequence's adapter, or None
         h = hidden
         overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here
         for j, i in enumerate(range(*layers)):
@@ -348,6 +377,8 @@ class FastLlamaSpan:
                 h[:overlap] += prompts[j, start : start + overlap].to(h.dtype)
             x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
             qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [T, (nq+2nkv)D]
+            if lora is not None:
+                qkv = lora.apply(i, "qkv", x, qkv)
             if w.q_norm is not None:
                 qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, s.rms_norm_eps)
             q = self.ops.rope_and_store(
@@ -366,11 +397,16 @@ class FastLlamaSpan:
             )  # [1, nq, T, D]
             attn = attn[0].transpose(0, 1).reshape(t, s.q_size)  # [T, nq D]
             h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)
-            x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
+            if lora is not None:
+                h = lora.apply(i, "o", attn, h)
             if w.moe is not None:
-                h = h + self._experts(w.moe, x)  # [T, H]
+                h = h + self._experts(w.moe, self.ops.rms_norm(h, w.ln2, s.rms_norm_eps))  # [T, H]
                 continue
             assert w.w_gate_up is not None and w.w_down is not None
+            if lora is not None:
+                h = self._adapted_mlp(lora, i, w, h)
+                continue
+            x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
             act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
             h = self.ops.linear(act, w.w_down, w.b_down, residual=h)
         return h
@@ -385,7 +421,10 @@ def _norm_weight(block: torch.nn.Module, name: str) -> torch.Tensor:
 
 
 def _projection_weight(module: torch.nn.Module, dtype: torch.dtype) -> Weight:
-    """A projection's weight as the fast path reads it: a plain linear's tensor or a bitsandbytes layout."""
+    """A projection's weight as the fast path reads it: a plain linear's tensor or a bitsandbytes layout (under a
+    `LoraLinear`, its base layer's)."""
+    if isinstance(module, LoraLinear):
+        module = module.base
     if type(module) is torch.nn.Linear:
         return module.weight.data
     quantized = quantized_weight_of(module, dtype)

@@ -140,6 +140,10 @@ class LoraLinear(nn.Module):
         return self.base.weight
 
     @property
+    def bias(self):  # the base layer's bias (None when it has none): an adapter adds none
+        return self.base.bias
+
+    @property
     def in_features(self) -> int:
         return self.base.in_features
 
