@@ -17,7 +17,11 @@ API (stable; the DeepSeek-V3 fast path calls `experts_forward` with its own grou
   otherwise the torch reference `experts_forward_ref` (one dense GEMM per used expert; syncs to find them).
 - Routers: `softmax_topk(logits [N, E], top_k, normalize=...)` -> (weights [N, k] fp32, ids [N, k] int64), the
   Mixtral / Qwen3-MoE rule (softmax in fp32, top-k, optionally renormalized to sum 1).
-- `RoutedMoE`: router weight [E, H] + `ExpertWeights` + the rule, the MLP of one Mixtral / Qwen3-MoE layer."""
+- `RoutedMoE`: router weight [E, H] + `ExpertWeights` + the rule, the MLP of one Mixtral / Qwen3-MoE layer.
+- Quantized experts (bitsandbytes NF4 / Int8 layouts read in place): `moe_quant.QuantizedExpertWeights` stands
+  wherever `ExpertWeights` does (`Experts` is either); `experts_forward` runs `moe_quant_kernels`' grouped kernels
+  for them on CUDA (same contract, same routing and epilogues, the weight tiles decoded in registers) and the
+  reference dequantizes the used experts (`dense(e)`). `RoutedMoE.from_module` picks the kind from the modules."""
 
 from __future__ import annotations
 
@@ -27,11 +31,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from corolla.engine.moe_quant import QuantizedExpertWeights
+from corolla.engine.quant import quantized_weight_of
 from corolla.models.layers import SparseMoE
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference.
-    from corolla.engine import moe_kernels
+    from corolla.engine import moe_kernels, moe_quant_kernels
 
     TRITON_IMPORTED = True
 except ImportError:  # pragma: no cover - depends on the installation
@@ -139,6 +145,13 @@ class ExpertWeights:
     def nbytes(self) -> int:
         return self.num_experts * self.expert_nbytes()
 
+    def dense(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]) as they are (the torch reference's view)."""
+        return self.gate_up[e], self.down[e]
+
+
+Experts = ExpertWeights | QuantizedExpertWeights  # dense or bitsandbytes-quantized experts of one layer
+
 
 def _address_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)  # [E]
@@ -162,7 +175,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, *, normalize: bool) -> tuple[
 # ---------------------------------------------------------------------------------------------- experts
 
 
-def _check_inputs(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: ExpertWeights):
+def _check_inputs(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: Experts):
     n = x.shape[0]
     if x.ndim != 2 or x.shape[1] != experts.hidden_size:
         raise ValueError(f"x must be [N, {experts.hidden_size}], got {tuple(x.shape)}")
@@ -183,19 +196,31 @@ def experts_forward(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
     expert_weights: torch.Tensor,
-    experts: ExpertWeights,
+    experts: Experts,
     *,
     use_triton: bool = True,
     config: tuple[int, int, int, int] | None = None,
     graph_safe: bool = False,
 ) -> torch.Tensor:
     """x [N, H], expert_ids [N, k] int, expert_weights [N, k] fp32 -> [N, H] in x's dtype (module docstring).
-    `use_triton=False` forces the reference; `config` is a `moe_kernels.EXPERT_CONFIGS` entry (default: the first);
+    `use_triton=False` forces the reference; `config` is an entry of `expert_configs(experts)` (default: the first);
     `graph_safe=True` keeps the kernel (no host sync) on CUDA whatever N, as a step captured in a CUDA graph needs."""
     _check_inputs(x, expert_ids, expert_weights, experts)
     if use_triton and kernel_usable(experts.device) and (graph_safe or x.shape[0] <= KERNEL_MAX_TOKENS):
-        return moe_kernels.grouped_experts(x, expert_ids, expert_weights, experts, config or moe_kernels.DEFAULT_CONFIG)
+        config = config or expert_configs(experts)[0]
+        if isinstance(experts, QuantizedExpertWeights):
+            return moe_quant_kernels.grouped_quant_experts(x, expert_ids, expert_weights, experts, config)
+        return moe_kernels.grouped_experts(x, expert_ids, expert_weights, experts, config)
     return experts_forward_ref(x, expert_ids, expert_weights, experts)
+
+
+def expert_configs(experts: Experts) -> tuple[tuple[int, int, int, int], ...]:
+    """The kernel configs (BLOCK_N, BLOCK_K, warps, stages) for this kind of experts; () without CUDA + Triton."""
+    if not kernel_usable(experts.device):
+        return ()
+    if isinstance(experts, QuantizedExpertWeights):
+        return moe_quant_kernels.QUANT_EXPERT_CONFIGS
+    return moe_kernels.EXPERT_CONFIGS
 
 
 def kernel_usable(device: torch.device) -> bool:
@@ -203,10 +228,11 @@ def kernel_usable(device: torch.device) -> bool:
 
 
 def experts_forward_ref(
-    x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: ExpertWeights
+    x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: Experts
 ) -> torch.Tensor:
     """The torch reference of `experts_forward` (same contract): one GEMM pair per used expert, fp32 accumulation
-    of the weighted expert outputs. Reads the used experts only; needs a host sync to find them."""
+    of the weighted expert outputs. Reads the used experts only (quantized ones dequantized to the compute dtype,
+    as bitsandbytes' layers compute); needs a host sync to find them."""
     _check_inputs(x, expert_ids, expert_weights, experts)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [N, H]
     ids = expert_ids.long()
@@ -215,9 +241,10 @@ def experts_forward_ref(
         if not 0 <= e < experts.num_experts:
             continue  # ids outside [0, E) contribute nothing
         token_idx, slot = torch.where(ids == e)  # [n], [n]
-        gate_up = F.linear(x[token_idx], experts.gate_up[e])  # [n, 2I]
+        w_gate_up, w_down = experts.dense(e)  # [2I, H], [H, I]
+        gate_up = F.linear(x[token_idx], w_gate_up)  # [n, 2I]
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [n, I]
-        y = F.linear(act, experts.down[e])  # [n, H] in x's dtype
+        y = F.linear(act, w_down)  # [n, H] in x's dtype
         out.index_add_(0, token_idx, y.float() * expert_weights[token_idx, slot, None])
     return out.to(x.dtype)
 
@@ -228,7 +255,7 @@ class RoutedMoE:
     its logits), softmax top-`top_k` routing (renormalized when `normalize_top_k`) over `experts`."""
 
     router: torch.Tensor  # [E, H]
-    experts: ExpertWeights
+    experts: Experts
     top_k: int
     normalize_top_k: bool
 
@@ -241,15 +268,23 @@ class RoutedMoE:
 
     @classmethod
     def from_module(cls, moe: SparseMoE) -> RoutedMoE:
-        """A corolla `SparseMoE` holding all of its layer's experts (ValueError for a tensor-parallel slice)."""
+        """A corolla `SparseMoE` holding all of its layer's experts (ValueError for a tensor-parallel slice); experts
+        quantized by bitsandbytes (`models.quantization`) are read as `QuantizedExpertWeights` in the router's dtype."""
         num_experts = int(moe.num_experts)
         if list(moe.expert_ids) != list(range(num_experts)):
             raise ValueError("The fast path needs every expert of the layer (not a tensor-parallel slice)")
         if type(moe.router) is not torch.nn.Linear:
             raise ValueError(f"The router must be a plain torch.nn.Linear, not {type(moe.router).__name__}")
+        modules = list(moe.experts)
+        first = modules[0].get_submodule("gate_up") if modules else None
+        quantized = first is not None and quantized_weight_of(first, moe.router.weight.dtype) is not None
         return cls(
             router=moe.router.weight.data,
-            experts=ExpertWeights.from_modules(list(moe.experts)),
+            experts=(
+                QuantizedExpertWeights.from_modules(modules, moe.router.weight.dtype)
+                if quantized
+                else ExpertWeights.from_modules(modules)
+            ),
             top_k=int(moe.top_k),
             normalize_top_k=bool(moe.normalize_top_k),
         )
@@ -284,7 +319,7 @@ class RoutedMoE:
 
 @torch.inference_mode()
 def tune_experts(layers: Sequence[RoutedMoE], *, rows: Sequence[int] = (1, 8), reps: int = 7) -> dict:
-    """Times every `moe_kernels.EXPERT_CONFIGS` entry at each token count in `rows` (random tokens routed by each
+    """Times every `expert_configs` entry of the layers' kind at each token count in `rows` (random tokens routed by each
     layer's own router), as one CUDA graph over all `layers` (distinct weights, no launch gaps), and keeps the
     config with the least summed slowdown against each count's fastest. One config then serves every batch size
     (rows stay batch-invariant). Returns {"best": config, "best_us": per layer call at rows[0], "us": {rows:
@@ -299,7 +334,7 @@ def tune_experts(layers: Sequence[RoutedMoE], *, rows: Sequence[int] = (1, 8), r
     for n in rows:
         x = torch.randn(n, first.experts.hidden_size, device=first.experts.device, dtype=first.experts.dtype)
         timings[n] = {}
-        for config in moe_kernels.EXPERT_CONFIGS:
+        for config in expert_configs(first.experts):
             try:
                 ms = _graph_median_ms(lambda c=config, x=x: [moe.forward(x, config=c) for moe in layers], reps)
             except Exception as e:  # a config that does not compile or fit is skipped
