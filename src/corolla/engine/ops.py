@@ -4,6 +4,7 @@ Triton kernel on CUDA. All are CUDA-graph safe: static shapes, no host synchroni
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,39 @@ logger = get_logger(__name__)
 def triton_usable(device: torch.device, head_dim: int) -> bool:
     """Whether the Triton kernels can run for this device and head size."""
     return TRITON_IMPORTED and device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+# ---------------------------------------------------------------------------------------------- ALiBi
+
+# how an ALiBi bias is rounded (the triton kernel's ALIBI codes): product kept in fp32; rounded to bf16 / fp16 (BLOOM
+# rounds its fp32 bias to the model dtype); positions and product rounded to bf16 (Falcon builds it in bfloat16)
+ALIBI_FP32, ALIBI_BF16, ALIBI_FP16, ALIBI_FALCON_BF16 = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class Alibi:
+    """ALiBi attention bias: query head h adds `round(slopes[h] * key_position) * scale` to its scores (absolute
+    key positions: softmax is shift-invariant, so this equals the relative form), rounded as `mode` says."""
+
+    slopes: torch.Tensor  # [nq] fp32 (Falcon: values already rounded to bf16)
+    scale: float
+    mode: int  # ALIBI_FP32 / ALIBI_BF16 / ALIBI_FP16 / ALIBI_FALCON_BF16
+
+    def __post_init__(self) -> None:
+        if self.mode not in (ALIBI_FP32, ALIBI_BF16, ALIBI_FP16, ALIBI_FALCON_BF16):
+            raise ValueError(f"unknown ALiBi rounding mode {self.mode}")
+
+    def bias(self, key_positions: torch.Tensor) -> torch.Tensor:
+        """key_positions [L] (any integer dtype) -> bias [nq, L] fp32."""
+        pos = key_positions.float()  # [L]
+        if self.mode == ALIBI_FALCON_BF16:
+            pos = pos.bfloat16().float()
+        product = self.slopes.float()[:, None] * pos[None, :]  # [nq, L]
+        if self.mode in (ALIBI_BF16, ALIBI_FALCON_BF16):
+            product = product.bfloat16().float()
+        elif self.mode == ALIBI_FP16:
+            product = product.half().float()
+        return product * self.scale
 
 
 # ---------------------------------------------------------------------------------------------- reference versions
@@ -54,15 +88,20 @@ def rope_and_store_ref(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    *,
+    rotate: bool = True,
 ) -> torch.Tensor:
     """qkv [N, (nq + 2 nkv) * D]; cos/sin tables [P, D/2] float32; positions, slots [N] long;
-    caches [pages, page, nkv, D]. Writes rotated keys and values at `slots`; returns rotated queries [N, nq, D]."""
+    caches [pages, page, nkv, D]. Writes rotated keys and values at `slots`; returns rotated queries [N, nq, D].
+    `rotate=False` (ALiBi spans) stores and returns them as projected."""
     n = qkv.shape[0]
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    c = cos[positions].unsqueeze(1)  # [N, 1, D/2]
-    s = sin[positions].unsqueeze(1)
-    q = _rotate(q.reshape(n, num_heads, head_dim).float(), c, s).to(qkv.dtype)
-    k = _rotate(k.reshape(n, num_kv_heads, head_dim).float(), c, s).to(qkv.dtype)
+    q, k = q.reshape(n, num_heads, head_dim), k.reshape(n, num_kv_heads, head_dim)
+    if rotate:
+        c = cos[positions].unsqueeze(1)  # [N, 1, D/2]
+        s = sin[positions].unsqueeze(1)
+        q = _rotate(q.float(), c, s).to(qkv.dtype)
+        k = _rotate(k.float(), c, s).to(qkv.dtype)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [pages * page, nkv, D]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     k_flat.index_copy_(0, slots, k)
@@ -77,9 +116,10 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    alibi: Alibi | None = None,
 ) -> torch.Tensor:
     """q [B, nq, D]; caches [pages, page, nkv, D]; block_tables [B, maxp] int32; seq_lens [B] int32 (>= 1).
-    Each row attends to its own first `seq_lens[b]` tokens. Returns [B, nq, D]."""
+    Each row attends to its own first `seq_lens[b]` tokens (plus `alibi`'s bias). Returns [B, nq, D]."""
     b, nq, d = q.shape
     nkv = k_cache.shape[2]
     tables = block_tables.long()
@@ -89,7 +129,10 @@ def paged_decode_attention_ref(
     k = k.repeat_interleave(group, dim=2).float()  # [B, L, nq, D]
     v = v.repeat_interleave(group, dim=2).float()
     scores = torch.einsum("bhd,blhd->bhl", q.float(), k) * scale  # [B, nq, L]
-    valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None].long()  # [B, L]
+    key_pos = torch.arange(k.shape[1], device=q.device)  # [L]
+    if alibi is not None:
+        scores = scores + alibi.bias(key_pos)[None]  # [B, nq, L]
+    valid = key_pos[None, :] < seq_lens[:, None].long()  # [B, L]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("bhl,blhd->bhd", probs, v).to(q.dtype)
@@ -338,15 +381,32 @@ class DecodeOps:
             return triton_kernels.rms_norm(x, weight, eps)
         return rms_norm_ref(x, weight, eps)
 
-    def rope_and_store(self, qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim):
+    def rope_and_store(
+        self, qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, *, rotate=True
+    ):
         fn = triton_kernels.rope_and_store if self.use_triton else rope_and_store_ref
-        return fn(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim)
+        return fn(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, rotate=rotate)
 
-    def paged_decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+    def paged_decode_attention(
+        self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, alibi: Alibi | None = None
+    ) -> torch.Tensor:
         if self.use_triton:
             splits = self.num_splits(q.shape[0], k_cache.shape[2])
-            return triton_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, splits)
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+            if alibi is None:
+                return triton_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, splits)
+            return triton_kernels.paged_decode_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, scale, splits,
+                alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=alibi.mode,
+            )  # fmt: skip
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+        # x [N, H] -> [N, H]; one torch kernel (statistics in fp32) on every device
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    def gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
+        # x [N, I] -> [N, I]; approximate "none" (erf) or "tanh"
+        return F.gelu(x, approximate=approximate)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.use_triton:

@@ -1,5 +1,6 @@
 """Triton kernels of the decode step: RMSNorm, rotary embedding fused with the KV-cache write, paged decode
-attention (split over the sequence, then combined) and SiLU-gated product. Importing fails without Triton."""
+attention (split over the sequence, then combined; optional ALiBi bias from per-head slopes) and SiLU-gated
+product. Importing fails without Triton."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def _rope_store_kernel(
     NQ: tl.constexpr,
     NKV: tl.constexpr,
     D: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)  # [0, NQ): queries, [NQ, NQ + NKV): keys, then values
@@ -60,13 +62,17 @@ def _rope_store_kernel(
     x2 = tl.load(src + HALF + offs)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     if head < NQ + NKV:
-        pos = tl.load(pos_ptr + row).to(tl.int64)
-        c = tl.load(cos_ptr + pos * HALF + offs)
-        s = tl.load(sin_ptr + pos * HALF + offs)
-        a = x1.to(tl.float32)
-        b = x2.to(tl.float32)
-        y1 = (a * c - b * s).to(x1.dtype)
-        y2 = (b * c + a * s).to(x1.dtype)
+        if ROTATE:
+            pos = tl.load(pos_ptr + row).to(tl.int64)
+            c = tl.load(cos_ptr + pos * HALF + offs)
+            s = tl.load(sin_ptr + pos * HALF + offs)
+            a = x1.to(tl.float32)
+            b = x2.to(tl.float32)
+            y1 = (a * c - b * s).to(x1.dtype)
+            y2 = (b * c + a * s).to(x1.dtype)
+        else:  # ALiBi spans: keys and queries as projected
+            y1 = x1
+            y2 = x2
         if head < NQ:
             dst = q_out_ptr + row * stride_qo_n + head * D
         else:
@@ -79,7 +85,9 @@ def _rope_store_kernel(
         tl.store(dst + HALF + offs, x2)
 
 
-def rope_and_store(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim):
+def rope_and_store(
+    qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, *, rotate: bool = True
+):
     """Same contract as `ops.rope_and_store_ref`; one program per (row, head)."""
     n = qkv.shape[0]
     q_out = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -88,7 +96,7 @@ def rope_and_store(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads,
     _rope_store_kernel[grid](
         qkv, cos, sin, positions, slots, q_out, k_cache, v_cache,
         qkv.stride(0), q_out.stride(0), stride_slot,
-        NQ=num_heads, NKV=num_kv_heads, D=head_dim, num_warps=1,
+        NQ=num_heads, NKV=num_kv_heads, D=head_dim, ROTATE=rotate, num_warps=1,
     )  # fmt: skip
     return q_out
 
@@ -107,19 +115,24 @@ def _paged_attn_kernel(
     m_ptr,
     l_ptr,
     acc_ptr,
+    slopes_ptr,
     stride_qb,
     stride_qh,
     stride_bt,
     stride_ob,
     stride_oh,
     scale,
+    alibi_scale,
     G: tl.constexpr,
     GP: tl.constexpr,
     NKV: tl.constexpr,
     D: tl.constexpr,
     PAGE: tl.constexpr,
     S: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):
+    # ALIBI (ops.ALIBI_*): 0 none; else score += round(slope[head] * key_position) * alibi_scale with the product
+    # kept in fp32 (1), rounded to bf16 (2) or fp16 (3), or positions and product rounded to bf16 (4, Falcon)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -138,6 +151,8 @@ def _paged_attn_kernel(
         mask=g_mask[:, None],
         other=0.0,
     )  # [GP, D]
+    if ALIBI != 0:
+        slopes = tl.load(slopes_ptr + kvh * G + offs_g, mask=g_mask, other=0.0)  # [GP] fp32
     m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, D], dtype=tl.float32)
@@ -149,6 +164,16 @@ def _paged_attn_kernel(
         tile = base + offs_t[:, None] * token_stride + offs_d[None, :]
         k = tl.load(k_ptr + tile)  # [PAGE, D]
         s = tl.dot(q, tl.trans(k)) * scale  # [GP, PAGE]
+        if ALIBI != 0:
+            key_pos = (p * PAGE + offs_t).to(tl.float32)  # [PAGE]
+            if ALIBI == 4:
+                key_pos = key_pos.to(tl.bfloat16).to(tl.float32)
+            bias = slopes[:, None] * key_pos[None, :]  # [GP, PAGE]
+            if ALIBI == 2 or ALIBI == 4:
+                bias = bias.to(tl.bfloat16).to(tl.float32)
+            elif ALIBI == 3:
+                bias = bias.to(tl.float16).to(tl.float32)
+            s = s + bias * alibi_scale
         valid = (p * PAGE + offs_t) < seq_len
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -204,8 +229,14 @@ def _paged_attn_combine_kernel(
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: float, splits: int) -> torch.Tensor:
-    """Same contract as `ops.paged_decode_attention_ref`; `splits` programs share each (row, kv head)."""
+# fmt: off
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale: float, splits: int, *,
+    alibi_slopes: torch.Tensor | None = None, alibi_scale: float = 1.0, alibi_mode: int = 0,
+) -> torch.Tensor:
+    # fmt: on
+    """Same contract as `ops.paged_decode_attention_ref`; `splits` programs share each (row, kv head). With
+    `alibi_mode` != 0, `alibi_slopes` [nq] fp32 gives each query head's slope (see the kernel's ALIBI modes)."""
     b, nq, d = q.shape
     page, nkv = k_cache.shape[1], k_cache.shape[2]
     group = nq // nkv
@@ -217,10 +248,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale: f
         acc = torch.empty((b, nkv, splits, gp, d), dtype=torch.float32, device=q.device)
     else:
         m = l_ = acc = out  # unused
+    if alibi_mode != 0 and (alibi_slopes is None or alibi_slopes.shape != (nq,)):
+        raise ValueError(f"ALiBi attention needs one slope per query head ({nq})")
+    slopes = alibi_slopes if alibi_mode != 0 else seq_lens  # unread without ALiBi
     _paged_attn_kernel[(b, nkv, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale,
-        G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, num_warps=4, num_stages=2,
+        q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, slopes,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
+        G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, ALIBI=alibi_mode, num_warps=4, num_stages=2,
     )  # fmt: skip
     if splits > 1:
         _paged_attn_combine_kernel[(b, nkv)](
