@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 # fused llama-family spans (Mixtral, Qwen3-MoE: with routed experts, engine.moe); DeepSeek-V3 latent spans (fast_mla)
-SUPPORTED_FAMILIES = ("llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
+SUPPORTED_FAMILIES = ("llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "falcon", "bloom")  # + fast_dense
 UNQUANTIZED_EXPERT_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")  # engine.moe reads dense experts only
 SUPPORTED_QUANT_TYPES = ("none", "nf4", "int8")  # bitsandbytes layouts read in place (corolla.engine.quant)
 GPU_DTYPES = (torch.bfloat16, torch.float16)
