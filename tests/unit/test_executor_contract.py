@@ -271,7 +271,7 @@ def test_serving_path_choice_names_the_reason() -> None:
     for changes, words in [
         (dict(device_type="cpu", dtype=torch.float32), "device cpu"),
         (dict(family="bloom"), "family bloom"),
-        (dict(num_adapters=2), "adapters"),
+        (dict(num_adapters=2, family="deepseek_v3"), "adapters"),  # llama-family spans serve adapters (fast_lora)
         (dict(tensor_parallel_devices=2), "tensor parallel"),
         (dict(dtype=torch.float32), "dtype float32"),
     ]:

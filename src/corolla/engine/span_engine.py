@@ -1,10 +1,13 @@
 """The session-level face of the fast path: `SpanEngine` owns the span's fused layers (a `SpanModel`: llama-family
 `FastLlamaSpan` or DeepSeek-V3 `FastMlaSpan`, chosen from the blocks), the KV pool sized by the model's per-token
 `KVLayout`, and the CUDA graphs; `EngineSession` is one client's reservation in the pool. `step` runs one session alone; `decode_many`
-merges single-token steps of many sessions into one batched forward (what the batcher calls)."""
+merges single-token steps of many sessions into one batched forward (what the batcher calls). With LoRA adapters
+(`fast_lora.SpanAdapters`, llama-family spans) each session has one adapter, fixed at open or by its first step, and
+a merged step mixes sessions on different adapters (each row's adapter index is a static input of the graphs)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,6 +18,7 @@ import torch
 from corolla.engine.config import EngineConfig
 from corolla.engine.cuda_graphs import DecodeGraphs
 from corolla.engine.fast_llama import FastLlamaSpan
+from corolla.engine.fast_lora import SpanAdapters
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.span_model import SpanModel
 from corolla.utils.logging import get_logger
@@ -28,14 +32,25 @@ logger = get_logger(__name__)
 class EngineSession:
     """`batch_size` sequences of up to `max_length_tokens` reserved in the engine's pool, run through the engine's
     layers [first, end); a context manager that returns the pages on exit. All rows share one position (the client
-    sends whole batches)."""
+    sends whole batches). `adapter` is the LoRA adapter of every step ("" = the base model; None = not fixed yet:
+    `SpanEngine.bind_adapter` fixes it), `adapter_index` its index in the engine's `SpanAdapters` (0 = none)."""
 
-    def __init__(self, engine: SpanEngine, slots: list[SequenceSlot], max_length_tokens: int, layers: tuple[int, int]):
+    def __init__(
+        self,
+        engine: SpanEngine,
+        slots: list[SequenceSlot],
+        max_length_tokens: int,
+        layers: tuple[int, int],
+        adapter: str | None = None,
+        adapter_index: int = 0,
+    ):
         self.engine = engine
         self.slots = slots
         self.batch_size = len(slots)
         self.max_length_tokens = max_length_tokens
         self.layers = layers
+        self.adapter = adapter
+        self.adapter_index = adapter_index
 
     @property
     def num_layers(self) -> int:
@@ -89,9 +104,14 @@ class SpanEngine:
     """Fast inference for one span (any `SpanModel`); every compute method must be called from one thread (the
     server's device thread), while `open_session` and `EngineSession.close` are thread-safe."""
 
-    def __init__(self, model: SpanModel, config: EngineConfig = EngineConfig()):
+    def __init__(
+        self, model: SpanModel, config: EngineConfig = EngineConfig(), *, adapters: SpanAdapters | None = None
+    ):
         self.model = model
         self.config = config
+        self.adapters = adapters  # the span's stacked LoRA adapters (the model reads the same object), or None
+        if adapters is not None:
+            adapters.allocate_rows(config.max_batch_rows)  # the per-row adapter index: a static input of the graphs
         self.device = model.device
         self.dtype = model.dtype
         spec = model.spec
@@ -121,7 +141,7 @@ class SpanEngine:
                 buckets = tuple(b for b in config.graph_buckets if b <= config.max_batch_rows) or (
                     config.max_batch_rows,
                 )
-                self.graphs = DecodeGraphs(model, self.pool, buckets)
+                self.graphs = DecodeGraphs(model, self.pool, buckets, adapters=adapters)
                 self.max_batch_rows = self.graphs.max_rows
             rows, h = self.max_batch_rows, spec.hidden_size
             self._pin_hidden = torch.empty((rows, h), dtype=self.dtype, pin_memory=True)
@@ -129,37 +149,32 @@ class SpanEngine:
             self._pin_pos = torch.empty((rows,), dtype=torch.long, pin_memory=True)
             self._pin_tables = torch.empty((rows, self.pool.max_pages_per_seq), dtype=torch.int32, pin_memory=True)
             self._pin_pos_np = self._pin_pos.numpy()
+            self._pin_ids = torch.empty((rows,), dtype=torch.long, pin_memory=True)
+            self._pin_ids_np = self._pin_ids.numpy()
 
     @classmethod
-    def from_blocks(cls, blocks: Sequence[torch.nn.Module], config: EngineConfig = EngineConfig()) -> SpanEngine:
+    def from_blocks(
+        cls, blocks: Sequence[torch.nn.Module], config: EngineConfig = EngineConfig(), *, adapter_mode: str = "auto"
+    ) -> SpanEngine:
         """Wraps loaded llama-family or DeepSeek-V3 blocks (their tensors are used in place), the span type chosen by
-        the blocks' model type; ValueError if unsupported."""
+        the blocks' model type; ValueError if unsupported. LoRA adapters on llama-family blocks are stacked
+        (`fast_lora`, `adapter_mode` "auto", "stacked" or "gather"); other span types refuse them."""
         hf_config: PretrainedConfig = blocks[0].config  # every corolla block keeps its model's config
-        trained = getattr(hf_config, "max_position_embeddings", None)  # BLOOM (ALiBi) has no such limit
-        max_positions = min(config.max_seq_len_tokens, int(trained or config.max_seq_len_tokens))
+        max_positions = min(config.max_seq_len_tokens, int(hf_config.max_position_embeddings))
         model: SpanModel
         if getattr(hf_config, "model_type", None) == "deepseek_v3":
             from corolla.engine.fast_mla import FastMlaSpan
 
             model = FastMlaSpan.from_blocks(blocks, max_positions=max_positions, use_triton=config.use_triton)
             return cls(model, config)
-        if getattr(hf_config, "model_type", None) in ("falcon", "bloom"):
-            from corolla.engine.fast_dense import FastDenseSpan
-
-            model = FastDenseSpan.from_blocks(
-                blocks,
-                max_positions=max_positions,
-                use_triton=config.use_triton,
-                attention_splits_max=config.attention_splits_max,
-            )
-            return cls(model, config)
         model = FastLlamaSpan.from_blocks(
             blocks,
             max_positions=max_positions,
             use_triton=config.use_triton,
             attention_splits_max=config.attention_splits_max,
+            adapter_mode=adapter_mode,
         )
-        return cls(model, config)
+        return cls(model, config, adapters=model.adapters)
 
     @property
     def hidden_size(self) -> int:
@@ -178,10 +193,18 @@ class SpanEngine:
     # ------------------------------------------------------------------------------------------ sessions
 
     def open_session(
-        self, batch_size: int, max_length_tokens: int, *, layers: tuple[int, int] | None = None
+        self,
+        batch_size: int,
+        max_length_tokens: int,
+        *,
+        layers: tuple[int, int] | None = None,
+        adapter: str | None = None,
     ) -> EngineSession:
-        """Reserves pages for `batch_size` sequences over the engine's layers [first, end) (default: all);
-        ValueError past `max_seq_len_tokens` or for a bad layer range, AllocationFailed when the pool is full."""
+        """Reserves pages for `batch_size` sequences over the engine's layers [first, end) (default: all), with LoRA
+        `adapter` for all its steps ("" = none; None = fixed by the first `bind_adapter`, the base model if never);
+        ValueError past `max_seq_len_tokens`, for a bad layer range or an unknown adapter, AllocationFailed when the
+        pool is full."""
+        adapter_index = 0 if adapter is None else self.adapter_index(adapter)
         if max_length_tokens > self.max_seq_len_tokens:
             raise ValueError(
                 f"Cannot allocate KV cache for {max_length_tokens} tokens, max = {self.max_seq_len_tokens}"
@@ -189,7 +212,27 @@ class SpanEngine:
         first, end = layers or (0, self.model.num_layers)
         if not 0 <= first < end <= self.model.num_layers:
             raise ValueError(f"layers must satisfy 0 <= first < end <= {self.model.num_layers}, got {(first, end)}")
-        return EngineSession(self, self.pool.allocate(batch_size, max_length_tokens), max_length_tokens, (first, end))
+        slots = self.pool.allocate(batch_size, max_length_tokens)
+        return EngineSession(self, slots, max_length_tokens, (first, end), adapter, adapter_index)
+
+    def adapter_index(self, name: str) -> int:
+        """0 for "" (the base model), else adapter `name`'s index; ValueError for an adapter this span lacks."""
+        if not name:
+            return 0
+        if self.adapters is None:
+            raise ValueError(f"Unknown adapter {name!r}; this span has no adapters")
+        return self.adapters.index_of(name)
+
+    def bind_adapter(self, session: EngineSession, name: str) -> None:
+        """Fixes `session`'s adapter to `name` if not fixed yet; ValueError if it is fixed to another one (a
+        session keeps the adapter it opened with, as Petals' servers do) or unknown."""
+        if session.adapter is None:
+            session.adapter_index = self.adapter_index(name)
+            session.adapter = name
+        elif session.adapter != name:
+            raise ValueError(
+                f"This inference session uses adapter {session.adapter!r} (fixed when it opened), got {name!r}"
+            )
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -263,19 +306,25 @@ class SpanEngine:
         if req.needs_prompts and req.prompts is not None:
             prompts = req.prompts.to(self.device, self.dtype)  # [layers, B or 1, P, H]
         outs = []
-        for row, slot in enumerate(req.session.slots):
-            row_prompts = None if prompts is None else prompts[:, row if prompts.shape[1] > 1 else 0]  # [layers, P, H]
-            outs.append(
-                self.model.prefill(
-                    hidden[row],
-                    req.position,
-                    slot,
-                    self.pool,
-                    chunk_tokens=self.config.prefill_chunk_tokens,
-                    layers=req.session.layers,
-                    prompts=row_prompts,
+        selected = (
+            self.adapters.prefill_adapter(req.session.adapter_index)
+            if self.adapters is not None
+            else contextlib.nullcontext()
+        )
+        with selected:
+            for row, slot in enumerate(req.session.slots):
+                row_prompts = None if prompts is None else prompts[:, row if prompts.shape[1] > 1 else 0]  # [L, P, H]
+                outs.append(
+                    self.model.prefill(
+                        hidden[row],
+                        req.position,
+                        slot,
+                        self.pool,
+                        chunk_tokens=self.config.prefill_chunk_tokens,
+                        layers=req.session.layers,
+                        prompts=row_prompts,
+                    )
                 )
-            )
         for slot in req.session.slots:
             slot.length_tokens = req.position + t
         return torch.stack(outs).to(req.hidden.device)
@@ -311,6 +360,8 @@ class SpanEngine:
         positions = [r.position for r in group for _ in range(r.rows)]
         tables = [slot.table for r in group for slot in r.session.slots]
         all_cpu = all(r.hidden.device.type == "cpu" for r in group)
+        ids = [r.session.adapter_index for r in group for _ in range(r.rows)]  # [rows], 0 = base model
+        adapted = any(ids)  # no row on an adapter: the step skips the adapters entirely
         if self.graphs is not None and rows <= self.graphs.max_rows:
             g = self.graphs
             if all_cpu:  # stage through pinned host buffers: one asynchronous copy per input
@@ -329,13 +380,21 @@ class SpanEngine:
             torch.stack(tables, out=self._pin_tables[:rows])
             g.positions[:rows].copy_(self._pin_pos[:rows], non_blocking=True)
             g.block_tables[:rows].copy_(self._pin_tables[:rows], non_blocking=True)
-            out = g.run(rows, group[0].session.layers)  # [rows, H], static buffer
+            if self.adapters is not None and adapted:
+                self._pin_ids_np[:rows] = np.asarray(ids, dtype=np.int64)
+                self.adapters.row_ids[:rows].copy_(self._pin_ids[:rows], non_blocking=True)
+            out = g.run(rows, group[0].session.layers, adapters=adapted)  # [rows, H], static buffer
         else:
             hidden = torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
             pos = torch.tensor(positions, dtype=torch.long).to(self.device)
             needed_pages = max(positions) // self.pool.page_size_tokens + 1  # eager path: attend to used pages only
             tab = torch.stack(tables)[:, :needed_pages].to(self.device)
-            out = self.model.decode(hidden, pos, tab, self.pool, group[0].session.layers)  # [rows, H]
+            selected: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if self.adapters is not None:
+                self.adapters.row_ids[:rows].copy_(torch.tensor(ids, dtype=torch.long))
+                selected = self.adapters.decode_rows(adapted)
+            with selected:
+                out = self.model.decode(hidden, pos, tab, self.pool, group[0].session.layers)  # [rows, H]
         for req in group:
             for slot in req.session.slots:
                 slot.length_tokens = req.position + 1

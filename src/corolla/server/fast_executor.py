@@ -1,7 +1,9 @@
 """The fast `SpanExecutor`: inference steps run on the engine's `SpanEngine` (fused llama-family span, paged
 `KVPool`, CUDA graphs) and single-token steps of all sessions queued at once are merged into one batched forward
 by the runtime (`engine.batcher.execute_steps` as its batch executor). Forward and backward run on the same blocks
-through `SpanBackend` (shared tensors). The paged pool is not handed off on drain: clients replay instead."""
+through `SpanBackend` (shared tensors). The paged pool is not handed off on drain: clients replay instead. A session's
+LoRA adapter (Petals' `active_adapter`, fixed when the session opens) is bound to its engine session at the first
+step; merged steps mix sessions on different adapters (`engine.fast_lora`)."""
 
 from __future__ import annotations
 
@@ -142,9 +144,8 @@ class FastExecutor:
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
         """A mergeable runtime task: queued steps of this span go to one batch executor call, which merges their
         single-token steps into one batched forward. A lone session's step may run inline on an idle runtime."""
-        if inputs.adapter:
-            raise ValueError("This server's fast inference path serves the base model only (no adapters)")
         own = self._own(cache)
+        self.engine.bind_adapter(own.session, inputs.adapter)  # ValueError: unknown, or not the session's adapter
         request = StepRequest(own.session, inputs.hidden_states, inputs.prefix_length, inputs.hypo_ids, inputs.prompts)
         batch_size, length = inputs.hidden_states.shape[:2]
         engine = self.engine

@@ -1,0 +1,135 @@
+"""LoRA adapters on the fast-path engine (CPU, fp32): sessions on three adapters of different ranks (one on some
+modules and layers only) and a base-model session, merged in one decode step, equal the plain blocks under
+`using_adapter` (prefill, cached steps, rollback) in both stacked and gathered forms; the blocks' adapter tensors
+are views of the engine's stacks; a session's adapter is fixed; unknown adapters and adapters on modules the engine
+does not cover are refused; the serving rule names the families without adapter support."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.serving import SpanTraits, unsupported_reason
+from corolla.engine.span_engine import StepRequest
+from corolla.models.lora import LoraWeights, add_adapter, using_adapter
+from corolla.models.registry import get_family
+from helpers.engine_reference import cached_block_steps
+from helpers.lora_blocks import make_lora_blocks as make_blocks
+from helpers.tiny_models import tiny_config, torch_threads
+
+MAX_LEN = 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    with torch_threads(1):
+        yield
+
+
+def make_engine(blocks, mode: str = "auto") -> SpanEngine:
+    config = EngineConfig(kv_pool_bytes=2 << 20, page_size_tokens=16, max_seq_len_tokens=MAX_LEN, max_batch_rows=8)
+    return SpanEngine.from_blocks(blocks, config, adapter_mode=mode)
+
+
+def reference(blocks, adapter: str, steps: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    with using_adapter(adapter):
+        return cached_block_steps(blocks, MAX_LEN, steps)
+
+
+@pytest.mark.parametrize("mode", ["stacked", "gather"])
+def test_merged_steps_of_sessions_on_different_adapters_equal_the_blocks(mode: str) -> None:
+    blocks = make_blocks()
+    engine = make_engine(blocks, mode)
+    assert engine.adapters is not None and engine.adapters.names == ("big", "mid", "some")
+    h = int(blocks[0].config.hidden_size)
+    names = ["big", "", "some", "mid"]
+    batch = [1, 2, 1, 1]
+    prefix = [7, 12, 5, 9]
+    torch.manual_seed(1)
+    plan: list[list[tuple[torch.Tensor, int]]] = []
+    for b, p in zip(batch, prefix, strict=True):
+        steps = [(torch.randn(b, p, h), 0)] + [(torch.randn(b, 1, h), p + i) for i in range(3)]
+        steps.append((torch.randn(b, 3, h), p - 2))  # rollback: rewrite from two tokens back, on a cached prefix
+        steps.append((torch.randn(b, 1, h), p + 1))  # a decode step after the rollback
+        plan.append(steps)
+    expected = [reference(blocks, n, steps) for n, steps in zip(names, plan, strict=True)]
+    sessions = [engine.open_session(b, MAX_LEN, adapter=n) for b, n in zip(batch, names, strict=True)]
+    got: list[list[torch.Tensor]] = [[] for _ in names]
+    for k in range(len(plan[0])):
+        requests = [StepRequest(s, plan[i][k][0], plan[i][k][1]) for i, s in enumerate(sessions)]
+        if all(r.is_decode for r in requests):  # one merged step: rows on big, base, base, some, mid
+            outs = engine.decode_many(requests)
+        else:
+            outs = [engine.step(r.session, r.hidden, r.position) for r in requests]
+        for i, out in enumerate(outs):
+            got[i].append(out)
+    for i, name in enumerate(names):
+        for out, ref in zip(got[i], expected[i], strict=True):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    for s in sessions:
+        s.close()
+
+
+def test_adapters_change_the_output_and_share_the_blocks_memory() -> None:
+    blocks = make_blocks()
+    engine = make_engine(blocks)
+    assert engine.adapters is not None
+    qkv = blocks[0].attn.qkv
+    stack = engine.adapters.layers[0]["qkv"]
+    key = qkv.slots["mid"]
+    assert qkv.lora_a[key].data_ptr() == stack.a[2].data_ptr()  # the plain path reads the engine's stack
+    assert qkv.lora_b[key].data_ptr() == stack.bt[2].data_ptr()
+    assert "gate_up" not in engine.adapters.layers[1] or engine.adapters.layers[1]["gate_up"].targets[3] is False
+    assert stack.rank == 8 * 3  # q, k, v of the rank-8 adapter, stacked in one A
+    h = int(blocks[0].config.hidden_size)
+    x = torch.randn(1, 4, h)
+    outs = []
+    for name in ("", "big", "some"):
+        with engine.open_session(1, MAX_LEN, adapter=name) as session:
+            outs.append(engine.step(session, x, 0))
+    assert not torch.allclose(outs[0], outs[1], atol=1e-3) and not torch.allclose(outs[0], outs[2], atol=1e-3)
+
+
+def test_a_session_keeps_its_adapter_and_unknown_ones_are_refused() -> None:
+    blocks = make_blocks()
+    engine = make_engine(blocks)
+    with pytest.raises(ValueError, match="Unknown adapter 'missing'"):
+        engine.open_session(1, MAX_LEN, adapter="missing")
+    with engine.open_session(1, MAX_LEN) as session:  # fixed by its first step
+        engine.bind_adapter(session, "mid")
+        engine.bind_adapter(session, "mid")
+        assert session.adapter_index == 2
+        with pytest.raises(ValueError, match="fixed when it opened"):
+            engine.bind_adapter(session, "big")
+        with pytest.raises(ValueError, match="fixed when it opened"):
+            engine.bind_adapter(session, "")
+    plain = make_engine(make_blocks(adapters={}))
+    assert plain.adapters is None
+    with pytest.raises(ValueError, match="no adapters"):
+        plain.open_session(1, MAX_LEN, adapter="big")
+
+
+def test_adapters_on_modules_the_engine_does_not_cover_are_refused() -> None:
+    config = tiny_config("mixtral", 1)
+    block = get_family(config).build_block(config, 0).eval()
+    router = ("block_sparse_moe.gate", (torch.randn(2, 64), torch.randn(4, 2), 1.0))
+    attention = ("self_attn.k_proj", (torch.randn(2, 64), torch.randn(32, 2), 1.0))
+    add_adapter(block, "attn", LoraWeights("test", 0, dict([attention])))
+    SpanEngine.from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20, max_seq_len_tokens=32))  # attention: served
+    add_adapter(block, "router", LoraWeights("test", 0, dict([router])))
+    with pytest.raises(ValueError, match="does not apply adapters"):
+        SpanEngine.from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20, max_seq_len_tokens=32))
+
+
+def test_serving_rule_keeps_adapters_off_spans_without_support() -> None:
+    def traits(family: str, quant_type: str = "none") -> SpanTraits:
+        return SpanTraits("cuda", torch.bfloat16, quant_type, family, num_adapters=2, tensor_parallel_devices=0)
+
+    assert unsupported_reason(traits("llama")) is None
+    assert unsupported_reason(traits("llama", "nf4")) is None  # the delta is added beside the quantized linear
+    assert unsupported_reason(traits("qwen3_moe")) is None
+    reason = unsupported_reason(traits("deepseek_v3"))
+    assert reason is not None and "2 LoRA adapters with deepseek_v3" in reason

@@ -1,0 +1,96 @@
+"""A tiny Llama span with LoRA adapters served by the server's fast executor on CPU (`--serving_path fast`): the
+serving path keeps the engine, sessions on two adapters and on the base model (prefill, one merged decode step,
+rollback) equal `SpanBackend.inference_step` with each session's adapter, a step naming an unknown adapter or
+another adapter than the session's is refused, and the plain executor's own refusal is unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from corolla.engine.serving import SpanTraits
+from corolla.server.backend import SpanBackend
+from corolla.server.executor import SessionSpec, StepInputs
+from corolla.server.fast_executor import FastExecutor
+from corolla.server.metrics import ServerMetrics
+from corolla.server.runtime import Runtime
+from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
+from helpers.lora_blocks import ADAPTERS, make_lora_blocks
+from helpers.tiny_models import torch_threads
+
+SPAN = (0, 1, 2)
+MAX_LEN = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def backend() -> SpanBackend:
+    blocks = make_lora_blocks(num_layers=len(SPAN))
+    return SpanBackend(
+        dict(enumerate(blocks)), config=blocks[0].config, dtype=torch.float32, device="cpu", adapters=tuple(ADAPTERS)
+    )
+
+
+def _step(hidden: torch.Tensor, position: int, adapter: str) -> StepInputs:
+    return StepInputs(hidden, position, None, None, adapter, lone_session=False)
+
+
+async def test_sessions_on_different_adapters_merge_on_the_fast_path(backend: SpanBackend) -> None:
+    traits = SpanTraits(
+        device_type="cpu", dtype=torch.float32, quant_type="none", family="llama", num_adapters=len(ADAPTERS),
+        tensor_parallel_devices=0,
+    )  # fmt: skip
+    choice = choose_serving_path("fast", traits)
+    settings = ExecutorSettings(cache_bytes=1 << 20, max_seq_len_tokens=64, max_alloc_timeout_s=None,
+                                tensor_parallel=False, warmup=False)  # fmt: skip
+    h = backend.hidden_size
+    names = ["big", "", "some"]
+    torch.manual_seed(2)
+    plans = []
+    for length in (6, 4, 9):
+        plans.append(
+            [(torch.randn(1, length, h), 0), (torch.randn(1, 1, h), length), (torch.randn(1, 2, h), length - 1)]
+        )  # prefill, a merged decode step, a rollback
+    expected = []
+    for name, plan in zip(names, plans, strict=True):
+        caches = [[torch.zeros(tuple(d.shape)) for d in per] for per in backend.cache_descriptors(SPAN, 1, MAX_LEN)]
+        expected.append(
+            [backend.inference_step(SPAN, x, caches, prefix_length=p, max_length=MAX_LEN, adapter=name)
+             for x, p in plan]
+        )  # fmt: skip
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        executor = make_executor(choice, backend, runtime, settings, ServerMetrics())
+        assert isinstance(executor, FastExecutor)
+        spec = SessionSpec(SPAN, 1, MAX_LEN)
+        async with (
+            executor.open_session(spec, 0) as a,
+            executor.open_session(spec, 0) as b,
+            executor.open_session(spec, 0) as c,
+        ):
+            caches = [a, b, c]
+            got = [[await executor.step(cache, _step(*plans[i][0], names[i]))] for i, cache in enumerate(caches)]
+            merged = await asyncio.wait_for(
+                asyncio.gather(
+                    *[executor.step(cache, _step(*plans[i][1], names[i])) for i, cache in enumerate(caches)]
+                ),
+                30,
+            )
+            for i, cache in enumerate(caches):
+                got[i].append(merged[i])
+                got[i].append(await executor.step(cache, _step(*plans[i][2], names[i])))
+            with pytest.raises(ValueError, match="fixed when it opened"):
+                await executor.step(a, _step(plans[0][1][0], 7, "mid"))
+        async with executor.open_session(spec, 0) as d:
+            with pytest.raises(ValueError, match="Unknown adapter 'missing'"):
+                await executor.step(d, _step(plans[0][0][0], 0, "missing"))
+    for i, name in enumerate(names):
+        for out, ref in zip(got[i], expected[i], strict=True):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=0, msg=lambda m, name=name: f"{name!r}: {m}")
