@@ -41,9 +41,11 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks
 
 # Runs the suite inside a network namespace holding only `lo` when the machine allows it: first everything not marked
-# `serial` on PYTEST_WORKERS processes (whole files per worker, so a file's swarm fixture is built once), then the
-# `serial` tests (timing bounds, CPU-hungry benchmarks) alone.
+# `serial` on PYTEST_WORKERS processes (whole files per worker, so a file's swarm fixture is built once; the longest
+# files first, by tests/file_durations.json overlaid by this machine's last run in TEST_DURATIONS, which each run
+# rewrites: see tests/helpers/file_order.py), then the `serial` tests (timing bounds, CPU-hungry benchmarks) alone.
 PYTEST_WORKERS ?= 2
+TEST_DURATIONS ?= build/test-durations.json
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 # The serial part collects only the files that mark tests `serial` (`pytest.mark.serial` / `mark.serial`, as a
 # decorator or in `pytestmark`), not the whole suite a third time: ~25 s less CPU.
@@ -54,7 +56,8 @@ test: lint
 	else \
 		echo "make test: loopback-only namespace unavailable, running plainly"; RUN=""; \
 	fi; \
-	$$RUN $(PYTEST) -n $(PYTEST_WORKERS) --dist loadfile -m "not serial" tests && \
+	COROLLA_TEST_DURATIONS_OUT=$(abspath $(TEST_DURATIONS)) \
+		$$RUN $(PYTEST) -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" tests && \
 	$$RUN $(PYTEST) -m serial $(or $(SERIAL_FILES),tests)
 
 demo: $(DEMO_STAMP)

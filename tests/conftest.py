@@ -4,7 +4,10 @@ by these tests is still alive at the end (after a grace period), and kills what 
 Attribution is robust to other test runs on the same machine: at session start we put a unique
 `COROLLA_TEST_RUN_ID` into the environment, which every process we exec inherits (hivemind copies `os.environ` for
 p2pd). Forked processes (hivemind's DHT process) keep the environment of the original exec, so they are recognised
-as descendants of this process with its command line."""
+as descendants of this process with its command line.
+
+Under pytest-xdist the workers order the collected files longest first (`helpers.file_order`), and the controller
+records each file's duration when `COROLLA_TEST_DURATIONS_OUT` names a file (the Makefile does)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from helpers.file_order import DURATIONS_OUT_ENV, DurationRecorder, expected_durations, longest_files_first
 
 RUN_ID_ENV = "COROLLA_TEST_RUN_ID"
 LEAK_GRACE_S = 5.0
@@ -88,6 +93,18 @@ def leak_finder():
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     os.environ[RUN_ID_ENV] = uuid.uuid4().hex
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    out = os.environ.get(DURATIONS_OUT_ENV)
+    if out and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller sees every worker's reports
+        config.pluginmanager.register(DurationRecorder(Path(out)), "corolla-duration-recorder")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On xdist workers: files longest first (with `--no-loadscope-reorder`, the order xdist hands them out in)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = longest_files_first(items, expected_durations())
 
 
 @pytest.hookimpl(trylast=True)  # after session-scoped fixtures were torn down
