@@ -125,14 +125,16 @@ def paged_decode_attention_ref(
     tables = block_tables.long()
     k = k_cache[tables].reshape(b, -1, nkv, d)  # [B, maxp * page, nkv, D]
     v = v_cache[tables].reshape(b, -1, nkv, d)
+    key_pos = torch.arange(k.shape[1], device=q.device)  # [L]
+    valid = key_pos[None, :] < seq_lens[:, None].long()  # [B, L]
+    k = k.masked_fill(~valid[:, :, None, None], 0.0)  # what lies past a row's tokens never reaches the output
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
     group = nq // nkv
     k = k.repeat_interleave(group, dim=2).float()  # [B, L, nq, D]
     v = v.repeat_interleave(group, dim=2).float()
     scores = torch.einsum("bhd,blhd->bhl", q.float(), k) * scale  # [B, nq, L]
-    key_pos = torch.arange(k.shape[1], device=q.device)  # [L]
     if alibi is not None:
         scores = scores + alibi.bias(key_pos)[None]  # [B, nq, L]
-    valid = key_pos[None, :] < seq_lens[:, None].long()  # [B, L]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("bhl,blhd->bhd", probs, v).to(q.dtype)

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from corolla.engine.alibi_triton import alibi_bias
+
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
 
@@ -131,8 +133,7 @@ def _paged_attn_kernel(
     S: tl.constexpr,
     ALIBI: tl.constexpr,
 ):
-    # ALIBI (ops.ALIBI_*): 0 none; else score += round(slope[head] * key_position) * alibi_scale with the product
-    # kept in fp32 (1), rounded to bf16 (2) or fp16 (3), or positions and product rounded to bf16 (4, Falcon)
+    # ALIBI (ops.ALIBI_*): 0 none; else score += round(slope[head] * key_position) * alibi_scale (alibi_triton)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -165,15 +166,7 @@ def _paged_attn_kernel(
         k = tl.load(k_ptr + tile)  # [PAGE, D]
         s = tl.dot(q, tl.trans(k)) * scale  # [GP, PAGE]
         if ALIBI != 0:
-            key_pos = (p * PAGE + offs_t).to(tl.float32)  # [PAGE]
-            if ALIBI == 4:
-                key_pos = key_pos.to(tl.bfloat16).to(tl.float32)
-            bias = slopes[:, None] * key_pos[None, :]  # [GP, PAGE]
-            if ALIBI == 2 or ALIBI == 4:
-                bias = bias.to(tl.bfloat16).to(tl.float32)
-            elif ALIBI == 3:
-                bias = bias.to(tl.float16).to(tl.float32)
-            s = s + bias * alibi_scale
+            s = s + alibi_bias(slopes, p * PAGE + offs_t, alibi_scale, ALIBI)  # [GP, PAGE]
         valid = (p * PAGE + offs_t) < seq_len
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
