@@ -137,7 +137,7 @@ def test_refusals() -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_serving_rule_for_moe_families(family: str) -> None:
-    traits = SpanTraits("cuda", torch.bfloat16, "none", family, 0, 0)
-    assert unsupported_reason(traits) is None
-    reason = unsupported_reason(SpanTraits("cuda", torch.bfloat16, "nf4", family, 0, 0))
-    assert reason is not None and "experts" in reason
+    for quant_type in ("none", "nf4", "int8"):  # quantized experts: engine.moe_quant
+        assert unsupported_reason(SpanTraits("cuda", torch.bfloat16, quant_type, family, 0, 0)) is None
+    reason = unsupported_reason(SpanTraits("cuda", torch.bfloat16, "nf4", "deepseek_v3", 0, 0))
+    assert reason is not None and "unquantized experts" in reason  # fast_mla reads dense experts only

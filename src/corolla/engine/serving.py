@@ -11,7 +11,7 @@ import torch
 
 # fused llama-family spans (Mixtral, Qwen3-MoE: with routed experts, engine.moe); DeepSeek-V3 latent spans (fast_mla)
 SUPPORTED_FAMILIES = ("llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3")
-UNQUANTIZED_EXPERT_FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")  # engine.moe reads dense experts only
+UNQUANTIZED_EXPERT_FAMILIES = ("deepseek_v3",)  # fast_mla reads dense experts only (Mixtral/Qwen3-MoE: moe_quant)
 ADAPTER_FAMILIES = ("llama", "qwen3", "mixtral", "qwen3_moe")  # FastLlamaSpan applies LoRA adapters (engine.fast_lora)
 SUPPORTED_QUANT_TYPES = ("none", "nf4", "int8")  # bitsandbytes layouts read in place (corolla.engine.quant)
 GPU_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,7 +41,7 @@ def unsupported_reason(traits: SpanTraits, *, allow_cpu: bool = False) -> str | 
     if traits.family not in SUPPORTED_FAMILIES:
         return f"family {traits.family} (the fast path supports {', '.join(SUPPORTED_FAMILIES)})"
     if traits.family in UNQUANTIZED_EXPERT_FAMILIES and traits.quant_type != "none":
-        return f"quant_type {traits.quant_type} with {traits.family} (the fast path reads unquantized experts only)"
+        return f"quant_type {traits.quant_type} with {traits.family} (its fast path reads unquantized experts only)"
     if traits.num_adapters and traits.family not in ADAPTER_FAMILIES:
         families = ", ".join(ADAPTER_FAMILIES)
         return f"{traits.num_adapters} LoRA adapters with {traits.family} (the fast path applies them to {families})"
