@@ -52,6 +52,12 @@ class DecodeGraphs:
         self._outputs: dict[tuple[int, int, int, bool], torch.Tensor] = {}
         self._mempool = torch.cuda.graph_pool_handle()
 
+    def clear(self) -> None:
+        """Drops every captured graph (after a change to how the model's step runs, e.g. its adapters' form); the
+        next `run` or `capture_all` captures again."""
+        self._graphs.clear()
+        self._outputs.clear()
+
     def bucket_for(self, rows: int) -> int:
         for bucket in self.buckets:
             if bucket >= rows:
