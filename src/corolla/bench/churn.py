@@ -206,7 +206,8 @@ def _start_client(
         sys.executable, "-m", "corolla.bench.churn_worker", "--model", str(config.model_path),
         "--initial_peers", *initial_peers, "--prompts_file", str(work_dir / "prompts.json"),
         "--new_tokens", str(new_tokens or config.new_tokens), "--go_file", str(work_dir / go_file),
-        "--go_timeout_s", str(config.server_ready_timeout_s + config.client_startup_timeout_s + 120),
+        "--go_timeout_s", str(config.server_ready_timeout_s + config.client_startup_timeout_s + config.duration_s
+                              + config.client_finish_timeout_s + 120),  # the probe's go comes after the chaos
         "--name", name, "--seed", str(seed),
         "--max_retries", str(config.client_max_retries),
         "--max_wait_s", str(config.client_max_wait_s if max_wait_s is None else max_wait_s),
@@ -333,9 +334,18 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
                                 config, name, swarm.initial_peers, work_dir, env, seed=seed, p2p_only=i % 2 == 1
                             )
                         )
+                    generating = list(clients)
+                    probe = None
+                    if config.probe_abandoned_client:  # it loads now too, then waits for its own go file
+                        probe = _start_client(
+                            config, "probe", swarm.initial_peers, work_dir, env, seed=config.seed, p2p_only=False,
+                            go_file="probe-go.json", new_tokens=config.probe_new_tokens,
+                            max_wait_s=config.probe_max_wait_s, die_with_parent=False,
+                        )  # fmt: skip
+                        clients.append(probe)
                     reference = reference_outputs(config.model_path, prompts, config.new_tokens)
                     chaos.wait_all_ready(config.server_ready_timeout_s)
-                    for client in clients:
+                    for client in generating:
                         client.wait_for_line(lambda line: line == READY_LINE, config.client_startup_timeout_s)
                     write_go_file(work_dir / "go.json", time.time() + config.duration_s)
                     chaos.begin()
@@ -345,16 +355,6 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
                         chaos.tick(allow_actions=True)
                         time.sleep(0.1)
                     logger.info(f"churn.chaos_over({chaos.counters})")
-                    probe = None
-                    if config.probe_abandoned_client:  # it loads while the others finish
-                        probe = _start_client(
-                            config, "probe", swarm.initial_peers, work_dir, env, seed=config.seed, p2p_only=False,
-                            go_file="probe-go.json", new_tokens=config.probe_new_tokens,
-                            max_wait_s=config.probe_max_wait_s, die_with_parent=False,
-                        )  # fmt: skip
-                    generating = list(clients)
-                    if probe is not None:
-                        clients.append(probe)
                     _wait_clients_done(generating, chaos, config.client_finish_timeout_s)
                     _collect(report, generating, reference)
                     if probe is not None:
