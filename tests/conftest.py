@@ -97,7 +97,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     out = os.environ.get(DURATIONS_OUT_ENV)
-    if out and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller sees every worker's reports
+    # the controller sees every worker's reports; only whole files are worth recording (no -k, no single tests)
+    whole_files = not config.option.keyword and not any("::" in arg for arg in config.args)
+    if out and whole_files and not os.environ.get("PYTEST_XDIST_WORKER"):
         config.pluginmanager.register(DurationRecorder(Path(out)), "corolla-duration-recorder")
 
 
