@@ -13,7 +13,8 @@ step, like positions; CUDA-graph safe) and adds `x @ A[id]^T @ B[id]` per row, i
 - "stacked": every adapter at once, `mask(x @ A_all^T) @ B_all` (reads each adapter once per step whatever the
   rows; the mask zeroes the columns of adapters a row does not use);
 - "gather": `bmm` on each row's gathered A and B (reads one adapter copy per row).
-"auto" takes "stacked" while the adapters are at most `STACKED_MAX_ADAPTERS_PER_ROW` per row of the step.
+"auto" takes "stacked" while the adapters are at most `STACKED_MAX_ADAPTERS_PER_ROW` per row of the step (measured
+faster at 8 adapters on 1 and 8 rows).
 Steps where no row uses an adapter skip all of it (the engine captures a graph without adapters for them).
 Prefill runs one sequence with its session's adapter."""
 
@@ -33,7 +34,11 @@ logger = get_logger(__name__)
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _MODULE_PATHS = {"qkv": "attn.qkv", "o": "attn.o_proj", "gate_up": "mlp.gate_up", "down": "mlp.down"}
 MODES = ("auto", "stacked", "gather")
-STACKED_MAX_ADAPTERS_PER_ROW = 4  # "auto": every adapter at once while n_adapters <= 4 x rows, else per-row gather
+# "auto": every adapter at once while n_adapters <= 16 x rows, else per-row gather. Measured on an H100 (32
+# Llama-3-8B layers, 8 rank-16 adapters, benchmarks/results/lora-*-2008): stacked beat gather at 1 row (8.29 vs
+# 8.94 ms) and at 8 rows (8.75 vs 10.11 ms); stacked reads every adapter (n x 3.75 MiB per layer here), so with
+# many adapters and few rows the gather wins: 16 per row is an estimate of that crossover, not a measurement.
+STACKED_MAX_ADAPTERS_PER_ROW = 16
 
 
 @dataclass
