@@ -2,7 +2,8 @@
 modules and layers only) and a base-model session, merged in one decode step, equal the plain blocks under
 `using_adapter` (prefill, cached steps, rollback) in both stacked and gathered forms; the blocks' adapter tensors
 are views of the engine's stacks; a session's adapter is fixed; unknown adapters and adapters on modules the engine
-does not cover are refused; the serving rule names the families without adapter support."""
+does not cover are refused; adapters on an NF4 span (bitsandbytes layers quantized on the CPU) equal the quantized
+blocks; the serving rule names the families without adapter support."""
 
 from __future__ import annotations
 
@@ -133,3 +134,34 @@ def test_serving_rule_keeps_adapters_off_spans_without_support() -> None:
     assert unsupported_reason(traits("qwen3_moe")) is None
     reason = unsupported_reason(traits("deepseek_v3"))
     assert reason is not None and "2 LoRA adapters with deepseek_v3" in reason
+
+
+def test_adapters_on_an_nf4_span_equal_the_quantized_blocks() -> None:
+    bnb = pytest.importorskip("bitsandbytes")
+    from corolla.models.quantization import QuantType, _quantized_linear
+
+    blocks = make_blocks(adapters={})
+    for block in blocks:  # as the server places a block: quantized first (CPU here), adapters after
+        for parent in list(block.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    setattr(parent, name, _quantized_linear(child, QuantType.NF4, bnb).to("cpu"))
+    torch.manual_seed(3)
+    rank_modules = {"mid": (4, ["self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj"])}
+    config = blocks[0].config
+    h, inter = int(config.hidden_size), int(config.intermediate_size)
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.o_proj": (h, h), "mlp.up_proj": (inter, h)}
+    shapes["mlp.down_proj"] = (h, inter)
+    for index, block in enumerate(blocks):
+        rank, modules = rank_modules["mid"]
+        weights = {
+            m: (torch.randn(rank, shapes[m][1]) * 0.3, torch.randn(shapes[m][0], rank) * 0.3, 0.5) for m in modules
+        }
+        add_adapter(block, "mid", LoraWeights("test", index, weights))
+    engine = make_engine(blocks)
+    steps = [(torch.randn(1, 6, h), 0), (torch.randn(1, 1, h), 6), (torch.randn(1, 1, h), 7)]
+    for name in ("mid", ""):
+        expected = reference(blocks, name, steps)
+        with engine.open_session(1, MAX_LEN, adapter=name) as session:
+            for (x, position), ref in zip(steps, expected, strict=True):
+                torch.testing.assert_close(engine.step(session, x, position), ref, atol=2e-3, rtol=0)
