@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from corolla.engine import quant_prmt
+
 if TYPE_CHECKING:  # only for annotations: bitsandbytes is imported at run time only for its own layers
     import bitsandbytes as bnb
 
@@ -53,6 +55,8 @@ class NF4Weight:
     code: torch.Tensor  # [16] fp32: the 4-bit levels
     dtype: torch.dtype  # compute dtype (inputs and outputs)
     pair_levels: torch.Tensor = field(init=False, repr=False)  # [256] int32, derived from `code` (1 KiB)
+    # the 8 table words of quant_prmt's register lookup (fp16 levels), derived from `code`; empty for fp32
+    lut_words: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         n, kh = self.packed.shape
@@ -71,6 +75,7 @@ class NF4Weight:
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"NF4 compute dtype must be a float type, got {self.dtype}")
         self.pair_levels = self._pair_levels()
+        self.lut_words = () if self.dtype == torch.float32 else quant_prmt.lut_words(self.code)
 
     def _pair_levels(self) -> torch.Tensor:
         """[256] int32: for byte b, the bits of level(b >> 4) in the compute dtype in the high half and of

@@ -10,6 +10,7 @@ and a log under --out."""
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import time
@@ -20,6 +21,7 @@ import torch
 from corolla.bench.measure import copy_bandwidth_bytes_per_s, sync
 from corolla.engine.config import EngineConfig, LlamaSpec
 from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
+from corolla.engine.kv_pool import KVLayout
 from corolla.engine.quant import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import SpanEngine, StepRequest
 
@@ -81,13 +83,29 @@ def quantized(layer: LayerWeights, kind: str) -> LayerWeights:
     return LayerWeights(**{**vars(layer), **{name: fn(getattr(layer, name)) for name in PROJECTIONS}})
 
 
-def make_engine(spec: LlamaSpec, layers: list[LayerWeights], max_rows: int) -> tuple[SpanEngine, dict]:
-    """The engine over `layers` and its warm-up's kernel timings (empty on CPU)."""
+GPU_KV_POOL_BYTES = 6 << 30
+PAGE_TOKENS = 64  # EngineConfig's default page
+
+
+def kv_pool_bytes_for(spec: LlamaSpec, layers_n: int, sessions: int, tokens_per_session: int) -> int:
+    """Bytes of KV pool that `sessions` sessions of up to `tokens_per_session` tokens each take (whole pages, bf16),
+    plus one page per session of slack."""
+    pages = sessions * (-(-tokens_per_session // PAGE_TOKENS) + 1)
+    return (
+        pages * PAGE_TOKENS * KVLayout.heads(spec.num_kv_heads, spec.head_dim).bytes_per_token(torch.bfloat16, layers_n)
+    )
+
+
+def make_engine(
+    spec: LlamaSpec, layers: list[LayerWeights], max_rows: int, pool_bytes: int = 0
+) -> tuple[SpanEngine, dict]:
+    """The engine over `layers` (a KV pool of at least `pool_bytes`) and its warm-up's kernel timings (empty on
+    CPU)."""
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
     model = FastLlamaSpan(spec, layers, inv_freq, max_positions=2048, use_triton=layers[0].ln1.is_cuda)
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_rows)
     config = EngineConfig(
-        kv_pool_bytes=(6 << 30) if layers[0].ln1.is_cuda else (256 << 20),
+        kv_pool_bytes=max(pool_bytes, GPU_KV_POOL_BYTES if layers[0].ln1.is_cuda else 0),
         max_seq_len_tokens=1024,
         max_batch_rows=max_rows,
         graph_buckets=buckets,
@@ -117,11 +135,47 @@ def log_kernels(lines: list[str], kind: str, report: dict, layer: LayerWeights, 
             row["gemm_all_us"] = hits[0]["gemm_all_us"]
             row["gemm_64_rows_us"] = hits[0]["gemm_best_us"]
             row["gemm_best"] = str(hits[0]["gemm_best"])
+        row["families_us"] = kernel_families(kind, row)
         rows[name] = row
         extra = f", tl.dot at 64 rows {row['gemm_64_rows_us']:.1f} us" if "gemm_64_rows_us" in row else ""
         log(lines, f"  {kind} {name} [{n}x{k}]: 1 row {best_us:.1f} us, floor {floor_us:.1f} us "
                    f"({best_us / floor_us:.2f}x) with {row['best']}{extra}")  # fmt: skip
+        for label, best in row["families_us"].items():
+            log(
+                lines,
+                f"    {label}: " + ", ".join(f"{fam} {us:.1f} us ({us / floor_us:.2f}x)" for fam, us in best.items()),
+            )
     return rows
+
+
+NF4_FAMILIES = {  # (kernel, config field 4) -> name, for the per-shape micro-benchmark table
+    ("gemv", 0): "table GEMV (fp32 levels)",
+    ("gemv", 1): "table GEMV (pair table)",
+    ("gemv", 2): "register-lookup GEMV",
+    ("tile", 0): "table tile (tl.dot)",
+    ("tile", 1): "register-lookup tile (tl.dot)",
+}
+
+
+def kernel_families(kind: str, row: dict) -> dict:
+    """Best microseconds per kernel family among the tuner's candidates: {"1 row": {...}, "64 rows": {...}}."""
+    out: dict[str, dict[str, float]] = {}
+    for label, table in (("1 row", row.get("all_us", {})), ("64 rows", row.get("gemm_all_us", {}))):
+        best: dict[str, float] = {}
+        for text, us in table.items():
+            parsed = ast.literal_eval(text) if text.startswith("(") else None
+            if isinstance(parsed, tuple) and len(parsed) == 2 and isinstance(parsed[1], tuple):  # quantized
+                kernel, config = parsed
+                name = NF4_FAMILIES.get((kernel, config[4]), kernel) if kind == "nf4" else kernel
+                name = "block tl.dot" if kernel == "block" else name
+            elif isinstance(parsed, tuple):  # a dense single-row Triton config
+                name = f"Triton {parsed[0]}" if isinstance(parsed[0], str) else "Triton skinny GEMM"
+            else:
+                name = "cuBLAS (unfused)"
+            best[name] = min(us, best.get(name, float("inf")))
+        if best:
+            out[label] = best
+    return out
 
 
 STEPS = 30  # timed decode steps per measurement
@@ -165,7 +219,9 @@ def bench_llama(
     dense = [random_layer(spec, dev, gen) for _ in range(layers_n)]
     for kind in ("bf16", "nf4", "int8"):
         layers = dense if kind == "bf16" else [quantized(layer, kind) for layer in dense]
-        engine, report = make_engine(spec, layers, 64 if kind == "nf4" else 1)  # [1, 64] rows: graph buckets
+        # every session this kind opens: one, the others of the merged step and two twins (prefix + 64 tokens)
+        pool = kv_pool_bytes_for(spec, layers_n, sessions_n + 2 if kind == "nf4" else 1, prefix + 64)
+        engine, report = make_engine(spec, layers, 64 if kind == "nf4" else 1, pool)  # [1, 64] rows: graph buckets
         floor = engine.model.weight_bytes() / bandwidth * 1000
         kernels = log_kernels(lines, kind, report, layers[0], bandwidth)
         one = open_prefilled(engine, 1, prefix, gen)
@@ -217,7 +273,7 @@ def bench_qwen3(results: dict, lines: list[str], bandwidth: float, prefix: int, 
     gen = torch.Generator(device=dev).manual_seed(1)
     spec = QWEN3_32B if dev.type == "cuda" else LlamaSpec(**{**vars(TINY), "qk_norm": True})
     layers = [random_layer(spec, dev, gen) for _ in range(layers_n)]
-    engine, _ = make_engine(spec, layers, 1)
+    engine, _ = make_engine(spec, layers, 1, kv_pool_bytes_for(spec, layers_n, 1, prefix + 64))
     floor = engine.model.weight_bytes() / bandwidth * 1000
     ms, _ = step_ms(engine, open_prefilled(engine, 1, prefix, gen), prefix)
     log(lines, f"qwen3-32b x{layers_n} bf16 corolla: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x)")

@@ -11,8 +11,9 @@ lookups, which Triton places in different layouts).
 
 NF4 decode (`lut` in the config): 0 = each nibble looked up in the 16-entry fp32 level table (64 bytes: one
 cache line, so a warp's lookups are served in one L1 pass); 1 = each byte looked up in the 256-entry pair table
-(`NF4Weight.pair_levels`: both levels in the compute dtype, one lookup per byte but eight lines per warp). Both
-are timed by `DecodeOps.tune_quantized`. The two nibbles are interleaved back into element order in registers
+(`NF4Weight.pair_levels`: both levels in the compute dtype, one lookup per byte but eight lines per warp); 2 = the
+register lookup of `quant_prmt` (byte permutes, no table loads), in `quant_prmt_kernels`. All are timed by
+`DecodeOps.tune_quantized`. The two nibbles are interleaved back into element order in registers
 (`tl.join`), each 64-value block is summed against x and scaled once by its decoded absmax (uint8 code ->
 nested code table * second-level absmax + offset), accumulated in fp32.
 
@@ -39,8 +40,11 @@ GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger one
 # the tiles that won some Llama-3-8B projection on an H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-
 # 20261126-1712.json: NF4 [16, 128-byte] tiles were 10-25% slower than [32, 64-byte] ones on every shape; Int8
 # [8, 256] won three of four shapes, [16, 128] with 4 splits came within 4% on the fourth).
-NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = tuple(
-    (32, 2, s, 4, lut) for lut in (0, 1) for s in (1, 2, 4, 8)
+# lut 2: quant_prmt_kernels' register-lookup GEMV (BLOCK_N rows of 32-byte steps, 64-value blocks per step fixed
+# at 1); chosen against the table kernels by the tuner.
+NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    *((32, 2, s, 4, lut) for lut in (0, 1) for s in (1, 2, 4, 8)),
+    *((bn, 1, s, 4, 2) for bn in (128, 256) for s in (1, 2, 4, 8)),
 )
 INT8_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     *((8, 256, s, 4, 0) for s in (1, 2, 4, 8)),
@@ -268,6 +272,10 @@ def quant_gemv(
     block_n, block_k, splits, warps, lut = config
     if splits < 1 or block_n < 1 or block_k < 1:
         raise ValueError(f"bad GEMV config {config}")
+    if isinstance(weight, NF4Weight) and config in NF4_GEMV_CONFIGS and lut == 2 and weight.dtype != torch.float32:
+        from corolla.engine import quant_prmt_kernels  # imports this module's kernels (a cycle at import time)
+
+        return quant_prmt_kernels.nf4_prmt_gemv(x, weight, residual, block_n, splits, warps)
     rows = rows_per_program(m)
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     use_ws = splits > 1
@@ -277,8 +285,8 @@ def quant_gemv(
     if isinstance(weight, NF4Weight):
         if config not in NF4_GEMV_CONFIGS:
             raise ValueError(f"{config} is not an NF4 GEMV config")
-        if lut == 1 and weight.dtype == torch.float32:
-            raise ValueError("the NF4 pair table holds 16-bit levels: fp32 weights take lut=0")
+        if lut >= 1 and weight.dtype == torch.float32:
+            raise ValueError("the NF4 pair table and register lookup hold 16-bit levels: fp32 weights take lut=0")
         blocks = block_k  # 64-value blocks per step
         _nf4_gemv_kernel[grid](
             x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code,

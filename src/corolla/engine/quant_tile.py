@@ -5,7 +5,8 @@ bitsandbytes' NF4 layout in place.
 Each program streams a [BLOCK_N, BLOCK_K / 2] tile of packed bytes per step with 16-byte loads, decodes it once
 into the dequantized [BLOCK_N, BLOCK_K] tile in the compute dtype (level from the 16-entry fp32 table times the
 block's decoded absmax, rounded once: the values of the reference dequantizer) and multiplies it with up to four
-16-row tiles of x on the matrix units (one `tl.dot` of depth BLOCK_K per row tile and step). The alternative in
+16-row tiles of x on the matrix units (one `tl.dot` of depth BLOCK_K per row tile and step). Configs with decode 1
+run the same tiling with `quant_prmt`'s register lookup instead of the table (quant_prmt_kernels). The alternative in
 `quant_kernels` runs two depth-32 dots per 64-value block and scales after them; `DecodeOps.tune_quantized` times
 both and keeps the faster per weight shape.
 
@@ -20,19 +21,26 @@ import torch
 import triton
 import triton.language as tl
 
+from corolla.engine import quant_prmt_kernels
 from corolla.engine.quant import NF4_BLOCK_VALUES, NF4Weight
 from corolla.engine.quant_gemv import _split_sum_kernel
 
 TILE_M = 16
 MAX_TILES = 4  # 16-row tiles one program multiplies against its decoded weight tile
 
-# (BLOCK_N, BLOCK_K values, K splits, num_warps, num_stages). Kept: the two that came within 15% of the best
-# 64-row kernel on every Llama-3-8B projection on an H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-
-# 20261126-1712.json; 32-wide tiles and one split of 128-wide tiles were 2-4x slower).
+# (BLOCK_N, BLOCK_K values, K splits, num_warps, decode): decode 0 = levels from the fp32 table in memory (this
+# module's kernel), 1 = quant_prmt's register lookup (quant_prmt_kernels' tile kernel); 3 pipeline stages. Kept of
+# the table kernel: the two that came within 15% of the best 64-row kernel on every Llama-3-8B projection on an
+# H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-1712.json; 32-wide tiles and one split of
+# 128-wide tiles were 2-4x slower).
 NF4_TILE_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    (64, 128, 2, 4, 3),
-    (64, 128, 4, 4, 3),
+    (64, 128, 2, 4, 0),
+    (64, 128, 4, 4, 0),
+    (64, 128, 2, 4, 1),
+    (64, 128, 4, 4, 1),
+    (128, 128, 2, 8, 1),
 )
+NUM_STAGES = 3
 
 
 def tiles_per_program(m: int) -> int:
@@ -157,10 +165,12 @@ def nf4_tile_matmul(
         raise ValueError(f"residual must be a [{m}, {n}] tensor with a contiguous last dim")
     if config not in NF4_TILE_CONFIGS:
         raise ValueError(f"{config} is not an NF4 tile config")
-    block_n, block_k, splits, warps, stages = config
+    block_n, block_k, splits, warps, decode = config
     if block_k % NF4_BLOCK_VALUES:
         raise ValueError(f"BLOCK_K must be a multiple of {NF4_BLOCK_VALUES}")
     tiles = tiles_per_program(m)
+    if decode == 1:
+        return quant_prmt_kernels.nf4_prmt_tile_matmul(x, weight, residual, block_n, block_k, splits, warps, tiles)
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     use_ws = splits > 1
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if use_ws else out  # [S, M, N]
@@ -170,7 +180,7 @@ def nf4_tile_matmul(
         x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.code, ws, res, out,
         m, n, k, x.stride(0), weight.packed.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
         BLOCK_N=block_n, BLOCK_K=block_k, TILES=tiles, USE_WS=use_ws, HAS_RES=residual is not None and not use_ws,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=NUM_STAGES,
     )  # fmt: skip
     if use_ws:
         block = 1024

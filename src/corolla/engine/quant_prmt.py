@@ -1,0 +1,155 @@
+"""The NF4 register lookup: 4-bit codes to their levels with byte permutes (`prmt`) instead of memory lookups.
+
+The 16 levels, as fp16, are 32 bytes: their low bytes make four 32-bit words L0..L3 (L0 holds the low bytes of
+levels 0-3, ...) and their high bytes four more, H0..H3 (`lut_words`). One `prmt.b32 d, a, b, sel` picks four bytes
+out of the eight of {b, a} by four 3-bit indices (the low 16 bits of `sel`), so for four codes at once:
+`prmt(L0, L1, codes & 7)` gives the low bytes of their levels if each code is < 8, `prmt(L2, L3, codes & 7)` if each
+is >= 8, and a third `prmt` with the selector `0x3210 + 4 * bit3(code)` per byte merges the two by bit 3 of each
+code; the same for the high bytes; two more `prmt`s interleave low and high bytes into two fp16x2 words. One packed
+32-bit word (4 bytes, 8 codes) costs 5 selector instructions + 2 x 8 permutes + 8 fp16 -> fp32 conversions, all in
+registers, instead of 8 table loads with 64-bit addresses and the byte-to-lookup layout change through shared
+memory of the table kernels (benchmarks/results/quant-notes-20261126.md).
+
+`DECODE_PROGRAM` is that instruction sequence as data: `decode_ptx` writes it as the inline PTX of the kernels in
+`quant_prmt_kernels`, and `emulate_decode` runs the same list on CPU integers (the instructions' documented
+semantics), so the CPU tests check the exact sequence the GPU runs. Levels are rounded to fp16 once (relative error
+<= 2^-11, below the bf16 rounding of bitsandbytes' own dequantized weight); the sums stay in fp32."""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+# Operand names: "w" = the packed word (4 bytes: code 2j in the high nibble of byte j, 2j + 1 in the low one),
+# "L0".."L3", "H0".."H3" = the table words, "o0".."o7" = the fp32 levels of the word's 8 codes in element order,
+# anything else a scratch register; ints are immediates.
+DECODE_PROGRAM: tuple[tuple[str, str, tuple[str | int, ...]], ...] = (
+    ("and", "i", ("w", 0x77777777)),  # every code's 3-bit index (bit 3 cleared: no sign-replicate mode)
+    ("shr", "j", ("i", 16)),  # indices of codes 4-7 (byte order: lo2, hi2, lo3, hi3) into the low 16 bits
+    ("shr", "s", ("w", 1)),  # bit 3 of each code to bit 2 of its nibble
+    ("andor", "m", ("s", 0x44444444, 0x32103210)),  # merge selectors: nibble k = (k mod 4) + 4 * bit3(code k)
+    ("shr", "n", ("m", 16)),  # those of codes 4-7 into the low 16 bits (prmt reads only sel[15:0])
+    # codes 0-3 (nibble order: lo0, hi0, lo1, hi1 = elements 1, 0, 3, 2)
+    ("prmt", "a", ("L0", "L1", "i")),
+    ("prmt", "b", ("L2", "L3", "i")),
+    ("prmt", "p", ("a", "b", "m")),  # low bytes of the 4 levels
+    ("prmt", "a", ("H0", "H1", "i")),
+    ("prmt", "b", ("H2", "H3", "i")),
+    ("prmt", "q", ("a", "b", "m")),  # high bytes
+    ("prmt", "a", ("p", "q", 0x5140)),  # fp16x2: element 1 (low half), element 0 (high half)
+    ("prmt", "b", ("p", "q", 0x7362)),  # elements 3, 2
+    ("cvtlo", "o1", ("a",)),
+    ("cvthi", "o0", ("a",)),
+    ("cvtlo", "o3", ("b",)),
+    ("cvthi", "o2", ("b",)),
+    # codes 4-7
+    ("prmt", "a", ("L0", "L1", "j")),
+    ("prmt", "b", ("L2", "L3", "j")),
+    ("prmt", "p", ("a", "b", "n")),
+    ("prmt", "a", ("H0", "H1", "j")),
+    ("prmt", "b", ("H2", "H3", "j")),
+    ("prmt", "q", ("a", "b", "n")),
+    ("prmt", "a", ("p", "q", 0x5140)),
+    ("prmt", "b", ("p", "q", 0x7362)),
+    ("cvtlo", "o5", ("a",)),
+    ("cvthi", "o4", ("a",)),
+    ("cvtlo", "o7", ("b",)),
+    ("cvthi", "o6", ("b",)),
+)
+TABLE_OPERANDS = ("L0", "L1", "L2", "L3", "H0", "H1", "H2", "H3")
+_SCRATCH = ("i", "j", "s", "m", "n", "a", "b", "p", "q")
+MASK32 = 0xFFFFFFFF
+
+
+def lut_words(code: torch.Tensor) -> tuple[int, ...]:
+    """[16] levels -> the 8 table words (L0..L3, H0..H3) as signed 32-bit ints (kernel arguments)."""
+    if code.numel() != 16:
+        raise ValueError(f"the NF4 register lookup takes 16 levels, got {code.numel()}")
+    levels = code.detach().to("cpu", torch.float32)
+    if not bool(torch.isfinite(levels).all()) or float(levels.abs().max()) > 65504.0:
+        raise ValueError("NF4 levels must be finite and within fp16 range")
+    bits = [int(b) & 0xFFFF for b in levels.to(torch.float16).view(torch.int16).tolist()]
+    words = []
+    for shift in (0, 8):  # low bytes, then high bytes
+        for q in range(4):
+            words.append(sum(((bits[4 * q + e] >> shift) & 0xFF) << (8 * e) for e in range(4)))
+    return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    # PTX prmt.b32 default mode: byte i of d = byte (sel nibble i & 7) of the 8 bytes {b, a}, or that byte's sign
+    # bit replicated when the nibble's bit 3 is set; only sel[15:0] is read
+    src = ((b & MASK32) << 32) | (a & MASK32)
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = (src >> (8 * (nib & 7))) & 0xFF
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _f16_to_f32(half_bits: int) -> float:
+    return struct.unpack("<e", struct.pack("<H", half_bits & 0xFFFF))[0]
+
+
+def emulate_decode(word: int, table: tuple[int, ...]) -> list[float]:
+    """Runs DECODE_PROGRAM on one packed word (0 <= word < 2^32) and the table words: the 8 levels in element
+    order (the CPU twin of the inline PTX)."""
+    regs: dict[str, int] = {"w": word & MASK32}
+    regs.update({name: value & MASK32 for name, value in zip(TABLE_OPERANDS, table, strict=True)})
+    outs: dict[str, float] = {}
+
+    def val(x: str | int) -> int:
+        return x if isinstance(x, int) else regs[x]
+
+    for op, dst, src in DECODE_PROGRAM:
+        if op == "and":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "shr":
+            regs[dst] = (val(src[0]) & MASK32) >> val(src[1])
+        elif op == "andor":
+            regs[dst] = (val(src[0]) & val(src[1])) | val(src[2])
+        elif op == "prmt":
+            regs[dst] = _prmt(val(src[0]), val(src[1]), val(src[2]))
+        elif op == "cvtlo":
+            outs[dst] = _f16_to_f32(val(src[0]))
+        elif op == "cvthi":
+            outs[dst] = _f16_to_f32(val(src[0]) >> 16)
+        else:
+            raise ValueError(f"unknown decode op {op!r}")
+    return [outs[f"o{t}"] for t in range(8)]
+
+
+def decode_ptx() -> str:
+    """DECODE_PROGRAM as inline PTX for `tl.inline_asm_elementwise`: outputs $0..$7 (fp32 bits), inputs $8 (the
+    word) and $9..$16 (the table words)."""
+    operand = {f"o{t}": f"${t}" for t in range(8)}
+    operand["w"] = "$8"
+    operand.update({name: f"${9 + i}" for i, name in enumerate(TABLE_OPERANDS)})
+    operand.update({name: f"%{name}" for name in _SCRATCH})
+
+    def ref(x: str | int) -> str:
+        return f"0x{x:08x}" if isinstance(x, int) else operand[x]
+
+    lines = ["{", ".reg .b32 " + ", ".join(f"%{n}" for n in _SCRATCH) + ";", ".reg .b16 %hlo, %hhi;"]
+    for op, dst, src in DECODE_PROGRAM:
+        d = operand[dst]
+        if op == "and":
+            lines.append(f"and.b32 {d}, {ref(src[0])}, {ref(src[1])};")
+        elif op == "shr":
+            lines.append(f"shr.u32 {d}, {ref(src[0])}, {int(src[1])};")
+        elif op == "andor":  # lop3 truth table of (a & b) | c
+            lines.append(f"lop3.b32 {d}, {ref(src[0])}, {ref(src[1])}, {ref(src[2])}, 0xEA;")
+        elif op == "prmt":
+            lines.append(f"prmt.b32 {d}, {ref(src[0])}, {ref(src[1])}, {ref(src[2])};")
+        elif op in ("cvtlo", "cvthi"):
+            lines.append(f"mov.b32 {{%hlo, %hhi}}, {ref(src[0])};")
+            lines.append(f"cvt.f32.f16 {d}, {'%hlo' if op == 'cvtlo' else '%hhi'};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+DECODE_CONSTRAINTS = ",".join(["=r"] * 8 + ["r"] * 9)

@@ -1,0 +1,277 @@
+"""Triton NF4 kernels that decode with the register lookup of `quant_prmt` (byte permutes, no table loads): a
+dequantize-GEMV for decode steps of up to `quant_gemv.GEMV_MAX_ROWS` rows and a dequantize-tile GEMM feeding
+`tl.dot` for larger merged steps. Both read bitsandbytes' NF4 layout in place, as 32-bit words (4 bytes, 8 codes;
+the weight's bytes per row are a multiple of 32, so every row starts word-aligned).
+
+GEMV: each program streams [BLOCK_N, 8] words per step (one 64-value block per row, 16-byte loads), decodes them
+into [BLOCK_N, 8, 8] fp32 levels in element order, multiplies each row of x (read as [8, 8] per block, in the same
+order) and keeps per-word partial sums [BLOCK_N, 8] in fp32, scaled by the block's decoded absmax; the words are
+summed once at the end in a fixed order. Tile: the decoded levels times the block absmax, rounded once to the
+compute dtype (the reference dequantizer's values), as the [BLOCK_N, BLOCK_K] operand of one `tl.dot` per 16-row
+tile of x and step.
+
+Batch invariance (as in quant_gemv / quant_tile): a row's output is computed by the same instructions in the same
+order whatever the other rows are (per-row accumulators; 16-row tiles with the same instruction sequence), and a
+split of K is summed in split order by `quant_gemv._split_sum_kernel`. CUDA-graph safe. The table words are kernel
+arguments (`NF4Weight.lut_words`): any 16-level code table works. Importing fails without Triton; the inline PTX
+runs on NVIDIA GPUs only (not under Triton's CPU interpreter): `quant_prmt.emulate_decode` is its CPU twin."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from corolla.engine.quant import NF4Weight
+from corolla.engine.quant_gemv import _finish_row, _split_sum_kernel, rows_per_program
+from corolla.engine.quant_prmt import DECODE_CONSTRAINTS, decode_ptx
+
+_PTX = tl.constexpr(decode_ptx())
+_CONSTRAINTS = tl.constexpr(DECODE_CONSTRAINTS)
+
+
+@triton.jit
+def _levels(words, t0, t1, t2, t3, t4, t5, t6, t7):
+    # words [B, C] int32 -> [B, C, 8] fp32 levels, element 8c + t of the row at [.., c, t]
+    v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+        _PTX, _CONSTRAINTS, [words, t0, t1, t2, t3, t4, t5, t6, t7],
+        dtype=(tl.float32,) * 8, is_pure=True, pack=1,
+    )  # fmt: skip
+    even = tl.join(tl.join(v0, v4), tl.join(v2, v6))  # [B, C, 2, 2]: t = 4 a + 2 b
+    odd = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(even, odd), [words.shape[0], words.shape[1], 8])
+
+
+@triton.jit
+def _block_scale(aq_ptrs, nc_ptr, na_ptrs, offset):
+    # the decoded absmax of each block: nested_code[aq] * nested_absmax + offset. Loaded in inline PTX (read-only,
+    # in bounds: callers clamp the rows) so the scales take the layout of their use; as tl.load anchors Triton gave
+    # them another layout and converted the accumulators through shared memory with barriers every step.
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 %c; .reg .b16 %c16; .reg .b64 %a; .reg .f32 %e, %g;
+        ld.global.nc.u8 %c16, [$1];
+        cvt.u32.u16 %c, %c16;
+        mad.wide.u32 %a, %c, 4, $2;
+        ld.global.nc.f32 %e, [%a];
+        ld.global.nc.f32 %g, [$3];
+        fma.rn.f32 $0, %e, %g, $4;
+        }""",
+        "=r,l,l,l,r", [aq_ptrs.to(tl.int64), nc_ptr.to(tl.int64), na_ptrs.to(tl.int64), offset],
+        dtype=tl.float32, is_pure=True, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _row_word_sums(w, x_ptr, row, M, stride_xm, k0, K, C: tl.constexpr):
+    # w [B, C, 8] fp32 levels of values k0 + 8c + t; x[row] -> [B, C] per-word dot products
+    offs = k0 + tl.arange(0, C)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [C, 8]
+    xr = tl.load(x_ptr + row * stride_xm + offs, mask=(offs < K) & (row < M), other=0.0).to(tl.float32)
+    return tl.sum(w * xr[None, :, :], axis=2)
+
+
+@triton.jit
+def _nf4_prmt_gemv_kernel(
+    x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, ws_ptr, res_ptr, out_ptr,
+    M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits,
+    t0, t1, t2, t3, t4, t5, t6, t7,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    # program (n tile, split, row group); q_ptr: the packed bytes as int32 words, stride_qn in words per row.
+    # Step = one 64-value absmax block: 8 words per row; block b of row n has absmax code aq[n * K / 64 + b].
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    row0 = tl.program_id(2) * ROWS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_c = tl.arange(0, 8)
+    kb = K // 64
+    per_split = tl.cdiv(kb, splits)
+    # [BLOCK_N, 8] per-word sums, made as a reduction of a 3-D zero so they start in the layout the loop adds in
+    # (a plain 2-D zero made Triton convert the accumulator through shared memory every step)
+    acc0 = tl.sum(tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32), axis=2)
+    acc1 = tl.sum(tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32), axis=2)
+    acc2 = tl.sum(tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32), axis=2)
+    acc3 = tl.sum(tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32), axis=2)
+    for b in range(split * per_split, tl.minimum((split + 1) * per_split, kb)):
+        words = tl.load(q_ptr + offs_n[:, None] * stride_qn + b * 8 + offs_c[None, :], mask=n_mask[:, None], other=0)
+        w = _levels(words, t0, t1, t2, t3, t4, t5, t6, t7)  # [BLOCK_N, 8, 8]
+        gb = tl.minimum(offs_n, N - 1)[:, None] * kb + b  # [BLOCK_N, 1] absmax block of each row (clamped)
+        scale = _block_scale(aq_ptr + gb, nc_ptr, na_ptr + gb // 256, offset)
+        k0 = b * 64
+        acc0 += _row_word_sums(w, x_ptr, row0, M, stride_xm, k0, K, 8) * scale
+        if ROWS >= 2:
+            acc1 += _row_word_sums(w, x_ptr, row0 + 1, M, stride_xm, k0, K, 8) * scale
+        if ROWS >= 4:
+            acc2 += _row_word_sums(w, x_ptr, row0 + 2, M, stride_xm, k0, K, 8) * scale
+            acc3 += _row_word_sums(w, x_ptr, row0 + 3, M, stride_xm, k0, K, 8) * scale
+    _finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
+                stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+    if ROWS >= 2:
+        _finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
+                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+    if ROWS >= 4:
+        _finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
+                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+        _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
+                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+
+
+@triton.jit
+def _tile_dot(x_ptr, offs_m, M, stride_xm, offs_k, K, wt, acc):
+    # acc [16, BLOCK_N] += x[offs_m, offs_k] [16, BLOCK_K] @ wt [BLOCK_K, BLOCK_N]
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+        mask=(offs_m < M)[:, None] & (offs_k < K)[None, :],
+        other=0.0,
+    )
+    return tl.dot(x, wt, acc)
+
+
+@triton.jit
+def _tile_store(acc, offs_m, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+                USE_WS: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if USE_WS:
+        tl.store(ws_ptr + (split * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_RES:
+            acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nf4_prmt_tile_kernel(
+    x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, ws_ptr, res_ptr, out_ptr,
+    M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits,
+    t0, t1, t2, t3, t4, t5, t6, t7,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    # program (row group x n tile, split): TILES 16-row tiles of x against W[n tile, k-range of the split]
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, 16 * TILES)
+    pid_m = pid % num_m  # the row groups of one n tile run next to each other (their weight bytes hit L2)
+    pid_n = pid // num_m
+    C: tl.constexpr = BLOCK_K // 8  # words per row per step
+    dt = x_ptr.dtype.element_ty
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_c = tl.arange(0, C)
+    offs_m0 = pid_m * 16 * TILES + tl.arange(0, 16)
+    kb = K // 64
+    kw = K // 8  # words per row
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, splits)
+    acc0 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc1 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc3 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
+        cw = step * C + offs_c  # [C] word columns
+        wmask = n_mask[:, None] & (cw < kw)[None, :]
+        words = tl.load(q_ptr + offs_n[:, None] * stride_qn + cw[None, :], mask=wmask, other=0)  # [BLOCK_N, C]
+        # [BLOCK_N, C, 1] absmax block of each word (rows and blocks clamped in bounds; their words are masked)
+        gb = (tl.minimum(offs_n, N - 1)[:, None] * kb + tl.minimum(cw, kw - 1)[None, :] // 8)[:, :, None]
+        scale = _block_scale(aq_ptr + gb, nc_ptr, na_ptr + gb // 256, offset)
+        w = _levels(words, t0, t1, t2, t3, t4, t5, t6, t7) * scale  # [BLOCK_N, C, 8]
+        wt = tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K]).to(dt))  # [BLOCK_K, BLOCK_N], element order
+        offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+        acc0 = _tile_dot(x_ptr, offs_m0, M, stride_xm, offs_k, K, wt, acc0)
+        if TILES >= 2:
+            acc1 = _tile_dot(x_ptr, offs_m0 + 16, M, stride_xm, offs_k, K, wt, acc1)
+        if TILES >= 4:
+            acc2 = _tile_dot(x_ptr, offs_m0 + 32, M, stride_xm, offs_k, K, wt, acc2)
+            acc3 = _tile_dot(x_ptr, offs_m0 + 48, M, stride_xm, offs_k, K, wt, acc3)
+    _tile_store(acc0, offs_m0, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES)
+    if TILES >= 2:
+        _tile_store(acc1, offs_m0 + 16, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+                    USE_WS, HAS_RES)  # fmt: skip
+    if TILES >= 4:
+        _tile_store(acc2, offs_m0 + 32, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+                    USE_WS, HAS_RES)  # fmt: skip
+        _tile_store(acc3, offs_m0 + 48, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om,
+                    USE_WS, HAS_RES)  # fmt: skip
+
+
+def _words(weight: NF4Weight) -> torch.Tensor:
+    # [N, K / 8] int32 view of the packed bytes (rows of K / 2 bytes, a multiple of 32)
+    return weight.packed.view(torch.int32)
+
+
+def _check(x: torch.Tensor, weight: NF4Weight, residual: torch.Tensor | None, name: str) -> None:
+    m, k = x.shape
+    n, wk = weight.shape
+    if wk != k or m < 1 or x.stride(1) != 1 or x.dtype != weight.dtype or weight.dtype == torch.float32:
+        raise ValueError(
+            f"{name} takes [M, {wk}] contiguous 16-bit {weight.dtype} rows, got {tuple(x.shape)} {x.dtype}"
+        )
+    if weight.packed.stride(1) != 1 or weight.packed.stride(0) % 4 or weight.packed.data_ptr() % 4:
+        raise ValueError(f"{name} reads the packed bytes as 32-bit words: rows must be contiguous and 4-byte aligned")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be a [{m}, {n}] tensor with a contiguous last dim")
+
+
+def nf4_prmt_gemv(
+    x: torch.Tensor, weight: NF4Weight, residual: torch.Tensor | None, block_n: int, splits: int, warps: int
+) -> torch.Tensor:
+    """x [M, K] (M <= quant_gemv.GEMV_MAX_ROWS) @ W[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype
+    (bf16 or fp16); ValueError for a bad shape or tiling."""
+    _check(x, weight, residual, "nf4_prmt_gemv")
+    m, k = x.shape
+    n = weight.shape[0]
+    if block_n < 16 or splits < 1 or warps < 1:
+        raise ValueError(f"bad NF4 register-lookup GEMV tiling {(block_n, splits, warps)}")
+    rows = rows_per_program(m)
+    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
+    use_ws = splits > 1
+    ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if use_ws else out  # [S, M, N]
+    res = residual if residual is not None else out
+    words = _words(weight)
+    grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
+    _nf4_prmt_gemv_kernel[grid](
+        x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out,
+        m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
+        *weight.lut_words,
+        BLOCK_N=block_n, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None and not use_ws, num_warps=warps,
+    )  # fmt: skip
+    if use_ws:
+        block = 1024
+        _split_sum_kernel[(m, triton.cdiv(n, block))](
+            ws, res, ws, out, m, n, res.stride(0), out.stride(0), splits,
+            HAS_RES=residual is not None, HAS_SCALE=False, BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+def nf4_prmt_tile_matmul(
+    x: torch.Tensor, weight: NF4Weight, residual: torch.Tensor | None, block_n: int, block_k: int, splits: int,
+    warps: int, tiles: int,
+) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ W[N, K]^T (+ residual [M, N]) -> [M, N] on the matrix units, `tiles` (1, 2 or 4) 16-row tiles of
+    x per program; ValueError for a bad shape or tiling."""
+    _check(x, weight, residual, "nf4_prmt_tile_matmul")
+    m, k = x.shape
+    n = weight.shape[0]
+    if block_k % 128 or block_n < 16 or splits < 1 or tiles not in (1, 2, 4):
+        raise ValueError(f"bad NF4 register-lookup tile config {(block_n, block_k, splits, warps, tiles)}")
+    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
+    use_ws = splits > 1
+    ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if use_ws else out  # [S, M, N]
+    res = residual if residual is not None else out
+    words = _words(weight)
+    grid = (triton.cdiv(m, 16 * tiles) * triton.cdiv(n, block_n), splits)
+    _nf4_prmt_tile_kernel[grid](
+        x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out,
+        m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
+        *weight.lut_words,
+        BLOCK_N=block_n, BLOCK_K=block_k, TILES=tiles, USE_WS=use_ws, HAS_RES=residual is not None and not use_ws,
+        num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    if use_ws:
+        block = 1024
+        _split_sum_kernel[(m, triton.cdiv(n, block))](
+            ws, res, ws, out, m, n, res.stride(0), out.stride(0), splits,
+            HAS_RES=residual is not None, HAS_SCALE=False, BLOCK=block,
+        )  # fmt: skip
+    return out

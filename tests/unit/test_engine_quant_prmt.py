@@ -1,0 +1,81 @@
+"""The NF4 register lookup's instruction sequence (engine/quant_prmt.py) on CPU: `emulate_decode` runs the exact
+program the GPU kernels inline as PTX (prmt/lop3/shr semantics as PTX documents them) and must give every code's
+level (fp16-rounded) for random words and random tables, including the edge codes 0, 7, 8 and 15; the table words,
+the PTX text and the refusals. The PTX itself runs only on a GPU (tests/gpu/test_quant_prmt.py): Triton's CPU
+interpreter does not execute inline assembly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from corolla.engine import quant_prmt
+from corolla.engine.quant import NF4_LEVELS, quantize_nf4
+
+
+def _expected(word: int, levels: list[float]) -> list[float]:
+    # byte j holds element 2j (high nibble) and 2j + 1 (low nibble)
+    out = []
+    for j in range(4):
+        byte = (word >> (8 * j)) & 0xFF
+        out += [levels[byte >> 4], levels[byte & 15]]
+    return out
+
+
+@pytest.mark.parametrize("table", ["nf4", "random", "negatives_and_zeros"])
+def test_emulated_program_looks_up_every_code(table: str) -> None:
+    rng = random.Random(hash(table) & 0xFFFF)
+    if table == "nf4":
+        code = torch.tensor(NF4_LEVELS)
+    elif table == "random":
+        code = torch.sort(torch.randn(16, generator=torch.Generator().manual_seed(5)) * 3).values
+    else:  # signs and zeros in both halves of the table (bit 3 of the code chooses the half)
+        code = torch.tensor([-0.0, -2.5, 0.0, 7.0, -1e-3, 3e4, -3e4, 0.5] * 2) * torch.tensor([1.0] * 8 + [-1.0] * 8)
+    words = quant_prmt.lut_words(code)
+    levels = code.to(torch.float16).float().tolist()
+    edge = [0x00000000, 0xFFFFFFFF, 0x78877887, 0x0F0F0F0F, 0xF0F0F0F0, 0x80808080, 0x07070707, 0x8F7F08F0]
+    for word in edge + [rng.getrandbits(32) for _ in range(1500)]:
+        got = quant_prmt.emulate_decode(word, words)
+        want = _expected(word, levels)
+        # compare bit patterns (signed zeros included)
+        assert [torch.tensor(v).half().view(torch.int16).item() for v in got] == [
+            torch.tensor(v).half().view(torch.int16).item() for v in want
+        ], hex(word)
+
+
+def test_table_words_hold_the_fp16_levels() -> None:
+    code = torch.tensor(NF4_LEVELS)
+    words = quant_prmt.lut_words(code)
+    assert len(words) == 8 and all(-(2**31) <= w < 2**31 for w in words)
+    bits = [b & 0xFFFF for b in code.half().view(torch.int16).tolist()]
+    for entry in range(16):
+        low = (words[entry // 4] >> (8 * (entry % 4))) & 0xFF
+        high = (words[4 + entry // 4] >> (8 * (entry % 4))) & 0xFF
+        assert (high << 8 | low) == bits[entry]
+    # an NF4 weight carries the words of its own table (16-bit compute dtypes only)
+    weight = quantize_nf4(torch.randn(8, 128), dtype=torch.bfloat16)
+    assert weight.lut_words == words
+    assert quantize_nf4(torch.randn(8, 128), dtype=torch.float32).lut_words == ()
+
+
+def test_bad_tables_are_refused() -> None:
+    with pytest.raises(ValueError, match="16 levels"):
+        quant_prmt.lut_words(torch.zeros(15))
+    with pytest.raises(ValueError, match="fp16 range"):
+        quant_prmt.lut_words(torch.tensor([1e5] + [0.0] * 15))
+    with pytest.raises(ValueError, match="fp16 range"):
+        quant_prmt.lut_words(torch.tensor([float("nan")] + [0.0] * 15))
+
+
+def test_ptx_is_the_program() -> None:
+    ptx = quant_prmt.decode_ptx()
+    ops = [op for op, _, _ in quant_prmt.DECODE_PROGRAM]
+    assert ptx.count("prmt.b32") == ops.count("prmt") == 16  # 4 lookups + 2 merges + 2 interleaves, twice
+    assert ptx.count("cvt.f32.f16") == 8 and ptx.count("lop3.b32") == ops.count("andor")
+    for t in range(8):  # every output written, every table word read
+        assert f"${t}," in ptx
+    for operand in range(8, 17):
+        assert f"${operand}" in ptx
+    assert quant_prmt.DECODE_CONSTRAINTS.count("=r") == 8 and quant_prmt.DECODE_CONSTRAINTS.count(",r") == 9
