@@ -1,0 +1,147 @@
+"""The Falcon/BLOOM span on a real GPU in bf16: for Falcon-7B-style multi-query (rotary, parallel attention),
+Falcon-40B-style GQA (`ln_attn` + `ln_mlp`), ALiBi Falcon (sequential, biases) and BLOOM, the engine (Triton
+ALiBi attention, tuned projections, CUDA graphs) equals our blocks' own cached forward, the graphed decode step
+equals the eager one at ragged lengths, merged sessions equal each session alone; and the Triton ALiBi attention
+equals its reference at Falcon-7B (71 query heads, one KV head) and BLOOM (32 heads of 128) widths. Skipped
+without CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers as tf
+
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.fast_dense import FastDenseSpan
+from corolla.engine.ops import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi, paged_decode_attention_ref
+from corolla.engine.span_engine import StepRequest
+from corolla.models.positions import alibi_slopes
+from corolla.models.registry import get_family
+from helpers.numerics import rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+H = 512
+
+VARIANTS = {
+    "falcon_7b": dict(num_attention_heads=8, new_decoder_architecture=False, multi_query=True, parallel_attn=True),
+    "falcon_40b": dict(num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True, parallel_attn=True),
+    "falcon_alibi": dict(
+        num_attention_heads=8, new_decoder_architecture=False, multi_query=False, parallel_attn=False, alibi=True,
+        bias=True,
+    ),
+    "bloom": dict(n_head=4, apply_residual_connection_post_layernorm=False),
+}  # fmt: skip
+
+
+def make_blocks(name: str, layers: int = 3, seed: int = 0) -> list[torch.nn.Module]:
+    torch.manual_seed(seed)
+    fields = dict(VARIANTS[name])
+    if name == "bloom":
+        config = tf.BloomConfig(hidden_size=H, n_layer=layers, **fields)
+    else:
+        fields.setdefault("alibi", False)
+        config = tf.FalconConfig(hidden_size=H, num_hidden_layers=layers, max_position_embeddings=4096, **fields)
+    blocks = []
+    for i in range(layers):
+        block = get_family(config).build_block(config, i)
+        for pname, p in block.named_parameters():
+            if p.ndim > 1:
+                torch.nn.init.normal_(p, std=0.03)
+            else:
+                torch.nn.init.normal_(p, mean=1.0 if "norm" in pname or "ln_" in pname else 0.0, std=0.1)
+        blocks.append(block.to(DEV, BF16).eval())
+    return blocks
+
+
+def make_engine(blocks, **kw) -> SpanEngine:
+    settings = dict(kv_pool_bytes=256 << 20, page_size_tokens=64, max_seq_len_tokens=2048, max_batch_rows=16)
+    settings.update(kw)
+    return SpanEngine.from_blocks(blocks, EngineConfig(**settings))
+
+
+def _prefill_then_tokens(engine, prompt, tokens):
+    with engine.open_session(prompt.shape[0], prompt.shape[1] + len(tokens) + 1) as s:
+        outs = [engine.step(s, prompt, 0)]
+        outs += [engine.step(s, t, prompt.shape[1] + i) for i, t in enumerate(tokens)]
+    return outs
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_tuned_graphed_engine_matches_blocks_in_bf16(name: str) -> None:
+    blocks = make_blocks(name)
+    engine = make_engine(blocks)
+    assert isinstance(engine.model, FastDenseSpan) and engine.model.ops.use_triton
+    engine.warmup()
+    prompt = torch.randn(2, 300, H, dtype=BF16)  # past 256 positions: Falcon's bf16 ALiBi rounding shows
+    tokens = [torch.randn(2, 1, H, dtype=BF16) for _ in range(4)]
+    got = _prefill_then_tokens(engine, prompt, tokens)
+    caches = [[d.make_zeros() for d in b.cache_descriptors(2, 320)] for b in blocks]
+    position = 0
+    for x, out in zip([prompt, *tokens], got, strict=True):
+        h = x.to(DEV)
+        for block, cache in zip(blocks, caches, strict=True):
+            h = block(h, cache=cache, position=position)
+        position += x.shape[1]
+        assert out.shape == x.shape
+        assert rel_err(out, h.cpu()) < 2e-2, name
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["falcon_7b", "falcon_alibi", "bloom"])
+def test_cuda_graph_step_equals_eager_step_and_merged_equals_alone(name: str) -> None:
+    blocks = make_blocks(name)
+    graphed, eager = make_engine(blocks), make_engine(blocks, use_cuda_graphs=False)
+    assert graphed.graphs is not None and eager.graphs is None
+    torch.manual_seed(2)
+    rows = 5
+    prompts = [torch.randn(1, 5 + 67 * i, H, dtype=BF16) for i in range(rows)]  # ragged positions
+    tokens = [[torch.randn(1, 1, H, dtype=BF16) for _ in range(3)] for _ in range(rows)]
+    outs = {}
+    for label, engine in (("graphed", graphed), ("eager", eager)):
+        sessions = [engine.open_session(1, 512) for _ in range(rows)]
+        for s, p in zip(sessions, prompts, strict=True):
+            engine.step(s, p, 0)
+        outs[label] = []
+        for i in range(3):
+            reqs = [StepRequest(s, t[i], p.shape[1] + i) for s, t, p in zip(sessions, tokens, prompts, strict=True)]
+            outs[label].append(engine.decode_many(reqs))
+        for s in sessions:
+            s.close()
+    alone = [_prefill_then_tokens(graphed, p, t)[1:] for p, t in zip(prompts, tokens, strict=True)]
+    for i, (g_step, e_step) in enumerate(zip(outs["graphed"], outs["eager"], strict=True)):
+        for k, (g, e) in enumerate(zip(g_step, e_step, strict=True)):
+            assert rel_err(g, e) < 1e-2
+            assert rel_err(g, alone[k][i]) < 1e-2
+
+
+@pytest.mark.parametrize(("nq", "nkv", "d", "mode"), [(71, 1, 64, ALIBI_FALCON_BF16), (32, 32, 128, ALIBI_BF16)])
+def test_triton_alibi_attention_at_model_widths(nq: int, nkv: int, d: int, mode: int) -> None:
+    from corolla.engine import triton_kernels as tk
+
+    torch.manual_seed(1)
+    page, pages = 64, 200
+    kc = torch.randn(pages, page, nkv, d, device=DEV, dtype=BF16)
+    vc = torch.randn_like(kc)
+    b, maxp = 5, 40
+    tables = (torch.randperm(pages - 1, device=DEV)[: b * maxp].reshape(b, maxp) + 1).int()
+    lens = torch.tensor([1, 64, 65, 700, 2560], device=DEV, dtype=torch.int32)
+    q = torch.randn(b, nq, d, device=DEV, dtype=BF16)
+    slopes = alibi_slopes(nq).to(DEV)
+    scale = 1 / math.sqrt(d)
+    alibi = Alibi(slopes.bfloat16().float() if mode == ALIBI_FALCON_BF16 else slopes, scale if nkv == 1 else 1.0, mode)
+    ref = paged_decode_attention_ref(q, kc, vc, tables, lens, scale, alibi)
+    assert rel_err(paged_decode_attention_ref(q, kc, vc, tables, lens, scale), ref) > 0.05  # the bias matters
+    for splits in (1, 4, 16):
+        out = tk.paged_decode_attention(
+            q, kc, vc, tables, lens, scale, splits, alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=mode
+        )
+        assert rel_err(out, ref) < 1e-2, splits
