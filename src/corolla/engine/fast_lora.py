@@ -11,7 +11,7 @@ reads the same memory, nothing is stored twice.
 A decode step reads each row's adapter index from the static buffer `row_ids` (filled by the engine before the
 step, like positions; CUDA-graph safe) and adds `x @ A[id]^T @ B[id]` per row, in one of two torch forms:
 - "stacked": every adapter at once, `mask(x @ A_all^T) @ B_all` (reads each adapter once per step whatever the
-  rows; the mask zeroes the columns of adapters a row does not use);
+  rows; the mask zeroes the columns of the adapters a row does not use);
 - "gather": `bmm` on each row's gathered A and B (reads one adapter copy per row).
 "auto" takes "stacked" while the adapters are at most `STACKED_MAX_ADAPTERS_PER_ROW` per row of the step (measured
 faster at 8 adapters on 1 and 8 rows).
@@ -74,16 +74,16 @@ class DecodeRows:
         self.adapters = adapters
         self.ids = adapters.row_ids[:rows]  # [B] long, 0 = no adapter
         self.mode = adapters.mode_for(rows)
-        self._masks: dict[int, torch.Tensor] = {}  # rank -> [B, n r] 0/1 in the span dtype
+        self._masks: dict[int, torch.Tensor] = {}  # rank -> [B, n r] bool: the column is another adapter's
 
     def targets(self, layer: int, projection: str) -> bool:
         return projection in self.adapters.layers[layer]
 
-    def _mask(self, rank: int) -> torch.Tensor:
+    def _others(self, rank: int) -> torch.Tensor:
         mask = self._masks.get(rank)
         if mask is None:
             columns = self.adapters.column_ids(rank)  # [n r]: the adapter index of each stacked column
-            mask = (self.ids[:, None] == columns[None, :]).to(self.adapters.dtype)  # [B, n r]
+            mask = self.ids[:, None] != columns[None, :]  # [B, n r]
             self._masks[rank] = mask
         return mask
 
@@ -93,7 +93,8 @@ class DecodeRows:
         if p is None:
             return y
         if self.mode == "stacked":
-            t = torch.mm(x, p.stacked_a.t()) * self._mask(p.rank)  # [B, n r]
+            # [B, n r]; other adapters' columns set to 0 (not multiplied by 0: an overflow there must not leak)
+            t = torch.mm(x, p.stacked_a.t()).masked_fill_(self._others(p.rank), 0.0)
             return torch.addmm(y, t, p.stacked_bt)  # [B, out]
         t = torch.bmm(p.a[self.ids], x[:, :, None])  # [B, r, 1]
         return y + torch.bmm(t.transpose(1, 2), p.bt[self.ids])[:, 0]  # [B, out]
