@@ -76,3 +76,54 @@ def test_refusals_cross_as_the_same_type(error: Exception) -> None:
         assert isinstance(got, TooLong) and (got.value, got.limit) == (9000, 8192)
     if isinstance(error, PeerLimitExceeded):
         assert isinstance(got, PeerLimitExceeded) and got.reason == "peer_sessions"
+
+
+async def test_step_batches_round_trip_and_split_within_the_frame_bound() -> None:
+    bodies = [wire.Writer().u32(i).tensor(torch.full((1, 1, 8), float(i))) for i in range(5)]
+    items = [(wire.STEP, 100 + i, body) for i, body in enumerate(bodies)]
+    (only,) = wire.batch_frames(items[:1], wire.STEP_BATCH, 1 << 20)  # one step: a plain STEP frame
+    assert (await wire.read_frame(_reader(only), 1 << 20))[:2] == (wire.STEP, 100)
+    item_bytes = wire._ITEM.size + bodies[0].nbytes()
+    frames = wire.batch_frames(items, wire.STEP_BATCH, max_frame_bytes=2 + 2 * item_bytes)  # two items per frame
+    assert len(frames) == 3
+    got = []
+    for frame in frames:
+        kind, _, payload = await wire.read_frame(_reader(frame), 1 << 20)
+        if kind == wire.STEP:
+            got.append((100 + wire.Reader(payload).u32(), payload))
+            continue
+        assert kind == wire.STEP_BATCH
+        for item_kind, request_id, view in wire.split_batch(wire.Reader(payload), wire.STEP_BATCH):
+            assert item_kind == wire.STEP
+            got.append((request_id, view))
+    assert [r for r, _ in got] == [100, 101, 102, 103, 104]
+    for request_id, view in got:
+        fields = wire.Reader(view)
+        assert fields.u32() == request_id - 100
+        tensor = fields.tensor()
+        assert tensor is not None and torch.equal(tensor, torch.full((1, 1, 8), float(request_id - 100)))
+        fields.done()
+    state = wire.Writer().u64(1).u64(2).u64(3)
+    (replies,) = wire.batch_frames([(wire.REPLY_TENSORS, 7, bodies[0]), (wire.REPLY_ERROR, 8, bodies[1])],
+                                   wire.REPLY_BATCH, 1 << 20, head=state)  # fmt: skip
+    kind, _, payload = await wire.read_frame(_reader(replies), 1 << 20)
+    fields = wire.Reader(payload)
+    assert kind == wire.REPLY_BATCH and (fields.u64(), fields.u64(), fields.u64()) == (1, 2, 3)
+    assert [(k, r) for k, r, _ in wire.split_batch(fields, wire.REPLY_BATCH)] == [(wire.REPLY_TENSORS, 7),
+                                                                                  (wire.REPLY_ERROR, 8)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (struct.pack(">H", 0), "1 to"),  # an empty batch
+        (struct.pack(">H", wire.MAX_BATCH_ITEMS + 1), "1 to"),  # more items than allowed
+        (struct.pack(">HBII", 1, wire.STEP, 1, 1 << 30) + b"\0" * 16, "runs past the payload"),  # a lying length
+        (struct.pack(">HBII", 2, wire.STEP, 1, 0), "runs past the payload"),  # claims 2 items, holds 1
+        (struct.pack(">HBII", 1, wire.OPEN, 1, 0), "can't be an item"),  # only steps travel in a batch
+        (struct.pack(">HBII", 1, wire.STEP, 1, 0) + b"x", "trailing"),
+    ],
+)
+def test_hostile_batches_are_refused_before_anything_is_sliced(payload: bytes, match: str) -> None:
+    with pytest.raises(wire.FrameError, match=match):
+        wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)

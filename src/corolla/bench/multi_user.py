@@ -32,6 +32,7 @@ from corolla.bench.model import ModelShape
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
+    from corolla.bench.cpu_share import CpuProbe
     from corolla.server.executor import SpanExecutor
     from corolla.server.runtime import Runtime
     from corolla.server.span_service import SpanService
@@ -99,6 +100,8 @@ class UsersResult:
     prefill_median_ms: float  # client-observed prefill of `prefix_tokens` (each process's sessions at once)
     errors: list[str] = field(default_factory=list)
     num_handlers: int = 1  # processes serving the p2p streams (1: the server's own loop; server.handler_pool)
+    # CPU microseconds per decode step (all sessions' steps in the window) per process / thread (bench.cpu_share)
+    cpu_us_per_step: dict[str, float] = field(default_factory=dict)
 
 
 # ---- the server (this process)
@@ -173,6 +176,8 @@ class BenchServer:
         self.maddrs: list[str] = []
         self.peer_id_b58 = ""
         self.service: SpanService | None = None
+        self.loop_thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     @contextmanager
     def running(self, keep_runtime: bool = False) -> Iterator[BenchServer]:
@@ -187,6 +192,7 @@ class BenchServer:
         loop = asyncio.SelectorEventLoop(selector)
         thread = threading.Thread(target=loop.run_forever, name="bench-users-server", daemon=True)
         thread.start()
+        self.loop_thread, self.loop = thread, loop
 
         def on_loop(coro, timeout_s: float = 120.0):
             return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
@@ -222,6 +228,14 @@ class BenchServer:
     def runtime(self) -> Runtime:
         return self.executor.runtime
 
+    def cpu_probe(self) -> CpuProbe:
+        """Samples this server's threads and processes (`bench.cpu_share`)."""
+        from corolla.bench.cpu_share import CpuProbe
+
+        assert self.loop_thread is not None, "cpu_probe() needs a running server"
+        pool = self.service.pool if self.service is not None else None
+        return CpuProbe(self.runtime.thread, self.loop_thread, pool.pids if pool is not None else [])
+
 
 # ---- the clients (other processes)
 
@@ -253,6 +267,7 @@ async def _client_sessions(
 ) -> dict:
     from hivemind.p2p import P2P, PeerID
 
+    from corolla.bench.cpu_share import client_cpu
     from corolla.bench.rpc_bench import _Stream
     from corolla.protocol.rpc import get_stub
 
@@ -267,6 +282,7 @@ async def _client_sessions(
     windows: list[tuple[float, float]] = []
     prefill_ms: list[float] = []  # client-observed, all of this process's sessions prefilling at once
     finished = 0
+    cpu_s = (0.0, 0.0)  # this process and its p2pd over the decode window
     try:
         stub = get_stub(p2p, PeerID.from_base58(peer_id_b58))
         local = peer_id_b58 if config.transport == "socket" else None
@@ -306,7 +322,10 @@ async def _client_sessions(
                 windows.append((start, time.time()))
                 await stream.close()
 
+        cpu_before = client_cpu()
         await asyncio.gather(*(decode(i) for i in range(k)))
+        cpu_after = client_cpu()
+        cpu_s = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
     finally:
         await p2p.shutdown()
     return {
@@ -315,6 +334,7 @@ async def _client_sessions(
         "finished": finished,
         "windows": windows,
         "prefill_ms": prefill_ms,
+        "cpu_s": cpu_s,
     }
 
 
@@ -355,6 +375,8 @@ def run_users(server: BenchServer, config: UsersConfig, serving_path: str) -> Us
                 opened += ready.get(timeout=max(1.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
+        probe = server.cpu_probe()
+        cpu_before = probe.sample()
         before = server.runtime.stats()
         started = time.time()
         go.set()
@@ -366,6 +388,7 @@ def run_users(server: BenchServer, config: UsersConfig, serving_path: str) -> Us
                 collected.append({"errors": ["a client process sent no result"], "latencies": [], "finished": 0})
         ended = time.time()
         after = server.runtime.stats()
+        cpu_server = probe.sample().since(cpu_before)
     finally:
         go.set()
         for p in processes:
@@ -375,7 +398,17 @@ def run_users(server: BenchServer, config: UsersConfig, serving_path: str) -> Us
                 p.join(5)
     result = _summarize(config, serving_path, collected, before, after, started, ended)
     result.num_handlers = server.num_handlers
+    result.cpu_us_per_step = _cpu_per_step(cpu_server, collected, result.sessions_finished * config.decode_steps)
     return result
+
+
+def _cpu_per_step(server_s: dict[str, float], collected: list[dict], steps: int) -> dict[str, float]:
+    from corolla.bench.cpu_share import CLIENT_P2PD, CLIENTS, per_step_us
+
+    cpu = dict(server_s)
+    cpu[CLIENTS] = sum(r.get("cpu_s", (0.0, 0.0))[0] for r in collected)
+    cpu[CLIENT_P2PD] = sum(r.get("cpu_s", (0.0, 0.0))[1] for r in collected)
+    return per_step_us(cpu, steps)
 
 
 def _summarize(config: UsersConfig, serving_path: str, collected, before, after, started, ended) -> UsersResult:

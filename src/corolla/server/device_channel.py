@@ -1,7 +1,10 @@
 """The device process's side of `--num_handlers` > 1: one `DeviceChannel` per handler process serves its
 requests (`proxy_wire` frames) against the real executor and the one global admission, each request in a task of
 its own so that the runtime merges the steps of all processes' sessions into one batched forward; `PushRouter`
-sends a pushed step to whichever process holds its session's stream.
+sends a pushed step to whichever process holds its session's stream. Steps arrive one frame per handler loop
+iteration (STEP_BATCH) and their replies leave together: every step reply that became ready in one loop iteration
+(one merged forward resolves all of its steps in one callback) goes out in one REPLY_BATCH frame with the state
+once.
 
 The handler process validated every input (`block_functions`) before it sent it; this side re-checks only what a
 frame could get wrong by itself (sizes, handles, block ranges inside the span)."""
@@ -156,7 +159,11 @@ class DeviceChannel:
         self.sessions: dict[int, _Held] = {}
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
+        self._outbox: list[tuple[int, int, wire.Writer]] = []  # step replies of this loop iteration
+        self._flush_scheduled = False
         self.num_requests = 0
+        self.num_frames_in = 0
+        self.num_frames_out = 0
         self.num_sessions_opened = 0
 
     # ---- output
@@ -168,6 +175,21 @@ class DeviceChannel:
     def send(self, kind: int, request_id: int, body: wire.Writer) -> None:
         if not self.writer.is_closing():
             self.writer.write(body.frame(kind, request_id))
+            self.num_frames_out += 1
+
+    def _queue_reply(self, kind: int, request_id: int, body: wire.Writer) -> None:
+        self._outbox.append((kind, request_id, body))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        items, self._outbox, self._flush_scheduled = self._outbox, [], False
+        if self.writer.is_closing():
+            return
+        for frame in wire.batch_frames(items, wire.REPLY_BATCH, self.max_frame_bytes, head=self._state()):
+            self.writer.write(frame)
+            self.num_frames_out += 1
 
     def send_state(self) -> None:
         self.send(wire.STATE, 0, self._state())
@@ -188,6 +210,12 @@ class DeviceChannel:
         try:
             while True:
                 kind, request_id, payload = await wire.read_frame(self.reader, self.max_frame_bytes)
+                self.num_frames_in += 1
+                if kind == wire.STEP_BATCH:
+                    for item_kind, item_id, item in wire.split_batch(wire.Reader(payload), wire.STEP_BATCH):
+                        self.num_requests += 1
+                        self._start(item_kind, item_id, item)
+                    continue
                 self.num_requests += 1
                 if kind == wire.PUSH_IN:
                     fields = wire.Reader(payload)
@@ -204,14 +232,17 @@ class DeviceChannel:
                     session_id = wire.Reader(payload).text()
                     (self.router.add if kind == wire.ROUTE_ADD else self.router.remove)(session_id, self)
                 else:
-                    task = asyncio.create_task(self._answer(kind, request_id, payload))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    self._start(kind, request_id, payload)
         except wire.ChannelClosed:
             logger.info(f"device_channel.closed(handler={self.index}, sessions={len(self.sessions)})")
         finally:
             self.router.forget(self)
             await self._end_all()
+
+    def _start(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
+        task = asyncio.create_task(self._answer(kind, request_id, payload))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _count(self, fields: wire.Reader) -> None:
         from corolla.server.handler_process import METRIC_REJECTED, METRIC_SESSION_CLOSED, METRIC_SESSION_OPENED
@@ -239,7 +270,7 @@ class DeviceChannel:
         with contextlib.suppress(Exception):
             self.writer.close()
 
-    async def _answer(self, kind: int, request_id: int, payload: bytes) -> None:
+    async def _answer(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
         try:
             fields = wire.Reader(payload)
             if kind == wire.STEP:
@@ -255,7 +286,13 @@ class DeviceChannel:
             else:
                 raise wire.FrameError(f"frame kind {kind} is not a request")
         except Exception as e:
-            self._reply(wire.REPLY_ERROR, request_id, wire.encode_error(e))
+            if kind == wire.STEP:
+                self._queue_reply(wire.REPLY_ERROR, request_id, wire.encode_error(e))
+            else:
+                self._reply(wire.REPLY_ERROR, request_id, wire.encode_error(e))
+            return
+        if kind == wire.STEP:  # with the other steps that finished in this loop iteration
+            self._queue_reply(wire.REPLY_TENSORS, request_id, body)
             return
         self._reply(wire.REPLY_CLOSED if kind == wire.CLOSE else
                     wire.REPLY_OPEN if kind == wire.OPEN else wire.REPLY_TENSORS, request_id, body)  # fmt: skip

@@ -98,7 +98,9 @@ class DeviceLink:
         self.tickets: dict[int, SessionTicket] = {}  # mirrors of the device's tickets (evictions end the stream)
         self.push_sink: PushSink | None = None
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[int, wire.Reader]]] = {}  # the reply after the device's state
+        self._outbox: list[tuple[int, int, wire.Writer]] = []  # steps of this loop iteration (one STEP_BATCH)
+        self._flush_scheduled = False
         self._reading: asyncio.Task[None] | None = None
         self.closed = asyncio.Event()
 
@@ -136,10 +138,15 @@ class DeviceLink:
                     session_id, sender, raw = fields.text(), fields.text(), fields.blob()
                     if self.push_sink is not None:
                         self.push_sink(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender or None)
+                elif kind == wire.REPLY_BATCH:  # the steps one merged forward finished: state once, then each reply
+                    fields = wire.Reader(payload)
+                    self._apply_state(fields)
+                    for item_kind, item_id, item in wire.split_batch(fields, wire.REPLY_BATCH):
+                        self._resolve(item_id, item_kind, wire.Reader(item))
                 else:
-                    future = self._pending.pop(request_id, None)
-                    if future is not None and not future.done():
-                        future.set_result((kind, payload))
+                    fields = wire.Reader(payload)
+                    self._apply_state(fields)
+                    self._resolve(request_id, kind, fields)
         except wire.ChannelClosed:
             logger.info("proxy_executor.channel_closed")
         except Exception as e:  # a malformed frame from our own device process: stop serving, never guess
@@ -151,28 +158,51 @@ class DeviceLink:
                     future.set_exception(wire.ChannelClosed("the device process is gone"))
             self._pending.clear()
 
+    def _resolve(self, request_id: int, kind: int, reply: wire.Reader) -> None:
+        future = self._pending.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result((kind, reply))
+
     def send(self, kind: int, request_id: int, body: wire.Writer) -> None:
         if self.closed.is_set():
             raise wire.ChannelClosed("the device process is gone")
         self.writer.write(body.frame(kind, request_id))
 
-    async def call(self, kind: int, body: wire.Writer) -> wire.Reader:
-        """Sends a request and waits for its reply; the device's typed refusal is raised here."""
+    async def call(self, kind: int, body: wire.Writer, *, batched: bool = False) -> wire.Reader:
+        """Sends a request and waits for its reply; the device's typed refusal is raised here. `batched` (steps):
+        the request leaves with the others of this loop iteration in one STEP_BATCH frame."""
         request_id = next(self._ids) & 0xFFFFFFFF
-        future: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[int, wire.Reader]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            self.send(kind, request_id, body)
+            if batched:
+                self._enqueue(kind, request_id, body)
+            else:
+                self.send(kind, request_id, body)
             if self.writer.transport.get_write_buffer_size() > (1 << 20):
                 await self.writer.drain()
-            reply_kind, payload = await future
+            reply_kind, reader = await future
         finally:
             self._pending.pop(request_id, None)
-        reader = wire.Reader(payload)
-        self._apply_state(reader)
         if reply_kind == wire.REPLY_ERROR:
             raise wire.decode_error(reader)
         return reader
+
+    def _enqueue(self, kind: int, request_id: int, body: wire.Writer) -> None:
+        if self.closed.is_set():
+            raise wire.ChannelClosed("the device process is gone")
+        self._outbox.append((kind, request_id, body))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Writes the queued steps: alone as a STEP frame, together as STEP_BATCH frames within the frame bound."""
+        items, self._outbox, self._flush_scheduled = self._outbox, [], False
+        if self.closed.is_set() or self.writer.is_closing():
+            return  # their futures fail with ChannelClosed (the reading task's end)
+        for frame in wire.batch_frames(items, wire.STEP_BATCH, self.info.max_frame_bytes):
+            self.writer.write(frame)
 
     async def close(self) -> None:
         if self._reading is not None:
@@ -246,7 +276,7 @@ class ProxyExecutor:
         handle = self._own(cache).handle
         body = wire.Writer().u32(handle).u32(inputs.prefix_length).u8(inputs.lone_session).text(inputs.adapter)
         body.tensor(inputs.hidden_states).tensor(inputs.prompts).tensor(inputs.hypo_ids)
-        return _one_tensor(await self.link.call(wire.STEP, body))
+        return _one_tensor(await self.link.call(wire.STEP, body, batched=True))
 
     async def forward(
         self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int

@@ -8,7 +8,14 @@ same server, but the sizes are still bounded: a bug on one side must fail a requ
 
 Payload fields, in the order each message kind writes them (`Writer` / `Reader`): u8, u32, u64, f64, text (u16
 length + utf-8), blob (u32 length), tensor (u8 dtype code, u8 ndim, u32 per dim, then the raw bytes; dtype code
-255 = no tensor)."""
+255 = no tensor).
+
+Batches: a handler process sends the steps that became ready in one loop iteration as one STEP_BATCH frame, and
+the device answers the steps that one merged forward finished as one REPLY_BATCH frame per channel (one read, one
+write and one wake-up per batch instead of per step). A batch payload is a u16 item count and, per item, the
+item's kind (u8), request id (u32) and payload length (u32) then its payload; `split_batch` checks the count and
+every item's length against what is left of the frame before it slices (views, no copies). A reply batch starts
+with the device's state (three u64) once, its items carry none."""
 
 from __future__ import annotations
 
@@ -20,12 +27,16 @@ import torch
 
 # handler -> device
 OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, ROUTE_ADD, ROUTE_DEL, METRICS, READY = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+STEP_BATCH = 11
 # device -> handler
 HELLO, STATE, REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT = 20, 21, 22, 23, 24, 25, 26, 27
+REPLY_BATCH = 28
 FRAME_KINDS = frozenset(
-    (OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, ROUTE_ADD, ROUTE_DEL, METRICS, READY, HELLO, STATE)
-    + (REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT)
+    (OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, ROUTE_ADD, ROUTE_DEL, METRICS, READY, STEP_BATCH, HELLO, STATE)
+    + (REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT, REPLY_BATCH)
 )
+BATCH_ITEM_KINDS = {STEP_BATCH: frozenset((STEP,)), REPLY_BATCH: frozenset((REPLY_TENSORS, REPLY_ERROR))}
+MAX_BATCH_ITEMS = 4096
 
 HEADER = struct.Struct(">IBI")
 HEADER_BYTES = HEADER.size  # 9
@@ -38,7 +49,12 @@ _DTYPES: tuple[torch.dtype, ...] = (
     torch.int64, torch.int32, torch.uint8, torch.bool, torch.int8,
 )  # fmt: skip
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_ITEM_BYTES = tuple(dtype.itemsize for dtype in _DTYPES)
+# numpy has no bfloat16: its bytes leave through an int16 view (the other dtypes are numpy's own)
+_NUMPY_VIEW = {torch.bfloat16: torch.int16}
 _U8, _U32, _U64, _F64 = struct.Struct(">B"), struct.Struct(">I"), struct.Struct(">Q"), struct.Struct(">d")
+_U16 = struct.Struct(">H")
+_ITEM = struct.Struct(">BII")  # kind, request id, payload length
 
 
 class ChannelClosed(ConnectionError):
@@ -90,25 +106,100 @@ class Writer:
         code = _DTYPE_CODES.get(tensor.dtype)
         if code is None or tensor.dim() > MAX_TENSOR_DIMS:
             raise FrameError(f"can't send a {tensor.dtype} tensor of {tensor.dim()} dims")
-        tensor = tensor.detach().to("cpu").contiguous()  # [any shape]
+        tensor = tensor.detach()  # [any shape]
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
         self.parts.append(struct.pack(f">BB{tensor.dim()}I", code, tensor.dim(), *tensor.shape))
         if tensor.numel():
-            self.parts.append(tensor.view(torch.uint8).reshape(-1).numpy().data)
+            view = _NUMPY_VIEW.get(tensor.dtype)
+            self.parts.append((tensor.view(view) if view is not None else tensor).numpy().data.cast("B"))  # flat
         return self
 
     def frame(self, kind: int, request_id: int) -> bytes:
         payload = b"".join(self.parts)
         return HEADER.pack(len(payload), kind, request_id) + payload
 
+    def nbytes(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def item(self, kind: int, request_id: int, body: Writer) -> Writer:
+        """Appends `body` as one item of a batch payload (see the module docstring)."""
+        self.parts.append(_ITEM.pack(kind, request_id, body.nbytes()))
+        self.parts.extend(body.parts)
+        return self
+
+
+def batch(items: list[tuple[int, int, Writer]], head: Writer | None = None) -> Writer:
+    """A batch payload of (kind, request id, body) items, after `head` (a reply batch's state)."""
+    if not 0 < len(items) <= MAX_BATCH_ITEMS:
+        raise FrameError(f"a batch holds 1 to {MAX_BATCH_ITEMS} items, got {len(items)}")
+    out = head if head is not None else Writer()
+    out.parts.append(_U16.pack(len(items)))
+    for kind, request_id, body in items:
+        out.item(kind, request_id, body)
+    return out
+
+
+def batch_frames(
+    items: list[tuple[int, int, Writer]], batch_kind: int, max_frame_bytes: int, head: Writer | None = None
+) -> list[bytes]:
+    """Frames for `items` (kind, request id, body): one item alone is its own frame (with `head` before its body);
+    several go into `batch_kind` frames, each within `max_frame_bytes` and `MAX_BATCH_ITEMS` (an item too large to
+    share a frame goes alone). `head`: the device's state, once per frame."""
+    frames: list[bytes] = []
+    group: list[tuple[int, int, Writer]] = []
+    head_bytes = head.nbytes() if head is not None else 0
+    size = head_bytes + _U16.size
+
+    def close_group() -> None:
+        if len(group) == 1:
+            kind, request_id, body = group[0]
+            single = Writer()
+            single.parts = [*(head.parts if head is not None else []), *body.parts]
+            frames.append(single.frame(kind, request_id))
+        elif group:
+            framed = Writer()
+            framed.parts = list(head.parts) if head is not None else []
+            frames.append(batch(group, framed).frame(batch_kind, 0))
+
+    for item in items:
+        item_bytes = _ITEM.size + item[2].nbytes()
+        if group and (size + item_bytes > max_frame_bytes or len(group) >= MAX_BATCH_ITEMS):
+            close_group()
+            group, size = [], head_bytes + _U16.size
+        group.append(item)
+        size += item_bytes
+    close_group()
+    return frames
+
+
+def split_batch(reader: Reader, batch_kind: int) -> list[tuple[int, int, memoryview]]:
+    """The (kind, request id, payload view) items of a batch frame's payload, from `reader`'s position; every
+    count and length is checked against the frame before anything is sliced."""
+    allowed = BATCH_ITEM_KINDS[batch_kind]
+    (count,) = _U16.unpack(reader.take(2))
+    if not 0 < count <= MAX_BATCH_ITEMS:
+        raise FrameError(f"a batch holds 1 to {MAX_BATCH_ITEMS} items, got {count}")
+    items = []
+    for _ in range(count):
+        kind, request_id, length = _ITEM.unpack(reader.take(_ITEM.size))
+        if kind not in allowed:
+            raise FrameError(f"frame kind {kind} can't be an item of batch kind {batch_kind}")
+        items.append((kind, request_id, reader.take(length)))
+    reader.done()
+    return items
+
 
 class Reader:
     """Reads the fields of one payload in order, each bounded by what is left of it."""
 
-    def __init__(self, payload: bytes):
+    def __init__(self, payload: bytes | memoryview):
         self.data = memoryview(payload)
         self.offset = 0
 
-    def _take(self, n: int) -> memoryview:
+    def take(self, n: int) -> memoryview:
         if n < 0 or self.offset + n > len(self.data):
             raise FrameError(f"field of {n} bytes runs past the payload ({len(self.data) - self.offset} left)")
         chunk = self.data[self.offset : self.offset + n]
@@ -116,24 +207,24 @@ class Reader:
         return chunk
 
     def u8(self) -> int:
-        return int(_U8.unpack(self._take(1))[0])
+        return int(_U8.unpack(self.take(1))[0])
 
     def u32(self) -> int:
-        return int(_U32.unpack(self._take(4))[0])
+        return int(_U32.unpack(self.take(4))[0])
 
     def u64(self) -> int:
-        return int(_U64.unpack(self._take(8))[0])
+        return int(_U64.unpack(self.take(8))[0])
 
     def f64(self) -> float | None:
-        value = float(_F64.unpack(self._take(8))[0])
+        value = float(_F64.unpack(self.take(8))[0])
         return None if math.isnan(value) else value
 
     def text(self) -> str:
-        (length,) = struct.unpack(">H", self._take(2))
-        return bytes(self._take(length)).decode()
+        (length,) = struct.unpack(">H", self.take(2))
+        return bytes(self.take(length)).decode()
 
     def blob(self) -> bytes:
-        return bytes(self._take(self.u32()))
+        return bytes(self.take(self.u32()))
 
     def tensor(self) -> torch.Tensor | None:
         code = self.u8()
@@ -144,13 +235,13 @@ class Reader:
         ndim = self.u8()
         if ndim > MAX_TENSOR_DIMS:
             raise FrameError(f"tensor of {ndim} dims exceeds {MAX_TENSOR_DIMS}")
-        shape = struct.unpack(f">{ndim}I", self._take(4 * ndim))
+        shape = struct.unpack(f">{ndim}I", self.take(4 * ndim))
         dtype = _DTYPES[code]
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        raw = self._take(nbytes)  # bounded by the payload before anything is allocated
+        nbytes = math.prod(shape) * _ITEM_BYTES[code]
+        raw = self.take(nbytes)  # bounded by the payload before anything is allocated
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)  # a writable copy of the bytes
 
     def done(self) -> None:
         if self.offset != len(self.data):

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from corolla.server.gather import GatherRule, GatherSettings
 from corolla.server.task import KIND_GENERIC, Task, TaskQueue
 from corolla.utils.logging import get_logger
 
@@ -66,6 +67,7 @@ class Runtime:
         device: torch.device | str | None = None,
         name: str = "corolla-runtime",
         stop_timeout_s: float = 30.0,
+        gather: GatherSettings | None = None,
     ):
         if max_batch_size_tokens < 1:
             raise ValueError(f"max_batch_size_tokens must be >= 1, got {max_batch_size_tokens}")
@@ -86,6 +88,9 @@ class Runtime:
         self.num_inline_batches = 0
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
         self._observers: list[BatchObserver] = []
+        self._wake_scheduled: set[asyncio.AbstractEventLoop] = set()  # loops with a `_wake` pending
+        # after a merged forward, wait briefly for its sessions' next steps (server.gather; fraction 0 disables)
+        self.gather = GatherRule(gather if gather is not None else GatherSettings())
 
     def add_batch_observer(self, observer: BatchObserver) -> None:
         """Calls `observer(kind, num_tasks, seconds)` after every batch (benchmarks, profiling); it must be quick
@@ -131,6 +136,11 @@ class Runtime:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopped
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The device thread (None before `start`): benches read its CPU clock."""
+        return self._thread
 
     @property
     def num_pending(self) -> int:
@@ -186,8 +196,15 @@ class Runtime:
         inline = inline and kind in self._inline_kinds and merge_key is not None and size_tokens <= INLINE_MAX_TOKENS
         if inline and self._run_inline(task):
             return task.future
-        self._queue.push(task)
+        self._queue.push(task, notify=False)
+        if loop not in self._wake_scheduled:  # one wake-up of the device thread per loop iteration, not per task
+            self._wake_scheduled.add(loop)
+            loop.call_soon(self._wake, loop)
         return task.future
+
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._wake_scheduled.discard(loop)
+        self._queue.wake()
 
     def _run_inline(self, task: Task) -> bool:
         """Runs `task` now in this thread if nothing is queued or running; False (not run) otherwise.
@@ -221,8 +238,12 @@ class Runtime:
                 torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
         finally:
             self._ready.set()
-        while True:  # schedule -> execute -> complete
-            batch = self._queue.pop_batch(
+        queue = self._queue
+        while True:  # (gather) -> schedule -> execute -> complete
+            wait = self.gather.wait(time.monotonic(), queue.num_pushed)
+            if wait is not None:
+                queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
+            batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys()
             )
             if batch is None:
@@ -230,7 +251,14 @@ class Runtime:
             if not batch:
                 continue
             with self._executing:
+                started = time.perf_counter()
                 results = self._execute(batch)
+                elapsed_s = time.perf_counter() - started
+            if batch[0].merge_key is not None and batch[0].kind in self._batch_executors:
+                self.gather.finished(
+                    size=len(batch), forward_s=elapsed_s, now_s=time.monotonic(), num_pushed=queue.num_pushed,
+                    push_time_s=queue.push_time_s,
+                )  # fmt: skip
             self._complete(batch, results)
 
     def _execute(self, batch: list[Task]) -> list[tuple[Any, BaseException | None]]:

@@ -7,6 +7,7 @@ import asyncio
 import heapq
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ PRIORITY_FORWARD: float = 2.0
 PRIORITY_BACKWARD: float = 2.0
 
 KIND_GENERIC = "generic"
+PUSH_TIMES_KEPT = 4096  # push times remembered for the runtime's gather rule (server.gather)
 KIND_INFERENCE = "inference"
 KIND_FORWARD = "forward"
 KIND_BACKWARD = "backward"
@@ -56,19 +58,49 @@ class TaskQueue:
         self._cond = threading.Condition()
         self._seq = 0
         self._closed = False
+        self._push_times: deque[float] = deque(maxlen=PUSH_TIMES_KEPT)  # of the last pushes, oldest first
 
     def __len__(self) -> int:
         with self._cond:
             return len(self._heap)
 
-    def push(self, task: Task) -> None:
+    def push(self, task: Task, *, notify: bool = True) -> None:
+        """Queues `task`; `notify=False` leaves waking the consumer to a later `wake()` (the runtime wakes it once
+        per event-loop iteration, so the steps submitted in one iteration are popped together)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("The runtime is stopped; it accepts no new tasks")
             self._seq += 1
             task.seq = self._seq
+            self._push_times.append(task.submitted_at)
             heapq.heappush(self._heap, (*task.sort_key, task))
+            if notify:
+                self._cond.notify()
+
+    def wake(self) -> None:
+        with self._cond:
             self._cond.notify()
+
+    def push_time_s(self, seq: int) -> float | None:
+        """When the `seq`-th task was pushed (`time.monotonic`), if it is one of the last `PUSH_TIMES_KEPT`."""
+        with self._cond:
+            index = seq - (self._seq - len(self._push_times)) - 1
+            return self._push_times[index] if 0 <= index < len(self._push_times) else None
+
+    @property
+    def num_pushed(self) -> int:
+        """Tasks pushed so far (a task's `seq` is the count when it was pushed)."""
+        return self._seq
+
+    def wait_for_pushes(self, count: int, timeout_s: float) -> None:
+        """Waits up to `timeout_s` until `count` tasks were pushed in all (or the queue closed)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._seq < count and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._cond.wait(remaining)
 
     def close(self) -> list[Task]:
         """Stops accepting tasks, wakes the waiting consumer and returns the tasks that never ran."""

@@ -1,0 +1,97 @@
+"""Where a many-users round's CPU time goes, per process and per thread (the `multi_user` bench's breakdown).
+
+`CpuProbe` samples, in the bench (device) process: the runtime thread and the serving loop thread (each thread's
+own CPU clock, `time.pthread_getcpuclockid`), the rest of this process, the handler processes and this process's
+p2pd daemon (`psutil`, utime + stime). Client processes time themselves (`client_cpu`) because they may have exited
+by the time the bench samples again. Nothing here runs on the serving path: the bench samples before the common
+start and after the last result."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import psutil
+
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+RUNTIME_THREAD = "device runtime thread"
+LOOP_THREAD = "device serving loop thread"
+DEVICE_OTHER = "device process, other threads"
+HANDLERS = "handler processes"
+SERVER_P2PD = "server p2pd"
+CLIENTS = "client processes"
+CLIENT_P2PD = "client p2pds"
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    if thread.ident is None or not thread.is_alive():
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def _process_cpu_s(pid: int) -> float:
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0.0
+    return float(times.user + times.system)
+
+
+def _own_p2pd_pids() -> list[int]:
+    """This process's direct p2pd children (the server's daemon; clients' daemons are their own children)."""
+    return [c.pid for c in psutil.Process().children(recursive=False) if _name(c) == "p2pd"]
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return str(process.name())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """CPU seconds so far per part (see the module's names) and the wall clock when taken."""
+
+    seconds: dict[str, float]
+    wall_s: float
+
+    def since(self, earlier: CpuSample) -> dict[str, float]:
+        return {k: v - earlier.seconds.get(k, 0.0) for k, v in self.seconds.items()}
+
+
+class CpuProbe:
+    """Samples the device process's threads and the server-side processes (see the module docstring)."""
+
+    def __init__(self, runtime_thread: threading.Thread | None, loop_thread: threading.Thread, handler_pids: list[int]):
+        self.runtime_thread, self.loop_thread, self.handler_pids = runtime_thread, loop_thread, handler_pids
+
+    def sample(self) -> CpuSample:
+        runtime_s = _thread_cpu_s(self.runtime_thread) if self.runtime_thread is not None else 0.0
+        loop_s = _thread_cpu_s(self.loop_thread)
+        times = os.times()
+        seconds = {
+            RUNTIME_THREAD: runtime_s,
+            LOOP_THREAD: loop_s,
+            DEVICE_OTHER: times.user + times.system - runtime_s - loop_s,
+            HANDLERS: sum(_process_cpu_s(p) for p in self.handler_pids),
+            SERVER_P2PD: sum(_process_cpu_s(p) for p in _own_p2pd_pids()),
+        }
+        return CpuSample(seconds, time.monotonic())
+
+
+def client_cpu() -> tuple[float, float]:
+    """(this client process's CPU seconds, its p2pd children's CPU seconds) so far."""
+    own = time.process_time()
+    daemons = sum(_process_cpu_s(c.pid) for c in psutil.Process().children() if _name(c) == "p2pd")
+    return own, daemons
+
+
+def per_step_us(cpu_s: dict[str, float], steps: int) -> dict[str, float]:
+    """CPU microseconds per decode step (all sessions' steps of the window) for each part."""
+    return {k: round(v / steps * 1e6, 1) for k, v in cpu_s.items()} if steps > 0 else {}

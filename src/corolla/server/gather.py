@@ -1,0 +1,108 @@
+"""The runtime's gather rule: after a merged forward, wait briefly for its sessions' next steps before popping the
+next batch, so that sessions which stepped together keep stepping together.
+
+Without it, many sessions served over RPC split into cohorts that alternate: the forward that just finished
+returns its results, and while they travel to the clients and back the device thread already pops whatever else
+is queued (the other cohort). With it, the device thread waits until most (`quantile`) of the finished forward's
+sessions are back, or until `fraction` of that forward's own time has passed since it finished, whichever is
+first. The wait adapts to the clients' round trip: the rule learns how long a finished forward's sessions take to
+come back (an exponential moving average of the time to the `quantile`-th arrival after the forward finished) and
+does not wait at all while that is longer than the budget (WAN clients never idle the device). One slow session
+never holds the others: only the `quantile` of them is waited for, never longer than the budget.
+
+`GatherRule` is pure bookkeeping driven by the runtime's thread (`Runtime._run`); it never blocks by itself."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+EWMA_WEIGHT = 0.2  # weight of the newest return-time observation
+
+
+@dataclass(frozen=True)
+class GatherSettings:
+    """`fraction`: the longest wait, as a fraction of the finished forward's seconds (0 disables the rule);
+    `quantile`: the share of its sessions waited for."""
+
+    fraction: float = 0.5
+    quantile: float = 0.875
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"gather fraction must be in [0, 1], got {self.fraction}")
+        if not 0.0 < self.quantile <= 1.0:
+            raise ValueError(f"gather quantile must be in (0, 1], got {self.quantile}")
+
+
+@dataclass
+class _Cohort:
+    """The sessions of one finished merged forward, on their way back."""
+
+    finished_at_s: float
+    seq: int  # tasks pushed before it finished: later pushes are arrivals after it
+    target: int  # arrivals waited for
+    budget_s: float
+
+
+@dataclass(frozen=True)
+class GatherWait:
+    """Wait until `num_pushed` tasks were pushed in all, at most `timeout_s`."""
+
+    num_pushed: int
+    timeout_s: float
+
+
+class GatherRule:
+    """Decides the wait before each pop and learns the clients' return time (see the module docstring)."""
+
+    def __init__(self, settings: GatherSettings):
+        self.settings = settings
+        self.return_s: float | None = None  # learned: a finished forward's `quantile`-th arrival, seconds after it
+        self._cohort: _Cohort | None = None
+        self.num_waits = 0
+        self.num_skipped = 0  # cohorts not waited for (their return takes longer than the budget)
+
+    def finished(
+        self, *, size: int, forward_s: float, now_s: float, num_pushed: int, push_time_s: Callable[[int], float | None]
+    ) -> None:
+        """A merged batch of `size` tasks finished at `now_s` after `forward_s` seconds; `num_pushed` tasks were
+        pushed so far and `push_time_s(seq)` is when the `seq`-th was (None if not known)."""
+        self._learn_previous(now_s, num_pushed, push_time_s)
+        if size < 2 or self.settings.fraction <= 0.0:
+            self._cohort = None
+            return
+        target = max(1, math.ceil(self.settings.quantile * size))
+        self._cohort = _Cohort(now_s, num_pushed, target, self.settings.fraction * forward_s)
+
+    def wait(self, now_s: float, num_pushed: int) -> GatherWait | None:
+        """The wait before the next pop, or None (no cohort, already back, or it would not come back in time)."""
+        cohort = self._cohort
+        if cohort is None or num_pushed >= cohort.seq + cohort.target:
+            return None
+        if self.return_s is not None and self.return_s > cohort.budget_s:
+            self.num_skipped += 1
+            return None
+        timeout_s = cohort.finished_at_s + cohort.budget_s - now_s
+        if timeout_s <= 0:
+            return None
+        self.num_waits += 1
+        return GatherWait(cohort.seq + cohort.target, timeout_s)
+
+    def _learn_previous(self, now_s: float, num_pushed: int, push_time_s: Callable[[int], float | None]) -> None:
+        """How long the previous cohort took to come back: exact where its `quantile`-th arrival was pushed; else
+        at least until now (a lower bound, learned only where it raises the estimate)."""
+        cohort = self._cohort
+        if cohort is None:
+            return
+        arrived_s = push_time_s(cohort.seq + cohort.target) if num_pushed >= cohort.seq + cohort.target else None
+        if arrived_s is not None:
+            self._learn(arrived_s - cohort.finished_at_s)
+        elif self.return_s is None or now_s - cohort.finished_at_s > self.return_s:
+            self._learn(now_s - cohort.finished_at_s)
+
+    def _learn(self, observed_s: float) -> None:
+        observed_s = max(0.0, observed_s)
+        previous = self.return_s
+        self.return_s = observed_s if previous is None else previous + EWMA_WEIGHT * (observed_s - previous)

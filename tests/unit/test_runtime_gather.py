@@ -1,0 +1,96 @@
+"""The runtime's gather rule (`server.gather`): after a merged forward the device thread waits, at most a fraction of
+that forward's time, for its sessions' next steps, so sessions that come back a little late still merge with the
+others instead of alternating in cohorts; the wait is bounded, one slow session never holds the others, and while
+the clients' round trip is longer than the budget (WAN) the rule does not wait at all."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from corolla.server.gather import GatherRule, GatherSettings
+from corolla.server.runtime import Runtime
+from corolla.server.task import Task
+
+KIND = "merged"
+FORWARD_S = 0.02  # each merged forward sleeps this long on the device thread
+
+
+def _runtime(fraction: float, sizes: list[int]) -> Runtime:
+    runtime = Runtime(max_batch_size_tokens=1024, gather=GatherSettings(fraction=fraction))
+
+    def execute(tasks: list[Task]) -> list[object]:
+        sizes.append(len(tasks))
+        time.sleep(FORWARD_S)
+        return [task.payload for task in tasks]
+
+    runtime.register_batch_executor(KIND, execute)
+    return runtime
+
+
+async def _session(runtime: Runtime, index: int, steps: int, think_s: float, ends: list[float]) -> None:
+    """One session: a step, then `think_s` (its client's round trip), then the next step."""
+    for step in range(steps):
+        result = await runtime.submit(lambda: None, priority=1.0, size_tokens=1, kind=KIND, merge_key="k", payload=step)
+        assert result == step
+        await asyncio.sleep(think_s)
+    ends.append(time.monotonic())
+
+
+async def _drive(fraction: float, think_s: list[float], steps: int) -> tuple[list[int], list[float], float]:
+    sizes: list[int] = []
+    ends: list[float] = []
+    with _runtime(fraction, sizes) as runtime:
+        started = time.monotonic()
+        await asyncio.wait_for(
+            asyncio.gather(*(_session(runtime, i, steps, t, ends) for i, t in enumerate(think_s))), 30
+        )
+    return sizes, [end - started for end in ends], started
+
+
+async def test_late_sessions_merge_with_the_others_instead_of_alternating() -> None:
+    # 8 sessions: half come back at once, half 4 ms later (a fifth of the forward): without the rule they split
+    think = [0.0, 0.004] * 4
+    with_rule, _, _ = await _drive(0.5, think, steps=8)
+    without, _, _ = await _drive(0.0, think, steps=8)
+    assert sum(with_rule) == sum(without) == 8 * 8
+    assert len(with_rule) <= 10, with_rule  # ~one forward per round (the first rounds may learn)
+    assert len(without) >= 14, without  # two cohorts alternate
+
+
+async def test_a_slow_session_does_not_stall_the_others() -> None:
+    # 7 sessions return at once; one's client takes 200 ms (10 forwards) per round trip
+    steps = 8
+    _, ends, _ = await _drive(0.5, [0.0] * 7 + [0.2], steps=steps)
+    fast = sorted(ends)[:7]
+    # each fast round: one forward plus at most the bounded wait (half a forward) plus scheduling slack
+    assert max(fast) < steps * FORWARD_S * 1.5 + 0.15, fast
+
+
+def test_the_wait_is_bounded_by_the_forward_and_skipped_for_slow_round_trips() -> None:
+    rule = GatherRule(GatherSettings(fraction=0.5, quantile=0.875))
+    times = {}
+
+    def push_time(seq: int) -> float | None:
+        return times.get(seq)
+
+    rule.finished(size=8, forward_s=0.010, now_s=100.0, num_pushed=50, push_time_s=push_time)
+    wait = rule.wait(100.001, num_pushed=52)
+    assert wait is not None and wait.num_pushed == 50 + 7 and wait.timeout_s == pytest.approx(0.004)
+    assert rule.wait(100.006, num_pushed=52) is None  # the budget (5 ms after the forward) is spent
+    assert rule.wait(100.001, num_pushed=57) is None  # 7 of 8 are back: nothing to wait for
+    # the clients take 30 ms to come back (WAN): learned at the next forward's end, then no more waiting
+    times[57] = 100.030
+    rule.finished(size=8, forward_s=0.010, now_s=100.040, num_pushed=60, push_time_s=push_time)
+    assert rule.return_s == pytest.approx(0.030)
+    assert rule.wait(100.041, num_pushed=60) is None and rule.num_skipped == 1
+    # a lone step (size 1) opens no cohort; a disabled rule never waits
+    rule.finished(size=1, forward_s=0.010, now_s=101.0, num_pushed=70, push_time_s=push_time)
+    assert rule.wait(101.001, num_pushed=70) is None
+    off = GatherRule(GatherSettings(fraction=0.0))
+    off.finished(size=8, forward_s=0.010, now_s=100.0, num_pushed=50, push_time_s=push_time)
+    assert off.wait(100.001, num_pushed=50) is None
+    with pytest.raises(ValueError, match="fraction"):
+        GatherSettings(fraction=1.5)
