@@ -76,7 +76,7 @@ def our_blocks(model, device: torch.device, dtype: torch.dtype) -> list[torch.nn
     by the blocks' checkpoint layout, as when a server loads a checkpoint)."""
     config = model.config
     family = get_family(config)
-    blocks = []
+    blocks: list[torch.nn.Module] = []
     for i, layer in enumerate(model.h):
         with torch.device(device):
             block = family.build_block(config, i).to(dtype)
