@@ -6,13 +6,18 @@ once as transformers' `MixtralModel` with sdpa attention; the engine reads the s
 attention, norms, routers, the distinct experts the step's tokens chose (counted on the step's own routes) and the
 KV prefix, / bandwidth) and against transformers' forward of the same layers with a `DynamicCache` at the same
 batch; the expert kernel's per-layer time at 1 and 8 tokens against two/eight experts' bytes; and the engine's
-output against transformers' on the same inputs. `--shape tiny --device cpu` dry-runs the code paths."""
+output against transformers' on the same inputs. `--quant none nf4 int8` measures each weight format in the same
+run (NF4/Int8: every projection quantized in bitsandbytes' layouts by `engine.quant`'s quantizers, the experts read by
+`moe_quant`'s kernels; the floor counts the chosen experts' packed bytes + scales; numerics against the engine on
+the dequantized weights). `--numerics` adds the three-way comparison of `moe_numerics` (engine, transformers, fp32).
+`--shape tiny --device cpu` dry-runs the code paths."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +27,9 @@ from corolla.bench.measure import copy_bandwidth_bytes_per_s, host_median_ms, sy
 from corolla.engine.config import EngineConfig, LlamaSpec
 from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
 from corolla.engine.moe import ExpertWeights, RoutedMoE, experts_forward, softmax_topk, tune_experts
+from corolla.engine.moe_numerics import three_way
+from corolla.engine.moe_quant import QuantizedExpertWeights
+from corolla.engine.quant import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import SpanEngine, StepRequest
 
 SHAPES = {
@@ -30,6 +38,14 @@ SHAPES = {
         num_attention_heads=32,
         num_key_value_heads=8,
         intermediate_size=14336,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "small": dict(  # the CPU numerics run
+        hidden_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=3584,
         num_local_experts=8,
         num_experts_per_tok=2,
     ),
@@ -105,6 +121,37 @@ def engine_layers(model) -> list[LayerWeights]:
     return result
 
 
+def quantized_layers(layers: list[LayerWeights], kind: str) -> list[LayerWeights]:
+    """`layers` with every projection (attention and experts; not the routers) in bitsandbytes' `kind` layout."""
+    quantize = quantize_nf4 if kind == "nf4" else quantize_int8
+    result = []
+    for layer in layers:
+        assert layer.moe is not None and isinstance(layer.moe.experts, ExpertWeights)
+        dense = layer.moe.experts
+        experts = QuantizedExpertWeights(
+            tuple(quantize(w) for w in dense.gate_up), tuple(quantize(w) for w in dense.down)
+        )
+        moe = RoutedMoE(layer.moe.router, experts, layer.moe.top_k, layer.moe.normalize_top_k)
+        w_qkv, w_o = layer.w_qkv, layer.w_o
+        assert isinstance(w_qkv, torch.Tensor) and isinstance(w_o, torch.Tensor)
+        result.append(replace(layer, w_qkv=quantize(w_qkv), w_o=quantize(w_o), moe=moe))
+    return result
+
+
+def dequantized_layers(layers: list[LayerWeights]) -> list[LayerWeights]:
+    """Dense copies of quantized `layers` (the reference the quantized span is compared with)."""
+    result = []
+    for layer in layers:
+        assert layer.moe is not None and isinstance(layer.moe.experts, QuantizedExpertWeights)
+        q = layer.moe.experts
+        experts = ExpertWeights.from_tensors([w.dequantize() for w in q.gate_up], [w.dequantize() for w in q.down])
+        moe = RoutedMoE(layer.moe.router, experts, layer.moe.top_k, layer.moe.normalize_top_k)
+        w_qkv, w_o = layer.w_qkv, layer.w_o
+        assert not isinstance(w_qkv, torch.Tensor) and not isinstance(w_o, torch.Tensor)
+        result.append(replace(layer, w_qkv=w_qkv.dequantize(), w_o=w_o.dequantize(), moe=moe))
+    return result
+
+
 class ExpertCounter:
     """Stands in for `FastLlamaSpan._experts` during one eager step: routes as the span does, records how many
     distinct experts each layer's tokens chose (host sync: never inside the timed or graphed steps)."""
@@ -162,66 +209,37 @@ def hf_step_ms(model, batch: int, prefix: int, steps: int, gen: torch.Generator)
 
 
 @torch.inference_mode()
-def agreement(engine: SpanEngine, model, prefix: int, gen: torch.Generator) -> float:
-    """Relative error of the engine's decode output against transformers' on the same prompt and token."""
-    from transformers import DynamicCache
-
+def engines_agreement(engine: SpanEngine, reference: SpanEngine, prefix: int, gen: torch.Generator) -> float:
+    """Relative error of `engine`'s decode output against `reference`'s on the same prompt and token."""
     h, dev, dt = engine.hidden_size, engine.device, engine.dtype
     prompt = torch.randn(1, prefix, h, device=dev, generator=gen).to(dt)
     token = torch.randn(1, 1, h, device=dev, generator=gen).to(dt)
-    cache = DynamicCache(config=model.config)
-    model(inputs_embeds=prompt, past_key_values=cache)
-    # MixtralModel ends with its final norm; the span's output is before it: compare through that norm
-    expected = model(inputs_embeds=token, past_key_values=cache).last_hidden_state
-    with engine.open_session(1, prefix + 8) as session:
-        engine.step(session, prompt, 0)
-        got = model.norm(engine.step(session, token, prefix))
-    return float((got.float() - expected.float()).norm() / expected.float().norm())
+    outs = []
+    for e in (engine, reference):
+        with e.open_session(1, prefix + 8) as session:
+            e.step(session, prompt, 0)
+            outs.append(e.step(session, token, prefix).float())
+    return float((outs[0] - outs[1]).norm() / outs[1].norm())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--prefix_tokens", type=int, default=512)
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    dev = torch.device(args.device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    lines: list[str] = []
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    bandwidth = copy_bandwidth_bytes_per_s(dev) if dev.type == "cuda" else 1e10
-    results: dict = {"device": name, "shape": args.shape, "layers": args.layers, "prefix_tokens": args.prefix_tokens}
-    results["bandwidth_bytes_per_s"] = bandwidth
-    log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.layers} {args.shape} layers")
-    gen = torch.Generator(device=dev).manual_seed(1)
-    stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
-    base = args.out / f"moe-{args.shape}-{name.lower().replace(' ', '-')}-{stamp}"
-
-    def save() -> None:  # after every section: a run cut short keeps what it measured
-        base.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
-        base.with_suffix(".log").write_text("\n".join(lines) + "\n")
-
-    model = hf_model(args.shape, args.layers, dev, dtype)
-    layers = engine_layers(model)
-    spec = LlamaSpec.from_hf_config(model.config)
-    inv_freq = model.rotary_emb.inv_freq.float()
+def build_engine(spec: LlamaSpec, layers: list[LayerWeights], inv_freq: torch.Tensor, args, lines: list[str]):
+    """A span engine over `layers` with tuned kernels (expert configs logged against their floors)."""
+    dev = layers[0].ln1.device
     span = FastLlamaSpan(spec, layers, inv_freq, max_positions=2048, use_triton=dev.type == "cuda")
     moes = [layer.moe for layer in layers if layer.moe is not None]
-    expert_bytes = moes[0].experts.expert_nbytes()
-    tuned = tune_experts(moes, rows=(1, args.sessions))
-    if tuned:
+    tuned: dict = {}
+    if dev.type == "cuda":
+        quantized = isinstance(moes[0].experts, QuantizedExpertWeights)
+        report = span.tune() if quantized else {}  # quantized attention projections: their kernels' configs
+        tuned = report.get(("moe", *moes[0].shape)) or tune_experts(moes, rows=(1, args.sessions))
         span.moe_configs[moes[0].shape] = tuned["best"]
+        expert_bytes = moes[0].experts.expert_nbytes()
         for n, per_config in tuned["us"].items():
-            floor_us = min(n * moes[0].top_k, moes[0].experts.num_experts) * expert_bytes / bandwidth * 1e6
+            used = min(int(n) * moes[0].top_k, moes[0].experts.num_experts)
+            floor_us = used * expert_bytes / args.bandwidth * 1e6
             log(lines, f"experts kernel, {n} tokens: " + ", ".join(f"{c} {us:.0f} us" for c, us in per_config.items())
-                + f"; floor of {min(n * moes[0].top_k, 8)} experts {floor_us:.0f} us")  # fmt: skip
+                + f"; floor of {used} experts {floor_us:.0f} us")  # fmt: skip
         log(lines, f"chosen expert config {tuned['best']}")
-        results["expert_kernel"] = {"best": str(tuned["best"]), "us": tuned["us"], "expert_bytes": expert_bytes}
     engine = SpanEngine(
         span,
         EngineConfig(
@@ -229,17 +247,24 @@ def main() -> None:
             max_seq_len_tokens=1024,
             max_batch_rows=args.sessions,
             graph_buckets=tuple(sorted({1, args.sessions})),
-            tune_gemm=False,  # attention projections on cuBLAS; the experts' config was chosen above
+            tune_gemm=False,  # tuned above (dense attention projections stay on cuBLAS)
         ),
     )
     engine.warmup()
-    rel = agreement(engine, model, args.prefix_tokens, gen)
-    results["rel_err_vs_transformers"] = rel
-    log(lines, f"engine vs transformers on one decode step: relative error {rel:.4f}")
-    save()
+    return engine, tuned
 
+
+def measure_steps(engine: SpanEngine, layers: list[LayerWeights], args, hf_ms: dict, gen, lines, kind: str) -> dict:
+    """Batch 1 and `args.sessions` decode steps against their floors and transformers' bf16 step at that batch."""
+    span = engine.model
+    assert isinstance(span, FastLlamaSpan)
+    spec, dev, dtype = span.spec, engine.device, engine.dtype
+    moe0 = layers[0].moe
+    assert moe0 is not None
+    expert_bytes = moe0.experts.expert_nbytes()
     dense_bytes = sum(layer.nbytes() - layer.moe.experts.nbytes() for layer in layers if layer.moe is not None)
     kv_bytes_per_row = spec.kv_bytes_per_token(dtype, args.layers) * args.prefix_tokens
+    rows = {}
     for batch in sorted({1, args.sessions}):
         sessions = []
         for _ in range(batch):
@@ -252,22 +277,95 @@ def main() -> None:
         counts = measured["distinct_experts_per_layer"]
         experts_per_step = sum(counts) / len(counts) * args.layers  # mean over the counted steps, whole span
         floor_bytes = dense_bytes + experts_per_step * expert_bytes + batch * kv_bytes_per_row
-        floor_ms = floor_bytes / bandwidth * 1000
-        hf_ms = hf_step_ms(model, batch, args.prefix_tokens, args.steps, gen)
+        floor_ms = floor_bytes / args.bandwidth * 1000
         row = {
             "step_ms": measured["step_ms"],
             "floor_ms": floor_ms,
             "x_floor": measured["step_ms"] / floor_ms,
             "floor_bytes": floor_bytes,
+            "expert_bytes": expert_bytes,
             "distinct_experts_per_layer": counts,
-            "transformers_ms": hf_ms,
-            "speedup_vs_transformers": hf_ms / measured["step_ms"],
+            "transformers_bf16_ms": hf_ms[batch],
+            "speedup_vs_transformers": hf_ms[batch] / measured["step_ms"],
         }
-        results[f"batch_{batch}"] = row
-        log(lines, f"batch {batch}: engine {row['step_ms']:.3f} ms/step, floor {floor_ms:.3f} ms "
-                   f"({row['x_floor']:.2f}x; {experts_per_step / args.layers:.2f} experts/layer), transformers "
-                   f"{hf_ms:.2f} ms (the engine {row['speedup_vs_transformers']:.1f}x faster)")  # fmt: skip
+        rows[f"batch_{batch}"] = row
+        log(lines, f"{kind} batch {batch}: engine {row['step_ms']:.3f} ms/step, floor {floor_ms:.3f} ms "
+                   f"({row['x_floor']:.2f}x; {experts_per_step / args.layers:.2f} experts/layer), transformers bf16 "
+                   f"{hf_ms[batch]:.2f} ms (the engine {row['speedup_vs_transformers']:.1f}x faster)")  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prefix_tokens", type=int, default=512)
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quant", nargs="+", choices=("none", "nf4", "int8"), default=["none"])
+    parser.add_argument("--numerics", action="store_true", help="engine vs transformers vs fp32 (moe_numerics)")
+    parser.add_argument("--fp32_engine", action="store_true", help="with --numerics: the engine in fp32 too")
+    parser.add_argument("--no_timing", action="store_true", help="numerics only (the CPU run)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if dev.type == "cuda" else torch.float32
+    lines: list[str] = []
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    args.bandwidth = copy_bandwidth_bytes_per_s(dev) if dev.type == "cuda" else 1e10
+    results: dict = {"device": name, "shape": args.shape, "layers": args.layers, "prefix_tokens": args.prefix_tokens}
+    results["bandwidth_bytes_per_s"] = args.bandwidth
+    log(lines, f"device {name}; copy bandwidth {args.bandwidth / 1e12:.2f} TB/s; {args.layers} {args.shape} layers")
+    gen = torch.Generator(device=dev).manual_seed(1)
+    stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
+    base = args.out / f"moe-{args.shape}-{name.lower().replace(' ', '-')}-{stamp}"
+
+    def save() -> None:  # after every section: a run cut short keeps what it measured
+        base.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+        base.with_suffix(".log").write_text("\n".join(lines) + "\n")
+
+    model = hf_model(args.shape, args.layers, dev, dtype)
+    dense = engine_layers(model)
+    spec = LlamaSpec.from_hf_config(model.config)
+    inv_freq = model.rotary_emb.inv_freq.float()
+    hf_ms = {}
+    if not args.no_timing:
+        for batch in sorted({1, args.sessions}):
+            hf_ms[batch] = hf_step_ms(model, batch, args.prefix_tokens, args.steps, gen)
+            log(lines, f"transformers {str(dtype).removeprefix('torch.')}, batch {batch}: {hf_ms[batch]:.2f} ms/step")
+    for kind in args.quant:
+        section: dict = {}
+        results[kind] = section
+        layers = dense if kind == "none" else quantized_layers(dense, kind)
+        engine, tuned = build_engine(spec, layers, inv_freq, args, lines)
+        if tuned:
+            section["expert_kernel"] = {"best": str(tuned["best"]), "us": tuned["us"]}
+        if kind == "none" and args.numerics:
+            section["numerics"] = three_way(
+                model, engine, engine_layers, args.prefix_tokens, gen, fp32_engine=args.fp32_engine
+            )
+            log(lines, f"numerics ({args.layers} layers, one decode step after {args.prefix_tokens} tokens, after "
+                       f"the final norm): {section['numerics']}")  # fmt: skip
+        elif kind != "none":
+            reference = SpanEngine(
+                FastLlamaSpan(spec, dequantized_layers(layers), inv_freq, max_positions=2048, use_triton=False),
+                EngineConfig(kv_pool_bytes=256 << 20, max_seq_len_tokens=1024, use_cuda_graphs=False),
+            )
+            rel = engines_agreement(engine, reference, args.prefix_tokens, gen)
+            section["rel_err_vs_dequantized_reference"] = rel
+            log(lines, f"{kind} engine vs the reference ops on the dequantized weights: relative error {rel:.5f}")
+            del reference
         save()
+        if not args.no_timing:
+            section.update(measure_steps(engine, layers, args, hf_ms, gen, lines, kind))
+            save()
+        del engine, layers
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    save()
 
 
 if __name__ == "__main__":

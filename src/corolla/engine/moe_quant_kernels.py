@@ -42,9 +42,10 @@ DEFAULT_QUANT_CONFIG = QUANT_EXPERT_CONFIGS[0]
 
 @triton.jit
 def _weight_tile(addr_ptr, E, e, levels_ptr, offset, rows, mask_rows, k0, K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NF4: tl.constexpr, dt: tl.constexpr):  # fmt: skip
-    # -> W_e[rows, k0 : k0 + BLOCK_K]^T as [BLOCK_K, BLOCK_N] in dt (NF4: dequantized; Int8: the codes, unscaled).
-    # addr_ptr: [4, E] int64 address table (codes, scales, nested absmax, nested code) of the projection
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NF4: tl.constexpr, like_ptr):  # fmt: skip
+    # -> W_e[rows, k0 : k0 + BLOCK_K]^T as [BLOCK_K, BLOCK_N] in like_ptr's dtype (NF4: dequantized; Int8: the
+    # codes, unscaled). addr_ptr: [4, E] int64 address table (codes, scales, nested absmax, nested code)
+    dt = like_ptr.dtype.element_ty
     if NF4:
         q_ptr = tl.multiple_of(tl.load(addr_ptr + e).to(tl.pointer_type(tl.uint8)), 16)
         s_ptr = tl.load(addr_ptr + E + e).to(tl.pointer_type(tl.uint8))
@@ -123,9 +124,9 @@ def _quant_gate_up_kernel(
             xt = tl.load(
                 x_ptr + token[:, None] * stride_x + rk[None, :], mask=mask_m[:, None] & (rk < H)[None, :], other=0.0
             )  # [BM, BK]
-            wg = _weight_tile(tables_ptr, E, e, levels_ptr, offset, rn, mask_n, k0, H, BLOCK_N, BLOCK_K, NF4, dt)
+            wg = _weight_tile(tables_ptr, E, e, levels_ptr, offset, rn, mask_n, k0, H, BLOCK_N, BLOCK_K, NF4, x_ptr)
             wu = _weight_tile(
-                tables_ptr, E, e, levels_ptr, offset, rn + INTER, mask_n, k0, H, BLOCK_N, BLOCK_K, NF4, dt
+                tables_ptr, E, e, levels_ptr, offset, rn + INTER, mask_n, k0, H, BLOCK_N, BLOCK_K, NF4, x_ptr
             )
             acc_g = tl.dot(xt, wg, acc_g)
             acc_u = tl.dot(xt, wu, acc_u)
@@ -179,7 +180,9 @@ def _quant_down_kernel(
                 mask=mask_m[:, None] & (rk < INTER)[None, :],
                 other=0.0,
             )  # [BM, BK]
-            wd = _weight_tile(tables_ptr, E, e, levels_ptr, offset, rn, mask_n, k0, INTER, BLOCK_N, BLOCK_K, NF4, dt)
+            wd = _weight_tile(
+                tables_ptr, E, e, levels_ptr, offset, rn, mask_n, k0, INTER, BLOCK_N, BLOCK_K, NF4, act_ptr
+            )
             acc = tl.dot(at, wd, acc)
         if not NF4:
             acc = acc * _column_scales(tables_ptr, E, e, rn, mask_n)[None, :]
