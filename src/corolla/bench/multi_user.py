@@ -102,6 +102,7 @@ class UsersResult:
     num_handlers: int = 1  # processes serving the p2p streams (1: the server's own loop; server.handler_pool)
     # CPU microseconds per decode step (all sessions' steps in the window) per process / thread (bench.cpu_share)
     cpu_us_per_step: dict[str, float] = field(default_factory=dict)
+    gather_fraction: float = 0.5  # the runtime's gather rule (server.gather) while this row ran
 
 
 # ---- the server (this process)

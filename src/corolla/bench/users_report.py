@@ -9,7 +9,7 @@ import argparse
 import datetime as dt
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -17,26 +17,33 @@ import torch
 from corolla.bench.model import ModelShape
 from corolla.bench.multi_user import BenchServer, UsersConfig, UsersResult, build_executor, run_users
 from corolla.server.executor import SpanExecutor
+from corolla.server.gather import GatherRule, GatherSettings
 
 
 def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
+    from corolla.bench.cpu_share import CLIENTS, HANDLERS, LOOP_THREAD, RUNTIME_THREAD
+
     lines = [
         f"### {title}",
         "",
-        "| serving path | handler processes | transport | sessions (client processes) | aggregate tok/s | x 1 session"
-        " | client step median / p90 / worst ms | worst session median ms | steps per merged forward | runtime busy"
-        " | errors / unfinished |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| serving path | handler processes | gather | transport | sessions (client processes) | aggregate tok/s"
+        " | x 1 session | client step median / p90 / worst ms | worst session median ms | steps per merged forward"
+        " (merged forward ms) | runtime busy | CPU us per step: runtime thread / device loop / handler processes /"
+        " client processes | errors / unfinished |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lone = {(r.serving_path, r.num_handlers, r.transport): r.aggregate_tokens_per_s for r in rows if r.sessions == 1}
     for r in rows:
         base = lone.get((r.serving_path, r.num_handlers, r.transport))
         ratio = f"{r.aggregate_tokens_per_s / base:.1f}x" if base else "-"
+        cpu = " / ".join(f"{r.cpu_us_per_step.get(k, float('nan')):.0f}"
+                         for k in (RUNTIME_THREAD, LOOP_THREAD, HANDLERS, CLIENTS))  # fmt: skip
         lines.append(
-            f"| {r.serving_path} | {r.num_handlers} | {r.transport} | {r.sessions} ({r.client_processes}) | "
-            f"{r.aggregate_tokens_per_s:.1f} | {ratio} | {r.step_median_ms:.1f} / {r.step_p90_ms:.1f} / "
-            f"{r.step_worst_ms:.1f} | {r.worst_session_median_ms:.1f} | {r.steps_per_merged_forward:.1f} | "
-            f"{r.device_busy_share:.0%} | {len(r.errors)} / {r.sessions - r.sessions_finished} |"
+            f"| {r.serving_path} | {r.num_handlers} | {r.gather_fraction:g} | {r.transport} | {r.sessions} "
+            f"({r.client_processes}) | {r.aggregate_tokens_per_s:.1f} | {ratio} | {r.step_median_ms:.1f} / "
+            f"{r.step_p90_ms:.1f} / {r.step_worst_ms:.1f} | {r.worst_session_median_ms:.1f} | "
+            f"{r.steps_per_merged_forward:.1f} ({r.merged_forward_ms:.2f}) | {r.device_busy_share:.0%} | {cpu} | "
+            f"{len(r.errors)} / {r.sessions - r.sessions_finished} |"
         )
     lines += ["", *[f"- {n}" for n in notes]]
     return "\n".join(lines)
@@ -53,6 +60,22 @@ def _engine_row(executor: SpanExecutor, sessions: int, prefix_tokens: int, steps
     return engine_bench.concurrent_sessions(engine, sessions=sessions, prefix_tokens=prefix_tokens, steps=steps)
 
 
+@dataclass(frozen=True)
+class ServerRun:
+    """One server of a `--runs` spec: `N[gF]:counts`, e.g. `4:1,64,256` or `4g0:64` (gather fraction 0)."""
+
+    num_handlers: int
+    gather_fraction: float | None  # None: the runtime's default
+    counts: list[int]
+
+    @classmethod
+    def parse(cls, spec: str, default_counts: list[int]) -> ServerRun:
+        head, _, tail = spec.partition(":")
+        handlers, _, fraction = head.partition("g")
+        counts = [int(c) for c in tail.split(",")] if tail else default_counts
+        return cls(int(handlers), float(fraction) if fraction else None, counts)
+
+
 def _measure(
     server: BenchServer, args: argparse.Namespace, counts: list[int], path: str, rows: list, started: float, last: bool
 ) -> None:
@@ -64,6 +87,7 @@ def _measure(
                 config = UsersConfig(sessions=n, client_processes=args.processes, transport=transport,
                                      prefix_tokens=args.prefix_tokens, decode_steps=args.decode_steps)  # fmt: skip
                 row = run_users(server, config, path)
+                row.gather_fraction = server.runtime.gather.settings.fraction
                 rows.append(row)
                 print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
 
@@ -89,6 +113,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu", action="store_true", help="run on the CPU (float32; the default shape is CPU_SHAPE)")
     p.add_argument("--gpu_layers", type=int, default=0, help="instead of --cpu: N Llama-3-8B layers, bf16, on cuda")
     p.add_argument("--num_handlers", default="1", help="comma-separated handler process counts, each a server")
+    p.add_argument(
+        "--runs", default="", help="instead of --num_handlers x --sessions: servers as 'N[gF]:counts' separated by "
+        "spaces, e.g. '4:1,64,256 1:1,64 4g0:64' (F: the runtime's gather fraction, server.gather)",
+    )  # fmt: skip
     p.add_argument("--sessions", default="1,16")
     p.add_argument("--processes", type=int, default=4, help="client processes (sessions are spread over them)")
     p.add_argument("--transports", default="p2p,socket")
@@ -127,13 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         if path == "fast" and args.gpu_layers:  # on a CPU it costs minutes and the RPC is not what limits
             lone_steps[path] = _server_step_ms(executor, args.prefix_tokens)
-        handler_counts = [int(x) for x in args.num_handlers.split(",")]
-        for i, handlers in enumerate(handler_counts):
+        runs = [ServerRun.parse(spec, counts) for spec in args.runs.split()] or [
+            ServerRun(int(x), None, counts) for x in args.num_handlers.split(",")
+        ]
+        default_gather = executor.runtime.gather.settings
+        for i, run in enumerate(runs):
+            fraction = run.gather_fraction
+            settings = default_gather if fraction is None else GatherSettings(fraction, default_gather.quantile)
+            executor.runtime.gather = GatherRule(settings)
             server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
-                                 dtype=dtype, device=device, num_handlers=handlers)  # fmt: skip
-            _measure(server, args, counts, path, rows, started, last=i == len(handler_counts) - 1)
+                                 dtype=dtype, device=device, num_handlers=run.num_handlers)  # fmt: skip
+            _measure(server, args, run.counts, path, rows, started, last=i == len(runs) - 1)
         if path == "fast":
-            for n in counts:
+            for n in sorted({n for run in runs for n in run.counts}):
                 r = _engine_row(executor, n, args.prefix_tokens, args.decode_steps)
                 if r is not None:
                     engine_rows.append(r)
@@ -164,6 +198,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['aggregate_tokens_per_s']:.1f} tok/s, client step median {r['client_step_median_ms']:.1f} ms, "
             f"merged step {r['merged_step_ms']:.1f} ms"
         )
+    engine_by_sessions = {r["sessions"]: r["aggregate_tokens_per_s"] for r in engine_rows}
+    for row in rows:
+        if row.sessions > 1 and engine_by_sessions.get(row.sessions):
+            notes.append(
+                f"{row.sessions} sessions, {row.num_handlers} handler process(es), gather {row.gather_fraction:g}, "
+                f"{row.transport}: {row.aggregate_tokens_per_s / engine_by_sessions[row.sessions]:.2f}x the "
+                "in-process engine's aggregate"
+            )
     title = "Many users at once through one server (" + ("CPU" if args.cpu else _gpu_name()) + ")"
     text = markdown(rows, title=title, notes=notes)
     print(text)
