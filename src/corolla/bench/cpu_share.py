@@ -2,7 +2,7 @@
 
 `CpuProbe` samples, in the bench (device) process: the runtime thread and the serving loop thread (each thread's
 own CPU clock, `time.pthread_getcpuclockid`), the rest of this process, the handler processes and this process's
-p2pd daemon (`psutil`, utime + stime). Client processes time themselves (`client_cpu`) because they may have exited
+p2pd daemon (utime + stime from `/proc/<pid>/stat`; Linux). Client processes time themselves (`client_cpu`) because they may have exited
 by the time the bench samples again. Nothing here runs on the serving path: the bench samples before the common
 start and after the last result."""
 
@@ -12,8 +12,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-
-import psutil
 
 from corolla.utils.logging import get_logger
 
@@ -34,24 +32,35 @@ def _thread_cpu_s(thread: threading.Thread) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[str, int, float] | None:
+    """(name, parent pid, CPU seconds: utime + stime) of a live process, from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    fields = text[text.rindex(")") + 2 :].split()  # from field 3 (state) on
+    return name, int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
 def _process_cpu_s(pid: int) -> float:
-    try:
-        times = psutil.Process(pid).cpu_times()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return 0.0
-    return float(times.user + times.system)
+    stat = _stat(pid)
+    return stat[2] if stat is not None else 0.0
 
 
-def _own_p2pd_pids() -> list[int]:
-    """This process's direct p2pd children (the server's daemon; clients' daemons are their own children)."""
-    return [c.pid for c in psutil.Process().children(recursive=False) if _name(c) == "p2pd"]
-
-
-def _name(process: psutil.Process) -> str:
-    try:
-        return str(process.name())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return ""
+def _p2pd_children_cpu_s(parent: int) -> float:
+    """CPU seconds of `parent`'s direct p2pd children (the server's daemon, or a client's own)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None and stat[0] == "p2pd" and stat[1] == parent:
+                total += stat[2]
+    return total
 
 
 @dataclass(frozen=True)
@@ -80,16 +89,14 @@ class CpuProbe:
             LOOP_THREAD: loop_s,
             DEVICE_OTHER: times.user + times.system - runtime_s - loop_s,
             HANDLERS: sum(_process_cpu_s(p) for p in self.handler_pids),
-            SERVER_P2PD: sum(_process_cpu_s(p) for p in _own_p2pd_pids()),
+            SERVER_P2PD: _p2pd_children_cpu_s(os.getpid()),
         }
         return CpuSample(seconds, time.monotonic())
 
 
 def client_cpu() -> tuple[float, float]:
     """(this client process's CPU seconds, its p2pd children's CPU seconds) so far."""
-    own = time.process_time()
-    daemons = sum(_process_cpu_s(c.pid) for c in psutil.Process().children() if _name(c) == "p2pd")
-    return own, daemons
+    return time.process_time(), _p2pd_children_cpu_s(os.getpid())
 
 
 def per_step_us(cpu_s: dict[str, float], steps: int) -> dict[str, float]:
