@@ -128,7 +128,7 @@ def test_triton_alibi_attention_at_model_widths(nq: int, nkv: int, d: int, mode:
     from corolla.engine import triton_kernels as tk
 
     torch.manual_seed(1)
-    page, pages = 64, 200
+    page, pages = 64, 201  # 200 distinct pages besides the trash page
     kc = torch.randn(pages, page, nkv, d, device=DEV, dtype=BF16)
     vc = torch.randn_like(kc)
     b, maxp = 5, 40
