@@ -7,11 +7,12 @@ engine reads the blocks' tensors in place), after a 512-token prefix: the engine
 sessions merged in one step (host-timed through `decode_many`, and the CUDA graph's replay alone on device events),
 each against its floor (weight bytes + the KV prefix the step reads, / bandwidth) and against transformers'
 forward of the same layers with a `DynamicCache` at the same batch; and the engine's output against transformers'
-on the same inputs. `--shapes tiny-falcon,tiny-bloom --device cpu` dry-runs the code paths."""
+on the same inputs, in the same dtype and in float32. `--shapes tiny-falcon,tiny-bloom --device cpu` dry-runs the code paths."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -92,22 +93,38 @@ def model_input(model, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
 
 
-@torch.inference_mode()
-def agreement(engine: SpanEngine, model, prefix: int, gen: torch.Generator) -> float:
-    """Relative error of the engine's decode output against transformers' on the same prompt and token (both
-    through the model's final LayerNorm, which the span does not hold)."""
+def _hf_decode(model, prompt: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     from transformers import DynamicCache
 
+    cache = DynamicCache(config=model.config)
+    model(inputs_embeds=prompt, past_key_values=cache)
+    return model(inputs_embeds=token, past_key_values=cache).last_hidden_state
+
+
+@torch.inference_mode()
+def agreement(engine: SpanEngine, model, prefix: int, gen: torch.Generator) -> dict:
+    """Relative errors of one decode step after a `prefix`-token prompt (outputs through the model's final
+    LayerNorm, which the span does not hold): the engine against transformers in the same dtype and against
+    transformers in float32 (a copy of the same weights), and transformers' own dtype against its float32."""
     h, dev, dt = engine.hidden_size, engine.device, engine.dtype
     prompt = torch.randn(1, prefix, h, device=dev, generator=gen).to(dt)
     token = torch.randn(1, 1, h, device=dev, generator=gen).to(dt)
-    cache = DynamicCache(config=model.config)
-    model(inputs_embeds=prompt, past_key_values=cache)
-    expected = model(inputs_embeds=token, past_key_values=cache).last_hidden_state
+    expected = _hf_decode(model, prompt, token).float()
     with engine.open_session(1, prefix + 8) as session:
         engine.step(session, model_input(model, prompt), 0)
-        got = model.ln_f(engine.step(session, model_input(model, token), prefix))
-    return float((got.float() - expected.float()).norm() / expected.float().norm())
+        got = model.ln_f(engine.step(session, model_input(model, token), prefix)).float()
+    model32 = copy.deepcopy(model).float()
+    exact = _hf_decode(model32, prompt.float(), token.float())
+    del model32
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    return {
+        "engine_vs_transformers": rel(got, expected),
+        "engine_vs_transformers_fp32": rel(got, exact),
+        "transformers_vs_transformers_fp32": rel(expected, exact),
+    }
 
 
 def engine_step_ms(engine: SpanEngine, sessions: list, prefix: int, steps: int, gen: torch.Generator) -> dict:
@@ -168,8 +185,10 @@ def bench_shape(shape: str, args, dev: torch.device, dtype: torch.dtype, bandwid
     for key, r in tuned.items():
         log(lines, f"{shape} tune {key}: {r['best']} {r['best_us']:.1f} us")
     rel = agreement(engine, model, args.prefix_tokens, gen)
-    result["rel_err_vs_transformers"] = rel
-    log(lines, f"{shape}: engine vs transformers on one decode step: relative error {rel:.4f}")
+    result["rel_err"] = rel
+    log(lines, f"{shape}: one decode step, relative error: engine vs transformers {rel['engine_vs_transformers']:.4f}, "
+               f"engine vs transformers fp32 {rel['engine_vs_transformers_fp32']:.4f}, transformers vs its fp32 "
+               f"{rel['transformers_vs_transformers_fp32']:.4f}")  # fmt: skip
     kv_per_row = engine.model.spec.kv_layout.bytes_per_token(dtype, args.layers) * args.prefix_tokens
     for batch in sorted({1, args.sessions}):
         sessions = []
@@ -227,7 +246,7 @@ def main() -> None:
     results: dict = {"device": name, "bandwidth_bytes_per_s": bandwidth, "shapes": {}}
     log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.layers} layers per span")
     stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
-    base = args.out / f"dense-{name.lower().replace(' ', '-')}-{stamp}"
+    base = args.out / f"dense-{name.lower().replace(' ', '-')}-{args.layers}l-{stamp}"
     for shape in shapes:
         results["shapes"][shape] = bench_shape(shape, args, dev, dtype, bandwidth, lines)
         base.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))  # a cut run keeps its rows
