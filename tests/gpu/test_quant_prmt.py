@@ -3,7 +3,8 @@ the config sweeps of test_quant_gemv.py / test_quant_tile.py (which run every re
 reference with poisoned outputs and check batch invariance): one-hot inputs read single weight columns back, so
 every decoded value is checked against the reference dequantizer (fp16-rounded level times the block absmax), for
 the NF4 table and for a random 16-level table (the table words are kernel arguments, not constants); misaligned
-packed bytes are refused. Skipped without CUDA (tests/unit/test_engine_quant_prmt.py checks the instruction
+packed bytes are refused. The INT8 word kernel (engine/quant_int8_words.py, byte-permute conversion) reads every
+int8 code (-128 included) back exactly; K that is not whole words is refused. Skipped without CUDA (tests/unit/test_engine_quant_prmt.py checks the instruction
 sequence itself on CPU)."""
 
 from __future__ import annotations
@@ -81,3 +82,28 @@ def test_misaligned_words_are_refused() -> None:
         quant_prmt_kernels.nf4_prmt_gemv(x.float(), w, None, 128, 1, 4)
     with pytest.raises(ValueError, match="tile config"):
         quant_prmt_kernels.nf4_prmt_tile_matmul(x, w, None, 64, 96, 1, 4, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_word_kernel_converts_every_code(dtype) -> None:
+    from corolla.engine import quant_gemv, quant_int8_words
+    from corolla.engine.quant import Int8Weight
+
+    n, k = 136, 1216
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    codes = torch.randint(-128, 128, (n, k), device=DEV, dtype=torch.int8, generator=gen)  # every byte, -128 too
+    weight = Int8Weight(codes, torch.rand(n, device=DEV, generator=gen) + 0.5, dtype)
+    ref = (codes.float() * weight.col_scale[:, None]).to(dtype)  # [N, K]: one fp32 product, rounded once
+    eye = torch.eye(k, device=DEV, dtype=dtype)
+    configs = [c for c in quant_gemv.INT8_GEMV_CONFIGS if c[4] == 1]
+    assert configs
+    for start in range(0, k, 8 * 19):
+        cols = [min(start + j * 19, k - 1) for j in range(quant_gemv.GEMV_MAX_ROWS)]
+        x = eye[cols].contiguous()  # [8, K] one-hot rows read 8 weight columns
+        for config in configs:
+            out = torch.full((8, n), float("nan"), device=DEV, dtype=dtype)
+            out.copy_(quant_gemv.quant_gemv(x, weight, None, config))
+            assert torch.equal(out, ref[:, cols].t()), (config, start)
+    odd = Int8Weight(codes[:, :1214].contiguous(), weight.row_absmax, dtype)  # K not whole words
+    with pytest.raises(ValueError, match="multiples of 4"):
+        quant_int8_words.int8_words_gemv(torch.randn(1, 1214, device=DEV, dtype=dtype), odd, None, 128, 64, 1, 4)

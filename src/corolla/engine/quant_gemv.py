@@ -40,15 +40,24 @@ GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger one
 # the tiles that won some Llama-3-8B projection on an H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-
 # 20261126-1712.json: NF4 [16, 128-byte] tiles were 10-25% slower than [32, 64-byte] ones on every shape; Int8
 # [8, 256] won three of four shapes, [16, 128] with 4 splits came within 4% on the fourth).
-# lut 2: quant_prmt_kernels' register-lookup GEMV (BLOCK_N rows of 32-byte steps, 64-value blocks per step fixed
-# at 1); chosen against the table kernels by the tuner.
+# lut 2: quant_prmt_kernels' register-lookup GEMV (BLOCK_N rows of 32-byte steps, one 64-value block per step).
+# On the H100 (quant-nvidia-h100-80gb-hbm3-20261126-2015.json) it beat both table kernels on every shape, and the
+# most K splits offered (8) won every shape: the grids of the small projections leave SMs idle, so 16 and 32
+# splits and 64-row tiles are offered too; one split never won (dropped).
 NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     *((32, 2, s, 4, lut) for lut in (0, 1) for s in (1, 2, 4, 8)),
-    *((bn, 1, s, 4, 2) for bn in (128, 256) for s in (1, 2, 4, 8)),
+    *((128, 1, s, 4, 2) for s in (2, 4, 8, 16, 32)),
+    *((256, 1, s, 4, 2) for s in (8, 16)),
+    *((64, 1, s, 4, 2) for s in (16, 32)),
 )
+# Int8 field 4: 0 = this module's byte kernel (I2F conversions), 1 = quant_int8_words' word kernel (byte-permute
+# conversions), BLOCK_K values per step.
 INT8_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    *((8, 256, s, 4, 0) for s in (1, 2, 4, 8)),
+    *((8, 256, s, 4, 0) for s in (1, 2, 4, 8, 16)),
     (16, 128, 4, 4, 0),
+    (16, 128, 16, 4, 0),
+    *((128, 64, s, 4, 1) for s in (2, 4, 8, 16)),
+    *((64, 64, s, 4, 1) for s in (8, 16)),
 )
 DEFAULT_NF4_CONFIG = (32, 2, 4, 4, 1)  # before (or without) tuning
 DEFAULT_INT8_CONFIG = (8, 256, 2, 4, 0)
@@ -210,13 +219,22 @@ def _int8_gemv_kernel(
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
-        offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = tl.load(
-            w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-            mask=n_mask[:, None] & (offs_k < K)[None, :],
-            other=0,
-        ).to(tl.float32)  # [BLOCK_N, BLOCK_K] int8 codes, exact in fp32
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, steps)
+    offs_k0 = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k0[None, :]
+    # each step's codes are loaded one step ahead (registers): their latency overlaps the previous step's FMAs
+    codes = tl.load(
+        w_ptrs + lo * BLOCK_K, mask=n_mask[:, None] & (lo * BLOCK_K + offs_k0 < K)[None, :] & (lo < hi), other=0
+    )
+    for step in range(lo, hi):
+        offs_k = step * BLOCK_K + offs_k0
+        nk = offs_k + BLOCK_K
+        codes_next = tl.load(
+            w_ptrs + (step + 1) * BLOCK_K, mask=n_mask[:, None] & (nk < K)[None, :] & (step + 1 < hi), other=0
+        )
+        w = codes.to(tl.float32)  # [BLOCK_N, BLOCK_K] int8 codes, exact in fp32
+        codes = codes_next
         acc0 += _int8_row_products(w, x_ptr, row0, M, stride_xm, offs_k, K)
         if ROWS >= 2:
             acc1 += _int8_row_products(w, x_ptr, row0 + 1, M, stride_xm, offs_k, K)
@@ -276,6 +294,10 @@ def quant_gemv(
         from corolla.engine import quant_prmt_kernels  # imports this module's kernels (a cycle at import time)
 
         return quant_prmt_kernels.nf4_prmt_gemv(x, weight, residual, block_n, splits, warps)
+    if isinstance(weight, Int8Weight) and config in INT8_GEMV_CONFIGS and lut == 1:
+        from corolla.engine import quant_int8_words  # imports this module's kernels (a cycle at import time)
+
+        return quant_int8_words.int8_words_gemv(x, weight, residual, block_n, block_k, splits, warps)
     rows = rows_per_program(m)
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     use_ws = splits > 1

@@ -93,11 +93,20 @@ def _nf4_prmt_gemv_kernel(
     acc1 = tl.sum(tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32), axis=2)
     acc2 = tl.sum(tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32), axis=2)
     acc3 = tl.sum(tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32), axis=2)
-    for b in range(split * per_split, tl.minimum((split + 1) * per_split, kb)):
-        words = tl.load(q_ptr + offs_n[:, None] * stride_qn + b * 8 + offs_c[None, :], mask=n_mask[:, None], other=0)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, kb)
+    w_ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_c[None, :]  # [BLOCK_N, 8] words of block 0
+    row_blocks = tl.minimum(offs_n, N - 1)[:, None] * kb  # [BLOCK_N, 1] first absmax block of each row (clamped)
+    # each step's words and scales are loaded one step ahead (registers), so their latency (the scale's two
+    # dependent loads included) overlaps the previous step's decode
+    words = tl.load(w_ptrs + lo * 8, mask=n_mask[:, None] & (lo < hi), other=0)
+    gb = row_blocks + tl.minimum(lo, kb - 1)
+    scale = _block_scale(aq_ptr + gb, nc_ptr, na_ptr + gb // 256, offset)
+    for b in range(lo, hi):
+        words_next = tl.load(w_ptrs + (b + 1) * 8, mask=n_mask[:, None] & (b + 1 < hi), other=0)
+        gb = row_blocks + tl.minimum(b + 1, kb - 1)
+        scale_next = _block_scale(aq_ptr + gb, nc_ptr, na_ptr + gb // 256, offset)
         w = _levels(words, t0, t1, t2, t3, t4, t5, t6, t7)  # [BLOCK_N, 8, 8]
-        gb = tl.minimum(offs_n, N - 1)[:, None] * kb + b  # [BLOCK_N, 1] absmax block of each row (clamped)
-        scale = _block_scale(aq_ptr + gb, nc_ptr, na_ptr + gb // 256, offset)
         k0 = b * 64
         acc0 += _row_word_sums(w, x_ptr, row0, M, stride_xm, k0, K, 8) * scale
         if ROWS >= 2:
@@ -105,6 +114,8 @@ def _nf4_prmt_gemv_kernel(
         if ROWS >= 4:
             acc2 += _row_word_sums(w, x_ptr, row0 + 2, M, stride_xm, k0, K, 8) * scale
             acc3 += _row_word_sums(w, x_ptr, row0 + 3, M, stride_xm, k0, K, 8) * scale
+        words = words_next
+        scale = scale_next
     _finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
                 stride_om, USE_WS, HAS_RES, False)  # fmt: skip
     if ROWS >= 2:
