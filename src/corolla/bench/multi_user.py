@@ -33,7 +33,7 @@ from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from corolla.bench.cpu_share import CpuProbe
-    from corolla.server.executor import SpanExecutor
+    from corolla.server.executor import DeviceExecutor
     from corolla.server.runtime import Runtime
     from corolla.server.span_service import SpanService
 
@@ -118,7 +118,7 @@ def build_executor(
     cache_bytes: int,
     seed: int = 0,
     model: torch.nn.Module | None = None,
-) -> SpanExecutor:
+) -> DeviceExecutor:
     """The span executor of a random-weight span of `num_layers` corolla llama blocks, as the server builds it
     (`serving_path.make_executor`): plain (blocks + `MemoryCache`, one runtime task per session step) or fast
     (`SpanEngine`, the steps of all sessions merged into one forward; on the CPU with its reference ops).
@@ -159,7 +159,7 @@ class BenchServer:
     """One span server on its own asyncio loop thread in this process, listening on loopback only."""
 
     def __init__(
-        self, executor: SpanExecutor, *, hidden_size: int, num_layers: int, dtype, device, num_handlers: int = 1
+        self, executor: DeviceExecutor, *, hidden_size: int, num_layers: int, dtype, device, num_handlers: int = 1
     ):
         from corolla.server.block_functions import ServingLimits
 

@@ -16,7 +16,7 @@ import torch
 
 from corolla.bench.model import ModelShape
 from corolla.bench.multi_user import BenchServer, UsersConfig, UsersResult, build_executor, run_users
-from corolla.server.executor import SpanExecutor
+from corolla.server.executor import DeviceExecutor
 from corolla.server.gather import GatherRule, GatherSettings
 
 
@@ -49,7 +49,7 @@ def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _engine_row(executor: SpanExecutor, sessions: int, prefix_tokens: int, steps: int) -> dict | None:
+def _engine_row(executor: DeviceExecutor, sessions: int, prefix_tokens: int, steps: int) -> dict | None:
     """The fast path's engine driven in this process by its `ContinuousBatcher` (no RPC): its own, labelled row."""
     from corolla.bench import engine_bench
     from corolla.server.fast_executor import FastExecutor
@@ -92,7 +92,7 @@ def _measure(
                 print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
 
 
-def _server_step_ms(executor: SpanExecutor, prefix_tokens: int) -> float:
+def _server_step_ms(executor: DeviceExecutor, prefix_tokens: int) -> float:
     """A lone session's step on the engine itself (no RPC): the floor a client step is compared with."""
     from corolla.bench import engine_bench
     from corolla.server.fast_executor import FastExecutor

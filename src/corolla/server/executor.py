@@ -84,17 +84,13 @@ class HandoffUnsupported(ValueError):
 
 
 class SpanExecutor(Protocol):
-    """What the handler needs from the device side of one span. Coroutines run in the server's event loop and
-    submit their device work to `runtime`; a failing step fails its caller only."""
+    """What the handler needs from the device side of one span. Coroutines run in the server's event loop; a
+    failing step fails its caller only. Where the work runs is the implementation's business: on this process's
+    runtime (`DeviceExecutor`) or in the device process (`proxy_executor.ProxyExecutor`, a handler process's)."""
 
     @property
     def path(self) -> str:
         """`PATH_PLAIN` or `PATH_FAST` (metrics, `rpc_info`, logs)."""
-        ...
-
-    @property
-    def runtime(self) -> Runtime:
-        """The one device thread all work of this span runs on."""
         ...
 
     # ---- cache accounting (event loop)
@@ -154,4 +150,14 @@ class SpanExecutor(Protocol):
 
     async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
         """Writes validated canonical K/V tensors into positions [0, position) of the session's cache."""
+        ...
+
+
+class DeviceExecutor(SpanExecutor, Protocol):
+    """A `SpanExecutor` whose work runs on a runtime in this process (the plain and the fast executor): the serving
+    part starts and stops that runtime, and a lone session's inline step keeps the serving loop polling."""
+
+    @property
+    def runtime(self) -> Runtime:
+        """The one device thread all work of this span runs on."""
         ...

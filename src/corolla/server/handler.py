@@ -43,6 +43,7 @@ from corolla.server.peer_auth import (
     remote_peer,
 )
 from corolla.server.refusals import BadRequest, Refusals, RequestTimeout
+from corolla.server.runtime import Runtime
 from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
 from corolla.server.stream_guard import StreamBudget, register_handlers
 from corolla.server.stream_requests import gather_stream, stream_response
@@ -79,6 +80,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         metrics: ServerMetrics | None = None,
         busy_poll: BusyPollSelector | None = None,
         busy_poll_s: float = 0.005,
+        runtime: Runtime | None = None,
         peer_limits: PeerLimits | None = None,
         peer_auth: PeerAuth | None = None,
     ):
@@ -88,6 +90,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         self.configure_limits(peer_limits if peer_limits is not None else PeerLimits())
         self.busy_poll = busy_poll  # the serving loop's selector: hot after a lone session's inline step
         self.busy_poll_s = busy_poll_s
+        self.runtime = runtime  # the executor's runtime in this process (None in a handler process): busy_poll only
         self.timeouts = timeouts
         self.compression = compression
         self.dht_client_mode = dht_client_mode
@@ -438,7 +441,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestTimeout(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
-            runtime = self.executor.runtime if self.busy_poll is not None else None  # handler processes: None
+            runtime = self.runtime if self.busy_poll is not None else None
             inline_before = runtime.num_inline_batches if runtime is not None else 0
             try:
                 output = await _await_within(self.executor.step(session.cache, inputs), remaining)

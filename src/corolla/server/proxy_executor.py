@@ -34,7 +34,6 @@ from corolla.server.executor import (
 from corolla.server.limits import PeerLimits
 from corolla.server.memory_cache import TensorDescriptorLike
 from corolla.server.peer_auth import SessionPushGuard
-from corolla.server.runtime import Runtime
 from corolla.server.sessions import SessionRegistry
 from corolla.utils.logging import get_logger
 
@@ -221,10 +220,6 @@ class ProxyExecutor:
     @property
     def path(self) -> str:
         return self.link.info.path
-
-    @property
-    def runtime(self) -> Runtime:
-        raise RuntimeError("a handler process has no runtime: its executor's work runs in the device process")
 
     @property
     def max_size_bytes(self) -> int:

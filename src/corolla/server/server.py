@@ -24,7 +24,7 @@ from corolla.server.block_functions import ServingLimits
 from corolla.server.block_loading import load_span_blocks
 from corolla.server.config import ServerConfig, ignored_flags
 from corolla.server.drain import drain_sessions
-from corolla.server.executor import SpanExecutor
+from corolla.server.executor import DeviceExecutor
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.peer_auth import make_peer_auth
 from corolla.server.reachability_gate import validate_reachability
@@ -367,7 +367,7 @@ class Server:
         self.announcer = announcer
         announcer.start(ServerState.JOINING)
         service: SpanService | None = None
-        executor: SpanExecutor | None = None
+        executor: DeviceExecutor | None = None
         try:
             logger.info(f"server.loading(blocks={block_indices.start}:{block_indices.stop})")
             blocks = await asyncio.to_thread(self._load_blocks, block_indices)
@@ -434,7 +434,7 @@ class Server:
                 torch.cuda.empty_cache()
             logger.info(f"server.span_released(blocks={block_indices.start}:{block_indices.stop})")
 
-    def _make_executor(self, backend: SpanBackend, cache_bytes: int) -> SpanExecutor:
+    def _make_executor(self, backend: SpanBackend, cache_bytes: int) -> DeviceExecutor:
         """The executor of this span: the fast path where the engine supports it (`serving_path`), else plain."""
         from corolla.server.serving_path import executor_for_span
 

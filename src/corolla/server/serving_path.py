@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.server.backend import SpanBackend
 from corolla.server.config import ServerConfig
-from corolla.server.executor import PATH_FAST, PATH_PLAIN, SpanExecutor
+from corolla.server.executor import PATH_FAST, PATH_PLAIN, DeviceExecutor
 from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import ServerMetrics
 from corolla.server.plain_executor import PlainExecutor
@@ -66,7 +66,7 @@ def make_executor(
     runtime: Runtime,
     settings: ExecutorSettings,
     metrics: ServerMetrics | None = None,
-) -> SpanExecutor:
+) -> DeviceExecutor:
     """Builds the chosen executor. An auto-chosen fast path that fails to build (the engine refuses the blocks,
     device memory) serves plain, with the failure logged and named as the reason."""
     path, reason = choice.path, choice.reason
@@ -109,7 +109,7 @@ def executor_for_span(
     backend: SpanBackend,
     cache_bytes: int,
     metrics: ServerMetrics | None,
-) -> SpanExecutor:
+) -> DeviceExecutor:
     """A server's executor for its loaded span, on a new runtime: `--serving_path` (and `--no_fast_path`, which
     means plain) against what the engine supports."""
     tp_devices = len(config.tensor_parallel_devices or ())

@@ -10,7 +10,7 @@ from typing import Any
 
 from corolla.server.block_functions import ServingLimits
 from corolla.server.device_channel import DeviceSessionRegistry
-from corolla.server.executor import SpanExecutor
+from corolla.server.executor import DeviceExecutor
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.handler_pool import HandlerPool
 from corolla.server.handler_process import HandlerSettings
@@ -29,7 +29,7 @@ class SpanService:
     def __init__(
         self,
         *,
-        executor: SpanExecutor,
+        executor: DeviceExecutor,
         limits: ServingLimits,
         timeouts: SessionTimeouts,
         compression: int = 0,
@@ -59,6 +59,7 @@ class SpanService:
             metrics=metrics,
             busy_poll=busy_poll,
             busy_poll_s=busy_poll_s,
+            runtime=executor.runtime,
         )
         self.p2p: Any = None
         self.local_socket = local_socket
