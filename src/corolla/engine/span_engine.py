@@ -160,12 +160,23 @@ class SpanEngine:
         the blocks' model type; ValueError if unsupported. LoRA adapters on llama-family blocks are stacked
         (`fast_lora`, `adapter_mode` "auto", "stacked" or "gather"); other span types refuse them."""
         hf_config: PretrainedConfig = blocks[0].config  # every corolla block keeps its model's config
-        max_positions = min(config.max_seq_len_tokens, int(hf_config.max_position_embeddings))
+        trained = getattr(hf_config, "max_position_embeddings", None)  # BLOOM (ALiBi) has no such limit
+        max_positions = min(config.max_seq_len_tokens, int(trained or config.max_seq_len_tokens))
         model: SpanModel
         if getattr(hf_config, "model_type", None) == "deepseek_v3":
             from corolla.engine.fast_mla import FastMlaSpan
 
             model = FastMlaSpan.from_blocks(blocks, max_positions=max_positions, use_triton=config.use_triton)
+            return cls(model, config)
+        if getattr(hf_config, "model_type", None) in ("falcon", "bloom"):
+            from corolla.engine.fast_dense import FastDenseSpan
+
+            model = FastDenseSpan.from_blocks(
+                blocks,
+                max_positions=max_positions,
+                use_triton=config.use_triton,
+                attention_splits_max=config.attention_splits_max,
+            )
             return cls(model, config)
         model = FastLlamaSpan.from_blocks(
             blocks,
