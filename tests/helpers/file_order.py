@@ -10,7 +10,8 @@ Expected durations come from `tests/file_durations.json` (committed; seconds per
 teardown of its tests), overlaid by the file named in `COROLLA_TEST_DURATIONS_OUT` when it exists (the Makefile
 points it at `build/test-durations.json`, which each `make test` rewrites from what it measured). A file in neither
 gets a default by kind (a swarm test or a unit test). The order changes only which worker runs a file and when,
-never the order of the tests inside a file (module fixtures stay shared)."""
+never the order of the tests inside a file (module fixtures stay shared). To refresh the committed table, copy
+`build/test-durations.json` over it after a full `make test` on the reference VM."""
 
 from __future__ import annotations
 
