@@ -270,7 +270,7 @@ def test_serving_path_choice_names_the_reason() -> None:
     assert choose_serving_path("auto", _traits()).path == "fast"
     for changes, words in [
         (dict(device_type="cpu", dtype=torch.float32), "device cpu"),
-        (dict(family="bloom"), "family bloom"),
+        (dict(family="gemma2"), "family gemma2"),  # no fast span (Falcon/BLOOM have fast_dense)
         (dict(num_adapters=2, family="deepseek_v3"), "adapters"),  # llama-family spans serve adapters (fast_lora)
         (dict(tensor_parallel_devices=2), "tensor parallel"),
         (dict(dtype=torch.float32), "dtype float32"),
@@ -280,8 +280,8 @@ def test_serving_path_choice_names_the_reason() -> None:
     assert choose_serving_path("plain", _traits()).path == "plain"
     # --serving_path fast: the CPU is allowed, an unsupported span is a configuration error (no silent fallback)
     assert choose_serving_path("fast", _traits(device_type="cpu", dtype=torch.float32)).path == "fast"
-    with pytest.raises(ConfigurationError, match="bloom"):
-        choose_serving_path("fast", _traits(family="bloom"))
+    with pytest.raises(ConfigurationError, match="gemma2"):
+        choose_serving_path("fast", _traits(family="gemma2"))
     assert choose_serving_path("auto", _traits(quant_type="nf4")).path == "fast"  # NF4/INT8 kernels in the engine
 
 
