@@ -199,7 +199,7 @@ def experts_forward(
     experts: Experts,
     *,
     use_triton: bool = True,
-    config: tuple[int, int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     graph_safe: bool = False,
 ) -> torch.Tensor:
     """x [N, H], expert_ids [N, k] int, expert_weights [N, k] fp32 -> [N, H] in x's dtype (module docstring).
@@ -214,12 +214,13 @@ def experts_forward(
     return experts_forward_ref(x, expert_ids, expert_weights, experts)
 
 
-def expert_configs(experts: Experts) -> tuple[tuple[int, int, int, int], ...]:
-    """The kernel configs (BLOCK_N, BLOCK_K, warps, stages) for this kind of experts; () without CUDA + Triton."""
+def expert_configs(experts: Experts) -> tuple[tuple[int, ...], ...]:
+    """The kernel configs (BLOCK_N, BLOCK_K, warps, stages[, NF4 decode]) for this kind of experts; () without CUDA +
+    Triton."""
     if not kernel_usable(experts.device):
         return ()
     if isinstance(experts, QuantizedExpertWeights):
-        return moe_quant_kernels.QUANT_EXPERT_CONFIGS
+        return moe_quant_kernels.configs_for(experts.kind)
     return moe_kernels.EXPERT_CONFIGS
 
 
@@ -306,7 +307,7 @@ class RoutedMoE:
         x: torch.Tensor,
         *,
         use_triton: bool = True,
-        config: tuple[int, int, int, int] | None = None,
+        config: tuple[int, ...] | None = None,
         graph_safe: bool = False,
     ) -> torch.Tensor:
         """x [N, H] (already normed) -> [N, H]."""
@@ -330,7 +331,7 @@ def tune_experts(layers: Sequence[RoutedMoE], *, rows: Sequence[int] = (1, 8), r
 
     first = layers[0]
     per_call = 1000 / len(layers)
-    timings: dict[int, dict[tuple[int, int, int, int], float]] = {}
+    timings: dict[int, dict[tuple[int, ...], float]] = {}
     for n in rows:
         x = torch.randn(n, first.experts.hidden_size, device=first.experts.device, dtype=first.experts.dtype)
         timings[n] = {}

@@ -285,13 +285,18 @@ def measure_steps(engine: SpanEngine, layers: list[LayerWeights], args, hf_ms: d
             "floor_bytes": floor_bytes,
             "expert_bytes": expert_bytes,
             "distinct_experts_per_layer": counts,
-            "transformers_bf16_ms": hf_ms[batch],
-            "speedup_vs_transformers": hf_ms[batch] / measured["step_ms"],
         }
+        if batch in hf_ms:
+            row["transformers_bf16_ms"] = hf_ms[batch]
+            row["speedup_vs_transformers"] = hf_ms[batch] / measured["step_ms"]
         rows[f"batch_{batch}"] = row
+        hf = (
+            f", transformers bf16 {hf_ms[batch]:.2f} ms ({row['speedup_vs_transformers']:.1f}x)"
+            if batch in hf_ms
+            else ""
+        )
         log(lines, f"{kind} batch {batch}: engine {row['step_ms']:.3f} ms/step, floor {floor_ms:.3f} ms "
-                   f"({row['x_floor']:.2f}x; {experts_per_step / args.layers:.2f} experts/layer), transformers bf16 "
-                   f"{hf_ms[batch]:.2f} ms (the engine {row['speedup_vs_transformers']:.1f}x faster)")  # fmt: skip
+                   f"({row['x_floor']:.2f}x; {experts_per_step / args.layers:.2f} experts/layer){hf}")  # fmt: skip
     return rows
 
 
@@ -307,6 +312,7 @@ def main() -> None:
     parser.add_argument("--numerics", action="store_true", help="engine vs transformers vs fp32 (moe_numerics)")
     parser.add_argument("--fp32_engine", action="store_true", help="with --numerics: the engine in fp32 too")
     parser.add_argument("--no_timing", action="store_true", help="numerics only (the CPU run)")
+    parser.add_argument("--skip_transformers", action="store_true", help="no transformers step timings")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
     parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
     args = parser.parse_args()
@@ -331,8 +337,8 @@ def main() -> None:
     dense = engine_layers(model)
     spec = LlamaSpec.from_hf_config(model.config)
     inv_freq = model.rotary_emb.inv_freq.float()
-    hf_ms = {}
-    if not args.no_timing:
+    hf_ms: dict[int, float] = {}
+    if not args.no_timing and not args.skip_transformers:
         for batch in sorted({1, args.sessions}):
             hf_ms[batch] = hf_step_ms(model, batch, args.prefix_tokens, args.steps, gen)
             log(lines, f"transformers {str(dtype).removeprefix('torch.')}, batch {batch}: {hf_ms[batch]:.2f} ms/step")

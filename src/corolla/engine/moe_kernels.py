@@ -134,7 +134,7 @@ def grouped_experts(
     expert_ids: torch.Tensor,
     expert_weights: torch.Tensor,
     experts: ExpertWeights,
-    config: tuple[int, int, int, int],
+    config: tuple[int, ...],
 ) -> torch.Tensor:
     """`moe.experts_forward` on CUDA (inputs already checked there): x [N, H], expert_ids [N, k], expert_weights
     [N, k] fp32 -> [N, H] in x's dtype."""

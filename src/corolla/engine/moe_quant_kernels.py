@@ -27,17 +27,30 @@ if TYPE_CHECKING:
     from corolla.engine.moe_quant import QuantizedExpertWeights
 
 BLOCK_M = 16  # assignment rows per tile (tl.dot's minimum)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_K a multiple of 64 (NF4 absmax blocks). The first is the default,
-# `moe.tune_experts` times them all at warm-up.
-QUANT_EXPERT_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
-    (32, 128, 4, 3),
-    (64, 128, 4, 3),
-    (32, 256, 4, 3),
-    (16, 256, 4, 3),
-    (64, 64, 4, 4),
-    (128, 128, 8, 3),
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, pair); BLOCK_K a multiple of 64 (NF4 absmax blocks). pair = 0: the weight
+# tile is dequantized (NF4: level * absmax rounded once, the reference's values) and multiplied in one tl.dot;
+# pair = 1 (NF4 only): per 64-value block one gather per byte from the 256-entry pair table (both levels in the
+# compute dtype, `NF4Weight.pair_levels`), two depth-32 dots against x's even and odd columns, the block's absmax
+# applied to the fp32 result (as `quant_kernels`' NF4 kernel; no dequantized tile, no layout change). On an H100
+# (benchmarks/results/moe-mixtral-8x7b-nvidia-h100-80gb-hbm3-20261126-2021.json) pair-0 NF4 took 1.9-6.7 ms per
+# Mixtral layer at one token (floor 60 us); the pair-1 entries were added after that run (checked under Triton's
+# interpreter, not yet timed). `moe.tune_experts` times every entry valid for the kind at warm-up.
+QUANT_EXPERT_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (32, 128, 4, 3, 0),
+    (64, 128, 4, 3, 0),
+    (32, 256, 4, 3, 0),
+    (16, 256, 4, 3, 0),
+    (64, 64, 4, 4, 0),
+    (128, 128, 8, 3, 0),
+    (32, 128, 4, 3, 1),
+    (64, 128, 4, 3, 1),
+    (128, 64, 8, 3, 1),
 )
-DEFAULT_QUANT_CONFIG = QUANT_EXPERT_CONFIGS[0]
+
+
+def configs_for(kind: str) -> tuple[tuple[int, int, int, int, int], ...]:
+    """The configs valid for "nf4" or "int8" experts (Int8 has no pair decode)."""
+    return tuple(c for c in QUANT_EXPERT_CONFIGS if kind == "nf4" or not c[4])
 
 
 @triton.jit
@@ -86,6 +99,38 @@ def _column_scales(addr_ptr, E, e, cols, mask):
 
 
 @triton.jit
+def _nf4_pair_dot(acc, x_ptr, x_rows, mask_m, addr_ptr, E, e, pair_ptr, offset, rows, mask_rows, k0,
+                  K: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    # acc [BM, BN] += x[x_rows, k0 : k0 + BLOCK_K] @ W_e[rows, k0 : k0 + BLOCK_K]^T, NF4 decoded per 64-value block:
+    # byte j of a block holds elements 2j (high nibble) and 2j + 1 (low nibble) -> x's even and odd columns
+    q_ptr = tl.multiple_of(tl.load(addr_ptr + e).to(tl.pointer_type(tl.uint8)), 16)
+    s_ptr = tl.load(addr_ptr + E + e).to(tl.pointer_type(tl.uint8))
+    na_ptr = tl.load(addr_ptr + 2 * E + e).to(tl.pointer_type(tl.float32))
+    nc_ptr = tl.load(addr_ptr + 3 * E + e).to(tl.pointer_type(tl.float32))
+    dt = x_ptr.dtype.element_ty
+    offs_t = tl.arange(0, 32)
+    for b in tl.static_range(BLOCK_K // 64):
+        blk = k0 // 64 + b
+        valid = blk < K // 64
+        bmask = mask_rows & valid  # [BN]
+        byte = tl.load(
+            q_ptr + rows[None, :].to(tl.int64) * (K // 2) + blk * 32 + offs_t[:, None], mask=bmask[None, :], other=0
+        )  # [32, BN] uint8
+        pair = tl.load(pair_ptr + byte.to(tl.int32))  # [32, BN] int32: (level(hi) bits << 16) | level(lo) bits
+        c_hi = (pair >> 16).to(tl.int16).to(dt, bitcast=True)
+        c_lo = (pair & 0xFFFF).to(tl.int16).to(dt, bitcast=True)
+        gb = rows.to(tl.int64) * (K // 64) + blk  # [BN] absmax block of each output row
+        aq = tl.load(s_ptr + gb, mask=bmask, other=0).to(tl.int32)
+        absmax = tl.load(nc_ptr + aq) * tl.load(na_ptr + gb // 256, mask=bmask, other=0.0) + offset  # [BN] fp32
+        cols = blk * 64 + 2 * offs_t  # [32] even columns
+        xm = mask_m[:, None] & valid
+        x_even = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=xm, other=0.0)  # [BM, 32]
+        x_odd = tl.load(x_ptr + x_rows[:, None] + cols[None, :] + 1, mask=xm, other=0.0)
+        acc += tl.dot(x_odd, c_lo, tl.dot(x_even, c_hi)) * absmax[None, :]
+    return acc
+
+
+@triton.jit
 def _quant_gate_up_kernel(
     x_ptr,  # [N, H] rows of the tokens
     order_ptr,  # [A] int64: assignment index (token * TOP_K + choice) in expert-sorted order
@@ -93,6 +138,7 @@ def _quant_gate_up_kernel(
     tables_ptr,  # [4, E] int64 address tables of gate_up (ProjectionTables)
     offsets_ptr,  # [E] fp32 NF4 absmax offsets
     levels_ptr,  # [16] fp32 NF4 levels
+    pair_ptr,  # [256] int32 NF4 pair table (NF4Weight.pair_levels)
     act_ptr,  # [A, I] out, rows in sorted order
     E,
     H: tl.constexpr,
@@ -100,6 +146,7 @@ def _quant_gate_up_kernel(
     stride_x,
     TOP_K: tl.constexpr,
     NF4: tl.constexpr,
+    PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -120,16 +167,23 @@ def _quant_gate_up_kernel(
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(
-                x_ptr + token[:, None] * stride_x + rk[None, :], mask=mask_m[:, None] & (rk < H)[None, :], other=0.0
-            )  # [BM, BK]
-            wg = _weight_tile(tables_ptr, E, e, levels_ptr, offset, rn, mask_n, k0, H, BLOCK_N, BLOCK_K, NF4, x_ptr)
-            wu = _weight_tile(
-                tables_ptr, E, e, levels_ptr, offset, rn + INTER, mask_n, k0, H, BLOCK_N, BLOCK_K, NF4, x_ptr
-            )
-            acc_g = tl.dot(xt, wg, acc_g)
-            acc_u = tl.dot(xt, wu, acc_u)
+            if PAIR:
+                x_rows = token.to(tl.int64) * stride_x
+                acc_g = _nf4_pair_dot(acc_g, x_ptr, x_rows, mask_m, tables_ptr, E, e, pair_ptr, offset, rn, mask_n, k0,
+                                      H, BLOCK_K)  # fmt: skip
+                acc_u = _nf4_pair_dot(acc_u, x_ptr, x_rows, mask_m, tables_ptr, E, e, pair_ptr, offset, rn + INTER,
+                                      mask_n, k0, H, BLOCK_K)  # fmt: skip
+            else:
+                rk = k0 + tl.arange(0, BLOCK_K)
+                xt = tl.load(
+                    x_ptr + token[:, None] * stride_x + rk[None, :], mask=mask_m[:, None] & (rk < H)[None, :], other=0.0
+                )  # [BM, BK]
+                wg = _weight_tile(tables_ptr, E, e, levels_ptr, offset, rn, mask_n, k0, H, BLOCK_N, BLOCK_K, NF4, x_ptr)
+                wu = _weight_tile(
+                    tables_ptr, E, e, levels_ptr, offset, rn + INTER, mask_n, k0, H, BLOCK_N, BLOCK_K, NF4, x_ptr
+                )
+                acc_g = tl.dot(xt, wg, acc_g)
+                acc_u = tl.dot(xt, wu, acc_u)
         if not NF4:  # Int8: each output column times its row absmax / 127
             acc_g = acc_g * _column_scales(tables_ptr, E, e, rn, mask_n)[None, :]
             acc_u = acc_u * _column_scales(tables_ptr, E, e, rn + INTER, mask_n)[None, :]
@@ -149,12 +203,14 @@ def _quant_down_kernel(
     tables_ptr,  # [4, E] int64 address tables of down
     offsets_ptr,  # [E] fp32
     levels_ptr,  # [16] fp32
+    pair_ptr,  # [256] int32
     weights_ptr,  # [A] fp32 routing weight of each assignment (unsorted)
     out_ptr,  # [A, H] fp32 out, rows by assignment index (unsorted)
     E,
     H: tl.constexpr,
     INTER: tl.constexpr,
     NF4: tl.constexpr,
+    PAIR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -174,16 +230,20 @@ def _quant_down_kernel(
         assignment = tl.load(order_ptr + rm, mask=mask_m, other=0)  # [BM]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            at = tl.load(
-                act_ptr + rm[:, None].to(tl.int64) * INTER + rk[None, :],
-                mask=mask_m[:, None] & (rk < INTER)[None, :],
-                other=0.0,
-            )  # [BM, BK]
-            wd = _weight_tile(
-                tables_ptr, E, e, levels_ptr, offset, rn, mask_n, k0, INTER, BLOCK_N, BLOCK_K, NF4, act_ptr
-            )
-            acc = tl.dot(at, wd, acc)
+            if PAIR:
+                acc = _nf4_pair_dot(acc, act_ptr, rm.to(tl.int64) * INTER, mask_m, tables_ptr, E, e, pair_ptr, offset,
+                                    rn, mask_n, k0, INTER, BLOCK_K)  # fmt: skip
+            else:
+                rk = k0 + tl.arange(0, BLOCK_K)
+                at = tl.load(
+                    act_ptr + rm[:, None].to(tl.int64) * INTER + rk[None, :],
+                    mask=mask_m[:, None] & (rk < INTER)[None, :],
+                    other=0.0,
+                )  # [BM, BK]
+                wd = _weight_tile(
+                    tables_ptr, E, e, levels_ptr, offset, rn, mask_n, k0, INTER, BLOCK_N, BLOCK_K, NF4, act_ptr
+                )
+                acc = tl.dot(at, wd, acc)
         if not NF4:
             acc = acc * _column_scales(tables_ptr, E, e, rn, mask_n)[None, :]
         scale = tl.load(weights_ptr + assignment, mask=mask_m, other=0.0)  # [BM] fp32
@@ -197,18 +257,18 @@ def grouped_quant_experts(
     expert_ids: torch.Tensor,
     expert_weights: torch.Tensor,
     experts: QuantizedExpertWeights,
-    config: tuple[int, int, int, int],
+    config: tuple[int, ...],
 ) -> torch.Tensor:
     """`moe.experts_forward` on CUDA for quantized experts (inputs already checked there): x [N, H], expert_ids
     [N, k], expert_weights [N, k] fp32 -> [N, H] in x's dtype. ValueError for a config not in the list."""
-    if config not in QUANT_EXPERT_CONFIGS:
-        raise ValueError(f"{config} is not a quantized expert config ({QUANT_EXPERT_CONFIGS})")
+    if config not in configs_for(experts.kind):
+        raise ValueError(f"{config} is not a config for {experts.kind} experts ({configs_for(experts.kind)})")
     n, h = x.shape
     k = expert_ids.shape[1]
     inter = experts.intermediate_size
     num_experts = experts.num_experts
     nf4 = experts.kind == "nf4"
-    block_n, block_k, warps, stages = config
+    block_n, block_k, warps, stages, pair = config
     if x.stride(1) != 1:
         x = x.contiguous()
     flat = expert_ids.reshape(-1).long()  # [A = N k]
@@ -218,12 +278,12 @@ def grouped_quant_experts(
     out = torch.zeros((n * k, h), dtype=torch.float32, device=x.device)  # [A, H]
     gu, dn = experts.gate_up_tables, experts.down_tables
     _quant_gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
-        x, order, bounds, gu.addresses, gu.offsets, experts.levels, act, num_experts, h, inter, x.stride(0),
-        TOP_K=k, NF4=nf4, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        x, order, bounds, gu.addresses, gu.offsets, experts.levels, experts.pair_levels, act, num_experts, h, inter,
+        x.stride(0), TOP_K=k, NF4=nf4, PAIR=bool(pair), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _quant_down_kernel[(num_experts, triton.cdiv(h, block_n))](
-        act, order, bounds, dn.addresses, dn.offsets, experts.levels, expert_weights.reshape(-1).contiguous(), out,
-        num_experts, h, inter,
-        NF4=nf4, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        act, order, bounds, dn.addresses, dn.offsets, experts.levels, experts.pair_levels,
+        expert_weights.reshape(-1).contiguous(), out, num_experts, h, inter,
+        NF4=nf4, PAIR=bool(pair), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out.view(n, k, h).sum(dim=1).to(x.dtype)  # [N, H]
