@@ -1,0 +1,100 @@
+"""The handler <-> device channel batches steps both ways (`proxy_executor.DeviceLink`, `device_channel`): steps
+of many sessions issued in one loop iteration leave as one STEP_BATCH frame, their replies come back in fewer frames
+than steps, every session gets exactly its own output (equal to the executor's without the channel), and a step
+the device refuses inside a batch fails only its caller, with its typed refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.models.registry import get_family
+from corolla.server.admission import SessionAdmission
+from corolla.server.backend import SpanBackend
+from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.executor import SessionSpec, StepInputs
+from corolla.server.fast_executor import FastExecutor
+from corolla.server.limits import PeerLimits
+from corolla.server.proxy_executor import DeviceLink, ProxyExecutor, ProxySessionCache
+from corolla.server.refusals import BadRequest
+from corolla.server.runtime import Runtime
+from helpers.tiny_models import tiny_config
+
+H, SPAN, SESSIONS = 64, (0, 1), 6
+
+
+@pytest.fixture(scope="module")
+def backend() -> SpanBackend:
+    torch.manual_seed(0)
+    config = tiny_config("llama", len(SPAN))
+    blocks = {i: get_family(config).build_block(config, i) for i in SPAN}
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+
+
+@contextlib.asynccontextmanager
+async def _channel(backend: SpanBackend) -> AsyncIterator[tuple[FastExecutor, DeviceChannel, ProxyExecutor]]:
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
+        real = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
+        device_end, handler_end = socket.socketpair()
+        device_reader, device_writer = await asyncio.open_unix_connection(sock=device_end)
+        channel = DeviceChannel(
+            0, device_reader, device_writer, executor=real, admission=SessionAdmission(PeerLimits(), real),
+            router=PushRouter(DeviceSessionRegistry()), span=SPAN, max_frame_bytes=1 << 20,
+        )  # fmt: skip
+        serving = asyncio.create_task(channel.serve())
+        link = await DeviceLink.connect(*await asyncio.open_unix_connection(sock=handler_end))
+        try:
+            yield real, channel, ProxyExecutor(link)
+        finally:
+            await link.close()
+            await asyncio.wait_for(serving, 10)
+
+
+def _step(hidden: torch.Tensor, position: int) -> StepInputs:
+    return StepInputs(hidden, position, None, None, "", lone_session=False)
+
+
+async def test_steps_of_many_sessions_travel_in_batches_and_each_gets_its_own_output(backend) -> None:
+    torch.manual_seed(1)
+    prompts = [torch.randn(1, 3, H) for _ in range(SESSIONS)]
+    tokens = [[torch.randn(1, 1, H) for _ in range(SESSIONS)] for _ in range(4)]
+    spec = SessionSpec(SPAN, 1, 16)
+    async with _channel(backend) as (real, channel, proxy), contextlib.AsyncExitStack() as stack:
+        direct = [await stack.enter_async_context(real.open_session(spec, 0)) for _ in range(SESSIONS)]
+        remote = [await stack.enter_async_context(proxy.open_session(spec, 0)) for _ in range(SESSIONS)]
+        for i in range(SESSIONS):
+            await real.step(direct[i], _step(prompts[i], 0))
+            await proxy.step(remote[i], _step(prompts[i], 0))
+        frames_in, frames_out, requests = channel.num_frames_in, channel.num_frames_out, channel.num_requests
+        for step, row in enumerate(tokens):  # every session steps in the same loop iteration
+            want = [await real.step(direct[i], _step(row[i], 3 + step)) for i in range(SESSIONS)]
+            got = await asyncio.gather(*(proxy.step(remote[i], _step(row[i], 3 + step)) for i in range(SESSIONS)))
+            for w, g in zip(want, got, strict=True):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        steps = len(tokens) * SESSIONS
+        assert channel.num_requests - requests == steps
+        assert channel.num_frames_in - frames_in == len(tokens)  # one STEP_BATCH per round
+        assert channel.num_frames_out - frames_out < steps  # replies of one merged forward share frames
+
+
+async def test_a_refused_step_inside_a_batch_fails_only_its_caller(backend) -> None:
+    spec = SessionSpec(SPAN, 1, 16)
+    async with _channel(backend) as (_, channel, proxy), contextlib.AsyncExitStack() as stack:
+        caches = [await stack.enter_async_context(proxy.open_session(spec, 0)) for _ in range(3)]
+        assert isinstance(caches[0], ProxySessionCache)
+        ghost = ProxySessionCache(spec, proxy.link, handle=999_999)  # no such session in the device process
+        frames_in = channel.num_frames_in
+        results = await asyncio.gather(
+            *(proxy.step(c, _step(torch.randn(1, 2, H), 0)) for c in (*caches, ghost)), return_exceptions=True
+        )
+        assert channel.num_frames_in - frames_in == 1  # all four in one frame
+        assert all(isinstance(r, torch.Tensor) and r.shape == (1, 2, H) for r in results[:3])
+        assert isinstance(results[3], BadRequest)  # the device's FrameError crosses as the handler's BadRequest
+        assert "handle 999999" in str(results[3])
