@@ -1,7 +1,8 @@
 """LoRA adapters on the fast-path engine (CPU, fp32): sessions on three adapters of different ranks (one on some
 modules and layers only) and a base-model session, merged in one decode step, equal the plain blocks under
-`using_adapter` (prefill, cached steps, rollback) in both stacked and gathered forms; the blocks' adapter tensors
-are views of the engine's stacks; a session's adapter is fixed; unknown adapters and adapters on modules the engine
+`using_adapter` (prefill, cached steps, rollback) in the fused, stacked and gathered forms; the blocks' adapter
+tensors are views of the engine's stacks, which hold exactly the blocks' adapter bytes (fused form), what the
+server's sizing counts; a session's adapter is fixed; unknown adapters and adapters on modules the engine
 does not cover are refused; adapters on an NF4 span (bitsandbytes layers quantized on the CPU) equal the quantized
 blocks; the serving rule names the families without adapter support."""
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.fast_lora import FusedProjection, ProjectionAdapters
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import StepRequest
 from corolla.models.lora import LoraWeights, add_adapter, using_adapter
@@ -40,7 +42,7 @@ def reference(blocks, adapter: str, steps: list[tuple[torch.Tensor, int]]) -> li
         return cached_block_steps(blocks, MAX_LEN, steps)
 
 
-@pytest.mark.parametrize("mode", ["stacked", "gather"])
+@pytest.mark.parametrize("mode", ["fused", "stacked", "gather"])
 def test_merged_steps_of_sessions_on_different_adapters_equal_the_blocks(mode: str) -> None:
     blocks = make_blocks()
     engine = make_engine(blocks, mode)
@@ -74,17 +76,34 @@ def test_merged_steps_of_sessions_on_different_adapters_equal_the_blocks(mode: s
         s.close()
 
 
-def test_adapters_change_the_output_and_share_the_blocks_memory() -> None:
+def test_padded_stacks_share_the_blocks_memory() -> None:
     blocks = make_blocks()
-    engine = make_engine(blocks)
+    engine = make_engine(blocks, "stacked")
     assert engine.adapters is not None
     qkv = blocks[0].attn.qkv
     stack = engine.adapters.layers[0]["qkv"]
+    assert isinstance(stack, ProjectionAdapters)
     key = qkv.slots["mid"]
     assert qkv.lora_a[key].data_ptr() == stack.a[2].data_ptr()  # the plain path reads the engine's stack
     assert qkv.lora_b[key].data_ptr() == stack.bt[2].data_ptr()
-    assert "gate_up" not in engine.adapters.layers[1] or engine.adapters.layers[1]["gate_up"].targets[3] is False
     assert stack.rank == 8 * 3  # q, k, v of the rank-8 adapter, stacked in one A
+
+
+def test_adapters_change_the_output_and_share_the_blocks_memory() -> None:
+    blocks = make_blocks()
+    before = sum(p.numel() * p.element_size() for b in blocks for n, p in b.named_parameters() if ".lora_" in n)
+    engine = make_engine(blocks)
+    assert engine.adapters is not None and engine.adapters.mode == "fused"
+    qkv = blocks[0].attn.qkv
+    stack = engine.adapters.layers[0]["qkv"]
+    assert isinstance(stack, FusedProjection)
+    assert stack.ranks == (0, 24, 12, 4)  # big: q, k, v at rank 8; mid: at 4; some: q and v at 2; no padding
+    for name, k in (("big", 1), ("mid", 2), ("some", 3)):
+        key = qkv.slots[name]
+        assert qkv.lora_a[key].data_ptr() == stack.a[stack.offsets[k]].data_ptr()  # the plain path reads the stack
+        assert qkv.lora_b[key].data_ptr() == stack.bt[stack.offsets[k]].data_ptr()
+    assert engine.adapters.layers[1]["down"].ranks == (0, 8, 4, 0)  # "some" changes layers 0 and 2 only
+    assert engine.adapters.nbytes() == before  # the stacks are the blocks' adapter tensors, nothing added
     h = int(blocks[0].config.hidden_size)
     x = torch.randn(1, 4, h)
     outs = []
@@ -165,3 +184,47 @@ def test_adapters_on_an_nf4_span_equal_the_quantized_blocks() -> None:
         with engine.open_session(1, MAX_LEN, adapter=name) as session:
             for (x, position), ref in zip(steps, expected, strict=True):
                 torch.testing.assert_close(engine.step(session, x, position), ref, atol=2e-3, rtol=0)
+
+
+def test_server_sizing_counts_the_bytes_the_engine_stores(tmp_path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    from corolla.models.lora import load_adapter
+    from corolla.server import sizing
+    from helpers.lora_blocks import module_shapes
+
+    num_layers = 2
+    config = tiny_config("llama", num_layers)
+    shapes = module_shapes(config)
+    plan = {"r8": (8, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj"]), "r2": (2, None)}
+    plan["r2"] = (2, ["self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"])
+    torch.manual_seed(5)
+    for name, (rank, modules) in plan.items():
+        tensors = {}
+        for layer in range(num_layers):
+            for m in modules:
+                prefix = f"base_model.model.model.layers.{layer}.{m}"
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, shapes[m][1])
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(shapes[m][0], rank)
+        (tmp_path / name).mkdir()
+        save_file(tensors, str(tmp_path / name / "adapter_model.safetensors"))
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 2 * rank}))
+
+    def loaded() -> list[torch.nn.Module]:
+        blocks = make_blocks(num_layers=num_layers, adapters={})
+        for index, block in enumerate(blocks):
+            for name in plan:
+                add_adapter(block, name, load_adapter(tmp_path / name, index))
+        return blocks
+
+    paths = [str(tmp_path / name) for name in plan]
+    estimate = num_layers * sizing.adapter_bytes_per_block(paths, dtype=torch.float32, model_config=config)
+    engine = make_engine(loaded())
+    assert engine.adapters is not None
+    assert engine.adapters.layers[0]["qkv"].ranks == (0, 4, 24)  # names sorted: r2 (q, v), r8 (q, k, v)
+    stored = sum(t.nbytes for layer in engine.adapters.layers for p in layer.values() for t in (p.a, p.bt))
+    assert estimate == stored == engine.adapters.nbytes()
+    padded = make_engine(loaded(), "stacked").adapters  # the first form pads r2 to 24 and keeps a zero adapter
+    assert padded is not None and padded.nbytes() > stored

@@ -141,23 +141,29 @@ def test_tensor_parallel_memory_uses_the_smallest_device() -> None:
     assert math.isclose(sizing.combined_memory_bytes([100]), 100)
 
 
-def test_adapter_bytes_count_the_lora_tensors_of_one_block(tmp_path) -> None:
+def test_adapter_bytes_count_the_lora_tensors_a_block_stores(tmp_path) -> None:
     import json
 
     from safetensors.torch import save_file
 
-    rank, hidden = 4, 64
+    from helpers.tiny_models import tiny_config
+
+    config = tiny_config("llama", 2)  # hidden 64, q 64 + k 32 + v 32 rows fused in qkv, intermediate 128
+    rank, hidden, inter, qkv_rows = 4, 64, 128, 128
     tensors = {}
     for layer in (0, 1):
         prefix = f"base_model.model.model.layers.{layer}"
         tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"] = torch.zeros(rank, hidden)
         tensors[f"{prefix}.self_attn.q_proj.lora_B.weight"] = torch.zeros(hidden, rank)
-        tensors[f"{prefix}.mlp.down_proj.lora_A.weight"] = torch.zeros(rank, 160)
+        tensors[f"{prefix}.mlp.down_proj.lora_A.weight"] = torch.zeros(rank, inter)
         tensors[f"{prefix}.mlp.down_proj.lora_B.weight"] = torch.zeros(hidden, rank)
     save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 8}))
 
-    per_block_params = rank * hidden * 2 + rank * 160 + hidden * rank
-    assert sizing.adapter_bytes_per_block([str(tmp_path)], dtype=torch.bfloat16) == 2 * per_block_params
-    assert sizing.adapter_bytes_per_block([str(tmp_path)] * 2, dtype=torch.float32) == 2 * 4 * per_block_params
-    assert sizing.adapter_bytes_per_block([], dtype=torch.float32) == 0
+    # q's B is stored over the whole fused qkv output (zeros on k and v's rows): 128 rows, not the checkpoint's 64
+    per_block = rank * (hidden + qkv_rows) + rank * (inter + hidden)
+    got = sizing.adapter_bytes_per_block([str(tmp_path)], dtype=torch.bfloat16, model_config=config)
+    assert got == 2 * per_block
+    got = sizing.adapter_bytes_per_block([str(tmp_path)] * 2, dtype=torch.float32, model_config=config)
+    assert got == 2 * 4 * per_block
+    assert sizing.adapter_bytes_per_block([], dtype=torch.float32, model_config=config) == 0

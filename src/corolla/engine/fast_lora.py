@@ -1,20 +1,26 @@
 """LoRA adapters on the fast path (S-LoRA / punica style): every loaded adapter of a llama-family span stacked per
 layer and projection, so that one batched decode step applies a different adapter to each row.
 
-For each layer and fused projection (`qkv`, `o`, `gate_up`, `down`) that some adapter targets, `ProjectionAdapters`
-holds A [n + 1, r, in] and B^T [n + 1, r, out] (scaling folded into B, each adapter's rank padded with zeros to the
-projection's largest rank r, adapter 0 = "no adapter" = zeros); an adapter on q/k/v or gate/up already lives in
-`models.lora.LoraLinear` as one A and a B that is zero outside its slice of the fused rows, so the stack keeps that.
-The blocks' `LoraLinear` parameters are re-pointed at views of the stacks: the plain path (forward, backward)
-reads the same memory, nothing is stored twice.
+An adapter on q/k/v or gate/up lives in `models.lora.LoraLinear` as one A [R, in] (its sub-projections' A
+concatenated) and one B [out, R] that is zero outside each sub-projection's rows; the stacks keep that form (so the
+shrink of a fused projection is one matmul for all its sub-projections and all adapters). The blocks' `LoraLinear`
+parameters are re-pointed at views of the stacks: the plain path (forward, backward) reads the same memory, nothing
+is stored twice.
+
+Two storage forms, per layer and fused projection (`qkv`, `o`, `gate_up`, `down`) that some adapter targets:
+- `FusedProjection` (modes "fused" and "auto"): A [C, in] and B^T [C, out], C = the sum of the adapters' ranks
+  there (scaling folded into B, no padding, no zero adapter): exactly the bytes of the blocks' `LoraLinear`s, which
+  is what `models.lora.adapter_stored_bytes` (the server's sizing) counts;
+- `ProjectionAdapters` (modes "stacked" and "gather", the first form, kept to measure against): A [n + 1, r, in]
+  and B^T [n + 1, r, out], ranks zero-padded to the largest, adapter 0 = zeros.
 
 A decode step reads each row's adapter index from the static buffer `row_ids` (filled by the engine before the
-step, like positions; CUDA-graph safe) and adds `x @ A[id]^T @ B[id]` per row, in one of two torch forms:
-- "stacked": every adapter at once, `mask(x @ A_all^T) @ B_all` (reads each adapter once per step whatever the
-  rows; the mask zeroes the columns of the adapters a row does not use);
-- "gather": `bmm` on each row's gathered A and B (reads one adapter copy per row).
-"auto" takes "stacked" while the adapters are at most `STACKED_MAX_ADAPTERS_PER_ROW` per row of the step (measured
-faster at 8 adapters on 1 and 8 rows).
+step, like positions; CUDA-graph safe) and adds `x @ A[id]^T @ B[id]` per row:
+- "fused": `y.addmm_(mask(x @ A_all^T), B_all)`: three kernels per projection (shrink, mask, expand accumulating
+  into the projection's output in place); the [B, C] masks are built once per step per column layout;
+- "stacked": the same on the padded stacks, the expand out of place (`torch.addmm`: a copy and a GEMM);
+- "gather": `bmm` on each row's gathered padded A and B (reads one adapter copy per row).
+The masks set other adapters' columns to zero (`masked_fill_`, not a multiply: an overflow there must not leak).
 Steps where no row uses an adapter skip all of it (the engine captures a graph without adapters for them).
 Prefill runs one sequence with its session's adapter."""
 
@@ -33,12 +39,10 @@ logger = get_logger(__name__)
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _MODULE_PATHS = {"qkv": "attn.qkv", "o": "attn.o_proj", "gate_up": "mlp.gate_up", "down": "mlp.down"}
-MODES = ("auto", "stacked", "gather")
-# "auto": every adapter at once while n_adapters <= 16 x rows, else per-row gather. Measured on an H100 (32
-# Llama-3-8B layers, 8 rank-16 adapters, benchmarks/results/lora-*-2008): stacked beat gather at 1 row (8.29 vs
-# 8.94 ms) and at 8 rows (8.75 vs 10.11 ms); stacked reads every adapter (n x 3.75 MiB per layer here), so with
-# many adapters and few rows the gather wins: 16 per row is an estimate of that crossover, not a measurement.
-STACKED_MAX_ADAPTERS_PER_ROW = 16
+MODES = ("auto", "fused", "stacked", "gather")
+# "auto" = "fused". On the padded stacks, measured on an H100 (32 Llama-3-8B layers, 8 rank-16 adapters,
+# benchmarks/results/lora-*-2008): stacked beat gather at 1 row (8.29 vs 8.94 ms) and at 8 rows (8.75 vs 10.11 ms).
+STORAGE = {"auto": "fused", "fused": "fused", "stacked": "padded", "gather": "padded"}
 
 
 @dataclass
@@ -66,6 +70,24 @@ class ProjectionAdapters:
         return self.a.numel() * self.a.element_size() + self.bt.numel() * self.bt.element_size()
 
 
+@dataclass
+class FusedProjection:
+    """One projection's adapters in one layer, concatenated: a [C, in], bt [C, out] (scaling folded in); adapter k
+    owns rows `offsets[k]:offsets[k] + ranks[k]` (rank 0: it does not change this projection); index 0 = none."""
+
+    a: torch.Tensor  # [C, in]
+    bt: torch.Tensor  # [C, out]
+    ranks: tuple[int, ...]  # [n + 1], ranks[0] = 0
+    offsets: tuple[int, ...]  # [n + 1]
+
+    @property
+    def targets(self) -> tuple[bool, ...]:
+        return tuple(r > 0 for r in self.ranks)
+
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + self.bt.numel() * self.bt.element_size()
+
+
 class DecodeRows:
     """The adapters of one decode step's rows (built inside the step, so under CUDA-graph capture its few index
     ops are part of the graph): `apply` adds each row's delta to a projection's output."""
@@ -73,8 +95,9 @@ class DecodeRows:
     def __init__(self, adapters: SpanAdapters, rows: int):
         self.adapters = adapters
         self.ids = adapters.row_ids[:rows]  # [B] long, 0 = no adapter
-        self.mode = adapters.mode_for(rows)
+        self.mode = adapters.mode
         self._masks: dict[int, torch.Tensor] = {}  # rank -> [B, n r] bool: the column is another adapter's
+        self._fused_masks: dict[tuple[int, ...], torch.Tensor] = {}  # ranks -> [B, C] bool, likewise
 
     def targets(self, layer: int, projection: str) -> bool:
         return projection in self.adapters.layers[layer]
@@ -87,11 +110,23 @@ class DecodeRows:
             self._masks[rank] = mask
         return mask
 
+    def _fused_others(self, p: FusedProjection) -> torch.Tensor:
+        mask = self._fused_masks.get(p.ranks)
+        if mask is None:
+            columns = self.adapters.fused_column_ids(p.ranks)  # [C]: the adapter index of each column
+            mask = self.ids[:, None] != columns[None, :]  # [B, C]
+            self._fused_masks[p.ranks] = mask
+        return mask
+
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """x [B, in] (the projection's input), y [B, out] (its output) -> y + per-row delta [B, out]."""
+        """x [B, in] (the projection's input), y [B, out] (its output, a fresh tensor) -> y + per-row delta [B, out]
+        ("fused": y itself, accumulated in place)."""
         p = self.adapters.layers[layer].get(projection)
         if p is None:
             return y
+        if isinstance(p, FusedProjection):
+            t = torch.mm(x, p.a.t()).masked_fill_(self._fused_others(p), 0.0)  # [B, C]
+            return y.addmm_(t, p.bt)  # [B, out]: the GEMM accumulates into y (beta = 1)
         if self.mode == "stacked":
             # [B, n r]; other adapters' columns set to 0 (not multiplied by 0: an overflow there must not leak)
             t = torch.mm(x, p.stacked_a.t()).masked_fill_(self._others(p.rank), 0.0)
@@ -112,10 +147,13 @@ class OneAdapter:
         return p is not None and p.targets[self.index]
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """x [T, in], y [T, out] -> y + x @ A^T @ B [T, out]."""
+        """x [T, in], y [T, out] (a fresh tensor) -> y + x @ A^T @ B [T, out]."""
         p = self.adapters.layers[layer].get(projection)
         if p is None or not p.targets[self.index]:
             return y
+        if isinstance(p, FusedProjection):
+            rows = slice(p.offsets[self.index], p.offsets[self.index] + p.ranks[self.index])
+            return y.addmm_(torch.mm(x, p.a[rows].t()), p.bt[rows])  # in place
         return torch.addmm(y, torch.mm(x, p.a[self.index].t()), p.bt[self.index])
 
 
@@ -127,7 +165,7 @@ class SpanAdapters:
     def __init__(
         self,
         names: Sequence[str],
-        layers: Sequence[dict[str, ProjectionAdapters]],
+        layers: Sequence[dict[str, ProjectionAdapters | FusedProjection]],
         *,
         device: torch.device,
         dtype: torch.dtype,
@@ -141,9 +179,16 @@ class SpanAdapters:
         self.layers = list(layers)
         self.device = device
         self.dtype = dtype
-        self.mode = mode
+        self.mode = "fused" if mode == "auto" else mode
+        kinds = {type(p) for layer in layers for p in layer.values()}
+        expected = FusedProjection if STORAGE[mode] == "fused" else ProjectionAdapters
+        if kinds - {expected}:
+            raise ValueError(
+                f"adapter mode {mode!r} needs {expected.__name__} stacks, got {sorted(k.__name__ for k in kinds)}"
+            )
         self._index = {name: i + 1 for i, name in enumerate(self.names)}
         self._columns: dict[int, torch.Tensor] = {}
+        self._fused_columns: dict[tuple[int, ...], torch.Tensor] = {}
         self.row_ids = torch.zeros((0,), dtype=torch.long, device=device)  # [max_rows]; see allocate_rows
         self.decode_enabled = False  # the next decode steps apply the rows' adapters
         self.prefill_index = 0  # the adapter of the next prefills
@@ -167,10 +212,14 @@ class SpanAdapters:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.row_ids = torch.zeros((max_rows,), dtype=torch.long, device=self.device)
 
-    def mode_for(self, rows: int) -> str:
-        if self.mode != "auto":
-            return self.mode
-        return "stacked" if self.num_adapters <= STACKED_MAX_ADAPTERS_PER_ROW * rows else "gather"
+    def fused_column_ids(self, ranks: tuple[int, ...]) -> torch.Tensor:
+        """[C] long: the adapter index (1..n) of each row of a `FusedProjection` with these `ranks`."""
+        columns = self._fused_columns.get(ranks)
+        if columns is None:
+            counts = torch.tensor(ranks[1:], device=self.device)
+            columns = torch.arange(1, self.num_adapters + 1, device=self.device).repeat_interleave(counts)
+            self._fused_columns[ranks] = columns
+        return columns
 
     def column_ids(self, rank: int) -> torch.Tensor:
         """[n r] long: the adapter index (1..n) of each column of a rank-`rank` stack."""
@@ -253,16 +302,46 @@ def _stack(linear: LoraLinear, names: Sequence[str]) -> ProjectionAdapters:
     return ProjectionAdapters(a, bt, tuple(targets))
 
 
+@torch.no_grad()
+def _fuse(linear: LoraLinear, names: Sequence[str]) -> FusedProjection:
+    """Concatenates one projection's adapters (no padding) and re-points the linear's adapter parameters at views."""
+    params = {name: (linear.lora_a[key], linear.lora_b[key]) for name, key in linear.slots.items()}
+    ranks = [0] + [int(params[name][0].shape[0]) if name in params else 0 for name in names]
+    offsets = [0] * len(ranks)
+    for k in range(1, len(ranks)):
+        offsets[k] = offsets[k - 1] + ranks[k - 1]
+    some_a, _ = next(iter(params.values()))
+    columns = sum(ranks)
+    a = torch.empty((columns, linear.in_features), dtype=some_a.dtype, device=some_a.device)  # [C, in]
+    bt = torch.empty((columns, linear.out_features), dtype=some_a.dtype, device=some_a.device)  # [C, out]
+    for k, name in enumerate(names, start=1):
+        if name not in params:
+            continue
+        pa, pb = params[name]  # [r, in], [out, r]
+        rows = slice(offsets[k], offsets[k] + ranks[k])
+        a[rows] = pa
+        bt[rows] = pb.t()
+        pa.data = a[rows]  # [r, in] contiguous view
+        pb.data = bt[rows].t()  # [out, r] view
+    return FusedProjection(a, bt, tuple(ranks), tuple(offsets))
+
+
 def adapters_from_blocks(blocks: Sequence[torch.nn.Module], *, mode: str = "auto") -> SpanAdapters | None:
-    """The stacked adapters of loaded llama-family blocks (None when they carry none); ValueError when an adapter
-    targets a module other than the fused q/k/v, o, gate/up and down projections (e.g. routed experts)."""
+    """The stacked adapters of loaded llama-family blocks (None when they carry none), in the storage form of
+    `mode`; ValueError for an unknown mode or when an adapter targets a module other than the fused q/k/v, o,
+    gate/up and down projections (e.g. routed experts)."""
+    if mode not in MODES:
+        raise ValueError(f"adapter mode must be one of {MODES}, got {mode!r}")
+    build = _fuse if STORAGE[mode] == "fused" else _stack
     names = sorted({name for block in blocks for name in getattr(block, "adapter_names", ())})
     if not names:
         return None
     layers = []
     device, dtype = None, None
     for block in blocks:
-        stacks = {proj: _stack(linear, names) for proj, linear in _lora_linears(block).items()}
+        stacks: dict[str, ProjectionAdapters | FusedProjection] = {
+            proj: build(linear, names) for proj, linear in _lora_linears(block).items()
+        }
         for p in stacks.values():
             device, dtype = p.a.device, p.a.dtype
         layers.append(stacks)
@@ -270,7 +349,7 @@ def adapters_from_blocks(blocks: Sequence[torch.nn.Module], *, mode: str = "auto
         raise ValueError(f"The blocks name adapters {names} but no projection carries one")
     adapters = SpanAdapters(names, layers, device=device, dtype=dtype, mode=mode)
     logger.info(
-        f"fast_lora.stacked(adapters={len(names)}, layers={len(layers)}, "
+        f"fast_lora.stacked(mode={adapters.mode}, adapters={len(names)}, layers={len(layers)}, "
         f"projections={sum(len(s) for s in layers)}, mib={adapters.nbytes() / 2**20:.1f})"
     )
     return adapters

@@ -119,8 +119,38 @@ def load_adapter(
 
 
 def adapter_size_bytes(weights: LoraWeights, dtype: torch.dtype) -> int:
-    """Device memory an adapter takes in one block (A and B in the block dtype)."""
+    """The checkpoint's parameters of an adapter in one block, in `dtype` bytes (not what a block stores: an adapter
+    on a fused projection stores B over all its rows, see `adapter_stored_bytes`)."""
     return weights.num_parameters() * torch.empty((), dtype=dtype).element_size()
+
+
+def _grouped(
+    block: CorollaBlock, name: str, weights: LoraWeights
+) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]]]:
+    """The adapter's modules grouped by the block's (fused) linear: path -> [(A, B, scaling, rows)]; ValueError for a
+    module that is not a linear layer of this block."""
+    layout = block.checkpoint_layout()
+    grouped: dict[str, list[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]]] = {}
+    for module, (a, b, scaling) in weights.modules.items():
+        target = layout.get(f"{module}.weight")
+        if target is None or not target.param.endswith(".weight"):
+            raise ValueError(f"adapter {name!r} targets {module!r}, which is not a linear layer of this block")
+        grouped.setdefault(target.param.removesuffix(".weight"), []).append((a, b, scaling, target.rows))
+    return grouped
+
+
+def adapter_stored_bytes(block: CorollaBlock, weights: LoraWeights, dtype: torch.dtype) -> int:
+    """Device memory `add_adapter` gives this adapter in this (unsplit) block, in `dtype`: per linear, A [R, in] and
+    B [out, R] with R the sum of the ranks of the checkpoint modules fused into it (B spans the whole fused output,
+    zero outside each module's rows). The fast path's stacks (`engine.fast_lora`, fused form) are these tensors.
+    `block` may live on the meta device (nothing is allocated)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for path, parts in _grouped(block, "sizing", weights).items():
+        linear = block.get_submodule(path)
+        rank = sum(int(a.shape[0]) for a, _, _, _ in parts)
+        total += rank * (int(linear.in_features) + int(linear.out_features)) * element
+    return total
 
 
 class LoraLinear(nn.Module):
@@ -185,14 +215,8 @@ def add_adapter(block: CorollaBlock, name: str, weights: LoraWeights) -> None:
     checkpoint's names (e.g. `self_attn.q_proj`, Falcon's fused `self_attention.query_key_value`)."""
     if not name:
         raise ValueError("adapter name must be non-empty ('' means no adapter)")
-    layout = block.checkpoint_layout()
     dtype = block.dtype
-    grouped: dict[str, list[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]]] = {}
-    for module, (a, b, scaling) in weights.modules.items():
-        target = layout.get(f"{module}.weight")
-        if target is None or not target.param.endswith(".weight"):
-            raise ValueError(f"adapter {name!r} targets {module!r}, which is not a linear layer of this block")
-        grouped.setdefault(target.param.removesuffix(".weight"), []).append((a, b, scaling, target.rows))
+    grouped = _grouped(block, name, weights)
     for path, parts in grouped.items():
         a_full = torch.cat([a for a, _, _, _ in parts]).float()  # [R, in]
         for parent, attr in _targets(block, path):

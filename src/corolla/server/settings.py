@@ -75,7 +75,7 @@ def _choose_num_blocks(
     c: ServerConfig, model_config: Any, device: torch.device, dtype: torch.dtype, quant_type: str, cache_bytes: int
 ) -> int:
     adapter_bytes = sizing.adapter_bytes_per_block(
-        c.adapters, dtype=dtype, cache_dir=c.cache_dir, revision=c.revision, token=c.token
+        c.adapters, dtype=dtype, model_config=model_config, cache_dir=c.cache_dir, revision=c.revision, token=c.token
     )
     return int(
         sizing.choose_num_blocks(

@@ -109,15 +109,23 @@ def _checkpoint_dtype(config: Any) -> torch.dtype:
 
 
 def adapter_bytes_per_block(
-    adapters: Sequence[str], *, dtype: torch.dtype, block_index: int = 0, **load_kwargs: Any
+    adapters: Sequence[str], *, dtype: torch.dtype, model_config: Any, block_index: int = 0, **load_kwargs: Any
 ) -> int:
-    """Device memory the LoRA `adapters` add to one block (their tensors for `block_index`, in `dtype`).
-    `load_kwargs` go to `models.lora.load_adapter` (cache_dir, revision, token, max_disk_space_bytes)."""
+    """Device memory the LoRA `adapters` add to block `block_index` of `model_config`'s model, in `dtype`: what
+    `models.lora.add_adapter` stores (B over a fused projection's whole output, e.g. q/k/v's A and B both sized by
+    the summed rank; `models.lora.adapter_stored_bytes` on a meta-device block), which the fast path's stacks
+    reuse. `load_kwargs` go to `models.lora.load_adapter` (cache_dir, revision, token, max_disk_space_bytes)."""
     if not adapters:
         return 0
-    from corolla.models.lora import adapter_size_bytes, load_adapter
+    from corolla.models.block_base import CorollaBlock
+    from corolla.models.lora import adapter_stored_bytes, load_adapter
+    from corolla.models.registry import get_family
 
-    return sum(adapter_size_bytes(load_adapter(name, block_index, **load_kwargs), dtype) for name in adapters)
+    with torch.device("meta"):  # the block's geometry only: nothing allocated
+        block = get_family(model_config).build_block(model_config, block_index)
+    if not isinstance(block, CorollaBlock):
+        raise TypeError(f"{type(block).__name__} is not a CorollaBlock: can't size its adapters")
+    return sum(adapter_stored_bytes(block, load_adapter(name, block_index, **load_kwargs), dtype) for name in adapters)
 
 
 def autograd_reserve_bytes(config: Any, num_devices: int = 1) -> int:
