@@ -21,6 +21,7 @@ import torch
 
 from corolla.bench.measure import copy_bandwidth_bytes_per_s, event_median_ms, host_median_ms, sync
 from corolla.engine.config import EngineConfig
+from corolla.engine.fast_dense import DenseSpec
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.models.block_base import CorollaBlock
 from corolla.models.registry import get_family
@@ -166,10 +167,12 @@ def bench_shape(shape: str, args, dev: torch.device, dtype: torch.dtype, bandwid
     gen = torch.Generator(device=dev).manual_seed(1)
     model = hf_model(shape, args.layers, dev, dtype)
     blocks = our_blocks(model, dev, dtype)
+    per_token = DenseSpec.from_block(blocks[0]).kv_layout.bytes_per_token(dtype, args.layers)
+    pool_tokens = (args.sessions + 1) * (args.prefix_tokens + args.steps + 8 + 64)  # + a page of rounding each
     engine = SpanEngine.from_blocks(
         blocks,
         EngineConfig(
-            kv_pool_bytes=1 << 30,
+            kv_pool_bytes=max(1 << 30, pool_tokens * per_token),
             max_seq_len_tokens=1024,
             max_batch_rows=args.sessions,
             graph_buckets=tuple(sorted({1, args.sessions})),
