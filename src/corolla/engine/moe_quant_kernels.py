@@ -32,9 +32,9 @@ BLOCK_M = 16  # assignment rows per tile (tl.dot's minimum)
 # pair = 1 (NF4 only): per 64-value block one gather per byte from the 256-entry pair table (both levels in the
 # compute dtype, `NF4Weight.pair_levels`), two depth-32 dots against x's even and odd columns, the block's absmax
 # applied to the fp32 result (as `quant_kernels`' NF4 kernel; no dequantized tile, no layout change). On an H100
-# (benchmarks/results/moe-mixtral-8x7b-nvidia-h100-80gb-hbm3-20261126-2021.json) pair-0 NF4 took 1.9-6.7 ms per
-# Mixtral layer at one token (floor 60 us); the pair-1 entries were added after that run (checked under Triton's
-# interpreter, not yet timed). `moe.tune_experts` times every entry valid for the kind at warm-up.
+# at the Mixtral-8x7B shape, one token, two experts (floor 61 us; benchmarks/results/moe-mixtral-8x7b-nvidia-h100-
+# 80gb-hbm3-20261126-2029.json): pair-1 0.85-1.30 ms per layer, pair-0 1.93-6.49 ms; Int8 (pair-0) 0.22-0.30 ms
+# (floor 117 us; ...-2021.json). `moe.tune_experts` times every entry valid for the kind at warm-up.
 QUANT_EXPERT_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (32, 128, 4, 3, 0),
     (64, 128, 4, 3, 0),
