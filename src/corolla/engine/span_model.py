@@ -1,7 +1,8 @@
 """The seam between `SpanEngine` and one kind of fused span: a `SpanModel` runs a batched single-token decode step
 over ragged positions (CUDA-graph safe) and a chunked prefill of one sequence over a paged `KVPool`, and its `spec`
 says what one token takes in that pool per layer (`KVLayout`). Implemented by `fast_llama.FastLlamaSpan`
-(llama-family attention: K/V heads) and `fast_mla.FastMlaSpan` (DeepSeek-V3: latent + rotary key)."""
+(llama-family attention: K/V heads), `fast_mla.FastMlaSpan` (DeepSeek-V3: latent + rotary key) and
+`fast_dense.FastDenseSpan` (Falcon, BLOOM: K/V heads, rotary or ALiBi)."""
 
 from __future__ import annotations
 
