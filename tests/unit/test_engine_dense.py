@@ -8,6 +8,8 @@ span equals the span on its dequantized weights; the engine and the serving rule
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import transformers as tf
@@ -21,6 +23,7 @@ from corolla.engine.span_engine import StepRequest
 from corolla.models.positions import alibi_slopes
 from corolla.models.registry import get_family
 from helpers.engine_reference import cached_block_steps
+from helpers.tiny_models import torch_threads
 
 H = 64
 MAX_LEN = 96
@@ -47,6 +50,13 @@ VARIANTS = {
     "bloom": dict(n_head=4, apply_residual_connection_post_layernorm=False),
     "bloom_residual_post_ln": dict(n_head=4, apply_residual_connection_post_layernorm=True),
 }  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny tensors: one intra-op thread is fastest, above all on a loaded machine (restored after the module)."""
+    with torch_threads(1):
+        yield
 
 
 def variant_config(name: str):
