@@ -27,28 +27,34 @@ if TYPE_CHECKING:
     from corolla.engine.moe_quant import QuantizedExpertWeights
 
 BLOCK_M = 16  # assignment rows per tile (tl.dot's minimum)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, pair); BLOCK_K a multiple of 64 (NF4 absmax blocks). pair = 0: the weight
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, pair, down splits); BLOCK_K a multiple of 64 (NF4 absmax blocks). pair = 0: the weight
 # tile is dequantized (NF4: level * absmax rounded once, the reference's values) and multiplied in one tl.dot;
 # pair = 1 (NF4 only): per 64-value block one gather per byte from the 256-entry pair table (both levels in the
 # compute dtype, `NF4Weight.pair_levels`), two depth-32 dots against x's even and odd columns, the block's absmax
 # applied to the fp32 result (as `quant_kernels`' NF4 kernel; no dequantized tile, no layout change). On an H100
 # at the Mixtral-8x7B shape, one token, two experts (floor 61 us; benchmarks/results/moe-mixtral-8x7b-nvidia-h100-
 # 80gb-hbm3-20261126-2029.json): pair-1 0.85-1.30 ms per layer, pair-0 1.93-6.49 ms; Int8 (pair-0) 0.22-0.30 ms
-# (floor 117 us; ...-2021.json). `moe.tune_experts` times every entry valid for the kind at warm-up.
-QUANT_EXPERT_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    (32, 128, 4, 3, 0),
-    (64, 128, 4, 3, 0),
-    (32, 256, 4, 3, 0),
-    (16, 256, 4, 3, 0),
-    (64, 64, 4, 4, 0),
-    (128, 128, 8, 3, 0),
-    (32, 128, 4, 3, 1),
-    (64, 128, 4, 3, 1),
-    (128, 64, 8, 3, 1),
+# (floor 117 us; ...-2021.json). down splits > 1: the down projection's K (the intermediate size, 224 serial NF4
+# blocks per program at Mixtral's shape) is cut into that many ranges run by separate programs, their fp32 partial
+# sums added in split order by torch (no atomics), then rounded and weighted; added after those runs (checked under
+# Triton's interpreter, not yet timed). `moe.tune_experts` times every entry valid for the kind at warm-up.
+QUANT_EXPERT_CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (32, 128, 4, 3, 0, 1),
+    (64, 128, 4, 3, 0, 1),
+    (32, 256, 4, 3, 0, 1),
+    (16, 256, 4, 3, 0, 1),
+    (64, 64, 4, 4, 0, 1),
+    (128, 128, 8, 3, 0, 1),
+    (32, 128, 4, 3, 1, 1),
+    (64, 128, 4, 3, 1, 1),
+    (128, 64, 8, 3, 1, 1),
+    (32, 128, 4, 3, 1, 4),
+    (32, 128, 4, 3, 1, 8),
+    (64, 128, 4, 3, 0, 4),
 )
 
 
-def configs_for(kind: str) -> tuple[tuple[int, int, int, int, int], ...]:
+def configs_for(kind: str) -> tuple[tuple[int, int, int, int, int, int], ...]:
     """The configs valid for "nf4" or "int8" experts (Int8 has no pair decode)."""
     return tuple(c for c in QUANT_EXPERT_CONFIGS if kind == "nf4" or not c[4])
 
@@ -205,18 +211,25 @@ def _quant_down_kernel(
     levels_ptr,  # [16] fp32
     pair_ptr,  # [256] int32
     weights_ptr,  # [A] fp32 routing weight of each assignment (unsorted)
-    out_ptr,  # [A, H] fp32 out, rows by assignment index (unsorted)
+    out_ptr,  # SPLITS == 1: [A, H] fp32 weighted outputs; else [SPLITS, A, H] fp32 partial sums (rows by assignment)
     E,
+    A,
     H: tl.constexpr,
     INTER: tl.constexpr,
     NF4: tl.constexpr,
     PAIR: tl.constexpr,
+    SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     e = tl.program_id(0)
     nb = tl.program_id(1)
+    split = tl.program_id(2)  # this program's share of INTER: whole BLOCK_K steps, the splits in order
+    steps: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
+    per_split: tl.constexpr = (steps + SPLITS - 1) // SPLITS
+    k_lo = split * per_split * BLOCK_K
+    k_hi = tl.minimum((split + 1) * per_split, steps) * BLOCK_K
     start = tl.load(bounds_ptr + e)
     end = tl.load(bounds_ptr + e + 1)
     dt = act_ptr.dtype.element_ty
@@ -229,7 +242,7 @@ def _quant_down_kernel(
         mask_m = rm < end
         assignment = tl.load(order_ptr + rm, mask=mask_m, other=0)  # [BM]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             if PAIR:
                 acc = _nf4_pair_dot(acc, act_ptr, rm.to(tl.int64) * INTER, mask_m, tables_ptr, E, e, pair_ptr, offset,
                                     rn, mask_n, k0, INTER, BLOCK_K)  # fmt: skip
@@ -246,9 +259,13 @@ def _quant_down_kernel(
                 acc = tl.dot(at, wd, acc)
         if not NF4:
             acc = acc * _column_scales(tables_ptr, E, e, rn, mask_n)[None, :]
-        scale = tl.load(weights_ptr + assignment, mask=mask_m, other=0.0)  # [BM] fp32
-        y = acc.to(dt).to(tl.float32) * scale[:, None]  # expert output rounded, then weighted (as the reference)
-        tl.store(out_ptr + assignment[:, None] * H + rn[None, :], y, mask=mask_m[:, None] & mask_n[None, :])
+        out_mask = mask_m[:, None] & mask_n[None, :]
+        if SPLITS == 1:
+            scale = tl.load(weights_ptr + assignment, mask=mask_m, other=0.0)  # [BM] fp32
+            y = acc.to(dt).to(tl.float32) * scale[:, None]  # expert output rounded, then weighted (as the reference)
+            tl.store(out_ptr + assignment[:, None] * H + rn[None, :], y, mask=out_mask)
+        else:  # the partial sum; grouped_quant_experts adds the splits in order, rounds and weights
+            tl.store(out_ptr + (split * A + assignment[:, None]) * H + rn[None, :], acc, mask=out_mask)
         m0 += BLOCK_M
 
 
@@ -268,22 +285,28 @@ def grouped_quant_experts(
     inter = experts.intermediate_size
     num_experts = experts.num_experts
     nf4 = experts.kind == "nf4"
-    block_n, block_k, warps, stages, pair = config
+    block_n, block_k, warps, stages, pair, splits = config
     if x.stride(1) != 1:
         x = x.contiguous()
     flat = expert_ids.reshape(-1).long()  # [A = N k]
     sorted_ids, order = torch.sort(flat, stable=True)  # [A] each
     bounds = torch.searchsorted(sorted_ids, experts.boundaries)  # [E + 1]; ids outside [0, E) fall outside
     act = torch.empty((n * k, inter), dtype=x.dtype, device=x.device)  # [A, I]
-    out = torch.zeros((n * k, h), dtype=torch.float32, device=x.device)  # [A, H]
+    out = torch.zeros((splits, n * k, h), dtype=torch.float32, device=x.device)  # [S, A, H]
     gu, dn = experts.gate_up_tables, experts.down_tables
     _quant_gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
         x, order, bounds, gu.addresses, gu.offsets, experts.levels, experts.pair_levels, act, num_experts, h, inter,
-        x.stride(0), TOP_K=k, NF4=nf4, PAIR=bool(pair), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        x.stride(0), TOP_K=k, NF4=nf4, PAIR=bool(pair), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    _quant_down_kernel[(num_experts, triton.cdiv(h, block_n))](
-        act, order, bounds, dn.addresses, dn.offsets, experts.levels, experts.pair_levels,
-        expert_weights.reshape(-1).contiguous(), out, num_experts, h, inter,
-        NF4=nf4, PAIR=bool(pair), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    weights = expert_weights.reshape(-1).contiguous()  # [A] fp32
+    _quant_down_kernel[(num_experts, triton.cdiv(h, block_n), splits)](
+        act, order, bounds, dn.addresses, dn.offsets, experts.levels, experts.pair_levels, weights, out, num_experts,
+        n * k, h, inter, NF4=nf4, PAIR=bool(pair), SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return out.view(n, k, h).sum(dim=1).to(x.dtype)  # [N, H]
+    if splits == 1:
+        y = out[0]  # [A, H] weighted expert outputs
+    else:  # splits summed in order (no atomics), the expert output rounded, then weighted (as the kernel's epilogue)
+        y = out.sum(dim=0).to(x.dtype).float() * weights[:, None]  # [A, H] fp32
+    return y.view(n, k, h).sum(dim=1).to(x.dtype)  # [N, H]
