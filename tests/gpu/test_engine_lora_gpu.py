@@ -1,7 +1,9 @@
 """LoRA adapters on the fast path on a real GPU (bf16): a merged step of sessions on three adapters of different
 ranks (one on some modules only) and the base model gives the same rows from the CUDA graph as eagerly, in both
-the stacked and the gathered form, and both agree with the blocks under `using_adapter`; warm-up captures both
-graph variants and a base-model step from the graphs equals the eager one. Skipped without CUDA."""
+the fused, stacked and gathered forms, and all agree with the blocks under `using_adapter`; single-row steps with
+the norm/gating prologue inside both the base and the shrink GEMM (tuned kernels) or ahead of both equal the blocks;
+warm-up captures both graph variants and a base-model step from the graphs equals the eager one. Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def run(engine: SpanEngine, names: list[str], prompts: list[torch.Tensor], token
     return outs
 
 
-@pytest.mark.parametrize("mode", ["stacked", "gather"])
+@pytest.mark.parametrize("mode", ["fused", "stacked", "gather"])
 def test_graph_equals_eager_equals_blocks_with_mixed_adapters(mode: str) -> None:
     blocks = make_blocks()
     names = ["r16", "", "r4", "r8", "r16"]
@@ -92,6 +94,25 @@ def test_graph_equals_eager_equals_blocks_with_mixed_adapters(mode: str) -> None
     with using_adapter("r16"):  # the adapters matter at this scale
         adapted = cached_block_steps(blocks, MAX_LEN, [(prompts[1], 0)])[0]
     assert rel_err(adapted, graph[1][0]) > 5e-2
+
+
+@pytest.mark.parametrize("prologue_fused", [True, False])
+def test_single_row_steps_equal_the_blocks_with_the_prologue_in_both_gemms_or_ahead(prologue_fused: bool) -> None:
+    blocks = make_blocks(layers=2)
+    engine = make_engine(blocks, "fused", graphs=True)
+    engine.model.lora_prologue_fused = prologue_fused
+    assert engine.graphs is not None
+    engine.graphs.clear()
+    engine.graphs.capture_all()
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    for name in ("r16", "r4", ""):
+        prompt = torch.randn(1, 33, 512, device=DEV, generator=gen).to(BF16)
+        tokens = [torch.randn(1, 1, 512, device=DEV, generator=gen).to(BF16) for _ in range(3)]
+        got = run(engine, [name], [prompt], [tokens])[0]
+        with using_adapter(name):
+            ref = cached_block_steps(blocks, MAX_LEN, [(prompt, 0)] + [(t, 33 + k) for k, t in enumerate(tokens)])
+        for g, r in zip(got, ref, strict=True):
+            assert rel_err(g, r) < 3e-2, (name, prologue_fused, rel_err(g, r))
 
 
 def test_base_rows_equal_eager_and_both_variants_are_captured() -> None:

@@ -76,6 +76,23 @@ def test_merged_steps_of_sessions_on_different_adapters_equal_the_blocks(mode: s
         s.close()
 
 
+@pytest.mark.parametrize("prologue_fused", [True, False])
+def test_single_row_steps_equal_the_blocks_with_the_prologue_in_both_gemms_or_ahead(prologue_fused: bool) -> None:
+    blocks = make_blocks()
+    engine = make_engine(blocks)
+    engine.model.lora_prologue_fused = prologue_fused  # True: norm / gating inside the base and the shrink GEMM
+    h = int(blocks[0].config.hidden_size)
+    torch.manual_seed(4)
+    for name in ("big", "some", ""):
+        steps = [(torch.randn(1, 6, h), 0)] + [(torch.randn(1, 1, h), 6 + i) for i in range(3)]
+        expected = reference(blocks, name, steps)
+        with engine.open_session(1, MAX_LEN, adapter=name) as session:
+            for (x, position), ref in zip(steps, expected, strict=True):
+                got = engine.decode_many([StepRequest(session, x, position)])[0] if position else None
+                got = engine.step(session, x, position) if got is None else got
+                torch.testing.assert_close(got, ref, atol=1e-4, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_padded_stacks_share_the_blocks_memory() -> None:
     blocks = make_blocks()
     engine = make_engine(blocks, "stacked")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine.config import LlamaSpec
-from corolla.engine.fast_lora import DecodeRows, OneAdapter, SpanAdapters, adapters_from_blocks
+from corolla.engine.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.moe import RoutedMoE, tune_experts
 from corolla.engine.ops import DecodeOps, _quant_key
@@ -105,6 +105,9 @@ class FastLlamaSpan:
         if adapters is not None and len(adapters.layers) != len(self.layers):
             raise ValueError(f"adapters cover {len(adapters.layers)} layers, the span has {len(self.layers)}")
         self.adapters = adapters  # LoRA adapters of the loaded blocks (engine.fast_lora), or None
+        # decode steps with adapters (fused form): run a projection's norm/gating prologue inside both its GEMM and
+        # the adapters' shrink GEMM (None: when both have a tuned single-row Triton kernel; True/False: always/never)
+        self.lora_prologue_fused: bool | None = None
 
     @property
     def num_layers(self) -> int:
@@ -130,6 +133,12 @@ class FastLlamaSpan:
             ):
                 if bias is None and isinstance(w, torch.Tensor):
                     slots.setdefault((w.shape[0], w.shape[1], prologue, has_res), []).append((w, norm_w))
+        for layer, stacks in zip(self.layers, self.adapters.layers if self.adapters is not None else (), strict=False):
+            for projection, prologue, norm_w in (("qkv", "rmsnorm", layer.ln1), ("gate_up", "rmsnorm", layer.ln2),
+                                                 ("down", "silu", None)):  # fmt: skip
+                p = stacks.get(projection)
+                if isinstance(p, FusedProjection):  # the adapters' shrink, with the projection's prologue
+                    slots.setdefault((p.a.shape[0], p.a.shape[1], prologue, False), []).append((p.a, norm_w))
         report = self.ops.tune_linear(slots, self.spec.rms_norm_eps)
         for key, r in report.items():
             logger.info(
@@ -284,8 +293,7 @@ class FastLlamaSpan:
         for i in range(start, end):
             w = self.layers[i]
             if lora is not None and lora.targets(i, "qkv"):
-                x = self.ops.rms_norm(h, w.ln1, eps)  # [B, H]
-                qkv = lora.apply(i, "qkv", x, self.ops.linear(x, w.w_qkv, w.b_qkv))
+                qkv = self._adapted_linear(lora, i, "qkv", h, w.w_qkv, w.b_qkv, "rmsnorm", w.ln1)
             else:
                 qkv = self.ops.linear(
                     h, w.w_qkv, w.b_qkv, prologue="rmsnorm", norm_weight=w.ln1, eps=eps
@@ -311,9 +319,53 @@ class FastLlamaSpan:
             h = self.ops.linear(gate_up, w.w_down, w.b_down, residual=h, prologue="silu")  # [B, H]
         return h
 
+    def prologue_fused(self, n: int, k: int, c: int, prologue: str, has_residual: bool) -> bool:
+        """Whether a single-row projection [n, k] and its adapters' shrink [c, k] both run the prologue inside a
+        tuned Triton kernel (then computing it once ahead would add a kernel)."""
+        if self.lora_prologue_fused is not None:
+            return self.lora_prologue_fused
+        chosen = self.ops.single_row_gemm
+        base, shrink = chosen.get((n, k, prologue, has_residual)), chosen.get((c, k, prologue, False))
+        return base is not None and shrink is not None and base[0] != "pad" and shrink[0] != "pad"
+
+    def _adapted_linear(
+        self,
+        lora: DecodeRows,
+        i: int,
+        projection: str,
+        h: torch.Tensor,
+        weight: torch.Tensor | NF4Weight | Int8Weight,
+        bias: torch.Tensor | None,
+        prologue: str,
+        norm_weight: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """h [B, K] (or [B, 2K] for "silu") -> residual + prologue(h) @ weight^T + bias + each row's adapter delta
+        [B, N]. In the fused form with single-row kernels tuned for both, the base GEMM and the shrink GEMM each
+        run the prologue inside (`prologue_fused`); otherwise the prologue runs once ahead of both."""
+        eps = self.spec.rms_norm_eps
+        p = lora.fused(i, projection)
+        if p is not None and h.shape[0] == 1 and bias is None:
+            n, k = int(p.bt.shape[1]), int(p.a.shape[1])
+            if self.prologue_fused(n, k, int(p.a.shape[0]), prologue, residual is not None):
+                y = self.ops.linear(
+                    h, weight, None, residual=residual, prologue=prologue, norm_weight=norm_weight, eps=eps
+                )
+                t = self.ops.linear(h, p.a, None, prologue=prologue, norm_weight=norm_weight, eps=eps)  # [1, C]
+                return lora.expand(p, t, y)  # [1, N]
+        if prologue == "rmsnorm":
+            assert norm_weight is not None
+            x = self.ops.rms_norm(h, norm_weight, eps)  # [B, K]
+        else:
+            x = self.ops.silu_mul(h) if prologue == "silu" else h  # [B, K]
+        return lora.apply(i, projection, x, self.ops.linear(x, weight, bias, residual=residual))  # [B, N]
+
     def _adapted_mlp(self, lora: DecodeRows | OneAdapter, i: int, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         """h [N, H] + the gated MLP of layer i with the adapters' deltas on gate_up and down -> [N, H]."""
         assert w.w_gate_up is not None and w.w_down is not None
+        if isinstance(lora, DecodeRows):
+            gate_up = self._adapted_linear(lora, i, "gate_up", h, w.w_gate_up, w.b_gate_up, "rmsnorm", w.ln2)
+            return self._adapted_linear(lora, i, "down", gate_up, w.w_down, w.b_down, "silu", None, residual=h)
         x = self.ops.rms_norm(h, w.ln2, self.spec.rms_norm_eps)  # [N, H]
         gate_up = lora.apply(i, "gate_up", x, self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [N, 2 I]
         act = self.ops.silu_mul(gate_up)  # [N, I]

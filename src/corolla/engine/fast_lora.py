@@ -118,6 +118,17 @@ class DecodeRows:
             self._fused_masks[p.ranks] = mask
         return mask
 
+    def fused(self, layer: int, projection: str) -> FusedProjection | None:
+        """The projection's concatenated adapters when this step runs the fused form, else None."""
+        p = self.adapters.layers[layer].get(projection)
+        return p if isinstance(p, FusedProjection) else None
+
+    def expand(self, p: FusedProjection, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """t [B, C] = x @ A_all^T (the shrink, overwritten), y [B, out] -> y += each row's own columns of t @ B^T, in
+        place (other adapters' columns set to 0 first: an overflow there must not leak)."""
+        t.masked_fill_(self._fused_others(p), 0.0)  # [B, C]
+        return y.addmm_(t, p.bt)  # [B, out]: the GEMM accumulates into y (beta = 1)
+
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x [B, in] (the projection's input), y [B, out] (its output, a fresh tensor) -> y + per-row delta [B, out]
         ("fused": y itself, accumulated in place)."""
@@ -125,8 +136,7 @@ class DecodeRows:
         if p is None:
             return y
         if isinstance(p, FusedProjection):
-            t = torch.mm(x, p.a.t()).masked_fill_(self._fused_others(p), 0.0)  # [B, C]
-            return y.addmm_(t, p.bt)  # [B, out]: the GEMM accumulates into y (beta = 1)
+            return self.expand(p, torch.mm(x, p.a.t()), y)
         if self.mode == "stacked":
             # [B, n r]; other adapters' columns set to 0 (not multiplied by 0: an overflow there must not leak)
             t = torch.mm(x, p.stacked_a.t()).masked_fill_(self._others(p.rank), 0.0)

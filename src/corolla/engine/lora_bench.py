@@ -4,7 +4,9 @@ In one process on one card: a span of Llama-3-8B-shaped corolla blocks (random b
 rank-`--rank` LoRA adapters on q, k, v, o, gate, up and down. After a `--prefix_tokens` prefix per session, the
 merged decode step (CUDA graphs, inputs on the GPU, host-timed median) of: 1 session on the base model, 1 session
 on an adapter, 8 sessions on one adapter, 8 sessions on 8 different adapters and 8 base sessions, in the engine's
-"stacked", "gather" and "auto" adapter forms; the same span's engine without adapters at 1 and 8 sessions (what
+`--adapter_modes` (default: the first, padded forms "stacked" and "gather", then "fused", the default form; one
+engine per storage form, the second reusing the first one's tuned kernels); the torch ops one decode step adds per
+layer for an adapted row in each form (the CPU profiler on the same engines, eager); the same span's engine without adapters at 1 and 8 sessions (what
 base rows should cost); each step's floor (weights + the distinct adapters' bytes + the KV prefix, / copy
 bandwidth); and the plain path a user with adapters gets today (`SpanBackend.inference_step` per session with
 peft-style `LoraLinear`s under `using_adapter`: sessions one after another, nothing merged). Also the engine's
@@ -13,6 +15,7 @@ output against the plain path's on the same prompt and token. `--shape tiny --de
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import time
 from pathlib import Path
@@ -21,6 +24,7 @@ import torch
 from transformers import LlamaConfig
 
 from corolla.bench.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
+from corolla.engine import fast_lora
 from corolla.engine.config import EngineConfig
 from corolla.engine.fast_llama import FastLlamaSpan
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
@@ -34,6 +38,12 @@ SHAPES = {
     "llama-3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336),
     "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256),
 }
+# aten ops that only make views or metadata (no kernel on a GPU)
+NO_KERNEL_OPS = frozenset(
+    f"aten::{op}"
+    for op in "t transpose view slice select as_strided reshape _reshape_alias expand unsqueeze squeeze detach "
+    "alias resolve_conj resolve_neg empty lift_fresh numpy_T".split()
+)
 MODULES = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
 
 
@@ -106,6 +116,59 @@ def step_ms(engine: SpanEngine, sessions: list[EngineSession], prefix: int, step
     return sorted(times)[len(times) // 2]
 
 
+@torch.inference_mode()
+def ops_per_step(engine: SpanEngine, name: str, prefix: int, gen) -> dict[str, int]:
+    """aten ops (one kernel each on a GPU) that an adapted row adds to one eager decode step over the span's layers:
+    the CPU profiler's counts for a session on adapter `name` minus those for a base session (each after one
+    unprofiled step, so that cached per-step tables are built)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    counts = []
+    for adapter in ("", name):
+        with engine.open_session(1, prefix + 4, adapter=adapter) as session:
+            h = engine.hidden_size
+            engine.step(session, torch.randn(1, prefix, h, device=engine.device, generator=gen).to(engine.dtype), 0)
+            token = torch.randn(1, 1, h, device=engine.device, generator=gen).to(engine.dtype)
+            graphs, engine.graphs = engine.graphs, None  # eager: the graph replay would hide the ops
+            try:
+                engine.decode_many([StepRequest(session, token, prefix)])
+                with profile(activities=activities) as prof:
+                    engine.decode_many([StepRequest(session, token, prefix + 1)])
+            finally:
+                engine.graphs = graphs
+        top: collections.Counter[str] = collections.Counter()
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                top["cuda kernels"] += 1  # what the GPU ran (the CUDA activity), beside the aten ops
+                continue
+            parent = event.cpu_parent
+            outer = parent is None or not parent.name.startswith("aten::")  # nested ops run inside their caller
+            if outer and event.name.startswith("aten::") and event.name not in NO_KERNEL_OPS:
+                top[event.name] += 1
+        counts.append(top)
+    added = {op: counts[1][op] - counts[0][op] for op in counts[1] | counts[0]}
+    return {op: n for op, n in sorted(added.items()) if n}
+
+
+def prologue_plan(model: FastLlamaSpan, layer: int) -> dict[str, bool]:
+    """Fused adapter form, single-row decode step of `layer`: projection -> whether its prologue runs inside both
+    its GEMM and the adapters' shrink (tuned kernels for both) rather than once ahead of them."""
+    if model.adapters is None:
+        return {}
+    w, plan = model.layers[layer], {}
+    for projection, weight, prologue, residual in (
+        ("qkv", w.w_qkv, "rmsnorm", False),
+        ("gate_up", w.w_gate_up, "rmsnorm", False),
+        ("down", w.w_down, "silu", True),
+    ):
+        p = model.adapters.layers[layer].get(projection)
+        if isinstance(p, fast_lora.FusedProjection) and weight is not None:
+            n, k = int(p.bt.shape[1]), int(p.a.shape[1])
+            plan[projection] = model.prologue_fused(n, k, int(p.a.shape[0]), prologue, residual)
+    return plan
+
+
 def plain_round_ms(backend: SpanBackend, adapters: list[str], prefix: int, steps: int, gen) -> float:
     """Median time of one step of every session on the plain path, one session after another (as the plain executor
     runs sessions on different adapters)."""
@@ -158,6 +221,9 @@ def main() -> None:
     parser.add_argument("--prefix_tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
+    parser.add_argument(
+        "--adapter_modes", default="stacked,gather,fused", help="engine adapter forms to time, comma-separated"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
@@ -193,16 +259,23 @@ def main() -> None:
         max_batch_rows=n,
         graph_buckets=tuple(sorted({1, n})),
     )
-    engine = SpanEngine.from_blocks(blocks, engine_config, adapter_mode="auto")
-    engine.warmup()
-    adapters = engine.adapters
-    assert adapters is not None and isinstance(engine.model, FastLlamaSpan)
-    weight_bytes = engine.model.weight_bytes()
-    one_adapter_bytes = adapters.nbytes() // (adapters.num_adapters + 1)  # each stack has n + 1 equal slots
-    results.update(weight_bytes=weight_bytes, adapter_bytes=one_adapter_bytes, stacked_bytes=adapters.nbytes())
-    log(lines, f"built and warmed up in {time.perf_counter() - started:.1f} s; weights {weight_bytes / 2**30:.2f} GiB, "
-               f"one adapter {one_adapter_bytes / 2**20:.1f} MiB (stacks {adapters.nbytes() / 2**20:.0f} MiB, shared "
-               f"with the blocks' LoraLinear)")  # fmt: skip
+    modes = [m for m in args.adapter_modes.split(",") if m]
+    unknown = sorted(set(modes) - set(fast_lora.MODES))
+    if unknown or not modes:
+        raise ValueError(f"--adapter_modes: unknown {unknown}; choose from {fast_lora.MODES}")
+    ops = None  # the first engine's tuned kernels, reused by the next ones
+    weight_bytes = 0  # the span's weights (set by the first engine)
+    engine: SpanEngine | None = None
+
+    def build_engine(mode: str) -> SpanEngine:
+        built = SpanEngine.from_blocks(
+            blocks, EngineConfig(**{**vars(engine_config), "tune_gemm": ops is None}), adapter_mode=mode
+        )
+        if ops is not None:
+            built.model.ops = ops
+        built.warmup()
+        return built
+
     gen = torch.Generator(device=dev).manual_seed(1)
     prefix_bytes = args.prefix_tokens * kv_bytes_per_token
     scenarios = {
@@ -213,25 +286,61 @@ def main() -> None:
         f"{n}_base": [""] * n,
     }
 
-    def floor_ms(rows: list[str]) -> float:
+    def floor_ms(rows: list[str], one_adapter_bytes: int) -> float:
         distinct = len({r for r in rows if r})
         return (weight_bytes + distinct * one_adapter_bytes + len(rows) * prefix_bytes) / bandwidth * 1000
 
     results["engine"] = {}
-    for mode in ("stacked", "gather", "auto"):
-        adapters.mode = mode
-        if engine.graphs is not None:
-            engine.graphs.clear()
-            engine.graphs.capture_all()
+    results["stored_bytes"] = {}
+    results["ops_per_step"] = {}
+    for mode in modes:
+        storage = fast_lora.STORAGE[mode]
+        if engine is None or engine.adapters is None or fast_lora.STORAGE[engine.adapters.mode] != storage:
+            del engine  # its pool and graphs (the blocks' adapter tensors are views of the next engine's stacks)
+            torch.cuda.empty_cache() if dev.type == "cuda" else None
+            mark = time.perf_counter()
+            engine = build_engine(mode)
+            assert isinstance(engine.model, FastLlamaSpan)
+            ops = engine.model.ops
+            weight_bytes = engine.model.weight_bytes()
+            results["weight_bytes"] = weight_bytes
+            plan = prologue_plan(engine.model, 0)
+            results.setdefault("prologue_in_both_gemms", {})[storage] = plan
+            log(lines, f"engine ({storage} stacks) built and warmed up in {time.perf_counter() - mark:.1f} s; "
+                       f"single-row prologue inside the base and shrink GEMMs: {plan}")  # fmt: skip
+        adapters = engine.adapters
+        assert adapters is not None
+        if adapters.mode != mode:  # another form on the same stacks: recapture
+            adapters.mode = mode
+            if engine.graphs is not None:
+                engine.graphs.clear()
+                engine.graphs.capture_all()
+        slots = adapters.num_adapters + (0 if storage == "fused" else 1)  # the padded stacks hold a zero adapter
+        one_adapter_bytes = adapters.nbytes() // slots  # every adapter has the same ranks here
+        results["stored_bytes"][mode] = {"all": adapters.nbytes(), "one_adapter": one_adapter_bytes}
+        log(lines, f"engine {mode}: stacks {adapters.nbytes() / 2**20:.0f} MiB (one adapter "
+                   f"{one_adapter_bytes / 2**20:.1f} MiB), shared with the blocks' LoraLinear")  # fmt: skip
+        try:
+            added = ops_per_step(engine, names[0], 8, gen)
+        except RuntimeError as e:  # the profiler (CUPTI) missing on the device: say so, keep timing
+            added = {}
+            results["ops_per_step_error"] = str(e)
+            log(lines, f"engine {mode}: op count failed: {e}")
+        results["ops_per_step"][mode] = added
+        aten = {k.removeprefix("aten::"): v for k, v in added.items() if k.startswith("aten::")}
+        kernels = f", {added['cuda kernels']} CUDA kernels" if "cuda kernels" in added else ""
+        log(lines, f"engine {mode}: an adapted row adds per decode step over {args.layers} layers (eager) "
+                   f"{sum(aten.values())} aten ops{kernels}: " + ", ".join(f"{k} {v}" for k, v in aten.items()))  # fmt: skip
         rows_out: dict[str, dict[str, float]] = {}
         for scenario, rows in scenarios.items():
             sessions = open_sessions(engine, rows, args.prefix_tokens, length, gen)
             ms = step_ms(engine, sessions, args.prefix_tokens, args.steps, gen)
             for s in sessions:
                 s.close()
-            rows_out[scenario] = {"step_ms": ms, "floor_ms": floor_ms(rows), "x_floor": ms / floor_ms(rows)}
-            log(lines, f"engine {mode:7s} {scenario:22s} {ms:7.3f} ms/step (floor {floor_ms(rows):.3f} ms, "
-                       f"{ms / floor_ms(rows):.2f}x)")  # fmt: skip
+            floor = floor_ms(rows, one_adapter_bytes)
+            rows_out[scenario] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor}
+            log(lines, f"engine {mode:7s} {scenario:22s} {ms:7.3f} ms/step (floor {floor:.3f} ms, "
+                       f"{ms / floor:.2f}x)")  # fmt: skip
         one, same = rows_out["1_adapter"]["step_ms"], rows_out[f"{n}_one_adapter"]["step_ms"]
         mixed = rows_out[f"{n}_different_adapters"]["step_ms"]
         rows_out["ratios"] = {"mixed_vs_1_adapter": mixed / one, "mixed_vs_same_adapter": mixed / same}
@@ -241,6 +350,7 @@ def main() -> None:
         save()
 
     # the same span's engine without adapters: what base rows should cost
+    assert engine is not None and isinstance(engine.model, FastLlamaSpan)
     rotary = getattr(blocks[0].get_submodule("attn"), "rotary", None)
     assert isinstance(rotary, RotaryEmbedding)
     inv_freq = rotary.inv_freq(dev, 0)  # [D/2] fp32
@@ -274,7 +384,7 @@ def main() -> None:
         results["plain"][scenario] = {"round_ms": ms}
         log(lines, f"plain path {scenario:22s} {ms:8.3f} ms per step of every session (one after another)")
         save()
-    mixed = results["engine"]["auto"][f"{n}_different_adapters"]["step_ms"]
+    mixed = results["engine"][modes[-1]][f"{n}_different_adapters"]["step_ms"]
     plain_mixed = results["plain"][f"{n}_different_adapters"]["round_ms"]
     results["mixed_speedup_vs_plain"] = plain_mixed / mixed
     log(lines, f"{n} sessions on {n} adapters: engine {mixed:.3f} ms vs plain {plain_mixed:.2f} ms "
