@@ -107,3 +107,30 @@ def test_int8_word_kernel_converts_every_code(dtype) -> None:
     odd = Int8Weight(codes[:, :1214].contiguous(), weight.row_absmax, dtype)  # K not whole words
     with pytest.raises(ValueError, match="multiples of 4"):
         quant_int8_words.int8_words_gemv(torch.randn(1, 1214, device=DEV, dtype=dtype), odd, None, 128, 64, 1, 4)
+
+
+def test_split_k_fixup_resets_its_counters_under_graph_replay() -> None:
+    from corolla.engine import quant_prmt_kernels
+
+    weight = _weight(520, 2048, seed=12, dtype=torch.bfloat16, random_table=False)
+    x = torch.randn(3, 2048, device=DEV, dtype=torch.bfloat16)
+    res = torch.randn(3, 520, device=DEV, dtype=torch.bfloat16)
+    eager = quant_prmt_kernels.nf4_prmt_gemv(x, weight, res, 64, 5, 4)  # 5 splits of 32 blocks: ragged
+    assert int(weight.split_counters.abs().sum()) == 0
+    expected = x.float() @ _fp16_level_reference(weight).t() + res.float()
+    assert float((eager.float() - expected).norm() / expected.norm()) < 1e-2
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        quant_prmt_kernels.nf4_prmt_gemv(x, weight, res, 64, 5, 4)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quant_prmt_kernels.nf4_prmt_gemv(x, weight, res, 64, 5, 4)
+    for _ in range(3):  # fresh inputs each replay, same function
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, quant_prmt_kernels.nf4_prmt_gemv(x, weight, res, 64, 5, 4))
+        assert int(weight.split_counters.abs().sum()) == 0

@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # only for annotations: bitsandbytes is imported at run time 
 
 NF4_BLOCK_VALUES = 64  # values per first-level block (what models/quantization.py asks bitsandbytes for)
 NESTED_BLOCK_ABSMAXES = 256  # first-level absmaxes per second-level block (bitsandbytes' compress_statistics)
+SPLIT_COUNTERS = 2048  # output tiles a split-K GEMV call may have (N / 64 rows x 2 row groups up to N = 65536)
 
 # The 16 NormalFloat4 levels (QLoRA, appendix E): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
 NF4_LEVELS = (
@@ -57,6 +58,9 @@ class NF4Weight:
     pair_levels: torch.Tensor = field(init=False, repr=False)  # [256] int32, derived from `code` (1 KiB)
     # the 8 table words of quant_prmt's register lookup (fp16 levels), derived from `code`; empty for fp32
     lut_words: tuple[int, ...] = field(init=False, repr=False)
+    # [SPLIT_COUNTERS] int32 zeros: the split-K GEMV's per-output-tile arrival counts (each call leaves them zero;
+    # calls on one weight must not run concurrently on two streams)
+    split_counters: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         n, kh = self.packed.shape
@@ -76,6 +80,7 @@ class NF4Weight:
             raise ValueError(f"NF4 compute dtype must be a float type, got {self.dtype}")
         self.pair_levels = self._pair_levels()
         self.lut_words = () if self.dtype == torch.float32 else quant_prmt.lut_words(self.code)
+        self.split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=self.packed.device)
 
     def _pair_levels(self) -> torch.Tensor:
         """[256] int32: for byte b, the bits of level(b >> 4) in the compute dtype in the high half and of

@@ -12,7 +12,9 @@ tile of x and step.
 
 Batch invariance (as in quant_gemv / quant_tile): a row's output is computed by the same instructions in the same
 order whatever the other rows are (per-row accumulators; 16-row tiles with the same instruction sequence), and a
-split of K is summed in split order by `quant_gemv._split_sum_kernel`. CUDA-graph safe. The table words are kernel
+split of K is summed in split order: by the GEMV's last program to finish an output tile (an arrival count per tile
+in `NF4Weight.split_counters`, reset by that program: one launch per projection instead of two), by
+`quant_gemv._split_sum_kernel` after the tile kernel. CUDA-graph safe. The table words are kernel
 arguments (`NF4Weight.lut_words`): any 16-level code table works. Importing fails without Triton; the inline PTX
 runs on NVIDIA GPUs only (not under Triton's CPU interpreter): `quant_prmt.emulate_decode` is its CPU twin."""
 
@@ -72,12 +74,14 @@ def _row_word_sums(w, x_ptr, row, M, stride_xm, k0, K, C: tl.constexpr):
 
 @triton.jit
 def _nf4_prmt_gemv_kernel(
-    x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, ws_ptr, res_ptr, out_ptr,
+    x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, ws_ptr, res_ptr, out_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits,
     t0, t1, t2, t3, t4, t5, t6, t7,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip
     # program (n tile, split, row group); q_ptr: the packed bytes as int32 words, stride_qn in words per row.
+    # USE_WS (K split): each program stores its partial sums; the last program of an (n tile, row group) to finish
+    # (counted in cnt_ptr) sums the splits in split order and writes the output (no second kernel).
     # Step = one 64-value absmax block: 8 words per row; block b of row n has absmax code aq[n * K / 64 + b].
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -126,6 +130,30 @@ def _nf4_prmt_gemv_kernel(
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
         _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+    if USE_WS:
+        tl.debug_barrier()  # every thread's partial sums stored before the (release) count
+        tile = tl.program_id(2) * tl.num_programs(0) + pid_n
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            _sum_splits(row0, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES)
+            if ROWS >= 2:
+                _sum_splits(row0 + 1, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES)
+            if ROWS >= 4:
+                _sum_splits(row0 + 2, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES)
+                _sum_splits(row0 + 3, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call (graph replay)
+
+
+@triton.jit
+def _sum_splits(row, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES: tl.constexpr):
+    # out[row, offs_n] = sum over s in order of ws[s, row, offs_n] (+ residual); L2 reads (.cg): other programs
+    # wrote the partials
+    mask = (offs_n < N) & (row < M)
+    acc = tl.load(ws_ptr + row * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, splits):
+        acc += tl.load(ws_ptr + (s * M + row) * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
+    if HAS_RES:
+        acc += tl.load(res_ptr + row * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -240,18 +268,16 @@ def nf4_prmt_gemv(
     res = residual if residual is not None else out
     words = _words(weight)
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
+    if use_ws and grid[0] * grid[2] > weight.split_counters.numel():
+        raise ValueError(
+            f"{grid[0] * grid[2]} output tiles exceed the weight's {weight.split_counters.numel()} counters"
+        )
     _nf4_prmt_gemv_kernel[grid](
-        x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out,
+        x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out, weight.split_counters,
         m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
         *weight.lut_words,
-        BLOCK_N=block_n, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None and not use_ws, num_warps=warps,
+        BLOCK_N=block_n, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None, num_warps=warps,
     )  # fmt: skip
-    if use_ws:
-        block = 1024
-        _split_sum_kernel[(m, triton.cdiv(n, block))](
-            ws, res, ws, out, m, n, res.stride(0), out.stride(0), splits,
-            HAS_RES=residual is not None, HAS_SCALE=False, BLOCK=block,
-        )  # fmt: skip
     return out
 
 
