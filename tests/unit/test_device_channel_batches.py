@@ -43,9 +43,8 @@ async def _channel(backend: SpanBackend) -> AsyncIterator[tuple[FastExecutor, De
         config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
         real = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
         device_end, handler_end = socket.socketpair()
-        device_reader, device_writer = await asyncio.open_unix_connection(sock=device_end)
         channel = DeviceChannel(
-            0, device_reader, device_writer, executor=real, admission=SessionAdmission(PeerLimits(), real),
+            0, device_end, executor=real, admission=SessionAdmission(PeerLimits(), real),
             router=PushRouter(DeviceSessionRegistry()), span=SPAN, max_frame_bytes=1 << 20,
         )  # fmt: skip
         serving = asyncio.create_task(channel.serve())

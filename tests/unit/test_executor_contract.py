@@ -80,10 +80,9 @@ async def _proxied(
     real: SpanExecutor, admission: SessionAdmission | None = None, router: PushRouter | None = None
 ) -> AsyncIterator[ProxyExecutor]:
     device_end, handler_end = socket.socketpair()
-    device_reader, device_writer = await asyncio.open_unix_connection(sock=device_end)
     handler_reader, handler_writer = await asyncio.open_unix_connection(sock=handler_end)
     channel = DeviceChannel(
-        0, device_reader, device_writer, executor=real,
+        0, device_end, executor=real,
         admission=admission if admission is not None else SessionAdmission(PeerLimits(), real),
         router=router if router is not None else PushRouter(DeviceSessionRegistry()), span=SPAN,
         max_frame_bytes=1 << 24,

@@ -6,6 +6,14 @@ iteration (STEP_BATCH) and their replies leave together: every step reply that b
 (one merged forward resolves all of its steps in one callback) goes out in one REPLY_BATCH frame with the state
 once.
 
+Steps skip the event loop (`serve_steps`): a reader thread per channel receives every frame (blocking `recv_into`,
+`channel_io`), parses a STEP_BATCH itself (sizes before slicing, handles, block ranges), asks the executor to
+prepare each step (`DeviceExecutor.prepare_step`: the same typed refusals as `step`) and queues them on the runtime
+as callback tasks, waking its thread once per frame; after a merged forward the runtime thread appends each result
+to its channel's outbox and sends one REPLY_BATCH per channel with a blocking `sendall`. A refused step is answered
+from the reader thread and fails only its caller. Every other frame (OPEN, CLOSE, FORWARD, BACKWARD, pushes, routes)
+is handed to the event loop, as rare work.
+
 The handler process validated every input (`block_functions`) before it sent it; this side re-checks only what a
 frame could get wrong by itself (sizes, handles, block ranges inside the span)."""
 
@@ -13,16 +21,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
-from hivemind.proto import runtime_pb2
 
 from corolla.server import proxy_wire as wire
 from corolla.server.admission import SessionAdmission, SessionTicket
+from corolla.server.channel_io import FrameSocket
 from corolla.server.executor import (
     BackwardInputs,
+    DeviceExecutor,
     ForwardInputs,
     SessionCache,
     SessionSpec,
@@ -31,10 +44,12 @@ from corolla.server.executor import (
 )
 from corolla.server.metrics import ServerMetrics
 from corolla.server.proxy_executor import DeviceInfo
-from corolla.server.sessions import SessionRegistry
+from corolla.server.push_router import DeviceSessionRegistry, PushRouter
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+__all__ = ["DeviceChannel", "DeviceSessionRegistry", "PushRouter", "device_info"]
 
 
 def device_info(executor: SpanExecutor, span: tuple[int, ...], handler_index: int, max_frame_bytes: int) -> DeviceInfo:
@@ -65,81 +80,15 @@ class _Held:
     cache: SessionCache | None = None
 
 
-class PushRouter:
-    """Which handler process holds the stream of each session id (for pushes); the device's own registry serves
-    same-host socket sessions."""
-
-    def __init__(self, local: SessionRegistry):
-        self.local = local
-        self.routes: dict[str, DeviceChannel] = {}
-        self.channels: list[DeviceChannel] = []
-
-    def add(self, session_id: str, channel: DeviceChannel) -> None:
-        owner = self.routes.setdefault(session_id, channel)
-        if owner is not channel:
-            logger.info(f"push_router.duplicate_session_id(session_id={session_id!r:.40}): first holder keeps pushes")
-
-    def remove(self, session_id: str, channel: DeviceChannel) -> None:
-        if self.routes.get(session_id) is channel:
-            del self.routes[session_id]
-
-    def forget(self, channel: DeviceChannel) -> None:
-        for session_id in [s for s, c in self.routes.items() if c is channel]:
-            del self.routes[session_id]
-        if channel in self.channels:
-            self.channels.remove(channel)
-
-    def route(self, session_id: str, raw: bytes, sender: str | None, origin: DeviceChannel | None) -> bool:
-        """Delivers a pushed step (serialized `ExpertRequest`); False if no process holds its session."""
-        if self.local.holds(session_id):
-            return self.local.push(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender=sender)
-        channel = self.routes.get(session_id)
-        if channel is None or channel is origin:
-            return False
-        channel.send(wire.PUSH_OUT, 0, wire.Writer().text(session_id).text(sender).blob(raw))
-        return True
-
-    def broadcast_state(self) -> None:
-        """Every handler process learns the cache left; the server's metrics too."""
-        for channel in list(self.channels):
-            channel.send_state()
-        if self.channels and self.channels[0].metrics is not None:
-            executor = self.channels[0].executor
-            self.channels[0].metrics.set_cache(
-                max(0, executor.max_size_bytes - executor.bytes_left), executor.bytes_left
-            )
-
-
-class DeviceSessionRegistry(SessionRegistry):
-    """The device process's own sessions (same-host socket); a push for a session it does not hold (the next span
-    is ours, its stream in a handler process) is routed there."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.router: PushRouter | None = None
-
-    @property
-    def num_open(self) -> int:
-        """Sessions open in this process and in every handler process (drain waits for all of them)."""
-        remote = sum(len(c.sessions) for c in self.router.channels) if self.router is not None else 0
-        return super().num_open + remote
-
-    def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
-        if self.holds(session_id) or self.router is None:
-            return super().push(session_id, request, sender=sender)
-        return self.router.route(session_id, request.SerializeToString(), sender, origin=None)
-
-
 class DeviceChannel:
     """Serves one handler process (see the module docstring)."""
 
     def __init__(
         self,
         index: int,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        sock: socket.socket,
         *,
-        executor: SpanExecutor,
+        executor: DeviceExecutor,
         admission: SessionAdmission,
         router: PushRouter,
         span: tuple[int, ...],
@@ -147,7 +96,8 @@ class DeviceChannel:
         metrics: ServerMetrics | None = None,
         check_accepting: Callable[[], None] | None = None,
     ):
-        self.index, self.reader, self.writer = index, reader, writer
+        self.index = index
+        self.io = FrameSocket(sock, max_frame_bytes)
         self.executor, self.admission, self.router, self.span = executor, admission, router, span
         self.max_frame_bytes = max_frame_bytes
         self.metrics = metrics  # the server's one set: handler processes report sessions and refusals here
@@ -159,12 +109,20 @@ class DeviceChannel:
         self.sessions: dict[int, _Held] = {}
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
-        self._outbox: list[tuple[int, int, wire.Writer]] = []  # step replies of this loop iteration
-        self._flush_scheduled = False
-        self.num_requests = 0
+        self._outbox: list[tuple[int, int, wire.Writer]] = []  # step replies not sent yet (reader/runtime threads)
+        self._outbox_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self.num_requests = 0  # counted by the reader thread only
         self.num_frames_in = 0
-        self.num_frames_out = 0
         self.num_sessions_opened = 0
+
+    @property
+    def num_frames_out(self) -> int:
+        return self.io.frames_sent
+
+    def close(self) -> None:
+        """Ends the channel (the server stops): the reader thread wakes, `serve` ends every session."""
+        self.io.shutdown()
 
     # ---- output
 
@@ -173,23 +131,20 @@ class DeviceChannel:
         return wire.Writer().u64(max(0, executor.bytes_left)).u64(executor.bytes_waiting).u64(executor.max_size_bytes)
 
     def send(self, kind: int, request_id: int, body: wire.Writer) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(body.frame(kind, request_id))
-            self.num_frames_out += 1
+        """Sends one frame from any thread (a blocking `sendall` under the socket's lock)."""
+        self.io.send_frames([body.frame(kind, request_id)])
 
     def _queue_reply(self, kind: int, request_id: int, body: wire.Writer) -> None:
-        self._outbox.append((kind, request_id, body))
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        with self._outbox_lock:
+            self._outbox.append((kind, request_id, body))
 
     def _flush(self) -> None:
-        items, self._outbox, self._flush_scheduled = self._outbox, [], False
-        if self.writer.is_closing():
-            return
-        for frame in wire.batch_frames(items, wire.REPLY_BATCH, self.max_frame_bytes, head=self._state()):
-            self.writer.write(frame)
-            self.num_frames_out += 1
+        """Sends every queued step reply, as few REPLY_BATCH frames as the bound allows, with the state once each
+        (the runtime thread after a merged forward; the reader thread after refusing steps)."""
+        with self._outbox_lock:
+            items, self._outbox = self._outbox, []
+        if items and not self.io.closed:
+            self.io.send_frames(wire.batch_frames(items, wire.REPLY_BATCH, self.max_frame_bytes, head=self._state()))
 
     def send_state(self) -> None:
         self.send(wire.STATE, 0, self._state())
@@ -207,37 +162,125 @@ class DeviceChannel:
         self.send(wire.HELLO, 0, _raw(info.to_json()))
         self.send_state()
         self.router.channels.append(self)
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+        self._reader = threading.Thread(
+            target=self._read_loop, args=(loop, ended), name=f"corolla-channel-{self.index}", daemon=True
+        )
         try:
-            while True:
-                kind, request_id, payload = await wire.read_frame(self.reader, self.max_frame_bytes)
-                self.num_frames_in += 1
-                if kind == wire.STEP_BATCH:
-                    for item_kind, item_id, item in wire.split_batch(wire.Reader(payload), wire.STEP_BATCH):
-                        self.num_requests += 1
-                        self._start(item_kind, item_id, item)
-                    continue
-                self.num_requests += 1
-                if kind == wire.PUSH_IN:
-                    fields = wire.Reader(payload)
-                    session_id, sender, raw = fields.text(), fields.text(), fields.blob()
-                    self.router.route(session_id, raw, sender or None, origin=self)
-                elif kind == wire.METRICS:
-                    self._count(wire.Reader(payload))
-                elif kind == wire.READY:
-                    fields = wire.Reader(payload)
-                    self.pid, self.listen_maddr = fields.u32(), fields.text()
-                    self.stream_names = [fields.text() for _ in range(fields.u8())]
-                    self.ready.set()
-                elif kind in (wire.ROUTE_ADD, wire.ROUTE_DEL):
-                    session_id = wire.Reader(payload).text()
-                    (self.router.add if kind == wire.ROUTE_ADD else self.router.remove)(session_id, self)
-                else:
-                    self._start(kind, request_id, payload)
-        except wire.ChannelClosed:
-            logger.info(f"device_channel.closed(handler={self.index}, sessions={len(self.sessions)})")
+            self._reader.start()
+            await asyncio.shield(ended)
         finally:
+            self.io.shutdown()  # the reader thread (if still reading) wakes with ChannelClosed
+            await asyncio.to_thread(self._reader.join, 10.0)
             self.router.forget(self)
             await self._end_all()
+            self.io.close()
+
+    def _read_loop(self, loop: asyncio.AbstractEventLoop, ended: asyncio.Future[None]) -> None:
+        """The reader thread: steps straight to the runtime, everything else to the event loop."""
+        try:
+            while True:
+                kind, request_id, payload = self.io.recv_frame()
+                self.num_frames_in += 1
+                if kind in (wire.STEP_BATCH, wire.STEP):
+                    self._submit_steps(kind, request_id, payload)
+                    continue
+                self.num_requests += 1
+                loop.call_soon_threadsafe(self._dispatch, kind, request_id, bytes(payload))
+        except wire.ChannelClosed:
+            logger.info(f"device_channel.closed(handler={self.index}, sessions={len(self.sessions)})")
+        except Exception as e:  # a malformed frame: the channel ends (the handler process restarts)
+            logger.error(f"device_channel.failed(handler={self.index}, error={e!r})")
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_set_done, ended)
+
+    def _dispatch(self, kind: int, request_id: int, payload: bytes) -> None:
+        """A frame other than a step, in the event loop."""
+        try:
+            if kind == wire.PUSH_IN:
+                fields = wire.Reader(payload)
+                session_id, sender, raw = fields.text(), fields.text(), fields.blob()
+                self.router.route(session_id, raw, sender or None, origin=self)
+            elif kind == wire.METRICS:
+                self._count(wire.Reader(payload))
+            elif kind == wire.READY:
+                fields = wire.Reader(payload)
+                self.pid, self.listen_maddr = fields.u32(), fields.text()
+                self.stream_names = [fields.text() for _ in range(fields.u8())]
+                self.ready.set()
+            elif kind in (wire.ROUTE_ADD, wire.ROUTE_DEL):
+                session_id = wire.Reader(payload).text()
+                (self.router.add if kind == wire.ROUTE_ADD else self.router.remove)(session_id, self)
+            else:
+                self._start(kind, request_id, payload)
+        except wire.FrameError as e:
+            logger.error(f"device_channel.bad_frame(handler={self.index}, kind={kind}, error={e!r}): channel ends")
+            self.io.shutdown()
+
+    # ---- steps (reader thread -> runtime -> runtime thread)
+
+    def _submit_steps(self, kind: int, request_id: int, payload: memoryview) -> None:
+        """Queues a frame's steps on the runtime and wakes its thread once; refusals are answered at once. A
+        malformed batch (count or lengths) raises FrameError: the channel ends."""
+        items = (
+            wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
+            if kind == wire.STEP_BATCH
+            else [(kind, request_id, payload)]
+        )
+        refused = False
+        for _, item_id, item in items:
+            self.num_requests += 1
+            try:
+                self._submit_step(item_id, item)
+            except Exception as e:
+                self._queue_reply(wire.REPLY_ERROR, item_id, wire.encode_error(e))
+                refused = True
+        self.executor.runtime.wake()
+        if refused:
+            self._flush()
+
+    def _submit_step(self, request_id: int, payload: memoryview) -> None:
+        fields = wire.Reader(payload)
+        held = self._held(fields.u32())
+        prefix_length, lone, adapter = fields.u32(), bool(fields.u8()), fields.text()
+        hidden, prompts, hypo_ids = fields.tensor(), fields.tensor(), fields.tensor()  # copies out of the buffer
+        fields.done()
+        if hidden is None or hidden.dim() != 3:
+            raise wire.FrameError("a step needs hidden states [B, T, H]")
+        lone = lone and self.admission.num_open <= 1  # alone in this process and in all of them
+        assert held.cache is not None
+        prepared = self.executor.prepare_step(held.cache, StepInputs(hidden, prefix_length, prompts, hypo_ids,
+                                                                     adapter, lone_session=lone))  # fmt: skip
+        done = partial(self._step_done, request_id, held.ticket, hidden.shape[0] * hidden.shape[1],
+                       prepared.observe, time.perf_counter())  # fmt: skip
+        self.executor.runtime.submit_callback(
+            prepared.fn, on_done=done, flush=self._flush, priority=prepared.priority,
+            size_tokens=prepared.size_tokens, kind=prepared.kind, merge_key=prepared.merge_key,
+            payload=prepared.payload, inline=prepared.inline, notify=False,
+        )  # fmt: skip
+
+    def _step_done(
+        self,
+        request_id: int,
+        ticket: SessionTicket | None,
+        num_tokens: int,
+        observe: Callable[[float], None] | None,
+        queued_at: float,
+        output: torch.Tensor | None,
+        error: BaseException | None,
+    ) -> None:
+        """A step's result, in the thread that ran it; the runtime sends the batch's replies with `_flush`."""
+        if error is not None or output is None:
+            failure = error if error is not None else RuntimeError("the step returned nothing")
+            self._queue_reply(wire.REPLY_ERROR, request_id, wire.encode_error(failure))
+            return
+        if ticket is not None:
+            ticket.touch(num_tokens)
+        if observe is not None:
+            observe(time.perf_counter() - queued_at)
+        self._queue_reply(wire.REPLY_TENSORS, request_id, wire.Writer().u8(1).tensor(output))  # [B, T, H]
 
     def _start(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
         task = asyncio.create_task(self._answer(kind, request_id, payload))
@@ -267,15 +310,11 @@ class DeviceChannel:
             await asyncio.wait(holders, timeout=10.0)
         self.sessions.clear()
         self.router.broadcast_state()
-        with contextlib.suppress(Exception):
-            self.writer.close()
 
     async def _answer(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
         try:
             fields = wire.Reader(payload)
-            if kind == wire.STEP:
-                body = await self._step(fields)
-            elif kind == wire.OPEN:
+            if kind == wire.OPEN:
                 body = await self._open(fields)
             elif kind == wire.CLOSE:
                 body = await self._close(fields)
@@ -286,13 +325,7 @@ class DeviceChannel:
             else:
                 raise wire.FrameError(f"frame kind {kind} is not a request")
         except Exception as e:
-            if kind == wire.STEP:
-                self._queue_reply(wire.REPLY_ERROR, request_id, wire.encode_error(e))
-            else:
-                self._reply(wire.REPLY_ERROR, request_id, wire.encode_error(e))
-            return
-        if kind == wire.STEP:  # with the other steps that finished in this loop iteration
-            self._queue_reply(wire.REPLY_TENSORS, request_id, body)
+            self._reply(wire.REPLY_ERROR, request_id, wire.encode_error(e))
             return
         self._reply(wire.REPLY_CLOSED if kind == wire.CLOSE else
                     wire.REPLY_OPEN if kind == wire.OPEN else wire.REPLY_TENSORS, request_id, body)  # fmt: skip
@@ -365,21 +398,6 @@ class DeviceChannel:
             raise wire.FrameError(f"no open session with a cache under handle {handle}")
         return held
 
-    async def _step(self, fields: wire.Reader) -> wire.Writer:
-        held = self._held(fields.u32())
-        prefix_length, lone, adapter = fields.u32(), bool(fields.u8()), fields.text()
-        hidden, prompts, hypo_ids = fields.tensor(), fields.tensor(), fields.tensor()
-        fields.done()
-        if hidden is None or hidden.dim() != 3:
-            raise wire.FrameError("a step needs hidden states [B, T, H]")
-        lone = lone and self.admission.num_open <= 1  # alone in this process and in all of them
-        inputs = StepInputs(hidden, prefix_length, prompts, hypo_ids, adapter, lone_session=lone)
-        assert held.cache is not None
-        output = await self.executor.step(held.cache, inputs)  # [B, T, H]
-        if held.ticket is not None:
-            held.ticket.touch(hidden.shape[0] * hidden.shape[1])
-        return wire.Writer().u8(1).tensor(output)
-
     async def _forward(self, fields: wire.Reader) -> wire.Writer:
         blocks = self._blocks(fields.u32(), fields.u32())
         chunk_tokens, adapter, hidden, prompts = fields.u32(), fields.text(), fields.tensor(), fields.tensor()
@@ -402,6 +420,11 @@ class DeviceChannel:
         for tensor in outputs:
             body.tensor(tensor)
         return body
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _raw(data: bytes) -> wire.Writer:

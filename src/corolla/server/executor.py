@@ -8,6 +8,7 @@ trusts shapes, dtypes, lengths and positions and only enforces what it alone kno
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -69,6 +70,21 @@ class BackwardInputs:
     @property
     def has_prompts(self) -> bool:
         return self.prompts is not None
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step checked and bound by its executor (`DeviceExecutor.prepare_step`), ready to be queued on the runtime
+    as one task by whoever waits for it: a coroutine (`step`) or a device channel's reader thread (a callback)."""
+
+    fn: Callable[[], torch.Tensor]  # runs the step alone: [B, T, H] -> [B, T, H]
+    priority: float
+    size_tokens: int
+    kind: str
+    merge_key: Hashable | None  # steps with equal (kind, merge_key) may run in one merged forward
+    payload: object  # what the kind's batch executor reads
+    inline: bool  # an idle runtime may run it in the submitting thread
+    observe: Callable[[float], None] | None  # metrics once it succeeded, given the seconds since it was queued
 
 
 class SessionCache:
@@ -160,4 +176,9 @@ class DeviceExecutor(SpanExecutor, Protocol):
     @property
     def runtime(self) -> Runtime:
         """The one device thread all work of this span runs on."""
+        ...
+
+    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> PreparedStep:
+        """What `step` does before it queues the step (cache ownership, adapter binding; the same typed refusals,
+        raised here), synchronously: a device channel's reader thread queues it with `Runtime.submit_callback`."""
         ...

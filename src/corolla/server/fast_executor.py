@@ -23,6 +23,7 @@ from corolla.server.executor import (
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
+    PreparedStep,
     SessionCache,
     SessionSpec,
     StepInputs,
@@ -144,25 +145,34 @@ class FastExecutor:
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
         """A mergeable runtime task: queued steps of this span go to one batch executor call, which merges their
         single-token steps into one batched forward. A lone session's step may run inline on an idle runtime."""
+        prepared = self.prepare_step(cache, inputs)
+        started = time.perf_counter()
+        output: torch.Tensor = await self._runtime.submit(
+            prepared.fn, priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
+            merge_key=prepared.merge_key, payload=prepared.payload, inline=prepared.inline,
+        )  # fmt: skip
+        if prepared.observe is not None:
+            prepared.observe(time.perf_counter() - started)  # includes the queue wait
+        return output
+
+    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> PreparedStep:
+        """`step` up to the runtime (a device channel's reader thread queues it without a coroutine)."""
         own = self._own(cache)
         self.engine.bind_adapter(own.session, inputs.adapter)  # ValueError: unknown, or not the session's adapter
         request = StepRequest(own.session, inputs.hidden_states, inputs.prefix_length, inputs.hypo_ids, inputs.prompts)
         batch_size, length = inputs.hidden_states.shape[:2]
-        engine = self.engine
-        started = time.perf_counter()
-        output: torch.Tensor = await self._runtime.submit(
-            lambda: engine.step(request.session, request.hidden, request.position, request.hypo_ids, request.prompts),
-            priority=PRIORITY_INFERENCE,
-            size_tokens=batch_size * max(length, 1),
-            kind=KIND_ENGINE_INFERENCE,
-            merge_key=self._merge_key,
-            payload=request,
-            inline=inputs.lone_session,
-        )
-        if self.metrics is not None:
-            self.metrics.observe_step(time.perf_counter() - started)  # includes the queue wait
-            self.metrics.tokens("inference", batch_size * length)
-        return output
+        engine, metrics = self.engine, self.metrics
+
+        def observe(seconds: float) -> None:
+            if metrics is not None:
+                metrics.observe_step(seconds)
+                metrics.tokens("inference", batch_size * length)
+
+        return PreparedStep(
+            fn=lambda: engine.step(request.session, request.hidden, request.position, request.hypo_ids, request.prompts),
+            priority=PRIORITY_INFERENCE, size_tokens=batch_size * max(length, 1), kind=KIND_ENGINE_INFERENCE,
+            merge_key=self._merge_key, payload=request, inline=inputs.lone_session, observe=observe,
+        )  # fmt: skip
 
     def _execute_tasks(self, tasks: list[Task]) -> list[torch.Tensor | BaseException]:
         requests: list[StepRequest] = []

@@ -26,7 +26,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.server.admission import SessionAdmission
 from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
-from corolla.server.executor import SpanExecutor
+from corolla.server.executor import DeviceExecutor
 from corolla.server.handler_process import HandlerSettings, main
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
@@ -75,7 +75,7 @@ class HandlerPool:
         num_handlers: int,
         settings: HandlerSettings,
         *,
-        executor: SpanExecutor,
+        executor: DeviceExecutor,
         admission: Callable[[], SessionAdmission],
         sessions: DeviceSessionRegistry,
         span: tuple[int, ...],
@@ -131,9 +131,8 @@ class HandlerPool:
         theirs.close()
         sock = socket.socket(fileno=os.dup(ours.fileno()))
         ours.close()
-        reader, writer = await asyncio.open_unix_connection(sock=sock)
         channel = DeviceChannel(
-            index, reader, writer, executor=self.executor, admission=self.admission(), router=self.router,
+            index, sock, executor=self.executor, admission=self.admission(), router=self.router,
             span=self.span, max_frame_bytes=self.max_frame_bytes, metrics=self.metrics,
             check_accepting=self.check_accepting,
         )  # fmt: skip
@@ -171,7 +170,7 @@ class HandlerPool:
         self._stopping = True
         for channel in self.channels:
             if channel is not None:
-                channel.writer.close()
+                channel.close()
         for task in list(self._tasks):
             try:
                 await asyncio.wait_for(asyncio.shield(task), self.stop_timeout_s)

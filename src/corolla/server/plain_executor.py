@@ -17,6 +17,7 @@ from corolla.server.executor import (
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
+    PreparedStep,
     SessionCache,
     SessionSpec,
     StepInputs,
@@ -191,6 +192,13 @@ class PlainExecutor:
     # ---- compute
 
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        prepared = self.prepare_step(cache, inputs)
+        return await self._runtime.submit(
+            prepared.fn, priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind
+        )
+
+    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> PreparedStep:
+        """`step` up to the runtime: one unmerged task (its metrics are taken inside it, `measured`)."""
         own = self._own(cache)
         batch_size, length, _ = inputs.hidden_states.shape
         backend, memory_cache, spec = self.backend, self.memory_cache, own.spec
@@ -208,12 +216,11 @@ class PlainExecutor:
                 adapter=inputs.adapter,
             )
 
-        return await self._runtime.submit(
-            measured(task, self.metrics, "inference", batch_size, batch_size * length),
-            priority=PRIORITY_INFERENCE,
-            size_tokens=batch_size * max(length, 1),
-            kind=KIND_INFERENCE,
-        )
+        return PreparedStep(
+            fn=measured(task, self.metrics, "inference", batch_size, batch_size * length),
+            priority=PRIORITY_INFERENCE, size_tokens=batch_size * max(length, 1), kind=KIND_INFERENCE,
+            merge_key=None, payload=None, inline=False, observe=None,
+        )  # fmt: skip
 
     async def forward(
         self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int

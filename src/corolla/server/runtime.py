@@ -183,11 +183,12 @@ class Runtime:
         if self._stopped:
             raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks")
         loop = asyncio.get_running_loop()
+        future = loop.create_future()
         task = Task(
             fn=fn,
             priority=float(priority),
             size_tokens=size_tokens,
-            future=loop.create_future(),
+            future=future,
             loop=loop,
             kind=kind,
             merge_key=merge_key,
@@ -195,12 +196,53 @@ class Runtime:
         )
         inline = inline and kind in self._inline_kinds and merge_key is not None and size_tokens <= INLINE_MAX_TOKENS
         if inline and self._run_inline(task):
-            return task.future
+            return future
         self._queue.push(task, notify=False)
         if loop not in self._wake_scheduled:  # one wake-up of the device thread per loop iteration, not per task
             self._wake_scheduled.add(loop)
             loop.call_soon(self._wake, loop)
-        return task.future
+        return future
+
+    def submit_callback(
+        self,
+        fn: Callable[[], Any],
+        *,
+        on_done: Callable[[Any, BaseException | None], None],
+        flush: Callable[[], None] | None = None,
+        priority: float,
+        size_tokens: int,
+        kind: str = KIND_GENERIC,
+        merge_key: Hashable | None = None,
+        payload: Any = None,
+        inline: bool = False,
+        notify: bool = True,
+    ) -> None:
+        """Queues `fn()` from any thread, without an event loop: `on_done(result, error)` runs in the thread that
+        runs the task (the device thread, or this one when it runs inline), then `flush()` once per batch (several
+        tasks sharing one flush get one call after all their `on_done`s). `notify=False` leaves waking the device
+        thread to a later `wake()` (a reader thread queues a frame's steps, then wakes it once). Same refusals as
+        `submit`, raised here."""
+        if size_tokens > self.max_batch_size_tokens:
+            raise ValueError(
+                f"Task of {size_tokens} tokens (batch x length) exceeds the server's max_batch_size "
+                f"of {self.max_batch_size_tokens} tokens; send smaller batches or shorter chunks"
+            )
+        if size_tokens < 0:
+            raise ValueError(f"size_tokens must be >= 0, got {size_tokens}")
+        if self._stopped:
+            raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks")
+        task = Task(
+            fn=fn, priority=float(priority), size_tokens=size_tokens, future=None, loop=None, kind=kind,
+            merge_key=merge_key, payload=payload, on_done=on_done, flush=flush,
+        )  # fmt: skip
+        inline = inline and kind in self._inline_kinds and merge_key is not None and size_tokens <= INLINE_MAX_TOKENS
+        if inline and self._run_inline(task):
+            return
+        self._queue.push(task, notify=notify)
+
+    def wake(self) -> None:
+        """Wakes the device thread for tasks queued with `notify=False`."""
+        self._queue.wake()
 
     def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
         self._wake_scheduled.discard(loop)
@@ -226,7 +268,10 @@ class Runtime:
         self.num_batches_done += 1
         self.num_tasks_done += 1
         self.num_inline_batches += 1
-        _resolve(task.future, *results[0])
+        if task.future is not None:
+            _resolve(task.future, *results[0])
+        else:
+            _call_back([task], results)
         return True
 
     # ---- device thread
@@ -295,11 +340,21 @@ class Runtime:
     def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
         self.num_tasks_done += len(batch)
+        if any(t.future is None for t in batch):  # callback tasks: their replies leave from this thread
+            _call_back(
+                [t for t in batch if t.future is None],
+                [r for t, r in zip(batch, results, strict=True) if t.future is None],
+            )
+            kept = [(t, r) for t, r in zip(batch, results, strict=True) if t.future is not None]
+            batch, results = [t for t, _ in kept], [r for _, r in kept]
+            if not batch:
+                return
         if len(batch) == 1:
             _deliver(batch[0], *results[0])
             return
         by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}  # one loop wake-up per batch, not per task
         for task, (result, error) in zip(batch, results, strict=True):
+            assert task.loop is not None
             by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.future, result, error))
         for loop, items in by_loop.values():
             try:
@@ -308,8 +363,30 @@ class Runtime:
                 logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
 
 
+def _call_back(tasks: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
+    """Runs each callback task's `on_done`, then each distinct `flush` once (a failing callback is logged: it must
+    not stop the device thread or the other callers' replies)."""
+    flushes: dict[int, Callable[[], None]] = {}
+    for task, (result, error) in zip(tasks, results, strict=True):
+        try:
+            if task.on_done is not None:
+                task.on_done(result, error)
+        except Exception as e:
+            logger.warning(f"runtime.callback_failed(kind={task.kind}, error={e!r})")
+        if task.flush is not None:
+            flushes.setdefault(id(task.flush), task.flush)
+    for flush in flushes.values():
+        try:
+            flush()
+        except Exception as e:
+            logger.warning(f"runtime.flush_failed(error={e!r})")
+
+
 def _deliver(task: Task, result: Any, error: BaseException | None) -> None:
-    """Resolves the task's future inside its own event loop (thread-safe)."""
+    """Resolves the task's future inside its own event loop (thread-safe), or runs its callback here."""
+    if task.future is None or task.loop is None:
+        _call_back([task], [(result, error)])
+        return
     try:
         task.loop.call_soon_threadsafe(_resolve, task.future, result, error)
     except RuntimeError:  # the loop is closed: nobody is waiting any more

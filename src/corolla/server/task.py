@@ -32,13 +32,17 @@ class Task:
     fn: Callable[[], Any]
     priority: float
     size_tokens: int
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future | None  # resolved in `loop`; None for a callback task (`on_done`)
+    loop: asyncio.AbstractEventLoop | None
     kind: str = KIND_GENERIC
     merge_key: Hashable | None = None
     payload: Any = None
     submitted_at: float = field(default_factory=time.monotonic)
     seq: int = 0
+    # a callback task (no event loop): `on_done(result, error)` runs in the thread that ran the task, then
+    # `flush()` once per distinct flush of the batch it ran in (a device channel sends one reply frame per batch)
+    on_done: Callable[[Any, BaseException | None], None] | None = None
+    flush: Callable[[], None] | None = None
 
     @property
     def sort_key(self) -> tuple[float, float, int]:
@@ -46,8 +50,8 @@ class Task:
 
     @property
     def abandoned(self) -> bool:
-        """True once the caller gave up on the result (its future was cancelled)."""
-        return self.future.done()
+        """True once the caller gave up on the result (its future was cancelled); a callback task never is."""
+        return self.future is not None and self.future.done()
 
 
 class TaskQueue:

@@ -1,0 +1,100 @@
+"""Blocking frame I/O for the device side of a handler channel (`device_channel`): one reader thread receives frames
+with `recv_into` into one reused buffer (the GIL is released while it waits), and any thread (the event loop, the
+runtime's device thread) sends whole frames with `sendall` under one lock (released in the syscall too).
+
+The header is checked (kind, length against `max_frame_bytes`) before the payload buffer grows; the buffer only ever
+grows to the largest frame seen, never past the bound. A payload view is valid until the next `recv_frame`: the
+caller parses (copies) what it keeps before it reads again."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from corolla.server import proxy_wire as wire
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+INITIAL_BUFFER_BYTES = 1 << 16
+
+
+class FrameSocket:
+    """One end of a stream socket carrying `proxy_wire` frames (see the module docstring). Use as a context
+    manager: leaving it closes the socket (a reader blocked in `recv_frame` then sees the end)."""
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int):
+        if max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes must be >= 1, got {max_frame_bytes}")
+        sock.setblocking(True)
+        self.sock = sock
+        self.max_frame_bytes = max_frame_bytes
+        self._header = bytearray(wire.HEADER_BYTES)
+        self._buffer = bytearray(min(INITIAL_BUFFER_BYTES, max_frame_bytes))
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self.frames_sent = 0  # counted under the send lock
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _recv_exactly(self, view: memoryview) -> None:
+        received = 0
+        while received < len(view):
+            try:
+                n = self.sock.recv_into(view[received:])
+            except OSError as e:
+                raise wire.ChannelClosed(f"handler channel closed: {e!r}") from e
+            if n == 0:
+                raise wire.ChannelClosed("handler channel closed")
+            received += n
+
+    def recv_frame(self) -> tuple[int, int, memoryview]:
+        """(kind, request id, payload view) of the next frame; the view is valid until the next call.
+        ChannelClosed at the end, FrameError past the bounds (nothing allocated for the payload then)."""
+        self._recv_exactly(memoryview(self._header))
+        length, kind, request_id = wire.HEADER.unpack(self._header)
+        if kind not in wire.FRAME_KINDS:
+            raise wire.FrameError(f"unknown frame kind {kind}")
+        if length > self.max_frame_bytes:
+            raise wire.FrameError(f"frame of {length} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+        if length > len(self._buffer):
+            self._buffer = bytearray(length)  # grows to the largest frame seen (bounded above)
+        view = memoryview(self._buffer)[:length]
+        self._recv_exactly(view)
+        return kind, request_id, view
+
+    def send_frames(self, frames: list[bytes]) -> bool:
+        """Sends whole frames in order (never interleaved with another thread's); False if the socket is closed or
+        the other end is gone (the reader sees that end and ends the channel)."""
+        with self._send_lock:
+            if self._closed:
+                return False
+            try:
+                for frame in frames:
+                    self.sock.sendall(frame)
+                    self.frames_sent += 1
+            except OSError as e:
+                logger.debug(f"channel_io.send_failed(error={e!r})")
+                return False
+        return True
+
+    def shutdown(self) -> None:
+        """Ends both directions: a reader blocked in `recv_frame` wakes with ChannelClosed, the other end sees EOF."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already gone
+
+    def close(self) -> None:
+        self.shutdown()
+        with self._send_lock:
+            self._closed = True
+            self.sock.close()
+
+    def __enter__(self) -> FrameSocket:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,155 @@
+"""The device channel's step path without the event loop (`device_channel`, `channel_io`, `Runtime.submit_callback`):
+callback tasks report each result then flush once per merged batch, a refused step fails only its caller, a channel
+whose handler process dies ends its sessions (their cache comes back), and no reader thread outlives the channel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.models.registry import get_family
+from corolla.server import proxy_wire as wire
+from corolla.server.admission import SessionAdmission
+from corolla.server.backend import SpanBackend
+from corolla.server.channel_io import FrameSocket
+from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.executor import SessionSpec, StepInputs
+from corolla.server.fast_executor import FastExecutor
+from corolla.server.limits import PeerLimits
+from corolla.server.proxy_executor import DeviceLink, ProxyExecutor
+from corolla.server.refusals import BadRequest
+from corolla.server.runtime import Runtime, RuntimeStopped
+from corolla.server.task import Task
+from helpers.tiny_models import tiny_config
+
+H, SPAN = 64, (0, 1)
+
+
+def _channel_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("corolla-channel-")]
+
+
+def test_callback_tasks_report_each_result_then_flush_once_per_batch() -> None:
+    events: list[tuple[str, object]] = []
+    done = threading.Event()
+
+    def merged(tasks: list[Task]) -> list[object]:
+        return [ValueError("refused") if t.payload == 2 else t.payload * 10 for t in tasks]
+
+    def flush() -> None:
+        events.append(("flush", None))
+        done.set()
+
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        runtime.register_batch_executor("k", merged)
+        for i in range(4):  # queued without a wake: one merged batch
+            runtime.submit_callback(
+                lambda: None, on_done=lambda r, e: events.append(("done", e if e is not None else r)), flush=flush,
+                priority=1.0, size_tokens=1, kind="k", merge_key="m", payload=i, notify=False,
+            )  # fmt: skip
+        runtime.wake()
+        assert done.wait(10)
+    results = [value for name, value in events if name == "done"]
+    assert [r for r in results if not isinstance(r, BaseException)] == [0, 10, 30]
+    assert [str(r) for r in results if isinstance(r, BaseException)] == ["refused"]  # only its own task failed
+    assert events[-1] == ("flush", None) and sum(1 for name, _ in events if name == "flush") == 1
+    assert runtime.num_batches_done == 1
+
+
+def test_a_stopped_runtime_fails_queued_callback_tasks_and_refuses_new_ones() -> None:
+    errors: list[BaseException | None] = []
+    runtime = Runtime(max_batch_size_tokens=64)  # never started: tasks stay queued
+    runtime.submit_callback(lambda: 1, on_done=lambda r, e: errors.append(e), priority=1.0, size_tokens=1)
+    runtime.stop()
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeStopped)
+    with pytest.raises(RuntimeStopped):
+        runtime.submit_callback(lambda: 1, on_done=lambda r, e: None, priority=1.0, size_tokens=1)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Runtime(max_batch_size_tokens=4).submit_callback(
+            lambda: 1, on_done=lambda r, e: None, priority=1.0, size_tokens=5
+        )
+
+
+def test_frame_socket_refuses_an_oversized_frame_before_reading_it() -> None:
+    ours, theirs = socket.socketpair()
+    with FrameSocket(ours, max_frame_bytes=1024) as io, theirs:
+        theirs.sendall(wire.HEADER.pack(1 << 30, wire.STEP, 7))  # 1 GiB announced, nothing behind it
+        with pytest.raises(wire.FrameError, match="exceeds max_frame_bytes"):
+            io.recv_frame()
+        assert len(io._buffer) <= 1024  # nothing was allocated for it
+        theirs.sendall(wire.HEADER.pack(3, 99, 0) + b"abc")
+        with pytest.raises(wire.FrameError, match="unknown frame kind"):
+            io.recv_frame()
+
+
+@pytest.fixture(scope="module")
+def backend() -> SpanBackend:
+    torch.manual_seed(0)
+    config = tiny_config("llama", len(SPAN))
+    blocks = {i: get_family(config).build_block(config, i) for i in SPAN}
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+
+
+@contextlib.asynccontextmanager
+async def _served(
+    backend: SpanBackend,
+) -> AsyncIterator[tuple[FastExecutor, DeviceChannel, asyncio.Task[None], DeviceLink]]:
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
+        real = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
+        device_end, handler_end = socket.socketpair()
+        channel = DeviceChannel(
+            0, device_end, executor=real, admission=SessionAdmission(PeerLimits(), real),
+            router=PushRouter(DeviceSessionRegistry()), span=SPAN, max_frame_bytes=1 << 20,
+        )  # fmt: skip
+        serving = asyncio.create_task(channel.serve())
+        link = await DeviceLink.connect(*await asyncio.open_unix_connection(sock=handler_end))
+        try:
+            yield real, channel, serving, link
+        finally:
+            await link.close()
+            await asyncio.wait_for(serving, 10)
+
+
+def _step(hidden: torch.Tensor, position: int) -> StepInputs:
+    return StepInputs(hidden, position, None, None, "", lone_session=False)
+
+
+async def test_a_refused_step_fails_only_its_caller_and_the_session_goes_on(backend) -> None:
+    spec = SessionSpec(SPAN, 1, 16)
+    async with _served(backend) as (real, _, _, link), contextlib.AsyncExitStack() as stack:
+        proxy = ProxyExecutor(link)
+        a, b = [await stack.enter_async_context(proxy.open_session(spec, 0)) for _ in range(2)]
+        too_long = torch.randn(1, 17, H)  # past the session's 16 tokens: the engine refuses it
+        results = await asyncio.gather(
+            proxy.step(a, _step(torch.randn(1, 3, H), 0)), proxy.step(b, _step(too_long, 0)), return_exceptions=True
+        )
+        assert isinstance(results[0], torch.Tensor) and results[0].shape == (1, 3, H)
+        assert isinstance(results[1], (BadRequest, ValueError)), results[1]
+        out = await proxy.step(b, _step(torch.randn(1, 2, H), 0))  # the refused session still serves
+        assert out.shape == (1, 2, H) and torch.isfinite(out).all()
+
+
+async def test_a_dead_handler_process_ends_its_sessions_and_leaves_no_thread(backend) -> None:
+    spec = SessionSpec(SPAN, 1, 16)
+    async with _served(backend) as (real, channel, serving, link):
+        free = real.bytes_left
+        proxy = ProxyExecutor(link)
+        stack = contextlib.AsyncExitStack()
+        caches = [await stack.enter_async_context(proxy.open_session(spec, 0)) for _ in range(3)]
+        await asyncio.gather(*(proxy.step(c, _step(torch.randn(1, 2, H), 0)) for c in caches))
+        assert len(channel.sessions) == 3 and real.bytes_left < free and len(_channel_threads()) == 1
+        link.writer.transport.abort()  # the handler process dies: its end of the socket is gone
+        await asyncio.wait_for(asyncio.shield(serving), 10)
+        assert channel.sessions == {} and real.bytes_left == free  # every session's pages came back
+        assert _channel_threads() == []
+        with contextlib.suppress(Exception):
+            await stack.aclose()
+    assert _channel_threads() == []
