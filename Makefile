@@ -46,6 +46,10 @@ format: $(STAMP)
 # rewrites: see tests/helpers/file_order.py), then the `serial` tests (timing bounds, CPU-hungry benchmarks) alone.
 PYTEST_WORKERS ?= 2
 TEST_DURATIONS ?= build/test-durations.json
+# torch threads per process in the parallel part (pytest workers and every server or client they start): dozens of
+# processes share the cores, and OpenMP's extra threads only spin there (one thread: 43% less CPU for the in-process
+# model tests on the 2-core VM). The serial part keeps torch's default: its latency bounds were set with it.
+PARALLEL_TORCH_THREADS ?= 1
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 # The serial part collects only the files that mark tests `serial` (`pytest.mark.serial` / `mark.serial`, as a
 # decorator or in `pytestmark`), not the whole suite a third time: ~25 s less CPU.
@@ -56,7 +60,7 @@ test: lint
 	else \
 		echo "make test: loopback-only namespace unavailable, running plainly"; RUN=""; \
 	fi; \
-	COROLLA_TEST_DURATIONS_OUT=$(abspath $(TEST_DURATIONS)) \
+	COROLLA_TEST_DURATIONS_OUT=$(abspath $(TEST_DURATIONS)) OMP_NUM_THREADS=$(PARALLEL_TORCH_THREADS) \
 		$$RUN $(PYTEST) -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" tests && \
 	$$RUN $(PYTEST) -m serial $(or $(SERIAL_FILES),tests)
 
