@@ -148,8 +148,10 @@ def adapter_stored_bytes(block: CorollaBlock, weights: LoraWeights, dtype: torch
     total = 0
     for path, parts in _grouped(block, "sizing", weights).items():
         linear = block.get_submodule(path)
+        if not isinstance(linear, nn.Linear | LoraLinear):
+            raise TypeError(f"{path} is a {type(linear).__name__}, not a linear layer: can't size an adapter on it")
         rank = sum(int(a.shape[0]) for a, _, _, _ in parts)
-        total += rank * (int(linear.in_features) + int(linear.out_features)) * element
+        total += rank * (linear.in_features + linear.out_features) * element
     return total
 
 
