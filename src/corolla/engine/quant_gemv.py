@@ -36,30 +36,27 @@ from corolla.engine.quant import Int8Weight, NF4Weight
 GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
 
 # (BLOCK_N, 64-value blocks per step, K splits, num_warps, lut) for NF4; (BLOCK_N, BLOCK_K, K splits, num_warps,
-# 0) for Int8. Each tile is 2048 bytes (16 bytes per thread of 4 warps); splits are a run-time argument. Kept:
-# the tiles that won some Llama-3-8B projection on an H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-
-# 20261126-1712.json: NF4 [16, 128-byte] tiles were 10-25% slower than [32, 64-byte] ones on every shape; Int8
-# [8, 256] won three of four shapes, [16, 128] with 4 splits came within 4% on the fourth).
-# lut 2: quant_prmt_kernels' register-lookup GEMV (BLOCK_N rows of 32-byte steps, one 64-value block per step).
-# On the H100 (quant-nvidia-h100-80gb-hbm3-20261126-2015.json) it beat both table kernels on every shape, and the
-# most K splits offered (8) won every shape: the grids of the small projections leave SMs idle, so 16 and 32
-# splits and 64-row tiles are offered too; one split never won (dropped).
+# kernel) for Int8. Splits are a run-time argument. NF4 lut 2 (quant_prmt_kernels' register-lookup GEMV, one
+# 64-value block per step) beat both table lookups (lut 0, 1) on every Llama-3-8B projection on an H100 by 1.5-1.8x
+# (benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-2041.json); kept of it: the tilings that came within 10%
+# of the best on some shape; of the table GEMVs one config each, as the baseline the bench reports. Int8 kernel 0
+# = this module's byte GEMV ([8, 256] won three of four shapes on the H100 at 17:12, [16, 128] with 4 splits came
+# within 4% on the fourth), 1 = quant_int8_words' word GEMV (byte-permute conversion instead of I2F): within 3-15%
+# of the byte GEMV, never the fastest on the H100 (20:34, 20:41); its two closest tilings are kept as candidates.
 NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    *((32, 2, s, 4, lut) for lut in (0, 1) for s in (1, 2, 4, 8)),
-    *((128, 1, s, 4, 2) for s in (2, 4, 8, 16, 32)),
-    *((256, 1, s, 4, 2) for s in (8, 16)),
-    *((64, 1, s, 4, 2) for s in (16, 32)),
+    (32, 2, 8, 4, 0),
+    (32, 2, 8, 4, 1),
+    *((128, 1, s, 4, 2) for s in (4, 8, 16, 32)),
+    (256, 1, 16, 4, 2),
+    (64, 1, 16, 4, 2),
 )
-# Int8 field 4: 0 = this module's byte kernel (I2F conversions), 1 = quant_int8_words' word kernel (byte-permute
-# conversions), BLOCK_K values per step.
 INT8_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    *((8, 256, s, 4, 0) for s in (1, 2, 4, 8, 16)),
+    *((8, 256, s, 4, 0) for s in (1, 2, 4, 8)),
     (16, 128, 4, 4, 0),
-    (16, 128, 16, 4, 0),
-    *((128, 64, s, 4, 1) for s in (2, 4, 8, 16)),
-    *((64, 64, s, 4, 1) for s in (8, 16)),
+    (64, 64, 8, 4, 1),
+    (128, 64, 16, 4, 1),
 )
-DEFAULT_NF4_CONFIG = (32, 2, 4, 4, 1)  # before (or without) tuning
+DEFAULT_NF4_CONFIG = (128, 1, 8, 4, 2)  # before (or without) tuning
 DEFAULT_INT8_CONFIG = (8, 256, 2, 4, 0)
 
 

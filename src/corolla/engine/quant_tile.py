@@ -29,19 +29,15 @@ TILE_M = 16
 MAX_TILES = 4  # 16-row tiles one program multiplies against its decoded weight tile
 
 # (BLOCK_N, BLOCK_K values, K splits, num_warps, decode): decode 0 = levels from the fp32 table in memory (this
-# module's kernel), 1 = quant_prmt's register lookup (quant_prmt_kernels' tile kernel; on the H100 4x faster than
-# the table at 64 rows, more splits winning on the smaller shapes: quant-nvidia-h100-80gb-hbm3-20261126-2015.json,
-# where a [128, 128] tile with 8 warps never won); 3 pipeline stages. Kept of
-# the table kernel: the two that came within 15% of the best 64-row kernel on every Llama-3-8B projection on an
-# H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-1712.json; 32-wide tiles and one split of
-# 128-wide tiles were 2-4x slower).
+# module's kernel), 1 = quant_prmt's register lookup (quant_prmt_kernels' tile kernel); 3 pipeline stages. On the
+# H100 the register lookup was 3.9-4.2x faster than the table at 64 rows on every Llama-3-8B projection; 2 or 4
+# splits of [64, 128] tiles won every shape (8 splits, 32-wide tiles and [128, 128] tiles with 8 warps never did:
+# benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-2015.json and -2041.json). One table config is kept as
+# the baseline the bench reports.
 NF4_TILE_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (64, 128, 2, 4, 0),
-    (64, 128, 4, 4, 0),
     (64, 128, 2, 4, 1),
     (64, 128, 4, 4, 1),
-    (64, 128, 8, 4, 1),
-    (32, 128, 4, 4, 1),
 )
 NUM_STAGES = 3
 
