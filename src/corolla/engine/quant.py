@@ -58,9 +58,8 @@ class NF4Weight:
     pair_levels: torch.Tensor = field(init=False, repr=False)  # [256] int32, derived from `code` (1 KiB)
     # the 8 table words of quant_prmt's register lookup (fp16 levels), derived from `code`; empty for fp32
     lut_words: tuple[int, ...] = field(init=False, repr=False)
-    # [SPLIT_COUNTERS] int32 zeros: the split-K GEMV's per-output-tile arrival counts (each call leaves them zero;
-    # calls on one weight must not run concurrently on two streams)
-    split_counters: torch.Tensor = field(init=False, repr=False)
+    # see split_counters(); made on first use
+    _split_counters: torch.Tensor | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         n, kh = self.packed.shape
@@ -80,7 +79,6 @@ class NF4Weight:
             raise ValueError(f"NF4 compute dtype must be a float type, got {self.dtype}")
         self.pair_levels = self._pair_levels()
         self.lut_words = () if self.dtype == torch.float32 else quant_prmt.lut_words(self.code)
-        self.split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=self.packed.device)
 
     def _pair_levels(self) -> torch.Tensor:
         """[256] int32: for byte b, the bits of level(b >> 4) in the compute dtype in the high half and of
@@ -89,6 +87,14 @@ class NF4Weight:
             return torch.zeros(256, dtype=torch.int32, device=self.code.device)  # the kernels run 16-bit dtypes
         bits = self.code.to(self.dtype).view(torch.int16).to(torch.int32) & 0xFFFF  # [16]
         return ((bits[:, None] << 16) | bits[None, :]).reshape(256).contiguous()
+
+    def split_counters(self) -> torch.Tensor:
+        """[SPLIT_COUNTERS] int32 zeros on the weight's device: the split-K GEMV's per-output-tile arrival counts
+        (quant_prmt_kernels; each call leaves them zero, so calls on one weight must not run concurrently on two
+        streams). Made on the first call (8 KiB; most weights of a MoE span never need one)."""
+        if self._split_counters is None:
+            self._split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=self.packed.device)
+        return self._split_counters
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -13,7 +13,7 @@ tile of x and step.
 Batch invariance (as in quant_gemv / quant_tile): a row's output is computed by the same instructions in the same
 order whatever the other rows are (per-row accumulators; 16-row tiles with the same instruction sequence), and a
 split of K is summed in split order: by the GEMV's last program to finish an output tile (an arrival count per tile
-in `NF4Weight.split_counters`, reset by that program: one launch per projection instead of two), by
+in `NF4Weight.split_counters()`, reset by that program: one launch per projection instead of two), by
 `quant_gemv._split_sum_kernel` after the tile kernel. CUDA-graph safe. The table words are kernel
 arguments (`NF4Weight.lut_words`): any 16-level code table works. Importing fails without Triton; the inline PTX
 runs on NVIDIA GPUs only (not under Triton's CPU interpreter): `quant_prmt.emulate_decode` is its CPU twin."""
@@ -268,12 +268,11 @@ def nf4_prmt_gemv(
     res = residual if residual is not None else out
     words = _words(weight)
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
-    if use_ws and grid[0] * grid[2] > weight.split_counters.numel():
-        raise ValueError(
-            f"{grid[0] * grid[2]} output tiles exceed the weight's {weight.split_counters.numel()} counters"
-        )
+    counters = weight.split_counters() if use_ws else words  # [SPLIT_COUNTERS] int32 (not read without a split)
+    if use_ws and grid[0] * grid[2] > counters.numel():
+        raise ValueError(f"{grid[0] * grid[2]} output tiles exceed the weight's {counters.numel()} split counters")
     _nf4_prmt_gemv_kernel[grid](
-        x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out, weight.split_counters,
+        x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out, counters,
         m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
         *weight.lut_words,
         BLOCK_N=block_n, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None, num_warps=warps,
