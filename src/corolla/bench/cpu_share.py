@@ -1,7 +1,7 @@
 """Where a many-users round's CPU time goes, per process and per thread (the `multi_user` bench's breakdown).
 
-`CpuProbe` samples, in the bench (device) process: the runtime thread and the serving loop thread (each thread's
-own CPU clock, `time.pthread_getcpuclockid`), the rest of this process, the handler processes and this process's
+`CpuProbe` samples, in the bench (device) process: the runtime thread, the serving loop thread and the handler
+channels' reader (and writer) threads (`corolla-channel-*`, each thread's own CPU clock, `time.pthread_getcpuclockid`), the rest of this process, the handler processes and this process's
 p2pd daemon (utime + stime from `/proc/<pid>/stat`; Linux). Client processes time themselves (`client_cpu`) because they may have exited
 by the time the bench samples again. Nothing here runs on the serving path: the bench samples before the common
 start and after the last result."""
@@ -19,6 +19,7 @@ logger = get_logger(__name__)
 
 RUNTIME_THREAD = "device runtime thread"
 LOOP_THREAD = "device serving loop thread"
+CHANNEL_THREADS = "device channel threads"
 DEVICE_OTHER = "device process, other threads"
 HANDLERS = "handler processes"
 SERVER_P2PD = "server p2pd"
@@ -83,11 +84,13 @@ class CpuProbe:
     def sample(self) -> CpuSample:
         runtime_s = _thread_cpu_s(self.runtime_thread) if self.runtime_thread is not None else 0.0
         loop_s = _thread_cpu_s(self.loop_thread)
+        channels_s = sum(_thread_cpu_s(t) for t in threading.enumerate() if t.name.startswith("corolla-channel-"))
         times = os.times()
         seconds = {
             RUNTIME_THREAD: runtime_s,
             LOOP_THREAD: loop_s,
-            DEVICE_OTHER: times.user + times.system - runtime_s - loop_s,
+            CHANNEL_THREADS: channels_s,
+            DEVICE_OTHER: times.user + times.system - runtime_s - loop_s - channels_s,
             HANDLERS: sum(_process_cpu_s(p) for p in self.handler_pids),
             SERVER_P2PD: _p2pd_children_cpu_s(os.getpid()),
         }

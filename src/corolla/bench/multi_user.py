@@ -103,6 +103,7 @@ class UsersResult:
     # CPU microseconds per decode step (all sessions' steps in the window) per process / thread (bench.cpu_share)
     cpu_us_per_step: dict[str, float] = field(default_factory=dict)
     gather_fraction: float = 0.5  # the runtime's gather rule (server.gather) while this row ran
+    reply_thread: bool = False  # handler channels replied from writer threads (else from the runtime thread)
 
 
 # ---- the server (this process)
@@ -159,11 +160,20 @@ class BenchServer:
     """One span server on its own asyncio loop thread in this process, listening on loopback only."""
 
     def __init__(
-        self, executor: DeviceExecutor, *, hidden_size: int, num_layers: int, dtype, device, num_handlers: int = 1
+        self,
+        executor: DeviceExecutor,
+        *,
+        hidden_size: int,
+        num_layers: int,
+        dtype,
+        device,
+        num_handlers: int = 1,
+        reply_thread: bool = False,
     ):
         from corolla.server.block_functions import ServingLimits
 
         self.executor, self.device, self.num_handlers = executor, device, num_handlers
+        self.reply_thread = reply_thread  # handler channels send replies from writer threads (device_channel)
         self.num_layers, self.hidden_size, self.dtype = num_layers, hidden_size, dtype
         self.limits = ServingLimits(
             dht_prefix=DHT_PREFIX,
@@ -207,6 +217,7 @@ class BenchServer:
                 timeouts=SessionTimeouts(step_timeout_s=120, session_timeout_s=1800, request_timeout_s=120),
                 busy_poll=selector if self.device.type == "cuda" else None,  # as the server does
                 num_handlers=self.num_handlers,
+                channel_reply_thread=self.reply_thread,
             )
             # one bench process plays many users: the per-peer fair-use caps (sessions, KV share) would refuse
             # them (every socket client is the one peer "local"), so they are lifted here; the rest stay default
@@ -399,6 +410,7 @@ def run_users(server: BenchServer, config: UsersConfig, serving_path: str) -> Us
                 p.join(5)
     result = _summarize(config, serving_path, collected, before, after, started, ended)
     result.num_handlers = server.num_handlers
+    result.reply_thread = server.reply_thread
     result.cpu_us_per_step = _cpu_per_step(cpu_server, collected, result.sessions_finished * config.decode_steps)
     return result
 

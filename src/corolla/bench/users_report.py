@@ -21,15 +21,15 @@ from corolla.server.gather import GatherRule, GatherSettings
 
 
 def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
-    from corolla.bench.cpu_share import CLIENTS, HANDLERS, LOOP_THREAD, RUNTIME_THREAD
+    from corolla.bench.cpu_share import CHANNEL_THREADS, CLIENTS, HANDLERS, LOOP_THREAD, RUNTIME_THREAD
 
     lines = [
         f"### {title}",
         "",
         "| serving path | handler processes | gather | transport | sessions (client processes) | aggregate tok/s"
         " | x 1 session | client step median / p90 / worst ms | worst session median ms | steps per merged forward"
-        " (merged forward ms) | runtime busy | CPU us per step: runtime thread / device loop / handler processes /"
-        " client processes | errors / unfinished |",
+        " (merged forward ms) | runtime busy | CPU us per step: runtime thread / device loop / channel threads /"
+        " handler processes / client processes | errors / unfinished |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lone = {(r.serving_path, r.num_handlers, r.transport): r.aggregate_tokens_per_s for r in rows if r.sessions == 1}
@@ -37,9 +37,9 @@ def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
         base = lone.get((r.serving_path, r.num_handlers, r.transport))
         ratio = f"{r.aggregate_tokens_per_s / base:.1f}x" if base else "-"
         cpu = " / ".join(f"{r.cpu_us_per_step.get(k, float('nan')):.0f}"
-                         for k in (RUNTIME_THREAD, LOOP_THREAD, HANDLERS, CLIENTS))  # fmt: skip
+                         for k in (RUNTIME_THREAD, LOOP_THREAD, CHANNEL_THREADS, HANDLERS, CLIENTS))  # fmt: skip
         lines.append(
-            f"| {r.serving_path} | {r.num_handlers} | {r.gather_fraction:g} | {r.transport} | {r.sessions} "
+            f"| {r.serving_path} | {r.num_handlers}{' (writer threads)' if r.reply_thread else ''} | {r.gather_fraction:g} | {r.transport} | {r.sessions} "
             f"({r.client_processes}) | {r.aggregate_tokens_per_s:.1f} | {ratio} | {r.step_median_ms:.1f} / "
             f"{r.step_p90_ms:.1f} / {r.step_worst_ms:.1f} | {r.worst_session_median_ms:.1f} | "
             f"{r.steps_per_merged_forward:.1f} ({r.merged_forward_ms:.2f}) | {r.device_busy_share:.0%} | {cpu} | "
@@ -62,18 +62,21 @@ def _engine_row(executor: DeviceExecutor, sessions: int, prefix_tokens: int, ste
 
 @dataclass(frozen=True)
 class ServerRun:
-    """One server of a `--runs` spec: `N[gF]:counts`, e.g. `4:1,64,256` or `4g0:64` (gather fraction 0)."""
+    """One server of a `--runs` spec: `N[gF][w]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0) or
+    `8w:64` (the handler channels reply from writer threads instead of the runtime thread)."""
 
     num_handlers: int
     gather_fraction: float | None  # None: the runtime's default
     counts: list[int]
+    reply_thread: bool = False
 
     @classmethod
     def parse(cls, spec: str, default_counts: list[int]) -> ServerRun:
         head, _, tail = spec.partition(":")
-        handlers, _, fraction = head.partition("g")
+        reply_thread = head.endswith("w")
+        handlers, _, fraction = head.removesuffix("w").partition("g")
         counts = [int(c) for c in tail.split(",")] if tail else default_counts
-        return cls(int(handlers), float(fraction) if fraction else None, counts)
+        return cls(int(handlers), float(fraction) if fraction else None, counts, reply_thread)
 
 
 def _measure(
@@ -115,7 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num_handlers", default="1", help="comma-separated handler process counts, each a server")
     p.add_argument(
         "--runs", default="", help="instead of --num_handlers x --sessions: servers as 'N[gF]:counts' separated by "
-        "spaces, e.g. '4:1,64,256 1:1,64 4g0:64' (F: the runtime's gather fraction, server.gather)",
+        "spaces, e.g. '4:1,64,256 1:1,64 4g0:64 8w:64' (F: the runtime's gather fraction, server.gather; w: the "
+        "handler channels reply from writer threads)",
     )  # fmt: skip
     p.add_argument("--sessions", default="1,16")
     p.add_argument("--processes", type=int, default=4, help="client processes (sessions are spread over them)")
@@ -164,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = default_gather if fraction is None else GatherSettings(fraction, default_gather.quantile)
             executor.runtime.gather = GatherRule(settings)
             server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
-                                 dtype=dtype, device=device, num_handlers=run.num_handlers)  # fmt: skip
+                                 dtype=dtype, device=device, num_handlers=run.num_handlers,
+                                 reply_thread=run.reply_thread)  # fmt: skip
             _measure(server, args, run.counts, path, rows, started, last=i == len(runs) - 1)
         if path == "fast":
             for n in sorted({n for run in runs for n in run.counts}):

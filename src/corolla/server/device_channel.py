@@ -10,7 +10,8 @@ Steps skip the event loop (`serve_steps`): a reader thread per channel receives 
 `channel_io`), parses a STEP_BATCH itself (sizes before slicing, handles, block ranges), asks the executor to
 prepare each step (`DeviceExecutor.prepare_step`: the same typed refusals as `step`) and queues them on the runtime
 as callback tasks, waking its thread once per frame; after a merged forward the runtime thread appends each result
-to its channel's outbox and sends one REPLY_BATCH per channel with a blocking `sendall`. A refused step is answered
+to its channel's outbox and sends one REPLY_BATCH per channel with a blocking `sendall` (or, with `reply_thread`,
+wakes the channel's writer thread, which encodes and sends). A refused step is answered
 from the reader thread and fails only its caller. Every other frame (OPEN, CLOSE, FORWARD, BACKWARD, pushes, routes)
 is handed to the event loop, as rare work.
 
@@ -95,8 +96,12 @@ class DeviceChannel:
         max_frame_bytes: int,
         metrics: ServerMetrics | None = None,
         check_accepting: Callable[[], None] | None = None,
+        reply_thread: bool = False,
     ):
         self.index = index
+        # who encodes and sends a merged forward's replies: the runtime thread itself (False), or a writer thread of
+        # this channel that the runtime thread only wakes (True)
+        self.reply_thread = reply_thread
         self.io = FrameSocket(sock, max_frame_bytes)
         self.executor, self.admission, self.router, self.span = executor, admission, router, span
         self.max_frame_bytes = max_frame_bytes
@@ -109,9 +114,12 @@ class DeviceChannel:
         self.sessions: dict[int, _Held] = {}
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
-        self._outbox: list[tuple[int, int, wire.Writer]] = []  # step replies not sent yet (reader/runtime threads)
-        self._outbox_lock = threading.Lock()
+        # step results not sent yet: (request id, output [B, T, H] or the refusal), from the reader/runtime threads
+        self._outbox: list[tuple[int, torch.Tensor | BaseException]] = []
+        self._outbox_ready = threading.Condition()
+        self._writer_stop = False
         self._reader: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
         self.num_requests = 0  # counted by the reader thread only
         self.num_frames_in = 0
         self.num_sessions_opened = 0
@@ -134,17 +142,42 @@ class DeviceChannel:
         """Sends one frame from any thread (a blocking `sendall` under the socket's lock)."""
         self.io.send_frames([body.frame(kind, request_id)])
 
-    def _queue_reply(self, kind: int, request_id: int, body: wire.Writer) -> None:
-        with self._outbox_lock:
-            self._outbox.append((kind, request_id, body))
+    def _queue_result(self, request_id: int, result: torch.Tensor | BaseException) -> None:
+        with self._outbox_ready:
+            self._outbox.append((request_id, result))
 
     def _flush(self) -> None:
-        """Sends every queued step reply, as few REPLY_BATCH frames as the bound allows, with the state once each
-        (the runtime thread after a merged forward; the reader thread after refusing steps)."""
-        with self._outbox_lock:
-            items, self._outbox = self._outbox, []
-        if items and not self.io.closed:
-            self.io.send_frames(wire.batch_frames(items, wire.REPLY_BATCH, self.max_frame_bytes, head=self._state()))
+        """Sends every queued step reply (the runtime thread after a merged forward, the reader thread after
+        refusing steps), or wakes this channel's writer thread to send them."""
+        if self.reply_thread:
+            with self._outbox_ready:
+                self._outbox_ready.notify()
+            return
+        with self._outbox_ready:
+            results, self._outbox = self._outbox, []
+        self._send_results(results)
+
+    def _send_results(self, results: list[tuple[int, torch.Tensor | BaseException]]) -> None:
+        """Encodes results as few REPLY_BATCH frames as the bound allows, with the state once each, and sends them."""
+        if not results or self.io.closed:
+            return
+        items = [
+            (wire.REPLY_ERROR, rid, wire.encode_error(r)) if isinstance(r, BaseException)
+            else (wire.REPLY_TENSORS, rid, wire.Writer().u8(1).tensor(r))  # [B, T, H]
+            for rid, r in results
+        ]  # fmt: skip
+        self.io.send_frames(wire.batch_frames(items, wire.REPLY_BATCH, self.max_frame_bytes, head=self._state()))
+
+    def _write_loop(self) -> None:
+        """The writer thread (`reply_thread`): sends what the runtime thread queued, until the channel ends."""
+        while True:
+            with self._outbox_ready:
+                while not self._outbox and not self._writer_stop:
+                    self._outbox_ready.wait()
+                if not self._outbox:
+                    return
+                results, self._outbox = self._outbox, []
+            self._send_results(results)
 
     def send_state(self) -> None:
         self.send(wire.STATE, 0, self._state())
@@ -167,12 +200,23 @@ class DeviceChannel:
         self._reader = threading.Thread(
             target=self._read_loop, args=(loop, ended), name=f"corolla-channel-{self.index}", daemon=True
         )
+        if self.reply_thread:
+            self._writer = threading.Thread(
+                target=self._write_loop, name=f"corolla-channel-{self.index}-w", daemon=True
+            )
         try:
+            if self._writer is not None:
+                self._writer.start()
             self._reader.start()
             await asyncio.shield(ended)
         finally:
             self.io.shutdown()  # the reader thread (if still reading) wakes with ChannelClosed
             await asyncio.to_thread(self._reader.join, 10.0)
+            if self._writer is not None:
+                with self._outbox_ready:
+                    self._writer_stop = True
+                    self._outbox_ready.notify()
+                await asyncio.to_thread(self._writer.join, 10.0)
             self.router.forget(self)
             await self._end_all()
             self.io.close()
@@ -235,7 +279,7 @@ class DeviceChannel:
             try:
                 self._submit_step(item_id, item)
             except Exception as e:
-                self._queue_reply(wire.REPLY_ERROR, item_id, wire.encode_error(e))
+                self._queue_result(item_id, e)
                 refused = True
         self.executor.runtime.wake()
         if refused:
@@ -271,16 +315,15 @@ class DeviceChannel:
         output: torch.Tensor | None,
         error: BaseException | None,
     ) -> None:
-        """A step's result, in the thread that ran it; the runtime sends the batch's replies with `_flush`."""
+        """A step's result, in the thread that ran it; the runtime then calls `_flush` once for the batch."""
         if error is not None or output is None:
-            failure = error if error is not None else RuntimeError("the step returned nothing")
-            self._queue_reply(wire.REPLY_ERROR, request_id, wire.encode_error(failure))
+            self._queue_result(request_id, error if error is not None else RuntimeError("the step returned nothing"))
             return
         if ticket is not None:
             ticket.touch(num_tokens)
         if observe is not None:
             observe(time.perf_counter() - queued_at)
-        self._queue_reply(wire.REPLY_TENSORS, request_id, wire.Writer().u8(1).tensor(output))  # [B, T, H]
+        self._queue_result(request_id, output)  # [B, T, H], encoded by whoever sends it
 
     def _start(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
         task = asyncio.create_task(self._answer(kind, request_id, payload))
