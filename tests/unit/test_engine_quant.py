@@ -13,7 +13,7 @@ import torch
 from corolla.engine.config import EngineConfig, LlamaSpec
 from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
 from corolla.engine.ops import DecodeOps
-from corolla.engine.quant import NF4_LEVELS, Int8Weight, NF4Weight, quantize_int8, quantize_nf4
+from corolla.engine.quant import NF4_LEVELS, Int8Weight, NF4Weight, quantize_int8, quantize_nf4, quantized_weight_of
 from corolla.engine.span_engine import SpanEngine
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
@@ -186,3 +186,19 @@ def test_qwen3_layer_matches_transformers() -> None:
         last = engine.step(session, hidden[:, 5:], 5)  # the decode step
     assert torch.allclose(prefix, expected[:, :5], atol=1e-4, rtol=1e-4)
     assert torch.allclose(last, expected[:, 5:], atol=1e-4, rtol=1e-4)
+
+
+def test_int8_weight_is_read_after_a_plain_forward_moved_its_scales() -> None:
+    """bitsandbytes moves an Int8 layer's row scales from `weight.SCB` to `module.state.SCB` on its first forward;
+    the engine must still read them (a server whose plain path ran once before the engine is built)."""
+    from corolla.models.quantization import QuantType, _quantized_linear
+
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(128, 64, bias=False).to(torch.float16)
+    module = _quantized_linear(linear, QuantType.parse("int8"), bnb).to("cpu")
+    before = quantized_weight_of(module, torch.float16)
+    module(torch.randn(2, 128, dtype=torch.float16))
+    assert getattr(module.weight, "SCB", None) is None  # the move this test is about happened
+    after = quantized_weight_of(module, torch.float16)
+    assert isinstance(before, Int8Weight) and isinstance(after, Int8Weight)
+    assert torch.equal(before.row_absmax, after.row_absmax) and torch.equal(before.codes, after.codes)

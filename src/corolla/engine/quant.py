@@ -178,7 +178,10 @@ class Int8Weight:
     def from_bnb(cls, module: bnb.nn.Linear8bitLt, dtype: torch.dtype) -> Int8Weight:
         """The int8 weight of a bitsandbytes `Linear8bitLt` (has_fp16_weights=False) after it moved to CUDA."""
         weight = module.weight
-        scb = getattr(weight, "SCB", None) if weight.dtype == torch.int8 else None
+        scb = None
+        if weight.dtype == torch.int8:  # after its first forward bitsandbytes keeps the row scales in module.state
+            scb = getattr(weight, "SCB", None)
+            scb = scb if scb is not None else getattr(getattr(module, "state", None), "SCB", None)
         if scb is None:
             raise ValueError("the Int8 weight is not quantized yet (bitsandbytes quantizes it on .cuda())")
         return cls(codes=weight.data, row_absmax=scb.float().reshape(-1), dtype=dtype)
