@@ -164,8 +164,9 @@ def kernel_families(kind: str, row: dict) -> dict:
         best: dict[str, float] = {}
         for text, us in table.items():
             parsed = ast.literal_eval(text) if text.startswith("(") else None
+            name: str
             if isinstance(parsed, tuple) and len(parsed) == 2 and isinstance(parsed[1], tuple):  # quantized
-                kernel, config = parsed
+                kernel, config = str(parsed[0]), parsed[1]
                 name = NF4_FAMILIES.get((kernel, config[4]), kernel) if kind == "nf4" else kernel
                 name = "block tl.dot" if kernel == "block" else name
             elif isinstance(parsed, tuple):  # a dense single-row Triton config
