@@ -1,8 +1,9 @@
 """Clients against real lying server processes (`tests.helpers.hostile_server`): one server of blocks 0:2 that
 announces itself as the fastest (so routes go through it) lies as a file tells it to; two honest replicas of 0:2 and
 one honest server of 2:4. NaN, wrong shapes and hangs fail over to an honest replica with greedy output identical to
-local `transformers` and only the liar banned; finite garbage is caught by verification; a lone liar or missing
-blocks end in NoHonestServerError (corolla-generate: one line, exit 1) within max_wait_s."""
+local `transformers` and only the liar banned; finite garbage is caught by verification (the liar as the span's
+server or as a referee); a lone liar or missing blocks end in NoHonestServerError (corolla-generate: one line, exit
+1) within max_wait_s."""
 
 from __future__ import annotations
 
@@ -104,10 +105,12 @@ def test_bad_outputs_fail_over_and_ban_only_the_liar(swarm, model_path, mode_fil
 def test_finite_garbage_is_caught_by_verification(swarm, model_path, mode_file, expected):
     mode_file.write_text("garbage 3")
     output, banned, first_hop, session = _generate(swarm, model_path, _config(verify_fraction=1.0))
-    assert first_hop == swarm.liar.peer_id
     assert output.tolist() == expected.tolist()
-    assert session.verifier.num_rejected >= 1
     assert swarm.liar.peer_id in banned and not banned & {server.peer_id for server in swarm.honest}
+    if first_hop == swarm.liar.peer_id:  # the liar served the span: its outputs were rejected by two referees
+        assert session.verifier.num_rejected >= 1
+    else:  # on a loaded machine the route may start at an honest replica: the liar, asked as a referee, is outvoted
+        assert session.verifier.num_verified >= 1
 
 
 def test_lone_liar_ends_in_a_clear_error_within_max_wait(swarm, model_path, mode_file):
