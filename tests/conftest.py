@@ -95,6 +95,33 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     os.environ[RUN_ID_ENV] = uuid.uuid4().hex
 
 
+_SIGINT_AT_START = signal.getsignal(signal.SIGINT)
+_MASK_AT_START = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored(request: pytest.FixtureRequest):
+    """Process-wide state a test may leave behind for the next tests of its worker: the SIGINT disposition and the
+    signal mask (children inherit an ignored or blocked SIGINT, so a later Ctrl-C test's CLI would not stop), and
+    logging handlers bound to a stream that was closed (a test's captured stderr). Restored after each test, with a
+    warning naming the test that changed it."""
+    yield
+    import logging
+    import sys
+    import warnings
+
+    if signal.getsignal(signal.SIGINT) is not _SIGINT_AT_START:
+        warnings.warn(f"{request.node.nodeid} left the SIGINT handler changed: restored", stacklevel=1)
+        signal.signal(signal.SIGINT, _SIGINT_AT_START)
+    if signal.pthread_sigmask(signal.SIG_BLOCK, []) != _MASK_AT_START:
+        warnings.warn(f"{request.node.nodeid} left signals blocked: restored", stacklevel=1)
+        signal.pthread_sigmask(signal.SIG_SETMASK, _MASK_AT_START)
+    for name in ("", "corolla", "hivemind"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed one first
+
+
 def pytest_configure(config: pytest.Config) -> None:
     out = os.environ.get(DURATIONS_OUT_ENV)
     # the controller sees every worker's reports; only whole files are worth recording (no -k, no single tests)
