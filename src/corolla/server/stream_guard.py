@@ -31,7 +31,6 @@ TRIM_AFTER_BYTES = 16 * MiB  # give freed stream buffers back to the OS (glibc k
 TRIM_DELAY_S = 0.5
 # streams whose handler reads one message at a time, each governed by the handler's own step timeout
 PER_MESSAGE_RPCS = ("rpc_inference",)
-_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
 
 class StreamBudget:
@@ -132,10 +131,7 @@ async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
     if not timeout_s:
         return await awaitable
     try:
-        if _timeout is None:
-            return await asyncio.wait_for(awaitable, timeout_s)
-        async with _timeout(timeout_s):  # no task and timer handle per read as `wait_for` costs (3+ per message)
-            return await awaitable
+        return await asyncio.wait_for(awaitable, timeout_s)
     except asyncio.TimeoutError:
         raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={timeout_s} s {what}") from None
 
