@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+from typing import TextIO
 
 import torch
 
@@ -24,8 +25,9 @@ from corolla.utils.logging import quiet_logs
 class _TextStreamer:
     """Prints decoded text as tokens arrive (skips the echoed prompt) and counts generated tokens."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer, out: TextIO | None = None):
+        # sys.stdout now, not when this module was imported (a caller may have redirected it since)
+        self.tokenizer, self.out = tokenizer, out if out is not None else sys.stdout
         self.tokens: list[int] = []
         self.printed = 0
         self.skip_prompt = True
