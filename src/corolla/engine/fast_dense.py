@@ -19,7 +19,7 @@ from corolla.engine.fast_llama import Weight, _projection_weight
 from corolla.engine.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.ops import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi, DecodeOps, _quant_key
 from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias
-from corolla.engine.span_model import prefill_in_chunks
+from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.attention import Attention
 from corolla.models.bloom.block import BloomBlock
 from corolla.models.falcon.block import FalconBlock
@@ -112,7 +112,7 @@ class DenseLayerWeights:
         return total
 
 
-class FastDenseSpan:
+class FastDenseSpan(ChunkedPrefill):
     """Consecutive Falcon or BLOOM layers with a batched decode step and a prefill step over a `KVPool`."""
 
     def __init__(
@@ -278,29 +278,6 @@ class FastDenseSpan:
             )  # [B, nq, D]
             h = self._after_attention(w, h, x, attn.reshape(b, s.q_size))
         return h
-
-    @torch.inference_mode()
-    def prefill(
-        self,
-        hidden: torch.Tensor,
-        start: int,
-        slot: SequenceSlot,
-        pool: KVPool,
-        *,
-        chunk_tokens: int,
-        layers: tuple[int, int] | None = None,
-        prompts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One sequence through layers [first, last) (default: all): hidden [T, H] at positions [start, start + T)
-        attending causally to [0, start + T); `prompts` [n_layers, P, H] (deep prompts) are added to the input of
-        each layer at positions < P. Runs in chunks of `chunk_tokens` tokens. Returns [T, H]."""
-        span = layers or (0, self.num_layers)
-        return prefill_in_chunks(
-            lambda chunk, chunk_start: self._prefill_chunk(chunk, chunk_start, slot, pool, span, prompts),
-            hidden,
-            start,
-            chunk_tokens,
-        )
 
     def _prefill_chunk(
         self,

@@ -21,7 +21,7 @@ from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.moe import RoutedMoE, tune_experts
 from corolla.engine.ops import DecodeOps, _quant_key
 from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quantized_weight_of
-from corolla.engine.span_model import prefill_in_chunks
+from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.layers import SparseMoE
 from corolla.models.lora import LoraLinear
 from corolla.utils.logging import get_logger
@@ -71,7 +71,7 @@ class LayerWeights:
         return self.w_qkv, self.w_o, self.w_gate_up, self.w_down
 
 
-class FastLlamaSpan:
+class FastLlamaSpan(ChunkedPrefill):
     """Consecutive llama-family layers with a batched decode step and a prefill step over a `KVPool`."""
 
     def __init__(
@@ -374,29 +374,6 @@ class FastLlamaSpan:
     def _experts(self, moe: RoutedMoE, x: torch.Tensor, *, graph_safe: bool = False) -> torch.Tensor:
         # x [N, H] normed -> routed experts' output [N, H]
         return moe.forward(x, use_triton=self.use_triton, config=self.moe_configs.get(moe.shape), graph_safe=graph_safe)
-
-    @torch.inference_mode()
-    def prefill(
-        self,
-        hidden: torch.Tensor,
-        start: int,
-        slot: SequenceSlot,
-        pool: KVPool,
-        *,
-        chunk_tokens: int,
-        layers: tuple[int, int] | None = None,
-        prompts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One sequence through layers [first, last) (default: all): hidden [T, H] at positions [start, start + T)
-        attending causally to [0, start + T); `prompts` [n_layers, P, H] (deep prompts) are added to the input of
-        each layer at positions < P. Runs in chunks of `chunk_tokens` tokens. Returns [T, H]."""
-        span = layers or (0, self.num_layers)
-        return prefill_in_chunks(
-            lambda chunk, chunk_start: self._prefill_chunk(chunk, chunk_start, slot, pool, span, prompts),
-            hidden,
-            start,
-            chunk_tokens,
-        )
 
     def _prefill_chunk(
         self,

@@ -23,7 +23,7 @@ from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.mla_kernels import group_limited_route, paged_latent_attention, rope_rotate, store_latent
 from corolla.engine.moe import ExpertWeights, experts_forward, kernel_usable
 from corolla.engine.ops import DecodeOps
-from corolla.engine.span_model import prefill_in_chunks
+from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.deepseek_v3.block import DeepseekV3Block
 from corolla.models.deepseek_v3.mla import LatentAttention
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE
@@ -98,7 +98,7 @@ def _mlp_bytes(mlp: DenseMlpWeights | MoeWeights, num_experts_used: int | None) 
     return _nbytes(mlp.router, mlp.score_bias, mlp.shared.gate_up, mlp.shared.down) + experts
 
 
-class FastMlaSpan:
+class FastMlaSpan(ChunkedPrefill):
     """Consecutive DeepSeek-V3 layers with a batched decode step and a prefill step over a latent `KVPool` (a
     `SpanModel`)."""
 
@@ -355,29 +355,6 @@ class FastMlaSpan:
             h = self.ops.linear(out.reshape(b, s.num_heads * s.v_head_dim), w.attn.o, w.attn.o_bias, residual=h)
             h = self._mlp(i, h, graph_safe=True)
         return h
-
-    @torch.inference_mode()
-    def prefill(
-        self,
-        hidden: torch.Tensor,
-        start: int,
-        slot: SequenceSlot,
-        pool: KVPool,
-        *,
-        chunk_tokens: int,
-        layers: tuple[int, int] | None = None,
-        prompts: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One sequence through layers [first, last) (default: all): hidden [T, H] at positions [start, start + T)
-        attending causally to [0, start + T); `prompts` [n_layers, P, H] (deep prompts) are added to the input of
-        each layer at positions < P. Runs in chunks of `chunk_tokens` tokens. Returns [T, H]."""
-        span = layers or (0, self.num_layers)
-        return prefill_in_chunks(
-            lambda chunk, chunk_start: self._prefill_chunk(chunk, chunk_start, slot, pool, span, prompts),
-            hidden,
-            start,
-            chunk_tokens,
-        )
 
     def _prefill_chunk(
         self,

@@ -6,7 +6,6 @@ says what one token takes in that pool per layer (`KVLayout`). Implemented by `f
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -79,13 +78,43 @@ class SpanModel(Protocol):
         ...
 
 
-def prefill_in_chunks(
-    run_chunk: Callable[[torch.Tensor, int], torch.Tensor], hidden: torch.Tensor, start: int, chunk_tokens: int
-) -> torch.Tensor:
-    """The chunking both span types' `prefill` share: `run_chunk(chunk [t, H], chunk_start)` for consecutive chunks
-    of at most `chunk_tokens` tokens of hidden [T, H] starting at position `start`; returns their outputs [T, H]."""
-    outputs = [
-        run_chunk(hidden[offset : offset + chunk_tokens], start + offset)
-        for offset in range(0, hidden.shape[0], chunk_tokens)
-    ]
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+class ChunkedPrefill:
+    """The `prefill` every span type shares: the sequence in chunks of at most `chunk_tokens` tokens, each run by the
+    span's own `_prefill_chunk(chunk [t, H], chunk_start, slot, pool, (first, last), prompts) -> [t, H]`."""
+
+    @property
+    def num_layers(self) -> int:
+        raise NotImplementedError
+
+    def _prefill_chunk(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        slot: SequenceSlot,
+        pool: KVPool,
+        layers: tuple[int, int],
+        prompts: torch.Tensor | None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        slot: SequenceSlot,
+        pool: KVPool,
+        *,
+        chunk_tokens: int,
+        layers: tuple[int, int] | None = None,
+        prompts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One sequence through layers [first, last) (default: all): hidden [T, H] at positions [start, start + T)
+        attending causally to [0, start + T); `prompts` [n_layers, P, H] (deep prompts) are added to the input of
+        each layer at positions < P. Runs in chunks of `chunk_tokens` tokens. Returns [T, H]."""
+        span = layers or (0, self.num_layers)
+        outputs = [
+            self._prefill_chunk(hidden[offset : offset + chunk_tokens], start + offset, slot, pool, span, prompts)
+            for offset in range(0, hidden.shape[0], chunk_tokens)
+        ]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
