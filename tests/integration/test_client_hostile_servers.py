@@ -7,6 +7,7 @@ server or as a referee); a lone liar or missing blocks end in NoHonestServerErro
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -79,7 +80,17 @@ def _generate(swarm, model_path, config: ClientConfig):
     ) as model:
         model.manager.wait_ready()
         deadline = time.monotonic() + 30
-        while len(model.manager.spans) < 4 and time.monotonic() < deadline:  # every server announced
+        while time.monotonic() < deadline:  # every server announced, with the pings it measured to the next one
+            spans = model.manager.spans
+            downstream = {span.peer_id for span in spans if span.start == 2}
+            pinged = [
+                {peer for peer, rtt in (span.server_info.next_pings or {}).items() if math.isfinite(rtt)}
+                for span in spans
+                if span.start == 0
+            ]
+            if len(spans) == 4 - len(config.blocked_servers or ()) and all(downstream <= peers for peers in pinged):
+                break
+            time.sleep(0.2)
             model.manager.update()
         first_hop = model.manager.make_sequence(mode="min_latency")[0].peer_id
         with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS) as session:
