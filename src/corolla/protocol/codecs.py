@@ -27,6 +27,8 @@ if "USE_LEGACY_BFLOAT16" not in os.environ:
     hivemind.compression.base.USE_LEGACY_BFLOAT16 = False
 
 CompressionType = runtime_pb2.CompressionType
+# plain ints for the per-step paths: each `CompressionType.X` is a Python-level __getattr__ call
+_NONE, _FLOAT16 = int(CompressionType.NONE), int(CompressionType.FLOAT16)
 
 STREAM_CHUNK_BYTES = 4 * 1024 * 1024  # hivemind's DEFAULT_MAX_MSG_SIZE, used by Petals in both directions
 MAX_UNARY_PAYLOAD_BYTES = 2 * 1024 * 1024  # unary messages stay well under p2pd's 4 MiB limit
@@ -96,12 +98,12 @@ def serialize_tensor(tensor: torch.Tensor, compression: int = CompressionType.NO
     if compression not in _COMPRESSION_VALUES:
         raise ValueError(f"unknown compression type {compression!r}")
     if not tensor.dtype.is_floating_point:
-        compression = CompressionType.NONE
-    if tensor.dtype == torch.bfloat16 and compression == CompressionType.FLOAT16:
+        compression = _NONE
+    if tensor.dtype == torch.bfloat16 and compression == _FLOAT16:
         raise ValueError("FLOAT16 compression cannot carry bfloat16 tensors; use NONE or MEANSTD_16BIT")
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    if compression == CompressionType.NONE and tensor.dtype in _RAW_VIEWS:
+    if compression == _NONE and tensor.dtype in _RAW_VIEWS:
         return _serialize_raw(tensor)
     return serialize_torch_tensor(tensor, compression)
 
@@ -116,7 +118,7 @@ def _serialize_raw(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     elif data.dtype == torch.bfloat16:
         data = data.view(torch.int16)  # numpy has no bfloat16: same bytes as a 2-byte integer type
     return runtime_pb2.Tensor(
-        compression=CompressionType.NONE,
+        compression=_NONE,
         buffer=data.numpy().tobytes(),
         size=tensor.shape,
         dtype=_DTYPE_NAMES[tensor.dtype],
@@ -297,9 +299,40 @@ def _deserialize_codebook(serialized: runtime_pb2.Tensor, shape: torch.Size) -> 
     return tensor.requires_grad_(serialized.requires_grad)
 
 
+def _deserialize_plain(serialized: runtime_pb2.Tensor, limits: TensorLimits) -> torch.Tensor | None:
+    """The per-step case (NONE compression, a whitelisted dtype, no grad, buffer exactly numel * itemsize, every
+    bound of `limits` held) decoded with the fewest Python steps; None for anything else, which the general path
+    then decodes or refuses with its precise error (so both paths accept and refuse exactly the same inputs)."""
+    if serialized.compression != _NONE or serialized.requires_grad:
+        return None
+    dtype = _DTYPES.get(serialized.dtype)
+    if dtype is None:
+        return None
+    shape = tuple(serialized.size)
+    if len(shape) > limits.max_ndim:
+        return None
+    numel = 1
+    for dim in shape:
+        if dim < 0:
+            return None
+        numel *= dim
+    itemsize = _ITEMSIZES[dtype]
+    if numel > limits.max_elements or numel * itemsize > limits.max_decoded_bytes:
+        return None
+    buffer = serialized.buffer
+    if len(buffer) != numel * itemsize:
+        return None  # includes the legacy fp32-coded bf16 form
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(buffer), dtype=dtype).view(shape)  # [*shape], writable, its own memory
+
+
 def deserialize_tensor(serialized: runtime_pb2.Tensor, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> torch.Tensor:
     """Restores a tensor; malformed input (dtype outside the compression's whitelist, shape over `limits`, buffer
     not exactly the codec's layout, corrupt payload) -> ValueError, raised before the payload is decoded."""
+    plain = _deserialize_plain(serialized, limits)
+    if plain is not None:
+        return plain
     shape = _check_header(serialized, limits)
     if serialized.compression == CompressionType.NONE:
         return _deserialize_raw(serialized, shape)

@@ -136,10 +136,56 @@ async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
         raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={timeout_s} s {what}") from None
 
 
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11: a deadline without a task of its own
+
+
 async def _read_message(
     reader: asyncio.StreamReader, lease: _Lease, *, idle_s: float, between_s: float | None
 ) -> tuple[runtime_pb2.ExpertRequest | None, int]:
-    """One framed message (None at the end of the input) and the bytes it was charged."""
+    """One framed message (None at the end of the input) and the bytes it was charged. On Python >= 3.11 the
+    deadlines of its reads (`between_s` for the marker, `idle_s` for every later read) are one `asyncio.timeout`
+    re-armed before each read, instead of an `asyncio.wait_for` task per read."""
+    if _timeout is None:
+        return await _read_message_tasks(reader, lease, idle_s=idle_s, between_s=between_s)
+    loop = asyncio.get_running_loop()
+    limit_s: float | None = between_s or None
+    what = "between the parts of a streamed request"
+    try:
+        async with _timeout(None if limit_s is None else loop.time() + limit_s) as deadline:
+            marker = await reader.readexactly(1)
+            limit_s, what = idle_s or None, "inside a message"
+            deadline.reschedule(None if limit_s is None else loop.time() + limit_s)
+            header = await reader.readexactly(P2P.HEADER_LEN)
+            length = int.from_bytes(header, P2P.BYTEORDER)
+            if marker == P2P.ERROR_MARKER:  # the caller's end-of-stream (or its error): small, read and ignore
+                if length > 64 * 1024:
+                    raise ValueError(f"end-of-stream message of {length} bytes is larger than 65536")
+                deadline.reschedule(None if limit_s is None else loop.time() + limit_s)
+                await reader.readexactly(length)
+                return None, 0
+            if marker != P2P.MESSAGE_MARKER:
+                raise ValueError("invalid stream message marker")
+            lease.charge(length)  # before a single byte of the body is buffered
+            data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
+            while len(data) < length:
+                deadline.reschedule(None if limit_s is None else loop.time() + limit_s)
+                chunk = await reader.read(min(length - len(data), READ_CHUNK_BYTES))
+                if not chunk:
+                    raise asyncio.IncompleteReadError(b"", length - len(data))
+                data += chunk
+    except TimeoutError:
+        if deadline.expired():
+            raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={limit_s} s {what}") from None
+        raise
+    request = runtime_pb2.ExpertRequest()
+    request.ParseFromString(memoryview(data))
+    return request, length
+
+
+async def _read_message_tasks(
+    reader: asyncio.StreamReader, lease: _Lease, *, idle_s: float, between_s: float | None
+) -> tuple[runtime_pb2.ExpertRequest | None, int]:
+    """`_read_message` on Python 3.10 (no `asyncio.timeout`): an `asyncio.wait_for` per bounded read."""
     marker = await _within(reader.readexactly(1), between_s, "between the parts of a streamed request")
     header = await _within(reader.readexactly(P2P.HEADER_LEN), idle_s, "inside a message")
     length = int.from_bytes(header, P2P.BYTEORDER)
@@ -203,36 +249,43 @@ def guarded_stream_handler(
                 with suppress(Exception):
                     await P2P.send_protobuf(RPCError(message=str(e)), writer)
 
-        processing = asyncio.create_task(process())
-        between_s = None if per_message else limits.stream_idle_timeout_s
-        try:
+        async def receive() -> None:
+            """The stream's one reader: messages into the queue until the end of the input (a task per stream,
+            not per message)."""
             while True:
-                receiving = asyncio.ensure_future(
-                    _read_message(reader, lease, idle_s=limits.stream_idle_timeout_s, between_s=between_s)
-                )
-                await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
-                if processing.done():
-                    receiving.cancel()
-                    with suppress(asyncio.CancelledError, Exception):
-                        await receiving
-                    return
-                try:
-                    item = receiving.result()
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return  # the caller closed or died: processing is cancelled below
+                item = await _read_message(reader, lease, idle_s=limits.stream_idle_timeout_s, between_s=between_s)
                 await queue.put(item)
                 if item[0] is None:
-                    await processing
                     return
-        except (PeerLimitExceeded, ServerLimitExceeded, StreamStalled, ValueError) as e:
+
+        between_s = None if per_message else limits.stream_idle_timeout_s
+        processing = asyncio.create_task(process())
+        receiving = asyncio.create_task(receive())
+        try:
+            await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
+            if processing.done():
+                return  # the reply is complete (or failed and was answered): the reader is cancelled below
+            if receiving.cancelled():
+                return
+            error = receiving.exception()
+            if error is None:  # the end of the input is queued: the method finishes its replies
+                await processing
+                return
+            if isinstance(error, (asyncio.IncompleteReadError, ConnectionError)):
+                return  # the caller closed or died: processing is cancelled below
+            if not isinstance(error, (PeerLimitExceeded, ServerLimitExceeded, StreamStalled, ValueError)):
+                raise error
             processing.cancel()
             with suppress(asyncio.CancelledError, Exception):
                 await processing
-            on_reject(name, e)
+            on_reject(name, error)
             with suppress(Exception):
-                await P2P.send_protobuf(RPCError(message=str(e)), writer)
+                await P2P.send_protobuf(RPCError(message=str(error)), writer)
         finally:
             processing.cancel()
+            receiving.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await receiving
             while not queue.empty():
                 queue.get_nowait()
             lease.close()
