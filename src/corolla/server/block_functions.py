@@ -156,12 +156,18 @@ def validate_hypo_ids(hypo_ids: Any, *, batch_size: int) -> torch.Tensor | None:
     return hypo_ids
 
 
+# what a Petals client sends with every inference step (hidden states, prompts, hypo_ids), as msgpack decodes it
+_PETALS_STEP_STRUCTURE: tuple[tuple[bytes, ...], dict[str, Any]] = ((b"__T0", b"__T1", b"__T2"), {})
+
+
 def unpack_request_args(tensors: Sequence[torch.Tensor], args_structure: Any) -> tuple[Any, ...]:
     """Positional args of a request: via `args_structure` if given, else the flat tensor list (kwargs ignored)."""
     if len(tensors) > MAX_TENSORS_PER_REQUEST:
         raise BadRequest(f"request has {len(tensors)} tensors, more than the limit of {MAX_TENSORS_PER_REQUEST}")
     if args_structure is None:
         return tuple(tensors)
+    if len(tensors) == 3 and args_structure == _PETALS_STEP_STRUCTURE:  # bounded: lengths compare first
+        return tuple(tensors)  # what unpack_args_kwargs returns for it, without walking the structure twice
     args, _kwargs = unpack_args_kwargs(tensors, args_structure)
     return args
 

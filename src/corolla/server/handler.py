@@ -136,7 +136,9 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         return max(0, self.executor.bytes_left // self.cache_bytes_per_token_block)
 
     def _serialize_output(self, tensor: torch.Tensor, compression: int | None = None) -> runtime_pb2.Tensor:
-        return serialize_tensor(tensor.to(self.limits.dtype), self.compression if compression is None else compression)
+        if tensor.dtype != self.limits.dtype:
+            tensor = tensor.to(self.limits.dtype)
+        return serialize_tensor(tensor, self.compression if compression is None else compression)
 
     @staticmethod
     def _check_unary_size(response: runtime_pb2.ExpertResponse, rpc_name: str) -> runtime_pb2.ExpertResponse:
