@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from corolla.engine.config import EngineConfig
@@ -366,38 +365,49 @@ class SpanEngine:
         return results
 
     def _decode_group(self, group: list[StepRequest]) -> list[torch.Tensor]:
-        rows = sum(r.rows for r in group)
         h = self.hidden_size
-        positions = [r.position for r in group for _ in range(r.rows)]
-        tables = [slot.table for r in group for slot in r.session.slots]
+        if all(r.rows == 1 for r in group):  # one row per session (the usual decode step): per-row lists are direct
+            rows = len(group)
+            positions = [r.position for r in group]
+            tables = [r.session.slots[0].table for r in group]
+            ids = [r.session.adapter_index for r in group]  # [rows], 0 = base model
+        else:
+            rows = sum(r.rows for r in group)
+            positions = [r.position for r in group for _ in range(r.rows)]
+            tables = [slot.table for r in group for slot in r.session.slots]
+            ids = [r.session.adapter_index for r in group for _ in range(r.rows)]
         all_cpu = all(r.hidden.device.type == "cpu" for r in group)
-        ids = [r.session.adapter_index for r in group for _ in range(r.rows)]  # [rows], 0 = base model
+        # every step's hidden [B_i, 1, H] already in the engine's dtype: one cat gathers them all
+        same_dtype = all(r.hidden.dtype == self.dtype for r in group)
         adapted = any(ids)  # no row on an adapter: the step skips the adapters entirely
         if self.graphs is not None and rows <= self.graphs.max_rows:
             g = self.graphs
             if all_cpu:  # stage through pinned host buffers: one asynchronous copy per input
-                dt = self.dtype
-                row_hidden = [
-                    r.hidden.view(r.rows, h) if r.hidden.dtype == dt else r.hidden.reshape(r.rows, h).to(dt)
-                    for r in group
-                ]  # [r.rows, H] each
-                torch.cat(row_hidden, out=self._pin_hidden[:rows])
-                g.hidden[:rows].copy_(self._pin_hidden[:rows], non_blocking=True)
+                staged = self._pin_hidden[:rows]  # [rows, H]
+                if same_dtype:
+                    torch.cat([r.hidden for r in group], out=staged.view(rows, 1, h))
+                else:
+                    torch.cat([r.hidden.reshape(r.rows, h).to(self.dtype) for r in group], out=staged)
+                g.hidden[:rows].copy_(staged, non_blocking=True)
             else:
                 g.hidden[:rows].copy_(
                     torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
                 )
-            self._pin_pos_np[:rows] = np.asarray(positions, dtype=np.int64)
+            self._pin_pos_np[:rows] = positions
             torch.stack(tables, out=self._pin_tables[:rows])
             g.positions[:rows].copy_(self._pin_pos[:rows], non_blocking=True)
             g.block_tables[:rows].copy_(self._pin_tables[:rows], non_blocking=True)
             if self.adapters is not None and adapted:
-                self._pin_ids_np[:rows] = np.asarray(ids, dtype=np.int64)
+                self._pin_ids_np[:rows] = ids
                 self.adapters.row_ids[:rows].copy_(self._pin_ids[:rows], non_blocking=True)
             out = g.run(rows, group[0].session.layers, adapters=adapted)  # [rows, H], static buffer
         else:
-            hidden = torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
-            pos = torch.tensor(positions, dtype=torch.long).to(self.device)
+            on_device = all_cpu if self.device.type == "cpu" else all(r.hidden.device == self.device for r in group)
+            if same_dtype and on_device:
+                hidden = torch.cat([r.hidden for r in group]).view(rows, h)  # [rows, H]
+            else:
+                hidden = torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
             needed_pages = max(positions) // self.pool.page_size_tokens + 1  # eager path: attend to used pages only
             tab = torch.stack(tables)[:, :needed_pages].to(self.device)
             selected: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -416,10 +426,8 @@ class SpanEngine:
             out = host.clone()  # the pinned buffer is reused by the next iteration
         elif self.device.type == "cuda":
             out = out.clone()
-        results = []
-        start = 0
-        for req in group:
-            piece = out[start : start + req.rows].view(req.rows, 1, h)
-            results.append(piece if piece.device == req.hidden.device else piece.to(req.hidden.device))
-            start += req.rows
-        return results
+        # one split into views: [rows, H] -> [B_i, 1, H] per request
+        pieces = out.view(rows, 1, h).split([r.rows for r in group])
+        if all_cpu and out.device.type == "cpu":
+            return list(pieces)
+        return [p if p.device == r.hidden.device else p.to(r.hidden.device) for p, r in zip(pieces, group, strict=True)]

@@ -32,6 +32,7 @@ from functools import partial
 import torch
 
 from corolla.server import proxy_wire as wire
+from corolla.server import step_frames
 from corolla.server.admission import SessionAdmission, SessionTicket
 from corolla.server.channel_io import FrameSocket
 from corolla.server.executor import (
@@ -46,6 +47,8 @@ from corolla.server.executor import (
 from corolla.server.metrics import ServerMetrics
 from corolla.server.proxy_executor import DeviceInfo
 from corolla.server.push_router import DeviceSessionRegistry, PushRouter
+from corolla.server.step_frames import BadStep, ParsedStep
+from corolla.server.task import Task
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -120,6 +123,7 @@ class DeviceChannel:
         self._writer_stop = False
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
+        self._flush_batch = self._flush  # one object: the runtime flushes each distinct one once per batch
         self.num_requests = 0  # counted by the reader thread only
         self.num_frames_in = 0
         self.num_sessions_opened = 0
@@ -161,12 +165,8 @@ class DeviceChannel:
         """Encodes results as few REPLY_BATCH frames as the bound allows, with the state once each, and sends them."""
         if not results or self.io.closed:
             return
-        items = [
-            (wire.REPLY_ERROR, rid, wire.encode_error(r)) if isinstance(r, BaseException)
-            else (wire.REPLY_TENSORS, rid, wire.Writer().u8(1).tensor(r))  # [B, T, H]
-            for rid, r in results
-        ]  # fmt: skip
-        self.io.send_frames(wire.batch_frames(items, wire.REPLY_BATCH, self.max_frame_bytes, head=self._state()))
+        head = b"".join(self._state().parts)
+        self.io.send_frames(step_frames.reply_frames(results, head, self.max_frame_bytes))  # [B, T, H] each
 
     def _write_loop(self) -> None:
         """The writer thread (`reply_thread`): sends what the runtime thread queued, until the channel ends."""
@@ -268,41 +268,64 @@ class DeviceChannel:
     def _submit_steps(self, kind: int, request_id: int, payload: memoryview) -> None:
         """Queues a frame's steps on the runtime and wakes its thread once; refusals are answered at once. A
         malformed batch (count or lengths) raises FrameError: the channel ends."""
-        items = (
-            wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
-            if kind == wire.STEP_BATCH
-            else [(kind, request_id, payload)]
-        )
+        steps: list[ParsedStep | BadStep]
+        if kind == wire.STEP_BATCH:
+            steps = step_frames.parse_steps(payload)
+        else:
+            try:
+                steps = [step_frames.parse_step(request_id, payload)]
+            except wire.FrameError as e:
+                steps = [BadStep(request_id, e)]
         refused = False
-        for _, item_id, item in items:
+        runtime = self.executor.runtime
+        tasks: list[Task] = []
+        for step in steps:
             self.num_requests += 1
             try:
-                self._submit_step(item_id, item)
+                if isinstance(step, BadStep):
+                    raise step.error
+                task = self._step_task(step)
+                if task is not None:
+                    tasks.append(task)
             except Exception as e:
-                self._queue_result(item_id, e)
+                self._queue_result(step.request_id, e)
                 refused = True
-        self.executor.runtime.wake()
+        if tasks:
+            try:
+                runtime.submit_callbacks(tasks)  # one lock and one wake for the frame
+            except Exception as e:  # the runtime stopped: every step of the frame is refused
+                for task in tasks:
+                    assert task.on_done is not None
+                    task.on_done(None, e)
+                refused = True
         if refused:
             self._flush()
 
-    def _submit_step(self, request_id: int, payload: memoryview) -> None:
-        fields = wire.Reader(payload)
-        held = self._held(fields.u32())
-        prefix_length, lone, adapter = fields.u32(), bool(fields.u8()), fields.text()
-        hidden, prompts, hypo_ids = fields.tensor(), fields.tensor(), fields.tensor()  # copies out of the buffer
-        fields.done()
+    def _step_task(self, step: ParsedStep) -> Task | None:
+        """The step as a runtime task to queue, or None where it ran inline (a lone session on an idle runtime)."""
+        hidden = step.hidden
         if hidden is None or hidden.dim() != 3:
             raise wire.FrameError("a step needs hidden states [B, T, H]")
-        lone = lone and self.admission.num_open <= 1  # alone in this process and in all of them
+        held = self._held(step.handle)
+        lone = step.lone and self.admission.num_open <= 1  # alone in this process and in all of them
         assert held.cache is not None
-        prepared = self.executor.prepare_step(held.cache, StepInputs(hidden, prefix_length, prompts, hypo_ids,
-                                                                     adapter, lone_session=lone))  # fmt: skip
-        done = partial(self._step_done, request_id, held.ticket, hidden.shape[0] * hidden.shape[1],
-                       prepared.observe, time.perf_counter())  # fmt: skip
-        self.executor.runtime.submit_callback(
-            prepared.fn, on_done=done, flush=self._flush, priority=prepared.priority,
+        prepared = self.executor.prepare_step(held.cache, StepInputs(hidden, step.prefix_length, step.prompts,
+                                                                     step.hypo_ids, step.adapter, lone_session=lone))  # fmt: skip
+        shape = hidden.shape
+        done = partial(self._step_done, step.request_id, held.ticket, shape[0] * shape[1], prepared.observe,
+                       time.perf_counter())  # fmt: skip
+        runtime = self.executor.runtime
+        if prepared.inline:
+            runtime.submit_callback(
+                prepared.fn, on_done=done, flush=self._flush_batch, priority=prepared.priority,
+                size_tokens=prepared.size_tokens, kind=prepared.kind, merge_key=prepared.merge_key,
+                payload=prepared.payload, inline=True, notify=True,
+            )  # fmt: skip
+            return None
+        return runtime.callback_task(
+            prepared.fn, on_done=done, flush=self._flush_batch, priority=prepared.priority,
             size_tokens=prepared.size_tokens, kind=prepared.kind, merge_key=prepared.merge_key,
-            payload=prepared.payload, inline=prepared.inline, notify=False,
+            payload=prepared.payload,
         )  # fmt: skip
 
     def _step_done(

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 import torch
 
@@ -159,19 +160,22 @@ class FastExecutor:
         """`step` up to the runtime (a device channel's reader thread queues it without a coroutine)."""
         own = self._own(cache)
         self.engine.bind_adapter(own.session, inputs.adapter)  # ValueError: unknown, or not the session's adapter
-        request = StepRequest(own.session, inputs.hidden_states, inputs.prefix_length, inputs.hypo_ids, inputs.prompts)
-        batch_size, length = inputs.hidden_states.shape[:2]
-        engine, metrics = self.engine, self.metrics
+        hidden = inputs.hidden_states  # [B, T, H]
+        request = StepRequest(own.session, hidden, inputs.prefix_length, inputs.hypo_ids, inputs.prompts)
+        metrics = self.metrics
+        observe = None
+        if metrics is not None:
+            num_tokens = request.rows * request.num_tokens
 
-        def observe(seconds: float) -> None:
-            if metrics is not None:
+            def observe(seconds: float) -> None:
                 metrics.observe_step(seconds)
-                metrics.tokens("inference", batch_size * length)
+                metrics.tokens("inference", num_tokens)
 
         return PreparedStep(
-            fn=lambda: engine.step(request.session, request.hidden, request.position, request.hypo_ids, request.prompts),
-            priority=PRIORITY_INFERENCE, size_tokens=batch_size * max(length, 1), kind=KIND_ENGINE_INFERENCE,
-            merge_key=self._merge_key, payload=request, inline=inputs.lone_session, observe=observe,
+            fn=partial(self.engine.step, request.session, hidden, request.position, request.hypo_ids, request.prompts),
+            priority=PRIORITY_INFERENCE, size_tokens=request.rows * max(request.num_tokens, 1),
+            kind=KIND_ENGINE_INFERENCE, merge_key=self._merge_key, payload=request, inline=inputs.lone_session,
+            observe=observe,
         )  # fmt: skip
 
     def _execute_tasks(self, tasks: list[Task]) -> list[torch.Tensor | BaseException]:

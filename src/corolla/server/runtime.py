@@ -222,6 +222,29 @@ class Runtime:
         tasks sharing one flush get one call after all their `on_done`s). `notify=False` leaves waking the device
         thread to a later `wake()` (a reader thread queues a frame's steps, then wakes it once). Same refusals as
         `submit`, raised here."""
+        task = self.callback_task(
+            fn, on_done=on_done, flush=flush, priority=priority, size_tokens=size_tokens, kind=kind,
+            merge_key=merge_key, payload=payload,
+        )  # fmt: skip
+        inline = inline and kind in self._inline_kinds and merge_key is not None and size_tokens <= INLINE_MAX_TOKENS
+        if inline and self._run_inline(task):
+            return
+        self._queue.push(task, notify=notify)
+
+    def callback_task(
+        self,
+        fn: Callable[[], Any],
+        *,
+        on_done: Callable[[Any, BaseException | None], None],
+        flush: Callable[[], None] | None,
+        priority: float,
+        size_tokens: int,
+        kind: str,
+        merge_key: Hashable | None,
+        payload: Any,
+    ) -> Task:
+        """A callback task as `submit_callback` makes it, not queued yet (`submit_callbacks` queues several at
+        once); the same refusals, raised here."""
         if size_tokens > self.max_batch_size_tokens:
             raise ValueError(
                 f"Task of {size_tokens} tokens (batch x length) exceeds the server's max_batch_size "
@@ -231,14 +254,18 @@ class Runtime:
             raise ValueError(f"size_tokens must be >= 0, got {size_tokens}")
         if self._stopped:
             raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks")
-        task = Task(
+        return Task(
             fn=fn, priority=float(priority), size_tokens=size_tokens, future=None, loop=None, kind=kind,
             merge_key=merge_key, payload=payload, on_done=on_done, flush=flush,
         )  # fmt: skip
-        inline = inline and kind in self._inline_kinds and merge_key is not None and size_tokens <= INLINE_MAX_TOKENS
-        if inline and self._run_inline(task):
-            return
-        self._queue.push(task, notify=notify)
+
+    def submit_callbacks(self, tasks: list[Task]) -> None:
+        """Queues callback tasks (from `callback_task`) in one hold of the queue's lock and wakes the device thread
+        once; RuntimeStopped (none queued) if the runtime stopped meanwhile."""
+        try:
+            self._queue.push_many(tasks)
+        except RuntimeError as e:
+            raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks") from e
 
     def wake(self) -> None:
         """Wakes the device thread for tasks queued with `notify=False`."""
@@ -366,7 +393,7 @@ class Runtime:
 def _call_back(tasks: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
     """Runs each callback task's `on_done`, then each distinct `flush` once (a failing callback is logged: it must
     not stop the device thread or the other callers' replies)."""
-    flushes: dict[int, Callable[[], None]] = {}
+    flushes: dict[Callable[[], None], None] = {}  # keyed by the callable: equal bound methods flush once
     for task, (result, error) in zip(tasks, results, strict=True):
         try:
             if task.on_done is not None:
@@ -374,8 +401,8 @@ def _call_back(tasks: list[Task], results: list[tuple[Any, BaseException | None]
         except Exception as e:
             logger.warning(f"runtime.callback_failed(kind={task.kind}, error={e!r})")
         if task.flush is not None:
-            flushes.setdefault(id(task.flush), task.flush)
-    for flush in flushes.values():
+            flushes[task.flush] = None
+    for flush in flushes:
         try:
             flush()
         except Exception as e:

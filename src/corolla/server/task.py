@@ -81,6 +81,20 @@ class TaskQueue:
             if notify:
                 self._cond.notify()
 
+    def push_many(self, tasks: list[Task]) -> None:
+        """Queues `tasks` in order under one hold of the lock, then wakes the consumer once (all or none queued)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("The runtime is stopped; it accepts no new tasks")
+            heap, times, seq = self._heap, self._push_times, self._seq
+            for task in tasks:
+                seq += 1
+                task.seq = seq
+                times.append(task.submitted_at)
+                heapq.heappush(heap, (task.priority, task.submitted_at, seq, task))
+            self._seq = seq
+            self._cond.notify()
+
     def wake(self) -> None:
         with self._cond:
             self._cond.notify()

@@ -1,0 +1,219 @@
+"""The device side's hot codec for the handler channel (`proxy_wire` frames, byte for byte the same format): a
+STEP_BATCH frame parsed in one pass, and the replies of one merged forward encoded as REPLY_BATCH frames in one join.
+
+`parse_steps` reads every item's fields with `struct.unpack_from` at offsets (each length checked against what is
+left of its item before anything is sliced or allocated, as `proxy_wire.Reader` does), then copies the hidden
+states of all the items that share one dtype and shape out of the receive buffer at once (numpy, one copy for the
+group) and hands each step a view of that copy: one torch call per group instead of several per step, so the reader
+thread rarely gives the GIL to the runtime thread and waits to get it back. Prompts and beam ids (rare) are read
+by `proxy_wire.Reader`.
+
+`reply_frames` builds exactly what `proxy_wire.batch_frames(items, REPLY_BATCH, max_frame_bytes, head=state)`
+builds for a list of step results (same grouping, same bounds), from a cached per-(dtype, shape) record header and
+each output's bytes (a view), joined once per frame."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from corolla.server import proxy_wire as wire
+
+# the channel's tensor record encoding (proxy_wire's dtype codes and item sizes)
+_DTYPES = wire._DTYPES
+_ITEM_BYTES = wire._ITEM_BYTES
+_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_NUMPY_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype for dtype in _DTYPES
+)  # bfloat16 travels through int16 (numpy has none)
+_STEP_HEAD = struct.Struct(">IIBH")  # handle, prefix length, lone, adapter name length
+_ITEM = struct.Struct(">BII")  # a batch item: kind, request id, payload length
+_U16 = struct.Struct(">H")
+_RECORD_HEAD = struct.Struct(">BB")  # dtype code, ndim
+_REPLY_RECORDS_KEPT = 256  # distinct (dtype, shape) reply record headers cached
+
+
+@dataclass(eq=False, slots=True)
+class ParsedStep:
+    """One STEP item of a STEP_BATCH: its fields, the hidden states [B, T, H] (a view of the frame's copy)."""
+
+    request_id: int
+    handle: int
+    prefix_length: int
+    lone: bool
+    adapter: str
+    hidden: torch.Tensor | None
+    prompts: torch.Tensor | None
+    hypo_ids: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class BadStep:
+    """A STEP item whose fields break the format: refused, failing only its caller."""
+
+    request_id: int
+    error: wire.FrameError
+
+
+def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
+    """The steps of a STEP_BATCH payload, in order; an item whose fields break the format is a `BadStep` in its
+    place. A malformed batch (count or item lengths) raises FrameError."""
+    items = wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
+    out: list[ParsedStep | BadStep] = []
+    groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, memoryview, int]]] = {}  # (code, shape) -> hiddens
+    for _, request_id, item in items:
+        try:
+            step, hidden_at = _parse_item(request_id, item)
+        except wire.FrameError as e:
+            out.append(BadStep(request_id, e))
+            continue
+        if hidden_at is not None:
+            code, shape, offset = hidden_at
+            groups.setdefault((code, shape), []).append((len(out), item, offset))
+        out.append(step)
+    for (code, shape), members in groups.items():
+        for index, tensor in zip((m[0] for m in members), _copy_group(code, shape, members), strict=True):
+            parsed = out[index]
+            assert isinstance(parsed, ParsedStep)
+            parsed.hidden = tensor
+    return out
+
+
+def parse_step(request_id: int, payload: memoryview) -> ParsedStep:
+    """A lone STEP frame's step (FrameError if its fields break the format)."""
+    step, hidden_at = _parse_item(request_id, payload)
+    if hidden_at is not None:
+        code, shape, offset = hidden_at
+        step.hidden = _copy_group(code, shape, [(0, payload, offset)])[0]
+    return step
+
+
+def _parse_item(request_id: int, item: memoryview) -> tuple[ParsedStep, tuple[int, tuple[int, ...], int] | None]:
+    """A step's fields; the hidden states' (dtype code, shape, byte offset in `item`) to copy later."""
+    size = len(item)
+    if size < _STEP_HEAD.size:
+        raise wire.FrameError(f"a step item of {size} bytes is shorter than its fixed fields")
+    handle, prefix_length, lone, name_bytes = _STEP_HEAD.unpack_from(item, 0)
+    offset = _STEP_HEAD.size + name_bytes
+    if offset > size:
+        raise wire.FrameError(f"adapter name of {name_bytes} bytes runs past the step item")
+    adapter = bytes(item[_STEP_HEAD.size : offset]).decode() if name_bytes else ""
+    hidden_at, offset = _record(item, offset)
+    if offset == size - 2 and item[offset] == wire.NO_TENSOR and item[offset + 1] == wire.NO_TENSOR:
+        prompts = hypo_ids = None  # the usual step: neither deep prompts nor beam ids
+    else:
+        fields = wire.Reader(item)
+        fields.offset = offset
+        prompts, hypo_ids = fields.tensor(), fields.tensor()
+        fields.done()
+    return ParsedStep(request_id, handle, prefix_length, bool(lone), adapter, None, prompts, hypo_ids), hidden_at
+
+
+def _record(item: memoryview, offset: int) -> tuple[tuple[int, tuple[int, ...], int] | None, int]:
+    """The tensor record at `offset`: ((code, shape, data offset) or None for no tensor, the offset after it)."""
+    if offset + 1 > len(item):
+        raise wire.FrameError("a tensor record runs past the step item")
+    code = item[offset]
+    if code == wire.NO_TENSOR:
+        return None, offset + 1
+    if code >= len(_DTYPES):
+        raise wire.FrameError(f"unknown dtype code {code}")
+    if offset + 2 > len(item):
+        raise wire.FrameError("a tensor record runs past the step item")
+    ndim = item[offset + 1]
+    if ndim > wire.MAX_TENSOR_DIMS:
+        raise wire.FrameError(f"tensor of {ndim} dims exceeds {wire.MAX_TENSOR_DIMS}")
+    start = offset + 2 + 4 * ndim
+    if start > len(item):
+        raise wire.FrameError("a tensor record's shape runs past the step item")
+    shape = struct.unpack_from(f">{ndim}I", item, offset + 2)
+    nbytes = _ITEM_BYTES[code]
+    for dim in shape:
+        nbytes *= dim
+    if start + nbytes > len(item):  # bounded by the item before anything is allocated
+        raise wire.FrameError(f"field of {nbytes} bytes runs past the payload ({len(item) - start} left)")
+    return (code, shape, start), start + nbytes
+
+
+def _copy_group(code: int, shape: tuple[int, ...], members: list[tuple[int, memoryview, int]]) -> list[torch.Tensor]:
+    """One writable copy of the group's tensors (bounds checked by `_record`): [n, *shape] -> n views [*shape]."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    np_dtype = _NUMPY_DTYPES[code]
+    if count == 0:
+        return [torch.empty(shape, dtype=_DTYPES[code]) for _ in members]
+    arrays = [np.frombuffer(item, dtype=np_dtype, count=count, offset=offset) for _, item, offset in members]
+    stacked = torch.from_numpy(np.stack(arrays))  # [n, count]: the group's one copy
+    if _DTYPES[code] == torch.bfloat16:
+        stacked = stacked.view(torch.bfloat16)
+    return list(stacked.view(len(members), *shape).unbind(0))  # [n, *shape] -> n x [*shape]
+
+
+def reply_frames(
+    results: list[tuple[int, torch.Tensor | BaseException]], head: bytes, max_frame_bytes: int
+) -> list[bytes]:
+    """What `proxy_wire.batch_frames` makes of these step results (REPLY_TENSORS for a tensor [B, T, H], REPLY_ERROR
+    for a refusal), with `head` (the device's state) once per frame."""
+    encoded: list[tuple[int, int, list[bytes | memoryview], int]] = []  # kind, request id, body parts, body bytes
+    for request_id, result in results:
+        if isinstance(result, BaseException):
+            body = wire.encode_error(result)
+            encoded.append((wire.REPLY_ERROR, request_id, body.parts, body.nbytes()))
+        else:
+            encoded.append((wire.REPLY_TENSORS, request_id, *_tensor_body(result)))
+    frames: list[bytes] = []
+    head_bytes = len(head)
+    group_start, size = 0, head_bytes + _U16.size
+    for i, (_, _, _, body_bytes) in enumerate(encoded):
+        item_bytes = _ITEM.size + body_bytes
+        if i > group_start and (size + item_bytes > max_frame_bytes or i - group_start >= wire.MAX_BATCH_ITEMS):
+            frames.append(_frame(encoded[group_start:i], head))
+            group_start, size = i, head_bytes + _U16.size
+        size += item_bytes
+    if group_start < len(encoded):
+        frames.append(_frame(encoded[group_start:], head))
+    return frames
+
+
+def _frame(group: list[tuple[int, int, list[bytes | memoryview], int]], head: bytes) -> bytes:
+    if len(group) == 1:  # alone: its own frame, the state before its body
+        kind, request_id, parts, body_bytes = group[0]
+        return b"".join([wire.HEADER.pack(len(head) + body_bytes, kind, request_id), head, *parts])
+    joined: list[bytes | memoryview] = [b"", head, _U16.pack(len(group))]
+    total = len(head) + _U16.size
+    for kind, request_id, parts, body_bytes in group:
+        joined.append(_ITEM.pack(kind, request_id, body_bytes))
+        joined.extend(parts)
+        total += _ITEM.size + body_bytes
+    joined[0] = wire.HEADER.pack(total, wire.REPLY_BATCH, 0)
+    return b"".join(joined)
+
+
+_reply_records: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, int]] = {}
+
+
+def _tensor_body(tensor: torch.Tensor) -> tuple[list[bytes | memoryview], int]:
+    """A REPLY_TENSORS body (one tensor): its parts and byte count, as `Writer().u8(1).tensor(tensor)` writes it."""
+    if tensor.requires_grad or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        body = wire.Writer().u8(1).tensor(tensor)
+        return body.parts, body.nbytes()
+    key = (tensor.dtype, tuple(tensor.shape))
+    record = _reply_records.get(key)
+    if record is None:
+        code = _CODES.get(tensor.dtype)
+        if code is None or tensor.dim() > wire.MAX_TENSOR_DIMS:
+            raise wire.FrameError(f"can't send a {tensor.dtype} tensor of {tensor.dim()} dims")
+        prefix = b"\x01" + _RECORD_HEAD.pack(code, tensor.dim()) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
+        record = (prefix, tensor.numel() * _ITEM_BYTES[code])
+        if len(_reply_records) >= _REPLY_RECORDS_KEPT:
+            _reply_records.clear()
+        _reply_records[key] = record
+    prefix, nbytes = record
+    if nbytes == 0:
+        return [prefix], len(prefix)
+    array = (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
+    return [prefix, array.data.cast("B")], len(prefix) + nbytes  # flat bytes of [B, T, H]

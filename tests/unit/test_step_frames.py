@@ -1,0 +1,91 @@
+"""The device side's hot codec (`server.step_frames`) writes and reads exactly `proxy_wire`'s format: reply frames
+equal `proxy_wire.batch_frames` byte for byte (grouping and bounds included), STEP_BATCH items parse to the same
+fields and tensors as `proxy_wire.Reader`, a malformed item fails alone, and no length a frame claims is trusted
+before it is checked."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from corolla.server import proxy_wire as wire
+from corolla.server import step_frames
+from corolla.server.refusals import TooLong
+
+
+def _state() -> wire.Writer:
+    return wire.Writer().u64(123).u64(4).u64(1 << 40)
+
+
+def _reference(results: list[tuple[int, torch.Tensor | BaseException]], max_frame_bytes: int) -> list[bytes]:
+    items = [
+        (wire.REPLY_ERROR, rid, wire.encode_error(r)) if isinstance(r, BaseException)
+        else (wire.REPLY_TENSORS, rid, wire.Writer().u8(1).tensor(r))
+        for rid, r in results
+    ]  # fmt: skip
+    return wire.batch_frames(items, wire.REPLY_BATCH, max_frame_bytes, head=_state())
+
+
+@pytest.mark.parametrize("max_frame_bytes", [1 << 20, 700, 200])
+def test_reply_frames_equal_the_reference_encoder(max_frame_bytes: int) -> None:
+    torch.manual_seed(0)
+    out = torch.randn(7, 16)  # a merged forward's output rows, split into views as the engine returns them
+    pieces = out.view(7, 1, 16).split([1, 2, 1, 1, 1, 1])
+    results: list[tuple[int, torch.Tensor | BaseException]] = [(i + 1, p) for i, p in enumerate(pieces)]
+    results.insert(2, (99, TooLong("too long", value=9, limit=8)))
+    results.append((100, torch.randn(1, 1, 16).to(torch.bfloat16)))
+    results.append((101, torch.randn(2, 3, 16).transpose(0, 1)))  # not contiguous
+    results.append((102, torch.empty(1, 0, 16)))
+    head = b"".join(_state().parts)
+    assert step_frames.reply_frames(results, head, max_frame_bytes) == _reference(results, max_frame_bytes)
+    assert step_frames.reply_frames(results[:1], head, max_frame_bytes) == _reference(results[:1], max_frame_bytes)
+
+
+def _step_body(handle: int, hidden: torch.Tensor | None, *, prompts=None, hypo_ids=None, adapter="") -> wire.Writer:
+    return wire.Writer().u32(handle).u32(5).u8(1).text(adapter).tensor(hidden).tensor(prompts).tensor(hypo_ids)
+
+
+def _payload(bodies: list[wire.Writer]) -> memoryview:
+    frame = wire.batch([(wire.STEP, 10 + i, body) for i, body in enumerate(bodies)]).frame(wire.STEP_BATCH, 0)
+    return memoryview(bytearray(frame))[wire.HEADER_BYTES :]
+
+
+def test_steps_parse_as_the_reference_reader_does() -> None:
+    torch.manual_seed(1)
+    hiddens = [torch.randn(1, 1, 8), torch.randn(1, 1, 8), torch.randn(2, 4, 8).half(),
+               torch.randn(1, 1, 8).to(torch.bfloat16), torch.randn(1, 1, 8)]  # fmt: skip
+    bodies = [_step_body(i, h) for i, h in enumerate(hiddens)]
+    bodies[1] = _step_body(1, hiddens[1], prompts=torch.randn(2, 1, 3, 8), hypo_ids=torch.tensor([0]), adapter="a")
+    payload = _payload(bodies)
+    steps = step_frames.parse_steps(payload)
+    payload[:] = b"\0" * len(payload)  # the receive buffer is reused: the steps own copies
+    for i, (step, body) in enumerate(zip(steps, bodies, strict=True)):
+        assert isinstance(step, step_frames.ParsedStep)
+        fields = wire.Reader(b"".join(body.parts))
+        assert (step.request_id, step.handle, step.prefix_length, step.lone) == (10 + i, fields.u32(), fields.u32(),
+                                                                                   bool(fields.u8()))  # fmt: skip
+        assert step.adapter == fields.text()
+        for got, want in ((step.hidden, fields.tensor()), (step.prompts, fields.tensor()),
+                          (step.hypo_ids, fields.tensor())):  # fmt: skip
+            if want is None:
+                assert got is None
+            else:
+                assert got is not None and got.dtype == want.dtype and torch.equal(got, want)
+    lone = step_frames.parse_step(7, memoryview(bytearray(b"".join(bodies[2].parts))))
+    assert lone.hidden is not None and torch.equal(lone.hidden, hiddens[2])
+
+
+def test_a_malformed_item_fails_alone_and_claimed_lengths_are_checked_first() -> None:
+    good = _step_body(1, torch.randn(1, 1, 8))
+    huge = wire.Writer().u32(2).u32(0).u8(0).text("")
+    huge.parts.append(struct.pack(">BBIII", 0, 3, 1 << 30, 1 << 30, 8))  # claims 2^63 bytes, holds none
+    short = wire.Writer().u32(3).u8(0)  # ends inside its fixed fields
+    trailing = _step_body(4, torch.randn(1, 1, 8)).u8(0)
+    steps = step_frames.parse_steps(_payload([good, huge, short, trailing]))
+    assert isinstance(steps[0], step_frames.ParsedStep)
+    for bad, request_id in zip(steps[1:], (11, 12, 13), strict=True):
+        assert isinstance(bad, step_frames.BadStep) and bad.request_id == request_id
+    with pytest.raises(wire.FrameError):  # a batch whose item runs past the frame ends the channel
+        step_frames.parse_steps(_payload([good])[:-3])
