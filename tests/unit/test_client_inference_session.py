@@ -99,6 +99,40 @@ class FakeServer:
             self.final_lengths.append(caches[0].shape[1] if caches and caches[0] is not None else 0)
 
 
+class FakeStream:
+    """A fake server's `rpc_inference(requests)` as the client's `InferenceStream` (a queue feeds its requests)."""
+
+    def __init__(self, server: FakeServer):
+        self.server = server
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.responses = None
+        self.closing: asyncio.Future | None = None
+
+    async def open(self) -> FakeStream:
+        async def requests():
+            while (request := await self.queue.get()) is not None:
+                yield request
+
+        self.responses = (await self.server.rpc_inference(requests())).__aiter__()
+        return self
+
+    async def send(self, request) -> None:
+        await self.queue.put(request)
+
+    async def send_end(self) -> None:
+        await self.queue.put(None)
+
+    async def receive(self):
+        try:
+            return await anext(self.responses)
+        except StopAsyncIteration:
+            return None
+
+    def close(self) -> None:
+        if self.closing is None:  # ends the server's generator, as a closed connection does
+            self.closing = asyncio.ensure_future(self.responses.aclose())
+
+
 class FakeManager(RemoteSequenceManager):
     def __init__(self, servers: dict[str, FakeServer], num_blocks: int, **config):
         config.setdefault("min_backoff_s", 0.01)
@@ -127,6 +161,9 @@ class FakeManager(RemoteSequenceManager):
 
     async def get_stub(self, peer_id):
         return self.servers[peer_id]
+
+    async def open_inference_stream(self, peer_id):
+        return await FakeStream(self.servers[peer_id]).open()
 
 
 def test_failover_replays_history_without_lost_or_duplicated_tokens():

@@ -54,8 +54,10 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         running = None
     assert running is not loop, "blocking on the client loop from inside it would deadlock"
     future = asyncio.run_coroutine_threadsafe(coro, loop)
-    done, _ = concurrent.futures.wait([future], timeout_s)
-    if not done:
+    try:
+        return future.result(timeout_s)  # one condition wait (concurrent.futures.wait builds waiters per call)
+    except concurrent.futures.TimeoutError:
+        if future.done():  # the coroutine raised a TimeoutError itself, or finished just now
+            return future.result()
         future.cancel()
-        raise TimeoutError(f"client call did not finish within {timeout_s} s")
-    return future.result()
+        raise TimeoutError(f"client call did not finish within {timeout_s} s") from None

@@ -199,7 +199,7 @@ async def _export(session: InferenceSession, old: SpanSession) -> tuple[wire.KvH
     tensors, structure, empty = _empty_step(old)
     metadata = {"session_id": old.session_id, "args_structure": structure, wire.EXPORT_KEY: {}}
     uid = manager.make_chain(old.span.start, old.span.end)
-    await old._requests.put(runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=encode_metadata(metadata)))
+    await old.send(runtime_pb2.ExpertRequest(uid=uid, tensors=tensors, metadata=encode_metadata(metadata)))
     first = await old._next_response()
     try:
         raw = decode_metadata(first.metadata).get(wire.KV_HEADER_KEY) if first.metadata else None
@@ -245,10 +245,10 @@ async def _import(
     metadata = decode_metadata(request.metadata)
     metadata[wire.IMPORT_KEY] = header.to_dict()
     new._started = True
-    await new._requests.put(
+    await new.send(
         runtime_pb2.ExpertRequest(uid=request.uid, tensors=request.tensors, metadata=encode_metadata(metadata))
     )
     for parts in messages:
-        await new._requests.put(runtime_pb2.ExpertRequest(uid=request.uid, tensors=parts))
+        await new.send(runtime_pb2.ExpertRequest(uid=request.uid, tensors=parts))
     response = await new._next_response()
     new._accept(response, inputs, send_from, empty.dtype)

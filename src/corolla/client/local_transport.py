@@ -1,42 +1,34 @@
 """Inference streams to a corolla server on this machine over its unix socket (see `protocol.local_stream`) instead
 of through the two p2pd daemons.
 
-`LocalInferenceStream` is one such stream on a raw non-blocking socket: its async methods run on the client loop,
-and between them its sync `exchange` may run in any one thread (the user's, so that a step costs no hop to the
-loop thread and back: each hop is an idle thread's wake-up). `open_local_inference` wraps one as the p2p stub's
-stream (an async iterator of `ExpertResponse`, `P2PHandlerError` for the server's errors, end of iteration when the
-server closes). Any problem opening a stream means "use p2p"."""
+`LocalInferenceStream` is one such stream on a raw non-blocking socket (`framed_socket.FramedSocketStream`): its
+async methods run on the client loop, and between them its sync `exchange` may run in any one thread.
+`open_local_inference` wraps one as the p2p stub's stream (an async iterator of `ExpertResponse`, `P2PHandlerError`
+for the server's errors, end of iteration when the server closes). Any problem opening a stream means "use p2p"."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import select
 import socket
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
+from corolla.client.framed_socket import MAX_RESPONSE_FRAME_BYTES, FramedSocketStream
 from corolla.protocol import local_stream as ls
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-MAX_RESPONSE_FRAME_BYTES = 1 << 30  # a 2048-token bf16 prefill at hidden 16384 is 64 MiB: far below
+__all__ = ["MAX_RESPONSE_FRAME_BYTES", "LocalInferenceStream", "open_local_inference", "responses_of"]
 
 
-class LocalInferenceStream:
-    """One `rpc_inference` stream over a same-host server's socket. Not thread-safe: one caller at a time, either
-    the client loop (`send`, `receive`) or one thread (`exchange`)."""
-
-    def __init__(self, sock: socket.socket, peer_id: str):
-        self.sock, self.peer_id = sock, peer_id
-        self._buffer = bytearray()
-        self.closed = False
-        self.polled_responses = 0  # `exchange` responses that arrived while it polled (no sleep, no wake-up)
+class LocalInferenceStream(FramedSocketStream):
+    """One `rpc_inference` stream over a same-host server's socket (`protocol.local_stream` frames). Not
+    thread-safe: one caller at a time, either the client loop (`send`, `receive`) or one thread (`exchange`)."""
 
     # ---- opening
 
@@ -66,90 +58,21 @@ class LocalInferenceStream:
             return None
         return stream
 
-    # ---- async side (client loop)
+    # ---- framing
 
-    async def send(self, request: runtime_pb2.ExpertRequest) -> None:
-        await asyncio.get_running_loop().sock_sendall(self.sock, _request_frame(request))
+    @property
+    def header_bytes(self) -> int:
+        return ls.HEADER_BYTES
 
-    async def send_end(self) -> None:
-        await asyncio.get_running_loop().sock_sendall(self.sock, b"".join(ls.frame(ls.END)))
+    def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
+        return _request_frame(request)
 
-    async def receive(self) -> runtime_pb2.ExpertResponse | None:
-        """The next response; None once the server ended the stream (or went away)."""
-        try:
-            kind, payload = await self._receive_frame(MAX_RESPONSE_FRAME_BYTES)
-        except (EOFError, ConnectionResetError, BrokenPipeError):
-            return None
-        return self._response(kind, payload)
+    def _end_frame(self) -> bytes:
+        return b"".join(ls.frame(ls.END))
 
-    async def _receive_frame(self, max_payload_bytes: int) -> tuple[int, bytes]:
-        loop = asyncio.get_running_loop()
-        while (parsed := self._parse_frame(max_payload_bytes)) is None:
-            chunk = await loop.sock_recv(self.sock, 1 << 16)
-            if not chunk:
-                raise EOFError("the server closed the local stream")
-            self._buffer += chunk
-        return parsed
-
-    # ---- sync side (any one thread)
-
-    def exchange(
-        self, request: runtime_pb2.ExpertRequest, *, timeout_s: float, poll_s: float = 0.0
-    ) -> runtime_pb2.ExpertResponse:
-        """Sends `request` and waits for its response in the calling thread: polling for up to `poll_s`, then
-        sleeping in `poll(2)`. ConnectionError when the stream ends or breaks, TimeoutError past `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        data = memoryview(_request_frame(request))
-        poller = select.poll()
-        while data:
-            try:
-                data = data[self.sock.send(data) :]
-            except BlockingIOError:
-                poller.register(self.sock, select.POLLOUT)
-                if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
-                    raise TimeoutError(f"local stream to ...{self.peer_id[-6:]}: send timed out") from None
-                poller.unregister(self.sock)
-        poll_until = time.monotonic() + poll_s
-        poller.register(self.sock, select.POLLIN)
-        slept = False
-        while (parsed := self._parse_frame(MAX_RESPONSE_FRAME_BYTES)) is None:
-            try:
-                chunk = self.sock.recv(1 << 16)
-            except BlockingIOError:
-                now = time.monotonic()
-                if now >= deadline:
-                    raise TimeoutError(f"no response from ...{self.peer_id[-6:]} within {timeout_s} s") from None
-                if now >= poll_until:
-                    poller.poll(max(0.0, deadline - now) * 1000)
-                    slept = True
-                continue
-            if not chunk:
-                raise ConnectionError(f"server ...{self.peer_id[-6:]} closed the local inference stream")
-            self._buffer += chunk
-        if poll_s > 0 and not slept:
-            self.polled_responses += 1
-        response = self._response(*parsed)
-        if response is None:
-            raise ConnectionError(f"server ...{self.peer_id[-6:]} ended the local inference stream")
-        return response
-
-    # ---- both
-
-    def _parse_frame(self, max_payload_bytes: int) -> tuple[int, bytes] | None:
-        buffer = self._buffer
-        if len(buffer) < ls.HEADER_BYTES:
-            return None
-        try:
-            kind, length = ls.parse_header(buffer, max_payload_bytes)
-        except ValueError as e:  # the server broke the framing: this stream is unusable
-            raise ConnectionError(f"local stream from ...{self.peer_id[-6:]}: {e}") from None
-        end = ls.HEADER_BYTES + length
-        if len(buffer) < end:
-            return None
-        with memoryview(buffer) as view:
-            payload = bytes(view[ls.HEADER_BYTES : end])
-        del buffer[:end]
-        return kind, payload
+    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int, int]:
+        kind, length = ls.parse_header(buffer, max_payload_bytes)
+        return kind, length, ls.HEADER_BYTES
 
     def _response(self, kind: int, payload: bytes) -> runtime_pb2.ExpertResponse | None:
         if kind == ls.MESSAGE:
@@ -162,11 +85,6 @@ class LocalInferenceStream:
         if kind == ls.END:
             return None
         raise ConnectionError(f"unexpected local stream frame kind {kind} from ...{self.peer_id[-6:]}")
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.sock.close()
 
 
 def _request_frame(request: runtime_pb2.ExpertRequest) -> bytes:

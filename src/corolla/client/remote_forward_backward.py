@@ -24,18 +24,35 @@ from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.records import RemoteSpanInfo
 
+_NONE = runtime_pb2.CompressionType.NONE
+_FLOAT16 = runtime_pb2.CompressionType.FLOAT16
+# the serialized form of each empty tensor kind sent so far (every decode step sends two: no deep prompts, no
+# hypo_ids); keyed by everything serialize_tensor writes for an empty tensor
+_EMPTY_TENSORS: dict[tuple[torch.dtype, tuple[int, ...], bool], runtime_pb2.Tensor] = {}
+
+
+def _serialize_empty(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    """`serialize_tensor(tensor, NONE)` of an empty tensor, made once per (dtype, shape, requires_grad)."""
+    key = (tensor.dtype, tuple(tensor.shape), tensor.requires_grad)
+    message = _EMPTY_TENSORS.get(key)
+    if message is None:
+        message = _EMPTY_TENSORS[key] = serialize_tensor(tensor, _NONE)
+    return message
+
 
 def serialize_activations(tensors: Sequence[torch.Tensor], compression: int) -> list[runtime_pb2.Tensor]:
     """Floating-point tensors in the server's requested `compression` (as Petals clients send them); integer and
-    empty tensors, and bfloat16 where float16 was asked (it cannot carry bf16), stay uncompressed."""
-    none = runtime_pb2.CompressionType.NONE
-    bf16_in_fp16 = (torch.bfloat16, runtime_pb2.CompressionType.FLOAT16)
-    return [
-        serialize_tensor(t, compression)
-        if t.is_floating_point() and t.numel() > 0 and (t.dtype, compression) != bf16_in_fp16
-        else serialize_tensor(t, none)
-        for t in tensors
-    ]
+    empty tensors, and bfloat16 where float16 was asked (it cannot carry bf16), stay uncompressed. The returned
+    messages may be shared: copy before changing one (protobuf copies them into a request anyway)."""
+    out = []
+    for t in tensors:
+        if t.numel() == 0:
+            out.append(_serialize_empty(t))
+        elif t.is_floating_point() and not (t.dtype == torch.bfloat16 and compression == _FLOAT16):
+            out.append(serialize_tensor(t, compression))
+        else:
+            out.append(serialize_tensor(t, _NONE))
+    return out
 
 
 async def _call(

@@ -9,7 +9,7 @@ import math
 import random
 import threading
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from corolla.client import background_loop
 from corolla.client.bans import BanList
@@ -19,6 +19,9 @@ from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerSta
 from corolla.swarm.ping import PingAggregator
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from corolla.client.p2p_stream import InferenceStream
 
 logger = get_logger(__name__)
 
@@ -351,6 +354,13 @@ class RemoteSequenceManager:
             stub = TransformerConnectionHandler.get_stub(await self._get_p2p(), PeerID.from_base58(peer_id))
             self._stubs[peer_id] = stub
         return stub
+
+    async def open_inference_stream(self, peer_id: str) -> InferenceStream:
+        """An `rpc_inference` stream to a server through p2pd (must be awaited on the client loop; the caller bounds
+        the time)."""
+        from corolla.client.p2p_stream import P2PInferenceStream
+
+        return await P2PInferenceStream.open(await self._get_p2p(), peer_id)
 
     def cached_input_compression(self, peer_id: str) -> int | None:
         """`input_compression` if already known (any thread), else None."""

@@ -20,9 +20,11 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
 from corolla.client.forwarding import is_pushed_reply
+from corolla.client.framed_socket import FramedSocketStream
 from corolla.client.handoff import read_drain_notice
-from corolla.client.local_transport import LocalInferenceStream, responses_of
+from corolla.client.local_transport import LocalInferenceStream
 from corolla.client.output_checks import BadServerOutput, check_outputs
+from corolla.client.p2p_stream import InferenceStream
 from corolla.client.remote_forward_backward import serialize_activations
 from corolla.client.routing import RemoteSequenceManager
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
@@ -68,12 +70,13 @@ class SpanSession:
     def __init__(self, manager: RemoteSequenceManager, span: RemoteSpanInfo, max_length: int):
         self.manager, self.span, self.max_length = manager, span, max_length
         self.session_id = str(uuid.uuid4())
+        self._uid = manager.make_chain(span.start, span.end)  # the span's uid chain, sent in every request
         self.position = 0  # tokens in the server's cache
         self._history_buf: torch.Tensor | None = None  # [B, capacity, H]; positions [0, _history_len) are valid
         self._history_len = 0  # == position, except in a replacement that has yet to replay its inherited history
-        self._requests: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
-        self._responses: Any = None
-        self.local: LocalInferenceStream | None = None  # the server's unix socket, if open: usable from any one thread
+        self._stream: InferenceStream | None = None  # open: p2p (client.p2p_stream) or `local`, driven on the loop
+        self.local: LocalInferenceStream | None = None  # the server's unix socket, if open
+        self._direct: FramedSocketStream | None = None  # `_stream` if a step may run in any one thread (`step_here`)
         self._started = False
         self._closed = False
         self.upstream_peer: str | None = None  # the previous span's server: the only peer that may push to this one
@@ -86,23 +89,15 @@ class SpanSession:
 
     async def open(self) -> None:
         """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
-
-        async def _read_requests():
-            while True:
-                request = await self._requests.get()
-                if request is None:
-                    return
-                yield request
-
         config = self.manager.config
         if config.local_transport:
             self.local = await LocalInferenceStream.open(self.span.peer_id, timeout_s=config.connect_timeout_s)
         if self.local is not None:
-            stream = responses_of(self.local, _read_requests())
+            self._stream = self._direct = self.local
         else:
-            stub = await self.manager.get_stub(self.span.peer_id)
-            stream = await asyncio.wait_for(stub.rpc_inference(_read_requests()), config.connect_timeout_s)
-        self._responses = stream.__aiter__()
+            opening = self.manager.open_inference_stream(self.span.peer_id)
+            self._stream = stream = await asyncio.wait_for(opening, config.connect_timeout_s)
+            self._direct = stream if isinstance(stream, FramedSocketStream) else None  # a test's fake may not be
 
     @property
     def accepts_pushes(self) -> bool:
@@ -117,7 +112,7 @@ class SpanSession:
     @property
     def transport(self) -> str | None:
         """`local` (unix socket) or `p2p` once open, else None."""
-        if self._responses is None:
+        if self._stream is None:
             return None
         return "p2p" if self.local is None else "local"
 
@@ -187,7 +182,7 @@ class SpanSession:
             if self.manager.config.alloc_timeout_s:
                 metadata["alloc_timeout"] = float(self.manager.config.alloc_timeout_s)
         request = runtime_pb2.ExpertRequest(
-            uid=self.manager.make_chain(self.span.start, self.span.end),
+            uid=self._uid,
             tensors=serialize_activations(tensors, compression),
             metadata=encode_metadata(metadata),
         )
@@ -233,18 +228,21 @@ class SpanSession:
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
         self._started = True
-        await self._requests.put(request)
-        try:
-            response = await self._next_response()
-        except StopAsyncIteration:
-            raise ConnectionError(f"server ...{self.span.peer_id[-6:]} closed the inference stream") from None
+        await self.send(request)
+        response = await self._next_response()
         return self._accept(response, inputs, send_from, hidden.dtype)
 
+    async def send(self, request: runtime_pb2.ExpertRequest) -> None:
+        """Writes one request to the open stream (on the client loop)."""
+        if self._stream is None or self._closed:
+            raise ConnectionError(f"the stream to ...{self.span.peer_id[-6:]} is not open")
+        await self._stream.send(request)
+
     def can_step_here(self) -> bool:
-        """True when `step_here` may run: an open local stream with a known input compression."""
+        """True when `step_here` may run: an open socket stream with a known input compression."""
         return (
-            self.local is not None
-            and not self.local.closed
+            self._direct is not None
+            and not self._direct.closed
             and not self._closed
             and self._started
             and self.manager.cached_input_compression(self.span.peer_id) is not None
@@ -261,30 +259,46 @@ class SpanSession:
         step_id: str,
         extra: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, int]:
-        """`step` in the calling thread over the local stream (no hop to the client loop). On any failure the
+        """`step` in the calling thread over the socket stream (no hop to the client loop). On any failure the
         stream is closed, so the async path replaces this span (replaying its history) instead of reading a late
-        response as the answer to a new request."""
-        assert self.local is not None
+        response as the answer to a new request. Over p2p, a wait longer than `liveness_check_period_s` pings the
+        server (through the client loop) as `step` does."""
+        stream = self._direct
+        assert stream is not None
         config = self.manager.config
         compression = self.manager.cached_input_compression(self.span.peer_id)
         assert compression is not None
         request, inputs, send_from = self._request(
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
+        check_alive = None if self.local is not None or not config.liveness_check_period_s else self._answers_pings
         try:
-            response = self.local.exchange(request, timeout_s=config.request_timeout_s, poll_s=_poll_s(config))
+            response = stream.exchange(
+                request,
+                timeout_s=config.request_timeout_s,
+                poll_s=_poll_s(config),
+                check_alive=check_alive,
+                check_period_s=config.liveness_check_period_s,
+            )
             return self._accept(response, inputs, send_from, hidden.dtype)
         except BaseException:
-            self.local.close()
+            stream.close()
             raise
+
+    def _answers_pings(self) -> bool:
+        """From a thread other than the client loop's: does the server answer a ping?"""
+        return not math.isinf(background_loop.run(self.manager.ping_s(self.span.peer_id)))
 
     async def _next_response(self) -> runtime_pb2.ExpertResponse:
         """The next response within `request_timeout_s`; while waiting, pings the server every
-        `liveness_check_period_s` so that a dead server (whose stream may never report an error) fails in seconds."""
+        `liveness_check_period_s` so that a dead server (whose stream may never report an error) fails in seconds.
+        ConnectionError when the server ended the stream."""
         config = self.manager.config
+        if self._stream is None:
+            raise ConnectionError(f"the stream to ...{self.span.peer_id[-6:]} is not open")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + config.request_timeout_s
-        pending = asyncio.ensure_future(anext(self._responses))
+        pending: asyncio.Future[runtime_pb2.ExpertResponse | None] = asyncio.ensure_future(self._stream.receive())
         poll_s = _poll_s(config)
         poller = background_loop.get_selector() if poll_s > 0 else None
         if poller is not None and loop is background_loop.get_loop():
@@ -294,7 +308,10 @@ class SpanSession:
                 wait_s = min(config.liveness_check_period_s or math.inf, deadline - loop.time())
                 done, _ = await asyncio.wait({pending}, timeout=max(wait_s, 0.0))
                 if done:
-                    return pending.result()
+                    response = pending.result()
+                    if response is None:
+                        raise ConnectionError(f"server ...{self.span.peer_id[-6:]} closed the inference stream")
+                    return response
                 if loop.time() >= deadline:
                     raise TimeoutError(f"no response within request_timeout_s={config.request_timeout_s}")
                 if math.isinf(await self.manager.ping_s(self.span.peer_id)) and not pending.done():
@@ -310,8 +327,8 @@ class SpanSession:
         if self._history_buf is not None:
             self._history_buf = self._history_buf[hypo_ids]
 
-    async def _drain(self) -> None:
-        async for _ in self._responses:
+    async def _drain(self, stream: InferenceStream) -> None:
+        while await stream.receive() is not None:
             pass
 
     async def close(self, *, drain: bool = True) -> None:
@@ -320,14 +337,16 @@ class SpanSession:
         if self._closed:
             return
         self._closed = True
+        stream = self._stream
+        if stream is None:
+            return
         try:
-            if self._started and drain:
-                await self._requests.put(runtime_pb2.ExpertRequest())  # empty request = end of session
-            await self._requests.put(None)  # end of our input stream
-            if self._responses is not None:
-                if drain:
-                    await asyncio.wait_for(self._drain(), self.manager.config.connect_timeout_s)
-                else:
-                    await asyncio.wait_for(self._responses.aclose(), 1.0)
+            if drain:
+                if self._started:
+                    await stream.send(runtime_pb2.ExpertRequest())  # empty request = end of session
+                await stream.send_end()  # end of our input stream
+                await asyncio.wait_for(self._drain(stream), self.manager.config.connect_timeout_s)
         except Exception as e:  # the server may already be gone; closing must never fail
             logger.debug("inference_session.close_failed(peer=...%s, error=%r)", self.span.peer_id[-6:], e)
+        finally:
+            stream.close()

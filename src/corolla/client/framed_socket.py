@@ -1,0 +1,160 @@
+"""`FramedSocketStream`: an `rpc_inference` stream on a raw non-blocking socket, whose async methods run on the
+client loop and whose sync `exchange` runs a whole step (send, wait, parse) in any one thread, so that a step costs
+no hop to the loop thread and back (each hop is an idle thread's wake-up). Subclasses give the framing: the
+same-host server socket (`local_transport.LocalInferenceStream`) and a p2pd stream (`p2p_stream.P2PInferenceStream`).
+Every frame's length is checked against a limit before the buffer grows for it."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import select
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from hivemind.proto import runtime_pb2
+
+MAX_RESPONSE_FRAME_BYTES = 1 << 30  # a 2048-token bf16 prefill at hidden 16384 is 64 MiB: far below
+RECV_BYTES = 1 << 16
+
+
+class FramedSocketStream(ABC):
+    """One `rpc_inference` stream. Not thread-safe: one caller at a time, either the client loop (`send`,
+    `receive`) or one thread (`exchange`)."""
+
+    def __init__(self, sock: socket.socket, peer_id: str):
+        self.sock, self.peer_id = sock, peer_id
+        self._buffer = bytearray()
+        self.closed = False
+        self.polled_responses = 0  # `exchange` responses that arrived while it polled (no sleep, no wake-up)
+
+    # ---- framing (subclasses)
+
+    @abstractmethod
+    def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
+        """The bytes of one request."""
+
+    @abstractmethod
+    def _end_frame(self) -> bytes:
+        """The bytes that end our side of the stream."""
+
+    @abstractmethod
+    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int, int]:
+        """(kind, payload length, header bytes) of the frame at the start of `buffer` (which holds at least
+        `header_bytes`); ValueError for a frame no honest server sends or one over its limit."""
+
+    @property
+    @abstractmethod
+    def header_bytes(self) -> int:
+        """Bytes needed to read a frame's header."""
+
+    @abstractmethod
+    def _response(self, kind: int, payload: bytes) -> runtime_pb2.ExpertResponse | None:
+        """The response of one frame; None for the end of the stream; P2PHandlerError for the server's error."""
+
+    # ---- async side (client loop)
+
+    async def send(self, request: runtime_pb2.ExpertRequest) -> None:
+        await asyncio.get_running_loop().sock_sendall(self.sock, self._request_frame(request))
+
+    async def send_end(self) -> None:
+        await asyncio.get_running_loop().sock_sendall(self.sock, self._end_frame())
+
+    async def receive(self) -> runtime_pb2.ExpertResponse | None:
+        """The next response; None once the server ended the stream (or went away)."""
+        try:
+            kind, payload = await self._receive_frame(MAX_RESPONSE_FRAME_BYTES)
+        except (EOFError, ConnectionResetError, BrokenPipeError):
+            return None
+        return self._response(kind, payload)
+
+    async def _receive_frame(self, max_payload_bytes: int) -> tuple[int, bytes]:
+        loop = asyncio.get_running_loop()
+        while (parsed := self._parse_frame(max_payload_bytes)) is None:
+            chunk = await loop.sock_recv(self.sock, RECV_BYTES)
+            if not chunk:
+                raise EOFError("the server closed the stream")
+            self._buffer += chunk
+        return parsed
+
+    # ---- sync side (any one thread)
+
+    def exchange(
+        self,
+        request: runtime_pb2.ExpertRequest,
+        *,
+        timeout_s: float,
+        poll_s: float = 0.0,
+        check_alive: Callable[[], bool] | None = None,
+        check_period_s: float = math.inf,
+    ) -> runtime_pb2.ExpertResponse:
+        """Sends `request` and waits for its response in the calling thread: polling for up to `poll_s`, then
+        sleeping in `poll(2)`; every `check_period_s` of waiting, `check_alive()` must say the server still answers
+        (else ConnectionError). ConnectionError when the stream ends or breaks, TimeoutError past `timeout_s`."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        data = memoryview(self._request_frame(request))
+        poller = select.poll()
+        while data:
+            try:
+                data = data[self.sock.send(data) :]
+            except BlockingIOError:
+                poller.register(self.sock, select.POLLOUT)
+                if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                    raise TimeoutError(f"stream to ...{self.peer_id[-6:]}: send timed out") from None
+                poller.unregister(self.sock)
+        poll_until = time.monotonic() + poll_s
+        next_check = start + check_period_s if check_alive is not None else math.inf
+        poller.register(self.sock, select.POLLIN)
+        slept = False
+        while (parsed := self._parse_frame(MAX_RESPONSE_FRAME_BYTES)) is None:
+            try:
+                chunk = self.sock.recv(RECV_BYTES)
+            except BlockingIOError:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise TimeoutError(f"no response from ...{self.peer_id[-6:]} within {timeout_s} s") from None
+                if now >= next_check:
+                    assert check_alive is not None
+                    if not check_alive():
+                        raise ConnectionError(f"server ...{self.peer_id[-6:]} stopped answering pings") from None
+                    next_check = time.monotonic() + check_period_s
+                    continue
+                if now >= poll_until:
+                    poller.poll(max(0.0, min(deadline, next_check) - now) * 1000)
+                    slept = True
+                continue
+            if not chunk:
+                raise ConnectionError(f"server ...{self.peer_id[-6:]} closed the inference stream")
+            self._buffer += chunk
+        if poll_s > 0 and not slept:
+            self.polled_responses += 1
+        response = self._response(*parsed)
+        if response is None:
+            raise ConnectionError(f"server ...{self.peer_id[-6:]} ended the inference stream")
+        return response
+
+    # ---- both
+
+    def _parse_frame(self, max_payload_bytes: int) -> tuple[int, bytes] | None:
+        buffer = self._buffer
+        if len(buffer) < self.header_bytes:
+            return None
+        try:
+            kind, length, header_bytes = self._header(buffer, max_payload_bytes)
+        except ValueError as e:  # the server broke the framing: this stream is unusable
+            raise ConnectionError(f"stream from ...{self.peer_id[-6:]}: {e}") from None
+        end = header_bytes + length
+        if len(buffer) < end:
+            return None
+        with memoryview(buffer) as view:
+            payload = bytes(view[header_bytes:end])
+        del buffer[:end]
+        return kind, payload
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
