@@ -38,6 +38,7 @@ def test_reply_frames_equal_the_reference_encoder(max_frame_bytes: int) -> None:
     results.append((100, torch.randn(1, 1, 16).to(torch.bfloat16)))
     results.append((101, torch.randn(2, 3, 16).transpose(0, 1)))  # not contiguous
     results.append((102, torch.empty(1, 0, 16)))
+    results.append((103, torch.randn(1, 1, 5, requires_grad=True)))  # alone in its group, and needing a detach
     head = b"".join(_state().parts)
     assert step_frames.reply_frames(results, head, max_frame_bytes) == _reference(results, max_frame_bytes)
     assert step_frames.reply_frames(results[:1], head, max_frame_bytes) == _reference(results[:1], max_frame_bytes)

@@ -253,9 +253,10 @@ class SpanEngine:
             raise ValueError("The session belongs to another engine")
         if session.closed:
             raise ValueError("The inference session is closed")
-        if hidden.ndim != 3 or hidden.shape[0] != session.batch_size or hidden.shape[2] != self.hidden_size:
+        shape = hidden.shape  # [B, T, H]
+        if len(shape) != 3 or shape[0] != session.batch_size or shape[2] != self.hidden_size:
             raise ValueError(
-                f"hidden states must be [{session.batch_size}, tokens, {self.hidden_size}], got {tuple(hidden.shape)}"
+                f"hidden states must be [{session.batch_size}, tokens, {self.hidden_size}], got {tuple(shape)}"
             )
         if not hidden.is_floating_point():
             raise ValueError(f"hidden states must be floating point, got {hidden.dtype}")
@@ -263,9 +264,9 @@ class SpanEngine:
             raise ValueError(
                 f"start position {position} must lie in [0, {session.length_tokens}] (tokens already processed)"
             )
-        if position + hidden.shape[1] > session.max_length_tokens:
+        if position + shape[1] > session.max_length_tokens:
             raise ValueError(
-                f"Maximum length exceeded: prefix {position} + current {hidden.shape[1]} exceeds pre-allocated "
+                f"Maximum length exceeded: prefix {position} + current {shape[1]} exceeds pre-allocated "
                 f"maximum {session.max_length_tokens}"
             )
         if req.hypo_ids is not None and req.hypo_ids.numel() > 0:
@@ -365,20 +366,24 @@ class SpanEngine:
         return results
 
     def _decode_group(self, group: list[StepRequest]) -> list[torch.Tensor]:
-        h = self.hidden_size
-        if all(r.rows == 1 for r in group):  # one row per session (the usual decode step): per-row lists are direct
-            rows = len(group)
-            positions = [r.position for r in group]
-            tables = [r.session.slots[0].table for r in group]
-            ids = [r.session.adapter_index for r in group]  # [rows], 0 = base model
-        else:
-            rows = sum(r.rows for r in group)
-            positions = [r.position for r in group for _ in range(r.rows)]
-            tables = [slot.table for r in group for slot in r.session.slots]
-            ids = [r.session.adapter_index for r in group for _ in range(r.rows)]
-        all_cpu = all(r.hidden.device.type == "cpu" for r in group)
-        # every step's hidden [B_i, 1, H] already in the engine's dtype: one cat gathers them all
-        same_dtype = all(r.hidden.dtype == self.dtype for r in group)
+        h, dtype = self.hidden_size, self.dtype
+        positions: list[int] = []  # [rows]
+        tables: list[torch.Tensor] = []  # [rows] x [max_pages_per_seq]
+        ids: list[int] = []  # [rows], 0 = base model
+        all_cpu = same_dtype = True  # every hidden on the CPU / in the engine's dtype: one cat gathers them all
+        for r in group:  # one pass over the merged batch
+            hidden = r.hidden
+            all_cpu = all_cpu and hidden.is_cpu
+            same_dtype = same_dtype and hidden.dtype == dtype
+            if r.rows == 1:
+                positions.append(r.position)
+                tables.append(r.session.slots[0].table)
+                ids.append(r.session.adapter_index)
+            else:
+                positions.extend([r.position] * r.rows)
+                tables.extend(slot.table for slot in r.session.slots)
+                ids.extend([r.session.adapter_index] * r.rows)
+        rows = len(positions)
         adapted = any(ids)  # no row on an adapter: the step skips the adapters entirely
         if self.graphs is not None and rows <= self.graphs.max_rows:
             g = self.graphs
@@ -417,8 +422,9 @@ class SpanEngine:
             with selected:
                 out = self.model.decode(hidden, pos, tab, self.pool, group[0].session.layers)  # [rows, H]
         for req in group:
+            length = req.position + 1
             for slot in req.session.slots:
-                slot.length_tokens = req.position + 1
+                slot.length_tokens = length
         if self.device.type == "cuda" and all_cpu:
             host = self._pin_out[:rows]
             host.copy_(out, non_blocking=True)

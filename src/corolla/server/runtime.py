@@ -4,6 +4,7 @@ in a `schedule -> execute -> complete` loop; results go back to the asyncio loop
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -360,8 +361,8 @@ class Runtime:
                 except Exception as e:
                     logger.warning(f"runtime.observer_failed(error={e!r}): dropped")
                     self._observers.remove(observer)
-            elapsed_ms = elapsed_s * 1000
-            logger.debug(f"runtime.execute(kind={batch[0].kind}, tasks={len(batch)}, ms={elapsed_ms:.2f})")
+            if logger.isEnabledFor(logging.DEBUG):  # not formatted per batch unless it is logged
+                logger.debug(f"runtime.execute(kind={kind}, tasks={len(batch)}, ms={elapsed_s * 1000:.2f})")
         return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
 
     def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:

@@ -159,12 +159,28 @@ def reply_frames(
     """What `proxy_wire.batch_frames` makes of these step results (REPLY_TENSORS for a tensor [B, T, H], REPLY_ERROR
     for a refusal), with `head` (the device's state) once per frame."""
     encoded: list[tuple[int, int, list[bytes | memoryview], int]] = []  # kind, request id, body parts, body bytes
+    groups: dict[tuple[torch.dtype, tuple[int, ...]], list[tuple[int, torch.Tensor]]] = {}
     for request_id, result in results:
         if isinstance(result, BaseException):
             body = wire.encode_error(result)
             encoded.append((wire.REPLY_ERROR, request_id, body.parts, body.nbytes()))
-        else:
-            encoded.append((wire.REPLY_TENSORS, request_id, *_tensor_body(result)))
+            continue
+        if result.is_cpu and result.dtype in _CODES and 0 < result.dim() <= wire.MAX_TENSOR_DIMS:
+            groups.setdefault((result.dtype, tuple(result.shape)), []).append((len(encoded), result))
+        else:  # elsewhere than the CPU, or a dtype the channel can't carry (the writer raises FrameError for it)
+            body = wire.Writer().u8(1).tensor(result)
+            encoded.append((wire.REPLY_TENSORS, request_id, body.parts, body.nbytes()))
+            continue
+        encoded.append((wire.REPLY_TENSORS, request_id, [], 0))  # its body is filled in below, with its group's
+    for (dtype, shape), members in groups.items():
+        prefix, nbytes = _reply_record(dtype, shape)
+        data = _group_bytes(dtype, [t for _, t in members]) if nbytes else None
+        for i, (index, _) in enumerate(members):
+            kind, request_id, _, _ = encoded[index]
+            parts: list[bytes | memoryview] = (
+                [prefix] if data is None else [prefix, data[i * nbytes : (i + 1) * nbytes]]
+            )
+            encoded[index] = (kind, request_id, parts, len(prefix) + nbytes)
     frames: list[bytes] = []
     head_bytes = len(head)
     group_start, size = 0, head_bytes + _U16.size
@@ -196,24 +212,27 @@ def _frame(group: list[tuple[int, int, list[bytes | memoryview], int]], head: by
 _reply_records: dict[tuple[torch.dtype, tuple[int, ...]], tuple[bytes, int]] = {}
 
 
-def _tensor_body(tensor: torch.Tensor) -> tuple[list[bytes | memoryview], int]:
-    """A REPLY_TENSORS body (one tensor): its parts and byte count, as `Writer().u8(1).tensor(tensor)` writes it."""
-    if tensor.requires_grad or tensor.device.type != "cpu" or not tensor.is_contiguous():
-        body = wire.Writer().u8(1).tensor(tensor)
-        return body.parts, body.nbytes()
-    key = (tensor.dtype, tuple(tensor.shape))
+def _reply_record(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
+    """A REPLY_TENSORS body's bytes before the data (`Writer().u8(1).tensor(t)`'s) and the data's byte count."""
+    key = (dtype, shape)
     record = _reply_records.get(key)
     if record is None:
-        code = _CODES.get(tensor.dtype)
-        if code is None or tensor.dim() > wire.MAX_TENSOR_DIMS:
-            raise wire.FrameError(f"can't send a {tensor.dtype} tensor of {tensor.dim()} dims")
-        prefix = b"\x01" + _RECORD_HEAD.pack(code, tensor.dim()) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
-        record = (prefix, tensor.numel() * _ITEM_BYTES[code])
+        code = _CODES[dtype]
+        count = 1
+        for dim in shape:
+            count *= dim
+        prefix = b"\x01" + _RECORD_HEAD.pack(code, len(shape)) + struct.pack(f">{len(shape)}I", *shape)
+        record = (prefix, count * _ITEM_BYTES[code])
         if len(_reply_records) >= _REPLY_RECORDS_KEPT:
             _reply_records.clear()
         _reply_records[key] = record
-    prefix, nbytes = record
-    if nbytes == 0:
-        return [prefix], len(prefix)
-    array = (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
-    return [prefix, array.data.cast("B")], len(prefix) + nbytes  # flat bytes of [B, T, H]
+    return record
+
+
+def _group_bytes(dtype: torch.dtype, tensors: list[torch.Tensor]) -> memoryview:
+    """The raw bytes of equal-shape CPU tensors one after another: one cat (one torch call for the group)."""
+    with torch.no_grad():
+        joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0].detach().contiguous()
+    if dtype == torch.bfloat16:
+        joined = joined.view(torch.int16)
+    return joined.numpy().data.cast("B")  # flat
