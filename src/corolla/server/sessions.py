@@ -150,6 +150,62 @@ async def _next_client_request(requests: AsyncIterator[runtime_pb2.ExpertRequest
         return None
 
 
+_timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11
+
+
+def _may_get_pushes(session: SessionState) -> bool:
+    """False while no pushed step can reach this session: it has no push queue, or its guard names no upstream
+    (every push is refused before it is queued) and nothing is queued."""
+    if session.push_queue is None:
+        return False
+    guard = session.push_guard
+    return guard is None or guard.upstream is not None or not session.push_queue.empty()
+
+
+async def _next_client_or_end(
+    requests: AsyncIterator[runtime_pb2.ExpertRequest],
+    session: SessionState,
+    timeouts: SessionTimeouts,
+    deadline: float,
+    evicted: asyncio.Future | None,
+) -> runtime_pb2.ExpertRequest | None:
+    """The client's next request (None at the end of its stream or after `step_timeout`); raises at the session's
+    `deadline` and on eviction, like `iterate_steps`'s general wait (every outcome but a request ends the session,
+    so the read may be cancelled midway)."""
+    assert _timeout_at is not None
+    loop = asyncio.get_running_loop()
+    wait_s = min(timeouts.step_timeout_s, deadline - time.monotonic())
+    scope = _timeout_at(loop.time() + max(0.0, wait_s))
+    waiting = True
+
+    def evict_now(_: asyncio.Future) -> None:
+        if waiting:  # the callback may run after the wait ended (done callbacks are scheduled, not called)
+            scope.reschedule(loop.time())
+
+    if evicted is not None:
+        evicted.add_done_callback(evict_now)
+    try:
+        async with scope:
+            return await _next_client_request(requests)
+    except TimeoutError:
+        if not scope.expired():
+            raise
+    finally:
+        waiting = False
+        if evicted is not None:
+            evicted.remove_done_callback(evict_now)
+    if evicted is not None and evicted.done():  # idle under memory pressure: end with a clear error
+        raise session.ticket.eviction
+    if time.monotonic() >= deadline:
+        logger.info(f"rpc_inference.session_timeout(session_id={session.session_id!r:.40})")
+        raise TimeoutError(f"inference session exceeded session_timeout={timeouts.session_timeout_s} s")
+    logger.info(
+        f"rpc_inference.step_timeout(session_id={session.session_id!r:.40}, "
+        f"step_timeout_s={timeouts.step_timeout_s}, session_timeout_s={timeouts.session_timeout_s})"
+    )
+    return None
+
+
 async def iterate_steps(
     first: runtime_pb2.ExpertRequest,
     requests: AsyncIterator[runtime_pb2.ExpertRequest],
@@ -192,6 +248,11 @@ async def iterate_steps(
                 session.resend_pending = True
                 yield request, metadata
 
+            if _timeout_at is not None and client_next is None and not _may_get_pushes(session):
+                # no push can arrive (e.g. a stock Petals client, which names no upstream): await the client's next
+                # message in this task, under one deadline that an eviction moves to now (no task, no wait set)
+                request = await _next_client_or_end(requests, session, timeouts, deadline, evicted)
+                continue
             if client_next is None:
                 client_next = asyncio.ensure_future(_next_client_request(requests))
             waiting = {client_next}

@@ -136,7 +136,7 @@ async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
         raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={timeout_s} s {what}") from None
 
 
-_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11: a deadline without a task of its own
+_timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11: a deadline without a task of its own
 
 
 async def _read_message(
@@ -145,13 +145,13 @@ async def _read_message(
     """One framed message (None at the end of the input) and the bytes it was charged. On Python >= 3.11 the
     deadlines of its reads (`between_s` for the marker, `idle_s` for every later read) are one `asyncio.timeout`
     re-armed before each read, instead of an `asyncio.wait_for` task per read."""
-    if _timeout is None:
+    if _timeout_at is None:
         return await _read_message_tasks(reader, lease, idle_s=idle_s, between_s=between_s)
     loop = asyncio.get_running_loop()
     limit_s: float | None = between_s or None
     what = "between the parts of a streamed request"
     try:
-        async with _timeout(None if limit_s is None else loop.time() + limit_s) as deadline:
+        async with _timeout_at(None if limit_s is None else loop.time() + limit_s) as deadline:
             marker = await reader.readexactly(1)
             limit_s, what = idle_s or None, "inside a message"
             deadline.reschedule(None if limit_s is None else loop.time() + limit_s)

@@ -1,0 +1,132 @@
+"""The lean per-step stream path without a network: `stream_guard`'s message reads under one re-armed deadline
+(a silent peer is cut off between the parts of a request and inside a message, each after its own timeout; a
+complete message is charged before its body is read), and `iterate_steps`' direct wait for a session no push can
+reach (step timeout ends it, session timeout and eviction raise, a request arriving in time is yielded)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+from corolla.server.admission import SessionTicket
+from corolla.server.limits import PeerLimitExceeded, PeerLimits, SessionEvicted, StreamStalled
+from corolla.server.peer_auth import SessionPushGuard
+from corolla.server.sessions import SessionState, SessionTimeouts, _may_get_pushes, iterate_steps
+from corolla.server.stream_guard import StreamBudget, _Lease, _read_message
+
+BOUND_S = 3.0  # every wait below is bounded: a read that ignores its deadline fails the test instead of hanging
+
+
+def _framed(message: runtime_pb2.ExpertRequest) -> bytes:
+    body = message.SerializeToString()
+    return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
+
+
+def _lease(max_message_bytes: int = 1 << 20) -> _Lease:
+    return _Lease(StreamBudget(PeerLimits(max_stream_message_bytes=max_message_bytes)), "peer")
+
+
+async def test_a_silent_peer_is_cut_off_between_the_parts_of_a_request() -> None:
+    reader = asyncio.StreamReader()  # nothing ever arrives
+    started = time.monotonic()
+    with pytest.raises(StreamStalled, match="stream_idle_timeout=0.2 s between the parts"):
+        await asyncio.wait_for(_read_message(reader, _lease(), idle_s=5.0, between_s=0.2), BOUND_S)
+    assert time.monotonic() - started < 1.5  # its own 0.2 s, not the 5 s meant for reads inside a message
+
+
+async def test_a_peer_that_stops_inside_a_message_is_cut_off() -> None:
+    reader = asyncio.StreamReader()
+    message = _framed(runtime_pb2.ExpertRequest(uid="p.0", metadata=b"x" * 100))
+    reader.feed_data(message[:-10])  # all but the last bytes of the body
+    lease = _lease()
+    with pytest.raises(StreamStalled, match="stream_idle_timeout=0.2 s inside a message"):
+        await asyncio.wait_for(_read_message(reader, lease, idle_s=0.2, between_s=None), BOUND_S)
+    assert lease.held == len(message) - 1 - P2P.HEADER_LEN  # charged before the body was read
+
+
+async def test_a_complete_message_is_read_and_charged_and_the_end_is_none() -> None:
+    reader = asyncio.StreamReader()
+    request = runtime_pb2.ExpertRequest(uid="p.0 p.1", metadata=b"m")
+    reader.feed_data(_framed(request) + P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    lease = _lease()
+    parsed, nbytes = await asyncio.wait_for(_read_message(reader, lease, idle_s=0.2, between_s=0.2), BOUND_S)
+    assert parsed == request and nbytes == request.ByteSize() == lease.held
+    end, zero = await asyncio.wait_for(_read_message(reader, lease, idle_s=0.2, between_s=0.2), BOUND_S)
+    assert end is None and zero == 0
+
+
+async def test_an_oversized_declared_length_is_refused_before_the_body() -> None:
+    reader = asyncio.StreamReader()
+    reader.feed_data(P2P.MESSAGE_MARKER + (1 << 30).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    lease = _lease(max_message_bytes=1 << 20)
+    with pytest.raises(PeerLimitExceeded, match="max_stream_message_bytes"):
+        await asyncio.wait_for(_read_message(reader, lease, idle_s=0.2, between_s=None), BOUND_S)
+    assert lease.held == 0
+
+
+def _step(step_id: str) -> runtime_pb2.ExpertRequest:
+    tensor = runtime_pb2.Tensor(buffer=b"x", size=[1], dtype="float32")
+    return runtime_pb2.ExpertRequest(
+        uid="p.0", tensors=[tensor], metadata=MSGPackSerializer.dumps({"step_id": step_id})
+    )
+
+
+def _session(ticket: SessionTicket | None = None) -> SessionState:
+    return SessionState(
+        session_id="s", block_indices=[0], batch_size=1, max_length=8, cache=None, active_adapter="",
+        args_structure=None, push_queue=asyncio.Queue(8), push_guard=SessionPushGuard(), ticket=ticket,
+    )  # fmt: skip
+
+
+async def _client(delays_s: list[float]) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    for i, delay_s in enumerate(delays_s):
+        await asyncio.sleep(delay_s)
+        yield _step(f"s{i + 1}")
+    await asyncio.sleep(60)  # then silent
+
+
+async def _steps(session: SessionState, delays_s: list[float], *, step_s: float, session_s: float) -> list[str]:
+    timeouts = SessionTimeouts(step_timeout_s=step_s, session_timeout_s=session_s, request_timeout_s=5)
+    deadline = time.monotonic() + session_s
+    seen = []
+    async for _request, metadata in iterate_steps(_step("s0"), _client(delays_s), session, timeouts, deadline):
+        seen.append(metadata.step_id)
+    return seen
+
+
+async def test_no_push_session_takes_the_direct_wait_and_ends_at_the_step_timeout() -> None:
+    session = _session()
+    assert not _may_get_pushes(session)  # no upstream named: every push is refused before it is queued
+    started = time.monotonic()
+    seen = await asyncio.wait_for(_steps(session, [0.05, 0.1], step_s=0.3, session_s=30), BOUND_S)
+    assert seen == ["s0", "s1", "s2"] and time.monotonic() - started < 2.0
+
+
+async def test_no_push_session_raises_at_the_session_deadline() -> None:
+    with pytest.raises(TimeoutError, match="session_timeout"):
+        await asyncio.wait_for(_steps(_session(), [0.05], step_s=10, session_s=0.4), BOUND_S)
+
+
+async def test_no_push_session_ends_with_its_eviction() -> None:
+    ticket = SessionTicket(peer="p", reserved_bytes=1)
+    asyncio.get_running_loop().call_later(0.2, ticket.evict, "idle under memory pressure")
+    with pytest.raises(SessionEvicted, match="idle under memory pressure"):
+        await asyncio.wait_for(_steps(_session(ticket), [], step_s=10, session_s=30), BOUND_S)
+
+
+def test_sessions_that_may_get_pushes_keep_the_general_wait() -> None:
+    session = _session()
+    assert session.push_guard is not None
+    session.push_guard.upstream = "QmUpstream"
+    assert _may_get_pushes(session)
+    session.push_guard.upstream = None
+    assert session.push_queue is not None
+    session.push_queue.put_nowait(_step("queued"))
+    assert _may_get_pushes(session)  # something is queued already
+    assert not _may_get_pushes(SessionState("s", [0], 1, 8, None, "", None, push_queue=None))
