@@ -1,7 +1,8 @@
 """The client's p2pd stream without a daemon: its frames are the bytes hivemind writes (one write instead of three),
 responses are parsed in pieces with their lengths bounded, the server's error and the end of the stream are told
 apart, a silent server fails the liveness check, and STREAM_OPEN is spoken as hivemind speaks it (a fake p2pd on a
-unix socket). Also the step path's cheap checks: `all_finite` and the cached empty-tensor serialization."""
+unix socket). Also the step path's shortcuts: `all_finite`, the cached empty-tensor serialization and the
+pre-packed args_structure (the request's metadata bytes unchanged)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import p2pd_pb2, runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
+from corolla.client.config import ClientConfig
 from corolla.client.output_checks import all_finite
 from corolla.client.p2p_stream import (
     END_OF_STREAM_FRAME,
@@ -26,7 +28,12 @@ from corolla.client.p2p_stream import (
     request_frame,
 )
 from corolla.client.remote_forward_backward import serialize_activations
+from corolla.client.routing import RemoteSequenceManager
+from corolla.client.span_session import SpanSession
 from corolla.protocol.codecs import serialize_tensor
+from corolla.protocol.metadata import decode_metadata, encode_metadata
+from corolla.protocol.packing import pack_args_kwargs
+from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 
 PEER = "12D3KooWBNitLprcTBawSZBqZrrFMcka27mVwJcgm6LBUWMRXLq1"
 
@@ -261,3 +268,22 @@ def test_cached_empty_tensors_serialize_as_before() -> None:
             again = serialize_activations([hidden, empty], compression)
             assert first[1] == again[1] == serialize_tensor(empty, runtime_pb2.CompressionType.NONE)
             assert first[0] == serialize_tensor(hidden, compression)
+
+
+def test_step_requests_keep_hivemind_metadata_bytes() -> None:
+    manager = RemoteSequenceManager(ClientConfig(), ["m.0", "m.1"], start_updates=False)
+    span = RemoteSpanInfo(PEER, 0, 2, ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=2))
+    session = SpanSession(manager, span, max_length=64)
+    hidden, prompts, hypo_ids = torch.randn(1, 1, 8), torch.empty(0), torch.empty(0, dtype=torch.int64)
+    for started in (False, True):
+        session._started = started
+        request, inputs, send_from = session._request(
+            hidden, 0, 0, prompts, hypo_ids, "step-1", runtime_pb2.CompressionType.NONE, {"corolla.x": [1, (2, 3)]}
+        )
+        metadata = decode_metadata(request.metadata)
+        assert metadata["args_structure"] == pack_args_kwargs(hidden, prompts, hypo_ids)[1]
+        assert encode_metadata(metadata) == request.metadata  # the bytes hivemind's serializer writes for the dict
+        assert ("max_length" in metadata) == (not started) and inputs is hidden and send_from == 0
+    request, _, _ = session._request(hidden, 0, 0, prompts, prompts, "step-2", runtime_pb2.CompressionType.NONE, {})
+    structure = decode_metadata(request.metadata)["args_structure"]
+    assert structure == ((b"__T0", b"__T1", b"__T1"), {}) and len(request.tensors) == 2  # one object, one marker

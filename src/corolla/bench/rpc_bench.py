@@ -128,6 +128,11 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
                 f"RPC, corolla's client ({prefix.rstrip('_')}): InferenceSession.step {result[f'{prefix}client_step_ms']:.2f} ms "
                 f"(p90 {result[f'{prefix}client_step_p90_ms']:.2f}) = server-side step + {result[f'{prefix}overhead_ms']:.2f} ms, "
                 f"{result[f'{prefix}steps_here']} steps in the caller's thread"
+                + (
+                    f", client process CPU {result[f'{prefix}client_cpu_us_per_step']:.0f} us per step"
+                    if f"{prefix}client_cpu_us_per_step" in result
+                    else ""
+                )
             )
     result["layers"] = n
     names = {"": "p2p (two p2pd daemons)", "local_": "same-host unix socket"}
@@ -223,7 +228,9 @@ def _client_main(maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype,
         coro = _client(maddrs, PeerID.from_base58(peer_id_b58), shape, dtype, n, args, selector)
         result = loop.run_until_complete(coro)
         for prefix, local, poll_ms in COROLLA_CLIENT_VARIANTS:
-            figures = _measure_corolla_client(maddrs, peer_id_b58, shape, dtype, n, args, local, poll_ms)
+            figures = _measure_corolla_client(
+                maddrs, peer_id_b58, shape, dtype, n, args, local, poll_ms, own_process=True
+            )
             result.update({f"{prefix}{key}": value for key, value in figures.items()})
         results.put(result)
     except BaseException as e:
@@ -238,10 +245,19 @@ COROLLA_CLIENT_VARIANTS = (("corolla_", False, 0.0), ("corolla_local_", True, 0.
 
 
 def _measure_corolla_client(
-    maddrs: list[str], peer_id_b58: str, shape, dtype: torch.dtype, n: int, args: Any, local: bool, busy_poll_ms: float
+    maddrs: list[str],
+    peer_id_b58: str,
+    shape,
+    dtype: torch.dtype,
+    n: int,
+    args: Any,
+    local: bool,
+    busy_poll_ms: float,
+    own_process: bool = False,
 ) -> dict:
     """Single-session decode steps through `InferenceSession.step` (what `generate` calls per token), routed to the
-    bench server by a fixed route instead of the DHT."""
+    bench server by a fixed route instead of the DHT. With `own_process` (the client alone in its process), also the
+    process's CPU per timed step (all its threads: the caller's, the client loop's; not its p2pd)."""
     from hivemind.p2p import P2P
 
     from corolla.client.config import ClientConfig
@@ -268,16 +284,25 @@ def _measure_corolla_client(
     try:
         manager.update()
         times = []
+        cpu_s = 0.0
         with InferenceSession(manager, max_length=args.prefix_tokens + args.rpc_single_steps + 16) as session:
             session.step(torch.randn(1, args.prefix_tokens, h).to(dtype))
-            for i in range(args.rpc_single_steps + 10):
-                token = torch.randn(1, 1, h).to(dtype)
-                start = time.perf_counter()
+            tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(args.rpc_single_steps + 10)]
+            for i, token in enumerate(tokens):
+                cpu_start, start = time.process_time(), time.perf_counter()
                 session.step(token)
                 if i >= 10:
                     times.append((time.perf_counter() - start) * 1000)
+                    cpu_s += time.process_time() - cpu_start
             steps_here = session.num_steps_here
-        return {"client_step_ms": median(times), "client_step_p90_ms": percentile(times, 0.9), "steps_here": steps_here}
+        figures = {
+            "client_step_ms": median(times),
+            "client_step_p90_ms": percentile(times, 0.9),
+            "steps_here": steps_here,
+        }
+        if own_process:
+            figures["client_cpu_us_per_step"] = cpu_s * 1e6 / max(1, len(times))
+        return figures
     finally:
         manager.shutdown()
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import msgpack
 import torch
 from hivemind.proto import runtime_pb2
 
@@ -30,12 +31,25 @@ from corolla.client.routing import RemoteSequenceManager
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.codecs import deserialize_tensor
 from corolla.protocol.handoff import DrainNotice
-from corolla.protocol.metadata import encode_metadata
+from corolla.protocol.metadata import TUPLE_EXT_TYPE, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+
+def _packed_tuples(value: Any) -> Any:
+    """`value` with each tuple replaced by the msgpack ext value hivemind's MSGPackSerializer encodes it as (so a
+    constant structure is packed once, not at every request; the request's bytes stay the same)."""
+    if not isinstance(value, tuple):
+        return value
+    packed = msgpack.packb(list(value), strict_types=True, use_bin_type=True, default=_packed_tuples)
+    return msgpack.ExtType(TUPLE_EXT_TYPE, packed)
+
+
+# `args_structure` of (inputs, prompts, hypo_ids) as three distinct tensors: ((b"__T0", b"__T1", b"__T2"), {})
+_STEP_ARGS_STRUCTURE = _packed_tuples(pack_args_kwargs(torch.empty(0), torch.empty(0), torch.empty(0))[1])
 
 _steps_in_flight = 0  # inference steps of this process running now (any session, any thread)
 _steps_lock = threading.Lock()
@@ -143,7 +157,9 @@ class SpanSession:
 
     def inputs_from(self, send_from: int, hidden: torch.Tensor, hidden_from: int) -> torch.Tensor:
         """This span's inputs for positions `[send_from, hidden_from + hidden.shape[1])` from history + `hidden`."""
-        if send_from >= hidden_from:
+        if send_from == hidden_from:
+            return hidden
+        if send_from > hidden_from:
             return hidden[:, send_from - hidden_from :]
         history = self.history  # [B, have, H]
         have = 0 if history is None else history.shape[1]
@@ -166,7 +182,10 @@ class SpanSession:
         """The request for positions `[min(self.position, position), ...)`: (request, its inputs, their start)."""
         send_from = min(self.position, position)
         inputs = self.inputs_from(send_from, hidden, hidden_from)  # [B, n, H]
-        tensors, structure = pack_args_kwargs(inputs, prompts, hypo_ids)
+        if inputs is prompts or inputs is hypo_ids or prompts is hypo_ids:  # shared objects: markers shared too
+            tensors, structure = pack_args_kwargs(inputs, prompts, hypo_ids)
+        else:
+            tensors, structure = [inputs, prompts, hypo_ids], _STEP_ARGS_STRUCTURE
         metadata: dict[str, Any] = {
             "session_id": self.session_id,
             "step_id": step_id,
