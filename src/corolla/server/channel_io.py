@@ -2,9 +2,11 @@
 with `recv_into` into one reused buffer (the GIL is released while it waits), and any thread (the event loop, the
 runtime's device thread) sends whole frames with `sendall` under one lock (released in the syscall too).
 
-The header is checked (kind, length against `max_frame_bytes`) before the payload buffer grows; the buffer only ever
-grows to the largest frame seen, never past the bound. A payload view is valid until the next `recv_frame`: the
-caller parses (copies) what it keeps before it reads again."""
+Reads take whatever the socket holds (up to the buffer's free space), so frames that arrived together are parsed
+out of one `recv_into` (each syscall also gives up and retakes the GIL). The header is checked (kind, length against
+`max_frame_bytes`) before the buffer grows; the buffer only ever grows to the largest frame seen plus a header, never
+past the bound. A payload view is valid until the next `recv_frame`: the caller parses (copies) what it keeps before
+it reads again."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ class FrameSocket:
         sock.setblocking(True)
         self.sock = sock
         self.max_frame_bytes = max_frame_bytes
-        self._header = bytearray(wire.HEADER_BYTES)
         self._buffer = bytearray(min(INITIAL_BUFFER_BYTES, max_frame_bytes))
+        self._start = 0  # received bytes not parsed yet: self._buffer[self._start : self._end]
+        self._end = 0
         self._send_lock = threading.Lock()
         self._closed = False
         self.frames_sent = 0  # counted under the send lock
@@ -39,31 +42,46 @@ class FrameSocket:
     def closed(self) -> bool:
         return self._closed
 
-    def _recv_exactly(self, view: memoryview) -> None:
-        received = 0
-        while received < len(view):
+    def _ensure(self, count: int) -> None:
+        """Receives until `count` bytes past `self._start` are buffered (compacting or growing the buffer first if
+        they would not fit; the caller bounded `count`)."""
+        if self._end - self._start >= count:
+            return
+        if self._start == self._end:  # everything parsed: start over at the front, nothing to move
+            self._start = self._end = 0
+        if self._start + count > len(self._buffer):
+            pending = self._end - self._start
+            if count > len(self._buffer):
+                grown = bytearray(count)  # a new buffer: an earlier payload view may still hold the old one
+                grown[:pending] = self._buffer[self._start : self._end]
+                self._buffer = grown
+            else:
+                self._buffer[:pending] = self._buffer[self._start : self._end]  # same size: no resize
+            self._start, self._end = 0, pending
+        view = memoryview(self._buffer)
+        while self._end - self._start < count:
             try:
-                n = self.sock.recv_into(view[received:])
+                n = self.sock.recv_into(view[self._end :])
             except OSError as e:
                 raise wire.ChannelClosed(f"handler channel closed: {e!r}") from e
             if n == 0:
                 raise wire.ChannelClosed("handler channel closed")
-            received += n
+            self._end += n
 
     def recv_frame(self) -> tuple[int, int, memoryview]:
         """(kind, request id, payload view) of the next frame; the view is valid until the next call.
         ChannelClosed at the end, FrameError past the bounds (nothing allocated for the payload then)."""
-        self._recv_exactly(memoryview(self._header))
-        length, kind, request_id = wire.HEADER.unpack(self._header)
+        self._ensure(wire.HEADER_BYTES)
+        length, kind, request_id = wire.HEADER.unpack_from(self._buffer, self._start)
+        self._start += wire.HEADER_BYTES
         if kind not in wire.FRAME_KINDS:
             raise wire.FrameError(f"unknown frame kind {kind}")
         if length > self.max_frame_bytes:
             raise wire.FrameError(f"frame of {length} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
-        if length > len(self._buffer):
-            self._buffer = bytearray(length)  # grows to the largest frame seen (bounded above)
-        view = memoryview(self._buffer)[:length]
-        self._recv_exactly(view)
-        return kind, request_id, view
+        self._ensure(length)
+        start = self._start
+        self._start = start + length
+        return kind, request_id, memoryview(self._buffer)[start : start + length]
 
     def send_frames(self, frames: list[bytes]) -> bool:
         """Sends whole frames in order (never interleaved with another thread's); False if the socket is closed or

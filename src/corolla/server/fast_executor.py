@@ -82,7 +82,12 @@ class FastExecutor:
         self._merge_key = ("engine", id(engine))
         # token chunks of a long forward use temporary caches of the plain blocks: the engine keeps its own pool
         self.compute = SpanCompute(backend, runtime, metrics, split_tokens=False)
-        runtime.register_batch_executor(KIND_ENGINE_INFERENCE, self._execute_tasks, inline_when_idle=True)
+        # one merged batch is at most what one decode forward serves (a graph bucket's rows): steps past it wait for
+        # the next forward instead of adding a second forward (a second pass over the weights, for a few rows) that
+        # every step of this batch would wait for
+        runtime.register_batch_executor(
+            KIND_ENGINE_INFERENCE, self._execute_tasks, inline_when_idle=True, max_merged_tokens=engine.max_batch_rows
+        )
 
     @property
     def runtime(self) -> Runtime:

@@ -78,6 +78,7 @@ class Runtime:
         self.stop_timeout_s = stop_timeout_s
         self._queue = TaskQueue()
         self._batch_executors: dict[str, BatchExecutor] = {}
+        self._merge_limits: dict[str, int] = {}  # kind -> most tokens merged into one batch (register_batch_executor)
         self._inline_kinds: set[str] = set()
         self._executing = threading.Lock()  # held while a batch runs, on the device thread or inline
         self._inline_threads = threading.local()  # the CUDA device is set once per thread running inline batches
@@ -147,10 +148,25 @@ class Runtime:
     def num_pending(self) -> int:
         return len(self._queue)
 
-    def register_batch_executor(self, kind: str, executor: BatchExecutor, *, inline_when_idle: bool = False) -> None:
-        """Lets tasks of `kind` with equal `merge_key` run together through `executor` (up to the token limit).
-        `inline_when_idle`: a task submitted with `inline=True` may run at once in the submitting thread when
-        the runtime is idle (for short device steps whose latency matters more than the caller's thread)."""
+    def register_batch_executor(
+        self,
+        kind: str,
+        executor: BatchExecutor,
+        *,
+        inline_when_idle: bool = False,
+        max_merged_tokens: int | None = None,
+    ) -> None:
+        """Lets tasks of `kind` with equal `merge_key` run together through `executor` (up to the token limit, and
+        up to `max_merged_tokens` if given: what one device call of the executor serves, the rest waiting for the
+        next batch rather than making this one call the device twice). `inline_when_idle`: a task submitted with
+        `inline=True` may run at once in the submitting thread when the runtime is idle (for short device steps
+        whose latency matters more than the caller's thread)."""
+        if max_merged_tokens is not None:
+            if max_merged_tokens < 1:
+                raise ValueError(f"max_merged_tokens must be >= 1, got {max_merged_tokens}")
+            self._merge_limits[kind] = max_merged_tokens
+        else:
+            self._merge_limits.pop(kind, None)
         self._batch_executors[kind] = executor
         if inline_when_idle:
             self._inline_kinds.add(kind)
@@ -317,8 +333,9 @@ class Runtime:
             if wait is not None:
                 queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
             batch = queue.pop_batch(
-                max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys()
-            )
+                max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
+                merge_limits=self._merge_limits,
+            )  # fmt: skip
             if batch is None:
                 break
             if not batch:

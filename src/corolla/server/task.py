@@ -8,7 +8,7 @@ import heapq
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Container, Hashable
+from collections.abc import Callable, Container, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,10 +130,16 @@ class TaskQueue:
         return remaining
 
     def pop_batch(
-        self, *, max_batch_tokens: int, mergeable_kinds: Container[str], timeout_s: float | None = None
+        self,
+        *,
+        max_batch_tokens: int,
+        mergeable_kinds: Container[str],
+        timeout_s: float | None = None,
+        merge_limits: Mapping[str, int] | None = None,
     ) -> list[Task] | None:
         """Waits for work and returns the most urgent task, plus (if its kind is mergeable) the other pending tasks
-        with the same `(kind, merge_key)` in priority order while their total size fits `max_batch_tokens`.
+        with the same `(kind, merge_key)` in priority order while their total size fits `max_batch_tokens` (and the
+        kind's own `merge_limits` entry, if any; the most urgent task is always taken, whatever its size).
         Returns None once the queue is closed, or an empty list on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
@@ -154,6 +160,8 @@ class TaskQueue:
             if first.merge_key is None or first.kind not in mergeable_kinds:
                 return batch
             total_tokens = first.size_tokens
+            if merge_limits is not None and first.kind in merge_limits:
+                max_batch_tokens = min(max_batch_tokens, merge_limits[first.kind])
             kept: list[tuple[float, float, int, Task]] = []
             for item in sorted(self._heap):
                 task = item[-1]

@@ -1,0 +1,106 @@
+"""Runtime callback tasks as a device channel queues them: a frame's steps queued at once (one lock, one wake) run in
+one merged batch with one flush per channel (a bound method given per task counts once), a kind's merge limit keeps
+one batch to what one device call serves, and a stopped runtime refuses a frame's steps as a whole."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from corolla.server.runtime import Runtime, RuntimeStopped
+from corolla.server.task import Task
+
+
+class _Channel:
+    """Collects results per step and counts flushes, as `DeviceChannel` does."""
+
+    def __init__(self) -> None:
+        self.results: dict[int, object] = {}
+        self.flushes = 0
+        self.flushed = threading.Event()
+
+    def done(self, step: int, result: object, error: BaseException | None) -> None:
+        self.results[step] = error if error is not None else result
+
+    def flush(self) -> None:
+        self.flushes += 1
+        self.flushed.set()
+
+
+def _tasks(runtime: Runtime, channel: _Channel, steps: range, size_tokens: int = 1) -> list[Task]:
+    return [
+        runtime.callback_task(
+            lambda: None,
+            on_done=lambda r, e, i=i: channel.done(i, r, e),
+            flush=channel.flush,
+            priority=1,
+            size_tokens=size_tokens,
+            kind="decode",
+            merge_key="span",
+            payload=i,
+        )  # fmt: skip
+        for i in steps
+    ]
+
+
+def test_a_frames_steps_run_in_one_batch_with_one_flush_per_channel() -> None:
+    batches: list[list[int]] = []
+
+    def executor(tasks: list[Task]) -> list[object]:
+        batches.append([t.payload for t in tasks])  # type: ignore[misc]
+        return [ValueError("refused") if t.payload == 3 else t.payload * 10 for t in tasks]  # type: ignore[operator]
+
+    channels = [_Channel(), _Channel()]
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        runtime.register_batch_executor("decode", executor)
+        gate = threading.Event()
+        runtime.submit_callback(gate.wait, on_done=lambda r, e: None, priority=0, size_tokens=1)  # holds the thread
+        runtime.submit_callbacks(_tasks(runtime, channels[0], range(0, 4)))
+        runtime.submit_callbacks(_tasks(runtime, channels[1], range(4, 6)))
+        gate.set()
+        assert all(c.flushed.wait(5) for c in channels)
+    assert batches == [[0, 1, 2, 3, 4, 5]]
+    assert [c.flushes for c in channels] == [1, 1]  # each channel's bound `flush` is a new object per task
+    assert channels[0].results[2] == 20 and isinstance(channels[0].results[3], ValueError)  # fails only its caller
+    assert channels[1].results == {4: 40, 5: 50}
+
+
+def test_a_kinds_merge_limit_bounds_each_batch_and_the_first_task_always_runs() -> None:
+    batches: list[list[int]] = []
+
+    def executor(tasks: list[Task]) -> list[object]:
+        batches.append([t.payload for t in tasks])  # type: ignore[misc]
+        return [None] * len(tasks)
+
+    channel = _Channel()
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        runtime.register_batch_executor("decode", executor, max_merged_tokens=2)
+        with pytest.raises(ValueError, match="max_merged_tokens"):
+            runtime.register_batch_executor("other", executor, max_merged_tokens=0)
+        gate = threading.Event()
+        runtime.submit_callback(gate.wait, on_done=lambda r, e: None, priority=0, size_tokens=1)
+        runtime.submit_callbacks(_tasks(runtime, channel, range(0, 1), size_tokens=5))  # a prefill past the limit
+        runtime.submit_callbacks(_tasks(runtime, channel, range(1, 6)))
+        gate.set()
+        for _ in range(50):
+            if len(channel.results) == 6:
+                break
+            channel.flushed.wait(0.1)
+    assert batches == [[0], [1, 2], [3, 4], [5]]
+
+
+def test_a_stopped_runtime_refuses_a_frames_steps_as_a_whole() -> None:
+    channel = _Channel()
+    runtime = Runtime(max_batch_size_tokens=64)
+    with runtime:
+        tasks = _tasks(runtime, channel, range(3))
+    with pytest.raises(RuntimeStopped):
+        runtime.submit_callbacks(tasks)
+    with pytest.raises(RuntimeStopped):
+        runtime.callback_task(
+            lambda: None, on_done=lambda r, e: None, flush=None, priority=1, size_tokens=1, kind="decode",
+            merge_key=None, payload=None,
+        )  # fmt: skip
+    assert runtime.num_pending == 0 and channel.results == {}
+    assert runtime.thread is not None and not runtime.thread.is_alive()
