@@ -107,6 +107,7 @@ class FakeStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.responses = None
         self.closing: asyncio.Future | None = None
+        self.closed = False
 
     async def open(self) -> FakeStream:
         async def requests():
@@ -130,6 +131,7 @@ class FakeStream:
 
     def close(self) -> None:
         if self.closing is None:  # ends the server's generator, as a closed connection does
+            self.closed = True
             self.closing = asyncio.ensure_future(self.responses.aclose())
 
 

@@ -253,7 +253,7 @@ class SpanSession:
 
     async def send(self, request: runtime_pb2.ExpertRequest) -> None:
         """Writes one request to the open stream (on the client loop)."""
-        if self._stream is None or self._closed:
+        if self._stream is None or self._closed or self._stream.closed:  # closed: e.g. after a failed step_here
             raise ConnectionError(f"the stream to ...{self.span.peer_id[-6:]} is not open")
         await self._stream.send(request)
 
