@@ -50,6 +50,23 @@ async def test_a_peer_that_stops_inside_a_message_is_cut_off() -> None:
     assert lease.held == len(message) - 1 - P2P.HEADER_LEN  # charged before the body was read
 
 
+async def test_each_read_gets_its_own_idle_timeout() -> None:
+    """A slow peer whose pauses are each under the idle timeout (their sum is not) is read to the end."""
+    reader = asyncio.StreamReader()
+    request = runtime_pb2.ExpertRequest(uid="p.0", metadata=b"y" * 300)
+    message = _framed(request)
+
+    async def trickle() -> None:
+        for start in range(0, len(message), 100):
+            reader.feed_data(message[start : start + 100])
+            await asyncio.sleep(0.12)
+
+    feeding = asyncio.create_task(trickle())
+    parsed, _ = await asyncio.wait_for(_read_message(reader, _lease(), idle_s=0.3, between_s=0.3), BOUND_S)
+    await feeding
+    assert parsed == request
+
+
 async def test_a_complete_message_is_read_and_charged_and_the_end_is_none() -> None:
     reader = asyncio.StreamReader()
     request = runtime_pb2.ExpertRequest(uid="p.0 p.1", metadata=b"m")

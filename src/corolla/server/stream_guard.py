@@ -139,28 +139,49 @@ async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
 _timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11: a deadline without a task of its own
 
 
+REARM_SLACK_S = 0.001  # a read that returns within this of the deadline's last arming keeps it (no new timer)
+
+
+class _ReadDeadline:
+    """The deadline of one message's reads: `arm(limit_s)` before each read moves it to `limit_s` from now, unless
+    the limit is unchanged and the last arming was under `REARM_SLACK_S` ago (the previous read did not wait), so
+    a message that arrived whole costs one timer, not one per read."""
+
+    def __init__(self, scope: Any, loop: asyncio.AbstractEventLoop, limit_s: float | None):
+        self.scope, self.loop, self.limit_s, self.armed_at = scope, loop, limit_s, loop.time()
+
+    def arm(self, limit_s: float | None) -> None:
+        now = self.loop.time()
+        if limit_s != self.limit_s or now - self.armed_at > REARM_SLACK_S:
+            self.scope.reschedule(None if limit_s is None else now + limit_s)
+            self.limit_s, self.armed_at = limit_s, now
+
+
 async def _read_message(
     reader: asyncio.StreamReader, lease: _Lease, *, idle_s: float, between_s: float | None
 ) -> tuple[runtime_pb2.ExpertRequest | None, int]:
     """One framed message (None at the end of the input) and the bytes it was charged. On Python >= 3.11 the
-    deadlines of its reads (`between_s` for the marker, `idle_s` for every later read) are one `asyncio.timeout`
-    re-armed before each read, instead of an `asyncio.wait_for` task per read."""
+    deadlines of its reads (`between_s` for the marker, `idle_s` for every later read) are one `asyncio.timeout_at`
+    re-armed before each read that may wait (`_ReadDeadline`), instead of an `asyncio.wait_for` task per read."""
     if _timeout_at is None:
         return await _read_message_tasks(reader, lease, idle_s=idle_s, between_s=between_s)
     loop = asyncio.get_running_loop()
-    limit_s: float | None = between_s or None
+    first_s: float | None = between_s or None
     what = "between the parts of a streamed request"
+    inside_s = idle_s or None
+    scope = _timeout_at(None if first_s is None else loop.time() + first_s)
+    deadline = _ReadDeadline(scope, loop, first_s)
     try:
-        async with _timeout_at(None if limit_s is None else loop.time() + limit_s) as deadline:
+        async with scope:
             marker = await reader.readexactly(1)
-            limit_s, what = idle_s or None, "inside a message"
-            deadline.reschedule(None if limit_s is None else loop.time() + limit_s)
+            what = "inside a message"
+            deadline.arm(inside_s)
             header = await reader.readexactly(P2P.HEADER_LEN)
             length = int.from_bytes(header, P2P.BYTEORDER)
             if marker == P2P.ERROR_MARKER:  # the caller's end-of-stream (or its error): small, read and ignore
                 if length > 64 * 1024:
                     raise ValueError(f"end-of-stream message of {length} bytes is larger than 65536")
-                deadline.reschedule(None if limit_s is None else loop.time() + limit_s)
+                deadline.arm(inside_s)
                 await reader.readexactly(length)
                 return None, 0
             if marker != P2P.MESSAGE_MARKER:
@@ -168,14 +189,14 @@ async def _read_message(
             lease.charge(length)  # before a single byte of the body is buffered
             data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
             while len(data) < length:
-                deadline.reschedule(None if limit_s is None else loop.time() + limit_s)
+                deadline.arm(inside_s)
                 chunk = await reader.read(min(length - len(data), READ_CHUNK_BYTES))
                 if not chunk:
                     raise asyncio.IncompleteReadError(b"", length - len(data))
                 data += chunk
     except TimeoutError:
-        if deadline.expired():
-            raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={limit_s} s {what}") from None
+        if scope.expired():
+            raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={deadline.limit_s} s {what}") from None
         raise
     request = runtime_pb2.ExpertRequest()
     request.ParseFromString(memoryview(data))
