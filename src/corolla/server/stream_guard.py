@@ -300,16 +300,17 @@ def guarded_stream_handler(
             with suppress(asyncio.CancelledError, Exception):
                 await processing
             on_reject(name, error)
+            lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
             with suppress(Exception):
                 await P2P.send_protobuf(RPCError(message=str(error)), writer)
         finally:
             processing.cancel()
             receiving.cancel()
-            with suppress(asyncio.CancelledError, Exception):
-                await receiving
             while not queue.empty():
                 queue.get_nowait()
             lease.close()
+            with suppress(asyncio.CancelledError, Exception):
+                await receiving
             with suppress(Exception):
                 writer.close()
 
