@@ -41,6 +41,7 @@ class DeviceStepsConfig:
     prefix_tokens: int = 16
     hidden_size: int = 64
     num_layers: int = 2
+    cache_mib: int = 64  # the engine's KV pool
     timeout_s: float = 300.0
 
 
@@ -141,7 +142,7 @@ def run(cfg: DeviceStepsConfig) -> DeviceStepsResult:
     shape = ModelShape(hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=4, num_kv_heads=2,
                        intermediate_size=2 * cfg.hidden_size)  # fmt: skip
     executor = build_executor(shape, torch.float32, torch.device("cpu"), num_layers=cfg.num_layers,
-                              serving_path="fast", cache_bytes=256 << 20)  # fmt: skip
+                              serving_path="fast", cache_bytes=cfg.cache_mib << 20)  # fmt: skip
     forward_s = [0.0]
     runtime_ident: list[int | None] = [None]
     decode = FastLlamaSpan.decode
