@@ -90,3 +90,27 @@ def test_a_malformed_item_fails_alone_and_claimed_lengths_are_checked_first() ->
         assert isinstance(bad, step_frames.BadStep) and bad.request_id == request_id
     with pytest.raises(wire.FrameError):  # a batch whose item runs past the frame ends the channel
         step_frames.parse_steps(_payload([good])[:-3])
+
+
+def _raw_batch(count: int, items: list[tuple[int, int, bytes]], trailing: bytes = b"") -> memoryview:
+    body = struct.pack(">H", count) + b"".join(struct.pack(">BII", k, rid, len(p)) + p for k, rid, p in items)
+    return memoryview(bytearray(body + trailing))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _raw_batch(0, []),  # no items
+        _raw_batch(wire.MAX_BATCH_ITEMS + 1, []),  # more items than a batch may hold (none follow)
+        _raw_batch(2, [(wire.STEP, 1, b"x")]),  # claims two items, holds one
+        _raw_batch(1, [(wire.OPEN, 1, b"x")]),  # an item kind a step batch can't carry
+        _raw_batch(1, [(wire.STEP, 1, b"x")], trailing=b"\0"),  # bytes after the last item
+        memoryview(bytearray(struct.pack(">HBII", 1, wire.STEP, 1, 1 << 30))),  # an item claiming 1 GiB
+        memoryview(bytearray(b"\1")),  # not even a count
+    ],
+)
+def test_a_malformed_batch_is_refused_as_the_reference_refuses_it(payload: memoryview) -> None:
+    with pytest.raises(wire.FrameError):
+        wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
+    with pytest.raises(wire.FrameError):
+        step_frames.parse_steps(payload)

@@ -3,21 +3,20 @@ STEP_BATCH frame parsed in one pass, and the replies of one merged forward encod
 
 `parse_steps` reads every item's fields with `struct.unpack_from` at offsets (each length checked against what is
 left of its item before anything is sliced or allocated, as `proxy_wire.Reader` does), then copies the hidden
-states of all the items that share one dtype and shape out of the receive buffer at once (numpy, one copy for the
-group) and hands each step a view of that copy: one torch call per group instead of several per step, so the reader
-thread rarely gives the GIL to the runtime thread and waits to get it back. Prompts and beam ids (rare) are read
+states of all the items that share one dtype and shape out of the receive buffer at once (one `bytearray.join`, one
+copy for the group) and hands each step a view of that copy: a few torch calls per group instead of several per
+step, so the reader thread rarely gives the GIL to the runtime thread and waits to get it back. Prompts and beam ids (rare) are read
 by `proxy_wire.Reader`.
 
 `reply_frames` builds exactly what `proxy_wire.batch_frames(items, REPLY_BATCH, max_frame_bytes, head=state)`
 builds for a list of step results (same grouping, same bounds), from a cached per-(dtype, shape) record header and
-each output's bytes (a view), joined once per frame."""
+the outputs' bytes (one `torch.cat` per group of equal shapes, sliced), joined once per frame."""
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from corolla.server import proxy_wire as wire
@@ -26,9 +25,6 @@ from corolla.server import proxy_wire as wire
 _DTYPES = wire._DTYPES
 _ITEM_BYTES = wire._ITEM_BYTES
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
-_NUMPY_DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty((), dtype=dtype).numpy().dtype for dtype in _DTYPES
-)  # bfloat16 travels through int16 (numpy has none)
 _STEP_HEAD = struct.Struct(">IIBH")  # handle, prefix length, lone, adapter name length
 _ITEM = struct.Struct(">BII")  # a batch item: kind, request id, payload length
 _U16 = struct.Struct(">H")
@@ -61,10 +57,10 @@ class BadStep:
 def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
     """The steps of a STEP_BATCH payload, in order; an item whose fields break the format is a `BadStep` in its
     place. A malformed batch (count or item lengths) raises FrameError."""
-    items = wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
+    items = _split(payload)
     out: list[ParsedStep | BadStep] = []
     groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, memoryview, int]]] = {}  # (code, shape) -> hiddens
-    for _, request_id, item in items:
+    for request_id, item in items:
         try:
             step, hidden_at = _parse_item(request_id, item)
         except wire.FrameError as e:
@@ -80,6 +76,33 @@ def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
             assert isinstance(parsed, ParsedStep)
             parsed.hidden = tensor
     return out
+
+
+def _split(payload: memoryview) -> list[tuple[int, memoryview]]:
+    """(request id, item view) of a STEP_BATCH payload's items, as `proxy_wire.split_batch` checks them: the count,
+    each item's kind and length against what is left of the frame before it is sliced, no trailing bytes."""
+    size = len(payload)
+    if size < _U16.size:
+        raise wire.FrameError(f"field of {_U16.size} bytes runs past the payload ({size} left)")
+    (count,) = _U16.unpack_from(payload, 0)
+    if not 0 < count <= wire.MAX_BATCH_ITEMS:
+        raise wire.FrameError(f"a batch holds 1 to {wire.MAX_BATCH_ITEMS} items, got {count}")
+    items = []
+    offset = _U16.size
+    for _ in range(count):
+        if offset + _ITEM.size > size:
+            raise wire.FrameError(f"field of {_ITEM.size} bytes runs past the payload ({size - offset} left)")
+        kind, request_id, length = _ITEM.unpack_from(payload, offset)
+        offset += _ITEM.size
+        if kind != wire.STEP:
+            raise wire.FrameError(f"frame kind {kind} can't be an item of batch kind {wire.STEP_BATCH}")
+        if offset + length > size:
+            raise wire.FrameError(f"field of {length} bytes runs past the payload ({size - offset} left)")
+        items.append((request_id, payload[offset : offset + length]))
+        offset += length
+    if offset != size:
+        raise wire.FrameError(f"{size - offset} trailing bytes in a frame")
+    return items
 
 
 def parse_step(request_id: int, payload: memoryview) -> ParsedStep:
@@ -140,17 +163,14 @@ def _record(item: memoryview, offset: int) -> tuple[tuple[int, tuple[int, ...], 
 
 def _copy_group(code: int, shape: tuple[int, ...], members: list[tuple[int, memoryview, int]]) -> list[torch.Tensor]:
     """One writable copy of the group's tensors (bounds checked by `_record`): [n, *shape] -> n views [*shape]."""
-    count = 1
+    dtype = _DTYPES[code]
+    nbytes = _ITEM_BYTES[code]
     for dim in shape:
-        count *= dim
-    np_dtype = _NUMPY_DTYPES[code]
-    if count == 0:
-        return [torch.empty(shape, dtype=_DTYPES[code]) for _ in members]
-    arrays = [np.frombuffer(item, dtype=np_dtype, count=count, offset=offset) for _, item, offset in members]
-    stacked = torch.from_numpy(np.stack(arrays))  # [n, count]: the group's one copy
-    if _DTYPES[code] == torch.bfloat16:
-        stacked = stacked.view(torch.bfloat16)
-    return list(stacked.view(len(members), *shape).unbind(0))  # [n, *shape] -> n x [*shape]
+        nbytes *= dim
+    if nbytes == 0:
+        return [torch.empty(shape, dtype=dtype) for _ in members]
+    joined = bytearray().join([item[offset : offset + nbytes] for _, item, offset in members])  # the one copy
+    return list(torch.frombuffer(joined, dtype=dtype).view(len(members), *shape).unbind(0))  # n x [*shape]
 
 
 def reply_frames(
