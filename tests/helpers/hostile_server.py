@@ -118,6 +118,16 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
             return {"throughput": 1000.0, "inference_rps": 1e6, "forward_rps": 1e6, "network_rps": 1e6}
 
         Server.measure_throughput = measure_throughput
+        from corolla.swarm.ping import PingAggregator
+
+        original_to_dict = PingAggregator.to_dict
+
+        def to_dict(self: Any, *, now: float | None = None) -> dict[str, float]:
+            # announces a 0.1 ms link to every peer it has seen, so routes through it look cheapest whatever the
+            # machine's load does to the honest servers' real pings
+            return {peer: 1e-4 for peer in original_to_dict(self, now=now)}
+
+        PingAggregator.to_dict = to_dict  # this process only announces with it
     print(f"hostile_server: mode={mode} after={after} attract={attract}", file=sys.stderr, flush=True)
 
 
