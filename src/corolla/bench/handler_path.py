@@ -1,0 +1,232 @@
+"""CPU of the handler's own per-step path in one process, without p2pd, a device or a model: framed
+`rpc_inference` messages of Petals-style sessions are fed into `stream_guard`'s handler, which runs the real
+`TransformerConnectionHandler` (metadata, tensor records, validation, session steps, output records, framed
+replies) against an executor that returns its input after one loop iteration. Reports the process's CPU and the
+wall time per decode step over the decode window (prefills excluded).
+
+    python -m corolla.bench.handler_path --sessions 16 --steps 200
+
+What it leaves out: the p2pd socket, the device channel (`--num_handlers` > 1) and the device's work; the
+many-users bench (`multi_user`) measures those through the real server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol.codecs import serialize_tensor
+from corolla.protocol.metadata import encode_metadata
+from corolla.protocol.packing import pack_args_kwargs
+from corolla.server.block_functions import ServingLimits
+from corolla.server.executor import (
+    PATH_PLAIN,
+    BackwardInputs,
+    ForwardInputs,
+    HandoffUnsupported,
+    SessionCache,
+    SessionSpec,
+    StepInputs,
+)
+from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.memory_cache import TensorDescriptorLike
+from corolla.server.metrics import ServerMetrics
+from corolla.server.sessions import SessionTimeouts
+from corolla.server.stream_guard import guarded_stream_handler
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+HIDDEN_SIZE = 64
+PREFIX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class HandlerPathResult:
+    sessions: int
+    steps: int  # decode steps per session
+    cpu_us_per_step: float  # this process's CPU (all threads) over the decode window, per step
+    wall_us_per_step: float
+
+
+class EchoExecutor:
+    """A `SpanExecutor` that returns a step's hidden states after one loop iteration (as a reply would take)."""
+
+    path = PATH_PLAIN
+    max_size_bytes = 1 << 40
+    bytes_left = 1 << 40
+    bytes_waiting = 0
+
+    def session_bytes(self, spec: SessionSpec) -> int:
+        return 0
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
+        return 1
+
+    @contextlib.asynccontextmanager
+    async def open_session(self, spec: SessionSpec, alloc_timeout_s: float | None) -> AsyncIterator[SessionCache]:
+        yield SessionCache(spec)
+
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        await asyncio.sleep(0)
+        return inputs.hidden_states  # [B, T, H]
+
+    async def forward(
+        self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
+    ) -> torch.Tensor:
+        raise NotImplementedError("the handler path bench runs inference steps only")
+
+    async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
+        raise NotImplementedError("the handler path bench runs inference steps only")
+
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+        raise HandoffUnsupported("the handler path bench keeps no KV cache")
+
+    async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
+        raise HandoffUnsupported("the handler path bench keeps no KV cache")
+
+    async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
+        raise HandoffUnsupported("the handler path bench keeps no KV cache")
+
+
+class _ReplyCounter:
+    """The stream writer: counts replies (a reply is complete when the handler awaits `drain`) and error replies
+    (they start with the error marker)."""
+
+    def __init__(self) -> None:
+        self.replied = asyncio.Event()
+        self.replies = 0
+        self.errors = 0
+
+    def write(self, data: bytes) -> None:
+        if data == P2P.ERROR_MARKER:
+            self.errors += 1
+
+    async def drain(self) -> None:
+        self.replies += 1
+        self.replied.set()
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class _Origin:
+    peer_id: None = None  # a local caller: counted as the same-host peer
+
+
+def _framed(request: runtime_pb2.ExpertRequest) -> bytes:
+    body = request.SerializeToString()
+    return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
+
+
+def session_messages(steps: int, seed: int) -> list[bytes]:
+    """A prefill of `PREFIX_TOKENS` then `steps` one-token steps, framed, as a Petals client sends them."""
+    generator = torch.Generator().manual_seed(seed)
+    session_id = str(uuid.UUID(int=seed))
+    messages = []
+    for step in range(steps + 1):
+        tokens = PREFIX_TOKENS if step == 0 else 1
+        hidden = torch.randn(1, tokens, HIDDEN_SIZE, generator=generator)  # [1, T, H]
+        tensors, structure = pack_args_kwargs(hidden, torch.empty(0), torch.empty(0, dtype=torch.int64))
+        position = 0 if step == 0 else PREFIX_TOKENS + step - 1
+        metadata = {"session_id": session_id, "step_id": f"{seed}-{step}", "start_from_position": position}
+        metadata["args_structure"] = structure
+        if step == 0:
+            metadata["max_length"] = PREFIX_TOKENS + steps + 8
+        request = runtime_pb2.ExpertRequest(
+            uid="p.0 p.1", tensors=[serialize_tensor(t) for t in tensors], metadata=encode_metadata(metadata)
+        )
+        messages.append(_framed(request))
+    return messages
+
+
+async def run_handler_path(sessions: int, steps: int) -> HandlerPathResult:
+    """`sessions` concurrent sessions of `steps` decode steps each through one handler; CPU and wall per step."""
+    if sessions < 1 or steps < 1:
+        raise ValueError(f"sessions and steps must be >= 1, got {sessions} and {steps}")
+    limits = ServingLimits(
+        dht_prefix="p", start_block=0, end_block=2, hidden_size=HIDDEN_SIZE, dtype=torch.float32,
+        inference_max_length_tokens=PREFIX_TOKENS + steps + 8, max_batch_size_tokens=8192,
+    )  # fmt: skip
+    handler = TransformerConnectionHandler(
+        limits=limits, executor=EchoExecutor(), timeouts=SessionTimeouts(30, 3600, 30), metrics=ServerMetrics()
+    )
+    refused: list[BaseException] = []
+    handle = guarded_stream_handler(
+        _Origin(),  # only its peer_id is read
+        "rpc_inference",
+        handler.rpc_inference,
+        handler.stream_budget,
+        per_message=True,
+        on_reject=lambda name, error: refused.append(error),
+    )
+    prefilled = 0
+    all_prefilled, go = asyncio.Event(), asyncio.Event()
+
+    async def one_session(messages: list[bytes]) -> None:
+        nonlocal prefilled
+        reader, writer = asyncio.StreamReader(), _ReplyCounter()
+        serving = asyncio.create_task(handle(_Origin(), reader, writer))
+        for index, message in enumerate(messages):
+            reader.feed_data(message)
+            await asyncio.wait_for(writer.replied.wait(), 30)
+            writer.replied.clear()
+            if index == 0:
+                prefilled += 1
+                if prefilled == sessions:
+                    all_prefilled.set()
+                await go.wait()
+        reader.feed_data(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+        reader.feed_eof()
+        await asyncio.wait_for(serving, 30)
+        if writer.replies != len(messages) or writer.errors:
+            raise RuntimeError(
+                f"a session got {writer.replies} replies ({writer.errors} errors) for {len(messages)} requests"
+            )
+
+    tasks = [asyncio.create_task(one_session(session_messages(steps, seed))) for seed in range(sessions)]
+    try:
+        await asyncio.wait_for(all_prefilled.wait(), 60)
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        go.set()
+        await asyncio.gather(*tasks)
+        cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
+    finally:
+        for task in tasks:
+            task.cancel()
+    if refused:
+        raise RuntimeError(f"the handler refused a step: {refused[0]!r}")
+    total = sessions * steps
+    return HandlerPathResult(sessions, steps, cpu_s / total * 1e6, wall_s / total * 1e6)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=200, help="decode steps per session")
+    args = parser.parse_args()
+    logging.getLogger("corolla.server").setLevel(logging.WARNING)  # a line per session open and close otherwise
+    torch.set_num_threads(1)
+    result = asyncio.run(run_handler_path(args.sessions, args.steps))
+    print(
+        f"handler path: {result.sessions} sessions x {result.steps} steps: {result.cpu_us_per_step:.1f} us CPU, "
+        f"{result.wall_us_per_step:.1f} us wall per step"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""`bench.handler_path` (the handler's per-step path in one process) runs sessions to the end and reports CPU and
+wall time per decode step; bad sizes are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from corolla.bench.handler_path import run_handler_path, session_messages
+
+
+async def test_sessions_run_to_the_end_and_time_is_reported() -> None:
+    result = await run_handler_path(sessions=3, steps=4)
+    assert (result.sessions, result.steps) == (3, 4)
+    assert 0 < result.cpu_us_per_step < 1e6 and 0 < result.wall_us_per_step < 1e6
+
+
+def test_messages_are_a_prefill_then_one_token_steps() -> None:
+    messages = session_messages(steps=2, seed=1)
+    assert len(messages) == 3 and len(messages[0]) > len(messages[1]) == len(messages[2])
+
+
+async def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="must be >= 1"):
+        await run_handler_path(sessions=1, steps=0)
