@@ -31,6 +31,8 @@ TRIM_AFTER_BYTES = 16 * MiB  # give freed stream buffers back to the OS (glibc k
 TRIM_DELAY_S = 0.5
 # streams whose handler reads one message at a time, each governed by the handler's own step timeout
 PER_MESSAGE_RPCS = ("rpc_inference",)
+FINISH_INPUT_S = 1.0  # after the reply: how long the rest of a caller's input is read (and dropped) before closing
+FINISH_INPUT_POLL_S = 0.01  # how often the dropped messages are taken off the full read-ahead queue meanwhile
 
 
 class StreamBudget:
@@ -296,13 +298,27 @@ def guarded_stream_handler(
                 if item[0] is None:
                     return
 
+        async def finish_input() -> None:
+            """Reads what is left of the caller's input (after a refusal, typically its end-of-stream marker) for at
+            most FINISH_INPUT_S before the stream closes: a unix socket closed with unread bytes resets, and p2pd
+            may then drop the reply it has not delivered yet (the caller saw a broken pipe instead of the error)."""
+            deadline = time.monotonic() + FINISH_INPUT_S
+            while True:
+                while not queue.empty():
+                    queue.get_nowait()  # discarded: their bytes are given back when the lease closes
+                remaining_s = deadline - time.monotonic()
+                if receiving.done() or remaining_s <= 0:
+                    return
+                await asyncio.wait({receiving}, timeout=min(remaining_s, FINISH_INPUT_POLL_S))
+
         between_s = None if per_message else limits.stream_idle_timeout_s
         processing = asyncio.create_task(process())
         receiving = asyncio.create_task(receive())
         try:
             await asyncio.wait({processing, receiving}, return_when=asyncio.FIRST_COMPLETED)
-            if processing.done():
-                return  # the reply is complete (or failed and was answered): the reader is cancelled below
+            if processing.done():  # the reply is complete (or failed and was answered)
+                await finish_input()
+                return
             if receiving.cancelled():
                 return
             error = receiving.exception()
