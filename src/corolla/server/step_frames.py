@@ -57,10 +57,10 @@ class BadStep:
 def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
     """The steps of a STEP_BATCH payload, in order; an item whose fields break the format is a `BadStep` in its
     place. A malformed batch (count or item lengths) raises FrameError."""
-    items = _split(payload)
+    items = wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)  # counts and lengths checked before slicing
     out: list[ParsedStep | BadStep] = []
     groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, memoryview, int]]] = {}  # (code, shape) -> hiddens
-    for request_id, item in items:
+    for _kind, request_id, item in items:
         try:
             step, hidden_at = _parse_item(request_id, item)
         except wire.FrameError as e:
@@ -76,33 +76,6 @@ def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
             assert isinstance(parsed, ParsedStep)
             parsed.hidden = tensor
     return out
-
-
-def _split(payload: memoryview) -> list[tuple[int, memoryview]]:
-    """(request id, item view) of a STEP_BATCH payload's items, as `proxy_wire.split_batch` checks them: the count,
-    each item's kind and length against what is left of the frame before it is sliced, no trailing bytes."""
-    size = len(payload)
-    if size < _U16.size:
-        raise wire.FrameError(f"field of {_U16.size} bytes runs past the payload ({size} left)")
-    (count,) = _U16.unpack_from(payload, 0)
-    if not 0 < count <= wire.MAX_BATCH_ITEMS:
-        raise wire.FrameError(f"a batch holds 1 to {wire.MAX_BATCH_ITEMS} items, got {count}")
-    items = []
-    offset = _U16.size
-    for _ in range(count):
-        if offset + _ITEM.size > size:
-            raise wire.FrameError(f"field of {_ITEM.size} bytes runs past the payload ({size - offset} left)")
-        kind, request_id, length = _ITEM.unpack_from(payload, offset)
-        offset += _ITEM.size
-        if kind != wire.STEP:
-            raise wire.FrameError(f"frame kind {kind} can't be an item of batch kind {wire.STEP_BATCH}")
-        if offset + length > size:
-            raise wire.FrameError(f"field of {length} bytes runs past the payload ({size - offset} left)")
-        items.append((request_id, payload[offset : offset + length]))
-        offset += length
-    if offset != size:
-        raise wire.FrameError(f"{size - offset} trailing bytes in a frame")
-    return items
 
 
 def parse_step(request_id: int, payload: memoryview) -> ParsedStep:
