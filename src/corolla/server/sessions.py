@@ -196,6 +196,13 @@ async def _next_client_or_end(
             evicted.remove_done_callback(evict_now)
     if evicted is not None and evicted.done():  # idle under memory pressure: end with a clear error
         raise session.ticket.eviction
+    _nothing_came(session, timeouts, deadline)
+    return None
+
+
+def _nothing_came(session: SessionState, timeouts: SessionTimeouts, deadline: float) -> None:
+    """A wait for the next step ended empty: TimeoutError past the session's `deadline`, else the step timeout (the
+    session ends quietly)."""
     if time.monotonic() >= deadline:
         logger.info(f"rpc_inference.session_timeout(session_id={session.session_id!r:.40})")
         raise TimeoutError(f"inference session exceeded session_timeout={timeouts.session_timeout_s} s")
@@ -203,7 +210,6 @@ async def _next_client_or_end(
         f"rpc_inference.step_timeout(session_id={session.session_id!r:.40}, "
         f"step_timeout_s={timeouts.step_timeout_s}, session_timeout_s={timeouts.session_timeout_s})"
     )
-    return None
 
 
 async def iterate_steps(
@@ -266,14 +272,8 @@ async def iterate_steps(
             done: set = set()
             if wait_s > 0:
                 done, _ = await asyncio.wait(waiting, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-            if not done and time.monotonic() >= deadline:
-                logger.info(f"rpc_inference.session_timeout(session_id={session.session_id!r:.40})")
-                raise TimeoutError(f"inference session exceeded session_timeout={timeouts.session_timeout_s} s")
             if not done:
-                logger.info(
-                    f"rpc_inference.step_timeout(session_id={session.session_id!r:.40}, "
-                    f"step_timeout_s={timeouts.step_timeout_s}, session_timeout_s={timeouts.session_timeout_s})"
-                )
+                _nothing_came(session, timeouts, deadline)
                 return
             if evicted is not None and evicted in done:  # idle under memory pressure: end with a clear error
                 raise session.ticket.eviction
