@@ -19,15 +19,17 @@ from hivemind.utils.multiaddr import protocols
 
 from corolla.client.framed_socket import FramedSocketStream
 from corolla.protocol.rpc import handle_name
+from corolla.protocol.stream_frames import (
+    END_OF_STREAM_FRAME,
+    ERROR_MARKER,
+    FRAME_HEADER_BYTES,
+    MESSAGE_MARKER,
+    frame_header,
+)
 
-MESSAGE_MARKER = 0  # hivemind's P2P.MESSAGE_MARKER
-ERROR_MARKER = 1  # hivemind's P2P.ERROR_MARKER (an RPCError follows; an empty one from us ends the stream)
-LENGTH_BYTES = 8  # hivemind's P2P.HEADER_LEN, big-endian
-FRAME_HEADER_BYTES = 1 + LENGTH_BYTES
 MAX_ERROR_BYTES = 1 << 16  # a server's error message
 MAX_CONTROL_BYTES = 1 << 16  # p2pd's answer to STREAM_OPEN (peer id, address, protocol)
 INFERENCE_HANDLE = handle_name("rpc_inference")
-END_OF_STREAM_FRAME = bytes([ERROR_MARKER]) + (0).to_bytes(LENGTH_BYTES, "big")  # hivemind's P2P.END_OF_STREAM
 
 
 class InferenceStream(Protocol):
@@ -47,7 +49,7 @@ class InferenceStream(Protocol):
 def request_frame(request: runtime_pb2.ExpertRequest) -> bytes:
     """The bytes hivemind's `P2P.send_protobuf` writes for `request` (in three writes), as one buffer."""
     data = request.SerializeToString()
-    return b"".join((bytes([MESSAGE_MARKER]), len(data).to_bytes(LENGTH_BYTES, "big"), data))
+    return frame_header(MESSAGE_MARKER, len(data)) + data
 
 
 def _varint(value: int) -> bytes:

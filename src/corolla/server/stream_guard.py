@@ -20,6 +20,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from corolla.protocol.stream_frames import ERROR_MARKER, MESSAGE_MARKER, frame_header
 from corolla.server.limits import MiB, PeerLimitExceeded, PeerLimits, ServerLimitExceeded, StreamStalled, peer_key
 from corolla.utils.logging import get_logger
 
@@ -135,9 +136,8 @@ ONE_WRITE_MAX_BYTES = 1 * MiB  # a reply up to this size goes out in one write (
 async def send_message(message: runtime_pb2.ExpertResponse | RPCError, writer: asyncio.StreamWriter) -> None:
     """hivemind's framing (marker byte, 8-byte length, body), the bytes `P2P.send_protobuf` writes, but as one write
     where the body is small: one `send` and one wake-up of `p2pd` per reply instead of three."""
-    marker = P2P.ERROR_MARKER if isinstance(message, RPCError) else P2P.MESSAGE_MARKER
     body = message.SerializeToString()
-    header = marker + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+    header = frame_header(ERROR_MARKER if isinstance(message, RPCError) else MESSAGE_MARKER, len(body))
     if len(body) <= ONE_WRITE_MAX_BYTES:
         writer.write(header + body)
     else:  # large forward/backward replies: no copy of the body
