@@ -226,3 +226,16 @@ async def test_async_steps_from_one_loop_share_forwards() -> None:
     assert max(batcher.batch_rows_history) > 1
     for s in sessions:
         s.close()
+
+
+def test_launch_steps_declines_what_the_cpu_engine_runs() -> None:
+    from corolla.engine.batcher import launch_steps
+
+    engine = make_engine()  # CPU: no CUDA graphs, so every step runs through execute_steps in one phase
+    with engine.open_session(1, 16) as s:
+        request = StepRequest(s, torch.randn(1, 1, H), 0)
+        assert not engine.can_launch([request])
+        assert launch_steps(engine, [request]) is None
+        assert s.length_tokens == 0  # declining ran nothing
+        with pytest.raises(ValueError, match="launch_decode"):
+            engine.launch_decode([request])

@@ -1,7 +1,9 @@
 """Merging of queued steps: `execute_steps` runs a set of step requests of many sessions on one span with as much
 merging as is correct (single-token steps of distinct sessions share one batched decode forward per layer range,
 multi-token steps run one by one after it). The server's `Runtime` is the one scheduler in production: the fast
-executor registers `execute_steps` as its batch executor. (The bench's own-thread driver is
+executor registers `execute_steps` as its batch executor, and `launch_steps` as its launcher: a set of decode steps
+that one CUDA-graph forward serves is launched on the device and finished later (`PendingSteps.wait`), so that the
+runtime can launch the next forward before it sends this one's replies. (The bench's own-thread driver is
 `corolla.bench.engine_batcher.ContinuousBatcher`.)"""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from corolla.engine.graph_decode import PendingDecode
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.utils.logging import get_logger
 
@@ -59,3 +62,51 @@ def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[t
                 results[i] = e
         remaining = later
     return results  # type: ignore[return-value]
+
+
+class PendingSteps:
+    """Step requests whose valid ones run in one launched forward: `wait()` gives one result per request, in order
+    (a `ValueError` instance for an invalid request; a device failure fails the launched ones only)."""
+
+    def __init__(
+        self, results: list[torch.Tensor | BaseException | None], launched: list[int], pending: PendingDecode | None
+    ):
+        self._results = results
+        self._launched = launched  # indices of the requests in the forward, in its row order
+        self._pending = pending  # None: no valid request, nothing launched
+
+    def wait(self) -> list[torch.Tensor | BaseException]:
+        results = self._results
+        if self._pending is None:
+            return results  # type: ignore[return-value]
+        try:
+            outs = self._pending.wait()
+            for i, out in zip(self._launched, outs, strict=True):
+                results[i] = out
+        except Exception as e:  # a device failure fails this forward's steps only
+            logger.warning(f"batcher.decode_failed(steps={len(self._launched)}, error={e!r})")
+            for i in self._launched:
+                results[i] = e
+        return results  # type: ignore[return-value]
+
+
+def launch_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> PendingSteps | None:
+    """`execute_steps` in two phases where one launched forward serves the whole set (see `SpanEngine.can_launch`:
+    decode steps of distinct sessions over one layer range on the CUDA-graph path); None (nothing done) otherwise.
+    Invalid requests get their `ValueError` without joining the forward. A failing launch raises: every step of the
+    set fails."""
+    if not engine.can_launch(requests):
+        return None
+    results: list[torch.Tensor | BaseException | None] = [None] * len(requests)
+    launched: list[int] = []
+    for i, req in enumerate(requests):
+        try:
+            engine.validate(req)
+        except ValueError as e:
+            results[i] = e
+            continue
+        launched.append(i)
+    if not launched:
+        return PendingSteps(results, [], None)
+    pending = engine.launch_decode([requests[i] for i in launched], validated=True)
+    return PendingSteps(results, launched, pending)

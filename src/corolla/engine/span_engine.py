@@ -18,6 +18,7 @@ from corolla.engine.config import EngineConfig
 from corolla.engine.cuda_graphs import DecodeGraphs
 from corolla.engine.fast_llama import FastLlamaSpan
 from corolla.engine.fast_lora import SpanAdapters
+from corolla.engine.graph_decode import HostStaging, PendingDecode, launch_graph_decode
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.span_model import SpanModel
 from corolla.utils.logging import get_logger
@@ -142,14 +143,13 @@ class SpanEngine:
                 )
                 self.graphs = DecodeGraphs(model, self.pool, buckets, adapters=adapters)
                 self.max_batch_rows = self.graphs.max_rows
-            rows, h = self.max_batch_rows, spec.hidden_size
-            self._pin_hidden = torch.empty((rows, h), dtype=self.dtype, pin_memory=True)
-            self._pin_out = torch.empty((rows, h), dtype=self.dtype, pin_memory=True)
-            self._pin_pos = torch.empty((rows,), dtype=torch.long, pin_memory=True)
-            self._pin_tables = torch.empty((rows, self.pool.max_pages_per_seq), dtype=torch.int32, pin_memory=True)
-            self._pin_pos_np = self._pin_pos.numpy()
-            self._pin_ids = torch.empty((rows,), dtype=torch.long, pin_memory=True)
-            self._pin_ids_np = self._pin_ids.numpy()
+            # two sets of pinned host buffers: a launched forward's asynchronous copies may still read (inputs) or
+            # write (output) one set while the next forward is staged in the other (`launch_decode`)
+            self._staging = [
+                HostStaging.allocate(self.max_batch_rows, spec.hidden_size, self.pool.max_pages_per_seq, self.dtype)
+                for _ in range(2)
+            ]
+            self._next_staging = 0
 
     @classmethod
     def from_blocks(
@@ -365,12 +365,45 @@ class SpanEngine:
             results.extend(self._decode_group(group))
         return results
 
+    def can_launch(self, reqs: Sequence[StepRequest]) -> bool:
+        """Whether `launch_decode` takes these steps: single-token steps without prompts of distinct sessions over one
+        layer range, hidden states on the CPU, at most one CUDA-graph forward's rows (the graph path)."""
+        graphs = self.graphs
+        if graphs is None or not reqs:
+            return False
+        layers = reqs[0].session.layers
+        rows = 0
+        for r in reqs:
+            if not r.is_decode or r.session.layers != layers or not r.hidden.is_cpu:
+                return False
+            rows += r.rows
+        return rows <= graphs.max_rows and len({id(r.session) for r in reqs}) == len(reqs)
+
+    def launch_decode(self, reqs: Sequence[StepRequest], *, validated: bool = False) -> PendingDecode:
+        """`decode_many` in two phases: queues one merged forward of `reqs` on the device and returns at once;
+        `wait()` on the result gives [B_i, 1, H] per request. ValueError unless `can_launch(reqs)`; each request
+        must be valid (`validate`; `validated=True` skips it). A later launch (or `decode_many`, `step`) may be
+        made before `wait`: it runs after this forward in stream order."""
+        if not self.can_launch(reqs):
+            raise ValueError("launch_decode takes single-token CPU steps of distinct sessions over one layer range, "
+                             "on the CUDA-graph path, within one forward's rows")  # fmt: skip
+        for req in reqs:
+            self._prepare(req, validated=validated)
+        assert self.graphs is not None
+        staging = self._staging[self._next_staging]
+        self._next_staging = 1 - self._next_staging
+        adapted = self.adapters is not None and any(r.session.adapter_index for r in reqs)
+        adapter_rows = self.adapters.row_ids if self.adapters is not None and adapted else None
+        return launch_graph_decode(self.graphs, staging, reqs, dtype=self.dtype, adapter_rows=adapter_rows)
+
     def _decode_group(self, group: list[StepRequest]) -> list[torch.Tensor]:
+        if self.can_launch(group):  # the graph path with CPU inputs: launch, then wait at once
+            return self.launch_decode(group, validated=True).wait()
         h, dtype = self.hidden_size, self.dtype
         positions: list[int] = []  # [rows]
         tables: list[torch.Tensor] = []  # [rows] x [max_pages_per_seq]
         ids: list[int] = []  # [rows], 0 = base model
-        all_cpu = same_dtype = True  # every hidden on the CPU / in the engine's dtype: one cat gathers them all
+        all_cpu = same_dtype = True  # every hidden on the CPU / in the engine's dtype
         for r in group:  # one pass over the merged batch
             hidden = r.hidden
             all_cpu = all_cpu and hidden.is_cpu
@@ -385,26 +418,21 @@ class SpanEngine:
                 ids.extend([r.session.adapter_index] * r.rows)
         rows = len(positions)
         adapted = any(ids)  # no row on an adapter: the step skips the adapters entirely
-        if self.graphs is not None and rows <= self.graphs.max_rows:
+        if self.graphs is not None and rows <= self.graphs.max_rows:  # inputs on the device (CPU ones launch)
             g = self.graphs
-            if all_cpu:  # stage through pinned host buffers: one asynchronous copy per input
-                staged = self._pin_hidden[:rows]  # [rows, H]
-                if same_dtype:
-                    torch.cat([r.hidden for r in group], out=staged.view(rows, 1, h))
-                else:
-                    torch.cat([r.hidden.reshape(r.rows, h).to(self.dtype) for r in group], out=staged)
-                g.hidden[:rows].copy_(staged, non_blocking=True)
-            else:
-                g.hidden[:rows].copy_(
-                    torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
-                )
-            self._pin_pos_np[:rows] = positions
-            torch.stack(tables, out=self._pin_tables[:rows])
-            g.positions[:rows].copy_(self._pin_pos[:rows], non_blocking=True)
-            g.block_tables[:rows].copy_(self._pin_tables[:rows], non_blocking=True)
+            g.hidden[:rows].copy_(torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group]))
+            staging = self._staging[self._next_staging]
+            self._next_staging = 1 - self._next_staging
+            staging.reuse()  # no queued copy of a launched forward reads it any more
+            staging.positions_np[:rows] = positions
+            torch.stack(tables, out=staging.tables[:rows])
+            g.positions[:rows].copy_(staging.positions[:rows], non_blocking=True)
+            g.block_tables[:rows].copy_(staging.tables[:rows], non_blocking=True)
             if self.adapters is not None and adapted:
-                self._pin_ids_np[:rows] = ids
-                self.adapters.row_ids[:rows].copy_(self._pin_ids[:rows], non_blocking=True)
+                staging.adapter_ids_np[:rows] = ids
+                self.adapters.row_ids[:rows].copy_(staging.adapter_ids[:rows], non_blocking=True)
+            staging.done = torch.cuda.Event()
+            staging.done.record(torch.cuda.current_stream(self.device))  # the set's copies above
             out = g.run(rows, group[0].session.layers, adapters=adapted)  # [rows, H], static buffer
         else:
             on_device = all_cpu if self.device.type == "cpu" else all(r.hidden.device == self.device for r in group)
@@ -426,12 +454,9 @@ class SpanEngine:
             for slot in req.session.slots:
                 slot.length_tokens = length
         if self.device.type == "cuda" and all_cpu:
-            host = self._pin_out[:rows]
-            host.copy_(out, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-            out = host.clone()  # the pinned buffer is reused by the next iteration
+            out = out.cpu()  # CPU callers (eager path: no CUDA graphs)
         elif self.device.type == "cuda":
-            out = out.clone()
+            out = out.clone()  # the graph's static output is reused by the next replay
         # one split into views: [rows, H] -> [B_i, 1, H] per request
         pieces = out.view(rows, 1, h).split([r.rows for r in group])
         if all_cpu and out.device.type == "cpu":

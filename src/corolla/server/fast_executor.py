@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from corolla.engine.batcher import execute_steps
+from corolla.engine.batcher import PendingSteps, execute_steps, launch_steps
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
 from corolla.server.backend import SpanBackend
@@ -85,9 +85,12 @@ class FastExecutor:
         # one merged batch is at most what one decode forward serves (a graph bucket's rows): steps past it wait for
         # the next forward instead of adding a second forward (a second pass over the weights, for a few rows) that
         # every step of this batch would wait for
+        # decode steps on the CUDA-graph path launch in two phases (`engine.batcher.launch_steps`): the runtime
+        # launches the next merged forward before it sends this one's replies
         runtime.register_batch_executor(
-            KIND_ENGINE_INFERENCE, self._execute_tasks, inline_when_idle=True, max_merged_tokens=engine.max_batch_rows
-        )
+            KIND_ENGINE_INFERENCE, self._execute_tasks, inline_when_idle=True, max_merged_tokens=engine.max_batch_rows,
+            launcher=self._launch_tasks,
+        )  # fmt: skip
 
     @property
     def runtime(self) -> Runtime:
@@ -184,12 +187,10 @@ class FastExecutor:
         )  # fmt: skip
 
     def _execute_tasks(self, tasks: list[Task]) -> list[torch.Tensor | BaseException]:
-        requests: list[StepRequest] = []
-        for task in tasks:
-            if not isinstance(task.payload, StepRequest):
-                raise TypeError(f"{KIND_ENGINE_INFERENCE} task without a StepRequest payload")
-            requests.append(task.payload)
-        return execute_steps(self.engine, requests)
+        return execute_steps(self.engine, _requests(tasks))
+
+    def _launch_tasks(self, tasks: list[Task]) -> PendingSteps | None:
+        return launch_steps(self.engine, _requests(tasks))
 
     async def forward(
         self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
@@ -209,6 +210,15 @@ class FastExecutor:
 
     async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
         raise HandoffUnsupported("KV hand-off is not supported on the fast path (paged KV pool)")
+
+
+def _requests(tasks: list[Task]) -> list[StepRequest]:
+    requests: list[StepRequest] = []
+    for task in tasks:
+        if not isinstance(task.payload, StepRequest):
+            raise TypeError(f"{KIND_ENGINE_INFERENCE} task without a StepRequest payload")
+        requests.append(task.payload)
+    return requests
 
 
 def shorten_gil_switch_interval() -> None:

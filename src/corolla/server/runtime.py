@@ -1,5 +1,11 @@
 """The device thread: owns the blocks and KV tensors and runs submitted tasks by priority, one batch at a time,
-in a `schedule -> execute -> complete` loop; results go back to the asyncio loop that submitted them."""
+in a `schedule -> execute -> complete` loop; results go back to the asyncio loop that submitted them.
+
+A kind with a launcher (`register_batch_executor(..., launcher=...)`) runs in two phases: the launcher queues the
+batch on the device and returns a `PendingBatch`; the thread then launches the next batch if one is queued already,
+and only then waits for the first one and completes it (encodes and sends its replies) while the device runs the
+next. When nothing else is queued, a launched batch is waited for and completed at once (a lone session's step
+takes no longer)."""
 
 from __future__ import annotations
 
@@ -7,20 +13,33 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.task import KIND_GENERIC, Task, TaskQueue
+from corolla.server.task import KIND_GENERIC, KindStats, Task, TaskQueue
+from corolla.server.task_delivery import call_back, deliver, resolve, resolve_all
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 # Runs several merged tasks at once; returns one result per task (an exception instance fails only that task).
 BatchExecutor = Callable[[list[Task]], list[Any]]
+
+
+class PendingBatch(Protocol):
+    """A batch a launcher queued on the device: `wait()` (once, in the runtime's thread) gives one result per task
+    (an exception instance fails only that task); raising fails the whole batch."""
+
+    def wait(self) -> Sequence[object]: ...
+
+
+# Queues a batch on the device and returns at once, or returns None (nothing done: the batch runs through the
+# kind's executor instead); raising fails the whole batch.
+BatchLauncher = Callable[[list[Task]], PendingBatch | None]
 # Told of each batch after it ran (kind, tasks in it, seconds it took), in the thread that ran it.
 BatchObserver = Callable[[str, int, float], None]
 
@@ -32,23 +51,6 @@ INLINE_MAX_TOKENS = 64
 
 class RuntimeStopped(RuntimeError):
     """The runtime stopped before a pending task could run."""
-
-
-@dataclass(frozen=True)
-class KindStats:
-    """Totals for one task kind since the runtime started: batches run, tasks in them, seconds spent running them."""
-
-    batches: int = 0
-    tasks: int = 0
-    busy_s: float = 0.0
-
-    def since(self, earlier: KindStats) -> KindStats:
-        return KindStats(self.batches - earlier.batches, self.tasks - earlier.tasks, self.busy_s - earlier.busy_s)
-
-    @property
-    def tasks_per_batch(self) -> float:
-        """Mean steps merged into one forward (1.0 where nothing merges)."""
-        return self.tasks / self.batches if self.batches else 0.0
 
 
 class Runtime:
@@ -78,9 +80,12 @@ class Runtime:
         self.stop_timeout_s = stop_timeout_s
         self._queue = TaskQueue()
         self._batch_executors: dict[str, BatchExecutor] = {}
+        self._launchers: dict[str, BatchLauncher] = {}  # kinds whose batches may launch before the last completes
+        self._num_in_flight = 0  # launched batches not finished yet (no inline step meanwhile)
+        self._last_done_s = 0.0  # perf_counter when the last batch's device work was over (busy time accounting)
         self._merge_limits: dict[str, int] = {}  # kind -> most tokens merged into one batch (register_batch_executor)
         self._inline_kinds: set[str] = set()
-        self._executing = threading.Lock()  # held while a batch runs, on the device thread or inline
+        self._executing = threading.Lock()  # held while a batch runs or launches or is waited for
         self._inline_threads = threading.local()  # the CUDA device is set once per thread running inline batches
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -121,7 +126,7 @@ class Runtime:
         pending = self._queue.close()
         error = RuntimeStopped("The server's runtime stopped before this task ran (server shutting down)")
         for task in pending:
-            _deliver(task, None, error)
+            deliver(task, None, error)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.stop_timeout_s)
             if self._thread.is_alive():
@@ -155,12 +160,14 @@ class Runtime:
         *,
         inline_when_idle: bool = False,
         max_merged_tokens: int | None = None,
+        launcher: BatchLauncher | None = None,
     ) -> None:
         """Lets tasks of `kind` with equal `merge_key` run together through `executor` (up to the token limit, and
         up to `max_merged_tokens` if given: what one device call of the executor serves, the rest waiting for the
         next batch rather than making this one call the device twice). `inline_when_idle`: a task submitted with
         `inline=True` may run at once in the submitting thread when the runtime is idle (for short device steps
-        whose latency matters more than the caller's thread)."""
+        whose latency matters more than the caller's thread). `launcher`: runs a batch in two phases where it can
+        (see the module docstring); the batches it declines (None) go through `executor`."""
         if max_merged_tokens is not None:
             if max_merged_tokens < 1:
                 raise ValueError(f"max_merged_tokens must be >= 1, got {max_merged_tokens}")
@@ -168,6 +175,10 @@ class Runtime:
         else:
             self._merge_limits.pop(kind, None)
         self._batch_executors[kind] = executor
+        if launcher is not None:
+            self._launchers[kind] = launcher
+        else:
+            self._launchers.pop(kind, None)
         if inline_when_idle:
             self._inline_kinds.add(kind)
         else:
@@ -301,7 +312,7 @@ class Runtime:
         if self._stopped or len(self._queue) > 0 or not self._executing.acquire(blocking=False):
             return False
         try:
-            if len(self._queue) > 0:  # the device thread queued work meanwhile: keep the priority order
+            if len(self._queue) > 0 or self._num_in_flight:  # priority order; nothing overtakes a launched batch
                 return False
             if self.device is not None and self.device.type == "cuda" and not getattr(self._inline_threads, "set", 0):
                 torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
@@ -313,9 +324,9 @@ class Runtime:
         self.num_tasks_done += 1
         self.num_inline_batches += 1
         if task.future is not None:
-            _resolve(task.future, *results[0])
+            resolve(task.future, *results[0])
         else:
-            _call_back([task], results)
+            call_back([task], results)
         return True
 
     # ---- device thread
@@ -328,28 +339,91 @@ class Runtime:
         finally:
             self._ready.set()
         queue = self._queue
-        while True:  # (gather) -> schedule -> execute -> complete
-            wait = self.gather.wait(time.monotonic(), queue.num_pushed)
-            if wait is not None:
-                queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
+        pending: _Launched | None = None
+        while True:  # (gather) -> schedule -> execute (or launch) -> complete
+            if pending is None:
+                wait = self.gather.wait(time.monotonic(), queue.num_pushed)
+                if wait is not None:
+                    queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
             batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
-                merge_limits=self._merge_limits,
+                merge_limits=self._merge_limits, timeout_s=None if pending is None else 0.0,
             )  # fmt: skip
-            if batch is None:
-                break
-            if not batch:
+            if not batch:  # closed (None), or nothing queued behind the launched batch: finish it now
+                if pending is not None:
+                    self._finish(pending)
+                    pending = None
+                if batch is None:
+                    break
+                continue
+            launched = self._launch(batch)
+            if pending is not None:  # the device runs `launched` (if any) while this one's replies leave
+                self._finish(pending)
+                pending = None
+            if launched is not None:
+                pending = launched
                 continue
             with self._executing:
                 started = time.perf_counter()
                 results = self._execute(batch)
                 elapsed_s = time.perf_counter() - started
+                self._last_done_s = time.perf_counter()
             if batch[0].merge_key is not None and batch[0].kind in self._batch_executors:
                 self.gather.finished(
                     size=len(batch), forward_s=elapsed_s, now_s=time.monotonic(), num_pushed=queue.num_pushed,
                     push_time_s=queue.push_time_s,
                 )  # fmt: skip
             self._complete(batch, results)
+
+    def _launch(self, batch: list[Task]) -> _Launched | None:
+        """Queues `batch` on the device through its kind's launcher; None where it has none or declines."""
+        launcher = self._launchers.get(batch[0].kind) if batch[0].merge_key is not None else None
+        if launcher is None:
+            return None
+        with self._executing:
+            started = time.perf_counter()
+            try:
+                handle = launcher(batch)
+            except Exception as e:  # the launch failed: every task of the batch fails, when its turn comes
+                logger.warning(f"runtime.launch_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
+                return _Launched(batch, None, e, started)
+            if handle is None:
+                return None
+            self._num_in_flight += 1
+            return _Launched(batch, handle, None, started)
+
+    def _finish(self, launched: _Launched) -> None:
+        """Waits for a launched batch's results, accounts for it and completes it."""
+        batch = launched.batch
+        with self._executing:
+            results: list[tuple[Any, BaseException | None]]
+            try:
+                if launched.handle is None:
+                    assert launched.error is not None
+                    raise launched.error
+                outputs = launched.handle.wait()
+                if len(outputs) != len(batch):
+                    raise RuntimeError(
+                        f"Batch launcher for {batch[0].kind!r} returned {len(outputs)} results for {len(batch)} tasks"
+                    )
+                results = [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
+            except Exception as e:
+                logger.warning(f"runtime.task_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
+                results = [(None, e)] * len(batch)
+            finally:
+                if launched.handle is not None:
+                    self._num_in_flight -= 1
+            done_s = time.perf_counter()
+            # busy time: from the launch, or from the end of the batch before it if that ran on the device meanwhile
+            elapsed_s = done_s - max(launched.started_s, self._last_done_s)
+            self._last_done_s = done_s
+            self._account(batch[0].kind, len(batch), elapsed_s)
+        queue = self._queue
+        self.gather.finished(
+            size=len(batch), forward_s=elapsed_s, now_s=time.monotonic(), num_pushed=queue.num_pushed,
+            push_time_s=queue.push_time_s,
+        )  # fmt: skip
+        self._complete(batch, results)
 
     def _execute(self, batch: list[Task]) -> list[tuple[Any, BaseException | None]]:
         started = time.perf_counter()
@@ -368,25 +442,27 @@ class Runtime:
             logger.debug("runtime.task_failed traceback", exc_info=True)
             return [(None, e)] * len(batch)
         finally:
-            elapsed_s = time.perf_counter() - started
-            kind = batch[0].kind
-            old = self._kind_stats.get(kind, KindStats())
-            self._kind_stats[kind] = KindStats(old.batches + 1, old.tasks + len(batch), old.busy_s + elapsed_s)
-            for observer in list(self._observers):
-                try:
-                    observer(kind, len(batch), elapsed_s)
-                except Exception as e:
-                    logger.warning(f"runtime.observer_failed(error={e!r}): dropped")
-                    self._observers.remove(observer)
-            if logger.isEnabledFor(logging.DEBUG):  # not formatted per batch unless it is logged
-                logger.debug(f"runtime.execute(kind={kind}, tasks={len(batch)}, ms={elapsed_s * 1000:.2f})")
+            self._account(batch[0].kind, len(batch), time.perf_counter() - started)
         return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
+
+    def _account(self, kind: str, num_tasks: int, elapsed_s: float) -> None:
+        """Adds a batch to its kind's totals and tells the observers (with `_executing` held)."""
+        old = self._kind_stats.get(kind, KindStats())
+        self._kind_stats[kind] = KindStats(old.batches + 1, old.tasks + num_tasks, old.busy_s + elapsed_s)
+        for observer in list(self._observers):
+            try:
+                observer(kind, num_tasks, elapsed_s)
+            except Exception as e:
+                logger.warning(f"runtime.observer_failed(error={e!r}): dropped")
+                self._observers.remove(observer)
+        if logger.isEnabledFor(logging.DEBUG):  # not formatted per batch unless it is logged
+            logger.debug(f"runtime.execute(kind={kind}, tasks={num_tasks}, ms={elapsed_s * 1000:.2f})")
 
     def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
         self.num_tasks_done += len(batch)
         if any(t.future is None for t in batch):  # callback tasks: their replies leave from this thread
-            _call_back(
+            call_back(
                 [t for t in batch if t.future is None],
                 [r for t, r in zip(batch, results, strict=True) if t.future is None],
             )
@@ -395,7 +471,7 @@ class Runtime:
             if not batch:
                 return
         if len(batch) == 1:
-            _deliver(batch[0], *results[0])
+            deliver(batch[0], *results[0])
             return
         by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}  # one loop wake-up per batch, not per task
         for task, (result, error) in zip(batch, results, strict=True):
@@ -403,50 +479,16 @@ class Runtime:
             by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.future, result, error))
         for loop, items in by_loop.values():
             try:
-                loop.call_soon_threadsafe(_resolve_all, items)
+                loop.call_soon_threadsafe(resolve_all, items)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
 
 
-def _call_back(tasks: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
-    """Runs each callback task's `on_done`, then each distinct `flush` once (a failing callback is logged: it must
-    not stop the device thread or the other callers' replies)."""
-    flushes: dict[Callable[[], None], None] = {}  # keyed by the callable: equal bound methods flush once
-    for task, (result, error) in zip(tasks, results, strict=True):
-        try:
-            if task.on_done is not None:
-                task.on_done(result, error)
-        except Exception as e:
-            logger.warning(f"runtime.callback_failed(kind={task.kind}, error={e!r})")
-        if task.flush is not None:
-            flushes[task.flush] = None
-    for flush in flushes:
-        try:
-            flush()
-        except Exception as e:
-            logger.warning(f"runtime.flush_failed(error={e!r})")
+@dataclass(eq=False)
+class _Launched:
+    """A batch queued on the device by its launcher (`handle`), or whose launch failed (`error`)."""
 
-
-def _deliver(task: Task, result: Any, error: BaseException | None) -> None:
-    """Resolves the task's future inside its own event loop (thread-safe), or runs its callback here."""
-    if task.future is None or task.loop is None:
-        _call_back([task], [(result, error)])
-        return
-    try:
-        task.loop.call_soon_threadsafe(_resolve, task.future, result, error)
-    except RuntimeError:  # the loop is closed: nobody is waiting any more
-        logger.debug(f"runtime.deliver_dropped(kind={task.kind}): event loop closed")
-
-
-def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():  # cancelled by its caller meanwhile
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _resolve_all(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
-    for future, result, error in items:
-        _resolve(future, result, error)
+    batch: list[Task]
+    handle: PendingBatch | None
+    error: BaseException | None
+    started_s: float  # perf_counter at the launch

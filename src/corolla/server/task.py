@@ -54,6 +54,23 @@ class Task:
         return self.future is not None and self.future.done()
 
 
+@dataclass(frozen=True)
+class KindStats:
+    """Totals for one task kind since the runtime started: batches run, tasks in them, seconds spent running them."""
+
+    batches: int = 0
+    tasks: int = 0
+    busy_s: float = 0.0
+
+    def since(self, earlier: KindStats) -> KindStats:
+        return KindStats(self.batches - earlier.batches, self.tasks - earlier.tasks, self.busy_s - earlier.busy_s)
+
+    @property
+    def tasks_per_batch(self) -> float:
+        """Mean steps merged into one forward (1.0 where nothing merges)."""
+        return self.tasks / self.batches if self.batches else 0.0
+
+
 class TaskQueue:
     """Thread-safe priority queue of pending tasks: the event loop pushes, the device thread pops batches."""
 

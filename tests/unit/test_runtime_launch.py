@@ -1,0 +1,190 @@
+"""Two-phase batches (`register_batch_executor(..., launcher=...)`): the runtime launches the next queued batch
+before it completes (delivers the results of) the one in flight, completes a lone batch at once, keeps a task's
+failure to that task and a launch's or wait's failure to that batch, runs the batches a launcher declines through the
+executor after the batch in flight, lets no inline step overtake a launched batch, and still delivers a launched
+batch's results when it stops."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from corolla.server.gather import GatherSettings
+from corolla.server.runtime import Runtime, RuntimeStopped
+from corolla.server.task import Task
+
+WAIT_S = 5.0
+
+
+class _Pending:
+    """A launched fake batch: `wait` logs, optionally blocks on `gate`, then returns `results` or raises."""
+
+    def __init__(self, log: list[tuple[str, object]], name: str, results: Sequence[object] | BaseException,
+                 gate: threading.Event | None = None):  # fmt: skip
+        self.log, self.name, self.results, self.gate = log, name, results, gate
+
+    def wait(self) -> Sequence[object]:
+        if self.gate is not None:
+            assert self.gate.wait(WAIT_S)
+        self.log.append(("wait", self.name))
+        if isinstance(self.results, BaseException):
+            raise self.results
+        return self.results
+
+
+class _Bench:
+    """A runtime with a fake launcher and executor for kind "decode" that log what runs when; tasks carry their
+    name as payload; `on_launch[name]` runs inside the launch of the batch whose first task is `name`."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.log: list[tuple[str, object]] = []
+        self.results: dict[str, object] = {}
+        self.done = threading.Event()
+        self.on_launch: dict[str, Callable[[], None]] = {}
+        self.launch_results: dict[str, Sequence[object] | BaseException | None] = {}  # None: declined
+        self.gates: dict[str, threading.Event] = {}
+        runtime.register_batch_executor("decode", self.execute, launcher=self.launch, inline_when_idle=True)
+
+    def launch(self, tasks: list[Task]) -> _Pending | None:
+        name = str(tasks[0].payload)
+        self.log.append(("launch", [t.payload for t in tasks]))
+        if name in self.on_launch:
+            self.on_launch.pop(name)()
+        planned = self.launch_results.get(name, [f"{t.payload}!" for t in tasks])
+        if planned is None:
+            return None
+        if isinstance(planned, BaseException) and name.startswith("boom"):
+            raise planned
+        return _Pending(self.log, name, planned, self.gates.get(name))
+
+    def execute(self, tasks: list[Task]) -> list[object]:
+        self.log.append(("execute", [t.payload for t in tasks]))
+        return [f"{t.payload}:executed" for t in tasks]
+
+    def task(self, name: str, last: bool = False) -> Task:
+        def on_done(result: object, error: BaseException | None) -> None:
+            self.log.append(("done", name))
+            self.results[name] = error if error is not None else result
+            if last:
+                self.done.set()
+
+        return self.runtime.callback_task(lambda: None, on_done=on_done, flush=None, priority=1, size_tokens=1,
+                                          kind="decode", merge_key="span", payload=name)  # fmt: skip
+
+    def submit(self, *names: str, last: bool = False) -> None:
+        self.runtime.submit_callbacks([self.task(n, last and i == len(names) - 1) for i, n in enumerate(names)])
+
+
+def _runtime() -> Runtime:
+    return Runtime(max_batch_size_tokens=64, gather=GatherSettings(fraction=0.0))
+
+
+def test_the_next_batch_launches_before_the_one_in_flight_completes() -> None:
+    with _runtime() as runtime:
+        bench = _Bench(runtime)
+        bench.on_launch["a1"] = lambda: bench.submit("b1", "b2", last=True)  # queued while a1's batch launches
+        bench.submit("a1")
+        assert bench.done.wait(WAIT_S)
+    assert bench.log == [
+        ("launch", ["a1"]), ("launch", ["b1", "b2"]), ("wait", "a1"), ("done", "a1"), ("wait", "b1"),
+        ("done", "b1"), ("done", "b2"),
+    ]  # fmt: skip
+    assert bench.results == {"a1": "a1!", "b1": "b1!", "b2": "b2!"}
+
+
+def test_a_lone_batch_completes_at_once() -> None:
+    with _runtime() as runtime:
+        bench = _Bench(runtime)
+        bench.submit("a1", "a2", last=True)
+        assert bench.done.wait(WAIT_S)  # nothing else is ever queued: it is not held for a next batch
+        assert bench.log == [("launch", ["a1", "a2"]), ("wait", "a1"), ("done", "a1"), ("done", "a2")]
+        assert runtime.stats()["decode"].batches == 1 and runtime.stats()["decode"].tasks == 2
+
+
+def test_failures_stay_in_their_task_or_batch() -> None:
+    with _runtime() as runtime:
+        bench = _Bench(runtime)
+        bench.launch_results["a1"] = [ValueError("bad step"), "a2!"]
+        bench.launch_results["b1"] = RuntimeError("device failure")  # raised by wait
+        bench.launch_results["boom"] = RuntimeError("launch failure")  # raised by the launcher
+        bench.on_launch["a1"] = lambda: bench.submit("b1")
+        bench.on_launch["b1"] = lambda: bench.submit("boom")
+        bench.on_launch["boom"] = lambda: bench.submit("c1", last=True)
+        bench.submit("a1", "a2")
+        assert bench.done.wait(WAIT_S)
+    assert isinstance(bench.results["a1"], ValueError) and bench.results["a2"] == "a2!"
+    assert isinstance(bench.results["b1"], RuntimeError) and "device" in str(bench.results["b1"])
+    assert isinstance(bench.results["boom"], RuntimeError) and "launch" in str(bench.results["boom"])
+    assert bench.results["c1"] == "c1!"
+    assert [e for e in bench.log if e[0] == "done"] == [("done", n) for n in ("a1", "a2", "b1", "boom", "c1")]
+
+
+def test_a_declined_batch_runs_through_the_executor_after_the_one_in_flight() -> None:
+    with _runtime() as runtime:
+        bench = _Bench(runtime)
+        bench.launch_results["b1"] = None  # e.g. a prefill: the launcher declines it
+        bench.on_launch["a1"] = lambda: bench.submit("b1", last=True)
+        bench.submit("a1")
+        assert bench.done.wait(WAIT_S)
+    assert bench.log == [
+        ("launch", ["a1"]), ("launch", ["b1"]), ("wait", "a1"), ("done", "a1"), ("execute", ["b1"]), ("done", "b1"),
+    ]  # fmt: skip
+    assert bench.results["b1"] == "b1:executed"
+
+
+def test_no_inline_step_overtakes_a_launched_batch() -> None:
+    with _runtime() as runtime:
+        bench = _Bench(runtime)
+        inline_done = threading.Event()
+
+        def submit_inline() -> None:  # from a1's completion, while b1's batch is in flight and the queue empty
+            runtime.submit_callback(
+                lambda: None, on_done=lambda r, e: inline_done.set(), priority=1, size_tokens=1, kind="decode",
+                merge_key="span", payload="c1", inline=True,
+            )  # fmt: skip
+
+        bench.on_launch["a1"] = lambda: bench.submit("b1", last=True)
+        original = bench.task
+
+        def task(name: str, last: bool = False) -> Task:
+            made = original(name, last)
+            if name == "a1":
+                assert made.on_done is not None
+                on_done = made.on_done
+                made.on_done = lambda r, e: (on_done(r, e), submit_inline())
+            return made
+
+        bench.task = task  # type: ignore[method-assign]
+        bench.submit("a1")
+        assert bench.done.wait(WAIT_S) and inline_done.wait(WAIT_S)
+    assert ("execute", ["c1"]) not in bench.log  # not run inline (by the executor) ahead of b1's batch
+    assert bench.log.index(("wait", "b1")) < bench.log.index(("wait", "c1"))  # queued and launched behind it
+
+
+def test_stop_still_delivers_the_launched_batch() -> None:
+    runtime = _runtime()
+    runtime.start()
+    bench = _Bench(runtime)
+    gate = bench.gates["a1"] = threading.Event()
+    launched = threading.Event()
+    bench.on_launch["a1"] = launched.set
+    bench.submit("a1", last=True)
+    assert launched.wait(WAIT_S)
+    stopper = threading.Thread(target=runtime.stop)
+    stopper.start()
+    try:
+        refused = False
+        for _ in range(1000):  # until stop() closed the queue
+            try:
+                bench.submit("late")
+            except RuntimeStopped:
+                refused = True
+                break
+            threading.Event().wait(0.001)
+        assert refused
+    finally:
+        gate.set()
+        stopper.join(WAIT_S)
+    assert bench.done.wait(WAIT_S) and bench.results["a1"] == "a1!"
+    assert not stopper.is_alive()
