@@ -44,6 +44,24 @@ def test_reply_frames_equal_the_reference_encoder(max_frame_bytes: int) -> None:
     assert step_frames.reply_frames(results[:1], head, max_frame_bytes) == _reference(results[:1], max_frame_bytes)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reply_bytes_of_a_forwards_views_are_read_in_place(dtype: torch.dtype, monkeypatch) -> None:
+    torch.manual_seed(1)
+    out = torch.randn(6, 16).to(dtype)  # a merged forward's output rows: the engine hands out views of one buffer
+    pieces = out.view(6, 1, 16).split(1)
+    # runs of adjacent rows (0-1, 3-5), a row out of order (2) and a copy elsewhere
+    results: list[tuple[int, torch.Tensor | BaseException]] = [(i + 1, pieces[i]) for i in (0, 1, 3, 4, 5, 2)]
+    results.append((9, pieces[0].clone()))
+    expected = _reference(results, 1 << 20)
+
+    def no_cat(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("contiguous step outputs must be encoded without a copy")
+
+    monkeypatch.setattr(torch, "cat", no_cat)
+    head = b"".join(_state().parts)
+    assert step_frames.reply_frames(results, head, 1 << 20) == expected
+
+
 def _step_body(handle: int, hidden: torch.Tensor | None, *, prompts=None, hypo_ids=None, adapter="") -> wire.Writer:
     return wire.Writer().u32(handle).u32(5).u8(1).text(adapter).tensor(hidden).tensor(prompts).tensor(hypo_ids)
 

@@ -167,12 +167,10 @@ def reply_frames(
         encoded.append((wire.REPLY_TENSORS, request_id, [], 0))  # its body is filled in below, with its group's
     for (dtype, shape), members in groups.items():
         prefix, nbytes = _reply_record(dtype, shape)
-        data = _group_bytes(dtype, [t for _, t in members]) if nbytes else None
+        data = _group_bytes(dtype, [t for _, t in members], nbytes) if nbytes else None
         for i, (index, _) in enumerate(members):
             kind, request_id, _, _ = encoded[index]
-            parts: list[bytes | memoryview] = (
-                [prefix] if data is None else [prefix, data[i * nbytes : (i + 1) * nbytes]]
-            )
+            parts: list[bytes | memoryview] = [prefix] if data is None else [prefix, data[i]]
             encoded[index] = (kind, request_id, parts, len(prefix) + nbytes)
     frames: list[bytes] = []
     head_bytes = len(head)
@@ -222,10 +220,45 @@ def _reply_record(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[bytes, in
     return record
 
 
-def _group_bytes(dtype: torch.dtype, tensors: list[torch.Tensor]) -> memoryview:
-    """The raw bytes of equal-shape CPU tensors one after another: one cat (one torch call for the group)."""
-    with torch.no_grad():
-        joined = torch.cat(tensors) if len(tensors) > 1 else tensors[0].detach().contiguous()
+def _group_bytes(dtype: torch.dtype, tensors: list[torch.Tensor], nbytes: int) -> list[memoryview]:
+    """The raw bytes (`nbytes` each) of equal-shape CPU tensors. Tensors that lie one after another in one storage
+    (a merged forward's outputs are views of one buffer, split per request) are read in place, one view per such
+    run; the others are copied together by one cat."""
+    out: list[memoryview | None] = [None] * len(tensors)
+    loose: list[int] = []  # not in a run: copied
+    numel = nbytes // _ITEM_BYTES[_CODES[dtype]]
+    start = 0
+    while start < len(tensors):
+        first = tensors[start]
+        end = start + 1
+        if first.is_contiguous():
+            storage, ptr = first.untyped_storage().data_ptr(), first.data_ptr()
+            while (
+                end < len(tensors)
+                and tensors[end].data_ptr() == ptr + (end - start) * nbytes
+                and tensors[end].is_contiguous()
+                and tensors[end].untyped_storage().data_ptr() == storage
+            ):
+                end += 1
+        if first.is_contiguous():  # [n, numel] over the run's storage, no copy
+            run = first.detach().as_strided((end - start, numel), (numel, 1), first.storage_offset())
+            data = _raw(dtype, run)
+            for k in range(start, end):
+                out[k] = data[(k - start) * nbytes : (k - start + 1) * nbytes]
+        else:
+            loose.append(start)
+        start = end
+    if loose:
+        with torch.no_grad():
+            joined = torch.cat([tensors[k].reshape(1, numel) for k in loose])  # [n, numel]
+        data = _raw(dtype, joined)
+        for i, k in enumerate(loose):
+            out[k] = data[i * nbytes : (i + 1) * nbytes]
+    return out  # type: ignore[return-value]
+
+
+def _raw(dtype: torch.dtype, tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, flat (bfloat16, which numpy lacks, as its 16-bit words)."""
     if dtype == torch.bfloat16:
-        joined = joined.view(torch.int16)
-    return joined.numpy().data.cast("B")  # flat
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy().data.cast("B")
