@@ -1,7 +1,8 @@
 """The dequantize-GEMV kernels (engine/quant_gemv.py) on a real GPU: every NF4 and Int8 config, with and without
 residual and split K, equals the reference dequantizer + fp32 matmul on fresh random weights and inputs (outputs
 poisoned first: every element written), each row's output is bit-identical alone and merged with other rows
-(1, 2 and 4 rows per program), DecodeOps' tuner times every candidate and serves each row range (up to
+(1, 2 and 4 rows per program), split-K sums made in the kernel leave their counters at zero (eager and
+CUDA-graph replays) and give bit-equal repeats, DecodeOps' tuner times every candidate and serves each row range (up to
 GEMV_MAX_ROWS rows, more) with the kernel and config it picked, and bad calls are refused. Skipped without CUDA (tests/unit/test_engine_quant.py ties the reference
 dequantizer to bitsandbytes on CPU)."""
 
@@ -100,6 +101,51 @@ def test_gemv_refuses_bad_calls() -> None:
     out = quant_gemv.quant_gemv(x.float(), fp32, None, lut0)
     expected = x.float() @ fp32.dequantize().t()
     assert float((out - expected).norm() / expected.norm()) < 1e-4
+
+
+_SPLIT_CASES = [
+    ("int8", "gemv", (8, 256, 8, 4, 0)),
+    ("int8", "gemv", (16, 128, 4, 4, 0)),
+    ("int8", "gemv", (64, 64, 8, 4, 1)),  # the word GEMV (quant_int8_words)
+    ("nf4", "gemv", (32, 2, 8, 4, 1)),  # the table GEMV
+    ("int8", "block", (32, 128, 8, 4, 3)),
+    ("nf4", "block", (16, 256, 4, 4, 3)),
+]
+
+
+@pytest.mark.parametrize(("kind", "kernel", "config"), _SPLIT_CASES)
+def test_split_k_sums_in_kernel_are_deterministic_and_replay_safe(kind, kernel, config) -> None:
+    # the last program of each output tile sums the splits (quant_splits): counters back at zero after every call
+    # and every graph replay, repeated calls bit-equal, replays equal eager calls on fresh inputs
+    from corolla.engine import quant_kernels
+
+    # K = 1600: 7 steps of [8, 256] over 8 splits, 25 NF4 blocks in steps of 2 over 8: some programs get no K
+    weight = _weight(kind, 520, 1600, seed=31)
+    assert config in (_configs(kind) if kernel == "gemv" else quant_kernels.QUANT_CONFIGS)  # a config served
+    assert config[2] > 1
+    x = torch.randn(3, 1600, device=DEV, dtype=BF16)
+    res = torch.randn(3, 520, device=DEV, dtype=BF16)
+    first = _run(kernel, config, x, weight, res)
+    assert int(weight.split_counters().abs().sum()) == 0
+    expected = x.float() @ weight.dequantize().float().t() + res.float()
+    assert float((first.float() - expected).norm() / expected.norm()) < 1.5e-2
+    for _ in range(3):
+        assert torch.equal(_run(kernel, config, x, weight, res), first)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _run(kernel, config, x, weight, res)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _run(kernel, config, x, weight, res)
+    for _ in range(3):  # fresh inputs each replay, same function
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, _run(kernel, config, x, weight, res)), (kind, kernel, config)
+        assert int(weight.split_counters().abs().sum()) == 0
 
 
 def _run(kernel: str, config, x, weight, res):

@@ -21,7 +21,30 @@ if TYPE_CHECKING:  # only for annotations: bitsandbytes is imported at run time 
 
 NF4_BLOCK_VALUES = 64  # values per first-level block (what models/quantization.py asks bitsandbytes for)
 NESTED_BLOCK_ABSMAXES = 256  # first-level absmaxes per second-level block (bitsandbytes' compress_statistics)
-SPLIT_COUNTERS = 2048  # output tiles a split-K GEMV call may have (N / 64 rows x 2 row groups up to N = 65536)
+SPLIT_COUNTERS = 2048  # the fewest split-K arrival counters a weight gets (see split_counter_slots)
+
+
+def split_counter_slots(n_out: int) -> int:
+    """Arrival counters (int32) of a weight with `n_out` output features: at least the most output tiles a split-K
+    kernel over it has (quant_splits): a GEMV's column tiles of >= 8 features x 2 row groups (up to 8 rows, 4 per
+    program), a tl.dot kernel's tiles of >= 16 features x 4 16-row tiles (up to 64 rows); at least SPLIT_COUNTERS."""
+    if n_out < 1:
+        raise ValueError(f"a weight has at least one output feature, got {n_out}")
+    return max(SPLIT_COUNTERS, 4 * -(-n_out // 8))
+
+
+def new_split_counters(n_out: int, device: torch.device) -> torch.Tensor:
+    """[split_counter_slots(n_out)] int32 zeros on `device` (each split-K call leaves them zero again)."""
+    return torch.zeros(split_counter_slots(n_out), dtype=torch.int32, device=device)
+
+
+def counters_for_tiles(weight: NF4Weight | Int8Weight, tiles: int) -> torch.Tensor:
+    """The weight's split counters for a call with `tiles` output tiles; ValueError when it has fewer."""
+    counters = weight.split_counters()
+    if tiles > counters.numel():
+        raise ValueError(f"{tiles} output tiles exceed the weight's {counters.numel()} split counters")
+    return counters
+
 
 # The 16 NormalFloat4 levels (QLoRA, appendix E): quantiles of N(0, 1) scaled to [-1, 1], with an exact zero.
 NF4_LEVELS = (
@@ -89,11 +112,11 @@ class NF4Weight:
         return ((bits[:, None] << 16) | bits[None, :]).reshape(256).contiguous()
 
     def split_counters(self) -> torch.Tensor:
-        """[SPLIT_COUNTERS] int32 zeros on the weight's device: the split-K GEMV's per-output-tile arrival counts
-        (quant_prmt_kernels; each call leaves them zero, so calls on one weight must not run concurrently on two
-        streams). Made on the first call (8 KiB; most weights of a MoE span never need one)."""
+        """[split_counter_slots(N)] int32 zeros on the weight's device: the split-K kernels' per-output-tile
+        arrival counts (quant_splits; each call leaves them zero, so calls on one weight must not run concurrently
+        on two streams). Made on the first call (8 KiB or N / 2 ints; most weights of a MoE span never need one)."""
         if self._split_counters is None:
-            self._split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=self.packed.device)
+            self._split_counters = new_split_counters(self.packed.shape[0], self.packed.device)
         return self._split_counters
 
     @property
@@ -152,6 +175,7 @@ class Int8Weight:
     row_absmax: torch.Tensor  # [N] fp32
     dtype: torch.dtype
     col_scale: torch.Tensor = field(init=False, repr=False)  # [N] fp32: row_absmax / 127
+    _split_counters: torch.Tensor | None = field(init=False, repr=False, default=None)  # see split_counters()
 
     def __post_init__(self) -> None:
         if self.codes.dtype != torch.int8 or self.codes.ndim != 2:
@@ -159,6 +183,14 @@ class Int8Weight:
         if self.row_absmax.shape != (self.codes.shape[0],):
             raise ValueError(f"expected {self.codes.shape[0]} row absmaxes, got {tuple(self.row_absmax.shape)}")
         self.col_scale = (self.row_absmax / 127.0).contiguous()  # [N] fp32: output scale per feature
+
+    def split_counters(self) -> torch.Tensor:
+        """[split_counter_slots(N)] int32 zeros on the weight's device: the split-K kernels' per-output-tile
+        arrival counts (quant_splits; each call leaves them zero, so calls on one weight must not run concurrently
+        on two streams). Made on the first call."""
+        if self._split_counters is None:
+            self._split_counters = new_split_counters(self.codes.shape[0], self.codes.device)
+        return self._split_counters
 
     @property
     def shape(self) -> tuple[int, int]:

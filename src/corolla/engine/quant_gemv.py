@@ -19,7 +19,8 @@ nested code table * second-level absmax + offset), accumulated in fp32.
 
 Batch invariance: a row's output is computed by the same instructions in the same K order whatever the other
 rows are: programs take ROWS rows each (1, 2 or 4, by M) and each row has its own accumulator, reduced in a
-fixed order; a split of K is summed in split order by a second kernel (no atomics). DecodeOps serves steps of
+fixed order; a split of K is summed in split order by the last program of each output tile to finish (an
+arrival count per tile, `quant_splits`; one launch per projection, not two). DecodeOps serves steps of
 up to `GEMV_MAX_ROWS` rows with one tuned (kernel, config) per weight shape and larger merged steps with another
 (a `tl.dot` kernel): those round differently, so a row's output depends on which of the two row ranges its step
 fell in (each within fp32-accumulation error of the reference), never on the other rows' values.
@@ -31,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from corolla.engine.quant import Int8Weight, NF4Weight
+from corolla.engine.quant import Int8Weight, NF4Weight, counters_for_tiles
+from corolla.engine.quant_splits import finish_split_rows
 
 GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
 
@@ -43,6 +45,9 @@ GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger one
 # = this module's byte GEMV ([8, 256] won three of four shapes on the H100 at 17:12, [16, 128] with 4 splits came
 # within 4% on the fourth), 1 = quant_int8_words' word GEMV (byte-permute conversion instead of I2F): within 3-15%
 # of the byte GEMV, never the fastest on the H100 (20:34, 20:41); its two closest tilings are kept as candidates.
+# With the split sums in the GEMV (quant_splits, no second kernel) the H100 at 2026-11-27 02:32 also timed the byte
+# GEMV with 16 splits and with [8, 512] steps (2, 4, 8 splits): none came within 10% of the best on any shape
+# (w_o: 11.9-17.5 us vs 10.4), so they are not offered (each candidate costs warm-up time).
 NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (32, 2, 8, 4, 0),
     (32, 2, 8, 4, 1),
@@ -99,6 +104,7 @@ def _nf4_gemv_kernel(
     ws_ptr,
     res_ptr,
     out_ptr,
+    cnt_ptr,
     M,
     N,
     K,
@@ -172,6 +178,9 @@ def _nf4_gemv_kernel(
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
         _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+    if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
+        finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
+                          ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, ROWS, HAS_RES, False)  # fmt: skip
 
 
 @triton.jit
@@ -189,6 +198,7 @@ def _int8_gemv_kernel(
     ws_ptr,
     res_ptr,
     out_ptr,
+    cnt_ptr,
     M,
     N,
     K,
@@ -248,6 +258,9 @@ def _int8_gemv_kernel(
                     stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
         _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
+    if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
+        finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
+                          ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, ROWS, HAS_RES, True)  # fmt: skip
 
 
 @triton.jit
@@ -301,6 +314,8 @@ def quant_gemv(
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if use_ws else out  # [S, M, N]
     res = residual if residual is not None else out
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
+    # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
+    counters = counters_for_tiles(weight, grid[0] * grid[2]) if use_ws else ws
     if isinstance(weight, NF4Weight):
         if config not in NF4_GEMV_CONFIGS:
             raise ValueError(f"{config} is not an NF4 GEMV config")
@@ -309,25 +324,17 @@ def quant_gemv(
         blocks = block_k  # 64-value blocks per step
         _nf4_gemv_kernel[grid](
             x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code,
-            weight.code if lut == 0 else weight.pair_levels, ws, res, out,
+            weight.code if lut == 0 else weight.pair_levels, ws, res, out, counters,
             m, n, k, x.stride(0), weight.packed.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
-            BLOCK_N=block_n, NB=blocks, ROWS=rows, LUT=lut, USE_WS=use_ws,
-            HAS_RES=residual is not None and not use_ws, num_warps=warps,
+            BLOCK_N=block_n, NB=blocks, ROWS=rows, LUT=lut, USE_WS=use_ws, HAS_RES=residual is not None,
+            num_warps=warps,
         )  # fmt: skip
-        col_scale = None
     else:
         if config not in INT8_GEMV_CONFIGS:
             raise ValueError(f"{config} is not an Int8 GEMV config")
-        col_scale = weight.col_scale
         _int8_gemv_kernel[grid](
-            x, weight.codes, col_scale, ws, res, out, m, n, k, x.stride(0), weight.codes.stride(0), res.stride(0),
-            out.stride(0), splits, BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, USE_WS=use_ws,
-            HAS_RES=residual is not None and not use_ws, num_warps=warps,
-        )  # fmt: skip
-    if use_ws:
-        block = 1024
-        _split_sum_kernel[(m, triton.cdiv(n, block))](
-            ws, res, col_scale if col_scale is not None else ws, out, m, n, res.stride(0), out.stride(0), splits,
-            HAS_RES=residual is not None, HAS_SCALE=col_scale is not None, BLOCK=block,
+            x, weight.codes, weight.col_scale, ws, res, out, counters, m, n, k, x.stride(0), weight.codes.stride(0),
+            res.stride(0), out.stride(0), splits, BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, USE_WS=use_ws,
+            HAS_RES=residual is not None, num_warps=warps,
         )  # fmt: skip
     return out

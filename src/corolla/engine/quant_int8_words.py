@@ -9,7 +9,8 @@ the floor). Here a code c becomes the low mantissa byte of the fp32 2^23 (`prmt`
 
 Each program streams [BLOCK_N, BLOCK_K / 4] words per step (16-byte loads, the next step's words loaded ahead),
 keeps per-word fp32 partial sums per row and sums them once at the end in a fixed order; a split of K is summed in
-split order by quant_gemv's second kernel: a row's output does not depend on the other rows. CUDA-graph safe.
+split order by the last program of each output tile to finish (`quant_splits`, no second kernel): a row's output
+does not depend on the other rows. CUDA-graph safe.
 Importing fails without Triton; the inline PTX runs on NVIDIA GPUs only."""
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from corolla.engine.quant import Int8Weight
-from corolla.engine.quant_gemv import _finish_row, _split_sum_kernel, rows_per_program
+from corolla.engine.quant import Int8Weight, counters_for_tiles
+from corolla.engine.quant_gemv import _finish_row, rows_per_program
+from corolla.engine.quant_splits import finish_split_rows
 
 
 @triton.jit
@@ -54,7 +56,7 @@ def _row_word_sums(w, x_ptr, row, M, stride_xm, k0, K, C: tl.constexpr):
 
 @triton.jit
 def _int8_words_gemv_kernel(
-    x_ptr, q_ptr, cs_ptr, ws_ptr, res_ptr, out_ptr,
+    x_ptr, q_ptr, cs_ptr, ws_ptr, res_ptr, out_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_qn, stride_rm, stride_om, splits,
     BLOCK_N: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr,
 ):  # fmt: skip
@@ -101,6 +103,9 @@ def _int8_words_gemv_kernel(
                     stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
         _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
+    if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
+        finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
+                          ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, ROWS, HAS_RES, True)  # fmt: skip
 
 
 def int8_words_gemv(
@@ -127,15 +132,11 @@ def int8_words_gemv(
     res = residual if residual is not None else out
     words = codes.view(torch.int32)  # [N, K / 4]
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
+    # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
+    counters = counters_for_tiles(weight, grid[0] * grid[2]) if use_ws else words
     _int8_words_gemv_kernel[grid](
-        x, words, weight.col_scale, ws, res, out, m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0),
-        splits, BLOCK_N=block_n, C=block_k // 4, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None and not use_ws,
-        num_warps=warps,
+        x, words, weight.col_scale, ws, res, out, counters, m, n, k, x.stride(0), words.stride(0), res.stride(0),
+        out.stride(0), splits, BLOCK_N=block_n, C=block_k // 4, ROWS=rows, USE_WS=use_ws,
+        HAS_RES=residual is not None, num_warps=warps,
     )  # fmt: skip
-    if use_ws:
-        block = 1024
-        _split_sum_kernel[(m, triton.cdiv(n, block))](
-            ws, res, weight.col_scale, out, m, n, res.stride(0), out.stride(0), splits,
-            HAS_RES=residual is not None, HAS_SCALE=True, BLOCK=block,
-        )  # fmt: skip
     return out

@@ -3,9 +3,10 @@ the NF4 and Int8 layouts of `engine.quant` in place: out[M, N] = x[M, K] @ W[N, 
 them for merged steps of more than `quant_gemv.GEMV_MAX_ROWS` rows (fewer go to quant_gemv's CUDA-core kernels).
 
 Batch invariance: every 16-row tile of the output is computed with the same instruction sequence and the same K
-order (an NF4 program may carry up to four such tiles to read its weight bytes once), and a split of K (when the tuned config has one) is summed in a fixed order by a second
-kernel: no atomics, no choice that depends on M. A row's output is therefore bit-identical whether it runs alone or
-merged with other sessions' rows. CUDA-graph safe: static shapes, no host synchronization. Importing fails without
+order (an NF4 program may carry up to four such tiles to read its weight bytes once), and a split of K (when the
+tuned config has one) is summed in split order by the last program of each output tile to finish (`quant_splits`:
+an arrival count per tile, no second kernel): no choice that depends on M or on which program finishes last. A
+row's output is therefore bit-identical whether it runs alone or merged with other sessions' rows. CUDA-graph safe: static shapes, no host synchronization. Importing fails without
 Triton."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from corolla.engine.quant import NF4_BLOCK_VALUES, Int8Weight, NF4Weight
+from corolla.engine.quant import NF4_BLOCK_VALUES, Int8Weight, NF4Weight, counters_for_tiles
+from corolla.engine.quant_splits import arrive_last, reset_counter, sum_split_tile
 
 QUANT_KERNEL_MAX_ROWS = 64  # larger inputs (prefill) dequantize the weight and use cuBLAS
 TILE_M = 16
@@ -23,7 +25,10 @@ TILE_M = 16
 # quant_gemv's kernels, for steps of up to quant_gemv.GEMV_MAX_ROWS rows) and on 64 rows (against quant_tile's,
 # for larger merged steps) by DecodeOps.tune_quantized. At 64 rows the 64-wide tile won every Llama-3-8B
 # projection on an H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-1712.json); the narrow ones are
-# kept for one row, where this kernel served INT8 at 1.58x its floor (quant-nvidia-h100-80gb-hbm3-20261126-1416).
+# kept for one row, where this kernel served INT8 at 1.58x its floor (quant-nvidia-h100-80gb-hbm3-20261126-1416)
+# and [32, 128] with 4 splits won INT8's w_o and w_down at 20:41; with the split sums in the kernel (no second
+# launch) [32, 128] with 8 splits won INT8's w_down (25.2 us vs 26.7 with 4; 2 splits won nothing) on the H100 at
+# 2026-11-27 02:32.
 QUANT_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (16, 128, 1, 4, 3),
     (16, 256, 1, 4, 3),
@@ -31,6 +36,7 @@ QUANT_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (16, 128, 2, 4, 3),
     (16, 256, 4, 4, 3),
     (32, 128, 4, 4, 3),
+    (32, 128, 8, 4, 3),
     (64, 128, 4, 4, 3),
     (16, 128, 8, 4, 3),
     (32, 256, 2, 8, 3),
@@ -75,6 +81,7 @@ def _nf4_gemm_kernel(
     ws_ptr,
     res_ptr,
     out_ptr,
+    cnt_ptr,
     M,
     N,
     K,
@@ -143,6 +150,19 @@ def _nf4_gemm_kernel(
                     SPLIT, HAS_RES, False)  # fmt: skip
         _store_tile(acc3, offs_m0 + 48, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om,
                     SPLIT, HAS_RES, False)  # fmt: skip
+    if SPLIT > 1:  # the last program of this output tile sums the splits in split order (quant_splits)
+        if arrive_last(cnt_ptr, pid, SPLIT):
+            sum_split_tile(offs_m0, offs_n, M, N, SPLIT, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om,
+                           HAS_RES, False)  # fmt: skip
+            if TILES >= 2:
+                sum_split_tile(offs_m0 + 16, offs_n, M, N, SPLIT, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
+                               stride_om, HAS_RES, False)  # fmt: skip
+            if TILES >= 4:
+                sum_split_tile(offs_m0 + 32, offs_n, M, N, SPLIT, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
+                               stride_om, HAS_RES, False)  # fmt: skip
+                sum_split_tile(offs_m0 + 48, offs_n, M, N, SPLIT, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
+                               stride_om, HAS_RES, False)  # fmt: skip
+            reset_counter(cnt_ptr, pid)
 
 
 @triton.jit
@@ -153,6 +173,7 @@ def _int8_gemm_kernel(
     res_ptr,
     cs_ptr,
     out_ptr,
+    cnt_ptr,
     M,
     N,
     K,
@@ -186,25 +207,11 @@ def _int8_gemm_kernel(
         acc = tl.dot(x, w.to(dt), acc)
     _store_tile(acc, offs_m, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
                 SPLIT, HAS_RES, True)  # fmt: skip
-
-
-@triton.jit
-def _reduce_kernel(
-    ws_ptr, res_ptr, col_scale_ptr, out_ptr, M, N, stride_rm, stride_om,
-    SPLIT: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    # out[m, n] = (sum_s ws[s, m, n]) * col_scale[n] + res[m, n], summed in split order
-    m = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
-    if HAS_SCALE:
-        acc = acc * tl.load(col_scale_ptr + offs, mask=mask, other=0.0)
-    if HAS_RES:
-        acc += tl.load(res_ptr + m * stride_rm + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT > 1:  # the last program of this output tile sums the splits in split order (quant_splits)
+        if arrive_last(cnt_ptr, pid, SPLIT):
+            sum_split_tile(offs_m, offs_n, M, N, SPLIT, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
+                           HAS_RES, True)  # fmt: skip
+            reset_counter(cnt_ptr, pid)
 
 
 def quant_matmul(
@@ -220,35 +227,32 @@ def quant_matmul(
     if wk != k or m > QUANT_KERNEL_MAX_ROWS or x.stride(1) != 1:
         raise ValueError(f"quant_matmul takes [<= {QUANT_KERNEL_MAX_ROWS}, {wk}] contiguous rows, got {tuple(x.shape)}")
     block_n, block_k, split, warps, stages = config
+    if block_n < 16 or block_k < 16 or split < 1:
+        raise ValueError(f"bad quant_matmul config {config}")
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out  # [S, M, N]
     res = residual if residual is not None else out
-    # final epilogue in the GEMM kernel when not split; else in the reduce kernel
-    res_k, has_res_k = (res, residual is not None) if split == 1 else (out, False)
-    grid = (triton.cdiv(m, TILE_M) * triton.cdiv(n, block_n), split)
     if isinstance(weight, NF4Weight):
         if block_k % NF4_BLOCK_VALUES:
             raise ValueError(f"NF4 BLOCK_K must be a multiple of {NF4_BLOCK_VALUES}")
         tiles = 1 if m <= TILE_M else 2 if m <= 2 * TILE_M else 4  # 16-row tiles sharing one read of the weight
         grid = (triton.cdiv(m, TILE_M * tiles) * triton.cdiv(n, block_n), split)
+    else:
+        grid = (triton.cdiv(m, TILE_M) * triton.cdiv(n, block_n), split)
+    # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
+    counters = counters_for_tiles(weight, grid[0]) if split > 1 else ws
+    if isinstance(weight, NF4Weight):
         _nf4_gemm_kernel[grid](
             x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.pair_levels, ws,
-            res_k, out, m, n, k, x.stride(0), res_k.stride(0), out.stride(0), weight.nested_offset,
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=has_res_k, TILES=tiles,
+            res, out, counters, m, n, k, x.stride(0), res.stride(0), out.stride(0), weight.nested_offset,
+            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=residual is not None, TILES=tiles,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
-        col_scale = None
     else:
-        col_scale = weight.col_scale  # per output feature: codes * absmax / 127
         _int8_gemm_kernel[grid](
-            x, weight.codes, ws, res_k, col_scale, out, m, n, k, x.stride(0), res_k.stride(0), out.stride(0),
-            BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=has_res_k, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-    if split > 1:
-        block = 1024
-        _reduce_kernel[(m, triton.cdiv(n, block))](
-            ws, res, col_scale if col_scale is not None else ws, out, m, n, res.stride(0), out.stride(0),
-            SPLIT=split, HAS_RES=residual is not None, HAS_SCALE=col_scale is not None, BLOCK=block,
+            x, weight.codes, ws, res, weight.col_scale, out, counters, m, n, k, x.stride(0), res.stride(0),
+            out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=residual is not None,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out
 

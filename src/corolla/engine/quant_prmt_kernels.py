@@ -13,7 +13,7 @@ tile of x and step.
 Batch invariance (as in quant_gemv / quant_tile): a row's output is computed by the same instructions in the same
 order whatever the other rows are (per-row accumulators; 16-row tiles with the same instruction sequence), and a
 split of K is summed in split order: by the GEMV's last program to finish an output tile (an arrival count per tile
-in `NF4Weight.split_counters()`, reset by that program: one launch per projection instead of two), by
+in `NF4Weight.split_counters()`, reset by that program, `quant_splits`: one launch per projection instead of two), by
 `quant_gemv._split_sum_kernel` after the tile kernel. CUDA-graph safe. The table words are kernel
 arguments (`NF4Weight.lut_words`): any 16-level code table works. Importing fails without Triton; the inline PTX
 runs on NVIDIA GPUs only (not under Triton's CPU interpreter): `quant_prmt.emulate_decode` is its CPU twin."""
@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from corolla.engine.quant import NF4Weight
+from corolla.engine.quant import NF4Weight, counters_for_tiles
 from corolla.engine.quant_gemv import _finish_row, _split_sum_kernel, rows_per_program
 from corolla.engine.quant_prmt import DECODE_CONSTRAINTS, decode_ptx
+from corolla.engine.quant_splits import finish_split_rows
 
 _PTX = tl.constexpr(decode_ptx())
 _CONSTRAINTS = tl.constexpr(DECODE_CONSTRAINTS)
@@ -130,30 +131,9 @@ def _nf4_prmt_gemv_kernel(
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
         _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
-    if USE_WS:
-        tl.debug_barrier()  # every thread's partial sums stored before the (release) count
-        tile = tl.program_id(2) * tl.num_programs(0) + pid_n
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == splits - 1:
-            _sum_splits(row0, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES)
-            if ROWS >= 2:
-                _sum_splits(row0 + 1, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES)
-            if ROWS >= 4:
-                _sum_splits(row0 + 2, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES)
-                _sum_splits(row0 + 3, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next call (graph replay)
-
-
-@triton.jit
-def _sum_splits(row, offs_n, M, N, splits, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, HAS_RES: tl.constexpr):
-    # out[row, offs_n] = sum over s in order of ws[s, row, offs_n] (+ residual); L2 reads (.cg): other programs
-    # wrote the partials
-    mask = (offs_n < N) & (row < M)
-    acc = tl.load(ws_ptr + row * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in range(1, splits):
-        acc += tl.load(ws_ptr + (s * M + row) * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
-    if HAS_RES:
-        acc += tl.load(res_ptr + row * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
+        finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
+                          ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, ROWS, HAS_RES, False)  # fmt: skip
 
 
 @triton.jit
@@ -268,9 +248,8 @@ def nf4_prmt_gemv(
     res = residual if residual is not None else out
     words = _words(weight)
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
-    counters = weight.split_counters() if use_ws else words  # [SPLIT_COUNTERS] int32 (not read without a split)
-    if use_ws and grid[0] * grid[2] > counters.numel():
-        raise ValueError(f"{grid[0] * grid[2]} output tiles exceed the weight's {counters.numel()} split counters")
+    # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
+    counters = counters_for_tiles(weight, grid[0] * grid[2]) if use_ws else words
     _nf4_prmt_gemv_kernel[grid](
         x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out, counters,
         m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
