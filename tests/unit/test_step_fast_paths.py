@@ -79,7 +79,7 @@ def test_legacy_bf16_and_grad_records_take_the_general_path() -> None:
 
 def test_petals_step_structure_unpacks_like_the_general_unpacker() -> None:
     tensors, structure = pack_args_kwargs(torch.ones(1, 1, 8), torch.empty(0), torch.empty(0, dtype=torch.int64))
-    assert structure == bf._PETALS_STEP_STRUCTURE
+    assert structure == bf.PETALS_STEP_STRUCTURE
     fast = bf.unpack_request_args(tensors, structure)
     general, _ = unpack_args_kwargs(tensors, structure)
     assert len(fast) == len(general) == 3 and all(a is b for a, b in zip(fast, general, strict=True))

@@ -327,6 +327,20 @@ def _deserialize_plain(serialized: runtime_pb2.Tensor, limits: TensorLimits) -> 
     return torch.frombuffer(bytearray(buffer), dtype=dtype).view(shape)  # [*shape], writable, its own memory
 
 
+def is_plain_empty(serialized: runtime_pb2.Tensor, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> bool:
+    """True if `deserialize_tensor` would decode this record as an empty tensor through its per-step case (NONE,
+    a whitelisted dtype, no grad, a shape within `limits` with a zero dimension, no buffer bytes): a Petals step's
+    dummy prompts and hypo_ids, which a caller that treats every empty tensor as absent need not build."""
+    if serialized.compression != _NONE or serialized.requires_grad or serialized.buffer:
+        return False
+    if serialized.dtype not in _DTYPES:
+        return False
+    shape = serialized.size
+    if len(shape) > limits.max_ndim:
+        return False
+    return 0 in shape and min(shape) >= 0
+
+
 def deserialize_tensor(serialized: runtime_pb2.Tensor, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> torch.Tensor:
     """Restores a tensor; malformed input (dtype outside the compression's whitelist, shape over `limits`, buffer
     not exactly the codec's layout, corrupt payload) -> ValueError, raised before the payload is decoded."""

@@ -18,7 +18,12 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from corolla import PETALS_COMPAT_VERSION
 from corolla.protocol import rpc
-from corolla.protocol.codecs import MAX_UNARY_PAYLOAD_BYTES, deserialize_tensor, serialize_tensor
+from corolla.protocol.codecs import (
+    MAX_UNARY_PAYLOAD_BYTES,
+    deserialize_tensor,
+    is_plain_empty,
+    serialize_tensor,
+)
 from corolla.protocol.metadata import (
     ForwardRequestMetadata,
     InferenceRequestMetadata,
@@ -29,8 +34,9 @@ from corolla.protocol.uids import make_chain
 from corolla.server import block_functions as bf
 from corolla.server.admission import ForwardSlots, SessionAdmission
 from corolla.server.block_functions import ServingLimits
+from corolla.server.deadlines import TaskDeadline
 from corolla.server.drain import Draining, SessionHandoff
-from corolla.server.executor import SessionSpec, SpanExecutor
+from corolla.server.executor import SessionSpec, SpanExecutor, StepInputs
 from corolla.server.limits import PeerLimits, peer_key
 from corolla.server.metrics import ServerMetrics
 from corolla.server.peer_auth import (
@@ -154,6 +160,18 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         if len(tensors) > bf.MAX_TENSORS_PER_REQUEST:
             raise BadRequest(f"request has {len(tensors)} tensors, more than the limit of {bf.MAX_TENSORS_PER_REQUEST}")
         return [deserialize_tensor(t) for t in tensors]
+
+    def _step_args(self, tensors: Sequence[runtime_pb2.Tensor], structure: Any) -> tuple[Any, ...]:
+        """A step's positional args. Petals' step (hidden states, prompts, hypo_ids): an empty dummy record is None
+        without building its tensor (the step's validation treats every empty tensor as absent)."""
+        if len(tensors) == 3 and structure == bf.PETALS_STEP_STRUCTURE:  # bounded: lengths compare first
+            hidden, prompts, hypo_ids = tensors
+            return (
+                deserialize_tensor(hidden),
+                None if is_plain_empty(prompts) else deserialize_tensor(prompts),
+                None if is_plain_empty(hypo_ids) else deserialize_tensor(hypo_ids),
+            )
+        return bf.unpack_request_args(self._deserialize(tensors), structure)
 
     def _output_compressions(self, metadata: ForwardRequestMetadata, count: int) -> list[int]:
         if metadata.output_compression is None:
@@ -416,6 +434,18 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 f"rpc_inference.close(session_id={metadata.session_id!r:.40}, seconds={time.monotonic() - started:.2f})"
             )
 
+    async def _step_within(self, session: SessionState, inputs: StepInputs, remaining_s: float) -> torch.Tensor:
+        """The executor's step under the session's deadline: the session's `TaskDeadline` (one lazily moved timer for
+        all its waits) where the loop has one, else `asyncio.timeout`."""
+        assert session.cache is not None
+        if _timeout is None:
+            return await _await_within(self.executor.step(session.cache, inputs), remaining_s)
+        loop = asyncio.get_running_loop()
+        if session.deadlines is None:
+            session.deadlines = TaskDeadline(loop)
+        with session.deadlines.scope(loop.time() + remaining_s):
+            return await self.executor.step(session.cache, inputs)
+
     async def _inference_step(
         self,
         session: SessionState,
@@ -423,10 +453,9 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         metadata: InferenceRequestMetadata,
         deadline: float,
     ) -> tuple[runtime_pb2.Tensor, bool]:
-        tensors = self._deserialize(request.tensors)
         structure = metadata.args_structure if metadata.args_structure is not None else session.args_structure
         inputs = bf.parse_step_inputs(
-            bf.unpack_request_args(tensors, structure),
+            self._step_args(request.tensors, structure),
             self.limits,
             num_blocks=len(session.block_indices),
             batch_size=session.batch_size,
@@ -446,7 +475,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             runtime = self.runtime if self.busy_poll is not None else None
             inline_before = runtime.num_inline_batches if runtime is not None else 0
             try:
-                output = await _await_within(self.executor.step(session.cache, inputs), remaining)
+                output = await self._step_within(session, inputs, remaining)
             except asyncio.TimeoutError:
                 raise RequestTimeout(
                     f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"

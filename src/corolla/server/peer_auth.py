@@ -100,18 +100,30 @@ def check_request(
         auth.check_metadata(rpc_name, context, request.metadata)
 
 
-async def gate_stream(
+def gate_stream(
     auth: PeerAuth | None,
     rpc_name: str,
     requests: AsyncIterator[runtime_pb2.ExpertRequest],
     context: P2PContext | None,
 ) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-    """`requests`, after checking the membership proof in the first message (no-op in an open swarm)."""
+    """`requests`, after checking the membership proof in the first message; in an open swarm `requests` itself
+    (no generator layer around every message of a stream)."""
+    if auth is None:
+        return requests
+    return _gated(auth, rpc_name, requests, context)
+
+
+async def _gated(
+    auth: PeerAuth,
+    rpc_name: str,
+    requests: AsyncIterator[runtime_pb2.ExpertRequest],
+    context: P2PContext | None,
+) -> AsyncIterator[runtime_pb2.ExpertRequest]:
     first = True
     async for request in requests:
-        if first and auth is not None:
+        if first:
             auth.check_metadata(rpc_name, context, request.metadata)
-        first = False
+            first = False
         yield request
 
 

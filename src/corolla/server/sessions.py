@@ -13,6 +13,7 @@ from typing import Any
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.metadata import InferenceRequestMetadata
+from corolla.server.deadlines import TaskDeadline
 from corolla.server.executor import SessionCache
 from corolla.server.limits import DuplicateStep
 from corolla.server.peer_auth import SessionPushGuard, screen_step
@@ -54,6 +55,8 @@ class SessionState:
     last_output: runtime_pb2.Tensor | None = None
     resend_pending: bool = False  # the step being yielded is the client's re-send of a step already answered
     num_resends: int = 0
+    # the session's per-step waits (next request, step compute) in its stream's task: one lazily moved timer
+    deadlines: TaskDeadline | None = None
 
     def record_output(self, metadata: InferenceRequestMetadata, output: runtime_pb2.Tensor) -> None:
         """Keeps the last step's reply, to answer a client that re-sends that step."""
@@ -175,20 +178,22 @@ async def _next_client_or_end(
     assert _timeout_at is not None
     loop = asyncio.get_running_loop()
     wait_s = min(timeouts.step_timeout_s, deadline - time.monotonic())
-    scope = _timeout_at(loop.time() + max(0.0, wait_s))
+    if session.deadlines is None:
+        session.deadlines = TaskDeadline(loop)
+    deadlines = session.deadlines
     waiting = True
 
     def evict_now(_: asyncio.Future) -> None:
         if waiting:  # the callback may run after the wait ended (done callbacks are scheduled, not called)
-            scope.reschedule(loop.time())
+            deadlines.expire_now()
 
     if evicted is not None:
         evicted.add_done_callback(evict_now)
     try:
-        async with scope:
+        with deadlines.scope(loop.time() + max(0.0, wait_s)):
             return await _next_client_request(requests)
     except TimeoutError:
-        if not scope.expired():
+        if not deadlines.expired:
             raise
     finally:
         waiting = False
@@ -288,3 +293,5 @@ async def iterate_steps(
         for pending in (client_next, push_next, evicted):
             if pending is not None and not pending.done():
                 pending.cancel()
+        if session.deadlines is not None:
+            session.deadlines.close()

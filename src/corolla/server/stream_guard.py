@@ -21,6 +21,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol.stream_frames import ERROR_MARKER, MESSAGE_MARKER, frame_header
+from corolla.server.deadlines import TaskDeadline
 from corolla.server.limits import MiB, PeerLimitExceeded, PeerLimits, ServerLimitExceeded, StreamStalled, peer_key
 from corolla.utils.logging import get_logger
 
@@ -158,49 +159,37 @@ async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
 _timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11: a deadline without a task of its own
 
 
-REARM_SLACK_S = 0.001  # a read that returns within this of the deadline's last arming keeps it (no new timer)
-
-
-class _ReadDeadline:
-    """The deadline of one message's reads: `arm(limit_s)` before each read moves it to `limit_s` from now, unless
-    the limit is unchanged and the last arming was under `REARM_SLACK_S` ago (the previous read did not wait), so
-    a message that arrived whole costs one timer, not one per read."""
-
-    def __init__(self, scope: Any, loop: asyncio.AbstractEventLoop, limit_s: float | None):
-        self.scope, self.loop, self.limit_s, self.armed_at = scope, loop, limit_s, loop.time()
-
-    def arm(self, limit_s: float | None) -> None:
-        now = self.loop.time()
-        if limit_s != self.limit_s or now - self.armed_at > REARM_SLACK_S:
-            self.scope.reschedule(None if limit_s is None else now + limit_s)
-            self.limit_s, self.armed_at = limit_s, now
-
-
 async def _read_message(
-    reader: asyncio.StreamReader, lease: _Lease, *, idle_s: float, between_s: float | None
+    reader: asyncio.StreamReader,
+    lease: _Lease,
+    *,
+    idle_s: float,
+    between_s: float | None,
+    deadlines: TaskDeadline | None = None,
 ) -> tuple[runtime_pb2.ExpertRequest | None, int]:
     """One framed message (None at the end of the input) and the bytes it was charged. On Python >= 3.11 the
-    deadlines of its reads (`between_s` for the marker, `idle_s` for every later read) are one `asyncio.timeout_at`
-    re-armed before each read that may wait (`_ReadDeadline`), instead of an `asyncio.wait_for` task per read."""
+    deadlines of its reads (`between_s` for the marker, `idle_s` from the start of every later read) are one scope
+    of the reading task's `TaskDeadline` (`deadlines`: one per stream, its timer moved lazily) instead of an
+    `asyncio.wait_for` task per read."""
     if _timeout_at is None:
         return await _read_message_tasks(reader, lease, idle_s=idle_s, between_s=between_s)
     loop = asyncio.get_running_loop()
-    first_s: float | None = between_s or None
+    if deadlines is None:
+        deadlines = TaskDeadline(loop)
+    limit_s: float | None = between_s or None
     what = "between the parts of a streamed request"
     inside_s = idle_s or None
-    scope = _timeout_at(None if first_s is None else loop.time() + first_s)
-    deadline = _ReadDeadline(scope, loop, first_s)
     try:
-        async with scope:
+        with deadlines.scope(None if limit_s is None else loop.time() + limit_s) as scope:
             marker = await reader.readexactly(1)
-            what = "inside a message"
-            deadline.arm(inside_s)
+            what, limit_s = "inside a message", inside_s
+            scope.move(None if inside_s is None else loop.time() + inside_s)
             header = await reader.readexactly(P2P.HEADER_LEN)
             length = int.from_bytes(header, P2P.BYTEORDER)
             if marker == P2P.ERROR_MARKER:  # the caller's end-of-stream (or its error): small, read and ignore
                 if length > 64 * 1024:
                     raise ValueError(f"end-of-stream message of {length} bytes is larger than 65536")
-                deadline.arm(inside_s)
+                scope.move(None if inside_s is None else loop.time() + inside_s)
                 await reader.readexactly(length)
                 return None, 0
             if marker != P2P.MESSAGE_MARKER:
@@ -208,14 +197,14 @@ async def _read_message(
             lease.charge(length)  # before a single byte of the body is buffered
             data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
             while len(data) < length:
-                deadline.arm(inside_s)
+                scope.move(None if inside_s is None else loop.time() + inside_s)
                 chunk = await reader.read(min(length - len(data), READ_CHUNK_BYTES))
                 if not chunk:
                     raise asyncio.IncompleteReadError(b"", length - len(data))
                 data += chunk
     except TimeoutError:
-        if scope.expired():
-            raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={deadline.limit_s} s {what}") from None
+        if deadlines.expired:
+            raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={limit_s} s {what}") from None
         raise
     request = runtime_pb2.ExpertRequest()
     request.ParseFromString(memoryview(data))
@@ -266,6 +255,7 @@ def guarded_stream_handler(
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
         lease = _Lease(budget, peer_key(context))
+        read_deadlines = TaskDeadline()  # the reader task's deadlines: one lazily moved timer for the stream
         queue: asyncio.Queue = asyncio.Queue(MAX_PREFETCH_MESSAGES)
 
         async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
@@ -293,7 +283,9 @@ def guarded_stream_handler(
             """The stream's one reader: messages into the queue until the end of the input (a task per stream,
             not per message)."""
             while True:
-                item = await _read_message(reader, lease, idle_s=limits.stream_idle_timeout_s, between_s=between_s)
+                item = await _read_message(
+                    reader, lease, idle_s=limits.stream_idle_timeout_s, between_s=between_s, deadlines=read_deadlines
+                )
                 await queue.put(item)
                 if item[0] is None:
                     return
@@ -344,6 +336,7 @@ def guarded_stream_handler(
             lease.close()
             with suppress(asyncio.CancelledError, Exception):
                 await receiving
+            read_deadlines.close()
             with suppress(Exception):
                 writer.close()
 

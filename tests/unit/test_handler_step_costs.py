@@ -1,0 +1,171 @@
+"""The handler's per-step cuts keep their exact semantics: `all_finite`'s one-reduction check against torch's
+element-wise one (overflowing sums, every non-finite bit pattern), `is_plain_empty` against what
+`deserialize_tensor` decodes (forged, truncated, oversized records take the general path and fail with its errors),
+a step's empty dummies skipped only where they would be None anyway, and `TaskDeadline` against
+`asyncio.timeout_at` (expiry, moved deadlines with one timer, eviction, foreign cancellation)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol import codecs
+from corolla.protocol.codecs import deserialize_tensor, is_plain_empty, serialize_tensor
+from corolla.server import block_functions as bf
+from corolla.server.deadlines import TaskDeadline
+
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_all_finite_equals_torch_on_every_special_value(dtype: torch.dtype) -> None:
+    info = torch.finfo(dtype)
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 3, 64, generator=generator).to(dtype)
+    assert bf.all_finite(base) and bf.all_finite(base[:, 1:, ::3])  # non-contiguous views too
+    huge = torch.full((1, 4, 64), info.max, dtype=dtype)  # finite, but the sum overflows to inf
+    assert bool(torch.isfinite(huge).all()) and bf.all_finite(huge) and bf.all_finite(-huge)
+    assert bf.all_finite(torch.full((3,), info.tiny, dtype=dtype)) and bf.all_finite(torch.zeros(5, dtype=dtype))
+    for special in (float("nan"), float("inf"), float("-inf")):
+        for index in (0, 77, 383):
+            bad = base.clone()
+            bad.view(-1)[index] = special
+            assert not bf.all_finite(bad), (special, index)
+    mixed = huge.clone()
+    mixed.view(-1)[5] = float("-inf")  # inf among overflowing finite values: still refused
+    assert not bf.all_finite(mixed)
+    assert bf.all_finite(torch.empty(0, 64, dtype=dtype)) and bf.all_finite(torch.ones(3, dtype=dtype).requires_grad_())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_all_finite_matches_torch_on_every_16_bit_pattern(dtype: torch.dtype) -> None:
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)  # all 65536 values
+    finite = torch.isfinite(patterns.float())
+    assert all(bf.all_finite(chunk) == bool(ok.all()) for chunk, ok in zip(patterns.split(97), finite.split(97)))
+    assert not bf.all_finite(patterns) and bf.all_finite(patterns[finite])
+
+
+def _record(**fields: object) -> runtime_pb2.Tensor:
+    base = dict(compression=runtime_pb2.CompressionType.NONE, buffer=b"", size=[0], dtype="float32")
+    base.update(fields)
+    return runtime_pb2.Tensor(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        serialize_tensor(torch.empty(0)),
+        serialize_tensor(torch.empty(0, dtype=torch.int64)),
+        serialize_tensor(torch.empty(1, 0, 64, dtype=torch.bfloat16)),
+        _record(size=[3, 0], dtype="int64"),
+    ],
+)
+def test_plain_empty_records_are_what_deserialize_decodes_as_empty(record: runtime_pb2.Tensor) -> None:
+    assert is_plain_empty(record)
+    decoded = codecs._deserialize_plain(record, codecs.DEFAULT_TENSOR_LIMITS)
+    assert decoded is not None and decoded.numel() == 0 and bf.is_dummy(deserialize_tensor(record))
+
+
+@pytest.mark.parametrize(
+    "record, match",
+    [
+        (_record(buffer=b"\0" * 4), "expected 0"),  # an empty shape with trailing bytes
+        (_record(dtype="S16000000"), "unsupported tensor dtype"),
+        (_record(size=[1] * 8 + [0]), "dims, more than the limit"),  # too many dims
+        (_record(requires_grad=True, dtype="int64"), "only float tensors require grad"),
+        (_record(compression=runtime_pb2.CompressionType.FLOAT16, dtype="float32"), None),
+    ],
+)
+def test_forged_empty_records_take_the_general_path(record: runtime_pb2.Tensor, match: str | None) -> None:
+    assert not is_plain_empty(record)
+    if match is None:
+        deserialize_tensor(record)  # a valid compressed empty tensor: decoded (and later seen as a dummy)
+        return
+    with pytest.raises(ValueError, match=match):
+        deserialize_tensor(record)
+
+
+def test_a_non_empty_record_is_not_plain_empty() -> None:
+    assert not is_plain_empty(serialize_tensor(torch.zeros(1, 1, 8)))
+    assert not is_plain_empty(serialize_tensor(torch.zeros(())))  # a scalar holds one element
+
+
+# ---- TaskDeadline ---------------------------------------------------------------------------------------------
+
+
+async def _sleep_in_scope(deadlines: TaskDeadline, when: float | None, sleep_s: float) -> None:
+    with deadlines.scope(when):
+        await asyncio.sleep(sleep_s)
+
+
+async def test_deadline_expires_as_timeout_error() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = TaskDeadline(loop)
+    started = loop.time()
+    with pytest.raises(TimeoutError):
+        await _sleep_in_scope(deadlines, started + 0.05, 5)
+    assert deadlines.expired and 0.04 <= loop.time() - started < 1
+    await _sleep_in_scope(deadlines, loop.time() + 5, 0.01)  # the next scope starts fresh
+    assert not deadlines.expired
+    with pytest.raises(TimeoutError):  # a deadline already past ends the block at its first await
+        await _sleep_in_scope(deadlines, loop.time() - 1, 5)
+    with deadlines.scope(loop.time() - 1):
+        pass  # a block that never awaits is not cancelled, now or at a later await
+    await asyncio.sleep(0.01)
+    deadlines.close()
+
+
+async def test_deadlines_moving_later_share_one_timer() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = TaskDeadline(loop)
+    for _ in range(200):  # a stream's per-step waits: each deadline later than the last
+        await _sleep_in_scope(deadlines, loop.time() + 0.05, 0)
+    assert deadlines.num_timers == 1  # asyncio.timeout_at would have armed 200
+    # the timer fires before the current deadline: re-armed once, the scope still ends at its own deadline
+    started = loop.time()
+    with deadlines.scope(started + 0.2):
+        await asyncio.sleep(0.1)
+    assert deadlines.num_timers == 2 and not deadlines.expired
+    with pytest.raises(TimeoutError):
+        await _sleep_in_scope(deadlines, loop.time() + 0.02, 5)  # earlier than the armed timer: re-armed
+    deadlines.close()
+
+
+async def test_move_and_expire_now() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = TaskDeadline(loop)
+
+    async def moved() -> None:
+        with deadlines.scope(None) as scope:
+            await asyncio.sleep(0.01)
+            scope.move(loop.time() + 0.02)
+            await asyncio.sleep(5)
+
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(moved(), 2)
+    waiting = asyncio.ensure_future(_sleep_in_scope(deadlines, loop.time() + 30, 30))
+    await asyncio.sleep(0.01)
+    deadlines.expire_now()  # e.g. an eviction
+    with pytest.raises(TimeoutError):
+        await waiting
+    deadlines.expire_now()  # outside a scope: nothing to end
+    await _sleep_in_scope(deadlines, None, 0.01)
+    deadlines.close()
+
+
+async def test_a_foreign_cancellation_stays_a_cancellation() -> None:
+    loop = asyncio.get_running_loop()
+    deadlines = TaskDeadline(loop)
+    task = asyncio.ensure_future(_sleep_in_scope(deadlines, loop.time() + 30, 30))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not deadlines.expired
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with deadlines.scope(None), deadlines.scope(None):
+            pass
+    deadlines.close()
