@@ -9,9 +9,10 @@ thread) can stage and launch the next forward while the device still runs this o
 
 Buffer lifetimes: the graph's static device buffers are reused by the next launch in stream order (its input copies
 run after this replay and this output copy). The pinned host buffers are not ordered by the stream: the CPU writes
-the inputs and reads the output, so each launch takes one `HostStaging` set of two in turn and first waits for the
-set's last event (a launch never overwrites inputs that a queued copy has not read yet, nor an output not copied
-out yet). With at most one forward pending while the next is launched, that wait is already over in practice."""
+the inputs and reads the output, so each launch takes one `HostStaging` set of two in turn and first frees it: it
+copies out the output of the forward last launched from it if nobody has waited for it yet, and waits for the set's
+last event (a launch never overwrites inputs that a queued copy has not read yet, nor an output not copied out
+yet). With at most one forward pending while the next is launched (the runtime), nothing waits there in practice."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class HostStaging:
     adapter_ids: torch.Tensor  # [rows] int64
     adapter_ids_np: np.ndarray
     done: torch.cuda.Event | None = None
+    owner: PendingDecode | None = None  # the launched forward whose output `out` holds, not copied out yet
 
     @classmethod
     def allocate(cls, rows: int, hidden_size: int, max_pages_per_seq: int, dtype: torch.dtype) -> HostStaging:
@@ -57,7 +59,10 @@ class HostStaging:
         )
 
     def reuse(self) -> None:
-        """Waits until no queued copy reads or writes these buffers any more (at once if none does)."""
+        """Waits until no queued copy reads or writes these buffers any more (at once if none does), first copying
+        out the output of a forward launched from them and not waited for yet."""
+        if self.owner is not None:
+            self.owner.collect()
         if self.done is not None:
             self.done.synchronize()
             self.done = None
@@ -67,26 +72,40 @@ class PendingDecode:
     """A launched merged forward: `wait()` returns one output [B_i, 1, H] per request (CPU tensors that own their
     memory: views of one fresh copy of the output rows). Call `wait` once, from the launching thread."""
 
-    def __init__(self, staging: HostStaging, rows: int, splits: list[int], hidden_size: int):
+    def __init__(self, staging: HostStaging, done: torch.cuda.Event, rows: int, splits: list[int], hidden_size: int):
         self._staging: HostStaging | None = staging
+        self._done = done
         self.rows = rows
         self._splits = splits  # rows per request
         self._hidden_size = hidden_size
+        self._out: torch.Tensor | None = None  # [rows, H], once copied out
+        self._waited = False
+        staging.done, staging.owner = done, self
+
+    def collect(self) -> torch.Tensor:
+        """Waits for this forward's output copy (not for the forwards queued after it) and copies the rows out of
+        the pinned buffer, once; the buffer is then free for another launch. Returns [rows, H]."""
+        if self._out is None:
+            staging = self._staging
+            assert staging is not None
+            self._done.synchronize()
+            # one single-threaded copy: numpy's memcpy rather than torch's intra-op parallel copy, whose thread
+            # wake-ups cost more than the copy of a few hundred KiB
+            host = staging.out[: self.rows]  # [rows, H]
+            out = torch.empty(host.shape, dtype=host.dtype)
+            _copy_rows(out, host)
+            self._out = out
+            if staging.owner is self:
+                staging.owner = None
+                staging.done = None
+            self._staging = None
+        return self._out
 
     def wait(self) -> list[torch.Tensor]:
-        staging = self._staging
-        if staging is None:
+        if self._waited:
             raise RuntimeError("PendingDecode.wait called twice")
-        self._staging = None
-        done = staging.done
-        assert done is not None
-        done.synchronize()  # this forward's output copy, not the forwards queued after it
-        staging.done = None
-        # one single-threaded copy out of the pinned buffer (reused by a later launch): numpy's memcpy rather than
-        # torch's intra-op parallel copy, whose thread wake-ups cost more than the copy of a few hundred KiB
-        host = staging.out[: self.rows]  # [rows, H]
-        out = torch.empty_like(host)
-        _copy_rows(out, host)
+        self._waited = True
+        out = self.collect()
         # one split into views: [rows, H] -> [B_i, 1, H] per request
         return list(out.view(self.rows, 1, self._hidden_size).split(self._splits))
 
@@ -143,8 +162,7 @@ def launch_graph_decode(
     staging.out[:rows].copy_(out, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(graphs.hidden.device))
-    staging.done = done
-    return PendingDecode(staging, rows, splits, h)
+    return PendingDecode(staging, done, rows, splits, h)  # the set's owner until its output is copied out
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -389,6 +389,10 @@ class SpanEngine:
                              "on the CUDA-graph path, within one forward's rows")  # fmt: skip
         for req in reqs:
             self._prepare(req, validated=validated)
+        return self._launch_group(reqs)
+
+    def _launch_group(self, reqs: Sequence[StepRequest]) -> PendingDecode:
+        """`launch_decode` after `_prepare` (beam reordering done once, by the caller)."""
         assert self.graphs is not None
         staging = self._staging[self._next_staging]
         self._next_staging = 1 - self._next_staging
@@ -398,7 +402,7 @@ class SpanEngine:
 
     def _decode_group(self, group: list[StepRequest]) -> list[torch.Tensor]:
         if self.can_launch(group):  # the graph path with CPU inputs: launch, then wait at once
-            return self.launch_decode(group, validated=True).wait()
+            return self._launch_group(group).wait()
         h, dtype = self.hidden_size, self.dtype
         positions: list[int] = []  # [rows]
         tables: list[torch.Tensor] = []  # [rows] x [max_pages_per_seq]

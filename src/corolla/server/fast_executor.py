@@ -86,10 +86,10 @@ class FastExecutor:
         # the next forward instead of adding a second forward (a second pass over the weights, for a few rows) that
         # every step of this batch would wait for
         # decode steps on the CUDA-graph path launch in two phases (`engine.batcher.launch_steps`): the runtime
-        # launches the next merged forward before it sends this one's replies
+        # launches the next merged forward before it sends this one's replies (no graphs: one phase, no launcher)
         runtime.register_batch_executor(
             KIND_ENGINE_INFERENCE, self._execute_tasks, inline_when_idle=True, max_merged_tokens=engine.max_batch_rows,
-            launcher=self._launch_tasks,
+            launcher=self._launch_tasks if engine.graphs is not None else None,
         )  # fmt: skip
 
     @property
