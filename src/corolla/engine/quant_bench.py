@@ -268,6 +268,32 @@ def bench_llama(
     free_cache(dev)
 
 
+def bench_int8_programmatic(results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev) -> None:
+    """The INT8 step again (the same weights as bench_llama's) with the quantized kernels launched with
+    programmatic dependent launch (quant_splits; sm_90+), tuned afresh; a failure is logged and recorded."""
+    from corolla.engine import quant_splits  # needs Triton
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    spec = LLAMA3_8B
+    layers = [quantized(random_layer(spec, dev, gen), "int8") for _ in range(layers_n)]
+    quant_splits.set_programmatic_launch(True)
+    try:
+        engine, report = make_engine(spec, layers, 1, kv_pool_bytes_for(spec, layers_n, 1, prefix + 64))
+        floor = engine.model.weight_bytes() / bandwidth * 1000
+        kernels = log_kernels(lines, "int8 (programmatic launch)", report, layers[0], bandwidth)
+        ms, _ = step_ms(engine, open_prefilled(engine, 1, prefix, gen), prefix)
+        results["llama3_8b_int8_pdl"] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor, "kernels": kernels}
+        log(lines, f"llama3-8b x{layers_n} int8, programmatic launch: step {ms:.3f} ms ({ms / floor:.2f}x floor)")
+        del engine
+    except Exception as e:  # an experiment: its failure is reported, the other rows stand
+        results["llama3_8b_int8_pdl"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        log(lines, f"int8 with programmatic launch failed: {type(e).__name__}: {str(e)[:400]}")
+    finally:
+        quant_splits.set_programmatic_launch(False)
+    del layers
+    free_cache(dev)
+
+
 def bench_qwen3(results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev) -> None:
     from transformers import DynamicCache, Qwen3Config, Qwen3Model
 
@@ -321,6 +347,9 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64, help="NF4 sessions merged in one step")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
+    parser.add_argument(
+        "--programmatic_launch", action="store_true", help="also INT8 with programmatic dependent launch (sm_90+)"
+    )
     args = parser.parse_args()
     STEPS = args.steps
     args.out.mkdir(parents=True, exist_ok=True)
@@ -331,6 +360,8 @@ def main() -> None:
     results: dict = {"device": name, "bandwidth_bytes_per_s": bandwidth, "prefix_tokens": args.prefix_tokens}
     log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     bench_llama(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, args.sessions)
+    if args.programmatic_launch and dev.type == "cuda":
+        bench_int8_programmatic(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev)
     if args.qwen3_layers > 0:
         bench_qwen3(results, lines, bandwidth, args.prefix_tokens, args.qwen3_layers, dev)
     stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import Int8Weight, NF4Weight, counters_for_tiles
-from corolla.engine.quant_splits import finish_split_rows
+from corolla.engine.quant_splits import finish_split_rows, launch_options, programmatic_launch, wait_for_producer
 
 GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
 
@@ -120,6 +120,7 @@ def _nf4_gemv_kernel(
     LUT: tl.constexpr,
     USE_WS: tl.constexpr,
     HAS_RES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # program (n tile, split, row group): rows pid_m * ROWS + [0, ROWS) against W[n tile, k-range of the split].
     # Packed row n: byte j holds element 2j (high nibble) and 2j + 1 (low nibble); absmax block b of row n is
@@ -141,6 +142,7 @@ def _nf4_gemv_kernel(
     acc1 = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+    wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
     for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
         b0 = step * NB  # first absmax block of this step
         cols = b0 * 32 + offs_bb  # [BB] byte columns
@@ -212,6 +214,7 @@ def _int8_gemv_kernel(
     ROWS: tl.constexpr,
     USE_WS: tl.constexpr,
     HAS_RES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # program (n tile, split, row group): per-element fp32 accumulators over the split's K range, summed once at
     # the end; the output scale (row absmax / 127) is applied to the finished sum
@@ -234,6 +237,7 @@ def _int8_gemv_kernel(
     codes = tl.load(
         w_ptrs + lo * BLOCK_K, mask=n_mask[:, None] & (lo * BLOCK_K + offs_k0 < K)[None, :] & (lo < hi), other=0
     )
+    wait_for_producer(USE_PDL)  # the first codes are in flight; x and the residual come from the previous kernel
     for step in range(lo, hi):
         offs_k = step * BLOCK_K + offs_k0
         nk = offs_k + BLOCK_K
@@ -316,6 +320,7 @@ def quant_gemv(
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
     # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
     counters = counters_for_tiles(weight, grid[0] * grid[2]) if use_ws else ws
+    pdl = programmatic_launch(x.device)
     if isinstance(weight, NF4Weight):
         if config not in NF4_GEMV_CONFIGS:
             raise ValueError(f"{config} is not an NF4 GEMV config")
@@ -327,7 +332,7 @@ def quant_gemv(
             weight.code if lut == 0 else weight.pair_levels, ws, res, out, counters,
             m, n, k, x.stride(0), weight.packed.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
             BLOCK_N=block_n, NB=blocks, ROWS=rows, LUT=lut, USE_WS=use_ws, HAS_RES=residual is not None,
-            num_warps=warps,
+            USE_PDL=pdl, num_warps=warps, **launch_options(pdl),
         )  # fmt: skip
     else:
         if config not in INT8_GEMV_CONFIGS:
@@ -335,6 +340,6 @@ def quant_gemv(
         _int8_gemv_kernel[grid](
             x, weight.codes, weight.col_scale, ws, res, out, counters, m, n, k, x.stride(0), weight.codes.stride(0),
             res.stride(0), out.stride(0), splits, BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, USE_WS=use_ws,
-            HAS_RES=residual is not None, num_warps=warps,
+            HAS_RES=residual is not None, USE_PDL=pdl, num_warps=warps, **launch_options(pdl),
         )  # fmt: skip
     return out

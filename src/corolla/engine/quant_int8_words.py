@@ -21,7 +21,7 @@ import triton.language as tl
 
 from corolla.engine.quant import Int8Weight, counters_for_tiles
 from corolla.engine.quant_gemv import _finish_row, rows_per_program
-from corolla.engine.quant_splits import finish_split_rows
+from corolla.engine.quant_splits import finish_split_rows, launch_options, programmatic_launch, wait_for_producer
 
 
 @triton.jit
@@ -59,6 +59,7 @@ def _int8_words_gemv_kernel(
     x_ptr, q_ptr, cs_ptr, ws_ptr, res_ptr, out_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_qn, stride_rm, stride_om, splits,
     BLOCK_N: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # program (n tile, split, row group); q_ptr: the codes as int32 words, stride_qn in words per row; step = C
     # words (4 C values) per row
@@ -80,6 +81,7 @@ def _int8_words_gemv_kernel(
     acc2 = tl.sum(tl.zeros([BLOCK_N, C, 4], dtype=tl.float32), axis=2)
     acc3 = tl.sum(tl.zeros([BLOCK_N, C, 4], dtype=tl.float32), axis=2)
     words = tl.load(w_ptrs + lo * C, mask=n_mask[:, None] & (lo * C + offs_c < kw)[None, :] & (lo < hi), other=0)
+    wait_for_producer(USE_PDL)  # the first words are in flight; x and the residual come from the previous kernel
     for step in range(lo, hi):
         nc = (step + 1) * C + offs_c
         words_next = tl.load(w_ptrs + (step + 1) * C, mask=n_mask[:, None] & (nc < kw)[None, :] & (step + 1 < hi),
@@ -134,9 +136,10 @@ def int8_words_gemv(
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
     # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
     counters = counters_for_tiles(weight, grid[0] * grid[2]) if use_ws else words
+    pdl = programmatic_launch(x.device)
     _int8_words_gemv_kernel[grid](
         x, words, weight.col_scale, ws, res, out, counters, m, n, k, x.stride(0), words.stride(0), res.stride(0),
         out.stride(0), splits, BLOCK_N=block_n, C=block_k // 4, ROWS=rows, USE_WS=use_ws,
-        HAS_RES=residual is not None, num_warps=warps,
+        HAS_RES=residual is not None, USE_PDL=pdl, num_warps=warps, **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -16,7 +16,14 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import NF4_BLOCK_VALUES, Int8Weight, NF4Weight, counters_for_tiles
-from corolla.engine.quant_splits import arrive_last, reset_counter, sum_split_tile
+from corolla.engine.quant_splits import (
+    arrive_last,
+    launch_options,
+    programmatic_launch,
+    reset_counter,
+    sum_split_tile,
+    wait_for_producer,
+)
 
 QUANT_KERNEL_MAX_ROWS = 64  # larger inputs (prefill) dequantize the weight and use cuBLAS
 TILE_M = 16
@@ -94,6 +101,7 @@ def _nf4_gemm_kernel(
     SPLIT: tl.constexpr,
     HAS_RES: tl.constexpr,
     TILES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # code_ptr: int32 [256] pair table of the levels in x's dtype (NF4Weight.pair_levels).
     # ws[split, M, N] (fp32) = x[M, K-range of split] @ dequant(W)[N, K-range]^T for TILES 16-row tiles and
@@ -118,6 +126,7 @@ def _nf4_gemm_kernel(
     acc1 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc3 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
     for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
         for b in tl.static_range(NB):
             blk = step * NB + b
@@ -184,6 +193,7 @@ def _int8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_RES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # ws[split, M, N] (fp32) = x[M, K-range] @ codes[N, K-range]^T (int8 codes are exact in bf16/fp16)
     pid = tl.program_id(0)
@@ -199,6 +209,7 @@ def _int8_gemm_kernel(
     per_split = tl.cdiv(steps, SPLIT)
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
     for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
         offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -241,18 +252,19 @@ def quant_matmul(
         grid = (triton.cdiv(m, TILE_M) * triton.cdiv(n, block_n), split)
     # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
     counters = counters_for_tiles(weight, grid[0]) if split > 1 else ws
+    pdl = programmatic_launch(x.device)
     if isinstance(weight, NF4Weight):
         _nf4_gemm_kernel[grid](
             x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.pair_levels, ws,
             res, out, counters, m, n, k, x.stride(0), res.stride(0), out.stride(0), weight.nested_offset,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=residual is not None, TILES=tiles,
-            num_warps=warps, num_stages=stages,
+            USE_PDL=pdl, num_warps=warps, num_stages=stages, **launch_options(pdl),
         )  # fmt: skip
     else:
         _int8_gemm_kernel[grid](
             x, weight.codes, ws, res, weight.col_scale, out, counters, m, n, k, x.stride(0), res.stride(0),
             out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=residual is not None,
-            num_warps=warps, num_stages=stages,
+            USE_PDL=pdl, num_warps=warps, num_stages=stages, **launch_options(pdl),
         )  # fmt: skip
     return out
 

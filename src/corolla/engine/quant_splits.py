@@ -12,12 +12,48 @@ zero (`reset_counter`), so the next call (or CUDA-graph replay) starts from zero
 Determinism: the order of the sum does not depend on which program arrives last, so the same inputs give bit-equal
 outputs, and a row's output does not depend on the other rows of the call. The counters belong to the weight
 (`NF4Weight.split_counters()` / `Int8Weight.split_counters()`): calls on one weight must not run concurrently on
-two streams. Importing fails without Triton."""
+two streams.
+
+Programmatic dependent launch (an experiment, off unless `set_programmatic_launch(True)`; `quant_bench
+--programmatic_launch` measures it): on sm_90+ the kernels are launched with `launch_pdl`, so their programs may
+start while the kernel before them (RMSNorm, attention, SiLU) finishes; each waits (`wait_for_producer`,
+griddepcontrol.wait: the previous grid complete and its writes visible) before it reads anything another kernel
+wrote (x, residual) and before it writes; only the immutable weight bytes may be read before. Importing fails
+without Triton."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+_PROGRAMMATIC_LAUNCH = {"enabled": False}
+
+
+def set_programmatic_launch(enabled: bool) -> None:
+    """Turns programmatic dependent launch of the quantized GEMV/GEMM kernels on or off for this process (calls
+    made after it; a CUDA graph keeps what it captured)."""
+    _PROGRAMMATIC_LAUNCH["enabled"] = bool(enabled)
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch (turned on, and sm_90 or newer)."""
+    if not _PROGRAMMATIC_LAUNCH["enabled"] or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(use_pdl: bool) -> dict[str, bool]:
+    """Extra launch keywords of a kernel call: none unless programmatic launch is on (older Tritons know no
+    `launch_pdl`)."""
+    return {"launch_pdl": True} if use_pdl else {}
+
+
+@triton.jit
+def wait_for_producer(USE_PDL: tl.constexpr):
+    # with programmatic launch: wait until the previous kernel completed and its writes are visible
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
