@@ -1,7 +1,8 @@
 """The handler's per-step cuts keep their exact semantics: `all_finite`'s one-reduction check against torch's
 element-wise one (overflowing sums, every non-finite bit pattern), `is_plain_empty` against what
 `deserialize_tensor` decodes (forged, truncated, oversized records take the general path and fail with its errors),
-a step's empty dummies skipped only where they would be None anyway, and `TaskDeadline` against
+a step's empty dummies skipped only where they would be None anyway, the msgpack shortcut for Petals' step
+args_structure against the general decoder under every limit, and `TaskDeadline` against
 `asyncio.timeout_at` (expiry, moved deadlines with one timer, eviction, foreign cancellation)."""
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import asyncio
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.protocol import codecs
+from corolla.protocol import bounded_msgpack, codecs
 from corolla.protocol.codecs import deserialize_tensor, is_plain_empty, serialize_tensor
+from corolla.protocol.metadata import encode_metadata
+from corolla.protocol.packing import pack_args_kwargs
 from corolla.server import block_functions as bf
 from corolla.server.deadlines import TaskDeadline
 
@@ -44,7 +48,9 @@ def test_all_finite_equals_torch_on_every_special_value(dtype: torch.dtype) -> N
 def test_all_finite_matches_torch_on_every_16_bit_pattern(dtype: torch.dtype) -> None:
     patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)  # all 65536 values
     finite = torch.isfinite(patterns.float())
-    assert all(bf.all_finite(chunk) == bool(ok.all()) for chunk, ok in zip(patterns.split(97), finite.split(97)))
+    assert all(
+        bf.all_finite(chunk) == bool(ok.all()) for chunk, ok in zip(patterns.split(97), finite.split(97), strict=True)
+    )
     assert not bf.all_finite(patterns) and bf.all_finite(patterns[finite])
 
 
@@ -169,3 +175,55 @@ async def test_a_foreign_cancellation_stays_a_cancellation() -> None:
         with deadlines.scope(None), deadlines.scope(None):
             pass
     deadlines.close()
+
+
+# ---- the step structure's msgpack shortcut --------------------------------------------------------------------
+
+
+def _decode_both(
+    data: bytes, limits: bounded_msgpack.MsgpackLimits, monkeypatch: pytest.MonkeyPatch
+) -> tuple[object, object]:
+    """(shortcut, general): each a decoded value or the error message."""
+    outcomes = []
+    for payload in (bounded_msgpack.STEP_STRUCTURE_PAYLOAD, b"never equal"):
+        monkeypatch.setattr(bounded_msgpack, "STEP_STRUCTURE_PAYLOAD", payload)
+        try:
+            outcomes.append(bounded_msgpack.loads(data, limits))
+        except ValueError as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    return outcomes[0], outcomes[1]
+
+
+def test_step_structure_payload_is_what_hivemind_writes() -> None:
+    _, structure = pack_args_kwargs(torch.zeros(1, 1, 4), torch.empty(0), torch.empty(0, dtype=torch.int64))
+    assert structure == bf.PETALS_STEP_STRUCTURE
+    encoded = MSGPackSerializer.dumps(structure)
+    assert encoded.endswith(bounded_msgpack.STEP_STRUCTURE_PAYLOAD) and encoded[2:3] == b"@"  # ext 0x40 around it
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        bounded_msgpack.METADATA_LIMITS,
+        bounded_msgpack.MsgpackLimits(max_bytes=4096, max_depth=2),  # too shallow for the nested tuples
+        bounded_msgpack.MsgpackLimits(max_bytes=4096, max_depth=3),
+        # at and just under each message's element count (metadata 4 + 5, the list 3 + 3 x 5, the tuple 1 + 5)
+        *(bounded_msgpack.MsgpackLimits(max_bytes=4096, max_items=n) for n in (5, 6, 8, 9, 17, 18)),
+        bounded_msgpack.MsgpackLimits(max_bytes=4096, max_container_len=2),
+        bounded_msgpack.MsgpackLimits(max_bytes=4096, max_bin_bytes=3),
+    ],
+)
+def test_step_structure_shortcut_decodes_and_refuses_like_the_general_path(
+    limits: bounded_msgpack.MsgpackLimits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metadata = {"session_id": "s", "step_id": "x", "start_from_position": 3, "args_structure": bf.PETALS_STEP_STRUCTURE}
+    for data in (
+        encode_metadata(metadata),
+        MSGPackSerializer.dumps([bf.PETALS_STEP_STRUCTURE] * 3),  # several in one message: charged each time
+        MSGPackSerializer.dumps((bf.PETALS_STEP_STRUCTURE,)),  # inside another tuple ext
+    ):
+        shortcut, general = _decode_both(data, limits, monkeypatch)
+        assert shortcut == general, (limits, data)
+    decoded = bounded_msgpack.loads(encode_metadata(metadata))
+    decoded["args_structure"][1]["x"] = 1  # the kwargs dict is the caller's own: the next decode is unchanged
+    assert bounded_msgpack.loads(encode_metadata(metadata))["args_structure"] == bf.PETALS_STEP_STRUCTURE

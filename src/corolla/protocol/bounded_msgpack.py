@@ -71,6 +71,13 @@ class _Budget:
         self.items = 0
         self.containers = 0
 
+    def charge(self, *, containers: int, items: int) -> None:
+        """What `count` charges for `containers` completed containers holding `items` elements in all."""
+        self.containers += containers
+        self.items += items
+        if self.items > self.limits.max_items:
+            raise MsgpackLimitError(f"msgpack value has more than max_items={self.limits.max_items} elements")
+
     def count(self, container: Any) -> Any:
         """msgpack's list_hook/object_hook: called as each array/map completes (tuples are arrays first)."""
         self.containers += 1
@@ -127,8 +134,23 @@ def _decode(data: bytes, budget: _Budget, reentries_left: int, *, top: bool = Fa
     return value
 
 
+# hivemind's payload of the tuple ext holding Petals' per-step args_structure ((b"__T0", b"__T1", b"__T2"), {}),
+# which every inference step's metadata carries: decoded here without re-entering the C unpacker twice
+STEP_STRUCTURE_PAYLOAD = b"\x92\xc7\x13@\x93\xc4\x04__T0\xc4\x04__T1\xc4\x04__T2\x80"
+_STEP_STRUCTURE_ARGS = (b"__T0", b"__T1", b"__T2")
+
+
+def _step_structure_fits(limits: MsgpackLimits) -> bool:
+    """True where the general path would decode the step structure's payload (its arrays and bins within limits)."""
+    return limits.max_container_len >= 3 and limits.max_bin_bytes >= 4
+
+
 def _decode_ext(code: int, payload: bytes, budget: _Budget, reentries_left: int) -> Any:
     if code == TUPLE_EXT_TYPE:
+        if payload == STEP_STRUCTURE_PAYLOAD and reentries_left >= 2 and _step_structure_fits(budget.limits):
+            # the value and the charges of the general path below
+            budget.charge(containers=3, items=5)  # the args tuple (3), the outer tuple (2), the kwargs map (0)
+            return (_STEP_STRUCTURE_ARGS, {})
         items = _decode(payload, budget, reentries_left)
         if not isinstance(items, list):
             raise MsgpackLimitError(f"tuple ext (0x40) must hold an array, got {type(items).__name__}")

@@ -114,6 +114,8 @@ def validate_hidden_states(
         )
     if not all_finite(tensor):
         raise BadRequest(f"{name} contains NaN or infinite values")
+    if tensor.dtype == limits.dtype:
+        return tensor  # finite and already the block dtype: nothing to check or cast
     check_castable(tensor, limits.dtype, name=name, finite_checked=True)  # e.g. float64 1e300 -> inf in the block
     return tensor.to(limits.dtype)
 

@@ -13,8 +13,7 @@ cancellation from elsewhere stays a `CancelledError`)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 from typing import Protocol, cast
 
 __all__ = ["TaskDeadline"]
@@ -42,6 +41,7 @@ class TaskDeadline:
         self.loop = loop if loop is not None else asyncio.get_running_loop()
         self._task: _Task | None = None
         self._when: float | None = None  # the current scope's deadline (None: none, or no scope)
+        self._next_when: float | None = None  # the deadline of the scope being entered
         self._active = False  # inside a scope
         self._expiring = False  # this scope's cancellation was requested by us
         self._cancelling = 0  # the task's cancelling() count when the scope was entered
@@ -49,30 +49,36 @@ class TaskDeadline:
         self._timer_when = 0.0
         self.num_timers = 0  # timers armed over this object's life (tests, measurements)
 
-    @contextmanager
-    def scope(self, when: float | None) -> Iterator[TaskDeadline]:
-        """A deadline for the awaits inside the block: `TimeoutError` out of the block if it is reached there."""
+    def scope(self, when: float | None) -> TaskDeadline:
+        """A deadline for the awaits inside the `with` block: `TimeoutError` out of the block if it is reached
+        there (a class-based context manager: no generator per use)."""
+        self._next_when = when
+        return self
+
+    def __enter__(self) -> TaskDeadline:
         if self._active:
             raise RuntimeError("TaskDeadline scopes do not nest")
         current = asyncio.current_task()
         if current is None:
             raise RuntimeError("TaskDeadline.scope must be used inside a task")
         task = cast(_Task, current)
+        when = self._next_when
         self._task, self._when, self._active, self._expiring = task, when, True, False
         self._cancelling = task.cancelling()
         if when is not None and (self._timer is None or self._timer_when > when):
             self._arm(when)  # a deadline already past fires at the next loop iteration, at the block's first await
-        try:
-            yield self
-        except asyncio.CancelledError as error:
-            if self._expiring and task.uncancel() <= self._cancelling:
-                raise TimeoutError from error
-            raise
-        else:
-            if self._expiring:  # the block swallowed our cancellation and finished: take it back (as asyncio does)
-                task.uncancel()
-        finally:
-            self._active, self._when = False, None
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._active, self._when = False, None
+        if not self._expiring:
+            return
+        assert self._task is not None
+        if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise TimeoutError from error  # ours alone: the deadline was reached inside the block
+        # else a cancellation from elsewhere too (it stays one), or the block swallowed ours (taken back, as asyncio)
 
     @property
     def expired(self) -> bool:
