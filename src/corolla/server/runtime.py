@@ -2,10 +2,10 @@
 in a `schedule -> execute -> complete` loop; results go back to the asyncio loop that submitted them.
 
 A kind with a launcher (`register_batch_executor(..., launcher=...)`) runs in two phases: the launcher queues the
-batch on the device and returns a `PendingBatch`; the thread then launches the next batch if one is queued already,
-and only then waits for the first one and completes it (encodes and sends its replies) while the device runs the
-next. When nothing else is queued, a launched batch is waited for and completed at once (a lone session's step
-takes no longer)."""
+batch on the device and returns a `PendingBatch`; the thread waits for its device work, launches the next batch if
+one is queued by then, and only then completes the first one (encodes and sends its replies) while the device runs
+the next (`launch_ahead`: launch the next before waiting). When nothing else is queued, a launched batch is
+completed at once (a lone session's step takes no longer)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
 from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.task import KIND_GENERIC, KindStats, Task, TaskQueue
+from corolla.server.task import KIND_GENERIC, BatchLauncher, KindStats, LaunchedBatch, Task, TaskQueue
 from corolla.server.task_delivery import call_back, deliver, resolve, resolve_all
 from corolla.utils.logging import get_logger
 
@@ -30,16 +29,6 @@ logger = get_logger(__name__)
 BatchExecutor = Callable[[list[Task]], list[Any]]
 
 
-class PendingBatch(Protocol):
-    """A batch a launcher queued on the device: `wait()` (once, in the runtime's thread) gives one result per task
-    (an exception instance fails only that task); raising fails the whole batch."""
-
-    def wait(self) -> Sequence[object]: ...
-
-
-# Queues a batch on the device and returns at once, or returns None (nothing done: the batch runs through the
-# kind's executor instead); raising fails the whole batch.
-BatchLauncher = Callable[[list[Task]], PendingBatch | None]
 # Told of each batch after it ran (kind, tasks in it, seconds it took), in the thread that ran it.
 BatchObserver = Callable[[str, int, float], None]
 
@@ -62,6 +51,11 @@ class Runtime:
     executor, together with the other queued tasks of the same `(kind, merge_key)` (continuous batching);
     all other tasks run alone as `fn()`.
     """
+
+    # With a launched batch in flight, the next queued batch is launched once the device finished it (False: the
+    # next batch takes every step that arrived during its device work; its replies leave while the next one runs),
+    # or at once, before waiting for it (True: the device never idles, batches are smaller)
+    launch_ahead: bool = False
 
     def __init__(
         self,
@@ -339,8 +333,10 @@ class Runtime:
         finally:
             self._ready.set()
         queue = self._queue
-        pending: _Launched | None = None
+        pending: LaunchedBatch | None = None
         while True:  # (gather) -> schedule -> execute (or launch) -> complete
+            if pending is not None and not self.launch_ahead:
+                self._wait(pending)  # its device work is over: the next batch takes every step that came meanwhile
             if pending is None:
                 wait = self.gather.wait(time.monotonic(), queue.num_pushed)
                 if wait is not None:
@@ -375,7 +371,7 @@ class Runtime:
                 )  # fmt: skip
             self._complete(batch, results)
 
-    def _launch(self, batch: list[Task]) -> _Launched | None:
+    def _launch(self, batch: list[Task]) -> LaunchedBatch | None:
         """Queues `batch` on the device through its kind's launcher; None where it has none or declines."""
         launcher = self._launchers.get(batch[0].kind) if batch[0].merge_key is not None else None
         if launcher is None:
@@ -386,14 +382,26 @@ class Runtime:
                 handle = launcher(batch)
             except Exception as e:  # the launch failed: every task of the batch fails, when its turn comes
                 logger.warning(f"runtime.launch_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
-                return _Launched(batch, None, e, started)
+                return LaunchedBatch(batch, None, e, started)
             if handle is None:
                 return None
             self._num_in_flight += 1
-            return _Launched(batch, handle, None, started)
+            return LaunchedBatch(batch, handle, None, started)
 
-    def _finish(self, launched: _Launched) -> None:
-        """Waits for a launched batch's results, accounts for it and completes it."""
+    def _finish(self, launched: LaunchedBatch) -> None:
+        """Waits for a launched batch's results (if not done yet) and completes it."""
+        results = self._wait(launched)
+        queue = self._queue
+        self.gather.finished(
+            size=len(launched.batch), forward_s=launched.elapsed_s, now_s=time.monotonic(),
+            num_pushed=queue.num_pushed, push_time_s=queue.push_time_s,
+        )  # fmt: skip
+        self._complete(launched.batch, results)
+
+    def _wait(self, launched: LaunchedBatch) -> list[tuple[Any, BaseException | None]]:
+        """A launched batch's results, waited for once, and accounted for."""
+        if launched.results is not None:
+            return launched.results
         batch = launched.batch
         with self._executing:
             results: list[tuple[Any, BaseException | None]]
@@ -415,15 +423,11 @@ class Runtime:
                     self._num_in_flight -= 1
             done_s = time.perf_counter()
             # busy time: from the launch, or from the end of the batch before it if that ran on the device meanwhile
-            elapsed_s = done_s - max(launched.started_s, self._last_done_s)
+            launched.elapsed_s = done_s - max(launched.started_s, self._last_done_s)
             self._last_done_s = done_s
-            self._account(batch[0].kind, len(batch), elapsed_s)
-        queue = self._queue
-        self.gather.finished(
-            size=len(batch), forward_s=elapsed_s, now_s=time.monotonic(), num_pushed=queue.num_pushed,
-            push_time_s=queue.push_time_s,
-        )  # fmt: skip
-        self._complete(batch, results)
+            self._account(batch[0].kind, len(batch), launched.elapsed_s)
+        launched.results = results
+        return results
 
     def _execute(self, batch: list[Task]) -> list[tuple[Any, BaseException | None]]:
         started = time.perf_counter()
@@ -482,13 +486,3 @@ class Runtime:
                 loop.call_soon_threadsafe(resolve_all, items)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
-
-
-@dataclass(eq=False)
-class _Launched:
-    """A batch queued on the device by its launcher (`handle`), or whose launch failed (`error`)."""
-
-    batch: list[Task]
-    handle: PendingBatch | None
-    error: BaseException | None
-    started_s: float  # perf_counter at the launch

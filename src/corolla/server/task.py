@@ -8,9 +8,9 @@ import heapq
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Container, Hashable, Mapping
+from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 # Lower is more urgent (same convention as the reference's prioritizer: inference 1.0, everything else 2.0).
 PRIORITY_INFERENCE: float = 1.0
@@ -69,6 +69,30 @@ class KindStats:
     def tasks_per_batch(self) -> float:
         """Mean steps merged into one forward (1.0 where nothing merges)."""
         return self.tasks / self.batches if self.batches else 0.0
+
+
+class PendingBatch(Protocol):
+    """A batch a launcher queued on the device: `wait()` (once, in the runtime's thread) gives one result per task
+    (an exception instance fails only that task); raising fails the whole batch."""
+
+    def wait(self) -> Sequence[object]: ...
+
+
+# Queues a batch on the device and returns at once, or returns None (nothing done: the batch runs through the
+# kind's executor instead); raising fails the whole batch.
+BatchLauncher = Callable[[list[Task]], PendingBatch | None]
+
+
+@dataclass(eq=False)
+class LaunchedBatch:
+    """A batch queued on the device by its launcher (`handle`), or whose launch failed (`error`)."""
+
+    batch: list[Task]
+    handle: PendingBatch | None
+    error: BaseException | None
+    started_s: float  # perf_counter at the launch
+    results: list[tuple[Any, BaseException | None]] | None = None  # once waited for
+    elapsed_s: float = 0.0  # its busy seconds, once waited for
 
 
 class TaskQueue:
