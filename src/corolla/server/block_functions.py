@@ -48,17 +48,17 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """True if no value is NaN or infinite, exactly. Host tensors are checked through numpy: 16-bit floats on their
     bits with one reduction (the largest magnitude is below +inf's pattern; numpy has no bfloat16 and its float16
     ufuncs are slow), the others with `isfinite`; device tensors with torch."""
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         return bool(torch.isfinite(tensor).all())
     if tensor.numel() == 0:
         return True
     data = tensor.detach() if tensor.requires_grad else tensor
     half = _HALF_NONFINITE.get(data.dtype)
-    if half is None:
-        return bool(np.isfinite(data.numpy()).all())
+    if half is None:  # ufunc reductions called directly: ndarray.all/max go through numpy's Python wrappers
+        return bool(np.logical_and.reduce(np.isfinite(data.numpy()), axis=None))
     magnitude_mask, infinity = half
     bits = data.view(torch.int16).numpy().view(np.uint16)  # [same shape] the raw 16-bit patterns
-    return int((bits & magnitude_mask).max()) < infinity
+    return int(np.maximum.reduce(bits & magnitude_mask, axis=None)) < infinity
 
 
 # ---- validation -------------------------------------------------------------------------------------------------

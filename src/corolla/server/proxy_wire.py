@@ -55,6 +55,7 @@ _NUMPY_VIEW = {torch.bfloat16: torch.int16}
 _U8, _U32, _U64, _F64 = struct.Struct(">B"), struct.Struct(">I"), struct.Struct(">Q"), struct.Struct(">d")
 _U16 = struct.Struct(">H")
 _ITEM = struct.Struct(">BII")  # kind, request id, payload length
+_TENSOR_HEADS = tuple(struct.Struct(f">BB{ndim}I") for ndim in range(MAX_TENSOR_DIMS + 1))  # dtype code, ndim, dims
 
 
 class ChannelClosed(ConnectionError):
@@ -104,14 +105,16 @@ class Writer:
             self.parts.append(_U8.pack(NO_TENSOR))
             return self
         code = _DTYPE_CODES.get(tensor.dtype)
-        if code is None or tensor.dim() > MAX_TENSOR_DIMS:
-            raise FrameError(f"can't send a {tensor.dtype} tensor of {tensor.dim()} dims")
-        tensor = tensor.detach()  # [any shape]
-        if tensor.device.type != "cpu":
+        shape = tensor.shape
+        if code is None or len(shape) > MAX_TENSOR_DIMS:
+            raise FrameError(f"can't send a {tensor.dtype} tensor of {len(shape)} dims")
+        if tensor.requires_grad:
+            tensor = tensor.detach()  # [any shape]
+        if not tensor.is_cpu:
             tensor = tensor.cpu()
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
-        self.parts.append(struct.pack(f">BB{tensor.dim()}I", code, tensor.dim(), *tensor.shape))
+        self.parts.append(_TENSOR_HEADS[len(shape)].pack(code, len(shape), *shape))
         if tensor.numel():
             view = _NUMPY_VIEW.get(tensor.dtype)
             self.parts.append((tensor.view(view) if view is not None else tensor).numpy().data.cast("B"))  # flat
