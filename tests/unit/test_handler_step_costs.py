@@ -1,9 +1,9 @@
-"""The handler's per-step cuts keep their exact semantics: `all_finite`'s one-reduction check against torch's
-element-wise one (overflowing sums, every non-finite bit pattern), `is_plain_empty` against what
-`deserialize_tensor` decodes (forged, truncated, oversized records take the general path and fail with its errors),
-a step's empty dummies skipped only where they would be None anyway, the msgpack shortcut for Petals' step
-args_structure against the general decoder under every limit, and `TaskDeadline` against
-`asyncio.timeout_at` (expiry, moved deadlines with one timer, eviction, foreign cancellation)."""
+"""The handler's per-step cuts keep their exact semantics: `all_finite` against torch's element-wise check (every
+16-bit pattern, values at the float's max, inf/NaN anywhere), `is_plain_empty` against what `deserialize_tensor`
+decodes (forged, truncated, oversized records take the general path and fail with its errors), the msgpack shortcut
+for Petals' step args_structure against the general decoder under every limit, a step's metadata record against
+the general `from_dict`, and `TaskDeadline` against `asyncio.timeout_at` (expiry, moved deadlines with one timer,
+eviction, foreign cancellation)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol import bounded_msgpack, codecs
+from corolla.protocol import metadata as metadata_module
 from corolla.protocol.codecs import deserialize_tensor, is_plain_empty, serialize_tensor
-from corolla.protocol.metadata import encode_metadata
+from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.server import block_functions as bf
 from corolla.server.deadlines import TaskDeadline
@@ -227,3 +228,50 @@ def test_step_structure_shortcut_decodes_and_refuses_like_the_general_path(
     decoded = bounded_msgpack.loads(encode_metadata(metadata))
     decoded["args_structure"][1]["x"] = 1  # the kwargs dict is the caller's own: the next decode is unchanged
     assert bounded_msgpack.loads(encode_metadata(metadata))["args_structure"] == bf.PETALS_STEP_STRUCTURE
+
+
+# ---- a decode step's metadata ---------------------------------------------------------------------------------
+
+
+def _general_from_dict(source: dict) -> object:
+    """`InferenceRequestMetadata.from_dict` with its step shortcut off (the general path), or its error."""
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(metadata_module, "_STEP_KEYS", frozenset())
+            return InferenceRequestMetadata.from_dict(source)
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+def _fast_from_dict(source: dict) -> object:
+    try:
+        return InferenceRequestMetadata.from_dict(source)
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+_STEP_VALUES = {
+    "session_id": ["abc", None, 5, b"abc"],
+    "step_id": ["s-1", None, 1.5],
+    "start_from_position": [0, 17, None, -1, True, 2.0, "3"],
+    "args_structure": [bf.PETALS_STEP_STRUCTURE, None, [1, 2], "x"],
+}
+
+
+def test_step_metadata_shortcut_equals_the_general_path() -> None:
+    keys = sorted(_STEP_VALUES)
+    checked = 0
+    for mask in range(1 << len(keys)):
+        chosen = [key for index, key in enumerate(keys) if mask >> index & 1]
+        combos: list[dict] = [{}]
+        for key in chosen:
+            combos = [{**combo, key: value} for combo in combos for value in _STEP_VALUES[key]]
+        for source in combos:
+            assert _fast_from_dict(source) == _general_from_dict(source), source
+            checked += 1
+    assert checked > 500
+    # any other key (known or not) takes the general path, which reads it
+    for extra in ({"max_length": 8}, {"pushed": True}, {"corolla.upstream_peer": "x"}, {"points": "bad"}):
+        source = {"session_id": "a", "step_id": "b", **extra}
+        assert _fast_from_dict(source) == _general_from_dict(source)
+    assert InferenceRequestMetadata.from_dict({"step_id": "b", "max_length": 8}).max_length == 8

@@ -157,6 +157,7 @@ _INFERENCE_KEYS = frozenset(
         "pushed",
     }
 )
+_STEP_KEYS = frozenset({"session_id", "step_id", "start_from_position", "args_structure"})  # a Petals decode step
 _FORWARD_KEYS = frozenset({"points", "active_adapter", "args_structure", "output_compression"})
 
 
@@ -182,6 +183,15 @@ class InferenceRequestMetadata:
     def from_dict(cls, source: Mapping[str, Any]) -> InferenceRequestMetadata:
         if not isinstance(source, Mapping):
             raise ValueError(f"metadata must be a dict, got {type(source).__name__}")
+        if len(source) <= len(_STEP_KEYS) and _STEP_KEYS.issuperset(source):
+            # a decode step as a Petals client sends it: only these keys are checked, every other field is absent and
+            # keeps its default (exactly what the general path below returns for them)
+            return cls(
+                session_id=_get_str(source, "session_id", None),
+                step_id=_get_str(source, "step_id", None),
+                args_structure=source.get("args_structure"),
+                start_from_position=_get_nonneg_int(source, "start_from_position"),
+            )
         return cls(
             session_id=_get_str(source, "session_id", None),
             step_id=_get_str(source, "step_id", None),
