@@ -79,7 +79,7 @@ class _Bench:
         self.runtime.submit_callbacks([self.task(n, last and i == len(names) - 1) for i, n in enumerate(names)])
 
 
-def _runtime(launch_ahead: bool = False) -> Runtime:
+def _runtime(launch_ahead: bool = True) -> Runtime:
     runtime = Runtime(max_batch_size_tokens=64, gather=GatherSettings(fraction=0.0))
     runtime.launch_ahead = launch_ahead
     return runtime
@@ -136,7 +136,7 @@ def test_a_declined_batch_runs_through_the_executor_after_the_one_in_flight() ->
         bench.submit("a1")
         assert bench.done.wait(WAIT_S)
     assert bench.log == [
-        ("launch", ["a1"]), ("wait", "a1"), ("launch", ["b1"]), ("done", "a1"), ("execute", ["b1"]), ("done", "b1"),
+        ("launch", ["a1"]), ("launch", ["b1"]), ("wait", "a1"), ("done", "a1"), ("execute", ["b1"]), ("done", "b1"),
     ]  # fmt: skip
     assert bench.results["b1"] == "b1:executed"
 

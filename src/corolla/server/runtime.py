@@ -2,10 +2,10 @@
 in a `schedule -> execute -> complete` loop; results go back to the asyncio loop that submitted them.
 
 A kind with a launcher (`register_batch_executor(..., launcher=...)`) runs in two phases: the launcher queues the
-batch on the device and returns a `PendingBatch`; the thread waits for its device work, launches the next batch if
-one is queued by then, and only then completes the first one (encodes and sends its replies) while the device runs
-the next (`launch_ahead`: launch the next before waiting). When nothing else is queued, a launched batch is
-completed at once (a lone session's step takes no longer)."""
+batch on the device and returns a `PendingBatch`; the thread launches the next batch if one is queued already
+(`launch_ahead`; else once the first one's device work is over), and only then waits for the first one and
+completes it (encodes and sends its replies) while the device runs the next. When nothing else is queued, a
+launched batch is completed at once (a lone session's step takes no longer)."""
 
 from __future__ import annotations
 
@@ -52,10 +52,11 @@ class Runtime:
     all other tasks run alone as `fn()`.
     """
 
-    # With a launched batch in flight, the next queued batch is launched once the device finished it (False: the
-    # next batch takes every step that arrived during its device work; its replies leave while the next one runs),
-    # or at once, before waiting for it (True: the device never idles, batches are smaller)
-    launch_ahead: bool = False
+    # With a launched batch in flight, the next queued batch is launched at once, before waiting for it (True: the
+    # device never idles between them), or once the device finished it (False: the next batch also takes the steps
+    # that arrived during that device work). H100, 64 sessions through 4 handler processes, one call: True 5171
+    # tok/s (19.6 steps per forward), False 3712 (18.2)
+    launch_ahead: bool = True
 
     def __init__(
         self,
