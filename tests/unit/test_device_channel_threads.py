@@ -155,3 +155,16 @@ async def test_a_dead_handler_process_ends_its_sessions_and_leaves_no_thread(bac
         with contextlib.suppress(Exception):
             await stack.aclose()
     assert _channel_threads() == []
+
+
+async def test_prepare_step_refuses_inputs_the_engine_cannot_run_before_anything_is_queued(backend) -> None:
+    runtime = Runtime(max_batch_size_tokens=1024)  # never started: nothing would run
+    config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
+    executor = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
+    async with executor.open_session(SessionSpec(SPAN, 1, 16), None) as cache:
+        with pytest.raises(ValueError, match=r"hidden states must be \[1, tokens, 64\]"):
+            executor.prepare_step(cache, StepInputs(torch.randn(2, 1, H), 0, None, None, "", lone_session=False))
+        prepared = executor.prepare_step(cache, StepInputs(torch.randn(1, 1, H), 0, None, None, "", False))
+        assert prepared.payload.inputs_checked  # the device thread checks only the session's state
+    assert runtime.num_pending == 0
+    runtime.stop()

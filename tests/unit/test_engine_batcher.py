@@ -239,3 +239,64 @@ def test_launch_steps_declines_what_the_cpu_engine_runs() -> None:
         assert s.length_tokens == 0  # declining ran nothing
         with pytest.raises(ValueError, match="launch_decode"):
             engine.launch_decode([request])
+
+
+def test_inputs_are_checked_once_where_the_step_enters_and_the_state_where_it_runs(monkeypatch) -> None:
+    engine = make_engine(num_layers=1)
+    calls: list[StepRequest] = []
+    check = engine.check_inputs
+
+    def counted(req: StepRequest) -> None:
+        calls.append(req)
+        check(req)
+
+    monkeypatch.setattr(engine, "check_inputs", counted)
+    with engine.open_session(1, 8) as s, engine.open_session(1, 8) as closed:
+        good, late = StepRequest(s, torch.randn(1, 1, H), 0), StepRequest(closed, torch.randn(1, 1, H), 0)
+        for req in (good, late):
+            engine.check_inputs(req)  # where the step enters (FastExecutor.prepare_step)
+        with pytest.raises(ValueError, match=r"hidden states must be \[1, tokens, 64\]"):
+            engine.check_inputs(StepRequest(s, torch.randn(1, 1, H + 1), 0))
+        closed.close()  # the session's state changes after the inputs were checked
+        results = execute_steps(engine, [good, late, StepRequest(s, torch.randn(1, 1, H), 5)])
+        assert len(calls) == 4  # the two checked steps are not checked again; the unchecked one is, once
+        assert isinstance(results[0], torch.Tensor) and results[0].shape == (1, 1, H)
+        assert isinstance(results[1], ValueError) and "closed" in str(results[1])
+        assert isinstance(results[2], ValueError) and "start position 5" in str(results[2])
+
+
+def test_launch_steps_checks_launchability_once_per_set() -> None:
+    from corolla.engine.batcher import launch_steps
+
+    class Engine:
+        """Records how `launch_steps` asks: one can_launch for the set, the valid subset launched as launchable."""
+
+        def __init__(self) -> None:
+            self.can_launch_calls = 0
+            self.launched: list[tuple[list[int], bool]] = []
+
+        def can_launch(self, reqs) -> bool:
+            self.can_launch_calls += 1
+            return True
+
+        def validate(self, req) -> None:
+            if req < 0:
+                raise ValueError("bad step")
+
+        def launch_decode(self, reqs, *, validated: bool = False, launchable: bool = False):
+            self.launched.append((list(reqs), launchable))
+            return _Pending([r * 10 for r in reqs])
+
+    class _Pending:
+        def __init__(self, outs: list[int]) -> None:
+            self.outs = outs
+
+        def wait(self) -> list[int]:
+            return self.outs
+
+    engine = Engine()
+    pending = launch_steps(engine, [1, -1, 2])  # type: ignore[arg-type]
+    assert pending is not None
+    results = pending.wait()
+    assert results[0] == 10 and isinstance(results[1], ValueError) and results[2] == 20
+    assert engine.can_launch_calls == 1 and engine.launched == [([1, 2], True)]

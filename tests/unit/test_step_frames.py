@@ -132,3 +132,22 @@ def test_a_malformed_batch_is_refused_as_the_reference_refuses_it(payload: memor
         wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
     with pytest.raises(wire.FrameError):
         step_frames.parse_steps(payload)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_lone_step_gets_its_own_copy_without_an_unbind(dtype: torch.dtype, monkeypatch) -> None:
+    hidden = torch.randn(2, 1, 8).to(dtype)  # [B, T, H]
+    payload = _payload([_step_body(3, hidden)])
+
+    def no_unbind(*args, **kwargs):
+        raise AssertionError("a lone step's hidden states are built without an unbind")
+
+    monkeypatch.setattr(torch.Tensor, "unbind", no_unbind)
+    (step,) = step_frames.parse_steps(payload)
+    lone = step_frames.parse_step(9, memoryview(bytearray(b"".join(_step_body(3, hidden).parts))))
+    payload[:] = b"\0" * len(payload)  # the receive buffer is reused: the step owns its copy
+    for got in (step, lone):
+        assert isinstance(got, step_frames.ParsedStep) and got.hidden is not None
+        assert got.hidden.shape == hidden.shape and got.hidden.dtype == dtype and torch.equal(got.hidden, hidden)
+        got.hidden.add_(1)  # writable, and its own memory
+    assert not torch.equal(step.hidden, hidden) and torch.equal(lone.hidden, step.hidden)

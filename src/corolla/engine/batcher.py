@@ -108,5 +108,5 @@ def launch_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> Pending
         launched.append(i)
     if not launched:
         return PendingSteps(results, [], None)
-    pending = engine.launch_decode([requests[i] for i in launched], validated=True)
+    pending = engine.launch_decode([requests[i] for i in launched], validated=True, launchable=True)  # a subset
     return PendingSteps(results, launched, pending)

@@ -90,6 +90,9 @@ class StepRequest:
     num_tokens: int = field(init=False)
     needs_prompts: bool = field(init=False)  # deep prompts touch this step's positions
     is_decode: bool = field(init=False)  # a single-token step that can join a batched (graph) forward
+    # `SpanEngine.check_inputs` passed (the inputs and the session never change): `validate` checks only the
+    # session's state (open, length) then, in the device thread, where it changes
+    inputs_checked: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         shape = self.hidden.shape
@@ -247,12 +250,30 @@ class SpanEngine:
     # ------------------------------------------------------------------------------------------ steps
 
     def validate(self, req: StepRequest) -> None:
-        """ValueError describing the first problem with a step request (before any compute)."""
-        session, hidden, position = req.session, req.hidden, req.position
-        if session.engine is not self:
-            raise ValueError("The session belongs to another engine")
+        """ValueError describing the first problem with a step request (before any compute): its inputs (once:
+        `check_inputs`), then the session's state (closed, positions already processed, maximum length)."""
+        if not req.inputs_checked:
+            self.check_inputs(req)
+        session, position = req.session, req.position
         if session.closed:
             raise ValueError("The inference session is closed")
+        if position < 0 or position > session.length_tokens:
+            raise ValueError(
+                f"start position {position} must lie in [0, {session.length_tokens}] (tokens already processed)"
+            )
+        if position + req.num_tokens > session.max_length_tokens:
+            raise ValueError(
+                f"Maximum length exceeded: prefix {position} + current {req.num_tokens} exceeds pre-allocated "
+                f"maximum {session.max_length_tokens}"
+            )
+
+    def check_inputs(self, req: StepRequest) -> None:
+        """ValueError for a step request whose inputs can't run on this engine whatever the session's state (its
+        engine, shapes, dtypes, beam ids, prompts); marks it checked. Called once where the step enters (a device
+        channel's reader thread, through `FastExecutor.prepare_step`) or by `validate`."""
+        session, hidden = req.session, req.hidden
+        if session.engine is not self:
+            raise ValueError("The session belongs to another engine")
         shape = hidden.shape  # [B, T, H]
         if len(shape) != 3 or shape[0] != session.batch_size or shape[2] != self.hidden_size:
             raise ValueError(
@@ -260,15 +281,6 @@ class SpanEngine:
             )
         if not hidden.is_floating_point():
             raise ValueError(f"hidden states must be floating point, got {hidden.dtype}")
-        if position < 0 or position > session.length_tokens:
-            raise ValueError(
-                f"start position {position} must lie in [0, {session.length_tokens}] (tokens already processed)"
-            )
-        if position + shape[1] > session.max_length_tokens:
-            raise ValueError(
-                f"Maximum length exceeded: prefix {position} + current {shape[1]} exceeds pre-allocated "
-                f"maximum {session.max_length_tokens}"
-            )
         if req.hypo_ids is not None and req.hypo_ids.numel() > 0:
             ids = req.hypo_ids
             if ids.ndim != 1 or len(ids) != session.batch_size or ids.dtype != torch.int64:
@@ -286,6 +298,7 @@ class SpanEngine:
                 )
             if p.shape[3] != self.hidden_size:
                 raise ValueError(f"prompts must end with hidden size {self.hidden_size}, got {tuple(p.shape)}")
+        req.inputs_checked = True
 
     def _prepare(self, req: StepRequest, *, validated: bool = False) -> None:
         if not validated:
@@ -379,12 +392,15 @@ class SpanEngine:
             rows += r.rows
         return rows <= graphs.max_rows and len({id(r.session) for r in reqs}) == len(reqs)
 
-    def launch_decode(self, reqs: Sequence[StepRequest], *, validated: bool = False) -> PendingDecode:
+    def launch_decode(
+        self, reqs: Sequence[StepRequest], *, validated: bool = False, launchable: bool = False
+    ) -> PendingDecode:
         """`decode_many` in two phases: queues one merged forward of `reqs` on the device and returns at once;
         `wait()` on the result gives [B_i, 1, H] per request. ValueError unless `can_launch(reqs)`; each request
-        must be valid (`validate`; `validated=True` skips it). A later launch (or `decode_many`, `step`) may be
-        made before `wait`: it runs after this forward in stream order."""
-        if not self.can_launch(reqs):
+        must be valid (`validate`; `validated=True` skips it). `launchable=True`: the caller found `can_launch`
+        true for these requests or a set that holds them all (not checked again). A later launch (or
+        `decode_many`, `step`) may be made before `wait`: it runs after this forward in stream order."""
+        if not reqs or (not launchable and not self.can_launch(reqs)):
             raise ValueError("launch_decode takes single-token CPU steps of distinct sessions over one layer range, "
                              "on the CUDA-graph path, within one forward's rows")  # fmt: skip
         for req in reqs:

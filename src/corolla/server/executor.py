@@ -72,7 +72,7 @@ class BackwardInputs:
         return self.prompts is not None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: built per decode step, where a frozen init costs ~2 us more
 class PreparedStep:
     """A step checked and bound by its executor (`DeviceExecutor.prepare_step`), ready to be queued on the runtime
     as one task by whoever waits for it: a coroutine (`step`) or a device channel's reader thread (a callback)."""

@@ -142,6 +142,9 @@ def _copy_group(code: int, shape: tuple[int, ...], members: list[tuple[int, memo
         nbytes *= dim
     if nbytes == 0:
         return [torch.empty(shape, dtype=dtype) for _ in members]
+    if len(members) == 1:  # a lone step (most frames under light load): its own copy, no [1, ...] view to unbind
+        _, item, offset = members[0]
+        return [torch.frombuffer(bytearray(item[offset : offset + nbytes]), dtype=dtype).view(shape)]  # [*shape]
     joined = bytearray().join([item[offset : offset + nbytes] for _, item, offset in members])  # the one copy
     return list(torch.frombuffer(joined, dtype=dtype).view(len(members), *shape).unbind(0))  # n x [*shape]
 
