@@ -102,6 +102,10 @@ class StepRequest:
         self.needs_prompts = p is not None and p.numel() > 0 and p.ndim == 4 and self.position < p.shape[2]
         self.is_decode = self.num_tokens == 1 and not self.needs_prompts
 
+    def run(self) -> torch.Tensor:
+        """The step alone on its session's engine (`SpanEngine.step`): [B, T, H] -> [B, T, H]."""
+        return self.session.engine.step(self.session, self.hidden, self.position, self.hypo_ids, self.prompts)
+
 
 class SpanEngine:
     """Fast inference for one span (any `SpanModel`); every compute method must be called from one thread (the

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from functools import partial
 
 import torch
 
@@ -183,7 +182,7 @@ class FastExecutor:
                 metrics.tokens("inference", num_tokens)
 
         return PreparedStep(
-            fn=partial(self.engine.step, request.session, hidden, request.position, request.hypo_ids, request.prompts),
+            fn=request.run,  # a bound method: cheaper per step than a partial
             priority=PRIORITY_INFERENCE, size_tokens=request.rows * max(request.num_tokens, 1),
             kind=KIND_ENGINE_INFERENCE, merge_key=self._merge_key, payload=request, inline=inputs.lone_session,
             observe=observe,

@@ -466,6 +466,9 @@ class Runtime:
     def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
         self.num_tasks_done += len(batch)
+        if batch[0].future is None and all(t.future is None for t in batch):  # only callback tasks (device channels)
+            call_back(batch, results)
+            return
         if any(t.future is None for t in batch):  # callback tasks: their replies leave from this thread
             call_back(
                 [t for t in batch if t.future is None],

@@ -29,6 +29,7 @@ _STEP_HEAD = struct.Struct(">IIBH")  # handle, prefix length, lone, adapter name
 _ITEM = struct.Struct(">BII")  # a batch item: kind, request id, payload length
 _U16 = struct.Struct(">H")
 _RECORD_HEAD = struct.Struct(">BB")  # dtype code, ndim
+_SHAPES = tuple(struct.Struct(f">{ndim}I") for ndim in range(wire.MAX_TENSOR_DIMS + 1))  # a record's dims
 _REPLY_RECORDS_KEPT = 256  # distinct (dtype, shape) reply record headers cached
 
 
@@ -125,7 +126,7 @@ def _record(item: memoryview, offset: int) -> tuple[tuple[int, tuple[int, ...], 
     start = offset + 2 + 4 * ndim
     if start > len(item):
         raise wire.FrameError("a tensor record's shape runs past the step item")
-    shape = struct.unpack_from(f">{ndim}I", item, offset + 2)
+    shape = _SHAPES[ndim].unpack_from(item, offset + 2)
     nbytes = _ITEM_BYTES[code]
     for dim in shape:
         nbytes *= dim
