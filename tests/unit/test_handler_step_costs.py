@@ -2,8 +2,8 @@
 16-bit pattern, values at the float's max, inf/NaN anywhere), `is_plain_empty` against what `deserialize_tensor`
 decodes (forged, truncated, oversized records take the general path and fail with its errors), the msgpack shortcut
 for Petals' step args_structure against the general decoder under every limit, a step's metadata record against
-the general `from_dict`, and `TaskDeadline` against `asyncio.timeout_at` (expiry, moved deadlines with one timer,
-eviction, foreign cancellation)."""
+the general `from_dict`, a STEP frame's packed head against its field-by-field bytes, and `TaskDeadline` against
+`asyncio.timeout_at` (expiry, moved deadlines with one timer, eviction, foreign cancellation)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from corolla.protocol.codecs import deserialize_tensor, is_plain_empty, serializ
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.server import block_functions as bf
+from corolla.server import proxy_wire
 from corolla.server.deadlines import TaskDeadline
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -275,3 +276,22 @@ def test_step_metadata_shortcut_equals_the_general_path() -> None:
         source = {"session_id": "a", "step_id": "b", **extra}
         assert _fast_from_dict(source) == _general_from_dict(source)
     assert InferenceRequestMetadata.from_dict({"step_id": "b", "max_length": 8}).max_length == 8
+
+
+# ---- the STEP frame's head --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("adapter", ["", "lora-ä", "x" * proxy_wire.MAX_STR_BYTES])
+@pytest.mark.parametrize("lone", [False, True])
+def test_step_head_is_the_field_by_field_bytes(adapter: str, lone: bool) -> None:
+    packed = proxy_wire.Writer().step_head(7, 123456, lone, adapter)
+    fields = proxy_wire.Writer().u32(7).u32(123456).u8(lone).text(adapter)
+    assert b"".join(packed.parts) == b"".join(fields.parts)
+    reader = proxy_wire.Reader(b"".join(packed.parts))
+    assert (reader.u32(), reader.u32(), reader.u8(), reader.text()) == (7, 123456, int(lone), adapter)
+    reader.done()
+
+
+def test_step_head_refuses_an_oversized_adapter() -> None:
+    with pytest.raises(proxy_wire.FrameError, match="exceeds"):
+        proxy_wire.Writer().step_head(1, 0, False, "x" * (proxy_wire.MAX_STR_BYTES + 1))

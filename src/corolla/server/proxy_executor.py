@@ -269,7 +269,7 @@ class ProxyExecutor:
 
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
         handle = self._own(cache).handle
-        body = wire.Writer().u32(handle).u32(inputs.prefix_length).u8(inputs.lone_session).text(inputs.adapter)
+        body = wire.Writer().step_head(handle, inputs.prefix_length, inputs.lone_session, inputs.adapter)
         body.tensor(inputs.hidden_states).tensor(inputs.prompts).tensor(inputs.hypo_ids)
         return _one_tensor(await self.link.call(wire.STEP, body, batched=True))
 

@@ -55,6 +55,7 @@ _NUMPY_VIEW = {torch.bfloat16: torch.int16}
 _U8, _U32, _U64, _F64 = struct.Struct(">B"), struct.Struct(">I"), struct.Struct(">Q"), struct.Struct(">d")
 _U16 = struct.Struct(">H")
 _ITEM = struct.Struct(">BII")  # kind, request id, payload length
+_STEP_HEAD = struct.Struct(">IIBH")  # a STEP's handle, prefix length, lone session, adapter length (then its utf-8)
 _TENSOR_HEADS = tuple(struct.Struct(f">BB{ndim}I") for ndim in range(MAX_TENSOR_DIMS + 1))  # dtype code, ndim, dims
 
 
@@ -93,6 +94,15 @@ class Writer:
         if len(data) > MAX_STR_BYTES:
             raise FrameError(f"string of {len(data)} bytes exceeds {MAX_STR_BYTES}")
         self.parts.append(struct.pack(">H", len(data)) + data)
+        return self
+
+    def step_head(self, handle: int, prefix_length: int, lone_session: bool, adapter: str) -> Writer:
+        """A STEP's leading fields in one pack: `u32(handle).u32(prefix_length).u8(lone_session).text(adapter)`,
+        the same bytes (the per-step path)."""
+        data = adapter.encode()
+        if len(data) > MAX_STR_BYTES:
+            raise FrameError(f"string of {len(data)} bytes exceeds {MAX_STR_BYTES}")
+        self.parts.append(_STEP_HEAD.pack(handle, prefix_length, lone_session, len(data)) + data)
         return self
 
     def blob(self, value: bytes) -> Writer:
