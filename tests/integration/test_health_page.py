@@ -155,8 +155,11 @@ def test_page_shows_servers_then_gap(monitored_swarm):
             assert view["rows"].get(servers[2].peer_id, ["gone"])[0] in ("offline", "unreachable", "gone")
             assert [view["rows"][s.peer_id][0] for s in servers[:2]] == ["online", "online"]
             assert page.locator("section.model").get_attribute("data-state") == "broken"
-            gap_color = page.locator(".coverage .block.gap").first.evaluate(
-                "(b) => getComputedStyle(b).backgroundColor"
+            # read the colour from the element on the page now, in one evaluation: the page re-renders on each
+            # refresh, and a node detached between finding and reading it has no computed style ('')
+            gap_color = page.evaluate(
+                """() => { const b = document.querySelector('.coverage .block.gap');
+                           return b ? getComputedStyle(b).backgroundColor : 'no gap block'; }"""
             )
             assert gap_color == "rgb(209, 52, 47)"  # red
             assert external == []  # nothing loaded from outside the monitor
