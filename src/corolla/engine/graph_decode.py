@@ -123,46 +123,82 @@ def launch_graph_decode(
     `adapter_rows`: the adapters' per-row index buffer on the device where a row uses an adapter, else None.
     Writes each session's new length (the rows' keys/values are written in stream order before any later step)."""
     h = graphs.hidden.shape[1]
-    positions: list[int] = []  # [rows]
-    tables: list[torch.Tensor] = []  # [rows] x [max_pages_per_seq]
-    ids: list[int] = []  # [rows], 0 = base model
-    splits: list[int] = []
-    same_dtype = True
-    for r in group:  # one pass over the merged batch
-        same_dtype = same_dtype and r.hidden.dtype == dtype
-        splits.append(r.rows)
-        if r.rows == 1:
-            positions.append(r.position)
-            tables.append(r.session.slots[0].table)
-            ids.append(r.session.adapter_index)
-        else:
-            positions.extend([r.position] * r.rows)
-            tables.extend(slot.table for slot in r.session.slots)
-            ids.extend([r.session.adapter_index] * r.rows)
-    rows = len(positions)
+    merged = merge_rows(group, dtype)
+    rows = merged.rows
     staging.reuse()  # the set's previous forward no longer reads its inputs nor writes its output
     staged = staging.hidden[:rows]  # [rows, H]
-    if same_dtype:
+    if merged.same_dtype:
         torch.cat([r.hidden for r in group], out=staged.view(rows, 1, h))
     else:
         torch.cat([r.hidden.reshape(r.rows, h).to(dtype) for r in group], out=staged)
     graphs.hidden[:rows].copy_(staged, non_blocking=True)
-    staging.positions_np[:rows] = positions
-    torch.stack(tables, out=staging.tables[:rows])
+    stage_row_inputs(graphs, staging, merged, adapter_rows)
+    out = graphs.run(rows, group[0].session.layers, adapters=adapter_rows is not None)  # [rows, H], static buffer
+    advance_lengths(group)
+    staging.out[:rows].copy_(out, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(graphs.hidden.device))
+    return PendingDecode(staging, done, rows, merged.splits, h)  # the set's owner until its output is copied out
+
+
+@dataclass(eq=False)
+class MergedRows:
+    """A merged decode batch's per-row inputs besides the hidden states, gathered in one pass over its requests."""
+
+    positions: list[int]  # [rows]
+    tables: list[torch.Tensor]  # [rows] x [max_pages_per_seq]
+    adapter_ids: list[int]  # [rows], 0 = base model
+    splits: list[int]  # rows per request
+    same_dtype: bool  # every request's hidden states already in the engine's dtype
+    all_cpu: bool  # every request's hidden states on the CPU
+
+    @property
+    def rows(self) -> int:
+        return len(self.positions)
+
+
+def merge_rows(group: Sequence[StepRequest], dtype: torch.dtype) -> MergedRows:
+    """The rows of `group` (single-token steps; a request of B rows gives B rows) in request order."""
+    merged = MergedRows([], [], [], [], True, True)
+    for r in group:  # one pass over the merged batch
+        hidden = r.hidden
+        merged.same_dtype = merged.same_dtype and hidden.dtype == dtype
+        merged.all_cpu = merged.all_cpu and hidden.is_cpu
+        merged.splits.append(r.rows)
+        if r.rows == 1:
+            merged.positions.append(r.position)
+            merged.tables.append(r.session.slots[0].table)
+            merged.adapter_ids.append(r.session.adapter_index)
+        else:
+            merged.positions.extend([r.position] * r.rows)
+            merged.tables.extend(slot.table for slot in r.session.slots)
+            merged.adapter_ids.extend([r.session.adapter_index] * r.rows)
+    return merged
+
+
+def stage_row_inputs(
+    graphs: DecodeGraphs, staging: HostStaging, merged: MergedRows, adapter_rows: torch.Tensor | None
+) -> None:
+    """Queues the copies of the rows' positions, block tables and (where `adapter_rows`, the adapters' per-row
+    index buffer on the device, is given) adapter ids into the graphs' static inputs, through `staging`'s pinned
+    buffers (free: the caller ran `staging.reuse()`)."""
+    rows = merged.rows
+    staging.positions_np[:rows] = merged.positions
+    torch.stack(merged.tables, out=staging.tables[:rows])
     graphs.positions[:rows].copy_(staging.positions[:rows], non_blocking=True)
     graphs.block_tables[:rows].copy_(staging.tables[:rows], non_blocking=True)
     if adapter_rows is not None:
-        staging.adapter_ids_np[:rows] = ids
+        staging.adapter_ids_np[:rows] = merged.adapter_ids
         adapter_rows[:rows].copy_(staging.adapter_ids[:rows], non_blocking=True)
-    out = graphs.run(rows, group[0].session.layers, adapters=adapter_rows is not None)  # [rows, H], static buffer
+
+
+def advance_lengths(group: Sequence[StepRequest]) -> None:
+    """Each session's length after its single-token step (its key/value written in stream order before any later
+    step reads it)."""
     for req in group:
         length = req.position + 1
         for slot in req.session.slots:
             slot.length_tokens = length
-    staging.out[:rows].copy_(out, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(graphs.hidden.device))
-    return PendingDecode(staging, done, rows, splits, h)  # the set's owner until its output is copied out
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -18,7 +18,14 @@ from corolla.engine.config import EngineConfig
 from corolla.engine.cuda_graphs import DecodeGraphs
 from corolla.engine.fast_llama import FastLlamaSpan
 from corolla.engine.fast_lora import SpanAdapters
-from corolla.engine.graph_decode import HostStaging, PendingDecode, launch_graph_decode
+from corolla.engine.graph_decode import (
+    HostStaging,
+    PendingDecode,
+    advance_lengths,
+    launch_graph_decode,
+    merge_rows,
+    stage_row_inputs,
+)
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.span_model import SpanModel
 from corolla.utils.logging import get_logger
@@ -423,24 +430,11 @@ class SpanEngine:
     def _decode_group(self, group: list[StepRequest]) -> list[torch.Tensor]:
         if self.can_launch(group):  # the graph path with CPU inputs: launch, then wait at once
             return self._launch_group(group).wait()
-        h, dtype = self.hidden_size, self.dtype
-        positions: list[int] = []  # [rows]
-        tables: list[torch.Tensor] = []  # [rows] x [max_pages_per_seq]
-        ids: list[int] = []  # [rows], 0 = base model
-        all_cpu = same_dtype = True  # every hidden on the CPU / in the engine's dtype
-        for r in group:  # one pass over the merged batch
-            hidden = r.hidden
-            all_cpu = all_cpu and hidden.is_cpu
-            same_dtype = same_dtype and hidden.dtype == dtype
-            if r.rows == 1:
-                positions.append(r.position)
-                tables.append(r.session.slots[0].table)
-                ids.append(r.session.adapter_index)
-            else:
-                positions.extend([r.position] * r.rows)
-                tables.extend(slot.table for slot in r.session.slots)
-                ids.extend([r.session.adapter_index] * r.rows)
-        rows = len(positions)
+        h = self.hidden_size
+        merged = merge_rows(group, self.dtype)
+        positions, tables, ids = merged.positions, merged.tables, merged.adapter_ids
+        all_cpu, same_dtype = merged.all_cpu, merged.same_dtype
+        rows = merged.rows
         adapted = any(ids)  # no row on an adapter: the step skips the adapters entirely
         if self.graphs is not None and rows <= self.graphs.max_rows:  # inputs on the device (CPU ones launch)
             g = self.graphs
@@ -448,13 +442,8 @@ class SpanEngine:
             staging = self._staging[self._next_staging]
             self._next_staging = 1 - self._next_staging
             staging.reuse()  # no queued copy of a launched forward reads it any more
-            staging.positions_np[:rows] = positions
-            torch.stack(tables, out=staging.tables[:rows])
-            g.positions[:rows].copy_(staging.positions[:rows], non_blocking=True)
-            g.block_tables[:rows].copy_(staging.tables[:rows], non_blocking=True)
-            if self.adapters is not None and adapted:
-                staging.adapter_ids_np[:rows] = ids
-                self.adapters.row_ids[:rows].copy_(staging.adapter_ids[:rows], non_blocking=True)
+            adapter_rows = self.adapters.row_ids if self.adapters is not None and adapted else None
+            stage_row_inputs(g, staging, merged, adapter_rows)
             staging.done = torch.cuda.Event()
             staging.done.record(torch.cuda.current_stream(self.device))  # the set's copies above
             out = g.run(rows, group[0].session.layers, adapters=adapted)  # [rows, H], static buffer
@@ -473,16 +462,13 @@ class SpanEngine:
                 selected = self.adapters.decode_rows(adapted)
             with selected:
                 out = self.model.decode(hidden, pos, tab, self.pool, group[0].session.layers)  # [rows, H]
-        for req in group:
-            length = req.position + 1
-            for slot in req.session.slots:
-                slot.length_tokens = length
+        advance_lengths(group)
         if self.device.type == "cuda" and all_cpu:
             out = out.cpu()  # CPU callers (eager path: no CUDA graphs)
         elif self.device.type == "cuda":
             out = out.clone()  # the graph's static output is reused by the next replay
         # one split into views: [rows, H] -> [B_i, 1, H] per request
-        pieces = out.view(rows, 1, h).split([r.rows for r in group])
+        pieces = out.view(rows, 1, h).split(merged.splits)
         if all_cpu and out.device.type == "cpu":
             return list(pieces)
         return [p if p.device == r.hidden.device else p.to(r.hidden.device) for p, r in zip(pieces, group, strict=True)]
