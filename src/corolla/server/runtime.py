@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -410,12 +410,7 @@ class Runtime:
                 if launched.handle is None:
                     assert launched.error is not None
                     raise launched.error
-                outputs = launched.handle.wait()
-                if len(outputs) != len(batch):
-                    raise RuntimeError(
-                        f"Batch launcher for {batch[0].kind!r} returned {len(outputs)} results for {len(batch)} tasks"
-                    )
-                results = [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
+                results = _per_task(batch, launched.handle.wait(), "launcher")
             except Exception as e:
                 logger.warning(f"runtime.task_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
                 results = [(None, e)] * len(batch)
@@ -434,21 +429,14 @@ class Runtime:
         started = time.perf_counter()
         try:
             executor = self._batch_executors.get(batch[0].kind) if batch[0].merge_key is not None else None
-            if executor is None:
-                outputs: list[Any] = [batch[0].fn()]
-            else:
-                outputs = executor(batch)
-                if len(outputs) != len(batch):
-                    raise RuntimeError(
-                        f"Batch executor for {batch[0].kind!r} returned {len(outputs)} results for {len(batch)} tasks"
-                    )
+            results = _per_task(batch, [batch[0].fn()] if executor is None else executor(batch), "executor")
         except Exception as e:
             logger.warning(f"runtime.task_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
             logger.debug("runtime.task_failed traceback", exc_info=True)
             return [(None, e)] * len(batch)
         finally:
             self._account(batch[0].kind, len(batch), time.perf_counter() - started)
-        return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
+        return results
 
     def _account(self, kind: str, num_tasks: int, elapsed_s: float) -> None:
         """Adds a batch to its kind's totals and tells the observers (with `_executing` held)."""
@@ -490,3 +478,13 @@ class Runtime:
                 loop.call_soon_threadsafe(resolve_all, items)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
+
+
+def _per_task(batch: list[Task], outputs: Sequence[Any], source: str) -> list[tuple[Any, BaseException | None]]:
+    """(result, error) per task from a batch's outputs (an exception instance fails only its task); RuntimeError
+    if the executor or launcher (`source`) gave another count than the batch's."""
+    if len(outputs) != len(batch):
+        raise RuntimeError(
+            f"Batch {source} for {batch[0].kind!r} returned {len(outputs)} results for {len(batch)} tasks"
+        )
+    return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
