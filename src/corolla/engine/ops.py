@@ -400,6 +400,10 @@ class DecodeOps:
                 q, k_cache, v_cache, block_tables, seq_lens, scale, splits,
                 alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=alibi.mode,
             )  # fmt: skip
+        if q.is_cpu:
+            from corolla.engine.cpu_attention import paged_decode_attention_cpu
+
+            return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)
 
     def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
