@@ -110,14 +110,18 @@ class DecodeGraphs:
             if self.adapters is not None:
                 self.adapters.row_ids[start:stop].zero_()
 
-    def run(self, rows: int, layers: tuple[int, int] | None = None, *, adapters: bool = False) -> torch.Tensor:
+    def run(
+        self, rows: int, layers: tuple[int, int] | None = None, *, adapters: bool = False, reset: bool = True
+    ) -> torch.Tensor:
         """Replays layers [first, end) (default: all) for `rows` live rows, with each row's adapter when `adapters`
         (the caller filled `self.adapters.row_ids[:rows]`); returns the static output [rows, H] (valid until the
-        next run)."""
+        next run). `reset=False`: the caller also filled the bucket's rows past `rows` (position 0, every table entry
+        `TRASH_PAGE`, adapter id 0 where `adapters`), so they are not reset here."""
         first, end = layers or (0, self.model.num_layers)
         key = (first, end, self.bucket_for(rows), adapters)
         if key not in self._graphs:
             self._capture(key)
-        self._reset_rows(rows, key[2])
+        if reset:
+            self._reset_rows(rows, key[2])
         self._graphs[key].replay()
         return self._outputs[key][:rows]

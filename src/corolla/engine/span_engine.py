@@ -22,6 +22,7 @@ from corolla.engine.graph_decode import (
     HostStaging,
     PendingDecode,
     advance_lengths,
+    host_bytes,
     launch_graph_decode,
     merge_rows,
     stage_row_inputs,
@@ -53,6 +54,7 @@ class EngineSession:
     ):
         self.engine = engine
         self.slots = slots
+        self.table_rows = [host_bytes(slot.table) for slot in slots]  # each block table's bytes, staged per step
         self.batch_size = len(slots)
         self.max_length_tokens = max_length_tokens
         self.layers = layers
@@ -92,6 +94,9 @@ class StepRequest:
     position: int
     hypo_ids: torch.Tensor | None = None
     prompts: torch.Tensor | None = None
+    # `hidden`'s bytes in C order where the caller has them (a device channel's frame copy, which `hidden` views):
+    # a launched forward stages them with one memcpy instead of a torch copy (length checked by `check_inputs`)
+    hidden_bytes: memoryview | None = None
     # derived once (read many times per batched step)
     rows: int = field(init=False)
     num_tokens: int = field(init=False)
@@ -292,6 +297,10 @@ class SpanEngine:
             )
         if not hidden.is_floating_point():
             raise ValueError(f"hidden states must be floating point, got {hidden.dtype}")
+        raw = req.hidden_bytes
+        if raw is not None and (raw.nbytes != shape[0] * shape[1] * shape[2] * hidden.dtype.itemsize
+                                or raw.ndim != 1 or raw.format != "B"):  # fmt: skip
+            raise ValueError(f"hidden states' bytes must be {tuple(shape)} {hidden.dtype} flat, got {raw.nbytes} bytes")
         if req.hypo_ids is not None and req.hypo_ids.numel() > 0:
             ids = req.hypo_ids
             if ids.ndim != 1 or len(ids) != session.batch_size or ids.dtype != torch.int64:
@@ -432,21 +441,23 @@ class SpanEngine:
             return self._launch_group(group).wait()
         h = self.hidden_size
         merged = merge_rows(group, self.dtype)
-        positions, tables, ids = merged.positions, merged.tables, merged.adapter_ids
+        positions, ids = merged.positions, merged.adapter_ids
         all_cpu, same_dtype = merged.all_cpu, merged.same_dtype
         rows = merged.rows
         adapted = any(ids)  # no row on an adapter: the step skips the adapters entirely
         if self.graphs is not None and rows <= self.graphs.max_rows:  # inputs on the device (CPU ones launch)
             g = self.graphs
-            g.hidden[:rows].copy_(torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group]))
             staging = self._staging[self._next_staging]
             self._next_staging = 1 - self._next_staging
             staging.reuse()  # no queued copy of a launched forward reads it any more
+            views = staging.row_views(g, rows)
+            views.graph_hidden.copy_(
+                torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
+            )
             adapter_rows = self.adapters.row_ids if self.adapters is not None and adapted else None
-            stage_row_inputs(g, staging, merged, adapter_rows)
-            staging.done = torch.cuda.Event()
-            staging.done.record(torch.cuda.current_stream(self.device))  # the set's copies above
-            out = g.run(rows, group[0].session.layers, adapters=adapted)  # [rows, H], static buffer
+            stage_row_inputs(staging, views, merged, adapter_rows)  # the whole bucket: no reset in `run`
+            staging.mark(torch.cuda.current_stream(self.device))  # the set's copies above
+            out = g.run(rows, group[0].session.layers, adapters=adapted, reset=False)  # [rows, H], static buffer
         else:
             on_device = all_cpu if self.device.type == "cpu" else all(r.hidden.device == self.device for r in group)
             if same_dtype and on_device:
@@ -455,7 +466,7 @@ class SpanEngine:
                 hidden = torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
             needed_pages = max(positions) // self.pool.page_size_tokens + 1  # eager path: attend to used pages only
-            tab = torch.stack(tables)[:, :needed_pages].to(self.device)
+            tab = merged.tables()[:, :needed_pages].to(self.device)
             selected: contextlib.AbstractContextManager = contextlib.nullcontext()
             if self.adapters is not None:
                 self.adapters.row_ids[:rows].copy_(torch.tensor(ids, dtype=torch.long))

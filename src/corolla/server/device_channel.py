@@ -310,7 +310,7 @@ class DeviceChannel:
         lone = step.lone and self.admission.num_open <= 1  # alone in this process and in all of them
         assert held.cache is not None
         prepared = self.executor.prepare_step(held.cache, StepInputs(hidden, step.prefix_length, step.prompts,
-                                                                     step.hypo_ids, step.adapter, lone_session=lone))  # fmt: skip
+                                                                     step.hypo_ids, step.adapter, lone, step.raw))  # fmt: skip
         shape = hidden.shape
         done = partial(self._step_done, step.request_id, held.ticket, shape[0] * shape[1], prepared.observe,
                        time.perf_counter())  # fmt: skip

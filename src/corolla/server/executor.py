@@ -47,6 +47,9 @@ class StepInputs:
     hypo_ids: torch.Tensor | None  # int64 [B] with values in [0, B): reorder the cache first; None = keep
     adapter: str  # "" = the base model
     lone_session: bool  # no other session is open: an idle runtime may run the step inline
+    # the hidden states' bytes in C order, flat, where the caller holds them (a device channel's frame copy, which
+    # `hidden_states` views): the fast path stages a launched forward's rows from them with one memcpy each
+    hidden_bytes: memoryview | None = None
 
 
 @dataclass(frozen=True)

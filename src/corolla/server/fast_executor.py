@@ -168,7 +168,9 @@ class FastExecutor:
         own = self._own(cache)
         self.engine.bind_adapter(own.session, inputs.adapter)  # ValueError: unknown, or not the session's adapter
         hidden = inputs.hidden_states  # [B, T, H]
-        request = StepRequest(own.session, hidden, inputs.prefix_length, inputs.hypo_ids, inputs.prompts)
+        request = StepRequest(
+            own.session, hidden, inputs.prefix_length, inputs.hypo_ids, inputs.prompts, inputs.hidden_bytes
+        )
         # ValueError (refused here, before it is queued) for inputs this engine can't run; the device thread then
         # checks only the session's state (`SpanEngine.validate`)
         self.engine.check_inputs(request)

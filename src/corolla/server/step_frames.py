@@ -45,6 +45,7 @@ class ParsedStep:
     hidden: torch.Tensor | None
     prompts: torch.Tensor | None
     hypo_ids: torch.Tensor | None
+    raw: memoryview | None = None  # the hidden states' bytes (what `hidden` views), flat
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +73,11 @@ def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
             groups.setdefault((code, shape), []).append((len(out), item, offset))
         out.append(step)
     for (code, shape), members in groups.items():
-        for index, tensor in zip((m[0] for m in members), _copy_group(code, shape, members), strict=True):
+        tensors, raws = _copy_group(code, shape, members)
+        for (index, _, _), tensor, raw in zip(members, tensors, raws, strict=True):
             parsed = out[index]
             assert isinstance(parsed, ParsedStep)
-            parsed.hidden = tensor
+            parsed.hidden, parsed.raw = tensor, raw
     return out
 
 
@@ -84,7 +86,8 @@ def parse_step(request_id: int, payload: memoryview) -> ParsedStep:
     step, hidden_at = _parse_item(request_id, payload)
     if hidden_at is not None:
         code, shape, offset = hidden_at
-        step.hidden = _copy_group(code, shape, [(0, payload, offset)])[0]
+        tensors, raws = _copy_group(code, shape, [(0, payload, offset)])
+        step.hidden, step.raw = tensors[0], raws[0]
     return step
 
 
@@ -135,19 +138,25 @@ def _record(item: memoryview, offset: int) -> tuple[tuple[int, tuple[int, ...], 
     return (code, shape, start), start + nbytes
 
 
-def _copy_group(code: int, shape: tuple[int, ...], members: list[tuple[int, memoryview, int]]) -> list[torch.Tensor]:
-    """One writable copy of the group's tensors (bounds checked by `_record`): [n, *shape] -> n views [*shape]."""
+def _copy_group(
+    code: int, shape: tuple[int, ...], members: list[tuple[int, memoryview, int]]
+) -> tuple[list[torch.Tensor], list[memoryview | None]]:
+    """One writable copy of the group's tensors (bounds checked by `_record`): [n, *shape] -> n views [*shape], and
+    each one's bytes in that copy (flat memoryviews: a launched forward stages them without a torch call)."""
     dtype = _DTYPES[code]
     nbytes = _ITEM_BYTES[code]
     for dim in shape:
         nbytes *= dim
     if nbytes == 0:
-        return [torch.empty(shape, dtype=dtype) for _ in members]
+        return [torch.empty(shape, dtype=dtype) for _ in members], [None] * len(members)
     if len(members) == 1:  # a lone step (most frames under light load): its own copy, no [1, ...] view to unbind
         _, item, offset = members[0]
-        return [torch.frombuffer(bytearray(item[offset : offset + nbytes]), dtype=dtype).view(shape)]  # [*shape]
+        copy = bytearray(item[offset : offset + nbytes])
+        return [torch.frombuffer(copy, dtype=dtype).view(shape)], [memoryview(copy)]  # [*shape]
     joined = bytearray().join([item[offset : offset + nbytes] for _, item, offset in members])  # the one copy
-    return list(torch.frombuffer(joined, dtype=dtype).view(len(members), *shape).unbind(0))  # n x [*shape]
+    data = memoryview(joined)
+    raws: list[memoryview | None] = [data[i * nbytes : (i + 1) * nbytes] for i in range(len(members))]
+    return list(torch.frombuffer(joined, dtype=dtype).view(len(members), *shape).unbind(0)), raws  # n x [*shape]
 
 
 def reply_frames(
