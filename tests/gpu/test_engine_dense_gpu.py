@@ -2,8 +2,10 @@
 Falcon-40B-style GQA (`ln_attn` + `ln_mlp`), ALiBi Falcon (sequential, biases) and BLOOM, the engine (Triton
 ALiBi attention, tuned projections, CUDA graphs) equals our blocks' own cached forward, the graphed decode step
 equals the eager one at ragged lengths, merged sessions equal each session alone; and the Triton ALiBi attention
-equals its reference at Falcon-7B (71 query heads, one KV head) and BLOOM (32 heads of 128) widths. Skipped
-without CUDA."""
+equals its reference at Falcon-7B (71 query heads, one KV head) and BLOOM (32 heads of 128) widths; the fused
+residual add + LayerNorm kernel equals its torch reference at both widths, cuBLASLt's bias + tanh-GELU epilogue
+equals the projection then GELU where it computes the tanh GELU, and BLOOM's tuning times it and the step agrees
+either way. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as tf
 
 from corolla.engine import EngineConfig, SpanEngine
@@ -145,3 +148,57 @@ def test_triton_alibi_attention_at_model_widths(nq: int, nkv: int, d: int, mode:
             q, kc, vc, tables, lens, scale, splits, alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=mode
         )
         assert rel_err(out, ref) < 1e-2, splits
+
+
+@pytest.mark.parametrize("cols", [4096, 4544])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_fused_add_layer_norm_at_model_widths(cols: int, rows: int) -> None:
+    from corolla.engine import dense_kernels
+    from corolla.engine.dense_ops import add_layer_norm_ref
+
+    torch.manual_seed(cols + rows)
+    a, b, res = (torch.randn(rows, cols, device=DEV, dtype=BF16) * s for s in (1.0, 0.5, 4.0))
+    w = torch.randn(cols, device=DEV, dtype=BF16) * 0.2 + 1.0
+    nb = torch.randn(cols, device=DEV, dtype=BF16) * 0.1
+    for args in ((a, b, res, w, nb), (a, None, res, w, nb), (None, None, res, w, nb), (a, b, res, None, None)):
+        h, normed = dense_kernels.add_layer_norm(*args, 1e-5)
+        h_ref, normed_ref = add_layer_norm_ref(*args, 1e-5)
+        assert torch.equal(h, h_ref)  # sums rounded as torch rounds them
+        if normed_ref is None:
+            assert normed is None
+        else:
+            assert normed is not None
+            assert (normed.float() - normed_ref.float()).abs().max() <= 2 * normed_ref.float().abs().max() * 2**-8
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_gelu_epilogue_matches_projection_then_gelu(rows: int) -> None:
+    from corolla.engine.dense_ops import DenseOps
+
+    torch.manual_seed(rows)
+    ops = DenseOps(DEV, 128, use_triton=True)
+    w = torch.randn(16384, 4096, device=DEV, dtype=BF16) * 0.02
+    bias = torch.randn(16384, device=DEV, dtype=BF16) * 0.1
+    x = torch.randn(rows, 4096, device=DEV, dtype=BF16)
+    ref = F.gelu(F.linear(x.float(), w.float(), bias.float()), approximate="tanh")
+    if not ops._epilogue_is_tanh_gelu(w, rows):
+        pytest.skip(f"cuBLAS's GELU epilogue is not the tanh GELU at {rows} rows: the step keeps two kernels")
+    assert rel_err(ops.up_gelu(x, w, bias), ref) < 1e-2
+    assert rel_err(F.gelu(F.linear(x, w, bias), approximate="tanh"), ref) < 1e-2
+
+
+@torch.no_grad()
+def test_bloom_tune_times_the_gelu_epilogue_and_the_step_stays_equal() -> None:
+    blocks = make_blocks("bloom")
+    engine = make_engine(blocks)
+    assert isinstance(engine.model, FastDenseSpan)
+    report = engine.warmup()
+    gelu = report["up_gelu"]
+    assert gelu["best"] in ("separate", "epilogue") and gelu["separate_us"] > 0
+    assert engine.model.dense.gelu_epilogue == (gelu["best"] == "epilogue")
+    prompt, token = torch.randn(1, 40, H, dtype=BF16), torch.randn(1, 1, H, dtype=BF16)
+    with_choice = _prefill_then_tokens(engine, prompt, [token])[1]
+    engine.model.dense.gelu_epilogue = not engine.model.dense.gelu_epilogue
+    engine.graphs.clear()
+    other = _prefill_then_tokens(engine, prompt, [token])[1]
+    assert rel_err(with_choice, other) < 1e-2

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from corolla.engine.dense_ops import DenseOps
 from corolla.engine.fast_llama import Weight, _projection_weight
 from corolla.engine.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.ops import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi, DecodeOps, _quant_key
@@ -34,6 +35,8 @@ DENSE_MODEL_TYPES = ("falcon", "bloom")
 ALIBI_PREFILL_MASK_ELEMENTS = 1 << 26
 _GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
 _GELU_APPROXIMATION["bloom_gelu"] = "tanh"
+# row counts at which cuBLASLt's GELU epilogue must be the tanh GELU before the decode step uses it
+GELU_PROBE_ROWS = (1, 2, 3, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,7 @@ class FastDenseSpan(ChunkedPrefill):
         self.ops = DecodeOps(
             self.device, spec.head_dim, use_triton=use_triton, attention_splits_max=attention_splits_max
         )
+        self.dense = DenseOps(self.device, spec.head_dim, use_triton=use_triton)
 
     @property
     def num_layers(self) -> int:
@@ -158,27 +162,36 @@ class FastDenseSpan(ChunkedPrefill):
         return sum(layer.nbytes() for layer in self.layers)
 
     def tune(self) -> dict:
-        """Times cuBLAS against the fused Triton GEMVs for the bias-free dense projections (Falcon) and picks the
-        quantized kernels of NF4/Int8 projections (CUDA + Triton only)."""
+        """Times cuBLAS against the fused Triton GEMVs for the bias-free dense projections (Falcon; a decode step's
+        projections add no residual: `DenseOps.add_norm` does), picks the quantized kernels of NF4/Int8 projections,
+        and times the up projection with its bias and tanh GELU in cuBLASLt's epilogue (BLOOM) against the two
+        kernels (CUDA + Triton only)."""
         slots: dict[tuple[int, int, str, bool], list[tuple]] = {}
         quantized: dict[tuple[str, int, int], list] = {}
+        ups: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in self.layers:
-            for w, bias, has_res in (
-                (layer.w_qkv, layer.b_qkv, False),
-                (layer.w_o, layer.b_o, True),
-                (layer.w_up, layer.b_up, False),
-                (layer.w_down, layer.b_down, True),
+            for w, bias in (
+                (layer.w_qkv, layer.b_qkv),
+                (layer.w_o, layer.b_o),
+                (layer.w_up, layer.b_up),
+                (layer.w_down, layer.b_down),
             ):
                 if isinstance(w, NF4Weight | Int8Weight):
                     quantized.setdefault(_quant_key(w), []).append(w)
                 elif bias is None:
-                    slots.setdefault((w.shape[0], w.shape[1], "none", has_res), []).append((w, None))
+                    slots.setdefault((w.shape[0], w.shape[1], "none", False), []).append((w, None))
+            if isinstance(layer.w_up, torch.Tensor) and layer.b_up is not None:
+                ups.append((layer.w_up, layer.b_up))
         report = self.ops.tune_linear(slots, 0.0)
         for key, r in report.items():
             logger.info(f"fast_dense.tune(slot={key}, best={r['best']}, us={r['best_us']:.1f})")
         quant_report = self.ops.tune_quantized(quantized)
         for key, r in quant_report.items():
             logger.info(f"fast_dense.tune_quantized(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
+        if self.dense.use_triton and self.spec.gelu_approximate == "tanh" and len(ups) == len(self.layers):
+            gelu = self.dense.tune_gelu(ups, GELU_PROBE_ROWS)
+            logger.info(f"fast_dense.tune_gelu(best={gelu['best']}, us={gelu['best_us']:.1f})")
+            report["up_gelu"] = gelu
         return {**report, **quant_report}
 
     # ------------------------------------------------------------------------------------------ construction
@@ -229,13 +242,39 @@ class FastDenseSpan(ChunkedPrefill):
         return pages * page + positions % page
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
-        assert w is not None  # checked in __init__ (sequential layers) or chosen by the caller (parallel)
-        return self.ops.layer_norm(x, w, b, self.spec.layer_norm_eps)
+        assert w is not None and b is not None  # checked in __init__ (sequential layers) or chosen by the caller
+        return self.dense.layer_norm(x, w, b, self.spec.layer_norm_eps)
+
+    def _mlp_act(self, w: DenseLayerWeights, x: torch.Tensor) -> torch.Tensor:
+        # x [N, H] normed -> gelu(up(x)) [N, I]; bias and tanh GELU in the GEMM epilogue where tune() chose it
+        if self.dense.gelu_epilogue and isinstance(w.w_up, torch.Tensor) and w.b_up is not None:
+            return self.dense.up_gelu(x, w.w_up, w.b_up)
+        return self.ops.gelu(self.ops.linear(x, w.w_up, w.b_up), self.spec.gelu_approximate)
 
     def _mlp(self, w: DenseLayerWeights, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # x [N, H] normed -> residual + down(gelu(up(x))) [N, H]
-        act = self.ops.gelu(self.ops.linear(x, w.w_up, w.b_up), self.spec.gelu_approximate)  # [N, I]
-        return self.ops.linear(act, w.w_down, w.b_down, residual=residual)
+        return self.ops.linear(self._mlp_act(w, x), w.w_down, w.b_down, residual=residual)
+
+    def _decode_tail(
+        self, w: DenseLayerWeights, h: torch.Tensor, x: torch.Tensor, attn: torch.Tensor, nxt: DenseLayerWeights | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # h [N, H] layer input, x [N, H] its ln1, attn [N, nq D] -> (the layer's output [N, H], its LayerNorm by the
+        # next layer's ln1 or None for the span's last layer). Projections add no residual: each residual add runs
+        # with the LayerNorm after it in one kernel, rounded as the blocks round (Falcon: h + (mlp + attention)).
+        s, eps = self.spec, self.spec.layer_norm_eps
+        o = self.ops.linear(attn, w.w_o, w.b_o)  # [N, H]
+        if s.parallel_attn:
+            x_mlp = x if w.ln2_w is None else self._norm(h, w.ln2_w, w.ln2_b)
+            d = self.ops.linear(self._mlp_act(w, x_mlp), w.w_down, w.b_down)  # [N, H]
+            a, b, res = d, o, h
+        else:
+            assert w.ln2_w is not None and w.ln2_b is not None  # checked in __init__
+            h, x2 = self.dense.add_norm(o, None, x if s.residual_after_norm else h, w.ln2_w, w.ln2_b, eps)
+            d = self.ops.linear(self._mlp_act(w, x2), w.w_down, w.b_down)  # [N, H]
+            a, b, res = d, None, x2 if s.residual_after_norm else h
+        if nxt is None:
+            return self.dense.add(a, b, res), None
+        return self.dense.add_norm(a, b, res, nxt.ln1_w, nxt.ln1_b, eps)
 
     def _after_attention(self, w: DenseLayerWeights, h: torch.Tensor, x: torch.Tensor, attn: torch.Tensor):
         # h [N, H] layer input, x [N, H] its norm (ln1), attn [N, nq D] -> the layer's output [N, H]
@@ -265,9 +304,10 @@ class FastDenseSpan(ChunkedPrefill):
         slots = self.slots_for(block_tables, positions, pool.page_size_tokens)  # [B]
         h = hidden
         start, end = layers or (0, self.num_layers)
+        x: torch.Tensor | None = self._norm(h, self.layers[start].ln1_w, self.layers[start].ln1_b)  # [B, H]
         for i in range(start, end):
             w = self.layers[i]
-            x = self._norm(h, w.ln1_w, w.ln1_b)  # [B, H]
+            assert x is not None  # each layer but the last returns the next layer's normed input
             qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq+2nkv)D]
             q = self.ops.rope_and_store(
                 qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
@@ -276,7 +316,8 @@ class FastDenseSpan(ChunkedPrefill):
             attn = self.ops.paged_decode_attention(
                 q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale, self.alibi
             )  # [B, nq, D]
-            h = self._after_attention(w, h, x, attn.reshape(b, s.q_size))
+            nxt = self.layers[i + 1] if i + 1 < end else None
+            h, x = self._decode_tail(w, h, x, attn.reshape(b, s.q_size), nxt)
         return h
 
     def _prefill_chunk(
