@@ -62,6 +62,20 @@ def test_reply_bytes_of_a_forwards_views_are_read_in_place(dtype: torch.dtype, m
     assert step_frames.reply_frames(results, head, 1 << 20) == expected
 
 
+def test_a_run_of_adjacent_outputs_stops_at_its_storages_end() -> None:
+    # two storages side by side in one buffer (as frame copies can be): the second tensor's address follows the
+    # first's, but a view of the first storage may not reach into the second
+    data = bytearray(torch.randn(3, 16).numpy().tobytes())
+    view = memoryview(data)
+    first = torch.frombuffer(view[: 2 * 64], dtype=torch.float32).view(2, 1, 16).split(1)  # a storage of 2 rows
+    second = torch.frombuffer(view[2 * 64 :], dtype=torch.float32).view(1, 1, 16)  # the next row, its own storage
+    assert second.data_ptr() == first[1].data_ptr() + 64
+    assert second.untyped_storage().data_ptr() != first[0].untyped_storage().data_ptr()
+    results: list[tuple[int, torch.Tensor | BaseException]] = [(1, first[0]), (2, first[1]), (3, second)]
+    head = b"".join(_state().parts)
+    assert step_frames.reply_frames(results, head, 1 << 20) == _reference(results, 1 << 20)
+
+
 def _step_body(handle: int, hidden: torch.Tensor | None, *, prompts=None, hypo_ids=None, adapter="") -> wire.Writer:
     return wire.Writer().u32(handle).u32(5).u8(1).text(adapter).tensor(hidden).tensor(prompts).tensor(hypo_ids)
 

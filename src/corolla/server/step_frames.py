@@ -209,8 +209,9 @@ def reply_frames(
             body = wire.encode_error(result)
             encoded.append((wire.REPLY_ERROR, request_id, body.parts, body.nbytes()))
             continue
-        if result.is_cpu and result.dtype in _CODES and 0 < result.dim() <= wire.MAX_TENSOR_DIMS:
-            groups.setdefault((result.dtype, tuple(result.shape)), []).append((len(encoded), result))
+        dims: tuple[int, ...] = result.shape  # a torch.Size: a tuple, no copy
+        if result.is_cpu and result.dtype in _CODES and 0 < len(dims) <= wire.MAX_TENSOR_DIMS:
+            groups.setdefault((result.dtype, dims), []).append((len(encoded), result))
         else:  # elsewhere than the CPU, or a dtype the channel can't carry (the writer raises FrameError for it)
             body = wire.Writer().u8(1).tensor(result)
             encoded.append((wire.REPLY_TENSORS, request_id, body.parts, body.nbytes()))
@@ -282,16 +283,17 @@ def _group_bytes(dtype: torch.dtype, tensors: list[torch.Tensor], nbytes: int) -
     while start < len(tensors):
         first = tensors[start]
         end = start + 1
-        if first.is_contiguous():
-            storage, ptr = first.untyped_storage().data_ptr(), first.data_ptr()
+        contiguous = first.is_contiguous()
+        if contiguous:
+            ptr, storage = first.data_ptr(), first.untyped_storage()
+            # a run never reads past the first tensor's storage: what lies inside it, at the next tensor's address,
+            # is that tensor's memory (live allocations don't overlap), so one storage check per run suffices
+            limit = min(len(tensors), start + (storage.data_ptr() + storage.nbytes() - ptr) // nbytes)
             while (
-                end < len(tensors)
-                and tensors[end].data_ptr() == ptr + (end - start) * nbytes
-                and tensors[end].is_contiguous()
-                and tensors[end].untyped_storage().data_ptr() == storage
+                end < limit and tensors[end].data_ptr() == ptr + (end - start) * nbytes and tensors[end].is_contiguous()
             ):
                 end += 1
-        if first.is_contiguous():  # [n, numel] over the run's storage, no copy
+        if contiguous:  # [n, numel] over the run's storage, no copy
             run = first.detach().as_strided((end - start, numel), (numel, 1), first.storage_offset())
             data = _raw(dtype, run)
             for k in range(start, end):
