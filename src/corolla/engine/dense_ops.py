@@ -96,7 +96,7 @@ class DenseOps:
         per_call = 1000 / len(items)
         report = {"best": "separate", "best_us": separate * per_call, "separate_us": separate * per_call}
         try:
-            other_rows = [r for r in probe_rows if not self._epilogue_is_tanh_gelu(w0, r)]
+            other_rows = self.rows_without_tanh_gelu(w0, probe_rows)
             fused = _graph_median_ms(lambda: [self.up_gelu(x, w, b) for w, b in items], reps)
         except RuntimeError as e:  # an epilogue this cuBLAS cannot run or capture: keep the separate kernels
             logger.warning(f"dense_ops.gelu_epilogue_unavailable(error={str(e)[:200]})")
@@ -110,15 +110,22 @@ class DenseOps:
             report.update(best="epilogue", best_us=fused * per_call)
         return report
 
-    def _epilogue_is_tanh_gelu(self, weight: torch.Tensor, rows: int) -> bool:
-        """Whether `up_gelu` on `rows` rows computes the tanh GELU: an identity weight of `weight`'s shape on inputs
-        in [-4, -2], where the tanh and erf forms differ by ~10% (far above one bf16 rounding)."""
+    def rows_without_tanh_gelu(self, weight: torch.Tensor, probe_rows: Sequence[int]) -> list[int]:
+        """The row counts of `probe_rows` at which `up_gelu` does not compute the tanh GELU (torch's CPU version and
+        some fallbacks compute the erf form): an identity weight of `weight`'s shape on inputs in [-4, -2], where
+        the two forms differ by ~10% (far above one bf16 rounding)."""
         i, k = weight.shape
         n = min(i, k)
         eye = torch.eye(i, k, device=weight.device, dtype=weight.dtype)  # [I, K]
-        x = torch.linspace(-4.0, -2.0, k, device=weight.device).to(weight.dtype).expand(rows, k).contiguous()
-        got = self.up_gelu(x, eye, torch.zeros(i, device=weight.device, dtype=weight.dtype))[:, :n].float()
-        xs = x[:, :n].float()  # [rows, n]
-        tanh_err = float((got - F.gelu(xs, approximate="tanh")).abs().max())
-        erf_err = float((got - F.gelu(xs)).abs().max())
-        return tanh_err * 4 < erf_err
+        zeros = torch.zeros(i, device=weight.device, dtype=weight.dtype)
+        line = torch.linspace(-4.0, -2.0, k, device=weight.device).to(weight.dtype)  # [K]
+        other = []
+        for rows in probe_rows:
+            x = line.expand(rows, k).contiguous()  # [rows, K]
+            got = self.up_gelu(x, eye, zeros)[:, :n].float()  # [rows, n]
+            xs = x[:, :n].float()
+            tanh_err = float((got - F.gelu(xs, approximate="tanh")).abs().max())
+            erf_err = float((got - F.gelu(xs)).abs().max())
+            if not tanh_err * 4 < erf_err:
+                other.append(rows)
+        return other
