@@ -1,8 +1,9 @@
-"""The Falcon/BLOOM decode step's fused residual-add + LayerNorm kernel (`engine.dense_kernels`) against its torch
-reference (`dense_ops.add_layer_norm_ref`): no addend (a plain LayerNorm), one addend (BLOOM's residual), two
-addends summed first (Falcon's parallel attention + MLP), with and without the norm, in fp32 and bf16 (the sums
-rounded as torch rounds them), at a width that is not a power of two and with strided rows; and `DenseOps` choosing
-the reference without Triton. Runs on CUDA, or on CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton
+"""The Falcon/BLOOM decode step's Triton kernels (`engine.dense_kernels`) against their torch references
+(`dense_ops`): the fused residual add + LayerNorm with no addend (a plain LayerNorm), one addend (BLOOM's residual)
+or two summed first (Falcon's parallel attention + MLP), with and without the norm, in fp32 and bf16 (the sums
+rounded as torch rounds them), at a width that is not a power of two and with strided rows; the step's KV slots and
+lengths at 0 to 40 rows; the span's decode wired through both (CPU interpreter run); and `DenseOps` choosing the
+references without Triton. Runs on CUDA, or on CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton
 importable); the reference tests run everywhere."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.dense_ops import DenseOps, add_layer_norm_ref
+from corolla.engine.dense_ops import DenseOps, add_layer_norm_ref, decode_slots_ref
 
 TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,6 +91,31 @@ def test_add_layer_norm_refuses_bad_shapes() -> None:
         dk.add_layer_norm(torch.zeros(2, 8, device=DEV), None, x, None, None, 0.0)
     with pytest.raises(ValueError):
         dk.add_layer_norm(x, None, x, torch.ones(16, device=DEV), None, 1e-5)  # a norm without its bias
+
+
+def test_decode_slots_reference() -> None:
+    tables = torch.tensor([[5, 2, 9], [7, 1, 3]], dtype=torch.int32)
+    slots, lens = decode_slots_ref(torch.tensor([17, 3]), tables, 16)
+    assert slots.tolist() == [2 * 16 + 1, 7 * 16 + 3] and slots.dtype == torch.long
+    assert lens.tolist() == [18, 4] and lens.dtype == torch.int32
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("rows", [0, 1, 5, 40])
+def test_decode_slots_kernel_matches_reference(rows: int) -> None:
+    dk = pytest.importorskip("corolla.engine.dense_kernels")
+    gen = torch.Generator().manual_seed(rows)
+    page, maxp = 16, 12
+    tables = torch.randperm(rows * maxp + 1, generator=gen)[: rows * maxp].reshape(rows, maxp).int()
+    wide = torch.zeros(rows, maxp + 4, dtype=torch.int32)
+    wide[:, :maxp] = tables  # rows strided as in a larger static table
+    positions = torch.randint(0, page * maxp, (rows,), generator=gen)
+    slots, lens = dk.decode_slots(positions.to(DEV), wide[:, :maxp].to(DEV), page)
+    ref_slots, ref_lens = decode_slots_ref(positions, tables, page)
+    assert torch.equal(slots.cpu(), ref_slots) and torch.equal(lens.cpu(), ref_lens)
+    assert slots.dtype == torch.long and lens.dtype == torch.int32
+    with pytest.raises(ValueError):
+        dk.decode_slots(positions.int().to(DEV), tables.to(DEV), page)  # positions must be long
 
 
 SPAN_VARIANTS = {

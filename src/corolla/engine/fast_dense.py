@@ -300,8 +300,7 @@ class FastDenseSpan(ChunkedPrefill):
         Static shapes, no host sync."""
         s = self.spec
         b = hidden.shape[0]
-        seq_lens = (positions + 1).to(torch.int32)  # [B]
-        slots = self.slots_for(block_tables, positions, pool.page_size_tokens)  # [B]
+        slots, seq_lens = self.dense.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
         h = hidden
         start, end = layers or (0, self.num_layers)
         x: torch.Tensor | None = self._norm(h, self.layers[start].ln1_w, self.layers[start].ln1_b)  # [B, H]
