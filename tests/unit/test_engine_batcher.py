@@ -268,6 +268,11 @@ def test_inputs_are_checked_once_where_the_step_enters_and_the_state_where_it_ru
 def test_launch_steps_checks_launchability_once_per_set() -> None:
     from corolla.engine.batcher import launch_steps
 
+    class Req:
+        def __init__(self, value: int, rows: int) -> None:
+            self.value, self.rows = value, rows
+            self.output_bytes: memoryview | None = None
+
     class Engine:
         """Records how `launch_steps` asks: one can_launch for the set, the valid subset launched as launchable."""
 
@@ -280,23 +285,31 @@ def test_launch_steps_checks_launchability_once_per_set() -> None:
             return True
 
         def validate(self, req) -> None:
-            if req < 0:
+            if req.value < 0:
                 raise ValueError("bad step")
 
         def launch_decode(self, reqs, *, validated: bool = False, launchable: bool = False):
-            self.launched.append((list(reqs), launchable))
-            return _Pending([r * 10 for r in reqs])
+            self.launched.append(([r.value for r in reqs], launchable))
+            return _Pending([r.value * 10 for r in reqs], sum(r.rows for r in reqs))
 
     class _Pending:
-        def __init__(self, outs: list[int]) -> None:
-            self.outs = outs
+        def __init__(self, outs: list[int], rows: int) -> None:
+            self.outs, self.rows = outs, rows
+            self.data = memoryview(bytes(range(4 * rows)))  # 4 bytes per row
 
         def wait(self) -> list[int]:
             return self.outs
 
+        def output_bytes(self) -> memoryview:
+            return self.data
+
     engine = Engine()
-    pending = launch_steps(engine, [1, -1, 2])  # type: ignore[arg-type]
+    requests = [Req(1, 2), Req(-1, 1), Req(2, 1)]
+    pending = launch_steps(engine, requests)  # type: ignore[arg-type]
     assert pending is not None
     results = pending.wait()
     assert results[0] == 10 and isinstance(results[1], ValueError) and results[2] == 20
+    # each launched request gets its rows' bytes of the collected output, in row order; a refused one none
+    assert bytes(requests[0].output_bytes or b"") == bytes(range(8)) and requests[1].output_bytes is None
+    assert bytes(requests[2].output_bytes or b"") == bytes(range(8, 12))
     assert engine.can_launch_calls == 1 and engine.launched == [([1, 2], True)]

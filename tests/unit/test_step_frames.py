@@ -40,8 +40,10 @@ def test_reply_frames_equal_the_reference_encoder(max_frame_bytes: int) -> None:
     results.append((102, torch.empty(1, 0, 16)))
     results.append((103, torch.randn(1, 1, 5, requires_grad=True)))  # alone in its group, and needing a detach
     head = b"".join(_state().parts)
-    assert step_frames.reply_frames(results, head, max_frame_bytes) == _reference(results, max_frame_bytes)
-    assert step_frames.reply_frames(results[:1], head, max_frame_bytes) == _reference(results[:1], max_frame_bytes)
+    assert step_frames.reply_frames(_no_bytes(results), head, max_frame_bytes) == _reference(results, max_frame_bytes)
+    assert step_frames.reply_frames(_no_bytes(results[:1]), head, max_frame_bytes) == _reference(
+        results[:1], max_frame_bytes
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,7 +61,7 @@ def test_reply_bytes_of_a_forwards_views_are_read_in_place(dtype: torch.dtype, m
 
     monkeypatch.setattr(torch, "cat", no_cat)
     head = b"".join(_state().parts)
-    assert step_frames.reply_frames(results, head, 1 << 20) == expected
+    assert step_frames.reply_frames(_no_bytes(results), head, 1 << 20) == expected
 
 
 def test_a_run_of_adjacent_outputs_stops_at_its_storages_end() -> None:
@@ -73,7 +75,45 @@ def test_a_run_of_adjacent_outputs_stops_at_its_storages_end() -> None:
     assert second.untyped_storage().data_ptr() != first[0].untyped_storage().data_ptr()
     results: list[tuple[int, torch.Tensor | BaseException]] = [(1, first[0]), (2, first[1]), (3, second)]
     head = b"".join(_state().parts)
-    assert step_frames.reply_frames(results, head, 1 << 20) == _reference(results, 1 << 20)
+    assert step_frames.reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_with_their_bytes_are_encoded_from_them_without_a_torch_call(dtype: torch.dtype, monkeypatch) -> None:
+    torch.manual_seed(2)
+    data = bytearray(torch.randn(5, 16).to(dtype).view(torch.uint8).numpy().tobytes())  # a collected output
+    out = torch.frombuffer(data, dtype=dtype).view(5, 1, 16)
+    pieces = out.split([1, 2, 1, 1])
+    raw = memoryview(data)
+    row = 16 * dtype.itemsize
+    results: list[tuple[int, torch.Tensor | BaseException, memoryview | None]] = [
+        (1, pieces[0], raw[:row]),
+        (2, pieces[1], raw[row : 3 * row]),
+        (3, TooLong("too long", value=9, limit=8), None),
+        (4, pieces[3], raw[4 * row : 5 * row]),
+        (5, pieces[2], raw[3 * row : 4 * row + 1]),  # bytes of another length: encoded from the tensor
+    ]
+    expected = _reference([(rid, r) for rid, r, _ in results], 1 << 20)
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("an output with its bytes is encoded from them")
+
+    head = b"".join(_state().parts)
+    monkeypatch.setattr(torch.Tensor, "untyped_storage", forbidden)
+    monkeypatch.setattr(torch.Tensor, "data_ptr", forbidden)
+    assert step_frames.reply_frames(results[:4], head, 1 << 20) == _reference(
+        [(rid, r) for rid, r, _ in results[:4]], 1 << 20
+    )
+    monkeypatch.undo()
+    assert step_frames.reply_frames(results, head, 1 << 20) == expected
+    raw[:row] = bytes(row)  # the bytes sent are the output's memory
+    assert step_frames.reply_frames(results[:1], head, 1 << 20) == _reference([(1, pieces[0])], 1 << 20)
+
+
+def _no_bytes(
+    results: list[tuple[int, torch.Tensor | BaseException]],
+) -> list[tuple[int, torch.Tensor | BaseException, memoryview | None]]:
+    return [(rid, r, None) for rid, r in results]
 
 
 def _step_body(handle: int, hidden: torch.Tensor | None, *, prompts=None, hypo_ids=None, adapter="") -> wire.Writer:

@@ -69,8 +69,13 @@ class PendingSteps:
     (a `ValueError` instance for an invalid request; a device failure fails the launched ones only)."""
 
     def __init__(
-        self, results: list[torch.Tensor | BaseException | None], launched: list[int], pending: PendingDecode | None
+        self,
+        requests: Sequence[StepRequest],
+        results: list[torch.Tensor | BaseException | None],
+        launched: list[int],
+        pending: PendingDecode | None,
     ):
+        self._requests = requests
         self._results = results
         self._launched = launched  # indices of the requests in the forward, in its row order
         self._pending = pending  # None: no valid request, nothing launched
@@ -81,8 +86,15 @@ class PendingSteps:
             return results  # type: ignore[return-value]
         try:
             outs = self._pending.wait()
+            data = self._pending.output_bytes()  # [rows, H]: each launched request's output bytes, in row order
+            row_bytes = len(data) // self._pending.rows
+            start = 0
             for i, out in zip(self._launched, outs, strict=True):
                 results[i] = out
+                req = self._requests[i]
+                end = start + req.rows * row_bytes
+                req.output_bytes = data[start:end]  # what `out` views: a reply is encoded without a torch call
+                start = end
         except Exception as e:  # a device failure fails this forward's steps only
             logger.warning(f"batcher.decode_failed(steps={len(self._launched)}, error={e!r})")
             for i in self._launched:
@@ -107,6 +119,6 @@ def launch_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> Pending
             continue
         launched.append(i)
     if not launched:
-        return PendingSteps(results, [], None)
+        return PendingSteps(requests, results, [], None)
     pending = engine.launch_decode([requests[i] for i in launched], validated=True, launchable=True)  # a subset
-    return PendingSteps(results, launched, pending)
+    return PendingSteps(requests, results, launched, pending)

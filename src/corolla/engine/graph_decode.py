@@ -143,6 +143,7 @@ class PendingDecode:
         self._hidden_size = hidden_size
         self._dtype = dtype
         self._out: torch.Tensor | None = None  # [rows, H], once copied out
+        self._data: memoryview | None = None  # its bytes
         self._waited = False
         staging.done, staging.owner = done, self
 
@@ -158,11 +159,19 @@ class PendingDecode:
             nbytes = self.rows * self._hidden_size * self._dtype.itemsize
             data = bytearray(staging.out_bytes[:nbytes])
             self._out = torch.frombuffer(data, dtype=self._dtype).view(self.rows, self._hidden_size)  # [rows, H]
+            self._data = memoryview(data)
             if staging.owner is self:
                 staging.owner = None
                 staging.done = None
             self._staging = None
         return self._out
+
+    def output_bytes(self) -> memoryview:
+        """The collected output's bytes ([rows, H] in C order, flat: what the tensors of `wait` view), once
+        collected (`wait` or `collect`)."""
+        if self._data is None:
+            raise RuntimeError("PendingDecode.output_bytes before the output was collected")
+        return self._data
 
     def wait(self) -> list[torch.Tensor]:
         if self._waited:

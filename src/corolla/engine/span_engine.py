@@ -102,6 +102,9 @@ class StepRequest:
     num_tokens: int = field(init=False)
     needs_prompts: bool = field(init=False)  # deep prompts touch this step's positions
     is_decode: bool = field(init=False)  # a single-token step that can join a batched (graph) forward
+    # the output's bytes (C order, flat: what the output tensor views) where a launched forward collected them
+    # (`batcher.PendingSteps.wait`): a device channel encodes its reply from them
+    output_bytes: memoryview | None = field(default=None, init=False)
     # `SpanEngine.check_inputs` passed (the inputs and the session never change): `validate` checks only the
     # session's state (open, length) then, in the device thread, where it changes
     inputs_checked: bool = field(default=False, init=False)

@@ -2,18 +2,17 @@
 requests (`proxy_wire` frames) against the real executor and the one global admission, each request in a task of
 its own so that the runtime merges the steps of all processes' sessions into one batched forward; `PushRouter`
 sends a pushed step to whichever process holds its session's stream. Steps arrive one frame per handler loop
-iteration (STEP_BATCH) and their replies leave together: every step reply that became ready in one loop iteration
-(one merged forward resolves all of its steps in one callback) goes out in one REPLY_BATCH frame with the state
-once.
+iteration (STEP_BATCH) and leave together: every step reply that became ready in one loop iteration (one merged
+forward resolves all of its steps in one callback) goes out in one REPLY_BATCH frame with the state once.
 
 Steps skip the event loop (`serve_steps`): a reader thread per channel receives every frame (blocking `recv_into`,
 `channel_io`), parses a STEP_BATCH itself (sizes before slicing, handles, block ranges), asks the executor to
 prepare each step (`DeviceExecutor.prepare_step`: the same typed refusals as `step`) and queues them on the runtime
 as callback tasks, waking its thread once per frame; after a merged forward the runtime thread appends each result
-to its channel's outbox and sends one REPLY_BATCH per channel with a blocking `sendall` (or, with `reply_thread`,
-wakes the channel's writer thread, which encodes and sends). A refused step is answered
-from the reader thread and fails only its caller. Every other frame (OPEN, CLOSE, FORWARD, BACKWARD, pushes, routes)
-is handed to the event loop, as rare work.
+to its channel's outbox (with its bytes where a launched forward collected them: `StepRequest.output_bytes`) and
+sends one REPLY_BATCH per channel with a blocking `sendall` (or, with `reply_thread`, wakes the channel's writer
+thread, which encodes and sends). A refused step is answered from the reader thread and fails only its caller. Every
+other frame (OPEN, CLOSE, FORWARD, BACKWARD, pushes, routes) is handed to the event loop, as rare work.
 
 The handler process validated every input (`block_functions`) before it sent it; this side re-checks only what a
 frame could get wrong by itself (sizes, handles, block ranges inside the span)."""
@@ -31,6 +30,7 @@ from functools import partial
 
 import torch
 
+from corolla.engine.span_engine import StepRequest
 from corolla.server import proxy_wire as wire
 from corolla.server import step_frames
 from corolla.server.admission import SessionAdmission, SessionTicket
@@ -117,8 +117,9 @@ class DeviceChannel:
         self.sessions: dict[int, _Held] = {}
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
-        # step results not sent yet: (request id, output [B, T, H] or the refusal), from the reader/runtime threads
-        self._outbox: list[tuple[int, torch.Tensor | BaseException]] = []
+        # step results not sent yet: (request id, output [B, T, H] or the refusal, the output's bytes if known), from
+        # the reader and runtime threads
+        self._outbox: list[tuple[int, torch.Tensor | BaseException, memoryview | None]] = []
         self._outbox_ready = threading.Condition()
         self._writer_stop = False
         self._reader: threading.Thread | None = None
@@ -146,9 +147,9 @@ class DeviceChannel:
         """Sends one frame from any thread (a blocking `sendall` under the socket's lock)."""
         self.io.send_frames([body.frame(kind, request_id)])
 
-    def _queue_result(self, request_id: int, result: torch.Tensor | BaseException) -> None:
+    def _queue_result(self, request_id: int, result: torch.Tensor | BaseException, raw: memoryview | None) -> None:
         with self._outbox_ready:
-            self._outbox.append((request_id, result))
+            self._outbox.append((request_id, result, raw))
 
     def _flush(self) -> None:
         """Sends every queued step reply (the runtime thread after a merged forward, the reader thread after
@@ -161,7 +162,7 @@ class DeviceChannel:
             results, self._outbox = self._outbox, []
         self._send_results(results)
 
-    def _send_results(self, results: list[tuple[int, torch.Tensor | BaseException]]) -> None:
+    def _send_results(self, results: list[tuple[int, torch.Tensor | BaseException, memoryview | None]]) -> None:
         """Encodes results as few REPLY_BATCH frames as the bound allows, with the state once each, and sends them."""
         if not results or self.io.closed:
             return
@@ -192,7 +193,9 @@ class DeviceChannel:
     async def serve(self) -> None:
         """Serves until the handler process closes the channel or dies; then ends all of its sessions."""
         info = device_info(self.executor, self.span, self.index, self.max_frame_bytes)
-        self.send(wire.HELLO, 0, _raw(info.to_json()))
+        hello = wire.Writer()
+        hello.parts.append(info.to_json())
+        self.send(wire.HELLO, 0, hello)
         self.send_state()
         self.router.channels.append(self)
         loop = asyncio.get_running_loop()
@@ -288,7 +291,7 @@ class DeviceChannel:
                 if task is not None:
                     tasks.append(task)
             except Exception as e:
-                self._queue_result(step.request_id, e)
+                self._queue_result(step.request_id, e, None)
                 refused = True
         if tasks:
             try:
@@ -311,9 +314,9 @@ class DeviceChannel:
         assert held.cache is not None
         prepared = self.executor.prepare_step(held.cache, StepInputs(hidden, step.prefix_length, step.prompts,
                                                                      step.hypo_ids, step.adapter, lone, step.raw))  # fmt: skip
-        shape = hidden.shape
+        shape, request = hidden.shape, prepared.payload
         done = partial(self._step_done, step.request_id, held.ticket, shape[0] * shape[1], prepared.observe,
-                       time.perf_counter())  # fmt: skip
+                       time.perf_counter(), request if isinstance(request, StepRequest) else None)  # fmt: skip
         runtime = self.executor.runtime
         if prepared.inline:
             runtime.submit_callback(
@@ -335,18 +338,21 @@ class DeviceChannel:
         num_tokens: int,
         observe: Callable[[float], None] | None,
         queued_at: float,
+        request: StepRequest | None,
         output: torch.Tensor | None,
         error: BaseException | None,
     ) -> None:
         """A step's result, in the thread that ran it; the runtime then calls `_flush` once for the batch."""
         if error is not None or output is None:
-            self._queue_result(request_id, error if error is not None else RuntimeError("the step returned nothing"))
+            failed = error if error is not None else RuntimeError("the step returned nothing")
+            self._queue_result(request_id, failed, None)
             return
         if ticket is not None:
             ticket.touch(num_tokens)
         if observe is not None:
             observe(time.perf_counter() - queued_at)
-        self._queue_result(request_id, output)  # [B, T, H], encoded by whoever sends it
+        # [B, T, H], encoded by whoever sends it (from its bytes, where a launched forward collected them)
+        self._queue_result(request_id, output, request.output_bytes if request is not None else None)
 
     def _start(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
         task = asyncio.create_task(self._answer(kind, request_id, payload))
@@ -491,9 +497,3 @@ class DeviceChannel:
 def _set_done(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def _raw(data: bytes) -> wire.Writer:
-    body = wire.Writer()
-    body.parts.append(data)
-    return body

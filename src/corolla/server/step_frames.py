@@ -198,19 +198,25 @@ def _copy_group(
 
 
 def reply_frames(
-    results: list[tuple[int, torch.Tensor | BaseException]], head: bytes, max_frame_bytes: int
+    results: list[tuple[int, torch.Tensor | BaseException, memoryview | None]], head: bytes, max_frame_bytes: int
 ) -> list[bytes]:
     """What `proxy_wire.batch_frames` makes of these step results (REPLY_TENSORS for a tensor [B, T, H], REPLY_ERROR
-    for a refusal), with `head` (the device's state) once per frame."""
+    for a refusal), with `head` (the device's state) once per frame. A tensor's bytes, where given (C order, flat:
+    what the tensor views, e.g. `StepRequest.output_bytes`), are sent as they are (no torch call for that reply)."""
     encoded: list[tuple[int, int, list[bytes | memoryview], int]] = []  # kind, request id, body parts, body bytes
     groups: dict[tuple[torch.dtype, tuple[int, ...]], list[tuple[int, torch.Tensor]]] = {}
-    for request_id, result in results:
+    for request_id, result, raw in results:
         if isinstance(result, BaseException):
             body = wire.encode_error(result)
             encoded.append((wire.REPLY_ERROR, request_id, body.parts, body.nbytes()))
             continue
         dims: tuple[int, ...] = result.shape  # a torch.Size: a tuple, no copy
         if result.is_cpu and result.dtype in _CODES and 0 < len(dims) <= wire.MAX_TENSOR_DIMS:
+            if raw is not None:
+                prefix, nbytes = _reply_record(result.dtype, dims)
+                if raw.nbytes == nbytes:
+                    encoded.append((wire.REPLY_TENSORS, request_id, [prefix, raw], len(prefix) + nbytes))
+                    continue
             groups.setdefault((result.dtype, dims), []).append((len(encoded), result))
         else:  # elsewhere than the CPU, or a dtype the channel can't carry (the writer raises FrameError for it)
             body = wire.Writer().u8(1).tensor(result)
