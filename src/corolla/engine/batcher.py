@@ -66,7 +66,8 @@ def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[t
 
 class PendingSteps:
     """Step requests whose valid ones run in one launched forward: `wait()` gives one result per request, in order
-    (a `ValueError` instance for an invalid request; a device failure fails the launched ones only)."""
+    (a `ValueError` instance for an invalid request; a device failure fails the launched ones only) and sets each
+    launched request's `output_bytes` (the bytes its output tensor views)."""
 
     def __init__(
         self,
