@@ -6,7 +6,11 @@ wall time per decode step over the decode window (prefills excluded).
 
     python -m corolla.bench.handler_path --sessions 16 --steps 200
 
-What it leaves out: the p2pd socket, the device channel (`--num_handlers` > 1) and the device's work; the
+`--proxy`: the handler process's executor (`proxy_executor.ProxyExecutor`, as with `--num_handlers` > 1) over a
+socketpair to an echo device in a child process (`proxy_wire` frames: a STEP_BATCH in, its hidden states back as
+one REPLY_BATCH); only this process's CPU is counted.
+
+What it leaves out: the p2pd socket and the device's work (and without `--proxy` the device channel); the
 many-users bench (`multi_user`) measures those through the real server.
 """
 
@@ -16,6 +20,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +34,7 @@ from hivemind.proto import runtime_pb2
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
+from corolla.server import proxy_wire as wire
 from corolla.server.block_functions import ServingLimits
 from corolla.server.executor import (
     PATH_PLAIN,
@@ -36,11 +43,13 @@ from corolla.server.executor import (
     HandoffUnsupported,
     SessionCache,
     SessionSpec,
+    SpanExecutor,
     StepInputs,
 )
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.memory_cache import TensorDescriptorLike
 from corolla.server.metrics import ServerMetrics
+from corolla.server.proxy_executor import DeviceInfo, DeviceLink, ProxyExecutor
 from corolla.server.sessions import SessionTimeouts
 from corolla.server.stream_guard import guarded_stream_handler
 from corolla.utils.logging import get_logger
@@ -99,6 +108,57 @@ class EchoExecutor:
         raise HandoffUnsupported("the handler path bench keeps no KV cache")
 
 
+_ECHO_MAX_FRAME_BYTES = 64 << 20
+
+
+def _echo_device(sock: socket.socket) -> None:
+    """The child process of `--proxy`: a device that answers OPEN/CLOSE and returns every step's hidden states,
+    the steps of one STEP_BATCH in one REPLY_BATCH (as the device process answers one merged forward)."""
+    asyncio.run(_echo_device_loop(sock))
+
+
+async def _echo_device_loop(sock: socket.socket) -> None:
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    info = DeviceInfo(PATH_PLAIN, 0, _ECHO_MAX_FRAME_BYTES, {0: 1, 1: 1}, 1, 0)
+    state = wire.Writer().u64(1 << 40).u64(0).u64(1 << 40)
+    writer.write(_frame(wire.HELLO, 0, info.to_json()))
+    writer.write(state.frame(wire.STATE, 0))
+    handles = 0
+    while True:
+        try:
+            kind, request_id, payload = await wire.read_frame(reader, _ECHO_MAX_FRAME_BYTES)
+        except wire.ChannelClosed:
+            return
+        if kind == wire.OPEN:
+            handles += 1
+            reply = wire.Writer()
+            reply.parts = [*state.parts]
+            writer.write(reply.u32(handles).u8(1).frame(wire.REPLY_OPEN, request_id))
+        elif kind == wire.CLOSE:
+            writer.write(state.frame(wire.REPLY_CLOSED, request_id))
+        elif kind in (wire.STEP, wire.STEP_BATCH):
+            items = (
+                [(kind, request_id, memoryview(payload))]
+                if kind == wire.STEP
+                else wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
+            )
+            replies = []
+            for _, item_id, item in items:
+                fields = wire.Reader(item)
+                fields.u32(), fields.u32(), fields.u8(), fields.text()
+                hidden = fields.tensor()
+                fields.tensor(), fields.tensor()
+                fields.done()
+                replies.append((wire.REPLY_TENSORS, item_id, wire.Writer().u8(1).tensor(hidden)))
+            for frame in wire.batch_frames(replies, wire.REPLY_BATCH, _ECHO_MAX_FRAME_BYTES, head=state):
+                writer.write(frame)
+        await writer.drain()
+
+
+def _frame(kind: int, request_id: int, payload: bytes) -> bytes:
+    return wire.HEADER.pack(len(payload), kind, request_id) + payload
+
+
 class _ReplyCounter:
     """The stream writer: counts replies (a reply is complete when the handler awaits `drain`) and error replies
     (they start with the error marker)."""
@@ -154,16 +214,35 @@ def session_messages(steps: int, seed: int) -> list[bytes]:
     return messages
 
 
-async def run_handler_path(sessions: int, steps: int) -> HandlerPathResult:
-    """`sessions` concurrent sessions of `steps` decode steps each through one handler; CPU and wall per step."""
+async def run_handler_path(sessions: int, steps: int, *, proxy: bool = False) -> HandlerPathResult:
+    """`sessions` concurrent sessions of `steps` decode steps each through one handler; CPU and wall per step.
+    `proxy`: through a `ProxyExecutor` to an echo device process (see the module docstring)."""
     if sessions < 1 or steps < 1:
         raise ValueError(f"sessions and steps must be >= 1, got {sessions} and {steps}")
+    if not proxy:
+        return await _run(sessions, steps, EchoExecutor())
+    ours, theirs = socket.socketpair()
+    device = multiprocessing.get_context("fork").Process(target=_echo_device, args=(theirs,), daemon=True)
+    device.start()
+    theirs.close()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    link = await DeviceLink.connect(reader, writer)
+    try:
+        return await _run(sessions, steps, ProxyExecutor(link))
+    finally:
+        await link.close()
+        device.join(10)
+        if device.is_alive():
+            device.kill()
+
+
+async def _run(sessions: int, steps: int, executor: SpanExecutor) -> HandlerPathResult:
     limits = ServingLimits(
         dht_prefix="p", start_block=0, end_block=2, hidden_size=HIDDEN_SIZE, dtype=torch.float32,
         inference_max_length_tokens=PREFIX_TOKENS + steps + 8, max_batch_size_tokens=8192,
     )  # fmt: skip
     handler = TransformerConnectionHandler(
-        limits=limits, executor=EchoExecutor(), timeouts=SessionTimeouts(30, 3600, 30), metrics=ServerMetrics()
+        limits=limits, executor=executor, timeouts=SessionTimeouts(30, 3600, 30), metrics=ServerMetrics()
     )
     refused: list[BaseException] = []
     handle = guarded_stream_handler(
@@ -218,12 +297,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200, help="decode steps per session")
+    parser.add_argument("--proxy", action="store_true", help="through a ProxyExecutor to an echo device process")
     args = parser.parse_args()
     logging.getLogger("corolla.server").setLevel(logging.WARNING)  # a line per session open and close otherwise
     torch.set_num_threads(1)
-    result = asyncio.run(run_handler_path(args.sessions, args.steps))
+    result = asyncio.run(run_handler_path(args.sessions, args.steps, proxy=args.proxy))
     print(
-        f"handler path: {result.sessions} sessions x {result.steps} steps: {result.cpu_us_per_step:.1f} us CPU, "
+        f"handler path{' (proxy)' if args.proxy else ''}: {result.sessions} sessions x {result.steps} steps: {result.cpu_us_per_step:.1f} us CPU, "
         f"{result.wall_us_per_step:.1f} us wall per step"
     )
 
