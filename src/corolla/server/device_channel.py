@@ -5,10 +5,11 @@ sends a pushed step to whichever process holds its session's stream. Steps arriv
 iteration (STEP_BATCH) and leave together: every step reply that became ready in one loop iteration (one merged
 forward resolves all of its steps in one callback) goes out in one REPLY_BATCH frame with the state once.
 
-Steps skip the event loop (`serve_steps`): a reader thread per channel receives every frame (blocking `recv_into`,
-`channel_io`), parses a STEP_BATCH itself (sizes before slicing, handles, block ranges), asks the executor to
-prepare each step (`DeviceExecutor.prepare_step`: the same typed refusals as `step`) and queues them on the runtime
-as callback tasks, waking its thread once per frame; after a merged forward the runtime thread appends each result
+Steps skip the event loop: a reader thread per channel receives every frame (blocking `recv_into`, `channel_io`)
+and hands a STEP_BATCH to `frame_steps.FrameIntake`, which parses it (sizes before slicing, handles, block ranges),
+asks the executor to prepare each step (`DeviceExecutor.prepare_step`: the same typed refusals as `step`) and
+queues the frame's decode steps on the runtime as ONE callback task (others one task each), waking its thread once
+per frame; after a merged forward the runtime thread appends each result
 to its channel's outbox (with its bytes where a launched forward collected them: `StepRequest.output_bytes`) and
 sends one REPLY_BATCH per channel with a blocking `sendall` (or, with `reply_thread`, wakes the channel's writer
 thread, which encodes and sends). A refused step is answered from the reader thread and fails only its caller. Every
@@ -23,14 +24,11 @@ import asyncio
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from corolla.engine.span_engine import StepRequest
 from corolla.server import proxy_wire as wire
 from corolla.server import step_frames
 from corolla.server.admission import SessionAdmission, SessionTicket
@@ -42,13 +40,11 @@ from corolla.server.executor import (
     SessionCache,
     SessionSpec,
     SpanExecutor,
-    StepInputs,
 )
+from corolla.server.frame_steps import FrameIntake, StepReply
 from corolla.server.metrics import ServerMetrics
 from corolla.server.proxy_executor import DeviceInfo
 from corolla.server.push_router import DeviceSessionRegistry, PushRouter
-from corolla.server.step_frames import BadStep, ParsedStep
-from corolla.server.task import Task
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -124,7 +120,9 @@ class DeviceChannel:
         self._writer_stop = False
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
-        self._flush_batch = self._flush  # one object: the runtime flushes each distinct one once per batch
+        # a frame's steps -> runtime tasks (a frame's decode steps in one) -> replies; `_flush` bound once: the runtime
+        # flushes each distinct object once per batch
+        self.steps = FrameIntake(executor, admission, self._held_cache, self._queue_results, self._flush)
         self.num_requests = 0  # counted by the reader thread only
         self.num_frames_in = 0
         self.num_sessions_opened = 0
@@ -147,9 +145,9 @@ class DeviceChannel:
         """Sends one frame from any thread (a blocking `sendall` under the socket's lock)."""
         self.io.send_frames([body.frame(kind, request_id)])
 
-    def _queue_result(self, request_id: int, result: torch.Tensor | BaseException, raw: memoryview | None) -> None:
+    def _queue_results(self, results: list[StepReply]) -> None:
         with self._outbox_ready:
-            self._outbox.append((request_id, result, raw))
+            self._outbox.extend(results)
 
     def _flush(self) -> None:
         """Sends every queued step reply (the runtime thread after a merged forward, the reader thread after
@@ -231,7 +229,7 @@ class DeviceChannel:
                 kind, request_id, payload = self.io.recv_frame()
                 self.num_frames_in += 1
                 if kind in (wire.STEP_BATCH, wire.STEP):
-                    self._submit_steps(kind, request_id, payload)
+                    self.num_requests += self.steps.submit(kind, request_id, payload)
                     continue
                 self.num_requests += 1
                 loop.call_soon_threadsafe(self._dispatch, kind, request_id, bytes(payload))
@@ -268,91 +266,10 @@ class DeviceChannel:
 
     # ---- steps (reader thread -> runtime -> runtime thread)
 
-    def _submit_steps(self, kind: int, request_id: int, payload: memoryview) -> None:
-        """Queues a frame's steps on the runtime and wakes its thread once; refusals are answered at once. A
-        malformed batch (count or lengths) raises FrameError: the channel ends."""
-        steps: list[ParsedStep | BadStep]
-        if kind == wire.STEP_BATCH:
-            steps = step_frames.parse_steps(payload)
-        else:
-            try:
-                steps = [step_frames.parse_step(request_id, payload)]
-            except wire.FrameError as e:
-                steps = [BadStep(request_id, e)]
-        refused = False
-        runtime = self.executor.runtime
-        tasks: list[Task] = []
-        for step in steps:
-            self.num_requests += 1
-            try:
-                if isinstance(step, BadStep):
-                    raise step.error
-                task = self._step_task(step)
-                if task is not None:
-                    tasks.append(task)
-            except Exception as e:
-                self._queue_result(step.request_id, e, None)
-                refused = True
-        if tasks:
-            try:
-                runtime.submit_callbacks(tasks)  # one lock and one wake for the frame
-            except Exception as e:  # the runtime stopped: every step of the frame is refused
-                for task in tasks:
-                    assert task.on_done is not None
-                    task.on_done(None, e)
-                refused = True
-        if refused:
-            self._flush()
-
-    def _step_task(self, step: ParsedStep) -> Task | None:
-        """The step as a runtime task to queue, or None where it ran inline (a lone session on an idle runtime)."""
-        hidden = step.hidden
-        if hidden is None or hidden.dim() != 3:
-            raise wire.FrameError("a step needs hidden states [B, T, H]")
-        held = self._held(step.handle)
-        lone = step.lone and self.admission.num_open <= 1  # alone in this process and in all of them
+    def _held_cache(self, handle: int) -> tuple[SessionCache, SessionTicket | None]:
+        held = self._held(handle)
         assert held.cache is not None
-        prepared = self.executor.prepare_step(held.cache, StepInputs(hidden, step.prefix_length, step.prompts,
-                                                                     step.hypo_ids, step.adapter, lone, step.raw))  # fmt: skip
-        shape, request = hidden.shape, prepared.payload
-        done = partial(self._step_done, step.request_id, held.ticket, shape[0] * shape[1], prepared.observe,
-                       time.perf_counter(), request if isinstance(request, StepRequest) else None)  # fmt: skip
-        runtime = self.executor.runtime
-        if prepared.inline:
-            runtime.submit_callback(
-                prepared.fn, on_done=done, flush=self._flush_batch, priority=prepared.priority,
-                size_tokens=prepared.size_tokens, kind=prepared.kind, merge_key=prepared.merge_key,
-                payload=prepared.payload, inline=True, notify=True,
-            )  # fmt: skip
-            return None
-        return runtime.callback_task(
-            prepared.fn, on_done=done, flush=self._flush_batch, priority=prepared.priority,
-            size_tokens=prepared.size_tokens, kind=prepared.kind, merge_key=prepared.merge_key,
-            payload=prepared.payload,
-        )  # fmt: skip
-
-    def _step_done(
-        self,
-        request_id: int,
-        ticket: SessionTicket | None,
-        num_tokens: int,
-        observe: Callable[[float], None] | None,
-        queued_at: float,
-        request: StepRequest | None,
-        output: torch.Tensor | None,
-        error: BaseException | None,
-    ) -> None:
-        """A step's result, in the thread that ran it; the runtime then calls `_flush` once for the batch."""
-        if error is not None or output is None:
-            failed = error if error is not None else RuntimeError("the step returned nothing")
-            self._queue_result(request_id, failed, None)
-            return
-        if ticket is not None:
-            ticket.touch(num_tokens)
-        if observe is not None:
-            observe(time.perf_counter() - queued_at)
-        # [B, T, H], encoded by whoever sends it (from its bytes, where a launched forward collected them)
-        self._queue_result(request_id, output, request.output_bytes if request is not None else None)
+        return held.cache, held.ticket
 
     def _start(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
         task = asyncio.create_task(self._answer(kind, request_id, payload))

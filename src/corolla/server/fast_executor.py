@@ -14,7 +14,15 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from corolla.engine.batcher import PendingSteps, execute_steps, launch_steps
+from corolla.engine.batcher import (
+    PendingUnits,
+    StepGroup,
+    StepResult,
+    execute_steps,
+    flatten_units,
+    launch_steps,
+    regroup,
+)
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
 from corolla.server.backend import SpanBackend
@@ -190,11 +198,14 @@ class FastExecutor:
             observe=observe,
         )  # fmt: skip
 
-    def _execute_tasks(self, tasks: list[Task]) -> list[torch.Tensor | BaseException]:
-        return execute_steps(self.engine, _requests(tasks))
+    def _execute_tasks(self, tasks: list[Task]) -> list[StepResult | list[StepResult]]:
+        requests, sizes = flatten_units(_units(tasks))
+        return regroup(execute_steps(self.engine, requests), sizes)
 
-    def _launch_tasks(self, tasks: list[Task]) -> PendingSteps | None:
-        return launch_steps(self.engine, _requests(tasks))
+    def _launch_tasks(self, tasks: list[Task]) -> PendingUnits | None:
+        requests, sizes = flatten_units(_units(tasks))
+        pending = launch_steps(self.engine, requests)
+        return None if pending is None else PendingUnits(pending, sizes)
 
     async def forward(
         self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
@@ -216,13 +227,15 @@ class FastExecutor:
         raise HandoffUnsupported("KV hand-off is not supported on the fast path (paged KV pool)")
 
 
-def _requests(tasks: list[Task]) -> list[StepRequest]:
-    requests: list[StepRequest] = []
+def _units(tasks: list[Task]) -> list[StepRequest | StepGroup]:
+    """Each task's payload: one step (`prepare_step`) or a device channel frame's steps (`StepGroup`, one task)."""
+    units: list[StepRequest | StepGroup] = []
     for task in tasks:
-        if not isinstance(task.payload, StepRequest):
-            raise TypeError(f"{KIND_ENGINE_INFERENCE} task without a StepRequest payload")
-        requests.append(task.payload)
-    return requests
+        payload = task.payload
+        if not isinstance(payload, StepRequest | StepGroup):
+            raise TypeError(f"{KIND_ENGINE_INFERENCE} task without a StepRequest or StepGroup payload")
+        units.append(payload)
+    return units
 
 
 def shorten_gil_switch_interval() -> None:

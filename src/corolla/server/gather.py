@@ -41,14 +41,14 @@ class _Cohort:
     """The sessions of one finished merged forward, on their way back."""
 
     finished_at_s: float
-    seq: int  # tasks pushed before it finished: later pushes are arrivals after it
+    seq: int  # steps pushed before it finished: later pushes are arrivals after it
     target: int  # arrivals waited for
     budget_s: float
 
 
 @dataclass(frozen=True)
 class GatherWait:
-    """Wait until `num_pushed` tasks were pushed in all, at most `timeout_s`."""
+    """Wait until `num_pushed` steps were pushed in all, at most `timeout_s`."""
 
     num_pushed: int
     timeout_s: float
@@ -67,8 +67,9 @@ class GatherRule:
     def finished(
         self, *, size: int, forward_s: float, now_s: float, num_pushed: int, push_time_s: Callable[[int], float | None]
     ) -> None:
-        """A merged batch of `size` tasks finished at `now_s` after `forward_s` seconds; `num_pushed` tasks were
-        pushed so far and `push_time_s(seq)` is when the `seq`-th was (None if not known)."""
+        """A merged batch of `size` steps finished at `now_s` after `forward_s` seconds; `num_pushed` steps were
+        pushed so far and `push_time_s(n)` is when the `n`-th was (None if not known). Steps, not tasks: a device
+        channel's frame of steps is one task (`Task.steps`), its sessions still arrive one by one."""
         self._learn_previous(now_s, num_pushed, push_time_s)
         if size < 2 or self.settings.fraction <= 0.0:
             self._cohort = None

@@ -29,7 +29,7 @@ logger = get_logger(__name__)
 BatchExecutor = Callable[[list[Task]], list[Any]]
 
 
-# Told of each batch after it ran (kind, tasks in it, seconds it took), in the thread that ran it.
+# Told of each batch after it ran (kind, steps in it: `Task.steps` summed, seconds it took), in its thread.
 BatchObserver = Callable[[str, int, float], None]
 
 
@@ -86,7 +86,7 @@ class Runtime:
         self._ready = threading.Event()
         self._stopped = False
         self.num_batches_done = 0
-        self.num_tasks_done = 0
+        self.num_tasks_done = 0  # steps (`Task.steps`: a frame task counts each of its steps)
         self.num_inline_batches = 0
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
         self._observers: list[BatchObserver] = []
@@ -95,12 +95,12 @@ class Runtime:
         self.gather = GatherRule(gather if gather is not None else GatherSettings())
 
     def add_batch_observer(self, observer: BatchObserver) -> None:
-        """Calls `observer(kind, num_tasks, seconds)` after every batch (benchmarks, profiling); it must be quick
+        """Calls `observer(kind, num_steps, seconds)` after every batch (benchmarks, profiling); it must be quick
         and must not raise (an exception is logged and the observer dropped)."""
         self._observers.append(observer)
 
     def stats(self) -> dict[str, KindStats]:
-        """Per task kind: batches, tasks and busy seconds so far (a snapshot; diff two with `KindStats.since`)."""
+        """Per task kind: batches, steps (`Task.steps`) and busy seconds so far (a snapshot; diff two with `KindStats.since`)."""
         return dict(self._kind_stats)
 
     # ---- lifecycle
@@ -147,6 +147,10 @@ class Runtime:
     @property
     def num_pending(self) -> int:
         return len(self._queue)
+
+    def merge_limit(self, kind: str) -> int:
+        """The most tokens one merged batch of `kind` takes (a device channel splits a larger frame of steps)."""
+        return min(self.max_batch_size_tokens, self._merge_limits.get(kind, self.max_batch_size_tokens))
 
     def register_batch_executor(
         self,
@@ -265,9 +269,10 @@ class Runtime:
         kind: str,
         merge_key: Hashable | None,
         payload: Any,
+        steps: int = 1,
     ) -> Task:
         """A callback task as `submit_callback` makes it, not queued yet (`submit_callbacks` queues several at
-        once); the same refusals, raised here."""
+        once; `steps`: the sessions' steps it carries, `Task.steps`); the same refusals, raised here."""
         if size_tokens > self.max_batch_size_tokens:
             raise ValueError(
                 f"Task of {size_tokens} tokens (batch x length) exceeds the server's max_batch_size "
@@ -279,7 +284,7 @@ class Runtime:
             raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks")
         return Task(
             fn=fn, priority=float(priority), size_tokens=size_tokens, future=None, loop=None, kind=kind,
-            merge_key=merge_key, payload=payload, on_done=on_done, flush=flush,
+            merge_key=merge_key, payload=payload, on_done=on_done, flush=flush, steps=steps,
         )  # fmt: skip
 
     def submit_callbacks(self, tasks: list[Task]) -> None:
@@ -316,7 +321,7 @@ class Runtime:
         finally:
             self._executing.release()
         self.num_batches_done += 1
-        self.num_tasks_done += 1
+        self.num_tasks_done += task.steps
         self.num_inline_batches += 1
         if task.future is not None:
             resolve(task.future, *results[0])
@@ -367,7 +372,7 @@ class Runtime:
                 self._last_done_s = time.perf_counter()
             if batch[0].merge_key is not None and batch[0].kind in self._batch_executors:
                 self.gather.finished(
-                    size=len(batch), forward_s=elapsed_s, now_s=time.monotonic(), num_pushed=queue.num_pushed,
+                    size=_steps(batch), forward_s=elapsed_s, now_s=time.monotonic(), num_pushed=queue.num_pushed,
                     push_time_s=queue.push_time_s,
                 )  # fmt: skip
             self._complete(batch, results)
@@ -394,7 +399,7 @@ class Runtime:
         results = self._wait(launched)
         queue = self._queue
         self.gather.finished(
-            size=len(launched.batch), forward_s=launched.elapsed_s, now_s=time.monotonic(),
+            size=_steps(launched.batch), forward_s=launched.elapsed_s, now_s=time.monotonic(),
             num_pushed=queue.num_pushed, push_time_s=queue.push_time_s,
         )  # fmt: skip
         self._complete(launched.batch, results)
@@ -421,7 +426,7 @@ class Runtime:
             # busy time: from the launch, or from the end of the batch before it if that ran on the device meanwhile
             launched.elapsed_s = done_s - max(launched.started_s, self._last_done_s)
             self._last_done_s = done_s
-            self._account(batch[0].kind, len(batch), launched.elapsed_s)
+            self._account(batch[0].kind, _steps(batch), launched.elapsed_s)
         launched.results = results
         return results
 
@@ -435,25 +440,25 @@ class Runtime:
             logger.debug("runtime.task_failed traceback", exc_info=True)
             return [(None, e)] * len(batch)
         finally:
-            self._account(batch[0].kind, len(batch), time.perf_counter() - started)
+            self._account(batch[0].kind, _steps(batch), time.perf_counter() - started)
         return results
 
-    def _account(self, kind: str, num_tasks: int, elapsed_s: float) -> None:
+    def _account(self, kind: str, num_steps: int, elapsed_s: float) -> None:
         """Adds a batch to its kind's totals and tells the observers (with `_executing` held)."""
         old = self._kind_stats.get(kind, KindStats())
-        self._kind_stats[kind] = KindStats(old.batches + 1, old.tasks + num_tasks, old.busy_s + elapsed_s)
+        self._kind_stats[kind] = KindStats(old.batches + 1, old.tasks + num_steps, old.busy_s + elapsed_s)
         for observer in list(self._observers):
             try:
-                observer(kind, num_tasks, elapsed_s)
+                observer(kind, num_steps, elapsed_s)
             except Exception as e:
                 logger.warning(f"runtime.observer_failed(error={e!r}): dropped")
                 self._observers.remove(observer)
         if logger.isEnabledFor(logging.DEBUG):  # not formatted per batch unless it is logged
-            logger.debug(f"runtime.execute(kind={kind}, tasks={num_tasks}, ms={elapsed_s * 1000:.2f})")
+            logger.debug(f"runtime.execute(kind={kind}, steps={num_steps}, ms={elapsed_s * 1000:.2f})")
 
     def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
-        self.num_tasks_done += len(batch)
+        self.num_tasks_done += _steps(batch)
         if batch[0].future is None and all(t.future is None for t in batch):  # only callback tasks (device channels)
             call_back(batch, results)
             return
@@ -478,6 +483,10 @@ class Runtime:
                 loop.call_soon_threadsafe(resolve_all, items)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
+
+
+def _steps(batch: list[Task]) -> int:  # the steps a batch carries (`Task.steps`): its counters count these
+    return sum(task.steps for task in batch)
 
 
 def _per_task(batch: list[Task], outputs: Sequence[Any], source: str) -> list[tuple[Any, BaseException | None]]:

@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, Protocol
 
 # Lower is more urgent (same convention as the reference's prioritizer: inference 1.0, everything else 2.0).
@@ -43,6 +44,9 @@ class Task:
     # `flush()` once per distinct flush of the batch it ran in (a device channel sends one reply frame per batch)
     on_done: Callable[[Any, BaseException | None], None] | None = None
     flush: Callable[[], None] | None = None
+    # the steps (sessions' rows) it carries: 1, or a device channel frame's decode steps in one task; the runtime's
+    # counters, the gather rule and `KindStats` count these, not tasks
+    steps: int = 1
 
     @property
     def sort_key(self) -> tuple[float, float, int]:
@@ -56,10 +60,11 @@ class Task:
 
 @dataclass(frozen=True)
 class KindStats:
-    """Totals for one task kind since the runtime started: batches run, tasks in them, seconds spent running them."""
+    """Totals for one task kind since the runtime started: batches run, steps in them (`Task.steps`: a frame task
+    counts its steps), seconds spent running them."""
 
     batches: int = 0
-    tasks: int = 0
+    tasks: int = 0  # steps
     busy_s: float = 0.0
 
     def since(self, earlier: KindStats) -> KindStats:
@@ -101,9 +106,10 @@ class TaskQueue:
     def __init__(self) -> None:
         self._heap: list[tuple[float, float, int, Task]] = []
         self._cond = threading.Condition()
-        self._seq = 0
+        self._seq = 0  # tasks pushed (their order)
+        self._steps = 0  # steps pushed (`Task.steps` summed): what the gather rule counts
         self._closed = False
-        self._push_times: deque[float] = deque(maxlen=PUSH_TIMES_KEPT)  # of the last pushes, oldest first
+        self._push_times: deque[float] = deque(maxlen=PUSH_TIMES_KEPT)  # of the last steps pushed, oldest first
 
     def __len__(self) -> int:
         with self._cond:
@@ -117,7 +123,11 @@ class TaskQueue:
                 raise RuntimeError("The runtime is stopped; it accepts no new tasks")
             self._seq += 1
             task.seq = self._seq
-            self._push_times.append(task.submitted_at)
+            self._steps += task.steps
+            if task.steps == 1:
+                self._push_times.append(task.submitted_at)
+            else:
+                self._push_times.extend(repeat(task.submitted_at, task.steps))
             heapq.heappush(self._heap, (*task.sort_key, task))
             if notify:
                 self._cond.notify()
@@ -127,35 +137,39 @@ class TaskQueue:
         with self._cond:
             if self._closed:
                 raise RuntimeError("The runtime is stopped; it accepts no new tasks")
-            heap, times, seq = self._heap, self._push_times, self._seq
+            heap, times, seq, steps = self._heap, self._push_times, self._seq, self._steps
             for task in tasks:
                 seq += 1
                 task.seq = seq
-                times.append(task.submitted_at)
+                steps += task.steps
+                if task.steps == 1:
+                    times.append(task.submitted_at)
+                else:
+                    times.extend(repeat(task.submitted_at, task.steps))
                 heapq.heappush(heap, (task.priority, task.submitted_at, seq, task))
-            self._seq = seq
+            self._seq, self._steps = seq, steps
             self._cond.notify()
 
     def wake(self) -> None:
         with self._cond:
             self._cond.notify()
 
-    def push_time_s(self, seq: int) -> float | None:
-        """When the `seq`-th task was pushed (`time.monotonic`), if it is one of the last `PUSH_TIMES_KEPT`."""
+    def push_time_s(self, count: int) -> float | None:
+        """When the `count`-th step was pushed (`time.monotonic`), if it is one of the last `PUSH_TIMES_KEPT`."""
         with self._cond:
-            index = seq - (self._seq - len(self._push_times)) - 1
+            index = count - (self._steps - len(self._push_times)) - 1
             return self._push_times[index] if 0 <= index < len(self._push_times) else None
 
     @property
     def num_pushed(self) -> int:
-        """Tasks pushed so far (a task's `seq` is the count when it was pushed)."""
-        return self._seq
+        """Steps pushed so far (`Task.steps` summed: a frame task counts its steps)."""
+        return self._steps
 
     def wait_for_pushes(self, count: int, timeout_s: float) -> None:
-        """Waits up to `timeout_s` until `count` tasks were pushed in all (or the queue closed)."""
+        """Waits up to `timeout_s` until `count` steps were pushed in all (or the queue closed)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._seq < count and not self._closed:
+            while self._steps < count and not self._closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return

@@ -1,0 +1,193 @@
+"""A device channel's steps from its reader thread to the runtime (`device_channel.DeviceChannel`), a frame at a
+time: every step of a STEP_BATCH is checked and prepared by the executor (`DeviceExecutor.prepare_step`: the same
+typed refusals as `step`, each failing only its caller), then the frame's decode steps of the fast path travel as
+ONE runtime task (payload `engine.batcher.StepGroup`, `Task.steps` = their count): one queue entry, one pop, one
+callback that queues all of the frame's replies under one lock. A frame whose steps exceed what one merged forward
+takes (`Runtime.merge_limit`) is split into tasks that each fit; the runtime merges whole frame tasks into a forward
+while they fit (a frame that does not waits for the next). Prefill steps, steps of the plain executor and a lone
+session's step (which may run inline on an idle runtime) stay one task each. The session's state (open, length) is
+still checked per step in the runtime thread (`SpanEngine.validate`): a closed session fails its own step only."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from corolla.engine.batcher import StepGroup, StepResult
+from corolla.engine.span_engine import StepRequest
+from corolla.server import proxy_wire as wire
+from corolla.server import step_frames
+from corolla.server.admission import SessionAdmission, SessionTicket
+from corolla.server.executor import DeviceExecutor, PreparedStep, SessionCache, StepInputs
+from corolla.server.step_frames import BadStep, ParsedStep
+from corolla.server.task import Task
+
+# a step's reply as a channel queues it: request id, output [B, T, H] or what refused it, the output's bytes if known
+StepReply = tuple[int, torch.Tensor | BaseException, memoryview | None]
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    """A prepared step waiting for its result: what its reply and its accounting need."""
+
+    request_id: int
+    ticket: SessionTicket | None
+    num_tokens: int  # B x T
+    observe: Callable[[float], None] | None
+    request: StepRequest | None  # the fast path's request (its `output_bytes` once a launched forward collected them)
+
+
+class FrameIntake:
+    """Turns a channel's step frames into runtime tasks and their results into replies (see the module docstring).
+
+    `held(handle)` gives an open session's cache and ticket (FrameError if none); `queue_replies` appends replies to
+    the channel's outbox (any thread); `flush` sends them (one distinct object: the runtime flushes it once per
+    batch)."""
+
+    def __init__(
+        self,
+        executor: DeviceExecutor,
+        admission: SessionAdmission,
+        held: Callable[[int], tuple[SessionCache, SessionTicket | None]],
+        queue_replies: Callable[[list[StepReply]], None],
+        flush: Callable[[], None],
+    ):
+        self.executor, self.admission = executor, admission
+        self._held, self._queue_replies, self._flush = held, queue_replies, flush
+        self.num_frame_tasks = 0  # tasks that carried two or more steps of one frame
+
+    def submit(self, kind: int, request_id: int, payload: memoryview) -> int:
+        """Queues a STEP_BATCH's (or a STEP's) steps on the runtime, waking its thread once; refusals are answered
+        at once. Returns the number of steps read. A malformed batch (count or lengths) raises FrameError."""
+        steps: list[ParsedStep | BadStep]
+        if kind == wire.STEP_BATCH:
+            steps = step_frames.parse_steps(payload)
+        else:
+            try:
+                steps = [step_frames.parse_step(request_id, payload)]
+            except wire.FrameError as e:
+                steps = [BadStep(request_id, e)]
+        refused: list[StepReply] = []
+        tasks: list[Task] = []
+        frame: list[tuple[_Entry, PreparedStep]] = []  # the fast path's queued decode steps: one task (or a few)
+        runtime = self.executor.runtime
+        queued_at = time.perf_counter()
+        for step in steps:
+            try:
+                if isinstance(step, BadStep):
+                    raise step.error
+                entry, prepared = self._prepare(step)
+                if prepared.inline:  # a lone session: may run right here on an idle runtime
+                    runtime.submit_callback(
+                        prepared.fn, on_done=partial(self._step_done, entry, queued_at), flush=self._flush,
+                        priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
+                        merge_key=prepared.merge_key, payload=prepared.payload, inline=True, notify=True,
+                    )  # fmt: skip
+                elif entry.request is not None and entry.request.is_decode and prepared.merge_key is not None:
+                    frame.append((entry, prepared))
+                else:
+                    tasks.append(self._task([(entry, prepared)], queued_at))
+            except Exception as e:
+                refused.append((step.request_id, e, None))
+        if frame:
+            tasks.extend(self._frame_tasks(frame, queued_at))
+        if tasks:
+            try:
+                runtime.submit_callbacks(tasks)  # one lock and one wake for the frame
+            except Exception as e:  # the runtime stopped: every step of the frame is refused
+                for task in tasks:
+                    assert task.on_done is not None
+                    task.on_done(None, e)  # queues each of its steps' refusals
+                if not refused:
+                    self._flush()
+        if refused:
+            self._queue_replies(refused)
+            self._flush()
+        return len(steps)
+
+    def _prepare(self, step: ParsedStep) -> tuple[_Entry, PreparedStep]:
+        hidden = step.hidden
+        if hidden is None or hidden.dim() != 3:
+            raise wire.FrameError("a step needs hidden states [B, T, H]")
+        cache, ticket = self._held(step.handle)
+        lone = step.lone and self.admission.num_open <= 1  # alone in this process and in all of them
+        inputs = StepInputs(hidden, step.prefix_length, step.prompts, step.hypo_ids, step.adapter, lone, step.raw)
+        prepared = self.executor.prepare_step(cache, inputs)
+        shape, request = hidden.shape, prepared.payload
+        entry = _Entry(step.request_id, ticket, shape[0] * shape[1], prepared.observe,
+                       request if isinstance(request, StepRequest) else None)  # fmt: skip
+        return entry, prepared
+
+    def _frame_tasks(self, frame: list[tuple[_Entry, PreparedStep]], queued_at: float) -> list[Task]:
+        """The frame's decode steps in as few tasks as fit one merged forward each (in order)."""
+        first = frame[0][1]
+        limit = self.executor.runtime.merge_limit(first.kind)
+        tasks: list[Task] = []
+        part: list[tuple[_Entry, PreparedStep]] = []
+        tokens = 0
+        for item in frame:
+            size = item[1].size_tokens
+            if part and (tokens + size > limit or item[1].merge_key != part[0][1].merge_key):
+                tasks.append(self._task(part, queued_at))
+                part, tokens = [], 0
+            part.append(item)
+            tokens += size
+        tasks.append(self._task(part, queued_at))
+        return tasks
+
+    def _task(self, part: list[tuple[_Entry, PreparedStep]], queued_at: float) -> Task:
+        """One runtime task for one step (its own payload and callback) or for several (a `StepGroup`)."""
+        runtime = self.executor.runtime
+        first = part[0][1]
+        if len(part) == 1:
+            return runtime.callback_task(
+                first.fn, on_done=partial(self._step_done, part[0][0], queued_at), flush=self._flush,
+                priority=first.priority, size_tokens=first.size_tokens, kind=first.kind, merge_key=first.merge_key,
+                payload=first.payload,
+            )  # fmt: skip
+        entries = [entry for entry, _ in part]
+        group = StepGroup([entry.request for entry in entries if entry.request is not None])
+        if len(group.requests) != len(entries):
+            raise TypeError("a frame task's steps must all be the fast path's requests")
+        self.num_frame_tasks += 1
+        return runtime.callback_task(
+            group.run, on_done=partial(self._frame_done, entries, queued_at), flush=self._flush,
+            priority=first.priority, size_tokens=sum(p.size_tokens for _, p in part), kind=first.kind,
+            merge_key=first.merge_key, payload=group, steps=len(entries),
+        )  # fmt: skip
+
+    def _step_done(
+        self, entry: _Entry, queued_at: float, output: torch.Tensor | None, error: BaseException | None
+    ) -> None:
+        """One step's result, in the thread that ran it; the runtime then calls `flush` once for the batch."""
+        self._queue_replies([self._reply(entry, output if error is None else error, time.perf_counter() - queued_at)])
+
+    def _frame_done(
+        self,
+        entries: list[_Entry],
+        queued_at: float,
+        outputs: list[StepResult] | None,
+        error: BaseException | None,
+    ) -> None:
+        """A frame task's results (one per step; `error`: the whole batch failed), queued under one lock."""
+        if error is not None or outputs is None:
+            failed = error if error is not None else RuntimeError("the frame's steps returned nothing")
+            self._queue_replies([(entry.request_id, failed, None) for entry in entries])
+            return
+        elapsed_s = time.perf_counter() - queued_at
+        self._queue_replies([self._reply(e, out, elapsed_s) for e, out in zip(entries, outputs, strict=True)])
+
+    @staticmethod
+    def _reply(entry: _Entry, result: torch.Tensor | BaseException | None, elapsed_s: float) -> StepReply:
+        if result is None or isinstance(result, BaseException):
+            return (entry.request_id, result if result is not None else RuntimeError("the step returned nothing"), None)
+        if entry.ticket is not None:
+            entry.ticket.touch(entry.num_tokens)
+        if entry.observe is not None:
+            entry.observe(elapsed_s)  # includes the queue wait
+        # [B, T, H], encoded by whoever sends it (from its bytes, where a launched forward collected them)
+        return (entry.request_id, result, entry.request.output_bytes if entry.request is not None else None)

@@ -1,0 +1,289 @@
+"""A device channel frame's decode steps travel as ONE runtime task (`server.frame_steps.FrameIntake`,
+`engine.batcher.StepGroup`): each step still gets exactly its own output, a frame larger than one merged forward is
+split at the merge limit, a refused step is answered at once and leaves the others in the task, a session closed
+while its step waits fails that step only, a failing forward fails only its steps, and the runtime's counters count
+steps, not tasks."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.batcher import StepGroup, execute_steps, flatten_units, regroup
+from corolla.engine.span_engine import StepRequest
+from corolla.models.registry import get_family
+from corolla.server import proxy_wire as wire
+from corolla.server.admission import SessionAdmission
+from corolla.server.backend import SpanBackend
+from corolla.server.executor import SessionCache, SessionSpec, StepInputs
+from corolla.server.fast_executor import KIND_ENGINE_INFERENCE, FastExecutor, FastSessionCache
+from corolla.server.frame_steps import FrameIntake, StepReply
+from corolla.server.limits import PeerLimits
+from corolla.server.runtime import Runtime
+from corolla.server.task import Task, TaskQueue
+from helpers.tiny_models import tiny_config
+
+H, SPAN, ROWS = 64, (0, 1), 8  # ROWS: the engine's largest forward (the merge limit of a decode batch)
+
+
+@pytest.fixture(scope="module")
+def backend() -> SpanBackend:
+    torch.manual_seed(0)
+    config = tiny_config("llama", len(SPAN))
+    blocks = {i: get_family(config).build_block(config, i) for i in SPAN}
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+
+
+class _Channel:
+    """What a device channel gives the intake: its sessions by handle, an outbox, a flush counter."""
+
+    def __init__(self) -> None:
+        self.caches: dict[int, SessionCache] = {}
+        self.replies: dict[int, torch.Tensor | BaseException] = {}
+        self.flushes = 0
+        self.lock = threading.Lock()
+
+    def held(self, handle: int) -> tuple[SessionCache, None]:
+        if handle not in self.caches:
+            raise wire.FrameError(f"no open session with a cache under handle {handle}")
+        return self.caches[handle], None
+
+    def queue(self, replies: list[StepReply]) -> None:
+        with self.lock:
+            for request_id, result, _ in replies:
+                self.replies[request_id] = result
+
+    def flush(self) -> None:
+        with self.lock:
+            self.flushes += 1
+
+    def wait_for(self, count: int) -> None:
+        deadline = time.monotonic() + 20
+        while len(self.replies) < count:
+            assert time.monotonic() < deadline, f"{len(self.replies)} of {count} replies"
+            time.sleep(0.002)
+
+
+@contextlib.asynccontextmanager
+async def _setup(
+    backend: SpanBackend, sessions: int
+) -> AsyncIterator[tuple[FastExecutor, FrameIntake, _Channel, list[SessionCache]]]:
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        config = EngineConfig(kv_pool_bytes=1 << 21, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=ROWS)
+        real = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
+        channel = _Channel()
+        intake = FrameIntake(real, SessionAdmission(PeerLimits(), real), channel.held, channel.queue, channel.flush)
+        async with contextlib.AsyncExitStack() as stack:
+            caches = [
+                await stack.enter_async_context(real.open_session(SessionSpec(SPAN, 1, 32), 0))
+                for _ in range(2 * sessions)
+            ]
+            yield real, intake, channel, caches
+
+
+def _frame(items: list[tuple[int, int, int, torch.Tensor]]) -> memoryview:
+    """A STEP_BATCH payload of (request id, handle, prefix length, hidden [B, T, H]) items."""
+    writers = [
+        (wire.STEP, rid, wire.Writer().step_head(handle, pos, False, "").tensor(hidden).tensor(None).tensor(None))
+        for rid, handle, pos, hidden in items
+    ]
+    return memoryview(b"".join(wire.batch(writers).parts))
+
+
+async def _prefilled(real: FastExecutor, caches: list[SessionCache]) -> None:
+    torch.manual_seed(2)
+    half = len(caches) // 2
+    for i in range(half):  # session i and its twin i + half see the same prompt
+        prompt = torch.randn(1, 3, H)
+        for cache in (caches[i], caches[i + half]):
+            await real.step(cache, StepInputs(prompt, 0, None, None, "", False))
+
+
+async def _decode(real: FastExecutor, intake: FrameIntake, channel: _Channel, caches: list[SessionCache],
+                  rows: list[torch.Tensor], extra: list[tuple[int, int, int, torch.Tensor]] = ()) -> None:  # fmt: skip
+    """Steps sessions 0..n-1 through one frame (handles 1..n, plus `extra` items), twins n.. directly (the
+    reference, kept in channel.replies under request id 1000 + i)."""
+    n = len(rows)
+    for i in range(n):
+        channel.caches[i + 1] = caches[i]
+    items = [(i + 1, i + 1, 3, rows[i]) for i in range(n)] + list(extra)
+    intake.submit(wire.STEP_BATCH, 0, _frame(items))
+    channel.wait_for(len(items))
+    for i in range(n):
+        channel.replies[1000 + i] = await real.step(caches[n + i], StepInputs(rows[i], 3, None, None, "", False))
+
+
+def _tasks(runtime: Runtime) -> tuple[int, int]:
+    stats = runtime.stats().get(KIND_ENGINE_INFERENCE)
+    return (stats.batches, stats.tasks) if stats is not None else (0, 0)
+
+
+async def test_a_frames_decode_steps_are_one_task_and_each_gets_its_own_output(backend) -> None:
+    n = 6
+    async with _setup(backend, n) as (real, intake, channel, caches):
+        await _prefilled(real, caches)
+        batches, steps = _tasks(real.runtime)
+        observed: list[int] = []
+        real.runtime.add_batch_observer(lambda kind, num_steps, s: observed.append(num_steps))
+        await _decode(real, intake, channel, caches, [torch.randn(1, 1, H) for _ in range(n)])
+        assert intake.num_frame_tasks == 1
+        assert observed[0] == n  # one batch of the frame's n steps (the twins' steps come after it)
+        assert _tasks(real.runtime)[0] - batches >= 1 and _tasks(real.runtime)[1] - steps == 2 * n  # steps counted
+        for i in range(n):
+            torch.testing.assert_close(channel.replies[i + 1], channel.replies[1000 + i], rtol=1e-5, atol=1e-5)
+        assert channel.flushes >= 1
+
+
+async def test_a_frame_past_the_merge_limit_is_split_into_tasks_that_fit(backend) -> None:
+    n = ROWS + 4
+    async with _setup(backend, n) as (real, intake, channel, caches):
+        await _prefilled(real, caches)
+        assert real.runtime.merge_limit(KIND_ENGINE_INFERENCE) == ROWS
+        sizes: list[int] = []
+        real.runtime.add_batch_observer(lambda kind, num_steps, s: sizes.append(num_steps))
+        await _decode(real, intake, channel, caches, [torch.randn(1, 1, H) for _ in range(n)])
+        assert intake.num_frame_tasks == 2
+        assert sizes[:2] == [ROWS, 4]  # the second part waits for the next forward
+        for i in range(n):
+            torch.testing.assert_close(channel.replies[i + 1], channel.replies[1000 + i], rtol=1e-5, atol=1e-5)
+
+
+async def test_refused_steps_are_answered_at_once_and_the_others_run(backend) -> None:
+    n = 4
+    async with _setup(backend, n) as (real, intake, channel, caches):
+        await _prefilled(real, caches)
+        extra = [(50, 999, 3, torch.randn(1, 1, H)), (51, 1, 4, torch.randn(1, 1, H + 1))]  # no session; bad width
+        await _decode(real, intake, channel, caches, [torch.randn(1, 1, H) for _ in range(n)], extra)
+        assert isinstance(channel.replies[50], wire.FrameError) and "handle 999" in str(channel.replies[50])
+        assert isinstance(channel.replies[51], ValueError)
+        assert intake.num_frame_tasks == 1
+        for i in range(n):
+            torch.testing.assert_close(channel.replies[i + 1], channel.replies[1000 + i], rtol=1e-5, atol=1e-5)
+
+
+async def test_a_session_closed_while_its_step_waits_fails_that_step_only(backend) -> None:
+    n = 3
+    async with _setup(backend, n) as (real, intake, channel, caches):
+        await _prefilled(real, caches)
+        release = threading.Event()
+        real.runtime.submit_callback(release.wait, on_done=lambda r, e: None, priority=0.0, size_tokens=1)
+        for i in range(n):
+            channel.caches[i + 1] = caches[i]
+        rows = [torch.randn(1, 1, H) for _ in range(n)]
+        intake.submit(wire.STEP_BATCH, 0, _frame([(i + 1, i + 1, 3, rows[i]) for i in range(n)]))
+        closed = caches[1]
+        assert isinstance(closed, FastSessionCache)
+        closed.session.close()  # evicted while its step is queued inside the frame's task
+        release.set()
+        channel.wait_for(n)
+        assert isinstance(channel.replies[2], ValueError)
+        for i in (0, 2):
+            want = await real.step(caches[n + i], StepInputs(rows[i], 3, None, None, "", False))
+            torch.testing.assert_close(channel.replies[i + 1], want, rtol=1e-5, atol=1e-5)
+
+
+async def test_a_failing_forward_fails_only_its_frames_steps(backend, monkeypatch) -> None:
+    n = 3
+    async with _setup(backend, 2 * n) as (real, intake, channel, caches):
+        await _prefilled(real, caches)
+        engine = real.engine
+        decode_many = engine.decode_many
+        calls: list[int] = []
+
+        def failing_once(reqs: list[StepRequest], **kwargs: object) -> list[torch.Tensor]:
+            calls.append(len(reqs))
+            if len(calls) == 1:
+                raise RuntimeError("device fault")
+            return decode_many(reqs, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(engine, "decode_many", failing_once)
+        for i in range(2 * n):
+            channel.caches[i + 1] = caches[i]
+        rows = [torch.randn(1, 1, H) for _ in range(2 * n)]
+        intake.submit(wire.STEP_BATCH, 0, _frame([(i + 1, i + 1, 3, rows[i]) for i in range(n)]))
+        channel.wait_for(n)
+        assert all(isinstance(channel.replies[i + 1], RuntimeError) for i in range(n))
+        intake.submit(wire.STEP_BATCH, 1, _frame([(i + 1, i + 1, 3, rows[i]) for i in range(n, 2 * n)]))
+        channel.wait_for(2 * n)
+        for i in range(n, 2 * n):
+            want = await real.step(caches[2 * n + i], StepInputs(rows[i], 3, None, None, "", False))
+            torch.testing.assert_close(channel.replies[i + 1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_runtime_counters_and_the_gather_count_steps_not_tasks() -> None:
+    done = threading.Event()
+    got: list[object] = []
+
+    def merged(tasks: list[Task]) -> list[object]:
+        return [t.payload for t in tasks]
+
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        runtime.register_batch_executor("k", merged)
+        observed: list[int] = []
+        runtime.add_batch_observer(lambda kind, num_steps, s: observed.append(num_steps))
+        tasks = [
+            runtime.callback_task(
+                lambda: None,
+                on_done=lambda r, e: got.append(r),
+                flush=done.set,
+                priority=1.0,
+                size_tokens=size,
+                kind="k",
+                merge_key="m",
+                payload=size,
+                steps=size,
+            )  # fmt: skip
+            for size in (5, 3)
+        ]
+        pushed = runtime._queue.num_pushed
+        runtime.submit_callbacks(tasks)
+        assert done.wait(10)
+        assert runtime._queue.num_pushed - pushed == 8
+    assert sorted(got) == [3, 5] and observed == [8]
+    assert runtime.num_tasks_done == 8 and runtime.stats()["k"].tasks == 8 and runtime.stats()["k"].batches == 1
+
+
+def test_the_queue_remembers_when_each_step_was_pushed() -> None:
+    queue = TaskQueue()
+
+    def task(steps: int, at: float) -> Task:
+        return Task(
+            fn=lambda: None, priority=1.0, size_tokens=steps, future=None, loop=None, submitted_at=at, steps=steps
+        )
+
+    queue.push(task(1, 10.0))
+    queue.push_many([task(3, 20.0), task(1, 30.0)])
+    assert queue.num_pushed == 5
+    assert [queue.push_time_s(i) for i in range(1, 6)] == [10.0, 20.0, 20.0, 20.0, 30.0]
+    assert queue.push_time_s(6) is None
+
+
+def test_units_flatten_and_regroup_in_order() -> None:
+    a, b, c, d = (object() for _ in range(4))
+    requests: list[object] = [a, b, c, d]
+    units = [requests[0], StepGroup(requests[1:3]), requests[3]]  # type: ignore[list-item]
+    flat, sizes = flatten_units(units)  # type: ignore[arg-type]
+    assert flat == requests and sizes == [0, 2, 0]
+    error = ValueError("refused")
+    assert regroup([1, error, 3, 4], sizes) == [1, [error, 3], 4]  # type: ignore[list-item]
+    assert flatten_units([a, b])[1] is None  # type: ignore[list-item]
+    with pytest.raises(RuntimeError, match="step results"):
+        regroup([1, 2], sizes)  # type: ignore[list-item]
+
+
+async def test_a_step_group_alone_runs_as_execute_steps_merges_it(backend) -> None:
+    async with _setup(backend, 2) as (real, _, _, caches):
+        await _prefilled(real, caches)
+        rows = [torch.randn(1, 1, H) for _ in range(2)]
+        group = StepGroup([StepRequest(c.session, r, 3) for c, r in zip(caches[:2], rows, strict=True)])  # type: ignore[attr-defined]
+        twins = [StepRequest(c.session, r, 3) for c, r in zip(caches[2:], rows, strict=True)]  # type: ignore[attr-defined]
+        got = await real.runtime.submit(group.run, priority=1.0, size_tokens=2)
+        want = await real.runtime.submit(lambda: execute_steps(real.engine, twins), priority=1.0, size_tokens=2)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
