@@ -1,5 +1,5 @@
 """`bench.handler_path` (the handler's per-step path in one process) runs sessions to the end and reports CPU and
-wall time per decode step; bad sizes are refused."""
+wall time per decode step, also through a `ProxyExecutor` to an echo device process; bad sizes are refused."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ from corolla.bench.handler_path import run_handler_path, session_messages
 async def test_sessions_run_to_the_end_and_time_is_reported() -> None:
     result = await run_handler_path(sessions=3, steps=4)
     assert (result.sessions, result.steps) == (3, 4)
+    assert 0 < result.cpu_us_per_step < 1e6 and 0 < result.wall_us_per_step < 1e6
+
+
+async def test_sessions_run_through_a_proxy_executor_to_an_echo_device_process() -> None:
+    result = await run_handler_path(sessions=2, steps=3, proxy=True)  # replies checked: none may be an error
+    assert (result.sessions, result.steps) == (2, 3)
     assert 0 < result.cpu_us_per_step < 1e6 and 0 < result.wall_us_per_step < 1e6
 
 

@@ -50,6 +50,7 @@ from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.memory_cache import TensorDescriptorLike
 from corolla.server.metrics import ServerMetrics
 from corolla.server.proxy_executor import DeviceInfo, DeviceLink, ProxyExecutor
+from corolla.server.raw_steps import RawStepper
 from corolla.server.sessions import SessionTimeouts
 from corolla.server.stream_guard import guarded_stream_handler
 from corolla.utils.logging import get_logger
@@ -228,7 +229,8 @@ async def run_handler_path(sessions: int, steps: int, *, proxy: bool = False) ->
     reader, writer = await asyncio.open_unix_connection(sock=ours)
     link = await DeviceLink.connect(reader, writer)
     try:
-        return await _run(sessions, steps, ProxyExecutor(link))
+        executor = ProxyExecutor(link)
+        return await _run(sessions, steps, executor, raw_steps=executor)
     finally:
         await link.close()
         device.join(10)
@@ -236,13 +238,19 @@ async def run_handler_path(sessions: int, steps: int, *, proxy: bool = False) ->
             device.kill()
 
 
-async def _run(sessions: int, steps: int, executor: SpanExecutor) -> HandlerPathResult:
+async def _run(
+    sessions: int, steps: int, executor: SpanExecutor, *, raw_steps: RawStepper | None = None
+) -> HandlerPathResult:
     limits = ServingLimits(
         dht_prefix="p", start_block=0, end_block=2, hidden_size=HIDDEN_SIZE, dtype=torch.float32,
         inference_max_length_tokens=PREFIX_TOKENS + steps + 8, max_batch_size_tokens=8192,
     )  # fmt: skip
     handler = TransformerConnectionHandler(
-        limits=limits, executor=executor, timeouts=SessionTimeouts(30, 3600, 30), metrics=ServerMetrics()
+        limits=limits,
+        executor=executor,
+        timeouts=SessionTimeouts(30, 3600, 30),
+        metrics=ServerMetrics(),
+        raw_steps=raw_steps,
     )
     refused: list[BaseException] = []
     handle = guarded_stream_handler(

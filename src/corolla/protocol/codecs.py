@@ -299,10 +299,13 @@ def _deserialize_codebook(serialized: runtime_pb2.Tensor, shape: torch.Size) -> 
     return tensor.requires_grad_(serialized.requires_grad)
 
 
-def _deserialize_plain(serialized: runtime_pb2.Tensor, limits: TensorLimits) -> torch.Tensor | None:
-    """The per-step case (NONE compression, a whitelisted dtype, no grad, buffer exactly numel * itemsize, every
-    bound of `limits` held) decoded with the fewest Python steps; None for anything else, which the general path
-    then decodes or refuses with its precise error (so both paths accept and refuse exactly the same inputs)."""
+def plain_record(
+    serialized: runtime_pb2.Tensor, limits: TensorLimits = DEFAULT_TENSOR_LIMITS
+) -> tuple[torch.dtype, tuple[int, ...], bytes] | None:
+    """(dtype, shape, buffer) of a record that `deserialize_tensor` decodes through its per-step case (NONE
+    compression, a whitelisted dtype, no grad, buffer exactly numel * itemsize, every bound of `limits` held),
+    without decoding it; None for anything else (which the general path decodes or refuses with its precise error).
+    The buffer is the record's raw values in native byte order."""
     if serialized.compression != _NONE or serialized.requires_grad:
         return None
     dtype = _DTYPES.get(serialized.dtype)
@@ -319,12 +322,31 @@ def _deserialize_plain(serialized: runtime_pb2.Tensor, limits: TensorLimits) -> 
     itemsize = _ITEMSIZES[dtype]
     if numel > limits.max_elements or numel * itemsize > limits.max_decoded_bytes:
         return None
-    buffer = serialized.buffer
+    buffer = serialized.buffer  # (a copy per access: read once)
     if len(buffer) != numel * itemsize:
         return None  # includes the legacy fp32-coded bf16 form
-    if numel == 0:
+    return dtype, shape, buffer
+
+
+def _deserialize_plain(serialized: runtime_pb2.Tensor, limits: TensorLimits) -> torch.Tensor | None:
+    """The per-step case (`plain_record`) decoded with the fewest Python steps; None for anything else."""
+    record = plain_record(serialized, limits)
+    if record is None:
+        return None
+    dtype, shape, buffer = record
+    if not buffer:  # no elements (every itemsize is >= 1)
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(buffer), dtype=dtype).view(shape)  # [*shape], writable, its own memory
+
+
+def raw_record(dtype: torch.dtype, shape: tuple[int, ...], data: bytes) -> runtime_pb2.Tensor | None:
+    """The record `serialize_tensor` writes (NONE compression) for a CPU tensor of `dtype` and `shape` that holds
+    `data` (its values in C order, native byte order) and needs no grad, built from the bytes; None where that
+    record is not the raw values (bf16 in hivemind's legacy fp32 mode) or the dtype has no NONE form here."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None or (dtype == torch.bfloat16 and hivemind.compression.base.USE_LEGACY_BFLOAT16):
+        return None
+    return runtime_pb2.Tensor(compression=_NONE, buffer=data, size=shape, dtype=name, requires_grad=False)
 
 
 def is_plain_empty(serialized: runtime_pb2.Tensor, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> bool:

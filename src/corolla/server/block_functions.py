@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from hivemind.proto import runtime_pb2
 
-from corolla.protocol.codecs import check_castable
+from corolla.protocol.codecs import check_castable, deserialize_tensor, is_plain_empty
 from corolla.protocol.packing import unpack_args_kwargs
 from corolla.protocol.uids import parse_chain, parse_uid
 from corolla.server.executor import BackwardInputs, ForwardInputs, StepInputs
@@ -59,6 +60,23 @@ def all_finite(tensor: torch.Tensor) -> bool:
     magnitude_mask, infinity = half
     bits = data.view(torch.int16).numpy().view(np.uint16)  # [same shape] the raw 16-bit patterns
     return int(np.maximum.reduce(bits & magnitude_mask, axis=None)) < infinity
+
+
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def bytes_finite(data: bytes | memoryview, dtype: torch.dtype) -> bool:
+    """`all_finite` of a CPU float tensor of `dtype` holding `data` (its values, native byte order), read straight
+    from the bytes (no tensor): 16-bit floats on their bits, the others with `isfinite`."""
+    half = _HALF_NONFINITE.get(dtype)
+    if half is not None:
+        bits = np.frombuffer(data, dtype=np.uint16)  # [numel] the raw 16-bit patterns
+        if bits.size == 0:
+            return True
+        magnitude_mask, infinity = half
+        return int(np.maximum.reduce(bits & magnitude_mask, axis=None)) < infinity
+    values = np.frombuffer(data, dtype=_NUMPY_FLOATS[dtype])  # [numel]; KeyError: not a float dtype
+    return bool(np.logical_and.reduce(np.isfinite(values), axis=None))
 
 
 # ---- validation -------------------------------------------------------------------------------------------------
@@ -178,6 +196,26 @@ def unpack_request_args(tensors: Sequence[torch.Tensor], args_structure: Any) ->
         return tuple(tensors)  # what unpack_args_kwargs returns for it, without walking the structure twice
     args, _kwargs = unpack_args_kwargs(tensors, args_structure)
     return args
+
+
+def deserialize_request(tensors: Sequence[runtime_pb2.Tensor]) -> list[torch.Tensor]:
+    """A request's tensors, at most `MAX_TENSORS_PER_REQUEST` (counted before any is decoded)."""
+    if len(tensors) > MAX_TENSORS_PER_REQUEST:
+        raise BadRequest(f"request has {len(tensors)} tensors, more than the limit of {MAX_TENSORS_PER_REQUEST}")
+    return [deserialize_tensor(t) for t in tensors]
+
+
+def step_args(tensors: Sequence[runtime_pb2.Tensor], structure: Any) -> tuple[Any, ...]:
+    """An inference step's positional args. Petals' step (hidden states, prompts, hypo_ids): an empty dummy record
+    is None without building its tensor (the step's validation treats every empty tensor as absent)."""
+    if len(tensors) == 3 and structure == PETALS_STEP_STRUCTURE:  # bounded: lengths compare first
+        hidden, prompts, hypo_ids = tensors
+        return (
+            deserialize_tensor(hidden),
+            None if is_plain_empty(prompts) else deserialize_tensor(prompts),
+            None if is_plain_empty(hypo_ids) else deserialize_tensor(hypo_ids),
+        )
+    return unpack_request_args(deserialize_request(tensors), structure)
 
 
 def _arg(args: Sequence[Any], index: int) -> Any:

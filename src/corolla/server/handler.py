@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
@@ -18,12 +18,7 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from corolla import PETALS_COMPAT_VERSION
 from corolla.protocol import rpc
-from corolla.protocol.codecs import (
-    MAX_UNARY_PAYLOAD_BYTES,
-    deserialize_tensor,
-    is_plain_empty,
-    serialize_tensor,
-)
+from corolla.protocol.codecs import MAX_UNARY_PAYLOAD_BYTES, serialize_tensor
 from corolla.protocol.metadata import (
     ForwardRequestMetadata,
     InferenceRequestMetadata,
@@ -36,7 +31,7 @@ from corolla.server.admission import ForwardSlots, SessionAdmission
 from corolla.server.block_functions import ServingLimits
 from corolla.server.deadlines import TaskDeadline
 from corolla.server.drain import Draining, SessionHandoff
-from corolla.server.executor import SessionSpec, SpanExecutor, StepInputs
+from corolla.server.executor import SessionSpec, SpanExecutor
 from corolla.server.limits import PeerLimits, peer_key
 from corolla.server.metrics import ServerMetrics
 from corolla.server.peer_auth import (
@@ -48,6 +43,7 @@ from corolla.server.peer_auth import (
     mark_pushed_reply,
     remote_peer,
 )
+from corolla.server.raw_steps import RawStepper, parse_raw_step
 from corolla.server.refusals import BadRequest, Refusals, RequestTimeout
 from corolla.server.runtime import Runtime
 from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
@@ -60,6 +56,7 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
+_T = TypeVar("_T")
 
 
 async def _await_within(coro: Any, timeout_s: float) -> Any:
@@ -89,10 +86,12 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         runtime: Runtime | None = None,
         peer_limits: PeerLimits | None = None,
         peer_auth: PeerAuth | None = None,
+        raw_steps: RawStepper | None = None,
     ):
         self.limits = limits
         self.peer_auth = peer_auth  # private swarm: every RPC proves membership (server.peer_auth); None = open
         self.executor = executor
+        self.raw_steps = raw_steps  # the executor again where it takes decode steps as bytes (handler processes)
         self.configure_limits(peer_limits if peer_limits is not None else PeerLimits())
         self.busy_poll = busy_poll  # the serving loop's selector: hot after a lone session's inline step
         self.busy_poll_s = busy_poll_s
@@ -155,23 +154,6 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 f"call {rpc_name}_stream for large tensors"
             )
         return response
-
-    def _deserialize(self, tensors: Sequence[runtime_pb2.Tensor]) -> list[torch.Tensor]:
-        if len(tensors) > bf.MAX_TENSORS_PER_REQUEST:
-            raise BadRequest(f"request has {len(tensors)} tensors, more than the limit of {bf.MAX_TENSORS_PER_REQUEST}")
-        return [deserialize_tensor(t) for t in tensors]
-
-    def _step_args(self, tensors: Sequence[runtime_pb2.Tensor], structure: Any) -> tuple[Any, ...]:
-        """A step's positional args. Petals' step (hidden states, prompts, hypo_ids): an empty dummy record is None
-        without building its tensor (the step's validation treats every empty tensor as absent)."""
-        if len(tensors) == 3 and structure == bf.PETALS_STEP_STRUCTURE:  # bounded: lengths compare first
-            hidden, prompts, hypo_ids = tensors
-            return (
-                deserialize_tensor(hidden),
-                None if is_plain_empty(prompts) else deserialize_tensor(prompts),
-                None if is_plain_empty(hypo_ids) else deserialize_tensor(hypo_ids),
-            )
-        return bf.unpack_request_args(self._deserialize(tensors), structure)
 
     def _output_compressions(self, metadata: ForwardRequestMetadata, count: int) -> list[int]:
         if metadata.output_compression is None:
@@ -243,7 +225,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
             yield response
 
     async def _unary(self, compute: Any, request: runtime_pb2.ExpertRequest, context: Any) -> list[runtime_pb2.Tensor]:
-        return await compute(request.uid, self._deserialize(request.tensors), request.metadata, peer_key(context))
+        return await compute(request.uid, bf.deserialize_request(request.tensors), request.metadata, peer_key(context))
 
     async def _streamed(
         self, compute: Any, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: Any
@@ -251,7 +233,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         uid, serialized, metadata = await gather_stream(
             requests, request_timeout_s=self.timeouts.request_timeout_s, max_stream_bytes=self.max_stream_bytes
         )
-        return await compute(uid, self._deserialize(serialized), metadata, peer_key(context))
+        return await compute(uid, bf.deserialize_request(serialized), metadata, peer_key(context))
 
     def _reject(self, name: str, error: BaseException) -> None:
         """Logs and counts a refused request by reason (`refusals`: by the error's type)."""
@@ -434,17 +416,16 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 f"rpc_inference.close(session_id={metadata.session_id!r:.40}, seconds={time.monotonic() - started:.2f})"
             )
 
-    async def _step_within(self, session: SessionState, inputs: StepInputs, remaining_s: float) -> torch.Tensor:
-        """The executor's step under the session's deadline: the session's `TaskDeadline` (one lazily moved timer for
-        all its waits) where the loop has one, else `asyncio.timeout`."""
-        assert session.cache is not None
+    async def _step_within(self, session: SessionState, step: Awaitable[_T], remaining_s: float) -> _T:
+        """The executor's `step` under the session's deadline: the session's `TaskDeadline` (one lazily moved timer
+        for all its waits) where the loop has one, else `asyncio.timeout`."""
         if _timeout is None:
-            return await _await_within(self.executor.step(session.cache, inputs), remaining_s)
+            return await _await_within(step, remaining_s)
         loop = asyncio.get_running_loop()
         if session.deadlines is None:
             session.deadlines = TaskDeadline(loop)
         with session.deadlines.scope(loop.time() + remaining_s):
-            return await self.executor.step(session.cache, inputs)
+            return await step
 
     async def _inference_step(
         self,
@@ -454,35 +435,58 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         deadline: float,
     ) -> tuple[runtime_pb2.Tensor, bool]:
         structure = metadata.args_structure if metadata.args_structure is not None else session.args_structure
-        inputs = bf.parse_step_inputs(
-            self._step_args(request.tensors, structure),
-            self.limits,
-            num_blocks=len(session.block_indices),
-            batch_size=session.batch_size,
-            current_length=session.prefix_length,
-            start_from_position=metadata.start_from_position,
-            max_length_tokens=session.max_length,
-            adapter=session.active_adapter,
-            lone_session=self.sessions.num_open == 1,
-        )  # the session changes only once the step is valid
-        batch_size, length, _ = inputs.hidden_states.shape
-        if length == 0 or session.cache is None:
-            output = inputs.hidden_states  # zero-token step: nothing to compute, reply with an empty [B, 0, H]
+        raw = None  # the usual decode step as bytes, for an executor that takes them (`raw_steps`)
+        if self.raw_steps is not None and session.cache is not None:
+            raw = parse_raw_step(
+                request.tensors, structure, self.limits, batch_size=session.batch_size,
+                current_length=session.prefix_length, start_from_position=metadata.start_from_position,
+                max_length_tokens=session.max_length,
+            )  # fmt: skip
+        inputs = None
+        if raw is None:
+            inputs = bf.parse_step_inputs(
+                bf.step_args(request.tensors, structure),
+                self.limits,
+                num_blocks=len(session.block_indices),
+                batch_size=session.batch_size,
+                current_length=session.prefix_length,
+                start_from_position=metadata.start_from_position,
+                max_length_tokens=session.max_length,
+                adapter=session.active_adapter,
+                lone_session=self.sessions.num_open == 1,
+            )  # the session changes only once the step is valid
+            batch_size, length, _ = inputs.hidden_states.shape
+            prefix_length = inputs.prefix_length
         else:
+            (batch_size, length, _), prefix_length = raw.shape, raw.prefix_length
+        if inputs is not None and (length == 0 or session.cache is None):
+            output = self._serialize_output(inputs.hidden_states)  # zero tokens: nothing to compute, [B, 0, H] back
+        else:
+            assert session.cache is not None
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestTimeout(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
             runtime = self.runtime if self.busy_poll is not None else None
             inline_before = runtime.num_inline_batches if runtime is not None else 0
             try:
-                output = await self._step_within(session, inputs, remaining)
+                if raw is not None and self.raw_steps is not None:
+                    lone = self.sessions.num_open == 1
+                    out = await self._step_within(
+                        session, self.raw_steps.step_raw(session.cache, raw, session.active_adapter, lone), remaining
+                    )
+                    record = out.record(self.limits.dtype, self.compression)
+                    output = record if record is not None else self._serialize_output(out.tensor())
+                else:
+                    assert inputs is not None
+                    step = self.executor.step(session.cache, inputs)
+                    output = self._serialize_output(await self._step_within(session, step, remaining))
             except asyncio.TimeoutError:
                 raise RequestTimeout(
                     f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
                 ) from None
             if self.busy_poll is not None and runtime is not None and runtime.num_inline_batches != inline_before:
                 self.busy_poll.keep_hot(self.busy_poll_s)  # a lone session: its next step is due in a moment
-        session.prefix_length = inputs.prefix_length + length
+        session.prefix_length = prefix_length + length
         if session.ticket is not None:
             session.ticket.touch(batch_size * length)  # zero-token keep-alives are not use
-        return self._serialize_output(output), inputs.prompts is None
+        return output, inputs is None or inputs.prompts is None

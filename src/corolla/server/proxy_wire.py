@@ -130,6 +130,19 @@ class Writer:
             self.parts.append((tensor.view(view) if view is not None else tensor).numpy().data.cast("B"))  # flat
         return self
 
+    def record(self, dtype: torch.dtype, shape: tuple[int, ...], data: bytes | memoryview) -> Writer:
+        """`tensor(t)`'s bytes for a CPU tensor `t` of `dtype` and `shape` that holds `data` (its values in C order,
+        flat), from the bytes (no tensor)."""
+        code = _DTYPE_CODES.get(dtype)
+        if code is None or len(shape) > MAX_TENSOR_DIMS:
+            raise FrameError(f"can't send a {dtype} tensor of {len(shape)} dims")
+        if len(data) != math.prod(shape) * _ITEM_BYTES[code]:
+            raise FrameError(f"{len(data)} bytes can't hold a {dtype} tensor of shape {list(shape)}")
+        self.parts.append(_TENSOR_HEADS[len(shape)].pack(code, len(shape), *shape))
+        if len(data):
+            self.parts.append(data)
+        return self
+
     def frame(self, kind: int, request_id: int) -> bytes:
         payload = b"".join(self.parts)
         return HEADER.pack(len(payload), kind, request_id) + payload
@@ -255,6 +268,20 @@ class Reader:
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)  # a writable copy of the bytes
+
+    def record(self) -> tuple[torch.dtype, tuple[int, ...], memoryview] | None:
+        """`tensor()`'s record as (dtype, shape, its bytes: a view of the payload, no copy), None for no tensor;
+        the same bounds."""
+        code = self.u8()
+        if code == NO_TENSOR:
+            return None
+        if code >= len(_DTYPES):
+            raise FrameError(f"unknown dtype code {code}")
+        ndim = self.u8()
+        if ndim > MAX_TENSOR_DIMS:
+            raise FrameError(f"tensor of {ndim} dims exceeds {MAX_TENSOR_DIMS}")
+        shape: tuple[int, ...] = struct.unpack(f">{ndim}I", self.take(4 * ndim))
+        return _DTYPES[code], shape, self.take(math.prod(shape) * _ITEM_BYTES[code])
 
     def done(self) -> None:
         if self.offset != len(self.data):

@@ -1,0 +1,351 @@
+"""A usual decode step as bytes (`server.raw_steps`, the handler processes' path): taken only where the general path
+accepts the step, with the same prefix, dtype, shape and values, at and past every limit; its STEP frame and reply
+record are byte for byte what the tensor path writes; a handler session answers the same bytes through either path
+and refuses the same steps with the same errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator, Callable
+
+import hivemind.compression.base
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol.codecs import raw_record, serialize_tensor
+from corolla.protocol.metadata import encode_metadata
+from corolla.protocol.packing import pack_args_kwargs
+from corolla.server import block_functions as bf
+from corolla.server import proxy_wire as wire
+from corolla.server.block_functions import ServingLimits
+from corolla.server.executor import PATH_PLAIN, SessionCache, SessionSpec, StepInputs
+from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.metrics import ServerMetrics
+from corolla.server.proxy_executor import DeviceInfo, DeviceLink, ProxyExecutor, ProxySessionCache
+from corolla.server.raw_steps import RawOutput, RawStep, parse_raw_step
+from corolla.server.sessions import SessionTimeouts
+
+H = 8
+NONE = runtime_pb2.CompressionType.NONE
+
+
+def _limits(dtype: torch.dtype) -> ServingLimits:
+    return ServingLimits(
+        dht_prefix="p", start_block=0, end_block=2, hidden_size=H, dtype=dtype,
+        inference_max_length_tokens=64, max_batch_size_tokens=12,
+    )  # fmt: skip
+
+
+def _petals_step(hidden: torch.Tensor) -> tuple[list[runtime_pb2.Tensor], object]:
+    """The records and structure a Petals client sends for a step (dummy prompts and hypo_ids)."""
+    tensors, _ = pack_args_kwargs(hidden, torch.empty(0), torch.empty(0, dtype=torch.int64))
+    return [serialize_tensor(t) for t in tensors], bf.PETALS_STEP_STRUCTURE  # the structure as msgpack decodes it
+
+
+Mutation = Callable[[list[runtime_pb2.Tensor]], None]
+
+
+def _set(index: int, **fields: object) -> Mutation:
+    def mutate(tensors: list[runtime_pb2.Tensor]) -> None:
+        for name, value in fields.items():
+            if name == "size":
+                del tensors[index].size[:]
+                tensors[index].size.extend(value)
+            else:
+                setattr(tensors[index], name, value)
+
+    return mutate
+
+
+def _poke(value: float) -> Mutation:
+    """Writes `value` (in the record's dtype) over the hidden states' last element."""
+
+    def mutate(tensors: list[runtime_pb2.Tensor]) -> None:
+        record = tensors[0]
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[record.dtype]
+        data = bytearray(record.buffer)
+        last = torch.tensor([value], dtype=dtype).view(torch.uint8).numpy().tobytes()
+        data[-len(last) :] = last
+        record.buffer = bytes(data)
+
+    return mutate
+
+
+# (name, batch, length, mutation of the records, start_from_position, current length, max length)
+CASES: list[tuple[str, int, int, Mutation | None, int | None, int, int]] = [
+    ("usual", 1, 1, None, None, 5, 64),
+    ("batch of two", 2, 1, None, 5, 5, 64),
+    ("several tokens", 1, 4, None, 5, 5, 64),
+    ("rollback", 1, 1, None, 2, 5, 64),
+    ("at max length", 1, 1, None, 5, 5, 6),
+    ("past max length", 1, 2, None, 5, 5, 6),
+    ("start past length", 1, 1, None, 6, 5, 64),
+    ("negative start", 1, 1, None, -1, 5, 64),
+    ("at max tokens", 2, 6, None, None, 0, 64),
+    ("past max tokens", 1, 13, None, None, 0, 64),
+    ("keep-alive", 1, 0, None, None, 5, 64),
+    ("nan", 1, 2, _poke(math.nan), None, 5, 64),
+    ("inf", 1, 1, _poke(math.inf), None, 5, 64),
+    ("-inf", 1, 1, _poke(-math.inf), None, 5, 64),
+    ("batch mismatch", 3, 1, None, None, 5, 64),
+    ("wrong hidden", 1, 1, _set(0, size=[1, 1, H // 2], buffer=b"\0" * (2 * H)), None, 5, 64),
+    ("2 dims", 1, 1, _set(0, size=[1, H]), None, 5, 64),
+    ("4 dims", 1, 1, _set(0, size=[1, 1, 1, H]), None, 5, 64),
+    ("short buffer", 1, 1, _set(0, buffer=b"\0" * 3), None, 5, 64),
+    ("requires grad", 1, 1, _set(0, requires_grad=True), None, 5, 64),
+    ("int dtype", 1, 1, _set(0, dtype="int8", buffer=b"\0" * H), None, 5, 64),
+    ("unknown dtype", 1, 1, _set(0, dtype="S16"), None, 5, 64),
+    ("huge dim", 1, 1, _set(0, size=[1, 1 << 30, H]), None, 5, 64),
+    ("prompts", 1, 1, _set(1, size=[2, 1, 1, H], buffer=b"\0" * (8 * H), dtype="float32"), None, 5, 64),
+    ("hypo ids", 1, 1, _set(2, size=[1], buffer=b"\0" * 8), None, 5, 64),
+    ("prompts with grad", 1, 1, _set(1, requires_grad=True), None, 5, 64),
+]
+
+# accepted steps that the raw path leaves to the general one (besides casts and keep-alives)
+GENERAL_ONLY = ("prompts", "hypo ids", "prompts with grad", "requires grad")
+
+
+def _general(tensors, structure, limits, batch, current, start, max_length) -> StepInputs | BaseException:
+    try:
+        return bf.parse_step_inputs(
+            bf.step_args(tensors, structure), limits, num_blocks=2, batch_size=batch, current_length=current,
+            start_from_position=start, max_length_tokens=max_length, adapter="", lone_session=False,
+        )  # fmt: skip
+    except Exception as e:
+        return e
+
+
+@pytest.mark.parametrize("block_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sent_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("name", "batch", "length", "mutate", "start", "current", "max_length"), CASES)
+def test_taken_only_where_the_general_path_accepts_with_the_same_result(
+    block_dtype, sent_dtype, name, batch, length, mutate, start, current, max_length
+) -> None:
+    limits = _limits(block_dtype)
+    hidden = torch.randn(batch, length, H, generator=torch.Generator().manual_seed(len(name))).to(sent_dtype)
+    tensors, structure = _petals_step(hidden)
+    if mutate is not None:
+        mutate(tensors)
+    session_batch = 2 if name == "at max tokens" else 1 if name != "batch of two" else 2
+    general = _general(tensors, structure, limits, session_batch, current, start, max_length)
+    raw = parse_raw_step(
+        tensors, structure, limits, batch_size=session_batch, current_length=current,
+        start_from_position=start, max_length_tokens=max_length,
+    )  # fmt: skip
+    if isinstance(general, BaseException):
+        assert raw is None, f"{name}: the general path refuses ({general!r}) but the raw path took the step"
+        return
+    if raw is None:  # the general path only: a cast, a keep-alive, prompts or beam ids
+        assert sent_dtype != block_dtype or length == 0 or name in GENERAL_ONLY, name
+        return
+    assert sent_dtype == block_dtype and mutate is None, name
+    assert raw.prefix_length == general.prefix_length and raw.dtype == general.hidden_states.dtype
+    assert raw.shape == tuple(general.hidden_states.shape)
+    assert raw.data == general.hidden_states.view(torch.uint8).numpy().tobytes()
+    assert general.prompts is None and general.hypo_ids is None
+
+
+def test_other_structures_take_the_general_path() -> None:
+    limits = _limits(torch.float32)
+    tensors, _ = _petals_step(torch.randn(1, 1, H))
+    kwargs = dict(batch_size=1, current_length=0, start_from_position=None, max_length_tokens=8)
+    assert parse_raw_step(tensors, bf.PETALS_STEP_STRUCTURE, limits, **kwargs) is not None  # type: ignore[arg-type]
+    assert parse_raw_step(tensors, None, limits, **kwargs) is None  # type: ignore[arg-type]
+    assert parse_raw_step(tensors[:2], bf.PETALS_STEP_STRUCTURE, limits, **kwargs) is None  # type: ignore[arg-type]
+    other: object = ((b"__T0", b"__T2", b"__T1"), {})
+    assert parse_raw_step(tensors, other, limits, **kwargs) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bytes_finite_equals_all_finite_on_every_16_bit_pattern(dtype) -> None:
+    patterns = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(patterns)
+    for start in range(0, 1 << 16, 251):  # each pattern beside finite ones, in a few hundred arrays
+        chunk = patterns[start : start + 251]
+        data = chunk.view(torch.uint8).numpy().tobytes()
+        assert bf.bytes_finite(data, dtype) == bool(finite[start : start + 251].all())
+        assert bf.bytes_finite(data, dtype) == bf.all_finite(chunk)
+    assert bf.bytes_finite(b"", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bytes_finite_equals_all_finite_on_wide_floats(dtype) -> None:
+    for values in ([1.0, -2.5], [1e38, -1e38], [math.nan], [1.0, math.inf], [-math.inf], []):
+        tensor = torch.tensor(values, dtype=dtype)
+        assert bf.bytes_finite(tensor.numpy().tobytes(), dtype) == bf.all_finite(tensor), values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, H), (2, 3, H), (1, 0, H)])
+def test_raw_record_is_what_serialize_tensor_writes(dtype, shape) -> None:
+    tensor = torch.randn(shape).to(dtype)
+    record = raw_record(dtype, shape, tensor.view(torch.uint8).numpy().tobytes())
+    assert record is not None
+    assert record.SerializeToString() == serialize_tensor(tensor).SerializeToString()
+    out = RawOutput(dtype, shape, memoryview(tensor.view(torch.uint8).numpy().tobytes()))
+    assert out.record(dtype, NONE) is not None
+    assert out.record(dtype, NONE).SerializeToString() == serialize_tensor(tensor).SerializeToString()  # type: ignore[union-attr]
+    assert torch.equal(out.tensor(), tensor)
+    assert out.record(torch.float64, NONE) is None  # another dtype: through the tensor (cast)
+    assert out.record(dtype, runtime_pb2.CompressionType.FLOAT16) is None
+
+
+def test_legacy_bfloat16_replies_take_the_tensor(monkeypatch) -> None:
+    monkeypatch.setattr(hivemind.compression.base, "USE_LEGACY_BFLOAT16", True)
+    assert raw_record(torch.bfloat16, (1, 1, H), b"\0" * 2 * H) is None
+    assert raw_record(torch.float32, (1, 1, H), b"\0" * 4 * H) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_wire_records_are_the_tensor_records(dtype) -> None:
+    tensor = (torch.randn(2, 3, 4) * 10).to(dtype)
+    data = tensor.view(torch.uint8).numpy().tobytes()
+    by_record = wire.Writer().record(dtype, (2, 3, 4), data).frame(wire.STEP, 1)
+    assert by_record == wire.Writer().tensor(tensor).frame(wire.STEP, 1)
+    reader = wire.Reader(by_record[wire.HEADER_BYTES :])
+    got = reader.record()
+    assert got is not None and got[0] == dtype and got[1] == (2, 3, 4) and bytes(got[2]) == data
+    reader.done()
+    with pytest.raises(wire.FrameError, match="can't hold"):
+        wire.Writer().record(dtype, (2, 3, 5), data)
+    with pytest.raises(wire.FrameError, match="runs past the payload"):
+        wire.Reader(by_record[wire.HEADER_BYTES : -1]).record()
+    assert wire.Reader(bytes([wire.NO_TENSOR])).record() is None
+    with pytest.raises(wire.FrameError, match="dtype code"):
+        wire.Reader(bytes([200, 1, 0, 0, 0, 1])).record()
+    with pytest.raises(wire.FrameError, match="dims"):
+        wire.Reader(bytes([0, 9])).record()
+
+
+class _CapturingWriter:
+    """A channel writer that keeps what is written."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.transport = self
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(bytes(data))
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def _sent_and_answered(link: DeviceLink, writer: _CapturingWriter, call, reply: torch.Tensor):
+    """Runs `call` until its STEP frame is written, answers it with `reply`; (the frame, the call's result)."""
+    task = asyncio.ensure_future(call)
+    while not writer.frames:
+        await asyncio.sleep(0)
+    frame = writer.frames.pop()
+    _, kind, request_id = wire.HEADER.unpack(frame[: wire.HEADER_BYTES])
+    assert kind == wire.STEP
+    link._resolve(request_id, wire.REPLY_TENSORS, wire.Reader(wire.Writer().u8(1).tensor(reply).frame(0, 0)[9:]))
+    return frame[wire.HEADER_BYTES :], await task
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+async def test_step_raw_sends_the_step_frame_and_reads_the_same_reply(dtype) -> None:
+    writer = _CapturingWriter()
+    link = DeviceLink(asyncio.StreamReader(), writer, DeviceInfo(PATH_PLAIN, 0, 1 << 20, {0: 1, 1: 1}, 1, 0))  # type: ignore[arg-type]
+    executor = ProxyExecutor(link)
+    cache = ProxySessionCache(SessionSpec((0, 1), 2, 16), link, handle=7)
+    hidden, reply = torch.randn(2, 1, H).to(dtype), torch.randn(2, 1, H).to(dtype)
+    data = hidden.view(torch.uint8).numpy().tobytes()
+    inputs = StepInputs(hidden, 3, None, None, "lora", True)
+    sent, output = await _sent_and_answered(link, writer, executor.step(cache, inputs), reply)
+    raw = RawStep(3, dtype, (2, 1, H), data)
+    sent_raw, output_raw = await _sent_and_answered(link, writer, executor.step_raw(cache, raw, "lora", True), reply)
+    assert sent_raw == sent
+    assert torch.equal(output, reply) and torch.equal(output_raw.tensor(), reply)
+    assert (output_raw.dtype, output_raw.shape) == (dtype, (2, 1, H))
+
+
+class _DoublingExecutor:
+    """A `SpanExecutor` and `RawStepper` that doubles the hidden states; counts the raw steps."""
+
+    path = PATH_PLAIN
+    max_size_bytes = bytes_left = 1 << 30
+    bytes_waiting = 0
+
+    def __init__(self) -> None:
+        self.raw_steps = 0
+
+    def session_bytes(self, spec: SessionSpec) -> int:
+        return 0
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
+        return 1
+
+    @contextlib.asynccontextmanager
+    async def open_session(self, spec: SessionSpec, alloc_timeout_s: float | None) -> AsyncIterator[SessionCache]:
+        yield SessionCache(spec)
+
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        return inputs.hidden_states * 2
+
+    async def step_raw(self, cache: SessionCache, step: RawStep, adapter: str, lone_session: bool) -> RawOutput:
+        self.raw_steps += 1
+        hidden = torch.frombuffer(bytearray(step.data), dtype=step.dtype).view(step.shape)
+        doubled = (hidden * 2).view(torch.uint8).numpy().tobytes()
+        return RawOutput(step.dtype, step.shape, memoryview(doubled))
+
+
+def _requests(dtype: torch.dtype) -> list[runtime_pb2.ExpertRequest]:
+    generator = torch.Generator().manual_seed(3)
+    requests = []
+    for step, (length, start, poison) in enumerate([(4, 0, False), (1, 4, False), (1, 5, False), (1, 6, True)]):
+        hidden = torch.randn(1, length, H, generator=generator).to(dtype)
+        if poison:
+            hidden[0, 0, 3] = math.nan
+        tensors, structure = pack_args_kwargs(hidden, torch.empty(0), torch.empty(0, dtype=torch.int64))
+        metadata = {"session_id": "s", "step_id": f"s{step}", "start_from_position": start, "args_structure": structure}
+        if step == 0:
+            metadata["max_length"] = 16
+        requests.append(
+            runtime_pb2.ExpertRequest(
+                uid="p.0 p.1", tensors=[serialize_tensor(t) for t in tensors], metadata=encode_metadata(metadata)
+            )
+        )
+    return requests
+
+
+class _Context:
+    remote_id = None
+
+
+async def _serve(dtype: torch.dtype, *, raw: bool) -> tuple[list[bytes], BaseException | None, int]:
+    executor = _DoublingExecutor()
+    handler = TransformerConnectionHandler(
+        limits=_limits(dtype),
+        executor=executor,  # type: ignore[arg-type]  # only what a session's steps use
+        timeouts=SessionTimeouts(5, 30, 5),
+        metrics=ServerMetrics(),
+        raw_steps=executor if raw else None,
+    )
+
+    async def stream() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        for request in _requests(dtype):
+            yield request
+
+    replies: list[bytes] = []
+    try:
+        async for response in handler.rpc_inference(stream(), _Context()):
+            replies.append(response.SerializeToString())
+    except Exception as e:
+        return replies, e, executor.raw_steps
+    return replies, None, executor.raw_steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+async def test_a_session_answers_the_same_bytes_and_refusals_through_raw_steps(dtype) -> None:
+    general, general_error, _ = await _serve(dtype, raw=False)
+    raw, raw_error, raw_steps = await _serve(dtype, raw=True)
+    assert raw_steps == 3  # the prefill and two decode steps; the poisoned step went the general way and was refused
+    assert len(general) == 3 and raw == general
+    assert type(raw_error) is type(general_error) is bf.BadRequest and str(raw_error) == str(general_error)
