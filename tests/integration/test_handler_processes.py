@@ -107,6 +107,32 @@ def test_sessions_spread_over_processes_with_identical_outputs(server, clients, 
     assert wait_until(lambda: _metric(server, "corolla_sessions_active") == 0, 10)
 
 
+def test_petals_steps_give_the_outputs_of_the_general_path(server, clients):
+    """Steps as a Petals client sends them (hidden states, dummy prompts and beam ids: a handler process takes them
+    as bytes, `raw_steps`) give the bytes that one-record steps (the general path) give; a NaN among them is refused
+    as the general path refuses it."""
+    torch.manual_seed(1)
+    prefill, token = torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN)
+    dummies = (torch.empty(0), torch.empty(0, dtype=torch.int64))
+    streams = [InferenceStream(clients[i % 2]).open() for i in range(4)]
+    general = _two_steps(streams[:2], server, prefill, token)
+    petals = []
+    for stream in streams[2:]:
+        first = stream.step(packed_request(chain(server, 0, 4), prefill, *dummies, max_length=16))
+        second = stream.step(packed_request(chain(server, 0, 4), token, *dummies, start_from_position=3))
+        petals.append((deserialize_torch_tensor(first.tensors[0]), deserialize_torch_tensor(second.tensors[0])))
+    for stream in streams:
+        stream.close()
+    for first, second in petals:
+        assert torch.equal(first, general[0][0]) and torch.equal(second, general[0][1])
+    poisoned = token.clone()
+    poisoned[0, 0, 5] = float("nan")
+    stream = InferenceStream(clients[0]).open()
+    stream.step(packed_request(chain(server, 0, 4), prefill, *dummies, max_length=16))
+    with pytest.raises(Exception, match="hidden_states contains NaN or infinite values"):
+        stream.step(packed_request(chain(server, 0, 4), poisoned, *dummies, start_from_position=3))
+
+
 def _metric(server, name: str) -> float:
     for line in server.metrics.render().decode().splitlines():
         if line.startswith(name + " "):
