@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.batcher import StepGroup, execute_steps, flatten_units, regroup
+from corolla.engine.batcher import PendingUnits, StepGroup, execute_steps, flatten_units, regroup
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
 from corolla.server import proxy_wire as wire
@@ -25,7 +25,7 @@ from corolla.server.executor import SessionCache, SessionSpec, StepInputs
 from corolla.server.fast_executor import KIND_ENGINE_INFERENCE, FastExecutor, FastSessionCache
 from corolla.server.frame_steps import FrameIntake, StepReply
 from corolla.server.limits import PeerLimits
-from corolla.server.runtime import Runtime
+from corolla.server.runtime import Runtime, RuntimeStopped
 from corolla.server.task import Task, TaskQueue
 from helpers.tiny_models import tiny_config
 
@@ -287,3 +287,37 @@ async def test_a_step_group_alone_runs_as_execute_steps_merges_it(backend) -> No
         want = await real.runtime.submit(lambda: execute_steps(real.engine, twins), priority=1.0, size_tokens=2)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w)
+
+
+async def test_stop_fails_every_step_of_a_queued_frame_task(backend) -> None:
+    runtime = Runtime(max_batch_size_tokens=1024)  # never started: the frame's task stays queued
+    config = EngineConfig(kv_pool_bytes=1 << 21, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=ROWS)
+    real = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
+    channel = _Channel()
+    intake = FrameIntake(real, SessionAdmission(PeerLimits(), real), channel.held, channel.queue, channel.flush)
+    async with contextlib.AsyncExitStack() as stack:
+        for handle in (1, 2, 3):
+            channel.caches[handle] = await stack.enter_async_context(real.open_session(SessionSpec(SPAN, 1, 32), 0))
+        intake.submit(wire.STEP_BATCH, 0, _frame([(h, h, 0, torch.randn(1, 1, H)) for h in (1, 2, 3)]))
+        assert intake.num_frame_tasks == 1 and runtime.num_pending == 1 and not channel.replies
+        runtime.stop()
+        assert sorted(channel.replies) == [1, 2, 3]
+        assert all(isinstance(r, RuntimeStopped) for r in channel.replies.values())
+        flushes = channel.flushes
+        intake.submit(wire.STEP_BATCH, 1, _frame([(4, 1, 0, torch.randn(1, 1, H)), (5, 2, 0, torch.randn(1, 1, H))]))
+        assert isinstance(channel.replies[4], RuntimeStopped) and isinstance(channel.replies[5], RuntimeStopped)
+        assert channel.flushes == flushes + 1  # a later frame is refused step by step, at once, in one flush
+
+
+class _Launched:
+    def __init__(self, results: list[object]) -> None:
+        self.results = results
+
+    def wait(self) -> list[object]:
+        return self.results
+
+
+def test_a_launched_batch_of_units_is_handed_back_per_unit() -> None:
+    error = ValueError("closed")
+    pending = PendingUnits(_Launched([1, 2, error, 4]), [2, 0, 1])  # type: ignore[arg-type]
+    assert pending.wait() == [[1, 2], error, [4]]

@@ -94,7 +94,10 @@ class FrameIntake:
             except Exception as e:
                 refused.append((step.request_id, e, None))
         if frame:
-            tasks.extend(self._frame_tasks(frame, queued_at))
+            try:
+                tasks.extend(self._frame_tasks(frame, queued_at))
+            except Exception as e:  # the runtime stopped meanwhile: each of these steps is refused
+                refused.extend((entry.request_id, e, None) for entry, _ in frame)
         if tasks:
             try:
                 runtime.submit_callbacks(tasks)  # one lock and one wake for the frame
