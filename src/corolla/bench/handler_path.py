@@ -4,7 +4,7 @@
 replies) against an executor that returns its input after one loop iteration. Reports the process's CPU and the
 wall time per decode step over the decode window (prefills excluded).
 
-    python -m corolla.bench.handler_path --sessions 16 --steps 200
+    python -m corolla.bench.handler_path --sessions 16 --steps 200 [--proxy] [--hidden_size 8192]
 
 The bench's own part per step is one `feed_data` and one event wait per step (no timer or task per step); it is
 counted in the CPU figure.
@@ -197,14 +197,14 @@ def _framed(request: runtime_pb2.ExpertRequest) -> bytes:
     return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
 
 
-def session_messages(steps: int, seed: int) -> list[bytes]:
+def session_messages(steps: int, seed: int, hidden_size: int = HIDDEN_SIZE) -> list[bytes]:
     """A prefill of `PREFIX_TOKENS` then `steps` one-token steps, framed, as a Petals client sends them."""
     generator = torch.Generator().manual_seed(seed)
     session_id = str(uuid.UUID(int=seed))
     messages = []
     for step in range(steps + 1):
         tokens = PREFIX_TOKENS if step == 0 else 1
-        hidden = torch.randn(1, tokens, HIDDEN_SIZE, generator=generator)  # [1, T, H]
+        hidden = torch.randn(1, tokens, hidden_size, generator=generator)  # [1, T, H]
         tensors, structure = pack_args_kwargs(hidden, torch.empty(0), torch.empty(0, dtype=torch.int64))
         position = 0 if step == 0 else PREFIX_TOKENS + step - 1
         metadata = {"session_id": session_id, "step_id": f"{seed}-{step}", "start_from_position": position}
@@ -218,13 +218,15 @@ def session_messages(steps: int, seed: int) -> list[bytes]:
     return messages
 
 
-async def run_handler_path(sessions: int, steps: int, *, proxy: bool = False) -> HandlerPathResult:
+async def run_handler_path(
+    sessions: int, steps: int, *, proxy: bool = False, hidden_size: int = HIDDEN_SIZE
+) -> HandlerPathResult:
     """`sessions` concurrent sessions of `steps` decode steps each through one handler; CPU and wall per step.
     `proxy`: through a `ProxyExecutor` to an echo device process (see the module docstring)."""
     if sessions < 1 or steps < 1:
         raise ValueError(f"sessions and steps must be >= 1, got {sessions} and {steps}")
     if not proxy:
-        return await _run(sessions, steps, EchoExecutor())
+        return await _run(sessions, steps, hidden_size, EchoExecutor())
     ours, theirs = socket.socketpair()
     device = multiprocessing.get_context("fork").Process(target=_echo_device, args=(theirs,), daemon=True)
     device.start()
@@ -233,7 +235,7 @@ async def run_handler_path(sessions: int, steps: int, *, proxy: bool = False) ->
     link = await DeviceLink.connect(reader, writer)
     try:
         executor = ProxyExecutor(link)
-        return await _run(sessions, steps, executor, raw_steps=executor)
+        return await _run(sessions, steps, hidden_size, executor, raw_steps=executor)
     finally:
         await link.close()
         device.join(10)
@@ -242,10 +244,10 @@ async def run_handler_path(sessions: int, steps: int, *, proxy: bool = False) ->
 
 
 async def _run(
-    sessions: int, steps: int, executor: SpanExecutor, *, raw_steps: RawStepper | None = None
+    sessions: int, steps: int, hidden_size: int, executor: SpanExecutor, *, raw_steps: RawStepper | None = None
 ) -> HandlerPathResult:
     limits = ServingLimits(
-        dht_prefix="p", start_block=0, end_block=2, hidden_size=HIDDEN_SIZE, dtype=torch.float32,
+        dht_prefix="p", start_block=0, end_block=2, hidden_size=hidden_size, dtype=torch.float32,
         inference_max_length_tokens=PREFIX_TOKENS + steps + 8, max_batch_size_tokens=8192,
     )  # fmt: skip
     handler = TransformerConnectionHandler(
@@ -288,7 +290,7 @@ async def _run(
                 f"a session got {writer.replies} replies ({writer.errors} errors) for {len(messages)} requests"
             )
 
-    tasks = [asyncio.create_task(one_session(session_messages(steps, seed))) for seed in range(sessions)]
+    tasks = [asyncio.create_task(one_session(session_messages(steps, seed, hidden_size))) for seed in range(sessions)]
     try:
         await asyncio.wait_for(all_prefilled.wait(), 60)
         cpu_start, wall_start = time.process_time(), time.perf_counter()
@@ -308,11 +310,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200, help="decode steps per session")
+    parser.add_argument("--hidden_size", type=int, default=HIDDEN_SIZE, help="hidden states' width (float32)")
     parser.add_argument("--proxy", action="store_true", help="through a ProxyExecutor to an echo device process")
     args = parser.parse_args()
     logging.getLogger("corolla.server").setLevel(logging.WARNING)  # a line per session open and close otherwise
     torch.set_num_threads(1)
-    result = asyncio.run(run_handler_path(args.sessions, args.steps, proxy=args.proxy))
+    result = asyncio.run(run_handler_path(args.sessions, args.steps, proxy=args.proxy, hidden_size=args.hidden_size))
     print(
         f"handler path{' (proxy)' if args.proxy else ''}: {result.sessions} sessions x {result.steps} steps: {result.cpu_us_per_step:.1f} us CPU, "
         f"{result.wall_us_per_step:.1f} us wall per step"
