@@ -8,6 +8,7 @@ the general `from_dict`, a STEP frame's packed head against its field-by-field b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -276,6 +277,18 @@ def test_step_metadata_shortcut_equals_the_general_path() -> None:
         source = {"session_id": "a", "step_id": "b", **extra}
         assert _fast_from_dict(source) == _general_from_dict(source)
     assert InferenceRequestMetadata.from_dict({"step_id": "b", "max_length": 8}).max_length == 8
+
+
+def test_step_metadata_shortcut_builds_a_frozen_record_of_its_own() -> None:
+    """The shortcut sets the record's fields without its init: still frozen, equal field by field (same repr),
+    with an `extra` dict of its own."""
+    source = {"session_id": "a", "step_id": "b", "start_from_position": 3}
+    first, second = InferenceRequestMetadata.from_dict(source), InferenceRequestMetadata.from_dict(source)
+    assert first == second == InferenceRequestMetadata(session_id="a", step_id="b", start_from_position=3)
+    assert first.extra == {} and first.extra is not second.extra
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.step_id = "c"  # type: ignore[misc]
+    assert repr(first) == repr(InferenceRequestMetadata(session_id="a", step_id="b", start_from_position=3))
 
 
 # ---- the STEP frame's head --------------------------------------------------------------------------------------

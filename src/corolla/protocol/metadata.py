@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from hivemind.proto import runtime_pb2
@@ -185,13 +185,18 @@ class InferenceRequestMetadata:
             raise ValueError(f"metadata must be a dict, got {type(source).__name__}")
         if len(source) <= len(_STEP_KEYS) and _STEP_KEYS.issuperset(source):
             # a decode step as a Petals client sends it: only these keys are checked, every other field is absent and
-            # keeps its default (exactly what the general path below returns for them)
-            return cls(
+            # keeps its default (exactly what the general path below returns for them). Built without the frozen
+            # init's one object.__setattr__ per field (~2.5 us a step): its fields set at once, the defaults' copy
+            step = object.__new__(cls)
+            step.__dict__.update(
+                _STEP_DEFAULTS,
                 session_id=_get_str(source, "session_id", None),
                 step_id=_get_str(source, "step_id", None),
                 args_structure=source.get("args_structure"),
                 start_from_position=_get_nonneg_int(source, "start_from_position"),
+                extra={},
             )
+            return step
         return cls(
             session_id=_get_str(source, "session_id", None),
             step_id=_get_str(source, "step_id", None),
@@ -236,6 +241,10 @@ class InferenceRequestMetadata:
 
     def to_bytes(self) -> bytes:
         return encode_metadata(self.to_dict())
+
+
+# every field's default but `extra`'s (a new dict per instance), for the decode step's shortcut in `from_dict`
+_STEP_DEFAULTS = {f.name: f.default for f in fields(InferenceRequestMetadata) if f.default is not MISSING}
 
 
 @dataclass(frozen=True)
