@@ -17,10 +17,15 @@ pytestmark = [
 ]
 
 
-def _with_bytes(session, hidden: torch.Tensor, position: int) -> StepRequest:
+def _with_bytes(session, hidden: torch.Tensor, position: int, *, tensor: bool = True) -> StepRequest:
+    """The step with its bytes, and a tensor viewing them or (`tensor=False`, as a device channel hands a step
+    over) only their dtype and shape."""
     copy = bytearray(hidden.contiguous().view(torch.uint8).numpy().tobytes())
-    tensor = torch.frombuffer(copy, dtype=hidden.dtype).view(hidden.shape)  # [B, 1, H]
-    return StepRequest(session, tensor, position, hidden_bytes=memoryview(copy))
+    if not tensor:
+        return StepRequest(session, None, position, hidden_bytes=memoryview(copy), hidden_dtype=hidden.dtype,
+                           hidden_shape=tuple(hidden.shape))  # fmt: skip
+    view = torch.frombuffer(copy, dtype=hidden.dtype).view(hidden.shape)  # [B, 1, H]
+    return StepRequest(session, view, position, hidden_bytes=memoryview(copy))
 
 
 @torch.no_grad()
@@ -48,10 +53,12 @@ def test_forwards_staged_from_bytes_equal_forwards_from_tensors() -> None:
     sessions = opened()
     pending = []
     for forward in plan:
-        reqs = [_with_bytes(sessions[k], tokens[k][i], prompts[k].shape[1] + i) for k, i in forward]
+        # sessions 0, 2, 4 hand over bytes only (no tensor): the launch stages them without building one
+        reqs = [_with_bytes(sessions[k], tokens[k][i], prompts[k].shape[1] + i, tensor=k % 2 == 1) for k, i in forward]
         for r in reqs:
             engine.check_inputs(r)
         pending.append(engine.launch_decode(reqs))  # all four launched before any wait
+        assert all(r.hidden_tensor is None for (k, _), r in zip(forward, reqs, strict=True) if k % 2 == 0)
     for j, (handle, want) in enumerate(zip(pending, expected, strict=True)):
         got = handle.wait()
         for out, ref in zip(got, want, strict=True):

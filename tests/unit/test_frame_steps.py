@@ -321,3 +321,41 @@ def test_a_launched_batch_of_units_is_handed_back_per_unit() -> None:
     error = ValueError("closed")
     pending = PendingUnits(_Launched([1, 2, error, 4]), [2, 0, 1])  # type: ignore[arg-type]
     assert pending.wait() == [[1, 2], error, [4]]
+
+
+async def test_a_frames_steps_reach_the_executor_as_bytes_without_a_tensor(backend: SpanBackend) -> None:
+    async with _setup(backend, 2) as (real, intake, channel, caches):
+        await _prefilled(real, caches)
+        seen: list[tuple[StepInputs, bool]] = []  # the inputs, and whether the request had no tensor when queued
+        prepare = real.prepare_step
+
+        def spy(cache: SessionCache, inputs: StepInputs):
+            prepared = prepare(cache, inputs)
+            assert isinstance(prepared.payload, StepRequest)
+            seen.append((inputs, prepared.payload.hidden_tensor is None))
+            return prepared
+
+        real.prepare_step = spy  # type: ignore[method-assign]
+        torch.manual_seed(5)
+        rows = [torch.randn(1, 1, H) for _ in range(2)]
+        await _decode(real, intake, channel, caches, rows)
+        assert len(seen) == 4  # the frame's two steps, then their twins stepped directly
+        assert [no_tensor for _, no_tensor in seen] == [True, True, False, False]  # checked, queued from bytes
+        for (inputs, _), row in zip(seen[:2], rows, strict=True):
+            assert inputs.hidden_states is None and inputs.hidden_meta == (torch.float32, (1, 1, H))
+            assert torch.equal(inputs.tensor(), row)  # built on demand, equal to what the client sent
+        for i in range(2):  # and each step's output equals its twin's, stepped directly with a tensor
+            torch.testing.assert_close(channel.replies[i + 1], channel.replies[1000 + i], rtol=1e-5, atol=1e-5)
+
+
+def test_step_inputs_give_a_tensor_from_bytes_or_refuse_without_either() -> None:
+    row = torch.randn(2, 1, 4)  # [B, T, H]
+    raw = memoryview(bytearray(row.numpy().tobytes()))
+    inputs = StepInputs(None, 0, None, None, "", False, raw, (torch.float32, (2, 1, 4)))
+    assert torch.equal(inputs.tensor(), row)
+    empty = StepInputs(None, 0, None, None, "", False, memoryview(bytearray()), (torch.float32, (2, 0, 4)))
+    assert empty.tensor().shape == (2, 0, 4)
+    with pytest.raises(ValueError, match="needs its hidden states"):
+        StepInputs(None, 0, None, None, "", False).tensor()
+    with pytest.raises(ValueError, match="needs its hidden states"):
+        StepRequest(None, None, 0)  # type: ignore[arg-type]

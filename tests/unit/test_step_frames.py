@@ -205,3 +205,23 @@ def test_a_lone_step_gets_its_own_copy_without_an_unbind(dtype: torch.dtype, mon
         assert got.hidden.shape == hidden.shape and got.hidden.dtype == dtype and torch.equal(got.hidden, hidden)
         got.hidden.add_(1)  # writable, and its own memory
     assert not torch.equal(step.hidden, hidden) and torch.equal(lone.hidden, step.hidden)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_parsed_steps_carry_bytes_and_build_no_tensor_until_asked(count: int, monkeypatch) -> None:
+    hiddens = [torch.randn(1, 1, 8).to(torch.bfloat16) for _ in range(count)]  # [B, T, H] each
+    payload = _payload([_step_body(3, h) for h in hiddens])
+
+    def no_torch(*args, **kwargs):
+        raise AssertionError("the reader thread parses a frame without a torch call")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(step_frames.torch, "frombuffer", no_torch)
+        patched.setattr(torch.Tensor, "view", no_torch)
+        steps = step_frames.parse_steps(payload)
+    payload[:] = b"\0" * len(payload)  # the receive buffer is reused: the steps own their copy
+    for step, hidden in zip(steps, hiddens, strict=True):
+        assert isinstance(step, step_frames.ParsedStep) and step.raw is not None
+        assert step.dtype == torch.bfloat16 and step.shape == (1, 1, 8)
+        assert bytes(step.raw) == hidden.view(torch.uint8).numpy().tobytes()
+        assert step.hidden is not None and torch.equal(step.hidden, hidden) and step.hidden is step.hidden

@@ -244,9 +244,8 @@ def merge_rows(group: Sequence[StepRequest], dtype: torch.dtype) -> MergedRows:
     """The rows of `group` (single-token steps; a request of B rows gives B rows) in request order."""
     merged = MergedRows([], [], [], [], True, True, True)
     for r in group:  # one pass over the merged batch
-        hidden = r.hidden
-        merged.same_dtype = merged.same_dtype and hidden.dtype == dtype
-        merged.all_cpu = merged.all_cpu and hidden.is_cpu
+        merged.same_dtype = merged.same_dtype and r.dtype == dtype
+        merged.all_cpu = merged.all_cpu and r.on_cpu
         merged.all_bytes = merged.all_bytes and r.hidden_bytes is not None
         merged.splits.append(r.rows)
         session = r.session

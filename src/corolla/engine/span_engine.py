@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +28,7 @@ from corolla.engine.graph_decode import (
 )
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.span_model import SpanModel
+from corolla.engine.step_request import StepRequest
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -82,44 +82,6 @@ class EngineSession:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-@dataclass(eq=False)
-class StepRequest:
-    """One inference step of one session: hidden [B, T, H] written at [position, position + T); optional beam
-    reordering `hypo_ids` [B] and deep `prompts` [session layers, B or 1, P, H]."""
-
-    session: EngineSession
-    hidden: torch.Tensor
-    position: int
-    hypo_ids: torch.Tensor | None = None
-    prompts: torch.Tensor | None = None
-    # `hidden`'s bytes in C order where the caller has them (a device channel's frame copy, which `hidden` views):
-    # a launched forward stages them with one memcpy instead of a torch copy (length checked by `check_inputs`)
-    hidden_bytes: memoryview | None = None
-    # derived once (read many times per batched step)
-    rows: int = field(init=False)
-    num_tokens: int = field(init=False)
-    needs_prompts: bool = field(init=False)  # deep prompts touch this step's positions
-    is_decode: bool = field(init=False)  # a single-token step that can join a batched (graph) forward
-    # the output's bytes (C order, flat: what the output tensor views) where a launched forward collected them
-    # (`batcher.PendingSteps.wait`): a device channel encodes its reply from them
-    output_bytes: memoryview | None = field(default=None, init=False)
-    # `SpanEngine.check_inputs` passed (the inputs and the session never change): `validate` checks only the
-    # session's state (open, length) then, in the device thread, where it changes
-    inputs_checked: bool = field(default=False, init=False)
-
-    def __post_init__(self) -> None:
-        shape = self.hidden.shape
-        self.rows = int(shape[0]) if len(shape) > 0 else 0
-        self.num_tokens = int(shape[1]) if len(shape) > 1 else 0
-        p = self.prompts
-        self.needs_prompts = p is not None and p.numel() > 0 and p.ndim == 4 and self.position < p.shape[2]
-        self.is_decode = self.num_tokens == 1 and not self.needs_prompts
-
-    def run(self) -> torch.Tensor:
-        """The step alone on its session's engine (`SpanEngine.step`): [B, T, H] -> [B, T, H]."""
-        return self.session.engine.step(self.session, self.hidden, self.position, self.hypo_ids, self.prompts)
 
 
 class SpanEngine:
@@ -290,20 +252,20 @@ class SpanEngine:
         """ValueError for a step request whose inputs can't run on this engine whatever the session's state (its
         engine, shapes, dtypes, beam ids, prompts); marks it checked. Called once where the step enters (a device
         channel's reader thread, through `FastExecutor.prepare_step`) or by `validate`."""
-        session, hidden = req.session, req.hidden
+        session, dtype = req.session, req.dtype
         if session.engine is not self:
             raise ValueError("The session belongs to another engine")
-        shape = hidden.shape  # [B, T, H]
+        shape = req.shape  # [B, T, H]
         if len(shape) != 3 or shape[0] != session.batch_size or shape[2] != self.hidden_size:
             raise ValueError(
                 f"hidden states must be [{session.batch_size}, tokens, {self.hidden_size}], got {tuple(shape)}"
             )
-        if not hidden.is_floating_point():
-            raise ValueError(f"hidden states must be floating point, got {hidden.dtype}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"hidden states must be floating point, got {dtype}")
         raw = req.hidden_bytes
-        if raw is not None and (raw.nbytes != shape[0] * shape[1] * shape[2] * hidden.dtype.itemsize
+        if raw is not None and (raw.nbytes != shape[0] * shape[1] * shape[2] * dtype.itemsize
                                 or raw.ndim != 1 or raw.format != "B"):  # fmt: skip
-            raise ValueError(f"hidden states' bytes must be {tuple(shape)} {hidden.dtype} flat, got {raw.nbytes} bytes")
+            raise ValueError(f"hidden states' bytes must be {tuple(shape)} {dtype} flat, got {raw.nbytes} bytes")
         if req.hypo_ids is not None and req.hypo_ids.numel() > 0:
             ids = req.hypo_ids
             if ids.ndim != 1 or len(ids) != session.batch_size or ids.dtype != torch.int64:
@@ -410,7 +372,7 @@ class SpanEngine:
         layers = reqs[0].session.layers
         rows = 0
         for r in reqs:
-            if not r.is_decode or r.session.layers != layers or not r.hidden.is_cpu:
+            if not r.is_decode or r.session.layers != layers or not r.on_cpu:
                 return False
             rows += r.rows
         return rows <= graphs.max_rows and len({id(r.session) for r in reqs}) == len(reqs)

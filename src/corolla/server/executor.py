@@ -42,15 +42,30 @@ class StepInputs(NamedTuple):
     built per decode step in the handler and the device process, where a frozen dataclass's init costs ~1.7 us
     more)."""
 
-    hidden_states: torch.Tensor  # [B, T, H] in the block dtype, finite; T >= 1 (the handler answers T = 0 itself)
+    # [B, T, H] in the block dtype, finite; T >= 1 (the handler answers T = 0 itself). None only where
+    # `hidden_bytes` and `hidden_meta` carry them (a device channel's step: no tensor is built unless an executor
+    # needs one); `tensor()` gives them either way
+    hidden_states: torch.Tensor | None
     prefix_length: int  # the step writes positions [prefix_length, prefix_length + T) (rollback if < length)
     prompts: torch.Tensor | None  # deep prompts [num_blocks, B|1, P, H] in the block dtype, or None
     hypo_ids: torch.Tensor | None  # int64 [B] with values in [0, B): reorder the cache first; None = keep
     adapter: str  # "" = the base model
     lone_session: bool  # no other session is open: an idle runtime may run the step inline
     # the hidden states' bytes in C order, flat, where the caller holds them (a device channel's frame copy, which
-    # `hidden_states` views): the fast path stages a launched forward's rows from them with one memcpy each
+    # `hidden_states` views if given): the fast path stages a launched forward's rows from them with one memcpy each
     hidden_bytes: memoryview | None = None
+    hidden_meta: tuple[torch.dtype, tuple[int, ...]] | None = None  # `hidden_bytes`' dtype and shape [B, T, H]
+
+    def tensor(self) -> torch.Tensor:
+        """The hidden states [B, T, H]: `hidden_states`, or a new tensor viewing `hidden_bytes` (writable)."""
+        if self.hidden_states is not None:
+            return self.hidden_states
+        if self.hidden_bytes is None or self.hidden_meta is None:
+            raise ValueError("a step needs its hidden states: a tensor, or their bytes with a dtype and a shape")
+        dtype, shape = self.hidden_meta
+        if self.hidden_bytes.nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self.hidden_bytes, dtype=dtype).view(shape)
 
 
 @dataclass(frozen=True)

@@ -175,10 +175,11 @@ class FastExecutor:
         """`step` up to the runtime (a device channel's reader thread queues it without a coroutine)."""
         own = self._own(cache)
         self.engine.bind_adapter(own.session, inputs.adapter)  # ValueError: unknown, or not the session's adapter
-        hidden = inputs.hidden_states  # [B, T, H]
+        meta = inputs.hidden_meta  # (dtype, [B, T, H]) of `hidden_bytes` where no tensor was built
         request = StepRequest(
-            own.session, hidden, inputs.prefix_length, inputs.hypo_ids, inputs.prompts, inputs.hidden_bytes
-        )
+            own.session, inputs.hidden_states, inputs.prefix_length, inputs.hypo_ids, inputs.prompts,
+            inputs.hidden_bytes, None if meta is None else meta[0], None if meta is None else meta[1],
+        )  # fmt: skip
         # ValueError (refused here, before it is queued) for inputs this engine can't run; the device thread then
         # checks only the session's state (`SpanEngine.validate`)
         self.engine.check_inputs(request)

@@ -113,14 +113,17 @@ class FrameIntake:
         return len(steps)
 
     def _prepare(self, step: ParsedStep) -> tuple[_Entry, PreparedStep]:
-        hidden = step.hidden
-        if hidden is None or hidden.dim() != 3:
+        shape, dtype = step.shape, step.dtype
+        if shape is None or dtype is None or len(shape) != 3:
             raise wire.FrameError("a step needs hidden states [B, T, H]")
         cache, ticket = self._held(step.handle)
         lone = step.lone and self.admission.num_open <= 1  # alone in this process and in all of them
-        inputs = StepInputs(hidden, step.prefix_length, step.prompts, step.hypo_ids, step.adapter, lone, step.raw)
+        # the hidden states as their bytes (no tensor unless the executor needs one: `StepInputs.tensor`)
+        hidden = step.hidden if step.raw is None else None  # zero elements: an empty tensor
+        inputs = StepInputs(hidden, step.prefix_length, step.prompts, step.hypo_ids, step.adapter, lone, step.raw,
+                            (dtype, shape))  # fmt: skip
         prepared = self.executor.prepare_step(cache, inputs)
-        shape, request = hidden.shape, prepared.payload
+        request = prepared.payload
         entry = _Entry(step.request_id, ticket, shape[0] * shape[1], prepared.observe,
                        request if isinstance(request, StepRequest) else None)  # fmt: skip
         return entry, prepared

@@ -455,12 +455,12 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                 adapter=session.active_adapter,
                 lone_session=self.sessions.num_open == 1,
             )  # the session changes only once the step is valid
-            batch_size, length, _ = inputs.hidden_states.shape
+            batch_size, length, _ = inputs.tensor().shape
             prefix_length = inputs.prefix_length
         else:
             (batch_size, length, _), prefix_length = raw.shape, raw.prefix_length
         if inputs is not None and (length == 0 or session.cache is None):
-            output = self._serialize_output(inputs.hidden_states)  # zero tokens: nothing to compute, [B, 0, H] back
+            output = self._serialize_output(inputs.tensor())  # zero tokens: nothing to compute, [B, 0, H] back
         else:
             assert session.cache is not None
             remaining = deadline - time.monotonic()

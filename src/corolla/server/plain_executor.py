@@ -200,14 +200,15 @@ class PlainExecutor:
     def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> PreparedStep:
         """`step` up to the runtime: one unmerged task (its metrics are taken inside it, `measured`)."""
         own = self._own(cache)
-        batch_size, length, _ = inputs.hidden_states.shape
+        hidden = inputs.tensor()  # [B, T, H]
+        batch_size, length, _ = hidden.shape
         backend, memory_cache, spec = self.backend, self.memory_cache, own.spec
 
         def task() -> torch.Tensor:
             cache_tensors = [memory_cache.use_cache(*handles) for handles in own.handles]
             return backend.inference_step(
                 spec.block_indices,
-                inputs.hidden_states,
+                hidden,
                 cache_tensors,
                 prefix_length=inputs.prefix_length,
                 max_length=spec.max_length_tokens,

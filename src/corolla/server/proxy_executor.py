@@ -271,7 +271,7 @@ class ProxyExecutor:
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
         handle = self._own(cache).handle
         body = wire.Writer().step_head(handle, inputs.prefix_length, inputs.lone_session, inputs.adapter)
-        body.tensor(inputs.hidden_states).tensor(inputs.prompts).tensor(inputs.hypo_ids)
+        body.tensor(inputs.tensor()).tensor(inputs.prompts).tensor(inputs.hypo_ids)
         return _one_tensor(await self.link.call(wire.STEP, body, batched=True))
 
     async def step_raw(self, cache: SessionCache, step: RawStep, adapter: str, lone_session: bool) -> RawOutput:

@@ -38,17 +38,31 @@ _REPLY_RECORDS_KEPT = 256  # distinct (dtype, shape) reply record headers cached
 
 @dataclass(eq=False, slots=True)
 class ParsedStep:
-    """One STEP item of a STEP_BATCH: its fields, the hidden states [B, T, H] (a view of the frame's copy)."""
+    """One STEP item of a STEP_BATCH: its fields and its hidden states' bytes (a slice of the frame's one copy), with
+    their dtype and shape; `hidden` builds a tensor viewing them on first use (a launched forward stages the bytes
+    and never needs one: no torch call per step in the reader thread)."""
 
     request_id: int
     handle: int
     prefix_length: int
     lone: bool
     adapter: str
-    hidden: torch.Tensor | None
     prompts: torch.Tensor | None
     hypo_ids: torch.Tensor | None
-    raw: memoryview | None = None  # the hidden states' bytes (what `hidden` views), flat
+    raw: memoryview | None = None  # the hidden states' bytes, flat (None: no hidden states, or zero of them)
+    dtype: torch.dtype | None = None  # the hidden states' dtype and shape (None: the item had no hidden states)
+    shape: tuple[int, ...] | None = None
+    _tensor: torch.Tensor | None = None
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """The hidden states [B, T, H] (a writable view of `raw`, built once), or None if the item had none."""
+        if self._tensor is None and self.dtype is not None and self.shape is not None:
+            if self.raw is None:  # zero elements
+                self._tensor = torch.empty(self.shape, dtype=self.dtype)
+            else:
+                self._tensor = torch.frombuffer(self.raw, dtype=self.dtype).view(self.shape)
+        return self._tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +113,7 @@ def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
                 end = data + item_bytes[code] * d0 * d1 * d2
                 if end + 2 == start + length and payload[end] == no_tensor and payload[end + 1] == no_tensor:
                     groups.setdefault((code, (d0, d1, d2)), []).append((len(out), payload, data))
-                    out.append(ParsedStep(request_id, handle, prefix_length, bool(lone), "", None, None, None))
+                    out.append(ParsedStep(request_id, handle, prefix_length, bool(lone), "", None, None))
                     continue
         try:  # anything else (or a usual-looking item whose lengths disagree): field by field, bounded
             step, hidden_at = _parse_item(request_id, payload[start : start + length])
@@ -111,11 +125,11 @@ def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
             groups.setdefault((code, shape), []).append((len(out), payload[start : start + length], at))
         out.append(step)
     for (code, shape), members in groups.items():
-        tensors, raws = _copy_group(code, shape, members)
-        for (index, _, _), tensor, raw in zip(members, tensors, raws, strict=True):
+        dtype = _DTYPES[code]
+        for (index, _, _), raw in zip(members, _copy_group(code, shape, members), strict=True):
             parsed = out[index]
             assert isinstance(parsed, ParsedStep)
-            parsed.hidden, parsed.raw = tensor, raw
+            parsed.raw, parsed.dtype, parsed.shape = raw, dtype, shape
     return out
 
 
@@ -124,8 +138,7 @@ def parse_step(request_id: int, payload: memoryview) -> ParsedStep:
     step, hidden_at = _parse_item(request_id, payload)
     if hidden_at is not None:
         code, shape, offset = hidden_at
-        tensors, raws = _copy_group(code, shape, [(0, payload, offset)])
-        step.hidden, step.raw = tensors[0], raws[0]
+        step.raw, step.dtype, step.shape = _copy_group(code, shape, [(0, payload, offset)])[0], _DTYPES[code], shape
     return step
 
 
@@ -147,7 +160,7 @@ def _parse_item(request_id: int, item: memoryview) -> tuple[ParsedStep, tuple[in
         fields.offset = offset
         prompts, hypo_ids = fields.tensor(), fields.tensor()
         fields.done()
-    return ParsedStep(request_id, handle, prefix_length, bool(lone), adapter, None, prompts, hypo_ids), hidden_at
+    return ParsedStep(request_id, handle, prefix_length, bool(lone), adapter, prompts, hypo_ids), hidden_at
 
 
 def _record(item: memoryview, offset: int) -> tuple[tuple[int, tuple[int, ...], int] | None, int]:
@@ -178,23 +191,19 @@ def _record(item: memoryview, offset: int) -> tuple[tuple[int, tuple[int, ...], 
 
 def _copy_group(
     code: int, shape: tuple[int, ...], members: list[tuple[int, memoryview, int]]
-) -> tuple[list[torch.Tensor], list[memoryview | None]]:
-    """One writable copy of the group's tensors (bounds checked by `_record`): [n, *shape] -> n views [*shape], and
-    each one's bytes in that copy (flat memoryviews: a launched forward stages them without a torch call)."""
-    dtype = _DTYPES[code]
+) -> list[memoryview | None]:
+    """One writable copy of the group's hidden states (bounds checked by `_record`), [n, *shape], and each one's
+    bytes in it (flat memoryviews; None for zero elements): no torch call."""
     nbytes = _ITEM_BYTES[code]
     for dim in shape:
         nbytes *= dim
     if nbytes == 0:
-        return [torch.empty(shape, dtype=dtype) for _ in members], [None] * len(members)
-    if len(members) == 1:  # a lone step (most frames under light load): its own copy, no [1, ...] view to unbind
+        return [None] * len(members)
+    if len(members) == 1:  # a lone step (most frames under light load): its own copy
         _, item, offset = members[0]
-        copy = bytearray(item[offset : offset + nbytes])
-        return [torch.frombuffer(copy, dtype=dtype).view(shape)], [memoryview(copy)]  # [*shape]
-    joined = bytearray().join([item[offset : offset + nbytes] for _, item, offset in members])  # the one copy
-    data = memoryview(joined)
-    raws: list[memoryview | None] = [data[i * nbytes : (i + 1) * nbytes] for i in range(len(members))]
-    return list(torch.frombuffer(joined, dtype=dtype).view(len(members), *shape).unbind(0)), raws  # n x [*shape]
+        return [memoryview(bytearray(item[offset : offset + nbytes]))]
+    data = memoryview(bytearray().join([item[offset : offset + nbytes] for _, item, offset in members]))  # one copy
+    return [data[i * nbytes : (i + 1) * nbytes] for i in range(len(members))]
 
 
 def reply_frames(

@@ -1,0 +1,80 @@
+"""One inference step of one session as the engine takes it (`StepRequest`): its hidden states as a tensor or only
+as their bytes (a device channel's step, staged by a launched forward without a torch call), the position, and what
+the engine derives from them once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from corolla.engine.span_engine import EngineSession
+
+
+@dataclass(eq=False)
+class StepRequest:
+    """One inference step of one session: hidden [B, T, H] written at [position, position + T); optional beam
+    reordering `hypo_ids` [B] and deep `prompts` [session layers, B or 1, P, H].
+
+    The hidden states come as a tensor (`hidden_tensor`), or only as their bytes (`hidden_bytes` with `hidden_dtype`
+    and `hidden_shape`: a device channel's decode step, whose launched forward stages the bytes and never needs a
+    tensor); `hidden` builds the tensor from the bytes on first use (a view of them)."""
+
+    session: EngineSession
+    hidden_tensor: torch.Tensor | None
+    position: int
+    hypo_ids: torch.Tensor | None = None
+    prompts: torch.Tensor | None = None
+    # the hidden states' bytes in C order, flat, where the caller has them (a device channel's frame copy, which
+    # `hidden` views): a launched forward stages them with one memcpy instead of a torch copy (length checked by
+    # `check_inputs`)
+    hidden_bytes: memoryview | None = None
+    hidden_dtype: torch.dtype | None = None  # with `hidden_bytes` and no tensor: their dtype and shape [B, T, H]
+    hidden_shape: tuple[int, ...] | None = None
+    # derived once (read many times per batched step)
+    shape: tuple[int, ...] = field(init=False)  # the hidden states' [B, T, H]
+    dtype: torch.dtype = field(init=False)  # the hidden states' dtype
+    on_cpu: bool = field(init=False)  # the hidden states live on the CPU
+    rows: int = field(init=False)
+    num_tokens: int = field(init=False)
+    needs_prompts: bool = field(init=False)  # deep prompts touch this step's positions
+    is_decode: bool = field(init=False)  # a single-token step that can join a batched (graph) forward
+    # the output's bytes (C order, flat: what the output tensor views) where a launched forward collected them
+    # (`batcher.PendingSteps.wait`): a device channel encodes its reply from them
+    output_bytes: memoryview | None = field(default=None, init=False)
+    # `SpanEngine.check_inputs` passed (the inputs and the session never change): `validate` checks only the
+    # session's state (open, length) then, in the device thread, where it changes
+    inputs_checked: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        tensor = self.hidden_tensor
+        if tensor is not None:
+            shape: tuple[int, ...] = tensor.shape  # a torch.Size is a tuple
+            self.dtype, self.on_cpu = tensor.dtype, tensor.is_cpu
+        elif self.hidden_bytes is not None and self.hidden_dtype is not None and self.hidden_shape is not None:
+            shape, self.dtype, self.on_cpu = tuple(self.hidden_shape), self.hidden_dtype, True
+        else:
+            raise ValueError("a step needs its hidden states: a tensor, or their bytes with a dtype and a shape")
+        self.shape = shape
+        self.rows = int(shape[0]) if len(shape) > 0 else 0
+        self.num_tokens = int(shape[1]) if len(shape) > 1 else 0
+        p = self.prompts
+        self.needs_prompts = p is not None and p.numel() > 0 and p.ndim == 4 and self.position < p.shape[2]
+        self.is_decode = self.num_tokens == 1 and not self.needs_prompts
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        """The hidden states [B, T, H] (built from `hidden_bytes` on first use where no tensor was given; call after
+        `SpanEngine.check_inputs`, which checks that the bytes' length matches the shape)."""
+        tensor = self.hidden_tensor
+        if tensor is None:
+            assert self.hidden_bytes is not None and self.hidden_dtype is not None
+            tensor = torch.frombuffer(self.hidden_bytes, dtype=self.hidden_dtype).view(self.shape)
+            self.hidden_tensor = tensor
+        return tensor
+
+    def run(self) -> torch.Tensor:
+        """The step alone on its session's engine (`SpanEngine.step`): [B, T, H] -> [B, T, H]."""
+        return self.session.engine.step(self.session, self.hidden, self.position, self.hypo_ids, self.prompts)
