@@ -142,9 +142,10 @@ def test_taken_only_where_the_general_path_accepts_with_the_same_result(
         assert sent_dtype != block_dtype or length == 0 or name in GENERAL_ONLY, name
         return
     assert sent_dtype == block_dtype and mutate is None, name
-    assert raw.prefix_length == general.prefix_length and raw.dtype == general.hidden_states.dtype
-    assert raw.shape == tuple(general.hidden_states.shape)
-    assert raw.data == general.hidden_states.view(torch.uint8).numpy().tobytes()
+    hidden = general.tensor()  # [B, T, H]
+    assert raw.prefix_length == general.prefix_length and raw.dtype == hidden.dtype
+    assert raw.shape == tuple(hidden.shape)
+    assert raw.data == hidden.view(torch.uint8).numpy().tobytes()
     assert general.prompts is None and general.hypo_ids is None
 
 
@@ -287,7 +288,7 @@ class _DoublingExecutor:
         yield SessionCache(spec)
 
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
-        return inputs.hidden_states * 2
+        return inputs.tensor() * 2
 
     async def step_raw(self, cache: SessionCache, step: RawStep, adapter: str, lone_session: bool) -> RawOutput:
         self.raw_steps += 1

@@ -92,7 +92,7 @@ class EchoExecutor:
 
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
         await asyncio.sleep(0)
-        return inputs.hidden_states  # [B, T, H]
+        return inputs.tensor()  # [B, T, H]
 
     async def forward(
         self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
