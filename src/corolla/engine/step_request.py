@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from corolla.utils.tensor_bytes import view_bytes
+
 if TYPE_CHECKING:
     from corolla.engine.span_engine import EngineSession
 
@@ -71,7 +73,7 @@ class StepRequest:
         tensor = self.hidden_tensor
         if tensor is None:
             assert self.hidden_bytes is not None and self.hidden_dtype is not None
-            tensor = torch.frombuffer(self.hidden_bytes, dtype=self.hidden_dtype).view(self.shape)
+            tensor = view_bytes(self.hidden_bytes, self.hidden_dtype, self.shape)
             self.hidden_tensor = tensor
         return tensor
 

@@ -17,6 +17,7 @@ import torch
 
 from corolla.server.memory_cache import TensorDescriptorLike
 from corolla.server.runtime import Runtime
+from corolla.utils.tensor_bytes import view_bytes
 
 PATH_PLAIN = "plain"
 PATH_FAST = "fast"
@@ -62,10 +63,7 @@ class StepInputs(NamedTuple):
             return self.hidden_states
         if self.hidden_bytes is None or self.hidden_meta is None:
             raise ValueError("a step needs its hidden states: a tensor, or their bytes with a dtype and a shape")
-        dtype, shape = self.hidden_meta
-        if self.hidden_bytes.nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(self.hidden_bytes, dtype=dtype).view(shape)
+        return view_bytes(self.hidden_bytes, *self.hidden_meta)
 
 
 @dataclass(frozen=True)

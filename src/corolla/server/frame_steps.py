@@ -119,8 +119,7 @@ class FrameIntake:
         cache, ticket = self._held(step.handle)
         lone = step.lone and self.admission.num_open <= 1  # alone in this process and in all of them
         # the hidden states as their bytes (no tensor unless the executor needs one: `StepInputs.tensor`)
-        hidden = step.hidden if step.raw is None else None  # zero elements: an empty tensor
-        inputs = StepInputs(hidden, step.prefix_length, step.prompts, step.hypo_ids, step.adapter, lone, step.raw,
+        inputs = StepInputs(None, step.prefix_length, step.prompts, step.hypo_ids, step.adapter, lone, step.raw,
                             (dtype, shape))  # fmt: skip
         prepared = self.executor.prepare_step(cache, inputs)
         request = prepared.payload

@@ -25,6 +25,8 @@ import struct
 
 import torch
 
+from corolla.utils.tensor_bytes import view_bytes
+
 # handler -> device
 OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, ROUTE_ADD, ROUTE_DEL, METRICS, READY = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
 STEP_BATCH = 11
@@ -253,25 +255,16 @@ class Reader:
         return bytes(self.take(self.u32()))
 
     def tensor(self) -> torch.Tensor | None:
-        code = self.u8()
-        if code == NO_TENSOR:
+        """The next tensor record as a tensor of its own (a writable copy of the bytes), None for no tensor."""
+        record = self.record()
+        if record is None:
             return None
-        if code >= len(_DTYPES):
-            raise FrameError(f"unknown dtype code {code}")
-        ndim = self.u8()
-        if ndim > MAX_TENSOR_DIMS:
-            raise FrameError(f"tensor of {ndim} dims exceeds {MAX_TENSOR_DIMS}")
-        shape = struct.unpack(f">{ndim}I", self.take(4 * ndim))
-        dtype = _DTYPES[code]
-        nbytes = math.prod(shape) * _ITEM_BYTES[code]
-        raw = self.take(nbytes)  # bounded by the payload before anything is allocated
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)  # a writable copy of the bytes
+        dtype, shape, raw = record
+        return view_bytes(memoryview(bytearray(raw)), dtype, shape)
 
     def record(self) -> tuple[torch.dtype, tuple[int, ...], memoryview] | None:
-        """`tensor()`'s record as (dtype, shape, its bytes: a view of the payload, no copy), None for no tensor;
-        the same bounds."""
+        """The next tensor record as (dtype, shape, its bytes: a view of the payload, no copy), None for no tensor;
+        every length bounded by the payload before anything is allocated."""
         code = self.u8()
         if code == NO_TENSOR:
             return None

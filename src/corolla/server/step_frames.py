@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from corolla.server import proxy_wire as wire
+from corolla.utils.tensor_bytes import view_bytes
 
 # the channel's tensor record encoding (proxy_wire's dtype codes and item sizes)
 _DTYPES = wire._DTYPES
@@ -49,7 +50,7 @@ class ParsedStep:
     adapter: str
     prompts: torch.Tensor | None
     hypo_ids: torch.Tensor | None
-    raw: memoryview | None = None  # the hidden states' bytes, flat (None: no hidden states, or zero of them)
+    raw: memoryview | None = None  # the hidden states' bytes, flat (None: the item had no hidden states)
     dtype: torch.dtype | None = None  # the hidden states' dtype and shape (None: the item had no hidden states)
     shape: tuple[int, ...] | None = None
     _tensor: torch.Tensor | None = None
@@ -57,11 +58,8 @@ class ParsedStep:
     @property
     def hidden(self) -> torch.Tensor | None:
         """The hidden states [B, T, H] (a writable view of `raw`, built once), or None if the item had none."""
-        if self._tensor is None and self.dtype is not None and self.shape is not None:
-            if self.raw is None:  # zero elements
-                self._tensor = torch.empty(self.shape, dtype=self.dtype)
-            else:
-                self._tensor = torch.frombuffer(self.raw, dtype=self.dtype).view(self.shape)
+        if self._tensor is None and self.raw is not None and self.dtype is not None and self.shape is not None:
+            self._tensor = view_bytes(self.raw, self.dtype, self.shape)
         return self._tensor
 
 
@@ -189,16 +187,12 @@ def _record(item: memoryview, offset: int) -> tuple[tuple[int, tuple[int, ...], 
     return (code, shape, start), start + nbytes
 
 
-def _copy_group(
-    code: int, shape: tuple[int, ...], members: list[tuple[int, memoryview, int]]
-) -> list[memoryview | None]:
+def _copy_group(code: int, shape: tuple[int, ...], members: list[tuple[int, memoryview, int]]) -> list[memoryview]:
     """One writable copy of the group's hidden states (bounds checked by `_record`), [n, *shape], and each one's
-    bytes in it (flat memoryviews; None for zero elements): no torch call."""
+    bytes in it (flat memoryviews, empty for zero elements): no torch call."""
     nbytes = _ITEM_BYTES[code]
     for dim in shape:
         nbytes *= dim
-    if nbytes == 0:
-        return [None] * len(members)
     if len(members) == 1:  # a lone step (most frames under light load): its own copy
         _, item, offset = members[0]
         return [memoryview(bytearray(item[offset : offset + nbytes]))]
