@@ -162,6 +162,17 @@ def make_tiny_model(
     return target
 
 
+def tiny_span_backend(span: tuple[int, ...], family: str = "llama", *, seed: int = 0):
+    """A float32 CPU `SpanBackend` of random tiny `family` blocks at indices `span` (of a len(span)-layer config)."""
+    from corolla.models.registry import get_family
+    from corolla.server.backend import SpanBackend
+
+    torch.manual_seed(seed)
+    config = tiny_config(family, len(span))
+    blocks = {i: get_family(config).build_block(config, i) for i in span}
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+
+
 def hf_layers(model) -> torch.nn.ModuleList:
     """The decoder layers of a transformers causal LM (`model.layers`, `transformer.h`)."""
     for path in ("model.layers", "transformer.h", "h"):

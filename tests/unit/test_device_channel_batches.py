@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.models.registry import get_family
 from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
 from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
@@ -24,17 +23,14 @@ from corolla.server.limits import PeerLimits
 from corolla.server.proxy_executor import DeviceLink, ProxyExecutor, ProxySessionCache
 from corolla.server.refusals import BadRequest
 from corolla.server.runtime import Runtime
-from helpers.tiny_models import tiny_config
+from helpers.tiny_models import tiny_span_backend
 
 H, SPAN, SESSIONS = 64, (0, 1), 6
 
 
 @pytest.fixture(scope="module")
 def backend() -> SpanBackend:
-    torch.manual_seed(0)
-    config = tiny_config("llama", len(SPAN))
-    blocks = {i: get_family(config).build_block(config, i) for i in SPAN}
-    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+    return tiny_span_backend(SPAN)
 
 
 @contextlib.asynccontextmanager

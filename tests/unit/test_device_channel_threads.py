@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.models.registry import get_family
 from corolla.server import proxy_wire as wire
 from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
@@ -27,7 +26,7 @@ from corolla.server.proxy_executor import DeviceLink, ProxyExecutor
 from corolla.server.refusals import BadRequest
 from corolla.server.runtime import Runtime, RuntimeStopped
 from corolla.server.task import Task
-from helpers.tiny_models import tiny_config
+from helpers.tiny_models import tiny_span_backend
 
 H, SPAN = 64, (0, 1)
 
@@ -91,10 +90,7 @@ def test_frame_socket_refuses_an_oversized_frame_before_reading_it() -> None:
 
 @pytest.fixture(scope="module")
 def backend() -> SpanBackend:
-    torch.manual_seed(0)
-    config = tiny_config("llama", len(SPAN))
-    blocks = {i: get_family(config).build_block(config, i) for i in SPAN}
-    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+    return tiny_span_backend(SPAN)
 
 
 @contextlib.asynccontextmanager

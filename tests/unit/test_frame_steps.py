@@ -17,7 +17,6 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.batcher import PendingUnits, StepGroup, execute_steps, flatten_units, regroup
 from corolla.engine.span_engine import StepRequest
-from corolla.models.registry import get_family
 from corolla.server import proxy_wire as wire
 from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
@@ -27,17 +26,14 @@ from corolla.server.frame_steps import FrameIntake, StepReply
 from corolla.server.limits import PeerLimits
 from corolla.server.runtime import Runtime, RuntimeStopped
 from corolla.server.task import Task, TaskQueue
-from helpers.tiny_models import tiny_config
+from helpers.tiny_models import tiny_span_backend
 
 H, SPAN, ROWS = 64, (0, 1), 8  # ROWS: the engine's largest forward (the merge limit of a decode batch)
 
 
 @pytest.fixture(scope="module")
 def backend() -> SpanBackend:
-    torch.manual_seed(0)
-    config = tiny_config("llama", len(SPAN))
-    blocks = {i: get_family(config).build_block(config, i) for i in SPAN}
-    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+    return tiny_span_backend(SPAN)
 
 
 class _Channel:
