@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from corolla.engine.cpu_linear import CpuLinearConfig
 from corolla.engine.kv_pool import KVLayout
 
 
@@ -26,6 +27,7 @@ class EngineConfig:
     tune_gemm: bool = True  # at warm-up, time cuBLAS against Triton for single-row projections and keep the faster
     prefill_chunk_tokens: int = 4096
     attention_splits_max: int = 16
+    cpu_linear: CpuLinearConfig = CpuLinearConfig()  # CPU: projections' GEMM chosen per row bucket at warm-up
 
     def __post_init__(self) -> None:
         if self.page_size_tokens < 16 or self.page_size_tokens & (self.page_size_tokens - 1):

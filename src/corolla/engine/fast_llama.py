@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine.config import LlamaSpec
+from corolla.engine.cpu_linear import CpuLinearConfig, SlotKey
 from corolla.engine.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.moe import RoutedMoE, tune_experts
@@ -160,6 +161,21 @@ class FastLlamaSpan(ChunkedPrefill):
                     moe_report[("moe", *key)] = r
                     logger.info(f"fast_llama.tune_experts(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
         return {**report, **quant_report, **moe_report}
+
+    def tune_cpu(self, config: CpuLinearConfig) -> dict:
+        """CPU: picks each dense projection's GEMM formulation per row bucket by timing them on these weights
+        (`DecodeOps.tune_cpu_linear`; quantized weights and the MoE experts keep their own path)."""
+        slots: dict[SlotKey, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        for layer in self.layers:
+            for w, bias, has_res in (
+                (layer.w_qkv, layer.b_qkv, False),
+                (layer.w_o, layer.b_o, True),
+                (layer.w_gate_up, layer.b_gate_up, False),
+                (layer.w_down, layer.b_down, True),
+            ):
+                if isinstance(w, torch.Tensor):
+                    slots.setdefault((w.shape[0], w.shape[1], bias is not None, has_res), []).append((w, bias))
+        return self.ops.tune_cpu_linear(slots, config)
 
     # ------------------------------------------------------------------------------------------ construction
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from corolla.engine import cpu_linear
 from corolla.engine.qk_norm import qk_norm_ref, qk_norm_triton
 from corolla.engine.quant import Int8Weight, NF4Weight
 from corolla.utils.logging import get_logger
@@ -217,6 +218,8 @@ class DecodeOps:
         # tune_quantized
         self.quant_small: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
         self.quant_gemm: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
+        # CPU: the formulation of each projection per row bucket (engine.cpu_linear); None: F.linear / addmm
+        self.cpu_linear: cpu_linear.CpuLinearChoices | None = None
 
     def linear(
         self,
@@ -328,6 +331,12 @@ class DecodeOps:
         elif prologue == "silu":
             x = self.silu_mul(x)
         rows = x.shape[0]
+        if self.cpu_linear is not None and x.is_cpu:
+            kernel = self.cpu_linear.kernel(
+                rows, weight.shape[0], weight.shape[1], bias is not None, residual is not None
+            )
+            if kernel is not None:
+                return kernel(x, weight, bias, residual)  # [M, N]
         if pad_rows > rows:
             x = F.pad(x, (0, 0, 0, pad_rows - rows))  # [pad_rows, K], zeros below
         if residual is None:
@@ -376,6 +385,20 @@ class DecodeOps:
                 "best_us": timings[best] * per_call,
                 "all_us": {str(c): t * per_call for c, t in timings.items()},
             }
+        return report
+
+    def tune_cpu_linear(
+        self,
+        slots: dict[cpu_linear.SlotKey, list[tuple[torch.Tensor, torch.Tensor | None]]],
+        config: cpu_linear.CpuLinearConfig,
+    ) -> dict:
+        """CPU only: for each float32/16-bit projection shape `(N, K, has_bias, has_residual)` -> [(weight, bias)
+        per layer], times `config.candidates` per row bucket on the real weights and keeps the fastest
+        (`engine.cpu_linear.tune`); later `linear` calls on CPU inputs of a tuned bucket run it. Returns
+        {(slot, bucket): {"best", "all_ms"}}."""
+        if not slots:
+            return {}
+        self.cpu_linear, report = cpu_linear.tune(slots, config)
         return report
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

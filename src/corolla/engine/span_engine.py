@@ -175,11 +175,14 @@ class SpanEngine:
         return self.model.spec.hidden_size
 
     def warmup(self) -> dict:
-        """Chooses projection kernels (if `tune_gemm`) and captures every CUDA-graph bucket now rather than at
-        first use. Call before serving; returns the kernel timings."""
+        """Chooses projection kernels (GPU: if `tune_gemm`; CPU, llama-family spans: if `cpu_linear.enabled`) and
+        captures every CUDA-graph bucket now rather than at first use. Call before serving; returns the kernel
+        timings."""
         report = {}
         if self.device.type == "cuda" and self.config.tune_gemm:
             report = self.model.tune()
+        elif self.device.type == "cpu" and self.config.cpu_linear.enabled and isinstance(self.model, FastLlamaSpan):
+            report = self.model.tune_cpu(self.config.cpu_linear)
         if self.graphs is not None:
             self.graphs.capture_all()
         return report
