@@ -183,3 +183,16 @@ def test_engine_decode_with_each_candidate_matches_blocks(family: str, name: str
         got = [engine.step(session, x, position) for x, position in steps]
     for out, ref in zip(got, expected, strict=True):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_cpu_linear_table_times_every_formulation(capsys: pytest.CaptureFixture[str]) -> None:
+    from corolla.bench.cpu_linear_table import cpu_span_weights, main
+
+    layers = cpu_span_weights(hidden=32, intermediate=48, kv_size=16, num_layers=2)
+    assert [key for key, _ in layers[0]] == [(64, 32, False, False), (32, 32, False, True),
+                                             (96, 32, False, False), (32, 48, False, True)]  # fmt: skip
+    assert main(["--rows", "1,3", "--hidden", "32", "--intermediate", "48", "--kv_size", "16", "--layers", "2",
+                 "--reps", "1"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "| formulation | M=1 | M=3 |"
+    assert {line.split(" | ")[0] for line in lines[3:]} == {f"| {n}" for n in [*RUNNABLE, "tuned"]}

@@ -104,6 +104,16 @@ def _server_step_ms(executor: DeviceExecutor, prefix_tokens: int) -> float:
     return float(engine_bench.single_session(executor.engine, prefix_tokens=prefix_tokens, steps=64)["median_ms"])
 
 
+def _cpu_linear_off(executor: DeviceExecutor) -> None:
+    """Drops the CPU projection choices the fast executor's warm-up made (`--cpu_linear off`)."""
+    from corolla.engine.fast_llama import FastLlamaSpan
+    from corolla.server.fast_executor import FastExecutor
+
+    assert isinstance(executor, FastExecutor) and isinstance(executor.engine.model, FastLlamaSpan)
+    executor.engine.model.ops.cpu_linear = None
+    print("cpu_linear off: F.linear / addmm for every projection", flush=True)
+
+
 def _gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
 
@@ -128,6 +138,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix_tokens", type=int, default=32)
     p.add_argument("--decode_steps", type=int, default=32)
     p.add_argument("--torch_threads", type=int, default=0, help="torch threads of the server (0: torch's default)")
+    p.add_argument(
+        "--cpu_linear", choices=("tuned", "off"), default="tuned",
+        help="CPU fast path: the projections' GEMM chosen per row bucket at warm-up (engine.cpu_linear), or off "
+        "(F.linear / addmm for every input: what the engine ran before)",
+    )  # fmt: skip
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="cpu-users")
     return p.parse_args(argv)
@@ -157,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         executor = build_executor(
             shape, dtype, device, num_layers=shape.num_layers, serving_path=path, cache_bytes=cache_bytes
         )
+        if path == "fast" and args.cpu and args.cpu_linear == "off":
+            _cpu_linear_off(executor)
         if path == "fast" and args.gpu_layers:  # on a CPU it costs minutes and the RPC is not what limits
             lone_steps[path] = _server_step_ms(executor, args.prefix_tokens)
         runs = [ServerRun.parse(spec, counts) for spec in args.runs.split()] or [
@@ -178,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                     engine_rows.append(r)
                     print(f"[{time.perf_counter() - started:6.1f}s] in-process engine: {json.dumps(r)}", flush=True)
         del executor
-    where = f"CPU ({torch.get_num_threads()} torch threads), float32" if args.cpu else f"{_gpu_name()}, bfloat16"
+    where = f"{_gpu_name()}, bfloat16"
+    if args.cpu:
+        where = f"CPU ({torch.get_num_threads()} torch threads, projections: cpu_linear {args.cpu_linear}), float32"
     notes = [
         f"{where}, span of {shape.num_layers} Llama layers, hidden "
         f"{shape.hidden_size}, MLP {shape.intermediate_size}: {params / 1e6:.0f}M parameters; prefix "
