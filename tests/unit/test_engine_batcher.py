@@ -313,3 +313,42 @@ def test_launch_steps_checks_launchability_once_per_set() -> None:
     assert bytes(requests[0].output_bytes or b"") == bytes(range(8)) and requests[1].output_bytes is None
     assert bytes(requests[2].output_bytes or b"") == bytes(range(8, 12))
     assert engine.can_launch_calls == 1 and engine.launched == [([1, 2], True)]
+
+
+def test_a_merged_batch_of_distinct_sessions_runs_in_one_decode_call(monkeypatch) -> None:
+    # the device channels' usual batch (one decode step per session, one layer range) takes one pass and one
+    # decode_many call; refusals stay in place and a failing forward fails only the steps that joined it
+    engine = make_engine(num_layers=1)
+    sessions = [engine.open_session(1, 64) for _ in range(4)]
+    prompts = [torch.randn(1, 2 + i, H) for i in range(4)]
+    for s, p in zip(sessions, prompts, strict=True):
+        engine.step(s, p, 0)
+    toks = [torch.randn(1, 1, H) for _ in range(4)]
+    expected = [solo_outputs(engine, p, [t])[1] for p, t in zip(prompts, toks, strict=True)]
+    calls: list[int] = []
+    decode_many = engine.decode_many
+
+    def counted(reqs, **kwargs):
+        calls.append(len(reqs))
+        return decode_many(reqs, **kwargs)
+
+    monkeypatch.setattr(engine, "decode_many", counted)
+    sessions[2].close()
+    requests = [StepRequest(s, t, p.shape[1]) for s, t, p in zip(sessions, toks, prompts, strict=True)]
+    requests[1] = StepRequest(sessions[1], toks[1], 40)  # beyond what was written
+    results = execute_steps(engine, requests)
+    assert calls == [2]
+    assert isinstance(results[1], ValueError) and "start position 40" in str(results[1])
+    assert isinstance(results[2], ValueError) and "closed" in str(results[2])
+    for i in (0, 3):
+        torch.testing.assert_close(results[i], expected[i], atol=1e-5, rtol=0)
+
+    def failing(reqs, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "decode_many", failing)
+    again = [StepRequest(sessions[0], toks[0], prompts[0].shape[1] + 1), StepRequest(sessions[2], toks[2], 9)]
+    results = execute_steps(engine, again)
+    assert isinstance(results[0], RuntimeError) and isinstance(results[1], ValueError)
+    for s in sessions:
+        s.close()

@@ -355,3 +355,28 @@ def test_step_inputs_give_a_tensor_from_bytes_or_refuse_without_either() -> None
         StepInputs(None, 0, None, None, "", False).tensor()
     with pytest.raises(ValueError, match="needs its hidden states"):
         StepRequest(None, None, 0)  # type: ignore[arg-type]
+
+
+def test_pushes_short_of_what_the_runtime_waits_for_do_not_wake_it() -> None:
+    # the runtime thread waiting for a cohort's steps (`wait_for_pushes`) is woken once they are all there, not by
+    # every frame on the way (each wake-up costs both threads a GIL hand-off); a pop waiter is woken by any push
+    queue = TaskQueue()
+
+    def task(steps: int) -> Task:
+        return Task(fn=lambda: None, priority=1.0, size_tokens=steps, future=None, loop=None, steps=steps)
+
+    waiter = threading.Thread(target=queue.wait_for_pushes, args=(8, 10.0))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while queue._wanted != 8:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    queue.push_many([task(3)])
+    queue.push(task(1))
+    assert queue.num_wakeups == 0 and waiter.is_alive()
+    queue.push_many([task(4)])  # 8 in all: wakes it
+    waiter.join(5)
+    assert not waiter.is_alive() and queue.num_wakeups == 1
+    queue.push(task(1))  # nobody waits for a count: any push notifies
+    assert queue.num_wakeups == 2
+    assert len(queue.pop_batch(max_batch_tokens=100, mergeable_kinds=(), timeout_s=0)) == 1

@@ -225,3 +225,40 @@ def test_parsed_steps_carry_bytes_and_build_no_tensor_until_asked(count: int, mo
         assert step.dtype == torch.bfloat16 and step.shape == (1, 1, 8)
         assert bytes(step.raw) == hidden.view(torch.uint8).numpy().tobytes()
         assert step.hidden is not None and torch.equal(step.hidden, hidden) and step.hidden is step.hidden
+
+
+@pytest.mark.parametrize("max_frame_bytes", [1 << 20, 400, 260, 100])
+@pytest.mark.parametrize("with_bytes", [False, True])
+def test_one_shape_replies_equal_the_reference_at_every_frame_bound(max_frame_bytes: int, with_bytes: bool) -> None:
+    # a frame task's usual outputs (one dtype and shape, all CPU tensors) take the per-item pack path: the same bytes
+    # as the reference, split where it splits (a last frame of one item included), bytes known or read in place
+    torch.manual_seed(3)
+    out = torch.randn(7, 16)
+    pieces = out.view(7, 1, 16).split(1)
+    raw = memoryview(out.numpy()).cast("B")
+    row = 16 * 4
+    results = [(i + 1, pieces[i], raw[i * row : (i + 1) * row] if with_bytes else None) for i in range(7)]
+    results[3] = (4, pieces[3].clone(), None)  # elsewhere: read from its tensor
+    expected = _reference([(rid, r) for rid, r, _ in results], max_frame_bytes)
+    head = b"".join(_state().parts)
+    assert step_frames.reply_frames(results, head, max_frame_bytes) == expected
+    for n in (1, 2, 5):
+        assert step_frames.reply_frames(results[:n], head, max_frame_bytes) == _reference(
+            [(rid, r) for rid, r, _ in results[:n]], max_frame_bytes
+        )
+
+
+def test_a_list_of_mixed_shapes_dtypes_or_refusals_is_encoded_as_the_reference() -> None:
+    torch.manual_seed(4)
+    base = [(1, torch.randn(1, 1, 16)), (2, torch.randn(1, 1, 16))]
+    tails: list[tuple[int, torch.Tensor | BaseException]] = [
+        (3, torch.randn(1, 1, 8)),
+        (3, torch.randn(1, 1, 16).half()),
+        (3, TooLong("too long", value=9, limit=8)),
+        (3, torch.empty(1, 0, 16)),
+    ]
+    head = b"".join(_state().parts)
+    for tail in tails:
+        results = [*base, tail]
+        assert step_frames.reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
+        assert step_frames.reply_frames(_no_bytes([tail, *base]), head, 1 << 20) == _reference([tail, *base], 1 << 20)

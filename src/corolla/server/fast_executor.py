@@ -192,12 +192,10 @@ class FastExecutor:
                 metrics.observe_step(seconds)
                 metrics.tokens("inference", num_tokens)
 
-        return PreparedStep(
-            fn=request.run,  # a bound method: cheaper per step than a partial
-            priority=PRIORITY_INFERENCE, size_tokens=request.rows * max(request.num_tokens, 1),
-            kind=KIND_ENGINE_INFERENCE, merge_key=self._merge_key, payload=request, inline=inputs.lone_session,
-            observe=observe,
-        )  # fmt: skip
+        # positional (fn, priority, size_tokens, kind, merge_key, payload, inline, observe): keywords cost ~0.7 us
+        # more per step; `fn` a bound method, cheaper per step than a partial
+        return PreparedStep(request.run, PRIORITY_INFERENCE, request.rows * max(request.num_tokens, 1),
+                            KIND_ENGINE_INFERENCE, self._merge_key, request, inputs.lone_session, observe)  # fmt: skip
 
     def _execute_tasks(self, tasks: list[Task]) -> list[StepResult | list[StepResult]]:
         requests, sizes = flatten_units(_units(tasks))

@@ -41,6 +41,35 @@ class _Entry:
     request: StepRequest | None  # the fast path's request (its `output_bytes` once a launched forward collected them)
 
 
+class _FrameSteps:
+    """A frame's decode steps of the fast path, as columns (no record per step): request ids, tickets, the prepared
+    steps and their requests, and their tokens in all."""
+
+    __slots__ = ("request_ids", "tickets", "prepared", "requests", "tokens")
+
+    def __init__(self) -> None:
+        self.request_ids: list[int] = []
+        self.tickets: list[SessionTicket | None] = []
+        self.prepared: list[PreparedStep] = []
+        self.requests: list[StepRequest] = []
+        self.tokens = 0
+
+    def add(self, request_id: int, ticket: SessionTicket | None, prepared: PreparedStep, request: StepRequest) -> None:
+        self.request_ids.append(request_id)
+        self.tickets.append(ticket)
+        self.prepared.append(prepared)
+        self.requests.append(request)
+        self.tokens += prepared.size_tokens
+
+    def part(self, start: int, end: int) -> _FrameSteps:
+        """Steps [start, end) as a frame of their own (a frame split at the merge limit)."""
+        part = _FrameSteps()
+        part.request_ids, part.tickets = self.request_ids[start:end], self.tickets[start:end]
+        part.prepared, part.requests = self.prepared[start:end], self.requests[start:end]
+        part.tokens = sum(p.size_tokens for p in part.prepared)
+        return part
+
+
 class FrameIntake:
     """Turns a channel's step frames into runtime tasks and their results into replies (see the module docstring).
 
@@ -73,31 +102,41 @@ class FrameIntake:
                 steps = [BadStep(request_id, e)]
         refused: list[StepReply] = []
         tasks: list[Task] = []
-        frame: list[tuple[_Entry, PreparedStep]] = []  # the fast path's queued decode steps: one task (or a few)
+        frame = _FrameSteps()  # the fast path's queued decode steps: one task (or a few)
         runtime = self.executor.runtime
         queued_at = time.perf_counter()
+        may_run_alone = self.admission.num_open <= 1  # alone in all processes (read once per frame)
         for step in steps:
             try:
                 if isinstance(step, BadStep):
                     raise step.error
-                entry, prepared = self._prepare(step)
+                ticket, prepared, num_tokens = self._prepare(step, may_run_alone)
+                request = prepared.payload
+                if (
+                    not prepared.inline
+                    and isinstance(request, StepRequest)
+                    and request.is_decode
+                    and prepared.merge_key is not None
+                ):
+                    frame.add(step.request_id, ticket, prepared, request)
+                    continue
+                entry = _Entry(step.request_id, ticket, num_tokens, prepared.observe,
+                               request if isinstance(request, StepRequest) else None)  # fmt: skip
                 if prepared.inline:  # a lone session: may run right here on an idle runtime
                     runtime.submit_callback(
                         prepared.fn, on_done=partial(self._step_done, entry, queued_at), flush=self._flush,
                         priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
                         merge_key=prepared.merge_key, payload=prepared.payload, inline=True, notify=True,
                     )  # fmt: skip
-                elif entry.request is not None and entry.request.is_decode and prepared.merge_key is not None:
-                    frame.append((entry, prepared))
                 else:
-                    tasks.append(self._task([(entry, prepared)], queued_at))
+                    tasks.append(self._task(entry, prepared, queued_at))
             except Exception as e:
                 refused.append((step.request_id, e, None))
-        if frame:
+        if frame.request_ids:
             try:
                 tasks.extend(self._frame_tasks(frame, queued_at))
             except Exception as e:  # the runtime stopped meanwhile: each of these steps is refused
-                refused.extend((entry.request_id, e, None) for entry, _ in frame)
+                refused.extend((rid, e, None) for rid in frame.request_ids)
         if tasks:
             try:
                 runtime.submit_callbacks(tasks)  # one lock and one wake for the frame
@@ -112,57 +151,59 @@ class FrameIntake:
             self._flush()
         return len(steps)
 
-    def _prepare(self, step: ParsedStep) -> tuple[_Entry, PreparedStep]:
+    def _prepare(self, step: ParsedStep, may_run_alone: bool) -> tuple[SessionTicket | None, PreparedStep, int]:
+        """The step prepared by the executor, its session's ticket and its tokens (B x T)."""
         shape, dtype = step.shape, step.dtype
         if shape is None or dtype is None or len(shape) != 3:
             raise wire.FrameError("a step needs hidden states [B, T, H]")
         cache, ticket = self._held(step.handle)
-        lone = step.lone and self.admission.num_open <= 1  # alone in this process and in all of them
         # the hidden states as their bytes (no tensor unless the executor needs one: `StepInputs.tensor`)
-        inputs = StepInputs(None, step.prefix_length, step.prompts, step.hypo_ids, step.adapter, lone, step.raw,
-                            (dtype, shape))  # fmt: skip
-        prepared = self.executor.prepare_step(cache, inputs)
-        request = prepared.payload
-        entry = _Entry(step.request_id, ticket, shape[0] * shape[1], prepared.observe,
-                       request if isinstance(request, StepRequest) else None)  # fmt: skip
-        return entry, prepared
+        inputs = StepInputs(None, step.prefix_length, step.prompts, step.hypo_ids, step.adapter,
+                            step.lone and may_run_alone, step.raw, (dtype, shape))  # fmt: skip
+        return ticket, self.executor.prepare_step(cache, inputs), shape[0] * shape[1]
 
-    def _frame_tasks(self, frame: list[tuple[_Entry, PreparedStep]], queued_at: float) -> list[Task]:
-        """The frame's decode steps in as few tasks as fit one merged forward each (in order)."""
-        first = frame[0][1]
+    def _frame_tasks(self, frame: _FrameSteps, queued_at: float) -> list[Task]:
+        """The frame's decode steps in as few tasks as fit one merged forward each (in order): one task for the
+        usual frame (one merge key, within the limit), else split where the limit or the merge key says."""
+        first = frame.prepared[0]
         limit = self.executor.runtime.merge_limit(first.kind)
+        n = len(frame.request_ids)
+        if frame.tokens <= limit and all(p.merge_key == first.merge_key for p in frame.prepared):
+            return [self._group_task(frame, 0, n, frame.tokens, queued_at)]
         tasks: list[Task] = []
-        part: list[tuple[_Entry, PreparedStep]] = []
-        tokens = 0
-        for item in frame:
-            size = item[1].size_tokens
-            if part and (tokens + size > limit or item[1].merge_key != part[0][1].merge_key):
-                tasks.append(self._task(part, queued_at))
-                part, tokens = [], 0
-            part.append(item)
+        start, tokens = 0, 0
+        for i, prepared in enumerate(frame.prepared):
+            size = prepared.size_tokens
+            if i > start and (tokens + size > limit or prepared.merge_key != frame.prepared[start].merge_key):
+                tasks.append(self._group_task(frame, start, i, tokens, queued_at))
+                start, tokens = i, 0
             tokens += size
-        tasks.append(self._task(part, queued_at))
+        tasks.append(self._group_task(frame, start, n, tokens, queued_at))
         return tasks
 
-    def _task(self, part: list[tuple[_Entry, PreparedStep]], queued_at: float) -> Task:
-        """One runtime task for one step (its own payload and callback) or for several (a `StepGroup`)."""
-        runtime = self.executor.runtime
-        first = part[0][1]
-        if len(part) == 1:
-            return runtime.callback_task(
-                first.fn, on_done=partial(self._step_done, part[0][0], queued_at), flush=self._flush,
-                priority=first.priority, size_tokens=first.size_tokens, kind=first.kind, merge_key=first.merge_key,
-                payload=first.payload,
-            )  # fmt: skip
-        entries = [entry for entry, _ in part]
-        group = StepGroup([entry.request for entry in entries if entry.request is not None])
-        if len(group.requests) != len(entries):
-            raise TypeError("a frame task's steps must all be the fast path's requests")
+    def _task(self, entry: _Entry, prepared: PreparedStep, queued_at: float) -> Task:
+        """One runtime task for one step: its own payload and callback."""
+        return self.executor.runtime.callback_task(
+            prepared.fn, on_done=partial(self._step_done, entry, queued_at), flush=self._flush,
+            priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
+            merge_key=prepared.merge_key, payload=prepared.payload,
+        )  # fmt: skip
+
+    def _group_task(self, frame: _FrameSteps, start: int, end: int, tokens: int, queued_at: float) -> Task:
+        """One runtime task for steps [start, end) of a frame: a `StepGroup` (one step alone: its own task)."""
+        first = frame.prepared[start]
+        if end - start == 1:
+            request = frame.requests[start]
+            entry = _Entry(frame.request_ids[start], frame.tickets[start], request.rows * request.num_tokens,
+                           first.observe, request)  # fmt: skip
+            return self._task(entry, first, queued_at)
+        part = frame if start == 0 and end == len(frame.request_ids) else frame.part(start, end)
+        group = StepGroup(part.requests)
         self.num_frame_tasks += 1
-        return runtime.callback_task(
-            group.run, on_done=partial(self._frame_done, entries, queued_at), flush=self._flush,
-            priority=first.priority, size_tokens=sum(p.size_tokens for _, p in part), kind=first.kind,
-            merge_key=first.merge_key, payload=group, steps=len(entries),
+        return self.executor.runtime.callback_task(
+            group.run, on_done=partial(self._frame_done, part, queued_at), flush=self._flush,
+            priority=first.priority, size_tokens=tokens, kind=first.kind, merge_key=first.merge_key, payload=group,
+            steps=end - start,
         )  # fmt: skip
 
     def _step_done(
@@ -172,19 +213,31 @@ class FrameIntake:
         self._queue_replies([self._reply(entry, output if error is None else error, time.perf_counter() - queued_at)])
 
     def _frame_done(
-        self,
-        entries: list[_Entry],
-        queued_at: float,
-        outputs: list[StepResult] | None,
-        error: BaseException | None,
+        self, frame: _FrameSteps, queued_at: float, outputs: list[StepResult] | None, error: BaseException | None
     ) -> None:
         """A frame task's results (one per step; `error`: the whole batch failed), queued under one lock."""
         if error is not None or outputs is None:
             failed = error if error is not None else RuntimeError("the frame's steps returned nothing")
-            self._queue_replies([(entry.request_id, failed, None) for entry in entries])
+            self._queue_replies([(rid, failed, None) for rid in frame.request_ids])
+            return
+        if len(outputs) != len(frame.request_ids):
+            failed = RuntimeError(f"{len(outputs)} results for a frame of {len(frame.request_ids)} steps")
+            self._queue_replies([(rid, failed, None) for rid in frame.request_ids])
             return
         elapsed_s = time.perf_counter() - queued_at
-        self._queue_replies([self._reply(e, out, elapsed_s) for e, out in zip(entries, outputs, strict=True)])
+        replies: list[StepReply] = []
+        for rid, ticket, prepared, request, out in zip(
+            frame.request_ids, frame.tickets, frame.prepared, frame.requests, outputs, strict=True
+        ):
+            if isinstance(out, BaseException):
+                replies.append((rid, out, None))
+                continue
+            if ticket is not None:
+                ticket.touch(request.rows * request.num_tokens)
+            if prepared.observe is not None:
+                prepared.observe(elapsed_s)  # includes the queue wait
+            replies.append((rid, out, request.output_bytes))  # [B, T, H]; bytes where a launched forward has them
+        self._queue_replies(replies)
 
     @staticmethod
     def _reply(entry: _Entry, result: torch.Tensor | BaseException | None, elapsed_s: float) -> StepReply:

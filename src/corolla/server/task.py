@@ -110,6 +110,10 @@ class TaskQueue:
         self._steps = 0  # steps pushed (`Task.steps` summed): what the gather rule counts
         self._closed = False
         self._push_times: deque[float] = deque(maxlen=PUSH_TIMES_KEPT)  # of the last steps pushed, oldest first
+        # steps pushed in all that the consumer waits for in `wait_for_pushes` (0 otherwise: any push wakes it); a
+        # push short of it does not wake the consumer only to find too few and wait again
+        self._wanted = 0
+        self.num_wakeups = 0  # notifications sent by pushes (tests, profiling)
 
     def __len__(self) -> int:
         with self._cond:
@@ -129,7 +133,8 @@ class TaskQueue:
             else:
                 self._push_times.extend(repeat(task.submitted_at, task.steps))
             heapq.heappush(self._heap, (*task.sort_key, task))
-            if notify:
+            if notify and self._steps >= self._wanted:
+                self.num_wakeups += 1
                 self._cond.notify()
 
     def push_many(self, tasks: list[Task]) -> None:
@@ -148,7 +153,9 @@ class TaskQueue:
                     times.extend(repeat(task.submitted_at, task.steps))
                 heapq.heappush(heap, (task.priority, task.submitted_at, seq, task))
             self._seq, self._steps = seq, steps
-            self._cond.notify()
+            if steps >= self._wanted:
+                self.num_wakeups += 1
+                self._cond.notify()
 
     def wake(self) -> None:
         with self._cond:
@@ -166,14 +173,19 @@ class TaskQueue:
         return self._steps
 
     def wait_for_pushes(self, count: int, timeout_s: float) -> None:
-        """Waits up to `timeout_s` until `count` steps were pushed in all (or the queue closed)."""
+        """Waits up to `timeout_s` until `count` steps were pushed in all (or the queue closed); pushes short of
+        `count` don't wake it (`wake()` and `close()` do)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._steps < count and not self._closed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                self._cond.wait(remaining)
+            self._wanted = count
+            try:
+                while self._steps < count and not self._closed:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return
+                    self._cond.wait(remaining)
+            finally:
+                self._wanted = 0
 
     def close(self) -> list[Task]:
         """Stops accepting tasks, wakes the waiting consumer and returns the tasks that never ran."""
