@@ -262,3 +262,33 @@ def test_a_list_of_mixed_shapes_dtypes_or_refusals_is_encoded_as_the_reference()
         results = [*base, tail]
         assert step_frames.reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
         assert step_frames.reply_frames(_no_bytes([tail, *base]), head, 1 << 20) == _reference([tail, *base], 1 << 20)
+
+
+def test_a_frames_hidden_states_become_tensors_in_one_view_per_group(monkeypatch) -> None:
+    # steps of one dtype and shape share one copy; where the engine needs their tensors (the eager/CPU path), the
+    # first request's `hidden` views the whole copy once and every request gets its row of it, viewing its bytes
+    from corolla.engine import step_request
+    from corolla.engine.step_request import StepRequest
+
+    torch.manual_seed(5)
+    hiddens = [torch.randn(1, 1, 8) for _ in range(3)] + [torch.randn(2, 1, 8)]
+    steps = step_frames.parse_steps(_payload([_step_body(i, h) for i, h in enumerate(hiddens)]))
+    assert all(isinstance(step, step_frames.ParsedStep) for step in steps)
+    parsed = [step for step in steps if isinstance(step, step_frames.ParsedStep)]
+    assert [step.rows[1] if step.rows is not None else None for step in parsed] == [0, 1, 2, None]  # alone: none
+    views: list[tuple[int, ...]] = []
+    view_bytes = step_request.view_bytes
+
+    def counted(raw: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        views.append(shape)
+        return view_bytes(raw, dtype, shape)
+
+    monkeypatch.setattr(step_request, "view_bytes", counted)
+    requests = [StepRequest(None, None, 3, None, None, s.raw, s.dtype, s.shape, s.rows) for s in parsed]  # type: ignore[arg-type]
+    for request, want in zip(requests, hiddens, strict=True):
+        assert torch.equal(request.hidden, want) and request.hidden is request.hidden
+    assert views == [(3, 1, 1, 8), (2, 1, 8)]  # one view for the group of three, one for the lone step
+    raw = parsed[1].raw
+    assert raw is not None
+    raw[:4] = struct.pack("<f", 42.0)  # the row is the step's bytes, not a copy of them
+    assert requests[1].hidden[0, 0, 0].item() == 42.0

@@ -15,7 +15,28 @@ if TYPE_CHECKING:
     from corolla.engine.span_engine import EngineSession
 
 
-@dataclass(eq=False)
+class HiddenRows:
+    """The hidden states of `count` steps of one dtype and shape in one C-order buffer, [count, *shape] (a device
+    channel frame's copy; each step holds its slice as `StepRequest.hidden_bytes`). Where the steps need tensors (the
+    eager/CPU path), `row(i)` is row i of one tensor viewing the buffer, unbound once for all of them: one
+    `frombuffer` and one `unbind` per frame instead of a view per step (the launched forward stages the bytes and
+    never calls it)."""
+
+    __slots__ = ("data", "dtype", "shape", "count", "_rows")
+
+    def __init__(self, data: memoryview, dtype: torch.dtype, shape: tuple[int, ...], count: int):
+        self.data, self.dtype, self.shape, self.count = data, dtype, shape, count  # data: count x shape elements
+        self._rows: tuple[torch.Tensor, ...] | None = None
+
+    def row(self, index: int) -> torch.Tensor:
+        """Step `index`'s hidden states [*shape], a view of its bytes in the buffer (writable)."""
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = view_bytes(self.data, self.dtype, (self.count, *self.shape)).unbind(0)
+        return rows[index]
+
+
+@dataclass(eq=False, slots=True)  # built per decode step: slots make its init and reads cheaper
 class StepRequest:
     """One inference step of one session: hidden [B, T, H] written at [position, position + T); optional beam
     reordering `hypo_ids` [B] and deep `prompts` [session layers, B or 1, P, H].
@@ -35,6 +56,9 @@ class StepRequest:
     hidden_bytes: memoryview | None = None
     hidden_dtype: torch.dtype | None = None  # with `hidden_bytes` and no tensor: their dtype and shape [B, T, H]
     hidden_shape: tuple[int, ...] | None = None
+    # where `hidden_bytes` is row `index` of several steps' hidden states in one buffer (a device channel frame's
+    # copy): (those rows, index); `hidden` is then that row of one tensor built for all of them
+    hidden_rows: tuple[HiddenRows, int] | None = None
     # derived once (read many times per batched step)
     shape: tuple[int, ...] = field(init=False)  # the hidden states' [B, T, H]
     dtype: torch.dtype = field(init=False)  # the hidden states' dtype
@@ -72,8 +96,12 @@ class StepRequest:
         `SpanEngine.check_inputs`, which checks that the bytes' length matches the shape)."""
         tensor = self.hidden_tensor
         if tensor is None:
-            assert self.hidden_bytes is not None and self.hidden_dtype is not None
-            tensor = view_bytes(self.hidden_bytes, self.hidden_dtype, self.shape)
+            rows = self.hidden_rows
+            if rows is not None:
+                tensor = rows[0].row(rows[1])
+            else:
+                assert self.hidden_bytes is not None and self.hidden_dtype is not None
+                tensor = view_bytes(self.hidden_bytes, self.hidden_dtype, self.shape)
             self.hidden_tensor = tensor
         return tensor
 

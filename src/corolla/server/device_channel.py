@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ from corolla.server.push_router import DeviceSessionRegistry, PushRouter
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+_STATE = struct.Struct(">QQQ")  # what `_state` writes (`proxy_wire.Writer.u64` x 3)
 
 __all__ = ["DeviceChannel", "DeviceSessionRegistry", "PushRouter", "device_info"]
 
@@ -138,8 +141,14 @@ class DeviceChannel:
     # ---- output
 
     def _state(self) -> wire.Writer:
+        state = wire.Writer()
+        state.parts.append(self._state_bytes())
+        return state
+
+    def _state_bytes(self) -> bytes:
+        """The device's state as every reply carries it: bytes left, waiting, the cache's size (three u64)."""
         executor = self.executor
-        return wire.Writer().u64(max(0, executor.bytes_left)).u64(executor.bytes_waiting).u64(executor.max_size_bytes)
+        return _STATE.pack(max(0, executor.bytes_left), executor.bytes_waiting, executor.max_size_bytes)
 
     def send(self, kind: int, request_id: int, body: wire.Writer) -> None:
         """Sends one frame from any thread (a blocking `sendall` under the socket's lock)."""
@@ -164,7 +173,7 @@ class DeviceChannel:
         """Encodes results as few REPLY_BATCH frames as the bound allows, with the state once each, and sends them."""
         if not results or self.io.closed:
             return
-        head = b"".join(self._state().parts)
+        head = self._state_bytes()
         self.io.send_frames(step_frames.reply_frames(results, head, self.max_frame_bytes))  # [B, T, H] each
 
     def _write_loop(self) -> None:
@@ -267,8 +276,10 @@ class DeviceChannel:
     # ---- steps (reader thread -> runtime -> runtime thread)
 
     def _held_cache(self, handle: int) -> tuple[SessionCache, SessionTicket | None]:
-        held = self._held(handle)
-        assert held.cache is not None
+        """An open session's cache and ticket (`_held`'s check, in one call per step)."""
+        held = self.sessions.get(handle)
+        if held is None or held.cache is None:
+            raise wire.FrameError(f"no open session with a cache under handle {handle}")
         return held.cache, held.ticket
 
     def _start(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:

@@ -15,6 +15,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from corolla.engine.step_request import HiddenRows
 from corolla.server.memory_cache import TensorDescriptorLike
 from corolla.server.runtime import Runtime
 from corolla.utils.tensor_bytes import view_bytes
@@ -56,6 +57,8 @@ class StepInputs(NamedTuple):
     # `hidden_states` views if given): the fast path stages a launched forward's rows from them with one memcpy each
     hidden_bytes: memoryview | None = None
     hidden_meta: tuple[torch.dtype, tuple[int, ...]] | None = None  # `hidden_bytes`' dtype and shape [B, T, H]
+    # `hidden_bytes` as row `index` of a frame's steps in one buffer (`StepRequest.hidden_rows`), where so
+    hidden_rows: tuple[HiddenRows, int] | None = None
 
     def tensor(self) -> torch.Tensor:
         """The hidden states [B, T, H]: `hidden_states`, or a new tensor viewing `hidden_bytes` (writable)."""

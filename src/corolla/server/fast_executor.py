@@ -179,6 +179,7 @@ class FastExecutor:
         request = StepRequest(
             own.session, inputs.hidden_states, inputs.prefix_length, inputs.hypo_ids, inputs.prompts,
             inputs.hidden_bytes, None if meta is None else meta[0], None if meta is None else meta[1],
+            inputs.hidden_rows,
         )  # fmt: skip
         # ValueError (refused here, before it is queued) for inputs this engine can't run; the device thread then
         # checks only the session's state (`SpanEngine.validate`)

@@ -159,7 +159,7 @@ class FrameIntake:
         cache, ticket = self._held(step.handle)
         # the hidden states as their bytes (no tensor unless the executor needs one: `StepInputs.tensor`)
         inputs = StepInputs(None, step.prefix_length, step.prompts, step.hypo_ids, step.adapter,
-                            step.lone and may_run_alone, step.raw, (dtype, shape))  # fmt: skip
+                            step.lone and may_run_alone, step.raw, (dtype, shape), step.rows)  # fmt: skip
         return ticket, self.executor.prepare_step(cache, inputs), shape[0] * shape[1]
 
     def _frame_tasks(self, frame: _FrameSteps, queued_at: float) -> list[Task]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from corolla.engine.step_request import HiddenRows
 from corolla.server import proxy_wire as wire
 from corolla.utils.tensor_bytes import view_bytes
 
@@ -53,6 +54,7 @@ class ParsedStep:
     raw: memoryview | None = None  # the hidden states' bytes, flat (None: the item had no hidden states)
     dtype: torch.dtype | None = None  # the hidden states' dtype and shape (None: the item had no hidden states)
     shape: tuple[int, ...] | None = None
+    rows: tuple[HiddenRows, int] | None = None  # `raw` as a row of the frame's steps of this dtype and shape, if two+
     _tensor: torch.Tensor | None = None
 
     @property
@@ -124,10 +126,14 @@ def parse_steps(payload: memoryview) -> list[ParsedStep | BadStep]:
         out.append(step)
     for (code, shape), members in groups.items():
         dtype = _DTYPES[code]
-        for (index, _, _), raw in zip(members, _copy_group(code, shape, members), strict=True):
+        copy, views = _copy_group(code, shape, members)
+        rows = HiddenRows(copy, dtype, shape, len(members)) if len(members) > 1 else None
+        for k, ((index, _, _), raw) in enumerate(zip(members, views, strict=True)):
             parsed = out[index]
             assert isinstance(parsed, ParsedStep)
             parsed.raw, parsed.dtype, parsed.shape = raw, dtype, shape
+            if rows is not None:
+                parsed.rows = (rows, k)
     return out
 
 
@@ -136,7 +142,7 @@ def parse_step(request_id: int, payload: memoryview) -> ParsedStep:
     step, hidden_at = _parse_item(request_id, payload)
     if hidden_at is not None:
         code, shape, offset = hidden_at
-        step.raw, step.dtype, step.shape = _copy_group(code, shape, [(0, payload, offset)])[0], _DTYPES[code], shape
+        step.raw, step.dtype, step.shape = _copy_group(code, shape, [(0, payload, offset)])[1][0], _DTYPES[code], shape
     return step
 
 
@@ -187,17 +193,20 @@ def _record(item: memoryview, offset: int) -> tuple[tuple[int, tuple[int, ...], 
     return (code, shape, start), start + nbytes
 
 
-def _copy_group(code: int, shape: tuple[int, ...], members: list[tuple[int, memoryview, int]]) -> list[memoryview]:
-    """One writable copy of the group's hidden states (bounds checked by `_record`), [n, *shape], and each one's
-    bytes in it (flat memoryviews, empty for zero elements): no torch call."""
+def _copy_group(
+    code: int, shape: tuple[int, ...], members: list[tuple[int, memoryview, int]]
+) -> tuple[memoryview, list[memoryview]]:
+    """One writable copy of the group's hidden states (bounds checked by `_record`), [n, *shape], flat, and each
+    one's bytes in it (flat memoryviews, empty for zero elements): no torch call."""
     nbytes = _ITEM_BYTES[code]
     for dim in shape:
         nbytes *= dim
     if len(members) == 1:  # a lone step (most frames under light load): its own copy
         _, item, offset = members[0]
-        return [memoryview(bytearray(item[offset : offset + nbytes]))]
+        data = memoryview(bytearray(item[offset : offset + nbytes]))
+        return data, [data]
     data = memoryview(bytearray().join([item[offset : offset + nbytes] for _, item, offset in members]))  # one copy
-    return [data[i * nbytes : (i + 1) * nbytes] for i in range(len(members))]
+    return data, [data[i * nbytes : (i + 1) * nbytes] for i in range(len(members))]
 
 
 def reply_frames(
