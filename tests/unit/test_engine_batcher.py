@@ -352,3 +352,38 @@ def test_a_merged_batch_of_distinct_sessions_runs_in_one_decode_call(monkeypatch
     assert isinstance(results[0], RuntimeError) and isinstance(results[1], ValueError)
     for s in sessions:
         s.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_forwards_outputs_carry_their_bytes_for_the_replies(dtype: torch.dtype) -> None:
+    # the eager/CPU decode's outputs are consecutive rows of one buffer: each request gets its rows' bytes (what a
+    # launched forward's collection gives), so that its reply needs no torch call; any other layout gets none
+    from corolla.engine.batcher import attach_output_bytes
+
+    engine = make_engine(num_layers=1)
+    sessions = [engine.open_session(b, 64) for b in (1, 2, 1)]
+    requests = [StepRequest(s, torch.randn(s.batch_size, 1, H), 0) for s in sessions]
+    outs = execute_steps(engine, requests)
+    for req, out in zip(requests, outs, strict=True):
+        assert isinstance(out, torch.Tensor) and req.output_bytes is not None
+        assert bytes(req.output_bytes) == out.numpy().tobytes()
+    out = torch.randn(5, 1, H).to(dtype)
+    pieces = list(out.split([1, 2, 2]))
+    reqs = [StepRequest(sessions[0], torch.randn(b, 1, H), 1) for b in (1, 2, 2)]  # [B_i, 1, H] as the pieces
+    attach_output_bytes(reqs, pieces)
+    words = out.view(torch.int16) if dtype == torch.bfloat16 else out
+    for req, piece in zip(reqs, pieces, strict=True):
+        ref = piece.view(torch.int16) if dtype == torch.bfloat16 else piece
+        assert req.output_bytes is not None and bytes(req.output_bytes) == ref.numpy().tobytes()
+    words[0, 0, 0] = 7  # the bytes are the output's memory, not a copy
+    assert bytes(reqs[0].output_bytes[: words.element_size()]) == words[0, 0, :1].numpy().tobytes()
+    for layout in ([pieces[1], pieces[0], pieces[2]], [pieces[0], pieces[1].clone(), pieces[2]],
+                   [pieces[0], out.view(5, H)[1:3].t(), pieces[2]]):  # fmt: skip  # moved, copied, strided
+        fresh = [StepRequest(sessions[0], torch.randn(b, 1, H), 1) for b in (1, 2, 2)]
+        attach_output_bytes(fresh, layout)
+        assert all(req.output_bytes is None for req in fresh)
+    rows_disagree = [StepRequest(sessions[0], torch.randn(1, 1, H), 1) for _ in range(3)]  # 1 row each
+    attach_output_bytes(rows_disagree, pieces)
+    assert all(req.output_bytes is None for req in rows_disagree)
+    for s in sessions:
+        s.close()

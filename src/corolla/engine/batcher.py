@@ -101,10 +101,46 @@ def _one_forward(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[to
     except Exception as e:  # a device failure fails the decode steps only
         logger.warning(f"batcher.decode_failed(steps={len(valid)}, error={e!r})")
         return [e if error is None else error for error in errors]
+    attach_output_bytes(valid, outs)
     if len(valid) == len(requests):
         return list(outs)
     it = iter(outs)
     return [next(it) if error is None else error for error in errors]
+
+
+def attach_output_bytes(requests: Sequence[StepRequest], outs: Sequence[torch.Tensor]) -> None:
+    """Sets each request's `output_bytes` where the outputs are consecutive rows of one contiguous CPU buffer in
+    request order (a merged forward's output split per request, as the eager/CPU decode returns it): one view of
+    the buffer's bytes, sliced per request, so that its reply is encoded without a torch call per step, as a
+    launched forward's is (`PendingSteps.wait`). Checked per output (address, contiguity, size) and against the
+    buffer's end; any other layout sets nothing (the reply reads the tensor)."""
+    if not outs or len(outs) != len(requests):
+        return
+    first = outs[0]
+    if not first.is_cpu or first.dtype not in _BYTE_DTYPES or first.ndim != 3:
+        return
+    dtype = first.dtype
+    row_bytes = first.shape[2] * first.element_size()  # one token of one sequence: H elements
+    start = first.data_ptr()
+    offsets = [0]  # each output's bytes from `start`: its request's [B, T, H], as the reply's record will say
+    for req, out in zip(requests, outs, strict=True):
+        if out.data_ptr() != start + offsets[-1] or not out.is_contiguous() or out.dtype != dtype:
+            return
+        offsets.append(offsets[-1] + req.rows * req.num_tokens * row_bytes)
+    storage = first.untyped_storage()
+    if start + offsets[-1] > storage.data_ptr() + storage.nbytes():
+        return  # past the buffer: not one merged output
+    itemsize = first.element_size()
+    flat = first.detach().as_strided((offsets[-1] // itemsize,), (1,), first.storage_offset())  # all their elements
+    if dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)  # numpy lacks bfloat16: its 16-bit words
+    data = flat.numpy().data.cast("B")
+    for i, req in enumerate(requests):
+        req.output_bytes = data[offsets[i] : offsets[i + 1]]  # a reply checks this length against its record
+
+
+# dtypes whose bytes numpy reads (bfloat16 as int16 words)
+_BYTE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 
 
 StepResult = torch.Tensor | BaseException  # one request's output [B, T, H], or what failed it alone
