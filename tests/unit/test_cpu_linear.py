@@ -196,3 +196,12 @@ def test_cpu_linear_table_times_every_formulation(capsys: pytest.CaptureFixture[
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "| formulation | M=1 | M=3 |"
     assert {line.split(" | ")[0] for line in lines[3:]} == {f"| {n}" for n in [*RUNNABLE, "tuned"]}
+
+
+def test_users_bench_takes_the_cpu_linear_mode() -> None:
+    from corolla.bench.users_report import parse_args
+
+    assert parse_args(["--cpu"]).cpu_linear == "tuned"
+    assert parse_args(["--cpu", "--cpu_linear", "off"]).cpu_linear == "off"
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu", "--cpu_linear", "fastest"])

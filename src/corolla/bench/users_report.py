@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -197,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         del executor
     where = f"{_gpu_name()}, bfloat16"
     if args.cpu:
-        where = f"CPU ({torch.get_num_threads()} torch threads, projections: cpu_linear {args.cpu_linear}), float32"
+        wait_policy = os.environ.get("OMP_WAIT_POLICY", "unset: libgomp spins")
+        where = (
+            f"CPU ({torch.get_num_threads()} torch threads, OMP_WAIT_POLICY {wait_policy}, projections: cpu_linear "
+            f"{args.cpu_linear}), float32"
+        )
     notes = [
         f"{where}, span of {shape.num_layers} Llama layers, hidden "
         f"{shape.hidden_size}, MLP {shape.intermediate_size}: {params / 1e6:.0f}M parameters; prefix "
