@@ -45,7 +45,7 @@ class _FrameSteps:
     """A frame's decode steps of the fast path, as columns (no record per step): request ids, tickets, the prepared
     steps and their requests, and their tokens in all."""
 
-    __slots__ = ("request_ids", "tickets", "prepared", "requests", "tokens")
+    __slots__ = ("request_ids", "tickets", "prepared", "requests", "tokens", "mixed_keys")
 
     def __init__(self) -> None:
         self.request_ids: list[int] = []
@@ -53,8 +53,11 @@ class _FrameSteps:
         self.prepared: list[PreparedStep] = []
         self.requests: list[StepRequest] = []
         self.tokens = 0
+        self.mixed_keys = False  # some step's merge key differs from the first's
 
     def add(self, request_id: int, ticket: SessionTicket | None, prepared: PreparedStep, request: StepRequest) -> None:
+        if self.prepared and prepared.merge_key != self.prepared[0].merge_key:
+            self.mixed_keys = True
         self.request_ids.append(request_id)
         self.tickets.append(ticket)
         self.prepared.append(prepared)
@@ -67,6 +70,7 @@ class _FrameSteps:
         part.request_ids, part.tickets = self.request_ids[start:end], self.tickets[start:end]
         part.prepared, part.requests = self.prepared[start:end], self.requests[start:end]
         part.tokens = sum(p.size_tokens for p in part.prepared)
+        part.mixed_keys = any(p.merge_key != part.prepared[0].merge_key for p in part.prepared)
         return part
 
 
@@ -106,11 +110,19 @@ class FrameIntake:
         runtime = self.executor.runtime
         queued_at = time.perf_counter()
         may_run_alone = self.admission.num_open <= 1  # alone in all processes (read once per frame)
+        held, prepare_step = self._held, self.executor.prepare_step
         for step in steps:
             try:
                 if isinstance(step, BadStep):
                     raise step.error
-                ticket, prepared, num_tokens = self._prepare(step, may_run_alone)
+                shape, dtype = step.shape, step.dtype
+                if shape is None or dtype is None or len(shape) != 3:
+                    raise wire.FrameError("a step needs hidden states [B, T, H]")
+                cache, ticket = held(step.handle)
+                # the hidden states as their bytes (no tensor unless the executor needs one: `StepInputs.tensor`)
+                prepared = prepare_step(cache, StepInputs(None, step.prefix_length, step.prompts, step.hypo_ids,
+                                                          step.adapter, step.lone and may_run_alone, step.raw,
+                                                          (dtype, shape), step.rows))  # fmt: skip
                 request = prepared.payload
                 if (
                     not prepared.inline
@@ -120,7 +132,7 @@ class FrameIntake:
                 ):
                     frame.add(step.request_id, ticket, prepared, request)
                     continue
-                entry = _Entry(step.request_id, ticket, num_tokens, prepared.observe,
+                entry = _Entry(step.request_id, ticket, shape[0] * shape[1], prepared.observe,
                                request if isinstance(request, StepRequest) else None)  # fmt: skip
                 if prepared.inline:  # a lone session: may run right here on an idle runtime
                     runtime.submit_callback(
@@ -151,24 +163,13 @@ class FrameIntake:
             self._flush()
         return len(steps)
 
-    def _prepare(self, step: ParsedStep, may_run_alone: bool) -> tuple[SessionTicket | None, PreparedStep, int]:
-        """The step prepared by the executor, its session's ticket and its tokens (B x T)."""
-        shape, dtype = step.shape, step.dtype
-        if shape is None or dtype is None or len(shape) != 3:
-            raise wire.FrameError("a step needs hidden states [B, T, H]")
-        cache, ticket = self._held(step.handle)
-        # the hidden states as their bytes (no tensor unless the executor needs one: `StepInputs.tensor`)
-        inputs = StepInputs(None, step.prefix_length, step.prompts, step.hypo_ids, step.adapter,
-                            step.lone and may_run_alone, step.raw, (dtype, shape), step.rows)  # fmt: skip
-        return ticket, self.executor.prepare_step(cache, inputs), shape[0] * shape[1]
-
     def _frame_tasks(self, frame: _FrameSteps, queued_at: float) -> list[Task]:
         """The frame's decode steps in as few tasks as fit one merged forward each (in order): one task for the
         usual frame (one merge key, within the limit), else split where the limit or the merge key says."""
         first = frame.prepared[0]
         limit = self.executor.runtime.merge_limit(first.kind)
         n = len(frame.request_ids)
-        if frame.tokens <= limit and all(p.merge_key == first.merge_key for p in frame.prepared):
+        if frame.tokens <= limit and not frame.mixed_keys:
             return [self._group_task(frame, 0, n, frame.tokens, queued_at)]
         tasks: list[Task] = []
         start, tokens = 0, 0
