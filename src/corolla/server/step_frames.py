@@ -10,7 +10,10 @@ by `proxy_wire.Reader`.
 
 `reply_frames` builds exactly what `proxy_wire.batch_frames(items, REPLY_BATCH, max_frame_bytes, head=state)`
 builds for a list of step results (same grouping, same bounds), from a cached per-(dtype, shape) record header and
-the outputs' bytes (one `torch.cat` per group of equal shapes, sliced), joined once per frame."""
+the outputs' bytes (given with the results where a forward collected them, else read in place or copied by one
+`torch.cat` per group of equal shapes), joined once per frame; a merged forward's usual list (one dtype and shape,
+no refusal) takes one pack per item (`_uniform_frames`). A frame's hidden states of one dtype and shape share one
+copy (`engine.step_request.HiddenRows`: one tensor for all of them where the engine needs tensors)."""
 
 from __future__ import annotations
 
