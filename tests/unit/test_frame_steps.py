@@ -380,3 +380,22 @@ def test_pushes_short_of_what_the_runtime_waits_for_do_not_wake_it() -> None:
     queue.push(task(1))  # nobody waits for a count: any push notifies
     assert queue.num_wakeups == 2
     assert len(queue.pop_batch(max_batch_tokens=100, mergeable_kinds=(), timeout_s=0)) == 1
+
+
+@pytest.mark.parametrize("shape", [(1, 1, H), (2, 3, H)])
+def test_a_request_of_bytes_is_the_request_the_constructor_builds(shape: tuple[int, int, int]) -> None:
+    import dataclasses
+
+    from corolla.engine.step_request import HiddenRows
+
+    data = memoryview(bytearray(2 * shape[0] * shape[1] * H * 4))
+    raw = data[: len(data) // 2]
+    rows = (HiddenRows(data, torch.float32, shape, 2), 0)
+    session = object()
+    for hidden_rows in (None, rows):
+        fast = StepRequest.of_bytes(session, 5, raw, torch.float32, shape, hidden_rows)  # type: ignore[arg-type]
+        ref = StepRequest(session, None, 5, hidden_bytes=raw, hidden_dtype=torch.float32, hidden_shape=shape,  # type: ignore[arg-type]
+                          hidden_rows=hidden_rows)  # fmt: skip
+        for f in dataclasses.fields(StepRequest):  # every field, those added later included
+            assert getattr(fast, f.name) == getattr(ref, f.name), f.name
+        assert torch.equal(fast.hidden, ref.hidden)

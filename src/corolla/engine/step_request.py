@@ -90,6 +90,29 @@ class StepRequest:
         self.needs_prompts = p is not None and p.numel() > 0 and p.ndim == 4 and self.position < p.shape[2]
         self.is_decode = self.num_tokens == 1 and not self.needs_prompts
 
+    @classmethod
+    def of_bytes(
+        cls,
+        session: EngineSession,
+        position: int,
+        raw: memoryview,
+        dtype: torch.dtype,
+        shape: tuple[int, int, int],
+        rows: tuple[HiddenRows, int] | None = None,
+    ) -> StepRequest:
+        """A step given only as its hidden states' bytes [B, T, H] (a device channel's usual step: neither beam ids
+        nor prompts): what `StepRequest(session, None, position, hidden_bytes=raw, hidden_dtype=dtype,
+        hidden_shape=shape, hidden_rows=rows)` builds, every field set at once instead of through the dataclass init
+        and `__post_init__` (built per decode step in the reader thread)."""
+        req = object.__new__(cls)
+        req.session, req.hidden_tensor, req.position, req.hypo_ids, req.prompts = session, None, position, None, None
+        req.hidden_bytes, req.hidden_dtype, req.hidden_shape, req.hidden_rows = raw, dtype, shape, rows
+        req.shape, req.dtype, req.on_cpu = shape, dtype, True
+        req.rows, req.num_tokens, req.needs_prompts = shape[0], shape[1], False
+        req.is_decode = shape[1] == 1
+        req.output_bytes, req.inputs_checked = None, False
+        return req
+
     @property
     def hidden(self) -> torch.Tensor:
         """The hidden states [B, T, H] (built from `hidden_bytes` on first use where no tensor was given; call after

@@ -176,11 +176,17 @@ class FastExecutor:
         own = self._own(cache)
         self.engine.bind_adapter(own.session, inputs.adapter)  # ValueError: unknown, or not the session's adapter
         meta = inputs.hidden_meta  # (dtype, [B, T, H]) of `hidden_bytes` where no tensor was built
-        request = StepRequest(
-            own.session, inputs.hidden_states, inputs.prefix_length, inputs.hypo_ids, inputs.prompts,
-            inputs.hidden_bytes, None if meta is None else meta[0], None if meta is None else meta[1],
-            inputs.hidden_rows,
-        )  # fmt: skip
+        raw = inputs.hidden_bytes
+        if (inputs.hidden_states is None and raw is not None and meta is not None and len(meta[1]) == 3
+                and inputs.hypo_ids is None and inputs.prompts is None):  # fmt: skip
+            # a device channel's usual step: its bytes only (the cheaper constructor, the same request)
+            request = StepRequest.of_bytes(own.session, inputs.prefix_length, raw, meta[0], meta[1],
+                                           inputs.hidden_rows)  # fmt: skip
+        else:
+            request = StepRequest(
+                own.session, inputs.hidden_states, inputs.prefix_length, inputs.hypo_ids, inputs.prompts, raw,
+                None if meta is None else meta[0], None if meta is None else meta[1], inputs.hidden_rows,
+            )  # fmt: skip
         # ValueError (refused here, before it is queued) for inputs this engine can't run; the device thread then
         # checks only the session's state (`SpanEngine.validate`)
         self.engine.check_inputs(request)
