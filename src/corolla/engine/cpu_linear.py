@@ -80,15 +80,18 @@ class CpuLinearConfig:
     """How the CPU projections are chosen at warm-up. `bucket_rows`: the top of each row bucket (a bucket serves
     rows above the previous top up to its own; each is timed at its top); inputs above the last bucket (prefill)
     run `linear`. `bytes_timed`: one timing streams the first layers' weights of a shape until this many bytes
-    (or all layers): distinct weights past the last-level cache, so no cache flatters a candidate. `reps`: timed passes per candidate, candidates alternated, the fastest pass kept
-    (robust to other processes on the same cores). Warm-up cost ~ (1 + reps) x candidates x sum over buckets of
-    one pass: ~2-4 s for the 159M CPU span on 2 cores (logged as `cpu_linear.tuned(seconds=...)`)."""
+    (or all layers): distinct weights past the last-level cache, so no cache flatters a candidate. `reps`: timed
+    passes per candidate, candidates alternated, the fastest pass kept (robust to other processes on the same
+    cores). Warm-up cost: (1 + reps) x candidates x buckets passes over about `bytes_timed` of each shape's weights
+    (one layer's at least), so it does not grow with the number of layers: ~2-4 s for the 159M CPU span on a quiet
+    2-core VM, 10-18 s with another process busy on one of the cores and libgomp spinning (logged as
+    `cpu_linear.tuned(seconds=...)`; `enabled=False` skips it)."""
 
     enabled: bool = True
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     bucket_rows: tuple[int, ...] = (1, 4, 16, 64)
     reps: int = 3
-    bytes_timed: int = 64 << 20
+    bytes_timed: int = 40 << 20  # past a 32 MiB last-level cache
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.candidates if c not in KERNELS]
