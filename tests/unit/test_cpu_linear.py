@@ -77,6 +77,39 @@ def test_pick_and_tune_keep_the_fastest_per_shape_and_bucket() -> None:
     assert report[((6, 8, False, True), 16)]["all_ms"]["onednn"] == pytest.approx(4.02)
 
 
+def test_a_candidate_the_library_refuses_is_dropped_not_fatal() -> None:
+    # oneDNN refuses 16-bit inner products on CPUs without AVX-512/AVX-NE-CONVERT (this dev VM): warm-up must go on
+    def time_fn(name: str, kernel: Kernel, items, x: torch.Tensor, res: torch.Tensor | None) -> float:
+        if name == "onednn":
+            raise RuntimeError("could not create a primitive descriptor for the inner product forward propagation")
+        return {"linear": 2.0, "transposed": 1.0}[name]
+
+    slots = {(6, 8, False, False): [(torch.zeros(6, 8), None)]}
+    config = CpuLinearConfig(candidates=("linear", "transposed", "onednn"), bucket_rows=(1, 4), reps=2)
+    choices, report = tune(slots, config, time_fn=time_fn)
+    assert set(choices.chosen.values()) == {"transposed"}
+    assert all("onednn" not in entry["all_ms"] for entry in report.values())
+
+    def refuse_all(name, kernel, items, x, res) -> float:
+        raise RuntimeError("refused")
+
+    choices, report = tune(slots, config, time_fn=refuse_all)
+    assert choices.chosen == {} and choices.kernel(1, 6, 8, False, False) is None  # F.linear serves, as before
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_weights_tune_and_compute_linear(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32, dtype=dtype), torch.randn(48, dtype=dtype)
+    choices, _ = tune({(48, 32, True, True): [(w, b)]}, CpuLinearConfig(bucket_rows=(1, 4), reps=1))
+    for rows in (1, 4):
+        x, res = torch.randn(rows, 32, dtype=dtype), torch.randn(rows, 48, dtype=dtype)
+        kernel = choices.kernel(rows, 48, 32, True, True)
+        assert kernel is not None
+        ref = torch.addmm(res.float(), x.float(), w.float().t()) + b.float()
+        torch.testing.assert_close(kernel(x, w, b, res).float(), ref, atol=0.25, rtol=0.05)
+
+
 def test_timed_layers_stream_past_the_byte_floor() -> None:
     layers = [(torch.zeros(4, 4), None) for _ in range(5)]  # 64 bytes each
     seen: list[int] = []

@@ -160,6 +160,23 @@ def _timed_layers(
     return layers
 
 
+def _runs(
+    name: str,
+    time_fn: TimeFn,
+    items: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> bool:
+    """One untimed pass of candidate `name` (library warm-up, first touch); False, logged, where the library
+    refuses these inputs (e.g. oneDNN's 16-bit inner product on a CPU without AVX-512 or AVX-NE-CONVERT)."""
+    try:
+        time_fn(name, KERNELS[name], items, x, residual)
+    except RuntimeError as e:  # torch's refusals (NotImplementedError included) for this dtype, shape or CPU
+        logger.warning(f"cpu_linear.candidate_refused(candidate={name}, dtype={x.dtype}, error={str(e)[:120]!r})")
+        return False
+    return True
+
+
 @torch.inference_mode()
 def tune(
     slots: dict[SlotKey, list[tuple[torch.Tensor, torch.Tensor | None]]],
@@ -187,12 +204,13 @@ def tune(
         for bucket in config.bucket_rows:
             x = torch.randn(bucket, k, dtype=dtype)  # [M, K]
             res = torch.randn(bucket, n, dtype=dtype) if has_res else None  # [M, N]
-            best_ms = {c: float("inf") for c in names}
-            for rep in range(1 + config.reps):
-                for c in names:
-                    ms = time_fn(c, KERNELS[c], items, x, res)
-                    if rep > 0:
-                        best_ms[c] = min(best_ms[c], ms)
+            runnable = [c for c in names if _runs(c, time_fn, items, x, res)]  # the untimed first pass
+            if not runnable:
+                continue  # nothing chosen: `linear` serves the bucket as before
+            best_ms = {c: float("inf") for c in runnable}
+            for _ in range(config.reps):
+                for c in runnable:
+                    best_ms[c] = min(best_ms[c], time_fn(c, KERNELS[c], items, x, res))
             best = pick(best_ms)
             chosen[(key, bucket)] = best
             report[(key, bucket)] = {"best": best, "all_ms": best_ms}
