@@ -8,7 +8,8 @@ model's forward (`FastLlamaSpan.decode`) is timed apart and left out; the figure
 least disturbed by other work on a shared machine), for before/after pairs of device-side changes.
 
 Run: `python -m corolla.bench.device_inline --sessions 64 --rounds 60`; against another tree's code, run this file
-by path with that tree first on PYTHONPATH."""
+by path with that tree first on PYTHONPATH (a tree whose `bench.device_steps` has `ForwardClock` and
+`tiny_fast_executor`, which both benches share)."""
 
 from __future__ import annotations
 
@@ -47,33 +48,17 @@ class DeviceInlineResult:
 
 
 def run(cfg: DeviceInlineConfig) -> DeviceInlineResult:
-    from corolla.bench.model import ModelShape
-    from corolla.bench.multi_user import build_executor
-    from corolla.engine.fast_llama import FastLlamaSpan
+    from corolla.bench.device_steps import ForwardClock, tiny_fast_executor
     from corolla.server import step_frames
     from corolla.server.admission import SessionAdmission, SessionTicket
     from corolla.server.executor import SessionCache, SessionSpec
-    from corolla.server.fast_executor import FastExecutor, FastSessionCache
+    from corolla.server.fast_executor import FastSessionCache
     from corolla.server.frame_steps import FrameIntake, StepReply
     from corolla.server.limits import PeerLimits
 
-    torch.set_num_threads(1)
     h = cfg.hidden_size
-    shape = ModelShape(hidden_size=h, num_layers=cfg.num_layers, num_heads=4, num_kv_heads=2, intermediate_size=2 * h)
-    executor = build_executor(shape, torch.float32, torch.device("cpu"), num_layers=cfg.num_layers,
-                              serving_path="fast", cache_bytes=cfg.cache_mib << 20)  # fmt: skip
-    if not isinstance(executor, FastExecutor):
-        raise TypeError("device_inline measures the fast executor")
+    executor = tiny_fast_executor(h, cfg.num_layers, cfg.cache_mib)
     runtime, engine = executor.runtime, executor.engine
-    forward_s = [0.0]
-    decode = FastLlamaSpan.decode
-
-    def timed_decode(self: FastLlamaSpan, *args: object, **kwargs: object) -> torch.Tensor:
-        started = time.thread_time()
-        try:
-            return decode(self, *args, **kwargs)  # type: ignore[arg-type]
-        finally:
-            forward_s[0] += time.thread_time() - started
 
     head = bytes(24)  # the device's state in every reply (three u64)
 
@@ -103,8 +88,7 @@ def run(cfg: DeviceInlineConfig) -> DeviceInlineResult:
     token = torch.randn(1, 1, h)  # [1, 1, H]
     steps = cfg.sessions * cfg.rounds
     best: tuple[float, float] | None = None
-    FastLlamaSpan.decode = timed_decode  # type: ignore[method-assign]
-    try:
+    with ForwardClock() as clock:  # the forward runs on this thread only
         for _ in range(cfg.repeats):
             for channel in channels:
                 for cache, _ in channel.caches.values():
@@ -118,7 +102,7 @@ def run(cfg: DeviceInlineConfig) -> DeviceInlineResult:
                 channels[i % cfg.channels].caches[i + 1] = (FastSessionCache(spec, session), None)
             frames = [[(intake, _frame(channel.caches, token, cfg.prefix_tokens + r))
                        for channel, intake in zip(channels, intakes, strict=True)] for r in range(cfg.rounds)]  # fmt: skip
-            forward_s[0] = 0.0
+            clock.seconds = 0.0
             started = time.thread_time()
             for round_frames in frames:
                 for intake, payload in round_frames:
@@ -132,11 +116,9 @@ def run(cfg: DeviceInlineConfig) -> DeviceInlineResult:
                         break
                     runtime._complete(batch, runtime._execute(batch))
             elapsed_s = time.thread_time() - started
-            non_forward = (elapsed_s - forward_s[0]) / steps * 1e6
+            non_forward = (elapsed_s - clock.seconds) / steps * 1e6
             if best is None or non_forward < best[0]:
-                best = (non_forward, forward_s[0] / steps * 1e6)
-    finally:
-        FastLlamaSpan.decode = decode  # type: ignore[method-assign]
+                best = (non_forward, clock.seconds / steps * 1e6)
     refused = sum(c.refused for c in channels)
     if refused:
         raise RuntimeError(f"{refused} steps refused: the measure would not be of served steps")

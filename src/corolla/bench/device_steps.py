@@ -21,12 +21,17 @@ import multiprocessing as mp
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from corolla.server import proxy_wire as wire
 from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from corolla.server.fast_executor import FastExecutor
 
 logger = get_logger(__name__)
 
@@ -129,32 +134,66 @@ class _Frames:
                 waiting.discard(rid)
 
 
-def run(cfg: DeviceStepsConfig) -> DeviceStepsResult:
+class ForwardClock:
+    """While entered, `FastLlamaSpan.decode` (the model's forward) adds each call's thread CPU time to `seconds`:
+    only calls on the thread `ident` once it is set, any thread's while it is None. The benches of the device
+    process's per-step work time the forward apart, since on the CPU it is the tiny model's compute that a GPU
+    would run as a graph replay."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.ident: int | None = None
+        self._decode: Callable[..., torch.Tensor] | None = None
+
+    def __enter__(self) -> ForwardClock:
+        from corolla.engine.fast_llama import FastLlamaSpan
+
+        decode = self._decode = FastLlamaSpan.decode
+        clock = self
+
+        def timed_decode(span: FastLlamaSpan, *args: object, **kwargs: object) -> torch.Tensor:
+            started = time.thread_time()
+            try:
+                return decode(span, *args, **kwargs)  # type: ignore[arg-type]
+            finally:
+                if clock.ident is None or threading.get_ident() == clock.ident:
+                    clock.seconds += time.thread_time() - started
+
+        FastLlamaSpan.decode = timed_decode  # type: ignore[assignment,method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from corolla.engine.fast_llama import FastLlamaSpan
+
+        FastLlamaSpan.decode = self._decode  # type: ignore[assignment,method-assign]
+
+
+def tiny_fast_executor(hidden_size: int, num_layers: int, cache_mib: int) -> FastExecutor:
+    """The fast executor of a tiny random float32 Llama span on the CPU (4 heads, 2 KV heads, MLP 2 x hidden),
+    one torch thread: the device side the per-step benches drive."""
     from corolla.bench.model import ModelShape
     from corolla.bench.multi_user import build_executor
-    from corolla.engine.fast_llama import FastLlamaSpan
+    from corolla.server.fast_executor import FastExecutor
+
+    torch.set_num_threads(1)
+    shape = ModelShape(hidden_size=hidden_size, num_layers=num_layers, num_heads=4, num_kv_heads=2,
+                       intermediate_size=2 * hidden_size)  # fmt: skip
+    executor = build_executor(shape, torch.float32, torch.device("cpu"), num_layers=num_layers,
+                              serving_path="fast", cache_bytes=cache_mib << 20)  # fmt: skip
+    if not isinstance(executor, FastExecutor):
+        raise TypeError("the per-step benches measure the fast executor")
+    return executor
+
+
+def run(cfg: DeviceStepsConfig) -> DeviceStepsResult:
     from corolla.server.admission import SessionAdmission
     from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
     from corolla.server.fast_executor import KIND_ENGINE_INFERENCE
     from corolla.server.limits import PeerLimits
 
-    torch.set_num_threads(1)
-    shape = ModelShape(hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=4, num_kv_heads=2,
-                       intermediate_size=2 * cfg.hidden_size)  # fmt: skip
-    executor = build_executor(shape, torch.float32, torch.device("cpu"), num_layers=cfg.num_layers,
-                              serving_path="fast", cache_bytes=cfg.cache_mib << 20)  # fmt: skip
-    forward_s = [0.0]
-    runtime_ident: list[int | None] = [None]
-    decode = FastLlamaSpan.decode
-
-    def timed_decode(self: FastLlamaSpan, *args: object, **kwargs: object) -> torch.Tensor:
-        started = time.thread_time()
-        try:
-            return decode(self, *args, **kwargs)  # type: ignore[arg-type]
-        finally:
-            if threading.get_ident() == runtime_ident[0]:
-                forward_s[0] += time.thread_time() - started
-
+    executor = tiny_fast_executor(cfg.hidden_size, cfg.num_layers, cfg.cache_mib)
+    clock = ForwardClock()
+    clock.ident = -1  # no thread's forward counts until the runtime thread is known
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(cfg.channels + 1)
     pairs = [socket.socketpair() for _ in range(cfg.channels)]
@@ -165,13 +204,13 @@ def run(cfg: DeviceStepsConfig) -> DeviceStepsResult:
         process.start()
     for _, handler_end in pairs:
         handler_end.close()
-    FastLlamaSpan.decode = timed_decode  # type: ignore[method-assign]
+    clock.__enter__()
     loop = asyncio.new_event_loop()
     loop_thread = threading.Thread(target=loop.run_forever, name="device-steps-loop", daemon=True)
     runtime = executor.runtime
     try:
         with runtime:
-            runtime_ident[0] = runtime.thread.ident if runtime.thread is not None else None
+            clock.ident = runtime.thread.ident if runtime.thread is not None else -1
             loop_thread.start()
             admission = SessionAdmission(PeerLimits(), executor)
             router = PushRouter(DeviceSessionRegistry())
@@ -182,15 +221,15 @@ def run(cfg: DeviceStepsConfig) -> DeviceStepsResult:
             ]  # fmt: skip
             serving = [asyncio.run_coroutine_threadsafe(c.serve(), loop) for c in channels]
             barrier.wait(cfg.timeout_s)  # every session opened and prefilled
-            before = _sample(runtime.thread), forward_s[0], runtime.stats().get(KIND_ENGINE_INFERENCE)
+            before = _sample(runtime.thread), clock.seconds, runtime.stats().get(KIND_ENGINE_INFERENCE)
             started = time.monotonic()
             barrier.wait(cfg.timeout_s)  # every decode round answered
             wall_s = time.monotonic() - started
-            after = _sample(runtime.thread), forward_s[0], runtime.stats().get(KIND_ENGINE_INFERENCE)
+            after = _sample(runtime.thread), clock.seconds, runtime.stats().get(KIND_ENGINE_INFERENCE)
             for future in serving:
                 future.result(cfg.timeout_s)
     finally:
-        FastLlamaSpan.decode = decode  # type: ignore[method-assign]
+        clock.__exit__()
         loop.call_soon_threadsafe(loop.stop)
         loop_thread.join(10)
         for process in handlers:
