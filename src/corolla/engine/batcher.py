@@ -26,9 +26,6 @@ def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[t
     """Runs a set of step requests with as much merging as is correct and returns one result per request, in order
     (a `ValueError` instance for an invalid request, without affecting the others). Single-token steps of distinct
     sessions share one batched forward; a session's later steps in the same set run in later rounds, in order."""
-    merged = _one_forward(engine, requests)
-    if merged is not None:
-        return merged
     results: list[torch.Tensor | BaseException | None] = [None] * len(requests)
     remaining = list(range(len(requests)))
     while remaining:
@@ -53,9 +50,11 @@ def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[t
             by_layers.setdefault(requests[i].session.layers, []).append(i)
         for group in by_layers.values():
             try:
-                outs = engine.decode_many([requests[i] for i in group], validated=True)
+                grouped = [requests[i] for i in group]
+                outs = engine.decode_many(grouped, validated=True)
                 for i, out in zip(group, outs, strict=True):
                     results[i] = out
+                attach_output_bytes(grouped, outs)  # CPU outputs: their replies encoded from bytes
             except Exception as e:  # a device failure fails this group's decode steps only
                 logger.warning(f"batcher.decode_failed(steps={len(group)}, error={e!r})")
                 for i in group:
@@ -68,44 +67,6 @@ def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[t
                 results[i] = e
         remaining = later
     return results  # type: ignore[return-value]
-
-
-def _one_forward(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[torch.Tensor | BaseException] | None:
-    """`execute_steps` in one pass where every request is a decode step of a session of its own over one layer
-    range (a merged batch of device channel frames: one round, one `decode_many`), or None (nothing done) for any
-    other set. Each request is validated once, as the general rounds do; an invalid one gets its `ValueError`."""
-    if not requests:
-        return []
-    layers = requests[0].session.layers
-    errors: list[ValueError | None] = []  # per request: what refused it, None for a step of the forward
-    valid: list[StepRequest] = []
-    validate = engine.validate
-    for req in requests:
-        if not req.is_decode or req.session.layers != layers:
-            return None
-        try:
-            validate(req)
-        except ValueError as e:
-            errors.append(e)
-            continue
-        errors.append(None)
-        valid.append(req)
-    if len({id(req.session) for req in requests}) != len(requests):
-        return None  # a session's second step runs in a later round (the general path)
-    if not valid:
-        return [error for error in errors if error is not None]  # every one refused
-    try:
-        outs = engine.decode_many(valid, validated=True)
-        if len(outs) != len(valid):
-            raise RuntimeError(f"decode_many returned {len(outs)} outputs for {len(valid)} steps")
-    except Exception as e:  # a device failure fails the decode steps only
-        logger.warning(f"batcher.decode_failed(steps={len(valid)}, error={e!r})")
-        return [e if error is None else error for error in errors]
-    attach_output_bytes(valid, outs)
-    if len(valid) == len(requests):
-        return list(outs)
-    it = iter(outs)
-    return [next(it) if error is None else error for error in errors]
 
 
 def attach_output_bytes(requests: Sequence[StepRequest], outs: Sequence[torch.Tensor]) -> None:
