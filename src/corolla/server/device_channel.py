@@ -276,10 +276,9 @@ class DeviceChannel:
     # ---- steps (reader thread -> runtime -> runtime thread)
 
     def _held_cache(self, handle: int) -> tuple[SessionCache, SessionTicket | None]:
-        """An open session's cache and ticket (`_held`'s check, in one call per step)."""
-        held = self.sessions.get(handle)
-        if held is None or held.cache is None:
-            raise wire.FrameError(f"no open session with a cache under handle {handle}")
+        """An open session's cache and ticket (FrameError where `_held` refuses the handle)."""
+        held = self._held(handle)
+        assert held.cache is not None  # `_held` checked it
         return held.cache, held.ticket
 
     def _start(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
