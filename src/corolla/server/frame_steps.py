@@ -226,27 +226,35 @@ class FrameIntake:
             self._queue_replies([(rid, failed, None) for rid in frame.request_ids])
             return
         elapsed_s = time.perf_counter() - queued_at
-        replies: list[StepReply] = []
-        for rid, ticket, prepared, request, out in zip(
-            frame.request_ids, frame.tickets, frame.prepared, frame.requests, outputs, strict=True
-        ):
-            if isinstance(out, BaseException):
-                replies.append((rid, out, None))
-                continue
-            if ticket is not None:
-                ticket.touch(request.rows * request.num_tokens)
-            if prepared.observe is not None:
-                prepared.observe(elapsed_s)  # includes the queue wait
-            replies.append((rid, out, request.output_bytes))  # [B, T, H]; bytes where a launched forward has them
-        self._queue_replies(replies)
+        reply = self._step_reply
+        self._queue_replies([
+            reply(rid, ticket, request.rows * request.num_tokens, prepared.observe, request, out, elapsed_s)
+            for rid, ticket, prepared, request, out in zip(
+                frame.request_ids, frame.tickets, frame.prepared, frame.requests, outputs, strict=True
+            )
+        ])  # fmt: skip
+
+    @classmethod
+    def _reply(cls, entry: _Entry, result: torch.Tensor | BaseException | None, elapsed_s: float) -> StepReply:
+        return cls._step_reply(entry.request_id, entry.ticket, entry.num_tokens, entry.observe, entry.request, result,
+                               elapsed_s)  # fmt: skip
 
     @staticmethod
-    def _reply(entry: _Entry, result: torch.Tensor | BaseException | None, elapsed_s: float) -> StepReply:
+    def _step_reply(
+        request_id: int,
+        ticket: SessionTicket | None,
+        num_tokens: int,
+        observe: Callable[[float], None] | None,
+        request: StepRequest | None,
+        result: torch.Tensor | BaseException | None,
+        elapsed_s: float,
+    ) -> StepReply:
+        """A served step's reply (its session's ticket touched, its time observed) or a refused one's."""
         if result is None or isinstance(result, BaseException):
-            return (entry.request_id, result if result is not None else RuntimeError("the step returned nothing"), None)
-        if entry.ticket is not None:
-            entry.ticket.touch(entry.num_tokens)
-        if entry.observe is not None:
-            entry.observe(elapsed_s)  # includes the queue wait
+            return (request_id, result if result is not None else RuntimeError("the step returned nothing"), None)
+        if ticket is not None:
+            ticket.touch(num_tokens)
+        if observe is not None:
+            observe(elapsed_s)  # includes the queue wait
         # [B, T, H], encoded by whoever sends it (from its bytes, where a launched forward collected them)
-        return (entry.request_id, result, entry.request.output_bytes if entry.request is not None else None)
+        return (request_id, result, request.output_bytes if request is not None else None)
