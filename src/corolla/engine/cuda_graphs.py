@@ -1,7 +1,8 @@
 """Whole-span decode steps of any `SpanModel` captured as CUDA graphs, one per batch-size bucket, replayed with new inputs copied into
-static buffers. Rows past the live batch are pointed at the pool's trash page so they never touch real caches. A span
-with LoRA adapters (`fast_lora.SpanAdapters`) gets two graphs per bucket: one applying each row's adapter (its index
-a static input, `adapters.row_ids`) and one without adapters for steps where no row uses one."""
+static buffers (with the paged attention's split counters, `attention_counters`). Rows past the live batch are
+pointed at the pool's trash page so they never touch real caches. A span with LoRA adapters (`fast_lora.SpanAdapters`)
+gets two graphs per bucket: one applying each row's adapter (its index a static input, `adapters.row_ids`) and one
+without adapters for steps where no row uses one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 
 import torch
 
+from corolla.engine.attention_counters import reserve_attention_counters
 from corolla.engine.fast_lora import SpanAdapters
 from corolla.engine.kv_pool import TRASH_PAGE, KVPool
 from corolla.engine.span_model import SpanModel
@@ -47,6 +49,8 @@ class DecodeGraphs:
         self.block_tables = torch.full(
             (self.max_rows, pool.max_pages_per_seq), TRASH_PAGE, dtype=torch.int32, device=dev
         )
+        # the paged attention's split counters (one per row x kv head; zero between replays), made before capture
+        self.attention_counters = reserve_attention_counters(dev, self.max_rows * pool.layout.k_token_shape[0])
         # (first layer, end layer, bucket, with adapters) -> graph, static output
         self._graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, int, int, bool], torch.Tensor] = {}

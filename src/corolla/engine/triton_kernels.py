@@ -1,6 +1,6 @@
 """Triton kernels of the decode step: RMSNorm, rotary embedding fused with the KV-cache write, paged decode
-attention (split over the sequence, then combined; optional ALiBi bias from per-head slopes) and SiLU-gated
-product. Importing fails without Triton."""
+attention (split over the sequence, the splits combined by the last program of each (row, kv head); optional ALiBi
+bias from per-head slopes) and SiLU-gated product. Importing fails without Triton."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 
 from corolla.engine.alibi_triton import alibi_bias
+from corolla.engine.attention_counters import attention_counters
+from corolla.engine.quant_splits import arrive_last, reset_counter
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
@@ -117,6 +119,7 @@ def _paged_attn_kernel(
     m_ptr,
     l_ptr,
     acc_ptr,
+    cnt_ptr,
     slopes_ptr,
     stride_qb,
     stride_qh,
@@ -176,50 +179,42 @@ def _paged_attn_kernel(
         v = tl.load(v_ptr + tile)  # [PAGE, D]
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v)
         m_i = m_new
+    dst = out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :]  # [GP, D]
     if S == 1:
         out = acc / l_i[:, None]
-        dst = out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        part = (b * NKV + kvh) * S + split  # scratch layout [B, NKV, S, GP(, D)]
-        tl.store(m_ptr + part * GP + offs_g, m_i)
-        tl.store(l_ptr + part * GP + offs_g, l_i)
-        tl.store(acc_ptr + (part * GP + offs_g)[:, None] * D + offs_d[None, :], acc)
+        pair = b * NKV + kvh
+        rows = (pair * S + split) * GP + offs_g  # scratch layout [B, NKV, S, GP(, D)]; padded heads not stored
+        tl.store(m_ptr + rows, m_i, mask=g_mask)
+        tl.store(l_ptr + rows, l_i, mask=g_mask)
+        tl.store(acc_ptr + rows[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
+        if arrive_last(cnt_ptr, pair, S):  # the pair's last split program combines its S splits
+            out = _combine_splits(m_ptr, l_ptr, acc_ptr, pair * S * GP + offs_g, g_mask, offs_d, GP, D, S)
+            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+            reset_counter(cnt_ptr, pair)
 
 
 @triton.jit
-def _paged_attn_combine_kernel(
-    m_ptr,
-    l_ptr,
-    acc_ptr,
-    out_ptr,
-    stride_ob,
-    stride_oh,
-    G: tl.constexpr,
-    GP: tl.constexpr,
-    NKV: tl.constexpr,
-    D: tl.constexpr,
-    S: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    offs_g = tl.arange(0, GP)
-    offs_d = tl.arange(0, D)
-    first = (b * NKV + kvh) * S
+def _combine_splits(m_ptr, l_ptr, acc_ptr, rows0, g_mask, offs_d, GP: tl.constexpr, D: tl.constexpr,
+                    S: tl.constexpr):  # fmt: skip
+    # the real heads' partials of splits 0, 1, ..., S - 1 (rows0 [GP]: split 0's scratch rows) summed in split
+    # order, whichever program arrived last (L2 reads: other programs wrote them) -> [GP, D] fp32 (padded heads NaN)
     m_all = tl.full([GP], float("-inf"), dtype=tl.float32)
     for s in range(S):
-        m_all = tl.maximum(m_all, tl.load(m_ptr + (first + s) * GP + offs_g))
+        m_s = tl.load(m_ptr + rows0 + s * GP, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
+        m_all = tl.maximum(m_all, m_s)
     l_all = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, D], dtype=tl.float32)
     for s in range(S):
-        m_s = tl.load(m_ptr + (first + s) * GP + offs_g)
+        rows = rows0 + s * GP
+        m_s = tl.load(m_ptr + rows, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
         w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_all))  # empty splits weigh nothing
-        l_all += tl.load(l_ptr + (first + s) * GP + offs_g) * w
-        acc += tl.load(acc_ptr + ((first + s) * GP + offs_g)[:, None] * D + offs_d[None, :]) * w[:, None]
-    out = acc / l_all[:, None]
-    g_mask = offs_g < G
-    dst = out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :]
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        l_all += tl.load(l_ptr + rows, mask=g_mask, other=0.0, cache_modifier=".cg") * w
+        part = tl.load(acc_ptr + rows[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+        acc += part * w[:, None]
+    return acc / l_all[:, None]
 
 
 # fmt: off
@@ -228,31 +223,29 @@ def paged_decode_attention(
     alibi_slopes: torch.Tensor | None = None, alibi_scale: float = 1.0, alibi_mode: int = 0,
 ) -> torch.Tensor:
     # fmt: on
-    """Same contract as `ops.paged_decode_attention_ref`; `splits` programs share each (row, kv head). With
-    `alibi_mode` != 0, `alibi_slopes` [nq] fp32 gives each query head's slope (see the kernel's ALIBI modes)."""
+    """Same contract as `ops.paged_decode_attention_ref`; `splits` programs share each (row, kv head), the last of
+    them to finish combines their partials (`attention_counters`). With `alibi_mode` != 0, `alibi_slopes` [nq] fp32
+    gives each query head's slope (see the kernel's ALIBI modes)."""
     b, nq, d = q.shape
     page, nkv = k_cache.shape[1], k_cache.shape[2]
     group = nq // nkv
     gp = max(16, triton.next_power_of_2(group))
     out = torch.empty_like(q)
     if splits > 1:
+        counters = attention_counters(q.device, b * nkv)
         m = torch.empty((b, nkv, splits, gp), dtype=torch.float32, device=q.device)
         l_ = torch.empty_like(m)
         acc = torch.empty((b, nkv, splits, gp, d), dtype=torch.float32, device=q.device)
     else:
-        m = l_ = acc = out  # unused
+        m = l_ = acc = counters = out  # unused
     if alibi_mode != 0 and (alibi_slopes is None or alibi_slopes.shape != (nq,)):
         raise ValueError(f"ALiBi attention needs one slope per query head ({nq})")
     slopes = alibi_slopes if alibi_mode != 0 else seq_lens  # unread without ALiBi
     _paged_attn_kernel[(b, nkv, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, slopes,
+        q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, counters, slopes,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
         G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, ALIBI=alibi_mode, num_warps=4, num_stages=2,
     )  # fmt: skip
-    if splits > 1:
-        _paged_attn_combine_kernel[(b, nkv)](
-            m, l_, acc, out, out.stride(0), out.stride(1), G=group, GP=gp, NKV=nkv, D=d, S=splits, num_warps=4
-        )
     return out
 
 

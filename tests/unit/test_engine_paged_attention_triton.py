@@ -1,0 +1,140 @@
+"""The Triton paged decode attention's in-kernel split combine against the torch reference: one launch per call
+whatever the splits, 1 to 7 splits (empty splits included), ragged rows, grouped heads padded to the kernel's 16
+rows (3 or 4 real heads of 16), cache pages outside every row's tokens poisoned with NaN, a row's output independent
+of the other rows, repeated calls (the arrival counters are back to zero after each, so the next call or graph
+replay combines again) and the counters' limit. Runs on CUDA, or on CPU under Triton's interpreter
+(`TRITON_INTERPRET=1` with Triton importable); skipped otherwise."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from corolla.engine import ops
+from corolla.engine.attention_counters import ATTENTION_COUNTERS, attention_counters, reserve_attention_counters
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+tk = pytest.importorskip("corolla.engine.triton_kernels")
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PAGE, D = 16, 32
+SEQ_LENS = [1, 17, 300, 64, 290, 33]
+
+
+def make_inputs(seq_lens: list[int], nq: int, nkv: int, seed: int):
+    """q [B, nq, D] and paged caches: pages shuffled between rows; pages no row uses hold NaN, tokens past a row's
+    length hold 1e4; every table entry past a row's pages names a NaN page."""
+    gen = torch.Generator().manual_seed(seed)
+    used = [-(-n // PAGE) for n in seq_lens]
+    total = sum(used) + 2
+    order = torch.randperm(total, generator=gen).tolist()
+    k = torch.full((total, PAGE, nkv, D), float("nan"))
+    v = torch.full((total, PAGE, nkv, D), float("nan"))
+    tables = torch.full((len(seq_lens), max(used) + 1), order[-1], dtype=torch.int32)
+    nxt = 0
+    for row, (n, pages) in enumerate(zip(seq_lens, used, strict=True)):
+        for j in range(pages):
+            page = order[nxt]
+            nxt += 1
+            tables[row, j] = page
+            k[page], v[page] = torch.randn(PAGE, nkv, D, generator=gen), torch.randn(PAGE, nkv, D, generator=gen)
+            tail = n - j * PAGE
+            if tail < PAGE:
+                k[page, tail:], v[page, tail:] = 1e4, 1e4
+    q = torch.randn(len(seq_lens), nq, D, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return q, k, v, tables, lens
+
+
+def run(inputs, splits: int) -> torch.Tensor:
+    return tk.paged_decode_attention(*[t.to(DEV) for t in inputs], D**-0.5, splits).cpu()
+
+
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Counts the Triton kernel launches made after the call (interpreted or compiled kernels alike)."""
+    seen: list[str] = []
+    kind = type(tk._paged_attn_kernel)
+    original = kind.run
+
+    def counted(self, *args, **kwargs):
+        seen.append(getattr(self.fn, "__name__", "?"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(kind, "run", counted)
+    return seen
+
+
+@pytest.mark.parametrize(("nq", "nkv"), [(8, 2), (6, 2), (4, 4), (16, 1)])
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_split_attention_matches_reference(nq: int, nkv: int, splits: int) -> None:
+    # seq lens of 1 page (splits past the first empty) to 19 pages (every split has pages): a skipped split or a
+    # combine of the wrong programs' partials moves the rows far past the tolerance
+    inputs = make_inputs(SEQ_LENS, nq, nkv, seed=nq * 10 + nkv + 100 * splits)
+    expected = ops.paged_decode_attention_ref(*inputs, D**-0.5)
+    got = run(inputs, splits)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_one_launch_per_call(splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = make_inputs(SEQ_LENS, 8, 2, seed=5)
+    seen = launches(monkeypatch)
+    run(inputs, splits)
+    assert seen == ["_paged_attn_kernel"]  # the split combine runs inside it
+
+
+def test_every_split_counts_in_the_combine() -> None:
+    # one row of 4 pages, one page per split: a key that dominates its split's scores makes that split's values the
+    # output's; changing the values of any one split's page must change the output (no split is left out)
+    inputs = make_inputs([64], 4, 1, seed=9)
+    q, k, v, tables, lens = inputs
+    for j in range(4):
+        k[int(tables[0, j]), 3] = q[0, 0] * 4.0  # token 3 of each page: score ~ 4 |q|^2 / sqrt(D)
+    base = run((q, k, v, tables, lens), 4)
+    torch.testing.assert_close(base, ops.paged_decode_attention_ref(q, k, v, tables, lens, D**-0.5), atol=2e-3, rtol=0)
+    for j in range(4):
+        moved = v.clone()
+        moved[int(tables[0, j])] += 1.0
+        got = run((q, k, moved, tables, lens), 4)
+        assert (got[0, 0] - base[0, 0]).abs().min() > 0.05, j
+
+
+def test_repeated_calls_reset_the_counters_and_repeat_the_bits() -> None:
+    first = make_inputs(SEQ_LENS, 8, 2, seed=21)
+    second = make_inputs(SEQ_LENS, 8, 2, seed=22)
+    counters = attention_counters(DEV, len(SEQ_LENS) * 2)
+    outs = []
+    for inputs in (first, second, first, second, first):
+        outs.append(run(inputs, 5))
+        assert int(counters.abs().sum()) == 0  # the last program of each pair put its counter back
+    for inputs, got in zip((first, second), outs[:2], strict=True):
+        torch.testing.assert_close(got, ops.paged_decode_attention_ref(*inputs, D**-0.5), atol=2e-3, rtol=2e-3)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[0], outs[4]) and torch.equal(outs[1], outs[3])
+
+
+def test_a_row_does_not_depend_on_the_other_rows() -> None:
+    q, k, v, tables, lens = make_inputs(SEQ_LENS, 6, 2, seed=33)
+    whole = run((q, k, v, tables, lens), 3)
+    for row in (2, 4):
+        alone = run((q[row : row + 1], k, v, tables[row : row + 1], lens[row : row + 1]), 3)
+        assert torch.equal(alone[0], whole[row])
+
+
+def test_counters_cover_the_reserved_grid_and_refuse_more() -> None:
+    assert attention_counters(DEV, ATTENTION_COUNTERS).numel() >= ATTENTION_COUNTERS
+    held = attention_counters(DEV, 0)
+    pairs = held.numel() + 1
+    q = torch.zeros(pairs, 1, 16, device=DEV)
+    cache = torch.zeros(1, PAGE, 1, 16, device=DEV)
+    tables = torch.zeros(pairs, 1, dtype=torch.int32, device=DEV)
+    lens = torch.ones(pairs, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match=f"{pairs} \\(row, kv head\\) pairs exceed the {held.numel()}"):
+        tk.paged_decode_attention(q, cache, cache, tables, lens, 1.0, 2)
+    grown = reserve_attention_counters(DEV, pairs)
+    assert grown.numel() >= pairs and int(grown.abs().sum()) == 0
+    assert attention_counters(DEV, pairs) is grown
+    assert reserve_attention_counters(DEV, 1) is grown  # a smaller reservation keeps them
