@@ -2,7 +2,8 @@
 shapes): `python -m corolla.engine.quant_bench --out DIR`.
 
 Measures in one process, on one card: the copy bandwidth; a span step (batch 1, after a 512-token prefix) of 32
-Llama-3-8B-shaped layers in bf16, NF4 and INT8, each against its floor (bytes the step reads / bandwidth); 64 NF4
+Llama-3-8B-shaped layers in bf16, NF4 and INT8 (`--kinds`), each against its floor (bytes the step reads /
+bandwidth), optionally its kernels under torch's profiler (`--profile_steps`: launches and GPU time per step); 64 NF4
 sessions in one merged step against one; whether two identical NF4 sessions merged in one step give identical
 rows; a Qwen3-32B-shaped span (a few layers) against its floor and transformers' own Qwen3 layers. Writes a JSON
 and a log under --out."""
@@ -212,13 +213,47 @@ def open_prefilled(engine: SpanEngine, count: int, prefix: int, gen: torch.Gener
     return sessions
 
 
+def profile_steps(engine: SpanEngine, sessions: list, prefix: int, steps: int) -> dict:
+    """The device's kernels (and copies) over `steps` decode steps under torch's profiler: per name, launches and
+    microseconds per step, and the GPU's busy microseconds per step (their sum)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step_ms(engine, sessions, prefix, steps=3)  # warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step_ms(engine, sessions, prefix, steps=steps)
+    per_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            row = per_name.setdefault(event.name, [0.0, 0.0])
+            row[0] += 1 / steps
+            row[1] += event.time_range.elapsed_us() / steps
+    kernels = sorted(per_name.items(), key=lambda item: -item[1][1])
+    return {
+        "launches_per_step": sum(n for n, _ in per_name.values()),
+        "busy_us_per_step": sum(us for _, us in per_name.values()),
+        "top": [{"name": name[:100], "per_step": n, "us_per_step": us} for name, (n, us) in kernels[:12]],
+    }
+
+
+def log_profile(lines: list[str], kind: str, prof: dict) -> None:
+    log(lines, f"  {kind} profile: {prof['launches_per_step']:.0f} launches per step, GPU busy "
+               f"{prof['busy_us_per_step'] / 1000:.3f} ms per step")  # fmt: skip
+    for row in prof["top"]:
+        n, us = row["per_step"], row["us_per_step"]
+        log(lines, f"    {us:8.1f} us/step {n:6.1f}/step {us / n:7.2f} us each  {row['name'][:70]}")
+
+
 def bench_llama(
-    results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev, sessions_n: int
-) -> None:
+    results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev, sessions_n: int,
+    kinds: tuple[str, ...] = ("bf16", "nf4", "int8"), profile: int = 0,
+) -> None:  # fmt: skip
+    """`kinds`: which of bf16, nf4, int8 to run (in that order); `profile` > 0: also that many steps of each kind's
+    single-session step under the profiler (CUDA only)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     spec = TINY if dev.type == "cpu" else LLAMA3_8B
     dense = [random_layer(spec, dev, gen) for _ in range(layers_n)]
-    for kind in ("bf16", "nf4", "int8"):
+    bf16_ms = None
+    for kind in kinds:
         layers = dense if kind == "bf16" else [quantized(layer, kind) for layer in dense]
         # every session this kind opens: one, the others of the merged step and two twins (prefix + 64 tokens)
         pool = kv_pool_bytes_for(spec, layers_n, sessions_n + 2 if kind == "nf4" else 1, prefix + 64)
@@ -231,6 +266,13 @@ def bench_llama(
         row["weight_bytes"] = engine.model.weight_bytes()
         row["kernels"] = kernels
         log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x)")
+        if profile > 0 and dev.type == "cuda":
+            try:
+                prof = profile_steps(engine, one, prefix, profile)
+                row["profile"] = prof
+                log_profile(lines, kind, prof)
+            except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
+                log(lines, f"  {kind} profile failed: {type(e).__name__}: {str(e)[:300]}")
         if kind == "nf4":
             many = open_prefilled(engine, sessions_n - 1, prefix, gen)
             ms64, _ = step_ms(engine, one + many, prefix, steps=max(1, STEPS // 2))
@@ -259,7 +301,7 @@ def bench_llama(
         results[f"llama3_8b_{kind}"] = row
         if kind == "bf16":
             bf16_ms = ms
-        else:
+        elif bf16_ms is not None:
             row["x_bf16"] = ms / bf16_ms
             log(lines, f"  {kind} / bf16 step = {ms / bf16_ms:.2f}")
         del engine, layers
@@ -347,10 +389,15 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64, help="NF4 sessions merged in one step")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
+    parser.add_argument("--kinds", default="bf16,nf4,int8", help="comma-separated subset of bf16,nf4,int8")
+    parser.add_argument("--profile_steps", type=int, default=0, help="> 0: each kind's step under the profiler too")
     parser.add_argument(
         "--programmatic_launch", action="store_true", help="also INT8 with programmatic dependent launch (sm_90+)"
     )
     args = parser.parse_args()
+    kinds = tuple(k for k in ("bf16", "nf4", "int8") if k in args.kinds.split(","))
+    if not kinds or set(args.kinds.split(",")) - set(kinds):
+        parser.error(f"--kinds takes a comma-separated subset of bf16,nf4,int8, got {args.kinds!r}")
     STEPS = args.steps
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
@@ -359,7 +406,9 @@ def main() -> None:
     bandwidth = copy_bandwidth_bytes_per_s(dev) if dev.type == "cuda" else 1e10
     results: dict = {"device": name, "bandwidth_bytes_per_s": bandwidth, "prefix_tokens": args.prefix_tokens}
     log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    bench_llama(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, args.sessions)
+    bench_llama(
+        results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, args.sessions, kinds, args.profile_steps
+    )
     if args.programmatic_launch and dev.type == "cuda":
         bench_int8_programmatic(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev)
     if args.qwen3_layers > 0:
