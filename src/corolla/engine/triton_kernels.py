@@ -134,6 +134,8 @@ def _paged_attn_kernel(
     D: tl.constexpr,
     PAGE: tl.constexpr,
     S: tl.constexpr,
+    SP: tl.constexpr,
+    GC: tl.constexpr,
     ALIBI: tl.constexpr,
 ):
     # ALIBI (ops.ALIBI_*): 0 none; else score += round(slope[head] * key_position) * alibi_scale (alibi_triton)
@@ -179,9 +181,9 @@ def _paged_attn_kernel(
         v = tl.load(v_ptr + tile)  # [PAGE, D]
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v)
         m_i = m_new
-    dst = out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :]  # [GP, D]
     if S == 1:
         out = acc / l_i[:, None]
+        dst = out_ptr + b * stride_ob + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :]  # [GP, D]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         pair = b * NKV + kvh
@@ -190,30 +192,32 @@ def _paged_attn_kernel(
         tl.store(l_ptr + rows, l_i, mask=g_mask)
         tl.store(acc_ptr + rows[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
         if arrive_last(cnt_ptr, pair, S):  # the pair's last split program combines its S splits
-            out = _combine_splits(m_ptr, l_ptr, acc_ptr, pair * S * GP + offs_g, g_mask, offs_d, GP, D, S)
-            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+            offs_c = tl.arange(0, GC)  # the real heads (G of GC), not the tl.dot padding
+            out = _combine_splits(m_ptr, l_ptr, acc_ptr, pair * S * GP + offs_c, offs_c < G, offs_d, GP, GC, D, S, SP)
+            dst = out_ptr + b * stride_ob + (kvh * G + offs_c)[:, None] * stride_oh + offs_d[None, :]  # [GC, D]
+            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(offs_c < G)[:, None])
             reset_counter(cnt_ptr, pair)
 
 
 @triton.jit
-def _combine_splits(m_ptr, l_ptr, acc_ptr, rows0, g_mask, offs_d, GP: tl.constexpr, D: tl.constexpr,
-                    S: tl.constexpr):  # fmt: skip
-    # the real heads' partials of splits 0, 1, ..., S - 1 (rows0 [GP]: split 0's scratch rows) summed in split
-    # order, whichever program arrived last (L2 reads: other programs wrote them) -> [GP, D] fp32 (padded heads NaN)
-    m_all = tl.full([GP], float("-inf"), dtype=tl.float32)
-    for s in range(S):
-        m_s = tl.load(m_ptr + rows0 + s * GP, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        m_all = tl.maximum(m_all, m_s)
-    l_all = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, D], dtype=tl.float32)
-    for s in range(S):
-        rows = rows0 + s * GP
-        m_s = tl.load(m_ptr + rows, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(m_s == float("-inf"), 0.0, tl.exp(m_s - m_all))  # empty splits weigh nothing
-        l_all += tl.load(l_ptr + rows, mask=g_mask, other=0.0, cache_modifier=".cg") * w
-        part = tl.load(acc_ptr + rows[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0,
+def _combine_splits(m_ptr, l_ptr, acc_ptr, rows0, c_mask, offs_d, GP: tl.constexpr, GC: tl.constexpr,
+                    D: tl.constexpr, S: tl.constexpr, SP: tl.constexpr):  # fmt: skip
+    # the real heads' partials of the S splits (rows0 [GC]: split 0's scratch rows, split s's rows0 + s GP) -> [GC, D]
+    # fp32; L2 reads (other programs wrote them), the splits' loads unrolled so that they are in flight together;
+    # the sums in a fixed order (split order for acc), whichever program arrived last
+    offs_s = tl.arange(0, SP)
+    rows = rows0[None, :] + offs_s[:, None] * GP  # [SP, GC]
+    mask = (offs_s < S)[:, None] & c_mask[None, :]
+    m = tl.load(m_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")  # [SP, GC]
+    m_all = tl.max(m, axis=0)  # [GC]
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all[None, :]))  # [SP, GC]; empty splits weigh nothing
+    l_all = tl.sum(tl.load(l_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg") * w, axis=0)  # [GC]
+    acc = tl.zeros([GC, D], dtype=tl.float32)
+    for s in tl.static_range(S):
+        w_s = tl.sum(tl.where(offs_s[:, None] == s, w, 0.0), axis=0)  # [GC]: row s of w
+        part = tl.load(acc_ptr + (rows0 + s * GP)[:, None] * D + offs_d[None, :], mask=c_mask[:, None], other=0.0,
                        cache_modifier=".cg")  # fmt: skip
-        acc += part * w[:, None]
+        acc += part * w_s[:, None]
     return acc / l_all[:, None]
 
 
@@ -244,7 +248,8 @@ def paged_decode_attention(
     _paged_attn_kernel[(b, nkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, counters, slopes,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
-        G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, ALIBI=alibi_mode, num_warps=4, num_stages=2,
+        G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, SP=triton.next_power_of_2(splits),
+        GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
 
