@@ -16,6 +16,7 @@ from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
     from corolla.engine import quant_gemv, quant_kernels, quant_tile, triton_kernels
+    from corolla.engine.quant_splits import PROLOGUES
 
     TRITON_IMPORTED = True
 except ImportError:  # pragma: no cover - depends on the installation
@@ -186,16 +187,23 @@ def _time_configs(configs, call, items: list, reps: int) -> dict:
     return timings
 
 
-def _quant_kernel(kernel: str, config: tuple[int, int, int, int, int]):
-    """(x, weight, residual) -> out of the quantized kernel `kernel` with `config`: "gemv" (quant_gemv, up to
-    GEMV_MAX_ROWS rows), "block" (quant_kernels.quant_matmul) or "tile" (quant_tile.nf4_tile_matmul, NF4)."""
+def _quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0):
+    """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
+    (quant_splits.PROLOGUES; "gemv" and "block" on INT8): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "block"
+    (quant_kernels.quant_matmul) or "tile" (quant_tile.nf4_tile_matmul, NF4)."""
     if kernel == "gemv":
-        return lambda x, w, res: quant_gemv.quant_gemv(x, w, res, config)
-    if kernel == "tile":
-        return lambda x, w, res: quant_tile.nf4_tile_matmul(x, w, res, config)
+        return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
+    if kernel == "tile" and not prologue:
+        return lambda x, w, res, nw=None, eps=0.0: quant_tile.nf4_tile_matmul(x, w, res, config)
     if kernel == "block":
-        return lambda x, w, res: quant_kernels.quant_matmul(x, w, res, config)
-    raise ValueError(f"unknown quantized kernel {kernel!r}")
+        return lambda x, w, res, nw=None, eps=0.0: quant_kernels.quant_matmul(x, w, res, config, prologue, nw, eps)
+    raise ValueError(f"unknown quantized kernel {kernel!r} (prologue {prologue})")
+
+
+def _fusable(key: tuple[str, int, int], choice: tuple[str, tuple[int, int, int, int, int]]) -> bool:
+    """Whether the small-row kernel `choice` for shape `key` runs a norm/SiLU prologue (INT8 block or byte GEMV)."""
+    int8 = key[0] == "int8"
+    return int8 and choice[0] == "block" or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
 
 
 def _quant_key(weight: NF4Weight | Int8Weight) -> tuple[str, int, int]:
@@ -218,6 +226,9 @@ class DecodeOps:
         # tune_quantized
         self.quant_small: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
         self.quant_gemm: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
+        # (kind, N, K, prologue) -> the quant_small kernel that runs the prologue itself, where the tuner timed it
+        # faster than the norm/SiLU kernel + quant_small's choice (absent: that pair)
+        self.quant_fused: dict[tuple[str, int, int, str], tuple[str, tuple[int, int, int, int, int]]] = {}
         # CPU: the formulation of each projection per row bucket (engine.cpu_linear); None: F.linear / addmm
         self.cpu_linear: cpu_linear.CpuLinearChoices | None = None
 
@@ -255,18 +266,25 @@ class DecodeOps:
         return triton_kernels.skinny_gemm(x, weight, residual, config, prologue=code, norm_weight=norm_weight, eps=eps)
 
     def _quantized(self, x, weight, bias, residual, prologue, norm_weight, eps):
-        if prologue == "rmsnorm":
+        key, rows = _quant_key(weight), x.shape[0]
+        fused = None  # the tuner's fused kernel for this prologue (decode rows only), if it beat the pair
+        if self.use_triton and prologue != "none" and rows <= quant_gemv.GEMV_MAX_ROWS:
+            fused = self.quant_fused.get((*key, prologue))
+        if fused is None and prologue == "rmsnorm":
             x = self.rms_norm(x, norm_weight, eps)
-        elif prologue == "silu":
+        elif fused is None and prologue == "silu":
             x = self.silu_mul(x)
-        if self.use_triton and x.shape[0] <= quant_kernels.QUANT_KERNEL_MAX_ROWS:
-            key, res = _quant_key(weight), None if bias is not None else residual
-            if x.shape[0] <= quant_gemv.GEMV_MAX_ROWS:
-                default = quant_gemv.DEFAULT_NF4_CONFIG if key[0] == "nf4" else quant_gemv.DEFAULT_INT8_CONFIG
-                kernel, config = self.quant_small.get(key, ("gemv", default))
+        if self.use_triton and rows <= quant_kernels.QUANT_KERNEL_MAX_ROWS:
+            res = None if bias is not None else residual
+            if fused is not None:
+                out = _quant_kernel(*fused, PROLOGUES[prologue])(x.contiguous(), weight, res, norm_weight, eps)
             else:
-                kernel, config = self.quant_gemm.get(key, ("block", quant_kernels.DEFAULT_CONFIG))
-            out = _quant_kernel(kernel, config)(x.contiguous(), weight, res)
+                if rows <= quant_gemv.GEMV_MAX_ROWS:
+                    default = quant_gemv.DEFAULT_NF4_CONFIG if key[0] == "nf4" else quant_gemv.DEFAULT_INT8_CONFIG
+                    kernel, config = self.quant_small.get(key, ("gemv", default))
+                else:
+                    kernel, config = self.quant_gemm.get(key, ("block", quant_kernels.DEFAULT_CONFIG))
+                out = _quant_kernel(kernel, config)(x.contiguous(), weight, res)
             if bias is None:
                 return out
             out = out + bias
@@ -279,14 +297,41 @@ class DecodeOps:
         )  # [N, K]
         return self._unfused(x, dense, bias, residual, "none", None, eps)
 
+    def _tune_prologue(self, key, items: list, prologue: str, best, timings: dict, reps: int) -> dict:
+        """Times the `prologue` kernel (RMSNorm / SiLU gating) + `best` against the three fastest small-row kernels
+        of `timings` that run the prologue themselves, each as a CUDA graph over all layers; the faster serves
+        decode rows with that prologue (quant_fused). {} where no kernel fuses (NF4)."""
+        candidates = sorted((c for c in timings if _fusable(key, c)), key=timings.__getitem__)[:3]
+        if not candidates:
+            return {}
+        k, code = key[2], PROLOGUES[prologue]
+        x = torch.randn(1, 2 * k if prologue == "silu" else k, device=items[0].device, dtype=items[0].dtype)
+        nw = torch.ones(k, device=x.device, dtype=x.dtype)  # the gain's values do not change the time
+        pre = (lambda: self.silu_mul(x)) if prologue == "silu" else (lambda: self.rms_norm(x, nw, 1e-6))
+        unfused = _graph_median_ms(lambda: [_quant_kernel(*best)(pre(), w, None) for w in items], reps)
+        fused = _time_configs(
+            candidates, lambda c, w: _quant_kernel(c[0], c[1], code)(x, w, None, nw, 1e-6), items, reps
+        )
+        choice = min(fused, key=fused.__getitem__) if fused else None
+        self.quant_fused.pop((*key, prologue), None)
+        if choice is not None and fused[choice] < unfused:
+            self.quant_fused[(*key, prologue)] = choice
+        per_call = 1000 / len(items)
+        return {"unfused_us": unfused * per_call, "fused": self.quant_fused.get((*key, prologue)),
+                "all_us": {str(c): t * per_call for c, t in fused.items()}}  # fmt: skip
+
     @torch.inference_mode()
-    def tune_quantized(self, weights: dict[tuple[str, int, int], list], *, reps: int = 7) -> dict:
+    def tune_quantized(
+        self, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None
+    ) -> dict:
         """For each quantized shape (kind, N, K) -> [weight per layer], times every dequantize-GEMV and "block"
         tl.dot config on a single-row input (the fastest serves steps of up to GEMV_MAX_ROWS rows) and every
         "block" and "tile" tl.dot config on a `QUANT_KERNEL_MAX_ROWS`-row input (the fastest serves larger merged
-        steps), each as a CUDA graph over all layers' weights. One (kernel, config) per row range keeps rows
-        batch-invariant within it. Returns {shape: {"best", "best_us", "all_us", "gemm_best", "gemm_best_us",
-        "gemm_all_us"}}, microseconds per layer call."""
+        steps), each as a CUDA graph over all layers' weights; then, per prologue (`prologues`: shape -> names;
+        default both "rmsnorm" and "silu"), the norm/SiLU kernel + that best against the fused kernels
+        (`_tune_prologue`). One (kernel, config) per row range and prologue keeps rows batch-invariant within it.
+        Returns {shape: {"best", "best_us", "all_us", "gemm_best", "gemm_best_us", "gemm_all_us", "prologues"}},
+        microseconds per layer call."""
         if not self.use_triton:
             return {}
         report = {}
@@ -317,6 +362,10 @@ class DecodeOps:
                 "gemm_best": gemm_best,
                 "gemm_best_us": gemm[gemm_best] * per_call,
                 "gemm_all_us": {str(c): t * per_call for c, t in gemm.items()},
+                "prologues": {
+                    p: self._tune_prologue(key, items, p, best, gemv, reps)
+                    for p in (prologues or {}).get(key, ("rmsnorm", "silu"))
+                },
             }
         return report
 

@@ -33,7 +33,18 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import Int8Weight, NF4Weight, counters_for_tiles
-from corolla.engine.quant_splits import finish_split_rows, launch_options, programmatic_launch, wait_for_producer
+from corolla.engine.quant_splits import (
+    PROLOGUES,
+    check_prologue,
+    finish_split_rows,
+    launch_options,
+    programmatic_launch,
+    prologue_width,
+    row_mask,
+    rstd_of,
+    silu_gate,
+    wait_for_producer,
+)
 
 GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
 
@@ -65,6 +76,12 @@ DEFAULT_NF4_CONFIG = (128, 1, 8, 4, 2)  # before (or without) tuning
 DEFAULT_INT8_CONFIG = (8, 256, 2, 4, 0)
 
 
+def fusable(int8: bool, config: tuple[int, int, int, int, int]) -> bool:
+    """Whether this module's kernel for `config` on an INT8 (`int8`) or NF4 weight runs a prologue (RMSNorm / SiLU
+    gating, quant_splits): the INT8 byte GEMV."""
+    return int8 and config in INT8_GEMV_CONFIGS and config[4] == 0
+
+
 def rows_per_program(m: int) -> int:
     """Rows one program multiplies against its decoded weight tile (each with its own accumulator)."""
     return 1 if m == 1 else 2 if m == 2 else 4
@@ -74,7 +91,7 @@ def rows_per_program(m: int) -> int:
 def _finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
                 USE_WS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
     # vals [BLOCK_N] fp32 of one row: finished here (scale, residual, cast) or kept as a split's partial sum
-    mask = (offs_n < N) & (row < M)
+    mask = row_mask(offs_n, N, row, M)
     if USE_WS:
         tl.store(ws_ptr + (split * M + row) * N + offs_n, vals, mask=mask)
     else:
@@ -182,14 +199,39 @@ def _nf4_gemv_kernel(
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
-                          ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, ROWS, HAS_RES, False)  # fmt: skip
+                          ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, ws_ptr, 0, 1, K,
+                          0.0, ROWS, HAS_RES, False, False)  # fmt: skip
 
 
 @triton.jit
-def _int8_row_products(w, x_ptr, row, M, stride_xm, offs_k, K):
-    # w [BLOCK_N, BLOCK_K] fp32 codes; x[row, offs_k] -> [BLOCK_N, BLOCK_K] products
-    xr = tl.load(x_ptr + row * stride_xm + offs_k, mask=(offs_k < K) & (row < M), other=0.0).to(tl.float32)
-    return w * xr[None, :]
+def _int8_row_products(w, x_ptr, nw_ptr, row, M, stride_xm, offs_k, K, PRO: tl.constexpr):
+    # w [BLOCK_N, BLOCK_K] fp32 codes; f(x)[row, offs_k] (prologue PRO, quant_splits.PROLOGUES) -> [BLOCK_N,
+    # BLOCK_K] products and [BLOCK_K] squares of x (RMSNorm's statistics; zeros otherwise)
+    mask = row_mask(offs_k, K, row, M)
+    if PRO == 2:
+        xr = silu_gate(x_ptr + row * stride_xm + offs_k, mask, K, x_ptr.dtype.element_ty)
+    else:
+        xr = tl.load(x_ptr + row * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
+    sq = tl.zeros_like(xr)
+    if PRO == 1:
+        sq = xr * xr
+        xr = xr * tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    return w * xr[None, :], sq
+
+
+@triton.jit
+def _int8_row_end(acc, sq, row, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr, out_ptr,
+                  stride_rm, stride_om, USE_WS: tl.constexpr, HAS_RES: tl.constexpr, PRO: tl.constexpr):  # fmt: skip
+    # one row's per-element sums: finished (RMSNorm: times the row's 1/rms when this program covers all of K) or
+    # stored as a split's partial sums (RMSNorm: with the split's sum of squares at ss[split, row, pid_n])
+    vals = tl.sum(acc, axis=1)
+    if PRO == 1:
+        if USE_WS:
+            tl.store(ss_ptr + (split * M + row) * tl.num_programs(0) + pid_n, tl.sum(sq, axis=0), mask=row < M)
+        else:
+            vals = vals * rstd_of(tl.sum(sq, axis=0), K, eps)
+    _finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS,
+                HAS_RES, True)  # fmt: skip
 
 
 @triton.jit
@@ -201,6 +243,8 @@ def _int8_gemv_kernel(
     res_ptr,
     out_ptr,
     cnt_ptr,
+    nw_ptr,
+    ss_ptr,
     M,
     N,
     K,
@@ -209,15 +253,18 @@ def _int8_gemv_kernel(
     stride_rm,
     stride_om,
     splits,
+    eps,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
     USE_WS: tl.constexpr,
     HAS_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PRO: tl.constexpr,
 ):
     # program (n tile, split, row group): per-element fp32 accumulators over the split's K range, summed once at
-    # the end; the output scale (row absmax / 127) is applied to the finished sum
+    # the end; the output scale (row absmax / 127) is applied to the finished sum. PRO: the prologue (RMSNorm's
+    # gain nw [K] and statistics, or SiLU gating of x [M, 2K]; quant_splits)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     row0 = tl.program_id(2) * ROWS
@@ -229,42 +276,54 @@ def _int8_gemv_kernel(
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq0 = tl.zeros([BLOCK_K], dtype=tl.float32)  # RMSNorm: x^2 of each row over the split's K range
+    sq1 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    sq2 = tl.zeros([BLOCK_K], dtype=tl.float32)
+    sq3 = tl.zeros([BLOCK_K], dtype=tl.float32)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, steps)
     offs_k0 = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k0[None, :]
+    # the split's K end: k < k_end is (k < K and step < hi) without a scalar in the mask (which Triton's
+    # interpreter widens to int32)
+    k_end = tl.minimum(K, hi * BLOCK_K)
     # each step's codes are loaded one step ahead (registers): their latency overlaps the previous step's FMAs
-    codes = tl.load(
-        w_ptrs + lo * BLOCK_K, mask=n_mask[:, None] & (lo * BLOCK_K + offs_k0 < K)[None, :] & (lo < hi), other=0
-    )
+    codes = tl.load(w_ptrs + lo * BLOCK_K, mask=n_mask[:, None] & (lo * BLOCK_K + offs_k0 < k_end)[None, :], other=0)
     wait_for_producer(USE_PDL)  # the first codes are in flight; x and the residual come from the previous kernel
     for step in range(lo, hi):
         offs_k = step * BLOCK_K + offs_k0
         nk = offs_k + BLOCK_K
-        codes_next = tl.load(
-            w_ptrs + (step + 1) * BLOCK_K, mask=n_mask[:, None] & (nk < K)[None, :] & (step + 1 < hi), other=0
-        )
+        codes_next = tl.load(w_ptrs + (step + 1) * BLOCK_K, mask=n_mask[:, None] & (nk < k_end)[None, :], other=0)
         w = codes.to(tl.float32)  # [BLOCK_N, BLOCK_K] int8 codes, exact in fp32
         codes = codes_next
-        acc0 += _int8_row_products(w, x_ptr, row0, M, stride_xm, offs_k, K)
+        p, s = _int8_row_products(w, x_ptr, nw_ptr, row0, M, stride_xm, offs_k, K, PRO)
+        acc0 += p
+        sq0 += s
         if ROWS >= 2:
-            acc1 += _int8_row_products(w, x_ptr, row0 + 1, M, stride_xm, offs_k, K)
+            p, s = _int8_row_products(w, x_ptr, nw_ptr, row0 + 1, M, stride_xm, offs_k, K, PRO)
+            acc1 += p
+            sq1 += s
         if ROWS >= 4:
-            acc2 += _int8_row_products(w, x_ptr, row0 + 2, M, stride_xm, offs_k, K)
-            acc3 += _int8_row_products(w, x_ptr, row0 + 3, M, stride_xm, offs_k, K)
-    _finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm,
-                stride_om, USE_WS, HAS_RES, True)  # fmt: skip
+            p, s = _int8_row_products(w, x_ptr, nw_ptr, row0 + 2, M, stride_xm, offs_k, K, PRO)
+            acc2 += p
+            sq2 += s
+            p, s = _int8_row_products(w, x_ptr, nw_ptr, row0 + 3, M, stride_xm, offs_k, K, PRO)
+            acc3 += p
+            sq3 += s
+    _int8_row_end(acc0, sq0, row0, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr, out_ptr,
+                  stride_rm, stride_om, USE_WS, HAS_RES, PRO)  # fmt: skip
     if ROWS >= 2:
-        _finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
-                    stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
+        _int8_row_end(acc1, sq1, row0 + 1, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr,
+                      out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, PRO)  # fmt: skip
     if ROWS >= 4:
-        _finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
-                    stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
-        _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
-                    stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
+        _int8_row_end(acc2, sq2, row0 + 2, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr,
+                      out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, PRO)  # fmt: skip
+        _int8_row_end(acc3, sq3, row0 + 3, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr,
+                      out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, PRO)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
-                          ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, ROWS, HAS_RES, True)  # fmt: skip
+                          ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, ss_ptr, pid_n, tl.num_programs(0),
+                          K, eps, ROWS, HAS_RES, True, PRO == 1)  # fmt: skip
 
 
 @triton.jit
@@ -289,16 +348,24 @@ def quant_gemv(
     weight: NF4Weight | Int8Weight,
     residual: torch.Tensor | None,
     config: tuple[int, int, int, int, int],
+    prologue: int = 0,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual [M, N])
+    """f(x) [M, K] (M <= GEMV_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual [M, N])
     -> [M, N] in the weight's dtype. `config` is one of NF4_GEMV_CONFIGS / INT8_GEMV_CONFIGS (ValueError for a
-    config of the other kind, a bad shape or a pair-table lookup on fp32)."""
-    m, k = x.shape
-    n, wk = weight.shape
-    if wk != k or not 1 <= m <= GEMV_MAX_ROWS or x.stride(1) != 1 or x.dtype != weight.dtype:
+    config of the other kind, a bad shape or a pair-table lookup on fp32). f = `prologue` (quant_splits.PROLOGUES;
+    the INT8 byte GEMV only): the identity, RMSNorm with `norm_weight` [K] and `eps`, or SiLU gating of x [M, 2K]."""
+    m, kx = x.shape
+    n, k = weight.shape
+    if kx != prologue_width(k, prologue) or not 1 <= m <= GEMV_MAX_ROWS or x.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError(
-            f"quant_gemv takes [1..{GEMV_MAX_ROWS}, {wk}] contiguous {weight.dtype} rows, got {tuple(x.shape)} {x.dtype}"
+            f"quant_gemv takes [1..{GEMV_MAX_ROWS}, {prologue_width(k, prologue)}] contiguous {weight.dtype} rows, "
+            f"got {tuple(x.shape)} {x.dtype}"
         )
+    check_prologue(k, prologue, norm_weight)
+    if prologue and not fusable(isinstance(weight, Int8Weight), config):
+        raise ValueError(f"{config} runs no prologue (only the INT8 byte GEMV does)")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be a [{m}, {n}] tensor with a contiguous last dim")
     block_n, block_k, splits, warps, lut = config
@@ -337,9 +404,12 @@ def quant_gemv(
     else:
         if config not in INT8_GEMV_CONFIGS:
             raise ValueError(f"{config} is not an Int8 GEMV config")
+        norm = prologue == PROLOGUES["rmsnorm"] and use_ws  # [splits, M, N tiles] fp32 partial sums of squares
+        ss = torch.empty((splits, m, grid[0]), dtype=torch.float32, device=x.device) if norm else ws
         _int8_gemv_kernel[grid](
-            x, weight.codes, weight.col_scale, ws, res, out, counters, m, n, k, x.stride(0), weight.codes.stride(0),
-            res.stride(0), out.stride(0), splits, BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, USE_WS=use_ws,
-            HAS_RES=residual is not None, USE_PDL=pdl, num_warps=warps, **launch_options(pdl),
+            x, weight.codes, weight.col_scale, ws, res, out, counters, norm_weight if prologue == 1 else ws, ss,
+            m, n, k, x.stride(0), weight.codes.stride(0), res.stride(0), out.stride(0), splits, eps,
+            BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None, USE_PDL=pdl,
+            PRO=prologue, num_warps=warps, **launch_options(pdl),
         )  # fmt: skip
     return out

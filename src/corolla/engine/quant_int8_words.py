@@ -107,7 +107,8 @@ def _int8_words_gemv_kernel(
                     stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
-                          ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, ROWS, HAS_RES, True)  # fmt: skip
+                          ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, ws_ptr, 0, 1, K,
+                          0.0, ROWS, HAS_RES, True, False)  # fmt: skip
 
 
 def int8_words_gemv(

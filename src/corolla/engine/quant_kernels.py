@@ -17,10 +17,16 @@ import triton.language as tl
 
 from corolla.engine.quant import NF4_BLOCK_VALUES, Int8Weight, NF4Weight, counters_for_tiles
 from corolla.engine.quant_splits import (
+    PROLOGUES,
     arrive_last,
+    check_prologue,
     launch_options,
     programmatic_launch,
+    prologue_width,
     reset_counter,
+    rstd_of,
+    silu_gate,
+    split_rstd,
     sum_split_tile,
     wait_for_producer,
 )
@@ -161,16 +167,16 @@ def _nf4_gemm_kernel(
                     SPLIT, HAS_RES, False)  # fmt: skip
     if SPLIT > 1:  # the last program of this output tile sums the splits in split order (quant_splits)
         if arrive_last(cnt_ptr, pid, SPLIT):
-            sum_split_tile(offs_m0, offs_n, M, N, SPLIT, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om,
-                           HAS_RES, False)  # fmt: skip
+            sum_split_tile(offs_m0, offs_n, M, N, SPLIT, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, 1.0,
+                           HAS_RES, False, False)  # fmt: skip
             if TILES >= 2:
                 sum_split_tile(offs_m0 + 16, offs_n, M, N, SPLIT, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
-                               stride_om, HAS_RES, False)  # fmt: skip
+                               stride_om, 1.0, HAS_RES, False, False)  # fmt: skip
             if TILES >= 4:
                 sum_split_tile(offs_m0 + 32, offs_n, M, N, SPLIT, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
-                               stride_om, HAS_RES, False)  # fmt: skip
+                               stride_om, 1.0, HAS_RES, False, False)  # fmt: skip
                 sum_split_tile(offs_m0 + 48, offs_n, M, N, SPLIT, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
-                               stride_om, HAS_RES, False)  # fmt: skip
+                               stride_om, 1.0, HAS_RES, False, False)  # fmt: skip
             reset_counter(cnt_ptr, pid)
 
 
@@ -183,19 +189,25 @@ def _int8_gemm_kernel(
     cs_ptr,
     out_ptr,
     cnt_ptr,
+    nw_ptr,
+    ss_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_rm,
     stride_om,
+    eps,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
+    PRO: tl.constexpr,
 ):
-    # ws[split, M, N] (fp32) = x[M, K-range] @ codes[N, K-range]^T (int8 codes are exact in bf16/fp16)
+    # ws[split, M, N] (fp32) = f(x)[M, K-range] @ codes[N, K-range]^T (int8 codes are exact in bf16/fp16); f: the
+    # prologue PRO (quant_splits.PROLOGUES): RMSNorm's gain nw[k] with the sums of squares ss[split, M, N tiles] of
+    # the K range (its 1/rms scales the finished sum), or SiLU gating of x [M, 2K]
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, 16)
@@ -209,19 +221,38 @@ def _int8_gemm_kernel(
     per_split = tl.cdiv(steps, SPLIT)
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([16], dtype=tl.float32)  # RMSNorm: sum of x^2 over this program's K range, per row
     wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
     for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
         offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :])
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        xm = m_mask[:, None] & k_mask[None, :]
+        if PRO == 1:
+            xf = tl.load(x_ptrs, mask=xm, other=0.0).to(tl.float32)  # [16, BLOCK_K]
+            sq += tl.sum(xf * xf, axis=1)
+            x = (xf * tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)[None, :]).to(dt)
+        elif PRO == 2:
+            x = silu_gate(x_ptrs, xm, K, dt).to(dt)
+        else:
+            x = tl.load(x_ptrs, mask=xm)
         acc = tl.dot(x, w.to(dt), acc)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    if PRO == 1:
+        if SPLIT == 1:
+            acc = acc * rstd_of(sq, K, eps)[:, None]
+        else:
+            tl.store(ss_ptr + (split * M + offs_m) * n_tiles + pid_n, sq, mask=m_mask)
     _store_tile(acc, offs_m, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
                 SPLIT, HAS_RES, True)  # fmt: skip
     if SPLIT > 1:  # the last program of this output tile sums the splits in split order (quant_splits)
         if arrive_last(cnt_ptr, pid, SPLIT):
-            sum_split_tile(offs_m, offs_n, M, N, SPLIT, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
-                           HAS_RES, True)  # fmt: skip
+            rs = 1.0
+            if PRO == 1:
+                rs = split_rstd(ss_ptr, offs_m, pid_n, M, n_tiles, SPLIT, K, eps)
+            sum_split_tile(offs_m, offs_n, M, N, SPLIT, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, rs,
+                           HAS_RES, True, PRO == 1)  # fmt: skip
             reset_counter(cnt_ptr, pid)
 
 
@@ -230,13 +261,22 @@ def quant_matmul(
     weight: NF4Weight | Int8Weight,
     residual: torch.Tensor | None,
     config: tuple[int, int, int, int, int] = DEFAULT_CONFIG,
+    prologue: int = 0,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
-    """x [M, K] (M <= QUANT_KERNEL_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual
-    [M, N]) -> [M, N] in the weight's dtype."""
-    m, k = x.shape
-    n, wk = weight.shape
-    if wk != k or m > QUANT_KERNEL_MAX_ROWS or x.stride(1) != 1:
-        raise ValueError(f"quant_matmul takes [<= {QUANT_KERNEL_MAX_ROWS}, {wk}] contiguous rows, got {tuple(x.shape)}")
+    """f(x) [M, K] (M <= QUANT_KERNEL_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual
+    [M, N]) -> [M, N] in the weight's dtype; f = `prologue` (quant_splits.PROLOGUES, INT8 only): the identity,
+    RMSNorm with `norm_weight` [K] and `eps`, or SiLU gating of x [M, 2K]."""
+    m, kx = x.shape
+    n, k = weight.shape
+    if kx != prologue_width(k, prologue) or m > QUANT_KERNEL_MAX_ROWS or x.stride(1) != 1:
+        raise ValueError(
+            f"quant_matmul takes [<= {QUANT_KERNEL_MAX_ROWS}, {prologue_width(k, prologue)}] contiguous rows, got {tuple(x.shape)}"
+        )
+    check_prologue(k, prologue, norm_weight)
+    if prologue and isinstance(weight, NF4Weight):
+        raise ValueError("quant_matmul runs a prologue on INT8 weights only")
     block_n, block_k, split, warps, stages = config
     if block_n < 16 or block_k < 16 or split < 1:
         raise ValueError(f"bad quant_matmul config {config}")
@@ -261,10 +301,13 @@ def quant_matmul(
             USE_PDL=pdl, num_warps=warps, num_stages=stages, **launch_options(pdl),
         )  # fmt: skip
     else:
+        norm = prologue == PROLOGUES["rmsnorm"] and split > 1  # [split, M, N tiles] fp32 partial sums of squares
+        ss = torch.empty((split, m, triton.cdiv(n, block_n)), dtype=torch.float32, device=x.device) if norm else ws
         _int8_gemm_kernel[grid](
-            x, weight.codes, ws, res, weight.col_scale, out, counters, m, n, k, x.stride(0), res.stride(0),
-            out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=residual is not None,
-            USE_PDL=pdl, num_warps=warps, num_stages=stages, **launch_options(pdl),
+            x, weight.codes, ws, res, weight.col_scale, out, counters, norm_weight if prologue == 1 else ws, ss,
+            m, n, k, x.stride(0), res.stride(0), out.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
+            HAS_RES=residual is not None, USE_PDL=pdl, PRO=prologue, num_warps=warps, num_stages=stages,
+            **launch_options(pdl),
         )  # fmt: skip
     return out
 

@@ -133,7 +133,8 @@ def _nf4_prmt_gemv_kernel(
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
-                          ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, ROWS, HAS_RES, False)  # fmt: skip
+                          ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, ws_ptr, 0, 1, K,
+                          0.0, ROWS, HAS_RES, False, False)  # fmt: skip
 
 
 @triton.jit

@@ -18,8 +18,15 @@ Programmatic dependent launch (an experiment, off unless `set_programmatic_launc
 --programmatic_launch` measures it): on sm_90+ the kernels are launched with `launch_pdl`, so their programs may
 start while the kernel before them (RMSNorm, attention, SiLU) finishes; each waits (`wait_for_producer`,
 griddepcontrol.wait: the previous grid complete and its writes visible) before it reads anything another kernel
-wrote (x, residual) and before it writes; only the immutable weight bytes may be read before. Importing fails
-without Triton."""
+wrote (x, residual) and before it writes; only the immutable weight bytes may be read before.
+Prologues (`PROLOGUES`; the INT8 tl.dot block kernel and byte GEMV, on decode rows): "rmsnorm" scales x by the
+norm's gain per k as it is loaded (fp32, not rounded to x's dtype before the product, as the separate kernel's
+output is) and sums x^2 over the program's K range; the row's 1/rms multiplies the finished dot product (before the
+column scale and the residual). With a split each program also stores its partial sum of squares in ss[split, M,
+tiles] and the last program sums them in split order (`split_rstd`); a program that covers all of K uses its own
+sum. "silu": x_k = silu(gate_k) * up_k from the gate_up output (gate at k, up at k + K) in fp32, rounded to x's
+dtype as `triton_kernels.silu_mul` rounds it (`silu_gate`), so the fused result is bit-equal to silu_mul + kernel.
+Importing fails without Triton."""
 
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import triton
 import triton.language as tl
 
 _PROGRAMMATIC_LAUNCH = {"enabled": False}
+PROLOGUES = {"none": 0, "rmsnorm": 1, "silu": 2}  # the kernels' PRO codes
 
 
 def set_programmatic_launch(enabled: bool) -> None:
@@ -41,6 +49,21 @@ def programmatic_launch(device: torch.device) -> bool:
     if not _PROGRAMMATIC_LAUNCH["enabled"] or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def prologue_width(k: int, prologue: int) -> int:
+    """Columns of the x a kernel with `prologue` reads for a weight of K columns ([gate | up] for SiLU)."""
+    return 2 * k if prologue == PROLOGUES["silu"] else k
+
+
+def check_prologue(k: int, prologue: int, norm_weight: torch.Tensor | None) -> None:
+    """ValueError unless `prologue` is a PROLOGUES code and RMSNorm comes with a contiguous [K] gain."""
+    if prologue not in PROLOGUES.values():
+        raise ValueError(f"unknown prologue code {prologue} (one of {sorted(PROLOGUES.values())})")
+    if prologue == PROLOGUES["rmsnorm"] and (
+        norm_weight is None or norm_weight.shape != (k,) or norm_weight.stride(0) != 1
+    ):
+        raise ValueError(f"the RMSNorm prologue needs a contiguous [{k}] gain")
 
 
 def launch_options(use_pdl: bool) -> dict[str, bool]:
@@ -70,13 +93,49 @@ def reset_counter(cnt_ptr, tile):
 
 
 @triton.jit
-def sum_split_row(row, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
-                  HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
-    # out[row, offs_n] = (sum over s in order of ws[s, row, offs_n]) * col_scale (+ residual), offs_n [BLOCK_N]
-    mask = (offs_n < N) & (row < M)
+def row_mask(offs, limit, row, M):
+    # offs < limit in a row that exists (row < M), else none: one compare (Triton's interpreter widens a tensor mask
+    # and-ed with a scalar condition to int32, which its loads refuse)
+    return offs < tl.where(row < M, limit, 0)
+
+
+@triton.jit
+def silu_gate(ptrs, mask, K, dt):
+    # x = silu(gate) * up of gate_up[.., k] and gate_up[.., K + k] (fp32, rounded to dt as silu_mul stores it)
+    g = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+    return (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)
+
+
+@triton.jit
+def rstd_of(sum_sq, K, eps):
+    # 1/rms of a row from its sum of squares over all K (as triton_kernels.rms_norm forms it)
+    return 1.0 / tl.sqrt(sum_sq / K + eps)
+
+
+@triton.jit
+def split_rstd(ss_ptr, rows, tile, M, n_tiles, splits, K, eps):
+    # rows (scalar or [TM]) of output tile `tile`: the splits' partial sums of squares ss[s, row, tile] summed in
+    # split order (other programs wrote them: L2 reads) -> 1/rms
+    mask = rows < M
+    ptrs = ss_ptr + rows * n_tiles + tile
+    sq = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, splits):
+        sq += tl.load(ptrs + s * M * n_tiles, mask=mask, other=0.0, cache_modifier=".cg")
+    return rstd_of(sq, K, eps)
+
+
+@triton.jit
+def sum_split_row(row, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, rs,
+                  HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    # out[row, offs_n] = (sum over s in order of ws[s, row, offs_n]) (* rs: the row's 1/rms, NORM) * col_scale
+    # (+ residual), offs_n [BLOCK_N]
+    mask = row_mask(offs_n, N, row, M)
     acc = tl.load(ws_ptr + row * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
     for s in range(1, splits):
         acc += tl.load(ws_ptr + (s * M + row) * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
+    if NORM:
+        acc = acc * rs
     if HAS_SCALE:
         acc = acc * tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)
     if HAS_RES:
@@ -85,14 +144,16 @@ def sum_split_row(row, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, s
 
 
 @triton.jit
-def sum_split_tile(offs_m, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
-                   HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
-    # the same for a tile: offs_m [TM] rows x offs_n [BLOCK_N] columns
+def sum_split_tile(offs_m, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, rs,
+                   HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    # the same for a tile: offs_m [TM] rows x offs_n [BLOCK_N] columns (rs [TM] with NORM)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]  # [TM, BLOCK_N] split 0
     acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
     for s in range(1, splits):
         acc += tl.load(ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+    if NORM:
+        acc = acc * rs[:, None]
     if HAS_SCALE:
         acc = acc * tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     if HAS_RES:
@@ -102,18 +163,15 @@ def sum_split_tile(offs_m, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_pt
 
 @triton.jit
 def finish_split_rows(cnt_ptr, tile, splits, row0, offs_n, M, N, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm,
-                      stride_om, ROWS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
-    # a GEMV program's end after storing the partial sums of rows row0 + [0, ROWS): the tile's last program sums
-    # them (ROWS = 1, 2 or 4)
+                      stride_om, ss_ptr, ss_tile, n_tiles, K, eps, ROWS: tl.constexpr, HAS_RES: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    # a GEMV program's end after storing the partial sums of rows row0 + [0, ROWS) (and with NORM their partial
+    # sums of squares at ss[split, row, ss_tile] of n_tiles): the tile's last program sums them (ROWS = 1, 2 or 4)
     if arrive_last(cnt_ptr, tile, splits):
-        sum_split_row(row0, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
-                      HAS_RES, HAS_SCALE)  # fmt: skip
-        if ROWS >= 2:
-            sum_split_row(row0 + 1, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
-                          HAS_RES, HAS_SCALE)  # fmt: skip
-        if ROWS >= 4:
-            sum_split_row(row0 + 2, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
-                          HAS_RES, HAS_SCALE)  # fmt: skip
-            sum_split_row(row0 + 3, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
-                          HAS_RES, HAS_SCALE)  # fmt: skip
+        for r in tl.static_range(ROWS):
+            rs = 1.0
+            if NORM:
+                rs = split_rstd(ss_ptr, row0 + r, ss_tile, M, n_tiles, splits, K, eps)
+            sum_split_row(row0 + r, offs_n, M, N, splits, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
+                          rs, HAS_RES, HAS_SCALE, NORM)  # fmt: skip
         reset_counter(cnt_ptr, tile)

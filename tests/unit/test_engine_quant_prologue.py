@@ -1,0 +1,182 @@
+"""The RMSNorm and SiLU-gating prologues of the INT8 decode kernels (quant_kernels' tl.dot block kernel and
+quant_gemv's byte GEMV, engine/quant_splits.py): against a float32 torch reference and against the separate
+norm/SiLU kernel followed by the same kernel, for 1, 3 and 8 rows and 1, 4 and 8 K splits (every split holds
+work, so a split whose sum of squares is left out changes the row's 1/rms), repeated calls (the arrival counters
+back at zero, the bits repeated), a row's output independent of the other rows, the refusals, and DecodeOps'
+dispatch and choice. Runs on CUDA, or on CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton
+importable); skipped otherwise. The interpreter's tl.dot mishandles bfloat16, so there the block kernel runs in
+float16 (bfloat16 on CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+quant_gemv = pytest.importorskip("corolla.engine.quant_gemv")
+
+from corolla.engine import ops as ops_module  # noqa: E402
+from corolla.engine import quant_kernels  # noqa: E402
+from corolla.engine import triton_kernels as tk  # noqa: E402
+from corolla.engine.quant import Int8Weight, quantize_int8, quantize_nf4  # noqa: E402
+from corolla.engine.quant_splits import PROLOGUES  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+N, K, EPS = 48, 2048, 1e-5
+GEMV = [("gemv", (8, 256, s, 4, 0)) for s in (1, 4, 8)]  # 8 steps of 256: every split has work
+BLOCK = [("block", (16, 128, 1, 4, 3)), ("block", (32, 128, 4, 4, 3)), ("block", (32, 128, 8, 4, 3))]
+
+
+def _dtype(kernel: str) -> torch.dtype:
+    return torch.bfloat16 if kernel == "gemv" or DEV.type == "cuda" else torch.float16
+
+
+def _inputs(dtype: torch.dtype, rows: int, seed: int, width: int = K):
+    gen = torch.Generator().manual_seed(seed)
+    weight = quantize_int8((torch.randn(N, K, generator=gen) * 0.02).to(DEV), dtype=dtype)
+    x = (torch.randn(rows, width, generator=gen) * 3).to(DEV, dtype)
+    gain = (torch.rand(K, generator=gen) + 0.5).to(DEV, dtype)
+    res = torch.randn(rows, N, generator=gen).to(DEV, dtype)
+    return weight, x, gain, res
+
+
+def _run(choice, x, weight, res, prologue: str = "none", gain=None):
+    return ops_module._quant_kernel(*choice, PROLOGUES[prologue])(x, weight, res, gain, EPS)
+
+
+def _norm(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    # the separate RMSNorm kernel (CUDA) or its torch version, which rounds alike (the interpreter's bfloat16
+    # arithmetic does not)
+    return tk.rms_norm(x, gain, EPS) if DEV.type == "cuda" else ops_module.rms_norm_ref(x, gain, EPS)
+
+
+def _dot_ref(xn: torch.Tensor, weight: Int8Weight, res: torch.Tensor):
+    # float32 (xn @ W^T) * scale + res and the bound's scale sum_k |xn_k w_k| * scale
+    codes = weight.codes.float()
+    out = xn @ codes.T * weight.col_scale + res.float()
+    return out, xn.abs() @ codes.abs().T * weight.col_scale
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("choice", GEMV + BLOCK, ids=str)
+def test_rmsnorm_prologue_against_reference_and_unfused(choice, rows: int) -> None:
+    weight, x, gain, res = _inputs(_dtype(choice[0]), rows, seed=rows)
+    xf = x.float()
+    xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * gain.float()  # [M, K] not rounded
+    ref, scale = _dot_ref(xn, weight, res)
+    fused = _run(choice, x, weight, res, "rmsnorm", gain)
+    unfused = _run(choice, _norm(x, gain), weight, res)
+    ulp = 2.0 ** -(8 if x.dtype == torch.bfloat16 else 11)  # one rounding of the dtype, relative
+    # fused: x * gain in fp32 (GEMV) or rounded once (block), fp32 sums, one output rounding
+    assert ((fused.float() - ref).abs() <= ulp * (scale + ref.abs()) + 1e-4).all()
+    # unfused: the normed x rounded twice (x / rms, then * gain) before the same kernel: within one more rounding
+    assert ((fused.float() - unfused.float()).abs() <= ulp * (2 * scale + 2 * ref.abs()) + 1e-4).all()
+    for _ in range(3):  # repeated calls: counters reset, same bits
+        assert torch.equal(_run(choice, x, weight, res, "rmsnorm", gain), fused)
+        assert int(weight.split_counters().abs().sum()) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("choice", GEMV + BLOCK, ids=str)
+def test_silu_prologue_is_bit_equal_to_silu_mul_then_the_kernel(choice, rows: int) -> None:
+    weight, gate_up, _, res = _inputs(_dtype(choice[0]), rows, seed=10 + rows, width=2 * K)
+    fused = _run(choice, gate_up, weight, res, "silu")
+    assert torch.equal(fused, _run(choice, tk.silu_mul(gate_up), weight, res))
+    g, u = gate_up.float().chunk(2, dim=-1)
+    ref, scale = _dot_ref(torch.nn.functional.silu(g) * u, weight, res)
+    ulp = 2.0 ** -(8 if gate_up.dtype == torch.bfloat16 else 11)
+    assert ((fused.float() - ref).abs() <= ulp * (scale + ref.abs()) + 1e-4).all()
+    for _ in range(3):
+        assert torch.equal(_run(choice, gate_up, weight, res, "silu"), fused)
+        assert int(weight.split_counters().abs().sum()) == 0
+
+
+@pytest.mark.parametrize("prologue", ["rmsnorm", "silu"])
+@pytest.mark.parametrize("choice", [GEMV[1], BLOCK[1]], ids=str)
+def test_a_rows_output_does_not_depend_on_the_other_rows(choice, prologue: str) -> None:
+    width = 2 * K if prologue == "silu" else K
+    weight, x, gain, res = _inputs(_dtype(choice[0]), 8, seed=3, width=width)
+    first = _run(choice, x, weight, res, prologue, gain)
+    other = x.clone()
+    other[1:] = other[1:] * 7 + 1  # other rows' norms and values change
+    second = _run(choice, other, weight, res, prologue, gain)
+    assert torch.equal(first[0], second[0])
+    assert not torch.equal(first[1:], second[1:])
+
+
+def test_prologue_refusals() -> None:
+    weight, x, gain, res = _inputs(torch.bfloat16, 1, seed=5)
+    with pytest.raises(ValueError, match="contiguous \\[2048\\] gain"):
+        quant_gemv.quant_gemv(x, weight, None, GEMV[0][1], PROLOGUES["rmsnorm"], None, EPS)
+    with pytest.raises(ValueError, match="unknown prologue code 7"):
+        quant_gemv.quant_gemv(x, weight, None, GEMV[0][1], 7)
+    with pytest.raises(ValueError, match="\\[1..8, 4096\\]"):  # SiLU reads [gate | up]
+        quant_gemv.quant_gemv(x, weight, None, GEMV[0][1], PROLOGUES["silu"])
+    with pytest.raises(ValueError, match="runs no prologue"):  # the word GEMV (PTX) has none
+        quant_gemv.quant_gemv(x, weight, None, quant_gemv.INT8_GEMV_CONFIGS[-1], PROLOGUES["rmsnorm"], gain, EPS)
+    nf4 = quantize_nf4((torch.randn(64, K) * 0.02).to(DEV), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="INT8 weights only"):
+        quant_kernels.quant_matmul(x, nf4, None, BLOCK[0][1], PROLOGUES["rmsnorm"], gain, EPS)
+    assert not ops_module._fusable(("nf4", 64, K), ("gemv", quant_gemv.DEFAULT_NF4_CONFIG))
+    assert not ops_module._fusable(("int8", N, K), ("gemv", quant_gemv.INT8_GEMV_CONFIGS[-1]))
+    assert ops_module._fusable(("int8", N, K), BLOCK[0]) and ops_module._fusable(("int8", N, K), GEMV[0])
+
+
+def _triton_ops() -> ops_module.DecodeOps:
+    ops = ops_module.DecodeOps(DEV, 64, use_triton=True)
+    ops.use_triton = True  # on CPU: the interpreted kernels
+    return ops
+
+
+@pytest.mark.parametrize("prologue", ["rmsnorm", "silu"])
+def test_decode_ops_runs_the_fused_choice_without_the_norm_kernel(prologue: str, monkeypatch) -> None:
+    width = 2 * K if prologue == "silu" else K
+    weight, x, gain, res = _inputs(torch.bfloat16, 3, seed=7, width=width)
+    ops = _triton_ops()
+    monkeypatch.setattr(ops, "rms_norm", lambda x, w, eps: _norm(x, w))
+    key = ops_module._quant_key(weight)
+    ops.quant_small[key] = GEMV[0]
+    unfused = ops.linear(x, weight, None, residual=res, prologue=prologue, norm_weight=gain, eps=EPS)
+    pre = tk.silu_mul(x) if prologue == "silu" else _norm(x, gain)
+    assert torch.equal(unfused, _run(GEMV[0], pre, weight, res))
+    ops.quant_fused[(*key, prologue)] = GEMV[1]
+
+    def refuse(*args):
+        raise AssertionError("the separate norm/SiLU kernel ran")
+
+    monkeypatch.setattr(ops, "rms_norm", refuse)
+    monkeypatch.setattr(ops, "silu_mul", refuse)
+    fused = ops.linear(x, weight, None, residual=res, prologue=prologue, norm_weight=gain, eps=EPS)
+    assert torch.equal(fused, _run(GEMV[1], x, weight, res, prologue, gain))
+    if prologue == "silu":
+        assert torch.equal(fused, _run(GEMV[1], tk.silu_mul(x), weight, res))
+    else:
+        assert not torch.equal(fused, unfused)  # the fused kernel served, not the pair
+    with pytest.raises(AssertionError, match="separate"):  # more rows than the decode range: the pair
+        big = torch.cat([x] * 4)
+        ops.linear(big, weight, None, residual=torch.cat([res] * 4), prologue=prologue, norm_weight=gain, eps=EPS)
+
+
+@pytest.mark.parametrize("fused_ms", [0.5, 2.0])
+def test_the_tuner_keeps_the_faster_of_pair_and_fused(fused_ms: float, monkeypatch) -> None:
+    weight, *_ = _inputs(torch.bfloat16, 1, seed=9)
+    ops = _triton_ops()
+    key = ops_module._quant_key(weight)
+    timings = {GEMV[0]: 1.0, ("gemv", quant_gemv.INT8_GEMV_CONFIGS[-1]): 0.9, BLOCK[1]: 1.2, GEMV[2]: 1.1}
+    monkeypatch.setattr(ops_module, "_graph_median_ms", lambda fn, reps: 1.0)  # the pair
+    timed: list = []
+
+    def fake_time(configs, call, items, reps):
+        timed.extend(configs)
+        return {c: fused_ms + 0.1 * i for i, c in enumerate(configs)}
+
+    monkeypatch.setattr(ops_module, "_time_configs", fake_time)
+    ops.quant_fused[(*key, "rmsnorm")] = BLOCK[2]  # a stale choice is replaced
+    report = ops._tune_prologue(key, [weight], "rmsnorm", GEMV[0], timings, 3)
+    assert timed == [GEMV[0], GEMV[2], BLOCK[1]]  # the three fastest that fuse (the word GEMV does not)
+    expected = GEMV[0] if fused_ms < 1.0 else None
+    assert ops.quant_fused.get((*key, "rmsnorm")) == expected and report["fused"] == expected
+    assert report["unfused_us"] == pytest.approx(1000.0)
