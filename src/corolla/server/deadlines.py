@@ -58,7 +58,7 @@ class TaskDeadline:
     def __enter__(self) -> TaskDeadline:
         if self._active:
             raise RuntimeError("TaskDeadline scopes do not nest")
-        current = asyncio.current_task()
+        current = asyncio.current_task(self.loop)  # (the loop given: no get_running_loop, a getpid() syscall)
         if current is None:
             raise RuntimeError("TaskDeadline.scope must be used inside a task")
         task = cast(_Task, current)

@@ -421,10 +421,10 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
         for all its waits) where the loop has one, else `asyncio.timeout`."""
         if _timeout is None:
             return await _await_within(step, remaining_s)
-        loop = asyncio.get_running_loop()
-        if session.deadlines is None:
-            session.deadlines = TaskDeadline(loop)
-        with session.deadlines.scope(loop.time() + remaining_s):
+        deadlines = session.deadlines
+        if deadlines is None:
+            deadlines = session.deadlines = TaskDeadline(asyncio.get_running_loop())
+        with deadlines.scope(deadlines.loop.time() + remaining_s):
             return await step
 
     async def _inference_step(

@@ -102,6 +102,7 @@ class DeviceLink:
         self._outbox: list[tuple[int, int, wire.Writer]] = []  # steps of this loop iteration (one STEP_BATCH)
         self._flush_scheduled = False
         self._reading: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = asyncio.Event()
 
     @classmethod
@@ -172,7 +173,7 @@ class DeviceLink:
         """Sends a request and waits for its reply; the device's typed refusal is raised here. `batched` (steps):
         the request leaves with the others of this loop iteration in one STEP_BATCH frame."""
         request_id = next(self._ids) & 0xFFFFFFFF
-        future: asyncio.Future[tuple[int, wire.Reader]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[int, wire.Reader]] = self._running_loop().create_future()
         self._pending[request_id] = future
         try:
             if batched:
@@ -188,13 +189,20 @@ class DeviceLink:
             raise wire.decode_error(reader)
         return reader
 
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop this link serves, looked up once (`asyncio.get_running_loop` costs a getpid() syscall a call)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
     def _enqueue(self, kind: int, request_id: int, body: wire.Writer) -> None:
         if self.closed.is_set():
             raise wire.ChannelClosed("the device process is gone")
         self._outbox.append((kind, request_id, body))
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         """Writes the queued steps: alone as a STEP frame, together as STEP_BATCH frames within the frame bound."""

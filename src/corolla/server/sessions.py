@@ -176,11 +176,11 @@ async def _next_client_or_end(
     `deadline` and on eviction, like `iterate_steps`'s general wait (every outcome but a request ends the session,
     so the read may be cancelled midway)."""
     assert _timeout_at is not None
-    loop = asyncio.get_running_loop()
     wait_s = min(timeouts.step_timeout_s, deadline - time.monotonic())
-    if session.deadlines is None:
-        session.deadlines = TaskDeadline(loop)
     deadlines = session.deadlines
+    if deadlines is None:
+        deadlines = session.deadlines = TaskDeadline(asyncio.get_running_loop())
+    loop = deadlines.loop  # (the session's loop: no get_running_loop, a getpid() syscall, per step)
     waiting = True
 
     def evict_now(_: asyncio.Future) -> None:

@@ -173,9 +173,9 @@ async def _read_message(
     `asyncio.wait_for` task per read."""
     if _timeout_at is None:
         return await _read_message_tasks(reader, lease, idle_s=idle_s, between_s=between_s)
-    loop = asyncio.get_running_loop()
     if deadlines is None:
-        deadlines = TaskDeadline(loop)
+        deadlines = TaskDeadline()
+    loop = deadlines.loop  # (the stream's loop: no get_running_loop, a getpid() syscall, per message)
     limit_s: float | None = between_s or None
     what = "between the parts of a streamed request"
     inside_s = idle_s or None
@@ -249,7 +249,10 @@ def guarded_stream_handler(
     per_message: bool,
     on_reject: Callable[[str, BaseException], None],
 ) -> Callable[..., Any]:
-    """A binary stream handler serving `method` (an async-generator rpc) with bounded reading."""
+    """A binary stream handler serving `method` (an async-generator rpc) with bounded reading. `per_message`: the
+    method takes one message at a time (`rpc_inference`): its task reads each message itself (`_inline_handler`)."""
+    if per_message:
+        return _inline_handler(p2p, name, method, budget, on_reject=on_reject)
     limits = budget.limits
 
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -337,6 +340,102 @@ def guarded_stream_handler(
             with suppress(asyncio.CancelledError, Exception):
                 await receiving
             read_deadlines.close()
+            with suppress(Exception):
+                writer.close()
+
+    return handle
+
+
+_READ_REFUSALS = (PeerLimitExceeded, ServerLimitExceeded, StreamStalled, ValueError)
+
+
+class _InlineInput:
+    """A per-message stream's input, read by the task that asks for the next request: no reader task and no queue
+    between them (one task wake-up and one loop iteration less per message). Each message is read under the same
+    bounds as `receive`'s (charged before its body is read, `idle_s` inside it, its bytes given back once it is
+    the method's); a refusal, the caller's end and a broken input end the requests and are kept for the handler,
+    which answers them once the method is done."""
+
+    def __init__(self, reader: asyncio.StreamReader, lease: _Lease, idle_s: float):
+        self.reader, self.lease, self.idle_s = reader, lease, idle_s
+        self.deadlines = TaskDeadline()  # the reads' deadlines: one lazily moved timer for the stream
+        self.ended = False  # the caller's end-of-stream was read, or its input failed
+        self.broken = False  # the caller closed or died mid-message: nothing more to read or answer
+        self.refused: BaseException | None = None  # a message over a limit, a stalled peer, a malformed frame
+
+    async def requests(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        while not self.ended:
+            try:
+                request, nbytes = await _read_message(
+                    self.reader, self.lease, idle_s=self.idle_s, between_s=None, deadlines=self.deadlines
+                )
+            except (asyncio.IncompleteReadError, ConnectionError):
+                self.ended = self.broken = True
+                return
+            except _READ_REFUSALS as e:
+                self.ended, self.refused = True, e
+                return
+            if request is None:
+                self.ended = True
+                return
+            self.lease.release(nbytes)  # processed one at a time: its bytes are the handler's now
+            yield request
+
+    async def drop_rest(self) -> None:
+        """Reads (and drops) what is left of the input for at most FINISH_INPUT_S: see `finish_input`."""
+
+        async def drop() -> None:
+            async for _ in self.requests():
+                pass
+
+        with suppress(asyncio.TimeoutError, Exception):
+            await asyncio.wait_for(drop(), FINISH_INPUT_S)
+
+
+def _inline_handler(
+    p2p: P2P,
+    name: str,
+    method: StreamHandlerFn,
+    budget: StreamBudget,
+    *,
+    on_reject: Callable[[str, BaseException], None],
+) -> Callable[..., Any]:
+    """`guarded_stream_handler` for a per-message method: the method's task reads the messages (`_InlineInput`).
+    Refusals are answered as there (counted, their bytes given back, the error sent), after the method has seen
+    the end of its input; the rest of a caller's input is read before the stream closes, as `finish_input`."""
+    idle_s = budget.limits.stream_idle_timeout_s
+
+    async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
+        lease = _Lease(budget, peer_key(context))
+        source = _InlineInput(reader, lease, idle_s)
+        failure: Exception | None = None
+        try:
+            try:
+                async for response in method(source.requests(), context):
+                    try:
+                        await send_message(response, writer)
+                    except Exception:
+                        logger.debug("stream_guard.send_failed", exc_info=True)
+                        break
+            except Exception as e:
+                failure = e
+            if source.broken:
+                return  # the caller closed or died
+            if source.refused is not None:
+                on_reject(name, source.refused)
+                lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
+                with suppress(Exception):
+                    await send_message(RPCError(message=str(source.refused)), writer)
+                return
+            if failure is not None:
+                with suppress(Exception):
+                    await send_message(RPCError(message=str(failure)), writer)
+            if not source.ended:
+                await source.drop_rest()
+        finally:
+            lease.close()
+            source.deadlines.close()
             with suppress(Exception):
                 writer.close()
 
