@@ -137,6 +137,11 @@ def log_kernels(lines: list[str], kind: str, report: dict, layer: LayerWeights, 
             row["gemm_64_rows_us"] = hits[0]["gemm_best_us"]
             row["gemm_best"] = str(hits[0]["gemm_best"])
         row["families_us"] = kernel_families(kind, row)
+        for prologue, r in hits[0].get("prologues", {}).items():  # the norm/SiLU pair against the fused kernels
+            row[f"{prologue}_fusion"] = r
+            if r:
+                fused = ", ".join(f"{c} {us:.1f}" for c, us in r["all_us"].items())
+                log(lines, f"    {prologue}: pair {r['unfused_us']:.1f} us; fused {fused} -> {r['fused'] or 'pair'}")
         rows[name] = row
         extra = f", tl.dot at 64 rows {row['gemm_64_rows_us']:.1f} us" if "gemm_64_rows_us" in row else ""
         log(lines, f"  {kind} {name} [{n}x{k}]: 1 row {best_us:.1f} us, floor {floor_us:.1f} us "
@@ -181,6 +186,7 @@ def kernel_families(kind: str, row: dict) -> dict:
 
 
 STEPS = 30  # timed decode steps per measurement
+PROLOGUE_AB_PAIRS = 3  # alternated fused/separate pairs of the quantized step (prologue_ab)
 
 
 def step_ms(
@@ -201,6 +207,28 @@ def step_ms(
         sync(engine.device)
         times.append((time.perf_counter() - start) * 1000)
     return sorted(times)[len(times) // 2], outs
+
+
+def prologue_ab(engine: SpanEngine, sessions: list, prefix: int, lines: list[str], kind: str, floor: float) -> dict:
+    """The single-session step with the tuner's fused norm/SiLU prologues (`ops.quant_fused`) against the same
+    engine with them off (the separate kernels + the best kernels), graphs captured afresh for each, alternated
+    over PROLOGUE_AB_PAIRS pairs in the same minutes: {"fused_ms": [...], "unfused_ms": [...]} and medians."""
+    assert isinstance(engine.model, FastLlamaSpan)
+    ops, fused = engine.model.ops, dict(engine.model.ops.quant_fused)
+    times: dict[str, list[float]] = {"unfused_ms": [], "fused_ms": []}
+    assert engine.graphs is not None
+    for _ in range(PROLOGUE_AB_PAIRS):
+        for label, choice in (("unfused_ms", {}), ("fused_ms", fused)):
+            ops.quant_fused = dict(choice)
+            engine.graphs.clear()  # captured again with this choice
+            engine.graphs.capture_all()
+            times[label].append(step_ms(engine, sessions, prefix)[0])
+    ops.quant_fused = fused
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    log(lines, f"  {kind} prologues fused vs separate ({PROLOGUE_AB_PAIRS} alternated pairs): "
+               f"{med['fused_ms']:.3f} ms ({med['fused_ms'] / floor:.2f}x floor) vs {med['unfused_ms']:.3f} ms "
+               f"({med['unfused_ms'] / floor:.2f}x); fused {times['fused_ms']}, separate {times['unfused_ms']}")  # fmt: skip
+    return {**times, "median_fused_ms": med["fused_ms"], "median_unfused_ms": med["unfused_ms"]}
 
 
 def open_prefilled(engine: SpanEngine, count: int, prefix: int, gen: torch.Generator) -> list:
@@ -266,6 +294,8 @@ def bench_llama(
         row["weight_bytes"] = engine.model.weight_bytes()
         row["kernels"] = kernels
         log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x)")
+        if isinstance(engine.model, FastLlamaSpan) and engine.model.ops.quant_fused and dev.type == "cuda":
+            row["prologue_ab"] = prologue_ab(engine, one, prefix, lines, kind, floor)
         if profile > 0 and dev.type == "cuda":
             try:
                 prof = profile_steps(engine, one, prefix, profile)
