@@ -1,7 +1,7 @@
 """The INT8 decode kernels' RMSNorm / SiLU prologues on a real GPU at Llama-3-8B's projection shapes (w_qkv and
 w_gate_up after RMSNorm, w_down after SiLU x up): fused against the separate kernel + the same kernel for 1, 3 and 8
 rows and 1/4/8 K splits, captured in a CUDA graph and replayed with new inputs (bits equal to eager calls, the
-arrival counters back at zero), and the tuner's choice served by DecodeOps. tests/unit/test_engine_quant_prologue.py
+arrival counters back at zero), the same for NF4's register-lookup GEMV, and the tuner's choice served by DecodeOps. tests/unit/test_engine_quant_prologue.py
 covers the same on small shapes (and on CPU under the interpreter). Skipped without CUDA."""
 
 from __future__ import annotations
@@ -17,20 +17,21 @@ pytestmark = [
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 EPS = 1e-5
-CHOICES = [("gemv", (8, 256, s, 4, 0)) for s in (1, 4, 8)] + [
-    ("block", (16, 128, 1, 4, 3)),
-    ("block", (32, 128, 4, 4, 3)),
-    ("block", (32, 128, 8, 4, 3)),
-]
+CHOICES = {
+    "int8": [("gemv", (8, 256, s, 4, 0)) for s in (1, 4, 8)]
+    + [("block", (16, 128, 1, 4, 3)), ("block", (32, 128, 4, 4, 3)), ("block", (32, 128, 8, 4, 3))],
+    "nf4": [("gemv", (128, 1, s, 4, 2)) for s in (1, 4, 16)],  # the register-lookup GEMV (quant_prmt_kernels)
+}
 SHAPES = {"w_qkv": (6144, 4096, "rmsnorm"), "w_gate_up": (28672, 4096, "rmsnorm"), "w_down": (4096, 14336, "silu")}
 
 
-def _case(name: str, rows: int, seed: int):
-    from corolla.engine.quant import quantize_int8
+def _case(name: str, rows: int, seed: int, kind: str = "int8"):
+    from corolla.engine.quant import quantize_int8, quantize_nf4
 
     n, k, prologue = SHAPES[name]
     gen = torch.Generator(device=DEV).manual_seed(seed)
-    weight = quantize_int8((torch.randn(n, k, device=DEV, generator=gen) * 0.02).to(BF16))
+    dense = (torch.randn(n, k, device=DEV, generator=gen) * 0.02).to(BF16)
+    weight = quantize_int8(dense) if kind == "int8" else quantize_nf4(dense)
     width = 2 * k if prologue == "silu" else k
     x = (torch.randn(rows, width, device=DEV, generator=gen) * 3).to(BF16)
     gain = (torch.rand(k, device=DEV, generator=gen) + 0.5).to(BF16)
@@ -38,17 +39,17 @@ def _case(name: str, rows: int, seed: int):
     return weight, x, gain, res, prologue
 
 
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_fused_prologue_against_the_separate_kernel_eager_and_in_a_graph(name: str) -> None:
+def test_fused_prologue_against_the_separate_kernel_eager_and_in_a_graph(name: str, kind: str) -> None:
     from corolla.engine import ops, triton_kernels
     from corolla.engine.quant_splits import PROLOGUES
 
     for rows in (1, 3, 8):
-        weight, x, gain, res, prologue = _case(name, rows, seed=rows)
+        weight, x, gain, res, prologue = _case(name, rows, seed=rows, kind=kind)
         pre = triton_kernels.silu_mul(x) if prologue == "silu" else triton_kernels.rms_norm(x, gain, EPS)
-        codes = weight.codes.float()
-        scale = pre.float().abs() @ codes.abs().T * weight.col_scale  # [M, N] sum_k |x_k w_k| * scale
-        for choice in CHOICES:
+        scale = pre.float().abs() @ weight.dequantize().float().abs().T  # [M, N] sum_k |x_k w_k|
+        for choice in CHOICES[kind]:
             fused_fn = ops._quant_kernel(*choice, PROLOGUES[prologue])
             fused = fused_fn(x, weight, res, gain, EPS)
             unfused = ops._quant_kernel(*choice)(pre, weight, res)
@@ -64,7 +65,7 @@ def test_fused_prologue_against_the_separate_kernel_eager_and_in_a_graph(name: s
             with torch.cuda.graph(graph):
                 out = fused_fn(static_x, weight, static_res, gain, EPS)
             for seed in (11, 12):
-                _, x2, _, res2, _ = _case(name, rows, seed=seed)
+                _, x2, _, res2, _ = _case(name, rows, seed=seed, kind=kind)
                 static_x.copy_(x2)
                 static_res.copy_(res2)
                 graph.replay()

@@ -120,7 +120,11 @@ def test_prologue_refusals() -> None:
     nf4 = quantize_nf4((torch.randn(64, K) * 0.02).to(DEV), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="INT8 weights only"):
         quant_kernels.quant_matmul(x, nf4, None, BLOCK[0][1], PROLOGUES["rmsnorm"], gain, EPS)
-    assert not ops_module._fusable(("nf4", 64, K), ("gemv", quant_gemv.DEFAULT_NF4_CONFIG))
+    with pytest.raises(ValueError, match="runs no prologue"):  # NF4's table GEMVs have none
+        quant_gemv.quant_gemv(x, nf4, None, quant_gemv.NF4_GEMV_CONFIGS[0], PROLOGUES["rmsnorm"], gain, EPS)
+    assert not ops_module._fusable(("nf4", 64, K), ("gemv", quant_gemv.NF4_GEMV_CONFIGS[0]))
+    assert ops_module._fusable(("nf4", 64, K), ("gemv", quant_gemv.DEFAULT_NF4_CONFIG))  # register lookup
+    assert not ops_module._fusable(("nf4", 64, K), BLOCK[0])
     assert not ops_module._fusable(("int8", N, K), ("gemv", quant_gemv.INT8_GEMV_CONFIGS[-1]))
     assert ops_module._fusable(("int8", N, K), BLOCK[0]) and ops_module._fusable(("int8", N, K), GEMV[0])
 

@@ -189,7 +189,7 @@ def _time_configs(configs, call, items: list, reps: int) -> dict:
 
 def _quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0):
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
-    (quant_splits.PROLOGUES; "gemv" and "block" on INT8): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "block"
+    (quant_splits.PROLOGUES; see _fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "block"
     (quant_kernels.quant_matmul) or "tile" (quant_tile.nf4_tile_matmul, NF4)."""
     if kernel == "gemv":
         return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
@@ -201,7 +201,8 @@ def _quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue:
 
 
 def _fusable(key: tuple[str, int, int], choice: tuple[str, tuple[int, int, int, int, int]]) -> bool:
-    """Whether the small-row kernel `choice` for shape `key` runs a norm/SiLU prologue (INT8 block or byte GEMV)."""
+    """Whether the small-row kernel `choice` for shape `key` runs a norm/SiLU prologue (INT8: the block kernel and
+    the byte GEMV; NF4: the register-lookup GEMV)."""
     int8 = key[0] == "int8"
     return int8 and choice[0] == "block" or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
 

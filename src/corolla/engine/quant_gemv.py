@@ -77,9 +77,11 @@ DEFAULT_INT8_CONFIG = (8, 256, 2, 4, 0)
 
 
 def fusable(int8: bool, config: tuple[int, int, int, int, int]) -> bool:
-    """Whether this module's kernel for `config` on an INT8 (`int8`) or NF4 weight runs a prologue (RMSNorm / SiLU
-    gating, quant_splits): the INT8 byte GEMV."""
-    return int8 and config in INT8_GEMV_CONFIGS and config[4] == 0
+    """Whether the GEMV for `config` on an INT8 (`int8`) or NF4 weight runs a prologue (RMSNorm / SiLU gating,
+    quant_splits): the INT8 byte GEMV and NF4's register-lookup GEMV (quant_prmt_kernels)."""
+    if int8:
+        return config in INT8_GEMV_CONFIGS and config[4] == 0
+    return config in NF4_GEMV_CONFIGS and config[4] == 2
 
 
 def rows_per_program(m: int) -> int:
@@ -220,18 +222,18 @@ def _int8_row_products(w, x_ptr, nw_ptr, row, M, stride_xm, offs_k, K, PRO: tl.c
 
 
 @triton.jit
-def _int8_row_end(acc, sq, row, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr, out_ptr,
-                  stride_rm, stride_om, USE_WS: tl.constexpr, HAS_RES: tl.constexpr, PRO: tl.constexpr):  # fmt: skip
-    # one row's per-element sums: finished (RMSNorm: times the row's 1/rms when this program covers all of K) or
-    # stored as a split's partial sums (RMSNorm: with the split's sum of squares at ss[split, row, pid_n])
-    vals = tl.sum(acc, axis=1)
+def _row_end(vals, sq, row, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm,
+             stride_om, USE_WS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
+             PRO: tl.constexpr):  # fmt: skip
+    # one row's sums vals [BLOCK_N]: finished (RMSNorm: times the row's 1/rms from sq, its sum of x^2, when this
+    # program covers all of K) or stored as a split's partial sums (RMSNorm: with sq at ss[split, row, pid_n])
     if PRO == 1:
         if USE_WS:
-            tl.store(ss_ptr + (split * M + row) * tl.num_programs(0) + pid_n, tl.sum(sq, axis=0), mask=row < M)
+            tl.store(ss_ptr + (split * M + row) * tl.num_programs(0) + pid_n, sq, mask=row < M)
         else:
-            vals = vals * rstd_of(tl.sum(sq, axis=0), K, eps)
+            vals = vals * rstd_of(sq, K, eps)
     _finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS,
-                HAS_RES, True)  # fmt: skip
+                HAS_RES, HAS_SCALE)  # fmt: skip
 
 
 @triton.jit
@@ -298,28 +300,32 @@ def _int8_gemv_kernel(
         codes = codes_next
         p, s = _int8_row_products(w, x_ptr, nw_ptr, row0, M, stride_xm, offs_k, K, PRO)
         acc0 += p
-        sq0 += s
+        if PRO == 1:  # (no loop-carried zeros in the other kernels)
+            sq0 += s
         if ROWS >= 2:
             p, s = _int8_row_products(w, x_ptr, nw_ptr, row0 + 1, M, stride_xm, offs_k, K, PRO)
             acc1 += p
-            sq1 += s
+            if PRO == 1:
+                sq1 += s
         if ROWS >= 4:
             p, s = _int8_row_products(w, x_ptr, nw_ptr, row0 + 2, M, stride_xm, offs_k, K, PRO)
             acc2 += p
-            sq2 += s
+            if PRO == 1:
+                sq2 += s
             p, s = _int8_row_products(w, x_ptr, nw_ptr, row0 + 3, M, stride_xm, offs_k, K, PRO)
             acc3 += p
-            sq3 += s
-    _int8_row_end(acc0, sq0, row0, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr, out_ptr,
-                  stride_rm, stride_om, USE_WS, HAS_RES, PRO)  # fmt: skip
+            if PRO == 1:
+                sq3 += s
+    _row_end(tl.sum(acc0, axis=1), tl.sum(sq0, axis=0), row0, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr,
+             res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
     if ROWS >= 2:
-        _int8_row_end(acc1, sq1, row0 + 1, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr,
-                      out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, PRO)  # fmt: skip
+        _row_end(tl.sum(acc1, axis=1), tl.sum(sq1, axis=0), row0 + 1, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
+                 ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
     if ROWS >= 4:
-        _int8_row_end(acc2, sq2, row0 + 2, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr,
-                      out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, PRO)  # fmt: skip
-        _int8_row_end(acc3, sq3, row0 + 3, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr,
-                      out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, PRO)  # fmt: skip
+        _row_end(tl.sum(acc2, axis=1), tl.sum(sq2, axis=0), row0 + 2, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
+                 ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
+        _row_end(tl.sum(acc3, axis=1), tl.sum(sq3, axis=0), row0 + 3, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
+                 ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
                           ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, ss_ptr, pid_n, tl.num_programs(0),
@@ -365,7 +371,7 @@ def quant_gemv(
         )
     check_prologue(k, prologue, norm_weight)
     if prologue and not fusable(isinstance(weight, Int8Weight), config):
-        raise ValueError(f"{config} runs no prologue (only the INT8 byte GEMV does)")
+        raise ValueError(f"{config} runs no prologue (the INT8 byte and NF4 register-lookup GEMVs do)")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be a [{m}, {n}] tensor with a contiguous last dim")
     block_n, block_k, splits, warps, lut = config
@@ -374,7 +380,9 @@ def quant_gemv(
     if isinstance(weight, NF4Weight) and config in NF4_GEMV_CONFIGS and lut == 2 and weight.dtype != torch.float32:
         from corolla.engine import quant_prmt_kernels  # imports this module's kernels (a cycle at import time)
 
-        return quant_prmt_kernels.nf4_prmt_gemv(x, weight, residual, block_n, splits, warps)
+        return quant_prmt_kernels.nf4_prmt_gemv(
+            x, weight, residual, block_n, splits, warps, prologue=prologue, norm_weight=norm_weight, eps=eps
+        )
     if isinstance(weight, Int8Weight) and config in INT8_GEMV_CONFIGS and lut == 1:
         from corolla.engine import quant_int8_words  # imports this module's kernels (a cycle at import time)
 

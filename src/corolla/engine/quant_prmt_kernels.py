@@ -6,7 +6,8 @@ the weight's bytes per row are a multiple of 32, so every row starts word-aligne
 GEMV: each program streams [BLOCK_N, 8] words per step (one 64-value block per row, 16-byte loads), decodes them
 into [BLOCK_N, 8, 8] fp32 levels in element order, multiplies each row of x (read as [8, 8] per block, in the same
 order) and keeps per-word partial sums [BLOCK_N, 8] in fp32, scaled by the block's decoded absmax; the words are
-summed once at the end in a fixed order. Tile: the decoded levels times the block absmax, rounded once to the
+summed once at the end in a fixed order; it may run RMSNorm or SiLU gating on x as it loads it (`quant_splits`
+prologues). Tile: the decoded levels times the block absmax, rounded once to the
 compute dtype (the reference dequantizer's values), as the [BLOCK_N, BLOCK_K] operand of one `tl.dot` per 16-row
 tile of x and step.
 
@@ -25,9 +26,9 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import NF4Weight, counters_for_tiles
-from corolla.engine.quant_gemv import _finish_row, _split_sum_kernel, rows_per_program
+from corolla.engine.quant_gemv import _row_end, _split_sum_kernel, rows_per_program
 from corolla.engine.quant_prmt import DECODE_CONSTRAINTS, decode_ptx
-from corolla.engine.quant_splits import finish_split_rows
+from corolla.engine.quant_splits import PROLOGUES, check_prologue, finish_split_rows, prologue_width, silu_gate
 
 _PTX = tl.constexpr(decode_ptx())
 _CONSTRAINTS = tl.constexpr(DECODE_CONSTRAINTS)
@@ -66,21 +67,31 @@ def _block_scale(aq_ptrs, nc_ptr, na_ptrs, offset):
 
 
 @triton.jit
-def _row_word_sums(w, x_ptr, row, M, stride_xm, k0, K, C: tl.constexpr):
-    # w [B, C, 8] fp32 levels of values k0 + 8c + t; x[row] -> [B, C] per-word dot products
+def _row_word_sums(w, x_ptr, nw_ptr, row, M, stride_xm, k0, K, C: tl.constexpr, PRO: tl.constexpr):
+    # w [B, C, 8] fp32 levels of values k0 + 8c + t; f(x)[row] (prologue PRO, quant_splits) -> [B, C] per-word dot
+    # products and [C, 8] squares of x (RMSNorm's statistics; zeros otherwise)
     offs = k0 + tl.arange(0, C)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [C, 8]
-    xr = tl.load(x_ptr + row * stride_xm + offs, mask=(offs < K) & (row < M), other=0.0).to(tl.float32)
-    return tl.sum(w * xr[None, :, :], axis=2)
+    mask = (offs < K) & (row < M)
+    if PRO == 2:
+        xr = silu_gate(x_ptr + row * stride_xm + offs, mask, K, x_ptr.dtype.element_ty)
+    else:
+        xr = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    sq = tl.zeros_like(xr)
+    if PRO == 1:
+        sq = xr * xr
+        xr = xr * tl.load(nw_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+    return tl.sum(w * xr[None, :, :], axis=2), sq
 
 
 @triton.jit
 def _nf4_prmt_gemv_kernel(
-    x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, ws_ptr, res_ptr, out_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits,
+    x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, ws_ptr, res_ptr, out_ptr, cnt_ptr, nw_ptr, ss_ptr,
+    M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits, eps,
     t0, t1, t2, t3, t4, t5, t6, t7,
-    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr, PRO: tl.constexpr,
 ):  # fmt: skip
     # program (n tile, split, row group); q_ptr: the packed bytes as int32 words, stride_qn in words per row.
+    # PRO: the prologue (RMSNorm's gain nw [K] and statistics ss, or SiLU gating of x [M, 2K]; quant_splits).
     # USE_WS (K split): each program stores its partial sums; the last program of an (n tile, row group) to finish
     # (counted in cnt_ptr) sums the splits in split order and writes the output (no second kernel).
     # Step = one 64-value absmax block: 8 words per row; block b of row n has absmax code aq[n * K / 64 + b].
@@ -98,6 +109,10 @@ def _nf4_prmt_gemv_kernel(
     acc1 = tl.sum(tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32), axis=2)
     acc2 = tl.sum(tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32), axis=2)
     acc3 = tl.sum(tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32), axis=2)
+    sq0 = tl.zeros([8, 8], dtype=tl.float32)  # RMSNorm: x^2 of each row over the split's K range
+    sq1 = tl.zeros([8, 8], dtype=tl.float32)
+    sq2 = tl.zeros([8, 8], dtype=tl.float32)
+    sq3 = tl.zeros([8, 8], dtype=tl.float32)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, kb)
     w_ptrs = q_ptr + offs_n[:, None] * stride_qn + offs_c[None, :]  # [BLOCK_N, 8] words of block 0
@@ -113,28 +128,43 @@ def _nf4_prmt_gemv_kernel(
         scale_next = _block_scale(aq_ptr + gb, nc_ptr, na_ptr + gb // 256, offset)
         w = _levels(words, t0, t1, t2, t3, t4, t5, t6, t7)  # [BLOCK_N, 8, 8]
         k0 = b * 64
-        acc0 += _row_word_sums(w, x_ptr, row0, M, stride_xm, k0, K, 8) * scale
+        p, q = _row_word_sums(w, x_ptr, nw_ptr, row0, M, stride_xm, k0, K, 8, PRO)
+        acc0 += p * scale
+        if PRO == 1:  # (no loop-carried zeros in the other kernels)
+            sq0 += q
         if ROWS >= 2:
-            acc1 += _row_word_sums(w, x_ptr, row0 + 1, M, stride_xm, k0, K, 8) * scale
+            p, q = _row_word_sums(w, x_ptr, nw_ptr, row0 + 1, M, stride_xm, k0, K, 8, PRO)
+            acc1 += p * scale
+            if PRO == 1:
+                sq1 += q
         if ROWS >= 4:
-            acc2 += _row_word_sums(w, x_ptr, row0 + 2, M, stride_xm, k0, K, 8) * scale
-            acc3 += _row_word_sums(w, x_ptr, row0 + 3, M, stride_xm, k0, K, 8) * scale
+            p, q = _row_word_sums(w, x_ptr, nw_ptr, row0 + 2, M, stride_xm, k0, K, 8, PRO)
+            acc2 += p * scale
+            if PRO == 1:
+                sq2 += q
+            p, q = _row_word_sums(w, x_ptr, nw_ptr, row0 + 3, M, stride_xm, k0, K, 8, PRO)
+            acc3 += p * scale
+            if PRO == 1:
+                sq3 += q
         words = words_next
         scale = scale_next
-    _finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
-                stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+    _row_end(tl.sum(acc0, axis=1), tl.sum(tl.sum(sq0, axis=1), axis=0), row0, offs_n, M, N, K, eps, pid_n, split,
+             ws_ptr, ss_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, False, PRO)  # fmt: skip
     if ROWS >= 2:
-        _finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
-                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+        _row_end(tl.sum(acc1, axis=1), tl.sum(tl.sum(sq1, axis=1), axis=0), row0 + 1, offs_n, M, N, K, eps, pid_n,
+                 split, ws_ptr, ss_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, False,
+                 PRO)  # fmt: skip
     if ROWS >= 4:
-        _finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
-                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
-        _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
-                    stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
+        _row_end(tl.sum(acc2, axis=1), tl.sum(tl.sum(sq2, axis=1), axis=0), row0 + 2, offs_n, M, N, K, eps, pid_n,
+                 split, ws_ptr, ss_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, False,
+                 PRO)  # fmt: skip
+        _row_end(tl.sum(acc3, axis=1), tl.sum(tl.sum(sq3, axis=1), axis=0), row0 + 3, offs_n, M, N, K, eps, pid_n,
+                 split, ws_ptr, ss_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, False,
+                 PRO)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
-                          ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, ws_ptr, 0, 1, K,
-                          0.0, ROWS, HAS_RES, False, False)  # fmt: skip
+                          ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, ss_ptr, pid_n, tl.num_programs(0),
+                          K, eps, ROWS, HAS_RES, False, PRO == 1)  # fmt: skip
 
 
 @triton.jit
@@ -233,13 +263,18 @@ def _check(x: torch.Tensor, weight: NF4Weight, residual: torch.Tensor | None, na
 
 
 def nf4_prmt_gemv(
-    x: torch.Tensor, weight: NF4Weight, residual: torch.Tensor | None, block_n: int, splits: int, warps: int
-) -> torch.Tensor:
-    """x [M, K] (M <= quant_gemv.GEMV_MAX_ROWS) @ W[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype
-    (bf16 or fp16); ValueError for a bad shape or tiling."""
-    _check(x, weight, residual, "nf4_prmt_gemv")
-    m, k = x.shape
-    n = weight.shape[0]
+    x: torch.Tensor, weight: NF4Weight, residual: torch.Tensor | None, block_n: int, splits: int, warps: int, *,
+    prologue: int = 0, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """f(x) [M, K] (M <= quant_gemv.GEMV_MAX_ROWS) @ W[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype
+    (bf16 or fp16), f = `prologue` (quant_splits.PROLOGUES: identity, RMSNorm with `norm_weight` and `eps`, SiLU
+    gating of x [M, 2K]); ValueError for a bad shape or tiling."""
+    n, k = weight.shape
+    _check(x[:, :k], weight, residual, "nf4_prmt_gemv")
+    if x.shape[1] != prologue_width(k, prologue):
+        raise ValueError(f"nf4_prmt_gemv takes [M, {prologue_width(k, prologue)}] rows, got {tuple(x.shape)}")
+    check_prologue(k, prologue, norm_weight)
+    m = x.shape[0]
     if block_n < 16 or splits < 1 or warps < 1:
         raise ValueError(f"bad NF4 register-lookup GEMV tiling {(block_n, splits, warps)}")
     rows = rows_per_program(m)
@@ -251,11 +286,14 @@ def nf4_prmt_gemv(
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
     # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
     counters = counters_for_tiles(weight, grid[0] * grid[2]) if use_ws else words
+    norm = prologue == PROLOGUES["rmsnorm"] and use_ws  # [splits, M, N tiles] fp32 partial sums of squares
+    ss = torch.empty((splits, m, grid[0]), dtype=torch.float32, device=x.device) if norm else ws
     _nf4_prmt_gemv_kernel[grid](
         x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out, counters,
-        m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
+        norm_weight if prologue == PROLOGUES["rmsnorm"] else ws, ss,
+        m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits, eps,
         *weight.lut_words,
-        BLOCK_N=block_n, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None, num_warps=warps,
+        BLOCK_N=block_n, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None, PRO=prologue, num_warps=warps,
     )  # fmt: skip
     return out
 

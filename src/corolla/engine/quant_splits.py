@@ -19,7 +19,7 @@ Programmatic dependent launch (an experiment, off unless `set_programmatic_launc
 start while the kernel before them (RMSNorm, attention, SiLU) finishes; each waits (`wait_for_producer`,
 griddepcontrol.wait: the previous grid complete and its writes visible) before it reads anything another kernel
 wrote (x, residual) and before it writes; only the immutable weight bytes may be read before.
-Prologues (`PROLOGUES`; the INT8 tl.dot block kernel and byte GEMV, on decode rows): "rmsnorm" scales x by the
+Prologues (`PROLOGUES`; the INT8 tl.dot block kernel and byte GEMV, NF4's register-lookup GEMV; decode rows): "rmsnorm" scales x by the
 norm's gain per k as it is loaded (fp32, not rounded to x's dtype before the product, as the separate kernel's
 output is) and sums x^2 over the program's K range; the row's 1/rms multiplies the finished dot product (before the
 column scale and the residual). With a split each program also stores its partial sum of squares in ss[split, M,
