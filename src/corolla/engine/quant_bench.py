@@ -422,7 +422,9 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=64, help="NF4 sessions merged in one step")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
-    parser.add_argument("--kinds", default="bf16,nf4,int8", help="comma-separated subset of bf16,nf4,int8, run in this order")
+    parser.add_argument(
+        "--kinds", default="bf16,nf4,int8", help="comma-separated subset of bf16,nf4,int8, run in this order"
+    )
     parser.add_argument("--profile_steps", type=int, default=0, help="> 0: each kind's step under the profiler too")
     parser.add_argument(
         "--programmatic_launch", action="store_true", help="also INT8 with programmatic dependent launch (sm_90+)"
