@@ -350,3 +350,22 @@ async def test_a_session_answers_the_same_bytes_and_refusals_through_raw_steps(d
     assert raw_steps == 3  # the prefill and two decode steps; the poisoned step went the general way and was refused
     assert len(general) == 3 and raw == general
     assert type(raw_error) is type(general_error) is bf.BadRequest and str(raw_error) == str(general_error)
+
+
+def test_known_empty_records_answer_by_comparison_and_forgeries_still_take_the_full_check(monkeypatch) -> None:
+    from corolla.server import raw_steps
+
+    monkeypatch.setattr(raw_steps, "_known_empty", [])
+    empty = serialize_tensor(torch.empty(0))
+    assert raw_steps._plain_empty(empty) and len(raw_steps._known_empty) == 1
+    assert raw_steps._plain_empty(runtime_pb2.Tensor.FromString(empty.SerializeToString()))
+    assert len(raw_steps._known_empty) == 1  # an equal record: answered by the comparison, nothing added
+    unknown_field = runtime_pb2.Tensor.FromString(empty.SerializeToString() + bytes([0x78, 0x01]))
+    forged = [serialize_tensor(torch.zeros(1)), runtime_pb2.Tensor(dtype="float32", size=[0], buffer=b"\x00" * 4)]
+    forged.append(runtime_pb2.Tensor(dtype="float32", size=[0], compression=runtime_pb2.CompressionType.FLOAT16))
+    for record in forged:
+        assert not raw_steps._plain_empty(record)  # unequal to the known one: the full check refuses it
+    assert raw_steps._plain_empty(unknown_field)  # unequal, so fully checked (still empty: an unknown field)
+    for _ in range(2 * raw_steps.MAX_KNOWN_EMPTY):
+        raw_steps._plain_empty(runtime_pb2.Tensor(dtype="float32", size=[0, len(raw_steps._known_empty)]))
+    assert len(raw_steps._known_empty) == raw_steps.MAX_KNOWN_EMPTY  # bounded

@@ -401,8 +401,7 @@ class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
                             session.seen_step_ids.discard(step_metadata.step_id or "")
                             continue
                         session.record_output(step_metadata, output)
-                        if not step_metadata.pushed:  # from the session's own client: may name upstream, next hop
-                            push_guard.observe_client_step(step_metadata)
+                        # (the guard learnt from a step of the session's own client when it was screened)
                         if can_push and push_guard.may_push_on(step_metadata):
                             self._schedule_push(request, output, step_metadata)
                         yield mark_pushed_reply(self.handoff.response(output), step_metadata)
