@@ -28,7 +28,14 @@ import triton.language as tl
 from corolla.engine.quant import NF4Weight, counters_for_tiles
 from corolla.engine.quant_gemv import _row_end, _split_sum_kernel, rows_per_program
 from corolla.engine.quant_prmt import DECODE_CONSTRAINTS, decode_ptx
-from corolla.engine.quant_splits import PROLOGUES, check_prologue, finish_split_rows, prologue_width, silu_gate
+from corolla.engine.quant_splits import (
+    PROLOGUES,
+    check_prologue,
+    finish_split_rows,
+    prologue_width,
+    row_mask,
+    silu_gate,
+)
 
 _PTX = tl.constexpr(decode_ptx())
 _CONSTRAINTS = tl.constexpr(DECODE_CONSTRAINTS)
@@ -71,7 +78,7 @@ def _row_word_sums(w, x_ptr, nw_ptr, row, M, stride_xm, k0, K, C: tl.constexpr, 
     # w [B, C, 8] fp32 levels of values k0 + 8c + t; f(x)[row] (prologue PRO, quant_splits) -> [B, C] per-word dot
     # products and [C, 8] squares of x (RMSNorm's statistics; zeros otherwise)
     offs = k0 + tl.arange(0, C)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [C, 8]
-    mask = (offs < K) & (row < M)
+    mask = row_mask(offs, K, row, M)
     if PRO == 2:
         xr = silu_gate(x_ptr + row * stride_xm + offs, mask, K, x_ptr.dtype.element_ty)
     else:
@@ -99,7 +106,6 @@ def _nf4_prmt_gemv_kernel(
     split = tl.program_id(1)
     row0 = tl.program_id(2) * ROWS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     offs_c = tl.arange(0, 8)
     kb = K // 64
     per_split = tl.cdiv(kb, splits)
@@ -119,11 +125,12 @@ def _nf4_prmt_gemv_kernel(
     row_blocks = tl.minimum(offs_n, N - 1)[:, None] * kb  # [BLOCK_N, 1] first absmax block of each row (clamped)
     # each step's words and scales are loaded one step ahead (registers), so their latency (the scale's two
     # dependent loads included) overlaps the previous step's decode
-    words = tl.load(w_ptrs + lo * 8, mask=n_mask[:, None] & (lo < hi), other=0)
+    # (masks as one compare: Triton's interpreter widens a tensor mask and-ed with a scalar condition to int32)
+    words = tl.load(w_ptrs + lo * 8, mask=row_mask(offs_n, N, lo, hi)[:, None], other=0)
     gb = row_blocks + tl.minimum(lo, kb - 1)
     scale = _block_scale(aq_ptr + gb, nc_ptr, na_ptr + gb // 256, offset)
     for b in range(lo, hi):
-        words_next = tl.load(w_ptrs + (b + 1) * 8, mask=n_mask[:, None] & (b + 1 < hi), other=0)
+        words_next = tl.load(w_ptrs + (b + 1) * 8, mask=row_mask(offs_n, N, b + 1, hi)[:, None], other=0)
         gb = row_blocks + tl.minimum(b + 1, kb - 1)
         scale_next = _block_scale(aq_ptr + gb, nc_ptr, na_ptr + gb // 256, offset)
         w = _levels(words, t0, t1, t2, t3, t4, t5, t6, t7)  # [BLOCK_N, 8, 8]
