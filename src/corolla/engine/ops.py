@@ -301,7 +301,7 @@ class DecodeOps:
     def _tune_prologue(self, key, items: list, prologue: str, best, timings: dict, reps: int) -> dict:
         """Times the `prologue` kernel (RMSNorm / SiLU gating) + `best` against the three fastest small-row kernels
         of `timings` that run the prologue themselves, each as a CUDA graph over all layers; the faster serves
-        decode rows with that prologue (quant_fused). {} where no kernel fuses (NF4)."""
+        decode rows with that prologue (quant_fused). {} where no candidate fuses (NF4 table GEMVs, tl.dot)."""
         candidates = sorted((c for c in timings if _fusable(key, c)), key=timings.__getitem__)[:3]
         if not candidates:
             return {}
