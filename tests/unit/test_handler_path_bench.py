@@ -28,3 +28,19 @@ def test_messages_are_a_prefill_then_one_token_steps() -> None:
 async def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         await run_handler_path(sessions=1, steps=0)
+
+
+async def test_sessions_run_over_sockets_from_a_client_process_with_batched_device_replies() -> None:
+    result = await run_handler_path(sessions=3, steps=4, proxy=True, sockets=True, forward_ms=1.0)
+    assert (result.sessions, result.steps) == (3, 4)  # every decode reply reached its client, none an error
+    assert 0 < result.cpu_us_per_step < 1e6 and 0 < result.wall_us_per_step < 1e6
+
+
+async def test_sessions_run_over_sockets_without_a_device_process() -> None:
+    result = await run_handler_path(sessions=2, steps=3, sockets=True)
+    assert (result.sessions, result.steps) == (2, 3)
+
+
+async def test_a_negative_forward_period_is_refused() -> None:
+    with pytest.raises(ValueError, match="forward_ms >= 0"):
+        await run_handler_path(sessions=1, steps=1, forward_ms=-1.0)

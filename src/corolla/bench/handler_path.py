@@ -13,6 +13,12 @@ counted in the CPU figure.
 socketpair to an echo device in a child process (`proxy_wire` frames: a STEP_BATCH in, its hidden states back as
 one REPLY_BATCH); only this process's CPU is counted.
 
+`--sockets` (with `--proxy`): as a handler process meets its streams. Each session's stream is a unix socketpair
+whose client end a child process drives (a step sent only once the previous reply is read, as a client does), and
+the echo device answers the steps of each `--forward_ms` period together (one REPLY_BATCH, as after one merged
+forward): the arrivals one at a time, the socket reads and writes and the loop's wake-ups of the real handler
+process are counted, the clients' and the device's work is not.
+
 What it leaves out: the p2pd socket and the device's work (and without `--proxy` the device channel); the
 many-users bench (`multi_user`) measures those through the real server.
 """
@@ -27,7 +33,7 @@ import multiprocessing
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -115,23 +121,43 @@ class EchoExecutor:
 _ECHO_MAX_FRAME_BYTES = 64 << 20
 
 
-def _echo_device(sock: socket.socket) -> None:
+def _echo_device(sock: socket.socket, forward_s: float = 0.0, inherited: tuple[socket.socket, ...] = ()) -> None:
     """The child process of `--proxy`: a device that answers OPEN/CLOSE and returns every step's hidden states,
-    the steps of one STEP_BATCH in one REPLY_BATCH (as the device process answers one merged forward)."""
-    asyncio.run(_echo_device_loop(sock))
+    the steps of one STEP_BATCH in one REPLY_BATCH (as the device process answers one merged forward); with
+    `forward_s` > 0, the steps that came during each period of that length, together. `inherited`: the parent's
+    sockets, closed here (the parent's end of the channel kept open here would hide its close)."""
+    for other in inherited:
+        other.close()
+    asyncio.run(_echo_device_loop(sock, forward_s))
 
 
-async def _echo_device_loop(sock: socket.socket) -> None:
+async def _echo_device_loop(sock: socket.socket, forward_s: float = 0.0) -> None:
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     info = DeviceInfo(PATH_PLAIN, 0, _ECHO_MAX_FRAME_BYTES, {0: 1, 1: 1}, 1, 0)
     state = wire.Writer().u64(1 << 40).u64(0).u64(1 << 40)
     writer.write(_frame(wire.HELLO, 0, info.to_json()))
     writer.write(state.frame(wire.STATE, 0))
     handles = 0
+    waiting: list[tuple[int, int, wire.Writer]] = []  # steps answered at the end of the current period
+
+    def answer() -> None:
+        for frame in wire.batch_frames(waiting, wire.REPLY_BATCH, _ECHO_MAX_FRAME_BYTES, head=state):
+            writer.write(frame)
+        waiting.clear()
+
+    async def forwards() -> None:
+        while True:
+            await asyncio.sleep(forward_s)
+            if waiting:
+                answer()
+
+    ticking = asyncio.create_task(forwards()) if forward_s > 0 else None
     while True:
         try:
             kind, request_id, payload = await wire.read_frame(reader, _ECHO_MAX_FRAME_BYTES)
         except wire.ChannelClosed:
+            if ticking is not None:
+                ticking.cancel()
             return
         if kind == wire.OPEN:
             handles += 1
@@ -146,16 +172,15 @@ async def _echo_device_loop(sock: socket.socket) -> None:
                 if kind == wire.STEP
                 else wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
             )
-            replies = []
             for _, item_id, item in items:
                 fields = wire.Reader(item)
                 fields.u32(), fields.u32(), fields.u8(), fields.text()
                 hidden = fields.tensor()
                 fields.tensor(), fields.tensor()
                 fields.done()
-                replies.append((wire.REPLY_TENSORS, item_id, wire.Writer().u8(1).tensor(hidden)))
-            for frame in wire.batch_frames(replies, wire.REPLY_BATCH, _ECHO_MAX_FRAME_BYTES, head=state):
-                writer.write(frame)
+                waiting.append((wire.REPLY_TENSORS, item_id, wire.Writer().u8(1).tensor(hidden)))
+            if ticking is None:
+                answer()
         await writer.drain()
 
 
@@ -219,32 +244,50 @@ def session_messages(steps: int, seed: int, hidden_size: int = HIDDEN_SIZE) -> l
 
 
 async def run_handler_path(
-    sessions: int, steps: int, *, proxy: bool = False, hidden_size: int = HIDDEN_SIZE
+    sessions: int,
+    steps: int,
+    *,
+    proxy: bool = False,
+    hidden_size: int = HIDDEN_SIZE,
+    sockets: bool = False,
+    forward_ms: float = 0.0,
 ) -> HandlerPathResult:
     """`sessions` concurrent sessions of `steps` decode steps each through one handler; CPU and wall per step.
-    `proxy`: through a `ProxyExecutor` to an echo device process (see the module docstring)."""
-    if sessions < 1 or steps < 1:
-        raise ValueError(f"sessions and steps must be >= 1, got {sessions} and {steps}")
+    `proxy`: through a `ProxyExecutor` to an echo device process that answers every `forward_ms` (0: at once);
+    `sockets`: each stream over a socket from a client process (see the module docstring)."""
+    if sessions < 1 or steps < 1 or forward_ms < 0:
+        raise ValueError(f"sessions and steps must be >= 1 and forward_ms >= 0, got {sessions}, {steps}, {forward_ms}")
     if not proxy:
-        return await _run(sessions, steps, hidden_size, EchoExecutor())
+        return await _run(sessions, steps, hidden_size, EchoExecutor(), sockets=sockets)
     ours, theirs = socket.socketpair()
-    device = multiprocessing.get_context("fork").Process(target=_echo_device, args=(theirs,), daemon=True)
+    device = multiprocessing.get_context("fork").Process(
+        target=_echo_device, args=(theirs, forward_ms / 1000, (ours,)), daemon=True
+    )
     device.start()
     theirs.close()
     reader, writer = await asyncio.open_unix_connection(sock=ours)
     link = await DeviceLink.connect(reader, writer)
     try:
         executor = ProxyExecutor(link)
-        return await _run(sessions, steps, hidden_size, executor, raw_steps=executor)
+        return await _run(
+            sessions, steps, hidden_size, executor, raw_steps=executor, sockets=sockets, inherited=(ours,)
+        )
     finally:
         await link.close()
-        device.join(10)
+        await asyncio.to_thread(device.join, 10)  # (the loop runs meanwhile: it closes the channel's socket)
         if device.is_alive():
             device.kill()
 
 
 async def _run(
-    sessions: int, steps: int, hidden_size: int, executor: SpanExecutor, *, raw_steps: RawStepper | None = None
+    sessions: int,
+    steps: int,
+    hidden_size: int,
+    executor: SpanExecutor,
+    *,
+    raw_steps: RawStepper | None = None,
+    sockets: bool = False,
+    inherited: tuple[socket.socket, ...] = (),
 ) -> HandlerPathResult:
     limits = ServingLimits(
         dht_prefix="p", start_block=0, end_block=2, hidden_size=hidden_size, dtype=torch.float32,
@@ -266,6 +309,8 @@ async def _run(
         per_message=True,
         on_reject=lambda name, error: refused.append(error),
     )
+    if sockets:
+        return await _run_sockets(sessions, steps, hidden_size, handle, refused, inherited)
     prefilled = 0
     all_prefilled, go = asyncio.Event(), asyncio.Event()
 
@@ -306,18 +351,120 @@ async def _run(
     return HandlerPathResult(sessions, steps, cpu_s / total * 1e6, wall_s / total * 1e6)
 
 
+_END = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+
+
+async def _run_sockets(
+    sessions: int,
+    steps: int,
+    hidden_size: int,
+    handle: Callable[..., Awaitable[None]],
+    refused: list[BaseException],
+    inherited: tuple[socket.socket, ...],
+) -> HandlerPathResult:
+    """`_run` with each stream over a socketpair from a client process; this process's CPU over the decode window
+    (between the client process's 'prefilled' and 'done'). `inherited`: other sockets the client process closes."""
+    messages = [session_messages(steps, seed, hidden_size) for seed in range(sessions)]
+    pairs = [socket.socketpair() for _ in range(sessions)]
+    control, control_theirs = socket.socketpair()
+    ours = [pair[0] for pair in pairs] + [control]  # the last one: the control socket
+    clients = multiprocessing.get_context("fork").Process(
+        target=_clients, args=([pair[1] for pair in pairs], control_theirs, messages, [*ours, *inherited]), daemon=True
+    )
+    clients.start()
+    for sock in [pair[1] for pair in pairs] + [control_theirs]:
+        sock.close()
+    serving = []
+    for sock in ours[:-1]:
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        serving.append(asyncio.create_task(handle(_Origin(), reader, writer)))
+    control_reader, control_writer = await asyncio.open_unix_connection(sock=control)
+    try:
+        await asyncio.wait_for(control_reader.readexactly(1), 60)  # every session prefilled
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        control_writer.write(b"g")
+        answered = int.from_bytes(await asyncio.wait_for(control_reader.readexactly(8), 60 + 0.01 * sessions * steps))
+        cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
+        await asyncio.wait_for(asyncio.gather(*serving), 30)
+    finally:
+        for task in serving:
+            task.cancel()
+        control_writer.close()
+        await asyncio.to_thread(clients.join, 10)
+        if clients.is_alive():
+            clients.kill()
+    if refused:
+        raise RuntimeError(f"the handler refused a step: {refused[0]!r}")
+    total = sessions * steps
+    if answered != total:
+        raise RuntimeError(f"the clients got {answered} decode replies (errors excluded) for {total} steps")
+    return HandlerPathResult(sessions, steps, cpu_s / total * 1e6, wall_s / total * 1e6)
+
+
+def _clients(
+    socks: list[socket.socket], control: socket.socket, messages: list[list[bytes]], inherited: list[socket.socket]
+) -> None:
+    """The client process of `--sockets`: every session's prefill, 'prefilled', wait for 'go', then its decode
+    steps one reply at a time and its end; 'done' with the count of decode replies that were not errors."""
+    for sock in inherited:
+        sock.close()
+    asyncio.run(_clients_loop(socks, control, messages))
+
+
+async def _clients_loop(socks: list[socket.socket], control: socket.socket, messages: list[list[bytes]]) -> None:
+    control_reader, control_writer = await asyncio.open_unix_connection(sock=control)
+    streams = [await asyncio.open_unix_connection(sock=sock) for sock in socks]
+
+    async def exchange(index: int, message: bytes) -> bool:
+        reader, writer = streams[index]
+        writer.write(message)
+        marker = await reader.readexactly(1)
+        await reader.readexactly(int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER))
+        return marker == P2P.MESSAGE_MARKER
+
+    async def decode(index: int) -> int:
+        answered = 0
+        for message in messages[index][1:]:
+            answered += await exchange(index, message)
+        streams[index][1].write(_END)
+        await streams[index][1].drain()
+        return answered
+
+    await asyncio.gather(*(exchange(index, messages[index][0]) for index in range(len(streams))))
+    control_writer.write(b"p")
+    await control_reader.readexactly(1)
+    answered = await asyncio.gather(*(decode(index) for index in range(len(streams))))
+    control_writer.write(sum(answered).to_bytes(8, "big"))
+    await control_writer.drain()
+    await control_reader.read()  # the bench closes the control socket once its handlers are done
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--steps", type=int, default=200, help="decode steps per session")
     parser.add_argument("--hidden_size", type=int, default=HIDDEN_SIZE, help="hidden states' width (float32)")
     parser.add_argument("--proxy", action="store_true", help="through a ProxyExecutor to an echo device process")
+    parser.add_argument("--sockets", action="store_true", help="each stream over a socket from a client process")
+    parser.add_argument("--forward_ms", type=float, default=0.0, help="the echo device answers every this many ms")
     args = parser.parse_args()
     logging.getLogger("corolla.server").setLevel(logging.WARNING)  # a line per session open and close otherwise
     torch.set_num_threads(1)
-    result = asyncio.run(run_handler_path(args.sessions, args.steps, proxy=args.proxy, hidden_size=args.hidden_size))
+    result = asyncio.run(
+        run_handler_path(
+            args.sessions,
+            args.steps,
+            proxy=args.proxy,
+            hidden_size=args.hidden_size,
+            sockets=args.sockets,
+            forward_ms=args.forward_ms,
+        )  # fmt: skip
+    )
+    mode = " (proxy)" if args.proxy else ""
+    mode += " (sockets)" if args.sockets else ""
+    mode += f" (forward {args.forward_ms} ms)" if args.forward_ms else ""
     print(
-        f"handler path{' (proxy)' if args.proxy else ''}: {result.sessions} sessions x {result.steps} steps: {result.cpu_us_per_step:.1f} us CPU, "
+        f"handler path{mode}: {result.sessions} sessions x {result.steps} steps: {result.cpu_us_per_step:.1f} us CPU, "
         f"{result.wall_us_per_step:.1f} us wall per step"
     )
 
