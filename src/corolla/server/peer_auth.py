@@ -134,10 +134,11 @@ def info_uid(auth: PeerAuth | None, context: P2PContext | None, uid: str) -> str
 
 def _step_tokens(request: runtime_pb2.ExpertRequest) -> int | None:
     """T of the `[B, T, H]` hidden states a step carries, read from the declared size (nothing is decoded)."""
-    if not request.tensors:
+    tensors = request.tensors
+    if not tensors:
         return None
-    size = list(request.tensors[0].size)
-    return size[1] if len(size) == 3 else None
+    size = tensors[0].size  # (the repeated field itself: no list copy)
+    return int(size[1]) if len(size) == 3 else None
 
 
 @dataclass
