@@ -37,8 +37,11 @@ def decode_metadata(data: bytes) -> dict[str, Any]:
         value = bounded_msgpack.loads(data, METADATA_LIMITS)
     except ValueError as e:
         raise ValueError(f"metadata rejected: {e}") from None
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+    if not isinstance(value, dict):
         raise ValueError(f"metadata must be a map with str keys, got {type(value).__name__}")
+    for key in value:  # (a loop, not all() over a generator: this runs for every step)
+        if not isinstance(key, str):
+            raise ValueError(f"metadata must be a map with str keys, got a {type(key).__name__} key")
     return value
 
 
