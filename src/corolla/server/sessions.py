@@ -191,7 +191,9 @@ async def _next_client_or_end(
         evicted.add_done_callback(evict_now)
     try:
         with deadlines.scope(loop.time() + max(0.0, wait_s)):
-            return await _next_client_request(requests)
+            return await requests.__anext__()  # (awaited here: no coroutine of its own per step)
+    except StopAsyncIteration:
+        return None
     except TimeoutError:
         if not deadlines.expired:
             raise
