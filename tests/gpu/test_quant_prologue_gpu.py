@@ -20,7 +20,7 @@ EPS = 1e-5
 CHOICES = {
     "int8": [("gemv", (8, 256, s, 4, 0)) for s in (1, 4, 8)]
     + [("block", (16, 128, 1, 4, 3)), ("block", (32, 128, 4, 4, 3)), ("block", (32, 128, 8, 4, 3))],
-    "nf4": [("gemv", (128, 1, s, 4, 2)) for s in (1, 4, 16)],  # the register-lookup GEMV (quant_prmt_kernels)
+    "nf4": [("gemv", (128, 1, s, 4, 2)) for s in (4, 8, 16)],  # the register-lookup GEMV (quant_prmt_kernels)
 }
 SHAPES = {"w_qkv": (6144, 4096, "rmsnorm"), "w_gate_up": (28672, 4096, "rmsnorm"), "w_down": (4096, 14336, "silu")}
 

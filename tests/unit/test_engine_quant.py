@@ -202,3 +202,33 @@ def test_int8_weight_is_read_after_a_plain_forward_moved_its_scales() -> None:
     after = quantized_weight_of(module, torch.float16)
     assert isinstance(before, Int8Weight) and isinstance(after, Int8Weight)
     assert torch.equal(before.row_absmax, after.row_absmax) and torch.equal(before.codes, after.codes)
+
+
+def test_warm_up_tunes_only_the_prologues_each_quantized_shape_takes() -> None:
+    """The fused norm/SiLU candidates are timed only where a projection takes them: RMSNorm before w_qkv and
+    w_gate_up, SiLU x up before w_down, none for w_o (a shape tuned for both cost warm-up time for nothing)."""
+    spec = LlamaSpec(
+        hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256, rms_norm_eps=1e-5
+    )
+    layers = [
+        LayerWeights(
+            **{**vars(layer), **{n: quantize_int8(getattr(layer, n)) for n in ("w_qkv", "w_o", "w_gate_up", "w_down")}}
+        )
+        for layer in _random_layers(spec, 2, qk_norm=False)
+    ]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
+    span = FastLlamaSpan(spec, layers, inv_freq, max_positions=128, use_triton=False)
+    seen: dict = {}
+
+    def tune_quantized(weights, *, reps=7, prologues=None):
+        seen.update(weights=weights, prologues=prologues)
+        return {}
+
+    span.ops.tune_quantized = tune_quantized  # type: ignore[method-assign]
+    span.tune()
+    assert set(seen["weights"]) == {("int8", 256, 128), ("int8", 128, 128), ("int8", 512, 128), ("int8", 128, 256)}
+    assert seen["prologues"] == {
+        ("int8", 256, 128): ("rmsnorm",),  # w_qkv: (4 + 2 + 2) heads x 32
+        ("int8", 512, 128): ("rmsnorm",),  # w_gate_up
+        ("int8", 128, 256): ("silu",),  # w_down
+    }

@@ -122,6 +122,7 @@ class FastLlamaSpan(ChunkedPrefill):
         a fused Triton kernel, by timing both on this device (CUDA + Triton only)."""
         slots: dict[tuple[int, int, str, bool], list[tuple]] = {}
         quantized: dict[tuple[str, int, int], list] = {}
+        prologues: dict[tuple[str, int, int], set[str]] = {}  # quantized shape -> the prologues it takes
         for layer in self.layers:
             for w in layer.projections():
                 if isinstance(w, NF4Weight | Int8Weight):
@@ -132,6 +133,8 @@ class FastLlamaSpan(ChunkedPrefill):
                 (layer.w_gate_up, layer.b_gate_up, "rmsnorm", layer.ln2, False),
                 (layer.w_down, layer.b_down, "silu", None, True),
             ):
+                if isinstance(w, NF4Weight | Int8Weight) and prologue != "none":
+                    prologues.setdefault(_quant_key(w), set()).add(prologue)
                 if bias is None and isinstance(w, torch.Tensor):
                     slots.setdefault((w.shape[0], w.shape[1], prologue, has_res), []).append((w, norm_w))
         for layer, stacks in zip(self.layers, self.adapters.layers if self.adapters is not None else (), strict=False):
@@ -145,7 +148,7 @@ class FastLlamaSpan(ChunkedPrefill):
             logger.info(
                 f"fast_llama.tune(slot={key}, best={r['best']}, us={r['best_us']:.1f}, unfused_us={r['unfused_us']:.1f})"
             )
-        quant_report = self.ops.tune_quantized(quantized)
+        quant_report = self.ops.tune_quantized(quantized, prologues={k: tuple(sorted(v)) for k, v in prologues.items()})
         for key, r in quant_report.items():
             logger.info(f"fast_llama.tune_quantized(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
         moe_report = {}

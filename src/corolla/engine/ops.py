@@ -328,8 +328,8 @@ class DecodeOps:
         """For each quantized shape (kind, N, K) -> [weight per layer], times every dequantize-GEMV and "block"
         tl.dot config on a single-row input (the fastest serves steps of up to GEMV_MAX_ROWS rows) and every
         "block" and "tile" tl.dot config on a `QUANT_KERNEL_MAX_ROWS`-row input (the fastest serves larger merged
-        steps), each as a CUDA graph over all layers' weights; then, per prologue (`prologues`: shape -> names;
-        default both "rmsnorm" and "silu"), the norm/SiLU kernel + that best against the fused kernels
+        steps), each as a CUDA graph over all layers' weights; then, per prologue (`prologues`: shape -> the names
+        its projections take, none for a shape missing there; None: both "rmsnorm" and "silu"), the norm/SiLU kernel + that best against the fused kernels
         (`_tune_prologue`). One (kernel, config) per row range and prologue keeps rows batch-invariant within it.
         Returns {shape: {"best", "best_us", "all_us", "gemm_best", "gemm_best_us", "gemm_all_us", "prologues"}},
         microseconds per layer call."""
@@ -365,7 +365,7 @@ class DecodeOps:
                 "gemm_all_us": {str(c): t * per_call for c, t in gemm.items()},
                 "prologues": {
                     p: self._tune_prologue(key, items, p, best, gemv, reps)
-                    for p in (prologues or {}).get(key, ("rmsnorm", "silu"))
+                    for p in (("rmsnorm", "silu") if prologues is None else prologues.get(key, ()))
                 },
             }
         return report
