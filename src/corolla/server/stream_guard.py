@@ -195,13 +195,20 @@ async def _read_message(
             if marker != P2P.MESSAGE_MARKER:
                 raise ValueError("invalid stream message marker")
             lease.charge(length)  # before a single byte of the body is buffered
-            data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
-            while len(data) < length:
+            data: bytes | bytearray = b""
+            if length:  # the usual step: its whole body in one read (what has arrived, at most `length`)
                 scope.move(None if inside_s is None else loop.time() + inside_s)
-                chunk = await reader.read(min(length - len(data), READ_CHUNK_BYTES))
-                if not chunk:
-                    raise asyncio.IncompleteReadError(b"", length - len(data))
-                data += chunk
+                data = await reader.read(min(length, READ_CHUNK_BYTES))
+                if not data:
+                    raise asyncio.IncompleteReadError(b"", length)
+            if len(data) < length:
+                data = bytearray(data)  # grows only as bytes arrive (a declared length alone allocates nothing)
+                while len(data) < length:
+                    scope.move(None if inside_s is None else loop.time() + inside_s)
+                    chunk = await reader.read(min(length - len(data), READ_CHUNK_BYTES))
+                    if not chunk:
+                        raise asyncio.IncompleteReadError(b"", length - len(data))
+                    data += chunk
     except TimeoutError:
         if deadlines.expired:
             raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={limit_s} s {what}") from None
