@@ -85,8 +85,10 @@ class ChurnConfig:
     # bounded wait (a client that retries forever is what a harness leaves orphaned)
     probe_abandoned_client: bool = True
     probe_max_wait_s: float = 20.0
-    probe_new_tokens: int = 600
-    probe_head_start_s: float = 3.0  # it generates this long before the swarm stops
+    # the demo model's 1,024 positions less a prompt: no machine generates that in the head start (a fast idle VM
+    # finished 600 tokens within 3.5 s, so the swarm stopped after the probe's generation instead of during it)
+    probe_new_tokens: int = 1000
+    probe_head_start_s: float = 1.5  # it generates this long before the swarm stops (its go comes 0.5 s after)
     work_dir: Path | None = None  # logs under <work_dir>/logs; None = a temporary directory, removed afterwards
     echo: bool = False  # children's output on our stderr
 
