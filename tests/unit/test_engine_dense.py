@@ -209,3 +209,20 @@ def test_unsupported_blocks_are_refused_with_a_reason() -> None:
 def test_serving_rules_take_falcon_and_bloom(family: str, quant_type: str) -> None:
     traits = SpanTraits("cuda", torch.bfloat16, quant_type, family, num_adapters=0, tensor_parallel_devices=0)
     assert unsupported_reason(traits) is None
+
+
+def test_warm_up_tunes_no_norm_or_silu_prologue_for_quantized_dense_spans() -> None:
+    """Falcon/BLOOM projections never take the RMSNorm / SiLU x up prologues: warm-up times none for them."""
+    span = FastDenseSpan.from_blocks(make_blocks("bloom"), max_positions=128, use_triton=False)
+    for layer in span.layers:
+        for name in ("w_qkv", "w_o", "w_up", "w_down"):
+            setattr(layer, name, quantize_nf4(getattr(layer, name)))
+    seen: dict = {}
+
+    def tune_quantized(weights, *, reps=7, prologues=None):
+        seen.update(weights=weights, prologues=prologues)
+        return {}
+
+    span.ops.tune_quantized = tune_quantized  # type: ignore[method-assign]
+    span.tune()
+    assert seen["weights"] and seen["prologues"] == {}

@@ -185,7 +185,7 @@ class FastDenseSpan(ChunkedPrefill):
         report = self.ops.tune_linear(slots, 0.0)
         for key, r in report.items():
             logger.info(f"fast_dense.tune(slot={key}, best={r['best']}, us={r['best_us']:.1f})")
-        quant_report = self.ops.tune_quantized(quantized)
+        quant_report = self.ops.tune_quantized(quantized, prologues={})  # LayerNorm/GELU spans: no RMSNorm/SiLU
         for key, r in quant_report.items():
             logger.info(f"fast_dense.tune_quantized(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
         if self.dense.use_triton and self.spec.gelu_approximate == "tanh" and len(ups) == len(self.layers):
