@@ -291,7 +291,8 @@ def test_server_metrics_move_across_a_generation(gateway):
     poller = threading.Thread(target=poll)
     poller.start()
     try:
-        out = gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=30, temperature=0)
+        # long enough for the poller's scrapes to land inside it on a loaded machine (30 tokens: missed once)
+        out = gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=200, temperature=0)
     finally:
         done.set()
         poller.join(10)

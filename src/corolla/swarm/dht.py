@@ -13,6 +13,7 @@ import concurrent.futures
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -46,6 +47,8 @@ PUBLIC_HOST_MADDRS: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0")
 
 DEFAULT_DHT_TIMEOUT_S = 30.0  # DHT calls that take longer than this are considered failed
 _WATCHDOG_PERIOD_S = 0.5
+BOOTSTRAP_ATTEMPTS = 2  # create_dht tries this often when none of the initial peers answered its ping
+BOOTSTRAP_RETRY_DELAY_S = 1.0
 
 
 @dataclass
@@ -199,7 +202,9 @@ def check_peer_maddr(maddr: str) -> None:
 
 
 def create_dht(config: SwarmConfig) -> hivemind.DHT:
-    """Starts a DHT node in a child process and waits (bounded) until it is ready; TimeoutError otherwise.
+    """Starts a DHT node in a child process and waits (bounded) until it is ready; TimeoutError otherwise. When none
+    of the initial peers answers the bootstrap ping, it tries again (BOOTSTRAP_ATTEMPTS tries in all, then
+    BootstrapError): one busy bootstrap node on a loaded machine does not end a server's start.
 
     Call before starting threads or touching CUDA (hivemind forks)."""
     kwargs = config.dht_kwargs()
@@ -213,6 +218,20 @@ def create_dht(config: SwarmConfig) -> hivemind.DHT:
     install_bounded_serializer()  # hivemind decodes DHT values with it; the forked DHT process inherits it
     # signed records (swarm.signed_records): refuse forged ones, sign ours with the key behind our peer id
     kwargs["record_validators"] = [*default_record_validators(), *kwargs.get("record_validators", ())]
+    for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
+        try:
+            return _start_dht(config, dict(kwargs), initial_peers, num_workers)
+        except BootstrapError:
+            if attempt == BOOTSTRAP_ATTEMPTS:
+                raise
+            # the peers' ping is answered within 3 s or counted lost: a bootstrap node busy on a loaded machine
+            logger.warning(f"dht.bootstrap_retry(attempt={attempt}, initial_peers={len(initial_peers)})")
+            time.sleep(BOOTSTRAP_RETRY_DELAY_S)
+    raise AssertionError("unreachable")
+
+
+def _start_dht(config: SwarmConfig, kwargs: dict[str, Any], initial_peers: list[str], num_workers: int) -> hivemind.DHT:
+    """One try of `create_dht`: the DHT process started and waited for, or everything it started stopped again."""
     identity = prepare_identity(kwargs)
     dht = OrphanProofDHT(initial_peers=initial_peers, start=False, num_workers=num_workers, **kwargs)
     # the P2P start-up has its own timeout; bootstrapping from initial peers needs a little more
