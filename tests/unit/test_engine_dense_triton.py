@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from tests.helpers import paged_cache
 
 from corolla.engine import ops
 from corolla.engine.ops import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi
@@ -22,33 +23,12 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE = 16
 
 
-def make_cache(seq_lens: list[int], nkv: int, d: int, max_pages: int, gen: torch.Generator):
-    """Pages shuffled between rows; pages no row uses hold NaN, tokens past a row's length hold 1e4."""
-    used = [-(-n // PAGE) for n in seq_lens]
-    total = sum(used) + 2
-    order = torch.randperm(total, generator=gen).tolist()
-    k = torch.full((total, PAGE, nkv, d), float("nan"))
-    v = torch.full((total, PAGE, nkv, d), float("nan"))
-    tables = torch.full((len(seq_lens), max_pages), order[-1], dtype=torch.int32)
-    nxt = 0
-    for row, (n, pages) in enumerate(zip(seq_lens, used, strict=True)):
-        for j in range(pages):
-            page = order[nxt]
-            nxt += 1
-            tables[row, j] = page
-            k[page], v[page] = torch.randn(PAGE, nkv, d, generator=gen), torch.randn(PAGE, nkv, d, generator=gen)
-            tail = n - j * PAGE
-            if tail < PAGE:
-                k[page, tail:], v[page, tail:] = 1e4, 1e4
-    return k, v, tables
-
-
 @pytest.mark.parametrize("mode", [ALIBI_FP32, ALIBI_BF16, ALIBI_FP16, ALIBI_FALCON_BF16])
 @pytest.mark.parametrize(("nq", "nkv", "splits"), [(8, 1, 1), (8, 1, 3), (8, 2, 2), (4, 4, 1)])
 def test_alibi_paged_attention_matches_reference(mode: int, nq: int, nkv: int, splits: int) -> None:
     gen = torch.Generator().manual_seed(mode * 100 + nq * 10 + nkv + splits)
     d, seq_lens = 32, [1, 17, 300, 64, 290]  # positions past 256: bf16 rounds them (Falcon mode)
-    k, v, tables = make_cache(seq_lens, nkv, d, max_pages=20, gen=gen)
+    k, v, tables = paged_cache.make_cache(seq_lens, nkv, d, 20, gen, PAGE)
     q = torch.randn(len(seq_lens), nq, d, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     slopes = alibi_slopes(nq)

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from tests.helpers import paged_cache
 
 from corolla.engine import ops
 from corolla.engine.attention_counters import ATTENTION_COUNTERS, attention_counters, reserve_attention_counters
@@ -28,22 +29,8 @@ def make_inputs(seq_lens: list[int], nq: int, nkv: int, seed: int):
     """q [B, nq, D] and paged caches: pages shuffled between rows; pages no row uses hold NaN, tokens past a row's
     length hold 1e4; every table entry past a row's pages names a NaN page."""
     gen = torch.Generator().manual_seed(seed)
-    used = [-(-n // PAGE) for n in seq_lens]
-    total = sum(used) + 2
-    order = torch.randperm(total, generator=gen).tolist()
-    k = torch.full((total, PAGE, nkv, D), float("nan"))
-    v = torch.full((total, PAGE, nkv, D), float("nan"))
-    tables = torch.full((len(seq_lens), max(used) + 1), order[-1], dtype=torch.int32)
-    nxt = 0
-    for row, (n, pages) in enumerate(zip(seq_lens, used, strict=True)):
-        for j in range(pages):
-            page = order[nxt]
-            nxt += 1
-            tables[row, j] = page
-            k[page], v[page] = torch.randn(PAGE, nkv, D, generator=gen), torch.randn(PAGE, nkv, D, generator=gen)
-            tail = n - j * PAGE
-            if tail < PAGE:
-                k[page, tail:], v[page, tail:] = 1e4, 1e4
+    max_pages = max(-(-n // PAGE) for n in seq_lens) + 1
+    k, v, tables = paged_cache.make_cache(seq_lens, nkv, D, max_pages, gen, PAGE)
     q = torch.randn(len(seq_lens), nq, D, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return q, k, v, tables, lens
