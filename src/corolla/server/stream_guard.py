@@ -244,6 +244,23 @@ async def _read_message_tasks(
     return request, length
 
 
+_READ_REFUSALS = (PeerLimitExceeded, ServerLimitExceeded, StreamStalled, ValueError)  # a stream's input refused
+
+
+async def _answer_refusal(
+    name: str,
+    error: BaseException,
+    lease: _Lease,
+    writer: asyncio.StreamWriter,
+    on_reject: Callable[[str, BaseException], None],
+) -> None:
+    """Counts a refused input, gives its bytes back, then tells the caller why."""
+    on_reject(name, error)
+    lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
+    with suppress(Exception):
+        await send_message(RPCError(message=str(error)), writer)
+
+
 StreamHandlerFn = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], AsyncIterator[Any]]
 
 
@@ -270,12 +287,10 @@ def guarded_stream_handler(
 
         async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
             while True:
-                request, nbytes = await queue.get()
+                request, _ = await queue.get()
                 if request is None:
                     return
-                if per_message:  # processed one at a time: its bytes are the handler's now
-                    lease.release(nbytes)
-                yield request
+                yield request  # (its bytes stay charged until the stream ends: the method may hold them all)
 
         async def process() -> None:
             try:
@@ -313,7 +328,7 @@ def guarded_stream_handler(
                     return
                 await asyncio.wait({receiving}, timeout=min(remaining_s, FINISH_INPUT_POLL_S))
 
-        between_s = None if per_message else limits.stream_idle_timeout_s
+        between_s = limits.stream_idle_timeout_s  # a streamed request's parts come back to back
         processing = asyncio.create_task(process())
         receiving = asyncio.create_task(receive())
         try:
@@ -329,15 +344,12 @@ def guarded_stream_handler(
                 return
             if isinstance(error, (asyncio.IncompleteReadError, ConnectionError)):
                 return  # the caller closed or died: processing is cancelled below
-            if not isinstance(error, (PeerLimitExceeded, ServerLimitExceeded, StreamStalled, ValueError)):
+            if not isinstance(error, _READ_REFUSALS):
                 raise error
             processing.cancel()
             with suppress(asyncio.CancelledError, Exception):
                 await processing
-            on_reject(name, error)
-            lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
-            with suppress(Exception):
-                await send_message(RPCError(message=str(error)), writer)
+            await _answer_refusal(name, error, lease, writer, on_reject)
         finally:
             processing.cancel()
             receiving.cancel()
@@ -351,9 +363,6 @@ def guarded_stream_handler(
                 writer.close()
 
     return handle
-
-
-_READ_REFUSALS = (PeerLimitExceeded, ServerLimitExceeded, StreamStalled, ValueError)
 
 
 class _InlineInput:
@@ -430,10 +439,7 @@ def _inline_handler(
             if source.broken:
                 return  # the caller closed or died
             if source.refused is not None:
-                on_reject(name, source.refused)
-                lease.release(lease.held)  # refused: its bytes are given back before the caller hears why
-                with suppress(Exception):
-                    await send_message(RPCError(message=str(source.refused)), writer)
+                await _answer_refusal(name, source.refused, lease, writer, on_reject)
                 return
             if failure is not None:
                 with suppress(Exception):
