@@ -40,9 +40,9 @@ from corolla.engine.quant_splits import (
     launch_options,
     programmatic_launch,
     prologue_width,
+    prologue_x,
     row_mask,
     rstd_of,
-    silu_gate,
     wait_for_producer,
 )
 
@@ -209,15 +209,7 @@ def _nf4_gemv_kernel(
 def _int8_row_products(w, x_ptr, nw_ptr, row, M, stride_xm, offs_k, K, PRO: tl.constexpr):
     # w [BLOCK_N, BLOCK_K] fp32 codes; f(x)[row, offs_k] (prologue PRO, quant_splits.PROLOGUES) -> [BLOCK_N,
     # BLOCK_K] products and [BLOCK_K] squares of x (RMSNorm's statistics; zeros otherwise)
-    mask = row_mask(offs_k, K, row, M)
-    if PRO == 2:
-        xr = silu_gate(x_ptr + row * stride_xm + offs_k, mask, K, x_ptr.dtype.element_ty)
-    else:
-        xr = tl.load(x_ptr + row * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
-    sq = tl.zeros_like(xr)
-    if PRO == 1:
-        sq = xr * xr
-        xr = xr * tl.load(nw_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    xr, sq = prologue_x(x_ptr, nw_ptr, row, M, stride_xm, offs_k, K, PRO)
     return w * xr[None, :], sq
 
 

@@ -33,8 +33,8 @@ from corolla.engine.quant_splits import (
     check_prologue,
     finish_split_rows,
     prologue_width,
+    prologue_x,
     row_mask,
-    silu_gate,
 )
 
 _PTX = tl.constexpr(decode_ptx())
@@ -78,15 +78,7 @@ def _row_word_sums(w, x_ptr, nw_ptr, row, M, stride_xm, k0, K, C: tl.constexpr, 
     # w [B, C, 8] fp32 levels of values k0 + 8c + t; f(x)[row] (prologue PRO, quant_splits) -> [B, C] per-word dot
     # products and [C, 8] squares of x (RMSNorm's statistics; zeros otherwise)
     offs = k0 + tl.arange(0, C)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [C, 8]
-    mask = row_mask(offs, K, row, M)
-    if PRO == 2:
-        xr = silu_gate(x_ptr + row * stride_xm + offs, mask, K, x_ptr.dtype.element_ty)
-    else:
-        xr = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    sq = tl.zeros_like(xr)
-    if PRO == 1:
-        sq = xr * xr
-        xr = xr * tl.load(nw_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+    xr, sq = prologue_x(x_ptr, nw_ptr, row, M, stride_xm, offs, K, PRO)
     return tl.sum(w * xr[None, :, :], axis=2), sq
 
 

@@ -108,6 +108,22 @@ def silu_gate(ptrs, mask, K, dt):
 
 
 @triton.jit
+def prologue_x(x_ptr, nw_ptr, row, M, stride_xm, offs, K, PRO: tl.constexpr):
+    # f(x)[row, offs] in fp32 for prologue PRO (PROLOGUES: 0 x, 1 RMSNorm's gain times x, 2 silu(gate) * up) and
+    # the squares of x (RMSNorm's statistics; zeros otherwise), both shaped like offs; rows >= M and offs >= K read 0
+    mask = row_mask(offs, K, row, M)
+    if PRO == 2:
+        xr = silu_gate(x_ptr + row * stride_xm + offs, mask, K, x_ptr.dtype.element_ty)
+    else:
+        xr = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    sq = tl.zeros_like(xr)
+    if PRO == 1:
+        sq = xr * xr
+        xr = xr * tl.load(nw_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+    return xr, sq
+
+
+@triton.jit
 def rstd_of(sum_sq, K, eps):
     # 1/rms of a row from its sum of squares over all K (as triton_kernels.rms_norm forms it)
     return 1.0 / tl.sqrt(sum_sq / K + eps)
