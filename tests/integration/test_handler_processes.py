@@ -2,7 +2,8 @@
 sessions opened by several client peers land on both handler processes and give bitwise identical outputs there
 (equal to the local blocks); a forward is served; a push crosses from the process that holds the upstream session
 to the one that holds the downstream session; a killed handler process is detected and replaced, and sessions
-keep working (no leaked KV cache)."""
+keep working (no leaked KV cache); each handler process serves its own same-host socket, and a replaced process
+serves it again."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import pytest
 import torch
 from hivemind.compression.serialization import deserialize_torch_tensor
 
+from corolla.client.local_transport import LocalInferenceStream
 from corolla.models.loading import load_pretrained_block
+from corolla.protocol import local_stream as ls
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.forwarding import NEXT_STEP_KEY
 from corolla.server.limits import PeerLimits
@@ -204,6 +207,46 @@ def test_push_crosses_to_the_process_holding_the_session(server, clients, blocks
     pytest.fail("four upstream/downstream pairs all landed on one handler process")
 
 
+async def _socket_sessions(server, n: int, prefill: torch.Tensor, token: torch.Tensor):
+    """`n` sessions over the same-host sockets, opened all at once: (socket name, first output, second output)."""
+    streams = [await LocalInferenceStream.open(server.peer_id, timeout_s=10) for _ in range(n)]
+    results = []
+    for stream in streams:
+        assert stream is not None and stream.path is not None, "no same-host socket accepted"
+        await stream.send(packed_request(chain(server, 0, 4), prefill, max_length=16))
+        first = await asyncio.wait_for(stream.receive(), 30)
+        await stream.send(packed_request(chain(server, 0, 4), token, start_from_position=prefill.shape[1]))
+        second = await asyncio.wait_for(stream.receive(), 30)
+        assert first is not None and second is not None
+        outputs = (deserialize_torch_tensor(first.tensors[0]), deserialize_torch_tensor(second.tensors[0]))
+        results.append((stream.path.name, *outputs))
+    for stream in streams:
+        await stream.send_end()
+        stream.close()
+    return results
+
+
+def test_same_host_sockets_are_served_by_the_handler_processes(server, blocks):
+    """Each handler process listens on its own same-host socket (the device process on none): sessions opened over
+    them land on both processes (as p2p streams do) and give the local blocks' outputs."""
+    names = sorted(path.name for path in ls.usable_sockets(server.peer_id))
+    assert names == [f"{server.peer_id}.0.sock", f"{server.peer_id}.1.sock"]
+    assert server.service.local_endpoint is None
+    torch.manual_seed(2)
+    prefill, token = torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN)
+    before = _opened_per_process(server)
+    results = asyncio.run(_socket_sessions(server, 12, prefill, token))
+    assert {name for name, _, _ in results} == set(names), "12 sessions all chose one socket"
+    opened = [after - b for after, b in zip(_opened_per_process(server), before, strict=True)]
+    assert sum(opened) == 12 and min(opened) >= 1, f"sessions per handler process: {opened}"
+    whole = local_forward(blocks, 0, 4, torch.cat([prefill, token], dim=1))
+    for _, first, second in results:
+        torch.testing.assert_close(first, whole[:, :3], atol=1e-4, rtol=0)
+        torch.testing.assert_close(second, whole[:, 3:], atol=1e-4, rtol=0)
+    executor = server.service.executor
+    assert wait_until(lambda: executor.bytes_left == executor.max_size_bytes, 10)
+
+
 def test_killed_handler_process_is_replaced(server, clients):
     pool = server.service.pool
     victim = pool.processes[0]
@@ -221,5 +264,9 @@ def test_killed_handler_process_is_replaced(server, clients):
     for stream in streams:
         stream.close()
     assert all(torch.equal(o[1], outputs[0][1]) for o in outputs)
+    # the replacement listens on the dead process's socket again: sessions over both sockets work
+    results = asyncio.run(_socket_sessions(server, 12, prefill, token))
+    assert {name for name, _, _ in results} == {f"{server.peer_id}.0.sock", f"{server.peer_id}.1.sock"}
+    assert all(torch.equal(second, outputs[0][1]) for _, _, second in results)
     executor = server.service.executor
     assert wait_until(lambda: executor.bytes_left == executor.max_size_bytes, 10)

@@ -73,6 +73,48 @@ def test_only_private_dirs_and_own_sockets_are_trusted(tmp_path, monkeypatch) ->
     assert ls.usable_socket("Q" * 200) is None  # longer than a unix socket path may be
 
 
+def test_handler_process_sockets_are_found_tried_in_turn_and_removed(tmp_path) -> None:
+    """A server with handler processes has one socket per process (`<peer>.<i>.sock`): a client finds them all (and
+    no other peer's), skips one that refuses (a dead process's) for one that accepts, and a restarting server
+    removes every socket of its identity before listening."""
+    directory = tmp_path / "socks"
+    assert ls.ensure_private_dir(directory)
+    assert ls.socket_path("QmPeer", directory, 3) == directory / "QmPeer.3.sock"
+    with pytest.raises(ValueError, match="handler index"):
+        ls.socket_path("QmPeer", directory, -1)
+    stale, live = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    others = [socket.socket(socket.AF_UNIX) for _ in range(3)]
+    try:
+        stale.bind(str(ls.socket_path("QmPeer", directory, 0)))  # bound, never listening: refuses connections
+        live.bind(str(ls.socket_path("QmPeer", directory, 1)))
+        live.listen()
+        for other, name in zip(others, ("QmPeerX.sock", "QmPeer.x.sock", "QmOther.1.sock"), strict=True):
+            other.bind(str(directory / name))
+        names = sorted(path.name for path in ls.usable_sockets("QmPeer", directory))
+        assert names == ["QmPeer.0.sock", "QmPeer.1.sock"]
+
+        def accept() -> None:
+            conn, _ = live.accept()
+            with conn:
+                ls.parse_header(conn.recv(ls.HEADER_BYTES), ls.MAX_HELLO_BYTES)
+                conn.sendall(b"".join(ls.frame(ls.ACCEPT)))
+                conn.recv(1)
+
+        for _ in range(4):  # whichever order the client tries them in, it ends on the live one
+            thread = threading.Thread(target=accept, daemon=True)
+            thread.start()
+            stream = asyncio.run(LocalInferenceStream.open("QmPeer", timeout_s=5, directory=directory))
+            assert stream is not None and stream.path == directory / "QmPeer.1.sock"
+            stream.close()
+            thread.join(5)
+        assert ls.remove_sockets("QmPeer", directory) == 2
+        assert ls.usable_sockets("QmPeer", directory) == []
+        assert sorted(os.listdir(directory)) == ["QmOther.1.sock", "QmPeer.x.sock", "QmPeerX.sock"]
+    finally:
+        for sock in (stale, live, *others):
+            sock.close()
+
+
 def _stream_pair() -> tuple[LocalInferenceStream, socket.socket]:
     client, server = socket.socketpair()
     client.setblocking(False)

@@ -30,16 +30,25 @@ class LocalInferenceStream(FramedSocketStream):
     """One `rpc_inference` stream over a same-host server's socket (`protocol.local_stream` frames). Not
     thread-safe: one caller at a time, either the client loop (`send`, `receive`) or one thread (`exchange`)."""
 
+    path: Path | None = None  # the socket it connected to
+
     # ---- opening
 
     @classmethod
     async def open(
         cls, peer_id: str, *, timeout_s: float, directory: Path | None = None
     ) -> LocalInferenceStream | None:
-        """Connects and says hello; None when the server has no usable socket here or does not accept."""
-        path = ls.usable_socket(peer_id, directory)
-        if path is None:
-            return None
+        """Connects and says hello; None when the server has no usable socket here or does not accept. A server
+        with several handler processes has a socket per process: they are tried in random order (a stale one
+        left by a dead process refuses the connection at once)."""
+        for path in ls.usable_sockets(peer_id, directory):
+            stream = await cls._open_at(path, peer_id, timeout_s)
+            if stream is not None:
+                return stream
+        return None
+
+    @classmethod
+    async def _open_at(cls, path: Path, peer_id: str, timeout_s: float) -> LocalInferenceStream | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         stream = cls(sock, peer_id)
@@ -53,9 +62,10 @@ class LocalInferenceStream(FramedSocketStream):
                 message = payload.decode(errors="replace") if kind == ls.ERROR else f"frame kind {kind}"
                 raise ConnectionError(f"refused: {message}")
         except (OSError, EOFError, ValueError, asyncio.TimeoutError) as e:
-            logger.debug(f"local_transport.unavailable(peer=...{peer_id[-6:]}, error={e!r})")
+            logger.debug(f"local_transport.unavailable(peer=...{peer_id[-6:]}, path={path.name}, error={e!r})")
             stream.close()
             return None
+        stream.path = path
         return stream
 
     # ---- framing

@@ -9,8 +9,10 @@ endian) and the payload:
     client -> server: HELLO {"version", "rpc", "peer_id"} (JSON); then MESSAGE* (ExpertRequest); END
     server -> client: ACCEPT (empty) or ERROR; then MESSAGE* (ExpertResponse); END, or ERROR (utf-8 text)
 
-Where: `<socket dir>/<server peer id>.sock`, the socket dir being `$COROLLA_LOCAL_SOCKET_DIR` or
-`<tmp>/corolla-<uid>`, created 0700. A client only uses a socket in a dir owned by its own uid and closed to
+Where: `<socket dir>/<server peer id>.sock` (a one-process server), or `<server peer id>.<i>.sock` for handler
+process i of a server with `--num_handlers` > 1 (each process serves its own socket; a client picks one at random,
+as p2pd deals streams round-robin), the socket dir being `$COROLLA_LOCAL_SOCKET_DIR` or `<tmp>/corolla-<uid>`,
+created 0700. A client only uses a socket in a dir owned by its own uid and closed to
 group and others, so only a process of the same user (who could read the server's memory anyway) can have put it
 there; anyone else keeps to p2p. Nothing here ever leaves the machine.
 """
@@ -18,8 +20,11 @@ there; anyone else keeps to p2p. Nothing here ever leaves the machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import random
+import re
 import stat
 import struct
 import tempfile
@@ -46,11 +51,39 @@ def socket_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"corolla-{os.getuid()}"
 
 
-def socket_path(peer_id: str, directory: Path | None = None) -> Path:
-    """The socket of the server with base58 `peer_id`; ValueError for a peer id that is not a plain file name."""
+def socket_path(peer_id: str, directory: Path | None = None, index: int | None = None) -> Path:
+    """The socket of the server with base58 `peer_id` (of its handler process `index`, if given); ValueError for a
+    peer id that is not a plain file name or a negative index."""
     if not peer_id or not peer_id.isalnum():
         raise ValueError(f"peer id must be a non-empty base58 string, got {peer_id!r:.80}")
-    return (directory if directory is not None else socket_dir()) / f"{peer_id}.sock"
+    if index is not None and index < 0:
+        raise ValueError(f"handler index must be >= 0, got {index}")
+    name = f"{peer_id}.sock" if index is None else f"{peer_id}.{index}.sock"
+    return (directory if directory is not None else socket_dir()) / name
+
+
+def _peer_sockets(peer_id: str, directory: Path) -> list[Path]:
+    """Every name in `directory` that is `peer_id`'s socket or one of its handler processes' (not checked)."""
+    pattern = re.compile(re.escape(peer_id) + r"(\.\d{1,4})?\.sock")
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(directory / name for name in names if pattern.fullmatch(name))
+
+
+def remove_sockets(peer_id: str, directory: Path | None = None) -> int:
+    """Removes the sockets an earlier run with this identity left (a server does this before listening, so that
+    no client tries a socket of a handler process that no longer exists); returns how many."""
+    directory = directory if directory is not None else socket_dir()
+    if not peer_id.isalnum() or not is_private_dir(directory):
+        return 0
+    removed = 0
+    for path in _peer_sockets(peer_id, directory):
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed += 1
+    return removed
 
 
 def is_private_dir(directory: Path) -> bool:
@@ -72,20 +105,35 @@ def ensure_private_dir(directory: Path) -> bool:
     return is_private_dir(directory)
 
 
-def usable_socket(peer_id: str, directory: Path | None = None) -> Path | None:
-    """The path of `peer_id`'s socket if a server of this user may be listening there, else None (no socket, a dir
-    another user could write to, a path too long for a unix socket)."""
+def usable_sockets(peer_id: str, directory: Path | None = None) -> list[Path]:
+    """The paths where a server of this user with `peer_id` may be listening, in random order (a one-process
+    server's socket, or one per handler process); empty when there is none, the dir is one another user could
+    write to, or a path is too long for a unix socket."""
     try:
-        path = socket_path(peer_id, directory)
+        socket_path(peer_id, directory)
     except ValueError:
-        return None
-    if len(os.fsencode(path)) > UNIX_PATH_MAX_BYTES or not is_private_dir(path.parent):
-        return None
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return path if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid() else None
+        return []
+    directory = directory if directory is not None else socket_dir()
+    if not is_private_dir(directory):
+        return []
+    usable = []
+    for path in _peer_sockets(peer_id, directory):
+        if len(os.fsencode(path)) > UNIX_PATH_MAX_BYTES:
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid():
+            usable.append(path)
+    random.shuffle(usable)
+    return usable
+
+
+def usable_socket(peer_id: str, directory: Path | None = None) -> Path | None:
+    """One of `usable_sockets` (chosen at random), or None."""
+    paths = usable_sockets(peer_id, directory)
+    return paths[0] if paths else None
 
 
 @dataclass(frozen=True)

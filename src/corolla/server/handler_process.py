@@ -12,14 +12,16 @@ import signal
 import socket
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.server import proxy_wire as wire
 from corolla.server.block_functions import ServingLimits
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.limits import PeerLimits
+from corolla.server.local_endpoint import LocalEndpoint
 from corolla.server.metrics import ServerMetrics
 from corolla.server.peer_auth import make_peer_auth
 from corolla.server.proxy_executor import DeviceLink, ProxyExecutor, RemoteAdmission, RoutingSessionRegistry
@@ -45,6 +47,7 @@ class HandlerSettings:
     peer_id: str
     swarm_key_file: str | None  # private swarm: every RPC proves membership here too
     kv_handoff: bool
+    local_socket_dir: str | None = None  # serve same-host clients on a unix socket of this process's own there
 
 
 class ForwardedMetrics(ServerMetrics):
@@ -108,10 +111,13 @@ async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> 
     handler.admission = RemoteAdmission(settings.peer_limits, executor)  # global: decided by the device process
     handler.handoff.enabled = settings.kv_handoff
     p2p = await P2P.replicate(Multiaddr(settings.daemon_listen_maddr))
+    endpoint: LocalEndpoint | None = None
     try:
         await handler.add_p2p_handlers(p2p, balanced=True)
         if link.closed.is_set():  # stopped while starting
             return
+        if settings.local_socket_dir is not None:
+            endpoint = await _start_endpoint(handler, settings, index)
         ready = wire.Writer().u32(os.getpid()).text(str(p2p._client_listen_maddr))  # where p2pd sends our streams
         names = stream_handle_names(handler)
         ready.u8(len(names))
@@ -122,6 +128,8 @@ async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> 
         await link.closed.wait()
     finally:
         logger.info(f"handler_process.stopping(index={index}, sessions={handler.sessions.num_open})")
+        if endpoint is not None:
+            await endpoint.stop()
         await handler.shutdown()
         try:
             await asyncio.wait_for(handler.remove_p2p_handlers(p2p), 5.0)
@@ -132,3 +140,19 @@ async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> 
             await asyncio.wait_for(p2p.shutdown(), 5.0)
         except Exception as e:
             logger.debug(f"handler_process.p2p_shutdown_failed({e!r})")
+
+
+async def _start_endpoint(
+    handler: TransformerConnectionHandler, settings: HandlerSettings, index: int
+) -> LocalEndpoint | None:
+    """This process's same-host socket, or None where it cannot listen (same-host clients then use p2p)."""
+    assert settings.local_socket_dir is not None
+    endpoint = LocalEndpoint(
+        handler, PeerID.from_base58(settings.peer_id), directory=Path(settings.local_socket_dir), index=index
+    )
+    try:
+        if await endpoint.start():
+            return endpoint
+    except OSError as e:
+        logger.warning(f"handler_process.local_endpoint_failed(index={index}): {e!r}")
+    return None

@@ -1,7 +1,9 @@
 """`LocalEndpoint`: serves `rpc_inference` to corolla clients on the same machine over a unix socket (framing in
 `protocol.local_stream`), on the handler's own asyncio loop and through the very same handler method as the p2p
 stream, so sessions, validation, batching and cache accounting are shared. Remote clients and stock Petals clients
-keep using p2p; this only removes the two p2pd daemons from the same-host path."""
+keep using p2p; this only removes the two p2pd daemons from the same-host path. A one-process server listens in
+its device process; with `--num_handlers` N > 1 each handler process listens on its own socket (`index`), so that
+same-host streams are spread over the processes like p2p ones."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ class LocalEndpoint:
     """A unix-socket listener for the handler of one span; `start()` returns False (and serves nothing) where the
     socket dir is not private to this user or the path does not fit a unix socket."""
 
-    def __init__(self, handler: Any, peer_id: Any, *, directory: Path | None = None):
+    def __init__(self, handler: Any, peer_id: Any, *, directory: Path | None = None, index: int | None = None):
         self.handler = handler
+        self.index = index  # handler process index (its own socket), None: the server's one socket
         self.peer_id = peer_id  # hivemind PeerID (handed to the handler as the context's local id)
         self.peer_id_b58 = peer_id.to_base58()
         self.directory = directory if directory is not None else ls.socket_dir()
@@ -49,7 +52,7 @@ class LocalEndpoint:
         if not ls.ensure_private_dir(self.directory):
             logger.warning(f"local_endpoint.disabled(dir={self.directory}): not a directory private to this user")
             return False
-        path = ls.socket_path(self.peer_id_b58, self.directory)
+        path = ls.socket_path(self.peer_id_b58, self.directory, self.index)
         if len(os.fsencode(path)) > ls.UNIX_PATH_MAX_BYTES:
             logger.warning(f"local_endpoint.disabled(path={path}): longer than a unix socket path may be")
             return False

@@ -1,13 +1,14 @@
 """The serving part for one span: the executor's runtime thread, the RPC handler registered on a P2P instance (or,
 with `num_handlers` > 1, the handler processes that serve the p2p streams, `handler_pool`) and the same-host
-unix-socket endpoint for inference streams, started and stopped together (stopping ends every session, which frees
-its KV cache)."""
+unix-socket endpoint for inference streams (in this process, or one per handler process), started and stopped
+together (stopping ends every session, which frees its KV cache)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+from corolla.protocol import local_stream as ls
 from corolla.server.block_functions import ServingLimits
 from corolla.server.device_channel import DeviceSessionRegistry
 from corolla.server.executor import DeviceExecutor
@@ -76,11 +77,13 @@ class SpanService:
         if not self.runtime.is_running:  # a bench may serve one executor with several services in turn
             await asyncio.to_thread(self.runtime.start)
         self.p2p = p2p
+        if self.local_socket:  # no client may try a socket of a handler process an earlier run had
+            ls.remove_sockets(p2p.peer_id.to_base58())
         if self.num_handlers == 1:
             await self.handler.add_p2p_handlers(p2p)
         else:
-            await self._start_pool(p2p)
-        if self.local_socket:
+            await self._start_pool(p2p)  # each handler process serves its own same-host socket
+        if self.local_socket and self.num_handlers == 1:
             endpoint = LocalEndpoint(self.handler, p2p.peer_id)
             try:
                 if await endpoint.start():
@@ -101,6 +104,7 @@ class SpanService:
             peer_id=p2p.peer_id.to_base58(),
             swarm_key_file=self.swarm_key_file,
             kv_handoff=handler.handoff.enabled,
+            local_socket_dir=str(ls.socket_dir()) if self.local_socket else None,
         )
         self.pool = HandlerPool(
             self.num_handlers,
