@@ -1,16 +1,20 @@
 """The multi-user benchmark's CPU mode as a smoke test: one real server (fast path on the CPU), sessions driven
 from two separate client processes over p2p; every session finishes, steps of different sessions merge into one
-forward, and the figures are in a sane (loose) range."""
+forward, and the figures are in a sane (loose) range. corolla's own client streams (`--clients corolla`) decode what
+the stock-Petals-style ones decode, over p2p and the socket; `--client_cpus` puts the client processes and the
+server side on separate CPUs."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
 from corolla.bench import multi_user as mu
 from corolla.bench.model import ModelShape
+from corolla.bench.users_clients import CpuSplit
 
 SHAPE = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
@@ -65,3 +69,87 @@ def test_many_sessions_through_one_server_from_two_processes():
     assert 0.0 < result.device_busy_share <= 1.0
     assert math.isfinite(result.step_median_ms) and result.step_median_ms < 20_000
     assert result.aggregate_tokens_per_s > 0.5
+
+
+def test_client_kind_is_checked_and_defaults_to_petals():
+    assert mu.UsersConfig(sessions=1, client_processes=1, transport="p2p").client == "petals"
+    with pytest.raises(ValueError, match="client must be one of petals, corolla"):
+        mu.UsersConfig(sessions=1, client_processes=1, transport="p2p", client="hivemind")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def small_executor():
+    return mu.build_executor(
+        SHAPE,
+        torch.float32,
+        torch.device("cpu"),
+        num_layers=SHAPE.num_layers,
+        serving_path="fast",
+        cache_bytes=32 << 20,
+    )
+
+
+def _server(executor, cpus=None) -> mu.BenchServer:
+    return mu.BenchServer(
+        executor,
+        hidden_size=SHAPE.hidden_size,
+        num_layers=SHAPE.num_layers,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        cpus=cpus,
+    )
+
+
+def _outputs_by_seed(clients: list[dict]) -> dict[int, torch.Tensor]:
+    """Each client process's sessions' outputs ([sessions, 1 + decode steps, hidden]) by its seed (its inputs)."""
+    return {r["seed"]: torch.tensor(r["outputs"]) for r in clients}
+
+
+def test_corolla_clients_decode_what_petals_clients_decode_over_p2p_and_the_socket(small_executor):
+    """The same inputs (each client process's seed) through the same server: corolla's own client streams, over p2p
+    and over the same-host socket, get the outputs the stock-Petals-style streams get, every session finishing."""
+    runs = [("p2p", "petals"), ("p2p", "corolla"), ("socket", "corolla")]
+    outputs, rows = {}, {}
+    with _server(small_executor).running(keep_runtime=True) as server:
+        for transport, client in runs:
+            config = mu.UsersConfig(sessions=4, client_processes=2, transport=transport, client=client,
+                                    prefix_tokens=4, decode_steps=5, start_timeout_s=120)  # fmt: skip
+            clients: list[dict] = []
+            rows[transport, client] = mu.run_users(server, config, "fast", clients_out=clients)
+            outputs[transport, client] = _outputs_by_seed(clients)
+    for key, row in rows.items():
+        assert row.errors == [] and row.sessions_finished == 4, key
+        assert row.client == key[1] and row.transport == key[0] and row.client_cpus == []
+        assert row.cpu_us_per_step["client processes"] > 0
+    reference = outputs["p2p", "petals"]
+    assert sorted(reference) == [100, 101] and reference[100].shape == (2, 1 + 5, SHAPE.hidden_size)
+    assert not torch.equal(reference[100][0], reference[101][0])  # the processes' inputs differ
+    for key in (("p2p", "corolla"), ("socket", "corolla")):
+        assert sorted(outputs[key]) == [100, 101]
+        for seed, expected in reference.items():
+            torch.testing.assert_close(outputs[key][seed], expected, rtol=1e-4, atol=1e-4, msg=f"{key}, seed {seed}")
+
+
+def _p2pd_children() -> list[int]:
+    from corolla.bench.cpu_share import _stat
+
+    pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    return [p for p in pids if (s := _stat(p)) is not None and s[0] == "p2pd" and s[1] == os.getpid()]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_client_cpus_pin_the_clients_and_the_server_apart(small_executor):
+    have = frozenset(os.sched_getaffinity(0))
+    split = CpuSplit.parse(str(max(have)), have)
+    config = mu.UsersConfig(sessions=2, client_processes=1, transport="p2p", client="corolla",
+                            prefix_tokens=4, decode_steps=5, start_timeout_s=120)  # fmt: skip
+    clients: list[dict] = []
+    with _server(small_executor, split).running(keep_runtime=True) as server:
+        assert frozenset(os.sched_getaffinity(0)) == split.server
+        daemons = _p2pd_children()
+        assert daemons and all(frozenset(os.sched_getaffinity(p)) == split.server for p in daemons)
+        row = mu.run_users(server, config, "fast", clients_out=clients)
+    assert frozenset(os.sched_getaffinity(0)) == have  # restored
+    assert row.errors == [] and row.sessions_finished == 2
+    assert [c["cpus"] for c in clients] == [sorted(split.clients)]
+    assert row.client_cpus == sorted(split.clients) and row.server_cpus == sorted(split.server)

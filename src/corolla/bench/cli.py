@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import re
 import sys
 import time
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--user_processes", type=int, default=4, help="client processes for --users")
     p.add_argument("--user_transports", default="socket,p2p", help="transports for --users: socket, p2p")
     p.add_argument("--user_steps", type=int, default=32, help="decode steps per session for --users")
+    p.add_argument(
+        "--user_clients", default="petals", help="client kinds for --users: petals (hivemind stub streams), corolla"
+    )
     p.add_argument(
         "--gil_switch_interval_ms",
         type=float,
@@ -308,15 +312,20 @@ def main(argv: list[str] | None = None) -> int:
         for prefix in [*rpc.get("variants", [""]), "corolla_", "corolla_local_", "corolla_local_poll_"]:
             if f"{prefix}overhead_ms" in rpc:
                 checks[f"rpc_{prefix}overhead_ms"] = f"{rpc[f'{prefix}overhead_ms']:.2f} (target <= 1)"
-    for transport in args.user_transports.split(",") if results.get("rpc", {}).get("users") else ():
-        users = {u["sessions"]: u for u in results["rpc"]["users"] if u["transport"] == transport}
+    user_runs = itertools.product(args.user_transports.split(","), args.user_clients.split(","))
+    for transport, client in user_runs if results.get("rpc", {}).get("users") else ():
+        users = {
+            u["sessions"]: u
+            for u in results["rpc"]["users"]
+            if u["transport"] == transport and u.get("client", "petals") == client
+        }
         if 1 not in users:
             continue
         lone = users[1]
         for n, u in users.items():
             if n == 1:
                 continue
-            key = f"users_{transport}_{n}"
+            key = f"users_{transport}_{n}" if client == "petals" else f"users_{transport}_{client}_{n}"
             checks[f"{key}_over_1_rpc"] = (
                 f"{u['aggregate_tokens_per_s'] / lone['aggregate_tokens_per_s']:.1f} (target >= 30)"
             )

@@ -98,7 +98,9 @@ class CpuProbe:
 
 
 def client_cpu() -> tuple[float, float]:
-    """(this client process's CPU seconds, its p2pd children's CPU seconds) so far."""
+    """(this client process's CPU seconds, all its threads, its p2pd children's CPU seconds) so far. Either client
+    kind (`users_clients`) is covered: a petals-kind session's hivemind writer task and a corolla-kind session's
+    socket writes run in this process, and both talk to the p2pd this process started (a socket session to none)."""
     return time.process_time(), _p2pd_children_cpu_s(os.getpid())
 
 

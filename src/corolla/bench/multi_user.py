@@ -4,7 +4,8 @@ One corolla span server runs in this process (hivemind P2P on loopback, the `rpc
 thread, the same-host socket endpoint); the clients run in several other processes (forked from one forkserver
 that imported torch and hivemind once; each with its own P2P instance or unix-socket connections), each driving
 some of the sessions as a stock Petals client does (`rpc_inference` stream, session metadata,
-`start_from_position`). All sessions prefill, wait at a common start, then decode `decode_steps` tokens each.
+`start_from_position`) or as corolla's client does (its own p2pd or socket streams, `UsersConfig.client`); with
+`BenchServer(cpus=...)` the clients and the server side run on separate CPUs (`users_clients`). All sessions prefill, wait at a common start, then decode `decode_steps` tokens each.
 Reported: aggregate decode tokens/s, each client step (median, p90, worst; the worst session's median), steps merged
 per forward and the runtime thread's busy share (from the runtime's own per-kind counters), errors and sessions that
 did not finish.
@@ -29,6 +30,7 @@ import torch
 
 from corolla.bench.measure import median, percentile
 from corolla.bench.model import ModelShape
+from corolla.bench.users_clients import CLIENT_KINDS, ClientJob, ClientKind, CpuSplit, client_process, pinned
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -47,7 +49,6 @@ DHT_PREFIX = "bench"
 # the runtime kinds that run inference steps (plain path: one task per session step; fast path: merged steps)
 INFERENCE_KINDS = ("inference", "engine_inference")
 MAX_LENGTH_TOKENS = 4096
-PREFILLS_AT_ONCE = 8  # per client process: users arrive spread out, not all with their prompt at one instant
 MAX_BATCH_SIZE_TOKENS = 16384
 
 
@@ -58,6 +59,7 @@ class UsersConfig:
     sessions: int
     client_processes: int
     transport: Transport
+    client: ClientKind = "petals"  # how each session is driven (users_clients)
     prefix_tokens: int = 32
     decode_steps: int = 32
     warmup_steps: int = 3  # each session's first steps are left out of the latency figures (ramp-up)
@@ -73,6 +75,8 @@ class UsersConfig:
             raise ValueError(f"decode_steps ({self.decode_steps}) must exceed warmup_steps ({self.warmup_steps})")
         if self.transport not in ("p2p", "socket"):
             raise ValueError(f"transport must be 'p2p' or 'socket', got {self.transport!r}")
+        if self.client not in CLIENT_KINDS:
+            raise ValueError(f"client must be one of {', '.join(CLIENT_KINDS)}, got {self.client!r}")
 
     def split(self) -> list[int]:
         """Sessions per client process (no process without sessions)."""
@@ -104,6 +108,9 @@ class UsersResult:
     cpu_us_per_step: dict[str, float] = field(default_factory=dict)
     gather_fraction: float = 0.5  # the runtime's gather rule (server.gather) while this row ran
     reply_thread: bool = False  # handler channels replied from writer threads (else from the runtime thread)
+    client: str = "petals"  # the client kind (users_clients.CLIENT_KINDS)
+    client_cpus: list[int] = field(default_factory=list)  # CPUs of the client processes (empty: not pinned)
+    server_cpus: list[int] = field(default_factory=list)  # CPUs of the server side (empty: not pinned)
 
 
 # ---- the server (this process)
@@ -169,11 +176,13 @@ class BenchServer:
         device,
         num_handlers: int = 1,
         reply_thread: bool = False,
+        cpus: CpuSplit | None = None,
     ):
         from corolla.server.block_functions import ServingLimits
 
         self.executor, self.device, self.num_handlers = executor, device, num_handlers
         self.reply_thread = reply_thread  # handler channels send replies from writer threads (device_channel)
+        self.cpus = cpus  # set: this process runs on cpus.server while serving, the client processes on cpus.clients
         self.num_layers, self.hidden_size, self.dtype = num_layers, hidden_size, dtype
         self.limits = ServingLimits(
             dht_prefix=DHT_PREFIX,
@@ -192,6 +201,14 @@ class BenchServer:
 
     @contextmanager
     def running(self, keep_runtime: bool = False) -> Iterator[BenchServer]:
+        """Serves until the block ends; with `cpus`, this process's threads run on the server's CPUs meanwhile, set
+        before the loop thread, the P2P (its p2pd) and the handler processes' forkserver exist (they inherit it)."""
+        with pinned(self.cpus.server if self.cpus is not None else None):
+            with self._serving(keep_runtime) as server:
+                yield server
+
+    @contextmanager
+    def _serving(self, keep_runtime: bool) -> Iterator[BenchServer]:
         from hivemind.p2p import P2P
 
         from corolla.server.limits import PeerLimits
@@ -249,132 +266,56 @@ class BenchServer:
         return CpuProbe(self.runtime.thread, self.loop_thread, pool.pids if pool is not None else [])
 
 
-# ---- the clients (other processes)
+# ---- the clients (other processes: `users_clients`)
 
 
-def _client_process(
-    maddrs: list[str],
-    peer_id_b58: str,
-    chain: str,
-    config: UsersConfig,
-    num_sessions: int,
-    hidden_size: int,
-    dtype_name: str,
-    seed: int,
-    ready: multiprocessing.Queue,
-    go: threading.Event,
-    results: multiprocessing.Queue,
-) -> None:
-    try:
-        result = asyncio.run(
-            _client_sessions(maddrs, peer_id_b58, chain, config, num_sessions, hidden_size, dtype_name, seed, ready, go)
-        )
-    except BaseException as e:  # reported to the parent, which counts the sessions as lost
-        result = {"errors": [f"client process failed: {e!r}"[:300]], "latencies": [], "finished": 0}
-    results.put(result)
+CLIENT_PRELOAD = (
+    "corolla.bench.multi_user",
+    "corolla.bench.users_clients",
+    "corolla.bench.rpc_bench",
+    "corolla.protocol.rpc",
+    "corolla.client.span_session",
+    "hivemind.p2p",
+)
 
 
-async def _client_sessions(
-    maddrs, peer_id_b58, chain, config: UsersConfig, k: int, h: int, dtype_name: str, seed: int, ready, go
-) -> dict:
-    from hivemind.p2p import P2P, PeerID
-
-    from corolla.bench.cpu_share import client_cpu
-    from corolla.bench.rpc_bench import _Stream
-    from corolla.protocol.rpc import get_stub
-
-    torch.manual_seed(seed)
-    dtype = getattr(torch, dtype_name)
-    max_length = config.prefix_tokens + config.decode_steps + 8
-    prefix = torch.randn(1, config.prefix_tokens, h).to(dtype)
-    tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(8)]
-    p2p = await P2P.create(initial_peers=maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
-    errors: list[str] = []
-    latencies: list[list[float]] = [[] for _ in range(k)]
-    windows: list[tuple[float, float]] = []
-    prefill_ms: list[float] = []  # client-observed, all of this process's sessions prefilling at once
-    finished = 0
-    cpu_s = (0.0, 0.0)  # this process and its p2pd over the decode window
-    try:
-        stub = get_stub(p2p, PeerID.from_base58(peer_id_b58))
-        local = peer_id_b58 if config.transport == "socket" else None
-        streams = [await _Stream(stub, chain, max_length, local).open() for _ in range(k)]
-
-        gate = asyncio.Semaphore(PREFILLS_AT_ONCE)
-
-        async def prefill(stream: _Stream) -> None:
-            async with gate:
-                t0 = time.perf_counter()
-                await asyncio.wait_for(stream.step(prefix, 0), config.step_timeout_s)
-                prefill_ms.append((time.perf_counter() - t0) * 1000)
-
-        await asyncio.gather(*(prefill(s) for s in streams))
-        ready.put(k)
-        if not await asyncio.to_thread(go.wait, config.start_timeout_s):
-            raise TimeoutError("no start signal")
-
-        async def decode(i: int) -> None:
-            nonlocal finished
-            stream, lat = streams[i], latencies[i]
-            start = time.time()
-            try:
-                for step in range(config.decode_steps):
-                    t0 = time.perf_counter()
-                    out = await asyncio.wait_for(
-                        stream.step(tokens[step % len(tokens)], config.prefix_tokens + step), config.step_timeout_s
-                    )
-                    if out.shape != (1, 1, h):
-                        raise ValueError(f"response of shape {tuple(out.shape)}")
-                    if step >= config.warmup_steps:
-                        lat.append((time.perf_counter() - t0) * 1000)
-                finished += 1
-            except Exception as e:
-                errors.append(f"session {i}: {e!r}"[:300])
-            finally:
-                windows.append((start, time.time()))
-                await stream.close()
-
-        cpu_before = client_cpu()
-        await asyncio.gather(*(decode(i) for i in range(k)))
-        cpu_after = client_cpu()
-        cpu_s = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
-    finally:
-        await p2p.shutdown()
-    return {
-        "errors": errors,
-        "latencies": latencies,
-        "finished": finished,
-        "windows": windows,
-        "prefill_ms": prefill_ms,
-        "cpu_s": cpu_s,
-    }
-
-
-CLIENT_PRELOAD = ("corolla.bench.multi_user", "corolla.bench.rpc_bench", "corolla.protocol.rpc", "hivemind.p2p")
-
-
-def run_users(server: BenchServer, config: UsersConfig, serving_path: str) -> UsersResult:
-    """One measurement against a running `server` (its runtime counters give the merged-forward figures)."""
-    from corolla.protocol.uids import make_chain
-
+def run_users(
+    server: BenchServer, config: UsersConfig, serving_path: str, *, clients_out: list[dict] | None = None
+) -> UsersResult:
+    """One measurement against a running `server` (its runtime counters give the merged-forward figures).
+    `clients_out`: the client processes' result dicts are appended to it, each with its sessions' outputs."""
     # forkserver: one fresh interpreter imports torch and hivemind once (the preload), then forks every client
     # process from it; no client inherits this process's threads, CUDA context or event loop (as with spawn)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(CLIENT_PRELOAD))
     ready, results = context.Queue(), context.Queue()
     go = context.Event()
-    chain = make_chain(DHT_PREFIX, 0, server.num_layers)
     dtype_name = str(server.dtype).removeprefix("torch.")
     split = config.split()
+    jobs = [
+        ClientJob(
+            maddrs=server.maddrs,
+            peer_id_b58=server.peer_id_b58,
+            prefix=DHT_PREFIX,
+            num_layers=server.num_layers,
+            config=config,
+            num_sessions=k,
+            hidden_size=server.hidden_size,
+            dtype_name=dtype_name,
+            seed=100 + i,
+            cpus=server.cpus.clients if server.cpus is not None else None,
+            keep_outputs=clients_out is not None,
+        )
+        for i, k in enumerate(split)
+    ]
     processes = [
         context.Process(
-            target=_client_process,
-            args=(server.maddrs, server.peer_id_b58, chain, config, k, server.hidden_size, dtype_name, 100 + i),
-            kwargs=dict(ready=ready, go=go, results=results),
+            target=client_process,
+            args=(job, ready, go, results),
             name=f"bench-users-{i}",
             daemon=True,
         )
-        for i, k in enumerate(split)
+        for i, job in enumerate(jobs)
     ]
     for p in processes:
         p.start()
@@ -408,7 +349,11 @@ def run_users(server: BenchServer, config: UsersConfig, serving_path: str) -> Us
             if p.is_alive():
                 p.kill()
                 p.join(5)
+    if clients_out is not None:
+        clients_out.extend(collected)
     result = _summarize(config, serving_path, collected, before, after, started, ended)
+    if server.cpus is not None:
+        result.client_cpus, result.server_cpus = sorted(server.cpus.clients), sorted(server.cpus.server)
     result.num_handlers = server.num_handlers
     result.reply_thread = server.reply_thread
     result.cpu_us_per_step = _cpu_per_step(cpu_server, collected, result.sessions_finished * config.decode_steps)
@@ -442,6 +387,7 @@ def _summarize(config: UsersConfig, serving_path: str, collected, before, after,
         sessions=config.sessions,
         client_processes=len(config.split()),
         transport=config.transport,
+        client=config.client,
         serving_path=serving_path,
         aggregate_tokens_per_s=finished * config.decode_steps / wall_s if wall_s > 0 else float("nan"),
         step_median_ms=median(flat),

@@ -5,6 +5,7 @@ server-side step of the same span and a zero-token round trip (RPC cost alone)."
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import Callable
@@ -27,25 +28,27 @@ def _users(server: Any, args: Any, log: Callable[[str], None]) -> list[dict]:
     from corolla.bench.multi_user import UsersConfig, run_users
 
     rows = []
-    for transport in args.user_transports.split(","):
-        for n in (int(x) for x in args.users.split(",")):
-            config = UsersConfig(
-                sessions=n,
-                client_processes=args.user_processes,
-                transport=transport,
-                prefix_tokens=args.prefix_tokens,
-                decode_steps=args.user_steps,
-            )
-            row = asdict(run_users(server, config, "fast"))
-            log(
-                f"users over {transport}: {n} sessions in {row['client_processes']} processes: "
-                f"{row['aggregate_tokens_per_s']:.0f} tok/s, step median {row['step_median_ms']:.2f} ms "
-                f"(p90 {row['step_p90_ms']:.2f}, worst {row['step_worst_ms']:.2f}), "
-                f"{row['steps_per_merged_forward']:.1f} steps per merged forward of {row['merged_forward_ms']:.2f} ms, "
-                f"runtime busy {row['device_busy_share']:.0%}, errors {len(row['errors'])}, "
-                f"unfinished {n - row['sessions_finished']}"
-            )
-            rows.append(row)
+    clients = getattr(args, "user_clients", "petals").split(",")
+    sessions = [int(x) for x in args.users.split(",")]
+    for transport, client, n in itertools.product(args.user_transports.split(","), clients, sessions):
+        config = UsersConfig(
+            sessions=n,
+            client_processes=args.user_processes,
+            transport=transport,
+            client=client,
+            prefix_tokens=args.prefix_tokens,
+            decode_steps=args.user_steps,
+        )
+        row = asdict(run_users(server, config, "fast"))
+        log(
+            f"users over {transport}, {client} client: {n} sessions in {row['client_processes']} processes: "
+            f"{row['aggregate_tokens_per_s']:.0f} tok/s, step median {row['step_median_ms']:.2f} ms "
+            f"(p90 {row['step_p90_ms']:.2f}, worst {row['step_worst_ms']:.2f}), "
+            f"{row['steps_per_merged_forward']:.1f} steps per merged forward of {row['merged_forward_ms']:.2f} ms, "
+            f"runtime busy {row['device_busy_share']:.0%}, errors {len(row['errors'])}, "
+            f"unfinished {n - row['sessions_finished']}"
+        )
+        rows.append(row)
     return rows
 
 

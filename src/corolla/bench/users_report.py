@@ -1,12 +1,15 @@
 """The report and command line of the many-users bench (`multi_user`): `python -m corolla.bench.multi_user --cpu`
 (the CPU shape, float32) or `--gpu_layers N` (N Llama-3-8B-shaped layers, bfloat16, one CUDA device), each serving
 path built once and served by one server per `--num_handlers` value, every transport x session count through it,
-the in-process engine's rows and a lone session's server-side step beside them."""
+the in-process engine's rows and a lone session's server-side step beside them. `--clients corolla,petals` drives
+the sessions with corolla's own client streams and/or stock-Petals-style ones (a "client" column);
+`--client_cpus 10-15` runs the client processes on those CPUs and the server side on the others."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import time
@@ -17,6 +20,7 @@ import torch
 
 from corolla.bench.model import ModelShape
 from corolla.bench.multi_user import BenchServer, UsersConfig, UsersResult, build_executor, run_users
+from corolla.bench.users_clients import CLIENT_DESCRIPTIONS, CLIENT_KINDS, CpuSplit, format_cpus
 from corolla.server.executor import DeviceExecutor
 from corolla.server.gather import GatherRule, GatherSettings
 
@@ -27,20 +31,24 @@ def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
     lines = [
         f"### {title}",
         "",
-        "| serving path | handler processes | gather | transport | sessions (client processes) | aggregate tok/s"
+        "| serving path | handler processes | gather | transport | client | sessions (client processes) | aggregate tok/s"
         " | x 1 session | client step median / p90 / worst ms | worst session median ms | steps per merged forward"
         " (merged forward ms) | runtime busy | CPU us per step: runtime thread / device loop / channel threads /"
         " handler processes / client processes | errors / unfinished |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    lone = {(r.serving_path, r.num_handlers, r.transport): r.aggregate_tokens_per_s for r in rows if r.sessions == 1}
+    lone = {
+        (r.serving_path, r.num_handlers, r.transport, r.client): r.aggregate_tokens_per_s
+        for r in rows
+        if r.sessions == 1
+    }
     for r in rows:
-        base = lone.get((r.serving_path, r.num_handlers, r.transport))
+        base = lone.get((r.serving_path, r.num_handlers, r.transport, r.client))
         ratio = f"{r.aggregate_tokens_per_s / base:.1f}x" if base else "-"
         cpu = " / ".join(f"{r.cpu_us_per_step.get(k, float('nan')):.0f}"
                          for k in (RUNTIME_THREAD, LOOP_THREAD, CHANNEL_THREADS, HANDLERS, CLIENTS))  # fmt: skip
         lines.append(
-            f"| {r.serving_path} | {r.num_handlers}{' (writer threads)' if r.reply_thread else ''} | {r.gather_fraction:g} | {r.transport} | {r.sessions} "
+            f"| {r.serving_path} | {r.num_handlers}{' (writer threads)' if r.reply_thread else ''} | {r.gather_fraction:g} | {r.transport} | {r.client} | {r.sessions} "
             f"({r.client_processes}) | {r.aggregate_tokens_per_s:.1f} | {ratio} | {r.step_median_ms:.1f} / "
             f"{r.step_p90_ms:.1f} / {r.step_worst_ms:.1f} | {r.worst_session_median_ms:.1f} | "
             f"{r.steps_per_merged_forward:.1f} ({r.merged_forward_ms:.2f}) | {r.device_busy_share:.0%} | {cpu} | "
@@ -83,17 +91,16 @@ class ServerRun:
 def _measure(
     server: BenchServer, args: argparse.Namespace, counts: list[int], path: str, rows: list, started: float, last: bool
 ) -> None:
-    """Every transport x session count through one running `server` (its runtime kept for the next one unless
-    `last`)."""
+    """Every transport x client kind x session count through one running `server` (its runtime kept for the next
+    one unless `last`)."""
     with server.running(keep_runtime=not last):
-        for transport in args.transports.split(","):
-            for n in counts:
-                config = UsersConfig(sessions=n, client_processes=args.processes, transport=transport,
-                                     prefix_tokens=args.prefix_tokens, decode_steps=args.decode_steps)  # fmt: skip
-                row = run_users(server, config, path)
-                row.gather_fraction = server.runtime.gather.settings.fraction
-                rows.append(row)
-                print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
+        for transport, client, n in itertools.product(args.transports.split(","), args.clients.split(","), counts):
+            config = UsersConfig(sessions=n, client_processes=args.processes, transport=transport, client=client,
+                                 prefix_tokens=args.prefix_tokens, decode_steps=args.decode_steps)  # fmt: skip
+            row = run_users(server, config, path)
+            row.gather_fraction = server.runtime.gather.settings.fraction
+            rows.append(row)
+            print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
 
 
 def _server_step_ms(executor: DeviceExecutor, prefix_tokens: int) -> float:
@@ -135,6 +142,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sessions", default="1,16")
     p.add_argument("--processes", type=int, default=4, help="client processes (sessions are spread over them)")
     p.add_argument("--transports", default="p2p,socket")
+    p.add_argument(
+        "--clients", default="petals", help="comma-separated client kinds, each a row: petals (stock-Petals-style "
+        "hivemind stub streams) and/or corolla (corolla's own p2pd / socket streams, as InferenceSession sends)",
+    )  # fmt: skip
+    p.add_argument(
+        "--client_cpus", default="", help="CPUs of the client processes and their p2pd daemons, e.g. 10-15 or "
+        "12,13,14,15 (emulates clients on other machines); the server side runs on the other CPUs (default: no pinning)",
+    )  # fmt: skip
     p.add_argument("--serving_paths", default="fast,plain")
     p.add_argument("--prefix_tokens", type=int, default=32)
     p.add_argument("--decode_steps", type=int, default=32)
@@ -153,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu == bool(args.gpu_layers):
         raise SystemExit("pass --cpu (the CPU shape, float32) or --gpu_layers N (Llama-3-8B layers, bf16, cuda)")
+    unknown = set(args.clients.split(",")) - set(CLIENT_KINDS)
+    if unknown:
+        raise ValueError(
+            f"--clients {args.clients!r}: unknown {sorted(unknown)}; choose from {', '.join(CLIENT_KINDS)}"
+        )
+    cpus = CpuSplit.parse(args.client_cpus) if args.client_cpus else None  # ValueError before anything is built
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     shape, dtype, device = CPU_SHAPE, torch.float32, torch.device("cpu")
@@ -187,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             executor.runtime.gather = GatherRule(settings)
             server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                                  dtype=dtype, device=device, num_handlers=run.num_handlers,
-                                 reply_thread=run.reply_thread)  # fmt: skip
+                                 reply_thread=run.reply_thread, cpus=cpus)  # fmt: skip
             _measure(server, args, run.counts, path, rows, started, last=i == len(runs) - 1)
         if path == "fast":
             for n in sorted({n for run in runs for n in run.counts}):
@@ -209,16 +230,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.prefix_tokens} tokens, {args.decode_steps} decode steps per session (first 3 not timed).",
         "Server: one corolla span server in the bench process (hivemind P2P on loopback + same-host socket, the real "
         "handler and runtime; 'handler processes' N > 1: N processes own the p2p streams and feed this one, "
-        "server.handler_pool; the same-host socket stays in the device process); clients: stock-Petals-style "
-        f"rpc_inference streams in {args.processes} forked processes. 'fast' = SpanEngine merging decode steps of all "
-        "sessions; 'plain' = blocks + MemoryCache, one runtime task per session step.",
+        "server.handler_pool; the same-host socket stays in the device process); clients in "
+        f"{args.processes} forked processes, each row's 'client' column says how they drive their sessions: "
+        + "; ".join(f"'{kind}' = {CLIENT_DESCRIPTIONS[kind]}" for kind in args.clients.split(","))
+        + ". 'fast' = SpanEngine merging decode steps of all sessions; 'plain' = blocks + MemoryCache, one runtime "
+        "task per session step.",
+        f"CPUs: {cpus.describe()}."
+        if cpus is not None
+        else f"CPUs: not pinned (server and clients share CPUs {format_cpus(os.sched_getaffinity(0))}).",
         "steps per merged forward and runtime busy come from the runtime's per-kind counters over the decode window.",
     ]
     for path, step_ms in lone_steps.items():
         for row in rows:
             if row.serving_path == path and row.sessions == 1:
                 notes.append(
-                    f"lone session, {path}, {row.num_handlers} handler process(es), {row.transport}: client step median "
+                    f"lone session, {path}, {row.num_handlers} handler process(es), {row.transport}, {row.client} "
+                    f"client: client step median "
                     f"{row.step_median_ms:.2f} ms = server-side step {step_ms:.2f} ms + {row.step_median_ms - step_ms:.2f} ms"
                 )
     for r in engine_rows:
@@ -232,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if row.sessions > 1 and engine_by_sessions.get(row.sessions):
             notes.append(
                 f"{row.sessions} sessions, {row.num_handlers} handler process(es), gather {row.gather_fraction:g}, "
-                f"{row.transport}: {row.aggregate_tokens_per_s / engine_by_sessions[row.sessions]:.2f}x the "
+                f"{row.transport}, {row.client} client: {row.aggregate_tokens_per_s / engine_by_sessions[row.sessions]:.2f}x the "
                 "in-process engine's aggregate"
             )
     title = "Many users at once through one server (" + ("CPU" if args.cpu else _gpu_name()) + ")"

@@ -1,0 +1,341 @@
+"""The client side of the many-users bench (`multi_user`): the client processes, each driving its share of the
+sessions, and where they run.
+
+Two client kinds (`--clients`): `petals`, each session a stock-Petals-style hivemind stub stream
+(`rpc_bench._Stream`: `stub.rpc_inference(async generator)`, a queue, hivemind's writer task; over the same-host
+socket `open_local_inference` wrapped the same way), and `corolla`, each session on corolla's own client streams as
+`InferenceSession` drives them on the wire (`client.p2p_stream.P2PInferenceStream` on the client's p2pd, or
+`client.local_transport.LocalInferenceStream`; one write per request, requests built and responses checked by
+`client.span_session.SpanSession`). `--client_cpus` emulates clients on other machines: the client processes (and
+the p2pd daemons they start, which inherit it) run only on those CPUs, the server side on the others
+(`os.sched_setaffinity`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    import multiprocessing
+
+    from hivemind.p2p import P2P
+
+    from corolla.bench.multi_user import UsersConfig
+    from corolla.client.p2p_stream import InferenceStream
+    from corolla.client.span_session import SpanSession
+
+logger = get_logger(__name__)
+
+ClientKind = Literal["petals", "corolla"]
+CLIENT_KINDS: tuple[ClientKind, ...] = ("petals", "corolla")
+CLIENT_DESCRIPTIONS = {
+    "petals": "stock-Petals-style rpc_inference streams (hivemind stub: an async generator fed by a queue, "
+    "hivemind's writer task; over the socket open_local_inference wrapped the same way)",
+    "corolla": "corolla's own client streams (client.p2p_stream.P2PInferenceStream on the client's p2pd / "
+    "client.local_transport.LocalInferenceStream; one write per request, requests built and responses checked by "
+    "client.span_session.SpanSession, as InferenceSession sends them)",
+}
+_P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
+_LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+PREFILLS_AT_ONCE = 8  # per client process: users arrive spread out, not all with their prompt at one instant
+OPEN_TIMEOUT_S = 30.0
+
+
+# ---- where the clients and the server run
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """CPUs of a list such as `10-15`, `12,13,14,15` or `0-3,8` (ValueError for anything else or an empty list)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise ValueError(f"CPU list {text!r}: {part!r} is not a CPU number or a range a-b") from None
+        if first < 0 or last < first:
+            raise ValueError(f"CPU list {text!r}: {part!r} is not a range of CPU numbers >= 0")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def format_cpus(cpus: frozenset[int] | set[int]) -> str:
+    """`0-3,8` for {0, 1, 2, 3, 8}."""
+    ranges: list[str] = []
+    for cpu in sorted(cpus):
+        if ranges and int(ranges[-1].split("-")[-1]) == cpu - 1:
+            ranges[-1] = f"{ranges[-1].split('-')[0]}-{cpu}"
+        else:
+            ranges.append(str(cpu))
+    return ",".join(ranges)
+
+
+@dataclass(frozen=True)
+class CpuSplit:
+    """The client processes' CPUs and the server side's (the rest of this process's CPUs)."""
+
+    clients: frozenset[int]
+    server: frozenset[int]
+
+    @classmethod
+    def parse(cls, text: str, available: frozenset[int] | None = None) -> CpuSplit:
+        """`text` as `parse_cpu_list`, checked against `available` (default: the CPUs this process may run on);
+        ValueError naming those CPUs for an unknown CPU or when none is left for the server."""
+        have = available if available is not None else frozenset(os.sched_getaffinity(0))
+        clients = parse_cpu_list(text)
+        unknown = clients - have
+        if unknown:
+            raise ValueError(
+                f"--client_cpus {text!r}: CPU(s) {format_cpus(unknown)} unknown; this machine has CPUs {format_cpus(have)}"
+            )
+        server = have - clients
+        if not server:
+            raise ValueError(
+                f"--client_cpus {text!r} leaves no CPU for the server; this machine has CPUs {format_cpus(have)}"
+            )
+        return cls(clients, server)
+
+    def describe(self) -> str:
+        return (
+            f"client processes and their p2pd daemons pinned to CPUs {format_cpus(self.clients)}; the server side "
+            f"(bench process, its p2pd, handler processes, their forkserver) to CPUs {format_cpus(self.server)}"
+        )
+
+
+def _set_all_threads(cpus: frozenset[int] | set[int]) -> None:
+    """Every thread of this process (`os.sched_setaffinity(0, ...)` sets only the calling thread's) on `cpus`; threads
+    and processes started later inherit it."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
+@contextlib.contextmanager
+def pinned(cpus: frozenset[int] | None) -> Iterator[None]:
+    """This process's threads (and what they start meanwhile) on `cpus` while the block runs (None: unchanged)."""
+    if cpus is None:
+        yield
+        return
+    before = frozenset(os.sched_getaffinity(0))
+    _set_all_threads(cpus)
+    try:
+        yield
+    finally:
+        _set_all_threads(before)
+
+
+# ---- one session as corolla's client drives it
+
+
+class CorollaStream:
+    """One session on corolla's own client stream, steps as `SpanSession` builds them (its request encoder, with
+    `InferenceSession`'s prompts, hypo_ids and step ids, and its response checks), each step one `send` and one
+    `receive` on the stream. The interface is `rpc_bench._Stream`'s (`open`, `step`, `close`)."""
+
+    def __init__(self, p2p: P2P, peer_id_b58: str, num_blocks: int, max_length: int, local: bool, prefix: str):
+        from corolla.client.config import ClientConfig
+        from corolla.client.forwarding import StepForwarding
+        from corolla.client.routing import RemoteSequenceManager
+        from corolla.client.span_session import SpanSession
+        from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
+        from corolla.protocol.uids import make_uid
+
+        self.p2p, self.peer_id, self.local = p2p, peer_id_b58, local
+        config = ClientConfig(local_transport=local, max_retries=0)
+        uids = [make_uid(prefix, i) for i in range(num_blocks)]
+        self.manager = RemoteSequenceManager(config, uids, start_updates=False)  # no DHT, no thread: the encoder's
+        info = ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=num_blocks)
+        self.session: SpanSession = SpanSession(
+            self.manager, RemoteSpanInfo(peer_id_b58, 0, num_blocks, info), max_length
+        )
+        self.forwarding = StepForwarding(config.server_forwarding)  # InferenceSession's step ids (next_step_id)
+        self.stream: InferenceStream | None = None
+
+    async def open(self) -> CorollaStream:
+        from corolla.client.local_transport import LocalInferenceStream
+        from corolla.client.p2p_stream import P2PInferenceStream
+
+        if self.local:
+            self.stream = await LocalInferenceStream.open(self.peer_id, timeout_s=OPEN_TIMEOUT_S)
+            if self.stream is None:
+                raise RuntimeError("the server's local socket is not usable")
+        else:
+            self.stream = await asyncio.wait_for(P2PInferenceStream.open(self.p2p, self.peer_id), OPEN_TIMEOUT_S)
+        return self
+
+    async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        from hivemind.proto import runtime_pb2
+
+        from corolla.client.inference_session import DUMMY, DUMMY_INT64
+
+        stream, session = self.stream, self.session
+        assert stream is not None, "open() first"
+        step_id = self.forwarding.take_step_id()
+        extra = self.forwarding.request_extra([session], 0, position, step_id, allowed=False)
+        request, inputs, send_from = session._request(
+            hidden, position, position, DUMMY, DUMMY_INT64, step_id, runtime_pb2.CompressionType.NONE, extra
+        )
+        session._started = True
+        await stream.send(request)
+        response = await stream.receive()
+        if response is None:
+            raise ConnectionError("the server ended the inference stream")
+        outputs, _ = session._accept(response, inputs, send_from, hidden.dtype)
+        return outputs
+
+    async def close(self) -> None:
+        """As `SpanSession.close`: the empty request that ends the server session, the end of our input stream,
+        the server's last messages, then the socket."""
+        from hivemind.proto import runtime_pb2
+
+        stream = self.stream
+        if stream is None:
+            return
+        try:
+            await stream.send(runtime_pb2.ExpertRequest())
+            await stream.send_end()
+            while await asyncio.wait_for(stream.receive(), OPEN_TIMEOUT_S) is not None:
+                pass
+        except Exception as e:  # the server may be gone already
+            logger.debug("users_clients.close_failed(error=%r)", e)
+        finally:
+            stream.close()
+
+
+# ---- the client processes
+
+
+@dataclass(frozen=True)
+class ClientJob:
+    """What one client process runs: `num_sessions` sessions of `config` against the server at `maddrs`."""
+
+    maddrs: list[str]
+    peer_id_b58: str
+    prefix: str  # the server's DHT prefix: the block uids are prefix.0 ... prefix.{num_layers - 1}
+    num_layers: int
+    config: UsersConfig
+    num_sessions: int
+    hidden_size: int
+    dtype_name: str
+    seed: int
+    cpus: frozenset[int] | None  # the CPUs this process and its p2pd run on (None: inherited)
+    keep_outputs: bool = False  # report every session's outputs (tests compare client kinds)
+
+
+def client_process(
+    job: ClientJob, ready: multiprocessing.Queue, go: threading.Event, results: multiprocessing.Queue
+) -> None:
+    """A client process's body: its CPUs first (before its P2P and p2pd exist), then its sessions; the result dict
+    (errors, latencies, finished, windows, prefill_ms, cpu_s, cpus, seed, maybe outputs) goes to `results`."""
+    try:
+        if job.cpus is not None:
+            os.sched_setaffinity(0, job.cpus)  # one thread here (forked from the forkserver): p2pd inherits it
+        result = asyncio.run(_client_sessions(job, ready, go))
+    except BaseException as e:  # reported to the parent, which counts the sessions as lost
+        result = {"errors": [f"client process failed: {e!r}"[:300]], "latencies": [], "finished": 0}
+    result["cpus"], result["seed"] = sorted(os.sched_getaffinity(0)), job.seed
+    results.put(result)
+
+
+async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: threading.Event) -> dict:
+    from hivemind.p2p import P2P, PeerID
+
+    from corolla.bench.cpu_share import client_cpu
+    from corolla.bench.rpc_bench import _Stream
+    from corolla.protocol.rpc import get_stub
+    from corolla.protocol.uids import make_chain
+
+    config, k, h = job.config, job.num_sessions, job.hidden_size
+    torch.manual_seed(job.seed)
+    dtype = getattr(torch, job.dtype_name)
+    max_length = config.prefix_tokens + config.decode_steps + 8
+    prefix = torch.randn(1, config.prefix_tokens, h).to(dtype)
+    tokens = [torch.randn(1, 1, h).to(dtype) for _ in range(8)]
+    p2p = await P2P.create(initial_peers=job.maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
+    errors: list[str] = []
+    latencies: list[list[float]] = [[] for _ in range(k)]
+    outputs: list[list[list[float]]] = [[] for _ in range(k)]  # per session: the prefill's last row, each step's
+    windows: list[tuple[float, float]] = []
+    prefill_ms: list[float] = []  # client-observed, all of this process's sessions prefilling at once
+    finished = 0
+    cpu_s = (0.0, 0.0)  # this process and its p2pd over the decode window
+    local = config.transport == "socket"
+    try:
+        streams: list[_Stream | CorollaStream]
+        if config.client == "corolla":
+            streams = [
+                await CorollaStream(p2p, job.peer_id_b58, job.num_layers, max_length, local, job.prefix).open()
+                for _ in range(k)
+            ]
+        else:
+            stub = get_stub(p2p, PeerID.from_base58(job.peer_id_b58))
+            chain = make_chain(job.prefix, 0, job.num_layers)
+            peer = job.peer_id_b58 if local else None
+            streams = [await _Stream(stub, chain, max_length, peer).open() for _ in range(k)]
+
+        gate = asyncio.Semaphore(PREFILLS_AT_ONCE)
+
+        async def prefill(i: int) -> None:
+            async with gate:
+                t0 = time.perf_counter()
+                out = await asyncio.wait_for(streams[i].step(prefix, 0), config.step_timeout_s)
+                prefill_ms.append((time.perf_counter() - t0) * 1000)
+                if job.keep_outputs:
+                    outputs[i].append(out[0, -1].float().tolist())
+
+        await asyncio.gather(*(prefill(i) for i in range(k)))
+        ready.put(k)
+        if not await asyncio.to_thread(go.wait, config.start_timeout_s):
+            raise TimeoutError("no start signal")
+
+        async def decode(i: int) -> None:
+            nonlocal finished
+            stream, lat = streams[i], latencies[i]
+            start = time.time()
+            try:
+                for step in range(config.decode_steps):
+                    t0 = time.perf_counter()
+                    out = await asyncio.wait_for(
+                        stream.step(tokens[step % len(tokens)], config.prefix_tokens + step), config.step_timeout_s
+                    )
+                    if out.shape != (1, 1, h):
+                        raise ValueError(f"response of shape {tuple(out.shape)}")
+                    if step >= config.warmup_steps:
+                        lat.append((time.perf_counter() - t0) * 1000)
+                    if job.keep_outputs:
+                        outputs[i].append(out[0, 0].float().tolist())
+                finished += 1
+            except Exception as e:
+                errors.append(f"session {i}: {e!r}"[:300])
+            finally:
+                windows.append((start, time.time()))
+                await stream.close()
+
+        cpu_before = client_cpu()
+        await asyncio.gather(*(decode(i) for i in range(k)))
+        cpu_after = client_cpu()
+        cpu_s = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
+    finally:
+        await p2p.shutdown()
+    result: dict = {
+        "errors": errors,
+        "latencies": latencies,
+        "finished": finished,
+        "windows": windows,
+        "prefill_ms": prefill_ms,
+        "cpu_s": cpu_s,
+    }
+    if job.keep_outputs:
+        result["outputs"] = outputs
+    return result
