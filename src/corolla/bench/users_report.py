@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.prefix_tokens} tokens, {args.decode_steps} decode steps per session (first 3 not timed).",
         "Server: one corolla span server in the bench process (hivemind P2P on loopback + same-host socket, the real "
         "handler and runtime; 'handler processes' N > 1: N processes own the p2p streams and feed this one, "
-        "server.handler_pool; the same-host socket stays in the device process); clients in "
+        "server.handler_pool, each serving its own same-host socket since session 12); clients in "
         f"{args.processes} forked processes, each row's 'client' column says how they drive their sessions: "
         + "; ".join(f"'{kind}' = {CLIENT_DESCRIPTIONS[kind]}" for kind in args.clients.split(","))
         + ". 'fast' = SpanEngine merging decode steps of all sessions; 'plain' = blocks + MemoryCache, one runtime "
