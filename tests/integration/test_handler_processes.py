@@ -3,7 +3,7 @@ sessions opened by several client peers land on both handler processes and give 
 (equal to the local blocks); a forward is served; a push crosses from the process that holds the upstream session
 to the one that holds the downstream session; a killed handler process is detected and replaced, and sessions
 keep working (no leaked KV cache); each handler process serves its own same-host socket, and a replaced process
-serves it again."""
+serves it again; both processes listen on the one direct port and accept tickets either issued."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
         tmp_path_factory.mktemp("cache"),
         block_indices=(0, NUM_BLOCKS),
         num_handlers=2,
+        direct_port=0,  # both processes listen on one port the device process picked (SO_REUSEPORT)
         inference_max_length_tokens=64,
         session_timeout_s=60.0,
         request_timeout_s=30.0,
@@ -241,6 +242,53 @@ def test_same_host_sockets_are_served_by_the_handler_processes(server, blocks):
     assert sum(opened) == 12 and min(opened) >= 1, f"sessions per handler process: {opened}"
     whole = local_forward(blocks, 0, 4, torch.cat([prefill, token], dim=1))
     for _, first, second in results:
+        torch.testing.assert_close(first, whole[:, :3], atol=1e-4, rtol=0)
+        torch.testing.assert_close(second, whole[:, 3:], atol=1e-4, rtol=0)
+    executor = server.service.executor
+    assert wait_until(lambda: executor.bytes_left == executor.max_size_bytes, 10)
+
+
+def test_direct_streams_spread_over_the_processes_on_one_port(server, clients, blocks):
+    """The ticket comes from whichever process p2pd deals the RPC to; connections to the one direct port are spread
+    by the kernel over both processes, each of which accepts it and gives the local blocks' outputs."""
+    from hivemind.proto import runtime_pb2
+    from hivemind.utils import MSGPackSerializer
+
+    from corolla.client.direct_transport import DirectInferenceStream
+    from corolla.protocol import direct_stream as ds
+    from corolla.protocol.rpc import handle_name
+
+    async def ticket():
+        call = clients[0].p2p.call_protobuf_handler(
+            clients[0].peer_id, handle_name("rpc_direct_ticket"), runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
+        )
+        return ds.DirectOffer.from_dict(MSGPackSerializer.loads((await asyncio.wait_for(call, 10)).serialized_info))
+
+    offer = clients[0].call(ticket())
+    torch.manual_seed(3)
+    prefill, token = torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN)
+
+    async def sessions(n: int):
+        streams = [await DirectInferenceStream.open(offer, server.peer_id, timeout_s=10) for _ in range(n)]
+        results = []
+        for stream in streams:
+            assert stream is not None, "the direct port refused the ticket"
+            await stream.send(packed_request(chain(server, 0, 4), prefill, max_length=16))
+            first = await asyncio.wait_for(stream.receive(), 30)
+            await stream.send(packed_request(chain(server, 0, 4), token, start_from_position=3))
+            second = await asyncio.wait_for(stream.receive(), 30)
+            results.append((deserialize_torch_tensor(first.tensors[0]), deserialize_torch_tensor(second.tensors[0])))
+        for stream in streams:
+            await stream.send_end()
+            stream.close()
+        return results
+
+    before = _opened_per_process(server)
+    results = asyncio.run(sessions(16))
+    opened = [after - b for after, b in zip(_opened_per_process(server), before, strict=True)]
+    assert sum(opened) == 16 and min(opened) >= 1, f"direct sessions per handler process: {opened}"
+    whole = local_forward(blocks, 0, 4, torch.cat([prefill, token], dim=1))
+    for first, second in results:
         torch.testing.assert_close(first, whole[:, :3], atol=1e-4, rtol=0)
         torch.testing.assert_close(second, whole[:, 3:], atol=1e-4, rtol=0)
     executor = server.service.executor

@@ -92,6 +92,19 @@ def build_parser() -> configargparse.ArgParser:
         "where the engine can't serve the span) or plain",
     )
     parser.add(
+        "--direct_port",
+        type=int,
+        default=None,
+        help="also serve corolla clients' inference streams on this TCP port (0: any free port): a ticket over p2p, "
+        "then sealed frames, skipping both p2pd daemons; forward it like --port. Off by default",
+    )
+    parser.add(
+        "--direct_host",
+        default=None,
+        help="the IP address clients reach the direct port at (default: the IP of --announce_maddrs / --public_ip, "
+        "or of --host_maddrs unless that is a wildcard)",
+    )
+    parser.add(
         "--no_local_socket",
         action="store_false",
         dest="local_socket",
@@ -195,6 +208,12 @@ def preflight(config: ServerConfig) -> None:
             check_port_free(parts[2], int(parts[4]), flag=flag)
     if config.metrics_port:
         check_port_free("127.0.0.1", config.metrics_port, flag="--metrics_port")
+    try:
+        direct = config.resolved_direct()
+    except ValueError as e:
+        raise ConfigurationError(str(e)) from None
+    if direct is not None:
+        check_port_free(direct.bind_host, direct.port, flag="--direct_port")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,6 +45,10 @@ class ClientConfig:
     ping_timeout_s: float = 2.0
 
     local_transport: bool = True  # inference with servers on this machine over their unix socket, not p2pd
+    # inference over a server's direct TCP port where it offers one (ticket over p2p, then sealed frames; no p2pd
+    # on either side of the stream); a server without one, or one we cannot reach there, is served over p2p
+    direct_transport: bool = True
+    direct_connect_timeout_s: float = 2.0
     # while an inference step is in flight (and it is this process's only one), poll for the response up to this
     # long instead of sleeping: ~0.2-0.4 ms less per token on VMs, one core busy meanwhile; 0 = never (default)
     busy_poll_ms: float = 0.0

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from corolla.client import background_loop
 from corolla.client.bans import BanList
 from corolla.client.config import ClientConfig
+from corolla.client.direct_transport import DirectOffers
 from corolla.client.route_planning import make_max_throughput_route, make_min_latency_route
+from corolla.protocol.direct_stream import DirectOffer
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
 from corolla.swarm.ping import PingAggregator
 from corolla.utils.errors import MissingBlocksError
@@ -75,6 +77,7 @@ class RemoteSequenceManager:
         self._p2p: Any = None
         self._stubs: dict[str, Any] = {}
         self._input_compressions: dict[str, int] = {}  # peer -> compression its rpc_info asks for
+        self.direct_offers = DirectOffers(self._ask_direct_ticket)  # servers' direct ports (client.direct_transport)
         self.membership, self.authorizer = _membership(config.swarm_key_file)  # private swarm: prove it per request
         self._thread: threading.Thread | None = None
         if start_updates:
@@ -361,6 +364,27 @@ class RemoteSequenceManager:
         from corolla.client.p2p_stream import P2PInferenceStream
 
         return await P2PInferenceStream.open(await self._get_p2p(), peer_id)
+
+    async def _ask_direct_ticket(self, peer_id: str) -> DirectOffer:
+        """A ticket for `peer_id`'s direct port, asked for over p2p (must be awaited on the client loop); raises
+        where the server has none (a stock Petals server does not know the RPC) or answers nonsense."""
+        from hivemind.p2p import PeerID
+        from hivemind.proto import runtime_pb2
+
+        from corolla.protocol.auth import join_info_uid
+        from corolla.protocol.metadata import decode_metadata
+        from corolla.protocol.rpc import handle_name
+
+        uid = ""
+        if self.membership is not None:  # a private swarm's server wants the proof on the uid, as for rpc_info
+            uid = join_info_uid(uid, self.membership.make_proof(sender=self._local_peer_id(), receiver=peer_id))
+        p2p = await self._get_p2p()
+        call = p2p.call_protobuf_handler(
+            PeerID.from_base58(peer_id), handle_name("rpc_direct_ticket"), runtime_pb2.ExpertUID(uid=uid),
+            runtime_pb2.ExpertInfo,
+        )  # fmt: skip
+        response = await asyncio.wait_for(call, self.config.request_timeout_s)
+        return DirectOffer.from_dict(decode_metadata(response.serialized_info))
 
     def cached_input_compression(self, peer_id: str) -> int | None:
         """`input_compression` if already known (any thread), else None."""

@@ -20,6 +20,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
+from corolla.client.direct_transport import DirectInferenceStream
 from corolla.client.forwarding import is_pushed_reply
 from corolla.client.framed_socket import FramedSocketStream
 from corolla.client.handoff import read_drain_notice
@@ -90,6 +91,7 @@ class SpanSession:
         self._history_len = 0  # == position, except in a replacement that has yet to replay its inherited history
         self._stream: InferenceStream | None = None  # open: p2p (client.p2p_stream) or `local`, driven on the loop
         self.local: LocalInferenceStream | None = None  # the server's unix socket, if open
+        self.tcp: DirectInferenceStream | None = None  # else the server's direct TCP port, if it offers one
         self._direct: FramedSocketStream | None = None  # `_stream` if a step may run in any one thread (`step_here`)
         self._started = False
         self._closed = False
@@ -106,12 +108,24 @@ class SpanSession:
         config = self.manager.config
         if config.local_transport:
             self.local = await LocalInferenceStream.open(self.span.peer_id, timeout_s=config.connect_timeout_s)
-        if self.local is not None:
-            self._stream = self._direct = self.local
+        if self.local is None and config.direct_transport:
+            self.tcp = await self._open_direct(config.direct_connect_timeout_s)
+        if self.local is not None or self.tcp is not None:
+            self._stream = self._direct = self.local or self.tcp
         else:
             opening = self.manager.open_inference_stream(self.span.peer_id)
             self._stream = stream = await asyncio.wait_for(opening, config.connect_timeout_s)
             self._direct = stream if isinstance(stream, FramedSocketStream) else None  # a test's fake may not be
+
+    async def _open_direct(self, timeout_s: float) -> DirectInferenceStream | None:
+        offers = self.manager.direct_offers
+        offer = await offers.get(self.span.peer_id)
+        if offer is None:
+            return None
+        stream = await DirectInferenceStream.open(offer, self.span.peer_id, timeout_s=timeout_s)
+        if stream is None:
+            offers.unusable(self.span.peer_id)  # p2p with this server for a while
+        return stream
 
     @property
     def accepts_pushes(self) -> bool:
@@ -125,10 +139,10 @@ class SpanSession:
 
     @property
     def transport(self) -> str | None:
-        """`local` (unix socket) or `p2p` once open, else None."""
+        """`local` (unix socket), `direct` (the server's TCP port) or `p2p` once open, else None."""
         if self._stream is None:
             return None
-        return "p2p" if self.local is None else "local"
+        return "local" if self.local is not None else "direct" if self.tcp is not None else "p2p"
 
     @property
     def history(self) -> torch.Tensor | None:

@@ -161,11 +161,16 @@ class LocalHello:
         return cls(rpc=rpc, peer_id=peer_id, version=version)
 
 
-def frame(kind: int, payload: bytes = b"") -> list[bytes]:
-    """One frame as buffers for `writer.writelines` (the payload is not copied)."""
+def header(kind: int, length: int) -> bytes:
+    """The 5-byte header of a frame of `kind` whose payload is `length` bytes."""
     if kind not in FRAME_KINDS:
         raise ValueError(f"unknown frame kind {kind}")
-    return [_HEADER.pack(kind, len(payload)), payload]
+    return _HEADER.pack(kind, length)
+
+
+def frame(kind: int, payload: bytes = b"") -> list[bytes]:
+    """One frame as buffers for `writer.writelines` (the payload is not copied)."""
+    return [header(kind, len(payload)), payload]
 
 
 def parse_header(buffer: bytes | bytearray, max_payload_bytes: int) -> tuple[int, int]:

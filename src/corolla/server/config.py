@@ -4,13 +4,17 @@ flag names (`--update_period`, `--max_batch_size`, ...) to these fields. Pure da
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from corolla.server.limits import PeerLimits
 from corolla.utils.gil import check_switch_interval_ms
+
+if TYPE_CHECKING:
+    from corolla.server.direct_endpoint import DirectListen
 
 COMPRESSION_NAMES = ("NONE", "MEANSTD_16BIT", "FLOAT16", "QUANTILE_8BIT", "UNIFORM_8BIT", "BLOCKWISE_8BIT")
 TORCH_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
@@ -137,6 +141,11 @@ class ServerConfig:
     serving_path: str = "auto"
     # serve inference streams of same-host corolla clients over a unix socket (skips both p2pd daemons)
     local_socket: bool = True
+    # serve inference streams of corolla clients on this TCP port too (tickets over p2p, sealed frames; no p2pd on
+    # either side of the stream); None = off, 0 = any free port. Clients connect to `direct_host`, else to the IPs
+    # of announce_maddrs, else to the IP of host_maddrs (which must then not be a wildcard)
+    direct_port: int | None = None
+    direct_host: str | None = None
     # after a lone session's step ran inline, poll for its next request this long instead of sleeping (saves an
     # idle core's wake-up per token on a GPU server; burns one core meanwhile); 0 = never poll
     busy_poll_ms: float = 5.0
@@ -201,6 +210,10 @@ class ServerConfig:
             raise ValueError("--swarm_key_file is for private swarms: pass --new_swarm or --initial_peers")
         if self.new_swarm and self.initial_peers:
             raise ValueError("--new_swarm starts a new swarm: it can't be combined with --initial_peers")
+        if self.direct_port is not None and not 0 <= self.direct_port < 65536:
+            raise ValueError(f"direct_port must be in [0, 65535], got {self.direct_port}")
+        if self.direct_host is not None:
+            _ip_literal(self.direct_host, "direct_host")
         if self.port is not None and self.host_maddrs:
             raise ValueError("--port sets host_maddrs: it can't be combined with --host_maddrs")
         if self.public_ip is not None:
@@ -264,6 +277,23 @@ class ServerConfig:
             return (f"/ip4/{self.public_ip}/tcp/{self.port}",)
         return self.announce_maddrs
 
+    def resolved_direct(self) -> DirectListen | None:
+        """Where the direct port listens and which addresses it is offered at (None: off); ValueError when nothing
+        says which address clients reach (listening on all interfaces with no announce address)."""
+        from corolla.server.direct_endpoint import DirectListen
+
+        if self.direct_port is None:
+            return None
+        bind = _maddr_ip(self.resolved_host_maddrs[0]) or "0.0.0.0"
+        if self.direct_host is not None:
+            hosts: tuple[str, ...] = (self.direct_host,)
+        else:
+            announced = tuple(ip for ip in map(_maddr_ip, self.resolved_announce_maddrs or ()) if ip)
+            hosts = announced or (() if bind in ("0.0.0.0", "::") else (bind,))
+        if not hosts:
+            raise ValueError("--direct_port listens on all interfaces: pass --direct_host, the address clients reach")
+        return DirectListen(bind_host=bind, port=self.direct_port, hosts=hosts)
+
     @property
     def resolved_expiration_s(self) -> float:
         return self.expiration_s if self.expiration_s is not None else max(2 * self.update_period_s, 3.0)
@@ -303,3 +333,16 @@ def ignored_flags(config: ServerConfig) -> list[str]:
         for name, default in IGNORED_FLAG_DEFAULTS.items()
         if getattr(config, name) != default
     ]
+
+
+def _ip_literal(value: str, name: str) -> str:
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        raise ValueError(f"{name} must be an IP address (no host names), got {value!r:.80}") from None
+
+
+def _maddr_ip(maddr: str) -> str | None:
+    """The IP of an `/ip4/<ip>/...` or `/ip6/<ip>/...` multiaddr, else None."""
+    parts = maddr.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else None

@@ -30,6 +30,7 @@ from corolla.server import block_functions as bf
 from corolla.server.admission import ForwardSlots, SessionAdmission
 from corolla.server.block_functions import ServingLimits
 from corolla.server.deadlines import TaskDeadline
+from corolla.server.direct_endpoint import DirectTicketRpc
 from corolla.server.drain import Draining, SessionHandoff
 from corolla.server.executor import SessionSpec, SpanExecutor
 from corolla.server.limits import PeerLimits, peer_key
@@ -68,7 +69,7 @@ async def _await_within(coro: Any, timeout_s: float) -> Any:
         return await coro
 
 
-class TransformerConnectionHandler(rpc.TransformerConnectionHandler):
+class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHandler):
     """Serves one span of blocks. Same class name as Petals', so handle names match."""
 
     def __init__(

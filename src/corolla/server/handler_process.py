@@ -17,8 +17,10 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from corolla.protocol.direct_stream import TicketSecret
 from corolla.server import proxy_wire as wire
 from corolla.server.block_functions import ServingLimits
+from corolla.server.direct_endpoint import DirectEndpoint, DirectListen
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.limits import PeerLimits
 from corolla.server.local_endpoint import LocalEndpoint
@@ -48,6 +50,8 @@ class HandlerSettings:
     swarm_key_file: str | None  # private swarm: every RPC proves membership here too
     kv_handoff: bool
     local_socket_dir: str | None = None  # serve same-host clients on a unix socket of this process's own there
+    direct: DirectListen | None = None  # the direct TCP port every handler process listens on (SO_REUSEPORT)
+    direct_secret: bytes | None = None  # the server's ticket secret (any process checks any process's tickets)
 
 
 class ForwardedMetrics(ServerMetrics):
@@ -112,12 +116,15 @@ async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> 
     handler.handoff.enabled = settings.kv_handoff
     p2p = await P2P.replicate(Multiaddr(settings.daemon_listen_maddr))
     endpoint: LocalEndpoint | None = None
+    direct: DirectEndpoint | None = None
     try:
         await handler.add_p2p_handlers(p2p, balanced=True)
         if link.closed.is_set():  # stopped while starting
             return
         if settings.local_socket_dir is not None:
             endpoint = await _start_endpoint(handler, settings, index)
+        if settings.direct is not None:
+            direct = await _start_direct(handler, settings, index)
         ready = wire.Writer().u32(os.getpid()).text(str(p2p._client_listen_maddr))  # where p2pd sends our streams
         names = stream_handle_names(handler)
         ready.u8(len(names))
@@ -128,8 +135,9 @@ async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> 
         await link.closed.wait()
     finally:
         logger.info(f"handler_process.stopping(index={index}, sessions={handler.sessions.num_open})")
-        if endpoint is not None:
-            await endpoint.stop()
+        for stopping in (endpoint, direct):
+            if stopping is not None:
+                await stopping.stop()
         await handler.shutdown()
         try:
             await asyncio.wait_for(handler.remove_p2p_handlers(p2p), 5.0)
@@ -155,4 +163,19 @@ async def _start_endpoint(
             return endpoint
     except OSError as e:
         logger.warning(f"handler_process.local_endpoint_failed(index={index}): {e!r}")
+    return None
+
+
+async def _start_direct(
+    handler: TransformerConnectionHandler, settings: HandlerSettings, index: int
+) -> DirectEndpoint | None:
+    """This process's listener on the server's direct port, or None where it cannot listen (clients keep to p2p)."""
+    assert settings.direct is not None
+    secret = TicketSecret(settings.direct_secret)
+    endpoint = DirectEndpoint(handler, PeerID.from_base58(settings.peer_id), settings.direct, secret, reuse_port=True)
+    try:
+        await endpoint.start()
+        return endpoint
+    except OSError as e:
+        logger.warning(f"handler_process.direct_endpoint_failed(index={index}): {e!r}")
     return None

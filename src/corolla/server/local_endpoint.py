@@ -10,21 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.message import DecodeError
 from hivemind.p2p import P2PContext
-from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
+from corolla.server.stream_endpoint import PlainFrames, serve_inference
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 HELLO_TIMEOUT_S = 5.0
-LINGER_S = 2.0  # after its last frame, how long the server waits for the client to close its side
 SERVED_RPCS = ("rpc_inference",)
 
 
@@ -123,41 +120,4 @@ class LocalEndpoint:
 
     async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name="rpc_inference", local_id=self.peer_id, remote_id=None)
-
-        async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            while True:
-                try:
-                    kind, payload = await ls.read_frame(reader, self.max_frame_bytes)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return  # the client went away: the handler ends the session
-                if kind == ls.END:
-                    return
-                if kind != ls.MESSAGE:
-                    raise ValueError(f"expected a request frame, got kind {kind}")
-                try:
-                    request = runtime_pb2.ExpertRequest.FromString(payload)
-                except DecodeError as e:
-                    raise ValueError(f"request frame is not an ExpertRequest: {e}") from None
-                yield request
-
-        try:
-            async for response in self.handler.rpc_inference(requests(), context):
-                writer.writelines(ls.frame(ls.MESSAGE, response.SerializeToString()))
-                await writer.drain()
-            last = ls.frame(ls.END)
-        except Exception as e:  # reported to the client as the p2p stream would (the handler already logged it)
-            last = ls.frame(ls.ERROR, (str(e) or repr(e)).encode()[: ls.MAX_ERROR_BYTES])
-        with contextlib.suppress(Exception):
-            writer.writelines(last)
-            writer.write_eof()
-            await _discard_until_eof(reader, LINGER_S)
-
-
-async def _discard_until_eof(reader: asyncio.StreamReader, timeout_s: float) -> None:
-    """Reads (and drops) what the client still sends until it closes, for at most `timeout_s`: closing a unix
-    socket with unread data resets the connection, and the client could lose our last frame."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while (remaining := deadline - loop.time()) > 0:
-        if not await asyncio.wait_for(reader.read(1 << 16), remaining):
-            return
+        await serve_inference(self.handler, reader, writer, context, PlainFrames(), self.max_frame_bytes)

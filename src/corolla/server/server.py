@@ -396,6 +396,7 @@ class Server:
                 dht_client_mode=self.using_relay, metrics=self.metrics, local_socket=c.local_socket,
                 busy_poll=self.selector if c.busy_poll_ms > 0 else None, busy_poll_s=c.busy_poll_ms / 1000,
                 num_handlers=c.num_handlers, swarm_key_file=c.swarm_key_file,  # N > 1: handler processes
+                direct=c.resolved_direct(),
             )  # fmt: skip
             service.handler.peer_auth = self.peer_auth
             service.handler.handoff.enabled = c.kv_handoff

@@ -9,8 +9,10 @@ import asyncio
 from typing import Any
 
 from corolla.protocol import local_stream as ls
+from corolla.protocol.direct_stream import TicketSecret
 from corolla.server.block_functions import ServingLimits
 from corolla.server.device_channel import DeviceSessionRegistry
+from corolla.server.direct_endpoint import DirectEndpoint, DirectListen
 from corolla.server.executor import DeviceExecutor
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.handler_pool import HandlerPool
@@ -42,6 +44,7 @@ class SpanService:
         num_handlers: int = 1,
         swarm_key_file: str | None = None,
         channel_reply_thread: bool = False,
+        direct: DirectListen | None = None,
     ):
         if num_handlers < 1:
             raise ValueError(f"num_handlers must be >= 1, got {num_handlers}")
@@ -67,6 +70,9 @@ class SpanService:
         self.p2p: Any = None
         self.local_socket = local_socket
         self.local_endpoint: LocalEndpoint | None = None
+        self.direct = direct  # corolla clients' direct TCP port (off: None)
+        self.direct_endpoint: DirectEndpoint | None = None
+        self._direct_secret = TicketSecret()  # every handler process checks the tickets any of them issued
         self.pool: HandlerPool | None = None
 
     @property
@@ -90,6 +96,13 @@ class SpanService:
                     self.local_endpoint = endpoint
             except OSError as e:  # same-host clients fall back to p2p
                 logger.warning(f"span_service.local_endpoint_failed({e!r})")
+        if self.direct is not None and self.num_handlers == 1:
+            direct = DirectEndpoint(self.handler, p2p.peer_id, self.direct, self._direct_secret, reuse_port=False)
+            try:
+                await direct.start()
+                self.direct_endpoint = direct
+            except OSError as e:  # clients keep to p2p
+                logger.warning(f"span_service.direct_endpoint_failed({e!r})")
 
     async def _start_pool(self, p2p: Any) -> None:
         handler = self.handler
@@ -105,6 +118,8 @@ class SpanService:
             swarm_key_file=self.swarm_key_file,
             kv_handoff=handler.handoff.enabled,
             local_socket_dir=str(ls.socket_dir()) if self.local_socket else None,
+            direct=self.direct.with_free_port() if self.direct is not None else None,  # one port for all
+            direct_secret=self._direct_secret.secret,
         )
         self.pool = HandlerPool(
             self.num_handlers,
@@ -129,6 +144,9 @@ class SpanService:
         if self.local_endpoint is not None:
             await self.local_endpoint.stop()
             self.local_endpoint = None
+        if self.direct_endpoint is not None:
+            await self.direct_endpoint.stop()
+            self.direct_endpoint = None
         if self.p2p is not None and self.num_handlers == 1:
             try:
                 await asyncio.wait_for(self.handler.remove_p2p_handlers(self.p2p), timeout_s)

@@ -1,0 +1,156 @@
+"""Inference streams to a corolla server over its direct TCP port (see `protocol.direct_stream`) instead of through
+the two p2pd daemons.
+
+`DirectInferenceStream` is one such stream on a raw non-blocking TCP socket (`framed_socket.FramedSocketStream`):
+the handshake proves the server holds the ticket key that p2p gave us (else the stream is not used), then every
+frame both ways is sealed. `DirectOffers` keeps each server's offer (a ticket, asked for over p2p once and reused
+until shortly before it expires) and remembers, for a while, servers that have no direct port or could not be
+reached at it. Any problem means "use p2p"."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+from hivemind.p2p import P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from corolla.client.framed_socket import MAX_RESPONSE_FRAME_BYTES, FramedSocketStream
+from corolla.protocol import direct_stream as ds
+from corolla.protocol import local_stream as ls
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+RENEW_BEFORE_EXPIRY_S = 60.0  # a ticket this close to its expiry is renewed before a new stream uses it
+NO_DIRECT_RETRY_S = 300.0  # after a server had no direct port (or we could not reach it), ask again this much later
+
+
+class DirectInferenceStream(FramedSocketStream):
+    """One `rpc_inference` stream over a server's direct port. Not thread-safe: one caller at a time, either the
+    client loop (`send`, `receive`) or one thread (`exchange`)."""
+
+    def __init__(self, sock: socket.socket, peer_id: str):
+        super().__init__(sock, peer_id)
+        self._sealer: ds.Sealer | None = None
+        self._opener: ds.Opener | None = None
+        self.address: tuple[str, int] | None = None
+
+    @classmethod
+    async def open(cls, offer: ds.DirectOffer, peer_id: str, *, timeout_s: float) -> DirectInferenceStream | None:
+        """Connects to the first of the offer's hosts that answers and completes the handshake; None if none does
+        (then nothing was sent but a hello)."""
+        for host in offer.hosts:
+            stream = await cls._open_at(host, offer, peer_id, timeout_s)
+            if stream is not None:
+                return stream
+        return None
+
+    @classmethod
+    async def _open_at(
+        cls, host: str, offer: ds.DirectOffer, peer_id: str, timeout_s: float
+    ) -> DirectInferenceStream | None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        stream = cls(sock, peer_id)
+        loop = asyncio.get_running_loop()
+        client_nonce = os.urandom(ds.NONCE_BYTES)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (host, offer.port)), timeout_s)
+            hello = ds.DirectHello(
+                rpc="rpc_inference", peer_id=peer_id, token=offer.ticket.token, client_nonce=client_nonce
+            )
+            await loop.sock_sendall(sock, b"".join(ls.frame(ls.HELLO, hello.to_bytes())))
+            kind, payload = await asyncio.wait_for(stream._receive_frame(ls.MAX_ERROR_BYTES), timeout_s)
+            if kind != ls.ACCEPT:
+                message = payload.decode(errors="replace") if kind == ls.ERROR else f"frame kind {kind}"
+                raise ConnectionError(f"refused: {message}")
+            server_nonce, proof = ds.parse_accept(payload)
+            keys = ds.StreamKeys.derive(offer.ticket.key, client_nonce, server_nonce)
+            if not hmac.compare_digest(proof, keys.proof):
+                raise ConnectionError("the server at the direct port does not hold our ticket's key")
+        except (OSError, EOFError, ValueError, asyncio.TimeoutError) as e:
+            logger.debug(f"direct_transport.unavailable(peer=...{peer_id[-6:]}, host={host}, error={e!r})")
+            stream.close()
+            return None
+        stream._sealer = ds.Sealer(keys.client_to_server)
+        stream._opener = ds.Opener(keys.server_to_client)
+        stream.address = (host, offer.port)
+        return stream
+
+    # ---- framing (sealed once open)
+
+    @property
+    def header_bytes(self) -> int:
+        return ls.HEADER_BYTES
+
+    def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
+        assert self._sealer is not None, "the stream is not open"
+        return self._sealer.seal(ls.MESSAGE, request.SerializeToString())
+
+    def _end_frame(self) -> bytes:
+        assert self._sealer is not None, "the stream is not open"
+        return self._sealer.seal(ls.END)
+
+    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int, int]:
+        kind, length = ls.parse_header(buffer, max_payload_bytes + ds.TAG_BYTES)
+        return kind, length, ls.HEADER_BYTES
+
+    def _response(self, kind: int, payload: bytes) -> runtime_pb2.ExpertResponse | None:
+        assert self._opener is not None, "the stream is not open"
+        try:
+            opened = self._opener.open(kind, payload)
+        except ValueError as e:  # changed, dropped or replayed bytes: this stream is unusable
+            raise ConnectionError(f"direct stream from ...{self.peer_id[-6:]}: {e}") from None
+        if kind == ls.MESSAGE:
+            return runtime_pb2.ExpertResponse.FromString(opened)
+        if kind == ls.ERROR:
+            message = opened.decode(errors="replace")
+            raise P2PHandlerError(
+                f"Failed to call handler `rpc_inference` at ...{self.peer_id[-6:]} (direct): {message}"
+            )
+        if kind == ls.END:
+            return None
+        raise ConnectionError(f"unexpected direct stream frame kind {kind} from ...{self.peer_id[-6:]}")
+
+
+class DirectOffers:
+    """Each server's direct offer (or that it has none), for the client's sessions. `ask(peer_id)` runs the ticket
+    RPC over p2p (the caller's code: it knows the p2p instance and the membership proof)."""
+
+    def __init__(self, ask: Callable[[str], Awaitable[ds.DirectOffer]], *, time_fn: Callable[[], float] = time.time):
+        self._ask = ask
+        self._time = time_fn
+        self._offers: dict[str, ds.DirectOffer] = {}
+        self._none_until: dict[str, float] = {}
+
+    async def get(self, peer_id: str) -> ds.DirectOffer | None:
+        """A usable offer of `peer_id`, or None (no direct port, not reachable lately, or the RPC failed)."""
+        now = self._time()
+        if self._none_until.get(peer_id, 0.0) > now:
+            return None
+        offer = self._offers.get(peer_id)
+        if offer is not None and offer.ticket.expires_at_s - RENEW_BEFORE_EXPIRY_S > now:
+            return offer
+        try:
+            offer = await self._ask(peer_id)
+        except Exception as e:  # a Petals server, a server without a direct port, a hostile answer
+            logger.debug(f"direct_transport.no_offer(peer=...{peer_id[-6:]}): {e!r}")
+            self.unusable(peer_id)
+            return None
+        self._offers[peer_id] = offer
+        return offer
+
+    def unusable(self, peer_id: str) -> None:
+        """`peer_id`'s direct port did not work: use p2p with it for `NO_DIRECT_RETRY_S`."""
+        self._offers.pop(peer_id, None)
+        self._none_until[peer_id] = self._time() + NO_DIRECT_RETRY_S
+
+
+__all__ = ["MAX_RESPONSE_FRAME_BYTES", "DirectInferenceStream", "DirectOffers"]

@@ -1,0 +1,234 @@
+"""`DirectEndpoint`: serves `rpc_inference` to corolla clients on the server's direct TCP port (`--direct_port`;
+protocol in `protocol.direct_stream`), through the handler's own `rpc_inference` as the p2p stream does. A client
+first gets a ticket over p2p (`DirectTicketRpc.rpc_direct_ticket`, a unary RPC stock Petals peers never call), then
+connects here; the stream's peer is the one the ticket was issued to, and its per-peer limits (sessions, KV share,
+stream bytes, idle timeouts) are that peer's, as on p2p.
+
+A one-process server listens in its device process; with `--num_handlers` N > 1 every handler process listens on the
+same port (`SO_REUSEPORT`: the kernel spreads connections over them) with the same ticket secret. Before a ticket is
+checked a connection holds nothing but its socket: at most `MAX_PENDING_HELLOS` such connections, each for at most
+`HELLO_TIMEOUT_S`; after it, at most `max_sessions_per_peer` + `SPARE_CONNECTIONS_PER_PEER` connections per peer and
+`max_sessions_total` in all."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+
+from corolla.protocol import direct_stream as ds
+from corolla.protocol import local_stream as ls
+from corolla.server.peer_auth import PeerAuth, info_uid, remote_peer
+from corolla.server.stream_endpoint import serve_inference
+from corolla.server.stream_guard import _Lease
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+HELLO_TIMEOUT_S = 5.0
+MAX_PENDING_HELLOS = 64
+SPARE_CONNECTIONS_PER_PEER = 4  # a client replacing sessions may briefly hold a few more connections than sessions
+SERVED_RPCS = ("rpc_inference",)
+
+
+@dataclass(frozen=True)
+class DirectListen:
+    """Where a server's direct port listens and what it tells clients to connect to."""
+
+    bind_host: str  # e.g. "0.0.0.0" behind a forwarded port, or the one address to listen on
+    port: int  # 0: any free port (the device process picks one for all handler processes)
+    hosts: tuple[str, ...]  # addresses clients connect to (what the ticket RPC offers)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"direct port must be 0-65535, got {self.port}")
+        if not 0 < len(self.hosts) <= ds.MAX_HOSTS:
+            raise ValueError(f"a direct port is offered at 1-{ds.MAX_HOSTS} hosts, got {len(self.hosts)}")
+
+    def with_free_port(self) -> DirectListen:
+        """The same with `port` fixed to a port free now (so every handler process binds the same one)."""
+        if self.port:
+            return self
+        family = socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((self.bind_host, 0))
+            port = probe.getsockname()[1]
+        return DirectListen(self.bind_host, port, self.hosts)
+
+
+class DirectTicketRpc:
+    """The handler's ticket RPC (a mixin of `server.handler.TransformerConnectionHandler`). `direct_offer` is set
+    where a direct endpoint listens; until then the RPC refuses and clients keep to p2p."""
+
+    direct_offer: tuple[DirectListen, ds.TicketSecret] | None = None
+    peer_auth: PeerAuth | None
+
+    async def rpc_direct_ticket(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        info_uid(self.peer_auth, context, request.uid)  # private swarm: the caller proves membership on the uid
+        sender = remote_peer(context)
+        if self.direct_offer is None or sender is None:
+            raise ValueError("this server has no direct port")
+        listen, secret = self.direct_offer
+        offer = ds.DirectOffer(hosts=listen.hosts, port=listen.port, ticket=secret.issue(sender))
+        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(offer.to_dict()))
+
+
+class SealedFrames:
+    """A direct connection's frames after the handshake: sealed to the client, opened from it."""
+
+    overhead_bytes = ds.TAG_BYTES
+
+    def __init__(self, keys: ds.StreamKeys):
+        self._sealer = ds.Sealer(keys.server_to_client)
+        self._opener = ds.Opener(keys.client_to_server)
+
+    def encode(self, kind: int, payload: bytes) -> bytes:
+        return self._sealer.seal(kind, payload)
+
+    def decode(self, kind: int, payload: bytes) -> bytes:
+        return self._opener.open(kind, payload)
+
+
+class DirectEndpoint:
+    """The direct TCP listener of one handler (see the module docstring)."""
+
+    def __init__(
+        self, handler: Any, peer_id: PeerID, listen: DirectListen, secret: ds.TicketSecret, *, reuse_port: bool
+    ):
+        if not listen.port and reuse_port:
+            raise ValueError("handler processes share one direct port: fix it first (DirectListen.with_free_port)")
+        self.handler, self.peer_id, self.listen, self.secret = handler, peer_id, listen, secret
+        self.peer_id_b58 = peer_id.to_base58()
+        self.reuse_port = reuse_port
+        self.max_frame_bytes = int(handler.max_stream_bytes) + (1 << 20)
+        self.port: int | None = None
+        self.streams_opened = 0
+        self.refused = 0
+        self._pending = 0
+        self._per_peer: dict[str, int] = defaultdict(int)
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task] = set()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._connections)
+
+    async def start(self) -> int:
+        """Listens; returns the port. The handler's ticket RPC offers it from now on."""
+        self._server = await asyncio.start_server(
+            self._serve, self.listen.bind_host, self.listen.port, reuse_port=self.reuse_port or None, limit=1 << 16
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.handler.direct_offer = (DirectListen(self.listen.bind_host, self.port, self.listen.hosts), self.secret)
+        logger.info(f"direct_endpoint.listening(host={self.listen.bind_host}, port={self.port}, pid={os.getpid()})")
+        return self.port
+
+    async def stop(self) -> None:
+        """Stops offering tickets and accepting, and ends open streams (their sessions free their caches)."""
+        self.handler.direct_offer = None
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.wait(list(self._connections), timeout=10)
+        self._server = None
+
+    async def __aenter__(self) -> DirectEndpoint:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        peer: str | None = None
+        try:
+            if self._pending >= MAX_PENDING_HELLOS:
+                self.refused += 1
+                return
+            self._connections.add(task)
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._pending += 1
+            try:
+                accepted = await self._accept(reader, writer)
+            finally:
+                self._pending -= 1
+            if accepted is None:
+                return
+            peer, keys = accepted
+            self._per_peer[peer] += 1  # (checked in `_accept`, with no await in between)
+            self.streams_opened += 1
+            await self._stream(reader, writer, peer, keys)
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            logger.debug(f"direct_endpoint.connection_lost({e!r})")
+        finally:
+            self._connections.discard(task)
+            if peer is not None:
+                self._per_peer[peer] -= 1
+                if not self._per_peer[peer]:
+                    del self._per_peer[peer]
+            writer.close()
+
+    async def _accept(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> tuple[str, ds.StreamKeys] | None:
+        """(the ticket's peer, this connection's keys) once the hello checks out and ACCEPT is sent; None after a
+        refusal (an ERROR frame where the client said something) or silence."""
+        try:
+            kind, payload = await asyncio.wait_for(ls.read_frame(reader, ls.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
+            if kind != ls.HELLO:
+                raise ValueError(f"expected a hello frame first, got kind {kind}")
+            hello = ds.DirectHello.from_bytes(payload)
+            if hello.version != ds.DIRECT_STREAM_VERSION:
+                raise ValueError(f"direct stream version {hello.version} is not {ds.DIRECT_STREAM_VERSION}")
+            if hello.peer_id != self.peer_id_b58:
+                raise ValueError("this port belongs to another peer id")
+            if hello.rpc not in SERVED_RPCS:
+                raise ValueError(f"rpc {hello.rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
+            peer, ticket_key = self.secret.check(hello.token)
+            self._check_admission(peer)
+        except asyncio.TimeoutError:
+            self.refused += 1
+            logger.info("direct_endpoint.rejected(reason=no_hello)")
+            return None
+        except ValueError as e:
+            self.refused += 1
+            logger.info(f"direct_endpoint.rejected(reason=bad_hello): {e}")
+            writer.write(b"".join(ls.frame(ls.ERROR, str(e).encode()[: ls.MAX_ERROR_BYTES])))
+            return None
+        server_nonce = os.urandom(ds.NONCE_BYTES)
+        keys = ds.StreamKeys.derive(ticket_key, hello.client_nonce, server_nonce)
+        writer.write(b"".join(ls.frame(ls.ACCEPT, ds.accept_payload(server_nonce, keys))))
+        return peer, keys
+
+    def _check_admission(self, peer: str) -> None:
+        """ValueError (with the limit) if another connection of `peer` would pass its share or the server's."""
+        limits = self.handler.peer_limits
+        per_peer = limits.max_sessions_per_peer + SPARE_CONNECTIONS_PER_PEER if limits.max_sessions_per_peer else 0
+        if per_peer and self._per_peer.get(peer, 0) >= per_peer:
+            raise ValueError(f"this peer already has {per_peer} direct connections open (the limit)")
+        total = sum(self._per_peer.values())
+        if limits.max_sessions_total and total >= limits.max_sessions_total:
+            raise ValueError(f"the server has {total} direct connections open (max_sessions_total); retry later")
+
+    async def _stream(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, keys: ds.StreamKeys
+    ) -> None:
+        context = P2PContext(handle_name="rpc_inference", local_id=self.peer_id, remote_id=PeerID.from_base58(peer))
+        budget = self.handler.stream_budget
+        await serve_inference(
+            self.handler, reader, writer, context, SealedFrames(keys), self.max_frame_bytes,
+            lease=_Lease(budget, peer), idle_s=budget.limits.stream_idle_timeout_s or None,
+        )  # fmt: skip

@@ -1,0 +1,277 @@
+"""The direct inference stream (a server's TCP port, ticket over p2p, sealed frames): a corolla client uses it where
+the server offers one and gets exactly what p2p gives; the ticket names the p2p-authenticated caller and that peer's
+limits apply; a forged, expired or foreign ticket, a changed, replayed or wrongly keyed frame, and a peer past its
+connection share are refused without a step running; a server with no direct port means p2p."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+import torch
+from hivemind.compression.serialization import deserialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+from transformers import AutoModelForCausalLM
+
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.client.direct_transport import DirectInferenceStream
+from corolla.protocol import direct_stream as ds
+from corolla.protocol import local_stream as ls
+from corolla.protocol.rpc import handle_name
+from corolla.server.limits import PeerLimits
+from helpers.swarm import ClientThread, chain, packed_request, start_inprocess_server, wait_until
+from helpers.tiny_models import make_tiny_model
+
+HIDDEN = 64
+NUM_BLOCKS = 4
+PROMPT = torch.tensor([[1, 17, 42, 99, 7, 250, 31]])
+MAX_SESSIONS_PER_PEER = 2
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory: pytest.TempPathFactory):
+    server = start_inprocess_server(
+        model_path,
+        tmp_path_factory.mktemp("cache"),
+        block_indices=(0, NUM_BLOCKS),
+        direct_port=0,  # any free port on the loopback address the swarm listens on
+        peer_limits=PeerLimits(max_sessions_per_peer=MAX_SESSIONS_PER_PEER, max_kv_fraction_per_peer=1.0),
+    )
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    client = ClientThread(server.join_maddrs, server.peer_id)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def local(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def cache_used(server) -> int:
+    return server.service.executor.max_size_bytes - server.service.executor.bytes_left
+
+
+def ticket_offer(client: ClientThread, server) -> ds.DirectOffer:
+    async def go():
+        call = client.p2p.call_protobuf_handler(
+            client.peer_id, handle_name("rpc_direct_ticket"), runtime_pb2.ExpertUID(uid=""), runtime_pb2.ExpertInfo
+        )
+        response = await asyncio.wait_for(call, 10)
+        return ds.DirectOffer.from_dict(MSGPackSerializer.loads(response.serialized_info))
+
+    return client.call(go())
+
+
+def step_request(server, hidden: torch.Tensor, session_id: str, position: int = 0) -> runtime_pb2.ExpertRequest:
+    meta = dict(session_id=session_id, step_id=str(uuid.uuid4()), start_from_position=position)
+    if position == 0:
+        meta["max_length"] = 32
+    dummies = (torch.empty(0), torch.empty(0, dtype=torch.int64))
+    return packed_request(chain(server, 0, NUM_BLOCKS), hidden, *dummies, **meta)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def _connect(offer: ds.DirectOffer):
+    return await asyncio.open_connection(offer.hosts[0], offer.port)
+
+
+async def _handshake(offer: ds.DirectOffer, peer_id: str, token: bytes | None = None):
+    """A hand-driven connection: (reader, writer, reply kind, reply payload, client nonce)."""
+    reader, writer = await _connect(offer)
+    nonce = os.urandom(ds.NONCE_BYTES)
+    hello = ds.DirectHello("rpc_inference", peer_id, offer.ticket.token if token is None else token, nonce)
+    writer.writelines(ls.frame(ls.HELLO, hello.to_bytes()))
+    kind, payload = await asyncio.wait_for(ls.read_frame(reader, 1 << 20), 10)
+    return reader, writer, kind, payload, nonce
+
+
+def test_ticket_names_the_caller_and_offers_the_loopback_port(server, client):
+    offer = ticket_offer(client, server)
+    endpoint = server.service.direct_endpoint
+    assert offer.hosts == ("127.0.0.1",) and offer.port == endpoint.port
+    peer, key = endpoint.secret.check(offer.ticket.token)
+    assert peer == client.p2p.peer_id.to_base58() and key == offer.ticket.key
+
+
+def test_stream_gives_the_blocks_outputs_and_frees_the_cache(server, client, model_path):
+    torch.manual_seed(0)
+    prefix, token = torch.randn(1, 5, HIDDEN), torch.randn(1, 1, HIDDEN)
+    offer = ticket_offer(client, server)
+
+    async def go():
+        stream = await DirectInferenceStream.open(offer, server.peer_id, timeout_s=5)
+        assert stream is not None
+        session = str(uuid.uuid4())
+        outputs = []
+        for request in (step_request(server, prefix, session), step_request(server, token, session, 5)):
+            await stream.send(request)
+            response = await asyncio.wait_for(stream.receive(), 30)
+            outputs.append(deserialize_torch_tensor(response.tensors[0]))
+        used = cache_used(server)
+        await stream.send_end()
+        assert await asyncio.wait_for(stream.receive(), 10) is None  # the server's END
+        stream.close()
+        return outputs, used
+
+    outputs, used = _run(go())
+    assert used > 0
+    with torch.no_grad():
+        whole = torch.cat([prefix, token], dim=1)
+        for block in server_blocks(server, model_path):
+            whole = block(whole)
+    torch.testing.assert_close(outputs[0], whole[:, :5], atol=1e-4, rtol=0)
+    torch.testing.assert_close(outputs[1], whole[:, 5:], atol=1e-4, rtol=0)
+    assert wait_until(lambda: cache_used(server) == 0 and server.service.direct_endpoint.num_open == 0, 5)
+
+
+def server_blocks(server, path):
+    from corolla.models.loading import load_pretrained_block
+
+    config = server.model_config
+    return [load_pretrained_block(path, i, config=config, torch_dtype=torch.float32).eval() for i in range(NUM_BLOCKS)]
+
+
+@pytest.mark.parametrize("busy_poll_ms", [0.0, 200.0])
+def test_client_generates_the_same_tokens_over_the_direct_port(server, model_path, local, busy_poll_ms):
+    config = ClientConfig(local_transport=False, max_retries=0, busy_poll_ms=busy_poll_ms)
+    opened = server.service.direct_endpoint.streams_opened
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=server.join_maddrs, client_config=config
+    ) as model:
+        with model.inference_session(max_length=32) as session:
+            output = model.generate(PROMPT, max_new_tokens=12, do_sample=False, session=session)
+            transports = {span.transport for span in session._spans}
+            steps_here = session.num_steps_here
+    with torch.no_grad():
+        expected = local.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    assert output.tolist() == expected.tolist()
+    assert transports == {"direct"} and server.service.direct_endpoint.streams_opened == opened + 1
+    assert steps_here == 11  # every step after the prompt in this thread, as over the socket
+
+
+def _forged(token: bytes) -> bytes:
+    return token[:8] + bytes([token[8] ^ 1]) + token[9:]
+
+
+@pytest.mark.parametrize("case", ["forged", "expired", "other_server", "garbage"])
+def test_bad_tickets_are_refused_before_anything_runs(server, client, case):
+    offer = ticket_offer(client, server)
+    endpoint = server.service.direct_endpoint
+    peer_id, token, expected = server.peer_id, offer.ticket.token, "not issued by this server"
+    if case == "forged":
+        token = _forged(token)  # e.g. another peer id or a later expiry: the MAC no longer matches
+    elif case == "expired":
+        token = endpoint.secret.issue(client.p2p.peer_id.to_base58(), ttl_s=-1).token
+        expected = "expired"
+    elif case == "other_server":
+        peer_id, expected = "QmSomeOtherServer", "another peer id"
+    else:
+        token, expected = b"\x00" * 8, "at most"
+
+    async def go():
+        reader, writer, kind, payload, _ = await _handshake(offer, peer_id, token)
+        eof = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return kind, payload.decode(errors="replace"), eof
+
+    refused = endpoint.refused
+    kind, message, eof = _run(go())
+    assert kind == ls.ERROR and expected in message and eof == b""
+    assert endpoint.refused == refused + 1
+
+
+@pytest.mark.parametrize("attack", ["wrong_key", "tampered", "replayed"])
+def test_frames_that_do_not_open_end_the_stream_without_a_step(server, client, attack):
+    """Someone who saw a token on the wire (but not its key) is accepted, and then cannot send one step; a sealed
+    request with one flipped bit, or a whole recorded connection replayed, does not run either."""
+    offer = ticket_offer(client, server)
+    request = step_request(server, torch.randn(1, 3, HIDDEN), str(uuid.uuid4())).SerializeToString()
+    executor = server.service.executor
+    steps_before = executor.runtime.stats()
+
+    async def go():
+        reader, writer, kind, payload, nonce = await _handshake(offer, server.peer_id)
+        assert kind == ls.ACCEPT
+        server_nonce, _ = ds.parse_accept(payload)
+        keys = ds.StreamKeys.derive(offer.ticket.key, nonce, server_nonce)
+        if attack == "wrong_key":
+            frame = ds.Sealer(os.urandom(ds.KEY_BYTES)).seal(ls.MESSAGE, request)
+        elif attack == "tampered":
+            frame = bytearray(ds.Sealer(keys.client_to_server).seal(ls.MESSAGE, request))
+            frame[40] ^= 1
+            frame = bytes(frame)
+        else:  # the bytes a client sealed for an earlier connection (its keys came from an older server nonce)
+            old = ds.StreamKeys.derive(offer.ticket.key, nonce, os.urandom(ds.NONCE_BYTES))
+            frame = ds.Sealer(old.client_to_server).seal(ls.MESSAGE, request)
+        writer.write(frame)
+        reply = await asyncio.wait_for(reader.read(), 10)  # the server answers with one sealed ERROR and hangs up
+        writer.close()
+        return reply, keys
+
+    reply, keys = _run(go())
+    kind, length = ls.parse_header(reply, 1 << 20)
+    assert kind == ls.ERROR and len(reply) == ls.HEADER_BYTES + length
+    assert b"failed authentication" in ds.Opener(keys.server_to_client).open(kind, reply[ls.HEADER_BYTES :])
+    assert executor.runtime.stats() == steps_before  # nothing ran
+    assert wait_until(lambda: cache_used(server) == 0, 5)
+
+
+def test_a_peer_past_its_connection_share_is_refused(server, client):
+    from corolla.server.direct_endpoint import SPARE_CONNECTIONS_PER_PEER
+
+    offer = ticket_offer(client, server)
+    share = MAX_SESSIONS_PER_PEER + SPARE_CONNECTIONS_PER_PEER
+
+    async def go():
+        held = []
+        for _ in range(share):
+            reader, writer, kind, _, _ = await _handshake(offer, server.peer_id)
+            assert kind == ls.ACCEPT
+            held.append(writer)
+        _, writer, kind, payload, _ = await _handshake(offer, server.peer_id)
+        writer.close()
+        for w in held:
+            w.close()
+        return kind, payload.decode()
+
+    kind, message = _run(go())
+    assert kind == ls.ERROR and f"already has {share} direct connections" in message
+    assert wait_until(lambda: server.service.direct_endpoint.num_open == 0, 10)
+
+
+def test_no_direct_port_means_p2p(model_path, local, tmp_path):
+    quiet = start_inprocess_server(model_path, tmp_path / "cache", block_indices=(0, NUM_BLOCKS), local_socket=False)
+    try:
+        assert quiet.service.direct_endpoint is None
+        config = ClientConfig(local_transport=False, max_retries=0)
+        with AutoDistributedModelForCausalLM.from_pretrained(
+            model_path, initial_peers=quiet.join_maddrs, client_config=config
+        ) as model:
+            with model.inference_session(max_length=32) as session:
+                output = model.generate(PROMPT, max_new_tokens=4, do_sample=False, session=session)
+                transports = {span.transport for span in session._spans}
+            assert model.manager.direct_offers._none_until  # asked once, then p2p for a while
+        with torch.no_grad():
+            expected = local.generate(PROMPT, max_new_tokens=4, do_sample=False)
+        assert output.tolist() == expected.tolist() and transports == {"p2p"}
+    finally:
+        quiet.shutdown()

@@ -1,0 +1,129 @@
+"""Direct-stream pieces without a server: tickets (the MAC checked before anything in the token is believed,
+expiry, layout), the hello's bounded parsing, sealed frames (a changed, repeated, reordered or wrongly keyed frame
+does not open), the offer a hostile server could send (IP literals only, bounded), and the client's offer cache."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from corolla.client.direct_transport import NO_DIRECT_RETRY_S, RENEW_BEFORE_EXPIRY_S, DirectOffers
+from corolla.protocol import direct_stream as ds
+from corolla.protocol import local_stream as ls
+
+
+def test_tickets_check_out_only_as_issued() -> None:
+    secret = ds.TicketSecret()
+    ticket = secret.issue("QmClient", now_s=1000.0, ttl_s=60)
+    assert ticket.expires_at_s == 1060
+    assert secret.check(ticket.token, now_s=1059.0) == ("QmClient", ticket.key)
+    with pytest.raises(ValueError, match="expired"):
+        secret.check(ticket.token, now_s=1061.0)
+    for i in range(len(ticket.token)):  # any changed byte (peer id, expiry, nonce or MAC) is caught by the MAC
+        changed = bytearray(ticket.token)
+        changed[i] ^= 0x40
+        with pytest.raises(ValueError, match="not issued by this server"):
+            secret.check(bytes(changed), now_s=1000.0)
+    with pytest.raises(ValueError, match="not issued by this server"):
+        ds.TicketSecret().check(ticket.token, now_s=1000.0)  # another server's (or a restarted server's) secret
+    for bad in (b"", b"\x01" * 10, b"\x01" * (ds.MAX_TOKEN_BYTES + 1)):
+        with pytest.raises(ValueError, match="at most"):
+            secret.check(bad)
+    with pytest.raises(ValueError, match="peer id"):
+        secret.issue("../etc")
+    with pytest.raises(ValueError, match="32 bytes"):
+        ds.TicketSecret(b"short")
+    other = secret.issue("QmClient", now_s=1000.0)
+    assert other.token != ticket.token and other.key != ticket.key  # a nonce per ticket
+
+
+def test_hello_round_trip_and_malformed_hellos() -> None:
+    hello = ds.DirectHello("rpc_inference", "QmServer", b"t" * 40, os.urandom(ds.NONCE_BYTES))
+    raw = hello.to_bytes()
+    assert ds.DirectHello.from_bytes(raw) == hello
+    for bad in (b"", raw[:-1], raw + b"x", raw[:3], b"\x01\xff" + raw[2:], bytes([1, 2]) + b"\xff\xfe" + raw[4:]):
+        with pytest.raises(ValueError):
+            ds.DirectHello.from_bytes(bad)
+
+
+def test_sealed_frames_open_once_in_order_under_their_key() -> None:
+    keys = ds.StreamKeys.derive(os.urandom(32), os.urandom(16), os.urandom(16))
+    sealer, opener = ds.Sealer(keys.client_to_server), ds.Opener(keys.client_to_server)
+    frames = [sealer.seal(ls.MESSAGE, f"step {i}".encode()) for i in range(3)]
+
+    def open_frame(op: ds.Opener, frame: bytes, kind: int | None = None) -> bytes:
+        header_kind, length = ls.parse_header(frame, 1 << 20)
+        assert length == len(frame) - ls.HEADER_BYTES
+        return op.open(header_kind if kind is None else kind, frame[ls.HEADER_BYTES :])
+
+    assert open_frame(opener, frames[0]) == b"step 0"
+    with pytest.raises(ValueError, match="authentication"):
+        open_frame(opener, frames[0])  # repeated
+    with pytest.raises(ValueError, match="authentication"):
+        open_frame(opener, frames[2])  # reordered (frame 1 skipped)
+    with pytest.raises(ValueError, match="authentication"):
+        open_frame(opener, frames[1], kind=ls.END)  # its header's kind changed
+    assert open_frame(opener, frames[1]) == b"step 1"  # a refused frame does not advance the counter
+    with pytest.raises(ValueError, match="authentication"):
+        open_frame(ds.Opener(keys.server_to_client), frames[0])  # the other direction's key
+    with pytest.raises(ValueError, match="shorter than its tag"):
+        opener.open(ls.MESSAGE, b"x")
+    assert keys.proof != ds.StreamKeys.derive(os.urandom(32), os.urandom(16), os.urandom(16)).proof
+
+
+def _offer_dict(**changes: object) -> dict:
+    offer = ds.DirectOffer(("127.0.0.1", "::1"), 4242, ds.TicketSecret().issue("QmClient"))
+    return {**offer.to_dict(), **changes}
+
+
+def test_offers_from_a_hostile_server_are_bounded() -> None:
+    offer = ds.DirectOffer.from_dict(_offer_dict())
+    assert offer.hosts == ("127.0.0.1", "::1") and offer.port == 4242
+    for changes in (
+        {"hosts": ["example.com"]},  # a name the client would have to resolve
+        {"hosts": []},
+        {"hosts": ["127.0.0.1"] * (ds.MAX_HOSTS + 1)},
+        {"hosts": "127.0.0.1"},
+        {"port": 0},
+        {"port": 70000},
+        {"port": "80"},
+        {"token": b"x" * (ds.MAX_TOKEN_BYTES + 1)},
+        {"key": b"k" * 31},
+        {"expires_at": "soon"},
+        {"version": 2},
+    ):
+        with pytest.raises(ValueError):
+            ds.DirectOffer.from_dict(_offer_dict(**changes))
+    with pytest.raises(ValueError):
+        ds.DirectOffer.from_dict(["not", "a", "dict"])
+
+
+def test_client_reuses_an_offer_until_near_expiry_and_backs_off_from_servers_without_one() -> None:
+    now = [1000.0]
+    asked: list[str] = []
+    secret = ds.TicketSecret()
+
+    async def ask(peer_id: str) -> ds.DirectOffer:
+        asked.append(peer_id)
+        if peer_id == "QmPetals":
+            raise RuntimeError("handler not found")
+        return ds.DirectOffer(("127.0.0.1",), 4242, secret.issue("QmMe", now_s=now[0], ttl_s=600))
+
+    offers = DirectOffers(ask, time_fn=lambda: now[0])
+
+    async def go() -> None:
+        first = await offers.get("QmServer")
+        assert first is not None and await offers.get("QmServer") is first
+        now[0] += 600 - RENEW_BEFORE_EXPIRY_S + 1  # close to its expiry: a new ticket
+        second = await offers.get("QmServer")
+        assert second is not None and second is not first
+        assert await offers.get("QmPetals") is None and await offers.get("QmPetals") is None
+        offers.unusable("QmServer")  # its port could not be reached
+        assert await offers.get("QmServer") is None
+        now[0] += NO_DIRECT_RETRY_S + 1
+        assert await offers.get("QmPetals") is None and await offers.get("QmServer") is not None
+
+    asyncio.run(go())
+    assert asked == ["QmServer", "QmServer", "QmPetals", "QmPetals", "QmServer"]
