@@ -105,10 +105,13 @@ def _outputs_by_seed(clients: list[dict]) -> dict[int, torch.Tensor]:
     return {r["seed"]: torch.tensor(r["outputs"]) for r in clients}
 
 
-def test_corolla_clients_decode_what_petals_clients_decode_over_p2p_and_the_socket(small_executor):
-    """The same inputs (each client process's seed) through the same server: corolla's own client streams, over p2p
-    and over the same-host socket, get the outputs the stock-Petals-style streams get, every session finishing."""
-    runs = [("p2p", "petals"), ("p2p", "corolla"), ("socket", "corolla")]
+def test_corolla_clients_decode_what_petals_clients_decode_over_p2p_the_socket_and_the_direct_port(small_executor):
+    """The same inputs (each client process's seed) through the same server: corolla's own client streams, over p2p,
+    the same-host socket and the server's direct port, get the outputs the stock-Petals-style streams get, every
+    session finishing; a Petals client has no direct transport."""
+    with pytest.raises(ValueError, match="needs client 'corolla'"):
+        mu.UsersConfig(sessions=1, client_processes=1, transport="direct", client="petals")
+    runs = [("p2p", "petals"), ("p2p", "corolla"), ("socket", "corolla"), ("direct", "corolla")]
     outputs, rows = {}, {}
     with _server(small_executor).running(keep_runtime=True) as server:
         for transport, client in runs:
@@ -124,7 +127,7 @@ def test_corolla_clients_decode_what_petals_clients_decode_over_p2p_and_the_sock
     reference = outputs["p2p", "petals"]
     assert sorted(reference) == [100, 101] and reference[100].shape == (2, 1 + 5, SHAPE.hidden_size)
     assert not torch.equal(reference[100][0], reference[101][0])  # the processes' inputs differ
-    for key in (("p2p", "corolla"), ("socket", "corolla")):
+    for key in runs[1:]:
         assert sorted(outputs[key]) == [100, 101]
         for seed, expected in reference.items():
             torch.testing.assert_close(outputs[key][seed], expected, rtol=1e-4, atol=1e-4, msg=f"{key}, seed {seed}")

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-Transport = Literal["p2p", "socket"]
+Transport = Literal["p2p", "socket", "direct"]
 ServingPath = Literal["fast", "plain"]
 _P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 _LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -73,8 +73,12 @@ class UsersConfig:
             )
         if self.decode_steps <= self.warmup_steps:
             raise ValueError(f"decode_steps ({self.decode_steps}) must exceed warmup_steps ({self.warmup_steps})")
-        if self.transport not in ("p2p", "socket"):
-            raise ValueError(f"transport must be 'p2p' or 'socket', got {self.transport!r}")
+        if self.transport not in ("p2p", "socket", "direct"):
+            raise ValueError(f"transport must be 'p2p', 'socket' or 'direct', got {self.transport!r}")
+        if self.transport == "direct" and self.client != "corolla":
+            raise ValueError(
+                "transport 'direct' is corolla's own: it needs client 'corolla' (Petals has no direct port)"
+            )
         if self.client not in CLIENT_KINDS:
             raise ValueError(f"client must be one of {', '.join(CLIENT_KINDS)}, got {self.client!r}")
 
@@ -211,6 +215,7 @@ class BenchServer:
     def _serving(self, keep_runtime: bool) -> Iterator[BenchServer]:
         from hivemind.p2p import P2P
 
+        from corolla.server.direct_endpoint import DirectListen
         from corolla.server.limits import PeerLimits
         from corolla.server.sessions import SessionTimeouts
         from corolla.server.span_service import SpanService
@@ -235,6 +240,7 @@ class BenchServer:
                 busy_poll=selector if self.device.type == "cuda" else None,  # as the server does
                 num_handlers=self.num_handlers,
                 channel_reply_thread=self.reply_thread,
+                direct=DirectListen("127.0.0.1", 0, ("127.0.0.1",)),  # corolla clients' direct port (loopback)
             )
             # one bench process plays many users: the per-peer fair-use caps (sessions, KV share) would refuse
             # them (every socket client is the one peer "local"), so they are lifted here; the rest stay default

@@ -42,7 +42,8 @@ CLIENT_DESCRIPTIONS = {
     "petals": "stock-Petals-style rpc_inference streams (hivemind stub: an async generator fed by a queue, "
     "hivemind's writer task; over the socket open_local_inference wrapped the same way)",
     "corolla": "corolla's own client streams (client.p2p_stream.P2PInferenceStream on the client's p2pd / "
-    "client.local_transport.LocalInferenceStream; one write per request, requests built and responses checked by "
+    "client.local_transport.LocalInferenceStream / client.direct_transport.DirectInferenceStream on the server's "
+    "direct port, ticket over p2p; one write per request, requests built and responses checked by "
     "client.span_session.SpanSession, as InferenceSession sends them)",
 }
 _P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
@@ -143,7 +144,7 @@ class CorollaStream:
     `InferenceSession`'s prompts, hypo_ids and step ids, and its response checks), each step one `send` and one
     `receive` on the stream. The interface is `rpc_bench._Stream`'s (`open`, `step`, `close`)."""
 
-    def __init__(self, p2p: P2P, peer_id_b58: str, num_blocks: int, max_length: int, local: bool, prefix: str):
+    def __init__(self, p2p: P2P, peer_id_b58: str, num_blocks: int, max_length: int, transport: str, prefix: str):
         from corolla.client.config import ClientConfig
         from corolla.client.forwarding import StepForwarding
         from corolla.client.routing import RemoteSequenceManager
@@ -151,10 +152,11 @@ class CorollaStream:
         from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
         from corolla.protocol.uids import make_uid
 
-        self.p2p, self.peer_id, self.local = p2p, peer_id_b58, local
-        config = ClientConfig(local_transport=local, max_retries=0)
+        self.p2p, self.peer_id, self.transport = p2p, peer_id_b58, transport
+        config = ClientConfig(local_transport=transport == "socket", max_retries=0)
         uids = [make_uid(prefix, i) for i in range(num_blocks)]
-        self.manager = RemoteSequenceManager(config, uids, start_updates=False)  # no DHT, no thread: the encoder's
+        # no DHT, no thread: the request encoder's, and the direct port's tickets (over this p2p)
+        self.manager = RemoteSequenceManager(config, uids, start_updates=False, p2p=p2p)
         info = ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=num_blocks)
         self.session: SpanSession = SpanSession(
             self.manager, RemoteSpanInfo(peer_id_b58, 0, num_blocks, info), max_length
@@ -163,13 +165,21 @@ class CorollaStream:
         self.stream: InferenceStream | None = None
 
     async def open(self) -> CorollaStream:
+        from corolla.client.direct_transport import DirectInferenceStream
         from corolla.client.local_transport import LocalInferenceStream
         from corolla.client.p2p_stream import P2PInferenceStream
 
-        if self.local:
+        if self.transport == "socket":
             self.stream = await LocalInferenceStream.open(self.peer_id, timeout_s=OPEN_TIMEOUT_S)
             if self.stream is None:
                 raise RuntimeError("the server's local socket is not usable")
+        elif self.transport == "direct":
+            offer = await self.manager.direct_offers.get(self.peer_id)  # one ticket per process, over p2p
+            if offer is None:
+                raise RuntimeError("the server offers no direct port")
+            self.stream = await DirectInferenceStream.open(offer, self.peer_id, timeout_s=OPEN_TIMEOUT_S)
+            if self.stream is None:
+                raise RuntimeError("the server's direct port did not accept the ticket")
         else:
             self.stream = await asyncio.wait_for(P2PInferenceStream.open(self.p2p, self.peer_id), OPEN_TIMEOUT_S)
         return self
@@ -275,7 +285,9 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
         streams: list[_Stream | CorollaStream]
         if config.client == "corolla":
             streams = [
-                await CorollaStream(p2p, job.peer_id_b58, job.num_layers, max_length, local, job.prefix).open()
+                await CorollaStream(
+                    p2p, job.peer_id_b58, job.num_layers, max_length, config.transport, job.prefix
+                ).open()
                 for _ in range(k)
             ]
         else:

@@ -95,6 +95,8 @@ def _measure(
     one unless `last`)."""
     with server.running(keep_runtime=not last):
         for transport, client, n in itertools.product(args.transports.split(","), args.clients.split(","), counts):
+            if transport == "direct" and client != "corolla":
+                continue  # corolla's own transport: a Petals client has none
             config = UsersConfig(sessions=n, client_processes=args.processes, transport=transport, client=client,
                                  prefix_tokens=args.prefix_tokens, decode_steps=args.decode_steps)  # fmt: skip
             row = run_users(server, config, path)

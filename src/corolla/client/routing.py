@@ -53,6 +53,7 @@ class RemoteSequenceManager:
         *,
         dht: Any | None = None,
         start_updates: bool = True,
+        p2p: Any | None = None,
     ):
         if not block_uids:
             raise ValueError("block_uids must name at least one block")
@@ -74,7 +75,7 @@ class RemoteSequenceManager:
         self._closed = threading.Event()
         self._last_update_error: BaseException | None = None
         self._update_lock = threading.Lock()
-        self._p2p: Any = None
+        self._p2p: Any = p2p  # None: the DHT's replica, made on first use
         self._stubs: dict[str, Any] = {}
         self._input_compressions: dict[str, int] = {}  # peer -> compression its rpc_info asks for
         self.direct_offers = DirectOffers(self._ask_direct_ticket)  # servers' direct ports (client.direct_transport)
