@@ -195,10 +195,13 @@ def test_history_grows_in_place_and_holds_every_input():
     tokens = torch.randn(1, 200, HIDDEN)
     buffers = set()
     with InferenceSession(manager, max_length=200) as session:
-        session.step(tokens[:, :8])
-        for t in range(8, 200):
+        session.step(tokens[:, :32])
+        after_prompt = session._spans[0]._history_buf.data_ptr()
+        for t in range(32, 200):
             session.step(tokens[:, t : t + 1])
             buffers.add(session._spans[0]._history_buf.data_ptr())
+            if t < 64:  # the prompt's buffer has room for as many tokens again: no copy at the first tokens
+                assert session._spans[0]._history_buf.data_ptr() == after_prompt
         span = session._spans[0]
         torch.testing.assert_close(span.history, tokens, atol=0, rtol=0)
         assert span.position == 200

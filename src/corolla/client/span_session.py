@@ -157,11 +157,12 @@ class SpanSession:
 
     def _record(self, inputs: torch.Tensor, send_from: int) -> None:
         """Writes `inputs` [B, n, H] as positions `[send_from, send_from + n)`, growing the buffer by doubling (a
-        whole-history copy per token would cost O(position) each step)."""
+        whole-history copy per token would cost O(position) each step); a new buffer has room for as many tokens
+        again (up to `max_length`), so the first decode step after a prompt copies nothing."""
         end = send_from + inputs.shape[1]
         buf = self._history_buf
         if buf is None or buf.shape[1] < end or buf.shape[0] != inputs.shape[0] or buf.dtype != inputs.dtype:
-            capacity = max(end, 2 * (buf.shape[1] if buf is not None else 0), 16)
+            capacity = max(2 * end, 2 * (buf.shape[1] if buf is not None else 0), 16)
             grown = inputs.new_empty(inputs.shape[0], min(capacity, max(self.max_length, end)), inputs.shape[2])
             if buf is not None and send_from > 0:
                 grown[:, :send_from] = buf[:, :send_from]
