@@ -45,7 +45,9 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
         tmp_path_factory.mktemp("cache"),
         block_indices=(0, NUM_BLOCKS),
         direct_port=0,  # any free port on the loopback address the swarm listens on
-        peer_limits=PeerLimits(max_sessions_per_peer=MAX_SESSIONS_PER_PEER, max_kv_fraction_per_peer=1.0),
+        peer_limits=PeerLimits(
+            max_sessions_per_peer=MAX_SESSIONS_PER_PEER, max_kv_fraction_per_peer=1.0, stream_idle_timeout_s=1.0
+        ),
     )
     yield server
     server.shutdown()
@@ -233,6 +235,34 @@ def test_frames_that_do_not_open_end_the_stream_without_a_step(server, client, a
     assert b"failed authentication" in ds.Opener(keys.server_to_client).open(kind, reply[ls.HEADER_BYTES :])
     assert executor.runtime.stats() == steps_before  # nothing ran
     assert wait_until(lambda: cache_used(server) == 0, 5)
+
+
+@pytest.mark.parametrize("attack", ["stalled", "oversized"])
+def test_a_stalled_or_oversized_frame_ends_the_stream(server, client, attack):
+    """A ticket holder that starts a frame and stops sending is cut off after stream_idle_timeout_s; one that
+    declares a frame over the server's message limit is refused before a byte of it is buffered."""
+    offer = ticket_offer(client, server)
+
+    async def go():
+        reader, writer, kind, payload, nonce = await _handshake(offer, server.peer_id)
+        assert kind == ls.ACCEPT
+        keys = ds.StreamKeys.derive(offer.ticket.key, nonce, ds.parse_accept(payload)[0])
+        declared = 1000 if attack == "stalled" else (1 << 31)
+        writer.write(ls.header(ls.MESSAGE, declared) + b"x" * 10)
+        started = asyncio.get_running_loop().time()
+        reply = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return reply, keys, asyncio.get_running_loop().time() - started
+
+    reply, keys, waited_s = _run(go())
+    kind, length = ls.parse_header(reply, 1 << 20)
+    message = ds.Opener(keys.server_to_client).open(kind, reply[ls.HEADER_BYTES : ls.HEADER_BYTES + length])
+    assert kind == ls.ERROR
+    if attack == "stalled":
+        assert b"sent nothing" in message and 0.9 < waited_s < 5
+    else:
+        assert b"exceeds" in message and waited_s < 1
+    assert wait_until(lambda: server.service.direct_endpoint.num_open == 0, 10)
 
 
 def test_a_peer_past_its_connection_share_is_refused(server, client):

@@ -18,7 +18,7 @@ from corolla.server.admission import SessionTicket
 from corolla.server.limits import PeerLimitExceeded, PeerLimits, SessionEvicted, StreamStalled
 from corolla.server.peer_auth import SessionPushGuard
 from corolla.server.sessions import SessionState, SessionTimeouts, _may_get_pushes, iterate_steps
-from corolla.server.stream_guard import StreamBudget, _Lease, _read_message
+from corolla.server.stream_guard import StreamBudget, StreamLease, _read_message
 
 BOUND_S = 3.0  # every wait below is bounded: a read that ignores its deadline fails the test instead of hanging
 
@@ -28,8 +28,8 @@ def _framed(message: runtime_pb2.ExpertRequest) -> bytes:
     return P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body
 
 
-def _lease(max_message_bytes: int = 1 << 20) -> _Lease:
-    return _Lease(StreamBudget(PeerLimits(max_stream_message_bytes=max_message_bytes)), "peer")
+def _lease(max_message_bytes: int = 1 << 20) -> StreamLease:
+    return StreamLease(StreamBudget(PeerLimits(max_stream_message_bytes=max_message_bytes)), "peer")
 
 
 async def test_a_silent_peer_is_cut_off_between_the_parts_of_a_request() -> None:

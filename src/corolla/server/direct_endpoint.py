@@ -27,7 +27,7 @@ from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.server.peer_auth import PeerAuth, info_uid, remote_peer
 from corolla.server.stream_endpoint import serve_inference
-from corolla.server.stream_guard import _Lease
+from corolla.server.stream_guard import StreamLease
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -230,5 +230,5 @@ class DirectEndpoint:
         budget = self.handler.stream_budget
         await serve_inference(
             self.handler, reader, writer, context, SealedFrames(keys), self.max_frame_bytes,
-            lease=_Lease(budget, peer), idle_s=budget.limits.stream_idle_timeout_s or None,
+            lease=StreamLease(budget, peer), idle_s=budget.limits.stream_idle_timeout_s or None,
         )  # fmt: skip

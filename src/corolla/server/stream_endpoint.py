@@ -2,7 +2,7 @@
 a `FrameCodec`), `ExpertRequest`s into the handler's own `rpc_inference`, its responses out as frames. Shared by the
 same-host socket (`local_endpoint`, plain frames) and the direct TCP port (`direct_endpoint`, sealed frames).
 
-Every frame's declared length is checked against `max_frame_bytes` before its payload is read; where a `_Lease` is
+Every frame's declared length is checked against `max_frame_bytes` before its payload is read; where a `StreamLease` is
 given (a remote peer's stream) the payload is charged to the handler's per-peer and total stream byte budget before
 a byte of it is buffered and released once the handler has taken the next message, and a started payload that stops
 arriving for `idle_s` ends the stream, as on p2p (`stream_guard`)."""
@@ -20,7 +20,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
 from corolla.server.limits import StreamStalled
-from corolla.server.stream_guard import _Lease
+from corolla.server.stream_guard import StreamLease
 
 READ_CHUNK_BYTES = 1 << 20
 LINGER_S = 2.0  # after its last frame, how long the server waits for the client to close its side
@@ -72,7 +72,7 @@ async def read_frame(
     codec: FrameCodec,
     max_payload_bytes: int,
     *,
-    lease: _Lease | None = None,
+    lease: StreamLease | None = None,
     idle_s: float | None = None,
 ) -> tuple[int, bytes, int]:
     """(kind, decoded payload, bytes charged to `lease`) of the next frame; ValueError for an unknown kind, a length
@@ -95,7 +95,7 @@ async def serve_inference(
     codec: FrameCodec,
     max_frame_bytes: int,
     *,
-    lease: _Lease | None = None,
+    lease: StreamLease | None = None,
     idle_s: float | None = None,
 ) -> None:
     """Runs one accepted connection's `rpc_inference` to its end (the last frame END, or ERROR with the handler's

@@ -110,7 +110,7 @@ def malloc_trim() -> bool:
     return bool(trim(0))
 
 
-class _Lease:
+class StreamLease:
     """The bytes one stream holds in a `StreamBudget`; `close()` gives back whatever is left."""
 
     def __init__(self, budget: StreamBudget, peer: str):
@@ -161,7 +161,7 @@ _timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11: a deadline
 
 async def _read_message(
     reader: asyncio.StreamReader,
-    lease: _Lease,
+    lease: StreamLease,
     *,
     idle_s: float,
     between_s: float | None,
@@ -219,7 +219,7 @@ async def _read_message(
 
 
 async def _read_message_tasks(
-    reader: asyncio.StreamReader, lease: _Lease, *, idle_s: float, between_s: float | None
+    reader: asyncio.StreamReader, lease: StreamLease, *, idle_s: float, between_s: float | None
 ) -> tuple[runtime_pb2.ExpertRequest | None, int]:
     """`_read_message` on Python 3.10 (no `asyncio.timeout`): an `asyncio.wait_for` per bounded read."""
     marker = await _within(reader.readexactly(1), between_s, "between the parts of a streamed request")
@@ -250,7 +250,7 @@ _READ_REFUSALS = (PeerLimitExceeded, ServerLimitExceeded, StreamStalled, ValueEr
 async def _answer_refusal(
     name: str,
     error: BaseException,
-    lease: _Lease,
+    lease: StreamLease,
     writer: asyncio.StreamWriter,
     on_reject: Callable[[str, BaseException], None],
 ) -> None:
@@ -281,7 +281,7 @@ def guarded_stream_handler(
 
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
-        lease = _Lease(budget, peer_key(context))
+        lease = StreamLease(budget, peer_key(context))
         read_deadlines = TaskDeadline()  # the reader task's deadlines: one lazily moved timer for the stream
         queue: asyncio.Queue = asyncio.Queue(MAX_PREFETCH_MESSAGES)
 
@@ -372,7 +372,7 @@ class _InlineInput:
     the method's); a refusal, the caller's end and a broken input end the requests and are kept for the handler,
     which answers them once the method is done."""
 
-    def __init__(self, reader: asyncio.StreamReader, lease: _Lease, idle_s: float):
+    def __init__(self, reader: asyncio.StreamReader, lease: StreamLease, idle_s: float):
         self.reader, self.lease, self.idle_s = reader, lease, idle_s
         self.deadlines = TaskDeadline()  # the reads' deadlines: one lazily moved timer for the stream
         self.ended = False  # the caller's end-of-stream was read, or its input failed
@@ -423,7 +423,7 @@ def _inline_handler(
 
     async def handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
-        lease = _Lease(budget, peer_key(context))
+        lease = StreamLease(budget, peer_key(context))
         source = _InlineInput(reader, lease, idle_s)
         failure: Exception | None = None
         try:
