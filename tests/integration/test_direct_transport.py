@@ -152,13 +152,19 @@ def server_blocks(server, path):
     return [load_pretrained_block(path, i, config=config, torch_dtype=torch.float32).eval() for i in range(NUM_BLOCKS)]
 
 
-@pytest.mark.parametrize("busy_poll_ms", [0.0, 200.0])
-def test_client_generates_the_same_tokens_over_the_direct_port(server, model_path, local, busy_poll_ms):
+@pytest.mark.parametrize("busy_poll_ms, stale_ticket", [(0.0, False), (200.0, False), (0.0, True)])
+def test_client_generates_the_same_tokens_over_the_direct_port(server, model_path, local, busy_poll_ms, stale_ticket):
+    """...also when the client holds a ticket the server no longer knows (as after a server restart): it asks for
+    a fresh one instead of leaving the server to p2p."""
     config = ClientConfig(local_transport=False, max_retries=0, busy_poll_ms=busy_poll_ms)
     opened = server.service.direct_endpoint.streams_opened
     with AutoDistributedModelForCausalLM.from_pretrained(
         model_path, initial_peers=server.join_maddrs, client_config=config
     ) as model:
+        if stale_ticket:
+            endpoint = server.service.direct_endpoint
+            old = ds.TicketSecret().issue(model.manager._local_peer_id())  # another secret: refused by the server
+            model.manager.direct_offers._offers[server.peer_id] = ds.DirectOffer(("127.0.0.1",), endpoint.port, old)
         with model.inference_session(max_length=32) as session:
             output = model.generate(PROMPT, max_new_tokens=12, do_sample=False, session=session)
             transports = {span.transport for span in session._spans}

@@ -119,6 +119,8 @@ def test_client_reuses_an_offer_until_near_expiry_and_backs_off_from_servers_wit
         now[0] += 600 - RENEW_BEFORE_EXPIRY_S + 1  # close to its expiry: a new ticket
         second = await offers.get("QmServer")
         assert second is not None and second is not first
+        third = await offers.get("QmServer", fresh=True)  # asked again although the kept one is valid
+        assert third is not None and third is not second and await offers.get("QmServer") is third
         assert await offers.get("QmPetals") is None and await offers.get("QmPetals") is None
         offers.unusable("QmServer")  # its port could not be reached
         assert await offers.get("QmServer") is None
@@ -126,4 +128,4 @@ def test_client_reuses_an_offer_until_near_expiry_and_backs_off_from_servers_wit
         assert await offers.get("QmPetals") is None and await offers.get("QmServer") is not None
 
     asyncio.run(go())
-    assert asked == ["QmServer", "QmServer", "QmPetals", "QmPetals", "QmServer"]
+    assert asked == ["QmServer", "QmServer", "QmServer", "QmPetals", "QmPetals", "QmServer"]

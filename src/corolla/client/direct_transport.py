@@ -130,13 +130,14 @@ class DirectOffers:
         self._offers: dict[str, ds.DirectOffer] = {}
         self._none_until: dict[str, float] = {}
 
-    async def get(self, peer_id: str) -> ds.DirectOffer | None:
-        """A usable offer of `peer_id`, or None (no direct port, not reachable lately, or the RPC failed)."""
+    async def get(self, peer_id: str, *, fresh: bool = False) -> ds.DirectOffer | None:
+        """A usable offer of `peer_id`, or None (no direct port, not reachable lately, or the RPC failed); `fresh`
+        asks the server again even if a ticket is kept (a restarted server no longer knows its old tickets)."""
         now = self._time()
         if self._none_until.get(peer_id, 0.0) > now:
             return None
         offer = self._offers.get(peer_id)
-        if offer is not None and offer.ticket.expires_at_s - RENEW_BEFORE_EXPIRY_S > now:
+        if not fresh and offer is not None and offer.ticket.expires_at_s - RENEW_BEFORE_EXPIRY_S > now:
             return offer
         try:
             offer = await self._ask(peer_id)

@@ -118,13 +118,19 @@ class SpanSession:
             self._direct = stream if isinstance(stream, FramedSocketStream) else None  # a test's fake may not be
 
     async def _open_direct(self, timeout_s: float) -> DirectInferenceStream | None:
-        offers = self.manager.direct_offers
-        offer = await offers.get(self.span.peer_id)
-        if offer is None:
+        """The server's direct port with the kept ticket, else with a fresh one (the server may have restarted and
+        forgotten the old); None (and p2p with this server for a while) if neither works."""
+        offers, peer_id = self.manager.direct_offers, self.span.peer_id
+        kept = await offers.get(peer_id)
+        if kept is None:
             return None
-        stream = await DirectInferenceStream.open(offer, self.span.peer_id, timeout_s=timeout_s)
+        stream = await DirectInferenceStream.open(kept, peer_id, timeout_s=timeout_s)
         if stream is None:
-            offers.unusable(self.span.peer_id)  # p2p with this server for a while
+            fresh = await offers.get(peer_id, fresh=True)
+            if fresh is not None and fresh.ticket != kept.ticket:
+                stream = await DirectInferenceStream.open(fresh, peer_id, timeout_s=timeout_s)
+        if stream is None:
+            offers.unusable(peer_id)
         return stream
 
     @property

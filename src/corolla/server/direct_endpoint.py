@@ -89,8 +89,8 @@ class SealedFrames:
         self._sealer = ds.Sealer(keys.server_to_client)
         self._opener = ds.Opener(keys.client_to_server)
 
-    def encode(self, kind: int, payload: bytes) -> bytes:
-        return self._sealer.seal(kind, payload)
+    def encode(self, kind: int, payload: bytes) -> list[bytes]:
+        return [self._sealer.seal(kind, payload)]
 
     def decode(self, kind: int, payload: bytes) -> bytes:
         return self._opener.open(kind, payload)

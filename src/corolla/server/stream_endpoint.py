@@ -31,8 +31,8 @@ class FrameCodec(Protocol):
 
     overhead_bytes: int  # what encoding adds to a payload
 
-    def encode(self, kind: int, payload: bytes) -> bytes:
-        """The whole frame (header and payload) for `payload`."""
+    def encode(self, kind: int, payload: bytes) -> list[bytes]:
+        """The whole frame (header and payload) for `payload`, as buffers for `writer.writelines`."""
         ...
 
     def decode(self, kind: int, payload: bytes) -> bytes:
@@ -45,8 +45,8 @@ class PlainFrames:
 
     overhead_bytes = 0
 
-    def encode(self, kind: int, payload: bytes) -> bytes:
-        return b"".join(ls.frame(kind, payload))
+    def encode(self, kind: int, payload: bytes) -> list[bytes]:
+        return ls.frame(kind, payload)  # the payload is not copied
 
     def decode(self, kind: int, payload: bytes) -> bytes:
         return payload
@@ -124,7 +124,7 @@ async def serve_inference(
 
     try:
         async for response in handler.rpc_inference(requests(), context):
-            writer.write(codec.encode(ls.MESSAGE, response.SerializeToString()))
+            writer.writelines(codec.encode(ls.MESSAGE, response.SerializeToString()))
             await writer.drain()
         last = codec.encode(ls.END, b"")
     except Exception as e:  # reported to the client as the p2p stream would (the handler already logged it)
@@ -133,7 +133,7 @@ async def serve_inference(
         if lease is not None:
             lease.close()
     with contextlib.suppress(Exception):
-        writer.write(last)
+        writer.writelines(last)
         writer.write_eof()
         await _discard_until_eof(reader, LINGER_S)
 
