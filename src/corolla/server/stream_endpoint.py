@@ -5,7 +5,8 @@ same-host socket (`local_endpoint`, plain frames) and the direct TCP port (`dire
 Every frame's declared length is checked against `max_frame_bytes` before its payload is read; where a `StreamLease` is
 given (a remote peer's stream) the payload is charged to the handler's per-peer and total stream byte budget before
 a byte of it is buffered and released once the handler has taken the next message, and a started payload that stops
-arriving for `idle_s` ends the stream, as on p2p (`stream_guard`)."""
+arriving for `idle_s` ends the stream, as on p2p (`stream_guard`; one `TaskDeadline` timer per connection, moved as
+bytes arrive, not a timeout task per read)."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
+from corolla.server.deadlines import TaskDeadline
 from corolla.server.limits import StreamStalled
 from corolla.server.stream_guard import StreamLease
 
 READ_CHUNK_BYTES = 1 << 20
+_timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11 (TaskDeadline needs Task.uncancel)
 LINGER_S = 2.0  # after its last frame, how long the server waits for the client to close its side
 
 
@@ -52,10 +55,32 @@ class PlainFrames:
         return payload
 
 
-async def _read_payload(reader: asyncio.StreamReader, length: int, idle_s: float | None) -> bytes:
+async def _read_payload(
+    reader: asyncio.StreamReader, length: int, idle_s: float | None, deadlines: TaskDeadline | None
+) -> bytes:
     if idle_s is None:
         return await reader.readexactly(length)
+    if deadlines is None or _timeout_at is None:  # (Python < 3.11: a deadline needs a task of its own per read)
+        return await _read_payload_tasks(reader, length, idle_s)
+    loop = deadlines.loop
     data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
+    try:
+        with deadlines.scope(loop.time() + idle_s) as scope:  # one timer per connection, moved as bytes arrive
+            while len(data) < length:
+                chunk = await reader.read(min(length - len(data), READ_CHUNK_BYTES))
+                if not chunk:
+                    raise asyncio.IncompleteReadError(bytes(data), length)
+                data += chunk
+                scope.move(loop.time() + idle_s)
+    except TimeoutError:
+        if deadlines.expired:
+            raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={idle_s} s inside a message") from None
+        raise
+    return bytes(data)
+
+
+async def _read_payload_tasks(reader: asyncio.StreamReader, length: int, idle_s: float) -> bytes:
+    data = bytearray()
     while len(data) < length:
         try:
             chunk = await asyncio.wait_for(reader.read(min(length - len(data), READ_CHUNK_BYTES)), idle_s)
@@ -74,6 +99,7 @@ async def read_frame(
     *,
     lease: StreamLease | None = None,
     idle_s: float | None = None,
+    deadlines: TaskDeadline | None = None,
 ) -> tuple[int, bytes, int]:
     """(kind, decoded payload, bytes charged to `lease`) of the next frame; ValueError for an unknown kind, a length
     over the limit, a payload that does not decode; IncompleteReadError at the end of the connection."""
@@ -83,7 +109,7 @@ async def read_frame(
     if lease is not None and kind == ls.MESSAGE:
         lease.charge(length)  # before a byte of the payload is buffered
         charged = length
-    payload = await _read_payload(reader, length, idle_s) if length else b""
+    payload = await _read_payload(reader, length, idle_s, deadlines) if length else b""
     return kind, codec.decode(kind, payload), charged
 
 
@@ -101,6 +127,7 @@ async def serve_inference(
     """Runs one accepted connection's `rpc_inference` to its end (the last frame END, or ERROR with the handler's
     error text), then reads what the client still sends for up to `LINGER_S` before the caller closes."""
     charged = 0
+    deadlines = TaskDeadline() if idle_s is not None else None
 
     async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
         nonlocal charged
@@ -109,7 +136,9 @@ async def serve_inference(
                 lease.release(charged)  # the handler took the previous message
                 charged = 0
             try:
-                kind, payload, charged = await read_frame(reader, codec, max_frame_bytes, lease=lease, idle_s=idle_s)
+                kind, payload, charged = await read_frame(
+                    reader, codec, max_frame_bytes, lease=lease, idle_s=idle_s, deadlines=deadlines
+                )
             except (asyncio.IncompleteReadError, ConnectionError):
                 return  # the client went away: the handler ends the session
             if kind == ls.END:
@@ -132,6 +161,8 @@ async def serve_inference(
     finally:
         if lease is not None:
             lease.close()
+        if deadlines is not None:
+            deadlines.close()
     with contextlib.suppress(Exception):
         writer.writelines(last)
         writer.write_eof()

@@ -1,0 +1,59 @@
+"""The frame reader shared by the same-host socket and the direct port: a payload arriving in pieces, each within the
+idle timeout, is read whole however long it takes in all; a gap longer than the timeout inside a payload ends the
+stream (`StreamStalled`); a declared length over the limit, or one the budget refuses, is refused before any of the
+payload is read."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from corolla.protocol import local_stream as ls
+from corolla.server.limits import PeerLimitExceeded, PeerLimits, StreamStalled
+from corolla.server.stream_endpoint import PlainFrames, read_frame
+from corolla.server.stream_guard import StreamBudget, StreamLease
+
+IDLE_S = 0.2
+
+
+async def _feed(reader: asyncio.StreamReader, pieces: list[bytes], gap_s: float) -> None:
+    for piece in pieces:
+        reader.feed_data(piece)
+        await asyncio.sleep(gap_s)
+
+
+def _read(pieces: list[bytes], gap_s: float, *, limit: int = 1 << 20, lease: StreamLease | None = None):
+    async def go():
+        from corolla.server.deadlines import TaskDeadline
+
+        reader = asyncio.StreamReader()
+        feeding = asyncio.create_task(_feed(reader, pieces, gap_s))
+        try:
+            return await read_frame(reader, PlainFrames(), limit, lease=lease, idle_s=IDLE_S, deadlines=TaskDeadline())
+        finally:
+            feeding.cancel()
+
+    return asyncio.run(go())
+
+
+def test_a_slow_but_steady_payload_is_read_whole() -> None:
+    payload = bytes(range(256)) * 40
+    frame = b"".join(ls.frame(ls.MESSAGE, payload))
+    pieces = [frame[i : i + 1000] for i in range(0, len(frame), 1000)]  # 11 pieces, 0.1 s apart: 1 s > IDLE_S in all
+    assert _read(pieces, gap_s=IDLE_S / 2) == (ls.MESSAGE, payload, 0)
+
+
+def test_a_gap_inside_a_payload_ends_the_stream() -> None:
+    frame = b"".join(ls.frame(ls.MESSAGE, b"x" * 100))
+    with pytest.raises(StreamStalled, match="sent nothing"):
+        _read([frame[:20], frame[20:]], gap_s=IDLE_S * 3)
+
+
+def test_declared_lengths_are_refused_before_the_payload_is_read() -> None:
+    with pytest.raises(ValueError, match="exceeds the limit of 64 bytes"):
+        _read([ls.header(ls.MESSAGE, 65)], gap_s=10.0, limit=64)  # nothing else ever arrives: refused at once
+    lease = StreamLease(StreamBudget(PeerLimits(max_stream_message_bytes=100)), "peer")
+    with pytest.raises(PeerLimitExceeded, match="max_stream_message_bytes=100"):
+        _read([ls.header(ls.MESSAGE, 500)], gap_s=10.0, lease=lease)
+    assert lease.held == 0
