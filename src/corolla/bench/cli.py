@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--users", default="", help="with --rpc: comma-separated session counts, each run through the one server"
     )
     p.add_argument("--user_processes", type=int, default=4, help="client processes for --users")
-    p.add_argument("--user_transports", default="socket,p2p", help="transports for --users: socket, p2p")
+    p.add_argument("--user_transports", default="socket,p2p", help="transports for --users: socket, p2p, direct")
     p.add_argument("--user_steps", type=int, default=32, help="decode steps per session for --users")
     p.add_argument(
         "--user_clients", default="petals", help="client kinds for --users: petals (hivemind stub streams), corolla"

@@ -28,9 +28,11 @@ def _users(server: Any, args: Any, log: Callable[[str], None]) -> list[dict]:
     from corolla.bench.multi_user import UsersConfig, run_users
 
     rows = []
-    clients = getattr(args, "user_clients", "petals").split(",")
+    clients = args.user_clients.split(",")
     sessions = [int(x) for x in args.users.split(",")]
     for transport, client, n in itertools.product(args.user_transports.split(","), clients, sessions):
+        if transport == "direct" and client != "corolla":
+            continue  # corolla's own transport: a Petals client has none
         config = UsersConfig(
             sessions=n,
             client_processes=args.user_processes,
