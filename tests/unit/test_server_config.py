@@ -73,9 +73,25 @@ def test_new_swarm_is_private_on_loopback_and_port_opens_wildcards():
     assert config.resolved_announce_maddrs == ("/ip4/1.2.3.4/tcp/31337",)
 
 
+def test_direct_port_listens_where_the_swarm_does_and_offers_a_reachable_ip():
+    assert parse_config(["m", "--new_swarm"]).resolved_direct() is None  # off by default
+    direct = parse_config(["m", "--new_swarm", "--direct_port", "0"]).resolved_direct()  # private swarm: loopback
+    assert direct is not None and (direct.bind_host, direct.port, direct.hosts) == ("127.0.0.1", 0, ("127.0.0.1",))
+    direct = parse_config(
+        ["m", "--new_swarm", "--port", "31337", "--public_ip", "1.2.3.4", "--direct_port", "31338"]
+    ).resolved_direct()
+    assert direct is not None and (direct.bind_host, direct.port, direct.hosts) == ("0.0.0.0", 31338, ("1.2.3.4",))
+    direct = parse_config(["m", "--port", "31337", "--direct_port", "9", "--direct_host", "::1"]).resolved_direct()
+    assert direct is not None and direct.hosts == ("::1",)
+    with pytest.raises(ValueError, match="--direct_host"):  # all interfaces and nothing says which one clients reach
+        parse_config(["m", "--port", "31337", "--direct_port", "9"]).resolved_direct()
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
+        (["m", "--direct_port", "70000"], "direct_port"),
+        (["m", "--direct_port", "1", "--direct_host", "example.com"], "IP address"),
         (["m", "--num_blocks", "2", "--block_indices", "0:2"], "mutually exclusive"),
         (["m", "--block_indices", "5"], "start:end"),
         (["m", "--block_indices", "4:2"], "start:end"),
