@@ -41,6 +41,16 @@ async def test_sessions_run_over_sockets_without_a_device_process() -> None:
     assert (result.sessions, result.steps) == (2, 3)
 
 
+@pytest.mark.parametrize("framing", ["socket", "direct"])
+async def test_sessions_run_over_the_endpoint_framings(framing: str) -> None:
+    """The same-host socket's frames and the direct port's sealed frames, served by `stream_endpoint`: every decode
+    reply reaches its client and none is an error (the bench raises otherwise)."""
+    result = await run_handler_path(sessions=3, steps=4, proxy=True, sockets=True, forward_ms=1.0, framing=framing)
+    assert (result.sessions, result.steps) == (3, 4)
+    with pytest.raises(ValueError, match="needs sockets"):
+        await run_handler_path(sessions=1, steps=1, framing=framing)
+
+
 async def test_a_negative_forward_period_is_refused() -> None:
     with pytest.raises(ValueError, match="forward_ms >= 0"):
         await run_handler_path(sessions=1, steps=1, forward_ms=-1.0)

@@ -19,6 +19,9 @@ the echo device answers the steps of each `--forward_ms` period together (one RE
 forward): the arrivals one at a time, the socket reads and writes and the loop's wake-ups of the real handler
 process are counted, the clients' and the device's work is not.
 
+`--framing socket|direct` (with `--sockets`): the streams framed as the same-host socket's, or sealed as the direct
+port's, and served by `stream_endpoint.serve_inference` instead of `stream_guard` (`bench.stream_framings`).
+
 What it leaves out: the p2pd socket and the device's work (and without `--proxy` the device channel); the
 many-users bench (`multi_user`) measures those through the real server.
 """
@@ -33,13 +36,14 @@ import multiprocessing
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
+from corolla.bench.stream_framings import FRAMINGS, ClientFraming, ServeStream, server_streams
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
@@ -251,6 +255,7 @@ async def run_handler_path(
     hidden_size: int = HIDDEN_SIZE,
     sockets: bool = False,
     forward_ms: float = 0.0,
+    framing: str = "p2p",
 ) -> HandlerPathResult:
     """`sessions` concurrent sessions of `steps` decode steps each through one handler; CPU and wall per step.
     `proxy`: through a `ProxyExecutor` to an echo device process that answers every `forward_ms` (0: at once);
@@ -258,7 +263,7 @@ async def run_handler_path(
     if sessions < 1 or steps < 1 or forward_ms < 0:
         raise ValueError(f"sessions and steps must be >= 1 and forward_ms >= 0, got {sessions}, {steps}, {forward_ms}")
     if not proxy:
-        return await _run(sessions, steps, hidden_size, EchoExecutor(), sockets=sockets)
+        return await _run(sessions, steps, hidden_size, EchoExecutor(), sockets=sockets, framing=framing)
     ours, theirs = socket.socketpair()
     device = multiprocessing.get_context("fork").Process(
         target=_echo_device, args=(theirs, forward_ms / 1000, (ours,)), daemon=True
@@ -270,7 +275,14 @@ async def run_handler_path(
     try:
         executor = ProxyExecutor(link)
         return await _run(
-            sessions, steps, hidden_size, executor, raw_steps=executor, sockets=sockets, inherited=(ours,)
+            sessions,
+            steps,
+            hidden_size,
+            executor,
+            raw_steps=executor,
+            sockets=sockets,
+            inherited=(ours,),
+            framing=framing,
         )
     finally:
         await link.close()
@@ -288,6 +300,7 @@ async def _run(
     raw_steps: RawStepper | None = None,
     sockets: bool = False,
     inherited: tuple[socket.socket, ...] = (),
+    framing: str = "p2p",
 ) -> HandlerPathResult:
     limits = ServingLimits(
         dht_prefix="p", start_block=0, end_block=2, hidden_size=hidden_size, dtype=torch.float32,
@@ -310,7 +323,10 @@ async def _run(
         on_reject=lambda name, error: refused.append(error),
     )
     if sockets:
-        return await _run_sockets(sessions, steps, hidden_size, handle, refused, inherited)
+        serve = server_streams(framing, handler, handle, _Origin())
+        return await _run_sockets(sessions, steps, hidden_size, serve, refused, inherited, framing)
+    if framing != "p2p":
+        raise ValueError(f"framing {framing!r} needs sockets (the streams' own connections)")
     prefilled = 0
     all_prefilled, go = asyncio.Event(), asyncio.Event()
 
@@ -351,16 +367,14 @@ async def _run(
     return HandlerPathResult(sessions, steps, cpu_s / total * 1e6, wall_s / total * 1e6)
 
 
-_END = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
-
-
 async def _run_sockets(
     sessions: int,
     steps: int,
     hidden_size: int,
-    handle: Callable[..., Awaitable[None]],
+    serve: ServeStream,
     refused: list[BaseException],
     inherited: tuple[socket.socket, ...],
+    framing: str,
 ) -> HandlerPathResult:
     """`_run` with each stream over a socketpair from a client process; this process's CPU over the decode window
     (between the client process's 'prefilled' and 'done'). `inherited`: other sockets the client process closes."""
@@ -369,7 +383,9 @@ async def _run_sockets(
     control, control_theirs = socket.socketpair()
     ours = [pair[0] for pair in pairs] + [control]  # the last one: the control socket
     clients = multiprocessing.get_context("fork").Process(
-        target=_clients, args=([pair[1] for pair in pairs], control_theirs, messages, [*ours, *inherited]), daemon=True
+        target=_clients,
+        args=([pair[1] for pair in pairs], control_theirs, messages, [*ours, *inherited], framing),
+        daemon=True,
     )
     clients.start()
     for sock in [pair[1] for pair in pairs] + [control_theirs]:
@@ -377,7 +393,7 @@ async def _run_sockets(
     serving = []
     for sock in ours[:-1]:
         reader, writer = await asyncio.open_unix_connection(sock=sock)
-        serving.append(asyncio.create_task(handle(_Origin(), reader, writer)))
+        serving.append(asyncio.create_task(serve(reader, writer)))
     control_reader, control_writer = await asyncio.open_unix_connection(sock=control)
     try:
         await asyncio.wait_for(control_reader.readexactly(1), 60)  # every session prefilled
@@ -402,31 +418,36 @@ async def _run_sockets(
 
 
 def _clients(
-    socks: list[socket.socket], control: socket.socket, messages: list[list[bytes]], inherited: list[socket.socket]
+    socks: list[socket.socket],
+    control: socket.socket,
+    messages: list[list[bytes]],
+    inherited: list[socket.socket],
+    framing: str,
 ) -> None:
     """The client process of `--sockets`: every session's prefill, 'prefilled', wait for 'go', then its decode
     steps one reply at a time and its end; 'done' with the count of decode replies that were not errors."""
     for sock in inherited:
         sock.close()
-    asyncio.run(_clients_loop(socks, control, messages))
+    asyncio.run(_clients_loop(socks, control, messages, framing))
 
 
-async def _clients_loop(socks: list[socket.socket], control: socket.socket, messages: list[list[bytes]]) -> None:
+async def _clients_loop(
+    socks: list[socket.socket], control: socket.socket, messages: list[list[bytes]], framing: str
+) -> None:
     control_reader, control_writer = await asyncio.open_unix_connection(sock=control)
     streams = [await asyncio.open_unix_connection(sock=sock) for sock in socks]
+    framings = [ClientFraming(framing) for _ in socks]
 
     async def exchange(index: int, message: bytes) -> bool:
         reader, writer = streams[index]
-        writer.write(message)
-        marker = await reader.readexactly(1)
-        await reader.readexactly(int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER))
-        return marker == P2P.MESSAGE_MARKER
+        writer.write(framings[index].request(message))
+        return await framings[index].reply(reader)
 
     async def decode(index: int) -> int:
         answered = 0
         for message in messages[index][1:]:
             answered += await exchange(index, message)
-        streams[index][1].write(_END)
+        streams[index][1].write(framings[index].end())
         await streams[index][1].drain()
         return answered
 
@@ -447,6 +468,7 @@ def main() -> None:
     parser.add_argument("--proxy", action="store_true", help="through a ProxyExecutor to an echo device process")
     parser.add_argument("--sockets", action="store_true", help="each stream over a socket from a client process")
     parser.add_argument("--forward_ms", type=float, default=0.0, help="the echo device answers every this many ms")
+    parser.add_argument("--framing", choices=FRAMINGS, default="p2p", help="with --sockets: the streams' framing")
     args = parser.parse_args()
     logging.getLogger("corolla.server").setLevel(logging.WARNING)  # a line per session open and close otherwise
     torch.set_num_threads(1)
@@ -458,10 +480,11 @@ def main() -> None:
             hidden_size=args.hidden_size,
             sockets=args.sockets,
             forward_ms=args.forward_ms,
+            framing=args.framing,
         )  # fmt: skip
     )
     mode = " (proxy)" if args.proxy else ""
-    mode += " (sockets)" if args.sockets else ""
+    mode += f" (sockets, {args.framing} framing)" if args.sockets else ""
     mode += f" (forward {args.forward_ms} ms)" if args.forward_ms else ""
     print(
         f"handler path{mode}: {result.sessions} sessions x {result.steps} steps: {result.cpu_us_per_step:.1f} us CPU, "
