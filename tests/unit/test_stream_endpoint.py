@@ -14,7 +14,7 @@ from corolla.server.limits import PeerLimitExceeded, PeerLimits, StreamStalled
 from corolla.server.stream_endpoint import PlainFrames, read_frame
 from corolla.server.stream_guard import StreamBudget, StreamLease
 
-IDLE_S = 0.2
+IDLE_S = 0.5
 
 
 async def _feed(reader: asyncio.StreamReader, pieces: list[bytes], gap_s: float) -> None:
@@ -40,8 +40,8 @@ def _read(pieces: list[bytes], gap_s: float, *, limit: int = 1 << 20, lease: Str
 def test_a_slow_but_steady_payload_is_read_whole() -> None:
     payload = bytes(range(256)) * 40
     frame = b"".join(ls.frame(ls.MESSAGE, payload))
-    pieces = [frame[i : i + 1000] for i in range(0, len(frame), 1000)]  # 11 pieces, 0.1 s apart: 1 s > IDLE_S in all
-    assert _read(pieces, gap_s=IDLE_S / 2) == (ls.MESSAGE, payload, 0)
+    pieces = [frame[i : i + 2000] for i in range(0, len(frame), 2000)]  # 6 pieces 0.1 s apart: 0.6 s > IDLE_S in all
+    assert _read(pieces, gap_s=IDLE_S / 5) == (ls.MESSAGE, payload, 0)
 
 
 def test_a_gap_inside_a_payload_ends_the_stream() -> None:
