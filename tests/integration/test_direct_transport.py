@@ -201,10 +201,17 @@ def test_bad_tickets_are_refused_before_anything_runs(server, client, case):
         writer.close()
         return kind, payload.decode(errors="replace"), eof
 
-    refused = endpoint.refused
+    refused, counted = endpoint.refused, _rejected(server, "direct_bad_hello")
     kind, message, eof = _run(go())
     assert kind == ls.ERROR and expected in message and eof == b""
-    assert endpoint.refused == refused + 1
+    assert endpoint.refused == refused + 1 and _rejected(server, "direct_bad_hello") == counted + 1
+
+
+def _rejected(server, reason: str) -> float:
+    """`corolla_requests_rejected_total{reason=...}` in the server's metrics (0 before the first)."""
+    prefix = f'corolla_requests_rejected_total{{reason="{reason}"}} '
+    lines = [line for line in server.metrics.render().decode().splitlines() if line.startswith(prefix)]
+    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 @pytest.mark.parametrize("attack", ["wrong_key", "tampered", "replayed"])
@@ -289,8 +296,10 @@ def test_a_peer_past_its_connection_share_is_refused(server, client):
             w.close()
         return kind, payload.decode()
 
+    counted = _rejected(server, "direct_connections")
     kind, message = _run(go())
     assert kind == ls.ERROR and f"already has {share} direct connections" in message
+    assert _rejected(server, "direct_connections") == counted + 1
     assert wait_until(lambda: server.service.direct_endpoint.num_open == 0, 10)
 
 

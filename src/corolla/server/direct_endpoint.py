@@ -63,6 +63,10 @@ class DirectListen:
         return DirectListen(self.bind_host, port, self.hosts)
 
 
+class ConnectionShareExceeded(ValueError):
+    """A ticket holder past its share of direct connections, or the server past its total."""
+
+
 class DirectTicketRpc:
     """The handler's ticket RPC (a mixin of `server.handler.TransformerConnectionHandler`). `direct_offer` is set
     where a direct endpoint listens; until then the RPC refuses and clients keep to p2p."""
@@ -154,7 +158,7 @@ class DirectEndpoint:
         peer: str | None = None
         try:
             if self._pending >= MAX_PENDING_HELLOS:
-                self.refused += 1
+                self._refused("pending", f"{MAX_PENDING_HELLOS} connections are still to say hello")
                 return
             self._connections.add(task)
             sock = writer.get_extra_info("socket")
@@ -200,12 +204,10 @@ class DirectEndpoint:
             peer, ticket_key = self.secret.check(hello.token)
             self._check_admission(peer)
         except asyncio.TimeoutError:
-            self.refused += 1
-            logger.info("direct_endpoint.rejected(reason=no_hello)")
+            self._refused("no_hello", f"no hello within {HELLO_TIMEOUT_S} s")
             return None
         except ValueError as e:
-            self.refused += 1
-            logger.info(f"direct_endpoint.rejected(reason=bad_hello): {e}")
+            self._refused("connections" if isinstance(e, ConnectionShareExceeded) else "bad_hello", str(e))
             writer.write(b"".join(ls.frame(ls.ERROR, str(e).encode()[: ls.MAX_ERROR_BYTES])))
             return None
         server_nonce = os.urandom(ds.NONCE_BYTES)
@@ -213,15 +215,25 @@ class DirectEndpoint:
         writer.write(b"".join(ls.frame(ls.ACCEPT, ds.accept_payload(server_nonce, keys))))
         return peer, keys
 
+    def _refused(self, reason: str, detail: str) -> None:
+        """Counts a refused connection here and in the server's metrics (`corolla_requests_rejected{reason=direct_*}`;
+        a handler process forwards it to the device process's one set)."""
+        self.refused += 1
+        self.handler.metrics.rejected(f"direct_{reason}")
+        logger.info(f"direct_endpoint.rejected(reason={reason}): {detail}")
+
     def _check_admission(self, peer: str) -> None:
-        """ValueError (with the limit) if another connection of `peer` would pass its share or the server's."""
+        """ConnectionShareExceeded (with the limit) if another connection of `peer` would pass its share or the
+        server's."""
         limits = self.handler.peer_limits
         per_peer = limits.max_sessions_per_peer + SPARE_CONNECTIONS_PER_PEER if limits.max_sessions_per_peer else 0
         if per_peer and self._per_peer.get(peer, 0) >= per_peer:
-            raise ValueError(f"this peer already has {per_peer} direct connections open (the limit)")
+            raise ConnectionShareExceeded(f"this peer already has {per_peer} direct connections open (the limit)")
         total = sum(self._per_peer.values())
         if limits.max_sessions_total and total >= limits.max_sessions_total:
-            raise ValueError(f"the server has {total} direct connections open (max_sessions_total); retry later")
+            raise ConnectionShareExceeded(
+                f"the server has {total} direct connections open (max_sessions_total); retry later"
+            )
 
     async def _stream(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, keys: ds.StreamKeys

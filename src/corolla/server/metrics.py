@@ -36,7 +36,13 @@ logger = get_logger(__name__)
 
 TOKEN_KINDS = ("inference", "forward", "backward")
 # fair-use limits add theirs (peer_kv, sessions_full, evicted, stream_stalled, ...: `limits.LIMIT_REASONS`)
-REJECT_REASONS = ("bad_request", "cache_full", "too_long", "overloaded", "timeout", "draining", *LIMIT_REASONS, "other")
+# the direct port's refused connections (`direct_endpoint`): too many before their hello, no hello, a bad hello or
+# ticket, a peer past its connection share
+DIRECT_REASONS = ("direct_pending", "direct_no_hello", "direct_bad_hello", "direct_connections")
+REJECT_REASONS = (
+    "bad_request", "cache_full", "too_long", "overloaded", "timeout", "draining", *LIMIT_REASONS, *DIRECT_REASONS,
+    "other",
+)  # fmt: skip
 
 # Decode steps on CPU take ~1 ms to ~1 s; on GPU ~0.1-50 ms. Exponential buckets cover both.
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
