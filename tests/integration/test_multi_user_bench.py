@@ -42,26 +42,11 @@ def test_lost_sessions_and_client_errors_are_reported():
     assert result.steps_per_merged_forward == 0.0  # no runtime batches seen
 
 
-def test_many_sessions_through_one_server_from_two_processes():
-    executor = mu.build_executor(
-        SHAPE,
-        torch.float32,
-        torch.device("cpu"),
-        num_layers=SHAPE.num_layers,
-        serving_path="fast",
-        cache_bytes=32 << 20,
-    )
-    server = mu.BenchServer(
-        executor,
-        hidden_size=SHAPE.hidden_size,
-        num_layers=SHAPE.num_layers,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+def test_many_sessions_through_one_server_from_two_processes(small_executor):
     config = mu.UsersConfig(
         sessions=6, client_processes=2, transport="p2p", prefix_tokens=4, decode_steps=8, start_timeout_s=120
     )
-    with server.running():
+    with _server(small_executor).running(keep_runtime=True) as server:
         result = mu.run_users(server, config, "fast")
     assert result.errors == [] and result.sessions_finished == 6
     assert result.client_processes == 2

@@ -16,10 +16,10 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.client.framed_socket import MAX_RESPONSE_FRAME_BYTES, FramedSocketStream
+from corolla.client.local_transport import frame_response
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.utils.logging import get_logger
@@ -108,16 +108,7 @@ class DirectInferenceStream(FramedSocketStream):
             opened = self._opener.open(kind, payload)
         except ValueError as e:  # changed, dropped or replayed bytes: this stream is unusable
             raise ConnectionError(f"direct stream from ...{self.peer_id[-6:]}: {e}") from None
-        if kind == ls.MESSAGE:
-            return runtime_pb2.ExpertResponse.FromString(opened)
-        if kind == ls.ERROR:
-            message = opened.decode(errors="replace")
-            raise P2PHandlerError(
-                f"Failed to call handler `rpc_inference` at ...{self.peer_id[-6:]} (direct): {message}"
-            )
-        if kind == ls.END:
-            return None
-        raise ConnectionError(f"unexpected direct stream frame kind {kind} from ...{self.peer_id[-6:]}")
+        return frame_response(kind, opened, self.peer_id, "direct")
 
 
 class DirectOffers:

@@ -85,16 +85,20 @@ class LocalInferenceStream(FramedSocketStream):
         return kind, length, ls.HEADER_BYTES
 
     def _response(self, kind: int, payload: bytes) -> runtime_pb2.ExpertResponse | None:
-        if kind == ls.MESSAGE:
-            return runtime_pb2.ExpertResponse.FromString(payload)
-        if kind == ls.ERROR:
-            message = payload.decode(errors="replace")
-            raise P2PHandlerError(
-                f"Failed to call handler `rpc_inference` at ...{self.peer_id[-6:]} (local): {message}"
-            )
-        if kind == ls.END:
-            return None
-        raise ConnectionError(f"unexpected local stream frame kind {kind} from ...{self.peer_id[-6:]}")
+        return frame_response(kind, payload, self.peer_id, "local")
+
+
+def frame_response(kind: int, payload: bytes, peer_id: str, transport: str) -> runtime_pb2.ExpertResponse | None:
+    """The response a `local_stream` frame (payload opened, where sealed) carries: the message, None for the end of
+    the stream, `P2PHandlerError` for the server's error (as over p2p), ConnectionError for any other kind."""
+    if kind == ls.MESSAGE:
+        return runtime_pb2.ExpertResponse.FromString(payload)
+    if kind == ls.ERROR:
+        message = payload.decode(errors="replace")
+        raise P2PHandlerError(f"Failed to call handler `rpc_inference` at ...{peer_id[-6:]} ({transport}): {message}")
+    if kind == ls.END:
+        return None
+    raise ConnectionError(f"unexpected {transport} stream frame kind {kind} from ...{peer_id[-6:]}")
 
 
 def _request_frame(request: runtime_pb2.ExpertRequest) -> bytes:

@@ -26,16 +26,14 @@ from hivemind.utils import MSGPackSerializer
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.server.peer_auth import PeerAuth, info_uid, remote_peer
-from corolla.server.stream_endpoint import serve_inference
+from corolla.server.stream_endpoint import HELLO_TIMEOUT_S, Connections, check_hello, read_hello, serve_inference
 from corolla.server.stream_guard import StreamLease
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-HELLO_TIMEOUT_S = 5.0
 MAX_PENDING_HELLOS = 64
 SPARE_CONNECTIONS_PER_PEER = 4  # a client replacing sessions may briefly hold a few more connections than sessions
-SERVED_RPCS = ("rpc_inference",)
 
 
 @dataclass(frozen=True)
@@ -117,19 +115,19 @@ class DirectEndpoint:
         self.refused = 0
         self._pending = 0
         self._per_peer: dict[str, int] = defaultdict(int)
-        self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections = Connections()
 
     @property
     def num_open(self) -> int:
-        return len(self._connections)
+        return self._connections.num_open
 
     async def start(self) -> int:
         """Listens; returns the port. The handler's ticket RPC offers it from now on."""
-        self._server = await asyncio.start_server(
+        server = await asyncio.start_server(
             self._serve, self.listen.bind_host, self.listen.port, reuse_port=self.reuse_port or None, limit=1 << 16
         )
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._connections.server = server
+        self.port = server.sockets[0].getsockname()[1]
         self.handler.direct_offer = (DirectListen(self.listen.bind_host, self.port, self.listen.hosts), self.secret)
         logger.info(f"direct_endpoint.listening(host={self.listen.bind_host}, port={self.port}, pid={os.getpid()})")
         return self.port
@@ -137,13 +135,7 @@ class DirectEndpoint:
     async def stop(self) -> None:
         """Stops offering tickets and accepting, and ends open streams (their sessions free their caches)."""
         self.handler.direct_offer = None
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        if self._connections:
-            await asyncio.wait(list(self._connections), timeout=10)
-        self._server = None
+        await self._connections.close()
 
     async def __aenter__(self) -> DirectEndpoint:
         await self.start()
@@ -153,32 +145,29 @@ class DirectEndpoint:
         await self.stop()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
         peer: str | None = None
         try:
             if self._pending >= MAX_PENDING_HELLOS:
                 self._refused("pending", f"{MAX_PENDING_HELLOS} connections are still to say hello")
                 return
-            self._connections.add(task)
-            sock = writer.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._pending += 1
-            try:
-                accepted = await self._accept(reader, writer)
-            finally:
-                self._pending -= 1
-            if accepted is None:
-                return
-            peer, keys = accepted
-            self._per_peer[peer] += 1  # (checked in `_accept`, with no await in between)
-            self.streams_opened += 1
-            await self._stream(reader, writer, peer, keys)
+            with self._connections.serving():
+                sock = writer.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._pending += 1
+                try:
+                    accepted = await self._accept(reader, writer)
+                finally:
+                    self._pending -= 1
+                if accepted is None:
+                    return
+                peer, keys = accepted
+                self._per_peer[peer] += 1  # (checked in `_accept`, with no await in between)
+                self.streams_opened += 1
+                await self._stream(reader, writer, peer, keys)
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             logger.debug(f"direct_endpoint.connection_lost({e!r})")
         finally:
-            self._connections.discard(task)
             if peer is not None:
                 self._per_peer[peer] -= 1
                 if not self._per_peer[peer]:
@@ -191,16 +180,11 @@ class DirectEndpoint:
         """(the ticket's peer, this connection's keys) once the hello checks out and ACCEPT is sent; None after a
         refusal (an ERROR frame where the client said something) or silence."""
         try:
-            kind, payload = await asyncio.wait_for(ls.read_frame(reader, ls.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
-            if kind != ls.HELLO:
-                raise ValueError(f"expected a hello frame first, got kind {kind}")
-            hello = ds.DirectHello.from_bytes(payload)
-            if hello.version != ds.DIRECT_STREAM_VERSION:
-                raise ValueError(f"direct stream version {hello.version} is not {ds.DIRECT_STREAM_VERSION}")
-            if hello.peer_id != self.peer_id_b58:
-                raise ValueError("this port belongs to another peer id")
-            if hello.rpc not in SERVED_RPCS:
-                raise ValueError(f"rpc {hello.rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
+            hello = ds.DirectHello.from_bytes(await read_hello(reader))
+            check_hello(
+                "direct stream", version=hello.version, expected_version=ds.DIRECT_STREAM_VERSION,
+                peer_id=hello.peer_id, own_peer_id=self.peer_id_b58, rpc=hello.rpc,
+            )  # fmt: skip
             peer, ticket_key = self.secret.check(hello.token)
             self._check_admission(peer)
         except asyncio.TimeoutError:

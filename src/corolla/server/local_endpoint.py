@@ -16,13 +16,10 @@ from typing import Any
 from hivemind.p2p import P2PContext
 
 from corolla.protocol import local_stream as ls
-from corolla.server.stream_endpoint import PlainFrames, serve_inference
+from corolla.server.stream_endpoint import Connections, PlainFrames, check_hello, read_hello, serve_inference
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-HELLO_TIMEOUT_S = 5.0
-SERVED_RPCS = ("rpc_inference",)
 
 
 class LocalEndpoint:
@@ -38,12 +35,11 @@ class LocalEndpoint:
         self.path: Path | None = None
         self.max_frame_bytes = int(handler.max_stream_bytes) + (1 << 20)
         self.streams_opened = 0
-        self._server: asyncio.AbstractServer | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections = Connections()
 
     @property
     def num_open(self) -> int:
-        return len(self._connections)
+        return self._connections.num_open
 
     async def start(self) -> bool:
         if not ls.ensure_private_dir(self.directory):
@@ -55,7 +51,7 @@ class LocalEndpoint:
             return False
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a socket left by an earlier run with the same identity
-        self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=1 << 16)
+        self._connections.server = await asyncio.start_unix_server(self._serve, path=str(path), limit=1 << 16)
         os.chmod(path, 0o600)
         self.path = path
         logger.info(f"local_endpoint.listening(path={path})")
@@ -63,17 +59,11 @@ class LocalEndpoint:
 
     async def stop(self) -> None:
         """Stops accepting, ends open streams (their sessions free their caches) and removes the socket."""
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        if self._connections:
-            await asyncio.wait(list(self._connections), timeout=10)
+        await self._connections.close()
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
             self.path = None
-        self._server = None
 
     async def __aenter__(self) -> LocalEndpoint:
         await self.start()
@@ -83,31 +73,23 @@ class LocalEndpoint:
         await self.stop()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._connections.add(task)
         try:
-            if await self._accept(reader, writer):
-                self.streams_opened += 1
-                await self._stream(reader, writer)
+            with self._connections.serving():
+                if await self._accept(reader, writer):
+                    self.streams_opened += 1
+                    await self._stream(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             logger.debug(f"local_endpoint.connection_lost({e!r})")
         finally:
-            self._connections.discard(task)
             writer.close()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         try:
-            kind, payload = await asyncio.wait_for(ls.read_frame(reader, ls.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
-            if kind != ls.HELLO:
-                raise ValueError(f"expected a hello frame first, got kind {kind}")
-            hello = ls.LocalHello.from_bytes(payload)
-            if hello.version != ls.LOCAL_STREAM_VERSION:
-                raise ValueError(f"local stream version {hello.version} is not {ls.LOCAL_STREAM_VERSION}")
-            if hello.peer_id != self.peer_id_b58:
-                raise ValueError("this socket belongs to another peer id")
-            if hello.rpc not in SERVED_RPCS:
-                raise ValueError(f"rpc {hello.rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
+            hello = ls.LocalHello.from_bytes(await read_hello(reader))
+            check_hello(
+                "local stream", version=hello.version, expected_version=ls.LOCAL_STREAM_VERSION,
+                peer_id=hello.peer_id, own_peer_id=self.peer_id_b58, rpc=hello.rpc,
+            )  # fmt: skip
         except asyncio.TimeoutError:
             logger.info("local_endpoint.rejected(reason=no_hello)")
             return False

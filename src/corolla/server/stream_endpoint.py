@@ -1,4 +1,6 @@
-"""One `rpc_inference` stream served outside p2pd: frames in (`protocol.local_stream` framing, each payload opened by
+"""Streams served outside p2pd, for the same-host socket (`local_endpoint`) and the direct port (`direct_endpoint`):
+the connections a listener serves (`Connections`), the hello every connection starts with (`read_hello`,
+`check_hello`), and one `rpc_inference` stream: frames in (`protocol.local_stream` framing, each payload opened by
 a `FrameCodec`), `ExpertRequest`s into the handler's own `rpc_inference`, its responses out as frames. Shared by the
 same-host socket (`local_endpoint`, plain frames) and the direct TCP port (`direct_endpoint`, sealed frames).
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
@@ -24,9 +26,65 @@ from corolla.server.deadlines import TaskDeadline
 from corolla.server.limits import StreamStalled
 from corolla.server.stream_guard import StreamLease
 
+HELLO_TIMEOUT_S = 5.0  # a connection that has not said hello by then is dropped
+SERVED_RPCS = ("rpc_inference",)
+CLOSE_WAIT_S = 10.0
 READ_CHUNK_BYTES = 1 << 20
 _timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11 (TaskDeadline needs Task.uncancel)
 LINGER_S = 2.0  # after its last frame, how long the server waits for the client to close its side
+
+
+class Connections:
+    """The connections one listener serves, each in its own task: counted while served (`serving`); `close` stops
+    the listener and ends them (their sessions free their caches), waiting up to `CLOSE_WAIT_S`."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._tasks)
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Counts the current task (one connection's) as open for the block."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            yield
+        finally:
+            self._tasks.discard(task)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=CLOSE_WAIT_S)
+        self.server = None
+
+
+async def read_hello(reader: asyncio.StreamReader) -> bytes:
+    """The payload of a connection's first frame, which must be a HELLO (within `HELLO_TIMEOUT_S`: else
+    `asyncio.TimeoutError`); ValueError for another kind or an oversized frame."""
+    kind, payload = await asyncio.wait_for(ls.read_frame(reader, ls.MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
+    if kind != ls.HELLO:
+        raise ValueError(f"expected a hello frame first, got kind {kind}")
+    return payload
+
+
+def check_hello(what: str, *, version: int, expected_version: int, peer_id: str, own_peer_id: str, rpc: str) -> None:
+    """ValueError naming what a hello got wrong: another protocol version, another server's peer id, an rpc that
+    is not served (`what`: "local stream" / "direct stream", as the client's message names it)."""
+    if version != expected_version:
+        raise ValueError(f"{what} version {version} is not {expected_version}")
+    if peer_id != own_peer_id:
+        raise ValueError(f"this {what} endpoint belongs to another peer id")
+    if rpc not in SERVED_RPCS:
+        raise ValueError(f"rpc {rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
 
 
 class FrameCodec(Protocol):
