@@ -204,7 +204,10 @@ def _interrupt_when(cmd: Sequence[str], marker: str, timeout_s: float) -> tuple[
     try:
         assert seen.wait(timeout_s), f"{marker!r} never appeared: {''.join(lines)[-3000:]}"
         os.killpg(proc.pid, signal.SIGINT)
-        rc = proc.wait(30.0)
+        try:
+            rc = proc.wait(30.0)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running 30 s after SIGINT: {''.join(lines)[-3000:]}") from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

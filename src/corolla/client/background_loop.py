@@ -10,6 +10,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from corolla.utils.busy_poll import BusyPollSelector
+from corolla.utils.interrupts import future_result
 
 T = TypeVar("T")
 
@@ -55,9 +56,12 @@ def run(coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
     assert running is not loop, "blocking on the client loop from inside it would deadlock"
     future = asyncio.run_coroutine_threadsafe(coro, loop)
     try:
-        return future.result(timeout_s)  # one condition wait (concurrent.futures.wait builds waiters per call)
+        return future_result(future, timeout_s)  # in slices: Ctrl-C ends the wait (utils.interrupts)
     except concurrent.futures.TimeoutError:
-        if future.done():  # the coroutine raised a TimeoutError itself, or finished just now
-            return future.result()
+        if future.done():  # the coroutine raised a TimeoutError itself
+            raise
         future.cancel()
         raise TimeoutError(f"client call did not finish within {timeout_s} s") from None
+    except BaseException:  # Ctrl-C (KeyboardInterrupt) while waiting: the call stops too, no retries behind our back
+        future.cancel()
+        raise

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 from hivemind.proto import runtime_pb2
 
+from corolla.utils.interrupts import WAIT_SLICE_S
+
 MAX_RESPONSE_FRAME_BYTES = 1 << 30  # a 2048-token bf16 prefill at hidden 16384 is 64 MiB: far below
 RECV_BYTES = 1 << 16
 
@@ -102,8 +104,9 @@ class FramedSocketStream(ABC):
                 data = data[self.sock.send(data) :]
             except BlockingIOError:
                 poller.register(self.sock, select.POLLOUT)
-                if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
-                    raise TimeoutError(f"stream to ...{self.peer_id[-6:]}: send timed out") from None
+                while not poller.poll(_slice_ms(deadline)):  # in slices: Ctrl-C ends the wait (utils.interrupts)
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"stream to ...{self.peer_id[-6:]}: send timed out") from None
                 poller.unregister(self.sock)
         poll_until = time.monotonic() + poll_s
         next_check = start + check_period_s if check_alive is not None else math.inf
@@ -123,7 +126,7 @@ class FramedSocketStream(ABC):
                     next_check = time.monotonic() + check_period_s
                     continue
                 if now >= poll_until:
-                    poller.poll(max(0.0, min(deadline, next_check) - now) * 1000)
+                    poller.poll(_slice_ms(min(deadline, next_check)))
                     slept = True
                 continue
             if not chunk:
@@ -158,3 +161,8 @@ class FramedSocketStream(ABC):
         if not self.closed:
             self.closed = True
             self.sock.close()
+
+
+def _slice_ms(until: float) -> float:
+    """Milliseconds for one `poll(2)` towards monotonic time `until`: at most `WAIT_SLICE_S` (see utils.interrupts)."""
+    return max(0.0, min(until - time.monotonic(), WAIT_SLICE_S)) * 1000

@@ -20,6 +20,7 @@ from corolla.protocol.direct_stream import DirectOffer
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
 from corolla.swarm.ping import PingAggregator
 from corolla.utils.errors import MissingBlocksError
+from corolla.utils.interrupts import event_wait
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -221,9 +222,9 @@ class RemoteSequenceManager:
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         timeout_s = self.config.dht_timeout_s + self.config.ping_timeout_s + 10 if timeout_s is None else timeout_s
-        if self._thread is not None and self._attempted.wait(timeout_s) and not self._ready.is_set():
+        if self._thread is not None and event_wait(self._attempted, timeout_s) and not self._ready.is_set():
             raise ConnectionError(f"routing: cannot read block records: {self._last_update_error!r}")
-        if not self._ready.wait(timeout_s):
+        if not event_wait(self._ready, timeout_s):
             raise TimeoutError(
                 f"routing: no view of the swarm after {timeout_s} s (last error: {self._last_update_error!r})"
             )
@@ -435,7 +436,9 @@ class RemoteSequenceManager:
                 logger.debug("routing.p2p_shutdown_failed(error=%r)", e)
             self._p2p = None
         if self._own_dht and self.dht is not None:
-            self.dht.shutdown()
+            from corolla.swarm.dht import shutdown_dht
+
+            shutdown_dht(self.dht)
             self.dht = None
 
     def __enter__(self) -> RemoteSequenceManager:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.subprocess
+import atexit
 import concurrent.futures
 import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -47,6 +49,7 @@ PUBLIC_HOST_MADDRS: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0")
 
 DEFAULT_DHT_TIMEOUT_S = 30.0  # DHT calls that take longer than this are considered failed
 _WATCHDOG_PERIOD_S = 0.5
+_KILL_WAIT_S = 5.0  # for the DHT process to go after SIGKILL
 BOOTSTRAP_ATTEMPTS = 2  # create_dht tries this often when none of the initial peers answered its ping
 BOOTSTRAP_RETRY_DELAY_S = 1.0
 
@@ -150,6 +153,13 @@ def install_p2pd_deathsig() -> None:
         _p2pd_patched_in_pid = os.getpid()
 
 
+def _kill_at_exit(ref: weakref.ref[OrphanProofDHT]) -> None:
+    dht = ref()
+    if dht is not None and dht.pid is not None and dht._parent_pid == os.getpid() and dht.is_alive():
+        dht.kill()
+        dht.join(_KILL_WAIT_S)
+
+
 def _watch_owner(owner_pid: int) -> None:
     while True:
         if os.getppid() != owner_pid:
@@ -167,6 +177,22 @@ class OrphanProofDHT(hivemind.DHT):
     def __init__(self, *args: Any, **kwargs: Any):
         self._created_in_main_thread = threading.current_thread() is threading.main_thread()
         super().__init__(*args, **kwargs)
+        # before multiprocessing's own exit hook (registered earlier, so run later), which only sends SIGTERM (ignored
+        # here, see `run`) and then joins the process forever
+        atexit.register(_kill_at_exit, weakref.ref(self))
+
+    def shutdown(self) -> None:
+        """hivemind's graceful shutdown (its node leaves, p2pd stops) within `shutdown_timeout`, then SIGKILL: the
+        SIGTERM that hivemind sends after the grace period is ignored here, and a process left alive would hang the
+        owner's interpreter exit."""
+        try:
+            super().shutdown()
+        except (OSError, ValueError) as e:  # the pipe is already closed (a second call) or broken (the process died)
+            logger.debug(f"dht.shutdown_error({e!r})")
+        if self.pid is not None and self.is_alive():
+            logger.debug(f"dht.shutdown_killed(pid={self.pid}, grace_s={self.shutdown_timeout})")
+            self.kill()
+            self.join(_KILL_WAIT_S)
 
     def run(self) -> None:
         owner_pid = self._parent_pid

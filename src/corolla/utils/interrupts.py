@@ -1,0 +1,45 @@
+"""Waits that Ctrl-C can end. CPython runs signal handlers in the main thread only, but the kernel delivers a
+process's SIGINT to any of its threads that does not block it (hivemind's, torch's, ours). A main thread blocked in
+an untimed lock wait or `poll(2)` is then not woken: it sees the KeyboardInterrupt only when that wait ends, which for
+a client waiting out a swarm with missing blocks is never (`corolla-generate` ignored Ctrl-C now and then).
+
+So every wait on a path the main thread takes is cut into slices of at most `WAIT_SLICE_S`; between slices the
+interpreter runs the pending handlers. A slice that ends early costs nothing: a result that arrives wakes the wait
+at once, as before."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import TypeVar
+
+T = TypeVar("T")
+
+WAIT_SLICE_S = 0.25  # the most a pending Ctrl-C waits for a blocked main thread to notice it
+
+
+def future_result(future: concurrent.futures.Future[T], timeout_s: float | None = None) -> T:
+    """`future.result(timeout_s)` in slices (see the module docstring): the result, the future's own exception, or
+    `concurrent.futures.TimeoutError` (= TimeoutError) once `timeout_s` passed without a result."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        slice_s = WAIT_SLICE_S if deadline is None else max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
+        try:
+            return future.result(slice_s)  # one condition wait (concurrent.futures.wait builds waiters per call)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # the future's own TimeoutError, or a result that came just now
+                return future.result()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+
+
+def event_wait(event: threading.Event, timeout_s: float | None = None) -> bool:
+    """`event.wait(timeout_s)` in slices (see the module docstring): True once set, False past `timeout_s`."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        slice_s = WAIT_SLICE_S if deadline is None else max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
+        if event.wait(slice_s):
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
