@@ -1,6 +1,7 @@
 """Ctrl-C ends the client's blocking waits even when the kernel hands the SIGINT to another thread than the main one
 (then CPython only flags it, and a main thread blocked in an untimed wait never looks). Each case runs in a child
-process whose side thread receives the SIGINT (`signal.pthread_kill`), as a hivemind or torch thread may."""
+process whose side thread receives the SIGINT (or SIGTERM: `signal.pthread_kill`), as a hivemind or torch thread
+may."""
 
 from __future__ import annotations
 
@@ -59,7 +60,25 @@ CASES = {
         stream = LocalInferenceStream(ours, "QmSilentServer")
         report(lambda: stream.exchange(runtime_pb2.ExpertRequest(uid="x"), timeout_s=600))
     """,
-    # waiting for the first view of the swarm
+    # corolla-server's loop in the main thread, stopped by its SIGTERM handler (`Server.request_stop`); the loop has
+    # no timer that would wake it
+    "server_loop": """
+        import asyncio
+        from corolla.utils import busy_poll
+        loop_and_event = []
+        def request_stop(*_):
+            loop, event = loop_and_event
+            loop.call_soon_threadsafe(event.set)
+        signal.signal(signal.SIGTERM, request_stop)
+        async def serve():
+            loop_and_event.extend([asyncio.get_running_loop(), asyncio.Event()])
+            threading.Thread(target=lambda: (time.sleep(0.5), signal.pthread_kill(threading.get_ident(), signal.SIGTERM)), daemon=True).start()
+            started = time.monotonic()
+            await loop_and_event[1].wait()
+            print(f"interrupted after {time.monotonic() - started:.2f} s", flush=True)
+        busy_poll.run(serve(), busy_poll.BusyPollSelector())
+    """,
+    # waiting for the first view of the swarm (and corolla-dht's, the demo's waits)
     "event_wait": """
         from corolla.utils.interrupts import event_wait
         report(lambda: event_wait(threading.Event(), 600))

@@ -28,6 +28,7 @@ from corolla.cli.errors import add_common_flags, run_cli
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
+from corolla.utils.interrupts import event_wait
 from corolla.utils.logging import get_logger
 from corolla.utils.processes import ChildProcess
 
@@ -301,7 +302,7 @@ def _keep_running(swarm: LocalSwarm, model_dir: Path, work_dir: Path, urls: Sequ
     if hint:
         print(hint)
     print(f"Logs: {work_dir}. Press Ctrl-C to stop.", flush=True)
-    threading.Event().wait()  # until KeyboardInterrupt
+    event_wait(threading.Event())  # until KeyboardInterrupt (in slices: see utils.interrupts)
 
 
 def namespace_hint(pid: int | None = None) -> str | None:

@@ -27,6 +27,7 @@ from corolla.swarm.dht import (
     shutdown_dht,
 )
 from corolla.swarm.membership import SwarmKey, load_swarm_key
+from corolla.utils.interrupts import event_wait
 from corolla.utils.logging import get_logger
 
 logger = get_logger("corolla.cli.run_dht")  # not __name__: it is "__main__" under `python -m`
@@ -155,7 +156,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             from corolla.swarm.reachability import attach_reachability_protocol
 
             attach_reachability_protocol(dht)
-        while not stop.wait(args.refresh_period):
+        while not event_wait(stop, args.refresh_period):  # in slices: see utils.interrupts
             try:
                 key = f"heartbeat_{secrets.token_hex(16)}"
                 size = run_in_dht(dht, _make_refresh(key), timeout_s=REFRESH_TIMEOUT_S, what="refresh")

@@ -11,9 +11,13 @@ only inference step is in flight (the user's thread blocked on it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
+import signal
+import socket
+import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -61,7 +65,8 @@ def run(coro: Coroutine[Any, Any, T], selector: BusyPollSelector | None = None) 
     loop = new_event_loop(selector)
     try:
         asyncio.set_event_loop(loop)
-        return loop.run_until_complete(coro)
+        with wake_on_signals(loop):
+            return loop.run_until_complete(coro)
     finally:
         try:
             pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
@@ -74,3 +79,32 @@ def run(coro: Coroutine[Any, Any, T], selector: BusyPollSelector | None = None) 
         finally:
             asyncio.set_event_loop(None)
             loop.close()
+
+
+@contextlib.contextmanager
+def wake_on_signals(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """While the block runs `loop` in the main thread: any signal wakes the loop, so that the handlers installed with
+    `signal.signal` (corolla-server's SIGTERM/SIGINT) run at once. The kernel may deliver a process's signal to
+    another thread (the runtime's, torch's); CPython then only flags it for the main thread, which sleeps in the
+    selector until its next timer (see utils.interrupts). Elsewhere (a server in a thread) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    wake_read, wake_write = socket.socketpair()
+    wake_read.setblocking(False)
+    wake_write.setblocking(False)
+    loop.add_reader(wake_read.fileno(), _drain, wake_read)
+    previous = signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        loop.remove_reader(wake_read.fileno())
+        wake_read.close()
+        wake_write.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    with contextlib.suppress(BlockingIOError, InterruptedError):
+        while sock.recv(4096):
+            pass
