@@ -6,7 +6,10 @@ server within seconds after announcing OFFLINE. Run inside the loopback-only too
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
+import pty
 import re
 import signal
 import socket
@@ -252,6 +255,39 @@ def test_ctrl_c_on_generate_prints_no_traceback(model_dir: str, partial_swarm):
     rc, err = _interrupt_when(waiting, "retry.scheduled", RUN_TIMEOUT_S)
     assert rc == 130 and "Traceback" not in err, f"rc={rc}\n{err[-3000:]}"
     assert err.rstrip().endswith("corolla-generate: interrupted"), err[-1000:]
+
+
+_SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
+
+
+@pytest.mark.skipif(_SYS_TGKILL is None or not sys.platform.startswith("linux"), reason="tgkill: Linux x86_64/aarch64")
+def test_ctrl_c_at_the_chat_prompt_ends_it_whichever_thread_gets_the_signal(model_dir: str, partial_swarm):
+    # the kernel may hand a process's SIGINT to any thread; CPython then only flags it for the main thread, which
+    # input() left asleep in read(2) on the terminal: Ctrl-C did nothing until Enter. Sent here to a side thread.
+    _, peers = partial_swarm
+    terminal, terminal_side = pty.openpty()
+    chat = subprocess.Popen(
+        _cli("generate", model_dir, "--interactive", "--initial_peers", peers),
+        stdin=terminal_side, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), start_new_session=True,
+    )  # fmt: skip
+    os.close(terminal_side)
+    try:
+        assert chat.stdout.read(2) == b"> ", chat.stderr.read().decode()[-3000:] if chat.poll() is not None else ""
+        side_threads = [int(t) for t in os.listdir(f"/proc/{chat.pid}/task") if int(t) != chat.pid]
+        assert side_threads, "the client runs threads besides its main one"
+        assert ctypes.CDLL(None, use_errno=True).syscall(_SYS_TGKILL, chat.pid, side_threads[0], signal.SIGINT) == 0
+        try:
+            chat.wait(10.0)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("Ctrl-C at the prompt did not end corolla-generate within 10 s") from None
+        err = chat.stderr.read().decode()
+        assert chat.returncode == 130 and "Traceback" not in err, f"rc={chat.returncode}\n{err[-3000:]}"
+        assert err.rstrip().endswith("corolla-generate: interrupted"), err[-1000:]
+    finally:
+        os.close(terminal)
+        if chat.poll() is None:
+            os.killpg(chat.pid, signal.SIGKILL)
+            chat.wait(10.0)
 
 
 @pytest.mark.serial  # its exit-time bounds (SIGTERM within seconds) need the CPU to itself; the rest run in parallel

@@ -19,6 +19,7 @@ from corolla.cli.errors import add_common_flags, check_initial_peers, check_mode
 from corolla.client.config import ClientConfig
 from corolla.client.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from corolla.client.speculative import MAX_DRAFT_TOKENS, SpeculativeConfig
+from corolla.utils.interrupts import wait_for_line
 from corolla.utils.logging import quiet_logs
 
 
@@ -195,7 +196,7 @@ def _main(argv: list[str] | None = None) -> int:
         with model.inference_session(max_length=args.max_length) as session:
             while True:
                 try:
-                    line = input("> ")
+                    line = _read_line("> ")
                 except EOFError:
                     break
                 if not line.strip():
@@ -219,6 +220,13 @@ def _main(argv: list[str] | None = None) -> int:
                 elapsed_s = time.perf_counter() - started
                 print(f"[{streamer.num_generated / elapsed_s:.2f} tokens/s{_speculative_summary(model)}]")
     return 0
+
+
+def _read_line(prompt: str) -> str:
+    """`input(prompt)`, but Ctrl-C at the prompt ends it even when the kernel gave the SIGINT to another thread."""
+    print(prompt, end="", flush=True)
+    wait_for_line(sys.stdin)
+    return input()
 
 
 def _speculative_summary(model: DistributedModelForCausalLM) -> str:

@@ -10,9 +10,10 @@ at once, as before."""
 from __future__ import annotations
 
 import concurrent.futures
+import select
 import threading
 import time
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 T = TypeVar("T")
 
@@ -43,3 +44,19 @@ def event_wait(event: threading.Event, timeout_s: float | None = None) -> bool:
             return True
         if deadline is not None and time.monotonic() >= deadline:
             return False
+
+
+def wait_for_line(stream: TextIO) -> None:
+    """Returns once a terminal `stream` has a line to read (or its end), waiting in slices (see the module docstring):
+    `input()` on a terminal sleeps in read(2), which a SIGINT handled by another thread does not wake. Returns at
+    once for anything but a terminal (a pipe's reader may already hold the next lines in its buffer)."""
+    try:
+        if not stream.isatty():
+            return
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced or closed stdin (pytest's, a redirected one)
+        return
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    while not poller.poll(WAIT_SLICE_S * 1000):
+        pass
