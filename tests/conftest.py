@@ -95,6 +95,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     os.environ[RUN_ID_ENV] = uuid.uuid4().hex
 
 
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # started as a background job of a non-interactive shell (`make test &`): SIGINT is ignored, every process the
+    # tests start would inherit that, and the Ctrl-C tests would fail; a handled signal is SIG_DFL after exec
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 _SIGINT_AT_START = signal.getsignal(signal.SIGINT)
 _MASK_AT_START = signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
