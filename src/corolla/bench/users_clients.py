@@ -3,16 +3,16 @@ sessions, and where they run.
 
 Two client kinds (`--clients`): `petals`, each session a stock-Petals-style hivemind stub stream
 (`rpc_bench._Stream`: `stub.rpc_inference(async generator)`, a queue, hivemind's writer task; over the same-host
-socket `open_local_inference` wrapped the same way), and `corolla`, each session on corolla's own client streams as
-`InferenceSession` drives them on the wire (`client.p2p_stream.P2PInferenceStream` on the client's p2pd, or
-`client.local_transport.LocalInferenceStream`; one write per request, requests built and responses checked by
-`client.span_session.SpanSession`). `--client_cpus` emulates clients on other machines: the client processes (and
+socket `open_local_inference` wrapped the same way), and `corolla`, each session a `client.span_session.SpanSession`
+driven as `InferenceSession` drives a one-span chain (`CorollaStream`: opened over the same-host socket, the direct
+port or p2p; the prefill on the loop, each decode step `SpanSession.step_here` in the session's own thread). `--client_cpus` emulates clients on other machines: the client processes (and
 the p2pd daemons they start, which inherit it) run only on those CPUs, the server side on the others
 (`os.sched_setaffinity`)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import threading
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from hivemind.p2p import P2P
 
     from corolla.bench.multi_user import UsersConfig
-    from corolla.client.p2p_stream import InferenceStream
     from corolla.client.span_session import SpanSession
 
 logger = get_logger(__name__)
@@ -41,10 +40,11 @@ CLIENT_KINDS: tuple[ClientKind, ...] = ("petals", "corolla")
 CLIENT_DESCRIPTIONS = {
     "petals": "stock-Petals-style rpc_inference streams (hivemind stub: an async generator fed by a queue, "
     "hivemind's writer task; over the socket open_local_inference wrapped the same way)",
-    "corolla": "corolla's own client streams (client.p2p_stream.P2PInferenceStream on the client's p2pd / "
-    "client.local_transport.LocalInferenceStream / client.direct_transport.DirectInferenceStream on the server's "
-    "direct port, ticket over p2p; one write per request, requests built and responses checked by "
-    "client.span_session.SpanSession, as InferenceSession sends them)",
+    "corolla": "corolla's client as InferenceSession drives a one-span chain (client.span_session.SpanSession: "
+    "opened over client.p2p_stream.P2PInferenceStream on the client's p2pd / client.local_transport."
+    "LocalInferenceStream / client.direct_transport.DirectInferenceStream on the server's direct port, ticket over "
+    "p2p; the prefill on the client's loop, every decode step SpanSession.step_here in the session's own thread: "
+    "send, wait in poll(2), parse)",
 }
 _P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 _LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -140,11 +140,23 @@ def pinned(cpus: frozenset[int] | None) -> Iterator[None]:
 
 
 class CorollaStream:
-    """One session on corolla's own client stream, steps as `SpanSession` builds them (its request encoder, with
-    `InferenceSession`'s prompts, hypo_ids and step ids, and its response checks), each step one `send` and one
-    `receive` on the stream. The interface is `rpc_bench._Stream`'s (`open`, `step`, `close`)."""
+    """One session as `InferenceSession` drives a one-span chain: `SpanSession.open` (the same-host socket, the direct
+    port or p2p, as `ClientConfig` says), the prefill through `SpanSession.step` on the loop (a session's first
+    step always is), then every decode step through `SpanSession.step_here` in the session's own thread (send, wait
+    in `poll(2)`, parse: no hop to the loop; `InferenceSession._step_here` for a chain of socket streams), counted
+    in `steps_in_flight` as `InferenceSession.step` counts it. The interface is `rpc_bench._Stream`'s (`open`,
+    `step`, `close`) plus `step_sync` for the decode steps."""
 
-    def __init__(self, p2p: P2P, peer_id_b58: str, num_blocks: int, max_length: int, transport: str, prefix: str):
+    def __init__(
+        self,
+        p2p: P2P,
+        peer_id_b58: str,
+        num_blocks: int,
+        max_length: int,
+        transport: str,
+        prefix: str,
+        timeout_s: float,
+    ):
         from corolla.client.config import ClientConfig
         from corolla.client.forwarding import StepForwarding
         from corolla.client.routing import RemoteSequenceManager
@@ -153,74 +165,55 @@ class CorollaStream:
         from corolla.protocol.uids import make_uid
 
         self.p2p, self.peer_id, self.transport = p2p, peer_id_b58, transport
-        config = ClientConfig(local_transport=transport == "socket", max_retries=0)
+        config = ClientConfig(
+            local_transport=transport == "socket",
+            direct_transport=transport == "direct",
+            max_retries=0,
+            request_timeout_s=timeout_s,
+            liveness_check_period_s=0,  # its pings would run on corolla's client loop, not this process's own
+        )
         uids = [make_uid(prefix, i) for i in range(num_blocks)]
-        # no DHT, no thread: the request encoder's, and the direct port's tickets (over this p2p)
+        # no DHT, no thread: the request encoder's, rpc_info's and the direct port's tickets (over this p2p)
         self.manager = RemoteSequenceManager(config, uids, start_updates=False, p2p=p2p)
         info = ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=num_blocks)
         self.session: SpanSession = SpanSession(
             self.manager, RemoteSpanInfo(peer_id_b58, 0, num_blocks, info), max_length
         )
         self.forwarding = StepForwarding(config.server_forwarding)  # InferenceSession's step ids (next_step_id)
-        self.stream: InferenceStream | None = None
 
     async def open(self) -> CorollaStream:
-        from corolla.client.direct_transport import DirectInferenceStream
-        from corolla.client.local_transport import LocalInferenceStream
-        from corolla.client.p2p_stream import P2PInferenceStream
-
-        if self.transport == "socket":
-            self.stream = await LocalInferenceStream.open(self.peer_id, timeout_s=OPEN_TIMEOUT_S)
-            if self.stream is None:
-                raise RuntimeError("the server's local socket is not usable")
-        elif self.transport == "direct":
-            offer = await self.manager.direct_offers.get(self.peer_id)  # one ticket per process, over p2p
-            if offer is None:
-                raise RuntimeError("the server offers no direct port")
-            self.stream = await DirectInferenceStream.open(offer, self.peer_id, timeout_s=OPEN_TIMEOUT_S)
-            if self.stream is None:
-                raise RuntimeError("the server's direct port did not accept the ticket")
-        else:
-            self.stream = await asyncio.wait_for(P2PInferenceStream.open(self.p2p, self.peer_id), OPEN_TIMEOUT_S)
+        await self.session.open()
+        opened = self.session.transport
+        if opened != {"socket": "local"}.get(self.transport, self.transport):
+            raise RuntimeError(f"the session opened over {opened}, not {self.transport}")
         return self
 
-    async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
-        from hivemind.proto import runtime_pb2
-
+    def _step_args(self, position: int) -> dict:
         from corolla.client.inference_session import DUMMY, DUMMY_INT64
 
-        stream, session = self.stream, self.session
-        assert stream is not None, "open() first"
         step_id = self.forwarding.take_step_id()
-        extra = self.forwarding.request_extra([session], 0, position, step_id, allowed=False)
-        request, inputs, send_from = session._request(
-            hidden, position, position, DUMMY, DUMMY_INT64, step_id, runtime_pb2.CompressionType.NONE, extra
-        )
-        session._started = True
-        await stream.send(request)
-        response = await stream.receive()
-        if response is None:
-            raise ConnectionError("the server ended the inference stream")
-        outputs, _ = session._accept(response, inputs, send_from, hidden.dtype)
+        extra = self.forwarding.request_extra([self.session], 0, position, step_id, allowed=False)
+        return dict(position=position, prompts=DUMMY, hypo_ids=DUMMY_INT64, step_id=step_id, extra=extra)
+
+    async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """A step on the loop (`SpanSession.step`): the prefill."""
+        outputs, _ = await self.session.step(hidden, position, **self._step_args(position))
+        return outputs
+
+    def step_sync(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
+        """A decode step in the calling thread (`SpanSession.step_here`)."""
+        from corolla.client.span_session import steps_in_flight
+
+        if not self.session.can_step_here():
+            raise RuntimeError("the session cannot step in this thread (no open socket stream)")
+        with steps_in_flight():
+            outputs, _ = self.session.step_here(hidden, position, **self._step_args(position))
         return outputs
 
     async def close(self) -> None:
-        """As `SpanSession.close`: the empty request that ends the server session, the end of our input stream,
-        the server's last messages, then the socket."""
-        from hivemind.proto import runtime_pb2
-
-        stream = self.stream
-        if stream is None:
-            return
-        try:
-            await stream.send(runtime_pb2.ExpertRequest())
-            await stream.send_end()
-            while await asyncio.wait_for(stream.receive(), OPEN_TIMEOUT_S) is not None:
-                pass
-        except Exception as e:  # the server may be gone already
-            logger.debug("users_clients.close_failed(error=%r)", e)
-        finally:
-            stream.close()
+        """`SpanSession.close`: the empty request that ends the server session, the end of our input stream, the
+        server's last messages, then the socket."""
+        await self.session.close()
 
 
 # ---- the client processes
@@ -286,10 +279,11 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
         if config.client == "corolla":
             streams = [
                 await CorollaStream(
-                    p2p, job.peer_id_b58, job.num_layers, max_length, config.transport, job.prefix
+                    p2p, job.peer_id_b58, job.num_layers, max_length, config.transport, job.prefix,
+                    config.step_timeout_s,
                 ).open()
                 for _ in range(k)
-            ]
+            ]  # fmt: skip
         else:
             stub = get_stub(p2p, PeerID.from_base58(job.peer_id_b58))
             chain = make_chain(job.prefix, 0, job.num_layers)
@@ -311,22 +305,34 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
         if not await asyncio.to_thread(go.wait, config.start_timeout_s):
             raise TimeoutError("no start signal")
 
+        def record(i: int, step: int, out: torch.Tensor, t0: float) -> None:
+            if out.shape != (1, 1, h):
+                raise ValueError(f"response of shape {tuple(out.shape)}")
+            if step >= config.warmup_steps:
+                latencies[i].append((time.perf_counter() - t0) * 1000)
+            if job.keep_outputs:
+                outputs[i].append(out[0, 0].float().tolist())
+
+        def decode_here(stream: CorollaStream, i: int) -> None:  # a corolla session's decode steps, in its thread
+            for step in range(config.decode_steps):
+                t0 = time.perf_counter()
+                record(i, step, stream.step_sync(tokens[step % len(tokens)], config.prefix_tokens + step), t0)
+
         async def decode(i: int) -> None:
             nonlocal finished
-            stream, lat = streams[i], latencies[i]
+            stream = streams[i]
             start = time.time()
             try:
-                for step in range(config.decode_steps):
-                    t0 = time.perf_counter()
-                    out = await asyncio.wait_for(
-                        stream.step(tokens[step % len(tokens)], config.prefix_tokens + step), config.step_timeout_s
-                    )
-                    if out.shape != (1, 1, h):
-                        raise ValueError(f"response of shape {tuple(out.shape)}")
-                    if step >= config.warmup_steps:
-                        lat.append((time.perf_counter() - t0) * 1000)
-                    if job.keep_outputs:
-                        outputs[i].append(out[0, 0].float().tolist())
+                if isinstance(stream, CorollaStream):
+                    await loop.run_in_executor(threads, decode_here, stream, i)
+                else:
+                    for step in range(config.decode_steps):
+                        t0 = time.perf_counter()
+                        position = config.prefix_tokens + step
+                        out = await asyncio.wait_for(
+                            stream.step(tokens[step % len(tokens)], position), config.step_timeout_s
+                        )
+                        record(i, step, out, t0)
                 finished += 1
             except Exception as e:
                 errors.append(f"session {i}: {e!r}"[:300])
@@ -334,9 +340,11 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
                 windows.append((start, time.time()))
                 await stream.close()
 
-        cpu_before = client_cpu()
-        await asyncio.gather(*(decode(i) for i in range(k)))
-        cpu_after = client_cpu()
+        loop = asyncio.get_running_loop()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=k, thread_name_prefix="session") as threads:
+            cpu_before = client_cpu()
+            await asyncio.gather(*(decode(i) for i in range(k)))
+            cpu_after = client_cpu()
         cpu_s = (cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1])
     finally:
         await p2p.shutdown()
