@@ -277,9 +277,9 @@ def test_ctrl_c_at_the_chat_prompt_ends_it_whichever_thread_gets_the_signal(mode
         assert side_threads, "the client runs threads besides its main one"
         assert ctypes.CDLL(None, use_errno=True).syscall(_SYS_TGKILL, chat.pid, side_threads[0], signal.SIGINT) == 0
         try:
-            chat.wait(10.0)
+            chat.wait(30.0)  # as the other Ctrl-C test: the exit itself stops the DHT process (a hang is forever)
         except subprocess.TimeoutExpired:
-            raise AssertionError("Ctrl-C at the prompt did not end corolla-generate within 10 s") from None
+            raise AssertionError("Ctrl-C at the prompt did not end corolla-generate within 30 s") from None
         err = chat.stderr.read().decode()
         assert chat.returncode == 130 and "Traceback" not in err, f"rc={chat.returncode}\n{err[-3000:]}"
         assert err.rstrip().endswith("corolla-generate: interrupted"), err[-1000:]
