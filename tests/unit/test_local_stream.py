@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
 import threading
 import time
+from collections import Counter
 
 import pytest
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from corolla.client.local_transport import LocalInferenceStream
+from corolla.client.local_transport import LocalInferenceStream, SocketTurns
 from corolla.protocol import local_stream as ls
 
 
@@ -169,3 +171,17 @@ def test_exchange_reports_errors_end_and_timeouts() -> None:
     finally:
         stream.close()
         server.close()
+
+
+def test_one_process_spreads_its_streams_evenly_over_the_handler_sockets(tmp_path) -> None:
+    """A process's streams to one server take its handler processes' sockets in turn (from a random start per
+    server), so 8 sessions of one client process land 2 on each of 4 processes; another server keeps its own turn.
+    Picked at random, one process of 4 would often get 3 or more."""
+    turns = SocketTurns(random.Random(7))
+    paths = [tmp_path / f"QmPeer.{i}.sock" for i in (2, 0, 3, 1)]  # as listed: any order
+    firsts = [turns.order("QmPeer", list(paths))[0] for _ in range(8)]
+    assert sorted(Counter(firsts).values()) == [2, 2, 2, 2]
+    assert all(sorted(turns.order("QmPeer", list(paths))) == sorted(paths) for _ in range(3))  # all tried, in turn
+    others = [tmp_path / "QmOther.0.sock", tmp_path / "QmOther.1.sock"]
+    assert sorted(Counter(turns.order("QmOther", list(others))[0] for _ in range(4)).values()) == [2, 2]
+    assert turns.order("QmLone", [tmp_path / "QmLone.sock"]) == [tmp_path / "QmLone.sock"]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,7 +25,46 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-__all__ = ["MAX_RESPONSE_FRAME_BYTES", "LocalInferenceStream", "open_local_inference", "responses_of"]
+__all__ = [
+    "MAX_RESPONSE_FRAME_BYTES",
+    "SOCKET_TURNS",
+    "LocalInferenceStream",
+    "SocketTurns",
+    "open_local_inference",
+    "responses_of",
+]
+
+
+class SocketTurns:
+    """Which of a server's handler-process sockets this process tries first for its next stream: each in turn, from
+    a random start per server, so that the sessions of one process (an API server, the bench's client processes)
+    spread evenly over the server's handler processes. Picked at random, 64 sessions put ~21 on one of 4 processes,
+    and that process's turnaround sets every session's pace."""
+
+    MAX_PEERS = 1024  # servers remembered (only servers with several sockets on this machine are)
+
+    def __init__(self, rng: random.Random | None = None):
+        self._rng = rng or random.Random()
+        self._next: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def order(self, peer_id: str, paths: list[Path]) -> list[Path]:
+        """`paths` (a server's sockets) in the order to try them for this process's next stream to `peer_id`."""
+        if len(paths) < 2:
+            return paths
+        ordered = sorted(paths)
+        with self._lock:
+            turn = self._next.get(peer_id)
+            if turn is None:
+                if len(self._next) >= self.MAX_PEERS:
+                    self._next.clear()
+                turn = self._rng.randrange(len(ordered))
+            self._next[peer_id] = turn + 1
+        start = turn % len(ordered)
+        return ordered[start:] + ordered[:start]
+
+
+SOCKET_TURNS = SocketTurns()
 
 
 class LocalInferenceStream(FramedSocketStream):
@@ -39,9 +80,9 @@ class LocalInferenceStream(FramedSocketStream):
         cls, peer_id: str, *, timeout_s: float, directory: Path | None = None
     ) -> LocalInferenceStream | None:
         """Connects and says hello; None when the server has no usable socket here or does not accept. A server
-        with several handler processes has a socket per process: they are tried in random order (a stale one
-        left by a dead process refuses the connection at once)."""
-        for path in ls.usable_sockets(peer_id, directory):
+        with several handler processes has a socket per process: they are tried in `SOCKET_TURNS` order (a stale
+        one left by a dead process refuses the connection at once, and the next is tried)."""
+        for path in SOCKET_TURNS.order(peer_id, ls.usable_sockets(peer_id, directory)):
             stream = await cls._open_at(path, peer_id, timeout_s)
             if stream is not None:
                 return stream
