@@ -178,7 +178,7 @@ def test_one_process_spreads_its_streams_evenly_over_the_handler_sockets(tmp_pat
     server), so 8 sessions of one client process land 2 on each of 4 processes; another server keeps its own turn.
     Picked at random, one process of 4 would often get 3 or more."""
     turns = SocketTurns(random.Random(7))
-    paths = [tmp_path / f"QmPeer.{i}.sock" for i in (2, 0, 3, 1)]  # as listed: any order
+    paths = [tmp_path / f"QmPeer.{i}.sock" for i in range(4)]  # as usable_sockets lists them: sorted
     firsts = [turns.order("QmPeer", list(paths))[0] for _ in range(8)]
     assert sorted(Counter(firsts).values()) == [2, 2, 2, 2]
     assert all(sorted(turns.order("QmPeer", list(paths))) == sorted(paths) for _ in range(3))  # all tried, in turn

@@ -159,8 +159,9 @@ class CorollaStream:
     ):
         from corolla.client.config import ClientConfig
         from corolla.client.forwarding import StepForwarding
+        from corolla.client.inference_session import DUMMY, DUMMY_INT64
         from corolla.client.routing import RemoteSequenceManager
-        from corolla.client.span_session import SpanSession
+        from corolla.client.span_session import SpanSession, steps_in_flight
         from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
         from corolla.protocol.uids import make_uid
 
@@ -180,6 +181,7 @@ class CorollaStream:
             self.manager, RemoteSpanInfo(peer_id_b58, 0, num_blocks, info), max_length
         )
         self.forwarding = StepForwarding(config.server_forwarding)  # InferenceSession's step ids (next_step_id)
+        self._dummy, self._dummy_int64, self._steps_in_flight = DUMMY, DUMMY_INT64, steps_in_flight
 
     async def open(self) -> CorollaStream:
         await self.session.open()
@@ -189,11 +191,9 @@ class CorollaStream:
         return self
 
     def _step_args(self, position: int) -> dict:
-        from corolla.client.inference_session import DUMMY, DUMMY_INT64
-
         step_id = self.forwarding.take_step_id()
         extra = self.forwarding.request_extra([self.session], 0, position, step_id, allowed=False)
-        return dict(position=position, prompts=DUMMY, hypo_ids=DUMMY_INT64, step_id=step_id, extra=extra)
+        return dict(position=position, prompts=self._dummy, hypo_ids=self._dummy_int64, step_id=step_id, extra=extra)
 
     async def step(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """A step on the loop (`SpanSession.step`): the prefill."""
@@ -202,11 +202,9 @@ class CorollaStream:
 
     def step_sync(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """A decode step in the calling thread (`SpanSession.step_here`)."""
-        from corolla.client.span_session import steps_in_flight
-
         if not self.session.can_step_here():
             raise RuntimeError("the session cannot step in this thread (no open socket stream)")
-        with steps_in_flight():
+        with self._steps_in_flight():
             outputs, _ = self.session.step_here(hidden, position, **self._step_args(position))
         return outputs
 

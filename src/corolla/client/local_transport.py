@@ -49,19 +49,19 @@ class SocketTurns:
         self._lock = threading.Lock()
 
     def order(self, peer_id: str, paths: list[Path]) -> list[Path]:
-        """`paths` (a server's sockets) in the order to try them for this process's next stream to `peer_id`."""
+        """`paths` (a server's sockets, in `usable_sockets`' sorted order) in the order to try them for this
+        process's next stream to `peer_id`."""
         if len(paths) < 2:
             return paths
-        ordered = sorted(paths)
         with self._lock:
             turn = self._next.get(peer_id)
             if turn is None:
                 if len(self._next) >= self.MAX_PEERS:
                     self._next.clear()
-                turn = self._rng.randrange(len(ordered))
+                turn = self._rng.randrange(len(paths))
             self._next[peer_id] = turn + 1
-        start = turn % len(ordered)
-        return ordered[start:] + ordered[:start]
+        start = turn % len(paths)
+        return paths[start:] + paths[:start]
 
 
 SOCKET_TURNS = SocketTurns()

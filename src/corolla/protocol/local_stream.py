@@ -106,9 +106,9 @@ def ensure_private_dir(directory: Path) -> bool:
 
 
 def usable_sockets(peer_id: str, directory: Path | None = None) -> list[Path]:
-    """The paths where a server of this user with `peer_id` may be listening, in random order (a one-process
-    server's socket, or one per handler process); empty when there is none, the dir is one another user could
-    write to, or a path is too long for a unix socket."""
+    """The paths where a server of this user with `peer_id` may be listening, sorted (a one-process server's
+    socket, or one per handler process; which to try first is the client's choice: `local_transport.SocketTurns`);
+    empty when there is none, the dir is one another user could write to, or a path is too long for a unix socket."""
     try:
         socket_path(peer_id, directory)
     except ValueError:
@@ -126,14 +126,13 @@ def usable_sockets(peer_id: str, directory: Path | None = None) -> list[Path]:
             continue
         if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid():
             usable.append(path)
-    random.shuffle(usable)
     return usable
 
 
 def usable_socket(peer_id: str, directory: Path | None = None) -> Path | None:
     """One of `usable_sockets` (chosen at random), or None."""
     paths = usable_sockets(peer_id, directory)
-    return paths[0] if paths else None
+    return random.choice(paths) if paths else None
 
 
 @dataclass(frozen=True)

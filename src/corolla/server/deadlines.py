@@ -16,7 +16,9 @@ import asyncio
 from types import TracebackType
 from typing import Protocol, cast
 
-__all__ = ["TaskDeadline"]
+__all__ = ["TASK_DEADLINES", "TaskDeadline"]
+
+TASK_DEADLINES = hasattr(asyncio, "timeout_at")  # Python >= 3.11 (Task.uncancel): else a timeout task per wait
 
 EARLY_FIRE_S = 1e-4  # a timer that fires this close before the deadline expires the scope (no re-arm for less)
 

@@ -13,7 +13,7 @@ from typing import Any
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.metadata import InferenceRequestMetadata
-from corolla.server.deadlines import TaskDeadline
+from corolla.server.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.executor import SessionCache
 from corolla.server.limits import DuplicateStep
 from corolla.server.peer_auth import SessionPushGuard, screen_step
@@ -153,9 +153,6 @@ async def _next_client_request(requests: AsyncIterator[runtime_pb2.ExpertRequest
         return None
 
 
-_timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11
-
-
 def _may_get_pushes(session: SessionState) -> bool:
     """False while no pushed step can reach this session: it has no push queue, or its guard names no upstream
     (every push is refused before it is queued) and nothing is queued."""
@@ -175,7 +172,7 @@ async def _next_client_or_end(
     """The client's next request (None at the end of its stream or after `step_timeout`); raises at the session's
     `deadline` and on eviction, like `iterate_steps`'s general wait (every outcome but a request ends the session,
     so the read may be cancelled midway)."""
-    assert _timeout_at is not None
+    assert TASK_DEADLINES
     wait_s = min(timeouts.step_timeout_s, deadline - time.monotonic())
     deadlines = session.deadlines
     if deadlines is None:
@@ -261,7 +258,7 @@ async def iterate_steps(
                 session.resend_pending = True
                 yield request, metadata
 
-            if _timeout_at is not None and client_next is None and not _may_get_pushes(session):
+            if TASK_DEADLINES and client_next is None and not _may_get_pushes(session):
                 # no push can arrive (e.g. a stock Petals client, which names no upstream): await the client's next
                 # message in this task, under one deadline that an eviction moves to now (no task, no wait set)
                 request = await _next_client_or_end(requests, session, timeouts, deadline, evicted)

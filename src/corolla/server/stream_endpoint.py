@@ -22,15 +22,14 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
-from corolla.server.deadlines import TaskDeadline
+from corolla.server.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.limits import StreamStalled
-from corolla.server.stream_guard import StreamLease
+from corolla.server.stream_guard import StreamLease, within_idle
 
 HELLO_TIMEOUT_S = 5.0  # a connection that has not said hello by then is dropped
 SERVED_RPCS = ("rpc_inference",)
 CLOSE_WAIT_S = 10.0
 READ_CHUNK_BYTES = 1 << 20
-_timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11 (TaskDeadline needs Task.uncancel)
 LINGER_S = 2.0  # after its last frame, how long the server waits for the client to close its side
 
 
@@ -118,7 +117,7 @@ async def _read_payload(
 ) -> bytes:
     if idle_s is None:
         return await reader.readexactly(length)
-    if deadlines is None or _timeout_at is None:  # (Python < 3.11: a deadline needs a task of its own per read)
+    if deadlines is None or not TASK_DEADLINES:  # (Python < 3.11: a deadline needs a task of its own per read)
         return await _read_payload_tasks(reader, length, idle_s)
     loop = deadlines.loop
     data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
@@ -140,10 +139,7 @@ async def _read_payload(
 async def _read_payload_tasks(reader: asyncio.StreamReader, length: int, idle_s: float) -> bytes:
     data = bytearray()
     while len(data) < length:
-        try:
-            chunk = await asyncio.wait_for(reader.read(min(length - len(data), READ_CHUNK_BYTES)), idle_s)
-        except asyncio.TimeoutError:
-            raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={idle_s} s inside a message") from None
+        chunk = await within_idle(reader.read(min(length - len(data), READ_CHUNK_BYTES)), idle_s, "inside a message")
         if not chunk:
             raise asyncio.IncompleteReadError(bytes(data), length)
         data += chunk

@@ -21,7 +21,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol.stream_frames import ERROR_MARKER, MESSAGE_MARKER, frame_header
-from corolla.server.deadlines import TaskDeadline
+from corolla.server.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.limits import MiB, PeerLimitExceeded, PeerLimits, ServerLimitExceeded, StreamStalled, peer_key
 from corolla.utils.logging import get_logger
 
@@ -147,16 +147,15 @@ async def send_message(message: runtime_pb2.ExpertResponse | RPCError, writer: a
     await writer.drain()
 
 
-async def _within(awaitable: Any, timeout_s: float | None, what: str) -> Any:
+async def within_idle(awaitable: Any, timeout_s: float | None, what: str) -> Any:
+    """`awaitable` within `timeout_s` (None or 0: no limit), else StreamStalled naming `what` (Python 3.10's reads:
+    a `wait_for` task each)."""
     if not timeout_s:
         return await awaitable
     try:
         return await asyncio.wait_for(awaitable, timeout_s)
     except asyncio.TimeoutError:
         raise StreamStalled(f"the peer sent nothing for stream_idle_timeout={timeout_s} s {what}") from None
-
-
-_timeout_at = getattr(asyncio, "timeout_at", None)  # Python >= 3.11: a deadline without a task of its own
 
 
 async def _read_message(
@@ -171,7 +170,7 @@ async def _read_message(
     deadlines of its reads (`between_s` for the marker, `idle_s` from the start of every later read) are one scope
     of the reading task's `TaskDeadline` (`deadlines`: one per stream, its timer moved lazily) instead of an
     `asyncio.wait_for` task per read."""
-    if _timeout_at is None:
+    if not TASK_DEADLINES:
         return await _read_message_tasks(reader, lease, idle_s=idle_s, between_s=between_s)
     if deadlines is None:
         deadlines = TaskDeadline()
@@ -222,20 +221,20 @@ async def _read_message_tasks(
     reader: asyncio.StreamReader, lease: StreamLease, *, idle_s: float, between_s: float | None
 ) -> tuple[runtime_pb2.ExpertRequest | None, int]:
     """`_read_message` on Python 3.10 (no `asyncio.timeout`): an `asyncio.wait_for` per bounded read."""
-    marker = await _within(reader.readexactly(1), between_s, "between the parts of a streamed request")
-    header = await _within(reader.readexactly(P2P.HEADER_LEN), idle_s, "inside a message")
+    marker = await within_idle(reader.readexactly(1), between_s, "between the parts of a streamed request")
+    header = await within_idle(reader.readexactly(P2P.HEADER_LEN), idle_s, "inside a message")
     length = int.from_bytes(header, P2P.BYTEORDER)
     if marker == P2P.ERROR_MARKER:  # the caller's end-of-stream (or its error): small, read and ignore
         if length > 64 * 1024:
             raise ValueError(f"end-of-stream message of {length} bytes is larger than 65536")
-        await _within(reader.readexactly(length), idle_s, "inside a message")
+        await within_idle(reader.readexactly(length), idle_s, "inside a message")
         return None, 0
     if marker != P2P.MESSAGE_MARKER:
         raise ValueError("invalid stream message marker")
     lease.charge(length)  # before a single byte of the body is buffered
     data = bytearray()  # grows only as bytes arrive (a declared length alone allocates nothing)
     while len(data) < length:
-        chunk = await _within(reader.read(min(length - len(data), READ_CHUNK_BYTES)), idle_s, "inside a message")
+        chunk = await within_idle(reader.read(min(length - len(data), READ_CHUNK_BYTES)), idle_s, "inside a message")
         if not chunk:
             raise asyncio.IncompleteReadError(b"", length - len(data))
         data += chunk

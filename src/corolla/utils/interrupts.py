@@ -13,6 +13,7 @@ import concurrent.futures
 import select
 import threading
 import time
+from collections.abc import Iterator
 from typing import TextIO, TypeVar
 
 T = TypeVar("T")
@@ -20,30 +21,31 @@ T = TypeVar("T")
 WAIT_SLICE_S = 0.25  # the most a pending Ctrl-C waits for a blocked main thread to notice it
 
 
+def _slices(timeout_s: float | None) -> Iterator[float]:
+    """The lengths of a wait's slices: each at most `WAIT_SLICE_S`, the last one ending at `timeout_s` (None: no end;
+    at least one slice, of 0 s for a `timeout_s` of 0)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        yield WAIT_SLICE_S if deadline is None else max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+
+
 def future_result(future: concurrent.futures.Future[T], timeout_s: float | None = None) -> T:
     """`future.result(timeout_s)` in slices (see the module docstring): the result, the future's own exception, or
     `concurrent.futures.TimeoutError` (= TimeoutError) once `timeout_s` passed without a result."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        slice_s = WAIT_SLICE_S if deadline is None else max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
+    for slice_s in _slices(timeout_s):
         try:
             return future.result(slice_s)  # one condition wait (concurrent.futures.wait builds waiters per call)
         except concurrent.futures.TimeoutError:
             if future.done():  # the future's own TimeoutError, or a result that came just now
                 return future.result()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise
+    raise concurrent.futures.TimeoutError(f"no result within {timeout_s} s")
 
 
 def event_wait(event: threading.Event, timeout_s: float | None = None) -> bool:
     """`event.wait(timeout_s)` in slices (see the module docstring): True once set, False past `timeout_s`."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
-        slice_s = WAIT_SLICE_S if deadline is None else max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
-        if event.wait(slice_s):
-            return True
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
+    return any(event.wait(slice_s) for slice_s in _slices(timeout_s))
 
 
 def wait_for_line(stream: TextIO) -> None:
