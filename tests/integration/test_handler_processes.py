@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import uuid
 
 import pytest
@@ -109,6 +110,10 @@ def test_sessions_spread_over_processes_with_identical_outputs(server, clients, 
     # the handler processes' session counts reach the server's one set of metrics
     assert wait_until(lambda: _metric(server, "corolla_sessions_opened_total") >= 6, 10)
     assert wait_until(lambda: _metric(server, "corolla_sessions_active") == 0, 10)
+    # one thread reads both processes' channels (channel_intake): the runtime thread has one GIL competitor there
+    readers = [t.name for t in threading.enumerate() if t.name.startswith("corolla-channel-")]
+    assert readers == ["corolla-channel-intake"], readers
+    assert server.service.pool.intake.num_frames > 0
 
 
 def test_petals_steps_give_the_outputs_of_the_general_path(server, clients):

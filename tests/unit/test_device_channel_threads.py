@@ -83,6 +83,8 @@ def test_frame_socket_refuses_an_oversized_frame_before_reading_it() -> None:
         with pytest.raises(wire.FrameError, match="exceeds max_frame_bytes"):
             io.recv_frame()
         assert len(io._buffer) <= 1024  # nothing was allocated for it
+    ours, theirs = socket.socketpair()  # a frame error ends the channel: the next case on a fresh one
+    with FrameSocket(ours, max_frame_bytes=1024) as io, theirs:
         theirs.sendall(wire.HEADER.pack(3, 99, 0) + b"abc")
         with pytest.raises(wire.FrameError, match="unknown frame kind"):
             io.recv_frame()

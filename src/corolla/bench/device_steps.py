@@ -5,7 +5,7 @@ Each scripted handler holds `sessions / channels` sessions (OPEN, one prefill st
 round in one STEP_BATCH frame and waits for all their replies (REPLY_BATCH or single replies) before the next round,
 as a handler process whose clients answer at once would. The device side's threads are timed by their own CPU
 clocks over the decode rounds only: the runtime thread (with the model's forward timed apart, since on the CPU it is
-the tiny model's compute that a GPU would run as a graph replay) and the channels' reader threads. Without p2p
+the tiny model's compute that a GPU would run as a graph replay) and the channels' intake thread. Without p2p
 daemons, clients and handler processes on the same cores, the figures are far steadier than the `multi_user`
 bench's on a small shared machine: they are for before/after pairs of device-side changes.
 
@@ -57,7 +57,7 @@ class DeviceStepsResult:
     wall_s: float
     runtime_us_per_step: float  # the runtime thread's CPU, the forward included
     forward_us_per_step: float  # of which the model's forward (FastLlamaSpan.decode) on this thread
-    channel_us_per_step: float  # all channel reader threads
+    channel_us_per_step: float  # the channels' intake thread (and any writer threads)
     steps_per_merged_forward: float
 
 
@@ -187,6 +187,7 @@ def tiny_fast_executor(hidden_size: int, num_layers: int, cache_mib: int) -> Fas
 
 def run(cfg: DeviceStepsConfig) -> DeviceStepsResult:
     from corolla.server.admission import SessionAdmission
+    from corolla.server.channel_intake import ChannelIntake
     from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
     from corolla.server.fast_executor import KIND_ENGINE_INFERENCE
     from corolla.server.limits import PeerLimits
@@ -208,15 +209,16 @@ def run(cfg: DeviceStepsConfig) -> DeviceStepsResult:
     loop = asyncio.new_event_loop()
     loop_thread = threading.Thread(target=loop.run_forever, name="device-steps-loop", daemon=True)
     runtime = executor.runtime
+    intake = ChannelIntake()  # one reader of every channel, as the server's handler pool has
     try:
-        with runtime:
+        with runtime, intake:
             clock.ident = runtime.thread.ident if runtime.thread is not None else -1
             loop_thread.start()
             admission = SessionAdmission(PeerLimits(), executor)
             router = PushRouter(DeviceSessionRegistry())
             channels = [
                 DeviceChannel(i, pairs[i][0], executor=executor, admission=admission, router=router,
-                              span=tuple(range(cfg.num_layers)), max_frame_bytes=MAX_FRAME_BYTES)
+                              span=tuple(range(cfg.num_layers)), max_frame_bytes=MAX_FRAME_BYTES, intake=intake)
                 for i in range(cfg.channels)
             ]  # fmt: skip
             serving = [asyncio.run_coroutine_threadsafe(c.serve(), loop) for c in channels]
@@ -248,7 +250,7 @@ def run(cfg: DeviceStepsConfig) -> DeviceStepsResult:
 
 
 def _sample(runtime_thread: threading.Thread | None) -> tuple[float, float]:
-    """(runtime thread CPU s, all channel reader threads' CPU s): their own clocks."""
+    """(runtime thread CPU s, the channel intake (and writer) threads' CPU s): their own clocks."""
 
     def cpu(thread: threading.Thread) -> float:
         if thread.ident is None or not thread.is_alive():

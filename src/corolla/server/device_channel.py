@@ -5,15 +5,17 @@ sends a pushed step to whichever process holds its session's stream. Steps arriv
 iteration (STEP_BATCH) and leave together: every step reply that became ready in one loop iteration (one merged
 forward resolves all of its steps in one callback) goes out in one REPLY_BATCH frame with the state once.
 
-Steps skip the event loop: a reader thread per channel receives every frame (blocking `recv_into`, `channel_io`)
-and hands a STEP_BATCH to `frame_steps.FrameIntake`, which parses it (sizes before slicing, handles, block ranges),
-asks the executor to prepare each step (`DeviceExecutor.prepare_step`: the same typed refusals as `step`) and
-queues the frame's decode steps on the runtime as ONE callback task (others one task each), waking its thread once
-per frame; after a merged forward the runtime thread appends each result
-to its channel's outbox (with its bytes where a launched forward collected them: `StepRequest.output_bytes`) and
-sends one REPLY_BATCH per channel with a blocking `sendall` (or, with `reply_thread`, wakes the channel's writer
-thread, which encodes and sends). A refused step is answered from the reader thread and fails only its caller. Every
-other frame (OPEN, CLOSE, FORWARD, BACKWARD, pushes, routes) is handed to the event loop, as rare work.
+Steps skip the event loop: the device process's one intake thread (`channel_intake`: a selector over every channel,
+not a thread per channel, so that the runtime thread has one competitor for the GIL whatever the number of handler
+processes) receives every frame (non-blocking `recv_into`, `channel_io`) and hands a STEP_BATCH to
+`frame_steps.FrameIntake`, which parses it (sizes before slicing, handles, block ranges), asks the executor to
+prepare each step (`DeviceExecutor.prepare_step`: the same typed refusals as `step`) and queues the frame's decode
+steps on the runtime as ONE callback task (others one task each), waking its thread once per frame; after a merged
+forward the runtime thread appends each result to its channel's outbox (with its bytes where a launched forward
+collected them: `StepRequest.output_bytes`) and sends one REPLY_BATCH per channel with a blocking `sendall` (or,
+with `reply_thread`, wakes the channel's writer thread, which encodes and sends). A refused step is answered from
+the intake thread and fails only its caller. Every other frame (OPEN, CLOSE, FORWARD, BACKWARD, pushes, routes) is
+handed to the event loop, as rare work.
 
 The handler process validated every input (`block_functions`) before it sent it; this side re-checks only what a
 frame could get wrong by itself (sizes, handles, block ranges inside the span)."""
@@ -33,6 +35,7 @@ import torch
 from corolla.server import proxy_wire as wire
 from corolla.server import step_frames
 from corolla.server.admission import SessionAdmission, SessionTicket
+from corolla.server.channel_intake import ChannelIntake
 from corolla.server.channel_io import FrameSocket
 from corolla.server.executor import (
     BackwardInputs,
@@ -99,8 +102,11 @@ class DeviceChannel:
         metrics: ServerMetrics | None = None,
         check_accepting: Callable[[], None] | None = None,
         reply_thread: bool = False,
+        intake: ChannelIntake | None = None,
     ):
         self.index = index
+        # the device process's one reader of every channel (handler_pool's); None: this channel gets one of its own
+        self.intake = intake
         # who encodes and sends a merged forward's replies: the runtime thread itself (False), or a writer thread of
         # this channel that the runtime thread only wakes (True)
         self.reply_thread = reply_thread
@@ -117,16 +123,17 @@ class DeviceChannel:
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
         # step results not sent yet: (request id, output [B, T, H] or the refusal, the output's bytes if known), from
-        # the reader and runtime threads
+        # the intake and runtime threads
         self._outbox: list[tuple[int, torch.Tensor | BaseException, memoryview | None]] = []
         self._outbox_ready = threading.Condition()
         self._writer_stop = False
-        self._reader: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ended: asyncio.Future[None] | None = None
         self._writer: threading.Thread | None = None
         # a frame's steps -> runtime tasks (a frame's decode steps in one) -> replies; `_flush` bound once: the runtime
         # flushes each distinct object once per batch
         self.steps = FrameIntake(executor, admission, self._held_cache, self._queue_results, self._flush)
-        self.num_requests = 0  # counted by the reader thread only
+        self.num_requests = 0  # counted by the intake thread only
         self.num_frames_in = 0
         self.num_sessions_opened = 0
 
@@ -135,7 +142,7 @@ class DeviceChannel:
         return self.io.frames_sent
 
     def close(self) -> None:
-        """Ends the channel (the server stops): the reader thread wakes, `serve` ends every session."""
+        """Ends the channel (the server stops): the intake reads its end, `serve` ends every session."""
         self.io.shutdown()
 
     # ---- output
@@ -159,7 +166,7 @@ class DeviceChannel:
             self._outbox.extend(results)
 
     def _flush(self) -> None:
-        """Sends every queued step reply (the runtime thread after a merged forward, the reader thread after
+        """Sends every queued step reply (the runtime thread after a merged forward, the intake thread after
         refusing steps), or wakes this channel's writer thread to send them."""
         if self.reply_thread:
             with self._outbox_ready:
@@ -205,11 +212,10 @@ class DeviceChannel:
         self.send(wire.HELLO, 0, hello)
         self.send_state()
         self.router.channels.append(self)
-        loop = asyncio.get_running_loop()
-        ended: asyncio.Future[None] = loop.create_future()
-        self._reader = threading.Thread(
-            target=self._read_loop, args=(loop, ended), name=f"corolla-channel-{self.index}", daemon=True
-        )
+        loop = self._loop = asyncio.get_running_loop()
+        ended = self._ended = loop.create_future()
+        own_intake = self.intake is None
+        intake = ChannelIntake(f"corolla-channel-{self.index}") if self.intake is None else self.intake
         if self.reply_thread:
             self._writer = threading.Thread(
                 target=self._write_loop, name=f"corolla-channel-{self.index}-w", daemon=True
@@ -217,11 +223,14 @@ class DeviceChannel:
         try:
             if self._writer is not None:
                 self._writer.start()
-            self._reader.start()
+            intake.add(self)
             await asyncio.shield(ended)
         finally:
-            self.io.shutdown()  # the reader thread (if still reading) wakes with ChannelClosed
-            await asyncio.to_thread(self._reader.join, 10.0)
+            self.io.shutdown()  # the intake reads the end and lets go of this channel (`on_end`)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(ended), 10.0)
+            if own_intake:
+                await asyncio.to_thread(intake.close)
             if self._writer is not None:
                 with self._outbox_ready:
                     self._writer_stop = True
@@ -231,24 +240,25 @@ class DeviceChannel:
             await self._end_all()
             self.io.close()
 
-    def _read_loop(self, loop: asyncio.AbstractEventLoop, ended: asyncio.Future[None]) -> None:
-        """The reader thread: steps straight to the runtime, everything else to the event loop."""
-        try:
-            while True:
-                kind, request_id, payload = self.io.recv_frame()
-                self.num_frames_in += 1
-                if kind in (wire.STEP_BATCH, wire.STEP):
-                    self.num_requests += self.steps.submit(kind, request_id, payload)
-                    continue
-                self.num_requests += 1
-                loop.call_soon_threadsafe(self._dispatch, kind, request_id, bytes(payload))
-        except wire.ChannelClosed:
+    def on_frame(self, kind: int, request_id: int, payload: memoryview) -> None:
+        """A frame, in the intake thread: steps straight to the runtime, everything else to the event loop."""
+        self.num_frames_in += 1
+        if kind in (wire.STEP_BATCH, wire.STEP):
+            self.num_requests += self.steps.submit(kind, request_id, payload)
+            return
+        self.num_requests += 1
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._dispatch, kind, request_id, bytes(payload))
+
+    def on_end(self, error: BaseException | None) -> None:
+        """The intake let go of this channel: its socket ended, a frame was malformed (`error`), or it closed."""
+        if error is None:
             logger.info(f"device_channel.closed(handler={self.index}, sessions={len(self.sessions)})")
-        except Exception as e:  # a malformed frame: the channel ends (the handler process restarts)
-            logger.error(f"device_channel.failed(handler={self.index}, error={e!r})")
-        finally:
+        else:  # a malformed frame: the channel ends (the handler process restarts)
+            logger.error(f"device_channel.failed(handler={self.index}, error={error!r})")
+        if self._loop is not None and self._ended is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(_set_done, ended)
+                self._loop.call_soon_threadsafe(_set_done, self._ended)
 
     def _dispatch(self, kind: int, request_id: int, payload: bytes) -> None:
         """A frame other than a step, in the event loop."""
@@ -273,7 +283,7 @@ class DeviceChannel:
             logger.error(f"device_channel.bad_frame(handler={self.index}, kind={kind}, error={e!r}): channel ends")
             self.io.shutdown()
 
-    # ---- steps (reader thread -> runtime -> runtime thread)
+    # ---- steps (intake thread -> runtime -> runtime thread)
 
     def _held_cache(self, handle: int) -> tuple[SessionCache, SessionTicket | None]:
         """An open session's cache and ticket (FrameError where `_held` refuses the handle)."""

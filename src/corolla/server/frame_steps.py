@@ -1,4 +1,4 @@
-"""A device channel's steps from its reader thread to the runtime (`device_channel.DeviceChannel`), a frame at a
+"""A device channel's steps from the intake thread to the runtime (`device_channel.DeviceChannel`), a frame at a
 time: every step of a STEP_BATCH is checked and prepared by the executor (`DeviceExecutor.prepare_step`: the same
 typed refusals as `step`, each failing only its caller), then the frame's decode steps of the fast path travel as
 ONE runtime task (payload `engine.batcher.StepGroup`, `Task.steps` = their count): one queue entry, one pop, one

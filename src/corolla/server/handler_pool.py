@@ -1,6 +1,6 @@
 """`--num_handlers N` (N > 1): N handler processes own the p2p streams (each on a P2P replica of the server's p2pd,
 registered `balanced=True`), and this process, the device process, keeps the runtime, the executor, the KV caches
-and the one admission, serving each handler process through a `DeviceChannel`.
+and the one admission, serving each handler process through a `DeviceChannel`, all of them read by one intake thread (`channel_intake`).
 
 Processes come from a forkserver that imported the handler module once (a fork of it costs milliseconds, not a
 second interpreter importing torch). A handler process that dies is logged and restarted; more than
@@ -25,6 +25,7 @@ from hivemind.proto import p2pd_pb2 as p2pd_pb
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.server.admission import SessionAdmission
+from corolla.server.channel_intake import ChannelIntake
 from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
 from corolla.server.executor import DeviceExecutor
 from corolla.server.handler_process import HandlerSettings, main
@@ -97,6 +98,7 @@ class HandlerPool:
         self.reply_thread = reply_thread  # each channel sends its replies from a writer thread (device_channel)
         self.processes: list[BaseProcess | None] = [None] * num_handlers
         self.channels: list[DeviceChannel | None] = [None] * num_handlers
+        self.intake = ChannelIntake()  # one thread reads every channel (channel_intake says why)
         self._tasks: list[asyncio.Task[None]] = []
         self._deaths: list[float] = []
         self.num_restarts = 0
@@ -136,7 +138,7 @@ class HandlerPool:
         channel = DeviceChannel(
             index, sock, executor=self.executor, admission=self.admission(), router=self.router,
             span=self.span, max_frame_bytes=self.max_frame_bytes, metrics=self.metrics,
-            check_accepting=self.check_accepting, reply_thread=self.reply_thread,
+            check_accepting=self.check_accepting, reply_thread=self.reply_thread, intake=self.intake,
         )  # fmt: skip
         self.processes[index], self.channels[index] = process, channel
         self._tasks.append(asyncio.create_task(self._serve(index, process, channel)))
@@ -186,4 +188,5 @@ class HandlerPool:
                 logger.warning(f"handler_pool.kill(pid={process.pid}): did not exit within {self.stop_timeout_s} s")
                 process.kill()
                 await asyncio.to_thread(process.join, 5.0)
+        await asyncio.to_thread(self.intake.close)
         logger.info(f"handler_pool.stopped(num_handlers={self.num_handlers}, restarts={self.num_restarts})")
