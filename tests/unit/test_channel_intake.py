@@ -130,3 +130,21 @@ def test_a_non_blocking_receive_returns_at_once_when_nothing_is_waiting() -> Non
         theirs.close()
         with pytest.raises(wire.ChannelClosed):
             io.receive(block=False)
+
+
+def test_an_intake_whose_thread_failed_refuses_new_channels_instead_of_never_reading_them(monkeypatch) -> None:
+    (ours, theirs), (later, _) = socket.socketpair(), socket.socketpair()
+    first = _Channel(ours)
+    intake = ChannelIntake()
+
+    def broken(selector, source):  # a bug in the intake loop itself
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(intake, "_read", broken)
+    intake.add(first)
+    theirs.sendall(_frame(wire.STEP, 1, b"x"))
+    _wait(first.ended.is_set)  # the failure ended the channel it had, loudly
+    _wait(lambda: not _intake_threads())
+    with pytest.raises(RuntimeError, match="closed"):
+        intake.add(_Channel(later))
+    intake.close()

@@ -114,6 +114,11 @@ class ChannelIntake:
         except Exception as e:  # a bug here would silence every channel: end them all, loudly
             logger.error(f"channel_intake.failed(error={e!r})")
         finally:
+            with self._lock:  # no channel is added to a thread that is gone (`add` raises: the pool fails over)
+                self._closing = True
+                orphans, self._adding = self._adding, []
+            for source in orphans:
+                source.on_end(None)
             for key in list(selector.get_map().values()):
                 if key.data is not None:
                     self._end(selector, key.data, None)
