@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from corolla.api.backend import plain_chat_prompt
 from corolla.cli.run_server import build_parser as server_parser
+from helpers.ports import free_port
 from helpers.swarm import ManagedProcess, Swarm
 from helpers.tiny_models import make_tiny_model
 
@@ -29,12 +29,6 @@ PROMPT = "The swarm says"
 API_BANNER = "corolla-api: serving "
 SERVERS_HAVE_METRICS = "--metrics_port" in server_parser().format_help()
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.9, "top_k": 1}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:

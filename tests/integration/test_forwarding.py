@@ -7,7 +7,6 @@ process) still gives identical tokens, the replacement chain being pushed to in 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.wan import LinkConfig, ProxyThread
+from helpers.ports import free_port
 from helpers.swarm import start_inprocess_server
 from helpers.tiny_models import make_tiny_model
 
@@ -27,12 +27,6 @@ DELAY_MS = 5.0
 PROMPT = torch.tensor([[1, 8, 27, 64, 125]])
 NEW_TOKENS = 16
 SPANS = ((0, 2), (2, 3), (2, 3), (3, 4))  # the second (2, 3) is the replica that takes over
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +40,7 @@ def chain(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
     starts the swarm, the others join it at once; all stop together (each stop waits for its announcements)."""
     servers: list = []
     with ProxyThread() as wan, ThreadPoolExecutor(len(SPANS)) as pool:
-        ports = [_free_port() for _ in SPANS]
+        ports = [free_port() for _ in SPANS]
         proxies = [wan.add(port, LinkConfig(delay_ms=DELAY_MS)) for port in ports]
 
         def start(index: int, **peers):

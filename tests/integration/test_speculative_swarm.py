@@ -5,11 +5,11 @@ servers' caches equal a fresh session's (a following step gives the same logits)
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 import torch
+from tests.helpers.ports import free_port
 from tests.helpers.swarm import start_inprocess_server
 from transformers import AutoTokenizer
 
@@ -25,19 +25,13 @@ SPANS = ((0, 1), (1, 3), (3, 4))
 PROMPT = "The interpreter reads the source file and the source file is read by the interpreter and"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory):
     """A client of the chain. The first server starts the swarm, the other two join it at once; all stop together."""
     cache_dirs = [tmp_path_factory.mktemp(f"cache{index}") for index in range(len(SPANS))]
     servers: list = []
     with ProxyThread() as wan, ThreadPoolExecutor(len(SPANS)) as pool:
-        ports = [_free_port() for _ in SPANS]
+        ports = [free_port() for _ in SPANS]
         proxies = [wan.add(port, LinkConfig(delay_ms=DELAY_MS)) for port in ports]
 
         def start(index: int, peers: tuple[str, ...] | None):

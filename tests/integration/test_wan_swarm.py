@@ -4,12 +4,12 @@ connection the server accepted (client, DHT) came through the proxy. One in-proc
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers.ports import free_port
 from tests.helpers.swarm import start_inprocess_server
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -19,12 +19,6 @@ from corolla.wan import LinkConfig, ProxyThread
 pytestmark = pytest.mark.timeout(120)
 
 DELAY_MS = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _established_peers_of(port: int) -> list[int]:
@@ -42,7 +36,7 @@ def _established_peers_of(port: int) -> list[int]:
 
 def test_every_connection_to_a_server_crosses_its_proxy(tmp_path: Path) -> None:
     model_path = make_tiny_model("llama", tmp_path / "models")
-    server_port = _free_port()
+    server_port = free_port()
     with ProxyThread() as wan:
         proxy = wan.add(server_port, LinkConfig(delay_ms=DELAY_MS))
         server = start_inprocess_server(
