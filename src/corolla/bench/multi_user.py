@@ -221,6 +221,7 @@ class BenchServer:
         from corolla.server.span_service import SpanService
         from corolla.utils.busy_poll import BusyPollSelector
 
+        _start_forkserver()  # here: on the server's CPUs, before the loop thread exists
         selector = BusyPollSelector()
         loop = asyncio.SelectorEventLoop(selector)
         thread = threading.Thread(target=loop.run_forever, name="bench-users-server", daemon=True)
@@ -285,6 +286,19 @@ CLIENT_PRELOAD = (
 )
 
 
+def _start_forkserver() -> None:
+    """Starts this process's one forkserver (multiprocessing keeps one per process, and a preload set after it
+    started is ignored) preloading what both the handler processes and the client processes import, so that neither
+    imports it after each fork; in the calling thread's CPUs: the handler processes inherit them, the client processes
+    set their own."""
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["corolla.server.handler_process", *CLIENT_PRELOAD]
+    )
+    forkserver.ensure_running()
+
+
 def run_users(
     server: BenchServer, config: UsersConfig, serving_path: str, *, clients_out: list[dict] | None = None
 ) -> UsersResult:
@@ -292,8 +306,7 @@ def run_users(
     `clients_out`: the client processes' result dicts are appended to it, each with its sessions' outputs."""
     # forkserver: one fresh interpreter imports torch and hivemind once (the preload), then forks every client
     # process from it; no client inherits this process's threads, CUDA context or event loop (as with spawn)
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(CLIENT_PRELOAD))
+    context = multiprocessing.get_context("forkserver")  # started by the server (`_start_forkserver`)
     ready, results = context.Queue(), context.Queue()
     go = context.Event()
     dtype_name = str(server.dtype).removeprefix("torch.")
