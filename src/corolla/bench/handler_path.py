@@ -270,8 +270,7 @@ async def run_handler_path(
     )
     device.start()
     theirs.close()
-    reader, writer = await asyncio.open_unix_connection(sock=ours)
-    link = await DeviceLink.connect(reader, writer)
+    link = await DeviceLink.open(ours)  # as a handler process opens it
     try:
         executor = ProxyExecutor(link)
         return await _run(

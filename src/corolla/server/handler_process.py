@@ -96,8 +96,7 @@ def main(settings: HandlerSettings, index: int, channel: Connection) -> None:
 async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> None:
     from corolla.swarm.membership import load_swarm_key
 
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
-    link = await DeviceLink.connect(reader, writer)
+    link = await DeviceLink.open(sock)
     executor = ProxyExecutor(link)
     metrics = ForwardedMetrics(link)
     handler = TransformerConnectionHandler(

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -86,6 +87,9 @@ class ProxySessionCache(SessionCache):
 PushSink = Callable[[str, runtime_pb2.ExpertRequest, "str | None"], bool]
 
 
+LINK_READ_LIMIT_BYTES = 4 << 20  # the link's stream reader pauses reading past twice this (`DeviceLink.open`)
+
+
 class DeviceLink:
     """One handler process's channel to the device process: requests with ids, replies matched to them, and the
     frames the device sends on its own (state, evictions, routed pushes)."""
@@ -104,6 +108,15 @@ class DeviceLink:
         self._reading: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = asyncio.Event()
+
+    @classmethod
+    async def open(cls, sock: socket.socket) -> DeviceLink:
+        """`connect` over the handler process's end of its channel. The stream reader holds up to
+        `LINK_READ_LIMIT_BYTES` before it pauses reading: a merged forward's REPLY_BATCH for many sessions (64 x 8 KiB
+        of hidden states and more) would otherwise pause and resume the socket's reading, two `epoll_ctl`s and a loop
+        iteration, on every batch (asyncio's default pauses past 128 KiB). The peer is this server's device process."""
+        reader, writer = await asyncio.open_unix_connection(sock=sock, limit=LINK_READ_LIMIT_BYTES)
+        return await cls.connect(reader, writer)
 
     @classmethod
     async def connect(

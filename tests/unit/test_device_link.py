@@ -1,0 +1,45 @@
+"""A handler process's link to the device process (`proxy_executor.DeviceLink.open`): a frame far larger than
+asyncio's default reader limit (a merged forward's replies for many sessions) is read without pausing and resuming
+the socket's reading, and arrives whole."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+from hivemind.proto import runtime_pb2
+
+from corolla.server import proxy_wire as wire
+from corolla.server.proxy_executor import DeviceInfo, DeviceLink
+
+
+async def test_a_large_frame_is_read_without_pausing_the_socket() -> None:
+    ours, theirs = socket.socketpair()
+    info = DeviceInfo("fast", 0, 8 << 20, {0: 1}, 1, 0)
+    state = wire.Writer().u64(1).u64(0).u64(1)
+    big = runtime_pb2.ExpertRequest(uid="x", tensors=[runtime_pb2.Tensor(buffer=b"\1" * (3 << 20))])
+    push = wire.Writer().text("session").text("").blob(big.SerializeToString())
+    hello = wire.Writer()
+    hello.parts.append(info.to_json())
+    theirs.sendall(hello.frame(wire.HELLO, 0) + state.frame(wire.STATE, 0))
+    link = await DeviceLink.open(ours)
+    pauses: list[int] = []
+    transport = link.writer.transport
+    original = transport.pause_reading
+
+    def counted() -> None:
+        pauses.append(1)
+        original()
+
+    transport.pause_reading = counted  # type: ignore[method-assign]
+    got = asyncio.get_running_loop().create_future()
+    link.push_sink = lambda session_id, request, sender: got.set_result(request) or True
+    sender = threading.Thread(target=theirs.sendall, args=(push.frame(wire.PUSH_OUT, 0),))
+    sender.start()
+    request = await asyncio.wait_for(got, 10)
+    sender.join(5)
+    assert len(request.tensors[0].buffer) == 3 << 20  # whole
+    assert pauses == []  # asyncio's default limit (64 KiB) pauses reading past 128 KiB
+    await link.close()
+    theirs.close()
