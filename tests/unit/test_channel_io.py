@@ -1,4 +1,4 @@
-"""The device side's blocking frame reader (`server.channel_io.FrameSocket`) reads frames that arrive together out of
+"""The device side's frame reader (`server.channel_io.FrameSocket`) reads frames that arrive together out of
 one buffer and frames cut anywhere across reads, grows its buffer only to the largest frame, refuses a frame over the
 bound from its header alone, and ends with ChannelClosed when the other end goes."""
 
@@ -11,6 +11,7 @@ import pytest
 
 from corolla.server import proxy_wire as wire
 from corolla.server.channel_io import INITIAL_BUFFER_BYTES, FrameSocket
+from helpers.channel_frames import recv_frame
 
 
 def _frames() -> list[tuple[int, int, bytes]]:
@@ -33,10 +34,10 @@ def test_frames_cut_anywhere_or_sent_together_arrive_whole(chunk: int) -> None:
     sender.start()
     with FrameSocket(device_end, max_frame_bytes=4 * INITIAL_BUFFER_BYTES) as io:
         for kind, rid, payload in frames:
-            got = io.recv_frame()
+            got = recv_frame(io)
             assert (got[0], got[1], bytes(got[2])) == (kind, rid, payload)
         with pytest.raises(wire.ChannelClosed):
-            io.recv_frame()
+            recv_frame(io)
         assert len(io._buffer) <= 3 * INITIAL_BUFFER_BYTES + wire.HEADER_BYTES  # the largest frame, not the stream
     sender.join(5)
 
@@ -46,6 +47,6 @@ def test_a_frame_over_the_bound_is_refused_from_its_header() -> None:
     handler_end.sendall(wire.HEADER.pack(1 << 30, wire.STEP, 1))  # claims 1 GiB, sends nothing more
     with FrameSocket(device_end, max_frame_bytes=1 << 20) as io:
         with pytest.raises(wire.FrameError, match="max_frame_bytes"):
-            io.recv_frame()
+            recv_frame(io)
         assert len(io._buffer) <= INITIAL_BUFFER_BYTES
     handler_end.close()

@@ -5,9 +5,9 @@ Two client kinds (`--clients`): `petals`, each session a stock-Petals-style hive
 (`rpc_bench._Stream`: `stub.rpc_inference(async generator)`, a queue, hivemind's writer task; over the same-host
 socket `open_local_inference` wrapped the same way), and `corolla`, each session a `client.span_session.SpanSession`
 driven as `InferenceSession` drives a one-span chain (`CorollaStream`: opened over the same-host socket, the direct
-port or p2p; the prefill on the loop, each decode step `SpanSession.step_here` in the session's own thread). `--client_cpus` emulates clients on other machines: the client processes (and
-the p2pd daemons they start, which inherit it) run only on those CPUs, the server side on the others
-(`os.sched_setaffinity`)."""
+port or p2p; the prefill on the loop, each decode step `SpanSession.step_here` in the session's own thread).
+`--client_cpus` emulates clients on other machines: the client processes (and the p2pd daemons they start, which
+inherit it) run only on those CPUs, the server side on the others (`os.sched_setaffinity`)."""
 
 from __future__ import annotations
 

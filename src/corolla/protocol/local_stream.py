@@ -12,9 +12,9 @@ endian) and the payload:
 Where: `<socket dir>/<server peer id>.sock` (a one-process server), or `<server peer id>.<i>.sock` for handler
 process i of a server with `--num_handlers` > 1 (each process serves its own socket; a client process takes them
 in turn from a random start, `client.local_transport.SocketTurns`, as p2pd deals streams round-robin), the socket
-dir being `$COROLLA_LOCAL_SOCKET_DIR` or `<tmp>/corolla-<uid>`, created 0700. A client only uses a socket in a dir owned by its own uid and closed to
-group and others, so only a process of the same user (who could read the server's memory anyway) can have put it
-there; anyone else keeps to p2p. Nothing here ever leaves the machine.
+dir being `$COROLLA_LOCAL_SOCKET_DIR` or `<tmp>/corolla-<uid>`, created 0700. A client only uses a socket in a dir
+owned by its own uid and closed to group and others, so only a process of the same user (who could read the
+server's memory anyway) can have put it there; anyone else keeps to p2p. Nothing here ever leaves the machine.
 """
 
 from __future__ import annotations

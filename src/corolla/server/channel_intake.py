@@ -58,7 +58,6 @@ class ChannelIntake:
         self._wake_w.setblocking(False)
         self._thread: threading.Thread | None = None
         self.num_frames = 0  # counted by the intake thread
-        self.num_passes = 0  # selects that found a readable channel
 
     def add(self, source: FrameSource) -> None:
         """Reads `source`'s frames from now on (the thread starts with the first channel); RuntimeError once
@@ -110,7 +109,6 @@ class ChannelIntake:
                             return
                         continue
                     self._read(selector, source)
-                    self.num_passes += 1
         except Exception as e:  # a bug here would silence every channel: end them all, loudly
             logger.error(f"channel_intake.failed(error={e!r})")
         finally:

@@ -24,7 +24,7 @@ INITIAL_BUFFER_BYTES = 1 << 16
 
 class FrameSocket:
     """One end of a stream socket carrying `proxy_wire` frames (see the module docstring). Use as a context
-    manager: leaving it closes the socket (a reader blocked in `recv_frame` then sees the end)."""
+    manager: leaving it closes the socket (its reader then sees the end)."""
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int):
         if max_frame_bytes < 1:
@@ -98,13 +98,6 @@ class FrameSocket:
         self._end += n
         return n
 
-    def recv_frame(self) -> tuple[int, int, memoryview]:
-        """The next frame, waiting for it (`next_frame` and blocking `receive`s); the view is valid until the next
-        call. ChannelClosed at the end, FrameError past the bounds (nothing allocated for the payload then)."""
-        while (frame := self.next_frame()) is None:
-            self.receive(block=True)
-        return frame
-
     def send_frames(self, frames: list[bytes]) -> bool:
         """Sends whole frames in order (never interleaved with another thread's); False if the socket is closed or
         the other end is gone (the reader sees that end and ends the channel)."""
@@ -121,7 +114,7 @@ class FrameSocket:
         return True
 
     def shutdown(self) -> None:
-        """Ends both directions: a reader blocked in `recv_frame` wakes with ChannelClosed, the other end sees EOF."""
+        """Ends both directions: its reader (`receive`) sees the end (ChannelClosed), and so does the other end."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

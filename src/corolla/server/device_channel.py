@@ -214,8 +214,7 @@ class DeviceChannel:
         self.router.channels.append(self)
         loop = self._loop = asyncio.get_running_loop()
         ended = self._ended = loop.create_future()
-        own_intake = self.intake is None
-        intake = ChannelIntake(f"corolla-channel-{self.index}") if self.intake is None else self.intake
+        intake = self.intake or ChannelIntake(f"corolla-channel-{self.index}")  # a channel alone: one of its own
         if self.reply_thread:
             self._writer = threading.Thread(
                 target=self._write_loop, name=f"corolla-channel-{self.index}-w", daemon=True
@@ -229,7 +228,7 @@ class DeviceChannel:
             self.io.shutdown()  # the intake reads the end and lets go of this channel (`on_end`)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(ended), 10.0)
-            if own_intake:
+            if intake is not self.intake:
                 await asyncio.to_thread(intake.close)
             if self._writer is not None:
                 with self._outbox_ready:

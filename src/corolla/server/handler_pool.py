@@ -1,6 +1,7 @@
 """`--num_handlers N` (N > 1): N handler processes own the p2p streams (each on a P2P replica of the server's p2pd,
 registered `balanced=True`), and this process, the device process, keeps the runtime, the executor, the KV caches
-and the one admission, serving each handler process through a `DeviceChannel`, all of them read by one intake thread (`channel_intake`).
+and the one admission, serving each handler process through a `DeviceChannel`, all of them read by one intake
+thread (`channel_intake`).
 
 Processes come from a forkserver that imported the handler module once (a fork of it costs milliseconds, not a
 second interpreter importing torch). A handler process that dies is logged and restarted; more than
