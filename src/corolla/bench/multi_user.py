@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import queue
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -115,6 +117,8 @@ class UsersResult:
     client: str = "petals"  # the client kind (users_clients.CLIENT_KINDS)
     client_cpus: list[int] = field(default_factory=list)  # CPUs of the client processes (empty: not pinned)
     server_cpus: list[int] = field(default_factory=list)  # CPUs of the server side (empty: not pinned)
+    # where a step's time went in the handler processes (`--timeline`: server.step_timeline.summarize), ms
+    timeline_ms: dict[str, float] = field(default_factory=dict)
 
 
 # ---- the server (this process)
@@ -339,6 +343,7 @@ def run_users(
     for p in processes:
         p.start()
     collected: list[dict] = []
+    timeline = _timeline_dir()
     try:
         deadline = time.monotonic() + config.start_timeout_s
         opened = 0
@@ -347,6 +352,9 @@ def run_users(
                 opened += ready.get(timeout=max(1.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
+        if timeline is not None:  # the prefills' streams are still open: only this row's streams are saved
+            for old in timeline.glob("timeline-*.jsonl"):
+                old.unlink()
         probe = server.cpu_probe()
         cpu_before = probe.sample()
         before = server.runtime.stats()
@@ -376,7 +384,31 @@ def run_users(
     result.num_handlers = server.num_handlers
     result.reply_thread = server.reply_thread
     result.cpu_us_per_step = _cpu_per_step(cpu_server, collected, result.sessions_finished * config.decode_steps)
+    if timeline is not None:
+        result.timeline_ms = _timeline_summary(timeline, config.sessions)
     return result
+
+
+def _timeline_dir() -> Path | None:
+    """Where this run's handler processes save their step timelines (`--timeline`), or None."""
+    from corolla.server.step_timeline import TIMELINE_ENV
+
+    directory = os.environ.get(TIMELINE_ENV)
+    return Path(directory) if directory else None
+
+
+def _timeline_summary(directory: Path, sessions: int, wait_s: float = 5.0) -> dict[str, float]:
+    """`step_timeline.summarize` once every session's stream has been saved (a handler process saves a stream as
+    it ends, after the client closed it), or after `wait_s`."""
+    from corolla.server.step_timeline import summarize
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        saved = sum(len(p.read_text().splitlines()) for p in directory.glob("timeline-*.jsonl"))
+        if saved >= sessions:
+            break
+        time.sleep(0.05)
+    return summarize(directory)
 
 
 def _cpu_per_step(server_s: dict[str, float], collected: list[dict], steps: int) -> dict[str, float]:

@@ -12,6 +12,7 @@ import datetime as dt
 import itertools
 import json
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from corolla.bench.multi_user import BenchServer, UsersConfig, UsersResult, buil
 from corolla.bench.users_clients import CLIENT_DESCRIPTIONS, CLIENT_KINDS, CpuSplit, format_cpus
 from corolla.server.executor import DeviceExecutor
 from corolla.server.gather import GatherRule, GatherSettings
+from corolla.server.step_timeline import TIMELINE_ENV
 
 
 def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
@@ -161,6 +163,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="CPU fast path: the projections' GEMM chosen per row bucket at warm-up (engine.cpu_linear), or off "
         "(F.linear / addmm for every input: what the engine ran before)",
     )  # fmt: skip
+    p.add_argument(
+        "--timeline", action="store_true",
+        help="handler processes stamp each socket/direct step (server.step_timeline); each row then notes where its "
+        "steps' time went: the handler before and after the device, the device round trip, the client's turnaround",
+    )  # fmt: skip
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="cpu-users")
     return p.parse_args(argv)
@@ -176,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--clients {args.clients!r}: unknown {sorted(unknown)}; choose from {', '.join(CLIENT_KINDS)}"
         )
     cpus = CpuSplit.parse(args.client_cpus) if args.client_cpus else None  # ValueError before anything is built
+    if args.timeline:  # before the forkserver starts: the handler processes read it when they import
+        os.environ[TIMELINE_ENV] = tempfile.mkdtemp(prefix="corolla-timeline-")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     shape, dtype, device = CPU_SHAPE, torch.float32, torch.device("cpu")
@@ -256,6 +265,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['aggregate_tokens_per_s']:.1f} tok/s, client step median {r['client_step_median_ms']:.1f} ms, "
             f"merged step {r['merged_step_ms']:.1f} ms"
         )
+    for row in rows:
+        if row.timeline_ms:
+            t = row.timeline_ms
+            notes.append(
+                f"timeline, {row.sessions} sessions, {row.num_handlers} handler processes, {row.transport}, "
+                f"{row.client} client ({t['steps']:.0f} steps; p50 / p90 ms): handler before the device "
+                f"{t['handler_in_p50_ms']:.2f} / {t['handler_in_p90_ms']:.2f}, device round trip "
+                f"{t['device_round_trip_p50_ms']:.2f} / {t['device_round_trip_p90_ms']:.2f}, handler after "
+                f"{t['handler_out_p50_ms']:.2f} / {t['handler_out_p90_ms']:.2f}, client turnaround (response "
+                f"written to next request read) {t['client_turn_p50_ms']:.2f} / {t['client_turn_p90_ms']:.2f}"
+            )
     engine_by_sessions = {r["sessions"]: r["aggregate_tokens_per_s"] for r in engine_rows}
     for row in rows:
         if row.sessions > 1 and engine_by_sessions.get(row.sessions):

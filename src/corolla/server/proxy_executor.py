@@ -23,6 +23,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.server import proxy_wire as wire
+from corolla.server import step_timeline
 from corolla.server.admission import SessionAdmission, SessionTicket
 from corolla.server.executor import (
     BackwardInputs,
@@ -293,7 +294,10 @@ class ProxyExecutor:
         handle = self._own(cache).handle
         body = wire.Writer().step_head(handle, inputs.prefix_length, inputs.lone_session, inputs.adapter)
         body.tensor(inputs.tensor()).tensor(inputs.prompts).tensor(inputs.hypo_ids)
-        return _one_tensor(await self.link.call(wire.STEP, body, batched=True))
+        step_timeline.stamp(step_timeline.SENT)
+        reply = await self.link.call(wire.STEP, body, batched=True)
+        step_timeline.stamp(step_timeline.BACK)
+        return _one_tensor(reply)
 
     async def step_raw(self, cache: SessionCache, step: RawStep, adapter: str, lone_session: bool) -> RawOutput:
         """`step` with the step's hidden states as bytes (`raw_steps`): the same STEP frame as `step` sends for
@@ -301,7 +305,10 @@ class ProxyExecutor:
         handle = self._own(cache).handle
         body = wire.Writer().step_head(handle, step.prefix_length, lone_session, adapter)
         body.record(step.dtype, step.shape, step.data).tensor(None).tensor(None)
-        return _one_record(await self.link.call(wire.STEP, body, batched=True))
+        step_timeline.stamp(step_timeline.SENT)
+        reply = await self.link.call(wire.STEP, body, batched=True)
+        step_timeline.stamp(step_timeline.BACK)
+        return _one_record(reply)
 
     async def forward(
         self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int

@@ -22,6 +22,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
+from corolla.server import step_timeline
 from corolla.server.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.limits import StreamStalled
 from corolla.server.stream_guard import StreamLease, within_idle
@@ -182,6 +183,7 @@ async def serve_inference(
     error text), then reads what the client still sends for up to `LINGER_S` before the caller closes."""
     charged = 0
     deadlines = TaskDeadline() if idle_s is not None else None
+    timeline = step_timeline.open_stream()  # None unless the bench asked for step timelines
 
     async def requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
         nonlocal charged
@@ -203,11 +205,15 @@ async def serve_inference(
                 request = runtime_pb2.ExpertRequest.FromString(payload)
             except DecodeError as e:
                 raise ValueError(f"request frame is not an ExpertRequest: {e}") from None
+            if timeline is not None:
+                timeline.request_read()
             yield request
 
     try:
         async for response in handler.rpc_inference(requests(), context):
             writer.writelines(codec.encode(ls.MESSAGE, response.SerializeToString()))
+            if timeline is not None:
+                timeline.stamp(step_timeline.OUT)
             await writer.drain()
         last = codec.encode(ls.END, b"")
     except Exception as e:  # reported to the client as the p2p stream would (the handler already logged it)
@@ -217,6 +223,7 @@ async def serve_inference(
             lease.close()
         if deadlines is not None:
             deadlines.close()
+        step_timeline.close_stream(timeline)
     with contextlib.suppress(Exception):
         writer.writelines(last)
         writer.write_eof()
