@@ -48,8 +48,6 @@ def test_launched_forwards_equal_forwards_run_one_after_another() -> None:
         for out, ref in zip(got[j], expected[j], strict=True):
             assert out.device.type == "cpu" and out.shape == ref.shape
             assert torch.equal(out, ref), j
-        device_s = pending[j].device_seconds()  # timed by the device (the runtime's launch timing learns it)
-        assert device_s is not None and 0.0 < device_s < 1.0, device_s
     for s in sessions:
         s.close()
 

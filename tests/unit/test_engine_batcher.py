@@ -300,9 +300,6 @@ def test_launch_steps_checks_launchability_once_per_set() -> None:
         def wait(self) -> list[int]:
             return self.outs
 
-        def device_seconds(self) -> float | None:
-            return 0.001
-
         def output_bytes(self) -> memoryview:
             return self.data
 

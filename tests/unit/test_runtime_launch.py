@@ -26,11 +26,6 @@ class _Pending:
                  gate: threading.Event | None = None):  # fmt: skip
         self.log, self.name, self.results, self.gate = log, name, results, gate
 
-    device_s: float | None = None  # what `device_seconds` reports (None: not timed, as a launcher may)
-
-    def device_seconds(self) -> float | None:
-        return self.device_s
-
     def wait(self) -> Sequence[object]:
         if self.gate is not None:
             assert self.gate.wait(WAIT_S)
@@ -52,7 +47,6 @@ class _Bench:
         self.on_launch: dict[str, Callable[[], None]] = {}
         self.launch_results: dict[str, Sequence[object] | BaseException | None] = {}  # None: declined
         self.gates: dict[str, threading.Event] = {}
-        self.device_s: dict[str, float] = {}  # a batch's device seconds, as its launcher timed them
         runtime.register_batch_executor("decode", self.execute, launcher=self.launch, inline_when_idle=True)
 
     def launch(self, tasks: list[Task]) -> _Pending | None:
@@ -65,9 +59,7 @@ class _Bench:
             return None
         if isinstance(planned, BaseException) and name.startswith("boom"):
             raise planned
-        pending = _Pending(self.log, name, planned, self.gates.get(name))
-        pending.device_s = self.device_s.get(name)
-        return pending
+        return _Pending(self.log, name, planned, self.gates.get(name))
 
     def execute(self, tasks: list[Task]) -> list[object]:
         self.log.append(("execute", [t.payload for t in tasks]))
@@ -87,10 +79,9 @@ class _Bench:
         self.runtime.submit_callbacks([self.task(n, last and i == len(names) - 1) for i, n in enumerate(names)])
 
 
-def _runtime(launch_ahead: bool = True, launch_timed: bool = True) -> Runtime:
+def _runtime(launch_ahead: bool = True) -> Runtime:
     runtime = Runtime(max_batch_size_tokens=64, gather=GatherSettings(fraction=0.0))
     runtime.launch_ahead = launch_ahead
-    runtime.launch_timed = launch_timed
     return runtime
 
 
@@ -206,34 +197,3 @@ def test_stop_still_delivers_the_launched_batch() -> None:
         stopper.join(WAIT_S)
     assert bench.done.wait(WAIT_S) and bench.results["a1"] == "a1!"
     assert not stopper.is_alive()
-
-
-@pytest.mark.parametrize("launch_timed", [False, True])
-def test_the_next_batch_waits_for_the_end_of_the_running_ones_device_work(launch_timed: bool) -> None:
-    """A batch that ran 60 ms on the device (as its launcher timed it) teaches the runtime to hold the launch behind
-    a running batch until just before that batch's expected end: steps that arrive meanwhile join the next batch
-    instead of waiting behind one launched at once (`launch_timed`, server.launch_timing; the hold is capped)."""
-    with _runtime(launch_timed=launch_timed) as runtime:
-        bench = _Bench(runtime)
-        bench.device_s.update({"x1": 0.06, "a1": 0.06, "b1": 0.06})
-        first = threading.Event()
-        runtime.submit_callbacks([runtime.callback_task(
-            lambda: None, on_done=lambda r, e: first.set(), flush=None, priority=1, size_tokens=1, kind="decode",
-            merge_key="span", payload="x1",
-        )])  # fmt: skip
-        assert first.wait(WAIT_S)  # a lone batch: launched, waited for, timed
-
-        def later() -> None:
-            threading.Timer(0.008, lambda: bench.submit("b2", last=True)).start()
-            bench.submit("b1")
-
-        bench.on_launch["a1"] = later  # b1 comes during a1's launch, b2 8 ms later: both while a1 runs
-        bench.submit("a1")
-        assert bench.done.wait(WAIT_S)
-    launches = [entry[1] for entry in bench.log if entry[0] == "launch"]
-    if launch_timed:
-        assert launches == [["x1"], ["a1"], ["b1", "b2"]]
-        assert runtime.launch_timing.num_held >= 1
-    else:
-        assert launches == [["x1"], ["a1"], ["b1"], ["b2"]]
-    assert bench.results == {"a1": "a1!", "b1": "b1!", "b2": "b2!"}

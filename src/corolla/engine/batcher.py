@@ -177,10 +177,6 @@ class PendingSteps:
         self._launched = launched  # indices of the requests in the forward, in its row order
         self._pending = pending  # None: no valid request, nothing launched
 
-    def device_seconds(self) -> float | None:
-        """The launched forward's seconds on the device, once waited for (None where nothing was launched)."""
-        return None if self._pending is None else self._pending.device_seconds()
-
     def wait(self) -> list[torch.Tensor | BaseException]:
         results = self._results
         if self._pending is None:
@@ -212,9 +208,6 @@ class PendingUnits:
 
     def wait(self) -> list[StepResult | list[StepResult]]:
         return regroup(self._pending.wait(), self._sizes)
-
-    def device_seconds(self) -> float | None:
-        return self._pending.device_seconds()
 
 
 def launch_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> PendingSteps | None:

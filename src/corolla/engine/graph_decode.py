@@ -66,7 +66,6 @@ class HostStaging:
     done: torch.cuda.Event | None = None
     owner: PendingDecode | None = None  # the launched forward whose output `out` holds, not copied out yet
     event: torch.cuda.Event | None = None  # recorded anew by each use of the set (made at the first)
-    start_event: torch.cuda.Event | None = None  # recorded before each use's device work (its device time)
     views: dict[int, _RowViews] = field(default_factory=dict)  # row count -> slices (`row_views`)
     views_of: DecodeGraphs | None = None  # the graphs `views` slice
 
@@ -103,19 +102,11 @@ class HostStaging:
             self.done.synchronize()
             self.done = None
 
-    def mark_start(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        """Records the set's start event on `stream` before a forward's device work (timed against `mark`'s)."""
-        event = self.start_event
-        if event is None:
-            event = self.start_event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
-
     def mark(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         """Records the set's event after the copies just queued on `stream` (the set is busy until it passed)."""
         event = self.event
         if event is None:
-            event = self.event = torch.cuda.Event(enable_timing=True)
+            event = self.event = torch.cuda.Event()
         event.record(stream)
         self.done = event
         return event
@@ -143,12 +134,10 @@ class PendingDecode:
 
     def __init__(
         self, staging: HostStaging, done: torch.cuda.Event, rows: int, splits: list[int], hidden_size: int,
-        dtype: torch.dtype, started: torch.cuda.Event | None = None,
+        dtype: torch.dtype,
     ):  # fmt: skip
         self._staging: HostStaging | None = staging
         self._done = done
-        self._started = started
-        self.device_s: float | None = None  # the forward's seconds on the device (from `started`), once collected
         self.rows = rows
         self._splits = splits  # rows per request
         self._hidden_size = hidden_size
@@ -165,8 +154,6 @@ class PendingDecode:
             staging = self._staging
             assert staging is not None
             self._done.synchronize()
-            if self._started is not None:  # read now: the set's events are recorded anew when it is reused
-                self.device_s = self._started.elapsed_time(self._done) / 1000
             # one memcpy into a fresh buffer in this thread, holding the GIL (a torch or numpy copy of a few hundred
             # KiB lets it go, and a reader thread of the server may then keep it while this thread waits)
             nbytes = self.rows * self._hidden_size * self._dtype.itemsize
@@ -185,10 +172,6 @@ class PendingDecode:
         if self._data is None:
             raise RuntimeError("PendingDecode.output_bytes before the output was collected")
         return self._data
-
-    def device_seconds(self) -> float | None:
-        """The forward's seconds on the device, once collected (`wait`); None before or where not timed."""
-        return self.device_s
 
     def wait(self) -> list[torch.Tensor]:
         if self._waited:
@@ -227,17 +210,13 @@ def launch_graph_decode(
         torch.cat([r.hidden for r in group], out=views.hidden.view(rows, 1, h))
     else:
         torch.cat([r.hidden.reshape(r.rows, h).to(dtype) for r in group], out=views.hidden)
-    stream = torch.cuda.current_stream(graphs.hidden.device)
-    started = staging.mark_start(stream)
     views.graph_hidden.copy_(views.hidden, non_blocking=True)
     stage_row_inputs(staging, views, merged, adapter_rows)
     out = graphs.run(rows, group[0].session.layers, adapters=adapter_rows is not None, reset=False)  # [rows, H]
     advance_lengths(group)
     views.out.copy_(out, non_blocking=True)
-    done = staging.mark(stream)
-    return PendingDecode(
-        staging, done, rows, merged.splits, h, dtype, started
-    )  # the set's owner until its output is out
+    done = staging.mark(torch.cuda.current_stream(graphs.hidden.device))
+    return PendingDecode(staging, done, rows, merged.splits, h, dtype)  # the set's owner until its output is out
 
 
 @dataclass(eq=False)

@@ -9,16 +9,16 @@ nearly every step that came during the running forward and the device goes strai
 step again as soon as they have their reply, a step's wait is what sets its session's pace, so one forward less of
 waiting per step is that much more throughput at the same batch sizes.
 
-`LaunchTiming` learns two figures, each an exponential moving average: a launched batch's seconds on the device
-(timed by the device itself, `PendingBatch.device_seconds`: a host clock would count the runtime's own hold in) and
-the launcher's own seconds (the host's staging and launch). Where the launcher does not time its batches, the next
-one is launched at once. It is pure bookkeeping driven by the runtime's thread (`Runtime._run`)."""
+`LaunchTiming` learns two figures, each an exponential moving average: a launched batch's device seconds (from the
+waits for its results that actually blocked: those end when the device does) and the launcher's own seconds (the
+host's staging and launch). It is pure bookkeeping driven by the runtime's thread (`Runtime._run`)."""
 
 from __future__ import annotations
 
 EWMA_WEIGHT = 0.2  # weight of the newest observation
-MARGIN_S = 150e-6  # launched this much earlier again than the learned launch time (the thread may wake late)
-MAX_HOLD_S = 0.02  # never holds a launch longer than this (a wrong estimate must not stall the device)
+BLOCKED_WAIT_S = 50e-6  # a wait for results at least this long blocked: it ended when the device finished
+MARGIN_S = 150e-6  # launched this much earlier again than the learned launch time (the thread may be late)
+MAX_DELAY_S = 0.05  # never holds a launch longer than this (a wrong estimate must not stall the device)
 
 
 class LaunchTiming:
@@ -33,18 +33,22 @@ class LaunchTiming:
         """The launcher took `seconds` to queue a batch."""
         self.launch_s = _ewma(self.launch_s, seconds)
 
-    def ran(self, device_s: float | None) -> None:
-        """A launched batch ran `device_s` seconds on the device (None: not timed)."""
-        if device_s is not None and device_s >= 0.0:
+    def waited(self, *, device_s: float, wait_s: float) -> None:
+        """A launched batch's results came `device_s` after its device work could start (its launch, or the end of
+        the batch before it) and the runtime's thread waited `wait_s` for them. A wait that blocked ended with the
+        device's work, so `device_s` is that work's length; one that did not only bounds it from above."""
+        if wait_s >= BLOCKED_WAIT_S:
             self.device_s = _ewma(self.device_s, device_s)
+        elif self.device_s is not None and device_s < self.device_s:
+            self.device_s = device_s
 
     def launch_at(self, running_start_s: float) -> float | None:
-        """When (a `time.perf_counter` value) to launch the batch behind one whose device work started at about
+        """When (a `time.perf_counter` value) to launch the batch behind one whose device work started at
         `running_start_s`; None: at once (nothing learned yet)."""
         if self.device_s is None or self.launch_s is None:
             return None
         lead_s = self.launch_s + MARGIN_S
-        return running_start_s + min(MAX_HOLD_S, max(0.0, self.device_s - lead_s))
+        return running_start_s + min(MAX_DELAY_S, max(0.0, self.device_s - lead_s))
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -386,7 +386,7 @@ class Runtime:
 
     def _hold_launch(self, running: LaunchedBatch) -> None:
         """Sleeps until just before `running`'s device work is expected to end (`launch_timing`)."""
-        at = self.launch_timing.launch_at(max(running.launched_s, self._last_done_s))
+        at = self.launch_timing.launch_at(max(running.started_s, self._last_done_s))
         delay_s = at - time.perf_counter() if at is not None else 0.0
         if delay_s > 0:
             self.launch_timing.num_held += 1
@@ -406,10 +406,9 @@ class Runtime:
                 return LaunchedBatch(batch, None, e, started)
             if handle is None:
                 return None
-            launched_s = time.perf_counter()
-            self.launch_timing.launched(launched_s - started)
+            self.launch_timing.launched(time.perf_counter() - started)
             self._num_in_flight += 1
-            return LaunchedBatch(batch, handle, None, started, launched_s=launched_s)
+            return LaunchedBatch(batch, handle, None, started)
 
     def _finish(self, launched: LaunchedBatch) -> None:
         """Waits for a launched batch's results (if not done yet) and completes it."""
@@ -426,14 +425,17 @@ class Runtime:
         if launched.results is not None:
             return launched.results
         batch = launched.batch
+        waited_s: float | None = None  # in `handle.wait()`, where it returned
         with self._executing:
             results: list[tuple[Any, BaseException | None]]
             try:
                 if launched.handle is None:
                     assert launched.error is not None
                     raise launched.error
-                results = _per_task(batch, launched.handle.wait(), "launcher")
-                self.launch_timing.ran(launched.handle.device_seconds())
+                wait_started_s = time.perf_counter()
+                outputs = launched.handle.wait()
+                waited_s = time.perf_counter() - wait_started_s
+                results = _per_task(batch, outputs, "launcher")
             except Exception as e:
                 logger.warning(f"runtime.task_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
                 results = [(None, e)] * len(batch)
@@ -444,6 +446,8 @@ class Runtime:
             # busy time: from the launch, or from the end of the batch before it if that ran on the device meanwhile
             launched.elapsed_s = done_s - max(launched.started_s, self._last_done_s)
             self._last_done_s = done_s
+            if waited_s is not None:
+                self.launch_timing.waited(device_s=launched.elapsed_s, wait_s=waited_s)
             self._account(batch[0].kind, _steps(batch), launched.elapsed_s)
         launched.results = results
         return results

@@ -82,10 +82,6 @@ class PendingBatch(Protocol):
 
     def wait(self) -> Sequence[object]: ...
 
-    def device_seconds(self) -> float | None:
-        """After `wait`: the batch's seconds on the device, where the launcher timed them (else None)."""
-        ...
-
 
 # Queues a batch on the device and returns at once, or returns None (nothing done: the batch runs through the
 # kind's executor instead); raising fails the whole batch.
@@ -100,7 +96,6 @@ class LaunchedBatch:
     handle: PendingBatch | None
     error: BaseException | None
     started_s: float  # perf_counter at the launch
-    launched_s: float = 0.0  # perf_counter once the launcher returned (its device work queued)
     results: list[tuple[Any, BaseException | None]] | None = None  # once waited for
     elapsed_s: float = 0.0  # its busy seconds, once waited for
 
