@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.launch_timing import LaunchTiming
 from corolla.server.task import KIND_GENERIC, BatchLauncher, KindStats, LaunchedBatch, Task, TaskQueue
-from corolla.server.task_delivery import call_back, deliver, deliver_batch, resolve
+from corolla.server.task_delivery import call_back, deliver, resolve, resolve_all
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -53,14 +52,11 @@ class Runtime:
     all other tasks run alone as `fn()`.
     """
 
-    # With a launched batch in flight, the next queued batch is launched before waiting for it (True: the device
-    # never idles between them), or once the device finished it (False: the next batch also takes the steps that
-    # arrived during that device work). H100, 64 sessions through 4 handler processes, one call: True 5171 tok/s
-    # (19.6 steps per forward), False 3712 (18.2). `launch_timed`: ahead, but only just before the running batch's
-    # device work is expected to end (server.launch_timing), so that the next batch takes the steps that arrive
-    # meanwhile; else at once.
+    # With a launched batch in flight, the next queued batch is launched at once, before waiting for it (True: the
+    # device never idles between them), or once the device finished it (False: the next batch also takes the steps
+    # that arrived during that device work). H100, 64 sessions through 4 handler processes, one call: True 5171
+    # tok/s (19.6 steps per forward), False 3712 (18.2)
     launch_ahead: bool = True
-    launch_timed: bool = True
 
     def __init__(
         self,
@@ -97,7 +93,6 @@ class Runtime:
         self._wake_scheduled: set[asyncio.AbstractEventLoop] = set()  # loops with a `_wake` pending
         # after a merged forward, wait briefly for its sessions' next steps (server.gather; fraction 0 disables)
         self.gather = GatherRule(gather if gather is not None else GatherSettings())
-        self.launch_timing = LaunchTiming()  # when to launch behind a running batch (`launch_timed`)
 
     def add_batch_observer(self, observer: BatchObserver) -> None:
         """Calls `observer(kind, num_steps, seconds)` after every batch (benchmarks, profiling); it must be quick
@@ -352,8 +347,6 @@ class Runtime:
                 wait = self.gather.wait(time.monotonic(), queue.num_pushed)
                 if wait is not None:
                     queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
-            elif self.launch_timed:
-                self._hold_launch(pending)
             batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
                 merge_limits=self._merge_limits, timeout_s=None if pending is None else 0.0,
@@ -384,14 +377,6 @@ class Runtime:
                 )  # fmt: skip
             self._complete(batch, results)
 
-    def _hold_launch(self, running: LaunchedBatch) -> None:
-        """Sleeps until just before `running`'s device work is expected to end (`launch_timing`)."""
-        at = self.launch_timing.launch_at(max(running.started_s, self._last_done_s))
-        delay_s = at - time.perf_counter() if at is not None else 0.0
-        if delay_s > 0:
-            self.launch_timing.num_held += 1
-            time.sleep(delay_s)
-
     def _launch(self, batch: list[Task]) -> LaunchedBatch | None:
         """Queues `batch` on the device through its kind's launcher; None where it has none or declines."""
         launcher = self._launchers.get(batch[0].kind) if batch[0].merge_key is not None else None
@@ -406,7 +391,6 @@ class Runtime:
                 return LaunchedBatch(batch, None, e, started)
             if handle is None:
                 return None
-            self.launch_timing.launched(time.perf_counter() - started)
             self._num_in_flight += 1
             return LaunchedBatch(batch, handle, None, started)
 
@@ -425,17 +409,13 @@ class Runtime:
         if launched.results is not None:
             return launched.results
         batch = launched.batch
-        waited_s: float | None = None  # in `handle.wait()`, where it returned
         with self._executing:
             results: list[tuple[Any, BaseException | None]]
             try:
                 if launched.handle is None:
                     assert launched.error is not None
                     raise launched.error
-                wait_started_s = time.perf_counter()
-                outputs = launched.handle.wait()
-                waited_s = time.perf_counter() - wait_started_s
-                results = _per_task(batch, outputs, "launcher")
+                results = _per_task(batch, launched.handle.wait(), "launcher")
             except Exception as e:
                 logger.warning(f"runtime.task_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
                 results = [(None, e)] * len(batch)
@@ -446,8 +426,6 @@ class Runtime:
             # busy time: from the launch, or from the end of the batch before it if that ran on the device meanwhile
             launched.elapsed_s = done_s - max(launched.started_s, self._last_done_s)
             self._last_done_s = done_s
-            if waited_s is not None:
-                self.launch_timing.waited(device_s=launched.elapsed_s, wait_s=waited_s)
             self._account(batch[0].kind, _steps(batch), launched.elapsed_s)
         launched.results = results
         return results
@@ -481,7 +459,30 @@ class Runtime:
     def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
         self.num_tasks_done += _steps(batch)
-        deliver_batch(batch, results)
+        if batch[0].future is None and all(t.future is None for t in batch):  # only callback tasks (device channels)
+            call_back(batch, results)
+            return
+        if any(t.future is None for t in batch):  # callback tasks: their replies leave from this thread
+            call_back(
+                [t for t in batch if t.future is None],
+                [r for t, r in zip(batch, results, strict=True) if t.future is None],
+            )
+            kept = [(t, r) for t, r in zip(batch, results, strict=True) if t.future is not None]
+            batch, results = [t for t, _ in kept], [r for _, r in kept]
+            if not batch:
+                return
+        if len(batch) == 1:
+            deliver(batch[0], *results[0])
+            return
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}  # one loop wake-up per batch, not per task
+        for task, (result, error) in zip(batch, results, strict=True):
+            assert task.loop is not None
+            by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.future, result, error))
+        for loop, items in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(resolve_all, items)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
 
 
 def _steps(batch: list[Task]) -> int:  # the steps a batch carries (`Task.steps`): its counters count these
