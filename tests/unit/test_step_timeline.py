@@ -1,0 +1,105 @@
+"""Step timelines of a handler process's socket and direct-port streams (`server.step_timeline`, the many-users
+bench's `--timeline`): off unless a directory is named (nothing stamped, nothing written); on, every step of a
+stream served by `stream_endpoint.serve_inference` gets its four stamps in order (request read, step sent to the
+device, reply back, response written), saved when the stream ends; `summarize` reports the four intervals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from hivemind.proto import runtime_pb2
+
+from corolla.protocol import local_stream as ls
+from corolla.server import step_timeline
+from corolla.server.stream_endpoint import PlainFrames, serve_inference
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def writelines(self, parts) -> None:
+        self.frames.append(b"".join(parts))
+
+    async def drain(self) -> None:
+        await asyncio.sleep(0)
+
+    def write_eof(self) -> None:
+        pass
+
+
+class _Handler:
+    """Answers each request as a handler process does, stamping the device hand-off as `ProxyExecutor` does."""
+
+    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context) -> AsyncIterator:
+        async for request in requests:
+            step_timeline.stamp(step_timeline.SENT)
+            await asyncio.sleep(0.002)  # the device's round trip
+            step_timeline.stamp(step_timeline.BACK)
+            yield runtime_pb2.ExpertResponse(tensors=request.tensors)
+
+
+def _serve(num_requests: int) -> _Writer:
+    async def go() -> _Writer:
+        reader = asyncio.StreamReader()
+        for i in range(num_requests):
+            payload = runtime_pb2.ExpertRequest(uid=f"block.{i}").SerializeToString()
+            reader.feed_data(b"".join(ls.frame(ls.MESSAGE, payload)))
+        reader.feed_data(b"".join(ls.frame(ls.END)))
+        reader.feed_eof()
+        writer = _Writer()
+        await serve_inference(_Handler(), reader, writer, None, PlainFrames(), 1 << 20)  # type: ignore[arg-type]
+        return writer
+
+    return asyncio.run(go())
+
+
+def test_off_unless_a_directory_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(step_timeline, "DIRECTORY", None)
+    assert step_timeline.open_stream() is None
+    writer = _serve(3)
+    assert len(writer.frames) == 4  # three responses and END: served as ever
+    assert not list(tmp_path.iterdir())
+
+
+def test_every_step_of_a_stream_is_stamped_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(step_timeline, "DIRECTORY", tmp_path)
+    _serve(5)
+    _serve(4)  # a second stream of the same process: a line of its own
+    (saved,) = tmp_path.glob("timeline-*.jsonl")
+    streams = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert [len(rows) for rows in streams] == [5, 4]
+    for rows in streams:
+        for t_in, sent, back, out in rows:
+            assert 0 < t_in <= sent < back <= out
+            assert back - sent >= 2_000_000  # the 2 ms round trip, in ns
+    summary = step_timeline.summarize(tmp_path)
+    assert summary["steps"] == (5 - step_timeline.SKIP_FIRST_STEPS) + (4 - step_timeline.SKIP_FIRST_STEPS)
+    assert 2.0 <= summary["device_round_trip_p50_ms"] < 50.0
+    assert summary["handler_in_p50_ms"] >= 0.0 and summary["client_turn_p50_ms"] >= 0.0
+
+
+def test_summarize_reports_the_four_intervals(tmp_path: Path) -> None:
+    ms = 1_000_000
+    # a request read at 0, sent at 0.1 ms, back at 3.1, written at 3.2; the next read 1 ms after that write
+    rows = [[k * 10 * ms + t for t in (0, ms // 10, 31 * ms // 10, 32 * ms // 10)] for k in range(6)]
+    (tmp_path / "timeline-1.jsonl").write_text(json.dumps(rows) + "\n" + json.dumps([[1, 0, 0, 0]]) + "\n")
+    summary = step_timeline.summarize(tmp_path)
+    assert summary["steps"] == 6 - step_timeline.SKIP_FIRST_STEPS  # (an unstamped step is left out)
+    assert summary["handler_in_p50_ms"] == pytest.approx(0.1)
+    assert summary["device_round_trip_p50_ms"] == pytest.approx(3.0)
+    assert summary["handler_out_p50_ms"] == pytest.approx(0.1)
+    assert summary["client_turn_p50_ms"] == pytest.approx(10 - 3.2)
+
+
+def test_a_stream_keeps_at_most_its_first_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step_timeline, "MAX_STEPS_PER_STREAM", 3)
+    timeline = step_timeline.StreamTimeline()
+    for _ in range(10):
+        timeline.request_read()
+        timeline.stamp(step_timeline.OUT)
+    assert len(timeline.rows) == 3
