@@ -143,20 +143,3 @@ def test_a_step_batchs_bytes_are_what_its_hidden_states_view(count: int) -> None
         assert step.raw.nbytes == 16 and bytes(step.raw) == hidden.view(torch.uint8).numpy().tobytes()
         step.raw[:2] = b"\0\0"  # the same memory as the tensor
         assert step.hidden.view(-1)[0].item() == 0.0
-
-
-def test_a_launched_forward_is_split_after_two_thirds_of_its_layers() -> None:
-    """`DecodeGraphs.split_point`: where the runtime may launch the next forward behind a running one (each part at
-    least one layer; a one-layer span, or a split fraction of None, is one graph)."""
-    from types import SimpleNamespace
-
-    from corolla.engine.cuda_graphs import DecodeGraphs
-
-    split = DecodeGraphs.split_point
-    graphs = SimpleNamespace(split_fraction=2 / 3)
-    assert split(graphs, (0, 8)) == 5  # type: ignore[arg-type]
-    assert split(graphs, (0, 32)) == 21  # type: ignore[arg-type]
-    assert split(graphs, (4, 6)) == 5  # type: ignore[arg-type]
-    assert split(graphs, (3, 4)) is None  # type: ignore[arg-type]
-    assert split(SimpleNamespace(split_fraction=0.99), (0, 8)) == 7  # type: ignore[arg-type]
-    assert split(SimpleNamespace(split_fraction=None), (0, 8)) is None  # type: ignore[arg-type]

@@ -8,7 +8,6 @@ batch's results when it stops."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -26,9 +25,6 @@ class _Pending:
     def __init__(self, log: list[tuple[str, object]], name: str, results: Sequence[object] | BaseException,
                  gate: threading.Event | None = None):  # fmt: skip
         self.log, self.name, self.results, self.gate = log, name, results, gate
-
-    def midway(self) -> None:
-        self.log.append(("midway", self.name))
 
     def wait(self) -> Sequence[object]:
         if self.gate is not None:
@@ -98,9 +94,8 @@ def test_the_next_batch_launches_before_the_one_in_flight_completes(launch_ahead
         assert bench.done.wait(WAIT_S)
     a1_waited = [("wait", "a1")]
     assert bench.log == [
-        ("launch", ["a1"]), *([("midway", "a1")] if launch_ahead else a1_waited), ("launch", ["b1", "b2"]),
-        *(a1_waited if launch_ahead else []), ("done", "a1"), *([("midway", "b1")] if launch_ahead else []),
-        ("wait", "b1"), ("done", "b1"), ("done", "b2"),
+        ("launch", ["a1"]), *([] if launch_ahead else a1_waited), ("launch", ["b1", "b2"]),
+        *(a1_waited if launch_ahead else []), ("done", "a1"), ("wait", "b1"), ("done", "b1"), ("done", "b2"),
     ]  # fmt: skip
     assert bench.results == {"a1": "a1!", "b1": "b1!", "b2": "b2!"}
 
@@ -110,7 +105,7 @@ def test_a_lone_batch_completes_at_once() -> None:
         bench = _Bench(runtime)
         bench.submit("a1", "a2", last=True)
         assert bench.done.wait(WAIT_S)  # nothing else is ever queued: it is not held for a next batch
-        assert bench.log == [("launch", ["a1", "a2"]), ("midway", "a1"), ("wait", "a1"), ("done", "a1"), ("done", "a2")]
+        assert bench.log == [("launch", ["a1", "a2"]), ("wait", "a1"), ("done", "a1"), ("done", "a2")]
         assert runtime.stats()["decode"].batches == 1 and runtime.stats()["decode"].tasks == 2
 
 
@@ -141,8 +136,7 @@ def test_a_declined_batch_runs_through_the_executor_after_the_one_in_flight() ->
         bench.submit("a1")
         assert bench.done.wait(WAIT_S)
     assert bench.log == [
-        ("launch", ["a1"]), ("midway", "a1"), ("launch", ["b1"]), ("wait", "a1"), ("done", "a1"),
-        ("execute", ["b1"]), ("done", "b1"),
+        ("launch", ["a1"]), ("launch", ["b1"]), ("wait", "a1"), ("done", "a1"), ("execute", ["b1"]), ("done", "b1"),
     ]  # fmt: skip
     assert bench.results["b1"] == "b1:executed"
 
@@ -203,32 +197,3 @@ def test_stop_still_delivers_the_launched_batch() -> None:
         stopper.join(WAIT_S)
     assert bench.done.wait(WAIT_S) and bench.results["a1"] == "a1!"
     assert not stopper.is_alive()
-
-
-def test_the_next_batch_launches_from_the_running_ones_midway_point() -> None:
-    """A launched batch marks the point from which the next may be launched behind it (`PendingBatch.midway`: a
-    split forward's first graph done): steps that arrive before that point join the next batch, and the runtime
-    launches it before waiting for the running batch's results."""
-    midway_reached = threading.Event()
-    with _runtime() as runtime:
-        bench = _Bench(runtime)
-        original = _Pending.midway
-
-        def midway(self: _Pending) -> None:  # a1's first part takes 50 ms; b2 comes 10 ms into it
-            if self.name == "a1":
-                bench.submit("b1")
-                threading.Timer(0.01, lambda: bench.submit("b2", last=True)).start()
-                time.sleep(0.05)
-                midway_reached.set()
-            original(self)
-
-        _Pending.midway = midway  # type: ignore[method-assign]
-        try:
-            bench.submit("a1")
-            assert bench.done.wait(WAIT_S)
-        finally:
-            _Pending.midway = original  # type: ignore[method-assign]
-    assert midway_reached.is_set()
-    launches = [entry[1] for entry in bench.log if entry[0] == "launch"]
-    assert launches == [["a1"], ["b1", "b2"]]  # launched at once instead, b1 would go alone and b2 after it
-    assert bench.log.index(("launch", ["b1", "b2"])) < bench.log.index(("wait", "a1"))

@@ -177,11 +177,6 @@ class PendingSteps:
         self._launched = launched  # indices of the requests in the forward, in its row order
         self._pending = pending  # None: no valid request, nothing launched
 
-    def midway(self) -> None:
-        """`PendingDecode.midway` of the launched forward (at once where nothing was launched)."""
-        if self._pending is not None:
-            self._pending.midway()
-
     def wait(self) -> list[torch.Tensor | BaseException]:
         results = self._results
         if self._pending is None:
@@ -213,9 +208,6 @@ class PendingUnits:
 
     def wait(self) -> list[StepResult | list[StepResult]]:
         return regroup(self._pending.wait(), self._sizes)
-
-    def midway(self) -> None:
-        self._pending.midway()
 
 
 def launch_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> PendingSteps | None:

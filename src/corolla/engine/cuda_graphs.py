@@ -22,13 +22,7 @@ logger = get_logger(__name__)
 class DecodeGraphs:
     """Static inputs sized for the largest bucket; `run(rows)` replays the smallest bucket holding `rows` rows after
     the caller filled `hidden[:rows]`, `positions[:rows]`, `block_tables[:rows]` (and `adapters.row_ids[:rows]` for
-    a step with adapters). Use from one thread.
-
-    `split_fraction`: a launched forward runs as two graphs, the first `split_fraction` of its layers then the rest,
-    with an event between them (`graph_decode.launch_graph_decode`), so that the runtime can launch the next forward
-    when the running one reaches that point instead of at once (`split_point`; None: one graph per forward)."""
-
-    split_fraction: float | None = 2 / 3
+    a step with adapters). Use from one thread."""
 
     def __init__(
         self,
@@ -74,24 +68,13 @@ class DecodeGraphs:
                 return bucket
         raise ValueError(f"{rows} rows exceed the largest CUDA-graph bucket ({self.max_rows})")
 
-    def split_point(self, layers: tuple[int, int]) -> int | None:
-        """Where a launched forward over `layers` is split (`split_fraction`), or None for one graph."""
-        first, end = layers
-        if self.split_fraction is None or end - first < 2:
-            return None
-        return first + min(end - first - 1, max(1, round((end - first) * self.split_fraction)))
-
     def capture_all(self) -> None:
-        """Captures every bucket of the whole span now (largest first, so smaller graphs reuse its memory), and its
-        two halves where launched forwards are split. Sessions over part of the span get their graphs at first use."""
+        """Captures every bucket of the whole span now (largest first, so smaller graphs reuse its memory).
+        Sessions over part of the span get their graphs at first use."""
         variants = (True, False) if self.adapters is not None else (False,)
-        span = (0, self.model.num_layers)
-        split = self.split_point(span)
-        ranges = [span] if split is None else [span, (0, split), (split, span[1])]
         for bucket in reversed(self.buckets):
             for adapted in variants:
-                for first, end in ranges:
-                    self._capture((first, end, bucket, adapted))
+                self._capture((0, self.model.num_layers, bucket, adapted))
 
     def _variant(self, adapted: bool) -> contextlib.AbstractContextManager:
         return self.adapters.decode_rows(adapted) if self.adapters is not None else contextlib.nullcontext()

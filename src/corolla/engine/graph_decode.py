@@ -66,7 +66,6 @@ class HostStaging:
     done: torch.cuda.Event | None = None
     owner: PendingDecode | None = None  # the launched forward whose output `out` holds, not copied out yet
     event: torch.cuda.Event | None = None  # recorded anew by each use of the set (made at the first)
-    midway_event: torch.cuda.Event | None = None  # recorded between a split forward's two graphs
     views: dict[int, _RowViews] = field(default_factory=dict)  # row count -> slices (`row_views`)
     views_of: DecodeGraphs | None = None  # the graphs `views` slice
 
@@ -103,14 +102,6 @@ class HostStaging:
             self.done.synchronize()
             self.done = None
 
-    def mark_midway(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        """Records the set's midway event on `stream` (between a split forward's two graphs)."""
-        event = self.midway_event
-        if event is None:
-            event = self.midway_event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
     def mark(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         """Records the set's event after the copies just queued on `stream` (the set is busy until it passed)."""
         event = self.event
@@ -143,11 +134,10 @@ class PendingDecode:
 
     def __init__(
         self, staging: HostStaging, done: torch.cuda.Event, rows: int, splits: list[int], hidden_size: int,
-        dtype: torch.dtype, midway: torch.cuda.Event | None = None,
+        dtype: torch.dtype,
     ):  # fmt: skip
         self._staging: HostStaging | None = staging
         self._done = done
-        self._midway = midway  # passed when the first graph of a split forward is done (None: not split)
         self.rows = rows
         self._splits = splits  # rows per request
         self._hidden_size = hidden_size
@@ -182,13 +172,6 @@ class PendingDecode:
         if self._data is None:
             raise RuntimeError("PendingDecode.output_bytes before the output was collected")
         return self._data
-
-    def midway(self) -> None:
-        """Returns once the forward's first graph is done (a split forward: `DecodeGraphs.split_fraction`), at once
-        otherwise or once collected: the point from which the next forward may be launched behind it."""
-        if self._midway is not None and self._out is None:
-            self._midway.synchronize()
-        self._midway = None
 
     def wait(self) -> list[torch.Tensor]:
         if self._waited:
@@ -229,23 +212,11 @@ def launch_graph_decode(
         torch.cat([r.hidden.reshape(r.rows, h).to(dtype) for r in group], out=views.hidden)
     views.graph_hidden.copy_(views.hidden, non_blocking=True)
     stage_row_inputs(staging, views, merged, adapter_rows)
-    stream = torch.cuda.current_stream(graphs.hidden.device)
-    layers = group[0].session.layers
-    adapted = adapter_rows is not None
-    split = graphs.split_point(layers)
-    midway = None
-    if split is None:
-        out = graphs.run(rows, layers, adapters=adapted, reset=False)  # [rows, H]
-    else:  # two graphs, an event between them: the runtime launches the next forward from there
-        graphs.hidden[:rows].copy_(graphs.run(rows, (layers[0], split), adapters=adapted, reset=False))
-        midway = staging.mark_midway(stream)
-        out = graphs.run(rows, (split, layers[1]), adapters=adapted, reset=False)  # [rows, H]
+    out = graphs.run(rows, group[0].session.layers, adapters=adapter_rows is not None, reset=False)  # [rows, H]
     advance_lengths(group)
     views.out.copy_(out, non_blocking=True)
-    done = staging.mark(stream)
-    return PendingDecode(
-        staging, done, rows, merged.splits, h, dtype, midway
-    )  # the set's owner until its output is out
+    done = staging.mark(torch.cuda.current_stream(graphs.hidden.device))
+    return PendingDecode(staging, done, rows, merged.splits, h, dtype)  # the set's owner until its output is out
 
 
 @dataclass(eq=False)

@@ -19,16 +19,8 @@ from typing import Any
 import torch
 
 from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.task import (
-    KIND_GENERIC,
-    BatchLauncher,
-    KindStats,
-    LaunchedBatch,
-    PendingBatch,
-    Task,
-    TaskQueue,
-)
-from corolla.server.task_delivery import call_back, deliver, deliver_batch, resolve
+from corolla.server.task import KIND_GENERIC, BatchLauncher, KindStats, LaunchedBatch, Task, TaskQueue
+from corolla.server.task_delivery import call_back, deliver, resolve, resolve_all
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -60,11 +52,10 @@ class Runtime:
     all other tasks run alone as `fn()`.
     """
 
-    # With a launched batch in flight, the next queued batch is launched before waiting for it (True: the device
-    # never idles between them), from the point the launcher's `midway` marks (a split CUDA-graph forward: the next
-    # batch also takes the steps that arrive during the first part), or once the device finished it (False: the
-    # device idles while the next is staged and launched). H100, 64 sessions through 4 handler processes, one call:
-    # True 5171 tok/s (19.6 steps per forward), False 3712 (18.2)
+    # With a launched batch in flight, the next queued batch is launched at once, before waiting for it (True: the
+    # device never idles between them), or once the device finished it (False: the next batch also takes the steps
+    # that arrived during that device work). H100, 64 sessions through 4 handler processes, one call: True 5171
+    # tok/s (19.6 steps per forward), False 3712 (18.2)
     launch_ahead: bool = True
 
     def __init__(
@@ -356,8 +347,6 @@ class Runtime:
                 wait = self.gather.wait(time.monotonic(), queue.num_pushed)
                 if wait is not None:
                     queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
-            elif self.launch_ahead and pending.handle is not None:
-                self._midway(pending.handle)
             batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
                 merge_limits=self._merge_limits, timeout_s=None if pending is None else 0.0,
@@ -387,14 +376,6 @@ class Runtime:
                     push_time_s=queue.push_time_s,
                 )  # fmt: skip
             self._complete(batch, results)
-
-    def _midway(self, handle: PendingBatch) -> None:
-        """Waits until the batch in flight allows the next launch (`PendingBatch.midway`); a failure there is the
-        batch's own, reported when it is waited for."""
-        try:
-            handle.midway()
-        except Exception as e:
-            logger.debug(f"runtime.midway_failed({e!r})")
 
     def _launch(self, batch: list[Task]) -> LaunchedBatch | None:
         """Queues `batch` on the device through its kind's launcher; None where it has none or declines."""
@@ -478,7 +459,30 @@ class Runtime:
     def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
         self.num_tasks_done += _steps(batch)
-        deliver_batch(batch, results)
+        if batch[0].future is None and all(t.future is None for t in batch):  # only callback tasks (device channels)
+            call_back(batch, results)
+            return
+        if any(t.future is None for t in batch):  # callback tasks: their replies leave from this thread
+            call_back(
+                [t for t in batch if t.future is None],
+                [r for t, r in zip(batch, results, strict=True) if t.future is None],
+            )
+            kept = [(t, r) for t, r in zip(batch, results, strict=True) if t.future is not None]
+            batch, results = [t for t, _ in kept], [r for _, r in kept]
+            if not batch:
+                return
+        if len(batch) == 1:
+            deliver(batch[0], *results[0])
+            return
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}  # one loop wake-up per batch, not per task
+        for task, (result, error) in zip(batch, results, strict=True):
+            assert task.loop is not None
+            by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.future, result, error))
+        for loop, items in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(resolve_all, items)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
 
 
 def _steps(batch: list[Task]) -> int:  # the steps a batch carries (`Task.steps`): its counters count these

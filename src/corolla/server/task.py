@@ -82,11 +82,6 @@ class PendingBatch(Protocol):
 
     def wait(self) -> Sequence[object]: ...
 
-    def midway(self) -> None:
-        """Returns once the batch's device work is far enough along to launch the next batch behind it (at once
-        where the launcher has no such point)."""
-        ...
-
 
 # Queues a batch on the device and returns at once, or returns None (nothing done: the batch runs through the
 # kind's executor instead); raising fails the whole batch.

@@ -55,32 +55,3 @@ def resolve(future: asyncio.Future, result: Any, error: BaseException | None) ->
 def resolve_all(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
     for future, result, error in items:
         resolve(future, result, error)
-
-
-def deliver_batch(batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
-    """Hands a finished batch's results back: callback tasks' here (their replies leave from this thread), the
-    others' futures with one wake-up per event loop, not per task."""
-    if batch[0].future is None and all(t.future is None for t in batch):  # only callback tasks (device channels)
-        call_back(batch, results)
-        return
-    if any(t.future is None for t in batch):
-        call_back(
-            [t for t in batch if t.future is None],
-            [r for t, r in zip(batch, results, strict=True) if t.future is None],
-        )
-        kept = [(t, r) for t, r in zip(batch, results, strict=True) if t.future is not None]
-        batch, results = [t for t, _ in kept], [r for _, r in kept]
-        if not batch:
-            return
-    if len(batch) == 1:
-        deliver(batch[0], *results[0])
-        return
-    by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
-    for task, (result, error) in zip(batch, results, strict=True):
-        assert task.loop is not None
-        by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.future, result, error))
-    for loop, items in by_loop.values():
-        try:
-            loop.call_soon_threadsafe(resolve_all, items)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
