@@ -41,6 +41,7 @@ class Connections:
     def __init__(self) -> None:
         self.server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._closing = False
 
     @property
     def num_open(self) -> int:
@@ -48,16 +49,21 @@ class Connections:
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:
-        """Counts the current task (one connection's) as open for the block."""
+        """Counts the current task (one connection's) as open for the block. Cancelled by `close`, the block ends
+        the task quietly: asyncio (3.11) logs a traceback for a connection callback's task that ends cancelled."""
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
             yield
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
         finally:
             self._tasks.discard(task)
 
     async def close(self) -> None:
+        self._closing = True
         if self.server is not None:
             self.server.close()
         for task in list(self._tasks):
