@@ -1,7 +1,8 @@
 """Step timelines of a handler process's socket and direct-port streams (`server.step_timeline`, the many-users
 bench's `--timeline`): off unless a directory is named (nothing stamped, nothing written); on, every step of a
 stream served by `stream_endpoint.serve_inference` gets its four stamps in order (request read, step sent to the
-device, reply back, response written), saved when the stream ends; `summarize` reports the four intervals."""
+device, reply back, response written), saved when the stream ends; the bench's `timeline_summary` reports the four
+intervals."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from hivemind.proto import runtime_pb2
 
+from corolla.bench.multi_user import TIMELINE_SKIP_STEPS, timeline_summary
 from corolla.protocol import local_stream as ls
 from corolla.server import step_timeline
 from corolla.server.stream_endpoint import PlainFrames, serve_inference
@@ -77,8 +79,8 @@ def test_every_step_of_a_stream_is_stamped_in_order(monkeypatch: pytest.MonkeyPa
         for t_in, sent, back, out in rows:
             assert 0 < t_in <= sent < back <= out
             assert back - sent >= 2_000_000  # the 2 ms round trip, in ns
-    summary = step_timeline.summarize(tmp_path)
-    assert summary["steps"] == (5 - step_timeline.SKIP_FIRST_STEPS) + (4 - step_timeline.SKIP_FIRST_STEPS)
+    summary = timeline_summary(tmp_path)
+    assert summary["steps"] == (5 - TIMELINE_SKIP_STEPS) + (4 - TIMELINE_SKIP_STEPS)
     assert 2.0 <= summary["device_round_trip_p50_ms"] < 50.0
     assert summary["handler_in_p50_ms"] >= 0.0 and summary["client_turn_p50_ms"] >= 0.0
 
@@ -88,8 +90,8 @@ def test_summarize_reports_the_four_intervals(tmp_path: Path) -> None:
     # a request read at 0, sent at 0.1 ms, back at 3.1, written at 3.2; the next read 1 ms after that write
     rows = [[k * 10 * ms + t for t in (0, ms // 10, 31 * ms // 10, 32 * ms // 10)] for k in range(6)]
     (tmp_path / "timeline-1.jsonl").write_text(json.dumps(rows) + "\n" + json.dumps([[1, 0, 0, 0]]) + "\n")
-    summary = step_timeline.summarize(tmp_path)
-    assert summary["steps"] == 6 - step_timeline.SKIP_FIRST_STEPS  # (an unstamped step is left out)
+    summary = timeline_summary(tmp_path)
+    assert summary["steps"] == 6 - TIMELINE_SKIP_STEPS  # (an unstamped step is left out)
     assert summary["handler_in_p50_ms"] == pytest.approx(0.1)
     assert summary["device_round_trip_p50_ms"] == pytest.approx(3.0)
     assert summary["handler_out_p50_ms"] == pytest.approx(0.1)

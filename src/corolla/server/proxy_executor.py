@@ -294,10 +294,7 @@ class ProxyExecutor:
         handle = self._own(cache).handle
         body = wire.Writer().step_head(handle, inputs.prefix_length, inputs.lone_session, inputs.adapter)
         body.tensor(inputs.tensor()).tensor(inputs.prompts).tensor(inputs.hypo_ids)
-        step_timeline.stamp(step_timeline.SENT)
-        reply = await self.link.call(wire.STEP, body, batched=True)
-        step_timeline.stamp(step_timeline.BACK)
-        return _one_tensor(reply)
+        return _one_tensor(await self._call_step(body))
 
     async def step_raw(self, cache: SessionCache, step: RawStep, adapter: str, lone_session: bool) -> RawOutput:
         """`step` with the step's hidden states as bytes (`raw_steps`): the same STEP frame as `step` sends for
@@ -305,10 +302,14 @@ class ProxyExecutor:
         handle = self._own(cache).handle
         body = wire.Writer().step_head(handle, step.prefix_length, lone_session, adapter)
         body.record(step.dtype, step.shape, step.data).tensor(None).tensor(None)
+        return _one_record(await self._call_step(body))
+
+    async def _call_step(self, body: wire.Writer) -> wire.Reader:
+        """A STEP frame to the device and its reply, stamped on the stream's timeline (`step_timeline`, if on)."""
         step_timeline.stamp(step_timeline.SENT)
         reply = await self.link.call(wire.STEP, body, batched=True)
         step_timeline.stamp(step_timeline.BACK)
-        return _one_record(reply)
+        return reply
 
     async def forward(
         self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
