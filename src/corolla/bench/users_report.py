@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             f"merged step {r['merged_step_ms']:.1f} ms"
         )
     for row in rows:
-        if row.timeline_ms:
+        if row.timeline_ms.get("steps"):  # stamped in the handler processes: socket and direct streams, not p2p
             t = row.timeline_ms
             notes.append(
                 f"timeline, {row.sessions} sessions, {row.num_handlers} handler processes, {row.transport}, "
