@@ -294,7 +294,7 @@ def test_launch_steps_checks_launchability_once_per_set() -> None:
 
     class _Pending:
         def __init__(self, outs: list[int], rows: int) -> None:
-            self.outs, self.rows, self.filled = outs, rows, rows
+            self.outs, self.rows = outs, rows
             self.data = memoryview(bytes(range(4 * rows)))  # 4 bytes per row
 
         def wait(self) -> list[int]:

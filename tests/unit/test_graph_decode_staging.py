@@ -30,7 +30,6 @@ class _Graphs:
         self.hidden = torch.full((max_rows, H), 7.0, dtype=dtype)
         self.positions = torch.full((max_rows,), 99, dtype=torch.long)
         self.block_tables = torch.full((max_rows, pages), 55, dtype=torch.int32)
-        self.commit = torch.zeros((max_rows,), dtype=torch.int32)
 
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -101,9 +100,7 @@ def test_the_collected_output_owns_its_rows_and_splits_per_request() -> None:
     staging.out.copy_(torch.randn(8, H).to(torch.bfloat16))
     want = staging.out[:3].clone()
     done = Done()
-    engine = _engine(torch.bfloat16)
-    group = [StepRequest(engine.open_session(b, 32), torch.zeros(b, 1, H, dtype=torch.bfloat16), 0) for b in (2, 1)]
-    pending = PendingDecode(staging, done, group, [2, 1], H, torch.bfloat16, 3)  # type: ignore[arg-type]
+    pending = PendingDecode(staging, done, 3, [2, 1], H, torch.bfloat16)  # type: ignore[arg-type]
     assert staging.owner is pending and staging.done is done
     staging.reuse()  # a launch from this set first copies this forward's output out
     assert done.waited == 1 and staging.owner is None and staging.done is None
@@ -146,56 +143,3 @@ def test_a_step_batchs_bytes_are_what_its_hidden_states_view(count: int) -> None
         assert step.raw.nbytes == 16 and bytes(step.raw) == hidden.view(torch.uint8).numpy().tobytes()
         step.raw[:2] = b"\0\0"  # the same memory as the tensor
         assert step.hidden.view(-1)[0].item() == 0.0
-
-
-def test_late_units_are_written_before_their_commit_word_and_answered_only_where_the_device_saw_it() -> None:
-    class Done:
-        def synchronize(self) -> None:
-            pass
-
-        def query(self) -> bool:
-            return False
-
-    dtype = torch.bfloat16
-    engine = _engine(dtype)
-    sessions = [engine.open_session(1, 64) for _ in range(5)]
-    for s in sessions:
-        for slot in s.slots:
-            slot.length_tokens = 6
-    staging = HostStaging.allocate(8, H, engine.pool.max_pages_per_seq, dtype, pin_memory=False)
-    staging.commit_np[:] = 0
-    staging.tables_np[:] = TRASH_PAGE
-    launched = _with_bytes(sessions[0], torch.randn(1, 1, H).to(dtype), 6)
-    pending = PendingDecode(staging, Done(), [launched], [1], H, dtype, 4)  # type: ignore[arg-type]
-    assert pending.room == 3 and not pending.ready()
-    late = [_with_bytes(s, torch.randn(1, 1, H).to(dtype), 6) for s in sessions[1:4]]
-    assert pending.join([late[0]]) and pending.join(late[1:3])  # rows 1, then 2-3
-    assert not pending.join([_with_bytes(sessions[4], torch.randn(1, 1, H).to(dtype), 6)])  # no room left
-    assert torch.equal(staging.hidden[1:4], torch.cat([r.hidden for r in late]).view(3, H))
-    assert staging.positions_np[1:4].tolist() == [6, 6, 6]
-    assert all(torch.equal(staging.tables[1 + i], s.slots[0].table) for i, s in enumerate(sessions[1:4]))
-    assert staging.commit_np[:4].tolist() == [0, 1, 1, 0]  # one word per unit, at its first row
-    # the device read the first unit's word, not the second's (it was written after the forward's copy began)
-    staging.seen_np[:4] = [0, 1, 0, 0]
-    staging.out[:4] = torch.arange(4 * H).view(4, H).to(dtype)
-    first, missed = pending.joined_outputs()
-    assert missed is None and first is not None and torch.equal(first[0].view(H), staging.out[1])
-    assert sessions[1].length_tokens == 7 and sessions[2].length_tokens == sessions[3].length_tokens == 6
-    assert pending.room == 0 and not pending.join([_with_bytes(sessions[4], torch.randn(1, 1, H).to(dtype), 6)])
-    assert pending.wait()[0].shape == (1, 1, H)
-    for s in sessions:
-        s.close()
-
-
-def test_a_unit_with_a_session_already_in_the_forward_does_not_join() -> None:
-    dtype = torch.bfloat16
-    engine = _engine(dtype)
-    a, b = engine.open_session(1, 64), engine.open_session(1, 64)
-    staging = HostStaging.allocate(8, H, engine.pool.max_pages_per_seq, dtype, pin_memory=False)
-    launched = _with_bytes(a, torch.randn(1, 1, H).to(dtype), 0)
-    pending = PendingDecode(staging, None, [launched], [1], H, dtype, 4)  # type: ignore[arg-type]
-    assert not pending.join([_with_bytes(a, torch.randn(1, 1, H).to(dtype), 1)])
-    twice = [_with_bytes(b, torch.randn(1, 1, H).to(dtype), 0) for _ in range(2)]
-    assert not pending.join(twice) and pending.room == 3
-    a.close()
-    b.close()

@@ -176,25 +176,6 @@ class PendingSteps:
         self._results = results
         self._launched = launched  # indices of the requests in the forward, in its row order
         self._pending = pending  # None: no valid request, nothing launched
-        self._joined: list[Sequence[StepRequest]] = []  # late units (`join`)
-        self._joined_results: list[list[StepResult] | None] = []  # per late unit once waited (None: not run)
-
-    def ready(self) -> bool:
-        """Whether the device finished the forward (`wait` won't block)."""
-        return self._pending is None or self._pending.ready()
-
-    @property
-    def room(self) -> int:
-        """Rows the forward can still take from late units."""
-        return 0 if self._pending is None else self._pending.room
-
-    def join(self, engine: SpanEngine, unit: Sequence[StepRequest]) -> bool:
-        """Adds a late unit to the forward if it can ride it (`SpanEngine.join_decode`); its results come from
-        `joined_results` after `wait`."""
-        if self._pending is None or not engine.join_decode(self._pending, unit):
-            return False
-        self._joined.append(unit)
-        return True
 
     def wait(self) -> list[torch.Tensor | BaseException]:
         results = self._results
@@ -202,8 +183,8 @@ class PendingSteps:
             return results  # type: ignore[return-value]
         try:
             outs = self._pending.wait()
-            data = self._pending.output_bytes()  # [filled, H]: each request's output bytes, in row order
-            row_bytes = len(data) // self._pending.filled
+            data = self._pending.output_bytes()  # [rows, H]: each launched request's output bytes, in row order
+            row_bytes = len(data) // self._pending.rows
             start = 0
             for i, out in zip(self._launched, outs, strict=True):
                 results[i] = out
@@ -211,69 +192,22 @@ class PendingSteps:
                 end = start + req.rows * row_bytes
                 req.output_bytes = data[start:end]  # what `out` views: a reply is encoded without a torch call
                 start = end
-            joined = self._pending.joined_outputs() if self._joined else []
-            firsts = self._pending.joined_first_rows() if self._joined else []
-            for unit, unit_outs, first in zip(self._joined, joined, firsts, strict=True):
-                self._joined_results.append(None if unit_outs is None else list(unit_outs))
-                start = first * row_bytes
-                for req in unit if unit_outs is not None else ():
-                    req.output_bytes = data[start : start + req.rows * row_bytes]
-                    start += req.rows * row_bytes
         except Exception as e:  # a device failure fails this forward's steps only
             logger.warning(f"batcher.decode_failed(steps={len(self._launched)}, error={e!r})")
             for i in self._launched:
                 results[i] = e
-            self._joined_results = [[e] * len(unit) for unit in self._joined]
         return results  # type: ignore[return-value]
-
-    def joined_results(self) -> list[list[StepResult] | None]:
-        """Per late unit, in join order, after `wait`: one result per request, or None where the device did not run
-        the unit (it came too late for the forward: run it again)."""
-        return self._joined_results
 
 
 class PendingUnits:
-    """`PendingSteps` of a batch of units (`flatten_units`): `wait()` gives one result per unit (`regroup`), and
-    late units may join the launched forward (`join`; `joined_results` after `wait`)."""
+    """`PendingSteps` of a batch of units (`flatten_units`): `wait()` gives one result per unit (`regroup`)."""
 
-    def __init__(self, pending: PendingSteps, sizes: UnitSizes | None, engine: SpanEngine):
+    def __init__(self, pending: PendingSteps, sizes: UnitSizes | None):
         self._pending = pending
         self._sizes = sizes
-        self._engine = engine
-        self._joined: list[StepRequest | StepGroup] = []
-
-    def ready(self) -> bool:
-        return self._pending.ready()
-
-    @property
-    def room(self) -> int:
-        return self._pending.room
-
-    def can_join(self, unit: object) -> bool:
-        """A cheap first check (no state read): decode steps that fit the free rows."""
-        requests = [unit] if isinstance(unit, StepRequest) else unit.requests if isinstance(unit, StepGroup) else []
-        return bool(requests) and all(r.is_decode for r in requests) and sum(r.rows for r in requests) <= self.room
-
-    def join(self, unit: StepRequest | StepGroup) -> bool:
-        """Adds a late unit (`PendingSteps.join`: all its requests or none)."""
-        requests = [unit] if isinstance(unit, StepRequest) else unit.requests
-        if not requests or not self._pending.join(self._engine, requests):
-            return False
-        self._joined.append(unit)
-        return True
 
     def wait(self) -> list[StepResult | list[StepResult]]:
         return regroup(self._pending.wait(), self._sizes)
-
-    def joined_results(self) -> list[StepResult | list[StepResult] | None]:
-        """Per late unit, after `wait`: its result as `wait` gives a unit's, or None where it did not run."""
-        results: list[StepResult | list[StepResult] | None] = []
-        for unit, unit_results in zip(self._joined, self._pending.joined_results(), strict=True):
-            if unit_results is None or isinstance(unit, StepGroup):
-                results.append(unit_results)
-            else:
-                results.append(unit_results[0])
-        return results
 
 
 def launch_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> PendingSteps | None:

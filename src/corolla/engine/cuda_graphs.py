@@ -49,8 +49,6 @@ class DecodeGraphs:
         self.block_tables = torch.full(
             (self.max_rows, pool.max_pages_per_seq), TRASH_PAGE, dtype=torch.int32, device=dev
         )
-        # late rows' commit words (`graph_decode.PendingDecode.join`): copied in before a forward, read back after it
-        self.commit = torch.zeros((self.max_rows,), dtype=torch.int32, device=dev)
         # the paged attention's split counters (one per row x kv head; zero between replays), made before capture
         self.attention_counters = reserve_attention_counters(dev, self.max_rows * pool.layout.k_token_shape[0])
         # (first layer, end layer, bucket, with adapters) -> graph, static output

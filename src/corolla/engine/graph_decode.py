@@ -12,20 +12,7 @@ run after this replay and this output copy). The pinned host buffers are not ord
 the inputs and reads the output, so each launch takes one `HostStaging` set of two in turn and first frees it: it
 copies out the output of the forward last launched from it if nobody has waited for it yet, and waits for the set's
 last event (a launch never overwrites inputs that a queued copy has not read yet, nor an output not copied out
-yet). With at most one forward pending while the next is launched (the runtime), nothing waits there in practice.
-
-Late rows: a forward launched behind one the device still runs may be given room (`open_rows`): a bigger graph
-bucket whose extra rows start as padding (position 0, the trash page). Until the device starts the forward, steps
-that arrive meanwhile are written into those rows (`PendingDecode.join`), so they ride this forward instead of
-waiting for the next one. The copies read pinned memory when the stream reaches them, not at launch, so a row
-written late is either seen whole or not at all, by this order:
-- the CPU writes a joined unit's rows (hidden states, then positions, then block tables) and then one commit word;
-- the stream copies the commit words first, then the block tables, the positions, the hidden states, runs the
-  graph and copies the commit words it read back out (`HostStaging.seen`).
-A unit whose word the device read as set has every row seen (written before the word, copied after it); one read
-as unset is not answered from this forward (`PendingDecode.joined_outputs` says None) and runs again later: its
-rows wrote their keys/values to the trash page (a table not yet seen), or, where a table was seen, the real
-inputs (written before any table entry) at the step's own position, which the rerun writes again."""
+yet). With at most one forward pending while the next is launched (the runtime), nothing waits there in practice."""
 
 from __future__ import annotations
 
@@ -56,9 +43,6 @@ class _RowViews:
     graph_tables: torch.Tensor  # graphs.block_tables[:bucket]
     tables: torch.Tensor  # staging.tables[:bucket]
     adapter_ids: torch.Tensor  # staging.adapter_ids[:bucket]
-    graph_commit: torch.Tensor  # graphs.commit[:bucket]
-    commit: torch.Tensor  # staging.commit[:bucket]
-    seen: torch.Tensor  # staging.seen[:bucket]
     bucket: int
 
 
@@ -79,16 +63,11 @@ class HostStaging:
     tables_bytes: memoryview  # tables' bytes, flat
     adapter_ids: torch.Tensor  # [rows] int64
     adapter_ids_np: np.ndarray
-    commit: torch.Tensor  # [rows] int32: late rows' commit words (see the module docstring)
-    commit_np: np.ndarray
-    seen: torch.Tensor  # [rows] int32: the commit words as the device read them
-    seen_np: np.ndarray
     done: torch.cuda.Event | None = None
     owner: PendingDecode | None = None  # the launched forward whose output `out` holds, not copied out yet
     event: torch.cuda.Event | None = None  # recorded anew by each use of the set (made at the first)
     views: dict[int, _RowViews] = field(default_factory=dict)  # row count -> slices (`row_views`)
     views_of: DecodeGraphs | None = None  # the graphs `views` slice
-    last_rows: int = 0  # rows the last forward launched from this set ran (joined ones included)
 
     @classmethod
     def allocate(
@@ -100,8 +79,6 @@ class HostStaging:
         positions = torch.zeros((rows,), dtype=torch.long, pin_memory=pin_memory)
         tables = torch.full((rows, max_pages_per_seq), TRASH_PAGE, dtype=torch.int32, pin_memory=pin_memory)
         adapter_ids = torch.zeros((rows,), dtype=torch.long, pin_memory=pin_memory)
-        commit = torch.zeros((rows,), dtype=torch.int32, pin_memory=pin_memory)
-        seen = torch.zeros((rows,), dtype=torch.int32, pin_memory=pin_memory)
         return cls(
             hidden=hidden,
             hidden_bytes=host_bytes(hidden),
@@ -114,10 +91,6 @@ class HostStaging:
             tables_bytes=host_bytes(tables),
             adapter_ids=adapter_ids,
             adapter_ids_np=adapter_ids.numpy(),
-            commit=commit,
-            commit_np=commit.numpy(),
-            seen=seen,
-            seen_np=seen.numpy(),
         )
 
     def reuse(self) -> None:
@@ -150,101 +123,43 @@ class HostStaging:
                 graph_hidden=graphs.hidden[:rows], hidden=self.hidden[:rows], out=self.out[:rows],
                 graph_positions=graphs.positions[:bucket], positions=self.positions[:bucket],
                 graph_tables=graphs.block_tables[:bucket], tables=self.tables[:bucket],
-                adapter_ids=self.adapter_ids[:bucket], graph_commit=graphs.commit[:bucket],
-                commit=self.commit[:bucket], seen=self.seen[:bucket], bucket=bucket,
+                adapter_ids=self.adapter_ids[:bucket], bucket=bucket,
             )  # fmt: skip
         return views
 
 
 class PendingDecode:
-    """A launched merged forward: `wait()` returns one output [B_i, 1, H] per launched request (CPU tensors that own
-    their memory: views of one fresh copy of the output rows), `joined_outputs()` those of the units joined late
-    (`join`). Call everything from the launching thread; `wait` once."""
+    """A launched merged forward: `wait()` returns one output [B_i, 1, H] per request (CPU tensors that own their
+    memory: views of one fresh copy of the output rows). Call `wait` once, from the launching thread."""
 
     def __init__(
-        self, staging: HostStaging, done: torch.cuda.Event, group: Sequence[StepRequest], splits: list[int],
-        hidden_size: int, dtype: torch.dtype, capacity: int,
+        self, staging: HostStaging, done: torch.cuda.Event, rows: int, splits: list[int], hidden_size: int,
+        dtype: torch.dtype,
     ):  # fmt: skip
         self._staging: HostStaging | None = staging
         self._done = done
-        self.rows = sum(splits)  # launched rows
-        self.capacity = capacity  # rows the graph runs: [rows, capacity) are free for late units
-        self.filled = self.rows  # launched and joined rows
-        self.layers = group[0].session.layers
-        self._sessions = {id(r.session) for r in group}
-        self._splits = splits  # rows per launched request
+        self.rows = rows
+        self._splits = splits  # rows per request
         self._hidden_size = hidden_size
         self._dtype = dtype
-        self._joined: list[tuple[int, Sequence[StepRequest]]] = []  # (first row, requests) per late unit
-        self._committed: list[bool] = []  # per late unit, once collected: the device ran it
-        self._out: torch.Tensor | None = None  # [filled, H], once copied out
+        self._out: torch.Tensor | None = None  # [rows, H], once copied out
         self._data: memoryview | None = None  # its bytes
         self._waited = False
-        staging.done, staging.owner, staging.last_rows = done, self, self.rows
-
-    @property
-    def room(self) -> int:
-        """Rows still free for late units (0 once collected)."""
-        return self.capacity - self.filled if self._staging is not None else 0
-
-    def ready(self) -> bool:
-        """Whether the device finished this forward (collecting it won't wait)."""
-        return self._staging is None or self._done.query()
-
-    def join(self, group: Sequence[StepRequest]) -> bool:
-        """Writes `group` (single-token steps with their hidden states' bytes or CPU tensors in the engine's dtype,
-        of distinct sessions that are not in this forward, over its layers, on the base model, validated) into
-        free rows, then its commit word (see the module docstring); False (nothing written) where they don't fit,
-        a session is in this forward already, or the output was collected. Whether the device ran them is known
-        once collected (`joined_outputs`)."""
-        staging = self._staging
-        need = sum(r.rows for r in group)
-        if staging is None or not group or need > self.capacity - self.filled:
-            return False
-        sessions = {id(r.session) for r in group}
-        if len(sessions) != len(group) or not sessions.isdisjoint(self._sessions):
-            return False
-        first = row = self.filled
-        row_bytes = self._hidden_size * self._dtype.itemsize
-        hidden, positions, tables = staging.hidden_bytes, staging.positions_np, staging.tables_bytes
-        table_bytes = len(tables) // len(positions)
-        for r in group:  # hidden states, positions, then block tables: the reverse of the device's copy order
-            end = row + r.rows
-            raw = r.hidden_bytes
-            if raw is None:
-                staging.hidden[row:end].copy_(r.hidden.reshape(r.rows, self._hidden_size))
-            else:
-                hidden[row * row_bytes : end * row_bytes] = raw
-            positions[row:end] = r.position
-            for i, table in enumerate(r.session.table_rows):
-                tables[(row + i) * table_bytes : (row + i + 1) * table_bytes] = table
-            row = end
-        staging.commit_np[first] = 1  # last: the device runs these rows only if its copy of this word saw it
-        self.filled = row
-        self._sessions |= sessions
-        self._joined.append((first, group))
-        return True
+        staging.done, staging.owner = done, self
 
     def collect(self) -> torch.Tensor:
         """Waits for this forward's output copy (not for the forwards queued after it) and copies the rows out of
-        the pinned buffer, once; the buffer is then free for another launch. Late units the device ran get their
-        sessions' new lengths. Returns [filled, H]."""
+        the pinned buffer, once; the buffer is then free for another launch. Returns [rows, H]."""
         if self._out is None:
             staging = self._staging
             assert staging is not None
             self._done.synchronize()
             # one memcpy into a fresh buffer in this thread, holding the GIL (a torch or numpy copy of a few hundred
             # KiB lets it go, and a reader thread of the server may then keep it while this thread waits)
-            nbytes = self.filled * self._hidden_size * self._dtype.itemsize
+            nbytes = self.rows * self._hidden_size * self._dtype.itemsize
             data = bytearray(staging.out_bytes[:nbytes])
-            self._out = torch.frombuffer(data, dtype=self._dtype).view(self.filled, self._hidden_size)  # [filled, H]
+            self._out = torch.frombuffer(data, dtype=self._dtype).view(self.rows, self._hidden_size)  # [rows, H]
             self._data = memoryview(data)
-            self._committed = [bool(staging.seen_np[first]) for first, _ in self._joined]
-            for (_, group), ran in zip(self._joined, self._committed, strict=True):
-                if ran:
-                    advance_lengths(group)
-            staging.last_rows = self.rows + sum(sum(r.rows for r in g) for (_, g), ran in
-                                                zip(self._joined, self._committed, strict=True) if ran)  # fmt: skip
             if staging.owner is self:
                 staging.owner = None
                 staging.done = None
@@ -252,8 +167,8 @@ class PendingDecode:
         return self._out
 
     def output_bytes(self) -> memoryview:
-        """The collected output's bytes ([filled, H] in C order, flat: what the tensors of `wait` and
-        `joined_outputs` view), once collected (`wait` or `collect`)."""
+        """The collected output's bytes ([rows, H] in C order, flat: what the tensors of `wait` view), once
+        collected (`wait` or `collect`)."""
         if self._data is None:
             raise RuntimeError("PendingDecode.output_bytes before the output was collected")
         return self._data
@@ -264,25 +179,7 @@ class PendingDecode:
         self._waited = True
         out = self.collect()
         # one split into views: [rows, H] -> [B_i, 1, H] per request
-        return list(out[: self.rows].view(self.rows, 1, self._hidden_size).split(self._splits))
-
-    def joined_outputs(self) -> list[list[torch.Tensor] | None]:
-        """Per late unit, in join order, once collected: one output [B_i, 1, H] per request, or None where the
-        device did not run it (its commit word came too late: run it again)."""
-        out = self.collect()
-        h = self._hidden_size
-        results: list[list[torch.Tensor] | None] = []
-        for (first, group), ran in zip(self._joined, self._committed, strict=True):
-            if not ran:
-                results.append(None)
-                continue
-            rows = [r.rows for r in group]
-            results.append(list(out[first : first + sum(rows)].view(sum(rows), 1, h).split(rows)))
-        return results
-
-    def joined_first_rows(self) -> list[int]:
-        """Each late unit's first row in the output (`output_bytes`), in join order."""
-        return [first for first, _ in self._joined]
+        return list(out.view(self.rows, 1, self._hidden_size).split(self._splits))
 
 
 def launch_graph_decode(
@@ -292,14 +189,11 @@ def launch_graph_decode(
     *,
     dtype: torch.dtype,
     adapter_rows: torch.Tensor | None,
-    open_rows: int = 0,
 ) -> PendingDecode:
     """Queues one merged forward of `group` (single-token steps of distinct sessions over one layer range, hidden
     states on the CPU, at most `graphs.max_rows` rows; validated and prepared by the caller) and returns at once.
     `adapter_rows`: the adapters' per-row index buffer on the device where a row uses an adapter, else None.
-    `open_rows`: room to leave for late units (`PendingDecode.join`; the graph bucket of the rows plus these, at
-    most the largest). Writes each session's new length (the rows' keys/values are written in stream order before
-    any later step).
+    Writes each session's new length (the rows' keys/values are written in stream order before any later step).
 
     Per forward, the rows' hidden states (where each request carries their bytes: `StepRequest.hidden_bytes`) and
     block tables are copied into the pinned staging set with memoryview slice assignments (no torch call per row),
@@ -309,26 +203,20 @@ def launch_graph_decode(
     merged = merge_rows(group, dtype)
     rows = merged.rows
     staging.reuse()  # the set's previous forward no longer reads its inputs nor writes its output
-    capacity = graphs.bucket_for(min(graphs.max_rows, rows + open_rows)) if open_rows > 0 else rows
-    views = staging.row_views(graphs, capacity)
-    if capacity > rows:  # late units' commit words: copied before every other input (see the module docstring)
-        staging.commit_np[:capacity] = 0
-        views.graph_commit.copy_(views.commit, non_blocking=True)
+    views = staging.row_views(graphs, rows)
     if merged.same_dtype and merged.all_bytes:
         stage_hidden_bytes(staging.hidden_bytes, group)
     elif merged.same_dtype:
-        torch.cat([r.hidden for r in group], out=views.hidden[:rows].view(rows, 1, h))
+        torch.cat([r.hidden for r in group], out=views.hidden.view(rows, 1, h))
     else:
-        torch.cat([r.hidden.reshape(r.rows, h).to(dtype) for r in group], out=views.hidden[:rows])
-    stage_row_inputs(staging, views, merged, adapter_rows)  # block tables, then positions
-    views.graph_hidden.copy_(views.hidden, non_blocking=True)  # after them: a late row's table is seen first
-    out = graphs.run(capacity, group[0].session.layers, adapters=adapter_rows is not None, reset=False)  # [cap, H]
+        torch.cat([r.hidden.reshape(r.rows, h).to(dtype) for r in group], out=views.hidden)
+    views.graph_hidden.copy_(views.hidden, non_blocking=True)
+    stage_row_inputs(staging, views, merged, adapter_rows)
+    out = graphs.run(rows, group[0].session.layers, adapters=adapter_rows is not None, reset=False)  # [rows, H]
     advance_lengths(group)
     views.out.copy_(out, non_blocking=True)
-    if capacity > rows:
-        views.seen.copy_(views.graph_commit, non_blocking=True)
     done = staging.mark(torch.cuda.current_stream(graphs.hidden.device))
-    return PendingDecode(staging, done, group, merged.splits, h, dtype, capacity)  # the set's owner until collected
+    return PendingDecode(staging, done, rows, merged.splits, h, dtype)  # the set's owner until its output is out
 
 
 @dataclass(eq=False)
@@ -388,7 +276,7 @@ def stage_hidden_bytes(dst: memoryview, group: Sequence[StepRequest]) -> None:
 def stage_row_inputs(
     staging: HostStaging, views: _RowViews, merged: MergedRows, adapter_rows: torch.Tensor | None
 ) -> None:
-    """Queues the copies of the rows' block tables, positions and (where `adapter_rows`, the adapters' per-row
+    """Queues the copies of the rows' positions, block tables and (where `adapter_rows`, the adapters' per-row
     index buffer on the device, is given) adapter ids into the graphs' static inputs, through `staging`'s pinned
     buffers (free: the caller ran `staging.reuse()`), for the whole bucket of `views`: rows past the live ones
     get position 0, the trash page and no adapter (the graph is then run with `reset=False`)."""
@@ -403,8 +291,8 @@ def stage_row_inputs(
     if bucket > rows:
         staging.positions_np[rows:bucket] = 0
         staging.tables_np[rows:bucket] = TRASH_PAGE
-    views.graph_tables.copy_(views.tables, non_blocking=True)  # before the positions: see the module docstring
     views.graph_positions.copy_(views.positions, non_blocking=True)
+    views.graph_tables.copy_(views.tables, non_blocking=True)
     if adapter_rows is not None:
         staging.adapter_ids_np[:rows] = merged.adapter_ids
         if bucket > rows:

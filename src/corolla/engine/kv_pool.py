@@ -99,7 +99,6 @@ class KVPool:
         self.v = torch.zeros((*pages, *layout.v_token_shape), dtype=dtype, device=self.device)
         self._free: list[int] = list(range(num_pages - 1, TRASH_PAGE, -1))  # pop() hands out low ids first
         self._lock = threading.Lock()
-        self.num_sequences = 0  # sequences holding pages now (a launched forward sizes its room for late rows by it)
         logger.info(
             f"kv_pool.create(pages={num_pages}, page_tokens={page_size_tokens}, layers={num_layers}, "
             f"bytes_per_token={layout.bytes_per_token(dtype, num_layers)}, "
@@ -150,7 +149,6 @@ class KVPool:
                     f"{len(self._free)} of {self.num_pages - 1} free"
                 )
             taken = [self._free.pop() for _ in range(needed)]
-            self.num_sequences += num_sequences
         slots = []
         for i in range(num_sequences):
             pages = taken[i * per_seq : (i + 1) * per_seq]
@@ -167,7 +165,6 @@ class KVPool:
                     continue
                 slot.freed = True
                 self._free.extend(reversed(slot.pages))
-                self.num_sequences -= 1
 
     @torch.no_grad()
     def reorder(self, slots: Sequence[SequenceSlot], hypo_ids: torch.Tensor) -> None:

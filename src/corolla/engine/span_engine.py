@@ -88,10 +88,6 @@ class SpanEngine:
     """Fast inference for one span (any `SpanModel`); every compute method must be called from one thread (the
     server's device thread), while `open_session` and `EngineSession.close` are thread-safe."""
 
-    # A forward launched behind one the device still runs leaves rows for the steps that arrive before the device
-    # starts it (`join_decode`; `graph_decode`'s module docstring)
-    join_late_rows: bool = True
-
     def __init__(
         self, model: SpanModel, config: EngineConfig = EngineConfig(), *, adapters: SpanAdapters | None = None
     ):
@@ -397,43 +393,16 @@ class SpanEngine:
                              "on the CUDA-graph path, within one forward's rows")  # fmt: skip
         for req in reqs:
             self._prepare(req, validated=validated)
-        return self._launch_group(reqs, late_rows=self.join_late_rows)
+        return self._launch_group(reqs)
 
-    def _launch_group(self, reqs: Sequence[StepRequest], *, late_rows: bool = False) -> PendingDecode:
-        """`launch_decode` after `_prepare` (beam reordering done once, by the caller); `late_rows`: with room for
-        late units where it is launched behind a forward the device still runs (`join_decode`)."""
+    def _launch_group(self, reqs: Sequence[StepRequest]) -> PendingDecode:
+        """`launch_decode` after `_prepare` (beam reordering done once, by the caller)."""
         assert self.graphs is not None
-        index = self._next_staging
-        staging, running = self._staging[index], self._staging[1 - index].owner
-        self._next_staging = 1 - index
+        staging = self._staging[self._next_staging]
+        self._next_staging = 1 - self._next_staging
         adapted = self.adapters is not None and any(r.session.adapter_index for r in reqs)
         adapter_rows = self.adapters.row_ids if self.adapters is not None and adapted else None
-        open_rows = 0
-        if late_rows and running is not None and not running.ready():
-            # the sessions coming back while `running` runs are those of the forward before it (launched from this
-            # set), at most the sessions in neither forward
-            rows = sum(r.rows for r in reqs)
-            open_rows = max(0, min(staging.last_rows, self.pool.num_sequences - running.filled - rows))
-        return launch_graph_decode(
-            self.graphs, staging, reqs, dtype=self.dtype, adapter_rows=adapter_rows, open_rows=open_rows
-        )
-
-    def join_decode(self, pending: PendingDecode, reqs: Sequence[StepRequest]) -> bool:
-        """Adds `reqs` (one unit: all or none) to the free rows of a launched forward (`PendingDecode.join`; see
-        `graph_decode`'s module docstring) if they can ride it: single-token CPU steps in the engine's dtype, of
-        distinct sessions not in it, over its layers, on the base model, without beam reordering, valid. False
-        (nothing done) otherwise: then they go to a later launch, which reports any error."""
-        if pending.room < sum(r.rows for r in reqs):
-            return False
-        for r in reqs:
-            if (not r.is_decode or not r.on_cpu or r.dtype != self.dtype or r.session.layers != pending.layers
-                    or r.session.adapter_index or (r.hypo_ids is not None and r.hypo_ids.numel() > 0)):  # fmt: skip
-                return False
-            try:
-                self.validate(r)
-            except ValueError:
-                return False
-        return pending.join(reqs)
+        return launch_graph_decode(self.graphs, staging, reqs, dtype=self.dtype, adapter_rows=adapter_rows)
 
     def _decode_group(self, group: list[StepRequest]) -> list[torch.Tensor]:
         if self.can_launch(group):  # the graph path with CPU inputs: launch, then wait at once

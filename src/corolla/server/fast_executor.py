@@ -40,7 +40,7 @@ from corolla.server.memory_cache import TensorDescriptorLike
 from corolla.server.metrics import ServerMetrics
 from corolla.server.plain_executor import SpanCompute
 from corolla.server.runtime import Runtime
-from corolla.server.task import PRIORITY_INFERENCE, JoinMissed, Task
+from corolla.server.task import PRIORITY_INFERENCE, Task
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.gil import lower_switch_interval
 from corolla.utils.logging import get_logger
@@ -208,10 +208,10 @@ class FastExecutor:
         requests, sizes = flatten_units(_units(tasks))
         return regroup(execute_steps(self.engine, requests), sizes)
 
-    def _launch_tasks(self, tasks: list[Task]) -> LaunchedSteps | None:
+    def _launch_tasks(self, tasks: list[Task]) -> PendingUnits | None:
         requests, sizes = flatten_units(_units(tasks))
         pending = launch_steps(self.engine, requests)
-        return None if pending is None else LaunchedSteps(PendingUnits(pending, sizes, self.engine))
+        return None if pending is None else PendingUnits(pending, sizes)
 
     async def forward(
         self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
@@ -231,34 +231,6 @@ class FastExecutor:
 
     async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
         raise HandoffUnsupported("KV hand-off is not supported on the fast path (paged KV pool)")
-
-
-class LaunchedSteps:
-    """The runtime's handle of a launched forward (`server.task.JoinableBatch`) over the engine's `PendingUnits`: late
-    tasks join it as units (a step or a device channel frame's `StepGroup`), and one the device did not run comes
-    back as `JoinMissed`."""
-
-    def __init__(self, units: PendingUnits):
-        self._units = units
-
-    def ready(self) -> bool:
-        return self._units.ready()
-
-    @property
-    def room(self) -> int:
-        return self._units.room
-
-    def can_join(self, task: Task) -> bool:
-        return self._units.can_join(task.payload)
-
-    def join(self, task: Task) -> bool:
-        payload = task.payload
-        return isinstance(payload, StepRequest | StepGroup) and self._units.join(payload)
-
-    def wait(self) -> list[object]:
-        results: list[object] = list(self._units.wait())
-        results.extend(JoinMissed() if r is None else r for r in self._units.joined_results())
-        return results
 
 
 def _units(tasks: list[Task]) -> list[StepRequest | StepGroup]:

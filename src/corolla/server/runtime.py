@@ -13,15 +13,14 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 
 from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.late_join import join_while_running, split_missed
 from corolla.server.task import KIND_GENERIC, BatchLauncher, KindStats, LaunchedBatch, Task, TaskQueue
-from corolla.server.task_delivery import call_back, deliver, per_task, resolve, resolve_all
+from corolla.server.task_delivery import call_back, deliver, resolve, resolve_all
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -89,7 +88,6 @@ class Runtime:
         self.num_batches_done = 0
         self.num_tasks_done = 0  # steps (`Task.steps`: a frame task counts each of its steps)
         self.num_inline_batches = 0
-        self.num_late_steps = self.num_late_missed = 0  # steps that joined a launched batch (`late_join`); run again
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
         self._observers: list[BatchObserver] = []
         self._wake_scheduled: set[asyncio.AbstractEventLoop] = set()  # loops with a `_wake` pending
@@ -128,8 +126,7 @@ class Runtime:
             self._thread.join(self.stop_timeout_s)
             if self._thread.is_alive():
                 logger.warning(f"runtime.stop: thread still busy after {self.stop_timeout_s} s")
-        logger.info(f"runtime.stop(failed_pending={len(pending)}, tasks_done={self.num_tasks_done}, "
-                    f"late_steps={self.num_late_steps}, late_missed={self.num_late_missed})")  # fmt: skip
+        logger.info(f"runtime.stop(failed_pending={len(pending)}, tasks_done={self.num_tasks_done})")
 
     def __enter__(self) -> Runtime:
         self.start()
@@ -363,7 +360,7 @@ class Runtime:
                 continue
             launched = self._launch(batch)
             if pending is not None:  # the device runs `launched` (if any) while this one's replies leave
-                self._finish(pending, joining=launched)
+                self._finish(pending)
                 pending = None
             if launched is not None:
                 pending = launched
@@ -397,18 +394,10 @@ class Runtime:
             self._num_in_flight += 1
             return LaunchedBatch(batch, handle, None, started)
 
-    def _finish(self, launched: LaunchedBatch, joining: LaunchedBatch | None = None) -> None:
-        """Waits for a launched batch's results (if not done yet; meanwhile offering the queued steps to `joining`,
-        launched behind it: `late_join`), queues again its late tasks that did not run, and completes the rest."""
-        queue = self._queue
-        if joining is not None and launched.handle is not None and launched.results is None:
-            self.num_late_steps += join_while_running(queue, launched.handle, joining)
+    def _finish(self, launched: LaunchedBatch) -> None:
+        """Waits for a launched batch's results (if not done yet) and completes it."""
         results = self._wait(launched)
-        missed = split_missed(launched, results)
-        self.num_late_missed += len(missed)
-        if missed and not queue.requeue(missed):
-            for task in missed:
-                deliver(task, None, RuntimeStopped("The server's runtime stopped before this task ran"))
+        queue = self._queue
         self.gather.finished(
             size=_steps(launched.batch), forward_s=launched.elapsed_s, now_s=time.monotonic(),
             num_pushed=queue.num_pushed, push_time_s=queue.push_time_s,
@@ -426,7 +415,7 @@ class Runtime:
                 if launched.handle is None:
                     assert launched.error is not None
                     raise launched.error
-                results = per_task(batch, launched.handle.wait(), "launcher")
+                results = _per_task(batch, launched.handle.wait(), "launcher")
             except Exception as e:
                 logger.warning(f"runtime.task_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
                 results = [(None, e)] * len(batch)
@@ -445,7 +434,7 @@ class Runtime:
         started = time.perf_counter()
         try:
             executor = self._batch_executors.get(batch[0].kind) if batch[0].merge_key is not None else None
-            results = per_task(batch, [batch[0].fn()] if executor is None else executor(batch), "executor")
+            results = _per_task(batch, [batch[0].fn()] if executor is None else executor(batch), "executor")
         except Exception as e:
             logger.warning(f"runtime.task_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
             logger.debug("runtime.task_failed traceback", exc_info=True)
@@ -498,3 +487,13 @@ class Runtime:
 
 def _steps(batch: list[Task]) -> int:  # the steps a batch carries (`Task.steps`): its counters count these
     return sum(task.steps for task in batch)
+
+
+def _per_task(batch: list[Task], outputs: Sequence[Any], source: str) -> list[tuple[Any, BaseException | None]]:
+    """(result, error) per task from a batch's outputs (an exception instance fails only its task); RuntimeError
+    if the executor or launcher (`source`) gave another count than the batch's."""
+    if len(outputs) != len(batch):
+        raise RuntimeError(
+            f"Batch {source} for {batch[0].kind!r} returned {len(outputs)} results for {len(batch)} tasks"
+        )
+    return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 # Lower is more urgent (same convention as the reference's prioritizer: inference 1.0, everything else 2.0).
 PRIORITY_INFERENCE: float = 1.0
@@ -81,35 +81,6 @@ class PendingBatch(Protocol):
     (an exception instance fails only that task); raising fails the whole batch."""
 
     def wait(self) -> Sequence[object]: ...
-
-
-@runtime_checkable
-class JoinableBatch(PendingBatch, Protocol):
-    """A launched batch that tasks queued after its launch may still join until the device starts it (the runtime
-    offers them while it waits for the batch launched before it: `server.late_join`). `wait()` then gives one
-    result per task of the batch followed by one per joined task, in join order; a `JoinMissed` instance for a
-    joined task the device did not run (the runtime queues it again)."""
-
-    def ready(self) -> bool:
-        """Whether the device finished it (`wait` won't block)."""
-        ...
-
-    @property
-    def room(self) -> int:
-        """Steps it can still take."""
-        ...
-
-    def can_join(self, task: Task) -> bool:
-        """A cheap first check, under the queue's lock (no device or session state read)."""
-        ...
-
-    def join(self, task: Task) -> bool:
-        """Adds `task` if it can ride the batch; False (nothing done) otherwise."""
-        ...
-
-
-class JoinMissed(Exception):
-    """A task that joined a launched batch too late for the device to run it in that batch: it runs again later."""
 
 
 # Queues a batch on the device and returns at once, or returns None (nothing done: the batch runs through the
@@ -189,47 +160,6 @@ class TaskQueue:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify()
-
-    def pop_matching(
-        self, first: Task, accept: Callable[[Task], bool], max_steps: int, timeout_s: float
-    ) -> list[Task] | None:
-        """The queued tasks of `first`'s `(kind, merge_key)` that `accept` takes (called under the lock), in priority
-        order while their steps fit `max_steps`; if none, waits up to `timeout_s` for a push and looks once more.
-        None once the queue is closed."""
-        with self._cond:
-            for attempt in range(2):
-                if self._closed:
-                    return None
-                taken: list[Task] = []
-                steps = 0
-                kept: list[tuple[float, float, int, Task]] = []
-                for item in sorted(self._heap):
-                    task = item[-1]
-                    if task.abandoned:
-                        continue
-                    if (task.kind == first.kind and task.merge_key == first.merge_key
-                            and steps + task.steps <= max_steps and accept(task)):  # fmt: skip
-                        taken.append(task)
-                        steps += task.steps
-                    else:
-                        kept.append(item)
-                if taken:
-                    self._heap = kept  # a sorted list is a valid heap
-                    return taken
-                if attempt == 0:
-                    self._cond.wait(timeout_s)
-            return []
-
-    def requeue(self, tasks: Sequence[Task]) -> bool:
-        """Puts back tasks popped earlier that did not run (their place in the order kept; not counted as pushes);
-        False (nothing queued) once the queue is closed."""
-        with self._cond:
-            if self._closed:
-                return False
-            for task in tasks:
-                heapq.heappush(self._heap, (*task.sort_key, task))
-            self._cond.notify()
-            return True
 
     def push_time_s(self, count: int) -> float | None:
         """When the `count`-th step was pushed (`time.monotonic`), if it is one of the last `PUSH_TIMES_KEPT`."""

@@ -4,7 +4,7 @@ run in the thread that ran it, then its batch's flushes (`Runtime`, `server.task
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from corolla.server.task import Task
@@ -55,13 +55,3 @@ def resolve(future: asyncio.Future, result: Any, error: BaseException | None) ->
 def resolve_all(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
     for future, result, error in items:
         resolve(future, result, error)
-
-
-def per_task(batch: list[Task], outputs: Sequence[Any], source: str) -> list[tuple[Any, BaseException | None]]:
-    """(result, error) per task from a batch's outputs (an exception instance fails only its task); RuntimeError
-    if the executor or launcher (`source`) gave another count than the batch's."""
-    if len(outputs) != len(batch):
-        raise RuntimeError(
-            f"Batch {source} for {batch[0].kind!r} returned {len(outputs)} results for {len(batch)} tasks"
-        )
-    return [(None, out) if isinstance(out, BaseException) else (out, None) for out in outputs]
