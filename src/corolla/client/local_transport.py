@@ -80,9 +80,10 @@ class LocalInferenceStream(FramedSocketStream):
         cls, peer_id: str, *, timeout_s: float, directory: Path | None = None
     ) -> LocalInferenceStream | None:
         """Connects and says hello; None when the server has no usable socket here or does not accept. A server
-        with several handler processes has a socket per process: they are tried in `SOCKET_TURNS` order (a stale
-        one left by a dead process refuses the connection at once, and the next is tried)."""
-        for path in SOCKET_TURNS.order(peer_id, ls.usable_sockets(peer_id, directory)):
+        with several handler processes has a socket per process: they are tried in `SOCKET_TURNS` order, the less
+        loaded of the first two first (`local_stream.fewer_streams_first`; a stale socket left by a dead process
+        refuses the connection at once, and the next is tried)."""
+        for path in ls.fewer_streams_first(SOCKET_TURNS.order(peer_id, ls.usable_sockets(peer_id, directory))):
             stream = await cls._open_at(path, peer_id, timeout_s)
             if stream is not None:
                 return stream

@@ -11,7 +11,9 @@ endian) and the payload:
 
 Where: `<socket dir>/<server peer id>.sock` (a one-process server), or `<server peer id>.<i>.sock` for handler
 process i of a server with `--num_handlers` > 1 (each process serves its own socket; a client process takes them
-in turn from a random start, `client.local_transport.SocketTurns`, as p2pd deals streams round-robin), the socket
+in turn from a random start, `client.local_transport.SocketTurns`, as p2pd deals streams round-robin, and of its
+first two candidates takes the one whose handler process serves fewer connections, as it says in a load file beside
+its socket, `<socket>.load`: `StreamLoad`, `fewer_streams_first`), the socket
 dir being `$COROLLA_LOCAL_SOCKET_DIR` or `<tmp>/corolla-<uid>`, created 0700. A client only uses a socket in a dir
 owned by its own uid and closed to group and others, so only a process of the same user (who could read the
 server's memory anyway) can have put it there; anyone else keeps to p2p. Nothing here ever leaves the machine.
@@ -72,6 +74,84 @@ def _peer_sockets(peer_id: str, directory: Path) -> list[Path]:
     return sorted(directory / name for name in names if pattern.fullmatch(name))
 
 
+MAX_LOAD_FILE_BYTES = 32
+MAX_LOAD = 1_000_000  # a count above this in a load file is garbage
+
+
+def load_path(socket: Path) -> Path:
+    """The load file of a handler process's socket: `<socket>.load`."""
+    return socket.with_name(socket.name + ".load")
+
+
+class StreamLoad:
+    """A handler process's load file: the number of connections it serves now, rewritten in place (fixed width, one
+    `pwrite`) whenever it changes: `open` (or `with`) makes it, `close` removes it."""
+
+    def __init__(self, socket: Path):
+        self.path = load_path(socket)
+        self._fd: int | None = None
+
+    def open(self) -> StreamLoad:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # one left by an earlier run (O_EXCL below then cannot meet a planted link)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self.write(0)
+        return self
+
+    def __enter__(self) -> StreamLoad:
+        return self.open()
+
+    def write(self, count: int) -> None:
+        if self._fd is not None:
+            os.pwrite(self._fd, b"%10d\n" % count, 0)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+
+def read_load(socket: Path) -> int | None:
+    """The connections the handler process behind `socket` serves, from its load file; None where there is none or
+    it says nothing sensible (not a regular file, too long, not a count in [0, MAX_LOAD])."""
+    try:
+        fd = os.open(load_path(socket), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, MAX_LOAD_FILE_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_LOAD_FILE_BYTES:
+        return None
+    try:
+        count = int(data.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return count if 0 <= count <= MAX_LOAD else None
+
+
+def fewer_streams_first(paths: list[Path]) -> list[Path]:
+    """`paths` (sockets in the order to try them) with the first two swapped where the second's handler process
+    serves fewer connections (both load files read): of two candidates, the less loaded (two random choices spread
+    one-session clients nearly evenly, where one random choice puts ~20 of 64 on the busiest of 4 processes)."""
+    if len(paths) < 2:
+        return paths
+    first, second = read_load(paths[0]), read_load(paths[1])
+    if first is not None and second is not None and second < first:
+        return [paths[1], paths[0], *paths[2:]]
+    return paths
+
+
 def remove_sockets(peer_id: str, directory: Path | None = None) -> int:
     """Removes the sockets an earlier run with this identity left (a server does this before listening, so that
     no client tries a socket of a handler process that no longer exists); returns how many."""
@@ -83,6 +163,8 @@ def remove_sockets(peer_id: str, directory: Path | None = None) -> int:
         with contextlib.suppress(OSError):
             path.unlink()
             removed += 1
+        with contextlib.suppress(OSError):
+            load_path(path).unlink()
     return removed
 
 

@@ -3,7 +3,8 @@
 stream, so sessions, validation, batching and cache accounting are shared. Remote clients and stock Petals clients
 keep using p2p; this only removes the two p2pd daemons from the same-host path. A one-process server listens in
 its device process; with `--num_handlers` N > 1 each handler process listens on its own socket (`index`), so that
-same-host streams are spread over the processes like p2p ones."""
+same-host streams are spread over the processes like p2p ones, and writes how many connections it serves into a load
+file beside its socket (`local_stream.StreamLoad`), which clients read to pick the less loaded of two sockets."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class LocalEndpoint:
         self.max_frame_bytes = int(handler.max_stream_bytes) + (1 << 20)
         self.streams_opened = 0
         self._connections = Connections()
+        self._load: ls.StreamLoad | None = None  # a handler process's load file (clients pick the less loaded)
 
     @property
     def num_open(self) -> int:
@@ -54,12 +56,20 @@ class LocalEndpoint:
         self._connections.server = await asyncio.start_unix_server(self._serve, path=str(path), limit=1 << 16)
         os.chmod(path, 0o600)
         self.path = path
+        if self.index is not None:  # one of several handler processes' sockets
+            try:
+                self._load = ls.StreamLoad(path).open()
+            except OSError as e:  # clients then pick without it
+                logger.warning(f"local_endpoint.no_load_file(path={path}): {e!r}")
         logger.info(f"local_endpoint.listening(path={path})")
         return True
 
     async def stop(self) -> None:
         """Stops accepting, ends open streams (their sessions free their caches) and removes the socket."""
         await self._connections.close()
+        if self._load is not None:
+            self._load.close()
+            self._load = None
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
@@ -75,6 +85,7 @@ class LocalEndpoint:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             with self._connections.serving():
+                self._report_load()
                 if await self._accept(reader, writer):
                     self.streams_opened += 1
                     await self._stream(reader, writer)
@@ -82,6 +93,14 @@ class LocalEndpoint:
             logger.debug(f"local_endpoint.connection_lost({e!r})")
         finally:
             writer.close()
+            self._report_load()
+
+    def _report_load(self) -> None:
+        if self._load is not None:
+            try:
+                self._load.write(self._connections.num_open)
+            except OSError as e:  # clients then pick without it
+                logger.debug(f"local_endpoint.load_unwritten({e!r})")
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         try:
