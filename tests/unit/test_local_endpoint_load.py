@@ -1,5 +1,5 @@
 """A handler process's same-host socket says how many connections it serves in a load file beside it (clients pick
-the less loaded of two sockets: `local_stream.fewer_streams_first`): 0 when it starts listening, counted up and
+the less loaded of two sockets: `local_transport.SocketTurns`): 0 when it starts listening, counted up and
 down as connections come and go, removed when it stops and by `remove_sockets`; a one-process server's socket has
 none."""
 

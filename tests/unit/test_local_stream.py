@@ -15,7 +15,7 @@ import pytest
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from corolla.client.local_transport import LocalInferenceStream, SocketTurns
+from corolla.client.local_transport import LocalInferenceStream, SocketTurns, fewer_streams_first
 from corolla.protocol import local_stream as ls
 
 
@@ -216,17 +216,17 @@ def test_a_load_file_says_how_many_connections_and_anything_else_reads_as_unknow
 
 def test_of_the_first_two_sockets_the_less_loaded_is_tried_first(tmp_path) -> None:
     paths = [tmp_path / f"QmPeer.{i}.sock" for i in range(3)]
-    assert ls.fewer_streams_first(list(paths)) == paths  # no load files: the order stays
+    assert fewer_streams_first(list(paths)) == paths  # no load files: the order stays
     loads = [ls.StreamLoad(p).open() for p in paths]
     try:
         for load, count in zip(loads, (5, 5, 0), strict=True):
             load.write(count)
-        assert ls.fewer_streams_first(list(paths)) == paths  # equal: the turn's order; the third is not looked at
+        assert fewer_streams_first(list(paths)) == paths  # equal: the turn's order; the third is not looked at
         loads[1].write(4)
-        assert ls.fewer_streams_first(list(paths)) == [paths[1], paths[0], paths[2]]
+        assert fewer_streams_first(list(paths)) == [paths[1], paths[0], paths[2]]
         loads[0].close()  # one unknown: the order stays
-        assert ls.fewer_streams_first(list(paths)) == paths
-        assert ls.fewer_streams_first(paths[:1]) == paths[:1]
+        assert fewer_streams_first(list(paths)) == paths
+        assert fewer_streams_first(paths[:1]) == paths[:1]
     finally:
         for load in loads:
             load.close()
@@ -238,13 +238,13 @@ def test_one_session_client_processes_spread_nearly_evenly_over_the_handler_sock
     candidate alone (the order before load files) the same processes spread 14-18 (over many such draws the busiest
     gets 20 on average, 23 or more one time in ten)."""
     paths = [tmp_path / f"QmPeer.{i}.sock" for i in range(4)]
+    unloaded = [tmp_path / f"QmBlind.{i}.sock" for i in range(4)]  # no load files: the turn's order alone
     loads = [ls.StreamLoad(p).open() for p in paths]
     try:
-        counts, blind = Counter({p: 0 for p in paths}), Counter({p: 0 for p in paths})
+        counts, blind = Counter({p: 0 for p in paths}), Counter({p: 0 for p in unloaded})
         for process in range(64):
-            order = SocketTurns(random.Random(process)).order("QmPeer", list(paths))
-            blind[order[0]] += 1
-            chosen = ls.fewer_streams_first(order)[0]
+            blind[SocketTurns(random.Random(process)).order("QmBlind", list(unloaded))[0]] += 1
+            chosen = SocketTurns(random.Random(process)).order("QmPeer", list(paths))[0]
             counts[chosen] += 1
             loads[paths.index(chosen)].write(counts[chosen])
         assert max(counts.values()) <= 17 and min(counts.values()) >= 15, counts

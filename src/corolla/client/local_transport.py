@@ -30,6 +30,7 @@ __all__ = [
     "SOCKET_TURNS",
     "LocalInferenceStream",
     "SocketTurns",
+    "fewer_streams_first",
     "open_local_inference",
     "responses_of",
 ]
@@ -38,8 +39,9 @@ __all__ = [
 class SocketTurns:
     """Which of a server's handler-process sockets this process tries first for its next stream: each in turn, from
     a random start per server, so that the sessions of one process (an API server, the bench's client processes)
-    spread evenly over the server's handler processes. Picked at random, 64 sessions put ~20 on the busiest of 4
-    processes, and that process's turnaround sets every session's pace."""
+    spread evenly over the server's handler processes; of the turn's first two, the less loaded
+    (`fewer_streams_first`), so that processes of one session each spread nearly evenly too. Picked at random, 64
+    sessions put ~20 on the busiest of 4 processes, and that process's turnaround sets every session's pace."""
 
     MAX_PEERS = 1024  # servers remembered (only servers with several sockets on this machine are)
 
@@ -50,7 +52,7 @@ class SocketTurns:
 
     def order(self, peer_id: str, paths: list[Path]) -> list[Path]:
         """`paths` (a server's sockets, in `usable_sockets`' sorted order) in the order to try them for this
-        process's next stream to `peer_id`."""
+        process's next stream to `peer_id` (reads the first two sockets' load files)."""
         if len(paths) < 2:
             return paths
         with self._lock:
@@ -61,7 +63,19 @@ class SocketTurns:
                 turn = self._rng.randrange(len(paths))
             self._next[peer_id] = turn + 1
         start = turn % len(paths)
-        return paths[start:] + paths[:start]
+        return fewer_streams_first(paths[start:] + paths[:start])
+
+
+def fewer_streams_first(paths: list[Path]) -> list[Path]:
+    """`paths` (sockets in the order to try them) with the first two swapped where the second's handler process
+    serves fewer connections (both load files read): of two candidates, the less loaded (two random choices spread
+    one-session clients nearly evenly, where one random choice puts ~20 of 64 on the busiest of 4 processes)."""
+    if len(paths) < 2:
+        return paths
+    first, second = ls.read_load(paths[0]), ls.read_load(paths[1])
+    if first is not None and second is not None and second < first:
+        return [paths[1], paths[0], *paths[2:]]
+    return paths
 
 
 SOCKET_TURNS = SocketTurns()
@@ -80,10 +94,10 @@ class LocalInferenceStream(FramedSocketStream):
         cls, peer_id: str, *, timeout_s: float, directory: Path | None = None
     ) -> LocalInferenceStream | None:
         """Connects and says hello; None when the server has no usable socket here or does not accept. A server
-        with several handler processes has a socket per process: they are tried in `SOCKET_TURNS` order, the less
-        loaded of the first two first (`local_stream.fewer_streams_first`; a stale socket left by a dead process
-        refuses the connection at once, and the next is tried)."""
-        for path in ls.fewer_streams_first(SOCKET_TURNS.order(peer_id, ls.usable_sockets(peer_id, directory))):
+        with several handler processes has a socket per process: they are tried in `SOCKET_TURNS` order (the less
+        loaded of the turn's first two first; a stale socket left by a dead process refuses the connection at once,
+        and the next is tried)."""
+        for path in SOCKET_TURNS.order(peer_id, ls.usable_sockets(peer_id, directory)):
             stream = await cls._open_at(path, peer_id, timeout_s)
             if stream is not None:
                 return stream

@@ -13,7 +13,7 @@ Where: `<socket dir>/<server peer id>.sock` (a one-process server), or `<server 
 process i of a server with `--num_handlers` > 1 (each process serves its own socket; a client process takes them
 in turn from a random start, `client.local_transport.SocketTurns`, as p2pd deals streams round-robin, and of its
 first two candidates takes the one whose handler process serves fewer connections, as it says in a load file beside
-its socket, `<socket>.load`: `StreamLoad`, `fewer_streams_first`), the socket
+its socket, `<socket>.load`: `StreamLoad`, `read_load`), the socket
 dir being `$COROLLA_LOCAL_SOCKET_DIR` or `<tmp>/corolla-<uid>`, created 0700. A client only uses a socket in a dir
 owned by its own uid and closed to group and others, so only a process of the same user (who could read the
 server's memory anyway) can have put it there; anyone else keeps to p2p. Nothing here ever leaves the machine.
@@ -138,18 +138,6 @@ def read_load(socket: Path) -> int | None:
     except (UnicodeDecodeError, ValueError):
         return None
     return count if 0 <= count <= MAX_LOAD else None
-
-
-def fewer_streams_first(paths: list[Path]) -> list[Path]:
-    """`paths` (sockets in the order to try them) with the first two swapped where the second's handler process
-    serves fewer connections (both load files read): of two candidates, the less loaded (two random choices spread
-    one-session clients nearly evenly, where one random choice puts ~20 of 64 on the busiest of 4 processes)."""
-    if len(paths) < 2:
-        return paths
-    first, second = read_load(paths[0]), read_load(paths[1])
-    if first is not None and second is not None and second < first:
-        return [paths[1], paths[0], *paths[2:]]
-    return paths
 
 
 def remove_sockets(peer_id: str, directory: Path | None = None) -> int:
