@@ -138,3 +138,20 @@ def test_demo_stops_every_process_on_ctrl_c() -> None:
     assert proc.returncode == 130, "".join(lines) + rest
     assert "the swarm has been stopped" in rest
     assert not left, f"processes left behind: {left}"
+
+
+def test_web_tools_stop_with_the_swarm_while_still_starting(tmp_path: Path) -> None:
+    """The health page and the API belong to the demo's swarm: leaving its block (Ctrl-C at any point) stops them
+    with the servers, even while they still start up and the demo's own process lives on. (They were once left to
+    their parent-death signal, and a tool caught mid-start-up outlived the demo in CI.)"""
+    from corolla.cli.demo import _launch_web_tools
+    from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
+
+    with LocalSwarm(LocalSwarmConfig(log_dir=tmp_path, stop_grace_s=5.0)) as swarm:
+        swarm.start_bootstrap()
+        tools = _launch_web_tools(swarm, DEMO_CHECKPOINT_DIR)
+        assert [tool.name for tool in tools] == ["health", "api"]
+        time.sleep(1.0)  # they are importing and joining the DHT, not yet serving
+        assert all(tool.process.proc.poll() is None for tool in tools)
+    assert not any(tool.process.group_alive() for tool in tools)
+    assert (tmp_path / "health.log").exists() and (tmp_path / "api.log").exists()

@@ -147,8 +147,11 @@ class _WebTool:
         return f"http://127.0.0.1:{self.port}"
 
 
-def _launch_web_tools(peers: Sequence[str], model_dir: Path, work_dir: Path) -> list[_WebTool]:
-    """Starts `corolla-health` and `corolla-api` for the swarm without waiting (they boot while servers load)."""
+def _launch_web_tools(swarm: LocalSwarm, model_dir: Path) -> list[_WebTool]:
+    """Starts `corolla-health` and `corolla-api` for the swarm without waiting (they boot while servers load).
+    The swarm owns them: they stop with its servers (SIGTERM, then SIGKILL after the grace) however the demo ends,
+    Ctrl-C while they still start included, rather than being left to their parent-death signal."""
+    peers = swarm.initial_peers
     tools = [
         ("health", "corolla.cli.health", ["--initial_peers", *peers, "--refresh_period", "2"],
          "health page: http://127.0.0.1:{port}/   (JSON: http://127.0.0.1:{port}/api/v1/state)"),
@@ -160,8 +163,7 @@ def _launch_web_tools(peers: Sequence[str], model_dir: Path, work_dir: Path) -> 
         if importlib.util.find_spec(module) is None:
             continue
         port = _free_loopback_port()
-        command = [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)]
-        process = ChildProcess(command, name=name, log_path=work_dir / f"{name}.log")
+        process = swarm.start_process(module, *args, "--host", "127.0.0.1", "--port", str(port), name=name)
         started.append(_WebTool(name, process, port, line.format(port=port)))
     return started
 
@@ -237,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
         with LocalSwarm(config) as swarm:
             swarm.start(model_dir, block_ranges, wait=False)  # the servers load their blocks in the background
             print(f"Bootstrap node: {swarm.initial_peers[0]}", flush=True)
-            tools = [] if args.no_web else _launch_web_tools(swarm.initial_peers, model_dir, work_dir)
+            tools = [] if args.no_web else _launch_web_tools(swarm, model_dir)
             client_config = ClientConfig(daemon_startup_timeout_s=args.startup_timeout_s, request_timeout_s=60.0,
                                          max_retries=3, show_route="never")  # fmt: skip
             # the client joins (and loads the embeddings and head) while the servers load their blocks
@@ -249,18 +251,14 @@ def run(args: argparse.Namespace) -> int:
                 spans = wait_for_coverage(model.manager, num_blocks, timeout_s=args.startup_timeout_s)
                 print_swarm(spans, num_blocks)
                 _generate(model, tokenizer, args)
-            try:
-                urls = _show_web_tools(tools, args.prompt, args.startup_timeout_s)
-                if args.keep_running:
-                    _keep_running(swarm, model_dir, work_dir, urls)
-                elif urls:
-                    print("While the demo runs, the swarm is also watched and served by:")
-                    for url in urls:
-                        print(f"  {url}")
-                    print('(they stop with the demo; keep everything up with `make demo DEMO_ARGS="--keep_running"`)')
-            finally:
-                for tool in tools:
-                    tool.process.stop(10.0)
+            urls = _show_web_tools(tools, args.prompt, args.startup_timeout_s)
+            if args.keep_running:
+                _keep_running(swarm, model_dir, work_dir, urls)
+            elif urls:
+                print("While the demo runs, the swarm is also watched and served by:")
+                for url in urls:
+                    print(f"  {url}")
+                print('(they stop with the demo; keep everything up with `make demo DEMO_ARGS="--keep_running"`)')
     print("Swarm stopped: bootstrap node, servers, health page and API have exited.")
     return 0
 

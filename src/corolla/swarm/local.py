@@ -111,6 +111,13 @@ class LocalSwarm:
         self.processes.append(process)
         return process
 
+    def start_process(
+        self, module: str, *args: str, name: str, env: Mapping[str, str] | None = None, cwd: str | Path | None = None
+    ) -> ChildProcess:
+        """Starts `python -m module args` (a health page, an API, a client) as a process the swarm owns: it is
+        stopped with the servers, however the block ends. Does not wait for it."""
+        return self._spawn(ChildProcess, [module, *args], name, env, cwd)
+
     def start_bootstrap(self, timeout_s: float | None = None) -> ChildProcess:
         """Starts the bootstrap node and waits (bounded) for the address it prints, which becomes `initial_peers`."""
         process = self._spawn(self.bootstrap_class, ["corolla.cli.run_dht"], "bootstrap")
