@@ -252,3 +252,28 @@ def test_one_session_client_processes_spread_nearly_evenly_over_the_handler_sock
     finally:
         for load in loads:
             load.close()
+
+
+def test_forked_client_processes_each_take_their_own_start(tmp_path) -> None:
+    """The process-wide `SOCKET_TURNS` is made at import; processes forked after it (a forkserver's children, a
+    pre-forking web server's workers) each start their turns at a socket of their own, not all at the parent's: with
+    one inherited generator, 16 one-session client processes landed 0 / 8 / 8 / 0 on 4 handler processes."""
+    from corolla.client.local_transport import SOCKET_TURNS
+
+    paths = [tmp_path / f"QmForked.{i}.sock" for i in range(4)]  # no load files: the turn's order alone
+    SOCKET_TURNS.order("QmForked", list(paths))  # the parent has a turn for this server too
+    firsts = []
+    for _ in range(12):
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report its first socket, then leave without running the parent's cleanup
+            try:
+                os.write(write_end, bytes([paths.index(SOCKET_TURNS.order("QmForked", list(paths))[0])]))
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as reader:
+            firsts.append(reader.read())
+        os.waitpid(pid, 0)
+    assert all(len(first) == 1 for first in firsts), firsts
+    assert len(set(firsts)) >= 2, f"every forked process started at the same socket: {firsts}"  # (1/4)^11 by chance

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import socket
 import threading
@@ -65,6 +66,14 @@ class SocketTurns:
         start = turn % len(paths)
         return fewer_streams_first(paths[start:] + paths[:start])
 
+    def reseed(self) -> None:
+        """In a forked child: a random start of its own and no turns yet. A child inherits its parent's generator,
+        so every worker forked from one parent (a forkserver, a pre-forking web server) would otherwise start at the
+        same socket: 16 one-session processes landed 0 / 8 / 8 / 0 on 4 handler processes."""
+        self._lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        self._rng.seed()
+        self._next = {}
+
 
 def fewer_streams_first(paths: list[Path]) -> list[Path]:
     """`paths` (sockets in the order to try them) with the first two swapped where the second's handler process
@@ -79,6 +88,7 @@ def fewer_streams_first(paths: list[Path]) -> list[Path]:
 
 
 SOCKET_TURNS = SocketTurns()
+os.register_at_fork(after_in_child=SOCKET_TURNS.reseed)
 
 
 class LocalInferenceStream(FramedSocketStream):
