@@ -254,8 +254,9 @@ def test_same_host_sockets_are_served_by_the_handler_processes(server, blocks):
 
 
 def test_direct_streams_spread_over_the_processes_on_one_port(server, clients, blocks):
-    """The ticket comes from whichever process p2pd deals the RPC to; connections to the one direct port are spread
-    by the kernel over both processes, each of which accepts it and gives the local blocks' outputs."""
+    """The ticket comes from whichever process p2pd deals the RPC to; connections to the one direct port are placed
+    by load over both processes (the kernel's hash alone splits 16 connections evenly one time in five: a process
+    that accepts one while the other serves fewer hands it over unread), and each gives the local blocks' outputs."""
     from hivemind.proto import runtime_pb2
     from hivemind.utils import MSGPackSerializer
 
@@ -291,7 +292,7 @@ def test_direct_streams_spread_over_the_processes_on_one_port(server, clients, b
     before = _opened_per_process(server)
     results = asyncio.run(sessions(16))
     opened = [after - b for after, b in zip(_opened_per_process(server), before, strict=True)]
-    assert sum(opened) == 16 and min(opened) >= 1, f"direct sessions per handler process: {opened}"
+    assert sorted(opened) == [8, 8], f"direct sessions per handler process: {opened}"
     whole = local_forward(blocks, 0, 4, torch.cat([prefill, token], dim=1))
     for first, second in results:
         torch.testing.assert_close(first, whole[:, :3], atol=1e-4, rtol=0)

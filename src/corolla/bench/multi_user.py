@@ -120,6 +120,7 @@ class UsersResult:
     server_cpus: list[int] = field(default_factory=list)  # CPUs of the server side (empty: not pinned)
     # where a step's time went in the handler processes (`--timeline`: `timeline_summary`), ms
     timeline_ms: dict[str, float] = field(default_factory=dict)
+    sessions_per_handler: list[int] = field(default_factory=list)  # this row's sessions opened by each process
 
 
 # ---- the server (this process)
@@ -277,6 +278,13 @@ class BenchServer:
         pool = self.service.pool if self.service is not None else None
         return CpuProbe(self.runtime.thread, self.loop_thread, pool.pids if pool is not None else [])
 
+    def sessions_opened_per_handler(self) -> list[int]:
+        """Sessions each handler process has opened so far (empty with one process)."""
+        pool = self.service.pool if self.service is not None else None
+        if pool is None:
+            return []
+        return [channel.num_sessions_opened if channel is not None else 0 for channel in pool.channels]
+
 
 # ---- the clients (other processes: `users_clients`)
 
@@ -341,6 +349,7 @@ def run_users(
         )
         for i, job in enumerate(jobs)
     ]
+    opened_before = server.sessions_opened_per_handler()
     for p in processes:
         p.start()
     collected: list[dict] = []
@@ -353,6 +362,7 @@ def run_users(
                 opened += ready.get(timeout=max(1.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
+        opened_per_handler = [b - a for a, b in zip(opened_before, server.sessions_opened_per_handler(), strict=True)]
         if timeline is not None:  # the prefills' streams are still open: only this row's streams are saved
             for old in timeline.glob("timeline-*.jsonl"):
                 old.unlink()
@@ -383,6 +393,7 @@ def run_users(
     if server.cpus is not None:
         result.client_cpus, result.server_cpus = sorted(server.cpus.clients), sorted(server.cpus.server)
     result.num_handlers = server.num_handlers
+    result.sessions_per_handler = opened_per_handler
     result.reply_thread = server.reply_thread
     result.cpu_us_per_step = _cpu_per_step(cpu_server, collected, result.sessions_finished * config.decode_steps)
     if timeline is not None:

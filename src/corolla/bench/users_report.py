@@ -266,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
             f"merged step {r['merged_step_ms']:.1f} ms"
         )
     for row in rows:
+        if row.sessions > 1 and len(row.sessions_per_handler) > 1:
+            notes.append(
+                f"sessions per handler process, {row.sessions} sessions, {row.transport}, {row.client} client: "
+                + " / ".join(str(n) for n in row.sessions_per_handler)
+            )
+    for row in rows:
         if row.timeline_ms.get("steps"):  # stamped in the handler processes: socket and direct streams, not p2p
             t = row.timeline_ms
             notes.append(

@@ -5,7 +5,9 @@ connects here; the stream's peer is the one the ticket was issued to, and its pe
 stream bytes, idle timeouts) are that peer's, as on p2p.
 
 A one-process server listens in its device process; with `--num_handlers` N > 1 every handler process listens on the
-same port (`SO_REUSEPORT`: the kernel spreads connections over them) with the same ticket secret. Before a ticket is
+same port (`SO_REUSEPORT`) with the same ticket secret, and a process that accepts a connection while another serves
+fewer hands it there before reading from it (`connection_balance`: the kernel alone would spread them at random).
+The endpoint accepts itself (`loop.sock_accept`), so that a connection is placed before any transport reads it. Before a ticket is
 checked a connection holds nothing but its socket: at most `MAX_PENDING_HELLOS` such connections, each for at most
 `HELLO_TIMEOUT_S`; after it, at most `max_sessions_per_peer` + `SPARE_CONNECTIONS_PER_PEER` connections per peer and
 `max_sessions_total` in all."""
@@ -25,6 +27,7 @@ from hivemind.utils import MSGPackSerializer
 
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
+from corolla.server.connection_balance import ConnectionHandoff
 from corolla.server.peer_auth import PeerAuth, info_uid, remote_peer
 from corolla.server.stream_endpoint import HELLO_TIMEOUT_S, Connections, check_hello, read_hello, serve_inference
 from corolla.server.stream_guard import StreamLease
@@ -34,6 +37,9 @@ logger = get_logger(__name__)
 
 MAX_PENDING_HELLOS = 64
 SPARE_CONNECTIONS_PER_PEER = 4  # a client replacing sessions may briefly hold a few more connections than sessions
+LISTEN_BACKLOG = 512
+ACCEPT_ERROR_PAUSE_S = 0.1  # after a failed accept (out of descriptors, say), before the next
+STREAM_LIMIT_BYTES = 1 << 16  # the reader's buffer limit (frames are read by length, not by line)
 
 
 @dataclass(frozen=True)
@@ -102,13 +108,23 @@ class DirectEndpoint:
     """The direct TCP listener of one handler (see the module docstring)."""
 
     def __init__(
-        self, handler: Any, peer_id: PeerID, listen: DirectListen, secret: ds.TicketSecret, *, reuse_port: bool
+        self,
+        handler: Any,
+        peer_id: PeerID,
+        listen: DirectListen,
+        secret: ds.TicketSecret,
+        *,
+        reuse_port: bool,
+        handoff: ConnectionHandoff | None = None,
     ):
         if not listen.port and reuse_port:
             raise ValueError("handler processes share one direct port: fix it first (DirectListen.with_free_port)")
         self.handler, self.peer_id, self.listen, self.secret = handler, peer_id, listen, secret
         self.peer_id_b58 = peer_id.to_base58()
         self.reuse_port = reuse_port
+        self.handoff = handoff  # this handler process's end of the placement by load (None: keep every connection)
+        self._listeners: list[socket.socket] = []
+        self._accepting: list[asyncio.Task[None]] = []
         self.max_frame_bytes = int(handler.max_stream_bytes) + (1 << 20)
         self.port: int | None = None
         self.streams_opened = 0
@@ -123,11 +139,15 @@ class DirectEndpoint:
 
     async def start(self) -> int:
         """Listens; returns the port. The handler's ticket RPC offers it from now on."""
-        server = await asyncio.start_server(
-            self._serve, self.listen.bind_host, self.listen.port, reuse_port=self.reuse_port or None, limit=1 << 16
-        )
-        self._connections.server = server
-        self.port = server.sockets[0].getsockname()[1]
+        try:
+            self._listeners = _listening_sockets(self.listen.bind_host, self.listen.port, self.reuse_port)
+            if self.handoff is not None:
+                self.handoff.start(self._adopt)
+        except BaseException:
+            await self.stop()
+            raise
+        self._accepting = [asyncio.create_task(self._accept_loop(sock)) for sock in self._listeners]
+        self.port = self._listeners[0].getsockname()[1]
         self.handler.direct_offer = (DirectListen(self.listen.bind_host, self.port, self.listen.hosts), self.secret)
         logger.info(f"direct_endpoint.listening(host={self.listen.bind_host}, port={self.port}, pid={os.getpid()})")
         return self.port
@@ -135,7 +155,51 @@ class DirectEndpoint:
     async def stop(self) -> None:
         """Stops offering tickets and accepting, and ends open streams (their sessions free their caches)."""
         self.handler.direct_offer = None
+        for task in self._accepting:
+            task.cancel()
+        if self._accepting:
+            await asyncio.wait(self._accepting)
+        self._accepting = []
+        for sock in self._listeners:
+            sock.close()
+        self._listeners = []
+        if self.handoff is not None:
+            self.handoff.close()
         await self._connections.close()
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        """Accepts until cancelled; each connection is placed (here or, by load, in another handler process) before
+        anything reads from it."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as e:  # out of descriptors, say: the backlog waits
+                logger.warning(f"direct_endpoint.accept_failed({e!r})")
+                await asyncio.sleep(ACCEPT_ERROR_PAUSE_S)
+                continue
+            if self.handoff is None or self.handoff.place(conn):
+                self._adopt(conn)
+
+    def _adopt(self, conn: socket.socket) -> None:
+        """Serves a connection accepted here or handed here, in its own task."""
+        asyncio.get_running_loop().create_task(self._serve_socket(conn))
+
+    async def _serve_socket(self, conn: socket.socket) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            reader = asyncio.StreamReader(limit=STREAM_LIMIT_BYTES)
+            protocol = asyncio.StreamReaderProtocol(reader)
+            try:
+                transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
+            except OSError as e:
+                conn.close()
+                logger.debug(f"direct_endpoint.adopt_failed({e!r})")
+                return
+            await self._serve(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
+        finally:
+            if self.handoff is not None:
+                self.handoff.release()
 
     async def __aenter__(self) -> DirectEndpoint:
         await self.start()
@@ -228,3 +292,29 @@ class DirectEndpoint:
             self.handler, reader, writer, context, SealedFrames(keys), self.max_frame_bytes,
             lease=StreamLease(budget, peer), idle_s=budget.limits.stream_idle_timeout_s or None,
         )  # fmt: skip
+
+
+def _listening_sockets(host: str, port: int, reuse_port: bool) -> list[socket.socket]:
+    """Non-blocking listening sockets on every address `host` resolves to (as `asyncio.start_server` binds)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    listeners: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            if port:  # every address on the one port (the first one's where `port` was 0)
+                address = (address[0], port, *address[2:])
+            sock = socket.socket(family, kind, proto)
+            listeners.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(LISTEN_BACKLOG)
+            sock.setblocking(False)
+            port = sock.getsockname()[1]
+    except BaseException:
+        for sock in listeners:
+            sock.close()
+        raise
+    return listeners

@@ -20,6 +20,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from corolla.protocol.direct_stream import TicketSecret
 from corolla.server import proxy_wire as wire
 from corolla.server.block_functions import ServingLimits
+from corolla.server.connection_balance import ConnectionHandoff
 from corolla.server.direct_endpoint import DirectEndpoint, DirectListen
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.limits import PeerLimits
@@ -52,6 +53,7 @@ class HandlerSettings:
     local_socket_dir: str | None = None  # serve same-host clients on a unix socket of this process's own there
     direct: DirectListen | None = None  # the direct TCP port every handler process listens on (SO_REUSEPORT)
     direct_secret: bytes | None = None  # the server's ticket secret (any process checks any process's tickets)
+    direct_balance_dir: str | None = None  # the processes' direct-port load table and hand-off sockets (0700)
 
 
 class ForwardedMetrics(ServerMetrics):
@@ -171,7 +173,15 @@ async def _start_direct(
     """This process's listener on the server's direct port, or None where it cannot listen (clients keep to p2p)."""
     assert settings.direct is not None
     secret = TicketSecret(settings.direct_secret)
-    endpoint = DirectEndpoint(handler, PeerID.from_base58(settings.peer_id), settings.direct, secret, reuse_port=True)
+    handoff = None
+    if settings.direct_balance_dir is not None:
+        try:
+            handoff = ConnectionHandoff(Path(settings.direct_balance_dir), index)
+        except (OSError, ValueError) as e:  # connections stay where the kernel put them
+            logger.warning(f"handler_process.direct_balance_unavailable(index={index}): {e!r}")
+    endpoint = DirectEndpoint(
+        handler, PeerID.from_base58(settings.peer_id), settings.direct, secret, reuse_port=True, handoff=handoff
+    )
     try:
         await endpoint.start()
         return endpoint

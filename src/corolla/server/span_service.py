@@ -11,6 +11,7 @@ from typing import Any
 from corolla.protocol import local_stream as ls
 from corolla.protocol.direct_stream import TicketSecret
 from corolla.server.block_functions import ServingLimits
+from corolla.server.connection_balance import BalanceDirectory
 from corolla.server.device_channel import DeviceSessionRegistry
 from corolla.server.direct_endpoint import DirectEndpoint, DirectListen
 from corolla.server.executor import DeviceExecutor
@@ -74,6 +75,7 @@ class SpanService:
         self.direct_endpoint: DirectEndpoint | None = None
         self._direct_secret = TicketSecret()  # every handler process checks the tickets any of them issued
         self.pool: HandlerPool | None = None
+        self._balance: BalanceDirectory | None = None  # with a pool and a direct port
 
     @property
     def healthy(self) -> bool:
@@ -107,6 +109,8 @@ class SpanService:
     async def _start_pool(self, p2p: Any) -> None:
         handler = self.handler
         assert isinstance(handler.sessions, DeviceSessionRegistry)
+        if self.direct is not None:  # the handler processes place direct-port connections by load
+            self._balance = BalanceDirectory(self.num_handlers)
         settings = HandlerSettings(
             daemon_listen_maddr=str(p2p.daemon_listen_maddr),
             limits=self.limits,
@@ -120,6 +124,7 @@ class SpanService:
             local_socket_dir=str(ls.socket_dir()) if self.local_socket else None,
             direct=self.direct.with_free_port() if self.direct is not None else None,  # one port for all
             direct_secret=self._direct_secret.secret,
+            direct_balance_dir=str(self._balance.path) if self._balance is not None else None,
         )
         self.pool = HandlerPool(
             self.num_handlers,
@@ -141,6 +146,9 @@ class SpanService:
         if self.pool is not None:
             await self.pool.stop()
             self.pool = None
+        if self._balance is not None:
+            self._balance.close()
+            self._balance = None
         if self.local_endpoint is not None:
             await self.local_endpoint.stop()
             self.local_endpoint = None
