@@ -166,3 +166,45 @@ def test_what_is_not_a_tcp_connection_is_closed_on_arrival(tmp_path: Path) -> No
                 own.close()
 
     asyncio.run(go())
+
+
+def test_endpoint_counts_a_connection_from_accept_and_stops_cleanly_with_it_open() -> None:
+    """A direct endpoint with placement: a connection is counted from its accept (before any hello), the endpoint
+    stops with it still silent (its task ends, its count is released before the table closes, nothing is logged as
+    a failed task), and the port no longer accepts."""
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    from corolla.protocol.direct_stream import TicketSecret
+    from corolla.server.direct_endpoint import DirectEndpoint, DirectListen
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        failures: list[dict] = []
+        loop.set_exception_handler(lambda _loop, context: failures.append(context))
+        with BalanceDirectory(1) as balance:
+            handoff = ConnectionHandoff(balance.path, 0)
+            handler = SimpleNamespace(max_stream_bytes=1 << 20, direct_offer=None)
+            peer_id = PeerID.from_base58("QmPeer1111111111111111111111111111111111111111")
+            listen = DirectListen("127.0.0.1", 0, ("127.0.0.1",))
+            endpoint = DirectEndpoint(handler, peer_id, listen, TicketSecret(), reuse_port=False, handoff=handoff)
+            port = await endpoint.start()
+            assert handler.direct_offer is not None
+            with LoadTable(balance.path / TABLE_NAME) as table:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                for _ in range(100):
+                    if endpoint.num_open == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                assert endpoint.num_open == 1 and table.counts() == [1]
+                await endpoint.stop()
+                assert endpoint.num_open == 0 and handler.direct_offer is None
+                assert table.counts() == [0]
+                assert await asyncio.wait_for(reader.read(), 5) == b""  # the server closed it
+                writer.close()
+            with pytest.raises(OSError):
+                await asyncio.open_connection("127.0.0.1", port)
+        assert not failures, failures
+
+    asyncio.run(go())

@@ -175,6 +175,7 @@ class ConnectionHandoff:
         self._inbox: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._adopt: Callable[[socket.socket], None] | None = None
+        self._closed = False
 
     def start(self, adopt: Callable[[socket.socket], None]) -> None:
         """Receives hand-offs on this process's socket (replacing a predecessor's) from now on; zeroes its count."""
@@ -210,7 +211,9 @@ class ConnectionHandoff:
         return False
 
     def release(self) -> None:
-        self.table.release(self.index)
+        """A connection served here ended (nothing after `close`: the table went with the pool)."""
+        if not self._closed:
+            self.table.release(self.index)
 
     def _receive(self) -> None:
         inbox, adopt = self._inbox, self._adopt
@@ -230,7 +233,8 @@ class ConnectionHandoff:
                 self.received += 1
                 adopt(conn)
 
-    def close(self) -> None:
+    def stop_receiving(self) -> None:
+        """No more hand-offs to this process (the first step of stopping; any still queued are closed)."""
         if self._inbox is not None:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(self._inbox.fileno())
@@ -238,8 +242,14 @@ class ConnectionHandoff:
             self._inbox = None
             with contextlib.suppress(FileNotFoundError):
                 inbox_path(self.directory, self.index).unlink()
-        self._outbox.close()
-        self.table.close()
+
+    def close(self) -> None:
+        """Stops receiving and unmaps the table (once the connections served here have ended). Idempotent."""
+        self.stop_receiving()
+        if not self._closed:
+            self._closed = True
+            self._outbox.close()
+            self.table.close()
 
 
 def send_descriptors(sock: socket.socket, path: Path, fds: list[int]) -> None:

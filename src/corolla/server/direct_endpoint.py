@@ -125,6 +125,7 @@ class DirectEndpoint:
         self.handoff = handoff  # this handler process's end of the placement by load (None: keep every connection)
         self._listeners: list[socket.socket] = []
         self._accepting: list[asyncio.Task[None]] = []
+        self._stopping = False
         self.max_frame_bytes = int(handler.max_stream_bytes) + (1 << 20)
         self.port: int | None = None
         self.streams_opened = 0
@@ -155,6 +156,7 @@ class DirectEndpoint:
     async def stop(self) -> None:
         """Stops offering tickets and accepting, and ends open streams (their sessions free their caches)."""
         self.handler.direct_offer = None
+        self._stopping = True
         for task in self._accepting:
             task.cancel()
         if self._accepting:
@@ -164,8 +166,10 @@ class DirectEndpoint:
             sock.close()
         self._listeners = []
         if self.handoff is not None:
-            self.handoff.close()
+            self.handoff.stop_receiving()
         await self._connections.close()
+        if self.handoff is not None:  # after the connections: each releases its count as it ends
+            self.handoff.close()
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         """Accepts until cancelled; each connection is placed (here or, by load, in another handler process) before
@@ -183,20 +187,28 @@ class DirectEndpoint:
 
     def _adopt(self, conn: socket.socket) -> None:
         """Serves a connection accepted here or handed here, in its own task."""
+        if self._stopping:
+            conn.close()
+            if self.handoff is not None:
+                self.handoff.release()
+            return
         asyncio.get_running_loop().create_task(self._serve_socket(conn))
 
     async def _serve_socket(self, conn: socket.socket) -> None:
+        """One connection's task: counted open (and ended by `stop`) from its first step."""
         try:
-            loop = asyncio.get_running_loop()
-            reader = asyncio.StreamReader(limit=STREAM_LIMIT_BYTES)
-            protocol = asyncio.StreamReaderProtocol(reader)
-            try:
-                transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
-            except OSError as e:
-                conn.close()
-                logger.debug(f"direct_endpoint.adopt_failed({e!r})")
-                return
-            await self._serve(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
+            with self._connections.serving():
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                loop = asyncio.get_running_loop()
+                reader = asyncio.StreamReader(limit=STREAM_LIMIT_BYTES)
+                protocol = asyncio.StreamReaderProtocol(reader)
+                try:
+                    transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
+                except OSError as e:
+                    conn.close()
+                    logger.debug(f"direct_endpoint.adopt_failed({e!r})")
+                    return
+                await self._serve(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
         finally:
             if self.handoff is not None:
                 self.handoff.release()
@@ -214,21 +226,17 @@ class DirectEndpoint:
             if self._pending >= MAX_PENDING_HELLOS:
                 self._refused("pending", f"{MAX_PENDING_HELLOS} connections are still to say hello")
                 return
-            with self._connections.serving():
-                sock = writer.get_extra_info("socket")
-                if sock is not None:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._pending += 1
-                try:
-                    accepted = await self._accept(reader, writer)
-                finally:
-                    self._pending -= 1
-                if accepted is None:
-                    return
-                peer, keys = accepted
-                self._per_peer[peer] += 1  # (checked in `_accept`, with no await in between)
-                self.streams_opened += 1
-                await self._stream(reader, writer, peer, keys)
+            self._pending += 1
+            try:
+                accepted = await self._accept(reader, writer)
+            finally:
+                self._pending -= 1
+            if accepted is None:
+                return
+            peer, keys = accepted
+            self._per_peer[peer] += 1  # (checked in `_accept`, with no await in between)
+            self.streams_opened += 1
+            await self._stream(reader, writer, peer, keys)
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             logger.debug(f"direct_endpoint.connection_lost({e!r})")
         finally:
