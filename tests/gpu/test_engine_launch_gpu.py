@@ -5,6 +5,8 @@ is said before anything runs. Skipped without CUDA."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from test_engine_gpu import BF16, DEV, make_blocks, make_engine
@@ -42,12 +44,20 @@ def test_launched_forwards_equal_forwards_run_one_after_another() -> None:
     for s in sessions:
         s.close()
     sessions = _opened(engine, prompts)
+    started = time.perf_counter()
     pending = [engine.launch_decode(requests(sessions, f)) for f in plan]  # three launches before any wait
     got = {j: pending[j].wait() for j in (2, 0, 1)}  # waited out of order
+    wall_s = time.perf_counter() - started
     for j in range(len(plan)):
         for out, ref in zip(got[j], expected[j], strict=True):
             assert out.device.type == "cpu" and out.shape == ref.shape
             assert torch.equal(out, ref), j
+    # each forward's own device time (CUDA events from its first copy in to its last copy out): measured, and the
+    # queued forwards' times do not overlap (a forward's clock starts when the device reaches it, not at its launch:
+    # their sum fits in the wall time from the first launch to the last wait)
+    device_s = [p.device_s for p in pending]
+    assert all(d is not None and d > 0 for d in device_s), device_s
+    assert sum(device_s) <= wall_s, (device_s, wall_s)
     for s in sessions:
         s.close()
 

@@ -20,11 +20,13 @@ WAIT_S = 5.0
 
 
 class _Pending:
-    """A launched fake batch: `wait` logs, optionally blocks on `gate`, then returns `results` or raises."""
+    """A launched fake batch: `wait` logs, optionally blocks on `gate`, then returns `results` or raises; `device_s`
+    is what its device would have measured (None: not measured)."""
 
     def __init__(self, log: list[tuple[str, object]], name: str, results: Sequence[object] | BaseException,
-                 gate: threading.Event | None = None):  # fmt: skip
+                 gate: threading.Event | None = None, device_s: float | None = None):  # fmt: skip
         self.log, self.name, self.results, self.gate = log, name, results, gate
+        self.device_s = device_s
 
     def wait(self) -> Sequence[object]:
         if self.gate is not None:
@@ -47,6 +49,7 @@ class _Bench:
         self.on_launch: dict[str, Callable[[], None]] = {}
         self.launch_results: dict[str, Sequence[object] | BaseException | None] = {}  # None: declined
         self.gates: dict[str, threading.Event] = {}
+        self.device_s: dict[str, float] = {}  # a batch's device-measured seconds, by its first task
         runtime.register_batch_executor("decode", self.execute, launcher=self.launch, inline_when_idle=True)
 
     def launch(self, tasks: list[Task]) -> _Pending | None:
@@ -59,7 +62,7 @@ class _Bench:
             return None
         if isinstance(planned, BaseException) and name.startswith("boom"):
             raise planned
-        return _Pending(self.log, name, planned, self.gates.get(name))
+        return _Pending(self.log, name, planned, self.gates.get(name), self.device_s.get(name))
 
     def execute(self, tasks: list[Task]) -> list[object]:
         self.log.append(("execute", [t.payload for t in tasks]))
@@ -107,6 +110,25 @@ def test_a_lone_batch_completes_at_once() -> None:
         assert bench.done.wait(WAIT_S)  # nothing else is ever queued: it is not held for a next batch
         assert bench.log == [("launch", ["a1", "a2"]), ("wait", "a1"), ("done", "a1"), ("done", "a2")]
         assert runtime.stats()["decode"].batches == 1 and runtime.stats()["decode"].tasks == 2
+
+
+def test_device_measured_time_is_counted_apart_from_the_runtime_threads_view() -> None:
+    """Batches whose device measured its own time add it to `device_s` and count in `device_timed`; a batch without
+    (None) adds neither; `busy_s` stays the runtime thread's view (from launch to the results in hand)."""
+    with _runtime() as runtime:
+        bench = _Bench(runtime)
+        bench.device_s = {"a1": 0.002, "c1": 0.003}
+        bench.gates["a1"] = gate = threading.Event()
+        bench.on_launch["a1"] = lambda: bench.submit("b1")
+        bench.on_launch["b1"] = lambda: (bench.submit("c1", last=True), gate.set())
+        bench.submit("a1")
+        assert bench.done.wait(WAIT_S)
+        stats = runtime.stats()["decode"]
+    assert (stats.batches, stats.tasks, stats.device_timed) == (3, 3, 2)
+    assert stats.device_s == pytest.approx(0.005)
+    assert stats.busy_s > 0
+    later = stats.plus(2, 0.01, 0.004)
+    assert later.since(stats) == type(stats)(1, 2, pytest.approx(0.01), pytest.approx(0.004), 1)
 
 
 @pytest.mark.parametrize("launch_ahead", [False, True])

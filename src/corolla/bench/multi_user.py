@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -121,6 +121,10 @@ class UsersResult:
     # where a step's time went in the handler processes (`--timeline`: `timeline_summary`), ms
     timeline_ms: dict[str, float] = field(default_factory=dict)
     sessions_per_handler: list[int] = field(default_factory=list)  # this row's sessions opened by each process
+    # measured on the device (CUDA events around each launched forward; nan where none was): the share of the
+    # window it spent on forwards, and a merged forward's own time (`merged_forward_ms` is the runtime thread's view)
+    device_time_share: float = float("nan")
+    device_forward_ms: float = float("nan")
 
 
 # ---- the server (this process)
@@ -469,11 +473,12 @@ def _summarize(config: UsersConfig, serving_path: str, collected, before, after,
     windows = [w for r in collected for w in r.get("windows", [])]
     finished = sum(r["finished"] for r in collected)
     wall_s = (max(w[1] for w in windows) - min(w[0] for w in windows)) if windows else ended - started
-    delta = KindStats()
-    for kind in INFERENCE_KINDS:
-        d = after.get(kind, KindStats()).since(before.get(kind, KindStats()))
-        delta = KindStats(delta.batches + d.batches, delta.tasks + d.tasks, delta.busy_s + d.busy_s)
-    busy_all = sum(s.since(before.get(k, KindStats())).busy_s for k, s in after.items())
+    deltas = {k: s.since(before.get(k, KindStats())) for k, s in after.items()}
+    inference = [deltas[k] for k in INFERENCE_KINDS if k in deltas]
+    delta = KindStats(*(sum(column) for column in zip(*(astuple(d) for d in inference), strict=True)))
+    busy_all = sum(d.busy_s for d in deltas.values())
+    device_all = sum(d.device_s for d in deltas.values())
+    window_s = ended - started
     return UsersResult(
         sessions=config.sessions,
         client_processes=len(config.split()),
@@ -486,8 +491,10 @@ def _summarize(config: UsersConfig, serving_path: str, collected, before, after,
         step_worst_ms=max(flat),
         worst_session_median_ms=max((median(lat) for lat in per_session), default=float("nan")),
         steps_per_merged_forward=delta.tasks_per_batch,
-        device_busy_share=busy_all / (ended - started) if ended > started else float("nan"),
+        device_busy_share=busy_all / window_s if window_s > 0 else float("nan"),
         merged_forward_ms=delta.busy_s / delta.batches * 1000 if delta.batches else float("nan"),
+        device_time_share=device_all / window_s if window_s > 0 and delta.device_timed else float("nan"),
+        device_forward_ms=delta.device_s / delta.device_timed * 1000 if delta.device_timed else float("nan"),
         wall_s=wall_s,
         sessions_finished=finished,
         prefill_median_ms=median([x for r in collected for x in r.get("prefill_ms", [])] or [float("nan")]),

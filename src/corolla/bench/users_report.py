@@ -266,6 +266,14 @@ def main(argv: list[str] | None = None) -> int:
             f"merged step {r['merged_step_ms']:.1f} ms"
         )
     for row in rows:
+        if row.device_forward_ms == row.device_forward_ms:  # measured on the device (not nan)
+            notes.append(
+                f"device time, {row.sessions} sessions, {row.transport}, {row.client} client (CUDA events around "
+                f"each launched forward): {row.device_forward_ms:.2f} ms per merged forward against "
+                f"{row.merged_forward_ms:.2f} ms as the runtime thread saw it; the device ran forwards "
+                f"{row.device_time_share:.0%} of the window (runtime busy {row.device_busy_share:.0%})"
+            )
+    for row in rows:
         if row.sessions > 1 and len(row.sessions_per_handler) > 1:
             notes.append(
                 f"sessions per handler process, {row.sessions} sessions, {row.transport}, {row.client} client: "

@@ -177,6 +177,11 @@ class PendingSteps:
         self._launched = launched  # indices of the requests in the forward, in its row order
         self._pending = pending  # None: no valid request, nothing launched
 
+    @property
+    def device_s(self) -> float | None:
+        """The forward's device seconds once waited for (`PendingDecode.device_s`); None where nothing launched."""
+        return self._pending.device_s if self._pending is not None else None
+
     def wait(self) -> list[torch.Tensor | BaseException]:
         results = self._results
         if self._pending is None:
@@ -205,6 +210,10 @@ class PendingUnits:
     def __init__(self, pending: PendingSteps, sizes: UnitSizes | None):
         self._pending = pending
         self._sizes = sizes
+
+    @property
+    def device_s(self) -> float | None:
+        return self._pending.device_s
 
     def wait(self) -> list[StepResult | list[StepResult]]:
         return regroup(self._pending.wait(), self._sizes)

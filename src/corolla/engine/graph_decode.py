@@ -66,6 +66,7 @@ class HostStaging:
     done: torch.cuda.Event | None = None
     owner: PendingDecode | None = None  # the launched forward whose output `out` holds, not copied out yet
     event: torch.cuda.Event | None = None  # recorded anew by each use of the set (made at the first)
+    start: torch.cuda.Event | None = None  # recorded before each use's first copy (the forward's device time)
     views: dict[int, _RowViews] = field(default_factory=dict)  # row count -> slices (`row_views`)
     views_of: DecodeGraphs | None = None  # the graphs `views` slice
 
@@ -102,11 +103,20 @@ class HostStaging:
             self.done.synchronize()
             self.done = None
 
+    def begin(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """Records the set's start event on `stream` before a forward's first copy: the device reaches it when it
+        starts that forward (after the forwards queued before it), so `start.elapsed_time(done)` is the forward's own."""
+        start = self.start
+        if start is None:
+            start = self.start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start
+
     def mark(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         """Records the set's event after the copies just queued on `stream` (the set is busy until it passed)."""
         event = self.event
         if event is None:
-            event = self.event = torch.cuda.Event()
+            event = self.event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
         self.done = event
         return event
@@ -134,10 +144,12 @@ class PendingDecode:
 
     def __init__(
         self, staging: HostStaging, done: torch.cuda.Event, rows: int, splits: list[int], hidden_size: int,
-        dtype: torch.dtype,
+        dtype: torch.dtype, start: torch.cuda.Event | None = None,
     ):  # fmt: skip
         self._staging: HostStaging | None = staging
         self._done = done
+        self._start = start
+        self.device_s: float | None = None  # once collected: the device's seconds from `start` to `done`
         self.rows = rows
         self._splits = splits  # rows per request
         self._hidden_size = hidden_size
@@ -154,6 +166,8 @@ class PendingDecode:
             staging = self._staging
             assert staging is not None
             self._done.synchronize()
+            if self._start is not None:
+                self.device_s = self._start.elapsed_time(self._done) / 1e3
             # one memcpy into a fresh buffer in this thread, holding the GIL (a torch or numpy copy of a few hundred
             # KiB lets it go, and a reader thread of the server may then keep it while this thread waits)
             nbytes = self.rows * self._hidden_size * self._dtype.itemsize
@@ -204,19 +218,21 @@ def launch_graph_decode(
     rows = merged.rows
     staging.reuse()  # the set's previous forward no longer reads its inputs nor writes its output
     views = staging.row_views(graphs, rows)
+    stream = torch.cuda.current_stream(graphs.hidden.device)
     if merged.same_dtype and merged.all_bytes:
         stage_hidden_bytes(staging.hidden_bytes, group)
     elif merged.same_dtype:
         torch.cat([r.hidden for r in group], out=views.hidden.view(rows, 1, h))
     else:
         torch.cat([r.hidden.reshape(r.rows, h).to(dtype) for r in group], out=views.hidden)
+    start = staging.begin(stream)  # the device's time on this forward starts at its first copy in
     views.graph_hidden.copy_(views.hidden, non_blocking=True)
     stage_row_inputs(staging, views, merged, adapter_rows)
     out = graphs.run(rows, group[0].session.layers, adapters=adapter_rows is not None, reset=False)  # [rows, H]
     advance_lengths(group)
     views.out.copy_(out, non_blocking=True)
-    done = staging.mark(torch.cuda.current_stream(graphs.hidden.device))
-    return PendingDecode(staging, done, rows, merged.splits, h, dtype)  # the set's owner until its output is out
+    done = staging.mark(stream)
+    return PendingDecode(staging, done, rows, merged.splits, h, dtype, start)  # the set's owner until it is out
 
 
 @dataclass(eq=False)

@@ -426,7 +426,8 @@ class Runtime:
             # busy time: from the launch, or from the end of the batch before it if that ran on the device meanwhile
             launched.elapsed_s = done_s - max(launched.started_s, self._last_done_s)
             self._last_done_s = done_s
-            self._account(batch[0].kind, _steps(batch), launched.elapsed_s)
+            device_s = launched.handle.device_s if launched.handle is not None else None
+            self._account(batch[0].kind, _steps(batch), launched.elapsed_s, device_s)
         launched.results = results
         return results
 
@@ -443,10 +444,9 @@ class Runtime:
             self._account(batch[0].kind, _steps(batch), time.perf_counter() - started)
         return results
 
-    def _account(self, kind: str, num_steps: int, elapsed_s: float) -> None:
+    def _account(self, kind: str, num_steps: int, elapsed_s: float, device_s: float | None = None) -> None:
         """Adds a batch to its kind's totals and tells the observers (with `_executing` held)."""
-        old = self._kind_stats.get(kind, KindStats())
-        self._kind_stats[kind] = KindStats(old.batches + 1, old.tasks + num_steps, old.busy_s + elapsed_s)
+        self._kind_stats[kind] = self._kind_stats.get(kind, KindStats()).plus(num_steps, elapsed_s, device_s)
         for observer in list(self._observers):
             try:
                 observer(kind, num_steps, elapsed_s)

@@ -61,14 +61,29 @@ class Task:
 @dataclass(frozen=True)
 class KindStats:
     """Totals for one task kind since the runtime started: batches run, steps in them (`Task.steps`: a frame task
-    counts its steps), seconds spent running them."""
+    counts its steps), seconds spent running them as the runtime thread sees it (from a launch, or the end of the
+    batch before it, to the results in hand: it includes any time the thread was late to collect them), and, for
+    batches whose device time was measured on the device (`PendingBatch.device_s`), that time and their count."""
 
     batches: int = 0
     tasks: int = 0  # steps
     busy_s: float = 0.0
+    device_s: float = 0.0  # the device's own seconds on the `device_timed` batches
+    device_timed: int = 0
 
     def since(self, earlier: KindStats) -> KindStats:
-        return KindStats(self.batches - earlier.batches, self.tasks - earlier.tasks, self.busy_s - earlier.busy_s)
+        return KindStats(
+            self.batches - earlier.batches, self.tasks - earlier.tasks, self.busy_s - earlier.busy_s,
+            self.device_s - earlier.device_s, self.device_timed - earlier.device_timed,
+        )  # fmt: skip
+
+    def plus(self, num_steps: int, elapsed_s: float, device_s: float | None = None) -> KindStats:
+        """These totals and one more batch of `num_steps` steps."""
+        timed = device_s is not None
+        return KindStats(
+            self.batches + 1, self.tasks + num_steps, self.busy_s + elapsed_s,
+            self.device_s + (device_s or 0.0), self.device_timed + timed,
+        )  # fmt: skip
 
     @property
     def tasks_per_batch(self) -> float:
@@ -81,6 +96,11 @@ class PendingBatch(Protocol):
     (an exception instance fails only that task); raising fails the whole batch."""
 
     def wait(self) -> Sequence[object]: ...
+
+    @property
+    def device_s(self) -> float | None:
+        """Once waited for: the device's own seconds on the batch (events recorded on its stream before its first
+        copy in and after its last copy out), or None where not measured."""
 
 
 # Queues a batch on the device and returns at once, or returns None (nothing done: the batch runs through the
