@@ -108,7 +108,7 @@ class LoadTable:
     def place(self, own: int) -> int:
         """The process a connection accepted by `own` goes to (`own` unless another serves fewer; the first of the
         least loaded), counted there."""
-        self._check(own)
+        self.check_index(own)
         with self._locked() as counts:
             least = min(range(len(counts)), key=counts.__getitem__)
             target = own if counts[own] <= counts[least] else least
@@ -117,25 +117,26 @@ class LoadTable:
 
     def move(self, source: int, target: int) -> None:
         """A connection counted on `source` is served by `target` instead (a hand-off that could not be sent)."""
-        self._check(source)
-        self._check(target)
+        self.check_index(source)
+        self.check_index(target)
         with self._locked() as counts:
             counts[source] -= 1
             counts[target] += 1
 
     def release(self, index: int) -> None:
         """A connection of process `index` ended."""
-        self._check(index)
+        self.check_index(index)
         with self._locked() as counts:
             counts[index] -= 1
 
     def reset(self, index: int) -> None:
         """Process `index` starts with no connection (a replacement's predecessor's died with it)."""
-        self._check(index)
+        self.check_index(index)
         with self._locked() as counts:
             counts[index] = 0
 
-    def _check(self, index: int) -> None:
+    def check_index(self, index: int) -> None:
+        """ValueError unless `index` names one of the table's processes."""
         if not 0 <= index < self.num_slots:
             raise ValueError(f"process index {index} outside the table's {self.num_slots} slots")
 
@@ -167,7 +168,7 @@ class ConnectionHandoff:
         self.directory = directory
         self.index = index
         self.table = LoadTable(directory / TABLE_NAME)
-        self.table._check(index)
+        self.table.check_index(index)
         self.sent = 0
         self.received = 0
         self._outbox = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
