@@ -17,16 +17,13 @@ goes through `corolla-bench --users ...` (see `cli.py`).
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing
-import os
 import queue
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, astuple, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -34,6 +31,7 @@ import torch
 from corolla.bench.measure import median, percentile
 from corolla.bench.model import ModelShape
 from corolla.bench.users_clients import CLIENT_KINDS, ClientJob, ClientKind, CpuSplit, client_process, pinned
+from corolla.bench.users_timeline import saved_timeline_summary, timeline_dir
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -357,7 +355,7 @@ def run_users(
     for p in processes:
         p.start()
     collected: list[dict] = []
-    timeline = _timeline_dir()
+    timeline = timeline_dir()
     try:
         deadline = time.monotonic() + config.start_timeout_s
         opened = 0
@@ -401,58 +399,8 @@ def run_users(
     result.reply_thread = server.reply_thread
     result.cpu_us_per_step = _cpu_per_step(cpu_server, collected, result.sessions_finished * config.decode_steps)
     if timeline is not None:
-        result.timeline_ms = _timeline_summary(timeline, config.sessions)
+        result.timeline_ms = saved_timeline_summary(timeline, config.sessions)
     return result
-
-
-def _timeline_dir() -> Path | None:
-    """Where this run's handler processes save their step timelines (`--timeline`), or None."""
-    from corolla.server.step_timeline import TIMELINE_ENV
-
-    directory = os.environ.get(TIMELINE_ENV)
-    return Path(directory) if directory else None
-
-
-def _timeline_summary(directory: Path, sessions: int, wait_s: float = 5.0) -> dict[str, float]:
-    """`timeline_summary` once every session's stream has been saved (a handler process saves a stream as it ends,
-    after the client closed it), or after `wait_s`."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        saved = sum(len(p.read_text().splitlines()) for p in directory.glob("timeline-*.jsonl"))
-        if saved >= sessions:
-            break
-        time.sleep(0.05)
-    return timeline_summary(directory)
-
-
-TIMELINE_SKIP_STEPS = 2  # a stream's first steps (its prefill) are not decode steps
-
-
-def timeline_summary(directory: Path) -> dict[str, float]:
-    """Medians and 90th percentiles (ms) over every saved stream's decode steps with all four stamps
-    (`server.step_timeline`): the handler's own part before and after the device, the device channel's round trip,
-    and the client's turnaround as the server sees it (a response written to the next request read: the client's
-    work, both transits and any wait of the handler's loop to read)."""
-    from corolla.server.step_timeline import IN
-
-    parts: dict[str, list[float]] = {"handler_in": [], "device_round_trip": [], "handler_out": [], "client_turn": []}
-    for path in sorted(directory.glob("timeline-*.jsonl")):
-        for line in path.read_text().splitlines():
-            rows = [r for r in json.loads(line)[TIMELINE_SKIP_STEPS:] if len(r) == 4]
-            for i, (t_in, sent, back, out) in enumerate(rows):
-                if not (sent and back and out):
-                    continue
-                parts["handler_in"].append((sent - t_in) / 1e6)
-                parts["device_round_trip"].append((back - sent) / 1e6)
-                parts["handler_out"].append((out - back) / 1e6)
-                if i + 1 < len(rows):
-                    parts["client_turn"].append((rows[i + 1][IN] - out) / 1e6)
-    summary: dict[str, float] = {}
-    for name, values in parts.items():
-        summary[f"{name}_p50_ms"] = percentile(values, 0.5) if values else float("nan")
-        summary[f"{name}_p90_ms"] = percentile(values, 0.9) if values else float("nan")
-    summary["steps"] = float(len(parts["device_round_trip"]))
-    return summary
 
 
 def _cpu_per_step(server_s: dict[str, float], collected: list[dict], steps: int) -> dict[str, float]:
