@@ -3,6 +3,7 @@ CPUs this machine has, and `pinned` putting every thread of the process on a set
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -63,3 +64,45 @@ def test_pinned_moves_every_thread_and_restores() -> None:
     assert frozenset(os.sched_getaffinity(0)) == before
     with pinned(None):
         assert frozenset(os.sched_getaffinity(0)) == before
+
+
+def test_runtime_cpus_are_some_of_the_servers() -> None:
+    split = CpuSplit.parse("10-15", MACHINE).with_runtime("0,8")
+    assert split.runtime == frozenset({0, 8}) and split.server_rest == frozenset({1, 2, 3, 4, 5, 6, 7, 9})
+    assert "runtime thread alone runs on 0,8" in split.describe() and "on 1-7,9" in split.describe()
+    for bad in ("12", "0-9", "9-10"):  # a client's CPU, all of the server's, partly a client's
+        with pytest.raises(ValueError, match="some, not all, of the server's CPUs 0-9"):
+            CpuSplit.parse("10-15", MACHINE).with_runtime(bad)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_runtime_thread_runs_alone_on_its_cpus() -> None:
+    from corolla.bench.users_clients import isolate_runtime_thread
+
+    before = frozenset(os.sched_getaffinity(0))
+    runtime_cpu, rest = min(before), before - {min(before)}
+    split = CpuSplit(frozenset(), before, frozenset({runtime_cpu}))
+    ready, done = threading.Event(), threading.Event()
+    seen: list[frozenset[int]] = []
+
+    def runtime_thread() -> None:
+        ready.set()
+        done.wait(10)
+        seen.append(frozenset(os.sched_getaffinity(0)))
+
+    thread = threading.Thread(target=runtime_thread)
+    thread.start()
+    ready.wait(10)
+    try:
+        assert thread.native_id is not None
+        isolate_runtime_thread(split, thread.native_id, [])
+        assert frozenset(os.sched_getaffinity(0)) == rest  # this (main) thread: the rest of the server's
+        done.set()
+        thread.join(10)
+        assert seen == [frozenset({runtime_cpu})]
+    finally:
+        done.set()
+        for tid in os.listdir("/proc/self/task"):  # every thread of the test process back on its CPUs
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), before)
+    assert frozenset(os.sched_getaffinity(0)) == before

@@ -30,7 +30,15 @@ import torch
 
 from corolla.bench.measure import median, percentile
 from corolla.bench.model import ModelShape
-from corolla.bench.users_clients import CLIENT_KINDS, ClientJob, ClientKind, CpuSplit, client_process, pinned
+from corolla.bench.users_clients import (
+    CLIENT_KINDS,
+    ClientJob,
+    ClientKind,
+    CpuSplit,
+    client_process,
+    isolate_runtime_thread,
+    pinned,
+)
 from corolla.bench.users_timeline import saved_timeline_summary, timeline_dir
 from corolla.utils.logging import get_logger
 
@@ -116,6 +124,7 @@ class UsersResult:
     client: str = "petals"  # the client kind (users_clients.CLIENT_KINDS)
     client_cpus: list[int] = field(default_factory=list)  # CPUs of the client processes (empty: not pinned)
     server_cpus: list[int] = field(default_factory=list)  # CPUs of the server side (empty: not pinned)
+    runtime_cpus: list[int] = field(default_factory=list)  # of those, the runtime thread's alone (empty: shared)
     # where a step's time went in the handler processes (`--timeline`: `timeline_summary`), ms
     timeline_ms: dict[str, float] = field(default_factory=dict)
     sessions_per_handler: list[int] = field(default_factory=list)  # this row's sessions opened by each process
@@ -256,6 +265,10 @@ class BenchServer:
             service.handler.configure_limits(PeerLimits(max_sessions_per_peer=0, max_kv_fraction_per_peer=1.0))
             on_loop(service.start(p2p))
             self.service = service
+            if self.cpus is not None and self.cpus.runtime:  # the runtime thread and handler processes exist now
+                thread_id = self.runtime.thread.native_id if self.runtime.thread is not None else None
+                assert thread_id is not None, "the runtime thread is running"
+                isolate_runtime_thread(self.cpus, thread_id, service.pool.pids if service.pool is not None else [])
             self.maddrs = [str(m) for m in on_loop(p2p.get_visible_maddrs())]
             self.peer_id_b58 = p2p.peer_id.to_base58()
             yield self
@@ -394,6 +407,7 @@ def run_users(
     result = _summarize(config, serving_path, collected, before, after, started, ended)
     if server.cpus is not None:
         result.client_cpus, result.server_cpus = sorted(server.cpus.clients), sorted(server.cpus.server)
+        result.runtime_cpus = sorted(server.cpus.runtime)
     result.num_handlers = server.num_handlers
     result.sessions_per_handler = opened_per_handler
     result.reply_thread = server.reply_thread

@@ -88,6 +88,7 @@ class CpuSplit:
 
     clients: frozenset[int]
     server: frozenset[int]
+    runtime: frozenset[int] = frozenset()  # of the server's: the runtime thread's alone (empty: shares them)
 
     @classmethod
     def parse(cls, text: str, available: frozenset[int] | None = None) -> CpuSplit:
@@ -107,11 +108,43 @@ class CpuSplit:
             )
         return cls(clients, server)
 
+    def with_runtime(self, text: str) -> CpuSplit:
+        """The same with the runtime thread alone on `text`'s CPUs (some of the server's; list a core's SMT sibling
+        too to keep it free), every other server-side thread and process on the rest of the server's."""
+        runtime = parse_cpu_list(text)
+        if not runtime <= self.server or runtime == self.server:
+            raise ValueError(
+                f"--runtime_cpus {text!r}: must be some, not all, of the server's CPUs {format_cpus(self.server)}"
+            )
+        return CpuSplit(self.clients, self.server, runtime)
+
+    @property
+    def server_rest(self) -> frozenset[int]:
+        """The server side's CPUs but the runtime thread's own."""
+        return self.server - self.runtime
+
     def describe(self) -> str:
-        return (
+        text = (
             f"client processes and their p2pd daemons pinned to CPUs {format_cpus(self.clients)}; the server side "
             f"(bench process, its p2pd, handler processes, their forkserver) to CPUs {format_cpus(self.server)}"
         )
+        if self.runtime:
+            text += (
+                f", of which the runtime thread alone runs on {format_cpus(self.runtime)} (every other server-side "
+                f"thread and handler process on {format_cpus(self.server_rest)})"
+            )
+        return text
+
+
+def isolate_runtime_thread(cpus: CpuSplit, runtime_tid: int, handler_pids: list[int]) -> None:
+    """Puts the runtime thread (native id `runtime_tid`) alone on `cpus.runtime` and every other thread of this
+    process and of the handler processes on `cpus.server_rest` (the server's p2pd daemon keeps the server's CPUs)."""
+    for pid in [os.getpid(), *handler_pids]:
+        with contextlib.suppress(FileNotFoundError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setaffinity(int(tid), cpus.server_rest)
+    os.sched_setaffinity(runtime_tid, cpus.runtime)
 
 
 def _set_all_threads(cpus: frozenset[int] | set[int]) -> None:

@@ -154,6 +154,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--client_cpus", default="", help="CPUs of the client processes and their p2pd daemons, e.g. 10-15 or "
         "12,13,14,15 (emulates clients on other machines); the server side runs on the other CPUs (default: no pinning)",
     )  # fmt: skip
+    p.add_argument(
+        "--runtime_cpus", default="", help="with --client_cpus: some of the server's CPUs for the device runtime "
+        "thread alone (e.g. 0,16: a core and its SMT sibling); the rest of the server side runs on the others",
+    )  # fmt: skip
     p.add_argument("--serving_paths", default="fast,plain")
     p.add_argument("--prefix_tokens", type=int, default=32)
     p.add_argument("--decode_steps", type=int, default=32)
@@ -183,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--clients {args.clients!r}: unknown {sorted(unknown)}; choose from {', '.join(CLIENT_KINDS)}"
         )
     cpus = CpuSplit.parse(args.client_cpus) if args.client_cpus else None  # ValueError before anything is built
+    if args.runtime_cpus:
+        if cpus is None:
+            raise ValueError("--runtime_cpus needs --client_cpus (it takes some of the server side's CPUs)")
+        cpus = cpus.with_runtime(args.runtime_cpus)
     if args.timeline:  # before the forkserver starts: the handler processes read it when they import
         os.environ[TIMELINE_ENV] = tempfile.mkdtemp(prefix="corolla-timeline-")
     if args.torch_threads:
