@@ -1,8 +1,8 @@
 """Direct-port connections placed by load over the handler processes (`--num_handlers` N > 1).
 
 Every handler process listens on the server's one direct port (`SO_REUSEPORT`), and the kernel picks the process of
-a new connection by a hash of its addresses, i.e. at random: 64 sessions over 4 processes land 12-22 on one, and
-the busiest process's streams wait behind each other. Here the process that accepted a connection looks up, before
+a new connection by a hash of its addresses, i.e. at random: of 64 sessions the busiest of 4 processes serves ~20
+on average (23 or more one time in ten), and its streams wait behind each other. Here the process that accepted a connection looks up, before
 reading a byte of it, how many direct connections each process serves (`LoadTable`) and, where another serves
 fewer, sends the socket there (`ConnectionHandoff`: SCM_RIGHTS over that process's unix datagram socket); the
 connection says its hello there as if it had been accepted there. Ties stay where they were accepted.
