@@ -7,10 +7,11 @@ stream bytes, idle timeouts) are that peer's, as on p2p.
 A one-process server listens in its device process; with `--num_handlers` N > 1 every handler process listens on the
 same port (`SO_REUSEPORT`) with the same ticket secret, and a process that accepts a connection while another serves
 fewer hands it there before reading from it (`connection_balance`: the kernel alone would spread them at random).
-The endpoint accepts itself (`loop.sock_accept`), so that a connection is placed before any transport reads it. Before a ticket is
-checked a connection holds nothing but its socket: at most `MAX_PENDING_HELLOS` such connections, each for at most
-`HELLO_TIMEOUT_S`; after it, at most `max_sessions_per_peer` + `SPARE_CONNECTIONS_PER_PEER` connections per peer and
-`max_sessions_total` in all."""
+The endpoint accepts itself (`loop.sock_accept`), so that a connection is placed before any transport reads it.
+
+Before a ticket is checked a connection holds nothing but its socket: at most `MAX_PENDING_HELLOS` such connections,
+each for at most `HELLO_TIMEOUT_S`; after it, at most `max_sessions_per_peer` + `SPARE_CONNECTIONS_PER_PEER`
+connections per peer and `max_sessions_total` in all."""
 
 from __future__ import annotations
 
