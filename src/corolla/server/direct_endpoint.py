@@ -20,7 +20,7 @@ import os
 import socket
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
@@ -33,6 +33,9 @@ from corolla.server.peer_auth import PeerAuth, info_uid, remote_peer
 from corolla.server.stream_endpoint import HELLO_TIMEOUT_S, Connections, check_hello, read_hello, serve_inference
 from corolla.server.stream_guard import StreamLease
 from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from corolla.server.handler import TransformerConnectionHandler
 
 logger = get_logger(__name__)
 
@@ -110,7 +113,7 @@ class DirectEndpoint:
 
     def __init__(
         self,
-        handler: Any,
+        handler: TransformerConnectionHandler,
         peer_id: PeerID,
         listen: DirectListen,
         secret: ds.TicketSecret,

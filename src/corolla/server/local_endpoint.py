@@ -12,13 +12,16 @@ import asyncio
 import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2PContext, PeerID
 
 from corolla.protocol import local_stream as ls
 from corolla.server.stream_endpoint import Connections, PlainFrames, check_hello, read_hello, serve_inference
 from corolla.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from corolla.server.handler import TransformerConnectionHandler
 
 logger = get_logger(__name__)
 
@@ -27,7 +30,14 @@ class LocalEndpoint:
     """A unix-socket listener for the handler of one span; `start()` returns False (and serves nothing) where the
     socket dir is not private to this user or the path does not fit a unix socket."""
 
-    def __init__(self, handler: Any, peer_id: Any, *, directory: Path | None = None, index: int | None = None):
+    def __init__(
+        self,
+        handler: TransformerConnectionHandler,
+        peer_id: PeerID,
+        *,
+        directory: Path | None = None,
+        index: int | None = None,
+    ):
         self.handler = handler
         self.index = index  # handler process index (its own socket), None: the server's one socket
         self.peer_id = peer_id  # hivemind PeerID (handed to the handler as the context's local id)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2PContext
@@ -26,6 +26,9 @@ from corolla.server import step_timeline
 from corolla.server.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.limits import StreamStalled
 from corolla.server.stream_guard import StreamLease, within_idle
+
+if TYPE_CHECKING:
+    from corolla.server.handler import TransformerConnectionHandler
 
 HELLO_TIMEOUT_S = 5.0  # a connection that has not said hello by then is dropped
 SERVED_RPCS = ("rpc_inference",)
@@ -175,7 +178,7 @@ async def read_frame(
 
 
 async def serve_inference(
-    handler: Any,
+    handler: TransformerConnectionHandler,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     context: P2PContext,
