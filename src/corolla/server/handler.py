@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import torch
@@ -58,9 +58,11 @@ logger = get_logger(__name__)
 
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 _T = TypeVar("_T")
+# a unary or gathered-stream RPC's work: (uid, tensors, raw metadata, peer key) -> its output records
+_Compute = Callable[[str, list[torch.Tensor], bytes, str], Awaitable[list[runtime_pb2.Tensor]]]
 
 
-async def _await_within(coro: Any, timeout_s: float) -> Any:
+async def _await_within(coro: Awaitable[_T], timeout_s: float) -> _T:
     """`await coro` with a deadline (TimeoutError past it). On Python >= 3.11 without the task of its own and the
     extra loop iterations that `asyncio.wait_for` costs each step."""
     if _timeout is None:
@@ -225,11 +227,13 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         for response in stream_response(outputs):
             yield response
 
-    async def _unary(self, compute: Any, request: runtime_pb2.ExpertRequest, context: Any) -> list[runtime_pb2.Tensor]:
+    async def _unary(
+        self, compute: _Compute, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> list[runtime_pb2.Tensor]:
         return await compute(request.uid, bf.deserialize_request(request.tensors), request.metadata, peer_key(context))
 
     async def _streamed(
-        self, compute: Any, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: Any
+        self, compute: _Compute, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> list[runtime_pb2.Tensor]:
         uid, serialized, metadata = await gather_stream(
             requests, request_timeout_s=self.timeouts.request_timeout_s, max_stream_bytes=self.max_stream_bytes
@@ -240,7 +244,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         """Logs and counts a refused request by reason (`refusals`: by the error's type)."""
         self.refusals.record(name, error)
 
-    async def _run_logged(self, name: str, coro: Any) -> Any:
+    async def _run_logged(self, name: str, coro: Awaitable[_T]) -> _T:
         try:
             return await coro
         except asyncio.TimeoutError:
