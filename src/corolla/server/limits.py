@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from hivemind.p2p import P2PContext
+
 from corolla.utils.errors import AllocationFailed
 
 LOCAL_PEER = "local"  # every client of the same-host unix socket (one user: the socket dir is private to it)
@@ -122,13 +124,11 @@ LIMIT_REASONS = (
 )
 
 
-def peer_key(context: Any) -> str:
-    """The peer a request counts against: its authenticated libp2p id, or `LOCAL_PEER` for the unix socket."""
-    remote = getattr(context, "remote_id", None)
-    if remote is None:
-        return LOCAL_PEER
-    to_base58 = getattr(remote, "to_base58", None)
-    return to_base58() if to_base58 is not None else str(remote)
+def peer_key(context: P2PContext | None) -> str:
+    """The peer a request counts against: its authenticated libp2p id, or `LOCAL_PEER` for the unix socket (no
+    context, or one without a remote peer)."""
+    remote = context.remote_id if context is not None else None
+    return LOCAL_PEER if remote is None else remote.to_base58()
 
 
 LIMIT_FLAG_HELP = {
