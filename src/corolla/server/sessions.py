@@ -8,14 +8,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.metadata import InferenceRequestMetadata
+from corolla.server.admission import SessionTicket
 from corolla.server.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.executor import SessionCache
-from corolla.server.limits import DuplicateStep
+from corolla.server.limits import DuplicateStep, SessionEvicted
 from corolla.server.peer_auth import SessionPushGuard, screen_step
 from corolla.utils.logging import get_logger
 
@@ -50,7 +50,7 @@ class SessionState:
     seen_step_ids: set[str] = field(default_factory=set)
     direct_step_ids: set[str] = field(default_factory=set)  # steps the client itself sent (not only pushed)
     num_late_pushes: int = 0
-    ticket: Any = None  # admission.SessionTicket: idle time and eviction
+    ticket: SessionTicket | None = None  # idle time and eviction (None: not admitted through `admission`)
     last_step_id: str | None = None
     last_output: runtime_pb2.Tensor | None = None
     resend_pending: bool = False  # the step being yielded is the client's re-send of a step already answered
@@ -199,9 +199,16 @@ async def _next_client_or_end(
         if evicted is not None:
             evicted.remove_done_callback(evict_now)
     if evicted is not None and evicted.done():  # idle under memory pressure: end with a clear error
-        raise session.ticket.eviction
+        raise _eviction(session)
     _nothing_came(session, timeouts, deadline)
     return None
+
+
+def _eviction(session: SessionState) -> SessionEvicted:
+    """The error an evicted session ends with (its ticket's, set with the `evicted` event waited for)."""
+    ticket = session.ticket
+    assert ticket is not None and ticket.eviction is not None
+    return ticket.eviction
 
 
 def _nothing_came(session: SessionState, timeouts: SessionTimeouts, deadline: float) -> None:
@@ -280,7 +287,7 @@ async def iterate_steps(
                 _nothing_came(session, timeouts, deadline)
                 return
             if evicted is not None and evicted in done:  # idle under memory pressure: end with a clear error
-                raise session.ticket.eviction
+                raise _eviction(session)
             if client_next in done:
                 request = client_next.result()
                 client_next = None
