@@ -20,6 +20,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
+from corolla.client.config import ClientConfig
 from corolla.client.direct_transport import DirectInferenceStream
 from corolla.client.forwarding import is_pushed_reply
 from corolla.client.framed_socket import FramedSocketStream
@@ -69,7 +70,7 @@ def steps_in_flight() -> Iterator[None]:
             _steps_in_flight -= 1
 
 
-def _poll_s(config: Any) -> float:
+def _poll_s(config: ClientConfig) -> float:
     """How long to poll for a response instead of sleeping: `busy_poll_ms`, but only while this is the process's
     only step in flight (a polling thread delays every other Python thread's GIL hand-over by up to 5 ms)."""
     return config.busy_poll_ms / 1000 if config.busy_poll_ms > 0 and _steps_in_flight == 1 else 0.0
