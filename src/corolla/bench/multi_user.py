@@ -128,6 +128,7 @@ class UsersResult:
     # where a step's time went in the handler processes (`--timeline`: `timeline_summary`), ms
     timeline_ms: dict[str, float] = field(default_factory=dict)
     sessions_per_handler: list[int] = field(default_factory=list)  # this row's sessions opened by each process
+    repeat: int = 0  # which of `--repeats` measured it
     # measured on the device (CUDA events around each launched forward; nan where none was): the share of the
     # window it spent on forwards, and a merged forward's own time (`merged_forward_ms` is the runtime thread's view)
     device_time_share: float = float("nan")

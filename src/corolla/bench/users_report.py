@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from corolla.bench.measure import median
 from corolla.bench.model import ModelShape
 from corolla.bench.multi_user import BenchServer, UsersConfig, UsersResult, build_executor, run_users
 from corolla.bench.users_clients import CLIENT_DESCRIPTIONS, CLIENT_KINDS, CpuSplit, format_cpus
@@ -40,12 +41,12 @@ def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lone = {
-        (r.serving_path, r.num_handlers, r.transport, r.client): r.aggregate_tokens_per_s
+        (r.serving_path, r.num_handlers, r.transport, r.client, r.repeat): r.aggregate_tokens_per_s
         for r in rows
         if r.sessions == 1
     }
     for r in rows:
-        base = lone.get((r.serving_path, r.num_handlers, r.transport, r.client))
+        base = lone.get((r.serving_path, r.num_handlers, r.transport, r.client, r.repeat))
         ratio = f"{r.aggregate_tokens_per_s / base:.1f}x" if base else "-"
         cpu = " / ".join(f"{r.cpu_us_per_step.get(k, float('nan')):.0f}"
                          for k in (RUNTIME_THREAD, LOOP_THREAD, CHANNEL_THREADS, HANDLERS, CLIENTS))  # fmt: skip
@@ -69,6 +70,22 @@ def _engine_row(executor: DeviceExecutor, sessions: int, prefix_tokens: int, ste
         return None
     engine = executor.engine
     return engine_bench.concurrent_sessions(engine, sessions=sessions, prefix_tokens=prefix_tokens, steps=steps)
+
+
+def _engine_rows(
+    executor: DeviceExecutor,
+    runs: list[ServerRun],
+    args: argparse.Namespace,
+    engine_rows: list[dict],
+    started: float,
+    repeat: int,
+) -> None:
+    """The in-process engine's rows of one repeat, one per session count of the runs."""
+    for n in sorted({n for run in runs for n in run.counts}):
+        r = _engine_row(executor, n, args.prefix_tokens, args.decode_steps)
+        if r is not None:
+            engine_rows.append({**r, "repeat": repeat})
+            print(f"[{time.perf_counter() - started:6.1f}s] in-process engine: {json.dumps(r)}", flush=True)
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "handler channels reply from writer threads)",
     )  # fmt: skip
     p.add_argument("--sessions", default="1,16")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="measure everything this many times, alternating: each repeat the "
+        "in-process engine's rows, then every server's; the ratios of each repeat and their median in the notes",
+    )  # fmt: skip
     p.add_argument("--processes", type=int, default=4, help="client processes (sessions are spread over them)")
     p.add_argument("--transports", default="p2p,socket")
     p.add_argument(
@@ -179,6 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     if args.cpu == bool(args.gpu_layers):
         raise SystemExit("pass --cpu (the CPU shape, float32) or --gpu_layers N (Llama-3-8B layers, bf16, cuda)")
     unknown = set(args.clients.split(",")) - set(CLIENT_KINDS)
@@ -221,20 +244,23 @@ def main(argv: list[str] | None = None) -> int:
             ServerRun(int(x), None, counts) for x in args.num_handlers.split(",")
         ]
         default_gather = executor.runtime.gather.settings
-        for i, run in enumerate(runs):
-            fraction = run.gather_fraction
-            settings = default_gather if fraction is None else GatherSettings(fraction, default_gather.quantile)
-            executor.runtime.gather = GatherRule(settings)
-            server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
-                                 dtype=dtype, device=device, num_handlers=run.num_handlers,
-                                 reply_thread=run.reply_thread, cpus=cpus)  # fmt: skip
-            _measure(server, args, run.counts, path, rows, started, last=i == len(runs) - 1)
-        if path == "fast":
-            for n in sorted({n for run in runs for n in run.counts}):
-                r = _engine_row(executor, n, args.prefix_tokens, args.decode_steps)
-                if r is not None:
-                    engine_rows.append(r)
-                    print(f"[{time.perf_counter() - started:6.1f}s] in-process engine: {json.dumps(r)}", flush=True)
+        for repeat in range(args.repeats):
+            if path == "fast" and args.repeats > 1:  # alternated with the servers' rows (else after them, as before)
+                _engine_rows(executor, runs, args, engine_rows, started, repeat)
+            for i, run in enumerate(runs):
+                fraction = run.gather_fraction
+                settings = default_gather if fraction is None else GatherSettings(fraction, default_gather.quantile)
+                executor.runtime.gather = GatherRule(settings)
+                server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
+                                     dtype=dtype, device=device, num_handlers=run.num_handlers,
+                                     reply_thread=run.reply_thread, cpus=cpus)  # fmt: skip
+                measured = len(rows)
+                last = repeat == args.repeats - 1 and i == len(runs) - 1  # the runtime does not start twice
+                _measure(server, args, run.counts, path, rows, started, last=last)
+                for row in rows[measured:]:
+                    row.repeat = repeat
+        if path == "fast" and args.repeats == 1:
+            _engine_rows(executor, runs, args, engine_rows, started, 0)
         del executor
     where = f"{_gpu_name()}, bfloat16"
     if args.cpu:
@@ -268,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row.step_median_ms:.2f} ms = server-side step {step_ms:.2f} ms + {row.step_median_ms - step_ms:.2f} ms"
                 )
     for r in engine_rows:
+        repeat = f" (repeat {r['repeat'] + 1})" if args.repeats > 1 else ""
         notes.append(
-            f"in-process engine (ContinuousBatcher in one process, no RPC; its own row): {r['sessions']} sessions "
+            f"in-process engine (ContinuousBatcher in one process, no RPC; its own row){repeat}: {r['sessions']} sessions "
             f"{r['aggregate_tokens_per_s']:.1f} tok/s, client step median {r['client_step_median_ms']:.1f} ms, "
             f"merged step {r['merged_step_ms']:.1f} ms"
         )
@@ -298,14 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['handler_out_p50_ms']:.2f} / {t['handler_out_p90_ms']:.2f}, client turnaround (response "
                 f"written to next request read) {t['client_turn_p50_ms']:.2f} / {t['client_turn_p90_ms']:.2f}"
             )
-    engine_by_sessions = {r["sessions"]: r["aggregate_tokens_per_s"] for r in engine_rows}
-    for row in rows:
-        if row.sessions > 1 and engine_by_sessions.get(row.sessions):
-            notes.append(
-                f"{row.sessions} sessions, {row.num_handlers} handler process(es), gather {row.gather_fraction:g}, "
-                f"{row.transport}, {row.client} client: {row.aggregate_tokens_per_s / engine_by_sessions[row.sessions]:.2f}x the "
-                "in-process engine's aggregate"
-            )
+    notes += ratio_notes(rows, engine_rows)
     title = "Many users at once through one server (" + ("CPU" if args.cpu else _gpu_name()) + ")"
     text = markdown(rows, title=title, notes=notes)
     print(text)
@@ -318,3 +338,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"wrote {out / stem}.md/.json")
     return 0
+
+
+def ratio_notes(rows: list[UsersResult], engine_rows: list[dict]) -> list[str]:
+    """Each many-session row's aggregate over the in-process engine's of the same session count and repeat; with
+    several repeats, one line per configuration: every repeat's ratio and their median."""
+    engine = {(r["sessions"], r.get("repeat", 0)): r["aggregate_tokens_per_s"] for r in engine_rows}
+    several = any(r.get("repeat", 0) for r in engine_rows)
+    notes: list[str] = []
+    ratios: dict[str, list[float]] = {}
+    for row in rows:
+        base = engine.get((row.sessions, row.repeat))
+        if row.sessions < 2 or not base:
+            continue
+        what = (
+            f"{row.sessions} sessions, {row.num_handlers} handler process(es), gather {row.gather_fraction:g}, "
+            f"{row.transport}, {row.client} client"
+        )
+        ratio = row.aggregate_tokens_per_s / base
+        ratios.setdefault(what, []).append(ratio)
+        repeat = f" (repeat {row.repeat + 1})" if several else ""
+        notes.append(f"{what}{repeat}: {ratio:.2f}x the in-process engine's aggregate")
+    for what, values in ratios.items():
+        if len(values) > 1:
+            notes.append(
+                f"{what}, {len(values)} repeats: "
+                + " / ".join(f"{v:.2f}x" for v in values)
+                + f" the in-process engine (median {median(values):.2f}x)"
+            )
+    return notes
