@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from corolla.server import stream_guard
 from corolla.server.limits import PeerLimitExceeded, PeerLimits
+
+CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
 
 
 class _Writer:
@@ -55,7 +57,7 @@ def test_a_per_message_stream_runs_in_one_task_and_answers_every_message() -> No
         budget = stream_guard.StreamBudget(PeerLimits())
         before = len(asyncio.all_tasks())  # this test's own task
         serving = asyncio.create_task(
-            _handle(echo, budget, rejected)(type("Info", (), {"peer_id": "c"})(), reader, writer)
+            _handle(echo, budget, rejected)(type("Info", (), {"peer_id": CLIENT_PEER})(), reader, writer)
         )
         for uid in ("p.0", "p.1", "p.2"):
             reader.feed_data(_message(uid))
@@ -86,7 +88,7 @@ def test_a_message_over_the_limit_is_refused_after_the_method_ends_and_counted_o
         budget = stream_guard.StreamBudget(PeerLimits(max_stream_message_bytes=200))
         reader.feed_data(_message("p.0") + _message("p.1", filler=500))
         await asyncio.wait_for(
-            _handle(collect, budget, rejected)(type("Info", (), {"peer_id": "c"})(), reader, writer), 5
+            _handle(collect, budget, rejected)(type("Info", (), {"peer_id": CLIENT_PEER})(), reader, writer), 5
         )
         return writer, rejected, budget
 
@@ -109,7 +111,7 @@ def test_a_method_error_is_answered_and_the_rest_of_the_input_is_read_before_clo
         reader.feed_data(_message("p.0") + _message("p.1"))
         asyncio.get_running_loop().call_later(0.05, reader.feed_data, END)
         await asyncio.wait_for(
-            _handle(refuse, budget, rejected)(type("Info", (), {"peer_id": "c"})(), reader, writer), 5
+            _handle(refuse, budget, rejected)(type("Info", (), {"peer_id": CLIENT_PEER})(), reader, writer), 5
         )
         assert not rejected  # the method counts its own refusals
         return writer, reader
@@ -129,7 +131,9 @@ def test_a_caller_that_closes_mid_message_gets_no_answer() -> None:
         budget = stream_guard.StreamBudget(PeerLimits())
         reader.feed_data(_message("p.0")[:-3])
         reader.feed_eof()
-        await asyncio.wait_for(_handle(echo, budget, rejected)(type("Info", (), {"peer_id": "c"})(), reader, writer), 5)
+        await asyncio.wait_for(
+            _handle(echo, budget, rejected)(type("Info", (), {"peer_id": CLIENT_PEER})(), reader, writer), 5
+        )
         assert budget.total_bytes == 0
         return writer, rejected
 

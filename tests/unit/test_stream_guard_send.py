@@ -8,12 +8,14 @@ import time
 
 import pytest
 import torch
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol.codecs import serialize_tensor
 from corolla.server import stream_guard
+
+CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
 
 
 class _Writer:
@@ -95,7 +97,7 @@ def _serve_refusing_stream(end_delay_s: float) -> tuple[_StreamWriter, float]:
             writer.end_sent = True
 
         asyncio.get_running_loop().call_later(end_delay_s, send_end)
-        info = type("StreamInfo", (), {"peer_id": "client"})()
+        info = type("StreamInfo", (), {"peer_id": CLIENT_PEER})()
         started = time.monotonic()
         await asyncio.wait_for(handle(info, reader, writer), 5.0)
         writer.close()  # what hivemind does when the handler returns

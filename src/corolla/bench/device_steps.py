@@ -78,7 +78,8 @@ def _handler(sock: socket.socket, num_sessions: int, cfg: DeviceStepsConfig, bar
     prefix = torch.randn(1, cfg.prefix_tokens, cfg.hidden_size, generator=generator)  # [1, T, H]
     token = torch.randn(1, 1, cfg.hidden_size, generator=generator)  # [1, 1, H]
     io_.round(handles, prefix, 0)
-    barrier.wait(cfg.timeout_s)
+    barrier.wait(cfg.timeout_s)  # every session prefilled
+    barrier.wait(cfg.timeout_s)  # the device side has sampled its clocks: the decode window starts
     for step in range(cfg.rounds):
         io_.round(handles, token, cfg.prefix_tokens + step)
     barrier.wait(cfg.timeout_s)
@@ -224,6 +225,7 @@ def run(cfg: DeviceStepsConfig) -> DeviceStepsResult:
             serving = [asyncio.run_coroutine_threadsafe(c.serve(), loop) for c in channels]
             barrier.wait(cfg.timeout_s)  # every session opened and prefilled
             before = _sample(runtime.thread), clock.seconds, runtime.stats().get(KIND_ENGINE_INFERENCE)
+            barrier.wait(cfg.timeout_s)  # sampled: the handlers start their decode rounds only now
             started = time.monotonic()
             barrier.wait(cfg.timeout_s)  # every decode round answered
             wall_s = time.monotonic() - started
