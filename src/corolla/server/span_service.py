@@ -110,7 +110,10 @@ class SpanService:
         handler = self.handler
         assert isinstance(handler.sessions, DeviceSessionRegistry)
         if self.direct is not None:  # the handler processes place direct-port connections by load
-            self._balance = BalanceDirectory(self.num_handlers)
+            try:
+                self._balance = BalanceDirectory(self.num_handlers)
+            except OSError as e:  # no private temporary directory: the kernel's spread alone
+                logger.warning(f"span_service.direct_balance_unavailable({e!r})")
         settings = HandlerSettings(
             daemon_listen_maddr=str(p2p.daemon_listen_maddr),
             limits=self.limits,
