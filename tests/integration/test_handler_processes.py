@@ -324,3 +324,60 @@ def test_killed_handler_process_is_replaced(server, clients):
     assert all(torch.equal(second, outputs[0][1]) for _, _, second in results)
     executor = server.service.executor
     assert wait_until(lambda: executor.bytes_left == executor.max_size_bytes, 10)
+
+
+def test_direct_port_serves_without_placement_where_no_private_directory_can_be_made(
+    model_path, blocks, tmp_path, monkeypatch
+):
+    """A server whose temporary directory cannot be made (a read-only /tmp, say) still starts with handler processes
+    and a direct port: connections stay where the kernel puts them, and a session over the port gets the blocks'
+    outputs."""
+    from hivemind.proto import runtime_pb2
+    from hivemind.utils import MSGPackSerializer
+
+    from corolla.client.direct_transport import DirectInferenceStream
+    from corolla.protocol import direct_stream as ds
+    from corolla.protocol.rpc import handle_name
+    from corolla.server import span_service
+
+    def unavailable(num_processes: int):
+        raise PermissionError(f"no private directory for {num_processes} processes")
+
+    monkeypatch.setattr(span_service, "BalanceDirectory", unavailable)
+    server = start_inprocess_server(
+        model_path, tmp_path, block_indices=(0, NUM_BLOCKS), num_handlers=2, direct_port=0,
+        inference_max_length_tokens=64, peer_limits=PeerLimits(max_kv_fraction_per_peer=1.0),
+    )  # fmt: skip
+    client = ClientThread(server.join_maddrs, server.peer_id)
+    try:
+        assert server.service.pool is not None and server.service._balance is None
+
+        async def ticket():
+            call = client.p2p.call_protobuf_handler(
+                client.peer_id, handle_name("rpc_direct_ticket"), runtime_pb2.ExpertUID(uid=""),
+                runtime_pb2.ExpertInfo,
+            )  # fmt: skip
+            return ds.DirectOffer.from_dict(MSGPackSerializer.loads((await asyncio.wait_for(call, 10)).serialized_info))
+
+        offer = client.call(ticket())
+        torch.manual_seed(5)
+        prefill, token = torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN)
+
+        async def session():
+            stream = await DirectInferenceStream.open(offer, server.peer_id, timeout_s=10)
+            assert stream is not None, "the direct port refused the ticket"
+            await stream.send(packed_request(chain(server, 0, 4), prefill, max_length=16))
+            first = deserialize_torch_tensor((await asyncio.wait_for(stream.receive(), 30)).tensors[0])
+            await stream.send(packed_request(chain(server, 0, 4), token, start_from_position=3))
+            second = deserialize_torch_tensor((await asyncio.wait_for(stream.receive(), 30)).tensors[0])
+            await stream.send_end()
+            stream.close()
+            return first, second
+
+        first, second = asyncio.run(session())
+        whole = local_forward(blocks, 0, 4, torch.cat([prefill, token], dim=1))
+        torch.testing.assert_close(first, whole[:, :3], atol=1e-4, rtol=0)
+        torch.testing.assert_close(second, whole[:, 3:], atol=1e-4, rtol=0)
+    finally:
+        client.close()
+        server.shutdown()
