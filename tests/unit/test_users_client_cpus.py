@@ -3,7 +3,6 @@ CPUs this machine has, and `pinned` putting every thread of the process on a set
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 
@@ -41,25 +40,35 @@ def test_unknown_cpus_and_no_cpu_left_for_the_server_are_refused() -> None:
         CpuSplit.parse(str(max(have) + 1))  # default: the CPUs this process may run on
 
 
+class _AffinityWitness:
+    """A thread started now that, once `report()` is called, notes the CPUs it may run on and ends."""
+
+    def __init__(self) -> None:
+        self.seen: list[frozenset[int]] = []
+        self._started, self._go = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+        self._started.wait(10)
+
+    def _run(self) -> None:
+        self._started.set()
+        self._go.wait(10)
+        self.seen.append(frozenset(os.sched_getaffinity(0)))
+
+    def report(self) -> list[frozenset[int]]:
+        self._go.set()
+        self.thread.join(10)
+        return self.seen
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_pinned_moves_every_thread_and_restores() -> None:
     before = frozenset(os.sched_getaffinity(0))
     target = frozenset({min(before)})
-    started, done = threading.Event(), threading.Event()
-    seen: list[frozenset[int]] = []
-
-    def worker() -> None:  # a thread that exists before the pin
-        started.set()
-        done.wait(10)
-        seen.append(frozenset(os.sched_getaffinity(0)))
-
-    thread = threading.Thread(target=worker)
-    thread.start()
-    started.wait(10)
+    witness = _AffinityWitness()  # a thread that exists before the pin
     with pinned(target):
         assert frozenset(os.sched_getaffinity(0)) == target
-        done.set()
-        thread.join(10)
+        seen = witness.report()
     assert seen == [target]
     assert frozenset(os.sched_getaffinity(0)) == before
     with pinned(None):
@@ -82,27 +91,10 @@ def test_the_runtime_thread_runs_alone_on_its_cpus() -> None:
     before = frozenset(os.sched_getaffinity(0))
     runtime_cpu, rest = min(before), before - {min(before)}
     split = CpuSplit(frozenset(), before, frozenset({runtime_cpu}))
-    ready, done = threading.Event(), threading.Event()
-    seen: list[frozenset[int]] = []
-
-    def runtime_thread() -> None:
-        ready.set()
-        done.wait(10)
-        seen.append(frozenset(os.sched_getaffinity(0)))
-
-    thread = threading.Thread(target=runtime_thread)
-    thread.start()
-    ready.wait(10)
-    try:
-        assert thread.native_id is not None
-        isolate_runtime_thread(split, thread.native_id, [])
+    with pinned(before):  # every thread of the test process back on its CPUs afterwards
+        runtime_thread = _AffinityWitness()
+        assert runtime_thread.thread.native_id is not None
+        isolate_runtime_thread(split, runtime_thread.thread.native_id, [])
         assert frozenset(os.sched_getaffinity(0)) == rest  # this (main) thread: the rest of the server's
-        done.set()
-        thread.join(10)
-        assert seen == [frozenset({runtime_cpu})]
-    finally:
-        done.set()
-        for tid in os.listdir("/proc/self/task"):  # every thread of the test process back on its CPUs
-            with contextlib.suppress(ProcessLookupError):
-                os.sched_setaffinity(int(tid), before)
+        assert runtime_thread.report() == [frozenset({runtime_cpu})]
     assert frozenset(os.sched_getaffinity(0)) == before

@@ -139,18 +139,16 @@ class CpuSplit:
 def isolate_runtime_thread(cpus: CpuSplit, runtime_tid: int, handler_pids: list[int]) -> None:
     """Puts the runtime thread (native id `runtime_tid`) alone on `cpus.runtime` and every other thread of this
     process and of the handler processes on `cpus.server_rest` (the server's p2pd daemon keeps the server's CPUs)."""
-    for pid in [os.getpid(), *handler_pids]:
-        with contextlib.suppress(FileNotFoundError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(ProcessLookupError):
-                    os.sched_setaffinity(int(tid), cpus.server_rest)
+    for pid in ["self", *handler_pids]:
+        with contextlib.suppress(FileNotFoundError):  # a handler process that ended meanwhile
+            _set_all_threads(cpus.server_rest, pid)
     os.sched_setaffinity(runtime_tid, cpus.runtime)
 
 
-def _set_all_threads(cpus: frozenset[int] | set[int]) -> None:
-    """Every thread of this process (`os.sched_setaffinity(0, ...)` sets only the calling thread's) on `cpus`; threads
-    and processes started later inherit it."""
-    for tid in os.listdir("/proc/self/task"):
+def _set_all_threads(cpus: frozenset[int] | set[int], pid: int | str = "self") -> None:
+    """Every thread of process `pid` (`os.sched_setaffinity(0, ...)` sets only the calling thread's) on `cpus`;
+    threads and processes started later inherit it."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.sched_setaffinity(int(tid), cpus)
 
