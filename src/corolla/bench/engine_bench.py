@@ -84,12 +84,15 @@ def concurrent_sessions(engine: SpanEngine, *, sessions: int, prefix_tokens: int
         # results handed back from the batcher thread through futures
         base = prefix_tokens + steps
         latencies: list[list[float]] = [[] for _ in opened]
+        rates: list[float] = []  # each client's steps over its own window
 
         async def client(k: int) -> None:
+            began = time.perf_counter()
             for i in range(steps):
                 start = time.perf_counter()
                 await batcher.step(opened[k], tokens[i], base + i)
                 latencies[k].append((time.perf_counter() - start) * 1000)
+            rates.append(steps / (time.perf_counter() - began))
 
         async def all_clients() -> float:
             wall_start = time.perf_counter()
@@ -107,8 +110,10 @@ def concurrent_sessions(engine: SpanEngine, *, sessions: int, prefix_tokens: int
             "merged_tokens_per_s": sessions / (median(merged[2:] or merged) / 1000),
             "client_step_median_ms": median(all_lat),
             "client_step_p90_ms": percentile(all_lat, 0.9),
+            "client_step_mean_ms": sum(all_lat) / max(1, len(all_lat)),
             "worst_session_median_ms": max(per_session),
             "aggregate_tokens_per_s": sessions * steps / wall_s,
+            "session_rates_tok_s": sum(rates),
             "mean_batch_rows": sum(rows) / max(1, len(rows)),
         }
     finally:

@@ -39,7 +39,7 @@ from corolla.bench.users_clients import (
     isolate_runtime_thread,
     pinned,
 )
-from corolla.bench.users_timeline import saved_timeline_summary, timeline_dir
+from corolla.bench.users_timeline import saved_timeline_summary, timeline_dir, window_breakdown
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ class UsersResult:
     client_processes: int
     transport: str
     serving_path: str
-    aggregate_tokens_per_s: float
+    aggregate_tokens_per_s: float  # every session's steps over the window from the first start to the last end
     step_median_ms: float
     step_p90_ms: float
     step_worst_ms: float
@@ -128,6 +128,9 @@ class UsersResult:
     # where a step's time went in the handler processes (`--timeline`: `timeline_summary`), ms
     timeline_ms: dict[str, float] = field(default_factory=dict)
     sessions_per_handler: list[int] = field(default_factory=list)  # this row's sessions opened by each process
+    window_ms: dict[str, float] = field(default_factory=dict)  # users_timeline.window_breakdown
+    # each finished session's steps over its own window, summed: the rate while all run (no start-up or drain)
+    session_rates_tok_s: float = float("nan")
     repeat: int = 0  # which of `--repeats` measured it
     # measured on the device (CUDA events around each launched forward; nan where none was): the share of the
     # window it spent on forwards, and a merged forward's own time (`merged_forward_ms` is the runtime thread's view)
@@ -462,6 +465,8 @@ def _summarize(config: UsersConfig, serving_path: str, collected, before, after,
         sessions_finished=finished,
         prefill_median_ms=median([x for r in collected for x in r.get("prefill_ms", [])] or [float("nan")]),
         errors=errors,
+        window_ms=window_breakdown(windows, per_session),
+        session_rates_tok_s=sum(x for r in collected for x in r.get("session_rates", [])),
     )
 
 

@@ -299,6 +299,7 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
     latencies: list[list[float]] = [[] for _ in range(k)]
     outputs: list[list[list[float]]] = [[] for _ in range(k)]  # per session: the prefill's last row, each step's
     windows: list[tuple[float, float]] = []
+    rates: list[float] = []  # each finished session's decode steps over its own window
     prefill_ms: list[float] = []  # client-observed, all of this process's sessions prefilling at once
     finished = 0
     cpu_s = (0.0, 0.0)  # this process and its p2pd over the decode window
@@ -363,6 +364,7 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
                         )
                         record(i, step, out, t0)
                 finished += 1
+                rates.append(config.decode_steps / (time.time() - start))  # this session's own tok/s
             except Exception as e:
                 errors.append(f"session {i}: {e!r}"[:300])
             finally:
@@ -382,6 +384,7 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
         "latencies": latencies,
         "finished": finished,
         "windows": windows,
+        "session_rates": rates,
         "prefill_ms": prefill_ms,
         "cpu_s": cpu_s,
     }

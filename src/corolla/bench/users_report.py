@@ -11,6 +11,7 @@ import argparse
 import datetime as dt
 import itertools
 import json
+import math
 import os
 import tempfile
 import time
@@ -297,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         repeat = f" (repeat {r['repeat'] + 1})" if args.repeats > 1 else ""
         notes.append(
             f"in-process engine (ContinuousBatcher in one process, no RPC; its own row){repeat}: {r['sessions']} sessions "
-            f"{r['aggregate_tokens_per_s']:.1f} tok/s, client step median {r['client_step_median_ms']:.1f} ms, "
+            f"{r['aggregate_tokens_per_s']:.1f} tok/s, client step median {r['client_step_median_ms']:.1f} ms (mean "
+            f"{r.get('client_step_mean_ms', float('nan')):.2f}), "
             f"merged step {r['merged_step_ms']:.1f} ms"
         )
     for row in rows:
@@ -325,6 +327,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['handler_out_p50_ms']:.2f} / {t['handler_out_p90_ms']:.2f}, client turnaround (response "
                 f"written to next request read) {t['client_turn_p50_ms']:.2f} / {t['client_turn_p90_ms']:.2f}"
             )
+    for row in rows:
+        if row.sessions > 1 and row.window_ms:
+            w = row.window_ms
+            notes.append(
+                f"window, {row.sessions} sessions, {row.transport}, {row.client} client: {row.wall_s * 1000:.0f} ms; "
+                f"sessions start within {w['start_spread_ms']:.1f} ms and end within {w['end_spread_ms']:.1f} ms of "
+                f"each other; timed steps' mean {w['step_mean_ms']:.2f} ms (median {row.step_median_ms:.2f}); "
+                f"untimed per session (warm-up steps, gaps between steps) {w['untimed_ms_per_session']:.1f} ms"
+            )
     notes += ratio_notes(rows, engine_rows)
     title = "Many users at once through one server (" + ("CPU" if args.cpu else _gpu_name()) + ")"
     text = markdown(rows, title=title, notes=notes)
@@ -341,29 +352,44 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ratio_notes(rows: list[UsersResult], engine_rows: list[dict]) -> list[str]:
-    """Each many-session row's aggregate over the in-process engine's of the same session count and repeat; with
-    several repeats, one line per configuration: every repeat's ratio and their median."""
-    engine = {(r["sessions"], r.get("repeat", 0)): r["aggregate_tokens_per_s"] for r in engine_rows}
+    """Each many-session row's aggregate over the in-process engine's of the same session count and repeat, and the
+    same for the sessions' own rates summed (each session's steps over its own window: the rate while all of them
+    run, without the start-up and the drain at the end, which the aggregate's window includes); with several repeats,
+    one line per configuration: every repeat's ratios and their medians."""
+    engine = {(r["sessions"], r.get("repeat", 0)): r for r in engine_rows}
     several = any(r.get("repeat", 0) for r in engine_rows)
     notes: list[str] = []
-    ratios: dict[str, list[float]] = {}
+    ratios: dict[str, list[tuple[float, float]]] = {}
     for row in rows:
         base = engine.get((row.sessions, row.repeat))
-        if row.sessions < 2 or not base:
+        if row.sessions < 2 or not base or not base["aggregate_tokens_per_s"]:
             continue
         what = (
             f"{row.sessions} sessions, {row.num_handlers} handler process(es), gather {row.gather_fraction:g}, "
             f"{row.transport}, {row.client} client"
         )
-        ratio = row.aggregate_tokens_per_s / base
-        ratios.setdefault(what, []).append(ratio)
+        ratio = row.aggregate_tokens_per_s / base["aggregate_tokens_per_s"]
+        base_rates = base.get("session_rates_tok_s", float("nan"))
+        rates = row.session_rates_tok_s / base_rates if base_rates else float("nan")
+        ratios.setdefault(what, []).append((ratio, rates))
         repeat = f" (repeat {row.repeat + 1})" if several else ""
-        notes.append(f"{what}{repeat}: {ratio:.2f}x the in-process engine's aggregate")
+        own = (
+            f"; sessions' own rates summed {row.session_rates_tok_s:.0f} against {base_rates:.0f} tok/s, {rates:.2f}x"
+            if math.isfinite(rates) else ""
+        )  # fmt: skip
+        notes.append(f"{what}{repeat}: {ratio:.2f}x the in-process engine's aggregate{own}")
     for what, values in ratios.items():
         if len(values) > 1:
             notes.append(
                 f"{what}, {len(values)} repeats: "
-                + " / ".join(f"{v:.2f}x" for v in values)
-                + f" the in-process engine (median {median(values):.2f}x)"
+                + " / ".join(f"{v:.2f}x" for v, _ in values)
+                + f" the in-process engine (median {median(v for v, _ in values):.2f}x)"
+                + (
+                    "; sessions' own rates "
+                    + " / ".join(f"{r:.2f}x" for _, r in values)
+                    + f" (median {median(r for _, r in values):.2f}x)"
+                    if all(math.isfinite(r) for _, r in values)
+                    else ""
+                )
             )
     return notes

@@ -61,3 +61,20 @@ def timeline_summary(directory: Path) -> dict[str, float]:
         summary[f"{name}_p90_ms"] = percentile(values, 0.9) if values else float("nan")
     summary["steps"] = float(len(parts["device_round_trip"]))
     return summary
+
+
+def window_breakdown(windows: list[tuple[float, float]], latencies: list[list[float]]) -> dict[str, float]:
+    """Where a row's window went beyond its timed steps (the aggregate divides by the whole window, from the first
+    session's start to the last one's end): how far apart the sessions' decode windows start and end, the timed
+    steps' mean (a long tail shows here, not in the median), and each session's untimed time (its warm-up steps and
+    the gaps between steps), ms. `windows`: (start, end) seconds per session; `latencies`: timed steps' ms."""
+    if not windows:
+        return {}
+    flat = [x for lat in latencies for x in lat]
+    untimed_ms = sum((end - start) * 1000 for start, end in windows) - sum(flat)
+    return {
+        "start_spread_ms": (max(w[0] for w in windows) - min(w[0] for w in windows)) * 1000,
+        "end_spread_ms": (max(w[1] for w in windows) - min(w[1] for w in windows)) * 1000,
+        "step_mean_ms": sum(flat) / len(flat) if flat else float("nan"),
+        "untimed_ms_per_session": untimed_ms / len(windows),
+    }
