@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hivemind.proto import runtime_pb2
 
-from corolla.bench.users_timeline import TIMELINE_SKIP_STEPS, timeline_summary
+from corolla.bench.users_timeline import TIMELINE_SKIP_STEPS, timeline_by_process, timeline_summary
 from corolla.protocol import local_stream as ls
 from corolla.server import step_timeline
 from corolla.server.stream_endpoint import PlainFrames, serve_inference
@@ -96,6 +96,19 @@ def test_summarize_reports_the_four_intervals(tmp_path: Path) -> None:
     assert summary["device_round_trip_p50_ms"] == pytest.approx(3.0)
     assert summary["handler_out_p50_ms"] == pytest.approx(0.1)
     assert summary["client_turn_p50_ms"] == pytest.approx(10 - 3.2)
+
+
+def test_each_handler_process_gets_its_own_round_trip_and_step(tmp_path: Path) -> None:
+    ms = 1_000_000
+    # process 1: round trip 3 ms, a step every 10 ms; process 2 (two streams): round trip 4 ms, a step every 12 ms
+    fast = [[k * 10 * ms, k * 10 * ms + ms, k * 10 * ms + 4 * ms, k * 10 * ms + 5 * ms] for k in range(6)]
+    slow = [[k * 12 * ms, k * 12 * ms + ms, k * 12 * ms + 5 * ms, k * 12 * ms + 6 * ms] for k in range(6)]
+    (tmp_path / "timeline-1.jsonl").write_text(json.dumps(fast) + "\n")
+    (tmp_path / "timeline-2.jsonl").write_text(json.dumps(slow) + "\n" + json.dumps(slow) + "\n")
+    (p1_trip, p1_step), (p2_trip, p2_step) = timeline_by_process(tmp_path)
+    assert (p1_trip, p1_step) == (pytest.approx(3.0), pytest.approx(10.0))
+    assert (p2_trip, p2_step) == (pytest.approx(4.0), pytest.approx(12.0))
+    assert timeline_by_process(tmp_path / "none") == []
 
 
 def test_a_stream_keeps_at_most_its_first_steps(monkeypatch: pytest.MonkeyPatch) -> None:

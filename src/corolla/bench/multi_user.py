@@ -39,7 +39,7 @@ from corolla.bench.users_clients import (
     isolate_runtime_thread,
     pinned,
 )
-from corolla.bench.users_timeline import saved_timeline_summary, timeline_dir, window_breakdown
+from corolla.bench.users_timeline import saved_timeline_summary, timeline_by_process, timeline_dir, window_breakdown
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -127,6 +127,7 @@ class UsersResult:
     runtime_cpus: list[int] = field(default_factory=list)  # of those, the runtime thread's alone (empty: shared)
     # where a step's time went in the handler processes (`--timeline`: `timeline_summary`), ms
     timeline_ms: dict[str, float] = field(default_factory=dict)
+    timeline_by_process: list[tuple[float, float]] = field(default_factory=list)  # (round trip, step) p50 ms each
     sessions_per_handler: list[int] = field(default_factory=list)  # this row's sessions opened by each process
     window_ms: dict[str, float] = field(default_factory=dict)  # users_timeline.window_breakdown
     # each finished session's steps over its own window, summed: the rate while all run (no start-up or drain)
@@ -418,6 +419,7 @@ def run_users(
     result.cpu_us_per_step = _cpu_per_step(cpu_server, collected, result.sessions_finished * config.decode_steps)
     if timeline is not None:
         result.timeline_ms = saved_timeline_summary(timeline, config.sessions)
+        result.timeline_by_process = timeline_by_process(timeline)
     return result
 
 

@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row.step_median_ms:.2f} ms = server-side step {step_ms:.2f} ms + {row.step_median_ms - step_ms:.2f} ms"
                 )
     for r in engine_rows:
-        repeat = f" (repeat {r['repeat'] + 1})" if args.repeats > 1 else ""
+        which = f" (repeat {r['repeat'] + 1})" if args.repeats > 1 else ""
         notes.append(
-            f"in-process engine (ContinuousBatcher in one process, no RPC; its own row){repeat}: {r['sessions']} sessions "
+            f"in-process engine (ContinuousBatcher in one process, no RPC; its own row){which}: {r['sessions']} sessions "
             f"{r['aggregate_tokens_per_s']:.1f} tok/s, client step median {r['client_step_median_ms']:.1f} ms (mean "
             f"{r.get('client_step_mean_ms', float('nan')):.2f}), "
             f"merged step {r['merged_step_ms']:.1f} ms"
@@ -326,6 +326,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t['device_round_trip_p50_ms']:.2f} / {t['device_round_trip_p90_ms']:.2f}, handler after "
                 f"{t['handler_out_p50_ms']:.2f} / {t['handler_out_p90_ms']:.2f}, client turnaround (response "
                 f"written to next request read) {t['client_turn_p50_ms']:.2f} / {t['client_turn_p90_ms']:.2f}"
+            )
+    for row in rows:
+        if row.sessions > 1 and len(row.timeline_by_process) > 1:
+            notes.append(
+                f"per handler process, {row.sessions} sessions, {row.transport}, {row.client} client (p50 ms): device "
+                "round trip "
+                + " / ".join(f"{t:.2f}" for t, _ in row.timeline_by_process)
+                + "; a session's step as the server sees it "
+                + " / ".join(f"{c:.2f}" for _, c in row.timeline_by_process)
             )
     for row in rows:
         if row.sessions > 1 and row.window_ms:
@@ -383,11 +392,11 @@ def ratio_notes(rows: list[UsersResult], engine_rows: list[dict]) -> list[str]:
             notes.append(
                 f"{what}, {len(values)} repeats: "
                 + " / ".join(f"{v:.2f}x" for v, _ in values)
-                + f" the in-process engine (median {median(v for v, _ in values):.2f}x)"
+                + f" the in-process engine (median {median([v for v, _ in values]):.2f}x)"
                 + (
                     "; sessions' own rates "
                     + " / ".join(f"{r:.2f}x" for _, r in values)
-                    + f" (median {median(r for _, r in values):.2f}x)"
+                    + f" (median {median([r for _, r in values]):.2f}x)"
                     if all(math.isfinite(r) for _, r in values)
                     else ""
                 )

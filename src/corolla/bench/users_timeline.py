@@ -6,6 +6,7 @@ the client's turnaround as the server sees it); and where a row's window goes be
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -62,6 +63,25 @@ def timeline_summary(directory: Path) -> dict[str, float]:
         summary[f"{name}_p90_ms"] = percentile(values, 0.9) if values else float("nan")
     summary["steps"] = float(len(parts["device_round_trip"]))
     return summary
+
+
+def timeline_by_process(directory: Path) -> list[tuple[float, float]]:
+    """Per handler process (one saved file each, in file-name order): the device channel's round trip p50 and its
+    sessions' step as the server sees it (one request read to the next) p50, ms. A process whose replies always
+    leave last after a merged forward shows a longer step than the others."""
+    from corolla.server.step_timeline import BACK, IN, SENT
+
+    out: list[tuple[float, float]] = []
+    for path in sorted(directory.glob("timeline-*.jsonl")):
+        trips: list[float] = []
+        cycles: list[float] = []
+        for line in path.read_text().splitlines():
+            rows = [r for r in json.loads(line)[TIMELINE_SKIP_STEPS:] if len(r) == 4]
+            trips += [(r[BACK] - r[SENT]) / 1e6 for r in rows if r[SENT] and r[BACK]]
+            cycles += [(b[IN] - a[IN]) / 1e6 for a, b in itertools.pairwise(rows)]
+        if trips and cycles:
+            out.append((percentile(trips, 0.5), percentile(cycles, 0.5)))
+    return out
 
 
 def window_breakdown(windows: list[tuple[float, float]], latencies: list[list[float]]) -> dict[str, float]:
