@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from corolla.bench.measure import percentile
@@ -47,8 +48,7 @@ def timeline_summary(directory: Path) -> dict[str, float]:
 
     parts: dict[str, list[float]] = {"handler_in": [], "device_round_trip": [], "handler_out": [], "client_turn": []}
     for path in sorted(directory.glob("timeline-*.jsonl")):
-        for line in path.read_text().splitlines():
-            rows = [r for r in json.loads(line)[TIMELINE_SKIP_STEPS:] if len(r) == 4]
+        for rows in _decode_steps(path):
             for i, (t_in, sent, back, out) in enumerate(rows):
                 if not (sent and back and out):
                     continue
@@ -65,6 +65,12 @@ def timeline_summary(directory: Path) -> dict[str, float]:
     return summary
 
 
+def _decode_steps(path: Path) -> Iterator[list[list[int]]]:
+    """Each stream saved in one handler process's file: its decode steps' stamps (ns), prefill left out."""
+    for line in path.read_text().splitlines():
+        yield [r for r in json.loads(line)[TIMELINE_SKIP_STEPS:] if len(r) == 4]
+
+
 def timeline_by_process(directory: Path) -> list[tuple[float, float]]:
     """Per handler process (one saved file each, in file-name order): the device channel's round trip p50 and its
     sessions' step as the server sees it (one request read to the next) p50, ms. A process whose replies always
@@ -75,8 +81,7 @@ def timeline_by_process(directory: Path) -> list[tuple[float, float]]:
     for path in sorted(directory.glob("timeline-*.jsonl")):
         trips: list[float] = []
         cycles: list[float] = []
-        for line in path.read_text().splitlines():
-            rows = [r for r in json.loads(line)[TIMELINE_SKIP_STEPS:] if len(r) == 4]
+        for rows in _decode_steps(path):
             trips += [(r[BACK] - r[SENT]) / 1e6 for r in rows if r[SENT] and r[BACK]]
             cycles += [(b[IN] - a[IN]) / 1e6 for a, b in itertools.pairwise(rows)]
         if trips and cycles:
