@@ -1,8 +1,9 @@
 """Where a step's time goes in the many-users bench (`multi_user --timeline`): the directory the handler processes
 save their step timelines to (`server.step_timeline`), and the medians and 90th percentiles of each part of a decode
 step over every saved stream (the handler's own part before and after the device, the device channel's round trip,
-the client's turnaround as the server sees it); and where a row's window goes beyond its timed steps
-(`window_breakdown`: the sessions' start and end spread, the steps' mean, the untimed time)."""
+the client's turnaround as the server sees it), also per handler process (`timeline_by_process`); and where a row's
+window goes beyond its timed steps (`window_breakdown`: the sessions' start and end spread, the steps' mean, the
+untimed time)."""
 
 from __future__ import annotations
 
