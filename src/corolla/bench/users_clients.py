@@ -352,6 +352,7 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
             nonlocal finished
             stream = streams[i]
             start = time.time()
+            done = False
             try:
                 if isinstance(stream, CorollaStream):
                     await loop.run_in_executor(threads, decode_here, stream, i)
@@ -364,11 +365,14 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
                         )
                         record(i, step, out, t0)
                 finished += 1
-                rates.append(config.decode_steps / (time.time() - start))  # this session's own tok/s
+                done = True
             except Exception as e:
                 errors.append(f"session {i}: {e!r}"[:300])
             finally:
-                windows.append((start, time.time()))
+                end = time.time()
+                windows.append((start, end))
+                if done:  # a finished session's own tok/s, over the same window
+                    rates.append(config.decode_steps / (end - start))
                 await stream.close()
 
         loop = asyncio.get_running_loop()

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(
             f"in-process engine (ContinuousBatcher in one process, no RPC; its own row){which}: {r['sessions']} sessions "
             f"{r['aggregate_tokens_per_s']:.1f} tok/s, client step median {r['client_step_median_ms']:.1f} ms (mean "
-            f"{r.get('client_step_mean_ms', float('nan')):.2f}), "
+            f"{r['client_step_mean_ms']:.2f}), "
             f"merged step {r['merged_step_ms']:.1f} ms"
         )
     for row in rows:
