@@ -39,7 +39,8 @@ from corolla.bench.users_clients import (
     isolate_runtime_thread,
     pinned,
 )
-from corolla.bench.users_timeline import saved_timeline_summary, timeline_by_process, timeline_dir, window_breakdown
+from corolla.bench.users_timeline import return_counts, return_summary, saved_timeline_summary, timeline_by_process
+from corolla.bench.users_timeline import timeline_dir, window_breakdown
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -137,6 +138,9 @@ class UsersResult:
     # window it spent on forwards, and a merged forward's own time (`merged_forward_ms` is the runtime thread's view)
     device_time_share: float = float("nan")
     device_forward_ms: float = float("nan")
+    # from a step's result to its session's next step at the device (`server.return_times`): p50 / p90 ms and the
+    # share back within one merged forward (empty with one handler process)
+    return_ms: dict[str, float] = field(default_factory=dict)
 
 
 # ---- the server (this process)
@@ -370,6 +374,7 @@ def run_users(
         for i, job in enumerate(jobs)
     ]
     opened_before = server.sessions_opened_per_handler()
+    returns_before = return_counts(server.service)
     for p in processes:
         p.start()
     collected: list[dict] = []
@@ -399,6 +404,7 @@ def run_users(
                 collected.append({"errors": ["a client process sent no result"], "latencies": [], "finished": 0})
         ended = time.time()
         after = server.runtime.stats()
+        returns_after = return_counts(server.service)
         cpu_server = probe.sample().since(cpu_before)
     finally:
         go.set()
@@ -416,6 +422,8 @@ def run_users(
     result.num_handlers = server.num_handlers
     result.sessions_per_handler = opened_per_handler
     result.reply_thread = server.reply_thread
+    if returns_before is not None and returns_after is not None:
+        result.return_ms = return_summary(returns_after, returns_before, result.merged_forward_ms)
     result.cpu_us_per_step = _cpu_per_step(cpu_server, collected, result.sessions_finished * config.decode_steps)
     if timeline is not None:
         result.timeline_ms = saved_timeline_summary(timeline, config.sessions)
