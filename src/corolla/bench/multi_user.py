@@ -122,6 +122,7 @@ class UsersResult:
     cpu_us_per_step: dict[str, float] = field(default_factory=dict)
     gather_fraction: float = 0.5  # the runtime's gather rule (server.gather) while this row ran
     reply_thread: bool = False  # handler channels replied from writer threads (else from the runtime thread)
+    handler_poll_ms: float = 0.0  # handler processes polled this long after each message (0: they slept)
     client: str = "petals"  # the client kind (users_clients.CLIENT_KINDS)
     client_cpus: list[int] = field(default_factory=list)  # CPUs of the client processes (empty: not pinned)
     server_cpus: list[int] = field(default_factory=list)  # CPUs of the server side (empty: not pinned)
@@ -207,11 +208,13 @@ class BenchServer:
         num_handlers: int = 1,
         reply_thread: bool = False,
         cpus: CpuSplit | None = None,
+        handler_poll_s: float = 0.0,
     ):
         from corolla.server.block_functions import ServingLimits
 
         self.executor, self.device, self.num_handlers = executor, device, num_handlers
         self.reply_thread = reply_thread  # handler channels send replies from writer threads (device_channel)
+        self.handler_poll_s = handler_poll_s  # handler processes poll after each message (`HandlerSettings`)
         self.cpus = cpus  # set: this process runs on cpus.server while serving, the client processes on cpus.clients
         self.num_layers, self.hidden_size, self.dtype = num_layers, hidden_size, dtype
         self.limits = ServingLimits(
@@ -267,6 +270,7 @@ class BenchServer:
                 busy_poll=selector if self.device.type == "cuda" else None,  # as the server does
                 num_handlers=self.num_handlers,
                 channel_reply_thread=self.reply_thread,
+                handler_poll_s=self.handler_poll_s,
                 direct=DirectListen("127.0.0.1", 0, ("127.0.0.1",)),  # corolla clients' direct port (loopback)
             )
             # one bench process plays many users: the per-peer fair-use caps (sessions, KV share) would refuse
@@ -421,7 +425,7 @@ def run_users(
         result.runtime_cpus = sorted(server.cpus.runtime)
     result.num_handlers = server.num_handlers
     result.sessions_per_handler = opened_per_handler
-    result.reply_thread = server.reply_thread
+    result.reply_thread, result.handler_poll_ms = server.reply_thread, server.handler_poll_s * 1000
     if returns_before is not None and returns_after is not None:
         result.return_ms = return_summary(returns_after, returns_before, result.merged_forward_ms)
     result.cpu_us_per_step = _cpu_per_step(cpu_server, collected, result.sessions_finished * config.decode_steps)

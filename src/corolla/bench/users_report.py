@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -52,7 +53,8 @@ def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
         cpu = " / ".join(f"{r.cpu_us_per_step.get(k, float('nan')):.0f}"
                          for k in (RUNTIME_THREAD, LOOP_THREAD, CHANNEL_THREADS, HANDLERS, CLIENTS))  # fmt: skip
         lines.append(
-            f"| {r.serving_path} | {r.num_handlers}{' (writer threads)' if r.reply_thread else ''} | {r.gather_fraction:g} | {r.transport} | {r.client} | {r.sessions} "
+            f"| {r.serving_path} | {r.num_handlers}{_handler_options(r)} | {r.gather_fraction:g} | {r.transport} | "
+            f"{r.client} | {r.sessions} "
             f"({r.client_processes}) | {r.aggregate_tokens_per_s:.1f} | {ratio} | {r.step_median_ms:.1f} / "
             f"{r.step_p90_ms:.1f} / {r.step_worst_ms:.1f} | {r.worst_session_median_ms:.1f} | "
             f"{r.steps_per_merged_forward:.1f} ({r.merged_forward_ms:.2f}) | {r.device_busy_share:.0%} | {cpu} | "
@@ -89,23 +91,38 @@ def _engine_rows(
             print(f"[{time.perf_counter() - started:6.1f}s] in-process engine: {json.dumps(r)}", flush=True)
 
 
+def _handler_options(row: UsersResult) -> str:
+    """The handler column's notes: how the channels replied and whether the handler processes polled."""
+    return (" (writer threads)" if row.reply_thread else "") + (
+        f" (poll {row.handler_poll_ms:g} ms)" if row.handler_poll_ms else ""
+    )
+
+
+_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(w)?(?:p([0-9.]+))?$")
+
+
 @dataclass(frozen=True)
 class ServerRun:
-    """One server of a `--runs` spec: `N[gF][w]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0) or
-    `8w:64` (the handler channels reply from writer threads instead of the runtime thread)."""
+    """One server of a `--runs` spec: `N[gF][w][pMS]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0),
+    `8w:64` (the handler channels reply from writer threads instead of the runtime thread) or `4p2:64` (the handler
+    processes poll for 2 ms after each message instead of sleeping)."""
 
     num_handlers: int
     gather_fraction: float | None  # None: the runtime's default
     counts: list[int]
     reply_thread: bool = False
+    handler_poll_ms: float = 0.0
 
     @classmethod
     def parse(cls, spec: str, default_counts: list[int]) -> ServerRun:
         head, _, tail = spec.partition(":")
-        reply_thread = head.endswith("w")
-        handlers, _, fraction = head.removesuffix("w").partition("g")
+        match = _RUN_SPEC.match(head)
+        if match is None:
+            raise ValueError(f"a --runs entry reads N[gF][w][pMS][:counts], got {spec!r}")
+        handlers, fraction, writer, poll = match.groups()
         counts = [int(c) for c in tail.split(",")] if tail else default_counts
-        return cls(int(handlers), float(fraction) if fraction else None, counts, reply_thread)
+        return cls(int(handlers), float(fraction) if fraction else None, counts, writer is not None,
+                   float(poll) if poll else 0.0)  # fmt: skip
 
 
 def _measure(
@@ -254,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                 executor.runtime.gather = GatherRule(settings)
                 server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                                      dtype=dtype, device=device, num_handlers=run.num_handlers,
-                                     reply_thread=run.reply_thread, cpus=cpus)  # fmt: skip
+                                     reply_thread=run.reply_thread, cpus=cpus,
+                                     handler_poll_s=run.handler_poll_ms / 1000)  # fmt: skip
                 measured = len(rows)
                 last = repeat == args.repeats - 1 and i == len(runs) - 1  # the runtime does not start twice
                 _measure(server, args, run.counts, path, rows, started, last=last)
@@ -383,8 +401,8 @@ def ratio_notes(rows: list[UsersResult], engine_rows: list[dict]) -> list[str]:
         if row.sessions < 2 or not base or not base["aggregate_tokens_per_s"]:
             continue
         what = (
-            f"{row.sessions} sessions, {row.num_handlers} handler process(es), gather {row.gather_fraction:g}, "
-            f"{row.transport}, {row.client} client"
+            f"{row.sessions} sessions, {row.num_handlers} handler process(es){_handler_options(row)}, gather "
+            f"{row.gather_fraction:g}, {row.transport}, {row.client} client"
         )
         ratio = row.aggregate_tokens_per_s / base["aggregate_tokens_per_s"]
         base_rates = base.get("session_rates_tok_s", float("nan"))

@@ -29,6 +29,7 @@ from corolla.server.metrics import ServerMetrics
 from corolla.server.peer_auth import make_peer_auth
 from corolla.server.proxy_executor import DeviceLink, ProxyExecutor, RemoteAdmission, RoutingSessionRegistry
 from corolla.server.sessions import SessionTimeouts
+from corolla.utils import busy_poll
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -54,6 +55,9 @@ class HandlerSettings:
     direct: DirectListen | None = None  # the direct TCP port every handler process listens on (SO_REUSEPORT)
     direct_secret: bytes | None = None  # the server's ticket secret (any process checks any process's tickets)
     direct_balance_dir: str | None = None  # the processes' direct-port load table and hand-off sockets (0700)
+    # the process's loop polls instead of sleeping for this long after each message (0: it sleeps at once); its loop
+    # is its only Python thread, so polling starves no other (`utils.busy_poll`)
+    poll_linger_s: float = 0.0
 
 
 class ForwardedMetrics(ServerMetrics):
@@ -92,7 +96,10 @@ def main(settings: HandlerSettings, index: int, channel: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which closes the channel
     sock = socket.socket(fileno=os.dup(channel.fileno()))
     channel.close()
-    asyncio.run(_serve(settings, index, sock))
+    if settings.poll_linger_s > 0.0:
+        busy_poll.run(_serve(settings, index, sock), busy_poll.BusyPollSelector(linger_s=settings.poll_linger_s))
+    else:
+        asyncio.run(_serve(settings, index, sock))
 
 
 async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> None:

@@ -46,6 +46,7 @@ class SpanService:
         swarm_key_file: str | None = None,
         channel_reply_thread: bool = False,
         direct: DirectListen | None = None,
+        handler_poll_s: float = 0.0,
     ):
         if num_handlers < 1:
             raise ValueError(f"num_handlers must be >= 1, got {num_handlers}")
@@ -56,6 +57,7 @@ class SpanService:
         self.num_handlers = num_handlers  # 1: this process serves the streams; N > 1: N handler processes do
         self.swarm_key_file = swarm_key_file
         self.channel_reply_thread = channel_reply_thread  # handler channels reply from writer threads (bench)
+        self.handler_poll_s = handler_poll_s  # handler processes poll this long after each message (`HandlerSettings`)
         self.handler = TransformerConnectionHandler(
             limits=limits,
             executor=executor,
@@ -128,6 +130,7 @@ class SpanService:
             direct=self.direct.with_free_port() if self.direct is not None else None,  # one port for all
             direct_secret=self._direct_secret.secret,
             direct_balance_dir=str(self._balance.path) if self._balance is not None else None,
+            poll_linger_s=self.handler_poll_s,
         )
         self.pool = HandlerPool(
             self.num_handlers,

@@ -25,10 +25,15 @@ T = TypeVar("T")
 
 class BusyPollSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
     """`select` polls without blocking until the hot period ends (or the caller's timeout), then blocks as usual:
-    a loop that is not hot sleeps and costs nothing."""
+    a loop that is not hot sleeps and costs nothing. With `linger_s` > 0, every `select` that found events keeps the
+    loop hot for `linger_s` more (a loop that serves a stream of messages on a thread of its own: it sleeps only
+    after `linger_s` without any)."""
 
-    def __init__(self) -> None:
+    def __init__(self, linger_s: float = 0.0) -> None:
         super().__init__()
+        if not 0.0 <= linger_s <= 1.0:
+            raise ValueError(f"busy-poll linger must be in [0, 1] s, got {linger_s}")
+        self.linger_s = linger_s
         self._hot_until = 0.0
         self.polled_events = 0  # select calls that found events while polling (would otherwise have slept)
 
@@ -41,6 +46,12 @@ class BusyPollSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
         self._hot_until = 0.0
 
     def select(self, timeout: float | None = None) -> list:
+        events = self._select(timeout)
+        if events and self.linger_s > 0.0:
+            self._hot_until = time.monotonic() + self.linger_s
+        return events
+
+    def _select(self, timeout: float | None) -> list:
         now = time.monotonic()
         if now < self._hot_until and (timeout is None or timeout > 0):
             deadline = None if timeout is None else now + timeout
