@@ -8,6 +8,7 @@ serves it again; both processes listen on the one direct port and accept tickets
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import threading
@@ -22,6 +23,7 @@ from corolla.models.loading import load_pretrained_block
 from corolla.protocol import local_stream as ls
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.forwarding import NEXT_STEP_KEY
+from corolla.server.handler_process import loop_selector
 from corolla.server.limits import PeerLimits
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
@@ -381,3 +383,13 @@ def test_direct_port_serves_without_placement_where_no_private_directory_can_be_
     finally:
         client.close()
         server.shutdown()
+
+
+def test_a_cpu_servers_handler_processes_sleep_and_a_gpu_servers_poll_after_each_message(server):
+    """Polling would take the cores a CPU span computes on: only a GPU server's handler processes linger
+    (`--busy_poll_ms`), on a selector that stays hot after each message."""
+    settings = server.service.pool.settings
+    assert settings.poll_linger_s == 0.0 and loop_selector(settings) is None
+    selector = loop_selector(dataclasses.replace(settings, poll_linger_s=0.005))
+    assert selector is not None and selector.linger_s == 0.005
+    selector.close()

@@ -76,3 +76,28 @@ def test_run_returns_the_result_and_cancels_leftover_tasks() -> None:
     assert busy_poll.run(main(), selector) == 7
     assert cancelled == [True]
     assert busy_poll.run(main()) == 7
+
+
+def test_a_lingering_selector_polls_after_each_event_and_sleeps_once_the_linger_passed() -> None:
+    selector = BusyPollSelector(linger_s=0.5)
+    a, b = socket.socketpair()
+    selector.register(b, selectors.EVENT_READ)
+    try:
+        assert selector.select(0.01) == []  # nothing came yet: not hot, it slept
+        a.send(b"x")
+        assert len(selector.select(1)) == 1 and selector.polled_events == 0  # woke from sleep
+        b.recv(1)
+        threading.Timer(0.02, a.send, args=(b"y",)).start()
+        assert len(selector.select(None)) == 1 and selector.polled_events == 1  # within the linger: polled
+        b.recv(1)
+        selector._hot_until = time.monotonic()  # the linger passed without a message
+        assert selector.select(0.01) == [] and selector.polled_events == 1  # back to sleeping
+    finally:
+        selector.close()
+        a.close()
+        b.close()
+
+
+def test_a_linger_outside_its_bounds_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"\[0, 1\] s"):
+        BusyPollSelector(linger_s=2.0)

@@ -1,15 +1,17 @@
 """The many-users bench's ratios to the in-process engine (`bench.users_report.ratio_notes`): each row against the
 engine's row of the same session count and repeat (never another repeat's), one line per repeat, and with several
 repeats a line per configuration with every ratio and their median; lone-session rows have no ratio. Also each row's
-window breakdown (`bench.users_timeline.window_breakdown`)."""
+window breakdown (`bench.users_timeline.window_breakdown`), its return-time summary (`return_summary`), and the
+`--runs` entries (`ServerRun.parse`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from corolla.bench.multi_user import UsersResult
-from corolla.bench.users_report import parse_args, ratio_notes
-from corolla.bench.users_timeline import window_breakdown
+from corolla.bench.users_report import ServerRun, parse_args, ratio_notes
+from corolla.bench.users_timeline import return_summary, window_breakdown
+from corolla.server.return_times import ReturnTimes
 
 
 def _row(sessions: int, transport: str, tok_s: float, repeat: int, rates: float = float("nan")) -> UsersResult:
@@ -62,3 +64,27 @@ def test_the_window_breakdown_shows_spread_tail_and_untimed_time() -> None:
     assert w["step_mean_ms"] == pytest.approx(36.0 / 5)  # the 20 ms step lifts the mean above the 4 ms median
     assert w["untimed_ms_per_session"] == pytest.approx(((40 + 80) - 36) / 2)
     assert window_breakdown([], []) == {}
+
+
+def test_run_entries_read_handlers_gather_writer_threads_and_polling() -> None:
+    assert ServerRun.parse("4:1,64", [16]) == ServerRun(4, None, [1, 64])
+    assert ServerRun.parse("4g0.75w", [16]) == ServerRun(4, 0.75, [16], reply_thread=True)
+    assert ServerRun.parse("4p2:64", [16]) == ServerRun(4, None, [64], handler_poll_ms=2.0)
+    with pytest.raises(ValueError, match="N\\[gF\\]"):
+        ServerRun.parse("4x:64", [16])
+
+
+def test_a_rows_return_summary_counts_only_its_window_and_the_share_within_one_forward() -> None:
+    times = ReturnTimes()
+    for handle, back_s in enumerate((0.0005, 0.0008, 0.0030)):
+        times.done(handle, 0.0)
+        times.arrived(handle, back_s)
+    before = list(times.counts)
+    for handle, back_s in enumerate((0.000525, 0.001025, 0.002025, 0.003025)):
+        times.done(handle, 1.0)
+        times.arrived(handle, 1.0 + back_s)
+    summary = return_summary(times.counts, before, forward_ms=1.5)
+    assert summary["count"] == 4.0
+    assert summary["p50_ms"] == pytest.approx(1.05) and summary["p90_ms"] == pytest.approx(3.05)
+    assert summary["within_forward"] == 0.5
+    assert return_summary(before, before, forward_ms=1.5) == {}

@@ -107,3 +107,12 @@ def client_cpu() -> tuple[float, float]:
 def per_step_us(cpu_s: dict[str, float], steps: int) -> dict[str, float]:
     """CPU microseconds per decode step (all sessions' steps of the window) for each part."""
     return {k: round(v / steps * 1e6, 1) for k, v in cpu_s.items()} if steps > 0 else {}
+
+
+def with_clients_per_step_us(server_s: dict[str, float], collected: list[dict], steps: int) -> dict[str, float]:
+    """`per_step_us` of the server side's parts and of the client processes and their p2pd daemons, as each client
+    process reported its own (`cpu_s`: process, daemon)."""
+    cpu = dict(server_s)
+    cpu[CLIENTS] = sum(r.get("cpu_s", (0.0, 0.0))[0] for r in collected)
+    cpu[CLIENT_P2PD] = sum(r.get("cpu_s", (0.0, 0.0))[1] for r in collected)
+    return per_step_us(cpu, steps)

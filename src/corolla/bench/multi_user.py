@@ -39,8 +39,14 @@ from corolla.bench.users_clients import (
     isolate_runtime_thread,
     pinned,
 )
-from corolla.bench.users_timeline import return_counts, return_summary, saved_timeline_summary, timeline_by_process
-from corolla.bench.users_timeline import timeline_dir, window_breakdown
+from corolla.bench.users_timeline import (
+    return_counts,
+    return_summary,
+    saved_timeline_summary,
+    timeline_by_process,
+    timeline_dir,
+    window_breakdown,
+)
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -428,20 +434,14 @@ def run_users(
     result.reply_thread, result.handler_poll_ms = server.reply_thread, server.handler_poll_s * 1000
     if returns_before is not None and returns_after is not None:
         result.return_ms = return_summary(returns_after, returns_before, result.merged_forward_ms)
-    result.cpu_us_per_step = _cpu_per_step(cpu_server, collected, result.sessions_finished * config.decode_steps)
+    from corolla.bench.cpu_share import with_clients_per_step_us
+
+    steps = result.sessions_finished * config.decode_steps
+    result.cpu_us_per_step = with_clients_per_step_us(cpu_server, collected, steps)
     if timeline is not None:
         result.timeline_ms = saved_timeline_summary(timeline, config.sessions)
         result.timeline_by_process = timeline_by_process(timeline)
     return result
-
-
-def _cpu_per_step(server_s: dict[str, float], collected: list[dict], steps: int) -> dict[str, float]:
-    from corolla.bench.cpu_share import CLIENT_P2PD, CLIENTS, per_step_us
-
-    cpu = dict(server_s)
-    cpu[CLIENTS] = sum(r.get("cpu_s", (0.0, 0.0))[0] for r in collected)
-    cpu[CLIENT_P2PD] = sum(r.get("cpu_s", (0.0, 0.0))[1] for r in collected)
-    return per_step_us(cpu, steps)
 
 
 def _summarize(config: UsersConfig, serving_path: str, collected, before, after, started, ended) -> UsersResult:

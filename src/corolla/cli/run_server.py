@@ -114,7 +114,8 @@ def build_parser() -> configargparse.ArgParser:
         "--busy_poll_ms",
         type=float,
         default=5.0,
-        help="after a lone session's GPU step, poll this long for its next request instead of sleeping (0 = never)",
+        help="after a lone session's GPU step (with --num_handlers N > 1: after every message a handler process of a "
+        "GPU server handles), poll this long for the next request instead of sleeping (0 = never)",
     )
     parser.add(
         "--gil_switch_interval_ms",

@@ -147,7 +147,8 @@ class ServerConfig:
     direct_port: int | None = None
     direct_host: str | None = None
     # after a lone session's step ran inline, poll for its next request this long instead of sleeping (saves an
-    # idle core's wake-up per token on a GPU server; burns one core meanwhile); 0 = never poll
+    # idle core's wake-up per token on a GPU server; burns one core meanwhile); with `num_handlers` > 1, each handler
+    # process of a GPU server polls this long after every message it handles; 0 = never poll
     busy_poll_ms: float = 5.0
     # the process's GIL switch interval (`corolla.utils.gil`): how long the runtime thread may wait for the GIL while
     # the serving loop runs Python; None = the fast path's 0.5 ms on a GPU server, the interpreter's 5 ms elsewhere

@@ -96,10 +96,13 @@ def main(settings: HandlerSettings, index: int, channel: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which closes the channel
     sock = socket.socket(fileno=os.dup(channel.fileno()))
     channel.close()
-    if settings.poll_linger_s > 0.0:
-        busy_poll.run(_serve(settings, index, sock), busy_poll.BusyPollSelector(linger_s=settings.poll_linger_s))
-    else:
-        asyncio.run(_serve(settings, index, sock))
+    busy_poll.run(_serve(settings, index, sock), loop_selector(settings))
+
+
+def loop_selector(settings: HandlerSettings) -> busy_poll.BusyPollSelector | None:
+    """The selector of the process's loop: one that lingers after each message (`poll_linger_s`), or None (the
+    default selector: it sleeps at once)."""
+    return busy_poll.BusyPollSelector(linger_s=settings.poll_linger_s) if settings.poll_linger_s > 0.0 else None
 
 
 async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> None:

@@ -397,6 +397,9 @@ class Server:
                 busy_poll=self.selector if c.busy_poll_ms > 0 else None, busy_poll_s=c.busy_poll_ms / 1000,
                 num_handlers=c.num_handlers, swarm_key_file=c.swarm_key_file,  # N > 1: handler processes
                 direct=c.resolved_direct(),
+                # a GPU server's handler processes poll after each message (on a CPU they would take the cores the
+                # span computes on)
+                handler_poll_s=c.busy_poll_ms / 1000 if s.device.type == "cuda" else 0.0,
             )  # fmt: skip
             service.handler.peer_auth = self.peer_auth
             service.handler.handoff.enabled = c.kv_handoff
