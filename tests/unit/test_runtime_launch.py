@@ -3,8 +3,7 @@ before it completes (delivers the results of) the one in flight (after its devic
 before waiting for it), completes a lone batch at once, keeps a task's
 failure to that task and a launch's or wait's failure to that batch, runs the batches a launcher declines through the
 executor after the batch in flight, lets no inline step overtake a launched batch, and still delivers a launched
-batch's results when it stops. Behind a forward whose device time it learned, the runtime holds the next launch until
-just before that forward's expected end, so that steps arriving meanwhile ride it (`server.launch_hold`)."""
+batch's results when it stops."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from corolla.server.gather import GatherSettings
-from corolla.server.launch_hold import HoldSettings
 from corolla.server.runtime import Runtime, RuntimeStopped
 from corolla.server.task import Task
 
@@ -84,8 +82,8 @@ class _Bench:
         self.runtime.submit_callbacks([self.task(n, last and i == len(names) - 1) for i, n in enumerate(names)])
 
 
-def _runtime(launch_ahead: bool = True, hold: bool = True) -> Runtime:
-    runtime = Runtime(max_batch_size_tokens=64, gather=GatherSettings(fraction=0.0), hold=HoldSettings(enabled=hold))
+def _runtime(launch_ahead: bool = True) -> Runtime:
+    runtime = Runtime(max_batch_size_tokens=64, gather=GatherSettings(fraction=0.0))
     runtime.launch_ahead = launch_ahead
     return runtime
 
@@ -221,24 +219,3 @@ def test_stop_still_delivers_the_launched_batch() -> None:
         stopper.join(WAIT_S)
     assert bench.done.wait(WAIT_S) and bench.results["a1"] == "a1!"
     assert not stopper.is_alive()
-
-
-@pytest.mark.parametrize("hold", [True, False])
-def test_behind_a_timed_forward_the_next_launch_waits_for_the_steps_that_arrive_meanwhile(hold: bool) -> None:
-    """Forwards of 0.3 s on the device (learned from a first one): b1 is queued while a1 launches and b2 50 ms later;
-    held until just before a1's expected end, they ride one launch; launched at once, b1 goes alone."""
-    with _runtime(hold=hold) as runtime:
-        bench = _Bench(runtime)
-        bench.device_s = {name: 0.3 for name in ("w1", "a1", "b1", "b2")}
-        bench.submit("w1", last=True)  # its device time teaches the runtime a forward's length
-        assert bench.done.wait(WAIT_S)
-        bench.done.clear()
-        later = threading.Timer(0.05, bench.submit, args=("b2",), kwargs={"last": True})
-        bench.on_launch["a1"] = lambda: (bench.submit("b1"), later.start())
-        bench.submit("a1")
-        assert bench.done.wait(WAIT_S)
-        later.join()
-    launches = [names for kind, names in bench.log if kind == "launch"]
-    assert launches == ([["w1"], ["a1"], ["b1", "b2"]] if hold else [["w1"], ["a1"], ["b1"], ["b2"]])
-    assert (runtime.hold.num_holds > 0) is hold
-    assert runtime.hold.forward_s == pytest.approx(0.3)

@@ -70,8 +70,6 @@ def test_run_entries_read_handlers_gather_writer_threads_and_polling() -> None:
     assert ServerRun.parse("4:1,64", [16]) == ServerRun(4, None, [1, 64])
     assert ServerRun.parse("4g0.75w", [16]) == ServerRun(4, 0.75, [16], reply_thread=True)
     assert ServerRun.parse("4p2:64", [16]) == ServerRun(4, None, [64], handler_poll_ms=2.0)
-    assert ServerRun.parse("4g0h0p1:64", [16]) == ServerRun(4, 0.0, [64], handler_poll_ms=1.0, launch_hold=False)
-    assert ServerRun.parse("4h1", [16]).launch_hold is True
     with pytest.raises(ValueError, match="N\\[gF\\]"):
         ServerRun.parse("4x:64", [16])
 

@@ -129,8 +129,6 @@ class UsersResult:
     gather_fraction: float = 0.5  # the runtime's gather rule (server.gather) while this row ran
     reply_thread: bool = False  # handler channels replied from writer threads (else from the runtime thread)
     handler_poll_ms: float = 0.0  # handler processes polled this long after each message (0: they slept)
-    launch_hold: bool = True  # the runtime held launches behind a running forward until just before its end
-    holds: tuple[int, float] = (0, 0.0)  # launches held in the row's window, and their hold in all (ms)
     client: str = "petals"  # the client kind (users_clients.CLIENT_KINDS)
     client_cpus: list[int] = field(default_factory=list)  # CPUs of the client processes (empty: not pinned)
     server_cpus: list[int] = field(default_factory=list)  # CPUs of the server side (empty: not pinned)

@@ -16,7 +16,7 @@ import os
 import re
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +27,6 @@ from corolla.bench.multi_user import BenchServer, UsersConfig, UsersResult, buil
 from corolla.bench.users_clients import CLIENT_DESCRIPTIONS, CLIENT_KINDS, CpuSplit, format_cpus
 from corolla.server.executor import DeviceExecutor
 from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.launch_hold import LaunchHold
 from corolla.server.step_timeline import TIMELINE_ENV
 
 
@@ -93,42 +92,37 @@ def _engine_rows(
 
 
 def _handler_options(row: UsersResult) -> str:
-    """The handler column's notes: how the channels replied, whether the handler processes polled, and whether the
-    runtime launched behind a running forward at once instead of holding the launch (`server.launch_hold`)."""
-    return (
-        (" (writer threads)" if row.reply_thread else "")
-        + (f" (poll {row.handler_poll_ms:g} ms)" if row.handler_poll_ms else "")
-        + ("" if row.launch_hold else " (launch at once)")
+    """The handler column's notes: how the channels replied and whether the handler processes polled."""
+    return (" (writer threads)" if row.reply_thread else "") + (
+        f" (poll {row.handler_poll_ms:g} ms)" if row.handler_poll_ms else ""
     )
 
 
-_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(w)?(?:h([01]))?(?:p([0-9.]+))?$")
+_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(w)?(?:p([0-9.]+))?$")
 
 
 @dataclass(frozen=True)
 class ServerRun:
-    """One server of a `--runs` spec: `N[gF][w][h0|h1][pMS]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction
-    0), `8w:64` (the handler channels reply from writer threads instead of the runtime thread), `4h0:64` (launch
-    behind a running forward at once, not held until just before its end) or `4p2:64` (the handler processes poll
-    for 2 ms after each message instead of sleeping)."""
+    """One server of a `--runs` spec: `N[gF][w][pMS]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0),
+    `8w:64` (the handler channels reply from writer threads instead of the runtime thread) or `4p2:64` (the handler
+    processes poll for 2 ms after each message instead of sleeping)."""
 
     num_handlers: int
     gather_fraction: float | None  # None: the runtime's default
     counts: list[int]
     reply_thread: bool = False
     handler_poll_ms: float = 0.0
-    launch_hold: bool | None = None  # None: the runtime's default
 
     @classmethod
     def parse(cls, spec: str, default_counts: list[int]) -> ServerRun:
         head, _, tail = spec.partition(":")
         match = _RUN_SPEC.match(head)
         if match is None:
-            raise ValueError(f"a --runs entry reads N[gF][w][h0|h1][pMS][:counts], got {spec!r}")
-        handlers, fraction, writer, hold, poll = match.groups()
+            raise ValueError(f"a --runs entry reads N[gF][w][pMS][:counts], got {spec!r}")
+        handlers, fraction, writer, poll = match.groups()
         counts = [int(c) for c in tail.split(",")] if tail else default_counts
         return cls(int(handlers), float(fraction) if fraction else None, counts, writer is not None,
-                   float(poll) if poll else 0.0, None if hold is None else hold == "1")  # fmt: skip
+                   float(poll) if poll else 0.0)  # fmt: skip
 
 
 def _measure(
@@ -142,12 +136,8 @@ def _measure(
                 continue  # corolla's own transport: a Petals client has none
             config = UsersConfig(sessions=n, client_processes=args.processes, transport=transport, client=client,
                                  prefix_tokens=args.prefix_tokens, decode_steps=args.decode_steps)  # fmt: skip
-            hold = server.runtime.hold
-            held_before = (hold.num_holds, hold.held_s)
             row = run_users(server, config, path)
-            row.holds = (hold.num_holds - held_before[0], (hold.held_s - held_before[1]) * 1000)
             row.gather_fraction = server.runtime.gather.settings.fraction
-            row.launch_hold = server.runtime.hold.settings.enabled
             rows.append(row)
             print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
 
@@ -271,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [ServerRun.parse(spec, counts) for spec in args.runs.split()] or [
             ServerRun(int(x), None, counts) for x in args.num_handlers.split(",")
         ]
-        default_gather, default_hold = executor.runtime.gather.settings, executor.runtime.hold.settings
+        default_gather = executor.runtime.gather.settings
         for repeat in range(args.repeats):
             if path == "fast" and args.repeats > 1:  # alternated with the servers' rows (else after them, as before)
                 _engine_rows(executor, runs, args, engine_rows, started, repeat)
@@ -279,8 +269,6 @@ def main(argv: list[str] | None = None) -> int:
                 fraction = run.gather_fraction
                 settings = default_gather if fraction is None else GatherSettings(fraction, default_gather.quantile)
                 executor.runtime.gather = GatherRule(settings)
-                hold = default_hold if run.launch_hold is None else replace(default_hold, enabled=run.launch_hold)
-                executor.runtime.hold = LaunchHold(hold)
                 server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                                      dtype=dtype, device=device, num_handlers=run.num_handlers,
                                      reply_thread=run.reply_thread, cpus=cpus,
@@ -345,12 +333,6 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(
                 f"sessions per handler process, {row.sessions} sessions, {row.transport}, {row.client} client: "
                 + " / ".join(str(n) for n in row.sessions_per_handler)
-            )
-    for row in rows:
-        if row.holds[0]:
-            notes.append(
-                f"launch hold, {row.sessions} sessions, {row.transport}, {row.client} client: {row.holds[0]} launches "
-                f"held behind a running forward, {row.holds[1] / row.holds[0]:.2f} ms each on average"
             )
     for row in rows:
         if row.return_ms:

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.launch_hold import HoldSettings, LaunchHold
 from corolla.server.task import KIND_GENERIC, BatchLauncher, KindStats, LaunchedBatch, Task, TaskQueue
-from corolla.server.task_delivery import call_back, deliver, deliver_batch, resolve
+from corolla.server.task_delivery import call_back, deliver, resolve, resolve_all
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -53,8 +52,10 @@ class Runtime:
     all other tasks run alone as `fn()`.
     """
 
-    # With a launched batch in flight, the next queued batch is launched before waiting for it (True: just before
-    # its expected end, `launch_hold`; the device never idles between them), or once the device finished it (False)
+    # With a launched batch in flight, the next queued batch is launched at once, before waiting for it (True: the
+    # device never idles between them), or once the device finished it (False: the next batch also takes the steps
+    # that arrived during that device work). H100, 64 sessions through 4 handler processes, one call: True 5171
+    # tok/s (19.6 steps per forward), False 3712 (18.2)
     launch_ahead: bool = True
 
     def __init__(
@@ -65,7 +66,6 @@ class Runtime:
         name: str = "corolla-runtime",
         stop_timeout_s: float = 30.0,
         gather: GatherSettings | None = None,
-        hold: HoldSettings | None = None,
     ):
         if max_batch_size_tokens < 1:
             raise ValueError(f"max_batch_size_tokens must be >= 1, got {max_batch_size_tokens}")
@@ -93,7 +93,6 @@ class Runtime:
         self._wake_scheduled: set[asyncio.AbstractEventLoop] = set()  # loops with a `_wake` pending
         # after a merged forward, wait briefly for its sessions' next steps (server.gather; fraction 0 disables)
         self.gather = GatherRule(gather if gather is not None else GatherSettings())
-        self.hold = LaunchHold(hold)  # behind a running forward: launch just before its end (server.launch_hold)
 
     def add_batch_observer(self, observer: BatchObserver) -> None:
         """Calls `observer(kind, num_steps, seconds)` after every batch (benchmarks, profiling); it must be quick
@@ -348,9 +347,6 @@ class Runtime:
                 wait = self.gather.wait(time.monotonic(), queue.num_pushed)
                 if wait is not None:
                     queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
-            elif self.launch_ahead:
-                self._hold(pending)
-            popped_s = time.perf_counter()
             batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
                 merge_limits=self._merge_limits, timeout_s=None if pending is None else 0.0,
@@ -363,8 +359,6 @@ class Runtime:
                     break
                 continue
             launched = self._launch(batch)
-            if launched is not None and launched.handle is not None:
-                self.hold.launched(launched.launched_s - popped_s)
             if pending is not None:  # the device runs `launched` (if any) while this one's replies leave
                 self._finish(pending)
                 pending = None
@@ -398,15 +392,7 @@ class Runtime:
             if handle is None:
                 return None
             self._num_in_flight += 1
-            return LaunchedBatch(batch, handle, None, started, launched_s=time.perf_counter())
-
-    def _hold(self, running: LaunchedBatch) -> None:
-        """Waits until just before the running forward's expected end (`launch_hold`) before the next pop."""
-        now_s = time.perf_counter()
-        hold_s = self.hold.hold_s(now_s=now_s, previous_done_s=self._last_done_s, running_launched_s=running.launched_s)
-        if hold_s > 0.0:
-            self._queue.wait_for_pushes(1 << 62, hold_s)  # no push count ends it: the time, a wake-up or a stop
-            self.hold.woke(hold_s, time.perf_counter() - now_s)
+            return LaunchedBatch(batch, handle, None, started)
 
     def _finish(self, launched: LaunchedBatch) -> None:
         """Waits for a launched batch's results (if not done yet) and completes it."""
@@ -441,7 +427,6 @@ class Runtime:
             launched.elapsed_s = done_s - max(launched.started_s, self._last_done_s)
             self._last_done_s = done_s
             device_s = launched.handle.device_s if launched.handle is not None else None
-            self.hold.finished(device_s)
             self._account(batch[0].kind, _steps(batch), launched.elapsed_s, device_s)
         launched.results = results
         return results
@@ -474,7 +459,30 @@ class Runtime:
     def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
         self.num_tasks_done += _steps(batch)
-        deliver_batch(batch, results)
+        if batch[0].future is None and all(t.future is None for t in batch):  # only callback tasks (device channels)
+            call_back(batch, results)
+            return
+        if any(t.future is None for t in batch):  # callback tasks: their replies leave from this thread
+            call_back(
+                [t for t in batch if t.future is None],
+                [r for t, r in zip(batch, results, strict=True) if t.future is None],
+            )
+            kept = [(t, r) for t, r in zip(batch, results, strict=True) if t.future is not None]
+            batch, results = [t for t, _ in kept], [r for _, r in kept]
+            if not batch:
+                return
+        if len(batch) == 1:
+            deliver(batch[0], *results[0])
+            return
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}  # one loop wake-up per batch, not per task
+        for task, (result, error) in zip(batch, results, strict=True):
+            assert task.loop is not None
+            by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.future, result, error))
+        for loop, items in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(resolve_all, items)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
 
 
 def _steps(batch: list[Task]) -> int:  # the steps a batch carries (`Task.steps`): its counters count these

@@ -116,7 +116,6 @@ class LaunchedBatch:
     handle: PendingBatch | None
     error: BaseException | None
     started_s: float  # perf_counter at the launch
-    launched_s: float = 0.0  # perf_counter when the launcher returned
     results: list[tuple[Any, BaseException | None]] | None = None  # once waited for
     elapsed_s: float = 0.0  # its busy seconds, once waited for
 

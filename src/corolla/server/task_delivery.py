@@ -32,35 +32,6 @@ def call_back(tasks: list[Task], results: list[tuple[Any, BaseException | None]]
             logger.warning(f"runtime.flush_failed(error={e!r})")
 
 
-def deliver_batch(batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
-    """A finished batch's results: callback tasks' replies leave from this thread (`call_back`), futures are
-    resolved in their loops, one wake-up per loop for the batch."""
-    if batch[0].future is None and all(t.future is None for t in batch):  # only callback tasks (device channels)
-        call_back(batch, results)
-        return
-    if any(t.future is None for t in batch):  # callback tasks: their replies leave from this thread
-        call_back(
-            [t for t in batch if t.future is None],
-            [r for t, r in zip(batch, results, strict=True) if t.future is None],
-        )
-        kept = [(t, r) for t, r in zip(batch, results, strict=True) if t.future is not None]
-        batch, results = [t for t, _ in kept], [r for _, r in kept]
-        if not batch:
-            return
-    if len(batch) == 1:
-        deliver(batch[0], *results[0])
-        return
-    by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}  # one loop wake-up per batch, not per task
-    for task, (result, error) in zip(batch, results, strict=True):
-        assert task.loop is not None
-        by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.future, result, error))
-    for loop, items in by_loop.values():
-        try:
-            loop.call_soon_threadsafe(resolve_all, items)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
-
-
 def deliver(task: Task, result: Any, error: BaseException | None) -> None:
     """Resolves the task's future inside its own event loop (thread-safe), or runs its callback here."""
     if task.future is None or task.loop is None:
