@@ -214,13 +214,16 @@ class BenchServer:
         num_handlers: int = 1,
         reply_thread: bool = False,
         cpus: CpuSplit | None = None,
-        handler_poll_s: float = 0.0,
+        handler_poll_s: float | None = None,
     ):
+        from corolla.server import config
         from corolla.server.block_functions import ServingLimits
 
         self.executor, self.device, self.num_handlers = executor, device, num_handlers
         self.reply_thread = reply_thread  # handler channels send replies from writer threads (device_channel)
-        self.handler_poll_s = handler_poll_s  # handler processes poll after each message (`HandlerSettings`)
+        # handler processes poll after each message (`HandlerSettings`); None: as a server's default settings do
+        default_s = config.handler_poll_s(config.ServerConfig.busy_poll_ms, torch.device(device).type)
+        self.handler_poll_s = default_s if handler_poll_s is None else handler_poll_s
         self.cpus = cpus  # set: this process runs on cpus.server while serving, the client processes on cpus.clients
         self.num_layers, self.hidden_size, self.dtype = num_layers, hidden_size, dtype
         self.limits = ServingLimits(

@@ -105,13 +105,14 @@ _RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(w)?(?:p([0-9.]+))?$")
 class ServerRun:
     """One server of a `--runs` spec: `N[gF][w][pMS]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0),
     `8w:64` (the handler channels reply from writer threads instead of the runtime thread) or `4p2:64` (the handler
-    processes poll for 2 ms after each message instead of sleeping)."""
+    processes poll for 2 ms after each message instead of sleeping; `p0`: they sleep at once; default: as a
+    server's `--busy_poll_ms` on a GPU, no polling on a CPU)."""
 
     num_handlers: int
     gather_fraction: float | None  # None: the runtime's default
     counts: list[int]
     reply_thread: bool = False
-    handler_poll_ms: float = 0.0
+    handler_poll_ms: float | None = None  # None: as a server's default (`--busy_poll_ms` on a GPU)
 
     @classmethod
     def parse(cls, spec: str, default_counts: list[int]) -> ServerRun:
@@ -122,7 +123,7 @@ class ServerRun:
         handlers, fraction, writer, poll = match.groups()
         counts = [int(c) for c in tail.split(",")] if tail else default_counts
         return cls(int(handlers), float(fraction) if fraction else None, counts, writer is not None,
-                   float(poll) if poll else 0.0)  # fmt: skip
+                   float(poll) if poll else None)  # fmt: skip
 
 
 def _measure(
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                                      dtype=dtype, device=device, num_handlers=run.num_handlers,
                                      reply_thread=run.reply_thread, cpus=cpus,
-                                     handler_poll_s=run.handler_poll_ms / 1000)  # fmt: skip
+                                     handler_poll_s=None if run.handler_poll_ms is None else run.handler_poll_ms / 1000)  # fmt: skip
                 measured = len(rows)
                 last = repeat == args.repeats - 1 and i == len(runs) - 1  # the runtime does not start twice
                 _measure(server, args, run.counts, path, rows, started, last=last)

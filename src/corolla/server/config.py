@@ -327,6 +327,12 @@ MAX_NUM_HANDLERS = 64
 IGNORED_FLAG_DEFAULTS: dict[str, int] = {"prefetch_batches": 1, "sender_threads": 1, "min_batch_size_tokens": 1}
 
 
+def handler_poll_s(busy_poll_ms: float, device_type: str) -> float:
+    """How long a handler process (`num_handlers` > 1) polls after each message: `busy_poll_ms` on a GPU server,
+    never on a CPU one (polling would take the cores the span computes on)."""
+    return busy_poll_ms / 1000 if device_type == "cuda" else 0.0
+
+
 def ignored_flags(config: ServerConfig) -> list[str]:
     """`name=value` of every accepted-but-ignored flag set to a value other than its default."""
     return [

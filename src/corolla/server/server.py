@@ -22,7 +22,7 @@ from corolla.server.announcer import Announcer
 from corolla.server.backend import SpanBackend
 from corolla.server.block_functions import ServingLimits
 from corolla.server.block_loading import load_span_blocks
-from corolla.server.config import ServerConfig, ignored_flags
+from corolla.server.config import ServerConfig, handler_poll_s, ignored_flags
 from corolla.server.drain import drain_sessions
 from corolla.server.executor import DeviceExecutor
 from corolla.server.metrics import MetricsExporter, ServerMetrics
@@ -397,9 +397,7 @@ class Server:
                 busy_poll=self.selector if c.busy_poll_ms > 0 else None, busy_poll_s=c.busy_poll_ms / 1000,
                 num_handlers=c.num_handlers, swarm_key_file=c.swarm_key_file,  # N > 1: handler processes
                 direct=c.resolved_direct(),
-                # a GPU server's handler processes poll after each message (on a CPU they would take the cores the
-                # span computes on)
-                handler_poll_s=c.busy_poll_ms / 1000 if s.device.type == "cuda" else 0.0,
+                handler_poll_s=handler_poll_s(c.busy_poll_ms, s.device.type),
             )  # fmt: skip
             service.handler.peer_auth = self.peer_auth
             service.handler.handoff.enabled = c.kv_handoff
