@@ -140,6 +140,6 @@ def test_server_config_rejects_bad_values_directly():
 
 
 def test_handler_processes_poll_for_busy_poll_ms_on_a_gpu_server_and_never_on_a_cpu_one() -> None:
-    assert handler_poll_s(ServerConfig().busy_poll_ms, "cuda") == pytest.approx(0.005)
-    assert handler_poll_s(ServerConfig(busy_poll_ms=0).busy_poll_ms, "cuda") == 0.0
+    assert handler_poll_s(ServerConfig("m").busy_poll_ms, "cuda") == pytest.approx(0.005)
+    assert handler_poll_s(ServerConfig("m", busy_poll_ms=0).busy_poll_ms, "cuda") == 0.0
     assert handler_poll_s(5.0, "cpu") == 0.0
