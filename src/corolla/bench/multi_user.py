@@ -354,6 +354,8 @@ def run_users(
 ) -> UsersResult:
     """One measurement against a running `server` (its runtime counters give the merged-forward figures).
     `clients_out`: the client processes' result dicts are appended to it, each with its sessions' outputs."""
+    from corolla.bench.cpu_share import with_clients_per_step_us
+
     # forkserver: one fresh interpreter imports torch and hivemind once (the preload), then forks every client
     # process from it; no client inherits this process's threads, CUDA context or event loop (as with spawn)
     context = multiprocessing.get_context("forkserver")  # started by the server (`_start_forkserver`)
@@ -437,8 +439,6 @@ def run_users(
     result.reply_thread, result.handler_poll_ms = server.reply_thread, server.handler_poll_s * 1000
     if returns_before is not None and returns_after is not None:
         result.return_ms = return_summary(returns_after, returns_before, result.merged_forward_ms)
-    from corolla.bench.cpu_share import with_clients_per_step_us
-
     steps = result.sessions_finished * config.decode_steps
     result.cpu_us_per_step = with_clients_per_step_us(cpu_server, collected, steps)
     if timeline is not None:

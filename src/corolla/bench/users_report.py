@@ -270,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                 fraction = run.gather_fraction
                 settings = default_gather if fraction is None else GatherSettings(fraction, default_gather.quantile)
                 executor.runtime.gather = GatherRule(settings)
+                poll_s = None if run.handler_poll_ms is None else run.handler_poll_ms / 1000  # None: the default
                 server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                                      dtype=dtype, device=device, num_handlers=run.num_handlers,
-                                     reply_thread=run.reply_thread, cpus=cpus,
-                                     handler_poll_s=None if run.handler_poll_ms is None else run.handler_poll_ms / 1000)  # fmt: skip
+                                     reply_thread=run.reply_thread, cpus=cpus, handler_poll_s=poll_s)  # fmt: skip
                 measured = len(rows)
                 last = repeat == args.repeats - 1 and i == len(runs) - 1  # the runtime does not start twice
                 _measure(server, args, run.counts, path, rows, started, last=last)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -128,7 +129,7 @@ def return_summary(after: list[int], before: list[int], forward_ms: float) -> di
     p50, p90 = returns.quantile_s(0.5), returns.quantile_s(0.9)
     if p50 is None or p90 is None:
         return {}
-    within = returns.share_within(forward_ms / 1000) if forward_ms == forward_ms else None
+    within = returns.share_within(forward_ms / 1000) if math.isfinite(forward_ms) else None
     summary = {"p50_ms": p50 * 1000, "p90_ms": p90 * 1000, "count": float(returns.count)}
     if within is not None:
         summary["within_forward"] = within

@@ -44,8 +44,8 @@ class _Entry:
 
 
 class _FrameSteps:
-    """A frame's decode steps of the fast path, as columns (no record per step): request ids, tickets, the prepared
-    steps and their requests, and their tokens in all."""
+    """A frame's decode steps of the fast path, as columns (no record per step): request ids, session handles,
+    tickets, the prepared steps and their requests, and their tokens in all."""
 
     __slots__ = ("request_ids", "handles", "tickets", "prepared", "requests", "tokens", "mixed_keys")
 
