@@ -1,5 +1,5 @@
-"""How long a device channel's sessions take to come back: from a decode step's result (the runtime thread queues
-its reply, `frame_steps.FrameIntake`) to the same session's next step reaching the intake thread, per session.
+"""How long a device channel's sessions take to come back: from a step's result (the runtime thread queues its
+reply, `frame_steps.FrameIntake`) to the same session's next step reaching the intake thread, per session.
 
 This is the turn the device cannot see inside: the reply's way out through the handler process, the client's
 own step, and the next request's way back in. Whether a forward's sessions are back before the next forward
@@ -13,8 +13,9 @@ from collections.abc import Iterable
 
 BUCKET_S = 50e-6  # the histogram's bucket width
 NUM_BUCKETS = 400  # up to 20 ms; later returns land in the overflow bucket
-MAX_PENDING = 1 << 16  # sessions awaited at once; past it the awaited ones are dropped (a step's result that came
-# after its session was forgotten leaves an entry behind: this bounds them)
+# sessions awaited at once; past it the awaited ones are dropped (a step's result that came after its session was
+# forgotten leaves an entry behind: this bounds them)
+MAX_PENDING = 1 << 16
 
 
 class ReturnTimes:
