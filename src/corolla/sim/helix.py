@@ -1,0 +1,79 @@
+"""Helix's 24-node test cluster (ASPLOS'25: 4x A100-40GB, 8x L4, 12x T4 serving LLaMA-2-70B in fp16): its per-GPU
+capacity tables and the Petals and ILP layouts its artifact published, for reproducing its max-flow figures.
+
+Source of every number: github.com/Thesys-lab/Helix-ASPLOS25, `artifact_evaluation/single_cluster/`:
+- capacities: the coefficients of `node_throughput_constraint_*` in `layout_llama70b/ilp/ilp_model.lp`, i.e. the
+  "typical token throughput" Helix's simulator derives for a node holding k layers from vLLM batch timings profiled
+  on Google Cloud (`simulator/model_manager/llama2_70b/<gpu>/{prompt,decode}_bs2time.csv`) at its average request
+  (750 prompt + 240 output tokens) and the KV cache left beside k layers; the table's length is the most layers a
+  card holds (A100-40GB: 12, L4-24GB: 7, T4-16GB: 4);
+- node types: `config/cluster24.ini` (compute node i); links are 1 Gbit/s and never bind in this cluster;
+- layouts: `layout_llama70b/petals/petals_sol.ini` and `layout_llama70b/ilp/ilp_sol.ini` (layers held per node,
+  `compute_node_{i + 2}` is node i);
+- reported figures: `layout_llama70b/ilp/trace.txt` (Gurobi, 600 s): the Petals layout as MIP start, 531.703 tok/s;
+  best incumbent when interrupted, 1289.556 tok/s."""
+
+from __future__ import annotations
+
+from corolla.sim.bound import ServerKind
+
+NUM_BLOCKS = 80  # LLaMA-2-70B decoder layers
+PETALS_FLOW_TPS = 531.703  # Helix's trace.txt, the Petals layout's objective
+HELIX_BEST_FLOW_TPS = 1289.556  # Helix's trace.txt, best incumbent after 600 s of Gurobi
+
+A100 = ServerKind(
+    "A100-40GB",
+    (
+        23833.86986632437,
+        11384.25466586348,
+        7201.412420877685,
+        5264.623373853506,
+        4096.654503856875,
+        3124.143078025857,
+        2595.679285400846,
+        2045.641047336262,
+        1754.381889564989,
+        1392.634820724777,
+        1212.176845459821,
+        952.1073984850639,
+    ),
+)
+L4 = ServerKind(
+    "L4",
+    (
+        7557.863040102793,
+        3625.714747409144,
+        2171.878169270482,
+        1476.084625195014,
+        1017.572796523607,
+        747.7853772615942,
+        531.7025845523623,
+    ),
+)
+T4 = ServerKind("T4", (5709.207939642649, 2434.367182876655, 1347.866524237952, 757.8531857227841))
+
+# compute node i's card, from cluster24.ini
+NODE_KINDS: tuple[ServerKind, ...] = tuple({"A": A100, "L": L4, "T": T4}[c] for c in "LTTLTLATTAALTTLTTALTTLTL")
+
+# (first layer, last layer + 1) per compute node, from petals_sol.ini and ilp_sol.ini
+PETALS_LAYOUT: tuple[tuple[int, int], ...] = (
+    (7, 14), (34, 38), (76, 80), (4, 11), (72, 76), (53, 60), (30, 42), (26, 30), (30, 34), (11, 23), (60, 72),
+    (42, 49), (60, 64), (38, 42), (0, 7), (26, 30), (76, 80), (14, 26), (46, 53), (42, 46), (0, 4), (53, 60),
+    (49, 53), (72, 79),
+)  # fmt: skip
+HELIX_ILP_LAYOUT: tuple[tuple[int, int], ...] = (
+    (7, 11), (34, 38), (23, 25), (53, 60), (77, 80), (53, 60), (68, 77), (26, 30), (30, 34), (37, 49), (60, 68),
+    (42, 49), (33, 37), (38, 42), (3, 7), (0, 3), (11, 14), (14, 23), (46, 53), (42, 46), (25, 26), (53, 60),
+    (49, 53), (26, 33),
+)  # fmt: skip
+
+
+def layout_capacities(layout: tuple[tuple[int, int], ...]) -> list[float]:
+    """Each node's tokens/s at the span the layout gives it."""
+    return [kind.capacity_at(end - start) for kind, (start, end) in zip(NODE_KINDS, layout, strict=True)]
+
+
+def kind_counts() -> tuple[list[ServerKind], list[int]]:
+    """The cluster as kinds and counts (A100, L4, T4), for the best-known search."""
+    kinds = [A100, L4, T4]
+    return kinds, [sum(1 for k in NODE_KINDS if k is kind) for kind in kinds]
