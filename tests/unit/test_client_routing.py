@@ -11,7 +11,7 @@ import pytest
 
 from corolla.client.bans import BanList
 from corolla.client.config import ClientConfig
-from corolla.client.route_planning import (
+from corolla.swarm.route_planning import (
     find_missing_blocks,
     has_cache_for,
     make_max_throughput_route,

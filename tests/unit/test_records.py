@@ -7,7 +7,7 @@ import msgpack
 import pytest
 from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
+from corolla.protocol.records import LOAD_FIELDS, ModelInfo, ServerInfo, ServerState
 
 
 def _petals_tuple_bytes(state: int, throughput: float, extra: dict | None) -> bytes:
@@ -136,3 +136,37 @@ def test_model_info_round_trip_and_validation():
     for bad in ({"num_blocks": 0}, {"num_blocks": 2.0}, {}, {"num_blocks": 2, "repository": 3}, [2]):
         with pytest.raises((TypeError, ValueError)):
             ModelInfo.from_dict(bad)
+
+
+def test_load_fields_are_optional_extensions():
+    """corolla's load fields ride in the extra dict (Petals peers ignore unknown keys); a record without them is
+    exactly what Petals writes, and a Petals record (no such keys) parses with them None."""
+    plain = ServerInfo(state=ServerState.ONLINE, throughput=2.0, start_block=0, end_block=4)
+    assert not set(LOAD_FIELDS) & set(plain.to_tuple()[2])
+    loaded = ServerInfo(
+        state=ServerState.ONLINE, throughput=2.0, start_block=0, end_block=4, sessions_active=3, busy_fraction=0.25,
+        tokens_served=12345, num_moves=1,
+    )  # fmt: skip
+    state, throughput, extra = loaded.to_tuple()
+    assert (state, throughput) == (2, 2.0) and extra["sessions_active"] == 3 and extra["busy_fraction"] == 0.25
+    decoded = ServerInfo.from_tuple(MSGPackSerializer.loads(MSGPackSerializer.dumps(loaded.to_tuple())))
+    assert decoded == loaded
+    petals = ServerInfo.from_tuple(MSGPackSerializer.loads(_petals_tuple_bytes(2, 5.0, {"start_block": 1})))
+    assert all(getattr(petals, name) is None for name in LOAD_FIELDS)
+    # what a stock Petals reader keeps of a corolla record: its own fields, the load keys dropped as unknown
+    petals_fields = set(ServerInfo.__dataclass_fields__) - set(LOAD_FIELDS) - {"state", "throughput"}
+    assert set(extra) - set(LOAD_FIELDS) <= petals_fields
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("sessions_active", -1), ("sessions_active", True), ("sessions_active", 1.0), ("sessions_active", 1 << 40),
+        ("busy_fraction", 1.5), ("busy_fraction", -0.1), ("busy_fraction", math.nan), ("busy_fraction", 1),
+        ("busy_fraction", "0.5"), ("tokens_served", 1 << 63), ("tokens_served", -5), ("num_moves", [1]),
+        ("num_moves", 1 << 30),
+    ],
+)  # fmt: skip
+def test_hostile_load_fields_are_refused(field, value):
+    with pytest.raises((TypeError, ValueError)):
+        ServerInfo.from_tuple((2, 1.0, {"start_block": 0, "end_block": 2, field: value}))

@@ -132,3 +132,25 @@ def test_announced_pings_forget_a_peer_that_left() -> None:
     pings.update("stays", 0.20, now=0.5)
     assert pings.to_dict(now=0.5) == {"stays": pytest.approx(0.8 * 0.10 + 0.2 * 0.20), "leaves": 0.30}
     assert pings.to_dict(now=0.9) == {"stays": pytest.approx(0.12)}  # 0.9 s > 3 rounds of 0.2 s since "leaves"
+
+
+async def test_load_fields_are_announced_and_bad_ones_left_out(records):
+    load = {"sessions_active": 3, "busy_fraction": 0.5, "tokens_served": 99, "num_moves": 1}
+    announcer = make_announcer("model", [10])
+    announcer.load = lambda: load
+    announcer.start()
+    await asyncio.sleep(0.05)
+    extra = records.stored[-1][1][2]
+    assert (extra["sessions_active"], extra["busy_fraction"], extra["tokens_served"], extra["num_moves"]) == (
+        3,
+        0.5,
+        99,
+        1,
+    )
+    load.update(busy_fraction=float("nan"), sessions_active=4)  # a bug must not make the whole record unreadable
+    await announcer.announce(ServerState.ONLINE)
+    await asyncio.sleep(0.05)
+    extra = records.stored[-1][1][2]
+    assert extra["sessions_active"] == 4 and extra["busy_fraction"] == 0.5
+    ServerInfo.from_tuple(records.stored[-1][1])
+    await announcer.announce(ServerState.OFFLINE)

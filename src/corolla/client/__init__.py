@@ -1,7 +1,7 @@
-"""Using remote spans as local modules. `config` (ClientConfig), `bans` + `route_planning` (pure) + `routing`
-(RemoteSequenceManager), `inference_session` (fail-over by replay), `remote_forward_backward` + `remote_sequential`
-(autograd through the swarm), `checkpoint` + `distributed_model` + `generation` (causal LMs with generate()).
-All networking runs on one background asyncio loop (`background_loop`)."""
+"""Using remote spans as local modules. `config` (ClientConfig), `bans` + `routing` (RemoteSequenceManager; its
+route math is a `corolla.swarm` policy), `inference_session` (fail-over by replay), `remote_forward_backward` +
+`remote_sequential` (autograd through the swarm), `checkpoint` + `distributed_model` + `generation` (causal LMs
+with generate()). All networking runs on one background asyncio loop (`background_loop`)."""
 
 from corolla.client.config import ClientConfig
 from corolla.client.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM

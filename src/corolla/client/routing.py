@@ -8,17 +8,19 @@ import dataclasses
 import math
 import random
 import threading
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from corolla.client import background_loop
 from corolla.client.bans import BanList
 from corolla.client.config import ClientConfig
 from corolla.client.direct_transport import DirectOffers
-from corolla.client.route_planning import make_max_throughput_route, make_min_latency_route
 from corolla.protocol.direct_stream import DirectOffer
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
 from corolla.swarm.ping import PingAggregator
+from corolla.swarm.policies import make_policy
+from corolla.swarm.policy import RouteMode
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.interrupts import event_wait
 from corolla.utils.logging import get_logger
@@ -28,8 +30,10 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-RouteMode = Literal["min_latency", "max_throughput"]
 PING_EMA_ALPHA = 0.2  # weight of the newest RTT sample
+# sessions this client routed to a server count as its load (beside what the server announces) with this half-life:
+# about the time until the server's next announcement shows them
+ROUTED_LOAD_HALF_LIFE_S = 30.0
 
 
 def _membership(swarm_key_file: str | None) -> tuple[Any, Any]:
@@ -67,6 +71,8 @@ class RemoteSequenceManager:
         self.dht = dht
         self.bans = BanList(config.ban_timeout_s, config.ban_backoff_rate)
         self.rng = random.Random()
+        self.policy = make_policy(config.swarm_policy)
+        self._routed: dict[str, tuple[float, float]] = {}  # peer -> (sessions routed there, time.monotonic() then)
         self._lock = threading.Lock()
         self._spans: list[RemoteSpanInfo] = []
         self._rtts = PingAggregator(ema_alpha=PING_EMA_ALPHA, expiration_s=math.inf)  # smoothed RTTs, never forgotten
@@ -245,14 +251,15 @@ class RemoteSequenceManager:
             raise ValueError(f"block range [{start}, {end}) is outside [0, {self.num_blocks})")
         self.wait_ready()
         spans, rtts = self.spans, self.client_rtts_s
-        if mode == "min_latency":
-            route = make_min_latency_route(
-                spans, start, end, client_rtts_s=rtts, cache_tokens_needed=cache_tokens_needed
-            )
-        elif mode == "max_throughput":
-            route = make_max_throughput_route(spans, start, end, client_rtts_s=rtts, rng=self.rng)
-        else:
+        if mode not in ("min_latency", "max_throughput"):
             raise ValueError(f"mode must be 'min_latency' or 'max_throughput', got {mode!r}")
+        now = time.monotonic()
+        route = self.policy.choose_route(
+            spans, start, end, mode=mode, client_rtts_s=rtts, cache_tokens_needed=cache_tokens_needed,
+            client_load=self.routed_load(now), rng=self.rng,
+        )  # fmt: skip
+        if mode == "min_latency":  # an inference session holds its servers until it ends
+            self._note_routed(route, now)
         show = self.config.show_route == "always" or (self.config.show_route == "inference" and mode == "min_latency")
         (logger.info if show else logger.debug)(
             "routing.route(blocks=%d:%d, mode=%s) %s",
@@ -262,6 +269,20 @@ class RemoteSequenceManager:
             " => ".join(f"{span.start}:{span.end} via ...{span.peer_id[-6:]}" for span in route),
         )
         return route
+
+    def routed_load(self, now: float) -> dict[str, float]:
+        """Sessions this client routed to each server lately, decayed by `ROUTED_LOAD_HALF_LIFE_S`."""
+        with self._lock:
+            return {peer: count * 0.5 ** ((now - since) / ROUTED_LOAD_HALF_LIFE_S) for peer, (count, since) in
+                    self._routed.items()}  # fmt: skip
+
+    def _note_routed(self, route: Sequence[RemoteSpanInfo], now: float) -> None:
+        load = self.routed_load(now)
+        with self._lock:
+            for span in route:
+                self._routed[span.peer_id] = (load.get(span.peer_id, 0.0) + 1.0, now)
+            for peer in [peer for peer, count in load.items() if count < 0.01]:
+                self._routed.pop(peer, None)
 
     def on_request_failure(self, peer_id: str | None) -> None:
         """Bans the peer and drops it from the current view; refreshes at once if a block became uncovered."""

@@ -12,6 +12,11 @@ from typing import Any
 
 MODELS_INDEX_KEY = "_petals.models"
 MAX_MODEL_BLOCKS = 4096  # no model has more layers; a record claiming more (e.g. 10**7) is refused, not iterated
+MAX_SESSIONS_ACTIVE = 1 << 20  # far above what any server holds; a record claiming more is refused
+MAX_TOKENS_SERVED = 1 << 62
+MAX_NUM_MOVES = 1 << 20
+# corolla's optional load fields: left out of the tuple when None, so a record without them is what Petals writes
+LOAD_FIELDS = ("sessions_active", "busy_fraction", "tokens_served", "num_moves")
 
 
 class ServerState(IntEnum):
@@ -45,6 +50,23 @@ def _check_nonneg_int(name: str, value: Any) -> int | None:
     return value
 
 
+def _check_bounded_int(name: str, value: Any, limit: int) -> int | None:
+    checked = _check_nonneg_int(name, value)
+    if checked is not None and checked > limit:
+        raise ValueError(f"{name} must be <= {limit}, got {checked}")
+    return checked
+
+
+def _check_fraction(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, float):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise ValueError(f"{name} must be a float in [0, 1], got {value}")
+    return value
+
+
 def _check_optional(name: str, value: Any, kind: type) -> Any:
     if value is not None and not isinstance(value, kind):
         raise TypeError(f"{name} must be {kind.__name__} or None, got {type(value).__name__}")
@@ -53,7 +75,8 @@ def _check_optional(name: str, value: Any, kind: type) -> Any:
 
 @dataclass
 class ServerInfo:
-    """What a server announces for each block it holds; field names and types are Petals' exactly."""
+    """What a server announces for each block it holds; field names and types are Petals' exactly, plus corolla's
+    optional load fields (`LOAD_FIELDS`: stock Petals peers ignore unknown keys, and their records lack them)."""
 
     state: ServerState
     throughput: float
@@ -74,6 +97,11 @@ class ServerInfo:
     using_relay: bool | None = None
     cache_tokens_left: int | None = None
     next_pings: dict[str, float] | None = None
+
+    sessions_active: int | None = None  # inference sessions open now
+    busy_fraction: float | None = None  # share of the last announce period the server's device thread was busy
+    tokens_served: int | None = None  # tokens its blocks processed since it started (every kind)
+    num_moves: int | None = None  # rebalancing moves since it started
 
     def __post_init__(self) -> None:
         if isinstance(self.state, bool) or not isinstance(self.state, int):
@@ -104,10 +132,17 @@ class ServerInfo:
                     raise ValueError(f"next_pings entries must be str -> float >= 0, got {peer!r}: {rtt!r}")
                 pings[peer] = rtt
             self.next_pings = pings
+        self.sessions_active = _check_bounded_int("sessions_active", self.sessions_active, MAX_SESSIONS_ACTIVE)
+        self.busy_fraction = _check_fraction("busy_fraction", self.busy_fraction)
+        self.tokens_served = _check_bounded_int("tokens_served", self.tokens_served, MAX_TOKENS_SERVED)
+        self.num_moves = _check_bounded_int("num_moves", self.num_moves, MAX_NUM_MOVES)
 
     def to_tuple(self) -> tuple[int, float, dict[str, Any]]:
         extra = dataclasses.asdict(self)
         del extra["state"], extra["throughput"]
+        for name in LOAD_FIELDS:
+            if extra[name] is None:
+                del extra[name]
         extra["adapters"] = tuple(self.adapters)
         return (int(self.state), self.throughput, extra)
 

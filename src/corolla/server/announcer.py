@@ -1,6 +1,6 @@
 """The server's DHT heartbeat: announces its `ServerInfo` for every block it holds (JOINING on start, ONLINE once
 its handlers answer, OFFLINE on shutdown), refreshed every `update_period_s` with `expiration_s`, with live
-`cache_tokens_left` and `next_pings`, plus the `_petals.models` record unless the prefix starts with `_`."""
+`cache_tokens_left`, `next_pings` and load fields, plus the `_petals.models` record unless the prefix starts with `_`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
+from corolla.protocol.records import LOAD_FIELDS, ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.swarm.ping import PingAggregator
 from corolla.utils.logging import get_logger
@@ -39,6 +39,7 @@ class Announcer:
         model_info: ModelInfo,
         cache_tokens_left: Callable[[], int],
         update_period_s: float,
+        load: Callable[[], Mapping[str, Any]] | None = None,
         expiration_s: float,
         p2p: Any = None,
         local_peer_id: str | None = None,
@@ -54,6 +55,7 @@ class Announcer:
         self.server_info.end_block = block_indices.stop
         self.model_info = model_info
         self.cache_tokens_left = cache_tokens_left
+        self.load = load  # the server's load fields (`protocol.records.LOAD_FIELDS`), read at each announcement
         self.update_period_s = update_period_s
         self.expiration_s = expiration_s
         self.p2p = p2p
@@ -124,6 +126,8 @@ class Announcer:
         from corolla.swarm.records_io import declare_active_modules, declare_model_info
 
         self.server_info.cache_tokens_left = max(0, int(self.cache_tokens_left()))
+        if self.load is not None:
+            self._apply_load(self.load())
         if state != ServerState.OFFLINE:
             await self._ping_next_servers()
             self.server_info.next_pings = self._pings.to_dict()
@@ -146,6 +150,19 @@ class Announcer:
         )
         if state != ServerState.OFFLINE and not self.dht_prefix.startswith("_"):
             await asyncio.to_thread(declare_model_info, self.dht, self.dht_prefix, self.model_info, expiration_time)
+
+    def _apply_load(self, load: Mapping[str, Any]) -> None:
+        """Puts the load fields on the record, each checked as readers check it (a bad one is left out)."""
+        for name in LOAD_FIELDS:
+            if name not in load:
+                continue
+            previous = getattr(self.server_info, name)
+            setattr(self.server_info, name, load[name])
+            try:
+                self.server_info.__post_init__()
+            except (TypeError, ValueError) as e:
+                logger.warning(f"announcer.bad_load_field(name={name}): {e}")
+                setattr(self.server_info, name, previous)
 
     async def _ping_next_servers(self) -> None:
         if self.p2p is None or not self.next_uids:

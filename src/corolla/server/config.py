@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from corolla.server.limits import PeerLimits
+from corolla.swarm.policy import check_policy_name
 from corolla.utils.gil import check_switch_interval_ms
 
 if TYPE_CHECKING:
@@ -127,6 +128,9 @@ class ServerConfig:
     update_period_s: float = 120.0
     expiration_s: float | None = None  # None -> max(2 * update_period_s, 3)
     balance_quality: float = 0.75
+    # placement and rebalancing (`corolla.swarm.policies`): "petals" = the reference's math, "corolla" = flow-raising
+    # span length and position, moves that pay back their reload
+    swarm_policy: str = "petals"
     mean_balance_check_period_s: float = 60.0
     mean_block_selection_delay_s: float = 5.0
     # throughput
@@ -235,6 +239,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.balance_quality < 0:
             raise ValueError(f"balance_quality must be >= 0, got {self.balance_quality}")
+        check_policy_name(self.swarm_policy)
         for name in ("inference_max_length_tokens", "max_batch_size_tokens", "attn_cache_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:

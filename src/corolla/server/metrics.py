@@ -12,11 +12,15 @@ Usage from the server (every call is cheap, thread-safe and never raises):
         metrics.tokens("inference", n)           # tokens processed; kind in {"inference", "forward", "backward"}
     metrics.rejected("cache_full")               # a request refused; reason in REJECT_REASONS (others -> "other")
     metrics.announce_failed()                    # a DHT declare that failed or timed out
+    metrics.span_loaded(seconds)                 # a span finished loading (at start and after each move)
+    metrics.move_started()                       # the swarm policy decided to move this server
+    metrics.tokens_total()                       # tokens processed so far, every kind (read back for announcements)
     exporter = metrics.serve(port)               # HTTP exporter at http://127.0.0.1:<port>/metrics; exporter.close()
 
 Names exported (prefix `corolla_`): sessions_active, sessions_opened_total, tokens_processed_total{kind},
 step_seconds, queue_wait_seconds, batch_size (histograms), requests_rejected_total{reason},
-kv_cache_used_bytes, kv_cache_free_bytes, blocks_served, announce_failures_total.
+kv_cache_used_bytes, kv_cache_free_bytes, blocks_served, announce_failures_total, moves_total, span_load_seconds_total,
+span_loads_total.
 """
 
 from __future__ import annotations
@@ -98,6 +102,11 @@ class ServerMetrics:
         self._announce_failures = Counter(
             "corolla_announce_failures", "DHT announcements that failed or timed out", registry=r
         )
+        self._moves = Counter("corolla_moves", "Rebalancing moves the swarm policy decided", registry=r)
+        self._load_seconds = Counter(
+            "corolla_span_load_seconds", "Seconds spent loading spans (joining and moves)", registry=r
+        )
+        self._loads = Counter("corolla_span_loads", "Spans loaded (joining and moves)", registry=r)
         # Pre-create labelled children so every series is exported (as 0) from the start.
         # kept: labels() looks a child up under a lock each call (~7 us; a decode step counts its tokens)
         self._token_series = {kind: self._tokens.labels(kind=kind) for kind in TOKEN_KINDS}
@@ -157,6 +166,18 @@ class ServerMetrics:
 
     def announce_failed(self) -> None:
         self._announce_failures.inc()
+
+    def span_loaded(self, seconds: float) -> None:
+        self._loads.inc()
+        self._load_seconds.inc(max(0.0, seconds))
+
+    def move_started(self) -> None:
+        self._moves.inc()
+
+    def tokens_total(self) -> int:
+        """Tokens processed so far, every kind."""
+        samples = (sample for family in self._tokens.collect() for sample in family.samples)
+        return int(sum(sample.value for sample in samples if sample.name.endswith("_total")))
 
     # --- export ---
     def render(self) -> bytes:

@@ -30,7 +30,9 @@ from corolla.server.peer_auth import make_peer_auth
 from corolla.server.reachability_gate import validate_reachability
 from corolla.server.sessions import SessionTimeouts
 from corolla.server.settings import describe_settings, resolve_settings
+from corolla.server.slowdown import BlockDelay, block_delay_s, slowed_throughput
 from corolla.server.span_service import SpanService
+from corolla.server.swarm_seat import SwarmSeat
 from corolla.utils import busy_poll
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
@@ -39,7 +41,6 @@ logger = get_logger(__name__)
 
 READY_PREFIX = "corolla-server: ready"
 MAX_CONSECUTIVE_FAILURES = 5
-DHT_READ_TIMEOUT_S = 20.0
 
 
 class Server:
@@ -87,7 +88,7 @@ class Server:
         self.join_maddrs: list[str] = []
         self.service: SpanService | None = None
         self.announcer: Announcer | None = None
-        self.num_moves = 0
+        self.seat: SwarmSeat | None = None  # placement and moves by the swarm policy (after the DHT is up)
         self.num_restarts = 0
         self._reachability_service: Any = None
         self.metrics = ServerMetrics()
@@ -105,6 +106,8 @@ class Server:
         from corolla.server.throughput import get_server_throughput
 
         c, s = self.config, self.settings
+        if block_delay_s() is not None:  # test-only: announce what the emulated slower device would measure
+            return slowed_throughput(block_delay_s() or 0.0, s.num_blocks)
         if not isinstance(c.throughput, str):
             return {"throughput": float(c.throughput)}
         tp_devices = [torch.device(d) for d in c.tensor_parallel_devices or ()]
@@ -237,6 +240,11 @@ class Server:
             )
         self.throughput_info = self.measure_throughput()
         logger.info(f"server.throughput({', '.join(f'{k}={v:.1f}' for k, v in sorted(self.throughput_info.items()))})")
+        self.seat = SwarmSeat(
+            policy_name=c.swarm_policy, balance_quality=c.balance_quality, dht=self.dht, module_uids=self.module_uids,
+            max_blocks=self.settings.num_blocks, throughput_info=self.throughput_info, metrics=self.metrics,
+        )  # fmt: skip
+        self.seat.peer_id = self.peer_id
 
     def _check_reachability(self, swarm_config: Any) -> bool:
         """Public swarm only: True if we must go through relays. Unknown -> assume directly reachable."""
@@ -250,12 +258,12 @@ class Server:
         logger.info(f"server.reachability(direct={result})")
         return result is False
 
-    def _make_server_info(self) -> ServerInfo:
-        s = self.settings
+    def _make_server_info(self, block_indices: range) -> ServerInfo:
+        s, seat = self.settings, self.seat
         rps = self.throughput_info
         return ServerInfo(
             state=ServerState.JOINING,
-            throughput=float(self.throughput_info.get("throughput", 1.0)),
+            throughput=seat.throughput_for(block_indices) if seat else float(rps.get("throughput", 1.0)),
             public_name=self.config.public_name,
             version=PETALS_COMPAT_VERSION,
             adapters=tuple(self.config.adapters),
@@ -301,8 +309,6 @@ class Server:
                 if outcome == "crashed":
                     self.num_restarts += 1
                     logger.warning("server.restart(reason=serving part crashed)")
-                elif outcome == "move":
-                    self.num_moves += 1
         finally:
             self._ready.set()
             try:
@@ -321,19 +327,13 @@ class Server:
             return self._stop.is_set()
 
     async def _choose_blocks(self) -> range:
-        c, s = self.config, self.settings
+        c = self.config
         if c.block_indices is not None:
             return range(*c.block_indices)
-        from corolla.swarm.block_selection import choose_best_blocks
-        from corolla.swarm.records_io import get_remote_module_infos
-
         if await self._sleep(random.uniform(0, 2 * c.mean_block_selection_delay_s)):
             raise asyncio.CancelledError
-        infos = await asyncio.to_thread(
-            get_remote_module_infos, self.dht, self.module_uids, latest=True, timeout_s=DHT_READ_TIMEOUT_S
-        )
-        chosen = choose_best_blocks(s.num_blocks, infos)
-        return range(chosen[0], chosen[-1] + 1)
+        assert self.seat is not None
+        return await self.seat.choose_span()
 
     def _load_blocks(self, block_indices: range) -> dict[int, Any]:
         return load_span_blocks(self.config, self.model_config, block_indices, dtype=self.settings.dtype,
@@ -354,9 +354,10 @@ class Server:
             dht_prefix=s.dht_prefix,
             block_indices=block_indices,
             total_blocks=s.total_blocks,
-            server_info=self._make_server_info(),
+            server_info=self._make_server_info(block_indices),
             model_info=self._model_info(),
             cache_tokens_left=self._cache_tokens_left,
+            load=lambda: self.seat.load_fields(self.service) if self.seat else {},
             update_period_s=c.update_period_s,
             expiration_s=c.resolved_expiration_s,
             p2p=p2p,
@@ -370,6 +371,7 @@ class Server:
         executor: DeviceExecutor | None = None
         try:
             logger.info(f"server.loading(blocks={block_indices.start}:{block_indices.stop})")
+            load_started = time.monotonic()
             blocks = await asyncio.to_thread(self._load_blocks, block_indices)
             backend = SpanBackend(
                 blocks,
@@ -406,8 +408,12 @@ class Server:
             if c_public and not c.skip_reachability_check and not self._validated_reachability:
                 await asyncio.to_thread(validate_reachability, self.peer_id or "")
                 self._validated_reachability = True
+            if block_delay_s() is not None:  # test-only slowdown (server.slowdown)
+                service.runtime.add_batch_observer(BlockDelay(block_delay_s() or 0.0, len(block_indices)))
             await service.start(p2p)
             self.service = service
+            if self.seat is not None:
+                self.seat.loaded(time.monotonic() - load_started)
             self.metrics.blocks_served(len(block_indices))
             self.metrics.set_cache(0, executor.max_size_bytes)
             await announcer.announce(ServerState.ONLINE)
@@ -479,16 +485,6 @@ class Server:
 
     async def _should_move(self) -> bool:
         c = self.config
-        if c.block_indices is not None or c.balance_quality <= 0:
+        if c.block_indices is not None or c.balance_quality <= 0 or self.seat is None:
             return False
-        from corolla.swarm.block_selection import should_choose_other_blocks
-        from corolla.swarm.records_io import get_remote_module_infos
-
-        try:
-            infos = await asyncio.to_thread(
-                get_remote_module_infos, self.dht, self.module_uids, latest=True, timeout_s=DHT_READ_TIMEOUT_S
-            )
-            return bool(should_choose_other_blocks(self.peer_id or "", infos, c.balance_quality))
-        except Exception as e:
-            logger.warning(f"server.balance_check_failed({e!r})")
-            return False
+        return await self.seat.should_move()

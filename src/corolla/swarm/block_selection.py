@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -34,14 +35,18 @@ def _choose_best_start(throughputs: np.ndarray, num_blocks: int) -> int:
     return min(options)[1]
 
 
+def choose_best_span(num_blocks: int, spans: Mapping[str, RemoteSpanInfo], *, total_blocks: int) -> range:
+    """The span a new server with `num_blocks` blocks should serve, given everyone's spans (state >= JOINING)."""
+    if not 1 <= num_blocks <= total_blocks:
+        raise ValueError(f"num_blocks must be in [1, {total_blocks}], got {num_blocks}")
+    start = _choose_best_start(compute_throughputs(spans, total_blocks=total_blocks), num_blocks)
+    return range(start, start + num_blocks)
+
+
 def choose_best_blocks(num_blocks: int, module_infos: Sequence[RemoteModuleInfo]) -> list[int]:
     """Indices (relative to `module_infos`) a new server with `num_blocks` blocks should serve."""
-    if not 1 <= num_blocks <= len(module_infos):
-        raise ValueError(f"num_blocks must be in [1, {len(module_infos)}], got {num_blocks}")
     spans = compute_spans(module_infos, min_state=ServerState.JOINING)
-    throughputs = compute_throughputs(spans, total_blocks=len(module_infos))
-    start = _choose_best_start(throughputs, num_blocks)
-    return list(range(start, start + num_blocks))
+    return list(choose_best_span(num_blocks, spans, total_blocks=len(module_infos)))
 
 
 def _move(span: RemoteSpanInfo, new_start: int) -> None:
@@ -58,10 +63,24 @@ def should_choose_other_blocks(
     """True if moving this server would raise the swarm's bottleneck throughput enough (quality < balance_quality).
 
     Never moves if leaving would open a gap. `rng` orders the simulated convergence (default: module `random`)."""
+    spans = compute_spans(module_infos, min_state=ServerState.JOINING)
+    return should_move_span(local_peer_id, spans, total_blocks=len(module_infos), balance_quality=balance_quality,
+                            rng=rng)  # fmt: skip
+
+
+def should_move_span(
+    local_peer_id: str,
+    spans: Mapping[str, RemoteSpanInfo],
+    *,
+    total_blocks: int,
+    balance_quality: float,
+    rng: random.Random | None = None,
+) -> bool:
+    """`should_choose_other_blocks` over spans (state >= JOINING) by peer id; `spans` are not modified."""
     if balance_quality > 1.0:
         return True  # debug mode: always move
-    spans = compute_spans(module_infos, min_state=ServerState.JOINING)
-    throughputs = compute_throughputs(spans, total_blocks=len(module_infos))
+    spans = {peer: replace(span) for peer, span in spans.items()}  # the simulated convergence moves them
+    throughputs = compute_throughputs(spans, total_blocks=total_blocks)
     initial_throughput = throughputs.min()
 
     local_span = spans.get(local_peer_id)

@@ -1,5 +1,6 @@
-"""Pure route choice over server spans: the lowest-latency chain for inference (our own Dijkstra over
-(server, block) nodes) and a throughput-weighted random chain for forward/backward."""
+"""Pure route math over server spans (Petals' client, reference section 11.2): the lowest-latency chain for inference
+(our own Dijkstra over (server, block) nodes, its per-block cost replaceable) and a span-length-weighted random
+chain for forward/backward."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.errors import MissingBlocksError
@@ -50,7 +51,8 @@ def _half_rtt_s(rtt_s: float | None) -> float:
     return min(rtt_s / 2, MAX_HALF_RTT_S)
 
 
-def _block_time_s(span: RemoteSpanInfo) -> float:
+def block_time_s(span: RemoteSpanInfo) -> float:
+    """Seconds one block of `span`'s server takes for one token of one session (Petals: 1 / inference_rps)."""
     rps = span.server_info.inference_rps
     return 1.0 / (rps if rps is not None and rps > 0 else DEFAULT_INFERENCE_RPS)
 
@@ -70,12 +72,14 @@ def make_min_latency_route(
     *,
     client_rtts_s: Mapping[str, float],
     cache_tokens_needed: int | None = None,
+    block_cost_s: Callable[[RemoteSpanInfo], float] = block_time_s,
 ) -> list[RemoteSpanInfo]:
     """The chain minimizing expected step latency through blocks `[start, end)`.
 
     Nodes are (span, block boundary); edges: client -> first server (half its RTT + overhead), one block inside a
-    server (1 / inference_rps), a switch at the end of a server's span (half the RTT it measured to the next
-    server + overhead), last server -> client. A server short of cache for the session costs an extra 10 s.
+    server (`block_cost_s`, by default Petals' 1 / inference_rps), a switch at the end of a server's span (half the
+    RTT it measured to the next server + overhead), last server -> client. A server short of cache for the session
+    costs an extra 10 s.
     """
     _check_range(spans, start, end)
     by_block = spans_by_block(spans, end)
@@ -84,6 +88,7 @@ def make_min_latency_route(
         penalty = 0.0 if has_cache_for(span, cache_tokens_needed) else MISSING_CACHE_PENALTY_S
         return half_rtt_s + SERIALIZATION_OVERHEAD_S + penalty
 
+    block_costs = [block_cost_s(span) for span in spans]
     START, END = -1, -2  # sentinel span indices
     index_of = {id(span): i for i, span in enumerate(spans)}
     dist: dict[tuple[int, int], float] = {(START, start): 0.0}
@@ -111,7 +116,7 @@ def make_min_latency_route(
                 edges.append(((END, end), _half_rtt_s(client_rtts_s.get(span.peer_id))))
             else:
                 if block < span.end:
-                    edges.append(((span_idx, block + 1), _block_time_s(span)))
+                    edges.append(((span_idx, block + 1), block_costs[span_idx]))
                 if block == span.end:
                     next_pings = span.server_info.next_pings or {}
                     for other in by_block[block]:

@@ -1,0 +1,112 @@
+"""The server's seat in the swarm: reads every server's span from the DHT, asks the swarm policy
+(`corolla.swarm.policies`) which span to load and whether to move, and samples the load it announces."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from corolla.protocol.records import RemoteSpanInfo, ServerState
+from corolla.server.metrics import ServerMetrics
+from corolla.swarm.policies import make_policy
+from corolla.swarm.policy import ServerCapacity
+from corolla.swarm.records_io import get_remote_module_infos
+from corolla.swarm.spans import compute_spans
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+DHT_READ_TIMEOUT_S = 20.0
+
+
+class SwarmSeat:
+    """Placement and rebalancing for one server (`policy_name`: `--swarm_policy`); `load_s` is what the last span
+    took to load (the cost of a move), `online_since` when it started serving it."""
+
+    def __init__(
+        self,
+        *,
+        policy_name: str,
+        balance_quality: float,
+        dht: Any,
+        module_uids: list[str],
+        max_blocks: int,
+        throughput_info: dict[str, float],
+        metrics: ServerMetrics,
+    ):
+        self.policy = make_policy(policy_name, balance_quality=balance_quality)
+        self.dht = dht
+        self.module_uids = module_uids
+        self.max_blocks = max_blocks
+        self.throughput_info = throughput_info
+        self.metrics = metrics
+        self.peer_id = ""
+        self.load_s: float | None = None
+        self.online_since = time.monotonic()
+        self.num_moves = 0
+        self._busy_sample: tuple[float, float] | None = None  # (time.monotonic(), runtime busy seconds)
+
+    def capacity(self) -> ServerCapacity:
+        """This server as the policy sees it: the throughput it measured for `max_blocks` blocks."""
+        return ServerCapacity(
+            peer_id=self.peer_id,
+            max_blocks=self.max_blocks,
+            throughput=float(self.throughput_info.get("throughput", 1.0)),
+            network_rps=self.throughput_info.get("network_rps"),
+        )
+
+    def throughput_for(self, block_indices: range) -> float:
+        """The throughput to announce for `block_indices` (a policy may choose fewer than `max_blocks` blocks)."""
+        return self.capacity().throughput_for(len(block_indices))
+
+    async def read_spans(self) -> list[RemoteSpanInfo]:
+        """Every server's span as placement sees it (JOINING and ONLINE)."""
+        infos = await asyncio.to_thread(
+            get_remote_module_infos, self.dht, self.module_uids, latest=True, timeout_s=DHT_READ_TIMEOUT_S
+        )
+        return list(compute_spans(infos, min_state=ServerState.JOINING).values())
+
+    async def choose_span(self) -> range:
+        chosen = self.policy.choose_span(self.capacity(), await self.read_spans(), len(self.module_uids))
+        logger.info(f"server.placed(policy={self.policy.name}, blocks={chosen.start}:{chosen.stop})")
+        return chosen
+
+    def loaded(self, load_s: float) -> None:
+        """A span finished loading in `load_s` and serves from now on."""
+        self.load_s = load_s
+        self.online_since = time.monotonic()
+        self.metrics.span_loaded(load_s)
+
+    async def should_move(self) -> bool:
+        try:
+            decision = self.policy.choose_move(
+                self.capacity(), await self.read_spans(), len(self.module_uids), reload_s=self.load_s or 0.0,
+                since_move_s=time.monotonic() - self.online_since, rng=random.Random(),
+            )  # fmt: skip
+        except Exception as e:
+            logger.warning(f"server.balance_check_failed({e!r})")
+            return False
+        logger.info(
+            f"server.balance_check(policy={self.policy.name}, move={decision.move}, reason={decision.reason}, "
+            f"flow_now_tps={decision.flow_now_tps:.1f}, flow_after_tps={decision.flow_after_tps:.1f})"
+        )
+        if decision.move:
+            self.num_moves += 1
+            self.metrics.move_started()
+        return decision.move
+
+    def load_fields(self, service: Any) -> dict[str, Any]:
+        """What the announcer puts in `ServerInfo`'s load fields: open sessions, the share of the time since the last
+        sample the runtime was busy, tokens served, moves made (`service`: the SpanService serving now, or None)."""
+        fields: dict[str, Any] = {"tokens_served": self.metrics.tokens_total(), "num_moves": self.num_moves}
+        if service is None:
+            return fields
+        now, busy_s = time.monotonic(), sum(stats.busy_s for stats in service.runtime.stats().values())
+        if self._busy_sample is not None and now > self._busy_sample[0] and busy_s >= self._busy_sample[1]:
+            fraction = (busy_s - self._busy_sample[1]) / (now - self._busy_sample[0])
+            fields["busy_fraction"] = float(min(max(fraction, 0.0), 1.0))
+        self._busy_sample = (now, busy_s)
+        fields["sessions_active"] = service.handler.sessions.num_open
+        return fields

@@ -1,0 +1,181 @@
+"""`CorollaPolicy`: placement that maximizes the swarm's bottleneck flow with the server's own capacity (span length
+and position), moves that pay back their reload with hysteresis, and load-aware randomized routing. Decentralized:
+every decision is one peer's, from signed records and its own measurements; wire-compatible with Petals peers."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from corolla.protocol.records import RemoteSpanInfo
+from corolla.swarm.block_selection import compute_throughputs
+from corolla.swarm.policy import MoveDecision, RouteMode, ServerCapacity, others, own_span
+from corolla.swarm.route_planning import block_time_s, make_max_throughput_route, make_min_latency_route
+
+REL_EPS = 1e-9  # flows equal up to float noise are ties
+
+
+@dataclass(frozen=True)
+class CorollaPolicy:
+    """Placement, rebalancing and routing for throughput under load.
+
+    Placement: a server of capacity `me` may hold k <= max_blocks blocks; holding fewer raises its tokens/s on
+    each (Petals' throughput model, `ServerCapacity.throughput_for`). For every k and start it computes the swarm's
+    bottleneck (the least per-block throughput, i.e. the max-flow when chains hand over at span ends) and takes the
+    longest span within `shorter_span_gain` of the best bottleneck (fewer hops per token), then the position that
+    best serves the servers within `region_rtt_s` of it, then Petals' weakest-window rule.
+
+    Rebalancing: move only if the best placement without itself beats the swarm's bottleneck now by `min_gain`
+    (hysteresis: each move raises the bottleneck by that factor, so moves cannot cycle), the gain over
+    `payback_s` outweighs the flow lost while reloading for `reload_s`, leaving opens no gap, and the server has
+    stayed `min_dwell_s` since its last move.
+
+    Routing: Dijkstra over (server, block) as Petals, each block costing max(its one-session time, the share of the
+    server's capacity left to one more session), where sessions = those the server announces plus the ones this
+    client just routed there; each server's cost is jittered by a log-normal factor of sigma `route_jitter` per
+    route, so clients spread over near-equal chains instead of piling onto one."""
+
+    shorter_span_gain: float = 0.10
+    min_gain: float = 0.10
+    payback_s: float = 3600.0
+    min_dwell_s: float = 300.0
+    region_rtt_s: float = 0.03
+    route_jitter: float = 0.25
+    name: str = "corolla"
+
+    # ---- placement
+
+    def choose_span(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo], total_blocks: int) -> range:
+        rest = others(spans, me.peer_id)
+        return self._best_placement(me, rest, total_blocks)[1]
+
+    def _best_placement(
+        self, me: ServerCapacity, rest: Sequence[RemoteSpanInfo], total_blocks: int
+    ) -> tuple[float, range]:
+        """(swarm bottleneck tokens/s with `me` placed, the span) for the best placement of `me` beside `rest`."""
+        if total_blocks < 1:
+            raise ValueError(f"total_blocks must be >= 1, got {total_blocks}")
+        throughputs = compute_throughputs({s.peer_id: s for s in rest}, total_blocks=total_blocks)  # [total_blocks]
+        regional = self._regional_throughputs(me, rest, total_blocks)  # [total_blocks] or None
+        max_k = min(me.max_blocks, total_blocks)
+        options = [(k, *_bottleneck_by_start(throughputs, me.throughput_for(k), k)) for k in range(1, max_k + 1)]
+        best_flow = max(flow for _, flow, _ in options)
+        # the longest span within shorter_span_gain of the best: a shorter one adds a hop to every chain through it
+        k, flow, flows = next(
+            option for option in reversed(options) if option[1] >= best_flow / (1 + self.shorter_span_gain) - REL_EPS
+        )
+        starts = np.flatnonzero(flows >= flow - REL_EPS * max(flow, 1.0)).tolist()
+        if regional is not None and len(starts) > 1:
+            regional_flows = _bottleneck_by_start(regional, me.throughput_for(k), k)[1][starts]
+            top = regional_flows.max()
+            starts = [
+                s for s, f in zip(starts, regional_flows.tolist(), strict=True) if f >= top - REL_EPS * max(top, 1)
+            ]
+        # Petals' rule among the rest: the window whose ascending throughputs are lexicographically smallest
+        start = min((sorted(throughputs[s : s + k].tolist()), s) for s in starts)[1]
+        return float(flow), range(start, start + k)
+
+    def _regional_throughputs(
+        self, me: ServerCapacity, rest: Sequence[RemoteSpanInfo], total_blocks: int
+    ) -> np.ndarray | None:
+        near = {peer for peer, rtt in me.rtts_s.items() if rtt <= self.region_rtt_s}
+        if not near:
+            return None
+        return compute_throughputs({s.peer_id: s for s in rest if s.peer_id in near}, total_blocks=total_blocks)
+
+    # ---- rebalancing
+
+    def choose_move(
+        self,
+        me: ServerCapacity,
+        spans: Sequence[RemoteSpanInfo],
+        total_blocks: int,
+        *,
+        reload_s: float,
+        since_move_s: float,
+        rng: random.Random,
+    ) -> MoveDecision:
+        throughputs = compute_throughputs({s.peer_id: s for s in spans}, total_blocks=total_blocks)
+        flow_now = float(throughputs.min())
+        mine = own_span(spans, me.peer_id)
+        if mine is None:
+            return MoveDecision(None, flow_now, flow_now, "own span not in the swarm's records")
+        if since_move_s < self.min_dwell_s:
+            return MoveDecision(None, flow_now, flow_now, "dwelling after the last move")
+        rest = others(spans, me.peer_id)
+        without_me = throughputs.copy()
+        without_me[mine.start : mine.end] -= mine.throughput
+        flow_while_loading = float(without_me.min())
+        if flow_now > 0 and flow_while_loading <= 0:
+            return MoveDecision(None, flow_now, flow_now, "leaving would open a gap")
+        flow_after, target = self._best_placement(me, rest, total_blocks)
+        if target == range(mine.start, mine.end):
+            return MoveDecision(None, flow_now, flow_now, "already on the best span")
+        if flow_after < flow_now * (1 + self.min_gain) or flow_after <= 0:
+            return MoveDecision(None, flow_now, flow_after, "gain below the hysteresis threshold")
+        lost_tokens = (flow_now - flow_while_loading) * max(reload_s, 0.0)
+        gained_tokens = (flow_after - flow_now) * self.payback_s
+        if gained_tokens <= lost_tokens:
+            return MoveDecision(None, flow_now, flow_after, "reload costs more than the move gains")
+        return MoveDecision(target, flow_now, flow_after, "raises the swarm's bottleneck")
+
+    # ---- routing
+
+    def choose_route(
+        self,
+        spans: Sequence[RemoteSpanInfo],
+        start: int,
+        end: int,
+        *,
+        mode: RouteMode,
+        client_rtts_s: Mapping[str, float],
+        cache_tokens_needed: int | None = None,
+        client_load: Mapping[str, float] | None = None,
+        rng: random.Random,
+    ) -> list[RemoteSpanInfo]:
+        if mode == "max_throughput":
+            return make_max_throughput_route(spans, start, end, client_rtts_s=client_rtts_s, rng=rng)
+        if mode != "min_latency":
+            raise ValueError(f"mode must be 'min_latency' or 'max_throughput', got {mode!r}")
+        load = client_load or {}
+        jitter = {span.peer_id: math.exp(rng.gauss(0.0, self.route_jitter)) for span in spans}
+
+        def block_cost_s(span: RemoteSpanInfo) -> float:
+            return loaded_block_time_s(span, load.get(span.peer_id, 0.0)) * jitter[span.peer_id]
+
+        return make_min_latency_route(
+            spans, start, end, client_rtts_s=client_rtts_s, cache_tokens_needed=cache_tokens_needed,
+            block_cost_s=block_cost_s,
+        )  # fmt: skip
+
+
+def _bottleneck_by_start(throughputs: np.ndarray, added: float, k: int) -> tuple[float, np.ndarray]:
+    """(best, flows[num_starts]): the swarm's least per-block throughput if `added` tokens/s cover [s, s + k)."""
+    n = len(throughputs)
+    prefix_min = np.concatenate(([np.inf], np.minimum.accumulate(throughputs)))  # [n + 1]: min of throughputs[:i]
+    suffix_min = np.concatenate((np.minimum.accumulate(throughputs[::-1])[::-1], [np.inf]))  # [n + 1]: of [i:]
+    inside = sliding_window_view(throughputs, k).min(axis=1) + added  # [n - k + 1]
+    outside = np.minimum(prefix_min[: n - k + 1], suffix_min[k:])  # [n - k + 1]
+    flows = np.minimum(inside, outside)
+    return float(flows.max()), flows
+
+
+def span_block_rate(span: RemoteSpanInfo) -> float:
+    """Token-blocks/s the span's server does at full load, inverting Petals' throughput model (a token uses
+    (n + 1) / 2 of its n blocks on average)."""
+    return span.throughput * (span.length + 1) / 2
+
+
+def loaded_block_time_s(span: RemoteSpanInfo, client_sessions: float = 0.0) -> float:
+    """Seconds per token per block for one more session on `span`'s server: its one-session time, or its share of
+    the server's capacity once the sessions it announces plus `client_sessions` (this client's, not yet announced)
+    and this one saturate it."""
+    sessions = (span.server_info.sessions_active or 0) + max(client_sessions, 0.0)
+    rate = span_block_rate(span)
+    shared = (sessions + 1) / rate if rate > 0 else 0.0
+    return max(block_time_s(span), shared)

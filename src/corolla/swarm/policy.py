@@ -1,0 +1,130 @@
+"""The swarm policy seam: placement, rebalancing and routing as pure functions of plain data (spans, throughputs,
+announced load, RTTs; no DHT, network or clock), called by the real server and client and by `corolla.sim`.
+
+How to drive a policy (the simulator does exactly what the server and client do):
+
+    spans = [RemoteSpanInfo(peer, start, end, ServerInfo(state=ServerState.ONLINE, throughput=tok_s, ...)), ...]
+    me = ServerCapacity(peer_id="me", max_blocks=8, throughput=120.0)
+    span = policy.choose_span(me, spans, total_blocks)               # a joining server: which blocks to load
+    decision = policy.choose_move(me, spans, total_blocks, reload_s=30.0, since_move_s=600.0, rng=rng)
+    route = policy.choose_route(spans, 0, total_blocks, mode="min_latency", client_rtts_s={...}, rng=rng)
+
+Block indices are relative to the model's first block. `spans` are every server's current span as the caller sees
+it (Petals counts JOINING and ONLINE servers for placement; clients route through ONLINE ones only), the caller's
+own span included when it has one. `RemoteSpanInfo.server_info` carries Petals' fields (`throughput` in tokens/s
+for the whole span, `inference_rps` in steps/s of one block, `next_pings`, `cache_tokens_left`) and corolla's
+optional load fields (`sessions_active`, `busy_fraction`), any of which may be None (a stock Petals server)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from corolla.protocol.records import RemoteSpanInfo
+
+RouteMode = Literal["min_latency", "max_throughput"]
+POLICY_NAMES = ("petals", "corolla")
+
+
+@dataclass(frozen=True)
+class ServerCapacity:
+    """What a server knows about itself when it places or moves its span.
+
+    max_blocks: the most blocks its memory holds (Petals' `num_blocks`); a policy may choose fewer.
+    throughput: the tokens/s it would announce holding `max_blocks` blocks (Petals' `throughput`).
+    network_rps: tokens/s its link carries (caps the throughput of any span length); None = unknown.
+    rtts_s: RTTs in seconds it measured to other servers (peer id -> s, inf = unreachable), where known."""
+
+    peer_id: str
+    max_blocks: int
+    throughput: float
+    network_rps: float | None = None
+    rtts_s: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
+        if not self.throughput >= 0:
+            raise ValueError(f"throughput must be >= 0, got {self.throughput}")
+
+    def throughput_for(self, num_blocks: int) -> float:
+        """Tokens/s when holding `num_blocks` blocks, by Petals' throughput model: a token enters at a uniformly
+        random block of the span, so it uses (n + 1) / 2 blocks on average; the link caps it."""
+        compute = self.throughput * (self.max_blocks + 1) / (num_blocks + 1)
+        return compute if self.network_rps is None else min(compute, self.network_rps)
+
+
+@dataclass(frozen=True)
+class MoveDecision:
+    """A rebalancing verdict. target: the span to move to (None = stay). flow_now_tps / flow_after_tps: the swarm's
+    bottleneck throughput (tokens/s) as the policy estimates it now and after the move. reason: for logs/metrics."""
+
+    target: range | None
+    flow_now_tps: float
+    flow_after_tps: float
+    reason: str
+
+    @property
+    def move(self) -> bool:
+        return self.target is not None
+
+
+class SwarmPolicy(Protocol):
+    """Placement, rebalancing and routing: every method is a pure function of its arguments (`rng` included)."""
+
+    @property
+    def name(self) -> str:
+        """The policy's name in `POLICY_NAMES` (logs, `--swarm_policy`)."""
+        ...
+
+    def choose_span(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo], total_blocks: int) -> range:
+        """The blocks a joining server should load (its own span in `spans`, if any, is ignored)."""
+        ...
+
+    def choose_move(
+        self,
+        me: ServerCapacity,
+        spans: Sequence[RemoteSpanInfo],
+        total_blocks: int,
+        *,
+        reload_s: float,
+        since_move_s: float,
+        rng: random.Random,
+    ) -> MoveDecision:
+        """Whether the server `me.peer_id` (whose current span is in `spans`) should move, and where. reload_s: the
+        seconds loading a new span takes; since_move_s: seconds since it last joined or moved."""
+        ...
+
+    def choose_route(
+        self,
+        spans: Sequence[RemoteSpanInfo],
+        start: int,
+        end: int,
+        *,
+        mode: RouteMode,
+        client_rtts_s: Mapping[str, float],
+        cache_tokens_needed: int | None = None,
+        client_load: Mapping[str, float] | None = None,
+        rng: random.Random,
+    ) -> list[RemoteSpanInfo]:
+        """A chain of spans covering blocks `[start, end)` (MissingBlocksError if a block has no server).
+        client_rtts_s: this client's RTTs (s) to servers; client_load: sessions this client recently routed to each
+        server (not yet visible in their announced load)."""
+        ...
+
+
+def own_span(spans: Sequence[RemoteSpanInfo], peer_id: str) -> RemoteSpanInfo | None:
+    """`peer_id`'s span in `spans` (the first one, as `compute_spans` makes at most one per peer)."""
+    return next((span for span in spans if span.peer_id == peer_id), None)
+
+
+def others(spans: Sequence[RemoteSpanInfo], peer_id: str) -> list[RemoteSpanInfo]:
+    return [span for span in spans if span.peer_id != peer_id]
+
+
+def check_policy_name(name: str) -> str:
+    if name not in POLICY_NAMES:
+        raise ValueError(f"swarm policy must be one of {POLICY_NAMES}, got {name!r}")
+    return name

@@ -1,0 +1,269 @@
+"""The swarm policy seam: PetalsPolicy is the reference's exact math behind it; CorollaPolicy raises the swarm's
+bottleneck (span length and position), moves only when the gain pays back the reload and never cycles, and routes
+by load, spreading clients over near-equal chains."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
+from corolla.protocol.uids import make_uid
+from corolla.swarm.block_selection import choose_best_blocks, compute_throughputs, should_choose_other_blocks
+from corolla.swarm.corolla_policy import CorollaPolicy, loaded_block_time_s
+from corolla.swarm.petals_policy import PetalsPolicy
+from corolla.swarm.policies import make_policy
+from corolla.swarm.policy import ServerCapacity
+from corolla.swarm.route_planning import make_min_latency_route
+from corolla.swarm.spans import compute_spans
+
+
+def span(peer: str, start: int, end: int, throughput: float = 1.0, **info) -> RemoteSpanInfo:
+    info.setdefault("state", ServerState.ONLINE)
+    server = ServerInfo(throughput=float(throughput), start_block=start, end_block=end, **info)
+    return RemoteSpanInfo(peer, start, end, server)
+
+
+def module_infos(spans: list[RemoteSpanInfo], total_blocks: int) -> list[RemoteModuleInfo]:
+    infos = [RemoteModuleInfo(make_uid("m", i), {}) for i in range(total_blocks)]
+    for s in spans:
+        for i in range(s.start, s.end):
+            infos[i].servers[s.peer_id] = s.server_info
+    return infos
+
+
+def bottleneck(spans: list[RemoteSpanInfo], total_blocks: int) -> float:
+    return float(compute_throughputs({s.peer_id: s for s in spans}, total_blocks=total_blocks).min())
+
+
+def test_make_policy_by_name():
+    assert isinstance(make_policy("petals", balance_quality=0.5), PetalsPolicy)
+    assert make_policy("petals", balance_quality=0.5).balance_quality == 0.5
+    assert isinstance(make_policy("corolla"), CorollaPolicy)
+    with pytest.raises(ValueError, match="swarm policy"):
+        make_policy("central")
+
+
+# ---- PetalsPolicy: the reference's math, unchanged
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_petals_policy_is_the_reference_math(seed):
+    rng = random.Random(seed)
+    total = 12
+    spans = []
+    for i in range(rng.randint(1, 7)):
+        start = rng.randrange(total)
+        spans.append(span(f"P{i}", start, min(total, start + rng.randint(1, 6)), rng.choice([1, 2, 5, 9])))
+    me = ServerCapacity(peer_id="me", max_blocks=4, throughput=3.0)
+    policy = PetalsPolicy()
+    assert list(policy.choose_span(me, spans, total)) == choose_best_blocks(4, module_infos(spans, total))
+    mover = spans[0].peer_id
+    decision = policy.choose_move(
+        ServerCapacity(peer_id=mover, max_blocks=spans[0].length, throughput=spans[0].throughput), spans, total,
+        reload_s=10.0, since_move_s=0.0, rng=random.Random(1),
+    )  # fmt: skip
+    expected = should_choose_other_blocks(mover, module_infos(spans, total), 0.75, rng=random.Random(1))
+    assert decision.move == expected
+    rtts = {s.peer_id: rng.uniform(0.001, 0.1) for s in spans}
+    spans.append(span("full", 0, total, 1.0))
+    route = policy.choose_route(spans, 0, total, mode="min_latency", client_rtts_s=rtts, rng=random.Random(0))
+    assert route == make_min_latency_route(spans, 0, total, client_rtts_s=rtts)
+
+
+def test_petals_policy_move_target_is_the_weakest_window_without_itself():
+    spans = [span("A", 0, 2, 10), span("B", 0, 2, 10), span("C", 2, 4, 1)]
+    me = ServerCapacity(peer_id="B", max_blocks=2, throughput=10.0)
+    decision = PetalsPolicy().choose_move(me, spans, 4, reload_s=600.0, since_move_s=0.0, rng=random.Random(0))
+    assert decision.target == range(2, 4) and decision.flow_now_tps == 1 and decision.flow_after_tps == 10
+    # the reference ignores the reload; with balance_quality 0 it never moves
+    assert (
+        not PetalsPolicy(balance_quality=0.0)
+        .choose_move(me, spans, 4, reload_s=0.0, since_move_s=0.0, rng=random.Random(0))
+        .move
+    )
+
+
+# ---- CorollaPolicy placement
+
+
+def test_corolla_places_like_petals_on_an_empty_or_uniform_swarm():
+    me = ServerCapacity(peer_id="me", max_blocks=4, throughput=2.0)
+    assert CorollaPolicy().choose_span(me, [], 10) == range(0, 4)
+    assert CorollaPolicy().choose_span(me, [span("A", 0, 4, 5)], 10) == range(4, 8)
+    # its own (stale) record is ignored
+    assert CorollaPolicy().choose_span(me, [span("me", 0, 4, 5)], 10) == range(0, 4)
+
+
+def test_corolla_holds_fewer_blocks_where_that_raises_the_bottleneck():
+    # blocks 0..7 carry 10 tok/s except 4 and 5 (2 tok/s). A server of 8 blocks at 1.8 tok/s covers them all but
+    # adds 1.8 to the bottleneck; holding 2 blocks it does 1.8 * 9 / 3 = 5.4 tok/s there.
+    spans = [span("A", 0, 4, 10), span("B", 6, 8, 10), span("C", 4, 6, 2), span("D", 4, 6, 0.0)]
+    spans[-1] = span("D", 6, 8, 0.0)
+    me = ServerCapacity(peer_id="me", max_blocks=8, throughput=1.8)
+    petals = PetalsPolicy().choose_span(me, spans, 8)
+    corolla = CorollaPolicy().choose_span(me, spans, 8)
+    assert petals == range(0, 8) and corolla == range(4, 6)
+    with_petals = spans + [span("me", petals.start, petals.stop, me.throughput_for(len(petals)))]
+    with_corolla = spans + [span("me", corolla.start, corolla.stop, me.throughput_for(len(corolla)))]
+    assert bottleneck(with_corolla, 8) == pytest.approx(7.4)
+    assert bottleneck(with_petals, 8) == pytest.approx(3.8)
+
+
+def test_corolla_keeps_the_longer_span_unless_shorter_gains_enough():
+    # a uniform gap: every length covering it gives the same bottleneck -> the longest (fewest hops) wins
+    spans = [span("A", 0, 8, 5.0)]
+    me = ServerCapacity(peer_id="me", max_blocks=4, throughput=1.0)
+    chosen = CorollaPolicy().choose_span(me, spans, 8)
+    assert len(chosen) == 4
+
+
+def test_throughput_for_follows_petals_model_and_network_cap():
+    me = ServerCapacity(peer_id="me", max_blocks=7, throughput=2.0, network_rps=5.0)
+    assert me.throughput_for(7) == 2.0
+    assert me.throughput_for(3) == pytest.approx(4.0)
+    assert me.throughput_for(1) == 5.0  # 8.0 capped by the link
+
+
+def test_corolla_prefers_the_position_its_region_lacks():
+    # the swarm as a whole is balanced, but the near servers (RTT <= 30 ms) lack blocks 4..7
+    spans = [span("near", 0, 4, 5), span("far1", 0, 4, 5), span("far2", 4, 8, 10)]
+    me = ServerCapacity(peer_id="me", max_blocks=4, throughput=5.0, rtts_s={"near": 0.005, "far1": 0.2, "far2": 0.2})
+    assert CorollaPolicy().choose_span(me, spans, 8) == range(4, 8)
+    me_elsewhere = ServerCapacity(peer_id="me", max_blocks=4, throughput=5.0, rtts_s={"far2": 0.005})
+    assert CorollaPolicy().choose_span(me_elsewhere, spans, 8) == range(0, 4)
+
+
+# ---- CorollaPolicy rebalancing
+
+
+def move(policy, spans, peer, *, reload_s=10.0, since_move_s=1e6, max_blocks=None):
+    mine = next(s for s in spans if s.peer_id == peer)
+    me = ServerCapacity(peer_id=peer, max_blocks=max_blocks or mine.length, throughput=mine.throughput)
+    return policy.choose_move(me, spans, 8, reload_s=reload_s, since_move_s=since_move_s, rng=random.Random(0))
+
+
+def test_corolla_moves_when_the_gain_pays_back_the_reload():
+    spans = [span("A", 0, 4, 10), span("B", 0, 4, 10), span("C", 4, 8, 1)]
+    decision = move(CorollaPolicy(), spans, "B")
+    assert decision.target == range(4, 8) and decision.flow_after_tps == 10 and decision.flow_now_tps == 1
+    # B leaving [0, 4) costs nothing (C stays the bottleneck): the reload is free, however long
+    assert move(CorollaPolicy(payback_s=60.0), spans, "B", reload_s=1e5).move
+    # B holds all 8 blocks at 1 tok/s; on [4, 8) alone it does 1.8 tok/s: the bottleneck goes 2 -> 2.8, but while it
+    # reloads the swarm drops to 1 tok/s: worth it for a 10 s reload, not for a 100 s one within a 60 s payback
+    spans = [span("A", 0, 4, 10), span("C", 4, 8, 1), span("B", 0, 8, 1)]
+    decision = move(CorollaPolicy(payback_s=60.0), spans, "B", reload_s=10.0)
+    assert decision.target == range(4, 8) and decision.flow_after_tps == pytest.approx(2.8)
+    assert move(CorollaPolicy(payback_s=60.0), spans, "B", reload_s=100.0).reason.startswith("reload costs more")
+    # too soon after its last move
+    assert move(CorollaPolicy(), spans, "B", since_move_s=1.0).reason.startswith("dwelling")
+
+
+def test_corolla_never_opens_a_gap_and_ignores_small_gains():
+    spans = [span("A", 0, 4, 10), span("C", 4, 8, 1)]
+    assert move(CorollaPolicy(), spans, "A").reason == "leaving would open a gap"
+    # moving B would raise the bottleneck from 10 to 10.5 only: below the 10% hysteresis
+    spans = [span("A", 0, 4, 10), span("B", 0, 4, 1), span("C", 4, 8, 10), span("D", 4, 8, 0.5)]
+    assert not move(CorollaPolicy(), spans, "B").move
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_corolla_moves_never_cycle(seed):
+    """Every server checks in random order, again and again, on a static swarm: the moves stop (each one raises the
+    bottleneck by >= min_gain) and the bottleneck never falls."""
+    rng = random.Random(seed)
+    spans = []
+    for i in range(8):
+        start = rng.randrange(6)
+        spans.append(span(f"S{i}", start, start + 2, rng.choice([1.0, 2.0, 4.0, 8.0])))
+    policy = CorollaPolicy()
+    flows, moves = [bottleneck(spans, 8)], 0
+    for _ in range(30):
+        for peer in rng.sample([s.peer_id for s in spans], len(spans)):
+            decision = move(policy, spans, peer)
+            if decision.move:
+                old = next(s for s in spans if s.peer_id == peer)
+                me = ServerCapacity(peer_id=peer, max_blocks=2, throughput=old.throughput)
+                spans = [s for s in spans if s.peer_id != peer]
+                spans.append(
+                    span(peer, decision.target.start, decision.target.stop, me.throughput_for(len(decision.target)))
+                )
+                moves += 1
+                flows.append(bottleneck(spans, 8))
+                assert flows[-1] >= flows[-2] * (1 + policy.min_gain) - 1e-9
+    assert moves <= 20
+    assert all(not move(policy, spans, s.peer_id).move for s in spans)  # a fixed point
+
+
+# ---- CorollaPolicy routing
+
+
+def two_chains(**b_info):
+    # A and B both cover everything equally fast; the client is as close to each
+    return [span("A", 0, 4, 100.0, inference_rps=100.0), span("B", 0, 4, 100.0, inference_rps=100.0, **b_info)]
+
+
+def test_corolla_routes_spread_over_near_equal_chains():
+    spans = two_chains()
+    rtts = {"A": 0.01, "B": 0.01}
+    rng = random.Random(0)
+    picks = Counter(
+        CorollaPolicy().choose_route(spans, 0, 4, mode="min_latency", client_rtts_s=rtts, rng=rng)[0].peer_id
+        for _ in range(200)
+    )
+    assert 60 <= picks["A"] <= 140, picks
+    petals = {PetalsPolicy().choose_route(spans, 0, 4, mode="min_latency", client_rtts_s=rtts, rng=rng)[0].peer_id
+              for _ in range(20)}  # fmt: skip
+    assert len(petals) == 1  # Petals: every client with the same view takes the same chain
+
+
+def test_corolla_routes_away_from_announced_and_client_load():
+    rtts = {"A": 0.01, "B": 0.01}
+    rng = random.Random(0)
+    loaded = two_chains(sessions_active=20)
+    picks = Counter(
+        CorollaPolicy().choose_route(loaded, 0, 4, mode="min_latency", client_rtts_s=rtts, rng=rng)[0].peer_id
+        for _ in range(100)
+    )
+    assert picks["A"] >= 95, picks
+    picks = Counter(
+        CorollaPolicy()
+        .choose_route(two_chains(), 0, 4, mode="min_latency", client_rtts_s=rtts, client_load={"A": 20.0}, rng=rng)[0]
+        .peer_id
+        for _ in range(100)
+    )
+    assert picks["B"] >= 95, picks
+
+
+def test_loaded_block_time_is_capacity_share_once_saturated():
+    s = span("A", 0, 3, 50.0, inference_rps=1000.0)  # 50 tok/s over 3 blocks: 100 token-blocks/s
+    assert loaded_block_time_s(s) == pytest.approx(0.01)  # (0 + 1) / 100 > 1 / 1000
+    assert loaded_block_time_s(s, 4.0) == pytest.approx(0.05)
+    s = span("B", 0, 3, 50.0, inference_rps=10.0, sessions_active=1)
+    assert loaded_block_time_s(s) == pytest.approx(0.1)  # alone it is slower than its share
+
+
+def test_corolla_route_still_covers_and_names_missing_blocks():
+    from corolla.utils.errors import MissingBlocksError
+
+    rng = random.Random(0)
+    spans = [span("A", 0, 2, 5.0), span("B", 2, 5, 5.0), span("C", 1, 5, 1.0)]
+    for _ in range(20):
+        route = CorollaPolicy().choose_route(spans, 0, 5, mode="min_latency", client_rtts_s={}, rng=rng)
+        assert route[0].start == 0 and route[-1].end == 5
+        assert all(a.end == b.start for a, b in zip(route, route[1:], strict=False))
+    with pytest.raises(MissingBlocksError):
+        CorollaPolicy().choose_route([span("A", 0, 2)], 0, 5, mode="min_latency", client_rtts_s={}, rng=rng)
+    forward = CorollaPolicy().choose_route(spans, 0, 5, mode="max_throughput", client_rtts_s={}, rng=rng)
+    assert forward[0].start == 0 and forward[-1].end == 5
+
+
+def test_policies_take_spans_from_compute_spans():
+    """The server hands policies what `compute_spans` rebuilds from DHT records."""
+    spans = [span("A", 0, 4, 10), span("B", 4, 8, 1)]
+    rebuilt = list(compute_spans(module_infos(spans, 8), min_state=ServerState.JOINING).values())
+    me = ServerCapacity(peer_id="me", max_blocks=4, throughput=3.0)
+    for policy in (PetalsPolicy(), CorollaPolicy()):
+        assert policy.choose_span(me, rebuilt, 8) == policy.choose_span(me, spans, 8) == range(4, 8)
