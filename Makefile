@@ -11,7 +11,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 TORCH ?= torch==2.13.0
 LOOPBACK := ../shared/tools/loopback-only
 
-.PHONY: install install-demo test lint format demo clean soak
+.PHONY: install install-demo test lint format demo clean soak bench
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -73,7 +73,7 @@ demo: $(DEMO_STAMP)
 
 # Opt-in churn soak (10 min by default): servers SIGKILLed, SIGTERMed and restarted under generating clients; fails on
 # any failed or differing generation or a process left behind. E.g. `make soak SOAK_DURATION_S=1800 SOAK_SEED=7
-# SOAK_REPLICAS=3 SOAK_CLIENTS=3`; other flags of `python -m corolla.bench.churn --help` go in SOAK_ARGS. The report
+# SOAK_REPLICAS=3 SOAK_CLIENTS=3`; other flags of `python -m benchmarks.soak --help` go in SOAK_ARGS. The report
 # (JSON) and every process's log stay in SOAK_DIR.
 SOAK_DURATION_S ?= 600
 SOAK_SEED ?= 1
@@ -85,11 +85,17 @@ SOAK_FLAGS = --duration_s $(SOAK_DURATION_S) --seed $(SOAK_SEED) --replicas_per_
 
 soak: $(STAMP)
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
-		$(LOOPBACK) $(PY) -m corolla.bench.churn $(SOAK_FLAGS); \
+		$(LOOPBACK) $(PY) -m benchmarks.soak $(SOAK_FLAGS); \
 	else \
 		echo "make soak: loopback-only namespace unavailable, running plainly"; \
-		$(PY) -m corolla.bench.churn $(SOAK_FLAGS); \
+		$(PY) -m benchmarks.soak $(SOAK_FLAGS); \
 	fi
+
+# The single-card bench (needs a CUDA GPU): `make bench BENCH_ARGS="--rpc --rpc_client_process"`. Every bench is a
+# program of the `benchmarks/` project run from the repository root (`python -m benchmarks.<name> --help`); raw results
+# go to the git-ignored benchmarks/results/, the current figures to benchmarks/RESULTS.md.
+bench: $(STAMP)
+	$(PY) -m benchmarks.serving $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -115,8 +115,8 @@ def test_graph_replay_with_new_routes_matches_reference(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
 def test_quantized_span_on_the_engine_matches_reference_ops(kind: str) -> None:
+    from benchmarks.engine.moe import dequantized_layers, engine_layers, hf_model, quantized_layers
     from corolla.engine.config import LlamaSpec
-    from corolla.engine.moe_bench import dequantized_layers, engine_layers, hf_model, quantized_layers
 
     model = hf_model("tiny", 2, DEV, BF16)
     layers = quantized_layers(engine_layers(model), kind)

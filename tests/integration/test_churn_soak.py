@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from corolla.bench.churn import ChurnConfig, ChurnReport, _collect, run_churn
-from corolla.bench.churn_worker import DONE_LINE, GenerationResult
-from corolla.bench.leftovers import RUN_MARKER_ENV, find_leftovers, kill_all, orphans_among
+from benchmarks.soak.churn import ChurnConfig, ChurnReport, _collect, run_churn
+from benchmarks.soak.leftovers import RUN_MARKER_ENV, find_leftovers, kill_all, orphans_among
+from benchmarks.soak.worker import DONE_LINE, GenerationResult
 
 CI_DURATION_S = float(os.environ.get("COROLLA_CHURN_DURATION_S", "50"))
 CI_SEED = int(os.environ.get("COROLLA_CHURN_SEED", "0"))

@@ -1,5 +1,5 @@
 """Runs stock Petals (2.2.0) from its own venv for tests/interop: `server` serves blocks with petals' Server
-(`corolla.bench.petals_server.serve`, shared with `corolla-bench --wan`), `client` drives petals'
+(`benchmarks.wan.petals_server.serve`, shared with `python -m benchmarks.wan`), `client` drives petals'
 AutoDistributedModelForCausalLM and saves what it saw (torch.save) for the corolla-side test to check. Every DHT it
 creates listens on 127.0.0.1 only, with relays, AutoNAT and NAT port mapping off."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 
 def _load_petals_server():
-    """corolla's shared stock-Petals server (`src/corolla/bench/petals_server.py`, which imports nothing of corolla:
+    """corolla's shared stock-Petals server (`benchmarks/wan/petals_server.py`, which imports nothing of corolla:
     this interpreter has no corolla), loaded by its path."""
-    path = Path(__file__).resolve().parents[2] / "src" / "corolla" / "bench" / "petals_server.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "wan" / "petals_server.py"
     spec = importlib.util.spec_from_file_location("petals_server", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)

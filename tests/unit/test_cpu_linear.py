@@ -219,7 +219,7 @@ def test_engine_decode_with_each_candidate_matches_blocks(family: str, name: str
 
 
 def test_cpu_linear_table_times_every_formulation(capsys: pytest.CaptureFixture[str]) -> None:
-    from corolla.bench.cpu_linear_table import cpu_span_weights, main
+    from benchmarks.engine.cpu_linear import cpu_span_weights, main
 
     layers = cpu_span_weights(hidden=32, intermediate=48, kv_size=16, num_layers=2)
     assert [key for key, _ in layers[0]] == [(64, 32, False, False), (32, 32, False, True),
@@ -232,7 +232,7 @@ def test_cpu_linear_table_times_every_formulation(capsys: pytest.CaptureFixture[
 
 
 def test_users_bench_takes_the_cpu_linear_mode() -> None:
-    from corolla.bench.users_report import parse_args
+    from benchmarks.users.report import parse_args
 
     assert parse_args(["--cpu"]).cpu_linear == "tuned"
     assert parse_args(["--cpu", "--cpu_linear", "off"]).cpu_linear == "off"

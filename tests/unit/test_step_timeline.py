@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hivemind.proto import runtime_pb2
 
-from corolla.bench.users_timeline import TIMELINE_SKIP_STEPS, timeline_by_process, timeline_summary
+from benchmarks.users.timeline import TIMELINE_SKIP_STEPS, timeline_by_process, timeline_summary
 from corolla.protocol import local_stream as ls
 from corolla.server import step_timeline
 from corolla.server.stream_endpoint import PlainFrames, serve_inference

@@ -6,7 +6,7 @@ that one CUDA-graph forward serves is launched on the device and finished later 
 runtime can launch the next forward before it sends this one's replies. A unit of queued work is one request or a
 `StepGroup` (a device channel frame's decode steps, one runtime task): `flatten_units` lays units out as one request
 list for `execute_steps`/`launch_steps` and `regroup` hands each unit its results. (The bench's own-thread driver is
-`corolla.bench.engine_batcher.ContinuousBatcher`.)"""
+`benchmarks.common.batcher.ContinuousBatcher`.)"""
 
 from __future__ import annotations
 

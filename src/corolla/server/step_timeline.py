@@ -3,7 +3,7 @@ socket or direct-port stream, four `time.monotonic_ns` stamps (its request frame
 device channel, the device's reply back, the response written), kept per stream and appended to
 `<dir>/timeline-<pid>.jsonl` when the stream ends. Off unless `COROLLA_STEP_TIMELINE` names a directory when the
 process imports this module; off, a step costs one module-level check. The bench reads the files
-(`bench.users_timeline.timeline_summary`)."""
+(`benchmarks.users.timeline.timeline_summary`)."""
 
 from __future__ import annotations
 

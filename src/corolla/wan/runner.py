@@ -1,5 +1,5 @@
 """`ProxyThread`: WAN proxies on an event loop of their own in a background thread, for synchronous code (tests,
-`corolla-bench --wan`): `with ProxyThread() as wan: proxy = wan.add(target_port, LinkConfig(delay_ms=25))`. Leaving
+`python -m benchmarks.wan`): `with ProxyThread() as wan: proxy = wan.add(target_port, LinkConfig(delay_ms=25))`. Leaving
 the block closes every proxy and their connections and joins the thread."""
 
 from __future__ import annotations

@@ -1,0 +1,77 @@
+"""A random-weight llama model of a given shape on the GPU (transformers' `LlamaModel`, no LM head), and the fast
+engine built from the same tensors, so both paths compute the same function."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int = 4096
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    intermediate_size: int = 14336
+    rope_theta: float = 500000.0
+    max_position_embeddings: int = 8192
+    vocab_size: int = 1024  # embeddings are not part of a span; kept small
+
+    def hf_config(self):
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        )
+        config._attn_implementation = "sdpa"
+        return config
+
+
+def build_hf_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """`LlamaModel` with random weights (normal, std 0.02) built directly on `device` in `dtype`."""
+    from transformers import LlamaModel
+
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaModel(shape.hf_config())
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                p.normal_(1.0, 0.05)  # away from 1 so norms matter
+    return model.eval().requires_grad_(False)
+
+
+def build_blocks(model, shape, dtype: torch.dtype, device: torch.device, num_layers: int) -> dict[int, torch.nn.Module]:
+    """corolla llama blocks holding the same weights as the transformers model's first `num_layers` layers."""
+    from corolla.models.registry import get_family
+
+    config = shape.hf_config()
+    family = get_family(config)
+    blocks = {}
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        for i in range(num_layers):
+            with torch.device(device):
+                block = family.build_block(config, i)
+            block.load_hf_state_dict(model.layers[i].state_dict())
+            blocks[i] = block.eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(previous)
+    return blocks

@@ -1,0 +1,458 @@
+"""GPU benchmark of the fast path with quantized weights and of Qwen3 on the fast path (random weights, real layer
+shapes): `python -m benchmarks.engine.quant --out DIR`.
+
+Measures in one process, on one card: the copy bandwidth; a span step (batch 1, after a 512-token prefix) of 32
+Llama-3-8B-shaped layers in bf16, NF4 and INT8 (`--kinds`), each against its floor (bytes the step reads /
+bandwidth), optionally its kernels under torch's profiler (`--profile_steps`: launches and GPU time per step); 64 NF4
+sessions in one merged step against one; whether two identical NF4 sessions merged in one step give identical
+rows; a Qwen3-32B-shaped span (a few layers) against its floor and transformers' own Qwen3 layers. Writes a JSON
+and a log under --out."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common.measure import copy_bandwidth_bytes_per_s, sync
+from corolla.engine.config import EngineConfig, LlamaSpec
+from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
+from corolla.engine.kv_pool import KVLayout
+from corolla.engine.quant import quantize_int8, quantize_nf4
+from corolla.engine.span_engine import SpanEngine, StepRequest
+
+LLAMA3_8B = LlamaSpec(
+    hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, rms_norm_eps=1e-5
+)
+QWEN3_32B = LlamaSpec(
+    hidden_size=5120,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=25600,
+    rms_norm_eps=1e-6,
+    qk_norm=True,
+)
+TINY = LlamaSpec(  # --tiny: a CPU dry run of every code path in seconds
+    hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=512, rms_norm_eps=1e-6
+)
+PROJECTIONS = ("w_qkv", "w_o", "w_gate_up", "w_down")
+
+
+def free_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def log(lines: list[str], text: str) -> None:
+    print(text, flush=True)
+    lines.append(text)
+
+
+def random_layer(spec: LlamaSpec, device: torch.device, gen: torch.Generator) -> LayerWeights:
+    h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+
+    def mat(n: int, k: int) -> torch.Tensor:
+        return (torch.randn(n, k, device=device, generator=gen) * (0.5 / math.sqrt(k))).to(torch.bfloat16)
+
+    def norm(n: int) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(n, device=device, generator=gen)).to(torch.bfloat16)
+
+    return LayerWeights(
+        ln1=norm(h),
+        w_qkv=mat(spec.q_size + 2 * spec.kv_size, h),
+        b_qkv=None,
+        w_o=mat(h, spec.q_size),
+        b_o=None,
+        ln2=norm(h),
+        w_gate_up=mat(2 * i, h),
+        b_gate_up=None,
+        w_down=mat(h, i),
+        b_down=None,
+        q_norm=norm(d) if spec.qk_norm else None,
+        k_norm=norm(d) if spec.qk_norm else None,
+    )
+
+
+def quantized(layer: LayerWeights, kind: str) -> LayerWeights:
+    fn = quantize_nf4 if kind == "nf4" else quantize_int8
+    return LayerWeights(**{**vars(layer), **{name: fn(getattr(layer, name)) for name in PROJECTIONS}})
+
+
+GPU_KV_POOL_BYTES = 6 << 30
+PAGE_TOKENS = 64  # EngineConfig's default page
+
+
+def kv_pool_bytes_for(spec: LlamaSpec, layers_n: int, sessions: int, tokens_per_session: int) -> int:
+    """Bytes of KV pool that `sessions` sessions of up to `tokens_per_session` tokens each take (whole pages, bf16),
+    plus one page per session of slack."""
+    pages = sessions * (-(-tokens_per_session // PAGE_TOKENS) + 1)
+    return (
+        pages * PAGE_TOKENS * KVLayout.heads(spec.num_kv_heads, spec.head_dim).bytes_per_token(torch.bfloat16, layers_n)
+    )
+
+
+def make_engine(
+    spec: LlamaSpec, layers: list[LayerWeights], max_rows: int, pool_bytes: int = 0
+) -> tuple[SpanEngine, dict]:
+    """The engine over `layers` (a KV pool of at least `pool_bytes`) and its warm-up's kernel timings (empty on
+    CPU)."""
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
+    model = FastLlamaSpan(spec, layers, inv_freq, max_positions=2048, use_triton=layers[0].ln1.is_cuda)
+    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_rows)
+    config = EngineConfig(
+        kv_pool_bytes=max(pool_bytes, GPU_KV_POOL_BYTES if layers[0].ln1.is_cuda else 0),
+        max_seq_len_tokens=1024,
+        max_batch_rows=max_rows,
+        graph_buckets=buckets,
+    )
+    engine = SpanEngine(model, config)
+    report = engine.warmup() if engine.device.type == "cuda" else {}
+    return engine, report
+
+
+def log_kernels(lines: list[str], kind: str, report: dict, layer: LayerWeights, bandwidth: float) -> dict:
+    """Per projection shape: the chosen kernel's microseconds per layer call against that weight's floor (its
+    bytes / bandwidth), for the single-row step (and the tl.dot kernel at 64 rows for quantized weights)."""
+    rows = {}
+    for name in PROJECTIONS:
+        w = getattr(layer, name)
+        n, k = w.shape
+        nbytes = w.nbytes() if not isinstance(w, torch.Tensor) else w.numel() * w.element_size()
+        floor_us = nbytes / bandwidth * 1e6
+        hits = [r for key, r in report.items() if key[1:3] == (n, k) or key[:2] == (n, k)]
+        if not hits:
+            continue
+        best_us = min(r["best_us"] for r in hits)
+        row = {"n": n, "k": k, "bytes": nbytes, "floor_us": floor_us, "best_us": best_us, "x_floor": best_us / floor_us}
+        row["best"] = str(min(hits, key=lambda r: r["best_us"])["best"])
+        row["all_us"] = hits[0]["all_us"]  # every candidate's time (the tuner's table)
+        if "gemm_best_us" in hits[0]:
+            row["gemm_all_us"] = hits[0]["gemm_all_us"]
+            row["gemm_64_rows_us"] = hits[0]["gemm_best_us"]
+            row["gemm_best"] = str(hits[0]["gemm_best"])
+        row["families_us"] = kernel_families(kind, row)
+        for prologue, r in hits[0].get("prologues", {}).items():  # the norm/SiLU pair against the fused kernels
+            row[f"{prologue}_fusion"] = r
+            if r:
+                fused = ", ".join(f"{c} {us:.1f}" for c, us in r["all_us"].items())
+                log(lines, f"    {prologue}: pair {r['unfused_us']:.1f} us; fused {fused} -> {r['fused'] or 'pair'}")
+        rows[name] = row
+        extra = f", tl.dot at 64 rows {row['gemm_64_rows_us']:.1f} us" if "gemm_64_rows_us" in row else ""
+        log(lines, f"  {kind} {name} [{n}x{k}]: 1 row {best_us:.1f} us, floor {floor_us:.1f} us "
+                   f"({best_us / floor_us:.2f}x) with {row['best']}{extra}")  # fmt: skip
+        for label, best in row["families_us"].items():
+            log(
+                lines,
+                f"    {label}: " + ", ".join(f"{fam} {us:.1f} us ({us / floor_us:.2f}x)" for fam, us in best.items()),
+            )
+    return rows
+
+
+NF4_FAMILIES = {  # (kernel, config field 4) -> name, for the per-shape micro-benchmark table
+    ("gemv", 0): "table GEMV (fp32 levels)",
+    ("gemv", 1): "table GEMV (pair table)",
+    ("gemv", 2): "register-lookup GEMV",
+    ("tile", 0): "table tile (tl.dot)",
+    ("tile", 1): "register-lookup tile (tl.dot)",
+}
+
+
+def kernel_families(kind: str, row: dict) -> dict:
+    """Best microseconds per kernel family among the tuner's candidates: {"1 row": {...}, "64 rows": {...}}."""
+    out: dict[str, dict[str, float]] = {}
+    for label, table in (("1 row", row.get("all_us", {})), ("64 rows", row.get("gemm_all_us", {}))):
+        best: dict[str, float] = {}
+        for text, us in table.items():
+            parsed = ast.literal_eval(text) if text.startswith("(") else None
+            name: str
+            if isinstance(parsed, tuple) and len(parsed) == 2 and isinstance(parsed[1], tuple):  # quantized
+                kernel, config = str(parsed[0]), parsed[1]
+                name = NF4_FAMILIES.get((kernel, config[4]), kernel) if kind == "nf4" else kernel
+                name = "block tl.dot" if kernel == "block" else name
+            elif isinstance(parsed, tuple):  # a dense single-row Triton config
+                name = f"Triton {parsed[0]}" if isinstance(parsed[0], str) else "Triton skinny GEMM"
+            else:
+                name = "cuBLAS (unfused)"
+            best[name] = min(us, best.get(name, float("inf")))
+        if best:
+            out[label] = best
+    return out
+
+
+STEPS = 30  # timed decode steps per measurement
+PROLOGUE_AB_PAIRS = 3  # alternated fused/separate pairs of the quantized step (prologue_ab)
+
+
+def step_ms(
+    engine: SpanEngine, sessions: list, prefix: int, steps: int | None = None
+) -> tuple[float, list[torch.Tensor]]:
+    """Median milliseconds of one merged decode step of `sessions` (each after `prefix` tokens), GPU inputs."""
+    h = engine.hidden_size
+    gen = torch.Generator(device=engine.device).manual_seed(7)
+    times, outs = [], []
+    for i in range(steps or STEPS):
+        reqs = [
+            StepRequest(s, torch.randn(1, 1, h, device=engine.device, dtype=engine.dtype, generator=gen), prefix + i)
+            for s in sessions
+        ]
+        sync(engine.device)
+        start = time.perf_counter()
+        outs = engine.decode_many(reqs)
+        sync(engine.device)
+        times.append((time.perf_counter() - start) * 1000)
+    return sorted(times)[len(times) // 2], outs
+
+
+def prologue_ab(engine: SpanEngine, sessions: list, prefix: int, lines: list[str], kind: str, floor: float) -> dict:
+    """The single-session step with the tuner's fused norm/SiLU prologues (`ops.quant_fused`) against the same
+    engine with them off (the separate kernels + the best kernels), graphs captured afresh for each, alternated
+    over PROLOGUE_AB_PAIRS pairs in the same minutes: {"fused_ms": [...], "unfused_ms": [...]} and medians."""
+    assert isinstance(engine.model, FastLlamaSpan)
+    ops, fused = engine.model.ops, dict(engine.model.ops.quant_fused)
+    times: dict[str, list[float]] = {"unfused_ms": [], "fused_ms": []}
+    assert engine.graphs is not None
+    for _ in range(PROLOGUE_AB_PAIRS):
+        for label, choice in (("unfused_ms", {}), ("fused_ms", fused)):
+            ops.quant_fused = dict(choice)
+            engine.graphs.clear()  # captured again with this choice
+            engine.graphs.capture_all()
+            times[label].append(step_ms(engine, sessions, prefix)[0])
+    ops.quant_fused = fused
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    log(lines, f"  {kind} prologues fused vs separate ({PROLOGUE_AB_PAIRS} alternated pairs): "
+               f"{med['fused_ms']:.3f} ms ({med['fused_ms'] / floor:.2f}x floor) vs {med['unfused_ms']:.3f} ms "
+               f"({med['unfused_ms'] / floor:.2f}x); fused {times['fused_ms']}, separate {times['unfused_ms']}")  # fmt: skip
+    return {**times, "median_fused_ms": med["fused_ms"], "median_unfused_ms": med["unfused_ms"]}
+
+
+def open_prefilled(engine: SpanEngine, count: int, prefix: int, gen: torch.Generator) -> list:
+    sessions = []
+    for _ in range(count):
+        s = engine.open_session(1, prefix + 64)
+        hidden = torch.randn(1, prefix, engine.hidden_size, device=engine.device, generator=gen).to(engine.dtype)
+        engine.step(s, hidden, 0)
+        sessions.append(s)
+    return sessions
+
+
+def profile_steps(engine: SpanEngine, sessions: list, prefix: int, steps: int) -> dict:
+    """The device's kernels (and copies) over `steps` decode steps under torch's profiler: per name, launches and
+    microseconds per step, and the GPU's busy microseconds per step (their sum)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step_ms(engine, sessions, prefix, steps=3)  # warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step_ms(engine, sessions, prefix, steps=steps)
+    per_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            row = per_name.setdefault(event.name, [0.0, 0.0])
+            row[0] += 1 / steps
+            row[1] += event.time_range.elapsed_us() / steps
+    kernels = sorted(per_name.items(), key=lambda item: -item[1][1])
+    return {
+        "launches_per_step": sum(n for n, _ in per_name.values()),
+        "busy_us_per_step": sum(us for _, us in per_name.values()),
+        "top": [{"name": name[:100], "per_step": n, "us_per_step": us} for name, (n, us) in kernels[:12]],
+    }
+
+
+def log_profile(lines: list[str], kind: str, prof: dict) -> None:
+    log(lines, f"  {kind} profile: {prof['launches_per_step']:.0f} launches per step, GPU busy "
+               f"{prof['busy_us_per_step'] / 1000:.3f} ms per step")  # fmt: skip
+    for row in prof["top"]:
+        n, us = row["per_step"], row["us_per_step"]
+        log(lines, f"    {us:8.1f} us/step {n:6.1f}/step {us / n:7.2f} us each  {row['name'][:70]}")
+
+
+def bench_llama(
+    results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev, sessions_n: int,
+    kinds: tuple[str, ...] = ("bf16", "nf4", "int8"), profile: int = 0,
+) -> None:  # fmt: skip
+    """`kinds`: which of bf16, nf4, int8 to run, in the order given; `profile` > 0: also that many steps of each kind's
+    single-session step under the profiler (CUDA only)."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    spec = TINY if dev.type == "cpu" else LLAMA3_8B
+    dense = [random_layer(spec, dev, gen) for _ in range(layers_n)]
+    bf16_ms = None
+    for kind in kinds:
+        layers = dense if kind == "bf16" else [quantized(layer, kind) for layer in dense]
+        # every session this kind opens: one, the others of the merged step and two twins (prefix + 64 tokens)
+        pool = kv_pool_bytes_for(spec, layers_n, sessions_n + 2 if kind == "nf4" else 1, prefix + 64)
+        engine, report = make_engine(spec, layers, 64 if kind == "nf4" else 1, pool)  # [1, 64] rows: graph buckets
+        floor = engine.model.weight_bytes() / bandwidth * 1000
+        kernels = log_kernels(lines, kind, report, layers[0], bandwidth)
+        one = open_prefilled(engine, 1, prefix, gen)
+        ms, _ = step_ms(engine, one, prefix)
+        row: dict[str, object] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor}
+        row["weight_bytes"] = engine.model.weight_bytes()
+        row["kernels"] = kernels
+        log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x)")
+        if isinstance(engine.model, FastLlamaSpan) and engine.model.ops.quant_fused and dev.type == "cuda":
+            try:
+                row["prologue_ab"] = prologue_ab(engine, one, prefix, lines, kind, floor)
+            except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
+                log(lines, f"  {kind} prologue A/B failed: {type(e).__name__}: {str(e)[:300]}")
+        if profile > 0 and dev.type == "cuda":
+            try:
+                prof = profile_steps(engine, one, prefix, profile)
+                row["profile"] = prof
+                log_profile(lines, kind, prof)
+            except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
+                log(lines, f"  {kind} profile failed: {type(e).__name__}: {str(e)[:300]}")
+        if kind == "nf4":
+            many = open_prefilled(engine, sessions_n - 1, prefix, gen)
+            ms64, _ = step_ms(engine, one + many, prefix, steps=max(1, STEPS // 2))
+            row["sessions"] = sessions_n
+            row["step_many_ms"] = ms64
+            row["speedup_many"] = sessions_n * ms / ms64
+            log(
+                lines,
+                f"  {sessions_n} nf4 sessions: step {ms64:.3f} ms = {sessions_n * ms / ms64:.1f}x the tokens/s of one",
+            )
+            # two identical sessions merged in one step (plus others) must give identical rows
+            twins = open_prefilled(engine, 0, prefix, gen)
+            h0 = torch.randn(1, prefix, engine.hidden_size, device=dev, generator=gen).to(engine.dtype)
+            for _ in range(2):
+                s = engine.open_session(1, prefix + 8)
+                engine.step(s, h0, 0)
+                twins.append(s)
+            x = torch.randn(1, 1, engine.hidden_size, device=dev, generator=gen).to(engine.dtype)
+            outs = engine.decode_many([StepRequest(s, x, prefix) for s in twins] + [
+                StepRequest(s, torch.randn_like(x), s.length_tokens) for s in many[:5]
+            ])  # fmt: skip
+            row["twins_identical"] = bool(torch.equal(outs[0], outs[1]))
+            log(lines, f"  two identical nf4 sessions in one merged step: identical={row['twins_identical']}")
+            for s in one + many + twins:
+                s.close()
+        results[f"llama3_8b_{kind}"] = row
+        if kind == "bf16":
+            bf16_ms = ms
+        elif bf16_ms is not None:
+            row["x_bf16"] = ms / bf16_ms
+            log(lines, f"  {kind} / bf16 step = {ms / bf16_ms:.2f}")
+        del engine, layers
+        free_cache(dev)
+    del dense
+    free_cache(dev)
+
+
+def bench_int8_programmatic(results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev) -> None:
+    """The INT8 step again (the same weights as bench_llama's) with the quantized kernels launched with
+    programmatic dependent launch (quant_splits; sm_90+), tuned afresh; a failure is logged and recorded."""
+    from corolla.engine import quant_splits  # needs Triton
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    spec = LLAMA3_8B
+    layers = [quantized(random_layer(spec, dev, gen), "int8") for _ in range(layers_n)]
+    quant_splits.set_programmatic_launch(True)
+    try:
+        engine, report = make_engine(spec, layers, 1, kv_pool_bytes_for(spec, layers_n, 1, prefix + 64))
+        floor = engine.model.weight_bytes() / bandwidth * 1000
+        kernels = log_kernels(lines, "int8 (programmatic launch)", report, layers[0], bandwidth)
+        ms, _ = step_ms(engine, open_prefilled(engine, 1, prefix, gen), prefix)
+        results["llama3_8b_int8_pdl"] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor, "kernels": kernels}
+        log(lines, f"llama3-8b x{layers_n} int8, programmatic launch: step {ms:.3f} ms ({ms / floor:.2f}x floor)")
+        del engine
+    except Exception as e:  # an experiment: its failure is reported, the other rows stand
+        results["llama3_8b_int8_pdl"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        log(lines, f"int8 with programmatic launch failed: {type(e).__name__}: {str(e)[:400]}")
+    finally:
+        quant_splits.set_programmatic_launch(False)
+    del layers
+    free_cache(dev)
+
+
+def bench_qwen3(results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev) -> None:
+    from transformers import DynamicCache, Qwen3Config, Qwen3Model
+
+    gen = torch.Generator(device=dev).manual_seed(1)
+    spec = QWEN3_32B if dev.type == "cuda" else LlamaSpec(**{**vars(TINY), "qk_norm": True})
+    layers = [random_layer(spec, dev, gen) for _ in range(layers_n)]
+    engine, _ = make_engine(spec, layers, 1, kv_pool_bytes_for(spec, layers_n, 1, prefix + 64))
+    floor = engine.model.weight_bytes() / bandwidth * 1000
+    ms, _ = step_ms(engine, open_prefilled(engine, 1, prefix, gen), prefix)
+    log(lines, f"qwen3-32b x{layers_n} bf16 corolla: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x)")
+    del engine
+    free_cache(dev)
+    config = Qwen3Config(
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        num_hidden_layers=layers_n,
+        vocab_size=128,
+        max_position_embeddings=2048,
+        rms_norm_eps=spec.rms_norm_eps,
+    )
+    config._attn_implementation = "sdpa"
+    model = Qwen3Model(config).to(dev, torch.bfloat16).eval()
+    with torch.inference_mode():
+        cache = DynamicCache(config=config)
+        model(inputs_embeds=torch.randn(1, prefix, spec.hidden_size, device=dev, dtype=torch.bfloat16),
+              past_key_values=cache, use_cache=True)  # fmt: skip
+        times = []
+        for _ in range(30):
+            x = torch.randn(1, 1, spec.hidden_size, device=dev, dtype=torch.bfloat16)
+            sync(dev)
+            start = time.perf_counter()
+            model(inputs_embeds=x, past_key_values=cache, use_cache=True)
+            sync(dev)
+            times.append((time.perf_counter() - start) * 1000)
+    hf_ms = sorted(times)[len(times) // 2]
+    log(lines, f"qwen3-32b x{layers_n} transformers (sdpa, eager): step {hf_ms:.3f} ms ({hf_ms / ms:.1f}x corolla)")
+    results["qwen3_32b"] = {"layers": layers_n, "step_ms": ms, "floor_ms": floor, "x_floor": ms / floor,
+                            "transformers_ms": hf_ms}  # fmt: skip
+
+
+def main() -> None:
+    global STEPS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prefix_tokens", type=int, default=512)
+    parser.add_argument("--llama_layers", type=int, default=32)
+    parser.add_argument("--qwen3_layers", type=int, default=4, help="0 skips the Qwen3 span")
+    parser.add_argument("--sessions", type=int, default=64, help="NF4 sessions merged in one step")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
+    parser.add_argument(
+        "--kinds", default="bf16,nf4,int8", help="comma-separated subset of bf16,nf4,int8, run in this order"
+    )
+    parser.add_argument("--profile_steps", type=int, default=0, help="> 0: each kind's step under the profiler too")
+    parser.add_argument(
+        "--programmatic_launch", action="store_true", help="also INT8 with programmatic dependent launch (sm_90+)"
+    )
+    args = parser.parse_args()
+    kinds = tuple(args.kinds.split(","))  # run in the order given (bf16 first for the x bf16 ratios)
+    if not kinds or set(kinds) - {"bf16", "nf4", "int8"} or len(set(kinds)) < len(kinds):
+        parser.error(f"--kinds takes a comma-separated subset of bf16,nf4,int8, got {args.kinds!r}")
+    STEPS = args.steps
+    args.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(args.device)
+    lines: list[str] = []
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    bandwidth = copy_bandwidth_bytes_per_s(dev) if dev.type == "cuda" else 1e10
+    results: dict = {"device": name, "bandwidth_bytes_per_s": bandwidth, "prefix_tokens": args.prefix_tokens}
+    log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    bench_llama(
+        results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, args.sessions, kinds, args.profile_steps
+    )
+    if args.programmatic_launch and dev.type == "cuda":
+        bench_int8_programmatic(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev)
+    if args.qwen3_layers > 0:
+        bench_qwen3(results, lines, bandwidth, args.prefix_tokens, args.qwen3_layers, dev)
+    stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
+    base = args.out / f"quant-{name.lower().replace(' ', '-')}-{stamp}"
+    base.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str))
+    base.with_suffix(".log").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
