@@ -15,7 +15,7 @@ Source of every number: github.com/Thesys-lab/Helix-ASPLOS25, `artifact_evaluati
 
 from __future__ import annotations
 
-from corolla.sim.bound import ServerKind
+from corolla.sim.bound import ServerKind, best_known_placement, placement_max_flow
 
 NUM_BLOCKS = 80  # LLaMA-2-70B decoder layers
 PETALS_FLOW_TPS = 531.703  # Helix's trace.txt, the Petals layout's objective
@@ -77,3 +77,20 @@ def kind_counts() -> tuple[list[ServerKind], list[int]]:
     """The cluster as kinds and counts (A100, L4, T4), for the best-known search."""
     kinds = [A100, L4, T4]
     return kinds, [sum(1 for k in NODE_KINDS if k is kind) for kind in kinds]
+
+
+def reproduction(time_limit_s: float = 0.0) -> dict[str, float | str]:
+    """Helix's figures against ours under its model: the Petals and ILP layouts' max-flow and our best known."""
+    petals = placement_max_flow(PETALS_LAYOUT, layout_capacities(PETALS_LAYOUT), NUM_BLOCKS)
+    helix_ilp = placement_max_flow(HELIX_ILP_LAYOUT, layout_capacities(HELIX_ILP_LAYOUT), NUM_BLOCKS)
+    kinds, counts = kind_counts()
+    best = best_known_placement(kinds, counts, NUM_BLOCKS, time_limit_s=time_limit_s)
+    return {
+        "petals_layout_tps": petals,
+        "petals_layout_helix_tps": PETALS_FLOW_TPS,
+        "helix_ilp_layout_tps": helix_ilp,
+        "helix_ilp_layout_helix_tps": HELIX_BEST_FLOW_TPS,
+        "best_known_tps": best.flow_tps,
+        "best_known_method": best.method,
+        "petals_share_of_best_known": petals / best.flow_tps,
+    }

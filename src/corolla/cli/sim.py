@@ -1,0 +1,66 @@
+"""`corolla-sim`: run a swarm scenario in simulated time with a placement/routing policy, compare policies on the
+same scenario and seed, or reproduce Helix's max-flow anchor; prints a table and optionally writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from corolla.sim.helix import reproduction
+from corolla.sim.scenarios import SCENARIOS, scenario
+from corolla.sim.simulation import Simulation
+from corolla.sim.workload import WorkloadConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser("corolla-sim", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="simulate a scenario with one or more policies (same seed, one row each)")
+    run.add_argument("--scenario", choices=sorted(SCENARIOS), default="scale")
+    run.add_argument("--policy", nargs="+", default=["petals"], help="policies to compare, e.g. petals corolla")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--servers", type=int, default=None, help="override the scenario's server count")
+    run.add_argument("--duration_s", type=float, default=None, help="override the scenario's simulated seconds")
+    run.add_argument("--trace", default=None, help="a JSON-lines workload trace instead of the generator")
+    run.add_argument("--bound_time_limit_s", type=float, default=None, help="MILP seconds per flow snapshot")
+    run.add_argument("--json", type=Path, default=None, help="write the full reports here")
+    helix = sub.add_parser("helix", help="reproduce Helix's 24-node max-flow figures under its capacity model")
+    helix.add_argument("--time_limit_s", type=float, default=60.0, help="MILP seconds for the best-known search")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log events")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if not args.verbose:
+        logging.disable(logging.INFO)
+    if args.command == "helix":
+        print(json.dumps(reproduction(args.time_limit_s), indent=2))
+        return
+    overrides = {
+        key: value
+        for key, value in (
+            ("servers", args.servers),
+            ("duration_s", args.duration_s),
+            ("bound_time_limit_s", args.bound_time_limit_s),
+        )
+        if value is not None
+    }
+    base = scenario(args.scenario, seed=args.seed, **overrides)
+    if args.trace is not None:
+        base = dataclasses.replace(base, workload=WorkloadConfig(trace_path=args.trace))
+    reports = []
+    for policy in args.policy:
+        report = Simulation(dataclasses.replace(base, policy=policy)).run()
+        reports.append(report)
+        print(report.table(), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps([json.loads(r.to_json()) for r in reports], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Simulated clients: each conversation opens an inference session on a chain chosen by the policy's routing (the
+real function), reserves KV on every hop, prefills, then decodes in chunks of tokens whose time per token comes from
+the hops' current batches and the RTTs (servers push hidden states to the next hop: (n + 1) one-way delays per
+token); a lost server is detected, the chain re-routed and the history replayed, with Petals' client backoff."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from corolla.sim.clock import Event, EventLoop
+from corolla.sim.metrics import Metrics
+from corolla.sim.server_model import SimServer
+from corolla.sim.view import SwarmView
+from corolla.sim.workload import Conversation
+from corolla.utils.errors import MissingBlocksError
+
+CHUNK_TOKENS = 32  # decode is simulated in chunks of this many tokens at a time per token fixed at the chunk's start
+MIN_BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0  # Petals' client defaults (min_backoff, max_backoff)
+MAX_WAIT_S = 300.0  # a user gives up after this long without a chain (assumption; Petals retries forever)
+MAX_REFUSALS_PER_ATTEMPT = 8  # servers refusing for lack of cache before the client backs off
+
+
+@dataclass(eq=False)
+class SimSession:
+    sid: int
+    conversation: Conversation
+    slot: int | None  # the closed-loop client that opened it
+    turn: int = 0
+    phase: str = "idle"  # idle (before a turn / thinking), prefill, decode, done
+    route: list[tuple[SimServer, int, int]] | None = None
+    net_s: float = 0.0
+    context: int = 0  # tokens whose KV the session has (history)
+    kv_on_route: int = 0  # of those, tokens the current chain holds
+    remaining: int = 0  # output tokens left in this turn
+    turn_start_s: float = 0.0
+    event: Event | None = None
+    chunk_start_s: float = 0.0
+    chunk_tokens: int = 0
+    tpot_s: float = 0.0
+    record_ttft: bool = True
+    attempts: int = 0
+    wait_start_s: float | None = None
+    retried: bool = False
+    banned: set[str] = field(default_factory=set)
+
+
+class ClientDriver:
+    """Runs every session; `route_fn(session, spans)` is the routing policy call (raises MissingBlocksError)."""
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        view: SwarmView,
+        metrics: Metrics,
+        route_fn: Callable[[SimSession], list[tuple[str, int, int]]],
+        rng: random.Random,
+        think_s: Callable[[], float],
+        on_session_end: Callable[[SimSession], None],
+    ):
+        self.loop, self.view, self.metrics, self.route_fn, self.rng = loop, view, metrics, route_fn, rng
+        self.think_s, self.on_session_end = think_s, on_session_end
+        self.sessions: dict[int, SimSession] = {}
+        self._next_sid = 0
+
+    def start(self, conversation: Conversation, slot: int | None = None) -> SimSession:
+        session = SimSession(self._next_sid, conversation, slot)
+        self._next_sid += 1
+        self.sessions[session.sid] = session
+        self.metrics.sessions_started += 1
+        self._open_turn(session)
+        return session
+
+    # --- turns ---
+
+    def _open_turn(self, session: SimSession) -> None:
+        session.turn_start_s, session.record_ttft = self.loop.now_s, True
+        prompt, output = session.conversation.turns[session.turn]
+        session.remaining = output - 1  # the prefill yields the first token
+        self._prefill(session, prompt)
+
+    def _prefill(self, session: SimSession, new_tokens: int) -> None:
+        if session.route is None and not self._reroute(session):
+            session.event = None
+            self._backoff(session, lambda: self._prefill(session, new_tokens))
+            return
+        assert session.route is not None
+        tokens = session.context - session.kv_on_route + new_tokens
+        duration = session.net_s
+        for server, start, end in session.route:
+            wait = 0.5 * server.perf.decode_step_s(server.num_blocks, server.rows, server.context_tokens)
+            duration += server.perf.prefill_s(end - start, tokens) + (wait if server.rows else 0.0)
+        session.phase = "prefill"
+        session.event = self.loop.after(duration, self._first_token, session, new_tokens)
+
+    def _first_token(self, session: SimSession, new_tokens: int) -> None:
+        session.event = None
+        if session.record_ttft:
+            self.metrics.add_ttft(self.loop.now_s, self.loop.now_s - session.turn_start_s)
+        session.context += new_tokens + (1 if session.record_ttft else 0)
+        session.kv_on_route = session.context
+        session.phase = "decode"
+        assert session.route is not None
+        for server, _, _ in session.route:
+            server.rows += 1
+            server.context_tokens += session.context
+        self._next_chunk(session)
+
+    def _next_chunk(self, session: SimSession) -> None:
+        if session.remaining <= 0:
+            self._end_turn(session)
+            return
+        assert session.route is not None
+        tpot = session.net_s + sum(server.hop_s(end - start) for server, start, end in session.route)
+        tokens = min(CHUNK_TOKENS, session.remaining)
+        session.tpot_s, session.chunk_tokens, session.chunk_start_s = tpot, tokens, self.loop.now_s
+        session.event = self.loop.after(tokens * tpot, self._chunk_done, session)
+
+    def _credit(self, session: SimSession, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        self.metrics.add_tokens(self.loop.now_s, tokens, session.tpot_s)
+        assert session.route is not None
+        for server, _, _ in session.route:
+            server.tokens_served += tokens
+            server.context_tokens += tokens
+        session.context += tokens
+        session.kv_on_route = session.context
+        session.remaining -= tokens
+
+    def _chunk_done(self, session: SimSession) -> None:
+        session.event = None
+        self._credit(session, session.chunk_tokens)
+        self._next_chunk(session)
+
+    def _leave_batches(self, session: SimSession) -> None:
+        assert session.route is not None
+        for server, _, _ in session.route:
+            server.rows -= 1
+            server.context_tokens -= session.context
+
+    def _end_turn(self, session: SimSession) -> None:
+        self._leave_batches(session)
+        session.phase = "idle"
+        session.turn += 1
+        if session.turn < len(session.conversation.turns):
+            session.event = self.loop.after(self.think_s(), self._open_turn, session)
+        else:
+            self._close(session, completed=True)
+
+    def _close(self, session: SimSession, *, completed: bool) -> None:
+        self._release(session)
+        session.phase = "done"
+        if completed:
+            self.metrics.sessions_completed += 1
+        else:
+            self.metrics.sessions_failed += 1
+            if self.view.covered():
+                self.metrics.sessions_failed_covered += 1
+        del self.sessions[session.sid]
+        self.on_session_end(session)
+
+    # --- routing, refusals, failures ---
+
+    def _release(self, session: SimSession) -> None:
+        need = session.conversation.total_tokens
+        for server, _, _ in session.route or ():
+            if session.sid in server.sessions:
+                server.sessions.discard(session.sid)
+                server.kv_reserved_tokens -= need
+        session.route, session.kv_on_route = None, 0
+
+    def _reroute(self, session: SimSession) -> bool:
+        """Chooses a chain and reserves KV on it; False (to back off) if blocks are missing or servers refuse."""
+        need = session.conversation.total_tokens
+        for _ in range(MAX_REFUSALS_PER_ATTEMPT):
+            try:
+                chain = self.route_fn(session)
+            except MissingBlocksError:
+                return False
+            hops = [(self.view.servers[peer], start, end) for peer, start, end in chain]
+            refusing = next((server for server, _, _ in hops if server.kv_free_tokens < need), None)
+            if refusing is None:
+                break
+            self.metrics.refusals += 1
+            session.banned.add(refusing.peer_id)
+        else:
+            return False
+        for server, _, _ in hops:
+            server.sessions.add(session.sid)
+            server.kv_reserved_tokens += need
+        region, rtt = session.conversation.region, self.view.rtt
+        net = self.view.client_rtts_s[region][hops[0][0].peer_id] / 2
+        net += self.view.client_rtts_s[region][hops[-1][0].peer_id] / 2
+        for (a, _, _), (b, _, _) in zip(hops, hops[1:], strict=False):
+            net += rtt.rtt_s(a.peer_id, a.region, b.peer_id, b.region) / 2
+        session.route, session.net_s, session.kv_on_route = hops, net, 0
+        session.attempts, session.wait_start_s = 0, None
+        return True
+
+    def _backoff(self, session: SimSession, retry: Callable[[], None]) -> None:
+        now = self.loop.now_s
+        if session.wait_start_s is None:
+            session.wait_start_s = now
+        if now - session.wait_start_s >= MAX_WAIT_S:
+            self._close(session, completed=False)
+            return
+        session.phase = "idle"
+        delay = min(MIN_BACKOFF_S * 2**session.attempts, MAX_BACKOFF_S)
+        session.attempts += 1
+        session.banned.clear()  # as Petals' bans expire (ban_timeout 15 s) by the time a backoff has grown
+        session.event = self.loop.after(delay, retry)
+
+    def on_server_lost(self, server: SimServer, detect_s: float) -> None:
+        """`server` stopped serving: every session holding KV there notices after `detect_s`, re-routes, replays."""
+        for sid in sorted(server.sessions):
+            session = self.sessions[sid]
+            phase = session.phase
+            if session.event is not None:
+                session.event.cancel()
+                session.event = None
+            if phase == "decode":
+                done = int((self.loop.now_s - session.chunk_start_s) / session.tpot_s) if session.tpot_s > 0 else 0
+                self._credit(session, min(done, session.chunk_tokens))
+                self._leave_batches(session)
+            self._release(session)
+            session.banned.add(server.peer_id)
+            self.metrics.retries += 1
+            if not session.retried:
+                session.retried = True
+                self.metrics.sessions_retried += 1
+            session.phase = "idle"
+            if phase == "prefill":  # the turn's prompt was not processed: start the turn again
+                session.event = self.loop.after(detect_s, self._open_turn, session)
+            elif phase == "decode":
+                session.event = self.loop.after(detect_s, self._resume, session)
+            else:  # thinking: the next turn finds the chain gone and re-routes
+                session.event = self.loop.after(detect_s + self.think_s(), self._open_turn, session)
+
+    def _resume(self, session: SimSession) -> None:
+        session.record_ttft = False
+        self._prefill(session, 0)

@@ -1,0 +1,173 @@
+"""What a run measured and its report: decode tokens served (total and per interval), TTFT and time-per-output-token
+percentiles (TPOT weighted by tokens), sessions completed, failed (and failed while their blocks were covered) and
+retried, moves and seconds spent reloading, and the flow efficiency (placement max-flow over best known) over time."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class FlowSample:
+    time_s: float
+    flow_tps: float
+    best_known_tps: float
+    online_servers: int
+
+    @property
+    def efficiency(self) -> float:
+        return self.flow_tps / self.best_known_tps if self.best_known_tps > 0 else 0.0
+
+
+@dataclass
+class Metrics:
+    """Counters a run fills in; `measure_from_s` excludes the warm-up from rates and latencies."""
+
+    measure_from_s: float = 0.0
+    interval_s: float = 300.0
+    decode_tokens: int = 0
+    tokens_by_interval: dict[int, int] = field(default_factory=dict)
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    tpot_tokens: list[int] = field(default_factory=list)
+    sessions_started: int = 0
+    sessions_completed: int = 0
+    sessions_failed: int = 0
+    sessions_failed_covered: int = 0
+    sessions_retried: int = 0
+    retries: int = 0
+    refusals: int = 0
+    moves: int = 0
+    reload_s: float = 0.0
+    joins: int = 0
+    leaves: int = 0
+    crashes: int = 0
+    route_calls: int = 0
+    flow: list[FlowSample] = field(default_factory=list)
+
+    def add_tokens(self, now_s: float, tokens: int, tpot_s: float) -> None:
+        if now_s < self.measure_from_s or tokens <= 0:
+            return
+        self.decode_tokens += tokens
+        bucket = int((now_s - self.measure_from_s) // self.interval_s)
+        self.tokens_by_interval[bucket] = self.tokens_by_interval.get(bucket, 0) + tokens
+        self.tpot_s.append(tpot_s)
+        self.tpot_tokens.append(tokens)
+
+    def add_ttft(self, now_s: float, ttft_s: float) -> None:
+        if now_s - ttft_s >= self.measure_from_s:  # turns that started after the warm-up
+            self.ttft_s.append(ttft_s)
+
+
+def _weighted_percentiles(values: list[float], weights: list[int]) -> dict[str, float]:
+    if not values:
+        return {f"p{p}": float("nan") for p in PERCENTILES}
+    order = np.argsort(values)
+    sorted_values = np.asarray(values)[order]
+    cumulative = np.cumsum(np.asarray(weights, dtype=float)[order])
+    cumulative /= cumulative[-1]
+    return {f"p{p}": float(sorted_values[np.searchsorted(cumulative, p / 100)]) for p in PERCENTILES}
+
+
+@dataclass(frozen=True)
+class Report:
+    """A run's figures, JSON-ready; `table()` renders it for people."""
+
+    scenario: str
+    policy: str
+    seed: int
+    servers_start: int
+    duration_s: float
+    measured_s: float
+    decode_tps: float
+    ttft_s: dict[str, float]
+    tpot_s: dict[str, float]
+    sessions: dict[str, int]
+    churn: dict[str, float]
+    flow_efficiency_mean: float
+    flow_efficiency: list[dict[str, float]]
+    wall_s: float
+    events: int
+
+    @classmethod
+    def build(cls, metrics: Metrics, *, scenario: str, policy: str, seed: int, servers_start: int,
+              duration_s: float, wall_s: float, events: int) -> Report:  # fmt: skip
+        measured = max(duration_s - metrics.measure_from_s, 1e-9)
+        ttft = _weighted_percentiles(metrics.ttft_s, [1] * len(metrics.ttft_s))
+        samples = [s for s in metrics.flow if s.time_s >= metrics.measure_from_s] or metrics.flow
+        return cls(
+            scenario=scenario,
+            policy=policy,
+            seed=seed,
+            servers_start=servers_start,
+            duration_s=duration_s,
+            measured_s=measured,
+            decode_tps=metrics.decode_tokens / measured,
+            ttft_s=ttft,
+            tpot_s=_weighted_percentiles(metrics.tpot_s, metrics.tpot_tokens),
+            sessions={
+                "started": metrics.sessions_started,
+                "completed": metrics.sessions_completed,
+                "failed": metrics.sessions_failed,
+                "failed_while_covered": metrics.sessions_failed_covered,
+                "retried": metrics.sessions_retried,
+                "retries": metrics.retries,
+                "refusals": metrics.refusals,
+            },
+            churn={
+                "joins": metrics.joins,
+                "leaves": metrics.leaves,
+                "crashes": metrics.crashes,
+                "moves": metrics.moves,
+                "reload_s": metrics.reload_s,
+                "route_calls": metrics.route_calls,
+            },
+            flow_efficiency_mean=float(np.mean([s.efficiency for s in samples])) if samples else float("nan"),
+            flow_efficiency=[
+                {
+                    "time_s": s.time_s,
+                    "flow_tps": s.flow_tps,
+                    "best_known_tps": s.best_known_tps,
+                    "efficiency": s.efficiency,
+                    "online_servers": s.online_servers,
+                }
+                for s in samples
+            ],  # fmt: skip
+            wall_s=wall_s,
+            events=events,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "decode_tok_s": round(self.decode_tps, 1),
+            "ttft_p50_s": round(self.ttft_s["p50"], 3),
+            "ttft_p99_s": round(self.ttft_s["p99"], 3),
+            "tpot_p50_s": round(self.tpot_s["p50"], 4),
+            "tpot_p99_s": round(self.tpot_s["p99"], 4),
+            "sessions_completed": self.sessions["completed"],
+            "failed": self.sessions["failed"],
+            "failed_covered": self.sessions["failed_while_covered"],
+            "retried": self.sessions["retried"],
+            "moves": self.churn["moves"],
+            "reload_s": round(self.churn["reload_s"], 0),
+            "flow_eff": round(self.flow_efficiency_mean, 3),
+            "wall_s": round(self.wall_s, 1),
+        }
+
+    def table(self) -> str:
+        rows = self.summary()
+        width = max(len(k) for k in rows)
+        lines = [f"scenario={self.scenario} seed={self.seed} servers={self.servers_start} "
+                 f"duration={self.duration_s:.0f}s events={self.events}"]  # fmt: skip
+        lines += [f"  {k.ljust(width)}  {v}" for k, v in rows.items()]
+        return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""A simulated server: its card and region, the span it holds, its lifecycle state, the sessions and KV it holds,
+the decode time per hop at its current batch, and the record it announces (Petals' fields computed the way the
+real server computes them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from corolla.protocol.records import ServerInfo, ServerState
+from corolla.server.throughput import derive_throughput
+from corolla.sim.catalogue import ServerPerf
+
+LOAD_BYTES_PER_S = 50e6  # reading a span's weights (download or cold disk cache; assumption: 400 Mbit/s)
+LOAD_FIXED_S = 30.0  # process start, DHT join, throughput check (assumption)
+
+
+@dataclass(eq=False)
+class SimServer:
+    """One server. `state` is what it announces (None once it has left); `loading` while it loads a span."""
+
+    peer_id: str
+    region: str
+    perf: ServerPerf
+    max_blocks: int
+    joined_s: float
+    start: int = 0
+    end: int = 0
+    state: ServerState | None = ServerState.JOINING
+    last_move_s: float = 0.0
+    num_moves: int = 0
+    tokens_served: int = 0
+    rows: int = 0  # sessions decoding through it now
+    context_tokens: int = 0  # their KV tokens, summed
+    kv_reserved_tokens: int = 0  # sessions' reserved max lengths, summed
+    sessions: set[int] = field(default_factory=set)  # ids of sessions holding KV here
+    busy_fraction: float = 0.0
+    next_pings: dict[str, float] = field(default_factory=dict)
+    info: ServerInfo | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+    @cached_property
+    def throughput(self) -> float:
+        """Petals' announced figure through the real server's formula (forward speed over (n + 1) / 2 blocks)."""
+        figures = {"forward_rps": self.perf.forward_rps(), "network_rps": self.perf.network_tps}
+        return derive_throughput(figures, num_blocks=self.max_blocks, using_relay=False)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.perf.kv_tokens(self.num_blocks) if self.num_blocks else 0
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return max(0, self.kv_capacity_tokens - self.kv_reserved_tokens)
+
+    def load_s(self, num_blocks: int) -> float:
+        return LOAD_FIXED_S + num_blocks * self.perf.block_bytes / LOAD_BYTES_PER_S
+
+    def hop_s(self, blocks_used: int) -> float:
+        """A decode token's time here: waiting for the step in progress (half a full-span step when others share it)
+        and its own blocks at the current batch, plus the step overhead and its hidden state over the NIC."""
+        per_block = self.perf.decode_block_s(max(self.rows, 1), self.context_tokens)
+        wait = 0.5 * self.num_blocks * per_block if self.rows > 1 else 0.0
+        wire = self.perf.model.hidden_bytes_per_token * 8 / self.perf.gpu.nic_bits_per_s
+        return wait + blocks_used * per_block + self.perf.decode_step_s(0, 0, 0) + wire
+
+    def make_info(self) -> ServerInfo:
+        """The record it announces now (Petals units: `cache_tokens_left` counts K-or-V token x block slots)."""
+        assert self.state is not None, "a server that left announces nothing"
+        info = ServerInfo(
+            state=self.state,
+            throughput=float(self.throughput),
+            start_block=self.start,
+            end_block=self.end,
+            inference_rps=float(self.perf.inference_rps()),
+            forward_rps=float(self.perf.forward_rps()),
+            network_rps=float(self.perf.network_tps),
+            cache_tokens_left=2 * self.num_blocks * self.kv_free_tokens,
+            next_pings=dict(self.next_pings) or None,
+        )
+        self.info = info
+        return info

@@ -1,0 +1,292 @@
+"""One simulated run: servers join (placing their span by the policy), announce, check balance and move (charged
+their load time), leave or crash; clients open sessions routed by the policy; the bound is sampled over time.
+Every random draw comes from a stream seeded from `SimConfig.seed`, so a run is reproducible."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from corolla.protocol.records import ServerState
+from corolla.sim.bound import ServerKind, best_known_placement, placement_max_flow
+from corolla.sim.catalogue import GPUS, LLAMA2_70B, ModelSpec, ServerPerf
+from corolla.sim.churn import ChurnConfig
+from corolla.sim.client_model import ClientDriver, SimSession
+from corolla.sim.clock import EventLoop
+from corolla.sim.metrics import FlowSample, Metrics, Report
+from corolla.sim.policy_adapter import ServerCapacity, make_policy
+from corolla.sim.regions import REGIONS, RttModel
+from corolla.sim.server_model import SimServer
+from corolla.sim.view import SwarmView
+from corolla.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+DETERMINISTIC_ROUTING = {"petals"}  # routing that ignores rng and load: one call per (view, region, max_length)
+MAX_LENGTH_STEP_TOKENS = 512  # clients ask for KV in multiples of this (an app's max_length), never per token
+MAX_NEXT_PINGS = 10  # Petals pings <= 5 servers of its span's inner uids + <= 5 of the next uid
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A scenario. fleet: GPU name -> share of servers; server_regions: region -> share of servers."""
+
+    name: str
+    servers: int
+    duration_s: float
+    workload: WorkloadConfig
+    fleet: Mapping[str, float]
+    server_regions: Mapping[str, float] = field(default_factory=lambda: {r: 1.0 for r in REGIONS})
+    churn: ChurnConfig = ChurnConfig()
+    policy: str = "petals"
+    seed: int = 0
+    warmup_s: float = 600.0
+    model: ModelSpec = LLAMA2_70B
+    dtype: str = "nf4"
+    announce_period_s: float = 60.0  # Petals server's update_period
+    balance_check_mean_s: float = 120.0  # Petals' mean_balance_check_period (interval U(0, 2x))
+    leave_detect_s: float = 0.5
+    crash_detect_s: float = 30.0  # a vanished peer is noticed by a step timeout (assumption)
+    snapshot_period_s: float = 300.0
+    bound_time_limit_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        unknown = set(self.fleet) - set(GPUS)
+        if unknown:
+            raise ValueError(f"unknown GPUs {sorted(unknown)}; the catalogue has {sorted(GPUS)}")
+        if self.servers < 1 or self.duration_s <= 0:
+            raise ValueError(f"need servers >= 1 and duration_s > 0, got {self.servers}, {self.duration_s}")
+
+
+class Simulation:
+    def __init__(self, config: SimConfig):
+        self.config = c = config
+        self.loop = EventLoop()
+        self.rngs = {name: random.Random(f"{c.seed}/{name}") for name in ("fleet", "churn", "policy", "route", "work")}
+        self.policy = make_policy(c.policy)
+        self.view = SwarmView(c.model.num_blocks, RttModel(c.seed))
+        self.metrics = Metrics(measure_from_s=c.warmup_s)
+        self.workload = WorkloadGenerator(c.workload, self.rngs["work"])
+        self.clients = ClientDriver(
+            self.loop, self.view, self.metrics, self._route, self.rngs["route"], self.workload.think_s, self._ended
+        )
+        self.perfs = {name: ServerPerf(GPUS[name], c.model, c.dtype) for name in c.fleet}
+        mean = c.workload
+        self.typical_context = round(mean.mean_turns * (mean.mean_prompt_tokens + mean.mean_output_tokens))
+        self.kinds = {name: self._kind(name, perf) for name, perf in self.perfs.items()}
+        self.servers: list[SimServer] = []
+        self._route_memo: dict[tuple[int, str, int], list[tuple[str, int, int]]] = {}
+
+    def _kind(self, name: str, perf: ServerPerf) -> ServerKind:
+        max_k = max(1, perf.max_blocks(self.typical_context))
+        return ServerKind(name, tuple(perf.capacity_tps(k, self.typical_context) for k in range(1, max_k + 1)))
+
+    # --- servers ---
+
+    def _spawn(self, at_s: float, *, initial: bool) -> None:
+        c, rng = self.config, self.rngs["fleet"]
+        gpu = rng.choices(list(c.fleet), weights=list(c.fleet.values()), k=1)[0]
+        region = rng.choices(list(c.server_regions), weights=list(c.server_regions.values()), k=1)[0]
+        perf = self.perfs[gpu]
+        server = SimServer(f"sim{len(self.servers):05d}", region, perf, perf.petals_max_blocks(), joined_s=at_s)
+        self.servers.append(server)
+        self.loop.at(at_s, self._join, server)
+        if c.churn.enabled:
+            stay = c.churn.residual_s(self.rngs["churn"]) if initial else c.churn.session_s(self.rngs["churn"])
+            crash = self.rngs["churn"].random() < c.churn.crash_fraction
+            if at_s + stay < c.duration_s:
+                self.loop.at(at_s + stay, self._depart, server, crash)
+
+    def _capacity(self, server: SimServer, max_blocks: int | None = None) -> ServerCapacity:
+        return ServerCapacity(
+            server.peer_id, max_blocks or server.max_blocks, server.throughput, server.perf.network_tps
+        )
+
+    def _join(self, server: SimServer) -> None:
+        if server.state is None:
+            return
+        span = self.policy.choose_span(
+            self._capacity(server), self.view.placement_spans(), self.config.model.num_blocks
+        )
+        server.start, server.end = span.start, span.stop
+        server.state = ServerState.JOINING
+        server.last_move_s = self.loop.now_s
+        self.view.announce(server)
+        self.metrics.joins += 1
+        self.loop.after(server.load_s(server.num_blocks), self._online, server, server.num_moves)
+
+    def _online(self, server: SimServer, moves: int) -> None:
+        if server.state is None or server.num_moves != moves:
+            return
+        server.state = ServerState.ONLINE
+        self.view.announce(server)
+        self._schedule_balance_check(server)
+
+    def _schedule_balance_check(self, server: SimServer) -> None:
+        delay = self.rngs["policy"].uniform(0, 2 * self.config.balance_check_mean_s)
+        self.loop.after(delay, self._balance_check, server, server.num_moves)
+
+    def _balance_check(self, server: SimServer, moves: int) -> None:
+        if server.state != ServerState.ONLINE or server.num_moves != moves:
+            return
+        decision = self.policy.choose_move(
+            self._capacity(server, server.num_blocks),
+            self.view.placement_spans(),
+            self.config.model.num_blocks,
+            reload_s=server.load_s(server.num_blocks),
+            since_move_s=self.loop.now_s - server.last_move_s,
+            rng=self.rngs["policy"],
+        )
+        if decision.target is None:
+            self._schedule_balance_check(server)
+            return
+        # Petals' move: announce OFFLINE (sessions fail over), load the new span (JOINING), then ONLINE
+        load_s = server.load_s(len(decision.target))
+        server.state = ServerState.OFFLINE
+        self.view.announce(server)
+        self.clients.on_server_lost(server, self.config.leave_detect_s)
+        server.start, server.end = decision.target.start, decision.target.stop
+        server.num_moves += 1
+        server.last_move_s = self.loop.now_s
+        server.state = ServerState.JOINING
+        self.view.announce(server)
+        self.metrics.moves += 1
+        self.metrics.reload_s += load_s
+        self.loop.after(load_s, self._online, server, server.num_moves)
+
+    def _depart(self, server: SimServer, crash: bool) -> None:
+        if server.state is None:
+            return
+        server.state = None
+        self.view.announce(server)
+        if crash:
+            self.metrics.crashes += 1
+        else:
+            self.metrics.leaves += 1
+        self.clients.on_server_lost(server, self.config.crash_detect_s if crash else self.config.leave_detect_s)
+
+    def _arrival_process(self) -> None:
+        rate = self.config.churn.join_rate_per_s(self.config.servers)
+        if rate <= 0:
+            return
+        at = self.loop.now_s + self.rngs["churn"].expovariate(rate)
+        if at < self.config.duration_s:
+            self._spawn(at, initial=False)
+            self.loop.at(at, self._arrival_process)
+
+    def _announce_tick(self) -> None:
+        """Every server's heartbeat: pings to the servers that can follow it, then fresh records."""
+        online = [s for s in self.view.servers.values() if s.state == ServerState.ONLINE]
+        by_block: dict[int, list[SimServer]] = {}
+        for s in online:
+            for block in range(s.start, s.end):
+                by_block.setdefault(block, []).append(s)
+        rng, rtt = self.rngs["policy"], self.view.rtt
+        for s in self.view.servers.values():
+            nexts = [o for o in by_block.get(s.end, []) if o is not s]
+            if len(nexts) > MAX_NEXT_PINGS:
+                nexts = rng.sample(nexts, MAX_NEXT_PINGS)
+            s.next_pings = {o.peer_id: rtt.rtt_s(s.peer_id, s.region, o.peer_id, o.region) for o in nexts}
+        self.view.refresh_all()
+        self.loop.after(self.config.announce_period_s, self._announce_tick)
+
+    # --- clients ---
+
+    def _max_length(self, session: SimSession) -> int:
+        step = MAX_LENGTH_STEP_TOKENS
+        return min(math.ceil(session.conversation.total_tokens / step) * step, self.config.workload.max_context_tokens)
+
+    def _route(self, session: SimSession) -> list[tuple[str, int, int]]:
+        region, need = session.conversation.region, self._max_length(session)
+        key = (self.view.version, region, need)
+        memo = self.policy.name in DETERMINISTIC_ROUTING and not session.banned
+        if memo and key in self._route_memo:
+            return self._route_memo[key]
+        spans = self.view.routing_spans()
+        if session.banned:
+            spans = [s for s in spans if s.peer_id not in session.banned]
+        self.metrics.route_calls += 1
+        route = self.policy.choose_route(
+            spans,
+            0,
+            self.config.model.num_blocks,
+            mode="min_latency",
+            client_rtts_s=self.view.client_rtts_s[region],
+            cache_tokens_needed=need,
+            rng=self.rngs["route"],
+        )
+        chain = [(span.peer_id, span.start, span.end) for span in route]
+        if memo:
+            if len(self._route_memo) > 10_000:
+                self._route_memo.clear()
+            self._route_memo[key] = chain
+        return chain
+
+    def _ended(self, session: SimSession) -> None:
+        if session.slot is not None:
+            at = self.loop.now_s + self.workload.idle_s()
+            if at < self.config.duration_s:
+                self.loop.at(at, self._start_conversation, session.slot)
+
+    def _start_conversation(self, slot: int | None, conversation: Conversation | None = None) -> None:
+        self.clients.start(conversation or self.workload.conversation(self.loop.now_s), slot)
+
+    # --- the bound over time ---
+
+    def _snapshot(self) -> None:
+        online = [s for s in self.view.servers.values() if s.state == ServerState.ONLINE]
+        caps = [s.perf.capacity_tps(s.num_blocks, self.typical_context) for s in online]
+        flow = placement_max_flow(
+            [(s.start, s.end) for s in online], caps, self.config.model.num_blocks, exact_boundaries=False
+        )
+        names = sorted({s.perf.gpu.name for s in online})
+        counts = [sum(1 for s in online if s.perf.gpu.name == n) for n in names]
+        best = best_known_placement(
+            [self.kinds[n] for n in names],
+            counts,
+            self.config.model.num_blocks,
+            time_limit_s=self.config.bound_time_limit_s,
+        )
+        self.metrics.flow.append(FlowSample(self.loop.now_s, flow, max(best.flow_tps, flow), len(online)))
+        self.loop.after(self.config.snapshot_period_s, self._snapshot)
+
+    # --- the run ---
+
+    def run(self) -> Report:
+        c = self.config
+        started = time.perf_counter()
+        join_window = c.warmup_s / 4  # servers join, then load (minutes), before clients start
+        for i in range(c.servers):
+            self._spawn(join_window * i / c.servers, initial=True)
+        self.loop.at(0.0, self._arrival_process)
+        self.loop.at(c.announce_period_s, self._announce_tick)
+        self.loop.at(c.warmup_s, self._snapshot)
+        w = c.workload
+        if w.concurrent_clients is not None:
+            for slot in range(w.concurrent_clients):
+                self.loop.at(c.warmup_s * (0.5 + 0.5 * slot / w.concurrent_clients), self._start_conversation, slot)
+        else:
+            arrivals = (
+                read_trace(w.trace_path, max_context_tokens=w.max_context_tokens)
+                if w.trace_path is not None
+                else self.workload.open_arrivals(c.duration_s)
+            )
+            for conversation in arrivals:
+                self.loop.at(conversation.arrival_s, self._start_conversation, None, conversation)
+        self.loop.run(c.duration_s)
+        wall = time.perf_counter() - started
+        logger.info(f"sim.done(scenario={c.name}, policy={c.policy}, events={self.loop.events_run}, wall_s={wall:.1f})")
+        return Report.build(
+            self.metrics,
+            scenario=c.name,
+            policy=c.policy,
+            seed=c.seed,
+            servers_start=c.servers,
+            duration_s=c.duration_s,
+            wall_s=wall,
+            events=self.loop.events_run,
+        )

@@ -1,0 +1,69 @@
+"""What peers see of the swarm: every server's last announced record as `RemoteSpanInfo`s (JOINING and ONLINE for
+placement, ONLINE for routing), a version that changes whenever a record does, block coverage, and each client
+region's RTTs to servers (clients of one region share them)."""
+
+from __future__ import annotations
+
+from corolla.protocol.records import RemoteSpanInfo, ServerState
+from corolla.sim.regions import REGIONS, RttModel
+from corolla.sim.server_model import SimServer
+
+
+class SwarmView:
+    def __init__(self, num_blocks: int, rtt: RttModel):
+        self.num_blocks = num_blocks
+        self.rtt = rtt
+        self.version = 0
+        self.servers: dict[str, SimServer] = {}  # announced (JOINING or ONLINE), by peer id
+        self.client_rtts_s: dict[str, dict[str, float]] = {region: {} for region in REGIONS}
+        self._cache_version = -1
+        self._placement: list[RemoteSpanInfo] = []
+        self._routing: list[RemoteSpanInfo] = []
+
+    def announce(self, server: SimServer) -> None:
+        """Publishes `server`'s current record (or withdraws it once it has left or gone OFFLINE)."""
+        if server.state is None or server.state == ServerState.OFFLINE:
+            if self.servers.pop(server.peer_id, None) is not None:
+                for rtts in self.client_rtts_s.values():
+                    rtts.pop(server.peer_id, None)
+        else:
+            if server.peer_id not in self.servers:
+                for region, rtts in self.client_rtts_s.items():
+                    rtts[server.peer_id] = self.rtt.rtt_s(f"client@{region}", region, server.peer_id, server.region)
+            self.servers[server.peer_id] = server
+            server.make_info()
+        self.version += 1
+
+    def refresh_all(self) -> None:
+        """Every server re-announces (the periodic heartbeat that carries cache and load figures)."""
+        for server in self.servers.values():
+            server.make_info()
+        self.version += 1
+
+    def _rebuild(self) -> None:
+        if self._cache_version == self.version:
+            return
+        self._placement, self._routing = [], []
+        for peer_id in sorted(self.servers):
+            server = self.servers[peer_id]
+            assert server.info is not None, "an announced server has a record"
+            span = RemoteSpanInfo(peer_id, server.start, server.end, server.info)
+            self._placement.append(span)
+            if server.state == ServerState.ONLINE:
+                self._routing.append(span)
+        self._cache_version = self.version
+
+    def placement_spans(self) -> list[RemoteSpanInfo]:
+        self._rebuild()
+        return self._placement
+
+    def routing_spans(self) -> list[RemoteSpanInfo]:
+        self._rebuild()
+        return self._routing
+
+    def covered(self) -> bool:
+        """True when ONLINE servers cover every block."""
+        covered = [False] * self.num_blocks
+        for span in self.routing_spans():
+            covered[span.start : span.end] = [True] * span.length
+        return all(covered)

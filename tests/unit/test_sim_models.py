@@ -1,0 +1,89 @@
+"""The simulator's inputs: the roofline catalogue, churn's heavy tail, RTTs, and the workload generator and trace."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+from corolla.sim.catalogue import GPUS, LLAMA2_70B, STEP_OVERHEAD_S, ServerPerf
+from corolla.sim.churn import ChurnConfig
+from corolla.sim.regions import RttModel, base_rtt_s
+from corolla.sim.workload import WorkloadConfig, WorkloadGenerator, read_trace
+
+
+def test_decode_is_weights_over_bandwidth_at_one_row() -> None:
+    perf = ServerPerf(GPUS["A100-40GB"], LLAMA2_70B, "fp16")
+    block_bytes = LLAMA2_70B.params_per_block * 2
+    assert 855e6 < LLAMA2_70B.params_per_block < 857e6  # LLaMA-2-70B: ~68.5B params in 80 blocks
+    assert perf.decode_block_s(1, 0) == pytest.approx(block_bytes / (1.555e12 * 0.6))
+    assert perf.decode_block_s(64, 64_000) > perf.decode_block_s(1, 0)  # KV reads grow with the batch's context
+    # prefill of a long prompt is compute-bound: 2 FLOPs per parameter per token at half the dense peak
+    compute_s = 2 * LLAMA2_70B.params_per_block * 2048 / (312e12 * 0.5)
+    assert perf.prefill_s(1, 2048) == pytest.approx(compute_s + STEP_OVERHEAD_S)
+
+
+def test_capacity_falls_with_blocks_held_and_memory_bounds_blocks() -> None:
+    perf = ServerPerf(GPUS["L4"], LLAMA2_70B, "fp16")
+    caps = [perf.capacity_tps(k, 990) for k in range(1, perf.max_blocks(990) + 1)]
+    assert caps == sorted(caps, reverse=True) and caps[-1] > 0
+    assert perf.max_blocks(990) <= 12  # 24 GB of fp16 blocks of 1.7 GB
+    assert perf.capacity_tps(perf.max_blocks(990) + 1, 990) == 0.0
+    # Petals' worked example: a 70B block in bf16 reserves 64 MiB of cache beside 1.7 GB of weights
+    assert ServerPerf(GPUS["A100-80GB"], LLAMA2_70B, "fp16").petals_max_blocks() == 44
+
+
+def test_churn_is_heavy_tailed_with_the_median_and_mean_asked_for() -> None:
+    churn, rng = ChurnConfig(median_session_s=7200.0, mean_session_s=36000.0), random.Random(1)
+    draws = [churn.session_s(rng) for _ in range(40_000)]
+    assert statistics.median(draws) == pytest.approx(7200.0, rel=0.05)
+    assert statistics.fmean(draws) == pytest.approx(36000.0, rel=0.25)
+    assert churn.leaving_per_hour() == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        ChurnConfig(median_session_s=10.0, mean_session_s=5.0)
+
+
+def test_rtts_are_symmetric_reproducible_and_in_published_ranges() -> None:
+    rtt = RttModel(seed=3)
+    a = rtt.rtt_s("s1", "europe", "s2", "australia")
+    assert (
+        a == rtt.rtt_s("s2", "australia", "s1", "europe") == RttModel(seed=3).rtt_s("s1", "europe", "s2", "australia")
+    )
+    assert 0.19 <= a <= 0.35
+    assert 0.002 <= rtt.rtt_s("s1", "us-east", "s3", "us-east") <= 0.020
+    assert 0.035 <= base_rtt_s("us-east", "us-west") <= 0.130
+    with pytest.raises(ValueError):
+        base_rtt_s("us-east", "mars")
+
+
+def test_generated_conversations_follow_the_published_averages() -> None:
+    config = WorkloadConfig(sessions_per_hour=36_000.0)
+    conversations = WorkloadGenerator(config, random.Random(0)).open_arrivals(600.0)
+    assert len(conversations) == pytest.approx(6000, rel=0.05)
+    turns = [t for c in conversations for t in c.turns]
+    assert statistics.fmean(len(c.turns) for c in conversations) == pytest.approx(2.0, rel=0.1)
+    assert statistics.fmean(p for p, _ in turns) == pytest.approx(69.5, rel=0.1)
+    assert statistics.fmean(o for _, o in turns) == pytest.approx(214.5, rel=0.1)
+    assert all(c.total_tokens <= config.max_context_tokens for c in conversations)
+
+
+def test_trace_round_trip_and_hostile_lines(tmp_path: Path) -> None:
+    good = tmp_path / "trace.jsonl"
+    good.write_text(
+        json.dumps({"arrival_s": 5.0, "region": "asia", "turns": [[10, 20]]})
+        + "\n"
+        + json.dumps({"arrival_s": 1, "region": "europe", "turns": [[3, 4], [5, 6]]})
+        + "\n"
+    )
+    conversations = read_trace(good)
+    assert [c.arrival_s for c in conversations] == [1.0, 5.0] and conversations[0].turns == ((3, 4), (5, 6))
+    for bad in ({"arrival_s": -1, "region": "asia", "turns": [[1, 1]]}, {"arrival_s": 0, "region": "x", "turns": []},
+                {"arrival_s": 0, "region": "asia", "turns": [[1, True]]},
+                {"arrival_s": 0, "region": "asia", "turns": [[5000, 1]]}):  # fmt: skip
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(ValueError):
+            read_trace(path)
