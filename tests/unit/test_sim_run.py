@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 
 from corolla.protocol.records import ServerState
-from corolla.sim import policy_adapter
 from corolla.sim.scenarios import scenario
 from corolla.sim.simulation import Simulation
+from corolla.swarm import petals_policy
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_moves_are_charged_their_load_time() -> None:
     # balance_quality > 1 is Petals' debug mode: every check moves, so moves happen in a short run
     config = scenario("tiny", seed=3, duration_s=900.0)
     sim = Simulation(config)
-    sim.policy = policy_adapter.PetalsPolicy(balance_quality=1.5)
+    sim.policy = petals_policy.PetalsPolicy(balance_quality=1.5)
     report = sim.run()
     assert report.churn["moves"] > 0
     expected = sum(s.load_s(s.num_blocks) for s in sim.servers for _ in range(s.num_moves))
@@ -69,7 +69,7 @@ def test_moves_are_charged_their_load_time() -> None:
 
 def test_the_real_policy_functions_are_called(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"place": 0, "route": 0}
-    real_place, real_route = policy_adapter.choose_best_blocks, policy_adapter.make_min_latency_route
+    real_place, real_route = petals_policy.choose_best_span, petals_policy.make_min_latency_route
 
     def place(*args, **kwargs):
         calls["place"] += 1
@@ -79,8 +79,8 @@ def test_the_real_policy_functions_are_called(monkeypatch: pytest.MonkeyPatch) -
         calls["route"] += 1
         return real_route(*args, **kwargs)
 
-    monkeypatch.setattr(policy_adapter, "choose_best_blocks", place)
-    monkeypatch.setattr(policy_adapter, "make_min_latency_route", route)
+    monkeypatch.setattr(petals_policy, "choose_best_span", place)
+    monkeypatch.setattr(petals_policy, "make_min_latency_route", route)
     report = Simulation(scenario("tiny", seed=1, duration_s=900.0)).run()
     assert calls["place"] == report.churn["joins"] > 0
     assert calls["route"] == report.churn["route_calls"] > 0

@@ -10,6 +10,7 @@ from functools import cached_property
 from corolla.protocol.records import ServerInfo, ServerState
 from corolla.server.throughput import derive_throughput
 from corolla.sim.catalogue import ServerPerf
+from corolla.swarm.policy import ServerCapacity
 
 LOAD_BYTES_PER_S = 50e6  # reading a span's weights (download or cold disk cache; assumption: 400 Mbit/s)
 LOAD_FIXED_S = 30.0  # process start, DHT join, throughput check (assumption)
@@ -27,7 +28,8 @@ class SimServer:
     start: int = 0
     end: int = 0
     state: ServerState | None = ServerState.JOINING
-    last_move_s: float = 0.0
+    online_since_s: float = 0.0
+    last_load_s: float = 0.0
     num_moves: int = 0
     tokens_served: int = 0
     rows: int = 0  # sessions decoding through it now
@@ -43,10 +45,12 @@ class SimServer:
         return self.end - self.start
 
     @cached_property
-    def throughput(self) -> float:
-        """Petals' announced figure through the real server's formula (forward speed over (n + 1) / 2 blocks)."""
+    def capacity(self) -> ServerCapacity:
+        """The server as its policy sees it, as the real server builds it: the throughput it would announce for
+        `max_blocks` blocks (the real server's formula: forward speed over (n + 1) / 2 blocks, capped by the link)."""
         figures = {"forward_rps": self.perf.forward_rps(), "network_rps": self.perf.network_tps}
-        return derive_throughput(figures, num_blocks=self.max_blocks, using_relay=False)
+        throughput = derive_throughput(figures, num_blocks=self.max_blocks, using_relay=False)
+        return ServerCapacity(self.peer_id, self.max_blocks, throughput, self.perf.network_tps)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -72,7 +76,7 @@ class SimServer:
         assert self.state is not None, "a server that left announces nothing"
         info = ServerInfo(
             state=self.state,
-            throughput=float(self.throughput),
+            throughput=float(self.capacity.throughput_for(self.num_blocks)),
             start_block=self.start,
             end_block=self.end,
             inference_rps=float(self.perf.inference_rps()),
@@ -80,6 +84,10 @@ class SimServer:
             network_rps=float(self.perf.network_tps),
             cache_tokens_left=2 * self.num_blocks * self.kv_free_tokens,
             next_pings=dict(self.next_pings) or None,
+            sessions_active=len(self.sessions),
+            busy_fraction=float(min(max(self.busy_fraction, 0.0), 1.0)),
+            tokens_served=self.tokens_served,
+            num_moves=self.num_moves,
         )
         self.info = info
         return info

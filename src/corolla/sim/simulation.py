@@ -17,16 +17,18 @@ from corolla.sim.churn import ChurnConfig
 from corolla.sim.client_model import ClientDriver, SimSession
 from corolla.sim.clock import EventLoop
 from corolla.sim.metrics import FlowSample, Metrics, Report
-from corolla.sim.policy_adapter import ServerCapacity, make_policy
 from corolla.sim.regions import REGIONS, RttModel
 from corolla.sim.server_model import SimServer
 from corolla.sim.view import SwarmView
 from corolla.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
+from corolla.swarm.policies import make_policy
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-DETERMINISTIC_ROUTING = {"petals"}  # routing that ignores rng and load: one call per (view, region, max_length)
+DETERMINISTIC_ROUTING = {
+    "petals"
+}  # min-latency routing that ignores rng and load: one call per (view, region, max_length)
 MAX_LENGTH_STEP_TOKENS = 512  # clients ask for KV in multiples of this (an app's max_length), never per token
 MAX_NEXT_PINGS = 10  # Petals pings <= 5 servers of its span's inner uids + <= 5 of the next uid
 
@@ -101,28 +103,22 @@ class Simulation:
             if at_s + stay < c.duration_s:
                 self.loop.at(at_s + stay, self._depart, server, crash)
 
-    def _capacity(self, server: SimServer, max_blocks: int | None = None) -> ServerCapacity:
-        return ServerCapacity(
-            server.peer_id, max_blocks or server.max_blocks, server.throughput, server.perf.network_tps
-        )
-
     def _join(self, server: SimServer) -> None:
         if server.state is None:
             return
-        span = self.policy.choose_span(
-            self._capacity(server), self.view.placement_spans(), self.config.model.num_blocks
-        )
+        span = self.policy.choose_span(server.capacity, self.view.placement_spans(), self.config.model.num_blocks)
         server.start, server.end = span.start, span.stop
         server.state = ServerState.JOINING
-        server.last_move_s = self.loop.now_s
         self.view.announce(server)
         self.metrics.joins += 1
-        self.loop.after(server.load_s(server.num_blocks), self._online, server, server.num_moves)
+        server.last_load_s = server.load_s(server.num_blocks)
+        self.loop.after(server.last_load_s, self._online, server, server.num_moves)
 
     def _online(self, server: SimServer, moves: int) -> None:
         if server.state is None or server.num_moves != moves:
             return
         server.state = ServerState.ONLINE
+        server.online_since_s = self.loop.now_s
         self.view.announce(server)
         self._schedule_balance_check(server)
 
@@ -134,29 +130,29 @@ class Simulation:
         if server.state != ServerState.ONLINE or server.num_moves != moves:
             return
         decision = self.policy.choose_move(
-            self._capacity(server, server.num_blocks),
+            server.capacity,
             self.view.placement_spans(),
             self.config.model.num_blocks,
-            reload_s=server.load_s(server.num_blocks),
-            since_move_s=self.loop.now_s - server.last_move_s,
+            reload_s=server.last_load_s,
+            since_move_s=self.loop.now_s - server.online_since_s,
             rng=self.rngs["policy"],
         )
-        if decision.target is None:
+        if not decision.move:
             self._schedule_balance_check(server)
             return
-        # Petals' move: announce OFFLINE (sessions fail over), load the new span (JOINING), then ONLINE
-        load_s = server.load_s(len(decision.target))
+        # as the real server: stop serving (sessions fail over), choose a span again, load it (JOINING), serve
         server.state = ServerState.OFFLINE
         self.view.announce(server)
         self.clients.on_server_lost(server, self.config.leave_detect_s)
-        server.start, server.end = decision.target.start, decision.target.stop
+        span = self.policy.choose_span(server.capacity, self.view.placement_spans(), self.config.model.num_blocks)
+        server.start, server.end = span.start, span.stop
         server.num_moves += 1
-        server.last_move_s = self.loop.now_s
         server.state = ServerState.JOINING
         self.view.announce(server)
+        server.last_load_s = server.load_s(server.num_blocks)
         self.metrics.moves += 1
-        self.metrics.reload_s += load_s
-        self.loop.after(load_s, self._online, server, server.num_moves)
+        self.metrics.reload_s += server.last_load_s
+        self.loop.after(server.last_load_s, self._online, server, server.num_moves)
 
     def _depart(self, server: SimServer, crash: bool) -> None:
         if server.state is None:
@@ -191,8 +187,22 @@ class Simulation:
             if len(nexts) > MAX_NEXT_PINGS:
                 nexts = rng.sample(nexts, MAX_NEXT_PINGS)
             s.next_pings = {o.peer_id: rtt.rtt_s(s.peer_id, s.region, o.peer_id, o.region) for o in nexts}
+            s.busy_fraction = self._busy_fraction(s)
         self.view.refresh_all()
         self.loop.after(self.config.announce_period_s, self._announce_tick)
+
+    def _busy_fraction(self, server: SimServer) -> float:
+        """The share of time it steps: one full-span step per visit of its sessions (each visits once per time per
+        token), a lower estimate when their visits do not coincide."""
+        tpots = [
+            session.tpot_s
+            for sid in server.sessions
+            if (session := self.clients.sessions.get(sid)) is not None and session.phase == "decode"
+        ]
+        if not tpots:
+            return 0.0
+        step_s = server.perf.decode_step_s(server.num_blocks, server.rows, server.context_tokens)
+        return min(1.0, step_s * len(tpots) / sum(tpots))
 
     # --- clients ---
 
@@ -217,6 +227,7 @@ class Simulation:
             mode="min_latency",
             client_rtts_s=self.view.client_rtts_s[region],
             cache_tokens_needed=need,
+            client_load=None,  # each session is its own client here: nothing routed lately and not yet announced
             rng=self.rngs["route"],
         )
         chain = [(span.peer_id, span.start, span.end) for span in route]
