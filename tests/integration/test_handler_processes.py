@@ -120,7 +120,7 @@ def test_sessions_spread_over_processes_with_identical_outputs(server, clients, 
 
 def test_petals_steps_give_the_outputs_of_the_general_path(server, clients):
     """Steps as a Petals client sends them (hidden states, dummy prompts and beam ids: a handler process takes them
-    as bytes, `raw_steps`) give the bytes that one-record steps (the general path) give; a NaN among them is refused
+    as bytes, the one decoder's bytes case) give the bytes that one-record steps (the general path) give; a NaN among them is refused
     as the general path refuses it."""
     torch.manual_seed(1)
     prefill, token = torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN)

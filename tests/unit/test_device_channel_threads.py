@@ -98,7 +98,7 @@ def backend() -> SpanBackend:
 
 @contextlib.asynccontextmanager
 async def _served(
-    backend: SpanBackend, reply_thread: bool
+    backend: SpanBackend,
 ) -> AsyncIterator[tuple[FastExecutor, DeviceChannel, asyncio.Task[None], DeviceLink]]:
     with Runtime(max_batch_size_tokens=1024) as runtime:
         config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
@@ -106,7 +106,7 @@ async def _served(
         device_end, handler_end = socket.socketpair()
         channel = DeviceChannel(
             0, device_end, executor=real, admission=SessionAdmission(PeerLimits(), real),
-            router=PushRouter(DeviceSessionRegistry()), span=SPAN, max_frame_bytes=1 << 20, reply_thread=reply_thread,
+            router=PushRouter(DeviceSessionRegistry()), span=SPAN, max_frame_bytes=1 << 20,
         )  # fmt: skip
         serving = asyncio.create_task(channel.serve())
         link = await DeviceLink.connect(*await asyncio.open_unix_connection(sock=handler_end))
@@ -121,10 +121,9 @@ def _step(hidden: torch.Tensor, position: int) -> StepInputs:
     return StepInputs(hidden, position, None, None, "", lone_session=False)
 
 
-@pytest.mark.parametrize("reply_thread", [False, True], ids=["runtime_replies", "writer_thread"])
-async def test_a_refused_step_fails_only_its_caller_and_the_session_goes_on(backend, reply_thread) -> None:
+async def test_a_refused_step_fails_only_its_caller_and_the_session_goes_on(backend) -> None:
     spec = SessionSpec(SPAN, 1, 16)
-    async with _served(backend, reply_thread) as (real, _, _, link), contextlib.AsyncExitStack() as stack:
+    async with _served(backend) as (real, _, _, link), contextlib.AsyncExitStack() as stack:
         proxy = ProxyExecutor(link)
         a, b = [await stack.enter_async_context(proxy.open_session(spec, 0)) for _ in range(2)]
         too_long = torch.randn(1, 17, H)  # past the session's 16 tokens: the engine refuses it
@@ -137,16 +136,15 @@ async def test_a_refused_step_fails_only_its_caller_and_the_session_goes_on(back
         assert out.shape == (1, 2, H) and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("reply_thread", [False, True], ids=["runtime_replies", "writer_thread"])
-async def test_a_dead_handler_process_ends_its_sessions_and_leaves_no_thread(backend, reply_thread) -> None:
+async def test_a_dead_handler_process_ends_its_sessions_and_leaves_no_thread(backend) -> None:
     spec = SessionSpec(SPAN, 1, 16)
-    async with _served(backend, reply_thread) as (real, channel, serving, link):
+    async with _served(backend) as (real, channel, serving, link):
         free = real.bytes_left
         proxy = ProxyExecutor(link)
         stack = contextlib.AsyncExitStack()
         caches = [await stack.enter_async_context(proxy.open_session(spec, 0)) for _ in range(3)]
         await asyncio.gather(*(proxy.step(c, _step(torch.randn(1, 2, H), 0)) for c in caches))
-        assert len(channel.sessions) == 3 and real.bytes_left < free and len(_channel_threads()) == 1 + reply_thread
+        assert len(channel.sessions) == 3 and real.bytes_left < free and len(_channel_threads()) == 1
         link.writer.transport.abort()  # the handler process dies: its end of the socket is gone
         await asyncio.wait_for(asyncio.shield(serving), 10)
         assert channel.sessions == {} and real.bytes_left == free  # every session's pages came back

@@ -1,6 +1,5 @@
 """Two-phase batches (`register_batch_executor(..., launcher=...)`): the runtime launches the next queued batch
-before it completes (delivers the results of) the one in flight (after its device work, or with `launch_ahead`
-before waiting for it), completes a lone batch at once, keeps a task's
+before it waits for and completes (delivers the results of) the one in flight, completes a lone batch at once, keeps a task's
 failure to that task and a launch's or wait's failure to that batch, runs the batches a launcher declines through the
 executor after the batch in flight, lets no inline step overtake a launched batch, and still delivers a launched
 batch's results when it stops."""
@@ -82,23 +81,19 @@ class _Bench:
         self.runtime.submit_callbacks([self.task(n, last and i == len(names) - 1) for i, n in enumerate(names)])
 
 
-def _runtime(launch_ahead: bool = True) -> Runtime:
-    runtime = Runtime(max_batch_size_tokens=64, gather=GatherSettings(fraction=0.0))
-    runtime.launch_ahead = launch_ahead
-    return runtime
+def _runtime() -> Runtime:
+    return Runtime(max_batch_size_tokens=64, gather=GatherSettings(fraction=0.0))
 
 
-@pytest.mark.parametrize("launch_ahead", [False, True])
-def test_the_next_batch_launches_before_the_one_in_flight_completes(launch_ahead: bool) -> None:
-    with _runtime(launch_ahead) as runtime:
+def test_the_next_batch_launches_before_the_one_in_flight_completes() -> None:
+    with _runtime() as runtime:
         bench = _Bench(runtime)
         bench.on_launch["a1"] = lambda: bench.submit("b1", "b2", last=True)  # queued while a1's batch launches
         bench.submit("a1")
         assert bench.done.wait(WAIT_S)
-    a1_waited = [("wait", "a1")]
     assert bench.log == [
-        ("launch", ["a1"]), *([] if launch_ahead else a1_waited), ("launch", ["b1", "b2"]),
-        *(a1_waited if launch_ahead else []), ("done", "a1"), ("wait", "b1"), ("done", "b1"), ("done", "b2"),
+        ("launch", ["a1"]), ("launch", ["b1", "b2"]), ("wait", "a1"), ("done", "a1"), ("wait", "b1"), ("done", "b1"),
+        ("done", "b2"),
     ]  # fmt: skip
     assert bench.results == {"a1": "a1!", "b1": "b1!", "b2": "b2!"}
 
@@ -131,9 +126,8 @@ def test_device_measured_time_is_counted_apart_from_the_runtime_threads_view() -
     assert later.since(stats) == type(stats)(1, 2, pytest.approx(0.01), pytest.approx(0.004), 1)
 
 
-@pytest.mark.parametrize("launch_ahead", [False, True])
-def test_failures_stay_in_their_task_or_batch(launch_ahead: bool) -> None:
-    with _runtime(launch_ahead) as runtime:
+def test_failures_stay_in_their_task_or_batch() -> None:
+    with _runtime() as runtime:
         bench = _Bench(runtime)
         bench.launch_results["a1"] = [ValueError("bad step"), "a2!"]
         bench.launch_results["b1"] = RuntimeError("device failure")  # raised by wait
@@ -163,9 +157,8 @@ def test_a_declined_batch_runs_through_the_executor_after_the_one_in_flight() ->
     assert bench.results["b1"] == "b1:executed"
 
 
-@pytest.mark.parametrize("launch_ahead", [False, True])
-def test_no_inline_step_overtakes_a_launched_batch(launch_ahead: bool) -> None:
-    with _runtime(launch_ahead) as runtime:
+def test_no_inline_step_overtakes_a_launched_batch() -> None:
+    with _runtime() as runtime:
         bench = _Bench(runtime)
         inline_done = threading.Event()
 

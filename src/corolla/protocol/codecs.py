@@ -339,16 +339,6 @@ def _deserialize_plain(serialized: runtime_pb2.Tensor, limits: TensorLimits) -> 
     return torch.frombuffer(bytearray(buffer), dtype=dtype).view(shape)  # [*shape], writable, its own memory
 
 
-def raw_record(dtype: torch.dtype, shape: tuple[int, ...], data: bytes) -> runtime_pb2.Tensor | None:
-    """The record `serialize_tensor` writes (NONE compression) for a CPU tensor of `dtype` and `shape` that holds
-    `data` (its values in C order, native byte order) and needs no grad, built from the bytes; None where that
-    record is not the raw values (bf16 in hivemind's legacy fp32 mode) or the dtype has no NONE form here."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None or (dtype == torch.bfloat16 and hivemind.compression.base.USE_LEGACY_BFLOAT16):
-        return None
-    return runtime_pb2.Tensor(compression=_NONE, buffer=data, size=shape, dtype=name, requires_grad=False)
-
-
 def is_plain_empty(serialized: runtime_pb2.Tensor, limits: TensorLimits = DEFAULT_TENSOR_LIMITS) -> bool:
     """True if `deserialize_tensor` would decode this record as an empty tensor through its per-step case (NONE,
     a whitelisted dtype, no grad, a shape within `limits` with a zero dimension, no buffer bytes): a Petals step's

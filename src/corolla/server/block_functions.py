@@ -1,7 +1,8 @@
 """Validation of everything a client sends (uid chains, shapes, dtypes, finiteness, sizes, lengths, adapters),
-once, where it enters (the handler), before it touches the device: decoded requests become the typed records of
-the executor seam (`executor.ForwardInputs`, `BackwardInputs`, `StepInputs`). Bad input raises
-`refusals.BadRequest`; a length over a limit `refusals.TooLong`. No networking and no compute here."""
+once, where it enters (every transport's front), before it touches the device: decoded requests become the typed
+records of the executor seam (`executor.ForwardInputs`, `BackwardInputs`, `StepInputs`). An inference step has ONE
+decoder, `decode_step`. Bad input raises `refusals.BadRequest`; a length over a limit `refusals.TooLong`. No
+networking and no compute here."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.protocol.codecs import check_castable, deserialize_tensor, is_plain_empty
+from corolla.protocol.codecs import check_castable, deserialize_tensor, is_plain_empty, plain_record
 from corolla.protocol.packing import unpack_args_kwargs
 from corolla.protocol.uids import parse_chain, parse_uid
 from corolla.server.executor import BackwardInputs, ForwardInputs, StepInputs
@@ -205,6 +206,25 @@ def deserialize_request(tensors: Sequence[runtime_pb2.Tensor]) -> list[torch.Ten
     return [deserialize_tensor(t) for t in tensors]
 
 
+MAX_KNOWN_EMPTY = 8
+_known_empty: list[runtime_pb2.Tensor] = []  # copies of records found plain-empty: a step's dummy prompts, beam ids
+
+
+def _plain_empty(record: runtime_pb2.Tensor) -> bool:
+    """`is_plain_empty(record)`, answered by one comparison for a record equal (every field, unknown ones included)
+    to one already found plain-empty: every step of a Petals client carries the same two."""
+    for known in _known_empty:
+        if record == known:
+            return True
+    if not is_plain_empty(record):
+        return False
+    if len(_known_empty) < MAX_KNOWN_EMPTY:
+        kept = runtime_pb2.Tensor()
+        kept.CopyFrom(record)
+        _known_empty.append(kept)
+    return True
+
+
 def step_args(tensors: Sequence[runtime_pb2.Tensor], structure: Any) -> tuple[Any, ...]:
     """An inference step's positional args. Petals' step (hidden states, prompts, hypo_ids): an empty dummy record
     is None without building its tensor (the step's validation treats every empty tensor as absent)."""
@@ -212,8 +232,8 @@ def step_args(tensors: Sequence[runtime_pb2.Tensor], structure: Any) -> tuple[An
         hidden, prompts, hypo_ids = tensors
         return (
             deserialize_tensor(hidden),
-            None if is_plain_empty(prompts) else deserialize_tensor(prompts),
-            None if is_plain_empty(hypo_ids) else deserialize_tensor(hypo_ids),
+            None if _plain_empty(prompts) else deserialize_tensor(prompts),
+            None if _plain_empty(hypo_ids) else deserialize_tensor(hypo_ids),
         )
     return unpack_request_args(deserialize_request(tensors), structure)
 
@@ -239,6 +259,74 @@ def parse_backward_inputs(
     batch_size, length, _ = hidden.shape
     prompts = validate_prompts(_arg(args, 2), limits, num_blocks=num_blocks, batch_size=batch_size, length=length)
     return BackwardInputs(hidden, grads, prompts, adapter)
+
+
+def decode_step(
+    tensors: Sequence[runtime_pb2.Tensor],
+    structure: Any,
+    limits: ServingLimits,
+    *,
+    num_blocks: int,
+    batch_size: int,
+    current_length: int,
+    start_from_position: int | None,
+    max_length_tokens: int,
+    adapter: str,
+    lone_session: bool,
+) -> StepInputs:
+    """THE decoder of an inference step's records (`parse_step_inputs` says what is checked). The usual decode step
+    (Petals' structure, hidden states as a plain record in the block dtype, dummy prompts and beam ids) is checked
+    on its bytes and carries them (`StepInputs.hidden_bytes`, a writable copy: no tensor is built unless an
+    executor needs one); every other step is decoded to tensors and checked by `parse_step_inputs`. The bytes
+    case accepts only what `parse_step_inputs` accepts, with the same result, and leaves everything else, a
+    refusal included, to it, so both give the same answer and the same error."""
+    usual = _usual_step(tensors, structure, limits, batch_size, current_length, start_from_position, max_length_tokens)
+    if usual is not None:
+        prefix_length, dtype, shape, data = usual
+        return StepInputs(
+            None, prefix_length, None, None, adapter, lone_session,
+            hidden_bytes=memoryview(bytearray(data)), hidden_meta=(dtype, shape),
+        )  # fmt: skip
+    return parse_step_inputs(
+        step_args(tensors, structure), limits, num_blocks=num_blocks, batch_size=batch_size,
+        current_length=current_length, start_from_position=start_from_position, max_length_tokens=max_length_tokens,
+        adapter=adapter, lone_session=lone_session,
+    )  # fmt: skip
+
+
+def _usual_step(
+    tensors: Sequence[runtime_pb2.Tensor],
+    structure: Any,
+    limits: ServingLimits,
+    batch_size: int,
+    current_length: int,
+    start_from_position: int | None,
+    max_length_tokens: int,
+) -> tuple[int, torch.dtype, tuple[int, int, int], bytes] | None:
+    """(prefix length, dtype, [B, T, H], values) of a usual decode step that `parse_step_inputs` accepts as it is
+    (no cast, T >= 1, finite, within every limit); None for anything else."""
+    if len(tensors) != 3 or structure != PETALS_STEP_STRUCTURE:  # bounded: lengths compare first
+        return None
+    hidden, prompts, hypo_ids = tensors
+    if not (_plain_empty(prompts) and _plain_empty(hypo_ids)):
+        return None
+    record = plain_record(hidden)
+    if record is None:
+        return None
+    dtype, shape, data = record
+    if dtype != limits.dtype or dtype not in FLOAT_DTYPES or len(shape) != 3:  # the general path casts or refuses
+        return None
+    step_batch, length, hidden_size = shape
+    if hidden_size != limits.hidden_size or step_batch != batch_size or length < 1 or step_batch < 1:
+        return None
+    if step_batch * length > limits.max_batch_size_tokens:
+        return None
+    prefix_length = current_length if start_from_position is None else start_from_position
+    if not 0 <= prefix_length <= current_length or prefix_length + length > max_length_tokens:
+        return None
+    if not bytes_finite(data, dtype):
+        return None
+    return prefix_length, dtype, (step_batch, length, hidden_size), data
 
 
 def parse_step_inputs(

@@ -12,8 +12,8 @@ processes) receives every frame (non-blocking `recv_into`, `channel_io`) and han
 prepare each step (`DeviceExecutor.prepare_step`: the same typed refusals as `step`) and queues the frame's decode
 steps on the runtime as ONE callback task (others one task each), waking its thread once per frame; after a merged
 forward the runtime thread appends each result to its channel's outbox (with its bytes where a launched forward
-collected them: `StepRequest.output_bytes`) and sends one REPLY_BATCH per channel with a blocking `sendall` (or,
-with `reply_thread`, wakes the channel's writer thread, which encodes and sends). A refused step is answered from
+collected them: `StepRequest.output_bytes`) and sends one REPLY_BATCH per channel with a blocking `sendall`
+(docs/decisions/0003-replies-from-the-runtime-thread.md). A refused step is answered from
 the intake thread and fails only its caller. Every other frame (OPEN, CLOSE, FORWARD, BACKWARD, pushes, routes) is
 handed to the event loop, as rare work.
 
@@ -101,15 +101,11 @@ class DeviceChannel:
         max_frame_bytes: int,
         metrics: ServerMetrics | None = None,
         check_accepting: Callable[[], None] | None = None,
-        reply_thread: bool = False,
         intake: ChannelIntake | None = None,
     ):
         self.index = index
         # the device process's one reader of every channel (handler_pool's); None: this channel gets one of its own
         self.intake = intake
-        # who encodes and sends a merged forward's replies: the runtime thread itself (False), or a writer thread of
-        # this channel that the runtime thread only wakes (True)
-        self.reply_thread = reply_thread
         self.io = FrameSocket(sock, max_frame_bytes)
         self.executor, self.admission, self.router, self.span = executor, admission, router, span
         self.max_frame_bytes = max_frame_bytes
@@ -125,11 +121,9 @@ class DeviceChannel:
         # step results not sent yet: (request id, output [B, T, H] or the refusal, the output's bytes if known), from
         # the intake and runtime threads
         self._outbox: list[tuple[int, torch.Tensor | BaseException, memoryview | None]] = []
-        self._outbox_ready = threading.Condition()
-        self._writer_stop = False
+        self._outbox_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended: asyncio.Future[None] | None = None
-        self._writer: threading.Thread | None = None
         # a frame's steps -> runtime tasks (a frame's decode steps in one) -> replies; `_flush` bound once: the runtime
         # flushes each distinct object once per batch
         self.steps = FrameIntake(executor, admission, self._held_cache, self._queue_results, self._flush)
@@ -162,17 +156,13 @@ class DeviceChannel:
         self.io.send_frames([body.frame(kind, request_id)])
 
     def _queue_results(self, results: list[StepReply]) -> None:
-        with self._outbox_ready:
+        with self._outbox_lock:
             self._outbox.extend(results)
 
     def _flush(self) -> None:
         """Sends every queued step reply (the runtime thread after a merged forward, the intake thread after
-        refusing steps), or wakes this channel's writer thread to send them."""
-        if self.reply_thread:
-            with self._outbox_ready:
-                self._outbox_ready.notify()
-            return
-        with self._outbox_ready:
+        refusing steps)."""
+        with self._outbox_lock:
             results, self._outbox = self._outbox, []
         self._send_results(results)
 
@@ -182,17 +172,6 @@ class DeviceChannel:
             return
         head = self._state_bytes()
         self.io.send_frames(step_frames.reply_frames(results, head, self.max_frame_bytes))  # [B, T, H] each
-
-    def _write_loop(self) -> None:
-        """The writer thread (`reply_thread`): sends what the runtime thread queued, until the channel ends."""
-        while True:
-            with self._outbox_ready:
-                while not self._outbox and not self._writer_stop:
-                    self._outbox_ready.wait()
-                if not self._outbox:
-                    return
-                results, self._outbox = self._outbox, []
-            self._send_results(results)
 
     def send_state(self) -> None:
         self.send(wire.STATE, 0, self._state())
@@ -215,13 +194,7 @@ class DeviceChannel:
         loop = self._loop = asyncio.get_running_loop()
         ended = self._ended = loop.create_future()
         intake = self.intake or ChannelIntake(f"corolla-channel-{self.index}")  # a channel alone: one of its own
-        if self.reply_thread:
-            self._writer = threading.Thread(
-                target=self._write_loop, name=f"corolla-channel-{self.index}-w", daemon=True
-            )
         try:
-            if self._writer is not None:
-                self._writer.start()
             intake.add(self)
             await asyncio.shield(ended)
         finally:
@@ -230,11 +203,6 @@ class DeviceChannel:
                 await asyncio.wait_for(asyncio.shield(ended), 10.0)
             if intake is not self.intake:
                 await asyncio.to_thread(intake.close)
-            if self._writer is not None:
-                with self._outbox_ready:
-                    self._writer_stop = True
-                    self._outbox_ready.notify()
-                await asyncio.to_thread(self._writer.join, 10.0)
             self.router.forget(self)
             await self._end_all()
             self.io.close()

@@ -44,7 +44,6 @@ from corolla.server.peer_auth import (
     mark_pushed_reply,
     remote_peer,
 )
-from corolla.server.raw_steps import RawStepper, parse_raw_step
 from corolla.server.refusals import BadRequest, Refusals, RequestTimeout
 from corolla.server.runtime import Runtime
 from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
@@ -89,12 +88,10 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         runtime: Runtime | None = None,
         peer_limits: PeerLimits | None = None,
         peer_auth: PeerAuth | None = None,
-        raw_steps: RawStepper | None = None,
     ):
         self.limits = limits
         self.peer_auth = peer_auth  # private swarm: every RPC proves membership (server.peer_auth); None = open
         self.executor = executor
-        self.raw_steps = raw_steps  # the executor again where it takes decode steps as bytes (handler processes)
         self.configure_limits(peer_limits if peer_limits is not None else PeerLimits())
         self.busy_poll = busy_poll  # the serving loop's selector: hot after a lone session's inline step
         self.busy_poll_s = busy_poll_s
@@ -439,31 +436,20 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         deadline: float,
     ) -> tuple[runtime_pb2.Tensor, bool]:
         structure = metadata.args_structure if metadata.args_structure is not None else session.args_structure
-        raw = None  # the usual decode step as bytes, for an executor that takes them (`raw_steps`)
-        if self.raw_steps is not None and session.cache is not None:
-            raw = parse_raw_step(
-                request.tensors, structure, self.limits, batch_size=session.batch_size,
-                current_length=session.prefix_length, start_from_position=metadata.start_from_position,
-                max_length_tokens=session.max_length,
-            )  # fmt: skip
-        inputs = None
-        if raw is None:
-            inputs = bf.parse_step_inputs(
-                bf.step_args(request.tensors, structure),
-                self.limits,
-                num_blocks=len(session.block_indices),
-                batch_size=session.batch_size,
-                current_length=session.prefix_length,
-                start_from_position=metadata.start_from_position,
-                max_length_tokens=session.max_length,
-                adapter=session.active_adapter,
-                lone_session=self.sessions.num_open == 1,
-            )  # the session changes only once the step is valid
-            batch_size, length, _ = inputs.tensor().shape
-            prefix_length = inputs.prefix_length
-        else:
-            (batch_size, length, _), prefix_length = raw.shape, raw.prefix_length
-        if inputs is not None and (length == 0 or session.cache is None):
+        inputs = bf.decode_step(
+            request.tensors,
+            structure,
+            self.limits,
+            num_blocks=len(session.block_indices),
+            batch_size=session.batch_size,
+            current_length=session.prefix_length,
+            start_from_position=metadata.start_from_position,
+            max_length_tokens=session.max_length,
+            adapter=session.active_adapter,
+            lone_session=self.sessions.num_open == 1,
+        )  # the session changes only once the step is valid
+        batch_size, length, _ = inputs.shape
+        if length == 0 or session.cache is None:
             output = self._serialize_output(inputs.tensor())  # zero tokens: nothing to compute, [B, 0, H] back
         else:
             assert session.cache is not None
@@ -473,24 +459,15 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             runtime = self.runtime if self.busy_poll is not None else None
             inline_before = runtime.num_inline_batches if runtime is not None else 0
             try:
-                if raw is not None and self.raw_steps is not None:
-                    lone = self.sessions.num_open == 1
-                    out = await self._step_within(
-                        session, self.raw_steps.step_raw(session.cache, raw, session.active_adapter, lone), remaining
-                    )
-                    record = out.record(self.limits.dtype, self.compression)
-                    output = record if record is not None else self._serialize_output(out.tensor())
-                else:
-                    assert inputs is not None
-                    step = self.executor.step(session.cache, inputs)
-                    output = self._serialize_output(await self._step_within(session, step, remaining))
+                step = self.executor.step(session.cache, inputs)
+                output = self._serialize_output(await self._step_within(session, step, remaining))
             except asyncio.TimeoutError:
                 raise RequestTimeout(
                     f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
                 ) from None
             if self.busy_poll is not None and runtime is not None and runtime.num_inline_batches != inline_before:
                 self.busy_poll.keep_hot(self.busy_poll_s)  # a lone session: its next step is due in a moment
-        session.prefix_length = prefix_length + length
+        session.prefix_length = inputs.prefix_length + length
         if session.ticket is not None:
             session.ticket.touch(batch_size * length)  # zero-token keep-alives are not use
-        return output, inputs is None or inputs.prompts is None
+        return output, inputs.prompts is None

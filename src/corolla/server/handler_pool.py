@@ -85,7 +85,6 @@ class HandlerPool:
         metrics: ServerMetrics | None = None,
         check_accepting: Callable[[], None] | None = None,
         stop_timeout_s: float = 10.0,
-        reply_thread: bool = False,
     ):
         if num_handlers < 2:
             raise ValueError(f"a handler pool needs num_handlers >= 2, got {num_handlers} (1 = no pool)")
@@ -96,7 +95,6 @@ class HandlerPool:
         self.span, self.max_frame_bytes, self.metrics = span, max_frame_bytes, metrics
         self.check_accepting = check_accepting
         self.stop_timeout_s = stop_timeout_s
-        self.reply_thread = reply_thread  # each channel sends its replies from a writer thread (device_channel)
         self.processes: list[BaseProcess | None] = [None] * num_handlers
         self.channels: list[DeviceChannel | None] = [None] * num_handlers
         self.intake = ChannelIntake()  # one thread reads every channel (channel_intake says why)
@@ -139,7 +137,7 @@ class HandlerPool:
         channel = DeviceChannel(
             index, sock, executor=self.executor, admission=self.admission(), router=self.router,
             span=self.span, max_frame_bytes=self.max_frame_bytes, metrics=self.metrics,
-            check_accepting=self.check_accepting, reply_thread=self.reply_thread, intake=self.intake,
+            check_accepting=self.check_accepting, intake=self.intake,
         )  # fmt: skip
         self.processes[index], self.channels[index] = process, channel
         self._tasks.append(asyncio.create_task(self._serve(index, process, channel)))

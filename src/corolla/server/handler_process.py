@@ -121,7 +121,6 @@ async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> 
         metrics=metrics,
         peer_limits=settings.peer_limits,
         peer_auth=make_peer_auth(load_swarm_key(settings.swarm_key_file), settings.peer_id, metrics),
-        raw_steps=executor,  # a usual decode step goes to the device as the bytes it came in (raw_steps)
     )
     handler.admission = RemoteAdmission(settings.peer_limits, executor)  # global: decided by the device process
     handler.handoff.enabled = settings.kv_handoff

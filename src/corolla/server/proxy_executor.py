@@ -36,7 +36,6 @@ from corolla.server.executor import (
 from corolla.server.limits import PeerLimits
 from corolla.server.memory_cache import TensorDescriptorLike
 from corolla.server.peer_auth import SessionPushGuard
-from corolla.server.raw_steps import RawOutput, RawStep
 from corolla.server.sessions import SessionRegistry
 from corolla.utils.logging import get_logger
 
@@ -293,16 +292,12 @@ class ProxyExecutor:
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
         handle = self._own(cache).handle
         body = wire.Writer().step_head(handle, inputs.prefix_length, inputs.lone_session, inputs.adapter)
-        body.tensor(inputs.tensor()).tensor(inputs.prompts).tensor(inputs.hypo_ids)
+        if inputs.hidden_states is None and inputs.hidden_bytes is not None and inputs.hidden_meta is not None:
+            body.record(*inputs.hidden_meta, inputs.hidden_bytes)  # the step's bytes as decoded: no tensor built
+        else:
+            body.tensor(inputs.tensor())
+        body.tensor(inputs.prompts).tensor(inputs.hypo_ids)
         return _one_tensor(await self._call_step(body))
-
-    async def step_raw(self, cache: SessionCache, step: RawStep, adapter: str, lone_session: bool) -> RawOutput:
-        """`step` with the step's hidden states as bytes (`raw_steps`): the same STEP frame as `step` sends for
-        them (no prompts, no beam ids), the reply's tensor as bytes (a view of the reply frame)."""
-        handle = self._own(cache).handle
-        body = wire.Writer().step_head(handle, step.prefix_length, lone_session, adapter)
-        body.record(step.dtype, step.shape, step.data).tensor(None).tensor(None)
-        return _one_record(await self._call_step(body))
 
     async def _call_step(self, body: wire.Writer) -> wire.Reader:
         """A STEP frame to the device and its reply, stamped on the stream's timeline (`step_timeline`, if on)."""
@@ -343,18 +338,6 @@ def _tensors(reader: wire.Reader) -> list[torch.Tensor]:
         tensors.append(tensor)
     reader.done()
     return tensors
-
-
-def _one_record(reader: wire.Reader) -> RawOutput:
-    """A REPLY_TENSORS body of one tensor as bytes (`_one_tensor`'s checks)."""
-    count = reader.u8()
-    if count != 1:
-        raise wire.FrameError(f"expected one reply tensor, got {count}")
-    record = reader.record()
-    if record is None:
-        raise wire.FrameError("a reply tensor is missing")
-    reader.done()
-    return RawOutput(*record)
 
 
 def _one_tensor(reader: wire.Reader) -> torch.Tensor:

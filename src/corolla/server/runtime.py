@@ -2,10 +2,10 @@
 in a `schedule -> execute -> complete` loop; results go back to the asyncio loop that submitted them.
 
 A kind with a launcher (`register_batch_executor(..., launcher=...)`) runs in two phases: the launcher queues the
-batch on the device and returns a `PendingBatch`; the thread launches the next batch if one is queued already
-(`launch_ahead`; else once the first one's device work is over), and only then waits for the first one and
-completes it (encodes and sends its replies) while the device runs the next. When nothing else is queued, a
-launched batch is completed at once (a lone session's step takes no longer)."""
+batch on the device and returns a `PendingBatch`; the thread launches the next batch at once if one is queued
+already (docs/decisions/0002-launch-ahead.md), and only then waits for the first one and completes it (encodes
+and sends its replies) while the device runs the next. When nothing else is queued, a launched batch is completed
+at once (a lone session's step takes no longer)."""
 
 from __future__ import annotations
 
@@ -51,12 +51,6 @@ class Runtime:
     executor, together with the other queued tasks of the same `(kind, merge_key)` (continuous batching);
     all other tasks run alone as `fn()`.
     """
-
-    # With a launched batch in flight, the next queued batch is launched at once, before waiting for it (True: the
-    # device never idles between them), or once the device finished it (False: the next batch also takes the steps
-    # that arrived during that device work). H100, 64 sessions through 4 handler processes, one call: True 5171
-    # tok/s (19.6 steps per forward), False 3712 (18.2)
-    launch_ahead: bool = True
 
     def __init__(
         self,
@@ -341,8 +335,6 @@ class Runtime:
         queue = self._queue
         pending: LaunchedBatch | None = None
         while True:  # (gather) -> schedule -> execute (or launch) -> complete
-            if pending is not None and not self.launch_ahead:
-                self._wait(pending)  # its device work is over: the next batch takes every step that came meanwhile
             if pending is None:
                 wait = self.gather.wait(time.monotonic(), queue.num_pushed)
                 if wait is not None:

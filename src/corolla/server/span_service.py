@@ -44,7 +44,6 @@ class SpanService:
         busy_poll_s: float = 0.005,
         num_handlers: int = 1,
         swarm_key_file: str | None = None,
-        channel_reply_thread: bool = False,
         direct: DirectListen | None = None,
         handler_poll_s: float = 0.0,
     ):
@@ -56,7 +55,6 @@ class SpanService:
         self.runtime = executor.runtime  # started and stopped here
         self.num_handlers = num_handlers  # 1: this process serves the streams; N > 1: N handler processes do
         self.swarm_key_file = swarm_key_file
-        self.channel_reply_thread = channel_reply_thread  # handler channels reply from writer threads (bench)
         self.handler_poll_s = handler_poll_s  # handler processes poll this long after each message (`HandlerSettings`)
         self.handler = TransformerConnectionHandler(
             limits=limits,
@@ -141,7 +139,6 @@ class SpanService:
             span=tuple(range(self.limits.start_block, self.limits.end_block)),
             max_frame_bytes=4 * handler.max_stream_bytes,  # float16 on the wire may arrive as float32 here
             metrics=handler.metrics,
-            reply_thread=self.channel_reply_thread,
             check_accepting=handler.handoff.check_accepting,
         )
         await self.pool.start()

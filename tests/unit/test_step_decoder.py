@@ -1,7 +1,8 @@
-"""A usual decode step as bytes (`server.raw_steps`, the handler processes' path): taken only where the general path
-accepts the step, with the same prefix, dtype, shape and values, at and past every limit; its STEP frame and reply
-record are byte for byte what the tensor path writes; a handler session answers the same bytes through either path
-and refuses the same steps with the same errors."""
+"""The one step decoder (`block_functions.decode_step`): a usual decode step is carried as its bytes only where the
+general path (`step_args` + `parse_step_inputs`) accepts the step, with the same prefix, dtype, shape and values, at
+and past every limit, and every other step gets the general path's answer or error; a step's STEP frame is byte for
+byte the same from bytes or from a tensor; a handler session answers its steps and refuses a poisoned one with the
+general path's error."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import contextlib
 import math
 from collections.abc import AsyncIterator, Callable
 
-import hivemind.compression.base
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.protocol.codecs import raw_record, serialize_tensor
+from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.server import block_functions as bf
@@ -25,7 +25,6 @@ from corolla.server.executor import PATH_PLAIN, SessionCache, SessionSpec, StepI
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.metrics import ServerMetrics
 from corolla.server.proxy_executor import DeviceInfo, DeviceLink, ProxyExecutor, ProxySessionCache
-from corolla.server.raw_steps import RawOutput, RawStep, parse_raw_step
 from corolla.server.sessions import SessionTimeouts
 
 H = 8
@@ -104,7 +103,7 @@ CASES: list[tuple[str, int, int, Mutation | None, int | None, int, int]] = [
     ("prompts with grad", 1, 1, _set(1, requires_grad=True), None, 5, 64),
 ]
 
-# accepted steps that the raw path leaves to the general one (besides casts and keep-alives)
+# accepted steps that the bytes case leaves to the general one (besides casts and keep-alives)
 GENERAL_ONLY = ("prompts", "hypo ids", "prompts with grad", "requires grad")
 
 
@@ -118,10 +117,20 @@ def _general(tensors, structure, limits, batch, current, start, max_length) -> S
         return e
 
 
+def _decoded(tensors, structure, limits, batch, current, start, max_length) -> StepInputs | BaseException:
+    try:
+        return bf.decode_step(
+            tensors, structure, limits, num_blocks=2, batch_size=batch, current_length=current,
+            start_from_position=start, max_length_tokens=max_length, adapter="", lone_session=False,
+        )  # fmt: skip
+    except Exception as e:
+        return e
+
+
 @pytest.mark.parametrize("block_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("sent_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("name", "batch", "length", "mutate", "start", "current", "max_length"), CASES)
-def test_taken_only_where_the_general_path_accepts_with_the_same_result(
+def test_bytes_taken_only_where_the_general_path_accepts_with_the_same_result(
     block_dtype, sent_dtype, name, batch, length, mutate, start, current, max_length
 ) -> None:
     limits = _limits(block_dtype)
@@ -131,33 +140,35 @@ def test_taken_only_where_the_general_path_accepts_with_the_same_result(
         mutate(tensors)
     session_batch = 2 if name == "at max tokens" else 1 if name != "batch of two" else 2
     general = _general(tensors, structure, limits, session_batch, current, start, max_length)
-    raw = parse_raw_step(
-        tensors, structure, limits, batch_size=session_batch, current_length=current,
-        start_from_position=start, max_length_tokens=max_length,
-    )  # fmt: skip
+    decoded = _decoded(tensors, structure, limits, session_batch, current, start, max_length)
     if isinstance(general, BaseException):
-        assert raw is None, f"{name}: the general path refuses ({general!r}) but the raw path took the step"
+        assert isinstance(decoded, BaseException), f"{name}: the general path refuses ({general!r}), decode_step not"
+        assert type(decoded) is type(general) and str(decoded) == str(general), name
         return
-    if raw is None:  # the general path only: a cast, a keep-alive, prompts or beam ids
+    assert not isinstance(decoded, BaseException), f"{name}: decode_step refused ({decoded!r})"
+    if decoded.hidden_states is not None:  # the general path only: a cast, a keep-alive, prompts or beam ids
         assert sent_dtype != block_dtype or length == 0 or name in GENERAL_ONLY, name
-        return
-    assert sent_dtype == block_dtype and mutate is None, name
+    else:
+        assert sent_dtype == block_dtype and mutate is None, name
+        assert decoded.hidden_bytes is not None and not decoded.hidden_bytes.readonly  # a writable copy
     hidden = general.tensor()  # [B, T, H]
-    assert raw.prefix_length == general.prefix_length and raw.dtype == hidden.dtype
-    assert raw.shape == tuple(hidden.shape)
-    assert raw.data == hidden.view(torch.uint8).numpy().tobytes()
-    assert general.prompts is None and general.hypo_ids is None
+    assert decoded.prefix_length == general.prefix_length and decoded.shape == tuple(hidden.shape)
+    assert decoded.tensor().dtype == hidden.dtype and torch.equal(decoded.tensor(), hidden)
+    for got, want in ((decoded.prompts, general.prompts), (decoded.hypo_ids, general.hypo_ids)):
+        assert (got is None and want is None) or torch.equal(got, want)
 
 
 def test_other_structures_take_the_general_path() -> None:
     limits = _limits(torch.float32)
     tensors, _ = _petals_step(torch.randn(1, 1, H))
-    kwargs = dict(batch_size=1, current_length=0, start_from_position=None, max_length_tokens=8)
-    assert parse_raw_step(tensors, bf.PETALS_STEP_STRUCTURE, limits, **kwargs) is not None  # type: ignore[arg-type]
-    assert parse_raw_step(tensors, None, limits, **kwargs) is None  # type: ignore[arg-type]
-    assert parse_raw_step(tensors[:2], bf.PETALS_STEP_STRUCTURE, limits, **kwargs) is None  # type: ignore[arg-type]
+    kwargs = dict(num_blocks=2, batch_size=1, current_length=0, start_from_position=None, max_length_tokens=8,
+                  adapter="", lone_session=False)  # fmt: skip
+    assert bf.decode_step(tensors, bf.PETALS_STEP_STRUCTURE, limits, **kwargs).hidden_states is None  # type: ignore[arg-type]
+    assert bf.decode_step(tensors, None, limits, **kwargs).hidden_states is not None  # type: ignore[arg-type]
+    two = ((b"__T0", b"__T1"), {})
+    assert bf.decode_step(tensors[:2], two, limits, **kwargs).hidden_states is not None  # type: ignore[arg-type]
     other: object = ((b"__T0", b"__T2", b"__T1"), {})
-    assert parse_raw_step(tensors, other, limits, **kwargs) is None  # type: ignore[arg-type]
+    assert bf.decode_step(tensors, other, limits, **kwargs).hidden_states is not None  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -177,27 +188,6 @@ def test_bytes_finite_equals_all_finite_on_wide_floats(dtype) -> None:
     for values in ([1.0, -2.5], [1e38, -1e38], [math.nan], [1.0, math.inf], [-math.inf], []):
         tensor = torch.tensor(values, dtype=dtype)
         assert bf.bytes_finite(tensor.numpy().tobytes(), dtype) == bf.all_finite(tensor), values
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 1, H), (2, 3, H), (1, 0, H)])
-def test_raw_record_is_what_serialize_tensor_writes(dtype, shape) -> None:
-    tensor = torch.randn(shape).to(dtype)
-    record = raw_record(dtype, shape, tensor.view(torch.uint8).numpy().tobytes())
-    assert record is not None
-    assert record.SerializeToString() == serialize_tensor(tensor).SerializeToString()
-    out = RawOutput(dtype, shape, memoryview(tensor.view(torch.uint8).numpy().tobytes()))
-    assert out.record(dtype, NONE) is not None
-    assert out.record(dtype, NONE).SerializeToString() == serialize_tensor(tensor).SerializeToString()  # type: ignore[union-attr]
-    assert torch.equal(out.tensor(), tensor)
-    assert out.record(torch.float64, NONE) is None  # another dtype: through the tensor (cast)
-    assert out.record(dtype, runtime_pb2.CompressionType.FLOAT16) is None
-
-
-def test_legacy_bfloat16_replies_take_the_tensor(monkeypatch) -> None:
-    monkeypatch.setattr(hivemind.compression.base, "USE_LEGACY_BFLOAT16", True)
-    assert raw_record(torch.bfloat16, (1, 1, H), b"\0" * 2 * H) is None
-    assert raw_record(torch.float32, (1, 1, H), b"\0" * 4 * H) is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
@@ -251,31 +241,30 @@ async def _sent_and_answered(link: DeviceLink, writer: _CapturingWriter, call, r
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-async def test_step_raw_sends_the_step_frame_and_reads_the_same_reply(dtype) -> None:
+async def test_a_step_as_bytes_sends_the_frame_of_the_tensor_and_reads_the_same_reply(dtype) -> None:
     writer = _CapturingWriter()
     link = DeviceLink(asyncio.StreamReader(), writer, DeviceInfo(PATH_PLAIN, 0, 1 << 20, {0: 1, 1: 1}, 1, 0))  # type: ignore[arg-type]
     executor = ProxyExecutor(link)
     cache = ProxySessionCache(SessionSpec((0, 1), 2, 16), link, handle=7)
     hidden, reply = torch.randn(2, 1, H).to(dtype), torch.randn(2, 1, H).to(dtype)
-    data = hidden.view(torch.uint8).numpy().tobytes()
+    data = memoryview(bytearray(hidden.view(torch.uint8).numpy().tobytes()))
     inputs = StepInputs(hidden, 3, None, None, "lora", True)
     sent, output = await _sent_and_answered(link, writer, executor.step(cache, inputs), reply)
-    raw = RawStep(3, dtype, (2, 1, H), data)
-    sent_raw, output_raw = await _sent_and_answered(link, writer, executor.step_raw(cache, raw, "lora", True), reply)
-    assert sent_raw == sent
-    assert torch.equal(output, reply) and torch.equal(output_raw.tensor(), reply)
-    assert (output_raw.dtype, output_raw.shape) == (dtype, (2, 1, H))
+    as_bytes = StepInputs(None, 3, None, None, "lora", True, hidden_bytes=data, hidden_meta=(dtype, (2, 1, H)))
+    sent_bytes, output_bytes = await _sent_and_answered(link, writer, executor.step(cache, as_bytes), reply)
+    assert sent_bytes == sent
+    assert torch.equal(output, reply) and torch.equal(output_bytes, reply)
 
 
 class _DoublingExecutor:
-    """A `SpanExecutor` and `RawStepper` that doubles the hidden states; counts the raw steps."""
+    """A `SpanExecutor` that doubles the hidden states; counts the steps that came as bytes."""
 
     path = PATH_PLAIN
     max_size_bytes = bytes_left = 1 << 30
     bytes_waiting = 0
 
     def __init__(self) -> None:
-        self.raw_steps = 0
+        self.byte_steps = 0
 
     def session_bytes(self, spec: SessionSpec) -> int:
         return 0
@@ -288,13 +277,8 @@ class _DoublingExecutor:
         yield SessionCache(spec)
 
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        self.byte_steps += inputs.hidden_states is None
         return inputs.tensor() * 2
-
-    async def step_raw(self, cache: SessionCache, step: RawStep, adapter: str, lone_session: bool) -> RawOutput:
-        self.raw_steps += 1
-        hidden = torch.frombuffer(bytearray(step.data), dtype=step.dtype).view(step.shape)
-        doubled = (hidden * 2).view(torch.uint8).numpy().tobytes()
-        return RawOutput(step.dtype, step.shape, memoryview(doubled))
 
 
 def _requests(dtype: torch.dtype) -> list[runtime_pb2.ExpertRequest]:
@@ -320,14 +304,13 @@ class _Context:
     remote_id = None
 
 
-async def _serve(dtype: torch.dtype, *, raw: bool) -> tuple[list[bytes], BaseException | None, int]:
+async def _serve(dtype: torch.dtype) -> tuple[list[bytes], BaseException | None, int]:
     executor = _DoublingExecutor()
     handler = TransformerConnectionHandler(
         limits=_limits(dtype),
         executor=executor,  # type: ignore[arg-type]  # only what a session's steps use
         timeouts=SessionTimeouts(5, 30, 5),
         metrics=ServerMetrics(),
-        raw_steps=executor if raw else None,
     )
 
     async def stream() -> AsyncIterator[runtime_pb2.ExpertRequest]:
@@ -339,33 +322,34 @@ async def _serve(dtype: torch.dtype, *, raw: bool) -> tuple[list[bytes], BaseExc
         async for response in handler.rpc_inference(stream(), _Context()):
             replies.append(response.SerializeToString())
     except Exception as e:
-        return replies, e, executor.raw_steps
-    return replies, None, executor.raw_steps
+        return replies, e, executor.byte_steps
+    return replies, None, executor.byte_steps
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-async def test_a_session_answers_the_same_bytes_and_refusals_through_raw_steps(dtype) -> None:
-    general, general_error, _ = await _serve(dtype, raw=False)
-    raw, raw_error, raw_steps = await _serve(dtype, raw=True)
-    assert raw_steps == 3  # the prefill and two decode steps; the poisoned step went the general way and was refused
-    assert len(general) == 3 and raw == general
-    assert type(raw_error) is type(general_error) is bf.BadRequest and str(raw_error) == str(general_error)
+async def test_a_session_answers_its_steps_and_refuses_a_poisoned_one_with_the_general_error(dtype) -> None:
+    replies, error, byte_steps = await _serve(dtype)
+    assert byte_steps == 3  # the prefill and two decode steps; the poisoned step went the general way and was refused
+    expected = []
+    for request in _requests(dtype)[:3]:
+        hidden = bf.deserialize_request(request.tensors)[0]
+        expected.append(runtime_pb2.ExpertResponse(tensors=[serialize_tensor(hidden * 2)]).SerializeToString())
+    assert replies == expected
+    assert type(error) is bf.BadRequest and str(error) == "hidden_states contains NaN or infinite values"
 
 
 def test_known_empty_records_answer_by_comparison_and_forgeries_still_take_the_full_check(monkeypatch) -> None:
-    from corolla.server import raw_steps
-
-    monkeypatch.setattr(raw_steps, "_known_empty", [])
+    monkeypatch.setattr(bf, "_known_empty", [])
     empty = serialize_tensor(torch.empty(0))
-    assert raw_steps._plain_empty(empty) and len(raw_steps._known_empty) == 1
-    assert raw_steps._plain_empty(runtime_pb2.Tensor.FromString(empty.SerializeToString()))
-    assert len(raw_steps._known_empty) == 1  # an equal record: answered by the comparison, nothing added
+    assert bf._plain_empty(empty) and len(bf._known_empty) == 1
+    assert bf._plain_empty(runtime_pb2.Tensor.FromString(empty.SerializeToString()))
+    assert len(bf._known_empty) == 1  # an equal record: answered by the comparison, nothing added
     unknown_field = runtime_pb2.Tensor.FromString(empty.SerializeToString() + bytes([0x78, 0x01]))
     forged = [serialize_tensor(torch.zeros(1)), runtime_pb2.Tensor(dtype="float32", size=[0], buffer=b"\x00" * 4)]
     forged.append(runtime_pb2.Tensor(dtype="float32", size=[0], compression=runtime_pb2.CompressionType.FLOAT16))
     for record in forged:
-        assert not raw_steps._plain_empty(record)  # unequal to the known one: the full check refuses it
-    assert raw_steps._plain_empty(unknown_field)  # unequal, so fully checked (still empty: an unknown field)
-    for _ in range(2 * raw_steps.MAX_KNOWN_EMPTY):
-        raw_steps._plain_empty(runtime_pb2.Tensor(dtype="float32", size=[0, len(raw_steps._known_empty)]))
-    assert len(raw_steps._known_empty) == raw_steps.MAX_KNOWN_EMPTY  # bounded
+        assert not bf._plain_empty(record)  # unequal to the known one: the full check refuses it
+    assert bf._plain_empty(unknown_field)  # unequal, so fully checked (still empty: an unknown field)
+    for _ in range(2 * bf.MAX_KNOWN_EMPTY):
+        bf._plain_empty(runtime_pb2.Tensor(dtype="float32", size=[0, len(bf._known_empty)]))
+    assert len(bf._known_empty) == bf.MAX_KNOWN_EMPTY  # bounded
