@@ -9,6 +9,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from corolla.protocol.records import ServerState
 from corolla.sim.clock import Event, EventLoop
 from corolla.sim.metrics import Metrics
 from corolla.sim.server_model import SimServer
@@ -179,11 +180,16 @@ class ClientDriver:
                 chain = self.route_fn(session)
             except MissingBlocksError:
                 return False
+            gone = next((peer for peer, start, end in chain if not self._serves(peer, start, end)), None)
+            if gone is not None:  # the client's view is older than the server's departure or move: the call fails
+                self.metrics.refusals += 1
+                session.banned.add(gone)
+                continue
             hops = [(self.view.servers[peer], start, end) for peer, start, end in chain]
             refusing = next((server for server, _, _ in hops if server.kv_free_tokens < need), None)
             if refusing is None:
                 break
-            self.metrics.refusals += 1
+            self.metrics.refusals += 1  # out of cache
             session.banned.add(refusing.peer_id)
         else:
             return False
@@ -198,6 +204,10 @@ class ClientDriver:
         session.route, session.net_s, session.kv_on_route = hops, net, 0
         session.attempts, session.wait_start_s = 0, None
         return True
+
+    def _serves(self, peer: str, start: int, end: int) -> bool:
+        server = self.view.servers.get(peer)
+        return server is not None and server.state == ServerState.ONLINE and server.start <= start and end <= server.end
 
     def _backoff(self, session: SimSession, retry: Callable[[], None]) -> None:
         now = self.loop.now_s

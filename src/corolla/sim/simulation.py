@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from corolla.protocol.records import ServerState
+from corolla.protocol.records import RemoteSpanInfo, ServerState
 from corolla.sim.bound import ServerKind, best_known_placement, placement_max_flow
 from corolla.sim.catalogue import GPUS, LLAMA2_70B, ModelSpec, ServerPerf
 from corolla.sim.churn import ChurnConfig
@@ -22,6 +22,7 @@ from corolla.sim.server_model import SimServer
 from corolla.sim.view import SwarmView
 from corolla.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
 from corolla.swarm.policies import make_policy
+from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -50,6 +51,7 @@ class SimConfig:
     model: ModelSpec = LLAMA2_70B
     dtype: str = "nf4"
     announce_period_s: float = 60.0  # Petals server's update_period
+    client_update_period_s: float = 60.0  # ClientConfig.update_period_s: how often clients re-read the records
     balance_check_mean_s: float = 120.0  # Petals' mean_balance_check_period (interval U(0, 2x))
     leave_detect_s: float = 0.5
     crash_detect_s: float = 30.0  # a vanished peer is noticed by a step timeout (assumption)
@@ -210,13 +212,25 @@ class Simulation:
         step = MAX_LENGTH_STEP_TOKENS
         return min(math.ceil(session.conversation.total_tokens / step) * step, self.config.workload.max_context_tokens)
 
+    def _client_refresh(self) -> None:
+        self.view.refresh_client_view()
+        self.loop.after(self.config.client_update_period_s, self._client_refresh)
+
     def _route(self, session: SimSession) -> list[tuple[str, int, int]]:
+        """The policy's chain on the clients' view without the servers this session saw fail; if that view misses a
+        block, the client re-reads the records at once (as the real client does) and tries again."""
+        try:
+            return self._route_on(session, self.view.client_spans(), self.view.client_version)
+        except MissingBlocksError:
+            self.view.refresh_client_view()
+            return self._route_on(session, self.view.client_spans(), self.view.client_version)
+
+    def _route_on(self, session: SimSession, spans: list[RemoteSpanInfo], version: int) -> list[tuple[str, int, int]]:
         region, need = session.conversation.region, self._max_length(session)
-        key = (self.view.version, region, need)
+        key = (version, region, need)
         memo = self.policy.name in DETERMINISTIC_ROUTING and not session.banned
         if memo and key in self._route_memo:
             return self._route_memo[key]
-        spans = self.view.routing_spans()
         if session.banned:
             spans = [s for s in spans if s.peer_id not in session.banned]
         self.metrics.route_calls += 1
@@ -275,6 +289,7 @@ class Simulation:
             self._spawn(join_window * i / c.servers, initial=True)
         self.loop.at(0.0, self._arrival_process)
         self.loop.at(c.announce_period_s, self._announce_tick)
+        self.loop.at(0.0, self._client_refresh)
         self.loop.at(c.warmup_s, self._snapshot)
         w = c.workload
         if w.concurrent_clients is not None:

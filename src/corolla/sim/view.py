@@ -1,6 +1,7 @@
 """What peers see of the swarm: every server's last announced record as `RemoteSpanInfo`s (JOINING and ONLINE for
-placement, ONLINE for routing), a version that changes whenever a record does, block coverage, and each client
-region's RTTs to servers (clients of one region share them)."""
+placement, ONLINE for routing), a version that changes whenever a record does, block coverage, each client
+region's RTTs to servers (clients of one region share them), and the clients' view: ONLINE spans as of the last
+refresh (clients re-read the DHT every `update_period_s`, or at once when a block is missing from their view)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ class SwarmView:
         self._cache_version = -1
         self._placement: list[RemoteSpanInfo] = []
         self._routing: list[RemoteSpanInfo] = []
+        self.client_version = 0
+        self._client_spans: list[RemoteSpanInfo] = []
+
+    def refresh_client_view(self) -> None:
+        self._client_spans = self.routing_spans()
+        self.client_version += 1
+
+    def client_spans(self) -> list[RemoteSpanInfo]:
+        return self._client_spans
 
     def announce(self, server: SimServer) -> None:
         """Publishes `server`'s current record (or withdraws it once it has left or gone OFFLINE)."""
