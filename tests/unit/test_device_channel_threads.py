@@ -1,5 +1,5 @@
-"""The device channel's step path without the event loop (`device_channel`, `channel_io`, `Runtime.submit_callback`):
-callback tasks report each result then flush once per merged batch, a refused step fails only its caller, a channel
+"""The device channel's step path without the event loop (`device_channel`, `channel_io`, `Runtime.queue` of callback
+tasks): callback tasks report each result then flush once per merged batch, a refused step fails only its caller, a channel
 whose handler process dies ends its sessions (their cache comes back), and no reader thread outlives the channel."""
 
 from __future__ import annotations
@@ -49,12 +49,20 @@ def test_callback_tasks_report_each_result_then_flush_once_per_batch() -> None:
 
     with Runtime(max_batch_size_tokens=64) as runtime:
         runtime.register_batch_executor("k", merged)
-        for i in range(4):  # queued without a wake: one merged batch
-            runtime.submit_callback(
-                lambda: None, on_done=lambda r, e: events.append(("done", e if e is not None else r)), flush=flush,
-                priority=1.0, size_tokens=1, kind="k", merge_key="m", payload=i, notify=False,
+        tasks = [
+            runtime.task(
+                lambda: None,
+                on_done=lambda r, e: events.append(("done", e if e is not None else r)),
+                flush=flush,
+                priority=1.0,
+                size_tokens=1,
+                kind="k",
+                merge_key="m",
+                payload=i,
             )  # fmt: skip
-        runtime.wake()
+            for i in range(4)
+        ]
+        runtime.queue(tasks)  # queued under one lock with one wake: one merged batch
         assert done.wait(10)
     results = [value for name, value in events if name == "done"]
     assert [r for r in results if not isinstance(r, BaseException)] == [0, 10, 30]
@@ -66,15 +74,13 @@ def test_callback_tasks_report_each_result_then_flush_once_per_batch() -> None:
 def test_a_stopped_runtime_fails_queued_callback_tasks_and_refuses_new_ones() -> None:
     errors: list[BaseException | None] = []
     runtime = Runtime(max_batch_size_tokens=64)  # never started: tasks stay queued
-    runtime.submit_callback(lambda: 1, on_done=lambda r, e: errors.append(e), priority=1.0, size_tokens=1)
+    runtime.queue(runtime.task(lambda: 1, on_done=lambda r, e: errors.append(e), priority=1.0, size_tokens=1))
     runtime.stop()
     assert len(errors) == 1 and isinstance(errors[0], RuntimeStopped)
     with pytest.raises(RuntimeStopped):
-        runtime.submit_callback(lambda: 1, on_done=lambda r, e: None, priority=1.0, size_tokens=1)
+        runtime.queue(runtime.task(lambda: 1, on_done=lambda r, e: None, priority=1.0, size_tokens=1))
     with pytest.raises(ValueError, match="max_batch_size"):
-        Runtime(max_batch_size_tokens=4).submit_callback(
-            lambda: 1, on_done=lambda r, e: None, priority=1.0, size_tokens=5
-        )
+        Runtime(max_batch_size_tokens=4).task(lambda: 1, on_done=lambda r, e: None, priority=1.0, size_tokens=5)
 
 
 def test_frame_socket_refuses_an_oversized_frame_before_reading_it() -> None:

@@ -168,7 +168,7 @@ async def test_a_session_closed_while_its_step_waits_fails_that_step_only(backen
     async with _setup(backend, n) as (real, intake, channel, caches):
         await _prefilled(real, caches)
         release = threading.Event()
-        real.runtime.submit_callback(release.wait, on_done=lambda r, e: None, priority=0.0, size_tokens=1)
+        real.runtime.queue(real.runtime.task(release.wait, on_done=lambda r, e: None, priority=0.0, size_tokens=1))
         for i in range(n):
             channel.caches[i + 1] = caches[i]
         rows = [torch.randn(1, 1, H) for _ in range(n)]
@@ -224,7 +224,7 @@ def test_runtime_counters_and_the_gather_count_steps_not_tasks() -> None:
         observed: list[int] = []
         runtime.add_batch_observer(lambda kind, num_steps, s: observed.append(num_steps))
         tasks = [
-            runtime.callback_task(
+            runtime.task(
                 lambda: None,
                 on_done=lambda r, e: got.append(r),
                 flush=done.set,
@@ -238,7 +238,7 @@ def test_runtime_counters_and_the_gather_count_steps_not_tasks() -> None:
             for size in (5, 3)
         ]
         pushed = runtime._queue.num_pushed
-        runtime.submit_callbacks(tasks)
+        runtime.queue(tasks)
         assert done.wait(10)
         assert runtime._queue.num_pushed - pushed == 8
     assert sorted(got) == [3, 5] and observed == [8]

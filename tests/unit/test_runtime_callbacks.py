@@ -30,7 +30,7 @@ class _Channel:
 
 def _tasks(runtime: Runtime, channel: _Channel, steps: range, size_tokens: int = 1) -> list[Task]:
     return [
-        runtime.callback_task(
+        runtime.task(
             lambda: None,
             on_done=lambda r, e, i=i: channel.done(i, r, e),
             flush=channel.flush,
@@ -55,9 +55,9 @@ def test_a_frames_steps_run_in_one_batch_with_one_flush_per_channel() -> None:
     with Runtime(max_batch_size_tokens=64) as runtime:
         runtime.register_batch_executor("decode", executor)
         gate = threading.Event()
-        runtime.submit_callback(gate.wait, on_done=lambda r, e: None, priority=0, size_tokens=1)  # holds the thread
-        runtime.submit_callbacks(_tasks(runtime, channels[0], range(0, 4)))
-        runtime.submit_callbacks(_tasks(runtime, channels[1], range(4, 6)))
+        runtime.queue(runtime.task(gate.wait, on_done=lambda r, e: None, priority=0, size_tokens=1))  # holds the thread
+        runtime.queue(_tasks(runtime, channels[0], range(0, 4)))
+        runtime.queue(_tasks(runtime, channels[1], range(4, 6)))
         gate.set()
         assert all(c.flushed.wait(5) for c in channels)
     assert batches == [[0, 1, 2, 3, 4, 5]]
@@ -79,9 +79,9 @@ def test_a_kinds_merge_limit_bounds_each_batch_and_the_first_task_always_runs() 
         with pytest.raises(ValueError, match="max_merged_tokens"):
             runtime.register_batch_executor("other", executor, max_merged_tokens=0)
         gate = threading.Event()
-        runtime.submit_callback(gate.wait, on_done=lambda r, e: None, priority=0, size_tokens=1)
-        runtime.submit_callbacks(_tasks(runtime, channel, range(0, 1), size_tokens=5))  # a prefill past the limit
-        runtime.submit_callbacks(_tasks(runtime, channel, range(1, 6)))
+        runtime.queue(runtime.task(gate.wait, on_done=lambda r, e: None, priority=0, size_tokens=1))
+        runtime.queue(_tasks(runtime, channel, range(0, 1), size_tokens=5))  # a prefill past the limit
+        runtime.queue(_tasks(runtime, channel, range(1, 6)))
         gate.set()
         for _ in range(50):
             if len(channel.results) == 6:
@@ -96,9 +96,9 @@ def test_a_stopped_runtime_refuses_a_frames_steps_as_a_whole() -> None:
     with runtime:
         tasks = _tasks(runtime, channel, range(3))
     with pytest.raises(RuntimeStopped):
-        runtime.submit_callbacks(tasks)
+        runtime.queue(tasks)
     with pytest.raises(RuntimeStopped):
-        runtime.callback_task(
+        runtime.task(
             lambda: None, on_done=lambda r, e: None, flush=None, priority=1, size_tokens=1, kind="decode",
             merge_key=None, payload=None,
         )  # fmt: skip

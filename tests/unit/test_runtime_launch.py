@@ -74,11 +74,11 @@ class _Bench:
             if last:
                 self.done.set()
 
-        return self.runtime.callback_task(lambda: None, on_done=on_done, flush=None, priority=1, size_tokens=1,
+        return self.runtime.task(lambda: None, on_done=on_done, flush=None, priority=1, size_tokens=1,
                                           kind="decode", merge_key="span", payload=name)  # fmt: skip
 
     def submit(self, *names: str, last: bool = False) -> None:
-        self.runtime.submit_callbacks([self.task(n, last and i == len(names) - 1) for i, n in enumerate(names)])
+        self.runtime.queue([self.task(n, last and i == len(names) - 1) for i, n in enumerate(names)])
 
 
 def _runtime() -> Runtime:
@@ -163,10 +163,10 @@ def test_no_inline_step_overtakes_a_launched_batch() -> None:
         inline_done = threading.Event()
 
         def submit_inline() -> None:  # from a1's completion, while b1's batch is in flight and the queue empty
-            runtime.submit_callback(
+            runtime.queue(runtime.task(
                 lambda: None, on_done=lambda r, e: inline_done.set(), priority=1, size_tokens=1, kind="decode",
-                merge_key="span", payload="c1", inline=True,
-            )  # fmt: skip
+                merge_key="span", payload="c1",
+            ), inline=True)  # fmt: skip
 
         bench.on_launch["a1"] = lambda: bench.submit("b1", last=True)
         original = bench.task

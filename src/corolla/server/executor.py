@@ -209,5 +209,5 @@ class DeviceExecutor(SpanExecutor, Protocol):
 
     def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> PreparedStep:
         """What `step` does before it queues the step (cache ownership, adapter binding; the same typed refusals,
-        raised here), synchronously: a device channel's reader thread queues it with `Runtime.submit_callback`."""
+        raised here), synchronously: a device channel's intake thread queues it with `Runtime.queue`."""
         ...

@@ -144,11 +144,7 @@ class FrameIntake:
                 entry = _Entry(step.request_id, step.handle, ticket, shape[0] * shape[1], prepared.observe,
                                request if isinstance(request, StepRequest) else None)  # fmt: skip
                 if prepared.inline:  # a lone session: may run right here on an idle runtime
-                    runtime.submit_callback(
-                        prepared.fn, on_done=partial(self._step_done, entry, queued_at), flush=self._flush,
-                        priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
-                        merge_key=prepared.merge_key, payload=prepared.payload, inline=True, notify=True,
-                    )  # fmt: skip
+                    runtime.queue(self._task(entry, prepared, queued_at), inline=True)
                 else:
                     tasks.append(self._task(entry, prepared, queued_at))
             except Exception as e:
@@ -160,7 +156,7 @@ class FrameIntake:
                 refused.extend((rid, e, None) for rid in frame.request_ids)
         if tasks:
             try:
-                runtime.submit_callbacks(tasks)  # one lock and one wake for the frame
+                runtime.queue(tasks)  # one lock and one wake for the frame
             except Exception as e:  # the runtime stopped: every step of the frame is refused
                 for task in tasks:
                     assert task.on_done is not None
@@ -193,7 +189,7 @@ class FrameIntake:
 
     def _task(self, entry: _Entry, prepared: PreparedStep, queued_at: float) -> Task:
         """One runtime task for one step: its own payload and callback."""
-        return self.executor.runtime.callback_task(
+        return self.executor.runtime.task(
             prepared.fn, on_done=partial(self._step_done, entry, queued_at), flush=self._flush,
             priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
             merge_key=prepared.merge_key, payload=prepared.payload,
@@ -211,7 +207,7 @@ class FrameIntake:
         part = frame if start == 0 and end == len(frame.request_ids) else frame.part(start, end)
         group = StepGroup(part.requests)
         self.num_frame_tasks += 1
-        return self.executor.runtime.callback_task(
+        return self.executor.runtime.task(
             group.run, on_done=partial(self._frame_done, part, queued_at), flush=self._flush,
             priority=first.priority, size_tokens=tokens, kind=first.kind, merge_key=first.merge_key, payload=group,
             steps=end - start,

@@ -177,7 +177,73 @@ class Runtime:
         else:
             self._inline_kinds.discard(kind)
 
-    # ---- submission (event loop side)
+    # ---- submission: `task` builds a task, `queue` is the one way in (`submit`: both, for an event loop's caller)
+
+    def task(
+        self,
+        fn: Callable[[], Any],
+        *,
+        priority: float,
+        size_tokens: int,
+        kind: str = KIND_GENERIC,
+        merge_key: Hashable | None = None,
+        payload: Any = None,
+        on_done: Callable[[Any, BaseException | None], None] | None = None,
+        flush: Callable[[], None] | None = None,
+        steps: int = 1,
+    ) -> Task:
+        """A task for `queue`, not queued yet. Without `on_done` its result is `task.future`, resolved in the calling
+        (running) asyncio loop; with `on_done` it is a callback task, built in any thread: `on_done(result, error)`
+        runs in the thread that runs it (the device thread, or the queuing one when it runs inline), then `flush()`
+        once per batch (several tasks sharing one flush get one call after all their `on_done`s). `steps`: the
+        sessions' steps it carries (`Task.steps`). Raises ValueError if `size_tokens` exceeds
+        `max_batch_size_tokens`, RuntimeStopped if the runtime is stopped."""
+        if size_tokens > self.max_batch_size_tokens:
+            raise ValueError(
+                f"Task of {size_tokens} tokens (batch x length) exceeds the server's max_batch_size "
+                f"of {self.max_batch_size_tokens} tokens; send smaller batches or shorter chunks"
+            )
+        if size_tokens < 0:
+            raise ValueError(f"size_tokens must be >= 0, got {size_tokens}")
+        if self._stopped:
+            raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks")
+        loop = future = None
+        if on_done is None:
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+        return Task(
+            fn=fn, priority=float(priority), size_tokens=size_tokens, future=future, loop=loop, kind=kind,
+            merge_key=merge_key, payload=payload, on_done=on_done, flush=flush, steps=steps,
+        )  # fmt: skip
+
+    def queue(self, tasks: Task | list[Task], *, inline: bool = False) -> None:
+        """THE way into the runtime: queues one task or several (under one hold of the queue's lock) for the device
+        thread. With `inline` (one task of a kind registered `inline_when_idle`, with a `merge_key` and at most
+        `INLINE_MAX_TOKENS` tokens), an idle runtime runs it right here instead. The device thread wakes once per
+        loop iteration for tasks with a future, at once for callback tasks. RuntimeStopped (none queued) if the
+        runtime stopped."""
+        if (
+            inline
+            and isinstance(tasks, Task)
+            and tasks.kind in self._inline_kinds
+            and tasks.merge_key is not None
+            and tasks.size_tokens <= INLINE_MAX_TOKENS
+            and self._run_inline(tasks)
+        ):
+            return
+        try:
+            if isinstance(tasks, list):
+                self._queue.push_many(tasks)
+            elif tasks.loop is None:
+                self._queue.push(tasks)
+            else:
+                loop = tasks.loop
+                self._queue.push(tasks, notify=False)
+                if loop not in self._wake_scheduled:  # one wake-up of the device thread per loop iteration
+                    self._wake_scheduled.add(loop)
+                    loop.call_soon(self._wake, loop)
+        except RuntimeError as e:
+            raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks") from e
 
     def submit(
         self,
@@ -190,108 +256,14 @@ class Runtime:
         payload: Any = None,
         inline: bool = False,
     ) -> asyncio.Future:
-        """Queues `fn()` for the device thread; returns a future of its result in the calling asyncio loop.
-        With `inline` (and a kind registered `inline_when_idle`), an idle runtime runs the task right here instead
-        and returns a resolved future. Raises ValueError if `size_tokens` exceeds `max_batch_size_tokens`,
-        RuntimeError if the runtime is stopped."""
-        if size_tokens > self.max_batch_size_tokens:
-            raise ValueError(
-                f"Task of {size_tokens} tokens (batch x length) exceeds the server's max_batch_size "
-                f"of {self.max_batch_size_tokens} tokens; send smaller batches or shorter chunks"
-            )
-        if size_tokens < 0:
-            raise ValueError(f"size_tokens must be >= 0, got {size_tokens}")
-        if self._stopped:
-            raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        task = Task(
-            fn=fn,
-            priority=float(priority),
-            size_tokens=size_tokens,
-            future=future,
-            loop=loop,
-            kind=kind,
-            merge_key=merge_key,
-            payload=payload,
+        """`queue(task(fn, ...), inline=inline)` for a caller in a running asyncio loop: the future of `fn()`'s
+        result (already resolved where it ran inline)."""
+        task = self.task(
+            fn, priority=priority, size_tokens=size_tokens, kind=kind, merge_key=merge_key, payload=payload
         )
-        inline = inline and kind in self._inline_kinds and merge_key is not None and size_tokens <= INLINE_MAX_TOKENS
-        if inline and self._run_inline(task):
-            return future
-        self._queue.push(task, notify=False)
-        if loop not in self._wake_scheduled:  # one wake-up of the device thread per loop iteration, not per task
-            self._wake_scheduled.add(loop)
-            loop.call_soon(self._wake, loop)
-        return future
-
-    def submit_callback(
-        self,
-        fn: Callable[[], Any],
-        *,
-        on_done: Callable[[Any, BaseException | None], None],
-        flush: Callable[[], None] | None = None,
-        priority: float,
-        size_tokens: int,
-        kind: str = KIND_GENERIC,
-        merge_key: Hashable | None = None,
-        payload: Any = None,
-        inline: bool = False,
-        notify: bool = True,
-    ) -> None:
-        """Queues `fn()` from any thread, without an event loop: `on_done(result, error)` runs in the thread that
-        runs the task (the device thread, or this one when it runs inline), then `flush()` once per batch (several
-        tasks sharing one flush get one call after all their `on_done`s). `notify=False` leaves waking the device
-        thread to a later `wake()` (a reader thread queues a frame's steps, then wakes it once). Same refusals as
-        `submit`, raised here."""
-        task = self.callback_task(
-            fn, on_done=on_done, flush=flush, priority=priority, size_tokens=size_tokens, kind=kind,
-            merge_key=merge_key, payload=payload,
-        )  # fmt: skip
-        inline = inline and kind in self._inline_kinds and merge_key is not None and size_tokens <= INLINE_MAX_TOKENS
-        if inline and self._run_inline(task):
-            return
-        self._queue.push(task, notify=notify)
-
-    def callback_task(
-        self,
-        fn: Callable[[], Any],
-        *,
-        on_done: Callable[[Any, BaseException | None], None],
-        flush: Callable[[], None] | None,
-        priority: float,
-        size_tokens: int,
-        kind: str,
-        merge_key: Hashable | None,
-        payload: Any,
-        steps: int = 1,
-    ) -> Task:
-        """A callback task as `submit_callback` makes it, not queued yet (`submit_callbacks` queues several at
-        once; `steps`: the sessions' steps it carries, `Task.steps`); the same refusals, raised here."""
-        if size_tokens > self.max_batch_size_tokens:
-            raise ValueError(
-                f"Task of {size_tokens} tokens (batch x length) exceeds the server's max_batch_size "
-                f"of {self.max_batch_size_tokens} tokens; send smaller batches or shorter chunks"
-            )
-        if size_tokens < 0:
-            raise ValueError(f"size_tokens must be >= 0, got {size_tokens}")
-        if self._stopped:
-            raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks")
-        return Task(
-            fn=fn, priority=float(priority), size_tokens=size_tokens, future=None, loop=None, kind=kind,
-            merge_key=merge_key, payload=payload, on_done=on_done, flush=flush, steps=steps,
-        )  # fmt: skip
-
-    def submit_callbacks(self, tasks: list[Task]) -> None:
-        """Queues callback tasks (from `callback_task`) in one hold of the queue's lock and wakes the device thread
-        once; RuntimeStopped (none queued) if the runtime stopped meanwhile."""
-        try:
-            self._queue.push_many(tasks)
-        except RuntimeError as e:
-            raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks") from e
-
-    def wake(self) -> None:
-        """Wakes the device thread for tasks queued with `notify=False`."""
-        self._queue.wake()
+        self.queue(task, inline=inline)
+        assert task.future is not None
+        return task.future
 
     def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
         self._wake_scheduled.discard(loop)
