@@ -199,34 +199,43 @@ def test_programmatic_launch_reads_the_producers_output(kind, kernel, config) ->
 
 
 def _run(kernel: str, config, x, weight, res):
-    from corolla.engine import quant_gemv, quant_kernels, quant_tile
+    from corolla.engine import quant_gemv, quant_kernels, quant_mma
 
-    fn = {"gemv": quant_gemv.quant_gemv, "block": quant_kernels.quant_matmul, "tile": quant_tile.nf4_tile_matmul}
+    fn = {"gemv": quant_gemv.quant_gemv, "block": quant_kernels.quant_matmul, "mma": quant_mma.nf4_mma_matmul}
     return fn[kernel](x, weight, res, config)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
-    from corolla.engine import quant_gemv, quant_kernels, quant_tile
+    from corolla.engine import quant_gemv, quant_kernels, quant_mma
     from corolla.engine.ops import DecodeOps
 
     weights = [_weight(kind, 256, 1024, seed=20 + i) for i in range(2)]
     ops = DecodeOps(DEV, 64, use_triton=True)
     report = ops.tune_quantized({(kind, 256, 1024): weights}, reps=3)
     entry = report[(kind, 256, 1024)]
-    small, gemm = entry["best"], entry["gemm_best"]
-    assert small in [("gemv", c) for c in _configs(kind)] + [("block", c) for c in quant_kernels.QUANT_CONFIGS]
-    assert gemm in [("block", c) for c in quant_kernels.QUANT_CONFIGS] + [
-        ("tile", c) for c in quant_tile.NF4_TILE_CONFIGS if kind == "nf4"
-    ]
-    assert len(entry["all_us"]) == len(_configs(kind)) + len(quant_kernels.QUANT_CONFIGS)  # every candidate ran
+    small, gemm, mid = entry["best"], entry["gemm_best"], entry["mid_best"]
+    # NF4: the CUDA-core GEMV for one row, the matrix-unit kernel's 16-row tiles up to MMA_MID_MAX_ROWS rows and its
+    # 64-row tiles above; INT8: the GEMV or tl.dot block kernel up to GEMV_MAX_ROWS rows, the block kernel above
+    mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS]
+    blocks = [] if kind == "nf4" else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
+    assert small in [("gemv", c) for c in _configs(kind)] + blocks
+    assert gemm in (blocks or [c for c in mma if c[1][1] > quant_mma.MMA_MID_MAX_ROWS])
+    assert mid is None if kind == "int8" else mid in [c for c in mma if c[1][1] <= quant_mma.MMA_MID_MAX_ROWS]
+    assert len(entry["all_us"]) == len(_configs(kind)) + len(blocks)  # every candidate ran
     assert entry["best_us"] > 0 and entry["gemm_best_us"] > 0
     assert ops.quant_small[(kind, 256, 1024)] == small and ops.quant_gemm[(kind, 256, 1024)] == gemm
-    for m in (1, quant_gemv.GEMV_MAX_ROWS, quant_gemv.GEMV_MAX_ROWS + 1, 40):
+    for m in (1, 2, quant_gemv.GEMV_MAX_ROWS, quant_gemv.GEMV_MAX_ROWS + 1, quant_mma.MMA_MID_MAX_ROWS + 1, 40):
         x = torch.randn(m, 1024, device=DEV, dtype=BF16)
         res = torch.randn(m, 256, device=DEV, dtype=BF16)
         got = ops.linear(x, weights[1], None, residual=res)
-        want = _run(*(small if m <= quant_gemv.GEMV_MAX_ROWS else gemm), x, weights[1], res)
+        if m == 1 or mid is None and m <= quant_gemv.GEMV_MAX_ROWS:
+            choice = small
+        elif mid is not None and m <= quant_mma.MMA_MID_MAX_ROWS:
+            choice = mid
+        else:
+            choice = gemm
+        want = _run(*choice, x, weights[1], res)
         assert torch.equal(got, want), (kind, m)
         expected = x.float() @ weights[1].dequantize().float().t() + res.float()
         assert float((got.float() - expected).norm() / expected.norm()) < 1.5e-2

@@ -1,5 +1,5 @@
 """The NF4 register-lookup kernels (engine/quant_prmt_kernels.py: inline-PTX `prmt` decode) on a real GPU, beyond
-the config sweeps of test_quant_gemv.py / test_quant_tile.py (which run every register-lookup config against the
+the config sweeps of test_quant_gemv.py / test_quant_mma.py (which run every register-lookup config against the
 reference with poisoned outputs and check batch invariance): one-hot inputs read single weight columns back, so
 every decoded value is checked against the reference dequantizer (fp16-rounded level times the block absmax), for
 the NF4 table and for a random 16-level table (the table words are kernel arguments, not constants); misaligned
@@ -44,7 +44,7 @@ def _fp16_level_reference(weight) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("random_table", [False, True])
 def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
-    from corolla.engine import quant_gemv, quant_prmt_kernels, quant_tile
+    from corolla.engine import quant_gemv, quant_prmt_kernels
 
     n, k = 136, 1216  # 19 blocks per row, a partial row tile
     weight = _weight(n, k, seed=3 + int(random_table), dtype=dtype, random_table=random_table)
@@ -52,13 +52,11 @@ def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
     eye = torch.eye(k, device=DEV, dtype=dtype)
     tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # one rounding to the output dtype (+ fma vs mul-add)
     gemv_cfgs = [c for c in quant_gemv.NF4_GEMV_CONFIGS if c[4] == 2]
-    tile_cfgs = [c for c in quant_tile.NF4_TILE_CONFIGS if c[4] == 1]
     for start in range(0, k, 8 * 17):  # columns from every block position, first and last included
         cols = [min(start + j * 17, k - 1) for j in range(quant_gemv.GEMV_MAX_ROWS)]
         x = eye[cols].contiguous()  # [8, K] one-hot rows
         want = ref[:, cols].t()  # [8, N]
         outs = [quant_gemv.quant_gemv(x, weight, None, c) for c in gemv_cfgs]
-        outs += [quant_tile.nf4_tile_matmul(x, weight, None, c) for c in tile_cfgs]
         outs.append(quant_prmt_kernels.nf4_prmt_gemv(x, weight, None, 128, 3, 4))  # a split count not in the configs
         for out in outs:
             rows = out.shape[0]
@@ -80,8 +78,6 @@ def test_misaligned_words_are_refused() -> None:
         quant_prmt_kernels.nf4_prmt_gemv(x, bad, None, 128, 1, 4)
     with pytest.raises(ValueError, match="16-bit"):
         quant_prmt_kernels.nf4_prmt_gemv(x.float(), w, None, 128, 1, 4)
-    with pytest.raises(ValueError, match="tile config"):
-        quant_prmt_kernels.nf4_prmt_tile_matmul(x, w, None, 64, 96, 1, 4, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

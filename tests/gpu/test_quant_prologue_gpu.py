@@ -42,7 +42,7 @@ def _case(name: str, rows: int, seed: int, kind: str = "int8"):
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_fused_prologue_against_the_separate_kernel_eager_and_in_a_graph(name: str, kind: str) -> None:
-    from corolla.engine import ops, triton_kernels
+    from corolla.engine import quant_choices, triton_kernels
     from corolla.engine.quant_splits import PROLOGUES
 
     for rows in (1, 3, 8):
@@ -50,9 +50,9 @@ def test_fused_prologue_against_the_separate_kernel_eager_and_in_a_graph(name: s
         pre = triton_kernels.silu_mul(x) if prologue == "silu" else triton_kernels.rms_norm(x, gain, EPS)
         scale = pre.float().abs() @ weight.dequantize().float().abs().T  # [M, N] sum_k |x_k w_k|
         for choice in CHOICES[kind]:
-            fused_fn = ops._quant_kernel(*choice, PROLOGUES[prologue])
+            fused_fn = quant_choices.quant_kernel(*choice, PROLOGUES[prologue])
             fused = fused_fn(x, weight, res, gain, EPS)
-            unfused = ops._quant_kernel(*choice)(pre, weight, res)
+            unfused = quant_choices.quant_kernel(*choice)(pre, weight, res)
             if prologue == "silu":
                 assert torch.equal(fused, unfused), (name, rows, choice)
             else:  # the separate norm rounds x twice to bf16, the fused one not at all
@@ -76,10 +76,12 @@ def test_fused_prologue_against_the_separate_kernel_eager_and_in_a_graph(name: s
 
 def test_tuner_choice_is_served_by_decode_ops() -> None:
     from corolla.engine import ops as ops_module
+    from corolla.engine import quant_choices
+    from corolla.engine.quant import quant_key
 
     weight, x, gain, res, _ = _case("w_qkv", 1, seed=3)
     ops = ops_module.DecodeOps(DEV, 128, use_triton=True)
-    key = ops_module._quant_key(weight)
+    key = quant_key(weight)
     report = ops.tune_quantized({key: [weight, weight]}, reps=3, prologues={key: ("rmsnorm",)})
     r = report[key]["prologues"]["rmsnorm"]
     assert r["unfused_us"] > 0 and len(r["all_us"]) == 3
@@ -87,8 +89,8 @@ def test_tuner_choice_is_served_by_decode_ops() -> None:
     assert chosen == r["fused"]
     out = ops.linear(x, weight, None, residual=res, prologue="rmsnorm", norm_weight=gain, eps=EPS)
     if chosen is not None:
-        assert torch.equal(out, ops_module._quant_kernel(*chosen, 1)(x, weight, res, gain, EPS))
+        assert torch.equal(out, quant_choices.quant_kernel(*chosen, 1)(x, weight, res, gain, EPS))
         assert min(float(us) for us in r["all_us"].values()) < r["unfused_us"]
     else:
         normed = ops.rms_norm(x, gain, EPS)
-        assert torch.equal(out, ops_module._quant_kernel(*ops.quant_small[key])(normed, weight, res))
+        assert torch.equal(out, quant_choices.quant_kernel(*ops.quant_small[key])(normed, weight, res))

@@ -79,3 +79,23 @@ def test_ptx_is_the_program() -> None:
     for operand in range(8, 17):
         assert f"${operand}" in ptx
     assert quant_prmt.DECODE_CONSTRAINTS.count("=r") == 8 and quant_prmt.DECODE_CONSTRAINTS.count(",r") == 9
+
+
+@pytest.mark.parametrize("table", ["nf4", "random"])
+def test_fp16_program_gives_every_level_in_element_order(table: str) -> None:
+    # the matrix-unit kernel's decode (quant_mma): the same lookups, fp16x2 words in element order, no conversions
+    code = torch.tensor(NF4_LEVELS) if table == "nf4" else torch.sort(torch.randn(16) * 3).values
+    words = quant_prmt.lut_words(code)
+    levels = code.to(torch.float16).float().tolist()
+    rng = random.Random(11)
+    for word in [0x00000000, 0xFFFFFFFF, 0x78877887, 0x8F7F08F0] + [rng.getrandbits(32) for _ in range(1500)]:
+        got = quant_prmt.emulate_decode16(word, words)
+        assert [torch.tensor(v).half().view(torch.int16).item() for v in got] == [
+            torch.tensor(v).half().view(torch.int16).item() for v in _expected(word, levels)
+        ], hex(word)
+    ptx = quant_prmt.decode16_ptx()
+    ops = [op for op, _, _ in quant_prmt.DECODE16_PROGRAM]
+    assert ptx.count("prmt.b32") == ops.count("prmt") == 16 and "cvt" not in ptx  # 21 instructions, no conversion
+    assert len(ops) == 21 and quant_prmt.DECODE16_CONSTRAINTS.count("=h") == 8
+    for operand in range(17):  # every fp16 output written, the word and every table word read
+        assert f"${operand}" in ptx

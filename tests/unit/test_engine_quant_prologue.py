@@ -22,9 +22,9 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from corolla.engine import ops as ops_module  # noqa: E402
-from corolla.engine import quant_kernels  # noqa: E402
+from corolla.engine import quant_choices, quant_kernels  # noqa: E402
 from corolla.engine import triton_kernels as tk  # noqa: E402
-from corolla.engine.quant import Int8Weight, quantize_int8, quantize_nf4  # noqa: E402
+from corolla.engine.quant import Int8Weight, quant_key, quantize_int8, quantize_nf4  # noqa: E402
 from corolla.engine.quant_splits import PROLOGUES  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -47,7 +47,7 @@ def _inputs(dtype: torch.dtype, rows: int, seed: int, width: int = K):
 
 
 def _run(choice, x, weight, res, prologue: str = "none", gain=None):
-    return ops_module._quant_kernel(*choice, PROLOGUES[prologue])(x, weight, res, gain, EPS)
+    return quant_choices.quant_kernel(*choice, PROLOGUES[prologue])(x, weight, res, gain, EPS)
 
 
 def _norm(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
@@ -125,11 +125,11 @@ def test_prologue_refusals() -> None:
         quant_kernels.quant_matmul(x, nf4, None, BLOCK[0][1], PROLOGUES["rmsnorm"], gain, EPS)
     with pytest.raises(ValueError, match="runs no prologue"):  # NF4's table GEMVs have none
         quant_gemv.quant_gemv(x, nf4, None, quant_gemv.NF4_GEMV_CONFIGS[0], PROLOGUES["rmsnorm"], gain, EPS)
-    assert not ops_module._fusable(("nf4", 64, K), ("gemv", quant_gemv.NF4_GEMV_CONFIGS[0]))
-    assert ops_module._fusable(("nf4", 64, K), ("gemv", quant_gemv.DEFAULT_NF4_CONFIG))  # register lookup
-    assert not ops_module._fusable(("nf4", 64, K), BLOCK[0])
-    assert not ops_module._fusable(("int8", N, K), ("gemv", quant_gemv.INT8_GEMV_CONFIGS[-1]))
-    assert ops_module._fusable(("int8", N, K), BLOCK[0]) and ops_module._fusable(("int8", N, K), GEMV[0])
+    assert not quant_choices.fusable(("nf4", 64, K), ("gemv", quant_gemv.NF4_GEMV_CONFIGS[0]))
+    assert quant_choices.fusable(("nf4", 64, K), ("gemv", quant_gemv.DEFAULT_NF4_CONFIG))  # register lookup
+    assert not quant_choices.fusable(("nf4", 64, K), BLOCK[0])
+    assert not quant_choices.fusable(("int8", N, K), ("gemv", quant_gemv.INT8_GEMV_CONFIGS[-1]))
+    assert quant_choices.fusable(("int8", N, K), BLOCK[0]) and quant_choices.fusable(("int8", N, K), GEMV[0])
 
 
 def _triton_ops() -> ops_module.DecodeOps:
@@ -144,7 +144,7 @@ def test_decode_ops_runs_the_fused_choice_without_the_norm_kernel(prologue: str,
     weight, x, gain, res = _inputs(torch.bfloat16, 3, seed=7, width=width)
     ops = _triton_ops()
     monkeypatch.setattr(ops, "rms_norm", lambda x, w, eps: _norm(x, w))
-    key = ops_module._quant_key(weight)
+    key = quant_key(weight)
     ops.quant_small[key] = GEMV[0]
     unfused = ops.linear(x, weight, None, residual=res, prologue=prologue, norm_weight=gain, eps=EPS)
     pre = tk.silu_mul(x) if prologue == "silu" else _norm(x, gain)
@@ -171,18 +171,18 @@ def test_decode_ops_runs_the_fused_choice_without_the_norm_kernel(prologue: str,
 def test_the_tuner_keeps_the_faster_of_pair_and_fused(fused_ms: float, monkeypatch) -> None:
     weight, *_ = _inputs(torch.bfloat16, 1, seed=9)
     ops = _triton_ops()
-    key = ops_module._quant_key(weight)
+    key = quant_key(weight)
     timings = {GEMV[0]: 1.0, ("gemv", quant_gemv.INT8_GEMV_CONFIGS[-1]): 0.9, BLOCK[1]: 1.2, GEMV[2]: 1.1}
-    monkeypatch.setattr(ops_module, "_graph_median_ms", lambda fn, reps: 1.0)  # the pair
+    monkeypatch.setattr(quant_choices, "graph_median_ms", lambda fn, reps: 1.0)  # the pair
     timed: list = []
 
     def fake_time(configs, call, items, reps):
         timed.extend(configs)
         return {c: fused_ms + 0.1 * i for i, c in enumerate(configs)}
 
-    monkeypatch.setattr(ops_module, "_time_configs", fake_time)
+    monkeypatch.setattr(quant_choices, "time_configs", fake_time)
     ops.quant_fused[(*key, "rmsnorm")] = BLOCK[2]  # a stale choice is replaced
-    report = ops._tune_prologue(key, [weight], "rmsnorm", GEMV[0], timings, 3)
+    report = quant_choices.tune_prologue(ops, key, [weight], "rmsnorm", GEMV[0], timings, 3)
     assert timed == [GEMV[0], GEMV[2], BLOCK[1]]  # the three fastest that fuse (the word GEMV does not)
     expected = GEMV[0] if fused_ms < 1.0 else None
     assert ops.quant_fused.get((*key, "rmsnorm")) == expected and report["fused"] == expected

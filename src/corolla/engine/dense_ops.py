@@ -10,7 +10,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.ops import _graph_median_ms, triton_usable
+from corolla.engine.graph_timing import graph_median_ms
+from corolla.engine.ops import triton_usable
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
@@ -109,12 +110,12 @@ class DenseOps:
             raise ValueError("tune_gelu times CUDA weights")
         w0 = items[0][0]
         x = torch.randn(1, w0.shape[1], device=w0.device, dtype=w0.dtype)
-        separate = _graph_median_ms(lambda: [F.gelu(F.linear(x, w, b), approximate="tanh") for w, b in items], reps)
+        separate = graph_median_ms(lambda: [F.gelu(F.linear(x, w, b), approximate="tanh") for w, b in items], reps)
         per_call = 1000 / len(items)
         report = {"best": "separate", "best_us": separate * per_call, "separate_us": separate * per_call}
         try:
             other_rows = self.rows_without_tanh_gelu(w0, probe_rows)
-            fused = _graph_median_ms(lambda: [self.up_gelu(x, w, b) for w, b in items], reps)
+            fused = graph_median_ms(lambda: [self.up_gelu(x, w, b) for w, b in items], reps)
         except RuntimeError as e:  # an epilogue this cuBLAS cannot run or capture: keep the separate kernels
             logger.warning(f"dense_ops.gelu_epilogue_unavailable(error={str(e)[:200]})")
             return report

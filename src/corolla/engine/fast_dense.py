@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from corolla.engine.dense_ops import DenseOps
 from corolla.engine.fast_llama import Weight, _projection_weight
 from corolla.engine.kv_pool import KVLayout, KVPool, SequenceSlot
-from corolla.engine.ops import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi, DecodeOps, _quant_key
-from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias
+from corolla.engine.ops import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi, DecodeOps
+from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quant_key
 from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.attention import Attention
 from corolla.models.bloom.block import BloomBlock
@@ -177,7 +177,7 @@ class FastDenseSpan(ChunkedPrefill):
                 (layer.w_down, layer.b_down),
             ):
                 if isinstance(w, NF4Weight | Int8Weight):
-                    quantized.setdefault(_quant_key(w), []).append(w)
+                    quantized.setdefault(quant_key(w), []).append(w)
                 elif bias is None:
                     slots.setdefault((w.shape[0], w.shape[1], "none", False), []).append((w, None))
             if isinstance(layer.w_up, torch.Tensor) and layer.b_up is not None:

@@ -20,8 +20,8 @@ from corolla.engine.cpu_linear import CpuLinearConfig, SlotKey
 from corolla.engine.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.moe import RoutedMoE, tune_experts
-from corolla.engine.ops import DecodeOps, _quant_key
-from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quantized_weight_of
+from corolla.engine.ops import DecodeOps
+from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
 from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.layers import SparseMoE
 from corolla.models.lora import LoraLinear
@@ -126,7 +126,7 @@ class FastLlamaSpan(ChunkedPrefill):
         for layer in self.layers:
             for w in layer.projections():
                 if isinstance(w, NF4Weight | Int8Weight):
-                    quantized.setdefault(_quant_key(w), []).append(w)
+                    quantized.setdefault(quant_key(w), []).append(w)
             for w, bias, prologue, norm_w, has_res in (
                 (layer.w_qkv, layer.b_qkv, "rmsnorm", layer.ln1, False),
                 (layer.w_o, layer.b_o, "none", None, True),
@@ -134,7 +134,7 @@ class FastLlamaSpan(ChunkedPrefill):
                 (layer.w_down, layer.b_down, "silu", None, True),
             ):
                 if isinstance(w, NF4Weight | Int8Weight) and prologue != "none":
-                    prologues.setdefault(_quant_key(w), set()).add(prologue)
+                    prologues.setdefault(quant_key(w), set()).add(prologue)
                 if bias is None and isinstance(w, torch.Tensor):
                     slots.setdefault((w.shape[0], w.shape[1], prologue, has_res), []).append((w, norm_w))
         for layer, stacks in zip(self.layers, self.adapters.layers if self.adapters is not None else (), strict=False):

@@ -190,7 +190,7 @@ class FastMlaSpan(ChunkedPrefill):
         if not moes or not self.ops.use_triton or not kernel_usable(self.device):
             return {}
         from corolla.engine import moe_kernels
-        from corolla.engine.ops import _graph_median_ms
+        from corolla.engine.graph_timing import graph_median_ms
 
         timings: dict[int, dict[tuple[int, int, int, int], float]] = {}
         for n in rows:
@@ -199,7 +199,7 @@ class FastMlaSpan(ChunkedPrefill):
             timings[n] = {}
             for config in moe_kernels.EXPERT_CONFIGS:
                 try:
-                    ms = _graph_median_ms(
+                    ms = graph_median_ms(
                         lambda c=config, x=x, routes=routes: [
                             experts_forward(x, ids, w, m.experts, config=c)
                             for m, (w, ids) in zip(moes, routes, strict=True)

@@ -327,7 +327,7 @@ def tune_experts(layers: Sequence[RoutedMoE], *, rows: Sequence[int] = (1, 8), r
     {config: us}}}; {} without CUDA + Triton."""
     if not layers or not kernel_usable(layers[0].experts.device):
         return {}
-    from corolla.engine.ops import _graph_median_ms
+    from corolla.engine.graph_timing import graph_median_ms
 
     first = layers[0]
     per_call = 1000 / len(layers)
@@ -337,7 +337,7 @@ def tune_experts(layers: Sequence[RoutedMoE], *, rows: Sequence[int] = (1, 8), r
         timings[n] = {}
         for config in expert_configs(first.experts):
             try:
-                ms = _graph_median_ms(lambda c=config, x=x: [moe.forward(x, config=c) for moe in layers], reps)
+                ms = graph_median_ms(lambda c=config, x=x: [moe.forward(x, config=c) for moe in layers], reps)
             except Exception as e:  # a config that does not compile or fit is skipped
                 logger.info(f"moe.tune_experts.skip(config={config}, rows={n}, error={type(e).__name__})")
                 continue

@@ -10,12 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine import cpu_linear
+from corolla.engine.graph_timing import graph_median_ms
 from corolla.engine.qk_norm import qk_norm_ref, qk_norm_triton
-from corolla.engine.quant import Int8Weight, NF4Weight
+from corolla.engine.quant import Int8Weight, NF4Weight, quant_key
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
-    from corolla.engine import quant_gemv, quant_kernels, quant_tile, triton_kernels
+    from corolla.engine import quant_choices, quant_gemv, quant_kernels, triton_kernels
+    from corolla.engine.quant_choices import quant_kernel
     from corolla.engine.quant_splits import PROLOGUES
 
     TRITON_IMPORTED = True
@@ -151,67 +153,6 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- dispatch
 
 
-def _graph_median_ms(fn, reps: int) -> float:
-    """Median device milliseconds of `fn` captured once as a CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up: compiles kernels, creates library handles
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
-def _time_configs(configs, call, items: list, reps: int) -> dict:
-    """{config: median ms of `call(config, w)` over every weight in `items`, one CUDA graph}; configs that do not
-    compile or fit on this device are left out (logged)."""
-    timings = {}
-    for config in configs:
-        try:
-            timings[config] = _graph_median_ms(lambda c=config: [call(c, w) for w in items], reps)
-        except Exception as e:  # a config that does not compile or fit is skipped
-            logger.warning(f"ops.tune_skipped(config={config}, error={type(e).__name__}: {str(e)[:200]})")
-    return timings
-
-
-def _quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0):
-    """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
-    (quant_splits.PROLOGUES; see _fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "block"
-    (quant_kernels.quant_matmul) or "tile" (quant_tile.nf4_tile_matmul, NF4)."""
-    if kernel == "gemv":
-        return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
-    if kernel == "tile" and not prologue:
-        return lambda x, w, res, nw=None, eps=0.0: quant_tile.nf4_tile_matmul(x, w, res, config)
-    if kernel == "block":
-        return lambda x, w, res, nw=None, eps=0.0: quant_kernels.quant_matmul(x, w, res, config, prologue, nw, eps)
-    raise ValueError(f"unknown quantized kernel {kernel!r} (prologue {prologue})")
-
-
-def _fusable(key: tuple[str, int, int], choice: tuple[str, tuple[int, int, int, int, int]]) -> bool:
-    """Whether the small-row kernel `choice` for shape `key` runs a norm/SiLU prologue (INT8: the block kernel and
-    the byte GEMV; NF4: the register-lookup GEMV)."""
-    int8 = key[0] == "int8"
-    return int8 and choice[0] == "block" or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
-
-
-def _quant_key(weight: NF4Weight | Int8Weight) -> tuple[str, int, int]:
-    n, k = weight.shape
-    return ("nf4" if isinstance(weight, NF4Weight) else "int8", n, k)
-
-
 class DecodeOps:
     """Picks Triton kernels or reference versions once, for a device and head size."""
 
@@ -222,10 +163,12 @@ class DecodeOps:
         # (N, K, prologue, has_residual) -> Triton skinny-GEMM config for single-row inputs (absent: the prologue as
         # its own kernel, then cuBLAS); filled by tune_linear
         self.single_row_gemm: dict[tuple[int, int, str, bool], tuple[int, int, int, int]] = {}
-        # (kind, N, K) -> (kernel, config) of _quant_kernel for decode steps of up to GEMV_MAX_ROWS rows
-        # (quant_small: "gemv" or "block") and for larger merged steps (quant_gemm: "block" or "tile"); filled by
-        # tune_quantized
+        # (kind, N, K) -> (kernel, config) of quant_choices.quant_kernel for decode steps of up to GEMV_MAX_ROWS rows
+        # (quant_small: "gemv" or "block"; NF4: one row only where quant_mid has the shape), of 2 to
+        # quant_choices.MID_MAX_ROWS rows (quant_mid: NF4's "mma" with 16-row tiles) and for larger merged steps
+        # (quant_gemm: "block" or "mma"); filled by tune_quantized
         self.quant_small: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
+        self.quant_mid: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
         self.quant_gemm: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
         # (kind, N, K, prologue) -> the quant_small kernel that runs the prologue itself, where the tuner timed it
         # faster than the norm/SiLU kernel + quant_small's choice (absent: that pair)
@@ -266,10 +209,18 @@ class DecodeOps:
             )
         return triton_kernels.skinny_gemm(x, weight, residual, config, prologue=code, norm_weight=norm_weight, eps=eps)
 
+    def _quant_choice(self, key, rows: int) -> tuple[str, tuple[int, int, int, int, int]] | None:
+        """The tuned (kernel, config) serving `rows` rows of shape `key` where quant_mid has it (NF4: 2 to
+        MID_MAX_ROWS rows), else None (quant_small / quant_gemm by GEMV_MAX_ROWS)."""
+        if 2 <= rows <= quant_choices.MID_MAX_ROWS:
+            return self.quant_mid.get(key)
+        return None
+
     def _quantized(self, x, weight, bias, residual, prologue, norm_weight, eps):
-        key, rows = _quant_key(weight), x.shape[0]
-        fused = None  # the tuner's fused kernel for this prologue (decode rows only), if it beat the pair
-        if self.use_triton and prologue != "none" and rows <= quant_gemv.GEMV_MAX_ROWS:
+        key, rows = quant_key(weight), x.shape[0]
+        mid = self._quant_choice(key, rows) if self.use_triton else None
+        fused = None  # the tuner's fused kernel for this prologue (quant_small's rows only), if it beat the pair
+        if self.use_triton and prologue != "none" and rows <= quant_gemv.GEMV_MAX_ROWS and mid is None:
             fused = self.quant_fused.get((*key, prologue))
         if fused is None and prologue == "rmsnorm":
             x = self.rms_norm(x, norm_weight, eps)
@@ -278,14 +229,16 @@ class DecodeOps:
         if self.use_triton and rows <= quant_kernels.QUANT_KERNEL_MAX_ROWS:
             res = None if bias is not None else residual
             if fused is not None:
-                out = _quant_kernel(*fused, PROLOGUES[prologue])(x.contiguous(), weight, res, norm_weight, eps)
+                out = quant_kernel(*fused, PROLOGUES[prologue])(x.contiguous(), weight, res, norm_weight, eps)
+            elif mid is not None:
+                out = quant_kernel(*mid)(x.contiguous(), weight, res)
             else:
                 if rows <= quant_gemv.GEMV_MAX_ROWS:
                     default = quant_gemv.DEFAULT_NF4_CONFIG if key[0] == "nf4" else quant_gemv.DEFAULT_INT8_CONFIG
                     kernel, config = self.quant_small.get(key, ("gemv", default))
                 else:
                     kernel, config = self.quant_gemm.get(key, ("block", quant_kernels.DEFAULT_CONFIG))
-                out = _quant_kernel(kernel, config)(x.contiguous(), weight, res)
+                out = quant_kernel(kernel, config)(x.contiguous(), weight, res)
             if bias is None:
                 return out
             out = out + bias
@@ -298,77 +251,15 @@ class DecodeOps:
         )  # [N, K]
         return self._unfused(x, dense, bias, residual, "none", None, eps)
 
-    def _tune_prologue(self, key, items: list, prologue: str, best, timings: dict, reps: int) -> dict:
-        """Times the `prologue` kernel (RMSNorm / SiLU gating) + `best` against the three fastest small-row kernels
-        of `timings` that run the prologue themselves, each as a CUDA graph over all layers; the faster serves
-        decode rows with that prologue (quant_fused). {} where no candidate fuses (NF4 table GEMVs, tl.dot)."""
-        candidates = sorted((c for c in timings if _fusable(key, c)), key=timings.__getitem__)[:3]
-        if not candidates:
-            return {}
-        k, code = key[2], PROLOGUES[prologue]
-        x = torch.randn(1, 2 * k if prologue == "silu" else k, device=items[0].device, dtype=items[0].dtype)
-        nw = torch.ones(k, device=x.device, dtype=x.dtype)  # the gain's values do not change the time
-        pre = (lambda: self.silu_mul(x)) if prologue == "silu" else (lambda: self.rms_norm(x, nw, 1e-6))
-        unfused = _graph_median_ms(lambda: [_quant_kernel(*best)(pre(), w, None) for w in items], reps)
-        fused = _time_configs(
-            candidates, lambda c, w: _quant_kernel(c[0], c[1], code)(x, w, None, nw, 1e-6), items, reps
-        )
-        choice = min(fused, key=fused.__getitem__) if fused else None
-        self.quant_fused.pop((*key, prologue), None)
-        if choice is not None and fused[choice] < unfused:
-            self.quant_fused[(*key, prologue)] = choice
-        per_call = 1000 / len(items)
-        return {"unfused_us": unfused * per_call, "fused": self.quant_fused.get((*key, prologue)),
-                "all_us": {str(c): t * per_call for c, t in fused.items()}}  # fmt: skip
-
     @torch.inference_mode()
     def tune_quantized(
         self, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None
     ) -> dict:
-        """For each quantized shape (kind, N, K) -> [weight per layer], times every dequantize-GEMV and "block"
-        tl.dot config on a single-row input (the fastest serves steps of up to GEMV_MAX_ROWS rows) and every
-        "block" and "tile" tl.dot config on a `QUANT_KERNEL_MAX_ROWS`-row input (the fastest serves larger merged
-        steps), each as a CUDA graph over all layers' weights; then, per prologue (`prologues`: shape -> the names
-        its projections take, none for a shape missing there; None: both "rmsnorm" and "silu"), the norm/SiLU kernel + that best against the fused kernels
-        (`_tune_prologue`). One (kernel, config) per row range and prologue keeps rows batch-invariant within it.
-        Returns {shape: {"best", "best_us", "all_us", "gemm_best", "gemm_best_us", "gemm_all_us", "prologues"}},
-        microseconds per layer call."""
+        """Times the quantized kernels of each shape (kind, N, K) -> [weight per layer] and keeps the fastest per
+        row range and prologue (quant_choices.tune_quantized); {} without Triton."""
         if not self.use_triton:
             return {}
-        report = {}
-        for key, items in weights.items():
-            k = key[2]
-            gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
-            if items[0].dtype == torch.float32:  # the pair table holds 16-bit levels
-                gemv_configs = tuple(c for c in gemv_configs if c[4] == 0)
-            one = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
-            many = torch.randn(quant_kernels.QUANT_KERNEL_MAX_ROWS, k, device=one.device, dtype=one.dtype)
-            block_configs = [("block", c) for c in quant_kernels.QUANT_CONFIGS]
-            small_configs = [("gemv", c) for c in gemv_configs] + block_configs
-            gemv = _time_configs(small_configs, lambda c, w, x=one: _quant_kernel(*c)(x, w, None), items, reps)
-            gemm_configs = block_configs + (
-                [("tile", c) for c in quant_tile.NF4_TILE_CONFIGS] if key[0] == "nf4" else []
-            )
-            gemm = _time_configs(gemm_configs, lambda c, w, x=many: _quant_kernel(*c)(x, w, None), items, reps)
-            if not gemv or not gemm:
-                raise RuntimeError(f"no dequantize-GEMV or -GEMM config runs for {key}")
-            best, gemm_best = min(gemv, key=gemv.__getitem__), min(gemm, key=gemm.__getitem__)
-            self.quant_small[key] = best
-            self.quant_gemm[key] = gemm_best
-            per_call = 1000 / len(items)
-            report[key] = {
-                "best": best,
-                "best_us": gemv[best] * per_call,
-                "all_us": {str(c): t * per_call for c, t in gemv.items()},
-                "gemm_best": gemm_best,
-                "gemm_best_us": gemm[gemm_best] * per_call,
-                "gemm_all_us": {str(c): t * per_call for c, t in gemm.items()},
-                "prologues": {
-                    p: self._tune_prologue(key, items, p, best, gemv, reps)
-                    for p in (("rmsnorm", "silu") if prologues is None else prologues.get(key, ()))
-                },
-            }
-        return report
+        return quant_choices.tune_quantized(self, weights, reps=reps, prologues=prologues)
 
     def qk_norm(self, qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
         if self.use_triton:
@@ -422,7 +313,7 @@ class DecodeOps:
             candidates = (None, ("pad", 8), *triton_kernels.SKINNY_GEMM_CONFIGS, *triton_kernels.SPLITK_CONFIGS)
             for config in candidates:
                 try:
-                    timings[config] = _graph_median_ms(lambda c=config: run(c), reps)
+                    timings[config] = graph_median_ms(lambda c=config: run(c), reps)
                 except Exception:  # a config that does not compile or fit is skipped
                     continue
             best = min(timings, key=timings.__getitem__)

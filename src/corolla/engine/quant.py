@@ -222,6 +222,12 @@ class Int8Weight:
 QuantizedWeight = NF4Weight | Int8Weight
 
 
+def quant_key(weight: QuantizedWeight) -> tuple[str, int, int]:
+    """(kind, N, K) of a quantized weight: the key of its kernel choices (DecodeOps, engine.quant_choices)."""
+    n, k = weight.shape
+    return ("nf4" if isinstance(weight, NF4Weight) else "int8", n, k)
+
+
 def quantized_weight_of(module: nn.Module, dtype: torch.dtype) -> QuantizedWeight | None:
     """The quantized weight of a bitsandbytes linear layer, None for any other module (bitsandbytes is imported
     only when the module comes from it)."""

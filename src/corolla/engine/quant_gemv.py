@@ -22,7 +22,8 @@ rows are: programs take ROWS rows each (1, 2 or 4, by M) and each row has its ow
 fixed order; a split of K is summed in split order by the last program of each output tile to finish (an
 arrival count per tile, `quant_splits`; one launch per projection, not two). DecodeOps serves steps of
 up to `GEMV_MAX_ROWS` rows with one tuned (kernel, config) per weight shape and larger merged steps with another
-(a `tl.dot` kernel): those round differently, so a row's output depends on which of the two row ranges its step
+(a `tl.dot` kernel); NF4 in three ranges: one row here, 2 to 16 and 17 to 64 rows on quant_mma's matrix-unit
+kernel (16- and 64-row tiles). Those round differently, so a row's output depends on which row range its step
 fell in (each within fp32-accumulation error of the reference), never on the other rows' values.
 CUDA-graph safe: static shapes, no host synchronization. Importing fails without Triton."""
 
@@ -322,23 +323,6 @@ def _int8_gemv_kernel(
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
                           ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, ss_ptr, pid_n, tl.num_programs(0),
                           K, eps, ROWS, HAS_RES, True, PRO == 1)  # fmt: skip
-
-
-@triton.jit
-def _split_sum_kernel(ws_ptr, res_ptr, cs_ptr, out_ptr, M, N, stride_rm, stride_om, splits,
-                      HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    # out[m, n] = (sum over s in order of ws[s, m, n]) * col_scale[n] + res[m, n]
-    m = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
-    if HAS_SCALE:
-        acc = acc * tl.load(cs_ptr + offs, mask=mask, other=0.0)
-    if HAS_RES:
-        acc += tl.load(res_ptr + m * stride_rm + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def quant_gemv(

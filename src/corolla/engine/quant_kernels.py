@@ -35,7 +35,7 @@ QUANT_KERNEL_MAX_ROWS = 64  # larger inputs (prefill) dequantize the weight and 
 TILE_M = 16
 
 # (BLOCK_N, BLOCK_K values, SPLIT_K, num_warps, num_stages), timed per weight shape at warm-up on one row (against
-# quant_gemv's kernels, for steps of up to quant_gemv.GEMV_MAX_ROWS rows) and on 64 rows (against quant_tile's,
+# quant_gemv's kernels, for steps of up to quant_gemv.GEMV_MAX_ROWS rows) and on 64 rows (against the NF4 tile kernel's,
 # for larger merged steps) by DecodeOps.tune_quantized. At 64 rows the 64-wide tile won every Llama-3-8B
 # projection on an H100 (benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-1712.json); the narrow ones are
 # kept for one row, where this kernel served INT8 at 1.58x its floor (quant-nvidia-h100-80gb-hbm3-20261126-1416)

@@ -10,6 +10,10 @@ code; the same for the high bytes; two more `prmt`s interleave low and high byte
 registers, instead of 8 table loads with 64-bit addresses and the byte-to-lookup layout change through shared
 memory of the table kernels (benchmarks/results/quant-notes-20261126.md).
 
+`DECODE16_PROGRAM` stops before the conversions: the same lookups, then two permutes per four codes give fp16x2 words
+in element order (element 2j in the low half), the operand of the matrix units (quant_mma): 21 instructions per word
+instead of 37.
+
 `DECODE_PROGRAM` is that instruction sequence as data: `decode_ptx` writes it as the inline PTX of the kernels in
 `quant_prmt_kernels`, and `emulate_decode` runs the same list on CPU integers (the instructions' documented
 semantics), so the CPU tests check the exact sequence the GPU runs. Levels are rounded to fp16 once (relative error
@@ -57,6 +61,17 @@ DECODE_PROGRAM: tuple[tuple[str, str, tuple[str | int, ...]], ...] = (
     ("cvtlo", "o7", ("b",)),
     ("cvthi", "o6", ("b",)),
 )
+# The fp16 variant: the same selectors and lookups; outputs "e0".."e3" are fp16x2 words of elements (0, 1), (2, 3),
+# (4, 5), (6, 7), the even element in the low half (byte k of p / q: low / high byte of nibble k's level, nibbles in
+# the order of elements 1, 0, 3, 2).
+DECODE16_PROGRAM: tuple[tuple[str, str, tuple[str | int, ...]], ...] = (
+    *DECODE_PROGRAM[:11],  # selectors and the lookups of codes 0-3 (p: low bytes, q: high bytes)
+    ("prmt", "e0", ("p", "q", 0x4051)),  # elements 0 (low half), 1
+    ("prmt", "e1", ("p", "q", 0x6273)),  # elements 2, 3
+    *DECODE_PROGRAM[17:23],  # the lookups of codes 4-7
+    ("prmt", "e2", ("p", "q", 0x4051)),
+    ("prmt", "e3", ("p", "q", 0x6273)),
+)
 TABLE_OPERANDS = ("L0", "L1", "L2", "L3", "H0", "H1", "H2", "H3")
 _SCRATCH = ("i", "j", "s", "m", "n", "a", "b", "p", "q")
 MASK32 = 0xFFFFFFFF
@@ -98,6 +113,21 @@ def _f16_to_f32(half_bits: int) -> float:
 def emulate_decode(word: int, table: tuple[int, ...]) -> list[float]:
     """Runs DECODE_PROGRAM on one packed word (0 <= word < 2^32) and the table words: the 8 levels in element
     order (the CPU twin of the inline PTX)."""
+    _, outs = _run(DECODE_PROGRAM, word, table)
+    return [outs[f"o{t}"] for t in range(8)]
+
+
+def emulate_decode16(word: int, table: tuple[int, ...]) -> list[float]:
+    """Runs DECODE16_PROGRAM on one packed word and the table words: the 8 levels in element order, read from the
+    fp16 halves of its 4 output words (the CPU twin of `decode16_ptx`)."""
+    regs, _ = _run(DECODE16_PROGRAM, word, table)
+    return [_f16_to_f32(regs[f"e{t // 2}"] >> (16 * (t % 2))) for t in range(8)]
+
+
+def _run(
+    program: tuple[tuple[str, str, tuple[str | int, ...]], ...], word: int, table: tuple[int, ...]
+) -> tuple[dict[str, int], dict[str, float]]:
+    # the instructions' documented semantics on CPU integers: (registers, converted outputs)
     regs: dict[str, int] = {"w": word & MASK32}
     regs.update({name: value & MASK32 for name, value in zip(TABLE_OPERANDS, table, strict=True)})
     outs: dict[str, float] = {}
@@ -105,7 +135,7 @@ def emulate_decode(word: int, table: tuple[int, ...]) -> list[float]:
     def val(x: str | int) -> int:
         return x if isinstance(x, int) else regs[x]
 
-    for op, dst, src in DECODE_PROGRAM:
+    for op, dst, src in program:
         if op == "and":
             regs[dst] = val(src[0]) & val(src[1])
         elif op == "shr":
@@ -120,7 +150,7 @@ def emulate_decode(word: int, table: tuple[int, ...]) -> list[float]:
             outs[dst] = _f16_to_f32(val(src[0]) >> 16)
         else:
             raise ValueError(f"unknown decode op {op!r}")
-    return [outs[f"o{t}"] for t in range(8)]
+    return regs, outs
 
 
 def decode_ptx() -> str:
@@ -153,3 +183,35 @@ def decode_ptx() -> str:
 
 
 DECODE_CONSTRAINTS = ",".join(["=r"] * 8 + ["r"] * 9)
+
+
+def decode16_ptx() -> str:
+    """DECODE16_PROGRAM as inline PTX for `tl.inline_asm_elementwise`: outputs $0..$7 (the fp16 levels of the
+    word's elements 0..7, 16-bit registers), inputs $8 (the word) and $9..$16 (the table words)."""
+    operand = {"w": "$8"}
+    operand.update({name: f"${9 + i}" for i, name in enumerate(TABLE_OPERANDS)})
+    operand.update({name: f"%{name}" for name in (*_SCRATCH, "e0", "e1", "e2", "e3")})
+
+    def ref(x: str | int) -> str:
+        return f"0x{x:08x}" if isinstance(x, int) else operand[x]
+
+    lines = ["{", ".reg .b32 " + ", ".join(f"%{n}" for n in (*_SCRATCH, "e0", "e1", "e2", "e3")) + ";"]
+    for op, dst, src in DECODE16_PROGRAM:
+        d = operand[dst]
+        if op == "and":
+            lines.append(f"and.b32 {d}, {ref(src[0])}, {ref(src[1])};")
+        elif op == "shr":
+            lines.append(f"shr.u32 {d}, {ref(src[0])}, {int(src[1])};")
+        elif op == "andor":
+            lines.append(f"lop3.b32 {d}, {ref(src[0])}, {ref(src[1])}, {ref(src[2])}, 0xEA;")
+        elif op == "prmt":
+            lines.append(f"prmt.b32 {d}, {ref(src[0])}, {ref(src[1])}, {ref(src[2])};")
+        else:
+            raise ValueError(f"unknown decode op {op!r}")
+    for e in range(4):  # the halves of each word: the even element is the low half
+        lines.append(f"mov.b32 {{${2 * e}, ${2 * e + 1}}}, %e{e};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+DECODE16_CONSTRAINTS = ",".join(["=h"] * 8 + ["r"] * 9)

@@ -1,23 +1,20 @@
-"""Triton NF4 kernels that decode with the register lookup of `quant_prmt` (byte permutes, no table loads): a
-dequantize-GEMV for decode steps of up to `quant_gemv.GEMV_MAX_ROWS` rows and a dequantize-tile GEMM feeding
-`tl.dot` for larger merged steps. Both read bitsandbytes' NF4 layout in place, as 32-bit words (4 bytes, 8 codes;
-the weight's bytes per row are a multiple of 32, so every row starts word-aligned).
+"""The Triton NF4 dequantize-GEMV that decodes with the register lookup of `quant_prmt` (byte permutes, no table
+loads), for one-row decode steps (and up to `quant_gemv.GEMV_MAX_ROWS` rows where no matrix-unit config is tuned:
+`quant_mma` serves NF4 steps of 2 to 64 rows). It reads bitsandbytes' NF4 layout in place, as 32-bit words (4 bytes,
+8 codes; the weight's bytes per row are a multiple of 32, so every row starts word-aligned).
 
-GEMV: each program streams [BLOCK_N, 8] words per step (one 64-value block per row, 16-byte loads), decodes them
-into [BLOCK_N, 8, 8] fp32 levels in element order, multiplies each row of x (read as [8, 8] per block, in the same
+Each program streams [BLOCK_N, 8] words per step (one 64-value block per row, 16-byte loads), decodes them into
+[BLOCK_N, 8, 8] fp32 levels in element order, multiplies each row of x (read as [8, 8] per block, in the same
 order) and keeps per-word partial sums [BLOCK_N, 8] in fp32, scaled by the block's decoded absmax; the words are
 summed once at the end in a fixed order; it may run RMSNorm or SiLU gating on x as it loads it (`quant_splits`
-prologues). Tile: the decoded levels times the block absmax, rounded once to the
-compute dtype (the reference dequantizer's values), as the [BLOCK_N, BLOCK_K] operand of one `tl.dot` per 16-row
-tile of x and step.
+prologues).
 
-Batch invariance (as in quant_gemv / quant_tile): a row's output is computed by the same instructions in the same
-order whatever the other rows are (per-row accumulators; 16-row tiles with the same instruction sequence), and a
-split of K is summed in split order: by the GEMV's last program to finish an output tile (an arrival count per tile
-in `NF4Weight.split_counters()`, reset by that program, `quant_splits`: one launch per projection instead of two), by
-`quant_gemv._split_sum_kernel` after the tile kernel. CUDA-graph safe. The table words are kernel
-arguments (`NF4Weight.lut_words`): any 16-level code table works. Importing fails without Triton; the inline PTX
-runs on NVIDIA GPUs only (not under Triton's CPU interpreter): `quant_prmt.emulate_decode` is its CPU twin."""
+Batch invariance (as in quant_gemv): a row's output is computed by the same instructions in the same order whatever
+the other rows are (per-row accumulators), and a split of K is summed in split order by the last program to finish
+an output tile (an arrival count per tile in `NF4Weight.split_counters()`, reset by that program, `quant_splits`:
+one launch per projection instead of two). CUDA-graph safe. The table words are kernel arguments
+(`NF4Weight.lut_words`): any 16-level code table works. Importing fails without Triton; the inline PTX runs on
+NVIDIA GPUs only (not under Triton's CPU interpreter): `quant_prmt.emulate_decode` is its CPU twin."""
 
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import NF4Weight, counters_for_tiles
-from corolla.engine.quant_gemv import _row_end, _split_sum_kernel, rows_per_program
+from corolla.engine.quant_gemv import _row_end, rows_per_program
 from corolla.engine.quant_prmt import DECODE_CONSTRAINTS, decode_ptx
 from corolla.engine.quant_splits import (
     PROLOGUES,
@@ -166,83 +163,6 @@ def _nf4_prmt_gemv_kernel(
                           K, eps, ROWS, HAS_RES, False, PRO == 1)  # fmt: skip
 
 
-@triton.jit
-def _tile_dot(x_ptr, offs_m, M, stride_xm, offs_k, K, wt, acc):
-    # acc [16, BLOCK_N] += x[offs_m, offs_k] [16, BLOCK_K] @ wt [BLOCK_K, BLOCK_N]
-    x = tl.load(
-        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-        mask=(offs_m < M)[:, None] & (offs_k < K)[None, :],
-        other=0.0,
-    )
-    return tl.dot(x, wt, acc)
-
-
-@triton.jit
-def _tile_store(acc, offs_m, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-                USE_WS: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if USE_WS:
-        tl.store(ws_ptr + (split * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
-    else:
-        if HAS_RES:
-            acc += tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _nf4_prmt_tile_kernel(
-    x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, ws_ptr, res_ptr, out_ptr,
-    M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits,
-    t0, t1, t2, t3, t4, t5, t6, t7,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILES: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr,
-):  # fmt: skip
-    # program (row group x n tile, split): TILES 16-row tiles of x against W[n tile, k-range of the split]
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    num_m = tl.cdiv(M, 16 * TILES)
-    pid_m = pid % num_m  # the row groups of one n tile run next to each other (their weight bytes hit L2)
-    pid_n = pid // num_m
-    C: tl.constexpr = BLOCK_K // 8  # words per row per step
-    dt = x_ptr.dtype.element_ty
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_c = tl.arange(0, C)
-    offs_m0 = pid_m * 16 * TILES + tl.arange(0, 16)
-    kb = K // 64
-    kw = K // 8  # words per row
-    steps = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(steps, splits)
-    acc0 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc1 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    acc3 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
-        cw = step * C + offs_c  # [C] word columns
-        wmask = n_mask[:, None] & (cw < kw)[None, :]
-        words = tl.load(q_ptr + offs_n[:, None] * stride_qn + cw[None, :], mask=wmask, other=0)  # [BLOCK_N, C]
-        # [BLOCK_N, C, 1] absmax block of each word (rows and blocks clamped in bounds; their words are masked)
-        gb = (tl.minimum(offs_n, N - 1)[:, None] * kb + tl.minimum(cw, kw - 1)[None, :] // 8)[:, :, None]
-        scale = _block_scale(aq_ptr + gb, nc_ptr, na_ptr + gb // 256, offset)
-        w = _levels(words, t0, t1, t2, t3, t4, t5, t6, t7) * scale  # [BLOCK_N, C, 8]
-        wt = tl.trans(tl.reshape(w, [BLOCK_N, BLOCK_K]).to(dt))  # [BLOCK_K, BLOCK_N], element order
-        offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
-        acc0 = _tile_dot(x_ptr, offs_m0, M, stride_xm, offs_k, K, wt, acc0)
-        if TILES >= 2:
-            acc1 = _tile_dot(x_ptr, offs_m0 + 16, M, stride_xm, offs_k, K, wt, acc1)
-        if TILES >= 4:
-            acc2 = _tile_dot(x_ptr, offs_m0 + 32, M, stride_xm, offs_k, K, wt, acc2)
-            acc3 = _tile_dot(x_ptr, offs_m0 + 48, M, stride_xm, offs_k, K, wt, acc3)
-    _tile_store(acc0, offs_m0, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES)
-    if TILES >= 2:
-        _tile_store(acc1, offs_m0 + 16, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-                    USE_WS, HAS_RES)  # fmt: skip
-    if TILES >= 4:
-        _tile_store(acc2, offs_m0 + 32, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-                    USE_WS, HAS_RES)  # fmt: skip
-        _tile_store(acc3, offs_m0 + 48, offs_n, M, N, split, ws_ptr, res_ptr, out_ptr, stride_rm, stride_om,
-                    USE_WS, HAS_RES)  # fmt: skip
-
-
 def _words(weight: NF4Weight) -> torch.Tensor:
     # [N, K / 8] int32 view of the packed bytes (rows of K / 2 bytes, a multiple of 32)
     return weight.packed.view(torch.int32)
@@ -294,37 +214,4 @@ def nf4_prmt_gemv(
         *weight.lut_words,
         BLOCK_N=block_n, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None, PRO=prologue, num_warps=warps,
     )  # fmt: skip
-    return out
-
-
-def nf4_prmt_tile_matmul(
-    x: torch.Tensor, weight: NF4Weight, residual: torch.Tensor | None, block_n: int, block_k: int, splits: int,
-    warps: int, tiles: int,
-) -> torch.Tensor:  # fmt: skip
-    """x [M, K] @ W[N, K]^T (+ residual [M, N]) -> [M, N] on the matrix units, `tiles` (1, 2 or 4) 16-row tiles of
-    x per program; ValueError for a bad shape or tiling."""
-    _check(x, weight, residual, "nf4_prmt_tile_matmul")
-    m, k = x.shape
-    n = weight.shape[0]
-    if block_k % 128 or block_n < 16 or splits < 1 or tiles not in (1, 2, 4):
-        raise ValueError(f"bad NF4 register-lookup tile config {(block_n, block_k, splits, warps, tiles)}")
-    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
-    use_ws = splits > 1
-    ws = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if use_ws else out  # [S, M, N]
-    res = residual if residual is not None else out
-    words = _words(weight)
-    grid = (triton.cdiv(m, 16 * tiles) * triton.cdiv(n, block_n), splits)
-    _nf4_prmt_tile_kernel[grid](
-        x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out,
-        m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
-        *weight.lut_words,
-        BLOCK_N=block_n, BLOCK_K=block_k, TILES=tiles, USE_WS=use_ws, HAS_RES=residual is not None and not use_ws,
-        num_warps=warps, num_stages=3,
-    )  # fmt: skip
-    if use_ws:
-        block = 1024
-        _split_sum_kernel[(m, triton.cdiv(n, block))](
-            ws, res, ws, out, m, n, res.stride(0), out.stride(0), splits,
-            HAS_RES=residual is not None, HAS_SCALE=False, BLOCK=block,
-        )  # fmt: skip
     return out

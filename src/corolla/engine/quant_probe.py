@@ -1,0 +1,141 @@
+"""Per-projection GPU timing of the NF4 kernels on Llama-3-8B's projection shapes: `python -m
+corolla.engine.quant_probe --out DIR [--rows 1,8,64]`. For each shape and row count, in one process on one card: the
+floor (NF4 bytes / measured copy bandwidth), cuBLAS on the bf16 weight (same run), every config of the CUDA-core
+register-lookup GEMV (up to 8 rows) and of the matrix-unit kernel (quant_mma), each as a CUDA graph over enough distinct weights to defeat the L2; plus each kernel's error
+against x @ the dequantized weight. Prints a table last and writes it as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from corolla.engine import quant_gemv, quant_mma
+from corolla.engine.quant import quantize_nf4
+
+SHAPES = {"w_qkv": (6144, 4096), "w_o": (4096, 4096), "w_gate_up": (28672, 4096), "w_down": (4096, 14336)}
+L2_FLUSH_BYTES = 240_000_000  # distinct weight bytes per graph: several times an H100/H200 L2 (50-60 MB)
+
+
+def copy_bandwidth_bytes_per_s(device: torch.device, size_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate counting bytes read plus bytes written (median of 10 copies)."""
+    src = torch.randn(size_bytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * size_bytes / (sorted(times)[5] / 1000)
+
+
+def graph_us(fn, calls: int, reps: int = 15) -> float:
+    """Median device microseconds per call of `fn` (which makes `calls` calls), as one replayed CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2] * 1000 / calls
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def candidates(m: int) -> dict[str, list]:
+    """{kernel family: [(label, call(x, w))]} for m rows."""
+    old = []
+    if m <= quant_gemv.GEMV_MAX_ROWS:
+        for c in quant_gemv.NF4_GEMV_CONFIGS:
+            if c[4] == 2:
+                old.append((f"gemv{c}", lambda x, w, c=c: quant_gemv.quant_gemv(x, w, None, c)))
+    new = []
+    for c in quant_mma.NF4_MMA_CONFIGS:
+        if (c[1] == 16) == (m <= 16):
+            new.append((f"mma{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c)))
+    return {"old": old, "new": new}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    bw = copy_bandwidth_bytes_per_s(dev)
+    card = torch.cuda.get_device_name(dev)
+    print(f"device {card}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = [int(r) for r in args.rows.split(",")]
+    results = []
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        dense = [(torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)]
+        nf4 = [quantize_nf4(dense[0])]
+        copies = max(2, math.ceil(L2_FLUSH_BYTES / nf4[0].nbytes()))
+        nf4 += [quantize_nf4((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)) for _ in range(copies - 1)]
+        dense_copies = max(2, math.ceil(L2_FLUSH_BYTES / (2 * n * k)))
+        dense += [(torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16) for _ in range(dense_copies - 1)]
+        ref_w = nf4[0].dequantize().float()  # [N, K] bitsandbytes' dequantized values (bf16-rounded)
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.float() @ ref_w.t()
+            floor_us = nf4[0].nbytes() / bw * 1e6
+            bf16_us = graph_us(lambda x=x, dense=dense: [F.linear(x, d) for d in dense], len(dense))
+            row = {"shape": name, "n": n, "k": k, "rows": m, "floor_us": floor_us, "bf16_us": bf16_us,
+                   "bf16_floor_us": 2 * n * k / bw * 1e6, "kernels": {}}  # fmt: skip
+            for family, cands in candidates(m).items():
+                for label, call in cands:
+                    try:
+                        err = rel_err(call(x, nf4[0]), ref)
+                        us = graph_us(lambda call=call, x=x, nf4=nf4: [call(x, w) for w in nf4], len(nf4))
+                    except Exception as e:  # a config that does not compile or fit: reported, not fatal
+                        print(f"  {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                        continue
+                    row["kernels"][label] = {"family": family, "us": us, "err": err}
+            for family in ("old", "new"):
+                fam = {lab: v for lab, v in row["kernels"].items() if v["family"] == family}
+                if fam:
+                    best = min(fam, key=lambda lab: fam[lab]["us"])
+                    row[f"{family}_best"] = best
+                    row[f"{family}_us"] = fam[best]["us"]
+                    row[f"{family}_err"] = max(v["err"] for v in fam.values())
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "quant_probe.json").write_text(json.dumps({"card": card, "copy_bw": bw, "rows": results}, indent=1))
+    print(f"\n{card}, copy {bw / 1e12:.2f} TB/s; us per call (x floor = NF4 bytes / copy bandwidth)")
+    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'old best':>14} {'new best':>14}  new config, max err")
+    for r in results:
+        f = r["floor_us"]
+        old = f"{r.get('old_us', float('nan')):6.1f} {r.get('old_us', float('nan')) / f:5.2f}x"
+        new = f"{r.get('new_us', float('nan')):6.1f} {r.get('new_us', float('nan')) / f:5.2f}x"
+        print(f"{r['shape']:10} {r['rows']:3} {f:6.1f} {r['bf16_us']:6.1f} {r['bf16_us'] / f:5.2f}x  {old}  {new}  "
+              f"{r.get('new_best')} {r.get('new_err', float('nan')):.1e} old {r.get('old_err', float('nan')):.1e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
