@@ -1,8 +1,9 @@
-"""Per-projection GPU timing of the NF4 kernels on Llama-3-8B's projection shapes: `python -m
-corolla.engine.quant_probe --out DIR [--rows 1,8,64]`. For each shape and row count, in one process on one card: the
-floor (NF4 bytes / measured copy bandwidth), cuBLAS on the bf16 weight (same run), every config of the CUDA-core
-register-lookup GEMV (up to 8 rows) and of the matrix-unit kernel (quant_mma), each as a CUDA graph over enough distinct weights to defeat the L2; plus each kernel's error
-against x @ the dequantized weight. Prints a table last and writes it as JSON."""
+"""Per-projection GPU timing of the NF4 kernels on Llama-3-8B's projection shapes:
+`python -m benchmarks.engine.quant_probe --out DIR [--rows 1,16,64]`. For each shape and row count, in one process
+on one card: the floor (NF4 bytes / measured copy bandwidth), cuBLAS on the bf16 weight (same run), every config of
+the CUDA-core register-lookup GEMV (up to 8 rows) and of the matrix-unit kernel (quant_mma), each as a CUDA graph
+over enough distinct weights to defeat the L2; plus each kernel's error against x @ the dequantized weight. Prints
+a table last and writes it as JSON."""
 
 from __future__ import annotations
 
@@ -14,27 +15,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common.measure import copy_bandwidth_bytes_per_s
 from corolla.engine import quant_gemv, quant_mma
 from corolla.engine.quant import quantize_nf4
 
 SHAPES = {"w_qkv": (6144, 4096), "w_o": (4096, 4096), "w_gate_up": (28672, 4096), "w_down": (4096, 14336)}
 L2_FLUSH_BYTES = 240_000_000  # distinct weight bytes per graph: several times an H100/H200 L2 (50-60 MB)
-
-
-def copy_bandwidth_bytes_per_s(device: torch.device, size_bytes: int = 2 << 30) -> float:
-    """Device-to-device copy rate counting bytes read plus bytes written (median of 10 copies)."""
-    src = torch.randn(size_bytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * size_bytes / (sorted(times)[5] / 1000)
 
 
 def graph_us(fn, calls: int, reps: int = 15) -> float:
