@@ -49,6 +49,7 @@ class Metrics:
     leaves: int = 0
     crashes: int = 0
     route_calls: int = 0
+    calls_s: dict[str, float] = field(default_factory=dict)  # wall seconds in policy calls and the bound, by kind
     flow: list[FlowSample] = field(default_factory=list)
 
     def add_tokens(self, now_s: float, tokens: int, tpot_s: float) -> None:
@@ -93,11 +94,13 @@ class Report:
     flow_efficiency_mean: float
     flow_efficiency: list[dict[str, float]]
     wall_s: float
+    cpu_s: float  # process time: on a loaded shared machine, what an idle core would have taken
+    calls_wall_s: dict[str, float]
     events: int
 
     @classmethod
     def build(cls, metrics: Metrics, *, scenario: str, policy: str, seed: int, servers_start: int,
-              duration_s: float, wall_s: float, events: int) -> Report:  # fmt: skip
+              duration_s: float, wall_s: float, cpu_s: float, events: int) -> Report:  # fmt: skip
         measured = max(duration_s - metrics.measure_from_s, 1e-9)
         ttft = _weighted_percentiles(metrics.ttft_s, [1] * len(metrics.ttft_s))
         samples = [s for s in metrics.flow if s.time_s >= metrics.measure_from_s] or metrics.flow
@@ -140,6 +143,8 @@ class Report:
                 for s in samples
             ],  # fmt: skip
             wall_s=wall_s,
+            cpu_s=cpu_s,
+            calls_wall_s=dict(metrics.calls_s),
             events=events,
         )
 
@@ -162,6 +167,8 @@ class Report:
             "reload_s": round(self.churn["reload_s"], 0),
             "flow_eff": round(self.flow_efficiency_mean, 3),
             "wall_s": round(self.wall_s, 1),
+            "cpu_s": round(self.cpu_s, 1),
+            "calls_wall_s": round(sum(self.calls_wall_s.values()), 1),
         }
 
     def table(self) -> str:

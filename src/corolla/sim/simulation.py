@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from corolla.protocol.records import RemoteSpanInfo, ServerState
 from corolla.sim.bound import ServerKind, best_known_placement, placement_max_flow
@@ -26,6 +27,7 @@ from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+T = TypeVar("T")
 
 DETERMINISTIC_ROUTING = {
     "petals"
@@ -89,6 +91,15 @@ class Simulation:
         max_k = max(1, perf.max_blocks(self.typical_context))
         return ServerKind(name, tuple(perf.capacity_tps(k, self.typical_context) for k in range(1, max_k + 1)))
 
+    def _timed(self, what: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Runs a policy (or bound) call, adding its wall time to `Metrics.calls_s[what]`, to tell the simulator's
+        own cost from the real policies' and the bound's."""
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.metrics.calls_s[what] = self.metrics.calls_s.get(what, 0.0) + time.perf_counter() - started
+
     # --- servers ---
 
     def _spawn(self, at_s: float, *, initial: bool) -> None:
@@ -108,7 +119,8 @@ class Simulation:
     def _join(self, server: SimServer) -> None:
         if server.state is None:
             return
-        span = self.policy.choose_span(server.capacity, self.view.placement_spans(), self.config.model.num_blocks)
+        span = self._timed("span", self.policy.choose_span, server.capacity, self.view.placement_spans(),
+                           self.config.model.num_blocks)  # fmt: skip
         server.start, server.end = span.start, span.stop
         server.state = ServerState.JOINING
         self.view.announce(server)
@@ -131,7 +143,9 @@ class Simulation:
     def _balance_check(self, server: SimServer, moves: int) -> None:
         if server.state != ServerState.ONLINE or server.num_moves != moves:
             return
-        decision = self.policy.choose_move(
+        decision = self._timed(
+            "move",
+            self.policy.choose_move,
             server.capacity,
             self.view.placement_spans(),
             self.config.model.num_blocks,
@@ -146,7 +160,8 @@ class Simulation:
         server.state = ServerState.OFFLINE
         self.view.announce(server)
         self.clients.on_server_lost(server, self.config.leave_detect_s)
-        span = self.policy.choose_span(server.capacity, self.view.placement_spans(), self.config.model.num_blocks)
+        span = self._timed("span", self.policy.choose_span, server.capacity, self.view.placement_spans(),
+                           self.config.model.num_blocks)  # fmt: skip
         server.start, server.end = span.start, span.stop
         server.num_moves += 1
         server.state = ServerState.JOINING
@@ -234,7 +249,9 @@ class Simulation:
         if session.banned:
             spans = [s for s in spans if s.peer_id not in session.banned]
         self.metrics.route_calls += 1
-        route = self.policy.choose_route(
+        route = self._timed(
+            "route",
+            self.policy.choose_route,
             spans,
             0,
             self.config.model.num_blocks,
@@ -263,6 +280,10 @@ class Simulation:
     # --- the bound over time ---
 
     def _snapshot(self) -> None:
+        self._timed("bound", self._sample_flow)
+        self.loop.after(self.config.snapshot_period_s, self._snapshot)
+
+    def _sample_flow(self) -> None:
         online = [s for s in self.view.servers.values() if s.state == ServerState.ONLINE]
         caps = [s.perf.capacity_tps(s.num_blocks, self.typical_context) for s in online]
         flow = placement_max_flow(
@@ -277,13 +298,20 @@ class Simulation:
             time_limit_s=self.config.bound_time_limit_s,
         )
         self.metrics.flow.append(FlowSample(self.loop.now_s, flow, max(best.flow_tps, flow), len(online)))
-        self.loop.after(self.config.snapshot_period_s, self._snapshot)
 
     # --- the run ---
 
-    def run(self) -> Report:
+    def run(self, on_progress: Callable[[float, float], None] | None = None, progress_every_s: float = 300.0) -> Report:
+        """Simulates `duration_s`; `on_progress(simulated_s, cpu_s)` is called every `progress_every_s` simulated."""
         c = self.config
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
+        if on_progress is not None:
+
+            def progress() -> None:
+                on_progress(self.loop.now_s, time.process_time() - cpu_started)
+                self.loop.after(progress_every_s, progress)
+
+            self.loop.at(progress_every_s, progress)
         join_window = c.warmup_s / 4  # servers join, then load (minutes), before clients start
         for i in range(c.servers):
             self._spawn(join_window * i / c.servers, initial=True)
@@ -304,7 +332,7 @@ class Simulation:
             for conversation in arrivals:
                 self.loop.at(conversation.arrival_s, self._start_conversation, None, conversation)
         self.loop.run(c.duration_s)
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         logger.info(f"sim.done(scenario={c.name}, policy={c.policy}, events={self.loop.events_run}, wall_s={wall:.1f})")
         return Report.build(
             self.metrics,
@@ -314,5 +342,6 @@ class Simulation:
             servers_start=c.servers,
             duration_s=c.duration_s,
             wall_s=wall,
+            cpu_s=cpu,
             events=self.loop.events_run,
         )
