@@ -1,5 +1,6 @@
-"""Distributed causal LMs: embeddings, final norm and LM head run locally (loaded alone from the checkpoint);
-every transformer block runs on the swarm through `RemoteSequential`. `generate()` lives in `generation`."""
+"""Distributed models: embeddings, final norm, trainable prompts and the task head (here the causal LM's; sequence
+classification in `sequence_classification`) run locally, loaded alone from the checkpoint; every transformer block
+runs on the swarm through `RemoteSequential`. `generate()` lives in `generation`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.family_head import GEMMA_NORM, GPT_OSS_NORM, cap_logits, family_norm, scale_embeddings
 from corolla.client.generation import GenerationLoop
 from corolla.client.inference_session import InferenceSession
+from corolla.client.prompt_tuning import PromptTuning, TuningConfig
 from corolla.client.remote_sequential import RemoteSequential
 from corolla.client.routing import RemoteSequenceManager
 from corolla.client.speculative_loop import SpeculativeStats
@@ -77,22 +79,30 @@ def _make_norm(kind: str, hidden_size: int, config: Any) -> nn.Module:
     return nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
 
 
-class DistributedModelForCausalLM(nn.Module):
-    """A causal LM whose blocks are served by the swarm. `forward(input_ids)` -> `CausalLMOutput(logits)`;
-    `generate(...)` follows `transformers` argument names; `inference_session(max_length)` keeps state between
-    calls (pass it as `session=` to continue a text)."""
+class DistributedModel(nn.Module):
+    """What every distributed model shares: embeddings (+ Bloom's embeddings norm), the remote blocks, the final norm
+    and, with a `tuning_mode`, the trainable prompts (`prompt_tuning`). As in Petals, the checkpoint's client-side
+    weights are frozen (`requires_grad=False`); the prompts and a task head added by a subclass are trainable, and
+    gradients reach only them: the servers' blocks stay frozen and keep nothing between forward and backward."""
 
-    def __init__(self, config: Any, layout: ClientLayout, manager: RemoteSequenceManager):
+    def __init__(
+        self, config: Any, layout: ClientLayout, manager: RemoteSequenceManager, tuning: TuningConfig | None = None
+    ):
         super().__init__()
         self.config, self.layout, self.manager = config, layout, manager
-        hidden, vocab = config.hidden_size, config.vocab_size
-        self.embeddings = nn.Embedding(vocab, hidden)
+        self.tuning = tuning or TuningConfig()
+        config.tuning_mode, config.pre_seq_len = self.tuning.tuning_mode, self.tuning.pre_seq_len  # as Petals' config
+        hidden = config.hidden_size
+        self.embeddings = nn.Embedding(config.vocab_size, hidden)
         self.embeddings_norm = _make_norm(layout.norm_kind, hidden, config) if layout.embeddings_norm else None
         self.transformer = RemoteSequential(manager)
         self.final_norm = _make_norm(layout.norm_kind, hidden, config)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
-        self.generation_config: Any = None
-        self.speculative_stats: SpeculativeStats | None = None  # the last speculative generate()'s measurements
+        self.requires_grad_(False)  # the checkpoint's weights; what is built after this line trains
+        self.prompt_tuning = (
+            PromptTuning(self.tuning, hidden_size=hidden, num_blocks=len(self.transformer))
+            if self.tuning.enabled
+            else None
+        )
 
     @property
     def device(self) -> torch.device:
@@ -102,19 +112,34 @@ class DistributedModelForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embeddings.weight.dtype
 
-    def load_client_weights(self, reader: CheckpointReader) -> None:
-        """Loads embeddings, norms and LM head only; ties the head to the embeddings when the checkpoint does."""
+    @property
+    def pre_seq_len(self) -> int:
+        return self.tuning.pre_seq_len
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """Like `nn.Module.to`, except that the prompts stay float32 (their updates are small)."""
+        super().to(*args, **kwargs)
+        if self.prompt_tuning is not None:
+            self.prompt_tuning.to(dtype=torch.float32)
+        return self
+
+    def client_modules(self) -> dict[str, nn.Module]:
+        """Checkpoint prefix -> module, for the client-side modules this model loads."""
         modules: dict[str, nn.Module] = {
             self.layout.embeddings: self.embeddings,
             self.layout.final_norm: self.final_norm,
         }
         if self.layout.embeddings_norm and self.embeddings_norm is not None:  # built iff the layout names one
             modules[self.layout.embeddings_norm] = self.embeddings_norm
+        return modules
+
+    def load_client_weights(self, reader: CheckpointReader) -> None:
+        """Loads `client_modules()`' weights, then `load_head(tensors)` gets the tensors of `head_tensor_names()`."""
         wanted: dict[str, tuple[nn.Module, str]] = {}
-        for prefix, module in modules.items():
+        for prefix, module in self.client_modules().items():
             for param_name, _ in module.named_parameters():
                 wanted[f"{prefix}.{param_name}"] = (module, param_name)
-        names = list(wanted) + [self.layout.lm_head + ".weight"]
+        names = list(wanted) + self.head_tensor_names()
         stripped = {n: n.removeprefix(self.layout.base_prefix) for n in names if self.layout.base_prefix}
         tensors = reader.read(names + list(stripped.values()))
         for name in names:
@@ -126,15 +151,100 @@ class DistributedModelForCausalLM(nn.Module):
         with torch.no_grad():
             for name, (module, param_name) in wanted.items():
                 getattr(module, param_name).copy_(tensors[name])
-            head = tensors.get(self.layout.lm_head + ".weight")
-            if head is None or getattr(self.config, "tie_word_embeddings", False):
-                self.lm_head.weight = self.embeddings.weight  # tied
-            else:
-                self.lm_head.weight.copy_(head)
+            self.load_head(tensors)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def head_tensor_names(self) -> list[str]:
+        return []
+
+    def load_head(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Sets the task head from the checkpoint's tensors (those of `head_tensor_names()` it has)."""
+
+    def embed(self, input_ids: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """Input hidden states [B, P + T, H]: the (trainable) `prefix` [B, P, H] before the token embeddings (scaled as
+        the family scales them), then Bloom's embeddings norm: prompts live where `transformers`' `inputs_embeds` do,
+        as in Petals and PEFT."""
         hidden = scale_embeddings(self.config, self.embeddings(input_ids.to(self.device)))  # [B, T, H]
+        if prefix is not None:
+            hidden = torch.cat([prefix.to(hidden.dtype), hidden], dim=1)  # [B, P + T, H]
         return self.embeddings_norm(hidden) if self.embeddings_norm is not None else hidden
+
+    def tuned_prompts(self, batch_size: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(prefix [B, P, H] or None, deep prompts [num_blocks, B, P, H] or None) of the tuning mode."""
+        if self.prompt_tuning is None:
+            return None, None
+        return self.prompt_tuning(batch_size, self.dtype)
+
+    def _deep_prompts(self, prompts: torch.Tensor | None, tuned: torch.Tensor | None) -> torch.Tensor | None:
+        if prompts is not None and tuned is not None:
+            raise ValueError("this model tunes its own deep prompts (tuning_mode='deep_ptune'); do not pass prompts=")
+        return tuned if tuned is not None else prompts
+
+    def run_blocks(self, input_ids: torch.Tensor, prompts: torch.Tensor | None = None) -> torch.Tensor:
+        """Unpadded rows [B, T] through embeddings, prompts and the remote blocks: hidden states [B, T, H] before the
+        final norm (the prefix positions removed). Differentiable wrt prompts and everything local."""
+        prefix, tuned = self.tuned_prompts(input_ids.shape[0])
+        hidden = self.transformer(self.embed(input_ids, prefix), self._deep_prompts(prompts, tuned))
+        return hidden[:, self.pre_seq_len :]
+
+    def session_step(
+        self, session: InferenceSession, input_ids: torch.Tensor, prompts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One inference step of new tokens [B, T]: hidden states [B, T, H] before the final norm. A session's first
+        step carries the tuned prompts (the prefix takes `pre_seq_len` positions of its cache)."""
+        prefix = tuned = None
+        if session.position == 0:
+            prefix, tuned = self.tuned_prompts(input_ids.shape[0])
+            prompts = self._deep_prompts(prompts, tuned)
+        hidden = session.step(self.embed(input_ids, prefix), prompts)
+        return hidden[:, prefix.shape[1] :] if prefix is not None else hidden
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states [B, T, H]; left-padded rows run without their padding (padded positions are
+        zero)."""
+        if attention_mask is None or bool(attention_mask.all()):
+            return self.final_norm(self.run_blocks(input_ids))
+        out = torch.zeros(*input_ids.shape, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for rows, pad in padding_groups(attention_mask):
+            out[rows, pad:] = self.final_norm(self.run_blocks(input_ids[rows, pad:]))
+        return out
+
+    def inference_session(self, max_length: int) -> InferenceSession:
+        """A session for `max_length` tokens (plus the tuned prefix's `pre_seq_len`)."""
+        return self.transformer.inference_session(max_length=max_length + self.pre_seq_len)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+class DistributedModelForCausalLM(DistributedModel):
+    """A causal LM whose blocks are served by the swarm. `forward(input_ids, labels=...)` ->
+    `CausalLMOutput(loss, logits)`; `generate(...)` follows `transformers` argument names; `inference_session(max_length)`
+    keeps state between calls (pass it as `session=` to continue a text)."""
+
+    def __init__(
+        self, config: Any, layout: ClientLayout, manager: RemoteSequenceManager, tuning: TuningConfig | None = None
+    ):
+        super().__init__(config, layout, manager, tuning)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False).requires_grad_(False)
+        self.generation_config: Any = None
+        self.speculative_stats: SpeculativeStats | None = None  # the last speculative generate()'s measurements
+
+    def head_tensor_names(self) -> list[str]:
+        return [self.layout.lm_head + ".weight"]
+
+    def load_head(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Ties the head to the embeddings when the checkpoint does (or has no head)."""
+        head = tensors.get(self.layout.lm_head + ".weight")
+        if head is None or getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embeddings.weight  # tied
+        else:
+            self.lm_head.weight.copy_(head)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return cap_logits(self.config, self.lm_head(self.final_norm(hidden)))  # [B, T, V]
@@ -143,31 +253,31 @@ class DistributedModelForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
         *,
         prompts: torch.Tensor | None = None,
         session: InferenceSession | None = None,
     ) -> CausalLMOutput:
-        """Logits `[B, T, V]`. Left-padded rows (attention_mask zeros) run without their padding; their padded
-        positions get zero logits. With `session` (or inside an open one), steps it instead."""
+        """Logits `[B, T, V]` (and, with `labels` [B, T], the mean next-token cross-entropy over labels != -100, as
+        `transformers` computes it). Left-padded rows (attention_mask zeros) run without their padding; their
+        padded positions get zero logits. With `session` (or inside an open one), steps it instead."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {list(input_ids.shape)}")
         session = session or self.transformer.active_session
         if session is not None:
             if attention_mask is not None and not bool(attention_mask.all()):
                 raise ValueError("padded batches cannot step an inference session; use generate() or unpadded rows")
-            return CausalLMOutput(logits=self.head(session.step(self.embed(input_ids), prompts)))
-        if attention_mask is None or bool(attention_mask.all()):
-            return CausalLMOutput(logits=self.head(self.transformer(self.embed(input_ids), prompts)))
-        if prompts is not None:
-            raise ValueError("deep prompts with padded batches are not supported")
-        logits = torch.zeros(*input_ids.shape, self.config.vocab_size, dtype=self.dtype, device=self.device)
-        for rows, pad in padding_groups(attention_mask):
-            hidden = self.transformer(self.embed(input_ids[rows, pad:]))
-            logits[rows, pad:] = self.head(hidden)
-        return CausalLMOutput(logits=logits)
-
-    def inference_session(self, max_length: int) -> InferenceSession:
-        return self.transformer.inference_session(max_length=max_length)
+            logits = self.head(self.session_step(session, input_ids, prompts))
+        elif attention_mask is None or bool(attention_mask.all()):
+            logits = self.head(self.run_blocks(input_ids, prompts))
+        else:
+            if prompts is not None:
+                raise ValueError("deep prompts with padded batches are not supported")
+            logits = torch.zeros(*input_ids.shape, self.config.vocab_size, dtype=self.dtype, device=self.device)
+            for rows, pad in padding_groups(attention_mask):
+                logits[rows, pad:] = self.head(self.run_blocks(input_ids[rows, pad:]))
+        loss = causal_lm_loss(logits, labels) if labels is not None else None
+        return CausalLMOutput(loss=loss, logits=logits)
 
     # what `transformers.pipeline("text-generation", model=this, tokenizer=...)` asks of a model
     main_input_name = "input_ids"
@@ -182,17 +292,19 @@ class DistributedModelForCausalLM(nn.Module):
         """`transformers`-style generation (greedy, sampling with temperature/top-k/top-p/min-p, repetition penalty,
         `stop_strings` with `tokenizer=`, left-padded batches, `session=` to continue, `speculative=SpeculativeConfig(...)`
         for speculative decoding of one sequence; other arguments: ValueError). Returns prompt + new tokens ([B, L + N]); when continuing a
-        session, the tokens after those of its previous calls."""
+        session, the tokens after those of its previous calls. With a `tuning_mode`, the tuned prompts go first."""
         return GenerationLoop(self).generate(inputs, **kwargs)
 
-    def shutdown(self) -> None:
-        self.manager.shutdown()
 
-    def __enter__(self) -> DistributedModelForCausalLM:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits [B, T, V] predicting labels [B, T] shifted by one (labels -100 ignored), in
+    float32: what `transformers`' causal LMs return as `loss`."""
+    if labels.shape != logits.shape[:2]:
+        raise ValueError(f"labels must be [batch, tokens] = {list(logits.shape[:2])}, got {list(labels.shape)}")
+    shifted = labels[:, 1:].to(logits.device).reshape(-1)  # [B * (T - 1)]
+    return nn.functional.cross_entropy(
+        logits[:, :-1].float().reshape(-1, logits.shape[-1]), shifted, ignore_index=-100
+    )  # fmt: skip
 
 
 def padding_groups(attention_mask: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
@@ -205,56 +317,69 @@ def padding_groups(attention_mask: torch.Tensor) -> list[tuple[torch.Tensor, int
     return [(torch.nonzero(pads == pad).flatten(), int(pad)) for pad in sorted(set(pads.tolist()))]
 
 
+def load_distributed_model(
+    model_class: type[DistributedModel],
+    name_or_path: str | os.PathLike,
+    *,
+    initial_peers: list[str] | tuple[str, ...] | None = None,
+    dht_prefix: str | None = None,
+    client_config: ClientConfig | None = None,
+    dht: Any | None = None,
+    torch_dtype: torch.dtype | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | None = None,
+    tuning_mode: str | None = None,
+    pre_seq_len: int = 0,
+    **model_kwargs: Any,
+) -> Any:
+    """Builds `model_class(config, layout, manager, tuning, **model_kwargs)` for a checkpoint and loads its
+    client-side weights (see `AutoDistributedModelForCausalLM.from_pretrained`)."""
+    from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
+    from corolla.protocol.uids import make_uid
+
+    if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+        raise ValueError(f"pass dtype= or torch_dtype=, not both (got {dtype!r} and {torch_dtype!r})")
+    torch_dtype = next((d for d in (dtype, torch_dtype) if d is not None), torch.float32)
+    tuning = TuningConfig(tuning_mode, pre_seq_len)  # ValueError before anything starts
+    config = load_config(str(name_or_path), revision=revision, token=token, cache_dir=cache_dir)
+    layout = LAYOUTS.get(config.model_type)
+    if layout is None:
+        raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {sorted(LAYOUTS)}")
+    client_config = dataclasses.replace(client_config) if client_config is not None else ClientConfig()
+    if initial_peers is not None:
+        client_config.initial_peers = tuple(initial_peers)
+    prefix = dht_prefix or client_config.dht_prefix or default_dht_prefix(str(name_or_path), config)
+    client_config.dht_prefix = prefix
+    block_uids = [make_uid(prefix, i) for i in range(config.num_hidden_layers)]
+    manager = RemoteSequenceManager(client_config, block_uids, dht=dht)
+    try:
+        model = model_class(config, layout, manager, tuning, **model_kwargs)
+        model.load_client_weights(CheckpointReader(name_or_path, revision=revision, token=token, cache_dir=cache_dir))
+        model.to(parse_dtype(torch_dtype) or checkpoint_dtype(config) or torch.float32)  # "auto": the checkpoint's
+        if isinstance(model, DistributedModelForCausalLM):
+            model.generation_config = _load_generation_config(name_or_path, config, revision, token, cache_dir)
+    except BaseException:
+        manager.shutdown()
+        raise
+    logger.info(
+        "distributed_model.ready(model=%s, class=%s, prefix=%s, blocks=%d, tuning_mode=%s, pre_seq_len=%d)",
+        name_or_path, model_class.__name__, prefix, len(block_uids), tuning.tuning_mode, tuning.pre_seq_len,
+    )  # fmt: skip
+    return model.eval()
+
+
 class AutoDistributedModelForCausalLM:
     """Entry point: `AutoDistributedModelForCausalLM.from_pretrained(name_or_path, initial_peers=[...])`."""
 
     @classmethod
-    def from_pretrained(
-        cls,
-        name_or_path: str | os.PathLike,
-        *,
-        initial_peers: list[str] | tuple[str, ...] | None = None,
-        dht_prefix: str | None = None,
-        client_config: ClientConfig | None = None,
-        dht: Any | None = None,
-        torch_dtype: torch.dtype | str | None = None,
-        dtype: torch.dtype | str | None = None,
-        revision: str | None = None,
-        token: str | bool | None = None,
-        cache_dir: str | None = None,
-    ) -> DistributedModelForCausalLM:
-        """`dtype=` (transformers 5's spelling) or `torch_dtype=`: the dtype of the local embeddings and head (default
-        float32; "auto" = the checkpoint's)."""
-        from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
-        from corolla.protocol.uids import make_uid
-
-        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
-            raise ValueError(f"pass dtype= or torch_dtype=, not both (got {dtype!r} and {torch_dtype!r})")
-        torch_dtype = next((d for d in (dtype, torch_dtype) if d is not None), torch.float32)
-        config = load_config(str(name_or_path), revision=revision, token=token, cache_dir=cache_dir)
-        layout = LAYOUTS.get(config.model_type)
-        if layout is None:
-            raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {sorted(LAYOUTS)}")
-        client_config = dataclasses.replace(client_config) if client_config is not None else ClientConfig()
-        if initial_peers is not None:
-            client_config.initial_peers = tuple(initial_peers)
-        prefix = dht_prefix or client_config.dht_prefix or default_dht_prefix(str(name_or_path), config)
-        client_config.dht_prefix = prefix
-        block_uids = [make_uid(prefix, i) for i in range(config.num_hidden_layers)]
-        manager = RemoteSequenceManager(client_config, block_uids, dht=dht)
-        try:
-            model = DistributedModelForCausalLM(config, layout, manager)
-            model.load_client_weights(
-                CheckpointReader(name_or_path, revision=revision, token=token, cache_dir=cache_dir)
-            )
-            dtype = parse_dtype(torch_dtype) or checkpoint_dtype(config) or torch.float32  # "auto": the checkpoint's
-            model.to(dtype)
-            model.generation_config = _load_generation_config(name_or_path, config, revision, token, cache_dir)
-        except BaseException:
-            manager.shutdown()
-            raise
-        logger.info("distributed_model.ready(model=%s, prefix=%s, blocks=%d)", name_or_path, prefix, len(block_uids))
-        return model.eval()
+    def from_pretrained(cls, name_or_path: str | os.PathLike, **kwargs: Any) -> DistributedModelForCausalLM:
+        """Keyword arguments: `initial_peers`, `dht_prefix`, `client_config` (ClientConfig), `dht`, `revision`, `token`,
+        `cache_dir`; `dtype=` (transformers 5's spelling) or `torch_dtype=`: the dtype of the local embeddings and
+        head (default float32; "auto" = the checkpoint's); `tuning_mode=` "ptune" | "deep_ptune" with `pre_seq_len=`
+        (Petals' prompt tuning: trainable prompts, see `client.prompt_tuning`). Returned in eval mode."""
+        return load_distributed_model(DistributedModelForCausalLM, name_or_path, **kwargs)
 
 
 def _load_generation_config(name_or_path: Any, config: Any, revision: Any, token: Any, cache_dir: Any) -> Any:

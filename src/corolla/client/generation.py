@@ -163,7 +163,10 @@ class GenerationLoop:
                 raise ValueError("generate(stop_strings=...) needs tokenizer= (as in transformers)")
             stop_strings = StopStringCriteria(tokenizer, config.stop_strings)
         stops = eos_tensor is not None or stop_strings is not None
+        prefix_length = model.pre_seq_len  # a tuned prefix takes cache positions of every fresh session
         if speculative is not None:
+            if prefix_length:
+                raise ValueError("speculative decoding of a prompt-tuned model (tuning_mode) is not supported")
             if new_ids.shape[0] != 1 or padded:
                 raise ValueError("speculative decoding generates one unpadded sequence at a time (batch size 1)")
             with contextlib.ExitStack() as stack:
@@ -196,12 +199,12 @@ class GenerationLoop:
 
                 groups = []
                 for rows, pad in padding_groups(attention_mask):
-                    max_length = prompt_length - pad + max_new_tokens
+                    max_length = prefix_length + prompt_length - pad + max_new_tokens
                     group_session = stack.enter_context(InferenceSession(model.manager, max(max_length, 1)))
                     groups.append((rows, pad, group_session))
             else:
                 if session is None:
-                    max_length = max(prompt_length + max_new_tokens, 1)
+                    max_length = max(prefix_length + prompt_length + max_new_tokens, 1)
                     session = stack.enter_context(InferenceSession(model.manager, max_length))
                 groups = [(torch.arange(new_ids.shape[0]), 0, session)]
             if streamer is not None:
@@ -288,7 +291,7 @@ class GenerationLoop:
         for rows, pad, session in groups:
             ids = to_send[rows, pad:] if first else to_send[rows]
             step_prompts = prompts if session.position == 0 else None
-            hidden = session.step(model.embed(ids), step_prompts)  # [b, t, H]
+            hidden = model.session_step(session, ids, step_prompts)  # [b, t, H] (a tuned prefix removed)
             group_logits = model.head(hidden[:, -1:]).to(torch.float32)[:, -1]  # [b, V]
             if logits is None:
                 logits = group_logits.new_zeros(to_send.shape[0], group_logits.shape[-1])

@@ -1,0 +1,141 @@
+"""Shared pieces of the training-through-the-swarm tests: a loopback swarm where every family's 2-layer tiny model is
+split over two servers (blocks 0:1 and 1:2, so every forward and backward crosses both), the local `transformers`
+reference of a prompt-tuned model (prefix as `inputs_embeds`, deep prompts added to each decoder layer's input)
+with its gradients, and the check that compares the two."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from helpers.swarm import Swarm
+from helpers.tiny_models import hf_layers, make_tiny_model
+
+PRE_SEQ_LEN = 3
+IDS = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 97, 9, 32, 38, 46]])
+CLIENT = ClientConfig(max_retries=5, min_backoff_s=0.2, update_period_s=2.0)
+RTOL = 1e-4  # relative L2 error of every gradient against transformers, fp32
+
+
+@contextmanager
+def split_swarm(
+    tmp_path_factory: pytest.TempPathFactory, families: Sequence[str], *, ready_timeout_s: float = 600.0
+) -> Iterator[tuple[Swarm, dict[str, Path]]]:
+    """Tiny 2-layer models of `families`, each served by two servers (0:1 and 1:2); all started before any is
+    waited for."""
+    models_dir = tmp_path_factory.mktemp("models")
+    paths = {family: make_tiny_model(family, models_dir, num_layers=2) for family in families}
+    swarm = Swarm(tmp_path_factory.mktemp("swarm"))
+    try:
+        swarm.start_bootstrap(timeout_s=180)
+        servers = [
+            swarm.start_server(path, "--block_indices", blocks, "--throughput", "1.0", wait=False)
+            for path in paths.values()
+            for blocks in ("0:1", "1:2")
+        ]
+        for server in servers:
+            server.wait_ready(ready_timeout_s)
+        yield swarm, paths
+    finally:
+        swarm.close()
+
+
+def reference_loss_and_grads(
+    path: Path, model: Any, input_ids: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The causal-LM loss (labels = input_ids) of `transformers`' fp32 model at `path` with `model`'s tuned prompts
+    and client-side weights, and the gradients of every client parameter of `model` that requires grad, keyed by
+    `model`'s parameter names."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    layout = model.layout
+    ours_to_hf = {"embeddings": layout.embeddings, "final_norm": layout.final_norm, "lm_head": layout.lm_head}
+    if layout.embeddings_norm:
+        ours_to_hf["embeddings_norm"] = layout.embeddings_norm
+    hf_params = dict(hf.named_parameters())
+    mapped: dict[str, torch.nn.Parameter] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            module, _, rest = name.partition(".")
+            if module in ours_to_hf and param.requires_grad:
+                target = hf_params[f"{ours_to_hf[module]}.{rest}"]
+                target.copy_(param)  # the client may have trained them: the reference uses the same values
+                mapped[name] = target
+    hf.requires_grad_(False)
+    for target in mapped.values():
+        target.requires_grad_(True)
+
+    tuning = model.prompt_tuning
+    num_prefix, batch = tuning.pre_seq_len, input_ids.shape[0]
+    prefix = tuning.prompt_embeddings.weight.detach().clone().requires_grad_(True)  # [P, H]
+    deep = None
+    handles = []
+    if tuning.intermediate_prompt_embeddings is not None:
+        deep = tuning.intermediate_prompt_embeddings.weight.detach().clone().requires_grad_(True)  # [P, L * H]
+        per_layer = deep.view(num_prefix, tuning.num_blocks, -1).permute(1, 0, 2)  # [L, P, H]
+
+        def add_prompt(index: int):
+            def hook(_module, args, kwargs):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                hidden = torch.cat([hidden[:, :num_prefix] + per_layer[index], hidden[:, num_prefix:]], dim=1)
+                if args:
+                    return (hidden, *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": hidden}
+
+            return hook
+
+        handles = [
+            layer.register_forward_pre_hook(add_prompt(i), with_kwargs=True) for i, layer in enumerate(hf_layers(hf))
+        ]
+    try:
+        embeds = hf.get_input_embeddings()(input_ids)  # [B, T, H], scaled as the family does
+        inputs_embeds = torch.cat([prefix.unsqueeze(0).expand(batch, -1, -1), embeds], dim=1)  # [B, P + T, H]
+        logits = hf(inputs_embeds=inputs_embeds, use_cache=False).logits[:, num_prefix:]  # [B, T, V]
+    finally:
+        for handle in handles:
+            handle.remove()
+    vocab = logits.shape[-1]
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), input_ids[:, 1:].reshape(-1))
+    loss.backward()
+    grads = {name: target.grad for name, target in mapped.items()}
+    grads["prompt_tuning.prompt_embeddings.weight"] = prefix.grad
+    if deep is not None:
+        grads["prompt_tuning.intermediate_prompt_embeddings.weight"] = deep.grad
+    return loss.detach(), grads
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (0 when both are zero)."""
+    scale = float(b.norm())
+    return float((a - b).norm()) / scale if scale else float(a.norm())
+
+
+def check_family_gradients(swarm: Swarm, path: Path) -> None:
+    """A deep-prompt-tuned causal LM through `swarm`, every client weight trainable: loss and gradients of all of
+    them equal `reference_loss_and_grads` (relative RTOL), each gradient non-zero."""
+    with AutoDistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=swarm.initial_peers, client_config=CLIENT, tuning_mode="deep_ptune",
+        pre_seq_len=PRE_SEQ_LEN,
+    ) as model:  # fmt: skip
+        spans = {(s.start, s.end) for s in model.manager.make_sequence(0, 2, mode="max_throughput")}
+        assert spans == {(0, 1), (1, 2)}  # every call crosses both servers
+        model.train().requires_grad_(True)
+        torch.manual_seed(0)
+        with torch.no_grad():  # deep prompts start at zero (Petals): give them values so their gradients matter
+            model.prompt_tuning.prompt_embeddings.weight.mul_(0.3)
+            model.prompt_tuning.intermediate_prompt_embeddings.weight.normal_(0, 0.3)
+        loss = model(IDS, labels=IDS).loss
+        loss.backward()
+        expected_loss, expected = reference_loss_and_grads(path, model, IDS)
+        torch.testing.assert_close(loss.detach(), expected_loss, rtol=RTOL, atol=0)
+        grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+        assert set(grads) == set(expected)
+        for name, grad in grads.items():
+            assert grad is not None and float(grad.norm()) > 0, name
+            assert relative_error(grad, expected[name]) <= RTOL, (name, relative_error(grad, expected[name]))
