@@ -45,6 +45,7 @@ class SimSession:
     wait_start_s: float | None = None
     retried: bool = False
     banned: set[str] = field(default_factory=set)
+    counted: bool = True  # opened after the warm-up: its outcome goes into the metrics
 
 
 class ClientDriver:
@@ -67,11 +68,16 @@ class ClientDriver:
 
     def start(self, conversation: Conversation, slot: int | None = None) -> SimSession:
         session = SimSession(self._next_sid, conversation, slot)
+        session.counted = self.loop.now_s >= self.metrics.measure_from_s
         self._next_sid += 1
         self.sessions[session.sid] = session
-        self.metrics.sessions_started += 1
+        self._count(session, "sessions_started")
         self._open_turn(session)
         return session
+
+    def _count(self, session: SimSession, counter: str) -> None:
+        if session.counted:
+            setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
 
     # --- turns ---
 
@@ -154,11 +160,11 @@ class ClientDriver:
         self._release(session)
         session.phase = "done"
         if completed:
-            self.metrics.sessions_completed += 1
+            self._count(session, "sessions_completed")
         else:
-            self.metrics.sessions_failed += 1
+            self._count(session, "sessions_failed")
             if self.view.covered():
-                self.metrics.sessions_failed_covered += 1
+                self._count(session, "sessions_failed_covered")
         del self.sessions[session.sid]
         self.on_session_end(session)
 
@@ -182,14 +188,14 @@ class ClientDriver:
                 return False
             gone = next((peer for peer, start, end in chain if not self._serves(peer, start, end)), None)
             if gone is not None:  # the client's view is older than the server's departure or move: the call fails
-                self.metrics.refusals += 1
+                self._count(session, "refusals")
                 session.banned.add(gone)
                 continue
             hops = [(self.view.servers[peer], start, end) for peer, start, end in chain]
             refusing = next((server for server, _, _ in hops if server.kv_free_tokens < need), None)
             if refusing is None:
                 break
-            self.metrics.refusals += 1  # out of cache
+            self._count(session, "refusals")  # out of cache
             session.banned.add(refusing.peer_id)
         else:
             return False
@@ -236,10 +242,10 @@ class ClientDriver:
                 self._leave_batches(session)
             self._release(session)
             session.banned.add(server.peer_id)
-            self.metrics.retries += 1
+            self._count(session, "retries")
             if not session.retried:
                 session.retried = True
-                self.metrics.sessions_retried += 1
+                self._count(session, "sessions_retried")
             session.phase = "idle"
             if phase == "prefill":  # the turn's prompt was not processed: start the turn again
                 session.event = self.loop.after(detect_s, self._open_turn, session)
