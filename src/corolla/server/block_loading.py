@@ -7,6 +7,11 @@ from typing import Any
 
 import torch
 
+from corolla.models.block_base import CorollaBlock
+from corolla.models.hub_files import TerminalTqdm
+from corolla.models.loading import load_pretrained_block
+from corolla.models.lora import add_adapter, load_adapter
+from corolla.models.placement import place_block
 from corolla.server.config import ServerConfig
 
 
@@ -20,10 +25,6 @@ def load_span_blocks(
     quant_type: str,
 ) -> dict[int, Any]:
     """Returns {block index: block} on `device` (or on the tensor-parallel devices), ready to serve."""
-    from corolla.models.block_base import CorollaBlock
-    from corolla.models.hub_files import TerminalTqdm
-    from corolla.models.loading import load_pretrained_block
-    from corolla.models.placement import place_block
 
     c = config
     tp_devices = tuple(c.tensor_parallel_devices or ())
@@ -44,8 +45,6 @@ def load_span_blocks(
             if not isinstance(placed, CorollaBlock):  # place_block splits and quantizes the block in place
                 raise TypeError(f"place_block returned a {type(placed).__name__}, not the block it was given")
             for adapter in c.adapters:
-                from corolla.models.lora import add_adapter, load_adapter
-
                 weights = load_adapter(
                     adapter, index, cache_dir=c.cache_dir, revision=c.revision, token=c.token,
                     max_disk_space_bytes=c.max_disk_space_bytes,

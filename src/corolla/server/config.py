@@ -10,7 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from corolla.server.direct_endpoint import DirectListen
 from corolla.server.limits import PeerLimits
+from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
 from corolla.swarm.policy import check_policy_name
 from corolla.utils.gil import check_switch_interval_ms
 
@@ -255,7 +257,6 @@ class ServerConfig:
             return True
         if self.initial_peers is None:
             return False
-        from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
 
         return tuple(self.initial_peers) != tuple(PUBLIC_INITIAL_PEERS)
 
@@ -264,8 +265,6 @@ class ServerConfig:
         if self.new_swarm:
             return ()
         if self.initial_peers is None:
-            from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
-
             return tuple(PUBLIC_INITIAL_PEERS)
         return tuple(self.initial_peers)
 
@@ -286,7 +285,6 @@ class ServerConfig:
     def resolved_direct(self) -> DirectListen | None:
         """Where the direct port listens and which addresses it is offered at (None: off); ValueError when nothing
         says which address clients reach (listening on all interfaces with no announce address)."""
-        from corolla.server.direct_endpoint import DirectListen
 
         if self.direct_port is None:
             return None

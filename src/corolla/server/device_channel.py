@@ -45,7 +45,9 @@ from corolla.server.executor import (
     SessionSpec,
     SpanExecutor,
 )
+from corolla.server.fast_executor import FastExecutor
 from corolla.server.frame_steps import FrameIntake, StepReply
+from corolla.server.handler_process import METRIC_REJECTED, METRIC_SESSION_CLOSED, METRIC_SESSION_OPENED
 from corolla.server.metrics import ServerMetrics
 from corolla.server.proxy_executor import DeviceInfo
 from corolla.server.push_router import DeviceSessionRegistry, PushRouter
@@ -60,7 +62,6 @@ __all__ = ["DeviceChannel", "DeviceSessionRegistry", "PushRouter", "device_info"
 
 def device_info(executor: SpanExecutor, span: tuple[int, ...], handler_index: int, max_frame_bytes: int) -> DeviceInfo:
     """The HELLO a handler process gets: enough to size sessions and caches without asking."""
-    from corolla.server.fast_executor import FastExecutor
 
     page_tokens, page_row_bytes = 1, 0
     if isinstance(executor, FastExecutor):  # sessions reserve whole pages of the engine's pool
@@ -264,8 +265,6 @@ class DeviceChannel:
         task.add_done_callback(self._tasks.discard)
 
     def _count(self, fields: wire.Reader) -> None:
-        from corolla.server.handler_process import METRIC_REJECTED, METRIC_SESSION_CLOSED, METRIC_SESSION_OPENED
-
         event, label = fields.u8(), fields.text()
         if self.metrics is None:
             return

@@ -20,7 +20,7 @@ import os
 import socket
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
@@ -29,13 +29,19 @@ from hivemind.utils import MSGPackSerializer
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.server.connection_balance import ConnectionHandoff
+from corolla.server.limits import PeerLimits
+from corolla.server.metrics import ServerMetrics
 from corolla.server.peer_auth import PeerAuth, info_uid, remote_peer
-from corolla.server.stream_endpoint import HELLO_TIMEOUT_S, Connections, check_hello, read_hello, serve_inference
-from corolla.server.stream_guard import StreamLease
+from corolla.server.stream_endpoint import (
+    HELLO_TIMEOUT_S,
+    Connections,
+    InferenceRpc,
+    check_hello,
+    read_hello,
+    serve_inference,
+)
+from corolla.server.stream_guard import StreamBudget, StreamLease
 from corolla.utils.logging import get_logger
-
-if TYPE_CHECKING:
-    from corolla.server.handler import TransformerConnectionHandler
 
 logger = get_logger(__name__)
 
@@ -92,6 +98,16 @@ class DirectTicketRpc:
         return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(offer.to_dict()))
 
 
+class DirectFront(InferenceRpc, Protocol):
+    """What the direct port needs of the front it serves (`handler.TransformerConnectionHandler`): its
+    `rpc_inference`, the offer its ticket RPC hands out, its metrics, per-peer limits and stream byte budget."""
+
+    direct_offer: tuple[DirectListen, ds.TicketSecret] | None
+    metrics: ServerMetrics
+    peer_limits: PeerLimits
+    stream_budget: StreamBudget
+
+
 class SealedFrames:
     """A direct connection's frames after the handshake: sealed to the client, opened from it."""
 
@@ -113,7 +129,7 @@ class DirectEndpoint:
 
     def __init__(
         self,
-        handler: TransformerConnectionHandler,
+        handler: DirectFront,
         peer_id: PeerID,
         listen: DirectListen,
         secret: ds.TicketSecret,

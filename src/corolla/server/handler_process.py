@@ -29,6 +29,7 @@ from corolla.server.metrics import ServerMetrics
 from corolla.server.peer_auth import make_peer_auth
 from corolla.server.proxy_executor import DeviceLink, ProxyExecutor, RemoteAdmission, RoutingSessionRegistry
 from corolla.server.sessions import SessionTimeouts
+from corolla.swarm.membership import load_swarm_key
 from corolla.utils import busy_poll
 from corolla.utils.logging import get_logger
 
@@ -106,8 +107,6 @@ def loop_selector(settings: HandlerSettings) -> busy_poll.BusyPollSelector | Non
 
 
 async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> None:
-    from corolla.swarm.membership import load_swarm_key
-
     link = await DeviceLink.open(sock)
     executor = ProxyExecutor(link)
     metrics = ForwardedMetrics(link)

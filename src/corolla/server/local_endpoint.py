@@ -12,16 +12,19 @@ import asyncio
 import contextlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from hivemind.p2p import P2PContext, PeerID
 
 from corolla.protocol import local_stream as ls
-from corolla.server.stream_endpoint import Connections, PlainFrames, check_hello, read_hello, serve_inference
+from corolla.server.stream_endpoint import (
+    Connections,
+    InferenceRpc,
+    PlainFrames,
+    check_hello,
+    read_hello,
+    serve_inference,
+)
 from corolla.utils.logging import get_logger
-
-if TYPE_CHECKING:
-    from corolla.server.handler import TransformerConnectionHandler
 
 logger = get_logger(__name__)
 
@@ -32,7 +35,7 @@ class LocalEndpoint:
 
     def __init__(
         self,
-        handler: TransformerConnectionHandler,
+        handler: InferenceRpc,
         peer_id: PeerID,
         *,
         directory: Path | None = None,

@@ -25,6 +25,11 @@ import struct
 
 import torch
 
+from corolla.server.executor import HandoffUnsupported
+from corolla.server.limits import PeerLimitExceeded, ServerLimitExceeded, SessionEvicted
+from corolla.server.refusals import BadRequest, Draining, Overloaded, RequestTimeout, TooLong
+from corolla.server.runtime import RuntimeStopped
+from corolla.utils.errors import AllocationFailed
 from corolla.utils.tensor_bytes import view_bytes
 
 # handler -> device
@@ -304,12 +309,6 @@ async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tupl
 
 
 def encode_error(error: BaseException) -> Writer:
-    from corolla.server.executor import HandoffUnsupported
-    from corolla.server.limits import PeerLimitExceeded, ServerLimitExceeded, SessionEvicted
-    from corolla.server.refusals import BadRequest, Draining, Overloaded, TooLong
-    from corolla.server.runtime import RuntimeStopped
-    from corolla.utils.errors import AllocationFailed
-
     code, reason, value, limit = 0, "", 0, 0
     if isinstance(error, TooLong):
         code, value, limit = 2, error.value, error.limit
@@ -337,11 +336,6 @@ def encode_error(error: BaseException) -> Writer:
 
 
 def decode_error(reader: Reader) -> Exception:
-    from corolla.server.executor import HandoffUnsupported
-    from corolla.server.limits import PeerLimitExceeded, ServerLimitExceeded, SessionEvicted
-    from corolla.server.refusals import BadRequest, Draining, Overloaded, RequestTimeout, TooLong
-    from corolla.utils.errors import AllocationFailed
-
     code, reason, value, limit, message = reader.u8(), reader.text(), reader.u64(), reader.u64(), reader.text()
     if code == 1:
         return BadRequest(message)

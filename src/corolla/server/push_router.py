@@ -4,18 +4,37 @@ the device process's own registry (same-host socket sessions), which routes a pu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sized
+from typing import Protocol
 
 from hivemind.proto import runtime_pb2
 
 from corolla.server import proxy_wire as wire
+from corolla.server.executor import SpanExecutor
+from corolla.server.metrics import ServerMetrics
 from corolla.server.sessions import SessionRegistry
 from corolla.utils.logging import get_logger
 
-if TYPE_CHECKING:
-    from corolla.server.device_channel import DeviceChannel
-
 logger = get_logger(__name__)
+
+
+class HandlerChannel(Protocol):
+    """What the router needs of one handler process's channel (`device_channel.DeviceChannel`)."""
+
+    @property
+    def sessions(self) -> Sized:
+        """The sessions that process holds open."""
+        ...
+
+    @property
+    def metrics(self) -> ServerMetrics | None: ...
+
+    @property
+    def executor(self) -> SpanExecutor: ...
+
+    def send(self, kind: int, request_id: int, body: wire.Writer) -> None: ...
+
+    def send_state(self) -> None: ...
 
 
 class PushRouter:
@@ -24,25 +43,25 @@ class PushRouter:
 
     def __init__(self, local: SessionRegistry):
         self.local = local
-        self.routes: dict[str, DeviceChannel] = {}
-        self.channels: list[DeviceChannel] = []
+        self.routes: dict[str, HandlerChannel] = {}
+        self.channels: list[HandlerChannel] = []
 
-    def add(self, session_id: str, channel: DeviceChannel) -> None:
+    def add(self, session_id: str, channel: HandlerChannel) -> None:
         owner = self.routes.setdefault(session_id, channel)
         if owner is not channel:
             logger.info(f"push_router.duplicate_session_id(session_id={session_id!r:.40}): first holder keeps pushes")
 
-    def remove(self, session_id: str, channel: DeviceChannel) -> None:
+    def remove(self, session_id: str, channel: HandlerChannel) -> None:
         if self.routes.get(session_id) is channel:
             del self.routes[session_id]
 
-    def forget(self, channel: DeviceChannel) -> None:
+    def forget(self, channel: HandlerChannel) -> None:
         for session_id in [s for s, c in self.routes.items() if c is channel]:
             del self.routes[session_id]
         if channel in self.channels:
             self.channels.remove(channel)
 
-    def route(self, session_id: str, raw: bytes, sender: str | None, origin: DeviceChannel | None) -> bool:
+    def route(self, session_id: str, raw: bytes, sender: str | None, origin: HandlerChannel | None) -> bool:
         """Delivers a pushed step (serialized `ExpertRequest`); False if no process holds its session."""
         if self.local.holds(session_id):
             return self.local.push(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender=sender)

@@ -15,9 +15,12 @@ from typing import Any
 import torch
 
 from corolla import PETALS_COMPAT_VERSION
+from corolla.models.config import is_local_path, load_config
+from corolla.models.registry import get_family
 from corolla.protocol.codecs import compression_from_name
 from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
+from corolla.server import startup_checks
 from corolla.server.announcer import Announcer
 from corolla.server.backend import SpanBackend
 from corolla.server.block_functions import ServingLimits
@@ -28,13 +31,19 @@ from corolla.server.executor import DeviceExecutor
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.peer_auth import make_peer_auth
 from corolla.server.reachability_gate import validate_reachability
+from corolla.server.serving_path import executor_for_span
 from corolla.server.sessions import SessionTimeouts
 from corolla.server.settings import describe_settings, resolve_settings
 from corolla.server.slowdown import BlockDelay, block_delay_s, slowed_throughput
 from corolla.server.span_service import SpanService
 from corolla.server.swarm_seat import SwarmSeat
+from corolla.server.throughput import get_server_throughput
+from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, get_visible_maddrs, shutdown_dht
+from corolla.swarm.membership import SwarmKeyAuthorizer, load_swarm_key
+from corolla.swarm.reachability import attach_reachability_protocol, check_direct_reachability
 from corolla.utils import busy_poll
 from corolla.utils.errors import ConfigurationError
+from corolla.utils.gil import configure_switch_interval
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -48,11 +57,6 @@ class Server:
     same loop in a background thread (for in-process tests) and waits until it serves."""
 
     def __init__(self, config: ServerConfig):
-        from corolla.models.config import load_config
-        from corolla.models.registry import get_family
-        from corolla.server import startup_checks
-        from corolla.utils.gil import configure_switch_interval
-
         self.config = config
         if config.gil_switch_interval_ms is not None:  # before the runtime and serving threads start
             configure_switch_interval(config.gil_switch_interval_ms)
@@ -103,8 +107,6 @@ class Server:
         return describe_settings(self.settings, self.config)
 
     def measure_throughput(self) -> dict[str, float]:
-        from corolla.server.throughput import get_server_throughput
-
         c, s = self.config, self.settings
         if block_delay_s() is not None:  # test-only: announce what the emulated slower device would measure
             return slowed_throughput(block_delay_s() or 0.0, s.num_blocks)
@@ -187,8 +189,6 @@ class Server:
             self._reachability_service.shutdown()
             self._reachability_service = None
         if self.dht is not None:
-            from corolla.swarm.dht import shutdown_dht
-
             shutdown_dht(self.dht)
             self.dht = None
         logger.info("server.shutdown_done")
@@ -196,9 +196,6 @@ class Server:
     # ---- internals --------------------------------------------------------------------------------------------
 
     def _prepare(self) -> None:
-        from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, get_visible_maddrs
-        from corolla.swarm.membership import SwarmKeyAuthorizer, load_swarm_key
-
         c = self.config
         public = not c.is_private_swarm
         swarm_config = SwarmConfig(
@@ -226,8 +223,6 @@ class Server:
         logger.info(f"server.dht_ready(peer_id={self.peer_id}, maddrs={' '.join(self.join_maddrs)})")
         if public and not self.using_relay:
             try:  # lets other joining servers ask us whether they are reachable
-                from corolla.swarm.reachability import attach_reachability_protocol
-
                 self._reachability_service = attach_reachability_protocol(self.dht)
             except Exception as e:
                 logger.warning(f"server.reachability_protocol_failed({e!r})")
@@ -248,7 +243,6 @@ class Server:
 
     def _check_reachability(self, swarm_config: Any) -> bool:
         """Public swarm only: True if we must go through relays. Unknown -> assume directly reachable."""
-        from corolla.swarm.reachability import check_direct_reachability
 
         try:
             result = check_direct_reachability(swarm_config)
@@ -276,8 +270,6 @@ class Server:
         )
 
     def _model_info(self) -> ModelInfo:
-        from corolla.models.config import is_local_path
-
         name = self.config.model_name_or_path
         repository = None if is_local_path(name) else f"https://huggingface.co/{name}"
         return ModelInfo(num_blocks=self.settings.total_blocks, repository=repository)
@@ -444,7 +436,6 @@ class Server:
 
     def _make_executor(self, backend: SpanBackend, cache_bytes: int) -> DeviceExecutor:
         """The executor of this span: the fast path where the engine supports it (`serving_path`), else plain."""
-        from corolla.server.serving_path import executor_for_span
 
         return executor_for_span(self.config, self.settings, self.family.family, backend, cache_bytes, self.metrics)
 

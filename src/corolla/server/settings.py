@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from corolla.models.config import default_dht_prefix
 from corolla.protocol.uids import validate_dht_prefix
-from corolla.server import sizing
+from corolla.server import sizing, startup_checks
 from corolla.server.config import ServerConfig
 
 
@@ -36,8 +37,6 @@ def resolve_settings(
     config: ServerConfig, model_config: Any, device: torch.device, quant_type: str
 ) -> ResolvedSettings:
     """Derives the settings; without --num_blocks / --block_indices, as many blocks as device memory holds."""
-    from corolla.models.config import default_dht_prefix
-    from corolla.server import startup_checks
 
     mc = model_config
     dtype = startup_checks.resolve_dtype(mc, config.torch_dtype, device)

@@ -10,6 +10,9 @@ from typing import Any
 import torch
 
 from corolla.models import sizing as models_sizing
+from corolla.models.block_base import CorollaBlock
+from corolla.models.kv_sizing import kv_cache_bytes_per_token
+from corolla.models.lora import adapter_stored_bytes, load_adapter
 from corolla.models.registry import get_family
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
@@ -66,7 +69,6 @@ def default_max_batch_size_tokens(config: Any) -> int:
 def kv_bytes_per_token_block(config: Any, dtype: torch.dtype) -> int:
     """Bytes of K (or V) of one token in one block: the unit of the announced `cache_tokens_left` (half the
     architecture's per-token cache bytes, e.g. MLA's latent + rotary key)."""
-    from corolla.models.kv_sizing import kv_cache_bytes_per_token
 
     return kv_cache_bytes_per_token(config, dtype) // 2
 
@@ -117,9 +119,6 @@ def adapter_bytes_per_block(
     reuse. `load_kwargs` go to `models.lora.load_adapter` (cache_dir, revision, token, max_disk_space_bytes)."""
     if not adapters:
         return 0
-    from corolla.models.block_base import CorollaBlock
-    from corolla.models.lora import adapter_stored_bytes, load_adapter
-    from corolla.models.registry import get_family
 
     with torch.device("meta"):  # the block's geometry only: nothing allocated
         block = get_family(model_config).build_block(model_config, block_index)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from corolla.models.config import resolve_block_dtype
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
@@ -113,7 +114,6 @@ def _bf16_supported(device: torch.device) -> bool:
 def resolve_dtype(model_config, requested: str, device: torch.device) -> torch.dtype:
     """The blocks' dtype: an explicit one must run on `device`; "auto" falls back from bfloat16 to float16 on GPUs
     without bf16 (pre-Ampere), said in the log."""
-    from corolla.models.config import resolve_block_dtype
 
     try:
         dtype = resolve_block_dtype(model_config, requested, device=device)

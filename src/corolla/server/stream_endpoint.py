@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2PContext
@@ -26,9 +26,6 @@ from corolla.server import step_timeline
 from corolla.server.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.limits import StreamStalled
 from corolla.server.stream_guard import StreamLease, within_idle
-
-if TYPE_CHECKING:
-    from corolla.server.handler import TransformerConnectionHandler
 
 HELLO_TIMEOUT_S = 5.0  # a connection that has not said hello by then is dropped
 SERVED_RPCS = ("rpc_inference",)
@@ -94,6 +91,17 @@ def check_hello(what: str, *, version: int, expected_version: int, peer_id: str,
         raise ValueError(f"this {what} endpoint belongs to another peer id")
     if rpc not in SERVED_RPCS:
         raise ValueError(f"rpc {rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
+
+
+class InferenceRpc(Protocol):
+    """What a stream endpoint serves: the p2p front's own `rpc_inference` (`handler.TransformerConnectionHandler`),
+    so every transport shares its decoder, sessions and refusals."""
+
+    max_stream_bytes: int  # the largest message the front takes (a frame's payload bound follows from it)
+
+    def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]: ...
 
 
 class FrameCodec(Protocol):
@@ -178,7 +186,7 @@ async def read_frame(
 
 
 async def serve_inference(
-    handler: TransformerConnectionHandler,
+    handler: InferenceRpc,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     context: P2PContext,
