@@ -11,6 +11,7 @@ import pytest
 
 from corolla.sim.catalogue import GPUS, LLAMA2_70B, STEP_OVERHEAD_S, ServerPerf
 from corolla.sim.churn import ChurnConfig
+from corolla.sim.metrics import Metrics, Report
 from corolla.sim.regions import RttModel, base_rtt_s
 from corolla.sim.workload import WorkloadConfig, WorkloadGenerator, read_trace
 
@@ -87,3 +88,18 @@ def test_trace_round_trip_and_hostile_lines(tmp_path: Path) -> None:
         path.write_text(json.dumps(bad) + "\n")
         with pytest.raises(ValueError):
             read_trace(path)
+
+
+def test_report_weights_tpot_by_tokens_and_skips_the_warm_up() -> None:
+    metrics = Metrics(measure_from_s=100.0, interval_s=60.0)
+    metrics.add_tokens(50.0, 1000, 9.0)  # during the warm-up: not counted
+    metrics.add_tokens(150.0, 90, 0.1)
+    metrics.add_tokens(200.0, 10, 2.0)
+    metrics.add_ttft(120.0, 30.0)  # its turn began in the warm-up
+    metrics.add_ttft(160.0, 0.5)
+    report = Report.build(metrics, scenario="t", policy="p", seed=0, servers_start=1, duration_s=200.0, wall_s=1.0,
+                          cpu_s=1.0, events=1)  # fmt: skip
+    assert report.decode_tps == pytest.approx(100 / 100.0)
+    assert report.tpot_s["p50"] == 0.1 and report.tpot_s["p99"] == 2.0  # 90% of the tokens came at 0.1 s
+    assert report.ttft_s["p50"] == 0.5
+    assert json.loads(report.to_json())["sessions"]["started"] == 0
