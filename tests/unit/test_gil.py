@@ -1,5 +1,5 @@
-"""The GIL switch interval setting: bounds, an operator's explicit value winning over a component's default, the
-server config field and flag."""
+"""The GIL switch interval setting: bounds, an explicit value winning over a component's default, the server's
+environment variable (an experiment knob: no config field or flag)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections.abc import Iterator
 import pytest
 
 from corolla.cli.run_server import parse_config
-from corolla.server.config import ServerConfig
 from corolla.server.fast_executor import GIL_SWITCH_INTERVAL_S, shorten_gil_switch_interval
 from corolla.utils import gil
 
@@ -53,13 +52,16 @@ def test_out_of_bounds_values_are_refused(value_ms: float) -> None:
         gil.configure_switch_interval(value_ms)
     assert sys.getswitchinterval() == before
     assert gil.explicit_switch_interval_s() is None
-    with pytest.raises(ValueError, match="gil_switch_interval_ms"):
-        ServerConfig(model_name_or_path="m", gil_switch_interval_ms=value_ms)
 
 
-def test_server_flag_reaches_the_config() -> None:
-    assert parse_config(["some/model", "--new_swarm"]).gil_switch_interval_ms is None
-    config = parse_config(["some/model", "--new_swarm", "--gil_switch_interval_ms", "0.25"])
-    assert config.gil_switch_interval_ms == 0.25
+def test_the_environment_variable_sets_it_and_the_flag_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gil.ENV_SWITCH_INTERVAL_MS, raising=False)
+    assert gil.switch_interval_from_env() is None
+    monkeypatch.setenv(gil.ENV_SWITCH_INTERVAL_MS, "0.25")
+    assert gil.switch_interval_from_env() == 0.25
+    for bad in ("500", "0", "nan", "fast"):
+        monkeypatch.setenv(gil.ENV_SWITCH_INTERVAL_MS, bad)
+        with pytest.raises(ValueError, match=gil.ENV_SWITCH_INTERVAL_MS if bad == "fast" else "must be in"):
+            gil.switch_interval_from_env()
     with pytest.raises(SystemExit):
-        parse_config(["some/model", "--new_swarm", "--gil_switch_interval_ms", "500"])
+        parse_config(["some/model", "--new_swarm", "--gil_switch_interval_ms", "0.25"])

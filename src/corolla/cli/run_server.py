@@ -119,12 +119,6 @@ def build_parser() -> configargparse.ArgParser:
         "GPU server handles), poll this long for the next request instead of sleeping (0 = never)",
     )
     parser.add(
-        "--gil_switch_interval_ms",
-        type=float,
-        default=None,
-        help="the process's GIL switch interval in ms (default: 0.5 with the GPU fast path, else Python's 5)",
-    )
-    parser.add(
         "--drain_timeout_s",
         type=float,
         default=5.0,

@@ -14,7 +14,6 @@ from corolla.server.direct_endpoint import DirectListen
 from corolla.server.limits import PeerLimits
 from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
 from corolla.swarm.policy import check_policy_name
-from corolla.utils.gil import check_switch_interval_ms
 
 if TYPE_CHECKING:
     from corolla.server.direct_endpoint import DirectListen
@@ -156,9 +155,6 @@ class ServerConfig:
     # idle core's wake-up per token on a GPU server; burns one core meanwhile); with `num_handlers` > 1, each handler
     # process of a GPU server polls this long after every message it handles; 0 = never poll
     busy_poll_ms: float = 5.0
-    # the process's GIL switch interval (`corolla.utils.gil`): how long the runtime thread may wait for the GIL while
-    # the serving loop runs Python; None = the fast path's 0.5 ms on a GPU server, the interpreter's 5 ms elsewhere
-    gil_switch_interval_ms: float | None = None
     # on SIGTERM or before a rebalance: announce OFFLINE, take no new sessions and wait this long for open ones to
     # move away (their clients carry the KV cache to another server); then end the rest as before. 0 = no wait
     drain_timeout_s: float = 5.0
@@ -207,8 +203,6 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, tuple(value))
-        if self.gil_switch_interval_ms is not None:
-            check_switch_interval_ms(self.gil_switch_interval_ms)
         if not 1 <= self.num_handlers <= MAX_NUM_HANDLERS:
             raise ValueError(f"num_handlers must be in [1, {MAX_NUM_HANDLERS}], got {self.num_handlers}")
         if not 0 <= self.busy_poll_ms <= 1000:

@@ -246,7 +246,7 @@ def _units(tasks: list[Task]) -> list[StepRequest | StepGroup]:
 
 def shorten_gil_switch_interval() -> None:
     """Lowers this process's GIL switch interval to `GIL_SWITCH_INTERVAL_S` (never raises it; an operator's
-    `--gil_switch_interval_ms` wins: `corolla.utils.gil`)."""
+    `COROLLA_GIL_SWITCH_INTERVAL_MS` wins: `corolla.utils.gil`)."""
     lower_switch_interval(GIL_SWITCH_INTERVAL_S, reason="fast_path")
 
 

@@ -7,12 +7,13 @@ hand-off. With many users the serving loop runs Python almost all the time, so e
 thread between two device waits can cost up to one interval. A shorter interval bounds that wait at the cost of
 more hand-offs (each ~a few microseconds).
 
-`configure_switch_interval` is the operator's explicit choice (`--gil_switch_interval_ms`); `lower_switch_interval`
-is a component's default (the fast path asks for 0.5 ms on a GPU server) and never overrides an explicit choice.
+`configure_switch_interval` is an explicit choice (a server reads `COROLLA_GIL_SWITCH_INTERVAL_MS`, an experiment knob:
+`switch_interval_from_env`, docs/decisions/0007); `lower_switch_interval` is a component's default (the fast path asks for 0.5 ms on a GPU server) and never overrides an explicit choice.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -36,6 +37,22 @@ def check_switch_interval_ms(value_ms: float) -> float:
             f"gil_switch_interval_ms must be in [{MIN_SWITCH_INTERVAL_MS}, {MAX_SWITCH_INTERVAL_MS}], got {value_ms}"
         )
     return value_ms
+
+
+ENV_SWITCH_INTERVAL_MS = "COROLLA_GIL_SWITCH_INTERVAL_MS"
+
+
+def switch_interval_from_env() -> float | None:
+    """The interval in ms that `COROLLA_GIL_SWITCH_INTERVAL_MS` asks for (None: unset, components choose); ValueError
+    for a value that is not a number within the bounds."""
+    raw = os.environ.get(ENV_SWITCH_INTERVAL_MS)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value_ms = float(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_SWITCH_INTERVAL_MS} must be a number of milliseconds, got {raw!r:.40}") from None
+    return check_switch_interval_ms(value_ms)
 
 
 def configure_switch_interval(value_ms: float) -> None:
