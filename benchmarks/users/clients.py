@@ -19,10 +19,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
+from benchmarks.users.config import UsersConfig
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -30,13 +31,10 @@ if TYPE_CHECKING:
 
     from hivemind.p2p import P2P
 
-    from benchmarks.users.server import UsersConfig
     from corolla.client.span_session import SpanSession
 
 logger = get_logger(__name__)
 
-ClientKind = Literal["petals", "corolla"]
-CLIENT_KINDS: tuple[ClientKind, ...] = ("petals", "corolla")
 CLIENT_DESCRIPTIONS = {
     "petals": "stock-Petals-style rpc_inference streams (hivemind stub: an async generator fed by a queue, "
     "hivemind's writer task; over the socket open_local_inference wrapped the same way)",

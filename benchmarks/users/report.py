@@ -24,8 +24,9 @@ import torch
 from benchmarks.common import engine_steps
 from benchmarks.common.measure import median
 from benchmarks.common.model import ModelShape
-from benchmarks.users.clients import CLIENT_DESCRIPTIONS, CLIENT_KINDS, CpuSplit, format_cpus
-from benchmarks.users.server import BenchServer, UsersConfig, UsersResult, build_executor, run_users
+from benchmarks.users.clients import CLIENT_DESCRIPTIONS, CpuSplit, format_cpus
+from benchmarks.users.config import CLIENT_KINDS, UsersConfig
+from benchmarks.users.server import BenchServer, UsersResult, build_executor, run_users
 from corolla.server.executor import DeviceExecutor
 from corolla.server.gather import GatherRule, GatherSettings
 from corolla.server.step_timeline import TIMELINE_ENV

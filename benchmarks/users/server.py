@@ -31,14 +31,13 @@ import torch
 from benchmarks.common.measure import median, percentile
 from benchmarks.common.model import ModelShape
 from benchmarks.users.clients import (
-    CLIENT_KINDS,
     ClientJob,
-    ClientKind,
     CpuSplit,
     client_process,
     isolate_runtime_thread,
     pinned,
 )
+from benchmarks.users.config import UsersConfig
 from benchmarks.users.timeline import (
     return_counts,
     return_summary,
@@ -57,7 +56,6 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-Transport = Literal["p2p", "socket", "direct"]
 ServingPath = Literal["fast", "plain"]
 _P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 _LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -66,43 +64,6 @@ DHT_PREFIX = "bench"
 INFERENCE_KINDS = ("inference", "engine_inference")
 MAX_LENGTH_TOKENS = 4096
 MAX_BATCH_SIZE_TOKENS = 16384
-
-
-@dataclass(frozen=True)
-class UsersConfig:
-    """One measurement: `sessions` concurrent sessions spread over `client_processes` processes."""
-
-    sessions: int
-    client_processes: int
-    transport: Transport
-    client: ClientKind = "petals"  # how each session is driven (users.clients)
-    prefix_tokens: int = 32
-    decode_steps: int = 32
-    warmup_steps: int = 3  # each session's first steps are left out of the latency figures (ramp-up)
-    step_timeout_s: float = 120.0
-    start_timeout_s: float = 300.0  # spawning, opening and prefilling every session
-
-    def __post_init__(self) -> None:
-        if self.sessions < 1 or self.client_processes < 1:
-            raise ValueError(
-                f"sessions and client_processes must be >= 1, got {self.sessions}, {self.client_processes}"
-            )
-        if self.decode_steps <= self.warmup_steps:
-            raise ValueError(f"decode_steps ({self.decode_steps}) must exceed warmup_steps ({self.warmup_steps})")
-        if self.transport not in ("p2p", "socket", "direct"):
-            raise ValueError(f"transport must be 'p2p', 'socket' or 'direct', got {self.transport!r}")
-        if self.transport == "direct" and self.client != "corolla":
-            raise ValueError(
-                "transport 'direct' is corolla's own: it needs client 'corolla' (Petals has no direct port)"
-            )
-        if self.client not in CLIENT_KINDS:
-            raise ValueError(f"client must be one of {', '.join(CLIENT_KINDS)}, got {self.client!r}")
-
-    def split(self) -> list[int]:
-        """Sessions per client process (no process without sessions)."""
-        processes = min(self.client_processes, self.sessions)
-        base, extra = divmod(self.sessions, processes)
-        return [base + (i < extra) for i in range(processes)]
 
 
 @dataclass

@@ -17,7 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
-from corolla.api.route_trace import GenerationTrace, _NoTrace, current_trace
+from corolla.api.route_trace import GenerationTrace, NoTrace, current_trace
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.speculative_loop import SessionTarget, VerifyTarget
 from corolla.utils.logging import get_logger
 
@@ -124,7 +125,7 @@ class SwarmBackend(TokenizerCodec):
 class _TracedTarget(SessionTarget):
     """`SessionTarget` that reports each verification pass's servers to the request's route trace."""
 
-    def __init__(self, model: Any, session: Any, trace: GenerationTrace | _NoTrace):
+    def __init__(self, model: Any, session: Any, trace: GenerationTrace | NoTrace):
         super().__init__(model, session)
         self.trace = trace
 
@@ -174,8 +175,6 @@ def load_swarm_backend(
     """Connects a distributed model and its tokenizer to a swarm. `max_retries` bounds fail-over so that a swarm
     missing blocks yields a prompt 503 rather than a request waiting forever."""
     from transformers import AutoTokenizer
-
-    from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 
     client_config = ClientConfig(
         initial_peers=tuple(initial_peers),

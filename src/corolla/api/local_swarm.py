@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from corolla.models.config import load_config
 from corolla.swarm.local import LocalSwarm as _LocalSwarm
 from corolla.swarm.local import LocalSwarmConfig, even_block_ranges
 from corolla.utils.logging import get_logger
@@ -39,8 +40,6 @@ class LocalSwarm(_LocalSwarm):
     def _spans(self) -> list[tuple[int, int]]:
         num_blocks = self.num_blocks
         if num_blocks is None:
-            from corolla.models.config import load_config
-
             num_blocks = int(load_config(self.model).num_hidden_layers)
         return even_block_ranges(num_blocks, self.num_servers)
 

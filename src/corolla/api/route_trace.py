@@ -128,7 +128,7 @@ class GenerationTrace:
             }
 
 
-class _NoTrace:
+class NoTrace:
     """What `current_trace()` returns outside a traced request: records nothing."""
 
     def step(self, route: Sequence[tuple[Any, str | None]]) -> None:
@@ -138,11 +138,11 @@ class _NoTrace:
         pass
 
 
-NO_TRACE = _NoTrace()
+NO_TRACE = NoTrace()
 _current: ContextVar[GenerationTrace | None] = ContextVar("corolla_api_generation_trace", default=None)
 
 
-def current_trace() -> GenerationTrace | _NoTrace:
+def current_trace() -> GenerationTrace | NoTrace:
     """The trace of the request this generation serves, or a no-op one."""
     return _current.get() or NO_TRACE
 

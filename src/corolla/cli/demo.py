@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from corolla.cli.errors import add_common_flags, run_cli
+from corolla.client.config import ClientConfig
+from corolla.client.distributed_model import AutoDistributedModelForCausalLM
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
@@ -216,9 +218,6 @@ def _raise_keyboard_interrupt(_signum: int, _frame: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoTokenizer
-
-    from corolla.client.config import ClientConfig
-    from corolla.client.distributed_model import AutoDistributedModelForCausalLM
 
     model_dir = ensure_demo_checkpoint(args.model_dir)
     num_blocks = AutoConfig.from_pretrained(model_dir).num_hidden_layers

@@ -15,6 +15,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from corolla import __version__
+from corolla.swarm.dht import check_peer_maddr
 from corolla.utils.errors import BootstrapError, ConfigurationError, MissingBlocksError, PortInUseError
 
 EXIT_RUNTIME = 1
@@ -24,8 +26,6 @@ _MAX_LINE_CHARS = 600
 
 
 def version_string() -> str:
-    from corolla import __version__
-
     return f"corolla {__version__}"
 
 
@@ -130,8 +130,6 @@ def check_model_argument(name: str, what: str = "model") -> None:
 
 def check_initial_peers(peers: Sequence[str] | None) -> None:
     """Checks `--initial_peers` before anything slow starts (ConfigurationError naming a malformed address)."""
-    from corolla.swarm.dht import check_peer_maddr
-
     for maddr in peers or ():
         check_peer_maddr(maddr)
 

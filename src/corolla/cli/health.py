@@ -13,6 +13,7 @@ from corolla.cli.errors import add_common_flags, check_initial_peers, check_mode
 from corolla.health.app import create_app
 from corolla.health.collector import HealthConfig, StateCollector
 from corolla.health.state import ModelEntry
+from corolla.models.config import default_dht_prefix, is_local_path, load_config
 from corolla.swarm.dht import SwarmConfig, create_dht, shutdown_dht
 from corolla.swarm.membership import load_swarm_key
 from corolla.swarm.records_io import get_model_infos
@@ -54,8 +55,6 @@ def build_parser() -> configargparse.ArgParser:
 
 
 def model_entry_from_model(name_or_path: str) -> ModelEntry:
-    from corolla.models.config import default_dht_prefix, is_local_path, load_config
-
     config = load_config(name_or_path)
     repository = None if is_local_path(name_or_path) else f"https://huggingface.co/{name_or_path}"
     return ModelEntry(

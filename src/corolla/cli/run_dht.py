@@ -27,6 +27,7 @@ from corolla.swarm.dht import (
     shutdown_dht,
 )
 from corolla.swarm.membership import SwarmKey, load_swarm_key
+from corolla.swarm.reachability import attach_reachability_protocol
 from corolla.utils.interrupts import event_wait
 from corolla.utils.logging import get_logger
 
@@ -153,8 +154,6 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(f"{INITIAL_PEER_PREFIX}{maddr}", flush=True)
         print(f"corolla-dht: to join this swarm, pass --initial_peers {' '.join(maddrs)}", flush=True)
         if config.is_public:
-            from corolla.swarm.reachability import attach_reachability_protocol
-
             attach_reachability_protocol(dht)
         while not event_wait(stop, args.refresh_period):  # in slices: see utils.interrupts
             try:

@@ -21,6 +21,8 @@ from corolla.cli.errors import (
 )
 from corolla.server.config import COMPRESSION_NAMES, QUANT_TYPE_NAMES, TORCH_DTYPE_NAMES, ServerConfig
 from corolla.server.limits import add_limit_flags
+from corolla.server.server import Server
+from corolla.server.startup_checks import check_settings
 from corolla.swarm.policy import POLICY_NAMES
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
@@ -198,9 +200,7 @@ def preflight(config: ServerConfig) -> None:
     address family only) or `--metrics_port`."""
     check_initial_peers(config.initial_peers)
     check_model_argument(config.model_name_or_path)
-    from corolla.server.startup_checks import check_settings
-
-    check_settings(config)  # a device, quantization or dtype that cannot run here (before the heavy imports)
+    check_settings(config)  # a device, quantization or dtype that cannot run here (before anything slow starts)
     for maddr in config.resolved_host_maddrs:
         parts = maddr.split("/")  # /ip4/HOST/tcp/PORT
         if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and parts[4].isdigit():
@@ -230,8 +230,6 @@ def _main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     preflight(config)
     increase_file_limit(config.increase_file_limit)
-
-    from corolla.server.server import Server
 
     try:
         server = Server(config)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from corolla.demo.assets import DEMO_CHECKPOINT_DIR
+from corolla.demo.train import train_demo_model
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-DEMO_CHECKPOINT_DIR = Path(__file__).resolve().parent / "assets" / "corolla-demo-llama"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
@@ -21,7 +22,5 @@ def ensure_demo_checkpoint(directory: Path = DEMO_CHECKPOINT_DIR) -> Path:
     """Returns `directory`, training the demo model into it first (a few minutes on CPU) if it is incomplete."""
     if is_complete(directory):
         return directory
-    from corolla.demo.train import train_demo_model
-
     logger.info(f"demo_checkpoint.missing(dir={directory}): training it now")
     return train_demo_model(directory)

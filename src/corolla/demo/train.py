@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from corolla.demo.assets import DEMO_CHECKPOINT_DIR
 from corolla.demo.corpus import prose_paragraphs
 from corolla.demo.tokenizer import NUM_BYTE_TOKENS, VOCAB_SIZE, build_byte_tokenizer
 from corolla.utils.logging import get_logger
@@ -163,7 +164,6 @@ def train_demo_model(output_dir: Path, config: DemoTrainConfig = DemoTrainConfig
 
 
 def main() -> None:
-    from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output_dir", type=Path, default=DEMO_CHECKPOINT_DIR)

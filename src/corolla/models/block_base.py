@@ -57,7 +57,7 @@ def active_adapter() -> str:
 
 
 @contextlib.contextmanager
-def _set_active_adapter(name: str) -> Iterator[None]:
+def set_active_adapter(name: str) -> Iterator[None]:
     token = _ACTIVE_ADAPTER.set(name)
     try:
         yield

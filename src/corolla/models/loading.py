@@ -60,7 +60,7 @@ def load_pretrained_block(
         block = family.build_block(config, block_index)
     block = block.to(dtype).to_empty(device="cpu")
 
-    source = _CheckpointSource(name_or_path, cache_dir=cache_dir, revision=revision, token=token,
+    source = CheckpointSource(name_or_path, cache_dir=cache_dir, revision=revision, token=token,
                                max_disk_space_bytes=max_disk_space_bytes)  # fmt: skip
     state_dict, origin = source.read_block(family.block_prefixes, block_index)
     expected = block.expected_checkpoint_shapes()
@@ -124,7 +124,7 @@ def _torch_load(path: str) -> dict[str, torch.Tensor]:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-class _CheckpointSource:
+class CheckpointSource:
     """A checkpoint in a local directory or a hub repo; hands out local paths of its files."""
 
     def __init__(self, name_or_path, *, cache_dir, revision, token, max_disk_space_bytes):

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from corolla.models.block_base import CorollaBlock, _set_active_adapter, active_adapter
+from corolla.models.block_base import CorollaBlock, active_adapter, set_active_adapter
+from corolla.models.loading import CheckpointSource
 from corolla.models.tensor_parallel import SPLIT_ATTR
 from corolla.utils.logging import get_logger
 
@@ -45,9 +46,8 @@ class LoraWeights:
 def _adapter_file(name_or_path: str, filename: str, *, cache_dir, revision, token, max_disk_space_bytes) -> Path:
     if os.path.isdir(name_or_path):
         return Path(name_or_path) / filename
-    from corolla.models.loading import _CheckpointSource
 
-    source = _CheckpointSource(
+    source = CheckpointSource(
         name_or_path, cache_dir=cache_dir, revision=revision, token=token, max_disk_space_bytes=max_disk_space_bytes
     )
     return Path(source.get_file(filename))
@@ -251,5 +251,5 @@ def using_adapter(name: str | None, *, known: Iterable[str] | None = None) -> It
     name = name or ""
     if name and known is not None and name not in set(known):
         raise KeyError(f"Unknown adapter {name!r}; known adapters: {sorted(set(known)) or 'none'}")
-    with _set_active_adapter(name):
+    with set_active_adapter(name):
         yield

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from corolla.models.quantization import QuantType, quantize_block
+from corolla.models.tensor_parallel import make_tensor_parallel
 
 
 def place_block(
@@ -20,7 +21,5 @@ def place_block(
 ) -> nn.Module:
     """Returns `block` split over `tensor_parallel_devices` (when more than one) and quantized, on `device`."""
     if len(tensor_parallel_devices) > 1:
-        from corolla.models.tensor_parallel import make_tensor_parallel
-
         block = make_tensor_parallel(block, [torch.device(d) for d in tensor_parallel_devices])
     return quantize_block(block, quant_type, device)  # QuantType.NONE only moves it (TP shards stay put)

@@ -10,6 +10,17 @@ from typing import Any
 
 from torch import nn
 
+from corolla.models.bloom.block import BloomBlock
+from corolla.models.deepseek_v3.block import DeepseekV3Block, is_moe_layer
+from corolla.models.falcon.block import FalconBlock
+from corolla.models.gemma.block import Gemma2Block, Gemma3Block
+from corolla.models.gpt_oss.block import GptOssBlock
+from corolla.models.llama.block import LlamaBlock
+from corolla.models.mixtral.block import MixtralBlock
+from corolla.models.phi3.block import Phi3Block
+from corolla.models.qwen3.block import Qwen3Block
+from corolla.models.qwen3_moe.block import Qwen3MoeBlock, is_sparse_layer
+
 
 def _repo_name(repo_id: str) -> str:
     return str(repo_id).rstrip("/").split("/")[-1]
@@ -62,27 +73,6 @@ def _mla_cache_values(config) -> int:
     return int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
 
 
-def qwen3_moe_sparse_layer(config, layer_idx: int) -> bool:
-    """Experts unless the layer is in `mlp_only_layers` or off the `decoder_sparse_step` grid (transformers' rule)."""
-    mlp_only = set(getattr(config, "mlp_only_layers", None) or ())
-    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-    return layer_idx not in mlp_only and int(config.num_experts) > 0 and (layer_idx + 1) % step == 0
-
-
-def deepseek_sparse_layer(config, layer_idx: int) -> bool:
-    """Experts from layer `first_k_dense_replace` on."""
-    return layer_idx >= int(config.first_k_dense_replace) and int(config.n_routed_experts) > 0
-
-
-def _lazy(path: str) -> Callable[..., Any]:
-    module_name, attr = path.rsplit(":", 1)
-
-    def build(config, layer_idx: int):
-        return getattr(importlib.import_module(module_name), attr)(config, layer_idx)
-
-    return build
-
-
 @dataclass(frozen=True)
 class ModelFamily:
     """What corolla needs to know about one `model_type`."""
@@ -115,58 +105,58 @@ _FAMILIES: dict[str, ModelFamily] = {
     f.model_type: f
     for f in [
         ModelFamily(
-            "llama", "llama", "model.layers", _lazy("corolla.models.llama.block:LlamaBlock"), _config_kv_heads,
+            "llama", "llama", "model.layers", LlamaBlock, _config_kv_heads,
             _llama_prefix, f"{_TF}.llama.modeling_llama:LlamaDecoderLayer",
         ),
         ModelFamily(
-            "mistral", "llama", "model.layers", _lazy("corolla.models.llama.block:LlamaBlock"), _config_kv_heads,
+            "mistral", "llama", "model.layers", LlamaBlock, _config_kv_heads,
             _llama_prefix, f"{_TF}.mistral.modeling_mistral:MistralDecoderLayer",
         ),
         ModelFamily(
-            "qwen2", "llama", "model.layers", _lazy("corolla.models.llama.block:LlamaBlock"), _config_kv_heads,
+            "qwen2", "llama", "model.layers", LlamaBlock, _config_kv_heads,
             _llama_prefix, f"{_TF}.qwen2.modeling_qwen2:Qwen2DecoderLayer",
         ),
         ModelFamily(
-            "mixtral", "mixtral", "model.layers", _lazy("corolla.models.mixtral.block:MixtralBlock"),
+            "mixtral", "mixtral", "model.layers", MixtralBlock,
             _config_kv_heads, _mixtral_prefix, f"{_TF}.mixtral.modeling_mixtral:MixtralDecoderLayer",
         ),
         ModelFamily(
-            "falcon", "falcon", "transformer.h", _lazy("corolla.models.falcon.block:FalconBlock"), _falcon_kv_heads,
+            "falcon", "falcon", "transformer.h", FalconBlock, _falcon_kv_heads,
             _falcon_prefix, f"{_TF}.falcon.modeling_falcon:FalconDecoderLayer",
         ),
         ModelFamily(
-            "gemma2", "gemma", "model.layers", _lazy("corolla.models.gemma.block:Gemma2Block"), _config_kv_heads,
+            "gemma2", "gemma", "model.layers", Gemma2Block, _config_kv_heads,
             _llama_prefix, f"{_TF}.gemma2.modeling_gemma2:Gemma2DecoderLayer",
         ),
         ModelFamily(
-            "gemma3_text", "gemma", "model.layers", _lazy("corolla.models.gemma.block:Gemma3Block"),
+            "gemma3_text", "gemma", "model.layers", Gemma3Block,
             _config_kv_heads, _llama_prefix, f"{_TF}.gemma3.modeling_gemma3:Gemma3DecoderLayer",
         ),
         ModelFamily(
-            "gpt_oss", "gpt_oss", "model.layers", _lazy("corolla.models.gpt_oss.block:GptOssBlock"),
+            "gpt_oss", "gpt_oss", "model.layers", GptOssBlock,
             _config_kv_heads, _llama_prefix, f"{_TF}.gpt_oss.modeling_gpt_oss:GptOssDecoderLayer",
         ),
         ModelFamily(
-            "bloom", "bloom", "h", _lazy("corolla.models.bloom.block:BloomBlock"), _bloom_kv_heads,
+            "bloom", "bloom", "h", BloomBlock, _bloom_kv_heads,
             _bloom_prefix, f"{_TF}.bloom.modeling_bloom:BloomBlock", alt_block_prefixes=("transformer.h",),
         ),
         ModelFamily(
-            "qwen3", "qwen3", "model.layers", _lazy("corolla.models.qwen3.block:Qwen3Block"), _config_kv_heads,
+            "qwen3", "qwen3", "model.layers", Qwen3Block, _config_kv_heads,
             _llama_prefix, f"{_TF}.qwen3.modeling_qwen3:Qwen3DecoderLayer",
         ),
         ModelFamily(
-            "qwen3_moe", "qwen3_moe", "model.layers", _lazy("corolla.models.qwen3_moe.block:Qwen3MoeBlock"),
+            "qwen3_moe", "qwen3_moe", "model.layers", Qwen3MoeBlock,
             _config_kv_heads, _llama_prefix, f"{_TF}.qwen3_moe.modeling_qwen3_moe:Qwen3MoeDecoderLayer",
-            is_sparse_layer=qwen3_moe_sparse_layer,
+            is_sparse_layer=is_sparse_layer,
         ),
         ModelFamily(
-            "phi3", "phi3", "model.layers", _lazy("corolla.models.phi3.block:Phi3Block"), _config_kv_heads,
+            "phi3", "phi3", "model.layers", Phi3Block, _config_kv_heads,
             _llama_prefix, f"{_TF}.phi3.modeling_phi3:Phi3DecoderLayer",
         ),
         ModelFamily(
-            "deepseek_v3", "deepseek_v3", "model.layers", _lazy("corolla.models.deepseek_v3.block:DeepseekV3Block"),
+            "deepseek_v3", "deepseek_v3", "model.layers", DeepseekV3Block,
             _mla_kv_heads, _llama_prefix, f"{_TF}.deepseek_v3.modeling_deepseek_v3:DeepseekV3DecoderLayer",
-            cache_values_per_token=_mla_cache_values, is_sparse_layer=deepseek_sparse_layer,
+            cache_values_per_token=_mla_cache_values, is_sparse_layer=is_moe_layer,
         ),
     ]
 }  # fmt: skip

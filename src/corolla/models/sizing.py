@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from corolla.models.kv_sizing import kv_cache_bytes_per_token as kv_bytes_per_token_of_architecture
+from corolla.models.moe_sizing import largest_block_params
 from corolla.models.quantization import BYTES_PER_VALUE, QuantType
 
 SIZE_MARGIN = 0.01  # the reference's 1% slack
@@ -12,8 +14,6 @@ SIZE_MARGIN = 0.01  # the reference's 1% slack
 def count_block_parameters(config) -> int:
     """Parameters of one block (the largest: a routed-experts one when the model mixes dense and MoE layers),
     counted on the meta device (no memory is used)."""
-    from corolla.models.moe_sizing import largest_block_params
-
     return largest_block_params(config)
 
 
@@ -30,6 +30,4 @@ def block_size_bytes(config, dtype: torch.dtype, quant_type: QuantType | str = Q
 
 def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> int:
     """K and V bytes one token takes in one block's cache (all shards together; MLA: latent + rotary key)."""
-    from corolla.models.kv_sizing import kv_cache_bytes_per_token as from_architecture
-
-    return from_architecture(config, dtype)
+    return kv_bytes_per_token_of_architecture(config, dtype)

@@ -14,11 +14,11 @@ from corolla.models.deepseek_v3.mla import LatentAttention
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE
 from corolla.models.expert_names import swiglu_layout, unstack_experts
 from corolla.models.layers import GatedMLP, RMSNorm
-from corolla.models.registry import deepseek_sparse_layer
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:
-    return deepseek_sparse_layer(config, layer_idx)
+    """Experts from layer `first_k_dense_replace` on."""
+    return layer_idx >= int(config.first_k_dense_replace) and int(config.n_routed_experts) > 0
 
 
 class DeepseekV3Block(CorollaBlock):

@@ -14,12 +14,13 @@ from corolla.models.block_base import TensorTarget
 from corolla.models.expert_names import experts_layout, unstack_experts
 from corolla.models.layers import GatedMLP, SparseMoE
 from corolla.models.qwen3.block import Qwen3Block
-from corolla.models.registry import qwen3_moe_sparse_layer
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
     """The transformers rule: experts unless the layer is in `mlp_only_layers` or off the sparse step."""
-    return qwen3_moe_sparse_layer(config, layer_idx)
+    mlp_only = set(getattr(config, "mlp_only_layers", None) or ())
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return layer_idx not in mlp_only and int(config.num_experts) > 0 and (layer_idx + 1) % step == 0
 
 
 class Qwen3MoeBlock(Qwen3Block):
