@@ -1,7 +1,7 @@
 """A churn soak: a loopback swarm holding replicas of every span, client processes generating greedily without pause,
 and a seeded chaos loop that SIGKILLs, SIGTERMs and restarts servers (now and then every replica of a span at once,
 so clients must wait and recover); then every generation is compared with a local `transformers` reference and
-`/proc` is checked for anything left behind (leaked or orphaned processes). `python -m benchmarks.soak.churn
+`/proc` is checked for anything left behind (leaked or orphaned processes). `python -m benchmarks.soak
 --duration_s 600 --seed 1` is what `make soak` runs; `tests/integration/test_churn_soak.py` runs a short one."""
 
 from __future__ import annotations
@@ -382,7 +382,9 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     defaults = ChurnConfig()
     for f in fields(ChurnConfig):
         value = getattr(defaults, f.name)
