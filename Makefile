@@ -11,7 +11,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 TORCH ?= torch==2.13.0
 LOOPBACK := ../shared/tools/loopback-only
 
-.PHONY: install install-demo test lint format demo clean soak bench
+.PHONY: install install-demo test lint format demo finetune-demo clean soak bench
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,15 @@ demo: $(DEMO_STAMP)
 		$(LOOPBACK) $(PY) -m corolla.cli.demo $(DEMO_ARGS); \
 	else \
 		$(PY) -m corolla.cli.demo $(DEMO_ARGS); \
+	fi
+
+# Prompt-tunes the demo model through its own loopback swarm to classify generated sentences by topic (~3-4 min on
+# a 2-core CPU); `FINETUNE_ARGS="--initial_peers ..."` trains through a running swarm instead (see --help).
+finetune-demo: $(DEMO_STAMP)
+	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
+		$(LOOPBACK) $(PY) -m corolla.cli.finetune_demo $(FINETUNE_ARGS); \
+	else \
+		$(PY) -m corolla.cli.finetune_demo $(FINETUNE_ARGS); \
 	fi
 
 # Opt-in churn soak (10 min by default): servers SIGKILLed, SIGTERMed and restarted under generating clients; fails on

@@ -28,8 +28,42 @@ petals_server = _load_petals_server()
 READY_PREFIX = "petals-server: ready"
 
 
+def prompt_tuning_results(args: argparse.Namespace, input_ids) -> dict:
+    """Petals' deep prompt tuning: a `tuning_mode="deep_ptune"` model whose prompts are set from `--ptune_init` (a
+    torch.save'd dict with `prompt_embeddings` [P, H] and `intermediate_prompt_embeddings` [P, L * H]), its loss
+    for labels = input_ids and the gradients of both prompt tables."""
+    import torch
+    from petals import AutoDistributedModelForCausalLM
+
+    init = torch.load(args.ptune_init)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        args.model,
+        initial_peers=args.initial_peers,
+        dht_prefix=args.dht_prefix,
+        max_retries=3,
+        daemon_startup_timeout=30,
+        request_timeout=30,
+        torch_dtype=torch.float32,
+        tuning_mode="deep_ptune",
+        pre_seq_len=init["prompt_embeddings"].shape[0],
+    )
+    params = {name.rsplit(".", 2)[-2]: p for name, p in model.named_parameters() if "prompt_embeddings" in name}
+    with torch.no_grad():
+        for name, value in init.items():
+            params[name].copy_(value)
+    loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    results = {"ptune_loss": loss.detach()}
+    results.update({f"ptune_{name}_grad": params[name].grad for name in init})
+    closer = threading.Thread(target=model.model.layers.sequence_manager.dht.shutdown, daemon=True)
+    closer.start()
+    closer.join(10)  # bounded, as run_client's own teardown
+    return results
+
+
 def run_client(args: argparse.Namespace) -> int:
-    """Forward logits, greedy generation, a multi-step inference session and a backward pass through the swarm."""
+    """Forward logits, greedy generation, a multi-step inference session, a backward pass and deep prompt tuning's
+    gradients through the swarm."""
     import torch
     from petals import AutoDistributedModelForCausalLM
 
@@ -65,6 +99,8 @@ def run_client(args: argparse.Namespace) -> int:
         loss.backward()
         results["loss"] = loss.detach()
         results["embeds_grad"] = embeds.grad
+    if "ptune" in cases:
+        results.update(prompt_tuning_results(args, input_ids))
     torch.save(results, args.out)
     print("petals-client: done", flush=True)
     # petals' client teardown (DHT shutdown, interpreter exit with hivemind threads) sometimes hangs after all RPCs
@@ -88,6 +124,7 @@ def main() -> int:
     client.add_argument("--input_ids", type=int, nargs="+", required=True)
     client.add_argument("--new_tokens", type=int, default=6)
     client.add_argument("--cases", default="forward,generate,session,backward")
+    client.add_argument("--ptune_init", default=None, help="prompts for the ptune case (torch.save'd dict)")
     client.add_argument("--out", required=True)
     args = parser.parse_args()
     return petals_server.serve(args, READY_PREFIX) if args.command == "server" else run_client(args)

@@ -100,10 +100,14 @@ def start_corolla_server(swarm: Swarm, model_dir: Path, where: list[str], *, wai
     return swarm.start_server(model_dir, "--dht_prefix", DHT_PREFIX, *where, wait=wait)
 
 
-def run_petals_client(petals_py: Path, model_dir: Path, initial_peers: list[str], out: Path, cases: str) -> dict:
+def run_petals_client(
+    petals_py: Path, model_dir: Path, initial_peers: list[str], out: Path, cases: str, ptune_init: Path | None = None
+) -> dict:
     args = [str(petals_py), str(DRIVER), "client", "--model", str(model_dir), "--dht_prefix", DHT_PREFIX,
             "--initial_peers", *initial_peers, "--input_ids", *map(str, INPUT_IDS),
             "--new_tokens", str(NEW_TOKENS), "--cases", cases, "--out", str(out)]  # fmt: skip
+    if ptune_init is not None:
+        args += ["--ptune_init", str(ptune_init)]
     log_path = out.with_suffix(".log")
     # The stock Petals client occasionally hangs inside its own hivemind code (seen ~1 run in 10 before the driver
     # bounded its teardown). A hang, and only a hang, is retried once; a crash or a wrong result fails at once.
@@ -248,6 +252,68 @@ def test_clients_compress_inputs_as_the_server_asks(interop_swarm, petals_py, mo
     ours = corolla_results(model_dir, interop_swarm.initial_peers, "forward,session,backward")
     for key in ("logits", "session_logits", "embeds_grad"):
         torch.testing.assert_close(ours[key], petals[key], atol=1e-5, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+PTUNE_PRE_SEQ_LEN = 2
+
+
+def ptune_init(hidden_size: int) -> dict[str, torch.Tensor]:
+    """The deep prompts both clients start from (Petals' table shapes: [P, H] and [P, L * H])."""
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "prompt_embeddings": 0.3 * torch.randn(PTUNE_PRE_SEQ_LEN, hidden_size, generator=generator),
+        "intermediate_prompt_embeddings": 0.3
+        * torch.randn(PTUNE_PRE_SEQ_LEN, NUM_LAYERS * hidden_size, generator=generator),
+    }
+
+
+def corolla_prompt_tuning(model_dir: Path, initial_peers: list[str], init: dict[str, torch.Tensor]) -> dict:
+    """corolla's client doing what petals_driver.py's `ptune` case does, and the local transformers reference."""
+    from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+    from helpers.training import reference_loss_and_grads
+
+    input_ids = torch.tensor([INPUT_IDS])
+    with (
+        torch_threads(1),
+        AutoDistributedModelForCausalLM.from_pretrained(
+            model_dir, initial_peers=initial_peers, dht_prefix=DHT_PREFIX, client_config=ClientConfig(max_retries=3),
+            tuning_mode="deep_ptune", pre_seq_len=PTUNE_PRE_SEQ_LEN,
+        ) as model,
+    ):  # fmt: skip
+        tables = dict(model.prompt_tuning.named_parameters())  # "prompt_embeddings.weight", ...
+        with torch.no_grad():
+            for name, value in init.items():
+                tables[f"{name}.weight"].copy_(value)
+        loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+        ours = {"ptune_loss": loss.detach()}
+        ours.update({f"ptune_{name}_grad": tables[f"{name}.weight"].grad for name in init})
+        expected_loss, expected = reference_loss_and_grads(model_dir, model, input_ids)
+    reference = {"ptune_loss": expected_loss}
+    reference.update({f"ptune_{name}_grad": expected[f"prompt_tuning.{name}.weight"] for name in init})
+    return {"corolla": ours, "reference": reference}
+
+
+def test_prompt_tuning_gradients_across_stacks(interop_swarm, petals_py, model_dir, tmp_path):
+    """A swarm of a corolla server (0:2) and a stock Petals server (2:4): Petals' deep-prompt-tuned client and
+    corolla's each get transformers' loss and prompt gradients through both kinds of server."""
+    interop_swarm.start_bootstrap()
+    peers = interop_swarm.initial_peers
+    start_corolla_server(interop_swarm, model_dir, ["--block_indices", "0:2"])
+    start_petals_server(interop_swarm, petals_py, model_dir, ["--block_indices", f"2:{NUM_LAYERS}"], peers)
+    from transformers import AutoConfig
+
+    init = ptune_init(AutoConfig.from_pretrained(model_dir).hidden_size)
+    init_path = tmp_path / "ptune-init.pt"
+    torch.save(init, init_path)
+    results = corolla_prompt_tuning(model_dir, peers, init)
+    results["petals"] = run_petals_client(petals_py, model_dir, peers, tmp_path / "out.pt", "ptune", init_path)
+    for client in ("corolla", "petals"):
+        for key, expected in results["reference"].items():
+            torch.testing.assert_close(
+                results[client][key], expected, atol=1e-6, rtol=1e-4, msg=lambda m, c=client, k=key: f"{c} {k}: {m}"
+            )
+    assert_clean_logs(interop_swarm.servers)
 
 
 if __name__ == "__main__":  # pragma: no cover

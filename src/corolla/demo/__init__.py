@@ -2,4 +2,6 @@
 
 `corpus` gathers the text, `tokenizer` builds an offline byte-level tokenizer, `train` trains and saves the
 checkpoint (deterministic, seeded), `checkpoint` locates the committed copy under `assets/` or rebuilds it.
+`topics` + `finetune`: the fine-tuning demo (`make finetune-demo`): prompt-tuning it through a swarm to classify
+generated sentences by topic.
 """
