@@ -1,5 +1,5 @@
-"""The device side's hot codec (`server.step_frames`) writes and reads exactly `proxy_wire`'s format: reply frames
-equal `proxy_wire.batch_frames` byte for byte (grouping and bounds included), STEP_BATCH items parse to the same
+"""The one frame codec's hot paths (`proxy_wire.parse_steps`, `reply_frames`) write and read exactly what its
+general ones do: reply frames equal `proxy_wire.batch_frames` byte for byte (grouping and bounds included), STEP_BATCH items parse to the same
 fields and tensors as `proxy_wire.Reader`, a malformed item fails alone, and no length a frame claims is trusted
 before it is checked."""
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from corolla.server import proxy_wire as wire
-from corolla.server import step_frames
 from corolla.server.refusals import TooLong
 
 
@@ -40,10 +39,8 @@ def test_reply_frames_equal_the_reference_encoder(max_frame_bytes: int) -> None:
     results.append((102, torch.empty(1, 0, 16)))
     results.append((103, torch.randn(1, 1, 5, requires_grad=True)))  # alone in its group, and needing a detach
     head = b"".join(_state().parts)
-    assert step_frames.reply_frames(_no_bytes(results), head, max_frame_bytes) == _reference(results, max_frame_bytes)
-    assert step_frames.reply_frames(_no_bytes(results[:1]), head, max_frame_bytes) == _reference(
-        results[:1], max_frame_bytes
-    )
+    assert wire.reply_frames(_no_bytes(results), head, max_frame_bytes) == _reference(results, max_frame_bytes)
+    assert wire.reply_frames(_no_bytes(results[:1]), head, max_frame_bytes) == _reference(results[:1], max_frame_bytes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -61,7 +58,7 @@ def test_reply_bytes_of_a_forwards_views_are_read_in_place(dtype: torch.dtype, m
 
     monkeypatch.setattr(torch, "cat", no_cat)
     head = b"".join(_state().parts)
-    assert step_frames.reply_frames(_no_bytes(results), head, 1 << 20) == expected
+    assert wire.reply_frames(_no_bytes(results), head, 1 << 20) == expected
 
 
 def test_a_run_of_adjacent_outputs_stops_at_its_storages_end() -> None:
@@ -75,7 +72,7 @@ def test_a_run_of_adjacent_outputs_stops_at_its_storages_end() -> None:
     assert second.untyped_storage().data_ptr() != first[0].untyped_storage().data_ptr()
     results: list[tuple[int, torch.Tensor | BaseException]] = [(1, first[0]), (2, first[1]), (3, second)]
     head = b"".join(_state().parts)
-    assert step_frames.reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
+    assert wire.reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,13 +98,11 @@ def test_outputs_with_their_bytes_are_encoded_from_them_without_a_torch_call(dty
     head = b"".join(_state().parts)
     monkeypatch.setattr(torch.Tensor, "untyped_storage", forbidden)
     monkeypatch.setattr(torch.Tensor, "data_ptr", forbidden)
-    assert step_frames.reply_frames(results[:4], head, 1 << 20) == _reference(
-        [(rid, r) for rid, r, _ in results[:4]], 1 << 20
-    )
+    assert wire.reply_frames(results[:4], head, 1 << 20) == _reference([(rid, r) for rid, r, _ in results[:4]], 1 << 20)
     monkeypatch.undo()
-    assert step_frames.reply_frames(results, head, 1 << 20) == expected
+    assert wire.reply_frames(results, head, 1 << 20) == expected
     raw[:row] = bytes(row)  # the bytes sent are the output's memory
-    assert step_frames.reply_frames(results[:1], head, 1 << 20) == _reference([(1, pieces[0])], 1 << 20)
+    assert wire.reply_frames(results[:1], head, 1 << 20) == _reference([(1, pieces[0])], 1 << 20)
 
 
 def _no_bytes(
@@ -132,10 +127,10 @@ def test_steps_parse_as_the_reference_reader_does() -> None:
     bodies = [_step_body(i, h) for i, h in enumerate(hiddens)]
     bodies[1] = _step_body(1, hiddens[1], prompts=torch.randn(2, 1, 3, 8), hypo_ids=torch.tensor([0]), adapter="a")
     payload = _payload(bodies)
-    steps = step_frames.parse_steps(payload)
+    steps = wire.parse_steps(payload)
     payload[:] = b"\0" * len(payload)  # the receive buffer is reused: the steps own copies
     for i, (step, body) in enumerate(zip(steps, bodies, strict=True)):
-        assert isinstance(step, step_frames.ParsedStep)
+        assert isinstance(step, wire.ParsedStep)
         fields = wire.Reader(b"".join(body.parts))
         assert (step.request_id, step.handle, step.prefix_length, step.lone) == (10 + i, fields.u32(), fields.u32(),
                                                                                    bool(fields.u8()))  # fmt: skip
@@ -146,7 +141,7 @@ def test_steps_parse_as_the_reference_reader_does() -> None:
                 assert got is None
             else:
                 assert got is not None and got.dtype == want.dtype and torch.equal(got, want)
-    lone = step_frames.parse_step(7, memoryview(bytearray(b"".join(bodies[2].parts))))
+    lone = wire.parse_step(7, memoryview(bytearray(b"".join(bodies[2].parts))))
     assert lone.hidden is not None and torch.equal(lone.hidden, hiddens[2])
 
 
@@ -156,12 +151,12 @@ def test_a_malformed_item_fails_alone_and_claimed_lengths_are_checked_first() ->
     huge.parts.append(struct.pack(">BBIII", 0, 3, 1 << 30, 1 << 30, 8))  # claims 2^63 bytes, holds none
     short = wire.Writer().u32(3).u8(0)  # ends inside its fixed fields
     trailing = _step_body(4, torch.randn(1, 1, 8)).u8(0)
-    steps = step_frames.parse_steps(_payload([good, huge, short, trailing]))
-    assert isinstance(steps[0], step_frames.ParsedStep)
+    steps = wire.parse_steps(_payload([good, huge, short, trailing]))
+    assert isinstance(steps[0], wire.ParsedStep)
     for bad, request_id in zip(steps[1:], (11, 12, 13), strict=True):
-        assert isinstance(bad, step_frames.BadStep) and bad.request_id == request_id
+        assert isinstance(bad, wire.BadStep) and bad.request_id == request_id
     with pytest.raises(wire.FrameError):  # a batch whose item runs past the frame ends the channel
-        step_frames.parse_steps(_payload([good])[:-3])
+        wire.parse_steps(_payload([good])[:-3])
 
 
 def _raw_batch(count: int, items: list[tuple[int, int, bytes]], trailing: bytes = b"") -> memoryview:
@@ -185,7 +180,7 @@ def test_a_malformed_batch_is_refused_as_the_reference_refuses_it(payload: memor
     with pytest.raises(wire.FrameError):
         wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
     with pytest.raises(wire.FrameError):
-        step_frames.parse_steps(payload)
+        wire.parse_steps(payload)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -197,11 +192,11 @@ def test_a_lone_step_gets_its_own_copy_without_an_unbind(dtype: torch.dtype, mon
         raise AssertionError("a lone step's hidden states are built without an unbind")
 
     monkeypatch.setattr(torch.Tensor, "unbind", no_unbind)
-    (step,) = step_frames.parse_steps(payload)
-    lone = step_frames.parse_step(9, memoryview(bytearray(b"".join(_step_body(3, hidden).parts))))
+    (step,) = wire.parse_steps(payload)
+    lone = wire.parse_step(9, memoryview(bytearray(b"".join(_step_body(3, hidden).parts))))
     payload[:] = b"\0" * len(payload)  # the receive buffer is reused: the step owns its copy
     for got in (step, lone):
-        assert isinstance(got, step_frames.ParsedStep) and got.hidden is not None
+        assert isinstance(got, wire.ParsedStep) and got.hidden is not None
         assert got.hidden.shape == hidden.shape and got.hidden.dtype == dtype and torch.equal(got.hidden, hidden)
         got.hidden.add_(1)  # writable, and its own memory
     assert not torch.equal(step.hidden, hidden) and torch.equal(lone.hidden, step.hidden)
@@ -216,12 +211,12 @@ def test_parsed_steps_carry_bytes_and_build_no_tensor_until_asked(count: int, mo
         raise AssertionError("the reader thread parses a frame without a torch call")
 
     with monkeypatch.context() as patched:
-        patched.setattr(step_frames.torch, "frombuffer", no_torch)
+        patched.setattr(wire.torch, "frombuffer", no_torch)
         patched.setattr(torch.Tensor, "view", no_torch)
-        steps = step_frames.parse_steps(payload)
+        steps = wire.parse_steps(payload)
     payload[:] = b"\0" * len(payload)  # the receive buffer is reused: the steps own their copy
     for step, hidden in zip(steps, hiddens, strict=True):
-        assert isinstance(step, step_frames.ParsedStep) and step.raw is not None
+        assert isinstance(step, wire.ParsedStep) and step.raw is not None
         assert step.dtype == torch.bfloat16 and step.shape == (1, 1, 8)
         assert bytes(step.raw) == hidden.view(torch.uint8).numpy().tobytes()
         assert step.hidden is not None and torch.equal(step.hidden, hidden) and step.hidden is step.hidden
@@ -241,9 +236,9 @@ def test_one_shape_replies_equal_the_reference_at_every_frame_bound(max_frame_by
     results[3] = (4, pieces[3].clone(), None)  # elsewhere: read from its tensor
     expected = _reference([(rid, r) for rid, r, _ in results], max_frame_bytes)
     head = b"".join(_state().parts)
-    assert step_frames.reply_frames(results, head, max_frame_bytes) == expected
+    assert wire.reply_frames(results, head, max_frame_bytes) == expected
     for n in (1, 2, 5):
-        assert step_frames.reply_frames(results[:n], head, max_frame_bytes) == _reference(
+        assert wire.reply_frames(results[:n], head, max_frame_bytes) == _reference(
             [(rid, r) for rid, r, _ in results[:n]], max_frame_bytes
         )
 
@@ -260,8 +255,8 @@ def test_a_list_of_mixed_shapes_dtypes_or_refusals_is_encoded_as_the_reference()
     head = b"".join(_state().parts)
     for tail in tails:
         results = [*base, tail]
-        assert step_frames.reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
-        assert step_frames.reply_frames(_no_bytes([tail, *base]), head, 1 << 20) == _reference([tail, *base], 1 << 20)
+        assert wire.reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
+        assert wire.reply_frames(_no_bytes([tail, *base]), head, 1 << 20) == _reference([tail, *base], 1 << 20)
 
 
 def test_a_frames_hidden_states_become_tensors_in_one_view_per_group(monkeypatch) -> None:
@@ -272,9 +267,9 @@ def test_a_frames_hidden_states_become_tensors_in_one_view_per_group(monkeypatch
 
     torch.manual_seed(5)
     hiddens = [torch.randn(1, 1, 8) for _ in range(3)] + [torch.randn(2, 1, 8)]
-    steps = step_frames.parse_steps(_payload([_step_body(i, h) for i, h in enumerate(hiddens)]))
-    assert all(isinstance(step, step_frames.ParsedStep) for step in steps)
-    parsed = [step for step in steps if isinstance(step, step_frames.ParsedStep)]
+    steps = wire.parse_steps(_payload([_step_body(i, h) for i, h in enumerate(hiddens)]))
+    assert all(isinstance(step, wire.ParsedStep) for step in steps)
+    parsed = [step for step in steps if isinstance(step, wire.ParsedStep)]
     assert [step.rows[1] if step.rows is not None else None for step in parsed] == [0, 1, 2, None]  # alone: none
     views: list[tuple[int, ...]] = []
     view_bytes = step_request.view_bytes

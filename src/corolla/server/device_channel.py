@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 import torch
 
 from corolla.server import proxy_wire as wire
-from corolla.server import step_frames
 from corolla.server.admission import SessionAdmission, SessionTicket
 from corolla.server.channel_intake import ChannelIntake
 from corolla.server.channel_io import FrameSocket
@@ -47,7 +46,6 @@ from corolla.server.executor import (
 )
 from corolla.server.fast_executor import FastExecutor
 from corolla.server.frame_steps import FrameIntake, StepReply
-from corolla.server.handler_process import METRIC_REJECTED, METRIC_SESSION_CLOSED, METRIC_SESSION_OPENED
 from corolla.server.metrics import ServerMetrics
 from corolla.server.proxy_executor import DeviceInfo
 from corolla.server.push_router import DeviceSessionRegistry, PushRouter
@@ -172,7 +170,7 @@ class DeviceChannel:
         if not results or self.io.closed:
             return
         head = self._state_bytes()
-        self.io.send_frames(step_frames.reply_frames(results, head, self.max_frame_bytes))  # [B, T, H] each
+        self.io.send_frames(wire.reply_frames(results, head, self.max_frame_bytes))  # [B, T, H] each
 
     def send_state(self) -> None:
         self.send(wire.STATE, 0, self._state())
@@ -268,11 +266,11 @@ class DeviceChannel:
         event, label = fields.u8(), fields.text()
         if self.metrics is None:
             return
-        if event == METRIC_SESSION_OPENED:
+        if event == wire.METRIC_SESSION_OPENED:
             self.metrics.session_opened()
-        elif event == METRIC_SESSION_CLOSED:
+        elif event == wire.METRIC_SESSION_CLOSED:
             self.metrics.session_closed()
-        elif event == METRIC_REJECTED:
+        elif event == wire.METRIC_REJECTED:
             self.metrics.rejected(label)
 
     async def _end_all(self) -> None:

@@ -20,11 +20,9 @@ import torch
 from corolla.engine.batcher import StepGroup, StepResult
 from corolla.engine.span_engine import StepRequest
 from corolla.server import proxy_wire as wire
-from corolla.server import step_frames
 from corolla.server.admission import SessionAdmission, SessionTicket
 from corolla.server.executor import DeviceExecutor, PreparedStep, SessionCache, StepInputs
 from corolla.server.return_times import ReturnTimes
-from corolla.server.step_frames import BadStep, ParsedStep
 from corolla.server.task import Task
 
 # a step's reply as a channel queues it: request id, output [B, T, H] or what refused it, the output's bytes if known
@@ -104,14 +102,14 @@ class FrameIntake:
     def submit(self, kind: int, request_id: int, payload: memoryview) -> int:
         """Queues a STEP_BATCH's (or a STEP's) steps on the runtime, waking its thread once; refusals are answered
         at once. Returns the number of steps read. A malformed batch (count or lengths) raises FrameError."""
-        steps: list[ParsedStep | BadStep]
+        steps: list[wire.ParsedStep | wire.BadStep]
         if kind == wire.STEP_BATCH:
-            steps = step_frames.parse_steps(payload)
+            steps = wire.parse_steps(payload)
         else:
             try:
-                steps = [step_frames.parse_step(request_id, payload)]
+                steps = [wire.parse_step(request_id, payload)]
             except wire.FrameError as e:
-                steps = [BadStep(request_id, e)]
+                steps = [wire.BadStep(request_id, e)]
         refused: list[StepReply] = []
         tasks: list[Task] = []
         frame = _FrameSteps()  # the fast path's queued decode steps: one task (or a few)
@@ -121,7 +119,7 @@ class FrameIntake:
         held, prepare_step, arrived = self._held, self.executor.prepare_step, self.returns.arrived
         for step in steps:
             try:
-                if isinstance(step, BadStep):
+                if isinstance(step, wire.BadStep):
                     raise step.error
                 shape, dtype = step.shape, step.dtype
                 if shape is None or dtype is None or len(shape) != 3:

@@ -35,9 +35,6 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-# what a handler process reports to the device's metrics (its own registry is never scraped)
-METRIC_SESSION_OPENED, METRIC_SESSION_CLOSED, METRIC_REJECTED = 1, 2, 3
-
 
 @dataclass(frozen=True)
 class HandlerSettings:
@@ -73,13 +70,13 @@ class ForwardedMetrics(ServerMetrics):
             self.link.send(wire.METRICS, 0, wire.Writer().u8(event).text(label))
 
     def session_opened(self) -> None:
-        self._send(METRIC_SESSION_OPENED)
+        self._send(wire.METRIC_SESSION_OPENED)
 
     def session_closed(self) -> None:
-        self._send(METRIC_SESSION_CLOSED)
+        self._send(wire.METRIC_SESSION_CLOSED)
 
     def rejected(self, reason: str) -> None:
-        self._send(METRIC_REJECTED, reason)
+        self._send(wire.METRIC_REJECTED, reason)
 
 
 def stream_handle_names(handler: TransformerConnectionHandler) -> list[str]:
