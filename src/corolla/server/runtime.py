@@ -19,8 +19,18 @@ from typing import Any
 import torch
 
 from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.task import KIND_GENERIC, BatchLauncher, KindStats, LaunchedBatch, Task, TaskQueue
-from corolla.server.task_delivery import call_back, deliver, resolve, resolve_all
+from corolla.server.task import (
+    KIND_GENERIC,
+    BatchLauncher,
+    KindStats,
+    LaunchedBatch,
+    Task,
+    TaskQueue,
+    call_back,
+    deliver,
+    resolve,
+    resolve_all,
+)
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -1,5 +1,7 @@
 """What the runtime executes: a `Task` (a callable plus its priority, size and merge identity) and the
-`TaskQueue` that orders pending tasks and picks the next batch (most urgent first, oldest first within a priority)."""
+`TaskQueue` that orders pending tasks and picks the next batch (most urgent first, oldest first within a priority),
+and how a task's result is handed back: a future resolved inside its own event loop, or a callback task's `on_done`
+run in the thread that ran it, then its batch's flushes (`call_back`, `deliver`, `resolve_all`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Protocol
+
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 # Lower is more urgent (same convention as the reference's prioritizer: inference 1.0, everything else 2.0).
 PRIORITY_INFERENCE: float = 1.0
@@ -266,3 +272,50 @@ class TaskQueue:
             if len(batch) > 1:
                 self._heap = kept  # a sorted list is a valid heap
             return batch
+
+
+# ---- delivery: how the runtime hands results back
+
+
+def call_back(tasks: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
+    """Runs each callback task's `on_done`, then each distinct `flush` once (a failing callback is logged: it must
+    not stop the device thread or the other callers' replies)."""
+    flushes: dict[Callable[[], None], None] = {}  # keyed by the callable: equal bound methods flush once
+    for task, (result, error) in zip(tasks, results, strict=True):
+        try:
+            if task.on_done is not None:
+                task.on_done(result, error)
+        except Exception as e:
+            logger.warning(f"runtime.callback_failed(kind={task.kind}, error={e!r})")
+        if task.flush is not None:
+            flushes[task.flush] = None
+    for flush in flushes:
+        try:
+            flush()
+        except Exception as e:
+            logger.warning(f"runtime.flush_failed(error={e!r})")
+
+
+def deliver(task: Task, result: Any, error: BaseException | None) -> None:
+    """Resolves the task's future inside its own event loop (thread-safe), or runs its callback here."""
+    if task.future is None or task.loop is None:
+        call_back([task], [(result, error)])
+        return
+    try:
+        task.loop.call_soon_threadsafe(resolve, task.future, result, error)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        logger.debug(f"runtime.deliver_dropped(kind={task.kind}): event loop closed")
+
+
+def resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # cancelled by its caller meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def resolve_all(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    for future, result, error in items:
+        resolve(future, result, error)
