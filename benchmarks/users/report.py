@@ -93,26 +93,22 @@ def _engine_rows(
 
 
 def _handler_options(row: UsersResult) -> str:
-    """The handler column's notes: how the channels replied and whether the handler processes polled."""
-    return (" (writer threads)" if row.reply_thread else "") + (
-        f" (poll {row.handler_poll_ms:g} ms)" if row.handler_poll_ms else ""
-    )
+    """The handler column's note: whether the handler processes polled."""
+    return f" (poll {row.handler_poll_ms:g} ms)" if row.handler_poll_ms else ""
 
 
-_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(w)?(?:p([0-9.]+))?$")
+_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(?:p([0-9.]+))?$")
 
 
 @dataclass(frozen=True)
 class ServerRun:
-    """One server of a `--runs` spec: `N[gF][w][pMS]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0),
-    `8w:64` (the handler channels reply from writer threads instead of the runtime thread) or `4p2:64` (the handler
-    processes poll for 2 ms after each message instead of sleeping; `p0`: they sleep at once; default: as a
-    server's `--busy_poll_ms` on a GPU, no polling on a CPU)."""
+    """One server of a `--runs` spec: `N[gF][pMS]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0) or
+    `4p2:64` (the handler processes poll for 2 ms after each message instead of sleeping; `p0`: they sleep at once;
+    default: as a server's `--busy_poll_ms` on a GPU, no polling on a CPU)."""
 
     num_handlers: int
     gather_fraction: float | None  # None: the runtime's default
     counts: list[int]
-    reply_thread: bool = False
     handler_poll_ms: float | None = None  # None: as a server's default (`--busy_poll_ms` on a GPU)
 
     @classmethod
@@ -120,10 +116,10 @@ class ServerRun:
         head, _, tail = spec.partition(":")
         match = _RUN_SPEC.match(head)
         if match is None:
-            raise ValueError(f"a --runs entry reads N[gF][w][pMS][:counts], got {spec!r}")
-        handlers, fraction, writer, poll = match.groups()
+            raise ValueError(f"a --runs entry reads N[gF][pMS][:counts], got {spec!r}")
+        handlers, fraction, poll = match.groups()
         counts = [int(c) for c in tail.split(",")] if tail else default_counts
-        return cls(int(handlers), float(fraction) if fraction else None, counts, writer is not None,
+        return cls(int(handlers), float(fraction) if fraction else None, counts,
                    float(poll) if poll else None)  # fmt: skip
 
 
@@ -175,9 +171,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu_layers", type=int, default=0, help="instead of --cpu: N Llama-3-8B layers, bf16, on cuda")
     p.add_argument("--num_handlers", default="1", help="comma-separated handler process counts, each a server")
     p.add_argument(
-        "--runs", default="", help="instead of --num_handlers x --sessions: servers as 'N[gF]:counts' separated by "
-        "spaces, e.g. '4:1,64,256 1:1,64 4g0:64 8w:64' (F: the runtime's gather fraction, server.gather; w: the "
-        "handler channels reply from writer threads)",
+        "--runs", default="", help="instead of --num_handlers x --sessions: servers as 'N[gF][pMS]:counts' separated "
+        "by spaces, e.g. '4:1,64,256 1:1,64 4g0:64 4p0:64' (F: the runtime's gather fraction, server.gather; MS: how "
+        "long the handler processes poll after each message, p0 none)",
     )  # fmt: skip
     p.add_argument("--sessions", default="1,16")
     p.add_argument(
@@ -273,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 poll_s = None if run.handler_poll_ms is None else run.handler_poll_ms / 1000  # None: the default
                 server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                                      dtype=dtype, device=device, num_handlers=run.num_handlers,
-                                     reply_thread=run.reply_thread, cpus=cpus, handler_poll_s=poll_s)  # fmt: skip
+                                     cpus=cpus, handler_poll_s=poll_s)  # fmt: skip
                 measured = len(rows)
                 last = repeat == args.repeats - 1 and i == len(runs) - 1  # the runtime does not start twice
                 _measure(server, args, run.counts, path, rows, started, last=last)

@@ -88,7 +88,6 @@ class UsersResult:
     # CPU microseconds per decode step (all sessions' steps in the window) per process / thread (bench.cpu_share)
     cpu_us_per_step: dict[str, float] = field(default_factory=dict)
     gather_fraction: float = 0.5  # the runtime's gather rule (server.gather) while this row ran
-    reply_thread: bool = False  # handler channels replied from writer threads (else from the runtime thread)
     handler_poll_ms: float = 0.0  # handler processes polled this long after each message (0: they slept)
     client: str = "petals"  # the client kind (clients.CLIENT_KINDS)
     client_cpus: list[int] = field(default_factory=list)  # CPUs of the client processes (empty: not pinned)
@@ -172,7 +171,6 @@ class BenchServer:
         dtype,
         device,
         num_handlers: int = 1,
-        reply_thread: bool = False,
         cpus: CpuSplit | None = None,
         handler_poll_s: float | None = None,
     ):
@@ -180,7 +178,6 @@ class BenchServer:
         from corolla.server.block_functions import ServingLimits
 
         self.executor, self.device, self.num_handlers = executor, device, num_handlers
-        self.reply_thread = reply_thread  # handler channels send replies from writer threads (device_channel)
         # handler processes poll after each message (`HandlerSettings`); None: as a server's default settings do
         default_s = config.handler_poll_s(config.ServerConfig.busy_poll_ms, torch.device(device).type)
         self.handler_poll_s = default_s if handler_poll_s is None else handler_poll_s
@@ -238,7 +235,6 @@ class BenchServer:
                 timeouts=SessionTimeouts(step_timeout_s=120, session_timeout_s=1800, request_timeout_s=120),
                 busy_poll=selector if self.device.type == "cuda" else None,  # as the server does
                 num_handlers=self.num_handlers,
-                channel_reply_thread=self.reply_thread,
                 handler_poll_s=self.handler_poll_s,
                 direct=DirectListen("127.0.0.1", 0, ("127.0.0.1",)),  # corolla clients' direct port (loopback)
             )
@@ -396,7 +392,7 @@ def run_users(
         result.runtime_cpus = sorted(server.cpus.runtime)
     result.num_handlers = server.num_handlers
     result.sessions_per_handler = opened_per_handler
-    result.reply_thread, result.handler_poll_ms = server.reply_thread, server.handler_poll_s * 1000
+    result.handler_poll_ms = server.handler_poll_s * 1000
     if returns_before is not None and returns_after is not None:
         result.return_ms = return_summary(returns_after, returns_before, result.merged_forward_ms)
     steps = result.sessions_finished * config.decode_steps

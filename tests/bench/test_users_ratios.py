@@ -66,12 +66,14 @@ def test_the_window_breakdown_shows_spread_tail_and_untimed_time() -> None:
     assert window_breakdown([], []) == {}
 
 
-def test_run_entries_read_handlers_gather_writer_threads_and_polling() -> None:
+def test_run_entries_read_handlers_gather_and_polling() -> None:
     assert ServerRun.parse("4:1,64", [16]) == ServerRun(4, None, [1, 64])
-    assert ServerRun.parse("4g0.75w", [16]) == ServerRun(4, 0.75, [16], reply_thread=True)
+    assert ServerRun.parse("4g0.75", [16]) == ServerRun(4, 0.75, [16])
     assert ServerRun.parse("4p2:64", [16]) == ServerRun(4, None, [64], handler_poll_ms=2.0)
     with pytest.raises(ValueError, match="N\\[gF\\]"):
         ServerRun.parse("4x:64", [16])
+    with pytest.raises(ValueError, match="N\\[gF\\]"):  # writer threads (`w`) lost their A/B (decision 0003)
+        ServerRun.parse("4g0.75w", [16])
 
 
 def test_a_rows_return_summary_counts_only_its_window_and_the_share_within_one_forward() -> None:
