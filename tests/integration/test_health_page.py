@@ -1,6 +1,7 @@
 """`corolla-health` (its CLI, as a process) watching a loopback swarm of three servers, its page opened in headless
-Chromium: every server listed, a complete coverage bar, then a red gap once a server stops; the page shows exactly
-what `/api/v1/state` says. Screenshots go to test-artifacts/. Skips when Chromium or Playwright is missing."""
+Chromium (a 1280-pixel window, which the page fits): every server listed, a complete coverage bar and the swarm's
+flow line, then a red gap once a server stops; the page shows exactly what `/api/v1/state` says. Screenshots go to
+test-artifacts/. Skips when Chromium or Playwright is missing."""
 
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def test_page_shows_servers_then_gap(monitored_swarm):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1500, "height": 700})
+            page = browser.new_page(viewport={"width": 1280, "height": 700})
             external = []
             page.on("request", lambda r: None if r.url.startswith(url) else external.append(r.url))
             page.goto(url)
@@ -136,6 +137,10 @@ def test_page_shows_servers_then_gap(monitored_swarm):
             )
             page.screenshot(path=str(ARTIFACTS / "health-complete.png"), full_page=True)
             view = assert_page_matches_api(page, url)
+            # everything fits a 1280-pixel window: no horizontal scrolling
+            assert page.evaluate("() => document.documentElement.scrollWidth") <= 1280
+            flow = page.get_by_test_id("flow").inner_text()
+            assert "max-flow" in flow and "tok/s" in flow and "moves 0" in flow
             assert set(view["rows"]) == {s.peer_id for s in servers}
             assert {tuple(v) for v in view["rows"].values()} == {("online", f"{a}:{b}") for a, b in SPANS}
             assert view["blocks"] == [["online", 1]] * 6

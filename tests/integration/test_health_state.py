@@ -6,6 +6,7 @@ import json
 import math
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from corolla.api.serving import serve_in_thread
@@ -129,3 +130,30 @@ def test_app_serves_page_json_and_metrics():
     servers = {s.labels["state"]: s.value for s in families["corolla_swarm_servers"].samples}
     assert servers == {"online": 3, "joining": 0, "offline": 1, "unreachable": 0}
     assert families["corolla_swarm_model_healthy"].samples[0].value == 1
+
+
+def test_flow_load_and_moves():
+    """Each row shows the load its server announces (none for a Petals server); the model shows its layout's
+    max-flow against the bound of its total capacity, the served rate, and moves in progress."""
+    swarm = {
+        A: record(ServerState.ONLINE, 0, 3, sessions_active=2, busy_fraction=0.5, tokens_served=1000, num_moves=0),
+        B: record(ServerState.ONLINE, 3, 6, sessions_active=0, busy_fraction=0.0, tokens_served=10, num_moves=1),
+        C: record(ServerState.ONLINE, 0, 6),  # a stock Petals server: no load fields
+        E: record(ServerState.JOINING, 2, 4, num_moves=2),  # reloading after a move
+    }
+    model = ModelEntry(dht_prefix=PREFIX, num_blocks=6)
+    state = build_state([model], {PREFIX: module_infos(swarm)}, last_updated=1.0, update_period_s=1.0,
+                        update_duration_s=0.1, served_tps={A: 6.0, B: 0.0})  # fmt: skip
+    (report,) = state["model_reports"]
+    rows = {r["peer_id"]: r for r in report["server_rows"]}
+    assert rows[A]["load"] == {"sessions_active": 2, "busy_fraction": 0.5, "tokens_served": 1000, "num_moves": 0,
+                               "served_tps": 6.0}  # fmt: skip
+    assert rows[C]["load"] is None
+    flow = report["flow"]
+    # A and B in series (100 tok/s each) beside C over all blocks (100): 200 tok/s through every block
+    assert flow["bottleneck_tps"] == 200.0 and flow["max_flow_tps"] == pytest.approx(200.0, rel=1e-6)
+    # (100 * 3 + 100 * 3 + 100 * 6) token-blocks/s over 6 blocks: this layout reaches the bound
+    assert flow["bound_tps"] == 200.0 and flow["efficiency"] == pytest.approx(1.0, rel=1e-6)
+    assert flow["served_tps"] == pytest.approx(6.0 * 3 / 6)
+    assert report["num_moves"] == 3 and report["moves_in_progress"] == 1
+    json.dumps(state, allow_nan=False)

@@ -85,6 +85,7 @@ class StateCollector:
         self._stop = threading.Event()
         self._refreshed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._tokens_seen: dict[str, tuple[float, int]] = {}  # peer -> (time.monotonic(), tokens_served) last read
 
     @property
     def state(self) -> dict[str, Any]:
@@ -165,6 +166,7 @@ class StateCollector:
                 coro = partial(_ping_peers, peer_ids=online, timeout_s=self.config.ping_timeout_s)
                 rtts = run_in_dht(self.dht, coro, timeout_s=self.config.ping_timeout_s + 10, what="health.ping")
         bootstrap_states = ["unreachable" if rtts.get(p) == float("inf") else "online" for p in bootstrap_ids]
+        served = self._served_tps(infos, time.monotonic())
 
         state = build_state(
             models,
@@ -174,6 +176,7 @@ class StateCollector:
             last_updated=time.time(),
             update_period_s=self.config.refresh_period_s,
             update_duration_s=time.perf_counter() - started,
+            served_tps=served,
         )
         with self._lock:
             self._state = state
@@ -183,6 +186,20 @@ class StateCollector:
             f", took={state['update_duration']:.2f}s)"
         )
         return state
+
+    def _served_tps(self, infos: list[RemoteModuleInfo], now: float) -> dict[str, float]:
+        """Each server's tokens/s since the previous refresh, from the `tokens_served` it announces (a counter that
+        went down, i.e. a restart, starts over)."""
+        seen = {
+            peer: s.tokens_served for info in infos for peer, s in info.servers.items() if s.tokens_served is not None
+        }
+        served = {}
+        for peer, tokens in seen.items():
+            previous = self._tokens_seen.get(peer)
+            if previous is not None and now > previous[0] and tokens >= previous[1]:
+                served[peer] = (tokens - previous[1]) / (now - previous[0])
+        self._tokens_seen = {peer: (now, tokens) for peer, tokens in seen.items()}
+        return served
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -23,12 +23,15 @@ PAGE_HTML = """<!doctype html>
   .block.joining { background: #e2a720; } .block.gap { background: #d1342f; }
   .legend span { margin-right: 1rem; font-size: .8rem; }
   .legend i { display: inline-block; width: .8rem; height: .8rem; margin-right: .3rem; vertical-align: -1px; }
-  table { border-collapse: collapse; font-size: .82rem; margin-top: .5rem; }
-  th, td { border-bottom: 1px solid #dde2e8; padding: .25rem .5rem; text-align: left; white-space: nowrap; }
+  table { border-collapse: collapse; font-size: .8rem; margin-top: .5rem; max-width: 100%; }
+  th, td { border-bottom: 1px solid #dde2e8; padding: .2rem .35rem; text-align: left; white-space: nowrap; }
+  td.num, th.num { text-align: right; }
+  td.pings { max-width: 12rem; overflow: hidden; text-overflow: ellipsis; }
+  .flow { font-size: .85rem; margin: .3rem 0; } .flow b { font-weight: 600; }
   th { background: #eef1f4; }
   td.state-online { color: #2e9d48; } td.state-joining { color: #b57f00; }
   td.state-offline, td.state-unreachable { color: #d1342f; }
-  .spanbar { display: inline-flex; vertical-align: middle; width: 8rem; height: .6rem; background: #e6e9ed; }
+  .spanbar { display: inline-flex; vertical-align: middle; width: 6rem; height: .6rem; background: #e6e9ed; }
   .spanbar div { height: 100%; } .spanbar .on { background: #2e9d48; }
   .mono { font-family: ui-monospace, monospace; }
   #error { color: #d1342f; }
@@ -48,8 +51,10 @@ PAGE_HTML = """<!doctype html>
 <div id="issues"></div>
 <script>
 "use strict";
-const COLUMNS = ["Name", "Peer ID", "Blocks", "State", "Throughput", "Inference rps", "Forward rps",
-  "Network rps", "dtype", "Quant", "Adapters", "Cache tokens left / block", "Version", "Relay", "Next pings"];
+// [header, numeric]; dtype, quantization, adapters, relay and the forward/network rps are in the peer cell's tooltip
+const COLUMNS = [["Name", 0], ["Peer ID", 0], ["Blocks", 0], ["State", 0], ["Capacity tok/s", 1], ["Sessions", 1],
+  ["Busy", 1], ["Served tok/s", 1], ["Tokens served", 1], ["Moves", 1], ["Inference rps", 1], ["Cache / block", 1],
+  ["Version", 0], ["Next pings", 0]];
 
 function el(tag, attrs, text) {
   const node = document.createElement(tag);
@@ -81,7 +86,7 @@ function spanBar(span, numBlocks) {
 function serverTable(report) {
   const table = el("table", {"class": "servers", "data-testid": "servers"});
   const head = el("tr");
-  for (const c of COLUMNS) head.appendChild(el("th", {}, c));
+  for (const [c, numeric] of COLUMNS) head.appendChild(el("th", numeric ? {"class": "num"} : {}, c));
   table.appendChild(el("thead")).appendChild(head);
   const body = table.appendChild(el("tbody"));
   const rows = [...report.server_rows].sort((a, b) => a.span.start - b.span.start || a.span.end - b.span.end);
@@ -93,27 +98,49 @@ function serverTable(report) {
     const blocks = el("td");
     blocks.appendChild(el("span", {"class": "mono"}, row.span.start + ":" + row.span.end + " "));
     blocks.appendChild(spanBar(row.span, report.num_blocks));
+    const load = row.load || {};
+    const relay = info.using_relay === null || info.using_relay === undefined ? "?" : (info.using_relay ? "yes" : "no");
+    const details = row.peer_id + "\\ndtype " + (info.torch_dtype || "?") + ", quant " + (info.quant_type || "?") +
+      ", relay " + relay + "\\nforward rps " + num(info.forward_rps, 1) + ", network rps " + num(info.network_rps, 1) +
+      "\\nadapters: " + (row.adapters.map((a) => a.short_name).join(", ") || "none");
+    const state = row.state === "joining" && load.num_moves ? "moving" : row.state;
+    const cell = (text) => el("td", {"class": "num"}, text);
     const cells = [
       el("td", {}, info.public_name || ""),
-      el("td", {"class": "mono", "title": row.peer_id}, row.short_peer_id),
+      el("td", {"class": "mono", "title": details}, row.short_peer_id),
       blocks,
-      el("td", {"class": "state-" + row.state}, row.state),
-      el("td", {}, num(info.throughput, 1)),
-      el("td", {}, num(info.inference_rps, 1)),
-      el("td", {}, num(info.forward_rps, 1)),
-      el("td", {}, num(info.network_rps, 1)),
-      el("td", {}, info.torch_dtype || ""),
-      el("td", {}, info.quant_type || ""),
-      el("td", {}, row.adapters.map((a) => a.short_name).join(", ")),
-      el("td", {}, row.cache_tokens_left_per_block === undefined ? "" : row.cache_tokens_left_per_block),
+      el("td", {"class": "state-" + row.state}, state),
+      cell(num(info.throughput, 1)),
+      cell(load.sessions_active ?? ""),
+      cell(load.busy_fraction === null || load.busy_fraction === undefined ? "" :
+           Math.round(100 * load.busy_fraction) + "%"),
+      cell(num(load.served_tps, 1)),
+      cell(load.tokens_served ?? ""),
+      cell(load.num_moves ?? ""),
+      cell(num(info.inference_rps, 1)),
+      cell(row.cache_tokens_left_per_block === undefined ? "" : row.cache_tokens_left_per_block),
       el("td", {}, info.version || ""),
-      el("td", {}, info.using_relay === null || info.using_relay === undefined ? "" : (info.using_relay ? "yes" : "no")),
-      el("td", {"class": "mono"}, pings),
+      el("td", {"class": "mono pings", "title": pings}, pings),
     ];
     for (const c of cells) tr.appendChild(c);
     body.appendChild(tr);
   }
   return table;
+}
+
+function flowLine(report) {
+  const f = report.flow || {};
+  const line = el("div", {"class": "flow", "data-testid": "flow"});
+  const part = (label, value) => { line.appendChild(el("span", {}, label + " ")); line.appendChild(el("b", {}, value));
+                                   line.appendChild(el("span", {}, " \u00b7 ")); };
+  part("flow (max-flow of this layout)", num(f.max_flow_tps, 1) + " tok/s");
+  part("bound (any arrangement of these spans)", num(f.bound_tps, 1) + " tok/s");
+  part("efficiency", f.efficiency === null || f.efficiency === undefined ? "?" : Math.round(100 * f.efficiency) + "%");
+  part("weakest block", num(f.bottleneck_tps, 1) + " tok/s");
+  part("served now", f.served_tps === null || f.served_tps === undefined ? "?" : num(f.served_tps, 1) + " tok/s");
+  line.appendChild(el("span", {}, "moves " + (report.num_moves || 0) + " (in progress " +
+                                  (report.moves_in_progress || 0) + ")"));
+  return line;
 }
 
 function render(state) {
@@ -128,6 +155,7 @@ function render(state) {
     section.appendChild(el("div", {"class": "meta"}, report.num_blocks + " blocks, " + report.num_servers +
       " online server(s), DHT prefix " + report.dht_prefix));
     section.appendChild(coverageBar(report));
+    section.appendChild(flowLine(report));
     section.appendChild(serverTable(report));
     models.appendChild(section);
   }
