@@ -40,7 +40,9 @@ def run_scenario(name: str, policies: list[str], seed: int, out: Path, **overrid
 
 def main() -> None:
     parser = argparse.ArgumentParser("benchmarks.swarm", description=__doc__)
-    parser.add_argument("--part", nargs="+", choices=("helix", "scale", "large"), default=["helix", "scale"])
+    parser.add_argument(
+        "--part", nargs="+", choices=("helix", "scale", "scale-low", "large"), default=["helix", "scale"]
+    )
     parser.add_argument("--policy", nargs="+", default=["petals", "corolla"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--helix_time_limit_s", type=float, default=60.0)
@@ -60,7 +62,7 @@ def main() -> None:
         sections.append(
             "## Helix 24-node cluster (LLaMA-2-70B), Helix's capacity model\n\n" + json.dumps(figures, indent=2)
         )
-    for part in ("scale", "large"):
+    for part in ("scale", "scale-low", "large"):
         if part in args.part:
             rows = run_scenario(part, args.policy, args.seed, args.out, **overrides)
             sections.append(f"## {part} (seed {args.seed})\n\n" + markdown(rows))

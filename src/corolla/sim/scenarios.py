@@ -1,6 +1,7 @@
 """Named scenarios: `tiny` (tests), `scale` (issue 32's volunteer swarm: 64 servers of a consumer-heavy mix in 4
-regions, 256 clients, median server session 2 h and ~10% leaving per hour) and `large` (1,000 servers, 10,000
-sessions in one hour: the simulator's speed target). Session outcomes count sessions opened after the warm-up. All serve LLaMA-2-70B in NF4, Petals' default on GPUs."""
+regions, 256 busy clients, median server session 2 h and ~10% leaving per hour), `scale-low` (the same swarm at 16
+clients) and `large` (1,000 servers, 10,000 sessions in one hour: the simulator's speed target). All serve
+LLaMA-2-70B in NF4, Petals' default on GPUs; session outcomes count sessions opened after the warm-up."""
 
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ SCENARIOS: dict[str, SimConfig] = {
         server_regions=FOUR_REGIONS,
         churn=VOLUNTEER_CHURN,
         bound_time_limit_s=5.0,
+    ),
+    "scale-low": SimConfig(  # the same swarm at low load: 16 LMSYS-paced clients, for time per token alone
+        name="scale-low",
+        servers=64,
+        duration_s=2 * 3600.0,
+        warmup_s=1200.0,
+        workload=WorkloadConfig(concurrent_clients=16, region_weights=FOUR_REGIONS),
+        fleet=VOLUNTEER_FLEET,
+        server_regions=FOUR_REGIONS,
+        churn=VOLUNTEER_CHURN,
     ),
     "large": SimConfig(
         name="large",
