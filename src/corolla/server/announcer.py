@@ -13,7 +13,8 @@ from typing import Any
 
 from corolla.protocol.records import LOAD_FIELDS, ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
-from corolla.swarm.ping import PingAggregator
+from corolla.swarm import records_io
+from corolla.swarm.ping import PingAggregator, ping
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -123,8 +124,6 @@ class Announcer:
                 pass
 
     async def _announce_once(self, state: ServerState) -> None:
-        from corolla.swarm.records_io import declare_active_modules, declare_model_info
-
         self.server_info.cache_tokens_left = max(0, int(self.cache_tokens_left()))
         if self.load is not None:
             self._apply_load(self.load())
@@ -135,7 +134,7 @@ class Announcer:
             self.server_info.next_pings = None
         expiration_time = time.time() + self.expiration_s  # hivemind's get_dht_time() is wall-clock time
         await asyncio.to_thread(
-            declare_active_modules,
+            records_io.declare_active_modules,
             self.dht,
             self.uids,
             self.server_info,
@@ -149,7 +148,9 @@ class Announcer:
             f"cache_tokens_left={self.server_info.cache_tokens_left})"
         )
         if state != ServerState.OFFLINE and not self.dht_prefix.startswith("_"):
-            await asyncio.to_thread(declare_model_info, self.dht, self.dht_prefix, self.model_info, expiration_time)
+            await asyncio.to_thread(
+                records_io.declare_model_info, self.dht, self.dht_prefix, self.model_info, expiration_time
+            )
 
     def _apply_load(self, load: Mapping[str, Any]) -> None:
         """Puts the load fields on the record, each checked as readers check it (a bad one is left out)."""
@@ -168,11 +169,8 @@ class Announcer:
         if self.p2p is None or not self.next_uids:
             return
         try:
-            from corolla.swarm.ping import ping
-            from corolla.swarm.records_io import get_remote_module_infos
-
             infos = await asyncio.to_thread(
-                get_remote_module_infos, self.dht, self.next_uids, latest=True, timeout_s=DHT_CALL_TIMEOUT_S
+                records_io.get_remote_module_infos, self.dht, self.next_uids, latest=True, timeout_s=DHT_CALL_TIMEOUT_S
             )
             middle = {peer for info in infos[:-1] for peer in info.servers}
             last = set(infos[-1].servers) if infos else set()

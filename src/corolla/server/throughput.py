@@ -14,6 +14,9 @@ from typing import Any, TypeGuard
 
 import torch
 
+from corolla.models.block_base import CorollaBlock
+from corolla.models.placement import place_block
+from corolla.models.registry import get_family
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -231,10 +234,6 @@ def measure_compute_rps(
     inference: bool,
 ) -> float:
     """Tokens per second per block of a random-init block with the same config, dtype and quantization."""
-    from corolla.models.block_base import CorollaBlock
-    from corolla.models.placement import place_block
-    from corolla.models.registry import get_family
-
     family = get_family(config)
     built = family.build_block(config, 0).to(dtype)
     block = place_block(built, device=device, quant_type=quant_type, tensor_parallel_devices=tensor_parallel_devices)
