@@ -1,10 +1,12 @@
 """Training survives servers that die or lie mid-step: a deep-prompt-tuned model trains through a loopback swarm
 (blocks 0:2 on one server, 2:4 on three); the 2:4 server that computed a step's forward is SIGKILLed, or starts
-returning NaN gradients, before that step's backward. The client re-runs the span on a replica and the loss curve
-is identical (fp32, CPU) to an undisturbed run's."""
+returning NaN gradients, before that step's backward, or returns finite garbage that only verification (other
+servers' votes) catches. The client re-runs the span on a replica and the loss curve is identical (fp32, CPU) to an
+undisturbed run's."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import signal
 from pathlib import Path
@@ -66,7 +68,9 @@ class PreferPeer(random.Random):
         return preferred[:1] if preferred else super().choices(population, weights, cum_weights=cum_weights, k=k)
 
 
-def train(swarm: Swarm, model_path: Path, monkeypatch, *, prefer: str, event=None) -> tuple[list[float], list[str]]:
+def train(
+    swarm: Swarm, model_path: Path, monkeypatch, *, prefer: str, event=None, client: ClientConfig = CLIENT
+) -> tuple[list[float], list[str]]:
     """STEPS Adam steps of the deep prompts; `event(peer)` runs after step EVENT_STEP's forward with the peer that
     computed its blocks 2:4. Returns (the losses, the 2:4 peer of each forward call, retries included)."""
     forwards: list[tuple[int, str]] = []
@@ -78,7 +82,7 @@ def train(swarm: Swarm, model_path: Path, monkeypatch, *, prefer: str, event=Non
 
     monkeypatch.setattr(remote_sequential, "run_remote_forward", recording_forward)
     with AutoDistributedModelForCausalLM.from_pretrained(
-        model_path, initial_peers=swarm.initial_peers, client_config=CLIENT, tuning_mode="deep_ptune", pre_seq_len=2
+        model_path, initial_peers=swarm.initial_peers, client_config=client, tuning_mode="deep_ptune", pre_seq_len=2
     ) as model:
         model.manager.rng = PreferPeer(prefer)
         generator = torch.Generator().manual_seed(0)
@@ -122,6 +126,31 @@ def test_server_lying_mid_step_is_replaced_with_identical_losses(swarm, model_pa
     assert losses == reference_losses
     assert peers[: EVENT_STEP + 1] == [liar] * (EVENT_STEP + 1)  # it served every forward until it lied
     assert peers[EVENT_STEP + 1] != liar  # the step's span re-run forward on a replica, whose backward was used
+
+
+@pytest.mark.parametrize("lie_in", ["forward", "backward"])
+def test_finite_garbage_is_outvoted_with_identical_losses(swarm, model_path, reference_losses, monkeypatch, lie_in):
+    """Finite garbage passes every check but a comparison: with `verify_fraction=1` the two honest replicas outvote
+    the liar (in a forward, or in the backward of the step whose forward it computed honestly)."""
+    liar = swarm.liar.peer_id
+    verifying = dataclasses.replace(CLIENT, verify_fraction=1.0, ban_timeout_s=300.0)  # banned for the whole run
+
+    def start_lying(peer: str) -> None:
+        assert peer == liar
+        swarm.mode_file.write_text("garbage")
+
+    if lie_in == "forward":
+        swarm.mode_file.write_text("garbage")
+    try:
+        losses, peers = train(
+            swarm, model_path, monkeypatch, prefer=liar, client=verifying,
+            event=start_lying if lie_in == "backward" else None,
+        )  # fmt: skip
+    finally:
+        swarm.mode_file.write_text("honest")
+    assert losses == reference_losses
+    lied_at = 0 if lie_in == "forward" else EVENT_STEP
+    assert peers[: lied_at + 1] == [liar] * (lied_at + 1) and liar not in peers[lied_at + 1 :]
 
 
 def test_server_killed_mid_step_is_replaced_with_identical_losses(swarm, model_path, reference_losses, monkeypatch):

@@ -1,5 +1,6 @@
 """`RemoteSequential`: a range of remote blocks used like a local `nn.Module` — forward/backward as a torch autograd
-function through the swarm (re-planned on failure), or step-by-step inside an inference session."""
+function through the swarm (re-planned on failure; with `ClientConfig.verify_fraction`, sampled spans' outputs and
+gradients are voted on by other servers), or step-by-step inside an inference session."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from corolla.client.inference_session import DUMMY, InferenceSession
 from corolla.client.remote_forward_backward import run_remote_backward, run_remote_forward
 from corolla.client.retries import RetryBudget
 from corolla.client.routing import RemoteSequenceManager
+from corolla.client.verification import StepVerifier
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -36,9 +38,15 @@ def _prompt_slice(prompts: torch.Tensor, span: RemoteSpanInfo, start: int) -> to
 
 
 async def sequential_forward(
-    manager: RemoteSequenceManager, inputs: torch.Tensor, prompts: torch.Tensor, start: int, end: int
+    manager: RemoteSequenceManager,
+    inputs: torch.Tensor,
+    prompts: torch.Tensor,
+    start: int,
+    end: int,
+    verifier: StepVerifier | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[RemoteSpanInfo]]:
-    """Runs blocks `[start, end)`; returns (outputs, the input of every span used, those spans)."""
+    """Runs blocks `[start, end)`; returns (outputs, the input of every span used, those spans). With a `verifier`
+    (`ClientConfig.verify_fraction` > 0), sampled spans' outputs are voted on by other servers of their blocks."""
     hidden, span_inputs, spans = inputs, [], []
     block, route, budget = start, None, RetryBudget(manager)
     while block < end:
@@ -48,7 +56,10 @@ async def sequential_forward(
                 route = await asyncio.to_thread(manager.make_sequence, block, end, mode="max_throughput")
             span = route[0]
             # prompts are indexed relative to `start` of the whole call; spans relative to the manager
-            outputs = await run_remote_forward(manager, span, hidden, _prompt_slice(prompts, span, start))
+            span_prompts = _prompt_slice(prompts, span, start)
+            outputs = await run_remote_forward(manager, span, hidden, span_prompts)
+            if verifier is not None and verifier.sample():
+                await verifier.verify(span, hidden, outputs, prompts=span_prompts)
             manager.on_request_success(span.peer_id)
             budget.on_success()
             span_inputs.append(hidden)
@@ -68,17 +79,22 @@ async def sequential_backward(
     spans: list[RemoteSpanInfo],
     prompts: torch.Tensor,
     start: int,
+    verifier: StepVerifier | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Back-propagates through `spans` in reverse; a failed span is re-run forward on fresh servers first."""
+    """Back-propagates through `spans` in reverse; a failed span (an error, or gradients outvoted by other servers
+    when the `verifier` samples it) is re-run forward on fresh servers first."""
     span_inputs, spans = list(span_inputs), list(spans)
     grad_prompts: dict[int, torch.Tensor] = {}  # first block of a span -> grad of its prompts
     budget = RetryBudget(manager)
     while spans:
         span, inputs = spans[-1], span_inputs[-1]
         try:
+            span_prompts = _prompt_slice(prompts, span, start)
             grad_inputs, span_grad_prompts = await run_remote_backward(
-                manager, span, inputs, grad_outputs, _prompt_slice(prompts, span, start)
+                manager, span, inputs, grad_outputs, span_prompts
             )
+            if verifier is not None and verifier.sample():
+                await verifier.verify_backward(span, inputs, grad_outputs, grad_inputs, prompts=span_prompts)
             manager.on_request_success(span.peer_id)
             if span_grad_prompts is not None:
                 grad_prompts[span.start] = span_grad_prompts
@@ -90,7 +106,7 @@ async def sequential_backward(
             await _retry(budget, span.peer_id, e, (span.start, span.end))
             # fresh servers for this span's blocks (and their intermediate inputs); prompts re-sliced from span.start
             _, new_inputs, new_spans = await sequential_forward(
-                manager, inputs, _prompt_slice(prompts, span, start), span.start, span.end
+                manager, inputs, _prompt_slice(prompts, span, start), span.start, span.end, verifier
             )
             spans[-1:], span_inputs[-1:] = new_spans, new_inputs
     if not prompts.numel():
@@ -112,13 +128,18 @@ class _RemoteSequentialFunction(torch.autograd.Function):
         per_row_prompts = prompts_cpu.numel() > 0 and prompts_cpu.shape[1] == inputs.shape[0] and inputs.shape[0] > 1
         prompt_batches = prompts_cpu.split(rows, dim=1) if per_row_prompts else [prompts_cpu] * len(batches)
 
+        verifier = StepVerifier(manager) if manager.config.verify_fraction > 0 else None
+
         async def _run():
             return await asyncio.gather(
-                *(sequential_forward(manager, x, p, start, end) for x, p in zip(batches, prompt_batches, strict=True))
+                *(
+                    sequential_forward(manager, x, p, start, end, verifier)
+                    for x, p in zip(batches, prompt_batches, strict=True)
+                )
             )
 
         results = background_loop.run(_run())
-        ctx.manager, ctx.start, ctx.end = manager, start, end
+        ctx.manager, ctx.start, ctx.end, ctx.verifier = manager, start, end, verifier
         ctx.results, ctx.prompt_batches, ctx.per_row_prompts, ctx.rows = results, prompt_batches, per_row_prompts, rows
         ctx.prompts_shape, ctx.device = prompts.shape, inputs.device
         return torch.cat([outputs for outputs, _, _ in results], dim=0).to(device=inputs.device, dtype=inputs.dtype)
@@ -130,7 +151,7 @@ class _RemoteSequentialFunction(torch.autograd.Function):
         async def _run():
             return await asyncio.gather(
                 *(
-                    sequential_backward(ctx.manager, g, span_inputs, spans, p, ctx.start)
+                    sequential_backward(ctx.manager, g, span_inputs, spans, p, ctx.start, ctx.verifier)
                     for g, (_, span_inputs, spans), p in zip(grads, ctx.results, ctx.prompt_batches, strict=True)
                 )
             )

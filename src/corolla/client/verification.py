@@ -1,15 +1,17 @@
 """`StepVerifier`: re-runs a sampled fraction of inference steps on other servers of the same span (a stateless
 `rpc_forward` over the span's recorded inputs) and compares the new positions; the server outvoted by the others is
-banned. Two servers that disagree with no third to decide are both banned."""
+banned. Two servers that disagree with no third to decide are both banned. Training's forward and backward calls
+(`remote_sequential`) are sampled and voted on the same way."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Awaitable, Callable
 
 import torch
 
 from corolla.client.output_checks import BadServerOutput, relative_error, verify_rtol
-from corolla.client.remote_forward_backward import run_remote_forward
+from corolla.client.remote_forward_backward import run_remote_backward, run_remote_forward
 from corolla.client.routing import RemoteSequenceManager
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
@@ -62,6 +64,39 @@ class StepVerifier:
     ) -> None:
         """`inputs` [B, n, H]: the span's inputs for positions [0, n); `outputs` [B, m, H] (as the server sent them):
         its claimed outputs for positions [n - m, n)."""
+        num_new = outputs.shape[1]
+
+        async def ask(referee: RemoteSpanInfo) -> torch.Tensor:
+            return (await run_remote_forward(self.manager, referee, inputs, prompts))[:, inputs.shape[1] - num_new :]
+
+        await self._vote(span, outputs, ask, "outputs")
+
+    async def verify_backward(
+        self,
+        span: RemoteSpanInfo,
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        grad_inputs: torch.Tensor,
+        *,
+        prompts: torch.Tensor = DUMMY,
+    ) -> None:
+        """A training step's backward: `grad_inputs` [B, T, H] claimed by the span's server for `inputs` and
+        `grad_outputs` [B, T, H] (deep-prompt gradients follow from the same computation and are not compared)."""
+
+        async def ask(referee: RemoteSpanInfo) -> torch.Tensor:
+            return (await run_remote_backward(self.manager, referee, inputs, grad_outputs, prompts))[0]
+
+        await self._vote(span, grad_inputs, ask, "input gradients")
+
+    async def _vote(
+        self,
+        span: RemoteSpanInfo,
+        claimed: torch.Tensor,
+        ask: Callable[[RemoteSpanInfo], Awaitable[torch.Tensor]],
+        what: str,
+    ) -> None:
+        """Compares `claimed` with what referees (`ask(referee)`) compute for the same request; raises
+        BadServerOutput for the span's server when outvoted, bans referees that failed or cannot be outvoted."""
         referees = self._referees(span)
         if not referees:
             if (span.start, span.end) not in self._lone_spans_logged:
@@ -74,27 +109,25 @@ class StepVerifier:
                     span.peer_id[-6:],
                 )
             return
-        num_new = outputs.shape[1]
         dissent: list[tuple[RemoteSpanInfo, torch.Tensor]] = []  # referees that disagreed with the span's server
         for referee in referees[: self.manager.config.verify_max_referees]:
             try:
-                other = (await run_remote_forward(self.manager, referee, inputs, prompts))[
-                    :, inputs.shape[1] - num_new :
-                ]
+                other = await ask(referee)
             except Exception as e:  # the referee failed, not the server under test
                 logger.info("verification.referee_failed(peer=...%s, error=%r)", referee.peer_id[-6:], e)
                 self.manager.on_request_failure(referee.peer_id)
                 continue
-            agrees, error = self._agree(outputs, other, (span, referee))
+            agrees, error = self._agree(claimed, other, (span, referee))
             if agrees:
                 self.num_verified += 1
                 for liar, _ in dissent:  # outvoted: the span's server and this referee agree against it
                     self._ban(liar, f"outvoted by ...{span.peer_id[-6:]} and ...{referee.peer_id[-6:]}")
                 return
             logger.info(
-                "verification.disagreement(blocks=%d:%d, server=...%s, referee=...%s, rel_error=%.3g)",
+                "verification.disagreement(blocks=%d:%d, what=%s, server=...%s, referee=...%s, rel_error=%.3g)",
                 span.start,
                 span.end,
+                what,
                 span.peer_id[-6:],
                 referee.peer_id[-6:],
                 error,
@@ -105,7 +138,7 @@ class StepVerifier:
                     self.num_rejected += 1
                     raise BadServerOutput(
                         span.peer_id,
-                        f"outputs for blocks {span.start}:{span.end} disagree with ...{referee.peer_id[-6:]} and "
+                        f"{what} for blocks {span.start}:{span.end} disagree with ...{referee.peer_id[-6:]} and "
                         f"...{earlier.peer_id[-6:]} (relative error {error:.3g})",
                         taints_history=True,
                     )
@@ -118,7 +151,7 @@ class StepVerifier:
             self._ban(referee, f"disagrees with ...{span.peer_id[-6:]} and no third server decides")
         raise BadServerOutput(
             span.peer_id,
-            f"outputs for blocks {span.start}:{span.end} disagree with "
+            f"{what} for blocks {span.start}:{span.end} disagree with "
             f"{', '.join('...' + r.peer_id[-6:] for r, _ in dissent)} and no majority decides",
             taints_history=True,
         )
