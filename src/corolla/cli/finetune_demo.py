@@ -15,10 +15,14 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+from corolla.cli.demo import split_blocks, wait_for_coverage
 from corolla.cli.errors import add_common_flags, run_cli
+from corolla.client.config import ClientConfig
+from corolla.client.sequence_classification import AutoDistributedModelForSequenceClassification
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.demo.finetune import FinetuneConfig, FinetuneReport, finetune, init_prompts_from_text
 from corolla.demo.topics import LABELS
+from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -51,11 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoTokenizer
-
-    from corolla.cli.demo import split_blocks, wait_for_coverage
-    from corolla.client.config import ClientConfig
-    from corolla.client.sequence_classification import AutoDistributedModelForSequenceClassification
-    from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 
     config = FinetuneConfig(
         tuning_mode=args.tuning_mode, pre_seq_len=args.pre_seq_len, num_steps=args.num_steps,
