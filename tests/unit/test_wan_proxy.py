@@ -234,3 +234,96 @@ def test_proxy_thread_shuts_down_cleanly_with_open_connections() -> None:
         socket.create_connection(("127.0.0.1", port), timeout=2)
     for s in (client, conns[0], listener):
         s.close()
+
+
+# ---- faults on demand: stall, drop, partition, heal; asymmetric bandwidth ------------------------------------------
+
+
+async def _round_trip_s(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, payload: bytes) -> float:
+    start = time.perf_counter()
+    writer.write(payload)
+    await writer.drain()
+    assert await asyncio.wait_for(reader.readexactly(len(payload)), 10) == payload
+    return time.perf_counter() - start
+
+
+def test_stall_holds_every_byte_then_delivers_all_in_order() -> None:
+    async def go() -> None:
+        echo = await _echo_server()
+        async with echo, WanProxy(target_port=_port(echo)) as proxy:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            assert await _round_trip_s(reader, writer, b"warm") < 0.5
+            proxy.stall(0.6)
+            assert 0.55 <= await _round_trip_s(reader, writer, b"held-" * 1000) < 3.0
+            assert await _round_trip_s(reader, writer, b"after") < 0.5  # the stall ended
+            assert proxy.stats.faults == 1
+            writer.close()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_drop_resets_connections_and_leaves_new_dials_unanswered_until_it_ends() -> None:
+    async def go() -> None:
+        echo = await _echo_server()
+        async with echo, WanProxy(target_port=_port(echo)) as proxy:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            assert await _round_trip_s(reader, writer, b"warm") < 0.5
+            proxy.drop(0.8)
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+                await asyncio.wait_for(reader.readexactly(1), 5)  # reset, not a clean end
+            assert proxy.stats.resets == 1
+            start = time.perf_counter()
+            reader2, writer2 = await asyncio.open_connection("127.0.0.1", proxy.port)
+            await _round_trip_s(reader2, writer2, b"again")
+            assert time.perf_counter() - start >= 0.7  # the dial got through only once the drop ended
+            for w in (writer, writer2):
+                w.close()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_partition_cuts_only_the_chosen_peers_until_healed() -> None:
+    async def go() -> None:
+        echo = await _echo_server()
+        async with echo, WanProxy(target_port=_port(echo)) as proxy:
+            cut_reader, cut_writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            ok_reader, ok_writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            assert await _round_trip_s(cut_reader, cut_writer, b"warm") < 0.5
+            proxy.partition({int(cut_writer.get_extra_info("sockname")[1])})
+            cut_writer.write(b"lost?")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(cut_reader.readexactly(5), 0.5)
+            assert await _round_trip_s(ok_reader, ok_writer, b"other peer") < 0.5  # not partitioned from it
+            proxy.heal()
+            assert await asyncio.wait_for(cut_reader.readexactly(5), 5) == b"lost?"  # held, then delivered
+            proxy.partition()  # everyone
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(_round_trip_s(ok_reader, ok_writer, b"x"), 0.5)
+            proxy.heal()
+            for w in (cut_writer, ok_writer):
+                w.close()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_reply_bandwidth_caps_only_the_direction_from_the_server() -> None:
+    config = LinkConfig(bandwidth_bytes_per_s=10_000_000, reply_bandwidth_bytes_per_s=1000, burst_bytes=100)
+    assert config.for_direction(to_target=True) is config
+    reply = config.for_direction(to_target=False)
+    assert reply.bandwidth_bytes_per_s == 1000
+    up, down = Shaper(config.for_direction(to_target=True)), Shaper(reply)
+    assert up.release_time(1100, 0.0) == pytest.approx(0.0001)
+    assert down.release_time(1100, 0.0) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="reply_bandwidth_bytes_per_s"):
+        LinkConfig(reply_bandwidth_bytes_per_s=0)
+
+
+def test_fault_durations_are_bounded() -> None:
+    from corolla.wan.faults import LinkFaults
+
+    faults = LinkFaults()
+    for bad in (0.0, -1.0, 1e9):
+        with pytest.raises(ValueError, match="duration_s"):
+            faults.stall(0.0, bad)
+    with pytest.raises(ValueError, match="peer ports"):
+        faults.partition({0})

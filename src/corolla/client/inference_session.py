@@ -1,7 +1,8 @@
 """`InferenceSession`: one inference stream per server span of the chain (`span_session.SpanSession`); keeps every
 span's inputs so that when a server fails, a replacement chain for its span replays them (start_from_position=0) and
 rebuilds the KV cache. Steps run in the caller's thread when every span is on a local stream, else on the client's
-background loop, where failures are retried on replacement chains within a `RetryBudget`."""
+background loop, where failures are retried on replacement chains within a `RetryBudget` (a silent hop is noticed
+at its step deadline, `client.stalls`; the only server of a span is waited for, not banned, when its link fails)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from corolla.client.handoff import HandoffLog, hand_off_draining_spans, needs_ha
 from corolla.client.output_checks import BadServerOutput
 from corolla.client.retries import RetryBudget
 from corolla.client.routing import RemoteSequenceManager
-from corolla.client.span_session import SpanSession, steps_in_flight
+from corolla.client.span_session import SpanSession, SpanUnreachable, steps_in_flight
+from corolla.client.stalls import StallEvent
 from corolla.client.verification import StepVerifier
 from corolla.protocol.records import RemoteSpanInfo
+from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -50,6 +53,7 @@ class InferenceSession:
         self.num_pushed_steps = 0  # span steps whose server answered the copy pushed by the previous server
         self.handoffs = HandoffLog()  # spans moved off draining servers with their KV cache
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
+        self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.stalls)
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
 
@@ -207,6 +211,8 @@ class InferenceSession:
                     raise
                 replacing = span_session is None or span_session is pending_replacement
                 failed = span_session.span.peer_id if span_session is not None and not replacing else None
+                if isinstance(e, SpanUnreachable):
+                    failed = e.peer_id
                 if isinstance(e, BadServerOutput) and e.taints_history:
                     for later in self._spans[index + 1 :]:  # they may hold states built from its earlier lies
                         later.position = 0
@@ -239,19 +245,32 @@ class InferenceSession:
         end = failed.span.end if failed is not None else self.end
         if failed is not None:
             await failed.close(drain=False)
-        route = await asyncio.to_thread(
-            self.manager.make_sequence, block, end, mode="min_latency", cache_tokens_needed=self.max_length
-        )
+        try:
+            route = await asyncio.to_thread(
+                self.manager.make_sequence, block, end, mode="min_latency", cache_tokens_needed=self.max_length
+            )
+        except MissingBlocksError:
+            # its link went down, so the view lost it too (its DHT records are out of reach): while it is not
+            # banned (a network failure of the only server), keep trying the server we had
+            if failed is None or self.manager.bans.is_banned(failed.span.peer_id) or failed.span.start != block:
+                raise
+            route = [failed.span]
+            logger.info(
+                "inference_session.retry_known_server(blocks=%d:%d, peer=...%s): missing from the view",
+                block,
+                end,
+                failed.span.peer_id[-6:],
+            )
         new_sessions: list[SpanSession] = []
         try:
             for span in route:
                 session = SpanSession(self.manager, span, self.max_length)
+                session.stall_events = self.stall_events
                 new_sessions.append(session)
                 try:
                     await session.open()
-                except Exception:
-                    self.manager.on_request_failure(span.peer_id)  # blame the server we could not reach
-                    raise
+                except Exception as e:  # the server we could not reach: the retry budget blames it
+                    raise SpanUnreachable(span.peer_id, e) from e
         except BaseException:
             for session in new_sessions:
                 await session.close(drain=False)

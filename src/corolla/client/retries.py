@@ -1,17 +1,50 @@
 """`RetryBudget`: the fail-over budget of one client call (an inference step, a forward or backward): bans the server
 that failed, sleeps with back-off, and ends in `NoHonestServerError` (naming the blocks and the servers tried and
-banned) once `ClientConfig.max_retries` failed attempts or `max_wait_s` seconds of failing have passed."""
+banned) once `ClientConfig.max_retries` failed attempts or `max_wait_s` seconds of failing have passed. A network
+failure of the only server of some block is not banned (a ban would hide the one server that can answer once its link
+is back): it is retried every `SOLE_SERVER_RETRY_S`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
+from corolla.client.output_checks import BadServerOutput
 from corolla.client.routing import RemoteSequenceManager
 from corolla.utils.errors import MissingBlocksError, NoHonestServerError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+SOLE_SERVER_RETRY_S = 1.0  # retry period while the only server of a block is unreachable (a link down, not a liar)
+
+
+def has_alternative(manager: RemoteSequenceManager, peer_id: str, blocks: tuple[int, int]) -> bool:
+    """True when servers other than `peer_id` (and not banned) cover every block of `[blocks[0], blocks[1])` in the
+    client's current view."""
+    banned = manager.bans.banned_peers()
+    covered: set[int] = set()
+    for span in manager.spans:
+        if span.peer_id != peer_id and span.peer_id not in banned:
+            covered.update(range(max(span.start, blocks[0]), min(span.end, blocks[1])))
+    return len(covered) >= blocks[1] - blocks[0]
+
+
+def blame(manager: RemoteSequenceManager, error: BaseException, peer_id: str | None, blocks: tuple[int, int]) -> bool:
+    """Bans `peer_id` for `error` (None: refreshes the view), unless the error is the network's (not a bad output)
+    and the peer is the only server of some of `blocks`; returns whether it banned."""
+    if peer_id is not None and not isinstance(error, BadServerOutput) and not has_alternative(manager, peer_id, blocks):
+        logger.info(
+            "retry.sole_server_kept(peer=...%s, blocks=%d:%d, error=%r): not banned, retried every %.0f s",
+            peer_id[-6:],
+            blocks[0],
+            blocks[1],
+            error,
+            SOLE_SERVER_RETRY_S,
+        )
+        return False
+    manager.on_request_failure(peer_id)
+    return True
 
 
 class RetryBudget:
@@ -37,7 +70,7 @@ class RetryBudget:
         self.attempt += 1
         if peer_id is not None and peer_id not in self.tried:
             self.tried.append(peer_id)
-        self.manager.on_request_failure(peer_id)
+        banned = blame(self.manager, error, peer_id, blocks)
         waited_s = now - self.failing_since_s
         out_of_time = config.max_wait_s is not None and waited_s >= config.max_wait_s
         if config.retries_exhausted(self.attempt) or out_of_time:
@@ -54,6 +87,8 @@ class RetryBudget:
         if isinstance(error, MissingBlocksError):
             self.manager.request_update()
         delay_s = config.retry_delay_s(self.attempt - 1)
+        if not banned and peer_id is not None:
+            delay_s = min(delay_s, SOLE_SERVER_RETRY_S)
         if config.max_wait_s is not None:  # the last attempt happens at the deadline, not after it
             delay_s = min(delay_s, config.max_wait_s - waited_s)
         logger.warning(

@@ -1,7 +1,9 @@
 """`SpanSession`: the client's inference stream to one server for blocks `[span.start, span.end)` (over the
 server's unix socket when it runs on this machine, else through p2p). It keeps the span's inputs (`history`), exactly
 what the server's KV cache was built from, so that `inference_session.InferenceSession` can replay them on a
-replacement server; it builds each step's request, checks the response and pings a silent server.
+replacement server; it builds each step's request, checks the response, and watches a silent server: past the
+step deadline derived from the span's measured step times (`stalls.StepClock`) it pings it, then fails over (raises
+`HopStalled`) when another server holds the blocks, or keeps waiting when it is the only one.
 
 The process-wide count of steps in flight (`steps_in_flight`) decides whether waiting for a response may busy-poll."""
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +32,9 @@ from corolla.client.local_transport import LocalInferenceStream
 from corolla.client.output_checks import BadServerOutput, check_outputs
 from corolla.client.p2p_stream import InferenceStream
 from corolla.client.remote_forward_backward import serialize_activations
+from corolla.client.retries import has_alternative
 from corolla.client.routing import RemoteSequenceManager
+from corolla.client.stalls import StallAction, StallEvent, StepClock
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.codecs import deserialize_tensor
 from corolla.protocol.handoff import DrainNotice
@@ -76,6 +81,19 @@ def _poll_s(config: ClientConfig) -> float:
     return config.busy_poll_ms / 1000 if config.busy_poll_ms > 0 and _steps_in_flight == 1 else 0.0
 
 
+class HopStalled(ConnectionError):
+    """A server stayed silent past its step deadline and did not answer a ping while another server holds its
+    blocks: the span fails over (a network failure: the server is banned like an unreachable one, never as a liar)."""
+
+
+class SpanUnreachable(ConnectionError):
+    """A span's stream could not be opened (the failure is `peer_id`'s, blamed by the retry budget)."""
+
+    def __init__(self, peer_id: str, error: BaseException):
+        self.peer_id = peer_id
+        super().__init__(f"cannot open a stream to ...{peer_id[-6:]}: {error!r}")
+
+
 class SpanSession:
     """The stream to one server for blocks `[span.start, span.end)`.
 
@@ -103,6 +121,9 @@ class SpanSession:
         self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
         self.expected_push: tuple[str, int] | None = None  # (step_id, start) last named to reach it by push
         self.last_reply_pushed = False  # the server flagged its last reply as the answer to a pushed step
+        self.clock = StepClock()  # this span's recent step times: the deadline of a step's silence
+        self.stall_events: list[StallEvent] = []  # the session shares its list with every span session
+        self.last_step_suspect = False  # the last response came after the step deadline
 
     async def open(self) -> None:
         """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
@@ -269,9 +290,14 @@ class SpanSession:
             hidden, hidden_from, position, prompts, hypo_ids, step_id, compression, extra or {}
         )
         self._started = True
+        num_tokens = inputs.shape[1]
+        started_s = time.monotonic()
         await self.send(request)
-        response = await self._next_response()
-        return self._accept(response, inputs, send_from, hidden.dtype)
+        response = await self._next_response(self.clock.deadline_s(num_tokens))
+        result = self._accept(response, inputs, send_from, hidden.dtype)
+        if not self.last_step_suspect:  # a stalled step's time says nothing of the server's speed
+            self.clock.record(num_tokens, time.monotonic() - started_s)
+        return result
 
     async def send(self, request: runtime_pb2.ExpertRequest) -> None:
         """Writes one request to the open stream (on the client loop)."""
@@ -330,15 +356,21 @@ class SpanSession:
         """From a thread other than the client loop's: does the server answer a ping?"""
         return not math.isinf(background_loop.run(self.manager.ping_s(self.span.peer_id)))
 
-    async def _next_response(self) -> runtime_pb2.ExpertResponse:
-        """The next response within `request_timeout_s`; while waiting, pings the server every
-        `liveness_check_period_s` so that a dead server (whose stream may never report an error) fails in seconds.
-        ConnectionError when the server ended the stream."""
+    async def _next_response(self, stall_deadline_s: float | None = None) -> runtime_pb2.ExpertResponse:
+        """The next response within `request_timeout_s` (`last_step_suspect`: it came after `stall_deadline_s`). While waiting, pings the server every `liveness_check_period_s`, and once when the step
+        deadline passes. A silent server that does not answer the ping fails the step (`HopStalled`,
+        ConnectionError) when another server holds its blocks; when it is the only one, the client keeps waiting
+        (its link may come back) up to `max_wait_s`. ConnectionError when the server ended the stream."""
         config = self.manager.config
         if self._stream is None:
             raise ConnectionError(f"the stream to ...{self.span.peer_id[-6:]} is not open")
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + config.request_timeout_s
+        started_s = loop.time()
+        deadline = started_s + config.request_timeout_s
+        suspect_at = started_s + stall_deadline_s if stall_deadline_s is not None else math.inf
+        ping_period_s = config.liveness_check_period_s or math.inf
+        next_ping = started_s + ping_period_s
+        self.last_step_suspect = False
         pending: asyncio.Future[runtime_pb2.ExpertResponse | None] = asyncio.ensure_future(self._stream.receive())
         poll_s = _poll_s(config)
         poller = background_loop.get_selector() if poll_s > 0 else None
@@ -346,22 +378,59 @@ class SpanSession:
             poller.keep_hot(poll_s)
         try:
             while True:
-                wait_s = min(config.liveness_check_period_s or math.inf, deadline - loop.time())
+                wait_s = min(deadline, suspect_at, next_ping) - loop.time()
                 done, _ = await asyncio.wait({pending}, timeout=max(wait_s, 0.0))
                 if done:
                     response = pending.result()
                     if response is None:
                         raise ConnectionError(f"server ...{self.span.peer_id[-6:]} closed the inference stream")
                     return response
-                if loop.time() >= deadline:
+                now = loop.time()
+                if now >= deadline:
                     raise TimeoutError(f"no response within request_timeout_s={config.request_timeout_s}")
-                if math.isinf(await self.manager.ping_s(self.span.peer_id)) and not pending.done():
-                    raise ConnectionError(f"server ...{self.span.peer_id[-6:]} stopped answering pings")
+                checking_stall = now >= suspect_at
+                if checking_stall:
+                    self.last_step_suspect, suspect_at = True, math.inf
+                elif now >= next_ping:
+                    next_ping = now + ping_period_s
+                else:
+                    continue
+                alive = not math.isinf(await self.manager.ping_s(self.span.peer_id))
+                if pending.done():
+                    continue
+                if checking_stall or not alive:
+                    self._on_silence(now - started_s, alive=alive, stall_deadline_s=stall_deadline_s)
+                if not alive and config.max_wait_s is not None:  # the only server: wait for its link, not forever
+                    deadline = min(deadline, started_s + config.max_wait_s)
         finally:
             if poller is not None:
                 poller.cool()
             if not pending.done():
                 pending.cancel()
+
+    def _on_silence(self, waited_s: float, *, alive: bool, stall_deadline_s: float | None) -> None:
+        """Decides after a ping of a silent server: wait (it answered: slow; or it is the only server of its
+        blocks), else raise HopStalled (fail over)."""
+        blocks = (self.span.start, self.span.end)
+        failing_over = not alive and has_alternative(self.manager, self.span.peer_id, blocks)
+        action: StallAction = "slow" if alive else "failed_over" if failing_over else "waited"
+        self.stall_events.append(StallEvent(self.span.peer_id, blocks, waited_s, stall_deadline_s, action))
+        logger.warning(
+            "span_session.hop_silent(peer=...%s, blocks=%d:%d, waited_s=%.2f, step_deadline_s=%s, answers_ping=%s, "
+            "action=%s)",
+            self.span.peer_id[-6:],
+            blocks[0],
+            blocks[1],
+            waited_s,
+            "none" if stall_deadline_s is None else f"{stall_deadline_s:.2f}",
+            alive,
+            action,
+        )
+        if failing_over:
+            raise HopStalled(
+                f"server ...{self.span.peer_id[-6:]} silent for {waited_s:.1f} s (step deadline "
+                f"{stall_deadline_s}) and not answering pings"
+            )
 
     def reorder(self, hypo_ids: torch.Tensor) -> None:
         """Mirrors the server's cache reordering for beam search on the history we keep."""

@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--delay_ms", type=float, default=0.0, help="one-way delay added in each direction")
     p.add_argument("--jitter_ms", type=float, default=0.0, help="extra delay per chunk, uniform in [0, jitter_ms]")
     p.add_argument("--bandwidth_bytes_per_s", type=float, default=None, help="token-bucket rate cap per direction")
+    p.add_argument(
+        "--reply_bandwidth_bytes_per_s", type=float, default=None, help="server->client cap (default: the same)"
+    )
     p.add_argument("--burst_bytes", type=int, default=64 * 1024, help="token-bucket size")
     p.add_argument("--stall_probability", type=float, default=0.0, help="chance per chunk of a retransmission stall")
     p.add_argument("--stall_ms", type=float, default=200.0, help="how long a stall holds the direction")
@@ -44,6 +47,7 @@ async def _serve(args: argparse.Namespace) -> None:
         delay_ms=args.delay_ms,
         jitter_ms=args.jitter_ms,
         bandwidth_bytes_per_s=args.bandwidth_bytes_per_s,
+        reply_bandwidth_bytes_per_s=args.reply_bandwidth_bytes_per_s,
         burst_bytes=args.burst_bytes,
         stall_probability=args.stall_probability,
         stall_ms=args.stall_ms,

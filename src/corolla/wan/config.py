@@ -6,7 +6,7 @@ and every later chunk of that direction waits behind it (head-of-line blocking, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_DELAY_MS = 10_000.0
 MAX_STALL_MS = 60_000.0
@@ -17,7 +17,8 @@ MAX_CHUNK_BYTES = 16 << 20
 
 @dataclass(frozen=True)
 class LinkConfig:
-    """One direction's impairments (both directions get the same ones).
+    """One direction's impairments (both directions get the same ones, except the bandwidth when
+    `reply_bandwidth_bytes_per_s` is set: the server->client direction's cap, for asymmetric links).
 
     delay_ms: one-way delay added to every chunk. jitter_ms: extra delay drawn uniformly in [0, jitter_ms] per chunk
     (never reorders: a chunk leaves no earlier than the one before it). bandwidth_bytes_per_s: token-bucket rate cap
@@ -28,6 +29,7 @@ class LinkConfig:
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     bandwidth_bytes_per_s: float | None = None
+    reply_bandwidth_bytes_per_s: float | None = None
     burst_bytes: int = 64 * 1024
     stall_probability: float = 0.0
     stall_ms: float = 200.0
@@ -44,6 +46,11 @@ class LinkConfig:
             raise ValueError(
                 f"bandwidth_bytes_per_s must be > 0 (or None for unlimited), got {self.bandwidth_bytes_per_s}"
             )
+        if self.reply_bandwidth_bytes_per_s is not None and not self.reply_bandwidth_bytes_per_s > 0:
+            raise ValueError(
+                f"reply_bandwidth_bytes_per_s must be > 0 (or None: as bandwidth_bytes_per_s), "
+                f"got {self.reply_bandwidth_bytes_per_s}"
+            )
         if not 0.0 <= self.stall_probability <= 1.0:
             raise ValueError(f"stall_probability must be in [0, 1], got {self.stall_probability}")
         if not 1 <= self.burst_bytes <= MAX_IN_FLIGHT_BYTES:
@@ -56,8 +63,16 @@ class LinkConfig:
         if not 1 <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}], got {self.chunk_bytes}")
 
+    def for_direction(self, *, to_target: bool) -> LinkConfig:
+        """This config as one direction applies it (the reply direction takes `reply_bandwidth_bytes_per_s`)."""
+        if to_target or self.reply_bandwidth_bytes_per_s is None:
+            return self
+        return replace(self, bandwidth_bytes_per_s=self.reply_bandwidth_bytes_per_s, reply_bandwidth_bytes_per_s=None)
+
     def describe(self) -> str:
         rate = "unlimited" if self.bandwidth_bytes_per_s is None else f"{self.bandwidth_bytes_per_s:.0f} B/s"
+        if self.reply_bandwidth_bytes_per_s is not None:
+            rate += f" (replies {self.reply_bandwidth_bytes_per_s:.0f} B/s)"
         return (
             f"delay_ms={self.delay_ms:g} jitter_ms={self.jitter_ms:g} bandwidth={rate} "
             f"stall_probability={self.stall_probability:g} stall_ms={self.stall_ms:g}"

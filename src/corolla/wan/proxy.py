@@ -3,7 +3,8 @@ the target and two `_Direction` pumps (client->server, server->client), each wit
 reads up to `chunk_bytes` at a time, stamps the chunk with its release time and queues it; a writer task sleeps until
 that time and writes it on. A direction holding more than `max_in_flight_bytes` stops reading (the sender's TCP window
 fills: back-pressure), so memory stays bounded. End of stream is delayed like data and passed on as a half-close;
-a reset on either side closes both."""
+a reset on either side closes both. Faults (`stall`, `drop`, `partition`, `heal`: see `faults.LinkFaults`) hold a
+connection's bytes, and a new connection's dial to the target, while they last."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from dataclasses import dataclass
 
 from corolla.utils.logging import get_logger
 from corolla.wan.config import LinkConfig
+from corolla.wan.faults import LinkFaults
 from corolla.wan.shaper import Shaper
 
 logger = get_logger(__name__)
 
 _EOF = b""
+FAULT_POLL_S = 0.05  # how often a held connection looks whether its fault ended
 
 
 @dataclass
@@ -30,6 +33,8 @@ class ProxyStats:
     bytes_to_target: int = 0
     bytes_from_target: int = 0
     stalls: int = 0
+    faults: int = 0  # stalls, drops and partitions applied with `WanProxy.stall/drop/partition`
+    resets: int = 0  # connections reset by a drop
     max_in_flight_bytes: int = 0  # the most any one direction ever held
 
 
@@ -45,11 +50,14 @@ class _Direction:
         *,
         to_target: bool,
         seed_offset: int,
+        peer_port: int,
     ):
         self.proxy = proxy
+        self.peer_port = peer_port
         self.reader, self.writer = reader, writer
         self.to_target = to_target
         config = proxy.config
+        config = config.for_direction(to_target=to_target)
         seeded = config if config.seed is None else _with_seed(config, config.seed + seed_offset)
         self.shaper = Shaper(seeded)
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
@@ -62,7 +70,7 @@ class _Direction:
             while self.in_flight_bytes >= self.proxy.config.max_in_flight_bytes:  # back-pressure: stop reading
                 self.changed.clear()
                 await self.changed.wait()
-            self.shaper.set_config(self.proxy.config)
+            self.shaper.set_config(self.proxy.config.for_direction(to_target=self.to_target))
             data = await self.reader.read(self.proxy.config.chunk_bytes)
             release_s = self.shaper.release_time(max(1, len(data)), loop.time())
             self.queue.append((release_s, data))
@@ -83,6 +91,7 @@ class _Direction:
             delay_s = release_s - loop.time()
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
+            await self.proxy.wait_passable(self.peer_port)
             self.queue.popleft()
             if data == _EOF:
                 if self.writer.can_write_eof():
@@ -149,6 +158,8 @@ class WanProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self._ids = itertools.count()
         self._upstream_ports: set[int] = set()
+        self.faults = LinkFaults()
+        self._writers: dict[int, list[asyncio.StreamWriter]] = {}  # open connections' sockets, for `drop`
 
     @property
     def port(self) -> int:
@@ -168,6 +179,46 @@ class WanProxy:
     def set_config(self, config: LinkConfig) -> None:
         self.config = config
         logger.info(f"wan.proxy_config(port={self.port}, {config.describe()})")
+
+    def _now_s(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def stall(self, duration_s: float) -> None:
+        """Holds every byte of every connection (and new connections' dials) for `duration_s` from now; nothing is
+        lost, all of it passes, in order, when the stall ends. Call on the proxy's loop (`ProxyThread.stall`)."""
+        self.faults.stall(self._now_s(), duration_s)
+        self.stats.faults += 1
+        logger.info(f"wan.stall(port={self.port}, duration_s={duration_s:g})")
+
+    def drop(self, duration_s: float) -> None:
+        """Resets every open connection now and leaves new ones unanswered for `duration_s` (a link down long enough
+        for middleboxes to forget its connections)."""
+        self.faults.stall(self._now_s(), duration_s)
+        self.stats.faults += 1
+        for writers in list(self._writers.values()):
+            for writer in writers:
+                writer.transport.abort()  # RST, not FIN: the peers see the connection fail
+            self.stats.resets += 1
+        logger.info(f"wan.drop(port={self.port}, duration_s={duration_s:g}, reset={len(self._writers)})")
+
+    def partition(self, peer_ports: set[int] | None = None) -> None:
+        """Nothing passes between the target and the peers connecting from `peer_ports` (None: every peer) until
+        `heal()`: their bytes are held, their new connections never reach the target."""
+        self.faults.partition(peer_ports)
+        self.stats.faults += 1
+        logger.info(
+            f"wan.partition(port={self.port}, peer_ports={'all' if peer_ports is None else sorted(peer_ports)})"
+        )
+
+    def heal(self) -> None:
+        """Ends every fault now; what was held passes on."""
+        self.faults.heal()
+        logger.info(f"wan.heal(port={self.port})")
+
+    async def wait_passable(self, peer_port: int) -> None:
+        """Returns once no fault holds the connection from `peer_port` (polled: faults change from other calls)."""
+        while (held_s := self.faults.held_for(peer_port, self._now_s())) > 0:
+            await asyncio.sleep(min(held_s, FAULT_POLL_S))
 
     async def start(self) -> WanProxy:
         self._server = await asyncio.start_server(
@@ -208,7 +259,10 @@ class WanProxy:
         self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter, conn_id: int
     ) -> None:
         target_writer: asyncio.StreamWriter | None = None
+        peer_port = int(client_writer.get_extra_info("peername")[1])
+        self._writers[conn_id] = [client_writer]
         try:
+            await self.wait_passable(peer_port)  # a dial during a drop or partition is never answered
             try:
                 target_reader, connected_writer = await asyncio.wait_for(
                     asyncio.open_connection(self.target_host, self.target_port, limit=self.config.chunk_bytes),
@@ -218,11 +272,16 @@ class WanProxy:
                 logger.warning(f"wan.target_unreachable(target={self.target_host}:{self.target_port}, error={e!r})")
                 return
             target_writer = connected_writer
+            self._writers[conn_id].append(connected_writer)
             upstream_port = int(connected_writer.get_extra_info("sockname")[1])
             self._upstream_ports.add(upstream_port)
             self.stats.connections += 1
-            up = _Direction(self, client_reader, connected_writer, to_target=True, seed_offset=2 * conn_id)
-            down = _Direction(self, target_reader, client_writer, to_target=False, seed_offset=2 * conn_id + 1)
+            up = _Direction(
+                self, client_reader, connected_writer, to_target=True, seed_offset=2 * conn_id, peer_port=peer_port
+            )
+            down = _Direction(
+                self, target_reader, client_writer, to_target=False, seed_offset=2 * conn_id + 1, peer_port=peer_port
+            )
             pumps = [asyncio.ensure_future(up.run()), asyncio.ensure_future(down.run())]
             try:
                 # both directions end normally (each side half-closed) or one fails: then close both at once
@@ -236,6 +295,7 @@ class WanProxy:
                 await asyncio.gather(*pumps, return_exceptions=True)
                 self._upstream_ports.discard(upstream_port)
         finally:
+            self._writers.pop(conn_id, None)
             for writer in (client_writer, target_writer):
                 if writer is not None:
                     writer.close()

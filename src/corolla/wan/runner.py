@@ -1,12 +1,13 @@
 """`ProxyThread`: WAN proxies on an event loop of their own in a background thread, for synchronous code (tests,
-`python -m benchmarks.wan`): `with ProxyThread() as wan: proxy = wan.add(target_port, LinkConfig(delay_ms=25))`. Leaving
+`python -m benchmarks.wan`): `with ProxyThread() as wan: proxy = wan.add(target_port, LinkConfig(delay_ms=25))`;
+`wan.stall(proxy, 5.0)`, `wan.drop(...)`, `wan.partition(...)`, `wan.heal(...)` apply faults from this thread. Leaving
 the block closes every proxy and their connections and joins the thread."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TypeVar
 
 from corolla.utils.logging import get_logger
@@ -43,6 +44,25 @@ class ProxyThread:
         async def apply() -> None:
             for proxy in self.proxies:
                 proxy.set_config(config)
+
+        self._call(apply())
+
+    def stall(self, proxy: WanProxy, duration_s: float) -> None:
+        """`proxy.stall(duration_s)` on the proxies' loop (see `WanProxy.stall`)."""
+        self._on_loop(lambda: proxy.stall(duration_s))
+
+    def drop(self, proxy: WanProxy, duration_s: float) -> None:
+        self._on_loop(lambda: proxy.drop(duration_s))
+
+    def partition(self, proxy: WanProxy, peer_ports: set[int] | None = None) -> None:
+        self._on_loop(lambda: proxy.partition(peer_ports))
+
+    def heal(self, proxy: WanProxy) -> None:
+        self._on_loop(proxy.heal)
+
+    def _on_loop(self, action: Callable[[], None]) -> None:
+        async def apply() -> None:
+            action()
 
         self._call(apply())
 
