@@ -170,3 +170,32 @@ def test_load_fields_are_optional_extensions():
 def test_hostile_load_fields_are_refused(field, value):
     with pytest.raises((TypeError, ValueError)):
         ServerInfo.from_tuple((2, 1.0, {"start_block": 0, "end_block": 2, field: value}))
+
+
+def test_petals_reader_ignores_the_load_fields():
+    """Petals 2.x parses records with its pydantic.v1 dataclass (reference section 3.3), which drops unknown keyword
+    fields: a corolla record with load fields reads there exactly like one without."""
+    pydantic_v1 = pytest.importorskip("pydantic.v1")
+    from typing import Optional
+
+    rps = pydantic_v1.confloat(ge=0, allow_inf_nan=False, strict=True)
+
+    @pydantic_v1.dataclasses.dataclass
+    class PetalsServerInfo:  # Petals 2.2's fields and validators (src/petals/data_structures.py)
+        state: int
+        throughput: rps  # type: ignore[valid-type]
+        start_block: Optional[pydantic_v1.conint(ge=0, strict=True)] = None  # type: ignore[valid-type]
+        end_block: Optional[pydantic_v1.conint(ge=0, strict=True)] = None  # type: ignore[valid-type]
+        public_name: Optional[str] = None
+        version: Optional[str] = None
+        inference_rps: Optional[rps] = None  # type: ignore[valid-type]
+        cache_tokens_left: Optional[pydantic_v1.conint(ge=0, strict=True)] = None  # type: ignore[valid-type]
+
+    loaded = ServerInfo(
+        state=ServerState.ONLINE, throughput=2.0, start_block=0, end_block=4, inference_rps=9.0, sessions_active=3,
+        busy_fraction=0.25, tokens_served=12345, num_moves=1,
+    )  # fmt: skip
+    state, throughput, extra = MSGPackSerializer.loads(MSGPackSerializer.dumps(loaded.to_tuple()))
+    parsed = PetalsServerInfo(state=state, throughput=throughput, **extra)  # as Petals' from_tuple calls it
+    assert (parsed.start_block, parsed.end_block, parsed.inference_rps) == (0, 4, 9.0)
+    assert not any(hasattr(parsed, name) for name in LOAD_FIELDS)

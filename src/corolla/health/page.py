@@ -26,9 +26,9 @@ PAGE_HTML = """<!doctype html>
   table { border-collapse: collapse; font-size: .8rem; margin-top: .5rem; max-width: 100%; }
   th, td { border-bottom: 1px solid #dde2e8; padding: .2rem .35rem; text-align: left; white-space: nowrap; }
   td.num, th.num { text-align: right; }
-  td.pings { max-width: 12rem; overflow: hidden; text-overflow: ellipsis; }
+  td.pings { max-width: 10rem; overflow: hidden; text-overflow: ellipsis; }
   .flow { font-size: .85rem; margin: .3rem 0; } .flow b { font-weight: 600; }
-  th { background: #eef1f4; }
+  th { background: #eef1f4; white-space: normal; vertical-align: bottom; }
   td.state-online { color: #2e9d48; } td.state-joining { color: #b57f00; }
   td.state-offline, td.state-unreachable { color: #d1342f; }
   .spanbar { display: inline-flex; vertical-align: middle; width: 6rem; height: .6rem; background: #e6e9ed; }
@@ -51,10 +51,10 @@ PAGE_HTML = """<!doctype html>
 <div id="issues"></div>
 <script>
 "use strict";
-// [header, numeric]; dtype, quantization, adapters, relay and the forward/network rps are in the peer cell's tooltip
+// [header, numeric]; version, dtype, quantization, adapters, relay and forward/network rps: the peer cell's tooltip
 const COLUMNS = [["Name", 0], ["Peer ID", 0], ["Blocks", 0], ["State", 0], ["Capacity tok/s", 1], ["Sessions", 1],
   ["Busy", 1], ["Served tok/s", 1], ["Tokens served", 1], ["Moves", 1], ["Inference rps", 1], ["Cache / block", 1],
-  ["Version", 0], ["Next pings", 0]];
+  ["Next pings", 0]];
 
 function el(tag, attrs, text) {
   const node = document.createElement(tag);
@@ -100,7 +100,8 @@ function serverTable(report) {
     blocks.appendChild(spanBar(row.span, report.num_blocks));
     const load = row.load || {};
     const relay = info.using_relay === null || info.using_relay === undefined ? "?" : (info.using_relay ? "yes" : "no");
-    const details = row.peer_id + "\\ndtype " + (info.torch_dtype || "?") + ", quant " + (info.quant_type || "?") +
+    const details = row.peer_id + "\\nversion " + (info.version || "?") + ", dtype " + (info.torch_dtype || "?") +
+      ", quant " + (info.quant_type || "?") +
       ", relay " + relay + "\\nforward rps " + num(info.forward_rps, 1) + ", network rps " + num(info.network_rps, 1) +
       "\\nadapters: " + (row.adapters.map((a) => a.short_name).join(", ") || "none");
     const state = row.state === "joining" && load.num_moves ? "moving" : row.state;
@@ -119,7 +120,6 @@ function serverTable(report) {
       cell(load.num_moves ?? ""),
       cell(num(info.inference_rps, 1)),
       cell(row.cache_tokens_left_per_block === undefined ? "" : row.cache_tokens_left_per_block),
-      el("td", {}, info.version || ""),
       el("td", {"class": "mono pings", "title": pings}, pings),
     ];
     for (const c of cells) tr.appendChild(c);

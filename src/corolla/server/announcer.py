@@ -82,6 +82,10 @@ class Announcer:
         self.server_info.state = state
         self._task = asyncio.create_task(self._run(), name="corolla-announcer")
 
+    def rtts_s(self) -> dict[str, float]:
+        """The smoothed RTTs (s) it measured to the servers after its first block (peer id -> s, inf = unreachable)."""
+        return self._pings.to_dict()
+
     async def announce(self, state: ServerState, timeout_s: float = 2 * DHT_CALL_TIMEOUT_S) -> None:
         """Switches state and re-announces now; OFFLINE waits (bounded) until the record is stored and the loop ends."""
         self.server_info.state = state

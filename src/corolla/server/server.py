@@ -479,4 +479,4 @@ class Server:
         c = self.config
         if c.block_indices is not None or c.balance_quality <= 0 or self.seat is None:
             return False
-        return await self.seat.should_move()
+        return await self.seat.should_move(rtts_s=self.announcer.rtts_s() if self.announcer else {})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from corolla.protocol.records import RemoteSpanInfo, ServerState
@@ -48,13 +49,15 @@ class SwarmSeat:
         self.num_moves = 0
         self._busy_sample: tuple[float, float] | None = None  # (time.monotonic(), runtime busy seconds)
 
-    def capacity(self) -> ServerCapacity:
-        """This server as the policy sees it: the throughput it measured for `max_blocks` blocks."""
+    def capacity(self, rtts_s: Mapping[str, float] | None = None) -> ServerCapacity:
+        """This server as the policy sees it: the throughput it measured for `max_blocks` blocks, and the RTTs it
+        measured to other servers (its announcer's pings; none before it serves)."""
         return ServerCapacity(
             peer_id=self.peer_id,
             max_blocks=self.max_blocks,
             throughput=float(self.throughput_info.get("throughput", 1.0)),
             network_rps=self.throughput_info.get("network_rps"),
+            rtts_s=dict(rtts_s or {}),
         )
 
     def throughput_for(self, block_indices: range) -> float:
@@ -79,10 +82,11 @@ class SwarmSeat:
         self.online_since = time.monotonic()
         self.metrics.span_loaded(load_s)
 
-    async def should_move(self) -> bool:
+    async def should_move(self, rtts_s: Mapping[str, float] | None = None) -> bool:
+        """Asks the policy whether to move now (`rtts_s`: what the server measured to other servers)."""
         try:
             decision = self.policy.choose_move(
-                self.capacity(), await self.read_spans(), len(self.module_uids), reload_s=self.load_s or 0.0,
+                self.capacity(rtts_s), await self.read_spans(), len(self.module_uids), reload_s=self.load_s or 0.0,
                 since_move_s=time.monotonic() - self.online_since, rng=random.Random(),
             )  # fmt: skip
         except Exception as e:

@@ -1,0 +1,85 @@
+"""The server's seat in the swarm: it asks its policy for a span and for moves over the spans the DHT shows, counts
+moves and span loads in its metrics, and samples the load its announcer publishes."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
+from corolla.server.metrics import ServerMetrics
+from corolla.server.slowdown import BLOCK_DELAY_ENV, BlockDelay, block_delay_s, slowed_throughput
+from corolla.server.swarm_seat import SwarmSeat
+from corolla.server.task import KindStats
+
+
+def span(peer: str, start: int, end: int, throughput: float) -> RemoteSpanInfo:
+    info = ServerInfo(state=ServerState.ONLINE, throughput=throughput, start_block=start, end_block=end)
+    return RemoteSpanInfo(peer, start, end, info)
+
+
+def make_seat(policy: str, spans: list[RemoteSpanInfo], *, max_blocks: int = 2, throughput: float = 10.0) -> SwarmSeat:
+    seat = SwarmSeat(
+        policy_name=policy, balance_quality=0.75, dht=None, module_uids=[f"m.{i}" for i in range(4)],
+        max_blocks=max_blocks, throughput_info={"throughput": throughput}, metrics=ServerMetrics(),
+    )  # fmt: skip
+    seat.peer_id = "me"
+
+    async def read_spans() -> list[RemoteSpanInfo]:
+        return list(spans)
+
+    seat.read_spans = read_spans  # type: ignore[method-assign]
+    return seat
+
+
+@pytest.mark.parametrize("policy", ["petals", "corolla"])
+def test_choose_span_and_move_through_the_policy(policy):
+    seat = make_seat(policy, [span("A", 0, 2, 10.0)])
+    assert asyncio.run(seat.choose_span()) == range(2, 4)
+    assert seat.throughput_for(range(2, 4)) == 10.0
+    # "me" doubles blocks 0..1 while 2..3 are thin: both policies move it there
+    seat = make_seat(policy, [span("A", 0, 2, 10.0), span("me", 0, 2, 10.0), span("B", 2, 4, 1.0)])
+    seat.loaded(5.0)
+    seat.online_since -= 1e6  # long past corolla's dwell time
+    assert asyncio.run(seat.should_move()) is True
+    assert seat.num_moves == 1
+    text = seat.metrics.render().decode()
+    assert "corolla_moves_total 1.0" in text and "corolla_span_load_seconds_total 5.0" in text
+
+
+def test_corolla_seat_dwells_after_loading():
+    seat = make_seat("corolla", [span("A", 0, 2, 10.0), span("me", 0, 2, 10.0), span("B", 2, 4, 1.0)])
+    seat.loaded(5.0)
+    assert asyncio.run(seat.should_move()) is False and seat.num_moves == 0
+
+
+def test_load_fields_sample_the_runtime():
+    seat = make_seat("corolla", [])
+    assert seat.load_fields(None) == {"tokens_served": 0, "num_moves": 0}
+    stats = {"inference": KindStats(busy_s=1.0)}
+    service = SimpleNamespace(
+        runtime=SimpleNamespace(stats=lambda: stats), handler=SimpleNamespace(sessions=SimpleNamespace(num_open=3))
+    )
+    seat.metrics.tokens("inference", 7)
+    first = seat.load_fields(service)
+    assert first == {"tokens_served": 7, "num_moves": 0, "sessions_active": 3}  # no busy share before two samples
+    stats["inference"] = KindStats(busy_s=1.0 + 1e9)  # more busy time than wall time passed: clipped to 1
+    assert seat.load_fields(service)["busy_fraction"] == 1.0
+    assert ServerInfo(state=ServerState.ONLINE, throughput=1.0, **seat.load_fields(service)).busy_fraction == 0.0
+
+
+def test_slowdown_knob(monkeypatch):
+    monkeypatch.delenv(BLOCK_DELAY_ENV, raising=False)
+    assert block_delay_s() is None
+    monkeypatch.setenv(BLOCK_DELAY_ENV, "0.01")
+    assert block_delay_s() == 0.01
+    assert slowed_throughput(0.01, 3) == {"throughput": 50.0, "inference_rps": 100.0, "forward_rps": 100.0}
+    monkeypatch.setenv(BLOCK_DELAY_ENV, "5")
+    with pytest.raises(ValueError, match="COROLLA_TEST_BLOCK_DELAY_S"):
+        block_delay_s()
+    slept = []
+    monkeypatch.setattr("corolla.server.slowdown.time.sleep", slept.append)
+    BlockDelay(0.01, 3)("inference", 2, 0.01)  # 2 steps x 3 blocks x 10 ms = 60 ms, 10 of them already spent
+    assert slept == [pytest.approx(0.05)]
