@@ -8,15 +8,12 @@ import ipaddress
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from corolla.server.direct_endpoint import DirectListen
 from corolla.server.limits import PeerLimits
 from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
 from corolla.swarm.policy import check_policy_name
-
-if TYPE_CHECKING:
-    from corolla.server.direct_endpoint import DirectListen
 
 COMPRESSION_NAMES = ("NONE", "MEANSTD_16BIT", "FLOAT16", "QUANTILE_8BIT", "UNIFORM_8BIT", "BLOCKWISE_8BIT")
 TORCH_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
