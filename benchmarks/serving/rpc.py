@@ -41,7 +41,7 @@ def _users(server: Any, args: Any, log: Callable[[str], None]) -> list[dict]:
             prefix_tokens=args.prefix_tokens,
             decode_steps=args.user_steps,
         )
-        row = asdict(run_users(server, config, "fast"))
+        row = asdict(run_users(server, config, "fused"))
         log(
             f"users over {transport}, {client} client: {n} sessions in {row['client_processes']} processes: "
             f"{row['aggregate_tokens_per_s']:.0f} tok/s, step median {row['step_median_ms']:.2f} ms "
@@ -58,15 +58,15 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     from hivemind.p2p import PeerID
 
     from benchmarks.users.server import BenchServer, build_executor
-    from corolla.server.fast_executor import KIND_ENGINE_INFERENCE, FastExecutor
+    from corolla.server.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor
 
     device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", torch.cuda.current_device())
     n = min(args.rpc_layers, shape.num_layers)
     pool_bytes = (64 << 20) if args.cpu_smoke else (8 << 30)
     executor = build_executor(
-        shape, dtype, device, num_layers=n, serving_path="fast", cache_bytes=pool_bytes, model=model
+        shape, dtype, device, num_layers=n, serving_path="fused", cache_bytes=pool_bytes, model=model
     )
-    assert isinstance(executor, FastExecutor)
+    assert isinstance(executor, EngineExecutor)
     # each merged step as the runtime thread runs it (host tensors in and out): (unix time, ms, steps merged)
     task_log: list[tuple[float, float, int]] = []
 

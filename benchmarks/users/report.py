@@ -68,9 +68,9 @@ def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
 
 def _engine_row(executor: DeviceExecutor, sessions: int, prefix_tokens: int, steps: int) -> dict | None:
     """The fast path's engine driven in this process by its `ContinuousBatcher` (no RPC): its own, labelled row."""
-    from corolla.server.fast_executor import FastExecutor
+    from corolla.server.engine_executor import EngineExecutor
 
-    if not isinstance(executor, FastExecutor):
+    if not isinstance(executor, EngineExecutor):
         return None
     engine = executor.engine
     return engine_steps.concurrent_sessions(engine, sessions=sessions, prefix_tokens=prefix_tokens, steps=steps)
@@ -142,18 +142,18 @@ def _measure(
 
 def _server_step_ms(executor: DeviceExecutor, prefix_tokens: int) -> float:
     """A lone session's step on the engine itself (no RPC): the floor a client step is compared with."""
-    from corolla.server.fast_executor import FastExecutor
+    from corolla.server.engine_executor import EngineExecutor
 
-    assert isinstance(executor, FastExecutor)
+    assert isinstance(executor, EngineExecutor)
     return float(engine_steps.single_session(executor.engine, prefix_tokens=prefix_tokens, steps=64)["median_ms"])
 
 
 def _cpu_linear_off(executor: DeviceExecutor) -> None:
     """Drops the CPU projection choices the fast executor's warm-up made (`--cpu_linear off`)."""
     from corolla.engine.fast_llama import FastLlamaSpan
-    from corolla.server.fast_executor import FastExecutor
+    from corolla.server.engine_executor import EngineExecutor
 
-    assert isinstance(executor, FastExecutor) and isinstance(executor.engine.model, FastLlamaSpan)
+    assert isinstance(executor, EngineExecutor) and isinstance(executor.engine.model, FastLlamaSpan)
     executor.engine.model.ops.cpu_linear = None
     print("cpu_linear off: F.linear / addmm for every projection", flush=True)
 
@@ -194,7 +194,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--runtime_cpus", default="", help="with --client_cpus: some of the server's CPUs for the device runtime "
         "thread alone (e.g. 0,16: a core and its SMT sibling); the rest of the server side runs on the others",
     )  # fmt: skip
-    p.add_argument("--serving_paths", default="fast,plain")
+    p.add_argument("--serving_paths", default="fused,eager")
     p.add_argument("--prefix_tokens", type=int, default=32)
     p.add_argument("--decode_steps", type=int, default=32)
     p.add_argument("--torch_threads", type=int, default=0, help="torch threads of the server (0: torch's default)")
@@ -251,16 +251,16 @@ def main(argv: list[str] | None = None) -> int:
         executor = build_executor(
             shape, dtype, device, num_layers=shape.num_layers, serving_path=path, cache_bytes=cache_bytes
         )
-        if path == "fast" and args.cpu and args.cpu_linear == "off":
+        if path == "fused" and args.cpu and args.cpu_linear == "off":
             _cpu_linear_off(executor)
-        if path == "fast" and args.gpu_layers:  # on a CPU it costs minutes and the RPC is not what limits
+        if path == "fused" and args.gpu_layers:  # on a CPU it costs minutes and the RPC is not what limits
             lone_steps[path] = _server_step_ms(executor, args.prefix_tokens)
         runs = [ServerRun.parse(spec, counts) for spec in args.runs.split()] or [
             ServerRun(int(x), None, counts) for x in args.num_handlers.split(",")
         ]
         default_gather = executor.runtime.gather.settings
         for repeat in range(args.repeats):
-            if path == "fast" and args.repeats > 1:  # alternated with the servers' rows (else after them, as before)
+            if path == "fused" and args.repeats > 1:  # alternated with the servers' rows (else after them, as before)
                 _engine_rows(executor, runs, args, engine_rows, started, repeat)
             for i, run in enumerate(runs):
                 fraction = run.gather_fraction
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                 _measure(server, args, run.counts, path, rows, started, last=last)
                 for row in rows[measured:]:
                     row.repeat = repeat
-        if path == "fast" and args.repeats == 1:
+        if path == "fused" and args.repeats == 1:
             _engine_rows(executor, runs, args, engine_rows, started, 0)
         del executor
     where = f"{_gpu_name()}, bfloat16"
@@ -294,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "server.handler_pool, each serving its own same-host socket since session 12); clients in "
         f"{args.processes} forked processes, each row's 'client' column says how they drive their sessions: "
         + "; ".join(f"'{kind}' = {CLIENT_DESCRIPTIONS[kind]}" for kind in args.clients.split(","))
-        + ". 'fast' = SpanEngine merging decode steps of all sessions; 'plain' = blocks + MemoryCache, one runtime "
-        "task per session step.",
+        + ". 'fused' = SpanEngine on fused kernels; 'eager' = SpanEngine running the blocks eagerly over its pool; "
+        "both merge the decode steps of all sessions into one forward.",
         f"CPUs: {cpus.describe()}."
         if cpus is not None
         else f"CPUs: not pinned (server and clients share CPUs {format_cpus(os.sched_getaffinity(0))}).",

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-ServingPath = Literal["fast", "plain"]
+ServingPath = Literal["fused", "eager"]
 _P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
 _LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 DHT_PREFIX = "bench"
@@ -125,35 +125,26 @@ def build_executor(
     model: torch.nn.Module | None = None,
 ) -> DeviceExecutor:
     """The span executor of a random-weight span of `num_layers` corolla llama blocks, as the server builds it
-    (`serving_path.make_executor`): plain (blocks + `MemoryCache`, one runtime task per session step) or fast
-    (`SpanEngine`, the steps of all sessions merged into one forward; on the CPU with its reference ops).
+    (`engine_executor`): the engine over its paged pool on fused kernels, or running the blocks eagerly over it
+    (`serving_path` "fused" or "eager"; the steps of all sessions merged into one forward either way).
     `model`: a transformers `LlamaModel` of `shape` whose first layers' weights the blocks take (default: a new
     random one)."""
     from benchmarks.common.model import build_blocks, build_hf_model
-    from corolla.engine.serving import SpanTraits
+    from corolla.engine import EngineConfig, SpanEngine
     from corolla.server.backend import SpanBackend
+    from corolla.server.engine_executor import EngineExecutor
     from corolla.server.runtime import Runtime
-    from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
 
     small = ModelShape(**{**asdict(shape), "num_layers": num_layers})
     source = model if model is not None else build_hf_model(small, dtype, device, seed=seed)
     blocks = build_blocks(source, small, dtype, device, num_layers)
     del source
     backend = SpanBackend(blocks, config=small.hf_config(), dtype=dtype, device=device)
-    traits = SpanTraits(
-        device_type=device.type,
-        dtype=dtype,
-        quant_type="none",
-        family="llama",
-        num_adapters=0,
-        tensor_parallel_devices=0,
-    )
-    choice = choose_serving_path(serving_path, traits)  # ConfigurationError if "fast" can't serve it
     runtime = Runtime(max_batch_size_tokens=MAX_BATCH_SIZE_TOKENS, device=device)
-    settings = ExecutorSettings(
-        cache_bytes=cache_bytes, max_seq_len_tokens=MAX_LENGTH_TOKENS, max_alloc_timeout_s=None, tensor_parallel=False
-    )
-    executor = make_executor(choice, backend, runtime, settings)
+    config = EngineConfig(kv_pool_bytes=cache_bytes, max_seq_len_tokens=MAX_LENGTH_TOKENS)
+    engine = SpanEngine.from_blocks([backend.blocks[i] for i in sorted(backend.blocks)], config,
+                                    fused=serving_path == "fused")  # fmt: skip
+    executor = EngineExecutor(backend, engine, runtime)
     if executor.path != serving_path:
         raise RuntimeError(f"asked for the {serving_path} path, the server built {executor.path}")
     return executor

@@ -254,7 +254,7 @@ def test_inputs_are_checked_once_where_the_step_enters_and_the_state_where_it_ru
     with engine.open_session(1, 8) as s, engine.open_session(1, 8) as closed:
         good, late = StepRequest(s, torch.randn(1, 1, H), 0), StepRequest(closed, torch.randn(1, 1, H), 0)
         for req in (good, late):
-            engine.check_inputs(req)  # where the step enters (FastExecutor.prepare_step)
+            engine.check_inputs(req)  # where the step enters (EngineExecutor.prepare_step)
         with pytest.raises(ValueError, match=r"hidden states must be \[1, tokens, 64\]"):
             engine.check_inputs(StepRequest(s, torch.randn(1, 1, H + 1), 0))
         closed.close()  # the session's state changes after the inputs were checked

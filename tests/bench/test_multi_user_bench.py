@@ -35,7 +35,7 @@ def test_lost_sessions_and_client_errors_are_reported():
         {"errors": [], "latencies": [[1.0, 2.0], [3.0, 4.0]], "finished": 2, "windows": [(10.0, 11.0), (10.0, 12.0)]},
         {"errors": ["client process failed: TimeoutError()"], "latencies": [], "finished": 0},
     ]
-    result = mu._summarize(config, "fast", collected, {}, {}, 10.0, 12.0)
+    result = mu._summarize(config, "fused", collected, {}, {}, 10.0, 12.0)
     assert result.sessions_finished == 2 and result.errors == ["client process failed: TimeoutError()"]
     assert result.aggregate_tokens_per_s == pytest.approx(2 * 8 / 2.0)
     assert result.step_worst_ms == 4.0 and result.worst_session_median_ms == 3.5
@@ -47,7 +47,7 @@ def test_many_sessions_through_one_server_from_two_processes(small_executor):
         sessions=6, client_processes=2, transport="p2p", prefix_tokens=4, decode_steps=8, start_timeout_s=120
     )
     with _server(small_executor).running(keep_runtime=True) as server:
-        result = mu.run_users(server, config, "fast")
+        result = mu.run_users(server, config, "fused")
     assert result.errors == [] and result.sessions_finished == 6
     assert result.client_processes == 2
     assert result.steps_per_merged_forward > 1.0  # steps of several sessions ran as one forward
@@ -69,7 +69,7 @@ def small_executor():
         torch.float32,
         torch.device("cpu"),
         num_layers=SHAPE.num_layers,
-        serving_path="fast",
+        serving_path="fused",
         cache_bytes=32 << 20,
     )
 
@@ -103,7 +103,7 @@ def test_corolla_clients_decode_what_petals_clients_decode_over_p2p_the_socket_a
             config = mu.UsersConfig(sessions=4, client_processes=2, transport=transport, client=client,
                                     prefix_tokens=4, decode_steps=5, start_timeout_s=120)  # fmt: skip
             clients: list[dict] = []
-            rows[transport, client] = mu.run_users(server, config, "fast", clients_out=clients)
+            rows[transport, client] = mu.run_users(server, config, "fused", clients_out=clients)
             outputs[transport, client] = _outputs_by_seed(clients)
     for key, row in rows.items():
         assert row.errors == [] and row.sessions_finished == 4, key
@@ -136,7 +136,7 @@ def test_client_cpus_pin_the_clients_and_the_server_apart(small_executor):
         assert frozenset(os.sched_getaffinity(0)) == split.server
         daemons = _p2pd_children()
         assert daemons and all(frozenset(os.sched_getaffinity(p)) == split.server for p in daemons)
-        row = mu.run_users(server, config, "fast", clients_out=clients)
+        row = mu.run_users(server, config, "fused", clients_out=clients)
     assert frozenset(os.sched_getaffinity(0)) == have  # restored
     assert row.errors == [] and row.sessions_finished == 2
     assert [c["cpus"] for c in clients] == [sorted(split.clients)]

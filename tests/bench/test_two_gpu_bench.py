@@ -31,7 +31,7 @@ def test_cpu_dry_run_matches_transformers_through_two_servers(tmp_path):
     assert not [name for name, phase in phases.items() if "error" in phase], phases
     assert phases["plan"]["layers"] == 80 and phases["checkpoint"]["num_shards"] == 82
     servers = phases["servers"]["servers"]
-    assert [s["serving_path"] for s in servers] == ["fast", "fast"]
+    assert [s["serving_path"] for s in servers] == ["fused", "fused"]
     assert [s["fast_path_layers"] for s in servers] == [40, 40]
     hf, corolla = phases["hf"], phases["corolla"]
     assert hf["device_map"] == {"cpu": 1} and not hf["offloaded_to"]

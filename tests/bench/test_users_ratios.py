@@ -16,7 +16,7 @@ from corolla.server.return_times import ReturnTimes
 
 def _row(sessions: int, transport: str, tok_s: float, repeat: int, rates: float = float("nan")) -> UsersResult:
     return UsersResult(
-        sessions=sessions, client_processes=4, transport=transport, serving_path="fast",
+        sessions=sessions, client_processes=4, transport=transport, serving_path="fused",
         aggregate_tokens_per_s=tok_s, step_median_ms=5.0, step_p90_ms=6.0, step_worst_ms=9.0,
         worst_session_median_ms=5.5, steps_per_merged_forward=19.0, device_busy_share=0.95, merged_forward_ms=1.7,
         wall_s=10.0, sessions_finished=sessions, prefill_median_ms=30.0, num_handlers=4, client="corolla",

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 import transformers as tf
 
 from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
 from corolla.engine.fast_dense import FastDenseSpan
-from corolla.engine.ops import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi, paged_decode_attention_ref
+from corolla.engine.ops import paged_decode_attention_ref
 from corolla.engine.span_engine import StepRequest
 from corolla.models.positions import alibi_slopes
 from corolla.models.registry import get_family

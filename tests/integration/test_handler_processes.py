@@ -108,7 +108,7 @@ def test_sessions_spread_over_processes_with_identical_outputs(server, clients, 
     executor = server.service.executor
     assert wait_until(lambda: executor.bytes_left == executor.max_size_bytes, 10)  # every session's cache freed
     info = clients[0].info(chain(server, 0, 4))
-    assert info["cache_tokens_available"] > 0 and info["serving_path"] == "plain"
+    assert info["cache_tokens_available"] > 0 and info["serving_path"] == "fused"
     # the handler processes' session counts reach the server's one set of metrics
     assert wait_until(lambda: _metric(server, "corolla_sessions_opened_total") >= 6, 10)
     assert wait_until(lambda: _metric(server, "corolla_sessions_active") == 0, 10)

@@ -84,7 +84,7 @@ def initial_cache_tokens() -> int:
 def test_rpc_info_schemas_and_cache_tokens(server, client):
     info = client.info()
     assert set(info) == {"version", "dht_client_mode", "cache_tokens_available", "serving_path"}
-    assert info["serving_path"] == "plain"  # CPU: the auto rule keeps the plain path
+    assert info["serving_path"] == "fused"  # llama: the engine's fused span (its CPU ops here)
     assert info["dht_client_mode"] is False
     assert info["cache_tokens_available"] == initial_cache_tokens()
     info = client.info(f"{server.settings.dht_prefix}.2")
@@ -191,7 +191,7 @@ def test_multi_step_inference_equals_local(server, client, blocks):
         assert output.shape == piece.shape
         outputs.append(output)
         position += piece.shape[1]
-    assert client.info()["cache_tokens_available"] == initial_cache_tokens() - 4 * 20
+    assert client.info()["cache_tokens_available"] == initial_cache_tokens() - 4 * _page_tokens(server, 20)
     torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=1e-3, rtol=0)
 
     # rollback: overwrite from position 5 with different tokens -> equals the local run on the new sequence
@@ -205,24 +205,31 @@ def test_multi_step_inference_equals_local(server, client, blocks):
     assert wait_until(lambda: client.info()["cache_tokens_available"] == initial_cache_tokens(), 5)
 
 
+def _page_tokens(server, max_length: int) -> int:
+    """Tokens a session of `max_length` reserves per block: whole pages of the server's pool."""
+    pool = server.service.executor.engine.pool
+    return pool.pages_for(max_length) * pool.page_size_tokens
+
+
 def test_cache_tokens_drop_per_session_and_return(server, client):
     base = client.info()["cache_tokens_available"]
     assert base == initial_cache_tokens()
     first = InferenceStream(client).open()
     first.step(packed_request(chain(server, 0, 3), torch.randn(1, 2, HIDDEN), max_length=50))
-    assert client.info()["cache_tokens_available"] == base - 50 * 3
+    held = _page_tokens(server, 50) * 3  # 4 pages of 16 in each of its 3 blocks only
+    assert client.info()["cache_tokens_available"] == base - held
     second = InferenceStream(client).open()
     second.step(packed_request(chain(server, 2, 3), torch.randn(1, 1, HIDDEN), max_length=20))
-    assert client.info()["cache_tokens_available"] == base - 50 * 3 - 20
+    assert client.info()["cache_tokens_available"] == base - held - _page_tokens(server, 20)
     second.close()
-    assert wait_until(lambda: client.info()["cache_tokens_available"] == base - 50 * 3, 5)
+    assert wait_until(lambda: client.info()["cache_tokens_available"] == base - held, 5)
     first.close()
     assert wait_until(lambda: client.info()["cache_tokens_available"] == base, 5)
 
     # an error inside a session frees its cache
     broken = InferenceStream(client).open()
     broken.step(packed_request(chain(server, 0, 2), torch.randn(1, 2, HIDDEN), max_length=10))
-    assert client.info()["cache_tokens_available"] == base - 20
+    assert client.info()["cache_tokens_available"] == base - 2 * _page_tokens(server, 10)
     with pytest.raises(P2PHandlerError, match="Maximum length exceeded"):
         broken.step(packed_request(chain(server, 0, 2), torch.randn(1, 9, HIDDEN)))
     assert wait_until(lambda: client.info()["cache_tokens_available"] == base, 5)
@@ -230,7 +237,7 @@ def test_cache_tokens_drop_per_session_and_return(server, client):
     # a session whose client goes silent ends after step_timeout and frees its cache
     silent = InferenceStream(client).open()
     silent.step(packed_request(chain(server, 1, 4), torch.randn(1, 1, HIDDEN), max_length=30))
-    assert client.info()["cache_tokens_available"] == base - 90
+    assert client.info()["cache_tokens_available"] == base - 3 * _page_tokens(server, 30)
     assert wait_until(lambda: client.info()["cache_tokens_available"] == base, STEP_TIMEOUT_S + 5)
 
     # max_length=0 (a probe): only zero-token steps fit, nothing is reserved
@@ -244,7 +251,7 @@ def test_cache_tokens_drop_per_session_and_return(server, client):
     # a client that disconnects mid-session frees its cache too
     dropped = InferenceStream(client).open()
     dropped.step(packed_request(chain(server, 0, 4), torch.randn(1, 1, HIDDEN), max_length=10))
-    assert client.info()["cache_tokens_available"] == base - 40
+    assert client.info()["cache_tokens_available"] == base - 4 * _page_tokens(server, 10)
     dropped.abort()
     assert wait_until(lambda: client.info()["cache_tokens_available"] == base, 5)
 
@@ -467,7 +474,7 @@ def test_alloc_timeout_waits_for_memory_and_is_capped(server, client):
 
     thread = threading.Thread(target=step)
     thread.start()
-    assert wait_until(lambda: server.service.executor.memory_cache.num_waiting == 1, 5)
+    assert wait_until(lambda: server.service.executor.pages.num_waiting == 1, 5)
     big.close()  # frees memory while the second session waits
     thread.join(20)
     assert "response" in result, result.get("error")
@@ -475,23 +482,26 @@ def test_alloc_timeout_waits_for_memory_and_is_capped(server, client):
     assert wait_until(lambda: client.info()["cache_tokens_available"] == initial_cache_tokens(), 5)
 
 
-def test_fast_path_backend_through_the_handler(server, blocks):
-    """The GPU fast path (here on CPU) behind the same handler: a multi-step session equals the local blocks."""
+def test_eager_engine_through_the_handler(server, blocks):
+    """The engine running the blocks eagerly over its pool (a family without fused kernels) behind the same
+    handler: a multi-step session equals the local blocks."""
     import asyncio
     import threading
 
     from hivemind.p2p import P2P
 
+    from corolla.engine import EngineConfig, SpanEngine
     from corolla.server.backend import SpanBackend
     from corolla.server.block_functions import ServingLimits
-    from corolla.server.fast_executor import build_fast_executor
+    from corolla.server.engine_executor import EngineExecutor
     from corolla.server.runtime import Runtime
     from corolla.server.server import SpanService
     from corolla.server.sessions import SessionTimeouts
 
     backend = SpanBackend(dict(enumerate(blocks)), config=server.model_config, dtype=torch.float32, device="cpu")
     runtime = Runtime(max_batch_size_tokens=1024)
-    executor = build_fast_executor(backend, runtime, kv_pool_bytes=8 << 20, max_seq_len_tokens=128, warmup=False)
+    engine = SpanEngine.from_blocks(blocks, EngineConfig(kv_pool_bytes=8 << 20, max_seq_len_tokens=128), fused=False)
+    executor = EngineExecutor(backend, engine, runtime)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -509,7 +519,7 @@ def test_fast_path_backend_through_the_handler(server, blocks):
     client = ClientThread([str(m) for m in on_loop(p2p.get_visible_maddrs())], p2p.peer_id.to_base58())
     try:
         base = client.info()["cache_tokens_available"]
-        assert client.info()["serving_path"] == "fast"
+        assert client.info()["serving_path"] == "eager"
         tokens = torch.randn(1, 6, HIDDEN)
         uid = "fast.0 fast.1 fast.2 fast.3"
         stream = InferenceStream(client).open()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -11,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.page_queue import PageQueue
 from corolla.models.block_base import TensorDescriptor
 from corolla.server.backend import SpanBackend
-from corolla.server.memory_cache import MemoryCache, allocation_size_bytes
 from corolla.server.runtime import Runtime
 from corolla.server.task import PRIORITY_INFERENCE
 
@@ -35,6 +35,7 @@ class FakeBlock(nn.Module):
 
     def __init__(self, hidden: int, heads: int, kv_heads: int):
         super().__init__()
+        self.hidden_size = hidden
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
         self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.q = nn.Linear(hidden, heads * self.head_dim)
@@ -314,29 +315,31 @@ def test_cache_descriptors_and_bytes_per_token(blocks_and_config) -> None:
     head_dim = HIDDEN // HEADS
     kv_heads = HEADS if getattr(blocks_and_config[1], "model_type", None) == "bloom" else KV_HEADS
     per_block_per_token = 2 * kv_heads * head_dim * 4  # K + V, fp32
-    assert allocation_size_bytes([d for ds in descriptors for d in ds]) == 2 * 3 * 10 * per_block_per_token
+    assert sum(d.nbytes for ds in descriptors for d in ds) == 2 * 3 * 10 * per_block_per_token
     assert backend.cache_bytes_per_token([1]) == per_block_per_token
     assert backend.cache_bytes_per_token() == NUM_BLOCKS * per_block_per_token
     with pytest.raises(ValueError):
         backend.cache_descriptors([0], batch_size=0, max_length=4)
 
 
-async def test_runtime_memory_cache_and_backend_together(blocks_and_config) -> None:
-    """The serving path: allocate handles in the loop, run steps in the device thread, free on exit."""
+async def test_runtime_pool_and_backend_together(blocks_and_config) -> None:
+    """The serving path: pages taken in the loop, the blocks run eagerly over them in the device thread, pages
+    returned on exit; the steps equal one forward."""
     backend = make_backend(blocks_and_config)
     indices = [0, 1, 2, 3]
-    descriptors = backend.cache_descriptors(indices, 1, 8)
-    flat = [d for ds in descriptors for d in ds]
-    cache = MemoryCache(max_size_bytes=allocation_size_bytes(flat))
+    config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=8)
+    engine = SpanEngine.from_blocks([backend.blocks[i] for i in indices], config, fused=False)
+    queue = PageQueue(engine.pool)
+    free = engine.pool.pages_free
     x = torch.randn(1, 5, HIDDEN)
     expected = backend.forward(indices, x)
     with Runtime(max_batch_size_tokens=64) as runtime:
-        async with cache.allocate_cache(*flat, timeout_s=0) as handles:
-            nested = [handles[2 * i : 2 * i + 2] for i in range(len(indices))]
+        slots = await queue.allocate(1, 8, timeout_s=0)
+        session = engine.session_of(slots, 8, layers=(0, len(indices)))
+        try:
 
             def step(hidden: torch.Tensor, prefix: int) -> torch.Tensor:
-                tensors = [cache.use_cache(*h) for h in nested]
-                return backend.inference_step(indices, hidden, tensors, prefix_length=prefix, max_length=8)
+                return engine.step(session, hidden, prefix)
 
             outputs = [await runtime.submit(lambda: step(x[:, :3], 0), priority=PRIORITY_INFERENCE, size_tokens=3)]
             for t in (3, 4):
@@ -348,10 +351,11 @@ async def test_runtime_memory_cache_and_backend_together(blocks_and_config) -> N
                         10,
                     )
                 )
-            assert cache.bytes_left == 0
+            assert engine.pool.pages_free == free - 1
+        finally:
+            queue.release(slots)
     assert torch.allclose(torch.cat(outputs, dim=1), expected, atol=1e-4)
-    assert cache.current_size_bytes == 0 and cache.num_handles == 0
-    assert math.isclose(cache.bytes_left, cache.max_size_bytes)
+    assert engine.pool.pages_free == free
 
 
 def test_adapters_are_selected_per_request() -> None:

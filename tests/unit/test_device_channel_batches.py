@@ -17,8 +17,8 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
 from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.engine_executor import EngineExecutor
 from corolla.server.executor import SessionSpec, StepInputs
-from corolla.server.fast_executor import FastExecutor
 from corolla.server.limits import PeerLimits
 from corolla.server.proxy_executor import DeviceLink, ProxyExecutor, ProxySessionCache
 from corolla.server.refusals import BadRequest
@@ -34,10 +34,10 @@ def backend() -> SpanBackend:
 
 
 @contextlib.asynccontextmanager
-async def _channel(backend: SpanBackend) -> AsyncIterator[tuple[FastExecutor, DeviceChannel, ProxyExecutor]]:
+async def _channel(backend: SpanBackend) -> AsyncIterator[tuple[EngineExecutor, DeviceChannel, ProxyExecutor]]:
     with Runtime(max_batch_size_tokens=1024) as runtime:
         config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
-        real = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
+        real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
         device_end, handler_end = socket.socketpair()
         channel = DeviceChannel(
             0, device_end, executor=real, admission=SessionAdmission(PeerLimits(), real),

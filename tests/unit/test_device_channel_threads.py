@@ -19,8 +19,8 @@ from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
 from corolla.server.channel_io import FrameSocket
 from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.engine_executor import EngineExecutor
 from corolla.server.executor import SessionSpec, StepInputs
-from corolla.server.fast_executor import FastExecutor
 from corolla.server.limits import PeerLimits
 from corolla.server.proxy_executor import DeviceLink, ProxyExecutor
 from corolla.server.refusals import BadRequest
@@ -105,10 +105,10 @@ def backend() -> SpanBackend:
 @contextlib.asynccontextmanager
 async def _served(
     backend: SpanBackend,
-) -> AsyncIterator[tuple[FastExecutor, DeviceChannel, asyncio.Task[None], DeviceLink]]:
+) -> AsyncIterator[tuple[EngineExecutor, DeviceChannel, asyncio.Task[None], DeviceLink]]:
     with Runtime(max_batch_size_tokens=1024) as runtime:
         config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
-        real = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
+        real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
         device_end, handler_end = socket.socketpair()
         channel = DeviceChannel(
             0, device_end, executor=real, admission=SessionAdmission(PeerLimits(), real),
@@ -163,7 +163,7 @@ async def test_a_dead_handler_process_ends_its_sessions_and_leaves_no_thread(bac
 async def test_prepare_step_refuses_inputs_the_engine_cannot_run_before_anything_is_queued(backend) -> None:
     runtime = Runtime(max_batch_size_tokens=1024)  # never started: nothing would run
     config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
-    executor = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
+    executor = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
     async with executor.open_session(SessionSpec(SPAN, 1, 16), None) as cache:
         with pytest.raises(ValueError, match=r"hidden states must be \[1, tokens, 64\]"):
             executor.prepare_step(cache, StepInputs(torch.randn(2, 1, H), 0, None, None, "", lone_session=False))

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from corolla.engine import ops
+from corolla.engine.alibi import ALIBI_BF16, ALIBI_FP32, Alibi
 from corolla.engine.cpu_attention import paged_decode_attention_cpu
-from corolla.engine.ops import ALIBI_BF16, ALIBI_FP32, Alibi
 
 PAGES, PAGE, D = 64, 8, 16
 

@@ -137,7 +137,7 @@ def test_invalid_steps_raise_value_error_naming_the_limit() -> None:
 
 def test_pool_reserves_all_or_nothing_and_frees_on_exit() -> None:
     page_bytes = 2 * 1 * 16 * 2 * 16 * 4  # K and V x 1 layer x 16 tokens x 2 kv heads x 16 dims x fp32
-    engine = make_engine(make_blocks(num_layers=1), kv_pool_bytes=10 * page_bytes)
+    engine = make_engine(make_blocks(num_layers=1), kv_pool_bytes=9 * page_bytes)  # + the trash page
     pool = engine.pool
     assert pool.num_pages == 10 and pool.pages_free == 9  # page 0 is the trash page
     with engine.open_session(2, 64) as s:  # 4 pages each
@@ -151,17 +151,23 @@ def test_pool_reserves_all_or_nothing_and_frees_on_exit() -> None:
     assert pool.pages_free == 9
 
 
-def test_engine_refuses_unsupported_blocks() -> None:
+def test_fused_span_refuses_unsupported_blocks_which_then_run_eagerly() -> None:
     config = tiny_config("falcon", 1)
     config.activation = "relu"  # the Falcon/BLOOM span implements GELU MLPs only
     block = get_family(config).build_block(config, 0)
     with pytest.raises(ValueError, match="GELU"):
-        SpanEngine.from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20))
+        SpanEngine.fused_from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20), max_positions=64,
+                                     adapter_mode="auto")  # fmt: skip
+    assert not SpanEngine.from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20)).fused
 
 
-def test_sliding_window_limits_the_session_length() -> None:
+def test_sliding_window_limits_the_fused_session_length_so_the_blocks_run_eagerly() -> None:
     blocks = make_blocks("mistral", num_layers=1)  # tiny mistral: window of 12 tokens
-    engine = make_engine(blocks)
-    assert engine.max_seq_len_tokens == 12
+    fused = SpanEngine.fused_from_blocks(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=64,
+                                         adapter_mode="auto")  # fmt: skip
+    assert fused.max_seq_len_tokens == 12
     with pytest.raises(ValueError, match="max = 12"):
-        engine.open_session(1, 13)
+        fused.open_session(1, 13)
+    engine = make_engine(blocks)  # longer sessions than the window: the blocks slide it themselves
+    assert not engine.fused and engine.max_seq_len_tokens > 12
+    engine.open_session(1, 13).close()

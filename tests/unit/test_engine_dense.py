@@ -15,8 +15,8 @@ import torch
 import transformers as tf
 
 from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
 from corolla.engine.fast_dense import FastDenseSpan
-from corolla.engine.ops import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
 from corolla.engine.quant import quantize_nf4
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import StepRequest

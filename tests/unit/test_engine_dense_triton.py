@@ -12,7 +12,7 @@ import torch
 from tests.helpers import paged_cache
 
 from corolla.engine import ops
-from corolla.engine.ops import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi
+from corolla.engine.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi
 from corolla.models.positions import alibi_slopes
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

@@ -149,16 +149,18 @@ def test_a_session_keeps_its_adapter_and_unknown_ones_are_refused() -> None:
         plain.open_session(1, MAX_LEN, adapter="big")
 
 
-def test_adapters_on_modules_the_engine_does_not_cover_are_refused() -> None:
+def test_adapters_on_modules_the_fused_span_does_not_cover_run_eagerly() -> None:
     config = tiny_config("mixtral", 1)
     block = get_family(config).build_block(config, 0).eval()
     router = ("block_sparse_moe.gate", (torch.randn(2, 64), torch.randn(4, 2), 1.0))
     attention = ("self_attn.k_proj", (torch.randn(2, 64), torch.randn(32, 2), 1.0))
     add_adapter(block, "attn", LoraWeights("test", 0, dict([attention])))
-    SpanEngine.from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20, max_seq_len_tokens=32))  # attention: served
+    config = EngineConfig(kv_pool_bytes=1 << 20, max_seq_len_tokens=32)
+    assert SpanEngine.from_blocks([block], config).fused  # attention: served by the fused span
     add_adapter(block, "router", LoraWeights("test", 0, dict([router])))
     with pytest.raises(ValueError, match="does not apply adapters"):
-        SpanEngine.from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20, max_seq_len_tokens=32))
+        SpanEngine.fused_from_blocks([block], config, max_positions=32, adapter_mode="auto")
+    assert not SpanEngine.from_blocks([block], config).fused  # the blocks apply it themselves
 
 
 def test_serving_rule_keeps_adapters_off_spans_without_support() -> None:

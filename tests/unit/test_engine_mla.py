@@ -107,7 +107,7 @@ def test_pool_pages_hold_the_latent_and_rope_key_only() -> None:
     assert tuple(pool.k.shape[2:]) == (16, 1, c) and tuple(pool.v.shape[2:]) == (16, 1, r)
     per_token = (c + r) * 4 * 2  # fp32, two layers
     assert pool.page_bytes == 16 * per_token == 16 * kv_cache_bytes_per_token(config, torch.float32) * 2
-    assert pool.num_pages == (1 << 20) // pool.page_bytes
+    assert pool.num_pages == (1 << 20) // pool.page_bytes + 1  # + the trash page
     per_head_kv = 2 * int(config.num_attention_heads) * (int(config.qk_nope_head_dim) + r)
     assert c + r < per_head_kv  # the point of the latent cache (even at these tiny shapes)
 
@@ -208,10 +208,12 @@ def test_active_bytes_count_the_chosen_experts_only() -> None:
     assert span.active_weight_bytes() == span.weight_bytes() - unused
 
 
-def test_unsupported_deepseek_blocks_are_refused() -> None:
+def test_unsupported_deepseek_blocks_are_refused_by_the_fused_span_and_run_eagerly() -> None:
     blocks = make_blocks(num_layers=1, hidden_act="gelu")
     with pytest.raises(ValueError, match="silu"):
-        make_engine(blocks)
+        SpanEngine.fused_from_blocks(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=64,
+                                     adapter_mode="auto")  # fmt: skip
+    assert not make_engine(blocks).fused
 
 
 def test_kv_layout_refuses_empty_or_non_positive_token_shapes() -> None:

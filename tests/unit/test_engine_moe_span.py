@@ -16,8 +16,8 @@ from corolla.engine.span_engine import StepRequest
 from corolla.models.layers import SparseMoE
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
+from corolla.server.engine_executor import EngineExecutor
 from corolla.server.executor import SessionSpec, StepInputs
-from corolla.server.fast_executor import FastExecutor
 from corolla.server.metrics import ServerMetrics
 from corolla.server.runtime import Runtime
 from helpers.engine_reference import cached_block_steps
@@ -107,7 +107,7 @@ async def test_fast_executor_over_a_mixtral_span_equals_the_backend() -> None:
     ]  # fmt: skip
     with Runtime(max_batch_size_tokens=1024) as runtime:
         engine = make_engine(blocks)
-        executor = FastExecutor(backend, engine, runtime, ServerMetrics())
+        executor = EngineExecutor(backend, engine, runtime, ServerMetrics())
         async with executor.open_session(SessionSpec(span, 2, 32), alloc_timeout_s=0) as cache:
             got = [await executor.step(cache, st) for st in steps]
     for out, ref in zip(got, expected, strict=True):

@@ -1,9 +1,10 @@
-"""The `SpanExecutor` contract, run against both executors on CPU (the plain blocks + `MemoryCache` and the
-engine's `SpanEngine` + paged pool): inference steps equal `SpanBackend.inference_step` on fresh caches (whole span,
-sub-span, deep prompts, beam reordering, rollback), forward and backward equal the backend's, cache accounting
-returns to where it was, allocations fail in time, concurrent sessions stay independent, a cache of another
-executor is refused, and KV hand-off either round-trips or is refused as a whole. Plus the fast executor's own
-promise (steps of many sessions merged into one batch) and the choice of serving path."""
+"""The `SpanExecutor` contract, run on CPU against the engine's executor over its paged pool with both span models
+(fused kernels, and the blocks run eagerly over the pool) and through a handler process's proxy: inference steps
+equal `SpanBackend.inference_step` on fresh caches (whole span, sub-span, deep prompts, beam reordering, rollback),
+forward and backward equal the backend's, cache accounting returns to where it was, allocations fail in time,
+concurrent sessions stay independent, a cache of another executor is refused, and KV hand-off either round-trips or
+is refused as a whole. Plus the executor's own promise (steps of many sessions merged into one batch) and the rule
+that picks fused kernels."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.serving import SpanTraits
+from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.models.registry import get_family
 from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
 from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.engine_executor import EngineExecutor, build_engine_executor
 from corolla.server.executor import (
     BackwardInputs,
     ForwardInputs,
@@ -29,15 +31,11 @@ from corolla.server.executor import (
     SpanExecutor,
     StepInputs,
 )
-from corolla.server.fast_executor import FastExecutor
 from corolla.server.limits import PeerLimits
-from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import ServerMetrics
-from corolla.server.plain_executor import PlainExecutor
 from corolla.server.proxy_executor import DeviceLink, ProxyExecutor
 from corolla.server.runtime import Runtime
-from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
-from corolla.utils.errors import AllocationFailed, ConfigurationError
+from corolla.utils.errors import AllocationFailed
 from helpers.tiny_models import tiny_config
 
 H, FIRST, N_BLOCKS = 64, 3, 4  # the server holds blocks 3..6
@@ -58,21 +56,26 @@ def backend() -> SpanBackend:
     return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
 
 
-def _plain(backend: SpanBackend, runtime: Runtime) -> PlainExecutor:
-    return PlainExecutor(backend, MemoryCache(POOL_BYTES), runtime, ServerMetrics())
-
-
-def _fast(backend: SpanBackend, runtime: Runtime) -> FastExecutor:
+def _engine(backend: SpanBackend, runtime: Runtime, *, fused: bool) -> EngineExecutor:
     config = EngineConfig(kv_pool_bytes=POOL_BYTES, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
-    engine = SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config)
-    return FastExecutor(backend, engine, runtime, ServerMetrics())
+    engine = SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config, fused=fused)
+    assert engine.fused == fused
+    return EngineExecutor(backend, engine, runtime, ServerMetrics())
 
 
-EXECUTORS: dict[str, Callable[[SpanBackend, Runtime], SpanExecutor]] = {"plain": _plain, "fast": _fast}
+def _fused(backend: SpanBackend, runtime: Runtime) -> EngineExecutor:
+    return _engine(backend, runtime, fused=True)
+
+
+def _eager(backend: SpanBackend, runtime: Runtime) -> EngineExecutor:
+    return _engine(backend, runtime, fused=False)
+
+
+EXECUTORS: dict[str, Callable[[SpanBackend, Runtime], SpanExecutor]] = {"eager": _eager, "fused": _fused}
 
 
 # a handler process's proxy (`--num_handlers` > 1) over a socketpair to a device channel serving the real executor
-KINDS = sorted(EXECUTORS) + ["proxy_fast", "proxy_plain"]
+KINDS = sorted(EXECUTORS) + ["proxy_eager", "proxy_fused"]
 
 
 @contextlib.asynccontextmanager
@@ -197,7 +200,7 @@ async def test_concurrent_sessions_stay_independent_and_caches_are_not_interchan
         steps = [executor.step(c, _step(t, p.shape[1])) for c, t, p in zip(caches, tokens, prefixes, strict=True)]
         got = await asyncio.wait_for(asyncio.gather(*steps), 30)
         with Runtime(max_batch_size_tokens=1024) as other_runtime:
-            other = EXECUTORS["fast" if kind == "plain" else "plain"](backend, other_runtime)
+            other = EXECUTORS["fused" if kind == "eager" else "eager"](backend, other_runtime)
             async with other.open_session(SessionSpec(SPAN, 1, 16), 0) as foreign:
                 with pytest.raises(TypeError):
                     await executor.step(foreign, _step(tokens[0], 0))
@@ -220,7 +223,7 @@ async def test_kv_handoff_round_trips_or_is_refused(backend, kind) -> None:
                     await executor.read_kv(source, 6)
                 with pytest.raises(HandoffUnsupported):
                     await executor.write_kv(target, [], 6)
-                assert kind in ("fast", "proxy_fast", "proxy_plain")
+                assert kind in ("proxy_eager", "proxy_fused")  # every server's own executor hands off
                 return
             tensors = await executor.read_kv(source, 6)
             assert [t.shape[2] for t in tensors] == [6] * 2 * len(layout)
@@ -230,10 +233,11 @@ async def test_kv_handoff_round_trips_or_is_refused(backend, kind) -> None:
     assert torch.equal(got, expected)
 
 
-async def test_fast_executor_merges_steps_of_many_sessions(backend) -> None:
+@pytest.mark.parametrize("kind", sorted(EXECUTORS))
+async def test_engine_executor_merges_steps_of_many_sessions(backend, kind) -> None:
     """Single-token steps queued while the device is busy run as one batch."""
-    async with _executor(backend, "fast") as executor, contextlib.AsyncExitStack() as stack:
-        assert isinstance(executor, FastExecutor)
+    async with _executor(backend, kind) as executor, contextlib.AsyncExitStack() as stack:
+        assert isinstance(executor, EngineExecutor)
         runtime = executor.runtime
         caches = [await stack.enter_async_context(executor.open_session(SessionSpec(SPAN, 1, 16), 0)) for _ in "abcd"]
         for cache in caches:
@@ -265,36 +269,34 @@ def _traits(**changes) -> SpanTraits:
     return SpanTraits(**values)  # type: ignore[arg-type]
 
 
-def test_serving_path_choice_names_the_reason() -> None:
-    assert choose_serving_path("auto", _traits()).path == "fast"
+def test_fused_rule_names_the_reason() -> None:
+    assert unsupported_reason(_traits()) is None
+    assert unsupported_reason(_traits(device_type="cpu", dtype=torch.float32)) is None  # the fused spans' CPU ops
+    assert unsupported_reason(_traits(quant_type="nf4")) is None  # NF4/INT8 kernels in the engine
     for changes, words in [
-        (dict(device_type="cpu", dtype=torch.float32), "device cpu"),
-        (dict(family="gemma2"), "family gemma2"),  # no fast span (Falcon/BLOOM have fast_dense)
+        (dict(device_type="mps"), "device mps"),
+        (dict(family="gemma2"), "family gemma2"),  # no fused span (Falcon/BLOOM have fast_dense)
         (dict(num_adapters=2, family="deepseek_v3"), "adapters"),  # llama-family spans serve adapters (fast_lora)
         (dict(tensor_parallel_devices=2), "tensor parallel"),
         (dict(dtype=torch.float32), "dtype float32"),
     ]:
-        choice = choose_serving_path("auto", _traits(**changes))
-        assert choice.path == "plain" and words in choice.reason, (changes, choice)
-    assert choose_serving_path("plain", _traits()).path == "plain"
-    # --serving_path fast: the CPU is allowed, an unsupported span is a configuration error (no silent fallback)
-    assert choose_serving_path("fast", _traits(device_type="cpu", dtype=torch.float32)).path == "fast"
-    with pytest.raises(ConfigurationError, match="gemma2"):
-        choose_serving_path("fast", _traits(family="gemma2"))
-    assert choose_serving_path("auto", _traits(quant_type="nf4")).path == "fast"  # NF4/INT8 kernels in the engine
+        reason = unsupported_reason(_traits(**changes))
+        assert reason is not None and words in reason, (changes, reason)
 
 
-async def test_make_executor_reports_the_path(backend) -> None:
+async def test_build_reports_how_the_engine_runs_the_span(backend) -> None:
     metrics = ServerMetrics()
-    settings = ExecutorSettings(cache_bytes=POOL_BYTES, max_seq_len_tokens=64, max_alloc_timeout_s=None,
-                                tensor_parallel=False, warmup=False)  # fmt: skip
-    cpu = _traits(device_type="cpu", dtype=torch.float32)
     with Runtime(max_batch_size_tokens=64) as runtime:
-        assert make_executor(choose_serving_path("auto", cpu), backend, runtime, settings, metrics).path == "plain"
-        assert b'corolla_serving_path{path="plain"} 1.0' in metrics.render()
-        assert make_executor(choose_serving_path("fast", cpu), backend, runtime, settings, metrics).path == "fast"
+        cpu = _traits(device_type="cpu", dtype=torch.float32)
+        built = build_engine_executor(backend, runtime, cpu, kv_pool_bytes=POOL_BYTES, max_seq_len_tokens=64,
+                                      metrics=metrics, warmup=False)  # fmt: skip
+        assert built.path == "fused"
+        assert b'corolla_serving_path{path="fused"} 1.0' in metrics.render()
+        eager = build_engine_executor(backend, runtime, _traits(device_type="cpu", dtype=torch.float32, family="x"),
+                                      kv_pool_bytes=POOL_BYTES, max_seq_len_tokens=64, metrics=metrics, warmup=False)  # fmt: skip
+        assert eager.path == "eager"
         text = metrics.render()
-        assert b'corolla_serving_path{path="fast"} 1.0' in text and b'corolla_serving_path{path="plain"} 0.0' in text
+        assert b'corolla_serving_path{path="eager"} 1.0' in text and b'corolla_serving_path{path="fused"} 0.0' in text
 
 
 # ---- the proxy's own promises (handler processes): sizes without asking, one global admission, routed pushes
@@ -315,7 +317,7 @@ async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(
 
     limits = PeerLimits(max_sessions_per_peer=1, max_kv_fraction_per_peer=1.0, session_idle_evict_s=0.01)
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        real = _plain(backend, runtime)
+        real = _eager(backend, runtime)
         device_admission = SessionAdmission(limits, real)
         async with _proxied(real, device_admission) as first, _proxied(real, device_admission) as second:
             spec = SessionSpec(SPAN, 1, 16)
@@ -339,7 +341,7 @@ async def test_push_is_routed_to_the_process_holding_the_session(backend) -> Non
 
     router = PushRouter(DeviceSessionRegistry())
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        real = _plain(backend, runtime)
+        real = _eager(backend, runtime)
         async with _proxied(real, router=router) as holder, _proxied(real, router=router) as other:
             holding, receiving = RoutingSessionRegistry(holder.link), RoutingSessionRegistry(other.link)
             guard = SessionPushGuard(upstream="upstream")

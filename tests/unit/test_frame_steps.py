@@ -20,8 +20,8 @@ from corolla.engine.span_engine import StepRequest
 from corolla.server import proxy_wire as wire
 from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
+from corolla.server.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor, EngineSessionCache
 from corolla.server.executor import SessionCache, SessionSpec, StepInputs
-from corolla.server.fast_executor import KIND_ENGINE_INFERENCE, FastExecutor, FastSessionCache
 from corolla.server.frame_steps import FrameIntake, StepReply
 from corolla.server.limits import PeerLimits
 from corolla.server.runtime import Runtime, RuntimeStopped
@@ -69,10 +69,10 @@ class _Channel:
 @contextlib.asynccontextmanager
 async def _setup(
     backend: SpanBackend, sessions: int
-) -> AsyncIterator[tuple[FastExecutor, FrameIntake, _Channel, list[SessionCache]]]:
+) -> AsyncIterator[tuple[EngineExecutor, FrameIntake, _Channel, list[SessionCache]]]:
     with Runtime(max_batch_size_tokens=1024) as runtime:
         config = EngineConfig(kv_pool_bytes=1 << 21, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=ROWS)
-        real = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
+        real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
         channel = _Channel()
         intake = FrameIntake(real, SessionAdmission(PeerLimits(), real), channel.held, channel.queue, channel.flush)
         async with contextlib.AsyncExitStack() as stack:
@@ -92,7 +92,7 @@ def _frame(items: list[tuple[int, int, int, torch.Tensor]]) -> memoryview:
     return memoryview(b"".join(wire.batch(writers).parts))
 
 
-async def _prefilled(real: FastExecutor, caches: list[SessionCache]) -> None:
+async def _prefilled(real: EngineExecutor, caches: list[SessionCache]) -> None:
     torch.manual_seed(2)
     half = len(caches) // 2
     for i in range(half):  # session i and its twin i + half see the same prompt
@@ -101,7 +101,7 @@ async def _prefilled(real: FastExecutor, caches: list[SessionCache]) -> None:
             await real.step(cache, StepInputs(prompt, 0, None, None, "", False))
 
 
-async def _decode(real: FastExecutor, intake: FrameIntake, channel: _Channel, caches: list[SessionCache],
+async def _decode(real: EngineExecutor, intake: FrameIntake, channel: _Channel, caches: list[SessionCache],
                   rows: list[torch.Tensor], extra: list[tuple[int, int, int, torch.Tensor]] = ()) -> None:  # fmt: skip
     """Steps sessions 0..n-1 through one frame (handles 1..n, plus `extra` items), twins n.. directly (the
     reference, kept in channel.replies under request id 1000 + i)."""
@@ -174,7 +174,7 @@ async def test_a_session_closed_while_its_step_waits_fails_that_step_only(backen
         rows = [torch.randn(1, 1, H) for _ in range(n)]
         intake.submit(wire.STEP_BATCH, 0, _frame([(i + 1, i + 1, 3, rows[i]) for i in range(n)]))
         closed = caches[1]
-        assert isinstance(closed, FastSessionCache)
+        assert isinstance(closed, EngineSessionCache)
         closed.session.close()  # evicted while its step is queued inside the frame's task
         release.set()
         channel.wait_for(n)
@@ -288,7 +288,7 @@ async def test_a_step_group_alone_runs_as_execute_steps_merges_it(backend) -> No
 async def test_stop_fails_every_step_of_a_queued_frame_task(backend) -> None:
     runtime = Runtime(max_batch_size_tokens=1024)  # never started: the frame's task stays queued
     config = EngineConfig(kv_pool_bytes=1 << 21, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=ROWS)
-    real = FastExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
+    real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
     channel = _Channel()
     intake = FrameIntake(real, SessionAdmission(PeerLimits(), real), channel.held, channel.queue, channel.flush)
     async with contextlib.AsyncExitStack() as stack:

@@ -18,17 +18,17 @@ from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.server.block_functions import ServingLimits
 from corolla.server.executor import (
-    PATH_PLAIN,
+    PATH_EAGER,
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
     SessionCache,
     SessionSpec,
     StepInputs,
+    TensorDescriptorLike,
 )
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.limits import PeerLimits
-from corolla.server.memory_cache import TensorDescriptorLike
 from corolla.server.metrics import ServerMetrics
 from corolla.server.refusals import BadRequest, TooLong
 from corolla.server.runtime import Runtime
@@ -46,7 +46,7 @@ BYTES_PER_TOKEN = 100
 class FakeExecutor:
     """Doubles the hidden states and records what it was asked; a budget of `max_size_bytes`."""
 
-    path = PATH_PLAIN
+    path = PATH_EAGER
 
     def __init__(self, *, max_size_bytes: int = 10**6):
         self._runtime = Runtime(max_batch_size_tokens=64)
@@ -188,5 +188,5 @@ def test_rpc_info_names_the_serving_path() -> None:
     handler = _handler(FakeExecutor())
     info = _run(handler.rpc_info(runtime_pb2.ExpertUID(uid="p.0"), _Context()))  # type: ignore[arg-type]
     answer = MSGPackSerializer.loads(info.serialized_info)
-    assert answer["serving_path"] == "plain"
+    assert answer["serving_path"] == "eager"
     assert answer["cache_tokens_available"] == 10**6 // BYTES_PER_TOKEN

@@ -14,6 +14,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client.handoff import read_drain_notice
+from corolla.engine import EngineConfig, SpanEngine
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.protocol import handoff as wire
@@ -21,10 +22,9 @@ from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.server.backend import SpanBackend
 from corolla.server.drain import Draining, SessionHandoff
+from corolla.server.engine_executor import EngineExecutor, EngineSessionCache
 from corolla.server.executor import SessionCache, SessionSpec, StepInputs
-from corolla.server.memory_cache import MemoryCache
 from corolla.server.metrics import ServerMetrics
-from corolla.server.plain_executor import PlainExecutor, PlainSessionCache
 from corolla.server.runtime import Runtime
 
 DEMO = Path(__file__).parents[2] / "src/corolla/demo/assets/corolla-demo-llama"
@@ -105,8 +105,11 @@ def backend():
     return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
 
 
-def _server(backend: SpanBackend, runtime: Runtime) -> SimpleNamespace:
-    executor = PlainExecutor(backend, MemoryCache(64 * 2**20), runtime, ServerMetrics())
+def _server(backend: SpanBackend, runtime: Runtime, *, fused: bool = True) -> SimpleNamespace:
+    """A server's executor over the engine's pool: the demo llama on fused kernels, or its blocks run eagerly."""
+    config = EngineConfig(kv_pool_bytes=8 * 2**20, page_size_tokens=16, max_seq_len_tokens=MAX_LENGTH)
+    engine = SpanEngine.from_blocks([backend.blocks[i] for i in sorted(backend.blocks)], config, fused=fused)
+    executor = EngineExecutor(backend, engine, runtime, ServerMetrics())
     return SimpleNamespace(executor=executor, handoff=SessionHandoff(executor, request_timeout_s=2))
 
 
@@ -129,9 +132,12 @@ class _Session:
         return out
 
     def cache_tensors(self) -> list[torch.Tensor]:
-        executor: PlainExecutor = self.server.executor
-        assert isinstance(self.cache, PlainSessionCache)
-        return [t.clone() for h in self.cache.handles for t in executor.memory_cache.use_cache(*h)]
+        """Copies of the session's pages (all layers, K and V) and of its processed length."""
+        executor: EngineExecutor = self.server.executor
+        assert isinstance(self.cache, EngineSessionCache)
+        pool, slots = executor.engine.pool, self.cache.session.slots
+        pages = [page for slot in slots for page in slot.pages]
+        return [pool.k[:, pages].clone(), pool.v[:, pages].clone(), torch.tensor([s.length_tokens for s in slots])]
 
 
 async def _requests(messages):
@@ -155,13 +161,14 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
-def test_export_then_import_continues_bit_for_bit(backend):
+@pytest.mark.parametrize("fused", [True, False])
+def test_export_then_import_continues_bit_for_bit(backend, fused):
     torch.manual_seed(0)
     hidden = torch.randn(1, PREFIX + 2, 256)
 
     async def main():
-        with Runtime(max_batch_size_tokens=4096) as runtime:
-            old, new = _server(backend, runtime), _server(backend, runtime)
+        with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
+            old, new = _server(backend, old_runtime, fused=fused), _server(backend, new_runtime, fused=fused)
             async with _allocate(old, backend) as a, _allocate(new, backend) as b:
                 source, target = _Session(old, a), _Session(new, b)
                 await source.step(hidden[:, :PREFIX])
@@ -247,8 +254,8 @@ def test_hostile_import_is_refused_and_writes_nothing(backend, attack):
     hidden = torch.randn(1, PREFIX, 256)
 
     async def main():
-        with Runtime(max_batch_size_tokens=4096) as runtime:
-            old, new = _server(backend, runtime), _server(backend, runtime)
+        with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
+            old, new = _server(backend, old_runtime), _server(backend, new_runtime)
             async with _allocate(old, backend) as a, _allocate(new, backend) as b:
                 source, target = _Session(old, a), _Session(new, b)
                 await source.step(hidden)

@@ -42,7 +42,7 @@ def test_defaults_map_onto_server_config():
     assert config.request_timeout_s == 180 and config.session_timeout_s == 1800 and config.step_timeout_s == 300
     assert config.max_alloc_timeout_s == 600 and config.throughput == "auto"
     assert config.resolved_initial_peers == tuple(PUBLIC_INITIAL_PEERS) and not config.is_private_swarm
-    assert config.local_socket is True and config.busy_poll_ms == 5.0 and config.fast_path is True
+    assert config.local_socket is True and config.busy_poll_ms == 5.0
 
 
 def test_same_host_socket_and_busy_poll_flags():

@@ -5,14 +5,17 @@ equal to one-task forwards, and answers to re-sent steps (never a second reply t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.models.block_base import TensorDescriptor
+from corolla.engine.kv_pool import KVLayout, KVPool
+from corolla.engine.page_queue import PageQueue
 from corolla.server.admission import ForwardSlots, SessionAdmission
 from corolla.server.forward_chunks import plan_token_chunks, run_forward_chunked
 from corolla.server.limits import (
@@ -24,7 +27,6 @@ from corolla.server.limits import (
     StreamStalled,
     peer_key,
 )
-from corolla.server.memory_cache import MemoryCache
 from corolla.server.refusals import rejection_reason
 from corolla.server.sessions import SessionState, SessionTimeouts, iterate_steps
 from corolla.server.stream_guard import StreamBudget
@@ -33,26 +35,57 @@ from corolla.utils.errors import AllocationFailed
 KIB = 1024
 
 
-def desc(nbytes: int) -> TensorDescriptor:
-    return TensorDescriptor((nbytes,), torch.uint8, torch.device("cpu"))
+PAGE_TOKENS = 16  # one layer of one K and one V head of 8 fp32 values: 64 bytes a token, 1 KiB a page
+
+
+class PoolBudget:
+    """The KV store as admission sees it (what `EngineExecutor` reports): a pool of 1 KiB pages, allocated in line
+    (`PageQueue`)."""
+
+    def __init__(self, max_size_bytes: int | None):
+        pages = (max_size_bytes if max_size_bytes is not None else 10_000 * KIB) // KIB
+        pool = KVPool(num_layers=1, layout=KVLayout.heads(1, 8), num_pages=pages + 1, page_size_tokens=PAGE_TOKENS,
+                      max_pages_per_seq=pages, dtype=torch.float32, device="cpu")  # fmt: skip
+        assert pool.page_bytes == KIB
+        self.queue = PageQueue(pool)
+
+    @property
+    def max_size_bytes(self) -> int:
+        return (self.queue.pool.num_pages - 1) * KIB
+
+    @property
+    def bytes_left(self) -> int:
+        return self.queue.pool.layer_pages_free * KIB
+
+    @property
+    def bytes_waiting(self) -> int:
+        return self.queue.layer_pages_waiting * KIB
+
+    @contextlib.asynccontextmanager
+    async def allocate_cache(self, nbytes: int, timeout_s: float | None = 0.0) -> AsyncIterator[None]:
+        slots = await self.queue.allocate(1, nbytes // KIB * PAGE_TOKENS, timeout_s)
+        try:
+            yield
+        finally:
+            self.queue.release(slots)
 
 
 async def test_one_peer_holds_at_most_its_share_of_the_cache() -> None:
-    cache = MemoryCache(max_size_bytes=100 * KIB)
+    cache = PoolBudget(max_size_bytes=100 * KIB)
     admission = SessionAdmission(PeerLimits(max_kv_fraction_per_peer=0.5), cache)
-    async with admission.admit("attacker", 40 * KIB), cache.allocate_cache(desc(40 * KIB)):
+    async with admission.admit("attacker", 40 * KIB), cache.allocate_cache(40 * KIB):
         with pytest.raises(PeerLimitExceeded, match="max_kv_fraction_per_peer") as refused:
             async with admission.admit("attacker", 40 * KIB):
                 pass
         assert refused.value.reason == "peer_kv" and isinstance(refused.value, AllocationFailed)
         # another peer still gets half of the cache
-        async with admission.admit("victim", 50 * KIB), cache.allocate_cache(desc(50 * KIB), timeout_s=0):
+        async with admission.admit("victim", 50 * KIB), cache.allocate_cache(50 * KIB, timeout_s=0):
             assert cache.bytes_left == 10 * KIB
     assert admission.num_open == 0 and admission.peer_reserved_bytes("attacker") == 0
 
 
 async def test_sessions_per_peer_and_in_total() -> None:
-    cache = MemoryCache(max_size_bytes=None)
+    cache = PoolBudget(max_size_bytes=None)
     admission = SessionAdmission(PeerLimits(max_sessions_per_peer=2, max_sessions_total=3), cache)
     async with admission.admit("a", 0), admission.admit("a", 0):
         with pytest.raises(PeerLimitExceeded, match="max_sessions_per_peer=2") as refused:
@@ -68,9 +101,9 @@ async def test_sessions_per_peer_and_in_total() -> None:
         assert admission.num_open == 1
 
 
-async def _hold(admission: SessionAdmission, cache: MemoryCache, peer: str, nbytes: int, opened: asyncio.Event):
+async def _hold(admission: SessionAdmission, cache: PoolBudget, peer: str, nbytes: int, opened: asyncio.Event):
     """A session as the handler runs it: admitted, cache allocated, then idle until evicted."""
-    async with admission.admit(peer, nbytes) as ticket, cache.allocate_cache(desc(nbytes), timeout_s=0):
+    async with admission.admit(peer, nbytes) as ticket, cache.allocate_cache(nbytes, timeout_s=0):
         ticket.touch(1)
         opened.set()
         await ticket.evicted.wait()
@@ -78,7 +111,7 @@ async def _hold(admission: SessionAdmission, cache: MemoryCache, peer: str, nbyt
 
 
 async def test_idle_sessions_are_evicted_for_a_new_user_and_keepalives_do_not_count() -> None:
-    cache = MemoryCache(max_size_bytes=100 * KIB)
+    cache = PoolBudget(max_size_bytes=100 * KIB)
     limits = PeerLimits(max_kv_fraction_per_peer=0.5, session_idle_evict_s=0.3, evict_wait_s=2.0)
     admission = SessionAdmission(limits, cache)
     opened = [asyncio.Event(), asyncio.Event()]
@@ -87,7 +120,7 @@ async def test_idle_sessions_are_evicted_for_a_new_user_and_keepalives_do_not_co
     assert cache.bytes_left == 0
     # not idle long enough yet: nothing is evicted, the newcomer waits for memory as before
     with pytest.raises(AllocationFailed):
-        async with admission.admit("newcomer", 30 * KIB), cache.allocate_cache(desc(30 * KIB), timeout_s=0):
+        async with admission.admit("newcomer", 30 * KIB), cache.allocate_cache(30 * KIB, timeout_s=0):
             pass
     assert admission.num_evicted == 0
     # zero-token keep-alives are not use: the sessions still become idle
@@ -96,7 +129,7 @@ async def test_idle_sessions_are_evicted_for_a_new_user_and_keepalives_do_not_co
             ticket.touch(0)
         await asyncio.sleep(0.1)
     started = time.monotonic()
-    async with admission.admit("newcomer", 30 * KIB), cache.allocate_cache(desc(30 * KIB), timeout_s=0):
+    async with admission.admit("newcomer", 30 * KIB), cache.allocate_cache(30 * KIB, timeout_s=0):
         assert time.monotonic() - started < 1.0
     assert admission.num_evicted == 1  # one idle session was enough
     await asyncio.sleep(0)
@@ -110,16 +143,16 @@ async def test_idle_sessions_are_evicted_for_a_new_user_and_keepalives_do_not_co
 
 
 async def test_no_eviction_when_it_would_not_make_room() -> None:
-    cache = MemoryCache(max_size_bytes=100 * KIB)
+    cache = PoolBudget(max_size_bytes=100 * KIB)
     admission = SessionAdmission(PeerLimits(session_idle_evict_s=0.01, max_kv_fraction_per_peer=1.0), cache)
     opened = asyncio.Event()
     hoarder = asyncio.create_task(_hold(admission, cache, "a", 20 * KIB, opened))
     await asyncio.wait_for(opened.wait(), 5)
-    async with admission.admit("b", 70 * KIB) as busy, cache.allocate_cache(desc(70 * KIB), timeout_s=0):
+    async with admission.admit("b", 70 * KIB) as busy, cache.allocate_cache(70 * KIB, timeout_s=0):
         await asyncio.sleep(0.05)
         busy.touch(1)  # "b" is working: only "a" is idle
         with pytest.raises(AllocationFailed):  # even evicting "a" leaves too little: "a" keeps its session
-            async with admission.admit("c", 40 * KIB), cache.allocate_cache(desc(40 * KIB), timeout_s=0):
+            async with admission.admit("c", 40 * KIB), cache.allocate_cache(40 * KIB, timeout_s=0):
                 pass
     assert admission.num_evicted == 0 and not hoarder.done()
     hoarder.cancel()
@@ -236,7 +269,6 @@ async def test_chunked_forward_equals_one_task(llama_backend, batch_size: int) -
         None,
         active_adapter="",
         chunk_tokens=8,
-        split_tokens=True,
         measured=lambda fn, n: fn,
     )
     chunks = len(plan_token_chunks(37, batch_size, 8))
@@ -255,7 +287,6 @@ async def test_chunked_forward_equals_one_task(llama_backend, batch_size: int) -
         prompts,
         active_adapter="",
         chunk_tokens=8,
-        split_tokens=True,
         measured=lambda fn, n: fn,
     )
     assert runtime.num_tasks == 3 and torch.equal(got, expected)

@@ -21,7 +21,7 @@ from corolla.protocol.packing import pack_args_kwargs
 from corolla.server import block_functions as bf
 from corolla.server import proxy_wire as wire
 from corolla.server.block_functions import ServingLimits
-from corolla.server.executor import PATH_PLAIN, SessionCache, SessionSpec, StepInputs
+from corolla.server.executor import PATH_EAGER, SessionCache, SessionSpec, StepInputs
 from corolla.server.handler import TransformerConnectionHandler
 from corolla.server.metrics import ServerMetrics
 from corolla.server.proxy_executor import DeviceInfo, DeviceLink, ProxyExecutor, ProxySessionCache
@@ -243,7 +243,7 @@ async def _sent_and_answered(link: DeviceLink, writer: _CapturingWriter, call, r
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 async def test_a_step_as_bytes_sends_the_frame_of_the_tensor_and_reads_the_same_reply(dtype) -> None:
     writer = _CapturingWriter()
-    link = DeviceLink(asyncio.StreamReader(), writer, DeviceInfo(PATH_PLAIN, 0, 1 << 20, {0: 1, 1: 1}, 1, 0))  # type: ignore[arg-type]
+    link = DeviceLink(asyncio.StreamReader(), writer, DeviceInfo(PATH_EAGER, 0, 1 << 20, {0: 1, 1: 1}, 1))  # type: ignore[arg-type]
     executor = ProxyExecutor(link)
     cache = ProxySessionCache(SessionSpec((0, 1), 2, 16), link, handle=7)
     hidden, reply = torch.randn(2, 1, H).to(dtype), torch.randn(2, 1, H).to(dtype)
@@ -259,7 +259,7 @@ async def test_a_step_as_bytes_sends_the_frame_of_the_tensor_and_reads_the_same_
 class _DoublingExecutor:
     """A `SpanExecutor` that doubles the hidden states; counts the steps that came as bytes."""
 
-    path = PATH_PLAIN
+    path = PATH_EAGER
     max_size_bytes = bytes_left = 1 << 30
     bytes_waiting = 0
 

@@ -86,14 +86,6 @@ def build_parser() -> configargparse.ArgParser:
     peers = parser.add_mutually_exclusive_group()
     peers.add("--initial_peers", nargs="*", default=None, help="multiaddrs of peers to join (public swarm if unset)")
     peers.add("--new_swarm", action="store_true", help="start a new private swarm and print its address")
-    parser.add("--no_fast_path", action="store_false", dest="fast_path", help="disable the GPU fast path")
-    parser.add(
-        "--serving_path",
-        choices=("auto", "fast", "plain"),
-        default="auto",
-        help="executor of inference steps: auto (fast path where supported on CUDA), fast (also on CPU; an error "
-        "where the engine can't serve the span) or plain",
-    )
     parser.add(
         "--direct_port",
         type=int,

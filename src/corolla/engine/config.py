@@ -10,6 +10,7 @@ import torch
 
 from corolla.engine.cpu_linear import CpuLinearConfig
 from corolla.engine.kv_pool import KVLayout
+from corolla.models.deepseek_v3.mla import LATENT_NORM_EPS, mla_softmax_scale
 
 
 @dataclass(frozen=True)
@@ -172,8 +173,6 @@ class MlaSpec:
     @classmethod
     def from_hf_config(cls, config) -> MlaSpec:
         """Reads a `DeepseekV3Config`-like object; ValueError for features the fast path does not implement."""
-        from corolla.models.deepseek_v3.mla import LATENT_NORM_EPS, mla_softmax_scale
-
         model_type = getattr(config, "model_type", None)
         if model_type != "deepseek_v3":
             raise ValueError(f"MlaSpec reads deepseek_v3 configs, not {model_type!r}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.ops import Alibi
+from corolla.engine.alibi import Alibi
 
 
 def paged_decode_attention_cpu(

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from corolla.engine.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi
 from corolla.engine.dense_ops import DenseOps
-from corolla.engine.fast_llama import Weight, _projection_weight
+from corolla.engine.fast_llama import Weight, projection_weight
 from corolla.engine.kv_pool import KVLayout, KVPool, SequenceSlot
-from corolla.engine.ops import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi, DecodeOps
+from corolla.engine.ops import DecodeOps
 from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quant_key
 from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.attention import Attention
@@ -420,12 +421,12 @@ def _layer_weights(block: torch.nn.Module) -> DenseLayerWeights:
         ln1_b=ln1.bias.data,
         ln2_w=None if ln2 is None else ln2.weight.data,
         ln2_b=None if ln2 is None else ln2.bias.data,
-        w_qkv=_projection_weight(attn.qkv, dtype),
+        w_qkv=projection_weight(attn.qkv, dtype),
         b_qkv=linear_bias(attn.qkv),
-        w_o=_projection_weight(attn.o_proj, dtype),
+        w_o=projection_weight(attn.o_proj, dtype),
         b_o=linear_bias(attn.o_proj),
-        w_up=_projection_weight(mlp.up, dtype),
+        w_up=projection_weight(mlp.up, dtype),
         b_up=linear_bias(mlp.up),
-        w_down=_projection_weight(mlp.down, dtype),
+        w_down=projection_weight(mlp.down, dtype),
         b_down=linear_bias(mlp.down),
     )

@@ -25,6 +25,7 @@ from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quant_key, 
 from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.layers import SparseMoE
 from corolla.models.lora import LoraLinear
+from corolla.models.positions import RotaryEmbedding, rope_parameters
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -200,10 +201,10 @@ class FastLlamaSpan(ChunkedPrefill):
             if attn is None or mlp is None or not hasattr(attn, "qkv") or (moe is None and not hasattr(mlp, "gate_up")):
                 raise ValueError(f"{type(block).__name__} is not a llama-family block with fused qkv/gate_up")
             dtype = _norm_weight(block, "input_layernorm").dtype
-            w_qkv, w_o = _projection_weight(attn.qkv, dtype), _projection_weight(attn.o_proj, dtype)
+            w_qkv, w_o = projection_weight(attn.qkv, dtype), projection_weight(attn.o_proj, dtype)
             w_gate_up = w_down = None
             if moe is None:
-                w_gate_up, w_down = _projection_weight(mlp.gate_up, dtype), _projection_weight(mlp.down, dtype)
+                w_gate_up, w_down = projection_weight(mlp.gate_up, dtype), projection_weight(mlp.down, dtype)
             if getattr(attn, "alibi", False) or getattr(mlp, "act_name", "silu") not in ("silu", "swish"):
                 raise ValueError("The fast path needs rotary attention and a SiLU-gated MLP")
             q_norm = k_norm = None
@@ -226,8 +227,6 @@ class FastLlamaSpan(ChunkedPrefill):
                     moe=moe,
                 )
             )
-        from corolla.models.positions import RotaryEmbedding
-
         rotary = getattr(blocks[0].attn, "rotary", None)
         if not isinstance(rotary, RotaryEmbedding):
             raise ValueError("The fast path needs rotary position embeddings")
@@ -248,8 +247,6 @@ class FastLlamaSpan(ChunkedPrefill):
         **kwargs,
     ) -> FastLlamaSpan:
         """Builds fused copies from per-layer checkpoint tensors named as in transformers (`self_attn.q_proj.weight`)."""
-        from corolla.models.positions import RotaryEmbedding, rope_parameters
-
         spec = LlamaSpec.from_hf_config(config)
 
         def get(sd, name):
@@ -468,7 +465,7 @@ def _norm_weight(block: torch.nn.Module, name: str) -> torch.Tensor:
     return weight
 
 
-def _projection_weight(module: torch.nn.Module, dtype: torch.dtype) -> Weight:
+def projection_weight(module: torch.nn.Module, dtype: torch.dtype) -> Weight:
     """A projection's weight as the fast path reads it: a plain linear's tensor or a bitsandbytes layout (under a
     `LoraLinear`, its base layer's)."""
     if isinstance(module, LoraLinear):

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine.config import MlaSpec
+from corolla.engine.graph_timing import graph_median_ms
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.mla_kernels import group_limited_route, paged_latent_attention, rope_rotate, store_latent
 from corolla.engine.moe import ExpertWeights, experts_forward, kernel_usable
@@ -189,8 +190,7 @@ class FastMlaSpan(ChunkedPrefill):
         moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoeWeights)]
         if not moes or not self.ops.use_triton or not kernel_usable(self.device):
             return {}
-        from corolla.engine import moe_kernels
-        from corolla.engine.graph_timing import graph_median_ms
+        from corolla.engine import moe_kernels  # Triton: optional
 
         timings: dict[int, dict[tuple[int, int, int, int], float]] = {}
         for n in rows:

@@ -27,7 +27,7 @@ from corolla.engine.cuda_graphs import DecodeGraphs
 from corolla.engine.kv_pool import TRASH_PAGE
 
 if TYPE_CHECKING:
-    from corolla.engine.span_engine import StepRequest
+    from corolla.engine.step_request import StepRequest
 
 
 @dataclass(eq=False)

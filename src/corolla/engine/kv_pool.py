@@ -1,10 +1,13 @@
 """A server-wide KV cache preallocated once: per layer, pages of `page_size_tokens` tokens of two per-token tensors
 (a `KVLayout`: K and V heads for standard attention; MLA's compressed latent and shared rotary key), handed out to
 sequences as block tables (lists of page ids), so sessions of any length share one pool without per-step allocation.
-Page 0 is never handed out: padded batch rows write there."""
+A sequence over layers [first, end) holds its page ids in those layers only (one block table for all of them): the
+same id stays free in the other layers for sequences over other blocks. Page 0 is never handed out: padded batch
+rows write there."""
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 from collections.abc import Sequence
@@ -57,11 +60,13 @@ class KVLayout:
 
 @dataclass(eq=False)
 class SequenceSlot:
-    """One sequence's pages (a block table) and a host copy of it padded to the pool's `max_pages_per_seq`."""
+    """One sequence's pages (a block table, held in layers [first, end)) and a host copy of it padded to the pool's
+    `max_pages_per_seq`."""
 
     pages: list[int]
     table: torch.Tensor  # [max_pages_per_seq] int32, CPU; unused entries point to the trash page
     capacity_tokens: int
+    layers: tuple[int, int]
     length_tokens: int = 0  # positions [0, length) hold valid keys/values
     freed: bool = field(default=False)
 
@@ -70,8 +75,8 @@ class KVPool:
     """Cache storage `k` [num_layers, num_pages, page_size, *layout.k_token_shape] and `v` [..., *layout.v_token_shape]
     plus a free list.
 
-    `allocate(num_sequences, max_length_tokens)` reserves whole pages up front (scarcity -> `AllocationFailed`,
-    never a partial reservation); `free(slots)` returns them. Thread-safe."""
+    `allocate(num_sequences, max_length_tokens, layers)` reserves whole pages up front in those layers (scarcity ->
+    `AllocationFailed`, never a partial reservation); `free(slots)` returns them. Thread-safe."""
 
     def __init__(
         self,
@@ -97,7 +102,8 @@ class KVPool:
         # Filled with zeros once so that the trash page and unwritten slots never hold NaN/Inf garbage.
         self.k = torch.zeros((*pages, *layout.k_token_shape), dtype=dtype, device=self.device)
         self.v = torch.zeros((*pages, *layout.v_token_shape), dtype=dtype, device=self.device)
-        self._free: list[int] = list(range(num_pages - 1, TRASH_PAGE, -1))  # pop() hands out low ids first
+        self._free: list[set[int]] = [set(range(TRASH_PAGE + 1, num_pages)) for _ in range(num_layers)]
+        self._free_layer_pages = num_layers * (num_pages - 1)  # free (layer, page) cells, all layers
         self._lock = threading.Lock()
         logger.info(
             f"kv_pool.create(pages={num_pages}, page_tokens={page_size_tokens}, layers={num_layers}, "
@@ -118,23 +124,41 @@ class KVPool:
         )
 
     @property
-    def pages_free(self) -> int:
-        with self._lock:
-            return len(self._free)
+    def layer_page_bytes(self) -> int:
+        """Bytes of one page in one layer (both tensors)."""
+        return self.page_bytes // self.num_layers
 
     @property
-    def tokens_free(self) -> int:
-        return self.pages_free * self.page_size_tokens
+    def layer_pages_free(self) -> int:
+        """Free pages summed over the layers (a page free in n layers counts n times)."""
+        with self._lock:
+            return self._free_layer_pages
+
+    @property
+    def pages_free(self) -> int:
+        """Free pages in whole-pool units (all layers): `layer_pages_free // num_layers`."""
+        return self.layer_pages_free // self.num_layers
+
+    def check_layers(self, layers: tuple[int, int] | None) -> tuple[int, int]:
+        """[first, end) of this pool's layers (default: all); ValueError for a bad range."""
+        first, end = layers or (0, self.num_layers)
+        if not 0 <= first < end <= self.num_layers:
+            raise ValueError(f"layers must satisfy 0 <= first < end <= {self.num_layers}, got {(first, end)}")
+        return first, end
 
     def pages_for(self, max_length_tokens: int) -> int:
         return max(1, -(-max_length_tokens // self.page_size_tokens))
 
-    def allocate(self, num_sequences: int, max_length_tokens: int) -> list[SequenceSlot]:
-        """Reserves pages for `num_sequences` sequences of up to `max_length_tokens` each, all or nothing."""
+    def allocate(
+        self, num_sequences: int, max_length_tokens: int, layers: tuple[int, int] | None = None
+    ) -> list[SequenceSlot]:
+        """Reserves pages for `num_sequences` sequences of up to `max_length_tokens` each in layers [first, end)
+        (default: all), all or nothing; the lowest page ids free in all those layers first."""
         if num_sequences < 1:
             raise ValueError(f"num_sequences must be >= 1, got {num_sequences}")
         if max_length_tokens < 0:
             raise ValueError(f"max_length_tokens must be >= 0, got {max_length_tokens}")
+        first, end = self.check_layers(layers)
         per_seq = self.pages_for(max_length_tokens)
         if per_seq > self.max_pages_per_seq:
             raise ValueError(
@@ -143,18 +167,23 @@ class KVPool:
             )
         needed = per_seq * num_sequences
         with self._lock:
-            if needed > len(self._free):
+            free = self._free[first] if end - first == 1 else set.intersection(*self._free[first:end])
+            if needed > len(free):
                 raise AllocationFailed(
                     f"KV pool is full: need {needed} pages ({num_sequences} x {max_length_tokens} tokens), "
-                    f"{len(self._free)} of {self.num_pages - 1} free"
+                    f"{len(free)} of {self.num_pages - 1} free in layers {first}:{end}"
                 )
-            taken = [self._free.pop() for _ in range(needed)]
+            taken = heapq.nsmallest(needed, free)
+            for layer in range(first, end):
+                self._free[layer].difference_update(taken)
+            self._free_layer_pages -= needed * (end - first)
         slots = []
         for i in range(num_sequences):
             pages = taken[i * per_seq : (i + 1) * per_seq]
             table = torch.full((self.max_pages_per_seq,), TRASH_PAGE, dtype=torch.int32)
             table[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            slots.append(SequenceSlot(pages=pages, table=table, capacity_tokens=per_seq * self.page_size_tokens))
+            capacity = per_seq * self.page_size_tokens
+            slots.append(SequenceSlot(pages=pages, table=table, capacity_tokens=capacity, layers=(first, end)))
         return slots
 
     def free(self, slots: Sequence[SequenceSlot]) -> None:
@@ -164,7 +193,10 @@ class KVPool:
                 if slot.freed:
                     continue
                 slot.freed = True
-                self._free.extend(reversed(slot.pages))
+                first, end = slot.layers
+                for layer in range(first, end):
+                    self._free[layer].update(slot.pages)
+                self._free_layer_pages += len(slot.pages) * (end - first)
 
     @torch.no_grad()
     def reorder(self, slots: Sequence[SequenceSlot], hypo_ids: torch.Tensor) -> None:
@@ -180,8 +212,10 @@ class KVPool:
         src = torch.tensor([slots[i].pages[:used] for i in order], dtype=torch.long).flatten()
         dst = torch.tensor([s.pages[:used] for s in slots], dtype=torch.long).flatten()
         src, dst = src.to(self.device), dst.to(self.device)
-        self.k[:, dst] = self.k[:, src]  # the right side is gathered into a new tensor first: no overlap hazard
-        self.v[:, dst] = self.v[:, src]
+        first, end = slots[0].layers  # one session's rows: other layers' pages may belong to other sessions
+        # the right side is gathered into a new tensor first: no overlap hazard
+        self.k[first:end, dst] = self.k[first:end, src]
+        self.v[first:end, dst] = self.v[first:end, src]
         lengths = [slots[i].length_tokens for i in order]
         for slot, length in zip(slots, lengths, strict=True):
             slot.length_tokens = length

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from corolla.engine.graph_timing import graph_median_ms
 from corolla.engine.moe_quant import QuantizedExpertWeights
 from corolla.engine.quant import quantized_weight_of
 from corolla.models.layers import SparseMoE
@@ -327,8 +328,6 @@ def tune_experts(layers: Sequence[RoutedMoE], *, rows: Sequence[int] = (1, 8), r
     {config: us}}}; {} without CUDA + Triton."""
     if not layers or not kernel_usable(layers[0].experts.device):
         return {}
-    from corolla.engine.graph_timing import graph_median_ms
-
     first = layers[0]
     per_call = 1000 / len(layers)
     timings: dict[int, dict[tuple[int, ...], float]] = {}

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from corolla.engine.config import EngineConfig, LlamaSpec
 from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
+from corolla.engine.moe import softmax_topk
 from corolla.engine.span_engine import SpanEngine
 
 
@@ -72,8 +73,6 @@ def engine_decode(engine: SpanEngine, norm, prompt: torch.Tensor, token: torch.T
 
 
 def moe_topk(moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from corolla.engine.moe import softmax_topk
-
     return softmax_topk(F.linear(x, moe.router), moe.top_k, normalize=moe.normalize_top_k)
 
 

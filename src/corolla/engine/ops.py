@@ -4,12 +4,13 @@ Triton kernel on CUDA. All are CUDA-graph safe: static shapes, no host synchroni
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from corolla.engine import cpu_linear
+from corolla.engine.alibi import Alibi
+from corolla.engine.cpu_attention import paged_decode_attention_cpu
 from corolla.engine.graph_timing import graph_median_ms
 from corolla.engine.qk_norm import qk_norm_ref, qk_norm_triton
 from corolla.engine.quant import Int8Weight, NF4Weight, quant_key
@@ -30,39 +31,6 @@ logger = get_logger(__name__)
 def triton_usable(device: torch.device, head_dim: int) -> bool:
     """Whether the Triton kernels can run for this device and head size."""
     return TRITON_IMPORTED and device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-
-
-# ---------------------------------------------------------------------------------------------- ALiBi
-
-# how an ALiBi bias is rounded (the triton kernel's ALIBI codes): product kept in fp32; rounded to bf16 / fp16 (BLOOM
-# rounds its fp32 bias to the model dtype); positions and product rounded to bf16 (Falcon builds it in bfloat16)
-ALIBI_FP32, ALIBI_BF16, ALIBI_FP16, ALIBI_FALCON_BF16 = 1, 2, 3, 4
-
-
-@dataclass(frozen=True)
-class Alibi:
-    """ALiBi attention bias: query head h adds `round(slopes[h] * key_position) * scale` to its scores (absolute
-    key positions: softmax is shift-invariant, so this equals the relative form), rounded as `mode` says."""
-
-    slopes: torch.Tensor  # [nq] fp32 (Falcon: values already rounded to bf16)
-    scale: float
-    mode: int  # ALIBI_FP32 / ALIBI_BF16 / ALIBI_FP16 / ALIBI_FALCON_BF16
-
-    def __post_init__(self) -> None:
-        if self.mode not in (ALIBI_FP32, ALIBI_BF16, ALIBI_FP16, ALIBI_FALCON_BF16):
-            raise ValueError(f"unknown ALiBi rounding mode {self.mode}")
-
-    def bias(self, key_positions: torch.Tensor) -> torch.Tensor:
-        """key_positions [L] (any integer dtype) -> bias [nq, L] fp32."""
-        pos = key_positions.float()  # [L]
-        if self.mode == ALIBI_FALCON_BF16:
-            pos = pos.bfloat16().float()
-        product = self.slopes.float()[:, None] * pos[None, :]  # [nq, L]
-        if self.mode in (ALIBI_BF16, ALIBI_FALCON_BF16):
-            product = product.bfloat16().float()
-        elif self.mode == ALIBI_FP16:
-            product = product.half().float()
-        return product * self.scale
 
 
 # ---------------------------------------------------------------------------------------------- reference versions
@@ -365,8 +333,6 @@ class DecodeOps:
                 alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=alibi.mode,
             )  # fmt: skip
         if q.is_cpu:
-            from corolla.engine.cpu_attention import paged_decode_attention_cpu
-
             return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)
 

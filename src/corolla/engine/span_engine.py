@@ -15,8 +15,11 @@ import torch
 
 from corolla.engine.config import EngineConfig
 from corolla.engine.cuda_graphs import DecodeGraphs
+from corolla.engine.eager_span import BlockAdapters, EagerSpan
+from corolla.engine.fast_dense import DENSE_MODEL_TYPES, FastDenseSpan
 from corolla.engine.fast_llama import FastLlamaSpan
 from corolla.engine.fast_lora import SpanAdapters
+from corolla.engine.fast_mla import FastMlaSpan
 from corolla.engine.graph_decode import (
     HostStaging,
     PendingDecode,
@@ -89,7 +92,11 @@ class SpanEngine:
     server's device thread), while `open_session` and `EngineSession.close` are thread-safe."""
 
     def __init__(
-        self, model: SpanModel, config: EngineConfig = EngineConfig(), *, adapters: SpanAdapters | None = None
+        self,
+        model: SpanModel,
+        config: EngineConfig = EngineConfig(),
+        *,
+        adapters: SpanAdapters | BlockAdapters | None = None,
     ):
         self.model = model
         self.config = config
@@ -108,7 +115,7 @@ class SpanEngine:
         page_bytes = KVPool.bytes_per_page(
             num_layers=model.num_layers, layout=layout, page_size_tokens=page, dtype=self.dtype
         )
-        num_pages = max(2, config.kv_pool_bytes // page_bytes)
+        num_pages = max(1, config.kv_pool_bytes // page_bytes) + 1  # + the trash page, outside the budget
         self.pool = KVPool(
             num_layers=model.num_layers,
             layout=layout,
@@ -121,7 +128,7 @@ class SpanEngine:
         self.graphs: DecodeGraphs | None = None
         self.max_batch_rows = config.max_batch_rows
         if self.device.type == "cuda":
-            if config.use_cuda_graphs:
+            if config.use_cuda_graphs and getattr(model, "supports_graphs", True):
                 buckets = tuple(b for b in config.graph_buckets if b <= config.max_batch_rows) or (
                     config.max_batch_rows,
                 )
@@ -137,38 +144,44 @@ class SpanEngine:
 
     @classmethod
     def from_blocks(
-        cls, blocks: Sequence[torch.nn.Module], config: EngineConfig = EngineConfig(), *, adapter_mode: str = "auto"
+        cls,
+        blocks: Sequence[torch.nn.Module],
+        config: EngineConfig = EngineConfig(),
+        *,
+        adapter_mode: str = "auto",
+        fused: bool = True,
     ) -> SpanEngine:
-        """Wraps loaded llama-family or DeepSeek-V3 blocks (their tensors are used in place), the span type chosen by
-        the blocks' model type; ValueError if unsupported. LoRA adapters on llama-family blocks are stacked
-        (`fast_lora`, `adapter_mode` "auto", "stacked" or "gather"); other span types refuse them."""
-        hf_config: PretrainedConfig = blocks[0].config  # every corolla block keeps its model's config
+        """An engine over loaded blocks (their tensors are used in place). `fused`: the span type with fused kernels
+        for the blocks' model type (llama family, DeepSeek-V3, Falcon/BLOOM) where it takes these blocks, else (or
+        without `fused`) the blocks themselves run eagerly over the pool (`eager_span`). LoRA adapters on
+        llama-family blocks are stacked (`fast_lora`, `adapter_mode` "auto", "stacked" or "gather")."""
+        hf_config: PretrainedConfig | None = getattr(blocks[0], "config", None)  # corolla blocks keep their model's
         trained = getattr(hf_config, "max_position_embeddings", None)  # BLOOM (ALiBi) has no such limit
         max_positions = min(config.max_seq_len_tokens, int(trained or config.max_seq_len_tokens))
-        model: SpanModel
-        if getattr(hf_config, "model_type", None) == "deepseek_v3":
-            from corolla.engine.fast_mla import FastMlaSpan
+        if fused:
+            try:
+                model, adapters = fused_model(blocks, config, max_positions=max_positions, adapter_mode=adapter_mode)
+                window = model.spec.sliding_window_tokens
+                if window is not None and window < max_positions:
+                    raise ValueError(f"the fused span attends to {window} tokens at most, the blocks' window slides")
+                return cls(model, config, adapters=adapters)
+            except ValueError as e:  # the fused span type refuses these blocks: their own code serves them
+                logger.info(f"span_engine.eager(reason={e!r})")
+        eager = EagerSpan(blocks, max_positions=max_positions)
+        return cls(eager, config, adapters=eager.adapters)
 
-            model = FastMlaSpan.from_blocks(blocks, max_positions=max_positions, use_triton=config.use_triton)
-            return cls(model, config)
-        if getattr(hf_config, "model_type", None) in ("falcon", "bloom"):
-            from corolla.engine.fast_dense import FastDenseSpan
+    @classmethod
+    def fused_from_blocks(
+        cls, blocks: Sequence[torch.nn.Module], config: EngineConfig, *, max_positions: int, adapter_mode: str
+    ) -> SpanEngine:
+        """An engine on the fused span type of the blocks' model type; ValueError where it can't take them."""
+        model, adapters = fused_model(blocks, config, max_positions=max_positions, adapter_mode=adapter_mode)
+        return cls(model, config, adapters=adapters)
 
-            model = FastDenseSpan.from_blocks(
-                blocks,
-                max_positions=max_positions,
-                use_triton=config.use_triton,
-                attention_splits_max=config.attention_splits_max,
-            )
-            return cls(model, config)
-        model = FastLlamaSpan.from_blocks(
-            blocks,
-            max_positions=max_positions,
-            use_triton=config.use_triton,
-            attention_splits_max=config.attention_splits_max,
-            adapter_mode=adapter_mode,
-        )
-        return cls(model, config, adapters=model.adapters)
+    @property
+    def fused(self) -> bool:
+        """Whether the span runs on fused kernels (else its blocks run eagerly over the pool)."""
+        return not isinstance(self.model, EagerSpan)
 
     @property
     def hidden_size(self) -> int:
@@ -201,16 +214,35 @@ class SpanEngine:
         `adapter` for all its steps ("" = none; None = fixed by the first `bind_adapter`, the base model if never);
         ValueError past `max_seq_len_tokens`, for a bad layer range or an unknown adapter, AllocationFailed when the
         pool is full."""
-        adapter_index = 0 if adapter is None else self.adapter_index(adapter)
+        span = self.check_session(max_length_tokens, layers)
+        if adapter is not None:
+            self.adapter_index(adapter)  # ValueError before any page is taken
+        slots = self.pool.allocate(batch_size, max_length_tokens, span)
+        return self.session_of(slots, max_length_tokens, layers=span, adapter=adapter)
+
+    def check_session(self, max_length_tokens: int, layers: tuple[int, int] | None = None) -> tuple[int, int]:
+        """The layer range [first, end) of a session (default: all); ValueError for a length past
+        `max_seq_len_tokens` or a bad range."""
         if max_length_tokens > self.max_seq_len_tokens:
             raise ValueError(
                 f"Cannot allocate KV cache for {max_length_tokens} tokens, max = {self.max_seq_len_tokens}"
             )
-        first, end = layers or (0, self.model.num_layers)
-        if not 0 <= first < end <= self.model.num_layers:
-            raise ValueError(f"layers must satisfy 0 <= first < end <= {self.model.num_layers}, got {(first, end)}")
-        slots = self.pool.allocate(batch_size, max_length_tokens)
-        return EngineSession(self, slots, max_length_tokens, (first, end), adapter, adapter_index)
+        return self.pool.check_layers(layers)
+
+    def session_of(
+        self,
+        slots: list[SequenceSlot],
+        max_length_tokens: int,
+        *,
+        layers: tuple[int, int],
+        adapter: str | None = None,
+    ) -> EngineSession:
+        """A session over `slots` taken from this engine's pool in `layers` (by `open_session` or a
+        `page_queue.PageQueue`), after `check_session`."""
+        if any(slot.layers != layers for slot in slots):
+            raise ValueError(f"the slots hold pages in other layers than {layers}")
+        adapter_index = 0 if adapter is None else self.adapter_index(adapter)
+        return EngineSession(self, slots, max_length_tokens, layers, adapter, adapter_index)
 
     def adapter_index(self, name: str) -> int:
         """0 for "" (the base model), else adapter `name`'s index; ValueError for an adapter this span lacks."""
@@ -254,7 +286,7 @@ class SpanEngine:
     def check_inputs(self, req: StepRequest) -> None:
         """ValueError for a step request whose inputs can't run on this engine whatever the session's state (its
         engine, shapes, dtypes, beam ids, prompts); marks it checked. Called once where the step enters (a device
-        channel's reader thread, through `FastExecutor.prepare_step`) or by `validate`."""
+        channel's reader thread, through `EngineExecutor.prepare_step`) or by `validate`."""
         session, dtype = req.session, req.dtype
         if session.engine is not self:
             raise ValueError("The session belongs to another engine")
@@ -451,3 +483,29 @@ class SpanEngine:
         if all_cpu and out.device.type == "cpu":
             return list(pieces)
         return [p if p.device == r.hidden.device else p.to(r.hidden.device) for p, r in zip(pieces, group, strict=True)]
+
+
+def fused_model(
+    blocks: Sequence[torch.nn.Module], config: EngineConfig, *, max_positions: int, adapter_mode: str
+) -> tuple[SpanModel, SpanAdapters | None]:
+    """The fused span of the blocks' model type (and its stacked LoRA adapters); ValueError where it can't take
+    them (a layer type, activation, quantization or adapter target it does not implement)."""
+    model_type = getattr(getattr(blocks[0], "config", None), "model_type", None)
+    if model_type == "deepseek_v3":
+        return FastMlaSpan.from_blocks(blocks, max_positions=max_positions, use_triton=config.use_triton), None
+    if model_type in DENSE_MODEL_TYPES:
+        dense = FastDenseSpan.from_blocks(
+            blocks,
+            max_positions=max_positions,
+            use_triton=config.use_triton,
+            attention_splits_max=config.attention_splits_max,
+        )
+        return dense, None
+    llama = FastLlamaSpan.from_blocks(
+        blocks,
+        max_positions=max_positions,
+        use_triton=config.use_triton,
+        attention_splits_max=config.attention_splits_max,
+        adapter_mode=adapter_mode,
+    )
+    return llama, llama.adapters

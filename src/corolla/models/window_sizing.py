@@ -41,7 +41,7 @@ def kv_cache_bytes(
 def span_kv_cache_bytes(
     config: Any, block_indices: Sequence[int], dtype: torch.dtype, *, batch_size: int, max_length: int
 ) -> int:
-    """`kv_cache_bytes` summed over a span (what `MemoryCache` charges one session of it)."""
+    """`kv_cache_bytes` summed over a span (what the blocks' own contiguous caches take for one session of it)."""
     return sum(kv_cache_bytes(config, i, dtype, batch_size=batch_size, max_length=max_length) for i in block_indices)
 
 

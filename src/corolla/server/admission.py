@@ -20,7 +20,7 @@ logger = get_logger(__name__)
 
 
 class CacheBudget(Protocol):
-    """The KV cache bytes admission weighs sessions against (a `SpanExecutor` or a `MemoryCache`)."""
+    """The KV cache bytes admission weighs sessions against (a `SpanExecutor`)."""
 
     @property
     def max_size_bytes(self) -> int: ...

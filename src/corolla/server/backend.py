@@ -4,12 +4,13 @@ and `inference_step` over a contiguous chain of block indices, with deep prompts
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from corolla.server.memory_cache import allocation_size_bytes
+from corolla.models.lora import using_adapter
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -107,10 +108,6 @@ class SpanBackend:
     def _adapter_context(self, adapter: str) -> contextlib.AbstractContextManager:
         if adapter and adapter not in self.adapters:
             raise ValueError(f"Unknown adapter {adapter!r}; this server has adapters {list(self.adapters)}")
-        try:
-            from corolla.models.lora import using_adapter
-        except ImportError:
-            return contextlib.nullcontext()
         return using_adapter(adapter)
 
     # ---- forward / backward
@@ -271,7 +268,9 @@ class SpanBackend:
     def cache_bytes_per_token(self, block_indices: Sequence[int] | None = None) -> int:
         """Bytes of keys + values for one token of one sequence, summed over `block_indices` (default: all)."""
         indices = self.block_indices if block_indices is None else self.validate_block_indices(block_indices)
-        return sum(allocation_size_bytes(self.blocks[i].cache_descriptors(1, 1)) for i in indices)
+        return sum(
+            math.prod(d.shape) * d.dtype.itemsize for i in indices for d in self.blocks[i].cache_descriptors(1, 1)
+        )
 
 
 def _filled_grad(grad: torch.Tensor | None) -> torch.Tensor:

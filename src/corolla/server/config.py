@@ -136,11 +136,6 @@ class ServerConfig:
     # tokens of the forward measurement; None -> 1024 on accelerators, 128 on CPU (keeps CPU servers and tests quick,
     # the figure is per token so it stays comparable)
     throughput_forward_tokens: int | None = None
-    # GPU fast path (paged KV pool, CUDA graphs, batching across sessions) when the span is eligible
-    fast_path: bool = True
-    # which executor serves: auto (fast where the engine supports the span on CUDA), fast (also on CPU; an error
-    # where the engine can't serve the span) or plain (`server.serving_path`); --no_fast_path means plain
-    serving_path: str = "auto"
     # serve inference streams of same-host corolla clients over a unix socket (skips both p2pd daemons)
     local_socket: bool = True
     # serve inference streams of corolla clients on this TCP port too (tickets over p2p, sealed frames; no p2pd on
@@ -186,8 +181,6 @@ class ServerConfig:
         self.max_disk_space_bytes = parse_size_bytes(self.max_disk_space_bytes)
         if self.torch_dtype not in TORCH_DTYPE_NAMES:
             raise ValueError(f"torch_dtype must be one of {TORCH_DTYPE_NAMES}, got {self.torch_dtype!r}")
-        if self.serving_path not in ("auto", "fast", "plain"):
-            raise ValueError(f"serving_path must be auto, fast or plain, got {self.serving_path!r}")
         if self.quant_type is not None:
             self.quant_type = self.quant_type.lower()
             if self.quant_type not in QUANT_TYPE_NAMES:

@@ -36,6 +36,7 @@ from corolla.server import proxy_wire as wire
 from corolla.server.admission import SessionAdmission, SessionTicket
 from corolla.server.channel_intake import ChannelIntake
 from corolla.server.channel_io import FrameSocket
+from corolla.server.engine_executor import EngineExecutor
 from corolla.server.executor import (
     BackwardInputs,
     DeviceExecutor,
@@ -44,7 +45,6 @@ from corolla.server.executor import (
     SessionSpec,
     SpanExecutor,
 )
-from corolla.server.fast_executor import FastExecutor
 from corolla.server.frame_steps import FrameIntake, StepReply
 from corolla.server.metrics import ServerMetrics
 from corolla.server.proxy_executor import DeviceInfo
@@ -60,17 +60,15 @@ __all__ = ["DeviceChannel", "DeviceSessionRegistry", "PushRouter", "device_info"
 
 def device_info(executor: SpanExecutor, span: tuple[int, ...], handler_index: int, max_frame_bytes: int) -> DeviceInfo:
     """The HELLO a handler process gets: enough to size sessions and caches without asking."""
-
-    page_tokens, page_row_bytes = 1, 0
-    if isinstance(executor, FastExecutor):  # sessions reserve whole pages of the engine's pool
-        page_tokens, page_row_bytes = executor.engine.pool.page_size_tokens, executor.bytes_per_page
+    page_tokens = 1
+    if isinstance(executor, EngineExecutor):  # sessions reserve whole pages of the engine's pool
+        page_tokens = executor.engine.pool.page_size_tokens
     return DeviceInfo(
         path=executor.path,
         handler_index=handler_index,
         max_frame_bytes=max_frame_bytes,
         block_bytes_per_token={i: executor.cache_bytes_per_token((i,)) for i in span},
         page_tokens=page_tokens,
-        page_row_bytes=page_row_bytes,
     )
 
 

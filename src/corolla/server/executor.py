@@ -1,28 +1,41 @@
 """The seam between the RPC handler and the device: `SpanExecutor`, the one interface the handler, admission and
-the drain hand-off talk to, and the typed records that cross it. Two implementations submit work to the one
-`Runtime`: `plain_executor.PlainExecutor` (the blocks of a `SpanBackend` + `MemoryCache`) and
-`fast_executor.FastExecutor` (the engine's `SpanEngine` + its paged `KVPool`).
+the drain hand-off talk to, and the typed records that cross it. `engine_executor.EngineExecutor` implements it on
+this process's `Runtime` (the engine's `SpanEngine` over its paged `KVPool`, the one KV store).
 
 Everything that crosses the seam was validated by the handler (`block_functions`), where it entered: an executor
 trusts shapes, dtypes, lengths and positions and only enforces what it alone knows (free cache)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from corolla.engine.step_request import HiddenRows
-from corolla.server.memory_cache import TensorDescriptorLike
 from corolla.server.runtime import Runtime
 from corolla.utils.tensor_bytes import view_bytes
 
-PATH_PLAIN = "plain"
-PATH_FAST = "fast"
-SERVING_PATHS = (PATH_PLAIN, PATH_FAST)
+# how the engine runs a span (reported, not chosen by the operator): fused kernels, or the family's blocks eagerly
+PATH_FUSED = "fused"
+PATH_EAGER = "eager"
+SERVING_PATHS = (PATH_FUSED, PATH_EAGER)
+
+
+class TensorDescriptorLike(Protocol):
+    """What `models.block_base.TensorDescriptor` offers: the shape, dtype and device of one cache tensor (read-only
+    properties, so that frozen dataclasses match)."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -125,7 +138,8 @@ class SessionCache:
 
 
 class HandoffUnsupported(ValueError):
-    """This executor's cache can't be exported or imported (paged pool, tensor parallel): the client replays."""
+    """This executor's cache can't be exported or imported (a handler process's proxy, a server with hand-off
+    off): the client replays."""
 
 
 class SpanExecutor(Protocol):
@@ -135,7 +149,7 @@ class SpanExecutor(Protocol):
 
     @property
     def path(self) -> str:
-        """`PATH_PLAIN` or `PATH_FAST` (metrics, `rpc_info`, logs)."""
+        """`PATH_FUSED` or `PATH_EAGER`: how the engine runs the span (metrics, `rpc_info`, logs)."""
         ...
 
     # ---- cache accounting (event loop)
@@ -199,7 +213,7 @@ class SpanExecutor(Protocol):
 
 
 class DeviceExecutor(SpanExecutor, Protocol):
-    """A `SpanExecutor` whose work runs on a runtime in this process (the plain and the fast executor): the serving
+    """A `SpanExecutor` whose work runs on a runtime in this process (`EngineExecutor`): the serving
     part starts and stops that runtime, and a lone session's inline step keeps the serving loop polling."""
 
     @property

@@ -36,18 +36,16 @@ async def run_forward_chunked(
     *,
     active_adapter: str,
     chunk_tokens: int,
-    split_tokens: bool,
     measured: Callable[[Callable[[], Any], int], Callable[[], Any]],
 ) -> torch.Tensor:
     """The same result as `backend.forward(block_indices, hidden, prompts, adapter)` ([B, T, H]) computed as
-    several runtime tasks. `measured(fn, num_tokens)` wraps each task for metrics. `split_tokens`: the caller
-    allows token chunks (temporary per-block caches of `backend`); else one task per whole block.
+    several runtime tasks. `measured(fn, num_tokens)` wraps each task for metrics.
 
     All tasks are queued at once, in an order where each one's inputs come from tasks queued before it (chunk by
     chunk, block by block within a chunk): the runtime runs tasks of one priority oldest first, so no task waits
     for a round trip through the event loop, and more urgent tasks still run between any two of them."""
     batch_size, length, _ = hidden.shape
-    split_tokens = split_tokens and can_split_tokens(prompts, active_adapter)
+    split_tokens = can_split_tokens(prompts, active_adapter)
     chunks = plan_token_chunks(length, batch_size, chunk_tokens) if split_tokens else [(0, length)]
     # results[(position, chunk)]: that block's output for that chunk; written and read in the device thread only
     results: dict[tuple[int, int], torch.Tensor] = {}

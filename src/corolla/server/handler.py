@@ -262,7 +262,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             "version": PETALS_COMPAT_VERSION,
             "dht_client_mode": self.dht_client_mode,
             "cache_tokens_available": self.cache_tokens_available,
-            "serving_path": self.executor.path,  # corolla's: fast or plain (Petals clients ignore extra keys)
+            "serving_path": self.executor.path,  # corolla's: fused or eager (Petals clients ignore extra keys)
         }
         if uid:
             bf.resolve_chain(uid, self.limits)

@@ -1,8 +1,8 @@
 """A session's KV cache in the canonical hand-off layout (`protocol.handoff`): the expected tensors of a session's
 layout (`SpanExecutor.handoff_layout`, one K and one V `[B, kv_heads, max_length, head_dim]` per block) and the
 validation of an import (hostile input) against it. Reading and writing the cache are the executor's
-(`read_kv` / `write_kv`, as runtime tasks); an executor that can't (fast path, tensor parallel) raises
-`executor.HandoffUnsupported` and the client falls back to a replay."""
+(`read_kv` / `write_kv`, as runtime tasks, from and into the pool's pages); an executor that can't (a handler
+process's proxy) raises `executor.HandoffUnsupported` and the client falls back to a replay."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from corolla.server.block_functions import all_finite
-from corolla.server.executor import HandoffUnsupported
-from corolla.server.memory_cache import TensorDescriptorLike
+from corolla.server.executor import HandoffUnsupported, TensorDescriptorLike
 
 LENGTH_DIM = 2  # [B, kv_heads, max_length, head_dim]
 

@@ -4,7 +4,7 @@ Usage from the server (every call is cheap, thread-safe and never raises):
 
     metrics = ServerMetrics()                    # one per Server; own CollectorRegistry (several servers per process ok)
     metrics.blocks_served(end - start)           # after loading blocks
-    metrics.set_cache(used_bytes, free_bytes)    # after each KV allocation / free (MemoryCache sizes)
+    metrics.set_cache(used_bytes, free_bytes)    # after each KV allocation / free (the pool's bytes)
     with metrics.session():                      # around one rpc_inference stream (or session_opened()/session_closed())
         metrics.queue_wait(seconds)              # time a task waited in the runtime queue
         metrics.observe_step(seconds)            # time the runtime spent executing one task
@@ -97,7 +97,7 @@ class ServerMetrics:
         self._cache_free = Gauge("corolla_kv_cache_free_bytes", "KV cache bytes still free", registry=r)
         self._blocks = Gauge("corolla_blocks_served", "Transformer blocks this server holds", registry=r)
         self._serving_path = Gauge(
-            "corolla_serving_path", "1 for the executor serving this span (fast or plain)", ["path"], registry=r
+            "corolla_serving_path", "1 for how the engine runs this span (fused kernels or eager blocks)", ["path"], registry=r
         )
         self._announce_failures = Counter(
             "corolla_announce_failures", "DHT announcements that failed or timed out", registry=r
@@ -160,8 +160,8 @@ class ServerMetrics:
         self._blocks.set(n)
 
     def serving_path(self, path: str) -> None:
-        """Marks `path` (fast or plain) as the one serving now: 1 for it, 0 for the other."""
-        for name in ("fast", "plain"):
+        """Marks `path` (fused or eager) as the one serving now: 1 for it, 0 for the other."""
+        for name in ("fused", "eager"):
             self._serving_path.labels(path=name).set(1 if name == path else 0)
 
     def announce_failed(self) -> None:

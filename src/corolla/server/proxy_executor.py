@@ -32,9 +32,9 @@ from corolla.server.executor import (
     SessionCache,
     SessionSpec,
     StepInputs,
+    TensorDescriptorLike,
 )
 from corolla.server.limits import PeerLimits
-from corolla.server.memory_cache import TensorDescriptorLike
 from corolla.server.peer_auth import SessionPushGuard
 from corolla.server.sessions import SessionRegistry
 from corolla.utils.logging import get_logger
@@ -52,8 +52,7 @@ class DeviceInfo:
     handler_index: int
     max_frame_bytes: int
     block_bytes_per_token: dict[int, int]  # KV bytes of one token of one sequence, per block
-    page_tokens: int  # 1: caches are reserved per token; > 1: per page of this many tokens
-    page_row_bytes: int  # > 0: one page of one sequence over all blocks (the fast path's pool); 0: per token
+    page_tokens: int  # sessions reserve whole pages of this many tokens (in the blocks they use)
 
     def to_json(self) -> bytes:
         fields = dict(self.__dict__, block_bytes_per_token={str(k): v for k, v in self.block_bytes_per_token.items()})
@@ -66,10 +65,8 @@ class DeviceInfo:
         return cls(block_bytes_per_token=table, **fields)
 
     def session_bytes(self, spec: SessionSpec) -> int:
-        if self.page_row_bytes > 0:
-            pages = max(1, -(-spec.max_length_tokens // self.page_tokens))
-            return pages * spec.batch_size * self.page_row_bytes
-        return spec.batch_size * spec.max_length_tokens * self.cache_bytes_per_token(spec.block_indices)
+        pages = max(1, -(-spec.max_length_tokens // self.page_tokens))
+        return pages * self.page_tokens * spec.batch_size * self.cache_bytes_per_token(spec.block_indices)
 
     def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
         return sum(self.block_bytes_per_token[i] for i in block_indices)

@@ -27,11 +27,11 @@ from corolla.server.block_functions import ServingLimits
 from corolla.server.block_loading import load_span_blocks
 from corolla.server.config import ServerConfig, handler_poll_s, ignored_flags
 from corolla.server.drain import drain_sessions
+from corolla.server.engine_executor import executor_for_span
 from corolla.server.executor import DeviceExecutor
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.peer_auth import make_peer_auth
 from corolla.server.reachability_gate import validate_reachability
-from corolla.server.serving_path import executor_for_span
 from corolla.server.sessions import SessionTimeouts
 from corolla.server.settings import describe_settings, resolve_settings
 from corolla.server.slowdown import BlockDelay, block_delay_s, slowed_throughput
@@ -436,8 +436,7 @@ class Server:
             logger.info(f"server.span_released(blocks={block_indices.start}:{block_indices.stop})")
 
     def _make_executor(self, backend: SpanBackend, cache_bytes: int) -> DeviceExecutor:
-        """The executor of this span: the fast path where the engine supports it (`serving_path`), else plain."""
-
+        """The executor of this span: the engine over its paged pool (fused kernels where it has them)."""
         return executor_for_span(self.config, self.settings, self.family.family, backend, cache_bytes, self.metrics)
 
     def _cache_tokens_left(self) -> int:

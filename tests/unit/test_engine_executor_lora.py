@@ -1,7 +1,8 @@
-"""A tiny Llama span with LoRA adapters served by the server's fast executor on CPU (`--serving_path fast`): the
-serving path keeps the engine, sessions on two adapters and on the base model (prefill, one merged decode step,
-rollback) equal `SpanBackend.inference_step` with each session's adapter, a step naming an unknown adapter or
-another adapter than the session's is refused, and the plain executor's own refusal is unchanged."""
+"""A tiny Llama span with LoRA adapters served by the server's engine executor on CPU (fused kernels): the
+engine keeps its fused span, sessions on two adapters and on the base model (prefill, one merged decode step,
+rollback) equal `SpanBackend.inference_step` with each session's adapter, and a step naming an unknown adapter or
+another adapter than the session's is refused; the same over the eager blocks (the span of a family without fused
+LoRA kernels)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.serving import SpanTraits
 from corolla.server.backend import SpanBackend
+from corolla.server.engine_executor import EngineExecutor, build_engine_executor
 from corolla.server.executor import SessionSpec, StepInputs
-from corolla.server.fast_executor import FastExecutor
 from corolla.server.metrics import ServerMetrics
 from corolla.server.runtime import Runtime
-from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
 from helpers.lora_blocks import ADAPTERS, make_lora_blocks
 from helpers.tiny_models import torch_threads
 
@@ -43,14 +44,12 @@ def _step(hidden: torch.Tensor, position: int, adapter: str) -> StepInputs:
     return StepInputs(hidden, position, None, None, adapter, lone_session=False)
 
 
-async def test_sessions_on_different_adapters_merge_on_the_fast_path(backend: SpanBackend) -> None:
+@pytest.mark.parametrize("fused", [True, False])
+async def test_sessions_on_different_adapters_merge(backend: SpanBackend, fused: bool) -> None:
     traits = SpanTraits(
         device_type="cpu", dtype=torch.float32, quant_type="none", family="llama", num_adapters=len(ADAPTERS),
         tensor_parallel_devices=0,
     )  # fmt: skip
-    choice = choose_serving_path("fast", traits)
-    settings = ExecutorSettings(cache_bytes=1 << 20, max_seq_len_tokens=64, max_alloc_timeout_s=None,
-                                tensor_parallel=False, warmup=False)  # fmt: skip
     h = backend.hidden_size
     names = ["big", "", "some"]
     torch.manual_seed(2)
@@ -67,8 +66,14 @@ async def test_sessions_on_different_adapters_merge_on_the_fast_path(backend: Sp
              for x, p in plan]
         )  # fmt: skip
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        executor = make_executor(choice, backend, runtime, settings, ServerMetrics())
-        assert isinstance(executor, FastExecutor)
+        if fused:
+            executor = build_engine_executor(backend, runtime, traits, kv_pool_bytes=1 << 20, max_seq_len_tokens=64,
+                                             metrics=ServerMetrics(), warmup=False)  # fmt: skip
+        else:
+            config = EngineConfig(kv_pool_bytes=1 << 20, max_seq_len_tokens=64)
+            engine = SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config, fused=False)
+            executor = EngineExecutor(backend, engine, runtime, ServerMetrics())
+        assert executor.path == ("fused" if fused else "eager")
         spec = SessionSpec(SPAN, 1, MAX_LEN)
         async with (
             executor.open_session(spec, 0) as a,

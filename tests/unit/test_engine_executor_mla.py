@@ -1,5 +1,5 @@
-"""A tiny DeepSeek-V3 span served by the server's fast executor on CPU (`--serving_path fast`): the serving path
-chooses the engine for the family, inference steps (prefill, merged decode of two sessions, rollback) equal
+"""A tiny DeepSeek-V3 span served by the server's engine executor on CPU (fused kernels): the engine
+chooses its fused latent span for the family, inference steps (prefill, merged decode of two sessions, rollback) equal
 `SpanBackend.inference_step`, and the executor's cache accounting counts the latent pool's bytes: the MLA formula
 (kv_lora_rank + qk_rope_head_dim values per token per block), the number the server logs."""
 
@@ -12,15 +12,14 @@ import pytest
 import torch
 
 from corolla.engine.fast_mla import FastMlaSpan
-from corolla.engine.serving import SpanTraits
+from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.models.kv_sizing import kv_cache_bytes_per_token
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
+from corolla.server.engine_executor import EngineExecutor, build_engine_executor
 from corolla.server.executor import SessionSpec, StepInputs
-from corolla.server.fast_executor import FastExecutor
 from corolla.server.metrics import ServerMetrics
 from corolla.server.runtime import Runtime
-from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
 from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of
 
@@ -61,9 +60,6 @@ async def test_deepseek_span_runs_on_the_fast_path(backend: SpanBackend) -> None
         device_type="cpu", dtype=torch.float32, quant_type="none", family=get_family(backend.config).family,
         num_adapters=0, tensor_parallel_devices=0,
     )  # fmt: skip
-    choice = choose_serving_path("fast", traits)
-    settings = ExecutorSettings(cache_bytes=POOL_BYTES, max_seq_len_tokens=64, max_alloc_timeout_s=None,
-                                tensor_parallel=False, warmup=False)  # fmt: skip
     h = int(backend.config.hidden_size)
     torch.manual_seed(1)
     prompts = [torch.randn(1, 9, h), torch.randn(1, 4, h)]
@@ -80,14 +76,15 @@ async def test_deepseek_span_runs_on_the_fast_path(backend: SpanBackend) -> None
              for s in run]
         )  # fmt: skip
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        executor = make_executor(choice, backend, runtime, settings, ServerMetrics())
-        assert isinstance(executor, FastExecutor) and executor.path == "fast"
+        executor = build_engine_executor(backend, runtime, traits, kv_pool_bytes=POOL_BYTES, max_seq_len_tokens=64,
+                                         metrics=ServerMetrics(), warmup=False)  # fmt: skip
+        assert isinstance(executor, EngineExecutor) and executor.path == "fused"
         assert isinstance(executor.engine.model, FastMlaSpan)
         per_token = kv_cache_bytes_per_token(backend.config, torch.float32) * N_BLOCKS
         config = backend.config
         assert per_token == (int(config.kv_lora_rank) + int(config.qk_rope_head_dim)) * 4 * N_BLOCKS
         page = executor.engine.pool.page_size_tokens
-        assert executor.bytes_per_page == page * per_token  # the pool is sized and counted by the latent bytes
+        assert executor.engine.pool.page_bytes == page * per_token  # the pool is sized and counted by the latent bytes
         assert executor.cache_bytes_per_token(SPAN) == per_token
         left = executor.bytes_left
         spec = SessionSpec(SPAN, 1, 32)
@@ -107,12 +104,12 @@ async def test_deepseek_span_runs_on_the_fast_path(backend: SpanBackend) -> None
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
-def test_quantized_deepseek_spans_stay_plain_with_the_reason() -> None:
+def test_quantized_deepseek_spans_run_eagerly_with_the_reason() -> None:
     traits = SpanTraits(
         device_type="cuda", dtype=torch.bfloat16, quant_type="nf4", family="deepseek_v3", num_adapters=0,
         tensor_parallel_devices=0,
     )  # fmt: skip
-    choice = choose_serving_path("auto", traits)
-    assert choice.path == "plain" and "unquantized" in choice.reason
+    reason = unsupported_reason(traits)
+    assert reason is not None and "unquantized" in reason
     unquantized = SpanTraits(**{**vars(traits), "quant_type": "none"})
-    assert choose_serving_path("auto", unquantized).path == "fast"
+    assert unsupported_reason(unquantized) is None

@@ -1,5 +1,5 @@
-"""Tiny Falcon (7B-style multi-query) and BLOOM (ALiBi) spans served by the server's fast executor on CPU
-(`--serving_path fast`): the serving path chooses the engine's Falcon/BLOOM span, and inference steps (prefill,
+"""Tiny Falcon (7B-style multi-query) and BLOOM (ALiBi) spans served by the server's engine executor on CPU
+(fused kernels): the serving path chooses the engine's Falcon/BLOOM span, and inference steps (prefill,
 merged decode of two sessions at different lengths, rollback) equal `SpanBackend.inference_step`."""
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from corolla.engine.fast_dense import FastDenseSpan
 from corolla.engine.serving import SpanTraits
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
+from corolla.server.engine_executor import EngineExecutor, build_engine_executor
 from corolla.server.executor import SessionSpec, StepInputs
-from corolla.server.fast_executor import FastExecutor
 from corolla.server.metrics import ServerMetrics
 from corolla.server.runtime import Runtime
-from corolla.server.serving_path import ExecutorSettings, choose_serving_path, make_executor
 from helpers.tiny_models import tiny_config, torch_threads
 
 SPAN = (1, 2)
@@ -57,9 +56,6 @@ async def test_falcon_and_bloom_spans_run_on_the_fast_path(family: str) -> None:
         device_type="cpu", dtype=torch.float32, quant_type="none", family=get_family(backend.config).family,
         num_adapters=0, tensor_parallel_devices=0,
     )  # fmt: skip
-    choice = choose_serving_path("fast", traits)
-    settings = ExecutorSettings(cache_bytes=1 << 20, max_seq_len_tokens=64, max_alloc_timeout_s=None,
-                                tensor_parallel=False, warmup=False)  # fmt: skip
     h = int(backend.config.hidden_size)
     torch.manual_seed(1)
     prompts = [torch.randn(1, 9, h), torch.randn(1, 4, h)]
@@ -76,8 +72,9 @@ async def test_falcon_and_bloom_spans_run_on_the_fast_path(family: str) -> None:
              for s in run]
         )  # fmt: skip
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        executor = make_executor(choice, backend, runtime, settings, ServerMetrics())
-        assert isinstance(executor, FastExecutor) and executor.path == "fast"
+        executor = build_engine_executor(backend, runtime, traits, kv_pool_bytes=1 << 20, max_seq_len_tokens=64,
+                                         metrics=ServerMetrics(), warmup=False)  # fmt: skip
+        assert isinstance(executor, EngineExecutor) and executor.path == "fused"
         assert isinstance(executor.engine.model, FastDenseSpan)
         spec = SessionSpec(SPAN, 1, 32)
         async with executor.open_session(spec, 0) as a, executor.open_session(spec, 0) as b:

@@ -1,0 +1,411 @@
+"""The `SpanExecutor` of every server: inference steps run on the engine's `SpanEngine` over its paged `KVPool`, the
+one KV store (fused kernels where the engine has them for the family, else the family's blocks run eagerly over the
+same pool: an engine-internal choice, `SpanEngine.fused`), and single-token steps of all sessions queued at once are
+merged into one batched forward by the runtime (`engine.batcher.execute_steps` as its batch executor). Forward and
+backward run on the same blocks through `SpanBackend` (shared tensors). Sessions wait for pages in arrival order
+(`engine.page_queue`); their caches are handed off on drain in the canonical layout (`kv_handoff`). A session's LoRA
+adapter (Petals' `active_adapter`, fixed when the session opens) is bound to its engine session at the first step;
+merged steps mix sessions on different adapters."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import torch
+
+from corolla.engine.batcher import (
+    PendingUnits,
+    StepGroup,
+    StepResult,
+    execute_steps,
+    flatten_units,
+    launch_steps,
+    regroup,
+)
+from corolla.engine.config import EngineConfig
+from corolla.engine.eager_span import read_positions, write_positions
+from corolla.engine.page_queue import PageQueue
+from corolla.engine.serving import SpanTraits, unsupported_reason
+from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
+from corolla.models.block_base import TensorDescriptor
+from corolla.server.backend import SpanBackend
+from corolla.server.config import ServerConfig
+from corolla.server.executor import (
+    PATH_EAGER,
+    PATH_FUSED,
+    BackwardInputs,
+    ForwardInputs,
+    HandoffUnsupported,
+    PreparedStep,
+    SessionCache,
+    SessionSpec,
+    StepInputs,
+)
+from corolla.server.forward_chunks import run_forward_chunked
+from corolla.server.metrics import ServerMetrics
+from corolla.server.runtime import Runtime
+from corolla.server.settings import ResolvedSettings
+from corolla.server.task import (
+    KIND_BACKWARD,
+    KIND_FORWARD,
+    KIND_GENERIC,
+    PRIORITY_BACKWARD,
+    PRIORITY_FORWARD,
+    PRIORITY_INFERENCE,
+    Task,
+)
+from corolla.utils.gil import lower_switch_interval
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+T = TypeVar("T")
+KIND_ENGINE_INFERENCE = "engine_inference"
+
+# With a GPU span the device thread needs the GIL for short moments between GPU waits, while the serving loop can
+# run Python for a millisecond or more at a time (a burst of requests from many sessions); under the default 5 ms
+# switch interval such a burst delays the merged forward that is waiting for the GIL. 0.5 ms bounds that delay.
+GIL_SWITCH_INTERVAL_S = 0.0005
+# tokens per page: the GPU attention kernels read a page per iteration (64 measured best); the CPU reads pages by
+# index, so smaller pages waste less of the budget on short sessions
+GPU_PAGE_TOKENS = 64
+CPU_PAGE_TOKENS = 16
+
+
+def measured(
+    fn: Callable[[], T], metrics: ServerMetrics | None, kind: str, batch_size: int, num_tokens: int
+) -> Callable[[], T]:
+    """Wraps a runtime task so that it reports its queue wait, execution time, batch size and tokens."""
+    if metrics is None:
+        return fn
+    submitted = time.perf_counter()
+
+    def task() -> T:
+        started = time.perf_counter()
+        metrics.queue_wait(started - submitted)
+        result = fn()
+        metrics.observe_step(time.perf_counter() - started)
+        metrics.batch_size(batch_size)
+        metrics.tokens(kind, num_tokens)
+        return result
+
+    return task
+
+
+class EngineSessionCache(SessionCache):
+    """One engine session (all blocks of the request share its pages)."""
+
+    def __init__(self, spec: SessionSpec, session: EngineSession):
+        super().__init__(spec)
+        self.session = session
+
+
+class EngineExecutor:
+    """`SpanExecutor` over a `SpanEngine` built from the blocks of `backend` (see the module docstring)."""
+
+    def __init__(
+        self,
+        backend: SpanBackend,
+        engine: SpanEngine,
+        runtime: Runtime,
+        metrics: ServerMetrics | None = None,
+        *,
+        max_alloc_timeout_s: float | None = None,
+    ):
+        self.backend = backend
+        self.engine = engine
+        self._runtime = runtime
+        self.metrics = metrics
+        self.pages = PageQueue(engine.pool, max_alloc_timeout_s)
+        self.first_block = min(backend.block_indices)
+        self._merge_key = ("engine", id(engine))
+        # one merged batch is at most what one decode forward serves (a graph bucket's rows): steps past it wait for
+        # the next forward instead of adding a second forward (a second pass over the weights, for a few rows) that
+        # every step of this batch would wait for
+        # decode steps on the CUDA-graph path launch in two phases (`engine.batcher.launch_steps`): the runtime
+        # launches the next merged forward before it sends this one's replies (no graphs: one phase, no launcher)
+        runtime.register_batch_executor(
+            KIND_ENGINE_INFERENCE, self._execute_tasks, inline_when_idle=True, max_merged_tokens=engine.max_batch_rows,
+            launcher=self._launch_tasks if engine.graphs is not None else None,
+        )  # fmt: skip
+
+    @property
+    def path(self) -> str:
+        """`PATH_FUSED` or `PATH_EAGER`: how the engine runs this span (metrics, `rpc_info`, logs)."""
+        return PATH_FUSED if self.engine.fused else PATH_EAGER
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime
+
+    # ---- cache accounting: pages of the pool, counted in the layers a session holds them (page 0 is the pool's
+    # reserved null page)
+
+    @property
+    def max_size_bytes(self) -> int:
+        return (self.engine.pool.num_pages - 1) * self.engine.pool.page_bytes
+
+    @property
+    def bytes_left(self) -> int:
+        return self.engine.pool.layer_pages_free * self.engine.pool.layer_page_bytes
+
+    @property
+    def bytes_waiting(self) -> int:
+        return self.pages.layer_pages_waiting * self.engine.pool.layer_page_bytes
+
+    def session_bytes(self, spec: SessionSpec) -> int:
+        pool = self.engine.pool
+        return (
+            pool.pages_for(spec.max_length_tokens)
+            * pool.page_size_tokens
+            * spec.batch_size
+            * (self.cache_bytes_per_token(spec.block_indices))
+        )
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
+        """What one token of one sequence takes in the pool over `block_indices` (the layout's bytes per layer)."""
+        pool = self.engine.pool
+        return pool.layout.bytes_per_token(pool.dtype, len(block_indices))
+
+    def _layers(self, block_indices: tuple[int, ...]) -> tuple[int, int]:
+        return block_indices[0] - self.first_block, block_indices[-1] + 1 - self.first_block
+
+    @contextlib.asynccontextmanager
+    async def open_session(self, spec: SessionSpec, alloc_timeout_s: float | None) -> AsyncIterator[SessionCache]:
+        """Opens one engine session, waiting up to `alloc_timeout_s` (capped by `max_alloc_timeout_s`) in line for
+        free pages; AllocationFailed if none come in time. Its pages go back on exit, whatever the exit path."""
+        layers = self.engine.check_session(spec.max_length_tokens, self._layers(spec.block_indices))
+        slots = await self.pages.allocate(spec.batch_size, spec.max_length_tokens, alloc_timeout_s, layers)
+        try:
+            yield EngineSessionCache(spec, self.engine.session_of(slots, spec.max_length_tokens, layers=layers))
+        finally:
+            self.pages.release(slots)
+
+    def _own(self, cache: SessionCache) -> EngineSessionCache:
+        if not isinstance(cache, EngineSessionCache) or cache.session.engine is not self.engine:
+            raise TypeError(f"EngineExecutor got a cache of another executor: {type(cache).__name__}")
+        return cache
+
+    # ---- compute
+
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        """A mergeable runtime task: queued steps of this span go to one batch executor call, which merges their
+        single-token steps into one batched forward. A lone session's step may run inline on an idle runtime."""
+        prepared = self.prepare_step(cache, inputs)
+        started = time.perf_counter()
+        output: torch.Tensor = await self._runtime.submit(
+            prepared.fn, priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
+            merge_key=prepared.merge_key, payload=prepared.payload, inline=prepared.inline,
+        )  # fmt: skip
+        if prepared.observe is not None:
+            prepared.observe(time.perf_counter() - started)  # includes the queue wait
+        return output
+
+    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> PreparedStep:
+        """`step` up to the runtime (a device channel's reader thread queues it without a coroutine)."""
+        own = self._own(cache)
+        self.engine.bind_adapter(own.session, inputs.adapter)  # ValueError: unknown, or not the session's adapter
+        meta = inputs.hidden_meta  # (dtype, [B, T, H]) of `hidden_bytes` where no tensor was built
+        raw = inputs.hidden_bytes
+        if (inputs.hidden_states is None and raw is not None and meta is not None and len(meta[1]) == 3
+                and inputs.hypo_ids is None and inputs.prompts is None):  # fmt: skip
+            # a device channel's usual step: its bytes only (the cheaper constructor, the same request)
+            request = StepRequest.of_bytes(own.session, inputs.prefix_length, raw, meta[0], meta[1],
+                                           inputs.hidden_rows)  # fmt: skip
+        else:
+            request = StepRequest(
+                own.session, inputs.hidden_states, inputs.prefix_length, inputs.hypo_ids, inputs.prompts, raw,
+                None if meta is None else meta[0], None if meta is None else meta[1], inputs.hidden_rows,
+            )  # fmt: skip
+        # ValueError (refused here, before it is queued) for inputs this engine can't run; the device thread then
+        # checks only the session's state (`SpanEngine.validate`)
+        self.engine.check_inputs(request)
+        metrics = self.metrics
+        observe = None
+        if metrics is not None:
+            num_tokens = request.rows * request.num_tokens
+
+            def observe(seconds: float) -> None:
+                metrics.observe_step(seconds)
+                metrics.tokens("inference", num_tokens)
+
+        # positional (fn, priority, size_tokens, kind, merge_key, payload, inline, observe): keywords cost ~0.7 us
+        # more per step; `fn` a bound method, cheaper per step than a partial
+        return PreparedStep(request.run, PRIORITY_INFERENCE, request.rows * max(request.num_tokens, 1),
+                            KIND_ENGINE_INFERENCE, self._merge_key, request, inputs.lone_session, observe)  # fmt: skip
+
+    def _execute_tasks(self, tasks: list[Task]) -> list[StepResult | list[StepResult]]:
+        requests, sizes = flatten_units(_units(tasks))
+        return regroup(execute_steps(self.engine, requests), sizes)
+
+    def _launch_tasks(self, tasks: list[Task]) -> PendingUnits | None:
+        requests, sizes = flatten_units(_units(tasks))
+        pending = launch_steps(self.engine, requests)
+        return None if pending is None else PendingUnits(pending, sizes)
+
+    async def forward(
+        self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
+    ) -> torch.Tensor:
+        """Hidden states after the blocks (no cache): one runtime task, or chunk tasks for a long forward."""
+        batch_size, length, _ = inputs.hidden_states.shape
+        indices = list(block_indices)
+        if chunk_tokens and (len(indices) > 1 or batch_size * length > chunk_tokens):
+            return await run_forward_chunked(
+                self.backend, self._runtime, indices, inputs.hidden_states, inputs.prompts,
+                active_adapter=inputs.adapter, chunk_tokens=chunk_tokens,
+                measured=lambda fn, num_tokens: measured(fn, self.metrics, "forward", batch_size, num_tokens),
+            )  # fmt: skip
+        backend = self.backend
+
+        def task() -> torch.Tensor:
+            return backend.forward(indices, inputs.hidden_states, inputs.prompts, inputs.adapter)
+
+        return await self._runtime.submit(
+            measured(task, self.metrics, "forward", batch_size, batch_size * length),
+            priority=PRIORITY_FORWARD,
+            size_tokens=batch_size * length,
+            kind=KIND_FORWARD,
+        )
+
+    async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
+        batch_size, length, _ = inputs.hidden_states.shape
+        backend, indices = self.backend, list(block_indices)
+
+        def task() -> tuple[torch.Tensor, torch.Tensor | None]:
+            return backend.backward(indices, inputs.hidden_states, inputs.grad_outputs, inputs.prompts, inputs.adapter)
+
+        grad_inputs, grad_prompts = await self._runtime.submit(
+            measured(task, self.metrics, "backward", batch_size, batch_size * length),
+            priority=PRIORITY_BACKWARD,
+            size_tokens=batch_size * length,
+            kind=KIND_BACKWARD,
+        )
+        return [grad_inputs] if grad_prompts is None else [grad_inputs, grad_prompts]
+
+    # ---- KV hand-off: the pool's positions in the canonical layout, one K and one V [B, heads, length, dim] per block
+
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptor]]:
+        pool = self.engine.pool
+        (k_heads, k_dim), (v_heads, v_dim) = pool.layout.k_token_shape, pool.layout.v_token_shape
+        if len(pool.layout.k_token_shape) != 2 or len(pool.layout.v_token_shape) != 2:
+            raise HandoffUnsupported("KV hand-off needs [heads, dim] per token in the pool")
+        b, length, cpu = spec.batch_size, spec.max_length_tokens, torch.device("cpu")
+        k = TensorDescriptor((b, k_heads, length, k_dim), pool.dtype, cpu)
+        v = TensorDescriptor((b, v_heads, length, v_dim), pool.dtype, cpu)
+        return [[k, v] for _ in spec.block_indices]
+
+    async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
+        session, pool = self._own(cache).session, self.engine.pool
+
+        def task() -> list[torch.Tensor]:
+            tables = torch.stack([slot.table for slot in session.slots]).long()  # [B, maxp]
+            result = []
+            for layer in range(*session.layers):
+                for pages in (pool.k[layer], pool.v[layer]):
+                    held = read_positions(pages, tables, 0, position, pool.page_size_tokens)  # [B, P, heads, dim]
+                    result.append(held.transpose(1, 2).to("cpu", copy=True).contiguous())  # [B, heads, P, dim]
+            return result
+
+        # a copy of the cache is no compute: it counts as one token of the batch budget
+        return await self._runtime.submit(task, priority=PRIORITY_INFERENCE, size_tokens=1, kind=KIND_GENERIC)
+
+    async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
+        session, pool = self._own(cache).session, self.engine.pool
+
+        def task() -> None:
+            if len(tensors) != 2 * session.num_layers:
+                raise ValueError(f"KV import has {len(tensors)} tensors, the session's cache {2 * session.num_layers}")
+            tables = torch.stack([slot.table for slot in session.slots]).long()  # [B, maxp]
+            for j, layer in enumerate(range(*session.layers)):
+                for pages, tensor in ((pool.k[layer], tensors[2 * j]), (pool.v[layer], tensors[2 * j + 1])):
+                    values = tensor.to(pool.device).transpose(1, 2)  # [B, position, heads, dim]
+                    write_positions(pages, tables, 0, values, pool.page_size_tokens)
+            for slot in session.slots:
+                slot.length_tokens = position  # the imported positions count as processed
+
+        await self._runtime.submit(task, priority=PRIORITY_INFERENCE, size_tokens=1, kind=KIND_GENERIC)
+
+
+def _units(tasks: list[Task]) -> list[StepRequest | StepGroup]:
+    """Each task's payload: one step (`prepare_step`) or a device channel frame's steps (`StepGroup`, one task)."""
+    units: list[StepRequest | StepGroup] = []
+    for task in tasks:
+        payload = task.payload
+        if not isinstance(payload, StepRequest | StepGroup):
+            raise TypeError(f"{KIND_ENGINE_INFERENCE} task without a StepRequest or StepGroup payload")
+        units.append(payload)
+    return units
+
+
+def shorten_gil_switch_interval() -> None:
+    """Lowers this process's GIL switch interval to `GIL_SWITCH_INTERVAL_S` (never raises it; an operator's
+    `COROLLA_GIL_SWITCH_INTERVAL_MS` wins: `corolla.utils.gil`)."""
+    lower_switch_interval(GIL_SWITCH_INTERVAL_S, reason="fast_path")
+
+
+def build_engine_executor(
+    backend: SpanBackend,
+    runtime: Runtime,
+    traits: SpanTraits,
+    *,
+    kv_pool_bytes: int,
+    max_seq_len_tokens: int,
+    metrics: ServerMetrics | None = None,
+    max_batch_rows: int = 64,
+    max_alloc_timeout_s: float | None = None,
+    warmup: bool = True,
+) -> EngineExecutor:
+    """The engine over `backend`'s blocks (their tensors used in place) with a KV pool of `kv_pool_bytes`: fused
+    kernels where the engine has them for `traits` (`engine.serving.unsupported_reason`), else the blocks eagerly."""
+    config = EngineConfig(
+        kv_pool_bytes=kv_pool_bytes,
+        max_seq_len_tokens=max_seq_len_tokens,
+        max_batch_rows=max_batch_rows,
+        page_size_tokens=GPU_PAGE_TOKENS if traits.device_type == "cuda" else CPU_PAGE_TOKENS,
+    )
+    reason = unsupported_reason(traits)
+    blocks = [backend.blocks[i] for i in sorted(backend.blocks)]
+    engine = SpanEngine.from_blocks(blocks, config, fused=reason is None)
+    if warmup:
+        engine.warmup()
+    if engine.device.type == "cuda":
+        shorten_gil_switch_interval()  # this process now serves a GPU span: see GIL_SWITCH_INTERVAL_S
+    executor = EngineExecutor(backend, engine, runtime, metrics, max_alloc_timeout_s=max_alloc_timeout_s)
+    logger.info(f"engine.built(layers={engine.model.num_layers}, pool_pages={engine.pool.num_pages}, "
+                f"page_tokens={engine.pool.page_size_tokens})")  # fmt: skip
+    logger.info(f"server.serving_path(path={executor.path}, reason={reason or 'fused kernels'!r})")
+    if metrics is not None:
+        metrics.serving_path(executor.path)
+    return executor
+
+
+def executor_for_span(
+    config: ServerConfig,
+    settings: ResolvedSettings,
+    family: str,
+    backend: SpanBackend,
+    cache_bytes: int,
+    metrics: ServerMetrics | None,
+) -> EngineExecutor:
+    """A server's executor for its loaded span, on a new runtime, with a pool of `cache_bytes`."""
+    traits = SpanTraits(
+        device_type=settings.device.type,
+        dtype=settings.dtype,
+        quant_type=settings.quant_type,
+        family=family,
+        num_adapters=len(config.adapters),
+        tensor_parallel_devices=len(config.tensor_parallel_devices or ()),
+    )
+    runtime = Runtime(max_batch_size_tokens=settings.max_batch_size_tokens, device=settings.device)
+    return build_engine_executor(
+        backend,
+        runtime,
+        traits,
+        kv_pool_bytes=cache_bytes,
+        max_seq_len_tokens=settings.inference_max_length_tokens,
+        metrics=metrics,
+        max_alloc_timeout_s=config.max_alloc_timeout_s,
+    )
