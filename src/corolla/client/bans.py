@@ -1,4 +1,5 @@
-"""Bans of failing servers: `ban_timeout * rate^n` seconds after the n-th consecutive failure, cleared on success."""
+"""Bans of failing servers: `ban_timeout * rate^n` seconds after the n-th consecutive failure, cleared on success;
+servers caught lying by recomputation (`client.stretches`) are banned for the client's lifetime."""
 
 from __future__ import annotations
 
@@ -21,7 +22,27 @@ class BanList:
     def __init__(self, base_timeout_s: float, backoff_rate: float = 2.0, clock: Callable[[], float] = time.monotonic):
         self.base_timeout_s, self.backoff_rate, self._clock = base_timeout_s, backoff_rate, clock
         self._records: dict[str, _BanRecord] = {}
+        self._liars: set[str] = set()  # outvoted 2:1 on outputs they sent us: never cleared
+        self._suspects: set[str] = set()  # named by a finding: every stretch of theirs is verified
         self._lock = threading.Lock()
+
+    def ban_liar(self, peer_id: str) -> None:
+        """Bans a server caught lying to this client, for good (first-hand evidence only, never hearsay)."""
+        with self._lock:
+            self._liars.add(peer_id)
+
+    def suspect(self, peer_id: str) -> None:
+        """Marks a server named by a finding we could not confirm first-hand: not banned, verified always."""
+        with self._lock:
+            self._suspects.add(peer_id)
+
+    def is_suspect(self, peer_id: str) -> bool:
+        with self._lock:
+            return peer_id in self._suspects
+
+    def is_liar(self, peer_id: str) -> bool:
+        with self._lock:
+            return peer_id in self._liars
 
     def ban(self, peer_id: str) -> float:
         """Registers a failure; returns the ban duration in seconds (0 if the peer was already banned)."""
@@ -43,9 +64,9 @@ class BanList:
     def is_banned(self, peer_id: str) -> bool:
         with self._lock:
             record = self._records.get(peer_id)
-            return record is not None and record.banned_until_s > self._clock()
+            return peer_id in self._liars or (record is not None and record.banned_until_s > self._clock())
 
     def banned_peers(self) -> set[str]:
         with self._lock:
             now = self._clock()
-            return {peer for peer, record in self._records.items() if record.banned_until_s > now}
+            return {peer for peer, record in self._records.items() if record.banned_until_s > now} | self._liars

@@ -19,6 +19,7 @@ from corolla.client.retries import RetryBudget
 from corolla.client.routing import RemoteSequenceManager
 from corolla.client.span_session import SpanSession, SpanUnreachable, steps_in_flight
 from corolla.client.stalls import StallEvent
+from corolla.client.stretches import StretchVerifier
 from corolla.client.verification import StepVerifier
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.errors import MissingBlocksError
@@ -53,6 +54,7 @@ class InferenceSession:
         self.num_pushed_steps = 0  # span steps whose server answered the copy pushed by the previous server
         self.handoffs = HandoffLog()  # spans moved off draining servers with their KV cache
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
+        self.stretches = StretchVerifier(manager)  # recomputes sampled stretches of each span (client.stretches)
         self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.stalls)
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
@@ -160,6 +162,10 @@ class InferenceSession:
                 )
                 return None
             self.manager.on_request_success(span_session.span.peer_id)
+            if span_session.last_outputs is not None:
+                self.stretches.after_step(
+                    id(span_session), span_session, span_session.span, span_session.last_outputs, hidden_from
+                )
         self.num_steps_here += 1
         return hidden[:, position - hidden_from :]
 
@@ -200,6 +206,10 @@ class InferenceSession:
                     extra=self.forwarding.request_extra(self._spans, index, position, step_id, allowed=may_forward),
                 )
                 self.num_pushed_steps += span_session.last_reply_pushed
+                if span_session.last_outputs is not None:
+                    self.stretches.after_step(
+                        id(span_session), span_session, span, span_session.last_outputs, outputs_from
+                    )
                 if verify and span_session.last_outputs is not None and span_session.history is not None:
                     await self.verifier.verify(span, span_session.history, span_session.last_outputs)
                 self.manager.on_request_success(span.peer_id)
@@ -299,8 +309,13 @@ class InferenceSession:
 
         async def _close_all() -> None:
             await asyncio.gather(*(session.close() for session in self._spans), return_exceptions=True)
+            try:  # the last stretches (sampled as usual); a replica that does not answer in time is not waited for
+                await asyncio.wait_for(self.stretches.finish(), self.manager.config.request_timeout_s)
+            except asyncio.TimeoutError:
+                logger.info("inference_session.verification_unfinished(pending=%d)", len(self.stretches.tasks))
 
-        background_loop.run(_close_all(), timeout_s=self.manager.config.connect_timeout_s + 5)
+        config = self.manager.config
+        background_loop.run(_close_all(), timeout_s=config.connect_timeout_s + config.request_timeout_s + 5)
         self._spans = []
 
     def __enter__(self) -> InferenceSession:

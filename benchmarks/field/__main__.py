@@ -1,0 +1,133 @@
+"""`python -m benchmarks.field [--stall_s 5] [--drop_s 30] [--new_tokens 48]` (inside `../shared/tools/loopback-only`):
+the demo model on a chain of 3 spans (the middle one with a replica), each server behind a `corolla.wan` proxy that
+it announces (`--announce_maddrs`), one greedy generation per fault: the only server of the first span stalls for
+`stall_s`, the only server of the last span drops its link for `drop_s` (connections reset, new dials unanswered),
+the middle span's server in use is partitioned from every peer that dials it (its own DHT connections stay up).
+Prints one JSON line per scenario: wrong/duplicated/lost tokens against a fault-free run, the extra delay of the
+affected tokens (p99 and max, beyond the fault-free median step), what the client did (stall events), and targets."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.wan.chain import free_port
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
+from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
+from corolla.wan import LinkConfig, ProxyThread, WanProxy
+
+PROMPT = torch.tensor([[1, 15, 27, 30, 42, 7]])
+FAULT_AT = 12  # tokens out before the fault
+LINK = LinkConfig(delay_ms=10.0)  # every link: 10 ms each way
+
+
+class TokenClock:
+    """A streamer: when each token came out; at token `at`, calls `action(session)` once."""
+
+    def __init__(self, at: int | None, action: Any = None):
+        self.at, self.action, self.times, self.session = at, action, [], None
+        self.fault_s: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.monotonic())
+        if self.at is not None and len(self.times) == self.at + 1:
+            self.fault_s = time.monotonic()
+            self.action(self.session)
+
+    def end(self) -> None:
+        pass
+
+    def gaps_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.times[1:], self.times[2:], strict=False)]
+
+
+def _generate(peers: list[str], model_dir: Path, new_tokens: int, clock: TokenClock) -> list[int]:
+    config = ClientConfig(max_retries=None, max_wait_s=90.0, update_period_s=5.0, local_transport=False)
+    with AutoDistributedModelForCausalLM.from_pretrained(model_dir, initial_peers=peers, client_config=config) as model:
+        with model.inference_session(max_length=PROMPT.shape[1] + new_tokens) as session:
+            clock.session = session
+            out = model.generate(
+                PROMPT, max_new_tokens=new_tokens, min_new_tokens=new_tokens, session=session, streamer=clock
+            )
+    return out[0].tolist()
+
+
+def _peer_of_block(session: Any, block: int) -> str:
+    return next(s.span.peer_id for s in session._spans if s.span.start <= block < s.span.end)
+
+
+def _report(name: str, fault_s: float, clean: list[int], got: list[int], clock: TokenClock, base_s: float) -> dict:
+    extra = sorted(max(0.0, g - base_s) for g in clock.gaps_s() if g > 2 * base_s + 0.05)  # the tokens it hit
+    wrong = sum(a != b for a, b in zip(clean, got, strict=False)) + abs(len(clean) - len(got))
+    p99 = extra[min(len(extra) - 1, int(0.99 * len(extra)))] if extra else 0.0
+    events = [
+        {"blocks": list(e.blocks), "detected_after_s": round(e.detected_after_s, 2), "action": e.action,
+         "step_deadline_s": None if e.step_deadline_s is None else round(e.step_deadline_s, 2)}
+        for e in clock.session.stall_events
+    ]  # fmt: skip
+    target_s = fault_s + 2.0 if name != "partition" else 10.0
+    return {
+        "scenario": name, "fault_s": fault_s, "wrong_or_misplaced_tokens": wrong, "affected_tokens": len(extra),
+        "p99_extra_delay_s": round(p99, 2), "max_extra_delay_s": round(max(extra, default=0.0), 2),
+        "target_extra_delay_s": target_s, "met": wrong == 0 and p99 <= target_s, "stall_events": events,
+        "fault_free_step_s": round(base_s, 4),
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--stall_s", type=float, default=5.0)
+    p.add_argument("--drop_s", type=float, default=30.0)
+    p.add_argument("--new_tokens", type=int, default=48)
+    p.add_argument("--model_dir", default=None)
+    args = p.parse_args()
+    model_dir = ensure_demo_checkpoint(Path(args.model_dir) if args.model_dir else DEMO_CHECKPOINT_DIR)
+    from transformers import AutoConfig
+
+    num_blocks = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    third = num_blocks // 3
+    spans = [(0, third), (third, 2 * third), (third, 2 * third), (2 * third, num_blocks)]
+    with tempfile.TemporaryDirectory(prefix="corolla-field-") as work, ProxyThread() as wan:
+        server_args = ("--device", "cpu", "--torch_dtype", "float32", "--throughput", "1.0", "--no_local_socket",
+                       "--update_period", "10", "--cache_dir", str(Path(work) / "cache"))  # fmt: skip
+        swarm = LocalSwarm(LocalSwarmConfig(server_args=server_args, startup_timeout_s=300.0, log_dir=Path(work)))
+        with swarm:
+            swarm.start_bootstrap()
+            proxies: list[WanProxy] = []
+            for start, end in spans:
+                port = free_port()
+                proxies.append(proxy := wan.add(port, LINK))
+                swarm.start_server(
+                    model_dir, "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}",
+                    "--announce_maddrs", f"/ip4/127.0.0.1/tcp/{proxy.port}", block_indices=(start, end), wait=False,
+                )  # fmt: skip
+            swarm.wait_servers_ready()
+            proxy_of = {server.peer_id: proxy for server, proxy in zip(swarm.servers, proxies, strict=True)}
+            peers = swarm.initial_peers
+            _generate(peers, model_dir, 4, TokenClock(None))  # warm-up
+            clean_clock = TokenClock(None)
+            clean = _generate(peers, model_dir, args.new_tokens, clean_clock)
+            base_s = statistics.median(clean_clock.gaps_s())
+            scenarios = {
+                "stall": (args.stall_s, lambda s: wan.stall(proxy_of[_peer_of_block(s, 0)], args.stall_s)),
+                "drop": (args.drop_s, lambda s: wan.drop(proxy_of[_peer_of_block(s, num_blocks - 1)], args.drop_s)),
+                "partition": (0.0, lambda s: wan.partition(proxy_of[_peer_of_block(s, third)])),
+            }
+            for name, (fault_s, action) in scenarios.items():
+                clock = TokenClock(FAULT_AT, action)
+                got = _generate(peers, model_dir, args.new_tokens, clock)
+                print(json.dumps(_report(name, fault_s, clean, got, clock, base_s)), flush=True)
+                for proxy in proxies:
+                    wan.heal(proxy)
+
+
+if __name__ == "__main__":
+    main()
