@@ -112,7 +112,8 @@ def _print_summary(report: FinetuneReport, total_s: float) -> None:
     tail = sum(report.losses[-5:]) / max(len(report.losses[-5:]), 1)
     print(f"Done: {steps} steps in {report.train_s:.0f} s ({total_s:.0f} s with the swarm's start and stop); training "
           f"loss {head:.3f} -> {tail:.3f}; held-out accuracy {report.evals[0][1]:.1%} -> {report.final_accuracy:.1%} "
-          f"(chance {report.chance_accuracy:.0%}).", flush=True)  # fmt: skip
+          f"(chance {report.chance_accuracy:.0%}). Forward + backward through the swarm: "
+          f"{report.train_tokens_per_s:.0f} tokens/s.", flush=True)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

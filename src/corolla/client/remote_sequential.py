@@ -94,7 +94,9 @@ async def sequential_backward(
                 manager, span, inputs, grad_outputs, span_prompts
             )
             if verifier is not None and verifier.sample():
-                await verifier.verify_backward(span, inputs, grad_outputs, grad_inputs, prompts=span_prompts)
+                await verifier.verify_backward(
+                    span, inputs, grad_outputs, grad_inputs, span_grad_prompts, prompts=span_prompts
+                )
             manager.on_request_success(span.peer_id)
             if span_grad_prompts is not None:
                 grad_prompts[span.start] = span_grad_prompts

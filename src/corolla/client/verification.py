@@ -6,7 +6,7 @@ banned. Two servers that disagree with no third to decide are both banned. Train
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
@@ -51,12 +51,18 @@ class StepVerifier:
         self.rng.shuffle(others)
         return others
 
-    def _agree(self, a: torch.Tensor, b: torch.Tensor, spans: tuple[RemoteSpanInfo, ...]) -> tuple[bool, float]:
+    def _agree(
+        self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], spans: tuple[RemoteSpanInfo, ...]
+    ) -> tuple[bool, float]:
+        """Whether each tensor of `a` matches its counterpart in `b` (relative error within the tolerance); the
+        largest error."""
+        if len(a) != len(b):
+            return False, float("inf")
         config = self.manager.config
-        rtol = config.verify_rtol if config.verify_rtol is not None else verify_rtol(a.dtype, b.dtype)
+        rtol = config.verify_rtol if config.verify_rtol is not None else verify_rtol(a[0].dtype, b[0].dtype)
         if config.verify_rtol is None and any(s.server_info.quant_type not in (None, "", "none") for s in spans):
             rtol = max(rtol, QUANTIZED_RTOL)
-        error = relative_error(a, b)
+        error = max(relative_error(x, y) for x, y in zip(a, b, strict=True))
         return error <= rtol, error
 
     async def verify(
@@ -66,10 +72,11 @@ class StepVerifier:
         its claimed outputs for positions [n - m, n)."""
         num_new = outputs.shape[1]
 
-        async def ask(referee: RemoteSpanInfo) -> torch.Tensor:
-            return (await run_remote_forward(self.manager, referee, inputs, prompts))[:, inputs.shape[1] - num_new :]
+        async def ask(referee: RemoteSpanInfo) -> tuple[torch.Tensor, ...]:
+            outputs = await run_remote_forward(self.manager, referee, inputs, prompts)
+            return (outputs[:, inputs.shape[1] - num_new :],)
 
-        await self._vote(span, outputs, ask, "outputs")
+        await self._vote(span, (outputs,), ask, "outputs")
 
     async def verify_backward(
         self,
@@ -77,22 +84,25 @@ class StepVerifier:
         inputs: torch.Tensor,
         grad_outputs: torch.Tensor,
         grad_inputs: torch.Tensor,
+        grad_prompts: torch.Tensor | None,
         *,
         prompts: torch.Tensor = DUMMY,
     ) -> None:
-        """A training step's backward: `grad_inputs` [B, T, H] claimed by the span's server for `inputs` and
-        `grad_outputs` [B, T, H] (deep-prompt gradients follow from the same computation and are not compared)."""
+        """A training step's backward: the gradients wrt inputs [B, T, H] and deep prompts (or None) claimed by the
+        span's server for `inputs` and `grad_outputs` [B, T, H]; each is compared on its own."""
+        claimed = (grad_inputs,) if grad_prompts is None else (grad_inputs, grad_prompts)
 
-        async def ask(referee: RemoteSpanInfo) -> torch.Tensor:
-            return (await run_remote_backward(self.manager, referee, inputs, grad_outputs, prompts))[0]
+        async def ask(referee: RemoteSpanInfo) -> tuple[torch.Tensor, ...]:
+            grads, other_prompts = await run_remote_backward(self.manager, referee, inputs, grad_outputs, prompts)
+            return (grads,) if other_prompts is None else (grads, other_prompts)
 
-        await self._vote(span, grad_inputs, ask, "input gradients")
+        await self._vote(span, claimed, ask, "gradients")
 
     async def _vote(
         self,
         span: RemoteSpanInfo,
-        claimed: torch.Tensor,
-        ask: Callable[[RemoteSpanInfo], Awaitable[torch.Tensor]],
+        claimed: tuple[torch.Tensor, ...],
+        ask: Callable[[RemoteSpanInfo], Awaitable[tuple[torch.Tensor, ...]]],
         what: str,
     ) -> None:
         """Compares `claimed` with what referees (`ask(referee)`) compute for the same request; raises
@@ -109,7 +119,9 @@ class StepVerifier:
                     span.peer_id[-6:],
                 )
             return
-        dissent: list[tuple[RemoteSpanInfo, torch.Tensor]] = []  # referees that disagreed with the span's server
+        dissent: list[
+            tuple[RemoteSpanInfo, tuple[torch.Tensor, ...]]
+        ] = []  # referees that disagreed with the span's server
         for referee in referees[: self.manager.config.verify_max_referees]:
             try:
                 other = await ask(referee)

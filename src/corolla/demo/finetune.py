@@ -50,14 +50,21 @@ class FinetuneReport:
     chance_accuracy: float
     losses: list[float] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (steps done, held-out accuracy)
+    step_s: list[float] = field(default_factory=list)  # wall time of each training step (forward + backward + update)
+    step_tokens: list[int] = field(default_factory=list)  # positions each step ran through the blocks (prompts too)
     train_s: float = 0.0  # wall time of the training steps and evaluations
 
     @property
     def final_accuracy(self) -> float:
         return self.evals[-1][1] if self.evals else math.nan
 
+    @property
+    def train_tokens_per_s(self) -> float:
+        """Positions per second through the remote blocks, forward and backward, over the training steps alone."""
+        return sum(self.step_tokens) / sum(self.step_s) if self.step_s else math.nan
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "final_accuracy": self.final_accuracy}
+        return {**asdict(self), "final_accuracy": self.final_accuracy, "train_tokens_per_s": self.train_tokens_per_s}
 
 
 def encode(tokenizer: Any, examples: list[Example]) -> dict[str, torch.Tensor]:
@@ -104,6 +111,9 @@ def finetune(
     eval_set = make_examples(config.num_eval_examples, seed=config.seed + 1, held_out=True)
     report = FinetuneReport(config=asdict(config), chance_accuracy=1.0 / len(LABELS))
     generator = torch.Generator().manual_seed(config.seed)
+    with torch.no_grad():  # the head's start from the seed, not from whatever drew from torch's RNG before
+        std = float(getattr(model.config, "initializer_range", 0.02))
+        torch.nn.init.normal_(model.score.weight, std=std, generator=generator)
     optimizer = torch.optim.Adam(
         [
             {"params": list(model.prompt_tuning.parameters()), "lr": config.prompt_lr},
@@ -117,11 +127,14 @@ def finetune(
     for step in range(1, config.num_steps + 1):
         rows = torch.randint(0, len(train_set), (config.batch_size,), generator=generator).tolist()
         batch = encode(tokenizer, [train_set[i] for i in rows])
+        step_started = time.perf_counter()
         optimizer.zero_grad()
         loss = model(**batch).loss
         loss.backward()  # through the swarm: servers return gradients wrt their inputs and deep prompts
         optimizer.step()
         report.losses.append(loss.item())
+        report.step_s.append(time.perf_counter() - step_started)
+        report.step_tokens.append(batch["input_ids"].numel() + config.batch_size * config.pre_seq_len)
         if step % config.eval_every_steps == 0 or step == config.num_steps:
             model.eval()
             report.evals.append((step, accuracy(model, tokenizer, eval_set, config.eval_batch_size)))
