@@ -30,8 +30,9 @@ class CorollaPolicy:
     longest span within `shorter_span_gain` of the best bottleneck (fewer hops per token), then the position that
     best serves the servers within `region_rtt_s` of it, then Petals' weakest-window rule.
 
-    Rebalancing: move only if the best placement without itself beats the swarm's bottleneck now by `min_gain`
-    (hysteresis: each move raises the bottleneck by that factor, so moves cannot cycle), the gain over
+    Rebalancing: move only if the best placement without itself beats the swarm's bottleneck now by `min_gain` of
+    the bottleneck or of its own throughput, whichever is less (hysteresis: each move raises the bottleneck by a
+    positive floor, so moves cannot cycle), the gain over
     `payback_s` outweighs the flow lost while reloading for `reload_s`, leaving opens no gap, and the server has
     stayed `min_dwell_s` since its last move.
 
@@ -116,7 +117,10 @@ class CorollaPolicy:
         flow_after, target = self._best_placement(me, rest, total_blocks)
         if target == range(mine.start, mine.end):
             return MoveDecision(None, flow_now, flow_now, "already on the best span")
-        if flow_after < flow_now * (1 + self.min_gain) or flow_after <= 0:
+        # hysteresis: the move must add min_gain of the bottleneck or, in a swarm where one server is a small part
+        # of it, of the server's own throughput there; every move then raises the bottleneck by a positive floor
+        threshold = self.min_gain * min(flow_now, me.throughput_for(len(target)))
+        if flow_after - flow_now < threshold or flow_after <= 0:
             return MoveDecision(None, flow_now, flow_after, "gain below the hysteresis threshold")
         lost_tokens = (flow_now - flow_while_loading) * max(reload_s, 0.0)
         gained_tokens = (flow_after - flow_now) * self.payback_s
