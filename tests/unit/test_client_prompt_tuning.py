@@ -195,3 +195,31 @@ def test_trainer_and_a_torch_optimizer_lower_the_loss():
         optimizer.step()
     with torch.no_grad():
         assert model(data.ids, labels=data.labels).loss.item() < 0.7 * before
+
+
+def test_peft_lora_on_the_client_head_trains_with_the_prompts():
+    """A client-side LoRA (PEFT's `inject_adapter_in_model` on the LM head) trains beside the prompts: the gradients
+    reach the prompts and the adapter only and equal local autograd."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = _model(tuning_mode="ptune", pre_seq_len=2)
+    model = inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=["lm_head"]), model)
+    model.prompt_tuning.requires_grad_(True)  # PEFT freezes everything but its adapters
+    with torch.no_grad():
+        model.lm_head.lora_B["default"].weight.normal_(0, 0.3)  # PEFT starts B at zero: exercise both factors
+    model.train()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {
+        "prompt_tuning.prompt_embeddings.weight",
+        "lm_head.lora_A.default.weight",
+        "lm_head.lora_B.default.weight",
+    }
+    ids = torch.randint(1, VOCAB, (2, 5))
+    model(ids, labels=ids).loss.backward()
+    remote = _grads(model)
+    assert set(remote) == trainable
+    model.zero_grad()
+    logits = model.lm_head(_local_hidden(model, ids))
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(remote[name], grad, atol=1e-6, rtol=1e-4, msg=name)
