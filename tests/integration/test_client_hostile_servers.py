@@ -2,7 +2,7 @@
 announces itself as the fastest (so routes go through it) lies as a file tells it to; two honest replicas of 0:2 and
 one honest server of 2:4. NaN, wrong shapes and hangs fail over to an honest replica with greedy output identical to
 local `transformers` and only the liar banned; finite garbage is caught by verification (the liar as the span's
-server or as a referee); a lone liar or missing blocks end in NoHonestServerError (corolla-generate: one line, exit
+server or as a referee; after the fact, by stretch recomputation); a lone liar or missing blocks end in NoHonestServerError (corolla-generate: one line, exit
 1) within max_wait_s."""
 
 from __future__ import annotations
@@ -122,6 +122,17 @@ def test_finite_garbage_is_caught_by_verification(swarm, model_path, mode_file, 
         assert session.verifier.num_rejected >= 1
     else:  # on a loaded machine the route may start at an honest replica: the liar, asked as a referee, is outvoted
         assert session.verifier.num_verified >= 1
+
+
+def test_finite_garbage_is_caught_by_stretch_recomputation(swarm, model_path, mode_file):
+    mode_file.write_text("garbage 3")
+    config = _config(verify_stretch_fraction=1.0, verify_stretch_steps=4)
+    _, banned, first_hop, session = _generate(swarm, model_path, config)
+    assert not banned & {server.peer_id for server in swarm.honest}  # two honest replicas never outvote each other
+    if first_hop == swarm.liar.peer_id:  # the liar served 0:2: a replica disagreed, the second one decided
+        assert swarm.liar.peer_id in banned and session.stretches.findings
+        assert session.stretches.findings[0].peer_id == swarm.liar.peer_id
+    assert session.stretches.num_verified >= 1
 
 
 def test_lone_liar_ends_in_a_clear_error_within_max_wait(swarm, model_path, mode_file):
