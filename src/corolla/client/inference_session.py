@@ -19,7 +19,7 @@ from corolla.client.retries import RetryBudget
 from corolla.client.routing import RemoteSequenceManager
 from corolla.client.span_session import SpanSession, SpanUnreachable, steps_in_flight
 from corolla.client.stalls import StallEvent
-from corolla.client.stretches import StretchVerifier
+from corolla.client.stretches import FINISH_TIMEOUT_S, StretchVerifier
 from corolla.client.verification import StepVerifier
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.errors import MissingBlocksError
@@ -310,12 +310,12 @@ class InferenceSession:
         async def _close_all() -> None:
             await asyncio.gather(*(session.close() for session in self._spans), return_exceptions=True)
             try:  # the last stretches (sampled as usual); a replica that does not answer in time is not waited for
-                await asyncio.wait_for(self.stretches.finish(), self.manager.config.request_timeout_s)
+                await asyncio.wait_for(self.stretches.finish(), FINISH_TIMEOUT_S)
             except asyncio.TimeoutError:
                 logger.info("inference_session.verification_unfinished(pending=%d)", len(self.stretches.tasks))
 
         config = self.manager.config
-        background_loop.run(_close_all(), timeout_s=config.connect_timeout_s + config.request_timeout_s + 5)
+        background_loop.run(_close_all(), timeout_s=config.connect_timeout_s + FINISH_TIMEOUT_S + 5)
         self._spans = []
 
     def __enter__(self) -> InferenceSession:

@@ -38,6 +38,7 @@ logger = get_logger(__name__)
 
 DEFAULT_FRACTION = 0.55  # see the module docstring: q = 1%, N = 1,000, S = 64 -> 99.2% caught
 DEFAULT_STRETCH_STEPS = 64
+FINISH_TIMEOUT_S = 30.0  # the longest a session's close waits for its last verifications (a stuck replica's are lost)
 # Per-position tolerance (relative L2 error of one position's hidden state) between the server's incremental
 # outputs and a replica's one-pass prefill. float32: measured ~1e-6 on CPU; 1e-3 leaves room for other kernels.
 # float16 / bfloat16 / quantized weights (nf4, int8): `output_checks.verify_rtol` (32 eps: 0.031 / 0.25) and
