@@ -159,6 +159,9 @@ def test_corolla_moves_when_the_gain_pays_back_the_reload():
     assert move(CorollaPolicy(payback_s=60.0), spans, "B", reload_s=100.0).reason.startswith("reload costs more")
     # too soon after its last move
     assert move(CorollaPolicy(), spans, "B", since_move_s=1.0).reason.startswith("dwelling")
+    # ... unless some block has no server: then filling the gap cannot wait
+    gap = [span("A", 0, 4, 10), span("B", 0, 4, 10)]
+    assert move(CorollaPolicy(), gap, "B", since_move_s=1.0).target == range(4, 8)
 
 
 def test_corolla_never_opens_a_gap_and_ignores_small_gains():

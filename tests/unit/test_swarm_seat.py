@@ -83,3 +83,30 @@ def test_slowdown_knob(monkeypatch):
     monkeypatch.setattr("corolla.server.slowdown.time.sleep", slept.append)
     BlockDelay(0.01, 3)("inference", 2, 0.01)  # 2 steps x 3 blocks x 10 ms = 60 ms, 10 of them already spent
     assert slept == [pytest.approx(0.05)]
+
+
+def test_a_joining_corolla_server_pings_the_swarm_and_places_by_region(monkeypatch):
+    """corolla's placement reads RTTs, so the seat pings the servers (through the DHT) before choosing: with the
+    near servers lacking blocks 2..3, it takes them; Petals' policy does not ping."""
+    pinged: list[list[str]] = []
+
+    class FakePings:
+        def __init__(self, dht):
+            assert dht == "dht"
+
+        def ping(self, peers, *, timeout_s):
+            pinged.append(sorted(peers))
+
+        def to_dict(self):
+            return {"near": 0.004, "far1": 0.2, "far2": 0.2}
+
+    monkeypatch.setattr("corolla.server.swarm_seat.PingAggregator", FakePings)
+    spans = [span("near", 0, 2, 5.0), span("far1", 0, 2, 5.0), span("far2", 2, 4, 10.0)]
+    seat = make_seat("corolla", spans, throughput=5.0)
+    seat.dht = "dht"
+    assert asyncio.run(seat.choose_span()) == range(2, 4)
+    assert pinged == [["far1", "far2", "near"]]
+    petals = make_seat("petals", spans, throughput=5.0)
+    petals.dht = "dht"
+    assert asyncio.run(petals.choose_span()) == range(0, 2)  # both windows carry 10 tok/s: the lower start
+    assert len(pinged) == 1

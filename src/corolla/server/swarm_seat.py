@@ -11,6 +11,7 @@ from typing import Any
 
 from corolla.protocol.records import RemoteSpanInfo, ServerState
 from corolla.server.metrics import ServerMetrics
+from corolla.swarm.ping import PingAggregator
 from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import ServerCapacity
 from corolla.swarm.records_io import get_remote_module_infos
@@ -20,6 +21,8 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 DHT_READ_TIMEOUT_S = 20.0
+JOIN_PINGS = 16  # servers a joining server pings (at random) when its policy places by RTT
+JOIN_PING_TIMEOUT_S = 2.0
 
 
 class SwarmSeat:
@@ -72,9 +75,25 @@ class SwarmSeat:
         return list(compute_spans(infos, min_state=ServerState.JOINING).values())
 
     async def choose_span(self) -> range:
-        chosen = self.policy.choose_span(self.capacity(), await self.read_spans(), len(self.module_uids))
+        spans = await self.read_spans()
+        rtts_s = await self.ping_servers(spans) if self.policy.uses_rtts else {}
+        chosen = self.policy.choose_span(self.capacity(rtts_s), spans, len(self.module_uids))
         logger.info(f"server.placed(policy={self.policy.name}, blocks={chosen.start}:{chosen.stop})")
         return chosen
+
+    async def ping_servers(self, spans: list[RemoteSpanInfo]) -> dict[str, float]:
+        """RTTs (s) to up to `JOIN_PINGS` servers of `spans` at random, through the DHT (empty if it cannot)."""
+        peers = sorted({span.peer_id for span in spans} - {self.peer_id})
+        peers = random.sample(peers, min(JOIN_PINGS, len(peers)))
+        if not peers or self.dht is None:
+            return {}
+        pings = PingAggregator(self.dht)
+        try:
+            await asyncio.to_thread(pings.ping, peers, timeout_s=JOIN_PING_TIMEOUT_S)
+        except Exception as e:  # placing without RTTs is placing as if every server were far
+            logger.warning(f"server.join_pings_failed({e!r})")
+            return {}
+        return pings.to_dict()
 
     def loaded(self, load_s: float) -> None:
         """A span finished loading in `load_s` and serves from now on."""

@@ -34,7 +34,7 @@ class CorollaPolicy:
     the bottleneck or of its own throughput, whichever is less (hysteresis: each move raises the bottleneck by a
     positive floor, so moves cannot cycle), the gain over
     `payback_s` outweighs the flow lost while reloading for `reload_s`, leaving opens no gap, and the server has
-    stayed `min_dwell_s` since its last move.
+    stayed `min_dwell_s` since its last move (unless a block has no server at all: then it may fill the gap now).
 
     Routing: Dijkstra over (server, block) as Petals, each block costing max(its one-session time, the share of the
     server's capacity left to one more session), where sessions = those the server announces plus the ones this
@@ -48,6 +48,7 @@ class CorollaPolicy:
     region_rtt_s: float = 0.03
     route_jitter: float = 0.25
     name: str = "corolla"
+    uses_rtts: bool = True
 
     # ---- placement
 
@@ -106,7 +107,7 @@ class CorollaPolicy:
         mine = own_span(spans, me.peer_id)
         if mine is None:
             return MoveDecision(None, flow_now, flow_now, "own span not in the swarm's records")
-        if since_move_s < self.min_dwell_s:
+        if since_move_s < self.min_dwell_s and flow_now > 0:  # a swarm with a gap serves nobody: no dwelling then
             return MoveDecision(None, flow_now, flow_now, "dwelling after the last move")
         rest = others(spans, me.peer_id)
         without_me = throughputs.copy()

@@ -24,6 +24,7 @@ class PetalsPolicy:
 
     balance_quality: float = DEFAULT_BALANCE_QUALITY
     name: str = "petals"
+    uses_rtts: bool = False
 
     def choose_span(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo], total_blocks: int) -> range:
         num_blocks = min(me.max_blocks, total_blocks)

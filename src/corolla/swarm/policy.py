@@ -79,6 +79,11 @@ class SwarmPolicy(Protocol):
         """The policy's name in `POLICY_NAMES` (logs, `--swarm_policy`)."""
         ...
 
+    @property
+    def uses_rtts(self) -> bool:
+        """Whether placement reads `ServerCapacity.rtts_s` (a joining server then pings the swarm first)."""
+        ...
+
     def choose_span(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo], total_blocks: int) -> range:
         """The blocks a joining server should load (its own span in `spans`, if any, is ignored)."""
         ...
