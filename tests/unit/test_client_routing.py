@@ -11,14 +11,14 @@ import pytest
 
 from corolla.client.bans import BanList
 from corolla.client.config import ClientConfig
+from corolla.client.routing import RemoteSequenceManager
+from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.swarm.route_planning import (
     find_missing_blocks,
     has_cache_for,
     make_max_throughput_route,
     make_min_latency_route,
 )
-from corolla.client.routing import RemoteSequenceManager
-from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.utils.errors import MissingBlocksError
 
 

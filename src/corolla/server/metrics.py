@@ -97,7 +97,10 @@ class ServerMetrics:
         self._cache_free = Gauge("corolla_kv_cache_free_bytes", "KV cache bytes still free", registry=r)
         self._blocks = Gauge("corolla_blocks_served", "Transformer blocks this server holds", registry=r)
         self._serving_path = Gauge(
-            "corolla_serving_path", "1 for how the engine runs this span (fused kernels or eager blocks)", ["path"], registry=r
+            "corolla_serving_path",
+            "1 for how the engine runs this span (fused kernels or eager blocks)",
+            ["path"],
+            registry=r,
         )
         self._announce_failures = Counter(
             "corolla_announce_failures", "DHT announcements that failed or timed out", registry=r

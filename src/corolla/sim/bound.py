@@ -18,6 +18,9 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 INT_CAPACITY_LIMIT = 2**30  # scipy's maximum_flow takes int32 capacities; flows are scaled to fit under this
+# Capacities come from announced records (hostile): one above this (no server passes 10^15 tokens/s) is clamped, so
+# that the sum that scales all capacities stays finite; NaN or negative counts as 0
+MAX_CAPACITY_TPS = 1e15
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,8 @@ def placement_max_flow(
     n = len(spans)
     if n == 0:
         return 0.0
-    finite_caps = [c for c in capacities_tps if c > 0]
-    total = sum(finite_caps)
+    capacities_tps = [min(c, MAX_CAPACITY_TPS) if c > 0 else 0.0 for c in capacities_tps]  # NaN > 0 is False
+    total = sum(capacities_tps)
     if total <= 0:
         return 0.0
     # node i is split into in = 2i and out = 2i+1 so that its capacity is an edge; source = 2n, sink = 2n+1
