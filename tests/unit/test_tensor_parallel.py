@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from corolla.engine import EngineConfig, SpanEngine
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.models.tensor_parallel import make_tensor_parallel
@@ -61,6 +62,28 @@ def test_split_block_equals_unsplit(family, tmp_path):
         b(inp).square().sum().backward()
         grads.append(inp.grad)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon_mq", "bloom"])
+def test_split_block_runs_eagerly_over_the_engine_pool(family, tmp_path):
+    """A tensor-parallel span's shards read and write their heads of the engine's one pool: steps (prefill,
+    decode, rollback) equal the unsplit block on its own contiguous cache."""
+    block = _block(family, tmp_path)
+    split = make_tensor_parallel(copy.deepcopy(block), ["cpu", "cpu"])
+    engine = SpanEngine.from_blocks([split], EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16,
+                                                          max_seq_len_tokens=64), fused=False)  # fmt: skip
+    heads = sum(d.shape[1] for d in split.cache_descriptors(1, 8)) // 2
+    assert engine.pool.layout.k_token_shape[0] == heads
+    x = torch.randn(2, 20, 64)
+    block_cache = [d.make_zeros() for d in block.cache_descriptors(2, 32)]
+    with torch.no_grad(), engine.open_session(2, 32) as session:
+        for start, end in ((0, 17), (17, 18), (18, 20), (15, 17)):  # prefill over two pages, decode, rollback
+            torch.testing.assert_close(
+                engine.step(session, x[:, start:end], start),
+                block(x[:, start:end], cache=block_cache, position=start),
+                atol=1e-5,
+                rtol=0,
+            )
 
 
 def test_four_way_split_and_uneven_split_refused(tmp_path):

@@ -211,51 +211,67 @@ class EagerSpan(ChunkedPrefill):
         """Rows `hidden` [n, T, H] all at `position`, their block tables [n, maxp], through layers [first, end)."""
         name = "" if self.adapters is None else self.adapters.name_of(adapter)
         num_tokens = hidden.shape[1]
-        # flat slot ids of positions [0, position + T) of each row, the same in every layer: [n, P + T]
-        slots = page_slots(tables.cpu().long(), 0, position + num_tokens, pool.page_size_tokens).to(pool.device)
+        # flat slot ids of positions [0, position + T) of each row, position-major (the same in every layer):
+        # [P + T, n]
+        slots = page_slots(tables.cpu().long(), 0, position + num_tokens, pool.page_size_tokens).t().contiguous()
+        slots = slots.to(pool.device)
         with using_adapter(name):
             for j, i in enumerate(range(*layers)):
                 hidden = add_prompt(hidden, None if prompts is None else prompts[j][None], position)
-                cache = self._gather(i, slots, pool, position)
+                cache, buffers = self._gather(i, slots, pool, position)
                 hidden = self.blocks[i](hidden, cache=cache, position=position)
-                self._scatter(i, cache, slots[:, position:], pool, position)
+                self._scatter(i, cache, buffers, slots[position:], pool, position)
         return hidden
 
-    def _gather(self, layer: int, slots: torch.Tensor, pool: KVPool, position: int) -> list[torch.Tensor]:
-        """The contiguous cache block `layer` expects for rows writing [position, position + T) (`slots` [n, P + T]):
-        K/V per part [n, heads, P + T, dim] holding the positions the block reads, and a sliding layer's ring
-        state."""
+    def _gather(
+        self, layer: int, slots: torch.Tensor, pool: KVPool, position: int
+    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """The contiguous cache block `layer` expects for rows writing [position, position + T) (`slots`
+        [P + T, n]): K/V per part [n, heads, P + T, dim] holding the positions the block reads (views of one buffer
+        [P + T, n, heads, dim] per tensor where the part sits on the pool's device), and a sliding layer's ring
+        state; and those two buffers."""
         cache_map = self.maps[layer]
-        n, length = slots.shape
+        length, n = slots.shape
         ring = cache_map.ring_capacity_tokens
         held_from = 0 if ring is None else max(0, position - ring)
-        held = slots[:, held_from:position]  # [n, P']
-        cache: list[torch.Tensor] = []
+        held = slots[held_from:position].reshape(-1)  # [P' n]
+        buffers = []
+        per_tensor: list[list[torch.Tensor]] = []
         for pages in (pool.k[layer], pool.v[layer]):
-            values = pages.view(-1, *pages.shape[2:])[held]  # [n, P', heads, dim]
+            flat = pages.view(-1, *pages.shape[2:])  # [pages * page, heads, dim]
+            buffer = torch.empty((length, n, *pages.shape[2:]), dtype=pool.dtype, device=pool.device)
+            if position > held_from:
+                torch.index_select(flat, 0, held, out=buffer[held_from:position].view(-1, *pages.shape[2:]))
+            buffers.append(buffer)
+            views = []
             for part in cache_map.parts:
-                tensor = torch.empty((n, part.head_end - part.head_start, length, values.shape[-1]),
-                                     dtype=pool.dtype, device=part.device)  # fmt: skip
-                if position > held_from:
-                    tensor[:, :, held_from:position] = values[:, :, part.head_start : part.head_end].transpose(1, 2)
-                cache.append(tensor)
-        if len(cache_map.parts) > 1:  # [K parts..., V parts...] -> [K0, V0, K1, V1, ...] as the block lists them
-            half = len(cache_map.parts)
-            cache = [t for pair in zip(cache[:half], cache[half:], strict=True) for t in pair]
+                view = buffer[:, :, part.head_start : part.head_end].permute(1, 2, 0, 3)  # [n, heads_p, L, dim]
+                views.append(view if part.device == pool.device else view.to(part.device))
+            per_tensor.append(views)
+        cache = [t for pair in zip(*per_tensor, strict=True) for t in pair]  # [K0, V0, K1, V1, ...] as the block
         if ring is not None:  # a ring as long as the sequence: slot p holds position p
             state = torch.tensor([[held_from, position]], dtype=torch.int64, device=cache_map.parts[0].device)
             cache.append(state.expand(n, RING_STATE_FIELDS).contiguous())
-        return cache
+        return cache, (buffers[0], buffers[1])
 
-    def _scatter(self, layer: int, cache: list[torch.Tensor], new_slots: torch.Tensor, pool: KVPool, position: int):
-        """Writes the positions [position, position + T) the block just stored in `cache` into the pages
-        (`new_slots` [n, T])."""
-        parts = len(self.maps[layer].parts)
-        end = position + new_slots.shape[1]
-        for offset, pages in ((0, pool.k[layer]), (1, pool.v[layer])):
-            new = [cache[2 * p + offset][:, :, position:end] for p in range(parts)]  # [n, heads_p, T, dim] each
-            values = (new[0] if parts == 1 else torch.cat([t.to(pool.device) for t in new], dim=1)).transpose(1, 2)
-            pages.view(-1, *pages.shape[2:])[new_slots] = values.to(pool.device, pool.dtype)  # [n, T, heads, dim]
+    def _scatter(
+        self,
+        layer: int,
+        cache: list[torch.Tensor],
+        buffers: tuple[torch.Tensor, torch.Tensor],
+        new_slots: torch.Tensor,
+        pool: KVPool,
+        position: int,
+    ) -> None:
+        """Writes the positions [position, position + T) the block just stored into the pages (`new_slots` [T, n])."""
+        end = position + new_slots.shape[0]
+        for offset, (pages, buffer) in enumerate(zip((pool.k[layer], pool.v[layer]), buffers, strict=True)):
+            for p, part in enumerate(self.maps[layer].parts):
+                if part.device != pool.device:  # the block wrote into its device's copy: bring the new positions
+                    written = cache[2 * p + offset][:, :, position:end].permute(2, 0, 1, 3)  # [T, n, heads_p, dim]
+                    buffer[position:end, :, part.head_start : part.head_end] = written.to(pool.device)
+            flat = pages.view(-1, *pages.shape[2:])
+            flat.index_copy_(0, new_slots.reshape(-1), buffer[position:end].reshape(-1, *pages.shape[2:]))
 
 
 def page_slots(tables: torch.Tensor, start: int, end: int, page_size: int) -> torch.Tensor:
