@@ -192,6 +192,28 @@ def test_export_then_import_continues_bit_for_bit(backend, fused):
     _run(main())
 
 
+def test_a_fused_servers_export_continues_on_an_eager_server(backend):
+    """Both kinds of span hand off the same canonical layout: a session moved from a fused server to one running the
+    blocks eagerly continues where it was (equal within the kernels' rounding)."""
+    torch.manual_seed(3)
+    hidden = torch.randn(1, PREFIX + 1, 256)
+
+    async def main():
+        with Runtime(max_batch_size_tokens=4096) as old_runtime, Runtime(max_batch_size_tokens=4096) as new_runtime:
+            old, new = _server(backend, old_runtime, fused=True), _server(backend, new_runtime, fused=False)
+            async with _allocate(old, backend) as a, _allocate(new, backend) as b:
+                source, target = _Session(old, a), _Session(new, b)
+                await source.step(hidden[:, :PREFIX])
+                old.handoff.start_draining(5.0)
+                header, messages = await _export(old, source)
+                await new.handoff.import_kv(target, header, UID, _requests(messages))
+                torch.testing.assert_close(
+                    await target.step(hidden[:, PREFIX:]), await source.step(hidden[:, PREFIX:]), atol=1e-4, rtol=0
+                )
+
+    _run(main())
+
+
 def _corrupt(messages, fn):
     """Decodes the canonical tensors, lets `fn` change them, re-encodes."""
     from corolla.protocol.codecs import combine_parts, deserialize_tensor
