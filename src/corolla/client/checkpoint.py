@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from corolla.models import hub_files
 from corolla.models.loading import read_named_tensors, tensor_names
 from corolla.utils.logging import get_logger
 
@@ -42,8 +43,6 @@ class CheckpointReader:
         if self._local:
             path = Path(self.name_or_path) / filename
             return str(path) if path.exists() else None
-        from corolla.models import hub_files
-
         dirs = hub_files.search_dirs(self.cache_dir)
         cached = hub_files.cached_file(self.name_or_path, filename, revision=self.revision, cache_dirs=dirs)
         if cached is not None:
@@ -75,8 +74,6 @@ class CheckpointReader:
                 self._single_file = single
                 return
         if not self._local:
-            from corolla.models import hub_files
-
             if hub_files.hub_offline():
                 raise hub_files.not_cached_offline(
                     self.name_or_path, "A checkpoint", revision=self.revision,

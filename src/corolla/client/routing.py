@@ -10,23 +10,29 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from corolla.client import background_loop
 from corolla.client.bans import BanList
 from corolla.client.config import ClientConfig
 from corolla.client.direct_transport import DirectOffers
+from corolla.client.p2p_stream import InferenceStream, P2PInferenceStream
+from corolla.protocol.auth import MEMBER_PROOF_KEY, join_info_uid
 from corolla.protocol.direct_stream import DirectOffer
+from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
-from corolla.swarm.ping import PingAggregator
+from corolla.protocol.rpc import TransformerConnectionHandler, handle_name
+from corolla.protocol.uids import CHAIN_DELIMITER
+from corolla.swarm.dht import PUBLIC_INITIAL_PEERS, SwarmConfig, create_dht, get_peer_id, shutdown_dht
+from corolla.swarm.membership import RpcMembership, SwarmKeyAuthorizer, load_swarm_key
+from corolla.swarm.ping import PingAggregator, ping
 from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import RouteMode
+from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
+from corolla.swarm.spans import compute_spans
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.interrupts import event_wait
 from corolla.utils.logging import get_logger
-
-if TYPE_CHECKING:
-    from corolla.client.p2p_stream import InferenceStream
 
 logger = get_logger(__name__)
 
@@ -38,8 +44,6 @@ ROUTED_LOAD_HALF_LIFE_S = 30.0
 
 def _membership(swarm_key_file: str | None) -> tuple[Any, Any]:
     """(RpcMembership, SwarmKeyAuthorizer) of a private swarm's key file, or (None, None)."""
-    from corolla.swarm.membership import RpcMembership, SwarmKeyAuthorizer, load_swarm_key
-
     key = load_swarm_key(swarm_key_file)
     return (None, None) if key is None else (RpcMembership(key), SwarmKeyAuthorizer(key))
 
@@ -94,11 +98,7 @@ class RemoteSequenceManager:
 
     @staticmethod
     def _create_client_dht(config: ClientConfig) -> Any:
-        from corolla.swarm.dht import PUBLIC_INITIAL_PEERS, SwarmConfig, create_dht
-
         initial_peers = list(config.initial_peers) or list(PUBLIC_INITIAL_PEERS)
-        from corolla.swarm.membership import load_swarm_key
-
         swarm_config = SwarmConfig(
             initial_peers=initial_peers,
             client_mode=True,
@@ -125,8 +125,6 @@ class RemoteSequenceManager:
 
     def fetch_module_infos(self) -> list[RemoteModuleInfo]:
         """Reads the block records (subclasses and tests may override the source)."""
-        from corolla.swarm.records_io import get_remote_module_infos
-
         return get_remote_module_infos(
             self.dht,
             self.block_uids,
@@ -138,8 +136,6 @@ class RemoteSequenceManager:
     async def ping_s(self, peer_id: str) -> float:
         """Round-trip time in seconds to one server (inf = unreachable); runs on the client loop."""
         from hivemind.p2p import PeerID
-
-        from corolla.swarm.ping import ping
 
         try:
             p2p = await self._get_p2p()
@@ -163,8 +159,6 @@ class RemoteSequenceManager:
 
     def update(self) -> None:
         """Refreshes the view now (blocking): records -> filters -> spans -> pings."""
-        from corolla.swarm.spans import compute_spans
-
         with self._update_lock:
             infos = self.fetch_module_infos()
             infos = self._filter_servers(infos)
@@ -310,8 +304,6 @@ class RemoteSequenceManager:
         if self.dht is None:
             return text
         try:
-            from corolla.swarm.records_io import get_model_infos
-
             served = sorted(get_model_infos(self.dht, latest=True, timeout_s=timeout_s))
         except Exception as e:  # a diagnosis must not hide the real error
             return f"{text} (could not read the swarm's model index: {type(e).__name__})"
@@ -341,16 +333,12 @@ class RemoteSequenceManager:
 
     def make_chain(self, start: int, end: int) -> str:
         """The uid chain `"prefix.start ... prefix.end-1"` that names a span in requests."""
-        from corolla.protocol.uids import CHAIN_DELIMITER
-
         return CHAIN_DELIMITER.join(self.block_uids[start:end])
 
     def request_metadata(self, peer_id: str | None = None) -> dict[str, Any]:
         """Metadata every request carries; in a private swarm also the membership proof for server `peer_id`."""
         metadata: dict[str, Any] = {"points": self.config.points, "active_adapter": self.config.active_adapter or ""}
         if self.membership is not None and peer_id is not None:
-            from corolla.protocol.auth import MEMBER_PROOF_KEY
-
             proof = self.membership.make_proof(sender=self._local_peer_id(), receiver=peer_id)
             metadata[MEMBER_PROOF_KEY] = proof.to_wire()
         return metadata
@@ -358,8 +346,6 @@ class RemoteSequenceManager:
     def _local_peer_id(self) -> str:
         if self._p2p is not None:
             return self._p2p.peer_id.to_base58()
-        from corolla.swarm.dht import get_peer_id
-
         return get_peer_id(self.dht).to_base58()
 
     async def _get_p2p(self) -> Any:
@@ -375,8 +361,6 @@ class RemoteSequenceManager:
         if stub is None:
             from hivemind.p2p import PeerID
 
-            from corolla.protocol.rpc import TransformerConnectionHandler
-
             stub = TransformerConnectionHandler.get_stub(await self._get_p2p(), PeerID.from_base58(peer_id))
             self._stubs[peer_id] = stub
         return stub
@@ -384,8 +368,6 @@ class RemoteSequenceManager:
     async def open_inference_stream(self, peer_id: str) -> InferenceStream:
         """An `rpc_inference` stream to a server through p2pd (must be awaited on the client loop; the caller bounds
         the time)."""
-        from corolla.client.p2p_stream import P2PInferenceStream
-
         return await P2PInferenceStream.open(await self._get_p2p(), peer_id)
 
     async def _ask_direct_ticket(self, peer_id: str) -> DirectOffer:
@@ -393,10 +375,6 @@ class RemoteSequenceManager:
         where the server has none (a stock Petals server does not know the RPC) or answers nonsense."""
         from hivemind.p2p import PeerID
         from hivemind.proto import runtime_pb2
-
-        from corolla.protocol.auth import join_info_uid
-        from corolla.protocol.metadata import decode_metadata
-        from corolla.protocol.rpc import handle_name
 
         uid = ""
         if self.membership is not None:  # a private swarm's server wants the proof on the uid, as for rpc_info
@@ -421,13 +399,9 @@ class RemoteSequenceManager:
             return cached
         from hivemind.proto import runtime_pb2
 
-        from corolla.protocol.metadata import decode_metadata
-
         try:
             stub = await self.get_stub(peer_id)
             if self.membership is not None:  # rpc_info has no metadata: the proof rides on the uid
-                from corolla.protocol.auth import join_info_uid
-
                 proof = self.membership.make_proof(sender=self._local_peer_id(), receiver=peer_id)
                 block_uid = join_info_uid(block_uid, proof)
             response = await stub.rpc_info(runtime_pb2.ExpertUID(uid=block_uid), timeout=self.config.request_timeout_s)
@@ -457,8 +431,6 @@ class RemoteSequenceManager:
                 logger.debug("routing.p2p_shutdown_failed(error=%r)", e)
             self._p2p = None
         if self._own_dht and self.dht is not None:
-            from corolla.swarm.dht import shutdown_dht
-
             shutdown_dht(self.dht)
             self.dht = None
 

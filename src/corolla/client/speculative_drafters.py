@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from corolla.client.speculative import Draft, Sampler, SpeculativeConfig
+from corolla.demo.draft import ensure_demo_draft
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -119,7 +120,5 @@ def make_drafter(config: SpeculativeConfig) -> PromptLookupDrafter | DraftModelD
     if config.draft_model_path is not None:
         path = config.draft_model_path
     else:
-        from corolla.demo.draft import ensure_demo_draft
-
         path = ensure_demo_draft()
     return DraftModelDrafter.from_pretrained(path)
