@@ -13,21 +13,19 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.client.routing import RemoteSequenceManager
+from corolla.client.span_session import SpanSession
 from corolla.protocol import handoff as wire
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
-
-if TYPE_CHECKING:
-    from corolla.client.inference_session import InferenceSession
-    from corolla.client.span_session import SpanSession
 
 logger = get_logger(__name__)
 
@@ -69,30 +67,37 @@ class HandoffLog:
         return sum(r.to_peer is not None for r in self.records)
 
 
-def read_drain_notice(response: runtime_pb2.ExpertResponse) -> wire.DrainNotice | None:
-    """The server's drain notice in a response's metadata; None when absent or garbled (never raises)."""
-    if not response.metadata:
-        return None
-    try:
-        raw = decode_metadata(response.metadata).get(wire.DRAINING_KEY)
-        return None if raw is None else wire.DrainNotice.from_dict(raw)
-    except ValueError:
-        return None
+class HandingOffSession(Protocol):
+    """What a hand-off needs of an `InferenceSession` (which calls this module, so it is named here by shape)."""
+
+    @property
+    def manager(self) -> RemoteSequenceManager: ...
+
+    @property
+    def max_length(self) -> int: ...
+
+    @property
+    def handoffs(self) -> HandoffLog: ...
+
+    @property
+    def span_sessions(self) -> list[SpanSession]:
+        """The live chain, in block order: a hand-off swaps one entry in place."""
+        ...
 
 
-def needs_handoff(session: InferenceSession) -> bool:
+def needs_handoff(session: HandingOffSession) -> bool:
     """True when a span's server said it drains and that span was not handed off yet (`ClientConfig.kv_handoff`
     off: never; such spans are replayed once their server ends the stream)."""
     if not session.manager.config.kv_handoff:
         return False
     log = session.handoffs
-    return any(s.drain_notice is not None and s.session_id not in log.tried for s in session._spans)
+    return any(s.drain_notice is not None and s.session_id not in log.tried for s in session.span_sessions)
 
 
-async def hand_off_draining_spans(session: InferenceSession) -> None:
+async def hand_off_draining_spans(session: HandingOffSession) -> None:
     """Moves every span whose server drains (once per span stream); on failure, closes that stream so that the
     next step replaces the span and replays its history."""
-    for index, old in enumerate(list(session._spans)):
+    for index, old in enumerate(list(session.span_sessions)):
         if old.drain_notice is None or old.session_id in session.handoffs.tried:
             continue
         session.handoffs.tried.add(old.session_id)
@@ -101,8 +106,8 @@ async def hand_off_draining_spans(session: InferenceSession) -> None:
         timeout_s = max(MIN_HANDOFF_S, old.drain_notice.deadline_s) + session.manager.config.connect_timeout_s
         try:
             new, record.num_bytes = await asyncio.wait_for(_move(session, old), timeout_s)
-            session._spans[index] = new
-            for previous, following in zip(session._spans, session._spans[1:], strict=False):
+            session.span_sessions[index] = new
+            for previous, following in zip(session.span_sessions, session.span_sessions[1:], strict=False):
                 following.upstream_peer = previous.span.peer_id  # forwarding: who may push to it now
             record.to_peer = new.span.peer_id
         except Exception as e:  # anything at all: the replay path still works
@@ -135,7 +140,7 @@ async def hand_off_draining_spans(session: InferenceSession) -> None:
         )
 
 
-def _candidates(session: InferenceSession, old: SpanSession) -> list[RemoteSpanInfo]:
+def _candidates(session: HandingOffSession, old: SpanSession) -> list[RemoteSpanInfo]:
     """Servers other than the draining one that hold all of its blocks and announce room for the session, nearest
     first; each cut to exactly the draining span."""
     start, end = old.span.start, old.span.end
@@ -153,10 +158,8 @@ def _candidates(session: InferenceSession, old: SpanSession) -> list[RemoteSpanI
     return result[:MAX_CANDIDATES]
 
 
-async def _move(session: InferenceSession, old: SpanSession) -> tuple[SpanSession, int]:
+async def _move(session: HandingOffSession, old: SpanSession) -> tuple[SpanSession, int]:
     """Exports the span's cache from `old` and imports it on a replacement; returns (new span session, bytes)."""
-    from corolla.client.span_session import SpanSession
-
     candidates = _candidates(session, old)
     if not candidates:
         raise HandoffFailed(f"no other server holds blocks {old.span.start}:{old.span.end}")
@@ -192,7 +195,7 @@ def _empty_step(old: SpanSession) -> tuple[list[runtime_pb2.Tensor], Any, torch.
     return [serialize_tensor(t, NONE) for t in tensors], structure, empty
 
 
-async def _export(session: InferenceSession, old: SpanSession) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
+async def _export(session: HandingOffSession, old: SpanSession) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
     """Asks the draining server for the span's cache on its stream; checks what comes back against what we know
     (position, batch, blocks, byte counts, `kv_handoff_max_bytes`)."""
     manager = session.manager

@@ -64,6 +64,11 @@ class InferenceSession:
         return self.end - self.start
 
     @property
+    def span_sessions(self) -> list[SpanSession]:
+        """The live chain of span sessions, in block order (a hand-off swaps one entry in place)."""
+        return self._spans
+
+    @property
     def route(self) -> list[tuple[RemoteSpanInfo, str | None]]:
         """The chain in use now: each span's `RemoteSpanInfo` and transport (`local`/`p2p`/None), in block order."""
         return [(s.span, s.transport) for s in list(self._spans)]

@@ -27,7 +27,6 @@ from corolla.client.config import ClientConfig
 from corolla.client.direct_transport import DirectInferenceStream
 from corolla.client.forwarding import is_pushed_reply
 from corolla.client.framed_socket import FramedSocketStream
-from corolla.client.handoff import read_drain_notice
 from corolla.client.local_transport import LocalInferenceStream
 from corolla.client.output_checks import BadServerOutput, check_outputs
 from corolla.client.p2p_stream import InferenceStream
@@ -37,8 +36,8 @@ from corolla.client.routing import RemoteSequenceManager
 from corolla.client.stalls import StallAction, StallEvent, StepClock
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.codecs import deserialize_tensor
-from corolla.protocol.handoff import DrainNotice
-from corolla.protocol.metadata import TUPLE_EXT_TYPE, encode_metadata
+from corolla.protocol.handoff import DRAINING_KEY, DrainNotice
+from corolla.protocol.metadata import TUPLE_EXT_TYPE, decode_metadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
@@ -79,6 +78,17 @@ def _poll_s(config: ClientConfig) -> float:
     """How long to poll for a response instead of sleeping: `busy_poll_ms`, but only while this is the process's
     only step in flight (a polling thread delays every other Python thread's GIL hand-over by up to 5 ms)."""
     return config.busy_poll_ms / 1000 if config.busy_poll_ms > 0 and _steps_in_flight == 1 else 0.0
+
+
+def read_drain_notice(response: runtime_pb2.ExpertResponse) -> DrainNotice | None:
+    """The server's drain notice in a response's metadata; None when absent or garbled (never raises)."""
+    if not response.metadata:
+        return None
+    try:
+        raw = decode_metadata(response.metadata).get(DRAINING_KEY)
+        return None if raw is None else DrainNotice.from_dict(raw)
+    except ValueError:
+        return None
 
 
 class HopStalled(ConnectionError):
