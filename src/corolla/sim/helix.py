@@ -15,7 +15,13 @@ Source of every number: github.com/Thesys-lab/Helix-ASPLOS25, `artifact_evaluati
 
 from __future__ import annotations
 
+import random
+from statistics import median
+
+from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.sim.bound import ServerKind, best_known_placement, placement_max_flow
+from corolla.swarm.policies import make_policy
+from corolla.swarm.policy import ServerCapacity
 
 NUM_BLOCKS = 80  # LLaMA-2-70B decoder layers
 PETALS_FLOW_TPS = 531.703  # Helix's trace.txt, the Petals layout's objective
@@ -79,8 +85,46 @@ def kind_counts() -> tuple[list[ServerKind], list[int]]:
     return kinds, [sum(1 for k in NODE_KINDS if k is kind) for kind in kinds]
 
 
+def node_capacity(node: int) -> ServerCapacity:
+    """Compute node `node` as its placement policy sees itself: its card's tokens/s for every k it can hold."""
+    kind = NODE_KINDS[node]
+    return ServerCapacity(f"node{node}", kind.max_blocks, kind.capacity_tps[-1], capacity_tps=kind.capacity_tps)
+
+
+def sequential_joins(policy_name: str, seed: int) -> tuple[tuple[int, int], ...]:
+    """The layout the 24 nodes reach without a scheduler: they join one by one in a seeded random order, each calling
+    the policy's real `choose_span` with the records of those already present (announcing its tokens/s at its span).
+    Returns (first layer, last layer + 1) per compute node."""
+    policy = make_policy(policy_name)
+    order = list(range(len(NODE_KINDS)))
+    random.Random(seed).shuffle(order)
+    spans: dict[int, RemoteSpanInfo] = {}
+    for node in order:
+        me = node_capacity(node)
+        chosen = policy.choose_span(me, list(spans.values()), NUM_BLOCKS)
+        info = ServerInfo(
+            state=ServerState.ONLINE, throughput=me.throughput_for(len(chosen)), start_block=chosen.start,
+            end_block=chosen.stop,
+        )  # fmt: skip
+        spans[node] = RemoteSpanInfo(me.peer_id, chosen.start, chosen.stop, info)
+    return tuple((spans[node].start, spans[node].end) for node in range(len(NODE_KINDS)))
+
+
+def routed_max_flow(layout: tuple[tuple[int, int], ...]) -> float:
+    """A layout's max-flow when a chain may enter a span at any of its blocks, as Petals' and corolla's routing do
+    (Helix's ILP hands over at span ends only: `placement_max_flow`'s default; the two agree on its own layouts)."""
+    return placement_max_flow(layout, layout_capacities(layout), NUM_BLOCKS, exact_boundaries=False)
+
+
+def joins_figures(policy_name: str, seeds: range = range(10)) -> dict[str, float]:
+    """Min and median over `seeds` of the routed max-flow that sequential joins reach."""
+    flows = [routed_max_flow(sequential_joins(policy_name, seed)) for seed in seeds]
+    return {f"{policy_name}_joins_min_tps": min(flows), f"{policy_name}_joins_median_tps": median(flows)}
+
+
 def reproduction(time_limit_s: float = 0.0) -> dict[str, float | str]:
-    """Helix's figures against ours under its model: the Petals and ILP layouts' max-flow and our best known."""
+    """Helix's figures against ours under its model: the Petals and ILP layouts' max-flow, our best known, and what
+    each policy's sequential joins reach (10 seeded join orders)."""
     petals = placement_max_flow(PETALS_LAYOUT, layout_capacities(PETALS_LAYOUT), NUM_BLOCKS)
     helix_ilp = placement_max_flow(HELIX_ILP_LAYOUT, layout_capacities(HELIX_ILP_LAYOUT), NUM_BLOCKS)
     kinds, counts = kind_counts()
@@ -93,4 +137,6 @@ def reproduction(time_limit_s: float = 0.0) -> dict[str, float | str]:
         "best_known_tps": best.flow_tps,
         "best_known_method": best.method,
         "petals_share_of_best_known": petals / best.flow_tps,
+        **joins_figures("petals"),
+        **joins_figures("corolla"),
     }

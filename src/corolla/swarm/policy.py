@@ -34,6 +34,9 @@ class ServerCapacity:
 
     max_blocks: the most blocks its memory holds (Petals' `num_blocks`); a policy may choose fewer.
     throughput: the tokens/s it would announce holding `max_blocks` blocks (Petals' `throughput`).
+    capacity_tps: where known, `capacity_tps[k - 1]` is its tokens/s holding k blocks, for k = 1..max_blocks: fewer
+        blocks leave more memory for KV (more concurrent rows per step), which Petals' model ignores; empty = unknown
+        (Petals' model then).
     network_rps: tokens/s its link carries (caps the throughput of any span length); None = unknown.
     rtts_s: RTTs in seconds it measured to other servers (peer id -> s, inf = unreachable), where known."""
 
@@ -42,17 +45,28 @@ class ServerCapacity:
     throughput: float
     network_rps: float | None = None
     rtts_s: Mapping[str, float] = field(default_factory=dict)
+    capacity_tps: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {self.max_blocks}")
         if not self.throughput >= 0:
             raise ValueError(f"throughput must be >= 0, got {self.throughput}")
+        if self.capacity_tps and len(self.capacity_tps) != self.max_blocks:
+            raise ValueError(
+                f"capacity_tps must give max_blocks={self.max_blocks} values, got {len(self.capacity_tps)}"
+            )
+        if not all(c >= 0 for c in self.capacity_tps):
+            raise ValueError("capacity_tps must be >= 0 (NaN is not)")
 
     def throughput_for(self, num_blocks: int) -> float:
-        """Tokens/s when holding `num_blocks` blocks, by Petals' throughput model: a token enters at a uniformly
-        random block of the span, so it uses (n + 1) / 2 blocks on average; the link caps it."""
-        compute = self.throughput * (self.max_blocks + 1) / (num_blocks + 1)
+        """Tokens/s when holding `num_blocks` blocks: `capacity_tps` where known, else Petals' throughput model (a
+        token enters at a uniformly random block of the span, so it uses (n + 1) / 2 blocks on average); the link
+        caps it."""
+        if self.capacity_tps:
+            compute = self.capacity_tps[min(max(num_blocks, 1), self.max_blocks) - 1]
+        else:
+            compute = self.throughput * (self.max_blocks + 1) / (num_blocks + 1)
         return compute if self.network_rps is None else min(compute, self.network_rps)
 
 
