@@ -54,7 +54,9 @@ class SwarmSeat:
 
     def capacity(self, rtts_s: Mapping[str, float] | None = None) -> ServerCapacity:
         """This server as the policy sees it: the throughput it measured for `max_blocks` blocks, and the RTTs it
-        measured to other servers (its announcer's pings; none before it serves)."""
+        measured to other servers (its announcer's pings; none before it serves). No `capacity_tps` curve: its KV
+        cache is `cache_bytes_per_block` per block held, so fewer blocks give no more rows per step, and Petals'
+        model (`ServerCapacity.throughput_for`) is the true one until the server spends freed memory on KV."""
         return ServerCapacity(
             peer_id=self.peer_id,
             max_blocks=self.max_blocks,
