@@ -5,8 +5,8 @@ read are gathered from the session's pages into the contiguous cache the block e
 `cache`), the block runs, and the positions it wrote are scattered back into the pages.
 
 Every layer keeps every position in the pool (sliding-window layers too: their block gets a ring as long as the
-sequence, filled only with the keys its window reads), so beams, rollbacks, KV hand-off and shared pages work the
-same for every family. Costs one copy of the read positions per layer and step (the attention reads them anyway)."""
+sequence), so beams, rollbacks, KV hand-off and shared pages work the same for every family. Costs one copy of the
+read positions per step (the attention reads them anyway), gathered for all layers at once."""
 
 from __future__ import annotations
 
@@ -208,70 +208,68 @@ class EagerSpan(ChunkedPrefill):
         prompts: torch.Tensor | None,
         adapter: int,
     ) -> torch.Tensor:
-        """Rows `hidden` [n, T, H] all at `position`, their block tables [n, maxp], through layers [first, end)."""
+        """Rows `hidden` [n, T, H] all at `position`, their block tables [n, maxp], through layers [first, end).
+        Each layer only reads and writes its own pages, so every layer's positions are gathered before the first
+        block runs and the new ones written back after the last (a few ops per step, not per layer)."""
         name = "" if self.adapters is None else self.adapters.name_of(adapter)
+        first, end = layers
         num_tokens = hidden.shape[1]
         # flat slot ids of positions [0, position + T) of each row, position-major (the same in every layer):
         # [P + T, n]
         slots = page_slots(tables.cpu().long(), 0, position + num_tokens, pool.page_size_tokens).t().contiguous()
         slots = slots.to(pool.device)
+        buffers = [gather_layers(pages[first:end], slots, position) for pages in (pool.k, pool.v)]
         with using_adapter(name):
-            for j, i in enumerate(range(*layers)):
+            for j, i in enumerate(range(first, end)):
                 hidden = add_prompt(hidden, None if prompts is None else prompts[j][None], position)
-                cache, buffers = self._gather(i, slots, pool, position)
+                cache = self._cache_views(i, buffers[0][j], buffers[1][j], position)
                 hidden = self.blocks[i](hidden, cache=cache, position=position)
-                self._scatter(i, cache, buffers, slots[position:], pool, position)
+                self._collect(i, cache, buffers[0][j], buffers[1][j], position, num_tokens, pool.device)
+        new = slots[position:].reshape(-1)  # [T n]
+        for pages, buffer in zip((pool.k, pool.v), buffers, strict=True):
+            flat = pages[first:end].view(end - first, -1, *pages.shape[3:])  # [layers, pages * page, heads, dim]
+            flat.index_copy_(1, new, buffer[:, position:].reshape(end - first, -1, *pages.shape[3:]))
         return hidden
 
-    def _gather(
-        self, layer: int, slots: torch.Tensor, pool: KVPool, position: int
-    ) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """The contiguous cache block `layer` expects for rows writing [position, position + T) (`slots`
-        [P + T, n]): K/V per part [n, heads, P + T, dim] holding the positions the block reads (views of one buffer
-        [P + T, n, heads, dim] per tensor where the part sits on the pool's device), and a sliding layer's ring
-        state; and those two buffers."""
+    def _cache_views(self, layer: int, k: torch.Tensor, v: torch.Tensor, position: int) -> list[torch.Tensor]:
+        """The contiguous cache block `layer` expects, as views of its gathered K and V [P + T, n, heads, dim]: per
+        part [n, heads_p, P + T, dim] (copied to the part's device where it sits elsewhere), then a sliding
+        layer's ring state (a ring as long as the sequence: slot p holds position p, every earlier one held)."""
         cache_map = self.maps[layer]
-        length, n = slots.shape
-        ring = cache_map.ring_capacity_tokens
-        held_from = 0 if ring is None else max(0, position - ring)
-        held = slots[held_from:position].reshape(-1)  # [P' n]
-        buffers = []
-        per_tensor: list[list[torch.Tensor]] = []
-        for pages in (pool.k[layer], pool.v[layer]):
-            flat = pages.view(-1, *pages.shape[2:])  # [pages * page, heads, dim]
-            buffer = torch.empty((length, n, *pages.shape[2:]), dtype=pool.dtype, device=pool.device)
-            if position > held_from:
-                torch.index_select(flat, 0, held, out=buffer[held_from:position].view(-1, *pages.shape[2:]))
-            buffers.append(buffer)
-            views = []
-            for part in cache_map.parts:
+        cache = []
+        for part in cache_map.parts:
+            for buffer in (k, v):
                 view = buffer[:, :, part.head_start : part.head_end].permute(1, 2, 0, 3)  # [n, heads_p, L, dim]
-                views.append(view if part.device == pool.device else view.to(part.device))
-            per_tensor.append(views)
-        cache = [t for pair in zip(*per_tensor, strict=True) for t in pair]  # [K0, V0, K1, V1, ...] as the block
-        if ring is not None:  # a ring as long as the sequence: slot p holds position p
-            state = torch.tensor([[held_from, position]], dtype=torch.int64, device=cache_map.parts[0].device)
-            cache.append(state.expand(n, RING_STATE_FIELDS).contiguous())
-        return cache, (buffers[0], buffers[1])
+                cache.append(view if part.device == buffer.device else view.to(part.device))
+        if cache_map.ring_capacity_tokens is not None:
+            state = torch.tensor([[0, position]], dtype=torch.int64, device=cache_map.parts[0].device)
+            cache.append(state.expand(k.shape[1], RING_STATE_FIELDS).contiguous())
+        return cache
 
-    def _scatter(
-        self,
-        layer: int,
-        cache: list[torch.Tensor],
-        buffers: tuple[torch.Tensor, torch.Tensor],
-        new_slots: torch.Tensor,
-        pool: KVPool,
-        position: int,
-    ) -> None:
-        """Writes the positions [position, position + T) the block just stored into the pages (`new_slots` [T, n])."""
-        end = position + new_slots.shape[0]
-        for offset, (pages, buffer) in enumerate(zip((pool.k[layer], pool.v[layer]), buffers, strict=True)):
-            for p, part in enumerate(self.maps[layer].parts):
-                if part.device != pool.device:  # the block wrote into its device's copy: bring the new positions
-                    written = cache[2 * p + offset][:, :, position:end].permute(2, 0, 1, 3)  # [T, n, heads_p, dim]
-                    buffer[position:end, :, part.head_start : part.head_end] = written.to(pool.device)
-            flat = pages.view(-1, *pages.shape[2:])
-            flat.index_copy_(0, new_slots.reshape(-1), buffer[position:end].reshape(-1, *pages.shape[2:]))
+    def _collect(
+        self, layer: int, cache: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, position: int, num_tokens: int,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        """Brings the positions a part on another device wrote into its copy back into the gathered K and V."""
+        end = position + num_tokens
+        for p, part in enumerate(self.maps[layer].parts):
+            if part.device == device:
+                continue  # the block wrote into views of the buffers themselves
+            for buffer, written in ((k, cache[2 * p]), (v, cache[2 * p + 1])):
+                new = written[:, :, position:end].permute(2, 0, 1, 3)  # [T, n, heads_p, dim]
+                buffer[position:end, :, part.head_start : part.head_end] = new.to(device)
+
+
+def gather_layers(pages: torch.Tensor, slots: torch.Tensor, position: int) -> torch.Tensor:
+    """Positions [0, position) of every row from the pages of some layers [layers, pages, page, heads, dim] (`slots`
+    [P + T, n] flat slot ids), in a new [layers, P + T, n, heads, dim] whose last T positions are left for the
+    blocks to write."""
+    num_layers, (length, n) = pages.shape[0], slots.shape
+    token = pages.shape[3:]
+    flat = pages.view(num_layers, -1, *token)  # [layers, pages * page, heads, dim]
+    held = torch.index_select(flat, 1, slots[:position].reshape(-1)).view(num_layers, position, n, *token)
+    fresh = torch.empty((num_layers, length - position, n, *token), dtype=pages.dtype, device=pages.device)
+    return torch.cat([held, fresh], dim=1)
 
 
 def page_slots(tables: torch.Tensor, start: int, end: int, page_size: int) -> torch.Tensor:
