@@ -18,6 +18,7 @@ import torch
 
 from corolla.engine.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.span_model import ChunkedPrefill
+from corolla.models.block_base import CorollaBlock
 from corolla.models.lora import using_adapter
 
 PROBE_LENGTH_TOKENS = 1 << 30  # descriptors for a sequence this long show a sliding layer's ring capacity
@@ -44,7 +45,7 @@ class LayerCacheMap:
     ring_capacity_tokens: int | None
 
     @classmethod
-    def of_block(cls, block: torch.nn.Module) -> tuple[LayerCacheMap, KVLayout]:
+    def of_block(cls, block: CorollaBlock) -> tuple[LayerCacheMap, KVLayout]:
         """The map of `block` and the pool layout it needs; ValueError for a cache the pool can't page."""
         descriptors = list(block.cache_descriptors(1, PROBE_LENGTH_TOKENS))
         ring = None
@@ -127,7 +128,9 @@ class EagerSpan(ChunkedPrefill):
     def __init__(self, blocks: Sequence[torch.nn.Module], *, max_positions: int):
         if not blocks:
             raise ValueError("An eager span needs at least one block")
-        self.blocks = list(blocks)
+        self.blocks = [block for block in blocks if isinstance(block, CorollaBlock)]
+        if len(self.blocks) != len(blocks):
+            raise ValueError("An eager span runs corolla's own blocks (models/<family>/block.py) only")
         maps = [LayerCacheMap.of_block(block) for block in self.blocks]
         layouts = {layout for _, layout in maps}
         if len(layouts) != 1:

@@ -8,14 +8,28 @@ Importing fails without Triton."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from corolla.engine.moe import ExpertWeights
+
+class ExpertTable(Protocol):
+    """What the kernels read of one layer's experts (`moe.ExpertWeights`): their sizes, the int64 [E] address tables
+    of every expert's gate_up [2I, H] and down [H, I] tensors, and 0..E [E + 1] for segmenting sorted ids."""
+
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def gate_up_ptrs(self) -> torch.Tensor: ...
+    @property
+    def down_ptrs(self) -> torch.Tensor: ...
+    @property
+    def boundaries(self) -> torch.Tensor: ...
+
 
 BLOCK_M = 16  # assignment rows per tile (tl.dot's minimum)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); the first is the default, `moe.tune_experts` times them all
@@ -133,7 +147,7 @@ def grouped_experts(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
     expert_weights: torch.Tensor,
-    experts: ExpertWeights,
+    experts: ExpertTable,
     config: tuple[int, ...],
 ) -> torch.Tensor:
     """`moe.experts_forward` on CUDA (inputs already checked there): x [N, H], expert_ids [N, k], expert_weights

@@ -91,7 +91,7 @@ def rows_per_program(m: int) -> int:
 
 
 @triton.jit
-def _finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
+def finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
                 USE_WS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
     # vals [BLOCK_N] fp32 of one row: finished here (scale, residual, cast) or kept as a split's partial sum
     mask = row_mask(offs_n, N, row, M)
@@ -190,15 +190,15 @@ def _nf4_gemv_kernel(
         if ROWS >= 4:
             acc2 += _nf4_row_block_sums(w, x_ptr, row0 + 2, M, stride_xm, k0, K, NB) * scale
             acc3 += _nf4_row_block_sums(w, x_ptr, row0 + 3, M, stride_xm, k0, K, NB) * scale
-    _finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
+    finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr, stride_rm,
                 stride_om, USE_WS, HAS_RES, False)  # fmt: skip
     if ROWS >= 2:
-        _finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
+        finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
     if ROWS >= 4:
-        _finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
+        finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
-        _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
+        finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, ws_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, False)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,
@@ -215,7 +215,7 @@ def _int8_row_products(w, x_ptr, nw_ptr, row, M, stride_xm, offs_k, K, PRO: tl.c
 
 
 @triton.jit
-def _row_end(vals, sq, row, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm,
+def row_end(vals, sq, row, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm,
              stride_om, USE_WS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr,
              PRO: tl.constexpr):  # fmt: skip
     # one row's sums vals [BLOCK_N]: finished (RMSNorm: times the row's 1/rms from sq, its sum of x^2, when this
@@ -225,7 +225,7 @@ def _row_end(vals, sq, row, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr, 
             tl.store(ss_ptr + (split * M + row) * tl.num_programs(0) + pid_n, sq, mask=row < M)
         else:
             vals = vals * rstd_of(sq, K, eps)
-    _finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS,
+    finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS,
                 HAS_RES, HAS_SCALE)  # fmt: skip
 
 
@@ -309,15 +309,15 @@ def _int8_gemv_kernel(
             acc3 += p
             if PRO == 1:
                 sq3 += s
-    _row_end(tl.sum(acc0, axis=1), tl.sum(sq0, axis=0), row0, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr,
+    row_end(tl.sum(acc0, axis=1), tl.sum(sq0, axis=0), row0, offs_n, M, N, K, eps, pid_n, split, ws_ptr, ss_ptr,
              res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
     if ROWS >= 2:
-        _row_end(tl.sum(acc1, axis=1), tl.sum(sq1, axis=0), row0 + 1, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
+        row_end(tl.sum(acc1, axis=1), tl.sum(sq1, axis=0), row0 + 1, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
                  ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
     if ROWS >= 4:
-        _row_end(tl.sum(acc2, axis=1), tl.sum(sq2, axis=0), row0 + 2, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
+        row_end(tl.sum(acc2, axis=1), tl.sum(sq2, axis=0), row0 + 2, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
                  ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
-        _row_end(tl.sum(acc3, axis=1), tl.sum(sq3, axis=0), row0 + 3, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
+        row_end(tl.sum(acc3, axis=1), tl.sum(sq3, axis=0), row0 + 3, offs_n, M, N, K, eps, pid_n, split, ws_ptr,
                  ss_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, True, PRO)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,

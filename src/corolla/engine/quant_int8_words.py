@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import Int8Weight, counters_for_tiles
-from corolla.engine.quant_gemv import _finish_row, rows_per_program
+from corolla.engine.quant_gemv import finish_row, rows_per_program
 from corolla.engine.quant_splits import finish_split_rows, launch_options, programmatic_launch, wait_for_producer
 
 
@@ -95,15 +95,15 @@ def _int8_words_gemv_kernel(
             acc2 += _row_word_sums(w, x_ptr, row0 + 2, M, stride_xm, k0, K, C)
             acc3 += _row_word_sums(w, x_ptr, row0 + 3, M, stride_xm, k0, K, C)
         words = words_next
-    _finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm,
+    finish_row(tl.sum(acc0, axis=1), row0, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm,
                 stride_om, USE_WS, HAS_RES, True)  # fmt: skip
     if ROWS >= 2:
-        _finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
+        finish_row(tl.sum(acc1, axis=1), row0 + 1, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
     if ROWS >= 4:
-        _finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
+        finish_row(tl.sum(acc2, axis=1), row0 + 2, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
-        _finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
+        finish_row(tl.sum(acc3, axis=1), row0 + 3, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr,
                     stride_rm, stride_om, USE_WS, HAS_RES, True)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)
         finish_split_rows(cnt_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, splits, row0, offs_n, M, N,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import NF4Weight, counters_for_tiles
-from corolla.engine.quant_gemv import _row_end, rows_per_program
+from corolla.engine.quant_gemv import row_end, rows_per_program
 from corolla.engine.quant_prmt import DECODE_CONSTRAINTS, decode_ptx
 from corolla.engine.quant_splits import (
     PROLOGUES,
@@ -144,17 +144,17 @@ def _nf4_prmt_gemv_kernel(
                 sq3 += q
         words = words_next
         scale = scale_next
-    _row_end(tl.sum(acc0, axis=1), tl.sum(tl.sum(sq0, axis=1), axis=0), row0, offs_n, M, N, K, eps, pid_n, split,
+    row_end(tl.sum(acc0, axis=1), tl.sum(tl.sum(sq0, axis=1), axis=0), row0, offs_n, M, N, K, eps, pid_n, split,
              ws_ptr, ss_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, False, PRO)  # fmt: skip
     if ROWS >= 2:
-        _row_end(tl.sum(acc1, axis=1), tl.sum(tl.sum(sq1, axis=1), axis=0), row0 + 1, offs_n, M, N, K, eps, pid_n,
+        row_end(tl.sum(acc1, axis=1), tl.sum(tl.sum(sq1, axis=1), axis=0), row0 + 1, offs_n, M, N, K, eps, pid_n,
                  split, ws_ptr, ss_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, False,
                  PRO)  # fmt: skip
     if ROWS >= 4:
-        _row_end(tl.sum(acc2, axis=1), tl.sum(tl.sum(sq2, axis=1), axis=0), row0 + 2, offs_n, M, N, K, eps, pid_n,
+        row_end(tl.sum(acc2, axis=1), tl.sum(tl.sum(sq2, axis=1), axis=0), row0 + 2, offs_n, M, N, K, eps, pid_n,
                  split, ws_ptr, ss_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, False,
                  PRO)  # fmt: skip
-        _row_end(tl.sum(acc3, axis=1), tl.sum(tl.sum(sq3, axis=1), axis=0), row0 + 3, offs_n, M, N, K, eps, pid_n,
+        row_end(tl.sum(acc3, axis=1), tl.sum(tl.sum(sq3, axis=1), axis=0), row0 + 3, offs_n, M, N, K, eps, pid_n,
                  split, ws_ptr, ss_ptr, res_ptr, ws_ptr, out_ptr, stride_rm, stride_om, USE_WS, HAS_RES, False,
                  PRO)  # fmt: skip
     if USE_WS:  # K split: the tile's last program sums the splits (quant_splits)

@@ -132,6 +132,8 @@ class SpanEngine:
                 buckets = tuple(b for b in config.graph_buckets if b <= config.max_batch_rows) or (
                     config.max_batch_rows,
                 )
+                # only fused spans capture graphs (an eager span's `supports_graphs` is False): their adapters stack
+                assert not isinstance(adapters, BlockAdapters), "an eager span's block adapters are never captured"
                 self.graphs = DecodeGraphs(model, self.pool, buckets, adapters=adapters)
                 self.max_batch_rows = self.graphs.max_rows
             # two sets of pinned host buffers: a launched forward's asynchronous copies may still read (inputs) or
