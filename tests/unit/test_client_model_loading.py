@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from corolla.client.checkpoint import CheckpointReader
 from corolla.client.config import ClientConfig
-from corolla.client.distributed_model import LAYOUTS, DistributedModelForCausalLM, padding_groups
+from corolla.client.distributed_model import LAYOUTS, DistributedModelForCausalLM
+from corolla.client.padding import padding_groups
 from corolla.client.routing import RemoteSequenceManager
 from corolla.models.config import load_config
 

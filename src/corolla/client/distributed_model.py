@@ -18,10 +18,13 @@ from corolla.client.config import ClientConfig
 from corolla.client.family_head import GEMMA_NORM, GPT_OSS_NORM, cap_logits, family_norm, scale_embeddings
 from corolla.client.generation import GenerationLoop
 from corolla.client.inference_session import InferenceSession
+from corolla.client.padding import padding_groups
 from corolla.client.prompt_tuning import PromptTuning, TuningConfig
 from corolla.client.remote_sequential import RemoteSequential
 from corolla.client.routing import RemoteSequenceManager
 from corolla.client.speculative_loop import SpeculativeStats
+from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
+from corolla.protocol.uids import make_uid
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -307,16 +310,6 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )  # fmt: skip
 
 
-def padding_groups(attention_mask: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
-    """Groups rows of a left-padded mask `[B, L]` by padding length: [(row indices, pad length)]."""
-    mask = attention_mask.bool()
-    pads = (~mask).int().cumprod(dim=1).sum(dim=1)  # leading zeros per row
-    for row, pad in enumerate(pads.tolist()):
-        if not bool(mask[row, pad:].all()):
-            raise ValueError("attention_mask must use left padding (zeros only before the first token)")
-    return [(torch.nonzero(pads == pad).flatten(), int(pad)) for pad in sorted(set(pads.tolist()))]
-
-
 def load_distributed_model(
     model_class: type[DistributedModel],
     name_or_path: str | os.PathLike,
@@ -336,9 +329,6 @@ def load_distributed_model(
 ) -> Any:
     """Builds `model_class(config, layout, manager, tuning, **model_kwargs)` for a checkpoint and loads its
     client-side weights (see `AutoDistributedModelForCausalLM.from_pretrained`)."""
-    from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
-    from corolla.protocol.uids import make_uid
-
     if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
         raise ValueError(f"pass dtype= or torch_dtype=, not both (got {dtype!r} and {torch_dtype!r})")
     torch_dtype = next((d for d in (dtype, torch_dtype) if d is not None), torch.float32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers import GenerationConfig
@@ -27,12 +27,13 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from corolla.client.inference_session import InferenceSession
+from corolla.client.padding import padding_groups
+from corolla.client.remote_sequential import RemoteSequential
+from corolla.client.routing import RemoteSequenceManager
 from corolla.client.speculative import KChooser, SpeculativeConfig
-from corolla.client.speculative_loop import SessionTarget, SpeculativeLoop, SpeculativeStats
+from corolla.client.speculative_drafters import make_drafter
+from corolla.client.speculative_loop import LocalEnds, SessionTarget, SpeculativeLoop, SpeculativeStats
 from corolla.utils.logging import get_logger
-
-if TYPE_CHECKING:
-    from corolla.client.distributed_model import DistributedModelForCausalLM
 
 logger = get_logger(__name__)
 
@@ -53,10 +54,32 @@ _IMPLEMENTED = {
 }  # fmt: skip
 
 
+class GeneratingModel(LocalEnds, Protocol):
+    """What `generate()` needs of a `DistributedModelForCausalLM` (which imports this module: named here by shape)."""
+
+    speculative_stats: SpeculativeStats | None  # set by a speculative generate()
+
+    @property
+    def generation_config(self) -> Any: ...
+
+    @property
+    def manager(self) -> RemoteSequenceManager: ...
+
+    @property
+    def transformer(self) -> RemoteSequential: ...
+
+    @property
+    def pre_seq_len(self) -> int: ...
+
+    def session_step(
+        self, session: InferenceSession, input_ids: torch.Tensor, prompts: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+
 class GenerationLoop:
     """One `generate()` call of a distributed model."""
 
-    def __init__(self, model: DistributedModelForCausalLM):
+    def __init__(self, model: GeneratingModel):
         self.model = model
 
     def _generation_config(
@@ -195,8 +218,6 @@ class GenerationLoop:
 
         with contextlib.ExitStack() as stack:
             if padded and attention_mask is not None:  # (padded implies a mask)
-                from corolla.client.distributed_model import padding_groups
-
                 groups = []
                 for rows, pad in padding_groups(attention_mask):
                     max_length = prefix_length + prompt_length - pad + max_new_tokens
@@ -253,8 +274,6 @@ class GenerationLoop:
     ) -> torch.Tensor:
         """One sequence `all_ids` [1, L] through `SpeculativeLoop`; returns [1, L + N] and records the stats on the
         model (`model.speculative_stats`)."""
-        from corolla.client.speculative_drafters import make_drafter
-
         eos_ids = set(eos.tolist()) if eos is not None else set()
 
         def stop(ids: list[int], logits: torch.Tensor) -> bool:

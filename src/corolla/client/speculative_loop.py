@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
@@ -16,9 +16,6 @@ from transformers.generation.logits_process import LogitsProcessorList
 from corolla.client.inference_session import InferenceSession
 from corolla.client.speculative import Draft, Drafter, KChooser, accept_greedy, accept_sampled
 from corolla.utils.logging import get_logger
-
-if TYPE_CHECKING:
-    from corolla.client.distributed_model import DistributedModelForCausalLM
 
 logger = get_logger(__name__)
 
@@ -34,10 +31,22 @@ class VerifyTarget(Protocol):
         ...
 
 
+class LocalEnds(Protocol):
+    """The parts of a distributed model that run on the client: token embeddings and the LM head."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids `[B, T]` -> hidden states `[B, T, H]`."""
+        ...
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states `[B, T, H]` -> logits `[B, T, V]`."""
+        ...
+
+
 class SessionTarget:
     """The swarm: one `InferenceSession` step per call, embeddings and head run locally."""
 
-    def __init__(self, model: DistributedModelForCausalLM, session: InferenceSession, prompts: Any = None):
+    def __init__(self, model: LocalEnds, session: InferenceSession, prompts: Any = None):
         self.model, self.session, self.prompts = model, session, prompts
 
     @property
