@@ -22,6 +22,8 @@ from corolla.client.speculative import MAX_DRAFT_TOKENS, SpeculativeConfig
 from corolla.utils.interrupts import wait_for_line
 from corolla.utils.logging import quiet_logs
 
+DEFAULT_SESSION_TOKENS = 2048  # an --interactive session's length unless --max_length or the model's positions say less
+
 
 class _TextStreamer:
     """Prints decoded text as tokens arrive (skips the echoed prompt) and counts generated tokens."""
@@ -69,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top_p", type=float, default=None)
     parser.add_argument("--repetition_penalty", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--max_length", type=int, default=2048, help="session length in tokens (--interactive)")
+    parser.add_argument(
+        "--max_length",
+        type=int,
+        default=None,
+        help="session length in tokens (--interactive; default: 2048 or the model's positions, whichever is less)",
+    )
     parser.add_argument("--interactive", action="store_true", help="chat loop; an empty line or Ctrl-D quits")
     parser.add_argument("--request_timeout_s", type=float, default=ClientConfig.request_timeout_s)
     parser.add_argument("--max_retries", type=int, default=None)
@@ -193,7 +200,10 @@ def _main(argv: list[str] | None = None) -> int:
                 f"{_speculative_summary(model)}]"
             )
             return 0
-        with model.inference_session(max_length=args.max_length) as session:
+        # servers refuse sessions longer than the positions the model was trained for
+        trained = getattr(model.config, "max_position_embeddings", None)
+        max_length = args.max_length or min(DEFAULT_SESSION_TOKENS, int(trained or DEFAULT_SESSION_TOKENS))
+        with model.inference_session(max_length=max_length) as session:
             while True:
                 try:
                     line = _read_line("> ")
@@ -204,7 +214,7 @@ def _main(argv: list[str] | None = None) -> int:
                 ids = tokenizer(line if session.position == 0 else " " + line, return_tensors="pt")["input_ids"]
                 if session.position > 0 and tokenizer.bos_token_id is not None and ids[0, 0] == tokenizer.bos_token_id:
                     ids = ids[:, 1:]
-                if session.position + ids.shape[1] + args.max_new_tokens + 1 > args.max_length:
+                if session.position + ids.shape[1] + args.max_new_tokens + 1 > max_length:
                     print("[session is full; restart to continue]")
                     break
                 streamer = _TextStreamer(tokenizer)
