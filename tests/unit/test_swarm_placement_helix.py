@@ -21,6 +21,16 @@ def test_corolla_sequential_joins_reach_85_percent_of_helix_ilp() -> None:
         assert all(1 <= e - s <= kind.max_blocks for (s, e), kind in zip(layout, helix.NODE_KINDS, strict=True))
 
 
+def test_corolla_fixed_join_orders_reach_it_too() -> None:
+    nodes = list(range(len(helix.NODE_KINDS)))
+    big_first = sorted(nodes, key=lambda n: -helix.NODE_KINDS[n].capacity_tps[0])
+    for order in (nodes, big_first, big_first[::-1]):
+        flow = helix.routed_max_flow(helix.sequential_joins("corolla", 0, order))
+        assert flow >= 0.85 * helix.HELIX_BEST_FLOW_TPS
+    with pytest.raises(ValueError, match="permutation"):
+        helix.sequential_joins("corolla", 0, [0, 0])
+
+
 def test_petals_sequential_joins_stay_far_below() -> None:
     corolla = min(helix.routed_max_flow(helix.sequential_joins("corolla", seed)) for seed in SEEDS)
     petals = [helix.routed_max_flow(helix.sequential_joins("petals", seed)) for seed in SEEDS]

@@ -16,6 +16,7 @@ Source of every number: github.com/Thesys-lab/Helix-ASPLOS25, `artifact_evaluati
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from statistics import median
 
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
@@ -91,13 +92,16 @@ def node_capacity(node: int) -> ServerCapacity:
     return ServerCapacity(f"node{node}", kind.max_blocks, kind.capacity_tps[-1], capacity_tps=kind.capacity_tps)
 
 
-def sequential_joins(policy_name: str, seed: int) -> tuple[tuple[int, int], ...]:
-    """The layout the 24 nodes reach without a scheduler: they join one by one in a seeded random order, each calling
-    the policy's real `choose_span` with the records of those already present (announcing its tokens/s at its span).
-    Returns (first layer, last layer + 1) per compute node."""
+def sequential_joins(policy_name: str, seed: int, order: Sequence[int] | None = None) -> tuple[tuple[int, int], ...]:
+    """The layout the 24 nodes reach without a scheduler: they join one by one in a seeded random order (or `order`,
+    a permutation of node indices), each calling the policy's real `choose_span` with the records of those already
+    present (announcing its tokens/s at its span). Returns (first layer, last layer + 1) per compute node."""
     policy = make_policy(policy_name)
-    order = list(range(len(NODE_KINDS)))
-    random.Random(seed).shuffle(order)
+    if order is None:
+        order = list(range(len(NODE_KINDS)))
+        random.Random(seed).shuffle(order)
+    elif sorted(order) != list(range(len(NODE_KINDS))):
+        raise ValueError(f"order must be a permutation of 0..{len(NODE_KINDS) - 1}")
     spans: dict[int, RemoteSpanInfo] = {}
     for node in order:
         me = node_capacity(node)
