@@ -58,7 +58,7 @@ def measure(model, shape, dtype: torch.dtype, args: Any, log: Callable[[str], No
     from hivemind.p2p import PeerID
 
     from benchmarks.users.server import BenchServer, build_executor
-    from corolla.server.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor
+    from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor
 
     device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", torch.cuda.current_device())
     n = min(args.rpc_layers, shape.num_layers)

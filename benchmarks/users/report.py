@@ -27,9 +27,9 @@ from benchmarks.common.model import ModelShape
 from benchmarks.users.clients import CLIENT_DESCRIPTIONS, CpuSplit, format_cpus
 from benchmarks.users.config import CLIENT_KINDS, UsersConfig
 from benchmarks.users.server import BenchServer, UsersResult, build_executor, run_users
-from corolla.server.executor import DeviceExecutor
-from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.step_timeline import TIMELINE_ENV
+from corolla.server.core.executor import DeviceExecutor
+from corolla.server.core.gather import GatherRule, GatherSettings
+from corolla.server.front.step_timeline import TIMELINE_ENV
 
 
 def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
@@ -68,7 +68,7 @@ def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
 
 def _engine_row(executor: DeviceExecutor, sessions: int, prefix_tokens: int, steps: int) -> dict | None:
     """The fast path's engine driven in this process by its `ContinuousBatcher` (no RPC): its own, labelled row."""
-    from corolla.server.engine_executor import EngineExecutor
+    from corolla.server.core.engine_executor import EngineExecutor
 
     if not isinstance(executor, EngineExecutor):
         return None
@@ -142,7 +142,7 @@ def _measure(
 
 def _server_step_ms(executor: DeviceExecutor, prefix_tokens: int) -> float:
     """A lone session's step on the engine itself (no RPC): the floor a client step is compared with."""
-    from corolla.server.engine_executor import EngineExecutor
+    from corolla.server.core.engine_executor import EngineExecutor
 
     assert isinstance(executor, EngineExecutor)
     return float(engine_steps.single_session(executor.engine, prefix_tokens=prefix_tokens, steps=64)["median_ms"])
@@ -151,7 +151,7 @@ def _server_step_ms(executor: DeviceExecutor, prefix_tokens: int) -> float:
 def _cpu_linear_off(executor: DeviceExecutor) -> None:
     """Drops the CPU projection choices the fast executor's warm-up made (`--cpu_linear off`)."""
     from corolla.engine.fast_llama import FastLlamaSpan
-    from corolla.server.engine_executor import EngineExecutor
+    from corolla.server.core.engine_executor import EngineExecutor
 
     assert isinstance(executor, EngineExecutor) and isinstance(executor.engine.model, FastLlamaSpan)
     executor.engine.model.ops.cpu_linear = None

@@ -50,8 +50,8 @@ from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from benchmarks.users.cpu_share import CpuProbe
-    from corolla.server.executor import DeviceExecutor
-    from corolla.server.runtime import Runtime
+    from corolla.server.core.executor import DeviceExecutor
+    from corolla.server.core.runtime import Runtime
     from corolla.server.span_service import SpanService
 
 logger = get_logger(__name__)
@@ -132,8 +132,8 @@ def build_executor(
     from benchmarks.common.model import build_blocks, build_hf_model
     from corolla.engine import EngineConfig, SpanEngine
     from corolla.server.backend import SpanBackend
-    from corolla.server.engine_executor import EngineExecutor
-    from corolla.server.runtime import Runtime
+    from corolla.server.core.engine_executor import EngineExecutor
+    from corolla.server.core.runtime import Runtime
 
     small = ModelShape(**{**asdict(shape), "num_layers": num_layers})
     source = model if model is not None else build_hf_model(small, dtype, device, seed=seed)
@@ -166,7 +166,7 @@ class BenchServer:
         handler_poll_s: float | None = None,
     ):
         from corolla.server import config
-        from corolla.server.block_functions import ServingLimits
+        from corolla.server.front.block_functions import ServingLimits
 
         self.executor, self.device, self.num_handlers = executor, device, num_handlers
         # handler processes poll after each message (`HandlerSettings`); None: as a server's default settings do
@@ -201,9 +201,9 @@ class BenchServer:
     def _serving(self, keep_runtime: bool) -> Iterator[BenchServer]:
         from hivemind.p2p import P2P
 
-        from corolla.server.direct_endpoint import DirectListen
-        from corolla.server.limits import PeerLimits
-        from corolla.server.sessions import SessionTimeouts
+        from corolla.server.core.limits import PeerLimits
+        from corolla.server.core.sessions import SessionTimeouts
+        from corolla.server.front.direct_endpoint import DirectListen
         from corolla.server.span_service import SpanService
         from corolla.utils.busy_poll import BusyPollSelector
 
@@ -291,7 +291,7 @@ def _start_forkserver() -> None:
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["corolla.server.handler_process", *CLIENT_PRELOAD]
+        ["corolla.server.handlers.handler_process", *CLIENT_PRELOAD]
     )
     forkserver.ensure_running()
 
@@ -395,7 +395,7 @@ def run_users(
 
 
 def _summarize(config: UsersConfig, serving_path: str, collected, before, after, started, ended) -> UsersResult:
-    from corolla.server.runtime import KindStats
+    from corolla.server.core.runtime import KindStats
 
     errors = [e for r in collected for e in r["errors"]]
     per_session = [lat for r in collected for lat in r["latencies"] if lat]

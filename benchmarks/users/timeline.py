@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from benchmarks.common.measure import percentile
-from corolla.server.return_times import ReturnTimes
+from corolla.server.handlers.return_times import ReturnTimes
 
 if TYPE_CHECKING:
     from corolla.server.span_service import SpanService
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 def timeline_dir() -> Path | None:
     """Where this run's handler processes save their step timelines (`--timeline`), or None."""
-    from corolla.server.step_timeline import TIMELINE_ENV
+    from corolla.server.front.step_timeline import TIMELINE_ENV
 
     directory = os.environ.get(TIMELINE_ENV)
     return Path(directory) if directory else None
@@ -51,7 +51,7 @@ def timeline_summary(directory: Path) -> dict[str, float]:
     (`server.step_timeline`): the handler's own part before and after the device, the device channel's round trip,
     and the client's turnaround as the server sees it (a response written to the next request read: the client's
     work, both transits and any wait of the handler's loop to read)."""
-    from corolla.server.step_timeline import IN
+    from corolla.server.front.step_timeline import IN
 
     parts: dict[str, list[float]] = {"handler_in": [], "device_round_trip": [], "handler_out": [], "client_turn": []}
     for path in sorted(directory.glob("timeline-*.jsonl")):
@@ -82,7 +82,7 @@ def timeline_by_process(directory: Path) -> list[tuple[float, float]]:
     """Per handler process (one saved file each, in file-name order): the device channel's round trip p50 and its
     sessions' step as the server sees it (one request read to the next) p50, ms. A process whose replies always
     leave last after a merged forward shows a longer step than the others."""
-    from corolla.server.step_timeline import BACK, IN, SENT
+    from corolla.server.front.step_timeline import BACK, IN, SENT
 
     out: list[tuple[float, float]] = []
     for path in sorted(directory.glob("timeline-*.jsonl")):

@@ -16,8 +16,8 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.batcher import execute_steps
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
-from corolla.server.runtime import Runtime
-from corolla.server.task import KIND_INFERENCE, PRIORITY_INFERENCE
+from corolla.server.core.runtime import Runtime
+from corolla.server.core.task import KIND_INFERENCE, PRIORITY_INFERENCE
 from helpers.tiny_models import tiny_config
 
 H = 64

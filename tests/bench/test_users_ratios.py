@@ -11,7 +11,7 @@ import pytest
 from benchmarks.users.report import ServerRun, parse_args, ratio_notes
 from benchmarks.users.server import UsersResult
 from benchmarks.users.timeline import return_summary, window_breakdown
-from corolla.server.return_times import ReturnTimes
+from corolla.server.handlers.return_times import ReturnTimes
 
 
 def _row(sessions: int, transport: str, tok_s: float, repeat: int, rates: float = float("nan")) -> UsersResult:

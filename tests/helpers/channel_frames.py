@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from corolla.server.channel_io import FrameSocket
+from corolla.server.handlers.channel_io import FrameSocket
 
 
 def recv_frame(io: FrameSocket) -> tuple[int, int, memoryview]:

@@ -77,7 +77,7 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
     if mode not in MODES:
         raise ValueError(f"COROLLA_HOSTILE_MODE must be one of {MODES}, got {mode!r}")
     from corolla.protocol.codecs import serialize_tensor
-    from corolla.server.handler import TransformerConnectionHandler
+    from corolla.server.front.handler import TransformerConnectionHandler
     from corolla.server.server import Server
 
     trigger = _Trigger(mode, after, mode_file)

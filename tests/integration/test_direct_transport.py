@@ -21,7 +21,7 @@ from corolla.client.direct_transport import DirectInferenceStream
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.protocol.rpc import handle_name
-from corolla.server.limits import PeerLimits
+from corolla.server.core.limits import PeerLimits
 from helpers.swarm import ClientThread, chain, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
 
@@ -279,7 +279,7 @@ def test_a_stalled_or_oversized_frame_ends_the_stream(server, client, attack):
 
 
 def test_a_peer_past_its_connection_share_is_refused(server, client):
-    from corolla.server.direct_endpoint import SPARE_CONNECTIONS_PER_PEER
+    from corolla.server.front.direct_endpoint import SPARE_CONNECTIONS_PER_PEER
 
     offer = ticket_offer(client, server)
     share = MAX_SESSIONS_PER_PEER + SPARE_CONNECTIONS_PER_PEER

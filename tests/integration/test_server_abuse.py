@@ -1,6 +1,6 @@
 """Hostile peers against one in-process server (loopback swarm): KV hoarding by one peer and by several idle ones,
 streams that stall mid-message or declare huge messages, re-sent steps, and long forwards split into chunks.
-Each test fails on a server without the limits in `server/limits.py` (hoarders keep the cache, stalled bytes stay
+Each test fails on a server without the limits in `server/core/limits.py` (hoarders keep the cache, stalled bytes stay
 buffered until request_timeout, a re-sent step gets no answer)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hivemind.compression.serialization import deserialize_torch_tensor
 from hivemind.p2p import P2P, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from corolla.server.limits import MiB, PeerLimits
+from corolla.server.core.limits import MiB, PeerLimits
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
 

@@ -16,7 +16,7 @@ from hivemind.proto import runtime_pb2
 from corolla.models.loading import load_pretrained_block
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.forwarding import NEXT_STEP_KEY
-from corolla.server.limits import PeerLimits
+from corolla.server.core.limits import PeerLimits
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
 
@@ -492,11 +492,11 @@ def test_eager_engine_through_the_handler(server, blocks):
 
     from corolla.engine import EngineConfig, SpanEngine
     from corolla.server.backend import SpanBackend
-    from corolla.server.block_functions import ServingLimits
-    from corolla.server.engine_executor import EngineExecutor
-    from corolla.server.runtime import Runtime
+    from corolla.server.core.engine_executor import EngineExecutor
+    from corolla.server.core.runtime import Runtime
+    from corolla.server.core.sessions import SessionTimeouts
+    from corolla.server.front.block_functions import ServingLimits
     from corolla.server.server import SpanService
-    from corolla.server.sessions import SessionTimeouts
 
     backend = SpanBackend(dict(enumerate(blocks)), config=server.model_config, dtype=torch.float32, device="cpu")
     runtime = Runtime(max_batch_size_tokens=1024)

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from corolla.server import proxy_wire as wire
-from corolla.server.channel_intake import THREAD_NAME, ChannelIntake
-from corolla.server.channel_io import FrameSocket
+from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.channel_intake import THREAD_NAME, ChannelIntake
+from corolla.server.handlers.channel_io import FrameSocket
 
 
 class _Channel:

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from corolla.server import proxy_wire as wire
-from corolla.server.channel_io import INITIAL_BUFFER_BYTES, FrameSocket
+from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.channel_io import INITIAL_BUFFER_BYTES, FrameSocket
 from helpers.channel_frames import recv_frame
 
 

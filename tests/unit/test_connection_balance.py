@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from corolla.server.connection_balance import (
+from corolla.server.front.connection_balance import (
     TABLE_NAME,
     BalanceDirectory,
     ConnectionHandoff,
@@ -177,7 +177,7 @@ def test_endpoint_counts_a_connection_from_accept_and_stops_cleanly_with_it_open
     from hivemind.p2p import PeerID
 
     from corolla.protocol.direct_stream import TicketSecret
-    from corolla.server.direct_endpoint import DirectEndpoint, DirectListen
+    from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
 
     async def go() -> None:
         loop = asyncio.get_running_loop()

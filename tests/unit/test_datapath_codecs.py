@@ -14,8 +14,8 @@ from hivemind.compression.serialization import deserialize_torch_tensor, seriali
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
-from corolla.server.block_functions import all_finite
-from corolla.server.runtime import Runtime
+from corolla.server.core.runtime import Runtime
+from corolla.server.front.block_functions import all_finite
 
 DTYPES = [
     torch.bfloat16,

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
-from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
-from corolla.server.engine_executor import EngineExecutor
-from corolla.server.executor import SessionSpec, StepInputs
-from corolla.server.limits import PeerLimits
-from corolla.server.proxy_executor import DeviceLink, ProxyExecutor, ProxySessionCache
-from corolla.server.refusals import BadRequest
-from corolla.server.runtime import Runtime
+from corolla.server.core.admission import SessionAdmission
+from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.limits import PeerLimits
+from corolla.server.core.refusals import BadRequest
+from corolla.server.core.runtime import Runtime
+from corolla.server.handlers.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor, ProxySessionCache
 from helpers.tiny_models import tiny_span_backend
 
 H, SPAN, SESSIONS = 64, (0, 1), 6

@@ -14,18 +14,18 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.server import proxy_wire as wire
-from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
-from corolla.server.channel_io import FrameSocket
-from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
-from corolla.server.engine_executor import EngineExecutor
-from corolla.server.executor import SessionSpec, StepInputs
-from corolla.server.limits import PeerLimits
-from corolla.server.proxy_executor import DeviceLink, ProxyExecutor
-from corolla.server.refusals import BadRequest
-from corolla.server.runtime import Runtime, RuntimeStopped
-from corolla.server.task import Task
+from corolla.server.core.admission import SessionAdmission
+from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.limits import PeerLimits
+from corolla.server.core.refusals import BadRequest
+from corolla.server.core.runtime import Runtime, RuntimeStopped
+from corolla.server.core.task import Task
+from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.channel_io import FrameSocket
+from corolla.server.handlers.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor
 from helpers.channel_frames import recv_frame
 from helpers.tiny_models import tiny_span_backend
 

@@ -10,8 +10,8 @@ import threading
 
 from hivemind.proto import runtime_pb2
 
-from corolla.server import proxy_wire as wire
-from corolla.server.proxy_executor import DeviceInfo, DeviceLink
+from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.proxy_executor import DeviceInfo, DeviceLink
 
 
 async def test_a_large_frame_is_read_without_pausing_the_socket() -> None:

@@ -14,10 +14,10 @@ from corolla.engine.fast_dense import FastDenseSpan
 from corolla.engine.serving import SpanTraits
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
-from corolla.server.engine_executor import EngineExecutor, build_engine_executor
-from corolla.server.executor import SessionSpec, StepInputs
+from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
+from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.runtime import Runtime
 from corolla.server.metrics import ServerMetrics
-from corolla.server.runtime import Runtime
 from helpers.tiny_models import tiny_config, torch_threads
 
 SPAN = (1, 2)

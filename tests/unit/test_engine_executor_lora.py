@@ -15,10 +15,10 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.serving import SpanTraits
 from corolla.server.backend import SpanBackend
-from corolla.server.engine_executor import EngineExecutor, build_engine_executor
-from corolla.server.executor import SessionSpec, StepInputs
+from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
+from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.runtime import Runtime
 from corolla.server.metrics import ServerMetrics
-from corolla.server.runtime import Runtime
 from helpers.lora_blocks import ADAPTERS, make_lora_blocks
 from helpers.tiny_models import torch_threads
 

@@ -16,10 +16,10 @@ from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.models.kv_sizing import kv_cache_bytes_per_token
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
-from corolla.server.engine_executor import EngineExecutor, build_engine_executor
-from corolla.server.executor import SessionSpec, StepInputs
+from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
+from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.runtime import Runtime
 from corolla.server.metrics import ServerMetrics
-from corolla.server.runtime import Runtime
 from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of
 

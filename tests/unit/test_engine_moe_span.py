@@ -16,10 +16,10 @@ from corolla.engine.span_engine import StepRequest
 from corolla.models.layers import SparseMoE
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
-from corolla.server.engine_executor import EngineExecutor
-from corolla.server.executor import SessionSpec, StepInputs
+from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.runtime import Runtime
 from corolla.server.metrics import ServerMetrics
-from corolla.server.runtime import Runtime
 from helpers.engine_reference import cached_block_steps
 from helpers.tiny_models import HIDDEN_SIZE as H
 from helpers.tiny_models import tiny_config

@@ -19,11 +19,10 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.models.registry import get_family
-from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
-from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
-from corolla.server.engine_executor import EngineExecutor, build_engine_executor
-from corolla.server.executor import (
+from corolla.server.core.admission import SessionAdmission
+from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
+from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
@@ -31,10 +30,11 @@ from corolla.server.executor import (
     SpanExecutor,
     StepInputs,
 )
-from corolla.server.limits import PeerLimits
+from corolla.server.core.limits import PeerLimits
+from corolla.server.core.runtime import Runtime
+from corolla.server.handlers.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor
 from corolla.server.metrics import ServerMetrics
-from corolla.server.proxy_executor import DeviceLink, ProxyExecutor
-from corolla.server.runtime import Runtime
 from corolla.utils.errors import AllocationFailed
 from helpers.tiny_models import tiny_config
 
@@ -312,8 +312,8 @@ async def test_proxy_sizes_sessions_as_the_device_does(backend, kind) -> None:
 
 
 async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(backend) -> None:
-    from corolla.server.limits import PeerLimitExceeded
-    from corolla.server.proxy_executor import RemoteAdmission
+    from corolla.server.core.limits import PeerLimitExceeded
+    from corolla.server.handlers.proxy_executor import RemoteAdmission
 
     limits = PeerLimits(max_sessions_per_peer=1, max_kv_fraction_per_peer=1.0, session_idle_evict_s=0.01)
     with Runtime(max_batch_size_tokens=1024) as runtime:
@@ -336,8 +336,8 @@ async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(
 async def test_push_is_routed_to_the_process_holding_the_session(backend) -> None:
     from hivemind.proto import runtime_pb2
 
-    from corolla.server.peer_auth import SessionPushGuard
-    from corolla.server.proxy_executor import RoutingSessionRegistry
+    from corolla.server.front.peer_auth import SessionPushGuard
+    from corolla.server.handlers.proxy_executor import RoutingSessionRegistry
 
     router = PushRouter(DeviceSessionRegistry())
     with Runtime(max_batch_size_tokens=1024) as runtime:

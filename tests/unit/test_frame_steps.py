@@ -17,15 +17,15 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.batcher import PendingUnits, StepGroup, execute_steps, flatten_units, regroup
 from corolla.engine.span_engine import StepRequest
-from corolla.server import proxy_wire as wire
-from corolla.server.admission import SessionAdmission
 from corolla.server.backend import SpanBackend
-from corolla.server.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor, EngineSessionCache
-from corolla.server.executor import SessionCache, SessionSpec, StepInputs
-from corolla.server.frame_steps import FrameIntake, StepReply
-from corolla.server.limits import PeerLimits
-from corolla.server.runtime import Runtime, RuntimeStopped
-from corolla.server.task import Task, TaskQueue
+from corolla.server.core.admission import SessionAdmission
+from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor, EngineSessionCache
+from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
+from corolla.server.core.limits import PeerLimits
+from corolla.server.core.runtime import Runtime, RuntimeStopped
+from corolla.server.core.task import Task, TaskQueue
+from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.frame_steps import FrameIntake, StepReply
 from helpers.tiny_models import tiny_span_backend
 
 H, SPAN, ROWS = 64, (0, 1), 8  # ROWS: the engine's largest forward (the merge limit of a decode batch)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from corolla.cli.run_server import parse_config
-from corolla.server.engine_executor import GIL_SWITCH_INTERVAL_S, shorten_gil_switch_interval
+from corolla.server.core.engine_executor import GIL_SWITCH_INTERVAL_S, shorten_gil_switch_interval
 from corolla.utils import gil
 
 

@@ -15,8 +15,8 @@ from corolla.engine.graph_decode import HostStaging, PendingDecode, merge_rows, 
 from corolla.engine.kv_pool import TRASH_PAGE
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
-from corolla.server import proxy_wire
-from corolla.server import proxy_wire as wire
+from corolla.server.handlers import proxy_wire
+from corolla.server.handlers import proxy_wire as wire
 from helpers.tiny_models import tiny_config
 
 H = 64  # tiny_config hidden size

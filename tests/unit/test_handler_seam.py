@@ -16,8 +16,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import encode_metadata
-from corolla.server.block_functions import ServingLimits
-from corolla.server.executor import (
+from corolla.server.core.executor import (
     PATH_EAGER,
     BackwardInputs,
     ForwardInputs,
@@ -27,12 +26,13 @@ from corolla.server.executor import (
     StepInputs,
     TensorDescriptorLike,
 )
-from corolla.server.handler import TransformerConnectionHandler
-from corolla.server.limits import PeerLimits
+from corolla.server.core.limits import PeerLimits
+from corolla.server.core.refusals import BadRequest, TooLong
+from corolla.server.core.runtime import Runtime
+from corolla.server.core.sessions import SessionTimeouts
+from corolla.server.front.block_functions import ServingLimits
+from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.metrics import ServerMetrics
-from corolla.server.refusals import BadRequest, TooLong
-from corolla.server.runtime import Runtime
-from corolla.server.sessions import SessionTimeouts
 from corolla.utils.errors import AllocationFailed
 
 H = 8

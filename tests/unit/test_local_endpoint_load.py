@@ -14,7 +14,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
-from corolla.server.local_endpoint import LocalEndpoint
+from corolla.server.front.local_endpoint import LocalEndpoint
 
 
 class _Handler:

@@ -10,9 +10,9 @@ import struct
 import pytest
 import torch
 
-from corolla.server import proxy_wire as wire
-from corolla.server.limits import PeerLimitExceeded
-from corolla.server.refusals import TooLong
+from corolla.server.core.limits import PeerLimitExceeded
+from corolla.server.core.refusals import TooLong
+from corolla.server.handlers import proxy_wire as wire
 from corolla.utils.errors import AllocationFailed
 
 

@@ -13,7 +13,7 @@ from corolla.protocol.forwarding import NEXT_STEP_KEY
 from corolla.protocol.handoff import EXPORT_KEY
 from corolla.protocol.metadata import InferenceRequestMetadata
 from corolla.protocol.packing import pack_args_kwargs
-from corolla.server.peer_auth import SessionPushGuard, screen_step
+from corolla.server.front.peer_auth import SessionPushGuard, screen_step
 
 HIDDEN = 8
 DUMMY = torch.empty(0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from corolla.server.return_times import BUCKET_S, NUM_BUCKETS, ReturnTimes
+from corolla.server.handlers.return_times import BUCKET_S, NUM_BUCKETS, ReturnTimes
 
 
 def test_a_return_is_counted_from_the_result_to_the_next_step_of_the_same_session() -> None:

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from corolla.server.runtime import Runtime, RuntimeStopped
-from corolla.server.task import PRIORITY_FORWARD, PRIORITY_INFERENCE
+from corolla.server.core.runtime import Runtime, RuntimeStopped
+from corolla.server.core.task import PRIORITY_FORWARD, PRIORITY_INFERENCE
 
 
 async def _block_runtime(runtime: Runtime) -> tuple[threading.Event, asyncio.Future]:
@@ -163,7 +163,7 @@ def _thread_name_executor(tasks: list) -> list:
 
 
 async def test_lone_short_step_runs_inline_when_idle_and_queues_otherwise() -> None:
-    from corolla.server.runtime import INLINE_MAX_TOKENS
+    from corolla.server.core.runtime import INLINE_MAX_TOKENS
 
     here = threading.current_thread().name
     with Runtime(max_batch_size_tokens=1000) as runtime:

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from corolla.server.runtime import Runtime, RuntimeStopped
-from corolla.server.task import Task
+from corolla.server.core.runtime import Runtime, RuntimeStopped
+from corolla.server.core.task import Task
 
 
 class _Channel:

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.runtime import Runtime
-from corolla.server.task import Task
+from corolla.server.core.gather import GatherRule, GatherSettings
+from corolla.server.core.runtime import Runtime
+from corolla.server.core.task import Task
 
 pytestmark = pytest.mark.serial  # cohorts split or merge by a few ms of scheduling: the CPU to itself (a parallel
 # `make test` under a docker build once merged the "without the rule" cohorts in 4 of 16 rounds)

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from corolla.server.gather import GatherSettings
-from corolla.server.runtime import Runtime, RuntimeStopped
-from corolla.server.task import Task
+from corolla.server.core.gather import GatherSettings
+from corolla.server.core.runtime import Runtime, RuntimeStopped
+from corolla.server.core.task import Task
 
 WAIT_S = 5.0
 

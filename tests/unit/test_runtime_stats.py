@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from corolla.server.runtime import KindStats, Runtime
+from corolla.server.core.runtime import KindStats, Runtime
 
 
 def test_merged_tasks_are_counted_per_batch_and_kind():

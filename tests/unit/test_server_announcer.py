@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
-from corolla.server import block_functions as bf
 from corolla.server.announcer import Announcer
+from corolla.server.front import block_functions as bf
 
 
 class FakeRecords:

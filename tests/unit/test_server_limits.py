@@ -16,9 +16,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.engine.kv_pool import KVLayout, KVPool
 from corolla.engine.page_queue import PageQueue
-from corolla.server.admission import ForwardSlots, SessionAdmission
-from corolla.server.forward_chunks import plan_token_chunks, run_forward_chunked
-from corolla.server.limits import (
+from corolla.server.core.admission import ForwardSlots, SessionAdmission
+from corolla.server.core.forward_chunks import plan_token_chunks, run_forward_chunked
+from corolla.server.core.limits import (
     DuplicateStep,
     PeerLimitExceeded,
     PeerLimits,
@@ -27,9 +27,9 @@ from corolla.server.limits import (
     StreamStalled,
     peer_key,
 )
-from corolla.server.refusals import rejection_reason
-from corolla.server.sessions import SessionState, SessionTimeouts, iterate_steps
-from corolla.server.stream_guard import StreamBudget
+from corolla.server.core.refusals import rejection_reason
+from corolla.server.core.sessions import SessionState, SessionTimeouts, iterate_steps
+from corolla.server.front.stream_guard import StreamBudget
 from corolla.utils.errors import AllocationFailed
 
 KIB = 1024

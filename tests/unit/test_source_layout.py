@@ -51,7 +51,7 @@ class Import:
 
 @dataclass
 class Module:
-    name: str  # dotted, e.g. corolla.server.runtime
+    name: str  # dotted, e.g. corolla.server.core.runtime
     path: Path
     folder: str  # the first folder under corolla/ ("" for modules directly in it)
     is_package: bool

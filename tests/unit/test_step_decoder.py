@@ -18,14 +18,14 @@ from hivemind.proto import runtime_pb2
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
-from corolla.server import block_functions as bf
-from corolla.server import proxy_wire as wire
-from corolla.server.block_functions import ServingLimits
-from corolla.server.executor import PATH_EAGER, SessionCache, SessionSpec, StepInputs
-from corolla.server.handler import TransformerConnectionHandler
+from corolla.server.core.executor import PATH_EAGER, SessionCache, SessionSpec, StepInputs
+from corolla.server.core.sessions import SessionTimeouts
+from corolla.server.front import block_functions as bf
+from corolla.server.front.block_functions import ServingLimits
+from corolla.server.front.handler import TransformerConnectionHandler
+from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.proxy_executor import DeviceInfo, DeviceLink, ProxyExecutor, ProxySessionCache
 from corolla.server.metrics import ServerMetrics
-from corolla.server.proxy_executor import DeviceInfo, DeviceLink, ProxyExecutor, ProxySessionCache
-from corolla.server.sessions import SessionTimeouts
 
 H = 8
 NONE = runtime_pb2.CompressionType.NONE

@@ -11,7 +11,7 @@ from hivemind.proto import runtime_pb2
 from corolla.protocol import codecs
 from corolla.protocol.codecs import TensorLimits, deserialize_tensor, serialize_tensor
 from corolla.protocol.packing import pack_args_kwargs, unpack_args_kwargs
-from corolla.server import block_functions as bf
+from corolla.server.front import block_functions as bf
 
 
 def _general(serialized: runtime_pb2.Tensor, limits: TensorLimits = codecs.DEFAULT_TENSOR_LIMITS) -> torch.Tensor:

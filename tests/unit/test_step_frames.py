@@ -10,8 +10,8 @@ import struct
 import pytest
 import torch
 
-from corolla.server import proxy_wire as wire
-from corolla.server.refusals import TooLong
+from corolla.server.core.refusals import TooLong
+from corolla.server.handlers import proxy_wire as wire
 
 
 def _state() -> wire.Writer:

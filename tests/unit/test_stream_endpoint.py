@@ -10,9 +10,9 @@ import asyncio
 import pytest
 
 from corolla.protocol import local_stream as ls
-from corolla.server.limits import PeerLimitExceeded, PeerLimits, StreamStalled
-from corolla.server.stream_endpoint import PlainFrames, read_frame
-from corolla.server.stream_guard import StreamBudget, StreamLease
+from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, StreamStalled
+from corolla.server.front.stream_endpoint import PlainFrames, read_frame
+from corolla.server.front.stream_guard import StreamBudget, StreamLease
 
 IDLE_S = 0.5
 
@@ -25,7 +25,7 @@ async def _feed(reader: asyncio.StreamReader, pieces: list[bytes], gap_s: float)
 
 def _read(pieces: list[bytes], gap_s: float, *, limit: int = 1 << 20, lease: StreamLease | None = None):
     async def go():
-        from corolla.server.deadlines import TaskDeadline
+        from corolla.server.core.deadlines import TaskDeadline
 
         reader = asyncio.StreamReader()
         feeding = asyncio.create_task(_feed(reader, pieces, gap_s))

@@ -8,8 +8,8 @@ import asyncio
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from corolla.server import stream_guard
-from corolla.server.limits import PeerLimitExceeded, PeerLimits
+from corolla.server.core.limits import PeerLimitExceeded, PeerLimits
+from corolla.server.front import stream_guard
 
 CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
 

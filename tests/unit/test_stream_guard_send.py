@@ -13,7 +13,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol.codecs import serialize_tensor
-from corolla.server import stream_guard
+from corolla.server.front import stream_guard
 
 CLIENT_PEER = PeerID(b"test-client")  # a peer id object, as p2pd reports a stream's peer
 

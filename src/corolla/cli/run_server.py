@@ -20,7 +20,7 @@ from corolla.cli.errors import (
     run_cli,
 )
 from corolla.server.config import COMPRESSION_NAMES, QUANT_TYPE_NAMES, TORCH_DTYPE_NAMES, ServerConfig
-from corolla.server.limits import add_limit_flags
+from corolla.server.core.limits import add_limit_flags
 from corolla.server.server import Server
 from corolla.server.startup_checks import check_settings
 from corolla.swarm.policy import POLICY_NAMES

@@ -6,7 +6,7 @@ computes and pushes on, so the last span's reply reaches the client after n+1 on
 client still sends every span its own copy of the step (same `step_id`; servers de-duplicate), as soon as it has
 the previous span's outputs: a lost or refused push costs latency, never correctness, and the client keeps every
 span's inputs for replays after a failure. Each request also announces the id of the client's next step
-(`corolla.next_step_id`): corolla servers run a pushed step only if it carries that id (server/peer_auth.py).
+(`corolla.next_step_id`): corolla servers run a pushed step only if it carries that id (server/front/peer_auth.py).
 
 A span is pushed to only when the push would be exactly the request the client sends it: same start position
 (not a replay or a replacement that has yet to catch up), no deep prompts and no `hypo_ids`, an open session whose

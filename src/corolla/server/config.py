@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from corolla.server.direct_endpoint import DirectListen
-from corolla.server.limits import PeerLimits
+from corolla.server.core.limits import PeerLimits
+from corolla.server.front.direct_endpoint import DirectListen
 from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
 from corolla.swarm.policy import check_policy_name
 

@@ -33,7 +33,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from corolla.server.limits import LIMIT_REASONS
+from corolla.server.core.limits import LIMIT_REASONS
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -23,16 +23,16 @@ from corolla.protocol.uids import make_uid
 from corolla.server import startup_checks
 from corolla.server.announcer import Announcer
 from corolla.server.backend import SpanBackend
-from corolla.server.block_functions import ServingLimits
 from corolla.server.block_loading import load_span_blocks
 from corolla.server.config import ServerConfig, handler_poll_s, ignored_flags
-from corolla.server.drain import drain_sessions
-from corolla.server.engine_executor import executor_for_span
-from corolla.server.executor import DeviceExecutor
+from corolla.server.core.drain import drain_sessions
+from corolla.server.core.engine_executor import executor_for_span
+from corolla.server.core.executor import DeviceExecutor
+from corolla.server.core.sessions import SessionTimeouts
+from corolla.server.front.block_functions import ServingLimits
+from corolla.server.front.peer_auth import make_peer_auth
+from corolla.server.front.reachability_gate import validate_reachability
 from corolla.server.metrics import MetricsExporter, ServerMetrics
-from corolla.server.peer_auth import make_peer_auth
-from corolla.server.reachability_gate import validate_reachability
-from corolla.server.sessions import SessionTimeouts
 from corolla.server.settings import describe_settings, resolve_settings
 from corolla.server.slowdown import BlockDelay, block_delay_s, slowed_throughput
 from corolla.server.span_service import SpanService

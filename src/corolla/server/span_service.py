@@ -10,17 +10,17 @@ from typing import Any
 
 from corolla.protocol import local_stream as ls
 from corolla.protocol.direct_stream import TicketSecret
-from corolla.server.block_functions import ServingLimits
-from corolla.server.connection_balance import BalanceDirectory
-from corolla.server.device_channel import DeviceSessionRegistry
-from corolla.server.direct_endpoint import DirectEndpoint, DirectListen
-from corolla.server.executor import DeviceExecutor
-from corolla.server.handler import TransformerConnectionHandler
-from corolla.server.handler_pool import HandlerPool
-from corolla.server.handler_process import HandlerSettings
-from corolla.server.local_endpoint import LocalEndpoint
+from corolla.server.core.executor import DeviceExecutor
+from corolla.server.core.sessions import SessionTimeouts
+from corolla.server.front.block_functions import ServingLimits
+from corolla.server.front.connection_balance import BalanceDirectory
+from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
+from corolla.server.front.handler import TransformerConnectionHandler
+from corolla.server.front.local_endpoint import LocalEndpoint
+from corolla.server.handlers.device_channel import DeviceSessionRegistry
+from corolla.server.handlers.handler_pool import HandlerPool
+from corolla.server.handlers.handler_process import HandlerSettings
 from corolla.server.metrics import ServerMetrics
-from corolla.server.sessions import SessionTimeouts
 from corolla.utils.busy_poll import BusyPollSelector
 from corolla.utils.logging import get_logger
 

@@ -22,10 +22,8 @@ from dataclasses import dataclass
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.server import proxy_wire as wire
-from corolla.server import step_timeline
-from corolla.server.admission import SessionAdmission, SessionTicket
-from corolla.server.executor import (
+from corolla.server.core.admission import SessionAdmission, SessionTicket
+from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
@@ -34,9 +32,11 @@ from corolla.server.executor import (
     StepInputs,
     TensorDescriptorLike,
 )
-from corolla.server.limits import PeerLimits
-from corolla.server.peer_auth import SessionPushGuard
-from corolla.server.sessions import SessionRegistry
+from corolla.server.core.limits import PeerLimits
+from corolla.server.core.sessions import SessionRegistry
+from corolla.server.front import step_timeline
+from corolla.server.front.peer_auth import SessionPushGuard
+from corolla.server.handlers import proxy_wire as wire
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

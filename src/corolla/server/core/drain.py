@@ -16,11 +16,11 @@ from corolla.protocol import handoff as wire
 from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.records import ServerState
-from corolla.server import kv_handoff as kv
 from corolla.server.announcer import Announcer
-from corolla.server.executor import SpanExecutor
-from corolla.server.refusals import Draining
-from corolla.server.sessions import SessionRegistry, SessionState
+from corolla.server.core import kv_handoff as kv
+from corolla.server.core.executor import SpanExecutor
+from corolla.server.core.refusals import Draining
+from corolla.server.core.sessions import SessionRegistry, SessionState
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

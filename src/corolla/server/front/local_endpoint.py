@@ -16,7 +16,7 @@ from pathlib import Path
 from hivemind.p2p import P2PContext, PeerID
 
 from corolla.protocol import local_stream as ls
-from corolla.server.stream_endpoint import (
+from corolla.server.front.stream_endpoint import (
     Connections,
     InferenceRpc,
     PlainFrames,

@@ -9,10 +9,10 @@ from typing import Protocol
 
 from hivemind.proto import runtime_pb2
 
-from corolla.server import proxy_wire as wire
-from corolla.server.executor import SpanExecutor
+from corolla.server.core.executor import SpanExecutor
+from corolla.server.core.sessions import SessionRegistry
+from corolla.server.handlers import proxy_wire as wire
 from corolla.server.metrics import ServerMetrics
-from corolla.server.sessions import SessionRegistry
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from corolla.engine.step_request import HiddenRows
-from corolla.server.executor import HandoffUnsupported
-from corolla.server.limits import PeerLimitExceeded, ServerLimitExceeded, SessionEvicted
-from corolla.server.refusals import BadRequest, Draining, Overloaded, RequestTimeout, TooLong
-from corolla.server.runtime import RuntimeStopped
+from corolla.server.core.executor import HandoffUnsupported
+from corolla.server.core.limits import PeerLimitExceeded, ServerLimitExceeded, SessionEvicted
+from corolla.server.core.refusals import BadRequest, Draining, Overloaded, RequestTimeout, TooLong
+from corolla.server.core.runtime import RuntimeStopped
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.tensor_bytes import view_bytes
 

@@ -33,7 +33,7 @@ from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
 from corolla.models.block_base import TensorDescriptor
 from corolla.server.backend import SpanBackend
 from corolla.server.config import ServerConfig
-from corolla.server.executor import (
+from corolla.server.core.executor import (
     PATH_EAGER,
     PATH_FUSED,
     BackwardInputs,
@@ -45,11 +45,9 @@ from corolla.server.executor import (
     StepInputs,
     TensorDescriptorLike,
 )
-from corolla.server.forward_chunks import run_forward_chunked
-from corolla.server.metrics import ServerMetrics
-from corolla.server.runtime import Runtime
-from corolla.server.settings import ResolvedSettings
-from corolla.server.task import (
+from corolla.server.core.forward_chunks import run_forward_chunked
+from corolla.server.core.runtime import Runtime
+from corolla.server.core.task import (
     KIND_BACKWARD,
     KIND_FORWARD,
     KIND_GENERIC,
@@ -58,6 +56,8 @@ from corolla.server.task import (
     PRIORITY_INFERENCE,
     Task,
 )
+from corolla.server.metrics import ServerMetrics
+from corolla.server.settings import ResolvedSettings
 from corolla.utils.gil import lower_switch_interval
 from corolla.utils.logging import get_logger
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from corolla.server.block_functions import all_finite
-from corolla.server.executor import HandoffUnsupported, TensorDescriptorLike
+from corolla.server.core.executor import HandoffUnsupported, TensorDescriptorLike
+from corolla.server.front.block_functions import all_finite
 
 LENGTH_DIM = 2  # [B, kv_heads, max_length, head_dim]
 

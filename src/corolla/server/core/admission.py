@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from corolla.server.executor import SessionCache, SessionSpec, SpanExecutor
-from corolla.server.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded, SessionEvicted
+from corolla.server.core.executor import SessionCache, SessionSpec, SpanExecutor
+from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded, SessionEvicted
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

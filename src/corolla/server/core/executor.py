@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from corolla.engine.step_request import HiddenRows
-from corolla.server.runtime import Runtime
+from corolla.server.core.runtime import Runtime
 from corolla.utils.tensor_bytes import view_bytes
 
 # how the engine runs a span (reported, not chosen by the operator): fused kernels, or the family's blocks eagerly

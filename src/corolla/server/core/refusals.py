@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 
-from corolla.server.limits import DuplicateStep, LimitExceeded, SessionEvicted, StreamStalled
+from corolla.server.core.limits import DuplicateStep, LimitExceeded, SessionEvicted, StreamStalled
+from corolla.server.core.runtime import RuntimeStopped
 from corolla.server.metrics import ServerMetrics
-from corolla.server.runtime import RuntimeStopped
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
 

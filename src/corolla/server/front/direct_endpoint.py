@@ -28,11 +28,10 @@ from hivemind.utils import MSGPackSerializer
 
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
-from corolla.server.connection_balance import ConnectionHandoff
-from corolla.server.limits import PeerLimits
-from corolla.server.metrics import ServerMetrics
-from corolla.server.peer_auth import PeerAuth, info_uid, remote_peer
-from corolla.server.stream_endpoint import (
+from corolla.server.core.limits import PeerLimits
+from corolla.server.front.connection_balance import ConnectionHandoff
+from corolla.server.front.peer_auth import PeerAuth, info_uid, remote_peer
+from corolla.server.front.stream_endpoint import (
     HELLO_TIMEOUT_S,
     Connections,
     InferenceRpc,
@@ -40,7 +39,8 @@ from corolla.server.stream_endpoint import (
     read_hello,
     serve_inference,
 )
-from corolla.server.stream_guard import StreamBudget, StreamLease
+from corolla.server.front.stream_guard import StreamBudget, StreamLease
+from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

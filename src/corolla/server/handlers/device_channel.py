@@ -32,12 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corolla.server import proxy_wire as wire
-from corolla.server.admission import SessionAdmission, SessionTicket
-from corolla.server.channel_intake import ChannelIntake
-from corolla.server.channel_io import FrameSocket
-from corolla.server.engine_executor import EngineExecutor
-from corolla.server.executor import (
+from corolla.server.core.admission import SessionAdmission, SessionTicket
+from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.executor import (
     BackwardInputs,
     DeviceExecutor,
     ForwardInputs,
@@ -45,10 +42,13 @@ from corolla.server.executor import (
     SessionSpec,
     SpanExecutor,
 )
-from corolla.server.frame_steps import FrameIntake, StepReply
+from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.channel_intake import ChannelIntake
+from corolla.server.handlers.channel_io import FrameSocket
+from corolla.server.handlers.frame_steps import FrameIntake, StepReply
+from corolla.server.handlers.proxy_executor import DeviceInfo
+from corolla.server.handlers.push_router import DeviceSessionRegistry, PushRouter
 from corolla.server.metrics import ServerMetrics
-from corolla.server.proxy_executor import DeviceInfo
-from corolla.server.push_router import DeviceSessionRegistry, PushRouter
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -17,8 +17,8 @@ from hivemind.proto import runtime_pb2
 from corolla.protocol.codecs import check_castable, deserialize_tensor, is_plain_empty, plain_record
 from corolla.protocol.packing import unpack_args_kwargs
 from corolla.protocol.uids import parse_chain, parse_uid
-from corolla.server.executor import BackwardInputs, ForwardInputs, StepInputs
-from corolla.server.refusals import BadRequest, TooLong
+from corolla.server.core.executor import BackwardInputs, ForwardInputs, StepInputs
+from corolla.server.core.refusals import BadRequest, TooLong
 
 MAX_TENSORS_PER_REQUEST = 16
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.metadata import InferenceRequestMetadata
-from corolla.server.admission import SessionTicket
-from corolla.server.deadlines import TASK_DEADLINES, TaskDeadline
-from corolla.server.executor import SessionCache
-from corolla.server.limits import DuplicateStep, SessionEvicted
-from corolla.server.peer_auth import SessionPushGuard, screen_step
+from corolla.server.core.admission import SessionTicket
+from corolla.server.core.deadlines import TASK_DEADLINES, TaskDeadline
+from corolla.server.core.executor import SessionCache
+from corolla.server.core.limits import DuplicateStep, SessionEvicted
+from corolla.server.front.peer_auth import SessionPushGuard, screen_step
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

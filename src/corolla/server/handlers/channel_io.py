@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from corolla.server import proxy_wire as wire
+from corolla.server.handlers import proxy_wire as wire
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

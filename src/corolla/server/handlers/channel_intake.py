@@ -21,8 +21,8 @@ import socket
 import threading
 from typing import Protocol
 
-from corolla.server import proxy_wire as wire
-from corolla.server.channel_io import FrameSocket
+from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.channel_io import FrameSocket
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -26,16 +26,18 @@ from corolla.protocol.metadata import (
     encode_metadata,
 )
 from corolla.protocol.uids import make_chain
-from corolla.server import block_functions as bf
-from corolla.server.admission import ForwardSlots, SessionAdmission
-from corolla.server.block_functions import ServingLimits
-from corolla.server.deadlines import TaskDeadline
-from corolla.server.direct_endpoint import DirectTicketRpc
-from corolla.server.drain import Draining, SessionHandoff
-from corolla.server.executor import SessionSpec, SpanExecutor
-from corolla.server.limits import PeerLimits, peer_key
-from corolla.server.metrics import ServerMetrics
-from corolla.server.peer_auth import (
+from corolla.server.core.admission import ForwardSlots, SessionAdmission
+from corolla.server.core.deadlines import TaskDeadline
+from corolla.server.core.drain import Draining, SessionHandoff
+from corolla.server.core.executor import SessionSpec, SpanExecutor
+from corolla.server.core.limits import PeerLimits, peer_key
+from corolla.server.core.refusals import BadRequest, Refusals, RequestTimeout
+from corolla.server.core.runtime import Runtime
+from corolla.server.core.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
+from corolla.server.front import block_functions as bf
+from corolla.server.front.block_functions import ServingLimits
+from corolla.server.front.direct_endpoint import DirectTicketRpc
+from corolla.server.front.peer_auth import (
     PeerAuth,
     SessionPushGuard,
     check_request,
@@ -44,11 +46,9 @@ from corolla.server.peer_auth import (
     mark_pushed_reply,
     remote_peer,
 )
-from corolla.server.refusals import BadRequest, Refusals, RequestTimeout
-from corolla.server.runtime import Runtime
-from corolla.server.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
-from corolla.server.stream_guard import StreamBudget, register_handlers
-from corolla.server.stream_requests import gather_stream, stream_response
+from corolla.server.front.stream_guard import StreamBudget, register_handlers
+from corolla.server.front.stream_requests import gather_stream, stream_response
+from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import MembershipError
 from corolla.utils.busy_poll import BusyPollSelector
 from corolla.utils.logging import get_logger

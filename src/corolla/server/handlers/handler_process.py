@@ -18,17 +18,17 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.protocol.direct_stream import TicketSecret
-from corolla.server import proxy_wire as wire
-from corolla.server.block_functions import ServingLimits
-from corolla.server.connection_balance import ConnectionHandoff
-from corolla.server.direct_endpoint import DirectEndpoint, DirectListen
-from corolla.server.handler import TransformerConnectionHandler
-from corolla.server.limits import PeerLimits
-from corolla.server.local_endpoint import LocalEndpoint
+from corolla.server.core.limits import PeerLimits
+from corolla.server.core.sessions import SessionTimeouts
+from corolla.server.front.block_functions import ServingLimits
+from corolla.server.front.connection_balance import ConnectionHandoff
+from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
+from corolla.server.front.handler import TransformerConnectionHandler
+from corolla.server.front.local_endpoint import LocalEndpoint
+from corolla.server.front.peer_auth import make_peer_auth
+from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor, RemoteAdmission, RoutingSessionRegistry
 from corolla.server.metrics import ServerMetrics
-from corolla.server.peer_auth import make_peer_auth
-from corolla.server.proxy_executor import DeviceLink, ProxyExecutor, RemoteAdmission, RoutingSessionRegistry
-from corolla.server.sessions import SessionTimeouts
 from corolla.swarm.membership import load_swarm_key
 from corolla.utils import busy_poll
 from corolla.utils.logging import get_logger

@@ -19,11 +19,11 @@ import torch
 
 from corolla.engine.batcher import StepGroup, StepResult
 from corolla.engine.span_engine import StepRequest
-from corolla.server import proxy_wire as wire
-from corolla.server.admission import SessionAdmission, SessionTicket
-from corolla.server.executor import DeviceExecutor, PreparedStep, SessionCache, StepInputs
-from corolla.server.return_times import ReturnTimes
-from corolla.server.task import Task
+from corolla.server.core.admission import SessionAdmission, SessionTicket
+from corolla.server.core.executor import DeviceExecutor, PreparedStep, SessionCache, StepInputs
+from corolla.server.core.task import Task
+from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.return_times import ReturnTimes
 
 # a step's reply as a channel queues it: request id, output [B, T, H] or what refused it, the output's bytes if known
 StepReply = tuple[int, torch.Tensor | BaseException, memoryview | None]

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from corolla.server.gather import GatherRule, GatherSettings
-from corolla.server.task import (
+from corolla.server.core.gather import GatherRule, GatherSettings
+from corolla.server.core.task import (
     KIND_GENERIC,
     BatchLauncher,
     KindStats,

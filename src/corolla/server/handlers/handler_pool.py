@@ -25,11 +25,11 @@ from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_s
 from hivemind.proto import p2pd_pb2 as p2pd_pb
 from hivemind.utils.multiaddr import Multiaddr
 
-from corolla.server.admission import SessionAdmission
-from corolla.server.channel_intake import ChannelIntake
-from corolla.server.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
-from corolla.server.executor import DeviceExecutor
-from corolla.server.handler_process import HandlerSettings, main
+from corolla.server.core.admission import SessionAdmission
+from corolla.server.core.executor import DeviceExecutor
+from corolla.server.handlers.channel_intake import ChannelIntake
+from corolla.server.handlers.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.handlers.handler_process import HandlerSettings, main
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
@@ -41,7 +41,7 @@ START_TIMEOUT_S = 120.0
 
 def _context() -> BaseContext:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["corolla.server.handler_process"])
+    context.set_forkserver_preload(["corolla.server.handlers.handler_process"])
     return context
 
 
