@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from corolla.engine.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.span_model import ChunkedPrefill
-from corolla.models.block_base import CorollaBlock
+from corolla.models.block_base import TensorDescriptor
 from corolla.models.lora import using_adapter
 
 PROBE_LENGTH_TOKENS = 1 << 30  # descriptors for a sequence this long show a sliding layer's ring capacity
@@ -35,6 +36,16 @@ class KVPart:
     device: torch.device
 
 
+@runtime_checkable
+class CachingBlock(Protocol):
+    """What an eager span reads of a block (the `models.block_base.CorollaBlock` contract): its width and the cache
+    tensors it keeps for `batch_size` sequences of up to `max_length` tokens."""
+
+    hidden_size: int
+
+    def cache_descriptors(self, batch_size: int, max_length: int) -> list[TensorDescriptor]: ...
+
+
 @dataclass(frozen=True)
 class LayerCacheMap:
     """How one block's contiguous cache (`cache_descriptors`: K and V `[B, heads, length, dim]` per part, then a
@@ -45,7 +56,7 @@ class LayerCacheMap:
     ring_capacity_tokens: int | None
 
     @classmethod
-    def of_block(cls, block: CorollaBlock) -> tuple[LayerCacheMap, KVLayout]:
+    def of_block(cls, block: CachingBlock) -> tuple[LayerCacheMap, KVLayout]:
         """The map of `block` and the pool layout it needs; ValueError for a cache the pool can't page."""
         descriptors = list(block.cache_descriptors(1, PROBE_LENGTH_TOKENS))
         ring = None
@@ -128,17 +139,18 @@ class EagerSpan(ChunkedPrefill):
     def __init__(self, blocks: Sequence[torch.nn.Module], *, max_positions: int):
         if not blocks:
             raise ValueError("An eager span needs at least one block")
-        self.blocks = [block for block in blocks if isinstance(block, CorollaBlock)]
-        if len(self.blocks) != len(blocks):
-            raise ValueError("An eager span runs corolla's own blocks (models/<family>/block.py) only")
-        maps = [LayerCacheMap.of_block(block) for block in self.blocks]
+        caching = [block for block in blocks if isinstance(block, CachingBlock)]
+        if len(caching) != len(blocks):
+            raise ValueError("An eager span runs blocks that describe their caches (models.block_base.CorollaBlock)")
+        self.blocks = list(blocks)
+        maps = [LayerCacheMap.of_block(block) for block in caching]
         layouts = {layout for _, layout in maps}
         if len(layouts) != 1:
             raise ValueError(
                 f"The blocks of a span must share one KV layout per token, got {sorted(map(str, layouts))}"
             )
         self.maps = [cache_map for cache_map, _ in maps]
-        first = self.blocks[0]
+        first = caching[0]
         self.spec = EagerSpec(hidden_size=int(first.hidden_size), kv_layout=layouts.pop())
         self.dtype: torch.dtype = first.cache_descriptors(1, 1)[0].dtype  # the pool holds what the blocks cache
         self.device = self.maps[0].parts[0].device  # the pool's (a tensor-parallel span: the first shard's)
