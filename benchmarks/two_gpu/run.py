@@ -46,7 +46,7 @@ DRY_RUN_SHAPE = dict(
 )
 _SERVING_PATH_RE = re.compile(r"server\.serving_path\(path=(\w+)")
 _REASON_RE = re.compile(r"server\.serving_path\(path=\w+, reason=(.*)\)$", re.MULTILINE)
-_POOL_RE = re.compile(r"fast_path\.enabled\(layers=(\d+), pool_pages=(\d+)\)")
+_POOL_RE = re.compile(r"engine\.built\(layers=(\d+), pool_pages=(\d+)")
 
 
 class PhaseFailed(RuntimeError):
@@ -312,7 +312,7 @@ def _server_facts(output: str) -> dict[str, Any]:
     return {
         "serving_path": path.group(1) if path else None,
         "serving_path_reason": reason.group(1) if reason else None,
-        "fast_path_layers": int(pool.group(1)) if pool else None,
+        "engine_layers": int(pool.group(1)) if pool else None,
         "kv_pool_pages": int(pool.group(2)) if pool else None,
     }
 

@@ -32,7 +32,7 @@ def test_cpu_dry_run_matches_transformers_through_two_servers(tmp_path):
     assert phases["plan"]["layers"] == 80 and phases["checkpoint"]["num_shards"] == 82
     servers = phases["servers"]["servers"]
     assert [s["serving_path"] for s in servers] == ["fused", "fused"]
-    assert [s["fast_path_layers"] for s in servers] == [40, 40]
+    assert [s["engine_layers"] for s in servers] == [40, 40]
     hf, corolla = phases["hf"], phases["corolla"]
     assert hf["device_map"] == {"cpu": 1} and not hf["offloaded_to"]
     assert corolla["first_token_logits_vs_hf"]["argmax_equal"]  # float32 on both sides

@@ -60,6 +60,13 @@ class RetryBudget:
         self.attempt, self.failing_since_s = 0, None
         self.tried.clear()
 
+    def _uncovered(self, blocks: tuple[int, int]) -> list[int]:
+        """The blocks of `blocks` that no server but the ones that failed covers in the current view (a dead sole
+        server's record outlives it, and it is not banned for a network failure): all of them if every block has one."""
+        others = [span for span in self.manager.spans if span.peer_id not in self.tried]
+        missing = [b for b in range(*blocks) if not any(span.start <= b < span.end for span in others)]
+        return missing or list(range(*blocks))
+
     def on_failure(self, error: BaseException, peer_id: str | None, blocks: tuple[int, int]) -> float:
         """Bans `peer_id` (None: no server to blame, e.g. no route) and returns the sleep before the next attempt;
         raises NoHonestServerError (from `error`) when the budget is spent."""
@@ -74,7 +81,7 @@ class RetryBudget:
         waited_s = now - self.failing_since_s
         out_of_time = config.max_wait_s is not None and waited_s >= config.max_wait_s
         if config.retries_exhausted(self.attempt) or out_of_time:
-            missing = error.missing if isinstance(error, MissingBlocksError) else list(range(*blocks))
+            missing = error.missing if isinstance(error, MissingBlocksError) else self._uncovered(blocks)
             raise NoHonestServerError(
                 missing,
                 tried=self.tried,
