@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s
 from corolla.engine import quant_gemv, quant_mma
+from corolla.engine.graph_timing import graph_median_ms
 from corolla.engine.quant import quantize_nf4
 
 SHAPES = {"w_qkv": (6144, 4096), "w_o": (4096, 4096), "w_gate_up": (28672, 4096), "w_down": (4096, 14336)}
@@ -25,25 +26,7 @@ L2_FLUSH_BYTES = 240_000_000  # distinct weight bytes per graph: several times a
 
 def graph_us(fn, calls: int, reps: int = 15) -> float:
     """Median device microseconds per call of `fn` (which makes `calls` calls), as one replayed CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2] * 1000 / calls
+    return graph_median_ms(fn, reps) * 1000 / calls
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
