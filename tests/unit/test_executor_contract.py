@@ -336,7 +336,7 @@ async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(
 async def test_push_is_routed_to_the_process_holding_the_session(backend) -> None:
     from hivemind.proto import runtime_pb2
 
-    from corolla.server.front.peer_auth import SessionPushGuard
+    from corolla.server.core.push_guard import SessionPushGuard
     from corolla.server.handlers.proxy_executor import RoutingSessionRegistry
 
     router = PushRouter(DeviceSessionRegistry())

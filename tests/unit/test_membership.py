@@ -10,7 +10,7 @@ from hivemind.proto import dht_pb2
 
 from corolla.protocol.auth import MEMBER_PROOF_KEY, UPSTREAM_PEER_KEY, MemberProof, join_info_uid, split_info_uid
 from corolla.protocol.metadata import InferenceRequestMetadata
-from corolla.server.front.peer_auth import SessionPushGuard
+from corolla.server.core.push_guard import SessionPushGuard
 from corolla.swarm.membership import MembershipError, RpcMembership, SwarmKey, SwarmKeyAuthorizer
 
 A, B, C = "QmSenderAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", "QmReceiverBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB", "QmC"

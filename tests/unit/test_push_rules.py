@@ -1,4 +1,4 @@
-"""The rules a pushed step must pass before a server runs it (server.peer_auth.screen_step): each case is an attack
+"""The rules a pushed step must pass before a server runs it (server.core.push_guard.screen_step): each case is an attack
 by the session's declared upstream (or a replay of an honest push) and must be refused, while the honest push the
 client announced runs once."""
 
@@ -13,7 +13,7 @@ from corolla.protocol.forwarding import NEXT_STEP_KEY
 from corolla.protocol.handoff import EXPORT_KEY
 from corolla.protocol.metadata import InferenceRequestMetadata
 from corolla.protocol.packing import pack_args_kwargs
-from corolla.server.front.peer_auth import SessionPushGuard, screen_step
+from corolla.server.core.push_guard import SessionPushGuard, screen_step
 
 HIDDEN = 8
 DUMMY = torch.empty(0)

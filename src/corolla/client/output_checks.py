@@ -3,9 +3,9 @@ asked for, a floating dtype a server may use), and the numeric tolerance when tw
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from corolla.utils.finite import all_finite
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -42,22 +42,6 @@ def check_outputs(
         count = int((~torch.isfinite(outputs)).sum())
         raise BadServerOutput(peer_id, f"{what} has {count} non-finite values (NaN/Inf)")
     return outputs
-
-
-_BF16_EXPONENT = 0x7F80  # bfloat16's exponent bits: all set = NaN or +-Inf
-
-
-def all_finite(outputs: torch.Tensor) -> bool:
-    """True when no element is NaN or +-Inf. CPU float32/float16/bfloat16 are read through numpy: a few microseconds
-    where torch's isfinite + all costs ~20 for a decode step's [1, 1, H]; numpy has no bfloat16, so its bits are
-    read as int16 (non-finite: all exponent bits set). Other tensors: torch.isfinite."""
-    if outputs.device.type == "cpu":
-        if outputs.dtype in (torch.float32, torch.float16):
-            return bool(np.isfinite(outputs.detach().numpy()).all())
-        if outputs.dtype == torch.bfloat16:
-            bits = outputs.detach().view(torch.int16).numpy()  # [...] the same bytes
-            return not bool(((bits & _BF16_EXPONENT) == _BF16_EXPONENT).any())
-    return bool(torch.isfinite(outputs).all())
 
 
 def verify_rtol(*dtypes: torch.dtype) -> float:

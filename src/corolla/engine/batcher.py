@@ -117,7 +117,11 @@ class StepGroup:
 
     def run(self) -> list[StepResult]:
         """The unit outside a merged batch: its requests merged as `execute_steps` merges them."""
-        return execute_steps(self.requests[0].session.engine, self.requests) if self.requests else []
+        if not self.requests:
+            return []
+        engine = self.requests[0].session.engine
+        assert isinstance(engine, SpanEngine), "a step group runs on the span engine of its sessions"
+        return execute_steps(engine, self.requests)
 
 
 # per unit of a batch: 0 for a lone request (its result handed over as it is), n >= 1 for a `StepGroup` of n

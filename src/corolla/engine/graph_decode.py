@@ -18,16 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from corolla.engine.cuda_graphs import DecodeGraphs
 from corolla.engine.kv_pool import TRASH_PAGE
-
-if TYPE_CHECKING:
-    from corolla.engine.step_request import StepRequest
+from corolla.engine.step_request import StepRequest
 
 
 @dataclass(eq=False)

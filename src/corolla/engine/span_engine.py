@@ -31,7 +31,7 @@ from corolla.engine.graph_decode import (
 )
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.span_model import SpanModel
-from corolla.engine.step_request import StepRequest
+from corolla.engine.step_request import StepRequest, StepSession
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -330,7 +330,7 @@ class SpanEngine:
 
     def step(
         self,
-        session: EngineSession,
+        session: StepSession,
         hidden: torch.Tensor,
         position: int,
         hypo_ids: torch.Tensor | None = None,

@@ -4,15 +4,62 @@ the engine derives from them once."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from corolla.engine.kv_pool import SequenceSlot
 from corolla.utils.tensor_bytes import view_bytes
 
-if TYPE_CHECKING:
-    from corolla.engine.span_engine import EngineSession
+
+class StepEngine(Protocol):
+    """What a step runs on alone (`span_engine.SpanEngine.step`)."""
+
+    def step(
+        self,
+        session: StepSession,
+        hidden: torch.Tensor,
+        position: int,
+        hypo_ids: torch.Tensor | None,
+        prompts: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+
+class StepSession(Protocol):
+    """What a step reads of its session (`span_engine.EngineSession`, which implements it): named here so that a
+    step request knows no engine class (the engine imports this module)."""
+
+    @property
+    def engine(self) -> StepEngine: ...
+
+    @property
+    def slots(self) -> Sequence[SequenceSlot]: ...
+
+    @property
+    def table_rows(self) -> Sequence[memoryview]: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def max_length_tokens(self) -> int: ...
+
+    @property
+    def layers(self) -> tuple[int, int]: ...
+
+    @property
+    def adapter_index(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def length_tokens(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
 
 
 class HiddenRows:
@@ -45,7 +92,7 @@ class StepRequest:
     and `hidden_shape`: a device channel's decode step, whose launched forward stages the bytes and never needs a
     tensor); `hidden` builds the tensor from the bytes on first use (a view of them)."""
 
-    session: EngineSession
+    session: StepSession
     hidden_tensor: torch.Tensor | None
     position: int
     hypo_ids: torch.Tensor | None = None
@@ -93,7 +140,7 @@ class StepRequest:
     @classmethod
     def of_bytes(
         cls,
-        session: EngineSession,
+        session: StepSession,
         position: int,
         raw: memoryview,
         dtype: torch.dtype,

@@ -33,13 +33,23 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
-from corolla.server.core.limits import LIMIT_REASONS
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 TOKEN_KINDS = ("inference", "forward", "backward")
-# fair-use limits add theirs (peer_kv, sessions_full, evicted, stream_stalled, ...: `limits.LIMIT_REASONS`)
+# every reason label a fair-use limit can produce (`core.limits`: its exceptions' `reason`)
+LIMIT_REASONS = (
+    "peer_sessions",
+    "sessions_full",
+    "peer_kv",
+    "peer_stream_bytes",
+    "stream_bytes_full",
+    "stream_message_too_big",
+    "stream_stalled",
+    "evicted",
+    "duplicate_step",
+)
 # the direct port's refused connections (`direct_endpoint`): too many before their hello, no hello, a bad hello or
 # ticket, a peer past its connection share
 DIRECT_REASONS = ("direct_pending", "direct_no_hello", "direct_bad_hello", "direct_connections")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from corolla import PETALS_COMPAT_VERSION
+from corolla.engine.serving import SpanTraits
 from corolla.models.config import is_local_path, load_config
 from corolla.models.registry import get_family
 from corolla.protocol.codecs import compression_from_name
@@ -26,14 +27,15 @@ from corolla.server.backend import SpanBackend
 from corolla.server.block_loading import load_span_blocks
 from corolla.server.config import ServerConfig, handler_poll_s, ignored_flags
 from corolla.server.core.drain import drain_sessions
-from corolla.server.core.engine_executor import executor_for_span
+from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
 from corolla.server.core.executor import DeviceExecutor
+from corolla.server.core.runtime import Runtime
 from corolla.server.core.sessions import SessionTimeouts
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.peer_auth import make_peer_auth
 from corolla.server.front.reachability_gate import validate_reachability
 from corolla.server.metrics import MetricsExporter, ServerMetrics
-from corolla.server.settings import describe_settings, resolve_settings
+from corolla.server.settings import ResolvedSettings, describe_settings, resolve_settings
 from corolla.server.slowdown import BlockDelay, block_delay_s, slowed_throughput
 from corolla.server.span_service import SpanService
 from corolla.server.swarm_seat import SwarmSeat
@@ -479,3 +481,32 @@ class Server:
         if c.block_indices is not None or c.balance_quality <= 0 or self.seat is None:
             return False
         return await self.seat.should_move(rtts_s=self.announcer.rtts_s() if self.announcer else {})
+
+
+def executor_for_span(
+    config: ServerConfig,
+    settings: ResolvedSettings,
+    family: str,
+    backend: SpanBackend,
+    cache_bytes: int,
+    metrics: ServerMetrics | None,
+) -> EngineExecutor:
+    """A server's executor for its loaded span, on a new runtime, with a pool of `cache_bytes`."""
+    traits = SpanTraits(
+        device_type=settings.device.type,
+        dtype=settings.dtype,
+        quant_type=settings.quant_type,
+        family=family,
+        num_adapters=len(config.adapters),
+        tensor_parallel_devices=len(config.tensor_parallel_devices or ()),
+    )
+    runtime = Runtime(max_batch_size_tokens=settings.max_batch_size_tokens, device=settings.device)
+    return build_engine_executor(
+        backend,
+        runtime,
+        traits,
+        kv_pool_bytes=cache_bytes,
+        max_seq_len_tokens=settings.inference_max_length_tokens,
+        metrics=metrics,
+        max_alloc_timeout_s=config.max_alloc_timeout_s,
+    )

@@ -32,7 +32,6 @@ from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
 from corolla.models.block_base import TensorDescriptor
 from corolla.server.backend import SpanBackend
-from corolla.server.config import ServerConfig
 from corolla.server.core.executor import (
     PATH_EAGER,
     PATH_FUSED,
@@ -57,7 +56,6 @@ from corolla.server.core.task import (
     Task,
 )
 from corolla.server.metrics import ServerMetrics
-from corolla.server.settings import ResolvedSettings
 from corolla.utils.gil import lower_switch_interval
 from corolla.utils.logging import get_logger
 
@@ -381,32 +379,3 @@ def build_engine_executor(
     if metrics is not None:
         metrics.serving_path(executor.path)
     return executor
-
-
-def executor_for_span(
-    config: ServerConfig,
-    settings: ResolvedSettings,
-    family: str,
-    backend: SpanBackend,
-    cache_bytes: int,
-    metrics: ServerMetrics | None,
-) -> EngineExecutor:
-    """A server's executor for its loaded span, on a new runtime, with a pool of `cache_bytes`."""
-    traits = SpanTraits(
-        device_type=settings.device.type,
-        dtype=settings.dtype,
-        quant_type=settings.quant_type,
-        family=family,
-        num_adapters=len(config.adapters),
-        tensor_parallel_devices=len(config.tensor_parallel_devices or ()),
-    )
-    runtime = Runtime(max_batch_size_tokens=settings.max_batch_size_tokens, device=settings.device)
-    return build_engine_executor(
-        backend,
-        runtime,
-        traits,
-        kv_pool_bytes=cache_bytes,
-        max_seq_len_tokens=settings.inference_max_length_tokens,
-        metrics=metrics,
-        max_alloc_timeout_s=config.max_alloc_timeout_s,
-    )

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from corolla.server.core.executor import HandoffUnsupported, TensorDescriptorLike
-from corolla.server.front.block_functions import all_finite
+from corolla.utils.finite import all_finite
 
 LENGTH_DIM = 2  # [B, kv_heads, max_length, head_dim]
 

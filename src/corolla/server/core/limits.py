@@ -110,20 +110,6 @@ class DuplicateStep(ValueError):
     reason = "duplicate_step"
 
 
-# every reason label a limit or refusal can produce (metrics pre-creates these series)
-LIMIT_REASONS = (
-    "peer_sessions",
-    "sessions_full",
-    "peer_kv",
-    "peer_stream_bytes",
-    "stream_bytes_full",
-    "stream_message_too_big",
-    "stream_stalled",
-    "evicted",
-    "duplicate_step",
-)
-
-
 def peer_key(context: P2PContext | None) -> str:
     """The peer a request counts against: its authenticated libp2p id, or `LOCAL_PEER` for the unix socket (no
     context, or one without a remote peer)."""

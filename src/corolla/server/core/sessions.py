@@ -16,7 +16,7 @@ from corolla.server.core.admission import SessionTicket
 from corolla.server.core.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.core.executor import SessionCache
 from corolla.server.core.limits import DuplicateStep, SessionEvicted
-from corolla.server.front.peer_auth import SessionPushGuard, screen_step
+from corolla.server.core.push_guard import SessionPushGuard, screen_step
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -46,7 +46,7 @@ class SessionState:
     prefix_length: int = 0
     started_at: float = field(default_factory=time.monotonic)
     push_queue: asyncio.Queue | None = None
-    push_guard: SessionPushGuard | None = None  # what pushed steps may do (None: none runs); peer_auth.screen_step
+    push_guard: SessionPushGuard | None = None  # what pushed steps may do (None: none runs); push_guard.screen_step
     seen_step_ids: set[str] = field(default_factory=set)
     direct_step_ids: set[str] = field(default_factory=set)  # steps the client itself sent (not only pushed)
     num_late_pushes: int = 0

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from hivemind.proto import runtime_pb2
 
@@ -19,6 +18,7 @@ from corolla.protocol.packing import unpack_args_kwargs
 from corolla.protocol.uids import parse_chain, parse_uid
 from corolla.server.core.executor import BackwardInputs, ForwardInputs, StepInputs
 from corolla.server.core.refusals import BadRequest, TooLong
+from corolla.utils.finite import all_finite, bytes_finite
 
 MAX_TENSORS_PER_REQUEST = 16
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -40,44 +40,6 @@ class ServingLimits:
 
 def is_dummy(tensor: torch.Tensor) -> bool:
     return tensor.numel() == 0
-
-
-# 16-bit floats: (mask of every bit but the sign, +inf's bit pattern: it and every magnitude above are inf or NaN)
-_HALF_NONFINITE = {torch.bfloat16: (0x7FFF, 0x7F80), torch.float16: (0x7FFF, 0x7C00)}
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """True if no value is NaN or infinite, exactly. Host tensors are checked through numpy: 16-bit floats on their
-    bits with one reduction (the largest magnitude is below +inf's pattern; numpy has no bfloat16 and its float16
-    ufuncs are slow), the others with `isfinite`; device tensors with torch."""
-    if not tensor.is_cpu:
-        return bool(torch.isfinite(tensor).all())
-    if tensor.numel() == 0:
-        return True
-    data = tensor.detach() if tensor.requires_grad else tensor
-    half = _HALF_NONFINITE.get(data.dtype)
-    if half is None:  # ufunc reductions called directly: ndarray.all/max go through numpy's Python wrappers
-        return bool(np.logical_and.reduce(np.isfinite(data.numpy()), axis=None))
-    magnitude_mask, infinity = half
-    bits = data.view(torch.int16).numpy().view(np.uint16)  # [same shape] the raw 16-bit patterns
-    return int(np.maximum.reduce(bits & magnitude_mask, axis=None)) < infinity
-
-
-_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64}
-
-
-def bytes_finite(data: bytes | memoryview, dtype: torch.dtype) -> bool:
-    """`all_finite` of a CPU float tensor of `dtype` holding `data` (its values, native byte order), read straight
-    from the bytes (no tensor): 16-bit floats on their bits, the others with `isfinite`."""
-    half = _HALF_NONFINITE.get(dtype)
-    if half is not None:
-        bits = np.frombuffer(data, dtype=np.uint16)  # [numel] the raw 16-bit patterns
-        if bits.size == 0:
-            return True
-        magnitude_mask, infinity = half
-        return int(np.maximum.reduce(bits & magnitude_mask, axis=None)) < infinity
-    values = np.frombuffer(data, dtype=_NUMPY_FLOATS[dtype])  # [numel]; KeyError: not a float dtype
-    return bool(np.logical_and.reduce(np.isfinite(values), axis=None))
 
 
 # ---- validation -------------------------------------------------------------------------------------------------

@@ -31,21 +31,14 @@ from corolla.server.core.deadlines import TaskDeadline
 from corolla.server.core.drain import Draining, SessionHandoff
 from corolla.server.core.executor import SessionSpec, SpanExecutor
 from corolla.server.core.limits import PeerLimits, peer_key
+from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply
 from corolla.server.core.refusals import BadRequest, Refusals, RequestTimeout
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.direct_endpoint import DirectTicketRpc
-from corolla.server.front.peer_auth import (
-    PeerAuth,
-    SessionPushGuard,
-    check_request,
-    gate_stream,
-    info_uid,
-    mark_pushed_reply,
-    remote_peer,
-)
+from corolla.server.front.peer_auth import PeerAuth, check_request, gate_stream, info_uid, remote_peer
 from corolla.server.front.stream_guard import StreamBudget, register_handlers
 from corolla.server.front.stream_requests import gather_stream, stream_response
 from corolla.server.metrics import ServerMetrics

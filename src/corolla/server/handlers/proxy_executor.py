@@ -33,9 +33,9 @@ from corolla.server.core.executor import (
     TensorDescriptorLike,
 )
 from corolla.server.core.limits import PeerLimits
+from corolla.server.core.push_guard import SessionPushGuard
 from corolla.server.core.sessions import SessionRegistry
 from corolla.server.front import step_timeline
-from corolla.server.front.peer_auth import SessionPushGuard
 from corolla.server.handlers import proxy_wire as wire
 from corolla.utils.logging import get_logger
 
