@@ -42,8 +42,11 @@ async def held(queue: PageQueue, pages: int, timeout_s: float | None, sequences:
 async def test_exact_page_counts() -> None:
     queue = make_queue(100)
     slots = await queue.allocate(3, 2 * PAGE + 1, 0)  # 3 pages per sequence: whole pages, rounded up
+    assert [len(s.pages) for s in slots] == [0, 0, 0] and [s.promised_pages for s in slots] == [3, 3, 3]
+    assert used(queue) == 9 and all(s.capacity_tokens == 3 * PAGE for s in slots)  # promised counts as used
+    queue.pool.grow(slots, 2 * PAGE + 1)  # the positions arrive: the promise becomes pages
     assert [len(s.pages) for s in slots] == [3, 3, 3] and len({p for s in slots for p in s.pages}) == 9
-    assert used(queue) == 9 and all(s.capacity_tokens == 3 * PAGE for s in slots)
+    assert used(queue) == 9 and queue.pool.layer_pages_taken == 2 * 9
     async with held(queue, 10, 0):
         assert used(queue) == 19
     assert used(queue) == 9
@@ -60,7 +63,9 @@ async def test_sequences_over_other_layers_share_page_ids() -> None:
     with pytest.raises(AllocationFailed, match="0 of 4 free in layers 0:2"):
         await queue.allocate(1, PAGE, 0)  # all layers: no id is free in both
     second = await queue.allocate(1, 4 * PAGE, 0, layers=(1, 2))  # the same ids in layer 1
-    assert first[0].pages == second[0].pages and pool.layer_pages_free == 0
+    pool.grow(first, 4 * PAGE)
+    pool.grow(second, 4 * PAGE)
+    assert sorted(first[0].pages) == sorted(second[0].pages) == [1, 2, 3, 4] and pool.layer_pages_free == 0
     queue.release(first)
     assert pool.layer_pages_free == 4
     with pytest.raises(AllocationFailed):

@@ -17,6 +17,7 @@ import torch
 
 from corolla.engine.graph_decode import PendingDecode
 from corolla.engine.span_engine import SpanEngine, StepRequest
+from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -41,7 +42,7 @@ def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[t
         for i in this_round:
             try:
                 engine.validate(requests[i])
-            except ValueError as e:
+            except (ValueError, AllocationFailed) as e:  # this step only (a fragmented pool: `validate`)
                 results[i] = e
                 continue
             (decode if requests[i].is_decode else prefill).append(i)
@@ -235,7 +236,7 @@ def launch_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> Pending
     for i, req in enumerate(requests):
         try:
             engine.validate(req)
-        except ValueError as e:
+        except (ValueError, AllocationFailed) as e:
             results[i] = e
             continue
         launched.append(i)

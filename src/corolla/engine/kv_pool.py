@@ -1,13 +1,14 @@
 """A server-wide KV cache preallocated once: per layer, pages of `page_size_tokens` tokens of two per-token tensors
 (a `KVLayout`: K and V heads for standard attention; MLA's compressed latent and shared rotary key), handed out to
-sequences as block tables (lists of page ids), so sessions of any length share one pool without per-step allocation.
-A sequence over layers [first, end) holds its page ids in those layers only (one block table for all of them): the
-same id stays free in the other layers for sequences over other blocks. Page 0 is never handed out: padded batch
-rows write there."""
+sequences as block tables (lists of page ids), so sessions of any length share one pool. A sequence is promised its
+pages when it opens (`allocate`: counted, no id taken) and takes them as its tokens arrive (`grow`), so a cache is
+charged for the tokens a session holds while the promise still guarantees it its maximum length. A sequence over
+layers [first, end) holds its page ids in those layers only (one block table for all of them): the same id stays free
+in the other layers for sequences over other blocks. Page 0 is never handed out: padded batch rows write there."""
 
 from __future__ import annotations
 
-import heapq
+import itertools
 import math
 import threading
 from collections.abc import Sequence
@@ -61,22 +62,30 @@ class KVLayout:
 @dataclass(eq=False)
 class SequenceSlot:
     """One sequence's pages (a block table, held in layers [first, end)) and a host copy of it padded to the pool's
-    `max_pages_per_seq`."""
+    `max_pages_per_seq`: `pages` taken so far in position order, `promised_pages` more it may still take."""
 
     pages: list[int]
     table: torch.Tensor  # [max_pages_per_seq] int32, CPU; unused entries point to the trash page
-    capacity_tokens: int
+    capacity_tokens: int  # the whole pages promised at open: the sequence's maximum length, rounded up
     layers: tuple[int, int]
+    promised_pages: int = 0
     length_tokens: int = 0  # positions [0, length) hold valid keys/values
     freed: bool = field(default=False)
 
 
 class KVPool:
     """Cache storage `k` [num_layers, num_pages, page_size, *layout.k_token_shape] and `v` [..., *layout.v_token_shape]
-    plus a free list.
+    plus a free set per layer and a count per layer of pages promised but not yet taken.
 
-    `allocate(num_sequences, max_length_tokens, layers)` reserves whole pages up front in those layers (scarcity ->
-    `AllocationFailed`, never a partial reservation); `free(slots)` returns them. Thread-safe."""
+    `allocate(num_sequences, max_length_tokens, layers)` promises whole pages in those layers (scarcity ->
+    `AllocationFailed`, never a partial promise); `grow(slots, length_tokens)` takes promised pages as positions are
+    written; `free(slots)` returns what was taken and drops what was promised. Thread-safe.
+
+    The promise is exact for sequences over one layer range (a server's sessions over its whole span): the pages free
+    in all those layers never drop below the pages promised there. Sequences over different ranges may fragment the
+    ids (free in each layer but not one id free in all of a range's layers): `allocate` then counts only the ids free
+    in every layer of the range against the largest promise among them, and a `grow` that still finds no common id
+    fails with AllocationFailed (the session ends; its client replays it elsewhere)."""
 
     def __init__(
         self,
@@ -103,7 +112,10 @@ class KVPool:
         self.k = torch.zeros((*pages, *layout.k_token_shape), dtype=dtype, device=self.device)
         self.v = torch.zeros((*pages, *layout.v_token_shape), dtype=dtype, device=self.device)
         self._free: list[set[int]] = [set(range(TRASH_PAGE + 1, num_pages)) for _ in range(num_layers)]
+        self._free_everywhere = set(range(TRASH_PAGE + 1, num_pages))  # ids free in every layer (whole-span growth)
         self._free_layer_pages = num_layers * (num_pages - 1)  # free (layer, page) cells, all layers
+        self._promised = [0] * num_layers  # pages promised to sequences and not yet taken, per layer
+        self._promised_layer_pages = 0
         self._lock = threading.Lock()
         logger.info(
             f"kv_pool.create(pages={num_pages}, page_tokens={page_size_tokens}, layers={num_layers}, "
@@ -130,9 +142,16 @@ class KVPool:
 
     @property
     def layer_pages_free(self) -> int:
-        """Free pages summed over the layers (a page free in n layers counts n times)."""
+        """Pages neither taken nor promised, summed over the layers (a page free in n layers counts n times): what
+        new sequences may be promised."""
         with self._lock:
-            return self._free_layer_pages
+            return self._free_layer_pages - self._promised_layer_pages
+
+    @property
+    def layer_pages_taken(self) -> int:
+        """Pages that hold some sequence's positions, summed over the layers."""
+        with self._lock:
+            return self.num_layers * (self.num_pages - 1) - self._free_layer_pages
 
     @property
     def pages_free(self) -> int:
@@ -147,13 +166,14 @@ class KVPool:
         return first, end
 
     def pages_for(self, max_length_tokens: int) -> int:
+        """Whole pages a sequence of `max_length_tokens` is promised (at least one)."""
         return max(1, -(-max_length_tokens // self.page_size_tokens))
 
     def allocate(
         self, num_sequences: int, max_length_tokens: int, layers: tuple[int, int] | None = None
     ) -> list[SequenceSlot]:
-        """Reserves pages for `num_sequences` sequences of up to `max_length_tokens` each in layers [first, end)
-        (default: all), all or nothing; the lowest page ids free in all those layers first."""
+        """Promises `num_sequences` sequences of up to `max_length_tokens` each the pages of that length in layers
+        [first, end) (default: all), all or nothing; no page is taken until `grow`."""
         if num_sequences < 1:
             raise ValueError(f"num_sequences must be >= 1, got {num_sequences}")
         if max_length_tokens < 0:
@@ -167,27 +187,88 @@ class KVPool:
             )
         needed = per_seq * num_sequences
         with self._lock:
-            free = self._free[first] if end - first == 1 else set.intersection(*self._free[first:end])
-            if needed > len(free):
+            available = self._common_free(first, end) - max(self._promised[first:end])
+            if needed > available:
                 raise AllocationFailed(
                     f"KV pool is full: need {needed} pages ({num_sequences} x {max_length_tokens} tokens), "
-                    f"{len(free)} of {self.num_pages - 1} free in layers {first}:{end}"
+                    f"{max(0, available)} of {self.num_pages - 1} free in layers {first}:{end}"
                 )
-            taken = heapq.nsmallest(needed, free)
             for layer in range(first, end):
-                self._free[layer].difference_update(taken)
-            self._free_layer_pages -= needed * (end - first)
-        slots = []
-        for i in range(num_sequences):
-            pages = taken[i * per_seq : (i + 1) * per_seq]
-            table = torch.full((self.max_pages_per_seq,), TRASH_PAGE, dtype=torch.int32)
-            table[: len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            capacity = per_seq * self.page_size_tokens
-            slots.append(SequenceSlot(pages=pages, table=table, capacity_tokens=capacity, layers=(first, end)))
-        return slots
+                self._promised[layer] += needed
+            self._promised_layer_pages += needed * (end - first)
+        capacity = per_seq * self.page_size_tokens
+        return [
+            SequenceSlot(
+                pages=[],
+                table=torch.full((self.max_pages_per_seq,), TRASH_PAGE, dtype=torch.int32),
+                capacity_tokens=capacity,
+                layers=(first, end),
+                promised_pages=per_seq,
+            )
+            for _ in range(num_sequences)
+        ]
+
+    def grow(self, slots: Sequence[SequenceSlot], length_tokens: int) -> None:
+        """Takes promised pages so that each slot holds positions [0, `length_tokens`): a no-op while the pages it
+        has cover them (most steps). ValueError past a slot's promise; AllocationFailed for a freed slot or where
+        ids of sequences over other layer ranges left no page free in all of this slot's layers."""
+        size = self.page_size_tokens
+        for slot in slots:
+            need = -(-length_tokens // size) - len(slot.pages)
+            if need <= 0:
+                continue
+            with self._lock:
+                if slot.freed:
+                    raise AllocationFailed("The sequence's pages were returned to the pool (its session ended)")
+                if need > slot.promised_pages:
+                    raise ValueError(
+                        f"{length_tokens} tokens exceed the sequence's {slot.capacity_tokens} tokens promised at open"
+                    )
+                first, end = slot.layers
+                taken = self._take(need, first, end)
+                start = len(slot.pages)
+                slot.pages.extend(taken)
+                slot.table[start : start + need] = torch.tensor(taken, dtype=torch.int32)
+                slot.promised_pages -= need
+                for layer in range(first, end):
+                    self._promised[layer] -= need
+                self._promised_layer_pages -= need * (end - first)
+
+    def _common_free(self, first: int, end: int) -> int:
+        """Ids free in every layer of [first, end) (under the lock)."""
+        if end - first == self.num_layers:
+            return len(self._free_everywhere)
+        if end - first == 1:
+            return len(self._free[first])
+        return len(set.intersection(*self._free[first:end]))
+
+    def _take(self, count: int, first: int, end: int) -> list[int]:
+        """`count` ids free in every layer of [first, end), marked taken there (under the lock). A sub-range takes
+        ids already taken in other layers first, leaving whole free columns to sequences over every layer."""
+        if end - first == self.num_layers:
+            candidates = self._free_everywhere
+            if len(candidates) < count:
+                raise AllocationFailed(f"KV pool is full: need {count} pages, {len(candidates)} free in all layers")
+            taken = [candidates.pop() for _ in range(count)]
+        else:
+            others, everywhere = self._free[first + 1 : end], self._free_everywhere
+            packed = (p for p in self._free[first] if p not in everywhere and all(p in f for f in others))
+            taken = list(itertools.islice(packed, count))
+            if len(taken) < count:
+                taken += itertools.islice(everywhere, count - len(taken))
+            if len(taken) < count:
+                raise AllocationFailed(
+                    f"KV pool is fragmented: need {count} pages free in all of layers {first}:{end}, found "
+                    f"{len(taken)}; the session ends and its client replays it"
+                )
+            self._free_everywhere.difference_update(taken)
+        for layer in range(first, end):
+            self._free[layer].difference_update(taken)
+        self._free_layer_pages -= count * (end - first)
+        return taken
 
     def free(self, slots: Sequence[SequenceSlot]) -> None:
-        """Returns the slots' pages to the pool (idempotent per slot)."""
+        """Returns the slots' pages to the pool and drops what they were still promised (idempotent per slot)."""
         with self._lock:
             for slot in slots:
                 if slot.freed:
@@ -196,7 +277,14 @@ class KVPool:
                 first, end = slot.layers
                 for layer in range(first, end):
                     self._free[layer].update(slot.pages)
+                    self._promised[layer] -= slot.promised_pages
                 self._free_layer_pages += len(slot.pages) * (end - first)
+                self._promised_layer_pages -= slot.promised_pages * (end - first)
+                if end - first == self.num_layers:
+                    self._free_everywhere.update(slot.pages)
+                else:
+                    free = self._free
+                    self._free_everywhere.update(p for p in slot.pages if all(p in f for f in free))
 
     @torch.no_grad()
     def reorder(self, slots: Sequence[SequenceSlot], hypo_ids: torch.Tensor) -> None:

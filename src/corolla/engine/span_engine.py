@@ -41,7 +41,7 @@ logger = get_logger(__name__)
 
 
 class EngineSession:
-    """`batch_size` sequences of up to `max_length_tokens` reserved in the engine's pool, run through the engine's
+    """`batch_size` sequences of up to `max_length_tokens` promised by the engine's pool (pages taken as steps arrive), run through the engine's
     layers [first, end); a context manager that returns the pages on exit. All rows share one position (the client
     sends whole batches). `adapter` is the LoRA adapter of every step ("" = the base model; None = not fixed yet:
     `SpanEngine.bind_adapter` fixes it), `adapter_index` its index in the engine's `SpanAdapters` (0 = none)."""
@@ -269,7 +269,8 @@ class SpanEngine:
 
     def validate(self, req: StepRequest) -> None:
         """ValueError describing the first problem with a step request (before any compute): its inputs (once:
-        `check_inputs`), then the session's state (closed, positions already processed, maximum length)."""
+        `check_inputs`), then the session's state (closed, positions already processed, maximum length); then takes
+        the pages its positions need (`KVPool.grow`: AllocationFailed only where the pool is fragmented)."""
         if not req.inputs_checked:
             self.check_inputs(req)
         session, position = req.session, req.position
@@ -284,6 +285,8 @@ class SpanEngine:
                 f"Maximum length exceeded: prefix {position} + current {req.num_tokens} exceeds pre-allocated "
                 f"maximum {session.max_length_tokens}"
             )
+        # the step's positions take their pages now (promised at open): a no-op until a page fills
+        self.pool.grow(session.slots, position + req.num_tokens)
 
     def check_inputs(self, req: StepRequest) -> None:
         """ValueError for a step request whose inputs can't run on this engine whatever the session's state (its

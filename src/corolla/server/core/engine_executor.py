@@ -317,6 +317,9 @@ class EngineExecutor:
         def task() -> None:
             if len(tensors) != 2 * session.num_layers:
                 raise ValueError(f"KV import has {len(tensors)} tensors, the session's cache {2 * session.num_layers}")
+            if position > session.max_length_tokens:
+                raise ValueError(f"KV import of {position} positions exceeds the session's {session.max_length_tokens}")
+            pool.grow(session.slots, position)  # the imported positions take their pages (promised at open)
             tables = torch.stack([slot.table for slot in session.slots]).long()  # [B, maxp]
             for j, layer in enumerate(range(*session.layers)):
                 for pages, tensor in ((pool.k[layer], tensors[2 * j]), (pool.v[layer], tensors[2 * j + 1])):

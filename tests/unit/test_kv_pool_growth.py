@@ -1,0 +1,100 @@
+"""The pool charges what a sequence holds: `allocate` promises pages (counted, none taken), steps take them as their
+positions arrive (`KVPool.grow`, called by the engine's `validate`), `free` returns both; a promise keeps others out
+until the sequence ends, so a session still gets its whole maximum length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from corolla.engine.config import EngineConfig
+from corolla.engine.kv_pool import TRASH_PAGE, KVLayout, KVPool
+from corolla.engine.span_engine import SpanEngine, StepRequest
+from corolla.models.registry import get_family
+from corolla.utils.errors import AllocationFailed
+from helpers.tiny_models import tiny_config
+
+PAGE = 16
+H = 64
+
+
+def make_pool(usable_pages: int, num_layers: int = 2) -> KVPool:
+    return KVPool(num_layers=num_layers, layout=KVLayout.heads(1, 4), num_pages=usable_pages + 1,
+                  page_size_tokens=PAGE, max_pages_per_seq=usable_pages, dtype=torch.float32, device="cpu")  # fmt: skip
+
+
+def test_promised_pages_are_taken_as_positions_arrive() -> None:
+    pool = make_pool(10)
+    (slot,) = pool.allocate(1, 4 * PAGE)
+    assert slot.pages == [] and slot.promised_pages == 4
+    assert pool.pages_free == 6 and pool.layer_pages_taken == 0  # promised: out of reach of others, not yet held
+    pool.grow([slot], 1)
+    assert len(slot.pages) == 1 and pool.layer_pages_taken == 2 and slot.table[0] == slot.pages[0] != TRASH_PAGE
+    pool.grow([slot], PAGE)  # the same page
+    assert len(slot.pages) == 1
+    pool.grow([slot], 3 * PAGE + 1)
+    assert len(slot.pages) == 4 and slot.promised_pages == 0 and pool.pages_free == 6
+    assert slot.table[:4].tolist() == slot.pages and slot.table[4:].eq(TRASH_PAGE).all()
+    with pytest.raises(ValueError, match="promised at open"):
+        pool.grow([slot], 4 * PAGE + 1)
+    pool.free([slot])
+    assert pool.pages_free == 10 and pool.layer_pages_taken == 0
+    (ended,) = pool.allocate(1, PAGE)
+    pool.free([ended])
+    with pytest.raises(AllocationFailed, match="returned to the pool"):
+        pool.grow([ended], 1)  # a step racing its session's end takes nothing
+    assert pool.pages_free == 10
+
+
+def test_a_promise_is_kept_against_later_sessions() -> None:
+    pool = make_pool(8)
+    (honest,) = pool.allocate(1, 6 * PAGE)
+    pool.grow([honest], 1)  # one page taken, five still promised
+    with pytest.raises(AllocationFailed, match="need 3 pages"):
+        pool.allocate(1, 3 * PAGE)  # 7 pages free, 5 of them promised
+    (small,) = pool.allocate(1, 2 * PAGE)
+    pool.grow([small], 2 * PAGE)
+    pool.grow([honest], 6 * PAGE)  # the honest sequence still reaches its maximum length
+    assert len(honest.pages) == 6 and pool.pages_free == 0
+    pool.free([honest, small])
+    assert pool.pages_free == 8
+
+
+def test_sub_span_sequences_share_ids_across_layers_and_leave_whole_columns() -> None:
+    pool = make_pool(4, num_layers=2)
+    (low,) = pool.allocate(1, 2 * PAGE, layers=(0, 1))
+    pool.grow([low], 2 * PAGE)
+    (high,) = pool.allocate(1, 2 * PAGE, layers=(1, 2))
+    pool.grow([high], 2 * PAGE)
+    assert sorted(high.pages) == sorted(low.pages)  # ids already taken in the other layer first
+    (whole,) = pool.allocate(1, 2 * PAGE)  # two ids are still free in both layers
+    pool.grow([whole], 2 * PAGE)
+    assert not set(whole.pages) & set(low.pages)
+    pool.free([low, high, whole])
+    assert pool.pages_free == 4
+
+
+def test_engine_steps_take_pages_as_tokens_arrive() -> None:
+    torch.manual_seed(0)
+    config = tiny_config("llama", 2)
+    blocks = [get_family(config).build_block(config, i).eval() for i in range(2)]
+    engine = SpanEngine.from_blocks(blocks, EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=PAGE,
+                                                         max_seq_len_tokens=128, max_batch_rows=8))  # fmt: skip
+    pool = engine.pool
+    free = pool.pages_free
+    with engine.open_session(2, 128) as session, engine.open_session(1, 64) as other:
+        assert pool.layer_pages_taken == 0 and pool.pages_free == free - 2 * 8 - 4
+        engine.step(session, torch.randn(2, 5, H), 0)
+        engine.step(other, torch.randn(1, 5, H), 0)
+        assert [len(s.pages) for s in session.slots] == [1, 1]
+        position = 5
+        while position < PAGE + 1:  # merged single-token steps cross into a second page
+            engine.decode_many([engine_step(session, position), engine_step(other, position)])
+            position += 1
+        assert [len(s.pages) for s in session.slots] == [2, 2] and len(other.slots[0].pages) == 2
+        assert pool.layer_pages_taken == 2 * (4 + 2) and pool.pages_free == free - 2 * 8 - 4
+    assert pool.pages_free == free and pool.layer_pages_taken == 0
+
+
+def engine_step(session, position: int) -> StepRequest:
+    return StepRequest(session, torch.randn(session.batch_size, 1, H), position)
