@@ -4,7 +4,13 @@ sequences as block tables (lists of page ids), so sessions of any length share o
 pages when it opens (`allocate`: counted, no id taken) and takes them as its tokens arrive (`grow`), so a cache is
 charged for the tokens a session holds while the promise still guarantees it its maximum length. A sequence over
 layers [first, end) holds its page ids in those layers only (one block table for all of them): the same id stays free
-in the other layers for sequences over other blocks. Page 0 is never handed out: padded batch rows write there."""
+in the other layers for sequences over other blocks. Page 0 is never handed out: padded batch rows write there.
+
+Prefix caching (design.md section 10): pages are counted per (layer, page) by the sequences that hold them; a sequence
+may start with pages another one published in the `PrefixIndex` (`attach_prefix`), and a page it shares or published
+is never written in place (`prepare_write` gives it its own copy first, out of its promise). Published pages stay
+cached when their last holder lets go; a promise that finds too few free pages evicts the least recently used of
+those (a held page is never taken)."""
 
 from __future__ import annotations
 
@@ -14,8 +20,10 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from corolla.engine.prefix_index import PageBlock, PrefixIndex, PrefixKey
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
 
@@ -71,6 +79,12 @@ class SequenceSlot:
     promised_pages: int = 0
     length_tokens: int = 0  # positions [0, length) hold valid keys/values
     freed: bool = field(default=False)
+    # pages [0, shared_pages) may be held by other sequences too or published in the prefix index: a write there
+    # goes through `KVPool.prepare_write` first (every later page is the sequence's own)
+    shared_pages: int = 0
+    # promised pages that growth to the full length won't need: one per page of an attached prefix, kept for its
+    # copy on write (so that a session admitted for its length never waits for a page later)
+    spare_pages: int = 0
 
 
 class KVPool:
@@ -116,6 +130,10 @@ class KVPool:
         self._free_layer_pages = num_layers * (num_pages - 1)  # free (layer, page) cells, all layers
         self._promised = [0] * num_layers  # pages promised to sequences and not yet taken, per layer
         self._promised_layer_pages = 0
+        # sequences holding each (layer, page); a page none holds is free, or cached if the prefix index names it
+        self._refs = np.zeros((num_layers, num_pages), dtype=np.int32)
+        self.prefix_index = PrefixIndex()
+        self.num_evictions = 0  # cached pages taken back for promises
         self._lock = threading.Lock()
         logger.info(
             f"kv_pool.create(pages={num_pages}, page_tokens={page_size_tokens}, layers={num_layers}, "
@@ -142,16 +160,28 @@ class KVPool:
 
     @property
     def layer_pages_free(self) -> int:
-        """Pages neither taken nor promised, summed over the layers (a page free in n layers counts n times): what
-        new sequences may be promised."""
+        """Pages neither held nor promised, summed over the layers (a page free in n layers counts n times): what
+        new sequences may be promised (cached pages no sequence holds included: a promise evicts them)."""
         with self._lock:
-            return self._free_layer_pages - self._promised_layer_pages
+            return self._free_layer_pages - self._promised_layer_pages + self.prefix_index.idle_layer_pages
 
     @property
     def layer_pages_taken(self) -> int:
-        """Pages that hold some sequence's positions, summed over the layers."""
+        """Pages that hold some sequence's positions, summed over the layers (cached pages none holds excluded)."""
         with self._lock:
-            return self.num_layers * (self.num_pages - 1) - self._free_layer_pages
+            idle = self.prefix_index.idle_layer_pages
+            return self.num_layers * (self.num_pages - 1) - self._free_layer_pages - idle
+
+    @property
+    def layer_pages_cached(self) -> int:
+        """Pages the prefix index names (held by sequences or idle), summed over their layers."""
+        with self._lock:
+            return self.prefix_index.layer_pages
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the pages the prefix index names."""
+        return self.layer_pages_cached * self.layer_page_bytes
 
     @property
     def pages_free(self) -> int:
@@ -173,7 +203,9 @@ class KVPool:
         self, num_sequences: int, max_length_tokens: int, layers: tuple[int, int] | None = None
     ) -> list[SequenceSlot]:
         """Promises `num_sequences` sequences of up to `max_length_tokens` each the pages of that length in layers
-        [first, end) (default: all), all or nothing; no page is taken until `grow`."""
+        [first, end) (default: all), all or nothing; no page is taken until `grow`. Where free pages are short,
+        cached pages no sequence holds are evicted for it, least recently used first (none if even all of them
+        would not do)."""
         if num_sequences < 1:
             raise ValueError(f"num_sequences must be >= 1, got {num_sequences}")
         if max_length_tokens < 0:
@@ -188,6 +220,8 @@ class KVPool:
         needed = per_seq * num_sequences
         with self._lock:
             available = self._common_free(first, end) - max(self._promised[first:end])
+            if needed > available and needed <= available + self._evictable(first, end):
+                available = self._evict_for(needed, first, end)
             if needed > available:
                 raise AllocationFailed(
                     f"KV pool is full: need {needed} pages ({num_sequences} x {max_length_tokens} tokens), "
@@ -234,6 +268,54 @@ class KVPool:
                     self._promised[layer] -= need
                 self._promised_layer_pages -= need * (end - first)
 
+    def _evictable(self, first: int, end: int) -> int:
+        """Ids not free in all of [first, end) now that would be if every idle cached page were evicted."""
+        covered: dict[int, set[int]] = {}  # page -> layers of [first, end) where an idle block holds it
+        for (b_first, b_end), page in self.prefix_index.idle_blocks():
+            if b_first < end and first < b_end:
+                covered.setdefault(page, set()).update(range(max(first, b_first), min(end, b_end)))
+        free = self._free
+        return sum(
+            all(layer in layers or page in free[layer] for layer in range(first, end))
+            for page, layers in covered.items()
+        )
+
+    def _evict_for(self, needed: int, first: int, end: int) -> int:
+        """Evicts idle cached pages over [first, end), least recently used first, until `needed` pages may be
+        promised there (`_evictable` said they can be); returns what may be promised then (under the lock)."""
+        available = self._common_free(first, end) - max(self._promised[first:end])
+        while needed > available:
+            block = self.prefix_index.evict((first, end))
+            assert block is not None, "_evictable promised enough idle pages"
+            self._return_block(block)
+            self.num_evictions += 1
+            available = self._common_free(first, end) - max(self._promised[first:end])
+        logger.debug(f"kv_pool.evicted(total={self.num_evictions}, layers={first}:{end})")
+        return available
+
+    def _return_block(self, block: PageBlock) -> None:
+        """A page no sequence holds and no key names goes back to the free sets (under the lock)."""
+        (first, end), page = block
+        for layer in range(first, end):
+            self._free[layer].add(page)
+        self._free_layer_pages += end - first
+        if end - first == self.num_layers or all(page in f for f in self._free):
+            self._free_everywhere.add(page)
+
+    def _release(self, layers: tuple[int, int], page: int) -> None:
+        """One holder lets go of a page: with none left it is cached (idle) if the prefix index names it, else
+        free (under the lock)."""
+        first, end = layers
+        self._refs[first:end, page] -= 1
+        left = int(self._refs[first, page])
+        assert left >= 0, f"page {page} of layers {first}:{end} let go more often than held"
+        if left == 0:
+            block = (layers, page)
+            if self.prefix_index.key_of(block) is not None:
+                self.prefix_index.set_idle(block)
+            else:
+                self._return_block(block)
+
     def _common_free(self, first: int, end: int) -> int:
         """Ids free in every layer of [first, end) (under the lock)."""
         if end - first == self.num_layers:
@@ -265,10 +347,12 @@ class KVPool:
         for layer in range(first, end):
             self._free[layer].difference_update(taken)
         self._free_layer_pages -= count * (end - first)
+        self._refs[first:end, taken] = 1
         return taken
 
     def free(self, slots: Sequence[SequenceSlot]) -> None:
-        """Returns the slots' pages to the pool and drops what they were still promised (idempotent per slot)."""
+        """Lets go of the slots' pages and drops what they were still promised (idempotent per slot): a page the
+        prefix index names stays cached once no sequence holds it, the others are free again."""
         with self._lock:
             for slot in slots:
                 if slot.freed:
@@ -276,15 +360,119 @@ class KVPool:
                 slot.freed = True
                 first, end = slot.layers
                 for layer in range(first, end):
-                    self._free[layer].update(slot.pages)
                     self._promised[layer] -= slot.promised_pages
-                self._free_layer_pages += len(slot.pages) * (end - first)
                 self._promised_layer_pages -= slot.promised_pages * (end - first)
-                if end - first == self.num_layers:
-                    self._free_everywhere.update(slot.pages)
-                else:
-                    free = self._free
-                    self._free_everywhere.update(p for p in slot.pages if all(p in f for f in free))
+                if not slot.shared_pages:  # every page its own and unpublished: one update for all
+                    self._refs[first:end, slot.pages] = 0
+                    for layer in range(first, end):
+                        self._free[layer].update(slot.pages)
+                    self._free_layer_pages += len(slot.pages) * (end - first)
+                    if end - first == self.num_layers:
+                        self._free_everywhere.update(slot.pages)
+                    else:
+                        free = self._free
+                        self._free_everywhere.update(p for p in slot.pages if all(p in f for f in free))
+                    continue
+                for page in slot.pages:
+                    self._release(slot.layers, page)
+
+    # ---- prefix caching: attach, publish, copy on write
+
+    def attach_prefix(self, slot: SequenceSlot, keys: Sequence[PrefixKey]) -> int:
+        """Makes the longest run of indexed pages named by `keys` (`keys[i]` names the page that ends at position
+        `(i + 1) * page_size_tokens`) the first pages of a fresh sequence; returns how many. The sequence's length
+        becomes their positions; its promise keeps one spare page per attached page for a copy on write."""
+        if slot.pages or slot.length_tokens or slot.freed:
+            raise ValueError("a prefix is attached only to a fresh sequence (no page taken, length 0)")
+        first, end = slot.layers
+        capacity = slot.capacity_tokens // self.page_size_tokens
+        with self._lock:
+            for key in keys[:capacity]:
+                page = self.prefix_index.get(key)
+                if page is None or key.layers != slot.layers:
+                    break
+                if self.prefix_index.is_idle((slot.layers, page)):
+                    self.prefix_index.set_held((slot.layers, page))
+                self._refs[first:end, page] += 1
+                slot.table[len(slot.pages)] = page
+                slot.pages.append(page)
+            attached = len(slot.pages)
+            slot.shared_pages = slot.spare_pages = attached
+            slot.length_tokens = attached * self.page_size_tokens
+        return attached
+
+    def publish(self, slot: SequenceSlot, index: int, key: PrefixKey) -> bool:
+        """Indexes page `index` of the sequence, all of whose positions are computed, under `key`; False (nothing
+        changes) if the key or the page is indexed already. The sequence then writes that page no more in place."""
+        if key.layers != slot.layers:
+            raise ValueError(f"a key of layers {key.layers} can't name a page of a sequence over {slot.layers}")
+        if (index + 1) * self.page_size_tokens > slot.length_tokens or index >= len(slot.pages):
+            raise ValueError(f"page {index} is not fully computed ({slot.length_tokens} positions held)")
+        with self._lock:
+            if slot.freed or not self.prefix_index.insert(key, slot.pages[index]):
+                return False
+            slot.shared_pages = max(slot.shared_pages, index + 1)
+        return True
+
+    @torch.no_grad()
+    def prepare_write(self, slot: SequenceSlot, start: int) -> None:
+        """Before a write of positions from `start` on: every page from the one holding `start` to the end of the
+        shared run becomes the sequence's own. A page others hold too is replaced by a new one (copied if it holds
+        positions before `start`; later positions lie past the sequence's new length), taken from the promise's
+        spares or else from the free pages (AllocationFailed if none, the sequence unchanged); a published page only
+        this sequence holds is replaced the same way while spares last (its cached copy stays valid), else leaves the
+        index and is written in place. Runs on the thread that writes the pages (the device thread)."""
+        size = self.page_size_tokens
+        start_index = start // size
+        if start_index >= slot.shared_pages:
+            return  # the usual step: nothing shared at or after `start`
+        first, end = slot.layers
+        copies: list[tuple[int, int]] = []  # (shared page, own page): copied before the shared one is let go
+        replaced: list[int] = []
+        with self._lock:
+            replace: list[int] = []  # table indices that get a page of their own
+            unpublish: list[int] = []  # pages only this sequence holds that leave the index
+            for index in range(start_index, min(slot.shared_pages, len(slot.pages))):
+                page = slot.pages[index]
+                indexed = self.prefix_index.key_of((slot.layers, page)) is not None
+                if int(self._refs[first, page]) > 1 or (indexed and len(replace) < slot.spare_pages):
+                    replace.append(index)
+                elif indexed:
+                    unpublish.append(page)
+            from_spares = min(len(replace), slot.spare_pages)
+            extra = len(replace) - from_spares
+            if extra:  # beyond the promise: pages no promise counts on (taken before anything changes)
+                available = self._common_free(first, end) - max(self._promised[first:end])
+                if extra > available and extra <= available + self._evictable(first, end):
+                    available = self._evict_for(extra, first, end)
+                if extra > available:
+                    raise AllocationFailed(
+                        f"KV pool is full: a write into {extra} shared pages needs pages of its own, "
+                        f"{max(0, available)} free in layers {first}:{end}"
+                    )
+            taken = self._take(len(replace), first, end) if replace else []
+            slot.promised_pages -= from_spares
+            slot.spare_pages -= from_spares
+            for layer in range(first, end):
+                self._promised[layer] -= from_spares
+            self._promised_layer_pages -= from_spares * (end - first)
+            for page in unpublish:
+                self.prefix_index.remove((slot.layers, page))
+            for index, own in zip(replace, taken, strict=True):
+                page = slot.pages[index]
+                if index == start_index and start % size:
+                    copies.append((page, own))
+                slot.pages[index] = own
+                slot.table[index] = own
+                replaced.append(page)
+            slot.shared_pages = start_index
+        for shared, own in copies:  # still held by this sequence until released below: nobody takes it meanwhile
+            self.k[first:end, own] = self.k[first:end, shared]
+            self.v[first:end, own] = self.v[first:end, shared]
+        if replaced:
+            with self._lock:
+                for page in replaced:
+                    self._release(slot.layers, page)
 
     @torch.no_grad()
     def reorder(self, slots: Sequence[SequenceSlot], hypo_ids: torch.Tensor) -> None:
@@ -296,6 +484,8 @@ class KVPool:
             raise ValueError(f"hypo_ids must lie in [0, {len(slots)}), got {order}")
         if order == list(range(len(slots))):
             return
+        # beams never attach or publish (prefix keys name one sequence): the pages written in place are their own
+        assert not any(s.shared_pages for s in slots), "reorder of sequences that share pages"
         used = max(self.pages_for(max(s.length_tokens for s in slots)), 1)
         src = torch.tensor([slots[i].pages[:used] for i in order], dtype=torch.long).flatten()
         dst = torch.tensor([s.pages[:used] for s in slots], dtype=torch.long).flatten()

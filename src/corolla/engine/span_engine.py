@@ -285,7 +285,12 @@ class SpanEngine:
                 f"Maximum length exceeded: prefix {position} + current {req.num_tokens} exceeds pre-allocated "
                 f"maximum {session.max_length_tokens}"
             )
-        # the step's positions take their pages now (promised at open): a no-op until a page fills
+        # a page the session shares (an attached prefix) or published is copied before the step writes into it (a
+        # no-op unless the step rolls back into such pages); the step's positions take their pages now (promised at
+        # open): a no-op until a page fills
+        for slot in session.slots:
+            if position < slot.shared_pages * self.pool.page_size_tokens:
+                self.pool.prepare_write(slot, position)
         self.pool.grow(session.slots, position + req.num_tokens)
 
     def check_inputs(self, req: StepRequest) -> None:
