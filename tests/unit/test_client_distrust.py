@@ -11,7 +11,6 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 from tests.helpers.hostile_server import corrupt
-from tests.unit.test_client_inference_session import HIDDEN, FakeManager, FakeServer, block_fn, reference
 
 from corolla.client.config import ClientConfig
 from corolla.client.inference_session import InferenceSession
@@ -22,6 +21,7 @@ from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.packing import unpack_args_kwargs
 from corolla.utils.errors import MissingBlocksError, NoHonestServerError
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, block_fn, reference
 
 
 class Server(FakeServer):

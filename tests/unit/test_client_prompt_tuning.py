@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.unit.test_client_inference_session import HIDDEN, FakeManager, FakeServer, reference
 from tests.unit.test_client_remote_sequential import FakeForwardServer
 from transformers import LlamaConfig
 
 from corolla.client.distributed_model import LAYOUTS, DistributedModelForCausalLM
 from corolla.client.prompt_tuning import TuningConfig
 from corolla.client.sequence_classification import DistributedModelForSequenceClassification
+from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
 
 NUM_BLOCKS, VOCAB, PAD_ID = 4, 24, 0
 

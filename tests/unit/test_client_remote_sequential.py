@@ -7,12 +7,12 @@ import random
 
 import torch
 from hivemind.proto import runtime_pb2
-from tests.unit.test_client_inference_session import HIDDEN, FakeManager, block_fn
 
 from corolla.client.remote_sequential import RemoteSequential
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.packing import unpack_args_kwargs
+from helpers.fake_chain import HIDDEN, FakeManager, block_fn
 
 SEED_PICKING_B_FIRST = 4  # max-throughput routing is random; this seed tries B before C
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from tests.helpers.hostile_server import corrupt
 from tests.unit.test_client_distrust import Server
-from tests.unit.test_client_inference_session import HIDDEN, FakeManager
 
 from corolla.client import background_loop
 from corolla.client.findings import check_finding, decode_finding, encode_finding
 from corolla.client.inference_session import InferenceSession
 from corolla.client.stretches import DEFAULT_FRACTION, DEFAULT_STRETCH_STEPS, Finding, escape_probability
+from helpers.fake_chain import HIDDEN, FakeManager
 
 
 class RareLiar(Server):

@@ -238,7 +238,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         request: GenerationRequest,
         make_chunk: Callable[[int, str | None, ChoiceDone | None, list[TokenLogprob]], dict[str, Any]],
         prelude: list[dict[str, Any]],
-        usage_chunk: Callable[[int], dict[str, Any]] | None,
+        usage_chunk: Callable[[Finished], dict[str, Any]] | None,
     ) -> Response:
         queue, cancelled = await start_generation(request)
         # Wait for the first event so that failures before any output get a proper HTTP status.
@@ -260,7 +260,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                         yield json.dumps(make_chunk(event.index, None, event, []))
                     elif isinstance(event, Finished):
                         if usage_chunk is not None:
-                            yield json.dumps(usage_chunk(event.completion_tokens))
+                            yield json.dumps(usage_chunk(event))
                         yield "[DONE]"
                         return
                     elif isinstance(event, Failed):
@@ -324,7 +324,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 }
                 for d in done
             ]
-            usage_now = usage(len(prompt_ids), sum(d.completion_tokens for d in done))
+            usage_now = usage(len(prompt_ids), sum(d.completion_tokens for d in done), done[0].cached_tokens)
             return envelope(rid, "text_completion", now, req.model, choices, usage=usage_now)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -341,8 +341,9 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
             extra = {"usage": None} if include_usage else {}
             return envelope(rid, "text_completion", now, req.model, [choice], **extra)
 
-        def usage_chunk(completion_tokens: int) -> dict[str, Any]:
-            return envelope(rid, "text_completion", now, req.model, [], usage=usage(len(prompt_ids), completion_tokens))
+        def usage_chunk(finished: Finished) -> dict[str, Any]:
+            final_usage = usage(len(prompt_ids), finished.completion_tokens, finished.cached_tokens)
+            return envelope(rid, "text_completion", now, req.model, [], usage=final_usage)
 
         return await stream(gen, chunk, [], usage_chunk if include_usage else None)
 
@@ -382,7 +383,7 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 }
                 for d in done
             ]
-            usage_now = usage(len(prompt_ids), sum(d.completion_tokens for d in done))
+            usage_now = usage(len(prompt_ids), sum(d.completion_tokens for d in done), done[0].cached_tokens)
             return envelope(rid, "chat.completion", now, req.model, choices, usage=usage_now)
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -403,8 +404,8 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
             delta = {} if text is None else {"content": text}
             return chunk_with(index, delta, done, logprobs_of(entries) if done is None else None)
 
-        def usage_chunk(completion_tokens: int) -> dict[str, Any]:
-            final_usage = usage(len(prompt_ids), completion_tokens)
+        def usage_chunk(finished: Finished) -> dict[str, Any]:
+            final_usage = usage(len(prompt_ids), finished.completion_tokens, finished.cached_tokens)
             return envelope(rid, "chat.completion.chunk", now, req.model, [], usage=final_usage)
 
         prelude = [chunk_with(i, {"role": "assistant", "content": ""}, None, None) for i in range(gen.n)]

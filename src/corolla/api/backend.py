@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from corolla.api.prompt_cache import report_cached_tokens
 from corolla.api.route_trace import GenerationTrace, NoTrace, current_trace
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.speculative_loop import SessionTarget, VerifyTarget
@@ -81,7 +82,9 @@ class TokenizerCodec:
 
 
 class SwarmBackend(TokenizerCodec):
-    """Runs a `corolla.client` distributed causal LM: prefill once, then one token per step."""
+    """Runs a `corolla.client` distributed causal LM: prefill once, then one token per step. The gateway is one
+    client identity, so any prompt prefix it sent before (the earlier turns of a conversation, a system prompt
+    shared by its users) is reused where the servers still hold it (reported by `api.prompt_cache`)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, model_id: str, max_context_tokens: int | None = None):
         if max_context_tokens is None:
@@ -101,11 +104,13 @@ class SwarmBackend(TokenizerCodec):
         try:
             with torch.inference_mode():
                 input_ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T]
+                hidden = self.model.session_step(session, input_ids, may_reuse=True)  # [1, T - reused, H]
+                report_cached_tokens(session.reused_tokens)
                 while True:
-                    logits = self.model(input_ids, session=session).logits  # [1, T, V]
+                    logits = self.model.head(hidden[:, -1:])  # [1, 1, V]
                     trace.step(session.route)
                     token = yield logits[0, -1]
-                    input_ids = torch.tensor([[token]], dtype=torch.long)  # [1, 1]
+                    hidden = self.model.session_step(session, torch.tensor([[token]], dtype=torch.long))  # [1, 1, H]
         finally:
             session.close()
             trace.finish()

@@ -13,6 +13,7 @@ from typing import Any
 
 from corolla.api.backend import GenerationBackend
 from corolla.api.metrics import ApiMetrics
+from corolla.api.prompt_cache import counting_cached_tokens
 from corolla.api.sampling import SampledToken, Sampler, SamplingParams
 from corolla.api.speculative import run_speculative_choice
 from corolla.api.textstream import TextStream
@@ -44,11 +45,13 @@ class ChoiceDone:
     text: str
     logprobs: list[TokenLogprob] | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's field)
+    cached_tokens: int = 0  # prompt tokens its session took from the servers' prefix caches
 
 
 @dataclass
 class Finished:
     completion_tokens: int  # all choices together
+    cached_tokens: int = 0  # the prompt tokens the first choice took from the servers' prefix caches
 
 
 @dataclass
@@ -76,14 +79,17 @@ def run_generation(
     `speculative` set, each choice drafts and verifies several tokens per pass (`corolla.api.speculative`)."""
     try:
         generator = request.params.make_generator()  # shared by the choices: a seeded request is reproducible
-        started, total = time.perf_counter(), 0
+        started, total, cached = time.perf_counter(), 0, 0
         for index in range(request.n):
-            done = _run_choice(backend, request, index, generator, emit, cancelled, metrics, started, speculative)
+            with counting_cached_tokens() as counter:
+                done = _run_choice(backend, request, index, generator, emit, cancelled, metrics, started, speculative)
             if done is None:
                 return
+            done.cached_tokens = counter.count
+            cached = cached if index else counter.count
             total += done.completion_tokens
             emit(done)
-        emit(Finished(total))
+        emit(Finished(total, cached))
     except BaseException as e:  # reported to the client; never kills the worker pool
         emit(Failed(e))
 

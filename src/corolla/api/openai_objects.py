@@ -8,12 +8,14 @@ from typing import Any
 from corolla.api.generation import TokenLogprob
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """The `usage` object: prompt, completion and total token counts."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The `usage` object: prompt, completion and total token counts, and (as OpenAI) the prompt tokens that came
+    from a cache in `prompt_tokens_details.cached_tokens`."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -58,6 +58,9 @@ class ClientConfig:
     # name the following spans as `next_servers` so each server pushes its outputs straight to the next one (n+1
     # one-way delays per step instead of 2n); the client still sends every span its own copy (client.forwarding)
     server_forwarding: bool = True
+    # key each session's positions by their tokens (`corolla.prefix`) so that corolla servers keep them, and start
+    # a generation after the prefix its chain already holds (`client.prefix_reuse`); outputs are the same either way
+    prefix_reuse: bool = True
 
     # how chains are chosen (`corolla.swarm.policies`): "petals" = the reference's min-latency chain, "corolla" = cost
     # by RTT, per-block time and announced load, spread over near-equal chains

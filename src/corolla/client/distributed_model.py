@@ -19,6 +19,7 @@ from corolla.client.family_head import GEMMA_NORM, GPT_OSS_NORM, cap_logits, fam
 from corolla.client.generation import GenerationLoop
 from corolla.client.inference_session import InferenceSession
 from corolla.client.padding import padding_groups
+from corolla.client.prefix_chain import PrefixChain, prompts_digest, session_root
 from corolla.client.prompt_tuning import PromptTuning, TuningConfig
 from corolla.client.remote_sequential import RemoteSequential
 from corolla.client.routing import RemoteSequenceManager
@@ -190,16 +191,35 @@ class DistributedModel(nn.Module):
         return hidden[:, self.pre_seq_len :]
 
     def session_step(
-        self, session: InferenceSession, input_ids: torch.Tensor, prompts: torch.Tensor | None = None
+        self,
+        session: InferenceSession,
+        input_ids: torch.Tensor,
+        prompts: torch.Tensor | None = None,
+        *,
+        may_reuse: bool = False,
     ) -> torch.Tensor:
         """One inference step of new tokens [B, T]: hidden states [B, T, H] before the final norm. A session's first
-        step carries the tuned prompts (the prefix takes `pre_seq_len` positions of its cache)."""
+        step carries the tuned prompts (the prefix takes `pre_seq_len` positions of its cache). The positions are
+        keyed by their tokens (`ClientConfig.prefix_reuse`); with `may_reuse`, a fresh session skips the prefix its
+        servers hold, and the result holds the last `T - skipped` tokens only (`session.reused_tokens`)."""
         prefix = tuned = None
+        ids = input_ids
         if session.position == 0:
             prefix, tuned = self.tuned_prompts(input_ids.shape[0])
             prompts = self._deep_prompts(prompts, tuned)
-        hidden = session.step(self.embed(input_ids, prefix), prompts)
-        return hidden[:, prefix.shape[1] :] if prefix is not None else hidden
+            session.prefix = None
+            if self.manager.config.prefix_reuse and input_ids.shape[0] == 1:
+                digest = prompts_digest(prefix, prompts)
+                adapter = self.manager.config.active_adapter
+                session.prefix = PrefixChain(session_root(self.manager.block_uids, adapter=adapter, prompts=digest))
+            if prefix is not None:  # the tuned prefix's positions: ids no token has (the digest names the prompts)
+                virtual = -torch.arange(1, prefix.shape[1] + 1, dtype=input_ids.dtype).expand(input_ids.shape[0], -1)
+                ids = torch.cat([virtual, input_ids], dim=1)
+        hidden = session.step(self.embed(input_ids, prefix), prompts, token_ids=ids, may_reuse=may_reuse)
+        skipped = ids.shape[1] - hidden.shape[1]  # positions reused from the servers' caches
+        if prefix is not None:
+            return hidden[:, max(prefix.shape[1] - skipped, 0) :]
+        return hidden
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states [B, T, H]; left-padded rows run without their padding (padded positions are

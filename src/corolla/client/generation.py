@@ -72,7 +72,12 @@ class GeneratingModel(LocalEnds, Protocol):
     def pre_seq_len(self) -> int: ...
 
     def session_step(
-        self, session: InferenceSession, input_ids: torch.Tensor, prompts: torch.Tensor | None = None
+        self,
+        session: InferenceSession,
+        input_ids: torch.Tensor,
+        prompts: torch.Tensor | None = None,
+        *,
+        may_reuse: bool = False,
     ) -> torch.Tensor: ...
 
 
@@ -310,7 +315,8 @@ class GenerationLoop:
         for rows, pad, session in groups:
             ids = to_send[rows, pad:] if first else to_send[rows]
             step_prompts = prompts if session.position == 0 else None
-            hidden = model.session_step(session, ids, step_prompts)  # [b, t, H] (a tuned prefix removed)
+            # [b, t', H] (a tuned prefix removed; t' < t where the servers held a prefix of a fresh session)
+            hidden = model.session_step(session, ids, step_prompts, may_reuse=True)
             group_logits = model.head(hidden[:, -1:]).to(torch.float32)[:, -1]  # [b, V]
             if logits is None:
                 logits = group_logits.new_zeros(to_send.shape[0], group_logits.shape[-1])

@@ -2,7 +2,9 @@
 span's inputs so that when a server fails, a replacement chain for its span replays them (start_from_position=0) and
 rebuilds the KV cache. Steps run in the caller's thread when every span is on a local stream, else on the client's
 background loop, where failures are retried on replacement chains within a `RetryBudget` (a silent hop is noticed
-at its step deadline, `client.stalls`; the only server of a span is waited for, not banned, when its link fails)."""
+at its step deadline, `client.stalls`; the only server of a span is waited for, not banned, when its link fails).
+With a `PrefixChain` of the tokens, a fresh session asks its chain which prefix it already holds (`client.prefix_reuse`)
+and starts after the shortest hit; a span that must be rebuilt without the inputs of that prefix restarts the chain."""
 
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from corolla.client import background_loop
 from corolla.client.forwarding import StepForwarding, push_went_stale
 from corolla.client.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
 from corolla.client.output_checks import BadServerOutput
+from corolla.client.prefix_chain import PrefixChain
+from corolla.client.prefix_reuse import probe_chain, speaks_prefix_keys
 from corolla.client.retries import RetryBudget
 from corolla.client.routing import RemoteSequenceManager
 from corolla.client.span_session import SpanSession, SpanUnreachable, steps_in_flight
 from corolla.client.stalls import StallEvent
 from corolla.client.stretches import FINISH_TIMEOUT_S, StretchVerifier
 from corolla.client.verification import StepVerifier
+from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
@@ -35,10 +40,19 @@ class InferenceSession:
     """Autoregressive inference over blocks `[start, end)` of the manager's sequence, `max_length` tokens at most.
 
     Use as a context manager; `step(hidden [B, T, H])` returns the last block's outputs `[B, T, H]`. Setting
-    `position` rolls back (the next step overwrites the servers' caches from there).
+    `position` rolls back (the next step overwrites the servers' caches from there). `prefix` (one sequence) keys the
+    positions by their token ids (`step(..., token_ids=)`), so that servers can keep and reuse them.
     """
 
-    def __init__(self, manager: RemoteSequenceManager, max_length: int, *, start: int = 0, end: int | None = None):
+    def __init__(
+        self,
+        manager: RemoteSequenceManager,
+        max_length: int,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        prefix: PrefixChain | None = None,
+    ):
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         self.manager, self.max_length = manager, max_length
@@ -58,6 +72,10 @@ class InferenceSession:
         self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.stalls)
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
+        self.prefix = prefix  # the token ids of its positions and their chain hashes (None: no prefix keys)
+        self.reused_tokens = 0  # leading positions its first step took from the servers' prefix caches
+        self.prefix_hits: list[int] = []  # what each server of the first chain held (the probe's answers)
+        self.num_restarts = 0  # chain restarts from position 0 (a span rebuilt without a reused prefix's inputs)
 
     @property
     def num_blocks(self) -> int:
@@ -88,7 +106,16 @@ class InferenceSession:
         inputs: torch.Tensor,
         prompts: torch.Tensor | None = None,
         hypo_ids: torch.Tensor | None = None,
+        *,
+        token_ids: torch.Tensor | None = None,
+        may_reuse: bool = False,
     ) -> torch.Tensor:
+        """Runs `inputs` [B, T, H] (positions `[position, position + T)`); returns the outputs [B, T, H].
+
+        `token_ids` [1, T] are the ids of these positions (keys for the servers' prefix caches; without them the
+        session stops keying). With `may_reuse`, a fresh session's first step skips the prefix its chain already
+        holds (`reused_tokens`, whole blocks, at least one position computed): it then returns the outputs of its
+        last `T - reused_tokens` positions only."""
         if self._closed:
             raise RuntimeError("inference session is closed")
         if inputs.ndim != 3:
@@ -118,6 +145,22 @@ class InferenceSession:
             self._zero_prompts = prompts
         self._batch_size = batch_size
         cpu_inputs = inputs.detach().cpu()
+        chain = self.prefix
+        if chain is not None and chain.active:
+            if (
+                token_ids is None
+                or hypo_ids is not None
+                or batch_size != 1
+                or tuple(token_ids.shape) != (1, num_tokens)
+            ):
+                chain.active = False  # keys could no longer name these positions
+            else:
+                chain.set(self._position, token_ids[0].tolist())
+        if may_reuse and self._position == 0 and not self._spans and chain is not None and chain.active:
+            prompt_length = 0 if prompts is None else prompts.shape[2]
+            reused = background_loop.run(self._open_reusing(cpu_inputs, prompt_length))
+            if reused:
+                cpu_inputs, prompts, self._position = cpu_inputs[:, reused:], None, reused
         verify = prompts is None and self._zero_prompts is None and self.verifier.sample()  # see StepVerifier
         with steps_in_flight():
             outputs = self._step_here(cpu_inputs, prompts) if hypo_ids is None and not verify else None
@@ -125,8 +168,50 @@ class InferenceSession:
                 outputs = background_loop.run(self._step(cpu_inputs, prompts, hypo_ids, verify=verify))
         if needs_handoff(self):  # a server drains: move its span's cache to another server (no replay)
             background_loop.run(hand_off_draining_spans(self))
-        self._position += num_tokens
+        self._position += cpu_inputs.shape[1]
         return outputs.to(inputs.device)
+
+    async def _open_reusing(self, inputs: torch.Tensor, prompt_length: int) -> int:
+        """Opens the chain (preferring the one that held this prefix last time: `client.prefix_reuse`) and asks its
+        servers which prefix of `inputs`' positions they hold; every span then starts at the shortest hit, which
+        this returns (0 when a server does not take prefix keys, or when anything fails: the step then runs as
+        without a cache, on the usual retry path)."""
+        chain = self.prefix
+        assert chain is not None
+        routes, new_tokens = self.manager.prefix_routes, self.max_length - len(chain)
+        route = routes.route_for(self.manager.spans, chain, self.start, self.end, new_tokens=new_tokens)
+        try:
+            await self._replace_spans(0, self.start, None, route=route)
+            spans = list(self._spans)
+            if not spans or not all(speaks_prefix_keys(s.span.server_info) for s in spans):
+                return 0
+            if inputs.shape[1] - 1 < PREFIX_BLOCK_TOKENS:
+                return 0  # no whole block to ask about
+            hits = await probe_chain(spans, keys_until=inputs.shape[1] - 1, like=inputs)
+        except Exception as e:
+            if isinstance(e, (AssertionError, asyncio.CancelledError)):
+                raise
+            logger.info("inference_session.prefix_probe_failed(error=%r): opening the chain as without a cache", e)
+            await asyncio.gather(*(s.close(drain=False) for s in self._spans), return_exceptions=True)
+            self._spans = []
+            return 0
+        reused = min(hits)
+        if reused < prompt_length:  # deep prompts go with position 0: all of them or none
+            reused = 0
+        for index, span_session in enumerate(spans):
+            span_session.reuse(reused, inputs[:, :reused] if index == 0 else None)  # the embeddings: a restart's source
+        self.reused_tokens, self.prefix_hits = reused, hits
+        logger.debug("inference_session.prefix_reused(tokens=%d, hits=%s)", reused, hits)
+        return reused
+
+    def _restart_before(self, index: int) -> None:
+        """Spans `[0, index)` send from position 0 again, so that span `index` gets every input it lacks."""
+        if not self._spans or self._spans[0].history is None:
+            raise AssertionError("the chain's first span always holds its inputs (the embeddings): cannot restart")
+        for earlier in self._spans[:index]:
+            earlier.position = 0
+        self.num_restarts += 1
+        logger.info("inference_session.restart(before_span=%d): rebuilding a reused prefix's inputs", index)
 
     def _step_here(self, inputs: torch.Tensor, prompts: torch.Tensor | None) -> torch.Tensor | None:
         """The step in this thread when every span of the chain is on a socket stream (the local socket, or p2p
@@ -146,6 +231,8 @@ class InferenceSession:
         position, step_id = self._position, self.forwarding.take_step_id()
         hidden, hidden_from = inputs, position
         for span_index, span_session in enumerate(spans):
+            if span_session.lacks_inputs(min(span_session.position, position), hidden_from):
+                return None  # the async path restarts the chain
             span_prompts = self._prompts_for(
                 span_session.span, prompts, sends_from_zero=min(span_session.position, position) == 0
             )
@@ -187,6 +274,14 @@ class InferenceSession:
         pending_replacement: SpanSession | None = None
         while block < self.end:
             span_session = self._spans[index] if index < len(self._spans) else None
+            if span_session is not None and hidden_from > 0 and index > 0:
+                replacing = span_session is pending_replacement
+                if (replacing and span_session.history is None) or (
+                    not replacing and span_session.lacks_inputs(min(span_session.position, position), hidden_from)
+                ):
+                    self._restart_before(index)  # then this span gets inputs from position 0
+                    block, index, hidden, hidden_from = self.start, 0, inputs, position
+                    continue
             try:
                 if span_session is None or span_session is pending_replacement:
                     await self._replace_spans(index, block, span_session)
@@ -254,16 +349,19 @@ class InferenceSession:
             return DUMMY
         return source[span.start - self.start : span.end - self.start]
 
-    async def _replace_spans(self, index: int, block: int, failed: SpanSession | None) -> None:
-        """Swaps `_spans[index]` (failed or missing) for a fresh chain covering the same blocks; the first new
-        session inherits the failed one's history so that its first step replays it."""
+    async def _replace_spans(
+        self, index: int, block: int, failed: SpanSession | None, *, route: list[RemoteSpanInfo] | None = None
+    ) -> None:
+        """Swaps `_spans[index]` (failed or missing) for a fresh chain covering the same blocks (`route`, else one
+        planned now); the first new session inherits the failed one's history so that its first step replays it."""
         end = failed.span.end if failed is not None else self.end
         if failed is not None:
             await failed.close(drain=False)
         try:
-            route = await asyncio.to_thread(
-                self.manager.make_sequence, block, end, mode="min_latency", cache_tokens_needed=self.max_length
-            )
+            if route is None:
+                route = await asyncio.to_thread(
+                    self.manager.make_sequence, block, end, mode="min_latency", cache_tokens_needed=self.max_length
+                )
         except MissingBlocksError:
             # its link went down, so the view lost it too (its DHT records are out of reach): while it is not
             # banned (a network failure of the only server), keep trying the server we had
@@ -281,6 +379,8 @@ class InferenceSession:
             for span in route:
                 session = SpanSession(self.manager, span, self.max_length)
                 session.stall_events = self.stall_events
+                if self.prefix is not None and speaks_prefix_keys(span.server_info):
+                    session.prefix = self.prefix
                 new_sessions.append(session)
                 try:
                     await session.open()
@@ -319,6 +419,8 @@ class InferenceSession:
             except asyncio.TimeoutError:
                 logger.info("inference_session.verification_unfinished(pending=%d)", len(self.stretches.tasks))
 
+        if self.prefix is not None and self._spans:  # the next turn of this conversation prefers this chain
+            self.manager.prefix_routes.remember(self.prefix, [s.span for s in self._spans], self._position)
         config = self.manager.config
         background_loop.run(_close_all(), timeout_s=config.connect_timeout_s + FINISH_TIMEOUT_S + 5)
         self._spans = []

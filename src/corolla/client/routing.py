@@ -17,6 +17,7 @@ from corolla.client.bans import BanList
 from corolla.client.config import ClientConfig
 from corolla.client.direct_transport import DirectOffers
 from corolla.client.p2p_stream import InferenceStream, P2PInferenceStream
+from corolla.client.prefix_routes import PrefixRoutes
 from corolla.protocol.auth import MEMBER_PROOF_KEY, join_info_uid
 from corolla.protocol.direct_stream import DirectOffer
 from corolla.protocol.metadata import decode_metadata
@@ -74,6 +75,7 @@ class RemoteSequenceManager:
             self._own_dht = True
         self.dht = dht
         self.bans = BanList(config.ban_timeout_s, config.ban_backoff_rate)
+        self.prefix_routes = PrefixRoutes()  # which chain held which conversation's prefix (cache-affine routing)
         self.rng = random.Random()
         self.policy = make_policy(config.swarm_policy)
         self._routed: dict[str, tuple[float, float]] = {}  # peer -> (sessions routed there, time.monotonic() then)

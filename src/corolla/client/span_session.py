@@ -30,6 +30,7 @@ from corolla.client.framed_socket import FramedSocketStream
 from corolla.client.local_transport import LocalInferenceStream
 from corolla.client.output_checks import BadServerOutput, check_outputs
 from corolla.client.p2p_stream import InferenceStream
+from corolla.client.prefix_chain import PrefixChain
 from corolla.client.remote_forward_backward import serialize_activations
 from corolla.client.retries import has_alternative
 from corolla.client.routing import RemoteSequenceManager
@@ -39,6 +40,7 @@ from corolla.protocol.codecs import deserialize_tensor
 from corolla.protocol.handoff import DRAINING_KEY, DrainNotice
 from corolla.protocol.metadata import TUPLE_EXT_TYPE, decode_metadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
+from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS, PREFIX_KEY, parse_prefix_hit
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -56,6 +58,8 @@ def _packed_tuples(value: Any) -> Any:
 
 # `args_structure` of (inputs, prompts, hypo_ids) as three distinct tensors: ((b"__T0", b"__T1", b"__T2"), {})
 _STEP_ARGS_STRUCTURE = _packed_tuples(pack_args_kwargs(torch.empty(0), torch.empty(0), torch.empty(0))[1])
+
+_NO_TENSOR, _NO_IDS = torch.empty(0), torch.empty(0, dtype=torch.int64)  # a probe's prompts and hypo_ids
 
 _steps_in_flight = 0  # inference steps of this process running now (any session, any thread)
 _steps_lock = threading.Lock()
@@ -108,7 +112,8 @@ class SpanSession:
     """The stream to one server for blocks `[span.start, span.end)`.
 
     `history` holds this span's inputs for positions `[0, position)` (`[B, position, H]`), i.e. exactly what the
-    server's KV cache was built from, so a replacement server can be given the same inputs.
+    server's KV cache was built from, so a replacement server can be given the same inputs; None while the span
+    lacks the inputs of a prefix its server reused from its cache (`history_from` > 0).
     """
 
     def __init__(self, manager: RemoteSequenceManager, span: RemoteSpanInfo, max_length: int):
@@ -118,6 +123,8 @@ class SpanSession:
         self.position = 0  # tokens in the server's cache
         self._history_buf: torch.Tensor | None = None  # [B, capacity, H]; positions [0, _history_len) are valid
         self._history_len = 0  # == position, except in a replacement that has yet to replay its inherited history
+        self.history_from = 0  # inputs before it were never sent: the server reused that prefix from its cache
+        self.prefix: PrefixChain | None = None  # the session's token chain, when this server takes prefix keys
         self._stream: InferenceStream | None = None  # open: p2p (client.p2p_stream) or `local`, driven on the loop
         self.local: LocalInferenceStream | None = None  # the server's unix socket, if open
         self.tcp: DirectInferenceStream | None = None  # else the server's direct TCP port, if it offers one
@@ -184,14 +191,31 @@ class SpanSession:
 
     @property
     def history(self) -> torch.Tensor | None:
-        """This span's inputs we hold, `[B, n, H]` (a view: copy before keeping)."""
-        return None if self._history_buf is None else self._history_buf[:, : self._history_len]
+        """This span's inputs we hold, `[B, n, H]` (a view: copy before keeping); None when we never had some."""
+        if self._history_buf is None or self.history_from > 0:
+            return None
+        return self._history_buf[:, : self._history_len]
 
     @history.setter
     def history(self, value: torch.Tensor | None) -> None:
         """Replaces the history (a replacement span inherits a failed one's, replayed by its first step)."""
         self._history_buf = None if value is None else value.clone()
         self._history_len = 0 if value is None else value.shape[1]
+        self.history_from = 0
+
+    def reuse(self, position: int, inputs: torch.Tensor | None) -> None:
+        """After the probe: the server keeps positions `[0, position)` of the prefix it reported, and the next step
+        starts there. `inputs` [B, position, H] are this span's inputs for them if the client knows them (the
+        chain's first span: the embeddings), else the span holds no history before `position`."""
+        self.position = self._history_len = position
+        if inputs is not None:
+            self.history = inputs
+        else:
+            self._history_buf, self.history_from = None, position
+
+    def lacks_inputs(self, send_from: int, hidden_from: int) -> bool:
+        """Whether a step sending from `send_from` needs inputs before `hidden_from` that this span never had."""
+        return send_from < hidden_from and send_from < self.history_from
 
     def _record(self, inputs: torch.Tensor, send_from: int) -> None:
         """Writes `inputs` [B, n, H] as positions `[send_from, send_from + n)`, growing the buffer by doubling (a
@@ -207,6 +231,7 @@ class SpanSession:
             self._history_buf = buf = grown
         buf[:, send_from:end] = inputs
         self._history_len = self.position = end
+        self.history_from = min(self.history_from, send_from)
 
     def inputs_from(self, send_from: int, hidden: torch.Tensor, hidden_from: int) -> torch.Tensor:
         """This span's inputs for positions `[send_from, hidden_from + hidden.shape[1])` from history + `hidden`."""
@@ -217,7 +242,8 @@ class SpanSession:
         history = self.history  # [B, have, H]
         have = 0 if history is None else history.shape[1]
         assert history is not None and have >= hidden_from, (
-            f"span {self.span.start}:{self.span.end} lacks inputs [{have}, {hidden_from})"
+            f"span {self.span.start}:{self.span.end} lacks inputs [{have}, {hidden_from}) (reused from the server's "
+            f"prefix cache before {self.history_from}: the session restarts the chain instead)"
         )
         return torch.cat([history[:, send_from:hidden_from], hidden], dim=1)
 
@@ -231,10 +257,15 @@ class SpanSession:
         step_id: str,
         compression: int,
         extra: dict[str, Any],
+        keys_until: int | None = None,
     ) -> tuple[runtime_pb2.ExpertRequest, torch.Tensor, int]:
-        """The request for positions `[min(self.position, position), ...)`: (request, its inputs, their start)."""
+        """The request for positions `[min(self.position, position), ...)`: (request, its inputs, their start). With
+        prefix keys, it names the blocks it completes (or, for the probe, those of positions `[0, keys_until)`)."""
         send_from = min(self.position, position)
         inputs = self.inputs_from(send_from, hidden, hidden_from)  # [B, n, H]
+        keys = None
+        if self.prefix is not None:
+            keys = self.prefix.keys(send_from, send_from + inputs.shape[1] if keys_until is None else keys_until)
         if inputs is prompts or inputs is hypo_ids or prompts is hypo_ids:  # shared objects: markers shared too
             tensors, structure = pack_args_kwargs(inputs, prompts, hypo_ids)
         else:
@@ -247,6 +278,8 @@ class SpanSession:
             **self.manager.request_metadata(self.span.peer_id),
             **extra,  # client.forwarding: next step id, next_servers
         }
+        if keys is not None:
+            metadata[PREFIX_KEY] = keys.to_wire()
         if self.upstream_peer is not None and self.upstream_peer != self._declared_upstream:
             metadata[UPSTREAM_PEER_KEY] = self._declared_upstream = self.upstream_peer  # who may rpc_push to it
         if not self._started:
@@ -308,6 +341,30 @@ class SpanSession:
         if not self.last_step_suspect:  # a stalled step's time says nothing of the server's speed
             self.clock.record(num_tokens, time.monotonic() - started_s)
         return result
+
+    async def probe(self, keys_until: int, like: torch.Tensor) -> int:
+        """The session's first request: zero tokens with the keys of positions `[0, keys_until)`; returns how many
+        leading positions the server holds (its `corolla.prefix_hit`, 0 from a server without a cache). `like`
+        [B, *, H] gives the batch, hidden size and dtype. A malformed answer is BadServerOutput."""
+        assert self.prefix is not None and not self._started, "a probe opens a keyed session"
+        compression = await self.manager.input_compression(self.span.peer_id, self.manager.block_uids[self.span.start])
+        empty = like[:, :0]  # [B, 0, H]
+        request, _, _ = self._request(
+            empty, 0, 0, _NO_TENSOR, _NO_IDS, str(uuid.uuid4()), compression, {}, keys_until=keys_until
+        )
+        metadata = decode_metadata(request.metadata)
+        del metadata["start_from_position"]  # the session starts at the server's hit, not at 0 (which truncates)
+        request.metadata = encode_metadata(metadata)
+        self._started = True
+        await self.send(request)
+        response = await self._next_response(None)
+        self._accept(response, empty, 0, like.dtype)
+        try:
+            metadata = decode_metadata(response.metadata) if response.metadata else {}
+            limit = keys_until // PREFIX_BLOCK_TOKENS * PREFIX_BLOCK_TOKENS
+            return parse_prefix_hit(metadata, max_positions=limit)
+        except ValueError as e:
+            raise BadServerOutput(self.span.peer_id, f"bad prefix hit: {e}") from e
 
     async def send(self, request: runtime_pb2.ExpertRequest) -> None:
         """Writes one request to the open stream (on the client loop)."""

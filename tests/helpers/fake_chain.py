@@ -1,0 +1,246 @@
+"""In-process fake servers for client tests (no network): `FakeServer` speaks rpc_inference like a corolla/Petals
+server over toy causal blocks (`block_fn`, `reference`), `FakeManager` routes to them, `FakeStream` is the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from corolla.client.config import ClientConfig
+from corolla.client.routing import RemoteSequenceManager
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+from corolla.protocol.metadata import decode_metadata, encode_metadata
+from corolla.protocol.packing import unpack_args_kwargs
+from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS, PREFIX_HIT_KEY, parse_prefix_keys
+from corolla.protocol.records import RemoteModuleInfo, ServerInfo, ServerState
+
+HIDDEN = 8
+
+
+def block_fn(b: int, x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+    """A toy causal block: each position adds a weighted running mean of all inputs up to it."""
+    full = torch.cat([past, x], dim=1)  # [B, n, H]
+    means = full.cumsum(dim=1) / torch.arange(1, full.shape[1] + 1).view(1, -1, 1)
+    return x + (0.5 + 0.1 * b) * torch.tanh(means[:, past.shape[1] :])
+
+
+def reference(x: torch.Tensor, num_blocks: int, prompts: torch.Tensor | None = None) -> torch.Tensor:
+    for b in range(num_blocks):
+        if prompts is not None:
+            x = x.clone()
+            x[:, : prompts.shape[2]] += prompts[b]
+        x = block_fn(b, x, x[:, :0])
+    return x
+
+
+def info_of(server) -> ServerInfo:
+    """What a fake announces: its own `server_info()` where it has one, else a stock record of its blocks."""
+    if hasattr(server, "server_info"):
+        return server.server_info()
+    return ServerInfo(
+        ServerState.ONLINE, 1.0, start_block=server.start, end_block=server.end, inference_rps=server.inference_rps
+    )
+
+
+class FakeServer:
+    """Speaks rpc_inference like a corolla/Petals server (metadata, args_structure, start_from_position)."""
+
+    def __init__(self, start: int, end: int, inference_rps: float = 100.0):
+        self.start, self.end, self.inference_rps = start, end, inference_rps
+        self.dead = False
+        self.hung = False  # accepts requests but never answers (its stream reports no error)
+        self.first_requests: list[dict] = []  # metadata of each session's first request
+        self.requests: list[tuple[dict, int]] = []  # (metadata, tokens)
+        self.open_streams = 0
+        self.final_lengths: list[int] = []
+
+    def server_info(self) -> ServerInfo:
+        return ServerInfo(
+            ServerState.ONLINE, 1.0, start_block=self.start, end_block=self.end, inference_rps=self.inference_rps
+        )
+
+    async def rpc_inference(self, requests):
+        return self._serve(requests)
+
+    async def _serve(self, requests):
+        self.open_streams += 1
+        caches = None
+        try:
+            async for request in requests:
+                if self.dead:
+                    raise ConnectionError("server died")
+                if self.hung:
+                    await asyncio.sleep(3600)
+                if not request.tensors:
+                    break
+                metadata = decode_metadata(request.metadata)
+                if caches is None:
+                    assert "max_length" in metadata and metadata["session_id"]
+                    self.first_requests.append(metadata)
+                    caches = [None] * (self.end - self.start)
+                uids = request.uid.split(" ")
+                assert uids == [f"m.{i}" for i in range(self.start, self.end)][: len(uids)]
+                args, _ = unpack_args_kwargs(
+                    [deserialize_tensor(t) for t in request.tensors], metadata["args_structure"]
+                )
+                hidden, prompts, hypo_ids = args
+                position = metadata["start_from_position"]
+                current = caches[0].shape[1] if caches[0] is not None else 0
+                assert 0 <= position <= current, f"start_from_position {position} beyond cached {current}"
+                assert position + hidden.shape[1] <= metadata.get("max_length", self.first_requests[-1]["max_length"])
+                self.requests.append((metadata, hidden.shape[1]))
+                for i, uid in enumerate(uids):
+                    b = int(uid.split(".")[1])
+                    past = caches[i][:, :position] if caches[i] is not None else hidden[:, :0]
+                    if hypo_ids.numel():
+                        past = past[hypo_ids]
+                    x = hidden
+                    if prompts.numel():
+                        x = x.clone()
+                        x[:, : prompts.shape[2]] += prompts[i]
+                    out = block_fn(b, x, past)
+                    caches[i] = torch.cat([past, x], dim=1)
+                    hidden = out
+                yield runtime_pb2.ExpertResponse(tensors=[serialize_tensor(hidden)])
+        finally:
+            self.open_streams -= 1
+            self.final_lengths.append(caches[0].shape[1] if caches and caches[0] is not None else 0)
+
+
+class FakeStream:
+    """A fake server's `rpc_inference(requests)` as the client's `InferenceStream` (a queue feeds its requests)."""
+
+    def __init__(self, server: FakeServer):
+        self.server = server
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.responses = None
+        self.closing: asyncio.Future | None = None
+        self.closed = False
+
+    async def open(self) -> FakeStream:
+        async def requests():
+            while (request := await self.queue.get()) is not None:
+                yield request
+
+        self.responses = (await self.server.rpc_inference(requests())).__aiter__()
+        return self
+
+    async def send(self, request) -> None:
+        await self.queue.put(request)
+
+    async def send_end(self) -> None:
+        await self.queue.put(None)
+
+    async def receive(self):
+        try:
+            return await anext(self.responses)
+        except StopAsyncIteration:
+            return None
+
+    def close(self) -> None:
+        if self.closing is None:  # ends the server's generator, as a closed connection does
+            self.closed = True
+            self.closing = asyncio.ensure_future(self.responses.aclose())
+
+
+class FakeManager(RemoteSequenceManager):
+    def __init__(self, servers: dict[str, FakeServer], num_blocks: int, **config):
+        config.setdefault("min_backoff_s", 0.01)
+        super().__init__(ClientConfig(**config), [f"m.{i}" for i in range(num_blocks)], start_updates=False)
+        self.servers = servers
+        self.update()
+
+    def fetch_module_infos(self):
+        infos = []
+        for i, uid in enumerate(self.block_uids):
+            held = {peer: info_of(s) for peer, s in self.servers.items() if s.start <= i < s.end}
+            infos.append(RemoteModuleInfo(uid, held))
+        return infos
+
+    def measure_rtts_s(self, peer_ids):
+        return {p: 0.001 for p in peer_ids}
+
+    async def ping_s(self, peer_id):
+        return math.inf if self.servers[peer_id].hung else 0.001
+
+    async def get_stub(self, peer_id):
+        return self.servers[peer_id]
+
+    async def open_inference_stream(self, peer_id):
+        return await FakeStream(self.servers[peer_id]).open()
+
+
+class PrefixFakeServer(FakeServer):
+    """A corolla server with a prefix cache (announces `tokens_served`): `store` maps a block's chain hash to that
+    block's 16 cached inputs of each of its blocks; a session's zero-token first step with `corolla.prefix` keys gets
+    the longest stored prefix (`corolla.prefix_hit`); every step stores the blocks its keys name. `store.clear()`
+    evicts everything."""
+
+    def __init__(self, start: int, end: int, inference_rps: float = 100.0, busy_fraction: float | None = None):
+        super().__init__(start, end, inference_rps)
+        self.store: dict[bytes, list[torch.Tensor]] = {}
+        self.busy_fraction = busy_fraction
+        self.hits: list[int] = []
+
+    def server_info(self) -> ServerInfo:
+        info = super().server_info()
+        info.tokens_served, info.busy_fraction = 0, self.busy_fraction
+        return info
+
+    async def _serve(self, requests):
+        self.open_streams += 1
+        caches = None
+        try:
+            async for request in requests:
+                if self.dead:
+                    raise ConnectionError("server died")
+                if not request.tensors:
+                    break
+                metadata = decode_metadata(request.metadata)
+                keys = parse_prefix_keys(metadata)
+                args, _ = unpack_args_kwargs(
+                    [deserialize_tensor(t) for t in request.tensors], metadata["args_structure"]
+                )
+                hidden, prompts, hypo_ids = args
+                reply = {}
+                if caches is None:
+                    self.first_requests.append(metadata)
+                    caches = [hidden[:, :0]] * (self.end - self.start)
+                    hit = 0
+                    if keys is not None and keys.first_block == 0 and hidden.shape[1] == 0:
+                        for h in keys.hashes:
+                            if h not in self.store:
+                                break
+                            caches = [
+                                torch.cat([c, part], dim=1) for c, part in zip(caches, self.store[h], strict=True)
+                            ]
+                            hit += PREFIX_BLOCK_TOKENS
+                        self.hits.append(hit)
+                        reply[PREFIX_HIT_KEY] = hit
+                position = metadata.get("start_from_position", caches[0].shape[1])
+                assert 0 <= position <= caches[0].shape[1], f"start {position} beyond cached {caches[0].shape[1]}"
+                self.requests.append((metadata, hidden.shape[1]))
+                for i, b in enumerate(range(self.start, self.end)):
+                    past = caches[i][:, :position]
+                    x = hidden
+                    if prompts.numel():
+                        x = x.clone()
+                        x[:, : prompts.shape[2]] += prompts[i]
+                    out = block_fn(b, x, past)
+                    caches[i] = torch.cat([past, x], dim=1)
+                    hidden = out
+                if keys is not None and hidden.shape[1] > 0:
+                    for j, h in enumerate(keys.hashes):
+                        block = keys.first_block + j
+                        end = (block + 1) * PREFIX_BLOCK_TOKENS
+                        assert end <= caches[0].shape[1], "a key names a block this step completed"
+                        self.store[h] = [c[:, end - PREFIX_BLOCK_TOKENS : end].clone() for c in caches]
+                yield runtime_pb2.ExpertResponse(
+                    tensors=[serialize_tensor(hidden)], metadata=encode_metadata(reply) if reply else b""
+                )
+        finally:
+            self.open_streams -= 1
+            self.final_lengths.append(caches[0].shape[1] if caches else 0)
