@@ -406,9 +406,9 @@ class KVPool:
         changes) if the key or the page is indexed already. The sequence then writes that page no more in place."""
         if key.layers != slot.layers:
             raise ValueError(f"a key of layers {key.layers} can't name a page of a sequence over {slot.layers}")
-        if (index + 1) * self.page_size_tokens > slot.length_tokens or index >= len(slot.pages):
-            raise ValueError(f"page {index} is not fully computed ({slot.length_tokens} positions held)")
-        with self._lock:
+        with self._lock:  # (the length is read under the lock: `prepare_write` cuts it there before a rewrite)
+            if (index + 1) * self.page_size_tokens > slot.length_tokens or index >= len(slot.pages):
+                raise ValueError(f"page {index} is not fully computed ({slot.length_tokens} positions held)")
             if slot.freed or not self.prefix_index.insert(key, slot.pages[index]):
                 return False
             slot.shared_pages = max(slot.shared_pages, index + 1)
@@ -416,16 +416,21 @@ class KVPool:
 
     @torch.no_grad()
     def prepare_write(self, slot: SequenceSlot, start: int) -> None:
-        """Before a write of positions from `start` on: every page from the one holding `start` to the end of the
-        shared run becomes the sequence's own. A page others hold too is replaced by a new one (copied if it holds
+        """Before a write of positions from `start` on: the sequence's length drops to `start` if it was longer
+        (positions from there on are being rewritten: none of their pages may be published meanwhile), and every
+        page from the one holding `start` to the end of the shared run becomes the sequence's own. A page others hold too is replaced by a new one (copied if it holds
         positions before `start`; later positions lie past the sequence's new length), taken from the promise's
         spares or else from the free pages (AllocationFailed if none, the sequence unchanged); a published page only
         this sequence holds is replaced the same way while spares last (its cached copy stays valid), else leaves the
         index and is written in place. Runs on the thread that writes the pages (the device thread)."""
         size = self.page_size_tokens
         start_index = start // size
+        if start >= slot.length_tokens and start_index >= slot.shared_pages:
+            return  # the usual step: it appends, and nothing at or after `start` is shared
         if start_index >= slot.shared_pages:
-            return  # the usual step: nothing shared at or after `start`
+            with self._lock:
+                slot.length_tokens = min(slot.length_tokens, start)
+            return
         first, end = slot.layers
         copies: list[tuple[int, int]] = []  # (shared page, own page): copied before the shared one is let go
         replaced: list[int] = []
@@ -466,6 +471,7 @@ class KVPool:
                 slot.table[index] = own
                 replaced.append(page)
             slot.shared_pages = start_index
+            slot.length_tokens = min(slot.length_tokens, start)
         for shared, own in copies:  # still held by this sequence until released below: nobody takes it meanwhile
             self.k[first:end, own] = self.k[first:end, shared]
             self.v[first:end, own] = self.v[first:end, shared]

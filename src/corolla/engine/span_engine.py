@@ -30,8 +30,10 @@ from corolla.engine.graph_decode import (
     stage_row_inputs,
 )
 from corolla.engine.kv_pool import KVPool, SequenceSlot
+from corolla.engine.prefix_chain import SessionPrefix
 from corolla.engine.span_model import SpanModel
 from corolla.engine.step_request import StepRequest, StepSession
+from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS, PrefixKeys
 from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class EngineSession:
         self.layers = layers
         self.adapter = adapter
         self.adapter_index = adapter_index
+        self.prefix: SessionPrefix | None = None  # the client's prefix keys (`SpanEngine.attach_prefix`), if any
 
     @property
     def num_layers(self) -> int:
@@ -78,6 +81,9 @@ class EngineSession:
         return self.slots[0].freed
 
     def close(self) -> None:
+        """Publishes the pages its last steps filled, then lets go of its pages (idempotent)."""
+        if not self.closed:
+            self.engine.publish_prefix(self)
         self.engine.pool.free(self.slots)
 
     def __enter__(self) -> EngineSession:
@@ -265,6 +271,61 @@ class SpanEngine:
                 f"This inference session uses adapter {session.adapter!r} (fixed when it opened), got {name!r}"
             )
 
+    # ------------------------------------------------------------------------------------------ prefix caching
+
+    def attach_prefix(self, session: EngineSession, namespace: str, keys: PrefixKeys) -> int:
+        """Records the client's `keys` for a fresh `session` and starts it with the longest run of cached pages they
+        name, computed over its layers by sessions of `namespace`; returns the positions reused (whole pages). A
+        session of several sequences reuses nothing and publishes nothing: keys name one sequence. ValueError once
+        the session has positions."""
+        if session.length_tokens or session.prefix is not None:
+            raise ValueError("a prefix is attached only before a session's first position")
+        prefix = self._prefix_of(session, namespace)
+        if prefix is None:
+            return 0
+        prefix.add(keys)
+        pages = self.pool.attach_prefix(session.slots[0], prefix.keys_from(0))
+        prefix.next_page = pages
+        return pages * self.pool.page_size_tokens
+
+    def add_prefix_keys(self, session: EngineSession, namespace: str, keys: PrefixKeys) -> None:
+        """Records more of the client's keys (its generated tokens' blocks, or blocks it named anew after a
+        rollback); their pages are published once computed."""
+        prefix = session.prefix or self._prefix_of(session, namespace)
+        if prefix is not None:
+            if prefix.namespace != namespace:
+                raise ValueError("a session's prefix keys belong to the identity that opened it")
+            prefix.add(keys)
+
+    def publish_prefix(self, session: StepSession) -> int:
+        """Indexes every computed, keyed page of `session` not published yet, in order up to the first page without
+        a key; returns how many were indexed (a page whose key is cached already stays the session's own). Called
+        before each step (`validate`) and when the session closes."""
+        prefix = session.prefix
+        if prefix is None or session.closed:
+            return 0
+        slot, page = session.slots[0], prefix.next_page
+        published = 0
+        while (page + 1) * self.pool.page_size_tokens <= slot.length_tokens:
+            key = prefix.page_key(page)
+            if key is None:
+                break
+            published += self.pool.publish(slot, page, key)
+            page += 1
+        prefix.next_page = page
+        return published
+
+    def _prefix_of(self, session: EngineSession, namespace: str) -> SessionPrefix | None:
+        if session.batch_size != 1:
+            return None
+        session.prefix = SessionPrefix(
+            namespace=namespace,
+            layers=session.layers,
+            page_tokens=self.pool.page_size_tokens,
+            max_blocks=session.max_length_tokens // PREFIX_BLOCK_TOKENS,
+        )
+        return session.prefix
+
     # ------------------------------------------------------------------------------------------ steps
 
     def validate(self, req: StepRequest) -> None:
@@ -288,9 +349,12 @@ class SpanEngine:
         # a page the session shares (an attached prefix) or published is copied before the step writes into it (a
         # no-op unless the step rolls back into such pages); the step's positions take their pages now (promised at
         # open): a no-op until a page fills
+        prefix = session.prefix
+        if prefix is not None:  # pages filled by earlier steps are published before this step may rewrite any
+            self.publish_prefix(session)
+            prefix.rewind(position)
         for slot in session.slots:
-            if position < slot.shared_pages * self.pool.page_size_tokens:
-                self.pool.prepare_write(slot, position)
+            self.pool.prepare_write(slot, position)
         self.pool.grow(session.slots, position + req.num_tokens)
 
     def check_inputs(self, req: StepRequest) -> None:

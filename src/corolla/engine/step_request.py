@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from corolla.engine.kv_pool import SequenceSlot
+from corolla.engine.prefix_chain import SessionPrefix
 from corolla.utils.tensor_bytes import view_bytes
 
 
@@ -60,6 +61,9 @@ class StepSession(Protocol):
 
     @property
     def closed(self) -> bool: ...
+
+    @property
+    def prefix(self) -> SessionPrefix | None: ...
 
 
 class HiddenRows:
