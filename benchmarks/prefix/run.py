@@ -1,0 +1,138 @@
+"""One run of the prefix benchmark: a loopback chain of two CPU servers (`corolla.api.local_swarm.LocalSwarm`), an
+in-process corolla-api over it, and the same workload replayed with the client's prefix reuse off, then on (the
+off pass sends no keys, so it leaves the servers' caches empty); greedy answers must be identical in both passes."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.prefix.checkpoint import ModelShape, vocabulary, word_ids, write_checkpoint
+from benchmarks.prefix.replay import TurnResult, replay
+from benchmarks.prefix.workload import Conversation, WorkloadConfig, generate_conversations
+
+MODEL_ID = "prefix-bench-llama"
+
+
+@dataclass
+class PassReport:
+    """One pass over the workload."""
+
+    prefix_reuse: bool
+    results: list[TurnResult]
+    wall_s: float
+
+    @property
+    def ok(self) -> list[TurnResult]:
+        return [r for r in self.results if r.error is None]
+
+    @property
+    def errors(self) -> int:
+        return len(self.results) - len(self.ok)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.prompt_tokens for r in self.ok)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(r.cached_tokens for r in self.ok)
+
+    @property
+    def saved_fraction(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def request_hit_rate(self) -> float:
+        return sum(r.cached_tokens > 0 for r in self.ok) / len(self.ok) if self.ok else 0.0
+
+    def ttft_p50_s(self, *, later_turns_only: bool = False) -> float:
+        times = [r.ttft_s for r in self.ok if r.ttft_s is not None and (r.turn > 0 or not later_turns_only)]
+        return statistics.median(times) if times else float("nan")
+
+
+@dataclass
+class RunReport:
+    off: PassReport
+    on: PassReport
+    num_conversations: int
+    num_turns: int
+    shape: ModelShape
+    mismatched_answers: int
+    server_args: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ttft_speedup(self) -> float:
+        return self.off.ttft_p50_s() / self.on.ttft_p50_s()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "conversations": self.num_conversations,
+            "requests": self.num_turns,
+            "prompt_tokens": self.on.prompt_tokens,
+            "prefill_tokens_saved": self.on.cached_tokens,
+            "prefill_saved_fraction": round(self.on.saved_fraction, 4),
+            "request_hit_rate": round(self.on.request_hit_rate, 4),
+            "ttft_p50_off_s": round(self.off.ttft_p50_s(), 4),
+            "ttft_p50_on_s": round(self.on.ttft_p50_s(), 4),
+            "ttft_p50_speedup": round(self.ttft_speedup, 3),
+            "ttft_p50_later_turns_off_s": round(self.off.ttft_p50_s(later_turns_only=True), 4),
+            "ttft_p50_later_turns_on_s": round(self.on.ttft_p50_s(later_turns_only=True), 4),
+            "errors_off": self.off.errors,
+            "errors_on": self.on.errors,
+            "mismatched_answers": self.mismatched_answers,
+            "wall_off_s": round(self.off.wall_s, 1),
+            "wall_on_s": round(self.on.wall_s, 1),
+            "model": f"llama hidden={self.shape.hidden_size} layers={self.shape.num_layers} (random weights)",
+            "server_args": " ".join(self.server_args),
+        }
+
+
+def run(
+    workdir: str | Path,
+    *,
+    workload: WorkloadConfig,
+    shape: ModelShape,
+    server_args: Sequence[str] = (),
+    concurrency: int = 1,
+    conversations: list[Conversation] | None = None,
+) -> RunReport:
+    """Writes the model, starts the chain and the gateway, replays the workload off then on; everything is stopped
+    before it returns."""
+    import openai
+
+    from corolla.api.app import ApiConfig, create_app
+    from corolla.api.backend import load_swarm_backend
+    from corolla.api.local_swarm import LocalSwarm
+    from corolla.api.serving import serve_in_thread
+
+    path = write_checkpoint(Path(workdir) / f"model-h{shape.hidden_size}-l{shape.num_layers}", shape)
+    if conversations is None:
+        conversations = generate_conversations(workload, vocabulary(shape))
+    extra = {"ignore_eos": True, "allowed_token_ids": word_ids(path)}
+    with LocalSwarm(str(path), num_servers=2, server_args=tuple(server_args)) as swarm:
+        backend = load_swarm_backend(str(path), initial_peers=swarm.initial_peers, model_id=MODEL_ID)
+        try:
+            with serve_in_thread(create_app(backend, ApiConfig())) as gateway:
+                client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+                config = backend.model.manager.config
+                config.prefix_reuse = False  # a warm-up request, counted nowhere
+                replay(client, MODEL_ID, conversations[:1], extra=extra)
+                passes = []
+                for reuse in (False, True):
+                    config.prefix_reuse = reuse
+                    started = time.perf_counter()
+                    results = replay(client, MODEL_ID, conversations, extra=extra, concurrency=concurrency)
+                    passes.append(PassReport(reuse, results, time.perf_counter() - started))
+        finally:
+            backend.model.shutdown()
+    off, on = passes
+    answers_off = {(r.conversation, r.turn): r.answer for r in off.ok}
+    mismatched = sum(answers_off.get((r.conversation, r.turn)) != r.answer for r in on.ok)
+    num_turns = sum(len(c.turns) for c in conversations)
+    return RunReport(off, on, len(conversations), num_turns, shape, mismatched, tuple(server_args))
