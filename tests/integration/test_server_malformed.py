@@ -263,7 +263,7 @@ def test_bad_push_does_not_end_the_session(server, client):
         PREFIX.append(server.settings.dht_prefix)
     session_id = str(uuid.uuid4())
     step_ids = [str(uuid.uuid4()) for _ in range(4)]  # what the client announces, one step ahead
-    registry = server.service.handler.sessions
+    inboxes = server.service.core.sinks  # the core's push table: session id -> the stream's PushInbox
     stream = InferenceStream(client).open()
     upstream = {"corolla.upstream_peer": client.p2p.peer_id.to_base58()}  # pushes only from the named upstream
     first = packed_request(uid(), x(), max_length=16, session_id=session_id, **upstream, **{NEXT_STEP_KEY: step_ids[0]})
@@ -276,9 +276,9 @@ def test_bad_push_does_not_end_the_session(server, client):
         )
         client.run(lambda stub, request=request: stub.rpc_push(request))
         if i < 2:  # within the push rules: admitted (its step id used up), then refused by the step's validation
-            assert wait_until(lambda: registry._push_guards[session_id].expected_step_id is None, 10)
+            assert wait_until(lambda: inboxes[session_id].guard.expected_step_id is None, 10)
         else:  # 9 tokens, more than the client's biggest step: refused by the push rules
-            assert wait_until(lambda: registry._push_queues[session_id].empty(), 10)
+            assert wait_until(lambda: inboxes[session_id].queue.empty(), 10)
         honest = packed_request(
             uid(),
             x(1, 1, HIDDEN),

@@ -21,7 +21,8 @@ from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.refusals import BadRequest
 from corolla.server.core.runtime import Runtime
-from corolla.server.handlers.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.core.span_core import SpanCore
+from corolla.server.handlers.device_channel import DeviceChannel
 from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor, ProxySessionCache
 from helpers.tiny_models import tiny_span_backend
 
@@ -40,8 +41,8 @@ async def _channel(backend: SpanBackend) -> AsyncIterator[tuple[EngineExecutor, 
         real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
         device_end, handler_end = socket.socketpair()
         channel = DeviceChannel(
-            0, device_end, executor=real, admission=SessionAdmission(PeerLimits(), real),
-            router=PushRouter(DeviceSessionRegistry()), span=SPAN, max_frame_bytes=1 << 20,
+            0, device_end, executor=real, core=SpanCore(real, SessionAdmission(PeerLimits(), real)),
+            span=SPAN, max_frame_bytes=1 << 20,
         )  # fmt: skip
         serving = asyncio.create_task(channel.serve())
         link = await DeviceLink.connect(*await asyncio.open_unix_connection(sock=handler_end))

@@ -21,10 +21,11 @@ from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.refusals import BadRequest
 from corolla.server.core.runtime import Runtime, RuntimeStopped
+from corolla.server.core.span_core import SpanCore
 from corolla.server.core.task import Task
 from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.channel_io import FrameSocket
-from corolla.server.handlers.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.handlers.device_channel import DeviceChannel
 from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor
 from helpers.channel_frames import recv_frame
 from helpers.tiny_models import tiny_span_backend
@@ -111,8 +112,8 @@ async def _served(
         real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
         device_end, handler_end = socket.socketpair()
         channel = DeviceChannel(
-            0, device_end, executor=real, admission=SessionAdmission(PeerLimits(), real),
-            router=PushRouter(DeviceSessionRegistry()), span=SPAN, max_frame_bytes=1 << 20,
+            0, device_end, executor=real, core=SpanCore(real, SessionAdmission(PeerLimits(), real)),
+            span=SPAN, max_frame_bytes=1 << 20,
         )  # fmt: skip
         serving = asyncio.create_task(channel.serve())
         link = await DeviceLink.connect(*await asyncio.open_unix_connection(sock=handler_end))

@@ -17,7 +17,7 @@ from corolla.server.handlers.proxy_executor import DeviceInfo, DeviceLink
 async def test_a_large_frame_is_read_without_pausing_the_socket() -> None:
     ours, theirs = socket.socketpair()
     info = DeviceInfo("fused", 0, 8 << 20, {0: 1}, 1)
-    state = wire.Writer().u64(1).u64(0).u64(1)
+    state = wire.Writer().u64(1).u64(0).u64(1).u64(0)
     big = runtime_pb2.ExpertRequest(uid="x", tensors=[runtime_pb2.Tensor(buffer=b"\1" * (3 << 20))])
     push = wire.Writer().text("session").text("").blob(big.SerializeToString())
     hello = wire.Writer()
@@ -34,7 +34,7 @@ async def test_a_large_frame_is_read_without_pausing_the_socket() -> None:
 
     transport.pause_reading = counted  # type: ignore[method-assign]
     got = asyncio.get_running_loop().create_future()
-    link.push_sink = lambda session_id, request, sender: got.set_result(request) or True
+    link.on_push = lambda session_id, request, sender: got.set_result(request)
     sender = threading.Thread(target=theirs.sendall, args=(push.frame(wire.PUSH_OUT, 0),))
     sender.start()
     request = await asyncio.wait_for(got, 10)

@@ -32,7 +32,8 @@ from corolla.server.core.executor import (
 )
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.runtime import Runtime
-from corolla.server.handlers.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.core.span_core import SpanCore
+from corolla.server.handlers.device_channel import DeviceChannel
 from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.errors import AllocationFailed
@@ -79,15 +80,12 @@ KINDS = sorted(EXECUTORS) + ["proxy_eager", "proxy_fused"]
 
 
 @contextlib.asynccontextmanager
-async def _proxied(
-    real: SpanExecutor, admission: SessionAdmission | None = None, router: PushRouter | None = None
-) -> AsyncIterator[ProxyExecutor]:
+async def _proxied(real: SpanExecutor, core: SpanCore | None = None) -> AsyncIterator[ProxyExecutor]:
     device_end, handler_end = socket.socketpair()
     handler_reader, handler_writer = await asyncio.open_unix_connection(sock=handler_end)
     channel = DeviceChannel(
         0, device_end, executor=real,
-        admission=admission if admission is not None else SessionAdmission(PeerLimits(), real),
-        router=router if router is not None else PushRouter(DeviceSessionRegistry()), span=SPAN,
+        core=core if core is not None else SpanCore(real, SessionAdmission(PeerLimits(), real)), span=SPAN,
         max_frame_bytes=1 << 24,
     )  # fmt: skip
     serving = asyncio.create_task(channel.serve())
@@ -313,18 +311,19 @@ async def test_proxy_sizes_sessions_as_the_device_does(backend, kind) -> None:
 
 async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(backend) -> None:
     from corolla.server.core.limits import PeerLimitExceeded
-    from corolla.server.handlers.proxy_executor import RemoteAdmission
+    from corolla.server.handlers.proxy_executor import RemoteCore
 
     limits = PeerLimits(max_sessions_per_peer=1, max_kv_fraction_per_peer=1.0, session_idle_evict_s=0.01)
     with Runtime(max_batch_size_tokens=1024) as runtime:
         real = _eager(backend, runtime)
         device_admission = SessionAdmission(limits, real)
-        async with _proxied(real, device_admission) as first, _proxied(real, device_admission) as second:
+        core = SpanCore(real, device_admission)
+        async with _proxied(real, core) as first, _proxied(real, core) as second:
             spec = SessionSpec(SPAN, 1, 16)
-            async with RemoteAdmission(limits, first).reserve("peer-a", first, spec, 0) as (ticket, cache):
+            async with RemoteCore(first).open_session("peer-a", spec, 0, None, None) as (ticket, cache):
                 assert cache is not None and device_admission.num_open == 1
                 with pytest.raises(PeerLimitExceeded) as refused:  # the same peer through another process
-                    async with RemoteAdmission(limits, second).reserve("peer-a", second, spec, 0):
+                    async with RemoteCore(second).open_session("peer-a", spec, 0, None, None):
                         pass
                 assert refused.value.reason == "peer_sessions"
                 await asyncio.sleep(0.05)  # idle past session_idle_evict_s
@@ -337,24 +336,22 @@ async def test_push_is_routed_to_the_process_holding_the_session(backend) -> Non
     from hivemind.proto import runtime_pb2
 
     from corolla.server.core.push_guard import SessionPushGuard
-    from corolla.server.handlers.proxy_executor import RoutingSessionRegistry
+    from corolla.server.core.sessions import PushInbox
+    from corolla.server.handlers.proxy_executor import RemoteCore
 
-    router = PushRouter(DeviceSessionRegistry())
     with Runtime(max_batch_size_tokens=1024) as runtime:
         real = _eager(backend, runtime)
-        async with _proxied(real, router=router) as holder, _proxied(real, router=router) as other:
-            holding, receiving = RoutingSessionRegistry(holder.link), RoutingSessionRegistry(other.link)
-            guard = SessionPushGuard(upstream="upstream")
-            queue = holding.open("session-1", guard)
-            assert queue is not None
-            await asyncio.sleep(0.05)  # ROUTE_ADD reaches the device process
-            request = runtime_pb2.ExpertRequest(uid="x", metadata=b"step")
-            assert receiving.push("session-1", request, sender="upstream")  # landed on the other process
-            got = await asyncio.wait_for(queue.get(), 5)
-            assert got.uid == "x" and got.metadata == b"step"
-            receiving.push("session-1", request, sender="someone-else")  # routed, then refused by the guard
-            await asyncio.sleep(0.05)
-            assert queue.empty()
-            holding.close("session-1")
-            await asyncio.sleep(0.05)
-            assert "session-1" not in router.routes
+        core = SpanCore(real, SessionAdmission(PeerLimits(), real))
+        async with _proxied(real, core) as holder, _proxied(real, core) as other:
+            holding, receiving = RemoteCore(holder), RemoteCore(other)
+            inbox = PushInbox("session-1", SessionPushGuard(upstream="upstream"))
+            queue = inbox.queue
+            async with holding.open_session("peer-a", SessionSpec(SPAN, 1, 16), 0, "session-1", inbox):
+                request = runtime_pb2.ExpertRequest(uid="x", metadata=b"step")
+                assert receiving.push("session-1", request, sender="upstream")  # landed on the other process
+                got = await asyncio.wait_for(queue.get(), 5)
+                assert got.uid == "x" and got.metadata == b"step"
+                receiving.push("session-1", request, sender="someone-else")  # routed, then refused by the guard
+                await asyncio.sleep(0.05)
+                assert queue.empty()
+            assert "session-1" not in core.sinks

@@ -23,6 +23,7 @@ from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExe
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.runtime import Runtime, RuntimeStopped
+from corolla.server.core.span_core import SpanCore
 from corolla.server.core.task import Task, TaskQueue
 from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.frame_steps import FrameIntake, StepReply
@@ -74,7 +75,9 @@ async def _setup(
         config = EngineConfig(kv_pool_bytes=1 << 21, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=ROWS)
         real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
         channel = _Channel()
-        intake = FrameIntake(real, SessionAdmission(PeerLimits(), real), channel.held, channel.queue, channel.flush)
+        intake = FrameIntake(
+            real, SpanCore(real, SessionAdmission(PeerLimits(), real)), channel.held, channel.queue, channel.flush
+        )
         async with contextlib.AsyncExitStack() as stack:
             caches = [
                 await stack.enter_async_context(real.open_session(SessionSpec(SPAN, 1, 32), 0))
@@ -290,7 +293,9 @@ async def test_stop_fails_every_step_of_a_queued_frame_task(backend) -> None:
     config = EngineConfig(kv_pool_bytes=1 << 21, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=ROWS)
     real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
     channel = _Channel()
-    intake = FrameIntake(real, SessionAdmission(PeerLimits(), real), channel.held, channel.queue, channel.flush)
+    intake = FrameIntake(
+        real, SpanCore(real, SessionAdmission(PeerLimits(), real)), channel.held, channel.queue, channel.flush
+    )
     async with contextlib.AsyncExitStack() as stack:
         for handle in (1, 2, 3):
             channel.caches[handle] = await stack.enter_async_context(real.open_session(SessionSpec(SPAN, 1, 32), 0))

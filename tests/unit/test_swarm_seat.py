@@ -59,9 +59,7 @@ def test_load_fields_sample_the_runtime():
     seat = make_seat("corolla", [])
     assert seat.load_fields(None) == {"tokens_served": 0, "num_moves": 0}
     stats = {"inference": KindStats(busy_s=1.0)}
-    service = SimpleNamespace(
-        runtime=SimpleNamespace(stats=lambda: stats), handler=SimpleNamespace(sessions=SimpleNamespace(num_open=3))
-    )
+    service = SimpleNamespace(runtime=SimpleNamespace(stats=lambda: stats), core=SimpleNamespace(num_open=3))
     seat.metrics.tokens("inference", 7)
     first = seat.load_fields(service)
     assert first == {"tokens_served": 7, "num_moves": 0, "sessions_active": 3}  # no busy share before two samples

@@ -425,7 +425,7 @@ class Server:
             return await self._watch(service)
         finally:
             if service is not None and service.healthy and c.drain_timeout_s > 0:  # stop or move: let sessions move
-                await drain_sessions(service.handler.handoff, service.handler.sessions, announcer, c.drain_timeout_s)
+                await drain_sessions(service.handler.handoff, service.core, announcer, c.drain_timeout_s)
             await announcer.announce(ServerState.OFFLINE)
             await announcer.stop()
             if service is not None:
@@ -472,7 +472,7 @@ class Server:
         logger.info(
             f"server.stats(path={executor.path}, tasks_done={runtime.num_tasks_done}, "
             f"batches_done={runtime.num_batches_done}, pending={runtime.num_pending}, "
-            f"sessions={service.handler.sessions.num_open}, "
+            f"sessions={service.core.num_open}, "
             f"cache_used_bytes={executor.max_size_bytes - executor.bytes_left}, cache_left_bytes={executor.bytes_left})"
         )
 

@@ -10,14 +10,16 @@ from typing import Any
 
 from corolla.protocol import local_stream as ls
 from corolla.protocol.direct_stream import TicketSecret
+from corolla.server.core.admission import SessionAdmission
 from corolla.server.core.executor import DeviceExecutor
+from corolla.server.core.limits import PeerLimits
 from corolla.server.core.sessions import SessionTimeouts
+from corolla.server.core.span_core import SpanCore
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.connection_balance import BalanceDirectory
 from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
-from corolla.server.handlers.device_channel import DeviceSessionRegistry
 from corolla.server.handlers.handler_pool import HandlerPool
 from corolla.server.handlers.handler_process import HandlerSettings
 from corolla.server.metrics import ServerMetrics
@@ -56,13 +58,14 @@ class SpanService:
         self.num_handlers = num_handlers  # 1: this process serves the streams; N > 1: N handler processes do
         self.swarm_key_file = swarm_key_file
         self.handler_poll_s = handler_poll_s  # handler processes poll this long after each message (`HandlerSettings`)
+        self.core = SpanCore(executor, SessionAdmission(PeerLimits(), executor))  # all session state, every front's
         self.handler = TransformerConnectionHandler(
             limits=limits,
             executor=executor,
             timeouts=timeouts,
             compression=compression,
             dht_client_mode=dht_client_mode,
-            sessions=DeviceSessionRegistry() if num_handlers > 1 else None,  # routes pushes to handler processes
+            core=self.core,
             metrics=metrics,
             busy_poll=busy_poll,
             busy_poll_s=busy_poll_s,
@@ -108,7 +111,6 @@ class SpanService:
 
     async def _start_pool(self, p2p: Any) -> None:
         handler = self.handler
-        assert isinstance(handler.sessions, DeviceSessionRegistry)
         if self.direct is not None:  # the handler processes place direct-port connections by load
             try:
                 self._balance = BalanceDirectory(self.num_handlers)
@@ -134,8 +136,7 @@ class SpanService:
             self.num_handlers,
             settings,
             executor=self.executor,
-            admission=lambda: handler.admission,  # one admission for all processes (configure_limits sets it)
-            sessions=handler.sessions,
+            core=self.core,  # one admission and one push table for all processes
             span=tuple(range(self.limits.start_block, self.limits.end_block)),
             max_frame_bytes=4 * handler.max_stream_bytes,  # float16 on the wire may arrive as float32 here
             metrics=handler.metrics,

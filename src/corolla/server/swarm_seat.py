@@ -133,5 +133,5 @@ class SwarmSeat:
             fraction = (busy_s - self._busy_sample[1]) / (now - self._busy_sample[0])
             fields["busy_fraction"] = float(min(max(fraction, 0.0), 1.0))
         self._busy_sample = (now, busy_s)
-        fields["sessions_active"] = service.handler.sessions.num_open
+        fields["sessions_active"] = service.core.num_open  # through every front
         return fields

@@ -20,7 +20,8 @@ from corolla.server.announcer import Announcer
 from corolla.server.core import kv_handoff as kv
 from corolla.server.core.executor import SpanExecutor
 from corolla.server.core.refusals import Draining
-from corolla.server.core.sessions import SessionRegistry, SessionState
+from corolla.server.core.sessions import SessionState
+from corolla.server.core.span_core import SessionCore
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -185,10 +186,10 @@ class SessionHandoff:
 
 
 async def drain_sessions(
-    handoff: SessionHandoff, sessions: SessionRegistry, announcer: Announcer, timeout_s: float
+    handoff: SessionHandoff, sessions: SessionCore, announcer: Announcer, timeout_s: float
 ) -> None:
-    """Announces OFFLINE (so no client plans new sessions here) while waiting up to `timeout_s` for the open
-    sessions to move away; then returns, and the caller ends whatever is left as before."""
+    """Announces OFFLINE (so no client plans new sessions here) while waiting up to `timeout_s` for the sessions open
+    through any front (`sessions`: the core's) to move away; then returns, and the caller ends whatever is left."""
     started = time.monotonic()
     handoff.start_draining(timeout_s)
     num_open = sessions.num_open

@@ -1,5 +1,5 @@
-"""Inference sessions of one server: the registry that routes `rpc_push` messages to open sessions and ends every
-session on shutdown, and the step iterator that merges client steps with pushed ones (de-duplicated by `step_id`)
+"""Inference sessions of one front: the registry of its streams (ended on shutdown), the inbox of a session's pushed
+steps, and the step iterator that merges client steps with pushed ones (de-duplicated by `step_id`)
 under `step_timeout` and `session_timeout`."""
 
 from __future__ import annotations
@@ -75,12 +75,35 @@ class SessionState:
         )
 
 
+class PushInbox:
+    """Where the pushed steps of one stream's session wait (its `SessionState.push_queue`), behind the session's
+    guard: the core's push table hands each push here (`span_core.PushSink`)."""
+
+    def __init__(self, session_id: str, guard: SessionPushGuard):
+        self.session_id, self.guard = session_id, guard
+        self.queue: asyncio.Queue = asyncio.Queue(MAX_PUSH_QUEUE)
+
+    def __call__(self, request: runtime_pb2.ExpertRequest, sender: str | None) -> bool:
+        """Queues a step pushed by peer `sender`; False if `sender` is not the upstream its client named, or the
+        queue is full."""
+        if not self.guard.accepts_push_from(sender):
+            logger.info(
+                f"sessions.push_refused(session_id={self.session_id!r:.40}, sender={str(sender)[-8:]}): not upstream"
+            )
+            return False
+        try:
+            self.queue.put_nowait(request)
+        except asyncio.QueueFull:
+            logger.debug(f"sessions.push_dropped(session_id={self.session_id!r:.40}): queue full")
+            return False
+        return True
+
+
 class SessionRegistry:
-    """Open sessions by id (for pushes) and the tasks serving them (for shutdown)."""
+    """The streams one front serves (ended on shutdown); which session a push goes to is the core's
+    (`span_core.SpanCore.push`)."""
 
     def __init__(self) -> None:
-        self._push_queues: dict[str, asyncio.Queue] = {}
-        self._push_guards: dict[str, SessionPushGuard] = {}
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
 
@@ -88,52 +111,18 @@ class SessionRegistry:
     def num_open(self) -> int:
         return len(self._tasks)
 
-    def open(self, session_id: str | None, guard: SessionPushGuard | None = None) -> asyncio.Queue | None:
-        """Registers the current task as serving a session; returns its push queue (if it has an id). Pushes are
-        accepted only from the upstream `guard` names (none without a guard)."""
+    def open(self) -> None:
+        """Registers the current task as serving a session."""
         if self._closed:
             raise RuntimeError("The server is shutting down; it accepts no new sessions")
-        if session_id is not None and session_id in self._push_queues:
-            raise ValueError(f"session_id {session_id!r:.100} is already open on this server; use a fresh id")
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
-        if session_id is None:
-            return None
-        queue: asyncio.Queue = asyncio.Queue(MAX_PUSH_QUEUE)
-        self._push_queues[session_id] = queue
-        self._push_guards[session_id] = guard if guard is not None else SessionPushGuard()
-        return queue
 
-    def holds(self, session_id: str) -> bool:
-        """True if a session with this id is open here."""
-        return session_id in self._push_queues
-
-    def close(self, session_id: str | None) -> None:
+    def close(self) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.discard(task)
-        if session_id is not None:
-            self._push_queues.pop(session_id, None)
-            self._push_guards.pop(session_id, None)
-
-    def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
-        """Delivers a step pushed by peer `sender` to its session; False if the session is unknown, `sender` is not
-        the upstream its client named, or its queue is full."""
-        queue = self._push_queues.get(session_id)
-        if queue is None:
-            return False
-        if not self._push_guards[session_id].accepts_push_from(sender):
-            logger.info(
-                f"sessions.push_refused(session_id={session_id!r:.40}, sender={str(sender)[-8:]}): not upstream"
-            )
-            return False
-        try:
-            queue.put_nowait(request)
-        except asyncio.QueueFull:
-            logger.debug(f"sessions.push_dropped(session_id={session_id!r:.40}): queue full")
-            return False
-        return True
 
     async def close_all(self, timeout_s: float = 5.0) -> None:
         """Ends every open session (their KV caches are freed by their own context managers)."""

@@ -1,6 +1,7 @@
 """The RPC service (transport only): `TransformerConnectionHandler` with the seven Petals rpcs on a P2P replica of the
 DHT's daemon, all in the server's one asyncio loop. It decodes messages and metadata, validates them once
-(`block_functions`), hands the typed records to its `SpanExecutor` (`executor`), keeps sessions (`sessions`),
+(`block_functions`), opens sessions through the core's seam (`core`: admission and the push table of every
+front) and hands the typed records to its `SpanExecutor` (`executor`), keeps only its own streams (`sessions`),
 pushes steps to the next server, encodes replies and counts refusals (`refusals`)."""
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from corolla.server.core.limits import PeerLimits, peer_key
 from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply
 from corolla.server.core.refusals import BadRequest, Refusals, RequestTimeout
 from corolla.server.core.runtime import Runtime
-from corolla.server.core.sessions import SessionRegistry, SessionState, SessionTimeouts, iterate_steps
+from corolla.server.core.sessions import PushInbox, SessionRegistry, SessionState, SessionTimeouts, iterate_steps
+from corolla.server.core.span_core import SessionCore, SpanCore
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.direct_endpoint import DirectTicketRpc
@@ -74,7 +76,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         timeouts: SessionTimeouts,
         compression: int = runtime_pb2.CompressionType.NONE,
         dht_client_mode: bool = False,
-        sessions: SessionRegistry | None = None,
+        core: SessionCore | None = None,
         metrics: ServerMetrics | None = None,
         busy_poll: BusyPollSelector | None = None,
         busy_poll_s: float = 0.005,
@@ -85,6 +87,10 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         self.limits = limits
         self.peer_auth = peer_auth  # private swarm: every RPC proves membership (server.peer_auth); None = open
         self.executor = executor
+        # the core's session seam: this process's own (`SpanCore`), or a handler process's way to the device's
+        self.core: SessionCore = (
+            core if core is not None else SpanCore(executor, SessionAdmission(PeerLimits(), executor))
+        )
         self.configure_limits(peer_limits if peer_limits is not None else PeerLimits())
         self.busy_poll = busy_poll  # the serving loop's selector: hot after a lone session's inline step
         self.busy_poll_s = busy_poll_s
@@ -92,7 +98,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         self.timeouts = timeouts
         self.compression = compression
         self.dht_client_mode = dht_client_mode
-        self.sessions = sessions if sessions is not None else SessionRegistry()
+        self.sessions = SessionRegistry()  # this front's streams
         self.handoff = SessionHandoff(executor, timeouts.request_timeout_s)  # drain: refuses new sessions, moves KV
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.refusals = Refusals(self.metrics)  # the one place a refusal becomes a metric and a log line
@@ -104,7 +110,8 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
     def configure_limits(self, peer_limits: PeerLimits) -> None:
         """Sets the fair-use limits (before serving): sessions and KV cache per peer, stream bytes, forwards."""
         self.peer_limits = peer_limits
-        self.admission = SessionAdmission(peer_limits, self.executor)
+        if isinstance(self.core, SpanCore):  # (a handler process's sessions are admitted by the device's core)
+            self.core.admission = SessionAdmission(peer_limits, self.executor)
         step_bytes = self.limits.max_batch_size_tokens * self.limits.hidden_size * 4  # one step in float32
         self.stream_budget = StreamBudget(peer_limits.with_stream_defaults(step_bytes))  # unfinished streamed bytes
         self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)
@@ -286,7 +293,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         pushed = runtime_pb2.ExpertRequest(
             uid=request.uid, tensors=request.tensors, metadata=encode_metadata({**metadata.to_dict(), "pushed": True})
         )
-        if not self.sessions.push(metadata.session_id, pushed, sender=remote_peer(context)):
+        if not self.core.push(metadata.session_id, pushed, sender=remote_peer(context)):
             # the same empty answer either way: the pusher learns nothing about which sessions exist
             logger.debug(f"rpc_push.ignored(session_id={metadata.session_id!r:.40}): unknown, not upstream or full")
         return runtime_pb2.ExpertResponse()
@@ -317,7 +324,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             if self.p2p is None:  # stopped meanwhile
                 return
             if hop.peer_id == self.p2p.peer_id.to_base58():  # the next span is ours too: no network hop
-                self.sessions.push(hop.session_id, pushed, sender=hop.peer_id)
+                self.core.push(hop.session_id, pushed, sender=hop.peer_id)
                 return
             stub = type(self).get_stub(self.p2p, PeerID.from_base58(hop.peer_id))
             await stub.rpc_push(pushed, timeout=self.timeouts.request_timeout_s)
@@ -354,11 +361,12 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             f"rpc_inference.open(blocks={block_indices[0]}:{block_indices[-1] + 1}, batch={batch_size}, "
             f"max_length={max_length}, session_id={metadata.session_id!r:.40})"
         )
-        push_queue = self.sessions.open(metadata.session_id, push_guard)
+        self.sessions.open()
+        inbox = PushInbox(metadata.session_id, push_guard) if metadata.session_id is not None else None
         try:
             spec = SessionSpec(tuple(block_indices), batch_size, max_length)
-            reservation = self.admission.reserve(
-                peer_key(context), self.executor, spec, metadata.alloc_timeout_s
+            reservation = self.core.open_session(
+                peer_key(context), spec, metadata.alloc_timeout_s, metadata.session_id, inbox
             )  # per-peer caps, idle eviction, then the KV cache itself (none for a max_length=0 probe)
             async with reservation as (ticket, cache):
                 self._report_cache()
@@ -370,7 +378,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
                     cache=cache,
                     active_adapter=adapter,
                     args_structure=metadata.args_structure,
-                    push_queue=push_queue,
+                    push_queue=inbox.queue if inbox is not None else None,
                     push_guard=push_guard,  # peer_auth: what pushed steps may do
                     ticket=ticket,
                 )
@@ -404,7 +412,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             self._reject("rpc_inference", e)
             raise
         finally:
-            self.sessions.close(metadata.session_id)
+            self.sessions.close()
             self._report_cache()
             logger.info(
                 f"rpc_inference.close(session_id={metadata.session_id!r:.40}, seconds={time.monotonic() - started:.2f})"
@@ -439,7 +447,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             start_from_position=metadata.start_from_position,
             max_length_tokens=session.max_length,
             adapter=session.active_adapter,
-            lone_session=self.sessions.num_open == 1,
+            lone_session=self.core.num_open == 1,
         )  # the session changes only once the step is valid
         batch_size, length, _ = inputs.shape
         if length == 0 or session.cache is None:

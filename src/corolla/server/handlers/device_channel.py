@@ -1,7 +1,7 @@
 """The device process's side of `--num_handlers` > 1: one `DeviceChannel` per handler process serves its
-requests (`proxy_wire` frames) against the real executor and the one global admission, each request in a task of
-its own so that the runtime merges the steps of all processes' sessions into one batched forward; `PushRouter`
-sends a pushed step to whichever process holds its session's stream. Steps arrive one frame per handler loop
+requests (`proxy_wire` frames) against the real executor and the server's one `SpanCore` (admission, the push table),
+each request in a task of its own so that the runtime merges the steps of all processes' sessions into one batched
+forward; a session's OPEN routes its pushes to its process (PUSH_OUT), a PUSH_IN goes through the core's table. Steps arrive one frame per handler loop
 iteration (STEP_BATCH) and leave together: every step reply that became ready in one loop iteration (one merged
 forward resolves all of its steps in one callback) goes out in one REPLY_BATCH frame with the state once.
 
@@ -29,10 +29,12 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
+from hivemind.proto import runtime_pb2
 
-from corolla.server.core.admission import SessionAdmission, SessionTicket
+from corolla.server.core.admission import SessionTicket
 from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import (
     BackwardInputs,
@@ -42,20 +44,18 @@ from corolla.server.core.executor import (
     SessionSpec,
     SpanExecutor,
 )
+from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.channel_intake import ChannelIntake
 from corolla.server.handlers.channel_io import FrameSocket
 from corolla.server.handlers.frame_steps import FrameIntake, StepReply
 from corolla.server.handlers.proxy_executor import DeviceInfo
-from corolla.server.handlers.push_router import DeviceSessionRegistry, PushRouter
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_STATE = struct.Struct(">QQQ")  # what `_state` writes (`proxy_wire.Writer.u64` x 3)
-
-__all__ = ["DeviceChannel", "DeviceSessionRegistry", "PushRouter", "device_info"]
+_STATE = struct.Struct(">QQQQ")  # what `_state` writes (`proxy_wire.Writer.u64` x 4)
 
 
 def device_info(executor: SpanExecutor, span: tuple[int, ...], handler_index: int, max_frame_bytes: int) -> DeviceInfo:
@@ -92,19 +92,21 @@ class DeviceChannel:
         sock: socket.socket,
         *,
         executor: DeviceExecutor,
-        admission: SessionAdmission,
-        router: PushRouter,
+        core: SpanCore,
         span: tuple[int, ...],
         max_frame_bytes: int,
         metrics: ServerMetrics | None = None,
         check_accepting: Callable[[], None] | None = None,
         intake: ChannelIntake | None = None,
+        on_sessions_changed: Callable[[], None] | None = None,
     ):
         self.index = index
         # the device process's one reader of every channel (handler_pool's); None: this channel gets one of its own
         self.intake = intake
         self.io = FrameSocket(sock, max_frame_bytes)
-        self.executor, self.admission, self.router, self.span = executor, admission, router, span
+        self.executor, self.core, self.span = executor, core, span
+        # a session opened or closed: every process learns the device's figures (a lone channel: this one)
+        self.on_sessions_changed = on_sessions_changed if on_sessions_changed is not None else self.send_state
         self.max_frame_bytes = max_frame_bytes
         self.metrics = metrics  # the server's one set: handler processes report sessions and refusals here
         self.check_accepting = check_accepting  # raises Draining while the server drains
@@ -123,7 +125,7 @@ class DeviceChannel:
         self._ended: asyncio.Future[None] | None = None
         # a frame's steps -> runtime tasks (a frame's decode steps in one) -> replies; `_flush` bound once: the runtime
         # flushes each distinct object once per batch
-        self.steps = FrameIntake(executor, admission, self._held_cache, self._queue_results, self._flush)
+        self.steps = FrameIntake(executor, core, self._held_cache, self._queue_results, self._flush)
         self.num_requests = 0  # counted by the intake thread only
         self.num_frames_in = 0
         self.num_sessions_opened = 0
@@ -144,9 +146,12 @@ class DeviceChannel:
         return state
 
     def _state_bytes(self) -> bytes:
-        """The device's state as every reply carries it: bytes left, waiting, the cache's size (three u64)."""
+        """The device's state as every reply carries it: bytes left, waiting, the cache's size, sessions open (four
+        u64)."""
         executor = self.executor
-        return _STATE.pack(max(0, executor.bytes_left), executor.bytes_waiting, executor.max_size_bytes)
+        return _STATE.pack(
+            max(0, executor.bytes_left), executor.bytes_waiting, executor.max_size_bytes, self.core.num_open
+        )
 
     def send(self, kind: int, request_id: int, body: wire.Writer) -> None:
         """Sends one frame from any thread (a blocking `sendall` under the socket's lock)."""
@@ -187,7 +192,6 @@ class DeviceChannel:
         hello.parts.append(info.to_json())
         self.send(wire.HELLO, 0, hello)
         self.send_state()
-        self.router.channels.append(self)
         loop = self._loop = asyncio.get_running_loop()
         ended = self._ended = loop.create_future()
         intake = self.intake or ChannelIntake(f"corolla-channel-{self.index}")  # a channel alone: one of its own
@@ -200,7 +204,6 @@ class DeviceChannel:
                 await asyncio.wait_for(asyncio.shield(ended), 10.0)
             if intake is not self.intake:
                 await asyncio.to_thread(intake.close)
-            self.router.forget(self)
             await self._end_all()
             self.io.close()
 
@@ -230,7 +233,7 @@ class DeviceChannel:
             if kind == wire.PUSH_IN:
                 fields = wire.Reader(payload)
                 session_id, sender, raw = fields.text(), fields.text(), fields.blob()
-                self.router.route(session_id, raw, sender or None, origin=self)
+                self.core.push(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender=sender or None)
             elif kind == wire.METRICS:
                 self._count(wire.Reader(payload))
             elif kind == wire.READY:
@@ -238,9 +241,6 @@ class DeviceChannel:
                 self.pid, self.listen_maddr = fields.u32(), fields.text()
                 self.stream_names = [fields.text() for _ in range(fields.u8())]
                 self.ready.set()
-            elif kind in (wire.ROUTE_ADD, wire.ROUTE_DEL):
-                session_id = wire.Reader(payload).text()
-                (self.router.add if kind == wire.ROUTE_ADD else self.router.remove)(session_id, self)
             else:
                 self._start(kind, request_id, payload)
         except wire.FrameError as e:
@@ -280,7 +280,7 @@ class DeviceChannel:
         if holders:
             await asyncio.wait(holders, timeout=10.0)
         self.sessions.clear()
-        self.router.broadcast_state()
+        self.on_sessions_changed()
 
     async def _answer(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
         try:
@@ -310,22 +310,30 @@ class DeviceChannel:
     async def _open(self, fields: wire.Reader) -> wire.Writer:
         blocks = self._blocks(fields.u32(), fields.u32())
         spec = SessionSpec(blocks, fields.u32(), fields.u32())
-        alloc_timeout_s, admit, peer, _session_id = fields.f64(), fields.u8(), fields.text(), fields.text()
+        alloc_timeout_s, admit, peer, session_id = fields.f64(), fields.u8(), fields.text(), fields.text()
         fields.done()
         if admit and self.check_accepting is not None:
             self.check_accepting()  # Draining: no new sessions
         held = _Held(spec)
         opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         handle = next(self._handles)
-        held.task = asyncio.create_task(self._hold(handle, held, peer if admit else None, alloc_timeout_s, opened))
+        held.task = asyncio.create_task(
+            self._hold(handle, held, peer if admit else None, alloc_timeout_s, session_id or None, opened)
+        )
         await opened  # raises the admission's or the allocation's refusal
         self.sessions[handle] = held
         self.num_sessions_opened += 1
-        self.router.broadcast_state()
+        self.on_sessions_changed()
         return wire.Writer().u32(handle).u8(held.cache is not None)
 
     async def _hold(
-        self, handle: int, held: _Held, peer: str | None, alloc_timeout_s: float | None, opened: asyncio.Future[None]
+        self,
+        handle: int,
+        held: _Held,
+        peer: str | None,
+        alloc_timeout_s: float | None,
+        session_id: str | None,
+        opened: asyncio.Future[None],
     ) -> None:
         try:
             if peer is None:  # the executor alone (the contract suite); the handler process always admits
@@ -334,7 +342,9 @@ class DeviceChannel:
                     opened.set_result(None)
                     await held.close.wait()
                 return
-            async with self.admission.reserve(peer, self.executor, held.spec, alloc_timeout_s) as (ticket, cache):
+            sink = partial(self._push_out, session_id) if session_id is not None else None
+            reservation = self.core.open_session(peer, held.spec, alloc_timeout_s, session_id, sink)
+            async with reservation as (ticket, cache):
                 held.ticket, held.cache = ticket, cache
                 opened.set_result(None)
                 evicted = asyncio.ensure_future(ticket.evicted.wait())
@@ -362,8 +372,15 @@ class DeviceChannel:
             held.close.set()
             if held.task is not None:
                 await asyncio.wait({held.task}, timeout=10.0)
-            self.router.broadcast_state()
+            self.on_sessions_changed()
         return wire.Writer()
+
+    def _push_out(self, session_id: str, request: runtime_pb2.ExpertRequest, sender: str | None) -> bool:
+        """A push for a session of this channel's process: there, its stream's guard decides."""
+        if self.io.closed:
+            return False
+        self.send(wire.PUSH_OUT, 0, wire.Writer().text(session_id).text(sender).blob(request.SerializeToString()))
+        return True
 
     def _held(self, handle: int) -> _Held:
         held = self.sessions.get(handle)

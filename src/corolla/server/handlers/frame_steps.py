@@ -19,8 +19,9 @@ import torch
 
 from corolla.engine.batcher import StepGroup, StepResult
 from corolla.engine.span_engine import StepRequest
-from corolla.server.core.admission import SessionAdmission, SessionTicket
+from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import DeviceExecutor, PreparedStep, SessionCache, StepInputs
+from corolla.server.core.span_core import SpanCore
 from corolla.server.core.task import Task
 from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.return_times import ReturnTimes
@@ -89,12 +90,12 @@ class FrameIntake:
     def __init__(
         self,
         executor: DeviceExecutor,
-        admission: SessionAdmission,
+        core: SpanCore,
         held: Callable[[int], tuple[SessionCache, SessionTicket | None]],
         queue_replies: Callable[[list[StepReply]], None],
         flush: Callable[[], None],
     ):
-        self.executor, self.admission = executor, admission
+        self.executor, self.core = executor, core
         self._held, self._queue_replies, self._flush = held, queue_replies, flush
         self.num_frame_tasks = 0  # tasks that carried two or more steps of one frame
         self.returns = ReturnTimes()  # its sessions' turn from a step's result to their next step here
@@ -115,7 +116,7 @@ class FrameIntake:
         frame = _FrameSteps()  # the fast path's queued decode steps: one task (or a few)
         runtime = self.executor.runtime
         queued_at = time.perf_counter()
-        may_run_alone = self.admission.num_open <= 1  # alone in all processes (read once per frame)
+        may_run_alone = self.core.num_open <= 1  # alone in all processes (read once per frame)
         held, prepare_step, arrived = self._held, self.executor.prepare_step, self.returns.arrived
         for step in steps:
             try:

@@ -1,7 +1,7 @@
 """`--num_handlers N` (N > 1): N handler processes own the p2p streams (each on a P2P replica of the server's p2pd,
 registered `balanced=True`), and this process, the device process, keeps the runtime, the executor, the KV caches
-and the one admission, serving each handler process through a `DeviceChannel`, all of them read by one intake
-thread (`channel_intake`).
+and all session state (the one `SpanCore`), serving each handler process through a `DeviceChannel`, all of them read
+by one intake thread (`channel_intake`).
 
 Processes come from a forkserver that imported the handler module once (a fork of it costs milliseconds, not a
 second interpreter importing torch). A handler process that dies is logged and restarted; more than
@@ -25,10 +25,10 @@ from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_s
 from hivemind.proto import p2pd_pb2 as p2pd_pb
 from hivemind.utils.multiaddr import Multiaddr
 
-from corolla.server.core.admission import SessionAdmission
 from corolla.server.core.executor import DeviceExecutor
+from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers.channel_intake import ChannelIntake
-from corolla.server.handlers.device_channel import DeviceChannel, DeviceSessionRegistry, PushRouter
+from corolla.server.handlers.device_channel import DeviceChannel
 from corolla.server.handlers.handler_process import HandlerSettings, main
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
@@ -78,8 +78,7 @@ class HandlerPool:
         settings: HandlerSettings,
         *,
         executor: DeviceExecutor,
-        admission: Callable[[], SessionAdmission],
-        sessions: DeviceSessionRegistry,
+        core: SpanCore,
         span: tuple[int, ...],
         max_frame_bytes: int,
         metrics: ServerMetrics | None = None,
@@ -89,9 +88,7 @@ class HandlerPool:
         if num_handlers < 2:
             raise ValueError(f"a handler pool needs num_handlers >= 2, got {num_handlers} (1 = no pool)")
         self.num_handlers, self.settings, self.executor = num_handlers, settings, executor
-        self.admission = admission  # the device handler's current admission (configure_limits may replace it)
-        self.router = PushRouter(sessions)
-        sessions.router = self.router
+        self.core = core
         self.span, self.max_frame_bytes, self.metrics = span, max_frame_bytes, metrics
         self.check_accepting = check_accepting
         self.stop_timeout_s = stop_timeout_s
@@ -135,9 +132,9 @@ class HandlerPool:
         sock = socket.socket(fileno=os.dup(ours.fileno()))
         ours.close()
         channel = DeviceChannel(
-            index, sock, executor=self.executor, admission=self.admission(), router=self.router,
-            span=self.span, max_frame_bytes=self.max_frame_bytes, metrics=self.metrics,
-            check_accepting=self.check_accepting, intake=self.intake,
+            index, sock, executor=self.executor, core=self.core, span=self.span, max_frame_bytes=self.max_frame_bytes,
+            metrics=self.metrics, check_accepting=self.check_accepting, intake=self.intake,
+            on_sessions_changed=self.broadcast_state,
         )  # fmt: skip
         self.processes[index], self.channels[index] = process, channel
         self._tasks.append(asyncio.create_task(self._serve(index, process, channel)))
@@ -167,6 +164,16 @@ class HandlerPool:
         except Exception as e:
             self.failed = True
             logger.error(f"handler_pool.restart_failed(index={index}): {e!r}")
+
+    def broadcast_state(self) -> None:
+        """A session opened or closed: every handler process learns the device's figures; the server's metrics the
+        cache's."""
+        for channel in self.channels:
+            if channel is not None and not channel.io.closed:
+                channel.send_state()
+        if self.metrics is not None:
+            left = self.executor.bytes_left
+            self.metrics.set_cache(max(0, self.executor.max_size_bytes - left), left)
 
     async def stop(self) -> None:
         """Closes every channel and waits for the processes to exit (killing any that does not)."""

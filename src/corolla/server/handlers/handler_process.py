@@ -1,7 +1,7 @@
 """One handler process of `--num_handlers` > 1: its own asyncio loop on a P2P replica of the server's p2pd, the
 same `TransformerConnectionHandler` as the one-process server registered with `balanced=True` (p2pd spreads
-incoming streams over the processes that registered a name), and a `ProxyExecutor` that sends the decoded, validated
-work to the device process (`device_channel`). The process lives as long as its channel: when the device process
+incoming streams over the processes that registered a name), a `ProxyExecutor` that sends the decoded, validated
+work to the device process (`device_channel`) and a `RemoteCore` through which it opens sessions there and pushes. The process lives as long as its channel: when the device process
 closes it or dies, the handler ends its sessions, unregisters and exits (no orphans)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.front.peer_auth import make_peer_auth
 from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor, RemoteAdmission, RoutingSessionRegistry
+from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor, RemoteCore
 from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import load_swarm_key
 from corolla.utils import busy_poll
@@ -113,12 +113,11 @@ async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> 
         timeouts=settings.timeouts,
         compression=settings.compression,
         dht_client_mode=settings.dht_client_mode,
-        sessions=RoutingSessionRegistry(link),
+        core=RemoteCore(executor),  # sessions are admitted, and pushes routed, by the device process's core
         metrics=metrics,
         peer_limits=settings.peer_limits,
         peer_auth=make_peer_auth(load_swarm_key(settings.swarm_key_file), settings.peer_id, metrics),
     )
-    handler.admission = RemoteAdmission(settings.peer_limits, executor)  # global: decided by the device process
     handler.handoff.enabled = settings.kv_handoff
     p2p = await P2P.replicate(Multiaddr(settings.daemon_listen_maddr))
     endpoint: LocalEndpoint | None = None

@@ -1,13 +1,11 @@
 """The handler process's side of `--num_handlers` > 1: `ProxyExecutor`, a `SpanExecutor` that forwards every
-session, step, forward and backward to the device process over the channel (`proxy_wire`), so the unchanged
-`TransformerConnectionHandler` serves streams in this process while the KV caches, the runtime and the batching
-stay in the device process.
-
-What must stay global lives in the device process and is asked for here: admission (`RemoteAdmission`: sessions
-and KV per peer, idle eviction, counted once for all handler processes) and pushes (`RoutingSessionRegistry`: a push
-for a session whose stream another process holds is routed there through the device process). Cache accounting
-(`bytes_left`) is the device's figure, refreshed with every reply and whenever any process opens or closes a
-session."""
+session, step, forward and backward to the device process over the channel (`proxy_wire`), and `RemoteCore`, the
+core's session seam (`span_core.SessionCore`) over the same channel, so the unchanged `TransformerConnectionHandler`
+serves streams in this process while all session state, the KV caches, the runtime and the batching stay in the
+device process: sessions are admitted by its one `SpanCore` (sessions and KV per peer, idle eviction, counted once
+for all handler processes), and a push for a session whose stream another process holds goes through its push
+table. The device's figures (cache left, sessions open) come with every reply and whenever any process opens or
+closes a session."""
 
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.server.core.admission import SessionAdmission, SessionTicket
+from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
@@ -32,9 +30,7 @@ from corolla.server.core.executor import (
     StepInputs,
     TensorDescriptorLike,
 )
-from corolla.server.core.limits import PeerLimits
-from corolla.server.core.push_guard import SessionPushGuard
-from corolla.server.core.sessions import SessionRegistry
+from corolla.server.core.span_core import PushSink
 from corolla.server.front import step_timeline
 from corolla.server.handlers import proxy_wire as wire
 from corolla.utils.logging import get_logger
@@ -81,9 +77,6 @@ class ProxySessionCache(SessionCache):
         self.handle = handle
 
 
-PushSink = Callable[[str, runtime_pb2.ExpertRequest, "str | None"], bool]
-
-
 LINK_READ_LIMIT_BYTES = 4 << 20  # the link's stream reader pauses reading past twice this (`DeviceLink.open`)
 
 
@@ -96,8 +89,9 @@ class DeviceLink:
         self.bytes_left = 0
         self.bytes_waiting = 0
         self.max_size_bytes = 0
-        self.tickets: dict[int, SessionTicket] = {}  # mirrors of the device's tickets (evictions end the stream)
-        self.push_sink: PushSink | None = None
+        self.sessions_open = 0  # on the server, through every process
+        self.tickets: dict[int, SessionTicket] = {}  # this process's sessions by handle (an EVICT ends the stream)
+        self.on_push: Callable[[str, runtime_pb2.ExpertRequest, str | None], None] | None = None  # PUSH_OUT
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, wire.Reader]]] = {}  # the reply after the device's state
         self._outbox: list[tuple[int, int, wire.Writer]] = []  # steps of this loop iteration (one STEP_BATCH)
@@ -133,6 +127,7 @@ class DeviceLink:
 
     def _apply_state(self, reader: wire.Reader) -> None:
         self.bytes_left, self.bytes_waiting, self.max_size_bytes = reader.u64(), reader.u64(), reader.u64()
+        self.sessions_open = reader.u64()
 
     async def _read_forever(self) -> None:
         try:
@@ -147,8 +142,8 @@ class DeviceLink:
                 elif kind == wire.PUSH_OUT:
                     fields = wire.Reader(payload)
                     session_id, sender, raw = fields.text(), fields.text(), fields.blob()
-                    if self.push_sink is not None:
-                        self.push_sink(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender or None)
+                    if self.on_push is not None:
+                        self.on_push(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender or None)
                 elif kind == wire.REPLY_BATCH:  # the steps one merged forward finished: state once, then each reply
                     fields = wire.Reader(payload)
                     self._apply_state(fields)
@@ -344,57 +339,49 @@ def _one_tensor(reader: wire.Reader) -> torch.Tensor:
     return tensors[0]
 
 
-class RemoteAdmission(SessionAdmission):
-    """Admission decided by the device process for all handler processes at once (per-peer session and KV caps,
-    idle eviction); this process keeps a mirror ticket per session that the device's EVICT frame ends."""
+class RemoteCore:
+    """The device process's `SpanCore` as this process's fronts see it (the same `SessionCore`): a session is
+    admitted there, its pushes routed from there to this process; pushes for this process's own sessions are
+    delivered here at once."""
 
-    def __init__(self, limits: PeerLimits, executor: ProxyExecutor):
-        super().__init__(limits, executor)
+    def __init__(self, executor: ProxyExecutor):
         self.executor = executor
+        self.link = executor.link
+        self.sinks: dict[str, PushSink] = {}  # this process's sessions by id
+        self.link.on_push = self._deliver
+
+    @property
+    def num_open(self) -> int:
+        return self.link.sessions_open
 
     @contextlib.asynccontextmanager
-    async def reserve(
-        self, peer: str, executor: object, spec: SessionSpec, alloc_timeout_s: float | None
+    async def open_session(
+        self, peer: str, spec: SessionSpec, alloc_timeout_s: float | None, session_id: str | None, sink: PushSink | None
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
-        reserved = self.executor.session_bytes(spec) if spec.max_length_tokens else 0
-        async with self.executor.open_remote(spec, alloc_timeout_s, admit_peer=peer) as (cache, handle):
-            ticket = SessionTicket(peer=peer, reserved_bytes=reserved)
-            self.executor.link.tickets[handle] = ticket
-            self._tickets.add(ticket)
-            try:
-                yield ticket, cache
-            finally:
-                self._tickets.discard(ticket)
-                ticket.released.set()
-
-
-class RoutingSessionRegistry(SessionRegistry):
-    """This process's sessions; a push for a session it does not hold goes to the device process, which routes it
-    to the process that holds the session's stream (or its own same-host socket sessions)."""
-
-    def __init__(self, link: DeviceLink):
-        super().__init__()
-        self.link = link
-        link.push_sink = self.push_local
-
-    def open(self, session_id: str | None, guard: SessionPushGuard | None = None) -> asyncio.Queue | None:
-        queue = super().open(session_id, guard)
-        if session_id is not None:  # the device process routes pushes for this id here
-            self.link.send(wire.ROUTE_ADD, 0, wire.Writer().text(session_id))
-        return queue
-
-    def close(self, session_id: str | None) -> None:
-        held = session_id is not None and self.holds(session_id)
-        super().close(session_id)
-        if held and not self.link.closed.is_set():
-            self.link.send(wire.ROUTE_DEL, 0, wire.Writer().text(session_id))
-
-    def push_local(self, session_id: str, request: runtime_pb2.ExpertRequest, sender: str | None) -> bool:
-        return super().push(session_id, request, sender=sender)
+        routed = session_id if sink is not None else None
+        if routed is not None:
+            if routed in self.sinks:
+                raise ValueError(f"session_id {routed!r:.100} is already open on this server; use a fresh id")
+            assert sink is not None
+            self.sinks[routed] = sink
+        try:
+            reserved = self.executor.session_bytes(spec) if spec.max_length_tokens else 0
+            opening = self.executor.open_remote(spec, alloc_timeout_s, admit_peer=peer, session_id=routed)
+            async with opening as (cache, handle):
+                ticket = SessionTicket(peer=peer, reserved_bytes=reserved)
+                self.link.tickets[handle] = ticket  # the device's EVICT ends the stream
+                try:
+                    yield ticket, cache
+                finally:
+                    ticket.released.set()
+        finally:
+            if routed is not None and self.sinks.get(routed) is sink:
+                del self.sinks[routed]
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
-        if self.holds(session_id):
-            return self.push_local(session_id, request, sender)  # ours: refused here if not from its upstream
+        sink = self.sinks.get(session_id)
+        if sink is not None:
+            return sink(request, sender)  # ours: refused here if not from its upstream
         body = wire.Writer().text(session_id).text(sender).blob(request.SerializeToString())
         try:
             self.link.send(wire.PUSH_IN, 0, body)
@@ -402,3 +389,9 @@ class RoutingSessionRegistry(SessionRegistry):
             logger.info(f"proxy_executor.push_not_routed(session_id={session_id!r:.40}): {e!r}")
             return False
         return True
+
+    def _deliver(self, session_id: str, request: runtime_pb2.ExpertRequest, sender: str | None) -> None:
+        """A push the device routed here (PUSH_OUT)."""
+        sink = self.sinks.get(session_id)
+        if sink is not None:
+            sink(request, sender)

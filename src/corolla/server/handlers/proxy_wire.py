@@ -15,7 +15,7 @@ the device answers the steps that one merged forward finished as one REPLY_BATCH
 write and one wake-up per batch instead of per step). A batch payload is a u16 item count and, per item, the
 item's kind (u8), request id (u32) and payload length (u32) then its payload; `split_batch` checks the count and
 every item's length against what is left of the frame before it slices (views, no copies). A reply batch starts
-with the device's state (three u64) once, its items carry none.
+with the device's state (four u64) once, its items carry none.
 
 The hot paths of the device side read and write the same bytes (the one codec of these frames): `parse_steps` reads
 a STEP_BATCH in one pass (`struct.unpack_from` at offsets, each length checked against what is left of its item
@@ -43,7 +43,7 @@ from corolla.utils.errors import AllocationFailed
 from corolla.utils.tensor_bytes import view_bytes
 
 # handler -> device
-OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, ROUTE_ADD, ROUTE_DEL, METRICS, READY = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, METRICS, READY = 1, 2, 3, 4, 5, 6, 9, 10
 STEP_BATCH = 11
 # a METRICS frame's event: what a handler process reports to the device's metrics (its own are never scraped)
 METRIC_SESSION_OPENED, METRIC_SESSION_CLOSED, METRIC_REJECTED = 1, 2, 3
@@ -51,7 +51,7 @@ METRIC_SESSION_OPENED, METRIC_SESSION_CLOSED, METRIC_REJECTED = 1, 2, 3
 HELLO, STATE, REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT = 20, 21, 22, 23, 24, 25, 26, 27
 REPLY_BATCH = 28
 FRAME_KINDS = frozenset(
-    (OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, ROUTE_ADD, ROUTE_DEL, METRICS, READY, STEP_BATCH, HELLO, STATE)
+    (OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, METRICS, READY, STEP_BATCH, HELLO, STATE)
     + (REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT, REPLY_BATCH)
 )
 BATCH_ITEM_KINDS = {STEP_BATCH: frozenset((STEP,)), REPLY_BATCH: frozenset((REPLY_TENSORS, REPLY_ERROR))}

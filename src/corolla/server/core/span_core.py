@@ -1,0 +1,87 @@
+"""The core's session seam: what every front asks of the core about sessions, in one place for all fronts of a
+server. `SpanCore` holds the one admission (per-peer caps, idle eviction, then the KV cache itself) and the one table
+of pushes by session id; a front in this process calls it directly, a handler process through its device channel
+(`handlers.proxy_executor.RemoteCore` offers the same `SessionCore`). A front keeps only its own streams."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from hivemind.proto import runtime_pb2
+
+from corolla.server.core.admission import SessionAdmission, SessionTicket
+from corolla.server.core.executor import SessionCache, SessionSpec, SpanExecutor
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# delivers a pushed step (`rpc_push`) to the stream of its session: (request, sender peer) -> accepted
+PushSink = Callable[[runtime_pb2.ExpertRequest, "str | None"], bool]
+
+
+class SessionCore(Protocol):
+    """The one seam between a front and the core for sessions (the work itself goes through `executor`)."""
+
+    @property
+    def executor(self) -> SpanExecutor: ...
+
+    @property
+    def num_open(self) -> int:
+        """Sessions open on the server, through every front."""
+        ...
+
+    def open_session(
+        self, peer: str, spec: SessionSpec, alloc_timeout_s: float | None, session_id: str | None, sink: PushSink | None
+    ) -> contextlib.AbstractAsyncContextManager[tuple[SessionTicket, SessionCache | None]]:
+        """Admits a session of `peer` and opens its cache (none for a max_length=0 probe); pushes for `session_id`
+        reach `sink` from before the admission until the exit. ValueError if `session_id` is open already."""
+        ...
+
+    def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
+        """Hands a pushed step to the stream of its session, wherever it is; False if no stream holds it."""
+        ...
+
+
+class SpanCore:
+    """The core's sessions of one server (see the module docstring): runs in the server's event loop."""
+
+    def __init__(self, executor: SpanExecutor, admission: SessionAdmission):
+        self.executor = executor
+        self.admission = admission  # replaced by `TransformerConnectionHandler.configure_limits` before serving
+        self.sinks: dict[str, PushSink] = {}
+
+    @property
+    def num_open(self) -> int:
+        return self.admission.num_open
+
+    def route(self, session_id: str, sink: PushSink) -> None:
+        """Pushes for `session_id` go to `sink` (ValueError: another stream holds that id)."""
+        if session_id in self.sinks:
+            raise ValueError(f"session_id {session_id!r:.100} is already open on this server; use a fresh id")
+        self.sinks[session_id] = sink
+
+    def unroute(self, session_id: str, sink: PushSink) -> None:
+        if self.sinks.get(session_id) is sink:
+            del self.sinks[session_id]
+
+    @contextlib.asynccontextmanager
+    async def open_session(
+        self, peer: str, spec: SessionSpec, alloc_timeout_s: float | None, session_id: str | None, sink: PushSink | None
+    ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
+        routed = session_id is not None and sink is not None
+        if routed:
+            assert session_id is not None and sink is not None
+            self.route(session_id, sink)
+        try:
+            async with self.admission.reserve(peer, self.executor, spec, alloc_timeout_s) as opened:
+                yield opened
+        finally:
+            if routed:
+                assert session_id is not None and sink is not None
+                self.unroute(session_id, sink)
+
+    def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
+        sink = self.sinks.get(session_id)
+        return sink is not None and sink(request, sender)
