@@ -2,16 +2,19 @@
 lower start, moves only when the simulated swarm improves enough and never opening a gap, peer-independent."""
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from corolla.protocol.records import RemoteModuleInfo, ServerInfo, ServerState
+from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.swarm.block_selection import (
     choose_best_blocks,
+    choose_best_span,
     compute_throughputs,
     should_choose_other_blocks,
+    should_move_span,
 )
 from corolla.swarm.spans import compute_spans
 
@@ -120,3 +123,65 @@ def test_compute_spans_semantics():
 def test_bad_num_blocks():
     with pytest.raises(ValueError):
         choose_best_blocks(5, swarm(4, []))
+
+
+def reference_should_move(local, spans, total_blocks, balance_quality, rng):
+    """Petals' `should_choose_other_blocks`, line by line in plain Python (the oracle for the faster version)."""
+    eps = 1e-3
+    spans = {peer: replace(span) for peer, span in spans.items()}
+    throughputs = compute_throughputs(spans, total_blocks=total_blocks)
+    initial = throughputs.min()
+
+    def best_start(n):
+        return min((sorted(throughputs[i : i + n].tolist()), i) for i in range(total_blocks - n + 1))[1]
+
+    span = spans[local]
+    throughputs[span.start : span.end] -= span.throughput * (1 + eps)
+    if initial > eps and throughputs.min() <= 0:
+        return False
+    new_start = best_start(span.length)
+    if span.start == new_start:
+        return False
+    throughputs[span.start : span.end] += span.throughput * eps
+    span.start, span.end = new_start, new_start + span.length
+    throughputs[span.start : span.end] += span.throughput
+    while True:
+        peers = sorted(spans)
+        rng.shuffle(peers)
+        moved = False
+        for peer in peers:
+            span = spans[peer]
+            throughputs[span.start : span.end] -= span.throughput * (1 + eps)
+            new_start = best_start(span.length)
+            throughputs[span.start : span.end] += span.throughput * eps
+            if span.start != new_start:
+                span.start, span.end = new_start, new_start + span.length
+                moved = True
+            throughputs[span.start : span.end] += span.throughput
+        if not moved:
+            break
+    new = throughputs.min()
+    return bool(new >= initial and new >= eps and initial / new < balance_quality - eps)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_fast_rebalancing_check_decides_as_the_reference(seed):
+    rng = random.Random(seed)
+    total = rng.choice([8, 24, 80])
+    kinds = [rng.choice([1.0, 2.0, 5.0, 13.5]) for _ in range(3)]  # repeated throughputs make tied windows
+    spans = {}
+    for i in range(rng.randint(2, 40)):
+        length = rng.randint(1, total // 2)
+        start = rng.randint(0, total - length)
+        spans[f"p{i:02d}"] = RemoteSpanInfo(
+            f"p{i:02d}", start, start + length, ServerInfo(state=ONLINE, throughput=rng.choice(kinds))
+        )
+    for peer in list(spans)[:5]:
+        for quality in (0.3, 0.75, 0.95):
+            expected = reference_should_move(peer, spans, total, quality, random.Random(seed))
+            got = should_move_span(peer, spans, total_blocks=total, balance_quality=quality, rng=random.Random(seed))
+            assert got == expected, (peer, quality)
+    throughputs = compute_throughputs(spans, total_blocks=total)
+    for length in range(1, total + 1):
+        want = min((sorted(throughputs[i : i + length].tolist()), i) for i in range(total - length + 1))[1]
+        assert choose_best_span(length, spans, total_blocks=total).start == want

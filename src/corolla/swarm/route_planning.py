@@ -83,11 +83,9 @@ def make_min_latency_route(
     """
     _check_range(spans, start, end)
     by_block = spans_by_block(spans, end)
-
-    def entry_cost(span: RemoteSpanInfo, half_rtt_s: float) -> float:
-        penalty = 0.0 if has_cache_for(span, cache_tokens_needed) else MISSING_CACHE_PENALTY_S
-        return half_rtt_s + SERIALIZATION_OVERHEAD_S + penalty
-
+    # a chain enters a server at some block and stays to the end of its span (or of the route): nodes are (span,
+    # block where the chain is), and riding a span costs its blocks one by one (the same float sums per block)
+    penalties = [0.0 if has_cache_for(span, cache_tokens_needed) else MISSING_CACHE_PENALTY_S for span in spans]
     block_costs = [block_cost_s(span) for span in spans]
     START, END = -1, -2  # sentinel span indices
     index_of = {id(span): i for i, span in enumerate(spans)}
@@ -96,6 +94,13 @@ def make_min_latency_route(
     counter = itertools.count()
     heap: list[tuple[float, int, tuple[int, int]]] = [(0.0, next(counter), (START, start))]
     done: set[tuple[int, int]] = set()
+
+    def relax(node: tuple[int, int], neighbor: tuple[int, int], new_cost: float) -> None:
+        if new_cost < dist.get(neighbor, math.inf):
+            dist[neighbor] = new_cost
+            prev[neighbor] = node
+            heapq.heappush(heap, (new_cost, next(counter), neighbor))
+
     while heap:
         cost, _, node = heapq.heappop(heap)
         if node in done:
@@ -104,35 +109,27 @@ def make_min_latency_route(
         if node[0] == END:
             break
         span_idx, block = node
-        edges: list[tuple[tuple[int, int], float]] = []
         if span_idx == START:
             for span in by_block[block]:
-                edges.append(
-                    ((index_of[id(span)], block), entry_cost(span, _half_rtt_s(client_rtts_s.get(span.peer_id))))
-                )
-        else:
-            span = spans[span_idx]
-            if block == end:
-                edges.append(((END, end), _half_rtt_s(client_rtts_s.get(span.peer_id))))
-            else:
-                if block < span.end:
-                    edges.append(((span_idx, block + 1), block_costs[span_idx]))
-                if block == span.end:
-                    next_pings = span.server_info.next_pings or {}
-                    for other in by_block[block]:
-                        if other is not span:
-                            edges.append(
-                                (
-                                    (index_of[id(other)], block),
-                                    entry_cost(other, _half_rtt_s(next_pings.get(other.peer_id))),
-                                )
-                            )
-        for neighbor, weight in edges:
-            new_cost = cost + weight
-            if new_cost < dist.get(neighbor, math.inf):
-                dist[neighbor] = new_cost
-                prev[neighbor] = node
-                heapq.heappush(heap, (new_cost, next(counter), neighbor))
+                i = index_of[id(span)]
+                relax(node, (i, block), cost + (_half_rtt_s(client_rtts_s.get(span.peer_id)) +
+                                                SERIALIZATION_OVERHEAD_S + penalties[i]))  # fmt: skip
+            continue
+        span = spans[span_idx]
+        if block == end:
+            relax(node, (END, end), cost + _half_rtt_s(client_rtts_s.get(span.peer_id)))
+        elif block < span.end:  # entered here: ride to the span's end or the route's
+            ride, step = cost, block_costs[span_idx]
+            for _ in range(min(span.end, end) - block):
+                ride += step
+            relax(node, (span_idx, min(span.end, end)), ride)
+        else:  # at the span's end: switch to a server holding the next block
+            next_pings = span.server_info.next_pings or {}
+            for other in by_block[block]:
+                if other is not span:
+                    i = index_of[id(other)]
+                    relax(node, (i, block), cost + (_half_rtt_s(next_pings.get(other.peer_id)) +
+                                                    SERIALIZATION_OVERHEAD_S + penalties[i]))  # fmt: skip
 
     assert (END, end) in prev, "every covered range is reachable: each span's end block is covered by another span"
     path = []
