@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from hivemind.proto import runtime_pb2
@@ -57,6 +57,9 @@ class SessionState:
     num_resends: int = 0
     # the session's per-step waits (next request, step compute) in its stream's task: one lazily moved timer
     deadlines: TaskDeadline | None = None
+    # sees the metadata of every request of the session's own client before it runs, also one skipped because its
+    # pushed copy ran first (the client's prefix keys travel only on its own requests); ValueError ends the session
+    on_client_request: Callable[[InferenceRequestMetadata], None] | None = None
 
     def record_output(self, metadata: InferenceRequestMetadata, output: runtime_pb2.Tensor) -> None:
         """Keeps the last step's reply, to answer a client that re-sends that step."""
@@ -235,6 +238,8 @@ async def iterate_steps(
                 session.push_guard, request, parsed, prefix_length=session.prefix_length,
                 args_structure=session.args_structure, already_seen=step_id in session.seen_step_ids,
             )  # fmt: skip
+            if metadata is not None and not metadata.pushed and session.on_client_request is not None:
+                session.on_client_request(metadata)
             if metadata is None:
                 pass
             elif step_id is None or step_id not in session.seen_step_ids:
