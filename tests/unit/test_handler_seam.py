@@ -15,12 +15,14 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
-from corolla.protocol.metadata import encode_metadata
+from corolla.protocol.metadata import decode_metadata, encode_metadata
+from corolla.protocol.prefix import PREFIX_HIT_KEY, PREFIX_KEY, PrefixKeys
 from corolla.server.core.executor import (
     PATH_EAGER,
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
+    PrefixCacheStats,
     SessionCache,
     SessionSpec,
     StepInputs,
@@ -55,6 +57,8 @@ class FakeExecutor:
         self.bytes_waiting = 0
         self.steps: list[StepInputs] = []
         self.opened: list[SessionSpec] = []
+        self.prefix_hit = 16  # what `attach_prefix` answers (at most the keyed positions)
+        self.prefix_calls: list[tuple[str, str, PrefixKeys]] = []
 
     @property
     def runtime(self) -> Runtime:
@@ -89,6 +93,16 @@ class FakeExecutor:
 
     async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
         return [inputs.grad_outputs * 2]
+
+    async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
+        self.prefix_calls.append(("attach", namespace, keys))
+        return min(self.prefix_hit, keys.end_position)
+
+    def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
+        self.prefix_calls.append(("add", namespace, keys))
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(cached_bytes=123, evictions=4)
 
     def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
         raise HandoffUnsupported("fake")
@@ -190,3 +204,47 @@ def test_rpc_info_names_the_serving_path() -> None:
     answer = MSGPackSerializer.loads(info.serialized_info)
     assert answer["serving_path"] == "eager"
     assert answer["cache_tokens_available"] == 10**6 // BYTES_PER_TOKEN
+
+
+def test_prefix_keys_reach_the_executor_under_the_clients_identity_and_the_probe_is_answered() -> None:
+    executor = FakeExecutor()
+    handler = _handler(executor)
+    keys = PrefixKeys(0, (b"a" * 16, b"b" * 16))
+    more = PrefixKeys(2, (b"c" * 16,))
+    answers: list[runtime_pb2.ExpertResponse] = []
+
+    async def session(requests: list[runtime_pb2.ExpertRequest]) -> None:
+        async def stream() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+            for r in requests:
+                yield r
+
+        async for response in handler.rpc_inference(stream(), _Context()):  # type: ignore[arg-type]
+            answers.append(response)
+
+    _run(session([
+        _request(torch.randn(1, 0, H), max_length=32, session_id="s", **{PREFIX_KEY: keys.to_wire()}),
+        _request(torch.randn(1, 3, H), **{PREFIX_KEY: more.to_wire()}),  # no start_from_position: at the hit
+    ]))  # fmt: skip
+    assert decode_metadata(answers[0].metadata)[PREFIX_HIT_KEY] == 16
+    assert not answers[1].metadata or PREFIX_HIT_KEY not in decode_metadata(answers[1].metadata)
+    assert [s.prefix_length for s in executor.steps] == [16]  # the zero-token probe never reaches the executor
+    namespace = "local/"  # the same-host socket's identity, no adapter
+    assert [(kind, ns, k) for kind, ns, k in executor.prefix_calls] == [
+        ("add", namespace, keys),
+        ("attach", namespace, keys),
+        ("add", namespace, more),
+    ]
+    assert "corolla_prefix_hit_tokens_total 16.0" in handler.metrics.render().decode()
+    assert "corolla_prefix_cache_bytes 123.0" in handler.metrics.render().decode()
+
+
+def test_a_probe_that_rewinds_or_a_first_step_with_tokens_reuses_nothing() -> None:
+    executor = FakeExecutor()
+    handler = _handler(executor)
+    keys = PrefixKeys(0, (b"a" * 16,)).to_wire()
+    _run(_session(handler, [_request(torch.randn(1, 2, H), max_length=32, **{PREFIX_KEY: keys})]))
+    _run(
+        _session(handler, [_request(torch.randn(1, 0, H), max_length=32, start_from_position=0, **{PREFIX_KEY: keys})])
+    )
+    assert [call[0] for call in executor.prefix_calls] == ["add", "add"]  # recorded for publication, never attached
+    assert [s.prefix_length for s in executor.steps] == [0]

@@ -48,8 +48,7 @@ def test_published_pages_outlive_their_session_and_attach_to_the_next() -> None:
     fill(pool, a, 0, history)
     assert [pool.publish(a, i, key(i)) for i in range(3)] == [True, True, True]
     assert not pool.publish(a, 0, key(0))  # a key names its first page
-    with pytest.raises(ValueError, match="not fully computed"):
-        pool.publish(a, 3, key(3))
+    assert not pool.publish(a, 3, key(3))  # not fully computed
     published = list(a.pages)
     pool.free([a])
     assert pool.pages_free == 12  # cached pages nobody holds may still be promised: a promise evicts them

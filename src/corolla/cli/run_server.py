@@ -124,6 +124,12 @@ def build_parser() -> configargparse.ArgParser:
         dest="kv_handoff",
         help="never export a draining session's KV cache nor import one (clients replay their history instead)",
     )
+    parser.add(
+        "--prefix_cache_shared",
+        action="store_true",
+        help="private swarms: let every client reuse prefixes other clients computed (by default a session reuses only "
+        "its own client's cached prefixes: a client that computed one wrongly can harm only itself)",
+    )
     parser.add("--metrics_port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:<port>")
     parser.add("--increase_file_limit", type=int, default=4096, help="raise RLIMIT_NOFILE to this (0 = keep)")
     parser.add("--stats_report_interval", type=float, default=None, help="log runtime stats every N seconds")

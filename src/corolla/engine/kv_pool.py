@@ -402,13 +402,14 @@ class KVPool:
         return attached
 
     def publish(self, slot: SequenceSlot, index: int, key: PrefixKey) -> bool:
-        """Indexes page `index` of the sequence, all of whose positions are computed, under `key`; False (nothing
-        changes) if the key or the page is indexed already. The sequence then writes that page no more in place."""
+        """Indexes page `index` of the sequence under `key`; False (nothing changes) if the key or the page is
+        indexed already or the page's positions are not all computed (a rewrite may have cut the length meanwhile).
+        The sequence then writes that page no more in place."""
         if key.layers != slot.layers:
             raise ValueError(f"a key of layers {key.layers} can't name a page of a sequence over {slot.layers}")
         with self._lock:  # (the length is read under the lock: `prepare_write` cuts it there before a rewrite)
             if (index + 1) * self.page_size_tokens > slot.length_tokens or index >= len(slot.pages):
-                raise ValueError(f"page {index} is not fully computed ({slot.length_tokens} positions held)")
+                return False
             if slot.freed or not self.prefix_index.insert(key, slot.pages[index]):
                 return False
             slot.shared_pages = max(slot.shared_pages, index + 1)

@@ -278,12 +278,12 @@ class SpanEngine:
         name, computed over its layers by sessions of `namespace`; returns the positions reused (whole pages). A
         session of several sequences reuses nothing and publishes nothing: keys name one sequence. ValueError once
         the session has positions."""
-        if session.length_tokens or session.prefix is not None:
+        if session.length_tokens or any(slot.pages for slot in session.slots):
             raise ValueError("a prefix is attached only before a session's first position")
-        prefix = self._prefix_of(session, namespace)
+        self.add_prefix_keys(session, namespace, keys)
+        prefix = session.prefix
         if prefix is None:
             return 0
-        prefix.add(keys)
         pages = self.pool.attach_prefix(session.slots[0], prefix.keys_from(0))
         prefix.next_page = pages
         return pages * self.pool.page_size_tokens

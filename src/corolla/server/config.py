@@ -151,6 +151,9 @@ class ServerConfig:
     # move away (their clients carry the KV cache to another server); then end the rest as before. 0 = no wait
     drain_timeout_s: float = 5.0
     kv_handoff: bool = True  # export a draining session's KV cache to its client / import one from a client
+    # reuse cached prefixes across clients (a private swarm whose operator trusts every client); off: a session reuses
+    # only what sessions of its own client identity computed (design.md section 10)
+    prefix_cache_shared: bool = False
     # process
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0 = any free port)
     increase_file_limit: int = 4096

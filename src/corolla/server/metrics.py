@@ -5,6 +5,8 @@ Usage from the server (every call is cheap, thread-safe and never raises):
     metrics = ServerMetrics()                    # one per Server; own CollectorRegistry (several servers per process ok)
     metrics.blocks_served(end - start)           # after loading blocks
     metrics.set_cache(used_bytes, free_bytes)    # after each KV allocation / free (the pool's bytes)
+    metrics.set_prefix_cache(cached_bytes, evictions)  # with it: the prefix cache's pages and evictions so far
+    metrics.prefix_probe(keyed_tokens=, hit_tokens=)   # a session's first step asked for its prefix
     with metrics.session():                      # around one rpc_inference stream (or session_opened()/session_closed())
         metrics.queue_wait(seconds)              # time a task waited in the runtime queue
         metrics.observe_step(seconds)            # time the runtime spent executing one task
@@ -19,7 +21,8 @@ Usage from the server (every call is cheap, thread-safe and never raises):
 
 Names exported (prefix `corolla_`): sessions_active, sessions_opened_total, tokens_processed_total{kind},
 step_seconds, queue_wait_seconds, batch_size (histograms), requests_rejected_total{reason},
-kv_cache_used_bytes, kv_cache_free_bytes, blocks_served, announce_failures_total, moves_total, span_load_seconds_total,
+kv_cache_used_bytes, kv_cache_free_bytes, prefix_keyed_tokens_total, prefix_hit_tokens_total, prefix_cache_bytes,
+prefix_cache_evictions, blocks_served, announce_failures_total, moves_total, span_load_seconds_total,
 span_loads_total.
 """
 
@@ -105,6 +108,18 @@ class ServerMetrics:
         self._rejected = Counter("corolla_requests_rejected", "Requests refused, by reason", ["reason"], registry=r)
         self._cache_used = Gauge("corolla_kv_cache_used_bytes", "KV cache bytes allocated", registry=r)
         self._cache_free = Gauge("corolla_kv_cache_free_bytes", "KV cache bytes still free", registry=r)
+        self._prefix_keyed = Counter(
+            "corolla_prefix_keyed_tokens", "Positions sessions named by prefix keys when they opened", registry=r
+        )
+        self._prefix_hits = Counter(
+            "corolla_prefix_hit_tokens", "Positions sessions reused from the prefix cache when they opened", registry=r
+        )
+        self._prefix_bytes = Gauge(
+            "corolla_prefix_cache_bytes", "KV bytes of the cached prefix pages (held by sessions or idle)", registry=r
+        )
+        self._prefix_evictions = Gauge(
+            "corolla_prefix_cache_evictions", "Cached prefix pages evicted for new sessions so far", registry=r
+        )
         self._blocks = Gauge("corolla_blocks_served", "Transformer blocks this server holds", registry=r)
         self._serving_path = Gauge(
             "corolla_serving_path",
@@ -168,6 +183,15 @@ class ServerMetrics:
     def set_cache(self, used_bytes: int, free_bytes: int) -> None:
         self._cache_used.set(used_bytes)
         self._cache_free.set(free_bytes)
+
+    def set_prefix_cache(self, cached_bytes: int, evictions: int) -> None:
+        self._prefix_bytes.set(cached_bytes)
+        self._prefix_evictions.set(evictions)
+
+    def prefix_probe(self, *, keyed_tokens: int, hit_tokens: int) -> None:
+        """A session's first step named `keyed_tokens` positions by prefix keys and reused `hit_tokens` of them."""
+        self._prefix_keyed.inc(max(0, keyed_tokens))
+        self._prefix_hits.inc(max(0, hit_tokens))
 
     def blocks_served(self, n: int) -> None:
         self._blocks.set(n)

@@ -33,6 +33,7 @@ from corolla.server.core.runtime import Runtime
 from corolla.server.core.sessions import SessionTimeouts
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.peer_auth import make_peer_auth
+from corolla.server.front.prefix_keys import PrefixTrust
 from corolla.server.front.reachability_gate import validate_reachability
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.settings import ResolvedSettings, describe_settings, resolve_settings
@@ -398,6 +399,7 @@ class Server:
             )  # fmt: skip
             service.handler.peer_auth = self.peer_auth
             service.handler.handoff.enabled = c.kv_handoff
+            service.handler.prefix_trust = PrefixTrust(shared=c.prefix_cache_shared)
             service.handler.configure_limits(c.peer_limits)
             c_public = not c.is_private_swarm
             if c_public and not c.skip_reachability_check and not self._validated_reachability:

@@ -31,6 +31,7 @@ from corolla.engine.page_queue import PageQueue
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
 from corolla.models.block_base import TensorDescriptor
+from corolla.protocol.prefix import PrefixKeys
 from corolla.server.backend import SpanBackend
 from corolla.server.core.executor import (
     PATH_EAGER,
@@ -38,6 +39,7 @@ from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
+    PrefixCacheStats,
     PreparedStep,
     SessionCache,
     SessionSpec,
@@ -178,10 +180,16 @@ class EngineExecutor:
         free pages; AllocationFailed if none come in time. Its pages go back on exit, whatever the exit path."""
         layers = self.engine.check_session(spec.max_length_tokens, self._layers(spec.block_indices))
         slots = await self.pages.allocate(spec.batch_size, spec.max_length_tokens, alloc_timeout_s, layers)
+        session: EngineSession | None = None
         try:
-            yield EngineSessionCache(spec, self.engine.session_of(slots, spec.max_length_tokens, layers=layers))
+            session = self.engine.session_of(slots, spec.max_length_tokens, layers=layers)
+            yield EngineSessionCache(spec, session)
         finally:
-            self.pages.release(slots)
+            try:
+                if session is not None:  # the pages its last steps filled stay cached for its next turn
+                    self.engine.publish_prefix(session)
+            finally:
+                self.pages.release(slots)
 
     def _own(self, cache: SessionCache) -> EngineSessionCache:
         if not isinstance(cache, EngineSessionCache) or cache.session.engine is not self.engine:
@@ -283,6 +291,18 @@ class EngineExecutor:
             kind=KIND_BACKWARD,
         )
         return [grad_inputs] if grad_prompts is None else [grad_inputs, grad_prompts]
+
+    # ---- prefix caching: the engine's (`SpanEngine.attach_prefix`); nothing of a session runs on the device meanwhile
+
+    async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
+        return self.engine.attach_prefix(self._own(cache).session, namespace, keys)
+
+    def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
+        self.engine.add_prefix_keys(self._own(cache).session, namespace, keys)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        pool = self.engine.pool
+        return PrefixCacheStats(cached_bytes=pool.cached_bytes, evictions=pool.num_evictions)
 
     # ---- KV hand-off: the pool's positions in the canonical layout, one K and one V [B, heads, length, dim] per block
 

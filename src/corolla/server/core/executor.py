@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from corolla.engine.step_request import HiddenRows
+from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core.runtime import Runtime
 from corolla.utils.tensor_bytes import view_bytes
 
@@ -137,6 +138,15 @@ class SessionCache:
         self.spec = spec
 
 
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """The prefix cache of one executor: bytes of the pages its index names (held by sessions or idle) and cached
+    pages evicted so far for new sessions."""
+
+    cached_bytes: int = 0
+    evictions: int = 0
+
+
 class HandoffUnsupported(ValueError):
     """This executor's cache can't be exported or imported (a handler process's proxy, a server with hand-off
     off): the client replays."""
@@ -194,6 +204,21 @@ class SpanExecutor(Protocol):
 
     async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
         """`[grad_inputs]`, or `[grad_inputs, grad_prompts]` with deep prompts."""
+        ...
+
+    # ---- prefix caching (event loop; the handler applies the trust rule: `namespace` names whose pages are reused)
+
+    async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
+        """Starts a fresh session with the longest run of cached pages that `keys` name in `namespace` and its
+        blocks; returns the positions reused (whole pages, 0 where nothing is cached or the cache is not here)."""
+        ...
+
+    def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
+        """Records keys of the session's positions: its pages are published once computed."""
+        ...
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """What the prefix cache holds and has given back (metrics)."""
         ...
 
     # ---- KV hand-off (drain)

@@ -7,6 +7,7 @@ pushes steps to the next server, encodes replies and counts refusals (`refusals`
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -41,6 +42,7 @@ from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.direct_endpoint import DirectTicketRpc
 from corolla.server.front.peer_auth import PeerAuth, check_request, gate_stream, info_uid, remote_peer
+from corolla.server.front.prefix_keys import PrefixTrust, client_keys, probe_keys, with_hit
 from corolla.server.front.stream_guard import StreamBudget, register_handlers
 from corolla.server.front.stream_requests import gather_stream, stream_response
 from corolla.server.metrics import ServerMetrics
@@ -100,6 +102,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         self.dht_client_mode = dht_client_mode
         self.sessions = SessionRegistry()  # this front's streams
         self.handoff = SessionHandoff(executor, timeouts.request_timeout_s)  # drain: refuses new sessions, moves KV
+        self.prefix_trust = PrefixTrust()  # whose cached prefixes a session reuses (the operator may share them all)
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.refusals = Refusals(self.metrics)  # the one place a refusal becomes a metric and a log line
         self.p2p: P2P | None = None
@@ -134,6 +137,15 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
     def _report_cache(self) -> None:
         left = self.executor.bytes_left
         self.metrics.set_cache(max(0, self.executor.max_size_bytes - left), left)
+        stats = self.executor.prefix_cache_stats()
+        self.metrics.set_prefix_cache(stats.cached_bytes, stats.evictions)
+
+    def _record_prefix_keys(self, session: SessionState, namespace: str, metadata: InferenceRequestMetadata) -> None:
+        """Keys on a request of the session's own client (never a pushed one): its pages are published once
+        computed, for later sessions of `namespace`."""
+        keys = client_keys(metadata)
+        if keys is not None and session.cache is not None:
+            self.executor.add_prefix_keys(session.cache, namespace, keys)
 
     @property
     def cache_tokens_available(self) -> int:
@@ -384,9 +396,14 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
                 )
                 if kv_import is not None:
                     await self.handoff.import_kv(session, kv_import, first.uid, requests)
+                namespace = self.prefix_trust.namespace(peer_key(context), adapter)  # pushed steps: the owner's
+                session.on_client_request = functools.partial(self._record_prefix_keys, session, namespace)
+                probing = kv_import is None  # the first step may ask for a prefix hit
                 with self.metrics.session():
                     steps = iterate_steps(first, requests, session, self.timeouts, deadline)
                     async for request, step_metadata in steps:
+                        hit = await self._attach_prefix(session, namespace, request, step_metadata) if probing else None
+                        probing = False
                         if self.handoff.wants_export(step_metadata):  # draining: the client moves the cache
                             async for response in self.handoff.export(session):
                                 yield response
@@ -407,7 +424,8 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
                         # (the guard learnt from a step of the session's own client when it was screened)
                         if can_push and push_guard.may_push_on(step_metadata):
                             self._schedule_push(request, output, step_metadata)
-                        yield mark_pushed_reply(self.handoff.response(output), step_metadata)
+                        response = mark_pushed_reply(self.handoff.response(output), step_metadata)
+                        yield response if hit is None else with_hit(response, hit)
         except Exception as e:
             self._reject("rpc_inference", e)
             raise
@@ -417,6 +435,21 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             logger.info(
                 f"rpc_inference.close(session_id={metadata.session_id!r:.40}, seconds={time.monotonic() - started:.2f})"
             )
+
+    async def _attach_prefix(
+        self, session: SessionState, namespace: str, request: runtime_pb2.ExpertRequest,
+        metadata: InferenceRequestMetadata,
+    ) -> int | None:  # fmt: skip
+        """The positions a session's first step reuses, if it asks (`prefix_keys.probe_keys`): the session then
+        starts there. None for a first step that does not ask (a Petals client's)."""
+        keys = probe_keys(request, metadata)
+        if keys is None:
+            return None
+        hit = 0 if session.cache is None else await self.executor.attach_prefix(session.cache, namespace, keys)
+        session.prefix_length = hit
+        self.metrics.prefix_probe(keyed_tokens=keys.end_position, hit_tokens=hit)
+        logger.debug(f"rpc_inference.prefix_hit(session_id={session.session_id!r:.40}, tokens={hit})")
+        return hit
 
     async def _step_within(self, session: SessionState, step: Awaitable[_T], remaining_s: float) -> _T:
         """The executor's `step` under the session's deadline: the session's `TaskDeadline` (one lazily moved timer

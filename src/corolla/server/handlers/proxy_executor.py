@@ -20,11 +20,13 @@ from dataclasses import dataclass
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
+    PrefixCacheStats,
     SessionCache,
     SessionSpec,
     StepInputs,
@@ -309,6 +311,18 @@ class ProxyExecutor:
         body = wire.Writer().u32(block_indices[0]).u32(block_indices[-1] + 1).text(inputs.adapter)
         body.tensor(inputs.hidden_states).tensor(inputs.grad_outputs).tensor(inputs.prompts)
         return _tensors(await self.link.call(wire.BACKWARD, body))
+
+    # prefix caching: the channel carries no prefix keys yet, so sessions of handler processes reuse and publish
+    # nothing (same outputs as without the cache; `--num_handlers 1` serves them)
+
+    async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
+        return 0
+
+    def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
+        pass
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats()
 
     def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
         raise HandoffUnsupported(_HANDOFF_UNSUPPORTED)
