@@ -37,7 +37,10 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
     swarm = Swarm(tmp_path_factory.mktemp("swarm"))
     try:
         swarm.start_bootstrap()
-        servers = [swarm.start_server(DEMO, *SERVER_FLAGS, wait=False) for _ in range(2)]
+        # one of them serves through handler processes: its sessions move to, or from, the device process's core
+        servers = [
+            swarm.start_server(DEMO, *SERVER_FLAGS, *extra, wait=False) for extra in (("--num_handlers", "2"), ())
+        ]
         for server in servers:
             server.wait_ready(120)
         yield swarm

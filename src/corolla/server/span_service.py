@@ -140,7 +140,6 @@ class SpanService:
             span=tuple(range(self.limits.start_block, self.limits.end_block)),
             max_frame_bytes=4 * handler.max_stream_bytes,  # float16 on the wire may arrive as float32 here
             metrics=handler.metrics,
-            check_accepting=handler.handoff.check_accepting,
         )
         await self.pool.start()
 

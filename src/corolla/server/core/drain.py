@@ -1,5 +1,5 @@
-"""Graceful drain with KV hand-off, server side. `SessionHandoff` (one per handler) knows whether the server is
-draining: it refuses new sessions, marks every inference response with a `DrainNotice`, streams a session's KV
+"""Graceful drain with KV hand-off, server side. `SessionHandoff` (one per front) reads whether the server is
+draining from the core (`span_core.DrainState`): it refuses new sessions, marks every inference response with a `DrainNotice`, streams a session's KV
 cache to its own client on request (only while draining, once per session), and imports a cache sent by a client
 into a new session (validated as hostile input). `drain_sessions` is the lifecycle step run on SIGTERM or before a
 rebalance: announce OFFLINE, wait up to `drain_timeout_s` for open sessions to move, then let the server stop."""
@@ -19,48 +19,50 @@ from corolla.protocol.records import ServerState
 from corolla.server.announcer import Announcer
 from corolla.server.core import kv_handoff as kv
 from corolla.server.core.executor import SpanExecutor
-from corolla.server.core.refusals import Draining
 from corolla.server.core.sessions import SessionState
-from corolla.server.core.span_core import SessionCore
+from corolla.server.core.span_core import DrainState, SessionCore
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 DRAIN_POLL_S = 0.02
-__all__ = ["Draining", "SessionHandoff", "drain_sessions"]
+__all__ = ["SessionHandoff", "drain_sessions"]
 
 
 class SessionHandoff:
-    """The handler's drain state and the two hand-off operations (export, import) on its sessions."""
+    """A front's view of the drain (the core's `DrainState`) and the two hand-off operations (export, import) on its
+    sessions."""
 
-    def __init__(self, executor: SpanExecutor, request_timeout_s: float, *, enabled: bool = True):
+    def __init__(
+        self, executor: SpanExecutor, request_timeout_s: float, *, enabled: bool = True, drain: DrainState | None = None
+    ):
         self.executor = executor
         self.request_timeout_s = request_timeout_s  # an import's part messages must all arrive within this
         self.enabled = enabled  # --no_kv_handoff: neither export nor import (draining still refuses new sessions)
-        self.deadline: float | None = None  # time.monotonic() at which the drain ends open sessions
+        self.drain = drain if drain is not None else DrainState()
         self.num_exported = 0
         self.num_imported = 0
         self._exported: set[int] = set()  # id() of sessions already exported (no new sessions while draining)
 
     @property
     def draining(self) -> bool:
-        return self.deadline is not None
+        return self.drain.draining
 
     def start_draining(self, timeout_s: float) -> None:
-        self.deadline = time.monotonic() + max(0.0, timeout_s)
+        self.drain.start(timeout_s)
 
     # ---- hooks called by the handler
 
     def check_accepting(self) -> None:
         """Raises `Draining` (the handler counts it as a refusal) when the server takes no new sessions."""
-        if self.draining:
-            raise Draining("this server is draining (shutting down or moving); open the session elsewhere")
+        self.drain.check_accepting()
 
     def response(self, output: runtime_pb2.Tensor) -> runtime_pb2.ExpertResponse:
         """An inference step's response; while draining, it tells the client how long the session has left."""
-        if self.deadline is None:
+        deadline = self.drain.deadline
+        if deadline is None:
             return runtime_pb2.ExpertResponse(tensors=[output])
-        notice = wire.DrainNotice(self.deadline - time.monotonic())
+        notice = wire.DrainNotice(deadline - time.monotonic())
         return runtime_pb2.ExpertResponse(
             tensors=[output], metadata=encode_metadata({wire.DRAINING_KEY: notice.to_dict()})
         )

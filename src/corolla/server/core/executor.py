@@ -148,8 +148,8 @@ class PrefixCacheStats:
 
 
 class HandoffUnsupported(ValueError):
-    """This executor's cache can't be exported or imported (a handler process's proxy, a server with hand-off
-    off): the client replays."""
+    """This executor's cache can't be exported or imported (a layout it can't express, a cache past a handler
+    channel's frame, a server with hand-off off): the client replays."""
 
 
 class SpanExecutor(Protocol):

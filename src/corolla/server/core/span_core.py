@@ -1,11 +1,12 @@
 """The core's session seam: what every front asks of the core about sessions, in one place for all fronts of a
 server. `SpanCore` holds the one admission (per-peer caps, idle eviction, then the KV cache itself) and the one table
-of pushes by session id; a front in this process calls it directly, a handler process through its device channel
+of pushes by session id, and whether the server drains (`DrainState`); a front in this process calls it directly, a handler process through its device channel
 (`handlers.proxy_executor.RemoteCore` offers the same `SessionCore`). A front keeps only its own streams."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -13,12 +14,36 @@ from hivemind.proto import runtime_pb2
 
 from corolla.server.core.admission import SessionAdmission, SessionTicket
 from corolla.server.core.executor import SessionCache, SessionSpec, SpanExecutor
+from corolla.server.core.refusals import Draining
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 # delivers a pushed step (`rpc_push`) to the stream of its session: (request, sender peer) -> accepted
 PushSink = Callable[[runtime_pb2.ExpertRequest, "str | None"], bool]
+
+
+class DrainState:
+    """Whether the server drains, and until when: the core's, read by every front (a handler process's copy follows
+    the device's STATE frames; `time.monotonic` is one clock for all processes of a host)."""
+
+    def __init__(self) -> None:
+        self.deadline: float | None = None  # time.monotonic() at which the drain ends open sessions
+        self.on_start: list[Callable[[], None]] = []  # e.g. the handler pool tells its processes
+
+    @property
+    def draining(self) -> bool:
+        return self.deadline is not None
+
+    def start(self, timeout_s: float) -> None:
+        self.deadline = time.monotonic() + max(0.0, timeout_s)
+        for notify in self.on_start:
+            notify()
+
+    def check_accepting(self) -> None:
+        """Raises `Draining` (counted as a refusal) when the server takes no new sessions."""
+        if self.deadline is not None:
+            raise Draining("this server is draining (shutting down or moving); open the session elsewhere")
 
 
 class SessionCore(Protocol):
@@ -31,6 +56,9 @@ class SessionCore(Protocol):
     def num_open(self) -> int:
         """Sessions open on the server, through every front."""
         ...
+
+    @property
+    def drain(self) -> DrainState: ...
 
     def open_session(
         self, peer: str, spec: SessionSpec, alloc_timeout_s: float | None, session_id: str | None, sink: PushSink | None
@@ -51,6 +79,7 @@ class SpanCore:
         self.executor = executor
         self.admission = admission  # replaced by `TransformerConnectionHandler.configure_limits` before serving
         self.sinks: dict[str, PushSink] = {}
+        self.drain = DrainState()
 
     @property
     def num_open(self) -> int:

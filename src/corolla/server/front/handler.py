@@ -30,11 +30,11 @@ from corolla.protocol.metadata import (
 from corolla.protocol.uids import make_chain
 from corolla.server.core.admission import ForwardSlots, SessionAdmission
 from corolla.server.core.deadlines import TaskDeadline
-from corolla.server.core.drain import Draining, SessionHandoff
+from corolla.server.core.drain import SessionHandoff
 from corolla.server.core.executor import SessionSpec, SpanExecutor
 from corolla.server.core.limits import PeerLimits, peer_key
 from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply
-from corolla.server.core.refusals import BadRequest, Refusals, RequestTimeout
+from corolla.server.core.refusals import BadRequest, Draining, Refusals, RequestTimeout
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.sessions import PushInbox, SessionRegistry, SessionState, SessionTimeouts, iterate_steps
 from corolla.server.core.span_core import SessionCore, SpanCore
@@ -101,7 +101,8 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         self.compression = compression
         self.dht_client_mode = dht_client_mode
         self.sessions = SessionRegistry()  # this front's streams
-        self.handoff = SessionHandoff(executor, timeouts.request_timeout_s)  # drain: refuses new sessions, moves KV
+        # drain (the core's state): refuses new sessions, moves KV
+        self.handoff = SessionHandoff(executor, timeouts.request_timeout_s, drain=self.core.drain)
         self.prefix_trust = PrefixTrust()  # whose cached prefixes a session reuses (the operator may share them all)
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self.refusals = Refusals(self.metrics)  # the one place a refusal becomes a metric and a log line

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 import struct
 import threading
@@ -40,6 +41,7 @@ from corolla.server.core.executor import (
     BackwardInputs,
     DeviceExecutor,
     ForwardInputs,
+    HandoffUnsupported,
     SessionCache,
     SessionSpec,
     SpanExecutor,
@@ -49,13 +51,14 @@ from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.channel_intake import ChannelIntake
 from corolla.server.handlers.channel_io import FrameSocket
 from corolla.server.handlers.frame_steps import FrameIntake, StepReply
-from corolla.server.handlers.proxy_executor import DeviceInfo
+from corolla.server.handlers.proxy_executor import DeviceInfo, check_handoff_frame
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_STATE = struct.Struct(">QQQQ")  # what `_state` writes (`proxy_wire.Writer.u64` x 4)
+_STATE = struct.Struct(">QQQQd")  # what `_state` writes (`proxy_wire.Writer.u64` x 4, `f64`)
+NOT_DRAINING = math.nan  # the STATE's drain deadline while the server does not drain (`proxy_wire.Reader.f64`: None)
 
 
 def device_info(executor: SpanExecutor, span: tuple[int, ...], handler_index: int, max_frame_bytes: int) -> DeviceInfo:
@@ -63,12 +66,19 @@ def device_info(executor: SpanExecutor, span: tuple[int, ...], handler_index: in
     page_tokens = 1
     if isinstance(executor, EngineExecutor):  # sessions reserve whole pages of the engine's pool
         page_tokens = executor.engine.pool.page_size_tokens
+    try:  # one block's canonical K/V for one sequence of one token (the same for every block of the span)
+        layout = executor.handoff_layout(SessionSpec((span[0],), 1, 1))[0]
+        shapes, refused = tuple((tuple(d.shape), str(d.dtype).removeprefix("torch.")) for d in layout), ""
+    except HandoffUnsupported as e:
+        shapes, refused = (), str(e)
     return DeviceInfo(
         path=executor.path,
         handler_index=handler_index,
         max_frame_bytes=max_frame_bytes,
         block_bytes_per_token={i: executor.cache_bytes_per_token((i,)) for i in span},
         page_tokens=page_tokens,
+        handoff_shapes=shapes,
+        handoff_refused=refused,
     )
 
 
@@ -96,7 +106,6 @@ class DeviceChannel:
         span: tuple[int, ...],
         max_frame_bytes: int,
         metrics: ServerMetrics | None = None,
-        check_accepting: Callable[[], None] | None = None,
         intake: ChannelIntake | None = None,
         on_sessions_changed: Callable[[], None] | None = None,
     ):
@@ -109,7 +118,6 @@ class DeviceChannel:
         self.on_sessions_changed = on_sessions_changed if on_sessions_changed is not None else self.send_state
         self.max_frame_bytes = max_frame_bytes
         self.metrics = metrics  # the server's one set: handler processes report sessions and refusals here
-        self.check_accepting = check_accepting  # raises Draining while the server drains
         self.ready = asyncio.Event()  # the handler process registered its handlers
         self.pid = 0
         self.listen_maddr = ""  # the handler process's p2pd client socket (its streams arrive there)
@@ -147,11 +155,13 @@ class DeviceChannel:
 
     def _state_bytes(self) -> bytes:
         """The device's state as every reply carries it: bytes left, waiting, the cache's size, sessions open (four
-        u64)."""
-        executor = self.executor
+        u64), the drain's deadline (f64, `time.monotonic`; `NOT_DRAINING`)."""
+        executor, core = self.executor, self.core
+        deadline = core.drain.deadline
         return _STATE.pack(
-            max(0, executor.bytes_left), executor.bytes_waiting, executor.max_size_bytes, self.core.num_open
-        )
+            max(0, executor.bytes_left), executor.bytes_waiting, executor.max_size_bytes, core.num_open,
+            NOT_DRAINING if deadline is None else deadline,
+        )  # fmt: skip
 
     def send(self, kind: int, request_id: int, body: wire.Writer) -> None:
         """Sends one frame from any thread (a blocking `sendall` under the socket's lock)."""
@@ -293,6 +303,10 @@ class DeviceChannel:
                 body = await self._forward(fields)
             elif kind == wire.BACKWARD:
                 body = await self._backward(fields)
+            elif kind == wire.READ_KV:
+                body = await self._read_kv(fields)
+            elif kind == wire.WRITE_KV:
+                body = await self._write_kv(fields)
             else:
                 raise wire.FrameError(f"frame kind {kind} is not a request")
         except Exception as e:
@@ -312,8 +326,8 @@ class DeviceChannel:
         spec = SessionSpec(blocks, fields.u32(), fields.u32())
         alloc_timeout_s, admit, peer, session_id = fields.f64(), fields.u8(), fields.text(), fields.text()
         fields.done()
-        if admit and self.check_accepting is not None:
-            self.check_accepting()  # Draining: no new sessions
+        if admit:
+            self.core.drain.check_accepting()  # Draining: no new sessions
         held = _Held(spec)
         opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         handle = next(self._handles)
@@ -396,6 +410,30 @@ class DeviceChannel:
             raise wire.FrameError("a forward needs hidden states")
         output = await self.executor.forward(blocks, ForwardInputs(hidden, prompts, adapter), chunk_tokens=chunk_tokens)
         return wire.Writer().u8(1).tensor(output)
+
+    async def _read_kv(self, fields: wire.Reader) -> wire.Writer:
+        held, position = self._held(fields.u32()), fields.u32()
+        fields.done()
+        assert held.cache is not None  # `_held` checked it
+        tensors = await self.executor.read_kv(held.cache, position)
+        check_handoff_frame(tensors, self.max_frame_bytes)  # the client replays a cache too big for one frame
+        body = wire.Writer().u8(len(tensors))
+        for tensor in tensors:
+            body.tensor(tensor)
+        return body
+
+    async def _write_kv(self, fields: wire.Reader) -> wire.Writer:
+        held, position = self._held(fields.u32()), fields.u32()
+        tensors = []
+        for _ in range(fields.u8()):
+            tensor = fields.tensor()
+            if tensor is None:
+                raise wire.FrameError("a KV import tensor is missing")
+            tensors.append(tensor)
+        fields.done()
+        assert held.cache is not None
+        await self.executor.write_kv(held.cache, tensors, position)  # validated by the handler process's front
+        return wire.Writer().u8(0)
 
     async def _backward(self, fields: wire.Reader) -> wire.Writer:
         blocks = self._blocks(fields.u32(), fields.u32())

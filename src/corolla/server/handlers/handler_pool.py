@@ -16,7 +16,6 @@ import multiprocessing
 import os
 import socket
 import time
-from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 
@@ -82,7 +81,6 @@ class HandlerPool:
         span: tuple[int, ...],
         max_frame_bytes: int,
         metrics: ServerMetrics | None = None,
-        check_accepting: Callable[[], None] | None = None,
         stop_timeout_s: float = 10.0,
     ):
         if num_handlers < 2:
@@ -90,7 +88,6 @@ class HandlerPool:
         self.num_handlers, self.settings, self.executor = num_handlers, settings, executor
         self.core = core
         self.span, self.max_frame_bytes, self.metrics = span, max_frame_bytes, metrics
-        self.check_accepting = check_accepting
         self.stop_timeout_s = stop_timeout_s
         self.processes: list[BaseProcess | None] = [None] * num_handlers
         self.channels: list[DeviceChannel | None] = [None] * num_handlers
@@ -111,6 +108,7 @@ class HandlerPool:
 
     async def start(self) -> None:
         """Starts every handler process and waits until each has registered its handlers."""
+        self.core.drain.on_start.append(self.broadcast_state)  # a drain reaches every process at once
         started = [await self._spawn(i) for i in range(self.num_handlers)]
         waits = [asyncio.ensure_future(c.ready.wait()) for c in started]
         done, pending = await asyncio.wait(waits, timeout=START_TIMEOUT_S)
@@ -133,7 +131,7 @@ class HandlerPool:
         ours.close()
         channel = DeviceChannel(
             index, sock, executor=self.executor, core=self.core, span=self.span, max_frame_bytes=self.max_frame_bytes,
-            metrics=self.metrics, check_accepting=self.check_accepting, intake=self.intake,
+            metrics=self.metrics, intake=self.intake,
             on_sessions_changed=self.broadcast_state,
         )  # fmt: skip
         self.processes[index], self.channels[index] = process, channel
@@ -178,6 +176,8 @@ class HandlerPool:
     async def stop(self) -> None:
         """Closes every channel and waits for the processes to exit (killing any that does not)."""
         self._stopping = True
+        if self.broadcast_state in self.core.drain.on_start:
+            self.core.drain.on_start.remove(self.broadcast_state)
         for channel in self.channels:
             if channel is not None:
                 channel.close()

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.models.block_base import TensorDescriptor
 from corolla.protocol.prefix import PrefixKeys
+from corolla.server.core import kv_handoff as kv
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import (
     BackwardInputs,
@@ -32,14 +34,12 @@ from corolla.server.core.executor import (
     StepInputs,
     TensorDescriptorLike,
 )
-from corolla.server.core.span_core import PushSink
+from corolla.server.core.span_core import DrainState, PushSink
 from corolla.server.front import step_timeline
 from corolla.server.handlers import proxy_wire as wire
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-_HANDOFF_UNSUPPORTED = "KV hand-off is not available with handler processes (--num_handlers > 1): the client replays"
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,10 @@ class DeviceInfo:
     max_frame_bytes: int
     block_bytes_per_token: dict[int, int]  # KV bytes of one token of one sequence, per block
     page_tokens: int  # sessions reserve whole pages of this many tokens (in the blocks they use)
+    # KV hand-off: each block's canonical tensors for one sequence of one token ([1, heads, 1, dim] shape, dtype name),
+    # the same for every block; empty where the executor can't hand off (`handoff_refused` says why)
+    handoff_shapes: tuple[tuple[tuple[int, ...], str], ...] = ()
+    handoff_refused: str = ""
 
     def to_json(self) -> bytes:
         fields = dict(self.__dict__, block_bytes_per_token={str(k): v for k, v in self.block_bytes_per_token.items()})
@@ -60,7 +64,8 @@ class DeviceInfo:
     def from_json(cls, data: bytes) -> DeviceInfo:
         fields = json.loads(data)
         table = {int(k): int(v) for k, v in dict(fields.pop("block_bytes_per_token")).items()}
-        return cls(block_bytes_per_token=table, **fields)
+        shapes = tuple((tuple(int(n) for n in shape), str(dtype)) for shape, dtype in fields.pop("handoff_shapes", ()))
+        return cls(block_bytes_per_token=table, handoff_shapes=shapes, **fields)
 
     def session_bytes(self, spec: SessionSpec) -> int:
         pages = max(1, -(-spec.max_length_tokens // self.page_tokens))
@@ -92,6 +97,7 @@ class DeviceLink:
         self.bytes_waiting = 0
         self.max_size_bytes = 0
         self.sessions_open = 0  # on the server, through every process
+        self.drain = DrainState()  # the device core's, as its STATE frames tell it
         self.tickets: dict[int, SessionTicket] = {}  # this process's sessions by handle (an EVICT ends the stream)
         self.on_push: Callable[[str, runtime_pb2.ExpertRequest, str | None], None] | None = None  # PUSH_OUT
         self._ids = itertools.count(1)
@@ -130,6 +136,7 @@ class DeviceLink:
     def _apply_state(self, reader: wire.Reader) -> None:
         self.bytes_left, self.bytes_waiting, self.max_size_bytes = reader.u64(), reader.u64(), reader.u64()
         self.sessions_open = reader.u64()
+        self.drain.deadline = reader.f64()  # None: the server does not drain
 
     async def _read_forever(self) -> None:
         try:
@@ -325,13 +332,43 @@ class ProxyExecutor:
         return PrefixCacheStats()
 
     def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
-        raise HandoffUnsupported(_HANDOFF_UNSUPPORTED)
+        """The device executor's layout (`DeviceInfo.handoff_shapes`) for `spec`'s batch and length."""
+        info = self.link.info
+        if not info.handoff_shapes:
+            raise HandoffUnsupported(
+                info.handoff_refused or "this server's executor can't hand off KV: the client replays"
+            )
+        block: list[TensorDescriptorLike] = []
+        for shape, dtype in info.handoff_shapes:
+            full = list(shape)
+            full[0], full[kv.LENGTH_DIM] = spec.batch_size, spec.max_length_tokens
+            block.append(TensorDescriptor(tuple(full), getattr(torch, dtype), torch.device("cpu")))
+        return [list(block) for _ in spec.block_indices]
 
     async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
-        raise HandoffUnsupported(_HANDOFF_UNSUPPORTED)
+        body = wire.Writer().u32(self._own(cache).handle).u32(position)
+        return _tensors(await self.link.call(wire.READ_KV, body))
 
     async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
-        raise HandoffUnsupported(_HANDOFF_UNSUPPORTED)
+        handle = self._own(cache).handle
+        check_handoff_frame(tensors, self.link.info.max_frame_bytes)
+        body = wire.Writer().u32(handle).u32(position).u8(len(tensors))
+        for tensor in tensors:
+            body.tensor(tensor.contiguous())
+        _tensors(await self.link.call(wire.WRITE_KV, body))
+
+
+HANDOFF_FRAME_SLACK_BYTES = 1 << 16  # a hand-off frame's records and state beside its tensors' bytes
+
+
+def check_handoff_frame(tensors: list[torch.Tensor], max_frame_bytes: int) -> None:
+    """HandoffUnsupported (the client replays) where a session's cache does not fit one channel frame."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if len(tensors) > 255 or nbytes + HANDOFF_FRAME_SLACK_BYTES > max_frame_bytes:
+        raise HandoffUnsupported(
+            f"a KV hand-off of {len(tensors)} tensors, {nbytes} bytes, exceeds the handler channel's frame of "
+            f"{max_frame_bytes} bytes: the client replays"
+        )
 
 
 def _tensors(reader: wire.Reader) -> list[torch.Tensor]:
@@ -367,6 +404,10 @@ class RemoteCore:
     @property
     def num_open(self) -> int:
         return self.link.sessions_open
+
+    @property
+    def drain(self) -> DrainState:
+        return self.link.drain
 
     @contextlib.asynccontextmanager
     async def open_session(

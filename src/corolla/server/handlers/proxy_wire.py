@@ -45,13 +45,14 @@ from corolla.utils.tensor_bytes import view_bytes
 # handler -> device
 OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, METRICS, READY = 1, 2, 3, 4, 5, 6, 9, 10
 STEP_BATCH = 11
+READ_KV, WRITE_KV = 12, 13  # a session's KV hand-off (drain): its cache's canonical tensors out / in
 # a METRICS frame's event: what a handler process reports to the device's metrics (its own are never scraped)
 METRIC_SESSION_OPENED, METRIC_SESSION_CLOSED, METRIC_REJECTED = 1, 2, 3
 # device -> handler
 HELLO, STATE, REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT = 20, 21, 22, 23, 24, 25, 26, 27
 REPLY_BATCH = 28
 FRAME_KINDS = frozenset(
-    (OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, METRICS, READY, STEP_BATCH, HELLO, STATE)
+    (OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, METRICS, READY, STEP_BATCH, READ_KV, WRITE_KV, HELLO, STATE)
     + (REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT, REPLY_BATCH)
 )
 BATCH_ITEM_KINDS = {STEP_BATCH: frozenset((STEP,)), REPLY_BATCH: frozenset((REPLY_TENSORS, REPLY_ERROR))}
