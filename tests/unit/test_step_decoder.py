@@ -18,7 +18,7 @@ from hivemind.proto import runtime_pb2
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
-from corolla.server.core.executor import PATH_EAGER, SessionCache, SessionSpec, StepInputs
+from corolla.server.core.executor import PATH_EAGER, PrefixCacheStats, SessionCache, SessionSpec, StepInputs
 from corolla.server.core.sessions import SessionTimeouts
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
@@ -279,6 +279,9 @@ class _DoublingExecutor:
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
         self.byte_steps += inputs.hidden_states is None
         return inputs.tensor() * 2
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:  # (no prefix cache: the handler reports an empty one)
+        return PrefixCacheStats()
 
 
 def _requests(dtype: torch.dtype) -> list[runtime_pb2.ExpertRequest]:
