@@ -1,0 +1,231 @@
+"""Prefix caching on the engine, measured (issue 34's GPU targets): `python -m benchmarks.engine.prefix_turn --out DIR`.
+
+In one process on one device: a span of `--layers` Llama-3-8B-shaped corolla blocks (random bf16 weights on CUDA,
+float32 on CPU) over the engine's paged pool, pages as a server has them (64 tokens on CUDA, 16 on CPU).
+
+1. Time to first token of the next turn of a conversation: `--history_tokens` tokens were computed by an earlier
+   session and published (its keys: the client's 16-token block hashes); the next turn's prompt is that history plus
+   `--new_tokens`. "full prefill" runs the whole prompt in a fresh session (what a server without the cache does);
+   "cached" opens a session, attaches the cached pages the keys name (`SpanEngine.attach_prefix`: whole pages) and
+   prefills the rest. Each is the median of `--repeats` synchronized host timings, alternated; the ratio is the
+   target (<= 0.1x). The last position's output of both is compared (max abs difference).
+2. A merged decode step of `--decode_sessions` sessions after the prompt, with shared pages (every session attached
+   the same cached prefix) vs without (each session prefilled its own), alternated in `--rounds` of `--steps` steps
+   (CUDA graphs on CUDA, inputs on the device; host-timed medians); target: shared within 3% of own pages.
+
+`--shape tiny --device cpu` dry-runs the code on a tiny model (seconds). Prints a markdown table; `--out` also writes
+`prefix_turn.json` and `prefix_turn.md` there."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from transformers import LlamaConfig
+
+from benchmarks.common.measure import sync
+from corolla.engine.config import EngineConfig
+from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
+from corolla.models.block_base import CorollaBlock
+from corolla.models.registry import get_family
+from corolla.protocol.prefix import PrefixKeys, chain_hashes, prefix_root
+from corolla.server.core.engine_executor import CPU_PAGE_TOKENS, GPU_PAGE_TOKENS
+
+SHAPES = {
+    "llama-3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336),
+    "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256),
+}
+NAMESPACE = "bench/"
+T = TypeVar("T")
+
+
+def log(lines: list[str], text: str) -> None:
+    print(text, flush=True)
+    lines.append(text)
+
+
+def build_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> SpanEngine:
+    """`--layers` llama blocks with random weights (built on `device`) under an engine whose pool holds every
+    session of the run."""
+    config = LlamaConfig(
+        **SHAPES[args.shape], num_hidden_layers=args.layers, vocab_size=32, max_position_embeddings=8192,
+        rope_theta=500000.0,
+    )  # fmt: skip
+    blocks = []
+    for i in range(args.layers):
+        with torch.device(device):
+            built = get_family(config).build_block(config, i)
+        assert isinstance(built, CorollaBlock)
+        block = built.to(dtype).eval()
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(1.0, 0.05) if p.ndim == 1 else p.normal_(0.0, 0.02)
+        blocks.append(block)
+    page = GPU_PAGE_TOKENS if device.type == "cuda" else CPU_PAGE_TOKENS
+    engine_config = EngineConfig(
+        kv_pool_bytes=args.kv_pool_gib << 30, page_size_tokens=page, max_seq_len_tokens=8192,
+        max_batch_rows=max(8, args.decode_sessions),
+    )  # fmt: skip
+    engine = SpanEngine.from_blocks(blocks, engine_config)
+    assert engine.fused, "the llama span runs on fused kernels"
+    engine.warmup()
+    return engine
+
+
+def timed_ms(fn: Callable[[], T], device: torch.device) -> tuple[float, T]:
+    sync(device)
+    start = time.perf_counter()
+    result = fn()
+    sync(device)
+    return (time.perf_counter() - start) * 1000, result
+
+
+def turn_ms(engine: SpanEngine, prompt: torch.Tensor, keys: PrefixKeys | None, max_length: int):
+    """One next turn: (ms to the last position's output, positions reused, that output [H]); the session closes
+    afterwards (its own pages go back, the cached ones stay)."""
+    device = engine.device
+
+    def run() -> tuple[int, torch.Tensor]:
+        with engine.open_session(1, max_length) as session:
+            hit = 0 if keys is None else engine.attach_prefix(session, NAMESPACE, keys)
+            out = engine.step(session, prompt[:, hit:], hit)  # [1, T - hit, H]
+            return hit, out[0, -1]
+
+    ms, (hit, last) = timed_ms(run, device)
+    return ms, hit, last
+
+
+def decode_step_ms(engine: SpanEngine, sessions: list[EngineSession], position: int, steps: int, gen) -> list[float]:
+    """Host ms of `steps` merged single-token steps of `sessions` from `position` (inputs on the device)."""
+    h, dev = engine.hidden_size, engine.device
+    times = []
+    for i in range(steps):
+        reqs = [
+            StepRequest(s, torch.randn(1, 1, h, device=dev, generator=gen).to(engine.dtype), position + i)
+            for s in sessions
+        ]
+        ms, _ = timed_ms(functools.partial(engine.decode_many, reqs), dev)
+        times.append(ms)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-3-8b", choices=list(SHAPES))
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--history_tokens", type=int, default=4000, help="the conversation so far (cached)")
+    p.add_argument("--new_tokens", type=int, default=100, help="the next turn's new prompt tokens")
+    p.add_argument("--repeats", type=int, default=5, help="timings per way of the next turn")
+    p.add_argument("--decode_sessions", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20, help="decode steps per round and way")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--kv_pool_gib", type=int, default=16)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
+    lines: list[str] = []
+    torch.manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    built = time.perf_counter()
+    engine = build_engine(args, device, dtype)
+    page = engine.pool.page_size_tokens
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    log(lines, f"engine: {args.layers} x {args.shape} layers, {dtype}, {name}, page {page} tokens, "
+               f"built in {time.perf_counter() - built:.0f} s")  # fmt: skip
+
+    total = args.history_tokens + args.new_tokens
+    max_length = total + args.rounds * args.steps + 8
+    h = engine.hidden_size
+    prompt = (torch.randn(1, total, h, device=device, generator=gen) * 0.5).to(dtype)  # [1, T, H]
+    token_ids = list(range(7, 7 + total))  # the client names its tokens; the server only sees their hashes
+    root = prefix_root(model=f"bench-{args.shape}-{args.layers}")
+    # the keys of the history only: the next turn's own new pages are never published, so every repeat finds the
+    # cache as the first did (a real next turn sends the keys of its whole prompt and publishes them for the next)
+    keys = PrefixKeys(0, tuple(chain_hashes(root, token_ids[: args.history_tokens])))
+
+    # turn 1: the history, computed once and published when its session closes
+    with engine.open_session(1, max_length) as first:
+        engine.attach_prefix(first, NAMESPACE, keys)
+        engine.step(first, prompt[:, : args.history_tokens], 0)
+    cached_pages = engine.pool.layer_pages_cached // args.layers
+    log(lines, f"turn 1: {args.history_tokens} tokens computed, {cached_pages} pages cached "
+               f"({engine.pool.cached_bytes / 2**30:.2f} GiB)")  # fmt: skip
+
+    # 1. the next turn's time to first token, full prefill vs cached prefix (alternated)
+    turn_ms(engine, prompt, None, max_length)  # warm-up of both ways (kernels, allocator)
+    turn_ms(engine, prompt, keys, max_length)
+    full, cached, hit, diff = [], [], 0, 0.0
+    for _ in range(args.repeats):
+        ms, _, full_last = turn_ms(engine, prompt, None, max_length)
+        full.append(ms)
+        ms, hit, cached_last = turn_ms(engine, prompt, keys, max_length)
+        cached.append(ms)
+        diff = max(diff, float((full_last.float() - cached_last.float()).abs().max()))
+    ratio = median(cached) / median(full)
+    log(lines, "")
+    log(lines, f"| next turn: {args.history_tokens} history + {args.new_tokens} new tokens | ms to first token "
+               f"(median of {args.repeats}) | positions computed |")  # fmt: skip
+    log(lines, "|---|---|---|")
+    log(lines, f"| full prefill (no cache) | {median(full):.1f} | {total} |")
+    log(lines, f"| cached prefix ({hit} positions reused) | {median(cached):.1f} | {total - hit} |")
+    log(lines, f"| ratio (target <= 0.1x) | {ratio:.3f}x | last output max abs diff {diff:.3g} |")
+
+    # 2. a merged decode step with shared pages vs each session's own pages
+    own = [engine.open_session(1, max_length) for _ in range(args.decode_sessions)]
+    shared = [engine.open_session(1, max_length) for _ in range(args.decode_sessions)]
+    for session in own:
+        engine.step(session, prompt, 0)
+    for session in shared:
+        reused = engine.attach_prefix(session, NAMESPACE, keys)
+        engine.step(session, prompt[:, reused:], reused)
+    distinct = {page for s in shared for page in s.slots[0].pages}
+    decode_step_ms(engine, own, total, 2, gen)  # warm-up (graph replays)
+    decode_step_ms(engine, shared, total, 2, gen)
+    own_ms: list[float] = []
+    shared_ms: list[float] = []
+    position = total + 2
+    for _ in range(args.rounds):  # rounds alternate the ways: both see the same clocks and neighbours
+        own_ms += decode_step_ms(engine, own, position, args.steps, gen)
+        shared_ms += decode_step_ms(engine, shared, position, args.steps, gen)
+        position += args.steps
+    for session in own + shared:
+        session.close()
+    change = median(shared_ms) / median(own_ms) - 1
+    log(lines, "")
+    log(lines, f"| decode step, {args.decode_sessions} sessions at position ~{total} | median ms | pages held |")
+    log(lines, "|---|---|---|")
+    log(lines, f"| own pages (each session prefilled its prompt) | {median(own_ms):.3f} | "
+               f"{sum(len(s.slots[0].pages) for s in own)} |")  # fmt: skip
+    log(lines, f"| shared pages (one cached prefix attached by all) | {median(shared_ms):.3f} | {len(distinct)} |")
+    log(lines, f"| shared vs own (target within 3%) | {change * 100:+.1f}% | |")
+
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        record = dict(
+            args={k: str(v) for k, v in vars(args).items()}, device=name, page_tokens=page, hit_tokens=hit,
+            full_prefill_ms=full, cached_turn_ms=cached, ttft_ratio=ratio, last_output_max_abs_diff=diff,
+            decode_own_ms=own_ms, decode_shared_ms=shared_ms, decode_shared_vs_own=change,
+        )  # fmt: skip
+        (args.out / "prefix_turn.json").write_text(json.dumps(record, indent=1))
+        (args.out / "prefix_turn.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
