@@ -158,6 +158,7 @@ NF4_FAMILIES = {  # (kernel, config field 4) -> name, for the per-shape micro-be
     ("gemv", 0): "table GEMV (fp32 levels)",
     ("gemv", 1): "table GEMV (pair table)",
     ("gemv", 2): "register-lookup GEMV",
+    ("stream", 2): "streaming GEMV",
     ("tile", 0): "table tile (tl.dot)",
     ("tile", 1): "register-lookup tile (tl.dot)",
 }

@@ -1,7 +1,8 @@
 """Per-projection GPU timing of the NF4 kernels on Llama-3-8B's projection shapes:
 `python -m benchmarks.engine.quant_probe --out DIR [--rows 1,16,64]`. For each shape and row count, in one process
 on one card: the floor (NF4 bytes / measured copy bandwidth), cuBLAS on the bf16 weight (same run), every config of
-the CUDA-core register-lookup GEMV (up to 8 rows) and of the matrix-unit kernel (quant_mma), each as a CUDA graph
+the CUDA-core register-lookup GEMV (up to 8 rows), of the matrix-unit kernel (quant_mma) and of the streaming GEMV
+(quant_stream, one row), each as a CUDA graph
 over enough distinct weights to defeat the L2; plus each kernel's error against x @ the dequantized weight. Prints
 a table last and writes it as JSON."""
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s
-from corolla.engine import quant_gemv, quant_mma
+from corolla.engine import quant_gemv, quant_mma, quant_stream
 from corolla.engine.graph_timing import graph_median_ms
 from corolla.engine.quant import quantize_nf4
 
@@ -33,8 +34,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
-def candidates(m: int) -> dict[str, list]:
-    """{kernel family: [(label, call(x, w))]} for m rows."""
+# --stream_sweep: the streaming GEMV's tilings beyond its tuner configs, each at every pipeline depth (8 blocks per
+# step or 256 rows on 4 warps run out of registers: 255 and spills in the compiler's report)
+SWEEP_CONFIGS = [
+    (bn, 4, s, w, st)
+    for bn, w in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 8))
+    for s in (2, 4, 8, 16)
+    for st in (2, 3, 4)
+]
+
+
+def candidates(m: int, sweep: bool = False) -> dict[str, list]:
+    """{kernel family: [(label, call(x, w))]} for m rows (`sweep`: the streaming GEMV's wider sweep too)."""
     old = []
     if m <= quant_gemv.GEMV_MAX_ROWS:
         for c in quant_gemv.NF4_GEMV_CONFIGS:
@@ -44,7 +55,13 @@ def candidates(m: int) -> dict[str, list]:
     for c in quant_mma.NF4_MMA_CONFIGS:
         if (c[1] == 16) == (m <= 16):
             new.append((f"mma{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c)))
-    return {"old": old, "new": new}
+    stream = []
+    if m == 1:
+        configs = quant_stream.NF4_STREAM_CONFIGS
+        configs += tuple(c for c in SWEEP_CONFIGS if c not in configs) if sweep else ()
+        for c in configs:
+            stream.append((f"stream{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c)))
+    return {"old": old, "new": new, "stream": stream}
 
 
 def main() -> None:
@@ -52,6 +69,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--stream_sweep", action="store_true", help="one row: the streaming GEMV's wider sweep")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -76,7 +94,7 @@ def main() -> None:
             bf16_us = graph_us(lambda x=x, dense=dense: [F.linear(x, d) for d in dense], len(dense))
             row = {"shape": name, "n": n, "k": k, "rows": m, "floor_us": floor_us, "bf16_us": bf16_us,
                    "bf16_floor_us": 2 * n * k / bw * 1e6, "kernels": {}}  # fmt: skip
-            for family, cands in candidates(m).items():
+            for family, cands in candidates(m, args.stream_sweep).items():
                 for label, call in cands:
                     try:
                         err = rel_err(call(x, nf4[0]), ref)
@@ -85,7 +103,7 @@ def main() -> None:
                         print(f"  {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
                     row["kernels"][label] = {"family": family, "us": us, "err": err}
-            for family in ("old", "new"):
+            for family in ("old", "new", "stream"):
                 fam = {lab: v for lab, v in row["kernels"].items() if v["family"] == family}
                 if fam:
                     best = min(fam, key=lambda lab: fam[lab]["us"])
@@ -97,13 +115,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_probe.json").write_text(json.dumps({"card": card, "copy_bw": bw, "rows": results}, indent=1))
     print(f"\n{card}, copy {bw / 1e12:.2f} TB/s; us per call (x floor = NF4 bytes / copy bandwidth)")
-    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'old best':>14} {'new best':>14}  new config, max err")
+    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'gemv (old)':>14} {'mma':>14} {'stream':>14}  best"
+          " configs, max errors")  # fmt: skip
     for r in results:
         f = r["floor_us"]
-        old = f"{r.get('old_us', float('nan')):6.1f} {r.get('old_us', float('nan')) / f:5.2f}x"
-        new = f"{r.get('new_us', float('nan')):6.1f} {r.get('new_us', float('nan')) / f:5.2f}x"
-        print(f"{r['shape']:10} {r['rows']:3} {f:6.1f} {r['bf16_us']:6.1f} {r['bf16_us'] / f:5.2f}x  {old}  {new}  "
-              f"{r.get('new_best')} {r.get('new_err', float('nan')):.1e} old {r.get('old_err', float('nan')):.1e}")  # fmt: skip
+        cells = [f"{r.get(fam + '_us', float('nan')):6.1f} {r.get(fam + '_us', float('nan')) / f:5.2f}x"
+                 for fam in ("old", "new", "stream")]  # fmt: skip
+        errs = " ".join(f"{r.get(fam + '_err', float('nan')):.1e}" for fam in ("old", "new", "stream"))
+        print(f"{r['shape']:10} {r['rows']:3} {f:6.1f} {r['bf16_us']:6.1f} {r['bf16_us'] / f:5.2f}x  {'  '.join(cells)}  "
+              f"{r.get('old_best')} {r.get('new_best')} {r.get('stream_best')} {errs}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -199,15 +199,16 @@ def test_programmatic_launch_reads_the_producers_output(kind, kernel, config) ->
 
 
 def _run(kernel: str, config, x, weight, res):
-    from corolla.engine import quant_gemv, quant_kernels, quant_mma
+    from corolla.engine import quant_gemv, quant_kernels, quant_mma, quant_stream
 
-    fn = {"gemv": quant_gemv.quant_gemv, "block": quant_kernels.quant_matmul, "mma": quant_mma.nf4_mma_matmul}
+    fn = {"gemv": quant_gemv.quant_gemv, "block": quant_kernels.quant_matmul, "mma": quant_mma.nf4_mma_matmul,
+          "stream": quant_stream.nf4_stream_gemv}  # fmt: skip
     return fn[kernel](x, weight, res, config)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
-    from corolla.engine import quant_gemv, quant_kernels, quant_mma
+    from corolla.engine import quant_gemv, quant_kernels, quant_mma, quant_stream
     from corolla.engine.ops import DecodeOps
 
     weights = [_weight(kind, 256, 1024, seed=20 + i) for i in range(2)]
@@ -215,14 +216,16 @@ def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
     report = ops.tune_quantized({(kind, 256, 1024): weights}, reps=3)
     entry = report[(kind, 256, 1024)]
     small, gemm, mid = entry["best"], entry["gemm_best"], entry["mid_best"]
-    # NF4: the CUDA-core GEMV for one row, the matrix-unit kernel's 16-row tiles up to MMA_MID_MAX_ROWS rows and its
-    # 64-row tiles above; INT8: the GEMV or tl.dot block kernel up to GEMV_MAX_ROWS rows, the block kernel above
+    # NF4: the CUDA-core or streaming GEMV for one row, the matrix-unit kernel's 16-row tiles up to MMA_MID_MAX_ROWS
+    # rows and its 64-row tiles above; INT8: the GEMV or tl.dot block kernel up to GEMV_MAX_ROWS rows, the block
+    # kernel above
     mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS]
     blocks = [] if kind == "nf4" else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
-    assert small in [("gemv", c) for c in _configs(kind)] + blocks
+    streams = [("stream", c) for c in quant_stream.NF4_STREAM_CONFIGS] if kind == "nf4" else []
+    assert small in [("gemv", c) for c in _configs(kind)] + blocks + streams
     assert gemm in (blocks or [c for c in mma if c[1][1] > quant_mma.MMA_MID_MAX_ROWS])
     assert mid is None if kind == "int8" else mid in [c for c in mma if c[1][1] <= quant_mma.MMA_MID_MAX_ROWS]
-    assert len(entry["all_us"]) == len(_configs(kind)) + len(blocks)  # every candidate ran
+    assert len(entry["all_us"]) == len(_configs(kind)) + len(blocks) + len(streams)  # every candidate ran
     assert entry["best_us"] > 0 and entry["gemm_best_us"] > 0
     assert ops.quant_small[(kind, 256, 1024)] == small and ops.quant_gemm[(kind, 256, 1024)] == gemm
     for m in (1, 2, quant_gemv.GEMV_MAX_ROWS, quant_gemv.GEMV_MAX_ROWS + 1, quant_mma.MMA_MID_MAX_ROWS + 1, 40):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from corolla.engine import quant_gemv, quant_kernels, quant_mma
+from corolla.engine import quant_gemv, quant_kernels, quant_mma, quant_stream
 from corolla.engine.graph_timing import graph_median_ms, time_configs
 from corolla.engine.quant_splits import PROLOGUES
 
@@ -16,10 +16,13 @@ MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-
 
 def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0):
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
-    (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "block"
+    (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "stream"
+    (quant_stream.nf4_stream_gemv, NF4 in 16-bit dtypes, one row per program, no prologue), "block"
     (quant_kernels.quant_matmul) or "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue)."""
     if kernel == "gemv":
         return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
+    if kernel == "stream" and not prologue:
+        return lambda x, w, res, nw=None, eps=0.0: quant_stream.nf4_stream_gemv(x, w, res, config)
     if kernel == "mma" and not prologue:
         return lambda x, w, res, nw=None, eps=0.0: quant_mma.nf4_mma_matmul(x, w, res, config)
     if kernel == "block":
@@ -59,7 +62,7 @@ def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: d
 @torch.inference_mode()
 def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None):
     """For each quantized shape (kind, N, K) -> [weight per layer], times on a single-row input every dequantize-GEMV
-    config and (INT8, fp32 NF4) every "block" tl.dot config: the fastest serves steps of up to GEMV_MAX_ROWS rows
+    config, (NF4 in 16-bit dtypes) every streaming-GEMV config and (INT8, fp32 NF4) every "block" tl.dot config: the fastest serves steps of up to GEMV_MAX_ROWS rows
     (NF4 in 16-bit dtypes: one row; ops.quant_small); NF4 in 16-bit dtypes: the matrix-unit kernel's 16-row-tile
     configs on MID_MAX_ROWS rows (2 to MID_MAX_ROWS rows, ops.quant_mid); on a `QUANT_KERNEL_MAX_ROWS`-row input
     the "block" configs (INT8, fp32 NF4) or the matrix-unit kernel's 64-row-tile configs (larger merged steps,
@@ -81,6 +84,8 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         nf4 = key[0] == "nf4" and items[0].dtype != torch.float32
         block_configs = [] if nf4 else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
         small_configs = [("gemv", c) for c in gemv_configs] + block_configs
+        if nf4:  # the streaming GEMV (one row per program) against the register-lookup GEMV
+            small_configs += [("stream", c) for c in quant_stream.NF4_STREAM_CONFIGS]
         gemv = time_configs(small_configs, lambda c, w, x=one: quant_kernel(*c)(x, w, None), items, reps)
         mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
         gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]

@@ -22,8 +22,9 @@ rows are: programs take ROWS rows each (1, 2 or 4, by M) and each row has its ow
 fixed order; a split of K is summed in split order by the last program of each output tile to finish (an
 arrival count per tile, `quant_splits`; one launch per projection, not two). DecodeOps serves steps of
 up to `GEMV_MAX_ROWS` rows with one tuned (kernel, config) per weight shape and larger merged steps with another
-(a `tl.dot` kernel); NF4 in three ranges: one row here, 2 to 16 and 17 to 64 rows on quant_mma's matrix-unit
-kernel (16- and 64-row tiles). Those round differently, so a row's output depends on which row range its step
+(a `tl.dot` kernel); NF4 in three ranges: one row here or on quant_stream's streaming GEMV (whichever the tuner
+timed faster: on an H200 the streaming GEMV for every Llama-3-8B projection, docs/decisions/0015), 2 to 16 and 17
+to 64 rows on quant_mma's matrix-unit kernel (16- and 64-row tiles). Those round differently, so a row's output depends on which row range its step
 fell in (each within fp32-accumulation error of the reference), never on the other rows' values.
 CUDA-graph safe: static shapes, no host synchronization. Importing fails without Triton."""
 

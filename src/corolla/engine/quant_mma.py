@@ -9,7 +9,7 @@ absmax + offset) and accumulated in fp32. The next two blocks' words, x tiles an
 one block is decoded. The cost of a step barely grows with its rows, unlike the CUDA-core GEMV (quant_gemv), which
 reads the weight again for every 4 rows: on an H200 (docs/decisions/0012-nf4-matrix-units.md) 16 rows of w_gate_up
 take 63 us here against 148 us for 8 rows there, and 64 rows 100 us against 137 us for the tl.dot tile kernel this
-replaced; one row stays on the GEMV (46 us against 56 us here).
+replaced; one row runs a GEMV (46 us against 56 us here; quant_stream's streaming GEMV since, 37 us).
 
 Numerics: the levels are the fp16-rounded NF4 levels (relative error <= 2^-11, as quant_prmt's CUDA-core GEMV);
 x (bf16) is scaled by 2^-8 and converted to fp16, exact for |x| >= 2^-9 and within 2^-17 absolute below, finite up
@@ -82,7 +82,7 @@ def _absmax_code(aq_ptrs, na_ptrs):
 
 
 @triton.jit
-def _absmax(code, nested, nc_ptr, offset):
+def absmax_lookup(code, nested, nc_ptr, offset):
     # the decoded absmax: nested_code[code] * nested + offset (fp32, one fma: the reference's value)
     return tl.inline_asm_elementwise(
         """{
@@ -135,13 +135,13 @@ def _nf4_mma_kernel(
     code0, nested0 = _absmax_code(aq_ptr + gb, na_ptr + gb // 256)
     gb = row_blocks + tl.minimum(lo + 1, last)
     code1, nested1 = _absmax_code(aq_ptr + gb, na_ptr + gb // 256)
-    scale0 = _absmax(code0, nested0, nc_ptr, offset)  # [BLOCK_N]
+    scale0 = absmax_lookup(code0, nested0, nc_ptr, offset)  # [BLOCK_N]
     for b in range(lo, hi):
         words2 = tl.load(w_ptrs + (b + 2) * 8, mask=row_mask(offs_n, N, b + 2, hi)[:, None], other=0)
         x2 = tl.load(x_ptrs + tl.minimum(b + 2, last) * 64, mask=x_mask, other=0.0)
         gb = row_blocks + tl.minimum(b + 2, last)
         code2, nested2 = _absmax_code(aq_ptr + gb, na_ptr + gb // 256)
-        scale1 = _absmax(code1, nested1, nc_ptr, offset)
+        scale1 = absmax_lookup(code1, nested1, nc_ptr, offset)
         w = _levels16(words0, t0, t1, t2, t3, t4, t5, t6, t7)  # [BLOCK_N, 64] fp16
         xt = x0
         if X_BF16:

@@ -1,5 +1,6 @@
 """The Triton NF4 dequantize-GEMV that decodes with the register lookup of `quant_prmt` (byte permutes, no table
-loads), for one-row decode steps (and up to `quant_gemv.GEMV_MAX_ROWS` rows where no matrix-unit config is tuned:
+loads), for one-row decode steps where the tuner times it faster than `quant_stream`'s streaming GEMV or its fused
+norm / SiLU prologue pays (and up to `quant_gemv.GEMV_MAX_ROWS` rows where no matrix-unit config is tuned:
 `quant_mma` serves NF4 steps of 2 to 64 rows). It reads bitsandbytes' NF4 layout in place, as 32-bit words (4 bytes,
 8 codes; the weight's bytes per row are a multiple of 32, so every row starts word-aligned).
 
