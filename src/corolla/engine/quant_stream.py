@@ -2,21 +2,23 @@
 own, reading bitsandbytes' NF4 layout in place (no repacking: rows of K / 2 bytes are read 128 contiguous bytes at a
 time, which is whole cache lines, so the row-major layout is already coalesced).
 
-Each program streams [BLOCK_N, NB, 8] packed words per step (NB 64-value blocks of BLOCK_N weight rows; a thread
+Each program streams [BLOCK_N, 8 NB] packed words per step (NB 64-value blocks of BLOCK_N weight rows; a thread
 loads 16 bytes; Triton's software pipeline keeps the next steps in flight while one is computed) and computes every
 word's dot product with its 8 values of x in registers with one inline-PTX program (`quant_prmt.dot16_ptx`): the
 codes decoded to fp16 levels with the register lookup, multiplied with x as fp16x2, 4 products per half summed in
 fp16 and the halves in fp32 (28 instructions per 8 values, 2 conversions). x is loaded 16 bytes at a time and
 converted once per thread and step (bf16: scaled by 2^-8 into fp16, exact for 2^-9 <= |x| and within 2^-17
-absolute below, finite up to 2^22; the output is multiplied back by 2^8). Each block's word sums are added in fp32 and scaled once by its decoded
-absmax (uint8 code -> nested code table * second-level absmax + offset, the reference's fp32 value); a split of K
-across programs is summed in split order by the last program of each output tile (`quant_splits`: one launch).
+absolute below, finite up to 2^22; the output is multiplied back by 2^8). Each block's word sums are added in fp32
+and scaled once by its decoded absmax (uint8 code -> nested code table * second-level absmax + offset, the
+reference's fp32 value); a split of K across programs is summed in split order by the last program of each output
+tile (`quant_splits`: one launch).
 
 Numerics: fp16 levels (relative error <= 2^-11), fp16 products and 4-term sums (each <= 2^-11 of its magnitude):
-within the bf16 rounding of bitsandbytes' dequantized weights. Bound by the decode's integer instructions (16 byte
-permutes per 8 values on the half-rate integer pipe), not by the bytes: docs/decisions/0015-nf4-streaming-gemv.md. Batch invariance: one row per program,
-the same instructions in the same K order whatever the other rows hold. CUDA-graph safe. Importing fails without
-Triton; the inline PTX runs on NVIDIA GPUs only (`quant_prmt.emulate_dot16` is its CPU twin)."""
+within the bf16 rounding of bitsandbytes' dequantized weights. Speed: bound by the decode's integer instructions
+(16 byte permutes per 8 values on the half-rate integer pipe), not by the bytes (docs/decisions/0015). Batch
+invariance: one row per program, the same instructions in the same K order whatever the other rows hold.
+CUDA-graph safe. Importing fails without Triton; the inline PTX runs on NVIDIA GPUs only (`quant_prmt.emulate_dot16`
+is its CPU twin)."""
 
 from __future__ import annotations
 
@@ -144,7 +146,7 @@ def _nf4_stream_kernel(
 
 
 def check_stream_config(config: tuple[int, int, int, int, int]) -> None:
-    """ValueError unless `config` is a valid (BLOCK_N, NB, splits, warps, stages) tiling (powers of two for the tile)."""
+    """ValueError unless `config` is a valid (BLOCK_N, NB, splits, warps, stages) tiling (tile sizes powers of 2)."""
     block_n, nb, splits, warps, stages = config
     pow2 = all(v >= 1 and v & (v - 1) == 0 for v in (block_n, nb, warps))
     if not pow2 or block_n < 16 or splits < 1 or stages < 1:
