@@ -20,7 +20,7 @@ from corolla.protocol import metadata as metadata_module
 from corolla.protocol.codecs import deserialize_tensor, is_plain_empty, serialize_tensor
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
-from corolla.server.core.deadlines import TaskDeadline
+from corolla.utils.deadlines import TaskDeadline
 from corolla.server.front import block_functions as bf
 from corolla.server.handlers import proxy_wire
 

@@ -25,7 +25,7 @@ async def _feed(reader: asyncio.StreamReader, pieces: list[bytes], gap_s: float)
 
 def _read(pieces: list[bytes], gap_s: float, *, limit: int = 1 << 20, lease: StreamLease | None = None):
     async def go():
-        from corolla.server.core.deadlines import TaskDeadline
+        from corolla.utils.deadlines import TaskDeadline
 
         reader = asyncio.StreamReader()
         feeding = asyncio.create_task(_feed(reader, pieces, gap_s))

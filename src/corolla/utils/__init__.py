@@ -1,1 +1,1 @@
-"""Helpers that know nothing of blocks or swarms: logging, environment, asyncio glue."""
+"""Helpers that know nothing of blocks or swarms: logging, environment, asyncio glue (deadlines, polling)."""

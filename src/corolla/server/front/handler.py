@@ -29,7 +29,7 @@ from corolla.protocol.metadata import (
 )
 from corolla.protocol.uids import make_chain
 from corolla.server.core.admission import ForwardSlots, SessionAdmission
-from corolla.server.core.deadlines import TaskDeadline
+from corolla.utils.deadlines import TaskDeadline
 from corolla.server.core.drain import SessionHandoff
 from corolla.server.core.executor import SessionSpec, SpanExecutor
 from corolla.server.core.limits import PeerLimits, peer_key

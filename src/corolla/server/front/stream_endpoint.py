@@ -22,7 +22,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
-from corolla.server.core.deadlines import TASK_DEADLINES, TaskDeadline
+from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.core.limits import StreamStalled
 from corolla.server.front import step_timeline
 from corolla.server.front.stream_guard import StreamLease, within_idle
