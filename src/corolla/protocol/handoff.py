@@ -21,6 +21,7 @@ from typing import Any
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol.codecs import STREAM_CHUNK_BYTES, split_for_streaming
+from corolla.protocol.metadata import encode_metadata
 
 DRAINING_KEY = "corolla.draining"  # response metadata: {"deadline_s": seconds left before the server cuts sessions}
 EXPORT_KEY = "corolla.export_kv"  # request metadata (open stream): {} -> the server streams the session's KV
@@ -48,6 +49,15 @@ class DrainNotice:
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
             raise ValueError(f"{DRAINING_KEY}['deadline_s'] must be a finite number, got {deadline!r:.100}")
         return cls(max(0.0, float(deadline)))
+
+
+def step_response(output: runtime_pb2.Tensor, seconds_left: float | None) -> runtime_pb2.ExpertResponse:
+    """An inference step's response; from a draining server (`seconds_left` before it ends the session, None while
+    it does not drain) with its `DrainNotice`."""
+    if seconds_left is None:
+        return runtime_pb2.ExpertResponse(tensors=[output])
+    notice = DrainNotice(seconds_left)
+    return runtime_pb2.ExpertResponse(tensors=[output], metadata=encode_metadata({DRAINING_KEY: notice.to_dict()}))
 
 
 def _nonneg_int(source: Mapping[str, Any], key: str, *, low: int = 0) -> int:

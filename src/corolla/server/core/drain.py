@@ -1,5 +1,6 @@
 """Graceful drain with KV hand-off, server side. `SessionHandoff` (one per front) reads whether the server is
-draining from the core (`span_core.DrainState`): it refuses new sessions, marks every inference response with a `DrainNotice`, streams a session's KV
+draining from the core (`span_core.DrainState`): it refuses new sessions (every inference response then carries a
+`DrainNotice`: `protocol.handoff.step_response`), streams a session's KV
 cache to its own client on request (only while draining, once per session), and imports a cache sent by a client
 into a new session (validated as hostile input). `drain_sessions` is the lifecycle step run on SIGTERM or before a
 rebalance: announce OFFLINE, wait up to `drain_timeout_s` for open sessions to move, then let the server stop."""
@@ -56,20 +57,6 @@ class SessionHandoff:
     def check_accepting(self) -> None:
         """Raises `Draining` (the handler counts it as a refusal) when the server takes no new sessions."""
         self.drain.check_accepting()
-
-    def response(self, output: runtime_pb2.Tensor) -> runtime_pb2.ExpertResponse:
-        """An inference step's response; while draining, it tells the client how long the session has left."""
-        deadline = self.drain.deadline
-        if deadline is None:
-            return runtime_pb2.ExpertResponse(tensors=[output])
-        notice = wire.DrainNotice(deadline - time.monotonic())
-        return runtime_pb2.ExpertResponse(
-            tensors=[output], metadata=encode_metadata({wire.DRAINING_KEY: notice.to_dict()})
-        )
-
-    @staticmethod
-    def wants_export(metadata: InferenceRequestMetadata) -> bool:
-        return wire.EXPORT_KEY in metadata.extra
 
     def import_header(self, metadata: InferenceRequestMetadata) -> wire.KvHeader | None:
         """The `KvHeader` of a session opened with an imported cache, None for a plain session; ValueError if bad."""

@@ -13,10 +13,10 @@ from hivemind.proto import runtime_pb2
 
 from corolla.protocol.metadata import InferenceRequestMetadata
 from corolla.server.core.admission import SessionTicket
-from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.core.executor import SessionCache
 from corolla.server.core.limits import DuplicateStep, SessionEvicted
 from corolla.server.core.push_guard import SessionPushGuard, screen_step
+from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -19,6 +19,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from corolla import PETALS_COMPAT_VERSION
+from corolla.protocol import handoff as hw
 from corolla.protocol import rpc
 from corolla.protocol.codecs import MAX_UNARY_PAYLOAD_BYTES, serialize_tensor
 from corolla.protocol.metadata import (
@@ -29,7 +30,6 @@ from corolla.protocol.metadata import (
 )
 from corolla.protocol.uids import make_chain
 from corolla.server.core.admission import ForwardSlots, SessionAdmission
-from corolla.utils.deadlines import TaskDeadline
 from corolla.server.core.drain import SessionHandoff
 from corolla.server.core.executor import SessionSpec, SpanExecutor
 from corolla.server.core.limits import PeerLimits, peer_key
@@ -48,6 +48,7 @@ from corolla.server.front.stream_requests import gather_stream, stream_response
 from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import MembershipError
 from corolla.utils.busy_poll import BusyPollSelector
+from corolla.utils.deadlines import TaskDeadline
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -405,7 +406,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
                     async for request, step_metadata in steps:
                         hit = await self._attach_prefix(session, namespace, request, step_metadata) if probing else None
                         probing = False
-                        if self.handoff.wants_export(step_metadata):  # draining: the client moves the cache
+                        if hw.EXPORT_KEY in step_metadata.extra:  # draining: the client moves the cache
                             async for response in self.handoff.export(session):
                                 yield response
                             continue
@@ -425,7 +426,9 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
                         # (the guard learnt from a step of the session's own client when it was screened)
                         if can_push and push_guard.may_push_on(step_metadata):
                             self._schedule_push(request, output, step_metadata)
-                        response = mark_pushed_reply(self.handoff.response(output), step_metadata)
+                        drain_deadline = self.core.drain.deadline  # (while draining: the session's time left)
+                        seconds_left = None if drain_deadline is None else drain_deadline - time.monotonic()
+                        response = mark_pushed_reply(hw.step_response(output, seconds_left), step_metadata)
                         yield response if hit is None else with_hit(response, hit)
         except Exception as e:
             self._reject("rpc_inference", e)
@@ -481,7 +484,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             start_from_position=metadata.start_from_position,
             max_length_tokens=session.max_length,
             adapter=session.active_adapter,
-            lone_session=self.core.num_open == 1,
+            lone_session=self.sessions.num_open == 1,  # (a handler process's: the device checks its own count)
         )  # the session changes only once the step is valid
         batch_size, length, _ = inputs.shape
         if length == 0 or session.cache is None:

@@ -22,10 +22,10 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from corolla.protocol import local_stream as ls
-from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.core.limits import StreamStalled
 from corolla.server.front import step_timeline
 from corolla.server.front.stream_guard import StreamLease, within_idle
+from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 
 HELLO_TIMEOUT_S = 5.0  # a connection that has not said hello by then is dropped
 SERVED_RPCS = ("rpc_inference",)

@@ -21,8 +21,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from corolla.protocol.stream_frames import ERROR_MARKER, MESSAGE_MARKER, frame_header
-from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.server.core.limits import MiB, PeerLimitExceeded, PeerLimits, ServerLimitExceeded, StreamStalled, peer_key
+from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
