@@ -209,3 +209,26 @@ def test_malformed_keys_are_refused(server, alice) -> None:
     with pytest.raises(Exception, match="corolla.prefix"):
         session.request(torch.zeros(1, 0, HIDDEN), **{PREFIX_KEY: {"first": 0, "hashes": [b"short"]}})
     session.stream.abort()
+
+
+def test_handler_processes_reuse_the_prefix_too(model_path, tmp_path_factory, blocks) -> None:
+    """`--num_handlers 2`: the keys cross to the device process (attach a request, recorded keys one-way frames)."""
+    server = start(model_path, tmp_path_factory.mktemp("cache_handlers"), num_handlers=2)
+    client = ClientThread(server.join_maddrs, server.peer_id)
+    try:
+        torch.manual_seed(4)
+        hidden = torch.randn(1, 40, HIDDEN)
+        expected = local_forward(blocks, hidden)
+        first = Session(client, server)
+        assert first.probe(TOKENS[:16]) == 0
+        first.step(hidden, 0, **{PREFIX_KEY: keys(TOKENS[:40], first_block=1)})
+        first.close()
+        second = Session(client, server)
+        assert second.probe(TOKENS[:40]) == 32
+        torch.testing.assert_close(second.step(hidden[:, 32:], 32), expected[:, 32:], atol=1e-4, rtol=0)
+        second.close()
+        assert metric(server, "corolla_prefix_hit_tokens_total") == 32  # counted in the device process
+        assert metric(server, "corolla_prefix_cache_bytes") > 0
+    finally:
+        client.close()
+        server.shutdown()

@@ -19,6 +19,7 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.models.registry import get_family
+from corolla.protocol.prefix import PrefixKeys, chain_hashes, prefix_root
 from corolla.server.backend import SpanBackend
 from corolla.server.core.admission import SessionAdmission
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
@@ -222,6 +223,27 @@ async def test_kv_handoff_round_trips(backend, kind) -> None:
             expected = await executor.step(source, _step(nxt, 6))
             got = await executor.step(target, _step(nxt, 6))
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_prefix_keys_publish_pages_that_later_sessions_of_the_namespace_attach(backend, kind) -> None:
+    """Every executor keeps a closed session's keyed pages for its namespace (through a proxy too: attach is a
+    request, recorded keys a one-way frame) and a session starting on them computes what a fresh one does."""
+    torch.manual_seed(5)
+    hidden = torch.randn(1, 40, H)
+    keys = PrefixKeys(0, tuple(chain_hashes(prefix_root(model="m"), list(range(40)))))
+    spec = SessionSpec(SPAN, 1, 64)
+    expected = _reference(backend, SPAN, [_step(hidden, 0)], 1, 64)[0]
+    async with _executor(backend, kind) as executor:
+        async with executor.open_session(spec, 0) as cache:
+            assert await executor.attach_prefix(cache, "alice/", PrefixKeys(0, keys.hashes[:1])) == 0
+            await executor.step(cache, _step(hidden, 0))
+            executor.add_prefix_keys(cache, "alice/", keys)  # the rest of the keys, after the states
+        async with executor.open_session(spec, 0) as cache:
+            assert await executor.attach_prefix(cache, "alice/", keys) == 32  # two whole 16-token pages
+            torch.testing.assert_close(await executor.step(cache, _step(hidden[:, 32:], 32)), expected[:, 32:])
+        async with executor.open_session(spec, 0) as cache:
+            assert await executor.attach_prefix(cache, "mallory/", keys) == 0
 
 
 @pytest.mark.parametrize("kind", sorted(EXECUTORS))

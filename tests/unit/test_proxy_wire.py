@@ -10,6 +10,7 @@ import struct
 import pytest
 import torch
 
+from corolla.protocol.prefix import MAX_PREFIX_BLOCKS, PrefixKeys
 from corolla.server.core.limits import PeerLimitExceeded
 from corolla.server.core.refusals import TooLong
 from corolla.server.handlers import proxy_wire as wire
@@ -127,3 +128,16 @@ async def test_step_batches_round_trip_and_split_within_the_frame_bound() -> Non
 def test_hostile_batches_are_refused_before_anything_is_sliced(payload: bytes, match: str) -> None:
     with pytest.raises(wire.FrameError, match=match):
         wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
+
+
+def test_prefix_frames_round_trip_and_bound_their_digests() -> None:
+    keys = PrefixKeys(3, (b"a" * 16, b"b" * 16))
+    payload = wire.prefix_frame(7, "peer/", keys).frame(wire.PREFIX_KEYS, 0)[wire.HEADER_BYTES :]
+    assert wire.read_prefix_frame(wire.Reader(payload)) == (7, "peer/", keys)
+    for raw in (b"x" * 15, b"x" * 16 * (MAX_PREFIX_BLOCKS + 1)):  # not whole digests / too many: before any split
+        body = wire.Writer().u32(1).text("peer/").u32(0).blob(raw).frame(wire.PREFIX_KEYS, 0)[wire.HEADER_BYTES :]
+        with pytest.raises(wire.FrameError):
+            wire.read_prefix_frame(wire.Reader(body))
+    body = wire.Writer().u32(1).text("p").u32(MAX_PREFIX_BLOCKS).blob(b"x" * 16).frame(wire.PREFIX_KEYS, 0)
+    with pytest.raises(wire.FrameError, match="first block"):
+        wire.read_prefix_frame(wire.Reader(body[wire.HEADER_BYTES :]))

@@ -246,6 +246,8 @@ class DeviceChannel:
                 self.core.push(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender=sender or None)
             elif kind == wire.METRICS:
                 self._count(wire.Reader(payload))
+            elif kind == wire.PREFIX_KEYS:
+                self._prefix_keys(wire.Reader(payload))
             elif kind == wire.READY:
                 fields = wire.Reader(payload)
                 self.pid, self.listen_maddr = fields.u32(), fields.text()
@@ -270,8 +272,30 @@ class DeviceChannel:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _prefix_keys(self, fields: wire.Reader) -> None:
+        """Keys of a session's own client for publication (one-way: a session that ended meanwhile drops them)."""
+        handle, namespace, keys = wire.read_prefix_frame(fields)
+        held = self.sessions.get(handle)
+        if held is None or held.cache is None:
+            return
+        try:
+            self.executor.add_prefix_keys(held.cache, namespace, keys)
+        except ValueError as e:  # the handler checked the namespace: only a broken invariant gets here
+            logger.warning(f"device_channel.prefix_keys_refused(handler={self.index}, error={e!r})")
+
+    async def _prefix_attach(self, fields: wire.Reader) -> wire.Writer:
+        handle, namespace, keys = wire.read_prefix_frame(fields)
+        held = self._held(handle)
+        assert held.cache is not None  # `_held` checked it
+        return wire.Writer().u32(await self.executor.attach_prefix(held.cache, namespace, keys))
+
     def _count(self, fields: wire.Reader) -> None:
         event, label = fields.u8(), fields.text()
+        if event == wire.METRIC_PREFIX_PROBE:
+            keyed, hit = fields.u32(), fields.u32()
+            if self.metrics is not None:
+                self.metrics.prefix_probe(keyed_tokens=keyed, hit_tokens=hit)
+            return
         if self.metrics is None:
             return
         if event == wire.METRIC_SESSION_OPENED:
@@ -307,6 +331,8 @@ class DeviceChannel:
                 body = await self._read_kv(fields)
             elif kind == wire.WRITE_KV:
                 body = await self._write_kv(fields)
+            elif kind == wire.PREFIX_ATTACH:
+                body = await self._prefix_attach(fields)
             else:
                 raise wire.FrameError(f"frame kind {kind} is not a request")
         except Exception as e:

@@ -78,6 +78,11 @@ class ForwardedMetrics(ServerMetrics):
     def rejected(self, reason: str) -> None:
         self._send(wire.METRIC_REJECTED, reason)
 
+    def prefix_probe(self, *, keyed_tokens: int, hit_tokens: int) -> None:
+        if not self.link.closed.is_set():
+            body = wire.Writer().u8(wire.METRIC_PREFIX_PROBE).text("").u32(keyed_tokens).u32(hit_tokens)
+            self.link.send(wire.METRICS, 0, body)
+
 
 def stream_handle_names(handler: TransformerConnectionHandler) -> list[str]:
     """The handle names p2pd routes as streams to this process (a dead process's must be unregistered)."""

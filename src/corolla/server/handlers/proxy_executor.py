@@ -319,17 +319,21 @@ class ProxyExecutor:
         body.tensor(inputs.hidden_states).tensor(inputs.grad_outputs).tensor(inputs.prompts)
         return _tensors(await self.link.call(wire.BACKWARD, body))
 
-    # prefix caching: the channel carries no prefix keys yet, so sessions of handler processes reuse and publish
-    # nothing (same outputs as without the cache; `--num_handlers 1` serves them)
+    # prefix caching: the device process's engine holds the cache; keys recorded for publication go one way, in
+    # order with the session's steps (publication is lazy: before a later step or at close)
 
     async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
-        return 0
+        reply = await self.link.call(wire.PREFIX_ATTACH, wire.prefix_frame(self._own(cache).handle, namespace, keys))
+        hit = reply.u32()
+        reply.done()
+        return hit
 
     def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
-        pass
+        if not self.link.closed.is_set():
+            self.link.send(wire.PREFIX_KEYS, 0, wire.prefix_frame(self._own(cache).handle, namespace, keys))
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats()
+        return PrefixCacheStats()  # the device process reports the server's figures (`handler_pool`)
 
     def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
         """The device executor's layout (`DeviceInfo.handoff_shapes`) for `spec`'s batch and length."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from corolla.engine.step_request import HiddenRows
+from corolla.protocol.prefix import MAX_PREFIX_BLOCKS, PREFIX_DIGEST_BYTES, PrefixKeys
 from corolla.server.core.executor import HandoffUnsupported
 from corolla.server.core.limits import PeerLimitExceeded, ServerLimitExceeded, SessionEvicted
 from corolla.server.core.refusals import BadRequest, Draining, Overloaded, RequestTimeout, TooLong
@@ -46,13 +47,17 @@ from corolla.utils.tensor_bytes import view_bytes
 OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, METRICS, READY = 1, 2, 3, 4, 5, 6, 9, 10
 STEP_BATCH = 11
 READ_KV, WRITE_KV = 12, 13  # a session's KV hand-off (drain): its cache's canonical tensors out / in
+# a session's prefix keys (`protocol.prefix`): attach the cached run they name (a request: the hit comes back) / record
+# them for publication (one-way, like METRICS: nothing waits for it)
+PREFIX_ATTACH, PREFIX_KEYS = 14, 15
 # a METRICS frame's event: what a handler process reports to the device's metrics (its own are never scraped)
-METRIC_SESSION_OPENED, METRIC_SESSION_CLOSED, METRIC_REJECTED = 1, 2, 3
+METRIC_SESSION_OPENED, METRIC_SESSION_CLOSED, METRIC_REJECTED, METRIC_PREFIX_PROBE = 1, 2, 3, 4
 # device -> handler
 HELLO, STATE, REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT = 20, 21, 22, 23, 24, 25, 26, 27
 REPLY_BATCH = 28
 FRAME_KINDS = frozenset(
     (OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, METRICS, READY, STEP_BATCH, READ_KV, WRITE_KV, HELLO, STATE)
+    + (PREFIX_ATTACH, PREFIX_KEYS)
     + (REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT, REPLY_BATCH)
 )
 BATCH_ITEM_KINDS = {STEP_BATCH: frozenset((STEP,)), REPLY_BATCH: frozenset((REPLY_TENSORS, REPLY_ERROR))}
@@ -325,6 +330,25 @@ async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tupl
 
 # ---- errors: the device's typed refusal crosses the channel as (code, reason, message) and is raised again as the
 # same type in the handler process, so the handler counts and answers it exactly as in one process
+
+
+def prefix_frame(handle: int, namespace: str, keys: PrefixKeys) -> Writer:
+    """A PREFIX_ATTACH or PREFIX_KEYS body: the session's handle, whose namespace, the keys (digests back to back)."""
+    return Writer().u32(handle).text(namespace).u32(keys.first_block).blob(b"".join(keys.hashes))
+
+
+def read_prefix_frame(reader: Reader) -> tuple[int, str, PrefixKeys]:
+    """(handle, namespace, keys) of a PREFIX_ATTACH or PREFIX_KEYS body; FrameError if malformed (the digests'
+    length is checked before they are split)."""
+    handle, namespace, first, raw = reader.u32(), reader.text(), reader.u32(), reader.blob()
+    reader.done()
+    if len(raw) % PREFIX_DIGEST_BYTES or len(raw) > MAX_PREFIX_BLOCKS * PREFIX_DIGEST_BYTES:
+        raise FrameError(f"prefix keys of {len(raw)} bytes are no whole number of at most {MAX_PREFIX_BLOCKS} digests")
+    hashes = tuple(raw[i : i + PREFIX_DIGEST_BYTES] for i in range(0, len(raw), PREFIX_DIGEST_BYTES))
+    try:
+        return handle, namespace, PrefixKeys(first, hashes)
+    except ValueError as e:
+        raise FrameError(str(e)) from None
 
 
 def encode_error(error: BaseException) -> Writer:
