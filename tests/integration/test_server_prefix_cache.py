@@ -26,10 +26,11 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def start(model_path, cache_dir, **overrides):
-    return start_inprocess_server(
-        model_path, cache_dir, block_indices=(0, NUM_BLOCKS), inference_max_length_tokens=MAX_LENGTH,
-        attn_cache_tokens=8 * MAX_LENGTH, session_timeout_s=60.0, request_timeout_s=30.0, metrics_port=0, **overrides,
+    settings = dict(
+        block_indices=(0, NUM_BLOCKS), inference_max_length_tokens=MAX_LENGTH, attn_cache_tokens=8 * MAX_LENGTH,
+        session_timeout_s=60.0, request_timeout_s=30.0, metrics_port=0,
     )  # fmt: skip
+    return start_inprocess_server(model_path, cache_dir, **{**settings, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +230,46 @@ def test_handler_processes_reuse_the_prefix_too(model_path, tmp_path_factory, bl
         second.close()
         assert metric(server, "corolla_prefix_hit_tokens_total") == 32  # counted in the device process
         assert metric(server, "corolla_prefix_cache_bytes") > 0
+    finally:
+        client.close()
+        server.shutdown()
+
+
+def test_under_memory_pressure_cached_pages_go_first_and_live_sessions_keep_theirs(
+    model_path, tmp_path_factory, blocks
+):
+    """A cache for a few conversations and many more replayed: no refusal, evictions counted, the hit rate reported,
+    every output right, and a session open all along keeps its pages."""
+    server = start(model_path, tmp_path_factory.mktemp("cache_small"), attn_cache_tokens=4 * MAX_LENGTH)  # 32 pages
+    client = ClientThread(server.join_maddrs, server.peer_id)
+    try:
+        torch.manual_seed(5)
+        live_hidden = torch.randn(1, 41, HIDDEN)
+        live = Session(client, server)
+        assert live.probe(TOKENS[:40]) == 0
+        live.step(live_hidden[:, :40], 0)  # holds its 8 promised pages while the conversations below come and go
+        conversations = [([1000 * (i + 1) + t for t in range(64)], torch.randn(1, 64, HIDDEN)) for i in range(10)]
+        for tokens, hidden in conversations:  # turn 1 of each: 4 pages published, the oldest evicted for the next
+            session = Session(client, server)
+            assert session.probe(tokens[:48]) == 0
+            session.step(hidden[:, :48], 0, **{PREFIX_KEY: keys(tokens)})
+            session.close()
+        hits = []
+        for tokens, hidden in reversed(conversations):  # turn 2, most recent first: the recent ones are still cached
+            session = Session(client, server)
+            hit = session.probe(tokens)
+            hits.append(hit)
+            out = session.step(hidden[:, hit:], hit) if hit < 64 else session.step(hidden[:, 48:], 48)
+            start_at = min(hit, 48)
+            torch.testing.assert_close(out, local_forward(blocks, hidden)[:, start_at:], atol=1e-4, rtol=0)
+            session.close()
+        assert hits[0] == 48 and 0 in hits  # the latest conversation hit, the oldest ones were evicted
+        assert metric(server, "corolla_prefix_cache_evictions") > 0
+        assert metric(server, "corolla_prefix_hit_tokens_total") == sum(hits)
+        assert metric(server, "corolla_prefix_keyed_tokens_total") == 10 * 48 + 10 * 64 + 32  # whole blocks
+        expected = local_forward(blocks, live_hidden)
+        torch.testing.assert_close(live.step(live_hidden[:, 40:], 40), expected[:, 40:], atol=1e-4, rtol=0)
+        live.close()
     finally:
         client.close()
         server.shutdown()
