@@ -98,3 +98,21 @@ def test_engine_steps_take_pages_as_tokens_arrive() -> None:
 
 def engine_step(session, position: int) -> StepRequest:
     return StepRequest(session, torch.randn(session.batch_size, 1, H), position)
+
+
+def test_a_withdrawn_promise_grows_from_free_pages_and_can_come_back() -> None:
+    pool = make_pool(6)
+    (idle,) = pool.allocate(1, 4 * PAGE)
+    pool.grow([idle], PAGE)
+    assert pool.withdraw([idle], 2) == 2 and idle.promised_pages == 1 and pool.pages_free == 4
+    (newcomer,) = pool.allocate(1, 4 * PAGE)  # what was withdrawn is promised to someone else
+    pool.grow([idle], 2 * PAGE)  # the promise left covers one more page
+    with pytest.raises(AllocationFailed, match="promise went to another session"):
+        pool.grow([idle], 3 * PAGE)  # nothing free that nobody was promised
+    assert not pool.restore([idle])  # nor to promise again
+    pool.free([newcomer])
+    assert pool.restore([idle]) and idle.promised_pages == 2 and pool.pages_free == 2
+    pool.grow([idle], 4 * PAGE)
+    assert len(idle.pages) == 4 and pool.withdraw([idle], 5) == 0
+    pool.free([idle])
+    assert pool.pages_free == 6 and pool.layer_pages_taken == 0

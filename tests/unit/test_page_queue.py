@@ -273,3 +273,41 @@ async def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="max_wait_s"):
         make_queue(10, max_wait_s=-1)
     assert used(queue) == 0
+
+
+async def test_a_request_that_fits_beside_the_line_is_granted_at_once() -> None:
+    queue = make_queue(10)
+    async with held(queue, 6, 0):
+        big = asyncio.create_task(queue.allocate(1, 8 * PAGE, 5))  # waits: 4 free
+        await asyncio.sleep(0.01)
+        assert queue.num_waiting == 1
+        with pytest.raises(AllocationFailed, match="waiting before it"):
+            await queue.allocate(1, PAGE, 0)  # would take what the big one waits for
+    slots = await asyncio.wait_for(big, 5)
+    small = await queue.allocate(1, 2 * PAGE, 0)  # 2 left beside nothing waiting
+    queue.release(slots + small)
+    async with held(queue, 7, 0):
+        big = asyncio.create_task(queue.allocate(1, 4 * PAGE, 5))  # waits for 4 of 3 free
+        await asyncio.sleep(0.01)
+        with pytest.raises(AllocationFailed):
+            await queue.allocate(1, PAGE, 0)  # 3 free - 4 waited for: no room beside it
+    queue.release(await asyncio.wait_for(big, 5))
+    assert used(queue) == 0
+
+
+async def test_the_head_of_the_line_asks_for_room_until_it_fits() -> None:
+    queue = make_queue(4)
+    hoard = await queue.allocate(1, 4 * PAGE, 0)
+    asked: list[int] = []
+
+    def on_short(layer_pages: int) -> None:
+        asked.append(layer_pages)
+        if len(asked) == 3:  # a hold becomes yieldable after a while: it is ended
+            queue.release(hoard)
+
+    queue.on_short = on_short
+    started = time.monotonic()
+    slots = await queue.allocate(1, 2 * PAGE, 2.0)
+    assert asked[0] == 2 * 2 and len(asked) == 3  # 2 pages in each of the 2 layers, asked at every nudge
+    assert 0.15 < time.monotonic() - started < 1.0
+    queue.release(slots)

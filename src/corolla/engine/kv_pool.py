@@ -93,7 +93,9 @@ class KVPool:
 
     `allocate(num_sequences, max_length_tokens, layers)` promises whole pages in those layers (scarcity ->
     `AllocationFailed`, never a partial promise); `grow(slots, length_tokens)` takes promised pages as positions are
-    written; `free(slots)` returns what was taken and drops what was promised. Thread-safe.
+    written; `withdraw`/`restore` take a promise back (in part) and give it again (admission's levers against
+    sessions that hold promises without using them); `free(slots)` returns what was taken and drops what was
+    promised. Thread-safe.
 
     The promise is exact for sequences over one layer range (a server's sessions over its whole span): the pages free
     in all those layers never drop below the pages promised there. Sequences over different ranges may fragment the
@@ -243,9 +245,11 @@ class KVPool:
         ]
 
     def grow(self, slots: Sequence[SequenceSlot], length_tokens: int) -> None:
-        """Takes promised pages so that each slot holds positions [0, `length_tokens`): a no-op while the pages it
-        has cover them (most steps). ValueError past a slot's promise; AllocationFailed for a freed slot or where
-        ids of sequences over other layer ranges left no page free in all of this slot's layers."""
+        """Takes pages so that each slot holds positions [0, `length_tokens`): a no-op while the pages it has cover
+        them (most steps). Promised pages first (never the spares kept for copies on write), then (a promise
+        withdrawn in part: `withdraw`) pages nobody was promised. ValueError past a slot's capacity; AllocationFailed
+        for a freed slot, a withdrawn promise that no free page covers, or where ids of sequences over other layer
+        ranges left no page free in all of its layers."""
         size = self.page_size_tokens
         for slot in slots:
             need = -(-length_tokens // size) - len(slot.pages)
@@ -254,19 +258,70 @@ class KVPool:
             with self._lock:
                 if slot.freed:
                     raise AllocationFailed("The sequence's pages were returned to the pool (its session ended)")
-                if need > slot.promised_pages:
+                if length_tokens > slot.capacity_tokens:
                     raise ValueError(
                         f"{length_tokens} tokens exceed the sequence's {slot.capacity_tokens} tokens promised at open"
                     )
                 first, end = slot.layers
+                promised = min(need, slot.promised_pages - slot.spare_pages)
+                unpromised = need - promised
+                if unpromised:
+                    available = self._common_free(first, end) - max(self._promised[first:end])
+                    if unpromised > available and unpromised <= available + self._evictable(first, end):
+                        available = self._evict_for(unpromised, first, end)
+                    if unpromised > available:
+                        raise AllocationFailed(
+                            f"KV cache is full: this session needs {unpromised} more pages and the rest of its "
+                            f"promise went to another session while it processed no token; replay it here later "
+                            f"or elsewhere"
+                        )
                 taken = self._take(need, first, end)
                 start = len(slot.pages)
                 slot.pages.extend(taken)
                 slot.table[start : start + need] = torch.tensor(taken, dtype=torch.int32)
-                slot.promised_pages -= need
-                for layer in range(first, end):
-                    self._promised[layer] -= need
-                self._promised_layer_pages -= need * (end - first)
+                self._unpromise(slot, promised)
+
+    def withdraw(self, slots: Sequence[SequenceSlot], pages_per_slot: int) -> int:
+        """Drops up to `pages_per_slot` of each slot's promise (pages not yet taken, spares for copies on write last;
+        they go to whoever is promised them next); returns the pages withdrawn. The slots keep the pages they
+        hold."""
+        withdrawn = 0
+        with self._lock:
+            for slot in slots:
+                if not slot.freed:
+                    count = min(pages_per_slot, slot.promised_pages)
+                    self._unpromise(slot, count)
+                    slot.spare_pages = min(slot.spare_pages, slot.promised_pages)
+                    withdrawn += count
+        return withdrawn
+
+    def restore(self, slots: Sequence[SequenceSlot]) -> bool:
+        """Promises each slot again the pages up to its capacity that it neither holds nor is promised (and the
+        spares it still keeps), all or nothing; False (nothing changed) where the pool can't promise them now."""
+        with self._lock:
+            if any(slot.freed for slot in slots):
+                return False
+            missing = [
+                max(0, self.pages_for(slot.capacity_tokens) - len(slot.pages) + slot.spare_pages - slot.promised_pages)
+                for slot in slots
+            ]
+            needed = sum(missing)
+            if needed == 0:
+                return True
+            first, end = slots[0].layers
+            if needed > self._common_free(first, end) - max(self._promised[first:end]):
+                return False
+            for slot, count in zip(slots, missing, strict=True):
+                self._unpromise(slot, -count)
+        return True
+
+    def _unpromise(self, slot: SequenceSlot, count: int) -> None:
+        """`count` of the slot's promised pages are taken or dropped (negative: promised again); under the lock."""
+        first, end = slot.layers
+        slot.promised_pages -= count
+        for layer in range(first, end):
+            self._promised[layer] -= count
+        self._promised_layer_pages -= count * (end - first)
 
     def _evictable(self, first: int, end: int) -> int:
         """Ids not free in all of [first, end) now that would be if every idle cached page were evicted."""
