@@ -124,6 +124,7 @@ class _Session:
         self.max_length = MAX_LENGTH
         self.cache = cache
         self.prefix_length = 0
+        self.ticket = None  # not admitted through admission
         self.server = server
 
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:

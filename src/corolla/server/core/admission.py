@@ -1,6 +1,10 @@
-"""Admission of inference sessions: per-peer and global caps on open sessions and on reserved KV cache, and
-eviction of idle sessions (no token processed for `session_idle_evict_s`; zero-token steps are not use) when a new
-session does not fit the cache. Runs in the server's asyncio loop; the KV bytes themselves belong to the executor (`SpanExecutor.open_session`)."""
+"""Admission of inference sessions: per-peer and global caps on open sessions and on the KV cache they hold, and
+what yields when a new session does not fit. A session is promised its whole `max_length` at open and takes pages as
+its tokens arrive; under memory pressure the least valuable holds yield first: sessions that never processed a token
+(zero-token steps are not use), then the unused promises of sessions idle for `kv_promise_idle_s`, then sessions idle
+for `session_idle_evict_s`, then unused promises beyond a fair share per peer of those holding promises. A session
+doing real work never loses the pages it holds. Runs in the server's asyncio loop; the KV bytes themselves belong to
+the executor (`SpanExecutor.open_session`). Why this shape: `docs/decisions/0015-hoarding.md`."""
 
 from __future__ import annotations
 
@@ -8,9 +12,9 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from corolla.server.core.executor import SessionCache, SessionSpec, SpanExecutor
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded, SessionEvicted
@@ -20,7 +24,8 @@ logger = get_logger(__name__)
 
 
 class CacheBudget(Protocol):
-    """The KV cache bytes admission weighs sessions against (a `SpanExecutor`)."""
+    """The KV cache bytes admission weighs sessions against (a `SpanExecutor`): `bytes_left` neither held nor
+    promised, `bytes_waiting` asked for by allocations in line."""
 
     @property
     def max_size_bytes(self) -> int: ...
@@ -32,9 +37,44 @@ class CacheBudget(Protocol):
     def bytes_waiting(self) -> int: ...
 
 
+@runtime_checkable
+class CacheLease(Protocol):
+    """A session's hold on the KV store (the engine executor's `SessionCache`): bytes holding its positions, bytes
+    promised and not yet taken; a promise can be withdrawn in part and asked back."""
+
+    @property
+    def taken_bytes(self) -> int: ...
+
+    @property
+    def promised_bytes(self) -> int: ...
+
+    def withdrawable(self, nbytes: int) -> int:
+        """What `withdraw(nbytes)` would drop: `nbytes` rounded down to whole pages, at most the promise."""
+        ...
+
+    def withdraw(self, nbytes: int) -> int:
+        """Drops `withdrawable(nbytes)` bytes of the promise; returns them."""
+        ...
+
+    def restore(self) -> bool:
+        """Promises the session its whole length again if the store can; False where it can't now."""
+        ...
+
+
+@runtime_checkable
+class ShortageSource(Protocol):
+    """A budget whose allocations in line ask for room (the engine executor's page queue): admission's yield rule
+    answers them."""
+
+    def on_shortage(self, make_room: Callable[[int], None]) -> None:
+        """Registers `make_room(nbytes)`, called while the head of the line lacks room for `nbytes`."""
+        ...
+
+
 @dataclass(eq=False)
 class SessionTicket:
-    """One admitted session: who holds it, how much cache it reserved and when it last did real work."""
+    """One admitted session: who holds it, how much cache it holds (its `lease`, else what it reserved at open), and
+    what real work it did (tokens processed and when)."""
 
     peer: str
     reserved_bytes: int
@@ -43,15 +83,44 @@ class SessionTicket:
     evicted: asyncio.Event = field(default_factory=asyncio.Event)
     released: asyncio.Event = field(default_factory=asyncio.Event)
     eviction: SessionEvicted | None = None
+    lease: CacheLease | None = None
+    num_steps: int = 0
+    num_tokens: int = 0
+    withdrawn: bool = False  # part of its promise went to another session: restored at its next real token
+    opening_tokens: int | None = None  # what its opening request brought (None: unknown)
+    granting: bool = False  # admitted, its cache not open yet: it claims `reserved_bytes` of what is free
+    waiting: bool = False  # its allocation waits in line (counted there): nothing to yield yet
 
     def touch(self, num_tokens: int) -> None:
         """Records a step; only one that processed at least one token counts as use."""
+        self.num_steps += 1
         if num_tokens > 0:
+            self.num_tokens += num_tokens
             self.last_used_at = time.monotonic()
+            if self.withdrawn and self.lease is not None and self.lease.restore():
+                self.withdrawn = False
 
     @property
     def idle_s(self) -> float:
         return time.monotonic() - self.last_used_at
+
+    @property
+    def held_bytes(self) -> int:
+        """Cache this session keeps from others: pages taken plus pages promised."""
+        lease = self.lease
+        return self.reserved_bytes if lease is None else lease.taken_bytes + lease.promised_bytes
+
+    @property
+    def promised_bytes(self) -> int:
+        return 0 if self.lease is None else self.lease.promised_bytes
+
+    def never_worked(self, grace_s: float) -> bool:
+        """No token processed, and a step was answered, its opening request brought none, or `grace_s` passed
+        since it opened: a hold bought with zero-token steps (a session's first request carries its prefill,
+        answered within the grace)."""
+        if self.num_tokens or self.waiting:
+            return False
+        return self.num_steps > 0 or self.opening_tokens == 0 or time.monotonic() - self.opened_at >= grace_s
 
     def evict(self, reason: str) -> None:
         self.eviction = SessionEvicted(reason)
@@ -59,7 +128,8 @@ class SessionTicket:
 
 
 class SessionAdmission:
-    """Decides whether a new session may open, evicting idle ones under memory pressure."""
+    """Decides whether a new session may open and what yields to it under memory pressure (see the module
+    docstring)."""
 
     def __init__(self, limits: PeerLimits, budget: CacheBudget):
         self.limits = limits
@@ -67,29 +137,39 @@ class SessionAdmission:
         self._tickets: set[SessionTicket] = set()
         self._per_peer: dict[str, set[SessionTicket]] = defaultdict(set)
         self.num_evicted = 0
+        self.num_withdrawn = 0  # promises withdrawn (in part) from sessions that keep running
+        if isinstance(budget, ShortageSource):
+            budget.on_shortage(self._on_short)
 
     @property
     def num_open(self) -> int:
         return len(self._tickets)
 
     def peer_reserved_bytes(self, peer: str) -> int:
-        return sum(t.reserved_bytes for t in self._per_peer.get(peer, ()))
+        """Cache the peer's sessions hold (taken and promised)."""
+        return sum(t.held_bytes for t in self._per_peer.get(peer, ()))
 
     def peer_sessions(self, peer: str) -> int:
         return len(self._per_peer.get(peer, ()))
 
     @contextlib.asynccontextmanager
-    async def admit(self, peer: str, reserve_bytes: int) -> AsyncIterator[SessionTicket]:
-        """Admits a session of `peer` that will reserve `reserve_bytes` of KV cache (may first evict idle sessions
-        of others and wait up to `evict_wait_s` for them to free it). Raises PeerLimitExceeded or
-        ServerLimitExceeded; the ticket is released on every exit path."""
+    async def admit(
+        self, peer: str, reserve_bytes: int, *, opening_tokens: int | None = None, granting: bool = False
+    ) -> AsyncIterator[SessionTicket]:
+        """Admits a session of `peer` that will be promised `reserve_bytes` of KV cache (may first make others
+        yield and wait up to `evict_wait_s` for evicted ones to free it). Raises PeerLimitExceeded or
+        ServerLimitExceeded, or SessionEvicted where a worthier newcomer took its place meanwhile; the ticket is
+        released on every exit path. `granting`: its cache opens next (`reserve`), a claim on what is free."""
         self._check(peer, reserve_bytes)
-        ticket = SessionTicket(peer=peer, reserved_bytes=reserve_bytes)
+        ticket = SessionTicket(peer=peer, reserved_bytes=reserve_bytes, opening_tokens=opening_tokens,
+                               granting=granting)  # fmt: skip
         self._tickets.add(ticket)
         self._per_peer[peer].add(ticket)
         try:
             if reserve_bytes > 0:
                 await self._make_room(reserve_bytes, ticket)
+            if ticket.eviction is not None:
+                raise ticket.eviction
             yield ticket
         finally:
             self._tickets.discard(ticket)
@@ -102,16 +182,32 @@ class SessionAdmission:
 
     @contextlib.asynccontextmanager
     async def reserve(
-        self, peer: str, executor: SpanExecutor, spec: SessionSpec, alloc_timeout_s: float | None
+        self,
+        peer: str,
+        executor: SpanExecutor,
+        spec: SessionSpec,
+        alloc_timeout_s: float | None,
+        *,
+        opening_tokens: int | None = None,
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
         """Admits a session and opens its KV cache (none for a `max_length=0` probe); yields its ticket and cache.
-        Everything is given back on exit."""
+        Everything is given back on exit. `opening_tokens`: the tokens its opening request brings (its prefill, or
+        the positions of an imported cache; None: unknown); an open that brings none does not wait in line for
+        memory (a place in line would be a hold bought with no work)."""
         if spec.max_length_tokens == 0:  # a probe: only zero-token steps fit, nothing to reserve
             async with self.admit(peer, 0) as ticket:
                 yield ticket, None
             return
-        async with self.admit(peer, executor.session_bytes(spec)) as ticket:
+        if opening_tokens == 0:
+            alloc_timeout_s = 0.0
+        async with self.admit(
+            peer, executor.session_bytes(spec), opening_tokens=opening_tokens, granting=True
+        ) as ticket:
+            ticket.waiting = True  # (a refused allocation ends the ticket with it)
             async with executor.open_session(spec, alloc_timeout_s) as cache:
+                ticket.waiting = ticket.granting = False
+                ticket.opened_at = time.monotonic()  # the grace for its first step counts from here
+                ticket.lease = cache if isinstance(cache, CacheLease) else None
                 yield ticket, cache
 
     def _check(self, peer: str, reserve_bytes: int) -> None:
@@ -145,61 +241,162 @@ class SessionAdmission:
             return None
         return int(total * self.limits.max_kv_fraction_per_peer)
 
+    # ---- who yields, least valuable first
+
+    def _never_worked(self, exclude: SessionTicket | None = None) -> list[SessionTicket]:
+        """Sessions held by zero-token steps alone, oldest first: they yield whole, at once."""
+        grace_s = self.limits.first_token_grace_s
+        unused = [t for t in self._tickets if t is not exclude and not t.evicted.is_set() and t.never_worked(grace_s)]
+        return sorted(unused, key=lambda t: t.opened_at)
+
     def _idle_candidates(self, exclude: SessionTicket | None = None) -> list[SessionTicket]:
+        """Sessions that did real work but none for `session_idle_evict_s`, longest idle first: they yield whole."""
         if not self.limits.session_idle_evict_s:
             return []
         idle = [
             t
             for t in self._tickets
-            if t is not exclude and not t.evicted.is_set() and t.idle_s >= self.limits.session_idle_evict_s
+            if t is not exclude
+            and not t.evicted.is_set()
+            and t.num_tokens
+            and t.idle_s >= self.limits.session_idle_evict_s
         ]
         return sorted(idle, key=lambda t: t.last_used_at)
 
+    def _idle_promises(self, exclude: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
+        """The unused promises of sessions idle for `kv_promise_idle_s`, longest idle first: the sessions keep their
+        pages and run on."""
+        if not self.limits.kv_promise_idle_s:
+            return
+        idle = [
+            t
+            for t in self._tickets
+            if t is not exclude and not t.evicted.is_set() and t.promised_bytes > 0
+            and t.idle_s >= self.limits.kv_promise_idle_s
+        ]  # fmt: skip
+        for ticket in sorted(idle, key=lambda t: t.last_used_at):
+            yield ticket, ticket.promised_bytes
+
+    def _promises_over_share(self, ticket: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
+        """Unused promises beyond a fair share: the cache split evenly among the peers holding promises and the
+        newcomer's, largest excess first. A crowd of identities only splits the share finer: each of n holders of
+        a full cache holds more than 1/(n+1) of it, so a newcomer always reaches its share."""
+        holders: dict[str, list[SessionTicket]] = defaultdict(list)
+        for t in self._tickets:
+            if t is not ticket and not t.evicted.is_set() and t.promised_bytes > 0:
+                holders[t.peer].append(t)
+        newcomer = None if ticket is None else ticket.peer
+        share = int(self.budget.max_size_bytes) // (len(holders) + (newcomer not in holders))
+        others = [peer for peer in holders if peer != newcomer]  # a peer's own sessions never pay for its next one
+        excess = {p: sum(t.held_bytes for t in self._per_peer[p] if t is not ticket) - share for p in others}
+        for peer in sorted(others, key=lambda p: -excess[p]):
+            left = excess[peer]
+            for t in sorted(holders[peer], key=lambda t: -t.promised_bytes):
+                if left <= 0:
+                    break
+                nbytes = min(left, t.promised_bytes)
+                yield t, nbytes
+                left -= nbytes
+
     def _evict(self, ticket: SessionTicket, why: str) -> None:
+        if ticket.num_tokens:
+            cause = f"no token processed for {ticket.idle_s:.0f} s (session_idle_evict={self.limits.session_idle_evict_s} s)"
+        else:
+            cause = "no token processed since it opened (zero-token steps are not use)"
         ticket.evict(
-            f"Session ended by the server: no token processed for {ticket.idle_s:.0f} s "
-            f"(session_idle_evict={self.limits.session_idle_evict_s} s) and its {why} was needed by another user; "
-            f"open a new session (replay the history) to continue"
+            f"Session ended by the server: {cause} and its {why} was needed by another user; open a new session "
+            f"(replay the history) to continue"
         )
         self.num_evicted += 1
         logger.info(
-            f"admission.evicted(peer={ticket.peer:.12}, bytes={ticket.reserved_bytes}, idle_s={ticket.idle_s:.1f}, "
-            f"why={why})"
+            f"admission.evicted(peer={ticket.peer:.12}, bytes={ticket.held_bytes}, tokens={ticket.num_tokens}, "
+            f"idle_s={ticket.idle_s:.1f}, why={why})"
         )
 
     def _evict_for_slot(self) -> bool:
-        candidates = self._idle_candidates()
+        candidates = self._never_worked() + self._idle_candidates()
         if not candidates:
             return False
         self._evict(candidates[0], "session slot")
         return True  # its slot is counted free now: the evicted session ends within a loop iteration
 
     async def _make_room(self, size: int, ticket: SessionTicket) -> None:
-        """Evicts the longest-idle sessions when `size` does not fit what is free, if that makes it fit."""
-        free = int(self.budget.bytes_left) - self._bytes_waited_for()
+        """Makes the least valuable holds yield when `size` does not fit what is free beside the allocations in line,
+        if that makes it fit (nothing yields otherwise: the allocation then waits or fails as before)."""
         pending = [t for t in self._tickets if t.evicted.is_set() and not t.released.is_set()]
-        free += sum(t.reserved_bytes for t in pending)
-        if free >= size:
-            if pending:
-                await self._wait_released(pending)
-            return
-        chosen: list[SessionTicket] = []
-        for candidate in self._idle_candidates(exclude=ticket):
+        free = self._free_bytes(ticket) - self._bytes_waited_for()
+        evicted = self._yield_for(size, free, ticket) if free < size else []
+        if evicted is not None:
+            await self._wait_released(pending + evicted)
+
+    def _on_short(self, size: int) -> None:
+        """The head of the allocation line lacks room for `size` bytes: the same yield rule, for it (evicted sessions
+        free their pages when they end, which grants it)."""
+        waiting = [t for t in self._tickets if t.waiting]  # the head: the first admitted of those in line
+        head = min(waiting, key=lambda t: t.opened_at) if waiting else None
+        free = self._free_bytes(head)
+        if free < size:
+            self._yield_for(size, free, head)
+
+    def _free_bytes(self, ticket: SessionTicket | None) -> int:
+        """What the store has neither given nor promised, plus what evicted sessions are about to free, less what
+        other newcomers admitted just before (their caches not open yet) will take of it."""
+        free = int(self.budget.bytes_left)
+        for t in self._tickets:
+            if t.evicted.is_set():
+                free += 0 if t.released.is_set() or t.granting else t.held_bytes
+            elif t.granting and not t.waiting and t is not ticket:
+                free -= t.reserved_bytes
+        return free
+
+    def _yield_for(self, size: int, free: int, ticket: SessionTicket | None) -> list[SessionTicket] | None:
+        """Ends and withdraws the least valuable holds (never `ticket`'s) until `size` fits `free` plus what they
+        give; does nothing and returns None where all of them would not be enough, else the evicted tickets."""
+        evicted: list[SessionTicket] = []
+        withdrawn: dict[SessionTicket, int] = {}
+        for candidate in self._never_worked(exclude=ticket) + self._idle_candidates(exclude=ticket):
             if free >= size:
                 break
-            if candidate.reserved_bytes > 0:
-                chosen.append(candidate)
-                free += candidate.reserved_bytes
+            if candidate not in evicted and candidate.held_bytes > 0:
+                evicted.append(candidate)
+                free += candidate.held_bytes
+        for tier in (self._idle_promises(ticket), self._promises_over_share(ticket)):
+            for candidate, nbytes in tier:
+                if free >= size:
+                    break
+                if candidate in evicted:
+                    continue
+                assert candidate.lease is not None  # (only sessions with a promise are offered)
+                nbytes = candidate.lease.withdrawable(withdrawn.get(candidate, 0) + nbytes) - withdrawn.get(
+                    candidate, 0
+                )
+                if nbytes > 0:
+                    withdrawn[candidate] = withdrawn.get(candidate, 0) + nbytes
+                    free += nbytes
         if free < size:
-            return  # evicting would not make it fit: leave them be; the allocation waits or fails as before
-        for candidate in chosen:
+            return None
+        for candidate in evicted:
             self._evict(candidate, "KV cache")
-        await self._wait_released(pending + chosen)
+        for candidate, nbytes in withdrawn.items():
+            self._withdraw(candidate, nbytes)
+        return evicted
+
+    def _withdraw(self, ticket: SessionTicket, nbytes: int) -> None:
+        assert ticket.lease is not None
+        dropped = ticket.lease.withdraw(nbytes)
+        ticket.withdrawn = True
+        self.num_withdrawn += 1
+        logger.info(
+            f"admission.withdrawn(peer={ticket.peer:.12}, bytes={dropped}, tokens={ticket.num_tokens}, "
+            f"idle_s={ticket.idle_s:.1f})"
+        )
 
     def _bytes_waited_for(self) -> int:
         return int(self.budget.bytes_waiting)  # queued allocations are served first
 
     async def _wait_released(self, tickets: list[SessionTicket]) -> None:
+        if not tickets:
+            return
         waits = [asyncio.ensure_future(t.released.wait()) for t in tickets]
         try:
             await asyncio.wait(waits, timeout=self.limits.evict_wait_s)

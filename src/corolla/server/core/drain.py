@@ -143,6 +143,8 @@ class SessionHandoff:
         kv.validate_import(tensors, descriptors, header.position)
         await self.executor.write_kv(session.cache, tensors, header.position)
         session.prefix_length = header.position
+        if session.ticket is not None:  # the imported positions are real work (done on the old server)
+            session.ticket.touch(header.position * session.batch_size)
         self.num_imported += 1
         logger.info(
             f"handoff.imported(session_id={session.session_id!r:.40}, blocks={blocks[0]}:{blocks[-1] + 1}, "

@@ -97,11 +97,37 @@ def measured(
 
 
 class EngineSessionCache(SessionCache):
-    """One engine session (all blocks of the request share its pages)."""
+    """One engine session (all blocks of the request share its pages) and its lease on the pool as admission weighs
+    it (`admission.CacheLease`): pages taken, pages promised, a promise withdrawn and asked back."""
 
-    def __init__(self, spec: SessionSpec, session: EngineSession):
+    def __init__(self, spec: SessionSpec, session: EngineSession, pages: PageQueue):
         super().__init__(spec)
         self.session = session
+        self.pages = pages
+        pool = session.engine.pool
+        self.page_bytes = pool.layer_page_bytes * session.num_layers  # one sequence's page over its layers
+
+    @property
+    def taken_bytes(self) -> int:
+        return sum(len(slot.pages) for slot in self.session.slots) * self.page_bytes
+
+    @property
+    def promised_bytes(self) -> int:
+        return sum(slot.promised_pages for slot in self.session.slots) * self.page_bytes
+
+    def withdrawable(self, nbytes: int) -> int:
+        return min(self._pages_per_slot(nbytes) * len(self.session.slots) * self.page_bytes, self.promised_bytes)
+
+    def withdraw(self, nbytes: int) -> int:
+        dropped = self.session.engine.pool.withdraw(self.session.slots, self._pages_per_slot(nbytes)) * self.page_bytes
+        self.pages.wake()  # allocations in line may fit now
+        return dropped
+
+    def _pages_per_slot(self, nbytes: int) -> int:
+        return nbytes // (self.page_bytes * len(self.session.slots))  # never below what was asked to stay
+
+    def restore(self) -> bool:
+        return self.session.engine.pool.restore(self.session.slots)
 
 
 class EngineExecutor:
@@ -157,6 +183,12 @@ class EngineExecutor:
     def bytes_waiting(self) -> int:
         return self.pages.layer_pages_waiting * self.engine.pool.layer_page_bytes
 
+    def on_shortage(self, make_room: Callable[[int], None]) -> None:
+        """Admission's yield rule for the head of the page line (`admission.ShortageSource`): called with the bytes
+        it lacks room for."""
+        layer_page_bytes = self.engine.pool.layer_page_bytes
+        self.pages.on_short = lambda layer_pages: make_room(layer_pages * layer_page_bytes)
+
     def session_bytes(self, spec: SessionSpec) -> int:
         pool = self.engine.pool
         return (
@@ -183,7 +215,7 @@ class EngineExecutor:
         session: EngineSession | None = None
         try:
             session = self.engine.session_of(slots, spec.max_length_tokens, layers=layers)
-            yield EngineSessionCache(spec, session)
+            yield EngineSessionCache(spec, session, self.pages)
         finally:
             try:
                 if session is not None:  # the pages its last steps filled stay cached for its next turn

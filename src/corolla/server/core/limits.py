@@ -26,6 +26,12 @@ class PeerLimits:
     # under memory pressure a session that processed no token for this long is ended to admit a new one
     # (zero-token keep-alive steps do not count as use); 0 = never evict
     session_idle_evict_s: float = 60.0
+    # under memory pressure the promised, not yet used pages of a session that processed no token for this long go
+    # to a new session (it keeps the pages it holds and runs on; its next token asks the promise back); 0 = never
+    kv_promise_idle_s: float = 5.0
+    # a session that processed no token yields its cache at once under memory pressure once a step was answered or
+    # this long after it opened (its first request carries its prefill)
+    first_token_grace_s: float = 2.0
     evict_wait_s: float = 5.0  # how long a new session waits for the evicted ones to free their cache
     # streamed requests (rpc_*_stream, rpc_inference): bytes received but not yet processed
     # None = derived from the span (`with_stream_defaults`): a message may hold one step of the server's
@@ -53,7 +59,8 @@ class PeerLimits:
                 raise ValueError(f"{name} must be >= 0 (0 = unlimited), got {getattr(self, name)}")
         if not 0 < self.max_kv_fraction_per_peer <= 1:
             raise ValueError(f"max_kv_fraction_per_peer must be in (0, 1], got {self.max_kv_fraction_per_peer}")
-        for name in ("session_idle_evict_s", "evict_wait_s", "stream_idle_timeout_s"):
+        for name in ("session_idle_evict_s", "kv_promise_idle_s", "first_token_grace_s", "evict_wait_s",
+                     "stream_idle_timeout_s"):  # fmt: skip
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -122,6 +129,9 @@ LIMIT_FLAG_HELP = {
     "max_sessions_total": "open inference sessions of all peers together (0 = unlimited)",
     "max_kv_fraction_per_peer": "share of the KV cache one peer may reserve, in (0, 1]",
     "session_idle_evict_s": "end a session idle this long (no token processed) when a new one needs its cache (0 = never)",
+    "kv_promise_idle_s": "under memory pressure, give the unused promised cache of a session idle this long to a "
+    "new one (it keeps what it holds; 0 = never)",
+    "first_token_grace_s": "a session with no token processed yields at once under pressure after a step or this long",
     "evict_wait_s": "how long a new session waits for evicted sessions to free their cache",
     "max_stream_message_bytes": "largest message of a streamed request (unset: max_batch_size x hidden x 4 + 1 MiB)",
     "max_stream_bytes_per_peer": "bytes of unfinished streamed requests of one peer (unset: max(96 MiB, 2 x message))",

@@ -1,6 +1,6 @@
 """Inference sessions of one front: the registry of its streams (ended on shutdown), the inbox of a session's pushed
 steps, and the step iterator that merges client steps with pushed ones (de-duplicated by `step_id`)
-under `step_timeout` and `session_timeout`."""
+under `step_timeout` (counted from the last step that processed a token) and `session_timeout`."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ async def _next_client_or_end(
     `deadline` and on eviction, like `iterate_steps`'s general wait (every outcome but a request ends the session,
     so the read may be cancelled midway)."""
     assert TASK_DEADLINES
-    wait_s = min(timeouts.step_timeout_s, deadline - time.monotonic())
+    wait_s = _step_wait_s(session, timeouts, deadline)
     deadlines = session.deadlines
     if deadlines is None:
         deadlines = session.deadlines = TaskDeadline(asyncio.get_running_loop())
@@ -194,6 +194,15 @@ async def _next_client_or_end(
         raise _eviction(session)
     _nothing_came(session, timeouts, deadline)
     return None
+
+
+def _step_wait_s(session: SessionState, timeouts: SessionTimeouts, deadline: float) -> float:
+    """How long the next step may take to come: `step_timeout` after the session's last real token (zero-token
+    steps are not activity: keep-alives alone can't hold a session past it), and never past `deadline`."""
+    now = time.monotonic()
+    ticket = session.ticket
+    since = now if ticket is None else max(ticket.last_used_at, now - timeouts.step_timeout_s)
+    return min(since + timeouts.step_timeout_s - now, deadline - now)
 
 
 def _eviction(session: SessionState) -> SessionEvicted:
@@ -232,6 +241,8 @@ async def iterate_steps(
     evicted = asyncio.ensure_future(session.ticket.evicted.wait()) if session.ticket is not None else None
     try:
         while request is not None and request.tensors:
+            if evicted is not None and session.ticket is not None and session.ticket.evicted.is_set():
+                raise _eviction(session)  # (a client whose next step is always queued never makes it wait)
             parsed = InferenceRequestMetadata.from_bytes(request.metadata)
             step_id = parsed.step_id
             metadata = screen_step(  # learns from the client's own steps; None: a pushed step that breaks the rules
@@ -273,7 +284,7 @@ async def iterate_steps(
                 waiting.add(push_next)
             if evicted is not None:
                 waiting.add(evicted)
-            wait_s = min(timeouts.step_timeout_s, deadline - time.monotonic())
+            wait_s = _step_wait_s(session, timeouts, deadline)
             done: set = set()
             if wait_s > 0:
                 done, _ = await asyncio.wait(waiting, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)

@@ -61,10 +61,18 @@ class SessionCore(Protocol):
     def drain(self) -> DrainState: ...
 
     def open_session(
-        self, peer: str, spec: SessionSpec, alloc_timeout_s: float | None, session_id: str | None, sink: PushSink | None
+        self,
+        peer: str,
+        spec: SessionSpec,
+        alloc_timeout_s: float | None,
+        session_id: str | None,
+        sink: PushSink | None,
+        *,
+        opening_tokens: int | None = None,
     ) -> contextlib.AbstractAsyncContextManager[tuple[SessionTicket, SessionCache | None]]:
         """Admits a session of `peer` and opens its cache (none for a max_length=0 probe); pushes for `session_id`
-        reach `sink` from before the admission until the exit. ValueError if `session_id` is open already."""
+        reach `sink` from before the admission until the exit. ValueError if `session_id` is open already.
+        `opening_tokens`: what its opening request brings (`SessionAdmission.reserve`: none, no wait in line)."""
         ...
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
@@ -97,14 +105,24 @@ class SpanCore:
 
     @contextlib.asynccontextmanager
     async def open_session(
-        self, peer: str, spec: SessionSpec, alloc_timeout_s: float | None, session_id: str | None, sink: PushSink | None
+        self,
+        peer: str,
+        spec: SessionSpec,
+        alloc_timeout_s: float | None,
+        session_id: str | None,
+        sink: PushSink | None,
+        *,
+        opening_tokens: int | None = None,
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
         routed = session_id is not None and sink is not None
         if routed:
             assert session_id is not None and sink is not None
             self.route(session_id, sink)
         try:
-            async with self.admission.reserve(peer, self.executor, spec, alloc_timeout_s) as opened:
+            reservation = self.admission.reserve(
+                peer, self.executor, spec, alloc_timeout_s, opening_tokens=opening_tokens
+            )
+            async with reservation as opened:
                 yield opened
         finally:
             if routed:

@@ -68,6 +68,12 @@ async def _await_within(coro: Awaitable[_T], timeout_s: float) -> _T:
         return await coro
 
 
+def _opening_tokens(first: runtime_pb2.ExpertRequest) -> int:
+    """Tokens the opening request of a session brings: its hidden states' length `[B, T, H]` (0 for none)."""
+    size = list(first.tensors[0].size) if first.tensors else []
+    return int(size[1]) if len(size) == 3 else 0
+
+
 class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHandler):
     """Serves one span of blocks. Same class name as Petals', so handle names match."""
 
@@ -379,9 +385,12 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         inbox = PushInbox(metadata.session_id, push_guard) if metadata.session_id is not None else None
         try:
             spec = SessionSpec(tuple(block_indices), batch_size, max_length)
+            opening = kv_import.position if kv_import is not None else _opening_tokens(first)
+            if opening == 0 and probe_keys(first, metadata) is not None:
+                opening = None  # a prefix probe: its tokens follow once the cached part is known
             reservation = self.core.open_session(
-                peer_key(context), spec, metadata.alloc_timeout_s, metadata.session_id, inbox
-            )  # per-peer caps, idle eviction, then the KV cache itself (none for a max_length=0 probe)
+                peer_key(context), spec, metadata.alloc_timeout_s, metadata.session_id, inbox, opening_tokens=opening
+            )  # per-peer caps, what yields under pressure, then the KV cache itself (none for a max_length=0 probe)
             async with reservation as (ticket, cache):
                 self._report_cache()
                 session = SessionState(
@@ -451,6 +460,8 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             return None
         hit = 0 if session.cache is None else await self.executor.attach_prefix(session.cache, namespace, keys)
         session.prefix_length = hit
+        if hit and session.ticket is not None:  # cached positions it starts with: real work, done before
+            session.ticket.touch(hit * session.batch_size)
         self.metrics.prefix_probe(keyed_tokens=keys.end_position, hit_tokens=hit)
         logger.debug(f"rpc_inference.prefix_hit(session_id={session.session_id!r:.40}, tokens={hit})")
         return hit

@@ -415,8 +415,17 @@ class RemoteCore:
 
     @contextlib.asynccontextmanager
     async def open_session(
-        self, peer: str, spec: SessionSpec, alloc_timeout_s: float | None, session_id: str | None, sink: PushSink | None
+        self,
+        peer: str,
+        spec: SessionSpec,
+        alloc_timeout_s: float | None,
+        session_id: str | None,
+        sink: PushSink | None,
+        *,
+        opening_tokens: int | None = None,
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
+        if opening_tokens == 0:  # an open that brings no token does not wait in line (`SessionAdmission.reserve`)
+            alloc_timeout_s = 0.0
         routed = session_id if sink is not None else None
         if routed is not None:
             if routed in self.sinks:

@@ -1,0 +1,158 @@
+"""KV hoarding with cheap identities against one in-process server (loopback): 2, 8 and 32 identities (peer ids
+cost nothing) keep opening sessions of the per-peer maximum and hold them with zero-token steps; a real user (a p2p
+client of its own) must be admitted within a second, and an honest session generating throughout is never ended.
+Identities that do a little real work (a token every step) keep only a fair share of what they were promised. Fails
+on a server that reserves a session's whole length at open and lets holds without work keep it (the user is
+refused until the hoarders stop)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+
+from benchmarks.field.hoarding import HoardingAttack
+from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
+from helpers.tiny_models import make_tiny_model
+
+HIDDEN = 64
+NUM_BLOCKS = 4
+MAX_LENGTH = 64  # one session of MAX_LENGTH over all blocks: half of the cache, what one peer may hold
+CACHE_TOKENS = 2 * MAX_LENGTH
+ADMIT_S = 1.0
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.serial]  # its one-second target needs the CPU to itself
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    model_path = make_tiny_model("llama", tmp_path_factory.mktemp("models"))
+    server = start_inprocess_server(
+        model_path,
+        tmp_path_factory.mktemp("cache"),
+        block_indices=(0, NUM_BLOCKS),
+        inference_max_length_tokens=MAX_LENGTH,
+        max_batch_size_tokens=256,
+        attn_cache_tokens=CACHE_TOKENS,
+        step_timeout_s=60.0,  # the issue's hoarders step every few seconds: far within both timeouts
+        session_timeout_s=300.0,
+        max_alloc_timeout_s=5.0,
+    )  # default PeerLimits: session_idle_evict_s=60 never fires within the test
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def clients(server):
+    """The real user and the honest long session's client: a libp2p identity each."""
+    pair = [ClientThread(server.join_maddrs, server.peer_id) for _ in range(2)]
+    yield pair
+    for client in pair:
+        client.close()
+
+
+class Attack:
+    """A `HoardingAttack` running in the server's loop until `stop()`."""
+
+    def __init__(self, server, identities: int, **options):
+        self.loop = server._loop
+        self.attack = HoardingAttack(
+            server.service.handler, chain(server, 0, NUM_BLOCKS), PeerID.from_base58(server.peer_id),
+            identities=identities, max_length=MAX_LENGTH, hidden_size=HIDDEN, **options,
+        )  # fmt: skip
+        self.stopping = asyncio.Event()
+        self.done = asyncio.run_coroutine_threadsafe(self.attack.run(self.stopping), self.loop)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.stopping.set)
+        self.done.result(30)
+
+
+class HonestLongSession:
+    """Generates one real token every 50 ms in a thread until stopped; any failure is kept."""
+
+    def __init__(self, client: ClientThread, server, max_length: int):
+        self.stream = InferenceStream(client).open()
+        self.uid = chain(server, 0, NUM_BLOCKS)
+        self.stream.step(packed_request(self.uid, torch.randn(1, 8, HIDDEN), max_length=max_length))
+        self.position, self.max_length = 8, max_length
+        self.failure: Exception | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stopping.is_set() and self.position < self.max_length:
+                self.stream.step(packed_request(self.uid, torch.randn(1, 1, HIDDEN)))
+                self.position += 1
+                time.sleep(0.05)
+        except Exception as e:
+            self.failure = e
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(30)
+        self.stream.close()
+
+
+def admit_user(client: ClientThread, server, max_length: int) -> float:
+    """A real user's session: opened with a 4-token prompt, 2 decode steps, closed; returns the seconds to its
+    first reply (admission + prefill)."""
+    stream = InferenceStream(client).open()
+    uid = chain(server, 0, NUM_BLOCKS)
+    started = time.monotonic()
+    stream.step(packed_request(uid, torch.randn(1, 4, HIDDEN), max_length=max_length))
+    admitted_s = time.monotonic() - started
+    for _ in range(2):
+        stream.step(packed_request(uid, torch.randn(1, 1, HIDDEN)))
+    stream.close()
+    return admitted_s
+
+
+def cache_free(server) -> int:
+    return server.service.executor.bytes_left
+
+
+@pytest.mark.parametrize("identities", [2, 8, 32])
+def test_zero_token_hoarders_do_not_keep_a_real_user_out(server, clients, identities: int):
+    user, honest_client = clients
+    full = cache_free(server)
+    honest = HonestLongSession(honest_client, server, MAX_LENGTH // 2)  # a quarter of the cache, generating
+    attack = Attack(server, identities, keepalive_s=0.5)
+    try:
+        assert wait_until(lambda: cache_free(server) < full // 2, 10)  # the hoarders hold what they can get
+        time.sleep(1.0)
+        for _ in range(3):
+            admitted_s = admit_user(user, server, MAX_LENGTH)  # half of the cache: the most one peer may hold
+            assert admitted_s < ADMIT_S, f"admitted after {admitted_s:.2f} s with {identities} identities hoarding"
+            time.sleep(0.3)
+        assert honest.failure is None, f"the honest session was ended: {honest.failure}"
+        assert attack.attack.stats.opened >= 1 and attack.attack.stats.ended >= 1  # they held, then yielded
+    finally:
+        attack.stop()
+        honest.stop()
+    assert honest.failure is None
+    assert wait_until(lambda: cache_free(server) == full, 10)
+
+
+def test_identities_with_a_trickle_of_work_keep_only_a_fair_share(server, clients):
+    """Two identities each holding half of the cache and sending one real token every 0.3 s (working sessions, never
+    idle): a newcomer still gets a fair share (a third of the cache here) within a second; the trickling sessions
+    keep running on the pages they hold."""
+    user, _ = clients
+    full = cache_free(server)
+    attack = Attack(server, 2, keepalive_s=0.3, tokens_per_step=1)
+    try:
+        assert wait_until(lambda: cache_free(server) == 0, 10)
+        time.sleep(0.5)
+        admitted_s = admit_user(user, server, MAX_LENGTH // 4)
+        assert admitted_s < ADMIT_S
+        assert attack.attack.stats.ended == 0  # nobody doing real work was ended to make room
+    finally:
+        attack.stop()
+    assert wait_until(lambda: cache_free(server) == full, 10)

@@ -1,0 +1,226 @@
+"""What yields to a new session under memory pressure, against the engine executor's real pool (sessions are
+promised their length at open and take pages as tokens arrive): sessions held by zero-token steps go first and whole
+(after a step, or a grace for the first one), then the unused promises of idle sessions (they keep their pages, and
+ask the promise back at their next token), then whole sessions idle for `session_idle_evict_s`, then promises beyond
+a fair share per peer; a session doing real work keeps its pages; an open that brings no token does not wait in
+line; an allocation in line gets room as holds become yieldable."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.models.registry import get_family
+from corolla.server.backend import SpanBackend
+from corolla.server.core.admission import SessionAdmission, SessionTicket
+from corolla.server.core.engine_executor import EngineExecutor, EngineSessionCache
+from corolla.server.core.executor import SessionSpec
+from corolla.server.core.limits import PeerLimits, SessionEvicted
+from corolla.server.core.runtime import Runtime
+from corolla.utils.errors import AllocationFailed
+from helpers.tiny_models import tiny_config
+
+H, NUM_BLOCKS, PAGE = 64, 2, 16
+PAGES = 8  # the whole pool: two sessions of FULL
+FULL = 4 * PAGE  # the per-peer maximum (half of the cache)
+SPAN = tuple(range(NUM_BLOCKS))
+
+
+@pytest.fixture(scope="module")
+def backend() -> SpanBackend:
+    torch.manual_seed(0)
+    config = tiny_config("llama", NUM_BLOCKS)
+    blocks = {i: get_family(config).build_block(config, i) for i in SPAN}
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+
+
+@contextlib.contextmanager
+def executor_of(backend: SpanBackend):
+    """An engine executor whose pool holds exactly `PAGES` pages of `PAGE` tokens."""
+    probe = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=PAGE, max_seq_len_tokens=FULL, max_batch_rows=8)
+    page_bytes = SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], probe).pool.page_bytes
+    config = EngineConfig(kv_pool_bytes=PAGES * page_bytes, page_size_tokens=PAGE, max_seq_len_tokens=FULL,
+                          max_batch_rows=8)  # fmt: skip
+    engine = SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config)
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        executor = EngineExecutor(backend, engine, runtime)
+        assert executor.max_size_bytes == PAGES * page_bytes
+        yield executor
+
+
+class Held:
+    """A session as the handler runs it: admitted, its cache open, steps recorded on its ticket (`work` grows its
+    pages as a step would), until `end()` or its eviction."""
+
+    def __init__(self, admission: SessionAdmission, executor: EngineExecutor, peer: str, max_length: int, *,
+                 first_tokens: int = 0, alloc_timeout_s: float = 0.0, step: bool = True):  # fmt: skip
+        self.admission, self.executor, self.peer = admission, executor, peer
+        self.max_length, self.first_tokens, self.alloc_timeout_s, self.step = (
+            max_length,
+            first_tokens,
+            alloc_timeout_s,
+            step,
+        )
+        self.opened, self.ending = asyncio.Event(), asyncio.Event()
+        self.ticket: SessionTicket | None = None
+        self.cache: EngineSessionCache | None = None
+        self.position = 0
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        spec = SessionSpec(SPAN, 1, self.max_length)
+        reservation = self.admission.reserve(self.peer, self.executor, spec, self.alloc_timeout_s,
+                                             opening_tokens=self.first_tokens)  # fmt: skip
+        async with reservation as (ticket, cache):
+            assert isinstance(cache, EngineSessionCache)
+            self.ticket, self.cache = ticket, cache
+            if self.step:
+                self.work(self.first_tokens)
+            self.opened.set()
+            ending = asyncio.ensure_future(self.ending.wait())
+            evicted = asyncio.ensure_future(ticket.evicted.wait())
+            await asyncio.wait({ending, evicted}, return_when=asyncio.FIRST_COMPLETED)
+            ending.cancel()
+            evicted.cancel()
+            if ticket.eviction is not None and not self.ending.is_set():
+                raise ticket.eviction
+
+    def work(self, tokens: int) -> None:
+        """A step of `tokens` tokens: its positions take pages (`SpanEngine.validate`), then the ticket records it."""
+        assert self.cache is not None and self.ticket is not None
+        if tokens:
+            self.executor.engine.pool.grow(self.cache.session.slots, self.position + tokens)
+        self.position += tokens
+        self.ticket.touch(tokens)
+
+    @property
+    def pages(self) -> int:
+        assert self.cache is not None
+        return len(self.cache.session.slots[0].pages)
+
+    async def wait_open(self) -> Held:
+        done, _ = await asyncio.wait({self.task, asyncio.ensure_future(self.opened.wait())}, timeout=5,
+                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        if self.task in done:
+            self.task.result()  # its refusal
+        assert self.opened.is_set()
+        return self
+
+    async def end(self) -> None:
+        self.ending.set()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def sessions() -> AsyncIterator[list[Held]]:
+    held: list[Held] = []
+    try:
+        yield held
+    finally:
+        for session in held:
+            await session.end()
+
+
+async def opened(held: list[Held], *args, **kwargs) -> Held:
+    session = Held(*args, **kwargs)
+    held.append(session)
+    return await session.wait_open()
+
+
+async def test_sessions_held_by_zero_token_steps_yield_whole_at_once(backend) -> None:
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(PeerLimits(), executor)
+        async with sessions() as held:
+            hoarders = [await opened(held, admission, executor, f"sybil-{i}", FULL) for i in range(2)]
+            assert executor.bytes_left == 0 and all(h.pages == 0 for h in hoarders)  # promised, nothing taken
+            started = time.monotonic()
+            user = await opened(held, admission, executor, "user", FULL, first_tokens=5)
+            assert time.monotonic() - started < 1.0 and user.pages == 1
+            await asyncio.sleep(0)
+            ended = [h for h in hoarders if h.task.done()]
+            assert len(ended) == 1 and isinstance(ended[0].task.exception(), SessionEvicted)
+            assert "zero-token steps are not use" in str(ended[0].task.exception())
+            assert admission.num_evicted == 1 and admission.num_withdrawn == 0
+
+
+async def test_a_session_opened_without_a_step_yields_after_the_grace(backend) -> None:
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(PeerLimits(first_token_grace_s=0.3), executor)
+        async with sessions() as held:
+            for i in range(2):  # opened, no step answered yet (the stream's first request still in flight)
+                await opened(held, admission, executor, f"slow-{i}", FULL, first_tokens=1, step=False)
+            with pytest.raises(AllocationFailed):
+                await opened(held, admission, executor, "user", FULL, first_tokens=5)
+            await asyncio.sleep(0.35)
+            await opened(held, admission, executor, "user", FULL, first_tokens=5)
+            assert admission.num_evicted == 1
+
+
+async def test_an_idle_sessions_promise_goes_first_and_comes_back(backend) -> None:
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(PeerLimits(kv_promise_idle_s=0.1, max_kv_fraction_per_peer=1.0), executor)
+        async with sessions() as held:
+            idle = await opened(held, admission, executor, "thinking", FULL, first_tokens=20)  # 2 pages, 2 promised
+            busy = await opened(held, admission, executor, "busy", FULL, first_tokens=20)
+            await asyncio.sleep(0.15)
+            busy.work(1)  # "busy" generates; "thinking" has been idle for kv_promise_idle_s
+            newcomer = await opened(held, admission, executor, "newcomer", 2 * PAGE, first_tokens=3)
+            assert not idle.task.done() and idle.pages == 2 and idle.ticket.withdrawn
+            assert admission.num_evicted == 0 and admission.num_withdrawn == 1 and executor.bytes_left == 0
+            with pytest.raises(AllocationFailed, match="promise went to another session"):
+                idle.work(FULL - idle.position)  # no free page left for what was withdrawn
+            busy.work(FULL - busy.position)  # "busy" still reaches its whole length
+            await newcomer.end()
+            idle.work(1)  # its next token asks the promise back: now it can be kept
+            assert not idle.ticket.withdrawn
+            idle.work(FULL - idle.position)
+            assert idle.pages == 4
+
+
+async def test_working_sessions_keep_their_pages_and_a_fair_share_of_promises(backend) -> None:
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(PeerLimits(), executor)
+        async with sessions() as held:
+            workers = [await opened(held, admission, executor, f"w{i}", FULL, first_tokens=1) for i in range(2)]
+            for worker in workers:
+                worker.work(PAGE)  # 2 pages each, 2 more promised, generating
+            # 3 peers: 8/3 pages each; each worker holds 4: a page of each promise goes to the newcomer
+            await opened(held, admission, executor, "newcomer", 2 * PAGE, first_tokens=3)
+            assert [w.cache.session.slots[0].promised_pages for w in workers] == [1, 1]
+            # 4 peers: 2 pages each; the rest of their promises go too
+            await opened(held, admission, executor, "another", 2 * PAGE, first_tokens=3)
+            assert [w.cache.session.slots[0].promised_pages for w in workers] == [0, 0]
+            assert all(not w.task.done() and w.pages == 2 for w in workers) and admission.num_evicted == 0
+            withdrawn = admission.num_withdrawn
+            with pytest.raises(AllocationFailed):  # 5 peers: 1.6 pages each; nobody holds a whole page over it
+                await opened(held, admission, executor, "greedy", FULL, first_tokens=3)
+            assert admission.num_withdrawn == withdrawn and all(not w.task.done() and w.pages == 2 for w in workers)
+
+
+async def test_an_open_without_tokens_does_not_wait_in_line(backend) -> None:
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(PeerLimits(kv_promise_idle_s=0), executor)
+        async with sessions() as held:
+            for i in range(2):
+                await opened(held, admission, executor, f"w{i}", FULL, first_tokens=1)
+            started = time.monotonic()
+            with pytest.raises(AllocationFailed, match="alloc_timeout is 0"):
+                await opened(held, admission, executor, "placeholder", FULL, first_tokens=0, alloc_timeout_s=5.0)
+            assert time.monotonic() - started < 0.5
+
+
+async def test_an_allocation_in_line_gets_room_as_holds_become_yieldable(backend) -> None:
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(PeerLimits(first_token_grace_s=0.3), executor)
+        async with sessions() as held:
+            for i in range(2):
+                await opened(held, admission, executor, f"slow-{i}", FULL, first_tokens=1, step=False)
+            started = time.monotonic()  # nothing yields yet: the user waits in line, nudging it
+            await opened(held, admission, executor, "user", FULL, first_tokens=5, alloc_timeout_s=3.0)
+            assert 0.2 < time.monotonic() - started < 1.5 and admission.num_evicted == 1
