@@ -325,6 +325,9 @@ class KVPool:
 
     def _evictable(self, first: int, end: int) -> int:
         """Ids not free in all of [first, end) now that would be if every idle cached page were evicted."""
+        ranges = self.prefix_index.idle_by_layers
+        if all(b_first <= first and end <= b_end for b_first, b_end in ranges):
+            return sum(ranges.values())  # (the usual case, one span: no page to look at) each frees its id in all
         covered: dict[int, set[int]] = {}  # page -> layers of [first, end) where an idle block holds it
         for (b_first, b_end), page in self.prefix_index.idle_blocks():
             if b_first < end and first < b_end:

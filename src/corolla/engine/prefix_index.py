@@ -4,7 +4,7 @@ cached pages that no session holds (the only pages an allocation may evict)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 # one page held over a session's layers: ((first, end), page id); sessions over overlapping layers never hold the
@@ -32,6 +32,7 @@ class PrefixIndex:
         self._keys: dict[PageBlock, PrefixKey] = {}
         self._idle: OrderedDict[PageBlock, None] = OrderedDict()  # oldest first
         self.idle_layer_pages = 0  # idle pages summed over their layers
+        self.idle_by_layers: Counter[tuple[int, int]] = Counter()  # idle pages per layer range
         self.layer_pages = 0  # indexed pages (held or idle) summed over their layers
 
     def __len__(self) -> int:
@@ -65,11 +66,15 @@ class PrefixIndex:
         """The last session holding an indexed page let it go: it becomes the most recently used idle page."""
         self._idle[block] = None
         self.idle_layer_pages += block[0][1] - block[0][0]
+        self.idle_by_layers[block[0]] += 1
 
     def set_held(self, block: PageBlock) -> None:
         """A session took an idle page back."""
         del self._idle[block]
         self.idle_layer_pages -= block[0][1] - block[0][0]
+        self.idle_by_layers[block[0]] -= 1
+        if not self.idle_by_layers[block[0]]:
+            del self.idle_by_layers[block[0]]
 
     def is_idle(self, block: PageBlock) -> bool:
         return block in self._idle

@@ -471,11 +471,13 @@ class Server:
     @staticmethod
     def _report_stats(service: SpanService) -> None:
         runtime, executor = service.runtime, service.executor
+        prefix = executor.prefix_cache_stats()
         logger.info(
             f"server.stats(path={executor.path}, tasks_done={runtime.num_tasks_done}, "
             f"batches_done={runtime.num_batches_done}, pending={runtime.num_pending}, "
             f"sessions={service.core.num_open}, "
-            f"cache_used_bytes={executor.max_size_bytes - executor.bytes_left}, cache_left_bytes={executor.bytes_left})"
+            f"cache_used_bytes={executor.max_size_bytes - executor.bytes_left}, cache_left_bytes={executor.bytes_left}, "
+            f"prefix_cached_bytes={prefix.cached_bytes}, prefix_evictions={prefix.evictions})"
         )
 
     async def _should_move(self) -> bool:
