@@ -515,11 +515,8 @@ class KVPool:
                         f"{max(0, available)} free in layers {first}:{end}"
                     )
             taken = self._take(len(replace), first, end) if replace else []
-            slot.promised_pages -= from_spares
+            self._unpromise(slot, from_spares)
             slot.spare_pages -= from_spares
-            for layer in range(first, end):
-                self._promised[layer] -= from_spares
-            self._promised_layer_pages -= from_spares * (end - first)
             for page in unpublish:
                 self.prefix_index.remove((slot.layers, page))
             for index, own in zip(replace, taken, strict=True):
