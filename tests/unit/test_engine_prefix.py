@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import helpers.tiny_models_fam_a as fam_a  # registers deepseek_v3
+import helpers.tiny_models_fam_b as fam_b  # registers gemma2
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import SpanEngine
 from corolla.models.registry import get_family
@@ -18,6 +20,7 @@ H = 64
 
 
 def make_engine(family: str, fused: bool) -> SpanEngine:
+    assert fam_a is not None and fam_b is not None
     torch.manual_seed(0)
     config = tiny_config(family, 2)
     blocks = [get_family(config).build_block(config, i).eval() for i in range(2)]
@@ -42,7 +45,10 @@ def run(engine: SpanEngine, session, hidden: torch.Tensor, start: int, decode_fr
     return torch.cat(outs, dim=1)
 
 
-@pytest.mark.parametrize(("family", "fused"), [("llama", True), ("llama", False), ("bloom", True), ("mixtral", False)])
+@pytest.mark.parametrize(
+    ("family", "fused"),
+    [("llama", True), ("llama", False), ("bloom", True), ("mixtral", False), ("deepseek_v3", True), ("gemma2", False)],
+)  # llama-family fused and eager, fused dense (ALiBi), MoE eager, MLA fused (latent pages), sliding window eager
 def test_a_session_on_cached_pages_computes_what_a_fresh_one_does(family: str, fused: bool) -> None:
     engine = make_engine(family, fused)
     pool = engine.pool
