@@ -71,7 +71,7 @@ def build_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     page = GPU_PAGE_TOKENS if device.type == "cuda" else CPU_PAGE_TOKENS
     engine_config = EngineConfig(
         kv_pool_bytes=args.kv_pool_gib << 30, page_size_tokens=page, max_seq_len_tokens=8192,
-        max_batch_rows=max(8, args.decode_sessions),
+        max_batch_rows=args.decode_sessions, graph_buckets=tuple(sorted({1, args.decode_sessions})),
     )  # fmt: skip
     engine = SpanEngine.from_blocks(blocks, engine_config)
     assert engine.fused, "the llama span runs on fused kernels"
