@@ -7,7 +7,7 @@ Usage from the server (every call is cheap, thread-safe and never raises):
     metrics.set_cache(used_bytes, free_bytes)    # after each KV allocation / free (the pool's bytes)
     metrics.set_prefix_cache(cached_bytes, evictions)  # with it: the prefix cache's pages and evictions so far
     metrics.prefix_probe(keyed_tokens=, hit_tokens=)   # a session's first step asked for its prefix
-    with metrics.session():                      # around one rpc_inference stream (or session_opened()/session_closed())
+    with metrics.session():                      # around one open session (the core's `SpanCore.open_session`)
         metrics.queue_wait(seconds)              # time a task waited in the runtime queue
         metrics.observe_step(seconds)            # time the runtime spent executing one task
         metrics.batch_size(n)                    # sessions/rows merged into that executed task

@@ -58,7 +58,9 @@ class SpanService:
         self.num_handlers = num_handlers  # 1: this process serves the streams; N > 1: N handler processes do
         self.swarm_key_file = swarm_key_file
         self.handler_poll_s = handler_poll_s  # handler processes poll this long after each message (`HandlerSettings`)
-        self.core = SpanCore(executor, SessionAdmission(PeerLimits(), executor))  # all session state, every front's
+        metrics = metrics if metrics is not None else ServerMetrics()  # the server's one set (its handler processes')
+        # all session state, every front's (sessions counted here)
+        self.core = SpanCore(executor, SessionAdmission(PeerLimits(), executor), metrics)
         self.handler = TransformerConnectionHandler(
             limits=limits,
             executor=executor,

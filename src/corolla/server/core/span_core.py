@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 from corolla.server.core.admission import SessionAdmission, SessionTicket
 from corolla.server.core.executor import SessionCache, SessionSpec, SpanExecutor
 from corolla.server.core.refusals import Draining
+from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -70,9 +71,10 @@ class SessionCore(Protocol):
         *,
         opening_tokens: int | None = None,
     ) -> contextlib.AbstractAsyncContextManager[tuple[SessionTicket, SessionCache | None]]:
-        """Admits a session of `peer` and opens its cache (none for a max_length=0 probe); pushes for `session_id`
-        reach `sink` from before the admission until the exit. ValueError if `session_id` is open already.
-        `opening_tokens`: what its opening request brings (`SessionAdmission.reserve`: none, no wait in line)."""
+        """Admits a session of `peer` and opens its cache (none for a max_length=0 probe), counted in the server's
+        metrics while open; pushes for `session_id` reach `sink` from before the admission until the exit.
+        ValueError if `session_id` is open already. `opening_tokens`: what its opening request brings
+        (`SessionAdmission.reserve`: none, no wait in line)."""
         ...
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
@@ -83,9 +85,10 @@ class SessionCore(Protocol):
 class SpanCore:
     """The core's sessions of one server (see the module docstring): runs in the server's event loop."""
 
-    def __init__(self, executor: SpanExecutor, admission: SessionAdmission):
+    def __init__(self, executor: SpanExecutor, admission: SessionAdmission, metrics: ServerMetrics | None = None):
         self.executor = executor
         self.admission = admission  # replaced by `TransformerConnectionHandler.configure_limits` before serving
+        self.metrics = metrics  # sessions are counted here, once for every front
         self.sinks: dict[str, PushSink] = {}
         self.drain = DrainState()
 
@@ -123,7 +126,8 @@ class SpanCore:
                 peer, self.executor, spec, alloc_timeout_s, opening_tokens=opening_tokens
             )
             async with reservation as opened:
-                yield opened
+                with self.metrics.session() if self.metrics is not None else contextlib.nullcontext():
+                    yield opened
         finally:
             if routed:
                 assert session_id is not None and sink is not None

@@ -96,9 +96,10 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         self.limits = limits
         self.peer_auth = peer_auth  # private swarm: every RPC proves membership (server.peer_auth); None = open
         self.executor = executor
+        self.metrics = metrics if metrics is not None else ServerMetrics()
         # the core's session seam: this process's own (`SpanCore`), or a handler process's way to the device's
         self.core: SessionCore = (
-            core if core is not None else SpanCore(executor, SessionAdmission(PeerLimits(), executor))
+            core if core is not None else SpanCore(executor, SessionAdmission(PeerLimits(), executor), self.metrics)
         )
         self.configure_limits(peer_limits if peer_limits is not None else PeerLimits())
         self.busy_poll = busy_poll  # the serving loop's selector: hot after a lone session's inline step
@@ -111,7 +112,6 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         # drain (the core's state): refuses new sessions, moves KV
         self.handoff = SessionHandoff(executor, timeouts.request_timeout_s, drain=self.core.drain)
         self.prefix_trust = PrefixTrust()  # whose cached prefixes a session reuses (the operator may share them all)
-        self.metrics = metrics if metrics is not None else ServerMetrics()
         self.refusals = Refusals(self.metrics)  # the one place a refusal becomes a metric and a log line
         self.p2p: P2P | None = None
         self._push_tasks: set[asyncio.Task] = set()
@@ -410,35 +410,34 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
                 namespace = self.prefix_trust.namespace(peer_key(context), adapter)  # pushed steps: the owner's
                 session.on_client_request = functools.partial(self._record_prefix_keys, session, namespace)
                 probing = kv_import is None  # the first step may ask for a prefix hit
-                with self.metrics.session():
-                    steps = iterate_steps(first, requests, session, self.timeouts, deadline)
-                    async for request, step_metadata in steps:
-                        hit = await self._attach_prefix(session, namespace, request, step_metadata) if probing else None
-                        probing = False
-                        if hw.EXPORT_KEY in step_metadata.extra:  # draining: the client moves the cache
-                            async for response in self.handoff.export(session):
-                                yield response
-                            continue
-                        if session.resend_pending:  # the client re-sent a step: never leave it without an answer
-                            yield runtime_pb2.ExpertResponse(tensors=[session.resend_output(step_metadata.step_id)])
-                            continue
-                        try:
-                            output, can_push = await self._inference_step(session, request, step_metadata, deadline)
-                        except ValueError as e:
-                            if not step_metadata.pushed:
-                                raise
-                            # a bad push (from another server) must not end this client's session
-                            logger.info(f"rpc_inference.bad_push_ignored(session_id={session.session_id!r:.40}): {e}")
-                            session.seen_step_ids.discard(step_metadata.step_id or "")
-                            continue
-                        session.record_output(step_metadata, output)
-                        # (the guard learnt from a step of the session's own client when it was screened)
-                        if can_push and push_guard.may_push_on(step_metadata):
-                            self._schedule_push(request, output, step_metadata)
-                        drain_deadline = self.core.drain.deadline  # (while draining: the session's time left)
-                        seconds_left = None if drain_deadline is None else drain_deadline - time.monotonic()
-                        response = mark_pushed_reply(hw.step_response(output, seconds_left), step_metadata)
-                        yield response if hit is None else with_hit(response, hit)
+                steps = iterate_steps(first, requests, session, self.timeouts, deadline)
+                async for request, step_metadata in steps:
+                    hit = await self._attach_prefix(session, namespace, request, step_metadata) if probing else None
+                    probing = False
+                    if hw.EXPORT_KEY in step_metadata.extra:  # draining: the client moves the cache
+                        async for response in self.handoff.export(session):
+                            yield response
+                        continue
+                    if session.resend_pending:  # the client re-sent a step: never leave it without an answer
+                        yield runtime_pb2.ExpertResponse(tensors=[session.resend_output(step_metadata.step_id)])
+                        continue
+                    try:
+                        output, can_push = await self._inference_step(session, request, step_metadata, deadline)
+                    except ValueError as e:
+                        if not step_metadata.pushed:
+                            raise
+                        # a bad push (from another server) must not end this client's session
+                        logger.info(f"rpc_inference.bad_push_ignored(session_id={session.session_id!r:.40}): {e}")
+                        session.seen_step_ids.discard(step_metadata.step_id or "")
+                        continue
+                    session.record_output(step_metadata, output)
+                    # (the guard learnt from a step of the session's own client when it was screened)
+                    if can_push and push_guard.may_push_on(step_metadata):
+                        self._schedule_push(request, output, step_metadata)
+                    drain_deadline = self.core.drain.deadline  # (while draining: the session's time left)
+                    seconds_left = None if drain_deadline is None else drain_deadline - time.monotonic()
+                    response = mark_pushed_reply(hw.step_response(output, seconds_left), step_metadata)
+                    yield response if hit is None else with_hit(response, hit)
         except Exception as e:
             self._reject("rpc_inference", e)
             raise

@@ -298,11 +298,7 @@ class DeviceChannel:
             return
         if self.metrics is None:
             return
-        if event == wire.METRIC_SESSION_OPENED:
-            self.metrics.session_opened()
-        elif event == wire.METRIC_SESSION_CLOSED:
-            self.metrics.session_closed()
-        elif event == wire.METRIC_REJECTED:
+        if event == wire.METRIC_REJECTED:
             self.metrics.rejected(label)
 
     async def _end_all(self) -> None:

@@ -59,7 +59,8 @@ class HandlerSettings:
 
 
 class ForwardedMetrics(ServerMetrics):
-    """Session and refusal counts go to the device process, which exports one set of metrics for the server."""
+    """Refusal counts go to the device process, which exports one set of metrics for the server (it counts the
+    sessions itself: its core opens them)."""
 
     def __init__(self, link: DeviceLink):
         super().__init__()
@@ -68,12 +69,6 @@ class ForwardedMetrics(ServerMetrics):
     def _send(self, event: int, label: str = "") -> None:
         if not self.link.closed.is_set():
             self.link.send(wire.METRICS, 0, wire.Writer().u8(event).text(label))
-
-    def session_opened(self) -> None:
-        self._send(wire.METRIC_SESSION_OPENED)
-
-    def session_closed(self) -> None:
-        self._send(wire.METRIC_SESSION_CLOSED)
 
     def rejected(self, reason: str) -> None:
         self._send(wire.METRIC_REJECTED, reason)

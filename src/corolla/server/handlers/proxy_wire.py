@@ -51,7 +51,7 @@ READ_KV, WRITE_KV = 12, 13  # a session's KV hand-off (drain): its cache's canon
 # them for publication (one-way, like METRICS: nothing waits for it)
 PREFIX_ATTACH, PREFIX_KEYS = 14, 15
 # a METRICS frame's event: what a handler process reports to the device's metrics (its own are never scraped)
-METRIC_SESSION_OPENED, METRIC_SESSION_CLOSED, METRIC_REJECTED, METRIC_PREFIX_PROBE = 1, 2, 3, 4
+METRIC_REJECTED, METRIC_PREFIX_PROBE = 3, 4
 # device -> handler
 HELLO, STATE, REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT = 20, 21, 22, 23, 24, 25, 26, 27
 REPLY_BATCH = 28
