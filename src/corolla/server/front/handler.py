@@ -385,7 +385,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         inbox = PushInbox(metadata.session_id, push_guard) if metadata.session_id is not None else None
         try:
             spec = SessionSpec(tuple(block_indices), batch_size, max_length)
-            opening = kv_import.position if kv_import is not None else _opening_tokens(first)
+            opening: int | None = kv_import.position if kv_import is not None else _opening_tokens(first)
             if opening == 0 and probe_keys(first, metadata) is not None:
                 opening = None  # a prefix probe: its tokens follow once the cached part is known
             reservation = self.core.open_session(
