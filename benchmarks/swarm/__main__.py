@@ -15,7 +15,7 @@ from corolla.sim.scenarios import scenario
 from corolla.sim.simulation import Simulation
 
 COLUMNS = ("policy", "decode_tok_s", "ttft_p50_s", "tpot_p50_s", "tpot_p99_s", "sessions_completed", "failed",
-           "failed_covered", "retried", "moves", "reload_s", "flow_eff", "wall_s", "cpu_s", "calls_wall_s")  # fmt: skip
+           "failed_covered", "turned_away", "retried", "moves", "reload_s", "flow_eff", "wall_s", "cpu_s", "calls_wall_s")  # fmt: skip
 
 
 def markdown(rows: list[dict]) -> str:

@@ -27,8 +27,8 @@ def test_helix_prints_the_reproduction(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_run_compares_policies_on_one_seed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "reports.json"
-    main(["run", "--scenario", "tiny", "--duration_s", "900", "--clients", "4", "--policy", "petals", "corolla",
-          "--json", str(out)])  # fmt: skip
+    main(["run", "--scenario", "tiny", "--duration_s", "900", "--clients", "2", "--sessions_per_client", "2",
+          "--policy", "petals", "corolla", "--json", str(out)])  # fmt: skip
     reports = json.loads(out.read_text())
     assert [r["policy"] for r in reports] == ["petals", "corolla"]
     assert all(r["seed"] == 0 and r["duration_s"] == 900.0 for r in reports)

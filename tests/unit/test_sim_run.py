@@ -86,3 +86,29 @@ def test_the_real_policy_functions_are_called(monkeypatch: pytest.MonkeyPatch) -
     report = Simulation(scenario("tiny", seed=1, duration_s=900.0)).run()
     assert calls["place"] == report.churn["joins"] > 0
     assert calls["route"] == report.churn["route_calls"] > 0
+
+
+def test_clients_keep_several_conversations_from_their_region() -> None:
+    config = scenario("tiny", seed=1, duration_s=700.0)
+    workload = dataclasses.replace(config.workload, concurrent_clients=3, sessions_per_client=4)
+    sim = Simulation(dataclasses.replace(config, workload=workload))
+    sim.run()
+    assert len(sim.client_regions) == 3
+    slots = {session.slot for session in sim.clients.sessions.values()}
+    assert slots <= set(range(12)) and len(slots) > 3
+    for session in sim.clients.sessions.values():
+        assert session.slot is not None
+        assert session.conversation.region == sim.client_regions[session.slot // 4]
+    assert set(sim.routed) <= {0, 1, 2} and sim.routed  # each client counts the sessions it routed
+
+
+def test_corolla_servers_know_their_curve_and_petals_servers_do_not() -> None:
+    for policy, has_curve in (("petals", False), ("corolla", True)):
+        sim = Simulation(scenario("tiny", seed=1, duration_s=300.0, policy=policy))
+        sim.run()
+        server = sim.servers[0]
+        assert bool(server.capacity.capacity_tps) is has_curve
+        if has_curve:  # what it announces is its tokens/s at the span it holds
+            assert server.capacity.throughput_for(server.num_blocks) == min(
+                server.perf.capacity_tps(server.num_blocks, sim.typical_context), server.perf.network_tps
+            )

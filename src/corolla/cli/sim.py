@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--servers", type=int, default=None, help="override the scenario's server count")
     run.add_argument("--duration_s", type=float, default=None, help="override the scenario's simulated seconds")
     run.add_argument("--clients", type=int, default=None, help="concurrent clients instead of the scenario's workload")
+    run.add_argument(
+        "--sessions_per_client", type=int, default=None, help="conversations each closed-loop client keeps open"
+    )
     run.add_argument("--trace", default=None, help="a JSON-lines workload trace instead of the generator")
     run.add_argument("--bound_time_limit_s", type=float, default=None, help="MILP seconds per flow snapshot")
     run.add_argument("--json", type=Path, default=None, help="write the full reports here")
@@ -54,8 +57,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     base = scenario(args.scenario, seed=args.seed, **overrides)
     if args.trace is not None:
         base = dataclasses.replace(base, workload=WorkloadConfig(trace_path=args.trace))
-    elif args.clients is not None:
-        workload = dataclasses.replace(base.workload, concurrent_clients=args.clients, sessions_per_hour=None)
+    elif args.clients is not None or args.sessions_per_client is not None:
+        workload = base.workload
+        if args.clients is not None:
+            workload = dataclasses.replace(workload, concurrent_clients=args.clients, sessions_per_hour=None)
+        if args.sessions_per_client is not None:
+            workload = dataclasses.replace(workload, sessions_per_client=args.sessions_per_client)
         base = dataclasses.replace(base, workload=workload)
     reports = []
     for policy in args.policy:

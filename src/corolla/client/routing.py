@@ -30,6 +30,7 @@ from corolla.swarm.ping import PingAggregator, ping
 from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import RouteMode
 from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
+from corolla.swarm.routed_load import RoutedLoad
 from corolla.swarm.spans import compute_spans
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.interrupts import event_wait
@@ -40,7 +41,6 @@ logger = get_logger(__name__)
 PING_EMA_ALPHA = 0.2  # weight of the newest RTT sample
 # sessions this client routed to a server count as its load (beside what the server announces) with this half-life:
 # about the time until the server's next announcement shows them
-ROUTED_LOAD_HALF_LIFE_S = 30.0
 
 
 def _membership(swarm_key_file: str | None) -> tuple[Any, Any]:
@@ -78,7 +78,7 @@ class RemoteSequenceManager:
         self.prefix_routes = PrefixRoutes()  # which chain held which conversation's prefix (cache-affine routing)
         self.rng = random.Random()
         self.policy = make_policy(config.swarm_policy)
-        self._routed: dict[str, tuple[float, float]] = {}  # peer -> (sessions routed there, time.monotonic() then)
+        self.routed = RoutedLoad()  # sessions this client routed lately, by peer (time.monotonic())
         self._lock = threading.Lock()
         self._spans: list[RemoteSpanInfo] = []
         self._rtts = PingAggregator(ema_alpha=PING_EMA_ALPHA, expiration_s=math.inf)  # smoothed RTTs, never forgotten
@@ -252,10 +252,10 @@ class RemoteSequenceManager:
         now = time.monotonic()
         route = self.policy.choose_route(
             spans, start, end, mode=mode, client_rtts_s=rtts, cache_tokens_needed=cache_tokens_needed,
-            client_load=self.routed_load(now), rng=self.rng,
+            client_load=self.routed.load(now), rng=self.rng,
         )  # fmt: skip
         if mode == "min_latency":  # an inference session holds its servers until it ends
-            self._note_routed(route, now)
+            self.routed.note((span.peer_id for span in route), now)
         show = self.config.show_route == "always" or (self.config.show_route == "inference" and mode == "min_latency")
         (logger.info if show else logger.debug)(
             "routing.route(blocks=%d:%d, mode=%s) %s",
@@ -265,20 +265,6 @@ class RemoteSequenceManager:
             " => ".join(f"{span.start}:{span.end} via ...{span.peer_id[-6:]}" for span in route),
         )
         return route
-
-    def routed_load(self, now: float) -> dict[str, float]:
-        """Sessions this client routed to each server lately, decayed by `ROUTED_LOAD_HALF_LIFE_S`."""
-        with self._lock:
-            return {peer: count * 0.5 ** ((now - since) / ROUTED_LOAD_HALF_LIFE_S) for peer, (count, since) in
-                    self._routed.items()}  # fmt: skip
-
-    def _note_routed(self, route: Sequence[RemoteSpanInfo], now: float) -> None:
-        load = self.routed_load(now)
-        with self._lock:
-            for span in route:
-                self._routed[span.peer_id] = (load.get(span.peer_id, 0.0) + 1.0, now)
-            for peer in [peer for peer, count in load.items() if count < 0.01]:
-                self._routed.pop(peer, None)
 
     def on_request_failure(self, peer_id: str | None) -> None:
         """Bans the peer and drops it from the current view; refreshes at once if a block became uncovered."""

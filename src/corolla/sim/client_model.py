@@ -45,6 +45,7 @@ class SimSession:
     wait_start_s: float | None = None
     retried: bool = False
     banned: set[str] = field(default_factory=set)
+    full: bool = False  # its last attempt found every block covered but the servers out of cache
     counted: bool = True  # opened after the warm-up: its outcome goes into the metrics
 
 
@@ -161,6 +162,8 @@ class ClientDriver:
         session.phase = "done"
         if completed:
             self._count(session, "sessions_completed")
+        elif session.full:  # it never got a chain with room: the swarm was full, nothing failed
+            self._count(session, "sessions_turned_away")
         else:
             self._count(session, "sessions_failed")
             if self.view.covered():
@@ -185,6 +188,7 @@ class ClientDriver:
             try:
                 chain = self.route_fn(session)
             except MissingBlocksError:
+                session.full = False
                 return False
             gone = next((peer for peer, start, end in chain if not self._serves(peer, start, end)), None)
             if gone is not None:  # the client's view is older than the server's departure or move: the call fails
@@ -198,7 +202,9 @@ class ClientDriver:
             self._count(session, "refusals")  # out of cache
             session.banned.add(refusing.peer_id)
         else:
+            session.full = True
             return False
+        session.full = False
         for server, _, _ in hops:
             server.sessions.add(session.sid)
             server.kv_reserved_tokens += need

@@ -1,6 +1,7 @@
 """What a run measured and its report: decode tokens served (total and per interval), TTFT and time-per-output-token
-percentiles (TPOT weighted by tokens), sessions completed, failed (and failed while their blocks were covered) and
-retried, moves and seconds spent reloading, and the flow efficiency (placement max-flow over best known) over time."""
+percentiles (TPOT weighted by tokens), sessions completed, failed (and failed while their blocks were covered),
+turned away (the swarm full) and retried, moves and seconds spent reloading, and the flow efficiency (placement
+max-flow over best known) over time."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ class Metrics:
     sessions_completed: int = 0
     sessions_failed: int = 0
     sessions_failed_covered: int = 0
+    sessions_turned_away: int = 0  # gave up waiting for a server with free cache (every block covered)
     sessions_retried: int = 0
     retries: int = 0
     refusals: int = 0
@@ -119,6 +121,7 @@ class Report:
                 "completed": metrics.sessions_completed,
                 "failed": metrics.sessions_failed,
                 "failed_while_covered": metrics.sessions_failed_covered,
+                "turned_away": metrics.sessions_turned_away,
                 "retried": metrics.sessions_retried,
                 "retries": metrics.retries,
                 "refusals": metrics.refusals,
@@ -162,6 +165,7 @@ class Report:
             "sessions_completed": self.sessions["completed"],
             "failed": self.sessions["failed"],
             "failed_covered": self.sessions["failed_while_covered"],
+            "turned_away": self.sessions["turned_away"],
             "retried": self.sessions["retried"],
             "moves": self.churn["moves"],
             "reload_s": round(self.churn["reload_s"], 0),

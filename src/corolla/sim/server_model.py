@@ -39,6 +39,7 @@ class SimServer:
     busy_fraction: float = 0.0
     next_pings: dict[str, float] = field(default_factory=dict)
     info: ServerInfo | None = None
+    curve: tuple[float, ...] = ()  # tokens/s holding k = 1..max_blocks blocks, where the server knows it
 
     @property
     def num_blocks(self) -> int:
@@ -50,7 +51,7 @@ class SimServer:
         `max_blocks` blocks (the real server's formula: forward speed over (n + 1) / 2 blocks, capped by the link)."""
         figures = {"forward_rps": self.perf.forward_rps(), "network_rps": self.perf.network_tps}
         throughput = derive_throughput(figures, num_blocks=self.max_blocks, using_relay=False)
-        return ServerCapacity(self.peer_id, self.max_blocks, throughput, self.perf.network_tps)
+        return ServerCapacity(self.peer_id, self.max_blocks, throughput, self.perf.network_tps, capacity_tps=self.curve)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -23,6 +23,7 @@ from corolla.sim.server_model import SimServer
 from corolla.sim.view import SwarmView
 from corolla.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
 from corolla.swarm.policies import make_policy
+from corolla.swarm.routed_load import RoutedLoad
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
@@ -31,7 +32,7 @@ T = TypeVar("T")
 
 DETERMINISTIC_ROUTING = {
     "petals"
-}  # min-latency routing that ignores rng and load: one call per (view, region, max_length)
+}  # min-latency routing that ignores rng and load: one call per (view, region, max_length, servers banned)
 MAX_LENGTH_STEP_TOKENS = 512  # clients ask for KV in multiples of this (an app's max_length), never per token
 MAX_NEXT_PINGS = 10  # Petals pings <= 5 servers of its span's inner uids + <= 5 of the next uid
 
@@ -84,12 +85,23 @@ class Simulation:
         mean = c.workload
         self.typical_context = round(mean.mean_turns * (mean.mean_prompt_tokens + mean.mean_output_tokens))
         self.kinds = {name: self._kind(name, perf) for name, perf in self.perfs.items()}
+        # a corolla server knows its tokens/s per span length (`ServerCapacity.capacity_tps`) and announces it;
+        # a Petals server announces Petals' model
+        self.curves = {
+            name: self._curve(perf) if self.policy.name == "corolla" else () for name, perf in self.perfs.items()
+        }
         self.servers: list[SimServer] = []
-        self._route_memo: dict[tuple[int, str, int], list[tuple[str, int, int]]] = {}
+        self.client_regions: list[str] = []  # by closed-loop client, when each keeps several conversations
+        self.routed: dict[int, RoutedLoad] = {}  # by closed-loop client: what it routed lately
+        self._route_memo: dict[tuple[int, str, int, frozenset[str]], list[tuple[str, int, int]]] = {}
 
     def _kind(self, name: str, perf: ServerPerf) -> ServerKind:
         max_k = max(1, perf.max_blocks(self.typical_context))
         return ServerKind(name, tuple(perf.capacity_tps(k, self.typical_context) for k in range(1, max_k + 1)))
+
+    def _curve(self, perf: ServerPerf) -> tuple[float, ...]:
+        """Tokens/s through k blocks at typical sessions, k = 1..max_blocks, as the server measures it."""
+        return tuple(perf.capacity_tps(k, self.typical_context) for k in range(1, perf.petals_max_blocks() + 1))
 
     def _timed(self, what: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Runs a policy (or bound) call, adding its wall time to `Metrics.calls_s[what]`, to tell the simulator's
@@ -107,7 +119,9 @@ class Simulation:
         gpu = rng.choices(list(c.fleet), weights=list(c.fleet.values()), k=1)[0]
         region = rng.choices(list(c.server_regions), weights=list(c.server_regions.values()), k=1)[0]
         perf = self.perfs[gpu]
-        server = SimServer(f"sim{len(self.servers):05d}", region, perf, perf.petals_max_blocks(), joined_s=at_s)
+        server = SimServer(
+            f"sim{len(self.servers):05d}", region, perf, perf.petals_max_blocks(), joined_s=at_s, curve=self.curves[gpu]
+        )
         self.servers.append(server)
         self.loop.at(at_s, self._join, server)
         if c.churn.enabled:
@@ -151,7 +165,8 @@ class Simulation:
             self.config.model.num_blocks,
             reload_s=server.last_load_s,
             since_move_s=self.loop.now_s - server.online_since_s,
-            rng=self.rngs["policy"],
+            # its own stream per check, so that what a policy draws (or skips drawing) does not shift the run's
+            rng=random.Random(self.rngs["policy"].getrandbits(64)),
         )
         if not decision.move:
             self._schedule_balance_check(server)
@@ -242,10 +257,14 @@ class Simulation:
 
     def _route_on(self, session: SimSession, spans: list[RemoteSpanInfo], version: int) -> list[tuple[str, int, int]]:
         region, need = session.conversation.region, self._max_length(session)
-        key = (version, region, need)
-        memo = self.policy.name in DETERMINISTIC_ROUTING and not session.banned
+        key = (version, region, need, frozenset(session.banned))
+        memo = self.policy.name in DETERMINISTIC_ROUTING
+        client = self._client(session)
         if memo and key in self._route_memo:
-            return self._route_memo[key]
+            chain = self._route_memo[key]
+            if client is not None:
+                client.note((peer for peer, _, _ in chain), self.loop.now_s)
+            return chain
         if session.banned:
             spans = [s for s in spans if s.peer_id not in session.banned]
         self.metrics.route_calls += 1
@@ -258,15 +277,24 @@ class Simulation:
             mode="min_latency",
             client_rtts_s=self.view.client_rtts_s[region],
             cache_tokens_needed=need,
-            client_load=None,  # each session is its own client here: nothing routed lately and not yet announced
+            client_load=None if client is None else client.load(self.loop.now_s),
             rng=self.rngs["route"],
         )
         chain = [(span.peer_id, span.start, span.end) for span in route]
+        if client is not None:
+            client.note((peer for peer, _, _ in chain), self.loop.now_s)
         if memo:
             if len(self._route_memo) > 10_000:
                 self._route_memo.clear()
             self._route_memo[key] = chain
         return chain
+
+    def _client(self, session: SimSession) -> RoutedLoad | None:
+        """The closed-loop client that opened `session` (None for open arrivals: each is its own client)."""
+        if session.slot is None:
+            return None
+        client = session.slot // self.config.workload.sessions_per_client
+        return self.routed.setdefault(client, RoutedLoad())
 
     def _ended(self, session: SimSession) -> None:
         if session.slot is not None:
@@ -275,7 +303,11 @@ class Simulation:
                 self.loop.at(at, self._start_conversation, session.slot)
 
     def _start_conversation(self, slot: int | None, conversation: Conversation | None = None) -> None:
-        self.clients.start(conversation or self.workload.conversation(self.loop.now_s), slot)
+        if conversation is None:
+            per_client = self.config.workload.sessions_per_client
+            region = self.client_regions[slot // per_client] if slot is not None and per_client > 1 else None
+            conversation = self.workload.conversation(self.loop.now_s, region)
+        self.clients.start(conversation, slot)
 
     # --- the bound over time ---
 
@@ -321,8 +353,11 @@ class Simulation:
         self.loop.at(c.warmup_s, self._snapshot)
         w = c.workload
         if w.concurrent_clients is not None:
-            for slot in range(w.concurrent_clients):
-                self.loop.at(c.warmup_s * (0.5 + 0.5 * slot / w.concurrent_clients), self._start_conversation, slot)
+            slots = w.concurrent_clients * w.sessions_per_client
+            if w.sessions_per_client > 1:
+                self.client_regions = [self.workload.region() for _ in range(w.concurrent_clients)]
+            for slot in range(slots):
+                self.loop.at(c.warmup_s * (0.5 + 0.5 * slot / slots), self._start_conversation, slot)
         else:
             arrivals = (
                 read_trace(w.trace_path, max_context_tokens=w.max_context_tokens)

@@ -33,11 +33,13 @@ class Conversation:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """Open arrivals (`sessions_per_hour`) or a closed loop (`concurrent_clients`, each opening its next session
-    `mean_idle_s` after the last one ended), or a `trace_path`."""
+    """Open arrivals (`sessions_per_hour`) or a closed loop (`concurrent_clients`, each keeping
+    `sessions_per_client` conversations open from its region, the next one `mean_idle_s` after the last one ended:
+    an application serving its users), or a `trace_path`."""
 
     sessions_per_hour: float | None = None
     concurrent_clients: int | None = None
+    sessions_per_client: int = 1
     trace_path: str | None = None
     mean_turns: float = 2.0
     mean_prompt_tokens: float = 69.5
@@ -54,6 +56,8 @@ class WorkloadConfig:
         unknown = set(self.region_weights) - set(REGIONS)
         if unknown:
             raise ValueError(f"unknown regions {sorted(unknown)}; regions are {REGIONS}")
+        if self.sessions_per_client < 1:
+            raise ValueError(f"sessions_per_client must be >= 1, got {self.sessions_per_client}")
         if self.mean_turns < 1:
             raise ValueError(f"mean_turns must be >= 1, got {self.mean_turns}")
 
@@ -71,6 +75,9 @@ class WorkloadGenerator:
         self.regions = [r for r in REGIONS if config.region_weights.get(r, 0) > 0]
         self.weights = [config.region_weights[r] for r in self.regions]
 
+    def region(self) -> str:
+        return self.rng.choices(self.regions, weights=self.weights, k=1)[0]
+
     def conversation(self, arrival_s: float, region: str | None = None) -> Conversation:
         c, rng = self.config, self.rng
         turns_count = 1
@@ -87,8 +94,7 @@ class WorkloadGenerator:
         if not turns:
             prompt = min(_lognormal_int(rng, c.mean_prompt_tokens), c.max_context_tokens // 2)
             turns.append((prompt, c.max_context_tokens - prompt))
-        region = region or rng.choices(self.regions, weights=self.weights, k=1)[0]
-        return Conversation(arrival_s, region, tuple(turns))
+        return Conversation(arrival_s, region or self.region(), tuple(turns))
 
     def open_arrivals(self, duration_s: float) -> list[Conversation]:
         rate = (self.config.sessions_per_hour or 0.0) / 3600.0
