@@ -353,8 +353,10 @@ class SpanEngine:
         if prefix is not None:  # pages filled by earlier steps are published before this step may rewrite any
             self.publish_prefix(session)
             prefix.rewind(position)
-        for slot in session.slots:
-            self.pool.prepare_write(slot, position)
+        page_tokens = self.pool.page_size_tokens
+        for slot in session.slots:  # (the test `prepare_write` starts with, inlined: every decode step passes here)
+            if position < slot.length_tokens or position < slot.shared_pages * page_tokens:
+                self.pool.prepare_write(slot, position)
         self.pool.grow(session.slots, position + req.num_tokens)
 
     def check_inputs(self, req: StepRequest) -> None:
