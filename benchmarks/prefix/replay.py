@@ -1,9 +1,10 @@
 """Drives corolla-api with a workload: each conversation's turns in order (every turn re-sends the whole
-conversation, as the stateless OpenAI API makes clients do), streamed, timing the first token of each answer and
-reading `usage.prompt_tokens_details.cached_tokens`. Conversations run `concurrency` at a time."""
+conversation, as the stateless OpenAI API makes clients do), the conversations interleaved turn by turn, streamed,
+timing the first token of each answer and reading `usage.prompt_tokens_details.cached_tokens`."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,9 @@ class TurnResult:
     cached_tokens: int
     answer: str
     error: str | None = None
+    # per answer token: its log-probability minus the best other word's among the top 5 (how near a tie the greedy
+    # choice was: a tiny margin flips under float rounding, e.g. when a prefix's KV came from another computation)
+    margins: list[float] | None = None
 
 
 def _turn(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int, extra: dict) -> TurnResult:
@@ -34,8 +38,11 @@ def _turn(client: Any, model: str, messages: list[dict[str, str]], max_tokens: i
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        logprobs=True,
+        top_logprobs=5,
         extra_body=extra,
     )
+    margins: list[float] = []
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -44,35 +51,51 @@ def _turn(client: Any, model: str, messages: list[dict[str, str]], max_tokens: i
                 if ttft_s is None:
                     ttft_s = time.perf_counter() - started
                 parts.append(choice.delta.content)
+            for entry in (choice.logprobs.content or []) if choice.logprobs is not None else []:
+                others = [t.logprob for t in entry.top_logprobs if t.token != entry.token and t.token.startswith("w")]
+                margins.append(entry.logprob - max(others, default=float("-inf")))
     if usage is None:
         raise RuntimeError("the stream ended without its usage chunk")
     details = usage.prompt_tokens_details
     cached = int(details.cached_tokens or 0) if details is not None else 0
-    return TurnResult(-1, -1, ttft_s, int(usage.prompt_tokens), cached, "".join(parts))
+    return TurnResult(-1, -1, ttft_s, int(usage.prompt_tokens), cached, "".join(parts), margins=margins)
 
 
-def replay_conversation(
-    client: Any, model: str, index: int, conversation: Conversation, extra: dict
-) -> list[TurnResult]:
-    """The turns of one conversation; a failed turn ends it (recorded with its error)."""
-    messages = [{"role": "system", "content": " ".join(conversation.system_words)}]
-    results = []
-    for number, turn in enumerate(conversation.turns):
-        messages.append({"role": "user", "content": " ".join(turn.user_words)})
-        try:
-            result = _turn(client, model, messages, turn.answer_tokens, extra)
-        except Exception as e:  # reported, never hidden: the run counts errors
-            results.append(TurnResult(index, number, None, 0, 0, "", error=repr(e)[:300]))
-            break
-        result.conversation, result.turn = index, number
-        results.append(result)
-        messages.append({"role": "assistant", "content": result.answer})
-    return results
+@dataclass
+class _Chat:
+    """A conversation being replayed: its messages so far, and whether a turn failed (which ends it)."""
+
+    index: int
+    conversation: Conversation
+    messages: list[dict[str, str]]
+    failed: bool = False
+
+
+def _next_turn(client: Any, model: str, chat: _Chat, number: int, extra: dict) -> TurnResult:
+    turn = chat.conversation.turns[number]
+    chat.messages.append({"role": "user", "content": " ".join(turn.user_words)})
+    try:
+        result = _turn(client, model, chat.messages, turn.answer_tokens, extra)
+    except Exception as e:  # reported, never hidden: the run counts errors
+        chat.failed = True
+        return TurnResult(chat.index, number, None, 0, 0, "", error=repr(e)[:300])
+    result.conversation, result.turn = chat.index, number
+    chat.messages.append({"role": "assistant", "content": result.answer})
+    return result
 
 
 def replay(
     client: Any, model: str, conversations: Sequence[Conversation], *, extra: dict, concurrency: int = 1
 ) -> list[TurnResult]:
+    """Round k runs the k-th turn of every conversation that has one (`concurrency` at a time), as users who read
+    an answer before they write the next: between two turns of a conversation, every other one takes a turn (which
+    is what makes a cache sized for a few conversations lose some)."""
+    chats = [
+        _Chat(i, c, [{"role": "system", "content": " ".join(c.system_words)}]) for i, c in enumerate(conversations)
+    ]
+    results: list[TurnResult] = []
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(replay_conversation, client, model, i, c, extra) for i, c in enumerate(conversations)]
-        return [result for future in futures for result in future.result()]
+        for number in range(max((len(c.turns) for c in conversations), default=0)):
+            due = [chat for chat in chats if number < len(chat.conversation.turns) and not chat.failed]
+            results.extend(pool.map(functools.partial(_next_turn, client, model, number=number, extra=extra), due))
+    return results

@@ -90,6 +90,7 @@ class RunReport:
             "wall_on_s": round(self.on.wall_s, 1),
             "model": f"llama hidden={self.shape.hidden_size} layers={self.shape.num_layers} (random weights)",
             "server_args": " ".join(self.server_args),
+            "notes": self.notes,
         }
 
 
@@ -132,7 +133,18 @@ def run(
         finally:
             backend.model.shutdown()
     off, on = passes
-    answers_off = {(r.conversation, r.turn): r.answer for r in off.ok}
-    mismatched = sum(answers_off.get((r.conversation, r.turn)) != r.answer for r in on.ok)
+    off_by_turn = {(r.conversation, r.turn): r for r in off.ok}
+    notes, mismatched = [], 0
+    for r in on.ok:
+        other = off_by_turn.get((r.conversation, r.turn))
+        if other is None or other.answer != r.answer:
+            mismatched += 1
+            a, b = (other.answer if other else "").split(), r.answer.split()
+            first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            margin = other.margins[first] if other and other.margins and first < len(other.margins) else None
+            notes.append(
+                f"conversation {r.conversation} turn {r.turn}: answers differ from word {first} of {len(b)} "
+                f"(greedy margin there without the cache: {margin if margin is None else f'{margin:.2e}'} nats)"
+            )
     num_turns = sum(len(c.turns) for c in conversations)
-    return RunReport(off, on, len(conversations), num_turns, shape, mismatched, tuple(server_args))
+    return RunReport(off, on, len(conversations), num_turns, shape, mismatched, tuple(server_args), notes)
