@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     for result in report.off.results + report.on.results:
         if result.error:
             print(json.dumps({"conversation": result.conversation, "turn": result.turn, "error": result.error}))
-    return 0 if report.on.errors == report.off.errors == 0 and report.mismatched_answers == 0 else 1
+    return 0 if report.on.errors == report.off.errors == 0 and report.unexplained_mismatches == 0 else 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ class TurnResult:
     # per answer token: its log-probability minus the best other word's among the top 5 (how near a tie the greedy
     # choice was: a tiny margin flips under float rounding, e.g. when a prefix's KV came from another computation)
     margins: list[float] | None = None
+    decode_s_per_token: float | None = None  # from the first answer token to the last, per token after the first
 
 
 def _turn(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int, extra: dict) -> TurnResult:
@@ -56,9 +57,21 @@ def _turn(client: Any, model: str, messages: list[dict[str, str]], max_tokens: i
                 margins.append(entry.logprob - max(others, default=float("-inf")))
     if usage is None:
         raise RuntimeError("the stream ended without its usage chunk")
+    ended_s = time.perf_counter() - started
+    tokens = int(usage.completion_tokens)
+    per_token_s = (ended_s - ttft_s) / (tokens - 1) if ttft_s is not None and tokens > 1 else None
     details = usage.prompt_tokens_details
     cached = int(details.cached_tokens or 0) if details is not None else 0
-    return TurnResult(-1, -1, ttft_s, int(usage.prompt_tokens), cached, "".join(parts), margins=margins)
+    return TurnResult(
+        -1,
+        -1,
+        ttft_s,
+        int(usage.prompt_tokens),
+        cached,
+        "".join(parts),
+        margins=margins,
+        decode_s_per_token=per_token_s,
+    )
 
 
 @dataclass
