@@ -349,6 +349,28 @@ async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(
             assert device_admission.num_open == 0 and real.bytes_left == real.max_size_bytes
 
 
+async def test_forward_slots_are_the_device_processes(backend) -> None:
+    """A peer's forwards through any handler process wait for its slots of the device process's core (one
+    `max_forwards_per_peer` for the server, not one per process)."""
+    from corolla.server.core.admission import ForwardSlots
+    from corolla.server.handlers.proxy_executor import RemoteCore
+
+    hidden = torch.randn(1, 3, H)
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        real = _eager(backend, runtime)
+        core = SpanCore(real, SessionAdmission(PeerLimits(), real))
+        core.forward_slots = ForwardSlots(1)
+        async with _proxied(real, core) as proxy:
+            remote = RemoteCore(proxy)
+            inputs = ForwardInputs(hidden, None, "")
+            async with core.forward_slots.hold("peer-a"):  # the peer's one slot, taken through another front
+                waiting = asyncio.ensure_future(remote.forward("peer-a", SPAN, inputs, chunk_tokens=0, timeout_s=30))
+                other = await remote.forward("peer-b", SPAN, inputs, chunk_tokens=0, timeout_s=30)  # not held up
+                await asyncio.sleep(0.2)
+                assert not waiting.done()
+            torch.testing.assert_close(await asyncio.wait_for(waiting, 10), other)
+
+
 async def test_push_is_routed_to_the_process_holding_the_session(backend) -> None:
     from hivemind.proto import runtime_pb2
 

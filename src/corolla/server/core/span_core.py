@@ -1,19 +1,22 @@
 """The core's session seam: what every front asks of the core about sessions, in one place for all fronts of a
 server. `SpanCore` holds the one admission (per-peer caps, idle eviction, then the KV cache itself) and the one table
-of pushes by session id, and whether the server drains (`DrainState`); a front in this process calls it directly, a handler process through its device channel
+of pushes by session id, the forward slots of each peer, and whether the server drains (`DrainState`); a front in
+this process calls it directly, a handler process through its device channel
 (`handlers.proxy_executor.RemoteCore` offers the same `SessionCore`). A front keeps only its own streams."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.server.core.admission import SessionAdmission, SessionTicket
-from corolla.server.core.executor import SessionCache, SessionSpec, SpanExecutor
+from corolla.server.core.admission import ForwardSlots, SessionAdmission, SessionTicket
+from corolla.server.core.executor import BackwardInputs, ForwardInputs, SessionCache, SessionSpec, SpanExecutor
 from corolla.server.core.refusals import Draining
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
@@ -81,6 +84,19 @@ class SessionCore(Protocol):
         """Hands a pushed step to the stream of its session, wherever it is; False if no stream holds it."""
         ...
 
+    async def forward(
+        self, peer: str, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int, timeout_s: float
+    ) -> torch.Tensor:
+        """`executor.forward` once `peer` has one of its forward slots of the server (`max_forwards_per_peer`: its
+        flood waits here, not in the runtime), within `timeout_s` from then (TimeoutError)."""
+        ...
+
+    async def backward(
+        self, peer: str, block_indices: tuple[int, ...], inputs: BackwardInputs, *, timeout_s: float
+    ) -> list[torch.Tensor]:
+        """`executor.backward` in one of `peer`'s forward slots, as `forward`."""
+        ...
+
 
 class SpanCore:
     """The core's sessions of one server (see the module docstring): runs in the server's event loop."""
@@ -91,6 +107,7 @@ class SpanCore:
         self.metrics = metrics  # sessions are counted here, once for every front
         self.sinks: dict[str, PushSink] = {}
         self.drain = DrainState()
+        self.forward_slots = ForwardSlots(0)  # set with the admission (`configure_limits`)
 
     @property
     def num_open(self) -> int:
@@ -136,3 +153,16 @@ class SpanCore:
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
         sink = self.sinks.get(session_id)
         return sink is not None and sink(request, sender)
+
+    async def forward(
+        self, peer: str, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int, timeout_s: float
+    ) -> torch.Tensor:
+        async with self.forward_slots.hold(peer):
+            work = self.executor.forward(block_indices, inputs, chunk_tokens=chunk_tokens)
+            return await asyncio.wait_for(work, timeout_s)
+
+    async def backward(
+        self, peer: str, block_indices: tuple[int, ...], inputs: BackwardInputs, *, timeout_s: float
+    ) -> list[torch.Tensor]:
+        async with self.forward_slots.hold(peer):
+            return await asyncio.wait_for(self.executor.backward(block_indices, inputs), timeout_s)

@@ -123,9 +123,9 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         self.peer_limits = peer_limits
         if isinstance(self.core, SpanCore):  # (a handler process's sessions are admitted by the device's core)
             self.core.admission = SessionAdmission(peer_limits, self.executor)
+            self.core.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)  # every front's, per peer
         step_bytes = self.limits.max_batch_size_tokens * self.limits.hidden_size * 4  # one step in float32
         self.stream_budget = StreamBudget(peer_limits.with_stream_defaults(step_bytes))  # unfinished streamed bytes
-        self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)
 
     # ---- registration ---------------------------------------------------------------------------------------------
 
@@ -196,11 +196,10 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         compressions = self._output_compressions(metadata, 1)
         args = bf.unpack_request_args(tensors, metadata.args_structure)
         inputs = bf.parse_forward_inputs(args, self.limits, num_blocks=len(block_indices), adapter=adapter)
-        async with self.forward_slots.hold(peer):  # one peer's flood of forwards waits here, not in the runtime
-            outputs = await _await_within(
-                self.executor.forward(tuple(block_indices), inputs, chunk_tokens=self.peer_limits.forward_chunk_tokens),
-                self.timeouts.request_timeout_s,
-            )
+        outputs = await self.core.forward(
+            peer, tuple(block_indices), inputs, chunk_tokens=self.peer_limits.forward_chunk_tokens,
+            timeout_s=self.timeouts.request_timeout_s,
+        )  # fmt: skip
         return [self._serialize_output(outputs, compressions[0])]
 
     async def _backward(
@@ -212,10 +211,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         args = bf.unpack_request_args(tensors, metadata.args_structure)
         inputs = bf.parse_backward_inputs(args, self.limits, num_blocks=len(block_indices), adapter=adapter)
         compressions = self._output_compressions(metadata, 2 if inputs.has_prompts else 1)
-        async with self.forward_slots.hold(peer):
-            grads = await _await_within(
-                self.executor.backward(tuple(block_indices), inputs), self.timeouts.request_timeout_s
-            )
+        grads = await self.core.backward(peer, tuple(block_indices), inputs, timeout_s=self.timeouts.request_timeout_s)
         return [self._serialize_output(g, c) for g, c in zip(grads, compressions, strict=True)]
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:

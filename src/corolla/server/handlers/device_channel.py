@@ -427,10 +427,15 @@ class DeviceChannel:
     async def _forward(self, fields: wire.Reader) -> wire.Writer:
         blocks = self._blocks(fields.u32(), fields.u32())
         chunk_tokens, adapter, hidden, prompts = fields.u32(), fields.text(), fields.tensor(), fields.tensor()
+        peer, timeout_s = fields.text(), fields.f64()
         fields.done()
         if hidden is None:
             raise wire.FrameError("a forward needs hidden states")
-        output = await self.executor.forward(blocks, ForwardInputs(hidden, prompts, adapter), chunk_tokens=chunk_tokens)
+        inputs = ForwardInputs(hidden, prompts, adapter)
+        if peer and timeout_s is not None:  # a front's: in one of its peer's slots of the core
+            output = await self.core.forward(peer, blocks, inputs, chunk_tokens=chunk_tokens, timeout_s=timeout_s)
+        else:
+            output = await self.executor.forward(blocks, inputs, chunk_tokens=chunk_tokens)
         return wire.Writer().u8(1).tensor(output)
 
     async def _read_kv(self, fields: wire.Reader) -> wire.Writer:
@@ -460,12 +465,16 @@ class DeviceChannel:
     async def _backward(self, fields: wire.Reader) -> wire.Writer:
         blocks = self._blocks(fields.u32(), fields.u32())
         adapter, hidden, grads, prompts = fields.text(), fields.tensor(), fields.tensor(), fields.tensor()
+        peer, timeout_s = fields.text(), fields.f64()
         fields.done()
         if hidden is None or grads is None:
             raise wire.FrameError("a backward needs hidden states and output gradients")
-        outputs: list[torch.Tensor] = await self.executor.backward(
-            blocks, BackwardInputs(hidden, grads, prompts, adapter)
-        )
+        inputs = BackwardInputs(hidden, grads, prompts, adapter)
+        outputs: list[torch.Tensor]
+        if peer and timeout_s is not None:
+            outputs = await self.core.backward(peer, blocks, inputs, timeout_s=timeout_s)
+        else:
+            outputs = await self.executor.backward(blocks, inputs)
         body = wire.Writer().u8(len(outputs))
         for tensor in outputs:
             body.tensor(tensor)

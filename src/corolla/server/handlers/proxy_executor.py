@@ -308,15 +308,25 @@ class ProxyExecutor:
         return reply
 
     async def forward(
-        self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
+        self,
+        block_indices: tuple[int, ...],
+        inputs: ForwardInputs,
+        *,
+        chunk_tokens: int,
+        peer: str = "",
+        timeout_s: float | None = None,
     ) -> torch.Tensor:
+        """`peer` (`RemoteCore.forward`): run in one of its forward slots of the device's core, within `timeout_s`."""
         body = wire.Writer().u32(block_indices[0]).u32(block_indices[-1] + 1).u32(chunk_tokens).text(inputs.adapter)
-        body.tensor(inputs.hidden_states).tensor(inputs.prompts)
+        body.tensor(inputs.hidden_states).tensor(inputs.prompts).text(peer).f64(timeout_s)
         return _one_tensor(await self.link.call(wire.FORWARD, body))
 
-    async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
+    async def backward(
+        self, block_indices: tuple[int, ...], inputs: BackwardInputs, *, peer: str = "", timeout_s: float | None = None
+    ) -> list[torch.Tensor]:
         body = wire.Writer().u32(block_indices[0]).u32(block_indices[-1] + 1).text(inputs.adapter)
         body.tensor(inputs.hidden_states).tensor(inputs.grad_outputs).tensor(inputs.prompts)
+        body.text(peer).f64(timeout_s)
         return _tensors(await self.link.call(wire.BACKWARD, body))
 
     # prefix caching: the device process's engine holds the cache; keys recorded for publication go one way, in
@@ -457,6 +467,18 @@ class RemoteCore:
             logger.info(f"proxy_executor.push_not_routed(session_id={session_id!r:.40}): {e!r}")
             return False
         return True
+
+    async def forward(
+        self, peer: str, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int, timeout_s: float
+    ) -> torch.Tensor:
+        return await self.executor.forward(
+            block_indices, inputs, chunk_tokens=chunk_tokens, peer=peer, timeout_s=timeout_s
+        )
+
+    async def backward(
+        self, peer: str, block_indices: tuple[int, ...], inputs: BackwardInputs, *, timeout_s: float
+    ) -> list[torch.Tensor]:
+        return await self.executor.backward(block_indices, inputs, peer=peer, timeout_s=timeout_s)
 
     def _deliver(self, session_id: str, request: runtime_pb2.ExpertRequest, sender: str | None) -> None:
         """A push the device routed here (PUSH_OUT)."""
