@@ -4,7 +4,7 @@ its tokens arrive; under memory pressure the least valuable holds yield first: s
 (zero-token steps are not use), then the unused promises of sessions idle for `kv_promise_idle_s`, then sessions idle
 for `session_idle_evict_s`, then unused promises beyond a fair share per peer of those holding promises. A session
 doing real work never loses the pages it holds. Runs in the server's asyncio loop; the KV bytes themselves belong to
-the executor (`SpanExecutor.open_session`). Why this shape: `docs/decisions/0015-hoarding.md`."""
+the executor (`SpanExecutor.open_session`). Why this shape: `docs/decisions/0016-hoarding.md`."""
 
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ class SessionTicket:
     opening_tokens: int | None = None  # what its opening request brought (None: unknown)
     granting: bool = False  # admitted, its cache not open yet: it claims `reserved_bytes` of what is free
     waiting: bool = False  # its allocation waits in line (counted there): nothing to yield yet
+    awaits_release: bool = False  # its room comes from sessions evicted for it, ending now
 
     def touch(self, num_tokens: int) -> None:
         """Records a step; only one that processed at least one token counts as use."""
@@ -118,9 +119,11 @@ class SessionTicket:
         """No token processed, and a step was answered, its opening request brought none, or `grace_s` passed
         since it opened: a hold bought with zero-token steps (a session's first request carries its prefill,
         answered within the grace)."""
-        if self.num_tokens or self.waiting:
+        if self.num_tokens:
             return False
-        return self.num_steps > 0 or self.opening_tokens == 0 or time.monotonic() - self.opened_at >= grace_s
+        if self.opening_tokens == 0:  # (in line too: for the pages of sessions it made yield, a claim like theirs)
+            return True
+        return not self.waiting and (self.num_steps > 0 or time.monotonic() - self.opened_at >= grace_s)
 
     def evict(self, reason: str) -> None:
         self.eviction = SessionEvicted(reason)
@@ -203,6 +206,8 @@ class SessionAdmission:
         async with self.admit(
             peer, executor.session_bytes(spec), opening_tokens=opening_tokens, granting=True
         ) as ticket:
+            if ticket.awaits_release:  # in line first for the pages of the sessions ending for it
+                alloc_timeout_s = None if alloc_timeout_s is None else max(alloc_timeout_s, self.limits.evict_wait_s)
             ticket.waiting = True  # (a refused allocation ends the ticket with it)
             async with executor.open_session(spec, alloc_timeout_s) as cache:
                 ticket.waiting = ticket.granting = False
@@ -322,11 +327,17 @@ class SessionAdmission:
 
     async def _make_room(self, size: int, ticket: SessionTicket) -> None:
         """Makes the least valuable holds yield when `size` does not fit what is free beside the allocations in line,
-        if that makes it fit (nothing yields otherwise: the allocation then waits or fails as before)."""
+        if that makes it fit (nothing yields otherwise: the allocation then waits or fails as before). A ticket whose
+        cache opens next (`granting`) does not wait here for evicted sessions to end: it waits in the page line,
+        first in line for what they free (`awaits_release`)."""
         pending = [t for t in self._tickets if t.evicted.is_set() and not t.released.is_set()]
         free = self._free_bytes(ticket) - self._bytes_waited_for()
         evicted = self._yield_for(size, free, ticket) if free < size else []
-        if evicted is not None:
+        if evicted is None:
+            return
+        if ticket.granting:
+            ticket.awaits_release = bool(pending or evicted)
+        else:
             await self._wait_released(pending + evicted)
 
     def _on_short(self, size: int) -> None:
@@ -343,8 +354,10 @@ class SessionAdmission:
         other newcomers admitted just before (their caches not open yet) will take of it."""
         free = int(self.budget.bytes_left)
         for t in self._tickets:
-            if t.evicted.is_set():
-                free += 0 if t.released.is_set() or t.granting else t.held_bytes
+            if t.evicted.is_set() and not t.released.is_set():
+                # an evicted session frees what it holds; an evicted newcomer still in line gives its place back
+                # (granted first, it ends at once)
+                free += t.reserved_bytes if t.granting and t.waiting else 0 if t.granting else t.held_bytes
             elif t.granting and not t.waiting and t is not ticket:
                 free -= t.reserved_bytes
         return free
