@@ -59,8 +59,10 @@ class Held:
     pages as a step would), until `end()` or its eviction."""
 
     def __init__(self, admission: SessionAdmission, executor: EngineExecutor, peer: str, max_length: int, *,
-                 first_tokens: int = 0, alloc_timeout_s: float = 0.0, step: bool = True):  # fmt: skip
+                 first_tokens: int = 0, alloc_timeout_s: float = 0.0, step: bool = True,
+                 probe: bool = False):  # fmt: skip
         self.admission, self.executor, self.peer = admission, executor, peer
+        self.probe = probe  # its opening request is a prefix probe: tokens not known, none processed
         self.max_length, self.first_tokens, self.alloc_timeout_s, self.step = (
             max_length,
             first_tokens,
@@ -76,7 +78,7 @@ class Held:
     async def _run(self) -> None:
         spec = SessionSpec(SPAN, 1, self.max_length)
         reservation = self.admission.reserve(self.peer, self.executor, spec, self.alloc_timeout_s,
-                                             opening_tokens=self.first_tokens)  # fmt: skip
+                                             opening_tokens=None if self.probe else self.first_tokens)  # fmt: skip
         async with reservation as (ticket, cache):
             assert isinstance(cache, EngineSessionCache)
             self.ticket, self.cache = ticket, cache
@@ -158,6 +160,19 @@ async def test_a_session_opened_without_a_step_yields_after_the_grace(backend) -
             with pytest.raises(AllocationFailed):
                 await opened(held, admission, executor, "user", FULL, first_tokens=5)
             await asyncio.sleep(0.35)
+            await opened(held, admission, executor, "user", FULL, first_tokens=5)
+            assert admission.num_evicted == 1
+
+
+async def test_a_prefix_probe_is_no_hold_before_its_next_step(backend) -> None:
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(PeerLimits(first_token_grace_s=0.3), executor)
+        async with sessions() as held:
+            for i in range(2):  # each answered its probe (a zero-token step); its tokens come with the next one
+                await opened(held, admission, executor, f"chat-{i}", FULL, probe=True)
+            with pytest.raises(AllocationFailed):
+                await opened(held, admission, executor, "hoarder", FULL, first_tokens=0)
+            await asyncio.sleep(0.35)  # no next step within the grace: a hold after all
             await opened(held, admission, executor, "user", FULL, first_tokens=5)
             assert admission.num_evicted == 1
 

@@ -116,14 +116,15 @@ class SessionTicket:
         return 0 if self.lease is None else self.lease.promised_bytes
 
     def never_worked(self, grace_s: float) -> bool:
-        """No token processed, and a step was answered, its opening request brought none, or `grace_s` passed
-        since it opened: a hold bought with zero-token steps (a session's first request carries its prefill,
-        answered within the grace)."""
+        """No token processed, and its opening request brought none, a step after it was answered, or `grace_s`
+        passed since it opened: a hold bought with zero-token steps (a session's opening request carries its prefill,
+        or its next one does after a prefix probe, within the grace)."""
         if self.num_tokens:
             return False
         if self.opening_tokens == 0:  # (in line too: for the pages of sessions it made yield, a claim like theirs)
             return True
-        return not self.waiting and (self.num_steps > 0 or time.monotonic() - self.opened_at >= grace_s)
+        # the opening request's own step does not count: a prefix probe brings its tokens in the next one
+        return not self.waiting and (self.num_steps > 1 or time.monotonic() - self.opened_at >= grace_s)
 
     def evict(self, reason: str) -> None:
         self.eviction = SessionEvicted(reason)

@@ -29,8 +29,8 @@ class PeerLimits:
     # under memory pressure the promised, not yet used pages of a session that processed no token for this long go
     # to a new session (it keeps the pages it holds and runs on; its next token asks the promise back); 0 = never
     kv_promise_idle_s: float = 5.0
-    # a session that processed no token yields its cache at once under memory pressure once a step was answered or
-    # this long after it opened (its first request carries its prefill)
+    # a session that processed no token yields its cache at once under memory pressure when its opening request
+    # brought none, after a step beyond the opening one, or this long after it opened (its prefill comes by then)
     first_token_grace_s: float = 2.0
     evict_wait_s: float = 5.0  # how long a new session waits for the evicted ones to free their cache
     # streamed requests (rpc_*_stream, rpc_inference): bytes received but not yet processed
@@ -131,7 +131,7 @@ LIMIT_FLAG_HELP = {
     "session_idle_evict_s": "end a session idle this long (no token processed) when a new one needs its cache (0 = never)",
     "kv_promise_idle_s": "under memory pressure, give the unused promised cache of a session idle this long to a "
     "new one (it keeps what it holds; 0 = never)",
-    "first_token_grace_s": "a session with no token processed yields at once under pressure after a step or this long",
+    "first_token_grace_s": "a session with no token processed yields at once under pressure after its second step or this long",
     "evict_wait_s": "how long a new session waits for evicted sessions to free their cache",
     "max_stream_message_bytes": "largest message of a streamed request (unset: max_batch_size x hidden x 4 + 1 MiB)",
     "max_stream_bytes_per_peer": "bytes of unfinished streamed requests of one peer (unset: max(96 MiB, 2 x message))",
