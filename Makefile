@@ -11,7 +11,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 TORCH ?= torch==2.13.0
 LOOPBACK := ../shared/tools/loopback-only
 
-.PHONY: install install-demo test lint format demo finetune-demo clean soak bench
+.PHONY: install install-demo test lint format demo finetune-demo clean soak soak-field bench
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -98,6 +98,25 @@ soak: $(STAMP)
 	else \
 		echo "make soak: loopback-only namespace unavailable, running plainly"; \
 		$(PY) -m benchmarks.soak $(SOAK_FLAGS); \
+	fi
+
+# Opt-in field soak (30 min by default): the churn soak while a hostile process with FIELD_HOARDERS identities keeps
+# every server's (small) cache full of sessions held by zero-token steps; the same pass criteria as `make soak`, and
+# the report counts the hoarders' sessions (opened, refused, ended by the servers). WAN faults and a lying server are
+# not part of it yet (their own tests: tests/integration/test_wan_faults.py, tests/unit/test_client_stretches.py).
+FIELD_DURATION_S ?= 1800
+FIELD_HOARDERS ?= 4
+FIELD_DIR ?= /tmp/corolla-soak-field
+FIELD_FLAGS = --duration_s $(FIELD_DURATION_S) --seed $(SOAK_SEED) --replicas_per_span $(SOAK_REPLICAS) \
+	--num_clients $(SOAK_CLIENTS) --work_dir $(FIELD_DIR) --json $(FIELD_DIR)/report.json \
+	--hoarders $(FIELD_HOARDERS) --server_args "--busy_poll_ms 0 --attn_cache_tokens 1024" $(SOAK_ARGS)
+
+soak-field: $(STAMP)
+	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
+		$(LOOPBACK) $(PY) -m benchmarks.soak $(FIELD_FLAGS); \
+	else \
+		echo "make soak-field: loopback-only namespace unavailable, running plainly"; \
+		$(PY) -m benchmarks.soak $(FIELD_FLAGS); \
 	fi
 
 # The single-card bench (needs a CUDA GPU): `make bench BENCH_ARGS="--rpc --rpc_client_process"`. Every bench is a

@@ -1,6 +1,7 @@
 """A churn soak: a loopback swarm holding replicas of every span, client processes generating greedily without pause,
 and a seeded chaos loop that SIGKILLs, SIGTERMs and restarts servers (now and then every replica of a span at once,
-so clients must wait and recover); then every generation is compared with a local `transformers` reference and
+so clients must wait and recover), optionally with hostile clients hoarding every server's cache (`hoarders`, the
+field soak: `benchmarks.soak.hoarder`); then every generation is compared with a local `transformers` reference and
 `/proc` is checked for anything left behind (leaked or orphaned processes). `python -m benchmarks.soak
 --duration_s 600 --seed 1` is what `make soak` runs; `tests/integration/test_churn_soak.py` runs a short one."""
 
@@ -90,6 +91,10 @@ class ChurnConfig:
     # finished 600 tokens within 3.5 s, so the swarm stopped after the probe's generation instead of during it)
     probe_new_tokens: int = 1000
     probe_head_start_s: float = 1.5  # it generates this long before the swarm stops (its go comes 0.5 s after)
+    # hostile clients (the field soak): this many identities of one hoarding process keep sessions of
+    # `hoarder_max_length` on every server with zero-token steps while the clients generate (0: none)
+    hoarders: int = 0
+    hoarder_max_length: int = 512
     work_dir: Path | None = None  # logs under <work_dir>/logs; None = a temporary directory, removed afterwards
     echo: bool = False  # children's output on our stderr
 
@@ -134,6 +139,7 @@ class ChurnReport:
     log_dir: str = ""
     probe_exit_s: float | None = None  # how long the abandoned client took to end after the swarm stopped
     probe_result: str = ""  # its last generation's error (or why there is none)
+    hoarding: dict[str, int] = field(default_factory=dict)  # the hoarders' sessions: opened, refused, ended
 
     @property
     def ok(self) -> bool:
@@ -158,6 +164,7 @@ class ChurnReport:
             f"{len(self.client_problems)} client problems; {len(self.leaked)} processes left behind "
             f"({len(self.orphans)} orphaned); abandoned client ended "
             f"{'-' if self.probe_exit_s is None else f'{self.probe_exit_s:.1f}'} s after the swarm stopped; "
+            f"{f'hoarders {self.hoarding}; ' if self.hoarding else ''}"
             f"{'OK' if self.ok else 'FAILED'}"
         )
 
@@ -224,6 +231,26 @@ def _start_client(
     return ChildProcess(
         command, name=name, env=env, log_path=log_path, echo=config.echo, die_with_parent=die_with_parent
     )
+
+
+def _start_hoarder(
+    config: ChurnConfig, initial_peers: Sequence[str], work_dir: Path, env: dict[str, str]
+) -> ChildProcess:
+    command = [
+        sys.executable, "-m", "benchmarks.soak.hoarder", "--model", str(config.model_path),
+        "--initial_peers", *initial_peers, "--go_file", str(work_dir / "go.json"),
+        "--go_timeout_s", str(config.server_ready_timeout_s + config.client_startup_timeout_s + 120),
+        "--identities", str(config.hoarders), "--max_length", str(config.hoarder_max_length),
+    ]  # fmt: skip
+    return ChildProcess(command, name="hoarder", env=env, log_path=work_dir / "logs" / "hoarder.log", echo=config.echo)
+
+
+def _hoarder_counts(hoarder: ChildProcess, timeout_s: float) -> dict[str, int]:
+    """The hoarder's counts once it stopped at the deadline (empty if it never said)."""
+    from benchmarks.soak.hoarder import STATS_PREFIX
+
+    line = hoarder.wait_for_line(lambda text: text.startswith(STATS_PREFIX), timeout_s)
+    return {k: int(v) for k, v in json.loads(line[len(STATS_PREFIX) :]).items()}
 
 
 def _probe_abandoned_client(config: ChurnConfig, report: ChurnReport, swarm: LocalSwarm, probe: ChildProcess) -> None:
@@ -346,6 +373,9 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
                             max_wait_s=config.probe_max_wait_s, die_with_parent=False,
                         )  # fmt: skip
                         clients.append(probe)
+                    hoarder = _start_hoarder(config, swarm.initial_peers, work_dir, env) if config.hoarders else None
+                    if hoarder is not None:
+                        clients.append(hoarder)
                     reference = reference_outputs(config.model_path, prompts, config.new_tokens)
                     chaos.wait_all_ready(config.server_ready_timeout_s)
                     for client in generating:
@@ -360,6 +390,11 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
                     logger.info(f"churn.chaos_over({chaos.counters})")
                     _wait_clients_done(generating, chaos, config.client_finish_timeout_s)
                     _collect(report, generating, reference)
+                    if hoarder is not None:
+                        try:
+                            report.hoarding = _hoarder_counts(hoarder, config.client_finish_timeout_s)
+                        except (TimeoutError, RuntimeError) as e:
+                            report.client_problems.append(f"hoarder: {e}"[:400])
                     if probe is not None:
                         _probe_abandoned_client(config, report, swarm, probe)
                 finally:
