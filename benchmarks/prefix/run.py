@@ -100,7 +100,7 @@ class RunReport:
             "unexplained_mismatches": self.unexplained_mismatches,
             "wall_off_s": round(self.off.wall_s, 1),
             "wall_on_s": round(self.on.wall_s, 1),
-            "model": f"llama hidden={self.shape.hidden_size} layers={self.shape.num_layers} (random weights)",
+            "model": f"llama hidden={self.shape.hidden_size} layers={self.shape.num_layers} (random weights, float32)",
             "server_args": " ".join(self.server_args),
             "notes": self.notes,
         }
@@ -128,7 +128,10 @@ def run(
     if conversations is None:
         conversations = generate_conversations(workload, vocabulary(shape))
     extra = {"ignore_eos": True, "allowed_token_ids": word_ids(path)}
-    with LocalSwarm(str(path), num_servers=2, server_args=tuple(server_args)) as swarm:
+    # float32 blocks (a float32 checkpoint is served in bfloat16 by default): bfloat16's rounding (~1e-2 of a logit)
+    # would flip many near ties of a random model between the passes and hide a real divergence among them
+    all_server_args = ("--torch_dtype", "float32", *server_args)
+    with LocalSwarm(str(path), num_servers=2, server_args=all_server_args) as swarm:
         backend = load_swarm_backend(str(path), initial_peers=swarm.initial_peers, model_id=MODEL_ID)
         try:
             with serve_in_thread(create_app(backend, ApiConfig())) as gateway:

@@ -183,3 +183,44 @@ def test_session_routes_to_the_chain_that_held_its_prefix():
         torch.testing.assert_close(out, reference(embed(ids), 4)[:, session.reused_tokens :], atol=1e-5, rtol=0)
     assert sorted(len(s.hits) for s in servers.values()) == [0, 4]  # every turn on the chain that held the prefix
     assert manager.prefix_routes.num_affine == 3
+
+
+@pytest.mark.parametrize("tuning_mode", [None, "ptune", "deep_ptune"])
+def test_generate_reuses_a_prefix_with_tuned_prompts_in_the_root(tuning_mode):
+    """generate() through a distributed model: the next turn reuses its prefix (tuned prefix positions included)
+    with the tokens of a run without the cache; prompts that changed (a training step) share nothing."""
+    from transformers import LlamaConfig
+
+    from corolla.client.distributed_model import LAYOUTS, DistributedModelForCausalLM
+    from corolla.client.prompt_tuning import TuningConfig
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=HIDDEN, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=0, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    manager = FakeManager({"A": PrefixFakeServer(0, 2), "B": PrefixFakeServer(2, 4)}, 4)
+    torch.manual_seed(0)
+    tuning = TuningConfig(tuning_mode, 3 if tuning_mode else 0)
+    model = DistributedModelForCausalLM(config, LAYOUTS["llama"], manager, tuning)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+
+    def generate(ids: torch.Tensor) -> tuple[list[int], int]:
+        with model.inference_session(max_length=ids.shape[1] + 6) as session:
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, session=session)
+            return out[0].tolist(), session.reused_tokens
+
+    first = torch.randint(1, 64, (1, 30))
+    out1, reused1 = generate(first)
+    assert reused1 == 0
+    second = torch.tensor([out1 + torch.randint(1, 64, (10,)).tolist()])
+    out2, reused2 = generate(second)
+    assert reused2 == 32  # 3 tuned positions (if any) + 35 known tokens: whole blocks below the last position
+    model.manager.config.prefix_reuse = False
+    assert generate(second) == (out2, 0)
+    model.manager.config.prefix_reuse = True
+    if tuning_mode is not None:
+        with torch.no_grad():
+            model.prompt_tuning.prompt_embeddings.weight.add_(0.1)  # the prompts moved: another root
+        assert generate(second)[1] == 0
