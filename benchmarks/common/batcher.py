@@ -235,6 +235,9 @@ class ContinuousBatcher:
                 if self._stopping:
                     return
             try:
-                self.run_once()
+                # as its callers (`engine_steps` opens sessions under inference mode): the pool grows their block
+                # tables in place as their tokens arrive, which torch allows on inference tensors only in that mode
+                with torch.inference_mode():
+                    self.run_once()
             except Exception:  # never let one bad iteration kill the thread
                 logger.exception("batcher.iteration_failed")

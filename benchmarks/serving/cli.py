@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     tuning = engine.warmup()
     results["engine"]["warmup_s"] = time.perf_counter() - t0
-    if tuning:
+    if tuning and device.type == "cuda":  # (the CPU's choices, `tune_cpu`, are keyed otherwise: not reported here)
         layers_n = span.num_layers
         results["engine"]["gemm_tuning"] = {
             f"{n}x{k}:{prologue}{'+residual' if res else ''}": r for (n, k, prologue, res), r in tuning.items()
