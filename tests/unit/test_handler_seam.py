@@ -34,6 +34,7 @@ from corolla.server.core.runtime import Runtime
 from corolla.server.core.sessions import SessionTimeouts
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.handler import TransformerConnectionHandler
+from corolla.server.front.prefix_keys import with_hit
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.errors import AllocationFailed
 
@@ -248,3 +249,10 @@ def test_a_probe_that_rewinds_or_a_first_step_with_tokens_reuses_nothing() -> No
     )
     assert [call[0] for call in executor.prefix_calls] == ["add", "add"]  # recorded for publication, never attached
     assert [s.prefix_length for s in executor.steps] == [0]
+
+
+def test_the_hit_joins_what_the_reply_already_says() -> None:
+    plain = with_hit(runtime_pb2.ExpertResponse(), 32)
+    assert decode_metadata(plain.metadata) == {PREFIX_HIT_KEY: 32}
+    draining = with_hit(runtime_pb2.ExpertResponse(metadata=encode_metadata({"corolla.draining": {"s": 1.0}})), 16)
+    assert decode_metadata(draining.metadata) == {"corolla.draining": {"s": 1.0}, PREFIX_HIT_KEY: 16}

@@ -50,9 +50,6 @@ def probe_keys(request: runtime_pb2.ExpertRequest, metadata: InferenceRequestMet
 
 def with_hit(response: runtime_pb2.ExpertResponse, hit_tokens: int) -> runtime_pb2.ExpertResponse:
     """`response` telling the client how many leading positions the session reuses (`corolla.prefix_hit`)."""
-    merged = (
-        {**decode_metadata(response.metadata), PREFIX_HIT_KEY: hit_tokens}
-        if response.metadata
-        else {PREFIX_HIT_KEY: hit_tokens}
-    )
+    merged = decode_metadata(response.metadata) if response.metadata else {}  # e.g. a drain notice
+    merged[PREFIX_HIT_KEY] = hit_tokens
     return runtime_pb2.ExpertResponse(tensors=response.tensors, metadata=encode_metadata(merged))
