@@ -20,7 +20,7 @@ from corolla.utils.errors import MissingBlocksError
 CHUNK_TOKENS = 32  # decode is simulated in chunks of this many tokens at a time per token fixed at the chunk's start
 MIN_BACKOFF_S, MAX_BACKOFF_S = 1.0, 60.0  # Petals' client defaults (min_backoff, max_backoff)
 MAX_WAIT_S = 300.0  # a user gives up after this long without a chain (assumption; Petals retries forever)
-MAX_REFUSALS_PER_ATTEMPT = 8  # servers refusing for lack of cache before the client backs off
+BAN_TIMEOUT_S = 15.0  # Petals' ban_timeout: a server that refused or failed is skipped this long (first ban)
 
 
 @dataclass(eq=False)
@@ -44,7 +44,7 @@ class SimSession:
     attempts: int = 0
     wait_start_s: float | None = None
     retried: bool = False
-    banned: set[str] = field(default_factory=set)
+    banned: dict[str, float] = field(default_factory=dict)  # peer id -> simulated time its ban ends
     full: bool = False  # its last attempt found every block covered but the servers out of cache
     counted: bool = True  # opened after the warm-up: its outcome goes into the metrics
 
@@ -184,24 +184,23 @@ class ClientDriver:
     def _reroute(self, session: SimSession) -> bool:
         """Chooses a chain and reserves KV on it; False (to back off) if blocks are missing or servers refuse."""
         need = session.conversation.total_tokens
-        for _ in range(MAX_REFUSALS_PER_ATTEMPT):
-            try:
-                chain = self.route_fn(session)
-            except MissingBlocksError:
-                session.full = False
-                return False
-            gone = next((peer for peer, start, end in chain if not self._serves(peer, start, end)), None)
-            if gone is not None:  # the client's view is older than the server's departure or move: the call fails
-                self._count(session, "refusals")
-                session.banned.add(gone)
-                continue
-            hops = [(self.view.servers[peer], start, end) for peer, start, end in chain]
-            refusing = next((server for server, _, _ in hops if server.kv_free_tokens < need), None)
-            if refusing is None:
-                break
+        # as Petals' client: a refusal or a failed call is one failed attempt (ban, then the retry schedule)
+        try:
+            chain = self.route_fn(session)
+        except MissingBlocksError:
+            session.full = False
+            return False
+        gone = next((peer for peer, start, end in chain if not self._serves(peer, start, end)), None)
+        if gone is not None:  # the client's view is older than the server's departure or move: the call fails
+            self._count(session, "refusals")
+            session.banned[gone] = self.loop.now_s + BAN_TIMEOUT_S
+            session.full = False
+            return False
+        hops = [(self.view.servers[peer], start, end) for peer, start, end in chain]
+        refusing = next((server for server, _, _ in hops if server.kv_free_tokens < need), None)
+        if refusing is not None:
             self._count(session, "refusals")  # out of cache
-            session.banned.add(refusing.peer_id)
-        else:
+            session.banned[refusing.peer_id] = self.loop.now_s + BAN_TIMEOUT_S
             session.full = True
             return False
         session.full = False
@@ -229,9 +228,10 @@ class ClientDriver:
             self._close(session, completed=False)
             return
         session.phase = "idle"
-        delay = min(MIN_BACKOFF_S * 2**session.attempts, MAX_BACKOFF_S)
+        # Petals' get_retry_delay: 0 for the first retry, then min(1 s x 2^(attempt - 1), 60 s)
+        delay = 0.0 if session.attempts == 0 else min(MIN_BACKOFF_S * 2 ** (session.attempts - 1), MAX_BACKOFF_S)
         session.attempts += 1
-        session.banned.clear()  # as Petals' bans expire (ban_timeout 15 s) by the time a backoff has grown
+        session.banned = {peer: until for peer, until in session.banned.items() if until > now + delay}
         session.event = self.loop.after(delay, retry)
 
     def on_server_lost(self, server: SimServer, detect_s: float) -> None:
@@ -247,7 +247,7 @@ class ClientDriver:
                 self._credit(session, min(done, session.chunk_tokens))
                 self._leave_batches(session)
             self._release(session)
-            session.banned.add(server.peer_id)
+            session.banned[server.peer_id] = self.loop.now_s + detect_s + BAN_TIMEOUT_S
             self._count(session, "retries")
             if not session.retried:
                 session.retried = True
