@@ -50,6 +50,11 @@ def test_same_host_socket_and_busy_poll_flags():
     assert config.local_socket is False and config.busy_poll_ms == 0
 
 
+def test_prefix_cache_sharing_is_an_opt_in():
+    assert parse_config(["m"]).prefix_cache_shared is False  # each client identity reuses only its own prefixes
+    assert parse_config(["m", "--prefix_cache_shared"]).prefix_cache_shared is True
+
+
 def test_flags_are_converted():
     config = parse_config(
         ["--converted_model_name_or_path", "m", "--block_indices", "3:7", "--throughput", "12.5",
