@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from corolla.client.local_transport import open_local_inference
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
+from corolla.server.core.executor import PATH_FUSED
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server
 
 pytestmark = [
@@ -55,7 +56,7 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
         device="cuda",
         attn_cache_tokens=4096,
     )
-    assert server.service.executor.path == "fast", "the fast path must serve this span"
+    assert server.service.executor.path == PATH_FUSED, "fused kernels must serve this span"
     yield server
     server.shutdown()
 
