@@ -20,9 +20,9 @@ from corolla.protocol import metadata as metadata_module
 from corolla.protocol.codecs import deserialize_tensor, is_plain_empty, serialize_tensor
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
-from corolla.utils.deadlines import TaskDeadline
 from corolla.server.front import block_functions as bf
 from corolla.server.handlers import proxy_wire
+from corolla.utils.deadlines import TaskDeadline
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
