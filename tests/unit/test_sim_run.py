@@ -112,3 +112,19 @@ def test_corolla_servers_know_their_curve_and_petals_servers_do_not() -> None:
             assert server.capacity.throughput_for(server.num_blocks) == min(
                 server.perf.capacity_tps(server.num_blocks, sim.typical_context), server.perf.network_tps
             )
+
+
+def test_a_clients_sessions_share_its_bans_and_bans_never_uncover_a_block() -> None:
+    config = scenario("tiny", seed=1, duration_s=700.0)
+    workload = dataclasses.replace(config.workload, concurrent_clients=2, sessions_per_client=3)
+    sim = Simulation(dataclasses.replace(config, workload=workload))
+    sim.run()
+    sessions = [s for s in sim.clients.sessions.values() if s.slot is not None]
+    for a in sessions:
+        for b in sessions:
+            assert (a.banned is b.banned) == (a.slot // 3 == b.slot // 3)
+    session = sessions[0]
+    everyone = {peer: sim.loop.now_s + 60.0 for peer in sim.view.servers}
+    session.banned.update(everyone)  # banning every server would leave every block without one: bans are ignored
+    assert sim._route(session)
+    session.banned.clear()

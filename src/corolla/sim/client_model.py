@@ -44,7 +44,7 @@ class SimSession:
     attempts: int = 0
     wait_start_s: float | None = None
     retried: bool = False
-    banned: dict[str, float] = field(default_factory=dict)  # peer id -> simulated time its ban ends
+    banned: dict[str, float] = field(default_factory=dict)  # peer id -> time its ban ends (its client's bans)
     full: bool = False  # its last attempt found every block covered but the servers out of cache
     counted: bool = True  # opened after the warm-up: its outcome goes into the metrics
 
@@ -61,14 +61,19 @@ class ClientDriver:
         rng: random.Random,
         think_s: Callable[[], float],
         on_session_end: Callable[[SimSession], None],
+        sessions_per_client: int = 1,
     ):
         self.loop, self.view, self.metrics, self.route_fn, self.rng = loop, view, metrics, route_fn, rng
         self.think_s, self.on_session_end = think_s, on_session_end
         self.sessions: dict[int, SimSession] = {}
+        self.sessions_per_client = sessions_per_client
+        self.bans: dict[int, dict[str, float]] = {}  # by closed-loop client: as the real client, one ban list each
         self._next_sid = 0
 
     def start(self, conversation: Conversation, slot: int | None = None) -> SimSession:
         session = SimSession(self._next_sid, conversation, slot)
+        if slot is not None:
+            session.banned = self.bans.setdefault(slot // self.sessions_per_client, {})
         session.counted = self.loop.now_s >= self.metrics.measure_from_s
         self._next_sid += 1
         self.sessions[session.sid] = session
@@ -231,7 +236,8 @@ class ClientDriver:
         # Petals' get_retry_delay: 0 for the first retry, then min(1 s x 2^(attempt - 1), 60 s)
         delay = 0.0 if session.attempts == 0 else min(MIN_BACKOFF_S * 2 ** (session.attempts - 1), MAX_BACKOFF_S)
         session.attempts += 1
-        session.banned = {peer: until for peer, until in session.banned.items() if until > now + delay}
+        for peer in [peer for peer, until in session.banned.items() if until <= now]:
+            del session.banned[peer]
         session.event = self.loop.after(delay, retry)
 
     def on_server_lost(self, server: SimServer, detect_s: float) -> None:

@@ -23,6 +23,7 @@ from corolla.sim.server_model import SimServer
 from corolla.sim.view import SwarmView
 from corolla.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
 from corolla.swarm.policies import make_policy
+from corolla.swarm.route_planning import find_missing_blocks
 from corolla.swarm.routed_load import RoutedLoad
 from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
@@ -79,7 +80,14 @@ class Simulation:
         self.metrics = Metrics(measure_from_s=c.warmup_s)
         self.workload = WorkloadGenerator(c.workload, self.rngs["work"])
         self.clients = ClientDriver(
-            self.loop, self.view, self.metrics, self._route, self.rngs["route"], self.workload.think_s, self._ended
+            self.loop,
+            self.view,
+            self.metrics,
+            self._route,
+            self.rngs["route"],
+            self.workload.think_s,
+            self._ended,
+            sessions_per_client=c.workload.sessions_per_client,
         )
         self.perfs = {name: ServerPerf(GPUS[name], c.model, c.dtype) for name in c.fleet}
         mean = c.workload
@@ -257,7 +265,9 @@ class Simulation:
 
     def _route_on(self, session: SimSession, spans: list[RemoteSpanInfo], version: int) -> list[tuple[str, int, int]]:
         region, need = session.conversation.region, self._max_length(session)
-        key = (version, region, need, frozenset(session.banned))
+        now = self.loop.now_s
+        banned = frozenset(peer for peer, until in session.banned.items() if until > now)
+        key = (version, region, need, banned)
         memo = self.policy.name in DETERMINISTIC_ROUTING
         client = self._client(session)
         if memo and key in self._route_memo:
@@ -265,8 +275,9 @@ class Simulation:
             if client is not None:
                 client.note((peer for peer, _, _ in chain), self.loop.now_s)
             return chain
-        if session.banned:
-            spans = [s for s in spans if s.peer_id not in session.banned]
+        if banned:  # as Petals' client: bans are ignored where they would leave a block without a server
+            allowed = [s for s in spans if s.peer_id not in banned]
+            spans = allowed if not find_missing_blocks(allowed, 0, self.config.model.num_blocks) else spans
         self.metrics.route_calls += 1
         route = self._timed(
             "route",
