@@ -165,4 +165,4 @@ def run(
                 f"(greedy margin there without the cache: {margin if margin is None else f'{margin:.2e}'} nats)"
             )
     num_turns = sum(len(c.turns) for c in conversations)
-    return RunReport(off, on, len(conversations), num_turns, shape, mismatched, unexplained, tuple(server_args), notes)
+    return RunReport(off, on, len(conversations), num_turns, shape, mismatched, unexplained, all_server_args, notes)
