@@ -30,7 +30,7 @@ from corolla.engine.graph_decode import (
     stage_row_inputs,
 )
 from corolla.engine.kv_pool import KVPool, SequenceSlot
-from corolla.engine.prefix_chain import SessionPrefix
+from corolla.engine.session_prefix import SessionPrefix
 from corolla.engine.span_model import SpanModel
 from corolla.engine.step_request import StepRequest, StepSession
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS, PrefixKeys

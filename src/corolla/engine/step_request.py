@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from corolla.engine.kv_pool import SequenceSlot
-from corolla.engine.prefix_chain import SessionPrefix
+from corolla.engine.session_prefix import SessionPrefix
 from corolla.utils.tensor_bytes import view_bytes
 
 
