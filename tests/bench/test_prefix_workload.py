@@ -28,7 +28,9 @@ def test_generator_follows_the_published_averages():
     assert statistics.mean(len(t.user_words) for t in turns) == pytest.approx(LMSYS_PROMPT_TOKENS, rel=0.1)
     assert statistics.mean(t.answer_tokens for t in turns) == pytest.approx(LMSYS_RESPONSE_TOKENS, rel=0.1)
     assert len({c.system_words for c in conversations}) == 4  # shared system prompts
-    assert generate_conversations(WorkloadConfig(seed=1), VOCAB) == generate_conversations(WorkloadConfig(seed=1), VOCAB)
+    assert generate_conversations(WorkloadConfig(seed=1), VOCAB) == generate_conversations(
+        WorkloadConfig(seed=1), VOCAB
+    )
 
 
 def test_mooncake_trace_blocks_follow_hash_ids(tmp_path):
