@@ -1,7 +1,9 @@
-"""The churn soak in CI (issue 11 item 8): a loopback swarm of the demo model (2 spans x 2 replicas), two client
-processes generating greedily (one over the same-host socket, one over p2p), servers SIGKILLed, SIGTERMed and
-restarted at random (seeded; at least one outage of a whole span): 0 failed and 0 differing generations, nothing left
-behind or orphaned. `make soak` runs the long version. Also checks that the soak's own checks can fail: a planted
+"""The churn soak in CI, also the bounded field soak (issues 11 and 37): a loopback swarm of the demo model (2 spans x
+2 replicas) with small caches, two client processes generating greedily (one over the same-host socket, one over
+p2p), servers SIGKILLed, SIGTERMed and restarted at random (seeded; at least one outage of a whole span), while a
+hostile process with 2 identities keeps every server's cache full of sessions held by zero-token steps: 0 failed and
+0 differing generations, nothing left behind or orphaned, and the servers ended the hoarders' sessions for the
+clients. `make soak` and `make soak-field` run the long versions. Also checks that the soak's own checks can fail: a planted
 orphan is found, a wrong or failed generation and a client that never finished are counted."""
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def test_churn_soak_loses_nothing(tmp_path: Path) -> None:
     # abandoned client's bounded wait is shorter than make soak's (the same check, less idle time at the end)
     config = ChurnConfig(
         duration_s=CI_DURATION_S, seed=CI_SEED, work_dir=tmp_path, outage_probability=0.0, force_outage=True,
-        probe_max_wait_s=10.0,
+        probe_max_wait_s=10.0, hoarders=2, hoarder_max_length=512,
+        server_args=("--busy_poll_ms", "0", "--attn_cache_tokens", "1024"),
     )  # fmt: skip
     report = run_churn(config)
     (tmp_path / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
@@ -49,6 +52,8 @@ def test_churn_soak_loses_nothing(tmp_path: Path) -> None:
     # a client whose swarm vanished mid-generation ended by itself, with an error, within its bounded wait
     assert report.probe_exit_s is not None and report.probe_exit_s < config.probe_max_wait_s + 30, details
     assert "NoHonestServer" in report.probe_result or "Error" in report.probe_result, report.probe_result
+    # the hoarders held sessions, and the servers ended them for the clients
+    assert report.hoarding.get("opened", 0) > 0 and report.hoarding.get("ended", 0) > 0, (report.hoarding, details)
     assert report.ok
 
 
