@@ -170,7 +170,7 @@ def test_push_crosses_to_the_process_holding_the_session(server, clients, blocks
     """Blocks 0:2 push to a session on blocks 2:4 of the same server whose stream another handler process holds:
     the push goes through the device process to that process, which answers it on the downstream stream."""
     client = clients[0]
-    sinks = server.service.core.sinks  # session id -> its channel's `_push_out` (a partial of its bound method)
+    sinks = server.service.core.pushes.sinks  # session id -> its channel's `_push_out` (a partial of its bound method)
     for _attempt in range(4):  # p2pd deals streams round-robin: two sessions opened in a row land apart
         torch.manual_seed(3)
         prefill, hidden = torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN)

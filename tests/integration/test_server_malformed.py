@@ -263,7 +263,7 @@ def test_bad_push_does_not_end_the_session(server, client):
         PREFIX.append(server.settings.dht_prefix)
     session_id = str(uuid.uuid4())
     step_ids = [str(uuid.uuid4()) for _ in range(4)]  # what the client announces, one step ahead
-    inboxes = server.service.core.sinks  # the core's push table: session id -> the stream's PushInbox
+    inboxes = server.service.core.pushes.sinks  # the core's push table: session id -> the stream's PushInbox
     stream = InferenceStream(client).open()
     upstream = {"corolla.upstream_peer": client.p2p.peer_id.to_base58()}  # pushes only from the named upstream
     first = packed_request(uid(), x(), max_length=16, session_id=session_id, **upstream, **{NEXT_STEP_KEY: step_ids[0]})

@@ -393,4 +393,4 @@ async def test_push_is_routed_to_the_process_holding_the_session(backend) -> Non
                 receiving.push("session-1", request, sender="someone-else")  # routed, then refused by the guard
                 await asyncio.sleep(0.05)
                 assert queue.empty()
-            assert "session-1" not in core.sinks
+            assert "session-1" not in core.pushes.sinks

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -25,6 +25,32 @@ logger = get_logger(__name__)
 
 # delivers a pushed step (`rpc_push`) to the stream of its session: (request, sender peer) -> accepted
 PushSink = Callable[[runtime_pb2.ExpertRequest, "str | None"], bool]
+
+
+class PushTable:
+    """The push sinks of one process's open sessions, by session id (the core's table, and a handler process's own)."""
+
+    def __init__(self) -> None:
+        self.sinks: dict[str, PushSink] = {}
+
+    def get(self, session_id: str) -> PushSink | None:
+        return self.sinks.get(session_id)
+
+    @contextlib.contextmanager
+    def routing(self, session_id: str | None, sink: PushSink | None) -> Iterator[None]:
+        """Pushes for `session_id` go to `sink` while in the block (nothing without both; ValueError: another stream
+        holds that id)."""
+        if session_id is None or sink is None:
+            yield
+            return
+        if session_id in self.sinks:
+            raise ValueError(f"session_id {session_id!r:.100} is already open on this server; use a fresh id")
+        self.sinks[session_id] = sink
+        try:
+            yield
+        finally:
+            if self.sinks.get(session_id) is sink:
+                del self.sinks[session_id]
 
 
 class DrainState:
@@ -105,23 +131,13 @@ class SpanCore:
         self.executor = executor
         self.admission = admission  # replaced by `TransformerConnectionHandler.configure_limits` before serving
         self.metrics = metrics  # sessions are counted here, once for every front
-        self.sinks: dict[str, PushSink] = {}
+        self.pushes = PushTable()
         self.drain = DrainState()
         self.forward_slots = ForwardSlots(0)  # set with the admission (`configure_limits`)
 
     @property
     def num_open(self) -> int:
         return self.admission.num_open
-
-    def route(self, session_id: str, sink: PushSink) -> None:
-        """Pushes for `session_id` go to `sink` (ValueError: another stream holds that id)."""
-        if session_id in self.sinks:
-            raise ValueError(f"session_id {session_id!r:.100} is already open on this server; use a fresh id")
-        self.sinks[session_id] = sink
-
-    def unroute(self, session_id: str, sink: PushSink) -> None:
-        if self.sinks.get(session_id) is sink:
-            del self.sinks[session_id]
 
     @contextlib.asynccontextmanager
     async def open_session(
@@ -134,24 +150,16 @@ class SpanCore:
         *,
         opening_tokens: int | None = None,
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
-        routed = session_id is not None and sink is not None
-        if routed:
-            assert session_id is not None and sink is not None
-            self.route(session_id, sink)
-        try:
+        with self.pushes.routing(session_id, sink):
             reservation = self.admission.reserve(
                 peer, self.executor, spec, alloc_timeout_s, opening_tokens=opening_tokens
             )
             async with reservation as opened:
                 with self.metrics.session() if self.metrics is not None else contextlib.nullcontext():
                     yield opened
-        finally:
-            if routed:
-                assert session_id is not None and sink is not None
-                self.unroute(session_id, sink)
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
-        sink = self.sinks.get(session_id)
+        sink = self.pushes.get(session_id)
         return sink is not None and sink(request, sender)
 
     async def forward(

@@ -34,7 +34,7 @@ from corolla.server.core.executor import (
     StepInputs,
     TensorDescriptorLike,
 )
-from corolla.server.core.span_core import DrainState, PushSink
+from corolla.server.core.span_core import DrainState, PushSink, PushTable
 from corolla.server.front import step_timeline
 from corolla.server.handlers import proxy_wire as wire
 from corolla.utils.logging import get_logger
@@ -412,7 +412,7 @@ class RemoteCore:
     def __init__(self, executor: ProxyExecutor):
         self.executor = executor
         self.link = executor.link
-        self.sinks: dict[str, PushSink] = {}  # this process's sessions by id
+        self.pushes = PushTable()  # this process's sessions
         self.link.on_push = self._deliver
 
     @property
@@ -437,12 +437,7 @@ class RemoteCore:
         if opening_tokens == 0:  # an open that brings no token does not wait in line (`SessionAdmission.reserve`)
             alloc_timeout_s = 0.0
         routed = session_id if sink is not None else None
-        if routed is not None:
-            if routed in self.sinks:
-                raise ValueError(f"session_id {routed!r:.100} is already open on this server; use a fresh id")
-            assert sink is not None
-            self.sinks[routed] = sink
-        try:
+        with self.pushes.routing(routed, sink):
             reserved = self.executor.session_bytes(spec) if spec.max_length_tokens else 0
             opening = self.executor.open_remote(spec, alloc_timeout_s, admit_peer=peer, session_id=routed)
             async with opening as (cache, handle):
@@ -452,12 +447,9 @@ class RemoteCore:
                     yield ticket, cache
                 finally:
                     ticket.released.set()
-        finally:
-            if routed is not None and self.sinks.get(routed) is sink:
-                del self.sinks[routed]
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
-        sink = self.sinks.get(session_id)
+        sink = self.pushes.get(session_id)
         if sink is not None:
             return sink(request, sender)  # ours: refused here if not from its upstream
         body = wire.Writer().text(session_id).text(sender).blob(request.SerializeToString())
@@ -482,6 +474,6 @@ class RemoteCore:
 
     def _deliver(self, session_id: str, request: runtime_pb2.ExpertRequest, sender: str | None) -> None:
         """A push the device routed here (PUSH_OUT)."""
-        sink = self.sinks.get(session_id)
+        sink = self.pushes.get(session_id)
         if sink is not None:
             sink(request, sender)
