@@ -27,6 +27,10 @@ from corolla.engine.kv_pool import TRASH_PAGE
 from corolla.engine.step_request import StepRequest
 
 
+# the most rows of a forward whose waiter spins on the CPU until the device is done (`HostStaging.mark`)
+SPIN_MAX_ROWS = 1
+
+
 @dataclass(eq=False)
 class _RowViews:
     """Slices of the graphs' static inputs and of one staging set for a merged forward of `rows` rows in a graph
@@ -63,6 +67,7 @@ class HostStaging:
     done: torch.cuda.Event | None = None
     owner: PendingDecode | None = None  # the launched forward whose output `out` holds, not copied out yet
     event: torch.cuda.Event | None = None  # recorded anew by each use of the set (made at the first)
+    sleeping_event: torch.cuda.Event | None = None  # the same for a forward whose waiter sleeps (`mark(sleep=True)`)
     start: torch.cuda.Event | None = None  # recorded before each use's first copy (the forward's device time)
     views: dict[int, _RowViews] = field(default_factory=dict)  # row count -> slices (`row_views`)
     views_of: DecodeGraphs | None = None  # the graphs `views` slice
@@ -109,11 +114,19 @@ class HostStaging:
         start.record(stream)
         return start
 
-    def mark(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        """Records the set's event after the copies just queued on `stream` (the set is busy until it passed)."""
-        event = self.event
-        if event is None:
-            event = self.event = torch.cuda.Event(enable_timing=True)
+    def mark(self, stream: torch.cuda.Stream, *, sleep: bool = False) -> torch.cuda.Event:
+        """Records the set's event after the copies just queued on `stream` (the set is busy until it passed).
+        `sleep`: a thread waiting for it sleeps until the device signals it (a blocking-sync event) instead of
+        spinning on a core: CUDA spins by default, so a thread that waits for every merged forward would be busy
+        all the time."""
+        if sleep:
+            event = self.sleeping_event
+            if event is None:
+                event = self.sleeping_event = torch.cuda.Event(enable_timing=True, blocking=True)
+        else:
+            event = self.event
+            if event is None:
+                event = self.event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
         self.done = event
         return event
@@ -228,7 +241,10 @@ def launch_graph_decode(
     out = graphs.run(rows, group[0].session.layers, adapters=adapter_rows is not None, reset=False)  # [rows, H]
     advance_lengths(group)
     views.out.copy_(out, non_blocking=True)
-    done = staging.mark(stream)
+    # a lone row's waiter spins (its step's latency); a merged forward's sleeps: its few microseconds of wake-up are
+    # nothing beside the forward's milliseconds, and spinning held a core for the whole forward (the runtime
+    # thread's CPU per step equalled the wall time per step)
+    done = staging.mark(stream, sleep=rows > SPIN_MAX_ROWS)
     return PendingDecode(staging, done, rows, merged.splits, h, dtype, start)  # the set's owner until it is out
 
 
