@@ -349,6 +349,24 @@ async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(
             assert device_admission.num_open == 0 and real.bytes_left == real.max_size_bytes
 
 
+async def test_the_device_admission_learns_what_an_opening_request_brings(backend) -> None:
+    """The zero-token rule is the device's alone: a handler process's OPEN carries the opening request's tokens, so
+    a session opened with none yields at once there (not after the first-token grace), and only there is it decided
+    that such an open does not wait in the page line."""
+    from corolla.server.handlers.proxy_executor import RemoteCore
+
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        real = _eager(backend, runtime)
+        device_admission = SessionAdmission(PeerLimits(max_kv_fraction_per_peer=1.0), real)
+        core = SpanCore(real, device_admission)
+        async with _proxied(real, core) as proxy:
+            for opening in (0, 7, None):
+                async with RemoteCore(proxy).open_session("peer-a", SessionSpec(SPAN, 1, 16), 0, None, None,
+                                                          opening_tokens=opening):  # fmt: skip
+                    (ticket,) = device_admission._tickets
+                    assert ticket.opening_tokens == opening
+
+
 async def test_forward_slots_are_the_device_processes(backend) -> None:
     """A peer's forwards through any handler process wait for its slots of the device process's core (one
     `max_forwards_per_peer` for the server, not one per process)."""

@@ -26,7 +26,6 @@ from corolla.engine.cuda_graphs import DecodeGraphs
 from corolla.engine.kv_pool import TRASH_PAGE
 from corolla.engine.step_request import StepRequest
 
-
 # the most rows of a forward whose waiter spins on the CPU until the device is done (`HostStaging.mark`)
 SPIN_MAX_ROWS = 1
 

@@ -347,14 +347,18 @@ class DeviceChannel:
         blocks = self._blocks(fields.u32(), fields.u32())
         spec = SessionSpec(blocks, fields.u32(), fields.u32())
         alloc_timeout_s, admit, peer, session_id = fields.f64(), fields.u8(), fields.text(), fields.text()
+        known, opening = fields.u8(), fields.u64()
         fields.done()
+        opening_tokens = opening if known else None  # what its opening request brings (admission: none, no wait)
         if admit:
             self.core.drain.check_accepting()  # Draining: no new sessions
         held = _Held(spec)
         opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         handle = next(self._handles)
         held.task = asyncio.create_task(
-            self._hold(handle, held, peer if admit else None, alloc_timeout_s, session_id or None, opened)
+            self._hold(
+                handle, held, peer if admit else None, alloc_timeout_s, session_id or None, opening_tokens, opened
+            )  # fmt: skip
         )
         await opened  # raises the admission's or the allocation's refusal
         self.sessions[handle] = held
@@ -369,6 +373,7 @@ class DeviceChannel:
         peer: str | None,
         alloc_timeout_s: float | None,
         session_id: str | None,
+        opening_tokens: int | None,
         opened: asyncio.Future[None],
     ) -> None:
         try:
@@ -379,7 +384,9 @@ class DeviceChannel:
                     await held.close.wait()
                 return
             sink = partial(self._push_out, session_id) if session_id is not None else None
-            reservation = self.core.open_session(peer, held.spec, alloc_timeout_s, session_id, sink)
+            reservation = self.core.open_session(
+                peer, held.spec, alloc_timeout_s, session_id, sink, opening_tokens=opening_tokens
+            )
             async with reservation as (ticket, cache):
                 held.ticket, held.cache = ticket, cache
                 opened.set_result(None)

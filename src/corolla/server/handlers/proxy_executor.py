@@ -270,13 +270,21 @@ class ProxyExecutor:
 
     @contextlib.asynccontextmanager
     async def open_remote(
-        self, spec: SessionSpec, alloc_timeout_s: float | None, *, admit_peer: str | None, session_id: str | None = None
+        self,
+        spec: SessionSpec,
+        alloc_timeout_s: float | None,
+        *,
+        admit_peer: str | None,
+        session_id: str | None = None,
+        opening_tokens: int | None = None,
     ) -> AsyncIterator[tuple[ProxySessionCache | None, int]]:
         """Opens a session in the device process: through its admission as `admit_peer` or (None) straight from
-        its executor. Yields the cache (None for a max_length=0 probe) and the device's handle of the session."""
+        its executor. Yields the cache (None for a max_length=0 probe) and the device's handle of the session.
+        `opening_tokens`: what its opening request brings (None: unknown), for the device's admission."""
         body = wire.Writer().u32(spec.block_indices[0]).u32(spec.block_indices[-1] + 1).u32(spec.batch_size)
         body.u32(spec.max_length_tokens).f64(alloc_timeout_s).u8(admit_peer is not None).text(admit_peer)
-        reply = await self.link.call(wire.OPEN, body.text(session_id))
+        body.text(session_id).u8(opening_tokens is not None).u64(opening_tokens or 0)
+        reply = await self.link.call(wire.OPEN, body)
         handle, has_cache = reply.u32(), reply.u8()
         try:
             yield (ProxySessionCache(spec, self.link, handle) if has_cache else None), handle
@@ -434,12 +442,12 @@ class RemoteCore:
         *,
         opening_tokens: int | None = None,
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
-        if opening_tokens == 0:  # an open that brings no token does not wait in line (`SessionAdmission.reserve`)
-            alloc_timeout_s = 0.0
         routed = session_id if sink is not None else None
         with self.pushes.routing(routed, sink):
             reserved = self.executor.session_bytes(spec) if spec.max_length_tokens else 0
-            opening = self.executor.open_remote(spec, alloc_timeout_s, admit_peer=peer, session_id=routed)
+            opening = self.executor.open_remote(
+                spec, alloc_timeout_s, admit_peer=peer, session_id=routed, opening_tokens=opening_tokens
+            )
             async with opening as (cache, handle):
                 ticket = SessionTicket(peer=peer, reserved_bytes=reserved)
                 self.link.tickets[handle] = ticket  # the device's EVICT ends the stream
