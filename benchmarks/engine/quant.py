@@ -156,8 +156,6 @@ def log_kernels(lines: list[str], kind: str, report: dict, layer: LayerWeights, 
 
 NF4_FAMILIES = {  # (kernel, config field 4) -> name, for the per-shape micro-benchmark table
     ("gemv", 0): "table GEMV (fp32 levels)",
-    ("gemv", 1): "table GEMV (pair table)",
-    ("gemv", 2): "register-lookup GEMV",
     ("stream", 2): "streaming GEMV",
     ("tile", 0): "table tile (tl.dot)",
     ("tile", 1): "register-lookup tile (tl.dot)",
@@ -286,15 +284,19 @@ def bench_llama(
         layers = dense if kind == "bf16" else [quantized(layer, kind) for layer in dense]
         # every session this kind opens: one, the others of the merged step and two twins (prefix + 64 tokens)
         pool = kv_pool_bytes_for(spec, layers_n, sessions_n + 2 if kind == "nf4" else 1, prefix + 64)
+        started = time.perf_counter()
         engine, report = make_engine(spec, layers, 64 if kind == "nf4" else 1, pool)  # [1, 64] rows: graph buckets
+        warmup_s = time.perf_counter() - started  # the engine's start: kernel tuning and graph capture
         floor = engine.model.weight_bytes() / bandwidth * 1000
         kernels = log_kernels(lines, kind, report, layers[0], bandwidth)
         one = open_prefilled(engine, 1, prefix, gen)
         ms, _ = step_ms(engine, one, prefix)
         row: dict[str, object] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor}
         row["weight_bytes"] = engine.model.weight_bytes()
+        row["warmup_s"] = warmup_s
         row["kernels"] = kernels
-        log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x)")
+        log(lines, f"llama3-8b x{layers_n} {kind}: step {ms:.3f} ms, floor {floor:.3f} ms ({ms / floor:.2f}x); "
+                   f"warm-up (tuning + graphs) {warmup_s:.1f} s")  # fmt: skip
         if isinstance(engine.model, FastLlamaSpan) and engine.model.ops.quant_fused and dev.type == "cuda":
             try:
                 row["prologue_ab"] = prologue_ab(engine, one, prefix, lines, kind, floor)
@@ -344,30 +346,35 @@ def bench_llama(
     free_cache(dev)
 
 
-def bench_int8_programmatic(results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev) -> None:
-    """The INT8 step again (the same weights as bench_llama's) with the quantized kernels launched with
-    programmatic dependent launch (quant_splits; sm_90+), tuned afresh; a failure is logged and recorded."""
+def bench_programmatic(
+    results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev, kinds: tuple[str, ...]
+) -> None:
+    """The NF4 / INT8 step again (of `kinds`; the same weights as bench_llama's) with programmatic dependent launch
+    (quant_splits; sm_90+: the quantized kernels launched with it, the norm / attention / SiLU kernels before them
+    releasing them early), tuned afresh; a failure is logged and recorded."""
     from corolla.engine import quant_splits  # needs Triton
 
-    gen = torch.Generator(device=dev).manual_seed(0)
-    spec = LLAMA3_8B
-    layers = [quantized(random_layer(spec, dev, gen), "int8") for _ in range(layers_n)]
-    quant_splits.set_programmatic_launch(True)
-    try:
-        engine, report = make_engine(spec, layers, 1, kv_pool_bytes_for(spec, layers_n, 1, prefix + 64))
-        floor = engine.model.weight_bytes() / bandwidth * 1000
-        kernels = log_kernels(lines, "int8 (programmatic launch)", report, layers[0], bandwidth)
-        ms, _ = step_ms(engine, open_prefilled(engine, 1, prefix, gen), prefix)
-        results["llama3_8b_int8_pdl"] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor, "kernels": kernels}
-        log(lines, f"llama3-8b x{layers_n} int8, programmatic launch: step {ms:.3f} ms ({ms / floor:.2f}x floor)")
-        del engine
-    except Exception as e:  # an experiment: its failure is reported, the other rows stand
-        results["llama3_8b_int8_pdl"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-        log(lines, f"int8 with programmatic launch failed: {type(e).__name__}: {str(e)[:400]}")
-    finally:
-        quant_splits.set_programmatic_launch(False)
-    del layers
-    free_cache(dev)
+    for kind in (k for k in ("nf4", "int8") if k in kinds):
+        gen = torch.Generator(device=dev).manual_seed(0)
+        spec = LLAMA3_8B
+        layers = [quantized(random_layer(spec, dev, gen), kind) for _ in range(layers_n)]
+        quant_splits.set_programmatic_launch(True)
+        try:
+            engine, report = make_engine(spec, layers, 1, kv_pool_bytes_for(spec, layers_n, 1, prefix + 64))
+            floor = engine.model.weight_bytes() / bandwidth * 1000
+            kernels = log_kernels(lines, f"{kind} (programmatic launch)", report, layers[0], bandwidth)
+            ms, _ = step_ms(engine, open_prefilled(engine, 1, prefix, gen), prefix)
+            row = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor, "kernels": kernels}
+            results[f"llama3_8b_{kind}_pdl"] = row
+            log(lines, f"llama3-8b x{layers_n} {kind}, programmatic launch: step {ms:.3f} ms ({ms / floor:.2f}x floor)")
+            del engine
+        except Exception as e:  # an experiment: its failure is reported, the other rows stand
+            results[f"llama3_8b_{kind}_pdl"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+            log(lines, f"{kind} with programmatic launch failed: {type(e).__name__}: {str(e)[:400]}")
+        finally:
+            quant_splits.set_programmatic_launch(False)
+        del layers
+        free_cache(dev)
 
 
 def bench_qwen3(results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev) -> None:
@@ -428,7 +435,7 @@ def main() -> None:
     )
     parser.add_argument("--profile_steps", type=int, default=0, help="> 0: each kind's step under the profiler too")
     parser.add_argument(
-        "--programmatic_launch", action="store_true", help="also INT8 with programmatic dependent launch (sm_90+)"
+        "--programmatic_launch", action="store_true", help="also NF4 / INT8 with programmatic dependent launch (sm_90+)"
     )
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))  # run in the order given (bf16 first for the x bf16 ratios)
@@ -446,7 +453,7 @@ def main() -> None:
         results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, args.sessions, kinds, args.profile_steps
     )
     if args.programmatic_launch and dev.type == "cuda":
-        bench_int8_programmatic(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev)
+        bench_programmatic(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, kinds)
     if args.qwen3_layers > 0:
         bench_qwen3(results, lines, bandwidth, args.prefix_tokens, args.qwen3_layers, dev)
     stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())

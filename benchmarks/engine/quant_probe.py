@@ -1,8 +1,7 @@
 """Per-projection GPU timing of the NF4 kernels on Llama-3-8B's projection shapes:
 `python -m benchmarks.engine.quant_probe --out DIR [--rows 1,16,64]`. For each shape and row count, in one process
 on one card: the floor (NF4 bytes / measured copy bandwidth), cuBLAS on the bf16 weight (same run), every config of
-the CUDA-core register-lookup GEMV (up to 8 rows), of the matrix-unit kernel (quant_mma) and of the streaming GEMV
-(quant_stream, one row), each as a CUDA graph
+the matrix-unit kernel (quant_mma) and of the streaming GEMV (quant_stream, one row), each as a CUDA graph
 over enough distinct weights to defeat the L2; plus each kernel's error against x @ the dequantized weight. Prints
 a table last and writes it as JSON."""
 
@@ -17,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s
-from corolla.engine import quant_gemv, quant_mma, quant_stream
+from corolla.engine import quant_mma, quant_stream
 from corolla.engine.graph_timing import graph_median_ms
 from corolla.engine.quant import quantize_nf4
 
@@ -46,11 +45,6 @@ SWEEP_CONFIGS = [
 
 def candidates(m: int, sweep: bool = False) -> dict[str, list]:
     """{kernel family: [(label, call(x, w))]} for m rows (`sweep`: the streaming GEMV's wider sweep too)."""
-    old = []
-    if m <= quant_gemv.GEMV_MAX_ROWS:
-        for c in quant_gemv.NF4_GEMV_CONFIGS:
-            if c[4] == 2:
-                old.append((f"gemv{c}", lambda x, w, c=c: quant_gemv.quant_gemv(x, w, None, c)))
     new = []
     for c in quant_mma.NF4_MMA_CONFIGS:
         if (c[1] == 16) == (m <= 16):
@@ -61,7 +55,7 @@ def candidates(m: int, sweep: bool = False) -> dict[str, list]:
         configs += tuple(c for c in SWEEP_CONFIGS if c not in configs) if sweep else ()
         for c in configs:
             stream.append((f"stream{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c)))
-    return {"old": old, "new": new, "stream": stream}
+    return {"new": new, "stream": stream}
 
 
 def main() -> None:
@@ -103,7 +97,7 @@ def main() -> None:
                         print(f"  {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
                     row["kernels"][label] = {"family": family, "us": us, "err": err}
-            for family in ("old", "new", "stream"):
+            for family in ("new", "stream"):
                 fam = {lab: v for lab, v in row["kernels"].items() if v["family"] == family}
                 if fam:
                     best = min(fam, key=lambda lab: fam[lab]["us"])
@@ -115,15 +109,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_probe.json").write_text(json.dumps({"card": card, "copy_bw": bw, "rows": results}, indent=1))
     print(f"\n{card}, copy {bw / 1e12:.2f} TB/s; us per call (x floor = NF4 bytes / copy bandwidth)")
-    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'gemv (old)':>14} {'mma':>14} {'stream':>14}  best"
+    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'stream':>14}  best"
           " configs, max errors")  # fmt: skip
     for r in results:
         f = r["floor_us"]
         cells = [f"{r.get(fam + '_us', float('nan')):6.1f} {r.get(fam + '_us', float('nan')) / f:5.2f}x"
-                 for fam in ("old", "new", "stream")]  # fmt: skip
-        errs = " ".join(f"{r.get(fam + '_err', float('nan')):.1e}" for fam in ("old", "new", "stream"))
+                 for fam in ("new", "stream")]  # fmt: skip
+        errs = " ".join(f"{r.get(fam + '_err', float('nan')):.1e}" for fam in ("new", "stream"))
         print(f"{r['shape']:10} {r['rows']:3} {f:6.1f} {r['bf16_us']:6.1f} {r['bf16_us'] / f:5.2f}x  {'  '.join(cells)}  "
-              f"{r.get('old_best')} {r.get('new_best')} {r.get('stream_best')} {errs}")  # fmt: skip
+              f"{r.get('new_best')} {r.get('stream_best')} {errs}")  # fmt: skip
 
 
 if __name__ == "__main__":

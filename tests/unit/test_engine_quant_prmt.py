@@ -1,7 +1,7 @@
-"""The NF4 register lookup's instruction sequence (engine/quant_prmt.py) on CPU: `emulate_decode` runs the exact
+"""The NF4 register lookup's instruction sequence (engine/quant_prmt.py) on CPU: `emulate_decode16` runs the exact
 program the GPU kernels inline as PTX (prmt/lop3/shr semantics as PTX documents them) and must give every code's
 level (fp16-rounded) for random words and random tables, including the edge codes 0, 7, 8 and 15; the table words,
-the PTX text and the refusals. The PTX itself runs only on a GPU (tests/gpu/test_quant_prmt.py): Triton's CPU
+the PTX text and the refusals. The PTX itself runs only on a GPU (tests/gpu/test_quant_stream.py, test_quant_mma.py): Triton's CPU
 interpreter does not execute inline assembly."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_emulated_program_looks_up_every_code(table: str) -> None:
     levels = code.to(torch.float16).float().tolist()
     edge = [0x00000000, 0xFFFFFFFF, 0x78877887, 0x0F0F0F0F, 0xF0F0F0F0, 0x80808080, 0x07070707, 0x8F7F08F0]
     for word in edge + [rng.getrandbits(32) for _ in range(1500)]:
-        got = quant_prmt.emulate_decode(word, words)
+        got = quant_prmt.emulate_decode16(word, words)
         want = _expected(word, levels)
         # compare bit patterns (signed zeros included)
         assert [torch.tensor(v).half().view(torch.int16).item() for v in got] == [
@@ -67,18 +67,6 @@ def test_bad_tables_are_refused() -> None:
         quant_prmt.lut_words(torch.tensor([1e5] + [0.0] * 15))
     with pytest.raises(ValueError, match="fp16 range"):
         quant_prmt.lut_words(torch.tensor([float("nan")] + [0.0] * 15))
-
-
-def test_ptx_is_the_program() -> None:
-    ptx = quant_prmt.decode_ptx()
-    ops = [op for op, _, _ in quant_prmt.DECODE_PROGRAM]
-    assert ptx.count("prmt.b32") == ops.count("prmt") == 16  # 4 lookups + 2 merges + 2 interleaves, twice
-    assert ptx.count("cvt.f32.f16") == 8 and ptx.count("lop3.b32") == ops.count("andor")
-    for t in range(8):  # every output written, every table word read
-        assert f"${t}," in ptx
-    for operand in range(8, 17):
-        assert f"${operand}" in ptx
-    assert quant_prmt.DECODE_CONSTRAINTS.count("=r") == 8 and quant_prmt.DECODE_CONSTRAINTS.count(",r") == 9
 
 
 @pytest.mark.parametrize("table", ["nf4", "random"])

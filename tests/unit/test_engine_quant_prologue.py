@@ -18,8 +18,6 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 quant_gemv = pytest.importorskip("corolla.engine.quant_gemv")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from corolla.engine import ops as ops_module  # noqa: E402
 from corolla.engine import quant_choices, quant_kernels  # noqa: E402
@@ -123,10 +121,9 @@ def test_prologue_refusals() -> None:
     nf4 = quantize_nf4((torch.randn(64, K) * 0.02).to(DEV), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="INT8 weights only"):
         quant_kernels.quant_matmul(x, nf4, None, BLOCK[0][1], PROLOGUES["rmsnorm"], gain, EPS)
-    with pytest.raises(ValueError, match="runs no prologue"):  # NF4's table GEMVs have none
+    with pytest.raises(ValueError, match="runs no prologue"):  # NF4's table GEMV has none
         quant_gemv.quant_gemv(x, nf4, None, quant_gemv.NF4_GEMV_CONFIGS[0], PROLOGUES["rmsnorm"], gain, EPS)
     assert not quant_choices.fusable(("nf4", 64, K), ("gemv", quant_gemv.NF4_GEMV_CONFIGS[0]))
-    assert quant_choices.fusable(("nf4", 64, K), ("gemv", quant_gemv.DEFAULT_NF4_CONFIG))  # register lookup
     assert not quant_choices.fusable(("nf4", 64, K), BLOCK[0])
     assert not quant_choices.fusable(("int8", N, K), ("gemv", quant_gemv.INT8_GEMV_CONFIGS[-1]))
     assert quant_choices.fusable(("int8", N, K), BLOCK[0]) and quant_choices.fusable(("int8", N, K), GEMV[0])
@@ -187,63 +184,3 @@ def test_the_tuner_keeps_the_faster_of_pair_and_fused(fused_ms: float, monkeypat
     expected = GEMV[0] if fused_ms < 1.0 else None
     assert ops.quant_fused.get((*key, "rmsnorm")) == expected and report["fused"] == expected
     assert report["unfused_us"] == pytest.approx(1000.0)
-
-
-# NF4's register-lookup GEMV decodes with inline PTX, which the interpreter cannot run: on CPU its two PTX helpers
-# are replaced by plain Triton (levels (nibble - 7.5) / 8 in element order, the same block absmax), so the
-# prologue, split and counter logic around them runs as on the GPU (tests/gpu/test_quant_prologue_gpu.py runs
-# the real decode at Llama-3-8B's shapes).
-@triton.jit
-def _emulated_levels(words, t0, t1, t2, t3, t4, t5, t6, t7):
-    t = tl.arange(0, 8)  # element 8c + t: byte t // 2 of word c, high nibble first
-    nibble = (words[:, :, None] >> (8 * (t // 2) + 4 * (1 - t % 2))[None, None, :]) & 15
-    return (nibble.to(tl.float32) - 7.5) / 8.0  # [B, C, 8]
-
-
-@triton.jit
-def _emulated_block_scale(aq_ptrs, nc_ptr, na_ptrs, offset):
-    return tl.load(nc_ptr + tl.load(aq_ptrs).to(tl.int32)) * tl.load(na_ptrs) + offset
-
-
-def _emulated_dense(weight) -> torch.Tensor:
-    # [N, K] fp32 weight the emulated decode reads: (nibble - 7.5) / 8 times the block's absmax
-    n, k = weight.shape
-    nibbles = torch.stack([weight.packed >> 4, weight.packed & 15], dim=-1).reshape(n, k).float()
-    blocks = torch.arange(n * k // 64, device=weight.packed.device)
-    absmax = weight.nested_code[weight.absmax_codes.long()] * weight.nested_absmax[blocks // 256] + weight.nested_offset
-    return (nibbles - 7.5) / 8.0 * absmax.reshape(n, k // 64).repeat_interleave(64, dim=1)
-
-
-@pytest.mark.parametrize("prologue", ["rmsnorm", "silu"])
-@pytest.mark.parametrize("splits", [1, 4, 8])
-def test_nf4_register_lookup_gemv_prologue(prologue: str, splits: int, monkeypatch) -> None:
-    prmt = pytest.importorskip("corolla.engine.quant_prmt_kernels")
-    if DEV.type == "cpu":
-        monkeypatch.setattr(prmt, "_levels", _emulated_levels)
-        monkeypatch.setattr(prmt, "_block_scale", _emulated_block_scale)
-    gen = torch.Generator().manual_seed(20 + splits)
-    weight = quantize_nf4((torch.randn(N, K, generator=gen) * 0.02).to(DEV), dtype=torch.bfloat16)
-    width = 2 * K if prologue == "silu" else K
-    for rows in (1, 3, 8):
-        x = (torch.randn(rows, width, generator=gen) * 3).to(DEV, torch.bfloat16)
-        gain = (torch.rand(K, generator=gen) + 0.5).to(DEV, torch.bfloat16)
-        res = torch.randn(rows, N, generator=gen).to(DEV, torch.bfloat16)
-        code = PROLOGUES[prologue]
-        fused = prmt.nf4_prmt_gemv(x, weight, res, 16, splits, 4, prologue=code, norm_weight=gain, eps=EPS)
-        pre = tk.silu_mul(x) if prologue == "silu" else _norm(x, gain)
-        unfused = prmt.nf4_prmt_gemv(pre, weight, res, 16, splits, 4)
-        dense = _emulated_dense(weight) if DEV.type == "cpu" else weight.dequantize().float()  # [N, K]
-        if prologue == "silu":
-            assert torch.equal(fused, unfused)
-            g, u = x.float().chunk(2, dim=-1)
-            xn = torch.nn.functional.silu(g) * u
-        else:
-            xf = x.float()
-            xn = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * gain.float()
-        ref = xn @ dense.T + res.float()
-        scale = xn.abs() @ dense.abs().T
-        assert ((fused.float() - ref).abs() <= 2.0**-8 * (scale + ref.abs()) + 1e-3).all(), (rows, splits)
-        assert ((fused.float() - unfused.float()).abs() <= 2.0**-7 * (scale + ref.abs()) + 1e-3).all()
-        again = prmt.nf4_prmt_gemv(x, weight, res, 16, splits, 4, prologue=code, norm_weight=gain, eps=EPS)
-        assert torch.equal(again, fused)
-        assert int(weight.split_counters().abs().sum()) == 0

@@ -32,7 +32,7 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
 
 def fusable(key: tuple[str, int, int], choice: Choice) -> bool:
     """Whether the small-row kernel `choice` for shape `key` runs a norm/SiLU prologue (INT8: the block kernel and
-    the byte GEMV; NF4: the register-lookup GEMV)."""
+    the byte GEMV; no NF4 kernel does)."""
     int8 = key[0] == "int8"
     return int8 and choice[0] == "block" or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
 
@@ -61,9 +61,9 @@ def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: d
 
 @torch.inference_mode()
 def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None):
-    """For each quantized shape (kind, N, K) -> [weight per layer], times on a single-row input every dequantize-GEMV
-    config, (NF4 in 16-bit dtypes) every streaming-GEMV config and (INT8, fp32 NF4) every "block" tl.dot config: the fastest serves steps of up to GEMV_MAX_ROWS rows
-    (NF4 in 16-bit dtypes: one row; ops.quant_small); NF4 in 16-bit dtypes: the matrix-unit kernel's 16-row-tile
+    """For each quantized shape (kind, N, K) -> [weight per layer], times on a single-row input every streaming-GEMV
+    config (NF4 in 16-bit dtypes) or every dequantize-GEMV and "block" tl.dot config (INT8, fp32 NF4): the fastest
+    serves steps of up to GEMV_MAX_ROWS rows (NF4 in 16-bit dtypes: one row; ops.quant_small); NF4 in 16-bit dtypes: the matrix-unit kernel's 16-row-tile
     configs on MID_MAX_ROWS rows (2 to MID_MAX_ROWS rows, ops.quant_mid); on a `QUANT_KERNEL_MAX_ROWS`-row input
     the "block" configs (INT8, fp32 NF4) or the matrix-unit kernel's 64-row-tile configs (larger merged steps,
     ops.quant_gemm); each as a CUDA graph over all layers' weights. Then, per prologue (`prologues`: shape -> the
@@ -74,18 +74,19 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
     report = {}
     for key, items in weights.items():
         k = key[2]
-        gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
-        if items[0].dtype == torch.float32:  # the pair table holds 16-bit levels
-            gemv_configs = tuple(c for c in gemv_configs if c[4] == 0)
         one = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
         many = torch.randn(quant_kernels.QUANT_KERNEL_MAX_ROWS, k, device=one.device, dtype=one.dtype)
         # NF4 in 16-bit dtypes: the matrix-unit kernel replaces the tl.dot kernels, which were slower on every
         # Llama-3-8B projection (docs/decisions/0012-nf4-matrix-units.md)
         nf4 = key[0] == "nf4" and items[0].dtype != torch.float32
         block_configs = [] if nf4 else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
-        small_configs = [("gemv", c) for c in gemv_configs] + block_configs
-        if nf4:  # the streaming GEMV (one row per program) against the register-lookup GEMV
-            small_configs += [("stream", c) for c in quant_stream.NF4_STREAM_CONFIGS]
+        # NF4 in 16-bit dtypes: one row on the streaming GEMV, which beat every dequantize-GEMV on an H200
+        # (docs/decisions/0015, 0017); fp32 NF4 weights on the fp32 table GEMV
+        if nf4:
+            small_configs = [("stream", c) for c in quant_stream.NF4_STREAM_CONFIGS]
+        else:
+            gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
+            small_configs = [("gemv", c) for c in gemv_configs] + block_configs
         gemv = time_configs(small_configs, lambda c, w, x=one: quant_kernel(*c)(x, w, None), items, reps)
         mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
         gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]

@@ -9,22 +9,22 @@ projection, bound by the decode (about nine instructions per weight value in the
 its 64-bit address, the nibble/byte extraction, and a shared-memory layout change between the byte load and the
 lookups, which Triton places in different layouts).
 
-NF4 decode (`lut` in the config): 0 = each nibble looked up in the 16-entry fp32 level table (64 bytes: one
-cache line, so a warp's lookups are served in one L1 pass); 1 = each byte looked up in the 256-entry pair table
-(`NF4Weight.pair_levels`: both levels in the compute dtype, one lookup per byte but eight lines per warp); 2 = the
-register lookup of `quant_prmt` (byte permutes, no table loads), in `quant_prmt_kernels`. All are timed by
-`DecodeOps.tune_quantized`. The two nibbles are interleaved back into element order in registers
-(`tl.join`), each 64-value block is summed against x and scaled once by its decoded absmax (uint8 code ->
-nested code table * second-level absmax + offset), accumulated in fp32.
+NF4 decode: each nibble looked up in the 16-entry fp32 level table (64 bytes: one cache line, so a warp's lookups
+are served in one L1 pass); the two nibbles are interleaved back into element order in registers (`tl.join`), each
+64-value block is summed against x and scaled once by its decoded absmax (uint8 code -> nested code table *
+second-level absmax + offset), accumulated in fp32. This serves NF4 weights kept in fp32 (and steps before tuning);
+NF4 in 16-bit dtypes runs one-row steps on quant_stream's streaming GEMV and 2-64 rows on quant_mma's matrix units,
+which beat every GEMV here on an H200 (docs/decisions/0015, 0017: the register-lookup and pair-table GEMVs are
+deleted).
 
 Batch invariance: a row's output is computed by the same instructions in the same K order whatever the other
 rows are: programs take ROWS rows each (1, 2 or 4, by M) and each row has its own accumulator, reduced in a
 fixed order; a split of K is summed in split order by the last program of each output tile to finish (an
 arrival count per tile, `quant_splits`; one launch per projection, not two). DecodeOps serves steps of
 up to `GEMV_MAX_ROWS` rows with one tuned (kernel, config) per weight shape and larger merged steps with another
-(a `tl.dot` kernel); NF4 in three ranges: one row here or on quant_stream's streaming GEMV (whichever the tuner
-timed faster: on an H200 the streaming GEMV for every Llama-3-8B projection, docs/decisions/0015), 2 to 16 and 17
-to 64 rows on quant_mma's matrix-unit kernel (16- and 64-row tiles). Those round differently, so a row's output depends on which row range its step
+(a `tl.dot` kernel); NF4 in 16-bit dtypes in three ranges: one row on quant_stream's streaming GEMV, 2 to 16 and
+17 to 64 rows on quant_mma's matrix-unit kernel (16- and 64-row tiles). Those round differently, so a row's output
+depends on which row range its step
 fell in (each within fp32-accumulation error of the reference), never on the other rows' values.
 CUDA-graph safe: static shapes, no host synchronization. Importing fails without Triton."""
 
@@ -35,75 +35,46 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import Int8Weight, NF4Weight, counters_for_tiles
+from corolla.engine.quant_int8_words import int8_words_gemv
 from corolla.engine.quant_splits import (
     PROLOGUES,
     check_prologue,
+    finish_row,
     finish_split_rows,
     launch_options,
     programmatic_launch,
     prologue_width,
     prologue_x,
-    row_mask,
+    rows_per_program,
     rstd_of,
     wait_for_producer,
 )
 
 GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
 
-# (BLOCK_N, 64-value blocks per step, K splits, num_warps, lut) for NF4; (BLOCK_N, BLOCK_K, K splits, num_warps,
-# kernel) for Int8. Splits are a run-time argument. NF4 lut 2 (quant_prmt_kernels' register-lookup GEMV, one
-# 64-value block per step) beat both table lookups (lut 0, 1) on every Llama-3-8B projection on an H100 by 1.5-1.8x
-# (benchmarks/results/quant-nvidia-h100-80gb-hbm3-20261126-2041.json); kept of it: the tilings that came within 10%
-# of the best on some shape; of the table GEMVs one config each, as the baseline the bench reports. Int8 kernel 0
+# (BLOCK_N, 64-value blocks per step, K splits, num_warps, 0) for NF4 (the fp32 table GEMV); (BLOCK_N, BLOCK_K, K
+# splits, num_warps, kernel) for Int8. Splits are a run-time argument. Int8 kernel 0
 # = this module's byte GEMV ([8, 256] won three of four shapes on the H100 at 17:12, [16, 128] with 4 splits came
 # within 4% on the fourth), 1 = quant_int8_words' word GEMV (byte-permute conversion instead of I2F): within 3-15%
 # of the byte GEMV, never the fastest on the H100 (20:34, 20:41); its two closest tilings are kept as candidates.
 # With the split sums in the GEMV (quant_splits, no second kernel) the H100 at 2026-11-27 02:32 also timed the byte
 # GEMV with 16 splits and with [8, 512] steps (2, 4, 8 splits): none came within 10% of the best on any shape
 # (w_o: 11.9-17.5 us vs 10.4), so they are not offered (each candidate costs warm-up time).
-NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    (32, 2, 8, 4, 0),
-    (32, 2, 8, 4, 1),
-    *((128, 1, s, 4, 2) for s in (4, 8, 16, 32)),
-    (256, 1, 16, 4, 2),
-    (64, 1, 16, 4, 2),
-)
+NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((32, 2, 8, 4, 0),)
 INT8_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     *((8, 256, s, 4, 0) for s in (1, 2, 4, 8)),
     (16, 128, 4, 4, 0),
     (64, 64, 8, 4, 1),
     (128, 64, 16, 4, 1),
 )
-DEFAULT_NF4_CONFIG = (128, 1, 8, 4, 2)  # before (or without) tuning
+DEFAULT_NF4_CONFIG = NF4_GEMV_CONFIGS[0]  # before (or without) tuning
 DEFAULT_INT8_CONFIG = (8, 256, 2, 4, 0)
 
 
 def fusable(int8: bool, config: tuple[int, int, int, int, int]) -> bool:
     """Whether the GEMV for `config` on an INT8 (`int8`) or NF4 weight runs a prologue (RMSNorm / SiLU gating,
-    quant_splits): the INT8 byte GEMV and NF4's register-lookup GEMV (quant_prmt_kernels)."""
-    if int8:
-        return config in INT8_GEMV_CONFIGS and config[4] == 0
-    return config in NF4_GEMV_CONFIGS and config[4] == 2
-
-
-def rows_per_program(m: int) -> int:
-    """Rows one program multiplies against its decoded weight tile (each with its own accumulator)."""
-    return 1 if m == 1 else 2 if m == 2 else 4
-
-
-@triton.jit
-def finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
-                USE_WS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
-    # vals [BLOCK_N] fp32 of one row: finished here (scale, residual, cast) or kept as a split's partial sum
-    mask = row_mask(offs_n, N, row, M)
-    if USE_WS:
-        tl.store(ws_ptr + (split * M + row) * N + offs_n, vals, mask=mask)
-    else:
-        if HAS_SCALE:
-            vals = vals * tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)
-        if HAS_RES:
-            vals += tl.load(res_ptr + row * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_om + offs_n, vals.to(out_ptr.dtype.element_ty), mask=mask)
+    quant_splits): the INT8 byte GEMV only."""
+    return int8 and config in INT8_GEMV_CONFIGS and config[4] == 0
 
 
 @triton.jit
@@ -121,7 +92,7 @@ def _nf4_gemv_kernel(
     aq_ptr,
     na_ptr,
     nc_ptr,
-    lut_ptr,
+    lut_ptr,  # [16] fp32 levels
     ws_ptr,
     res_ptr,
     out_ptr,
@@ -138,7 +109,6 @@ def _nf4_gemv_kernel(
     BLOCK_N: tl.constexpr,
     NB: tl.constexpr,
     ROWS: tl.constexpr,
-    LUT: tl.constexpr,
     USE_WS: tl.constexpr,
     HAS_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -150,7 +120,6 @@ def _nf4_gemv_kernel(
     split = tl.program_id(1)
     row0 = tl.program_id(2) * ROWS
     BB: tl.constexpr = NB * 32  # packed bytes per row per step
-    dt = x_ptr.dtype.element_ty
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_bb = tl.arange(0, BB)
@@ -172,13 +141,8 @@ def _nf4_gemv_kernel(
             mask=n_mask[:, None] & (cols < row_bytes)[None, :],
             other=0,
         )  # [BLOCK_N, BB] uint8
-        if LUT == 0:
-            hi = tl.load(lut_ptr + (byte >> 4).to(tl.int32))  # [BLOCK_N, BB] fp32
-            lo = tl.load(lut_ptr + (byte & 15).to(tl.int32))
-        else:
-            pair = tl.load(lut_ptr + byte.to(tl.int32))  # [BLOCK_N, BB] int32: level(hi) bits << 16 | level(lo)
-            hi = (pair >> 16).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
-            lo = (pair & 0xFFFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
+        hi = tl.load(lut_ptr + (byte >> 4).to(tl.int32))  # [BLOCK_N, BB] fp32
+        lo = tl.load(lut_ptr + (byte & 15).to(tl.int32))
         w = tl.reshape(tl.join(hi, lo), [BLOCK_N, NB, 64])  # [BLOCK_N, NB, 64] levels in element order
         gb = offs_n[:, None] * kb + b0 + offs_nb[None, :]  # [BLOCK_N, NB] absmax block index
         smask = n_mask[:, None] & ((b0 + offs_nb) < kb)[None, :]
@@ -337,7 +301,7 @@ def quant_gemv(
 ) -> torch.Tensor:
     """f(x) [M, K] (M <= GEMV_MAX_ROWS, last dim contiguous, the weight's dtype) @ W[N, K]^T (+ residual [M, N])
     -> [M, N] in the weight's dtype. `config` is one of NF4_GEMV_CONFIGS / INT8_GEMV_CONFIGS (ValueError for a
-    config of the other kind, a bad shape or a pair-table lookup on fp32). f = `prologue` (quant_splits.PROLOGUES;
+    config of the other kind or a bad shape). f = `prologue` (quant_splits.PROLOGUES;
     the INT8 byte GEMV only): the identity, RMSNorm with `norm_weight` [K] and `eps`, or SiLU gating of x [M, 2K]."""
     m, kx = x.shape
     n, k = weight.shape
@@ -348,22 +312,14 @@ def quant_gemv(
         )
     check_prologue(k, prologue, norm_weight)
     if prologue and not fusable(isinstance(weight, Int8Weight), config):
-        raise ValueError(f"{config} runs no prologue (the INT8 byte and NF4 register-lookup GEMVs do)")
+        raise ValueError(f"{config} runs no prologue (the INT8 byte GEMV does)")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be a [{m}, {n}] tensor with a contiguous last dim")
-    block_n, block_k, splits, warps, lut = config
+    block_n, block_k, splits, warps, kernel = config
     if splits < 1 or block_n < 1 or block_k < 1:
         raise ValueError(f"bad GEMV config {config}")
-    if isinstance(weight, NF4Weight) and config in NF4_GEMV_CONFIGS and lut == 2 and weight.dtype != torch.float32:
-        from corolla.engine import quant_prmt_kernels  # imports this module's kernels (a cycle at import time)
-
-        return quant_prmt_kernels.nf4_prmt_gemv(
-            x, weight, residual, block_n, splits, warps, prologue=prologue, norm_weight=norm_weight, eps=eps
-        )
-    if isinstance(weight, Int8Weight) and config in INT8_GEMV_CONFIGS and lut == 1:
-        from corolla.engine import quant_int8_words  # imports this module's kernels (a cycle at import time)
-
-        return quant_int8_words.int8_words_gemv(x, weight, residual, block_n, block_k, splits, warps)
+    if isinstance(weight, Int8Weight) and config in INT8_GEMV_CONFIGS and kernel == 1:
+        return int8_words_gemv(x, weight, residual, block_n, block_k, splits, warps)
     rows = rows_per_program(m)
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     use_ws = splits > 1
@@ -376,14 +332,12 @@ def quant_gemv(
     if isinstance(weight, NF4Weight):
         if config not in NF4_GEMV_CONFIGS:
             raise ValueError(f"{config} is not an NF4 GEMV config")
-        if lut >= 1 and weight.dtype == torch.float32:
-            raise ValueError("the NF4 pair table and register lookup hold 16-bit levels: fp32 weights take lut=0")
         blocks = block_k  # 64-value blocks per step
         _nf4_gemv_kernel[grid](
             x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code,
-            weight.code if lut == 0 else weight.pair_levels, ws, res, out, counters,
+            weight.code, ws, res, out, counters,
             m, n, k, x.stride(0), weight.packed.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
-            BLOCK_N=block_n, NB=blocks, ROWS=rows, LUT=lut, USE_WS=use_ws, HAS_RES=residual is not None,
+            BLOCK_N=block_n, NB=blocks, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None,
             USE_PDL=pdl, num_warps=warps, **launch_options(pdl),
         )  # fmt: skip
     else:

@@ -20,8 +20,14 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import Int8Weight, counters_for_tiles
-from corolla.engine.quant_gemv import finish_row, rows_per_program
-from corolla.engine.quant_splits import finish_split_rows, launch_options, programmatic_launch, wait_for_producer
+from corolla.engine.quant_splits import (
+    finish_row,
+    finish_split_rows,
+    launch_options,
+    programmatic_launch,
+    rows_per_program,
+    wait_for_producer,
+)
 
 
 @triton.jit

@@ -5,19 +5,16 @@ levels 0-3, ...) and their high bytes four more, H0..H3 (`lut_words`). One `prmt
 out of the eight of {b, a} by four 3-bit indices (the low 16 bits of `sel`), so for four codes at once:
 `prmt(L0, L1, codes & 7)` gives the low bytes of their levels if each code is < 8, `prmt(L2, L3, codes & 7)` if each
 is >= 8, and a third `prmt` with the selector `0x3210 + 4 * bit3(code)` per byte merges the two by bit 3 of each
-code; the same for the high bytes; two more `prmt`s interleave low and high bytes into two fp16x2 words. One packed
-32-bit word (4 bytes, 8 codes) costs 5 selector instructions + 2 x 8 permutes + 8 fp16 -> fp32 conversions, all in
-registers, instead of 8 table loads with 64-bit addresses and the byte-to-lookup layout change through shared
-memory of the table kernels (benchmarks/results/quant-notes-20261126.md).
+code; the same for the high bytes; two more `prmt`s interleave low and high bytes into two fp16x2 words in element
+order (element 2j in the low half). One packed 32-bit word (4 bytes, 8 codes) costs 5 selector instructions + 2 x 8
+permutes (`DECODE16_PROGRAM`), all in registers, instead of 8 table loads: the operand of the matrix units (quant_mma)
+and, with 4 fp16x2 products, the streaming GEMV's dot program (`DOT16_PROGRAM`, quant_stream).
 
-`DECODE16_PROGRAM` stops before the conversions: the same lookups, then two permutes per four codes give fp16x2 words
-in element order (element 2j in the low half), the operand of the matrix units (quant_mma): 21 instructions per word
-instead of 37.
-
-`DECODE_PROGRAM` is that instruction sequence as data: `decode_ptx` writes it as the inline PTX of the kernels in
-`quant_prmt_kernels`, and `emulate_decode` runs the same list on CPU integers (the instructions' documented
-semantics), so the CPU tests check the exact sequence the GPU runs. Levels are rounded to fp16 once (relative error
-<= 2^-11, below the bf16 rounding of bitsandbytes' own dequantized weight); the sums stay in fp32."""
+The programs are instruction sequences as data: `decode16_ptx` / `dot16_ptx` write them as inline PTX and
+`emulate_decode16` / `emulate_dot16` run the same lists on CPU integers (the instructions' documented semantics), so
+the CPU tests check the exact sequence the GPU runs. Levels are rounded to fp16 once (relative error <= 2^-11, below
+the bf16 rounding of bitsandbytes' own dequantized weight). (The fp32 variant of the lookup, 8 conversions per word,
+served the register-lookup GEMV, deleted: docs/decisions/0017.)"""
 
 from __future__ import annotations
 
@@ -26,49 +23,35 @@ import struct
 import torch
 
 # Operand names: "w" = the packed word (4 bytes: code 2j in the high nibble of byte j, 2j + 1 in the low one),
-# "L0".."L3", "H0".."H3" = the table words, "o0".."o7" = the fp32 levels of the word's 8 codes in element order,
-# anything else a scratch register; ints are immediates.
-DECODE_PROGRAM: tuple[tuple[str, str, tuple[str | int, ...]], ...] = (
+# "L0".."L3", "H0".."H3" = the table words, "e0".."e3" = fp16x2 words of elements (0, 1), (2, 3), (4, 5), (6, 7), the
+# even element in the low half; anything else a scratch register; ints are immediates.
+_SELECTORS: tuple[tuple[str, str, tuple[str | int, ...]], ...] = (
     ("and", "i", ("w", 0x77777777)),  # every code's 3-bit index (bit 3 cleared: no sign-replicate mode)
     ("shr", "j", ("i", 16)),  # indices of codes 4-7 (byte order: lo2, hi2, lo3, hi3) into the low 16 bits
     ("shr", "s", ("w", 1)),  # bit 3 of each code to bit 2 of its nibble
     ("andor", "m", ("s", 0x44444444, 0x32103210)),  # merge selectors: nibble k = (k mod 4) + 4 * bit3(code k)
     ("shr", "n", ("m", 16)),  # those of codes 4-7 into the low 16 bits (prmt reads only sel[15:0])
-    # codes 0-3 (nibble order: lo0, hi0, lo1, hi1 = elements 1, 0, 3, 2)
-    ("prmt", "a", ("L0", "L1", "i")),
-    ("prmt", "b", ("L2", "L3", "i")),
-    ("prmt", "p", ("a", "b", "m")),  # low bytes of the 4 levels
-    ("prmt", "a", ("H0", "H1", "i")),
-    ("prmt", "b", ("H2", "H3", "i")),
-    ("prmt", "q", ("a", "b", "m")),  # high bytes
-    ("prmt", "a", ("p", "q", 0x5140)),  # fp16x2: element 1 (low half), element 0 (high half)
-    ("prmt", "b", ("p", "q", 0x7362)),  # elements 3, 2
-    ("cvtlo", "o1", ("a",)),
-    ("cvthi", "o0", ("a",)),
-    ("cvtlo", "o3", ("b",)),
-    ("cvthi", "o2", ("b",)),
-    # codes 4-7
-    ("prmt", "a", ("L0", "L1", "j")),
-    ("prmt", "b", ("L2", "L3", "j")),
-    ("prmt", "p", ("a", "b", "n")),
-    ("prmt", "a", ("H0", "H1", "j")),
-    ("prmt", "b", ("H2", "H3", "j")),
-    ("prmt", "q", ("a", "b", "n")),
-    ("prmt", "a", ("p", "q", 0x5140)),
-    ("prmt", "b", ("p", "q", 0x7362)),
-    ("cvtlo", "o5", ("a",)),
-    ("cvthi", "o4", ("a",)),
-    ("cvtlo", "o7", ("b",)),
-    ("cvthi", "o6", ("b",)),
 )
-# The fp16 variant: the same selectors and lookups; outputs "e0".."e3" are fp16x2 words of elements (0, 1), (2, 3),
-# (4, 5), (6, 7), the even element in the low half (byte k of p / q: low / high byte of nibble k's level, nibbles in
-# the order of elements 1, 0, 3, 2).
+
+
+def _lookups(index: str, merge: str) -> tuple[tuple[str, str, tuple[str | int, ...]], ...]:
+    # four codes (nibble order: lo0, hi0, lo1, hi1 = elements 1, 0, 3, 2): p = low bytes of their levels, q = high
+    return (
+        ("prmt", "a", ("L0", "L1", index)),
+        ("prmt", "b", ("L2", "L3", index)),
+        ("prmt", "p", ("a", "b", merge)),
+        ("prmt", "a", ("H0", "H1", index)),
+        ("prmt", "b", ("H2", "H3", index)),
+        ("prmt", "q", ("a", "b", merge)),
+    )
+
+
 DECODE16_PROGRAM: tuple[tuple[str, str, tuple[str | int, ...]], ...] = (
-    *DECODE_PROGRAM[:11],  # selectors and the lookups of codes 0-3 (p: low bytes, q: high bytes)
+    *_SELECTORS,
+    *_lookups("i", "m"),  # codes 0-3
     ("prmt", "e0", ("p", "q", 0x4051)),  # elements 0 (low half), 1
     ("prmt", "e1", ("p", "q", 0x6273)),  # elements 2, 3
-    *DECODE_PROGRAM[17:23],  # the lookups of codes 4-7
+    *_lookups("j", "n"),  # codes 4-7
     ("prmt", "e2", ("p", "q", 0x4051)),
     ("prmt", "e3", ("p", "q", 0x6273)),
 )
@@ -110,27 +93,19 @@ def _f16_to_f32(half_bits: int) -> float:
     return struct.unpack("<e", struct.pack("<H", half_bits & 0xFFFF))[0]
 
 
-def emulate_decode(word: int, table: tuple[int, ...]) -> list[float]:
-    """Runs DECODE_PROGRAM on one packed word (0 <= word < 2^32) and the table words: the 8 levels in element
-    order (the CPU twin of the inline PTX)."""
-    _, outs = _run(DECODE_PROGRAM, word, table)
-    return [outs[f"o{t}"] for t in range(8)]
-
-
 def emulate_decode16(word: int, table: tuple[int, ...]) -> list[float]:
     """Runs DECODE16_PROGRAM on one packed word and the table words: the 8 levels in element order, read from the
     fp16 halves of its 4 output words (the CPU twin of `decode16_ptx`)."""
-    regs, _ = _run(DECODE16_PROGRAM, word, table)
+    regs = _run(DECODE16_PROGRAM, word, table)
     return [_f16_to_f32(regs[f"e{t // 2}"] >> (16 * (t % 2))) for t in range(8)]
 
 
 def _run(
     program: tuple[tuple[str, str, tuple[str | int, ...]], ...], word: int, table: tuple[int, ...]
-) -> tuple[dict[str, int], dict[str, float]]:
-    # the instructions' documented semantics on CPU integers: (registers, converted outputs)
+) -> dict[str, int]:
+    # the instructions' documented semantics on CPU integers: the registers after the program
     regs: dict[str, int] = {"w": word & MASK32}
     regs.update({name: value & MASK32 for name, value in zip(TABLE_OPERANDS, table, strict=True)})
-    outs: dict[str, float] = {}
 
     def val(x: str | int) -> int:
         return x if isinstance(x, int) else regs[x]
@@ -144,45 +119,9 @@ def _run(
             regs[dst] = (val(src[0]) & val(src[1])) | val(src[2])
         elif op == "prmt":
             regs[dst] = _prmt(val(src[0]), val(src[1]), val(src[2]))
-        elif op == "cvtlo":
-            outs[dst] = _f16_to_f32(val(src[0]))
-        elif op == "cvthi":
-            outs[dst] = _f16_to_f32(val(src[0]) >> 16)
         else:
             raise ValueError(f"unknown decode op {op!r}")
-    return regs, outs
-
-
-def decode_ptx() -> str:
-    """DECODE_PROGRAM as inline PTX for `tl.inline_asm_elementwise`: outputs $0..$7 (fp32 bits), inputs $8 (the
-    word) and $9..$16 (the table words)."""
-    operand = {f"o{t}": f"${t}" for t in range(8)}
-    operand["w"] = "$8"
-    operand.update({name: f"${9 + i}" for i, name in enumerate(TABLE_OPERANDS)})
-    operand.update({name: f"%{name}" for name in _SCRATCH})
-
-    def ref(x: str | int) -> str:
-        return f"0x{x:08x}" if isinstance(x, int) else operand[x]
-
-    lines = ["{", ".reg .b32 " + ", ".join(f"%{n}" for n in _SCRATCH) + ";", ".reg .b16 %hlo, %hhi;"]
-    for op, dst, src in DECODE_PROGRAM:
-        d = operand[dst]
-        if op == "and":
-            lines.append(f"and.b32 {d}, {ref(src[0])}, {ref(src[1])};")
-        elif op == "shr":
-            lines.append(f"shr.u32 {d}, {ref(src[0])}, {int(src[1])};")
-        elif op == "andor":  # lop3 truth table of (a & b) | c
-            lines.append(f"lop3.b32 {d}, {ref(src[0])}, {ref(src[1])}, {ref(src[2])}, 0xEA;")
-        elif op == "prmt":
-            lines.append(f"prmt.b32 {d}, {ref(src[0])}, {ref(src[1])}, {ref(src[2])};")
-        elif op in ("cvtlo", "cvthi"):
-            lines.append(f"mov.b32 {{%hlo, %hhi}}, {ref(src[0])};")
-            lines.append(f"cvt.f32.f16 {d}, {'%hlo' if op == 'cvtlo' else '%hhi'};")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-DECODE_CONSTRAINTS = ",".join(["=r"] * 8 + ["r"] * 9)
+    return regs
 
 
 def decode16_ptx() -> str:
@@ -293,7 +232,7 @@ def emulate_dot16(word: int, xs: tuple[int, ...], table: tuple[int, ...]) -> flo
     `dot16_ptx`; each fp16 operation rounded once, to nearest even, via float64, which holds every product exactly)."""
     if len(xs) != 4:
         raise ValueError(f"the dot program takes 4 fp16x2 x words, got {len(xs)}")
-    regs, _ = _run(DECODE16_PROGRAM, word, table)
+    regs = _run(DECODE16_PROGRAM, word, table)
     regs.update({f"x{i}": value & MASK32 for i, value in enumerate(xs)})
 
     def h16(value: float) -> int:

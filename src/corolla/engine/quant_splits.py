@@ -1,5 +1,6 @@
 """Split-K sums inside the quantized GEMV/GEMM kernels themselves (no second kernel), shared by the NF4 and INT8
-kernels of quant_gemv, quant_int8_words, quant_prmt_kernels and quant_kernels.
+kernels of quant_gemv, quant_int8_words, quant_stream, quant_mma and quant_kernels, and the row helpers they share
+(`rows_per_program`, `finish_row`), so that none of those modules imports another's kernels.
 
 A kernel that splits K over `splits` programs per output tile stores each program's fp32 partial sums in a
 workspace ws[split, M, N], then every program counts itself in the tile's arrival counter (`arrive_last`: a CTA
@@ -18,8 +19,10 @@ Programmatic dependent launch (an experiment, off unless `set_programmatic_launc
 --programmatic_launch` measures it): on sm_90+ the kernels are launched with `launch_pdl`, so their programs may
 start while the kernel before them (RMSNorm, attention, SiLU) finishes; each waits (`wait_for_producer`,
 griddepcontrol.wait: the previous grid complete and its writes visible) before it reads anything another kernel
-wrote (x, residual) and before it writes; only the immutable weight bytes may be read before.
-Prologues (`PROLOGUES`; the INT8 tl.dot block kernel and byte GEMV, NF4's register-lookup GEMV; decode rows): "rmsnorm" scales x by the
+wrote (x, residual) and before it writes; only the immutable weight bytes may be read before. The kernels before the projections of a decode step (RMSNorm,
+paged attention, SiLU gating: triton_kernels) call `release_dependents` first, so the next projection's programs
+start while they run and fetch their first weight bytes (quant_stream) during them.
+Prologues (`PROLOGUES`; the INT8 tl.dot block kernel and byte GEMV; decode rows): "rmsnorm" scales x by the
 norm's gain per k as it is loaded (fp32, not rounded to x's dtype before the product, as the separate kernel's
 output is) and sums x^2 over the program's K range; the row's 1/rms multiplies the finished dot product (before the
 column scale and the residual). With a split each program also stores its partial sum of squares in ss[split, M,
@@ -77,6 +80,14 @@ def wait_for_producer(USE_PDL: tl.constexpr):
     # with programmatic launch: wait until the previous kernel completed and its writes are visible
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def release_dependents(USE_PDL: tl.constexpr):
+    # with programmatic launch: let the next kernel's programs start now (they wait for this grid to complete before
+    # reading its output: `wait_for_producer`), so that they load their weights while this kernel runs
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -139,6 +150,26 @@ def split_rstd(ss_ptr, rows, tile, M, n_tiles, splits, K, eps):
     for s in range(1, splits):
         sq += tl.load(ptrs + s * M * n_tiles, mask=mask, other=0.0, cache_modifier=".cg")
     return rstd_of(sq, K, eps)
+
+
+def rows_per_program(m: int) -> int:
+    """Rows one program multiplies against its decoded weight tile (each with its own accumulator)."""
+    return 1 if m == 1 else 2 if m == 2 else 4
+
+
+@triton.jit
+def finish_row(vals, row, offs_n, M, N, split, ws_ptr, res_ptr, cs_ptr, out_ptr, stride_rm, stride_om,
+                USE_WS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
+    # vals [BLOCK_N] fp32 of one row: finished here (scale, residual, cast) or kept as a split's partial sum
+    mask = row_mask(offs_n, N, row, M)
+    if USE_WS:
+        tl.store(ws_ptr + (split * M + row) * N + offs_n, vals, mask=mask)
+    else:
+        if HAS_SCALE:
+            vals = vals * tl.load(cs_ptr + offs_n, mask=offs_n < N, other=0.0)
+        if HAS_RES:
+            vals += tl.load(res_ptr + row * stride_rm + offs_n, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_om + offs_n, vals.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -17,7 +17,8 @@ Numerics: fp16 levels (relative error <= 2^-11), fp16 products and 4-term sums (
 within the bf16 rounding of bitsandbytes' dequantized weights. Speed: bound by the decode's integer instructions
 (16 byte permutes per 8 values on the half-rate integer pipe), not by the bytes (docs/decisions/0015). Batch
 invariance: one row per program, the same instructions in the same K order whatever the other rows hold.
-CUDA-graph safe. Importing fails without Triton; the inline PTX runs on NVIDIA GPUs only (`quant_prmt.emulate_dot16`
+With programmatic launch on (quant_splits) the program loads its absmax codes and prefetches its first
+step's weight lines into L2 before it waits for the previous kernel. CUDA-graph safe. Importing fails without Triton; the inline PTX runs on NVIDIA GPUs only (`quant_prmt.emulate_dot16`
 is its CPU twin)."""
 
 from __future__ import annotations
@@ -27,10 +28,15 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import NF4Weight, counters_for_tiles
-from corolla.engine.quant_gemv import finish_row
 from corolla.engine.quant_mma import absmax_lookup
 from corolla.engine.quant_prmt import DOT16_CONSTRAINTS, dot16_ptx
-from corolla.engine.quant_splits import finish_split_rows
+from corolla.engine.quant_splits import (
+    finish_row,
+    finish_split_rows,
+    launch_options,
+    programmatic_launch,
+    wait_for_producer,
+)
 
 # (BLOCK_N, 64-value blocks per step, K splits, num_warps, pipeline stages): the tilings within 5% of the best on
 # some Llama-3-8B projection on an H200 (`python -m benchmarks.engine.quant_probe --rows 1 --stream_sweep`; 8 blocks
@@ -81,6 +87,15 @@ def _absmax_loads(aq_ptrs, na_ptrs):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    # the cache line at each pointer into L2 (a row's step of NB * 32 bytes: at most 128, one line); not pure, so
+    # that it stays where it stands (before the wait for the previous kernel)
+    return tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _word_dots(words, x_ptrs, t0, t1, t2, t3, t4, t5, t6, t7, X_BF16: tl.constexpr):
     # words [B, W] int32, x_ptrs [1, W] (8 values of x each, 16-byte aligned) -> [B, W] fp32 dot products.
     # x is loaded in inline PTX so that it takes the layout of its use (as the scales: a tl.load anchors its own)
@@ -100,7 +115,7 @@ def _nf4_stream_kernel(
     M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits, out_scale,
     t0, t1, t2, t3, t4, t5, t6, t7,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, X_BF16: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # program (n tile, split, row): W[n tile, the split's steps of NB blocks] against x[row]. q_ptr: the packed bytes
     # as int32 words (8 per block and row), stride_qn in words per row. Rows past N are clamped into bounds (loads
@@ -127,6 +142,9 @@ def _nf4_stream_kernel(
     # second-level absmaxes are loaded a step ahead in registers
     first = blocks + tl.minimum(lo, steps - 1) * NB  # (a split past the last step runs no step: stores zeros)
     code, nested = _absmax_loads(aq_ptr + first, na_ptr + first // 256)
+    if USE_PDL:  # programmatic launch: the first step's weight lines into L2 while the previous kernel runs
+        _prefetch_l2(q_ptr + rows * stride_qn + tl.minimum(lo, steps - 1) * WORDS)  # [BLOCK_N]: a row's step
+    wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
     for s in tl.range(lo, hi, num_stages=STAGES):
         nxt = blocks + tl.minimum(s + 1, steps - 1) * NB  # [BLOCK_N, NB] (the last step re-reads its own)
         code_next, nested_next = _absmax_loads(aq_ptr + nxt, na_ptr + nxt // 256)
@@ -181,11 +199,12 @@ def nf4_stream_gemv(
     grid = (triton.cdiv(n, block_n), splits, m)
     counters = counters_for_tiles(weight, grid[0] * m) if use_ws else words  # (not read without a split)
     x_bf16 = weight.dtype == torch.bfloat16
+    pdl = programmatic_launch(x.device)
     _nf4_stream_kernel[grid](
         x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out, counters,
         m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
         1.0 / X_SCALE if x_bf16 else 1.0, *weight.lut_words,
         BLOCK_N=block_n, NB=nb, X_BF16=x_bf16, USE_WS=use_ws, HAS_RES=residual is not None, STAGES=stages,
-        num_warps=warps,
+        USE_PDL=pdl, num_warps=warps, **launch_options(pdl),
     )  # fmt: skip
     return out
