@@ -105,7 +105,6 @@ def test_gemv_refuses_bad_calls() -> None:
 _SPLIT_CASES = [
     ("int8", "gemv", (8, 256, 8, 4, 0)),
     ("int8", "gemv", (16, 128, 4, 4, 0)),
-    ("int8", "gemv", (64, 64, 8, 4, 1)),  # the word GEMV (quant_int8_words)
     ("nf4", "gemv", (32, 2, 8, 4, 0)),  # the table GEMV
     ("int8", "block", (32, 128, 8, 4, 3)),
     ("nf4", "block", (16, 256, 4, 4, 3)),
@@ -150,7 +149,6 @@ def test_split_k_sums_in_kernel_are_deterministic_and_replay_safe(kind, kernel, 
 _PDL_CASES = [
     ("int8", "gemv", (8, 256, 1, 4, 0)),
     ("int8", "gemv", (8, 256, 4, 4, 0)),
-    ("int8", "gemv", (64, 64, 8, 4, 1)),
     ("nf4", "gemv", (32, 2, 8, 4, 0)),
     ("nf4", "stream", (64, 4, 4, 4, 2)),
     ("nf4", "stream", (64, 2, 1, 4, 2)),

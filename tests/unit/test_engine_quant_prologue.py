@@ -116,8 +116,6 @@ def test_prologue_refusals() -> None:
         quant_gemv.quant_gemv(x, weight, None, GEMV[0][1], 7)
     with pytest.raises(ValueError, match="\\[1..8, 4096\\]"):  # SiLU reads [gate | up]
         quant_gemv.quant_gemv(x, weight, None, GEMV[0][1], PROLOGUES["silu"])
-    with pytest.raises(ValueError, match="runs no prologue"):  # the word GEMV (PTX) has none
-        quant_gemv.quant_gemv(x, weight, None, quant_gemv.INT8_GEMV_CONFIGS[-1], PROLOGUES["rmsnorm"], gain, EPS)
     nf4 = quantize_nf4((torch.randn(64, K) * 0.02).to(DEV), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="INT8 weights only"):
         quant_kernels.quant_matmul(x, nf4, None, BLOCK[0][1], PROLOGUES["rmsnorm"], gain, EPS)
@@ -125,7 +123,7 @@ def test_prologue_refusals() -> None:
         quant_gemv.quant_gemv(x, nf4, None, quant_gemv.NF4_GEMV_CONFIGS[0], PROLOGUES["rmsnorm"], gain, EPS)
     assert not quant_choices.fusable(("nf4", 64, K), ("gemv", quant_gemv.NF4_GEMV_CONFIGS[0]))
     assert not quant_choices.fusable(("nf4", 64, K), BLOCK[0])
-    assert not quant_choices.fusable(("int8", N, K), ("gemv", quant_gemv.INT8_GEMV_CONFIGS[-1]))
+    assert not quant_choices.fusable(("int8", N, K), ("stream", (64, 4, 4, 4, 2)))
     assert quant_choices.fusable(("int8", N, K), BLOCK[0]) and quant_choices.fusable(("int8", N, K), GEMV[0])
 
 
@@ -169,7 +167,7 @@ def test_the_tuner_keeps_the_faster_of_pair_and_fused(fused_ms: float, monkeypat
     weight, *_ = _inputs(torch.bfloat16, 1, seed=9)
     ops = _triton_ops()
     key = quant_key(weight)
-    timings = {GEMV[0]: 1.0, ("gemv", quant_gemv.INT8_GEMV_CONFIGS[-1]): 0.9, BLOCK[1]: 1.2, GEMV[2]: 1.1}
+    timings = {GEMV[0]: 1.0, ("stream", (64, 4, 4, 4, 2)): 0.9, BLOCK[1]: 1.2, GEMV[2]: 1.1}
     monkeypatch.setattr(quant_choices, "graph_median_ms", lambda fn, reps: 1.0)  # the pair
     timed: list = []
 
@@ -180,7 +178,7 @@ def test_the_tuner_keeps_the_faster_of_pair_and_fused(fused_ms: float, monkeypat
     monkeypatch.setattr(quant_choices, "time_configs", fake_time)
     ops.quant_fused[(*key, "rmsnorm")] = BLOCK[2]  # a stale choice is replaced
     report = quant_choices.tune_prologue(ops, key, [weight], "rmsnorm", GEMV[0], timings, 3)
-    assert timed == [GEMV[0], GEMV[2], BLOCK[1]]  # the three fastest that fuse (the word GEMV does not)
+    assert timed == [GEMV[0], GEMV[2], BLOCK[1]]  # the three fastest that fuse (a streaming GEMV does not)
     expected = GEMV[0] if fused_ms < 1.0 else None
     assert ops.quant_fused.get((*key, "rmsnorm")) == expected and report["fused"] == expected
     assert report["unfused_us"] == pytest.approx(1000.0)

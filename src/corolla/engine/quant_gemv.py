@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from corolla.engine.quant import Int8Weight, NF4Weight, counters_for_tiles
-from corolla.engine.quant_int8_words import int8_words_gemv
 from corolla.engine.quant_splits import (
     PROLOGUES,
     check_prologue,
@@ -53,10 +52,10 @@ from corolla.engine.quant_splits import (
 GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
 
 # (BLOCK_N, 64-value blocks per step, K splits, num_warps, 0) for NF4 (the fp32 table GEMV); (BLOCK_N, BLOCK_K, K
-# splits, num_warps, kernel) for Int8. Splits are a run-time argument. Int8 kernel 0
-# = this module's byte GEMV ([8, 256] won three of four shapes on the H100 at 17:12, [16, 128] with 4 splits came
-# within 4% on the fourth), 1 = quant_int8_words' word GEMV (byte-permute conversion instead of I2F): within 3-15%
-# of the byte GEMV, never the fastest on the H100 (20:34, 20:41); its two closest tilings are kept as candidates.
+# splits, num_warps, 0) for Int8 (the byte GEMV). Splits are a run-time argument. The byte GEMV: [8, 256] won three
+# of four shapes on the H100 at 17:12, [16, 128] with 4 splits came within 4% on the fourth; on an H200 (2026-12-02)
+# the tl.dot block kernel beat it on every shape (docs/decisions/0017). The word GEMV (byte-permute conversion
+# instead of I2F, quant_int8_words) never won on either card and is deleted.
 # With the split sums in the GEMV (quant_splits, no second kernel) the H100 at 2026-11-27 02:32 also timed the byte
 # GEMV with 16 splits and with [8, 512] steps (2, 4, 8 splits): none came within 10% of the best on any shape
 # (w_o: 11.9-17.5 us vs 10.4), so they are not offered (each candidate costs warm-up time).
@@ -64,8 +63,6 @@ NF4_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((32, 2, 8, 4, 0)
 INT8_GEMV_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     *((8, 256, s, 4, 0) for s in (1, 2, 4, 8)),
     (16, 128, 4, 4, 0),
-    (64, 64, 8, 4, 1),
-    (128, 64, 16, 4, 1),
 )
 DEFAULT_NF4_CONFIG = NF4_GEMV_CONFIGS[0]  # before (or without) tuning
 DEFAULT_INT8_CONFIG = (8, 256, 2, 4, 0)
@@ -315,11 +312,9 @@ def quant_gemv(
         raise ValueError(f"{config} runs no prologue (the INT8 byte GEMV does)")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be a [{m}, {n}] tensor with a contiguous last dim")
-    block_n, block_k, splits, warps, kernel = config
+    block_n, block_k, splits, warps, _ = config
     if splits < 1 or block_n < 1 or block_k < 1:
         raise ValueError(f"bad GEMV config {config}")
-    if isinstance(weight, Int8Weight) and config in INT8_GEMV_CONFIGS and kernel == 1:
-        return int8_words_gemv(x, weight, residual, block_n, block_k, splits, warps)
     rows = rows_per_program(m)
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     use_ws = splits > 1

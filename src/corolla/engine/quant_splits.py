@@ -1,5 +1,5 @@
 """Split-K sums inside the quantized GEMV/GEMM kernels themselves (no second kernel), shared by the NF4 and INT8
-kernels of quant_gemv, quant_int8_words, quant_stream, quant_mma and quant_kernels, and the row helpers they share
+kernels of quant_gemv, quant_stream, quant_mma and quant_kernels, and the row helpers they share
 (`rows_per_program`, `finish_row`), so that none of those modules imports another's kernels.
 
 A kernel that splits K over `splits` programs per output tile stores each program's fp32 partial sums in a
