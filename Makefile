@@ -101,15 +101,19 @@ soak: $(STAMP)
 	fi
 
 # Opt-in field soak (30 min by default): the churn soak while a hostile process with FIELD_HOARDERS identities keeps
-# every server's (small) cache full of sessions held by zero-token steps; the same pass criteria as `make soak`, and
-# the report counts the hoarders' sessions (opened, refused, ended by the servers). WAN faults and a lying server are
-# not part of it yet (their own tests: tests/integration/test_wan_faults.py, tests/unit/test_client_stretches.py).
+# every server's (small) cache full of sessions held by zero-token steps, every server's p2p link (a `corolla.wan`
+# proxy it announces) stalls for 5 s, drops for 30 s or is partitioned for 20 s in turn every 20-40 s, and one extra
+# server of the first span returns finite garbage for FIELD_LIAR_RATE of its answers (the clients verify every step);
+# the same pass criteria as `make soak` (0 failed, 0 differing, nothing left running), and the report counts the
+# hoarders' sessions, the link faults and the lies rejected.
 FIELD_DURATION_S ?= 1800
 FIELD_HOARDERS ?= 4
+FIELD_LIAR_RATE ?= 0.1
 FIELD_DIR ?= /tmp/corolla-soak-field
 FIELD_FLAGS = --duration_s $(FIELD_DURATION_S) --seed $(SOAK_SEED) --replicas_per_span $(SOAK_REPLICAS) \
 	--num_clients $(SOAK_CLIENTS) --work_dir $(FIELD_DIR) --json $(FIELD_DIR)/report.json \
-	--hoarders $(FIELD_HOARDERS) --server_args "--busy_poll_ms 0 --attn_cache_tokens 1024" $(SOAK_ARGS)
+	--hoarders $(FIELD_HOARDERS) --wan_faults true --liar_rate $(FIELD_LIAR_RATE) \
+	--server_args "--busy_poll_ms 0 --attn_cache_tokens 1024" $(SOAK_ARGS)
 
 soak-field: $(STAMP)
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \

@@ -5,6 +5,8 @@ the cache, the per-peer cap) and holds them with zero-token steps, opening again
 refuses; meanwhile an honest long session generates throughout, and a real user (a p2p client of its own) opens a
 session of `max_length` with an 8-token prompt, decodes 4 tokens and closes, `users` times. Prints one JSON line per N:
 the user's time to admission (first reply), refusals, the honest session's failures, what the hoarders got.
+`--tokens_per_step 1 --keepalive_s 2` makes them trickle hoarders: one real token per step, a step every 2 s, so
+their sessions are working ones (they hold real pages and are never idle).
 
 `HoardingAttack` is the attacker of the suite's test too (`tests/integration/test_hoarding.py`)."""
 
@@ -198,7 +200,10 @@ async def new_client(server: Any, uid: str) -> Client:
     return Client(p2p, PeerID.from_base58(server.peer_id), uid, server.settings.hidden_size)
 
 
-async def measure(server: Any, identities: int, users: int, max_length: int, honest_length: int) -> dict:
+async def measure(
+    server: Any, identities: int, users: int, max_length: int, honest_length: int, *, tokens_per_step: int = 0,
+    keepalive_s: float = 0.5, settle_s: float = 2.0,
+) -> dict:  # fmt: skip
     """One scenario in the server's loop: an honest session generates, the attack settles for 2 s, then the real user
     comes `users` times asking for `max_length` (half of the cache: what one peer may hold)."""
     uid = make_chain(server.settings.dht_prefix, 0, server.settings.num_blocks)
@@ -208,9 +213,10 @@ async def measure(server: Any, identities: int, users: int, max_length: int, hon
     honest_task = asyncio.create_task(honest_long_session(honest_client, honest_length, honest_stop, honest))
     await asyncio.sleep(0.5)
     attack = HoardingAttack(server.service.handler, uid, PeerID.from_base58(server.peer_id), identities=identities,
-                            max_length=max_length, hidden_size=server.settings.hidden_size)  # fmt: skip
+                            max_length=max_length, hidden_size=server.settings.hidden_size,
+                            tokens_per_step=tokens_per_step, keepalive_s=keepalive_s)  # fmt: skip
     attack_task = asyncio.create_task(attack.run(stop))
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(settle_s)
     free_before = server.service.executor.bytes_left
     admit_s: list[float] = []
     refusals: list[str] = []
@@ -231,6 +237,8 @@ async def measure(server: Any, identities: int, users: int, max_length: int, hon
         await client.p2p.shutdown()
     return {
         "identities": identities,
+        "hoarder_tokens_per_step": tokens_per_step,
+        "hoarder_step_every_s": keepalive_s,
         "user_admit_s_median": round(statistics.median(admit_s), 3) if admit_s else None,
         "user_admit_s_max": round(max(admit_s), 3) if admit_s else None,
         "users_admitted": len(admit_s),
@@ -250,6 +258,9 @@ def main() -> None:
     parser.add_argument("--identities", default="2,8,32")
     parser.add_argument("--users", type=int, default=5)
     parser.add_argument("--max_length", type=int, default=512, help="each hoarder's session: half of the cache")
+    parser.add_argument("--tokens_per_step", type=int, default=0, help="0: zero-token holds; 1: trickle hoarders")
+    parser.add_argument("--keepalive_s", type=float, default=0.5, help="between two steps of a hoarder")
+    parser.add_argument("--settle_s", type=float, default=2.0, help="the attack runs this long before the user comes")
     args = parser.parse_args()
     from corolla.server.config import ServerConfig
     from corolla.server.server import Server
@@ -265,9 +276,11 @@ def main() -> None:
         server = Server(config).start(timeout_s=120)
         try:
             for n in (int(x) for x in args.identities.split(",")):
-                future = asyncio.run_coroutine_threadsafe(
-                    measure(server, n, args.users, args.max_length, honest_length), server._loop
-                )
+                scenario = measure(
+                    server, n, args.users, args.max_length, honest_length, tokens_per_step=args.tokens_per_step,
+                    keepalive_s=args.keepalive_s, settle_s=args.settle_s,
+                )  # fmt: skip
+                future = asyncio.run_coroutine_threadsafe(scenario, server._loop)
                 print(json.dumps(future.result(600)), flush=True)
         finally:
             server.shutdown()

@@ -9,7 +9,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -81,8 +81,15 @@ class ChaosLoop:
     """`start(swarm, spans)`, `wait_all_ready()`, `begin()`, then `tick()` every ~0.1 s from the thread that called
     `start`."""
 
-    def __init__(self, config: ChaosSettings, rng: random.Random):
+    def __init__(
+        self,
+        config: ChaosSettings,
+        rng: random.Random,
+        launch_args: Callable[[str, str | None], Sequence[str]] | None = None,
+    ):
         self.config = config
+        # extra flags for each launch (its WAN proxy), by the server's name and that of the one it replaces
+        self.launch_args = launch_args
         self.rng = rng
         self.counters = ChaosCounters()
         self.slots: list[_Slot] = []
@@ -117,7 +124,11 @@ class ChaosLoop:
     def _launch(self, slot: _Slot) -> None:
         assert self.swarm is not None
         name = f"server{slot.span[0]}-{slot.span[1]}r{slot.replica}g{slot.generation}"
-        slot.process = self.swarm.start_server(self.config.model_path, block_indices=slot.span, name=name, wait=False)
+        previous = slot.process.name if slot.process is not None else None
+        args = self.launch_args(name, previous) if self.launch_args is not None else ()
+        slot.process = self.swarm.start_server(
+            self.config.model_path, *args, block_indices=slot.span, name=name, wait=False
+        )
         slot.generation += 1
         slot.signalled, slot.restart_at, slot.started_at, slot.outage = "", None, time.monotonic(), False
 
@@ -142,6 +153,10 @@ class ChaosLoop:
         if allow_actions and now >= self._next_action_at:
             self._act(now)
             self._schedule_next_action()
+
+    def ready_names(self) -> list[str]:
+        """The names of the servers serving now."""
+        return [s.process.name for s in self.slots if s.ready() and s.process is not None]
 
     def _account_outages(self, dt_s: float) -> None:
         for span in {slot.span for slot in self.slots}:

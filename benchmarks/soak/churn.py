@@ -1,7 +1,8 @@
 """A churn soak: a loopback swarm holding replicas of every span, client processes generating greedily without pause,
 and a seeded chaos loop that SIGKILLs, SIGTERMs and restarts servers (now and then every replica of a span at once,
-so clients must wait and recover), optionally with hostile clients hoarding every server's cache (`hoarders`, the
-field soak: `benchmarks.soak.hoarder`); then every generation is compared with a local `transformers` reference and
+so clients must wait and recover), optionally with hostile clients hoarding every server's cache (`hoarders`:
+`benchmarks.soak.hoarder`), every server behind a WAN link that stalls, drops and partitions (`wan_faults`:
+`benchmarks.soak.wan_faults`) and one lying server (`liar_rate`): together, the field soak; then every generation is compared with a local `transformers` reference and
 `/proc` is checked for anything left behind (leaked or orphaned processes). `python -m benchmarks.soak
 --duration_s 600 --seed 1` is what `make soak` runs; `tests/integration/test_churn_soak.py` runs a short one."""
 
@@ -24,11 +25,13 @@ from pathlib import Path
 from benchmarks.common.children import child_env
 from benchmarks.soak.chaos import ChaosCounters, ChaosLoop
 from benchmarks.soak.leftovers import RUN_MARKER_ENV, kill_all, orphans_among, wait_for_no_leftovers
+from benchmarks.soak.wan_faults import WanCounters, WanFaultLoop
 from benchmarks.soak.worker import DONE_LINE, READY_LINE, RESULT_PREFIX, GenerationResult, write_go_file
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR
-from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
+from corolla.swarm.local import SERVER_READY_PREFIX, LocalSwarm, LocalSwarmConfig, even_block_ranges
 from corolla.utils.logging import get_logger
 from corolla.utils.processes import ChildProcess
+from corolla.wan import ProxyThread
 
 logger = get_logger(__name__)
 
@@ -95,6 +98,18 @@ class ChurnConfig:
     # `hoarder_max_length` on every server with zero-token steps while the clients generate (0: none)
     hoarders: int = 0
     hoarder_max_length: int = 512
+    # bad networks (the field soak): every server behind a WAN proxy it announces; every wan_min..max_interval_s one
+    # ready server's link stalls for wan_stall_s, drops for wan_drop_s or is partitioned for wan_partition_s, in turn
+    wan_faults: bool = False
+    wan_stall_s: float = 5.0
+    wan_drop_s: float = 30.0
+    wan_partition_s: float = 20.0
+    wan_min_interval_s: float = 20.0
+    wan_max_interval_s: float = 40.0
+    # one lying server (the field soak; 0: none): an extra server of the first span (never stopped by the chaos)
+    # that returns finite garbage for this share of its answers and announces itself fast, so routes go through it;
+    # the clients then verify every step on another server (`verify_fraction` 1.0: no lie reaches a token)
+    liar_rate: float = 0.0
     work_dir: Path | None = None  # logs under <work_dir>/logs; None = a temporary directory, removed afterwards
     echo: bool = False  # children's output on our stderr
 
@@ -107,9 +122,11 @@ class ChurnConfig:
             raise ValueError(f"num_prompts must be <= {len(PROMPTS)}, got {self.num_prompts}")
         if not 0 < self.chaos_min_interval_s <= self.chaos_max_interval_s:
             raise ValueError("need 0 < chaos_min_interval_s <= chaos_max_interval_s")
+        if not 0 < self.wan_min_interval_s <= self.wan_max_interval_s:
+            raise ValueError("need 0 < wan_min_interval_s <= wan_max_interval_s")
         if not 0 <= self.restart_min_delay_s <= self.restart_max_delay_s:
             raise ValueError("need 0 <= restart_min_delay_s <= restart_max_delay_s")
-        for name in ("sigkill_share", "outage_probability"):
+        for name in ("sigkill_share", "outage_probability", "liar_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1], got {getattr(self, name)!r}")
 
@@ -140,6 +157,8 @@ class ChurnReport:
     probe_exit_s: float | None = None  # how long the abandoned client took to end after the swarm stopped
     probe_result: str = ""  # its last generation's error (or why there is none)
     hoarding: dict[str, int] = field(default_factory=dict)  # the hoarders' sessions: opened, refused, ended
+    wan: WanCounters = field(default_factory=WanCounters)
+    lies_rejected: int = 0  # client steps refused because other servers outvoted the liar's answer
 
     @property
     def ok(self) -> bool:
@@ -165,7 +184,17 @@ class ChurnReport:
             f"({len(self.orphans)} orphaned); abandoned client ended "
             f"{'-' if self.probe_exit_s is None else f'{self.probe_exit_s:.1f}'} s after the swarm stopped; "
             f"{f'hoarders {self.hoarding}; ' if self.hoarding else ''}"
+            f"{self._wan_summary()}"
             f"{'OK' if self.ok else 'FAILED'}"
+        )
+
+    def _wan_summary(self) -> str:
+        w = self.wan
+        if not (w.stalls or w.drops or w.partitions or self.lies_rejected):
+            return ""
+        return (
+            f"links: {w.stalls} stalls, {w.drops} drops, {w.partitions} partitions ({w.held_s:.0f} s held); "
+            f"{self.lies_rejected} lies rejected; "
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -210,7 +239,7 @@ def reference_outputs(model_path: Path, prompts: Sequence[Sequence[int]], new_to
 def _start_client(
     config: ChurnConfig, name: str, initial_peers: Sequence[str], work_dir: Path, env: dict[str, str], *,
     seed: int, p2p_only: bool, go_file: str = "go.json", new_tokens: int | None = None,
-    max_wait_s: float | None = None, die_with_parent: bool = True,
+    max_wait_s: float | None = None, die_with_parent: bool = True, verify_fraction: float = 0.0,
 ) -> ChildProcess:  # fmt: skip
     command = [
         sys.executable, "-m", "benchmarks.soak.worker", "--model", str(config.model_path),
@@ -224,6 +253,7 @@ def _start_client(
         "--min_backoff_s", str(config.client_min_backoff_s), "--max_backoff_s", str(config.client_max_backoff_s),
         "--request_timeout_s", str(config.client_request_timeout_s),
         "--update_period_s", str(config.client_update_period_s), "--ban_timeout_s", str(config.client_ban_timeout_s),
+        "--verify_fraction", str(verify_fraction),
     ]  # fmt: skip
     if p2p_only:
         command.append("--no_local_transport")
@@ -243,6 +273,17 @@ def _start_hoarder(
         "--identities", str(config.hoarders), "--max_length", str(config.hoarder_max_length),
     ]  # fmt: skip
     return ChildProcess(command, name="hoarder", env=env, log_path=work_dir / "logs" / "hoarder.log", echo=config.echo)
+
+
+def _start_liar(config: ChurnConfig, swarm: LocalSwarm, span: tuple[int, int], args: Sequence[str]) -> ChildProcess:
+    """The lying server: `tests.helpers.hostile_server` (a test helper, never shipped: the soak runs from the
+    repository root) serving `span`, finite garbage for `liar_rate` of its answers, announcing itself as fastest."""
+    env = {"COROLLA_HOSTILE_MODE": "garbage", "COROLLA_HOSTILE_RATE": str(config.liar_rate),
+           "COROLLA_HOSTILE_ATTRACT": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # fmt: skip
+    return swarm.start_process(
+        "tests.helpers.hostile_server", str(config.model_path), "--initial_peers", *swarm.initial_peers,
+        "--block_indices", f"{span[0]}:{span[1]}", *swarm.config.server_args, *args, name="liar", env=env,
+    )  # fmt: skip
 
 
 def _hoarder_counts(hoarder: ChildProcess, timeout_s: float) -> dict[str, int]:
@@ -280,9 +321,11 @@ def _probe_abandoned_client(config: ChurnConfig, report: ChurnReport, swarm: Loc
 
 
 def _collect(report: ChurnReport, clients: Sequence[ChildProcess], reference: Sequence[Sequence[int]]) -> None:
-    """Counts every client's results into `report`: failed and differing generations, the slowest one."""
+    """Counts every client's results into `report`: failed and differing generations, the slowest one, and the
+    steps refused because other servers outvoted the server's answer (the liar's lies caught)."""
     for client in clients:
         lines = client.output.splitlines()
+        report.lies_rejected += sum("span_failed" in line and "BadServerOutput" in line for line in lines)
         results = [GenerationResult.from_line(line) for line in lines if line.startswith(RESULT_PREFIX)]
         report.per_client[client.name] = len(results)
         for result in results:
@@ -306,11 +349,16 @@ def _collect(report: ChurnReport, clients: Sequence[ChildProcess], reference: Se
             )
 
 
-def _wait_clients_done(clients: Sequence[ChildProcess], chaos: ChaosLoop, timeout_s: float) -> None:
-    """Lets each client finish its last generation (bounded) while the chaos loop only restarts servers."""
+def _wait_clients_done(
+    clients: Sequence[ChildProcess], chaos: ChaosLoop, faults: WanFaultLoop | None, timeout_s: float
+) -> None:
+    """Lets each client finish its last generation (bounded) while the chaos loop only restarts servers (and
+    partitions heal)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(c.proc.poll() is None for c in clients):
         chaos.tick(allow_actions=False)
+        if faults is not None:
+            faults.tick(chaos.ready_names(), allow_faults=False)
         time.sleep(0.1)
 
 
@@ -348,21 +396,37 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
             stop_grace_s=config.stop_grace_s,
         )
         clients: list[ChildProcess] = []  # the probe too, once started: stopped in every case
-        chaos = ChaosLoop(config, random.Random(config.seed))
+        faults = None
+        if config.wan_faults:  # closed after the swarm (the stack unwinds after the `with LocalSwarm` block)
+            faults = WanFaultLoop(config, random.Random(config.seed + 1), stack.enter_context(ProxyThread()))
+        chaos = ChaosLoop(config, random.Random(config.seed), faults.launch_args if faults is not None else None)
+        verify_fraction = 1.0 if config.liar_rate > 0 else 0.0
         try:
             with LocalSwarm(swarm_config) as swarm:
                 try:
                     num_blocks = AutoConfig.from_pretrained(config.model_path).num_hidden_layers
                     swarm.start_bootstrap()
-                    chaos.start(swarm, config.block_ranges(num_blocks))
+                    spans = config.block_ranges(num_blocks)
+                    chaos.start(swarm, spans)
+                    liar = None
+                    if config.liar_rate > 0:
+                        liar_args = faults.launch_args("liar") if faults is not None else ()
+                        liar = _start_liar(config, swarm, spans[0], liar_args)
                     prompts = make_prompts(config.model_path, config.num_prompts)
                     (work_dir / "prompts.json").write_text(json.dumps(prompts))
                     for i in range(config.num_clients):  # they join while the servers load
                         name, seed = f"client{i}", config.seed * 1000 + i
                         clients.append(
                             _start_client(
-                                config, name, swarm.initial_peers, work_dir, env, seed=seed, p2p_only=i % 2 == 1
-                            )
+                                config,
+                                name,
+                                swarm.initial_peers,
+                                work_dir,
+                                env,
+                                seed=seed,
+                                p2p_only=i % 2 == 1,
+                                verify_fraction=verify_fraction,
+                            )  # fmt: skip
                         )
                     generating = list(clients)
                     probe = None
@@ -378,17 +442,25 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
                         clients.append(hoarder)
                     reference = reference_outputs(config.model_path, prompts, config.new_tokens)
                     chaos.wait_all_ready(config.server_ready_timeout_s)
+                    if liar is not None:
+                        liar.wait_for_line(
+                            lambda line: line.startswith(SERVER_READY_PREFIX), config.server_ready_timeout_s
+                        )
                     for client in generating:
                         client.wait_for_line(lambda line: line == READY_LINE, config.client_startup_timeout_s)
                     write_go_file(work_dir / "go.json", time.time() + config.duration_s)
                     chaos.begin()
+                    if faults is not None:
+                        faults.begin()
                     logger.info(f"churn.started(servers={len(swarm.servers)}, clients={len(clients)})")
                     end = time.monotonic() + config.duration_s
                     while time.monotonic() < end:
                         chaos.tick(allow_actions=True)
+                        if faults is not None:
+                            faults.tick([*chaos.ready_names(), *(["liar"] if liar else [])], allow_faults=True)
                         time.sleep(0.1)
                     logger.info(f"churn.chaos_over({chaos.counters})")
-                    _wait_clients_done(generating, chaos, config.client_finish_timeout_s)
+                    _wait_clients_done(generating, chaos, faults, config.client_finish_timeout_s)
                     _collect(report, generating, reference)
                     if hoarder is not None:
                         try:
@@ -403,6 +475,8 @@ def run_churn(config: ChurnConfig) -> ChurnReport:
                     for client in clients:
                         client.stop(config.stop_grace_s)
             report.chaos = chaos.counters
+            if faults is not None:
+                report.wan = faults.counters
         finally:
             leaked, foreign = wait_for_no_leftovers(run_id, config.leftover_grace_s)
             report.leaked = [info.describe() for info in leaked]

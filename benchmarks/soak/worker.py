@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--request_timeout_s", type=float, default=20.0)
     parser.add_argument("--update_period_s", type=float, default=2.0)
     parser.add_argument("--ban_timeout_s", type=float, default=2.0)
+    parser.add_argument("--verify_fraction", type=float, default=0.0, help="steps re-run on another server")
     return parser
 
 
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         update_period_s=args.update_period_s,
         ban_timeout_s=args.ban_timeout_s,
         liveness_check_period_s=1.0,
+        verify_fraction=args.verify_fraction,
         local_transport=not args.no_local_transport,
         show_route="never",
     )

@@ -8,6 +8,7 @@ Environment:
 - `COROLLA_HOSTILE_AFTER`: answers served honestly before the misbehaviour starts (default 0);
 - `COROLLA_HOSTILE_MODE_FILE`: a file holding `MODE [AFTER]`, read at every answer (tests switch one server's lie
   without restarting it; the count of honest answers restarts whenever the file changes);
+- `COROLLA_HOSTILE_RATE`: the share of answers (after the first `AFTER`) that lie, drawn at random (default 1: all);
 - `COROLLA_HOSTILE_ATTRACT=1`: announce very high compute/network speeds so clients route through this server first
   (what a liar would do to get traffic).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import sys
 import threading
 from pathlib import Path
@@ -32,8 +34,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class _Trigger:
     """Counts answers; `lie()` is the mode to apply to this answer (`honest` for the first `after`), thread-safe."""
 
-    def __init__(self, mode: str, after: int, mode_file: str | None = None):
+    def __init__(self, mode: str, after: int, mode_file: str | None = None, rate: float = 1.0):
         self.mode, self.after, self.count, self.mode_file = mode, after, 0, mode_file
+        self.rate, self.rng = rate, random.Random(4321)
         self._seen: str | None = None
         self._lock = threading.Lock()
 
@@ -53,7 +56,9 @@ class _Trigger:
                         0,
                     )
             self.count += 1
-            return self.mode if self.count > self.after else "honest"
+            if self.count <= self.after or (self.rate < 1.0 and self.rng.random() >= self.rate):
+                return "honest"
+            return self.mode
 
 
 def corrupt(tensor: torch.Tensor, mode: str, generator: torch.Generator) -> torch.Tensor:
@@ -72,7 +77,7 @@ def corrupt(tensor: torch.Tensor, mode: str, generator: torch.Generator) -> torc
     raise ValueError(f"mode {mode!r} does not corrupt tensors")
 
 
-def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | None = None) -> None:
+def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | None = None, rate: float = 1.0) -> None:
     """Patches the server classes of this process (call before the server starts)."""
     if mode not in MODES:
         raise ValueError(f"COROLLA_HOSTILE_MODE must be one of {MODES}, got {mode!r}")
@@ -80,7 +85,9 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
     from corolla.server.front.handler import TransformerConnectionHandler
     from corolla.server.server import Server
 
-    trigger = _Trigger(mode, after, mode_file)
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"COROLLA_HOSTILE_RATE must be in (0, 1], got {rate}")
+    trigger = _Trigger(mode, after, mode_file, rate)
     generator = torch.Generator().manual_seed(1234)
     original_serialize = TransformerConnectionHandler._serialize_output
 
@@ -128,7 +135,7 @@ def install(mode: str, after: int = 0, attract: bool = False, mode_file: str | N
             return {peer: 1e-4 for peer in original_to_dict(self, now=now)}
 
         PingAggregator.to_dict = to_dict  # this process only announces with it
-    print(f"hostile_server: mode={mode} after={after} attract={attract}", file=sys.stderr, flush=True)
+    print(f"hostile_server: mode={mode} after={after} rate={rate} attract={attract}", file=sys.stderr, flush=True)
 
 
 def start_hostile_server(
@@ -170,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         after=int(os.environ.get("COROLLA_HOSTILE_AFTER", "0") or 0),
         attract=os.environ.get("COROLLA_HOSTILE_ATTRACT", "0") == "1",
         mode_file=os.environ.get("COROLLA_HOSTILE_MODE_FILE") or None,
+        rate=float(os.environ.get("COROLLA_HOSTILE_RATE", "1") or 1),
     )
     from corolla.cli.run_server import main as run_server_main
 

@@ -99,15 +99,17 @@ def test_finite_garbage_is_caught_by_verification_and_the_liar_banned():
         "A2": Server(0, 2),
         "A3": Server(0, 2),
         "B": Server(2, 4),
+        "B2": Server(2, 4),  # every step is verified: a lone server of 2:4 would be waited for, not trusted
     }
     tokens = torch.randn(1, 10, HIDDEN)
     manager = FakeManager(servers, 4, max_wait_s=10, verify_fraction=1.0)
     with InferenceSession(manager, max_length=10) as session:
         out = [session.step(tokens[:, :4])]
         out += [session.step(tokens[:, t : t + 1]) for t in range(4, 10)]
-        assert session.verifier.num_rejected == 1 and session.verifier.num_verified == 8  # 7 steps of 0:2, 1 rejected
+        # 7 steps of each span verified, and the rejected one of 0:2
+        assert session.verifier.num_rejected == 1 and session.verifier.num_verified == 15
     torch.testing.assert_close(torch.cat(out, dim=1), reference(tokens, 4), atol=1e-5, rtol=0)
-    assert manager.bans.is_banned("liar") and not manager.bans.banned_peers() & {"A2", "A3", "B"}
+    assert manager.bans.is_banned("liar") and not manager.bans.banned_peers() & {"A2", "A3", "B", "B2"}
 
 
 def test_without_verification_finite_garbage_goes_unnoticed():
@@ -128,12 +130,25 @@ def test_verification_without_a_majority_bans_both_and_with_a_lone_server_logs_o
         session.step(tokens[:, :4])
     assert {"liar", "A2"} <= manager.bans.banned_peers() and not manager.bans.is_banned("B")
 
-    manager = FakeManager({"A": Server(0, 2), "B": Server(2, 4)}, 4, verify_fraction=1.0)
+    # below 1.0 a lone server's outputs are trusted (sampling deters; it cannot check): 0.999 samples nearly all
+    manager = FakeManager({"A": Server(0, 2), "B": Server(2, 4)}, 4, verify_fraction=0.999)
     with caplog.at_level("WARNING", logger="corolla.client.verification"):
         out = _generate(manager, tokens)
     torch.testing.assert_close(out, reference(tokens, 4), atol=1e-5, rtol=0)
     lone = [r for r in caplog.records if "single_server" in r.getMessage()]
     assert len(lone) == 2  # once per span (0:2 and 2:4), not once per step
+
+
+def test_every_step_verified_waits_for_a_second_server_instead_of_trusting_a_lone_liar():
+    """verify_fraction=1.0 promises every output checked: with the liar the only server of its blocks (its honest
+    replicas down), the step waits (bounded) and ends in NoHonestServerError, never in the liar's garbage; the lone
+    server is not banned (a second server may come back, and it may be honest)."""
+    torch.manual_seed(3)
+    tokens = torch.randn(1, 6, HIDDEN)
+    manager = FakeManager({"liar": Server(0, 2, "garbage"), "B": Server(2, 4)}, 4, max_wait_s=0.5, verify_fraction=1.0)
+    with pytest.raises(NoHonestServerError, match="cannot be verified"), InferenceSession(manager, 6) as session:
+        session.step(tokens[:, :4])
+    assert not manager.bans.is_banned("liar")
 
 
 @pytest.mark.parametrize("mode", ["nan", "refuse", "hang"])

@@ -1,7 +1,10 @@
 """`StepVerifier`: re-runs a sampled fraction of inference steps on other servers of the same span (a stateless
 `rpc_forward` over the span's recorded inputs) and compares the new positions; the server outvoted by the others is
 banned. Two servers that disagree with no third to decide are both banned. Training's forward and backward calls
-(`remote_sequential`) are sampled and voted on the same way."""
+(`remote_sequential`) are sampled and voted on the same way. A span served by one server only cannot be checked: at
+`verify_fraction` < 1 its outputs are trusted (sampling is a deterrent); at 1.0 (every output checked) the call fails
+with `UnverifiableOutput`, a network-like failure that does not ban the lone server, so the client waits (within
+`max_wait_s`) for a second server rather than use an output nobody checked."""
 
 from __future__ import annotations
 
@@ -20,6 +23,17 @@ logger = get_logger(__name__)
 
 QUANTIZED_RTOL = 0.3  # a server announcing int8/nf4 weights differs from a float one by more than rounding
 DUMMY = torch.empty(0)
+
+
+class UnverifiableOutput(ConnectionError):
+    """At `verify_fraction` 1.0, no other server holds the span's blocks to check its server's outputs."""
+
+    def __init__(self, peer_id: str, blocks: tuple[int, int]):
+        self.peer_id = peer_id
+        super().__init__(
+            f"server ...{peer_id[-6:]} is the only server of blocks {blocks[0]}:{blocks[1]}: its outputs cannot be "
+            f"verified (verify_fraction=1.0 waits for a second server)"
+        )
 
 
 class StepVerifier:
@@ -109,6 +123,8 @@ class StepVerifier:
         BadServerOutput for the span's server when outvoted, bans referees that failed or cannot be outvoted."""
         referees = self._referees(span)
         if not referees:
+            if self.fraction >= 1:
+                raise UnverifiableOutput(span.peer_id, (span.start, span.end))
             if (span.start, span.end) not in self._lone_spans_logged:
                 self._lone_spans_logged.add((span.start, span.end))
                 logger.warning(

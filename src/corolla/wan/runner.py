@@ -38,6 +38,11 @@ class ProxyThread:
         self.proxies.append(proxy)
         return proxy
 
+    def remove(self, proxy: WanProxy) -> None:
+        """Closes `proxy` and its connections (its server is gone for good)."""
+        self._call(proxy.close())
+        self.proxies.remove(proxy)
+
     def set_config(self, config: LinkConfig) -> None:
         """Gives every proxy `config` (for chunks read from now on)."""
 
