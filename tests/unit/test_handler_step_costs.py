@@ -235,11 +235,18 @@ def test_step_structure_shortcut_decodes_and_refuses_like_the_general_path(
 # ---- a decode step's metadata ---------------------------------------------------------------------------------
 
 
+class _OverlapsEverything(frozenset):
+    """A key set that every source shares a key with: the step shortcut never applies."""
+
+    def isdisjoint(self, other: object) -> bool:
+        return False
+
+
 def _general_from_dict(source: dict) -> object:
     """`InferenceRequestMetadata.from_dict` with its step shortcut off (the general path), or its error."""
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(metadata_module, "_STEP_KEYS", frozenset())
+            patch.setattr(metadata_module, "_NOT_STEP_KEYS", _OverlapsEverything())
             return InferenceRequestMetadata.from_dict(source)
     except ValueError as e:
         return f"ValueError: {e}"

@@ -75,6 +75,17 @@ def test_inference_metadata_typed_view():
     assert defaults.points == 0.0 and defaults.active_adapter == "" and defaults.max_length is None
 
 
+def test_a_decode_step_with_extension_keys_reads_as_the_general_path_reads_it():
+    step = {"session_id": "s", "step_id": "t", "start_from_position": 3, "args_structure": None, "corolla.x": [1]}
+    expected = metadata.InferenceRequestMetadata(
+        session_id="s", step_id="t", start_from_position=3, extra={"corolla.x": [1]}
+    )
+    assert metadata.InferenceRequestMetadata.from_dict(step) == expected
+    assert metadata.InferenceRequestMetadata.from_dict({"corolla.x": 2}).extra == {"corolla.x": 2}
+    with pytest.raises(ValueError, match="start_from_position"):
+        metadata.InferenceRequestMetadata.from_dict({"start_from_position": -1, "corolla.x": 2})
+
+
 @pytest.mark.parametrize(
     "key,value",
     [

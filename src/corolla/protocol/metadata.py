@@ -161,6 +161,7 @@ _INFERENCE_KEYS = frozenset(
     }
 )
 _STEP_KEYS = frozenset({"session_id", "step_id", "start_from_position", "args_structure"})  # a Petals decode step
+_NOT_STEP_KEYS = _INFERENCE_KEYS - _STEP_KEYS  # known keys a decode step does not carry
 _FORWARD_KEYS = frozenset({"points", "active_adapter", "args_structure", "output_compression"})
 
 
@@ -186,10 +187,11 @@ class InferenceRequestMetadata:
     def from_dict(cls, source: Mapping[str, Any]) -> InferenceRequestMetadata:
         if not isinstance(source, Mapping):
             raise ValueError(f"metadata must be a dict, got {type(source).__name__}")
-        if len(source) <= len(_STEP_KEYS) and _STEP_KEYS.issuperset(source):
-            # a decode step as a Petals client sends it: only these keys are checked, every other field is absent and
-            # keeps its default (exactly what the general path below returns for them). Built without the frozen
-            # init's one object.__setattr__ per field (~2.5 us a step): its fields set at once, the defaults' copy
+        if _NOT_STEP_KEYS.isdisjoint(source):
+            # a decode step as a Petals client sends it (corolla's adds extension keys, kept in `extra`): only these
+            # keys are checked, every other field is absent and keeps its default (exactly what the general path
+            # below returns for them). Built without the frozen init's one object.__setattr__ per field (~2.5 us a
+            # step): its fields set at once, the defaults' copy
             step = object.__new__(cls)
             step.__dict__.update(
                 _STEP_DEFAULTS,
@@ -197,7 +199,7 @@ class InferenceRequestMetadata:
                 step_id=_get_str(source, "step_id", None),
                 args_structure=source.get("args_structure"),
                 start_from_position=_get_nonneg_int(source, "start_from_position"),
-                extra={},
+                extra={} if _STEP_KEYS.issuperset(source) else {k: v for k, v in source.items() if k not in _STEP_KEYS},
             )
             return step
         return cls(
