@@ -144,6 +144,8 @@ def build_executor(
     config = EngineConfig(kv_pool_bytes=cache_bytes, max_seq_len_tokens=MAX_LENGTH_TOKENS)
     engine = SpanEngine.from_blocks([backend.blocks[i] for i in sorted(backend.blocks)], config,
                                     fused=serving_path == "fused")  # fmt: skip
+    if engine.graphs is not None:  # as the server's warm-up does: no row measures a graph's capture
+        engine.graphs.capture_all()
     executor = EngineExecutor(backend, engine, runtime)
     if executor.path != serving_path:
         raise RuntimeError(f"asked for the {serving_path} path, the server built {executor.path}")
