@@ -100,8 +100,10 @@ soak: $(STAMP)
 		$(PY) -m benchmarks.soak $(SOAK_FLAGS); \
 	fi
 
-# Opt-in field soak (30 min by default): the churn soak while a hostile process with FIELD_HOARDERS identities keeps
-# every server's (small) cache full of sessions held by zero-token steps, every server's p2p link (a `corolla.wan`
+# Opt-in field soak (30 min by default): the churn soak (a server stopped every 20-40 s, not 3-8 s: every step is
+# verified, so a span left with one new server waits for a second, and restarts take a minute on a busy 2-core VM)
+# while a hostile process with FIELD_HOARDERS identities keeps every server's (small) cache full of sessions held by
+# zero-token steps, every server's p2p link (a `corolla.wan`
 # proxy it announces) stalls for 5 s, drops for 30 s or is partitioned for 20 s in turn every 20-40 s, and one extra
 # server of the first span returns finite garbage for FIELD_LIAR_RATE of its answers (the clients verify every step);
 # the same pass criteria as `make soak` (0 failed, 0 differing, nothing left running), and the report counts the
@@ -113,6 +115,7 @@ FIELD_DIR ?= /tmp/corolla-soak-field
 FIELD_FLAGS = --duration_s $(FIELD_DURATION_S) --seed $(SOAK_SEED) --replicas_per_span $(SOAK_REPLICAS) \
 	--num_clients $(SOAK_CLIENTS) --work_dir $(FIELD_DIR) --json $(FIELD_DIR)/report.json \
 	--hoarders $(FIELD_HOARDERS) --wan_faults true --liar_rate $(FIELD_LIAR_RATE) \
+	--chaos_min_interval_s 20 --chaos_max_interval_s 40 \
 	--server_args "--busy_poll_ms 0 --attn_cache_tokens 1024" $(SOAK_ARGS)
 
 soak-field: $(STAMP)

@@ -17,6 +17,7 @@ from corolla.client.inference_session import InferenceSession
 from corolla.client.output_checks import BadServerOutput, check_outputs, relative_error, verify_rtol
 from corolla.client.remote_sequential import RemoteSequential
 from corolla.client.retries import RetryBudget
+from corolla.client.verification import LONE_TRUST_STEPS
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.packing import unpack_args_kwargs
@@ -149,6 +150,34 @@ def test_every_step_verified_waits_for_a_second_server_instead_of_trusting_a_lon
     with pytest.raises(NoHonestServerError, match="cannot be verified"), InferenceSession(manager, 6) as session:
         session.step(tokens[:, :4])
     assert not manager.bans.is_banned("liar")
+
+
+def test_a_lone_server_is_trusted_on_a_record_of_agreeing_and_never_after_being_outvoted():
+    """At verify_fraction=1.0 the server left alone is used when its last LONE_TRUST_STEPS verified outputs agreed
+    with other servers; a server once outvoted 2:1 is banned for good and never trusted alone."""
+    torch.manual_seed(4)
+    tokens = torch.randn(1, 6, HIDDEN)
+    servers = {"A": Server(0, 2), "B": Server(2, 4)}
+    manager = FakeManager(servers, 4, max_wait_s=0.5, verify_fraction=1.0)
+    for _ in range(LONE_TRUST_STEPS):
+        manager.bans.record_verified("A", agreed=True)
+        manager.bans.record_verified("B", agreed=True)
+    manager.bans.record_verified("B", agreed=False)  # one disagreement: B's record starts over
+    with pytest.raises(NoHonestServerError, match="blocks 2:4"), InferenceSession(manager, 6) as session:
+        session.step(tokens[:, :4])
+    for _ in range(LONE_TRUST_STEPS):
+        manager.bans.record_verified("B", agreed=True)
+    torch.testing.assert_close(_generate(manager, tokens), reference(tokens, 4), atol=1e-5, rtol=0)
+
+    # an outvoted server is a liar for good: no record makes it trusted alone
+    liar_servers = {"liar": Server(0, 2, "garbage", inference_rps=1e6), "A2": Server(0, 2), "A3": Server(0, 2),
+                    "B": Server(2, 4), "B2": Server(2, 4)}  # fmt: skip
+    manager = FakeManager(liar_servers, 4, max_wait_s=10, verify_fraction=1.0)
+    _generate(manager, tokens)
+    assert manager.bans.is_liar("liar")
+    for _ in range(LONE_TRUST_STEPS):
+        manager.bans.record_verified("liar", agreed=True)
+    assert manager.bans.agreed_in_a_row("liar") == 0
 
 
 @pytest.mark.parametrize("mode", ["nan", "refuse", "hang"])

@@ -1,5 +1,7 @@
 """Bans of failing servers: `ban_timeout * rate^n` seconds after the n-th consecutive failure, cleared on success;
-servers caught lying by recomputation (`client.stretches`) are banned for the client's lifetime."""
+servers caught lying (outvoted 2:1 by `client.stretches` or `client.verification`) are banned for the client's
+lifetime. Also each server's record of verified steps in a row that agreed with other servers (`agreed_in_a_row`):
+what lets `client.verification` trust a server when it is the only one left to answer."""
 
 from __future__ import annotations
 
@@ -24,7 +26,17 @@ class BanList:
         self._records: dict[str, _BanRecord] = {}
         self._liars: set[str] = set()  # outvoted 2:1 on outputs they sent us: never cleared
         self._suspects: set[str] = set()  # named by a finding: every stretch of theirs is verified
+        self._agreed: dict[str, int] = {}  # verified steps in a row that agreed with another server
         self._lock = threading.Lock()
+
+    def record_verified(self, peer_id: str, *, agreed: bool) -> None:
+        """One verified output of `peer_id`: it agreed with another server, or not (then its record starts over)."""
+        with self._lock:
+            self._agreed[peer_id] = self._agreed.get(peer_id, 0) + 1 if agreed else 0
+
+    def agreed_in_a_row(self, peer_id: str) -> int:
+        with self._lock:
+            return 0 if peer_id in self._liars else self._agreed.get(peer_id, 0)
 
     def ban_liar(self, peer_id: str) -> None:
         """Bans a server caught lying to this client, for good (first-hand evidence only, never hearsay)."""

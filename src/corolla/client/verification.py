@@ -1,10 +1,13 @@
 """`StepVerifier`: re-runs a sampled fraction of inference steps on other servers of the same span (a stateless
 `rpc_forward` over the span's recorded inputs) and compares the new positions; the server outvoted by the others is
 banned. Two servers that disagree with no third to decide are both banned. Training's forward and backward calls
-(`remote_sequential`) are sampled and voted on the same way. A span served by one server only cannot be checked: at
-`verify_fraction` < 1 its outputs are trusted (sampling is a deterrent); at 1.0 (every output checked) the call fails
-with `UnverifiableOutput`, a network-like failure that does not ban the lone server, so the client waits (within
-`max_wait_s`) for a second server rather than use an output nobody checked."""
+(`remote_sequential`) are sampled and voted on the same way. A server outvoted 2:1 is banned for good (first-hand
+evidence, as in `client.stretches`). A span served by one server only cannot be checked: at `verify_fraction` < 1
+its outputs are trusted (sampling is a deterrent); at 1.0 (every output checked) they are trusted only from a server
+whose last `LONE_TRUST_STEPS` verified outputs all agreed with other servers (a server lying on a share q of its
+steps builds such a record with probability (1 - q)^64: 0.1% at q = 10%, and is banned for good at its first lie
+outvoted 2:1); otherwise the call fails with `UnverifiableOutput`, a network-like failure that does not ban the lone
+server, so the client waits (within `max_wait_s`) for a second server rather than use an output nobody checked."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 QUANTIZED_RTOL = 0.3  # a server announcing int8/nf4 weights differs from a float one by more than rounding
+LONE_TRUST_STEPS = 64  # verified outputs in a row that agreed with other servers: trusted when no other is left
 DUMMY = torch.empty(0)
 
 
@@ -123,7 +127,7 @@ class StepVerifier:
         BadServerOutput for the span's server when outvoted, bans referees that failed or cannot be outvoted."""
         referees = self._referees(span)
         if not referees:
-            if self.fraction >= 1:
+            if self.fraction >= 1 and self.manager.bans.agreed_in_a_row(span.peer_id) < LONE_TRUST_STEPS:
                 raise UnverifiableOutput(span.peer_id, (span.start, span.end))
             if (span.start, span.end) not in self._lone_spans_logged:
                 self._lone_spans_logged.add((span.start, span.end))
@@ -146,9 +150,13 @@ class StepVerifier:
                 self.manager.on_request_failure(referee.peer_id)
                 continue
             agrees, error = self._agree(claimed, other, (span, referee))
+            bans = self.manager.bans
             if agrees:
                 self.num_verified += 1
+                bans.record_verified(span.peer_id, agreed=True)  # outvoting a dissenter too
+                bans.record_verified(referee.peer_id, agreed=True)
                 for liar, _ in dissent:  # outvoted: the span's server and this referee agree against it
+                    bans.ban_liar(liar.peer_id)
                     self._ban(liar, f"outvoted by ...{span.peer_id[-6:]} and ...{referee.peer_id[-6:]}")
                 return
             logger.info(
@@ -164,6 +172,7 @@ class StepVerifier:
                 if self._agree(other, earlier_out, (referee, earlier))[0]:  # two referees outvote the server
                     self.num_verified += 1
                     self.num_rejected += 1
+                    bans.ban_liar(span.peer_id)
                     raise BadServerOutput(
                         span.peer_id,
                         f"{what} for blocks {span.start}:{span.end} disagree with ...{referee.peer_id[-6:]} and "
@@ -175,7 +184,9 @@ class StepVerifier:
             return  # every referee failed: nothing was compared
         self.num_verified += 1
         self.num_rejected += 1
+        self.manager.bans.record_verified(span.peer_id, agreed=False)
         for referee, _ in dissent:  # no majority: we cannot tell who lies, so trust neither for a while
+            self.manager.bans.record_verified(referee.peer_id, agreed=False)
             self._ban(referee, f"disagrees with ...{span.peer_id[-6:]} and no third server decides")
         raise BadServerOutput(
             span.peer_id,
