@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--drop_s", type=float, default=30.0)
     p.add_argument("--new_tokens", type=int, default=48)
     p.add_argument("--model_dir", default=None)
+    p.add_argument("--scenarios", default="stall,drop,partition", help="which faults, comma-separated")
     args = p.parse_args()
     model_dir = ensure_demo_checkpoint(Path(args.model_dir) if args.model_dir else DEMO_CHECKPOINT_DIR)
     from transformers import AutoConfig
@@ -122,6 +123,8 @@ def main() -> None:
                 "partition": (0.0, lambda s: wan.partition(proxy_of[_peer_of_block(s, third)])),
             }
             for name, (fault_s, action) in scenarios.items():
+                if name not in args.scenarios.split(","):
+                    continue
                 clock = TokenClock(FAULT_AT, action)
                 got = _generate(peers, model_dir, args.new_tokens, clock)
                 print(json.dumps(_report(name, fault_s, clean, got, clock, base_s)), flush=True)
