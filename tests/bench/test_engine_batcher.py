@@ -16,8 +16,7 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.batcher import execute_steps
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
-from corolla.server.core.runtime import Runtime
-from corolla.server.core.task import KIND_INFERENCE, PRIORITY_INFERENCE
+from corolla.server.core.runtime import KIND_INFERENCE, PRIORITY_INFERENCE, Runtime
 from helpers.tiny_models import tiny_config
 
 H = 64

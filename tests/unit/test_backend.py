@@ -14,8 +14,7 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.page_queue import PageQueue
 from corolla.models.block_base import TensorDescriptor
 from corolla.server.backend import SpanBackend
-from corolla.server.core.runtime import Runtime
-from corolla.server.core.task import PRIORITY_INFERENCE
+from corolla.server.core.runtime import PRIORITY_INFERENCE, Runtime
 
 HIDDEN, HEADS, KV_HEADS, NUM_BLOCKS = 32, 4, 2, 4
 ATOL = 1e-5

@@ -20,9 +20,8 @@ from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.refusals import BadRequest
-from corolla.server.core.runtime import Runtime, RuntimeStopped
+from corolla.server.core.runtime import Runtime, RuntimeStopped, Task
 from corolla.server.core.span_core import SpanCore
-from corolla.server.core.task import Task
 from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.channel_io import FrameSocket
 from corolla.server.handlers.device_channel import DeviceChannel

@@ -22,9 +22,8 @@ from corolla.server.core.admission import SessionAdmission
 from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor, EngineSessionCache
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
 from corolla.server.core.limits import PeerLimits
-from corolla.server.core.runtime import Runtime, RuntimeStopped
+from corolla.server.core.runtime import Runtime, RuntimeStopped, Task, TaskQueue
 from corolla.server.core.span_core import SpanCore
-from corolla.server.core.task import Task, TaskQueue
 from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.frame_steps import FrameIntake, StepReply
 from helpers.tiny_models import tiny_span_backend

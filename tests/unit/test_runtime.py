@@ -7,8 +7,7 @@ import threading
 
 import pytest
 
-from corolla.server.core.runtime import Runtime, RuntimeStopped
-from corolla.server.core.task import PRIORITY_FORWARD, PRIORITY_INFERENCE
+from corolla.server.core.runtime import PRIORITY_FORWARD, PRIORITY_INFERENCE, Runtime, RuntimeStopped
 
 
 async def _block_runtime(runtime: Runtime) -> tuple[threading.Event, asyncio.Future]:

@@ -8,8 +8,7 @@ import threading
 
 import pytest
 
-from corolla.server.core.runtime import Runtime, RuntimeStopped
-from corolla.server.core.task import Task
+from corolla.server.core.runtime import Runtime, RuntimeStopped, Task
 
 
 class _Channel:

@@ -11,8 +11,7 @@ import time
 import pytest
 
 from corolla.server.core.gather import GatherRule, GatherSettings
-from corolla.server.core.runtime import Runtime
-from corolla.server.core.task import Task
+from corolla.server.core.runtime import Runtime, Task
 
 pytestmark = pytest.mark.serial  # cohorts split or merge by a few ms of scheduling: the CPU to itself (a parallel
 # `make test` under a docker build once merged the "without the rule" cohorts in 4 of 16 rounds)

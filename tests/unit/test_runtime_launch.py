@@ -12,8 +12,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from corolla.server.core.gather import GatherSettings
-from corolla.server.core.runtime import Runtime, RuntimeStopped
-from corolla.server.core.task import Task
+from corolla.server.core.runtime import Runtime, RuntimeStopped, Task
 
 WAIT_S = 5.0
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
-from corolla.server.core.task import KindStats
+from corolla.server.core.runtime import KindStats
 from corolla.server.metrics import ServerMetrics
 from corolla.server.slowdown import BLOCK_DELAY_ENV, BlockDelay, block_delay_s, slowed_throughput
 from corolla.server.swarm_seat import SwarmSeat

@@ -47,14 +47,14 @@ from corolla.server.core.executor import (
     TensorDescriptorLike,
 )
 from corolla.server.core.forward_chunks import run_forward_chunked
-from corolla.server.core.runtime import Runtime
-from corolla.server.core.task import (
+from corolla.server.core.runtime import (
     KIND_BACKWARD,
     KIND_FORWARD,
     KIND_GENERIC,
     PRIORITY_BACKWARD,
     PRIORITY_FORWARD,
     PRIORITY_INFERENCE,
+    Runtime,
     Task,
 )
 from corolla.server.metrics import ServerMetrics

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 
 from corolla.server.backend import SpanBackend
-from corolla.server.core.runtime import Runtime
-from corolla.server.core.task import KIND_FORWARD, PRIORITY_FORWARD
+from corolla.server.core.runtime import KIND_FORWARD, PRIORITY_FORWARD, Runtime
 
 
 def plan_token_chunks(length: int, batch_size: int, chunk_tokens: int) -> list[tuple[int, int]]:

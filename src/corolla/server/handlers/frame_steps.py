@@ -21,8 +21,8 @@ from corolla.engine.batcher import StepGroup, StepResult
 from corolla.engine.span_engine import StepRequest
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import DeviceExecutor, PreparedStep, SessionCache, StepInputs
+from corolla.server.core.runtime import Task
 from corolla.server.core.span_core import SpanCore
-from corolla.server.core.task import Task
 from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.return_times import ReturnTimes
 
