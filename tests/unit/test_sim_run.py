@@ -128,3 +128,23 @@ def test_a_clients_sessions_share_its_bans_and_bans_never_uncover_a_block() -> N
     session.banned.update(everyone)  # banning every server would leave every block without one: bans are ignored
     assert sim._route(session)
     session.banned.clear()
+
+
+def test_a_departed_server_leaves_the_clients_view_and_a_full_swarm_turns_away(tiny_run) -> None:
+    """As the real client: a call to a server that left (its view older than the departure) bans it until the view
+    is re-read (no longer holding it), and a session that found the swarm full during its wait and then gives up
+    was turned away, not failed, whatever its last attempt hit."""
+    sim, _ = tiny_run
+    session = next(s for s in sim.clients.sessions.values() if s.route is not None)
+    server = session.route[0][0]
+    before = sim.metrics.sessions_turned_away, sim.metrics.sessions_failed
+    sim._depart(server, crash=False)  # the session's chain is gone; the clients' view still lists the server
+    if session.event is not None:  # its retry, scheduled by the departure
+        session.event.cancel()
+    session.full = True  # an earlier attempt of this wait found the servers out of cache
+    sim.clients.route_fn = lambda s: [(server.peer_id, 0, sim.config.model.num_blocks)]
+    session.counted = True
+    assert not sim.clients._reroute(session)
+    assert session.banned[server.peer_id] >= sim.loop.now_s + sim.config.client_update_period_s
+    sim.clients._close(session, completed=False)
+    assert (sim.metrics.sessions_turned_away, sim.metrics.sessions_failed) == (before[0] + 1, before[1])

@@ -12,7 +12,7 @@ import pytest
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.swarm.block_selection import choose_best_blocks, compute_throughputs, should_choose_other_blocks
-from corolla.swarm.corolla_policy import CorollaPolicy, loaded_block_time_s
+from corolla.swarm.corolla_policy import CorollaPolicy, estimated_rtt_s, loaded_block_time_s
 from corolla.swarm.petals_policy import PetalsPolicy
 from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import ServerCapacity
@@ -136,7 +136,24 @@ def test_corolla_prefers_the_position_its_region_lacks():
     assert CorollaPolicy().choose_span(me_elsewhere, spans, 8) == range(0, 4)
 
 
-# ---- CorollaPolicy rebalancing
+def test_corolla_completes_its_regions_chains_first():
+    # the swarm as a whole covers every block twice, but the near servers (RTT <= 30 ms) only blocks 0..3: a joiner
+    # there takes 4..7, where the whole swarm is as strong as at 0..3 (Petals' rule alone would pick either)
+    spans = [span("near", 0, 4, 5), span("far1", 0, 4, 5), span("far2", 4, 8, 5), span("far3", 4, 8, 5)]
+    rtts = {"near": 0.005, "far1": 0.2, "far2": 0.2, "far3": 0.2}
+    me = ServerCapacity(peer_id="me", max_blocks=4, throughput=5.0, rtts_s=rtts)
+    assert CorollaPolicy().choose_span(me, spans, 8) == range(4, 8)
+    # a server whose region holds 4..7 twice and 0..3 not at all moves to complete it (the swarm's bottleneck
+    # stays 5 tok/s: Petals' check sees nothing to gain), but never by opening a gap in the swarm
+    spans = [span("near", 0, 4, 5), span("far1", 4, 8, 5), span("far2", 4, 8, 5)]
+    me = ServerCapacity(peer_id="far2", max_blocks=4, throughput=5.0, rtts_s={"near": 0.2, "far1": 0.005})
+    decision = CorollaPolicy().choose_move(me, spans, 8, reload_s=10.0, since_move_s=1e6, rng=random.Random(0))
+    assert decision.target == range(0, 4) and (decision.flow_now_tps, decision.flow_after_tps) == (0.0, 5.0)
+    petals = PetalsPolicy().choose_move(me, spans, 8, reload_s=10.0, since_move_s=1e6, rng=random.Random(0))
+    assert not petals.move
+    alone = [span("near", 0, 4, 5), span("far2", 4, 8, 5)]
+    decision = CorollaPolicy().choose_move(me, alone, 8, reload_s=10.0, since_move_s=1e6, rng=random.Random(0))
+    assert decision.reason == "leaving would open a gap"
 
 
 def move(policy, spans, peer, *, reload_s=10.0, since_move_s=1e6, max_blocks=None):
@@ -239,6 +256,25 @@ def test_corolla_routes_away_from_announced_and_client_load():
         for _ in range(100)
     )
     assert picks["B"] >= 95, picks
+
+
+def test_corolla_routes_within_the_clients_region_when_pings_are_unknown():
+    # A1, A2, A3 near the client; B2 far, but the one server A1 happened to ping (100 ms). Petals assumes 300 ms for
+    # every switch nobody announced and takes the far B2; corolla bounds an unknown switch by the client's RTTs to
+    # both servers (the triangle inequality) and stays near
+    spans = [span("A1", 0, 2, 10.0, inference_rps=100.0, next_pings={"B2": 0.1}),
+             span("A2", 2, 4, 10.0, inference_rps=100.0), span("B2", 2, 4, 10.0, inference_rps=100.0),
+             span("A3", 4, 6, 10.0, inference_rps=100.0)]  # fmt: skip
+    rtts = {"A1": 0.01, "A2": 0.01, "A3": 0.01, "B2": 0.2}
+    petals = PetalsPolicy().choose_route(spans, 0, 6, mode="min_latency", client_rtts_s=rtts, rng=random.Random(0))
+    assert [s.peer_id for s in petals] == ["A1", "B2", "A3"]
+    route = CorollaPolicy(route_jitter=0.0).choose_route(
+        spans, 0, 6, mode="min_latency", client_rtts_s=rtts, rng=random.Random(0)
+    )
+    assert [s.peer_id for s in route] == ["A1", "A2", "A3"]
+    assert estimated_rtt_s(spans[1], spans[3], rtts) == pytest.approx(0.02)
+    assert estimated_rtt_s(spans[0], spans[2], rtts) == 0.1  # what a server measured wins
+    assert estimated_rtt_s(spans[1], spans[3], {}) is None
 
 
 def test_loaded_block_time_is_capacity_share_once_saturated():

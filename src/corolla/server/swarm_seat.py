@@ -13,7 +13,7 @@ from corolla.protocol.records import RemoteSpanInfo, ServerState
 from corolla.server.metrics import ServerMetrics
 from corolla.swarm.ping import PingAggregator
 from corolla.swarm.policies import make_policy
-from corolla.swarm.policy import ServerCapacity
+from corolla.swarm.policy import PLACEMENT_PINGS, ServerCapacity
 from corolla.swarm.records_io import get_remote_module_infos
 from corolla.swarm.spans import compute_spans
 from corolla.utils.logging import get_logger
@@ -21,7 +21,6 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 DHT_READ_TIMEOUT_S = 20.0
-JOIN_PINGS = 16  # servers a joining server pings (at random) when its policy places by RTT
 JOIN_PING_TIMEOUT_S = 2.0
 
 
@@ -84,9 +83,9 @@ class SwarmSeat:
         return chosen
 
     async def ping_servers(self, spans: list[RemoteSpanInfo]) -> dict[str, float]:
-        """RTTs (s) to up to `JOIN_PINGS` servers of `spans` at random, through the DHT (empty if it cannot)."""
+        """RTTs (s) to up to `PLACEMENT_PINGS` servers of `spans` at random, through the DHT (empty if it cannot)."""
         peers = sorted({span.peer_id for span in spans} - {self.peer_id})
-        peers = random.sample(peers, min(JOIN_PINGS, len(peers)))
+        peers = random.sample(peers, min(PLACEMENT_PINGS, len(peers)))
         if not peers or self.dht is None:
             return {}
         pings = PingAggregator(self.dht)
@@ -104,10 +103,14 @@ class SwarmSeat:
         self.metrics.span_loaded(load_s)
 
     async def should_move(self, rtts_s: Mapping[str, float] | None = None) -> bool:
-        """Asks the policy whether to move now (`rtts_s`: what the server measured to other servers)."""
+        """Asks the policy whether to move now (`rtts_s`: what the server measured to other servers; a policy that
+        places by RTT pings the swarm again, as at its join, so that it sees its whole region)."""
         try:
+            spans = await self.read_spans()
+            if self.policy.uses_rtts:
+                rtts_s = {**(rtts_s or {}), **await self.ping_servers(spans)}
             decision = self.policy.choose_move(
-                self.capacity(rtts_s), await self.read_spans(), len(self.module_uids), reload_s=self.load_s or 0.0,
+                self.capacity(rtts_s), spans, len(self.module_uids), reload_s=self.load_s or 0.0,
                 since_move_s=time.monotonic() - self.online_since, rng=random.Random(),
             )  # fmt: skip
         except Exception as e:

@@ -45,7 +45,7 @@ class SimSession:
     wait_start_s: float | None = None
     retried: bool = False
     banned: dict[str, float] = field(default_factory=dict)  # peer id -> time its ban ends (its client's bans)
-    full: bool = False  # its last attempt found every block covered but the servers out of cache
+    full: bool = False  # an attempt of its current wait found every block covered but the servers out of cache
     counted: bool = True  # opened after the warm-up: its outcome goes into the metrics
 
 
@@ -62,11 +62,13 @@ class ClientDriver:
         think_s: Callable[[], float],
         on_session_end: Callable[[SimSession], None],
         sessions_per_client: int = 1,
+        view_age_max_s: float = 60.0,
     ):
         self.loop, self.view, self.metrics, self.route_fn, self.rng = loop, view, metrics, route_fn, rng
         self.think_s, self.on_session_end = think_s, on_session_end
         self.sessions: dict[int, SimSession] = {}
         self.sessions_per_client = sessions_per_client
+        self.view_age_max_s = view_age_max_s  # the clients' view is re-read this often: a gone server is out of it then
         self.bans: dict[int, dict[str, float]] = {}  # by closed-loop client: as the real client, one ban list each
         self._next_sid = 0
 
@@ -193,20 +195,20 @@ class ClientDriver:
         try:
             chain = self.route_fn(session)
         except MissingBlocksError:
-            session.full = False
             return False
         gone = next((peer for peer, start, end in chain if not self._serves(peer, start, end)), None)
         if gone is not None:  # the client's view is older than the server's departure or move: the call fails
             self._count(session, "refusals")
-            session.banned[gone] = self.loop.now_s + BAN_TIMEOUT_S
-            session.full = False
+            # as the real client (`RemoteSequenceManager.on_request_failure`): the failed server is banned and dropped
+            # from the client's view until it re-reads the records, which no longer hold it (or hold its new span)
+            session.banned[gone] = self.loop.now_s + max(BAN_TIMEOUT_S, self.view_age_max_s)
             return False
         hops = [(self.view.servers[peer], start, end) for peer, start, end in chain]
         refusing = next((server for server, _, _ in hops if server.kv_free_tokens < need), None)
         if refusing is not None:
             self._count(session, "refusals")  # out of cache
             session.banned[refusing.peer_id] = self.loop.now_s + BAN_TIMEOUT_S
-            session.full = True
+            session.full = True  # for this whole wait: a user who gives up after it was turned away by a full swarm
             return False
         session.full = False
         for server, _, _ in hops:

@@ -4,6 +4,7 @@ Every random draw comes from a stream seeded from `SimConfig.seed`, so a run is 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -23,6 +24,7 @@ from corolla.sim.server_model import SimServer
 from corolla.sim.view import SwarmView
 from corolla.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
 from corolla.swarm.policies import make_policy
+from corolla.swarm.policy import PLACEMENT_PINGS, ServerCapacity
 from corolla.swarm.route_planning import find_missing_blocks
 from corolla.swarm.routed_load import RoutedLoad
 from corolla.utils.errors import MissingBlocksError
@@ -74,7 +76,9 @@ class Simulation:
     def __init__(self, config: SimConfig):
         self.config = c = config
         self.loop = EventLoop()
-        self.rngs = {name: random.Random(f"{c.seed}/{name}") for name in ("fleet", "churn", "policy", "route", "work")}
+        self.rngs = {
+            name: random.Random(f"{c.seed}/{name}") for name in ("fleet", "churn", "policy", "route", "work", "pings")
+        }
         self.policy = make_policy(c.policy)
         self.view = SwarmView(c.model.num_blocks, RttModel(c.seed))
         self.metrics = Metrics(measure_from_s=c.warmup_s)
@@ -88,6 +92,7 @@ class Simulation:
             self.workload.think_s,
             self._ended,
             sessions_per_client=c.workload.sessions_per_client,
+            view_age_max_s=c.client_update_period_s,
         )
         self.perfs = {name: ServerPerf(GPUS[name], c.model, c.dtype) for name in c.fleet}
         mean = c.workload
@@ -122,6 +127,17 @@ class Simulation:
 
     # --- servers ---
 
+    def _capacity(self, server: SimServer) -> ServerCapacity:
+        """The server as its policy sees it before placing or moving; a policy that places by RTT gets the RTTs to up
+        to `PLACEMENT_PINGS` announced servers at random, as the real server pings them (`server.swarm_seat`)."""
+        if not self.policy.uses_rtts:
+            return server.capacity
+        peers = sorted(set(self.view.servers) - {server.peer_id})
+        peers = self.rngs["pings"].sample(peers, min(PLACEMENT_PINGS, len(peers)))
+        servers, rtt = self.view.servers, self.view.rtt
+        rtts = {p: rtt.rtt_s(server.peer_id, server.region, p, servers[p].region) for p in peers}
+        return dataclasses.replace(server.capacity, rtts_s=rtts)
+
     def _spawn(self, at_s: float, *, initial: bool) -> None:
         c, rng = self.config, self.rngs["fleet"]
         gpu = rng.choices(list(c.fleet), weights=list(c.fleet.values()), k=1)[0]
@@ -141,7 +157,7 @@ class Simulation:
     def _join(self, server: SimServer) -> None:
         if server.state is None:
             return
-        span = self._timed("span", self.policy.choose_span, server.capacity, self.view.placement_spans(),
+        span = self._timed("span", self.policy.choose_span, self._capacity(server), self.view.placement_spans(),
                            self.config.model.num_blocks)  # fmt: skip
         server.start, server.end = span.start, span.stop
         server.state = ServerState.JOINING
@@ -168,7 +184,7 @@ class Simulation:
         decision = self._timed(
             "move",
             self.policy.choose_move,
-            server.capacity,
+            self._capacity(server),
             self.view.placement_spans(),
             self.config.model.num_blocks,
             reload_s=server.last_load_s,
@@ -183,7 +199,7 @@ class Simulation:
         server.state = ServerState.OFFLINE
         self.view.announce(server)
         self.clients.on_server_lost(server, self.config.leave_detect_s)
-        span = self._timed("span", self.policy.choose_span, server.capacity, self.view.placement_spans(),
+        span = self._timed("span", self.policy.choose_span, self._capacity(server), self.view.placement_spans(),
                            self.config.model.num_blocks)  # fmt: skip
         server.start, server.end = span.start, span.stop
         server.num_moves += 1

@@ -15,7 +15,12 @@ from numpy.lib.stride_tricks import sliding_window_view
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.block_selection import compute_throughputs
 from corolla.swarm.policy import MoveDecision, RouteMode, ServerCapacity, others, own_span
-from corolla.swarm.route_planning import block_time_s, make_max_throughput_route, make_min_latency_route
+from corolla.swarm.route_planning import (
+    announced_rtt_s,
+    block_time_s,
+    make_max_throughput_route,
+    make_min_latency_route,
+)
 
 REL_EPS = 1e-9  # flows equal up to float noise are ties
 GAP_TPS = 1e-6  # the least tokens/s a block counts as in the soft bottleneck (finite, so placements with gaps compare)
@@ -62,18 +67,26 @@ class CorollaPolicy:
     # ---- placement
 
     def choose_span(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo], total_blocks: int) -> range:
-        rest = others(spans, me.peer_id)
+        rest = self._region(me, others(spans, me.peer_id))
         return self._best_placement(me, rest, total_blocks)[2]
+
+    def _region(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo]) -> list[RemoteSpanInfo]:
+        """The spans whose servers `me` measured within `region_rtt_s` (the caller's own span kept), or all of
+        `spans` when it measured none near: chains that stay in a region pay a few ms per hop instead of tens, so a
+        server completes its region's chains first and the swarm's flow is the sum of the regions'."""
+        near = {peer for peer, rtt in me.rtts_s.items() if rtt <= self.region_rtt_s}
+        if not near:
+            return list(spans)
+        return [s for s in spans if s.peer_id in near or s.peer_id == me.peer_id]
 
     def _best_placement(
         self, me: ServerCapacity, rest: Sequence[RemoteSpanInfo], total_blocks: int
     ) -> tuple[float, float, range]:
-        """(swarm bottleneck tokens/s, soft bottleneck tokens/s, the span) for the best placement of `me` beside
-        `rest` (the order of criteria is in the class docstring)."""
+        """(bottleneck tokens/s, soft bottleneck tokens/s, the span) for the best placement of `me` beside `rest`
+        (the order of criteria is in the class docstring)."""
         if total_blocks < 1:
             raise ValueError(f"total_blocks must be >= 1, got {total_blocks}")
         throughputs = compute_throughputs({s.peer_id: s for s in rest}, total_blocks=total_blocks)  # [total_blocks]
-        regional = self._regional_throughputs(me, rest, total_blocks)  # [total_blocks] or None
         max_k = min(me.max_blocks, total_blocks)
         gap_tps = self.gap_credit * me.throughput_for(max_k) if me.capacity_tps else 0.0
         options = []  # (k, flows[num_starts], soft[num_starts])
@@ -89,23 +102,9 @@ class CorollaPolicy:
         k = max(k for k, soft in zip(range(1, max_k + 1), best_soft, strict=True) if soft >= top - REL_EPS * top)
         _, flows, soft = options[k - 1]
         starts = np.flatnonzero((flows >= floor) & (soft >= top - REL_EPS * top)).tolist()
-        if regional is not None and len(starts) > 1:
-            regional_flows = _bottleneck_by_start(regional, me.throughput_for(k), k)[1][starts]
-            top = regional_flows.max()
-            starts = [
-                s for s, f in zip(starts, regional_flows.tolist(), strict=True) if f >= top - REL_EPS * max(top, 1)
-            ]
         # Petals' rule among the rest: the window whose ascending throughputs are lexicographically smallest
         start = min((sorted(throughputs[s : s + k].tolist()), s) for s in starts)[1]
         return float(flows[start]), float(soft[start]), range(start, start + k)
-
-    def _regional_throughputs(
-        self, me: ServerCapacity, rest: Sequence[RemoteSpanInfo], total_blocks: int
-    ) -> np.ndarray | None:
-        near = {peer for peer, rtt in me.rtts_s.items() if rtt <= self.region_rtt_s}
-        if not near:
-            return None
-        return compute_throughputs({s.peer_id: s for s in rest if s.peer_id in near}, total_blocks=total_blocks)
 
     # ---- rebalancing
 
@@ -119,20 +118,23 @@ class CorollaPolicy:
         since_move_s: float,
         rng: random.Random,
     ) -> MoveDecision:
-        throughputs = compute_throughputs({s.peer_id: s for s in spans}, total_blocks=total_blocks)
+        everyone = compute_throughputs({s.peer_id: s for s in spans}, total_blocks=total_blocks)  # [total_blocks]
+        region = self._region(me, spans)  # flows below are the region's (the whole swarm's if none is near)
+        throughputs = compute_throughputs({s.peer_id: s for s in region}, total_blocks=total_blocks)
         flow_now = float(throughputs.min())
         mine = own_span(spans, me.peer_id)
         if mine is None:
             return MoveDecision(None, flow_now, flow_now, "own span not in the swarm's records")
-        if since_move_s < self.min_dwell_s and flow_now > 0:  # a swarm with a gap serves nobody: no dwelling then
+        if since_move_s < self.min_dwell_s and flow_now > 0:  # a region with a gap serves no chain: no dwelling then
             return MoveDecision(None, flow_now, flow_now, "dwelling after the last move")
-        rest = others(spans, me.peer_id)
+        if float(everyone.min()) > 0 and float((everyone[mine.start : mine.end] - mine.throughput).min()) <= 0:
+            return MoveDecision(None, flow_now, flow_now, "leaving would open a gap")
         without_me = throughputs.copy()
         without_me[mine.start : mine.end] -= mine.throughput
         flow_while_loading = float(without_me.min())
         if flow_now > 0 and flow_while_loading <= 0:
-            return MoveDecision(None, flow_now, flow_now, "leaving would open a gap")
-        flow_after, _, target = self._best_placement(me, rest, total_blocks)
+            return MoveDecision(None, flow_now, flow_now, "leaving would open a gap in its region")
+        flow_after, _, target = self._best_placement(me, others(region, me.peer_id), total_blocks)
         if target == range(mine.start, mine.end):
             return MoveDecision(None, flow_now, flow_now, "already on the best span")
         # hysteresis: the move must add min_gain of the bottleneck or, in a swarm where one server is a small part
@@ -170,9 +172,12 @@ class CorollaPolicy:
         def block_cost_s(span: RemoteSpanInfo) -> float:
             return loaded_block_time_s(span, load.get(span.peer_id, 0.0)) * jitter[span.peer_id]
 
+        def hop_rtt_s(span: RemoteSpanInfo, other: RemoteSpanInfo) -> float | None:
+            return estimated_rtt_s(span, other, client_rtts_s)
+
         return make_min_latency_route(
             spans, start, end, client_rtts_s=client_rtts_s, cache_tokens_needed=cache_tokens_needed,
-            block_cost_s=block_cost_s,
+            block_cost_s=block_cost_s, hop_rtt_s=hop_rtt_s,
         )  # fmt: skip
 
 
@@ -207,6 +212,19 @@ def _soft_bottleneck_by_start(
     window = sliding_window_view(delta, k).sum(axis=1)  # [n - k + 1]
     mean = np.maximum((inverse.sum() + window) / len(throughputs), 1e-300)
     return scale * mean ** (-1.0 / power)
+
+
+def estimated_rtt_s(span: RemoteSpanInfo, other: RemoteSpanInfo, client_rtts_s: Mapping[str, float]) -> float | None:
+    """The RTT (s) between two servers: the one `span`'s server announced to `other`'s, else at most the path through
+    this client (the triangle inequality: two servers near the client are near each other), else None (unknown).
+    A server announces pings to a few servers after its span only, so without the estimate most switches would cost
+    the 300 ms assumed for an unknown pair, and chains would favour the few pairs that happen to be pinged over the
+    servers of the client's own region."""
+    announced = announced_rtt_s(span, other)
+    if announced is not None:
+        return announced
+    to_span, to_other = client_rtts_s.get(span.peer_id), client_rtts_s.get(other.peer_id)
+    return None if to_span is None or to_other is None else to_span + to_other
 
 
 def span_block_rate(span: RemoteSpanInfo) -> float:

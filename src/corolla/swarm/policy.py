@@ -26,6 +26,9 @@ from corolla.protocol.records import RemoteSpanInfo
 
 RouteMode = Literal["min_latency", "max_throughput"]
 POLICY_NAMES = ("petals", "corolla")
+# servers a server pings (at random) before placing or moving when its policy places by RTT (`uses_rtts`): enough to
+# see every server of its region in a swarm of ~100, one small RPC each per balance check
+PLACEMENT_PINGS = 64
 
 
 @dataclass(frozen=True)

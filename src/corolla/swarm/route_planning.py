@@ -57,6 +57,11 @@ def block_time_s(span: RemoteSpanInfo) -> float:
     return 1.0 / (rps if rps is not None and rps > 0 else DEFAULT_INFERENCE_RPS)
 
 
+def announced_rtt_s(span: RemoteSpanInfo, other: RemoteSpanInfo) -> float | None:
+    """The RTT (s) `span`'s server announced to `other`'s in its `next_pings` (Petals' only source), or None."""
+    return (span.server_info.next_pings or {}).get(other.peer_id)
+
+
 def _check_range(spans: Sequence[RemoteSpanInfo], start: int, end: int) -> None:
     if not 0 <= start < end:
         raise ValueError(f"route must cover at least one block, got [{start}, {end})")
@@ -73,13 +78,14 @@ def make_min_latency_route(
     client_rtts_s: Mapping[str, float],
     cache_tokens_needed: int | None = None,
     block_cost_s: Callable[[RemoteSpanInfo], float] = block_time_s,
+    hop_rtt_s: Callable[[RemoteSpanInfo, RemoteSpanInfo], float | None] = announced_rtt_s,
 ) -> list[RemoteSpanInfo]:
     """The chain minimizing expected step latency through blocks `[start, end)`.
 
     Nodes are (span, block boundary); edges: client -> first server (half its RTT + overhead), one block inside a
     server (`block_cost_s`, by default Petals' 1 / inference_rps), a switch at the end of a server's span (half the
-    RTT it measured to the next server + overhead), last server -> client. A server short of cache for the session
-    costs an extra 10 s.
+    RTT between the two servers, `hop_rtt_s`: by default the one the first announced in `next_pings`, None where it
+    did not, + overhead), last server -> client. A server short of cache for the session costs an extra 10 s.
     """
     _check_range(spans, start, end)
     by_block = spans_by_block(spans, end)
@@ -124,11 +130,10 @@ def make_min_latency_route(
                 ride += step
             relax(node, (span_idx, min(span.end, end)), ride)
         else:  # at the span's end: switch to a server holding the next block
-            next_pings = span.server_info.next_pings or {}
             for other in by_block[block]:
                 if other is not span:
                     i = index_of[id(other)]
-                    relax(node, (i, block), cost + (_half_rtt_s(next_pings.get(other.peer_id)) +
+                    relax(node, (i, block), cost + (_half_rtt_s(hop_rtt_s(span, other)) +
                                                     SERIALIZATION_OVERHEAD_S + penalties[i]))  # fmt: skip
 
     assert (END, end) in prev, "every covered range is reachable: each span's end block is covered by another span"
