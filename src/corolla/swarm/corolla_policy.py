@@ -38,20 +38,24 @@ class CorollaPolicy:
     which a flat bottleneck leaves free to rise: lifting weak blocks that are not the very weakest), blocks without
     a server counting as `gap_credit` x its own throughput at max_blocks when it knows its curve (a server to come
     will cover them; so a joiner takes the few blocks it serves fast instead of spreading thin over the gaps), else
-    as ~0 (gaps first); then the longest span (fewer hops), the position that best serves the servers within
-    `region_rtt_s` of it, then Petals' weakest-window rule. On Helix's 24-node cluster, nodes joining one by one
-    this way reach 1476 tok/s of max-flow, against 1290 for Helix's central ILP (`sim/helix.py`).
+    as ~0 (gaps first); then the longest span (fewer hops), then Petals' weakest-window rule. Where the server
+    measured RTTs to servers within `region_rtt_s` (its region), every flow above is its region's (the other
+    servers ignored): each region completes its own chains, whose hops cost a few ms instead of tens between regions.
+    On Helix's 24-node cluster (one region), nodes joining one by one this way reach 1476 tok/s of max-flow, against
+    1290 for Helix's central ILP (`sim/helix.py`).
 
-    Rebalancing: move only if the best placement without itself beats the swarm's bottleneck now by `min_gain` of
-    the bottleneck or of its own throughput, whichever is less (hysteresis: each move raises the bottleneck by a
-    positive floor, so moves cannot cycle), the gain over
-    `payback_s` outweighs the flow lost while reloading for `reload_s`, leaving opens no gap, and the server has
-    stayed `min_dwell_s` since its last move (unless a block has no server at all: then it may fill the gap now).
+    Rebalancing (flows of its region, as placement): move only if the best placement without itself beats the
+    bottleneck now by `min_gain` of the bottleneck or of its own throughput, whichever is less (hysteresis: each
+    move raises the bottleneck by a positive floor, so moves cannot cycle), the gain over `payback_s` outweighs the
+    flow lost while reloading for `reload_s`, leaving opens no gap (in the swarm, nor in a region that has none),
+    and the server has stayed `min_dwell_s` since its last move (unless its region has a block without a server:
+    then it may fill the gap now).
 
     Routing: Dijkstra over (server, block) as Petals, each block costing max(its one-session time, the share of the
     server's capacity left to one more session), where sessions = those the server announces plus the ones this
     client just routed there; each server's cost is jittered by a log-normal factor of sigma `route_jitter` per
-    route, so clients spread over near-equal chains instead of piling onto one."""
+    route, so clients spread over near-equal chains instead of piling onto one; a switch between two servers costs
+    half the RTT the first announced to the second, else half the client's RTTs to both (`estimated_rtt_s`)."""
 
     shorter_span_gain: float = 0.10
     min_gain: float = 0.10
