@@ -77,7 +77,8 @@ class SpanBackend:
         contiguous = indices == list(range(indices[0], indices[-1] + 1))
         return f"{indices[0]}:{indices[-1] + 1}" if contiguous else str(indices)
 
-    def _check_hidden(self, hidden: torch.Tensor, what: str = "hidden_states") -> torch.Tensor:
+    def check_hidden(self, hidden: torch.Tensor, what: str = "hidden_states") -> torch.Tensor:
+        """`hidden` [B, T, H] on this backend's device and in its dtype; ValueError for another shape or dtype kind."""
         if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3 or hidden.shape[2] != self.hidden_size:
             shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             raise ValueError(f"{what} must have shape [batch, length, {self.hidden_size}], got {shape}")
@@ -85,7 +86,7 @@ class SpanBackend:
             raise ValueError(f"{what} must be a floating-point tensor, got {hidden.dtype}")
         return hidden.to(self.device, self.dtype)
 
-    def _check_prompts(
+    def split_prompts(
         self, prompts: torch.Tensor | None, num_blocks: int, batch_size: int
     ) -> list[torch.Tensor | None]:
         """Splits deep prompts [num_blocks, B|1, P, H] into one [B|1, P, H] per block (None when absent)."""
@@ -105,7 +106,8 @@ class SpanBackend:
             raise ValueError(f"prompts must be a floating-point tensor, got {prompts.dtype}")
         return list(prompts.to(self.device, self.dtype).unbind(0))
 
-    def _adapter_context(self, adapter: str) -> contextlib.AbstractContextManager:
+    def adapter_context(self, adapter: str) -> contextlib.AbstractContextManager:
+        """Runs the blocks with `adapter` ("" for none); ValueError for an adapter this server does not have."""
         if adapter and adapter not in self.adapters:
             raise ValueError(f"Unknown adapter {adapter!r}; this server has adapters {list(self.adapters)}")
         return using_adapter(adapter)
@@ -121,14 +123,13 @@ class SpanBackend:
     ) -> torch.Tensor:
         """Runs the blocks over `hidden` [B, T, H] without cache; returns [B, T, H] on this backend's device."""
         indices = self.validate_block_indices(block_indices)
-        hidden = self._check_hidden(hidden)
-        per_block_prompts = self._check_prompts(prompts, len(indices), hidden.shape[0])
-        # no_grad, not inference_mode: outputs and anything a block caches stay usable by later autograd passes
-        with torch.no_grad(), self._adapter_context(adapter):
+        hidden = self.check_hidden(hidden)
+        per_block_prompts = self.split_prompts(prompts, len(indices), hidden.shape[0])
+        with self.adapter_context(adapter):
             if hidden.shape[1] == 0:
                 return hidden.clone()
             for index, prompt in zip(indices, per_block_prompts, strict=True):
-                hidden = self.blocks[index](_add_prompt(hidden, prompt, position=0))
+                hidden = self.block_forward(index, hidden, prompt)
         return hidden
 
     def backward(
@@ -142,40 +143,51 @@ class SpanBackend:
         """Gradients of the span's outputs (weighted by `grad_outputs`) w.r.t. `inputs` [B, T, H] and, if given,
         `prompts` [n_blocks, B|1, P, H]. Recomputes activations one block at a time; parameters get no gradients."""
         indices = self.validate_block_indices(block_indices)
-        inputs = self._check_hidden(inputs, "inputs")
-        grad_outputs = self._check_hidden(grad_outputs, "grad_outputs")
+        inputs = self.check_hidden(inputs, "inputs")
+        grad_outputs = self.check_hidden(grad_outputs, "grad_outputs")
         if grad_outputs.shape != inputs.shape:
             raise ValueError(
                 f"grad_outputs shape {tuple(grad_outputs.shape)} must equal inputs shape {tuple(inputs.shape)}"
             )
-        per_block_prompts = self._check_prompts(prompts, len(indices), inputs.shape[0])
+        per_block_prompts = self.split_prompts(prompts, len(indices), inputs.shape[0])
         has_prompts = per_block_prompts[0] is not None
         if inputs.shape[1] == 0:  # nothing flows back
-            present = [p for p in per_block_prompts if p is not None]  # all or none: see _check_prompts
+            present = [p for p in per_block_prompts if p is not None]  # all or none: see split_prompts
             empty_prompts = torch.zeros_like(torch.stack(present)) if has_prompts else None
             return torch.zeros_like(inputs), empty_prompts
-        with self._adapter_context(adapter):
+        with self.adapter_context(adapter):
             # inputs of every block, without keeping activations: [B, T, H] each
             block_inputs = [inputs]
-            with torch.no_grad():
-                for index, prompt in zip(indices[:-1], per_block_prompts[:-1], strict=True):
-                    block_inputs.append(self.blocks[index](_add_prompt(block_inputs[-1], prompt, position=0)))
+            for index, prompt in zip(indices[:-1], per_block_prompts[:-1], strict=True):
+                block_inputs.append(self.block_forward(index, block_inputs[-1], prompt))
             grad = grad_outputs
             grad_prompts: list[torch.Tensor | None] = [None] * len(indices)
             for i in reversed(range(len(indices))):
-                block_input = block_inputs[i].detach().requires_grad_(True)
-                prompt = per_block_prompts[i]
-                if prompt is not None:
-                    prompt = prompt.detach().requires_grad_(True)
-                with torch.enable_grad():
-                    output = self.blocks[indices[i]](_add_prompt(block_input, prompt, position=0))
-                    torch.autograd.backward(output, grad)
-                grad = _filled_grad(block_input.grad)
-                if prompt is not None:
-                    grad_prompts[i] = prompt.grad
+                grad, grad_prompts[i] = self.block_backward(indices[i], block_inputs[i], grad, per_block_prompts[i])
         grads_prompts = torch.stack([_filled_grad(g) for g in grad_prompts]) if has_prompts else None
         # grads_prompts: [n_blocks, B|1, P, H]
         return grad, grads_prompts
+
+    def block_forward(self, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+        """One served block over `hidden` [B, T, H] (plus its deep prompt [B|1, P, H] at positions < P), no cache,
+        no autograd, under the caller's `adapter_context`: [B, T, H]. Inputs as `check_hidden`/`split_prompts` give."""
+        # no_grad, not inference_mode: outputs and anything a block caches stay usable by later autograd passes
+        with torch.no_grad():
+            return self.blocks[index](_add_prompt(hidden, prompt, position=0))
+
+    def block_backward(
+        self, index: int, hidden: torch.Tensor, grad_output: torch.Tensor, prompt: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Gradients of one block's output (weighted by `grad_output` [B, T, H]) w.r.t. its input `hidden` [B, T, H]
+        and its deep prompt [B|1, P, H] if given, recomputing the block's activations (none are kept between the
+        forward and the backward); the block's parameters get none. Under the caller's `adapter_context`."""
+        block_input = hidden.detach().requires_grad_(True)
+        if prompt is not None:
+            prompt = prompt.detach().requires_grad_(True)
+        with torch.enable_grad():
+            output = self.blocks[index](_add_prompt(block_input, prompt, position=0))
+            torch.autograd.backward(output, grad_output)
+        return _filled_grad(block_input.grad), None if prompt is None else _filled_grad(prompt.grad)
 
     # ---- inference
 
@@ -196,7 +208,7 @@ class SpanBackend:
         contents past `prefix_length` are overwritten (rollback). Long inputs run in chunks whose attention scores
         stay under `max_chunk_size_bytes`. Zero-token steps only reorder and return [B, 0, H]."""
         indices = self.validate_block_indices(block_indices)
-        hidden = self._check_hidden(hidden)
+        hidden = self.check_hidden(hidden)
         batch_size, num_tokens, _ = hidden.shape
         if len(cache_tensors) != len(indices):
             raise ValueError(f"Got cache tensors for {len(cache_tensors)} blocks, expected {len(indices)}")
@@ -214,9 +226,9 @@ class SpanBackend:
                 f"max_length {max_length} allocated for this session"
             )
         hypo_ids = self._check_hypo_ids(hypo_ids, batch_size)
-        per_block_prompts = self._check_prompts(prompts, len(indices), batch_size)
+        per_block_prompts = self.split_prompts(prompts, len(indices), batch_size)
 
-        with torch.inference_mode(), self._adapter_context(adapter):
+        with torch.inference_mode(), self.adapter_context(adapter):
             if hypo_ids is not None:
                 ids_on: dict[torch.device, torch.Tensor] = {}  # tensor-parallel caches live on several devices
                 for tensors in cache_tensors:

@@ -5,7 +5,8 @@ merged into one batched forward by the runtime (`engine.batcher.execute_steps` a
 backward run on the same blocks through `SpanBackend` (shared tensors). Sessions wait for pages in arrival order
 (`engine.page_queue`); their caches are handed off on drain in the canonical layout (`kv_handoff`). A session's LoRA
 adapter (Petals' `active_adapter`, fixed when the session opens) is bound to its engine session at the first step;
-merged steps mix sessions on different adapters."""
+merged steps mix sessions on different adapters. Forwards and backwards of all clients run as block tasks merged
+across clients (`training_batch`)."""
 
 from __future__ import annotations
 
@@ -47,16 +48,8 @@ from corolla.server.core.executor import (
     TensorDescriptorLike,
 )
 from corolla.server.core.forward_chunks import run_forward_chunked
-from corolla.server.core.runtime import (
-    KIND_BACKWARD,
-    KIND_FORWARD,
-    KIND_GENERIC,
-    PRIORITY_BACKWARD,
-    PRIORITY_FORWARD,
-    PRIORITY_INFERENCE,
-    Runtime,
-    Task,
-)
+from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, Runtime, Task
+from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.gil import lower_switch_interval
 from corolla.utils.logging import get_logger
@@ -148,6 +141,7 @@ class EngineExecutor:
         self.metrics = metrics
         self.pages = PageQueue(engine.pool, max_alloc_timeout_s)
         self.first_block = min(backend.block_indices)
+        self.training = TrainingBatcher(backend, runtime, metrics)  # forwards and backwards, merged across clients
         self._merge_key = ("engine", id(engine))
         # one merged batch is at most what one decode forward serves (a graph bucket's rows): steps past it wait for
         # the next forward instead of adding a second forward (a second pass over the weights, for a few rows) that
@@ -288,39 +282,20 @@ class EngineExecutor:
     async def forward(
         self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
     ) -> torch.Tensor:
-        """Hidden states after the blocks (no cache): one runtime task, or chunk tasks for a long forward."""
+        """Hidden states after the blocks (no cache): a task per block merged with other clients' training work
+        (`training_batch`), or, past `chunk_tokens` tokens, token chunks of each block (`forward_chunks`)."""
         batch_size, length, _ = inputs.hidden_states.shape
-        indices = list(block_indices)
-        if chunk_tokens and (len(indices) > 1 or batch_size * length > chunk_tokens):
+        if chunk_tokens and batch_size * length > chunk_tokens:
             return await run_forward_chunked(
-                self.backend, self._runtime, indices, inputs.hidden_states, inputs.prompts,
+                self.backend, self._runtime, list(block_indices), inputs.hidden_states, inputs.prompts,
                 active_adapter=inputs.adapter, chunk_tokens=chunk_tokens,
                 measured=lambda fn, num_tokens: measured(fn, self.metrics, "forward", batch_size, num_tokens),
             )  # fmt: skip
-        backend = self.backend
-
-        def task() -> torch.Tensor:
-            return backend.forward(indices, inputs.hidden_states, inputs.prompts, inputs.adapter)
-
-        return await self._runtime.submit(
-            measured(task, self.metrics, "forward", batch_size, batch_size * length),
-            priority=PRIORITY_FORWARD,
-            size_tokens=batch_size * length,
-            kind=KIND_FORWARD,
-        )
+        return await self.training.forward(block_indices, inputs.hidden_states, inputs.prompts, inputs.adapter)
 
     async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
-        batch_size, length, _ = inputs.hidden_states.shape
-        backend, indices = self.backend, list(block_indices)
-
-        def task() -> tuple[torch.Tensor, torch.Tensor | None]:
-            return backend.backward(indices, inputs.hidden_states, inputs.grad_outputs, inputs.prompts, inputs.adapter)
-
-        grad_inputs, grad_prompts = await self._runtime.submit(
-            measured(task, self.metrics, "backward", batch_size, batch_size * length),
-            priority=PRIORITY_BACKWARD,
-            size_tokens=batch_size * length,
-            kind=KIND_BACKWARD,
+        grad_inputs, grad_prompts = await self.training.backward(
+            block_indices, inputs.hidden_states, inputs.grad_outputs, inputs.prompts, inputs.adapter
         )
         return [grad_inputs] if grad_prompts is None else [grad_inputs, grad_prompts]
 

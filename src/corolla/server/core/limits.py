@@ -43,7 +43,9 @@ class PeerLimits:
     max_stream_bytes_total: int | None = None
     stream_idle_timeout_s: float = 10.0  # no byte of a started message (or of a forward stream) for this long
     max_forwards_per_peer: int = 2  # concurrent forward/backward requests of one peer (others wait)
-    forward_chunk_tokens: int = 256  # a forward runs as runtime tasks of <= this many tokens x one block; 0 = whole
+    # a longer forward runs as runtime tasks of <= this many tokens x one block; a shorter one as one task per block
+    # merged with other clients' (`training_batch`); 0 = never chunked
+    forward_chunk_tokens: int = 2048
 
     def __post_init__(self) -> None:
         for name in (
@@ -138,7 +140,8 @@ LIMIT_FLAG_HELP = {
     "max_stream_bytes_total": "bytes of unfinished streamed requests of all peers (unset: max(128 MiB, 3 x message))",
     "stream_idle_timeout_s": "cut a stream whose peer sends nothing for this long mid-message or mid-request (0 = off)",
     "max_forwards_per_peer": "concurrent forward/backward requests of one peer; the rest wait (0 = unlimited)",
-    "forward_chunk_tokens": "run forwards as tasks of one block and at most this many tokens (0 = one task)",
+    "forward_chunk_tokens": "forwards longer than this run as one-block tasks of at most this many tokens; shorter ones "
+    "as one task per block, merged with other clients' (0 = never chunked)",
 }
 
 

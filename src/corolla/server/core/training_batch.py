@@ -1,0 +1,214 @@
+"""Training work (`rpc_forward`, `rpc_backward`) of all clients as runtime tasks of one block each, merged across
+clients: the works of several requests at the same block, in the same phase, with the same length and adapter run as
+one batched block call (their rows concatenated; deep prompts zero-padded to the longest, which adds exactly 0 where a
+request has none). A backward recomputes its blocks' inputs with forward works (mergeable with other clients'
+forwards of those blocks), then runs one backward work per block from the last down; nothing is kept on the server
+between a client's forward and its backward (Petals' protocol: the backward carries its inputs again).
+
+Order: training works queue behind inference steps (`PRIORITY_INFERENCE` first) and never hold the device for more
+than one merged block task (`TRAINING_MERGE_TOKENS`). Among themselves they run by progress: earlier blocks of the
+forward pass first, then the backward pass from the last block down, so that a request that arrived later catches
+up with the ones ahead and merges with them instead of trailing them by a few blocks for its whole pass."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from corolla.server.backend import SpanBackend
+from corolla.server.core.runtime import PRIORITY_BACKWARD, PRIORITY_FORWARD, Runtime, Task
+from corolla.server.metrics import ServerMetrics
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+KIND_TRAINING = "training"
+PHASE_FORWARD = "forward"
+PHASE_BACKWARD = "backward"
+# the most tokens (rows x length) of one merged block task: an inference step that arrives meanwhile waits for at most
+# one such task, so this bounds what training adds to a concurrent session's step (one request larger than this still
+# runs, alone)
+TRAINING_MERGE_TOKENS = 2048
+# priority offsets (within PRIORITY_FORWARD's class, below the next class): forward works by ascending block index,
+# then backward works by descending block index
+PROGRESS_STEP = 1e-6
+BACKWARD_OFFSET = 0.5
+
+
+@dataclass(eq=False, slots=True)
+class BlockWork:
+    """One request's work on one block: its rows, its deep prompt and, for a backward, the gradient of its output."""
+
+    phase: str  # PHASE_FORWARD or PHASE_BACKWARD
+    index: int  # the block
+    adapter: str
+    hidden: torch.Tensor  # [B, T, H] the block's input
+    prompt: torch.Tensor | None  # [B|1, P, H] the block's deep prompt
+    grad_output: torch.Tensor | None = None  # [B, T, H], backward only
+
+    @property
+    def rows(self) -> int:
+        return int(self.hidden.shape[0])
+
+
+class TrainingBatcher:
+    """Runs forwards and backwards of a span as merged block tasks on `runtime` (see the module docstring)."""
+
+    def __init__(self, backend: SpanBackend, runtime: Runtime, metrics: ServerMetrics | None = None):
+        self.backend = backend
+        self._runtime = runtime
+        self.metrics = metrics
+        self._merge_id = id(self)
+        self._sync = backend.device.type == "cuda"
+        runtime.register_batch_executor(KIND_TRAINING, self._execute, max_merged_tokens=TRAINING_MERGE_TOKENS)
+
+    async def forward(
+        self, block_indices: tuple[int, ...], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str
+    ) -> torch.Tensor:
+        """`SpanBackend.forward`'s result ([B, T, H]), each block a runtime task merged with other requests'."""
+        backend = self.backend
+        indices = backend.validate_block_indices(block_indices)
+        hidden = backend.check_hidden(hidden)
+        per_block = backend.split_prompts(prompts, len(indices), hidden.shape[0])
+        backend.adapter_context(adapter)  # ValueError for an unknown adapter, before anything is queued
+        if hidden.shape[1] == 0:
+            return hidden.clone()
+        for index, prompt in zip(indices, per_block, strict=True):
+            hidden = await self._run(BlockWork(PHASE_FORWARD, index, adapter, hidden, prompt))
+        self._count(PHASE_FORWARD, hidden)
+        return hidden
+
+    async def backward(
+        self,
+        block_indices: tuple[int, ...],
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        prompts: torch.Tensor | None,
+        adapter: str,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`SpanBackend.backward`'s result: the gradient w.r.t. `inputs` [B, T, H] and, with deep prompts, w.r.t.
+        them [n_blocks, B|1, P, H]; each block's forward and backward a runtime task merged with other requests'."""
+        backend = self.backend
+        indices = backend.validate_block_indices(block_indices)
+        inputs = backend.check_hidden(inputs, "inputs")
+        grad_outputs = backend.check_hidden(grad_outputs, "grad_outputs")
+        if grad_outputs.shape != inputs.shape:
+            raise ValueError(
+                f"grad_outputs shape {tuple(grad_outputs.shape)} must equal inputs shape {tuple(inputs.shape)}"
+            )
+        per_block = backend.split_prompts(prompts, len(indices), inputs.shape[0])
+        backend.adapter_context(adapter)
+        if inputs.shape[1] == 0:  # nothing flows back: zeros, as the backend gives them
+            return backend.backward(indices, inputs, grad_outputs, prompts, adapter)
+        block_inputs: list[torch.Tensor] = [inputs]  # [B, T, H] each: the input of every block
+        for index, prompt in zip(indices[:-1], per_block[:-1], strict=True):
+            block_inputs.append(await self._run(BlockWork(PHASE_FORWARD, index, adapter, block_inputs[-1], prompt)))
+        grad = grad_outputs
+        grad_prompts: list[torch.Tensor | None] = [None] * len(indices)
+        for i in reversed(range(len(indices))):
+            work = BlockWork(PHASE_BACKWARD, indices[i], adapter, block_inputs.pop(), per_block[i], grad)
+            grad, grad_prompts[i] = await self._run(work)
+        self._count(PHASE_BACKWARD, inputs)
+        if per_block[0] is None:
+            return grad, None
+        return grad, torch.stack([g for g in grad_prompts if g is not None])  # [n_blocks, B|1, P, H]
+
+    def _run(self, work: BlockWork) -> asyncio.Future:
+        rows, length = work.hidden.shape[:2]
+        if work.phase == PHASE_FORWARD:
+            priority = PRIORITY_FORWARD + work.index * PROGRESS_STEP
+        else:
+            priority = PRIORITY_BACKWARD + BACKWARD_OFFSET - work.index * PROGRESS_STEP
+        backend = self.backend
+        return self._runtime.submit(
+            lambda: run_block_works(backend, [work])[0], priority=priority, size_tokens=rows * length,
+            kind=KIND_TRAINING, merge_key=(self._merge_id, work.phase, work.index, length, work.adapter), payload=work,
+        )  # fmt: skip
+
+    def _execute(self, tasks: list[Task]) -> list[Any]:
+        """The runtime's batch executor: tasks of one merge key (phase, block, length, adapter) as one block call.
+        If the merged call fails, each work runs alone, so that one request's failure stays its own."""
+        works: list[BlockWork] = [task.payload for task in tasks]
+        started = time.perf_counter()
+        results: list[Any]
+        try:
+            results = run_block_works(self.backend, works)
+        except Exception as e:
+            if len(works) == 1:
+                raise
+            logger.warning(f"training.merged_failed(works={len(works)}, error={e!r}): running each alone")
+            results = []
+            for work in works:
+                try:
+                    results.extend(run_block_works(self.backend, [work]))
+                except Exception as error:
+                    results.append(error)
+        if (
+            self._sync
+        ):  # the device thread's view is the device's: no queue of launched kernels for inference to wait behind
+            torch.cuda.current_stream(self.backend.device).synchronize()
+        metrics = self.metrics
+        if metrics is not None:
+            now = time.monotonic()
+            for task in tasks:
+                metrics.queue_wait(now - task.submitted_at)
+            metrics.observe_step(time.perf_counter() - started)
+            metrics.batch_size(sum(work.rows for work in works))
+        return results
+
+    def _count(self, phase: str, hidden: torch.Tensor) -> None:
+        if self.metrics is not None:
+            self.metrics.tokens(phase, int(hidden.shape[0] * hidden.shape[1]))
+
+
+def run_block_works(backend: SpanBackend, works: list[BlockWork]) -> list[Any]:
+    """Works of one phase, block, length and adapter as one block call: per work, its output [B, T, H] (forward) or
+    (gradient of its input [B, T, H], of its prompt [B|1, P, H] or None) (backward). A lone work runs exactly as
+    `SpanBackend.forward`/`backward` run that block."""
+    first = works[0]
+    with backend.adapter_context(first.adapter):
+        if len(works) == 1:
+            if first.phase == PHASE_FORWARD:
+                return [backend.block_forward(first.index, first.hidden, first.prompt)]
+            assert first.grad_output is not None
+            return [backend.block_backward(first.index, first.hidden, first.grad_output, first.prompt)]
+        rows = [work.rows for work in works]
+        hidden = torch.cat([work.hidden for work in works])  # [sum B, T, H]
+        prompt = _merged_prompt(works)  # [sum B, P_max, H] or None
+        if first.phase == PHASE_FORWARD:
+            return list(backend.block_forward(first.index, hidden, prompt).split(rows))
+        grad_output = torch.cat([work.grad_output for work in works if work.grad_output is not None])
+        grad_input, grad_prompt = backend.block_backward(first.index, hidden, grad_output, prompt)
+        grad_prompts = [None] * len(works) if grad_prompt is None else grad_prompt.split(rows)
+        return [
+            (grad, _own_prompt_grad(work, grad_rows))
+            for work, grad, grad_rows in zip(works, grad_input.split(rows), grad_prompts, strict=True)
+        ]
+
+
+def _merged_prompt(works: list[BlockWork]) -> torch.Tensor | None:
+    """The works' prompts as one [sum B, P_max, H]: each expanded to its rows, zero-padded to the longest (zeros
+    where a work has none); None if no work has one."""
+    present = [work.prompt for work in works if work.prompt is not None]
+    if not present:
+        return None
+    length = max(int(p.shape[1]) for p in present)
+    parts = []
+    for work in works:
+        part = present[0].new_zeros(work.rows, length, present[0].shape[2])  # [B, P_max, H]
+        if work.prompt is not None:
+            part[:, : work.prompt.shape[1]] = work.prompt  # [B|1, P, H] broadcast over the rows
+        parts.append(part)
+    return torch.cat(parts)
+
+
+def _own_prompt_grad(work: BlockWork, grad_rows: torch.Tensor | None) -> torch.Tensor | None:
+    """A work's share of the merged prompt's gradient ([B, P_max, H] rows) in its own prompt's shape [B|1, P, H]."""
+    if work.prompt is None or grad_rows is None:
+        return None
+    grad = grad_rows[:, : work.prompt.shape[1]]  # [B, P, H]
+    return grad.sum(dim=0, keepdim=True) if work.prompt.shape[0] == 1 else grad

@@ -1,0 +1,83 @@
+"""Training work merged across clients (`server.core.training_batch`), fp32 on CPU: concurrent forwards and backwards
+of several clients through one runtime run as fewer block calls than works, and each client gets what it gets alone
+(different row counts, deep prompts of different lengths or none, a different sequence length grouped apart);
+inference queued meanwhile runs before the training works that wait."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from corolla.models.registry import get_family
+from corolla.server.backend import SpanBackend
+from corolla.server.core.runtime import KIND_INFERENCE, PRIORITY_INFERENCE, Runtime
+from corolla.server.core.training_batch import KIND_TRAINING, TrainingBatcher
+from helpers.tiny_models import tiny_config
+
+H, N_BLOCKS = 64, 3
+SPAN = tuple(range(N_BLOCKS))
+
+
+@pytest.fixture(scope="module")
+def backend() -> SpanBackend:
+    torch.manual_seed(0)
+    config = tiny_config("llama", N_BLOCKS)
+    blocks = {}
+    for i in SPAN:
+        block = get_family(config).build_block(config, i)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.15)
+        blocks[i] = block
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+
+
+def _client(rows: int, length: int, prompt: tuple[int, int] | None) -> tuple[torch.Tensor, ...]:
+    hidden, grad = torch.randn(rows, length, H), torch.randn(rows, length, H)
+    prompts = None if prompt is None else torch.randn(N_BLOCKS, prompt[0], prompt[1], H) * 0.1
+    return hidden, grad, prompts
+
+
+async def test_concurrent_clients_merge_and_each_gets_its_own_result(backend: SpanBackend) -> None:
+    torch.manual_seed(3)
+    # (rows, length, deep prompt (rows, length) or None): the 7-token client can merge with nobody
+    clients = [_client(1, 12, None), _client(2, 12, (1, 4)), _client(3, 12, (3, 6)), _client(1, 7, (1, 2))]
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        batcher = TrainingBatcher(backend, runtime)
+        forwards = [batcher.forward(SPAN, h, p, "") for h, _, p in clients]
+        backwards = [batcher.backward(SPAN, h, g, p, "") for h, g, p in clients]
+        got = await asyncio.gather(*forwards, *backwards)
+        stats = runtime.stats()[KIND_TRAINING]
+    works = len(clients) * N_BLOCKS + len(clients) * (2 * N_BLOCKS - 1)  # a backward recomputes all but the last
+    assert stats.tasks == works
+    assert stats.batches <= works // 2  # merged: the 12-token works of a block run together
+    for (hidden, grad, prompts), out, (grad_in, grad_prompts) in zip(
+        clients, got[: len(clients)], got[len(clients) :], strict=True
+    ):
+        torch.testing.assert_close(out, backend.forward(SPAN, hidden, prompts), atol=1e-5, rtol=1e-5)
+        want_in, want_prompts = backend.backward(SPAN, hidden, grad, prompts)
+        torch.testing.assert_close(grad_in, want_in, atol=1e-5, rtol=1e-5)
+        if prompts is None:
+            assert grad_prompts is None
+        else:
+            assert grad_prompts is not None and grad_prompts.shape == prompts.shape
+            torch.testing.assert_close(grad_prompts, want_prompts, atol=1e-5, rtol=1e-5)
+
+
+async def test_inference_queued_meanwhile_runs_before_waiting_training(backend: SpanBackend) -> None:
+    order: list[str] = []
+    release = threading.Event()
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        batcher = TrainingBatcher(backend, runtime)
+        runtime.add_batch_observer(lambda kind, steps, seconds: order.append(kind))
+        blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
+        await asyncio.sleep(0.05)
+        training = [asyncio.ensure_future(batcher.forward(SPAN, torch.randn(2, 8, H), None, "")) for _ in range(3)]
+        await asyncio.sleep(0.05)  # the training works are queued behind the blocker
+        step = runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind=KIND_INFERENCE)
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.gather(blocker, step, *training)
+    assert order[1] == KIND_INFERENCE and order[2:] == [KIND_TRAINING] * N_BLOCKS  # each block: 3 clients at once
