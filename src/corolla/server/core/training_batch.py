@@ -64,7 +64,11 @@ class TrainingBatcher:
         self.metrics = metrics
         self._merge_id = id(self)
         self._sync = backend.device.type == "cuda"
-        runtime.register_batch_executor(KIND_TRAINING, self._execute, max_merged_tokens=TRAINING_MERGE_TOKENS)
+        self.set_merge_tokens(TRAINING_MERGE_TOKENS)
+
+    def set_merge_tokens(self, max_tokens: int) -> None:
+        """The most tokens of one merged block call (1: every work alone, as the benchmark's unmerged A/B runs)."""
+        self._runtime.register_batch_executor(KIND_TRAINING, self._execute, max_merged_tokens=max_tokens)
 
     async def forward(
         self, block_indices: tuple[int, ...], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str

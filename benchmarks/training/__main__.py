@@ -1,0 +1,231 @@
+"""`python -m benchmarks.training`: training through one server, as clients meet it.
+
+One corolla server (this process: the users bench's `BenchServer`, hivemind P2P on loopback, a random-weight
+Llama-shaped span) serves training clients in other processes (`clients.training_client`: forward+backward steps of
+`rows` x `seq_len` tokens through corolla's client calls, each client its own peer) and one inference session
+(`clients.inference_client`) that decodes throughout. Phases: the session alone, then 1, then N concurrent training
+clients (`--clients 1,8`). Reported per phase: forward+backward tokens/s (every step's tokens over the window from
+the first start to the last end), the median training step, the session's median decode step, and the training works
+merged per block call on the server (runtime counters); next to `transformers` running the same span locally in the
+same process (frozen weights, gradients to the inputs) at 1 and N x `rows` rows.
+
+CPU dry run: `python -m benchmarks.training --tiny`; the GPU figure: `python -m benchmarks.training` (32 Llama-3-8B
+layers, bf16, sequence 512)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing
+import queue
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from benchmarks.common.model import ModelShape, build_hf_model
+from benchmarks.training.clients import ServerAddress, inference_client, training_client
+from benchmarks.training.local import local_tokens_per_s
+from benchmarks.users.server import DHT_PREFIX, BenchServer, build_executor
+from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.training_batch import TRAINING_MERGE_TOKENS
+
+TINY = ModelShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688)
+READY_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Phase:
+    clients: int
+    merged: bool  # False: the A/B phase with every work run alone (`TrainingBatcher.set_merge_tokens(1)`)
+    tokens_per_s: float  # forward+backward tokens of all steps over the phase's window
+    step_median_ms: float  # one client's forward+backward
+    inference_step_median_ms: float  # the concurrent session's decode step meanwhile
+    inference_steps: int
+    works_per_block_call: float  # training works merged per block call on the server
+
+
+@dataclass
+class Report:
+    device: str
+    shape: dict
+    dtype: str
+    rows: int
+    seq_len: int
+    steps: int
+    idle_inference_step_median_ms: float = float("nan")
+    idle_inference_steps: int = 0
+    phases: list[Phase] = field(default_factory=list)
+    local_tokens_per_s: dict[str, float] = field(default_factory=dict)  # "rows=N": transformers, same span
+    errors: list[str] = field(default_factory=list)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a 4-layer, hidden-256 span (a CPU dry run)")
+    parser.add_argument("--num_layers", type=int, default=None, help="layers of the span (default: the shape's)")
+    parser.add_argument("--seq_len", type=int, default=512)
+    parser.add_argument("--rows", type=int, default=1, help="sequences per training step of one client")
+    parser.add_argument("--clients", default="1,8", help="concurrent training clients of each phase")
+    parser.add_argument("--unmerged", action="store_true", help="also the most clients with every work alone (A/B)")
+    parser.add_argument("--steps", type=int, default=8, help="timed forward+backward steps per client and phase")
+    parser.add_argument("--idle_s", type=float, default=3.0, help="the inference session alone, seconds")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--out", default=None, help="also write the report here (JSON)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    shape = TINY if args.tiny else ModelShape()
+    if args.num_layers is not None:
+        shape = ModelShape(**{**asdict(shape), "num_layers": args.num_layers})
+    counts = [int(c) for c in args.clients.split(",")]
+    phases = [(n, True) for n in counts] + ([(max(counts), False)] if args.unmerged else [])
+    report = run(shape, dtype, device, rows=args.rows, seq_len=args.seq_len, phases=phases, steps=args.steps,
+                 idle_s=args.idle_s)  # fmt: skip
+    text = json.dumps(asdict(report), indent=1)
+    print(text)
+    print(summary(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 1 if report.errors else 0
+
+
+def run(
+    shape: ModelShape, dtype: torch.dtype, device: torch.device, *, rows: int, seq_len: int, phases: list[tuple[int, bool]],
+    steps: int, idle_s: float,
+) -> Report:  # fmt: skip
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = Report(name, asdict(shape), str(dtype).removeprefix("torch."), rows, seq_len, steps)
+    model = build_hf_model(shape, dtype, device)
+    executor = build_executor(shape, dtype, device, num_layers=shape.num_layers, serving_path="fused",
+                              cache_bytes=256 * 2**20, model=model)  # fmt: skip
+    most = max(n for n, _ in phases)
+    for n in sorted({1, most}):
+        report.local_tokens_per_s[f"rows={n * rows}"] = local_tokens_per_s(model, n * rows, seq_len, steps)
+        print(f"local transformers, {n * rows} rows: {report.local_tokens_per_s[f'rows={n * rows}']:.0f} tok/s")
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers, dtype=dtype,
+                         device=device)  # fmt: skip
+    with server.running():
+        address = ServerAddress(server.maddrs, server.peer_id_b58, DHT_PREFIX, shape.num_layers, shape.hidden_size,
+                                report.dtype)  # fmt: skip
+        _serve(server, address, report, rows=rows, seq_len=seq_len, phases=phases, steps=steps, idle_s=idle_s)
+    return report
+
+
+def _serve(
+    server: BenchServer, address: ServerAddress, report: Report, *, rows: int, seq_len: int, phases: list[tuple[int, bool]],
+    steps: int, idle_s: float,
+) -> None:  # fmt: skip
+    context = multiprocessing.get_context("forkserver")
+    stop = context.Event()
+    inference_results: multiprocessing.Queue = context.Queue()
+    inference = context.Process(target=inference_client, args=(address, stop, inference_results), daemon=True)
+    clients = []
+    for i in range(max(n for n, _ in phases)):
+        commands, results = context.Queue(), context.Queue()
+        process = context.Process(target=training_client, args=(address, rows, seq_len, 100 + i, commands, results),
+                                  daemon=True)  # fmt: skip
+        clients.append((commands, results, process))
+    inference.start()
+    for _, _, process in clients:
+        process.start()
+    try:
+        for answers in [inference_results, *(results for _, results, _ in clients)]:
+            _expect(answers.get(timeout=READY_TIMEOUT_S), "ready", report)
+        if report.errors:
+            return
+        windows: list[tuple[int, float, float, float]] = []  # (clients, start, end, works per block call)
+        idle_start = time.time()
+        time.sleep(idle_s)
+        idle_end = time.time()
+        executor = server.executor
+        assert isinstance(executor, EngineExecutor), "the users bench builds the engine's executor"
+        training = executor.training
+        for n, merged_phase in phases:
+            training.set_merge_tokens(TRAINING_MERGE_TOKENS if merged_phase else 1)
+            before = server.runtime.stats().get("training")
+            for commands, _, _ in clients[:n]:
+                commands.put(steps)
+            steps_of = [results.get(timeout=READY_TIMEOUT_S) for _, results, _ in clients[:n]]
+            bad = [s for s in steps_of if not isinstance(s, list)]
+            if bad:
+                report.errors.extend(str(s) for s in bad)
+                return
+            after = server.runtime.stats()["training"]
+            merged = after.since(before) if before is not None else after
+            starts = [start for client in steps_of for start, _ in client]
+            ends = [end for client in steps_of for _, end in client]
+            windows.append((n, min(starts), max(ends), merged.tasks_per_batch))
+            step_ms = statistics.median((end - start) * 1e3 for client in steps_of for start, end in client)
+            tokens = n * steps * rows * seq_len
+            report.phases.append(Phase(n, merged_phase, tokens / (max(ends) - min(starts)), step_ms, float("nan"), 0,
+                                       merged.tasks_per_batch))  # fmt: skip
+        training.set_merge_tokens(TRAINING_MERGE_TOKENS)
+        stop.set()
+        inference_steps = inference_results.get(timeout=READY_TIMEOUT_S)
+        if not isinstance(inference_steps, list):
+            report.errors.append(str(inference_steps))
+            return
+        idle = _within(inference_steps, idle_start, idle_end)
+        report.idle_inference_step_median_ms, report.idle_inference_steps = _median_ms(idle), len(idle)
+        for phase, (_, start, end, _) in zip(report.phases, windows, strict=True):
+            during = _within(inference_steps, start, end)
+            phase.inference_step_median_ms, phase.inference_steps = _median_ms(during), len(during)
+    except queue.Empty:
+        report.errors.append("a client did not answer in time")
+    finally:
+        stop.set()
+        for commands, _, _ in clients:
+            commands.put(None)
+        for process in [inference, *(process for _, _, process in clients)]:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
+def _expect(answer: object, wanted: str, report: Report) -> None:
+    if answer != wanted:
+        report.errors.append(str(answer))
+
+
+def _within(windows: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    return [(s, e) for s, e in windows if s >= start and e <= end]
+
+
+def _median_ms(windows: list[tuple[float, float]]) -> float:
+    return statistics.median((e - s) * 1e3 for s, e in windows) if windows else float("nan")
+
+
+def summary(report: Report) -> str:
+    lines = [
+        f"{report.device}, {report.shape['num_layers']} layers of hidden {report.shape['hidden_size']}, "
+        f"{report.dtype}, {report.rows} x {report.seq_len} tokens per step",
+        f"inference session alone: {report.idle_inference_step_median_ms:.2f} ms/step "
+        f"({report.idle_inference_steps} steps)",
+    ]
+    one = next((p.tokens_per_s for p in report.phases if p.clients == 1 and p.merged), None)
+    for p in report.phases:
+        ratio = f" = {p.tokens_per_s / one:.2f}x one client" if one else ""
+        slower = p.inference_step_median_ms / report.idle_inference_step_median_ms
+        lines.append(
+            f"{p.clients} training clients{'' if p.merged else ' (unmerged A/B)'}: {p.tokens_per_s:.0f} tok/s{ratio}, step {p.step_median_ms:.1f} ms, "
+            f"{p.works_per_block_call:.2f} works per block call; inference step {p.inference_step_median_ms:.2f} ms "
+            f"({slower:.2f}x alone, {p.inference_steps} steps)"
+        )
+    for rows, rate in report.local_tokens_per_s.items():
+        lines.append(f"transformers locally, {rows}: {rate:.0f} tok/s")
+    lines.extend(f"error: {e}" for e in report.errors)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

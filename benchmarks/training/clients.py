@@ -1,0 +1,127 @@
+"""The processes that use the server (forked from the users bench's forkserver, each with its own P2P: its own peer,
+so the per-peer caps hold as for real users): a training client runs forward+backward steps through corolla's client
+calls (`run_remote_forward` / `run_remote_backward`, `RemoteSequenceManager` without a DHT: the `rpc_forward` and
+`rpc_backward` a `RemoteSequential` sends), one step at a time, when told to; the inference client decodes one token
+at a time in one session until told to stop, recording every step's wall-clock window."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from dataclasses import dataclass
+
+import torch
+
+_P2P_FLAGS = dict(nat_port_map=False, auto_nat=False, use_relay=False, use_auto_relay=False)
+_LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+INFERENCE_PREFIX_TOKENS = 16
+INFERENCE_POSITIONS = 256  # decode positions cycle through [prefix, prefix + this): rollback rewrites them
+REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class ServerAddress:
+    maddrs: list[str]
+    peer_id_b58: str
+    prefix: str  # block uids are prefix.0 ... prefix.{num_layers - 1}
+    num_layers: int
+    hidden_size: int
+    dtype_name: str
+
+
+def _manager(p2p, server: ServerAddress):
+    from corolla.client.config import ClientConfig
+    from corolla.client.routing import RemoteSequenceManager
+    from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
+    from corolla.protocol.uids import make_uid
+
+    config = ClientConfig(max_retries=0, request_timeout_s=REQUEST_TIMEOUT_S, liveness_check_period_s=0)
+    uids = [make_uid(server.prefix, i) for i in range(server.num_layers)]
+    manager = RemoteSequenceManager(config, uids, start_updates=False, p2p=p2p)
+    info = ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=server.num_layers)
+    return manager, RemoteSpanInfo(server.peer_id_b58, 0, server.num_layers, info)
+
+
+def training_client(
+    server: ServerAddress, rows: int, length: int, seed: int, commands: multiprocessing.Queue,
+    results: multiprocessing.Queue,
+) -> None:  # fmt: skip
+    """Waits for commands: an int n runs n forward+backward steps and answers their (start, end) `time.time()`
+    windows; None ends it. Answers "ready" after one warm-up step first."""
+    try:
+        asyncio.run(_training(server, rows, length, seed, commands, results))
+    except BaseException as e:
+        results.put(f"training client failed: {e!r}"[:500])
+
+
+async def _training(
+    server: ServerAddress, rows: int, length: int, seed: int, commands: multiprocessing.Queue,
+    results: multiprocessing.Queue,
+) -> None:  # fmt: skip
+    from hivemind.p2p import P2P
+
+    from corolla.client.remote_forward_backward import run_remote_backward, run_remote_forward
+
+    torch.manual_seed(seed)
+    dtype = getattr(torch, server.dtype_name)
+    inputs = torch.randn(rows, length, server.hidden_size).to(dtype)  # [B, T, H]
+    grad_outputs = (torch.randn(rows, length, server.hidden_size) * 1e-3).to(dtype)
+    no_prompts = torch.empty(0, dtype=dtype)
+    p2p = await P2P.create(initial_peers=server.maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
+    manager, span = _manager(p2p, server)
+
+    async def step() -> tuple[float, float]:
+        started = time.time()
+        outputs = await run_remote_forward(manager, span, inputs, no_prompts)
+        grads, _ = await run_remote_backward(manager, span, inputs, grad_outputs, no_prompts)
+        if not (torch.isfinite(outputs).all() and torch.isfinite(grads).all()):
+            raise RuntimeError("non-finite outputs or gradients")
+        return started, time.time()
+
+    try:
+        await step()
+        results.put("ready")
+        loop = asyncio.get_running_loop()
+        while (count := await loop.run_in_executor(None, commands.get)) is not None:
+            results.put([await step() for _ in range(count)])
+    finally:
+        await p2p.shutdown()
+
+
+def inference_client(server: ServerAddress, stop: multiprocessing.Event, results: multiprocessing.Queue) -> None:
+    """One session: a prefill, then one-token steps until `stop` is set; answers "ready" after the prefill, then the
+    (start, end) `time.time()` windows of every step."""
+    try:
+        asyncio.run(_inference(server, stop, results))
+    except BaseException as e:
+        results.put(f"inference client failed: {e!r}"[:500])
+
+
+async def _inference(server: ServerAddress, stop: multiprocessing.Event, results: multiprocessing.Queue) -> None:
+    from hivemind.p2p import P2P
+
+    from benchmarks.users.clients import CorollaStream
+
+    torch.manual_seed(1)
+    dtype = getattr(torch, server.dtype_name)
+    p2p = await P2P.create(initial_peers=server.maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
+    max_length = INFERENCE_PREFIX_TOKENS + INFERENCE_POSITIONS
+    stream = CorollaStream(p2p, server.peer_id_b58, server.num_layers, max_length, "p2p", server.prefix,
+                           REQUEST_TIMEOUT_S)  # fmt: skip
+    try:
+        await stream.open()
+        await stream.step(torch.randn(1, INFERENCE_PREFIX_TOKENS, server.hidden_size).to(dtype), 0)
+        token = torch.randn(1, 1, server.hidden_size).to(dtype)
+        results.put("ready")
+        windows = []
+        position = INFERENCE_PREFIX_TOKENS
+        while not stop.is_set():
+            started = time.time()
+            await stream.step(token, position)
+            windows.append((started, time.time()))
+            position = INFERENCE_PREFIX_TOKENS + (position + 1 - INFERENCE_PREFIX_TOKENS) % INFERENCE_POSITIONS
+        results.put(windows)
+        await stream.close()
+    finally:
+        await p2p.shutdown()
