@@ -15,6 +15,7 @@ layers, bf16, sequence 512)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -35,6 +36,7 @@ from corolla.server.core.training_batch import TRAINING_MERGE_TOKENS
 
 TINY = ModelShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688)
 READY_TIMEOUT_S = 300.0
+TEARDOWN_S = 10.0
 
 
 @dataclass
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a 4-layer, hidden-256 span (a CPU dry run)")
     parser.add_argument("--num_layers", type=int, default=None, help="layers of the span (default: the shape's)")
+    parser.add_argument(
+        "--hidden_size", type=int, default=None, help="hidden size (intermediate 3.5x; default: the shape's)"
+    )
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--rows", type=int, default=1, help="sequences per training step of one client")
     parser.add_argument("--clients", default="1,8", help="concurrent training clients of each phase")
@@ -82,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = TINY if args.tiny else ModelShape()
     if args.num_layers is not None:
         shape = ModelShape(**{**asdict(shape), "num_layers": args.num_layers})
+    if args.hidden_size is not None:
+        shape = ModelShape(
+            **{**asdict(shape), "hidden_size": args.hidden_size, "intermediate_size": args.hidden_size * 7 // 2}
+        )
     counts = [int(c) for c in args.clients.split(",")]
     phases = [(n, True) for n in counts] + ([(max(counts), False)] if args.unmerged else [])
     report = run(shape, dtype, device, rows=args.rows, seq_len=args.seq_len, phases=phases, steps=args.steps,
@@ -158,7 +167,8 @@ def _serve(
             steps_of = [results.get(timeout=READY_TIMEOUT_S) for _, results, _ in clients[:n]]
             bad = [s for s in steps_of if not isinstance(s, list)]
             if bad:
-                report.errors.extend(str(s) for s in bad)
+                for error in bad:
+                    _error(report, str(error))
                 return
             after = server.runtime.stats()["training"]
             merged = after.since(before) if before is not None else after
@@ -169,11 +179,12 @@ def _serve(
             tokens = n * steps * rows * seq_len
             report.phases.append(Phase(n, merged_phase, tokens / (max(ends) - min(starts)), step_ms, float("nan"), 0,
                                        merged.tasks_per_batch))  # fmt: skip
+            print(f"phase: {report.phases[-1]}", flush=True)
         training.set_merge_tokens(TRAINING_MERGE_TOKENS)
         stop.set()
         inference_steps = inference_results.get(timeout=READY_TIMEOUT_S)
         if not isinstance(inference_steps, list):
-            report.errors.append(str(inference_steps))
+            _error(report, str(inference_steps))
             return
         idle = _within(inference_steps, idle_start, idle_end)
         report.idle_inference_step_median_ms, report.idle_inference_steps = _median_ms(idle), len(idle)
@@ -181,20 +192,35 @@ def _serve(
             during = _within(inference_steps, start, end)
             phase.inference_step_median_ms, phase.inference_steps = _median_ms(during), len(during)
     except queue.Empty:
-        report.errors.append("a client did not answer in time")
+        _error(report, "a client did not answer in time")
     finally:
         stop.set()
         for commands, _, _ in clients:
             commands.put(None)
-        for process in [inference, *(process for _, _, process in clients)]:
-            process.join(30)
+        deadline = time.monotonic() + TEARDOWN_S
+        processes = [(inference, inference_results), *((process, results) for _, results, process in clients)]
+        for process, answers in processes:  # a process exits once what it put was read
+            while process.is_alive() and time.monotonic() < deadline:
+                _drain(answers)
+                process.join(0.1)
             if process.is_alive():
                 process.kill()
 
 
+def _drain(answers: multiprocessing.Queue) -> None:
+    with contextlib.suppress(queue.Empty):
+        while True:
+            answers.get_nowait()
+
+
 def _expect(answer: object, wanted: str, report: Report) -> None:
     if answer != wanted:
-        report.errors.append(str(answer))
+        _error(report, str(answer))
+
+
+def _error(report: Report, error: str) -> None:
+    print(f"error: {error}", flush=True)  # at once: the teardown after it may outlast the caller's time limit
+    report.errors.append(error)
 
 
 def _within(windows: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
