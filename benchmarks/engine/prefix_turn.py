@@ -13,6 +13,10 @@ float32 on CPU) over the engine's paged pool, pages as a server has them (64 tok
    the same cached prefix) vs without (each session prefilled its own), alternated in `--rounds` of `--steps` steps
    (CUDA graphs on CUDA, inputs on the device; host-timed medians); target: shared within 3% of own pages.
 
+3. `--profile`: one cached turn and one full prefill under torch's profiler: device busy time against wall time, kernel
+   launches, the kernels and host operations that take the most time (where the cached turn's milliseconds go).
+   `--rounds 0` skips part 2.
+
 `--shape tiny --device cpu` dry-runs the code on a tiny model (seconds). Prints a markdown table; `--out` also writes
 `prefix_turn.json` and `prefix_turn.md` there."""
 
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig
 
 from benchmarks.common.measure import sync
@@ -88,18 +93,46 @@ def timed_ms(fn: Callable[[], T], device: torch.device) -> tuple[float, T]:
 
 
 def turn_ms(engine: SpanEngine, prompt: torch.Tensor, keys: PrefixKeys | None, max_length: int):
-    """One next turn: (ms to the last position's output, positions reused, that output [H]); the session closes
-    afterwards (its own pages go back, the cached ones stay)."""
+    """One next turn: (ms to the last position's output, positions reused, that output [H], host ms until the
+    step returned: the rest is the device finishing queued work); the session closes afterwards (its own pages go
+    back, the cached ones stay)."""
     device = engine.device
+    returned: list[float] = []
 
     def run() -> tuple[int, torch.Tensor]:
+        start = time.perf_counter()
         with engine.open_session(1, max_length) as session:
             hit = 0 if keys is None else engine.attach_prefix(session, NAMESPACE, keys)
             out = engine.step(session, prompt[:, hit:], hit)  # [1, T - hit, H]
-            return hit, out[0, -1]
+        returned.append((time.perf_counter() - start) * 1000)
+        return hit, out[0, -1]
 
     ms, (hit, last) = timed_ms(run, device)
-    return ms, hit, last
+    return ms, hit, last, returned[0]
+
+
+def profile_turn(engine: SpanEngine, prompt: torch.Tensor, keys: PrefixKeys | None, max_length: int) -> list[str]:
+    """One turn under torch's profiler -> markdown lines: wall ms (inflated by the profiler), device busy ms, kernel
+    launches, the top kernels by device time and the top host operations by their own host time."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        ms, hit, _, host_ms = turn_ms(engine, prompt, keys, max_length)
+    events = list(prof.key_averages())
+    kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1000
+    launches = sum(e.count for e in kernels)
+    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    lines = [
+        f"{prompt.shape[1] - hit} positions computed: wall {ms:.2f} ms under the profiler (step returned after "
+        f"{host_ms:.2f} ms), device busy {busy_ms:.2f} ms, {launches} kernel launches",
+        "",
+        "| kernel | calls | device ms |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1000:.3f} |" for e in kernels[:12]]
+    lines += ["", "| host operation | calls | own host ms |", "|---|---|---|"]
+    lines += [f"| {e.key[:90]} | {e.count} | {e.self_cpu_time_total / 1000:.3f} |" for e in host[:12]]
+    return lines
 
 
 def decode_step_ms(engine: SpanEngine, sessions: list[EngineSession], position: int, steps: int, gen) -> list[float]:
@@ -133,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="decode steps per round and way")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--kv_pool_gib", type=int, default=16)
+    p.add_argument("--profile", action="store_true", help="profile one cached turn and one full prefill")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -170,12 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     # 1. the next turn's time to first token, full prefill vs cached prefix (alternated)
     turn_ms(engine, prompt, None, max_length)  # warm-up of both ways (kernels, allocator)
     turn_ms(engine, prompt, keys, max_length)
-    full, cached, hit, diff = [], [], 0, 0.0
+    full, cached, cached_host, hit, diff = [], [], [], 0, 0.0
     for _ in range(args.repeats):
-        ms, _, full_last = turn_ms(engine, prompt, None, max_length)
+        ms, _, full_last, _ = turn_ms(engine, prompt, None, max_length)
         full.append(ms)
-        ms, hit, cached_last = turn_ms(engine, prompt, keys, max_length)
+        ms, hit, cached_last, host_ms = turn_ms(engine, prompt, keys, max_length)
         cached.append(ms)
+        cached_host.append(host_ms)
         diff = max(diff, float((full_last.float() - cached_last.float()).abs().max()))
     ratio = median(cached) / median(full)
     log(lines, "")
@@ -183,10 +218,39 @@ def main(argv: list[str] | None = None) -> int:
                f"(median of {args.repeats}) | positions computed |")  # fmt: skip
     log(lines, "|---|---|---|")
     log(lines, f"| full prefill (no cache) | {median(full):.1f} | {total} |")
-    log(lines, f"| cached prefix ({hit} positions reused) | {median(cached):.1f} | {total - hit} |")
+    log(lines, f"| cached prefix ({hit} positions reused; the step returned after {median(cached_host):.1f} ms) | "
+               f"{median(cached):.1f} | {total - hit} |")  # fmt: skip
     log(lines, f"| ratio (target <= 0.1x) | {ratio:.3f}x | last output max abs diff {diff:.3g} |")
 
-    # 2. a merged decode step with shared pages vs each session's own pages
+    if args.profile:
+        for label, way in (("cached turn", keys), ("full prefill", None)):
+            log(lines, "")
+            log(lines, f"profile, {label}: " + "\n".join(profile_turn(engine, prompt, way, max_length)))
+    record = dict(
+        args={k: str(v) for k, v in vars(args).items()}, device=name, page_tokens=page, hit_tokens=hit,
+        full_prefill_ms=full, cached_turn_ms=cached, cached_turn_host_ms=cached_host, ttft_ratio=ratio,
+        last_output_max_abs_diff=diff,
+    )  # fmt: skip
+    if args.rounds > 0:
+        record.update(decode_comparison(args, engine, prompt, keys, max_length, gen, lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "prefix_turn.json").write_text(json.dumps(record, indent=1))
+        (args.out / "prefix_turn.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+def decode_comparison(
+    args: argparse.Namespace,
+    engine: SpanEngine,
+    prompt: torch.Tensor,
+    keys: PrefixKeys,
+    max_length: int,
+    gen: torch.Generator,
+    lines: list[str],
+) -> dict:
+    """Part 2: merged decode steps of sessions sharing one cached prefix vs sessions with their own pages."""
+    total = prompt.shape[1]
     own = [engine.open_session(1, max_length) for _ in range(args.decode_sessions)]
     shared = [engine.open_session(1, max_length) for _ in range(args.decode_sessions)]
     for session in own:
@@ -214,17 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                f"{sum(len(s.slots[0].pages) for s in own)} |")  # fmt: skip
     log(lines, f"| shared pages (one cached prefix attached by all) | {median(shared_ms):.3f} | {len(distinct)} |")
     log(lines, f"| shared vs own (target within 3%) | {change * 100:+.1f}% | |")
-
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        record = dict(
-            args={k: str(v) for k, v in vars(args).items()}, device=name, page_tokens=page, hit_tokens=hit,
-            full_prefill_ms=full, cached_turn_ms=cached, ttft_ratio=ratio, last_output_max_abs_diff=diff,
-            decode_own_ms=own_ms, decode_shared_ms=shared_ms, decode_shared_vs_own=change,
-        )  # fmt: skip
-        (args.out / "prefix_turn.json").write_text(json.dumps(record, indent=1))
-        (args.out / "prefix_turn.md").write_text("\n".join(lines) + "\n")
-    return 0
+    return dict(decode_own_ms=own_ms, decode_shared_ms=shared_ms, decode_shared_vs_own=change)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from corolla.engine.dense_ops import DenseOps
 from corolla.engine.fast_llama import Weight, projection_weight
 from corolla.engine.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.ops import DecodeOps
+from corolla.engine.prefill_attention import causal_prefill_attention
 from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quant_key
 from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.attention import Attention
@@ -369,10 +370,7 @@ class FastDenseSpan(ChunkedPrefill):
         gqa = self.spec.num_kv_heads != self.spec.num_heads
         t, total = q.shape[2], k.shape[2]
         if bias is None:
-            mask = None if t == total else all_pos[None, :] <= positions[:, None]  # [T, L]
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=gqa
-            )
+            return causal_prefill_attention(q, k, v, scale=self.scale, enable_gqa=gqa)
         rows = max(1, ALIBI_PREFILL_MASK_ELEMENTS // (self.spec.num_heads * total))  # query rows per block
         outs = []
         for r0 in range(0, t, rows):

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from corolla.engine.config import LlamaSpec
 from corolla.engine.cpu_linear import CpuLinearConfig, SlotKey
@@ -21,6 +20,7 @@ from corolla.engine.fast_lora import DecodeRows, FusedProjection, OneAdapter, Sp
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.moe import RoutedMoE, tune_experts
 from corolla.engine.ops import DecodeOps
+from corolla.engine.prefill_attention import causal_prefill_attention
 from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
 from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.layers import SparseMoE
@@ -408,9 +408,6 @@ class FastLlamaSpan(ChunkedPrefill):
         all_pos = torch.arange(total, device=self.device)  # [L]
         all_slots = self.slots_for(table.expand(total, -1), all_pos, page)  # [L]
         positions, slots = all_pos[start:], all_slots[start:]  # [T]
-        mask = None
-        if start > 0:
-            mask = all_pos[None, :] <= positions[:, None]  # [T, L]
         gqa = s.num_kv_heads != s.num_heads
         lora = None if self.adapters is None else self.adapters.for_prefill()  # the sequence's adapter, or None
         h = hidden
@@ -431,12 +428,10 @@ class FastLlamaSpan(ChunkedPrefill):
             )  # [T, nq, D]
             k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim)[all_slots]  # [L, nkv, D]
             v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim)[all_slots]
-            attn = F.scaled_dot_product_attention(
+            attn = causal_prefill_attention(
                 q.transpose(0, 1)[None],  # [1, nq, T, D]
                 k.transpose(0, 1)[None],  # [1, nkv, L, D]
                 v.transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=mask is None,
                 scale=self.scale,
                 enable_gqa=gqa,
             )  # [1, nq, T, D]

@@ -24,6 +24,7 @@ from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.mla_kernels import group_limited_route, paged_latent_attention, rope_rotate, store_latent
 from corolla.engine.moe import ExpertWeights, experts_forward, kernel_usable
 from corolla.engine.ops import DecodeOps
+from corolla.engine.prefill_attention import causal_prefill_attention
 from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.deepseek_v3.block import DeepseekV3Block
 from corolla.models.deepseek_v3.mla import LatentAttention
@@ -373,7 +374,6 @@ class FastMlaSpan(ChunkedPrefill):
         all_pos = torch.arange(total, device=self.device)  # [L]
         all_slots = self.slots_for(table.expand(total, -1), all_pos, pool.page_size_tokens)  # [L]
         positions, slots = all_pos[start:], all_slots[start:]  # [T]
-        mask = None if start == 0 else all_pos[None, :] <= positions[:, None]  # [T, L]
         h = hidden
         overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here
         for j, i in enumerate(range(*layers)):
@@ -389,12 +389,10 @@ class FastMlaSpan(ChunkedPrefill):
             kv = F.linear(lat_all, w.attn.kv_b).view(total, n, nope + s.v_head_dim)  # [L, n, nope + v]
             k = torch.cat((kv[..., :nope], rope_all[:, None].expand(total, n, s.qk_rope_head_dim)), dim=-1)
             q = torch.cat((q_nope, q_rope), dim=-1)  # [T, n, qk]
-            attn = F.scaled_dot_product_attention(
+            attn = causal_prefill_attention(
                 q.transpose(0, 1)[None],  # [1, n, T, qk]
                 k.transpose(0, 1)[None],  # [1, n, L, qk]
                 kv[..., nope:].transpose(0, 1)[None],  # [1, n, L, v]
-                attn_mask=mask,
-                is_causal=mask is None,
                 scale=s.softmax_scale,
             )  # [1, n, T, v]
             attn = attn[0].transpose(0, 1).reshape(t, n * s.v_head_dim)  # [T, n v]
