@@ -351,8 +351,8 @@ class FastDenseSpan(ChunkedPrefill):
                 qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
                 s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
             )  # fmt: skip  # [T, nq, D]
-            k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim)[all_slots].transpose(0, 1)[None]  # [1, nkv, L, D]
-            v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim)[all_slots].transpose(0, 1)[None]
+            k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, all_slots).transpose(0, 1)[None]
+            v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, all_slots).transpose(0, 1)[None]
             attn = self._prefill_attention(q.transpose(0, 1)[None], k, v, positions, all_pos, bias)  # [1, nq, T, D]
             h = self._after_attention(w, h, x, attn[0].transpose(0, 1).reshape(t, s.q_size))
         return h

@@ -423,11 +423,13 @@ class FastLlamaSpan(ChunkedPrefill):
                 qkv = lora.apply(i, "qkv", x, qkv)
             if w.q_norm is not None:
                 qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, s.rms_norm_eps)
+            k_cache, v_cache = pool.k[i], pool.v[i]  # [pages, page, nkv, D]
             q = self.ops.rope_and_store(
-                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
+                qkv, self.cos, self.sin, positions, slots, k_cache, v_cache, s.num_heads, s.num_kv_heads, s.head_dim
             )  # [T, nq, D]
-            k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim)[all_slots]  # [L, nkv, D]
-            v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim)[all_slots]
+            # index_select: advanced indexing costs more host time per call (the chunk after a prefix is host-bound)
+            k = k_cache.view(-1, s.num_kv_heads, s.head_dim).index_select(0, all_slots)  # [L, nkv, D]
+            v = v_cache.view(-1, s.num_kv_heads, s.head_dim).index_select(0, all_slots)
             attn = causal_prefill_attention(
                 q.transpose(0, 1)[None],  # [1, nq, T, D]
                 k.transpose(0, 1)[None],  # [1, nkv, L, D]

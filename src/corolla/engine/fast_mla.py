@@ -384,8 +384,8 @@ class FastMlaSpan(ChunkedPrefill):
             x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
             q_nope, q_rope, latent, k_rope = self._project(i, x, positions)
             store_latent(latent, k_rope, slots, pool.k[i], pool.v[i])
-            lat_all = pool.k[i].view(-1, c)[all_slots]  # [L, c]
-            rope_all = pool.v[i].view(-1, s.qk_rope_head_dim)[all_slots]  # [L, r]
+            lat_all = pool.k[i].view(-1, c).index_select(0, all_slots)  # [L, c]
+            rope_all = pool.v[i].view(-1, s.qk_rope_head_dim).index_select(0, all_slots)  # [L, r]
             kv = F.linear(lat_all, w.attn.kv_b).view(total, n, nope + s.v_head_dim)  # [L, n, nope + v]
             k = torch.cat((kv[..., :nope], rope_all[:, None].expand(total, n, s.qk_rope_head_dim)), dim=-1)
             q = torch.cat((q_nope, q_rope), dim=-1)  # [T, n, qk]
