@@ -1,6 +1,8 @@
-"""Prefix caching end to end on real servers, several families (a two-server chain each): the next turn of a
-conversation reuses its prefix on every server of the chain, and the greedy tokens equal local transformers (hence
-equal with the cache off), through the client and through corolla-api (whose usage reports the cached tokens)."""
+"""Prefix caching end to end on a two-server chain: the next turn of a conversation reuses its prefix on every
+server of the chain, and the greedy tokens equal local transformers (hence equal with the cache off), through the
+client and through corolla-api (whose usage reports the cached tokens). Two families (rotary, qk-norm): the chain,
+the probe and the API do the same for every family; BLOOM and Gemma-2 run through a server in
+test_prefix_cache_families and every family's engine in tests/unit/test_prefix_greedy_families.py."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from helpers.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 
-FAMILIES = ("llama", "bloom", "qwen3")  # rotary, ALiBi (positions in the bias), qk-norm
+FAMILIES = ("llama", "qwen3")
 NEW_TOKENS = 12
 CLIENT = ClientConfig(max_retries=8, min_backoff_s=0.2, max_backoff_s=8.0, update_period_s=2.0)
 
