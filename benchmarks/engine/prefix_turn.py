@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig
 
@@ -118,10 +119,13 @@ def profile_turn(engine: SpanEngine, prompt: torch.Tensor, keys: PrefixKeys | No
     with profile(activities=activities) as prof:
         ms, hit, _, host_ms = turn_ms(engine, prompt, keys, max_length)
     events = list(prof.key_averages())
-    kernels = sorted((e for e in events if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    # the device's own events only: a host operation (aten::mm) also carries its kernels' device time
+    on_device = (e for e in events if e.device_type != DeviceType.CPU and e.self_device_time_total > 0)
+    kernels = sorted(on_device, key=lambda e: -e.self_device_time_total)
     busy_ms = sum(e.self_device_time_total for e in kernels) / 1000
     launches = sum(e.count for e in kernels)
-    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    on_host = (e for e in events if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0)
+    host = sorted(on_host, key=lambda e: -e.self_cpu_time_total)
     lines = [
         f"{prompt.shape[1] - hit} positions computed: wall {ms:.2f} ms under the profiler (step returned after "
         f"{host_ms:.2f} ms), device busy {busy_ms:.2f} ms, {launches} kernel launches",
