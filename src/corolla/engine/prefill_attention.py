@@ -9,7 +9,7 @@ ask for it, `torch.nn.attention.bias.causal_lower_right`, dispatches in Python o
 of host time per call, more than the kernel, and the cached turn is host-bound; so where flash attention takes the
 inputs (CUDA, half precision, equal key and value head sizes; checked once per shape) its op is called directly,
 and elsewhere (the CPU, MLA's value heads) the lower-right bias lets torch pick the memory-efficient kernel or
-materialize the mask (docs/decisions/0017)."""
+materialize the mask (docs/decisions/0019)."""
 
 from __future__ import annotations
 
