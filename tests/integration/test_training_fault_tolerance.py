@@ -1,8 +1,8 @@
 """Training survives servers that die or lie mid-step: a deep-prompt-tuned model trains through a loopback swarm
-(blocks 0:2 on one server, 2:4 on three); the 2:4 server that computed a step's forward is SIGKILLed, or starts
+(blocks 0:2 on two servers, 2:4 on three); the 2:4 server that computed a step's forward is SIGKILLed, or starts
 returning NaN gradients, before that step's backward, or returns finite garbage that only verification (other
 servers' votes) catches. The client re-runs the span on a replica and the loss curve is identical (fp32, CPU) to an
-undisturbed run's."""
+undisturbed run's. Blocks 0:2 have two servers because a verifying client never trusts a lone server's outputs."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
         swarm.start_bootstrap()
         servers = [
             swarm.start_server(model_path, "--block_indices", blocks, "--throughput", "1.0", wait=False)
-            for blocks in ("0:2", "2:4", "2:4")
+            for blocks in ("0:2", "0:2", "2:4", "2:4")
         ]
         liar = start_hostile_server(
             swarm, model_path, "honest", "--block_indices", "2:4", "--throughput", "1.0", mode_file=mode_file,
@@ -49,7 +49,7 @@ def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
         )  # fmt: skip
         for server in [*servers, liar]:
             server.wait_ready(300)
-        swarm.mode_file, swarm.liar, swarm.replicas = mode_file, liar, servers[1:]
+        swarm.mode_file, swarm.liar, swarm.replicas = mode_file, liar, servers[2:]
         yield swarm
     finally:
         swarm.close()
