@@ -62,10 +62,12 @@ def test_churn_soak_loses_nothing(tmp_path: Path) -> None:
     assert "NoHonestServer" in report.probe_result or "Error" in report.probe_result, report.probe_result
     # the hoarders held sessions, and the servers ended them for the clients
     assert report.hoarding.get("opened", 0) > 0 and report.hoarding.get("ended", 0) > 0, (report.hoarding, details)
-    # every kind of link fault happened, and the liar lied and was caught without a wrong token
+    # every kind of link fault happened; the liar served among the others without a wrong token (differing == 0
+    # above). How many of its lies a client rejects is not bounded here: in 50 s it may serve no client step (its
+    # span restarted or partitioned, or it lied only as a referee: 0 in one full run); the catch itself is asserted
+    # by test_client_hostile_servers and test_client_distrust.
     wan = report.wan
     assert wan.stalls >= 1 and wan.drops >= 1 and wan.partitions >= 1, (wan, details)
-    assert report.lies_rejected >= 1, details
     assert report.ok
 
 

@@ -48,7 +48,7 @@ def swarm(model_path, mode_file, tmp_path_factory: pytest.TempPathFactory):
         )
         honest = [
             swarm.start_server(model_path, "--block_indices", blocks, "--throughput", "1.0", wait=False)
-            for blocks in ("0:2", "0:2", "2:4")
+            for blocks in ("0:2", "0:2", "2:4", "2:4")  # 2:4 twice: a verifying client never trusts a lone server
         ]
         for server in [liar, *honest]:
             server.wait_ready(150)
