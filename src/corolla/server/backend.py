@@ -142,14 +142,9 @@ class SpanBackend:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Gradients of the span's outputs (weighted by `grad_outputs`) w.r.t. `inputs` [B, T, H] and, if given,
         `prompts` [n_blocks, B|1, P, H]. Recomputes activations one block at a time; parameters get no gradients."""
-        indices = self.validate_block_indices(block_indices)
-        inputs = self.check_hidden(inputs, "inputs")
-        grad_outputs = self.check_hidden(grad_outputs, "grad_outputs")
-        if grad_outputs.shape != inputs.shape:
-            raise ValueError(
-                f"grad_outputs shape {tuple(grad_outputs.shape)} must equal inputs shape {tuple(inputs.shape)}"
-            )
-        per_block_prompts = self.split_prompts(prompts, len(indices), inputs.shape[0])
+        indices, inputs, grad_outputs, per_block_prompts = self.check_backward(
+            block_indices, inputs, grad_outputs, prompts
+        )
         has_prompts = per_block_prompts[0] is not None
         if inputs.shape[1] == 0:  # nothing flows back
             present = [p for p in per_block_prompts if p is not None]  # all or none: see split_prompts
@@ -167,6 +162,24 @@ class SpanBackend:
         grads_prompts = torch.stack([_filled_grad(g) for g in grad_prompts]) if has_prompts else None
         # grads_prompts: [n_blocks, B|1, P, H]
         return grad, grads_prompts
+
+    def check_backward(
+        self,
+        block_indices: Sequence[int],
+        inputs: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        prompts: torch.Tensor | None,
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+        """A backward's request checked once, for this backend and the training batcher alike: the block indices,
+        `inputs` and `grad_outputs` [B, T, H] on this device (equal shapes), the deep prompts split per block."""
+        indices = self.validate_block_indices(block_indices)
+        inputs = self.check_hidden(inputs, "inputs")
+        grad_outputs = self.check_hidden(grad_outputs, "grad_outputs")
+        if grad_outputs.shape != inputs.shape:
+            raise ValueError(
+                f"grad_outputs shape {tuple(grad_outputs.shape)} must equal inputs shape {tuple(inputs.shape)}"
+            )
+        return indices, inputs, grad_outputs, self.split_prompts(prompts, len(indices), inputs.shape[0])
 
     def block_forward(self, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
         """One served block over `hidden` [B, T, H] (plus its deep prompt [B|1, P, H] at positions < P), no cache,

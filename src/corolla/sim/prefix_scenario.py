@@ -146,6 +146,7 @@ class PrefixSimulation(Simulation):
             self.workload.think_s,
             self._ended,
             sessions_per_client=config.workload.sessions_per_client,
+            view_age_max_s=config.client_update_period_s,
             prefix=prefix,
             routes=self.routes,
         )

@@ -97,15 +97,8 @@ class TrainingBatcher:
         """`SpanBackend.backward`'s result: the gradient w.r.t. `inputs` [B, T, H] and, with deep prompts, w.r.t.
         them [n_blocks, B|1, P, H]; each block's forward and backward a runtime task merged with other requests'."""
         backend = self.backend
-        indices = backend.validate_block_indices(block_indices)
-        inputs = backend.check_hidden(inputs, "inputs")
-        grad_outputs = backend.check_hidden(grad_outputs, "grad_outputs")
-        if grad_outputs.shape != inputs.shape:
-            raise ValueError(
-                f"grad_outputs shape {tuple(grad_outputs.shape)} must equal inputs shape {tuple(inputs.shape)}"
-            )
-        per_block = backend.split_prompts(prompts, len(indices), inputs.shape[0])
-        backend.adapter_context(adapter)
+        indices, inputs, grad_outputs, per_block = backend.check_backward(block_indices, inputs, grad_outputs, prompts)
+        backend.adapter_context(adapter)  # ValueError for an unknown adapter, before anything is queued
         if inputs.shape[1] == 0:  # nothing flows back: zeros, as the backend gives them
             return backend.backward(indices, inputs, grad_outputs, prompts, adapter)
         block_inputs: list[torch.Tensor] = [inputs]  # [B, T, H] each: the input of every block
