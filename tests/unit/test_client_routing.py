@@ -9,17 +9,20 @@ from collections import Counter
 
 import pytest
 
+import corolla.client.routing as routing_module
 from corolla.client.bans import BanList
 from corolla.client.config import ClientConfig
+from corolla.client.retries import RetryBudget
 from corolla.client.routing import RemoteSequenceManager
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
+from corolla.swarm.cache_refusals import IMMEDIATE_REROUTES, is_cache_refusal
 from corolla.swarm.route_planning import (
     find_missing_blocks,
     has_cache_for,
     make_max_throughput_route,
     make_min_latency_route,
 )
-from corolla.utils.errors import MissingBlocksError
+from corolla.utils.errors import AllocationFailed, MissingBlocksError
 
 
 def span(peer: str, start: int, end: int, **info) -> RemoteSpanInfo:
@@ -211,3 +214,30 @@ def test_active_adapter_selects_servers_that_hold_it():
     manager = FakeSwarmManager(ClientConfig(), servers, 2)
     manager.update()
     assert chain(manager.make_sequence(mode="min_latency")) == [("plain", 0, 2)]
+
+
+def test_a_cache_refusal_rereads_avoids_the_server_and_reroutes_at_once(monkeypatch):
+    """A server out of KV cache is not banned (its failures and ban back-off are untouched): the client re-reads the
+    records, routes around it for `AVOID_S` and retries with no delay for the first `IMMEDIATE_REROUTES` refusals in
+    a row, then backs off as after a failure. The refusal is recognized in the server's text (over p2p the client
+    sees only hivemind's error message) as in the exception type."""
+    servers = {"full": info(0, 4, inference_rps=1000.0), "roomy": info(0, 4, inference_rps=10.0)}
+    manager = FakeSwarmManager(ClientConfig(min_backoff_s=1.0), servers, 4)
+    reads = []
+    fetch = manager.fetch_module_infos
+    monkeypatch.setattr(manager, "fetch_module_infos", lambda: reads.append(1) or fetch())
+    manager.update()
+    assert chain(manager.make_sequence(mode="min_latency")) == [("full", 0, 4)]
+    refusal = RuntimeError(
+        "Failed to call handler `rpc_inference`: KV pool is full: need 4 pages, 1 free in all layers"
+    )
+    assert is_cache_refusal(refusal) and is_cache_refusal(AllocationFailed("no room"))
+    assert not is_cache_refusal(ConnectionError("reset by peer"))
+    budget = RetryBudget(manager)
+    monkeypatch.setattr(routing_module, "MIN_REREAD_S", 0.0)
+    for _ in range(IMMEDIATE_REROUTES):
+        assert budget.on_failure(refusal, "full", (0, 4)) == 0.0
+    assert len(reads) == 1 + IMMEDIATE_REROUTES  # re-read after each refusal
+    assert chain(manager.make_sequence(mode="min_latency")) == [("roomy", 0, 4)]
+    assert "full" not in manager.bans.banned_peers() and manager.avoided_peers() == {"full"}
+    assert budget.on_failure(refusal, "full", (0, 4)) > 0  # refused again and again: the swarm looks full

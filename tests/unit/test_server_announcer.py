@@ -13,6 +13,7 @@ import torch
 from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
 from corolla.server.announcer import Announcer
 from corolla.server.front import block_functions as bf
+from corolla.swarm.early_announce import EarlyAnnounce
 
 
 class FakeRecords:
@@ -154,3 +155,32 @@ async def test_load_fields_are_announced_and_bad_ones_left_out(records):
     assert extra["sessions_active"] == 4 and extra["busy_fraction"] == 0.5
     ServerInfo.from_tuple(records.stored[-1][1])
     await announcer.announce(ServerState.OFFLINE)
+
+
+async def test_early_announce_on_a_large_cache_change_is_rate_bounded(records):
+    """ONLINE, a server re-announces (without waiting for its heartbeat) when its free cache moved by min_change of
+    its capacity, and never sooner than min_interval_s after its last record; a small change waits for the heartbeat."""
+    cache_left = [100]
+    announcer = make_announcer("model", cache_left)
+    announcer.update_period_s = 60.0
+    announcer.early_announce = EarlyAnnounce(min_change=0.25, min_interval_s=0.3)
+    announcer.early_check_period_s = 0.02
+    announcer.start(ServerState.ONLINE)
+    await asyncio.sleep(0.1)
+    assert len(records.stored) == 1
+    cache_left[0] = 90  # a small change: no early record
+    await asyncio.sleep(0.4)
+    assert len(records.stored) == 1
+    cache_left[0] = 40  # 60% of the capacity: announced once the min interval has passed
+    await asyncio.sleep(0.2)
+    assert records.stored[-1][1][2]["cache_tokens_left"] == 40 and announcer.num_early_announcements == 1
+    first_early_at = records.stored[-1][3]
+    cache_left[0] = 100
+    await asyncio.sleep(0.6)
+    assert records.stored[-1][1][2]["cache_tokens_left"] == 100 and len(records.stored) == 3
+    assert records.stored[-1][3] - first_early_at >= 0.3  # the rate bound
+    for left in (0, 100, 0, 100, 0):  # flapping: at most one record per min interval
+        cache_left[0] = left
+        await asyncio.sleep(0.1)
+    assert len(records.stored) <= 3 + 2
+    await announcer.stop()

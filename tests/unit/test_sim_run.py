@@ -10,7 +10,7 @@ import pytest
 from corolla.protocol.records import ServerState
 from corolla.sim.scenarios import scenario
 from corolla.sim.simulation import Simulation
-from corolla.swarm import petals_policy
+from corolla.swarm import cache_refusals, petals_policy
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +148,30 @@ def test_a_departed_server_leaves_the_clients_view_and_a_full_swarm_turns_away(t
     assert session.banned[server.peer_id] >= sim.loop.now_s + sim.config.client_update_period_s
     sim.clients._close(session, completed=False)
     assert (sim.metrics.sessions_turned_away, sim.metrics.sessions_failed) == (before[0] + 1, before[1])
+
+
+def test_corolla_peers_announce_cache_early_and_a_refused_client_rereads_and_reroutes_at_once(tiny_run) -> None:
+    """The simulator runs corolla's lifecycle for corolla peers only: servers re-announce when their free cache moved
+    much (`swarm.early_announce`, never sooner than its min interval), and a client refused for cache avoids that
+    server for `AVOID_S`, re-reads the records (routing on them until the next periodic read) and retries at once;
+    Petals' peers keep the heartbeat and the ban with back-off."""
+    petals_sim, report = tiny_run
+    assert report["churn"]["early_announcements"] == 0 and report["churn"]["rereads"] == 0
+    sim = Simulation(scenario("tiny", seed=1, policy="corolla", duration_s=900.0))
+    sim.run()
+    assert sim.metrics.early_announcements > 0
+    session = sim.clients.start(sim.workload.conversation(sim.loop.now_s, None), slot=0)
+    session.event.cancel()  # its prefill: it routes again instead, as if its chain were gone
+    sim.clients._release(session)
+    server = next(s for s in sim.view.servers.values() if s.state == ServerState.ONLINE and s.num_blocks)
+    sim.clients.route_fn = lambda s: [(server.peer_id, server.start, server.end)] if s is session else []
+    server.kv_reserved_tokens += server.kv_capacity_tokens  # full, while its record still announces room
+    rereads = sim.metrics.rereads
+    assert not sim.clients._reroute(session)
+    server.kv_reserved_tokens -= server.kv_capacity_tokens
+    assert session.banned[server.peer_id] == pytest.approx(sim.loop.now_s + cache_refusals.AVOID_S)
+    assert sim.metrics.rereads == rereads + 1  # its own read of the records as the servers last announced them
+    assert sim._client_view(session) == (sim.view.routing_spans(), -1)
+    sim.clients._backoff(session, lambda: None)
+    assert session.event is not None and session.event.time_s == sim.loop.now_s  # at once
+    assert petals_sim.clients.on_cache_refusal is None  # Petals' client: a ban for its timeout, then back-off

@@ -258,6 +258,30 @@ def test_corolla_routes_away_from_announced_and_client_load():
     assert picks["B"] >= 95, picks
 
 
+def test_corolla_routes_by_announced_room_less_its_own_routes_there():
+    """Petals only avoids a server announcing less cache than the session needs; corolla also prefers the server
+    with room for more sessions (clients reading the same records race for the last places) and counts its own
+    routes there as taken."""
+    rtts = {"A": 0.01, "B": 0.01}
+    rng = random.Random(0)
+    per_session = 2 * 100 * 4  # K and V of 100 tokens in each of 4 blocks
+    spans = [
+        span("A", 0, 4, 100.0, inference_rps=100.0, cache_tokens_left=int(1.2 * per_session)),
+        span("B", 0, 4, 100.0, inference_rps=100.0, cache_tokens_left=20 * per_session),
+    ]
+
+    def picks(policy, client_load=None):
+        return Counter(
+            policy.choose_route(spans, 0, 4, mode="min_latency", client_rtts_s=rtts, cache_tokens_needed=100,
+                                client_load=client_load, rng=rng)[0].peer_id
+            for _ in range(100)
+        )  # fmt: skip
+
+    assert picks(CorollaPolicy())["B"] >= 95
+    assert picks(CorollaPolicy(), {"B": 19.5})["A"] >= 95  # its own sessions filled B's announced room
+    assert len(picks(PetalsPolicy())) == 1  # both have room for one: Petals takes the same chain every time
+
+
 def test_corolla_routes_within_the_clients_region_when_pings_are_unknown():
     # A1, A2, A3 near the client; B2 far, but the one server A1 happened to ping (100 ms). Petals assumes 300 ms for
     # every switch nobody announced and takes the far B2; corolla bounds an unknown switch by the client's RTTs to

@@ -2,7 +2,8 @@
 that failed, sleeps with back-off, and ends in `NoHonestServerError` (naming the blocks and the servers tried and
 banned) once `ClientConfig.max_retries` failed attempts or `max_wait_s` seconds of failing have passed. A network
 failure of the only server of some block is not banned (a ban would hide the one server that can answer once its link
-is back): it is retried every `SOLE_SERVER_RETRY_S`."""
+is back): it is retried every `SOLE_SERVER_RETRY_S`. A server out of KV cache is not banned: the client avoids it for a
+while, re-reads the records and re-routes at once (`swarm.cache_refusals`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 
 from corolla.client.output_checks import BadServerOutput
 from corolla.client.routing import RemoteSequenceManager
+from corolla.swarm.cache_refusals import is_cache_refusal, reroute_delay_s
 from corolla.utils.errors import MissingBlocksError, NoHonestServerError
 from corolla.utils.logging import get_logger
 
@@ -55,9 +57,10 @@ class RetryBudget:
         self.attempt = 0
         self.failing_since_s: float | None = None
         self.tried: list[str] = []  # peers that failed during this run of failures, oldest first
+        self.cache_refusals = 0  # of those failures, cache refusals in a row
 
     def on_success(self) -> None:
-        self.attempt, self.failing_since_s = 0, None
+        self.attempt, self.failing_since_s, self.cache_refusals = 0, None, 0
         self.tried.clear()
 
     def _uncovered(self, blocks: tuple[int, int]) -> list[int]:
@@ -77,7 +80,11 @@ class RetryBudget:
         self.attempt += 1
         if peer_id is not None and peer_id not in self.tried:
             self.tried.append(peer_id)
-        banned = blame(self.manager, error, peer_id, blocks)
+        refused = peer_id is not None and is_cache_refusal(error)
+        self.cache_refusals = self.cache_refusals + 1 if refused else 0
+        if refused and peer_id is not None:  # avoided for a while, not banned: it failed nothing
+            self.manager.on_cache_refusal(peer_id)
+        banned = refused or blame(self.manager, error, peer_id, blocks)
         waited_s = now - self.failing_since_s
         out_of_time = config.max_wait_s is not None and waited_s >= config.max_wait_s
         if config.retries_exhausted(self.attempt) or out_of_time:
@@ -94,6 +101,8 @@ class RetryBudget:
         if isinstance(error, MissingBlocksError):
             self.manager.request_update()
         delay_s = config.retry_delay_s(self.attempt - 1)
+        if refused:
+            delay_s = reroute_delay_s(self.cache_refusals, delay_s)
         if not banned and peer_id is not None:
             delay_s = min(delay_s, SOLE_SERVER_RETRY_S)
         if config.max_wait_s is not None:  # the last attempt happens at the deadline, not after it

@@ -24,6 +24,7 @@ from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
 from corolla.protocol.rpc import TransformerConnectionHandler, handle_name
 from corolla.protocol.uids import CHAIN_DELIMITER
+from corolla.swarm.cache_refusals import AVOID_S
 from corolla.swarm.dht import PUBLIC_INITIAL_PEERS, SwarmConfig, create_dht, get_peer_id, shutdown_dht
 from corolla.swarm.membership import RpcMembership, SwarmKeyAuthorizer, load_swarm_key
 from corolla.swarm.ping import PingAggregator, ping
@@ -39,6 +40,7 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 PING_EMA_ALPHA = 0.2  # weight of the newest RTT sample
+MIN_REREAD_S = 1.0  # a cache refusal re-reads the records at once unless they were read this recently
 # sessions this client routed to a server count as its load (beside what the server announces) with this half-life:
 # about the time until the server's next announcement shows them
 
@@ -88,6 +90,8 @@ class RemoteSequenceManager:
         self._closed = threading.Event()
         self._last_update_error: BaseException | None = None
         self._update_lock = threading.Lock()
+        self._avoid_until: dict[str, float] = {}  # servers that refused for cache -> time.monotonic() to skip them to
+        self._updated_at = -math.inf  # time.monotonic() of the last completed update
         self._p2p: Any = p2p  # None: the DHT's replica, made on first use
         self._stubs: dict[str, Any] = {}
         self._input_compressions: dict[str, int] = {}  # peer -> compression its rpc_info asks for
@@ -172,13 +176,14 @@ class RemoteSequenceManager:
                 self._spans = spans
                 for peer_id, rtt in rtts.items():
                     self._rtts.update(peer_id, rtt)
+            self._updated_at = time.monotonic()
             self._ready.set()
             logger.debug("routing.updated(servers=%d, pinged=%d)", len(spans), len(rtts))
 
     def _filter_servers(self, infos: list[RemoteModuleInfo]) -> list[RemoteModuleInfo]:
         allowed = set(self.config.allowed_servers) if self.config.allowed_servers is not None else None
         blocked = set(self.config.blocked_servers or ())
-        banned = self.bans.banned_peers()
+        banned = self.bans.banned_peers() | self.avoided_peers()
         adapter = self.config.active_adapter or None
         result = []
         for info in infos:
@@ -281,6 +286,36 @@ class RemoteSequenceManager:
         for span in remaining:
             covered.update(range(span.start, span.end))
         if len(covered) < self.num_blocks:
+            self.request_update()
+
+    def avoided_peers(self) -> set[str]:
+        """Servers skipped for now because they refused a session for want of KV cache."""
+        now = time.monotonic()
+        with self._lock:
+            for peer in [peer for peer, until in self._avoid_until.items() if until <= now]:
+                del self._avoid_until[peer]
+            return set(self._avoid_until)
+
+    def on_cache_refusal(self, peer_id: str) -> None:
+        """`peer_id` had no KV cache for a session: skip it for `AVOID_S` (not a failure: its ban record stays as it
+        was) and re-read the records now (blocking, unless read within `MIN_REREAD_S`), so that the re-route that
+        follows sees the servers' fresh free-cache figures. Like a ban, it is ignored where it would leave a block
+        without a server."""
+        with self._lock:
+            self._avoid_until[peer_id] = time.monotonic() + AVOID_S
+            remaining = [span for span in self._spans if span.peer_id != peer_id]
+            covered: set[int] = set()
+            for span in remaining:
+                covered.update(range(span.start, span.end))
+            if len(covered) == self.num_blocks:
+                self._spans = remaining
+        logger.info("routing.cache_refusal(peer=...%s, avoid_s=%.0f)", peer_id[-6:], AVOID_S)
+        if time.monotonic() - self._updated_at < MIN_REREAD_S:
+            return
+        try:
+            self.update()
+        except Exception as e:  # the background thread tries again
+            logger.warning("routing.reread_failed(error=%r)", e)
             self.request_update()
 
     def describe_missing(self, missing: Sequence[int], timeout_s: float = 5.0) -> str:

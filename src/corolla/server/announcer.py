@@ -1,6 +1,8 @@
 """The server's DHT heartbeat: announces its `ServerInfo` for every block it holds (JOINING on start, ONLINE once
 its handlers answer, OFFLINE on shutdown), refreshed every `update_period_s` with `expiration_s`, with live
-`cache_tokens_left`, `next_pings` and load fields, plus the `_petals.models` record unless the prefix starts with `_`."""
+`cache_tokens_left`, `next_pings` and load fields, plus the `_petals.models` record unless the prefix starts with `_`.
+While ONLINE it also re-announces early (no new pings) when its free cache moved much since its last record
+(`swarm.early_announce`, rate-bounded), so that clients do not route onto room it no longer has."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 from corolla.protocol.records import LOAD_FIELDS, ModelInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.swarm import records_io
+from corolla.swarm.early_announce import DEFAULT_EARLY_ANNOUNCE, EARLY_CHECK_PERIOD_S, EarlyAnnounce
 from corolla.swarm.ping import PingAggregator, ping
 from corolla.utils.logging import get_logger
 
@@ -46,6 +49,8 @@ class Announcer:
         local_peer_id: str | None = None,
         ping_authorizer: Any = None,
         on_failure: Callable[[], None] | None = None,
+        early_announce: EarlyAnnounce | None = DEFAULT_EARLY_ANNOUNCE,
+        early_check_period_s: float = EARLY_CHECK_PERIOD_S,
     ):
         self.dht = dht
         self.dht_prefix = dht_prefix
@@ -72,6 +77,10 @@ class Announcer:
         self._trigger = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_announcements = 0
+        self.early_announce = early_announce  # None: only the heartbeat (Petals' behaviour)
+        self.early_check_period_s = early_check_period_s
+        self.num_early_announcements = 0
+        self._cache_capacity = 0  # the most free cache it ever had: the scale of a "large" change
 
     @property
     def state(self) -> ServerState:
@@ -105,12 +114,13 @@ class Announcer:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
+        early = False  # an early announcement refreshes the figures only; the heartbeat also pings
         while True:
             started = time.monotonic()
             self._trigger.clear()
             state = self.server_info.state
             try:
-                await self._announce_once(state)
+                await self._announce_once(state, ping=not early)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -122,17 +132,49 @@ class Announcer:
             delay = self.update_period_s - (time.monotonic() - started)
             if delay < 0:
                 logger.warning(f"announcer.slow(update_period_s={self.update_period_s}, took={-delay:.1f}s over)")
+            early = await self._wait_next(started)
+            self.num_early_announcements += early
+
+    async def _wait_next(self, started: float) -> bool:
+        """Waits until the update period since `started` ends or `announce` triggers (False), or, while ONLINE, until
+        the free cache moved enough for an early announcement (True)."""
+        deadline = started + self.update_period_s
+        while (left_s := deadline - time.monotonic()) > 0:
             try:
-                await asyncio.wait_for(self._trigger.wait(), max(delay, 0.0))
+                await asyncio.wait_for(self._trigger.wait(), min(left_s, self.early_check_period_s))
+                return False
             except asyncio.TimeoutError:
                 pass
+            if self._early_due(time.monotonic() - started):
+                return True
+        return False
 
-    async def _announce_once(self, state: ServerState) -> None:
+    def _early_due(self, since_last_s: float) -> bool:
+        if self.early_announce is None or self.server_info.state != ServerState.ONLINE:
+            return False
+        left_now = max(0, int(self.cache_tokens_left()))
+        self._cache_capacity = max(self._cache_capacity, left_now)
+        due = self.early_announce.due(
+            announced_left=self.server_info.cache_tokens_left,
+            left_now=left_now,
+            capacity=self._cache_capacity,
+            since_last_s=since_last_s,
+        )
+        if due:
+            logger.info(
+                f"announcer.early(announced={self.server_info.cache_tokens_left}, left={left_now}, "
+                f"since_s={since_last_s:.1f})"
+            )
+        return due
+
+    async def _announce_once(self, state: ServerState, *, ping: bool = True) -> None:
         self.server_info.cache_tokens_left = max(0, int(self.cache_tokens_left()))
+        self._cache_capacity = max(self._cache_capacity, self.server_info.cache_tokens_left)
         if self.load is not None:
             self._apply_load(self.load())
         if state != ServerState.OFFLINE:
-            await self._ping_next_servers()
+            if ping:
+                await self._ping_next_servers()
             self.server_info.next_pings = self._pings.to_dict()
         else:
             self.server_info.next_pings = None

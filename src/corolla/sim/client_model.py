@@ -15,6 +15,7 @@ from corolla.sim.metrics import Metrics
 from corolla.sim.server_model import SimServer
 from corolla.sim.view import SwarmView
 from corolla.sim.workload import Conversation
+from corolla.swarm.cache_refusals import AVOID_S, reroute_delay_s
 from corolla.utils.errors import MissingBlocksError
 
 CHUNK_TOKENS = 32  # decode is simulated in chunks of this many tokens at a time per token fixed at the chunk's start
@@ -46,6 +47,7 @@ class SimSession:
     retried: bool = False
     banned: dict[str, float] = field(default_factory=dict)  # peer id -> time its ban ends (its client's bans)
     full: bool = False  # an attempt of its current wait found every block covered but the servers out of cache
+    cache_refusals: int = 0  # cache refusals in a row (corolla's client re-routes the first few at once)
     counted: bool = True  # opened after the warm-up: its outcome goes into the metrics
 
 
@@ -63,6 +65,7 @@ class ClientDriver:
         on_session_end: Callable[[SimSession], None],
         sessions_per_client: int = 1,
         view_age_max_s: float = 60.0,
+        on_cache_refusal: Callable[[SimSession], None] | None = None,
     ):
         self.loop, self.view, self.metrics, self.route_fn, self.rng = loop, view, metrics, route_fn, rng
         self.think_s, self.on_session_end = think_s, on_session_end
@@ -70,6 +73,9 @@ class ClientDriver:
         self.sessions_per_client = sessions_per_client
         self.view_age_max_s = view_age_max_s  # the clients' view is re-read this often: a gone server is out of it then
         self.bans: dict[int, dict[str, float]] = {}  # by closed-loop client: as the real client, one ban list each
+        # corolla's client (`swarm.cache_refusals`): a server out of cache is avoided for AVOID_S, the client re-reads
+        # the records (this callback) and re-routes at once; None: Petals' (a ban, then the back-off schedule)
+        self.on_cache_refusal = on_cache_refusal
         self._next_sid = 0
 
     def start(self, conversation: Conversation, slot: int | None = None) -> SimSession:
@@ -195,6 +201,7 @@ class ClientDriver:
         try:
             chain = self.route_fn(session)
         except MissingBlocksError:
+            session.cache_refusals = 0
             return False
         gone = next((peer for peer, start, end in chain if not self._serves(peer, start, end)), None)
         if gone is not None:  # the client's view is older than the server's departure or move: the call fails
@@ -202,15 +209,21 @@ class ClientDriver:
             # as the real client (`RemoteSequenceManager.on_request_failure`): the failed server is banned and dropped
             # from the client's view until it re-reads the records, which no longer hold it (or hold its new span)
             session.banned[gone] = self.loop.now_s + max(BAN_TIMEOUT_S, self.view_age_max_s)
+            session.cache_refusals = 0
             return False
         hops = [(self.view.servers[peer], start, end) for peer, start, end in chain]
         refusing = next((server for server, _, _ in hops if server.kv_free_tokens < need), None)
         if refusing is not None:
             self._count(session, "refusals")  # out of cache
-            session.banned[refusing.peer_id] = self.loop.now_s + BAN_TIMEOUT_S
             session.full = True  # for this whole wait: a user who gives up after it was turned away by a full swarm
+            if self.on_cache_refusal is None:
+                session.banned[refusing.peer_id] = self.loop.now_s + BAN_TIMEOUT_S
+            else:
+                session.banned[refusing.peer_id] = self.loop.now_s + AVOID_S
+                session.cache_refusals += 1
+                self.on_cache_refusal(session)
             return False
-        session.full = False
+        session.full, session.cache_refusals = False, 0
         for server, _, _ in hops:
             server.sessions.add(session.sid)
             server.kv_reserved_tokens += need
@@ -237,6 +250,8 @@ class ClientDriver:
         session.phase = "idle"
         # Petals' get_retry_delay: 0 for the first retry, then min(1 s x 2^(attempt - 1), 60 s)
         delay = 0.0 if session.attempts == 0 else min(MIN_BACKOFF_S * 2 ** (session.attempts - 1), MAX_BACKOFF_S)
+        if session.cache_refusals:  # corolla's client after a cache refusal (`RetryBudget.on_failure`)
+            delay = reroute_delay_s(session.cache_refusals, delay)
         session.attempts += 1
         for peer in [peer for peer, until in session.banned.items() if until <= now]:
             del session.banned[peer]

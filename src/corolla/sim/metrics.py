@@ -51,6 +51,8 @@ class Metrics:
     leaves: int = 0
     crashes: int = 0
     route_calls: int = 0
+    early_announcements: int = 0  # records stored before the heartbeat for a large change of free cache
+    rereads: int = 0  # clients re-reading the records after a cache refusal
     calls_s: dict[str, float] = field(default_factory=dict)  # wall seconds in policy calls and the bound, by kind
     flow: list[FlowSample] = field(default_factory=list)
 
@@ -133,6 +135,8 @@ class Report:
                 "moves": metrics.moves,
                 "reload_s": metrics.reload_s,
                 "route_calls": metrics.route_calls,
+                "early_announcements": metrics.early_announcements,
+                "rereads": metrics.rereads,
             },
             flow_efficiency_mean=float(np.mean([s.efficiency for s in samples])) if samples else float("nan"),
             flow_efficiency=[

@@ -39,6 +39,7 @@ class SimServer:
     busy_fraction: float = 0.0
     next_pings: dict[str, float] = field(default_factory=dict)
     info: ServerInfo | None = None
+    announced_s: float = 0.0  # when it last stored a record (the early-announcement rate bound counts from it)
     curve: tuple[float, ...] = ()  # tokens/s holding k = 1..max_blocks blocks, where the server knows it
 
     @property
@@ -60,6 +61,11 @@ class SimServer:
     @property
     def kv_free_tokens(self) -> int:
         return max(0, self.kv_capacity_tokens - self.kv_reserved_tokens)
+
+    @property
+    def cache_tokens_left(self) -> int:
+        """Its free KV in Petals' announced unit (K-or-V token x block slots)."""
+        return 2 * self.num_blocks * self.kv_free_tokens
 
     def load_s(self, num_blocks: int) -> float:
         return LOAD_FIXED_S + num_blocks * self.perf.block_bytes / LOAD_BYTES_PER_S
@@ -83,7 +89,7 @@ class SimServer:
             inference_rps=float(self.perf.inference_rps()),
             forward_rps=float(self.perf.forward_rps()),
             network_rps=float(self.perf.network_tps),
-            cache_tokens_left=2 * self.num_blocks * self.kv_free_tokens,
+            cache_tokens_left=self.cache_tokens_left,
             next_pings=dict(self.next_pings) or None,
             sessions_active=len(self.sessions),
             busy_fraction=float(min(max(self.busy_fraction, 0.0), 1.0)),

@@ -23,6 +23,7 @@ from corolla.sim.regions import REGIONS, RttModel
 from corolla.sim.server_model import SimServer
 from corolla.sim.view import SwarmView
 from corolla.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
+from corolla.swarm.early_announce import DEFAULT_EARLY_ANNOUNCE, EARLY_CHECK_PERIOD_S
 from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import PLACEMENT_PINGS, ServerCapacity
 from corolla.swarm.route_planning import find_missing_blocks
@@ -80,6 +81,10 @@ class Simulation:
             name: random.Random(f"{c.seed}/{name}") for name in ("fleet", "churn", "policy", "route", "work", "pings")
         }
         self.policy = make_policy(c.policy)
+        # corolla's servers re-announce early on a large change of free cache and its clients re-read the records and
+        # re-route at once after a cache refusal (decision 0020); "petals" runs stock Petals peers: heartbeat only,
+        # a refusal banned and backed off from
+        self.corolla_peers = self.policy.name == "corolla"
         self.view = SwarmView(c.model.num_blocks, RttModel(c.seed))
         self.metrics = Metrics(measure_from_s=c.warmup_s)
         self.workload = WorkloadGenerator(c.workload, self.rngs["work"])
@@ -93,6 +98,7 @@ class Simulation:
             self._ended,
             sessions_per_client=c.workload.sessions_per_client,
             view_age_max_s=c.client_update_period_s,
+            on_cache_refusal=self._reread if self.corolla_peers else None,
         )
         self.perfs = {name: ServerPerf(GPUS[name], c.model, c.dtype) for name in c.fleet}
         mean = c.workload
@@ -107,6 +113,9 @@ class Simulation:
         self.client_regions: list[str] = []  # by closed-loop client, when each keeps several conversations
         self.routed: dict[int, RoutedLoad] = {}  # by closed-loop client: what it routed lately
         self._route_memo: dict[tuple[int, str, int, frozenset[str]], list[tuple[str, int, int]]] = {}
+        # a client that re-read the records after a cache refusal routes on its own copy until the next periodic read
+        # of every client: client key -> (the periodic view's version then, the records it read)
+        self._own_views: dict[tuple[str, int], tuple[int, list[RemoteSpanInfo]]] = {}
 
     def _kind(self, name: str, perf: ServerPerf) -> ServerKind:
         max_k = max(1, perf.max_blocks(self.typical_context))
@@ -161,7 +170,7 @@ class Simulation:
                            self.config.model.num_blocks)  # fmt: skip
         server.start, server.end = span.start, span.stop
         server.state = ServerState.JOINING
-        self.view.announce(server)
+        self.view.announce(server, self.loop.now_s)
         self.metrics.joins += 1
         server.last_load_s = server.load_s(server.num_blocks)
         self.loop.after(server.last_load_s, self._online, server, server.num_moves)
@@ -171,7 +180,7 @@ class Simulation:
             return
         server.state = ServerState.ONLINE
         server.online_since_s = self.loop.now_s
-        self.view.announce(server)
+        self.view.announce(server, self.loop.now_s)
         self._schedule_balance_check(server)
 
     def _schedule_balance_check(self, server: SimServer) -> None:
@@ -197,14 +206,14 @@ class Simulation:
             return
         # as the real server: stop serving (sessions fail over), choose a span again, load it (JOINING), serve
         server.state = ServerState.OFFLINE
-        self.view.announce(server)
+        self.view.announce(server, self.loop.now_s)
         self.clients.on_server_lost(server, self.config.leave_detect_s)
         span = self._timed("span", self.policy.choose_span, self._capacity(server), self.view.placement_spans(),
                            self.config.model.num_blocks)  # fmt: skip
         server.start, server.end = span.start, span.stop
         server.num_moves += 1
         server.state = ServerState.JOINING
-        self.view.announce(server)
+        self.view.announce(server, self.loop.now_s)
         server.last_load_s = server.load_s(server.num_blocks)
         self.metrics.moves += 1
         self.metrics.reload_s += server.last_load_s
@@ -214,7 +223,7 @@ class Simulation:
         if server.state is None:
             return
         server.state = None
-        self.view.announce(server)
+        self.view.announce(server, self.loop.now_s)
         if crash:
             self.metrics.crashes += 1
         else:
@@ -244,8 +253,25 @@ class Simulation:
                 nexts = rng.sample(nexts, MAX_NEXT_PINGS)
             s.next_pings = {o.peer_id: rtt.rtt_s(s.peer_id, s.region, o.peer_id, o.region) for o in nexts}
             s.busy_fraction = self._busy_fraction(s)
-        self.view.refresh_all()
+        self.view.refresh_all(self.loop.now_s)
         self.loop.after(self.config.announce_period_s, self._announce_tick)
+
+    def _early_announce_tick(self) -> None:
+        """Each ONLINE server compares its free cache with the one it announced, as the real announcer does every
+        `EARLY_CHECK_PERIOD_S`, and re-announces when `EarlyAnnounce.due` says so."""
+        now = self.loop.now_s
+        for s in self.view.servers.values():
+            if s.state != ServerState.ONLINE or s.info is None:
+                continue
+            if DEFAULT_EARLY_ANNOUNCE.due(
+                announced_left=s.info.cache_tokens_left,
+                left_now=s.cache_tokens_left,
+                capacity=2 * s.num_blocks * s.kv_capacity_tokens,
+                since_last_s=now - s.announced_s,
+            ):
+                self.view.refresh_one(s, now)
+                self.metrics.early_announcements += 1
+        self.loop.after(EARLY_CHECK_PERIOD_S, self._early_announce_tick)
 
     def _busy_fraction(self, server: SimServer) -> float:
         """The share of time it steps: one full-span step per visit of its sessions (each visits once per time per
@@ -270,21 +296,39 @@ class Simulation:
         self.view.refresh_client_view()
         self.loop.after(self.config.client_update_period_s, self._client_refresh)
 
+    def _client_key(self, session: SimSession) -> tuple[str, int]:
+        if session.slot is None:
+            return ("session", session.sid)
+        return ("client", session.slot // self.config.workload.sessions_per_client)
+
+    def _reread(self, session: SimSession) -> None:
+        """`session`'s client re-reads the records now (after a cache refusal): the servers' latest announcements."""
+        self._own_views[self._client_key(session)] = (self.view.client_version, self.view.routing_spans())
+        self.metrics.rereads += 1
+
+    def _client_view(self, session: SimSession) -> tuple[list[RemoteSpanInfo], int]:
+        own = self._own_views.get(self._client_key(session))
+        if own is not None:
+            if own[0] == self.view.client_version:
+                return own[1], -1  # not memoized (only Petals' deterministic routing is, and it never re-reads)
+            del self._own_views[self._client_key(session)]
+        return self.view.client_spans(), self.view.client_version
+
     def _route(self, session: SimSession) -> list[tuple[str, int, int]]:
-        """The policy's chain on the clients' view without the servers this session saw fail; if that view misses a
+        """The policy's chain on the client's view without the servers this session saw fail; if that view misses a
         block, the client re-reads the records at once (as the real client does) and tries again."""
         try:
-            return self._route_on(session, self.view.client_spans(), self.view.client_version)
+            return self._route_on(session, *self._client_view(session))
         except MissingBlocksError:
             self.view.refresh_client_view()
-            return self._route_on(session, self.view.client_spans(), self.view.client_version)
+            return self._route_on(session, *self._client_view(session))
 
     def _route_on(self, session: SimSession, spans: list[RemoteSpanInfo], version: int) -> list[tuple[str, int, int]]:
         region, need = session.conversation.region, self._max_length(session)
         now = self.loop.now_s
         banned = frozenset(peer for peer, until in session.banned.items() if until > now)
         key = (version, region, need, banned)
-        memo = self.policy.name in DETERMINISTIC_ROUTING
+        memo = self.policy.name in DETERMINISTIC_ROUTING and version >= 0
         client = self._client(session)
         if memo and key in self._route_memo:
             chain = self._route_memo[key]
@@ -376,6 +420,8 @@ class Simulation:
             self._spawn(join_window * i / c.servers, initial=True)
         self.loop.at(0.0, self._arrival_process)
         self.loop.at(c.announce_period_s, self._announce_tick)
+        if self.corolla_peers:
+            self.loop.at(c.announce_period_s, self._early_announce_tick)
         self.loop.at(0.0, self._client_refresh)
         self.loop.at(c.warmup_s, self._snapshot)
         w = c.workload

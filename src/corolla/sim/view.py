@@ -30,7 +30,7 @@ class SwarmView:
     def client_spans(self) -> list[RemoteSpanInfo]:
         return self._client_spans
 
-    def announce(self, server: SimServer) -> None:
+    def announce(self, server: SimServer, now_s: float) -> None:
         """Publishes `server`'s current record (or withdraws it once it has left or gone OFFLINE)."""
         if server.state is None or server.state == ServerState.OFFLINE:
             if self.servers.pop(server.peer_id, None) is not None:
@@ -42,12 +42,20 @@ class SwarmView:
                     rtts[server.peer_id] = self.rtt.rtt_s(f"client@{region}", region, server.peer_id, server.region)
             self.servers[server.peer_id] = server
             server.make_info()
+            server.announced_s = now_s
         self.version += 1
 
-    def refresh_all(self) -> None:
+    def refresh_all(self, now_s: float) -> None:
         """Every server re-announces (the periodic heartbeat that carries cache and load figures)."""
         for server in self.servers.values():
             server.make_info()
+            server.announced_s = now_s
+        self.version += 1
+
+    def refresh_one(self, server: SimServer, now_s: float) -> None:
+        """`server` re-announces its figures early (`swarm.early_announce`)."""
+        server.make_info()
+        server.announced_s = now_s
         self.version += 1
 
     def _rebuild(self) -> None:

@@ -16,6 +16,7 @@ from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.block_selection import compute_throughputs
 from corolla.swarm.policy import MoveDecision, RouteMode, ServerCapacity, others, own_span
 from corolla.swarm.route_planning import (
+    MISSING_CACHE_PENALTY_S,
     announced_rtt_s,
     block_time_s,
     make_max_throughput_route,
@@ -55,7 +56,10 @@ class CorollaPolicy:
     server's capacity left to one more session), where sessions = those the server announces plus the ones this
     client just routed there; each server's cost is jittered by a log-normal factor of sigma `route_jitter` per
     route, so clients spread over near-equal chains instead of piling onto one; a switch between two servers costs
-    half the RTT the first announced to the second, else half the client's RTTs to both (`estimated_rtt_s`)."""
+    half the RTT the first announced to the second, else half the client's RTTs to both (`estimated_rtt_s`).
+    Entering a server costs by the room it announced (`cache_entry_cost_s`): sessions of this size its free cache
+    holds, less the ones this client just routed there; none left costs Petals' 10 s, a little room
+    `crowding_cost_s` / room, so clients reading the same records do not all race for the last few places."""
 
     shorter_span_gain: float = 0.10
     min_gain: float = 0.10
@@ -65,6 +69,7 @@ class CorollaPolicy:
     min_dwell_s: float = 300.0
     region_rtt_s: float = 0.03
     route_jitter: float = 0.25
+    crowding_cost_s: float = 0.05
     name: str = "corolla"
     uses_rtts: bool = True
 
@@ -179,9 +184,12 @@ class CorollaPolicy:
         def hop_rtt_s(span: RemoteSpanInfo, other: RemoteSpanInfo) -> float | None:
             return estimated_rtt_s(span, other, client_rtts_s)
 
+        def entry_cost_s(span: RemoteSpanInfo) -> float:
+            return cache_entry_cost_s(span, cache_tokens_needed, load.get(span.peer_id, 0.0), self.crowding_cost_s)
+
         return make_min_latency_route(
             spans, start, end, client_rtts_s=client_rtts_s, cache_tokens_needed=cache_tokens_needed,
-            block_cost_s=block_cost_s, hop_rtt_s=hop_rtt_s,
+            block_cost_s=block_cost_s, hop_rtt_s=hop_rtt_s, entry_cost_s=entry_cost_s,
         )  # fmt: skip
 
 
@@ -229,6 +237,20 @@ def estimated_rtt_s(span: RemoteSpanInfo, other: RemoteSpanInfo, client_rtts_s: 
         return announced
     to_span, to_other = client_rtts_s.get(span.peer_id), client_rtts_s.get(other.peer_id)
     return None if to_span is None or to_other is None else to_span + to_other
+
+
+def cache_entry_cost_s(
+    span: RemoteSpanInfo, cache_tokens_needed: int | None, client_sessions: float, crowding_cost_s: float
+) -> float:
+    """Seconds added to a chain for entering `span`'s server, by the room its announced free cache leaves: sessions
+    of `cache_tokens_needed` tokens it holds (a session takes K and V of each token in each of the span's blocks,
+    Petals' unit) less `client_sessions` (this client's routes there, not yet in its record). Under one session:
+    Petals' `MISSING_CACHE_PENALTY_S`; else `crowding_cost_s` / room. 0 where either figure is unknown."""
+    left = span.server_info.cache_tokens_left
+    if cache_tokens_needed is None or left is None:
+        return 0.0
+    room = left / max(2 * cache_tokens_needed * span.length, 1) - max(client_sessions, 0.0)
+    return MISSING_CACHE_PENALTY_S if room < 1 else crowding_cost_s / room
 
 
 def span_block_rate(span: RemoteSpanInfo) -> float:

@@ -79,19 +79,24 @@ def make_min_latency_route(
     cache_tokens_needed: int | None = None,
     block_cost_s: Callable[[RemoteSpanInfo], float] = block_time_s,
     hop_rtt_s: Callable[[RemoteSpanInfo, RemoteSpanInfo], float | None] = announced_rtt_s,
+    entry_cost_s: Callable[[RemoteSpanInfo], float] | None = None,
 ) -> list[RemoteSpanInfo]:
     """The chain minimizing expected step latency through blocks `[start, end)`.
 
     Nodes are (span, block boundary); edges: client -> first server (half its RTT + overhead), one block inside a
     server (`block_cost_s`, by default Petals' 1 / inference_rps), a switch at the end of a server's span (half the
     RTT between the two servers, `hop_rtt_s`: by default the one the first announced in `next_pings`, None where it
-    did not, + overhead), last server -> client. A server short of cache for the session costs an extra 10 s.
+    did not, + overhead), last server -> client. Entering a server costs `entry_cost_s(span)` more; by default
+    (Petals) 10 s where it announced too little cache for the session.
     """
     _check_range(spans, start, end)
     by_block = spans_by_block(spans, end)
     # a chain enters a server at some block and stays to the end of its span (or of the route): nodes are (span,
     # block where the chain is), and riding a span costs its blocks one by one (the same float sums per block)
-    penalties = [0.0 if has_cache_for(span, cache_tokens_needed) else MISSING_CACHE_PENALTY_S for span in spans]
+    if entry_cost_s is None:
+        penalties = [0.0 if has_cache_for(span, cache_tokens_needed) else MISSING_CACHE_PENALTY_S for span in spans]
+    else:
+        penalties = [entry_cost_s(span) for span in spans]
     block_costs = [block_cost_s(span) for span in spans]
     START, END = -1, -2  # sentinel span indices
     index_of = {id(span): i for i, span in enumerate(spans)}
