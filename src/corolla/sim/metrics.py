@@ -20,6 +20,9 @@ class FlowSample:
     flow_tps: float
     best_known_tps: float
     online_servers: int
+    decoding: int = 0  # sessions decoding at the snapshot
+    waiting: int = 0  # sessions without a chain, backing off after a refusal or failure
+    kv_reserved: float = 0.0  # share of the ONLINE servers' KV cache that sessions reserved
 
     @property
     def efficiency(self) -> float:
@@ -146,6 +149,9 @@ class Report:
                     "best_known_tps": s.best_known_tps,
                     "efficiency": s.efficiency,
                     "online_servers": s.online_servers,
+                    "decoding": s.decoding,
+                    "waiting": s.waiting,
+                    "kv_reserved": s.kv_reserved,
                 }
                 for s in samples
             ],  # fmt: skip

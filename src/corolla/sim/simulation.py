@@ -400,7 +400,15 @@ class Simulation:
             self.config.model.num_blocks,
             time_limit_s=self.config.bound_time_limit_s,
         )
-        self.metrics.flow.append(FlowSample(self.loop.now_s, flow, max(best.flow_tps, flow), len(online)))
+        sessions = self.clients.sessions.values()
+        decoding = sum(1 for x in sessions if x.phase == "decode")
+        waiting = sum(1 for x in sessions if x.route is None and x.wait_start_s is not None)
+        capacity = sum(s.kv_capacity_tokens for s in online)
+        reserved = sum(min(s.kv_reserved_tokens, s.kv_capacity_tokens) for s in online) / max(capacity, 1)
+        best_tps = max(best.flow_tps, flow)
+        self.metrics.flow.append(FlowSample(self.loop.now_s, flow, best_tps, len(online), decoding, waiting, reserved))
+        logger.info(f"sim.state(time_s={self.loop.now_s:.0f}, decoding={decoding}, waiting={waiting}, "
+                    f"kv_reserved={reserved:.2f}, flow_tps={flow:.0f})")  # fmt: skip
 
     # --- the run ---
 
