@@ -6,7 +6,9 @@ refuses; meanwhile an honest long session generates throughout, and a real user 
 session of `max_length` with an 8-token prompt, decodes 4 tokens and closes, `users` times. Prints one JSON line per N:
 the user's time to admission (first reply), refusals, the honest session's failures, what the hoarders got.
 `--tokens_per_step 1 --keepalive_s 2` makes them trickle hoarders: one real token per step, a step every 2 s, so
-their sessions are working ones (they hold real pages and are never idle).
+their sessions are working ones (they hold real pages and are never idle). A `--max_length` beyond the demo model's
+1024 positions raises its `max_position_embeddings` in a copy (rotary: any length; the inputs are random hidden
+states): 32 sessions' pages of 16 tokens are a realistic share of a 4096-token cache, not of a 1024-token one.
 
 `HoardingAttack` is the attacker of the suite's test too (`tests/integration/test_hoarding.py`)."""
 
@@ -17,11 +19,13 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -258,6 +262,7 @@ def main() -> None:
     parser.add_argument("--identities", default="2,8,32")
     parser.add_argument("--users", type=int, default=5)
     parser.add_argument("--max_length", type=int, default=512, help="each hoarder's session: half of the cache")
+
     parser.add_argument("--tokens_per_step", type=int, default=0, help="0: zero-token holds; 1: trickle hoarders")
     parser.add_argument("--keepalive_s", type=float, default=0.5, help="between two steps of a hoarder")
     parser.add_argument("--settle_s", type=float, default=2.0, help="the attack runs this long before the user comes")
@@ -267,8 +272,13 @@ def main() -> None:
 
     honest_length = args.max_length // 4
     with tempfile.TemporaryDirectory() as cache_dir:
+        model_path = Path(cache_dir) / "model"
+        shutil.copytree(ensure_demo_checkpoint(), model_path)
+        model_config = json.loads((model_path / "config.json").read_text())
+        model_config["max_position_embeddings"] = max(model_config["max_position_embeddings"], args.max_length)
+        (model_path / "config.json").write_text(json.dumps(model_config))
         config = ServerConfig(
-            model_name_or_path=str(ensure_demo_checkpoint()), new_swarm=True, throughput=10.0,
+            model_name_or_path=str(model_path), new_swarm=True, throughput=10.0,
             torch_dtype="float32", update_period_s=30.0, cache_dir=cache_dir, num_blocks=4,
             inference_max_length_tokens=args.max_length, attn_cache_tokens=2 * args.max_length,
             step_timeout_s=60.0, session_timeout_s=600.0,

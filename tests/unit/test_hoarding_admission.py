@@ -206,16 +206,43 @@ async def test_working_sessions_keep_their_pages_and_a_fair_share_of_promises(ba
             for worker in workers:
                 worker.work(PAGE)  # 2 pages each, 2 more promised, generating
             # 3 peers: 8/3 pages each; each worker holds 4: a page of each promise goes to the newcomer
-            await opened(held, admission, executor, "newcomer", 2 * PAGE, first_tokens=3)
+            newcomer = await opened(held, admission, executor, "newcomer", 2 * PAGE, first_tokens=3)
             assert [w.cache.session.slots[0].promised_pages for w in workers] == [1, 1]
-            # 4 peers: 2 pages each; the rest of their promises go too
+            # 4 peers: 2 pages each; first the newcomer's promise beyond its pace (3 tokens), then a page over the share
             await opened(held, admission, executor, "another", 2 * PAGE, first_tokens=3)
-            assert [w.cache.session.slots[0].promised_pages for w in workers] == [0, 0]
+            assert newcomer.cache.session.slots[0].promised_pages == 0 and newcomer.ticket.withdrawn
+            assert sum(w.cache.session.slots[0].promised_pages for w in workers) == 1
             assert all(not w.task.done() and w.pages == 2 for w in workers) and admission.num_evicted == 0
             withdrawn = admission.num_withdrawn
             with pytest.raises(AllocationFailed):  # 5 peers: 1.6 pages each; nobody holds a whole page over it
                 await opened(held, admission, executor, "greedy", FULL, first_tokens=3)
             assert admission.num_withdrawn == withdrawn and all(not w.task.done() and w.pages == 2 for w in workers)
+
+
+async def test_a_trickles_promise_goes_before_a_writers(backend) -> None:
+    """Two sessions of the whole length, both stepping (never idle): a trickle (a token now and then, as 32 cheap
+    identities each stepping a token every 2 s hold a cache) and a writer generating at full pace. A newcomer's room
+    comes from the trickle's promise beyond its pace; the writer keeps its promise and reaches its whole length;
+    nobody is ended. (The fair share alone took a page from each.) The pace's horizon is 6 s here, not 60 s, so that
+    the test's half second is a long life."""
+    limits = PeerLimits(max_kv_fraction_per_peer=1.0, session_idle_evict_s=6.0, first_token_grace_s=0.2)
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(limits, executor)
+        async with sessions() as held:
+            trickle = await opened(held, admission, executor, "trickle", FULL, first_tokens=1)
+            writer = await opened(held, admission, executor, "writer", FULL, first_tokens=4)
+            for _ in range(12):
+                writer.work(1)
+            await asyncio.sleep(0.5)
+            trickle.work(1)  # a token in half a second: 12 within the horizon, its one page holds them
+            writer.work(1)  # 13 in half a second: a 160-token pace, more than its whole length
+            assert executor.bytes_left == 0 and trickle.pages == 1 and writer.pages == 2
+            await opened(held, admission, executor, "newcomer", 2 * PAGE, first_tokens=3)
+            assert trickle.ticket.withdrawn and trickle.cache.session.slots[0].promised_pages == 0
+            assert writer.cache.session.slots[0].promised_pages == 2 and not writer.ticket.withdrawn
+            writer.work(FULL - writer.position)
+            trickle.work(PAGE - trickle.position)  # runs on in the page it holds
+            assert admission.num_evicted == 0 and not trickle.task.done() and not writer.task.done()
 
 
 async def test_an_open_without_tokens_does_not_wait_in_line(backend) -> None:

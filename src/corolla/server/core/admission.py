@@ -2,14 +2,17 @@
 what yields when a new session does not fit. A session is promised its whole `max_length` at open and takes pages as
 its tokens arrive; under memory pressure the least valuable holds yield first: sessions that never processed a token
 (zero-token steps are not use), then the unused promises of sessions idle for `kv_promise_idle_s`, then sessions idle
-for `session_idle_evict_s`, then unused promises beyond a fair share per peer of those holding promises. A session
-doing real work never loses the pages it holds. Runs in the server's asyncio loop; the KV bytes themselves belong to
-the executor (`SpanExecutor.open_session`). Why this shape: `docs/decisions/0016-hoarding.md`."""
+for `session_idle_evict_s`, then the promises of slow sessions beyond what they would use within `session_idle_evict_s`
+at their recent token rate (least recent work first), then unused promises beyond a fair share per peer of those
+holding promises. A session doing real work never loses the pages it holds. Runs in the server's asyncio loop; the KV
+bytes themselves belong to the executor (`SpanExecutor.open_session`). Why this shape: `docs/decisions/0016-hoarding.md`
+(and its addendum on trickling sessions)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -91,15 +94,30 @@ class SessionTicket:
     granting: bool = False  # admitted, its cache not open yet: it claims `reserved_bytes` of what is free
     waiting: bool = False  # its allocation waits in line (counted there): nothing to yield yet
     awaits_release: bool = False  # its room comes from sessions evicted for it, ending now
+    bytes_per_token: float = 0.0  # cache one token position of it takes (0: unknown, its promise is not weighed)
+    work_horizon_s: float = 0.0  # time constant of `recent_tokens` (0: not weighed)
+    _recent_tokens: float = field(default=0.0, init=False)  # as of `last_used_at`
 
     def touch(self, num_tokens: int) -> None:
         """Records a step; only one that processed at least one token counts as use."""
         self.num_steps += 1
         if num_tokens > 0:
+            now = time.monotonic()
+            if self.num_tokens:  # (the first tokens are its prefill: positions it holds, not its pace)
+                if self.work_horizon_s:
+                    self._recent_tokens *= math.exp((self.last_used_at - now) / self.work_horizon_s)
+                self._recent_tokens += num_tokens
             self.num_tokens += num_tokens
-            self.last_used_at = time.monotonic()
+            self.last_used_at = now
             if self.withdrawn and self.lease is not None and self.lease.restore():
                 self.withdrawn = False
+
+    @property
+    def recent_tokens(self) -> float:
+        """Tokens processed after its prefill, each step's weighed by exp(-age / work_horizon_s)."""
+        if not self.work_horizon_s:
+            return self._recent_tokens
+        return self._recent_tokens * math.exp(-max(0.0, time.monotonic() - self.last_used_at) / self.work_horizon_s)
 
     @property
     def idle_s(self) -> float:
@@ -166,7 +184,7 @@ class SessionAdmission:
         released on every exit path. `granting`: its cache opens next (`reserve`), a claim on what is free."""
         self._check(peer, reserve_bytes)
         ticket = SessionTicket(peer=peer, reserved_bytes=reserve_bytes, opening_tokens=opening_tokens,
-                               granting=granting)  # fmt: skip
+                               granting=granting, work_horizon_s=self.limits.session_idle_evict_s)  # fmt: skip
         self._tickets.add(ticket)
         self._per_peer[peer].add(ticket)
         try:
@@ -209,6 +227,7 @@ class SessionAdmission:
         ) as ticket:
             if ticket.awaits_release:  # in line first for the pages of the sessions ending for it
                 alloc_timeout_s = None if alloc_timeout_s is None else max(alloc_timeout_s, self.limits.evict_wait_s)
+            ticket.bytes_per_token = ticket.reserved_bytes / (spec.batch_size * spec.max_length_tokens)
             ticket.waiting = True  # (a refused allocation ends the ticket with it)
             async with executor.open_session(spec, alloc_timeout_s) as cache:
                 ticket.waiting = ticket.granting = False
@@ -282,6 +301,35 @@ class SessionAdmission:
         ]  # fmt: skip
         for ticket in sorted(idle, key=lambda t: t.last_used_at):
             yield ticket, ticket.promised_bytes
+
+    def _pace_tokens(self, ticket: SessionTicket) -> float:
+        """Tokens the session would process within `session_idle_evict_s` at its recent rate: its decayed token count
+        over the exponential window it has lived (at least `first_token_grace_s`, so that one quick step of a young
+        session reads as a pace, not as a minute's). A steady r tokens/s reads r * session_idle_evict_s."""
+        horizon_s = self.limits.session_idle_evict_s
+        recent = ticket.recent_tokens
+        if not recent:
+            return 0.0
+        lived_s = time.monotonic() - ticket.opened_at
+        window_s = max(horizon_s * -math.expm1(-lived_s / horizon_s), self.limits.first_token_grace_s, 1e-3)
+        return recent * horizon_s / window_s
+
+    def _unearned_promise(self, ticket: SessionTicket) -> int:
+        """Promised cache beyond room for the tokens it holds and its pace (`num_tokens` counts positions times rows,
+        as `bytes_per_token` does); 0 before its first token (a zero-token hold yields whole: `never_worked`)."""
+        lease = ticket.lease
+        if lease is None or not self.limits.session_idle_evict_s or not ticket.bytes_per_token or not ticket.num_tokens:
+            return 0
+        needed = math.ceil((ticket.num_tokens + self._pace_tokens(ticket)) * ticket.bytes_per_token)
+        return max(0, min(lease.promised_bytes, lease.taken_bytes + lease.promised_bytes - needed))
+
+    def _slow_promises(self, exclude: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
+        """Promises beyond the pace of their sessions (`_unearned_promise`), slowest first: a trickle of tokens (a
+        cheap identity's step every few seconds) keeps a promise of a few tokens, not its whole `max_length`. The
+        sessions keep their pages and run on; their next token asks the whole promise back."""
+        slow = {t: self._unearned_promise(t) for t in self._tickets if t is not exclude and not t.evicted.is_set()}
+        for ticket in sorted((t for t in slow if slow[t]), key=lambda t: (self._pace_tokens(t), t.last_used_at)):
+            yield ticket, slow[ticket]
 
     def _promises_over_share(self, ticket: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
         """Unused promises beyond a fair share: the cache split evenly among the peers holding promises and the
@@ -374,7 +422,9 @@ class SessionAdmission:
             if candidate not in evicted and candidate.held_bytes > 0:
                 evicted.append(candidate)
                 free += candidate.held_bytes
-        for tier in (self._idle_promises(ticket), self._promises_over_share(ticket)):
+        # an open that brings no token takes nothing from sessions by their pace: it is the least of holds itself
+        slow = self._slow_promises(ticket) if ticket is None or ticket.opening_tokens != 0 else iter(())
+        for tier in (self._idle_promises(ticket), slow, self._promises_over_share(ticket)):
             for candidate, nbytes in tier:
                 if free >= size:
                     break
