@@ -28,7 +28,7 @@ petals_server = _load_petals_server()
 READY_PREFIX = "petals-server: ready"
 
 
-def prompt_tuning_results(args: argparse.Namespace, input_ids) -> dict:
+def prompt_tuning_results(args: argparse.Namespace, dht_prefix: str, input_ids) -> dict:
     """Petals' deep prompt tuning: a `tuning_mode="deep_ptune"` model whose prompts are set from `--ptune_init` (a
     torch.save'd dict with `prompt_embeddings` [P, H] and `intermediate_prompt_embeddings` [P, L * H]), its loss
     for labels = input_ids and the gradients of both prompt tables."""
@@ -39,7 +39,7 @@ def prompt_tuning_results(args: argparse.Namespace, input_ids) -> dict:
     model = AutoDistributedModelForCausalLM.from_pretrained(
         args.model,
         initial_peers=args.initial_peers,
-        dht_prefix=args.dht_prefix,
+        dht_prefix=dht_prefix,
         max_retries=3,
         daemon_startup_timeout=30,
         request_timeout=30,
@@ -61,18 +61,16 @@ def prompt_tuning_results(args: argparse.Namespace, input_ids) -> dict:
     return results
 
 
-def run_client(args: argparse.Namespace) -> int:
+def prefix_results(args: argparse.Namespace, dht_prefix: str, cases: list[str]) -> dict:
     """Forward logits, greedy generation, a multi-step inference session, a backward pass and deep prompt tuning's
-    gradients through the swarm."""
+    gradients (those of `cases`) through the servers of `dht_prefix`."""
     import torch
     from petals import AutoDistributedModelForCausalLM
 
-    torch.set_num_threads(1)
-    petals_server.loopback_client_dht()
     model = AutoDistributedModelForCausalLM.from_pretrained(
         args.model,
         initial_peers=args.initial_peers,
-        dht_prefix=args.dht_prefix,
+        dht_prefix=dht_prefix,
         max_retries=3,
         daemon_startup_timeout=30,
         request_timeout=30,
@@ -80,7 +78,6 @@ def run_client(args: argparse.Namespace) -> int:
     ).eval()
     input_ids = torch.tensor([args.input_ids])  # [1, T]
     results: dict[str, torch.Tensor] = {"input_ids": input_ids}
-    cases = args.cases.split(",")
     with torch.no_grad():
         if "forward" in cases:
             results["logits"] = model(input_ids).logits  # [1, T, V]
@@ -99,15 +96,30 @@ def run_client(args: argparse.Namespace) -> int:
         loss.backward()
         results["loss"] = loss.detach()
         results["embeds_grad"] = embeds.grad
-    if "ptune" in cases:
-        results.update(prompt_tuning_results(args, input_ids))
-    torch.save(results, args.out)
-    print("petals-client: done", flush=True)
-    # petals' client teardown (DHT shutdown, interpreter exit with hivemind threads) sometimes hangs after all RPCs
-    # have finished; bound it, then leave (the caller kills our process group, reaping the DHT and p2pd children)
+    # petals' client teardown (DHT shutdown) sometimes hangs after all RPCs have finished: bounded
     closer = threading.Thread(target=model.model.layers.sequence_manager.dht.shutdown, daemon=True)
     closer.start()
     closer.join(10)
+    if "ptune" in cases:
+        results.update(prompt_tuning_results(args, dht_prefix, input_ids))
+    return results
+
+
+def run_client(args: argparse.Namespace) -> int:
+    """Each `--run PREFIX=CASES` in turn, in one interpreter (one start-up of torch and petals for them all); saves
+    `{prefix: results}`."""
+    import torch
+
+    torch.set_num_threads(1)
+    petals_server.loopback_client_dht()
+    results = {}
+    for run in args.run:
+        prefix, cases = run.split("=", 1)
+        results[prefix] = prefix_results(args, prefix, cases.split(","))
+    torch.save(results, args.out)
+    print("petals-client: done", flush=True)
+    # leave without the interpreter's own teardown (hivemind threads can hang it); the caller kills our process
+    # group, reaping the DHT and p2pd children
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -119,11 +131,10 @@ def main() -> int:
     petals_server.add_server_args(sub.add_parser("server"), inference_max_length=256, ready_timeout_s=90.0)
     client = sub.add_parser("client")
     client.add_argument("--model", required=True)
-    client.add_argument("--dht_prefix", required=True)
     client.add_argument("--initial_peers", nargs="+", required=True)
     client.add_argument("--input_ids", type=int, nargs="+", required=True)
     client.add_argument("--new_tokens", type=int, default=6)
-    client.add_argument("--cases", default="forward,generate,session,backward")
+    client.add_argument("--run", action="append", required=True, help="PREFIX=CASES, e.g. tiny=forward,ptune")
     client.add_argument("--ptune_init", default=None, help="prompts for the ptune case (torch.save'd dict)")
     client.add_argument("--out", required=True)
     args = parser.parse_args()

@@ -5,16 +5,17 @@ local transformers. Skipped without the Petals venv (`make interop-setup`)."""
 from __future__ import annotations
 
 import test_petals_interop as interop
-from test_petals_interop import interop_swarm, model_dir, petals_py, reference  # noqa: F401  (fixtures)
+from test_petals_interop import model_dir, petals_py, reference  # noqa: F401  (fixtures)
 
 from helpers.hf_cache import populate_hf_cache
+from helpers.swarm import swarm  # noqa: F401  (fixture)
 
 REPO = "corolla-test/tiny-llama"
 
 
 def test_petals_client_loads_the_hub_name_offline_through_corolla(request, tmp_path, monkeypatch):
-    swarm, petals_python, model_path, expected = (
-        request.getfixturevalue(name) for name in ("interop_swarm", "petals_py", "model_dir", "reference")
+    manager, petals_python, model_path, expected = (
+        request.getfixturevalue(name) for name in ("swarm", "petals_py", "model_dir", "reference")
     )
     cache = tmp_path / "hf" / "hub"
     populate_hf_cache(model_path, cache, REPO)
@@ -27,7 +28,7 @@ def test_petals_client_loads_the_hub_name_offline_through_corolla(request, tmp_p
     }
     for name, value in offline.items():  # the Petals client subprocess inherits this process's environment
         monkeypatch.setenv(name, value)
-    server = swarm.start_server(
+    server = manager.start_server(
         REPO,
         "--new_swarm",
         "--dht_prefix",
@@ -36,8 +37,7 @@ def test_petals_client_loads_the_hub_name_offline_through_corolla(request, tmp_p
         f"0:{interop.NUM_LAYERS}",
         env=offline,
     )
-    results = interop.run_petals_client(
-        petals_python, REPO, server.initial_peers, tmp_path / "out.pt", interop.ALL_CASES
-    )
-    interop.check_results(results, expected, interop.ALL_CASES)
+    runs = {interop.DHT_PREFIX: interop.ALL_CASES}
+    results = interop.run_petals_client(petals_python, REPO, server.initial_peers, tmp_path / "out.pt", runs)
+    interop.check_results(results[interop.DHT_PREFIX], expected, interop.ALL_CASES)
     interop.assert_clean_logs([server])

@@ -1,5 +1,15 @@
-"""Wire compatibility with stock Petals 2.2.0 from PyPI (its own venv, driven by petals_driver.py as a subprocess):
-a Petals client against corolla servers, corolla's client against a Petals server, and a mixed swarm of both."""
+"""Wire compatibility with stock Petals 2.2.0 from PyPI (its own venv, driven by petals_driver.py as a subprocess).
+
+One loopback swarm for the whole module, three models (DHT prefixes) on it:
+- `tiny-llama`: a corolla server holds 0:2, a stock Petals server picks 2:4 itself from corolla's records;
+- `tiny-llama-pf`: a Petals server holds 0:2, a corolla server picks 2:4 itself from Petals' records;
+- `tiny-llama-f16`: a corolla server of 0:4 that asks for FLOAT16 inputs (`--compression`).
+A stock Petals client (one process for all three) and corolla's client each run forward, greedy generation, an
+inference session and a backward pass through both mixed chains (equal to local transformers), deep prompt tuning
+through the first, and compress their inputs as the f16 server asks; corolla's client with server-to-server
+forwarding pushes into a stock server (which runs the pushed steps) and, through a stock server first, falls back
+to relaying (a stock server forwards with its session's first request's metadata, whose `next_servers` our client
+leaves empty)."""
 
 from __future__ import annotations
 
@@ -9,6 +19,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,14 +31,18 @@ from helpers.tiny_models import make_tiny_model, torch_threads
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("petals_driver.py")
 DEFAULT_PETALS_PYTHON = REPO_ROOT / ".venv-petals" / "bin" / "python"
-DHT_PREFIX = "tiny-llama"
+DHT_PREFIX = "tiny-llama"  # corolla 0:2 -> Petals 2:4
+PETALS_FIRST_PREFIX = "tiny-llama-pf"  # Petals 0:2 -> corolla 2:4
+F16_PREFIX = "tiny-llama-f16"  # one corolla server asking for FLOAT16 inputs
 NUM_LAYERS = 4
 INPUT_IDS = [1, 72, 101, 108, 108, 111, 44, 32, 119]
 NEW_TOKENS = 6
-CLIENT_TIMEOUT_S = 60.0
+CLIENT_TIMEOUT_S = 120.0  # one Petals client process runs every case through the three models
 ALL_CASES = "forward,generate,session,backward"
+COMPRESSION_CASES = "forward,session,backward"
 BAD_LOG_WORDS = ("Traceback", " ERROR ", "[ERROR]", "rpc_push.failed", "bad_push_ignored")
-pytestmark = pytest.mark.timeout(240)
+PUSH_RECEIVED = "session received push"  # stock Petals' debug line for a pushed step it runs
+pytestmark = pytest.mark.timeout(600)
 
 
 def petals_python() -> Path:
@@ -86,26 +101,31 @@ class PetalsServer(ManagedProcess):
 
 
 def start_petals_server(
-    swarm: Swarm, petals_py: Path, model_dir: Path, where: list[str], initial_peers: list[str], *, wait: bool = True
+    swarm: Swarm, petals_py: Path, model_dir: Path, dht_prefix: str, where: list[str], initial_peers: list[str]
 ) -> PetalsServer:
-    """`where` is ["--block_indices", "a:b"] or ["--num_blocks", "n"] (petals' own block selection)."""
-    args = [str(petals_py), str(DRIVER), "server", "--model", str(model_dir), "--dht_prefix", DHT_PREFIX, *where,
+    """`where` is ["--block_indices", "a:b"] or ["--num_blocks", "n"] (petals' own block selection); logs at debug
+    level (where a pushed step it runs shows). Not waited for: `wait_ready` it."""
+    args = [str(petals_py), str(DRIVER), "server", "--model", str(model_dir), "--dht_prefix", dht_prefix, *where,
             "--cache_dir", str(swarm.workdir / "petals-cache"), "--initial_peers", *initial_peers]  # fmt: skip
-    process = PetalsServer(args, name=f"petals-server{len(swarm.processes)}", env={"PYTHONUNBUFFERED": "1"})
+    env = {"PYTHONUNBUFFERED": "1", "HIVEMIND_LOGLEVEL": "DEBUG"}
+    process = PetalsServer(args, name=f"petals-server{len(swarm.processes)}", env=env)
     swarm.processes.append(process)
-    return process.wait_ready(90.0) if wait else process
+    return process
 
 
-def start_corolla_server(swarm: Swarm, model_dir: Path, where: list[str], *, wait: bool = True) -> ServerProcess:
-    return swarm.start_server(model_dir, "--dht_prefix", DHT_PREFIX, *where, wait=wait)
+def start_corolla_server(swarm: Swarm, model_dir: Path, dht_prefix: str, where: list[str]) -> ServerProcess:
+    return swarm.start_server(model_dir, "--dht_prefix", dht_prefix, *where, wait=False)
 
 
 def run_petals_client(
-    petals_py: Path, model_dir: Path, initial_peers: list[str], out: Path, cases: str, ptune_init: Path | None = None
-) -> dict:
-    args = [str(petals_py), str(DRIVER), "client", "--model", str(model_dir), "--dht_prefix", DHT_PREFIX,
-            "--initial_peers", *initial_peers, "--input_ids", *map(str, INPUT_IDS),
-            "--new_tokens", str(NEW_TOKENS), "--cases", cases, "--out", str(out)]  # fmt: skip
+    petals_py: Path, model: Path | str, initial_peers: list[str], out: Path, runs: dict[str, str],
+    ptune_init: Path | None = None,
+) -> dict[str, dict[str, torch.Tensor]]:  # fmt: skip
+    """One stock Petals client process running `runs` ({dht_prefix: cases}) in turn: {dht_prefix: results}."""
+    args = [str(petals_py), str(DRIVER), "client", "--model", str(model), "--initial_peers", *initial_peers,
+            "--input_ids", *map(str, INPUT_IDS), "--new_tokens", str(NEW_TOKENS), "--out", str(out)]  # fmt: skip
+    for prefix, cases in runs.items():
+        args += ["--run", f"{prefix}={cases}"]
     if ptune_init is not None:
         args += ["--ptune_init", str(ptune_init)]
     log_path = out.with_suffix(".log")
@@ -131,7 +151,7 @@ def run_petals_client(
     return torch.load(out)
 
 
-def corolla_results(model_dir: Path, initial_peers: list[str], cases: str = ALL_CASES) -> dict[str, torch.Tensor]:
+def corolla_results(model_dir: Path, initial_peers: list[str], dht_prefix: str, cases: str) -> dict[str, torch.Tensor]:
     """What corolla's client sees for the same cases as petals_driver.py's client."""
     from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 
@@ -140,7 +160,7 @@ def corolla_results(model_dir: Path, initial_peers: list[str], cases: str = ALL_
     with (
         torch_threads(1),
         AutoDistributedModelForCausalLM.from_pretrained(
-            model_dir, initial_peers=initial_peers, dht_prefix=DHT_PREFIX, client_config=ClientConfig(max_retries=3)
+            model_dir, initial_peers=initial_peers, dht_prefix=dht_prefix, client_config=ClientConfig(max_retries=3)
         ) as model,
     ):
         with torch.no_grad():
@@ -181,77 +201,61 @@ def assert_clean_logs(processes: list) -> None:
         assert not bad, f"{process.name} logged problems:\n" + "\n".join(bad[:20])
 
 
-@pytest.fixture
-def interop_swarm(tmp_path: Path, petals_py: Path) -> Iterator[Swarm]:
-    manager = Swarm(tmp_path)
-    try:
-        yield manager
-    finally:
-        manager.close()
+@dataclass
+class InteropSwarm:
+    swarm: Swarm
+    corolla_first: ServerProcess  # DHT_PREFIX 0:2
+    petals_second: PetalsServer  # DHT_PREFIX, chose its blocks
+    petals_first: PetalsServer  # PETALS_FIRST_PREFIX 0:2
+    corolla_second: ServerProcess  # PETALS_FIRST_PREFIX, chose its blocks
+    corolla_f16: ServerProcess  # F16_PREFIX 0:4
+    petals_records: dict  # what corolla's readers made of the Petals server's records before corolla joined its model
 
 
-def test_petals_client_against_corolla_servers(interop_swarm, petals_py, model_dir, reference, tmp_path):
-    interop_swarm.start_bootstrap()
-    servers = [
-        start_corolla_server(interop_swarm, model_dir, ["--block_indices", b], wait=False) for b in ("0:2", "2:4")
-    ]
-    interop_swarm.wait_servers_ready()
-    results = run_petals_client(petals_py, model_dir, interop_swarm.initial_peers, tmp_path / "out.pt", ALL_CASES)
-    check_results(results, reference, ALL_CASES)
-    assert_clean_logs(servers)
-
-
-def test_corolla_client_against_petals_server(interop_swarm, petals_py, model_dir, reference):
-    server = start_petals_server(interop_swarm, petals_py, model_dir, ["--block_indices", f"0:{NUM_LAYERS}"], [])
-    check_results(corolla_results(model_dir, server.initial_peers), reference, ALL_CASES)
-    # its DHT records parse with corolla's readers (the health monitor and block selection use them)
-    from corolla.protocol.records import ServerState
+def read_petals_records(initial_peers: list[str], server: PetalsServer) -> dict:
+    """corolla's readers (the health monitor's and block selection's) on a stock server's DHT records: its server
+    records of PETALS_FIRST_PREFIX and that model's `_petals.models` entry (Petals' alone: read before a corolla
+    server joins the model)."""
     from corolla.swarm.dht import SwarmConfig, create_dht, shutdown_dht
     from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
 
-    dht = create_dht(SwarmConfig(initial_peers=server.initial_peers, client_mode=True))
+    dht = create_dht(SwarmConfig(initial_peers=initial_peers, client_mode=True))
     try:
-        uids = [f"{DHT_PREFIX}.{i}" for i in range(NUM_LAYERS)]
+        uids = [f"{PETALS_FIRST_PREFIX}.{i}" for i in range(server.start_block, server.end_block)]
         infos = get_remote_module_infos(dht, uids, latest=True, timeout_s=20)
-        records = [info.servers.get(server.peer_id) for info in infos]
-        assert all(r is not None and r.state == ServerState.ONLINE for r in records), records
-        assert (records[0].start_block, records[0].end_block) == (0, NUM_LAYERS)
-        assert records[0].version == "2.2.0.post1" and records[0].torch_dtype == "float32"
-        assert get_model_infos(dht, timeout_s=20)[DHT_PREFIX].num_blocks == NUM_LAYERS
+        model_info = get_model_infos(dht, timeout_s=20).get(PETALS_FIRST_PREFIX)
     finally:
         shutdown_dht(dht)
+    return {"records": [info.servers.get(server.peer_id) for info in infos], "model_info": model_info}
 
 
-@pytest.mark.parametrize("first", ["corolla", "petals"])
-def test_mixed_swarm_both_clients(interop_swarm, petals_py, model_dir, reference, tmp_path, first):
-    """`first` serves blocks 0:2; the other kind of server picks its blocks itself from the first one's DHT records
-    (so each stack must parse the other's ServerInfo) and must take 2:4; then both clients run through both."""
-    interop_swarm.start_bootstrap()
-    peers = interop_swarm.initial_peers
-    if first == "corolla":
-        start_corolla_server(interop_swarm, model_dir, ["--block_indices", "0:2"])
-        second = start_petals_server(interop_swarm, petals_py, model_dir, ["--num_blocks", "2"], peers)
-    else:
-        start_petals_server(interop_swarm, petals_py, model_dir, ["--block_indices", "0:2"], peers)
-        second = start_corolla_server(interop_swarm, model_dir, ["--num_blocks", "2"])
-    assert (second.start_block, second.end_block) == (2, NUM_LAYERS)
-    check_results(corolla_results(model_dir, peers), reference, ALL_CASES)
-    results = run_petals_client(petals_py, model_dir, peers, tmp_path / "out.pt", ALL_CASES)
-    check_results(results, reference, ALL_CASES)
-    assert_clean_logs(interop_swarm.servers)
-
-
-def test_clients_compress_inputs_as_the_server_asks(interop_swarm, petals_py, model_dir, tmp_path):
-    """A server started with --compression FLOAT16 advertises it in rpc_info; Petals clients then send their
-    activations in float16 too. corolla's client must do the same: same server, same inputs -> identical logits."""
-    interop_swarm.start_bootstrap()
-    start_corolla_server(interop_swarm, model_dir, ["--block_indices", f"0:{NUM_LAYERS}", "--compression", "FLOAT16"])
-    petals = run_petals_client(
-        petals_py, model_dir, interop_swarm.initial_peers, tmp_path / "out.pt", "forward,session,backward"
-    )
-    ours = corolla_results(model_dir, interop_swarm.initial_peers, "forward,session,backward")
-    for key in ("logits", "session_logits", "embeds_grad"):
-        torch.testing.assert_close(ours[key], petals[key], atol=1e-5, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+@pytest.fixture(scope="module")
+def interop_swarm(tmp_path_factory: pytest.TempPathFactory, petals_py: Path, model_dir: Path) -> Iterator[InteropSwarm]:
+    """The module's swarm: the servers that hold fixed blocks start together, then (once their records are out) the
+    two that choose their blocks from the other stack's records."""
+    swarm = Swarm(tmp_path_factory.mktemp("interop-swarm"))
+    try:
+        swarm.start_bootstrap()
+        peers = swarm.initial_peers
+        corolla_first = start_corolla_server(swarm, model_dir, DHT_PREFIX, ["--block_indices", "0:2"])
+        petals_first = start_petals_server(
+            swarm, petals_py, model_dir, PETALS_FIRST_PREFIX, ["--block_indices", "0:2"], peers
+        )
+        corolla_f16 = start_corolla_server(
+            swarm, model_dir, F16_PREFIX, ["--block_indices", f"0:{NUM_LAYERS}", "--compression", "FLOAT16"]
+        )
+        for server in (corolla_first, petals_first, corolla_f16):
+            server.wait_ready(180.0)
+        petals_records = read_petals_records(peers, petals_first)
+        petals_second = start_petals_server(swarm, petals_py, model_dir, DHT_PREFIX, ["--num_blocks", "2"], peers)
+        corolla_second = start_corolla_server(swarm, model_dir, PETALS_FIRST_PREFIX, ["--num_blocks", "2"])
+        for server in (petals_second, corolla_second):
+            server.wait_ready(180.0)
+        yield InteropSwarm(
+            swarm, corolla_first, petals_second, petals_first, corolla_second, corolla_f16, petals_records
+        )
+    finally:
+        swarm.close()
 
 
 PTUNE_PRE_SEQ_LEN = 2
@@ -294,26 +298,121 @@ def corolla_prompt_tuning(model_dir: Path, initial_peers: list[str], init: dict[
     return {"corolla": ours, "reference": reference}
 
 
-def test_prompt_tuning_gradients_across_stacks(interop_swarm, petals_py, model_dir, tmp_path):
-    """A swarm of a corolla server (0:2) and a stock Petals server (2:4): Petals' deep-prompt-tuned client and
-    corolla's each get transformers' loss and prompt gradients through both kinds of server."""
-    interop_swarm.start_bootstrap()
-    peers = interop_swarm.initial_peers
-    start_corolla_server(interop_swarm, model_dir, ["--block_indices", "0:2"])
-    start_petals_server(interop_swarm, petals_py, model_dir, ["--block_indices", f"2:{NUM_LAYERS}"], peers)
+@pytest.fixture(scope="module")
+def ptune_prompts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], Path]:
     from transformers import AutoConfig
 
     init = ptune_init(AutoConfig.from_pretrained(model_dir).hidden_size)
-    init_path = tmp_path / "ptune-init.pt"
-    torch.save(init, init_path)
-    results = corolla_prompt_tuning(model_dir, peers, init)
-    results["petals"] = run_petals_client(petals_py, model_dir, peers, tmp_path / "out.pt", "ptune", init_path)
+    path = tmp_path_factory.mktemp("ptune") / "ptune-init.pt"
+    torch.save(init, path)
+    return init, path
+
+
+@pytest.fixture(scope="module")
+def petals_results(interop_swarm, petals_py, model_dir, ptune_prompts, tmp_path_factory) -> dict:
+    """The stock Petals client's results of every run of this module (one client process): {dht_prefix: results}."""
+    runs = {
+        DHT_PREFIX: f"{ALL_CASES},ptune",
+        PETALS_FIRST_PREFIX: ALL_CASES,
+        F16_PREFIX: COMPRESSION_CASES,
+    }
+    out = tmp_path_factory.mktemp("petals-client") / "out.pt"
+    return run_petals_client(petals_py, model_dir, interop_swarm.swarm.initial_peers, out, runs, ptune_prompts[1])
+
+
+def test_each_stack_picks_its_blocks_from_the_others_records(interop_swarm):
+    """Each kind of server chose the blocks the other kind left free, so each parsed the other's ServerInfo."""
+    assert (interop_swarm.petals_second.start_block, interop_swarm.petals_second.end_block) == (2, NUM_LAYERS)
+    assert (interop_swarm.corolla_second.start_block, interop_swarm.corolla_second.end_block) == (2, NUM_LAYERS)
+
+
+def test_petals_records_parse_with_corolla_readers(interop_swarm):
+    from corolla.protocol.records import ServerState
+
+    records, model_info = interop_swarm.petals_records["records"], interop_swarm.petals_records["model_info"]
+    assert records and all(r is not None and r.state == ServerState.ONLINE for r in records), records
+    assert (records[0].start_block, records[0].end_block) == (0, 2)
+    assert records[0].version == "2.2.0.post1" and records[0].torch_dtype == "float32"
+    assert model_info is not None and model_info.num_blocks == NUM_LAYERS
+
+
+@pytest.mark.parametrize("dht_prefix", [DHT_PREFIX, PETALS_FIRST_PREFIX], ids=["corolla-first", "petals-first"])
+def test_petals_client_through_mixed_chains(interop_swarm, petals_results, reference, dht_prefix):
+    check_results(petals_results[dht_prefix], reference, ALL_CASES)
+    assert_clean_logs(interop_swarm.swarm.servers)
+
+
+@pytest.mark.parametrize("dht_prefix", [DHT_PREFIX, PETALS_FIRST_PREFIX], ids=["corolla-first", "petals-first"])
+def test_corolla_client_through_mixed_chains(interop_swarm, model_dir, reference, dht_prefix):
+    check_results(
+        corolla_results(model_dir, interop_swarm.swarm.initial_peers, dht_prefix, ALL_CASES), reference, ALL_CASES
+    )
+    assert_clean_logs(interop_swarm.swarm.servers)
+
+
+def test_clients_compress_inputs_as_the_server_asks(interop_swarm, petals_results, model_dir):
+    """A server started with --compression FLOAT16 advertises it in rpc_info; Petals clients then send their
+    activations in float16 too. corolla's client must do the same: same server, same inputs -> identical logits."""
+    petals = petals_results[F16_PREFIX]
+    ours = corolla_results(model_dir, interop_swarm.swarm.initial_peers, F16_PREFIX, COMPRESSION_CASES)
+    for key in ("logits", "session_logits", "embeds_grad"):
+        torch.testing.assert_close(ours[key], petals[key], atol=1e-5, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_prompt_tuning_gradients_across_stacks(interop_swarm, petals_results, model_dir, ptune_prompts):
+    """Through corolla (0:2) and stock Petals (2:4): Petals' deep-prompt-tuned client and corolla's each get
+    transformers' loss and prompt gradients."""
+    results = corolla_prompt_tuning(model_dir, interop_swarm.swarm.initial_peers, ptune_prompts[0])
+    results["petals"] = {key: value for key, value in petals_results[DHT_PREFIX].items() if key.startswith("ptune_")}
     for client in ("corolla", "petals"):
         for key, expected in results["reference"].items():
             torch.testing.assert_close(
                 results[client][key], expected, atol=1e-6, rtol=1e-4, msg=lambda m, c=client, k=key: f"{c} {k}: {m}"
             )
-    assert_clean_logs(interop_swarm.servers)
+    assert_clean_logs(interop_swarm.swarm.servers)
+
+
+def generate_with_forwarding(model_dir: Path, initial_peers: list[str], dht_prefix: str) -> tuple[list, int, list]:
+    """(greedy tokens, replies flagged as answers to pushed steps, the route) from corolla's client."""
+    from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+
+    input_ids = torch.tensor([INPUT_IDS])  # [1, T]
+    config = ClientConfig(max_retries=3, local_transport=False, server_forwarding=True)
+    with (
+        torch_threads(1),
+        AutoDistributedModelForCausalLM.from_pretrained(
+            model_dir, initial_peers=initial_peers, dht_prefix=dht_prefix, client_config=config
+        ) as model,
+        torch.no_grad(),
+        model.inference_session(max_length=input_ids.shape[1] + NEW_TOKENS) as session,
+    ):
+        generated = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, session=session)
+        route = [(span.start, span.end) for span, _ in session.route]
+        return generated.tolist(), session.num_pushed_steps, route
+
+
+def test_forwarding_pushes_into_a_stock_server(interop_swarm, model_dir, reference):
+    """corolla 0:2 -> Petals 2:4 with server-to-server forwarding: the corolla server pushes each step into the
+    stock one, which runs it."""
+    petals = interop_swarm.petals_second
+    pushes_before = petals.output.count(PUSH_RECEIVED)
+    tokens, _, route = generate_with_forwarding(model_dir, interop_swarm.swarm.initial_peers, DHT_PREFIX)
+    assert tokens == reference["generated"].tolist()
+    assert route == [(0, 2), (2, NUM_LAYERS)]
+    assert petals.output.count(PUSH_RECEIVED) - pushes_before >= NEW_TOKENS - 2, petals.output[-3000:]
+    assert_clean_logs(interop_swarm.swarm.servers)
+
+
+def test_forwarding_through_a_stock_server_falls_back_to_relaying(interop_swarm, model_dir, reference):
+    """Petals 0:2 -> corolla 2:4: the stock server forwards nothing useful after its first request (no
+    `next_servers` there), so the client relays every step; nothing pushed arrives stale."""
+    tokens, num_pushed, route = generate_with_forwarding(
+        model_dir, interop_swarm.swarm.initial_peers, PETALS_FIRST_PREFIX
+    )
+    assert tokens == reference["generated"].tolist()
+    assert route == [(0, 2), (2, NUM_LAYERS)]
+    assert num_pushed == 0
+    assert_clean_logs(interop_swarm.swarm.servers)
 
 
 if __name__ == "__main__":  # pragma: no cover

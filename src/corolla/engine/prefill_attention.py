@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.backends.cuda import SDPAParams, can_use_flash_attention
-from torch.nn.attention.bias import causal_lower_right
 
 # (device, dtype, query heads, key heads, key head size, value head size) -> whether flash attention takes them
 _FLASH_FITS: dict[tuple[torch.device, torch.dtype, int, int, int, int], bool] = {}
@@ -35,6 +34,10 @@ def causal_prefill_attention(
     if flash_fits(q, k, v, enable_gqa):
         # flash attention's is_causal is the lower-right alignment when T < L (what torch's CausalBias calls too)
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)[0]
+    # imported here, not at the top: torch.nn.attention.bias imports torch._dynamo (~2.5 s of CPU), which every
+    # server and CLI process would pay at start-up for a path that most of them never take
+    from torch.nn.attention.bias import causal_lower_right
+
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=causal_lower_right(t, total), scale=scale, enable_gqa=enable_gqa
     )
