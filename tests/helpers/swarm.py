@@ -10,6 +10,8 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -242,3 +244,26 @@ def start_inprocess_server(model_path: str | Path, cache_dir: str | Path, **over
     )
     settings.update(overrides)
     return Server(ServerConfig(**settings)).start(timeout_s=90)
+
+
+@contextmanager
+def inprocess_servers(
+    model_paths: Sequence[str | Path], cache_dir: str | Path, initial_peers: Sequence[str], **overrides: Any
+) -> Iterator[list[Any]]:
+    """`start_inprocess_server` for each of `model_paths` (in this order), all joining `initial_peers` and started
+    at once; every one that started is shut down on exit. For tests of what a server serves rather than of its
+    process: no interpreter start-up (torch's import alone is ~5 s of CPU a server on a 2-core VM)."""
+    settings: dict[str, Any] = dict(new_swarm=False, initial_peers=tuple(initial_peers), throughput=1.0)
+    settings.update(overrides)
+    servers: list[Any] = []
+    with ThreadPoolExecutor(max(1, len(model_paths))) as pool:
+        try:
+            starting = [pool.submit(start_inprocess_server, path, cache_dir, **settings) for path in model_paths]
+            wait(starting)  # every start is waited for, so a failed one leaves no server running
+            servers += [future.result() for future in starting if future.exception() is None]
+            for future in starting:
+                if future.exception() is not None:
+                    raise RuntimeError("an in-process server did not start") from future.exception()
+            yield servers
+        finally:
+            list(pool.map(lambda server: server.shutdown(), servers))

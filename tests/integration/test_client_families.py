@@ -1,11 +1,12 @@
-"""Every served family through the client: one server per family (tiny models, one shared bootstrap node);
-logits match local `transformers` (fp32, atol 1e-3) and greedy generation is token-identical."""
+"""Every served family through the client: one server per family (tiny models, one shared bootstrap node; the
+servers run in this process: what they serve is under test, not their process); logits match local `transformers`
+(fp32, atol 1e-3) and greedy generation is token-identical."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.swarm import Swarm
+from tests.helpers.swarm import Swarm, inprocess_servers
 from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -23,13 +24,9 @@ def swarm_with_models(tmp_path_factory: pytest.TempPathFactory):
     swarm = Swarm(tmp_path_factory.mktemp("swarm"))
     try:
         swarm.start_bootstrap()
-        servers = [
-            swarm.start_server(path, "--block_indices", "0:2", "--throughput", "1.0", wait=False)
-            for path in paths.values()
-        ]
-        for server in servers:
-            server.wait_ready(180)
-        yield swarm, paths
+        cache_dir = tmp_path_factory.mktemp("cache")
+        with inprocess_servers(list(paths.values()), cache_dir, swarm.initial_peers, block_indices="0:2"):
+            yield swarm, paths
     finally:
         swarm.close()
 
