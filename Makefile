@@ -11,7 +11,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 TORCH ?= torch==2.13.0
 LOOPBACK := ../shared/tools/loopback-only
 
-.PHONY: install install-demo test lint format demo finetune-demo clean soak soak-field bench
+.PHONY: install install-demo test test-full lint format demo finetune-demo clean soak soak-field bench
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,9 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 # The serial part collects only the files that mark tests `serial` (`pytest.mark.serial` / `mark.serial`, as a
 # decorator or in `pytestmark`), not the whole suite a third time: ~25 s less CPU.
 SERIAL_FILES = $(shell grep -rlE 'mark\.serial' tests --include='test_*.py')
+# `make test` leaves out the tests marked `slow` (a benchmark program's whole CPU dry run: tests/bench's two-GPU bench,
+# minutes of six interpreters; the fast checks of its pieces stay in); `make test-full` runs them too.
+TEST_MARKS ?= not slow
 test: lint
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
 		echo "make test: running inside $(LOOPBACK)"; RUN="$(LOOPBACK)"; \
@@ -61,8 +64,12 @@ test: lint
 		echo "make test: loopback-only namespace unavailable, running plainly"; RUN=""; \
 	fi; \
 	COROLLA_TEST_DURATIONS_OUT=$(abspath $(TEST_DURATIONS)) OMP_NUM_THREADS=$(PARALLEL_TORCH_THREADS) \
-		$$RUN $(PYTEST) -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" tests && \
-	$$RUN $(PYTEST) -m serial $(or $(SERIAL_FILES),tests)
+		$$RUN $(PYTEST) -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		-m "not serial and ($(TEST_MARKS))" tests && \
+	$$RUN $(PYTEST) -m "serial and ($(TEST_MARKS))" $(or $(SERIAL_FILES),tests)
+
+test-full:
+	$(MAKE) test TEST_MARKS="slow or not slow"
 
 demo: $(DEMO_STAMP)
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
