@@ -54,8 +54,9 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 # The serial part collects only the files that mark tests `serial` (`pytest.mark.serial` / `mark.serial`, as a
 # decorator or in `pytestmark`), not the whole suite a third time: ~25 s less CPU.
 SERIAL_FILES = $(shell grep -rlE 'mark\.serial' tests --include='test_*.py')
-# `make test` leaves out the tests marked `slow` (a benchmark program's whole CPU dry run: tests/bench's two-GPU bench,
-# minutes of six interpreters; the fast checks of its pieces stay in); `make test-full` runs them too.
+# `make test` leaves out the tests marked `slow`, bounded runs of benchmark programs (the two-GPU bench's CPU dry run:
+# minutes of six interpreters; the live swarm-policy check: 8 servers and 32 clients, half the serial part); the fast
+# checks of their pieces stay in. `make test-full` runs them too.
 TEST_MARKS ?= not slow
 test: lint
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \

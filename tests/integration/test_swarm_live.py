@@ -9,7 +9,9 @@ import pytest
 
 from benchmarks.swarm_live.live import LiveConfig, default_servers, run_live
 
-pytestmark = [pytest.mark.serial, pytest.mark.timeout(900)]
+# slow: a bounded run of a benchmark program (133 s alone on the 2-core VM, half the serial part): `make test-full`;
+# the policies it runs are tested in tests/unit and in simulation in `make test`
+pytestmark = [pytest.mark.serial, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_corolla_policies_beat_petals_on_a_live_swarm(tmp_path):
