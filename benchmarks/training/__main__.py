@@ -48,6 +48,8 @@ class Phase:
     inference_step_median_ms: float  # the concurrent session's decode step meanwhile
     inference_steps: int
     works_per_block_call: float  # training works merged per block call on the server
+    forward_median_ms: float  # the rpc_forward part of one client's step
+    training_busy_share: float  # of the phase's window, the share the server's runtime spent on training block calls
 
 
 @dataclass
@@ -172,13 +174,14 @@ def _serve(
                 return
             after = server.runtime.stats()["training"]
             merged = after.since(before) if before is not None else after
-            starts = [start for client in steps_of for start, _ in client]
-            ends = [end for client in steps_of for _, end in client]
+            starts = [start for client in steps_of for start, _, _ in client]
+            ends = [end for client in steps_of for _, _, end in client]
             windows.append((n, min(starts), max(ends), merged.tasks_per_batch))
-            step_ms = statistics.median((end - start) * 1e3 for client in steps_of for start, end in client)
-            tokens = n * steps * rows * seq_len
-            report.phases.append(Phase(n, merged_phase, tokens / (max(ends) - min(starts)), step_ms, float("nan"), 0,
-                                       merged.tasks_per_batch))  # fmt: skip
+            step_ms = statistics.median((end - start) * 1e3 for client in steps_of for start, _, end in client)
+            forward_ms = statistics.median((mid - start) * 1e3 for client in steps_of for start, mid, _ in client)
+            tokens, window_s = n * steps * rows * seq_len, max(ends) - min(starts)
+            report.phases.append(Phase(n, merged_phase, tokens / window_s, step_ms, float("nan"), 0,
+                                       merged.tasks_per_batch, forward_ms, merged.busy_s / window_s))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
         training.set_merge_tokens(TRAINING_MERGE_TOKENS)
         stop.set()
@@ -243,8 +246,10 @@ def summary(report: Report) -> str:
         ratio = f" = {p.tokens_per_s / one:.2f}x one client" if one else ""
         slower = p.inference_step_median_ms / report.idle_inference_step_median_ms
         lines.append(
-            f"{p.clients} training clients{'' if p.merged else ' (unmerged A/B)'}: {p.tokens_per_s:.0f} tok/s{ratio}, step {p.step_median_ms:.1f} ms, "
-            f"{p.works_per_block_call:.2f} works per block call; inference step {p.inference_step_median_ms:.2f} ms "
+            f"{p.clients} training clients{'' if p.merged else ' (unmerged A/B)'}: {p.tokens_per_s:.0f} tok/s{ratio}, "
+            f"step {p.step_median_ms:.1f} ms (forward {p.forward_median_ms:.1f} ms), "
+            f"{p.works_per_block_call:.2f} works per block call, server busy with training "
+            f"{p.training_busy_share:.0%} of the window; inference step {p.inference_step_median_ms:.2f} ms "
             f"({slower:.2f}x alone, {p.inference_steps} steps)"
         )
     for rows, rate in report.local_tokens_per_s.items():

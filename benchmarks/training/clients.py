@@ -47,8 +47,8 @@ def training_client(
     server: ServerAddress, rows: int, length: int, seed: int, commands: multiprocessing.Queue,
     results: multiprocessing.Queue,
 ) -> None:  # fmt: skip
-    """Waits for commands: an int n runs n forward+backward steps and answers their (start, end) `time.time()`
-    windows; None ends it. Answers "ready" after one warm-up step first."""
+    """Waits for commands: an int n runs n forward+backward steps and answers their (start, forward's end, end)
+    `time.time()` windows; None ends it. Answers "ready" after one warm-up step first."""
     try:
         asyncio.run(_training(server, rows, length, seed, commands, results))
     except BaseException as e:
@@ -71,13 +71,14 @@ async def _training(
     p2p = await P2P.create(initial_peers=server.maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
     manager, span = _manager(p2p, server)
 
-    async def step() -> tuple[float, float]:
+    async def step() -> tuple[float, float, float]:
         started = time.time()
         outputs = await run_remote_forward(manager, span, inputs, no_prompts)
+        forwarded = time.time()
         grads, _ = await run_remote_backward(manager, span, inputs, grad_outputs, no_prompts)
         if not (torch.isfinite(outputs).all() and torch.isfinite(grads).all()):
             raise RuntimeError("non-finite outputs or gradients")
-        return started, time.time()
+        return started, forwarded, time.time()
 
     try:
         await step()

@@ -5,8 +5,13 @@ request has none). A backward recomputes its blocks' inputs with forward works (
 forwards of those blocks), then runs one backward work per block from the last down; nothing is kept on the server
 between a client's forward and its backward (Petals' protocol: the backward carries its inputs again).
 
+A request's works follow each other in the device thread (`BlockChain`): a finished work queues the next at once,
+with no round trip through the event loop; the request's future resolves at the end.
+
 Order: training works queue behind inference steps (`PRIORITY_INFERENCE` first) and never hold the device for more
-than one merged block task (`TRAINING_MERGE_TOKENS`). Among themselves they run by progress: earlier blocks of the
+than one merged block task (`TRAINING_MERGE_TOKENS`); on a GPU the thread launches a block call while the one before
+it runs and waits for that one only (no device sync per call, at most one call queued on the device when an
+inference step comes). Among themselves they run by progress: earlier blocks of the
 forward pass first, then the backward pass from the last block down, so that a request that arrived later catches
 up with the ones ahead and merges with them instead of trailing them by a few blocks for its whole pass."""
 
@@ -20,7 +25,7 @@ from typing import Any
 import torch
 
 from corolla.server.backend import SpanBackend
-from corolla.server.core.runtime import PRIORITY_BACKWARD, PRIORITY_FORWARD, Runtime, Task
+from corolla.server.core.runtime import PRIORITY_BACKWARD, PRIORITY_FORWARD, Runtime, Task, resolve
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
@@ -55,6 +60,62 @@ class BlockWork:
         return int(self.hidden.shape[0])
 
 
+class BlockChain:
+    """One request's block works in order, advanced in the thread that ran the last one (the device thread): a
+    finished work queues the request's next one at once, so consecutive blocks need no round trip through the event
+    loop (where an inference step would slip in before every block); the request's future resolves once, at the end.
+
+    A forward: one forward work per block. A backward: forward works for all blocks but the last (each block's input,
+    kept in `inputs`), then one backward work per block from the last down."""
+
+    def __init__(
+        self, phase: str, indices: list[int], prompts: list[torch.Tensor | None], adapter: str,
+        hidden: torch.Tensor, grad_output: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        self.indices, self.prompts, self.adapter = indices, prompts, adapter
+        self.inputs: list[torch.Tensor] = [hidden]  # [B, T, H] each: a forward keeps the last only
+        self.grad = grad_output  # [B, T, H] the gradient of the next backward work's output
+        self.grad_prompts: list[torch.Tensor | None] = [None] * len(indices)
+        # (phase, position in `indices`) of every work, in order
+        forwards = len(indices) if phase == PHASE_FORWARD else len(indices) - 1
+        self.plan = [(PHASE_FORWARD, i) for i in range(forwards)]
+        if phase == PHASE_BACKWARD:
+            self.plan.extend((PHASE_BACKWARD, i) for i in reversed(range(len(indices))))
+        self.done = 0  # works finished
+        self.is_forward = phase == PHASE_FORWARD
+        self.future: asyncio.Future | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def next_work(self) -> BlockWork:
+        phase, i = self.plan[self.done]
+        if phase == PHASE_FORWARD:
+            return BlockWork(phase, self.indices[i], self.adapter, self.inputs[-1], self.prompts[i])
+        return BlockWork(phase, self.indices[i], self.adapter, self.inputs[i], self.prompts[i], self.grad)
+
+    def advance(self, result: Any) -> bool:
+        """Takes the current work's result; True while works remain."""
+        phase, i = self.plan[self.done]
+        self.done += 1
+        if phase == PHASE_FORWARD:
+            if self.is_forward:
+                self.inputs[-1] = result  # [B, T, H]
+            else:
+                self.inputs.append(result)
+        else:
+            self.grad, self.grad_prompts[i] = result
+            del self.inputs[i:]  # no later work reads this block's input
+        return self.done < len(self.plan)
+
+    def result(self) -> Any:
+        """The request's answer: the span's output [B, T, H], or (gradient of the inputs [B, T, H], of the deep prompts
+        [n_blocks, B|1, P, H] or None)."""
+        if self.is_forward:
+            return self.inputs[-1]
+        if self.prompts[0] is None:
+            return self.grad, None
+        return self.grad, torch.stack([g for g in self.grad_prompts if g is not None])
+
+
 class TrainingBatcher:
     """Runs forwards and backwards of a span as merged block tasks on `runtime` (see the module docstring)."""
 
@@ -63,7 +124,8 @@ class TrainingBatcher:
         self._runtime = runtime
         self.metrics = metrics
         self._merge_id = id(self)
-        self._sync = backend.device.type == "cuda"
+        self._cuda = backend.device.type == "cuda"
+        self._in_flight: torch.cuda.Event | None = None  # the end of the last block call queued on the device
         self.set_merge_tokens(TRAINING_MERGE_TOKENS)
 
     def set_merge_tokens(self, max_tokens: int) -> None:
@@ -81,10 +143,9 @@ class TrainingBatcher:
         backend.adapter_context(adapter)  # ValueError for an unknown adapter, before anything is queued
         if hidden.shape[1] == 0:
             return hidden.clone()
-        for index, prompt in zip(indices, per_block, strict=True):
-            hidden = await self._run(BlockWork(PHASE_FORWARD, index, adapter, hidden, prompt))
-        self._count(PHASE_FORWARD, hidden)
-        return hidden
+        output = await self._start(BlockChain(PHASE_FORWARD, indices, per_block, adapter, hidden))
+        self._count(PHASE_FORWARD, output)
+        return output
 
     async def backward(
         self,
@@ -101,30 +162,50 @@ class TrainingBatcher:
         backend.adapter_context(adapter)  # ValueError for an unknown adapter, before anything is queued
         if inputs.shape[1] == 0:  # nothing flows back: zeros, as the backend gives them
             return backend.backward(indices, inputs, grad_outputs, prompts, adapter)
-        block_inputs: list[torch.Tensor] = [inputs]  # [B, T, H] each: the input of every block
-        for index, prompt in zip(indices[:-1], per_block[:-1], strict=True):
-            block_inputs.append(await self._run(BlockWork(PHASE_FORWARD, index, adapter, block_inputs[-1], prompt)))
-        grad = grad_outputs
-        grad_prompts: list[torch.Tensor | None] = [None] * len(indices)
-        for i in reversed(range(len(indices))):
-            work = BlockWork(PHASE_BACKWARD, indices[i], adapter, block_inputs.pop(), per_block[i], grad)
-            grad, grad_prompts[i] = await self._run(work)
+        chain = BlockChain(PHASE_BACKWARD, indices, per_block, adapter, inputs, grad_outputs)
+        grads = await self._start(chain)
         self._count(PHASE_BACKWARD, inputs)
-        if per_block[0] is None:
-            return grad, None
-        return grad, torch.stack([g for g in grad_prompts if g is not None])  # [n_blocks, B|1, P, H]
+        return grads
 
-    def _run(self, work: BlockWork) -> asyncio.Future:
+    def _start(self, chain: BlockChain) -> asyncio.Future:
+        """Queues the chain's first work; the future of its result (resolved in this loop)."""
+        chain.loop = asyncio.get_running_loop()
+        chain.future = chain.loop.create_future()
+        self._runtime.queue(self._task(chain))  # ValueError (too large) or RuntimeStopped here, to the caller
+        return chain.future
+
+    def _task(self, chain: BlockChain) -> Task:
+        work = chain.next_work()
         rows, length = work.hidden.shape[:2]
         if work.phase == PHASE_FORWARD:
             priority = PRIORITY_FORWARD + work.index * PROGRESS_STEP
         else:
             priority = PRIORITY_BACKWARD + BACKWARD_OFFSET - work.index * PROGRESS_STEP
         backend = self.backend
-        return self._runtime.submit(
+        return self._runtime.task(
             lambda: run_block_works(backend, [work])[0], priority=priority, size_tokens=rows * length,
             kind=KIND_TRAINING, merge_key=(self._merge_id, work.phase, work.index, length, work.adapter), payload=work,
+            on_done=lambda result, error: self._continue(chain, result, error),
         )  # fmt: skip
+
+    def _continue(self, chain: BlockChain, result: Any, error: BaseException | None) -> None:
+        """In the thread that ran the chain's work: queues its next work, or resolves its future."""
+        future, loop = chain.future, chain.loop
+        assert future is not None and loop is not None
+        if future.done():  # the caller gave up (cancelled): the rest is not run
+            return
+        if error is None:
+            try:
+                if chain.advance(result):
+                    self._runtime.queue(self._task(chain))
+                    return
+                result = chain.result()
+            except Exception as e:  # the runtime stopped meanwhile
+                result, error = None, e
+        try:
+            loop.call_soon_threadsafe(resolve, future, result, error)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            logger.debug("training.deliver_dropped: event loop closed")
 
     def _execute(self, tasks: list[Task]) -> list[Any]:
         """The runtime's batch executor: tasks of one merge key (phase, block, length, adapter) as one block call.
@@ -144,10 +225,8 @@ class TrainingBatcher:
                     results.extend(run_block_works(self.backend, [work]))
                 except Exception as error:
                     results.append(error)
-        if (
-            self._sync
-        ):  # the device thread's view is the device's: no queue of launched kernels for inference to wait behind
-            torch.cuda.current_stream(self.backend.device).synchronize()
+        if self._cuda:
+            self._bound_in_flight()
         metrics = self.metrics
         if metrics is not None:
             now = time.monotonic()
@@ -156,6 +235,16 @@ class TrainingBatcher:
             metrics.observe_step(time.perf_counter() - started)
             metrics.batch_size(sum(work.rows for work in works))
         return results
+
+    def _bound_in_flight(self) -> None:
+        """Leaves at most this block call queued on the device: waits for the one before it. The device runs this
+        call while the thread launches the next (no idle device between blocks, as a sync after each call left it),
+        and an inference step queued next waits behind one block call at most, as it did behind a synced one."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.backend.device))
+        if self._in_flight is not None:
+            self._in_flight.synchronize()
+        self._in_flight = event
 
     def _count(self, phase: str, hidden: torch.Tensor) -> None:
         if self.metrics is not None:
