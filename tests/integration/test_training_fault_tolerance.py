@@ -1,8 +1,9 @@
 """Training survives servers that die or lie mid-step: a deep-prompt-tuned model trains through a loopback swarm
-(blocks 0:2 on two servers, 2:4 on three); the 2:4 server that computed a step's forward is SIGKILLed, or starts
+(blocks 0:4 on three servers, one of them the liar); the server that computed a step's forward is SIGKILLed, or starts
 returning NaN gradients, before that step's backward, or returns finite garbage that only verification (other
 servers' votes) catches. The client re-runs the span on a replica and the loss curve is identical (fp32, CPU) to an
-undisturbed run's. Blocks 0:2 have two servers because a verifying client never trusts a lone server's outputs."""
+undisturbed run's. Two honest replicas because a verifying client never trusts a lone server's outputs and outvotes
+a liar 2:1; the kill test runs last (it leaves one replica)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from helpers.tiny_models import make_tiny_model
 pytestmark = pytest.mark.timeout(600)
 
 IDS = torch.tensor([[1, 8, 27, 64, 125, 33, 7], [1, 99, 5, 12, 200, 41, 3]])
-STEPS, EVENT_STEP = 6, 2
+STEPS, EVENT_STEP = 4, 2
+SPAN = "0:4"  # every server holds the whole model
 CLIENT = ClientConfig(max_retries=5, min_backoff_s=0.2, update_period_s=2.0, request_timeout_s=30.0)
 
 
@@ -40,16 +42,15 @@ def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
     try:
         swarm.start_bootstrap()
         servers = [
-            swarm.start_server(model_path, "--block_indices", blocks, "--throughput", "1.0", wait=False)
-            for blocks in ("0:2", "0:2", "2:4", "2:4")
+            swarm.start_server(model_path, "--block_indices", SPAN, "--throughput", "1.0", wait=False) for _ in range(2)
         ]
         liar = start_hostile_server(
-            swarm, model_path, "honest", "--block_indices", "2:4", "--throughput", "1.0", mode_file=mode_file,
+            swarm, model_path, "honest", "--block_indices", SPAN, "--throughput", "1.0", mode_file=mode_file,
             wait=False,
         )  # fmt: skip
         for server in [*servers, liar]:
             server.wait_ready(300)
-        swarm.mode_file, swarm.liar, swarm.replicas = mode_file, liar, servers[2:]
+        swarm.mode_file, swarm.liar, swarm.replicas = mode_file, liar, servers
         yield swarm
     finally:
         swarm.close()
@@ -72,7 +73,7 @@ def train(
     swarm: Swarm, model_path: Path, monkeypatch, *, prefer: str, event=None, client: ClientConfig = CLIENT
 ) -> tuple[list[float], list[str]]:
     """STEPS Adam steps of the deep prompts; `event(peer)` runs after step EVENT_STEP's forward with the peer that
-    computed its blocks 2:4. Returns (the losses, the 2:4 peer of each forward call, retries included)."""
+    computed it. Returns (the losses, the peer of each forward call, retries included)."""
     forwards: list[tuple[int, str]] = []
     original = remote_sequential.run_remote_forward
 
@@ -96,12 +97,12 @@ def train(
             optimizer.zero_grad()
             loss = model(IDS, labels=IDS).loss
             if step == EVENT_STEP and event is not None:
-                event(next(peer for start, peer in reversed(forwards) if start == 2))
+                event(forwards[-1][1])
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
     monkeypatch.undo()
-    return losses, [peer for start, peer in forwards if start == 2]
+    return losses, [peer for _, peer in forwards]
 
 
 @pytest.fixture(scope="module")
