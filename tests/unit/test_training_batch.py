@@ -1,7 +1,7 @@
 """Training work merged across clients (`server.core.training_batch`), fp32 on CPU: concurrent forwards and backwards
 of several clients through one runtime run as fewer block calls than works, and each client gets what it gets alone
 (different row counts, deep prompts of different lengths or none, a different sequence length grouped apart);
-inference queued meanwhile runs before the training works that wait."""
+inference queued meanwhile runs before the training works that wait; a failing block call fails only its own request."""
 
 from __future__ import annotations
 
@@ -81,3 +81,28 @@ async def test_inference_queued_meanwhile_runs_before_waiting_training(backend: 
         release.set()
         await asyncio.gather(blocker, step, *training)
     assert order[1] == KIND_INFERENCE and order[2:] == [KIND_TRAINING] * N_BLOCKS  # each block: 3 clients at once
+
+
+async def test_a_failing_block_fails_its_request_only_and_stops_its_chain(backend: SpanBackend, monkeypatch) -> None:
+    """A request's works run as a chain in the device thread: the error of one block call reaches that request's caller,
+    its later blocks never run, and another request's chain goes on (run alone after the merged call failed)."""
+    calls: list[tuple[int, int]] = []
+    block_forward = backend.block_forward
+
+    def failing_block_forward(index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+        calls.append((index, int(hidden.shape[0])))
+        if index == 1 and hidden.shape[0] != 2:  # the 3-row request (alone or merged) fails at block 1
+            raise RuntimeError("block 1 failed")
+        return block_forward(index, hidden, prompt)
+
+    monkeypatch.setattr(backend, "block_forward", failing_block_forward)
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        batcher = TrainingBatcher(backend, runtime)
+        good, bad = torch.randn(2, 8, H), torch.randn(3, 8, H)
+        got = await asyncio.gather(
+            batcher.forward(SPAN, good, None, ""), batcher.forward(SPAN, bad, None, ""), return_exceptions=True
+        )
+    assert isinstance(got[1], RuntimeError) and "block 1 failed" in str(got[1])
+    monkeypatch.undo()
+    torch.testing.assert_close(got[0], backend.forward(SPAN, good), atol=1e-5, rtol=1e-5)
+    assert (2, 3) not in calls and (2, 5) not in calls  # the failed request's chain stopped at block 1
