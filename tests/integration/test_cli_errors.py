@@ -2,11 +2,15 @@
 no traceback, and exit code 2 (usage/configuration) or 1 (runtime); `--version` everywhere; on a loopback swarm:
 missing blocks name the blocks, the prefix asked for and the prefixes served; Ctrl-C ends corolla-generate with no
 traceback; corolla-generate prints nothing but text on stdout and nothing on stderr; a process-group SIGTERM stops a
-server within seconds after announcing OFFLINE. Run inside the loopback-only tool (subprocesses, bounded waits)."""
+server within seconds after announcing OFFLINE. Run inside the loopback-only tool (subprocesses, bounded waits).
+The one-shot invocations run as `python -m` runs them but in children forked from one interpreter that imported the
+CLIs once (`helpers.cli_fork`: one torch import instead of ~20); servers, Ctrl-C and the chat prompt run as plain
+processes."""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import platform
 import pty
@@ -30,6 +34,7 @@ DRAIN_TIMEOUT_S = 5.0  # corolla-server's --drain_timeout_s default
 SIGTERM_EXIT_LIMIT_S = 10.0  # target <= 5 s with no open session; margin for a loaded 2-core machine
 UNREACHABLE_PEER = "/ip4/127.0.0.1/tcp/{port}/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY"
 CLIS = ("run_dht", "run_server", "generate", "api", "health", "demo")
+CLI_FORK = Path(__file__).resolve().parents[1] / "helpers" / "cli_fork.py"
 
 
 @pytest.fixture(scope="module")
@@ -49,22 +54,25 @@ def _env() -> dict[str, str]:
 
 
 def _run_all(commands: dict[str, list[str]], timeout_s: float = RUN_TIMEOUT_S) -> dict[str, tuple[int, str, str]]:
-    """Runs the commands at once; {name: (exit code, stdout, stderr)}. Each is killed at the deadline."""
-    procs = {
-        name: subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
-        )
-        for name, cmd in commands.items()
-    }
-    results, deadline = {}, time.monotonic() + timeout_s
-    for name, proc in procs.items():
-        try:
-            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+    """Runs the commands (`_cli(...)` lists) at once, each as `python -m` runs it, in children forked from one
+    interpreter that imported the CLIs once (`helpers.cli_fork`); {name: (exit code, stdout, stderr)}. Each is
+    killed at the deadline."""
+    request = {"commands": {name: cmd[2:] for name, cmd in commands.items()}, "timeout_s": timeout_s}
+    assert all(cmd[:2] == [sys.executable, "-m"] for cmd in commands.values()), commands
+    runner = subprocess.run(
+        [sys.executable, str(CLI_FORK)],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=timeout_s + RUN_TIMEOUT_S,  # the runner's own imports come first
+        start_new_session=True,
+    )
+    assert runner.returncode == 0, runner.stderr[-3000:]
+    results = {name: (code, out, err) for name, (code, out, err) in json.loads(runner.stdout).items()}
+    for name, (code, _out, err) in results.items():
+        if code is None:
             pytest.fail(f"{name} did not exit within {timeout_s} s: {err[-2000:]}")
-        results[name] = (proc.returncode, out, err)
     return results
 
 
@@ -345,7 +353,7 @@ def _check_stopped(name: str, server: _Server, exit_s: float, limit_s: float) ->
 
 NAMESPACE_CHILD = """
 import socket, sys
-from corolla.cli.demo import namespace_hint
+from corolla.utils.netns import namespace_hint
 with socket.socket() as server:
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -364,7 +372,8 @@ with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10) as so
 
 
 def test_keep_running_hint_reaches_a_loopback_only_namespace():
-    """`--keep_running` inside the loopback-only tool prints how to get in from another terminal: that command,
+    """`--keep_running` inside the loopback-only tool prints how to get in from another terminal (`namespace_hint`,
+    which `corolla-demo` prints; its module is light, so the probe imports no torch): that command,
     run from outside the namespace, reaches what listens on the namespace's 127.0.0.1 (which a plain connection
     from outside does not)."""
     tool = Path(__file__).resolve().parents[3] / "shared" / "tools" / "loopback-only"

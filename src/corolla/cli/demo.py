@@ -8,7 +8,6 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
 import shlex
 import signal
 import socket
@@ -32,6 +31,7 @@ from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 from corolla.utils.interrupts import event_wait
 from corolla.utils.logging import get_logger
+from corolla.utils.netns import namespace_hint
 from corolla.utils.processes import ChildProcess
 
 logger = get_logger(__name__)
@@ -300,28 +300,6 @@ def _keep_running(swarm: LocalSwarm, model_dir: Path, work_dir: Path, urls: Sequ
         print(hint)
     print(f"Logs: {work_dir}. Press Ctrl-C to stop.", flush=True)
     event_wait(threading.Event())  # until KeyboardInterrupt (in slices: see utils.interrupts)
-
-
-def namespace_hint(pid: int | None = None) -> str | None:
-    """How to reach the swarm from another terminal when this process runs in a network namespace that has only
-    `lo` (the loopback-only tool, `unshare -n`): its 127.0.0.1 is not the other terminal's. None otherwise."""
-    try:
-        interfaces = sorted(name for _, name in socket.if_nameindex())  # this namespace's (not /sys's) interfaces
-    except OSError:
-        return None
-    if interfaces != ["lo"]:
-        return None
-    pid = os.getpid() if pid is None else pid
-    enter = (
-        f"nsenter --net=/proc/{pid}/ns/net --"
-        if os.geteuid() == 0
-        else f"nsenter --target {pid} --user --net --preserve-credentials --"
-    )
-    return (
-        "This demo runs in a network namespace with only loopback (e.g. under loopback-only): 127.0.0.1 above is "
-        "its own. From another terminal, run the commands and URLs above inside it:\n"
-        f"  {enter} corolla-generate ...   /   {enter} curl http://127.0.0.1:PORT/..."
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
