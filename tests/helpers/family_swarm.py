@@ -1,7 +1,8 @@
 """Shared pieces of the family end-to-end tests (`test_families_fam_a.py`, `test_families_fam_b.py`): one loopback
 swarm per module with every family's servers started at once (`served_families`), local transformers references
 (one model load per family and process), a chat request through corolla-api, and a streamer that SIGKILLs the
-server of a session's first span mid-generation."""
+server of a session's first span mid-generation (for the families served twice: the fail-over path is the client's
+and the same for every family; it runs for the family whose replayed cache differs most, not for all of them)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import functools
 import json
 import signal
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from corolla.api.app import create_app
 from corolla.api.backend import SwarmBackend
 from corolla.api.serving import serve_in_thread
-from helpers.swarm import Swarm
+from helpers.swarm import Swarm, inprocess_servers
 from helpers.tiny_models import make_tiny_model
 
 CHAT_TIMEOUT_S = 60
@@ -33,12 +34,13 @@ def served_families(
     families: Sequence[str],
     chat_template: str,
     *,
-    replicas: int = 2,
+    replicated: Collection[str] = (),
     bootstrap_timeout_s: float = 60.0,
     ready_timeout_s: float = 120.0,
 ) -> Iterator[tuple[Swarm, dict[str, Path]]]:
-    """Tiny 2-layer models of `families` (with `chat_template` in their tokenizers, as real ones carry) served by
-    `replicas` servers each, all holding blocks 0:2; every server is started before any is waited for."""
+    """Tiny 2-layer models of `families` (with `chat_template` in their tokenizers, as real ones carry), each served
+    by one server holding blocks 0:2 in this process (what it serves is under test, not its process), those of
+    `replicated` by two server processes (one is SIGKILLed); every server is started before any is waited for."""
     models_dir = tmp_path_factory.mktemp("models")
     paths = {family: make_tiny_model(family, models_dir, num_layers=2) for family in families}
     for path in paths.values():
@@ -49,13 +51,17 @@ def served_families(
     try:
         swarm.start_bootstrap(timeout_s=bootstrap_timeout_s)
         servers = [
-            swarm.start_server(path, "--block_indices", "0:2", "--throughput", "1.0", wait=False)
-            for path in paths.values()
-            for _ in range(replicas)
+            swarm.start_server(paths[family], "--block_indices", "0:2", "--throughput", "1.0", wait=False)
+            for family in families
+            if family in replicated
+            for _ in range(2)
         ]
-        for server in servers:
-            server.wait_ready(ready_timeout_s)
-        yield swarm, paths
+        singles = [(paths[family], "0:2") for family in families if family not in replicated]
+        cache_dir = tmp_path_factory.mktemp("cache")
+        with inprocess_servers(singles, cache_dir, swarm.initial_peers, update_period_s=2.0):
+            for server in servers:
+                server.wait_ready(ready_timeout_s)
+            yield swarm, paths
     finally:
         swarm.close()
 

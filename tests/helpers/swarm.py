@@ -248,17 +248,21 @@ def start_inprocess_server(model_path: str | Path, cache_dir: str | Path, **over
 
 @contextmanager
 def inprocess_servers(
-    model_paths: Sequence[str | Path], cache_dir: str | Path, initial_peers: Sequence[str], **overrides: Any
+    spans: Sequence[tuple[str | Path, str]], cache_dir: str | Path, initial_peers: Sequence[str], **overrides: Any
 ) -> Iterator[list[Any]]:
-    """`start_inprocess_server` for each of `model_paths` (in this order), all joining `initial_peers` and started
-    at once; every one that started is shut down on exit. For tests of what a server serves rather than of its
-    process: no interpreter start-up (torch's import alone is ~5 s of CPU a server on a 2-core VM)."""
+    """`start_inprocess_server` for each `(model path, block indices "a:b")` of `spans` (in this order), all joining
+    `initial_peers` and started at once; every one that started is shut down on exit. For tests of what a server
+    serves rather than of its process: no interpreter start-up (torch's import alone is ~5 s of CPU a server on a
+    2-core VM)."""
     settings: dict[str, Any] = dict(new_swarm=False, initial_peers=tuple(initial_peers), throughput=1.0)
     settings.update(overrides)
     servers: list[Any] = []
-    with ThreadPoolExecutor(max(1, len(model_paths))) as pool:
+    with ThreadPoolExecutor(max(1, len(spans))) as pool:
         try:
-            starting = [pool.submit(start_inprocess_server, path, cache_dir, **settings) for path in model_paths]
+            starting = [
+                pool.submit(start_inprocess_server, path, cache_dir, block_indices=blocks, **settings)
+                for path, blocks in spans
+            ]
             wait(starting)  # every start is waited for, so a failed one leaves no server running
             servers += [future.result() for future in starting if future.exception() is None]
             for future in starting:

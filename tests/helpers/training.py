@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from corolla.cli.demo import wait_for_coverage
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from helpers.swarm import Swarm
+from helpers.swarm import Swarm, inprocess_servers
 from helpers.tiny_models import hf_layers, make_tiny_model
 
 PRE_SEQ_LEN = 3
@@ -30,24 +30,24 @@ WHOLE_SPAN = ("0:2",)
 
 @contextmanager
 def split_swarm(
-    tmp_path_factory: pytest.TempPathFactory, families: Sequence[str], *, ready_timeout_s: float = 600.0
+    tmp_path_factory: pytest.TempPathFactory, families: Sequence[str]
 ) -> Iterator[tuple[Swarm, dict[str, Path]]]:
     """Tiny 2-layer models of `families`: the first served by two servers (0:1 and 1:2), each other by one server
-    (0:2); all started before any is waited for. A server costs a process start-up (~5 s of CPU) and what a family
-    adds to the check is its blocks, not another split."""
+    (0:2); all started at once, in this process (`inprocess_servers`: what they compute is under test, not their
+    process; a server process costs an interpreter start-up, ~5 s of CPU). What a family adds to the check is its
+    blocks, not another split."""
     models_dir = tmp_path_factory.mktemp("models")
     paths = {family: make_tiny_model(family, models_dir, num_layers=2) for family in families}
     swarm = Swarm(tmp_path_factory.mktemp("swarm"))
     try:
         swarm.start_bootstrap(timeout_s=180)
-        servers = [
-            swarm.start_server(path, "--block_indices", blocks, "--throughput", "1.0", wait=False)
+        spans = [
+            (path, blocks)
             for i, path in enumerate(paths.values())
             for blocks in (SPLIT_SPANS if i == 0 else WHOLE_SPAN)
         ]
-        for server in servers:
-            server.wait_ready(ready_timeout_s)
-        yield swarm, paths
+        with inprocess_servers(spans, tmp_path_factory.mktemp("cache"), swarm.initial_peers, update_period_s=2.0):
+            yield swarm, paths
     finally:
         swarm.close()
 

@@ -25,7 +25,7 @@ def swarm_with_models(tmp_path_factory: pytest.TempPathFactory):
     try:
         swarm.start_bootstrap()
         cache_dir = tmp_path_factory.mktemp("cache")
-        with inprocess_servers(list(paths.values()), cache_dir, swarm.initial_peers, block_indices="0:2"):
+        with inprocess_servers([(path, "0:2") for path in paths.values()], cache_dir, swarm.initial_peers):
             yield swarm, paths
     finally:
         swarm.close()
