@@ -146,9 +146,11 @@ def test_zero_token_hoarders_do_not_keep_a_real_user_out(server, clients, identi
 def test_trickle_hoarders_keep_only_the_promise_of_their_pace(server, clients):
     """32 identities each holding a session of half of the cache and sending one real token every 2 s (working
     sessions, never idle): a real user asking for half of the cache is admitted within a second, 3 times of 3; the
-    trickling sessions keep running on the pages they hold (none is ended)."""
-    user, _ = clients
+    trickling sessions keep running on the pages they hold (none is ended), and an honest session generating
+    throughout (opened first, an eighth of the cache) is never harmed."""
+    user, honest_client = clients
     full = cache_free(server)
+    honest = HonestLongSession(honest_client, server, MAX_LENGTH // 4)
     attack = Attack(server, 32, keepalive_s=2.0, tokens_per_step=1)
     try:
         wait_until(lambda: attack.attack.stats.opened >= 32, 15)  # (a server that keeps promises admits 2)
@@ -158,6 +160,9 @@ def test_trickle_hoarders_keep_only_the_promise_of_their_pace(server, clients):
             assert admitted_s < ADMIT_S, f"admitted after {admitted_s:.2f} s with 32 identities trickling"
             time.sleep(0.3)
         assert attack.attack.stats.ended == 0  # nobody doing real work was ended to make room
+        assert honest.failure is None, f"the honest session was ended: {honest.failure}"
     finally:
         attack.stop()
+        honest.stop()
+    assert honest.failure is None
     assert wait_until(lambda: cache_free(server) == full, 10)
