@@ -97,6 +97,23 @@ def test_the_next_batch_launches_before_the_one_in_flight_completes() -> None:
     assert bench.results == {"a1": "a1!", "b1": "b1!", "b2": "b2!"}
 
 
+def test_a_held_launch_waits_for_the_forward_in_flight_and_takes_what_queued_meanwhile() -> None:
+    """`launch_hold`: steps queued while a forward runs launch once the device is done with it, as one batch (the
+    sessions that came back meanwhile merge), and before that forward's replies leave."""
+    with _runtime() as runtime:
+        runtime.launch_hold = True
+        bench = _Bench(runtime)
+        bench.gates["a1"] = gate = threading.Event()
+        # b1 queues while a1's batch launches, b2 while a1 still runs on the device: both go into one batch after it
+        bench.on_launch["a1"] = lambda: (bench.submit("b1"), bench.submit("b2", last=True), gate.set())
+        bench.submit("a1")
+        assert bench.done.wait(WAIT_S)
+    assert bench.log == [
+        ("launch", ["a1"]), ("wait", "a1"), ("launch", ["b1", "b2"]), ("done", "a1"), ("wait", "b1"), ("done", "b1"),
+        ("done", "b2"),
+    ]  # fmt: skip
+
+
 def test_a_lone_batch_completes_at_once() -> None:
     with _runtime() as runtime:
         bench = _Bench(runtime)

@@ -396,6 +396,10 @@ class Runtime:
         self._wake_scheduled: set[asyncio.AbstractEventLoop] = set()  # loops with a `_wake` pending
         # after a merged forward, wait briefly for its sessions' next steps (server.gather; fraction 0 disables)
         self.gather = GatherRule(gather if gather is not None else GatherSettings())
+        # A/B under test (issue 31; `benchmarks.users` run spec `h`): with a forward in flight, the next queued batch
+        # launches once the device finished it (its replies still leave after that launch), not at once behind it,
+        # so that sessions returning meanwhile merge into the next forward (docs/decisions/0002, 0009)
+        self.launch_hold = False
 
     def add_batch_observer(self, observer: BatchObserver) -> None:
         """Calls `observer(kind, num_steps, seconds)` after every batch (benchmarks, profiling); it must be quick
@@ -620,6 +624,8 @@ class Runtime:
                 wait = self.gather.wait(time.monotonic(), queue.num_pushed)
                 if wait is not None:
                     queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
+            elif self.launch_hold:
+                self._wait(pending)  # the device is done with it: what queued meanwhile launches together
             batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
                 merge_limits=self._merge_limits, timeout_s=None if pending is None else 0.0,
