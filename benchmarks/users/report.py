@@ -121,11 +121,11 @@ class ServerRun:
         head, _, tail = spec.partition(":")
         match = _RUN_SPEC.match(head)
         if match is None:
-            raise ValueError(f"a --runs entry reads N[gF][pMS][:counts], got {spec!r}")
-        handlers, fraction, poll = match.groups()
+            raise ValueError(f"a --runs entry reads N[gF][pMS][h][:counts], got {spec!r}")
+        handlers, fraction, poll, hold = match.groups()
         counts = [int(c) for c in tail.split(",")] if tail else default_counts
         return cls(int(handlers), float(fraction) if fraction else None, counts,
-                   float(poll) if poll else None)  # fmt: skip
+                   float(poll) if poll else None, hold is not None)  # fmt: skip
 
 
 def _measure(
