@@ -93,39 +93,36 @@ def _engine_rows(
 
 
 def _handler_options(row: UsersResult) -> str:
-    """The handler column's note: whether the handler processes polled, whether the runtime held its launches."""
-    notes = ([f"poll {row.handler_poll_ms:g} ms"] if row.handler_poll_ms else []) + (
-        ["launch hold"] if row.launch_hold else []
-    )
+    """The handler column's note: whether the handler processes polled, whether the runtime held its launches at the row's end (`GatherRule.holds_launch`)."""
+    notes = [f"poll {row.handler_poll_ms:g} ms"] if row.handler_poll_ms else []
+    notes += ["launch held"] if row.held_launches else []
     return f" ({', '.join(notes)})" if notes else ""
 
 
-_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(?:p([0-9.]+))?(h)?$")
+_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(?:p([0-9.]+))?$")
 
 
 @dataclass(frozen=True)
 class ServerRun:
-    """One server of a `--runs` spec: `N[gF][pMS][h]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0),
-    `4p2:64` (the handler processes poll for 2 ms after each message instead of sleeping; `p0`: they sleep at once;
-    default: as a server's `--busy_poll_ms` on a GPU, no polling on a CPU) or `4h:64` (the runtime's `launch_hold`:
-    the next forward launches once the running one is done, not at once behind it)."""
+    """One server of a `--runs` spec: `N[gF][pMS]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0: no
+    gather, no launch hold) or `4p2:64` (the handler processes poll for 2 ms after each message instead of sleeping;
+    `p0`: they sleep at once; default: as a server's `--busy_poll_ms` on a GPU, no polling on a CPU)."""
 
     num_handlers: int
     gather_fraction: float | None  # None: the runtime's default
     counts: list[int]
     handler_poll_ms: float | None = None  # None: as a server's default (`--busy_poll_ms` on a GPU)
-    launch_hold: bool = False  # the runtime's `launch_hold` while this server runs
 
     @classmethod
     def parse(cls, spec: str, default_counts: list[int]) -> ServerRun:
         head, _, tail = spec.partition(":")
         match = _RUN_SPEC.match(head)
         if match is None:
-            raise ValueError(f"a --runs entry reads N[gF][pMS][h][:counts], got {spec!r}")
-        handlers, fraction, poll, hold = match.groups()
+            raise ValueError(f"a --runs entry reads N[gF][pMS][:counts], got {spec!r}")
+        handlers, fraction, poll = match.groups()
         counts = [int(c) for c in tail.split(",")] if tail else default_counts
         return cls(int(handlers), float(fraction) if fraction else None, counts,
-                   float(poll) if poll else None, hold is not None)  # fmt: skip
+                   float(poll) if poll else None)  # fmt: skip
 
 
 def _measure(
@@ -141,7 +138,7 @@ def _measure(
                                  prefix_tokens=args.prefix_tokens, decode_steps=args.decode_steps)  # fmt: skip
             row = run_users(server, config, path)
             row.gather_fraction = server.runtime.gather.settings.fraction
-            row.launch_hold = server.runtime.launch_hold
+            row.held_launches = server.runtime.gather.holds_launch()
             rows.append(row)
             print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
 
@@ -272,7 +269,6 @@ def main(argv: list[str] | None = None) -> int:
                 fraction = run.gather_fraction
                 settings = default_gather if fraction is None else GatherSettings(fraction, default_gather.quantile)
                 executor.runtime.gather = GatherRule(settings)
-                executor.runtime.launch_hold = run.launch_hold
                 poll_s = None if run.handler_poll_ms is None else run.handler_poll_ms / 1000  # None: the default
                 server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                                      dtype=dtype, device=device, num_handlers=run.num_handlers,

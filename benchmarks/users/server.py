@@ -89,7 +89,7 @@ class UsersResult:
     cpu_us_per_step: dict[str, float] = field(default_factory=dict)
     gather_fraction: float = 0.5  # the runtime's gather rule (server.gather) while this row ran
     handler_poll_ms: float = 0.0  # handler processes polled this long after each message (0: they slept)
-    launch_hold: bool = False  # the runtime's `launch_hold` while this row ran
+    held_launches: bool = False  # the runtime held its launches at the row's end (`GatherRule.holds_launch`)
     client: str = "petals"  # the client kind (clients.CLIENT_KINDS)
     client_cpus: list[int] = field(default_factory=list)  # CPUs of the client processes (empty: not pinned)
     server_cpus: list[int] = field(default_factory=list)  # CPUs of the server side (empty: not pinned)

@@ -1,7 +1,8 @@
 """The runtime's gather rule (`server.gather`): after a merged forward the device thread waits, at most a fraction of
 that forward's time, for its sessions' next steps, so sessions that come back a little late still merge with the
 others instead of alternating in cohorts; the wait is bounded, one slow session never holds the others, and while
-the clients' round trip is longer than the budget (WAN) the rule does not wait at all."""
+the clients' round trip is longer than the budget (WAN) the rule does not wait at all. Its learned return time also
+decides whether a launch waits for the forward in flight (`holds_launch`)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,19 @@ def test_the_wait_is_bounded_by_the_forward_and_skipped_for_slow_round_trips() -
     assert off.wait(100.001, num_pushed=50) is None
     with pytest.raises(ValueError, match="fraction"):
         GatherSettings(fraction=1.5)
+
+
+def test_a_launch_is_held_only_while_sessions_come_back_within_a_forward() -> None:
+    rule = GatherRule(GatherSettings(fraction=0.5, quantile=0.5))
+    assert not rule.holds_launch()  # nothing learned yet
+    rule.finished(size=4, forward_s=0.005, now_s=1.0, num_pushed=0, push_time_s=lambda n: None)
+    assert not rule.holds_launch()  # a forward's length, no return time yet
+    times = {1: 1.001, 2: 1.002}
+    rule.finished(size=4, forward_s=0.005, now_s=1.007, num_pushed=2, push_time_s=times.get)
+    assert rule.return_s == pytest.approx(0.002) and rule.holds_launch()  # back in 2 ms, forwards of 5 ms (32 layers)
+    rule.finished(size=4, forward_s=0.0015, now_s=1.010, num_pushed=2, push_time_s=times.get)
+    assert not rule.holds_launch()  # forwards of 1.5 ms (8 layers): sessions come back after it, launch at once
+    off = GatherRule(GatherSettings(fraction=0.0))
+    off.return_s, off.forward_s = 0.002, None
+    off.finished(size=4, forward_s=0.005, now_s=1.0, num_pushed=0, push_time_s=lambda n: None)
+    assert not off.holds_launch()  # the rule off: never held

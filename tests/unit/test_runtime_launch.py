@@ -98,10 +98,11 @@ def test_the_next_batch_launches_before_the_one_in_flight_completes() -> None:
 
 
 def test_a_held_launch_waits_for_the_forward_in_flight_and_takes_what_queued_meanwhile() -> None:
-    """`launch_hold`: steps queued while a forward runs launch once the device is done with it, as one batch (the
-    sessions that came back meanwhile merge), and before that forward's replies leave."""
-    with _runtime() as runtime:
-        runtime.launch_hold = True
+    """While sessions come back sooner than a forward lasts (`GatherRule.holds_launch`), steps queued while a forward
+    runs launch once the device is done with it, as one batch (the sessions that came back meanwhile merge), and
+    before that forward's replies leave."""
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        runtime.gather.return_s, runtime.gather.forward_s = 0.002, 0.005  # as learned at 32 layers on an H200
         bench = _Bench(runtime)
         bench.gates["a1"] = gate = threading.Event()
         # b1 queues while a1's batch launches, b2 while a1 still runs on the device: both go into one batch after it

@@ -2,9 +2,10 @@
 in a `schedule -> execute -> complete` loop; results go back to the asyncio loop that submitted them.
 
 A kind with a launcher (`register_batch_executor(..., launcher=...)`) runs in two phases: the launcher queues the
-batch on the device and returns a `PendingBatch`; the thread launches the next batch at once if one is queued
-already (docs/decisions/0002-launch-ahead.md), and only then waits for the first one and completes it (encodes
-and sends its replies) while the device runs the next. When nothing else is queued, a launched batch is completed
+batch on the device and returns a `PendingBatch`; the thread launches the next batch, if one is queued, at once or,
+while the gather rule says sessions come back within a forward (`GatherRule.holds_launch`), once the device is done
+with the first (docs/decisions/0002-launch-ahead.md), and only then completes the first (encodes and sends its
+replies) while the device runs the next. When nothing else is queued, a launched batch is completed
 at once (a lone session's step takes no longer).
 
 What it executes: a `Task` (a callable plus its priority, size and merge identity) in the `TaskQueue` that orders
@@ -396,10 +397,6 @@ class Runtime:
         self._wake_scheduled: set[asyncio.AbstractEventLoop] = set()  # loops with a `_wake` pending
         # after a merged forward, wait briefly for its sessions' next steps (server.gather; fraction 0 disables)
         self.gather = GatherRule(gather if gather is not None else GatherSettings())
-        # A/B under test (issue 31; `benchmarks.users` run spec `h`): with a forward in flight, the next queued batch
-        # launches once the device finished it (its replies still leave after that launch), not at once behind it,
-        # so that sessions returning meanwhile merge into the next forward (docs/decisions/0002, 0009)
-        self.launch_hold = False
 
     def add_batch_observer(self, observer: BatchObserver) -> None:
         """Calls `observer(kind, num_steps, seconds)` after every batch (benchmarks, profiling); it must be quick
@@ -624,8 +621,8 @@ class Runtime:
                 wait = self.gather.wait(time.monotonic(), queue.num_pushed)
                 if wait is not None:
                     queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
-            elif self.launch_hold:
-                self._wait(pending)  # the device is done with it: what queued meanwhile launches together
+            elif self.gather.holds_launch():  # sessions come back while a forward runs: launch once it is done
+                self._wait(pending)  # (its replies still leave after the next launch), so they merge into one batch
             batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
                 merge_limits=self._merge_limits, timeout_s=None if pending is None else 0.0,
