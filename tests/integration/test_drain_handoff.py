@@ -48,6 +48,11 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
         swarm.close()
 
 
+@pytest.fixture(scope="module")
+def undisturbed(swarm, prompt) -> list:
+    return _generate(swarm, prompt, ActAt(None), local_transport=False).tolist()
+
+
 def _alive_servers(swarm: Swarm) -> list:
     return [p for p in swarm.processes if getattr(p, "peer_id", None) and p.proc.poll() is None]
 
@@ -94,10 +99,9 @@ def _generate(swarm: Swarm, prompt: torch.Tensor, streamer: ActAt, **config) -> 
 
 
 @pytest.mark.parametrize("local_transport", [True, False], ids=["socket", "p2p"])
-def test_sigterm_mid_generation_moves_the_session_without_replay(swarm, prompt, local_transport):
+def test_sigterm_mid_generation_moves_the_session_without_replay(swarm, prompt, undisturbed, local_transport):
     while len(_alive_servers(swarm)) < 2:  # the previous case drained one: bring a second server back
         swarm.start_server(DEMO, *SERVER_FLAGS, wait=False).wait_ready(120)
-    undisturbed = _generate(swarm, prompt, ActAt(None), local_transport=local_transport)
 
     drained: list = []
     tokens_before: dict[str, float] = {p.peer_id: _inference_tokens(p) for p in _alive_servers(swarm)}
@@ -110,7 +114,7 @@ def test_sigterm_mid_generation_moves_the_session_without_replay(swarm, prompt, 
 
     streamer = ActAt(3, sigterm)
     output = _generate(swarm, prompt, streamer, local_transport=local_transport)
-    assert output.tolist() == undisturbed.tolist()
+    assert output.tolist() == undisturbed
 
     session = streamer.session
     (record,) = session.handoffs.records
@@ -134,13 +138,12 @@ def test_sigterm_mid_generation_moves_the_session_without_replay(swarm, prompt, 
     )
 
 
-def test_refused_handoff_falls_back_to_replay(swarm, prompt):
+def test_refused_handoff_falls_back_to_replay(swarm, prompt, undisturbed):
     """One of the two servers takes no hand-off (`--no_kv_handoff`): whichever drains, the export or the import is
     refused, the client closes the draining stream and replays the history on the other server; same text."""
     for server in _alive_servers(swarm)[1:]:
         server.stop(10)
     swarm.start_server(DEMO, *SERVER_FLAGS, "--no_kv_handoff", wait=False).wait_ready(120)
-    undisturbed = _generate(swarm, prompt, ActAt(None), local_transport=False)
 
     def sigterm(session):
         peer = session._spans[0].span.peer_id
@@ -148,7 +151,7 @@ def test_refused_handoff_falls_back_to_replay(swarm, prompt):
 
     streamer = ActAt(3, sigterm)
     output = _generate(swarm, prompt, streamer, local_transport=False)
-    assert output.tolist() == undisturbed.tolist()
+    assert output.tolist() == undisturbed
     (record,) = streamer.session.handoffs.records
     assert record.to_peer is None and record.error is not None
     refusals = ("does not accept KV imports", "KV hand-off is disabled")
