@@ -23,7 +23,6 @@ GQA_ATTN_CACHE_TOKENS = 16384
 MHA_ATTN_CACHE_TOKENS = 4096
 GQA_MAX_LENGTH_TOKENS = 8192  # inference_max_length and max_batch_size defaults with GQA/MQA
 MHA_MAX_LENGTH_TOKENS = 2048
-BLOCK_SIZE_MARGIN = 1.01
 # Reserve for activations of forward/backward: 2 GiB per device at BLOOM-176B's hidden size, scaled linearly.
 AUTOGRAD_RESERVE_BYTES_AT_REFERENCE = 2 * 2**30
 AUTOGRAD_REFERENCE_HIDDEN_SIZE = 14336

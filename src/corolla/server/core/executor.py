@@ -22,7 +22,6 @@ from corolla.utils.tensor_bytes import view_bytes
 # how the engine runs a span (reported, not chosen by the operator): fused kernels, or the family's blocks eagerly
 PATH_FUSED = "fused"
 PATH_EAGER = "eager"
-SERVING_PATHS = (PATH_FUSED, PATH_EAGER)
 
 
 class TensorDescriptorLike(Protocol):

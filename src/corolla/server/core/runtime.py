@@ -42,7 +42,6 @@ KIND_GENERIC = "generic"
 PUSH_TIMES_KEPT = 4096  # push times remembered for the runtime's gather rule (server.gather)
 KIND_INFERENCE = "inference"
 KIND_FORWARD = "forward"
-KIND_BACKWARD = "backward"
 
 
 @dataclass(eq=False, slots=True)  # built per decode step: slots make it ~0.5 us cheaper
