@@ -7,8 +7,9 @@ float32 on CPU) over the engine's paged pool, pages as a server has them (64 tok
    session and published (its keys: the client's 16-token block hashes); the next turn's prompt is that history plus
    `--new_tokens`. "full prefill" runs the whole prompt in a fresh session (what a server without the cache does);
    "cached" opens a session, attaches the cached pages the keys name (`SpanEngine.attach_prefix`: whole pages) and
-   prefills the rest. Each is the median of `--repeats` synchronized host timings, alternated; the ratio is the
-   target (<= 0.1x). The last position's output of both is compared (max abs difference).
+   prefills the rest (on CUDA a chunk of at most 256 tokens replays its CUDA graph, `engine.prefill_graphs`; the
+   same chunk run eagerly is timed too). Each is the median of `--repeats` synchronized host timings, alternated; the
+   ratio is the target (<= 0.1x). The last position's output of both is compared (max abs difference).
 2. A merged decode step of `--decode_sessions` sessions after the prompt, with shared pages (every session attached
    the same cached prefix) vs without (each session prefilled its own), alternated in `--rounds` of `--steps` steps
    (CUDA graphs on CUDA, inputs on the device; host-timed medians); target: shared within 3% of own pages.
@@ -23,11 +24,12 @@ float32 on CPU) over the engine's paged pool, pages as a server has them (64 tok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -110,6 +112,16 @@ def turn_ms(engine: SpanEngine, prompt: torch.Tensor, keys: PrefixKeys | None, m
 
     ms, (hit, last) = timed_ms(run, device)
     return ms, hit, last, returned[0]
+
+
+@contextlib.contextmanager
+def eager_prefill(engine: SpanEngine) -> Iterator[None]:
+    """The engine without its prefill graphs meanwhile (every chunk eager: the A/B of the graphs)."""
+    graphs, engine.prefill_graphs = engine.prefill_graphs, None
+    try:
+        yield
+    finally:
+        engine.prefill_graphs = graphs
 
 
 def profile_turn(engine: SpanEngine, prompt: torch.Tensor, keys: PrefixKeys | None, max_length: int) -> list[str]:
@@ -206,9 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                f"({engine.pool.cached_bytes / 2**30:.2f} GiB)")  # fmt: skip
 
     # 1. the next turn's time to first token, full prefill vs cached prefix (alternated)
-    turn_ms(engine, prompt, None, max_length)  # warm-up of both ways (kernels, allocator)
+    graphs = engine.prefill_graphs
+    turn_ms(engine, prompt, None, max_length)  # warm-up of every way (kernels, allocator, the chunk's graph)
     turn_ms(engine, prompt, keys, max_length)
-    full, cached, cached_host, hit, diff = [], [], [], 0, 0.0
+    with eager_prefill(engine):
+        turn_ms(engine, prompt, keys, max_length)
+    full, cached, cached_host, eager, hit, diff = [], [], [], [], 0, 0.0
     for _ in range(args.repeats):
         ms, _, full_last, _ = turn_ms(engine, prompt, None, max_length)
         full.append(ms)
@@ -216,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         cached.append(ms)
         cached_host.append(host_ms)
         diff = max(diff, float((full_last.float() - cached_last.float()).abs().max()))
+        with eager_prefill(engine):
+            eager.append(turn_ms(engine, prompt, keys, max_length)[0])
     ratio = median(cached) / median(full)
     log(lines, "")
     log(lines, f"| next turn: {args.history_tokens} history + {args.new_tokens} new tokens | ms to first token "
@@ -224,7 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     log(lines, f"| full prefill (no cache) | {median(full):.1f} | {total} |")
     log(lines, f"| cached prefix ({hit} positions reused; the step returned after {median(cached_host):.1f} ms) | "
                f"{median(cached):.1f} | {total - hit} |")  # fmt: skip
+    log(lines, f"| cached prefix, chunk run eagerly (no prefill graphs) | {median(eager):.1f} | {total - hit} |")
     log(lines, f"| ratio (target <= 0.1x) | {ratio:.3f}x | last output max abs diff {diff:.3g} |")
+    graph_record = {}
+    if graphs is not None:
+        graph_record = dict(prefill_graphs=graphs.graph_count, prefill_graph_reserved_bytes=graphs.reserved_bytes)
+        log(lines, f"prefill graphs: {graphs.graph_count} captured, {graphs.reserved_bytes / 2**20:.1f} MiB reserved "
+                   f"by their captures, {graphs.replays} replays")  # fmt: skip
 
     if args.profile:
         for label, way in (("cached turn", keys), ("full prefill", None)):
@@ -233,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     record = dict(
         args={k: str(v) for k, v in vars(args).items()}, device=name, page_tokens=page, hit_tokens=hit,
         full_prefill_ms=full, cached_turn_ms=cached, cached_turn_host_ms=cached_host, ttft_ratio=ratio,
-        last_output_max_abs_diff=diff,
+        last_output_max_abs_diff=diff, cached_turn_eager_ms=eager, **graph_record,
     )  # fmt: skip
     if args.rounds > 0:
         record.update(decode_comparison(args, engine, prompt, keys, max_length, gen, lines))

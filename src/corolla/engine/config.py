@@ -27,6 +27,9 @@ class EngineConfig:
     use_triton: bool = True
     tune_gemm: bool = True  # at warm-up, time cuBLAS against Triton for single-row projections and keep the faster
     prefill_chunk_tokens: int = 4096
+    # CUDA, llama-family spans: prefill chunks of at most this many tokens (the turn after a cached prefix) replay
+    # CUDA graphs (`prefill_graphs`); 0: always eager
+    prefill_graph_tokens: int = 256
     attention_splits_max: int = 16
     cpu_linear: CpuLinearConfig = CpuLinearConfig()  # CPU: projections' GEMM chosen per row bucket at warm-up
 
@@ -39,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"max_seq_len_tokens must be >= 1, got {self.max_seq_len_tokens}")
         if self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -30,6 +30,7 @@ from corolla.engine.graph_decode import (
     stage_row_inputs,
 )
 from corolla.engine.kv_pool import KVPool, SequenceSlot
+from corolla.engine.prefill_graphs import PrefillGraphs, graphs_serve
 from corolla.engine.session_prefix import SessionPrefix
 from corolla.engine.span_model import SpanModel
 from corolla.engine.step_request import StepRequest, StepSession
@@ -132,6 +133,7 @@ class SpanEngine:
             device=self.device,
         )
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None  # short prefill chunks as CUDA graphs
         self.max_batch_rows = config.max_batch_rows
         if self.device.type == "cuda":
             if config.use_cuda_graphs and getattr(model, "supports_graphs", True):
@@ -142,6 +144,10 @@ class SpanEngine:
                 assert not isinstance(adapters, BlockAdapters), "an eager span's block adapters are never captured"
                 self.graphs = DecodeGraphs(model, self.pool, buckets, adapters=adapters)
                 self.max_batch_rows = self.graphs.max_rows
+            if config.use_cuda_graphs and config.prefill_graph_tokens and graphs_serve(model):
+                assert isinstance(model, FastLlamaSpan)  # graphs_serve checked it
+                tokens = min(config.prefill_graph_tokens, config.prefill_chunk_tokens)
+                self.prefill_graphs = PrefillGraphs(model, self.pool, tokens)
             # two sets of pinned host buffers: a launched forward's asynchronous copies may still read (inputs) or
             # write (output) one set while the next forward is staged in the other (`launch_decode`)
             self._staging = [
@@ -434,6 +440,10 @@ class SpanEngine:
         with selected:
             for row, slot in enumerate(req.session.slots):
                 row_prompts = None if prompts is None else prompts[:, row if prompts.shape[1] > 1 else 0]  # [L, P, H]
+                graphs = self.prefill_graphs
+                if graphs is not None and row_prompts is None and graphs.takes(t):
+                    outs.append(graphs.run(hidden[row], req.position, slot, self.pool.check_layers(req.session.layers)))
+                    continue
                 outs.append(
                     self.model.prefill(
                         hidden[row],
