@@ -265,6 +265,7 @@ def test_under_memory_pressure_cached_pages_go_first_and_live_sessions_keep_thei
             session.close()
         assert hits[0] == 48 and 0 in hits  # the latest conversation hit, the oldest ones were evicted
         assert metric(server, "corolla_prefix_cache_evictions") > 0
+        assert metric(server, "corolla_prefix_cache_limit_bytes") == -1  # no --prefix_cache_tokens: no cap
         assert metric(server, "corolla_prefix_hit_tokens_total") == sum(hits)
         assert metric(server, "corolla_prefix_keyed_tokens_total") == 10 * 48 + 10 * 64 + 32  # whole blocks
         expected = local_forward(blocks, live_hidden)

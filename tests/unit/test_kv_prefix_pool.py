@@ -1,6 +1,6 @@
 """The pool's prefix caching: pages counted per holder, a published page reused by a later sequence, copy on write
 where a sequence writes into a page it shares or published, and least-recently-used eviction of cached pages no
-sequence holds (a held or promised page is never taken)."""
+sequence holds (a held or promised page is never taken), under memory pressure or past the operator's cap."""
 
 from __future__ import annotations
 
@@ -177,3 +177,39 @@ def test_eviction_over_layer_spans() -> None:
     pool.free([upper])
     pool.allocate(1, PAGE)
     assert pool.num_evictions == 1 and pool.prefix_index.get(key(0, layers=(0, 1))) is None
+
+
+def test_the_operators_cap_bounds_idle_cached_pages_least_recently_used_first() -> None:
+    pool = KVPool(num_layers=2, layout=KVLayout.heads(1, 2), num_pages=13, page_size_tokens=PAGE,
+                  max_pages_per_seq=12, dtype=torch.float32, device="cpu", prefix_cache_tokens=2 * PAGE + 5)  # fmt: skip
+    assert pool.idle_cache_layer_pages == 2 * 2 and pool.idle_cache_limit_bytes == 2 * pool.page_bytes
+    slots = []
+    for n in range(3):  # three sequences of 2 published pages each
+        (s,) = pool.allocate(1, 2 * PAGE)
+        fill(pool, s, 0, torch.full((2 * PAGE,), float(n)))
+        assert pool.publish(s, 0, key(2 * n)) and pool.publish(s, 1, key(2 * n + 1))
+        slots.append(s)
+    assert pool.layer_pages_cached == 6 * 2  # held pages count against no cap
+    pool.free([slots[0]])
+    pool.free([slots[1]])
+    assert pool.num_evictions == 2 and pool.layer_pages_cached == 4 * 2  # the first sequence's pages went
+    (again,) = pool.allocate(1, 2 * PAGE)
+    assert pool.attach_prefix(again, [key(0)]) == 0 and pool.attach_prefix(again, [key(2), key(3)]) == 2
+    pool.free([slots[2]])  # two more idle pages: the cap keeps the two most recently let go
+    assert pool.num_evictions == 2  # the attached ones are held again, so nothing else was over the cap
+    pool.free([again])
+    assert pool.num_evictions == 4 and pool.layer_pages_cached == 2 * 2
+    (last,) = pool.allocate(1, 2 * PAGE)
+    assert pool.attach_prefix(last, [key(2)]) == 1  # let go last, kept: key(4) and key(5) were let go earlier
+    assert pool.attach_prefix(pool.allocate(1, PAGE)[0], [key(4)]) == 0
+
+    zero = KVPool(num_layers=1, layout=KVLayout.heads(1, 2), num_pages=3, page_size_tokens=PAGE,
+                  max_pages_per_seq=2, dtype=torch.float32, device="cpu", prefix_cache_tokens=0)  # fmt: skip
+    (s,) = zero.allocate(1, PAGE)
+    fill(zero, s, 0, torch.ones(PAGE))
+    assert zero.publish(s, 0, key(0, (0, 1)))
+    zero.free([s])
+    assert zero.layer_pages_cached == 0 and zero.pages_free == 2  # 0: nothing stays cached once let go
+    with pytest.raises(ValueError, match="prefix_cache_tokens"):
+        KVPool(num_layers=1, layout=KVLayout.heads(1, 2), num_pages=3, page_size_tokens=PAGE, max_pages_per_seq=2,
+               dtype=torch.float32, device="cpu", prefix_cache_tokens=-1)  # fmt: skip

@@ -53,6 +53,10 @@ def test_same_host_socket_and_busy_poll_flags():
 def test_prefix_cache_sharing_is_an_opt_in():
     assert parse_config(["m"]).prefix_cache_shared is False  # each client identity reuses only its own prefixes
     assert parse_config(["m", "--prefix_cache_shared"]).prefix_cache_shared is True
+    assert parse_config(["m"]).prefix_cache_tokens is None  # no cap but the KV cache
+    assert parse_config(["m", "--prefix_cache_tokens", "0"]).prefix_cache_tokens == 0
+    with pytest.raises(SystemExit):
+        parse_config(["m", "--prefix_cache_tokens", "-1"])
 
 
 def test_flags_are_converted():

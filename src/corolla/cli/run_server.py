@@ -130,6 +130,13 @@ def build_parser() -> configargparse.ArgParser:
         help="private swarms: let every client reuse prefixes other clients computed (by default a session reuses only "
         "its own client's cached prefixes: a client that computed one wrongly can harm only itself)",
     )
+    parser.add(
+        "--prefix_cache_tokens",
+        type=int,
+        default=None,
+        help="cap on cached prefixes no session holds, in positions per block (default: every free page of the KV "
+        "cache; 0 keeps none once their sessions end); past it the least recently used are evicted",
+    )
     parser.add("--metrics_port", type=int, default=None, help="serve Prometheus metrics on 127.0.0.1:<port>")
     parser.add("--increase_file_limit", type=int, default=4096, help="raise RLIMIT_NOFILE to this (0 = keep)")
     parser.add("--stats_report_interval", type=float, default=None, help="log runtime stats every N seconds")

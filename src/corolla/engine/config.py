@@ -30,6 +30,8 @@ class EngineConfig:
     # CUDA, llama-family spans: prefill chunks of at most this many tokens (the turn after a cached prefix) replay
     # CUDA graphs (`prefill_graphs`); 0: always eager
     prefill_graph_tokens: int = 256
+    # the operator's cap on cached prefix positions no session holds, per layer (None: every free page)
+    prefix_cache_tokens: int | None = None
     attention_splits_max: int = 16
     cpu_linear: CpuLinearConfig = CpuLinearConfig()  # CPU: projections' GEMM chosen per row bucket at warm-up
 

@@ -10,7 +10,8 @@ Prefix caching (design.md section 10): pages are counted per (layer, page) by th
 may start with pages another one published in the `PrefixIndex` (`attach_prefix`), and a page it shares or published
 is never written in place (`prepare_write` gives it its own copy first, out of its promise). Published pages stay
 cached when their last holder lets go; a promise that finds too few free pages evicts the least recently used of
-those (a held page is never taken)."""
+those (a held page is never taken), and an operator's cap (`prefix_cache_tokens` positions per layer) bounds the
+cached pages no sequence holds: past it the least recently used go at once."""
 
 from __future__ import annotations
 
@@ -113,6 +114,7 @@ class KVPool:
         max_pages_per_seq: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        prefix_cache_tokens: int | None = None,
     ):
         if num_pages < 2:
             raise ValueError(f"KVPool needs at least 2 pages (one is reserved), got {num_pages}")
@@ -135,7 +137,13 @@ class KVPool:
         # sequences holding each (layer, page); a page none holds is free, or cached if the prefix index names it
         self._refs = np.zeros((num_layers, num_pages), dtype=np.int32)
         self.prefix_index = PrefixIndex()
-        self.num_evictions = 0  # cached pages taken back for promises
+        self.num_evictions = 0  # cached pages taken back for promises or over the operator's cap
+        if prefix_cache_tokens is not None and prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0 or None, got {prefix_cache_tokens}")
+        # the operator's cap on cached pages no sequence holds, in layer pages (None: as many as the pool has free)
+        self.idle_cache_layer_pages = (
+            None if prefix_cache_tokens is None else prefix_cache_tokens // page_size_tokens * num_layers
+        )
         self._lock = threading.Lock()
         logger.info(
             f"kv_pool.create(pages={num_pages}, page_tokens={page_size_tokens}, layers={num_layers}, "
@@ -184,6 +192,12 @@ class KVPool:
     def cached_bytes(self) -> int:
         """Bytes of the pages the prefix index names."""
         return self.layer_pages_cached * self.layer_page_bytes
+
+    @property
+    def idle_cache_limit_bytes(self) -> int | None:
+        """The operator's cap on cached pages no sequence holds, in bytes (None: no cap but the pool)."""
+        cap = self.idle_cache_layer_pages
+        return None if cap is None else cap * self.layer_page_bytes
 
     @property
     def pages_free(self) -> int:
@@ -371,8 +385,19 @@ class KVPool:
             block = (layers, page)
             if self.prefix_index.key_of(block) is not None:
                 self.prefix_index.set_idle(block)
+                self._evict_over_cap()
             else:
                 self._return_block(block)
+
+    def _evict_over_cap(self) -> None:
+        """Evicts idle cached pages, least recently used first, while they exceed the operator's cap (under the
+        lock)."""
+        cap = self.idle_cache_layer_pages
+        while cap is not None and self.prefix_index.idle_layer_pages > cap:
+            block = self.prefix_index.evict((0, self.num_layers))
+            assert block is not None, "idle pages are counted"
+            self._return_block(block)
+            self.num_evictions += 1
 
     def _common_free(self, first: int, end: int) -> int:
         """Ids free in every layer of [first, end) (under the lock)."""

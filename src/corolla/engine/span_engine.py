@@ -131,6 +131,7 @@ class SpanEngine:
             max_pages_per_seq=-(-max_seq // page),
             dtype=self.dtype,
             device=self.device,
+            prefix_cache_tokens=config.prefix_cache_tokens,
         )
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None  # short prefill chunks as CUDA graphs

@@ -154,6 +154,9 @@ class ServerConfig:
     # reuse cached prefixes across clients (a private swarm whose operator trusts every client); off: a session reuses
     # only what sessions of its own client identity computed (design.md section 10)
     prefix_cache_shared: bool = False
+    # cap on cached prefix positions per block that no session holds (None: every free page of the KV cache; 0: none
+    # stays cached once its sessions end); past it the least recently used are evicted
+    prefix_cache_tokens: int | None = None
     # process
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:<port> (0 = any free port)
     increase_file_limit: int = 4096
@@ -235,6 +238,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_chunk_size_bytes < 1:
             raise ValueError(f"max_chunk_size_bytes must be >= 1, got {self.max_chunk_size_bytes}")
+        if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")
 
     # ---- derived settings -------------------------------------------------------------------------------------
     @property

@@ -22,8 +22,8 @@ Usage from the server (every call is cheap, thread-safe and never raises):
 Names exported (prefix `corolla_`): sessions_active, sessions_opened_total, tokens_processed_total{kind},
 step_seconds, queue_wait_seconds, batch_size (histograms), requests_rejected_total{reason},
 kv_cache_used_bytes, kv_cache_free_bytes, prefix_keyed_tokens_total, prefix_hit_tokens_total, prefix_cache_bytes,
-prefix_cache_evictions, blocks_served, announce_failures_total, moves_total, span_load_seconds_total,
-span_loads_total.
+prefix_cache_evictions, prefix_cache_limit_bytes, blocks_served, announce_failures_total, moves_total,
+span_load_seconds_total, span_loads_total.
 """
 
 from __future__ import annotations
@@ -118,7 +118,14 @@ class ServerMetrics:
             "corolla_prefix_cache_bytes", "KV bytes of the cached prefix pages (held by sessions or idle)", registry=r
         )
         self._prefix_evictions = Gauge(
-            "corolla_prefix_cache_evictions", "Cached prefix pages evicted for new sessions so far", registry=r
+            "corolla_prefix_cache_evictions",
+            "Cached prefix pages evicted so far (for new sessions or past the operator's cap)",
+            registry=r,
+        )
+        self._prefix_limit = Gauge(
+            "corolla_prefix_cache_limit_bytes",
+            "The operator's cap on cached prefix pages no session holds (--prefix_cache_tokens; -1: none)",
+            registry=r,
         )
         self._blocks = Gauge("corolla_blocks_served", "Transformer blocks this server holds", registry=r)
         self._serving_path = Gauge(
@@ -184,9 +191,11 @@ class ServerMetrics:
         self._cache_used.set(used_bytes)
         self._cache_free.set(free_bytes)
 
-    def set_prefix_cache(self, cached_bytes: int, evictions: int) -> None:
+    def set_prefix_cache(self, cached_bytes: int, evictions: int, limit_bytes: int | None = None) -> None:
+        """`limit_bytes`: the operator's cap on idle cached pages (None: no cap but the KV cache; reported as -1)."""
         self._prefix_bytes.set(cached_bytes)
         self._prefix_evictions.set(evictions)
+        self._prefix_limit.set(-1 if limit_bytes is None else limit_bytes)
 
     def prefix_probe(self, *, keyed_tokens: int, hit_tokens: int) -> None:
         """A session's first step named `keyed_tokens` positions by prefix keys and reused `hit_tokens` of them."""

@@ -513,4 +513,5 @@ def executor_for_span(
         max_seq_len_tokens=settings.inference_max_length_tokens,
         metrics=metrics,
         max_alloc_timeout_s=config.max_alloc_timeout_s,
+        prefix_cache_tokens=config.prefix_cache_tokens,
     )

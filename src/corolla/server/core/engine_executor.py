@@ -309,7 +309,9 @@ class EngineExecutor:
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         pool = self.engine.pool
-        return PrefixCacheStats(cached_bytes=pool.cached_bytes, evictions=pool.num_evictions)
+        return PrefixCacheStats(
+            cached_bytes=pool.cached_bytes, evictions=pool.num_evictions, limit_bytes=pool.idle_cache_limit_bytes
+        )
 
     # ---- KV hand-off: the pool's positions in the canonical layout, one K and one V [B, heads, length, dim] per block
 
@@ -386,6 +388,7 @@ def build_engine_executor(
     max_batch_rows: int = 64,
     max_alloc_timeout_s: float | None = None,
     warmup: bool = True,
+    prefix_cache_tokens: int | None = None,
 ) -> EngineExecutor:
     """The engine over `backend`'s blocks (their tensors used in place) with a KV pool of `kv_pool_bytes`: fused
     kernels where the engine has them for `traits` (`engine.serving.unsupported_reason`), else the blocks eagerly."""
@@ -394,6 +397,7 @@ def build_engine_executor(
         max_seq_len_tokens=max_seq_len_tokens,
         max_batch_rows=max_batch_rows,
         page_size_tokens=GPU_PAGE_TOKENS if traits.device_type == "cuda" else CPU_PAGE_TOKENS,
+        prefix_cache_tokens=prefix_cache_tokens,
     )
     reason = unsupported_reason(traits)
     blocks = [backend.blocks[i] for i in sorted(backend.blocks)]

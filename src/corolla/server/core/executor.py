@@ -139,11 +139,12 @@ class SessionCache:
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """The prefix cache of one executor: bytes of the pages its index names (held by sessions or idle) and cached
-    pages evicted so far for new sessions."""
+    """The prefix cache of one executor: bytes of the pages its index names (held by sessions or idle), cached
+    pages evicted so far (for new sessions or past the operator's cap) and that cap in bytes."""
 
     cached_bytes: int = 0
     evictions: int = 0
+    limit_bytes: int | None = None  # the operator's cap on cached pages no session holds (None: none but the cache)
 
 
 class HandoffUnsupported(ValueError):

@@ -146,7 +146,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         left = self.executor.bytes_left
         self.metrics.set_cache(max(0, self.executor.max_size_bytes - left), left)
         stats = self.executor.prefix_cache_stats()
-        self.metrics.set_prefix_cache(stats.cached_bytes, stats.evictions)
+        self.metrics.set_prefix_cache(stats.cached_bytes, stats.evictions, stats.limit_bytes)
 
     def _record_prefix_keys(self, session: SessionState, namespace: str, metadata: InferenceRequestMetadata) -> None:
         """Keys on a request of the session's own client (never a pushed one): its pages are published once

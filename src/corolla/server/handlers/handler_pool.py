@@ -173,7 +173,7 @@ class HandlerPool:
             left = self.executor.bytes_left
             self.metrics.set_cache(max(0, self.executor.max_size_bytes - left), left)
             stats = self.executor.prefix_cache_stats()
-            self.metrics.set_prefix_cache(stats.cached_bytes, stats.evictions)
+            self.metrics.set_prefix_cache(stats.cached_bytes, stats.evictions, stats.limit_bytes)
 
     async def stop(self) -> None:
         """Closes every channel and waits for the processes to exit (killing any that does not)."""
