@@ -5,6 +5,8 @@ probe to a stock Petals server, and cache-affine routing."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -183,6 +185,8 @@ def test_session_routes_to_the_chain_that_held_its_prefix():
         torch.testing.assert_close(out, reference(embed(ids), 4)[:, session.reused_tokens :], atol=1e-5, rtol=0)
     assert sorted(len(s.hits) for s in servers.values()) == [0, 4]  # every turn on the chain that held the prefix
     assert manager.prefix_routes.num_affine == 3
+    load = manager.routed.load(time.monotonic())
+    assert len(load) == 1 and max(load.values()) > 3.9  # the affine sessions count as load, as the planned one did
 
 
 @pytest.mark.parametrize("tuning_mode", [None, "ptune", "deep_ptune"])

@@ -180,6 +180,8 @@ class InferenceSession:
         assert chain is not None
         routes, new_tokens = self.manager.prefix_routes, self.max_length - len(chain)
         route = routes.route_for(self.manager.spans, chain, self.start, self.end, new_tokens=new_tokens)
+        if route is not None:  # planned here, not by make_sequence: still this client's load on those servers
+            self.manager.note_routed(route)
         try:
             await self._replace_spans(0, self.start, None, route=route)
             spans = list(self._spans)

@@ -260,7 +260,7 @@ class RemoteSequenceManager:
             client_load=self.routed.load(now), rng=self.rng,
         )  # fmt: skip
         if mode == "min_latency":  # an inference session holds its servers until it ends
-            self.routed.note((span.peer_id for span in route), now)
+            self.note_routed(route, now)
         show = self.config.show_route == "always" or (self.config.show_route == "inference" and mode == "min_latency")
         (logger.info if show else logger.debug)(
             "routing.route(blocks=%d:%d, mode=%s) %s",
@@ -270,6 +270,11 @@ class RemoteSequenceManager:
             " => ".join(f"{span.start}:{span.end} via ...{span.peer_id[-6:]}" for span in route),
         )
         return route
+
+    def note_routed(self, route: Sequence[RemoteSpanInfo], now_s: float | None = None) -> None:
+        """An inference session opened on `route` counts as this client's load on its servers (`make_sequence`'s
+        routes, and cache-affine ones chosen by `prefix_routes`)."""
+        self.routed.note((span.peer_id for span in route), time.monotonic() if now_s is None else now_s)
 
     def on_request_failure(self, peer_id: str | None) -> None:
         """Bans the peer and drops it from the current view; refreshes at once if a block became uncovered."""

@@ -166,6 +166,9 @@ class PrefixSimulation(Simulation):
             if route is not None and not any(span.peer_id in banned for span in route):
                 if session.counted:
                     self.clients.counters.affine_routes += 1
+                client = self._client(session)
+                if client is not None:  # the client's routed load counts the session, as a planned route's does
+                    client.note((span.peer_id for span in route), now)
                 return [(span.peer_id, span.start, span.end) for span in route]
         return super()._route(session)
 
