@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if graphs is not None:
         graph_record = dict(prefill_graphs=graphs.graph_count, prefill_graph_reserved_bytes=graphs.reserved_bytes)
         log(lines, f"prefill graphs: {graphs.graph_count} captured, {graphs.reserved_bytes / 2**20:.1f} MiB reserved "
-                   f"by their captures, {graphs.replays} replays")  # fmt: skip
+                   f"by their captures, {graphs.replays} replays, capture error: {graphs.capture_error}")  # fmt: skip
 
     if args.profile:
         for label, way in (("cached turn", keys), ("full prefill", None)):

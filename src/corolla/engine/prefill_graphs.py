@@ -69,13 +69,14 @@ class PrefillGraphs:
         self._mempool = torch.cuda.graph_pool_handle()
         self.reserved_bytes = 0  # what the captures added to the device's reserved memory
         self.replays = 0
+        self.capture_error: str | None = None  # a capture that failed: every chunk runs eagerly from then on
 
     @property
     def graph_count(self) -> int:
         return len(self._graphs)
 
     def takes(self, tokens: int) -> bool:
-        return 0 < tokens <= self.max_tokens
+        return 0 < tokens <= self.max_tokens and self.capture_error is None
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, start: int, slot: SequenceSlot, layers: tuple[int, int]) -> torch.Tensor:
@@ -87,7 +88,14 @@ class PrefillGraphs:
         self.ints.copy_(host, non_blocking=True)  # pageable source: staged before the call returns
         self.hidden[:t].copy_(hidden)
         key = (*layers, chunk_bucket(t), key_bucket(total))
-        graph = self._graphs.pop(key, None) or self._capture(key)
+        graph = self._graphs.pop(key, None)
+        if graph is None:
+            try:
+                graph = self._capture(key)
+            except RuntimeError as e:  # (a kernel this device or torch can't capture): serve on, eagerly
+                self.capture_error = repr(e)
+                logger.warning(f"prefill_graphs.capture_failed(key={key}, error={e!r}): short chunks run eagerly")
+                return self.model.prefill(hidden, start, slot, self.pool, chunk_tokens=t, layers=layers)
         self._graphs[key] = graph  # the most recently used last
         graph.replay()
         self.replays += 1
