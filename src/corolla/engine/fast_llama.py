@@ -9,7 +9,7 @@ adapters (`engine.fast_lora.SpanAdapters`) add each row's low-rank delta to the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +17,10 @@ import torch
 from corolla.engine.config import LlamaSpec
 from corolla.engine.cpu_linear import CpuLinearConfig, SlotKey
 from corolla.engine.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
-from corolla.engine.kv_pool import TRASH_PAGE, KVPool, SequenceSlot
+from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.moe import RoutedMoE, tune_experts
 from corolla.engine.ops import DecodeOps
-from corolla.engine.prefill_attention import causal_prefill_attention, varlen_prefill_attention
+from corolla.engine.prefill_attention import causal_prefill_attention
 from corolla.engine.quant import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
 from corolla.engine.span_model import ChunkedPrefill
 from corolla.models.layers import SparseMoE
@@ -400,110 +400,76 @@ class FastLlamaSpan(ChunkedPrefill):
         layers: tuple[int, int],
         prompts: torch.Tensor | None,
     ) -> torch.Tensor:
-        s = self.spec
         t = hidden.shape[0]
         total = start + t
         table = slot.table.to(self.device, non_blocking=True)  # [maxp]
-        all_slots = table_slots(table, torch.arange(total, device=self.device), pool.page_size_tokens)  # [L]
+        key_slots = table_slots(table, torch.arange(total, device=self.device), pool.page_size_tokens)  # [L]
         positions = torch.arange(start, total, device=self.device)  # [T]
-        gqa = s.num_kv_heads != s.num_heads
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q [T, nq, D] at the last T of the L positions of k, v [L, nkv, D] -> [T, nq D]
-            attn = causal_prefill_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=self.scale,
-                enable_gqa=gqa,
-            )  # fmt: skip
-            return attn[0].transpose(0, 1).reshape(t, s.q_size)
-
         overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here
         deep = None if prompts is None or not overlap else prompts[:, start : start + overlap]  # [n, overlap, H]
-        return self._chunk_layers(hidden, positions, all_slots[start:], all_slots, pool, layers, attend, deep)
-
-    def prefill_static(
-        self,
-        hidden: torch.Tensor,
-        table: torch.Tensor,
-        cu_seq_q: torch.Tensor,
-        cu_seq_k: torch.Tensor,
-        key_tokens: int,
-        pool: KVPool,
-        layers: tuple[int, int],
-    ) -> torch.Tensor:
-        """A prefill chunk in static shapes (what `prefill_graphs` captures; on the CPU the same code runs eagerly):
-        hidden [Tb, H] whose first `cu_seq_q[1]` rows are the chunk's tokens, the last of the `cu_seq_k[1]`
-        positions of the sequence whose pages `table` [maxp] int32 names (cu_seq_q = [0, t], cu_seq_k = [0, start
-        + t], int32 on the device: no host value). Rows past t are padding: they write only into the trash page and
-        their outputs are undefined. Keys and values are gathered for `key_tokens` >= start + t positions (those
-        past the sequence repeat its last one and are never attended). No adapters, prompts or routed experts.
-        Returns [Tb, H]."""
-        s = self.spec
-        tb = hidden.shape[0]
-        page = pool.page_size_tokens
-        rows = torch.arange(tb, device=self.device)  # [Tb]
-        tokens, total = cu_seq_q[1].long(), cu_seq_k[1].long()  # [] each, on the device
-        live = rows < tokens  # [Tb]
-        positions = torch.where(live, total - tokens + rows, 0)  # [Tb]; padding reads position 0's rotation
-        slots = torch.where(live, table_slots(table, positions, page), TRASH_PAGE * page + rows % page)  # [Tb]
-        key_positions = torch.minimum(torch.arange(key_tokens, device=self.device), total - 1)  # [Lb]
-        key_slots = table_slots(table, key_positions, page)  # [Lb]
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # q [Tb, nq, D], k, v [Lb, nkv, D] -> [Tb, nq D]
-            return varlen_prefill_attention(q, k, v, cu_seq_q, cu_seq_k, scale=self.scale).reshape(tb, s.q_size)
-
-        return self._chunk_layers(hidden, positions, slots, key_slots, pool, layers, attend, None)
-
-    def _chunk_layers(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        key_slots: torch.Tensor,
-        pool: KVPool,
-        layers: tuple[int, int],
-        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-        deep_prompts: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The layers of one prefill chunk: hidden [T, H] written at `positions`/`slots` [T] long, attending over
-        the cache slots `key_slots` [L] long through `attend(q [T, nq, D], k [L, nkv, D], v) -> [T, nq D]`;
-        `deep_prompts` [n_layers, P, H] are added to the first P rows' input of each layer. Returns [T, H]."""
-        s = self.spec
         lora = None if self.adapters is None else self.adapters.for_prefill()  # the sequence's adapter, or None
         h = hidden
         for j, i in enumerate(range(*layers)):
-            w = self.layers[i]
-            if deep_prompts is not None:
+            if deep is not None:
                 h = h.clone() if j == 0 else h
-                h[: deep_prompts.shape[1]] += deep_prompts[j].to(h.dtype)
-            x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
-            qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [T, (nq+2nkv)D]
-            if lora is not None:
-                qkv = lora.apply(i, "qkv", x, qkv)
-            if w.q_norm is not None:
-                qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, s.rms_norm_eps)
-            k_cache, v_cache = pool.k[i], pool.v[i]  # [pages, page, nkv, D]
-            q = self.ops.rope_and_store(
-                qkv, self.cos, self.sin, positions, slots, k_cache, v_cache, s.num_heads, s.num_kv_heads, s.head_dim
-            )  # [T, nq, D]
-            # index_select: advanced indexing costs more host time per call (the chunk after a prefix is host-bound)
-            k = k_cache.view(-1, s.num_kv_heads, s.head_dim).index_select(0, key_slots)  # [L, nkv, D]
-            v = v_cache.view(-1, s.num_kv_heads, s.head_dim).index_select(0, key_slots)
-            attn = attend(q, k, v)  # [T, nq D]
-            h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)
-            if lora is not None:
-                h = lora.apply(i, "o", attn, h)
-            if w.moe is not None:
-                h = h + self._experts(w.moe, self.ops.rms_norm(h, w.ln2, s.rms_norm_eps))  # [T, H]
-                continue
-            assert w.w_gate_up is not None and w.w_down is not None
-            if lora is not None:
-                h = self._adapted_mlp(lora, i, w, h)
-                continue
-            x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
-            act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
-            h = self.ops.linear(act, w.w_down, w.b_down, residual=h)
+                h[: deep.shape[1]] += deep[j].to(h.dtype)
+            q = self.chunk_pre(i, h, positions, key_slots[start:], pool, lora)  # [T, nq, D]
+            h = self.chunk_post(i, h, self.chunk_attend(i, q, key_slots, pool), lora)  # [T, H]
         return h
+
+    # The three pieces of a prefill chunk's layer. `prefill_graphs` captures `chunk_post` of one layer and
+    # `chunk_pre` of the next as one CUDA graph in static shapes (rows padded to a bucket) and runs `chunk_attend`,
+    # whose key count is the sequence's length, eagerly in between.
+
+    def chunk_pre(
+        self,
+        i: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        pool: KVPool,
+        lora: OneAdapter | None = None,
+    ) -> torch.Tensor:
+        """Layer i's attention input: h [T, H] at `positions` [T] long; writes the rotated keys and values at the
+        cache `slots` [T] long. Returns the rotated queries [T, nq, D]."""
+        s, w = self.spec, self.layers[i]
+        x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
+        qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [T, (nq+2nkv)D]
+        if lora is not None:
+            qkv = lora.apply(i, "qkv", x, qkv)
+        if w.q_norm is not None:
+            qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, s.rms_norm_eps)
+        return self.ops.rope_and_store(
+            qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
+        )  # [T, nq, D]
+
+    def chunk_attend(self, i: int, q: torch.Tensor, key_slots: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        """q [T, nq, D], the last T of the L positions whose cache slots are `key_slots` [L] long -> layer i's
+        causal attention [T, nq D]."""
+        s = self.spec
+        # index_select: advanced indexing costs more host time per call (the chunk after a prefix is host-bound)
+        k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, key_slots)  # [L, nkv, D]
+        v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, key_slots)
+        attn = causal_prefill_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=self.scale,
+            enable_gqa=s.num_kv_heads != s.num_heads,
+        )  # fmt: skip
+        return attn[0].transpose(0, 1).reshape(q.shape[0], s.q_size)  # [T, nq D]
+
+    def chunk_post(self, i: int, h: torch.Tensor, attn: torch.Tensor, lora: OneAdapter | None = None) -> torch.Tensor:
+        """Layer i's output projection and MLP: residual h [T, H] and attention output attn [T, nq D] -> [T, H]."""
+        s, w = self.spec, self.layers[i]
+        h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)
+        if lora is not None:
+            h = lora.apply(i, "o", attn, h)
+        if w.moe is not None:
+            return h + self._experts(w.moe, self.ops.rms_norm(h, w.ln2, s.rms_norm_eps))  # [T, H]
+        assert w.w_gate_up is not None and w.w_down is not None
+        if lora is not None:
+            return self._adapted_mlp(lora, i, w, h)
+        x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
+        act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
+        return self.ops.linear(act, w.w_down, w.b_down, residual=h)  # [T, H]
 
 
 def table_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:

@@ -53,29 +53,3 @@ def flash_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bo
     if fits is None:
         fits = _FLASH_FITS[key] = bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, enable_gqa)))
     return fits
-
-
-def varlen_prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, *, scale: float
-) -> torch.Tensor:
-    """A prefill chunk in static shapes with its lengths on the device (CUDA-graph safe: no host value): q [Tq, nq,
-    Dk] whose first t = cu_seq_q[1] rows are the queries at the last t of the L = cu_seq_k[1] positions whose keys
-    and values are the first L rows of k [Lk, nkv, Dk] and v [Lk, nkv, Dv] (cu_seq_q = [0, t], cu_seq_k = [0, L],
-    int32). Rows past t are padding: their outputs are undefined. Returns [Tq, nq, Dv]."""
-    tq, lk = q.shape[0], k.shape[0]
-    if flash_fits(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], q.shape[1] != k.shape[1]):
-        # the variable-length form of flash attention reads the lengths from the device; its causal mask is aligned
-        # to the lower right of each sequence (the chunk's last query sees every key)
-        out = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seq_q, cu_seq_k, tq, lk, 0.0, True, False, scale=scale
-        )
-        return out[0]
-    tokens, total = cu_seq_q[1].long(), cu_seq_k[1].long()  # [] each
-    query_positions = total - tokens + torch.arange(tq, device=q.device)  # [Tq]
-    key_positions = torch.arange(lk, device=q.device)  # [Lk]
-    mask = key_positions[None] <= query_positions[:, None]  # [Tq, Lk]; a query's own position is below L
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
-    return out[0].transpose(0, 1)  # [Tq, nq, Dv]

@@ -1,27 +1,34 @@
-"""Short prefill chunks of a llama-family span replayed as CUDA graphs: the next turn of a conversation whose history
-is cached computes ~100-250 positions, and eagerly the host spends longer issuing its ~30 operations per layer than
-the device spends running them (issue 34, docs/decisions/0019). A graph per (layers, chunk bucket, key bucket) runs
-`FastLlamaSpan.prefill_static`: the chunk's rows padded to a bucket (8, 16, then multiples of 32 up to
-`EngineConfig.prefill_graph_tokens`), the keys gathered for the sequence's length rounded up to 1,024 positions, the
-real lengths in device tensors read by flash attention's variable-length form; so one graph serves any prefix
-length in its key bucket. Padding rows write only into the pool's trash page. Graphs are captured at first use into
-one memory pool (they run one at a time, so each reuses the others' scratch) and write into one shared output; at
-most `MAX_GRAPHS` are kept; `reserved_bytes` is what their captures added to the device's reserved memory (the
-pool: about one chunk's activations and one gather of keys and values)."""
+"""Short prefill chunks of a llama-family span with their per-layer work replayed as CUDA graphs: the next turn of a
+conversation whose history is cached computes ~100-250 positions, and eagerly the host spent longer issuing its ~30
+operations per layer than the device spent running them (issue 34, docs/decisions/0019).
+
+Between two layers' attention calls everything has static shapes once the chunk's rows are padded to a bucket (8,
+16, then multiples of 32 up to `EngineConfig.prefill_graph_tokens`): layer i-1's output projection and MLP
+(`FastLlamaSpan.chunk_post`) and layer i's norm, QKV projection, rotation and cache write (`chunk_pre`) are one
+graph per boundary, reading and writing static buffers. The attention itself (`chunk_attend`: gather the sequence's
+keys and values, flash attention with its lower-right causal mask) runs eagerly in between on the chunk's real
+rows: its key count is the sequence's length, and flash attention's variable-length form, the one that takes
+lengths from the device, has no split over the keys (4.4 ms against 2.1 ms over 32 Llama-3-8B layers on an H200
+when a whole chunk was one graph). Padding rows read position 0 and write only into the pool's trash page.
+
+The graphs of a (layer range, row bucket) group are captured at its first chunk, which runs the same work eagerly;
+they share one memory pool (they run one at a time, so each reuses the others' scratch); at most `MAX_GROUPS`
+groups are kept (least recently used dropped); `reserved_bytes` is what their captures added to the device's
+reserved memory. With `capture=False` (the CPU, in tests) the same work runs eagerly."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from corolla.engine.fast_llama import FastLlamaSpan
-from corolla.engine.kv_pool import KVPool, SequenceSlot
-from corolla.engine.prefill_attention import flash_fits
+from corolla.engine.fast_llama import FastLlamaSpan, table_slots
+from corolla.engine.kv_pool import TRASH_PAGE, KVPool, SequenceSlot
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-MAX_GRAPHS = 32  # captured graphs kept (least recently used dropped): their count is bounded, not their buckets'
-KEY_BUCKET_TOKENS = 1024  # keys gathered per graph: the sequence's length rounded up to this (gathering is cheap)
+MAX_GROUPS = 8  # (layer range, row bucket) groups of graphs kept: num_layers + 1 graphs each
 
 
 def chunk_bucket(tokens: int) -> int:
@@ -31,49 +38,46 @@ def chunk_bucket(tokens: int) -> int:
     return -(-tokens // 32) * 32
 
 
-def key_bucket(total_tokens: int) -> int:
-    return -(-total_tokens // KEY_BUCKET_TOKENS) * KEY_BUCKET_TOKENS
-
-
 def graphs_serve(model: object) -> bool:
     """Whether a span's short prefill chunks can run as graphs: a llama-family span on CUDA without adapters or
-    routed experts whose attention shapes flash attention takes."""
+    routed experts."""
     if not isinstance(model, FastLlamaSpan) or model.device.type != "cuda" or model.adapters is not None:
         return False
-    if any(layer.moe is not None for layer in model.layers):
-        return False
-    s = model.spec
-    q = torch.empty((1, s.num_heads, 2, s.head_dim), dtype=model.dtype, device=model.device)
-    kv = torch.empty((1, s.num_kv_heads, 4, s.head_dim), dtype=model.dtype, device=model.device)
-    return flash_fits(q, kv, kv, s.num_heads != s.num_kv_heads)
+    return all(layer.moe is None for layer in model.layers)
 
 
 class PrefillGraphs:
-    """`run(hidden, start, slot, layers)` computes a chunk of at most `max_tokens` rows through the captured graph
-    of its buckets (captured on first use). Use from one thread (the engine's device thread)."""
+    """`run(hidden, start, slot, layers)` computes a chunk of at most `max_tokens` rows (see the module docstring).
+    Use from one thread (the engine's device thread)."""
 
-    def __init__(self, model: FastLlamaSpan, pool: KVPool, max_tokens: int):
-        if not graphs_serve(model):
-            raise ValueError("prefill graphs need a llama-family span on CUDA without adapters or experts")
+    def __init__(self, model: FastLlamaSpan, pool: KVPool, max_tokens: int, *, capture: bool = True):
+        if capture and model.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA span")
         self.model = model
         self.pool = pool
         self.max_tokens = max_tokens
-        dev = model.device
+        self.capture = capture
+        s, dev, dtype = model.spec, model.device, model.dtype
         rows = chunk_bucket(max_tokens)
-        self.hidden = torch.zeros((rows, model.spec.hidden_size), dtype=model.dtype, device=dev)  # [Tmax, H]
-        self.output = torch.zeros_like(self.hidden)  # every graph's result lands here: [Tmax, H]
-        # the session's page table, then cu_seq_q = [0, t] and cu_seq_k = [0, start + t]: one copy per chunk
-        self.ints = torch.zeros((pool.max_pages_per_seq + 4,), dtype=torch.int32, device=dev)
-        # (first layer, end layer, rows, key tokens) -> graph, least recently used first
-        self._graphs: dict[tuple[int, int, int, int], torch.cuda.CUDAGraph] = {}
-        self._mempool = torch.cuda.graph_pool_handle()
+        # the static buffers every graph reads and writes: the residual stream [Tmax, H], the rotated queries
+        # [Tmax, nq, D], the attention output [Tmax, nq D], positions and cache slots [Tmax] of the rows
+        self.h = torch.zeros((rows, s.hidden_size), dtype=dtype, device=dev)
+        self.q = torch.zeros((rows, s.num_heads, s.head_dim), dtype=dtype, device=dev)
+        self.attn = torch.zeros((rows, s.q_size), dtype=dtype, device=dev)
+        self.positions = torch.zeros((rows,), dtype=torch.long, device=dev)
+        self.trash_slots = TRASH_PAGE * pool.page_size_tokens + torch.arange(rows, device=dev) % pool.page_size_tokens
+        self.slots = self.trash_slots.clone()
+        # (first layer, end layer, rows) -> per boundary first..end: a graph's replay (or the eager work), least
+        # recently used first
+        self._groups: dict[tuple[int, int, int], list[Callable[[], None] | None]] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if capture else None
         self.reserved_bytes = 0  # what the captures added to the device's reserved memory
-        self.replays = 0
-        self.capture_error: str | None = None  # a capture that failed: every chunk runs eagerly from then on
+        self.chunks = 0
+        self.capture_error: str | None = None  # a capture that failed: later chunks run eagerly
 
     @property
     def graph_count(self) -> int:
-        return len(self._graphs)
+        return sum(len(group) for group in self._groups.values()) if self.capture else 0
 
     def takes(self, tokens: int) -> bool:
         return 0 < tokens <= self.max_tokens and self.capture_error is None
@@ -83,52 +87,66 @@ class PrefillGraphs:
         """hidden [t, H] on the device at positions [start, start + t) of the sequence in `slot` through layers
         [first, end) -> [t, H] (a new tensor)."""
         t = hidden.shape[0]
-        total = start + t
-        host = torch.cat([slot.table, torch.tensor([0, t, 0, total], dtype=torch.int32)])  # [maxp + 4]
-        self.ints.copy_(host, non_blocking=True)  # pageable source: staged before the call returns
-        self.hidden[:t].copy_(hidden)
-        key = (*layers, chunk_bucket(t), key_bucket(total))
-        graph = self._graphs.pop(key, None)
-        if graph is None:
-            try:
-                graph = self._capture(key)
-            except RuntimeError as e:  # (a kernel this device or torch can't capture): serve on, eagerly
-                self.capture_error = repr(e)
-                logger.warning(f"prefill_graphs.capture_failed(key={key}, error={e!r}): short chunks run eagerly")
-                return self.model.prefill(hidden, start, slot, self.pool, chunk_tokens=t, layers=layers)
-        self._graphs[key] = graph  # the most recently used last
-        graph.replay()
-        self.replays += 1
-        return self.output[:t].clone()
-
-    def _capture(self, key: tuple[int, int, int, int]) -> torch.cuda.CUDAGraph:
-        first, end, rows, key_tokens = key
-        maxp = self.pool.max_pages_per_seq
-        args = (
-            self.hidden[:rows],
-            self.ints[:maxp],
-            self.ints[maxp : maxp + 2],
-            self.ints[maxp + 2 :],
-            key_tokens,
-            self.pool,
-            (first, end),
-        )
+        total, rows, (first, end) = start + t, chunk_bucket(t), layers
         dev = self.model.device
-        stream = torch.cuda.Stream(device=dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):  # compiles this shape's kernels outside capture (writes what the replay will)
-            self.model.prefill_static(*args)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        if len(self._graphs) >= MAX_GRAPHS:  # the least recently used goes (its scratch stays in the shared pool)
-            self._graphs.pop(next(iter(self._graphs)))
+        table = slot.table.to(dev, non_blocking=True)  # [maxp]
+        key_slots = table_slots(table, torch.arange(total, device=dev), self.pool.page_size_tokens)  # [L]
+        self.positions[:t].copy_(torch.arange(start, total, device=dev))
+        self.positions[t:rows].zero_()
+        self.slots[:t].copy_(key_slots[start:])
+        self.slots[t:rows].copy_(self.trash_slots[t:rows])  # (rows a longer chunk wrote before)
+        self.h[:t].copy_(hidden)
+        key = (first, end, rows)
+        group = self._groups.pop(key, None)
+        if group is None:
+            group = [None] * (end - first + 1)
+            logger.info(f"prefill_graphs.group(layers={first}:{end}, rows={rows}, capture={self.capture})")
+        self._groups[key] = group  # the most recently used last
+        while len(self._groups) > MAX_GROUPS:
+            self._groups.pop(next(iter(self._groups)))
+        for i in range(first, end + 1):
+            step = group[i - first]
+            if (
+                step is None
+            ):  # this group's first chunk: the work runs eagerly (compiling its kernels), then is captured
+                work = self._work(i, first, end, rows)
+                work()
+                group[i - first] = self._captured(work, i, rows)
+            else:
+                step()
+            if i < end:
+                self.attn[:t].copy_(self.model.chunk_attend(i, self.q[:t], key_slots, self.pool))
+        self.chunks += 1
+        return self.h[:t].clone()
+
+    def _work(self, i: int, first: int, end: int, rows: int) -> Callable[[], None]:
+        """Boundary i's work on the static buffers: layer i-1's `chunk_post` (unless i is the first layer), then
+        layer i's `chunk_pre` (unless i is the end)."""
+        model, pool = self.model, self.pool
+        h, q, attn, positions, slots = self.h[:rows], self.q[:rows], self.attn[:rows], self.positions, self.slots
+
+        def work() -> None:
+            if i > first:
+                h.copy_(model.chunk_post(i - 1, h, attn))  # [rows, H]
+            if i < end:
+                q.copy_(model.chunk_pre(i, h, positions[:rows], slots[:rows], pool))  # [rows, nq, D]
+
+        return work
+
+    def _captured(self, work: Callable[[], None], i: int, rows: int) -> Callable[[], None]:
+        """`work` as a CUDA graph's replay (or itself, without capture or after a failed capture)."""
+        if not self.capture or self.capture_error is not None:
+            return work
+        dev = self.model.device
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):  # (entering empties the allocator's cache: measured inside)
-            before = torch.cuda.memory_reserved(dev)
-            self.output[:rows].copy_(self.model.prefill_static(*args))
-            self.reserved_bytes += torch.cuda.memory_reserved(dev) - before
-        self._graphs[key] = graph
-        logger.info(
-            f"prefill_graphs.capture(layers={first}:{end}, rows={rows}, key_tokens={key_tokens}, "
-            f"graphs={len(self._graphs)}, reserved_bytes={self.reserved_bytes})"
-        )
-        return graph
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool):  # (entering empties the allocator's cache)
+                before = torch.cuda.memory_reserved(dev)
+                work()
+                self.reserved_bytes += torch.cuda.memory_reserved(dev) - before
+        except RuntimeError as e:  # (a kernel this device or torch can't capture): serve on, eagerly
+            self.capture_error = repr(e)
+            logger.warning(f"prefill_graphs.capture_failed(boundary={i}, rows={rows}, error={e!r}): runs eagerly")
+            return work
+        logger.debug(f"prefill_graphs.capture(boundary={i}, rows={rows}, reserved_bytes={self.reserved_bytes})")
+        return graph.replay
