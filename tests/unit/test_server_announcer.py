@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from corolla.protocol.records import ModelInfo, ServerInfo, ServerState
+from corolla.protocol.records import LOAD_FIELDS, ModelInfo, ServerInfo, ServerState
 from corolla.server.announcer import Announcer
 from corolla.server.front import block_functions as bf
 from corolla.swarm.early_announce import EarlyAnnounce
@@ -174,6 +174,8 @@ async def test_early_announce_on_a_large_cache_change_is_rate_bounded(records):
     cache_left[0] = 40  # 60% of the capacity: announced once the min interval has passed
     await asyncio.sleep(0.2)
     assert records.stored[-1][1][2]["cache_tokens_left"] == 40 and announcer.num_early_announcements == 1
+    petals_fields = set(ServerInfo.__dataclass_fields__) - set(LOAD_FIELDS) - {"state", "throughput"}
+    assert set(records.stored[-1][1][2]) - set(LOAD_FIELDS) <= petals_fields  # the same record: no new field
     first_early_at = records.stored[-1][3]
     cache_left[0] = 100
     await asyncio.sleep(0.6)
