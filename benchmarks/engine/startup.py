@@ -4,7 +4,8 @@
 Writes a random checkpoint (safetensors, one shard per layer, bf16) of --layers layers under --checkpoint_dir (not
 timed), then per kind (--kinds: none, nf4, int8): every block loaded as `server.block_loading.load_span_blocks` does
 (`load_pretrained_block`: the block's tensors read into a CPU block; `place_block`: quantized on the device), the
-fused engine built over the blocks and warmed up (kernel tuning and CUDA-graph capture); seconds per stage. Also
+fused engine built over the blocks and warmed up (kernel tuning and CUDA-graph capture), then built and warmed up
+again as after a restart (the tuner's choices read from --choices_dir); seconds per stage. Also
 times, on the host, one block's bitsandbytes layers built the way `models.quantization` built them before (a random
 fp32 initial weight on the CPU, replaced at once) against on the meta device (now). Writes a JSON and a log."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--out", default="startup-results")
     parser.add_argument("--checkpoint_dir", default="/tmp/corolla-startup-checkpoint")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--choices_dir", default="/tmp/corolla-startup-choices", help="emptied first")
     parser.add_argument("--kinds", default="none,nf4,int8")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer 256-wide model (a CPU dry run)")
     args = parser.parse_args()
@@ -108,6 +111,8 @@ def main() -> None:
     lines: list[str] = []
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     results: dict = {"card": card, "layers": shape.num_layers, "kinds": {}}
+    choices_dir = Path(args.choices_dir)
+    shutil.rmtree(choices_dir, ignore_errors=True)
     started = time.perf_counter()
     nbytes = write_checkpoint(Path(args.checkpoint_dir), config, shape.num_layers)
     log(lines, f"{card}: checkpoint of {shape.num_layers} layers, {nbytes / 1e9:.2f} GB, written in "
@@ -124,15 +129,22 @@ def main() -> None:
         t0 = time.perf_counter()
         blocks, stages = load_span(Path(args.checkpoint_dir), config, shape.num_layers, kind, device)
         t1 = time.perf_counter()
-        engine = SpanEngine.from_blocks(blocks, EngineConfig(max_seq_len_tokens=4096, max_batch_rows=64))
+        config = EngineConfig(max_seq_len_tokens=4096, max_batch_rows=64, kernel_choices_dir=str(choices_dir))
+        engine = SpanEngine.from_blocks(blocks, config)
         t2 = time.perf_counter()
         engine.warmup()
         t3 = time.perf_counter()
-        stages.update(load_s=t1 - t0, engine_build_s=t2 - t1, warmup_s=t3 - t2, total_s=t3 - t0)
+        del engine
+        engine = SpanEngine.from_blocks(blocks, config)  # a restart: the tuner's choices come from the disk
+        t4 = time.perf_counter()
+        engine.warmup()
+        stages.update(load_s=t1 - t0, engine_build_s=t2 - t1, warmup_s=t3 - t2, total_s=t3 - t0,
+                      warmup_stored_choices_s=time.perf_counter() - t4)  # fmt: skip
         results["kinds"][kind] = stages
         log(lines, f"{kind}: load {stages['load_s']:.1f} s (read {stages['read_s']:.1f}, place {stages['place_s']:.1f}), "
                    f"engine build {stages['engine_build_s']:.1f} s, warm-up {stages['warmup_s']:.1f} s, "
-                   f"total {stages['total_s']:.1f} s")  # fmt: skip
+                   f"total {stages['total_s']:.1f} s; warm-up again with the stored choices "
+                   f"{stages['warmup_stored_choices_s']:.1f} s")  # fmt: skip
         del engine, blocks
         if device.type == "cuda":
             torch.cuda.empty_cache()

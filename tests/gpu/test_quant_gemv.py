@@ -275,3 +275,41 @@ def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
         assert torch.equal(got, want), (kind, m)
         expected = x.float() @ weights[1].dequantize().float().t() + res.float()
         assert float((got.float() - expected).norm() / expected.norm()) < 1.5e-2
+
+
+def test_tuned_choices_come_back_from_disk_without_timing(tmp_path, monkeypatch) -> None:
+    # a second DecodeOps over the same directory, card and versions takes the first one's choices (quantized shapes
+    # and single-row dense projections) and times nothing; another scope (card or versions) misses
+    from corolla.engine import graph_timing, quant_choices
+    from corolla.engine import ops as ops_module
+    from corolla.engine.kernel_choices import KernelChoices, device_scope
+    from corolla.engine.ops import DecodeOps
+
+    weights = {("nf4", 256, 1024): [_weight("nf4", 256, 1024, seed=50)],
+               ("int8", 256, 1024): [_weight("int8", 256, 1024, seed=51)]}  # fmt: skip
+    dense = {(256, 1024, "rmsnorm", False): [(torch.randn(256, 1024, device=DEV, dtype=BF16) * 0.03,
+                                              torch.ones(1024, device=DEV, dtype=BF16))]}  # fmt: skip
+    first = DecodeOps(DEV, 64, use_triton=True)
+    first.kernel_choices = KernelChoices(tmp_path, device_scope(DEV))
+    tuned = {**first.tune_quantized(weights, reps=3), **first.tune_linear(dense, 1e-5, reps=3)}
+    assert not any(r.get("cached") for r in tuned.values())
+    timed = []
+
+    def counted(timer):
+        return lambda *a, **k: timed.append(a) or timer(*a, **k)
+
+    monkeypatch.setattr(quant_choices, "time_configs", counted(graph_timing.time_configs))
+    monkeypatch.setattr(ops_module, "graph_median_ms", counted(graph_timing.graph_median_ms))
+    second = DecodeOps(DEV, 64, use_triton=True)
+    second.kernel_choices = KernelChoices(tmp_path, device_scope(DEV))
+    again = {**second.tune_quantized(weights, reps=3), **second.tune_linear(dense, 1e-5, reps=3)}
+    assert all(r["cached"] for r in again.values()) and not timed
+    for table in ("quant_small", "quant_mid", "quant_gemm", "quant_fused", "single_row_gemm"):
+        assert getattr(second, table) == getattr(first, table), table
+    x = torch.randn(1, 1024, device=DEV, dtype=BF16)
+    for key, (w,) in weights.items():
+        assert torch.equal(second.linear(x, w, None), first.linear(x, w, None)), key
+    elsewhere = DecodeOps(DEV, 64, use_triton=True)
+    elsewhere.kernel_choices = KernelChoices(tmp_path, device_scope(DEV) + " (another card)")
+    elsewhere.tune_quantized(weights, reps=3)
+    assert timed  # a miss: timed again

@@ -34,6 +34,9 @@ class EngineConfig:
     prefix_cache_tokens: int | None = None
     attention_splits_max: int = 16
     cpu_linear: CpuLinearConfig = CpuLinearConfig()  # CPU: projections' GEMM chosen per row bucket at warm-up
+    # GPU: the warm-up tuner's choices kept here between starts, per card and versions (engine.kernel_choices);
+    # None: every warm-up times every candidate
+    kernel_choices_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size_tokens < 16 or self.page_size_tokens & (self.page_size_tokens - 1):

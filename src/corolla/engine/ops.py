@@ -4,6 +4,7 @@ Triton kernel on CUDA. All are CUDA-graph safe: static shapes, no host synchroni
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from corolla.engine import cpu_linear
 from corolla.engine.alibi import Alibi
 from corolla.engine.cpu_attention import paged_decode_attention_cpu
 from corolla.engine.graph_timing import graph_median_ms
+from corolla.engine.kernel_choices import KernelChoices
 from corolla.engine.qk_norm import qk_norm_ref, qk_norm_triton
 from corolla.engine.quant import Int8Weight, NF4Weight, quant_key
 from corolla.utils.logging import get_logger
@@ -143,6 +145,9 @@ class DecodeOps:
         self.quant_fused: dict[tuple[str, int, int, str], tuple[str, tuple[int, int, int, int, int]]] = {}
         # CPU: the formulation of each projection per row bucket (engine.cpu_linear); None: F.linear / addmm
         self.cpu_linear: cpu_linear.CpuLinearChoices | None = None
+        # the tuners' choices kept on disk (SpanEngine.warmup sets it from EngineConfig.kernel_choices_dir); None:
+        # every tune times every candidate
+        self.kernel_choices: KernelChoices | None = None
 
     def linear(
         self,
@@ -267,6 +272,16 @@ class DecodeOps:
         for key, items in slots.items():
             n, k, prologue, has_res = key
             dev, dt = items[0][0].device, items[0][0].dtype
+            candidates = (None, ("pad", 8), *triton_kernels.SKINNY_GEMM_CONFIGS, *triton_kernels.SPLITK_CONFIGS)
+            digest = zlib.crc32(repr(candidates).encode())  # a changed candidate list tunes again
+            problem = f"linear {n}x{k} {dt} prologue={prologue} residual={has_res} {digest:08x}"
+            cached = self.kernel_choices.get(problem) if self.kernel_choices is not None else None
+            if cached is not None:
+                self.single_row_gemm.pop(key, None)
+                if cached["best"] is not None:
+                    self.single_row_gemm[key] = cached["best"]
+                report[key] = {**cached, "cached": True}
+                continue
             x = torch.randn(1, 2 * k if prologue == "silu" else k, device=dev, dtype=dt)
             res = torch.randn(1, n, device=dev, dtype=dt) if has_res else None
 
@@ -278,7 +293,6 @@ class DecodeOps:
                         self._fused(x, w, res, prologue, nw, eps, config)
 
             timings = {}
-            candidates = (None, ("pad", 8), *triton_kernels.SKINNY_GEMM_CONFIGS, *triton_kernels.SPLITK_CONFIGS)
             for config in candidates:
                 try:
                     timings[config] = graph_median_ms(lambda c=config: run(c), reps)
@@ -294,6 +308,8 @@ class DecodeOps:
                 "best_us": timings[best] * per_call,
                 "all_us": {str(c): t * per_call for c, t in timings.items()},
             }
+            if self.kernel_choices is not None:
+                self.kernel_choices.put(problem, {f: report[key][f] for f in ("unfused_us", "best", "best_us")})
         return report
 
     def tune_cpu_linear(

@@ -4,6 +4,8 @@ DecodeOps' quant_small / quant_mid / quant_gemm / quant_fused). Importing fails 
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from corolla.engine import quant_gemv, quant_kernels, quant_mma, quant_stream
@@ -69,13 +71,12 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
     ops.quant_gemm); each as a CUDA graph over all layers' weights. Then, per prologue (`prologues`: shape -> the
     names its projections take, none for a shape missing there; None: both "rmsnorm" and "silu"), the norm/SiLU
     kernel + the one-row best against the fused kernels (`tune_prologue`). One (kernel, config) per row range and
-    prologue keeps rows batch-invariant within it. Returns {shape: {"best", "best_us", "all_us", "mid_best",
+    prologue keeps rows batch-invariant within it. A shape whose choices `ops.kernel_choices` holds (same card and
+    versions) takes them without timing anything. Returns {shape: {"best", "best_us", "all_us", "mid_best",
     "mid_all_us", "gemm_best", "gemm_best_us", "gemm_all_us", "prologues"}}, microseconds per layer call."""
     report = {}
     for key, items in weights.items():
-        k = key[2]
-        one = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
-        many = torch.randn(quant_kernels.QUANT_KERNEL_MAX_ROWS, k, device=one.device, dtype=one.dtype)
+        wanted = ("rmsnorm", "silu") if prologues is None else tuple(prologues.get(key, ()))
         # NF4 in 16-bit dtypes: the matrix-unit kernel replaces the tl.dot kernels, which were slower on every
         # Llama-3-8B projection (docs/decisions/0012-nf4-matrix-units.md)
         nf4 = key[0] == "nf4" and items[0].dtype != torch.float32
@@ -87,9 +88,19 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         else:
             gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
             small_configs = [("gemv", c) for c in gemv_configs] + block_configs
-        gemv = time_configs(small_configs, lambda c, w, x=one: quant_kernel(*c)(x, w, None), items, reps)
         mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
         gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]
+        # the candidates are part of the problem: a changed candidate list tunes again
+        candidates = zlib.crc32(repr((small_configs, mma, block_configs)).encode())
+        problem = f"quant {key[0]} {key[1]}x{key[2]} {items[0].dtype} prologues={','.join(wanted)} {candidates:08x}"
+        cached = ops.kernel_choices.get(problem) if ops.kernel_choices is not None else None
+        if cached is not None:
+            report[key] = _restore(ops, key, cached)
+            continue
+        k = key[2]
+        one = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
+        many = torch.randn(quant_kernels.QUANT_KERNEL_MAX_ROWS, k, device=one.device, dtype=one.dtype)
+        gemv = time_configs(small_configs, lambda c, w, x=one: quant_kernel(*c)(x, w, None), items, reps)
         gemm = time_configs(gemm_configs, lambda c, w, x=many: quant_kernel(*c)(x, w, None), items, reps)
         if not gemv or not gemm:
             raise RuntimeError(f"no dequantize-GEMV or -GEMM config runs for {key}")
@@ -113,9 +124,24 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
             "gemm_best": gemm_best,
             "gemm_best_us": gemm[gemm_best] * per_call,
             "gemm_all_us": {str(c): t * per_call for c, t in gemm.items()},
-            "prologues": {
-                p: tune_prologue(ops, key, items, p, best, gemv, reps)
-                for p in (("rmsnorm", "silu") if prologues is None else prologues.get(key, ()))
-            },
+            "prologues": {p: tune_prologue(ops, key, items, p, best, gemv, reps) for p in wanted},
         }
+        if ops.kernel_choices is not None:
+            ops.kernel_choices.put(problem, {
+                "best": best, "best_us": report[key]["best_us"], "mid_best": ops.quant_mid.get(key),
+                "gemm_best": gemm_best, "gemm_best_us": report[key]["gemm_best_us"],
+                "fused": {p: ops.quant_fused.get((*key, p)) for p in wanted},
+            })  # fmt: skip
     return report
+
+
+def _restore(ops, key: tuple[str, int, int], cached: dict) -> dict:
+    """Puts a stored tuning of shape `key` into `ops`; its report entry (the times measured when it was tuned)."""
+    ops.quant_small[key], ops.quant_gemm[key] = cached["best"], cached["gemm_best"]
+    if cached["mid_best"] is not None:
+        ops.quant_mid[key] = cached["mid_best"]
+    for prologue, choice in cached["fused"].items():
+        ops.quant_fused.pop((*key, prologue), None)
+        if choice is not None:
+            ops.quant_fused[(*key, prologue)] = choice
+    return {**cached, "cached": True}

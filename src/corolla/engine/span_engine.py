@@ -29,6 +29,7 @@ from corolla.engine.graph_decode import (
     merge_rows,
     stage_row_inputs,
 )
+from corolla.engine.kernel_choices import KernelChoices, device_scope
 from corolla.engine.kv_pool import KVPool, SequenceSlot
 from corolla.engine.prefill_graphs import PrefillGraphs, graphs_serve
 from corolla.engine.session_prefix import SessionPrefix
@@ -204,10 +205,13 @@ class SpanEngine:
 
     def warmup(self) -> dict:
         """Chooses projection kernels (GPU: if `tune_gemm`; CPU, llama-family spans: if `cpu_linear.enabled`) and
-        captures every CUDA-graph bucket now rather than at first use. Call before serving; returns the kernel
-        timings."""
+        captures every CUDA-graph bucket now rather than at first use (GPU choices stored under
+        `kernel_choices_dir` earlier are taken without timing). Call before serving; returns the kernel timings."""
         report = {}
         if self.device.type == "cuda" and self.config.tune_gemm:
+            ops = getattr(self.model, "ops", None)
+            if ops is not None and self.config.kernel_choices_dir is not None:
+                ops.kernel_choices = KernelChoices(self.config.kernel_choices_dir, device_scope(self.device))
             report = self.model.tune()
         elif self.device.type == "cpu" and self.config.cpu_linear.enabled and isinstance(self.model, FastLlamaSpan):
             report = self.model.tune_cpu(self.config.cpu_linear)
