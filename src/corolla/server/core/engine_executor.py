@@ -51,6 +51,7 @@ from corolla.server.core.forward_chunks import run_forward_chunked
 from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, Runtime, Task
 from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
+from corolla.server.throughput import default_cache_dir
 from corolla.utils.gil import lower_switch_interval
 from corolla.utils.logging import get_logger
 
@@ -398,6 +399,7 @@ def build_engine_executor(
         max_batch_rows=max_batch_rows,
         page_size_tokens=GPU_PAGE_TOKENS if traits.device_type == "cuda" else CPU_PAGE_TOKENS,
         prefix_cache_tokens=prefix_cache_tokens,
+        kernel_choices_dir=str(default_cache_dir()),  # beside the throughput figures: a restart skips the tuning
     )
     reason = unsupported_reason(traits)
     blocks = [backend.blocks[i] for i in sorted(backend.blocks)]
