@@ -26,6 +26,12 @@ class _HeadOnGpu:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [B, T, V]
 
+    def session_step(
+        self, session: _EchoSession, input_ids: torch.Tensor, prompts: object = None, *, may_reuse: bool = False
+    ) -> torch.Tensor:
+        # as DistributedModelForCausalLM: embed on the model's device, then one step of the session
+        return session.step(self.embed(input_ids), prompts)  # [B, T, H] on the GPU
+
 
 class _EchoSession:
     position = 1
