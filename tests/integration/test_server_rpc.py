@@ -450,6 +450,8 @@ def test_alloc_timeout_waits_for_memory_and_is_capped(server, client):
 
     big = InferenceStream(client).open()  # 2 x 64 tokens x 4 blocks = 512 of 640 token-blocks
     big.step(packed_request(chain(server, 0, 4), torch.randn(2, 1, HIDDEN), max_length=MAX_LENGTH_LIMIT))
+    for _ in range(4):  # generating at full pace: it keeps its whole promise (a trickle would yield it: test_hoarding)
+        big.step(packed_request(chain(server, 0, 4), torch.randn(2, 1, HIDDEN)))
     started = time.monotonic()
     with pytest.raises(P2PHandlerError, match="allocate"):  # asks for 100 s, gets the 1 s cap
         InferenceStream(client).open().step(
