@@ -241,3 +241,15 @@ def test_a_cache_refusal_rereads_avoids_the_server_and_reroutes_at_once(monkeypa
     assert chain(manager.make_sequence(mode="min_latency")) == [("roomy", 0, 4)]
     assert "full" not in manager.bans.banned_peers() and manager.avoided_peers() == {"full"}
     assert budget.on_failure(refusal, "full", (0, 4)) > 0  # refused again and again: the swarm looks full
+
+
+def test_a_cache_refusal_of_a_blocks_only_server_does_not_hide_it():
+    """The only server of some blocks that refused for cache stays in the view, also after a re-read: avoiding it
+    would turn a full server into MissingBlocksError until the avoidance ran out."""
+    servers = {"lone": info(0, 4)}
+    manager = FakeSwarmManager(ClientConfig(), servers, 4)
+    manager.update()
+    manager.on_cache_refusal("lone")
+    manager.update()
+    assert manager.avoided_peers() == set()
+    assert chain(manager.make_sequence(mode="min_latency")) == [("lone", 0, 4)]

@@ -287,11 +287,14 @@ class RemoteSequenceManager:
         with self._lock:
             remaining = [span for span in self._spans if span.peer_id != peer_id]
             self._spans = remaining
-        covered: set[int] = set()
-        for span in remaining:
-            covered.update(range(span.start, span.end))
-        if len(covered) < self.num_blocks:
+        if not self._covers_every_block(remaining):
             self.request_update()
+
+    def _covers_every_block(self, spans: Sequence[RemoteSpanInfo]) -> bool:
+        covered: set[int] = set()
+        for span in spans:
+            covered.update(range(span.start, span.end))
+        return len(covered) == self.num_blocks
 
     def avoided_peers(self) -> set[str]:
         """Servers skipped for now because they refused a session for want of KV cache."""
@@ -305,14 +308,11 @@ class RemoteSequenceManager:
         """`peer_id` had no KV cache for a session: skip it for `AVOID_S` (not a failure: its ban record stays as it
         was) and re-read the records now (blocking, unless read within `MIN_REREAD_S`), so that the re-route that
         follows sees the servers' fresh free-cache figures. Like a ban, it is ignored where it would leave a block
-        without a server."""
+        without a server (not recorded at all then: every re-read would drop it from the view again)."""
         with self._lock:
-            self._avoid_until[peer_id] = time.monotonic() + AVOID_S
             remaining = [span for span in self._spans if span.peer_id != peer_id]
-            covered: set[int] = set()
-            for span in remaining:
-                covered.update(range(span.start, span.end))
-            if len(covered) == self.num_blocks:
+            if self._covers_every_block(remaining):
+                self._avoid_until[peer_id] = time.monotonic() + AVOID_S
                 self._spans = remaining
         logger.info("routing.cache_refusal(peer=...%s, avoid_s=%.0f)", peer_id[-6:], AVOID_S)
         if time.monotonic() - self._updated_at < MIN_REREAD_S:
