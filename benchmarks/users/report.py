@@ -93,36 +93,54 @@ def _engine_rows(
 
 
 def _handler_options(row: UsersResult) -> str:
-    """The handler column's note: whether the handler processes polled, whether the runtime held its launches at the row's end (`GatherRule.holds_launch`)."""
+    """The handler column's note: whether the handler processes polled, whether the runtime held its launches at the
+    row's end (`GatherRule.holds_launch`), and whether the run spec forced that."""
     notes = [f"poll {row.handler_poll_ms:g} ms"] if row.handler_poll_ms else []
-    notes += ["launch held"] if row.held_launches else []
+    if row.launch_rule == "forced":
+        notes.append("launch forced: held" if row.held_launches else "launch forced: at once")
+    elif row.held_launches:
+        notes.append("launch held")
     return f" ({', '.join(notes)})" if notes else ""
 
 
-_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(?:p([0-9.]+))?$")
+_RUN_SPEC = re.compile(r"^(\d+)(?:g([0-9.]+))?(?:p([0-9.]+))?([ha])?$")
+
+
+class ForcedLaunch(GatherRule):
+    """The gather rule with its launch decision forced (run spec letter `h`: always held, `a`: always at once), to
+    compare the automatic decision (`GatherRule.holds_launch`, by the learned return time) with both in one call."""
+
+    def __init__(self, settings: GatherSettings, *, hold: bool):
+        super().__init__(settings)
+        self.hold = hold
+
+    def holds_launch(self) -> bool:
+        return self.hold
 
 
 @dataclass(frozen=True)
 class ServerRun:
-    """One server of a `--runs` spec: `N[gF][pMS]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0: no
-    gather, no launch hold) or `4p2:64` (the handler processes poll for 2 ms after each message instead of sleeping;
-    `p0`: they sleep at once; default: as a server's `--busy_poll_ms` on a GPU, no polling on a CPU)."""
+    """One server of a `--runs` spec: `N[gF][pMS][h|a]:counts`, e.g. `4:1,64,256`, `4g0:64` (gather fraction 0: no
+    gather, no launch hold), `4p2:64` (the handler processes poll for 2 ms after each message instead of sleeping;
+    `p0`: they sleep at once; default: as a server's `--busy_poll_ms` on a GPU, no polling on a CPU), `4h:64` / `4a:64`
+    (the next launch always held / always at once: `ForcedLaunch`; default: the rule decides)."""
 
     num_handlers: int
     gather_fraction: float | None  # None: the runtime's default
     counts: list[int]
     handler_poll_ms: float | None = None  # None: as a server's default (`--busy_poll_ms` on a GPU)
+    forced_hold: bool | None = None  # None: the gather rule decides (`GatherRule.holds_launch`)
 
     @classmethod
     def parse(cls, spec: str, default_counts: list[int]) -> ServerRun:
         head, _, tail = spec.partition(":")
         match = _RUN_SPEC.match(head)
         if match is None:
-            raise ValueError(f"a --runs entry reads N[gF][pMS][:counts], got {spec!r}")
-        handlers, fraction, poll = match.groups()
+            raise ValueError(f"a --runs entry reads N[gF][pMS][h|a][:counts], got {spec!r}")
+        handlers, fraction, poll, forced = match.groups()
         counts = [int(c) for c in tail.split(",")] if tail else default_counts
         return cls(int(handlers), float(fraction) if fraction else None, counts,
-                   float(poll) if poll else None)  # fmt: skip
+                   float(poll) if poll else None, None if forced is None else forced == "h")  # fmt: skip
 
 
 def _measure(
@@ -138,7 +156,11 @@ def _measure(
                                  prefix_tokens=args.prefix_tokens, decode_steps=args.decode_steps)  # fmt: skip
             row = run_users(server, config, path)
             row.gather_fraction = server.runtime.gather.settings.fraction
-            row.held_launches = server.runtime.gather.holds_launch()
+            gather = server.runtime.gather
+            row.held_launches = gather.holds_launch()
+            row.launch_rule = "automatic" if type(gather) is GatherRule else "forced"
+            row.rule_return_ms = 1000 * gather.return_s if gather.return_s is not None else math.nan
+            row.rule_forward_ms = 1000 * gather.forward_s if gather.forward_s is not None else math.nan
             rows.append(row)
             print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
 
@@ -175,8 +197,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num_handlers", default="1", help="comma-separated handler process counts, each a server")
     p.add_argument(
         "--runs", default="", help="instead of --num_handlers x --sessions: servers as 'N[gF][pMS]:counts' separated "
-        "by spaces, e.g. '4:1,64,256 1:1,64 4g0:64 4p0:64' (F: the runtime's gather fraction, server.gather; MS: how "
-        "long the handler processes poll after each message, p0 none)",
+        "by spaces, e.g. '4:1,64,256 1:1,64 4g0:64 4p0:64 4h:64' (F: the runtime's gather fraction, server.gather; MS: "
+        "how long the handler processes poll after each message, p0 none; h / a: the next launch always held / at "
+        "once instead of as the gather rule decides)",
     )  # fmt: skip
     p.add_argument("--sessions", default="1,16")
     p.add_argument(
@@ -268,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             for i, run in enumerate(runs):
                 fraction = run.gather_fraction
                 settings = default_gather if fraction is None else GatherSettings(fraction, default_gather.quantile)
-                executor.runtime.gather = GatherRule(settings)
+                executor.runtime.gather = (
+                    GatherRule(settings) if run.forced_hold is None else ForcedLaunch(settings, hold=run.forced_hold)
+                )
                 poll_s = None if run.handler_poll_ms is None else run.handler_poll_ms / 1000  # None: the default
                 server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers,
                                      dtype=dtype, device=device, num_handlers=run.num_handlers,
@@ -327,6 +352,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"each launched forward): {row.device_forward_ms:.2f} ms per merged forward against "
                 f"{row.merged_forward_ms:.2f} ms as the runtime thread saw it; the device ran forwards "
                 f"{row.device_time_share:.0%} of the window (runtime busy {row.device_busy_share:.0%})"
+            )
+    for row in rows:
+        if row.sessions > 1 and row.rule_forward_ms == row.rule_forward_ms:
+            notes.append(
+                f"launch rule, {row.sessions} sessions, {row.transport}, {row.client} client ({row.launch_rule}): at "
+                f"the row's end the learned return time {row.rule_return_ms:.2f} ms against a merged forward of "
+                f"{row.rule_forward_ms:.2f} ms: {'held' if row.held_launches else 'at once'}"
             )
     for row in rows:
         if row.sessions > 1 and len(row.sessions_per_handler) > 1:

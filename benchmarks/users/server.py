@@ -17,6 +17,7 @@ is `python -m benchmarks.users --gpu_layers N` or `python -m benchmarks.serving 
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing
 import queue
 import threading
@@ -90,6 +91,9 @@ class UsersResult:
     gather_fraction: float = 0.5  # the runtime's gather rule (server.gather) while this row ran
     handler_poll_ms: float = 0.0  # handler processes polled this long after each message (0: they slept)
     held_launches: bool = False  # the runtime held its launches at the row's end (`GatherRule.holds_launch`)
+    launch_rule: str = "automatic"  # "forced": the run spec forced the launch decision (report.ForcedLaunch)
+    rule_return_ms: float = math.nan  # at the row's end: the gather rule's learned return time and last merged forward
+    rule_forward_ms: float = math.nan
     client: str = "petals"  # the client kind (clients.CLIENT_KINDS)
     client_cpus: list[int] = field(default_factory=list)  # CPUs of the client processes (empty: not pinned)
     server_cpus: list[int] = field(default_factory=list)  # CPUs of the server side (empty: not pinned)
