@@ -27,6 +27,7 @@ from corolla.protocol.rpc import TransformerConnectionHandler
 from corolla.protocol.uids import make_chain
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 from corolla.swarm.local import ServerProcess as LocalServerProcess
+from corolla.swarm.reachability import ReachabilityProtocol
 from corolla.utils.processes import ChildProcess
 
 T = TypeVar("T")
@@ -256,6 +257,11 @@ def inprocess_servers(
     2-core VM)."""
     settings: dict[str, Any] = dict(new_swarm=False, initial_peers=tuple(initial_peers), throughput=1.0)
     settings.update(overrides)
+    # hivemind's ServicerBase fills its class-wide table of rpcs lazily and without a lock: servers registering their
+    # handlers at once from several threads saw a half-filled table, and one server registered no rpc_inference
+    # with its p2pd (p2p clients then got "protocols not supported"). Filled once here, before the threads start.
+    for servicer in (TransformerConnectionHandler, ReachabilityProtocol):
+        servicer._collect_rpc_handlers()
     servers: list[Any] = []
     with ThreadPoolExecutor(max(1, len(spans))) as pool:
         try:
