@@ -126,17 +126,6 @@ def _serialize_raw(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     )
 
 
-def serialize_tensors(
-    tensors: Sequence[torch.Tensor], compressions: int | Sequence[int] = CompressionType.NONE
-) -> list[runtime_pb2.Tensor]:
-    """Serializes a list of tensors with one compression for all or one per tensor."""
-    if isinstance(compressions, int):
-        compressions = [compressions] * len(tensors)
-    if len(compressions) != len(tensors):
-        raise ValueError(f"got {len(compressions)} compressions for {len(tensors)} tensors")
-    return [serialize_tensor(t, c) for t, c in zip(tensors, compressions, strict=True)]
-
-
 def _int64_at(buffer: bytes, offset: int) -> int:
     if len(buffer) < offset + 8:
         raise ValueError(f"tensor buffer has {len(buffer)} bytes, too short for its codebook header")
