@@ -7,9 +7,9 @@ float32 on CPU) over the engine's paged pool, pages as a server has them (64 tok
    session and published (its keys: the client's 16-token block hashes); the next turn's prompt is that history plus
    `--new_tokens`. "full prefill" runs the whole prompt in a fresh session (what a server without the cache does);
    "cached" opens a session, attaches the cached pages the keys name (`SpanEngine.attach_prefix`: whole pages) and
-   prefills the rest (on CUDA a chunk of at most 256 tokens replays its CUDA graphs between the layers' attention
-   calls, `engine.prefill_graphs`; the same chunk run eagerly is timed too). Each is the median of `--repeats` synchronized host timings, alternated; the
-   ratio is the target (<= 0.1x). The last position's output of both is compared (max abs difference).
+   prefills the rest (on CUDA a chunk of at most 256 tokens replays one CUDA graph over all the layers, with the
+   paged Triton attention, `engine.prefill_graphs`; the same chunk run eagerly is timed too). Each is the median of
+   `--repeats` synchronized host timings, alternated; the ratio is the target (<= 0.1x). The last position's output of both is compared (max abs difference).
 2. A merged decode step of `--decode_sessions` sessions after the prompt, with shared pages (every session attached
    the same cached prefix) vs without (each session prefilled its own), alternated in `--rounds` of `--steps` steps
    (CUDA graphs on CUDA, inputs on the device; host-timed medians); target: shared within 3% of own pages.
@@ -245,9 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     log(lines, f"| ratio (target <= 0.1x) | {ratio:.3f}x | last output max abs diff {diff:.3g} |")
     graph_record = {}
     if graphs is not None:
-        graph_record = dict(prefill_graphs=graphs.graph_count, prefill_graph_reserved_bytes=graphs.reserved_bytes)
+        launches = {rows: str(config) for rows, config in graphs.attention_configs.items()}
+        graph_record = dict(
+            prefill_graphs=graphs.graph_count, prefill_graph_reserved_bytes=graphs.reserved_bytes,
+            prefill_attention_launches=launches,
+        )  # fmt: skip
         log(lines, f"prefill graphs: {graphs.graph_count} captured, {graphs.reserved_bytes / 2**20:.1f} MiB reserved "
-                   f"by their captures, {graphs.chunks} chunks, capture error: {graphs.capture_error}")  # fmt: skip
+                   f"by their captures, {graphs.chunks} chunks, capture error: {graphs.capture_error}, attention "
+                   f"launch by row bucket: {launches}")  # fmt: skip
 
     if args.profile:
         for label, way in (("cached turn", keys), ("full prefill", None)):

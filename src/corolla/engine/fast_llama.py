@@ -417,9 +417,9 @@ class FastLlamaSpan(ChunkedPrefill):
             h = self.chunk_post(i, h, self.chunk_attend(i, q, key_slots, pool), lora)  # [T, H]
         return h
 
-    # The three pieces of a prefill chunk's layer. `prefill_graphs` captures `chunk_post` of one layer and
-    # `chunk_pre` of the next as one CUDA graph in static shapes (rows padded to a bucket) and runs `chunk_attend`,
-    # whose key count is the sequence's length, eagerly in between.
+    # The three pieces of a prefill chunk's layer. `prefill_graphs` captures `chunk_pre` and `chunk_post` of every
+    # layer in static shapes (rows padded to a bucket) as one CUDA graph, with the paged Triton attention that reads
+    # the chunk's lengths on the device in place of `chunk_attend`, whose key count is the sequence's length.
 
     def chunk_pre(
         self,

@@ -53,3 +53,24 @@ def flash_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bo
     if fits is None:
         fits = _FLASH_FITS[key] = bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, enable_gqa)))
     return fits
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor, *, scale: float
+) -> torch.Tensor:
+    """q [R, nq, D]: its first t rows are the queries at positions [start, start + t) of the sequence whose pages
+    `index` [2 + maxp] int32 (start, t, then the block table) names, in k_cache/v_cache [pages, page, nkv, D]; each
+    attends causally to the sequence's positions up to its own. Returns [R, nq, D], the rows past t zero. Reads
+    start and t on the host: the CPU's path and the reference of `prefill_attention_triton.paged_prefill_attention`,
+    which reads them on the device."""
+    start, t = (int(x) for x in index[:2].tolist())
+    r, nq, d = q.shape
+    page, nkv = k_cache.shape[1], k_cache.shape[2]
+    positions = torch.arange(start + t, device=q.device)  # [L]
+    key_slots = index[2:].index_select(0, positions // page).long() * page + positions % page  # [L]
+    k = k_cache.reshape(-1, nkv, d).index_select(0, key_slots).transpose(0, 1)[None]  # [1, nkv, L, D]
+    v = v_cache.reshape(-1, nkv, v_cache.shape[-1]).index_select(0, key_slots).transpose(0, 1)[None]
+    out = q.new_zeros((r, nq, v.shape[-1]))
+    attn = causal_prefill_attention(q[:t].transpose(0, 1)[None], k, v, scale=scale, enable_gqa=nkv != nq)
+    out[:t] = attn[0].transpose(0, 1)  # [t, nq, Dv]
+    return out

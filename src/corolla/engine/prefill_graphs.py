@@ -1,20 +1,21 @@
-"""Short prefill chunks of a llama-family span with their per-layer work replayed as CUDA graphs: the next turn of a
-conversation whose history is cached computes ~100-250 positions, and eagerly the host spent longer issuing its ~30
+"""Short prefill chunks of a llama-family span replayed as one CUDA graph over all the span's layers: the next turn of
+a conversation whose history is cached computes ~100-250 positions, and eagerly the host spent longer issuing its ~30
 operations per layer than the device spent running them (issue 34, docs/decisions/0019).
 
-Between two layers' attention calls everything has static shapes once the chunk's rows are padded to a bucket (8,
-16, then multiples of 32 up to `EngineConfig.prefill_graph_tokens`): layer i-1's output projection and MLP
-(`FastLlamaSpan.chunk_post`) and layer i's norm, QKV projection, rotation and cache write (`chunk_pre`) are one
-graph per boundary, reading and writing static buffers. The attention itself (`chunk_attend`: gather the sequence's
-keys and values, flash attention with its lower-right causal mask) runs eagerly in between on the chunk's real
-rows: its key count is the sequence's length, and flash attention's variable-length form, the one that takes
-lengths from the device, has no split over the keys (4.4 ms against 2.1 ms over 32 Llama-3-8B layers on an H200
-when a whole chunk was one graph). Padding rows read position 0 and write only into the pool's trash page.
+A chunk's rows are padded to a bucket (8, 16, then multiples of 32 up to `EngineConfig.prefill_graph_tokens`), and
+everything the graph reads that changes between chunks lives in two static buffers: the residual stream `h` [rows,
+H] and `index` [2 + max pages] int32 (the chunk's first position, its row count, the sequence's block table). The
+graph derives the rows' positions and cache slots from `index` (padding rows: position 0, the pool's trash page),
+runs each layer's `chunk_pre` (norm, QKV projection, rotation, cache write), the attention over the sequence's pages
+(`prefill_attention_triton`: split over the keys, lengths read on the device, so one graph serves any prefix
+length) and `chunk_post` (output projection, MLP). Per layer boundary graphs with torch's flash attention eager in
+between (which needs the key count on the host) took 11.2 ms for the issue's turn on an H200.
 
-The graphs of a (layer range, row bucket) group are captured at its first chunk, which runs the same work eagerly;
-they share one memory pool (they run one at a time, so each reuses the others' scratch); at most `MAX_GROUPS`
-groups are kept (least recently used dropped); `reserved_bytes` is what their captures added to the device's
-reserved memory. With `capture=False` (the CPU, in tests) the same work runs eagerly."""
+The graph of a (layer range, row bucket) group is captured at its first chunk, which first chooses the attention's
+launch (`ATTENTION_CONFIGS`, timed on the group's layers over a 4,096-position prefix) and runs the same work
+eagerly; the graphs share one memory pool (they run one at a time); at most `MAX_GROUPS` groups are kept (least
+recently used dropped); `reserved_bytes` is what their captures added to the device's reserved memory. With
+`capture=False` (the CPU, in tests) the same work runs eagerly with the attention's reference."""
 
 from __future__ import annotations
 
@@ -23,12 +24,27 @@ from collections.abc import Callable
 import torch
 
 from corolla.engine.fast_llama import FastLlamaSpan, table_slots
+from corolla.engine.graph_timing import time_configs
 from corolla.engine.kv_pool import TRASH_PAGE, KVPool, SequenceSlot
+from corolla.engine.ops import triton_usable
+from corolla.engine.prefill_attention import paged_prefill_attention_ref
 from corolla.utils.logging import get_logger
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs run the graphs' work eagerly, with the reference
+    from corolla.engine.prefill_attention_triton import (
+        ATTENTION_CONFIGS,
+        PrefillAttentionConfig,
+        paged_prefill_attention,
+    )
+
+    TRITON_IMPORTED = True
+except ImportError:  # pragma: no cover - depends on the installation
+    TRITON_IMPORTED = False
 
 logger = get_logger(__name__)
 
-MAX_GROUPS = 8  # (layer range, row bucket) groups of graphs kept: num_layers + 1 graphs each
+MAX_GROUPS = 8  # (layer range, row bucket) groups kept: one graph each
+TUNE_PREFIX_TOKENS = 4096  # the prefix the attention's launches are timed over (issue 34's conversations)
 
 
 def chunk_bucket(tokens: int) -> int:
@@ -39,9 +55,11 @@ def chunk_bucket(tokens: int) -> int:
 
 
 def graphs_serve(model: object) -> bool:
-    """Whether a span's short prefill chunks can run as graphs: a llama-family span on CUDA without adapters or
-    routed experts."""
-    if not isinstance(model, FastLlamaSpan) or model.device.type != "cuda" or model.adapters is not None:
+    """Whether a span's short prefill chunks can run as graphs: a llama-family span on CUDA with Triton, without
+    adapters or routed experts."""
+    if not isinstance(model, FastLlamaSpan) or model.adapters is not None:
+        return False
+    if not TRITON_IMPORTED or not triton_usable(model.device, model.spec.head_dim):
         return False
     return all(layer.moe is None for layer in model.layers)
 
@@ -51,25 +69,23 @@ class PrefillGraphs:
     Use from one thread (the engine's device thread)."""
 
     def __init__(self, model: FastLlamaSpan, pool: KVPool, max_tokens: int, *, capture: bool = True):
-        if capture and model.device.type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA span")
+        if capture and not graphs_serve(model):
+            raise ValueError("prefill graphs need a llama-family CUDA span with Triton, without adapters or experts")
         self.model = model
         self.pool = pool
         self.max_tokens = max_tokens
         self.capture = capture
         s, dev, dtype = model.spec, model.device, model.dtype
         rows = chunk_bucket(max_tokens)
-        # the static buffers every graph reads and writes: the residual stream [Tmax, H], the rotated queries
-        # [Tmax, nq, D], the attention output [Tmax, nq D], positions and cache slots [Tmax] of the rows
+        # what a graph reads: the residual stream [Rmax, H] (also its output), and index [2 + maxp] int32: the
+        # chunk's first position, its rows, the sequence's block table
         self.h = torch.zeros((rows, s.hidden_size), dtype=dtype, device=dev)
-        self.q = torch.zeros((rows, s.num_heads, s.head_dim), dtype=dtype, device=dev)
-        self.attn = torch.zeros((rows, s.q_size), dtype=dtype, device=dev)
-        self.positions = torch.zeros((rows,), dtype=torch.long, device=dev)
-        self.trash_slots = TRASH_PAGE * pool.page_size_tokens + torch.arange(rows, device=dev) % pool.page_size_tokens
-        self.slots = self.trash_slots.clone()
-        # (first layer, end layer, rows) -> per boundary first..end: a graph's replay (or the eager work), least
-        # recently used first
-        self._groups: dict[tuple[int, int, int], list[Callable[[], None] | None]] = {}
+        self.index = torch.zeros((2 + pool.max_pages_per_seq,), dtype=torch.int32, device=dev)
+        self.row_ids = torch.arange(rows, device=dev)  # [Rmax]
+        self.trash_slots = TRASH_PAGE * pool.page_size_tokens + self.row_ids % pool.page_size_tokens  # [Rmax]
+        # (first layer, end layer, rows) -> the group's graph replay (or its eager work), least recently used first
+        self._groups: dict[tuple[int, int, int], Callable[[], None]] = {}
+        self.attention_configs: dict[int, PrefillAttentionConfig] = {}  # rows -> the launch taken (CUDA)
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
         self.reserved_bytes = 0  # what the captures added to the device's reserved memory
         self.chunks = 0
@@ -77,7 +93,8 @@ class PrefillGraphs:
 
     @property
     def graph_count(self) -> int:
-        return sum(len(group) for group in self._groups.values()) if self.capture else 0
+        """The groups held as captured graphs (not those that run eagerly)."""
+        return sum(isinstance(getattr(step, "__self__", None), torch.cuda.CUDAGraph) for step in self._groups.values())
 
     def takes(self, tokens: int) -> bool:
         return 0 < tokens <= self.max_tokens and self.capture_error is None
@@ -87,53 +104,79 @@ class PrefillGraphs:
         """hidden [t, H] on the device at positions [start, start + t) of the sequence in `slot` through layers
         [first, end) -> [t, H] (a new tensor)."""
         t = hidden.shape[0]
-        total, rows, (first, end) = start + t, chunk_bucket(t), layers
-        dev = self.model.device
-        table = slot.table.to(dev, non_blocking=True)  # [maxp]
-        key_slots = table_slots(table, torch.arange(total, device=dev), self.pool.page_size_tokens)  # [L]
-        self.positions[:t].copy_(torch.arange(start, total, device=dev))
-        self.positions[t:rows].zero_()
-        self.slots[:t].copy_(key_slots[start:])
-        self.slots[t:rows].copy_(self.trash_slots[t:rows])  # (rows a longer chunk wrote before)
+        rows = chunk_bucket(t)
+        # one host-to-device copy for the chunk's whole index (from pageable memory: staged at once, so the host
+        # tensor may go)
+        self.index.copy_(torch.cat((torch.tensor((start, t), dtype=torch.int32), slot.table)))
         self.h[:t].copy_(hidden)
-        key = (first, end, rows)
-        group = self._groups.pop(key, None)
-        if group is None:
-            group = [None] * (end - first + 1)
-            logger.info(f"prefill_graphs.group(layers={first}:{end}, rows={rows}, capture={self.capture})")
-        self._groups[key] = group  # the most recently used last
+        key = (*layers, rows)
+        step = self._groups.pop(key, None)
+        if step is None:  # this group's first chunk: its launch chosen, its work run eagerly, then captured
+            logger.info(f"prefill_graphs.group(layers={layers[0]}:{layers[1]}, rows={rows}, capture={self.capture})")
+            if self.capture and rows not in self.attention_configs:
+                self.attention_configs[rows] = self._tune_attention(rows, layers)
+            work = self._work(layers, rows)
+            work()
+            step = self._captured(work, layers, rows)
+        else:
+            step()
+        self._groups[key] = step  # the most recently used last
         while len(self._groups) > MAX_GROUPS:
             self._groups.pop(next(iter(self._groups)))
-        for i in range(first, end + 1):
-            step = group[i - first]
-            if (
-                step is None
-            ):  # this group's first chunk: the work runs eagerly (compiling its kernels), then is captured
-                work = self._work(i, first, end, rows)
-                work()
-                group[i - first] = self._captured(work, i, rows)
-            else:
-                step()
-            if i < end:
-                self.attn[:t].copy_(self.model.chunk_attend(i, self.q[:t], key_slots, self.pool))
         self.chunks += 1
         return self.h[:t].clone()
 
-    def _work(self, i: int, first: int, end: int, rows: int) -> Callable[[], None]:
-        """Boundary i's work on the static buffers: layer i-1's `chunk_post` (unless i is the first layer), then
-        layer i's `chunk_pre` (unless i is the end)."""
-        model, pool = self.model, self.pool
-        h, q, attn, positions, slots = self.h[:rows], self.q[:rows], self.attn[:rows], self.positions, self.slots
+    def _work(self, layers: tuple[int, int], rows: int) -> Callable[[], None]:
+        """The group's work on the static buffers: rows' positions and slots from `index`, then every layer."""
+        model, pool, page = self.model, self.pool, self.pool.page_size_tokens
+        h, r, trash = self.h[:rows], self.row_ids[:rows], self.trash_slots[:rows]
+        attend = self._attention(rows)
 
         def work() -> None:
-            if i > first:
-                h.copy_(model.chunk_post(i - 1, h, attn))  # [rows, H]
-            if i < end:
-                q.copy_(model.chunk_pre(i, h, positions[:rows], slots[:rows], pool))  # [rows, nq, D]
+            start, t = self.index[0].long(), self.index[1].long()  # (0-d, on the device)
+            real = r < t  # [rows]
+            positions = torch.where(real, start + r, 0)  # [rows]
+            slots = torch.where(real, table_slots(self.index[2:], positions, page), trash)  # [rows]
+            x = h
+            for i in range(*layers):
+                q = model.chunk_pre(i, x, positions, slots, pool)  # [rows, nq, D]
+                attn = attend(q, pool.k[i], pool.v[i], self.index)  # [rows, nq, D]
+                x = model.chunk_post(i, x, attn.view(rows, -1))  # [rows, H]
+            h.copy_(x)
 
         return work
 
-    def _captured(self, work: Callable[[], None], i: int, rows: int) -> Callable[[], None]:
+    def _attention(self, rows: int) -> Callable[..., torch.Tensor]:
+        """(q, k_cache, v_cache, index) -> the chunk's attention: the Triton kernel with the bucket's launch on CUDA,
+        the reference elsewhere."""
+        scale = self.model.scale
+        config = self.attention_configs.get(rows)
+        if config is None or not TRITON_IMPORTED:
+            return lambda q, k, v, index: paged_prefill_attention_ref(q, k, v, index, scale=scale)
+        return lambda q, k, v, index: paged_prefill_attention(q, k, v, index, scale=scale, config=config)
+
+    def _tune_attention(self, rows: int, layers: tuple[int, int]) -> PrefillAttentionConfig:
+        """The fastest of `ATTENTION_CONFIGS` for `rows` query rows over a TUNE_PREFIX_TOKENS prefix, timed over the
+        group's layers' pages (a made-up block table: the reads are what counts, nothing is written)."""
+        s, pool, page = self.model.spec, self.pool, self.pool.page_size_tokens
+        start = min(TUNE_PREFIX_TOKENS, pool.max_pages_per_seq * page - rows)
+        table = torch.arange(pool.max_pages_per_seq, dtype=torch.int32, device=self.index.device) % pool.num_pages
+        index = torch.cat((torch.tensor((start, rows), dtype=torch.int32, device=table.device), table))
+        q = torch.randn((rows, s.num_heads, s.head_dim), dtype=self.model.dtype, device=self.index.device)
+        scale = self.model.scale
+
+        def call(config: PrefillAttentionConfig, i: int) -> torch.Tensor:
+            return paged_prefill_attention(q, pool.k[i], pool.v[i], index, scale=scale, config=config)
+
+        timings = time_configs(ATTENTION_CONFIGS, call, list(range(*layers)), reps=5)
+        if not timings:
+            raise RuntimeError("no prefill attention launch ran on this device")
+        best = min(timings, key=lambda c: timings[c])
+        logger.info(f"prefill_graphs.tune(rows={rows}, best={best}, ms={timings[best]:.3f}, "
+                    f"all={ {str(c): round(ms, 4) for c, ms in timings.items()} })")  # fmt: skip
+        return best
+
+    def _captured(self, work: Callable[[], None], layers: tuple[int, int], rows: int) -> Callable[[], None]:
         """`work` as a CUDA graph's replay (or itself, without capture or after a failed capture)."""
         if not self.capture or self.capture_error is not None:
             return work
@@ -146,7 +189,7 @@ class PrefillGraphs:
                 self.reserved_bytes += torch.cuda.memory_reserved(dev) - before
         except RuntimeError as e:  # (a kernel this device or torch can't capture): serve on, eagerly
             self.capture_error = repr(e)
-            logger.warning(f"prefill_graphs.capture_failed(boundary={i}, rows={rows}, error={e!r}): runs eagerly")
+            logger.warning(f"prefill_graphs.capture_failed(layers={layers}, rows={rows}, error={e!r}): runs eagerly")
             return work
-        logger.debug(f"prefill_graphs.capture(boundary={i}, rows={rows}, reserved_bytes={self.reserved_bytes})")
+        logger.debug(f"prefill_graphs.capture(layers={layers}, rows={rows}, reserved_bytes={self.reserved_bytes})")
         return graph.replay
