@@ -28,7 +28,7 @@ class EngineConfig:
     tune_gemm: bool = True  # at warm-up, time cuBLAS against Triton for single-row projections and keep the faster
     prefill_chunk_tokens: int = 4096
     # CUDA, llama-family spans: prefill chunks of at most this many tokens (the turn after a cached prefix) replay
-    # CUDA graphs (`prefill_graphs`); 0: always eager
+    # one CUDA graph over the span's layers (`prefill_graphs`); 0: always eager
     prefill_graph_tokens: int = 256
     # the operator's cap on cached prefix positions no session holds, per layer (None: every free page)
     prefix_cache_tokens: int | None = None

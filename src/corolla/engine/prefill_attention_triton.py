@@ -10,7 +10,9 @@ gathered out of the pages first. Here a program takes `BLOCK_M` (query row, head
 group's query heads share its keys: 132 rows x 4 heads make 528 rows for one K/V head in Llama-3-8B) and one of `S`
 equal ranges of the keys; a second kernel combines the ranges' partial softmax sums. Programs whose rows are all
 padding return at once; keys at or below every row's position need no mask (the long prefix), only the last blocks
-do. Importing fails without Triton; `prefill_attention.paged_prefill_attention_ref` is the reference."""
+do. On an H200 (the issue's turn, 32 layers, inside the graph): 1.23 ms for the split kernel and 0.18 ms for the
+combine, against 1.82 + 0.19 ms for torch's split flash attention and 0.36 ms for its gathers. Importing fails
+without Triton; `prefill_attention.paged_prefill_attention_ref` is the reference."""
 
 from __future__ import annotations
 
@@ -28,21 +30,20 @@ class PrefillAttentionConfig:
     """A launch of the split kernel: (query row, head) pairs per program, keys per loop step, warps, pipeline
     stages, key ranges `splits` (chosen per chunk bucket, `PrefillGraphs`)."""
 
-    block_m: int = 128
-    block_n: int = 64
-    warps: int = 8
-    stages: int = 2
-    splits: int = 4
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    splits: int
 
 
-# the launches `PrefillGraphs` times per row bucket (each compiles once per process)
+# the launches `PrefillGraphs` times per row bucket (each compiles once per process). NVIDIA H200, 160 rows x 32
+# heads over 4,096 keys, 32 Llama-3-8B layers: (64, 64, 4, 2, 8) 1.89 ms, (128, 64, 8, 2, 8) 2.12, (64, 64, 4, 2, 4)
+# 2.13; dropped: (128, 64, 8, 2, 2) 2.20, (128, 64, 8, 2, 4) 2.29, the same with 3 stages 2.32
 ATTENTION_CONFIGS = (
-    PrefillAttentionConfig(64, 64, 4, 2, 4),
     PrefillAttentionConfig(64, 64, 4, 2, 8),
-    PrefillAttentionConfig(128, 64, 8, 2, 2),
-    PrefillAttentionConfig(128, 64, 8, 2, 4),
-    PrefillAttentionConfig(128, 64, 8, 3, 4),
     PrefillAttentionConfig(128, 64, 8, 2, 8),
+    PrefillAttentionConfig(64, 64, 4, 2, 4),
 )
 
 
