@@ -101,6 +101,34 @@ def test_stock_server_in_the_chain_gets_no_probe_and_no_keys():
     assert servers["A"].hits == []  # but nobody asks it for a hit the chain could not use
 
 
+def test_beam_sessions_reuse_nothing_and_send_no_keys():
+    """Keys name one sequence: a session of several rows (beams) after a cached conversation makes no probe, sends
+    no keys and computes every position, with the reference's outputs; a one-row session that reorders its cache
+    (hypo_ids) keys nothing from then on. (`generate()` refuses num_beams > 1; the engine's side: test_engine_prefix.)"""
+    torch.manual_seed(5)
+    servers = {"A": PrefixFakeServer(0, 2), "B": PrefixFakeServer(2, 4)}
+    manager = FakeManager(servers, 4)
+    ids = torch.randint(0, 1000, (1, 60))
+    run_turn(manager, ids[:, :48])  # blocks 0..2 cached on both servers
+    assert len(servers["B"].store) == 3
+    sent = len(servers["B"].requests)
+    beams = ids[:, :56].expand(2, -1)  # the conversation again, as 2 beams
+    with InferenceSession(manager, max_length=60, prefix=PrefixChain(ROOT)) as session:
+        out = session.step(embed(beams), token_ids=beams, may_reuse=True)
+        assert session.reused_tokens == 0 and session.prefix_hits == [] and session.prefix is not None
+        assert not session.prefix.active
+    torch.testing.assert_close(out, reference(embed(beams), 4), atol=1e-5, rtol=0)
+    later = servers["B"].requests[sent:]
+    assert later and all(n > 0 and PREFIX_KEY not in m for m, n in later)  # no zero-token probe, no keys
+    sent = len(servers["B"].requests)
+    with InferenceSession(manager, max_length=60, prefix=PrefixChain(ROOT)) as session:
+        session.step(embed(ids[:, :20]), token_ids=ids[:, :20])  # keys block 0
+        session.step(embed(ids[:, 20:40]), hypo_ids=torch.zeros(1, dtype=torch.int64), token_ids=ids[:, 20:40])
+        assert session.prefix is not None and not session.prefix.active
+    keyed = [m[PREFIX_KEY]["first"] for m, _ in servers["B"].requests[sent:] if PREFIX_KEY in m]
+    assert keyed == [0]  # the reordered step named no block
+
+
 def test_server_leaving_after_a_hit_restarts_the_chain_with_the_same_outputs():
     """B held the prefix; B dies mid-answer; its replacement C never had the inputs of the reused positions, and
     neither has the client: the chain restarts from position 0 (A recomputes), and the tokens are the same."""
