@@ -2,13 +2,14 @@
 promised their length at open and take pages as tokens arrive): sessions held by zero-token steps go first and whole
 (after a step, or a grace for the first one), then the unused promises of idle sessions (they keep their pages, and
 ask the promise back at their next token), then whole sessions idle for `session_idle_evict_s`, then promises beyond
-a fair share per peer; a session doing real work keeps its pages; an open that brings no token does not wait in
-line; an allocation in line gets room as holds become yieldable."""
+a fair share per peer; a session doing real work keeps its pages; a session that just ran its prefill is not judged
+by its pace before it has one (its promise goes last); an open that brings no token does not wait in line; an allocation in line gets room as holds become yieldable."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -208,10 +209,10 @@ async def test_working_sessions_keep_their_pages_and_a_fair_share_of_promises(ba
             # 3 peers: 8/3 pages each; each worker holds 4: a page of each promise goes to the newcomer
             newcomer = await opened(held, admission, executor, "newcomer", 2 * PAGE, first_tokens=3)
             assert [w.cache.session.slots[0].promised_pages for w in workers] == [1, 1]
-            # 4 peers: 2 pages each; first the newcomer's promise beyond its pace (3 tokens), then a page over the share
+            # 4 peers: 2 pages each; the newcomer just opened (its pace is not known yet): a page over the share of each
             await opened(held, admission, executor, "another", 2 * PAGE, first_tokens=3)
-            assert newcomer.cache.session.slots[0].promised_pages == 0 and newcomer.ticket.withdrawn
-            assert sum(w.cache.session.slots[0].promised_pages for w in workers) == 1
+            assert newcomer.cache.session.slots[0].promised_pages == 1 and not newcomer.ticket.withdrawn
+            assert sum(w.cache.session.slots[0].promised_pages for w in workers) == 0
             assert all(not w.task.done() and w.pages == 2 for w in workers) and admission.num_evicted == 0
             withdrawn = admission.num_withdrawn
             with pytest.raises(AllocationFailed):  # 5 peers: 1.6 pages each; nobody holds a whole page over it
@@ -266,3 +267,52 @@ async def test_an_allocation_in_line_gets_room_as_holds_become_yieldable(backend
             started = time.monotonic()  # nothing yields yet: the user waits in line, nudging it
             await opened(held, admission, executor, "user", FULL, first_tokens=5, alloc_timeout_s=3.0)
             assert 0.2 < time.monotonic() - started < 1.5 and admission.num_evicted == 1
+
+
+FRESH = PeerLimits(max_kv_fraction_per_peer=1.0, session_idle_evict_s=6.0, first_token_grace_s=0.3)
+
+
+async def test_a_fresh_sessions_promise_is_not_taken_for_its_pace_before_it_has_one(backend) -> None:
+    """A session that just ran its prefill has processed no token at any pace yet (its first decode token follows
+    a round trip through the rest of its chain): a newcomer's room comes from a trickle's promise, not from its.
+    (Judged at once, its pace read 0, the slowest of all, and its promise went first.)"""
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(FRESH, executor)
+        async with sessions() as held:
+            trickle = await opened(held, admission, executor, "trickle", FULL, first_tokens=1)
+            await asyncio.sleep(0.5)
+            trickle.work(1)  # a token in half a second
+            fresh = await opened(held, admission, executor, "fresh", FULL, first_tokens=4)  # its prefill, just now
+            assert executor.bytes_left == 0
+            await opened(held, admission, executor, "newcomer", 2 * PAGE, first_tokens=3)
+            assert not fresh.ticket.withdrawn and fresh.cache.session.slots[0].promised_pages == 3
+            assert trickle.ticket.withdrawn and trickle.cache.session.slots[0].promised_pages == 0
+            for _ in range(FULL - fresh.position):
+                fresh.work(1)  # it reaches its whole length
+            assert admission.num_evicted == 0 and not trickle.task.done()
+
+
+async def test_sessions_that_never_decode_after_their_prefill_do_not_keep_a_newcomer_out(backend) -> None:
+    """Two identities reopen a session of half the cache with a one-token prefill every 0.2 s, faster than their
+    pace can be read (0.3 s): a newcomer asking for half is admitted at once (sessions not judged yet still yield,
+    last)."""
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(dataclasses.replace(FRESH, max_kv_fraction_per_peer=0.5), executor)
+        stop = asyncio.Event()
+
+        async def reopen(peer: str) -> None:
+            while not stop.is_set():
+                session = Held(admission, executor, peer, FULL, first_tokens=1)
+                with contextlib.suppress(AllocationFailed, SessionEvicted, asyncio.TimeoutError):
+                    await session.wait_open()
+                    await asyncio.wait_for(stop.wait(), 0.2)
+                await session.end()
+
+        async with sessions() as held:
+            hoarders = [asyncio.create_task(reopen(f"sybil-{i}")) for i in range(2)]
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            await opened(held, admission, executor, "user", FULL, first_tokens=5)
+            assert time.monotonic() - started < 1.0
+            stop.set()
+            await asyncio.gather(*hoarders)

@@ -3,10 +3,11 @@ what yields when a new session does not fit. A session is promised its whole `ma
 its tokens arrive; under memory pressure the least valuable holds yield first: sessions that never processed a token
 (zero-token steps are not use), then the unused promises of sessions idle for `kv_promise_idle_s`, then sessions idle
 for `session_idle_evict_s`, then the promises of slow sessions beyond what they would use within `session_idle_evict_s`
-at their recent token rate (least recent work first), then unused promises beyond a fair share per peer of those
-holding promises. A session doing real work never loses the pages it holds. Runs in the server's asyncio loop; the KV
-bytes themselves belong to the executor (`SpanExecutor.open_session`). Why this shape: `docs/decisions/0016-hoarding.md`
-(and its addendum on trickling sessions)."""
+at their recent token rate (least recent work first; a session's pace is read only `first_token_grace_s` after its
+prefill), then unused promises beyond a fair share per peer of those holding promises, then the promises of sessions
+whose pace is not known yet. A session doing real work never loses the pages it holds. Runs in the server's asyncio
+loop; the KV bytes themselves belong to the executor (`SpanExecutor.open_session`). Why this shape:
+`docs/decisions/0016-hoarding.md` (and its addenda on trickling and fresh sessions)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ class SessionTicket:
     awaits_release: bool = False  # its room comes from sessions evicted for it, ending now
     bytes_per_token: float = 0.0  # cache one token position of it takes (0: unknown, its promise is not weighed)
     work_horizon_s: float = 0.0  # time constant of `recent_tokens` (0: not weighed)
+    prefilled_at: float | None = None  # when its first tokens were processed (None: none yet)
     _recent_tokens: float = field(default=0.0, init=False)  # as of `last_used_at`
 
     def touch(self, num_tokens: int) -> None:
@@ -107,6 +109,8 @@ class SessionTicket:
                 if self.work_horizon_s:
                     self._recent_tokens *= math.exp((self.last_used_at - now) / self.work_horizon_s)
                 self._recent_tokens += num_tokens
+            else:
+                self.prefilled_at = now
             self.num_tokens += num_tokens
             self.last_used_at = now
             if self.withdrawn and self.lease is not None and self.lease.restore():
@@ -304,15 +308,25 @@ class SessionAdmission:
 
     def _pace_tokens(self, ticket: SessionTicket) -> float:
         """Tokens the session would process within `session_idle_evict_s` at its recent rate: its decayed token count
-        over the exponential window it has lived (at least `first_token_grace_s`, so that one quick step of a young
-        session reads as a pace, not as a minute's). A steady r tokens/s reads r * session_idle_evict_s."""
+        over the exponential window it has lived since its prefill (at least `first_token_grace_s`, so that one quick
+        step of a young session reads as a pace, not as a minute's). A steady r tokens/s reads r *
+        session_idle_evict_s."""
         horizon_s = self.limits.session_idle_evict_s
         recent = ticket.recent_tokens
-        if not recent:
+        if not recent or ticket.prefilled_at is None:
             return 0.0
-        lived_s = time.monotonic() - ticket.opened_at
+        lived_s = time.monotonic() - ticket.prefilled_at
         window_s = max(horizon_s * -math.expm1(-lived_s / horizon_s), self.limits.first_token_grace_s, 1e-3)
         return recent * horizon_s / window_s
+
+    def _pace_unknown(self, ticket: SessionTicket) -> bool:
+        """Less than `first_token_grace_s` since its prefill (a zero-token hold has none: it yields by
+        `never_worked`). A fresh session's first decode token follows its prefill by a round trip through the rest
+        of its chain, so right after its prefill it has processed no token at any pace: it is neither slow nor fast
+        yet."""
+        return (
+            ticket.prefilled_at is not None and time.monotonic() - ticket.prefilled_at < self.limits.first_token_grace_s
+        )
 
     def _unearned_promise(self, ticket: SessionTicket) -> int:
         """Promised cache beyond room for the tokens it holds and its pace (`num_tokens` counts positions times rows,
@@ -325,11 +339,29 @@ class SessionAdmission:
 
     def _slow_promises(self, exclude: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
         """Promises beyond the pace of their sessions (`_unearned_promise`), slowest first: a trickle of tokens (a
-        cheap identity's step every few seconds) keeps a promise of a few tokens, not its whole `max_length`. The
-        sessions keep their pages and run on; their next token asks the whole promise back."""
-        slow = {t: self._unearned_promise(t) for t in self._tickets if t is not exclude and not t.evicted.is_set()}
+        cheap identity's step every few seconds) keeps a promise of a few tokens, not its whole `max_length`. Not
+        those whose pace is not known yet (`_fresh_promises`). The sessions keep their pages and run on; their next
+        token asks the whole promise back."""
+        slow = {
+            t: self._unearned_promise(t)
+            for t in self._tickets
+            if t is not exclude and not t.evicted.is_set() and not self._pace_unknown(t)
+        }
         for ticket in sorted((t for t in slow if slow[t]), key=lambda t: (self._pace_tokens(t), t.last_used_at)):
             yield ticket, slow[ticket]
+
+    def _fresh_promises(self, exclude: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
+        """The same for sessions whose pace is not known yet (their promise beyond their tokens and what they did
+        since their prefill), the longest since its prefill first: they yield after every slow promise and every
+        share's excess (a session that just opened is not the slowest of all), and still yield (a hoarder opening
+        session after session, a token each, keeps no newcomer out)."""
+        fresh = {
+            t: self._unearned_promise(t)
+            for t in self._tickets
+            if t is not exclude and not t.evicted.is_set() and self._pace_unknown(t)
+        }
+        for ticket in sorted((t for t in fresh if fresh[t]), key=lambda t: (t.prefilled_at, t.last_used_at)):
+            yield ticket, fresh[ticket]
 
     def _promises_over_share(self, ticket: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
         """Unused promises beyond a fair share: the cache split evenly among the peers holding promises and the
@@ -423,8 +455,10 @@ class SessionAdmission:
                 evicted.append(candidate)
                 free += candidate.held_bytes
         # an open that brings no token takes nothing from sessions by their pace: it is the least of holds itself
-        slow = self._slow_promises(ticket) if ticket is None or ticket.opening_tokens != 0 else iter(())
-        for tier in (self._idle_promises(ticket), slow, self._promises_over_share(ticket)):
+        paced = ticket is None or ticket.opening_tokens != 0
+        slow = self._slow_promises(ticket) if paced else iter(())
+        fresh = self._fresh_promises(ticket) if paced else iter(())
+        for tier in (self._idle_promises(ticket), slow, self._promises_over_share(ticket), fresh):
             for candidate, nbytes in tier:
                 if free >= size:
                     break
