@@ -43,6 +43,9 @@ SWEEP_CONFIGS = [
 ]
 
 
+FAMILIES = ("new", "stream", "pairs")  # the matrix-unit kernel, the streaming GEMV on the register lookup / pair table
+
+
 def candidates(m: int, sweep: bool = False) -> dict[str, list]:
     """{kernel family: [(label, call(x, w))]} for m rows (`sweep`: the streaming GEMV's wider sweep too)."""
     new = []
@@ -50,12 +53,14 @@ def candidates(m: int, sweep: bool = False) -> dict[str, list]:
         if (c[1] == 16) == (m <= 16):
             new.append((f"mma{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c)))
     stream = []
+    pairs = []
     if m == 1:
         configs = quant_stream.NF4_STREAM_CONFIGS
         configs += tuple(c for c in SWEEP_CONFIGS if c not in configs) if sweep else ()
         for c in configs:
-            stream.append((f"stream{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c)))
-    return {"new": new, "stream": stream}
+            stream.append((f"stream{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c, pairs=False)))
+            pairs.append((f"pairs{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c, pairs=True)))
+    return {"new": new, "stream": stream, "pairs": pairs}
 
 
 def main() -> None:
@@ -97,7 +102,7 @@ def main() -> None:
                         print(f"  {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
                     row["kernels"][label] = {"family": family, "us": us, "err": err}
-            for family in ("new", "stream"):
+            for family in FAMILIES:
                 fam = {lab: v for lab, v in row["kernels"].items() if v["family"] == family}
                 if fam:
                     best = min(fam, key=lambda lab: fam[lab]["us"])
@@ -109,15 +114,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_probe.json").write_text(json.dumps({"card": card, "copy_bw": bw, "rows": results}, indent=1))
     print(f"\n{card}, copy {bw / 1e12:.2f} TB/s; us per call (x floor = NF4 bytes / copy bandwidth)")
-    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'stream':>14}  best"
+    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'stream':>14} {'pairs':>14}  best"
           " configs, max errors")  # fmt: skip
     for r in results:
         f = r["floor_us"]
         cells = [f"{r.get(fam + '_us', float('nan')):6.1f} {r.get(fam + '_us', float('nan')) / f:5.2f}x"
-                 for fam in ("new", "stream")]  # fmt: skip
-        errs = " ".join(f"{r.get(fam + '_err', float('nan')):.1e}" for fam in ("new", "stream"))
+                 for fam in FAMILIES]  # fmt: skip
+        errs = " ".join(f"{r.get(fam + '_err', float('nan')):.1e}" for fam in FAMILIES)
+        bests = " ".join(str(r.get(fam + "_best")) for fam in FAMILIES)
         print(f"{r['shape']:10} {r['rows']:3} {f:6.1f} {r['bf16_us']:6.1f} {r['bf16_us'] / f:5.2f}x  {'  '.join(cells)}  "
-              f"{r.get('new_best')} {r.get('stream_best')} {errs}")  # fmt: skip
+              f"{bests} {errs}")  # fmt: skip
 
 
 if __name__ == "__main__":

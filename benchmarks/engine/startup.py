@@ -129,13 +129,13 @@ def main() -> None:
         t0 = time.perf_counter()
         blocks, stages = load_span(Path(args.checkpoint_dir), config, shape.num_layers, kind, device)
         t1 = time.perf_counter()
-        config = EngineConfig(max_seq_len_tokens=4096, max_batch_rows=64, kernel_choices_dir=str(choices_dir))
-        engine = SpanEngine.from_blocks(blocks, config)
+        engine_config = EngineConfig(max_seq_len_tokens=4096, max_batch_rows=64, kernel_choices_dir=str(choices_dir))
+        engine = SpanEngine.from_blocks(blocks, engine_config)
         t2 = time.perf_counter()
         engine.warmup()
         t3 = time.perf_counter()
         del engine
-        engine = SpanEngine.from_blocks(blocks, config)  # a restart: the tuner's choices come from the disk
+        engine = SpanEngine.from_blocks(blocks, engine_config)  # a restart: the tuner's choices come from the disk
         t4 = time.perf_counter()
         engine.warmup()
         stages.update(load_s=t1 - t0, engine_build_s=t2 - t1, warmup_s=t3 - t2, total_s=t3 - t0,

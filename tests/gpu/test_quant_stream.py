@@ -3,7 +3,7 @@ every decoded value of every block position is checked against the fp16-level re
 table, both dtypes, with and without a K split, whole and halved steps, a partial row tile);
 random inputs stay within the bf16 rounding of x @ the dequantized weight, with a residual, and a row's output is
 bit-identical alone and among other rows; the split counters are left at zero under graph replay and replays are
-bit-equal; misaligned x is copied, bad inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_prmt.py
+bit-equal; the pair table and the register lookup give the same bits; misaligned x is copied, bad inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_prmt.py
 checks the dot program on CPU)."""
 
 from __future__ import annotations
@@ -79,6 +79,21 @@ def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
     assert torch.equal(nf4_stream_gemv(shifted, weight, res, CONFIGS[1]), nf4_stream_gemv(x, weight, res, CONFIGS[1]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pair_table_gives_the_register_lookups_bits(dtype) -> None:
+    # the shared-memory pair table (quant_pair_table) and the register lookup (quant_prmt) decode to the same fp16
+    # levels and run the same products and sums in the same order: equal bits, every config, a random level table
+    from corolla.engine.quant_stream import nf4_stream_gemv
+
+    weight = _weight(392, 3072, seed=21, dtype=dtype, random_table=True)
+    x = torch.randn(2, 3072, device=DEV, dtype=dtype)
+    res = torch.randn(2, 392, device=DEV, dtype=dtype)
+    for config in CONFIGS:
+        out = nf4_stream_gemv(x, weight, res, config, pairs=True)
+        assert bool(torch.isfinite(out).all()), config
+        assert torch.equal(out, nf4_stream_gemv(x, weight, res, config, pairs=False)), config
+
+
 def test_split_counters_reset_under_graph_replay() -> None:
     from corolla.engine.quant_stream import nf4_stream_gemv
 
@@ -127,5 +142,7 @@ def test_bad_inputs_are_refused() -> None:
         )
     with pytest.raises(ValueError, match="config"):
         nf4_stream_gemv(x, w, None, (48, 4, 1, 4, 2))
+    with pytest.raises(ValueError, match="pair table"):
+        nf4_stream_gemv(x, w, None, (64, 4, 1, 2, 2))  # the table's copy is written for 4 or 8 warps
     with pytest.raises(ValueError, match="residual"):
         nf4_stream_gemv(x, w, torch.zeros(1, 31, device=DEV, dtype=torch.bfloat16), CONFIGS[0])

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from corolla.engine import quant_prmt
+from corolla.engine import quant_pair_table, quant_prmt
 
 if TYPE_CHECKING:  # only for annotations: bitsandbytes is imported at run time only for its own layers
     import bitsandbytes as bnb
@@ -81,6 +81,9 @@ class NF4Weight:
     pair_levels: torch.Tensor = field(init=False, repr=False)  # [256] int32, derived from `code` (1 KiB)
     # the 8 table words of quant_prmt's register lookup (fp16 levels), derived from `code`; empty for fp32
     lut_words: tuple[int, ...] = field(init=False, repr=False)
+    # [256] int32 fp16x2 level pairs of quant_pair_table (the streaming GEMV's shared table), derived from `code`;
+    # zeros for fp32
+    pair_words16: torch.Tensor = field(init=False, repr=False)
     # see split_counters(); made on first use
     _split_counters: torch.Tensor | None = field(init=False, repr=False, default=None)
 
@@ -102,6 +105,9 @@ class NF4Weight:
             raise ValueError(f"NF4 compute dtype must be a float type, got {self.dtype}")
         self.pair_levels = self._pair_levels()
         self.lut_words = () if self.dtype == torch.float32 else quant_prmt.lut_words(self.code)
+        fp32 = self.dtype == torch.float32
+        pairs = torch.zeros(256, dtype=torch.int32) if fp32 else quant_pair_table.pair_words16(self.code)
+        self.pair_words16 = pairs.to(self.code.device)
 
     def _pair_levels(self) -> torch.Tensor:
         """[256] int32: for byte b, the bits of level(b >> 4) in the compute dtype in the high half and of

@@ -23,10 +23,13 @@ is its CPU twin)."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import triton
 import triton.language as tl
 
+from corolla.engine import quant_pair_table
 from corolla.engine.quant import NF4Weight, counters_for_tiles
 from corolla.engine.quant_mma import absmax_lookup
 from corolla.engine.quant_prmt import DOT16_CONSTRAINTS, dot16_ptx
@@ -48,10 +51,16 @@ NF4_STREAM_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (128, 4, 8, 4, 2),
     (128, 4, 8, 8, 2),
 )
+PAIR_TABLE_WARPS = (4, 8)  # the warp counts the pair table's copy is written for (quant_pair_table.init_ptx)
 X_SCALE = 2.0**-8  # bf16 x into fp16: times this before the conversion, the output times its inverse
 
 _DOT16 = tl.constexpr(dot16_ptx())
 _C16 = tl.constexpr(DOT16_CONSTRAINTS)
+_PAIR_DOT = tl.constexpr(quant_pair_table.dot_ptx())
+_PAIR_C = tl.constexpr(quant_pair_table.DOT_CONSTRAINTS)
+_PAIR_INIT4 = tl.constexpr(quant_pair_table.init_ptx(4))
+_PAIR_INIT8 = tl.constexpr(quant_pair_table.init_ptx(8))
+_PAIR_INIT_C = tl.constexpr(quant_pair_table.INIT_CONSTRAINTS)
 
 # x: 16 bytes = 8 values at one address; bf16 pairs split into fp32 (shift / mask), scaled by 2^-8 and packed to
 # fp16x2 (the even value in the low half); fp16 passes through
@@ -96,13 +105,28 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _word_dots(words, x_ptrs, t0, t1, t2, t3, t4, t5, t6, t7, X_BF16: tl.constexpr):
+def _init_pair_table(pair_ptr, WARPS: tl.constexpr):
+    # the pair table into this program's shared memory (quant_pair_table), then a barrier: one element per thread,
+    # so that the PTX (which declares the table) is emitted exactly once
+    ptrs = pair_ptr + tl.zeros([WARPS * 32], dtype=tl.int32)
+    return tl.inline_asm_elementwise(
+        _PAIR_INIT4 if WARPS == 4 else _PAIR_INIT8, _PAIR_INIT_C, [ptrs.to(tl.int64)],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _word_dots(words, x_ptrs, t0, t1, t2, t3, t4, t5, t6, t7, X_BF16: tl.constexpr, PAIRS: tl.constexpr):
     # words [B, W] int32, x_ptrs [1, W] (8 values of x each, 16-byte aligned) -> [B, W] fp32 dot products.
     # x is loaded in inline PTX so that it takes the layout of its use (as the scales: a tl.load anchors its own)
     x0, x1, x2, x3 = tl.inline_asm_elementwise(
         _X_BF16 if X_BF16 else _X_F16, "=r,=r,=r,=r,l", [x_ptrs.to(tl.int64)],
         dtype=(tl.int32,) * 4, is_pure=True, pack=1,
     )  # fmt: skip
+    if PAIRS:  # not pure: it reads the shared table, which must stay after the table's copy
+        return tl.inline_asm_elementwise(
+            _PAIR_DOT, _PAIR_C, [words, x0, x1, x2, x3], dtype=tl.float32, is_pure=False, pack=1
+        )
     return tl.inline_asm_elementwise(
         _DOT16, _C16, [words, x0, x1, x2, x3, t0, t1, t2, t3, t4, t5, t6, t7],
         dtype=tl.float32, is_pure=True, pack=1,
@@ -111,11 +135,11 @@ def _word_dots(words, x_ptrs, t0, t1, t2, t3, t4, t5, t6, t7, X_BF16: tl.constex
 
 @triton.jit
 def _nf4_stream_kernel(
-    x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, ws_ptr, res_ptr, out_ptr, cnt_ptr,
+    x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, pair_ptr, ws_ptr, res_ptr, out_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits, out_scale,
     t0, t1, t2, t3, t4, t5, t6, t7,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, X_BF16: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr,
-    STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    STAGES: tl.constexpr, USE_PDL: tl.constexpr, PAIRS: tl.constexpr, WARPS: tl.constexpr,
 ):  # fmt: skip
     # program (n tile, split, row): W[n tile, the split's steps of NB blocks] against x[row]. q_ptr: the packed bytes
     # as int32 words (8 per block and row), stride_qn in words per row. Rows past N are clamped into bounds (loads
@@ -142,6 +166,8 @@ def _nf4_stream_kernel(
     # second-level absmaxes are loaded a step ahead in registers
     first = blocks + tl.minimum(lo, steps - 1) * NB  # (a split past the last step runs no step: stores zeros)
     code, nested = _absmax_loads(aq_ptr + first, na_ptr + first // 256)
+    if PAIRS:
+        _init_pair_table(pair_ptr, WARPS)
     if USE_PDL:  # programmatic launch: the first step's weight lines into L2 while the previous kernel runs
         _prefetch_l2(q_ptr + rows * stride_qn + tl.minimum(lo, steps - 1) * WORDS)  # [BLOCK_N]: a row's step
     wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
@@ -149,7 +175,7 @@ def _nf4_stream_kernel(
         nxt = blocks + tl.minimum(s + 1, steps - 1) * NB  # [BLOCK_N, NB] (the last step re-reads its own)
         code_next, nested_next = _absmax_loads(aq_ptr + nxt, na_ptr + nxt // 256)
         words = tl.load(w_rows + s * WORDS)  # [BLOCK_N, WORDS] int32, 16 bytes per thread
-        dots = _word_dots(words, x_row + s * WORDS * 8, t0, t1, t2, t3, t4, t5, t6, t7, X_BF16)
+        dots = _word_dots(words, x_row + s * WORDS * 8, t0, t1, t2, t3, t4, t5, t6, t7, X_BF16, PAIRS)
         scale = absmax_lookup(code, nested, nc_ptr, offset)
         acc += tl.sum(tl.reshape(dots, [BLOCK_N, NB, 8]), axis=2) * scale
         code = code_next
@@ -172,7 +198,11 @@ def check_stream_config(config: tuple[int, int, int, int, int]) -> None:
 
 
 def nf4_stream_gemv(
-    x: torch.Tensor, weight: NF4Weight, residual: torch.Tensor | None, config: tuple[int, int, int, int, int]
+    x: torch.Tensor,
+    weight: NF4Weight,
+    residual: torch.Tensor | None,
+    config: tuple[int, int, int, int, int],
+    pairs: bool = True,
 ) -> torch.Tensor:
     """x [M, K] @ W[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16; each row read on its
     own: meant for one row); ValueError for a bad shape, dtype or config. x is copied once when it does not start
@@ -189,6 +219,8 @@ def nf4_stream_gemv(
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
         x = x.contiguous().clone()  # a fresh allocation: aligned
     block_n, nb, splits, warps, stages = config
+    if pairs and warps not in PAIR_TABLE_WARPS:
+        raise ValueError(f"the NF4 pair table is copied by {PAIR_TABLE_WARPS} warps, config {config} has {warps}")
     while (k // 64) % nb:  # whole steps only (Llama-3-8B's rows: 64 and 224 blocks)
         nb //= 2
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
@@ -201,10 +233,34 @@ def nf4_stream_gemv(
     x_bf16 = weight.dtype == torch.bfloat16
     pdl = programmatic_launch(x.device)
     _nf4_stream_kernel[grid](
-        x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out, counters,
+        x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.pair_words16, ws, res, out,
+        counters,
         m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
         1.0 / X_SCALE if x_bf16 else 1.0, *weight.lut_words,
         BLOCK_N=block_n, NB=nb, X_BF16=x_bf16, USE_WS=use_ws, HAS_RES=residual is not None, STAGES=stages,
-        USE_PDL=pdl, num_warps=warps, **launch_options(pdl),
+        USE_PDL=pdl, PAIRS=pairs, WARPS=warps, num_warps=warps, **launch_options(pdl),
     )  # fmt: skip
     return out
+
+
+_CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+def _allow_dynamic_shared(module: object, function: int, name: str, *rest: object) -> None:
+    # Triton raises a kernel's dynamic shared-memory limit above the default (48 KiB less its static memory) only
+    # when its own buffers pass 48 KiB; the pair table's 32 KiB are static, so the streaming GEMV's pipeline buffers
+    # get the rest of what the device allows a program beside them
+    if name != _nf4_stream_kernel.fn.__name__:
+        return
+    cuda = ctypes.CDLL("libcuda.so.1")
+    static = ctypes.c_int(0)
+    if cuda.cuFuncGetAttribute(ctypes.byref(static), _CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, ctypes.c_void_p(function)):
+        raise RuntimeError("cuFuncGetAttribute failed on the NF4 streaming GEMV")
+    optin = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+    limit = ctypes.c_int(optin - static.value)
+    if cuda.cuFuncSetAttribute(ctypes.c_void_p(function), _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, limit):
+        raise RuntimeError("cuFuncSetAttribute failed on the NF4 streaming GEMV")
+
+
+triton.knobs.runtime.kernel_load_end_hook.add(_allow_dynamic_shared)

@@ -1,0 +1,69 @@
+"""The NF4 pair table (engine/quant_pair_table.py) on CPU: every byte's entry holds both of its codes' fp16 levels in
+the halves the dot pairs with x; the emulated dot gives the register lookup's emulated dot's bits (the same products
+and sums in the same order) on random words, x and tables; the PTX text copies every entry to every lane and the
+refusals. The PTX runs only on a GPU (tests/gpu/test_quant_stream.py checks the two kernels' bits are equal)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from corolla.engine import quant_pair_table, quant_prmt
+from corolla.engine.quant import NF4_LEVELS
+
+
+def _x16(values: list[float]) -> tuple[int, ...]:
+    bits = [b & 0xFFFF for b in torch.tensor(values).half().view(torch.int16).tolist()]
+    return tuple(bits[2 * i] | bits[2 * i + 1] << 16 for i in range(4))
+
+
+@pytest.mark.parametrize("table", ["nf4", "random"])
+def test_entries_and_dots_equal_the_register_lookup(table: str) -> None:
+    code = torch.tensor(NF4_LEVELS) if table == "nf4" else torch.randn(16, generator=torch.Generator().manual_seed(3))
+    pairs = quant_pair_table.pair_words16(code)
+    levels = code.to(torch.float16)
+    for b in range(256):  # low half: the high nibble's level (the even element); high half: the low nibble's
+        word = int(pairs[b]) & 0xFFFFFFFF
+        halves = torch.tensor([word & 0xFFFF, word >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16)
+        assert torch.equal(halves, torch.stack((levels[b >> 4], levels[b & 15]))), b
+    lut = quant_prmt.lut_words(code)
+    rng = random.Random(11)
+    for word in [0, 0xFFFFFFFF, 0x8F7F08F0] + [rng.getrandbits(32) for _ in range(400)]:
+        xs = _x16(torch.tensor([rng.uniform(-4, 4) for _ in range(8)]).half().float().tolist())
+        got = quant_pair_table.emulate_dot(word, xs, pairs)
+        assert got == quant_prmt.emulate_dot16(word, xs, lut), hex(word)
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_init_copies_every_entry_to_every_lane(warps: int) -> None:
+    ptx = quant_pair_table.init_ptx(warps)
+    loads = [int(v) for v in re.findall(r"ld\.global\.nc\.v4\.u32 \{[^}]*\}, \[%g \+ (\d+)\]", ptx)]
+    stores = [int(v) for v in re.findall(r"st\.shared\.u32 \[%s \+ (\d+)\]", ptx)]
+    assert len(loads) * 4 * warps == quant_pair_table.ENTRIES and len(stores) == 4 * len(loads)
+    # warp w's i-th load reads entries 4 (w + warps i) .. + 3; store k of it goes to word 32 (4 (w + warps i) + k)
+    for w in range(warps):
+        entries = sorted(
+            (w * 16 + off) // 4 + k for off in loads for k in range(4)
+        )  # [group first entries + k]
+        words = sorted((w * 512 + off) // 4 for off in stores)  # lane 0's words
+        assert words == [32 * e for e in entries]
+    covered = sorted((w * 16 + off) // 4 + k for w in range(warps) for off in loads for k in range(4))
+    assert covered == list(range(quant_pair_table.ENTRIES))
+    assert ptx.count("bar.sync 0;") == 1 and quant_pair_table.TABLE_NAME in ptx.splitlines()[0]
+    with pytest.raises(ValueError, match="warps"):
+        quant_pair_table.init_ptx(3)
+
+
+def test_dot_ptx_reads_four_entries_and_refusals() -> None:
+    ptx = quant_pair_table.dot_ptx()
+    assert ptx.count("ld.shared.b32") == 4 and ptx.count("fma.rn.f16x2") == 3 and ptx.count("cvt.f32.f16") == 2
+    assert "prmt" not in ptx and all(f"${i}" in ptx for i in range(6))
+    with pytest.raises(ValueError, match="16 levels"):
+        quant_pair_table.pair_words16(torch.zeros(8))
+    with pytest.raises(ValueError, match="fp16 range"):
+        quant_pair_table.pair_words16(torch.full((16,), 1e6))
+    with pytest.raises(ValueError, match="x words"):
+        quant_pair_table.emulate_dot(0, (0, 0, 0), quant_pair_table.pair_words16(torch.tensor(NF4_LEVELS)))
