@@ -55,6 +55,10 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int, int, bool], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, int, int, bool], torch.Tensor] = {}
         self._mempool = torch.cuda.graph_pool_handle()
+        # one side stream for every warm-up and capture: cuBLAS keeps a workspace (32 MiB on Hopper) per stream it
+        # ran on, so a fresh stream per capture (PyTorch hands out its 32 pool streams in turn) held one more
+        # workspace per graph (tests/gpu/test_engine_mla_gpu: 4 of them, 128 MiB, for 3 buckets)
+        self._stream = torch.cuda.Stream(device=dev)
 
     def clear(self) -> None:
         """Drops every captured graph (after a change to how the model's step runs, e.g. its adapters' form); the
@@ -90,14 +94,14 @@ class DecodeGraphs:
         saved_ids = None if self.adapters is None else self.adapters.row_ids[:bucket].clone()
         self._reset_rows(0, bucket)  # warm-up and capture touch only the trash page
         args = (self.hidden[:bucket], self.positions[:bucket], self.block_tables[:bucket], self.pool, (first, end))
-        stream = torch.cuda.Stream(device=self.model.device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(stream), self._variant(adapted):  # warm-up compiles kernels outside capture
             for _ in range(self.warmup_iters):
                 self.model.decode(*args)
         torch.cuda.current_stream(self.model.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool), self._variant(adapted):
+        with torch.cuda.graph(graph, pool=self._mempool, stream=stream), self._variant(adapted):
             out = self.model.decode(*args)
         self._graphs[key] = graph
         self._outputs[key] = out
