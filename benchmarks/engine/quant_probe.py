@@ -33,20 +33,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
-# --stream_sweep: the streaming GEMV's tilings beyond its tuner configs, each at every pipeline depth (8 blocks per
-# step or 256 rows on 4 warps run out of registers: 255 and spills in the compiler's report)
-SWEEP_CONFIGS = [
-    (bn, 4, s, w, st)
-    for bn, w in ((64, 4), (64, 8), (128, 4), (128, 8), (256, 8))
-    for s in (2, 4, 8, 16)
-    for st in (2, 3, 4)
-]
+# --stream_sweep: the streaming GEMV's tilings beyond its tuner configs: 128 or 256 rows, no split to 8, 2 or 3
+# pipeline stages (64 rows: see the tuner configs; 8 blocks per step or 256 rows on 4 warps run out of registers: 255 and spills in the compiler's
+# report; 4 stages were 1-5% slower than 2 on the register lookup, docs/decisions/0015)
+SWEEP_CONFIGS = [(bn, 4, s, w, st) for bn, w in ((128, 4), (128, 8), (256, 8)) for s in (1, 2, 4, 8) for st in (2, 3)]
 
 
 FAMILIES = ("new", "stream", "pairs")  # the matrix-unit kernel, the streaming GEMV on the register lookup / pair table
 
 
-def candidates(m: int, sweep: bool = False) -> dict[str, list]:
+def candidates(m: int, sweep: bool = False, families: tuple[str, ...] = FAMILIES) -> dict[str, list]:
     """{kernel family: [(label, call(x, w))]} for m rows (`sweep`: the streaming GEMV's wider sweep too)."""
     new = []
     for c in quant_mma.NF4_MMA_CONFIGS:
@@ -56,11 +52,13 @@ def candidates(m: int, sweep: bool = False) -> dict[str, list]:
     pairs = []
     if m == 1:
         configs = quant_stream.NF4_STREAM_CONFIGS
+        for c in configs:  # the register lookup: the tuner's configs (the baseline)
+            stream.append((f"stream{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c, pairs=False)))
         configs += tuple(c for c in SWEEP_CONFIGS if c not in configs) if sweep else ()
         for c in configs:
-            stream.append((f"stream{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c, pairs=False)))
             pairs.append((f"pairs{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c, pairs=True)))
-    return {"new": new, "stream": stream, "pairs": pairs}
+    found = {"new": new, "stream": stream, "pairs": pairs}
+    return {family: found[family] for family in families}
 
 
 def main() -> None:
@@ -69,6 +67,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--stream_sweep", action="store_true", help="one row: the streaming GEMV's wider sweep")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="kernel families timed (default: all)")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -93,7 +92,7 @@ def main() -> None:
             bf16_us = graph_us(lambda x=x, dense=dense: [F.linear(x, d) for d in dense], len(dense))
             row = {"shape": name, "n": n, "k": k, "rows": m, "floor_us": floor_us, "bf16_us": bf16_us,
                    "bf16_floor_us": 2 * n * k / bw * 1e6, "kernels": {}}  # fmt: skip
-            for family, cands in candidates(m, args.stream_sweep).items():
+            for family, cands in candidates(m, args.stream_sweep, tuple(args.families.split(","))).items():
                 for label, call in cands:
                     try:
                         err = rel_err(call(x, nf4[0]), ref)

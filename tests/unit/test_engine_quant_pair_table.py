@@ -45,9 +45,7 @@ def test_init_copies_every_entry_to_every_lane(warps: int) -> None:
     assert len(loads) * 4 * warps == quant_pair_table.ENTRIES and len(stores) == 4 * len(loads)
     # warp w's i-th load reads entries 4 (w + warps i) .. + 3; store k of it goes to word 32 (4 (w + warps i) + k)
     for w in range(warps):
-        entries = sorted(
-            (w * 16 + off) // 4 + k for off in loads for k in range(4)
-        )  # [group first entries + k]
+        entries = sorted((w * 16 + off) // 4 + k for off in loads for k in range(4))  # [group first entries + k]
         words = sorted((w * 512 + off) // 4 for off in stores)  # lane 0's words
         assert words == [32 * e for e in entries]
     covered = sorted((w * 16 + off) // 4 + k for w in range(warps) for off in loads for k in range(4))

@@ -50,6 +50,11 @@ NF4_STREAM_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (128, 4, 4, 4, 2),
     (128, 4, 8, 4, 2),
     (128, 4, 8, 8, 2),
+    (64, 4, 8, 4, 3),
+    (128, 4, 4, 4, 3),
+    (128, 4, 8, 4, 3),
+    (256, 4, 2, 8, 2),
+    (256, 4, 4, 8, 2),
 )
 PAIR_TABLE_WARPS = (4, 8)  # the warp counts the pair table's copy is written for (quant_pair_table.init_ptx)
 X_SCALE = 2.0**-8  # bf16 x into fp16: times this before the conversion, the output times its inverse
@@ -166,10 +171,10 @@ def _nf4_stream_kernel(
     # second-level absmaxes are loaded a step ahead in registers
     first = blocks + tl.minimum(lo, steps - 1) * NB  # (a split past the last step runs no step: stores zeros)
     code, nested = _absmax_loads(aq_ptr + first, na_ptr + first // 256)
+    if USE_PDL or PAIRS:  # the first step's weight lines into L2 while the previous kernel runs / the table is copied
+        _prefetch_l2(q_ptr + rows * stride_qn + tl.minimum(lo, steps - 1) * WORDS)  # [BLOCK_N]: a row's step
     if PAIRS:
         _init_pair_table(pair_ptr, WARPS)
-    if USE_PDL:  # programmatic launch: the first step's weight lines into L2 while the previous kernel runs
-        _prefetch_l2(q_ptr + rows * stride_qn + tl.minimum(lo, steps - 1) * WORDS)  # [BLOCK_N]: a row's step
     wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
     for s in tl.range(lo, hi, num_stages=STAGES):
         nxt = blocks + tl.minimum(s + 1, steps - 1) * NB  # [BLOCK_N, NB] (the last step re-reads its own)
