@@ -34,12 +34,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # --stream_sweep: the streaming GEMV's tilings beyond its tuner configs: 128 or 256 rows, no split to 8, 2 or 3
-# pipeline stages (64 rows: see the tuner configs; 8 blocks per step or 256 rows on 4 warps run out of registers: 255 and spills in the compiler's
-# report; 4 stages were 1-5% slower than 2 on the register lookup, docs/decisions/0015)
+# pipeline stages (8 blocks per step or 256 rows on 4 warps run out of registers; 4 stages were 1-5% slower than 2,
+# docs/decisions/0015)
 SWEEP_CONFIGS = [(bn, 4, s, w, st) for bn, w in ((128, 4), (128, 8), (256, 8)) for s in (1, 2, 4, 8) for st in (2, 3)]
-
-
-FAMILIES = ("new", "stream", "pairs")  # the matrix-unit kernel, the streaming GEMV on the register lookup / pair table
+FAMILIES = ("new", "stream")  # the matrix-unit kernel, the streaming GEMV
 
 
 def candidates(m: int, sweep: bool = False, families: tuple[str, ...] = FAMILIES) -> dict[str, list]:
@@ -49,15 +47,12 @@ def candidates(m: int, sweep: bool = False, families: tuple[str, ...] = FAMILIES
         if (c[1] == 16) == (m <= 16):
             new.append((f"mma{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c)))
     stream = []
-    pairs = []
     if m == 1:
         configs = quant_stream.NF4_STREAM_CONFIGS
-        for c in configs:  # the register lookup: the tuner's configs (the baseline)
-            stream.append((f"stream{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c, pairs=False)))
         configs += tuple(c for c in SWEEP_CONFIGS if c not in configs) if sweep else ()
         for c in configs:
-            pairs.append((f"pairs{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c, pairs=True)))
-    found = {"new": new, "stream": stream, "pairs": pairs}
+            stream.append((f"stream{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c)))
+    found = {"new": new, "stream": stream}
     return {family: found[family] for family in families}
 
 
@@ -113,7 +108,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_probe.json").write_text(json.dumps({"card": card, "copy_bw": bw, "rows": results}, indent=1))
     print(f"\n{card}, copy {bw / 1e12:.2f} TB/s; us per call (x floor = NF4 bytes / copy bandwidth)")
-    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'stream':>14} {'pairs':>14}  best"
+    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'stream':>14}  best"
           " configs, max errors")  # fmt: skip
     for r in results:
         f = r["floor_us"]

@@ -3,8 +3,8 @@ every decoded value of every block position is checked against the fp16-level re
 table, both dtypes, with and without a K split, whole and halved steps, a partial row tile);
 random inputs stay within the bf16 rounding of x @ the dequantized weight, with a residual, and a row's output is
 bit-identical alone and among other rows; the split counters are left at zero under graph replay and replays are
-bit-equal; the pair table and the register lookup give the same bits; misaligned x is copied, bad inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_prmt.py
-checks the dot program on CPU)."""
+bit-equal; misaligned x is copied, bad inputs are refused. Skipped without CUDA
+(tests/unit/test_engine_quant_pair_table.py checks the dot program on CPU)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _weight(n: int, k: int, seed: int, dtype: torch.dtype, random_table: bool = 
 
 
 def _fp16_level_reference(weight) -> torch.Tensor:
-    # [N, K] fp32: the level rounded to fp16 (as the register lookup holds it) times the block absmax
+    # [N, K] fp32: the level rounded to fp16 (as the pair table holds it) times the block absmax
     n, k = weight.shape
     codes = torch.stack(((weight.packed >> 4).long(), (weight.packed & 15).long()), dim=-1).reshape(n, k)
     return (weight.code.half().float()[codes].reshape(-1, 64) * weight.block_absmax()[:, None]).reshape(n, k)
@@ -77,21 +77,6 @@ def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
     shifted = torch.empty(3 * 4096 + 1, device=DEV, dtype=torch.bfloat16)[1:].view(3, 4096)  # not 16-byte aligned
     shifted.copy_(x)
     assert torch.equal(nf4_stream_gemv(shifted, weight, res, CONFIGS[1]), nf4_stream_gemv(x, weight, res, CONFIGS[1]))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_pair_table_gives_the_register_lookups_bits(dtype) -> None:
-    # the shared-memory pair table (quant_pair_table) and the register lookup (quant_prmt) decode to the same fp16
-    # levels and run the same products and sums in the same order: equal bits, every config, a random level table
-    from corolla.engine.quant_stream import nf4_stream_gemv
-
-    weight = _weight(392, 3072, seed=21, dtype=dtype, random_table=True)
-    x = torch.randn(2, 3072, device=DEV, dtype=dtype)
-    res = torch.randn(2, 392, device=DEV, dtype=dtype)
-    for config in CONFIGS:
-        out = nf4_stream_gemv(x, weight, res, config, pairs=True)
-        assert bool(torch.isfinite(out).all()), config
-        assert torch.equal(out, nf4_stream_gemv(x, weight, res, config, pairs=False)), config
 
 
 def test_split_counters_reset_under_graph_replay() -> None:

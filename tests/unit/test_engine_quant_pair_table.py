@@ -1,7 +1,7 @@
 """The NF4 pair table (engine/quant_pair_table.py) on CPU: every byte's entry holds both of its codes' fp16 levels in
-the halves the dot pairs with x; the emulated dot gives the register lookup's emulated dot's bits (the same products
-and sums in the same order) on random words, x and tables; the PTX text copies every entry to every lane and the
-refusals. The PTX runs only on a GPU (tests/gpu/test_quant_stream.py checks the two kernels' bits are equal)."""
+the halves the dot pairs with x; the emulated dot reads one-hot x's levels back exactly and random x within fp16
+rounding of a float64 sum (before the register lookup's dot program was deleted, its emulation gave the same bits on
+400 random words and two tables); the PTX text copies every entry to every lane; the refusals. The PTX runs only on a GPU (tests/gpu/test_quant_stream.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from corolla.engine import quant_pair_table, quant_prmt
+from corolla.engine import quant_pair_table
 from corolla.engine.quant import NF4_LEVELS
 
 
@@ -20,8 +20,19 @@ def _x16(values: list[float]) -> tuple[int, ...]:
     return tuple(bits[2 * i] | bits[2 * i + 1] << 16 for i in range(4))
 
 
+def _expected(word: int, levels: list[float]) -> list[float]:
+    # byte j holds element 2j (high nibble) and 2j + 1 (low nibble)
+    out = []
+    for j in range(4):
+        byte = (word >> (8 * j)) & 0xFF
+        out += [levels[byte >> 4], levels[byte & 15]]
+    return out
+
+
 @pytest.mark.parametrize("table", ["nf4", "random"])
-def test_entries_and_dots_equal_the_register_lookup(table: str) -> None:
+def test_entries_and_dots_pair_every_value_with_its_element(table: str) -> None:
+    # every byte's entry holds its two levels in the halves x pairs with; one-hot x reads each element's level back
+    # exactly, and random x matches a float64 sum within fp16 rounding
     code = torch.tensor(NF4_LEVELS) if table == "nf4" else torch.randn(16, generator=torch.Generator().manual_seed(3))
     pairs = quant_pair_table.pair_words16(code)
     levels = code.to(torch.float16)
@@ -29,12 +40,17 @@ def test_entries_and_dots_equal_the_register_lookup(table: str) -> None:
         word = int(pairs[b]) & 0xFFFFFFFF
         halves = torch.tensor([word & 0xFFFF, word >> 16], dtype=torch.int32).to(torch.int16).view(torch.float16)
         assert torch.equal(halves, torch.stack((levels[b >> 4], levels[b & 15]))), b
-    lut = quant_prmt.lut_words(code)
     rng = random.Random(11)
-    for word in [0, 0xFFFFFFFF, 0x8F7F08F0] + [rng.getrandbits(32) for _ in range(400)]:
-        xs = _x16(torch.tensor([rng.uniform(-4, 4) for _ in range(8)]).half().float().tolist())
-        got = quant_pair_table.emulate_dot(word, xs, pairs)
-        assert got == quant_prmt.emulate_dot16(word, xs, lut), hex(word)
+    for word in [0, 0xFFFFFFFF, 0x8F7F08F0] + [rng.getrandbits(32) for _ in range(300)]:
+        want = _expected(word, levels.float().tolist())
+        for e in range(8):
+            onehot = [0.0] * 8
+            onehot[e] = 1.0
+            assert quant_pair_table.emulate_dot(word, _x16(onehot), pairs) == want[e], (hex(word), e)
+        xs = torch.tensor([rng.uniform(-4, 4) for _ in range(8)]).half().float().tolist()  # values fp16 holds
+        exact = sum(w * x for w, x in zip(want, xs, strict=True))
+        bound = sum(abs(w * x) for w, x in zip(want, xs, strict=True)) * 4 * 2.0**-11  # 4 fp16 roundings per half
+        assert abs(quant_pair_table.emulate_dot(word, _x16(xs), pairs) - exact) <= bound + 1e-12
 
 
 @pytest.mark.parametrize("warps", [4, 8])

@@ -1,7 +1,7 @@
 """The NF4 register lookup's instruction sequence (engine/quant_prmt.py) on CPU: `emulate_decode16` runs the exact
 program the GPU kernels inline as PTX (prmt/lop3/shr semantics as PTX documents them) and must give every code's
 level (fp16-rounded) for random words and random tables, including the edge codes 0, 7, 8 and 15; the table words,
-the PTX text and the refusals. The PTX itself runs only on a GPU (tests/gpu/test_quant_stream.py, test_quant_mma.py): Triton's CPU
+the PTX text and the refusals. The PTX itself runs only on a GPU (tests/gpu/test_quant_mma.py): Triton's CPU
 interpreter does not execute inline assembly."""
 
 from __future__ import annotations
@@ -86,42 +86,4 @@ def test_fp16_program_gives_every_level_in_element_order(table: str) -> None:
     assert ptx.count("prmt.b32") == ops.count("prmt") == 16 and "cvt" not in ptx  # 21 instructions, no conversion
     assert len(ops) == 21 and quant_prmt.DECODE16_CONSTRAINTS.count("=h") == 8
     for operand in range(17):  # every fp16 output written, the word and every table word read
-        assert f"${operand}" in ptx
-
-
-def _x16(values: list[float]) -> tuple[int, ...]:
-    # 8 x values -> 4 fp16x2 words (the even value in the low half), as the streaming GEMV packs x
-    bits = [b & 0xFFFF for b in torch.tensor(values).half().view(torch.int16).tolist()]
-    return tuple(bits[2 * i] | bits[2 * i + 1] << 16 for i in range(4))
-
-
-def test_dot_program_pairs_every_value_with_its_element() -> None:
-    # the streaming GEMV's dot program (quant_stream): one-hot x reads each element's level back exactly, so the x
-    # words are paired with the right decoded values; random x matches a float64 sum within fp16 rounding
-    code = torch.tensor(NF4_LEVELS)
-    table = quant_prmt.lut_words(code)
-    levels = code.to(torch.float16).float().tolist()
-    rng = random.Random(7)
-    for word in [0x00000000, 0xFFFFFFFF, 0x8F7F08F0] + [rng.getrandbits(32) for _ in range(300)]:
-        want = _expected(word, levels)
-        for e in range(8):
-            onehot = [0.0] * 8
-            onehot[e] = 1.0
-            assert quant_prmt.emulate_dot16(word, _x16(onehot), table) == want[e], (hex(word), e)
-        xs = torch.tensor([rng.uniform(-4, 4) for _ in range(8)]).half().float().tolist()  # values fp16 holds
-        exact = sum(w * x for w, x in zip(want, xs, strict=True))
-        bound = sum(abs(w * x) for w, x in zip(want, xs, strict=True)) * 4 * 2.0**-11  # 4 fp16 roundings per half
-        assert abs(quant_prmt.emulate_dot16(word, _x16(xs), table) - exact) <= bound + 1e-12
-    with pytest.raises(ValueError, match="x words"):
-        quant_prmt.emulate_dot16(0, (0, 0, 0), table)
-
-
-def test_dot_ptx_is_the_program() -> None:
-    ptx = quant_prmt.dot16_ptx()
-    ops = [op for op, _, _ in quant_prmt.DOT16_PROGRAM]
-    assert ptx.count("prmt.b32") == ops.count("prmt") == 16
-    assert ptx.count("fma.rn.f16x2") == ops.count("hfma2") == 3 and ptx.count("mul.rn.f16x2") == 1
-    assert ptx.count("cvt.f32.f16") == 2  # only the two halves of the sum are converted
-    assert quant_prmt.DOT16_CONSTRAINTS.startswith("=r,") and quant_prmt.DOT16_CONSTRAINTS.count(",r") == 13
-    for operand in range(14):  # the sum written, the word, every x word and table word read
         assert f"${operand}" in ptx

@@ -7,8 +7,8 @@ shared memory once per program, 32 times over with entry e of lane l at word 32 
 reads bank l: a warp's 32 loads never conflict whatever the codes. One byte then costs a shift, a mask-and-or (its
 address: byte << 7 | lane << 2) and one load, 12 instructions per word of 8 values with 4 of them shared loads,
 against the register lookup's 21 integer instructions (16 byte permutes on the half-rate pipe: quant_prmt,
-docs/decisions/0015). The products and sums are the register lookup's dot program's, in the same order and
-roundings (fp16x2 products, 4 terms per half, the halves added in fp32), so both give the same bits.
+docs/decisions/0015). The products and sums are those of the register lookup's dot program it replaced, in the same
+order and roundings (fp16x2 products, 4 terms per half, the halves added in fp32): the same bits (docs/decisions/0021).
 
 `init_ptx` / `dot_ptx` write the programs as inline PTX for Triton (`tl.inline_asm_elementwise`: PTX declares the
 table in the kernel's static shared memory); `emulate_dot` is the dot's CPU twin. Importing needs no GPU."""
@@ -66,7 +66,7 @@ def init_ptx(warps: int) -> str:
 INIT_CONSTRAINTS = "=r,l"
 
 # one packed word ($1) against x as 4 fp16x2 words ($2..$5): byte j's address (byte << 7 | lane << 2, plus the
-# table's base) is a shift and a mask-and-or, its entry one shared load; then quant_prmt's dot program's arithmetic
+# table's base) is a shift and a mask-and-or, its entry one shared load; then 4 fp16x2 products summed per half
 _SHIFTS = ("shl.b32 %a0, $1, 7;", "shr.u32 %a1, $1, 1;", "shr.u32 %a2, $1, 9;", "shr.u32 %a3, $1, 17;")
 
 

@@ -7,14 +7,15 @@ out of the eight of {b, a} by four 3-bit indices (the low 16 bits of `sel`), so 
 is >= 8, and a third `prmt` with the selector `0x3210 + 4 * bit3(code)` per byte merges the two by bit 3 of each
 code; the same for the high bytes; two more `prmt`s interleave low and high bytes into two fp16x2 words in element
 order (element 2j in the low half). One packed 32-bit word (4 bytes, 8 codes) costs 5 selector instructions + 2 x 8
-permutes (`DECODE16_PROGRAM`), all in registers, instead of 8 table loads: the operand of the matrix units (quant_mma)
-and, with 4 fp16x2 products, the streaming GEMV's dot program (`DOT16_PROGRAM`, quant_stream).
+permutes (`DECODE16_PROGRAM`), all in registers, instead of 8 table loads: the operand of the matrix units
+(quant_mma). (The one-row streaming GEMV reads a shared-memory pair table instead, quant_pair_table: fewer integer
+instructions, docs/decisions/0021.)
 
-The programs are instruction sequences as data: `decode16_ptx` / `dot16_ptx` write them as inline PTX and
-`emulate_decode16` / `emulate_dot16` run the same lists on CPU integers (the instructions' documented semantics), so
-the CPU tests check the exact sequence the GPU runs. Levels are rounded to fp16 once (relative error <= 2^-11, below
-the bf16 rounding of bitsandbytes' own dequantized weight). (The fp32 variant of the lookup, 8 conversions per word,
-served the register-lookup GEMV, deleted: docs/decisions/0017.)"""
+The program is an instruction sequence as data: `decode16_ptx` writes it as inline PTX and `emulate_decode16` runs the
+same list on CPU integers (the instructions' documented semantics), so the CPU tests check the exact sequence the GPU
+runs. Levels are rounded to fp16 once (relative error <= 2^-11, below the bf16 rounding of bitsandbytes' own
+dequantized weight). (The fp32 variant of the lookup, 8 conversions per word, served the register-lookup GEMV,
+deleted: docs/decisions/0017.)"""
 
 from __future__ import annotations
 
@@ -154,98 +155,3 @@ def decode16_ptx() -> str:
 
 
 DECODE16_CONSTRAINTS = ",".join(["=h"] * 8 + ["r"] * 9)
-
-
-# The streaming GEMV's dot product (quant_stream): one packed word against 8 values of x, all in registers.
-# DOT16_PROGRAM: DECODE16's fp16x2 levels times x as fp16x2 ("x0".."x3": values (0, 1), (2, 3), (4, 5), (6, 7), the
-# even value in the low half), summed in fp16x2 (one product and three fmas per half: 4 terms, each rounded to fp16),
-# then the two halves converted and added in fp32 ("d"): 28 instructions per 8 values, 2 conversions. (Decoding to
-# fp32 levels and multiplying in fp32, 37 instructions and 8 conversions, was 5-13% slower on every Llama-3-8B
-# projection: docs/decisions/0015-nf4-streaming-gemv.md.)
-DOT16_PROGRAM: tuple[tuple[str, str, tuple[str | int, ...]], ...] = (
-    *DECODE16_PROGRAM,
-    ("hmul2", "h", ("e0", "x0")),
-    ("hfma2", "h", ("e1", "x1", "h")),
-    ("hfma2", "h", ("e2", "x2", "h")),
-    ("hfma2", "h", ("e3", "x3", "h")),
-    ("hsum", "d", ("h",)),
-)
-DOT16_CONSTRAINTS = ",".join(["=r"] + ["r"] * 13)  # $0 the sum; $1 the word, $2..$5 x, $6..$13 the table
-
-
-def dot16_ptx() -> str:
-    """DOT16_PROGRAM as inline PTX for `tl.inline_asm_elementwise`: output $0 (the fp32 sum), inputs $1 (the word),
-    $2..$5 (x as fp16x2 words) and $6..$13 (the table words)."""
-    xs = [f"x{i}" for i in range(4)]
-    operand = {"d": "$0", "w": "$1"}
-    operand.update({name: f"${2 + i}" for i, name in enumerate(xs)})
-    operand.update({name: f"${6 + i}" for i, name in enumerate(TABLE_OPERANDS)})
-    scratch = (*_SCRATCH, "e0", "e1", "e2", "e3", "h")
-    operand.update({name: f"%{name}" for name in scratch})
-
-    def ref(x: str | int) -> str:
-        return f"0x{x:08x}" if isinstance(x, int) else operand[x]
-
-    lines = ["{", ".reg .b32 " + ", ".join(f"%{n}" for n in scratch) + ";", ".reg .b16 %hlo, %hhi;",
-             ".reg .f32 %flo, %fhi;"]  # fmt: skip
-    for op, dst, src in DOT16_PROGRAM:
-        d = operand[dst]
-        if op == "and":
-            lines.append(f"and.b32 {d}, {ref(src[0])}, {ref(src[1])};")
-        elif op == "shr":
-            lines.append(f"shr.u32 {d}, {ref(src[0])}, {int(src[1])};")
-        elif op == "andor":
-            lines.append(f"lop3.b32 {d}, {ref(src[0])}, {ref(src[1])}, {ref(src[2])}, 0xEA;")
-        elif op == "prmt":
-            lines.append(f"prmt.b32 {d}, {ref(src[0])}, {ref(src[1])}, {ref(src[2])};")
-        elif op == "hmul2":
-            lines.append(f"mul.rn.f16x2 {d}, {ref(src[0])}, {ref(src[1])};")
-        elif op == "hfma2":
-            lines.append(f"fma.rn.f16x2 {d}, {ref(src[0])}, {ref(src[1])}, {ref(src[2])};")
-        elif op == "hsum":
-            lines.append(f"mov.b32 {{%hlo, %hhi}}, {ref(src[0])};")
-            lines += ["cvt.f32.f16 %flo, %hlo;", "cvt.f32.f16 %fhi, %hhi;", f"add.rn.f32 {d}, %flo, %fhi;"]
-        else:
-            raise ValueError(f"unknown dot op {op!r}")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def _f16_bits(value: float) -> int:
-    return struct.unpack("<H", struct.pack("<e", value))[0]
-
-
-def _f32(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", bits & MASK32))[0]
-
-
-def _f32_bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
-
-
-def _halves(bits: int) -> tuple[float, float]:
-    return _f16_to_f32(bits), _f16_to_f32(bits >> 16)
-
-
-def emulate_dot16(word: int, xs: tuple[int, ...], table: tuple[int, ...]) -> float:
-    """Runs DOT16_PROGRAM on one packed word, x as 4 fp16x2 words and the table words: the fp32 sum (the CPU twin of
-    `dot16_ptx`; each fp16 operation rounded once, to nearest even, via float64, which holds every product exactly)."""
-    if len(xs) != 4:
-        raise ValueError(f"the dot program takes 4 fp16x2 x words, got {len(xs)}")
-    regs = _run(DECODE16_PROGRAM, word, table)
-    regs.update({f"x{i}": value & MASK32 for i, value in enumerate(xs)})
-
-    def h16(value: float) -> int:
-        return _f16_bits(value)  # struct rounds once to fp16, to nearest even
-
-    for op, dst, src in DOT16_PROGRAM[len(DECODE16_PROGRAM) :]:
-        a = _halves(regs[str(src[0])])
-        if op in ("hmul2", "hfma2"):
-            b = _halves(regs[str(src[1])])
-            c = _halves(regs[str(src[2])]) if op == "hfma2" else (0.0, 0.0)
-            regs[dst] = h16(a[0] * b[0] + c[0]) | h16(a[1] * b[1] + c[1]) << 16
-        elif op == "hsum":
-            regs[dst] = _f32_bits(a[0] + a[1])  # two fp16 values: their fp32 sum rounds once
-        else:
-            raise ValueError(f"unknown dot op {op!r}")
-    return _f32(regs["d"])

@@ -2,24 +2,24 @@
 own, reading bitsandbytes' NF4 layout in place (no repacking: rows of K / 2 bytes are read 128 contiguous bytes at a
 time, which is whole cache lines, so the row-major layout is already coalesced).
 
-Each program streams [BLOCK_N, 8 NB] packed words per step (NB 64-value blocks of BLOCK_N weight rows; a thread
-loads 16 bytes; Triton's software pipeline keeps the next steps in flight while one is computed) and computes every
-word's dot product with its 8 values of x in registers with one inline-PTX program (`quant_prmt.dot16_ptx`): the
-codes decoded to fp16 levels with the register lookup, multiplied with x as fp16x2, 4 products per half summed in
-fp16 and the halves in fp32 (28 instructions per 8 values, 2 conversions). x is loaded 16 bytes at a time and
-converted once per thread and step (bf16: scaled by 2^-8 into fp16, exact for 2^-9 <= |x| and within 2^-17
-absolute below, finite up to 2^22; the output is multiplied back by 2^8). Each block's word sums are added in fp32
-and scaled once by its decoded absmax (uint8 code -> nested code table * second-level absmax + offset, the
-reference's fp32 value); a split of K across programs is summed in split order by the last program of each output
-tile (`quant_splits`: one launch).
+Each program first copies the NF4 pair table into its shared memory (`quant_pair_table`: 256 fp16x2 level pairs, one
+copy per lane so that no load conflicts; 32 KiB of static shared memory), then streams [BLOCK_N, 8 NB] packed words
+per step (NB 64-value blocks of BLOCK_N weight rows; a thread loads 16 bytes; Triton's software pipeline keeps the
+next steps in flight while one is computed) and computes every word's dot product with its 8 values of x in
+registers with one inline-PTX program (`quant_pair_table.dot_ptx`): each byte's two fp16 levels by one shared load,
+multiplied with x as fp16x2, 4 products per half summed in fp16 and the halves in fp32 (19 instructions per 8
+values, 4 of them shared loads, against the register lookup's 28). x is loaded 16 bytes at a time and converted
+once per thread and step (bf16: scaled by 2^-8 into fp16, exact for 2^-9 <= |x| and within 2^-17 absolute below, finite up to 2^22; the
+output is multiplied back by 2^8). Each block's word sums are added in fp32 and scaled once by its decoded absmax
+(uint8 code -> nested code table * second-level absmax + offset, the reference's fp32 value); a split of K across
+programs is summed in split order by the last program of each output tile (`quant_splits`: one launch).
 
 Numerics: fp16 levels (relative error <= 2^-11), fp16 products and 4-term sums (each <= 2^-11 of its magnitude):
-within the bf16 rounding of bitsandbytes' dequantized weights. Speed: bound by the decode's integer instructions
-(16 byte permutes per 8 values on the half-rate integer pipe), not by the bytes (docs/decisions/0015). Batch
-invariance: one row per program, the same instructions in the same K order whatever the other rows hold.
-With programmatic launch on (quant_splits) the program loads its absmax codes and prefetches its first
-step's weight lines into L2 before it waits for the previous kernel. CUDA-graph safe. Importing fails without Triton; the inline PTX runs on NVIDIA GPUs only (`quant_prmt.emulate_dot16`
-is its CPU twin)."""
+within the bf16 rounding of bitsandbytes' dequantized weights; the same bits as the register lookup it replaced
+(docs/decisions/0021). Batch invariance: one row per program, the same instructions in the same K order whatever
+the other rows hold. The first step's weight lines are prefetched into L2 before the table copy (and, with
+programmatic launch on, before the wait for the previous kernel: quant_splits). CUDA-graph safe. Importing fails
+without Triton; the inline PTX runs on NVIDIA GPUs only (`quant_pair_table.emulate_dot` is its CPU twin)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ import triton.language as tl
 from corolla.engine import quant_pair_table
 from corolla.engine.quant import NF4Weight, counters_for_tiles
 from corolla.engine.quant_mma import absmax_lookup
-from corolla.engine.quant_prmt import DOT16_CONSTRAINTS, dot16_ptx
 from corolla.engine.quant_splits import (
     finish_row,
     finish_split_rows,
@@ -42,25 +41,23 @@ from corolla.engine.quant_splits import (
 )
 
 # (BLOCK_N, 64-value blocks per step, K splits, num_warps, pipeline stages): the tilings within 5% of the best on
-# some Llama-3-8B projection on an H200 (`python -m benchmarks.engine.quant_probe --rows 1 --stream_sweep`; 8 blocks
-# per step and 256 rows on 4 warps run out of registers; 3 or 4 stages were 1-5% slower than 2)
+# some Llama-3-8B projection on an H200, and the tuner's pick for w_gate_up in the step of that call
+# (`python -m benchmarks.engine.quant_probe --rows 1 --stream_sweep`, docs/decisions/0021; 8 blocks per step and 256
+# rows on 4 warps run out of registers)
 NF4_STREAM_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (64, 4, 4, 4, 2),
     (64, 4, 8, 4, 2),
+    (64, 4, 8, 4, 3),
+    (128, 4, 2, 4, 2),
     (128, 4, 4, 4, 2),
     (128, 4, 8, 4, 2),
-    (128, 4, 8, 8, 2),
-    (64, 4, 8, 4, 3),
-    (128, 4, 4, 4, 3),
     (128, 4, 8, 4, 3),
-    (256, 4, 2, 8, 2),
-    (256, 4, 4, 8, 2),
+    (128, 4, 8, 8, 3),
+    (256, 4, 8, 8, 2),
 )
 PAIR_TABLE_WARPS = (4, 8)  # the warp counts the pair table's copy is written for (quant_pair_table.init_ptx)
 X_SCALE = 2.0**-8  # bf16 x into fp16: times this before the conversion, the output times its inverse
 
-_DOT16 = tl.constexpr(dot16_ptx())
-_C16 = tl.constexpr(DOT16_CONSTRAINTS)
 _PAIR_DOT = tl.constexpr(quant_pair_table.dot_ptx())
 _PAIR_C = tl.constexpr(quant_pair_table.DOT_CONSTRAINTS)
 _PAIR_INIT4 = tl.constexpr(quant_pair_table.init_ptx(4))
@@ -121,30 +118,25 @@ def _init_pair_table(pair_ptr, WARPS: tl.constexpr):
 
 
 @triton.jit
-def _word_dots(words, x_ptrs, t0, t1, t2, t3, t4, t5, t6, t7, X_BF16: tl.constexpr, PAIRS: tl.constexpr):
+def _word_dots(words, x_ptrs, X_BF16: tl.constexpr):
     # words [B, W] int32, x_ptrs [1, W] (8 values of x each, 16-byte aligned) -> [B, W] fp32 dot products.
     # x is loaded in inline PTX so that it takes the layout of its use (as the scales: a tl.load anchors its own)
     x0, x1, x2, x3 = tl.inline_asm_elementwise(
         _X_BF16 if X_BF16 else _X_F16, "=r,=r,=r,=r,l", [x_ptrs.to(tl.int64)],
         dtype=(tl.int32,) * 4, is_pure=True, pack=1,
     )  # fmt: skip
-    if PAIRS:  # not pure: it reads the shared table, which must stay after the table's copy
-        return tl.inline_asm_elementwise(
-            _PAIR_DOT, _PAIR_C, [words, x0, x1, x2, x3], dtype=tl.float32, is_pure=False, pack=1
-        )
+    # not pure: it reads the shared table, so it must stay after the table's copy
     return tl.inline_asm_elementwise(
-        _DOT16, _C16, [words, x0, x1, x2, x3, t0, t1, t2, t3, t4, t5, t6, t7],
-        dtype=tl.float32, is_pure=True, pack=1,
-    )  # fmt: skip
+        _PAIR_DOT, _PAIR_C, [words, x0, x1, x2, x3], dtype=tl.float32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
 def _nf4_stream_kernel(
     x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, pair_ptr, ws_ptr, res_ptr, out_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits, out_scale,
-    t0, t1, t2, t3, t4, t5, t6, t7,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, X_BF16: tl.constexpr, USE_WS: tl.constexpr, HAS_RES: tl.constexpr,
-    STAGES: tl.constexpr, USE_PDL: tl.constexpr, PAIRS: tl.constexpr, WARPS: tl.constexpr,
+    STAGES: tl.constexpr, USE_PDL: tl.constexpr, WARPS: tl.constexpr,
 ):  # fmt: skip
     # program (n tile, split, row): W[n tile, the split's steps of NB blocks] against x[row]. q_ptr: the packed bytes
     # as int32 words (8 per block and row), stride_qn in words per row. Rows past N are clamped into bounds (loads
@@ -171,16 +163,16 @@ def _nf4_stream_kernel(
     # second-level absmaxes are loaded a step ahead in registers
     first = blocks + tl.minimum(lo, steps - 1) * NB  # (a split past the last step runs no step: stores zeros)
     code, nested = _absmax_loads(aq_ptr + first, na_ptr + first // 256)
-    if USE_PDL or PAIRS:  # the first step's weight lines into L2 while the previous kernel runs / the table is copied
-        _prefetch_l2(q_ptr + rows * stride_qn + tl.minimum(lo, steps - 1) * WORDS)  # [BLOCK_N]: a row's step
-    if PAIRS:
-        _init_pair_table(pair_ptr, WARPS)
+    # the first step's weight lines into L2 while the table is copied (and the previous kernel runs, programmatic
+    # launch): a program runs only a few steps, so its first DRAM round trip is a large part of its time
+    _prefetch_l2(q_ptr + rows * stride_qn + tl.minimum(lo, steps - 1) * WORDS)  # [BLOCK_N]: a row's step
+    _init_pair_table(pair_ptr, WARPS)
     wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
     for s in tl.range(lo, hi, num_stages=STAGES):
         nxt = blocks + tl.minimum(s + 1, steps - 1) * NB  # [BLOCK_N, NB] (the last step re-reads its own)
         code_next, nested_next = _absmax_loads(aq_ptr + nxt, na_ptr + nxt // 256)
         words = tl.load(w_rows + s * WORDS)  # [BLOCK_N, WORDS] int32, 16 bytes per thread
-        dots = _word_dots(words, x_row + s * WORDS * 8, t0, t1, t2, t3, t4, t5, t6, t7, X_BF16, PAIRS)
+        dots = _word_dots(words, x_row + s * WORDS * 8, X_BF16)
         scale = absmax_lookup(code, nested, nc_ptr, offset)
         acc += tl.sum(tl.reshape(dots, [BLOCK_N, NB, 8]), axis=2) * scale
         code = code_next
@@ -207,7 +199,6 @@ def nf4_stream_gemv(
     weight: NF4Weight,
     residual: torch.Tensor | None,
     config: tuple[int, int, int, int, int],
-    pairs: bool = True,
 ) -> torch.Tensor:
     """x [M, K] @ W[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16; each row read on its
     own: meant for one row); ValueError for a bad shape, dtype or config. x is copied once when it does not start
@@ -224,7 +215,7 @@ def nf4_stream_gemv(
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
         x = x.contiguous().clone()  # a fresh allocation: aligned
     block_n, nb, splits, warps, stages = config
-    if pairs and warps not in PAIR_TABLE_WARPS:
+    if warps not in PAIR_TABLE_WARPS:
         raise ValueError(f"the NF4 pair table is copied by {PAIR_TABLE_WARPS} warps, config {config} has {warps}")
     while (k // 64) % nb:  # whole steps only (Llama-3-8B's rows: 64 and 224 blocks)
         nb //= 2
@@ -241,9 +232,9 @@ def nf4_stream_gemv(
         x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.pair_words16, ws, res, out,
         counters,
         m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
-        1.0 / X_SCALE if x_bf16 else 1.0, *weight.lut_words,
+        1.0 / X_SCALE if x_bf16 else 1.0,
         BLOCK_N=block_n, NB=nb, X_BF16=x_bf16, USE_WS=use_ws, HAS_RES=residual is not None, STAGES=stages,
-        USE_PDL=pdl, PAIRS=pairs, WARPS=warps, num_warps=warps, **launch_options(pdl),
+        USE_PDL=pdl, WARPS=warps, num_warps=warps, **launch_options(pdl),
     )  # fmt: skip
     return out
 
@@ -262,7 +253,8 @@ def _allow_dynamic_shared(module: object, function: int, name: str, *rest: objec
     static = ctypes.c_int(0)
     if cuda.cuFuncGetAttribute(ctypes.byref(static), _CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, ctypes.c_void_p(function)):
         raise RuntimeError("cuFuncGetAttribute failed on the NF4 streaming GEMV")
-    optin = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    optin = props.shared_memory_per_block_optin  # type: ignore[attr-defined]  # (PyTorch's stubs lack it)
     limit = ctypes.c_int(optin - static.value)
     if cuda.cuFuncSetAttribute(ctypes.c_void_p(function), _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, limit):
         raise RuntimeError("cuFuncSetAttribute failed on the NF4 streaming GEMV")
