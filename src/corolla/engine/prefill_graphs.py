@@ -114,7 +114,11 @@ class PrefillGraphs:
         if step is None:  # this group's first chunk: its launch chosen, its work run eagerly, then captured
             logger.info(f"prefill_graphs.group(layers={layers[0]}:{layers[1]}, rows={rows}, capture={self.capture})")
             if self.capture and rows not in self.attention_configs:
-                self.attention_configs[rows] = self._tune_attention(rows, layers)
+                config = self._tune_attention(rows, layers)
+                if config is None:  # this chunk runs eagerly with the reference, later ones on the eager path
+                    self.capture_error = "no prefill attention launch ran on this device"
+                else:
+                    self.attention_configs[rows] = config
             work = self._work(layers, rows)
             work()
             step = self._captured(work, layers, rows)
@@ -155,13 +159,16 @@ class PrefillGraphs:
             return lambda q, k, v, index: paged_prefill_attention_ref(q, k, v, index, scale=scale)
         return lambda q, k, v, index: paged_prefill_attention(q, k, v, index, scale=scale, config=config)
 
-    def _tune_attention(self, rows: int, layers: tuple[int, int]) -> PrefillAttentionConfig:
+    def _tune_attention(self, rows: int, layers: tuple[int, int]) -> PrefillAttentionConfig | None:
         """The fastest of `ATTENTION_CONFIGS` for `rows` query rows over a TUNE_PREFIX_TOKENS prefix, timed over the
-        group's layers' pages (a made-up block table: the reads are what counts, nothing is written)."""
+        group's layers' pages (a made-up block table: the reads are what counts, nothing is written); None when none
+        ran (logged)."""
         s, pool, page = self.model.spec, self.pool, self.pool.page_size_tokens
-        start = min(TUNE_PREFIX_TOKENS, pool.max_pages_per_seq * page - rows)
+        capacity = pool.max_pages_per_seq * page  # (a sequence's longest: a short one may hold fewer than `rows`)
+        t = min(rows, capacity)
+        start = max(0, min(TUNE_PREFIX_TOKENS, capacity - t))
         table = torch.arange(pool.max_pages_per_seq, dtype=torch.int32, device=self.index.device) % pool.num_pages
-        index = torch.cat((torch.tensor((start, rows), dtype=torch.int32, device=table.device), table))
+        index = torch.cat((torch.tensor((start, t), dtype=torch.int32, device=table.device), table))
         q = torch.randn((rows, s.num_heads, s.head_dim), dtype=self.model.dtype, device=self.index.device)
         scale = self.model.scale
 
@@ -170,7 +177,8 @@ class PrefillGraphs:
 
         timings = time_configs(ATTENTION_CONFIGS, call, list(range(*layers)), reps=5)
         if not timings:
-            raise RuntimeError("no prefill attention launch ran on this device")
+            logger.warning(f"prefill_graphs.tune_failed(rows={rows}): every launch failed, chunks run eagerly")
+            return None
         best = min(timings, key=lambda c: timings[c])
         logger.info(f"prefill_graphs.tune(rows={rows}, best={best}, ms={timings[best]:.3f}, "
                     f"all={ {str(c): round(ms, 4) for c, ms in timings.items()} })")  # fmt: skip
