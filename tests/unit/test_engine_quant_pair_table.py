@@ -1,7 +1,8 @@
 """The NF4 pair table (engine/quant_pair_table.py) on CPU: every byte's entry holds both of its codes' fp16 levels in
 the halves the dot pairs with x; the emulated dot reads one-hot x's levels back exactly and random x within fp16
 rounding of a float64 sum (before the register lookup's dot program was deleted, its emulation gave the same bits on
-400 random words and two tables); the PTX text copies every entry to every lane; the refusals. The PTX runs only on a GPU (tests/gpu/test_quant_stream.py)."""
+400 random words and two tables); the PTX text copies every entry to every lane; the refusals. The PTX runs only on
+a GPU (tests/gpu/test_quant_stream.py)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,11 @@ next steps in flight while one is computed) and computes every word's dot produc
 registers with one inline-PTX program (`quant_pair_table.dot_ptx`): each byte's two fp16 levels by one shared load,
 multiplied with x as fp16x2, 4 products per half summed in fp16 and the halves in fp32 (19 instructions per 8
 values, 4 of them shared loads, against the register lookup's 28). x is loaded 16 bytes at a time and converted
-once per thread and step (bf16: scaled by 2^-8 into fp16, exact for 2^-9 <= |x| and within 2^-17 absolute below, finite up to 2^22; the
-output is multiplied back by 2^8). Each block's word sums are added in fp32 and scaled once by its decoded absmax
-(uint8 code -> nested code table * second-level absmax + offset, the reference's fp32 value); a split of K across
-programs is summed in split order by the last program of each output tile (`quant_splits`: one launch).
+once per thread and step (bf16: scaled by 2^-8 into fp16, exact for 2^-9 <= |x| and within 2^-17 absolute below,
+finite up to 2^22; the output is multiplied back by 2^8). Each block's word sums are added in fp32 and scaled once
+by its decoded absmax (uint8 code -> nested code table * second-level absmax + offset, the reference's fp32 value);
+a split of K across programs is summed in split order by the last program of each output tile (`quant_splits`: one
+launch).
 
 Numerics: fp16 levels (relative error <= 2^-11), fp16 products and 4-term sums (each <= 2^-11 of its magnitude):
 within the bf16 rounding of bitsandbytes' dequantized weights; the same bits as the register lookup it replaced
