@@ -9,16 +9,28 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
+# device index -> the side stream every timing warms up and captures on: cuBLAS keeps a workspace (32 MiB on Hopper)
+# per stream it ran on, and a fresh stream per timing walked PyTorch's 32 pool streams (engine.cuda_graphs held 4
+# such workspaces for 3 graph buckets before it kept one stream: benchmarks/RESULTS.md)
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream() -> torch.cuda.Stream:
+    device = torch.cuda.current_device()
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
 
 def graph_median_ms(fn, reps: int) -> float:
     """Median device milliseconds of `fn` captured once as a CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
+    stream = _side_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         fn()  # warm-up: compiles kernels, creates library handles
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         fn()
     graph.replay()
     torch.cuda.synchronize()
