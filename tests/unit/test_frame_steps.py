@@ -247,19 +247,24 @@ def test_runtime_counters_and_the_gather_count_steps_not_tasks() -> None:
     assert runtime.num_tasks_done == 8 and runtime.stats()["k"].tasks == 8 and runtime.stats()["k"].batches == 1
 
 
-def test_the_queue_remembers_when_each_step_was_pushed() -> None:
+def test_the_queue_counts_each_steps_session_back_for_the_forward_that_held_it() -> None:
     queue = TaskQueue()
 
-    def task(steps: int, at: float) -> Task:
+    def task(sessions: tuple[int, ...], at: float) -> Task:
         return Task(
-            fn=lambda: None, priority=1.0, size_tokens=steps, future=None, loop=None, submitted_at=at, steps=steps
-        )
+            fn=lambda: None, priority=1.0, size_tokens=len(sessions), future=None, loop=None, submitted_at=at,
+            steps=len(sessions), sessions=sessions,
+        )  # fmt: skip
 
-    queue.push(task(1, 10.0))
-    queue.push_many([task(3, 20.0), task(1, 30.0)])
+    queue.watch({1, 2, 3, 4}, 3, 5.0)  # a forward of sessions 1-4 finished at 5.0: 3 of them waited for
+    queue.watch({5, 6}, 2, 6.0)
+    queue.push(task((1, 9), 10.0))  # a frame of two steps: session 9 was in no watched forward
+    assert queue.take_returns() == ([], 5.0)
+    queue.push_many([task((2, 5), 20.0), task((3,), 30.0)])
     assert queue.num_pushed == 5
-    assert [queue.push_time_s(i) for i in range(1, 6)] == [10.0, 20.0, 20.0, 20.0, 30.0]
-    assert queue.push_time_s(6) is None
+    assert queue.take_returns() == ([(5.0, 30.0)], 6.0)  # the third of 1-4 back at 30.0; 5-6 still watched
+    queue.push(task((6,), 40.0))
+    assert queue.take_returns() == ([(6.0, 40.0)], None)
 
 
 def test_units_flatten_and_regroup_in_order() -> None:

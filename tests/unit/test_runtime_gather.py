@@ -12,7 +12,7 @@ import time
 import pytest
 
 from corolla.server.core.gather import GatherRule, GatherSettings
-from corolla.server.core.runtime import Runtime, Task
+from corolla.server.core.runtime import Runtime, Task, TaskQueue
 
 pytestmark = pytest.mark.serial  # cohorts split or merge by a few ms of scheduling: the CPU to itself (a parallel
 # `make test` under a docker build once merged the "without the rule" cohorts in 4 of 16 rounds)
@@ -37,7 +37,9 @@ def _runtime(fraction: float, sizes: list[int]) -> Runtime:
 async def _session(runtime: Runtime, index: int, steps: int, think_s: float, ends: list[float]) -> None:
     """One session: a step, then `think_s` (its client's round trip), then the next step."""
     for step in range(steps):
-        result = await runtime.submit(lambda: None, priority=1.0, size_tokens=1, kind=KIND, merge_key="k", payload=step)
+        result = await runtime.submit(
+            lambda: None, priority=1.0, size_tokens=1, kind=KIND, merge_key="k", payload=step, sessions=(index,)
+        )
         assert result == step
         await asyncio.sleep(think_s)
     ends.append(time.monotonic())
@@ -75,26 +77,21 @@ async def test_a_slow_session_does_not_stall_the_others() -> None:
 
 def test_the_wait_is_bounded_by_the_forward_and_skipped_for_slow_round_trips() -> None:
     rule = GatherRule(GatherSettings(fraction=0.5, quantile=0.875))
-    times = {}
-
-    def push_time(seq: int) -> float | None:
-        return times.get(seq)
-
-    rule.finished(size=8, forward_s=0.010, now_s=100.0, num_pushed=50, push_time_s=push_time)
+    assert rule.finished(size=8, forward_s=0.010, now_s=100.0, num_pushed=50) == 7
     wait = rule.wait(100.001, num_pushed=52)
     assert wait is not None and wait.num_pushed == 50 + 7 and wait.timeout_s == pytest.approx(0.004)
     assert rule.wait(100.006, num_pushed=52) is None  # the budget (5 ms after the forward) is spent
     assert rule.wait(100.001, num_pushed=57) is None  # 7 of 8 are back: nothing to wait for
     # the clients take 30 ms to come back (WAN): learned at the next forward's end, then no more waiting
-    times[57] = 100.030
-    rule.finished(size=8, forward_s=0.010, now_s=100.040, num_pushed=60, push_time_s=push_time)
+    rule.learn([(100.0, 100.030)], None, 100.040)
+    rule.finished(size=8, forward_s=0.010, now_s=100.040, num_pushed=60)
     assert rule.return_s == pytest.approx(0.030)
     assert rule.wait(100.041, num_pushed=60) is None and rule.num_skipped == 1
     # a lone step (size 1) opens no cohort; a disabled rule never waits
-    rule.finished(size=1, forward_s=0.010, now_s=101.0, num_pushed=70, push_time_s=push_time)
+    assert rule.finished(size=1, forward_s=0.010, now_s=101.0, num_pushed=70) is None
     assert rule.wait(101.001, num_pushed=70) is None
     off = GatherRule(GatherSettings(fraction=0.0))
-    off.finished(size=8, forward_s=0.010, now_s=100.0, num_pushed=50, push_time_s=push_time)
+    off.finished(size=8, forward_s=0.010, now_s=100.0, num_pushed=50)
     assert off.wait(100.001, num_pushed=50) is None
     with pytest.raises(ValueError, match="fraction"):
         GatherSettings(fraction=1.5)
@@ -103,14 +100,38 @@ def test_the_wait_is_bounded_by_the_forward_and_skipped_for_slow_round_trips() -
 def test_a_launch_is_held_only_while_sessions_come_back_within_a_forward() -> None:
     rule = GatherRule(GatherSettings(fraction=0.5, quantile=0.5))
     assert not rule.holds_launch()  # nothing learned yet
-    rule.finished(size=4, forward_s=0.005, now_s=1.0, num_pushed=0, push_time_s=lambda n: None)
+    rule.finished(size=4, forward_s=0.005, now_s=1.0, num_pushed=0)
     assert not rule.holds_launch()  # a forward's length, no return time yet
-    times = {1: 1.001, 2: 1.002}
-    rule.finished(size=4, forward_s=0.005, now_s=1.007, num_pushed=2, push_time_s=times.get)
+    rule.learn([(1.0, 1.002)], None, 1.007)
+    rule.finished(size=4, forward_s=0.005, now_s=1.007, num_pushed=2)
     assert rule.return_s == pytest.approx(0.002) and rule.holds_launch()  # back in 2 ms, forwards of 5 ms (32 layers)
-    rule.finished(size=4, forward_s=0.0015, now_s=1.010, num_pushed=2, push_time_s=times.get)
+    rule.learn([], 1.007, 1.010)  # the forward of 1.007 is not back 3 ms later: a lower bound
+    rule.finished(size=4, forward_s=0.0015, now_s=1.010, num_pushed=2)
     assert not rule.holds_launch()  # forwards of 1.5 ms (8 layers): sessions come back after it, launch at once
     off = GatherRule(GatherSettings(fraction=0.0))
     off.return_s, off.forward_s = 0.002, None
-    off.finished(size=4, forward_s=0.005, now_s=1.0, num_pushed=0, push_time_s=lambda n: None)
+    off.finished(size=4, forward_s=0.005, now_s=1.0, num_pushed=0)
     assert not off.holds_launch()  # the rule off: never held
+
+
+def test_a_forwards_return_counts_its_own_sessions_not_the_late_ones_of_the_forward_before() -> None:
+    """Two cohorts of 8 sessions launched behind each other (forwards of 1.5 ms, 8 layers on an H200), each session
+    back 3 ms after its forward: the late sessions of the forward before arrive after this one finished. Counted as
+    this one's (as any push after it was), the return read ~1.5 ms, shorter than a forward, and the launch was held
+    (then, held, the true return showed and it launched at once again: it flipped every few forwards)."""
+    rule, queue = GatherRule(GatherSettings()), TaskQueue()
+    forward_s, return_s = 0.0015, 0.003
+    events = [(k * forward_s, "finished", k) for k in range(40)]
+    events += [(k * forward_s + return_s, "back", k) for k in range(40)]
+    for at_s, what, k in sorted(events):
+        sessions = range(8 * (k % 2), 8 * (k % 2) + 8)
+        if what == "finished":
+            rule.learn(*queue.take_returns(), at_s)
+            count = rule.finished(size=8, forward_s=forward_s, now_s=at_s, num_pushed=queue.num_pushed)
+            assert count == 7
+            queue.watch(set(sessions), count, at_s)
+        else:
+            for session in sessions:
+                queue.push(Task(lambda: None, 1.0, 1, None, None, KIND, "k", submitted_at=at_s, sessions=(session,)))
+    assert rule.return_s == pytest.approx(return_s, rel=0.05)
+    assert not rule.holds_launch()

@@ -233,6 +233,7 @@ class EngineExecutor:
         output: torch.Tensor = await self._runtime.submit(
             prepared.fn, priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
             merge_key=prepared.merge_key, payload=prepared.payload, inline=prepared.inline,
+            sessions=(prepared.session,),
         )  # fmt: skip
         if prepared.observe is not None:
             prepared.observe(time.perf_counter() - started)  # includes the queue wait
@@ -266,10 +267,11 @@ class EngineExecutor:
                 metrics.observe_step(seconds)
                 metrics.tokens("inference", num_tokens)
 
-        # positional (fn, priority, size_tokens, kind, merge_key, payload, inline, observe): keywords cost ~0.7 us
-        # more per step; `fn` a bound method, cheaper per step than a partial
+        # positional (fn, priority, size_tokens, kind, merge_key, payload, inline, observe, session): keywords cost
+        # ~0.7 us more per step; `fn` a bound method, cheaper per step than a partial
         return PreparedStep(request.run, PRIORITY_INFERENCE, request.rows * max(request.num_tokens, 1),
-                            KIND_ENGINE_INFERENCE, self._merge_key, request, inputs.lone_session, observe)  # fmt: skip
+                            KIND_ENGINE_INFERENCE, self._merge_key, request, inputs.lone_session, observe,
+                            id(own.session))  # fmt: skip
 
     def _execute_tasks(self, tasks: list[Task]) -> list[StepResult | list[StepResult]]:
         requests, sizes = flatten_units(_units(tasks))

@@ -127,6 +127,7 @@ class PreparedStep:
     payload: object  # what the kind's batch executor reads
     inline: bool  # an idle runtime may run it in the submitting thread
     observe: Callable[[float], None] | None  # metrics once it succeeded, given the seconds since it was queued
+    session: Hashable  # its session's key (`Task.sessions`)
 
 
 class SessionCache:

@@ -6,9 +6,12 @@ returns its results, and while they travel to the clients and back the device th
 is queued (the other cohort). With it, the device thread waits until most (`quantile`) of the finished forward's
 sessions are back, or until `fraction` of that forward's own time has passed since it finished, whichever is
 first. The wait adapts to the clients' round trip: the rule learns how long a finished forward's sessions take to
-come back (an exponential moving average of the time to the `quantile`-th arrival after the forward finished) and
-does not wait at all while that is longer than the budget (WAN clients never idle the device). One slow session
-never holds the others: only the `quantile` of them is waited for, never longer than the budget.
+come back (an exponential moving average of the time to the `quantile`-th of its own sessions' next steps, which the
+runtime's queue watches for by session: `TaskQueue.watch`) and does not wait at all while that is longer than the
+budget (WAN clients never idle the device). One slow session never holds the others: only the `quantile` of them is
+waited for, never longer than the budget. Its own sessions, not any step pushed after it: while forwards are launched
+behind each other and sessions come back later than a forward lasts, the late sessions of the forward before would
+count as this one's, and the return would read as short as a forward (decision 0002, last section).
 
 The same learned return time decides whether a batch queued behind a running merged forward launches at once or
 once that forward is done (`holds_launch`): while the sessions come back sooner than a forward lasts, those of the
@@ -22,7 +25,6 @@ and 5.9 for 32); while they come back later than that (short forwards), the next
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 EWMA_WEIGHT = 0.2  # weight of the newest return-time observation
@@ -48,7 +50,7 @@ class _Cohort:
     """The sessions of one finished merged forward, on their way back."""
 
     finished_at_s: float
-    seq: int  # steps pushed before it finished: later pushes are arrivals after it
+    seq: int  # steps pushed before it finished: the wait ends once `target` more were pushed
     target: int  # arrivals waited for
     budget_s: float
 
@@ -66,25 +68,33 @@ class GatherRule:
 
     def __init__(self, settings: GatherSettings):
         self.settings = settings
-        self.return_s: float | None = None  # learned: a finished forward's `quantile`-th arrival, seconds after it
+        self.return_s: float | None = None  # learned: a finished forward's `quantile`-th own session back, s after it
         self.forward_s: float | None = None  # the last merged forward's seconds (of 2 steps or more)
         self._cohort: _Cohort | None = None
         self.num_waits = 0
         self.num_skipped = 0  # cohorts not waited for (their return takes longer than the budget)
 
-    def finished(
-        self, *, size: int, forward_s: float, now_s: float, num_pushed: int, push_time_s: Callable[[int], float | None]
-    ) -> None:
+    def finished(self, *, size: int, forward_s: float, now_s: float, num_pushed: int) -> int | None:
         """A merged batch of `size` steps finished at `now_s` after `forward_s` seconds; `num_pushed` steps were
-        pushed so far and `push_time_s(n)` is when the `n`-th was (None if not known). Steps, not tasks: a device
-        channel's frame of steps is one task (`Task.steps`), its sessions still arrive one by one."""
-        self._learn_previous(now_s, num_pushed, push_time_s)
+        pushed so far. Returns how many of its own sessions to watch for (`TaskQueue.watch`; None: no cohort).
+        Steps, not tasks: a device channel's frame of steps is one task (`Task.steps`), its sessions still arrive
+        one by one."""
         if size < 2 or self.settings.fraction <= 0.0:
             self._cohort = None
-            return
+            return None
         self.forward_s = forward_s
         target = max(1, math.ceil(self.settings.quantile * size))
         self._cohort = _Cohort(now_s, num_pushed, target, self.settings.fraction * forward_s)
+        return target
+
+    def learn(self, returns: list[tuple[float, float]], waiting_since_s: float | None, now_s: float) -> None:
+        """What came back since the last call: `returns` as (finished, back) times of watched forwards (the
+        `target`-th of their own sessions back), exact; `waiting_since_s`: when the oldest forward still watched for
+        finished, a lower bound (at least until now), learned only where it raises the estimate."""
+        for finished_s, back_s in returns:
+            self._learn(back_s - finished_s)
+        if waiting_since_s is not None and (self.return_s is None or now_s - waiting_since_s > self.return_s):
+            self._learn(now_s - waiting_since_s)
 
     def wait(self, now_s: float, num_pushed: int) -> GatherWait | None:
         """The wait before the next pop, or None (no cohort, already back, or it would not come back in time)."""
@@ -105,18 +115,6 @@ class GatherRule:
         while the learned return time is shorter than a forward (never before both are known, or with the rule
         off)."""
         return self.return_s is not None and self.forward_s is not None and self.return_s < self.forward_s
-
-    def _learn_previous(self, now_s: float, num_pushed: int, push_time_s: Callable[[int], float | None]) -> None:
-        """How long the previous cohort took to come back: exact where its `quantile`-th arrival was pushed; else
-        at least until now (a lower bound, learned only where it raises the estimate)."""
-        cohort = self._cohort
-        if cohort is None:
-            return
-        arrived_s = push_time_s(cohort.seq + cohort.target) if num_pushed >= cohort.seq + cohort.target else None
-        if arrived_s is not None:
-            self._learn(arrived_s - cohort.finished_at_s)
-        elif self.return_s is None or now_s - cohort.finished_at_s > self.return_s:
-            self._learn(now_s - cohort.finished_at_s)
 
     def _learn(self, observed_s: float) -> None:
         observed_s = max(0.0, observed_s)

@@ -23,7 +23,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any, Protocol
 
 import torch
@@ -39,7 +38,7 @@ PRIORITY_FORWARD: float = 2.0
 PRIORITY_BACKWARD: float = 2.0
 
 KIND_GENERIC = "generic"
-PUSH_TIMES_KEPT = 4096  # push times remembered for the runtime's gather rule (server.gather)
+MAX_WATCHES = 8  # merged forwards watched at once for their sessions' return (`TaskQueue.watch`)
 KIND_INFERENCE = "inference"
 KIND_FORWARD = "forward"
 
@@ -66,6 +65,9 @@ class Task:
     # the steps (sessions' rows) it carries: 1, or a device channel frame's decode steps in one task; the runtime's
     # counters, the gather rule and `KindStats` count these, not tasks
     steps: int = 1
+    # its steps' sessions (any hashable key per session; empty where unknown): the gather rule learns how long a
+    # merged forward's own sessions take to come back (`TaskQueue.watch`)
+    sessions: tuple[Hashable, ...] = ()
 
     @property
     def sort_key(self) -> tuple[float, float, int]:
@@ -139,6 +141,15 @@ class LaunchedBatch:
     elapsed_s: float = 0.0  # its busy seconds, once waited for
 
 
+@dataclass(eq=False, slots=True)
+class _Watch:
+    """A merged forward's sessions not back yet, how many more are waited for, and when it finished."""
+
+    sessions: set[Hashable]
+    left: int
+    finished_s: float
+
+
 class TaskQueue:
     """Thread-safe priority queue of pending tasks: the event loop pushes, the device thread pops batches."""
 
@@ -148,7 +159,9 @@ class TaskQueue:
         self._seq = 0  # tasks pushed (their order)
         self._steps = 0  # steps pushed (`Task.steps` summed): what the gather rule counts
         self._closed = False
-        self._push_times: deque[float] = deque(maxlen=PUSH_TIMES_KEPT)  # of the last steps pushed, oldest first
+        # the last merged forwards watched for their sessions' next steps (oldest first), and those back, not yet taken
+        self._watches: deque[_Watch] = deque()
+        self._returns: list[tuple[float, float]] = []
         # steps pushed in all that the consumer waits for in `wait_for_pushes` (0 otherwise: any push wakes it); a
         # push short of it does not wake the consumer only to find too few and wait again
         self._wanted = 0
@@ -167,10 +180,8 @@ class TaskQueue:
             self._seq += 1
             task.seq = self._seq
             self._steps += task.steps
-            if task.steps == 1:
-                self._push_times.append(task.submitted_at)
-            else:
-                self._push_times.extend(repeat(task.submitted_at, task.steps))
+            if self._watches:
+                self._count_back(task)
             heapq.heappush(self._heap, (*task.sort_key, task))
             if notify and self._steps >= self._wanted:
                 self.num_wakeups += 1
@@ -181,15 +192,13 @@ class TaskQueue:
         with self._cond:
             if self._closed:
                 raise RuntimeError("The runtime is stopped; it accepts no new tasks")
-            heap, times, seq, steps = self._heap, self._push_times, self._seq, self._steps
+            heap, seq, steps = self._heap, self._seq, self._steps
             for task in tasks:
                 seq += 1
                 task.seq = seq
                 steps += task.steps
-                if task.steps == 1:
-                    times.append(task.submitted_at)
-                else:
-                    times.extend(repeat(task.submitted_at, task.steps))
+                if self._watches:
+                    self._count_back(task)
                 heapq.heappush(heap, (task.priority, task.submitted_at, seq, task))
             self._seq, self._steps = seq, steps
             if steps >= self._wanted:
@@ -200,11 +209,33 @@ class TaskQueue:
         with self._cond:
             self._cond.notify()
 
-    def push_time_s(self, count: int) -> float | None:
-        """When the `count`-th step was pushed (`time.monotonic`), if it is one of the last `PUSH_TIMES_KEPT`."""
+    def _count_back(self, task: Task) -> None:
+        """Counts each of `task`'s sessions back for the oldest watched forward that holds it (under the lock)."""
+        for session in task.sessions:
+            for watch in self._watches:
+                if session in watch.sessions:
+                    watch.sessions.discard(session)
+                    watch.left -= 1
+                    if not watch.left:
+                        self._returns.append((watch.finished_s, task.submitted_at))
+                        self._watches.remove(watch)
+                    break
+
+    def watch(self, sessions: set[Hashable], count: int, finished_s: float) -> None:
+        """Watches for `count` of `sessions` (a merged forward's, finished at `finished_s`) to push their next steps
+        (`take_returns`); the oldest watch is dropped past `MAX_WATCHES`. Called by the device thread before it hands
+        the forward's results back: none of them is back before."""
         with self._cond:
-            index = count - (self._steps - len(self._push_times)) - 1
-            return self._push_times[index] if 0 <= index < len(self._push_times) else None
+            self._watches.append(_Watch(sessions, min(count, len(sessions)), finished_s))
+            if len(self._watches) > MAX_WATCHES:
+                self._watches.popleft()
+
+    def take_returns(self) -> tuple[list[tuple[float, float]], float | None]:
+        """The watched forwards back since the last call, as (finished, back) times (`time.monotonic`), and when the
+        oldest one still watched for finished (None: none)."""
+        with self._cond:
+            returns, self._returns = self._returns, []
+            return returns, self._watches[0].finished_s if self._watches else None
 
     @property
     def num_pushed(self) -> int:
@@ -500,12 +531,13 @@ class Runtime:
         on_done: Callable[[Any, BaseException | None], None] | None = None,
         flush: Callable[[], None] | None = None,
         steps: int = 1,
+        sessions: tuple[Hashable, ...] = (),
     ) -> Task:
         """A task for `queue`, not queued yet. Without `on_done` its result is `task.future`, resolved in the calling
         (running) asyncio loop; with `on_done` it is a callback task, built in any thread: `on_done(result, error)`
         runs in the thread that runs it (the device thread, or the queuing one when it runs inline), then `flush()`
         once per batch (several tasks sharing one flush get one call after all their `on_done`s). `steps`: the
-        sessions' steps it carries (`Task.steps`). Raises ValueError if `size_tokens` exceeds
+        sessions' steps it carries (`Task.steps`), `sessions` their sessions' keys (`Task.sessions`). Raises ValueError if `size_tokens` exceeds
         `max_batch_size_tokens`, RuntimeStopped if the runtime is stopped."""
         if size_tokens > self.max_batch_size_tokens:
             raise ValueError(
@@ -522,7 +554,7 @@ class Runtime:
             future = loop.create_future()
         return Task(
             fn=fn, priority=float(priority), size_tokens=size_tokens, future=future, loop=loop, kind=kind,
-            merge_key=merge_key, payload=payload, on_done=on_done, flush=flush, steps=steps,
+            merge_key=merge_key, payload=payload, on_done=on_done, flush=flush, steps=steps, sessions=sessions,
         )  # fmt: skip
 
     def queue(self, tasks: Task | list[Task], *, inline: bool = False) -> None:
@@ -564,11 +596,18 @@ class Runtime:
         merge_key: Hashable | None = None,
         payload: Any = None,
         inline: bool = False,
+        sessions: tuple[Hashable, ...] = (),
     ) -> asyncio.Future:
         """`queue(task(fn, ...), inline=inline)` for a caller in a running asyncio loop: the future of `fn()`'s
         result (already resolved where it ran inline)."""
         task = self.task(
-            fn, priority=priority, size_tokens=size_tokens, kind=kind, merge_key=merge_key, payload=payload
+            fn,
+            priority=priority,
+            size_tokens=size_tokens,
+            kind=kind,
+            merge_key=merge_key,
+            payload=payload,
+            sessions=sessions,
         )
         self.queue(task, inline=inline)
         assert task.future is not None
@@ -646,10 +685,7 @@ class Runtime:
                 elapsed_s = time.perf_counter() - started
                 self._last_done_s = time.perf_counter()
             if batch[0].merge_key is not None and batch[0].kind in self._batch_executors:
-                self.gather.finished(
-                    size=_steps(batch), forward_s=elapsed_s, now_s=time.monotonic(), num_pushed=queue.num_pushed,
-                    push_time_s=queue.push_time_s,
-                )  # fmt: skip
+                self._gathered(batch, elapsed_s)
             self._complete(batch, results)
 
     def _launch(self, batch: list[Task]) -> LaunchedBatch | None:
@@ -672,12 +708,19 @@ class Runtime:
     def _finish(self, launched: LaunchedBatch) -> None:
         """Waits for a launched batch's results (if not done yet) and completes it."""
         results = self._wait(launched)
-        queue = self._queue
-        self.gather.finished(
-            size=_steps(launched.batch), forward_s=launched.elapsed_s, now_s=time.monotonic(),
-            num_pushed=queue.num_pushed, push_time_s=queue.push_time_s,
-        )  # fmt: skip
+        self._gathered(launched.batch, launched.elapsed_s)
         self._complete(launched.batch, results)
+
+    def _gathered(self, batch: list[Task], forward_s: float) -> None:
+        """The gather rule's bookkeeping once a merged batch finished, before its results go back: what came back of
+        the forwards before, and this one's sessions watched for (`TaskQueue.watch`)."""
+        queue = self._queue
+        now_s = time.monotonic()
+        self.gather.learn(*queue.take_returns(), now_s)
+        count = self.gather.finished(size=_steps(batch), forward_s=forward_s, now_s=now_s, num_pushed=queue.num_pushed)
+        sessions = {session for task in batch for session in task.sessions}
+        if count is not None and sessions:
+            queue.watch(sessions, count, now_s)
 
     def _wait(self, launched: LaunchedBatch) -> list[tuple[Any, BaseException | None]]:
         """A launched batch's results, waited for once, and accounted for."""

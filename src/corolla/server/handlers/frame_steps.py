@@ -191,7 +191,7 @@ class FrameIntake:
         return self.executor.runtime.task(
             prepared.fn, on_done=partial(self._step_done, entry, queued_at), flush=self._flush,
             priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
-            merge_key=prepared.merge_key, payload=prepared.payload,
+            merge_key=prepared.merge_key, payload=prepared.payload, sessions=(prepared.session,),
         )  # fmt: skip
 
     def _group_task(self, frame: _FrameSteps, start: int, end: int, tokens: int, queued_at: float) -> Task:
@@ -209,7 +209,7 @@ class FrameIntake:
         return self.executor.runtime.task(
             group.run, on_done=partial(self._frame_done, part, queued_at), flush=self._flush,
             priority=first.priority, size_tokens=tokens, kind=first.kind, merge_key=first.merge_key, payload=group,
-            steps=end - start,
+            steps=end - start, sessions=tuple(p.session for p in part.prepared),
         )  # fmt: skip
 
     def _step_done(
