@@ -22,7 +22,7 @@ from corolla.server.core.admission import SessionAdmission
 from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor, EngineSessionCache
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
 from corolla.server.core.limits import PeerLimits
-from corolla.server.core.runtime import Runtime, RuntimeStopped, Task, TaskQueue
+from corolla.server.core.runtime import MAX_WATCHES, Runtime, RuntimeStopped, Task, TaskQueue
 from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.frame_steps import FrameIntake, StepReply
@@ -259,12 +259,15 @@ def test_the_queue_counts_each_steps_session_back_for_the_forward_that_held_it()
     queue.watch({1, 2, 3, 4}, 3, 5.0)  # a forward of sessions 1-4 finished at 5.0: 3 of them waited for
     queue.watch({5, 6}, 2, 6.0)
     queue.push(task((1, 9), 10.0))  # a frame of two steps: session 9 was in no watched forward
-    assert queue.take_returns() == ([], 5.0)
+    assert queue.take_returns() == ([], None)
     queue.push_many([task((2, 5), 20.0), task((3,), 30.0)])
     assert queue.num_pushed == 5
-    assert queue.take_returns() == ([(5.0, 30.0)], 6.0)  # the third of 1-4 back at 30.0; 5-6 still watched
+    assert queue.take_returns() == ([(5.0, 30.0)], None)  # the third of 1-4 back at 30.0; 5-6 still watched
     queue.push(task((6,), 40.0))
     assert queue.take_returns() == ([(6.0, 40.0)], None)
+    for i in range(MAX_WATCHES + 1):  # sessions that never come back: the oldest watch is dropped, how long it waited
+        queue.watch({100 + i}, 1, 50.0 + i)
+    assert queue.take_returns() == ([], float(MAX_WATCHES))
 
 
 def test_units_flatten_and_regroup_in_order() -> None:

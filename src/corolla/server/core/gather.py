@@ -87,14 +87,14 @@ class GatherRule:
         self._cohort = _Cohort(now_s, num_pushed, target, self.settings.fraction * forward_s)
         return target
 
-    def learn(self, returns: list[tuple[float, float]], waiting_since_s: float | None, now_s: float) -> None:
-        """What came back since the last call: `returns` as (finished, back) times of watched forwards (the
-        `target`-th of their own sessions back), exact; `waiting_since_s`: when the oldest forward still watched for
-        finished, a lower bound (at least until now), learned only where it raises the estimate."""
+    def learn(self, returns: list[tuple[float, float]], unreturned_s: float | None) -> None:
+        """What came back since the last call (`TaskQueue.take_returns`): `returns` as (finished, back) times of
+        watched forwards (the `target`-th of their own sessions back), exact; `unreturned_s`: how long a forward
+        that never came back was waited for, a lower bound, learned only where it raises the estimate."""
         for finished_s, back_s in returns:
             self._learn(back_s - finished_s)
-        if waiting_since_s is not None and (self.return_s is None or now_s - waiting_since_s > self.return_s):
-            self._learn(now_s - waiting_since_s)
+        if unreturned_s is not None and (self.return_s is None or unreturned_s > self.return_s):
+            self._learn(unreturned_s)
 
     def wait(self, now_s: float, num_pushed: int) -> GatherWait | None:
         """The wait before the next pop, or None (no cohort, already back, or it would not come back in time)."""

@@ -162,6 +162,7 @@ class TaskQueue:
         # the last merged forwards watched for their sessions' next steps (oldest first), and those back, not yet taken
         self._watches: deque[_Watch] = deque()
         self._returns: list[tuple[float, float]] = []
+        self._unreturned_s: float | None = None  # the longest a dropped watch waited (a lower bound), not yet taken
         # steps pushed in all that the consumer waits for in `wait_for_pushes` (0 otherwise: any push wakes it); a
         # push short of it does not wake the consumer only to find too few and wait again
         self._wanted = 0
@@ -223,19 +224,22 @@ class TaskQueue:
 
     def watch(self, sessions: set[Hashable], count: int, finished_s: float) -> None:
         """Watches for `count` of `sessions` (a merged forward's, finished at `finished_s`) to push their next steps
-        (`take_returns`); the oldest watch is dropped past `MAX_WATCHES`. Called by the device thread before it hands
-        the forward's results back: none of them is back before."""
+        (`take_returns`); past `MAX_WATCHES` the oldest is dropped (its sessions ended, or come back later than that
+        many forwards: how long it waited is a lower bound of their return). Called by the device thread before it
+        hands the forward's results back: none of them is back before."""
         with self._cond:
             self._watches.append(_Watch(sessions, min(count, len(sessions)), finished_s))
             if len(self._watches) > MAX_WATCHES:
-                self._watches.popleft()
+                waited_s = finished_s - self._watches.popleft().finished_s
+                self._unreturned_s = max(waited_s, self._unreturned_s or 0.0)
 
     def take_returns(self) -> tuple[list[tuple[float, float]], float | None]:
-        """The watched forwards back since the last call, as (finished, back) times (`time.monotonic`), and when the
-        oldest one still watched for finished (None: none)."""
+        """The watched forwards back since the last call, as (finished, back) times (`time.monotonic`), and the
+        longest that a watch dropped since then waited (None: none dropped)."""
         with self._cond:
             returns, self._returns = self._returns, []
-            return returns, self._watches[0].finished_s if self._watches else None
+            unreturned_s, self._unreturned_s = self._unreturned_s, None
+            return returns, unreturned_s
 
     @property
     def num_pushed(self) -> int:
@@ -716,7 +720,7 @@ class Runtime:
         the forwards before, and this one's sessions watched for (`TaskQueue.watch`)."""
         queue = self._queue
         now_s = time.monotonic()
-        self.gather.learn(*queue.take_returns(), now_s)
+        self.gather.learn(*queue.take_returns())
         count = self.gather.finished(size=_steps(batch), forward_s=forward_s, now_s=now_s, num_pushed=queue.num_pushed)
         sessions = {session for task in batch for session in task.sessions}
         if count is not None and sessions:
