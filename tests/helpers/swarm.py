@@ -249,10 +249,14 @@ def start_inprocess_server(model_path: str | Path, cache_dir: str | Path, **over
 
 @contextmanager
 def inprocess_servers(
-    spans: Sequence[tuple[str | Path, str]], cache_dir: str | Path, initial_peers: Sequence[str], **overrides: Any
+    spans: Sequence[tuple[str | Path, str] | tuple[str | Path, str, dict[str, Any]]],
+    cache_dir: str | Path,
+    initial_peers: Sequence[str],
+    **overrides: Any,
 ) -> Iterator[list[Any]]:
-    """`start_inprocess_server` for each `(model path, block indices "a:b")` of `spans` (in this order), all joining
-    `initial_peers` and started at once; every one that started is shut down on exit. For tests of what a server
+    """`start_inprocess_server` for each `(model path, block indices "a:b"[, this server's own overrides])` of
+    `spans` (in this order), all joining `initial_peers` and started at once; every one that started is shut down
+    on exit (`shutdown()` is idempotent: a test may stop one earlier). For tests of what a server
     serves rather than of its process: no interpreter start-up (torch's import alone is ~5 s of CPU a server on a
     2-core VM)."""
     settings: dict[str, Any] = dict(new_swarm=False, initial_peers=tuple(initial_peers), throughput=1.0)
@@ -263,11 +267,17 @@ def inprocess_servers(
     for servicer in (TransformerConnectionHandler, ReachabilityProtocol):
         servicer._collect_rpc_handlers()
     servers: list[Any] = []
+
+    def own(span: tuple[Any, ...]) -> dict[str, Any]:
+        return span[2] if len(span) > 2 else {}
+
     with ThreadPoolExecutor(max(1, len(spans))) as pool:
         try:
             starting = [
-                pool.submit(start_inprocess_server, path, cache_dir, block_indices=blocks, **settings)
-                for path, blocks in spans
+                pool.submit(
+                    start_inprocess_server, span[0], cache_dir, block_indices=span[1], **{**settings, **own(span)}
+                )
+                for span in spans
             ]
             wait(starting)  # every start is waited for, so a failed one leaves no server running
             servers += [future.result() for future in starting if future.exception() is None]

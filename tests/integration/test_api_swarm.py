@@ -1,4 +1,4 @@
-"""`corolla-api` (its CLI, as a process) over a loopback swarm of two servers holding a tiny Llama, driven by the
+"""`corolla-api` (its CLI, as a process) over a loopback swarm of two servers (in this process) holding a tiny Llama, driven by the
 official `openai` client: same tokens as local `transformers` greedy generation, stops, concurrency, errors."""
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from corolla.api.backend import plain_chat_prompt
-from corolla.cli.run_server import build_parser as server_parser
 from helpers.ports import free_port
-from helpers.swarm import ManagedProcess, Swarm
+from helpers.swarm import ManagedProcess, Swarm, inprocess_servers
 from helpers.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -27,7 +26,6 @@ pytestmark = pytest.mark.timeout(240)
 MODEL_ID = "tiny-llama-chat"
 PROMPT = "The swarm says"
 API_BANNER = "corolla-api: serving "
-SERVERS_HAVE_METRICS = "--metrics_port" in server_parser().format_help()
 GENERATION_DEFAULTS = {"do_sample": True, "temperature": 0.9, "top_k": 1}
 
 
@@ -87,18 +85,11 @@ def gateway(tmp_path_factory):
     swarm = Swarm(workdir)
     try:
         swarm.start_bootstrap()
-        servers = []
-        for a, b in ((0, 2), (2, 4)):
-            extra = ["--metrics_port", str(port := free_port())] if SERVERS_HAVE_METRICS else []
-            server = swarm.start_server(
-                model_path, "--block_indices", f"{a}:{b}", "--throughput", "1.0", *extra, wait=False
-            )
-            server.metrics_port = port if SERVERS_HAVE_METRICS else None
-            servers.append(server)
-        gateway = Gateway(swarm, model_path, servers)  # starts while the servers load their blocks
-        for server in servers:
-            server.wait_ready(90)
-        yield gateway
+        # the servers run in this process (what they serve is under test, not their process: two interpreter
+        # start-ups less); the gateway stays a process (its CLI is under test)
+        spans = [(model_path, blocks, {"metrics_port": free_port()}) for blocks in ("0:2", "2:4")]
+        with inprocess_servers(spans, workdir / "cache", swarm.initial_peers, update_period_s=2.0) as servers:
+            yield Gateway(swarm, model_path, servers)
     finally:
         stop_all(swarm)
 
@@ -267,9 +258,8 @@ def test_service_routes_and_model_names(gateway):
     assert values["corolla_api_generation_tokens_total"] >= 2
 
 
-@pytest.mark.skipif(not SERVERS_HAVE_METRICS, reason="corolla-server has no --metrics_port yet")
 def test_server_metrics_move_across_a_generation(gateway):
-    port = gateway.servers[0].metrics_port
+    port = gateway.servers[0].config.metrics_port
     active, opened = ("corolla_sessions_active", ()), ("corolla_sessions_opened_total", ())
     tokens = ("corolla_tokens_processed_total", (("kind", "inference"),))
     before = scrape(port)
@@ -306,7 +296,7 @@ def test_server_metrics_move_across_a_generation(gateway):
 def test_missing_block_is_503(gateway):
     """Runs last: stops the server of blocks 2:4, so the swarm cannot serve the model any more."""
     second = gateway.servers[1]
-    second.kill_group(grace_s=10)
+    second.shutdown()  # a clean stop, as SIGTERM to a server process
     with pytest.raises(openai.InternalServerError) as e:
         gateway.client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4, temperature=0)
     assert e.value.status_code == 503

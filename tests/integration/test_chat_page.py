@@ -1,5 +1,5 @@
-"""The chat page of `corolla-api` (its CLI, as a process, with an API key) over a loopback swarm of two servers,
-driven in headless Chromium: the key field unlocks the gateway, a prompt streams text into the page, Stop aborts the
+"""The chat page of `corolla-api` (its CLI, as a process, with an API key) over a loopback swarm of two servers (in
+this process), driven in headless Chromium: the key field unlocks the gateway, a prompt streams text into the page, Stop aborts the
 fetch and the gateway's generation ends (its inference session closes, no more steps), and the route panel shows the
 two servers (peer ids, spans) exactly as `/corolla/route/<id>` reports them. One server announces a hostile
 `public_name` (HTML with an event handler): the page shows it as text. The Content-Security-Policy refuses outside
@@ -14,10 +14,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import ExitStack
 
 import pytest
 
-from helpers.swarm import ManagedProcess, Swarm
+from helpers.swarm import ManagedProcess, Swarm, inprocess_servers
 from helpers.tiny_models import make_tiny_model
 
 CHROMIUM = "/usr/bin/chromium"
@@ -55,15 +56,15 @@ def gateway(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("chat-swarm")
     model_path = make_tiny_model("llama", workdir / "models")
     swarm = Swarm(workdir)
+    stack = ExitStack()
     try:
         swarm.start_bootstrap()
-        servers = [
-            swarm.start_server(
-                model_path, "--block_indices", f"{a}:{b}", "--throughput", "1.0",
-                "--public_name", HOSTILE_NAME if a else f"srv{a}", wait=False,
-            )
-            for a, b in SPANS
-        ]  # fmt: skip
+        # the servers run in this process (the page shows what they announce and serve, not how they run); the
+        # gateway stays a process (its CLI is under test)
+        spans = [(model_path, f"{a}:{b}", {"public_name": HOSTILE_NAME if a else f"srv{a}"}) for a, b in SPANS]
+        servers = stack.enter_context(
+            inprocess_servers(spans, workdir / "cache", swarm.initial_peers, update_period_s=2.0)
+        )
         api = ManagedProcess(
             [
                 sys.executable, "-m", "corolla.cli.api", "--model", str(model_path),
@@ -74,12 +75,11 @@ def gateway(tmp_path_factory):
         swarm.processes.append(api)
         line = api.wait_for_line(lambda s: s.startswith(API_BANNER), 90)
         url = line.rsplit(" at ", 1)[1].strip().removesuffix("/v1") + "/"
-        for server in servers:
-            server.wait_ready(90)
         yield url, servers
     finally:
         for proc in swarm.processes:
             proc.signal(signal.SIGTERM)
+        stack.close()
         swarm.close()
 
 

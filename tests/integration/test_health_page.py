@@ -1,4 +1,4 @@
-"""`corolla-health` (its CLI, as a process) watching a loopback swarm of three servers, its page opened in headless
+"""`corolla-health` (its CLI, as a process) watching a loopback swarm of three servers (in this process), its page opened in headless
 Chromium (a 1280-pixel window, which the page fits): every server listed, a complete coverage bar and the swarm's
 flow line, then a red gap once a server stops; the page shows exactly what `/api/v1/state` says. Screenshots go to
 test-artifacts/. Skips when Chromium or Playwright is missing."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.swarm import ManagedProcess, Swarm
+from helpers.swarm import ManagedProcess, Swarm, inprocess_servers
 from helpers.tiny_models import make_tiny_model
 
 CHROMIUM = "/usr/bin/chromium"
@@ -102,17 +102,12 @@ def monitored_swarm(tmp_path_factory):
             name="corolla-health",
         )  # fmt: skip
         swarm.processes.append(health)
-        servers = [
-            swarm.start_server(
-                model_path, "--block_indices", f"{a}:{b}", "--throughput", "1.0", "--public_name", f"srv{a}",
-                wait=False,
-            )
-            for a, b in SPANS
-        ]  # fmt: skip
-        line = health.wait_for_line(lambda s: s.startswith(HEALTH_BANNER), 90)
-        for server in servers:
-            server.wait_ready(90)
-        yield swarm, servers, line[len(HEALTH_BANNER) :].strip()
+        # the servers run in this process (the page shows what they announce, not how they run): three interpreter
+        # start-ups less; the monitor stays a process (its CLI is under test)
+        spans = [(model_path, f"{a}:{b}", {"public_name": f"srv{a}"}) for a, b in SPANS]
+        with inprocess_servers(spans, workdir / "cache", swarm.initial_peers, update_period_s=2.0) as servers:
+            line = health.wait_for_line(lambda s: s.startswith(HEALTH_BANNER), 90)
+            yield swarm, servers, line[len(HEALTH_BANNER) :].strip()
     finally:
         stop_all(swarm)
 
@@ -149,7 +144,7 @@ def test_page_shows_servers_then_gap(monitored_swarm):
                 assert page.get_by_text(f"srv{a}").count() == 1
 
             # one server leaves: its blocks become a red gap
-            servers[2].kill_group(grace_s=10)
+            servers[2].shutdown()  # a clean stop, as SIGTERM to a server process
             page.wait_for_function(
                 """() => document.querySelectorAll('.coverage .block.gap').length === 2""", timeout=60_000
             )

@@ -6,10 +6,12 @@ creates listens on 127.0.0.1 only, with relays, AutoNAT and NAT port mapping off
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib.util
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 
@@ -108,14 +110,20 @@ def prefix_results(args: argparse.Namespace, dht_prefix: str, cases: list[str]) 
 def run_client(args: argparse.Namespace) -> int:
     """Each `--run PREFIX=CASES` in turn, in one interpreter (one start-up of torch and petals for them all); saves
     `{prefix: results}`."""
+    dump_s = float(os.environ.get("PETALS_DRIVER_DUMP_S", "0") or 0)
+    if dump_s > 0:  # a hang leaves every thread's stack in the log (the caller kills us soon after)
+        faulthandler.dump_traceback_later(dump_s, exit=False)
+    started = time.monotonic()
     import torch
 
     torch.set_num_threads(1)
     petals_server.loopback_client_dht()
+    print(f"petals-client: imported in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     results = {}
     for run in args.run:
         prefix, cases = run.split("=", 1)
         results[prefix] = prefix_results(args, prefix, cases.split(","))
+        print(f"petals-client: {prefix} done at {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     torch.save(results, args.out)
     print("petals-client: done", flush=True)
     # leave without the interpreter's own teardown (hivemind threads can hang it); the caller kills our process

@@ -147,6 +147,7 @@ def run_petals_client(
         if not (timed_out and attempt == 1):
             break
         print(f"petals client hung (attempt {attempt}); its log:\n{log_path.read_text()[-4000:]}")
+        log_path.replace(log_path.with_suffix(".hung.log"))
     assert process.returncode == 0, f"petals client failed (rc={process.returncode}):\n{log_path.read_text()[-8000:]}"
     return torch.load(out)
 
