@@ -541,8 +541,8 @@ class Runtime:
         (running) asyncio loop; with `on_done` it is a callback task, built in any thread: `on_done(result, error)`
         runs in the thread that runs it (the device thread, or the queuing one when it runs inline), then `flush()`
         once per batch (several tasks sharing one flush get one call after all their `on_done`s). `steps`: the
-        sessions' steps it carries (`Task.steps`), `sessions` their sessions' keys (`Task.sessions`). Raises ValueError if `size_tokens` exceeds
-        `max_batch_size_tokens`, RuntimeStopped if the runtime is stopped."""
+        sessions' steps it carries (`Task.steps`), `sessions` their sessions' keys (`Task.sessions`). Raises
+        ValueError if `size_tokens` exceeds `max_batch_size_tokens`, RuntimeStopped if the runtime is stopped."""
         if size_tokens > self.max_batch_size_tokens:
             raise ValueError(
                 f"Task of {size_tokens} tokens (batch x length) exceeds the server's max_batch_size "
