@@ -95,6 +95,7 @@ def test_the_next_batch_launches_before_the_one_in_flight_completes() -> None:
         ("done", "b2"),
     ]  # fmt: skip
     assert bench.results == {"a1": "a1!", "b1": "b1!", "b2": "b2!"}
+    assert runtime.num_held_launches == 0
 
 
 def test_a_held_launch_waits_for_the_forward_in_flight_and_takes_what_queued_meanwhile() -> None:
@@ -113,6 +114,7 @@ def test_a_held_launch_waits_for_the_forward_in_flight_and_takes_what_queued_mea
         ("launch", ["a1"]), ("wait", "a1"), ("launch", ["b1", "b2"]), ("done", "a1"), ("wait", "b1"), ("done", "b1"),
         ("done", "b2"),
     ]  # fmt: skip
+    assert runtime.num_held_launches == 1
 
 
 def test_a_lone_batch_completes_at_once() -> None:

@@ -426,6 +426,7 @@ class Runtime:
         self.num_batches_done = 0
         self.num_tasks_done = 0  # steps (`Task.steps`: a frame task counts each of its steps)
         self.num_inline_batches = 0
+        self.num_held_launches = 0  # batches whose launch waited for the forward in flight (`GatherRule.holds_launch`)
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
         self._observers: list[BatchObserver] = []
         self._wake_scheduled: set[asyncio.AbstractEventLoop] = set()  # loops with a `_wake` pending
@@ -659,11 +660,13 @@ class Runtime:
         queue = self._queue
         pending: LaunchedBatch | None = None
         while True:  # (gather) -> schedule -> execute (or launch) -> complete
+            held = False
             if pending is None:
                 wait = self.gather.wait(time.monotonic(), queue.num_pushed)
                 if wait is not None:
                     queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
             elif self.gather.holds_launch():  # sessions come back while a forward runs: launch once it is done
+                held = True
                 self._wait(pending)  # (its replies still leave after the next launch), so they merge into one batch
             batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
@@ -677,6 +680,7 @@ class Runtime:
                     break
                 continue
             launched = self._launch(batch)
+            self.num_held_launches += held
             if pending is not None:  # the device runs `launched` (if any) while this one's replies leave
                 self._finish(pending)
                 pending = None
