@@ -3,9 +3,10 @@ hivemind: most of a CLI's start-up, ~5-10 s of CPU each on a 2-core VM), then ru
 from that state, exactly as `python -m corolla.cli.NAME ARGS...` would run it (`runpy` as `__main__`, its own
 session, stdin from /dev/null, stdout and stderr to files), all at once.
 
-Run as a script: reads `{"commands": {name: [module, *args]}, "timeout_s": s}` as JSON on stdin, writes
-`{name: [exit code, stdout, stderr]}` as JSON on stdout; a child still running at the deadline is killed with its
-process group and reported with exit code null."""
+Run as a script: reads one request per line on stdin, `{"commands": {name: [module, *args]}, "timeout_s": s}` as
+JSON, and answers each with one line on stdout, `{name: [exit code, stdout, stderr]}` as JSON, until stdin ends (a
+test module keeps one runner for all its requests: one start-up); a child still running at the deadline is killed
+with its process group and reported with exit code null."""
 
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def spawn(module: str, args: list[str], out_path: Path, err_path: Path) -> int:
             os._exit(code)
 
 
-def main() -> int:
-    request = json.load(sys.stdin)
+def run_request(request: dict) -> dict[str, list[object]]:
+    """Runs one request's commands at once; `{name: [exit code or None, stdout, stderr]}`."""
     commands: dict[str, list[str]] = request["commands"]
     for module in sorted({command[0] for command in commands.values()}):
         importlib.import_module(module)  # what it imports stays loaded ...
@@ -90,7 +91,14 @@ def main() -> int:
             codes[pid] = None
         for pid, (name, out, err) in children.items():
             results[name] = [codes[pid], out.read_text(errors="replace"), err.read_text(errors="replace")]
-    json.dump(results, sys.stdout)
+    return results
+
+
+def main() -> int:
+    for line in sys.stdin:
+        if line.strip():
+            sys.stdout.write(json.dumps(run_request(json.loads(line))) + "\n")
+            sys.stdout.flush()  # before the next request forks: no child inherits unwritten output
     return 0
 
 

@@ -15,6 +15,7 @@ import os
 import platform
 import pty
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -53,23 +54,59 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run_all(commands: dict[str, list[str]], timeout_s: float = RUN_TIMEOUT_S) -> dict[str, tuple[int, str, str]]:
-    """Runs the commands (`_cli(...)` lists) at once, each as `python -m` runs it, in children forked from one
-    interpreter that imported the CLIs once (`helpers.cli_fork`); {name: (exit code, stdout, stderr)}. Each is
-    killed at the deadline."""
-    request = {"commands": {name: cmd[2:] for name, cmd in commands.items()}, "timeout_s": timeout_s}
+class _CliRunner:
+    """One `helpers.cli_fork` runner for the module (one import of the CLIs for all its one-shot invocations)."""
+
+    def __init__(self, stderr_path: Path):
+        self._stderr_path = stderr_path
+        self._stderr = open(stderr_path, "w")  # closed in close()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CLI_FORK)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+            text=True, env=_env(), start_new_session=True,
+        )  # fmt: skip
+
+    def run(self, commands: dict[str, list[str]], timeout_s: float) -> dict[str, tuple[int, str, str]]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"commands": commands, "timeout_s": timeout_s}) + "\n")
+        self.proc.stdin.flush()
+        # the runner's own imports come first (on its first request)
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s + RUN_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else ""
+        assert line, f"the CLI runner did not answer: {self._stderr_path.read_text()[-3000:]}"
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()  # the runner ends at the end of its input
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        finally:
+            self._stderr.close()
+
+
+@pytest.fixture(scope="module")
+def cli_runner(tmp_path_factory: pytest.TempPathFactory):
+    runner = _CliRunner(tmp_path_factory.mktemp("cli-runner") / "stderr.log")
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
+def _run_all(
+    runner: _CliRunner, commands: dict[str, list[str]], timeout_s: float = RUN_TIMEOUT_S
+) -> dict[str, tuple[int, str, str]]:
+    """Runs the commands (`_cli(...)` lists) at once, each as `python -m` runs it, in children forked from the
+    module's runner, an interpreter that imported the CLIs once (`helpers.cli_fork`); {name: (exit code, stdout,
+    stderr)}. Each is killed at the deadline."""
     assert all(cmd[:2] == [sys.executable, "-m"] for cmd in commands.values()), commands
-    runner = subprocess.run(
-        [sys.executable, str(CLI_FORK)],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=timeout_s + RUN_TIMEOUT_S,  # the runner's own imports come first
-        start_new_session=True,
-    )
-    assert runner.returncode == 0, runner.stderr[-3000:]
-    results = {name: (code, out, err) for name, (code, out, err) in json.loads(runner.stdout).items()}
+    results = {
+        name: (code, out, err)
+        for name, (code, out, err) in runner.run({name: cmd[2:] for name, cmd in commands.items()}, timeout_s).items()
+    }
     for name, (code, _out, err) in results.items():
         if code is None:
             pytest.fail(f"{name} did not exit within {timeout_s} s: {err[-2000:]}")
@@ -102,18 +139,19 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_version_everywhere():
-    results = _run_all({name: _cli(name, "--version") for name in CLIS})
+def test_version_everywhere(cli_runner: _CliRunner):
+    results = _run_all(cli_runner, {name: _cli(name, "--version") for name in CLIS})
     from corolla import __version__
 
     for name, (rc, out, err) in results.items():
         assert rc == 0 and f"corolla {__version__}" in out, f"{name}: rc={rc} out={out!r} err={err[-2000:]}"
 
 
-def test_configuration_mistakes_end_in_one_line_and_exit_2(model_dir: str, taken_port: int):
+def test_configuration_mistakes_end_in_one_line_and_exit_2(model_dir: str, taken_port: int, cli_runner: _CliRunner):
     peer = UNREACHABLE_PEER.format(port=_closed_port())
     server = ("--new_swarm", "--block_indices", "0:2", "--device", "cpu", "--throughput", "1")
     results = _run_all(
+        cli_runner,
         {
             "generate_missing_dir": _cli("generate", "./no-such-model-dir", "hi", "--initial_peers", peer),
             "generate_bad_peer": _cli("generate", model_dir, "hi", "--initial_peers", "garbage"),
@@ -123,7 +161,7 @@ def test_configuration_mistakes_end_in_one_line_and_exit_2(model_dir: str, taken
             "server_taken_port": _cli("run_server", model_dir, *server, "--port", str(taken_port)),
             "api_taken_port": _cli("api", "--model", model_dir, "--initial_peers", peer, "--port", str(taken_port)),
             "health_taken_port": _cli("health", "--initial_peers", peer, "--port", str(taken_port)),
-        }
+        },
     )
     r = results
     _assert_one_line_error("generate_missing_dir", r["generate_missing_dir"], 2, "corolla-generate", "no-such-model")
@@ -139,14 +177,15 @@ def test_configuration_mistakes_end_in_one_line_and_exit_2(model_dir: str, taken
     assert r["generate_bad_peer"][2].strip().count("\n") == 0, r["generate_bad_peer"][2]
 
 
-def test_unreachable_peers_end_in_one_line_and_exit_1(model_dir: str):
+def test_unreachable_peers_end_in_one_line_and_exit_1(model_dir: str, cli_runner: _CliRunner):
     peer = UNREACHABLE_PEER.format(port=_closed_port())
     results = _run_all(
+        cli_runner,
         {
             "generate": _cli("generate", model_dir, "hi", "--initial_peers", peer),
             "dht": _cli("run_dht", "--initial_peers", peer),
             "health": _cli("health", "--initial_peers", peer, "--port", "0"),
-        }
+        },
     )
     for name, prog in (("generate", "corolla-generate"), ("dht", "corolla-dht"), ("health", "corolla-health")):
         _assert_one_line_error(name, results[name], 1, prog, "could not reach any of --initial_peers")
@@ -239,15 +278,16 @@ def partial_swarm(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
         server.stop()
 
 
-def test_missing_blocks_name_blocks_prefix_and_served_prefixes(model_dir: str, partial_swarm):
+def test_missing_blocks_name_blocks_prefix_and_served_prefixes(model_dir: str, partial_swarm, cli_runner: _CliRunner):
     _, peers = partial_swarm
     # blocks 2:4 have no server: a bounded wait, then one line naming blocks, prefix asked and prefixes served
     wait = ("--max_wait_s", "3", "--initial_peers", peers)
     results = _run_all(
+        cli_runner,
         {
             "missing": _cli("generate", model_dir, "hi", *wait),
             "wrong_prefix": _cli("generate", model_dir, "hi", *wait, "--dht_prefix", "someone-elses-model"),
-        }
+        },
     )
     line = _assert_one_line_error("missing", results["missing"], 1, "corolla-generate", "2:4")
     assert "'corolla-demo-llama'" in line and "serves DHT prefixes" in line, line
@@ -300,14 +340,14 @@ def test_ctrl_c_at_the_chat_prompt_ends_it_whichever_thread_gets_the_signal(mode
 
 @pytest.mark.serial  # its exit-time bounds (SIGTERM within seconds) need the CPU to itself; the rest run in parallel
 def test_quiet_generation_then_ctrl_c_and_group_sigterm_announce_offline_and_exit_fast(
-    model_dir: str, partial_swarm, tmp_path: Path
+    model_dir: str, partial_swarm, tmp_path: Path, cli_runner: _CliRunner
 ):
     first, peers = partial_swarm
     second = _Server(model_dir, tmp_path / "second.log", "--initial_peers", peers, "--block_indices", "2:4")
     try:
         second.wait_ready()
         results = _run_all(
-            {"ok": _cli("generate", model_dir, "The", "--initial_peers", peers, "--max_new_tokens", "8")}
+            cli_runner, {"ok": _cli("generate", model_dir, "The", "--initial_peers", peers, "--max_new_tokens", "8")}
         )
         rc, out, err = results["ok"]
         assert rc == 0, err[-3000:]
