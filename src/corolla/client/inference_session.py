@@ -2,7 +2,8 @@
 span's inputs so that when a server fails, a replacement chain for its span replays them (start_from_position=0) and
 rebuilds the KV cache. Steps run in the caller's thread when every span is on a local stream, else on the client's
 background loop, where failures are retried on replacement chains within a `RetryBudget` (a silent hop is noticed
-at its step deadline, `client.stalls`; the only server of a span is waited for, not banned, when its link fails).
+at its step deadline, `client.stalls`; the only server of a span is waited for, not banned, when its link fails, and
+dialled again once its listener answers a knock, `client.link_probe`).
 With a `PrefixChain` of the tokens, a fresh session asks its chain which prefix it already holds (`client.prefix_reuse`)
 and starts after the shortest hit; a span that must be rebuilt without the inputs of that prefix restarts the chain."""
 
@@ -16,6 +17,7 @@ import torch
 from corolla.client import background_loop
 from corolla.client.forwarding import StepForwarding, push_went_stale
 from corolla.client.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
+from corolla.client.link_probe import LINK_KNOCK_LIMIT_S, wait_until_answering
 from corolla.client.output_checks import BadServerOutput
 from corolla.client.prefix_chain import PrefixChain
 from corolla.client.prefix_reuse import probe_chain, speaks_prefix_keys
@@ -337,7 +339,17 @@ class InferenceSession:
                 )
                 blocks = (block, span_session.span.end if span_session is not None else self.end)
                 delay_s = await asyncio.to_thread(budget.on_failure, e, failed, blocks)
-                await asyncio.sleep(delay_s)
+                address = None
+                if span_session is not None and failed == span_session.span.peer_id:
+                    address = span_session.link_address
+                if budget.kept_sole_server and address is not None:
+                    # the only server's link failed: dial it through p2pd again only once its listener answers, so
+                    # that no dial fails near the end of the outage and libp2p's back-off never delays the return
+                    limit_s = LINK_KNOCK_LIMIT_S if budget.left_s is None else budget.left_s
+                    if await wait_until_answering(address, limit_s) == 0.0:
+                        await asyncio.sleep(delay_s)  # the link is up: the usual pace of retries
+                else:
+                    await asyncio.sleep(delay_s)
                 pending_replacement = span_session  # replaced (and its history replayed) on the next iteration
         assert hidden_from <= position, "the last span always covers the new tokens"
         return hidden[:, position - hidden_from :]

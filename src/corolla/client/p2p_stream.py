@@ -15,9 +15,10 @@ from typing import Protocol
 
 from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import p2pd_pb2, runtime_pb2
-from hivemind.utils.multiaddr import protocols
+from hivemind.utils.multiaddr import Multiaddr, protocols
 
 from corolla.client.framed_socket import FramedSocketStream
+from corolla.client.link_probe import tcp_address
 from corolla.protocol.rpc import handle_name
 from corolla.protocol.stream_frames import (
     END_OF_STREAM_FRAME,
@@ -102,7 +103,10 @@ def _daemon_socket(p2p: P2P) -> tuple[socket.socket, str | tuple[str, int]]:
 
 
 class P2PInferenceStream(FramedSocketStream):
-    """One `rpc_inference` stream through p2pd (see the module docstring)."""
+    """One `rpc_inference` stream through p2pd (see the module docstring). `remote_address`: the (host, port) of the
+    daemon's connection to the server, where it is a direct TCP one (`client.link_probe`)."""
+
+    remote_address: tuple[str, int] | None = None
 
     @classmethod
     async def open(cls, p2p: P2P, peer_id: str) -> P2PInferenceStream:
@@ -119,10 +123,13 @@ class P2PInferenceStream(FramedSocketStream):
             response = p2pd_pb2.Response.FromString(await _recv_exactly(loop, sock, length))
             if response.type == p2pd_pb2.Response.ERROR:
                 raise ConnectionError(f"p2pd could not open a stream to ...{peer_id[-6:]}: {response.error.msg}")
+            remote = Multiaddr(response.streamInfo.addr) if response.streamInfo.addr else None
         except BaseException:
             sock.close()
             raise
-        return cls(sock, peer_id)
+        stream = cls(sock, peer_id)
+        stream.remote_address = tcp_address(remote)
+        return stream
 
     @property
     def header_bytes(self) -> int:

@@ -58,6 +58,8 @@ class RetryBudget:
         self.failing_since_s: float | None = None
         self.tried: list[str] = []  # peers that failed during this run of failures, oldest first
         self.cache_refusals = 0  # of those failures, cache refusals in a row
+        self.kept_sole_server = False  # the last failure was the network's, of the only server of some block
+        self.left_s: float | None = None  # of `max_wait_s` after the last failure (None: no bound)
 
     def on_success(self) -> None:
         self.attempt, self.failing_since_s, self.cache_refusals = 0, None, 0
@@ -103,10 +105,12 @@ class RetryBudget:
         delay_s = config.retry_delay_s(self.attempt - 1)
         if refused:
             delay_s = reroute_delay_s(self.cache_refusals, delay_s)
-        if not banned and peer_id is not None:
+        self.kept_sole_server = not banned and peer_id is not None
+        if self.kept_sole_server:
             delay_s = min(delay_s, SOLE_SERVER_RETRY_S)
-        if config.max_wait_s is not None:  # the last attempt happens at the deadline, not after it
-            delay_s = min(delay_s, config.max_wait_s - waited_s)
+        self.left_s = None if config.max_wait_s is None else config.max_wait_s - waited_s
+        if self.left_s is not None:  # the last attempt happens at the deadline, not after it
+            delay_s = min(delay_s, self.left_s)
         logger.warning(
             "retry.scheduled(blocks=%d:%d, attempt=%d, delay_s=%.1f, peer=...%s, error=%r)",
             blocks[0],

@@ -29,7 +29,7 @@ from corolla.client.forwarding import is_pushed_reply
 from corolla.client.framed_socket import FramedSocketStream
 from corolla.client.local_transport import LocalInferenceStream
 from corolla.client.output_checks import BadServerOutput, check_outputs
-from corolla.client.p2p_stream import InferenceStream
+from corolla.client.p2p_stream import InferenceStream, P2PInferenceStream
 from corolla.client.prefix_chain import PrefixChain
 from corolla.client.remote_forward_backward import serialize_activations
 from corolla.client.retries import has_alternative
@@ -129,6 +129,8 @@ class SpanSession:
         self.local: LocalInferenceStream | None = None  # the server's unix socket, if open
         self.tcp: DirectInferenceStream | None = None  # else the server's direct TCP port, if it offers one
         self._direct: FramedSocketStream | None = None  # `_stream` if a step may run in any one thread (`step_here`)
+        # where p2pd reached the server (direct TCP only): knocked on while the link is down (`client.link_probe`)
+        self.link_address: tuple[str, int] | None = None
         self._started = False
         self._closed = False
         self.upstream_peer: str | None = None  # the previous span's server: the only peer that may push to this one
@@ -155,6 +157,7 @@ class SpanSession:
             opening = self.manager.open_inference_stream(self.span.peer_id)
             self._stream = stream = await asyncio.wait_for(opening, config.connect_timeout_s)
             self._direct = stream if isinstance(stream, FramedSocketStream) else None  # a test's fake may not be
+            self.link_address = stream.remote_address if isinstance(stream, P2PInferenceStream) else None
 
     async def _open_direct(self, timeout_s: float) -> DirectInferenceStream | None:
         """The server's direct port with the kept ticket, else with a fresh one (the server may have restarted and

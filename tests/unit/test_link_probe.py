@@ -1,0 +1,71 @@
+"""The knock on a server's libp2p listener (`client.link_probe`), on loopback sockets: a listener that speaks first
+(as libp2p's multistream-select does) answers; one behind a dropped `corolla.wan` link answers only once the drop
+ends, and `wait_until_answering` returns soon after; a closed port or a silent listener does not answer; only direct
+TCP addresses are knocked on. Every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from hivemind.utils.multiaddr import Multiaddr
+
+from corolla.client.link_probe import (
+    KNOCK_TIMEOUT_S,
+    MULTISTREAM_HEADER,
+    listener_answers,
+    tcp_address,
+    wait_until_answering,
+)
+from corolla.wan import WanProxy
+
+
+async def _listener(greeting: bytes) -> asyncio.Server:
+    async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(greeting)
+        await writer.drain()
+        await reader.read()  # until the knock hangs up
+        writer.close()
+
+    return await asyncio.start_server(greet, "127.0.0.1", 0)
+
+
+def _port(server: asyncio.Server) -> int:
+    return int(server.sockets[0].getsockname()[1])
+
+
+def test_only_direct_tcp_addresses_are_knocked_on() -> None:
+    assert tcp_address(Multiaddr("/ip4/10.0.0.1/tcp/4001")) == ("10.0.0.1", 4001)
+    assert tcp_address(Multiaddr("/ip6/::1/tcp/4001")) == ("::1", 4001)
+    assert tcp_address(Multiaddr("/ip4/10.0.0.1/udp/4001/quic")) is None
+    relayed = "/ip4/10.0.0.1/tcp/4001/p2p/QmbMmU5aowDG4pM6RRi3d217Z1wpms1TomXHpw4Ko92PPV/p2p-circuit"
+    assert tcp_address(Multiaddr(relayed)) is None
+    assert tcp_address(None) is None
+
+
+def test_a_listener_answers_and_a_silent_or_closed_one_does_not() -> None:
+    async def go() -> None:
+        async with await _listener(MULTISTREAM_HEADER) as speaking, await _listener(b"") as silent:
+            address = ("127.0.0.1", _port(speaking))
+            assert await listener_answers(address)
+            started = time.monotonic()
+            assert not await listener_answers(("127.0.0.1", _port(silent)))
+            assert time.monotonic() - started < KNOCK_TIMEOUT_S + 0.5
+        assert not await listener_answers(address)  # closed now: refused
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_a_dropped_link_answers_once_the_drop_ends() -> None:
+    async def go() -> None:
+        async with await _listener(MULTISTREAM_HEADER) as listener, WanProxy(target_port=_port(listener)) as proxy:
+            address = ("127.0.0.1", proxy.port)
+            assert await wait_until_answering(address, 5.0) == 0.0  # up: the first knock
+            proxy.drop(1.5)
+            started = time.monotonic()
+            waited_s = await wait_until_answering(address, 10.0)
+            assert waited_s is not None and 1.3 <= time.monotonic() - started < 1.5 + KNOCK_TIMEOUT_S + 0.5
+            proxy.drop(5.0)
+            assert await wait_until_answering(address, 1.0) is None  # not within the limit
+
+    asyncio.run(asyncio.wait_for(go(), 30))
