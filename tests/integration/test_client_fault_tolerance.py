@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from tests.helpers.swarm import Swarm
+from tests.helpers.swarm import Swarm, inprocess_servers
 from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -28,16 +28,20 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
+    """Blocks 0:2 by a server in this process (never killed); 2:4 by three server processes (SIGKILL needs a
+    process), all started at once: one for each SIGKILL of the fail-over cases, and the last for the outage."""
     swarm = Swarm(tmp_path_factory.mktemp("swarm"))
     try:
         swarm.start_bootstrap()
         servers = [
-            swarm.start_server(model_path, "--block_indices", blocks, "--throughput", "1.0", wait=False)
-            for blocks in ("0:2", "2:4", "2:4")
+            swarm.start_server(model_path, "--block_indices", "2:4", "--throughput", "1.0", wait=False)
+            for _ in range(3)
         ]
-        for server in servers:
-            server.wait_ready(120)
-        yield swarm
+        cache_dir = tmp_path_factory.mktemp("cache")
+        with inprocess_servers([(model_path, "0:2")], cache_dir, swarm.initial_peers, update_period_s=2.0):
+            for server in servers:
+                server.wait_ready(120)
+            yield swarm
     finally:
         swarm.close()
 
@@ -91,7 +95,7 @@ def _generate(swarm, model_path, streamer, config: ClientConfig) -> torch.Tensor
 
 @pytest.mark.parametrize("local_transport", [True, False], ids=["socket", "p2p"])
 def test_sigkill_mid_generation_fails_over_to_a_replica(swarm, model_path, expected, local_transport):
-    while len(_alive_servers_of_block(swarm, 2)) < 2:  # the previous case killed one: bring the replica back
+    while len(_alive_servers_of_block(swarm, 2)) < 2:  # a replica to fail over to (the fixture started enough)
         swarm.start_server(model_path, "--block_indices", "2:4", "--throughput", "1.0", wait=False).wait_ready(120)
     killed = []
 
