@@ -6,7 +6,8 @@ refuses; meanwhile an honest long session generates throughout, and a real user 
 session of `max_length` with an 8-token prompt, decodes 4 tokens and closes, `users` times. Prints one JSON line per N:
 the user's time to admission (first reply), refusals, the honest session's failures, what the hoarders got.
 `--tokens_per_step 1 --keepalive_s 2` makes them trickle hoarders: one real token per step, a step every 2 s, so
-their sessions are working ones (they hold real pages and are never idle). A `--max_length` beyond the demo model's
+their sessions are working ones (they hold real pages and are never idle); `--tokens_per_step 1 --reopen_s 1.5`
+makes them reopen a session with a one-token prefill every 1.5 s (fresh sessions, whose pace is never read). A `--max_length` beyond the demo model's
 1024 positions raises its `max_position_embeddings` in a copy (rotary: any length; the inputs are random hidden
 states): 32 sessions' pages of 16 tokens are a realistic share of a 4096-token cache, not of a 1024-token one.
 
@@ -62,7 +63,9 @@ class HoardStats:
 class HoardingAttack:
     """`identities` peer ids, each running `sessions_per_identity` loops that open a session of `max_length` and hold
     it with a step of `tokens_per_step` tokens (0: zero-token keep-alives) every `keepalive_s`, opening again at once
-    when the server refuses or ends it. Runs in the server's event loop against its handler."""
+    when the server refuses or ends it; with `reopen_s`, it sends no step after the opening one (its prefill of
+    `tokens_per_step` tokens) and closes and opens the session again every `reopen_s`. Runs in the server's event loop
+    against its handler."""
 
     def __init__(
         self,
@@ -77,12 +80,14 @@ class HoardingAttack:
         tokens_per_step: int = 0,
         sessions_per_identity: int = 1,
         alloc_timeout_s: float = 0.0,
+        reopen_s: float | None = None,
     ):
         self.handler, self.uid, self.server_peer = handler, uid, server_peer
         self.peers = [PeerID(os.urandom(34)) for _ in range(identities)]
         self.max_length, self.hidden_size = max_length, hidden_size
         self.keepalive_s, self.tokens_per_step = keepalive_s, tokens_per_step
         self.sessions_per_identity, self.alloc_timeout_s = sessions_per_identity, alloc_timeout_s
+        self.reopen_s = reopen_s
         self.stats = HoardStats()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -106,6 +111,10 @@ class HoardingAttack:
                 await _reply(replies)
                 opened = True
                 self.stats.opened += 1
+                if self.reopen_s is not None:  # closed and opened again before its pace is read: always fresh
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.reopen_s)
+                    continue
                 while not stop.is_set():
                     await asyncio.sleep(self.keepalive_s)
                     queue.put_nowait(self._request())
@@ -206,7 +215,7 @@ async def new_client(server: Any, uid: str) -> Client:
 
 async def measure(
     server: Any, identities: int, users: int, max_length: int, honest_length: int, *, tokens_per_step: int = 0,
-    keepalive_s: float = 0.5, settle_s: float = 2.0,
+    keepalive_s: float = 0.5, settle_s: float = 2.0, reopen_s: float | None = None,
 ) -> dict:  # fmt: skip
     """One scenario in the server's loop: an honest session generates, the attack settles for 2 s, then the real user
     comes `users` times asking for `max_length` (half of the cache: what one peer may hold)."""
@@ -218,7 +227,7 @@ async def measure(
     await asyncio.sleep(0.5)
     attack = HoardingAttack(server.service.handler, uid, PeerID.from_base58(server.peer_id), identities=identities,
                             max_length=max_length, hidden_size=server.settings.hidden_size,
-                            tokens_per_step=tokens_per_step, keepalive_s=keepalive_s)  # fmt: skip
+                            tokens_per_step=tokens_per_step, keepalive_s=keepalive_s, reopen_s=reopen_s)  # fmt: skip
     attack_task = asyncio.create_task(attack.run(stop))
     await asyncio.sleep(settle_s)
     free_before = server.service.executor.bytes_left
@@ -243,6 +252,7 @@ async def measure(
         "identities": identities,
         "hoarder_tokens_per_step": tokens_per_step,
         "hoarder_step_every_s": keepalive_s,
+        "hoarder_reopen_s": reopen_s,
         "user_admit_s_median": round(statistics.median(admit_s), 3) if admit_s else None,
         "user_admit_s_max": round(max(admit_s), 3) if admit_s else None,
         "users_admitted": len(admit_s),
@@ -266,6 +276,8 @@ def main() -> None:
     parser.add_argument("--tokens_per_step", type=int, default=0, help="0: zero-token holds; 1: trickle hoarders")
     parser.add_argument("--keepalive_s", type=float, default=0.5, help="between two steps of a hoarder")
     parser.add_argument("--settle_s", type=float, default=2.0, help="the attack runs this long before the user comes")
+    parser.add_argument("--reopen_s", type=float, default=None,
+                        help="hoarders send only a prefill and open again this often (fresh sessions)")  # fmt: skip
     args = parser.parse_args()
     from corolla.server.config import ServerConfig
     from corolla.server.server import Server
@@ -288,7 +300,7 @@ def main() -> None:
             for n in (int(x) for x in args.identities.split(",")):
                 scenario = measure(
                     server, n, args.users, args.max_length, honest_length, tokens_per_step=args.tokens_per_step,
-                    keepalive_s=args.keepalive_s, settle_s=args.settle_s,
+                    keepalive_s=args.keepalive_s, settle_s=args.settle_s, reopen_s=args.reopen_s,
                 )  # fmt: skip
                 future = asyncio.run_coroutine_threadsafe(scenario, server._loop)
                 print(json.dumps(future.result(600)), flush=True)
