@@ -10,7 +10,7 @@ from contextlib import redirect_stdout
 
 import pytest
 import torch
-from tests.helpers.swarm import Swarm
+from tests.helpers.swarm import Swarm, inprocess_servers
 from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
@@ -28,16 +28,15 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
+    """A bootstrap node and two servers in this process (what they compute is under test, not their process: two
+    interpreter start-ups less)."""
     swarm = Swarm(tmp_path_factory.mktemp("swarm"))
     try:
         swarm.start_bootstrap()
-        servers = [
-            swarm.start_server(model_path, "--block_indices", blocks, "--throughput", "1.0", wait=False)
-            for blocks in ("0:2", "2:4")
-        ]
-        for server in servers:
-            server.wait_ready(120)
-        yield swarm
+        spans = [(model_path, blocks) for blocks in ("0:2", "2:4")]
+        cache_dir = tmp_path_factory.mktemp("cache")
+        with inprocess_servers(spans, cache_dir, swarm.initial_peers, update_period_s=2.0):
+            yield swarm
     finally:
         swarm.close()
 

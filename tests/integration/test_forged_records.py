@@ -11,7 +11,7 @@ import time
 import hivemind
 import pytest
 import torch
-from tests.helpers.swarm import Swarm
+from tests.helpers.swarm import Swarm, inprocess_servers
 from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -39,16 +39,16 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def swarm(model_path, tmp_path_factory: pytest.TempPathFactory):
+    """A bootstrap node and two honest servers in this process (their records are under test, not their
+    process: two interpreter start-ups less); `swarm.honest` holds the servers."""
     swarm = Swarm(tmp_path_factory.mktemp("swarm"))
     try:
         swarm.start_bootstrap()
-        servers = [
-            swarm.start_server(model_path, "--block_indices", blocks, "--throughput", "1.0", wait=False)
-            for blocks in ("0:2", "2:4")
-        ]
-        for server in servers:
-            server.wait_ready(120)
-        yield swarm
+        spans = [(model_path, blocks) for blocks in ("0:2", "2:4")]
+        cache_dir = tmp_path_factory.mktemp("cache")
+        with inprocess_servers(spans, cache_dir, swarm.initial_peers, update_period_s=2.0) as servers:
+            swarm.honest = servers
+            yield swarm
     finally:
         swarm.close()
 
@@ -101,9 +101,8 @@ def _states(reader, prefix: str) -> list[dict[str, ServerState]]:
 
 
 def test_forged_records_change_nothing_a_corolla_client_does(swarm, model_path, attacker, reader, expected):
-    servers = [p for p in swarm.processes if getattr(p, "peer_id", None)]
     prefix = model_path.name
-    honest = {s.peer_id: range(s.start_block, s.end_block) for s in servers}
+    honest = {s.peer_id: s.block_indices for s in swarm.honest}  # peer id -> range of its blocks
     assert all(state == ServerState.ONLINE for block in _states(reader, prefix) for state in block.values())
     far = time.time() + 3600  # later than any honest re-announcement
 
