@@ -50,6 +50,8 @@ class Phase:
     works_per_block_call: float  # training works merged per block call on the server
     forward_median_ms: float  # the rpc_forward part of one client's step
     training_busy_share: float  # of the phase's window, the share the server's runtime spent on training block calls
+    kept_hits: int = 0  # backwards that found their forward's block inputs kept (`training_activations`)
+    kept_misses: int = 0  # backwards that recomputed them
 
 
 @dataclass
@@ -164,6 +166,7 @@ def _serve(
         for n, merged_phase in phases:
             training.set_merge_tokens(TRAINING_MERGE_TOKENS if merged_phase else 1)
             before = server.runtime.stats().get("training")
+            hits_before, misses_before = training.kept.hits, training.kept.misses
             for commands, _, _ in clients[:n]:
                 commands.put(steps)
             steps_of = [results.get(timeout=READY_TIMEOUT_S) for _, results, _ in clients[:n]]
@@ -181,7 +184,9 @@ def _serve(
             forward_ms = statistics.median((mid - start) * 1e3 for client in steps_of for start, mid, _ in client)
             tokens, window_s = n * steps * rows * seq_len, max(ends) - min(starts)
             report.phases.append(Phase(n, merged_phase, tokens / window_s, step_ms, float("nan"), 0,
-                                       merged.tasks_per_batch, forward_ms, merged.busy_s / window_s))  # fmt: skip
+                                       merged.tasks_per_batch, forward_ms, merged.busy_s / window_s,
+                                       training.kept.hits - hits_before,
+                                       training.kept.misses - misses_before))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
         training.set_merge_tokens(TRAINING_MERGE_TOKENS)
         stop.set()
@@ -249,7 +254,8 @@ def summary(report: Report) -> str:
             f"{p.clients} training clients{'' if p.merged else ' (unmerged A/B)'}: {p.tokens_per_s:.0f} tok/s{ratio}, "
             f"step {p.step_median_ms:.1f} ms (forward {p.forward_median_ms:.1f} ms), "
             f"{p.works_per_block_call:.2f} works per block call, server busy with training "
-            f"{p.training_busy_share:.0%} of the window; inference step {p.inference_step_median_ms:.2f} ms "
+            f"{p.training_busy_share:.0%} of the window, backwards reusing their forward's activations "
+            f"{p.kept_hits}/{p.kept_hits + p.kept_misses}; inference step {p.inference_step_median_ms:.2f} ms "
             f"({slower:.2f}x alone, {p.inference_steps} steps)"
         )
     for rows, rate in report.local_tokens_per_s.items():

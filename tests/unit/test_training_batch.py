@@ -1,7 +1,9 @@
 """Training work merged across clients (`server.core.training_batch`), fp32 on CPU: concurrent forwards and backwards
 of several clients through one runtime run as fewer block calls than works, and each client gets what it gets alone
 (different row counts, deep prompts of different lengths or none, a different sequence length grouped apart);
-inference queued meanwhile runs before the training works that wait; a failing block call fails only its own request."""
+inference queued meanwhile runs before the training works that wait; a failing block call fails only its own request;
+a backward after its own forward reuses the forward's block inputs (backward works only, the same gradients), and
+recomputes them for another client or other inputs."""
 
 from __future__ import annotations
 
@@ -106,3 +108,39 @@ async def test_a_failing_block_fails_its_request_only_and_stops_its_chain(backen
     monkeypatch.undo()
     torch.testing.assert_close(got[0], backend.forward(SPAN, good), atol=1e-5, rtol=1e-5)
     assert (2, 3) not in calls and (2, 5) not in calls  # the failed request's chain stopped at block 1
+
+
+async def test_a_backward_after_its_forward_reuses_the_kept_block_inputs(backend: SpanBackend) -> None:
+    """The forward's block inputs are kept for the same client's backward of the same inputs and prompts: it runs
+    only its backward works and gets exactly what the recomputing backward gets; another client's backward of the
+    same inputs, or the same client's of other inputs, recomputes."""
+    torch.manual_seed(5)
+    hidden, grad, prompts = _client(2, 10, (1, 3))
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        batcher = TrainingBatcher(backend, runtime)
+
+        async def works_of(call) -> tuple[object, int]:
+            before = runtime.stats()[KIND_TRAINING].tasks if KIND_TRAINING in runtime.stats() else 0
+            result = await call
+            return result, runtime.stats()[KIND_TRAINING].tasks - before
+
+        out, forward_works = await works_of(batcher.forward(SPAN, hidden, prompts, "", "peer-a"))
+        assert forward_works == N_BLOCKS and len(batcher.kept) == 1
+        # another client sends the very same tensors: it recomputes (a hit would tell it what peer-a sent)
+        other, other_works = await works_of(batcher.backward(SPAN, hidden, grad, prompts, "", "peer-b"))
+        assert other_works == 2 * N_BLOCKS - 1 and len(batcher.kept) == 1
+        changed = hidden.clone()
+        changed[0, 0, 0] += 1.0
+        _, changed_works = await works_of(batcher.backward(SPAN, changed, grad, prompts, "", "peer-a"))
+        assert changed_works == 2 * N_BLOCKS - 1 and len(batcher.kept) == 1
+        reused, reused_works = await works_of(batcher.backward(SPAN, hidden, grad, prompts, "", "peer-a"))
+        assert reused_works == N_BLOCKS and len(batcher.kept) == 0  # one backward per forward
+        again, again_works = await works_of(batcher.backward(SPAN, hidden, grad, prompts, "", "peer-a"))
+        assert again_works == 2 * N_BLOCKS - 1
+    assert (batcher.kept.hits, batcher.kept.misses) == (1, 3)
+    want_in, want_prompts = backend.backward(SPAN, hidden, grad, prompts)
+    torch.testing.assert_close(out, backend.forward(SPAN, hidden, prompts), atol=1e-5, rtol=1e-5)
+    for grads in (reused, other, again):
+        torch.testing.assert_close(grads[0], want_in, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(grads[1], want_prompts, atol=1e-5, rtol=1e-5)
+    assert torch.equal(reused[0], other[0]) and torch.equal(reused[1], other[1])  # lone requests: bit-equal

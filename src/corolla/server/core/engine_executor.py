@@ -294,11 +294,13 @@ class EngineExecutor:
                 active_adapter=inputs.adapter, chunk_tokens=chunk_tokens,
                 measured=lambda fn, num_tokens: measured(fn, self.metrics, "forward", batch_size, num_tokens),
             )  # fmt: skip
-        return await self.training.forward(block_indices, inputs.hidden_states, inputs.prompts, inputs.adapter)
+        return await self.training.forward(
+            block_indices, inputs.hidden_states, inputs.prompts, inputs.adapter, inputs.owner
+        )
 
     async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
         grad_inputs, grad_prompts = await self.training.backward(
-            block_indices, inputs.hidden_states, inputs.grad_outputs, inputs.prompts, inputs.adapter
+            block_indices, inputs.hidden_states, inputs.grad_outputs, inputs.prompts, inputs.adapter, inputs.owner
         )
         return [grad_inputs] if grad_prompts is None else [grad_inputs, grad_prompts]
 

@@ -98,6 +98,7 @@ class ForwardInputs:
     hidden_states: torch.Tensor  # [B, T, H] in the block dtype
     prompts: torch.Tensor | None  # [num_blocks, B|1, P, H] with P <= T, or None
     adapter: str
+    owner: str = ""  # the peer it came from (set by the core): whose backward may reuse its activations
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class BackwardInputs:
     grad_outputs: torch.Tensor  # [B, T, H] in the block dtype
     prompts: torch.Tensor | None  # [num_blocks, B|1, P, H] with P <= T, or None
     adapter: str
+    owner: str = ""  # the peer it came from (set by the core): whose forward's activations it may reuse
 
     @property
     def has_prompts(self) -> bool:

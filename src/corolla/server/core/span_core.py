@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -166,11 +167,11 @@ class SpanCore:
         self, peer: str, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int, timeout_s: float
     ) -> torch.Tensor:
         async with self.forward_slots.hold(peer):
-            work = self.executor.forward(block_indices, inputs, chunk_tokens=chunk_tokens)
+            work = self.executor.forward(block_indices, replace(inputs, owner=peer), chunk_tokens=chunk_tokens)
             return await asyncio.wait_for(work, timeout_s)
 
     async def backward(
         self, peer: str, block_indices: tuple[int, ...], inputs: BackwardInputs, *, timeout_s: float
     ) -> list[torch.Tensor]:
         async with self.forward_slots.hold(peer):
-            return await asyncio.wait_for(self.executor.backward(block_indices, inputs), timeout_s)
+            return await asyncio.wait_for(self.executor.backward(block_indices, replace(inputs, owner=peer)), timeout_s)

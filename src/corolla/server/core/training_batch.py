@@ -13,7 +13,10 @@ than one merged block task (`TRAINING_MERGE_TOKENS`); on a GPU the thread launch
 it runs and waits for that one only (no device sync per call, at most one call queued on the device when an
 inference step comes). Among themselves they run by progress: earlier blocks of the
 forward pass first, then the backward pass from the last block down, so that a request that arrived later catches
-up with the ones ahead and merges with them instead of trailing them by a few blocks for its whole pass."""
+up with the ones ahead and merges with them instead of trailing them by a few blocks for its whole pass.
+
+A forward's block inputs are kept for the backward of the same micro-batch (`training_activations`: per client,
+exact, bounded); a backward that finds them runs its backward works only, one that doesn't recomputes them."""
 
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ import torch
 
 from corolla.server.backend import SpanBackend
 from corolla.server.core.runtime import PRIORITY_BACKWARD, PRIORITY_FORWARD, Runtime, Task, resolve
+from corolla.server.core.training_activations import KeptActivations, device_free_bytes
 from corolla.server.metrics import ServerMetrics
+from corolla.server.sizing import autograd_reserve_bytes
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -42,6 +47,9 @@ TRAINING_MERGE_TOKENS = 2048
 # then backward works by descending block index
 PROGRESS_STEP = 1e-6
 BACKWARD_OFFSET = 0.5
+# forward activations kept for backwards: at most this many times the memory the server's sizing leaves free for
+# autograd (`sizing.autograd_reserve_bytes`), and on a GPU only while that reserve stays free beside them
+KEPT_RESERVE_MULTIPLE = 4
 
 
 @dataclass(eq=False, slots=True)
@@ -65,19 +73,27 @@ class BlockChain:
     finished work queues the request's next one at once, so consecutive blocks need no round trip through the event
     loop (where an inference step would slip in before every block); the request's future resolves once, at the end.
 
-    A forward: one forward work per block. A backward: forward works for all blocks but the last (each block's input,
-    kept in `inputs`), then one backward work per block from the last down."""
+    A forward: one forward work per block (`keep_inputs`: every block's input kept in `inputs`, else the last only).
+    A backward: forward works for all blocks but the last (each block's input, kept in `inputs`), unless a forward
+    kept them (`kept`: the inputs of the blocks after the first), then one backward work per block from the last
+    down."""
 
     def __init__(
         self, phase: str, indices: list[int], prompts: list[torch.Tensor | None], adapter: str,
-        hidden: torch.Tensor, grad_output: torch.Tensor | None = None,
+        hidden: torch.Tensor, grad_output: torch.Tensor | None = None, *, keep_inputs: bool = False,
+        kept: list[torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         self.indices, self.prompts, self.adapter = indices, prompts, adapter
-        self.inputs: list[torch.Tensor] = [hidden]  # [B, T, H] each: a forward keeps the last only
+        self.inputs: list[torch.Tensor] = [hidden, *(kept or ())]  # [B, T, H] each
+        self.keep_inputs = keep_inputs
         self.grad = grad_output  # [B, T, H] the gradient of the next backward work's output
         self.grad_prompts: list[torch.Tensor | None] = [None] * len(indices)
         # (phase, position in `indices`) of every work, in order
-        forwards = len(indices) if phase == PHASE_FORWARD else len(indices) - 1
+        if phase == PHASE_FORWARD:
+            forwards = len(indices)
+        else:
+            assert kept is None or len(kept) == len(indices) - 1, "kept inputs of another span"
+            forwards = 0 if kept is not None else len(indices) - 1
         self.plan = [(PHASE_FORWARD, i) for i in range(forwards)]
         if phase == PHASE_BACKWARD:
             self.plan.extend((PHASE_BACKWARD, i) for i in reversed(range(len(indices))))
@@ -97,7 +113,7 @@ class BlockChain:
         phase, i = self.plan[self.done]
         self.done += 1
         if phase == PHASE_FORWARD:
-            if self.is_forward:
+            if self.is_forward and not self.keep_inputs:
                 self.inputs[-1] = result  # [B, T, H]
             else:
                 self.inputs.append(result)
@@ -115,17 +131,28 @@ class BlockChain:
             return self.grad, None
         return self.grad, torch.stack([g for g in self.grad_prompts if g is not None])
 
+    def kept_inputs(self) -> list[torch.Tensor]:
+        """A finished `keep_inputs` forward's inputs of the blocks after the first ([B, T, H] each): a backward's
+        `kept`."""
+        assert self.is_forward and self.keep_inputs and self.done == len(self.plan)
+        return self.inputs[1:-1]
+
 
 class TrainingBatcher:
     """Runs forwards and backwards of a span as merged block tasks on `runtime` (see the module docstring)."""
 
-    def __init__(self, backend: SpanBackend, runtime: Runtime, metrics: ServerMetrics | None = None):
+    def __init__(
+        self, backend: SpanBackend, runtime: Runtime, metrics: ServerMetrics | None = None, *,
+        kept: KeptActivations | None = None,
+    ) -> None:  # fmt: skip
         self.backend = backend
         self._runtime = runtime
         self.metrics = metrics
         self._merge_id = id(self)
         self._cuda = backend.device.type == "cuda"
         self._in_flight: torch.cuda.Event | None = None  # the end of the last block call queued on the device
+        # forwards' block inputs kept for their backwards (default: bounded by the sizing's autograd reserve)
+        self.kept = kept if kept is not None else default_kept_activations(backend)
         self.set_merge_tokens(TRAINING_MERGE_TOKENS)
 
     def set_merge_tokens(self, max_tokens: int) -> None:
@@ -133,17 +160,24 @@ class TrainingBatcher:
         self._runtime.register_batch_executor(KIND_TRAINING, self._execute, max_merged_tokens=max_tokens)
 
     async def forward(
-        self, block_indices: tuple[int, ...], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str
-    ) -> torch.Tensor:
-        """`SpanBackend.forward`'s result ([B, T, H]), each block a runtime task merged with other requests'."""
+        self, block_indices: tuple[int, ...], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str,
+        owner: str = "",
+    ) -> torch.Tensor:  # fmt: skip
+        """`SpanBackend.forward`'s result ([B, T, H]), each block a runtime task merged with other requests'; the
+        block inputs are kept for `owner`'s backward of the same `hidden` and `prompts` (as received)."""
         backend = self.backend
         indices = backend.validate_block_indices(block_indices)
+        received, received_prompts = hidden, _present(prompts)
         hidden = backend.check_hidden(hidden)
         per_block = backend.split_prompts(prompts, len(indices), hidden.shape[0])
         backend.adapter_context(adapter)  # ValueError for an unknown adapter, before anything is queued
         if hidden.shape[1] == 0:
             return hidden.clone()
-        output = await self._start(BlockChain(PHASE_FORWARD, indices, per_block, adapter, hidden))
+        keep = len(indices) > 1 and self.kept.max_bytes > 0
+        chain = BlockChain(PHASE_FORWARD, indices, per_block, adapter, hidden, keep_inputs=keep)
+        output = await self._start(chain)
+        if keep:
+            self.kept.put(owner, tuple(indices), adapter, received, received_prompts, chain.kept_inputs())
         self._count(PHASE_FORWARD, output)
         return output
 
@@ -154,15 +188,21 @@ class TrainingBatcher:
         grad_outputs: torch.Tensor,
         prompts: torch.Tensor | None,
         adapter: str,
+        owner: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`SpanBackend.backward`'s result: the gradient w.r.t. `inputs` [B, T, H] and, with deep prompts, w.r.t.
-        them [n_blocks, B|1, P, H]; each block's forward and backward a runtime task merged with other requests'."""
+        them [n_blocks, B|1, P, H]; each block's forward and backward a runtime task merged with other requests'
+        (the forwards skipped where `owner`'s forward of the same inputs and prompts kept its block inputs)."""
         backend = self.backend
+        received, received_prompts = inputs, _present(prompts)
         indices, inputs, grad_outputs, per_block = backend.check_backward(block_indices, inputs, grad_outputs, prompts)
         backend.adapter_context(adapter)  # ValueError for an unknown adapter, before anything is queued
         if inputs.shape[1] == 0:  # nothing flows back: zeros, as the backend gives them
             return backend.backward(indices, inputs, grad_outputs, prompts, adapter)
-        chain = BlockChain(PHASE_BACKWARD, indices, per_block, adapter, inputs, grad_outputs)
+        kept = None
+        if len(indices) > 1:
+            kept = self.kept.take(owner, tuple(indices), adapter, received, received_prompts)
+        chain = BlockChain(PHASE_BACKWARD, indices, per_block, adapter, inputs, grad_outputs, kept=kept)
         grads = await self._start(chain)
         self._count(PHASE_BACKWARD, inputs)
         return grads
@@ -249,6 +289,23 @@ class TrainingBatcher:
     def _count(self, phase: str, hidden: torch.Tensor) -> None:
         if self.metrics is not None:
             self.metrics.tokens(phase, int(hidden.shape[0] * hidden.shape[1]))
+
+
+def default_kept_activations(backend: SpanBackend) -> KeptActivations:
+    """The store of a server's training batcher: `KEPT_RESERVE_MULTIPLE` x the sizing's autograd reserve at most,
+    and on a GPU only while the reserve itself stays free beside it."""
+    reserve = autograd_reserve_bytes(backend.config)
+    device = backend.device
+    if device.type != "cuda":
+        return KeptActivations(KEPT_RESERVE_MULTIPLE * reserve)
+    return KeptActivations(
+        KEPT_RESERVE_MULTIPLE * reserve, floor_bytes=reserve, free_bytes=lambda: device_free_bytes(device)
+    )
+
+
+def _present(prompts: torch.Tensor | None) -> torch.Tensor | None:
+    """Deep prompts as a request brought them, None where it brought none (absent or empty)."""
+    return None if prompts is None or prompts.numel() == 0 else prompts
 
 
 def run_block_works(backend: SpanBackend, works: list[BlockWork]) -> list[Any]:
