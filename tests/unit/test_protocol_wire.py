@@ -186,6 +186,26 @@ def test_streaming_split_and_merge():
         codecs.combine_parts(parts[1:])  # a headless part cannot start a tensor
 
 
+@pytest.mark.parametrize("chunk_bytes", [1024 * 1024, codecs.STREAM_CHUNK_BYTES])
+def test_stream_messages_are_the_messages_of_the_split_parts_byte_for_byte(chunk_bytes):
+    """What a Petals peer sends (`Message(tensors=[part])` per `split_for_streaming` part), built in place."""
+    tensors = [
+        codecs.serialize_tensor(torch.randn(3 * 1024 * 1024 // 4 + 5).requires_grad_()),  # a bit over 3 MiB
+        codecs.serialize_tensor(torch.randn(1, 8, 16).to(torch.bfloat16)),
+        codecs.serialize_tensor(torch.empty(0)),
+    ]
+    want = [
+        runtime_pb2.ExpertRequest(uid="chain", tensors=[part], metadata=b"meta")
+        for tensor in tensors
+        for part in codecs.split_for_streaming(tensor, chunk_bytes)
+    ]
+    got = codecs.stream_messages(runtime_pb2.ExpertRequest, tensors, chunk_bytes, uid="chain", metadata=b"meta")
+    assert [m.SerializeToString() for m in got] == [m.SerializeToString() for m in want]
+    parts = [part for message in got for part in message.tensors]
+    decoded = [codecs.deserialize_tensor(t) for t in codecs.combine_parts(parts)]
+    assert all(torch.equal(d, codecs.deserialize_tensor(t)) for d, t in zip(decoded, tensors, strict=True))
+
+
 # ---------------------------------------------------------------- packing
 
 

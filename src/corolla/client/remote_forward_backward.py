@@ -13,12 +13,11 @@ from hivemind.proto import runtime_pb2
 from corolla.client.output_checks import BadServerOutput, check_outputs
 from corolla.client.routing import RemoteSequenceManager
 from corolla.protocol.codecs import (
-    STREAM_CHUNK_BYTES,
     deserialize_tensor,
     deserialize_tensor_stream,
     needs_streaming,
     serialize_tensor,
-    split_for_streaming,
+    stream_messages,
 )
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
@@ -70,9 +69,8 @@ async def _call(
         return [deserialize_tensor(t) for t in response.tensors]
 
     async def _requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        for tensor in serialized:
-            for part in split_for_streaming(tensor, STREAM_CHUNK_BYTES):
-                yield runtime_pb2.ExpertRequest(uid=uid, tensors=[part], metadata=metadata)
+        for request in stream_messages(runtime_pb2.ExpertRequest, serialized, uid=uid, metadata=metadata):
+            yield request
 
     stream = await asyncio.wait_for(getattr(stub, f"{method}_stream")(_requests()), config.connect_timeout_s)
 

@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import AsyncIterable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import hivemind.compression.base
 import numpy as np
@@ -21,6 +22,8 @@ from hivemind.compression.serialization import deserialize_torch_tensor, seriali
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.streaming import split_for_streaming as _hivemind_split
+
+_Message = TypeVar("_Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 
 # Like Petals: raw bf16 on the wire unless the user explicitly asks for the legacy fp32 form.
 if "USE_LEGACY_BFLOAT16" not in os.environ:
@@ -373,6 +376,43 @@ def split_for_streaming(
     return _hivemind_split(serialized, chunk_bytes)
 
 
+def stream_messages(
+    message_type: type[_Message], tensors: Iterable[runtime_pb2.Tensor], chunk_bytes: int = STREAM_CHUNK_BYTES,
+    **fields: Any,
+) -> list[_Message]:  # fmt: skip
+    """One `message_type` (an ExpertRequest or ExpertResponse, `fields` set on each) per stream part of each tensor:
+    the messages `message_type(**fields, tensors=[part])` over `split_for_streaming`'s parts make, byte for byte, built
+    in place: upb copies a 4 MiB part given to a message's constructor at ~20 ms, adding it to the field at ~1 ms."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    messages = []
+    for tensor in tensors:
+        buffer = tensor.buffer  # a copy of the field's bytes: read once
+        num_chunks = len(range(0, len(buffer), chunk_bytes))
+        if num_chunks <= 1:
+            message = message_type(**fields)
+            part = message.tensors.add()
+            part.CopyFrom(tensor)
+            part.chunks = num_chunks
+            messages.append(message)
+            continue
+        view = memoryview(buffer)
+        for start in range(0, len(view), chunk_bytes):
+            message = message_type(**fields)
+            part = message.tensors.add()
+            if start == 0:  # the header, as hivemind's first part carries it
+                part.compression, part.dtype, part.requires_grad = (
+                    tensor.compression,
+                    tensor.dtype,
+                    tensor.requires_grad,
+                )
+                part.size.extend(tensor.size)
+                part.chunks = num_chunks
+            part.buffer = view[start : start + chunk_bytes].tobytes()
+            messages.append(message)
+    return messages
+
+
 def combine_parts(
     parts: Iterable[runtime_pb2.Tensor], limits: TensorLimits = DEFAULT_TENSOR_LIMITS
 ) -> list[runtime_pb2.Tensor]:
@@ -383,7 +423,7 @@ def combine_parts(
     budget = 0
     for part in parts:
         if part.dtype and current:
-            tensors.append(combine_from_streaming(current))
+            tensors.append(_combined(current))
             current = []
         if not current:
             if not part.dtype:
@@ -394,8 +434,14 @@ def combine_parts(
             raise ValueError(f"stream parts of tensor {part.dtype or current[0].dtype} exceed its declared shape")
         current.append(part)
     if current:
-        tensors.append(combine_from_streaming(current))
+        tensors.append(_combined(current))
     return tensors
+
+
+def _combined(parts: list[runtime_pb2.Tensor]) -> runtime_pb2.Tensor:
+    """One tensor's parts as one record; a lone part is that record already (hivemind's combining copies its buffer
+    three times: ~20 ms for 4 MiB)."""
+    return parts[0] if len(parts) == 1 else combine_from_streaming(parts)
 
 
 async def deserialize_tensor_stream(stream: AsyncIterable[Iterable[runtime_pb2.Tensor]]) -> list[torch.Tensor]:

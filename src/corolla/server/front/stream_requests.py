@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from hivemind.proto import runtime_pb2
 
-from corolla.protocol.codecs import STREAM_CHUNK_BYTES, split_for_streaming
+from corolla.protocol.codecs import STREAM_CHUNK_BYTES, stream_messages
 from corolla.protocol.codecs import combine_parts as combine_tensor_parts
 
 MAX_STREAM_MESSAGES = 4096
@@ -50,8 +50,4 @@ async def gather_stream(
 
 
 def stream_response(tensors: Sequence[runtime_pb2.Tensor]) -> list[runtime_pb2.ExpertResponse]:
-    return [
-        runtime_pb2.ExpertResponse(tensors=[part])
-        for tensor in tensors
-        for part in split_for_streaming(tensor, STREAM_CHUNK_BYTES)
-    ]
+    return stream_messages(runtime_pb2.ExpertResponse, tensors, STREAM_CHUNK_BYTES)
