@@ -9,6 +9,9 @@ the first start to the last end), the median training step, the session's median
 merged per block call on the server (runtime counters); next to `transformers` running the same span locally in the
 same process (frozen weights, gradients to the inputs) at 1 and N x `rows` rows.
 
+A/B phases: `--unmerged` (every work alone), `--no_reuse_ab` (no forward activations kept for backwards: every
+backward recomputes its blocks' inputs), `--forward_merge_ab TOKENS` (another forward merge limit).
+
 CPU dry run: `python -m benchmarks.training --tiny`; the GPU figure: `python -m benchmarks.training` (32 Llama-3-8B
 layers, bf16, sequence 512)."""
 
@@ -32,17 +35,29 @@ from benchmarks.training.clients import ServerAddress, inference_client, trainin
 from benchmarks.training.local import local_tokens_per_s
 from benchmarks.users.server import DHT_PREFIX, BenchServer, build_executor
 from corolla.server.core.engine_executor import EngineExecutor
-from corolla.server.core.training_batch import TRAINING_MERGE_TOKENS
+from corolla.server.core.training_activations import KeptActivations
+from corolla.server.core.training_batch import BACKWARD_MERGE_TOKENS, FORWARD_MERGE_TOKENS, training_stats
 
 TINY = ModelShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688)
 READY_TIMEOUT_S = 300.0
 TEARDOWN_S = 10.0
 
 
+@dataclass(frozen=True)
+class PhaseSpec:
+    """One phase to run: `clients` concurrent training clients under these merge limits, with or without the forward
+    activations kept for backwards."""
+
+    clients: int
+    forward_tokens: int = FORWARD_MERGE_TOKENS
+    backward_tokens: int = BACKWARD_MERGE_TOKENS
+    reuse: bool = True
+
+
 @dataclass
 class Phase:
     clients: int
-    merged: bool  # False: the A/B phase with every work run alone (`TrainingBatcher.set_merge_tokens(1)`)
+    merged: bool  # False: the A/B phase with every work run alone (`TrainingBatcher.set_merge_tokens(1, 1)`)
     tokens_per_s: float  # forward+backward tokens of all steps over the phase's window
     step_median_ms: float  # one client's forward+backward
     inference_step_median_ms: float  # the concurrent session's decode step meanwhile
@@ -52,6 +67,9 @@ class Phase:
     training_busy_share: float  # of the phase's window, the share the server's runtime spent on training block calls
     kept_hits: int = 0  # backwards that found their forward's block inputs kept (`training_activations`)
     kept_misses: int = 0  # backwards that recomputed them
+    forward_merge_tokens: int = FORWARD_MERGE_TOKENS  # the merge limits of the phase
+    backward_merge_tokens: int = BACKWARD_MERGE_TOKENS
+    reuse: bool = True  # False: the A/B phase with no forward activations kept (every backward recomputes)
 
 
 @dataclass
@@ -80,6 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1, help="sequences per training step of one client")
     parser.add_argument("--clients", default="1,8", help="concurrent training clients of each phase")
     parser.add_argument("--unmerged", action="store_true", help="also the most clients with every work alone (A/B)")
+    parser.add_argument(
+        "--no_reuse_ab",
+        action="store_true",
+        help="also 1 and the most clients with no forward activations kept for backwards (A/B)",
+    )
+    parser.add_argument(
+        "--forward_merge_ab",
+        type=int,
+        default=0,
+        help="also the most clients with this forward merge limit in tokens (A/B)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed forward+backward steps per client and phase")
     parser.add_argument("--idle_s", type=float, default=3.0, help="the inference session alone, seconds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -96,7 +125,14 @@ def main(argv: list[str] | None = None) -> int:
             **{**asdict(shape), "hidden_size": args.hidden_size, "intermediate_size": args.hidden_size * 7 // 2}
         )
     counts = [int(c) for c in args.clients.split(",")]
-    phases = [(n, True) for n in counts] + ([(max(counts), False)] if args.unmerged else [])
+    most = max(counts)
+    phases = [PhaseSpec(n) for n in counts]
+    if args.forward_merge_ab:
+        phases.append(PhaseSpec(most, forward_tokens=args.forward_merge_ab))
+    if args.no_reuse_ab:
+        phases.extend(PhaseSpec(n, reuse=False) for n in sorted({1, most}))
+    if args.unmerged:
+        phases.append(PhaseSpec(most, forward_tokens=1, backward_tokens=1))
     report = run(shape, dtype, device, rows=args.rows, seq_len=args.seq_len, phases=phases, steps=args.steps,
                  idle_s=args.idle_s)  # fmt: skip
     text = json.dumps(asdict(report), indent=1)
@@ -109,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(
-    shape: ModelShape, dtype: torch.dtype, device: torch.device, *, rows: int, seq_len: int, phases: list[tuple[int, bool]],
+    shape: ModelShape, dtype: torch.dtype, device: torch.device, *, rows: int, seq_len: int, phases: list[PhaseSpec],
     steps: int, idle_s: float,
 ) -> Report:  # fmt: skip
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -117,7 +153,7 @@ def run(
     model = build_hf_model(shape, dtype, device)
     executor = build_executor(shape, dtype, device, num_layers=shape.num_layers, serving_path="fused",
                               cache_bytes=256 * 2**20, model=model)  # fmt: skip
-    most = max(n for n, _ in phases)
+    most = max(spec.clients for spec in phases)
     for n in sorted({1, most}):
         report.local_tokens_per_s[f"rows={n * rows}"] = local_tokens_per_s(model, n * rows, seq_len, steps)
         print(f"local transformers, {n * rows} rows: {report.local_tokens_per_s[f'rows={n * rows}']:.0f} tok/s")
@@ -135,7 +171,7 @@ def run(
 
 
 def _serve(
-    server: BenchServer, address: ServerAddress, report: Report, *, rows: int, seq_len: int, phases: list[tuple[int, bool]],
+    server: BenchServer, address: ServerAddress, report: Report, *, rows: int, seq_len: int, phases: list[PhaseSpec],
     steps: int, idle_s: float,
 ) -> None:  # fmt: skip
     context = multiprocessing.get_context("forkserver")
@@ -143,7 +179,7 @@ def _serve(
     inference_results: multiprocessing.Queue = context.Queue()
     inference = context.Process(target=inference_client, args=(address, stop, inference_results), daemon=True)
     clients = []
-    for i in range(max(n for n, _ in phases)):
+    for i in range(max(spec.clients for spec in phases)):
         commands, results = context.Queue(), context.Queue()
         process = context.Process(target=training_client, args=(address, rows, seq_len, 100 + i, commands, results),
                                   daemon=True)  # fmt: skip
@@ -163,9 +199,12 @@ def _serve(
         executor = server.executor
         assert isinstance(executor, EngineExecutor), "the users bench builds the engine's executor"
         training = executor.training
-        for n, merged_phase in phases:
-            training.set_merge_tokens(TRAINING_MERGE_TOKENS if merged_phase else 1)
-            before = server.runtime.stats().get("training")
+        kept = training.kept
+        for spec in phases:
+            n, merged_phase = spec.clients, spec.forward_tokens > 1 or spec.backward_tokens > 1
+            training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens)
+            training.kept = kept if spec.reuse else KeptActivations(0)
+            before = training_stats(server.runtime.stats())
             hits_before, misses_before = training.kept.hits, training.kept.misses
             for commands, _, _ in clients[:n]:
                 commands.put(steps)
@@ -175,8 +214,7 @@ def _serve(
                 for error in bad:
                     _error(report, str(error))
                 return
-            after = server.runtime.stats()["training"]
-            merged = after.since(before) if before is not None else after
+            merged = training_stats(server.runtime.stats()).since(before)
             starts = [start for client in steps_of for start, _, _ in client]
             ends = [end for client in steps_of for _, _, end in client]
             windows.append((n, min(starts), max(ends), merged.tasks_per_batch))
@@ -185,10 +223,11 @@ def _serve(
             tokens, window_s = n * steps * rows * seq_len, max(ends) - min(starts)
             report.phases.append(Phase(n, merged_phase, tokens / window_s, step_ms, float("nan"), 0,
                                        merged.tasks_per_batch, forward_ms, merged.busy_s / window_s,
-                                       training.kept.hits - hits_before,
-                                       training.kept.misses - misses_before))  # fmt: skip
+                                       training.kept.hits - hits_before, training.kept.misses - misses_before,
+                                       spec.forward_tokens, spec.backward_tokens, spec.reuse))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
-        training.set_merge_tokens(TRAINING_MERGE_TOKENS)
+        training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
+        training.kept = kept
         stop.set()
         inference_steps = inference_results.get(timeout=READY_TIMEOUT_S)
         if not isinstance(inference_steps, list):
@@ -246,12 +285,20 @@ def summary(report: Report) -> str:
         f"inference session alone: {report.idle_inference_step_median_ms:.2f} ms/step "
         f"({report.idle_inference_steps} steps)",
     ]
-    one = next((p.tokens_per_s for p in report.phases if p.clients == 1 and p.merged), None)
+    one = next((p.tokens_per_s for p in report.phases if p.clients == 1 and p.merged and p.reuse), None)
     for p in report.phases:
         ratio = f" = {p.tokens_per_s / one:.2f}x one client" if one else ""
         slower = p.inference_step_median_ms / report.idle_inference_step_median_ms
+        ab = [] if p.merged else ["unmerged A/B"]
+        if p.merged and (p.forward_merge_tokens, p.backward_merge_tokens) != (
+            FORWARD_MERGE_TOKENS,
+            BACKWARD_MERGE_TOKENS,
+        ):
+            ab.append(f"merge limits {p.forward_merge_tokens}/{p.backward_merge_tokens} A/B")
+        if not p.reuse:
+            ab.append("no activations kept A/B")
         lines.append(
-            f"{p.clients} training clients{'' if p.merged else ' (unmerged A/B)'}: {p.tokens_per_s:.0f} tok/s{ratio}, "
+            f"{p.clients} training clients{''.join(f' ({a})' for a in ab)}: {p.tokens_per_s:.0f} tok/s{ratio}, "
             f"step {p.step_median_ms:.1f} ms (forward {p.forward_median_ms:.1f} ms), "
             f"{p.works_per_block_call:.2f} works per block call, server busy with training "
             f"{p.training_busy_share:.0%} of the window, backwards reusing their forward's activations "

@@ -16,7 +16,12 @@ import torch
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
 from corolla.server.core.runtime import KIND_INFERENCE, PRIORITY_INFERENCE, Runtime
-from corolla.server.core.training_batch import KIND_TRAINING, TrainingBatcher
+from corolla.server.core.training_batch import (
+    KIND_TRAINING_BACKWARD,
+    KIND_TRAINING_FORWARD,
+    TrainingBatcher,
+    training_stats,
+)
 from helpers.tiny_models import tiny_config
 
 H, N_BLOCKS = 64, 3
@@ -51,7 +56,7 @@ async def test_concurrent_clients_merge_and_each_gets_its_own_result(backend: Sp
         forwards = [batcher.forward(SPAN, h, p, "") for h, _, p in clients]
         backwards = [batcher.backward(SPAN, h, g, p, "") for h, g, p in clients]
         got = await asyncio.gather(*forwards, *backwards)
-        stats = runtime.stats()[KIND_TRAINING]
+        stats = training_stats(runtime.stats())
     works = len(clients) * N_BLOCKS + len(clients) * (2 * N_BLOCKS - 1)  # a backward recomputes all but the last
     assert stats.tasks == works
     assert stats.batches <= works // 2  # merged: the 12-token works of a block run together
@@ -82,7 +87,9 @@ async def test_inference_queued_meanwhile_runs_before_waiting_training(backend: 
         await asyncio.sleep(0.05)
         release.set()
         await asyncio.gather(blocker, step, *training)
-    assert order[1] == KIND_INFERENCE and order[2:] == [KIND_TRAINING] * N_BLOCKS  # each block: 3 clients at once
+    assert (
+        order[1] == KIND_INFERENCE and order[2:] == [KIND_TRAINING_FORWARD] * N_BLOCKS
+    )  # each block: 3 clients at once
 
 
 async def test_a_failing_block_fails_its_request_only_and_stops_its_chain(backend: SpanBackend, monkeypatch) -> None:
@@ -120,9 +127,9 @@ async def test_a_backward_after_its_forward_reuses_the_kept_block_inputs(backend
         batcher = TrainingBatcher(backend, runtime)
 
         async def works_of(call) -> tuple[object, int]:
-            before = runtime.stats()[KIND_TRAINING].tasks if KIND_TRAINING in runtime.stats() else 0
+            before = training_stats(runtime.stats()).tasks
             result = await call
-            return result, runtime.stats()[KIND_TRAINING].tasks - before
+            return result, training_stats(runtime.stats()).tasks - before
 
         out, forward_works = await works_of(batcher.forward(SPAN, hidden, prompts, "", "peer-a"))
         assert forward_works == N_BLOCKS and len(batcher.kept) == 1
@@ -144,3 +151,21 @@ async def test_a_backward_after_its_forward_reuses_the_kept_block_inputs(backend
         torch.testing.assert_close(grads[0], want_in, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(grads[1], want_prompts, atol=1e-5, rtol=1e-5)
     assert torch.equal(reused[0], other[0]) and torch.equal(reused[1], other[1])  # lone requests: bit-equal
+
+
+async def test_forward_and_backward_works_merge_under_their_own_limits(backend: SpanBackend) -> None:
+    torch.manual_seed(7)
+    clients = [_client(1, 12, None), _client(1, 12, None)]
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        batcher = TrainingBatcher(backend, runtime)
+        batcher.set_merge_tokens(24, 12)  # two 12-token forward works per call, backward works alone
+        await asyncio.gather(*(batcher.forward(SPAN, h, None, "", f"peer-{i}") for i, (h, _, _) in enumerate(clients)))
+        got = await asyncio.gather(
+            *(batcher.backward(SPAN, h, g, None, "", f"peer-{i}") for i, (h, g, _) in enumerate(clients))
+        )
+        stats = runtime.stats()
+    forward, backward = stats[KIND_TRAINING_FORWARD], stats[KIND_TRAINING_BACKWARD]
+    assert (forward.tasks, forward.batches) == (2 * N_BLOCKS, N_BLOCKS)  # the backwards reused the forwards' inputs
+    assert (backward.tasks, backward.batches) == (2 * N_BLOCKS, 2 * N_BLOCKS)
+    for (hidden, grad, _), (grad_in, _) in zip(clients, got, strict=True):
+        torch.testing.assert_close(grad_in, backend.backward(SPAN, hidden, grad)[0], atol=1e-5, rtol=1e-5)

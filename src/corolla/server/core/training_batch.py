@@ -9,7 +9,7 @@ A request's works follow each other in the device thread (`BlockChain`): a finis
 with no round trip through the event loop; the request's future resolves at the end.
 
 Order: training works queue behind inference steps (`PRIORITY_INFERENCE` first) and never hold the device for more
-than one merged block task (`TRAINING_MERGE_TOKENS`); on a GPU the thread launches a block call while the one before
+than one merged block task (`FORWARD_MERGE_TOKENS`, `BACKWARD_MERGE_TOKENS`); on a GPU the thread launches a block call while the one before
 it runs and waits for that one only (no device sync per call, at most one call queued on the device when an
 inference step comes). Among themselves they run by progress: earlier blocks of the
 forward pass first, then the backward pass from the last block down, so that a request that arrived later catches
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from corolla.server.backend import SpanBackend
-from corolla.server.core.runtime import PRIORITY_BACKWARD, PRIORITY_FORWARD, Runtime, Task, resolve
+from corolla.server.core.runtime import PRIORITY_BACKWARD, PRIORITY_FORWARD, KindStats, Runtime, Task, resolve
 from corolla.server.core.training_activations import KeptActivations, device_free_bytes
 from corolla.server.metrics import ServerMetrics
 from corolla.server.sizing import autograd_reserve_bytes
@@ -36,13 +36,18 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-KIND_TRAINING = "training"
 PHASE_FORWARD = "forward"
 PHASE_BACKWARD = "backward"
-# the most tokens (rows x length) of one merged block task: an inference step that arrives meanwhile waits for at most
-# one such task, so this bounds what training adds to a concurrent session's step (one request larger than this still
-# runs, alone)
-TRAINING_MERGE_TOKENS = 2048
+# the runtime's task kinds of forward and backward works (each with its own merge limit)
+KIND_TRAINING_FORWARD = "training_forward"
+KIND_TRAINING_BACKWARD = "training_backward"
+TRAINING_KINDS = (KIND_TRAINING_FORWARD, KIND_TRAINING_BACKWARD)
+# the most tokens (rows x length) of one merged block task, by phase: an inference step that arrives meanwhile waits for
+# at most one such task, so this bounds what training adds to a concurrent session's step (one request larger than
+# this still runs, alone); a backward work (its block's forward recomputed with autograd, then the backward) holds the
+# device about twice as long as a forward work of as many tokens
+FORWARD_MERGE_TOKENS = 2048
+BACKWARD_MERGE_TOKENS = 2048
 # priority offsets (within PRIORITY_FORWARD's class, below the next class): forward works by ascending block index,
 # then backward works by descending block index
 PROGRESS_STEP = 1e-6
@@ -153,11 +158,14 @@ class TrainingBatcher:
         self._in_flight: torch.cuda.Event | None = None  # the end of the last block call queued on the device
         # forwards' block inputs kept for their backwards (default: bounded by the sizing's autograd reserve)
         self.kept = kept if kept is not None else default_kept_activations(backend)
-        self.set_merge_tokens(TRAINING_MERGE_TOKENS)
+        self.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
 
-    def set_merge_tokens(self, max_tokens: int) -> None:
-        """The most tokens of one merged block call (1: every work alone, as the benchmark's unmerged A/B runs)."""
-        self._runtime.register_batch_executor(KIND_TRAINING, self._execute, max_merged_tokens=max_tokens)
+    def set_merge_tokens(self, forward_tokens: int, backward_tokens: int) -> None:
+        """The most tokens of one merged forward and backward block call (1: every work alone, as the benchmark's
+        unmerged A/B runs)."""
+        register = self._runtime.register_batch_executor
+        register(KIND_TRAINING_FORWARD, self._execute, max_merged_tokens=forward_tokens)
+        register(KIND_TRAINING_BACKWARD, self._execute, max_merged_tokens=backward_tokens)
 
     async def forward(
         self, block_indices: tuple[int, ...], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str,
@@ -218,13 +226,14 @@ class TrainingBatcher:
         work = chain.next_work()
         rows, length = work.hidden.shape[:2]
         if work.phase == PHASE_FORWARD:
-            priority = PRIORITY_FORWARD + work.index * PROGRESS_STEP
+            priority, kind = PRIORITY_FORWARD + work.index * PROGRESS_STEP, KIND_TRAINING_FORWARD
         else:
             priority = PRIORITY_BACKWARD + BACKWARD_OFFSET - work.index * PROGRESS_STEP
+            kind = KIND_TRAINING_BACKWARD
         backend = self.backend
         return self._runtime.task(
             lambda: run_block_works(backend, [work])[0], priority=priority, size_tokens=rows * length,
-            kind=KIND_TRAINING, merge_key=(self._merge_id, work.phase, work.index, length, work.adapter), payload=work,
+            kind=kind, merge_key=(self._merge_id, work.phase, work.index, length, work.adapter), payload=work,
             on_done=lambda result, error: self._continue(chain, result, error),
         )  # fmt: skip
 
@@ -289,6 +298,18 @@ class TrainingBatcher:
     def _count(self, phase: str, hidden: torch.Tensor) -> None:
         if self.metrics is not None:
             self.metrics.tokens(phase, int(hidden.shape[0] * hidden.shape[1]))
+
+
+def training_stats(stats: dict[str, KindStats]) -> KindStats:
+    """The runtime's totals (`Runtime.stats()`) of the forward and backward works together."""
+    total = KindStats()
+    for kind in TRAINING_KINDS:
+        part = stats.get(kind, KindStats())
+        total = KindStats(
+            total.batches + part.batches, total.tasks + part.tasks, total.busy_s + part.busy_s,
+            total.device_s + part.device_s, total.device_timed + part.device_timed,
+        )  # fmt: skip
+    return total
 
 
 def default_kept_activations(backend: SpanBackend) -> KeptActivations:
