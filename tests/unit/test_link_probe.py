@@ -1,7 +1,8 @@
 """The knock on a server's libp2p listener (`client.link_probe`), on loopback sockets: a listener that speaks first
 (as libp2p's multistream-select does) answers; one behind a dropped `corolla.wan` link answers only once the drop
-ends, and `wait_until_answering` returns soon after; a closed port or a silent listener does not answer; only direct
-TCP addresses are knocked on. Every wait is bounded."""
+ends, and `wait_until_answering` returns soon after (or gives up when told to); a silent listener does not answer
+and a closed port refuses (the server gone, not the link: no more knocking); only direct TCP addresses are knocked
+on. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -10,13 +11,7 @@ import time
 
 from hivemind.utils.multiaddr import Multiaddr
 
-from corolla.client.link_probe import (
-    KNOCK_TIMEOUT_S,
-    MULTISTREAM_HEADER,
-    listener_answers,
-    tcp_address,
-    wait_until_answering,
-)
+from corolla.client.link_probe import KNOCK_TIMEOUT_S, MULTISTREAM_HEADER, knock, tcp_address, wait_until_answering
 from corolla.wan import WanProxy
 
 
@@ -43,15 +38,16 @@ def test_only_direct_tcp_addresses_are_knocked_on() -> None:
     assert tcp_address(None) is None
 
 
-def test_a_listener_answers_and_a_silent_or_closed_one_does_not() -> None:
+def test_a_listener_answers_a_silent_one_does_not_and_a_closed_port_refuses() -> None:
     async def go() -> None:
         async with await _listener(MULTISTREAM_HEADER) as speaking, await _listener(b"") as silent:
             address = ("127.0.0.1", _port(speaking))
-            assert await listener_answers(address)
+            assert await knock(address) == "answers"
             started = time.monotonic()
-            assert not await listener_answers(("127.0.0.1", _port(silent)))
+            assert await knock(("127.0.0.1", _port(silent))) == "silent"
             assert time.monotonic() - started < KNOCK_TIMEOUT_S + 0.5
-        assert not await listener_answers(address)  # closed now: refused
+        assert await knock(address) == "refused"  # closed now: nothing listens there
+        assert await wait_until_answering(address, 5.0) == "refused"  # at once: the server is gone, not the link
 
     asyncio.run(asyncio.wait_for(go(), 30))
 
@@ -60,12 +56,19 @@ def test_a_dropped_link_answers_once_the_drop_ends() -> None:
     async def go() -> None:
         async with await _listener(MULTISTREAM_HEADER) as listener, WanProxy(target_port=_port(listener)) as proxy:
             address = ("127.0.0.1", proxy.port)
-            assert await wait_until_answering(address, 5.0) == 0.0  # up: the first knock
+            assert await wait_until_answering(address, 5.0) == "up"
             proxy.drop(1.5)
             started = time.monotonic()
-            waited_s = await wait_until_answering(address, 10.0)
-            assert waited_s is not None and 1.3 <= time.monotonic() - started < 1.5 + KNOCK_TIMEOUT_S + 0.5
+            assert await wait_until_answering(address, 10.0) == "back"
+            assert 1.3 <= time.monotonic() - started < 1.5 + KNOCK_TIMEOUT_S + 0.5
             proxy.drop(5.0)
-            assert await wait_until_answering(address, 1.0) is None  # not within the limit
+            assert await wait_until_answering(address, 1.0) == "gave_up"  # not within the limit
+            started = time.monotonic()
+
+            def replica_appeared() -> bool:  # another server covers the span now: stop knocking
+                return time.monotonic() - started > 0.6
+
+            assert await wait_until_answering(address, 5.0, replica_appeared) == "gave_up"
+            assert time.monotonic() - started < 0.6 + KNOCK_TIMEOUT_S + 0.3
 
     asyncio.run(asyncio.wait_for(go(), 30))

@@ -10,6 +10,7 @@ and starts after the shortest hit; a span that must be rebuilt without the input
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 
 import torch
@@ -21,7 +22,7 @@ from corolla.client.link_probe import LINK_KNOCK_LIMIT_S, wait_until_answering
 from corolla.client.output_checks import BadServerOutput
 from corolla.client.prefix_chain import PrefixChain
 from corolla.client.prefix_reuse import probe_chain, speaks_prefix_keys
-from corolla.client.retries import RetryBudget
+from corolla.client.retries import RetryBudget, has_alternative
 from corolla.client.routing import RemoteSequenceManager
 from corolla.client.span_session import SpanSession, SpanUnreachable, steps_in_flight
 from corolla.client.stalls import StallEvent
@@ -339,15 +340,18 @@ class InferenceSession:
                 )
                 blocks = (block, span_session.span.end if span_session is not None else self.end)
                 delay_s = await asyncio.to_thread(budget.on_failure, e, failed, blocks)
-                address = None
-                if span_session is not None and failed == span_session.span.peer_id:
+                knock_on = None  # (peer, address): the only server of the span, its link down
+                if span_session is not None and failed == span_session.span.peer_id and budget.kept_sole_server:
                     address = span_session.link_address
-                if budget.kept_sole_server and address is not None:
+                    knock_on = None if address is None else (failed, address)
+                if knock_on is not None:
                     # the only server's link failed: dial it through p2pd again only once its listener answers, so
-                    # that no dial fails near the end of the outage and libp2p's back-off never delays the return
+                    # that no dial fails near the end of the outage and libp2p's back-off never delays the return;
+                    # re-plan at once if another server comes to cover the span (the view is re-read meanwhile)
                     limit_s = LINK_KNOCK_LIMIT_S if budget.left_s is None else budget.left_s
-                    if await wait_until_answering(address, limit_s) == 0.0:
-                        await asyncio.sleep(delay_s)  # the link is up: the usual pace of retries
+                    replica_appeared = functools.partial(has_alternative, self.manager, knock_on[0], blocks)
+                    if await wait_until_answering(knock_on[1], limit_s, replica_appeared) in ("up", "refused"):
+                        await asyncio.sleep(delay_s)  # not a link outage: the usual pace of retries
                 else:
                     await asyncio.sleep(delay_s)
                 pending_replacement = span_session  # replaced (and its history replayed) on the next iteration

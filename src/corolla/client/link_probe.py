@@ -5,12 +5,16 @@ client from the server for up to 6 s after the link was back (`python -m benchma
 +35.8 s). A span session remembers the address of its connection (p2pd names it when it opens the stream); while the
 link is down the client knocks on that address with a bare TCP connection and waits for the listener's first bytes
 (multistream-select's header, which a libp2p TCP listener sends at once, before any handshake), and dials through the
-daemon only once it answers: the daemon's last failed dial is then as old as the outage."""
+daemon only once it answers: the daemon's last failed dial is then as old as the outage. A knock refused (nothing
+listens there: the server died or moved) or another server covering the span ends the knocking: the client retries
+as before."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import Literal
 
 from hivemind.utils.multiaddr import Multiaddr, protocols
 
@@ -36,40 +40,53 @@ def tcp_address(maddr: Multiaddr | None) -> tuple[str, int] | None:
     return None
 
 
-async def listener_answers(address: tuple[str, int], timeout_s: float = KNOCK_TIMEOUT_S) -> bool:
-    """Whether a libp2p listener answers at `address` within `timeout_s`: connects, reads its first bytes (no more
-    than the header), closes. Sends nothing."""
+KnockResult = Literal["answers", "silent", "refused"]
+LinkState = Literal["up", "back", "refused", "gave_up"]
+
+
+async def knock(address: tuple[str, int], timeout_s: float = KNOCK_TIMEOUT_S) -> KnockResult:
+    """Connects to `address` and reads the listener's first bytes (no more than the header), then closes; sends
+    nothing. "answers": a libp2p listener spoke; "silent": nothing within `timeout_s` (the link is down: no answer to
+    the connection, or a path that holds it); "refused": the host answered that nothing listens there (refused,
+    closed, other bytes: the server is gone or moved, not a link outage)."""
     opened: list[asyncio.StreamWriter] = []
 
-    async def knock() -> bool:
+    async def read_header() -> bool:
         reader, writer = await asyncio.open_connection(*address)
         opened.append(writer)
         return await reader.readexactly(len(MULTISTREAM_HEADER)) == MULTISTREAM_HEADER
 
     try:
-        return await asyncio.wait_for(knock(), timeout_s)
-    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
-        return False
+        return "answers" if await asyncio.wait_for(read_header(), timeout_s) else "refused"
+    except asyncio.TimeoutError:
+        return "silent"
+    except (OSError, asyncio.IncompleteReadError):
+        return "refused"
     finally:
         for writer in opened:
             writer.close()
 
 
-async def wait_until_answering(address: tuple[str, int], limit_s: float) -> float | None:
-    """Knocks on `address` until its listener answers or `limit_s` passes; returns the seconds it took (0.0: it
-    answered the first knock), None if it never answered."""
+async def wait_until_answering(
+    address: tuple[str, int], limit_s: float, give_up: Callable[[], bool] | None = None
+) -> LinkState:
+    """Knocks on `address` while it is silent, until `limit_s` passes or `give_up()` (asked before every knock: e.g.
+    another server now covers the span). "up": it answered the first knock; "back": it answered after silence (the
+    link returned: dial now); "refused": nothing listens there (dial as usual: the daemon may know another address);
+    "gave_up": still silent at the limit, or told to give up."""
     started = time.monotonic()
     knocks = 0
-    while (left_s := limit_s - (time.monotonic() - started)) > 0:
+    while (left_s := limit_s - (time.monotonic() - started)) > 0 and not (give_up is not None and give_up()):
         knocked_at = time.monotonic()
         knocks += 1
-        if await listener_answers(address, min(KNOCK_TIMEOUT_S, left_s)):
+        result = await knock(address, min(KNOCK_TIMEOUT_S, left_s))
+        if result == "refused":
+            return "refused"
+        if result == "answers":
             if knocks == 1:
-                return 0.0
-            waited_s = time.monotonic() - started
-            logger.info(f"link_probe.answering(address={address[0]}:{address[1]}, after_s={waited_s:.2f}, "
-                        f"knocks={knocks})")  # fmt: skip
-            return waited_s
-        # a refused connection fails at once: knock again no sooner than a knock's timeout
-        await asyncio.sleep(max(0.0, knocked_at + KNOCK_TIMEOUT_S - time.monotonic()))
-    return None
+                return "up"
+            logger.info(f"link_probe.answering(address={address[0]}:{address[1]}, "
+                        f"after_s={time.monotonic() - started:.2f}, knocks={knocks})")  # fmt: skip
+            return "back"
+        await asyncio.sleep(max(0.0, knocked_at + KNOCK_TIMEOUT_S - time.monotonic()))  # (a knock that failed fast)
+    return "gave_up"
