@@ -160,10 +160,15 @@ async def test_forward_and_backward_works_merge_under_their_own_limits(backend: 
         batcher = TrainingBatcher(backend, runtime)
         batcher.set_merge_tokens(24, 12)  # two 12-token forward works per call, backward works alone
         await asyncio.gather(*(batcher.forward(SPAN, h, None, "", f"peer-{i}") for i, (h, _, _) in enumerate(clients)))
+        kept = batcher.kept.kept_inputs()
+        # merged calls' outputs are views of one tensor: a kept block input holds only its own rows
+        assert len(kept) == 2 * (N_BLOCKS - 1)
+        assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in kept)
         got = await asyncio.gather(
             *(batcher.backward(SPAN, h, g, None, "", f"peer-{i}") for i, (h, g, _) in enumerate(clients))
         )
         stats = runtime.stats()
+    assert len(batcher.kept) == 0
     forward, backward = stats[KIND_TRAINING_FORWARD], stats[KIND_TRAINING_BACKWARD]
     # the backwards reused the forwards' inputs; the second forward may start a block behind, then catches up
     assert forward.tasks == 2 * N_BLOCKS and forward.batches <= N_BLOCKS + 1

@@ -73,6 +73,11 @@ class KeptActivations:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def kept_inputs(self) -> list[torch.Tensor]:
+        """Every kept block input, oldest entry first (what the store holds on the device)."""
+        with self._lock:
+            return [tensor for entry in self._entries for tensor in entry.inputs]
+
     def put(
         self, owner: str, span: tuple[int, ...], adapter: str, hidden: torch.Tensor, prompts: torch.Tensor | None,
         inputs: list[torch.Tensor],

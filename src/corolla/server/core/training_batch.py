@@ -120,6 +120,11 @@ class BlockChain:
         if phase == PHASE_FORWARD:
             if self.is_forward and not self.keep_inputs:
                 self.inputs[-1] = result  # [B, T, H]
+            elif self.keep_inputs and self.done < len(self.plan):
+                # a block input kept beyond this request: its own memory, not a view of a merged call's output (which
+                # would hold every merged request's rows as long as this one is kept); in the device thread, so the
+                # copy follows the call on its stream
+                self.inputs.append(_owning(result))
             else:
                 self.inputs.append(result)
         else:
@@ -322,6 +327,11 @@ def default_kept_activations(backend: SpanBackend) -> KeptActivations:
     return KeptActivations(
         KEPT_RESERVE_MULTIPLE * reserve, floor_bytes=reserve, free_bytes=lambda: device_free_bytes(device)
     )
+
+
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a copy of it where it is a view into a larger storage."""
+    return tensor if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size() else tensor.clone()
 
 
 def _present(prompts: torch.Tensor | None) -> torch.Tensor | None:
