@@ -58,16 +58,23 @@ SERIAL_FILES = $(shell grep -rlE 'mark\.serial' tests --include='test_*.py')
 # minutes of six interpreters; the live swarm-policy check: 8 servers and 32 clients, half the serial part); the fast
 # checks of their pieces stay in. `make test-full` runs them too.
 TEST_MARKS ?= not slow
-test: lint
+# Lint runs beside the parallel part (mypy is one process: on its own it left a core idle for ~30 s), its output
+# shown when that part ends; a lint failure fails `make test` before the serial part, which runs alone.
+LINT_LOG := build/lint.log
+test: $(STAMP)
 	@if [ -x $(LOOPBACK) ] && $(LOOPBACK) true 2>/dev/null; then \
 		echo "make test: running inside $(LOOPBACK)"; RUN="$(LOOPBACK)"; \
 	else \
 		echo "make test: loopback-only namespace unavailable, running plainly"; RUN=""; \
 	fi; \
+	mkdir -p $(dir $(LINT_LOG)); \
+	$(MAKE) --no-print-directory lint > $(LINT_LOG) 2>&1 & lint_pid=$$!; \
 	COROLLA_TEST_DURATIONS_OUT=$(abspath $(TEST_DURATIONS)) OMP_NUM_THREADS=$(PARALLEL_TORCH_THREADS) \
 		$$RUN $(PYTEST) -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-		-m "not serial and ($(TEST_MARKS))" tests && \
-	$$RUN $(PYTEST) -m "serial and ($(TEST_MARKS))" $(or $(SERIAL_FILES),tests)
+		-m "not serial and ($(TEST_MARKS))" tests; parallel=$$?; \
+	wait $$lint_pid; lint=$$?; cat $(LINT_LOG); \
+	if [ $$lint -ne 0 ]; then echo "make test: lint failed (above)"; exit 1; fi; \
+	[ $$parallel -eq 0 ] && $$RUN $(PYTEST) -m "serial and ($(TEST_MARKS))" $(or $(SERIAL_FILES),tests)
 
 test-full:
 	$(MAKE) test TEST_MARKS="slow or not slow"
