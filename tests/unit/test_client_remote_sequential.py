@@ -3,11 +3,14 @@ gradients equal local autograd; a server failing in forward or before backward i
 
 from __future__ import annotations
 
+import asyncio
 import random
 
+import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.client.remote_forward_backward import run_remote_backward
 from corolla.client.remote_sequential import RemoteSequential
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata
@@ -110,3 +113,27 @@ def test_failed_servers_are_replaced_in_forward_and_backward():
     _check(RemoteSequential(manager), [0, 1, 2, 3], prompts.detach().requires_grad_(True), kill_forward_servers)
     survivors = [name for name in ("B", "C") if not servers[name].dead]
     assert len(survivors) == 1 and servers[survivors[0]].calls == ["forward", "backward"]
+
+
+class SilentStreamServer(FakeForwardServer):
+    """Reads a streamed backward's whole request, then ends its reply stream with no message (what the client sees
+    when the stream is closed under both ends)."""
+
+    async def rpc_backward_stream(self, requests):
+        self.calls.extend(["backward_stream" async for _ in requests][:1])
+
+        async def nothing():
+            return
+            yield
+
+        return nothing()
+
+
+def test_a_stream_closed_without_a_reply_is_a_connection_failure_not_a_bad_output():
+    servers = {"A": SilentStreamServer(0, 2)}
+    manager = FakeManager(servers, 2)
+    span = manager.make_sequence(0, 2, mode="max_throughput")[0]
+    inputs = torch.randn(1, 20_000, HIDDEN)  # over 1 MiB: the stream RPC
+    with pytest.raises(ConnectionError, match="closed without a reply"):
+        asyncio.run(run_remote_backward(manager, span, inputs, torch.randn_like(inputs), torch.empty(0)))
+    assert servers["A"].calls == ["backward_stream"]

@@ -73,12 +73,18 @@ async def _call(
             yield request
 
     stream = await asyncio.wait_for(getattr(stub, f"{method}_stream")(_requests()), config.connect_timeout_s)
+    replies = 0
 
     async def _parts() -> AsyncIterator[list[runtime_pb2.Tensor]]:
+        nonlocal replies
         async for response in stream:
+            replies += 1
             yield list(response.tensors)
 
-    return await asyncio.wait_for(deserialize_tensor_stream(_parts()), config.request_timeout_s)
+    outputs = await asyncio.wait_for(deserialize_tensor_stream(_parts()), config.request_timeout_s)
+    if not replies:  # hivemind ends a stream closed under it silently: a broken connection, not a server's answer
+        raise ConnectionError(f"{method}_stream of {span.peer_id} closed without a reply")
+    return outputs
 
 
 async def run_remote_forward(
