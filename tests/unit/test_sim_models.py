@@ -13,6 +13,7 @@ from corolla.sim.catalogue import GPUS, LLAMA2_70B, STEP_OVERHEAD_S, ServerPerf
 from corolla.sim.churn import ChurnConfig
 from corolla.sim.metrics import Metrics, Report
 from corolla.sim.regions import RttModel, base_rtt_s
+from corolla.sim.server_model import SimServer
 from corolla.sim.workload import WorkloadConfig, WorkloadGenerator, read_trace
 
 
@@ -35,6 +36,28 @@ def test_capacity_falls_with_blocks_held_and_memory_bounds_blocks() -> None:
     assert perf.capacity_tps(perf.max_blocks(990) + 1, 990) == 0.0
     # Petals' worked example: a 70B block in bf16 reserves 64 MiB of cache beside 1.7 GB of weights
     assert ServerPerf(GPUS["A100-80GB"], LLAMA2_70B, "fp16").petals_max_blocks() == 44
+
+
+def test_a_step_batches_the_rows_waiting_not_every_session_held() -> None:
+    # 64 sessions of 1,000 tokens on an RTX 3060's 10 blocks (compute-bound above ~25 rows)
+    perf = ServerPerf(GPUS["RTX-3060"], LLAMA2_70B, "nf4")
+    server = SimServer("s", "europe", perf, 20, joined_s=0.0, start=0, end=10, rows=64, context_tokens=64_000)
+    saturated_s = perf.decode_step_s(10, 64, 64_000)
+    # their tokens come back rarely (one each 8 s): a token meets a row or two, and the server is mostly idle
+    server.visit_rate = 8.0
+    rows, step_s, busy = server.batch(own_rate=0.125)
+    assert 1.0 < rows < 2.0 and step_s < 0.5 * saturated_s and busy < 0.3
+    assert server.hop_s(10, own_rate=0.125) < 0.5 * (1.5 * saturated_s)
+    # they come back as fast as it steps: every session in every step (the saturated server)
+    server.visit_rate = 64.0 / saturated_s * 2
+    rows, step_s, busy = server.batch()
+    assert rows == 64.0 and step_s == pytest.approx(saturated_s) and busy == 1.0
+    wire_s = LLAMA2_70B.hidden_bytes_per_token * 8 / GPUS["RTX-3060"].nic_bits_per_s
+    assert server.hop_s(10) == pytest.approx(1.5 * (saturated_s - STEP_OVERHEAD_S) + STEP_OVERHEAD_S + wire_s)
+    # a lone session never waits for itself
+    lone = SimServer("t", "europe", perf, 20, joined_s=0.0, start=0, end=10, rows=1, context_tokens=1000)
+    lone.visit_rate = 100.0
+    assert lone.batch(own_rate=100.0)[2] == 0.0
 
 
 def test_churn_is_heavy_tailed_with_the_median_and_mean_asked_for() -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from corolla.protocol.records import ServerState
-from corolla.sim.scenarios import scenario
+from corolla.sim.scenarios import SCENARIOS, scenario
 from corolla.sim.simulation import Simulation
 from corolla.swarm import cache_refusals, petals_policy
 
@@ -157,7 +157,9 @@ def test_corolla_peers_announce_cache_early_and_a_refused_client_rereads_and_rer
     Petals' peers keep the heartbeat and the ban with back-off."""
     petals_sim, report = tiny_run
     assert report["churn"]["early_announcements"] == 0 and report["churn"]["rereads"] == 0
-    sim = Simulation(scenario("tiny", seed=1, policy="corolla", duration_s=900.0))
+    # 64 clients: enough sessions to move a server's free cache by 10% (corolla's layout holds much KV)
+    busy = dataclasses.replace(SCENARIOS["tiny"].workload, concurrent_clients=64)
+    sim = Simulation(scenario("tiny", seed=1, policy="corolla", duration_s=900.0, workload=busy))
     sim.run()
     assert sim.metrics.early_announcements > 0
     session = sim.clients.start(sim.workload.conversation(sim.loop.now_s, None), slot=0)

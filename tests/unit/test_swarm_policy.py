@@ -339,3 +339,46 @@ def test_corolla_small_server_in_a_big_swarm_still_moves_to_the_bottleneck():
     spans = [span("A", 0, 4, 100), span("B", 4, 8, 100), span("C", 0, 4, 50), span("M", 0, 4, 5)]
     decision = move(CorollaPolicy(), spans, "M")
     assert decision.target == range(4, 8) and decision.flow_after_tps == 105
+
+
+def cached(peer: str, start: int, end: int, throughput: float, free_per_block: float) -> RemoteSpanInfo:
+    """A span announcing `free_per_block` K-or-V slots of free cache on each of its blocks (Petals' unit)."""
+    return span(peer, start, end, throughput, cache_tokens_left=round(free_per_block * (end - start)))
+
+
+def test_corolla_places_where_the_free_cache_is_least():
+    # the same throughput everywhere; blocks 5..9 have room for few sessions: a joiner that knows its cache covers
+    # them (Petals' rule, and corolla without cache figures, take the lower start)
+    spans = [cached("A", 0, 5, 10, 1000), cached("B", 5, 10, 10, 20)]
+    me = ServerCapacity(peer_id="me", max_blocks=5, throughput=10.0, cache_tokens_per_block=(900.0,) * 5)
+    assert CorollaPolicy().choose_span(me, spans, 10) == range(5, 10)
+    assert PetalsPolicy().choose_span(me, spans, 10) == range(0, 5)
+    assert CorollaPolicy().choose_span(ServerCapacity(peer_id="me", max_blocks=5, throughput=10.0), spans, 10) == (
+        range(0, 5)
+    )
+    # a span that announces no free cache (an old Petals server) leaves placement to throughput alone
+    no_figure = [cached("A", 0, 5, 10, 1000), span("B", 5, 10, 10)]
+    assert CorollaPolicy().choose_span(me, no_figure, 10) == range(0, 5)
+    # throughput still counts: a weaker throughput on 0..4 outweighs the cache there
+    spans = [cached("A", 0, 5, 1, 1000), cached("B", 5, 10, 10, 800)]
+    assert CorollaPolicy().choose_span(me, spans, 10) == range(0, 5)
+
+
+def test_corolla_moves_its_cache_to_the_blocks_that_lack_it_and_stays_there():
+    # A and "me" serve 0..4, B 5..9, all at 10 tok/s: the throughput bottleneck (10 at 5..9) is the same wherever
+    # "me" is, but 5..9 have room for almost no session while 0..4 keep plenty without "me"
+    me = ServerCapacity(peer_id="me", max_blocks=5, throughput=10.0, cache_tokens_per_block=(1000.0,) * 5)
+    spans = [cached("A", 0, 5, 10, 1000), cached("B", 5, 10, 10, 10), cached("me", 0, 5, 10, 900)]
+    decision = CorollaPolicy().choose_move(me, spans, 10, reload_s=60.0, since_move_s=1e6, rng=random.Random(0))
+    assert decision.target == range(5, 10) and decision.reason == "raises the region's least free cache"
+    assert decision.flow_after_tps >= decision.flow_now_tps
+    assert not PetalsPolicy().choose_move(me, spans, 10, reload_s=60.0, since_move_s=1e6, rng=random.Random(0)).move
+    # once there (its cache now free), leaving would empty 5..9 again: it stays
+    after = [cached("A", 0, 5, 10, 1000), cached("B", 5, 10, 10, 10), cached("me", 5, 10, 10, 1000)]
+    decision = CorollaPolicy().choose_move(me, after, 10, reload_s=60.0, since_move_s=1e6, rng=random.Random(0))
+    assert not decision.move
+    # a move for cache never lowers the throughput bottleneck: with "me" the only server of 0..4 beside a weak A,
+    # it stays though 5..9 lack cache
+    weak = [cached("A", 0, 5, 1, 1000), cached("B", 5, 10, 10, 10), cached("me", 0, 5, 10, 900)]
+    decision = CorollaPolicy().choose_move(me, weak, 10, reload_s=60.0, since_move_s=1e6, rng=random.Random(0))
+    assert not decision.move

@@ -20,10 +20,18 @@ def span(peer: str, start: int, end: int, throughput: float) -> RemoteSpanInfo:
     return RemoteSpanInfo(peer, start, end, info)
 
 
-def make_seat(policy: str, spans: list[RemoteSpanInfo], *, max_blocks: int = 2, throughput: float = 10.0) -> SwarmSeat:
+def make_seat(
+    policy: str,
+    spans: list[RemoteSpanInfo],
+    *,
+    max_blocks: int = 2,
+    throughput: float = 10.0,
+    cache_tokens_per_block: int | None = None,
+) -> SwarmSeat:
     seat = SwarmSeat(
         policy_name=policy, balance_quality=0.75, dht=None, module_uids=[f"m.{i}" for i in range(4)],
         max_blocks=max_blocks, throughput_info={"throughput": throughput}, metrics=ServerMetrics(),
+        cache_tokens_per_block=cache_tokens_per_block,
     )  # fmt: skip
     seat.peer_id = "me"
 
@@ -47,6 +55,19 @@ def test_choose_span_and_move_through_the_policy(policy):
     assert seat.num_moves == 1
     text = seat.metrics.render().decode()
     assert "corolla_moves_total 1.0" in text and "corolla_span_load_seconds_total 5.0" in text
+
+
+def test_corolla_seat_places_its_cache_where_the_swarm_has_least_free():
+    # equal throughput on 0..1 and 2..3, but 2..3 announce room for few tokens: the seat's own cache goes there
+    def cached(peer: str, start: int, end: int, left: int) -> RemoteSpanInfo:
+        info = ServerInfo(state=ServerState.ONLINE, throughput=10.0, start_block=start, end_block=end,
+                          cache_tokens_left=left)  # fmt: skip
+        return RemoteSpanInfo(peer, start, end, info)
+
+    spans = [cached("A", 0, 2, 4000), cached("B", 2, 4, 40)]
+    assert asyncio.run(make_seat("corolla", spans, cache_tokens_per_block=1000).choose_span()) == range(2, 4)
+    assert asyncio.run(make_seat("corolla", spans).choose_span()) == range(0, 2)  # its own cache unknown
+    assert asyncio.run(make_seat("petals", spans, cache_tokens_per_block=1000).choose_span()) == range(0, 2)
 
 
 def test_corolla_seat_dwells_after_loading():

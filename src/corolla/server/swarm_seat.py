@@ -38,6 +38,7 @@ class SwarmSeat:
         max_blocks: int,
         throughput_info: dict[str, float],
         metrics: ServerMetrics,
+        cache_tokens_per_block: int | None = None,
     ):
         self.policy = make_policy(policy_name, balance_quality=balance_quality)
         self.dht = dht
@@ -45,6 +46,7 @@ class SwarmSeat:
         self.max_blocks = max_blocks
         self.throughput_info = throughput_info
         self.metrics = metrics
+        self.cache_tokens_per_block = cache_tokens_per_block
         self.peer_id = ""
         self.load_s: float | None = None
         self.online_since = time.monotonic()
@@ -53,15 +55,19 @@ class SwarmSeat:
 
     def capacity(self, rtts_s: Mapping[str, float] | None = None) -> ServerCapacity:
         """This server as the policy sees it: the throughput it measured for `max_blocks` blocks, and the RTTs it
-        measured to other servers (its announcer's pings; none before it serves). No `capacity_tps` curve: its KV
-        cache is `cache_bytes_per_block` per block held, so fewer blocks give no more rows per step, and Petals'
-        model (`ServerCapacity.throughput_for`) is the true one until the server spends freed memory on KV."""
+        measured to other servers (its announcer's pings; none before it serves), and the KV cache it holds per block
+        (`cache_tokens_per_block`, Petals' unit; None = unknown), which placement weighs against the swarm's free
+        cache per block. No `capacity_tps` curve: its KV cache is `cache_bytes_per_block` per block held whatever
+        the span length, so fewer blocks give no more rows per step, and Petals' model
+        (`ServerCapacity.throughput_for`) is the true one until the server spends freed memory on KV."""
+        cache = () if self.cache_tokens_per_block is None else (float(self.cache_tokens_per_block),) * self.max_blocks
         return ServerCapacity(
             peer_id=self.peer_id,
             max_blocks=self.max_blocks,
             throughput=float(self.throughput_info.get("throughput", 1.0)),
             network_rps=self.throughput_info.get("network_rps"),
             rtts_s=dict(rtts_s or {}),
+            cache_tokens_per_block=cache,
         )
 
     def throughput_for(self, block_indices: range) -> float:

@@ -95,7 +95,7 @@ class ServerPerf:
     def usable_bytes(self) -> float:
         return self.gpu.memory_bytes * USABLE_MEMORY_FRACTION
 
-    def decode_block_s(self, rows: int, context_tokens: int) -> float:
+    def decode_block_s(self, rows: float, context_tokens: float) -> float:
         """One decode step of one block for `rows` sessions holding `context_tokens` tokens of KV in all."""
         memory_s = (self.block_bytes + context_tokens * self.model.kv_bytes_per_token_block) / (
             self.gpu.bandwidth_bytes_per_s * BANDWIDTH_EFFICIENCY[self.dtype]
@@ -103,7 +103,7 @@ class ServerPerf:
         compute_s = 2 * self.model.params_per_block * rows / (self.gpu.fp16_flops * FLOPS_EFFICIENCY)
         return max(memory_s, compute_s)
 
-    def decode_step_s(self, num_blocks: int, rows: int, context_tokens: int) -> float:
+    def decode_step_s(self, num_blocks: int, rows: float, context_tokens: float) -> float:
         return num_blocks * self.decode_block_s(rows, context_tokens) + STEP_OVERHEAD_S
 
     def prefill_s(self, num_blocks: int, tokens: int) -> float:

@@ -41,6 +41,7 @@ class SimSession:
     chunk_start_s: float = 0.0
     chunk_tokens: int = 0
     tpot_s: float = 0.0
+    visit_rate: float = 0.0  # 1 / tpot_s while it decodes: what it adds to each of its servers' visit_rate
     record_ttft: bool = True
     attempts: int = 0
     wait_start_s: float | None = None
@@ -110,8 +111,8 @@ class ClientDriver:
         tokens = session.context - session.kv_on_route + new_tokens
         duration = session.net_s
         for server, start, end in session.route:
-            wait = 0.5 * server.perf.decode_step_s(server.num_blocks, server.rows, server.context_tokens)
-            duration += server.perf.prefill_s(end - start, tokens) + (wait if server.rows else 0.0)
+            _, step_s, busy = server.batch()
+            duration += server.perf.prefill_s(end - start, tokens) + busy * 0.5 * step_s
         session.phase = "prefill"
         session.event = self.loop.after(duration, self._first_token, session, new_tokens)
 
@@ -133,7 +134,12 @@ class ClientDriver:
             self._end_turn(session)
             return
         assert session.route is not None
-        tpot = session.net_s + sum(server.hop_s(end - start) for server, start, end in session.route)
+        own = session.visit_rate
+        tpot = session.net_s + sum(server.hop_s(end - start, own) for server, start, end in session.route)
+        rate = 1.0 / tpot if tpot > 0 else 0.0
+        for server, _, _ in session.route:
+            server.visit_rate += rate - own
+        session.visit_rate = rate
         tokens = min(CHUNK_TOKENS, session.remaining)
         session.tpot_s, session.chunk_tokens, session.chunk_start_s = tpot, tokens, self.loop.now_s
         session.event = self.loop.after(tokens * tpot, self._chunk_done, session)
@@ -160,6 +166,8 @@ class ClientDriver:
         for server, _, _ in session.route:
             server.rows -= 1
             server.context_tokens -= session.context
+            server.visit_rate = max(server.visit_rate - session.visit_rate, 0.0) if server.rows else 0.0
+        session.visit_rate = 0.0
 
     def _end_turn(self, session: SimSession) -> None:
         self._leave_batches(session)

@@ -9,11 +9,12 @@ from functools import cached_property
 
 from corolla.protocol.records import ServerInfo, ServerState
 from corolla.server.throughput import derive_throughput
-from corolla.sim.catalogue import ServerPerf
+from corolla.sim.catalogue import STEP_OVERHEAD_S, ServerPerf
 from corolla.swarm.policy import ServerCapacity
 
 LOAD_BYTES_PER_S = 50e6  # reading a span's weights (download or cold disk cache; assumption: 400 Mbit/s)
 LOAD_FIXED_S = 30.0  # process start, DHT join, throughput check (assumption)
+BATCH_ITERATIONS = 4  # of the rows-per-step fixed point (`SimServer.batch`)
 
 
 @dataclass(eq=False)
@@ -33,6 +34,7 @@ class SimServer:
     num_moves: int = 0
     tokens_served: int = 0
     rows: int = 0  # sessions decoding through it now
+    visit_rate: float = 0.0  # their decode tokens arriving per second (the sum of 1 / time per token)
     context_tokens: int = 0  # their KV tokens, summed
     kv_reserved_tokens: int = 0  # sessions' reserved max lengths, summed
     sessions: set[int] = field(default_factory=set)  # ids of sessions holding KV here
@@ -41,6 +43,7 @@ class SimServer:
     info: ServerInfo | None = None
     announced_s: float = 0.0  # when it last stored a record (the early-announcement rate bound counts from it)
     curve: tuple[float, ...] = ()  # tokens/s holding k = 1..max_blocks blocks, where the server knows it
+    cache_curve: tuple[float, ...] = ()  # its KV per block holding k = 1..max_blocks blocks (Petals' unit), if known
 
     @property
     def num_blocks(self) -> int:
@@ -52,7 +55,14 @@ class SimServer:
         `max_blocks` blocks (the real server's formula: forward speed over (n + 1) / 2 blocks, capped by the link)."""
         figures = {"forward_rps": self.perf.forward_rps(), "network_rps": self.perf.network_tps}
         throughput = derive_throughput(figures, num_blocks=self.max_blocks, using_relay=False)
-        return ServerCapacity(self.peer_id, self.max_blocks, throughput, self.perf.network_tps, capacity_tps=self.curve)
+        return ServerCapacity(
+            self.peer_id,
+            self.max_blocks,
+            throughput,
+            self.perf.network_tps,
+            capacity_tps=self.curve,
+            cache_tokens_per_block=self.cache_curve,
+        )
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -70,13 +80,33 @@ class SimServer:
     def load_s(self, num_blocks: int) -> float:
         return LOAD_FIXED_S + num_blocks * self.perf.block_bytes / LOAD_BYTES_PER_S
 
-    def hop_s(self, blocks_used: int) -> float:
-        """A decode token's time here: waiting for the step in progress (half a full-span step when others share it)
-        and its own blocks at the current batch, plus the step overhead and its hidden state over the NIC."""
-        per_block = self.perf.decode_block_s(max(self.rows, 1), self.context_tokens)
-        wait = 0.5 * self.num_blocks * per_block if self.rows > 1 else 0.0
+    def batch(self, own_rate: float = 0.0) -> tuple[float, float, float]:
+        """(rows per step, step seconds, share of time stepping) that a token arriving here meets, besides its own
+        session's `own_rate` tokens/s. A server merges into a step the rows waiting when it launches (as corolla's
+        and Petals' runtimes do), not every session it holds: tokens of the others arrive at `visit_rate` less
+        `own_rate` per second, so a step takes 1 + (the others' rate x its time) rows, at most all its sessions
+        (saturated: every session in every step). Fixed point of rows = 1 + rate x step(rows), by a few iterations
+        from the saturated end (the step time grows with rows, so the iterates fall towards it)."""
+        if self.rows <= 1:
+            step_s = self.perf.decode_step_s(self.num_blocks, 1, self.context_tokens)
+            return 1.0, step_s, 0.0
+        others = max(self.visit_rate - own_rate, 0.0)
+        per_row = self.context_tokens / self.rows
+        rows = float(self.rows)
+        for _ in range(BATCH_ITERATIONS):
+            step_s = self.perf.decode_step_s(self.num_blocks, rows, rows * per_row)
+            rows = min(float(self.rows), 1.0 + others * step_s)
+        step_s = self.perf.decode_step_s(self.num_blocks, rows, rows * per_row)
+        return rows, step_s, min(1.0, others * step_s / rows)
+
+    def hop_s(self, blocks_used: int, own_rate: float = 0.0) -> float:
+        """A decode token's time here: waiting for the step in progress (half a full-span step, when the others'
+        tokens keep the server stepping) and its own blocks at the batch it meets (`batch`), plus the step overhead
+        and its hidden state over the NIC."""
+        rows, step_s, busy = self.batch(own_rate)
+        per_block = (step_s - STEP_OVERHEAD_S) / max(self.num_blocks, 1)
         wire = self.perf.model.hidden_bytes_per_token * 8 / self.perf.gpu.nic_bits_per_s
-        return wait + blocks_used * per_block + self.perf.decode_step_s(0, 0, 0) + wire
+        return busy * 0.5 * self.num_blocks * per_block + blocks_used * per_block + STEP_OVERHEAD_S + wire
 
     def make_info(self) -> ServerInfo:
         """The record it announces now (Petals units: `cache_tokens_left` counts K-or-V token x block slots)."""

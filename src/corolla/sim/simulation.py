@@ -109,6 +109,13 @@ class Simulation:
         self.curves = {
             name: self._curve(perf) if self.policy.name == "corolla" else () for name, perf in self.perfs.items()
         }
+        # and the KV cache per block it holds at each span length (Petals' unit, as `cache_tokens_left` counts it)
+        self.cache_curves = {
+            name: tuple(2.0 * perf.kv_tokens(k) for k in range(1, perf.petals_max_blocks() + 1))
+            if self.policy.name == "corolla"
+            else ()
+            for name, perf in self.perfs.items()
+        }
         self.servers: list[SimServer] = []
         self.client_regions: list[str] = []  # by closed-loop client, when each keeps several conversations
         self.routed: dict[int, RoutedLoad] = {}  # by closed-loop client: what it routed lately
@@ -153,7 +160,13 @@ class Simulation:
         region = rng.choices(list(c.server_regions), weights=list(c.server_regions.values()), k=1)[0]
         perf = self.perfs[gpu]
         server = SimServer(
-            f"sim{len(self.servers):05d}", region, perf, perf.petals_max_blocks(), joined_s=at_s, curve=self.curves[gpu]
+            f"sim{len(self.servers):05d}",
+            region,
+            perf,
+            perf.petals_max_blocks(),
+            joined_s=at_s,
+            curve=self.curves[gpu],
+            cache_curve=self.cache_curves[gpu],
         )
         self.servers.append(server)
         self.loop.at(at_s, self._join, server)
@@ -274,17 +287,8 @@ class Simulation:
         self.loop.after(EARLY_CHECK_PERIOD_S, self._early_announce_tick)
 
     def _busy_fraction(self, server: SimServer) -> float:
-        """The share of time it steps: one full-span step per visit of its sessions (each visits once per time per
-        token), a lower estimate when their visits do not coincide."""
-        tpots = [
-            session.tpot_s
-            for sid in server.sessions
-            if (session := self.clients.sessions.get(sid)) is not None and session.phase == "decode"
-        ]
-        if not tpots:
-            return 0.0
-        step_s = server.perf.decode_step_s(server.num_blocks, server.rows, server.context_tokens)
-        return min(1.0, step_s * len(tpots) / sum(tpots))
+        """The share of time it steps, at the batch its sessions' tokens make (`SimServer.batch`)."""
+        return server.batch()[2] if server.rows else 0.0
 
     # --- clients ---
 

@@ -89,20 +89,25 @@ class CorollaPolicy:
         return [s for s in spans if s.peer_id in near or s.peer_id == me.peer_id]
 
     def _best_placement(
-        self, me: ServerCapacity, rest: Sequence[RemoteSpanInfo], total_blocks: int
+        self,
+        me: ServerCapacity,
+        rest: Sequence[RemoteSpanInfo],
+        total_blocks: int,
+        *,
+        free_cache: np.ndarray | None = None,
     ) -> tuple[float, float, range]:
-        """(bottleneck tokens/s, soft bottleneck tokens/s, the span) for the best placement of `me` beside `rest`
-        (the order of criteria is in the class docstring)."""
+        """(bottleneck tokens/s, soft bottleneck, the span) for the best placement of `me` beside `rest` (the order
+        of criteria is in the class docstring). free_cache: the free KV per block `[total_blocks]` to weigh (default:
+        what `rest` announce)."""
         if total_blocks < 1:
             raise ValueError(f"total_blocks must be >= 1, got {total_blocks}")
-        throughputs = compute_throughputs({s.peer_id: s for s in rest}, total_blocks=total_blocks)  # [total_blocks]
+        strength = self._strength(me, rest, total_blocks, free_cache)
+        throughputs = strength.throughputs
         max_k = min(me.max_blocks, total_blocks)
-        gap_tps = self.gap_credit * me.throughput_for(max_k) if me.capacity_tps else 0.0
         options = []  # (k, flows[num_starts], soft[num_starts])
         for k in range(1, max_k + 1):
-            added = me.throughput_for(k)
-            soft = _soft_bottleneck_by_start(throughputs, added, k, self.balance_power, gap_tps)
-            options.append((k, _bottleneck_by_start(throughputs, added, k)[1], soft))
+            soft = strength.soft_by_start(me, k, self.balance_power)
+            options.append((k, _bottleneck_by_start(throughputs, me.throughput_for(k), k)[1], soft))
         best_flow = max(float(flows.max()) for _, flows, _ in options)
         floor = best_flow / (1 + self.shorter_span_gain) - REL_EPS * max(best_flow, 1.0)
         best_soft = [float(soft[flows >= floor].max(initial=0.0)) for _, flows, soft in options]  # [max_k]
@@ -114,6 +119,33 @@ class CorollaPolicy:
         # Petals' rule among the rest: the window whose ascending throughputs are lexicographically smallest
         start = min((sorted(throughputs[s : s + k].tolist()), s) for s in starts)[1]
         return float(flows[start]), float(soft[start]), range(start, start + k)
+
+    def _strength(
+        self,
+        me: ServerCapacity,
+        rest: Sequence[RemoteSpanInfo],
+        total_blocks: int,
+        free_cache: np.ndarray | None = None,
+    ) -> BlockStrength:
+        """Per-block strength of `rest` as `me` weighs it: with its free KV where `me` knows its own and every span
+        of `rest` announces it (`BlockStrength`)."""
+        throughputs = compute_throughputs({s.peer_id: s for s in rest}, total_blocks=total_blocks)  # [total_blocks]
+        if free_cache is None:
+            free_cache = free_cache_by_block(rest, total_blocks)
+        max_k = min(me.max_blocks, total_blocks)
+        my_cache = me.cache_tokens_for(max_k)
+        if my_cache is None:
+            free_cache = None
+        # blocks without a server count as what a server to come is expected to add there (`gap_credit`)
+        gap_tps = self.gap_credit * me.throughput_for(max_k) if me.capacity_tps else 0.0
+        gap_cache = self.gap_credit * my_cache if me.capacity_tps and my_cache is not None else 0.0
+        # references: the blocks' mean (k-independent, so that every span length is weighed alike), or the server's
+        # own figure in an empty swarm
+        tps_ref = float(throughputs.mean()) or me.throughput_for(max_k) or 1.0
+        cache_ref = 1.0
+        if free_cache is not None:
+            cache_ref = float(np.maximum(free_cache, 0.0).mean()) or my_cache or 1.0
+        return BlockStrength(throughputs, free_cache, tps_ref, cache_ref, gap_tps, gap_cache)
 
     # ---- rebalancing
 
@@ -143,19 +175,40 @@ class CorollaPolicy:
         flow_while_loading = float(without_me.min())
         if flow_now > 0 and flow_while_loading <= 0:
             return MoveDecision(None, flow_now, flow_now, "leaving would open a gap in its region")
-        flow_after, _, target = self._best_placement(me, others(region, me.peer_id), total_blocks)
+        # the free cache its region keeps without it: its sessions find room on other servers of the same blocks,
+        # so those blocks lose its whole cache, not only what it has free
+        rest = others(region, me.peer_id)
+        free_without_me = free_cache_by_block(region, total_blocks)
+        my_cache = me.cache_tokens_for(mine.length)
+        if free_without_me is not None and my_cache is not None:
+            free_without_me[mine.start : mine.end] -= my_cache
+        flow_after, soft_after, target = self._best_placement(me, rest, total_blocks, free_cache=free_without_me)
         if target == range(mine.start, mine.end):
             return MoveDecision(None, flow_now, flow_now, "already on the best span")
+        if flow_after <= 0:
+            return MoveDecision(None, flow_now, flow_after, "gain below the hysteresis threshold")
         # hysteresis: the move must add min_gain of the bottleneck or, in a swarm where one server is a small part
         # of it, of the server's own throughput there; every move then raises the bottleneck by a positive floor
         threshold = self.min_gain * min(flow_now, me.throughput_for(len(target)))
-        if flow_after - flow_now < threshold or flow_after <= 0:
+        lost_share = (flow_now - flow_while_loading) / flow_now if flow_now > 0 else 0.0
+        if flow_after - flow_now >= threshold:
+            lost_tokens = (flow_now - flow_while_loading) * max(reload_s, 0.0)
+            gained_tokens = (flow_after - flow_now) * self.payback_s
+            if gained_tokens <= lost_tokens:
+                return MoveDecision(None, flow_now, flow_after, "reload costs more than the move gains")
+            return MoveDecision(target, flow_now, flow_after, "raises the swarm's bottleneck")
+        # a move for cache: its region's soft bottleneck of strengths (throughput and free cache per block) rises by
+        # min_gain without lowering the throughput bottleneck, and pays back the share of flow lost while reloading
+        strength = self._strength(me, rest, total_blocks, free_without_me)
+        if strength.free_cache is None or flow_after < flow_now:
             return MoveDecision(None, flow_now, flow_after, "gain below the hysteresis threshold")
-        lost_tokens = (flow_now - flow_while_loading) * max(reload_s, 0.0)
-        gained_tokens = (flow_after - flow_now) * self.payback_s
-        if gained_tokens <= lost_tokens:
+        soft_now = float(strength.soft_by_start(me, mine.length, self.balance_power)[mine.start])
+        gain = soft_after / soft_now - 1 if soft_now > 0 else math.inf
+        if gain < self.min_gain:
+            return MoveDecision(None, flow_now, flow_after, "gain below the hysteresis threshold")
+        if gain * self.payback_s <= lost_share * max(reload_s, 0.0):
             return MoveDecision(None, flow_now, flow_after, "reload costs more than the move gains")
-        return MoveDecision(target, flow_now, flow_after, "raises the swarm's bottleneck")
+        return MoveDecision(target, flow_now, flow_after, "raises the region's least free cache")
 
     # ---- routing
 
@@ -204,25 +257,71 @@ def _bottleneck_by_start(throughputs: np.ndarray, added: float, k: int) -> tuple
     return float(flows.max()), flows
 
 
+@dataclass(frozen=True)
+class BlockStrength:
+    """How strong each block of a region is for placement, before and after a server joins a window.
+
+    Without cache figures (`free_cache` None): its throughput (tokens/s), as Petals weighs it. With them: the lesser
+    of its throughput and its free KV cache, each over its reference (the blocks' mean): a session needs KV on every
+    block of its chain, so the block with the least free cache turns sessions away however much throughput and cache
+    the others have, and a block weak in either is weak. Free cache is what servers announce (`cache_tokens_left`
+    over span length): every session's chain crosses every block once, so the cache sessions reserve is the same at
+    every block and the least free block is the least provisioned one."""
+
+    throughputs: np.ndarray  # [total_blocks] tokens/s
+    free_cache: np.ndarray | None  # [total_blocks] Petals' cache-token unit, may be < 0 (a deficit), or None
+    tps_ref: float
+    cache_ref: float
+    gap_tps: float = 0.0
+    gap_cache: float = 0.0
+
+    def values(self, added_tps: float, added_cache: float | None) -> tuple[np.ndarray, np.ndarray]:
+        """(before[total_blocks], after[total_blocks]): each block's strength now and with a server of
+        `added_tps` tokens/s and `added_cache` free KV per block on it (the caller takes `after` in its window)."""
+        gap = self.throughputs <= 0
+        before = np.where(gap, max(self.gap_tps, GAP_TPS), self.throughputs) / self.tps_ref  # [n]
+        after = (self.throughputs + added_tps) / self.tps_ref  # [n]
+        if self.free_cache is not None and added_cache is not None:
+            free = np.where(gap, self.gap_cache, np.maximum(self.free_cache, 0.0))  # [n]
+            before = np.minimum(before, free / self.cache_ref)
+            after = np.minimum(after, np.maximum(self.free_cache + added_cache, 0.0) / self.cache_ref)
+        return np.maximum(before, GAP_TPS), np.maximum(after, GAP_TPS)
+
+    def soft_by_start(self, me: ServerCapacity, k: int, power: float) -> np.ndarray:
+        """soft[num_starts]: the soft bottleneck of the strengths if `me` holds k blocks from each start."""
+        before, after = self.values(me.throughput_for(k), me.cache_tokens_for(k))
+        return _soft_by_start(before, after, k, power)
+
+
+def free_cache_by_block(spans: Sequence[RemoteSpanInfo], total_blocks: int) -> np.ndarray | None:
+    """The free KV per block `[total_blocks]` the spans announce (`cache_tokens_left` over span length, Petals'
+    unit), summed in sorted peer-id order; None if a span announces none (old Petals servers)."""
+    free = np.zeros(total_blocks)
+    for span in sorted(spans, key=lambda s: s.peer_id):
+        left = span.server_info.cache_tokens_left
+        if left is None:
+            return None
+        free[span.start : span.end] += left / max(span.length, 1)
+    return free
+
+
 def soft_bottleneck(throughputs: np.ndarray, power: float, gap_tps: float = 0.0) -> float:
     """The power mean of order -`power` of per-block throughputs (tokens/s): at least the bottleneck, tending to it
     as `power` grows, and raised by lifting any weak block, not only the weakest (a flat bottleneck leaves ties).
     A block without a server counts as `gap_tps` (what a server to come is expected to add there; at least
     GAP_TPS), so a joiner covers gaps without taking more blocks than its throughput spreads well over."""
-    return float(_soft_bottleneck_by_start(throughputs, 0.0, 1, power, gap_tps)[0])
+    before, after = BlockStrength(throughputs, None, 1.0, 1.0, gap_tps).values(0.0, None)
+    return float(_soft_by_start(before, after, 1, power)[0])
 
 
-def _soft_bottleneck_by_start(
-    throughputs: np.ndarray, added: float, k: int, power: float, gap_tps: float = 0.0
-) -> np.ndarray:
-    """soft[num_starts]: the swarm's soft bottleneck (`soft_bottleneck`) if `added` tokens/s cover [s, s + k)."""
-    before = np.where(throughputs > 0, throughputs, max(gap_tps, GAP_TPS))  # [n]
-    after = np.maximum(throughputs + added, GAP_TPS)  # [n]
+def _soft_by_start(before: np.ndarray, after: np.ndarray, k: int, power: float) -> np.ndarray:
+    """soft[num_starts]: the power mean of order -`power` of per-block strengths when blocks [s, s + k) take their
+    `after` value and the others their `before` one (both > 0)."""
     scale = max(float(before.max()), float(after.max()))  # normalized so that t ** -power cannot overflow
     inverse = (before / scale) ** -power  # [n]
     delta = (after / scale) ** -power - inverse  # [n]
     window = sliding_window_view(delta, k).sum(axis=1)  # [n - k + 1]
-    mean = np.maximum((inverse.sum() + window) / len(throughputs), 1e-300)
+    mean = np.maximum((inverse.sum() + window) / len(before), 1e-300)
     return scale * mean ** (-1.0 / power)
 
 

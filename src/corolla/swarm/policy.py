@@ -41,7 +41,11 @@ class ServerCapacity:
         blocks leave more memory for KV (more concurrent rows per step), which Petals' model ignores; empty = unknown
         (Petals' model then).
     network_rps: tokens/s its link carries (caps the throughput of any span length); None = unknown.
-    rtts_s: RTTs in seconds it measured to other servers (peer id -> s, inf = unreachable), where known."""
+    rtts_s: RTTs in seconds it measured to other servers (peer id -> s, inf = unreachable), where known.
+    cache_tokens_per_block: where known, `cache_tokens_per_block[k - 1]` is the KV cache it holds per block with k
+        blocks and no session, in Petals' announced unit (K-or-V token slots: a record's `cache_tokens_left` over its
+        span length); fewer blocks leave more memory for KV on each; empty = unknown (placement then weighs
+        throughput only)."""
 
     peer_id: str
     max_blocks: int
@@ -49,6 +53,7 @@ class ServerCapacity:
     network_rps: float | None = None
     rtts_s: Mapping[str, float] = field(default_factory=dict)
     capacity_tps: tuple[float, ...] = ()
+    cache_tokens_per_block: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_blocks < 1:
@@ -61,6 +66,13 @@ class ServerCapacity:
             )
         if not all(c >= 0 for c in self.capacity_tps):
             raise ValueError("capacity_tps must be >= 0 (NaN is not)")
+        if self.cache_tokens_per_block and len(self.cache_tokens_per_block) != self.max_blocks:
+            raise ValueError(
+                f"cache_tokens_per_block must give max_blocks={self.max_blocks} values, "
+                f"got {len(self.cache_tokens_per_block)}"
+            )
+        if not all(c >= 0 for c in self.cache_tokens_per_block):
+            raise ValueError("cache_tokens_per_block must be >= 0 (NaN is not)")
 
     def throughput_for(self, num_blocks: int) -> float:
         """Tokens/s when holding `num_blocks` blocks: `capacity_tps` where known, else Petals' throughput model (a
@@ -71,6 +83,12 @@ class ServerCapacity:
         else:
             compute = self.throughput * (self.max_blocks + 1) / (num_blocks + 1)
         return compute if self.network_rps is None else min(compute, self.network_rps)
+
+    def cache_tokens_for(self, num_blocks: int) -> float | None:
+        """KV cache per block when holding `num_blocks` blocks (Petals' unit), None where unknown."""
+        if not self.cache_tokens_per_block:
+            return None
+        return self.cache_tokens_per_block[min(max(num_blocks, 1), self.max_blocks) - 1]
 
 
 @dataclass(frozen=True)
