@@ -219,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. the next turn's time to first token, full prefill vs cached prefix (alternated)
     graphs = engine.prefill_graphs
-    turn_ms(engine, prompt, None, max_length)  # warm-up of every way (kernels, allocator, the chunk's graph)
-    turn_ms(engine, prompt, keys, max_length)
+    first_full = turn_ms(engine, prompt, None, max_length)[0]  # warm-up of every way (kernels, allocator)
+    first_cached = turn_ms(engine, prompt, keys, max_length)[0]  # (captures the chunk's graph)
+    if graphs is not None:
+        log(lines, f"first turns after the engine's warm-up: full prefill {first_full:.1f} ms, cached {first_cached:.1f} "
+                   f"ms (its graph captured then; the prefill graphs' warm-up took {graphs.warmup_s:.2f} s: every "
+                   f"row bucket's attention launch chosen, its kernels compiled)")  # fmt: skip
     with eager_prefill(engine):
         turn_ms(engine, prompt, keys, max_length)
     full, cached, cached_host, eager, hit, diff = [], [], [], [], 0, 0.0
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         launches = {rows: str(config) for rows, config in graphs.attention_configs.items()}
         graph_record = dict(
             prefill_graphs=graphs.graph_count, prefill_graph_reserved_bytes=graphs.reserved_bytes,
-            prefill_attention_launches=launches,
+            prefill_attention_launches=launches, prefill_graphs_warmup_s=graphs.warmup_s,
+            first_full_prefill_ms=first_full, first_cached_turn_ms=first_cached,
         )  # fmt: skip
         log(lines, f"prefill graphs: {graphs.graph_count} captured, {graphs.reserved_bytes / 2**20:.1f} MiB reserved "
                    f"by their captures, {graphs.chunks} chunks, capture error: {graphs.capture_error}, attention "

@@ -1,6 +1,7 @@
 """Short prefill chunks replayed as one CUDA graph over the span's layers (`engine.prefill_graphs`) on a real GPU:
 the turn after a cached prefix equals the eager engine's, one row bucket's graph serves prefixes of different
-lengths, padding rows leave other sessions' pages alone, and the graphs' memory is reported. Skipped without CUDA."""
+lengths, padding rows leave other sessions' pages alone, and the graphs' memory is reported; the engine's warm-up
+chooses (compiles) every bucket's attention launch, so no chunk does. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def make_engines() -> tuple[SpanEngine, SpanEngine]:
         for p in block.parameters():
             torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.1 if p.ndim == 1 else 0.03)
         blocks.append(block.to(DEV, BF16).eval())
-    settings = dict(kv_pool_bytes=256 << 20, page_size_tokens=64, max_seq_len_tokens=2048, max_batch_rows=4)
+    settings = dict(
+        kv_pool_bytes=256 << 20, page_size_tokens=64, max_seq_len_tokens=2048, max_batch_rows=4, tune_gemm=False
+    )  # (no GEMM timing at warm-up)
     graphs = SpanEngine.from_blocks(blocks, EngineConfig(**settings, prefill_graph_tokens=256))
     eager = SpanEngine.from_blocks(blocks, EngineConfig(**settings, prefill_graph_tokens=0))
     assert graphs.prefill_graphs is not None and eager.prefill_graphs is None
@@ -75,3 +78,28 @@ def test_turns_after_cached_prefixes_equal_the_eager_engine() -> None:
     assert graphs.graph_count == 2  # 160 and 96 rows; 160 served two prefixes
     assert set(graphs.attention_configs) == {160, 96}
     assert 0 <= graphs.reserved_bytes < 256 << 20
+
+
+@torch.inference_mode()
+def test_warmup_leaves_no_launch_to_choose_to_the_first_chunk() -> None:
+    engine, eager_engine = make_engines()
+    graphs = engine.prefill_graphs
+    assert graphs is not None
+    prompt = (torch.randn(1, 400, 512, device=DEV) * 0.5).to(BF16)  # [1, T, H]
+    bystander = engine.open_session(1, 1024)
+    engine.step(bystander, prompt[:, :300], 0)  # (longer than the graphs take: eager)
+    pages = [int(p) for p in bystander.slots[0].pages]
+    kept = engine.pool.k[:, pages].clone(), engine.pool.v[:, pages].clone()
+    engine.warmup()
+    assert set(graphs.attention_configs) == set(graphs.buckets) == {8, 16, *range(32, 257, 32)}
+    assert graphs.graph_count == 0 and graphs.capture_error is None and graphs.warmup_s > 0
+    assert torch.equal(engine.pool.k[:, pages], kept[0]) and torch.equal(engine.pool.v[:, pages], kept[1])
+    chosen = dict(graphs.attention_configs)
+    with engine.open_session(1, 1024) as session:  # a chunk of 100 rows (bucket 128) after 300 positions
+        engine.step(session, prompt[:, :300], 0)
+        got = engine.step(session, prompt[:, 300:], 300)
+    with eager_engine.open_session(1, 1024) as session:
+        want = eager_engine.step(session, prompt, 0)[:, 300:]
+    assert rel_err(got, want) < 2e-2
+    assert graphs.attention_configs == chosen and graphs.graph_count == 1 and graphs.chunks == 1
+    bystander.close()

@@ -71,3 +71,22 @@ def test_padded_chunks_compute_what_the_eager_engine_does_and_write_only_their_o
         want_session.close()
     assert graphs.chunks == 5 and graphs.graph_count == 0  # nothing captured on the CPU
     bystander.close()
+
+
+@torch.inference_mode()
+def test_warmup_runs_every_bucket_on_the_trash_page_only() -> None:
+    engine = make_engine()
+    model, pool = engine.model, engine.pool
+    assert isinstance(model, FastLlamaSpan)
+    session = engine.open_session(1, 128)
+    engine.step(session, torch.randn(1, 100, engine.hidden_size), 0)
+    before = pool.k.clone(), pool.v.clone()
+    graphs = PrefillGraphs(model, pool, 64, capture=False)
+    assert graphs.buckets == [8, 16, 32, 64]
+    graphs.h.normal_()  # (zeros would write zero keys over the zero trash page: no trace of the work)
+    graphs.warmup((0, 3))
+    for cache, old in zip((pool.k, pool.v), before, strict=True):
+        changed = {int(p) for p in (cache != old).transpose(0, 1).flatten(1).any(1).nonzero().flatten()}
+        assert changed == {TRASH_PAGE}  # every bucket's work ran (its keys written), into the trash page only
+    assert graphs.chunks == 0 and graphs.graph_count == 0 and graphs.warmup_s > 0
+    session.close()

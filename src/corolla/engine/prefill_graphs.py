@@ -11,14 +11,17 @@ runs each layer's `chunk_pre` (norm, QKV projection, rotation, cache write), the
 length) and `chunk_post` (output projection, MLP). Per layer boundary graphs with torch's flash attention eager in
 between (which needs the key count on the host) took 11.2 ms for the issue's turn on an H200.
 
-The graph of a (layer range, row bucket) group is captured at its first chunk, which first chooses the attention's
-launch (`ATTENTION_CONFIGS`, timed on the group's layers over a 4,096-position prefix) and runs the same work
-eagerly; the graphs share one memory pool (they run one at a time); at most `MAX_GROUPS` groups are kept (least
-recently used dropped); `reserved_bytes` is what their captures added to the device's reserved memory. With
-`capture=False` (the CPU, in tests) the same work runs eagerly with the attention's reference."""
+`warmup(layers)` (the engine's warm-up, before serving) chooses the attention's launch for every row bucket
+(`ATTENTION_CONFIGS`, timed on the span's layers over a 4,096-position prefix, which compiles them) and runs each
+bucket's work once on the trash page, so no chunk pays a Triton compile (seconds) or a timing. The graph of a (layer
+range, row bucket) group is captured at its first chunk, which runs the same work eagerly first (and chooses the
+launch if no warm-up did); the graphs share one memory pool (they run one at a time); at most `MAX_GROUPS` groups are
+kept (least recently used dropped); `reserved_bytes` is what their captures added to the device's reserved memory.
+With `capture=False` (the CPU, in tests) the same work runs eagerly with the attention's reference."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -90,6 +93,7 @@ class PrefillGraphs:
         self.reserved_bytes = 0  # what the captures added to the device's reserved memory
         self.chunks = 0
         self.capture_error: str | None = None  # a capture that failed: later chunks run eagerly
+        self.warmup_s = 0.0  # what `warmup` took (compiles and timings no chunk pays)
 
     @property
     def graph_count(self) -> int:
@@ -98,6 +102,34 @@ class PrefillGraphs:
 
     def takes(self, tokens: int) -> bool:
         return 0 < tokens <= self.max_tokens and self.capture_error is None
+
+    @property
+    def buckets(self) -> list[int]:
+        """Every padded row count a chunk of at most `max_tokens` rows may have."""
+        return sorted({chunk_bucket(t) for t in range(1, self.max_tokens + 1)})
+
+    @torch.inference_mode()
+    def warmup(self, layers: tuple[int, int]) -> None:
+        """Chooses the attention's launch of every row bucket (CUDA) and runs each bucket's work over `layers` once,
+        its rows at positions [0, rows) of a sequence whose block table names only the trash page: every kernel a
+        chunk will run is compiled now, and nothing but the trash page is written. Captures nothing (a group's graph
+        is captured at its first chunk, in a fraction of the time of a compile)."""
+        began = time.perf_counter()
+        capacity = self.pool.max_pages_per_seq * self.pool.page_size_tokens
+        for rows in self.buckets:
+            if self.capture and rows not in self.attention_configs:
+                config = self._tune_attention(rows, layers)
+                if config is None:
+                    self.capture_error = "no prefill attention launch ran on this device"
+                    break
+                self.attention_configs[rows] = config
+            self.index.fill_(TRASH_PAGE)  # the block table: every page the trash page
+            self.index[0] = 0  # the chunk's first position; its rows (a short sequence holds fewer than a bucket):
+            self.index[1] = min(rows, capacity)
+            self._work(layers, rows)()
+        self.warmup_s += time.perf_counter() - began
+        logger.info(f"prefill_graphs.warmup(layers={layers[0]}:{layers[1]}, buckets={self.buckets}, "
+                    f"s={self.warmup_s:.2f}, error={self.capture_error})")  # fmt: skip
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, start: int, slot: SequenceSlot, layers: tuple[int, int]) -> torch.Tensor:

@@ -206,7 +206,9 @@ class SpanEngine:
     def warmup(self) -> dict:
         """Chooses projection kernels (GPU: if `tune_gemm`; CPU, llama-family spans: if `cpu_linear.enabled`) and
         captures every CUDA-graph bucket now rather than at first use (GPU choices stored under
-        `kernel_choices_dir` earlier are taken without timing). Call before serving; returns the kernel timings."""
+        `kernel_choices_dir` earlier are taken without timing), and compiles the short prefill chunks' kernels
+        (`PrefillGraphs.warmup`: the first chunk after a cached prefix paid seconds). Call before serving; returns the
+        kernel timings."""
         report = {}
         if self.device.type == "cuda" and self.config.tune_gemm:
             ops = getattr(self.model, "ops", None)
@@ -217,6 +219,8 @@ class SpanEngine:
             report = self.model.tune_cpu(self.config.cpu_linear)
         if self.graphs is not None:
             self.graphs.capture_all()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.warmup(self.pool.check_layers(None))
         return report
 
     # ------------------------------------------------------------------------------------------ sessions
