@@ -295,6 +295,7 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
     p2p = await P2P.create(initial_peers=job.maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
     errors: list[str] = []
     latencies: list[list[float]] = [[] for _ in range(k)]
+    warmup: list[list[float]] = [[] for _ in range(k)]  # each session's untimed first steps, ms
     outputs: list[list[list[float]]] = [[] for _ in range(k)]  # per session: the prefill's last row, each step's
     windows: list[tuple[float, float]] = []
     rates: list[float] = []  # each finished session's decode steps over its own window
@@ -338,6 +339,8 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
                 raise ValueError(f"response of shape {tuple(out.shape)}")
             if step >= config.warmup_steps:
                 latencies[i].append((time.perf_counter() - t0) * 1000)
+            else:
+                warmup[i].append((time.perf_counter() - t0) * 1000)
             if job.keep_outputs:
                 outputs[i].append(out[0, 0].float().tolist())
 
@@ -384,6 +387,7 @@ async def _client_sessions(job: ClientJob, ready: multiprocessing.Queue, go: thr
     result: dict = {
         "errors": errors,
         "latencies": latencies,
+        "warmup_ms": warmup,
         "finished": finished,
         "windows": windows,
         "session_rates": rates,

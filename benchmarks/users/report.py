@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     lone_steps: dict[str, float] = {}  # server-side step of a lone session (the engine, no RPC), per path
     for path in args.serving_paths.split(","):
-        cache_bytes = (16 << 30) if args.gpu_layers else (1 << 30)
+        cache_bytes = (40 << 30) if args.gpu_layers else (1 << 30)  # 256 sessions of 648 tokens at 32 layers: 21 GiB
         executor = build_executor(
             shape, dtype, device, num_layers=shape.num_layers, serving_path=path, cache_bytes=cache_bytes
         )
@@ -406,6 +406,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"sessions start within {w['start_spread_ms']:.1f} ms and end within {w['end_spread_ms']:.1f} ms of "
                 f"each other; timed steps' mean {w['step_mean_ms']:.2f} ms (median {row.step_median_ms:.2f}); "
                 f"untimed per session (warm-up steps, gaps between steps) {w['untimed_ms_per_session']:.1f} ms"
+            )
+    for row in rows:
+        if row.sessions > 1 and row.start:
+            b = row.start
+            firsts = ", ".join(
+                f"step {k}: {b[f'step{k}_p50_ms']:.1f} / {b[f'step{k}_max_ms']:.1f}"
+                for k in range(8) if f"step{k}_p50_ms" in b
+            )  # fmt: skip
+            notes.append(
+                f"start, {row.sessions} sessions, {row.transport}, {row.client} client: untimed first steps (p50 / "
+                f"worst ms) {firsts}; at the start signal the rule's return {b['rule_return_ms_at_go']:.2f} ms, "
+                f"forward {b['rule_forward_ms_at_go']:.2f} ms; first 100 ms: {b.get('forwards_first_100ms', 0):.0f} "
+                f"merged forwards of {b.get('rows_first_100ms', 0):.0f} rows; inline steps in the row "
+                f"{b.get('inline_steps', 0):.0f}"
             )
     notes += ratio_notes(rows, engine_rows)
     title = "Many users at once through one server (" + ("CPU" if args.cpu else _gpu_name()) + ")"

@@ -17,6 +17,7 @@ is `python -m benchmarks.users --gpu_layers N` or `python -m benchmarks.serving 
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import multiprocessing
 import queue
@@ -114,6 +115,10 @@ class UsersResult:
     # from a step's result to its session's next step at the device (`server.return_times`): p50 / p90 ms and the
     # share back within one merged forward (empty with one handler process)
     return_ms: dict[str, float] = field(default_factory=dict)
+    # a row's start: each untimed first step's median / worst ms over the sessions (`warmup_ms`: "step0_p50", ...),
+    # the gather rule's learned return and forward at the start signal, the merged forwards (and their rows) run in
+    # the first 100 ms after it, and the steps run inline on an idle runtime during the row
+    start: dict[str, float] = field(default_factory=dict)
 
 
 # ---- the server (this process)
@@ -193,6 +198,9 @@ class BenchServer:
         )
         self.maddrs: list[str] = []
         self.peer_id_b58 = ""
+        # (perf_counter at its end, steps) of the last merged batches (`Runtime.add_batch_observer`): a row's start
+        self.batches: collections.deque[tuple[float, int]] = collections.deque(maxlen=4096)
+        executor.runtime.add_batch_observer(self._observe_batch)
         self.service: SpanService | None = None
         self.loop_thread: threading.Thread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -257,6 +265,10 @@ class BenchServer:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
             loop.close()
+
+    def _observe_batch(self, kind: str, num_steps: int, elapsed_s: float) -> None:
+        if kind in INFERENCE_KINDS:
+            self.batches.append((time.perf_counter(), num_steps))
 
     @property
     def runtime(self) -> Runtime:
@@ -364,6 +376,13 @@ def run_users(
         probe = server.cpu_probe()
         cpu_before = probe.sample()
         before = server.runtime.stats()
+        gather, inline_before = server.runtime.gather, server.runtime.num_inline_batches
+        start: dict[str, float] = {
+            "rule_return_ms_at_go": 1000 * gather.return_s if gather.return_s is not None else math.nan,
+            "rule_forward_ms_at_go": 1000 * gather.forward_s if gather.forward_s is not None else math.nan,
+        }
+        server.batches.clear()
+        go_perf = time.perf_counter()
         started = time.time()
         go.set()
         budget_s = config.step_timeout_s * config.decode_steps + 60
@@ -374,6 +393,9 @@ def run_users(
                 collected.append({"errors": ["a client process sent no result"], "latencies": [], "finished": 0})
         ended = time.time()
         after = server.runtime.stats()
+        start["inline_steps"] = server.runtime.num_inline_batches - inline_before
+        first = [steps for done, steps in list(server.batches) if done - go_perf <= 0.1]
+        start["forwards_first_100ms"], start["rows_first_100ms"] = len(first), sum(first)
         returns_after = return_counts(server.service)
         cpu_server = probe.sample().since(cpu_before)
     finally:
@@ -386,6 +408,7 @@ def run_users(
     if clients_out is not None:
         clients_out.extend(collected)
     result = _summarize(config, serving_path, collected, before, after, started, ended)
+    result.start = start | _warmup_summary(collected)
     if server.cpus is not None:
         result.client_cpus, result.server_cpus = sorted(server.cpus.clients), sorted(server.cpus.server)
         result.runtime_cpus = sorted(server.cpus.runtime)
@@ -400,6 +423,16 @@ def run_users(
         result.timeline_ms = saved_timeline_summary(timeline, config.sessions)
         result.timeline_by_process = timeline_by_process(timeline)
     return result
+
+
+def _warmup_summary(collected: list[dict]) -> dict[str, float]:
+    """Each untimed first step's median and worst ms over every session of the row."""
+    summary: dict[str, float] = {}
+    per_session = [w for r in collected for w in r.get("warmup_ms", [])]
+    for step in range(max((len(w) for w in per_session), default=0)):
+        values = [w[step] for w in per_session if len(w) > step]
+        summary[f"step{step}_p50_ms"], summary[f"step{step}_max_ms"] = median(values), max(values)
+    return summary
 
 
 def _summarize(config: UsersConfig, serving_path: str, collected, before, after, started, ended) -> UsersResult:

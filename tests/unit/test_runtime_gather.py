@@ -85,7 +85,7 @@ def test_the_wait_is_bounded_by_the_forward_and_skipped_for_slow_round_trips() -
     # the clients take 30 ms to come back (WAN): learned at the next forward's end, then no more waiting
     rule.learn([(100.0, 100.030)], None)
     rule.finished(size=8, forward_s=0.010, now_s=100.040, num_pushed=60)
-    assert rule.return_s == pytest.approx(0.030)
+    assert rule.return_s == pytest.approx(0.020)  # counted as two forwards: "later than a forward" to both decisions
     assert rule.wait(100.041, num_pushed=60) is None and rule.num_skipped == 1
     # a lone step (size 1) opens no cohort; a disabled rule never waits
     assert rule.finished(size=1, forward_s=0.010, now_s=101.0, num_pushed=70) is None
@@ -136,3 +136,29 @@ def test_a_forwards_return_counts_its_own_sessions_not_the_late_ones_of_the_forw
                 queue.push(Task(lambda: None, 1.0, 1, None, None, KIND, "k", submitted_at=at_s, sessions=(session,)))
     assert rule.return_s == pytest.approx(return_s, rel=0.05)
     assert not rule.holds_launch()
+
+
+def test_a_pause_between_turns_does_not_keep_the_launch_from_being_held() -> None:
+    """Sessions that come back in 2 ms after forwards of 5 ms (32 layers), then a pause: their next steps arrive 10 s
+    later (users reading; a benchmark's gap between rows; prefilled sessions waiting for their first token). Learned
+    as it was, the pause made the return read as seconds and the launch went unheld for ~40 forwards (0.8 ** 40 * 10 s
+    = 1.3 ms) while the turns were 2 ms again; counted as at most two forwards, the rule holds again within a few."""
+    rule = GatherRule(GatherSettings())
+    now_s = 0.0
+    for _ in range(5):
+        rule.finished(size=32, forward_s=0.005, now_s=now_s, num_pushed=0)
+        rule.learn([(now_s, now_s + 0.002)], None)
+        now_s += 0.007
+    assert rule.holds_launch()
+    rule.learn([(now_s, now_s + 10.0)], None)  # the pause
+    rule.learn([], 12.0)  # and a forward of the pause's last turn never seen back (dropped by the queue)
+    now_s += 10.0
+    held_after = None
+    for k in range(40):
+        rule.finished(size=32, forward_s=0.005, now_s=now_s, num_pushed=0)
+        if rule.holds_launch():
+            held_after = k
+            break
+        rule.learn([(now_s, now_s + 0.002)], None)
+        now_s += 0.007
+    assert held_after is not None and held_after <= 5, held_after

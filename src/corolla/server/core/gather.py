@@ -9,7 +9,10 @@ first. The wait adapts to the clients' round trip: the rule learns how long a fi
 come back (an exponential moving average of the time to the `quantile`-th of its own sessions' next steps, which the
 runtime's queue watches for by session: `TaskQueue.watch`) and does not wait at all while that is longer than the
 budget (WAN clients never idle the device). One slow session never holds the others: only the `quantile` of them is
-waited for, never longer than the budget. Its own sessions, not any step pushed after it: while forwards are launched
+waited for, never longer than the budget. An observation counts for at most `MAX_RETURN_FORWARDS` forwards: a return
+that long already means "later than a forward" to both decisions, and a pause between turns (users reading, a gap
+between a benchmark's rows, prefilled sessions waiting for their first token) is no turn, so it cannot keep the rule
+from holding for dozens of forwards once the turns resume. Its own sessions, not any step pushed after it: while forwards are launched
 behind each other and sessions come back later than a forward lasts, the late sessions of the forward before would
 count as this one's, and the return would read as short as a forward (decision 0002, last section).
 
@@ -28,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 EWMA_WEIGHT = 0.2  # weight of the newest return-time observation
+MAX_RETURN_FORWARDS = 2.0  # an observed return counts for at most this many of the last forward's seconds
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class GatherRule:
             self._cohort = None
             return None
         self.forward_s = forward_s
+        if self.return_s is not None:  # kept within MAX_RETURN_FORWARDS of this forward (see `_learn`)
+            self.return_s = min(self.return_s, MAX_RETURN_FORWARDS * forward_s)
         target = max(1, math.ceil(self.settings.quantile * size))
         self._cohort = _Cohort(now_s, num_pushed, target, self.settings.fraction * forward_s)
         return target
@@ -118,5 +124,7 @@ class GatherRule:
 
     def _learn(self, observed_s: float) -> None:
         observed_s = max(0.0, observed_s)
+        if self.forward_s is not None:
+            observed_s = min(observed_s, MAX_RETURN_FORWARDS * self.forward_s)
         previous = self.return_s
         self.return_s = observed_s if previous is None else previous + EWMA_WEIGHT * (observed_s - previous)

@@ -28,6 +28,7 @@ from corolla.protocol.metadata import (
     decode_metadata,
     encode_metadata,
 )
+from corolla.protocol.prefix import PREFIX_KEY
 from corolla.protocol.uids import make_chain
 from corolla.server.core.admission import ForwardSlots, SessionAdmission
 from corolla.server.core.drain import SessionHandoff
@@ -150,7 +151,10 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
 
     def _record_prefix_keys(self, session: SessionState, namespace: str, metadata: InferenceRequestMetadata) -> None:
         """Keys on a request of the session's own client (never a pushed one): its pages are published once
-        computed, for later sessions of `namespace`."""
+        computed, for later sessions of `namespace`. A client names a block's keys once, with the step that completes
+        it: most decode steps carry none and never reach the trust rule."""
+        if PREFIX_KEY not in metadata.extra:
+            return
         keys = client_keys(metadata)
         if keys is not None and session.cache is not None:
             self.executor.add_prefix_keys(session.cache, namespace, keys)
