@@ -67,6 +67,7 @@ class Phase:
     training_busy_share: float  # of the phase's window, the share the server's runtime spent on training block calls
     kept_hits: int = 0  # backwards that found their forward's block inputs kept (`training_activations`)
     kept_misses: int = 0  # backwards that recomputed them
+    retried_calls: int = 0  # calls run again after their stream closed without a reply (`ConnectionError`)
     forward_merge_tokens: int = FORWARD_MERGE_TOKENS  # the merge limits of the phase
     backward_merge_tokens: int = BACKWARD_MERGE_TOKENS
     reuse: bool = True  # False: the A/B phase with no forward activations kept (every backward recomputes)
@@ -215,16 +216,17 @@ def _serve(
                     _error(report, str(error))
                 return
             merged = training_stats(server.runtime.stats()).since(before)
-            starts = [start for client in steps_of for start, _, _ in client]
-            ends = [end for client in steps_of for _, _, end in client]
+            starts = [start for client in steps_of for start, _, _, _ in client]
+            ends = [end for client in steps_of for _, _, end, _ in client]
             windows.append((n, min(starts), max(ends), merged.tasks_per_batch))
-            step_ms = statistics.median((end - start) * 1e3 for client in steps_of for start, _, end in client)
-            forward_ms = statistics.median((mid - start) * 1e3 for client in steps_of for start, mid, _ in client)
+            step_ms = statistics.median((end - start) * 1e3 for client in steps_of for start, _, end, _ in client)
+            forward_ms = statistics.median((mid - start) * 1e3 for client in steps_of for start, mid, _, _ in client)
+            retried = sum(count for client in steps_of for _, _, _, count in client)
             tokens, window_s = n * steps * rows * seq_len, max(ends) - min(starts)
             report.phases.append(Phase(n, merged_phase, tokens / window_s, step_ms, float("nan"), 0,
                                        merged.tasks_per_batch, forward_ms, merged.busy_s / window_s,
                                        training.kept.hits - hits_before, training.kept.misses - misses_before,
-                                       spec.forward_tokens, spec.backward_tokens, spec.reuse))  # fmt: skip
+                                       retried, spec.forward_tokens, spec.backward_tokens, spec.reuse))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
         training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
         training.kept = kept
@@ -302,7 +304,8 @@ def summary(report: Report) -> str:
             f"step {p.step_median_ms:.1f} ms (forward {p.forward_median_ms:.1f} ms), "
             f"{p.works_per_block_call:.2f} works per block call, server busy with training "
             f"{p.training_busy_share:.0%} of the window, backwards reusing their forward's activations "
-            f"{p.kept_hits}/{p.kept_hits + p.kept_misses}; inference step {p.inference_step_median_ms:.2f} ms "
+            f"{p.kept_hits}/{p.kept_hits + p.kept_misses}, calls retried after a stream closed without a reply "
+            f"{p.retried_calls}; inference step {p.inference_step_median_ms:.2f} ms "
             f"({slower:.2f}x alone, {p.inference_steps} steps)"
         )
     for rows, rate in report.local_tokens_per_s.items():

@@ -18,6 +18,7 @@ _LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 INFERENCE_PREFIX_TOKENS = 16
 INFERENCE_POSITIONS = 256  # decode positions cycle through [prefix, prefix + this): rollback rewrites them
 REQUEST_TIMEOUT_S = 300.0
+CONNECTION_RETRIES = 1  # a call whose stream closed without a reply runs again once (counted in the report)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def training_client(
     results: multiprocessing.Queue,
 ) -> None:  # fmt: skip
     """Waits for commands: an int n runs n forward+backward steps and answers their (start, forward's end, end)
-    `time.time()` windows; None ends it. Answers "ready" after one warm-up step first."""
+    `time.time()` windows and calls retried after a connection closed without a reply; None ends it. Answers "ready" after one warm-up step first."""
     try:
         asyncio.run(_training(server, rows, length, seed, commands, results))
     except BaseException as e:
@@ -71,14 +72,29 @@ async def _training(
     p2p = await P2P.create(initial_peers=server.maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
     manager, span = _manager(p2p, server)
 
-    async def step() -> tuple[float, float, float]:
-        started = time.time()
-        outputs = await run_remote_forward(manager, span, inputs, no_prompts)
+    retried = 0
+
+    async def once_more(call, *args):
+        """`call(*args)`, and again where the stream closed without a reply (`ConnectionError`), as a
+        `RemoteSequential` retries a failed call; each retry counted."""
+        nonlocal retried
+        for attempt in range(CONNECTION_RETRIES + 1):
+            try:
+                return await call(*args)
+            except ConnectionError:
+                if attempt == CONNECTION_RETRIES:
+                    raise
+                retried += 1
+
+    async def step() -> tuple[float, float, float, int]:
+        nonlocal retried
+        retried, started = 0, time.time()
+        outputs = await once_more(run_remote_forward, manager, span, inputs, no_prompts)
         forwarded = time.time()
-        grads, _ = await run_remote_backward(manager, span, inputs, grad_outputs, no_prompts)
+        grads, _ = await once_more(run_remote_backward, manager, span, inputs, grad_outputs, no_prompts)
         if not (torch.isfinite(outputs).all() and torch.isfinite(grads).all()):
             raise RuntimeError("non-finite outputs or gradients")
-        return started, forwarded, time.time()
+        return started, forwarded, time.time(), retried
 
     try:
         await step()

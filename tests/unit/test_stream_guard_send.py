@@ -119,3 +119,35 @@ def test_a_caller_that_never_ends_its_input_is_not_waited_for_long():
     writer, elapsed_s = _serve_refusing_stream(end_delay_s=30.0)
     assert b"same uid" in b"".join(writer.writes)
     assert elapsed_s < stream_guard.FINISH_INPUT_S + 1.0
+
+
+def test_a_method_failing_on_a_cancelled_wait_answers_an_error_instead_of_closing_silently():
+    """A cancellation out of something the method awaited (not of the stream's own task) is a failure like any
+    other: the caller gets an error reply. It used to end the stream with no reply at all (the caller read an empty
+    answer) and no log."""
+
+    async def fails_on_cancelled_future(requests, context):
+        async for _ in requests:
+            pass
+        future = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(future.cancel)
+        await future  # CancelledError: the future was cancelled elsewhere, this task was not
+        yield runtime_pb2.ExpertResponse()
+
+    async def run() -> _StreamWriter:
+        reader = asyncio.StreamReader()
+        writer = _StreamWriter(reader)
+        budget = stream_guard.StreamBudget(stream_guard.PeerLimits())
+        p2p = type("P2PStub", (), {"peer_id": "server"})()
+        handle = stream_guard.guarded_stream_handler(
+            p2p, "rpc_backward_stream", fails_on_cancelled_future, budget, per_message=False, on_reject=lambda *_: None
+        )
+        body = runtime_pb2.ExpertRequest(uid="p.0").SerializeToString()
+        reader.feed_data(P2P.MESSAGE_MARKER + len(body).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + body)
+        reader.feed_data(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+        info = type("StreamInfo", (), {"peer_id": CLIENT_PEER})()
+        await asyncio.wait_for(handle(info, reader, writer), 5.0)
+        return writer
+
+    sent = b"".join(asyncio.run(run()).writes)
+    assert sent.startswith(P2P.ERROR_MARKER) and b"cancelled" in sent

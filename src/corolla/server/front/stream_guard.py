@@ -260,6 +260,29 @@ async def _answer_refusal(
         await send_message(RPCError(message=str(error)), writer)
 
 
+def cancelled_inside(error: asyncio.CancelledError) -> bool:
+    """True where `error` came out of something the current task awaited (a future cancelled elsewhere) and not
+    from a cancellation of the task itself (Python >= 3.11 counts those; on 3.10 every one is the task's)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is not None and cancelling() == 0
+
+
+async def _answer_failure(name: str, error: asyncio.CancelledError, writer: asyncio.StreamWriter) -> None:
+    """A method that failed with a cancellation of something it awaited: logged and answered as an error, so that
+    the caller hears why instead of a stream closed without a reply."""
+    logger.warning(f"stream_guard.method_cancelled(rpc={name}): {error!r:.200}")
+    with suppress(Exception):
+        await send_message(RPCError(message=f"{name} failed: an awaited operation was cancelled"), writer)
+
+
+def unanswered(name: str, context: P2PContext, reason: str, error: BaseException | None) -> None:
+    """Logs a streamed request that ends without any reply from this server (the caller closed mid-request, the
+    reply could not be sent): such a stream reaches the caller as a connection closed without a reply."""
+    logger.info(f"stream_guard.unanswered(rpc={name}, peer=...{str(context.remote_id)[-6:]}, reason={reason}): "
+                f"{error!r:.200}")  # fmt: skip
+
+
 StreamHandlerFn = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], AsyncIterator[Any]]
 
 
@@ -296,9 +319,13 @@ def guarded_stream_handler(
                 async for response in method(requests(), context):
                     try:
                         await send_message(response, writer)
-                    except Exception:
-                        logger.debug("stream_guard.send_failed", exc_info=True)
+                    except Exception as e:
+                        unanswered(name, context, "send_failed", e)
                         return
+            except asyncio.CancelledError as e:
+                if not cancelled_inside(e):
+                    raise  # the stream is over (the handler cancels its processing): nobody to answer
+                await _answer_failure(name, e, writer)
             except Exception as e:
                 with suppress(Exception):
                     await send_message(RPCError(message=str(e)), writer)
@@ -336,13 +363,15 @@ def guarded_stream_handler(
                 await finish_input()
                 return
             if receiving.cancelled():
+                unanswered(name, context, "reader_cancelled", None)
                 return
             error = receiving.exception()
             if error is None:  # the end of the input is queued: the method finishes its replies
                 await processing
                 return
             if isinstance(error, (asyncio.IncompleteReadError, ConnectionError)):
-                return  # the caller closed or died: processing is cancelled below
+                unanswered(name, context, "caller_closed", error)
+                return  # the caller closed or died mid-request: processing is cancelled below
             if not isinstance(error, _READ_REFUSALS):
                 raise error
             processing.cancel()
