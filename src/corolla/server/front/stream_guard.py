@@ -10,6 +10,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import gc
+import logging
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -277,10 +278,12 @@ async def _answer_failure(name: str, error: asyncio.CancelledError, writer: asyn
 
 
 def unanswered(name: str, context: P2PContext, reason: str, error: BaseException | None) -> None:
-    """Logs a streamed request that ends without any reply from this server (the caller closed mid-request, the
-    reply could not be sent): such a stream reaches the caller as a connection closed without a reply."""
-    logger.info(f"stream_guard.unanswered(rpc={name}, peer=...{str(context.remote_id)[-6:]}, reason={reason}): "
-                f"{error!r:.200}")  # fmt: skip
+    """Logs a streamed request that ends without any reply from this server: such a stream reaches the caller as a
+    connection closed without a reply. A caller that closed mid-request is routine (info); a reply that could not be
+    sent, or a reader cancelled from elsewhere, is this side's (warning)."""
+    level = logging.INFO if reason == "caller_closed" else logging.WARNING
+    logger.log(level, f"stream_guard.unanswered(rpc={name}, peer=...{str(context.remote_id)[-6:]}, reason={reason}): "
+                      f"{error!r:.200}")  # fmt: skip
 
 
 StreamHandlerFn = Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], AsyncIterator[Any]]
