@@ -78,7 +78,7 @@ def test_an_honest_swarm_is_never_banned_over_many_verified_stretches() -> None:
     assert not manager.bans.banned_peers() and not any(s.stretches.findings or s.stretches.undecided for s in sessions)
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1])  # the rate itself: tests/bench/test_catch_rate_bench.py
 def test_a_server_lying_in_one_percent_of_its_steps_is_caught_within_1000_steps(seed: int) -> None:
     liar = RareLiar(0, 2, 0.01, seed, inference_rps=1e6)  # looks fastest: every route goes through it
     servers = {"liar": liar, "A2": Server(0, 2), "A3": Server(0, 2), "B": Server(2, 4)}

@@ -79,7 +79,7 @@ class ClientConfig:
     verify_rtol: float | None = None  # None = derived from the dtypes of the two outputs
     verify_max_referees: int = 2  # servers asked per verified span (a second, then a third to break a tie)
     # recompute this fraction of stretches (`verify_stretch_steps` steps of a span) on a replica as one rpc_forward,
-    # in the background, and ban a server outvoted 2:1 for good (`client.stretches`: 0.55 catches a server lying in
+    # in the background, and ban a server outvoted 2:1 for good (`client.stretches`: 0.6 catches a server lying in
     # 1% of its steps with 99% probability within 1,000 of its steps); 0 = off
     verify_stretch_fraction: float = 0.0
     verify_stretch_steps: int = 64

@@ -7,7 +7,14 @@ link is down the client knocks on that address with a bare TCP connection and wa
 (multistream-select's header, which a libp2p TCP listener sends at once, before any handshake), and dials through the
 daemon only once it answers: the daemon's last failed dial is then as old as the outage. A knock refused (nothing
 listens there: the server died or moved) or another server covering the span ends the knocking: the client retries
-as before."""
+as before.
+
+Only direct TCP connections are knocked on (`tcp_address`). A relayed connection's address
+(`.../p2p/RELAY/p2p-circuit/p2p/SERVER`) leads to the relay, which answers a knock whether or not the server behind it
+is reachable; asking the server itself means a libp2p handshake with the relay and a circuit-relay HOP request, i.e.
+the very dial whose failures p2pd backs off. So a relayed server is retried as before (every
+`retries.SOLE_SERVER_RETRY_S`), and the back-off may delay its return after an outage (0 to ~9 s after a 30 s drop);
+QUIC addresses likewise."""
 
 from __future__ import annotations
 

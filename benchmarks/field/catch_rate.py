@@ -1,0 +1,246 @@
+"""The catch rate of stretch verification, measured over many seeded trials (issue 37's target: a server corrupting 1%
+of its steps with finite, plausible values is caught with probability >= 99% within 1,000 of its steps, and an honest
+server is never banned): `python -m benchmarks.field.catch_rate [--trials 10000] [--seed 0]`.
+
+Each trial is one liar's career: it serves sessions (a prompt step, then one decode step per token, lengths drawn from
+[`min_new_tokens`, `max_new_tokens`]) of one span that two honest replicas also hold, and announces itself fastest, so
+every session goes through it; each of its steps is corrupted with probability `lie_rate` (its outputs plus noise of
+relative L2 size `lie_scale`: finite, the outputs' own scale). The client side is the real one
+(`client.stretches.StretchVerifier` with `ClientConfig`'s sampling, a real `RemoteSequenceManager` and `BanList`);
+the servers are a tiny random causal transformer span computed for real: the liar's answers come from incremental
+decoding with a KV cache, the replicas recompute each sampled stretch in one pass over the span's inputs [0, b), as
+`rpc_forward` does. A trial ends when the liar is banned (caught at that step) or after `budget_steps` of its steps
+(escaped; the session in flight is cut without its closing verification, which would only help). Control trials run
+the same with an honest server in its place: nobody may be banned. Prints one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import random
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from corolla.client import background_loop
+from corolla.client.config import ClientConfig
+from corolla.client.routing import RemoteSequenceManager
+from corolla.client.stretches import DEFAULT_FRACTION, DEFAULT_STRETCH_STEPS, StretchVerifier, escape_probability
+from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
+from corolla.utils.logging import quiet_logs
+
+SERVERS = {"server": 1e6, "replica1": 1.0, "replica2": 1.0}  # peer -> announced inference_rps (the server fastest)
+PROMPT_TOKENS = 8
+
+
+class ToySpan:
+    """`layers` pre-norm causal attention + MLP blocks with random weights, hidden size `hidden`."""
+
+    def __init__(self, hidden: int, layers: int, seed: int, dtype: torch.dtype):
+        generator = torch.Generator().manual_seed(seed)
+        self.blocks = [
+            {
+                name: (torch.randn(shape, generator=generator) / math.sqrt(shape[0])).to(dtype)
+                for name, shape in (
+                    ("qkv", (hidden, 3 * hidden)),
+                    ("o", (hidden, hidden)),
+                    ("up", (hidden, 4 * hidden)),
+                    ("down", (4 * hidden, hidden)),
+                )
+            }  # fmt: skip
+            for _ in range(layers)
+        ]
+
+    @staticmethod
+    def _norm(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    def run(self, x: torch.Tensor, caches: list[list[torch.Tensor]] | None) -> torch.Tensor:
+        """x [B, T, H] at positions [p, p + T) where p is the cache's length (0 without `caches`) -> [B, T, H];
+        appends to `caches` ([k, v] per block, each [B, p, H])."""
+        for index, w in enumerate(self.blocks):
+            q, k, v = (self._norm(x) @ w["qkv"]).chunk(3, dim=-1)  # [B, T, H] each
+            past = 0
+            if caches is not None:
+                past = caches[index][0].shape[1]
+                k = caches[index][0] = torch.cat([caches[index][0], k], dim=1)  # [B, p + T, H]
+                v = caches[index][1] = torch.cat([caches[index][1], v], dim=1)
+            scores = (q @ k.transpose(1, 2)).float() / math.sqrt(q.shape[-1])  # [B, T, p + T]
+            visible = torch.arange(k.shape[1]).view(1, -1) <= torch.arange(past, past + q.shape[1]).view(-1, 1)
+            attention = scores.masked_fill(~visible, -math.inf).softmax(-1).to(x.dtype)
+            x = x + (attention @ v) @ w["o"]
+            x = x + torch.nn.functional.gelu(self._norm(x) @ w["up"]) @ w["down"]
+        return x
+
+    def decode(self, inputs: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
+        """What a server answers: the prompt in one step, then one position a step, with a KV cache [B, T, H]."""
+        hidden = inputs.shape[-1]
+        caches = [[inputs.new_empty(inputs.shape[0], 0, hidden) for _ in range(2)] for _ in self.blocks]
+        outputs = [self.run(inputs[:, :prompt_tokens], caches)]
+        for t in range(prompt_tokens, inputs.shape[1]):
+            outputs.append(self.run(inputs[:, t : t + 1], caches))
+        return torch.cat(outputs, dim=1)
+
+
+class LocalManager(RemoteSequenceManager):
+    """A real manager (bans, spans, routing) over three fixed records of blocks 0:2; no DHT."""
+
+    def __init__(self, config: ClientConfig):
+        super().__init__(config, ["toy.0", "toy.1"], start_updates=False)
+        self.update()
+
+    def fetch_module_infos(self) -> list[RemoteModuleInfo]:
+        held = {
+            peer: ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=2, inference_rps=rps)
+            for peer, rps in SERVERS.items()
+        }
+        return [RemoteModuleInfo(uid, dict(held)) for uid in self.block_uids]
+
+    def measure_rtts_s(self, peer_ids):
+        return {peer: 0.001 for peer in peer_ids}
+
+
+class RecomputingVerifier(StretchVerifier):
+    """The replicas' `rpc_forward`, computed here: one pass over the span's inputs [0, b)."""
+
+    def __init__(self, manager: RemoteSequenceManager, span: ToySpan, rng: random.Random):
+        super().__init__(manager, rng=rng)
+        self.span = span
+
+    async def recompute(self, replica: RemoteSpanInfo, inputs: torch.Tensor, first: int) -> torch.Tensor | None:
+        return self.span.run(inputs, None)[:, first:]
+
+
+@dataclasses.dataclass
+class Pool:
+    """Sessions the servers serve: inputs [P, L, H] and the honest incremental answers [P, L, H]."""
+
+    span: ToySpan
+    inputs: torch.Tensor
+    answers: torch.Tensor
+
+
+def make_pool(sessions: int, max_tokens: int, hidden: int, layers: int, seed: int, dtype: torch.dtype) -> Pool:
+    span = ToySpan(hidden, layers, seed, dtype)
+    inputs = torch.randn(sessions, max_tokens, hidden, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return Pool(span, inputs, span.decode(inputs, PROMPT_TOKENS))
+
+
+def run_trial(pool: Pool, args: argparse.Namespace, seed: int, *, lying: bool) -> dict:
+    """One server's career of `budget_steps` steps; -> caught_at (its step count when banned, or None), bans, ..."""
+    # on the client loop, as a session's steps may be: its verifications then start there without a thread switch
+    return background_loop.run(_career(pool, args, seed, lying=lying))
+
+
+async def _career(pool: Pool, args: argparse.Namespace, seed: int, *, lying: bool) -> dict:
+    rng = random.Random(seed)
+    lies = random.Random(seed ^ 0x5EED)
+    noise = torch.Generator().manual_seed(seed)
+    config = ClientConfig(verify_stretch_fraction=args.fraction, verify_stretch_steps=args.stretch_steps)
+    manager = LocalManager(config)
+    server = next(s for s in manager.spans if s.peer_id == "server")
+    steps = verified = 0
+    while steps < args.budget_steps:
+        index = rng.randrange(pool.inputs.shape[0])
+        end = PROMPT_TOKENS + rng.randint(args.min_new_tokens, args.max_new_tokens)
+        verifier = RecomputingVerifier(manager, pool.span, random.Random(rng.random()))
+        session = SimpleNamespace(history=pool.inputs[index : index + 1])  # what the client sent the span
+        first = 0
+        while first < end and steps < args.budget_steps:
+            last = PROMPT_TOKENS if first == 0 else first + 1
+            outputs = pool.answers[index : index + 1, first:last]  # [1, T, H]
+            if lying and lies.random() < args.lie_rate:
+                error = torch.randn(outputs.shape, generator=noise).to(outputs.dtype)
+                outputs = outputs + args.lie_scale * error * (outputs.float().norm() / error.float().norm())
+            verifier.after_step(0, session, server, outputs, first)
+            steps += 1
+            for task in list(verifier.tasks):
+                await asyncio.wrap_future(task)
+            if manager.bans.is_liar("server"):
+                return {"caught_at": steps, "bans": sorted(manager.bans.banned_peers()), "verified": verified}
+            first = last
+        if first == end:  # the session ended: its close verifies what is left (sampled the same way)
+            await verifier.finish()
+        verified += verifier.num_positions_verified
+        if manager.bans.banned_peers():
+            break
+    caught = manager.bans.is_liar("server")
+    return {"caught_at": steps if caught else None, "bans": sorted(manager.bans.banned_peers()), "verified": verified}
+
+
+def wilson_upper(failures: int, trials: int, z: float = 1.96) -> float:
+    """The upper end of the 95% Wilson interval of a rate observed as failures / trials."""
+    p = failures / trials
+    centre = p + z * z / (2 * trials)
+    spread = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    return (centre + spread) / (1 + z * z / trials)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    dtype = getattr(torch, args.dtype)
+    pool = make_pool(
+        args.pool_sessions, PROMPT_TOKENS + args.max_new_tokens, args.hidden, args.layers, args.seed, dtype
+    )
+    started = time.perf_counter()
+    caught_at, escaped, framed = [], 0, 0
+    for trial in range(args.trials):
+        result = run_trial(pool, args, args.seed * 1_000_003 + trial, lying=True)
+        framed += bool(set(result["bans"]) - {"server"})
+        if result["caught_at"] is None:
+            escaped += 1
+        else:
+            caught_at.append(result["caught_at"])
+    honest_bans = honest_positions = 0
+    for trial in range(args.control_trials):
+        result = run_trial(pool, args, -(args.seed * 1_000_003 + trial) - 1, lying=False)
+        honest_bans += bool(result["bans"])
+        honest_positions += result["verified"]
+    caught_at.sort()
+    return {
+        "trials": args.trials, "lie_rate": args.lie_rate, "lie_scale": args.lie_scale, "budget_steps": args.budget_steps,
+        "fraction": args.fraction, "stretch_steps": args.stretch_steps, "dtype": args.dtype,
+        "new_tokens": [args.min_new_tokens, args.max_new_tokens], "caught": args.trials - escaped,
+        "catch_rate": round((args.trials - escaped) / args.trials, 5),
+        "escape_rate_95_upper": round(wilson_upper(escaped, args.trials), 5),
+        "model_escape_probability": round(escape_probability(args.lie_rate, args.budget_steps, args.stretch_steps,
+                                                             args.fraction), 5),
+        "caught_at_median": statistics.median(caught_at) if caught_at else None,
+        "caught_at_p99": caught_at[min(len(caught_at) - 1, int(0.99 * len(caught_at)))] if caught_at else None,
+        "honest_framed": framed, "control_trials": args.control_trials, "honest_banned": honest_bans,
+        "honest_positions_verified": honest_positions, "seconds": round(time.perf_counter() - started, 1),
+    }  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=10_000)
+    p.add_argument("--control_trials", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lie_rate", type=float, default=0.01)
+    p.add_argument("--lie_scale", type=float, default=1.0, help="relative L2 size of a lie's error")
+    p.add_argument("--budget_steps", type=int, default=1000)
+    p.add_argument("--fraction", type=float, default=DEFAULT_FRACTION)
+    p.add_argument("--stretch_steps", type=int, default=DEFAULT_STRETCH_STEPS)
+    p.add_argument("--min_new_tokens", type=int, default=16)
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--pool_sessions", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    return p
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # tiny math is fastest single-threaded
+    with quiet_logs():  # a warning per caught liar otherwise
+        report = measure(parser().parse_args())
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
