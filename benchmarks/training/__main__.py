@@ -10,7 +10,9 @@ merged per block call on the server (runtime counters); next to `transformers` r
 same process (frozen weights, gradients to the inputs) at 1 and N x `rows` rows.
 
 A/B phases: `--unmerged` (every work alone), `--no_reuse_ab` (no forward activations kept for backwards: every
-backward recomputes its blocks' inputs), `--forward_merge_ab TOKENS` (another forward merge limit).
+backward recomputes its blocks' inputs), `--forward_merge_ab TOKENS` (another forward merge limit), `--no_poll_ab`
+(the server's loop never polls after a lone session's inline decode step: on CUDA it polls for 5 ms, which may keep
+the GIL from the runtime thread's training launches).
 
 CPU dry run: `python -m benchmarks.training --tiny`; the GPU figure: `python -m benchmarks.training` (32 Llama-3-8B
 layers, bf16, sequence 512)."""
@@ -52,6 +54,7 @@ class PhaseSpec:
     forward_tokens: int = FORWARD_MERGE_TOKENS
     backward_tokens: int = BACKWARD_MERGE_TOKENS
     reuse: bool = True
+    poll: bool = True  # False: the handler's loop polling off for the phase (as on CPU)
 
 
 @dataclass
@@ -71,6 +74,8 @@ class Phase:
     forward_merge_tokens: int = FORWARD_MERGE_TOKENS  # the merge limits of the phase
     backward_merge_tokens: int = BACKWARD_MERGE_TOKENS
     reuse: bool = True  # False: the A/B phase with no forward activations kept (every backward recomputes)
+    poll: bool = True  # False: the A/B phase with the server loop's polling after inline decode steps off
+    inline_steps: int = 0  # decode steps the runtime ran inline (in the loop's thread, each followed by polling)
 
 
 @dataclass
@@ -110,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="also the most clients with this forward merge limit in tokens (A/B)",
     )
+    parser.add_argument(
+        "--no_poll_ab", action="store_true", help="also 1 and the most clients with the server loop's polling off (A/B)"
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed forward+backward steps per client and phase")
     parser.add_argument("--idle_s", type=float, default=3.0, help="the inference session alone, seconds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         phases.append(PhaseSpec(most, forward_tokens=args.forward_merge_ab))
     if args.no_reuse_ab:
         phases.extend(PhaseSpec(n, reuse=False) for n in sorted({1, most}))
+    if args.no_poll_ab:
+        phases.extend(PhaseSpec(n, poll=False) for n in sorted({1, most}))
     if args.unmerged:
         phases.append(PhaseSpec(most, forward_tokens=1, backward_tokens=1))
     report = run(shape, dtype, device, rows=args.rows, seq_len=args.seq_len, phases=phases, steps=args.steps,
@@ -201,10 +211,15 @@ def _serve(
         assert isinstance(executor, EngineExecutor), "the users bench builds the engine's executor"
         training = executor.training
         kept = training.kept
+        handler = server.service.handler if server.service is not None else None
+        assert handler is not None, "the bench server is serving"
+        poll = handler.busy_poll
         for spec in phases:
             n, merged_phase = spec.clients, spec.forward_tokens > 1 or spec.backward_tokens > 1
             training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens)
             training.kept = kept if spec.reuse else KeptActivations(0)
+            handler.busy_poll = poll if spec.poll else None  # read by the handler at every decode step
+            inline_before = server.runtime.num_inline_batches
             before = training_stats(server.runtime.stats())
             hits_before, misses_before = training.kept.hits, training.kept.misses
             for commands, _, _ in clients[:n]:
@@ -226,10 +241,12 @@ def _serve(
             report.phases.append(Phase(n, merged_phase, tokens / window_s, step_ms, float("nan"), 0,
                                        merged.tasks_per_batch, forward_ms, merged.busy_s / window_s,
                                        training.kept.hits - hits_before, training.kept.misses - misses_before,
-                                       retried, spec.forward_tokens, spec.backward_tokens, spec.reuse))  # fmt: skip
+                                       retried, spec.forward_tokens, spec.backward_tokens, spec.reuse, spec.poll,
+                                       server.runtime.num_inline_batches - inline_before))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
         training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
         training.kept = kept
+        handler.busy_poll = poll
         stop.set()
         inference_steps = inference_results.get(timeout=READY_TIMEOUT_S)
         if not isinstance(inference_steps, list):
@@ -299,13 +316,15 @@ def summary(report: Report) -> str:
             ab.append(f"merge limits {p.forward_merge_tokens}/{p.backward_merge_tokens} A/B")
         if not p.reuse:
             ab.append("no activations kept A/B")
+        if not p.poll:
+            ab.append("loop polling off A/B")
         lines.append(
             f"{p.clients} training clients{''.join(f' ({a})' for a in ab)}: {p.tokens_per_s:.0f} tok/s{ratio}, "
             f"step {p.step_median_ms:.1f} ms (forward {p.forward_median_ms:.1f} ms), "
             f"{p.works_per_block_call:.2f} works per block call, server busy with training "
             f"{p.training_busy_share:.0%} of the window, backwards reusing their forward's activations "
             f"{p.kept_hits}/{p.kept_hits + p.kept_misses}, calls retried after a stream closed without a reply "
-            f"{p.retried_calls}; inference step {p.inference_step_median_ms:.2f} ms "
+            f"{p.retried_calls}, inline decode steps {p.inline_steps}; inference step {p.inference_step_median_ms:.2f} ms "
             f"({slower:.2f}x alone, {p.inference_steps} steps)"
         )
     for rows, rate in report.local_tokens_per_s.items():
