@@ -78,11 +78,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def max_token_id(self) -> int:
-        """The largest token id the request names (-1 if none): the API checks it against the vocabulary."""
-        ids = [*self.stop_token_ids, *(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ())]
-        return max(ids, default=-1)
-
     def make_generator(self) -> torch.Generator:
         generator = torch.Generator()
         if self.seed is None:

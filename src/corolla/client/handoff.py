@@ -62,10 +62,6 @@ class HandoffLog:
     records: list[HandoffRecord] = field(default_factory=list)
     tried: set[str] = field(default_factory=set)  # span session ids already handed off or given up
 
-    @property
-    def num_moved(self) -> int:
-        return sum(r.to_peer is not None for r in self.records)
-
 
 class HandingOffSession(Protocol):
     """What a hand-off needs of an `InferenceSession` (which calls this module, so it is named here by shape)."""

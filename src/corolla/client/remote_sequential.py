@@ -5,7 +5,6 @@ gradients are voted on by other servers), or step-by-step inside an inference se
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -202,15 +201,6 @@ class RemoteSequential(nn.Module):
         session.on_enter.append(lambda: setattr(self, "active_session", session))
         session.on_exit.append(lambda: setattr(self, "active_session", None))
         return session
-
-    @contextlib.contextmanager
-    def use_session(self, session: InferenceSession) -> Iterator[InferenceSession]:
-        """Makes an already open session the one `forward` steps."""
-        previous, self.active_session = self.active_session, session
-        try:
-            yield session
-        finally:
-            self.active_session = previous
 
     @property
     def position(self) -> int:

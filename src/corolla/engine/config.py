@@ -88,10 +88,6 @@ class LlamaSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     @classmethod
     def from_hf_config(cls, config) -> LlamaSpec:
         """Reads a `LlamaConfig`-like object; ValueError for features the fast path does not implement."""

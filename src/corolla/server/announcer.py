@@ -76,7 +76,6 @@ class Announcer:
         self._pings = PingAggregator(ema_alpha=PING_EMA_ALPHA, expiration_s=PING_FORGET_ROUNDS * update_period_s)
         self._trigger = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.num_announcements = 0
         self.early_announce = early_announce  # None: only the heartbeat (Petals' behaviour)
         self.early_check_period_s = early_check_period_s
         self.num_early_announcements = 0
@@ -188,7 +187,6 @@ class Announcer:
             model_info=self.model_info,  # goes into our signed record (swarm.signed_records)
             timeout_s=DHT_CALL_TIMEOUT_S,
         )
-        self.num_announcements += 1
         logger.info(
             f"announcer.declared(state={state.name}, blocks={self.block_indices.start}:{self.block_indices.stop}, "
             f"cache_tokens_left={self.server_info.cache_tokens_left})"

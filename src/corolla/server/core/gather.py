@@ -75,7 +75,6 @@ class GatherRule:
         self.return_s: float | None = None  # learned: a finished forward's `quantile`-th own session back, s after it
         self.forward_s: float | None = None  # the last merged forward's seconds (of 2 steps or more)
         self._cohort: _Cohort | None = None
-        self.num_waits = 0
         self.num_skipped = 0  # cohorts not waited for (their return takes longer than the budget)
 
     def finished(self, *, size: int, forward_s: float, now_s: float, num_pushed: int) -> int | None:
@@ -113,7 +112,6 @@ class GatherRule:
         timeout_s = cohort.finished_at_s + cohort.budget_s - now_s
         if timeout_s <= 0:
             return None
-        self.num_waits += 1
         return GatherWait(cohort.seq + cohort.target, timeout_s)
 
     def holds_launch(self) -> bool:

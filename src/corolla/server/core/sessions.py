@@ -49,12 +49,10 @@ class SessionState:
     push_guard: SessionPushGuard | None = None  # what pushed steps may do (None: none runs); push_guard.screen_step
     seen_step_ids: set[str] = field(default_factory=set)
     direct_step_ids: set[str] = field(default_factory=set)  # steps the client itself sent (not only pushed)
-    num_late_pushes: int = 0
     ticket: SessionTicket | None = None  # idle time and eviction (None: not admitted through `admission`)
     last_step_id: str | None = None
     last_output: runtime_pb2.Tensor | None = None
     resend_pending: bool = False  # the step being yielded is the client's re-send of a step already answered
-    num_resends: int = 0
     # the session's per-step waits (next request, step compute) in its stream's task: one lazily moved timer
     deadlines: TaskDeadline | None = None
     # sees the metadata of every request of the session's own client before it runs, also one skipped because its
@@ -68,7 +66,6 @@ class SessionState:
     def resend_output(self, step_id: str | None) -> runtime_pb2.Tensor:
         """The reply to a re-sent step: the cached output if it is the last step, else DuplicateStep."""
         self.resend_pending = False
-        self.num_resends += 1
         if step_id is not None and step_id == self.last_step_id and self.last_output is not None:
             logger.info(f"rpc_inference.resent_step(session_id={self.session_id!r:.40}, step_id={step_id!r:.40})")
             return self.last_output
@@ -263,7 +260,7 @@ async def iterate_steps(
                         session.direct_step_ids.add(step_id)
                 yield request, metadata
             elif metadata.pushed:  # the client's own copy came first and was answered: no second reply
-                session.num_late_pushes += 1
+                pass
             elif step_id not in session.direct_step_ids:  # its pushed copy came first and was answered
                 session.direct_step_ids.add(step_id)
             else:  # the client sent this step twice: answer it (Petals drops it, leaving the client to time out)
