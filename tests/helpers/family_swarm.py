@@ -73,9 +73,17 @@ def local_model(path: Path) -> Any:
 
 
 def local_greedy(path: Path, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    """Local greedy decoding of exactly `new_tokens` (`min_new_tokens`: EOS banned until then), prompt included."""
+    """Local greedy decoding of exactly `new_tokens` (`min_new_tokens`: EOS banned until then), prompt included. Every
+    position is attended, as in the swarm: without a mask, `generate` masks each token equal to the pad id (0 in the
+    tiny models, which a conversation's earlier answer may hold)."""
     with torch.no_grad():
-        out = local_model(path).generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        out = local_model(path).generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+        )
     return out[0].tolist()
 
 
