@@ -2,6 +2,8 @@
 (raw bf16, streaming), args_structure packing, and the RPC handle names Petals peers dial."""
 
 import asyncio
+import threading
+import time
 
 import msgpack
 import pytest
@@ -256,6 +258,29 @@ def test_unpack_rejects_garbage(structure):
 
 
 # ---------------------------------------------------------------- rpc
+
+
+def test_rpc_handler_table_is_never_seen_half_filled(monkeypatch):
+    """Two servers registering one servicer class at once (in-process servers start from several threads): hivemind
+    publishes a class's table of rpcs before filling it, so the second saw a part of it and registered only those."""
+    import hivemind.p2p.servicer as servicer_module
+
+    class SlowHints(rpc.TransformerConnectionHandler):
+        pass
+
+    real = servicer_module.get_type_hints
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(servicer_module, "get_type_hints", slow)
+    first = threading.Thread(target=SlowHints._collect_rpc_handlers)
+    first.start()
+    time.sleep(0.05)  # the first thread is filling the table
+    seen = SlowHints.handle_names()
+    first.join()
+    assert len(seen) == 7, seen
 
 
 def test_rpc_handle_names_and_stream_kinds():

@@ -7,6 +7,7 @@ names at module level: hivemind resolves hints with `typing.get_type_hints`). Cl
 from __future__ import annotations
 
 import collections.abc
+import threading
 import typing
 from collections.abc import AsyncIterator
 
@@ -31,18 +32,27 @@ def handle_name(method_name: str) -> str:
     return f"{SERVICE_NAME}.{method_name}"
 
 
+_HANDLER_TABLES = threading.Lock()  # held while a servicer class fills its table of rpcs
+
+
 class TransformerConnectionHandler(ServicerBase):
     """Declares the service's signatures; bodies raise NotImplementedError (the server overrides them).
 
     Unlike plain hivemind servicers, every subclass collects its own handlers (so a subclass may add new `rpc_*`
-    extensions) and always registers under `SERVICE_NAME`, whatever the subclass is called."""
+    extensions) and always registers under `SERVICE_NAME`, whatever the subclass is called. hivemind fills a class's
+    table lazily, and publishes it before filling it, without a lock: a second thread that registers the same class
+    meanwhile (servers started at once in one process) saw a half-filled table and left rpcs unregistered with its
+    p2pd. The table is filled under a lock here, and counts as filled only once its stub type, set last, exists."""
 
     @classmethod
     def _collect_rpc_handlers(cls) -> None:
-        if "_rpc_handlers" not in cls.__dict__:  # hivemind caches on the class; don't reuse a parent's cache
-            cls._rpc_handlers = None
-            cls._stub_type = None
-        super()._collect_rpc_handlers()
+        if cls.__dict__.get("_stub_type") is not None:
+            return
+        with _HANDLER_TABLES:
+            if cls.__dict__.get("_stub_type") is None:
+                cls._rpc_handlers = None  # never a parent's table (hivemind caches on the class) or a half-filled one
+                cls._stub_type = None
+                super()._collect_rpc_handlers()
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
