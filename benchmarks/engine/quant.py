@@ -262,6 +262,47 @@ def profile_steps(engine: SpanEngine, sessions: list, prefix: int, steps: int) -
     }
 
 
+def step_timeline(engine: SpanEngine, sessions: list, prefix: int, layers_n: int) -> dict:
+    """One decode step's kernels in launch order under torch's profiler (the middle of 3 profiled steps), folded by
+    their position within a layer: per position the kernel's name, its mean device microseconds and the mean gap
+    before it (its start less the previous kernel's end; negative where they overlap), over the layers; and the
+    layers' span (their first kernel's start to their last one's end), busy time and gaps, in microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step_ms(engine, sessions, prefix, steps=3)  # warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step_ms(engine, sessions, prefix, steps=3)
+    events = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "emcpy" not in e.name),
+        key=lambda e: e.time_range.start,
+    )
+    per_step = len(events) // 3
+    step = events[per_step : 2 * per_step]  # [kernels of the middle step]
+    names = [e.name for e in step]
+    period = per_step // layers_n if layers_n else 0  # kernels per layer (the rest run before or after the layers)
+    # the layers' kernels: the longest stretch where names repeat with the period
+    start = next((i for i in range(len(step)) if names[i : i + period * (layers_n - 1)]
+                  == names[i + period : i + period * layers_n]), 0) if period else 0  # fmt: skip
+    rows = []
+    for j in range(period):
+        idx = [start + layer * period + j for layer in range(layers_n) if start + layer * period + j < len(step)]
+        durs = [step[i].time_range.elapsed_us() for i in idx]
+        gaps = [step[i].time_range.start - step[i - 1].time_range.end for i in idx if i > 0]
+        rows.append({"name": names[idx[0]][:90], "us": sum(durs) / len(durs), "gap_us": sum(gaps) / max(1, len(gaps))})
+    layers = step[start : start + period * layers_n] or step  # the layers' kernels (their span: no host time)
+    busy = sum(e.time_range.elapsed_us() for e in layers)
+    span = layers[-1].time_range.end - layers[0].time_range.start
+    return {"kernels": len(step), "per_layer": period, "span_us": span, "busy_us": busy, "gaps_us": span - busy,
+            "layer": rows}  # fmt: skip
+
+
+def log_timeline(lines: list[str], kind: str, tl: dict) -> None:
+    log(lines, f"  {kind} timeline: {tl['kernels']} kernels per step ({tl['per_layer']} per layer), the layers' span "
+               f"{tl['span_us']:.0f} us = busy {tl['busy_us']:.0f} + gaps {tl['gaps_us']:.0f}; one layer:")  # fmt: skip
+    for row in tl["layer"]:
+        log(lines, f"    {row['us']:7.2f} us  gap {row['gap_us']:6.2f} us  {row['name'][:80]}")
+
+
 def log_profile(lines: list[str], kind: str, prof: dict) -> None:
     log(lines, f"  {kind} profile: {prof['launches_per_step']:.0f} launches per step, GPU busy "
                f"{prof['busy_us_per_step'] / 1000:.3f} ms per step")  # fmt: skip
@@ -272,10 +313,10 @@ def log_profile(lines: list[str], kind: str, prof: dict) -> None:
 
 def bench_llama(
     results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev, sessions_n: int,
-    kinds: tuple[str, ...] = ("bf16", "nf4", "int8"), profile: int = 0,
+    kinds: tuple[str, ...] = ("bf16", "nf4", "int8"), profile: int = 0, timeline: bool = False,
 ) -> None:  # fmt: skip
     """`kinds`: which of bf16, nf4, int8 to run, in the order given; `profile` > 0: also that many steps of each kind's
-    single-session step under the profiler (CUDA only)."""
+    single-session step under the profiler (CUDA only); `timeline`: one step's kernels by position in a layer."""
     gen = torch.Generator(device=dev).manual_seed(0)
     spec = TINY if dev.type == "cpu" else LLAMA3_8B
     dense = [random_layer(spec, dev, gen) for _ in range(layers_n)]
@@ -309,6 +350,12 @@ def bench_llama(
                 log_profile(lines, kind, prof)
             except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
                 log(lines, f"  {kind} profile failed: {type(e).__name__}: {str(e)[:300]}")
+        if timeline and dev.type == "cuda":
+            try:
+                row["timeline"] = step_timeline(engine, one, prefix, layers_n)
+                log_timeline(lines, kind, row["timeline"])
+            except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
+                log(lines, f"  {kind} timeline failed: {type(e).__name__}: {str(e)[:300]}")
         if kind == "nf4":
             many = open_prefilled(engine, sessions_n - 1, prefix, gen)
             ms64, _ = step_ms(engine, one + many, prefix, steps=max(1, STEPS // 2))
@@ -437,6 +484,7 @@ def main() -> None:
     parser.add_argument(
         "--programmatic_launch", action="store_true", help="also NF4 / INT8 with programmatic dependent launch (sm_90+)"
     )
+    parser.add_argument("--timeline", action="store_true", help="each kind's step: its kernels by position in a layer")
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))  # run in the order given (bf16 first for the x bf16 ratios)
     if not kinds or set(kinds) - {"bf16", "nf4", "int8"} or len(set(kinds)) < len(kinds):
@@ -450,7 +498,16 @@ def main() -> None:
     results: dict = {"device": name, "bandwidth_bytes_per_s": bandwidth, "prefix_tokens": args.prefix_tokens}
     log(lines, f"device {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     bench_llama(
-        results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, args.sessions, kinds, args.profile_steps
+        results,
+        lines,
+        bandwidth,
+        args.prefix_tokens,
+        args.llama_layers,
+        dev,
+        args.sessions,
+        kinds,
+        args.profile_steps,
+        args.timeline,
     )
     if args.programmatic_launch and dev.type == "cuda":
         bench_programmatic(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, kinds)

@@ -5,7 +5,9 @@ Writes a random checkpoint (safetensors, one shard per layer, bf16) of --layers 
 timed), then per kind (--kinds: none, nf4, int8): every block loaded as `server.block_loading.load_span_blocks` does
 (`load_pretrained_block`: the block's tensors read into a CPU block; `place_block`: quantized on the device), the
 fused engine built over the blocks and warmed up (kernel tuning and CUDA-graph capture), then built and warmed up
-again as after a restart (the tuner's choices read from --choices_dir); seconds per stage. Also
+again as after a restart (the tuner's choices read from --choices_dir); seconds per stage. With --server, also each
+kind's whole server (`corolla.cli.run_server` on the checkpoint, a new swarm, a fresh cache directory) from launch to
+its ready line. Also
 times, on the host, one block's bitsandbytes layers built the way `models.quantization` built them before (a random
 fp32 initial weight on the CPU, replaced at once) against on the meta device (now). Writes a JSON and a log."""
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +27,8 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.models.loading import load_pretrained_block
 from corolla.models.placement import place_block
 from corolla.models.registry import get_family
+from corolla.swarm.local import SERVER_READY_PREFIX
+from corolla.utils.processes import ChildProcess
 
 TINY = ModelShape(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)
 
@@ -94,6 +99,23 @@ def load_span(path: Path, config, layers: int, kind: str, device: torch.device) 
     return blocks, {"read_s": read_s, "place_s": place_s}
 
 
+def server_ready_s(path: Path, layers: int, kind: str, device: torch.device, workdir: Path, timeout_s: float) -> float:
+    """Seconds from launching `corolla.cli.run_server` on the checkpoint (a new swarm of its own, every block, a fresh
+    cache directory: the throughput measurement and kernel tuning included) to its ready line."""
+    cache = workdir / f"cache-{kind}"
+    shutil.rmtree(cache, ignore_errors=True)
+    command = [
+        sys.executable, "-m", "corolla.cli.run_server", str(path), "--new_swarm", "--block_indices", f"0:{layers}",
+        "--quant_type", kind, "--device", device.type, "--cache_dir", str(cache), "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+    ]  # fmt: skip
+    if device.type == "cpu":
+        command += ["--torch_dtype", "float32"]
+    started = time.perf_counter()
+    with ChildProcess(command, name=f"server-{kind}", log_path=workdir / f"server-{kind}.log") as proc:
+        proc.wait_for_line(lambda s: s.startswith(SERVER_READY_PREFIX), timeout_s)
+        return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="startup-results")
@@ -102,6 +124,10 @@ def main() -> None:
     parser.add_argument("--choices_dir", default="/tmp/corolla-startup-choices", help="emptied first")
     parser.add_argument("--kinds", default="none,nf4,int8")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer 256-wide model (a CPU dry run)")
+    parser.add_argument(
+        "--server", action="store_true", help="also each kind's whole server (corolla.cli.run_server) start to ready"
+    )
+    parser.add_argument("--server_timeout_s", type=float, default=400.0)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = TINY if args.tiny else ModelShape(num_layers=args.layers)
@@ -118,12 +144,13 @@ def main() -> None:
     log(lines, f"{card}: checkpoint of {shape.num_layers} layers, {nbytes / 1e9:.2f} GB, written in "
                f"{time.perf_counter() - started:.1f} s (not counted)")  # fmt: skip
     try:
-        results["bnb_constructor_s"] = bnb_constructor_seconds(config)
-        log(lines, f"one block's bitsandbytes NF4 layers built: random CPU init {results['bnb_constructor_s']['cpu']:.2f} s, "
-                   f"meta {results['bnb_constructor_s']['meta']:.3f} s")  # fmt: skip
+        if not args.server:  # (the server measures its own start)
+            results["bnb_constructor_s"] = bnb = bnb_constructor_seconds(config)
+            log(lines, f"one block's bitsandbytes NF4 layers built: random CPU init {bnb['cpu']:.2f} s, "
+                       f"meta {bnb['meta']:.3f} s")  # fmt: skip
     except ImportError:
         log(lines, "no bitsandbytes: the constructor A/B and the quantized kinds are skipped")
-    for kind in args.kinds.split(","):
+    for kind in args.kinds.split(",") if not args.server else ():
         if kind != "none" and (device.type != "cuda" or "bnb_constructor_s" not in results):
             continue
         t0 = time.perf_counter()
@@ -148,6 +175,17 @@ def main() -> None:
         del engine, blocks
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    for kind in args.kinds.split(",") if args.server else ():
+        if kind != "none" and device.type != "cuda":
+            continue
+        try:
+            ready_s = server_ready_s(
+                Path(args.checkpoint_dir), shape.num_layers, kind, device, out, args.server_timeout_s
+            )
+            results.setdefault("server_ready_s", {})[kind] = ready_s
+            log(lines, f"{kind}: whole server (corolla.cli.run_server) start to ready {ready_s:.1f} s")
+        except Exception as e:  # a measurement: its failure is logged with the server's log kept under --out
+            log(lines, f"{kind}: whole server failed: {type(e).__name__}: {str(e)[:300]}")
     (out / "startup.json").write_text(json.dumps(results, indent=2))
     (out / "startup.log").write_text("\n".join(lines) + "\n")
 
