@@ -12,7 +12,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.remote_forward_backward import run_remote_backward
 from corolla.client.remote_sequential import RemoteSequential
-from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize_tensor, stream_messages
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.packing import unpack_args_kwargs
 from helpers.fake_chain import HIDDEN, FakeManager, block_fn
@@ -137,3 +137,30 @@ def test_a_stream_closed_without_a_reply_is_a_connection_failure_not_a_bad_outpu
     with pytest.raises(ConnectionError, match="closed without a reply"):
         asyncio.run(run_remote_backward(manager, span, inputs, torch.randn_like(inputs), torch.empty(0)))
     assert servers["A"].calls == ["backward_stream"]
+
+
+class CutStreamServer(FakeForwardServer):
+    """Answers a streamed backward with only the first part of its reply's tensor, then ends the stream (what the
+    client reads where p2pd cut the stream in the middle of the reply)."""
+
+    async def rpc_backward_stream(self, requests):
+        received = [request async for request in requests]
+        parts = combine_parts([t for request in received for t in request.tensors])
+        answer = await self.rpc_backward(
+            runtime_pb2.ExpertRequest(uid=received[0].uid, metadata=received[0].metadata, tensors=parts)
+        )
+        messages = stream_messages(runtime_pb2.ExpertResponse, list(answer.tensors), chunk_bytes=64 * 1024)
+        assert len(messages) > 1
+
+        async def first_part_only():
+            yield messages[0]
+
+        return first_part_only()
+
+
+def test_a_reply_cut_in_the_middle_of_a_tensor_is_a_connection_failure_not_a_bad_output():
+    manager = FakeManager({"A": CutStreamServer(0, 2)}, 2)
+    span = manager.make_sequence(0, 2, mode="max_throughput")[0]
+    inputs = torch.randn(1, 20_000, HIDDEN)  # over 1 MiB: the stream RPC; a 640 KB reply in 64 KiB parts
+    with pytest.raises(ConnectionError, match="middle of its reply"):
+        asyncio.run(run_remote_backward(manager, span, inputs, torch.randn_like(inputs), torch.empty(0)))
