@@ -1,7 +1,6 @@
 """Protocol helpers: uid grammar, request metadata (msgpack as hivemind, typed validation), tensor codecs
 (raw bf16, streaming), args_structure packing, and the RPC handle names Petals peers dial."""
 
-import asyncio
 import threading
 import time
 
@@ -177,11 +176,7 @@ def test_streaming_split_and_merge():
     parts += list(codecs.split_for_streaming(codecs.serialize_tensor(small)))
     assert len(list(codecs.split_for_streaming(codecs.serialize_tensor(big)))) == 1  # default chunk is 4 MiB
 
-    async def messages():
-        for i in range(0, len(parts), 2):  # two parts per stream message
-            yield parts[i : i + 2]
-
-    out = asyncio.run(codecs.deserialize_tensor_stream(messages()))
+    out = [codecs.deserialize_tensor(t) for t in codecs.combine_parts(parts)]
     assert len(out) == 2 and torch.equal(out[0], big) and torch.equal(out[1], small)
     assert codecs.needs_streaming([big]) and not codecs.needs_streaming([small])
     with pytest.raises(ValueError):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import AsyncIterable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -442,14 +442,6 @@ def _combined(parts: list[runtime_pb2.Tensor]) -> runtime_pb2.Tensor:
     """One tensor's parts as one record; a lone part is that record already (hivemind's combining copies its buffer
     three times: ~20 ms for 4 MiB)."""
     return parts[0] if len(parts) == 1 else combine_from_streaming(parts)
-
-
-async def deserialize_tensor_stream(stream: AsyncIterable[Iterable[runtime_pb2.Tensor]]) -> list[torch.Tensor]:
-    """Collects the tensor parts of every message of a stream and decodes the whole tensors."""
-    parts: list[runtime_pb2.Tensor] = []
-    async for message_parts in stream:
-        parts.extend(message_parts)
-    return [deserialize_tensor(t) for t in combine_parts(parts)]
 
 
 def raw_size_bytes(tensors: Iterable[torch.Tensor]) -> int:
