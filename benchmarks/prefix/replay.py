@@ -98,17 +98,31 @@ def _next_turn(client: Any, model: str, chat: _Chat, number: int, extra: dict) -
 
 
 def replay(
-    client: Any, model: str, conversations: Sequence[Conversation], *, extra: dict, concurrency: int = 1
-) -> list[TurnResult]:
-    """Round k runs the k-th turn of every conversation that has one (`concurrency` at a time), as users who read
-    an answer before they write the next: between two turns of a conversation, every other one takes a turn (which
-    is what makes a cache sized for a few conversations lose some)."""
+    clients: Sequence[Any], model: str, conversations: Sequence[Conversation], *, extra: dict, concurrency: int = 1
+) -> list[list[TurnResult]]:
+    """Every one of `clients` (one gateway per way: the cache off, on) replays the conversations, each way's turn of a
+    conversation right after the other's, so the ways run under the same load on a shared machine (passes one after
+    the other saw the load change between them). Round k runs the k-th turn of every conversation that has one
+    (`concurrency` conversations at a time), as users who read an answer before they write the next: between two
+    turns of a conversation, every other one takes a turn (which is what makes a cache sized for a few conversations
+    lose some). Returns each client's results."""
     chats = [
-        _Chat(i, c, [{"role": "system", "content": " ".join(c.system_words)}]) for i, c in enumerate(conversations)
+        [_Chat(i, c, [{"role": "system", "content": " ".join(c.system_words)}]) for i, c in enumerate(conversations)]
+        for _ in clients
     ]
-    results: list[TurnResult] = []
+    results: list[list[TurnResult]] = [[] for _ in clients]
+
+    def ways_of(index: int, number: int) -> list[TurnResult | None]:
+        return [
+            None if chats[way][index].failed else _next_turn(client, model, chats[way][index], number, extra)
+            for way, client in enumerate(clients)
+        ]
+
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for number in range(max((len(c.turns) for c in conversations), default=0)):
-            due = [chat for chat in chats if number < len(chat.conversation.turns) and not chat.failed]
-            results.extend(pool.map(functools.partial(_next_turn, client, model, number=number, extra=extra), due))
+            due = [i for i, c in enumerate(conversations) if number < len(c.turns)]
+            for row in pool.map(functools.partial(ways_of, number=number), due):
+                for way, result in enumerate(row):
+                    if result is not None:
+                        results[way].append(result)
     return results

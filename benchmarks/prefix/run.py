@@ -1,9 +1,12 @@
-"""One run of the prefix benchmark: a loopback chain of two CPU servers (`corolla.api.local_swarm.LocalSwarm`), an
-in-process corolla-api over it, and the same workload replayed with the client's prefix reuse off, then on (the
-off pass sends no keys, so it leaves the servers' caches empty); greedy answers must be identical in both passes."""
+"""One run of the prefix benchmark: a loopback chain of two CPU servers (`corolla.api.local_swarm.LocalSwarm`), two
+in-process corolla-api gateways over it, one with the client's prefix reuse off and one with it on, and the same
+workload replayed through both, request by request in turn (the off way sends no keys, so it leaves nothing in the
+servers' caches; its sessions' pages may evict idle cached ones under memory pressure, as other traffic would);
+greedy answers must be identical both ways."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Sequence
@@ -24,11 +27,10 @@ NEAR_TIE_NATS = 1e-3
 
 @dataclass
 class PassReport:
-    """One pass over the workload."""
+    """One way's results over the workload."""
 
     prefix_reuse: bool
     results: list[TurnResult]
-    wall_s: float
 
     @property
     def ok(self) -> list[TurnResult]:
@@ -70,8 +72,9 @@ class RunReport:
     num_conversations: int
     num_turns: int
     shape: ModelShape
-    mismatched_answers: int  # turns whose answers differ between the passes
+    mismatched_answers: int  # turns whose answers differ between the ways
     unexplained_mismatches: int  # of those, divergences not at a near tie nor after one in the same conversation
+    wall_s: float  # the replay, both ways
     server_args: tuple[str, ...] = ()
     notes: list[str] = field(default_factory=list)
 
@@ -98,8 +101,7 @@ class RunReport:
             "errors_on": self.on.errors,
             "mismatched_answers": self.mismatched_answers,
             "unexplained_mismatches": self.unexplained_mismatches,
-            "wall_off_s": round(self.off.wall_s, 1),
-            "wall_on_s": round(self.on.wall_s, 1),
+            "wall_s": round(self.wall_s, 1),
             "model": f"llama hidden={self.shape.hidden_size} layers={self.shape.num_layers} (random weights, float32)",
             "server_args": " ".join(self.server_args),
             "notes": self.notes,
@@ -115,7 +117,7 @@ def run(
     concurrency: int = 1,
     conversations: list[Conversation] | None = None,
 ) -> RunReport:
-    """Writes the model, starts the chain and the gateway, replays the workload off then on; everything is stopped
+    """Writes the model, starts the chain and the two gateways, replays the workload both ways; everything is stopped
     before it returns."""
     import openai
 
@@ -131,23 +133,24 @@ def run(
     # float32 blocks (a float32 checkpoint is served in bfloat16 by default): bfloat16's rounding (~1e-2 of a logit)
     # would flip many near ties of a random model between the passes and hide a real divergence among them
     all_server_args = ("--torch_dtype", "float32", *server_args)
-    with LocalSwarm(str(path), num_servers=2, server_args=all_server_args) as swarm:
-        backend = load_swarm_backend(str(path), initial_peers=swarm.initial_peers, model_id=MODEL_ID)
-        try:
-            with serve_in_thread(create_app(backend, ApiConfig())) as gateway:
-                client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-                config = backend.model.manager.config
-                config.prefix_reuse = False  # a warm-up request, counted nowhere
-                replay(client, MODEL_ID, conversations[:1], extra=extra)
-                passes = []
-                for reuse in (False, True):
-                    config.prefix_reuse = reuse
-                    started = time.perf_counter()
-                    results = replay(client, MODEL_ID, conversations, extra=extra, concurrency=concurrency)
-                    passes.append(PassReport(reuse, results, time.perf_counter() - started))
-        finally:
-            backend.model.shutdown()
-    off, on = passes
+    with LocalSwarm(str(path), num_servers=2, server_args=all_server_args) as swarm, contextlib.ExitStack() as stack:
+        backends = []  # (the cache off, on)
+        for _ in range(2):
+            backends.append(load_swarm_backend(str(path), initial_peers=swarm.initial_peers, model_id=MODEL_ID))
+            stack.callback(backends[-1].model.shutdown)
+        gateways = [stack.enter_context(serve_in_thread(create_app(backend, ApiConfig()))) for backend in backends]
+        clients = [
+            openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+            for gateway in gateways
+        ]
+        for backend in backends:
+            backend.model.manager.config.prefix_reuse = False  # warm-up requests, counted nowhere, keyed nowhere
+        replay(clients, MODEL_ID, conversations[:1], extra=extra)
+        backends[1].model.manager.config.prefix_reuse = True
+        started = time.perf_counter()
+        off_results, on_results = replay(clients, MODEL_ID, conversations, extra=extra, concurrency=concurrency)
+        wall_s = time.perf_counter() - started
+    off, on = PassReport(False, off_results), PassReport(True, on_results)
     off_by_turn = {(r.conversation, r.turn): r for r in off.ok}
     notes, mismatched, unexplained, diverged = [], 0, 0, set()
     for r in sorted(on.ok, key=lambda r: (r.conversation, r.turn)):
@@ -165,4 +168,6 @@ def run(
                 f"(greedy margin there without the cache: {margin if margin is None else f'{margin:.2e}'} nats)"
             )
     num_turns = sum(len(c.turns) for c in conversations)
-    return RunReport(off, on, len(conversations), num_turns, shape, mismatched, unexplained, all_server_args, notes)
+    return RunReport(
+        off, on, len(conversations), num_turns, shape, mismatched, unexplained, wall_s, all_server_args, notes
+    )

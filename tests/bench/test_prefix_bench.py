@@ -1,6 +1,7 @@
 """The prefix benchmark, bounded: a few interleaved multi-turn conversations with shared system prompts through
-corolla-api on a loopback chain of two CPU servers (a tiny random model), prefix reuse off then on in one run: no
-errors, identical greedy answers (but for float-rounding near ties, reported), at least 40% of the prompt tokens taken from the servers' caches."""
+corolla-api on a loopback chain of two CPU servers (a tiny random model), prefix reuse off and on, request by request
+in turn: no errors, identical greedy answers (but for float-rounding near ties, reported), at least 40% of the
+prompt tokens taken from the servers' caches."""
 
 from __future__ import annotations
 
