@@ -1,6 +1,6 @@
 """One forward or backward call to one server span (`rpc_forward`/`rpc_backward`, or their `_stream` variants
 when the payload exceeds 1 MiB). A streamed reply that ends before its first message or in the middle of a tensor is
-a `ConnectionError`: hivemind ends a stream cut under it (about 1 in 7,000 4-MiB replies in a stress on the dev VM)
+a `ConnectionError`: hivemind ends a stream cut under it (about 1 in 8,600 4-MiB replies in a stress on the dev VM)
 silently, and what came is not the server's answer."""
 
 from __future__ import annotations
