@@ -320,24 +320,21 @@ class SessionAdmission:
         return recent * horizon_s / window_s
 
     def _pace_unknown(self, ticket: SessionTicket) -> bool:
-        """Less than `first_token_grace_s` since its prefill, or its opening request's tokens not processed yet (a
-        zero-token hold has none: it yields by `never_worked`). A fresh session's first decode token follows its
-        prefill by a round trip through the rest of its chain, so right after its prefill it has processed no token
-        at any pace: it is neither slow nor fast yet."""
-        if ticket.prefilled_at is None:
-            return bool(ticket.opening_tokens)  # its prefill in flight (queued or running)
-        return time.monotonic() - ticket.prefilled_at < self.limits.first_token_grace_s
+        """Less than `first_token_grace_s` since its prefill (a zero-token hold has none: it yields by
+        `never_worked`). A fresh session's first decode token follows its prefill by a round trip through the rest
+        of its chain, so right after its prefill it has processed no token at any pace: it is neither slow nor fast
+        yet."""
+        return (
+            ticket.prefilled_at is not None and time.monotonic() - ticket.prefilled_at < self.limits.first_token_grace_s
+        )
 
     def _unearned_promise(self, ticket: SessionTicket) -> int:
         """Promised cache beyond room for the tokens it holds and its pace (`num_tokens` counts positions times rows,
-        as `bytes_per_token` does); while its opening request's prefill is in flight, beyond room for those tokens
-        (under load a hoarder reopening sessions kept them there, whole promises out of reach); 0 for a session
-        with no token at all (a zero-token hold yields whole: `never_worked`)."""
+        as `bytes_per_token` does); 0 before its first token (a zero-token hold yields whole: `never_worked`)."""
         lease = ticket.lease
-        tokens = ticket.num_tokens or ticket.opening_tokens or 0
-        if lease is None or not self.limits.session_idle_evict_s or not ticket.bytes_per_token or not tokens:
+        if lease is None or not self.limits.session_idle_evict_s or not ticket.bytes_per_token or not ticket.num_tokens:
             return 0
-        needed = math.ceil((tokens + self._pace_tokens(ticket)) * ticket.bytes_per_token)
+        needed = math.ceil((ticket.num_tokens + self._pace_tokens(ticket)) * ticket.bytes_per_token)
         return max(0, min(lease.promised_bytes, lease.taken_bytes + lease.promised_bytes - needed))
 
     def _slow_promises(self, exclude: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
@@ -363,9 +360,7 @@ class SessionAdmission:
             for t in self._tickets
             if t is not exclude and not t.evicted.is_set() and self._pace_unknown(t)
         }
-        # (a prefill in flight is the freshest of all)
-        by_age = sorted((t for t in fresh if fresh[t]), key=lambda t: (t.prefilled_at or math.inf, t.last_used_at))
-        for ticket in by_age:
+        for ticket in sorted((t for t in fresh if fresh[t]), key=lambda t: (t.prefilled_at, t.last_used_at)):
             yield ticket, fresh[ticket]
 
     def _promises_over_share(self, ticket: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
@@ -463,19 +458,16 @@ class SessionAdmission:
         paced = ticket is None or ticket.opening_tokens != 0
         slow = self._slow_promises(ticket) if paced else iter(())
         fresh = self._fresh_promises(ticket) if paced else iter(())
-        # the pace tiers offer a session's whole unearned promise, not a part on top of what another tier took: a
-        # prefill in flight keeps room for its tokens whatever took its share's excess before
-        tiers = ((self._idle_promises(ticket), False), (slow, True), (self._promises_over_share(ticket), False),
-                 (fresh, True))  # fmt: skip
-        for tier, offers_total in tiers:
+        for tier in (self._idle_promises(ticket), slow, self._promises_over_share(ticket), fresh):
             for candidate, nbytes in tier:
                 if free >= size:
                     break
                 if candidate in evicted:
                     continue
                 assert candidate.lease is not None  # (only sessions with a promise are offered)
-                taken = withdrawn.get(candidate, 0)
-                nbytes = candidate.lease.withdrawable(max(taken, nbytes) if offers_total else taken + nbytes) - taken
+                nbytes = candidate.lease.withdrawable(withdrawn.get(candidate, 0) + nbytes) - withdrawn.get(
+                    candidate, 0
+                )
                 if nbytes > 0:
                     withdrawn[candidate] = withdrawn.get(candidate, 0) + nbytes
                     free += nbytes
