@@ -2,12 +2,14 @@
 `python -m benchmarks.engine.quant_probe --out DIR [--rows 1,16,64]`. For each shape and row count, in one process
 on one card: the floor (NF4 bytes / measured copy bandwidth), cuBLAS on the bf16 weight (same run), every config of
 the matrix-unit kernel (quant_mma) and of the streaming GEMV (quant_stream, one row), each as a CUDA graph
-over enough distinct weights to defeat the L2; plus each kernel's error against x @ the dequantized weight. Prints
-a table last and writes it as JSON."""
+over enough distinct weights to defeat the L2; plus each kernel's error against x @ the dequantized weight. With
+--prescale, one row: each streaming-GEMV config after its producer kernel (RMSNorm / SiLU), converting bf16 x in
+every program against reading x that the producer wrote converted. Prints a table last and writes it as JSON."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s
-from corolla.engine import quant_mma, quant_stream
+from corolla.engine import quant_mma, quant_stream, triton_kernels
 from corolla.engine.graph_timing import graph_median_ms
 from corolla.engine.quant import quantize_nf4
 
@@ -56,13 +58,52 @@ def candidates(m: int, sweep: bool = False, families: tuple[str, ...] = FAMILIES
     return {family: found[family] for family in families}
 
 
+PRODUCERS = {"w_qkv": "rmsnorm", "w_o": None, "w_gate_up": "rmsnorm", "w_down": "silu"}  # the kernel before each
+
+
+def prescale_ab(name: str, nf4: list, k: int, dev: torch.device, configs: tuple) -> dict:
+    """--prescale, one row: each streaming-GEMV config after its producer kernel (RMSNorm or SiLU, as in the decode
+    step), the producer writing bf16 x that every GEMV program converts against writing x already converted
+    (fp16, times X_SCALE: `prescaled`), us per (producer + GEMV) over distinct weights; and whether the outputs are
+    equal bit for bit."""
+    producer = PRODUCERS[name]
+    if producer is None:
+        return {}
+    gain = (1 + 0.1 * torch.randn(k, device=dev)).to(torch.bfloat16)
+    src = torch.randn(1, 2 * k if producer == "silu" else k, device=dev, dtype=torch.bfloat16)
+    scale = quant_stream.X_SCALE
+
+    def make_x(f16_scale):
+        if producer == "rmsnorm":
+            return triton_kernels.rms_norm(src, gain, 1e-5, f16_scale)
+        return triton_kernels.silu_mul(src, f16_scale)
+
+    out = {}
+    for c in configs:
+        plain = graph_us(lambda c=c: [quant_stream.nf4_stream_gemv(make_x(None), w, None, c) for w in nf4], len(nf4))
+        pre = graph_us(lambda c=c: [quant_stream.nf4_stream_gemv(make_x(scale), w, None, c, prescaled=True)
+                                    for w in nf4], len(nf4))  # fmt: skip
+        same = torch.equal(quant_stream.nf4_stream_gemv(make_x(None), nf4[0], None, c),
+                           quant_stream.nf4_stream_gemv(make_x(scale), nf4[0], None, c, prescaled=True))  # fmt: skip
+        out[str(c)] = {"bf16_x_us": plain, "prescaled_us": pre, "same_bits": same}
+    best_plain = min(v["bf16_x_us"] for v in out.values())
+    best_pre = min(v["prescaled_us"] for v in out.values())
+    print(f"  {name} {producer} + stream, best config: bf16 x {best_plain:.1f} us, prescaled {best_pre:.1f} us "
+          f"({best_pre / best_plain:.3f}); same bits {all(v['same_bits'] for v in out.values())}", flush=True)  # fmt: skip
+    return {"configs": out, "best_bf16_x_us": best_plain, "best_prescaled_us": best_pre}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--stream_sweep", action="store_true", help="one row: the streaming GEMV's wider sweep")
-    parser.add_argument("--families", default=",".join(FAMILIES), help="kernel families timed (default: all)")
+    parser.add_argument(
+        "--families", default=",".join(FAMILIES), help="kernel families timed (default: all; none: only --prescale)"
+    )
+    parser.add_argument("--prescale", action="store_true", help="one row: producer + GEMV, x converted where")
+    parser.add_argument("--stream_configs", default="()", help="--prescale: these tilings (default: the tuner's)")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -87,7 +128,12 @@ def main() -> None:
             bf16_us = graph_us(lambda x=x, dense=dense: [F.linear(x, d) for d in dense], len(dense))
             row = {"shape": name, "n": n, "k": k, "rows": m, "floor_us": floor_us, "bf16_us": bf16_us,
                    "bf16_floor_us": 2 * n * k / bw * 1e6, "kernels": {}}  # fmt: skip
-            for family, cands in candidates(m, args.stream_sweep, tuple(args.families.split(","))).items():
+            if args.prescale and m == 1:
+                configs = tuple(ast.literal_eval(args.stream_configs)) or quant_stream.NF4_STREAM_CONFIGS
+                row["prescale"] = prescale_ab(name, nf4, k, dev, configs)
+            for family, cands in candidates(
+                m, args.stream_sweep, tuple(f for f in args.families.split(",") if f in FAMILIES)
+            ).items():
                 for label, call in cands:
                     try:
                         err = rel_err(call(x, nf4[0]), ref)

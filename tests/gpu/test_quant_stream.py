@@ -3,7 +3,8 @@ every decoded value of every block position is checked against the fp16-level re
 table, both dtypes, with and without a K split, whole and halved steps, a partial row tile);
 random inputs stay within the bf16 rounding of x @ the dequantized weight, with a residual, and a row's output is
 bit-identical alone and among other rows; the split counters are left at zero under graph replay and replays are
-bit-equal; misaligned x is copied, bad inputs are refused. Skipped without CUDA
+bit-equal; x prescaled to fp16 by the RMSNorm and SiLU kernels gives the bits of bf16 x converted in the kernel;
+misaligned x is copied, bad inputs are refused. Skipped without CUDA
 (tests/unit/test_engine_quant_pair_table.py checks the dot program on CPU)."""
 
 from __future__ import annotations
@@ -79,6 +80,31 @@ def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
     assert torch.equal(nf4_stream_gemv(shifted, weight, res, CONFIGS[1]), nf4_stream_gemv(x, weight, res, CONFIGS[1]))
 
 
+@pytest.mark.parametrize("producer", ["rmsnorm", "silu"])
+def test_prescaled_x_from_the_norm_and_silu_kernels_gives_the_same_bits(producer) -> None:
+    from corolla.engine import triton_kernels
+    from corolla.engine.quant_stream import X_SCALE, nf4_stream_gemv
+
+    k = 2048
+    weight = _weight(136, k, seed=31, dtype=torch.bfloat16)
+    gen = torch.Generator(device=DEV).manual_seed(32)
+    if producer == "rmsnorm":
+        h = (torch.randn(1, k, device=DEV, generator=gen) * 3).to(torch.bfloat16)
+        gain = (1 + 0.5 * torch.randn(k, device=DEV, generator=gen)).to(torch.bfloat16)
+        x = triton_kernels.rms_norm(h, gain, 1e-5)
+        x16 = triton_kernels.rms_norm(h, gain, 1e-5, X_SCALE)
+    else:  # products from about 2^-20 to 2^16: x * X_SCALE in fp16's normal and subnormal ranges and below (zero)
+        gate_up = torch.randn(1, 2 * k, device=DEV, generator=gen) * 2.0 ** torch.randint(-6, 7, (1, 2 * k), device=DEV)
+        x = triton_kernels.silu_mul(gate_up.to(torch.bfloat16))
+        x16 = triton_kernels.silu_mul(gate_up.to(torch.bfloat16), X_SCALE)
+    assert x16.dtype == torch.float16
+    assert torch.equal(x16, (x.float() * X_SCALE).half())  # the conversion every GEMV program makes of bf16 x
+    res = torch.randn(1, 136, device=DEV, dtype=torch.bfloat16, generator=gen)
+    for config in CONFIGS:
+        want = nf4_stream_gemv(x, weight, res, config)
+        assert torch.equal(nf4_stream_gemv(x16, weight, res, config, prescaled=True), want), config
+
+
 def test_split_counters_reset_under_graph_replay() -> None:
     from corolla.engine.quant_stream import nf4_stream_gemv
 
@@ -129,5 +155,7 @@ def test_bad_inputs_are_refused() -> None:
         nf4_stream_gemv(x, w, None, (48, 4, 1, 4, 2))
     with pytest.raises(ValueError, match="pair table"):
         nf4_stream_gemv(x, w, None, (64, 4, 1, 2, 2))  # the table's copy is written for 4 or 8 warps
+    with pytest.raises(ValueError, match="float16"):
+        nf4_stream_gemv(x, w, None, CONFIGS[0], prescaled=True)  # prescaled x is fp16
     with pytest.raises(ValueError, match="residual"):
         nf4_stream_gemv(x, w, torch.zeros(1, 31, device=DEV, dtype=torch.bfloat16), CONFIGS[0])

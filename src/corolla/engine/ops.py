@@ -19,7 +19,7 @@ from corolla.engine.quant import Int8Weight, NF4Weight, quant_key
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
-    from corolla.engine import quant_choices, quant_gemv, quant_kernels, triton_kernels
+    from corolla.engine import quant_choices, quant_gemv, quant_kernels, quant_stream, triton_kernels
     from corolla.engine.quant_choices import quant_kernel
     from corolla.engine.quant_splits import PROLOGUES
 
@@ -195,6 +195,14 @@ class DecodeOps:
         fused = None  # the tuner's fused kernel for this prologue (quant_small's rows only), if it beat the pair
         if self.use_triton and prologue != "none" and rows <= quant_gemv.GEMV_MAX_ROWS and mid is None:
             fused = self.quant_fused.get((*key, prologue))
+        stream = self.quant_small.get(key) if self.use_triton and rows == 1 and mid is None else None
+        if fused is None and prologue != "none" and bias is None and stream is not None and stream[0] == "stream":
+            # NF4 streaming GEMV after a norm / SiLU kernel (bf16): that kernel writes x already converted as the
+            # GEMV would convert it (fp16, times X_SCALE), so that no GEMV program converts x again
+            if weight.dtype == torch.bfloat16:
+                scale = quant_stream.X_SCALE
+                x = self.rms_norm(x, norm_weight, eps, scale) if prologue == "rmsnorm" else self.silu_mul(x, scale)
+                return quant_stream.nf4_stream_gemv(x, weight, residual, stream[1], prescaled=True)
         if fused is None and prologue == "rmsnorm":
             x = self.rms_norm(x, norm_weight, eps)
         elif fused is None and prologue == "silu":
@@ -326,9 +334,15 @@ class DecodeOps:
         self.cpu_linear, report = cpu_linear.tune(slots, config)
         return report
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, f16_scale: float | None = None
+    ) -> torch.Tensor:
+        """x [N, H] -> [N, H] in x's dtype; with `f16_scale` (Triton only): times it, in fp16
+        (`triton_kernels.rms_norm`)."""
         if self.use_triton:
-            return triton_kernels.rms_norm(x, weight, eps)
+            return triton_kernels.rms_norm(x, weight, eps, f16_scale)
+        if f16_scale is not None:
+            raise ValueError("a scaled fp16 RMSNorm output needs the Triton kernel")
         return rms_norm_ref(x, weight, eps)
 
     def rope_and_store(
@@ -360,9 +374,12 @@ class DecodeOps:
         # x [N, I] -> [N, I]; approximate "none" (erf) or "tanh"
         return F.gelu(x, approximate=approximate)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, f16_scale: float | None = None) -> torch.Tensor:
+        """gate_up [N, 2I] -> [N, I]; with `f16_scale` (Triton only): times it, in fp16 (`triton_kernels.silu_mul`)."""
         if self.use_triton:
-            return triton_kernels.silu_mul(gate_up)
+            return triton_kernels.silu_mul(gate_up, f16_scale)
+        if f16_scale is not None:
+            raise ValueError("a scaled fp16 SiLU output needs the Triton kernel")
         return silu_mul_ref(gate_up)
 
     def num_splits(self, batch: int, num_kv_heads: int) -> int:

@@ -10,10 +10,11 @@ registers with one inline-PTX program (`quant_pair_table.dot_ptx`): each byte's 
 multiplied with x as fp16x2, 4 products per half summed in fp16 and the halves in fp32 (19 instructions per 8
 values, 4 of them shared loads, against the register lookup's 28). x is loaded 16 bytes at a time and converted
 once per thread and step (bf16: scaled by 2^-8 into fp16, exact for 2^-9 <= |x| and within 2^-17 absolute below,
-finite up to 2^22; the output is multiplied back by 2^8). Each block's word sums are added in fp32 and scaled once
-by its decoded absmax (uint8 code -> nested code table * second-level absmax + offset, the reference's fp32 value);
-a split of K across programs is summed in split order by the last program of each output tile (`quant_splits`: one
-launch).
+finite up to 2^22; the output is multiplied back by 2^8), or, `prescaled`, read as the RMSNorm / SiLU kernel
+before it already wrote it so converted (the same bits; docs/decisions/0023). Each block's word sums are added in
+fp32 and scaled once by its decoded absmax (uint8 code -> nested code table * second-level absmax + offset, the
+reference's fp32 value); a split of K across programs is summed in split order by the last program of each output
+tile (`quant_splits`: one launch).
 
 Numerics: fp16 levels (relative error <= 2^-11), fp16 products and 4-term sums (each <= 2^-11 of its magnitude):
 within the bf16 rounding of bitsandbytes' dequantized weights; the same bits as the register lookup it replaced
@@ -200,15 +201,23 @@ def nf4_stream_gemv(
     weight: NF4Weight,
     residual: torch.Tensor | None,
     config: tuple[int, int, int, int, int],
+    *,
+    prescaled: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ W[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16; each row read on its
-    own: meant for one row); ValueError for a bad shape, dtype or config. x is copied once when it does not start
-    16-byte aligned (the kernel reads it 16 bytes at a time)."""
+    own: meant for one row); ValueError for a bad shape, dtype or config. `prescaled` (bf16 weights): x is fp16
+    holding the bf16 input times X_SCALE, rounded as this kernel would convert it (`triton_kernels.rms_norm` /
+    `silu_mul` with f16_scale=X_SCALE write it), so no program converts x again: the same bits, 16% fewer
+    instructions per step. x is copied once when it does not start 16-byte aligned (the kernel reads it 16 bytes
+    at a time)."""
     check_stream_config(config)
     m, k = x.shape
     n, wk = weight.shape
-    if wk != k or m < 1 or x.dtype != weight.dtype or weight.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"nf4_stream_gemv takes [M, {wk}] 16-bit {weight.dtype} rows, got {tuple(x.shape)} {x.dtype}")
+    x_dtype = torch.float16 if prescaled else weight.dtype
+    if wk != k or m < 1 or x.dtype != x_dtype or weight.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nf4_stream_gemv takes [M, {wk}] 16-bit {x_dtype} rows, got {tuple(x.shape)} {x.dtype}")
+    if prescaled and weight.dtype != torch.bfloat16:
+        raise ValueError("a prescaled fp16 x goes with bf16 weights (fp16 x is read as it is)")
     if weight.packed.stride(1) != 1 or weight.packed.stride(0) % 4 or weight.packed.data_ptr() % 16:
         raise ValueError("nf4_stream_gemv reads the packed bytes 16 at a time: rows contiguous and 16-byte aligned")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
@@ -227,13 +236,13 @@ def nf4_stream_gemv(
     words = weight.packed.view(torch.int32)  # [N, K / 8]
     grid = (triton.cdiv(n, block_n), splits, m)
     counters = counters_for_tiles(weight, grid[0] * m) if use_ws else words  # (not read without a split)
-    x_bf16 = weight.dtype == torch.bfloat16
+    x_bf16 = x.dtype == torch.bfloat16  # converted to fp16 by every program, else read as it is
     pdl = programmatic_launch(x.device)
     _nf4_stream_kernel[grid](
         x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.pair_words16, ws, res, out,
         counters,
         m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
-        1.0 / X_SCALE if x_bf16 else 1.0,
+        1.0 / X_SCALE if weight.dtype == torch.bfloat16 else 1.0,
         BLOCK_N=block_n, NB=nb, X_BF16=x_bf16, USE_WS=use_ws, HAS_RES=residual is not None, STAGES=stages,
         USE_PDL=pdl, WARPS=warps, num_warps=warps, **launch_options(pdl),
     )  # fmt: skip

@@ -16,8 +16,18 @@ from corolla.engine.quant_splits import arrive_last, programmatic_launch, releas
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
+def _store_out(ptrs, y, mask, out_scale, SCALED: tl.constexpr, x_dtype: tl.constexpr):
+    # y rounded to the input's dtype; SCALED: then (exactly, in fp32) times out_scale and rounded to fp16 (the
+    # output's dtype), as the NF4 streaming GEMV would convert that input itself (quant_stream's prescaled x)
+    y = y.to(x_dtype)
+    if SCALED:
+        y = (y.to(tl.float32) * out_scale).to(tl.float16)
+    tl.store(ptrs, y, mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, out_scale, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
     release_dependents(PDL)  # the projection after it may start (quant_splits)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -26,17 +36,26 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, BLO
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     y = (x * rstd).to(w.dtype) * w  # rounded before scaling, as the reference layer does
-    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_out(out_ptr + row * stride_o + offs, y, mask, out_scale, SCALED, x_ptr.dtype.element_ty)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x [N, H] (last dim contiguous), weight [H] -> [N, H]
+def _scaled_output(x: torch.Tensor, shape: tuple[int, int], f16_scale: float | None) -> torch.Tensor:
+    # the output of a kernel with input x: x's dtype, or fp16 for a scaled output (bf16 / fp16 inputs only)
+    if f16_scale is not None and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"a scaled fp16 output takes a 16-bit input, got {x.dtype}")
+    return torch.empty(shape, dtype=x.dtype if f16_scale is None else torch.float16, device=x.device)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, f16_scale: float | None = None) -> torch.Tensor:
+    """x [N, H] (last dim contiguous), weight [H] -> [N, H] in x's dtype; with `f16_scale`: that result times
+    f16_scale, rounded to fp16 (the NF4 streaming GEMV's prescaled input)."""
     n, h = x.shape
-    out = torch.empty_like(x)
+    out = _scaled_output(x, (n, h), f16_scale)
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(n,)](
-        x, weight, out, x.stride(0), out.stride(0), h, eps, BLOCK=block, PDL=programmatic_launch(x.device), num_warps=8
-    )
+        x, weight, out, x.stride(0), out.stride(0), h, eps, f16_scale or 1.0, BLOCK=block,
+        PDL=programmatic_launch(x.device), SCALED=f16_scale is not None, num_warps=8,
+    )  # fmt: skip
     return out
 
 
@@ -265,7 +284,8 @@ def paged_decode_attention(
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, out_scale, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                     SCALED: tl.constexpr):  # fmt: skip
     release_dependents(PDL)  # the down projection after it may start (quant_splits)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -273,18 +293,20 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, BLOCK: tl.con
     g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * stride_gu + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
     y = g / (1.0 + tl.exp(-g)) * u
-    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_out(out_ptr + row * stride_o + offs, y, mask, out_scale, SCALED, gu_ptr.dtype.element_ty)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    # gate_up [N, 2I] -> [N, I]
+def silu_mul(gate_up: torch.Tensor, f16_scale: float | None = None) -> torch.Tensor:
+    """gate_up [N, 2I] -> silu(gate) * up [N, I] in gate_up's dtype; with `f16_scale`: that result times f16_scale,
+    rounded to fp16 (the NF4 streaming GEMV's prescaled input)."""
     n, two_i = gate_up.shape
     inter = two_i // 2
-    out = torch.empty((n, inter), dtype=gate_up.dtype, device=gate_up.device)
+    out = _scaled_output(gate_up, (n, inter), f16_scale)
     block = 1024
     _silu_mul_kernel[(n, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, PDL=programmatic_launch(out.device), num_warps=4
-    )
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, f16_scale or 1.0, BLOCK=block,
+        PDL=programmatic_launch(out.device), SCALED=f16_scale is not None, num_warps=4,
+    )  # fmt: skip
     return out
 
 
