@@ -217,3 +217,21 @@ def test_hub_loading_downloads_only_needed_shards_and_evicts(tmp_path, monkeypat
         load_pretrained_block(
             "org/tiny", 3, config=config, torch_dtype=torch.float32, cache_dir=tmp_path / "c2", max_disk_space_bytes=100
         )
+
+
+def test_fetching_a_block_downloads_its_shards_and_reads_no_tensor(tmp_path, monkeypatch, opened_files):
+    """A server moving to a span fetches its files while it serves the old one (decision 0025): the shards come to
+    the cache, no tensor file is opened, and the load that follows downloads nothing."""
+    remote = make_tiny_model("llama", tmp_path, sharded=True)
+    hub = _FakeHub(remote, monkeypatch)
+    config = load_config(remote)
+    cache = tmp_path / "cache"
+    weight_map = json.loads((remote / "model.safetensors.index.json").read_text())["weight_map"]
+    loading.fetch_pretrained_block("org/tiny", 1, config=config, cache_dir=cache)
+    assert set(hub.downloads) == {"model.safetensors.index.json"} | {
+        f for n, f in weight_map.items() if n.startswith("model.layers.1.")
+    }
+    assert opened_files == []
+    hub.downloads.clear()
+    load_pretrained_block("org/tiny", 1, config=config, torch_dtype=torch.float32, cache_dir=cache)
+    assert hub.downloads == []

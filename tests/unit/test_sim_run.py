@@ -11,6 +11,8 @@ from corolla.protocol.records import ServerState
 from corolla.sim.scenarios import SCENARIOS, scenario
 from corolla.sim.simulation import Simulation
 from corolla.swarm import cache_refusals, petals_policy
+from corolla.swarm.corolla_policy import CorollaPolicy
+from corolla.swarm.policy import MoveDecision
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +179,44 @@ def test_corolla_peers_announce_cache_early_and_a_refused_client_rereads_and_rer
     sim.clients._backoff(session, lambda: None)
     assert session.event is not None and session.event.time_s == sim.loop.now_s  # at once
     assert petals_sim.clients.on_cache_refusal is None  # Petals' client: a ban for its timeout, then back-off
+
+
+class MovesOnce(CorollaPolicy):
+    """corolla's policy, but every server asks to move once its first check comes (to see the move's lifecycle)."""
+
+    def choose_move(self, me, spans, total_blocks, **kwargs):  # type: ignore[no-untyped-def]
+        mine = next(s for s in spans if s.peer_id == me.peer_id)
+        if me.peer_id in MOVED:
+            return MoveDecision(None, 1.0, 1.0, "stay")
+        return MoveDecision(range(mine.start, mine.end), 1.0, 2.0, "test move")
+
+
+MOVED: set[str] = set()
+
+
+def test_a_corolla_server_serves_its_span_while_it_fetches_the_next() -> None:
+    """corolla's server keeps serving (ONLINE, its old span) while it fetches the new span's weights, asks its policy
+    again, and only then stops, loading from its disk copy: offline for `local_load_s`, not `load_s` (Petals' move,
+    whose accounting `test_moves_are_charged_their_load_time` checks). On the old code the server went OFFLINE at once
+    and reloaded for `load_s`."""
+    sim = Simulation(scenario("tiny", seed=3, policy="corolla"))
+    sim.policy = MovesOnce()
+    seen: list[tuple[str, ServerState | None, int]] = []
+    original = sim._fetched
+
+    def fetched(server, moves, reason):  # type: ignore[no-untyped-def]
+        if server.state is not None:  # not gone meanwhile: still announced and serving its old span
+            announced = sim.view.servers[server.peer_id]
+            seen.append((server.peer_id, announced.state, server.num_moves))
+        original(server, moves, reason)
+        MOVED.add(server.peer_id)
+
+    sim._fetched = fetched  # type: ignore[method-assign]
+    MOVED.clear()
+    report = sim.run()
+    assert seen and all(state == ServerState.ONLINE and moves == 0 for _, state, moves in seen)
+    moved = [s for s in sim.servers if s.num_moves]
+    assert moved and report.churn["moves"] == len(moved) == sum(s.num_moves for s in sim.servers)
+    assert report.churn["reload_s"] == pytest.approx(sum(s.local_load_s(s.num_blocks) for s in moved))
+    assert report.churn["fetch_s"] >= sum(s.fetch_s(s.num_blocks) for s in moved) > report.churn["reload_s"]
+    assert report.churn["move_reasons"] == {"test move": len(moved)}

@@ -181,6 +181,25 @@ def test_corolla_moves_when_the_gain_pays_back_the_reload():
     assert move(CorollaPolicy(), gap, "B", since_move_s=1.0).target == range(4, 8)
 
 
+def test_corolla_moves_only_on_a_region_it_measured_in_full():
+    """A server that has not measured every server announced may be missing part of its region (the unmeasured B
+    here): its region's flows are unknown, so it moves only to fill a block the whole swarm lacks (decision 0025).
+    On the old code it weighed {A, C, itself} as its region and moved to 4..8."""
+    spans = [span("A", 0, 4, 10), span("me", 0, 4, 10), span("B", 4, 8, 10), span("C", 4, 8, 1)]
+
+    def decide(rtts_s, swarm=spans):
+        me = ServerCapacity(peer_id="me", max_blocks=4, throughput=10.0, rtts_s=rtts_s)
+        return CorollaPolicy().choose_move(me, swarm, 8, reload_s=60.0, since_move_s=1e6, rng=random.Random(0))
+
+    decision = decide({"A": 0.004, "C": 0.004})
+    assert not decision.move and decision.reason == "its region not yet measured in full"
+    # B measured far: the region {A, C, me} lacks throughput on 4..8, and it moves there
+    assert decide({"A": 0.004, "C": 0.004, "B": 0.2}).target == range(4, 8)
+    # a block no server holds is filled at once, by the whole swarm's flows
+    gap = [span("A", 0, 4, 10), span("me", 0, 4, 10), span("B", 0, 4, 10)]
+    assert decide({"A": 0.004}, gap).target == range(4, 8)
+
+
 def test_corolla_never_opens_a_gap_and_ignores_small_gains():
     spans = [span("A", 0, 4, 10), span("C", 4, 8, 1)]
     assert move(CorollaPolicy(), spans, "A").reason == "leaving would open a gap"

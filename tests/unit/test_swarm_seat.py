@@ -51,8 +51,11 @@ def test_choose_span_and_move_through_the_policy(policy):
     seat = make_seat(policy, [span("A", 0, 2, 10.0), span("me", 0, 2, 10.0), span("B", 2, 4, 1.0)])
     seat.loaded(5.0)
     seat.online_since -= 1e6  # long past corolla's dwell time
-    assert asyncio.run(seat.should_move()) is True
+    target = asyncio.run(seat.plan_move())
+    assert target == range(2, 4) and seat.num_moves == 0  # planned: it fetches the span while it serves
+    seat.moving_to(target)
     assert seat.num_moves == 1
+    assert asyncio.run(seat.choose_span()) == range(2, 4) and seat.next_span is None  # the fetched span, loaded next
     text = seat.metrics.render().decode()
     assert "corolla_moves_total 1.0" in text and "corolla_span_load_seconds_total 5.0" in text
 
@@ -73,7 +76,7 @@ def test_corolla_seat_places_its_cache_where_the_swarm_has_least_free():
 def test_corolla_seat_dwells_after_loading():
     seat = make_seat("corolla", [span("A", 0, 2, 10.0), span("me", 0, 2, 10.0), span("B", 2, 4, 1.0)])
     seat.loaded(5.0)
-    assert asyncio.run(seat.should_move()) is False and seat.num_moves == 0
+    assert asyncio.run(seat.plan_move()) is None and seat.num_moves == 0
 
 
 def test_load_fields_sample_the_runtime():
@@ -129,3 +132,29 @@ def test_a_joining_corolla_server_pings_the_swarm_and_places_by_region(monkeypat
     petals.dht = "dht"
     assert asyncio.run(petals.choose_span()) == range(0, 2)  # both windows carry 10 tok/s: the lower start
     assert len(pinged) == 1
+
+
+def test_the_corolla_seat_keeps_its_pings_across_checks(monkeypatch):
+    """The seat's RTT book: a later check pings only servers it has not measured (the one that joined since), and
+    the policy gets every RTT measured so far (decision 0025; the old seat pinged a fresh random sample each time)."""
+    pinged: list[list[str]] = []
+
+    class FakePings:
+        def __init__(self, dht):
+            self.peers: list[str] = []
+
+        def ping(self, peers, *, timeout_s):
+            self.peers = sorted(peers)
+            pinged.append(self.peers)
+
+        def to_dict(self):
+            return {p: 0.004 for p in self.peers}
+
+    monkeypatch.setattr("corolla.server.swarm_seat.PingAggregator", FakePings)
+    spans = [span("A", 0, 2, 5.0), span("B", 2, 4, 5.0)]
+    seat = make_seat("corolla", spans)
+    seat.dht = "dht"
+    assert asyncio.run(seat.ping_servers(spans)) == {"A": 0.004, "B": 0.004}
+    spans.append(span("C", 0, 2, 5.0))
+    assert asyncio.run(seat.ping_servers(spans)) == {"A": 0.004, "B": 0.004, "C": 0.004}
+    assert pinged == [["A", "B"], ["C"]]

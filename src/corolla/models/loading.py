@@ -85,6 +85,26 @@ def load_pretrained_block(
     return block
 
 
+def fetch_pretrained_block(
+    name_or_path: str | os.PathLike,
+    block_index: int,
+    *,
+    config,
+    cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
+    token=None,
+    max_disk_space_bytes: int | None = None,
+) -> None:
+    """Brings the checkpoint files of block `block_index` to the local cache without building the block
+    (`load_pretrained_block` then reads them from the disk)."""
+    family = get_family(config)
+    if not 0 <= block_index < config.num_hidden_layers:
+        raise ValueError(f"block_index must be in [0, {config.num_hidden_layers}), got {block_index}")
+    source = CheckpointSource(name_or_path, cache_dir=cache_dir, revision=revision, token=token,
+                               max_disk_space_bytes=max_disk_space_bytes)  # fmt: skip
+    source.fetch_block(family.block_prefixes, block_index)
+
+
 def _notify_open(path: str) -> None:
     logger.debug("load.open_file(path=%s)", path)
     for hook in list(FILE_OPEN_HOOKS):
@@ -168,21 +188,31 @@ class CheckpointSource:
                 raise ConfigurationError(f"Can't read hub repo {self.name_or_path}: {_first_line(e)}") from None
         raise ConfigurationError(f"No checkpoint in hub repo {self.name_or_path}: expected one of {CHECKPOINT_FILES}")
 
+    def block_files(self, prefixes: tuple[str, ...], block_index: int) -> tuple[list[str], str | None]:
+        """(the checkpoint files holding block `block_index`, its tensors' name prefix where the index names it)."""
+        index_name = self._find_index_file()
+        if not index_name.endswith(".index.json"):
+            return [index_name], None
+        with open(self.get_file(index_name)) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        prefix = _pick_prefix(prefixes, block_index, weight_map.keys())
+        if prefix is None:
+            raise ConfigurationError(
+                f"No tensors of block {block_index} (prefixes {[f'{p}.{block_index}.' for p in prefixes]}) "
+                f"in {self.describe()}/{index_name}"
+            )
+        return sorted({file for name, file in weight_map.items() if name.startswith(prefix)}), prefix
+
+    def fetch_block(self, prefixes: tuple[str, ...], block_index: int) -> None:
+        """Brings the files of block `block_index` to the local cache (a download where they are not there yet),
+        reading no tensor: a server fetches the span it moves to while it still serves its old one."""
+        if not self.local:
+            for file in self.block_files(prefixes, block_index)[0]:
+                self.get_file(file)
+
     def read_block(self, prefixes: tuple[str, ...], block_index: int):
         """(state dict relative to the layer prefix, {name: file it came from})."""
-        index_name = self._find_index_file()
-        if index_name.endswith(".index.json"):
-            with open(self.get_file(index_name)) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-            prefix = _pick_prefix(prefixes, block_index, weight_map.keys())
-            if prefix is None:
-                raise ConfigurationError(
-                    f"No tensors of block {block_index} (prefixes {[f'{p}.{block_index}.' for p in prefixes]}) "
-                    f"in {self.describe()}/{index_name}"
-                )
-            files = sorted({file for name, file in weight_map.items() if name.startswith(prefix)})
-        else:
-            files, prefix = [index_name], None
+        files, prefix = self.block_files(prefixes, block_index)
         state_dict: dict[str, torch.Tensor] = {}
         origin: dict[str, str] = {}
         progress = tqdm(files, desc=f"Loading block {block_index}", unit="file", disable=len(files) < 4, leave=False)

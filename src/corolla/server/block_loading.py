@@ -9,7 +9,7 @@ import torch
 
 from corolla.models.block_base import CorollaBlock
 from corolla.models.hub_files import TerminalTqdm
-from corolla.models.loading import load_pretrained_block
+from corolla.models.loading import fetch_pretrained_block, load_pretrained_block
 from corolla.models.lora import add_adapter, load_adapter
 from corolla.models.placement import place_block
 from corolla.server.config import ServerConfig
@@ -53,3 +53,14 @@ def load_span_blocks(
             blocks[index] = placed
             progress.update(1)
     return blocks
+
+
+def fetch_span_blocks(config: ServerConfig, model_config: Any, block_indices: range) -> None:
+    """Brings the checkpoint files of `block_indices` to the local cache (no tensor read, nothing on the device): a
+    server moving to this span fetches it while still serving its old one, then loads it from the disk."""
+    c = config
+    for index in block_indices:
+        fetch_pretrained_block(
+            c.model_name_or_path, index, config=model_config, cache_dir=c.cache_dir, revision=c.revision,
+            token=c.token, max_disk_space_bytes=c.max_disk_space_bytes,
+        )  # fmt: skip

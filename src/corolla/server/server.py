@@ -24,7 +24,7 @@ from corolla.protocol.uids import make_uid
 from corolla.server import startup_checks
 from corolla.server.announcer import Announcer
 from corolla.server.backend import SpanBackend
-from corolla.server.block_loading import load_span_blocks
+from corolla.server.block_loading import fetch_span_blocks, load_span_blocks
 from corolla.server.config import ServerConfig, handler_poll_s, ignored_flags
 from corolla.server.core.drain import drain_sessions
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
@@ -327,6 +327,8 @@ class Server:
         c = self.config
         if c.block_indices is not None:
             return range(*c.block_indices)
+        if self.seat is not None and self.seat.next_span is not None:  # a move: the span it fetched, at once
+            return await self.seat.choose_span()
         if await self._sleep(random.uniform(0, 2 * c.mean_block_selection_delay_s)):
             raise asyncio.CancelledError
         assert self.seat is not None
@@ -465,9 +467,21 @@ class Server:
                 if c.stats_report_interval_s and time.monotonic() - last_report >= c.stats_report_interval_s:
                     last_report = time.monotonic()
                     self._report_stats(service)
-            if await self._should_move():
-                logger.info("server.move(reason=swarm is imbalanced)")
-                return "move"
+            target = await self._plan_move()
+            if target is None:
+                continue
+            # keep serving this span while the new one's weights come to the disk, then ask again: the swarm may have
+            # changed meanwhile (the fetched files stay in the cache either way)
+            fetched = await self._fetch_while_serving(service, target)
+            if fetched != "fetched":
+                return fetched
+            if await self._plan_move() is None:
+                logger.info(f"server.move_dropped(blocks={target.start}:{target.stop})")
+                continue
+            assert self.seat is not None
+            self.seat.moving_to(target)
+            logger.info(f"server.move(reason=swarm is imbalanced, blocks={target.start}:{target.stop})")
+            return "move"
 
     @staticmethod
     def _report_stats(service: SpanService) -> None:
@@ -481,11 +495,41 @@ class Server:
             f"prefix_cached_bytes={prefix.cached_bytes}, prefix_evictions={prefix.evictions})"
         )
 
-    async def _should_move(self) -> bool:
+    async def _plan_move(self) -> range | None:
         c = self.config
         if c.block_indices is not None or c.balance_quality <= 0 or self.seat is None:
-            return False
-        return await self.seat.should_move(rtts_s=self.announcer.rtts_s() if self.announcer else {})
+            return None
+        return await self.seat.plan_move(rtts_s=self.announcer.rtts_s() if self.announcer else {})
+
+    async def _fetch_while_serving(self, service: SpanService, target: range) -> str:
+        """Fetches `target`'s checkpoint files to the disk in a daemon thread while `service` serves: "fetched", or
+        "stop" / "crashed" if that comes first (a stopping server does not wait for a download)."""
+        logger.info(f"server.fetching(blocks={target.start}:{target.stop})")
+        started = time.monotonic()
+        done = threading.Event()
+        failure: list[BaseException] = []
+
+        def fetch() -> None:
+            try:
+                fetch_span_blocks(self.config, self.model_config, target)
+            except BaseException as e:  # reported below; the move then loads (and downloads) as a join does
+                failure.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=fetch, name="corolla-span-fetch", daemon=True).start()
+        while not done.is_set():
+            if await self._sleep(0.2):
+                return "stop"
+            if not service.healthy:
+                return "crashed"
+        if failure:
+            logger.warning(f"server.fetch_failed(blocks={target.start}:{target.stop}, error={failure[0]!r})")
+        else:
+            logger.info(
+                f"server.fetched(blocks={target.start}:{target.stop}, seconds={time.monotonic() - started:.1f})"
+            )
+        return "fetched"
 
 
 def executor_for_span(

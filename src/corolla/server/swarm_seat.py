@@ -15,6 +15,7 @@ from corolla.swarm.ping import PingAggregator
 from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import PLACEMENT_PINGS, ServerCapacity
 from corolla.swarm.records_io import get_remote_module_infos
+from corolla.swarm.rtt_book import RttBook
 from corolla.swarm.spans import compute_spans
 from corolla.utils.logging import get_logger
 
@@ -52,6 +53,9 @@ class SwarmSeat:
         self.online_since = time.monotonic()
         self.num_moves = 0
         self._busy_sample: tuple[float, float] | None = None  # (time.monotonic(), runtime busy seconds)
+        self.rtt_book = RttBook()  # RTTs it measured to other servers, kept across balance checks
+        self.next_span: range | None = None  # the span a move fetched, loaded next
+        self._rng = random.Random()
 
     def capacity(self, rtts_s: Mapping[str, float] | None = None) -> ServerCapacity:
         """This server as the policy sees it: the throughput it measured for `max_blocks` blocks, and the RTTs it
@@ -82,6 +86,11 @@ class SwarmSeat:
         return list(compute_spans(infos, min_state=ServerState.JOINING).values())
 
     async def choose_span(self) -> range:
+        """The span to load: the one a move fetched (`moving_to`), else the policy's choice over the swarm now."""
+        if self.next_span is not None:
+            chosen, self.next_span = self.next_span, None
+            logger.info(f"server.placed(policy={self.policy.name}, blocks={chosen.start}:{chosen.stop}, fetched=True)")
+            return chosen
         spans = await self.read_spans()
         rtts_s = await self.ping_servers(spans) if self.policy.uses_rtts else {}
         chosen = self.policy.choose_span(self.capacity(rtts_s), spans, len(self.module_uids))
@@ -89,18 +98,19 @@ class SwarmSeat:
         return chosen
 
     async def ping_servers(self, spans: list[RemoteSpanInfo]) -> dict[str, float]:
-        """RTTs (s) to up to `PLACEMENT_PINGS` servers of `spans` at random, through the DHT (empty if it cannot)."""
-        peers = sorted({span.peer_id for span in spans} - {self.peer_id})
-        peers = random.sample(peers, min(PLACEMENT_PINGS, len(peers)))
-        if not peers or self.dht is None:
-            return {}
-        pings = PingAggregator(self.dht)
-        try:
-            await asyncio.to_thread(pings.ping, peers, timeout_s=JOIN_PING_TIMEOUT_S)
-        except Exception as e:  # placing without RTTs is placing as if every server were far
-            logger.warning(f"server.join_pings_failed({e!r})")
-            return {}
-        return pings.to_dict()
+        """Every RTT (s) its book holds to the servers of `spans`, after pinging through the DHT up to
+        `PLACEMENT_PINGS` of them it has not measured (`swarm.rtt_book`: kept across checks, so that every check
+        weighs the same region, which grows until the server has measured the whole swarm)."""
+        peers = {span.peer_id for span in spans} - {self.peer_id}
+        to_ping = self.rtt_book.to_ping(peers, PLACEMENT_PINGS, self._rng)
+        if to_ping and self.dht is not None:
+            pings = PingAggregator(self.dht)
+            try:
+                await asyncio.to_thread(pings.ping, to_ping, timeout_s=JOIN_PING_TIMEOUT_S)
+                self.rtt_book.record(pings.to_dict())
+            except Exception as e:  # placing without RTTs is placing as if every server were far
+                logger.warning(f"server.join_pings_failed({e!r})")
+        return self.rtt_book.known(peers)
 
     def loaded(self, load_s: float) -> None:
         """A span finished loading in `load_s` and serves from now on."""
@@ -108,28 +118,36 @@ class SwarmSeat:
         self.online_since = time.monotonic()
         self.metrics.span_loaded(load_s)
 
-    async def should_move(self, rtts_s: Mapping[str, float] | None = None) -> bool:
-        """Asks the policy whether to move now (`rtts_s`: what the server measured to other servers; a policy that
-        places by RTT pings the swarm again, as at its join, so that it sees its whole region)."""
+    async def plan_move(self, rtts_s: Mapping[str, float] | None = None) -> range | None:
+        """Asks the policy whether to move now and, if so, returns the span to move to (the policy's choice over the
+        swarm without this server, as at a join); None to stay. `rtts_s`: what the server measured to other servers;
+        a policy that places by RTT also pings the servers it has not measured (`swarm.rtt_book`)."""
         try:
             spans = await self.read_spans()
             if self.policy.uses_rtts:
-                rtts_s = {**(rtts_s or {}), **await self.ping_servers(spans)}
+                self.rtt_book.record(rtts_s or {})
+                rtts_s = await self.ping_servers(spans)
+            me = self.capacity(rtts_s)
             decision = self.policy.choose_move(
-                self.capacity(rtts_s), spans, len(self.module_uids), reload_s=self.load_s or 0.0,
+                me, spans, len(self.module_uids), reload_s=self.load_s or 0.0,
                 since_move_s=time.monotonic() - self.online_since, rng=random.Random(),
             )  # fmt: skip
+            target = self.policy.choose_span(me, spans, len(self.module_uids)) if decision.move else None
         except Exception as e:
             logger.warning(f"server.balance_check_failed({e!r})")
-            return False
+            return None
         logger.info(
             f"server.balance_check(policy={self.policy.name}, move={decision.move}, reason={decision.reason}, "
-            f"flow_now_tps={decision.flow_now_tps:.1f}, flow_after_tps={decision.flow_after_tps:.1f})"
+            f"flow_now_tps={decision.flow_now_tps:.1f}, flow_after_tps={decision.flow_after_tps:.1f}"
+            + (f", target={target.start}:{target.stop})" if target is not None else ")")
         )
-        if decision.move:
-            self.num_moves += 1
-            self.metrics.move_started()
-        return decision.move
+        return target
+
+    def moving_to(self, span: range) -> None:
+        """The server leaves its span for `span` (whose weights it fetched): counted, and loaded next."""
+        self.next_span = span
+        self.num_moves += 1
+        self.metrics.move_started()
 
     def load_fields(self, service: Any) -> dict[str, Any]:
         """What the announcer puts in `ServerInfo`'s load fields: open sessions, the share of the time since the last

@@ -49,7 +49,10 @@ class Metrics:
     retries: int = 0
     refusals: int = 0
     moves: int = 0
-    reload_s: float = 0.0
+    move_reasons: dict[str, int] = field(default_factory=dict)  # moves by the policy's reason (`MoveDecision.reason`)
+    reload_s: float = 0.0  # seconds servers spent loading a span after a move, not serving
+    fetch_s: float = 0.0  # seconds corolla's servers spent fetching a new span's weights while serving the old one
+    moves_dropped: int = 0  # moves given up after the fetch, the policy no longer asking for them
     joins: int = 0
     leaves: int = 0
     crashes: int = 0
@@ -97,7 +100,7 @@ class Report:
     ttft_s: dict[str, float]
     tpot_s: dict[str, float]
     sessions: dict[str, int]
-    churn: dict[str, float]
+    churn: dict[str, Any]
     flow_efficiency_mean: float
     flow_efficiency: list[dict[str, float]]
     wall_s: float
@@ -136,7 +139,10 @@ class Report:
                 "leaves": metrics.leaves,
                 "crashes": metrics.crashes,
                 "moves": metrics.moves,
+                "move_reasons": dict(metrics.move_reasons),
                 "reload_s": metrics.reload_s,
+                "fetch_s": metrics.fetch_s,
+                "moves_dropped": metrics.moves_dropped,
                 "route_calls": metrics.route_calls,
                 "early_announcements": metrics.early_announcements,
                 "rereads": metrics.rereads,

@@ -11,9 +11,15 @@ from corolla.protocol.records import ServerInfo, ServerState
 from corolla.server.throughput import derive_throughput
 from corolla.sim.catalogue import STEP_OVERHEAD_S, ServerPerf
 from corolla.swarm.policy import ServerCapacity
+from corolla.swarm.rtt_book import RttBook
 
 LOAD_BYTES_PER_S = 50e6  # reading a span's weights (download or cold disk cache; assumption: 400 Mbit/s)
 LOAD_FIXED_S = 30.0  # process start, DHT join, throughput check (assumption)
+# a corolla server's move loads a span whose weights it fetched to its disk while serving the old one: read from the
+# local disk or page cache and placed on the GPU (assumption: 1 GB/s), in the running process (DHT up, throughput
+# known), plus a new executor and its warm-up (assumption: 15 s; 5-12 s measured on an H200, benchmarks/RESULTS.md)
+LOCAL_LOAD_BYTES_PER_S = 1e9
+MOVE_FIXED_S = 15.0
 BATCH_ITERATIONS = 4  # of the rows-per-step fixed point (`SimServer.batch`)
 
 
@@ -32,6 +38,7 @@ class SimServer:
     online_since_s: float = 0.0
     last_load_s: float = 0.0
     num_moves: int = 0
+    fetching: range | None = None  # the span whose weights it fetches while serving its own (corolla's move)
     tokens_served: int = 0
     rows: int = 0  # sessions decoding through it now
     visit_rate: float = 0.0  # their decode tokens arriving per second (the sum of 1 / time per token)
@@ -44,6 +51,7 @@ class SimServer:
     announced_s: float = 0.0  # when it last stored a record (the early-announcement rate bound counts from it)
     curve: tuple[float, ...] = ()  # tokens/s holding k = 1..max_blocks blocks, where the server knows it
     cache_curve: tuple[float, ...] = ()  # its KV per block holding k = 1..max_blocks blocks (Petals' unit), if known
+    rtt_book: RttBook = field(default_factory=RttBook)  # RTTs it measured to other servers, kept across checks
 
     @property
     def num_blocks(self) -> int:
@@ -78,7 +86,16 @@ class SimServer:
         return 2 * self.num_blocks * self.kv_free_tokens
 
     def load_s(self, num_blocks: int) -> float:
-        return LOAD_FIXED_S + num_blocks * self.perf.block_bytes / LOAD_BYTES_PER_S
+        """Seconds to start serving `num_blocks` blocks whose weights are not on its disk (a join, Petals' move)."""
+        return LOAD_FIXED_S + self.fetch_s(num_blocks)
+
+    def fetch_s(self, num_blocks: int) -> float:
+        """Seconds to fetch `num_blocks` blocks' weights to its disk."""
+        return num_blocks * self.perf.block_bytes / LOAD_BYTES_PER_S
+
+    def local_load_s(self, num_blocks: int) -> float:
+        """Seconds to switch to `num_blocks` blocks it fetched while serving (corolla's move)."""
+        return MOVE_FIXED_S + num_blocks * self.perf.block_bytes / LOCAL_LOAD_BYTES_PER_S
 
     def batch(self, own_rate: float = 0.0) -> tuple[float, float, float]:
         """(rows per step, step seconds, share of time stepping) that a token arriving here meets, besides its own

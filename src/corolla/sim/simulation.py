@@ -25,7 +25,7 @@ from corolla.sim.view import SwarmView
 from corolla.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
 from corolla.swarm.early_announce import DEFAULT_EARLY_ANNOUNCE, EARLY_CHECK_PERIOD_S
 from corolla.swarm.policies import make_policy
-from corolla.swarm.policy import PLACEMENT_PINGS, ServerCapacity
+from corolla.swarm.policy import PLACEMENT_PINGS, MoveDecision, ServerCapacity
 from corolla.swarm.route_planning import find_missing_blocks
 from corolla.swarm.routed_load import RoutedLoad
 from corolla.utils.errors import MissingBlocksError
@@ -144,15 +144,16 @@ class Simulation:
     # --- servers ---
 
     def _capacity(self, server: SimServer) -> ServerCapacity:
-        """The server as its policy sees it before placing or moving; a policy that places by RTT gets the RTTs to up
-        to `PLACEMENT_PINGS` announced servers at random, as the real server pings them (`server.swarm_seat`)."""
+        """The server as its policy sees it before placing or moving; a policy that places by RTT pings up to
+        `PLACEMENT_PINGS` announced servers it has not measured and gets every RTT its book holds, as the real server
+        does (`server.swarm_seat`, `swarm.rtt_book`)."""
         if not self.policy.uses_rtts:
             return server.capacity
-        peers = sorted(set(self.view.servers) - {server.peer_id})
-        peers = self.rngs["pings"].sample(peers, min(PLACEMENT_PINGS, len(peers)))
         servers, rtt = self.view.servers, self.view.rtt
-        rtts = {p: rtt.rtt_s(server.peer_id, server.region, p, servers[p].region) for p in peers}
-        return dataclasses.replace(server.capacity, rtts_s=rtts)
+        peers = set(servers) - {server.peer_id}
+        pinged = server.rtt_book.to_ping(peers, PLACEMENT_PINGS, self.rngs["pings"])
+        server.rtt_book.record({p: rtt.rtt_s(server.peer_id, server.region, p, servers[p].region) for p in pinged})
+        return dataclasses.replace(server.capacity, rtts_s=server.rtt_book.known(peers))
 
     def _spawn(self, at_s: float, *, initial: bool) -> None:
         c, rng = self.config, self.rngs["fleet"]
@@ -179,8 +180,7 @@ class Simulation:
     def _join(self, server: SimServer) -> None:
         if server.state is None:
             return
-        span = self._timed("span", self.policy.choose_span, self._capacity(server), self.view.placement_spans(),
-                           self.config.model.num_blocks)  # fmt: skip
+        span = self._choose_span(server)
         server.start, server.end = span.start, span.stop
         server.state = ServerState.JOINING
         self.view.announce(server, self.loop.now_s)
@@ -201,9 +201,37 @@ class Simulation:
         self.loop.after(delay, self._balance_check, server, server.num_moves)
 
     def _balance_check(self, server: SimServer, moves: int) -> None:
-        if server.state != ServerState.ONLINE or server.num_moves != moves:
+        if server.state != ServerState.ONLINE or server.num_moves != moves or server.fetching is not None:
             return
-        decision = self._timed(
+        decision = self._decide_move(server)
+        if not decision.move:
+            self._schedule_balance_check(server)
+            return
+        if not self.corolla_peers:  # as Petals' server: stop serving (sessions fail over), choose a span, load it
+            self._leave_span(server)
+            self._switch(server, self._choose_span(server), decision.reason, server.load_s)
+            return
+        # corolla's server (`server.span_fetch`): keeps serving its span while it fetches the new span's weights to its
+        # disk, then asks again and switches, loading from the local copy
+        target = self._choose_span(server)
+        fetch_s = server.fetch_s(len(target))
+        server.fetching = target
+        self.metrics.fetch_s += fetch_s
+        self.loop.after(fetch_s, self._fetched, server, server.num_moves, decision.reason)
+
+    def _fetched(self, server: SimServer, moves: int, reason: str) -> None:
+        target, server.fetching = server.fetching, None
+        if server.state != ServerState.ONLINE or server.num_moves != moves or target is None:
+            return
+        if not self._decide_move(server).move:  # the swarm changed while it fetched: it stays, the copy kept on disk
+            self.metrics.moves_dropped += 1
+            self._schedule_balance_check(server)
+            return
+        self._leave_span(server)
+        self._switch(server, target, reason, server.local_load_s)
+
+    def _decide_move(self, server: SimServer) -> MoveDecision:
+        return self._timed(
             "move",
             self.policy.choose_move,
             self._capacity(server),
@@ -214,21 +242,26 @@ class Simulation:
             # its own stream per check, so that what a policy draws (or skips drawing) does not shift the run's
             rng=random.Random(self.rngs["policy"].getrandbits(64)),
         )
-        if not decision.move:
-            self._schedule_balance_check(server)
-            return
-        # as the real server: stop serving (sessions fail over), choose a span again, load it (JOINING), serve
+
+    def _choose_span(self, server: SimServer) -> range:
+        return self._timed("span", self.policy.choose_span, self._capacity(server), self.view.placement_spans(),
+                           self.config.model.num_blocks)  # fmt: skip
+
+    def _leave_span(self, server: SimServer) -> None:
+        """`server` stops serving its span: it announces OFFLINE and its sessions fail over."""
         server.state = ServerState.OFFLINE
         self.view.announce(server, self.loop.now_s)
         self.clients.on_server_lost(server, self.config.leave_detect_s)
-        span = self._timed("span", self.policy.choose_span, self._capacity(server), self.view.placement_spans(),
-                           self.config.model.num_blocks)  # fmt: skip
+
+    def _switch(self, server: SimServer, span: range, reason: str, load_s: Callable[[int], float]) -> None:
+        """`server` (OFFLINE) loads `span` in `load_s(blocks)` (JOINING), then serves it."""
         server.start, server.end = span.start, span.stop
         server.num_moves += 1
         server.state = ServerState.JOINING
         self.view.announce(server, self.loop.now_s)
-        server.last_load_s = server.load_s(server.num_blocks)
+        server.last_load_s = load_s(server.num_blocks)
         self.metrics.moves += 1
+        self.metrics.move_reasons[reason] = self.metrics.move_reasons.get(reason, 0) + 1
         self.metrics.reload_s += server.last_load_s
         self.loop.after(server.last_load_s, self._online, server, server.num_moves)
 

@@ -4,6 +4,7 @@ every decision is one peer's, from signed records and its own measurements; wire
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -50,7 +51,9 @@ class CorollaPolicy:
     move raises the bottleneck by a positive floor, so moves cannot cycle), the gain over `payback_s` outweighs the
     flow lost while reloading for `reload_s`, leaving opens no gap (in the swarm, nor in a region that has none),
     and the server has stayed `min_dwell_s` since its last move (unless its region has a block without a server:
-    then it may fill the gap now).
+    then it may fill the gap now). A server that places by region moves only once it has measured every server
+    announced (`swarm.rtt_book` keeps its pings across checks): on a part of its region each check would weigh a
+    different swarm; until then it moves only to fill a block the whole swarm lacks.
 
     Routing: Dijkstra over (server, block) as Petals, each block costing max(its one-session time, the share of the
     server's capacity left to one more session), where sessions = those the server announces plus the ones this
@@ -87,6 +90,13 @@ class CorollaPolicy:
         if not near:
             return list(spans)
         return [s for s in spans if s.peer_id in near or s.peer_id == me.peer_id]
+
+    def _region_unmeasured(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo]) -> bool:
+        """True where `me` places by region (it measured a server within `region_rtt_s`) but has not measured every
+        server of `spans`: the servers it has not measured may be of its region, so its region's flows are unknown."""
+        if not any(rtt <= self.region_rtt_s for rtt in me.rtts_s.values()):
+            return False
+        return any(s.peer_id not in me.rtts_s for s in spans if s.peer_id != me.peer_id)
 
     def _best_placement(
         self,
@@ -160,6 +170,13 @@ class CorollaPolicy:
         rng: random.Random,
     ) -> MoveDecision:
         everyone = compute_throughputs({s.peer_id: s for s in spans}, total_blocks=total_blocks)  # [total_blocks]
+        if self._region_unmeasured(me, spans):
+            # a part of its region weighs a different swarm at each check (the oscillation of decision 0025): until
+            # it has measured every server announced, it moves only to fill a block no server holds, as one pool
+            if float(everyone.min()) > 0:
+                flow = float(everyone.min())
+                return MoveDecision(None, flow, flow, "its region not yet measured in full")
+            me = dataclasses.replace(me, rtts_s={})
         region = self._region(me, spans)  # flows below are the region's (the whole swarm's if none is near)
         throughputs = compute_throughputs({s.peer_id: s for s in region}, total_blocks=total_blocks)
         flow_now = float(throughputs.min())

@@ -26,8 +26,9 @@ from corolla.protocol.records import RemoteSpanInfo
 
 RouteMode = Literal["min_latency", "max_throughput"]
 POLICY_NAMES = ("petals", "corolla")
-# servers a server pings (at random) before placing or moving when its policy places by RTT (`uses_rtts`): enough to
-# see every server of its region in a swarm of ~100, one small RPC each per balance check
+# servers a server pings before placing or moving when its policy places by RTT (`uses_rtts`), of those it has not
+# measured yet (`swarm.rtt_book`): the whole of a swarm of ~60 at its join, of 1,000 after ~16 checks; one small RPC
+# each
 PLACEMENT_PINGS = 64
 
 
