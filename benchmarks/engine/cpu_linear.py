@@ -1,4 +1,4 @@
-"""The projections of one decode forward on the CPU, per formulation and number of rows: what `engine.cpu_linear`
+"""The projections of one decode forward on the CPU, per formulation and number of rows: what `engine.kernels.cpu_linear`
 chooses from, and what its choice costs.
 
 `python -m benchmarks.engine.cpu_linear --rows 1,4,16,32` builds the CPU bench span's projection weights (random,
@@ -16,7 +16,15 @@ import time
 
 import torch
 
-from corolla.engine.cpu_linear import KERNELS, CpuLinearChoices, CpuLinearConfig, Kernel, SlotKey, available, tune
+from corolla.engine.kernels.cpu_linear import (
+    KERNELS,
+    CpuLinearChoices,
+    CpuLinearConfig,
+    Kernel,
+    SlotKey,
+    available,
+    tune,
+)
 
 Layer = list[tuple[SlotKey, torch.Tensor]]  # one layer's projections: (shape key, weight [N, K])
 

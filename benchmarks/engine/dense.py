@@ -21,8 +21,8 @@ import torch
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, event_median_ms, host_median_ms, sync
 from corolla.engine.config import EngineConfig
-from corolla.engine.fast_dense import DenseSpec
 from corolla.engine.span_engine import SpanEngine, StepRequest
+from corolla.engine.spans.fast_dense import DenseSpec
 from corolla.models.block_base import CorollaBlock
 from corolla.models.registry import get_family
 

@@ -24,10 +24,10 @@ import torch
 from transformers import LlamaConfig
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
-from corolla.engine import fast_lora
 from corolla.engine.config import EngineConfig
-from corolla.engine.fast_llama import FastLlamaSpan
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
+from corolla.engine.spans import fast_lora
+from corolla.engine.spans.fast_llama import FastLlamaSpan
 from corolla.models.block_base import CorollaBlock
 from corolla.models.lora import LoraWeights, add_adapter
 from corolla.models.positions import RotaryEmbedding

@@ -23,8 +23,8 @@ import torch
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
 from corolla.engine.config import EngineConfig
-from corolla.engine.fast_mla import FastMlaSpan
 from corolla.engine.span_engine import SpanEngine
+from corolla.engine.spans.fast_mla import FastMlaSpan
 from corolla.models.block_base import CorollaBlock
 from corolla.utils.logging import get_logger
 

@@ -8,7 +8,7 @@ float32 on CPU) over the engine's paged pool, pages as a server has them (64 tok
    `--new_tokens`. "full prefill" runs the whole prompt in a fresh session (what a server without the cache does);
    "cached" opens a session, attaches the cached pages the keys name (`SpanEngine.attach_prefix`: whole pages) and
    prefills the rest (on CUDA a chunk of at most 256 tokens replays one CUDA graph over all the layers, with the
-   paged Triton attention, `engine.prefill_graphs`; the same chunk run eagerly is timed too). Each is the median of
+   paged Triton attention, `engine.graphs.prefill_graphs`; the same chunk run eagerly is timed too). Each is the median of
    `--repeats` synchronized host timings, alternated; the ratio is the target (<= 0.1x). The last position's output of both is compared (max abs difference).
 2. A merged decode step of `--decode_sessions` sessions after the prompt, with shared pages (every session attached
    the same cached prefix) vs without (each session prefilled its own), alternated in `--rounds` of `--steps` steps

@@ -21,10 +21,10 @@ import torch
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, sync
 from corolla.engine.config import EngineConfig, LlamaSpec
-from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
-from corolla.engine.kv_pool import KVLayout
-from corolla.engine.quant import quantize_int8, quantize_nf4
+from corolla.engine.kv.kv_pool import KVLayout
+from corolla.engine.quant.quant import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import SpanEngine, StepRequest
+from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
 
 LLAMA3_8B = LlamaSpec(
     hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, rms_norm_eps=1e-5
@@ -399,7 +399,7 @@ def bench_programmatic(
     """The NF4 / INT8 step again (of `kinds`; the same weights as bench_llama's) with programmatic dependent launch
     (quant_splits; sm_90+: the quantized kernels launched with it, the norm / attention / SiLU kernels before them
     releasing them early), tuned afresh; a failure is logged and recorded."""
-    from corolla.engine import quant_splits  # needs Triton
+    from corolla.engine.quant import quant_splits  # needs Triton
 
     for kind in (k for k in ("nf4", "int8") if k in kinds):
         gen = torch.Generator(device=dev).manual_seed(0)

@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     # ---- corolla engine on the same weights
     from corolla.engine import EngineConfig, SpanEngine
-    from corolla.engine.fast_llama import FastLlamaSpan
+    from corolla.engine.spans.fast_llama import FastLlamaSpan
 
     max_sessions = max(int(s) for s in args.sessions.split(","))
     config = EngineConfig(

@@ -177,7 +177,7 @@ def _server_step_ms(executor: DeviceExecutor, prefix_tokens: int) -> float:
 
 def _cpu_linear_off(executor: DeviceExecutor) -> None:
     """Drops the CPU projection choices the fast executor's warm-up made (`--cpu_linear off`)."""
-    from corolla.engine.fast_llama import FastLlamaSpan
+    from corolla.engine.spans.fast_llama import FastLlamaSpan
     from corolla.server.core.engine_executor import EngineExecutor
 
     assert isinstance(executor, EngineExecutor) and isinstance(executor.engine.model, FastLlamaSpan)
@@ -228,7 +228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--torch_threads", type=int, default=0, help="torch threads of the server (0: torch's default)")
     p.add_argument(
         "--cpu_linear", choices=("tuned", "off"), default="tuned",
-        help="CPU fast path: the projections' GEMM chosen per row bucket at warm-up (engine.cpu_linear), or off "
+        help="CPU fast path: the projections' GEMM chosen per row bucket at warm-up (engine.kernels.cpu_linear), or off "
         "(F.linear / addmm for every input: what the engine ran before)",
     )  # fmt: skip
     p.add_argument(

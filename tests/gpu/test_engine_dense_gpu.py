@@ -17,10 +17,10 @@ import torch.nn.functional as F
 import transformers as tf
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
-from corolla.engine.fast_dense import FastDenseSpan
-from corolla.engine.ops import paged_decode_attention_ref
+from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
+from corolla.engine.kernels.ops import paged_decode_attention_ref
 from corolla.engine.span_engine import StepRequest
+from corolla.engine.spans.fast_dense import FastDenseSpan
 from corolla.models.positions import alibi_slopes
 from corolla.models.registry import get_family
 from helpers.numerics import rel_err
@@ -129,7 +129,7 @@ def test_cuda_graph_step_equals_eager_step_and_merged_equals_alone(name: str) ->
 
 @pytest.mark.parametrize(("nq", "nkv", "d", "mode"), [(71, 1, 64, ALIBI_FALCON_BF16), (32, 32, 128, ALIBI_BF16)])
 def test_triton_alibi_attention_at_model_widths(nq: int, nkv: int, d: int, mode: int) -> None:
-    from corolla.engine import triton_kernels as tk
+    from corolla.engine.kernels import triton_kernels as tk
 
     torch.manual_seed(1)
     page, pages = 64, 201  # 200 distinct pages besides the trash page
@@ -154,8 +154,8 @@ def test_triton_alibi_attention_at_model_widths(nq: int, nkv: int, d: int, mode:
 @pytest.mark.parametrize("cols", [4096, 4544])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_fused_add_layer_norm_at_model_widths(cols: int, rows: int) -> None:
-    from corolla.engine import dense_kernels
-    from corolla.engine.dense_ops import add_layer_norm_ref
+    from corolla.engine.kernels import dense_kernels
+    from corolla.engine.kernels.dense_ops import add_layer_norm_ref
 
     torch.manual_seed(cols + rows)
     a, b, res = (torch.randn(rows, cols, device=DEV, dtype=BF16) * s for s in (1.0, 0.5, 4.0))
@@ -174,7 +174,7 @@ def test_fused_add_layer_norm_at_model_widths(cols: int, rows: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 8])
 def test_gelu_epilogue_matches_projection_then_gelu(rows: int) -> None:
-    from corolla.engine.dense_ops import DenseOps
+    from corolla.engine.kernels.dense_ops import DenseOps
 
     torch.manual_seed(rows)
     ops = DenseOps(DEV, 128, use_triton=True)

@@ -9,8 +9,8 @@ import torch
 from transformers import DeepseekV3Config
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.fast_mla import FastMlaSpan
 from corolla.engine.span_engine import StepRequest
+from corolla.engine.spans.fast_mla import FastMlaSpan
 from corolla.models.registry import get_family
 from helpers.numerics import rel_err
 
@@ -127,7 +127,7 @@ def _latent_case(seq_lens: list[int], page: int, max_pages: int, heads: int = 12
 
 
 def _reference_rows(q_lat, q_rope, latent, rope, tables, lens, scale) -> torch.Tensor:
-    from corolla.engine.mla_kernels import paged_latent_attention as ref
+    from corolla.engine.kernels.mla_kernels import paged_latent_attention as ref
 
     return torch.cat([ref(q_lat[i : i + 1], q_rope[i : i + 1], latent, rope, tables[i : i + 1], lens[i : i + 1], scale)
                       for i in range(len(lens))])  # fmt: skip
@@ -136,7 +136,7 @@ def _reference_rows(q_lat, q_rope, latent, rope, tables, lens, scale) -> torch.T
 @torch.inference_mode()
 @pytest.mark.parametrize("splits", [1, 4, 16])
 def test_latent_attention_kernel_at_deepseek_widths(splits: int) -> None:
-    from corolla.engine import mla_triton
+    from corolla.engine.kernels import mla_triton
 
     torch.manual_seed(splits)
     seq_lens = [1, 63, 64, 65, 700, 129]
@@ -149,7 +149,7 @@ def test_latent_attention_kernel_at_deepseek_widths(splits: int) -> None:
 @torch.inference_mode()
 def test_latent_attention_graph_replay_follows_new_lengths() -> None:
     """Captured once over a 8192-token-wide table; replays with other lengths and pages read only those."""
-    from corolla.engine import mla_triton
+    from corolla.engine.kernels import mla_triton
 
     torch.manual_seed(4)
     q_lat, q_rope, latent, rope, tables = _latent_case([40, 3000, 9], page=64, max_pages=128)

@@ -21,7 +21,7 @@ BF16 = torch.bfloat16
 
 
 def _weights(n: int, k: int, seed: int = 0):
-    from corolla.engine.quant import quantize_int8, quantize_nf4
+    from corolla.engine.quant.quant import quantize_int8, quantize_nf4
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     dense = (torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(BF16)
@@ -31,7 +31,7 @@ def _weights(n: int, k: int, seed: int = 0):
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 @pytest.mark.parametrize("shape", [(384, 512), (200, 1088)])
 def test_quant_matmul_matches_reference(kind, shape) -> None:
-    from corolla.engine import quant_kernels
+    from corolla.engine.quant import quant_kernels
 
     n, k = shape
     weight = _weights(n, k)[kind]
@@ -52,7 +52,7 @@ def test_quant_matmul_matches_reference(kind, shape) -> None:
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_rows_are_batch_invariant(kind) -> None:
-    from corolla.engine import quant_kernels
+    from corolla.engine.quant import quant_kernels
 
     weight = _weights(512, 1024, seed=1)[kind]
     rows = torch.randn(40, 1024, device=DEV, dtype=BF16)
@@ -65,14 +65,14 @@ def test_rows_are_batch_invariant(kind) -> None:
 
 
 def test_nf4_dequantize_kernel_equals_reference() -> None:
-    from corolla.engine import quant_kernels
+    from corolla.engine.quant import quant_kernels
 
     weight = _weights(320, 1536, seed=2)["nf4"]
     assert torch.equal(quant_kernels.nf4_dequantize(weight), weight.dequantize())
 
 
 def test_qk_norm_kernel_matches_reference() -> None:
-    from corolla.engine.qk_norm import qk_norm_ref, qk_norm_triton
+    from corolla.engine.kernels.qk_norm import qk_norm_ref, qk_norm_triton
 
     qkv = torch.randn(5, (8 + 2 * 2) * 128, device=DEV, dtype=BF16) * 3
     qw = torch.rand(128, device=DEV, dtype=BF16) + 0.5
@@ -86,9 +86,9 @@ def test_qk_norm_kernel_matches_reference() -> None:
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_quantized_engine_graph_step_and_identical_sessions(kind) -> None:
     from corolla.engine.config import EngineConfig, LlamaSpec
-    from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
-    from corolla.engine.quant import quantize_int8, quantize_nf4
+    from corolla.engine.quant.quant import quantize_int8, quantize_nf4
     from corolla.engine.span_engine import SpanEngine, StepRequest
+    from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
 
     torch.manual_seed(3)
     spec = LlamaSpec(

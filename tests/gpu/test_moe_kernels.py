@@ -10,7 +10,7 @@ import torch
 from transformers import MixtralConfig
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.moe import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
+from corolla.engine.moe.moe import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
 from helpers.numerics import rel_err
@@ -53,7 +53,7 @@ def test_grouped_kernel_matches_reference(num_experts, hidden, inter, top_k, sta
 
 @pytest.mark.parametrize("config_index", range(6))
 def test_every_tuning_config_is_correct(config_index: int) -> None:
-    from corolla.engine import moe_kernels
+    from corolla.engine.moe import moe_kernels
 
     config = moe_kernels.EXPERT_CONFIGS[config_index]
     experts = random_experts(8, 1024, 1408, stacked=True, seed=2)

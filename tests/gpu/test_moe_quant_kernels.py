@@ -1,4 +1,4 @@
-"""The quantized routed-experts kernels (`engine.moe_quant_kernels`) on a real GPU, NF4 and Int8 in bitsandbytes'
+"""The quantized routed-experts kernels (`engine.moe.moe_quant_kernels`) on a real GPU, NF4 and Int8 in bitsandbytes'
 layouts: equal to the torch reference on the dequantized weights in bf16 (several token counts and top-k, every
 tuning config of both NF4 decodes, ids outside the expert range), a row's output bit-identical alone and merged with other tokens, a
 CUDA graph replayed with new tokens and routes equal to the eager reference, and a quantized Mixtral-shaped span on
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.fast_llama import FastLlamaSpan
-from corolla.engine.moe import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
-from corolla.engine.moe_quant import QuantizedExpertWeights
-from corolla.engine.quant import quantize_int8, quantize_nf4
+from corolla.engine.moe.moe import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
+from corolla.engine.moe.moe_quant import QuantizedExpertWeights
+from corolla.engine.quant.quant import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import StepRequest
+from corolla.engine.spans.fast_llama import FastLlamaSpan
 from helpers.numerics import rel_err
 
 pytestmark = [
@@ -62,7 +62,7 @@ def test_quantized_kernel_matches_reference(kind, num_experts, hidden, inter, to
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_quantized_config_is_correct(kind: str) -> None:
-    from corolla.engine import moe_quant_kernels
+    from corolla.engine.moe import moe_quant_kernels
 
     experts = random_experts(kind, 8, 1024, 1408, seed=2)
     x = torch.randn(24, 1024, device=DEV, dtype=BF16)

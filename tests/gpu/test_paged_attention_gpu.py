@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from corolla.engine import ops
+from corolla.engine.kernels import ops
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,8 +23,8 @@ NQ, NKV, D, PAGE, PAGES = 32, 8, 128, 64, 200
 
 @pytest.mark.parametrize(("rows", "splits"), [(1, 16), (3, 11), (8, 4)])
 def test_graph_replays_combine_every_split(rows: int, splits: int) -> None:
-    from corolla.engine import triton_kernels as tk
-    from corolla.engine.attention_counters import attention_counters
+    from corolla.engine.kernels import triton_kernels as tk
+    from corolla.engine.kernels.attention_counters import attention_counters
 
     gen = torch.Generator(device=DEV).manual_seed(rows * 100 + splits)
     kc = torch.randn(PAGES, PAGE, NKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)

@@ -1,4 +1,4 @@
-"""The paged prefill attention kernel (`engine.prefill_attention_triton`) against its reference on a real GPU: every
+"""The paged prefill attention kernel (`engine.kernels.prefill_attention_triton`) against its reference on a real GPU: every
 launch the graphs may choose at Llama-3-8B's heads, one at a head count that is no power of two, chunks from the
 sequence's start to a long prefix, padding rows zero; one captured graph serves other prefix lengths when only the
 index changes. Skipped without CUDA."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.engine.prefill_attention import paged_prefill_attention_ref
+from corolla.engine.kernels.prefill_attention import paged_prefill_attention_ref
 from helpers.numerics import rel_err
 
 pytestmark = [
@@ -38,7 +38,7 @@ def make_index(start: int, t: int, maxp: int, pages: int) -> torch.Tensor:
 @pytest.mark.parametrize("nq,nkv,d", [(32, 8, 128), (12, 4, 64)])
 @torch.inference_mode()
 def test_launches_match_the_reference(nq: int, nkv: int, d: int) -> None:
-    from corolla.engine.prefill_attention_triton import ATTENTION_CONFIGS, paged_prefill_attention
+    from corolla.engine.kernels.prefill_attention_triton import ATTENTION_CONFIGS, paged_prefill_attention
 
     configs = ATTENTION_CONFIGS if nq == 32 else ATTENTION_CONFIGS[:1]  # every launch at Llama-3-8B's heads
     k, v = make_pool(90, nkv, d)
@@ -55,7 +55,7 @@ def test_launches_match_the_reference(nq: int, nkv: int, d: int) -> None:
 
 @torch.inference_mode()
 def test_one_graph_serves_other_prefix_lengths() -> None:
-    from corolla.engine.prefill_attention_triton import ATTENTION_CONFIGS, paged_prefill_attention
+    from corolla.engine.kernels.prefill_attention_triton import ATTENTION_CONFIGS, paged_prefill_attention
 
     k, v = make_pool(90, 8, 128)
     q = torch.randn((160, 32, 128), device=DEV).to(BF16)

@@ -1,4 +1,4 @@
-"""Short prefill chunks replayed as one CUDA graph over the span's layers (`engine.prefill_graphs`) on a real GPU:
+"""Short prefill chunks replayed as one CUDA graph over the span's layers (`engine.graphs.prefill_graphs`) on a real GPU:
 the turn after a cached prefix equals the eager engine's, one row bucket's graph serves prefixes of different
 lengths, padding rows leave other sessions' pages alone, and the graphs' memory is reported; the engine's warm-up
 chooses (compiles) every bucket's attention launch, so no chunk does. Skipped without CUDA."""

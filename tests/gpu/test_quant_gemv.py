@@ -1,4 +1,4 @@
-"""The dequantize-GEMV kernels (engine/quant_gemv.py) on a real GPU: every NF4 and Int8 config, with and without
+"""The dequantize-GEMV kernels (engine/quant/quant_gemv.py) on a real GPU: every NF4 and Int8 config, with and without
 residual and split K, equals the reference dequantizer + fp32 matmul on fresh random weights and inputs (outputs
 poisoned first: every element written), each row's output is bit-identical alone and merged with other rows
 (1, 2 and 4 rows per program), split-K sums made in the kernel leave their counters at zero (eager and
@@ -22,7 +22,7 @@ BF16 = torch.bfloat16
 
 
 def _weight(kind: str, n: int, k: int, seed: int, dtype: torch.dtype = BF16):
-    from corolla.engine.quant import quantize_int8, quantize_nf4
+    from corolla.engine.quant.quant import quantize_int8, quantize_nf4
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     dense = (torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype)
@@ -30,7 +30,7 @@ def _weight(kind: str, n: int, k: int, seed: int, dtype: torch.dtype = BF16):
 
 
 def _configs(kind: str):
-    from corolla.engine import quant_gemv
+    from corolla.engine.quant import quant_gemv
 
     return quant_gemv.NF4_GEMV_CONFIGS if kind == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
 
@@ -39,7 +39,7 @@ def _configs(kind: str):
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("shape", [(200, 1088), (96, 4160)])
 def test_gemv_matches_reference(kind, dtype, shape) -> None:
-    from corolla.engine import quant_gemv
+    from corolla.engine.quant import quant_gemv
 
     n, k = shape
     weight = _weight(kind, n, k, seed=n + k, dtype=dtype)
@@ -61,7 +61,7 @@ def test_gemv_matches_reference(kind, dtype, shape) -> None:
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_gemv_rows_are_batch_invariant(kind) -> None:
-    from corolla.engine import quant_gemv
+    from corolla.engine.quant import quant_gemv
 
     weight = _weight(kind, 512, 2048, seed=11)
     rows = torch.randn(quant_gemv.GEMV_MAX_ROWS, 2048, device=DEV, dtype=BF16)
@@ -78,8 +78,8 @@ def test_gemv_rows_are_batch_invariant(kind) -> None:
 
 
 def test_gemv_refuses_bad_calls() -> None:
-    from corolla.engine import quant_gemv
-    from corolla.engine.quant import quantize_nf4
+    from corolla.engine.quant import quant_gemv
+    from corolla.engine.quant.quant import quantize_nf4
 
     nf4 = _weight("nf4", 64, 256, seed=1)
     int8 = _weight("int8", 64, 256, seed=1)
@@ -115,7 +115,7 @@ _SPLIT_CASES = [
 def test_split_k_sums_in_kernel_are_deterministic_and_replay_safe(kind, kernel, config) -> None:
     # the last program of each output tile sums the splits (quant_splits): counters back at zero after every call
     # and every graph replay, repeated calls bit-equal, replays equal eager calls on fresh inputs
-    from corolla.engine import quant_kernels
+    from corolla.engine.quant import quant_kernels
 
     # K = 1600: 7 steps of [8, 256] over 8 splits, 25 NF4 blocks in steps of 2 over 8: some programs get no K
     weight = _weight(kind, 520, 1600, seed=31)
@@ -164,7 +164,7 @@ _PDL_CASES = [
 def test_programmatic_launch_reads_the_producers_output(kind, kernel, config) -> None:
     # launched programmatically the kernels give the same bits, and inside a CUDA graph they read the x that the
     # kernel right before them wrote (griddepcontrol.wait before any read of x or the residual)
-    from corolla.engine import quant_splits
+    from corolla.engine.quant import quant_splits
 
     weight = _weight(kind, 520, 1600, seed=41)
     x = torch.randn(3, 1600, device=DEV, dtype=BF16)
@@ -203,7 +203,8 @@ def test_programmatic_launch_reads_the_producers_output(kind, kernel, config) ->
 def test_early_released_streaming_gemv_reads_the_finished_producer(producer: str) -> None:
     # RMSNorm / SiLU release the streaming GEMV after them at their start (quant_splits.release_dependents): in a
     # replayed CUDA graph the GEMV still reads their finished output (bits equal to the plain launches)
-    from corolla.engine import quant_splits, triton_kernels
+    from corolla.engine.kernels import triton_kernels
+    from corolla.engine.quant import quant_splits
 
     weight = _weight("nf4", 4096, 1024, seed=43)
     h = torch.randn(1, 2048 if producer == "silu" else 1024, device=DEV, dtype=BF16)
@@ -231,7 +232,7 @@ def test_early_released_streaming_gemv_reads_the_finished_producer(producer: str
 
 
 def _run(kernel: str, config, x, weight, res):
-    from corolla.engine import quant_gemv, quant_kernels, quant_mma, quant_stream
+    from corolla.engine.quant import quant_gemv, quant_kernels, quant_mma, quant_stream
 
     fn = {"gemv": quant_gemv.quant_gemv, "block": quant_kernels.quant_matmul, "mma": quant_mma.nf4_mma_matmul,
           "stream": quant_stream.nf4_stream_gemv}  # fmt: skip
@@ -240,8 +241,8 @@ def _run(kernel: str, config, x, weight, res):
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
-    from corolla.engine import quant_gemv, quant_kernels, quant_mma, quant_stream
-    from corolla.engine.ops import DecodeOps
+    from corolla.engine.kernels.ops import DecodeOps
+    from corolla.engine.quant import quant_gemv, quant_kernels, quant_mma, quant_stream
 
     weights = [_weight(kind, 256, 1024, seed=20 + i) for i in range(2)]
     ops = DecodeOps(DEV, 64, use_triton=True)
@@ -280,10 +281,11 @@ def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
 def test_tuned_choices_come_back_from_disk_without_timing(tmp_path, monkeypatch) -> None:
     # a second DecodeOps over the same directory, card and versions takes the first one's choices (quantized shapes
     # and single-row dense projections) and times nothing; another scope (card or versions) misses
-    from corolla.engine import graph_timing, quant_choices
-    from corolla.engine import ops as ops_module
-    from corolla.engine.kernel_choices import KernelChoices, device_scope
-    from corolla.engine.ops import DecodeOps
+    from corolla.engine.kernels import graph_timing
+    from corolla.engine.kernels import ops as ops_module
+    from corolla.engine.kernels.kernel_choices import KernelChoices, device_scope
+    from corolla.engine.kernels.ops import DecodeOps
+    from corolla.engine.quant import quant_choices
 
     weights = {("nf4", 256, 1024): [_weight("nf4", 256, 1024, seed=50)],
                ("int8", 256, 1024): [_weight("int8", 256, 1024, seed=51)]}  # fmt: skip

@@ -1,4 +1,4 @@
-"""The NF4 matrix-unit kernel (engine/quant_mma.py) on a real GPU: one-hot rows read single weight columns back, so
+"""The NF4 matrix-unit kernel (engine/quant/quant_mma.py) on a real GPU: one-hot rows read single weight columns back, so
 every decoded value is checked against the fp16-level reference (NF4 and a random 16-level table, both dtypes,
 with and without a K split); random inputs stay within the bf16 rounding of x @ the dequantized weight, with a
 residual; a row's output is bit-identical alone and among other rows of its row tile; the split counters are left
@@ -20,7 +20,7 @@ CONFIGS = [(64, 16, 1, 4, 1), (64, 16, 3, 4, 1), (64, 64, 1, 4, 1), (64, 64, 2, 
 
 
 def _weight(n: int, k: int, seed: int, dtype: torch.dtype, random_table: bool = False):
-    from corolla.engine.quant import NF4Weight, quantize_nf4
+    from corolla.engine.quant.quant import NF4Weight, quantize_nf4
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     w = quantize_nf4((torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype))
@@ -39,7 +39,7 @@ def _fp16_level_reference(weight) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("random_table", [False, True])
 def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
-    from corolla.engine.quant_mma import nf4_mma_matmul
+    from corolla.engine.quant.quant_mma import nf4_mma_matmul
 
     n, k = 136, 1216  # 19 blocks per row, a partial row tile
     weight = _weight(n, k, seed=3 + int(random_table), dtype=dtype, random_table=random_table)
@@ -60,8 +60,8 @@ def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
 
 
 def test_random_rows_match_the_dequantized_reference_and_are_batch_invariant() -> None:
-    from corolla.engine.quant import quantize_nf4
-    from corolla.engine.quant_mma import nf4_mma_matmul
+    from corolla.engine.quant.quant import quantize_nf4
+    from corolla.engine.quant.quant_mma import nf4_mma_matmul
 
     n, k = 200, 2048
     gen = torch.Generator(device=DEV).manual_seed(7)
@@ -80,7 +80,7 @@ def test_random_rows_match_the_dequantized_reference_and_are_batch_invariant() -
 
 
 def test_split_counters_reset_under_graph_replay() -> None:
-    from corolla.engine.quant_mma import nf4_mma_matmul
+    from corolla.engine.quant.quant_mma import nf4_mma_matmul
 
     weight = _weight(520, 2048, seed=12, dtype=torch.bfloat16)
     x = torch.randn(3, 2048, device=DEV, dtype=torch.bfloat16)
@@ -108,8 +108,8 @@ def test_split_counters_reset_under_graph_replay() -> None:
 
 
 def test_bad_inputs_are_refused() -> None:
-    from corolla.engine.quant import NF4Weight
-    from corolla.engine.quant_mma import nf4_mma_matmul
+    from corolla.engine.quant.quant import NF4Weight
+    from corolla.engine.quant.quant_mma import nf4_mma_matmul
 
     w = _weight(32, 256, seed=1, dtype=torch.bfloat16)
     x = torch.randn(1, 256, device=DEV, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The NF4 streaming GEMV (engine/quant_stream.py) on a real GPU: one-hot rows read single weight columns back, so
+"""The NF4 streaming GEMV (engine/quant/quant_stream.py) on a real GPU: one-hot rows read single weight columns back, so
 every decoded value of every block position is checked against the fp16-level reference (NF4 and a random 16-level
 table, both dtypes, with and without a K split, whole and halved steps, a partial row tile);
 random inputs stay within the bf16 rounding of x @ the dequantized weight, with a residual, and a row's output is
@@ -23,7 +23,7 @@ CONFIGS = [(64, 4, 1, 4, 2), (64, 4, 3, 4, 3), (32, 4, 2, 4, 1), (128, 2, 1, 8, 
 
 
 def _weight(n: int, k: int, seed: int, dtype: torch.dtype, random_table: bool = False):
-    from corolla.engine.quant import NF4Weight, quantize_nf4
+    from corolla.engine.quant.quant import NF4Weight, quantize_nf4
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     w = quantize_nf4((torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype))
@@ -45,7 +45,7 @@ def _fp16_level_reference(weight) -> torch.Tensor:
 @pytest.mark.parametrize("random_table", [False, True])
 @pytest.mark.parametrize("k", [2048, 1216])  # 32 blocks per row (whole 4-block steps), 19 (steps of one block)
 def test_one_hot_rows_read_every_decoded_value(dtype, random_table, k) -> None:
-    from corolla.engine.quant_stream import nf4_stream_gemv
+    from corolla.engine.quant.quant_stream import nf4_stream_gemv
 
     n = 136  # a partial row tile
     weight = _weight(n, k, seed=3 + int(random_table) + k, dtype=dtype, random_table=random_table)
@@ -63,7 +63,7 @@ def test_one_hot_rows_read_every_decoded_value(dtype, random_table, k) -> None:
 
 
 def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
-    from corolla.engine.quant_stream import nf4_stream_gemv
+    from corolla.engine.quant.quant_stream import nf4_stream_gemv
 
     weight = _weight(520, 4096, seed=5, dtype=torch.bfloat16)
     x = torch.randn(3, 4096, device=DEV, dtype=torch.bfloat16) * 4
@@ -82,8 +82,8 @@ def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
 
 @pytest.mark.parametrize("producer", ["rmsnorm", "silu"])
 def test_prescaled_x_from_the_norm_and_silu_kernels_gives_the_same_bits(producer) -> None:
-    from corolla.engine import triton_kernels
-    from corolla.engine.quant_stream import X_SCALE, nf4_stream_gemv
+    from corolla.engine.kernels import triton_kernels
+    from corolla.engine.quant.quant_stream import X_SCALE, nf4_stream_gemv
 
     k = 2048
     weight = _weight(136, k, seed=31, dtype=torch.bfloat16)
@@ -106,7 +106,7 @@ def test_prescaled_x_from_the_norm_and_silu_kernels_gives_the_same_bits(producer
 
 
 def test_split_counters_reset_under_graph_replay() -> None:
-    from corolla.engine.quant_stream import nf4_stream_gemv
+    from corolla.engine.quant.quant_stream import nf4_stream_gemv
 
     weight = _weight(520, 2048, seed=12, dtype=torch.bfloat16)
     x = torch.randn(1, 2048, device=DEV, dtype=torch.bfloat16)
@@ -134,8 +134,8 @@ def test_split_counters_reset_under_graph_replay() -> None:
 
 
 def test_bad_inputs_are_refused() -> None:
-    from corolla.engine.quant import NF4Weight, quantize_nf4
-    from corolla.engine.quant_stream import nf4_stream_gemv
+    from corolla.engine.quant.quant import NF4Weight, quantize_nf4
+    from corolla.engine.quant.quant_stream import nf4_stream_gemv
 
     w = _weight(32, 256, seed=1, dtype=torch.bfloat16)
     x = torch.randn(1, 256, device=DEV, dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.page_queue import PageQueue
+from corolla.engine.kv.page_queue import PageQueue
 from corolla.models.block_base import TensorDescriptor
 from corolla.server.backend import SpanBackend
 from corolla.server.core.runtime import PRIORITY_INFERENCE, Runtime

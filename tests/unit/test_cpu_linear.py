@@ -1,4 +1,4 @@
-"""CPU projections chosen by measurement (`engine.cpu_linear`): every candidate computes F.linear's result, the
+"""CPU projections chosen by measurement (`engine.kernels.cpu_linear`): every candidate computes F.linear's result, the
 chooser keeps the fastest per shape and row bucket (fake timings), `DecodeOps` runs the choice for its bucket only,
 and the engine's warm-up tunes on the CPU unless opted out, with the same decode results."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.cpu_linear import (
+from corolla.engine.kernels.cpu_linear import (
     KERNELS,
     CpuLinearChoices,
     CpuLinearConfig,
@@ -18,7 +18,7 @@ from corolla.engine.cpu_linear import (
     pick,
     tune,
 )
-from corolla.engine.ops import DecodeOps
+from corolla.engine.kernels.ops import DecodeOps
 from helpers.engine_reference import cached_block_steps
 from helpers.tiny_models import tiny_config
 

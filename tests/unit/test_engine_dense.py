@@ -1,4 +1,4 @@
-"""The fast path's Falcon and BLOOM spans (`engine.fast_dense`) on CPU in fp32 compute what our plain blocks
+"""The fast path's Falcon and BLOOM spans (`engine.spans.fast_dense`) on CPU in fp32 compute what our plain blocks
 compute, for every layer structure the two families have: Falcon's new decoder architecture (GQA, `ln_attn` +
 `ln_mlp`, or one shared norm), 7B-style multi-query with one shared LayerNorm, ALiBi Falcon (sequential MHA with
 biases, and parallel multi-query), BLOOM with `apply_residual_connection_post_layernorm` false and true. Each is
@@ -15,11 +15,11 @@ import torch
 import transformers as tf
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
-from corolla.engine.fast_dense import FastDenseSpan
-from corolla.engine.quant import quantize_nf4
+from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
+from corolla.engine.quant.quant import quantize_nf4
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import StepRequest
+from corolla.engine.spans.fast_dense import FastDenseSpan
 from corolla.models.positions import alibi_slopes
 from corolla.models.registry import get_family
 from helpers.engine_reference import cached_block_steps

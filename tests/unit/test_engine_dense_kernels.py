@@ -1,4 +1,4 @@
-"""The Falcon/BLOOM decode step's Triton kernels (`engine.dense_kernels`) against their torch references
+"""The Falcon/BLOOM decode step's Triton kernels (`engine.kernels.dense_kernels`) against their torch references
 (`dense_ops`): the fused residual add + LayerNorm with no addend (a plain LayerNorm), one addend (BLOOM's residual)
 or two summed first (Falcon's parallel attention + MLP), with and without the norm, in fp32 and bf16 (the sums
 rounded as torch rounds them), at a width that is not a power of two and with strided rows; the step's KV slots and
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.dense_ops import DenseOps, add_layer_norm_ref, decode_slots_ref
+from corolla.engine.kernels.dense_ops import DenseOps, add_layer_norm_ref, decode_slots_ref
 
 TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -56,7 +56,7 @@ def test_dense_ops_uses_the_reference_on_cpu() -> None:
 @pytest.mark.parametrize("adds", [0, 1, 2])
 @pytest.mark.parametrize("norm", [True, False])
 def test_add_layer_norm_matches_reference(dtype: torch.dtype, adds: int, norm: bool) -> None:
-    dk = pytest.importorskip("corolla.engine.dense_kernels")
+    dk = pytest.importorskip("corolla.engine.kernels.dense_kernels")
     if adds == 0 and not norm:
         with pytest.raises(ValueError):
             dk.add_layer_norm(None, None, torch.zeros(1, 8, device=DEV), None, None, 0.0)
@@ -83,7 +83,7 @@ def test_add_layer_norm_matches_reference(dtype: torch.dtype, adds: int, norm: b
 
 @pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
 def test_add_layer_norm_refuses_bad_shapes() -> None:
-    dk = pytest.importorskip("corolla.engine.dense_kernels")
+    dk = pytest.importorskip("corolla.engine.kernels.dense_kernels")
     x = torch.zeros(2, 16, device=DEV)
     with pytest.raises(ValueError):
         dk.add_layer_norm(x.t().contiguous().t(), None, x, None, None, 0.0)  # a column-major addend
@@ -103,7 +103,7 @@ def test_decode_slots_reference() -> None:
 @pytest.mark.skipif(not TRITON_OK, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("rows", [0, 1, 5, 40])
 def test_decode_slots_kernel_matches_reference(rows: int) -> None:
-    dk = pytest.importorskip("corolla.engine.dense_kernels")
+    dk = pytest.importorskip("corolla.engine.kernels.dense_kernels")
     gen = torch.Generator().manual_seed(rows)
     page, maxp = 16, 12
     tables = torch.randperm(rows * maxp + 1, generator=gen)[: rows * maxp].reshape(rows, maxp).int()
@@ -138,7 +138,7 @@ def test_span_decode_with_the_fused_kernel_matches_blocks(name: str) -> None:
     import transformers as tf
 
     from corolla.engine import EngineConfig, SpanEngine
-    from corolla.engine.fast_dense import FastDenseSpan
+    from corolla.engine.spans.fast_dense import FastDenseSpan
     from corolla.models.registry import get_family
     from helpers.engine_reference import cached_block_steps
 

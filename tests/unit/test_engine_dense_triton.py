@@ -11,13 +11,13 @@ import pytest
 import torch
 from tests.helpers import paged_cache
 
-from corolla.engine import ops
-from corolla.engine.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi
+from corolla.engine.kernels import ops
+from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi
 from corolla.models.positions import alibi_slopes
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-tk = pytest.importorskip("corolla.engine.triton_kernels")
+tk = pytest.importorskip("corolla.engine.kernels.triton_kernels")
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE = 16

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from corolla.engine.fast_dense import FastDenseSpan
 from corolla.engine.serving import SpanTraits
+from corolla.engine.spans.fast_dense import FastDenseSpan
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from corolla.engine.fast_mla import FastMlaSpan
 from corolla.engine.serving import SpanTraits, unsupported_reason
+from corolla.engine.spans.fast_mla import FastMlaSpan
 from corolla.models.kv_sizing import kv_cache_bytes_per_token
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.fast_lora import FusedProjection, ProjectionAdapters
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import StepRequest
+from corolla.engine.spans.fast_lora import FusedProjection, ProjectionAdapters
 from corolla.models.lora import LoraWeights, add_adapter, using_adapter
 from corolla.models.registry import get_family
 from helpers.engine_reference import cached_block_steps

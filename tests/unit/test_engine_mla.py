@@ -1,4 +1,4 @@
-"""The DeepSeek-V3 fast path (`engine.fast_mla`) on CPU computes what the plain corolla blocks compute: prefill and
+"""The DeepSeek-V3 fast path (`engine.spans.fast_mla`) on CPU computes what the plain corolla blocks compute: prefill and
 absorbed-form decode against the blocks' own latent-cached forward (with and without q_lora, interleaved or
 rotate-half rope, biases), several sessions merged into one ragged batch, rollback, beam reordering; the pool's
 pages hold the latent + rotary key only (bytes per token = the MLA formula); the graph-safe router equals the
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.fast_mla import FastMlaSpan
-from corolla.engine.kv_pool import KVLayout
-from corolla.engine.mla_kernels import group_limited_route
+from corolla.engine.kernels.mla_kernels import group_limited_route
+from corolla.engine.kv.kv_pool import KVLayout
 from corolla.engine.span_engine import StepRequest
+from corolla.engine.spans.fast_mla import FastMlaSpan
 from corolla.models.kv_sizing import kv_cache_bytes_per_token
 from corolla.models.registry import get_family
 from helpers.engine_reference import cached_block_steps
@@ -228,7 +228,7 @@ def test_reference_attention_reads_only_up_to_the_longest_row() -> None:
     """The torch decode attention outside graph capture is bounded by the real lengths: table entries past the
     longest row name pages that do not exist (gathering them would raise), and a NaN page inside the gathered
     width but past a row's length never reaches the output."""
-    from corolla.engine.mla_kernels import paged_latent_attention
+    from corolla.engine.kernels.mla_kernels import paged_latent_attention
 
     torch.manual_seed(5)
     page, c, r = 16, 24, 8

@@ -1,4 +1,4 @@
-"""The DeepSeek-V3 decode kernels of `engine.mla_triton` against their torch references (`engine.mla_kernels`,
+"""The DeepSeek-V3 decode kernels of `engine.kernels.mla_triton` against their torch references (`engine.kernels.mla_kernels`,
 `ops.rms_norm_ref`): paged latent attention over ragged rows (any number of splits, head counts and latent/rope
 widths that are not powers of two, cache pages outside every row's real tokens poisoned with NaN, tokens past a
 row's length with huge values) and the fused rope + latent norm + cache write. Runs on CUDA, or on CPU under
@@ -11,13 +11,13 @@ import os
 import pytest
 import torch
 
-from corolla.engine.mla_kernels import paged_latent_attention as attention_ref
-from corolla.engine.mla_kernels import rope_rotate, store_latent
-from corolla.engine.ops import rms_norm_ref
+from corolla.engine.kernels.mla_kernels import paged_latent_attention as attention_ref
+from corolla.engine.kernels.mla_kernels import rope_rotate, store_latent
+from corolla.engine.kernels.ops import rms_norm_ref
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-mla_triton = pytest.importorskip("corolla.engine.mla_triton")
+mla_triton = pytest.importorskip("corolla.engine.kernels.mla_triton")
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE = 16

@@ -10,9 +10,9 @@ import torch
 
 import helpers.tiny_models_fam_a  # noqa: F401  (registers the tiny qwen3_moe config)
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import StepRequest
+from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
 from corolla.models.layers import SparseMoE
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
@@ -137,7 +137,7 @@ def test_refusals() -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_serving_rule_for_moe_families(family: str) -> None:
-    for quant_type in ("none", "nf4", "int8"):  # quantized experts: engine.moe_quant
+    for quant_type in ("none", "nf4", "int8"):  # quantized experts: engine.moe.moe_quant
         assert unsupported_reason(SpanTraits("cuda", torch.bfloat16, quant_type, family, 0, 0)) is None
     reason = unsupported_reason(SpanTraits("cuda", torch.bfloat16, "nf4", "deepseek_v3", 0, 0))
     assert reason is not None and "unquantized experts" in reason  # fast_mla reads dense experts only

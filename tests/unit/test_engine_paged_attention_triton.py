@@ -13,12 +13,12 @@ import pytest
 import torch
 from tests.helpers import paged_cache
 
-from corolla.engine import ops
-from corolla.engine.attention_counters import ATTENTION_COUNTERS, attention_counters, reserve_attention_counters
+from corolla.engine.kernels import ops
+from corolla.engine.kernels.attention_counters import ATTENTION_COUNTERS, attention_counters, reserve_attention_counters
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-tk = pytest.importorskip("corolla.engine.triton_kernels")
+tk = pytest.importorskip("corolla.engine.kernels.triton_kernels")
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE, D = 16, 32

@@ -11,10 +11,17 @@ import pytest
 import torch
 
 from corolla.engine.config import EngineConfig, LlamaSpec
-from corolla.engine.fast_llama import FastLlamaSpan, LayerWeights
-from corolla.engine.ops import DecodeOps
-from corolla.engine.quant import NF4_LEVELS, Int8Weight, NF4Weight, quantize_int8, quantize_nf4, quantized_weight_of
+from corolla.engine.kernels.ops import DecodeOps
+from corolla.engine.quant.quant import (
+    NF4_LEVELS,
+    Int8Weight,
+    NF4Weight,
+    quantize_int8,
+    quantize_nf4,
+    quantized_weight_of,
+)
 from corolla.engine.span_engine import SpanEngine
+from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 bnb = pytest.importorskip("bitsandbytes")

@@ -1,4 +1,4 @@
-"""The NF4 pair table (engine/quant_pair_table.py) on CPU: every byte's entry holds both of its codes' fp16 levels in
+"""The NF4 pair table (engine/quant/quant_pair_table.py) on CPU: every byte's entry holds both of its codes' fp16 levels in
 the halves the dot pairs with x; the emulated dot reads one-hot x's levels back exactly and random x within fp16
 rounding of a float64 sum (before the register lookup's dot program was deleted, its emulation gave the same bits on
 400 random words and two tables); the PTX text copies every entry to every lane; the refusals. The PTX runs only on
@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from corolla.engine import quant_pair_table
-from corolla.engine.quant import NF4_LEVELS
+from corolla.engine.quant import quant_pair_table
+from corolla.engine.quant.quant import NF4_LEVELS
 
 
 def _x16(values: list[float]) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""The NF4 register lookup's instruction sequence (engine/quant_prmt.py) on CPU: `emulate_decode16` runs the exact
+"""The NF4 register lookup's instruction sequence (engine/quant/quant_prmt.py) on CPU: `emulate_decode16` runs the exact
 program the GPU kernels inline as PTX (prmt/lop3/shr semantics as PTX documents them) and must give every code's
 level (fp16-rounded) for random words and random tables, including the edge codes 0, 7, 8 and 15; the table words,
 the PTX text and the refusals. The PTX itself runs only on a GPU (tests/gpu/test_quant_mma.py): Triton's CPU
@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from corolla.engine import quant_prmt
-from corolla.engine.quant import NF4_LEVELS, quantize_nf4
+from corolla.engine.quant import quant_prmt
+from corolla.engine.quant.quant import NF4_LEVELS, quantize_nf4
 
 
 def _expected(word: int, levels: list[float]) -> list[float]:

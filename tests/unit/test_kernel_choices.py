@@ -1,9 +1,9 @@
-"""engine.kernel_choices: the tuner's choices on disk come back as stored (tuples as tuples), only within their
+"""engine.kernels.kernel_choices: the tuner's choices on disk come back as stored (tuples as tuples), only within their
 scope (card and versions), merged across writers, and an unreadable file is ignored then replaced."""
 
 from __future__ import annotations
 
-from corolla.engine.kernel_choices import FILE_NAME, KernelChoices
+from corolla.engine.kernels.kernel_choices import FILE_NAME, KernelChoices
 
 
 def test_choices_round_trip_within_their_scope_and_merge_across_writers(tmp_path) -> None:

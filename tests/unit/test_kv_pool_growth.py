@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from corolla.engine.config import EngineConfig
-from corolla.engine.kv_pool import TRASH_PAGE, KVLayout, KVPool
+from corolla.engine.kv.kv_pool import TRASH_PAGE, KVLayout, KVPool
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.models.registry import get_family
 from corolla.utils.errors import AllocationFailed

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.engine.eager_span import read_positions, write_positions
-from corolla.engine.kv_pool import KVLayout, KVPool, SequenceSlot
-from corolla.engine.prefix_index import PrefixKey
+from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
+from corolla.engine.kv.prefix_index import PrefixKey
+from corolla.engine.spans.eager_span import read_positions, write_positions
 from corolla.utils.errors import AllocationFailed
 
 PAGE = 16

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from corolla.engine.eager_span import read_positions, write_positions
-from corolla.engine.kv_pool import TRASH_PAGE, KVLayout, KVPool, SequenceSlot
-from corolla.engine.prefix_index import PrefixKey
+from corolla.engine.kv.kv_pool import TRASH_PAGE, KVLayout, KVPool, SequenceSlot
+from corolla.engine.kv.prefix_index import PrefixKey
+from corolla.engine.spans.eager_span import read_positions, write_positions
 from corolla.utils.errors import AllocationFailed
 
 PAGE = 16

@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from corolla.engine.kv_pool import KVLayout, KVPool
-from corolla.engine.page_queue import PageQueue
+from corolla.engine.kv.kv_pool import KVLayout, KVPool
+from corolla.engine.kv.page_queue import PageQueue
 from corolla.utils.errors import AllocationFailed
 
 PAGE = 16  # tokens per page

@@ -14,8 +14,8 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.engine.kv_pool import KVLayout, KVPool
-from corolla.engine.page_queue import PageQueue
+from corolla.engine.kv.kv_pool import KVLayout, KVPool
+from corolla.engine.kv.page_queue import PageQueue
 from corolla.server.core.admission import ForwardSlots, SessionAdmission
 from corolla.server.core.forward_chunks import plan_token_chunks, run_forward_chunked
 from corolla.server.core.limits import (

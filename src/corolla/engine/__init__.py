@@ -1,12 +1,13 @@
-"""The GPU fast path for llama-family and DeepSeek-V3 spans: a server-wide paged KV pool (`kv_pool`, pages of a
-per-token `KVLayout`), fused span weights with a batched ragged decode step and chunked prefill behind the
-`span_model.SpanModel` seam (`fast_llama`, kernels in `ops`/`triton_kernels`; `fast_mla` for multi-head latent
-attention, its ops in `mla_kernels`), whole-span CUDA
-graphs per batch bucket (`cuda_graphs`), the session-level facade (`span_engine`) and the merging of queued steps of
-many sessions into batched forwards (`batcher.execute_steps`, which the server's runtime calls). Runs on CPU too (reference ops, no graphs) so that tests check the same math."""
+"""The engine: runs spans of transformer blocks fast over one paged KV store. Its API sits at the top: `SpanEngine`
+(`span_engine`, the session-level face), `StepRequest` (`step_request`), `batcher.execute_steps` (merges queued steps
+of many sessions into batched forwards; the server's runtime calls it), `EngineConfig` (`config`) and
+`serving.unsupported_reason`. Below it, one folder per concept: `kv/` (the pool, page queue, prefix index), `spans/`
+(a span model per family behind the `SpanModel` seam), `graphs/` (CUDA graphs), `kernels/` (Triton kernels with
+torch references, tuners), `quant/` (NF4/INT8 weights and kernels), `moe/` (routed experts). Runs on CPU too
+(reference ops, no graphs) so that tests check the same math."""
 
 from corolla.engine.config import EngineConfig, LlamaSpec
-from corolla.engine.kv_pool import KVPool
+from corolla.engine.kv.kv_pool import KVPool
 from corolla.engine.span_engine import EngineSession, SpanEngine
 
 __all__ = ["EngineConfig", "EngineSession", "KVPool", "LlamaSpec", "SpanEngine"]

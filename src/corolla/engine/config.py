@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corolla.engine.cpu_linear import CpuLinearConfig
-from corolla.engine.kv_pool import KVLayout
+from corolla.engine.kernels.cpu_linear import CpuLinearConfig
+from corolla.engine.kv.kv_pool import KVLayout
 from corolla.models.deepseek_v3.mla import LATENT_NORM_EPS, mla_softmax_scale
 
 
@@ -34,7 +34,7 @@ class EngineConfig:
     prefix_cache_tokens: int | None = None
     attention_splits_max: int = 16
     cpu_linear: CpuLinearConfig = CpuLinearConfig()  # CPU: projections' GEMM chosen per row bucket at warm-up
-    # GPU: the warm-up tuner's choices kept here between starts, per card and versions (engine.kernel_choices);
+    # GPU: the warm-up tuner's choices kept here between starts, per card and versions (engine.kernels.kernel_choices);
     # None: every warm-up times every candidate
     kernel_choices_dir: str | None = None
 

@@ -14,13 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from corolla.engine.config import EngineConfig
-from corolla.engine.cuda_graphs import DecodeGraphs
-from corolla.engine.eager_span import BlockAdapters, EagerSpan
-from corolla.engine.fast_dense import DENSE_MODEL_TYPES, FastDenseSpan
-from corolla.engine.fast_llama import FastLlamaSpan
-from corolla.engine.fast_lora import SpanAdapters
-from corolla.engine.fast_mla import FastMlaSpan
-from corolla.engine.graph_decode import (
+from corolla.engine.graphs.cuda_graphs import DecodeGraphs
+from corolla.engine.graphs.graph_decode import (
     HostStaging,
     PendingDecode,
     advance_lengths,
@@ -29,11 +24,16 @@ from corolla.engine.graph_decode import (
     merge_rows,
     stage_row_inputs,
 )
-from corolla.engine.kernel_choices import KernelChoices, device_scope
-from corolla.engine.kv_pool import KVPool, SequenceSlot
-from corolla.engine.prefill_graphs import PrefillGraphs, graphs_serve
-from corolla.engine.session_prefix import SessionPrefix
-from corolla.engine.span_model import SpanModel
+from corolla.engine.graphs.prefill_graphs import PrefillGraphs, graphs_serve
+from corolla.engine.kernels.kernel_choices import KernelChoices, device_scope
+from corolla.engine.kv.kv_pool import KVPool, SequenceSlot
+from corolla.engine.kv.session_prefix import SessionPrefix
+from corolla.engine.spans.eager_span import BlockAdapters, EagerSpan
+from corolla.engine.spans.fast_dense import DENSE_MODEL_TYPES, FastDenseSpan
+from corolla.engine.spans.fast_llama import FastLlamaSpan
+from corolla.engine.spans.fast_lora import SpanAdapters
+from corolla.engine.spans.fast_mla import FastMlaSpan
+from corolla.engine.spans.span_model import SpanModel
 from corolla.engine.step_request import StepRequest, StepSession
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS, PrefixKeys
 from corolla.utils.logging import get_logger

@@ -10,8 +10,8 @@ from typing import Protocol
 
 import torch
 
-from corolla.engine.kv_pool import SequenceSlot
-from corolla.engine.session_prefix import SessionPrefix
+from corolla.engine.kv.kv_pool import SequenceSlot
+from corolla.engine.kv.session_prefix import SessionPrefix
 from corolla.utils.tensor_bytes import view_bytes
 
 

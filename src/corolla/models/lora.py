@@ -142,7 +142,7 @@ def _grouped(
 def adapter_stored_bytes(block: CorollaBlock, weights: LoraWeights, dtype: torch.dtype) -> int:
     """Device memory `add_adapter` gives this adapter in this (unsplit) block, in `dtype`: per linear, A [R, in] and
     B [out, R] with R the sum of the ranks of the checkpoint modules fused into it (B spans the whole fused output,
-    zero outside each module's rows). The fast path's stacks (`engine.fast_lora`, fused form) are these tensors.
+    zero outside each module's rows). The fast path's stacks (`engine.spans.fast_lora`, fused form) are these tensors.
     `block` may live on the meta device (nothing is allocated)."""
     element = torch.empty((), dtype=dtype).element_size()
     total = 0

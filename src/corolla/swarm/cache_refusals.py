@@ -11,7 +11,7 @@ from corolla.utils.errors import AllocationFailed
 AVOID_S = 15.0  # a full server is skipped this long (about the time for its early re-announcement to show room)
 IMMEDIATE_REROUTES = 3  # refusals in a row re-routed with no delay; then the failure back-off schedule
 
-# the texts servers send for a full cache: corolla's KV pool and hand-off promise (engine.kv_pool), Petals'
+# the texts servers send for a full cache: corolla's KV pool and hand-off promise (engine.kv.kv_pool), Petals'
 # MemoryCache ("Could not allocate ... bytes"), and the exception's name where a server sends repr(error)
 CACHE_REFUSAL_TEXTS = ("AllocationFailed", "KV pool is full", "KV cache is full", "Could not allocate")
 

@@ -3,7 +3,7 @@ one KV store (fused kernels where the engine has them for the family, else the f
 same pool: an engine-internal choice, `SpanEngine.fused`), and single-token steps of all sessions queued at once are
 merged into one batched forward by the runtime (`engine.batcher.execute_steps` as its batch executor). Forward and
 backward run on the same blocks through `SpanBackend` (shared tensors). Sessions wait for pages in arrival order
-(`engine.page_queue`); their caches are handed off on drain in the canonical layout (`kv_handoff`). A session's LoRA
+(`engine.kv.page_queue`); their caches are handed off on drain in the canonical layout (`kv_handoff`). A session's LoRA
 adapter (Petals' `active_adapter`, fixed when the session opens) is bound to its engine session at the first step;
 merged steps mix sessions on different adapters. Forwards and backwards of all clients run as block tasks merged
 across clients (`training_batch`)."""
@@ -27,10 +27,10 @@ from corolla.engine.batcher import (
     regroup,
 )
 from corolla.engine.config import EngineConfig
-from corolla.engine.eager_span import read_positions, write_positions
-from corolla.engine.page_queue import PageQueue
+from corolla.engine.kv.page_queue import PageQueue
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
+from corolla.engine.spans.eager_span import read_positions, write_positions
 from corolla.models.block_base import TensorDescriptor
 from corolla.protocol.prefix import PrefixKeys
 from corolla.server.backend import SpanBackend

@@ -1,0 +1,342 @@
+"""A merged decode forward on the CUDA-graph path split in two phases, so that the caller (the server's runtime
+thread) can stage and launch the next forward while the device still runs this one and its replies are encoded:
+
+- `launch_graph_decode` stages the rows' inputs in pinned host buffers, queues their host-to-device copies, the
+  graph replay and the device-to-host copy of the output on the current stream, records an event, and returns a
+  `PendingDecode` at once;
+- `PendingDecode.wait` waits for that event only (not for later forwards queued behind it), copies the output out
+  of the pinned buffer and splits it per request.
+
+Buffer lifetimes: the graph's static device buffers are reused by the next launch in stream order (its input copies
+run after this replay and this output copy). The pinned host buffers are not ordered by the stream: the CPU writes
+the inputs and reads the output, so each launch takes one `HostStaging` set of two in turn and first frees it: it
+copies out the output of the forward last launched from it if nobody has waited for it yet, and waits for the set's
+last event (a launch never overwrites inputs that a queued copy has not read yet, nor an output not copied out
+yet). With at most one forward pending while the next is launched (the runtime), nothing waits there in practice."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from corolla.engine.graphs.cuda_graphs import DecodeGraphs
+from corolla.engine.kv.kv_pool import TRASH_PAGE
+from corolla.engine.step_request import StepRequest
+
+# the most rows of a forward whose waiter spins on the CPU until the device is done (`HostStaging.mark`)
+SPIN_MAX_ROWS = 1
+
+
+@dataclass(eq=False)
+class _RowViews:
+    """Slices of the graphs' static inputs and of one staging set for a merged forward of `rows` rows in a graph
+    of `bucket` rows, made once per row count (each slice is a torch call that may hand the GIL to another thread)."""
+
+    graph_hidden: torch.Tensor  # graphs.hidden[:rows]
+    hidden: torch.Tensor  # staging.hidden[:rows]
+    out: torch.Tensor  # staging.out[:rows]
+    graph_positions: torch.Tensor  # graphs.positions[:bucket]
+    positions: torch.Tensor  # staging.positions[:bucket]
+    graph_tables: torch.Tensor  # graphs.block_tables[:bucket]
+    tables: torch.Tensor  # staging.tables[:bucket]
+    adapter_ids: torch.Tensor  # staging.adapter_ids[:bucket]
+    bucket: int
+
+
+@dataclass(eq=False)
+class HostStaging:
+    """One set of pinned host buffers for a merged forward of up to `rows` rows, with flat byte views of the ones the
+    CPU fills or reads per forward (copied with memoryview slice assignments: a memcpy that keeps the GIL), and
+    whether a queued copy still reads or writes them (`done`, an event recorded after the last one; None if none)."""
+
+    hidden: torch.Tensor  # [rows, H] inputs, engine dtype
+    hidden_bytes: memoryview  # hidden's bytes, flat
+    out: torch.Tensor  # [rows, H] output, engine dtype
+    out_bytes: memoryview  # out's bytes, flat
+    positions: torch.Tensor  # [rows] int64
+    positions_np: np.ndarray
+    tables: torch.Tensor  # [rows, max pages per sequence] int32
+    tables_np: np.ndarray
+    tables_bytes: memoryview  # tables' bytes, flat
+    adapter_ids: torch.Tensor  # [rows] int64
+    adapter_ids_np: np.ndarray
+    done: torch.cuda.Event | None = None
+    owner: PendingDecode | None = None  # the launched forward whose output `out` holds, not copied out yet
+    event: torch.cuda.Event | None = None  # recorded anew by each use of the set (made at the first)
+    sleeping_event: torch.cuda.Event | None = None  # the same for a forward whose waiter sleeps (`mark(sleep=True)`)
+    start: torch.cuda.Event | None = None  # recorded before each use's first copy (the forward's device time)
+    views: dict[int, _RowViews] = field(default_factory=dict)  # row count -> slices (`row_views`)
+    views_of: DecodeGraphs | None = None  # the graphs `views` slice
+
+    @classmethod
+    def allocate(
+        cls, rows: int, hidden_size: int, max_pages_per_seq: int, dtype: torch.dtype, *, pin_memory: bool = True
+    ) -> HostStaging:
+        """`pin_memory=False`: plain host memory (the CPU tests of the staging)."""
+        hidden = torch.zeros((rows, hidden_size), dtype=dtype, pin_memory=pin_memory)
+        out = torch.zeros((rows, hidden_size), dtype=dtype, pin_memory=pin_memory)
+        positions = torch.zeros((rows,), dtype=torch.long, pin_memory=pin_memory)
+        tables = torch.full((rows, max_pages_per_seq), TRASH_PAGE, dtype=torch.int32, pin_memory=pin_memory)
+        adapter_ids = torch.zeros((rows,), dtype=torch.long, pin_memory=pin_memory)
+        return cls(
+            hidden=hidden,
+            hidden_bytes=host_bytes(hidden),
+            out=out,
+            out_bytes=host_bytes(out),
+            positions=positions,
+            positions_np=positions.numpy(),
+            tables=tables,
+            tables_np=tables.numpy(),
+            tables_bytes=host_bytes(tables),
+            adapter_ids=adapter_ids,
+            adapter_ids_np=adapter_ids.numpy(),
+        )
+
+    def reuse(self) -> None:
+        """Waits until no queued copy reads or writes these buffers any more (at once if none does), first copying
+        out the output of a forward launched from them and not waited for yet."""
+        if self.owner is not None:
+            self.owner.collect()
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
+
+    def begin(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """Records the set's start event on `stream` before a forward's first copy: the device reaches it when it
+        starts that forward (after the forwards queued before it), so `start.elapsed_time(done)` is the forward's own."""
+        start = self.start
+        if start is None:
+            start = self.start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start
+
+    def mark(self, stream: torch.cuda.Stream, *, sleep: bool = False) -> torch.cuda.Event:
+        """Records the set's event after the copies just queued on `stream` (the set is busy until it passed).
+        `sleep`: a thread waiting for it sleeps until the device signals it (a blocking-sync event) instead of
+        spinning on a core: CUDA spins by default, so a thread that waits for every merged forward would be busy
+        all the time."""
+        if sleep:
+            event = self.sleeping_event
+            if event is None:
+                event = self.sleeping_event = torch.cuda.Event(enable_timing=True, blocking=True)
+        else:
+            event = self.event
+            if event is None:
+                event = self.event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        self.done = event
+        return event
+
+    def row_views(self, graphs: DecodeGraphs, rows: int) -> _RowViews:
+        """The slices a forward of `rows` rows copies through (made at the first forward of that many rows)."""
+        if self.views_of is not graphs:
+            self.views.clear()
+            self.views_of = graphs
+        views = self.views.get(rows)
+        if views is None:
+            bucket = graphs.bucket_for(rows)
+            views = self.views[rows] = _RowViews(
+                graph_hidden=graphs.hidden[:rows], hidden=self.hidden[:rows], out=self.out[:rows],
+                graph_positions=graphs.positions[:bucket], positions=self.positions[:bucket],
+                graph_tables=graphs.block_tables[:bucket], tables=self.tables[:bucket],
+                adapter_ids=self.adapter_ids[:bucket], bucket=bucket,
+            )  # fmt: skip
+        return views
+
+
+class PendingDecode:
+    """A launched merged forward: `wait()` returns one output [B_i, 1, H] per request (CPU tensors that own their
+    memory: views of one fresh copy of the output rows). Call `wait` once, from the launching thread."""
+
+    def __init__(
+        self, staging: HostStaging, done: torch.cuda.Event, rows: int, splits: list[int], hidden_size: int,
+        dtype: torch.dtype, start: torch.cuda.Event | None = None,
+    ):  # fmt: skip
+        self._staging: HostStaging | None = staging
+        self._done = done
+        self._start = start
+        self.device_s: float | None = None  # once collected: the device's seconds from `start` to `done`
+        self.rows = rows
+        self._splits = splits  # rows per request
+        self._hidden_size = hidden_size
+        self._dtype = dtype
+        self._out: torch.Tensor | None = None  # [rows, H], once copied out
+        self._data: memoryview | None = None  # its bytes
+        self._waited = False
+        staging.done, staging.owner = done, self
+
+    def collect(self) -> torch.Tensor:
+        """Waits for this forward's output copy (not for the forwards queued after it) and copies the rows out of
+        the pinned buffer, once; the buffer is then free for another launch. Returns [rows, H]."""
+        if self._out is None:
+            staging = self._staging
+            assert staging is not None
+            self._done.synchronize()
+            if self._start is not None:
+                self.device_s = self._start.elapsed_time(self._done) / 1e3
+            # one memcpy into a fresh buffer in this thread, holding the GIL (a torch or numpy copy of a few hundred
+            # KiB lets it go, and a reader thread of the server may then keep it while this thread waits)
+            nbytes = self.rows * self._hidden_size * self._dtype.itemsize
+            data = bytearray(staging.out_bytes[:nbytes])
+            self._out = torch.frombuffer(data, dtype=self._dtype).view(self.rows, self._hidden_size)  # [rows, H]
+            self._data = memoryview(data)
+            if staging.owner is self:
+                staging.owner = None
+                staging.done = None
+            self._staging = None
+        return self._out
+
+    def output_bytes(self) -> memoryview:
+        """The collected output's bytes ([rows, H] in C order, flat: what the tensors of `wait` view), once
+        collected (`wait` or `collect`)."""
+        if self._data is None:
+            raise RuntimeError("PendingDecode.output_bytes before the output was collected")
+        return self._data
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._waited:
+            raise RuntimeError("PendingDecode.wait called twice")
+        self._waited = True
+        out = self.collect()
+        # one split into views: [rows, H] -> [B_i, 1, H] per request
+        return list(out.view(self.rows, 1, self._hidden_size).split(self._splits))
+
+
+def launch_graph_decode(
+    graphs: DecodeGraphs,
+    staging: HostStaging,
+    group: Sequence[StepRequest],
+    *,
+    dtype: torch.dtype,
+    adapter_rows: torch.Tensor | None,
+) -> PendingDecode:
+    """Queues one merged forward of `group` (single-token steps of distinct sessions over one layer range, hidden
+    states on the CPU, at most `graphs.max_rows` rows; validated and prepared by the caller) and returns at once.
+    `adapter_rows`: the adapters' per-row index buffer on the device where a row uses an adapter, else None.
+    Writes each session's new length (the rows' keys/values are written in stream order before any later step).
+
+    Per forward, the rows' hidden states (where each request carries their bytes: `StepRequest.hidden_bytes`) and
+    block tables are copied into the pinned staging set with memoryview slice assignments (no torch call per row),
+    the rows past the live ones up to the graph's bucket are filled there too (no reset kernels in `run`), and the
+    slices of the static buffers are made once per row count (`HostStaging.row_views`)."""
+    h = graphs.hidden.shape[1]
+    merged = merge_rows(group, dtype)
+    rows = merged.rows
+    staging.reuse()  # the set's previous forward no longer reads its inputs nor writes its output
+    views = staging.row_views(graphs, rows)
+    stream = torch.cuda.current_stream(graphs.hidden.device)
+    if merged.same_dtype and merged.all_bytes:
+        stage_hidden_bytes(staging.hidden_bytes, group)
+    elif merged.same_dtype:
+        torch.cat([r.hidden for r in group], out=views.hidden.view(rows, 1, h))
+    else:
+        torch.cat([r.hidden.reshape(r.rows, h).to(dtype) for r in group], out=views.hidden)
+    start = staging.begin(stream)  # the device's time on this forward starts at its first copy in
+    views.graph_hidden.copy_(views.hidden, non_blocking=True)
+    stage_row_inputs(staging, views, merged, adapter_rows)
+    out = graphs.run(rows, group[0].session.layers, adapters=adapter_rows is not None, reset=False)  # [rows, H]
+    advance_lengths(group)
+    views.out.copy_(out, non_blocking=True)
+    # a lone row's waiter spins (its step's latency); a merged forward's sleeps: its few microseconds of wake-up are
+    # nothing beside the forward's milliseconds, and spinning held a core for the whole forward (the runtime
+    # thread's CPU per step equalled the wall time per step)
+    done = staging.mark(stream, sleep=rows > SPIN_MAX_ROWS)
+    return PendingDecode(staging, done, rows, merged.splits, h, dtype, start)  # the set's owner until it is out
+
+
+@dataclass(eq=False)
+class MergedRows:
+    """A merged decode batch's per-row inputs besides the hidden states, gathered in one pass over its requests."""
+
+    positions: list[int]  # [rows]
+    table_rows: list[memoryview]  # [rows] x the bytes of a block table [max_pages_per_seq] int32
+    adapter_ids: list[int]  # [rows], 0 = base model
+    splits: list[int]  # rows per request
+    same_dtype: bool  # every request's hidden states already in the engine's dtype
+    all_cpu: bool  # every request's hidden states on the CPU
+    all_bytes: bool  # every request carries its hidden states' bytes (`StepRequest.hidden_bytes`)
+
+    @property
+    def rows(self) -> int:
+        return len(self.positions)
+
+    def tables(self) -> torch.Tensor:
+        """The rows' block tables as one new CPU tensor [rows, max_pages_per_seq] int32 (the eager path)."""
+        return torch.frombuffer(bytearray().join(self.table_rows), dtype=torch.int32).view(self.rows, -1)
+
+
+def merge_rows(group: Sequence[StepRequest], dtype: torch.dtype) -> MergedRows:
+    """The rows of `group` (single-token steps; a request of B rows gives B rows) in request order."""
+    merged = MergedRows([], [], [], [], True, True, True)
+    for r in group:  # one pass over the merged batch
+        merged.same_dtype = merged.same_dtype and r.dtype == dtype
+        merged.all_cpu = merged.all_cpu and r.on_cpu
+        merged.all_bytes = merged.all_bytes and r.hidden_bytes is not None
+        merged.splits.append(r.rows)
+        session = r.session
+        if r.rows == 1:
+            merged.positions.append(r.position)
+            merged.table_rows.append(session.table_rows[0])
+            merged.adapter_ids.append(session.adapter_index)
+        else:
+            merged.positions.extend([r.position] * r.rows)
+            merged.table_rows.extend(session.table_rows)
+            merged.adapter_ids.extend([session.adapter_index] * r.rows)
+    return merged
+
+
+def stage_hidden_bytes(dst: memoryview, group: Sequence[StepRequest]) -> None:
+    """Copies the requests' hidden-state bytes (`StepRequest.hidden_bytes`, each [B_i, 1, H] in the engine's dtype,
+    its length checked by `SpanEngine.check_inputs`) one after another to the front of `dst` (a staging set's flat
+    bytes): one memcpy per request, with the GIL held."""
+    start = 0
+    for r in group:
+        src = r.hidden_bytes
+        assert src is not None
+        end = start + len(src)
+        dst[start:end] = src  # ValueError (nothing copied) if the lengths disagree
+        start = end
+
+
+def stage_row_inputs(
+    staging: HostStaging, views: _RowViews, merged: MergedRows, adapter_rows: torch.Tensor | None
+) -> None:
+    """Queues the copies of the rows' positions, block tables and (where `adapter_rows`, the adapters' per-row
+    index buffer on the device, is given) adapter ids into the graphs' static inputs, through `staging`'s pinned
+    buffers (free: the caller ran `staging.reuse()`), for the whole bucket of `views`: rows past the live ones
+    get position 0, the trash page and no adapter (the graph is then run with `reset=False`)."""
+    rows, bucket = merged.rows, views.bucket
+    staging.positions_np[:rows] = merged.positions
+    tables = staging.tables_bytes
+    start = 0
+    for table in merged.table_rows:  # one memcpy per row, GIL held
+        end = start + len(table)
+        tables[start:end] = table
+        start = end
+    if bucket > rows:
+        staging.positions_np[rows:bucket] = 0
+        staging.tables_np[rows:bucket] = TRASH_PAGE
+    views.graph_positions.copy_(views.positions, non_blocking=True)
+    views.graph_tables.copy_(views.tables, non_blocking=True)
+    if adapter_rows is not None:
+        staging.adapter_ids_np[:rows] = merged.adapter_ids
+        if bucket > rows:
+            staging.adapter_ids_np[rows:bucket] = 0
+        adapter_rows[:bucket].copy_(views.adapter_ids, non_blocking=True)
+
+
+def advance_lengths(group: Sequence[StepRequest]) -> None:
+    """Each session's length after its single-token step (its key/value written in stream order before any later
+    step reads it)."""
+    for req in group:
+        length = req.position + 1
+        for slot in req.session.slots:
+            slot.length_tokens = length
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes as a flat writable memoryview of its memory (no copy)."""
+    return tensor.view(torch.uint8).numpy().data.cast("B")

@@ -1,0 +1,389 @@
+"""The decode step's non-matmul operations, each with a plain PyTorch version (CPU, reference, fallback) and a
+Triton kernel on CUDA. All are CUDA-graph safe: static shapes, no host synchronization."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+from corolla.engine.kernels import cpu_linear
+from corolla.engine.kernels.alibi import Alibi
+from corolla.engine.kernels.cpu_attention import paged_decode_attention_cpu
+from corolla.engine.kernels.graph_timing import graph_median_ms
+from corolla.engine.kernels.kernel_choices import KernelChoices
+from corolla.engine.kernels.qk_norm import qk_norm_ref, qk_norm_triton
+from corolla.engine.quant.quant import Int8Weight, NF4Weight, quant_key
+from corolla.utils.logging import get_logger
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
+    from corolla.engine.kernels import triton_kernels
+    from corolla.engine.quant import quant_choices, quant_gemv, quant_kernels, quant_stream
+    from corolla.engine.quant.quant_choices import quant_kernel
+    from corolla.engine.quant.quant_splits import PROLOGUES
+
+    TRITON_IMPORTED = True
+except ImportError:  # pragma: no cover - depends on the installation
+    TRITON_IMPORTED = False  # the kernel modules stay unbound: only `use_triton` paths name them
+
+logger = get_logger(__name__)
+
+
+def triton_usable(device: torch.device, head_dim: int) -> bool:
+    """Whether the Triton kernels can run for this device and head size."""
+    return TRITON_IMPORTED and device.type == "cuda" and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+# ---------------------------------------------------------------------------------------------- reference versions
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x [N, H], weight [H] -> [N, H]; statistics in float32 as in the reference layer
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * y.to(x.dtype)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [N, heads, D] (float32), cos/sin [N, 1, D/2]: rotate-half convention of Llama
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_and_store_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    rotate: bool = True,
+) -> torch.Tensor:
+    """qkv [N, (nq + 2 nkv) * D]; cos/sin tables [P, D/2] float32; positions, slots [N] long;
+    caches [pages, page, nkv, D]. Writes rotated keys and values at `slots`; returns rotated queries [N, nq, D].
+    `rotate=False` (ALiBi spans) stores and returns them as projected."""
+    n = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k = q.reshape(n, num_heads, head_dim), k.reshape(n, num_kv_heads, head_dim)
+    if rotate:
+        c = cos[positions].unsqueeze(1)  # [N, 1, D/2]
+        s = sin[positions].unsqueeze(1)
+        q = _rotate(q.float(), c, s).to(qkv.dtype)
+        k = _rotate(k.float(), c, s).to(qkv.dtype)
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [pages * page, nkv, D]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    k_flat.index_copy_(0, slots, k)
+    v_flat.index_copy_(0, slots, v.reshape(n, num_kv_heads, head_dim))
+    return q
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    alibi: Alibi | None = None,
+) -> torch.Tensor:
+    """q [B, nq, D]; caches [pages, page, nkv, D]; block_tables [B, maxp] int32; seq_lens [B] int32 (>= 1).
+    Each row attends to its own first `seq_lens[b]` tokens (plus `alibi`'s bias). Returns [B, nq, D]."""
+    b, nq, d = q.shape
+    nkv = k_cache.shape[2]
+    tables = block_tables.long()
+    k = k_cache[tables].reshape(b, -1, nkv, d)  # [B, maxp * page, nkv, D]
+    v = v_cache[tables].reshape(b, -1, nkv, d)
+    key_pos = torch.arange(k.shape[1], device=q.device)  # [L]
+    valid = key_pos[None, :] < seq_lens[:, None].long()  # [B, L]
+    k = k.masked_fill(~valid[:, :, None, None], 0.0)  # what lies past a row's tokens never reaches the output
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
+    group = nq // nkv
+    k = k.repeat_interleave(group, dim=2).float()  # [B, L, nq, D]
+    v = v.repeat_interleave(group, dim=2).float()
+    scores = torch.einsum("bhd,blhd->bhl", q.float(), k) * scale  # [B, nq, L]
+    if alibi is not None:
+        scores = scores + alibi.bias(key_pos)[None]  # [B, nq, L]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("bhl,blhd->bhd", probs, v).to(q.dtype)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up [N, 2I] -> [N, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+
+
+class DecodeOps:
+    """Picks Triton kernels or reference versions once, for a device and head size."""
+
+    def __init__(self, device: torch.device, head_dim: int, *, use_triton: bool, attention_splits_max: int = 16):
+        self.use_triton = use_triton and triton_usable(device, head_dim)
+        self.attention_splits_max = attention_splits_max
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        # (N, K, prologue, has_residual) -> Triton skinny-GEMM config for single-row inputs (absent: the prologue as
+        # its own kernel, then cuBLAS); filled by tune_linear
+        self.single_row_gemm: dict[tuple[int, int, str, bool], tuple[int, int, int, int]] = {}
+        # (kind, N, K) -> (kernel, config) of quant_choices.quant_kernel for decode steps of up to GEMV_MAX_ROWS rows
+        # (quant_small: "gemv", "stream" or "block"; NF4: one row only where quant_mid has the shape), of 2 to
+        # quant_choices.MID_MAX_ROWS rows (quant_mid: NF4's "mma" with 16-row tiles) and for larger merged steps
+        # (quant_gemm: "block" or "mma"); filled by tune_quantized
+        self.quant_small: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
+        self.quant_mid: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
+        self.quant_gemm: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
+        # (kind, N, K, prologue) -> the quant_small kernel that runs the prologue itself, where the tuner timed it
+        # faster than the norm/SiLU kernel + quant_small's choice (absent: that pair)
+        self.quant_fused: dict[tuple[str, int, int, str], tuple[str, tuple[int, int, int, int, int]]] = {}
+        # CPU: the formulation of each projection per row bucket (engine.kernels.cpu_linear); None: F.linear / addmm
+        self.cpu_linear: cpu_linear.CpuLinearChoices | None = None
+        # the tuners' choices kept on disk (SpanEngine.warmup sets it from EngineConfig.kernel_choices_dir); None:
+        # every tune times every candidate
+        self.kernel_choices: KernelChoices | None = None
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | NF4Weight | Int8Weight,
+        bias: torch.Tensor | None,
+        *,
+        residual: torch.Tensor | None = None,
+        prologue: str = "none",
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> torch.Tensor:
+        """residual + f(x) @ weight^T + bias, with f = identity, "rmsnorm" (weight `norm_weight`) or "silu"
+        (x = [gate | up]); x [M, K or 2K], weight [N, K] -> [M, N]. Single rows may run as one fused Triton kernel.
+        A quantized weight (NF4/Int8) runs its dequantize-GEMM kernel for decode-sized inputs."""
+        if isinstance(weight, NF4Weight | Int8Weight):
+            return self._quantized(x, weight, bias, residual, prologue, norm_weight, eps)
+        if x.shape[0] == 1 and bias is None:
+            key = (weight.shape[0], weight.shape[1], prologue, residual is not None)
+            config = self.single_row_gemm.get(key)
+            if config is not None:
+                return self._fused(x, weight, residual, prologue, norm_weight, eps, config)
+        return self._unfused(x, weight, bias, residual, prologue, norm_weight, eps)
+
+    def _fused(self, x, weight, residual, prologue, norm_weight, eps, config):
+        if config[0] == "pad":  # cuBLAS on a zero-padded batch: other kernels than its single-row GEMV
+            return self._unfused(x, weight, None, residual, prologue, norm_weight, eps, pad_rows=config[1])
+        code = {"none": 0, "rmsnorm": 1, "silu": 2}[prologue]
+        if config[0] == "splitk":
+            return triton_kernels.splitk_gemv(
+                x, weight, residual, config, prologue=code, norm_weight=norm_weight, eps=eps
+            )
+        return triton_kernels.skinny_gemm(x, weight, residual, config, prologue=code, norm_weight=norm_weight, eps=eps)
+
+    def _quant_choice(self, key, rows: int) -> tuple[str, tuple[int, int, int, int, int]] | None:
+        """The tuned (kernel, config) serving `rows` rows of shape `key` where quant_mid has it (NF4: 2 to
+        MID_MAX_ROWS rows), else None (quant_small / quant_gemm by GEMV_MAX_ROWS)."""
+        if 2 <= rows <= quant_choices.MID_MAX_ROWS:
+            return self.quant_mid.get(key)
+        return None
+
+    def _quantized(self, x, weight, bias, residual, prologue, norm_weight, eps):
+        key, rows = quant_key(weight), x.shape[0]
+        mid = self._quant_choice(key, rows) if self.use_triton else None
+        fused = None  # the tuner's fused kernel for this prologue (quant_small's rows only), if it beat the pair
+        if self.use_triton and prologue != "none" and rows <= quant_gemv.GEMV_MAX_ROWS and mid is None:
+            fused = self.quant_fused.get((*key, prologue))
+        stream = self.quant_small.get(key) if self.use_triton and rows == 1 and mid is None else None
+        if fused is None and prologue != "none" and bias is None and stream is not None and stream[0] == "stream":
+            # NF4 streaming GEMV after a norm / SiLU kernel (bf16): that kernel writes x already converted as the
+            # GEMV would convert it (fp16, times X_SCALE), so that no GEMV program converts x again
+            if weight.dtype == torch.bfloat16:
+                scale = quant_stream.X_SCALE
+                x = self.rms_norm(x, norm_weight, eps, scale) if prologue == "rmsnorm" else self.silu_mul(x, scale)
+                return quant_stream.nf4_stream_gemv(x, weight, residual, stream[1], prescaled=True)
+        if fused is None and prologue == "rmsnorm":
+            x = self.rms_norm(x, norm_weight, eps)
+        elif fused is None and prologue == "silu":
+            x = self.silu_mul(x)
+        if self.use_triton and rows <= quant_kernels.QUANT_KERNEL_MAX_ROWS:
+            res = None if bias is not None else residual
+            if fused is not None:
+                out = quant_kernel(*fused, PROLOGUES[prologue])(x.contiguous(), weight, res, norm_weight, eps)
+            elif mid is not None:
+                out = quant_kernel(*mid)(x.contiguous(), weight, res)
+            else:
+                if rows <= quant_gemv.GEMV_MAX_ROWS:
+                    default = quant_gemv.DEFAULT_NF4_CONFIG if key[0] == "nf4" else quant_gemv.DEFAULT_INT8_CONFIG
+                    kernel, config = self.quant_small.get(key, ("gemv", default))
+                else:
+                    kernel, config = self.quant_gemm.get(key, ("block", quant_kernels.DEFAULT_CONFIG))
+                out = quant_kernel(kernel, config)(x.contiguous(), weight, res)
+            if bias is None:
+                return out
+            out = out + bias
+            return out if residual is None else out + residual
+        # prefill-sized inputs (or no Triton): dequantize once, then one dense GEMM
+        dense = (
+            quant_kernels.nf4_dequantize(weight)
+            if self.use_triton and isinstance(weight, NF4Weight)
+            else weight.dequantize()
+        )  # [N, K]
+        return self._unfused(x, dense, bias, residual, "none", None, eps)
+
+    @torch.inference_mode()
+    def tune_quantized(
+        self, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None
+    ) -> dict:
+        """Times the quantized kernels of each shape (kind, N, K) -> [weight per layer] and keeps the fastest per
+        row range and prologue (quant_choices.tune_quantized); {} without Triton."""
+        if not self.use_triton:
+            return {}
+        return quant_choices.tune_quantized(self, weights, reps=reps, prologues=prologues)
+
+    def qk_norm(self, qkv, q_weight, k_weight, num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
+        if self.use_triton:
+            return qk_norm_triton(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
+        return qk_norm_ref(qkv, q_weight, k_weight, num_heads, num_kv_heads, eps)
+
+    def _unfused(self, x, weight, bias, residual, prologue, norm_weight, eps, pad_rows: int = 0):
+        if prologue == "rmsnorm":
+            x = self.rms_norm(x, norm_weight, eps)
+        elif prologue == "silu":
+            x = self.silu_mul(x)
+        rows = x.shape[0]
+        if self.cpu_linear is not None and x.is_cpu:
+            kernel = self.cpu_linear.kernel(
+                rows, weight.shape[0], weight.shape[1], bias is not None, residual is not None
+            )
+            if kernel is not None:
+                return kernel(x, weight, bias, residual)  # [M, N]
+        if pad_rows > rows:
+            x = F.pad(x, (0, 0, 0, pad_rows - rows))  # [pad_rows, K], zeros below
+        if residual is None:
+            out = F.linear(x, weight, bias)
+        else:
+            out = torch.addmm(residual, x, weight.t())  # the residual rides in the GEMM epilogue (broadcast if padded)
+            out = out if bias is None else out + bias
+        return out[:rows] if pad_rows > rows else out
+
+    @torch.inference_mode()
+    def tune_linear(self, slots: dict[tuple[int, int, str, bool], list[tuple]], eps: float, *, reps: int = 7) -> dict:
+        """For each single-row projection slot `(N, K, prologue, has_residual)` -> [(weight, norm_weight), ...]
+        (one per layer), times the unfused path (prologue kernel + cuBLAS) against every Triton config, each as a
+        CUDA graph over all layers' weights (distinct weights: no L2 flattery, no launch gaps), and keeps the
+        fastest. Returns {slot: {"unfused_us", "best", "best_us", "all_us"}} per layer call."""
+        if not self.use_triton:
+            return {}
+        report = {}
+        for key, items in slots.items():
+            n, k, prologue, has_res = key
+            dev, dt = items[0][0].device, items[0][0].dtype
+            candidates = (None, ("pad", 8), *triton_kernels.SKINNY_GEMM_CONFIGS, *triton_kernels.SPLITK_CONFIGS)
+            digest = zlib.crc32(repr(candidates).encode())  # a changed candidate list tunes again
+            problem = f"linear {n}x{k} {dt} prologue={prologue} residual={has_res} {digest:08x}"
+            cached = self.kernel_choices.get(problem) if self.kernel_choices is not None else None
+            if cached is not None:
+                self.single_row_gemm.pop(key, None)
+                if cached["best"] is not None:
+                    self.single_row_gemm[key] = cached["best"]
+                report[key] = {**cached, "cached": True}
+                continue
+            x = torch.randn(1, 2 * k if prologue == "silu" else k, device=dev, dtype=dt)
+            res = torch.randn(1, n, device=dev, dtype=dt) if has_res else None
+
+            def run(config, items=items, x=x, res=res, prologue=prologue):
+                for w, nw in items:
+                    if config is None:
+                        self._unfused(x, w, None, res, prologue, nw, eps)
+                    else:
+                        self._fused(x, w, res, prologue, nw, eps, config)
+
+            timings = {}
+            for config in candidates:
+                try:
+                    timings[config] = graph_median_ms(lambda c=config: run(c), reps)
+                except Exception:  # a config that does not compile or fit is skipped
+                    continue
+            best = min(timings, key=timings.__getitem__)
+            if best is not None:
+                self.single_row_gemm[key] = best
+            per_call = 1000 / len(items)
+            report[key] = {
+                "unfused_us": timings[None] * per_call,
+                "best": best,
+                "best_us": timings[best] * per_call,
+                "all_us": {str(c): t * per_call for c, t in timings.items()},
+            }
+            if self.kernel_choices is not None:
+                self.kernel_choices.put(problem, {f: report[key][f] for f in ("unfused_us", "best", "best_us")})
+        return report
+
+    def tune_cpu_linear(
+        self,
+        slots: dict[cpu_linear.SlotKey, list[tuple[torch.Tensor, torch.Tensor | None]]],
+        config: cpu_linear.CpuLinearConfig,
+    ) -> dict:
+        """CPU only: for each float32/16-bit projection shape `(N, K, has_bias, has_residual)` -> [(weight, bias)
+        per layer], times `config.candidates` per row bucket on the real weights and keeps the fastest
+        (`engine.kernels.cpu_linear.tune`); later `linear` calls on CPU inputs of a tuned bucket run it. Returns
+        {(slot, bucket): {"best", "all_ms"}}."""
+        if not slots:
+            return {}
+        self.cpu_linear, report = cpu_linear.tune(slots, config)
+        return report
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, f16_scale: float | None = None
+    ) -> torch.Tensor:
+        """x [N, H] -> [N, H] in x's dtype; with `f16_scale` (Triton only): times it, in fp16
+        (`triton_kernels.rms_norm`)."""
+        if self.use_triton:
+            return triton_kernels.rms_norm(x, weight, eps, f16_scale)
+        if f16_scale is not None:
+            raise ValueError("a scaled fp16 RMSNorm output needs the Triton kernel")
+        return rms_norm_ref(x, weight, eps)
+
+    def rope_and_store(
+        self, qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, *, rotate=True
+    ):
+        fn = triton_kernels.rope_and_store if self.use_triton else rope_and_store_ref
+        return fn(qkv, cos, sin, positions, slots, k_cache, v_cache, num_heads, num_kv_heads, head_dim, rotate=rotate)
+
+    def paged_decode_attention(
+        self, q, k_cache, v_cache, block_tables, seq_lens, scale: float, alibi: Alibi | None = None
+    ) -> torch.Tensor:
+        if self.use_triton:
+            splits = self.num_splits(q.shape[0], k_cache.shape[2])
+            if alibi is None:
+                return triton_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, splits)
+            return triton_kernels.paged_decode_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, scale, splits,
+                alibi_slopes=alibi.slopes, alibi_scale=alibi.scale, alibi_mode=alibi.mode,
+            )  # fmt: skip
+        if q.is_cpu:
+            return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+        # x [N, H] -> [N, H]; one torch kernel (statistics in fp32) on every device
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+    def gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
+        # x [N, I] -> [N, I]; approximate "none" (erf) or "tanh"
+        return F.gelu(x, approximate=approximate)
+
+    def silu_mul(self, gate_up: torch.Tensor, f16_scale: float | None = None) -> torch.Tensor:
+        """gate_up [N, 2I] -> [N, I]; with `f16_scale` (Triton only): times it, in fp16 (`triton_kernels.silu_mul`)."""
+        if self.use_triton:
+            return triton_kernels.silu_mul(gate_up, f16_scale)
+        if f16_scale is not None:
+            raise ValueError("a scaled fp16 SiLU output needs the Triton kernel")
+        return silu_mul_ref(gate_up)
+
+    def num_splits(self, batch: int, num_kv_heads: int) -> int:
+        """Sequence splits per (row, kv head) so that about two programs run per multiprocessor."""
+        want = math.ceil(2 * self.num_sms / max(1, batch * num_kv_heads))
+        return max(1, min(self.attention_splits_max, want))

@@ -1,0 +1,353 @@
+"""Routed mixture-of-experts for the fast path: SwiGLU experts read in place, routers as functions.
+
+API (stable; the DeepSeek-V3 fast path calls `experts_forward` with its own group-limited router):
+
+- `ExpertWeights`: one layer's E experts, each a fused `gate_up` [2I, H] (rows [gate (I); up (I)]) and a `down`
+  [H, I] tensor, all of one dtype on one device, row-major. Build it from per-expert tensors
+  (`ExpertWeights.from_tensors`), from transformers 5's stacked tensors (`from_stacked`, gate_up [E, 2I, H],
+  down [E, H, I]: per-expert views, no copy) or from corolla's `GatedMLP` modules (`from_modules`). The tensors stay
+  where they are: the CUDA kernel reads them through a table of their addresses (`gate_up_ptrs`, `down_ptrs`,
+  int64 [E]), so nothing is gathered or copied per step.
+- `experts_forward(x [N, H], expert_ids [N, k] int, expert_weights [N, k] fp32, experts) -> [N, H]` in x's dtype:
+  out[n] = sum_j expert_weights[n, j] * down_e(silu(gate_e(x[n])) * up_e(x[n])) with e = expert_ids[n, j]. Each
+  expert's output is rounded to x's dtype before it is weighted (as the plain blocks do), the k terms are summed in
+  fp32 and rounded once. Ids outside [0, E) contribute nothing. On CUDA with Triton and N <= `KERNEL_MAX_TOKENS`
+  it runs the grouped kernels of `moe_kernels` (assignments sorted by expert on the device; no host sync, so it is
+  CUDA-graph safe; each chosen expert's weights are read once per step whatever the number of tokens choosing it);
+  otherwise the torch reference `experts_forward_ref` (one dense GEMM per used expert; syncs to find them).
+- Routers: `softmax_topk(logits [N, E], top_k, normalize=...)` -> (weights [N, k] fp32, ids [N, k] int64), the
+  Mixtral / Qwen3-MoE rule (softmax in fp32, top-k, optionally renormalized to sum 1).
+- `RoutedMoE`: router weight [E, H] + `ExpertWeights` + the rule, the MLP of one Mixtral / Qwen3-MoE layer.
+- Quantized experts (bitsandbytes NF4 / Int8 layouts read in place): `moe_quant.QuantizedExpertWeights` stands
+  wherever `ExpertWeights` does (`Experts` is either); `experts_forward` runs `moe_quant_kernels`' grouped kernels
+  for them on CUDA (same contract, same routing and epilogues, the weight tiles decoded in registers) and the
+  reference dequantizes the used experts (`dense(e)`). `RoutedMoE.from_module` picks the kind from the modules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from corolla.engine.kernels.graph_timing import graph_median_ms
+from corolla.engine.moe.moe_quant import QuantizedExpertWeights
+from corolla.engine.quant.quant import quantized_weight_of
+from corolla.models.layers import SparseMoE
+from corolla.utils.logging import get_logger
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference.
+    from corolla.engine.moe import moe_kernels, moe_quant_kernels
+
+    TRITON_IMPORTED = True
+except ImportError:  # pragma: no cover - depends on the installation
+    TRITON_IMPORTED = False
+
+logger = get_logger(__name__)
+
+WEIGHT_ALIGNMENT_BYTES = 16  # the kernels load expert rows as 16-byte vectors from the address table
+KERNEL_MAX_TOKENS = 256  # above this (prefill chunks) one dense GEMM per used expert is faster than the grouped kernel
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """E SwiGLU experts of one layer: `gate_up[e]` [2I, H], `down[e]` [H, I], read in place (see module docstring)."""
+
+    gate_up: tuple[torch.Tensor, ...]
+    down: tuple[torch.Tensor, ...]
+    gate_up_ptrs: torch.Tensor = field(init=False)  # [E] int64 on the experts' device: addresses of gate_up[e]
+    down_ptrs: torch.Tensor = field(init=False)  # [E] int64
+    boundaries: torch.Tensor = field(init=False)  # [E + 1] int64: 0..E, for segmenting sorted expert ids
+
+    def __post_init__(self) -> None:
+        if not self.gate_up or len(self.gate_up) != len(self.down):
+            raise ValueError(
+                f"need one down per gate_up and at least one expert, got {len(self.gate_up)}/{len(self.down)}"
+            )
+        first = self.gate_up[0]
+        if first.ndim != 2 or first.shape[0] % 2:
+            raise ValueError(f"gate_up must be [2I, H], got {tuple(first.shape)}")
+        two_i, h = first.shape
+        for e, (gu, dn) in enumerate(zip(self.gate_up, self.down, strict=True)):
+            if tuple(gu.shape) != (two_i, h) or tuple(dn.shape) != (h, two_i // 2):
+                raise ValueError(
+                    f"expert {e}: gate_up {tuple(gu.shape)} / down {tuple(dn.shape)} differ from [{two_i}, {h}] / "
+                    f"[{h}, {two_i // 2}]"
+                )
+            for t in (gu, dn):
+                if t.dtype != first.dtype or t.device != first.device:
+                    raise ValueError(f"expert {e}: every tensor must be {first.dtype} on {first.device}")
+                if not t.is_floating_point() or not t.is_contiguous():
+                    raise ValueError(f"expert {e}: weights must be contiguous floating-point tensors")
+                if t.data_ptr() % WEIGHT_ALIGNMENT_BYTES:
+                    raise ValueError(f"expert {e}: weights must start on {WEIGHT_ALIGNMENT_BYTES}-byte boundaries")
+        dev = first.device
+        object.__setattr__(self, "gate_up_ptrs", _address_table(self.gate_up, dev))
+        object.__setattr__(self, "down_ptrs", _address_table(self.down, dev))
+        object.__setattr__(self, "boundaries", torch.arange(len(self.gate_up) + 1, device=dev))
+
+    @classmethod
+    def from_tensors(cls, gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor]) -> ExpertWeights:
+        return cls(tuple(gate_up), tuple(down))
+
+    @classmethod
+    def from_stacked(cls, gate_up: torch.Tensor, down: torch.Tensor) -> ExpertWeights:
+        """gate_up [E, 2I, H], down [E, H, I] (transformers 5's layout): per-expert views of the same storage."""
+        if gate_up.ndim != 3 or down.ndim != 3 or gate_up.shape[0] != down.shape[0]:
+            raise ValueError(
+                f"need gate_up [E, 2I, H] and down [E, H, I], got {tuple(gate_up.shape)}, {tuple(down.shape)}"
+            )
+        return cls(tuple(gate_up.unbind(0)), tuple(down.unbind(0)))
+
+    @classmethod
+    def from_modules(cls, experts: Sequence[torch.nn.Module]) -> ExpertWeights:
+        """corolla `GatedMLP` experts with plain bias-free `nn.Linear` projections (ValueError otherwise: quantized or
+        LoRA-wrapped experts are not read by this op)."""
+        gate_up: list[torch.Tensor] = []
+        down: list[torch.Tensor] = []
+        for e, expert in enumerate(experts):
+            act = getattr(expert, "act_name", None)
+            if act not in ("silu", "swish"):
+                raise ValueError(f"expert {e}: the fused experts implement SiLU-gated MLPs, not {act!r}")
+            for name, out in (("gate_up", gate_up), ("down", down)):
+                linear = expert.get_submodule(name)
+                if type(linear) is not torch.nn.Linear or linear.bias is not None:
+                    raise ValueError(
+                        f"expert {e}: {name} must be a bias-free torch.nn.Linear, not {type(linear).__name__}"
+                    )
+                out.append(linear.weight.data)
+        return cls(tuple(gate_up), tuple(down))
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.gate_up[0].shape[1])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.down[0].shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate_up[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_up[0].device
+
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert's weights (what a step reads per expert it uses)."""
+        return 3 * self.hidden_size * self.intermediate_size * self.gate_up[0].element_size()
+
+    def nbytes(self) -> int:
+        return self.num_experts * self.expert_nbytes()
+
+    def dense(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]) as they are (the torch reference's view)."""
+        return self.gate_up[e], self.down[e]
+
+
+Experts = ExpertWeights | QuantizedExpertWeights  # dense or bitsandbytes-quantized experts of one layer
+
+
+def _address_table(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64).to(device)  # [E]
+
+
+# ---------------------------------------------------------------------------------------------- routers
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, *, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> (weights [N, k] fp32, ids [N, k] int64): softmax in fp32 over all experts, the k largest,
+    renormalized to sum 1 when `normalize` (Mixtral; Qwen3-MoE's `norm_topk_prob`)."""
+    if not 1 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k must lie in [1, {logits.shape[-1]}], got {top_k}")
+    probs = torch.softmax(logits.float(), dim=-1)  # [N, E] fp32
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [N, k] each
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+# ---------------------------------------------------------------------------------------------- experts
+
+
+def _check_inputs(x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: Experts):
+    n = x.shape[0]
+    if x.ndim != 2 or x.shape[1] != experts.hidden_size:
+        raise ValueError(f"x must be [N, {experts.hidden_size}], got {tuple(x.shape)}")
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != n or expert_ids.dtype.is_floating_point:
+        raise ValueError(
+            f"expert_ids must be an integer [{n}, k] tensor, got {expert_ids.dtype} {tuple(expert_ids.shape)}"
+        )
+    if tuple(expert_weights.shape) != tuple(expert_ids.shape) or expert_weights.dtype != torch.float32:
+        raise ValueError(
+            f"expert_weights must be float32 {tuple(expert_ids.shape)}, got {expert_weights.dtype} "
+            f"{tuple(expert_weights.shape)}"
+        )
+    if x.dtype != experts.dtype or x.device != experts.device:
+        raise ValueError(f"x must be {experts.dtype} on {experts.device}, got {x.dtype} on {x.device}")
+
+
+def experts_forward(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    experts: Experts,
+    *,
+    use_triton: bool = True,
+    config: tuple[int, ...] | None = None,
+    graph_safe: bool = False,
+) -> torch.Tensor:
+    """x [N, H], expert_ids [N, k] int, expert_weights [N, k] fp32 -> [N, H] in x's dtype (module docstring).
+    `use_triton=False` forces the reference; `config` is an entry of `expert_configs(experts)` (default: the first);
+    `graph_safe=True` keeps the kernel (no host sync) on CUDA whatever N, as a step captured in a CUDA graph needs."""
+    _check_inputs(x, expert_ids, expert_weights, experts)
+    if use_triton and kernel_usable(experts.device) and (graph_safe or x.shape[0] <= KERNEL_MAX_TOKENS):
+        config = config or expert_configs(experts)[0]
+        if isinstance(experts, QuantizedExpertWeights):
+            return moe_quant_kernels.grouped_quant_experts(x, expert_ids, expert_weights, experts, config)
+        return moe_kernels.grouped_experts(x, expert_ids, expert_weights, experts, config)
+    return experts_forward_ref(x, expert_ids, expert_weights, experts)
+
+
+def expert_configs(experts: Experts) -> tuple[tuple[int, ...], ...]:
+    """The kernel configs (BLOCK_N, BLOCK_K, warps, stages[, NF4 decode]) for this kind of experts; () without CUDA +
+    Triton."""
+    if not kernel_usable(experts.device):
+        return ()
+    if isinstance(experts, QuantizedExpertWeights):
+        return moe_quant_kernels.configs_for(experts.kind)
+    return moe_kernels.EXPERT_CONFIGS
+
+
+def kernel_usable(device: torch.device) -> bool:
+    return TRITON_IMPORTED and device.type == "cuda"
+
+
+def experts_forward_ref(
+    x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, experts: Experts
+) -> torch.Tensor:
+    """The torch reference of `experts_forward` (same contract): one GEMM pair per used expert, fp32 accumulation
+    of the weighted expert outputs. Reads the used experts only (quantized ones dequantized to the compute dtype,
+    as bitsandbytes' layers compute); needs a host sync to find them."""
+    _check_inputs(x, expert_ids, expert_weights, experts)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [N, H]
+    ids = expert_ids.long()
+    inter = experts.intermediate_size
+    for e in torch.unique(ids).tolist():
+        if not 0 <= e < experts.num_experts:
+            continue  # ids outside [0, E) contribute nothing
+        token_idx, slot = torch.where(ids == e)  # [n], [n]
+        w_gate_up, w_down = experts.dense(e)  # [2I, H], [H, I]
+        gate_up = F.linear(x[token_idx], w_gate_up)  # [n, 2I]
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [n, I]
+        y = F.linear(act, w_down)  # [n, H] in x's dtype
+        out.index_add_(0, token_idx, y.float() * expert_weights[token_idx, slot, None])
+    return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class RoutedMoE:
+    """The MLP of one Mixtral / Qwen3-MoE layer: `router` [E, H] (in the block's dtype, as the plain block computes
+    its logits), softmax top-`top_k` routing (renormalized when `normalize_top_k`) over `experts`."""
+
+    router: torch.Tensor  # [E, H]
+    experts: Experts
+    top_k: int
+    normalize_top_k: bool
+
+    def __post_init__(self) -> None:
+        e, h = self.experts.num_experts, self.experts.hidden_size
+        if tuple(self.router.shape) != (e, h):
+            raise ValueError(f"router must be [{e}, {h}], got {tuple(self.router.shape)}")
+        if not 1 <= self.top_k <= e:
+            raise ValueError(f"top_k must lie in [1, {e}], got {self.top_k}")
+
+    @classmethod
+    def from_module(cls, moe: SparseMoE) -> RoutedMoE:
+        """A corolla `SparseMoE` holding all of its layer's experts (ValueError for a tensor-parallel slice); experts
+        quantized by bitsandbytes (`models.quantization`) are read as `QuantizedExpertWeights` in the router's dtype."""
+        num_experts = int(moe.num_experts)
+        if list(moe.expert_ids) != list(range(num_experts)):
+            raise ValueError("The fast path needs every expert of the layer (not a tensor-parallel slice)")
+        if type(moe.router) is not torch.nn.Linear:
+            raise ValueError(f"The router must be a plain torch.nn.Linear, not {type(moe.router).__name__}")
+        modules = list(moe.experts)
+        first = modules[0].get_submodule("gate_up") if modules else None
+        quantized = first is not None and quantized_weight_of(first, moe.router.weight.dtype) is not None
+        return cls(
+            router=moe.router.weight.data,
+            experts=(
+                QuantizedExpertWeights.from_modules(modules, moe.router.weight.dtype)
+                if quantized
+                else ExpertWeights.from_modules(modules)
+            ),
+            top_k=int(moe.top_k),
+            normalize_top_k=bool(moe.normalize_top_k),
+        )
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(experts, hidden size, expert intermediate size, top_k): what a kernel config is tuned for."""
+        return (self.experts.num_experts, self.experts.hidden_size, self.experts.intermediate_size, self.top_k)
+
+    def nbytes(self) -> int:
+        return self.router.numel() * self.router.element_size() + self.experts.nbytes()
+
+    def active_nbytes(self, num_used_experts: int) -> int:
+        """Bytes one step reads when `num_used_experts` distinct experts are chosen (router included)."""
+        return self.router.numel() * self.router.element_size() + num_used_experts * self.experts.expert_nbytes()
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        use_triton: bool = True,
+        config: tuple[int, ...] | None = None,
+        graph_safe: bool = False,
+    ) -> torch.Tensor:
+        """x [N, H] (already normed) -> [N, H]."""
+        logits = F.linear(x, self.router)  # [N, E] in x's dtype, as the plain block
+        weights, ids = softmax_topk(logits, self.top_k, normalize=self.normalize_top_k)  # [N, k] each
+        return experts_forward(
+            x, ids, weights, self.experts, use_triton=use_triton, config=config, graph_safe=graph_safe
+        )
+
+
+@torch.inference_mode()
+def tune_experts(layers: Sequence[RoutedMoE], *, rows: Sequence[int] = (1, 8), reps: int = 7) -> dict:
+    """Times every `expert_configs` entry of the layers' kind at each token count in `rows` (random tokens routed by each
+    layer's own router), as one CUDA graph over all `layers` (distinct weights, no launch gaps), and keeps the
+    config with the least summed slowdown against each count's fastest. One config then serves every batch size
+    (rows stay batch-invariant). Returns {"best": config, "best_us": per layer call at rows[0], "us": {rows:
+    {config: us}}}; {} without CUDA + Triton."""
+    if not layers or not kernel_usable(layers[0].experts.device):
+        return {}
+    first = layers[0]
+    per_call = 1000 / len(layers)
+    timings: dict[int, dict[tuple[int, ...], float]] = {}
+    for n in rows:
+        x = torch.randn(n, first.experts.hidden_size, device=first.experts.device, dtype=first.experts.dtype)
+        timings[n] = {}
+        for config in expert_configs(first.experts):
+            try:
+                ms = graph_median_ms(lambda c=config, x=x: [moe.forward(x, config=c) for moe in layers], reps)
+            except Exception as e:  # a config that does not compile or fit is skipped
+                logger.info(f"moe.tune_experts.skip(config={config}, rows={n}, error={type(e).__name__})")
+                continue
+            timings[n][config] = ms * per_call
+    common = set.intersection(*(set(t) for t in timings.values()))
+    if not common:
+        raise RuntimeError(f"no expert kernel config runs for {first.shape}")
+    fastest = {n: min(t.values()) for n, t in timings.items()}
+    best = min(common, key=lambda c: sum(timings[n][c] / fastest[n] for n in rows))
+    return {
+        "best": best,
+        "best_us": timings[rows[0]][best],
+        "us": {n: {str(c): us for c, us in t.items()} for n, t in timings.items()},
+    }

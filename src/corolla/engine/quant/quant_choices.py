@@ -1,0 +1,147 @@
+"""Which quantized kernel serves each row range of each weight shape: the kernels by name (`quant_kernel`) and the
+start-up tuner that times them per shape and keeps the fastest per row range and prologue (`tune_quantized`, into
+DecodeOps' quant_small / quant_mid / quant_gemm / quant_fused). Importing fails without Triton."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from corolla.engine.kernels.graph_timing import graph_median_ms, time_configs
+from corolla.engine.quant import quant_gemv, quant_kernels, quant_mma, quant_stream
+from corolla.engine.quant.quant_splits import PROLOGUES
+
+Choice = tuple[str, tuple[int, int, int, int, int]]
+MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-row-tile configs (quant_mid)
+
+
+def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0):
+    """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
+    (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "stream"
+    (quant_stream.nf4_stream_gemv, NF4 in 16-bit dtypes, one row per program, no prologue), "block"
+    (quant_kernels.quant_matmul) or "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue)."""
+    if kernel == "gemv":
+        return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
+    if kernel == "stream" and not prologue:
+        return lambda x, w, res, nw=None, eps=0.0: quant_stream.nf4_stream_gemv(x, w, res, config)
+    if kernel == "mma" and not prologue:
+        return lambda x, w, res, nw=None, eps=0.0: quant_mma.nf4_mma_matmul(x, w, res, config)
+    if kernel == "block":
+        return lambda x, w, res, nw=None, eps=0.0: quant_kernels.quant_matmul(x, w, res, config, prologue, nw, eps)
+    raise ValueError(f"unknown quantized kernel {kernel!r} (prologue {prologue})")
+
+
+def fusable(key: tuple[str, int, int], choice: Choice) -> bool:
+    """Whether the small-row kernel `choice` for shape `key` runs a norm/SiLU prologue (INT8: the block kernel and
+    the byte GEMV; no NF4 kernel does)."""
+    int8 = key[0] == "int8"
+    return int8 and choice[0] == "block" or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
+
+
+def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: dict, reps: int) -> dict:
+    """Times the `prologue` kernel (RMSNorm / SiLU gating, DecodeOps `ops`) + `best` against the three fastest
+    small-row kernels of `timings` that run the prologue themselves, each as a CUDA graph over all layers; the faster
+    serves decode rows with that prologue (ops.quant_fused). {} where no candidate fuses (NF4 table GEMVs, tl.dot)."""
+    candidates = sorted((c for c in timings if fusable(key, c)), key=timings.__getitem__)[:3]
+    if not candidates:
+        return {}
+    k, code = key[2], PROLOGUES[prologue]
+    x = torch.randn(1, 2 * k if prologue == "silu" else k, device=items[0].device, dtype=items[0].dtype)
+    nw = torch.ones(k, device=x.device, dtype=x.dtype)  # the gain's values do not change the time
+    pre = (lambda: ops.silu_mul(x)) if prologue == "silu" else (lambda: ops.rms_norm(x, nw, 1e-6))
+    unfused = graph_median_ms(lambda: [quant_kernel(*best)(pre(), w, None) for w in items], reps)
+    fused = time_configs(candidates, lambda c, w: quant_kernel(c[0], c[1], code)(x, w, None, nw, 1e-6), items, reps)
+    choice = min(fused, key=fused.__getitem__) if fused else None
+    ops.quant_fused.pop((*key, prologue), None)
+    if choice is not None and fused[choice] < unfused:
+        ops.quant_fused[(*key, prologue)] = choice
+    per_call = 1000 / len(items)
+    return {"unfused_us": unfused * per_call, "fused": ops.quant_fused.get((*key, prologue)),
+            "all_us": {str(c): t * per_call for c, t in fused.items()}}  # fmt: skip
+
+
+@torch.inference_mode()
+def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None):
+    """For each quantized shape (kind, N, K) -> [weight per layer], times on a single-row input every streaming-GEMV
+    config (NF4 in 16-bit dtypes) or every dequantize-GEMV and "block" tl.dot config (INT8, fp32 NF4): the fastest
+    serves steps of up to GEMV_MAX_ROWS rows (NF4 in 16-bit dtypes: one row; ops.quant_small); NF4 in 16-bit dtypes: the matrix-unit kernel's 16-row-tile
+    configs on MID_MAX_ROWS rows (2 to MID_MAX_ROWS rows, ops.quant_mid); on a `QUANT_KERNEL_MAX_ROWS`-row input
+    the "block" configs (INT8, fp32 NF4) or the matrix-unit kernel's 64-row-tile configs (larger merged steps,
+    ops.quant_gemm); each as a CUDA graph over all layers' weights. Then, per prologue (`prologues`: shape -> the
+    names its projections take, none for a shape missing there; None: both "rmsnorm" and "silu"), the norm/SiLU
+    kernel + the one-row best against the fused kernels (`tune_prologue`). One (kernel, config) per row range and
+    prologue keeps rows batch-invariant within it. A shape whose choices `ops.kernel_choices` holds (same card and
+    versions) takes them without timing anything. Returns {shape: {"best", "best_us", "all_us", "mid_best",
+    "mid_all_us", "gemm_best", "gemm_best_us", "gemm_all_us", "prologues"}}, microseconds per layer call."""
+    report = {}
+    for key, items in weights.items():
+        wanted = ("rmsnorm", "silu") if prologues is None else tuple(prologues.get(key, ()))
+        # NF4 in 16-bit dtypes: the matrix-unit kernel replaces the tl.dot kernels, which were slower on every
+        # Llama-3-8B projection (docs/decisions/0012-nf4-matrix-units.md)
+        nf4 = key[0] == "nf4" and items[0].dtype != torch.float32
+        block_configs = [] if nf4 else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
+        # NF4 in 16-bit dtypes: one row on the streaming GEMV, which beat every dequantize-GEMV on an H200
+        # (docs/decisions/0015, 0017); fp32 NF4 weights on the fp32 table GEMV
+        if nf4:
+            small_configs = [("stream", c) for c in quant_stream.NF4_STREAM_CONFIGS]
+        else:
+            gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
+            small_configs = [("gemv", c) for c in gemv_configs] + block_configs
+        mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
+        gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]
+        # the candidates are part of the problem: a changed candidate list tunes again
+        candidates = zlib.crc32(repr((small_configs, mma, block_configs)).encode())
+        problem = f"quant {key[0]} {key[1]}x{key[2]} {items[0].dtype} prologues={','.join(wanted)} {candidates:08x}"
+        cached = ops.kernel_choices.get(problem) if ops.kernel_choices is not None else None
+        if cached is not None:
+            report[key] = _restore(ops, key, cached)
+            continue
+        k = key[2]
+        one = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
+        many = torch.randn(quant_kernels.QUANT_KERNEL_MAX_ROWS, k, device=one.device, dtype=one.dtype)
+        gemv = time_configs(small_configs, lambda c, w, x=one: quant_kernel(*c)(x, w, None), items, reps)
+        gemm = time_configs(gemm_configs, lambda c, w, x=many: quant_kernel(*c)(x, w, None), items, reps)
+        if not gemv or not gemm:
+            raise RuntimeError(f"no dequantize-GEMV or -GEMM config runs for {key}")
+        best, gemm_best = min(gemv, key=gemv.__getitem__), min(gemm, key=gemm.__getitem__)
+        ops.quant_small[key] = best
+        ops.quant_gemm[key] = gemm_best
+        mid = {}
+        if mma:  # 2 to MID_MAX_ROWS rows: the 16-row-tile configs, timed at that many rows
+            rows16 = many[:MID_MAX_ROWS]
+            mid_configs = [c for c in mma if c[1][1] <= MID_MAX_ROWS]
+            mid = time_configs(mid_configs, lambda c, w, x=rows16: quant_kernel(*c)(x, w, None), items, reps)
+            if mid:
+                ops.quant_mid[key] = min(mid, key=mid.__getitem__)
+        per_call = 1000 / len(items)
+        report[key] = {
+            "best": best,
+            "best_us": gemv[best] * per_call,
+            "all_us": {str(c): t * per_call for c, t in gemv.items()},
+            "mid_best": ops.quant_mid.get(key),
+            "mid_all_us": {str(c): t * per_call for c, t in mid.items()},
+            "gemm_best": gemm_best,
+            "gemm_best_us": gemm[gemm_best] * per_call,
+            "gemm_all_us": {str(c): t * per_call for c, t in gemm.items()},
+            "prologues": {p: tune_prologue(ops, key, items, p, best, gemv, reps) for p in wanted},
+        }
+        if ops.kernel_choices is not None:
+            ops.kernel_choices.put(problem, {
+                "best": best, "best_us": report[key]["best_us"], "mid_best": ops.quant_mid.get(key),
+                "gemm_best": gemm_best, "gemm_best_us": report[key]["gemm_best_us"],
+                "fused": {p: ops.quant_fused.get((*key, p)) for p in wanted},
+            })  # fmt: skip
+    return report
+
+
+def _restore(ops, key: tuple[str, int, int], cached: dict) -> dict:
+    """Puts a stored tuning of shape `key` into `ops`; its report entry (the times measured when it was tuned)."""
+    ops.quant_small[key], ops.quant_gemm[key] = cached["best"], cached["gemm_best"]
+    if cached["mid_best"] is not None:
+        ops.quant_mid[key] = cached["mid_best"]
+    for prologue, choice in cached["fused"].items():
+        ops.quant_fused.pop((*key, prologue), None)
+        if choice is not None:
+            ops.quant_fused[(*key, prologue)] = choice
+    return {**cached, "cached": True}

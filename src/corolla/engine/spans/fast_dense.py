@@ -1,0 +1,430 @@
+"""Falcon and BLOOM spans as plain tensors: LayerNorm (with bias), a fused q/k/v projection in our
+`[q heads | k heads | v heads]` row order (the blocks reorder BLOOM's and Falcon's per-head layouts at load time),
+rotary or ALiBi positions, a dense GELU MLP, biases where the checkpoint has them, and either parallel attention +
+MLP (Falcon: one shared LayerNorm, or `ln_attn` + `ln_mlp` in the new decoder architecture) or sequential residuals
+(BLOOM, with `apply_residual_connection_post_layernorm` either way; Falcon-RW). Multi-query and grouped-query
+attention read the paged `KVPool` through the same ops as `fast_llama` (ALiBi: per-head slopes inside the paged
+attention kernel); projections may be bitsandbytes NF4/Int8 layouts read in place."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi
+from corolla.engine.kernels.dense_ops import DenseOps
+from corolla.engine.kernels.ops import DecodeOps
+from corolla.engine.kernels.prefill_attention import causal_prefill_attention
+from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
+from corolla.engine.quant.quant import Int8Weight, NF4Weight, linear_bias, quant_key
+from corolla.engine.spans.fast_llama import Weight, projection_weight
+from corolla.engine.spans.span_model import ChunkedPrefill
+from corolla.models.attention import Attention
+from corolla.models.bloom.block import BloomBlock
+from corolla.models.falcon.block import FalconBlock
+from corolla.models.layers import DenseMLP
+from corolla.models.positions import RotaryEmbedding, alibi_slopes
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+DENSE_MODEL_TYPES = ("falcon", "bloom")
+# ALiBi prefill materializes a [heads, queries, keys] bias; queries are taken in blocks that keep it this small
+ALIBI_PREFILL_MASK_ELEMENTS = 1 << 26
+_GELU_APPROXIMATION = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+_GELU_APPROXIMATION["bloom_gelu"] = "tanh"
+# row counts at which cuBLASLt's GELU epilogue must be the tanh GELU before the decode step uses it
+GELU_PROBE_ROWS = (1, 2, 3, 8, 16)
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """Shapes and structure of one Falcon or BLOOM decoder layer."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    layer_norm_eps: float
+    parallel_attn: bool  # attention and MLP read the layer's input (Falcon); else MLP after attention's residual
+    residual_after_norm: bool  # BLOOM's apply_residual_connection_post_layernorm: the residual is the normed input
+    gelu_approximate: str  # "none" (erf GELU) or "tanh"
+    alibi: bool
+    sliding_window_tokens: int | None = None  # both families attend to the whole context
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """K and V heads per token per layer (one K/V head for multi-query Falcon)."""
+        return KVLayout.heads(self.num_kv_heads, self.head_dim)
+
+    @classmethod
+    def from_block(cls, block: torch.nn.Module) -> DenseSpec:
+        """Reads a loaded `FalconBlock` or `BloomBlock`; ValueError for anything else."""
+        attn, mlp = _parts(block)
+        approximate = _GELU_APPROXIMATION.get(mlp.act_name)
+        if approximate is None:
+            raise ValueError(f"The fast path implements GELU MLPs for Falcon/BLOOM, not {mlp.act_name!r}")
+        norm = _norms(block)[0]
+        return cls(
+            hidden_size=attn.hidden_size,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate_size=mlp.intermediate_size,
+            layer_norm_eps=float(norm.eps),
+            parallel_attn=isinstance(block, FalconBlock) and block.parallel,
+            residual_after_norm=isinstance(block, BloomBlock) and block.residual_after_norm,
+            gelu_approximate=approximate,
+            alibi=bool(attn.alibi),
+        )
+
+
+@dataclass
+class DenseLayerWeights:
+    """One layer's tensors. `ln1` normalizes attention's input (and the MLP's in a parallel layer without `ln2`);
+    `ln2` is the MLP's norm (sequential layers: after attention's residual; Falcon's new architecture: `ln_mlp`)."""
+
+    ln1_w: torch.Tensor  # [H]
+    ln1_b: torch.Tensor  # [H]
+    ln2_w: torch.Tensor | None  # [H]
+    ln2_b: torch.Tensor | None  # [H]
+    w_qkv: Weight  # [(nq + 2 nkv) D, H]
+    b_qkv: torch.Tensor | None
+    w_o: Weight  # [H, nq D]
+    b_o: torch.Tensor | None
+    w_up: Weight  # [I, H]
+    b_up: torch.Tensor | None
+    w_down: Weight  # [H, I]
+    b_down: torch.Tensor | None
+
+    def nbytes(self) -> int:
+        """Bytes of this layer's weights (quantized ones as stored): what one batch-1 decode step reads."""
+        total = 0
+        for t in vars(self).values():
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+            elif isinstance(t, NF4Weight | Int8Weight):
+                total += t.nbytes()
+        return total
+
+
+class FastDenseSpan(ChunkedPrefill):
+    """Consecutive Falcon or BLOOM layers with a batched decode step and a prefill step over a `KVPool`."""
+
+    def __init__(
+        self,
+        spec: DenseSpec,
+        layers: Sequence[DenseLayerWeights],
+        *,
+        max_positions: int,
+        inv_freq: torch.Tensor | None = None,
+        alibi: Alibi | None = None,
+        use_triton: bool = True,
+        attention_splits_max: int = 16,
+    ):
+        if not layers:
+            raise ValueError("FastDenseSpan needs at least one layer")
+        if spec.alibi != (alibi is not None) or (inv_freq is None) == (alibi is None):
+            raise ValueError("A dense span takes ALiBi slopes or rotary frequencies, as its spec says")
+        if not spec.parallel_attn and any(w.ln2_w is None for w in layers):
+            raise ValueError("A sequential layer needs its post-attention LayerNorm")
+        self.spec = spec
+        self.layers = list(layers)
+        self.device = layers[0].ln1_w.device
+        self.dtype = layers[0].ln1_w.dtype
+        self.max_positions = max_positions
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.alibi = alibi
+        half = spec.head_dim // 2
+        if inv_freq is not None:
+            positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)  # [P]
+            freqs = positions[:, None] * inv_freq.to(self.device, torch.float32)[None, :]  # [P, D/2]
+            self.cos, self.sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        else:  # never read (rope_and_store(rotate=False))
+            self.cos = self.sin = torch.zeros((1, half), dtype=torch.float32, device=self.device)
+        self.ops = DecodeOps(
+            self.device, spec.head_dim, use_triton=use_triton, attention_splits_max=attention_splits_max
+        )
+        self.dense = DenseOps(self.device, spec.head_dim, use_triton=use_triton)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def weight_bytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def tune(self) -> dict:
+        """Times cuBLAS against the fused Triton GEMVs for the bias-free dense projections (Falcon; a decode step's
+        projections add no residual: `DenseOps.add_norm` does), picks the quantized kernels of NF4/Int8 projections,
+        and times the up projection with its bias and tanh GELU in cuBLASLt's epilogue (BLOOM) against the two
+        kernels (CUDA + Triton only)."""
+        slots: dict[tuple[int, int, str, bool], list[tuple]] = {}
+        quantized: dict[tuple[str, int, int], list] = {}
+        ups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in self.layers:
+            for w, bias in (
+                (layer.w_qkv, layer.b_qkv),
+                (layer.w_o, layer.b_o),
+                (layer.w_up, layer.b_up),
+                (layer.w_down, layer.b_down),
+            ):
+                if isinstance(w, NF4Weight | Int8Weight):
+                    quantized.setdefault(quant_key(w), []).append(w)
+                elif bias is None:
+                    slots.setdefault((w.shape[0], w.shape[1], "none", False), []).append((w, None))
+            if isinstance(layer.w_up, torch.Tensor) and layer.b_up is not None:
+                ups.append((layer.w_up, layer.b_up))
+        report = self.ops.tune_linear(slots, 0.0)
+        for key, r in report.items():
+            logger.info(f"fast_dense.tune(slot={key}, best={r['best']}, us={r['best_us']:.1f})")
+        quant_report = self.ops.tune_quantized(quantized, prologues={})  # LayerNorm/GELU spans: no RMSNorm/SiLU
+        for key, r in quant_report.items():
+            logger.info(f"fast_dense.tune_quantized(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
+        if self.dense.use_triton and self.spec.gelu_approximate == "tanh" and len(ups) == len(self.layers):
+            gelu = self.dense.tune_gelu(ups, GELU_PROBE_ROWS)
+            logger.info(f"fast_dense.tune_gelu(best={gelu['best']}, us={gelu['best_us']:.1f})")
+            report["up_gelu"] = gelu
+        return {**report, **quant_report}
+
+    # ------------------------------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_blocks(cls, blocks: Sequence[torch.nn.Module], *, max_positions: int, **kwargs) -> FastDenseSpan:
+        """Uses the tensors of loaded Falcon or BLOOM blocks in place, bitsandbytes NF4/Int8 linears in their packed
+        form (ValueError for adapters, tensor-parallel splits, mixed blocks or other layer types)."""
+        if not blocks:
+            raise ValueError("from_blocks needs at least one block")
+        spec = DenseSpec.from_block(blocks[0])
+        layers = []
+        for block in blocks:
+            if DenseSpec.from_block(block) != spec:
+                raise ValueError("A dense span's blocks must share one layer structure")
+            if getattr(block, "adapter_names", None):
+                raise ValueError("The fast path does not apply LoRA adapters")
+            layers.append(_layer_weights(block))
+        attn = _parts(blocks[0])[0]
+        if attn.head_ids != list(range(attn.total_heads)):
+            raise ValueError("The fast path serves whole layers, not tensor-parallel head splits")
+        if spec.alibi:
+            falcon = isinstance(blocks[0], FalconBlock)
+            if falcon != bool(attn.alibi_bf16_product):
+                raise ValueError("Falcon's ALiBi is built in bfloat16 and BLOOM's in float32")
+            slopes = alibi_slopes(attn.total_heads).to(layers[0].ln1_w.device)  # [nq] fp32
+            dtype = layers[0].ln1_w.dtype
+            if falcon:
+                slopes, mode = slopes.bfloat16().float(), ALIBI_FALCON_BF16
+            else:
+                mode = {torch.bfloat16: ALIBI_BF16, torch.float16: ALIBI_FP16}.get(dtype, ALIBI_FP32)
+            return cls(spec, layers, max_positions=max_positions, alibi=Alibi(slopes, attn.alibi_scale, mode), **kwargs)
+        rotary = attn.rotary
+        if not isinstance(rotary, RotaryEmbedding):
+            raise ValueError("A Falcon block without ALiBi needs rotary position embeddings")
+        if rotary.attention_scaling != 1.0:
+            raise ValueError("The fast path does not scale rotary tables (YaRN's attention factor)")
+        if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
+            raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
+        inv_freq = rotary.inv_freq(layers[0].ln1_w.device, 0)  # [D/2] fp32
+        return cls(spec, layers, max_positions=max_positions, inv_freq=inv_freq, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ compute
+
+    def slots_for(self, block_tables: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+        # block_tables [N, maxp] int32, positions [N] long -> flat cache slot of each position [N] long
+        pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()
+        return pages * page + positions % page
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        assert w is not None and b is not None  # checked in __init__ (sequential layers) or chosen by the caller
+        return self.dense.layer_norm(x, w, b, self.spec.layer_norm_eps)
+
+    def _mlp_act(self, w: DenseLayerWeights, x: torch.Tensor) -> torch.Tensor:
+        # x [N, H] normed -> gelu(up(x)) [N, I]; bias and tanh GELU in the GEMM epilogue where tune() chose it
+        if self.dense.gelu_epilogue and isinstance(w.w_up, torch.Tensor) and w.b_up is not None:
+            return self.dense.up_gelu(x, w.w_up, w.b_up)
+        return self.ops.gelu(self.ops.linear(x, w.w_up, w.b_up), self.spec.gelu_approximate)
+
+    def _mlp(self, w: DenseLayerWeights, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # x [N, H] normed -> residual + down(gelu(up(x))) [N, H]
+        return self.ops.linear(self._mlp_act(w, x), w.w_down, w.b_down, residual=residual)
+
+    def _decode_tail(
+        self, w: DenseLayerWeights, h: torch.Tensor, x: torch.Tensor, attn: torch.Tensor, nxt: DenseLayerWeights | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # h [N, H] layer input, x [N, H] its ln1, attn [N, nq D] -> (the layer's output [N, H], its LayerNorm by the
+        # next layer's ln1 or None for the span's last layer). Projections add no residual: each residual add runs
+        # with the LayerNorm after it in one kernel, rounded as the blocks round (Falcon: h + (mlp + attention)).
+        s, eps = self.spec, self.spec.layer_norm_eps
+        o = self.ops.linear(attn, w.w_o, w.b_o)  # [N, H]
+        if s.parallel_attn:
+            x_mlp = x if w.ln2_w is None else self._norm(h, w.ln2_w, w.ln2_b)
+            d = self.ops.linear(self._mlp_act(w, x_mlp), w.w_down, w.b_down)  # [N, H]
+            a, b, res = d, o, h
+        else:
+            assert w.ln2_w is not None and w.ln2_b is not None  # checked in __init__
+            h, x2 = self.dense.add_norm(o, None, x if s.residual_after_norm else h, w.ln2_w, w.ln2_b, eps)
+            d = self.ops.linear(self._mlp_act(w, x2), w.w_down, w.b_down)  # [N, H]
+            a, b, res = d, None, x2 if s.residual_after_norm else h
+        if nxt is None:
+            return self.dense.add(a, b, res), None
+        return self.dense.add_norm(a, b, res, nxt.ln1_w, nxt.ln1_b, eps)
+
+    def _after_attention(self, w: DenseLayerWeights, h: torch.Tensor, x: torch.Tensor, attn: torch.Tensor):
+        # h [N, H] layer input, x [N, H] its norm (ln1), attn [N, nq D] -> the layer's output [N, H]
+        s = self.spec
+        if s.parallel_attn:  # Falcon: h + attention + MLP, the MLP on ln_mlp(h) or on the shared norm
+            h_attn = self.ops.linear(attn, w.w_o, w.b_o, residual=h)  # [N, H]
+            return self._mlp(w, x if w.ln2_w is None else self._norm(h, w.ln2_w, w.ln2_b), h_attn)
+        h = self.ops.linear(attn, w.w_o, w.b_o, residual=x if s.residual_after_norm else h)  # [N, H]
+        x2 = self._norm(h, w.ln2_w, w.ln2_b)
+        return self._mlp(w, x2, x2 if s.residual_after_norm else h)
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        pool: KVPool,
+        layers: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """One token per row through layers [start, end) (default: all): hidden [B, H]; positions [B] long (row b
+        writes at positions[b] and attends to [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H].
+        Static shapes, no host sync."""
+        s = self.spec
+        b = hidden.shape[0]
+        slots, seq_lens = self.dense.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
+        h = hidden
+        start, end = layers or (0, self.num_layers)
+        x: torch.Tensor | None = self._norm(h, self.layers[start].ln1_w, self.layers[start].ln1_b)  # [B, H]
+        for i in range(start, end):
+            w = self.layers[i]
+            assert x is not None  # each layer but the last returns the next layer's normed input
+            qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [B, (nq+2nkv)D]
+            q = self.ops.rope_and_store(
+                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
+                s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
+            )  # fmt: skip  # [B, nq, D]
+            attn = self.ops.paged_decode_attention(
+                q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale, self.alibi
+            )  # [B, nq, D]
+            nxt = self.layers[i + 1] if i + 1 < end else None
+            h, x = self._decode_tail(w, h, x, attn.reshape(b, s.q_size), nxt)
+        return h
+
+    def _prefill_chunk(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        slot: SequenceSlot,
+        pool: KVPool,
+        layers: tuple[int, int],
+        prompts: torch.Tensor | None,
+    ) -> torch.Tensor:
+        s = self.spec
+        t = hidden.shape[0]
+        total = start + t
+        table = slot.table.to(self.device, non_blocking=True)[None]  # [1, maxp]
+        all_pos = torch.arange(total, device=self.device)  # [L]
+        all_slots = self.slots_for(table.expand(total, -1), all_pos, pool.page_size_tokens)  # [L]
+        positions, slots = all_pos[start:], all_slots[start:]  # [T]
+        bias = None if self.alibi is None else self.alibi.bias(all_pos).to(self.dtype)  # [nq, L]
+        h = hidden
+        overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here
+        for j, i in enumerate(range(*layers)):
+            w = self.layers[i]
+            if overlap and prompts is not None:
+                h = h.clone() if j == 0 else h
+                h[:overlap] += prompts[j, start : start + overlap].to(h.dtype)
+            x = self._norm(h, w.ln1_w, w.ln1_b)  # [T, H]
+            qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [T, (nq+2nkv)D]
+            q = self.ops.rope_and_store(
+                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i],
+                s.num_heads, s.num_kv_heads, s.head_dim, rotate=not s.alibi,
+            )  # fmt: skip  # [T, nq, D]
+            k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, all_slots).transpose(0, 1)[None]
+            v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, all_slots).transpose(0, 1)[None]
+            attn = self._prefill_attention(q.transpose(0, 1)[None], k, v, positions, all_pos, bias)  # [1, nq, T, D]
+            h = self._after_attention(w, h, x, attn[0].transpose(0, 1).reshape(t, s.q_size))
+        return h
+
+    def _prefill_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        all_pos: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        # q [1, nq, T, D] at `positions` [T], k/v [1, nkv, L, D] at all_pos [L]; bias [nq, L] (ALiBi) -> [1, nq, T, D]
+        gqa = self.spec.num_kv_heads != self.spec.num_heads
+        t, total = q.shape[2], k.shape[2]
+        if bias is None:
+            return causal_prefill_attention(q, k, v, scale=self.scale, enable_gqa=gqa)
+        rows = max(1, ALIBI_PREFILL_MASK_ELEMENTS // (self.spec.num_heads * total))  # query rows per block
+        outs = []
+        for r0 in range(0, t, rows):
+            allowed = all_pos[None, :] <= positions[r0 : r0 + rows, None]  # [t', L]
+            mask = bias[:, None, :].masked_fill(~allowed[None], float("-inf"))  # [nq, t', L]
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, r0 : r0 + rows], k, v, attn_mask=mask[None], scale=self.scale, enable_gqa=gqa
+                )
+            )  # [1, nq, t', D]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _parts(block: torch.nn.Module) -> tuple[Attention, DenseMLP]:
+    """A Falcon or BLOOM block's attention and MLP modules (ValueError for any other block)."""
+    attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+    if not isinstance(block, FalconBlock | BloomBlock) or not isinstance(attn, Attention):
+        raise ValueError(f"{type(block).__name__} is not a Falcon or BLOOM block")
+    if not isinstance(mlp, DenseMLP):
+        raise ValueError(f"{type(block).__name__}.mlp is not a dense MLP")
+    return attn, mlp
+
+
+def _norms(block: torch.nn.Module) -> tuple[torch.nn.LayerNorm, torch.nn.LayerNorm | None]:
+    """(attention's LayerNorm, the MLP's own LayerNorm or None when a parallel layer shares the first)."""
+    ln1: object
+    ln2: object
+    if isinstance(block, FalconBlock) and block.new_arch and block.num_ln == 2:
+        ln1, ln2 = block.ln_attn, block.ln_mlp
+    elif isinstance(block, FalconBlock) and block.parallel:
+        ln1, ln2 = block.input_layernorm, None
+    else:
+        ln1, ln2 = block.input_layernorm, block.post_attention_layernorm
+    if not isinstance(ln1, torch.nn.LayerNorm) or not isinstance(ln2, torch.nn.LayerNorm | None):
+        raise ValueError(f"{type(block).__name__} norms are not LayerNorms")
+    return ln1, ln2
+
+
+def _layer_weights(block: torch.nn.Module) -> DenseLayerWeights:
+    """The tensors of one loaded block, used in place (quantized linears in their packed form)."""
+    ln1, ln2 = _norms(block)
+    attn, mlp = _parts(block)
+    dtype = ln1.weight.dtype
+    return DenseLayerWeights(
+        ln1_w=ln1.weight.data,
+        ln1_b=ln1.bias.data,
+        ln2_w=None if ln2 is None else ln2.weight.data,
+        ln2_b=None if ln2 is None else ln2.bias.data,
+        w_qkv=projection_weight(attn.qkv, dtype),
+        b_qkv=linear_bias(attn.qkv),
+        w_o=projection_weight(attn.o_proj, dtype),
+        b_o=linear_bias(attn.o_proj),
+        w_up=projection_weight(mlp.up, dtype),
+        b_up=linear_bias(mlp.up),
+        w_down=projection_weight(mlp.down, dtype),
+        b_down=linear_bias(mlp.down),
+    )

@@ -1,0 +1,499 @@
+"""A llama-family span as plain tensors: fused q/k/v and gate/up weights (shared with the loaded blocks, no copy),
+rotary tables, a batched single-token decode step over ragged per-row positions (CUDA-graph safe) and a chunked
+prefill for one sequence with large matmuls. Projection weights may be bitsandbytes' NF4/Int8 layouts
+(`engine.quant.quant`, read in place); Qwen3's per-head q/k RMSNorm runs when the layer has `q_norm`/`k_norm`. A layer
+whose MLP is a routed mixture of experts (Mixtral, Qwen3-MoE) carries a `moe.RoutedMoE` instead of gate_up/down:
+softmax top-k routing and the grouped expert kernels of `engine.moe.moe`, inside the same CUDA-graphed step. LoRA
+adapters (`engine.spans.fast_lora.SpanAdapters`) add each row's low-rank delta to the projections they target."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from corolla.engine.config import LlamaSpec
+from corolla.engine.kernels.cpu_linear import CpuLinearConfig, SlotKey
+from corolla.engine.kernels.ops import DecodeOps
+from corolla.engine.kernels.prefill_attention import causal_prefill_attention
+from corolla.engine.kv.kv_pool import KVPool, SequenceSlot
+from corolla.engine.moe.moe import RoutedMoE, tune_experts
+from corolla.engine.quant.quant import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
+from corolla.engine.spans.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
+from corolla.engine.spans.span_model import ChunkedPrefill
+from corolla.models.layers import SparseMoE
+from corolla.models.lora import LoraLinear
+from corolla.models.positions import RotaryEmbedding, rope_parameters
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+Weight = torch.Tensor | NF4Weight | Int8Weight
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors: `w_qkv` rows are [q heads | k heads | v heads], `w_gate_up` rows [gate | up];
+    the four projections are dense tensors or quantized layouts; `q_norm`/`k_norm` [D] for Qwen3-style layers.
+    A mixture-of-experts layer has `moe` and no `w_gate_up`/`w_down`."""
+
+    ln1: torch.Tensor  # [H]
+    w_qkv: Weight  # [(nq + 2 nkv) D, H]
+    b_qkv: torch.Tensor | None
+    w_o: Weight  # [H, nq D]
+    b_o: torch.Tensor | None
+    ln2: torch.Tensor  # [H]
+    w_gate_up: Weight | None  # [2 I, H]; None in a mixture-of-experts layer
+    b_gate_up: torch.Tensor | None
+    w_down: Weight | None  # [H, I]; None in a mixture-of-experts layer
+    b_down: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # [D]
+    k_norm: torch.Tensor | None = None  # [D]
+    moe: RoutedMoE | None = None  # the routed MLP of a Mixtral / Qwen3-MoE layer
+
+    def __post_init__(self) -> None:
+        if (self.moe is None) == (self.w_gate_up is None or self.w_down is None):
+            raise ValueError("A layer has either gate_up/down projections or a routed mixture of experts")
+
+    def nbytes(self) -> int:
+        """Bytes of this layer's weights (quantized ones as stored; every expert of a mixture): what one decode
+        step of a dense layer reads."""
+        total = 0 if self.moe is None else self.moe.nbytes()
+        for t in vars(self).values():
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+            elif isinstance(t, NF4Weight | Int8Weight):
+                total += t.nbytes()
+        return total
+
+    def projections(self) -> tuple[Weight, Weight, Weight | None, Weight | None]:
+        return self.w_qkv, self.w_o, self.w_gate_up, self.w_down
+
+
+class FastLlamaSpan(ChunkedPrefill):
+    """Consecutive llama-family layers with a batched decode step and a prefill step over a `KVPool`."""
+
+    def __init__(
+        self,
+        spec: LlamaSpec,
+        layers: Sequence[LayerWeights],
+        inv_freq: torch.Tensor,
+        *,
+        max_positions: int,
+        use_triton: bool = True,
+        attention_splits_max: int = 16,
+        adapters: SpanAdapters | None = None,
+    ):
+        if not layers:
+            raise ValueError("FastLlamaSpan needs at least one layer")
+        self.spec = spec
+        self.layers = list(layers)
+        self.device = layers[0].ln1.device
+        self.dtype = layers[0].ln1.dtype
+        self.max_positions = max_positions
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)  # [P]
+        freqs = positions[:, None] * inv_freq.to(self.device, torch.float32)[None, :]  # [P, D/2]
+        self.cos = freqs.cos().contiguous()
+        self.sin = freqs.sin().contiguous()
+        self.ops = DecodeOps(
+            self.device, spec.head_dim, use_triton=use_triton, attention_splits_max=attention_splits_max
+        )
+        self.use_triton = use_triton  # the expert kernels need CUDA + Triton only (not the head-size rule of `ops`)
+        self.moe_configs: dict[tuple[int, int, int, int], tuple[int, int, int, int]] = {}  # moe.moe_shape -> config
+        if adapters is not None and len(adapters.layers) != len(self.layers):
+            raise ValueError(f"adapters cover {len(adapters.layers)} layers, the span has {len(self.layers)}")
+        self.adapters = adapters  # LoRA adapters of the loaded blocks (engine.spans.fast_lora), or None
+        # decode steps with adapters (fused form): run a projection's norm/gating prologue inside both its GEMM and
+        # the adapters' shrink GEMM (None: when both have a tuned single-row Triton kernel; True/False: always/never)
+        self.lora_prologue_fused: bool | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def weight_bytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def tune(self) -> dict:
+        """Picks, per projection of the single-row decode step, the unfused path (norm/gating kernel + cuBLAS) or
+        a fused Triton kernel, by timing both on this device (CUDA + Triton only)."""
+        slots: dict[tuple[int, int, str, bool], list[tuple]] = {}
+        quantized: dict[tuple[str, int, int], list] = {}
+        prologues: dict[tuple[str, int, int], set[str]] = {}  # quantized shape -> the prologues it takes
+        for layer in self.layers:
+            for w in layer.projections():
+                if isinstance(w, NF4Weight | Int8Weight):
+                    quantized.setdefault(quant_key(w), []).append(w)
+            for w, bias, prologue, norm_w, has_res in (
+                (layer.w_qkv, layer.b_qkv, "rmsnorm", layer.ln1, False),
+                (layer.w_o, layer.b_o, "none", None, True),
+                (layer.w_gate_up, layer.b_gate_up, "rmsnorm", layer.ln2, False),
+                (layer.w_down, layer.b_down, "silu", None, True),
+            ):
+                if isinstance(w, NF4Weight | Int8Weight) and prologue != "none":
+                    prologues.setdefault(quant_key(w), set()).add(prologue)
+                if bias is None and isinstance(w, torch.Tensor):
+                    slots.setdefault((w.shape[0], w.shape[1], prologue, has_res), []).append((w, norm_w))
+        for layer, stacks in zip(self.layers, self.adapters.layers if self.adapters is not None else (), strict=False):
+            for projection, prologue, norm_w in (("qkv", "rmsnorm", layer.ln1), ("gate_up", "rmsnorm", layer.ln2),
+                                                 ("down", "silu", None)):  # fmt: skip
+                p = stacks.get(projection)
+                if isinstance(p, FusedProjection):  # the adapters' shrink, with the projection's prologue
+                    slots.setdefault((p.a.shape[0], p.a.shape[1], prologue, False), []).append((p.a, norm_w))
+        report = self.ops.tune_linear(slots, self.spec.rms_norm_eps)
+        for key, r in report.items():
+            logger.info(
+                f"fast_llama.tune(slot={key}, best={r['best']}, us={r['best_us']:.1f}, unfused_us={r['unfused_us']:.1f})"
+            )
+        quant_report = self.ops.tune_quantized(quantized, prologues={k: tuple(sorted(v)) for k, v in prologues.items()})
+        for key, r in quant_report.items():
+            logger.info(f"fast_llama.tune_quantized(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
+        moe_report = {}
+        if self.use_triton:
+            mixtures: dict[tuple[int, int, int, int], list[RoutedMoE]] = {}
+            for layer in self.layers:
+                if layer.moe is not None:
+                    mixtures.setdefault(layer.moe.shape, []).append(layer.moe)
+            for key, items in mixtures.items():
+                r = tune_experts(items)
+                if r:
+                    self.moe_configs[key] = r["best"]
+                    moe_report[("moe", *key)] = r
+                    logger.info(f"fast_llama.tune_experts(shape={key}, best={r['best']}, us={r['best_us']:.1f})")
+        return {**report, **quant_report, **moe_report}
+
+    def tune_cpu(self, config: CpuLinearConfig) -> dict:
+        """CPU: picks each dense projection's GEMM formulation per row bucket by timing them on these weights
+        (`DecodeOps.tune_cpu_linear`; quantized weights and the MoE experts keep their own path)."""
+        slots: dict[SlotKey, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        for layer in self.layers:
+            for w, bias, has_res in (
+                (layer.w_qkv, layer.b_qkv, False),
+                (layer.w_o, layer.b_o, True),
+                (layer.w_gate_up, layer.b_gate_up, False),
+                (layer.w_down, layer.b_down, True),
+            ):
+                if isinstance(w, torch.Tensor):
+                    slots.setdefault((w.shape[0], w.shape[1], bias is not None, has_res), []).append((w, bias))
+        return self.ops.tune_cpu_linear(slots, config)
+
+    # ------------------------------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_blocks(
+        cls, blocks: Sequence[torch.nn.Module], *, max_positions: int, adapter_mode: str = "auto", **kwargs
+    ) -> FastLlamaSpan:
+        """Uses the tensors of loaded `corolla.models.llama` blocks in place, bitsandbytes NF4/Int8 linears in their
+        packed form, LoRA adapters stacked (`fast_lora`; ValueError for an adapter on another module, split linears
+        or a block that is not a llama-family layer)."""
+        if not blocks:
+            raise ValueError("from_blocks needs at least one block")
+        spec = LlamaSpec.from_hf_config(blocks[0].config)
+        adapters = adapters_from_blocks(blocks, mode=adapter_mode)  # first: refuses adapters on other modules
+        layers = []
+        for block in blocks:
+            attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+            moe = RoutedMoE.from_module(mlp) if isinstance(mlp, SparseMoE) else None
+            if attn is None or mlp is None or not hasattr(attn, "qkv") or (moe is None and not hasattr(mlp, "gate_up")):
+                raise ValueError(f"{type(block).__name__} is not a llama-family block with fused qkv/gate_up")
+            dtype = _norm_weight(block, "input_layernorm").dtype
+            w_qkv, w_o = projection_weight(attn.qkv, dtype), projection_weight(attn.o_proj, dtype)
+            w_gate_up = w_down = None
+            if moe is None:
+                w_gate_up, w_down = projection_weight(mlp.gate_up, dtype), projection_weight(mlp.down, dtype)
+            if getattr(attn, "alibi", False) or getattr(mlp, "act_name", "silu") not in ("silu", "swish"):
+                raise ValueError("The fast path needs rotary attention and a SiLU-gated MLP")
+            q_norm = k_norm = None
+            if spec.qk_norm:
+                q_norm, k_norm = attn.q_norm.weight.data, attn.k_norm.weight.data
+            layers.append(
+                LayerWeights(
+                    ln1=_norm_weight(block, "input_layernorm").data,
+                    w_qkv=w_qkv,
+                    b_qkv=linear_bias(attn.qkv),
+                    w_o=w_o,
+                    b_o=linear_bias(attn.o_proj),
+                    ln2=_norm_weight(block, "post_attention_layernorm").data,
+                    w_gate_up=w_gate_up,
+                    b_gate_up=None if moe is not None else linear_bias(mlp.gate_up),
+                    w_down=w_down,
+                    b_down=None if moe is not None else linear_bias(mlp.down),
+                    q_norm=q_norm,
+                    k_norm=k_norm,
+                    moe=moe,
+                )
+            )
+        rotary = getattr(blocks[0].attn, "rotary", None)
+        if not isinstance(rotary, RotaryEmbedding):
+            raise ValueError("The fast path needs rotary position embeddings")
+        if rotary.rope_type == "dynamic" and max_positions > rotary.max_position_embeddings:
+            raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
+        inv_freq = rotary.inv_freq(layers[0].ln1.device, 0)  # [D/2] fp32
+        return cls(spec, layers, inv_freq, max_positions=max_positions, adapters=adapters, **kwargs)
+
+    @classmethod
+    def from_hf_state_dicts(
+        cls,
+        config,
+        state_dicts: Sequence[dict[str, torch.Tensor]],
+        *,
+        max_positions: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        **kwargs,
+    ) -> FastLlamaSpan:
+        """Builds fused copies from per-layer checkpoint tensors named as in transformers (`self_attn.q_proj.weight`)."""
+        spec = LlamaSpec.from_hf_config(config)
+
+        def get(sd, name):
+            return sd[name].to(device=device, dtype=dtype) if name in sd else None
+
+        layers = []
+        for sd in state_dicts:
+            qkv_names = [f"self_attn.{p}_proj" for p in "qkv"]
+            layers.append(
+                LayerWeights(
+                    ln1=get(sd, "input_layernorm.weight"),
+                    w_qkv=torch.cat([get(sd, f"{n}.weight") for n in qkv_names]),
+                    b_qkv=torch.cat([get(sd, f"{n}.bias") for n in qkv_names]) if spec.qkv_bias else None,
+                    w_o=get(sd, "self_attn.o_proj.weight"),
+                    b_o=get(sd, "self_attn.o_proj.bias"),
+                    ln2=get(sd, "post_attention_layernorm.weight"),
+                    w_gate_up=torch.cat([get(sd, "mlp.gate_proj.weight"), get(sd, "mlp.up_proj.weight")]),
+                    b_gate_up=(
+                        torch.cat([get(sd, "mlp.gate_proj.bias"), get(sd, "mlp.up_proj.bias")])
+                        if spec.mlp_bias
+                        else None
+                    ),
+                    w_down=get(sd, "mlp.down_proj.weight"),
+                    b_down=get(sd, "mlp.down_proj.bias"),
+                    q_norm=get(sd, "self_attn.q_norm.weight") if spec.qk_norm else None,
+                    k_norm=get(sd, "self_attn.k_norm.weight") if spec.qk_norm else None,
+                )
+            )
+        rotary = RotaryEmbedding(spec.head_dim, rope_parameters(config), config.max_position_embeddings)
+        inv_freq = rotary.inv_freq(torch.device(device), 0)
+        return cls(spec, layers, inv_freq, max_positions=max_positions, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ compute
+
+    def slots_for(self, block_tables: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+        # block_tables [N, maxp] int32, positions [N] long -> flat cache slot of each position [N] long
+        pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()
+        return pages * page + positions % page
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        pool: KVPool,
+        layers: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """One token per row through layers [start, end) (default: all): hidden [B, H]; positions [B] long (row b
+        writes at positions[b] and attends to [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H].
+        Static shapes, no host sync."""
+        s = self.spec
+        b = hidden.shape[0]
+        seq_lens = (positions + 1).to(torch.int32)  # [B]
+        slots = self.slots_for(block_tables, positions, pool.page_size_tokens)  # [B]
+        h = hidden
+        eps = s.rms_norm_eps
+        lora = None if self.adapters is None else self.adapters.for_decode(b)  # rows' adapters, or None
+        start, end = layers or (0, self.num_layers)
+        for i in range(start, end):
+            w = self.layers[i]
+            if lora is not None and lora.targets(i, "qkv"):
+                qkv = self._adapted_linear(lora, i, "qkv", h, w.w_qkv, w.b_qkv, "rmsnorm", w.ln1)
+            else:
+                qkv = self.ops.linear(
+                    h, w.w_qkv, w.b_qkv, prologue="rmsnorm", norm_weight=w.ln1, eps=eps
+                )  # [B, (nq+2nkv)D]
+            if w.q_norm is not None:
+                qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, eps)
+            q = self.ops.rope_and_store(
+                qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
+            )  # [B, nq, D]
+            attn = self.ops.paged_decode_attention(q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale)
+            attn = attn.reshape(b, s.q_size)  # [B, nq D]
+            h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)  # [B, H]
+            if lora is not None:
+                h = lora.apply(i, "o", attn, h)
+            if w.moe is not None:
+                h = h + self._experts(w.moe, self.ops.rms_norm(h, w.ln2, eps), graph_safe=True)  # [B, H]
+                continue
+            assert w.w_gate_up is not None and w.w_down is not None  # LayerWeights.__post_init__: moe or both
+            if lora is not None and (lora.targets(i, "gate_up") or lora.targets(i, "down")):
+                h = self._adapted_mlp(lora, i, w, h)
+                continue
+            gate_up = self.ops.linear(h, w.w_gate_up, w.b_gate_up, prologue="rmsnorm", norm_weight=w.ln2, eps=eps)
+            h = self.ops.linear(gate_up, w.w_down, w.b_down, residual=h, prologue="silu")  # [B, H]
+        return h
+
+    def prologue_fused(self, n: int, k: int, c: int, prologue: str, has_residual: bool) -> bool:
+        """Whether a single-row projection [n, k] and its adapters' shrink [c, k] both run the prologue inside a
+        tuned Triton kernel (then computing it once ahead would add a kernel)."""
+        if self.lora_prologue_fused is not None:
+            return self.lora_prologue_fused
+        chosen = self.ops.single_row_gemm
+        base, shrink = chosen.get((n, k, prologue, has_residual)), chosen.get((c, k, prologue, False))
+        return base is not None and shrink is not None and base[0] != "pad" and shrink[0] != "pad"
+
+    def _adapted_linear(
+        self,
+        lora: DecodeRows,
+        i: int,
+        projection: str,
+        h: torch.Tensor,
+        weight: torch.Tensor | NF4Weight | Int8Weight,
+        bias: torch.Tensor | None,
+        prologue: str,
+        norm_weight: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """h [B, K] (or [B, 2K] for "silu") -> residual + prologue(h) @ weight^T + bias + each row's adapter delta
+        [B, N]. In the fused form with single-row kernels tuned for both, the base GEMM and the shrink GEMM each
+        run the prologue inside (`prologue_fused`); otherwise the prologue runs once ahead of both."""
+        eps = self.spec.rms_norm_eps
+        p = lora.fused(i, projection)
+        if p is not None and h.shape[0] == 1 and bias is None:
+            n, k = int(p.bt.shape[1]), int(p.a.shape[1])
+            if self.prologue_fused(n, k, int(p.a.shape[0]), prologue, residual is not None):
+                y = self.ops.linear(
+                    h, weight, None, residual=residual, prologue=prologue, norm_weight=norm_weight, eps=eps
+                )
+                t = self.ops.linear(h, p.a, None, prologue=prologue, norm_weight=norm_weight, eps=eps)  # [1, C]
+                return lora.expand(p, t, y)  # [1, N]
+        if prologue == "rmsnorm":
+            assert norm_weight is not None
+            x = self.ops.rms_norm(h, norm_weight, eps)  # [B, K]
+        else:
+            x = self.ops.silu_mul(h) if prologue == "silu" else h  # [B, K]
+        return lora.apply(i, projection, x, self.ops.linear(x, weight, bias, residual=residual))  # [B, N]
+
+    def _adapted_mlp(self, lora: DecodeRows | OneAdapter, i: int, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+        """h [N, H] + the gated MLP of layer i with the adapters' deltas on gate_up and down -> [N, H]."""
+        assert w.w_gate_up is not None and w.w_down is not None
+        if isinstance(lora, DecodeRows):
+            gate_up = self._adapted_linear(lora, i, "gate_up", h, w.w_gate_up, w.b_gate_up, "rmsnorm", w.ln2)
+            return self._adapted_linear(lora, i, "down", gate_up, w.w_down, w.b_down, "silu", None, residual=h)
+        x = self.ops.rms_norm(h, w.ln2, self.spec.rms_norm_eps)  # [N, H]
+        gate_up = lora.apply(i, "gate_up", x, self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [N, 2 I]
+        act = self.ops.silu_mul(gate_up)  # [N, I]
+        return lora.apply(i, "down", act, self.ops.linear(act, w.w_down, w.b_down, residual=h))  # [N, H]
+
+    def _experts(self, moe: RoutedMoE, x: torch.Tensor, *, graph_safe: bool = False) -> torch.Tensor:
+        # x [N, H] normed -> routed experts' output [N, H]
+        return moe.forward(x, use_triton=self.use_triton, config=self.moe_configs.get(moe.shape), graph_safe=graph_safe)
+
+    def _prefill_chunk(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        slot: SequenceSlot,
+        pool: KVPool,
+        layers: tuple[int, int],
+        prompts: torch.Tensor | None,
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        total = start + t
+        table = slot.table.to(self.device, non_blocking=True)  # [maxp]
+        key_slots = table_slots(table, torch.arange(total, device=self.device), pool.page_size_tokens)  # [L]
+        positions = torch.arange(start, total, device=self.device)  # [T]
+        overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here
+        deep = None if prompts is None or not overlap else prompts[:, start : start + overlap]  # [n, overlap, H]
+        lora = None if self.adapters is None else self.adapters.for_prefill()  # the sequence's adapter, or None
+        h = hidden
+        for j, i in enumerate(range(*layers)):
+            if deep is not None:
+                h = h.clone() if j == 0 else h
+                h[: deep.shape[1]] += deep[j].to(h.dtype)
+            q = self.chunk_pre(i, h, positions, key_slots[start:], pool, lora)  # [T, nq, D]
+            h = self.chunk_post(i, h, self.chunk_attend(i, q, key_slots, pool), lora)  # [T, H]
+        return h
+
+    # The three pieces of a prefill chunk's layer. `prefill_graphs` captures `chunk_pre` and `chunk_post` of every
+    # layer in static shapes (rows padded to a bucket) as one CUDA graph, with the paged Triton attention that reads
+    # the chunk's lengths on the device in place of `chunk_attend`, whose key count is the sequence's length.
+
+    def chunk_pre(
+        self,
+        i: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        pool: KVPool,
+        lora: OneAdapter | None = None,
+    ) -> torch.Tensor:
+        """Layer i's attention input: h [T, H] at `positions` [T] long; writes the rotated keys and values at the
+        cache `slots` [T] long. Returns the rotated queries [T, nq, D]."""
+        s, w = self.spec, self.layers[i]
+        x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
+        qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [T, (nq+2nkv)D]
+        if lora is not None:
+            qkv = lora.apply(i, "qkv", x, qkv)
+        if w.q_norm is not None:
+            qkv = self.ops.qk_norm(qkv, w.q_norm, w.k_norm, s.num_heads, s.num_kv_heads, s.rms_norm_eps)
+        return self.ops.rope_and_store(
+            qkv, self.cos, self.sin, positions, slots, pool.k[i], pool.v[i], s.num_heads, s.num_kv_heads, s.head_dim
+        )  # [T, nq, D]
+
+    def chunk_attend(self, i: int, q: torch.Tensor, key_slots: torch.Tensor, pool: KVPool) -> torch.Tensor:
+        """q [T, nq, D], the last T of the L positions whose cache slots are `key_slots` [L] long -> layer i's
+        causal attention [T, nq D]."""
+        s = self.spec
+        # index_select: advanced indexing costs more host time per call (the chunk after a prefix is host-bound)
+        k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, key_slots)  # [L, nkv, D]
+        v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, key_slots)
+        attn = causal_prefill_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=self.scale,
+            enable_gqa=s.num_kv_heads != s.num_heads,
+        )  # fmt: skip
+        return attn[0].transpose(0, 1).reshape(q.shape[0], s.q_size)  # [T, nq D]
+
+    def chunk_post(self, i: int, h: torch.Tensor, attn: torch.Tensor, lora: OneAdapter | None = None) -> torch.Tensor:
+        """Layer i's output projection and MLP: residual h [T, H] and attention output attn [T, nq D] -> [T, H]."""
+        s, w = self.spec, self.layers[i]
+        h = self.ops.linear(attn, w.w_o, w.b_o, residual=h)
+        if lora is not None:
+            h = lora.apply(i, "o", attn, h)
+        if w.moe is not None:
+            return h + self._experts(w.moe, self.ops.rms_norm(h, w.ln2, s.rms_norm_eps))  # [T, H]
+        assert w.w_gate_up is not None and w.w_down is not None
+        if lora is not None:
+            return self._adapted_mlp(lora, i, w, h)
+        x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
+        act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
+        return self.ops.linear(act, w.w_down, w.b_down, residual=h)  # [T, H]
+
+
+def table_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+    """The flat cache slot [N] long of each of `positions` [N] long in a sequence whose pages `table` [maxp] int32
+    names."""
+    return table.index_select(0, positions // page).long() * page + positions % page
+
+
+def _norm_weight(block: torch.nn.Module, name: str) -> torch.Tensor:
+    """The weight [H] of the block's norm layer `name` (ValueError when that layer has no weight tensor)."""
+    weight = block.get_submodule(name).weight
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"{type(block).__name__}.{name} has no weight tensor")
+    return weight
+
+
+def projection_weight(module: torch.nn.Module, dtype: torch.dtype) -> Weight:
+    """A projection's weight as the fast path reads it: a plain linear's tensor or a bitsandbytes layout (under a
+    `LoraLinear`, its base layer's)."""
+    if isinstance(module, LoraLinear):
+        module = module.base
+    if type(module) is torch.nn.Linear:
+        return module.weight.data
+    quantized = quantized_weight_of(module, dtype)
+    if quantized is None:
+        raise ValueError(f"The fast path needs plain or bitsandbytes linear layers, not {type(module).__name__}")
+    return quantized
