@@ -1,4 +1,4 @@
-"""How far the engine's Mixtral span is from transformers', and why (`benchmarks.engine.moe` calls `three_way`).
+"""How far the engine's Mixtral span is from transformers', and why (`benchmarks.engine.moe --numerics`).
 
 One decode step after a prefix (the same rounded inputs everywhere), each output through the model's final norm:
 
