@@ -19,8 +19,8 @@ from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES
 from corolla.api.local_swarm import LocalSwarm
 from corolla.api.serving import http_cli_parser, serve_until_signalled
 from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, check_port_free, run_cli
-from corolla.client.speculative import MAX_DRAFT_TOKENS, SpeculativeConfig
-from corolla.client.speculative_drafters import make_drafter
+from corolla.cli.speculative_flags import add_speculative_flags, speculative_config
+from corolla.client.speculative import SpeculativeConfig
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -82,29 +82,7 @@ def build_parser() -> configargparse.ArgParser:
         "--max_retries", type=int, default=3, help="client fail-over retries before a request fails (503)"
     )
     parser.add_argument("--torch_dtype", default="float32", help="dtype of the local embeddings and LM head")
-    parser.add_argument(
-        "--speculative",
-        choices=("lookup", "draft"),
-        default=None,
-        help="speculative decoding of every request (off by default): 'lookup' drafts by n-gram matches in the "
-        "context, 'draft' by a small local draft model (--draft_model; default: the demo model's draft); k drafted "
-        "tokens are verified in one pass through the swarm and accepted by rejection sampling against the request's "
-        "own sampling distribution (penalties, logit_bias, temperature, top-k/p, min-p), so sampled text keeps its "
-        "distribution and temperature-0 text is token-identical to the plain API's",
-    )
-    parser.add_argument(
-        "--num_draft_tokens",
-        type=int,
-        default=None,
-        help=f"speculative: a fixed k (1..{MAX_DRAFT_TOKENS}); default: chosen each round from the measured "
-        "acceptance rate and round-trip time",
-    )
-    parser.add_argument(
-        "--max_draft_tokens", type=int, default=SpeculativeConfig.max_draft_tokens, help="speculative: bound on k"
-    )
-    parser.add_argument(
-        "--draft_model", default=None, help="speculative draft: a local causal LM with the model's tokenizer"
-    )
+    add_speculative_flags(parser)
     add_common_flags(parser)
     return parser
 
@@ -131,23 +109,6 @@ def _main(argv: Sequence[str] | None = None) -> int:
             print(f"corolla-api: started a local swarm; its initial peers: {' '.join(initial_peers)}", flush=True)
         serve(args, initial_peers, speculative)
     return 0
-
-
-def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """The `--speculative` flags as a config (ValueError for drafting flags without --speculative, or out of range);
-    the draft model is loaded here, before the swarm starts."""
-    if args.speculative is None:
-        if args.num_draft_tokens is not None or args.draft_model is not None:
-            raise ValueError("--num_draft_tokens/--draft_model need --speculative")
-        return None
-    config = SpeculativeConfig(
-        drafter=args.speculative,
-        num_draft_tokens=args.num_draft_tokens,
-        max_draft_tokens=args.max_draft_tokens,
-        draft_model_path=args.draft_model,
-    )
-    make_drafter(config)  # loads (and caches) the draft model once: a wrong path fails now, not per request
-    return config
 
 
 def serve(args: argparse.Namespace, initial_peers: Sequence[str], speculative: SpeculativeConfig | None = None) -> None:

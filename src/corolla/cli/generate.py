@@ -16,9 +16,9 @@ from typing import TextIO
 import torch
 
 from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli, wants_verbose
+from corolla.cli.speculative_flags import add_speculative_flags, speculative_config
 from corolla.client.config import ClientConfig
 from corolla.client.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
-from corolla.client.speculative import MAX_DRAFT_TOKENS, SpeculativeConfig
 from corolla.utils.interrupts import wait_for_line
 from corolla.utils.logging import quiet_logs
 
@@ -99,28 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="each server pushes its outputs straight to the next one (n+1 one-way delays per token instead of 2n); "
         "--no-server_forwarding relays every hop through this client",
     )
-    parser.add_argument(
-        "--speculative",
-        choices=["draft", "lookup"],
-        default=None,
-        help="speculative decoding: 'draft' = a small local draft model (--draft_model; default: the demo model's "
-        "draft, for the demo model only), 'lookup' = prompt lookup (n-grams of the text so far, no model). Verifies "
-        "k drafted tokens in one pass through the swarm; greedy text is identical, sampled text has the same "
-        "distribution",
-    )
-    parser.add_argument(
-        "--num_draft_tokens",
-        type=int,
-        default=None,
-        help=f"speculative: a fixed k (1..{MAX_DRAFT_TOKENS}); default: chosen each round from the measured "
-        "acceptance rate and round-trip time, up to --max_draft_tokens",
-    )
-    parser.add_argument(
-        "--max_draft_tokens", type=int, default=SpeculativeConfig.max_draft_tokens, help="speculative: bound on k"
-    )
-    parser.add_argument(
-        "--draft_model", default=None, help="speculative draft: a local causal LM with the same tokenizer"
-    )
+    add_speculative_flags(parser)
     parser.add_argument("--torch_dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     add_common_flags(parser, verbose_help="show logs (on stderr) and tracebacks; quiet by default")
     return parser
@@ -146,6 +125,7 @@ def _main(argv: list[str] | None = None) -> int:
         return 2
     check_model_argument(args.model)
     check_initial_peers(args.initial_peers)
+    speculative = speculative_config(args)  # a bad combination fails before the swarm is reached
     if args.seed is not None:
         torch.manual_seed(args.seed)
     from transformers import AutoTokenizer
@@ -159,17 +139,6 @@ def _main(argv: list[str] | None = None) -> int:
         config, max_wait_s=wait_s, verify_fraction=args.verify_fraction, server_forwarding=args.server_forwarding
     )
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
-    speculative = None
-    if args.speculative is not None:
-        speculative = SpeculativeConfig(
-            drafter=args.speculative,
-            num_draft_tokens=args.num_draft_tokens,
-            max_draft_tokens=args.max_draft_tokens,
-            draft_model_path=args.draft_model,
-        )
-    elif args.num_draft_tokens is not None or args.draft_model is not None:
-        print("corolla-generate: error: --num_draft_tokens/--draft_model need --speculative", file=sys.stderr)
-        return 2
     sampling: dict = {
         k: v
         for k, v in dict(
