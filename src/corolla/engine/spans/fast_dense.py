@@ -22,7 +22,7 @@ from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.quant.quant import Int8Weight, NF4Weight, linear_bias, quant_key
 from corolla.engine.spans.fast_llama import Weight, projection_weight
-from corolla.engine.spans.span_model import ChunkedPrefill
+from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
 from corolla.models.attention import Attention
 from corolla.models.bloom.block import BloomBlock
 from corolla.models.falcon.block import FalconBlock
@@ -238,11 +238,6 @@ class FastDenseSpan(ChunkedPrefill):
 
     # ------------------------------------------------------------------------------------------ compute
 
-    def slots_for(self, block_tables: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
-        # block_tables [N, maxp] int32, positions [N] long -> flat cache slot of each position [N] long
-        pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()
-        return pages * page + positions % page
-
     def _norm(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
         assert w is not None and b is not None  # checked in __init__ (sequential layers) or chosen by the caller
         return self.dense.layer_norm(x, w, b, self.spec.layer_norm_eps)
@@ -335,7 +330,7 @@ class FastDenseSpan(ChunkedPrefill):
         total = start + t
         table = slot.table.to(self.device, non_blocking=True)[None]  # [1, maxp]
         all_pos = torch.arange(total, device=self.device)  # [L]
-        all_slots = self.slots_for(table.expand(total, -1), all_pos, pool.page_size_tokens)  # [L]
+        all_slots = row_slots(table.expand(total, -1), all_pos, pool.page_size_tokens)  # [L]
         positions, slots = all_pos[start:], all_slots[start:]  # [T]
         bias = None if self.alibi is None else self.alibi.bias(all_pos).to(self.dtype)  # [nq, L]
         h = hidden

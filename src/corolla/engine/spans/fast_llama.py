@@ -22,7 +22,7 @@ from corolla.engine.kv.kv_pool import KVPool, SequenceSlot
 from corolla.engine.moe.moe import RoutedMoE, tune_experts
 from corolla.engine.quant.quant import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
 from corolla.engine.spans.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
-from corolla.engine.spans.span_model import ChunkedPrefill
+from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
 from corolla.models.layers import SparseMoE
 from corolla.models.lora import LoraLinear
 from corolla.models.positions import RotaryEmbedding, rope_parameters
@@ -281,11 +281,6 @@ class FastLlamaSpan(ChunkedPrefill):
 
     # ------------------------------------------------------------------------------------------ compute
 
-    def slots_for(self, block_tables: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
-        # block_tables [N, maxp] int32, positions [N] long -> flat cache slot of each position [N] long
-        pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()
-        return pages * page + positions % page
-
     @torch.inference_mode()
     def decode(
         self,
@@ -301,7 +296,7 @@ class FastLlamaSpan(ChunkedPrefill):
         s = self.spec
         b = hidden.shape[0]
         seq_lens = (positions + 1).to(torch.int32)  # [B]
-        slots = self.slots_for(block_tables, positions, pool.page_size_tokens)  # [B]
+        slots = row_slots(block_tables, positions, pool.page_size_tokens)  # [B]
         h = hidden
         eps = s.rms_norm_eps
         lora = None if self.adapters is None else self.adapters.for_decode(b)  # rows' adapters, or None

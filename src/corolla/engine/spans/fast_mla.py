@@ -25,7 +25,7 @@ from corolla.engine.kernels.ops import DecodeOps
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVPool, SequenceSlot
 from corolla.engine.moe.moe import ExpertWeights, experts_forward, kernel_usable
-from corolla.engine.spans.span_model import ChunkedPrefill
+from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
 from corolla.models.deepseek_v3.block import DeepseekV3Block
 from corolla.models.deepseek_v3.mla import LatentAttention
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE
@@ -248,11 +248,6 @@ class FastMlaSpan(ChunkedPrefill):
 
     # ------------------------------------------------------------------------------------------ compute
 
-    def slots_for(self, block_tables: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
-        # block_tables [N, maxp] int32, positions [N] long -> flat cache slot of each position [N] long
-        pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()
-        return pages * page + positions % page
-
     def _project_raw(self, i: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] (normed) -> q [N, n, qk] (rope part not rotated), kv [N, c + r] (kv_a's output)."""
         s, a = self.spec, self.layers[i].attn
@@ -324,7 +319,7 @@ class FastMlaSpan(ChunkedPrefill):
         s = self.spec
         b = hidden.shape[0]
         seq_lens = (positions + 1).to(torch.int32)  # [B]
-        slots = self.slots_for(block_tables, positions, pool.page_size_tokens)  # [B]
+        slots = row_slots(block_tables, positions, pool.page_size_tokens)  # [B]
         h = hidden
         start, end = layers or (0, self.num_layers)
         for i in range(start, end):
@@ -372,7 +367,7 @@ class FastMlaSpan(ChunkedPrefill):
         total = start + t
         table = slot.table.to(self.device, non_blocking=True)[None]  # [1, maxp]
         all_pos = torch.arange(total, device=self.device)  # [L]
-        all_slots = self.slots_for(table.expand(total, -1), all_pos, pool.page_size_tokens)  # [L]
+        all_slots = row_slots(table.expand(total, -1), all_pos, pool.page_size_tokens)  # [L]
         positions, slots = all_pos[start:], all_slots[start:]  # [T]
         h = hidden
         overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here

@@ -78,6 +78,12 @@ class SpanModel(Protocol):
         ...
 
 
+def row_slots(block_tables: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+    """The flat cache slot [N] long of each row's position: block_tables [N, maxp] int32, positions [N] long."""
+    pages = block_tables.gather(1, (positions // page)[:, None]).squeeze(1).long()
+    return pages * page + positions % page
+
+
 class ChunkedPrefill:
     """The `prefill` every span type shares: the sequence in chunks of at most `chunk_tokens` tokens, each run by the
     span's own `_prefill_chunk(chunk [t, H], chunk_start, slot, pool, (first, last), prompts) -> [t, H]`."""
