@@ -15,16 +15,6 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase, StubBase
 from hivemind.proto import runtime_pb2
 
 SERVICE_NAME = "TransformerConnectionHandler"
-RPC_NAMES = (
-    "rpc_inference",
-    "rpc_forward",
-    "rpc_forward_stream",
-    "rpc_backward",
-    "rpc_backward_stream",
-    "rpc_push",
-    "rpc_info",
-)
-STREAM_RPC_NAMES = frozenset({"rpc_inference", "rpc_forward_stream", "rpc_backward_stream"})
 
 
 def handle_name(method_name: str) -> str:
