@@ -3,11 +3,9 @@
 In one process on one card: a span of Llama-3-8B-shaped corolla blocks (random bf16 weights) carrying `--adapters`
 rank-`--rank` LoRA adapters on q, k, v, o, gate, up and down. After a `--prefix_tokens` prefix per session, the
 merged decode step (CUDA graphs, inputs on the GPU, host-timed median) of: 1 session on the base model, 1 session
-on an adapter, 8 sessions on one adapter, 8 sessions on 8 different adapters and 8 base sessions, in the engine's
-`--adapter_modes` (default: the first, padded forms "stacked" and "gather", then "fused", the default form; one
-engine per storage form, the second reusing the first one's tuned kernels); the torch ops one decode step adds per
-layer for an adapted row in each form (the CPU profiler on the same engines, eager); the same span's engine without adapters at 1 and 8 sessions (what
-base rows should cost); each step's floor (weights + the distinct adapters' bytes + the KV prefix, / copy
+on an adapter, 8 sessions on one adapter, 8 sessions on 8 different adapters and 8 base sessions; the torch ops one
+decode step adds per layer for an adapted row (the CPU profiler on the same engine, eager); the same span's engine
+without adapters at 1 and 8 sessions (what base rows should cost); each step's floor (weights + the distinct adapters' bytes + the KV prefix, / copy
 bandwidth); and the plain path a user with adapters gets today (`SpanBackend.inference_step` per session with
 peft-style `LoraLinear`s under `using_adapter`: sessions one after another, nothing merged). Also the engine's
 output against the plain path's on the same prompt and token. `--shape tiny --device cpu` dry-runs the code."""
@@ -26,7 +24,6 @@ from transformers import LlamaConfig
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
-from corolla.engine.spans import fast_lora
 from corolla.engine.spans.fast_llama import FastLlamaSpan
 from corolla.models.block_base import CorollaBlock
 from corolla.models.lora import LoraWeights, add_adapter
@@ -163,7 +160,7 @@ def prologue_plan(model: FastLlamaSpan, layer: int) -> dict[str, bool]:
         ("down", w.w_down, "silu", True),
     ):
         p = model.adapters.layers[layer].get(projection)
-        if isinstance(p, fast_lora.FusedProjection) and weight is not None:
+        if p is not None and weight is not None:
             n, k = int(p.bt.shape[1]), int(p.a.shape[1])
             plan[projection] = model.prologue_fused(n, k, int(p.a.shape[0]), prologue, residual)
     return plan
@@ -221,9 +218,6 @@ def main() -> None:
     parser.add_argument("--prefix_tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
-    parser.add_argument(
-        "--adapter_modes", default="stacked,gather,fused", help="engine adapter forms to time, comma-separated"
-    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(args.device)
@@ -259,23 +253,6 @@ def main() -> None:
         max_batch_rows=n,
         graph_buckets=tuple(sorted({1, n})),
     )
-    modes = [m for m in args.adapter_modes.split(",") if m]
-    unknown = sorted(set(modes) - set(fast_lora.MODES))
-    if unknown or not modes:
-        raise ValueError(f"--adapter_modes: unknown {unknown}; choose from {fast_lora.MODES}")
-    ops = None  # the first engine's tuned kernels, reused by the next ones
-    weight_bytes = 0  # the span's weights (set by the first engine)
-    engine: SpanEngine | None = None
-
-    def build_engine(mode: str) -> SpanEngine:
-        built = SpanEngine.from_blocks(
-            blocks, EngineConfig(**{**vars(engine_config), "tune_gemm": ops is None}), adapter_mode=mode
-        )
-        if ops is not None:
-            built.model.ops = ops
-        built.warmup()
-        return built
-
     gen = torch.Generator(device=dev).manual_seed(1)
     prefix_bytes = args.prefix_tokens * kv_bytes_per_token
     scenarios = {
@@ -290,64 +267,49 @@ def main() -> None:
         distinct = len({r for r in rows if r})
         return (weight_bytes + distinct * one_adapter_bytes + len(rows) * prefix_bytes) / bandwidth * 1000
 
-    results["engine"] = {}
-    results["stored_bytes"] = {}
-    results["ops_per_step"] = {}
-    for mode in modes:
-        storage = fast_lora.STORAGE[mode]
-        if engine is None or engine.adapters is None or fast_lora.STORAGE[engine.adapters.mode] != storage:
-            del engine  # its pool and graphs (the blocks' adapter tensors are views of the next engine's stacks)
-            torch.cuda.empty_cache() if dev.type == "cuda" else None
-            mark = time.perf_counter()
-            engine = build_engine(mode)
-            assert isinstance(engine.model, FastLlamaSpan)
-            ops = engine.model.ops
-            weight_bytes = engine.model.weight_bytes()
-            results["weight_bytes"] = weight_bytes
-            plan = prologue_plan(engine.model, 0)
-            results.setdefault("prologue_in_both_gemms", {})[storage] = plan
-            log(lines, f"engine ({storage} stacks) built and warmed up in {time.perf_counter() - mark:.1f} s; "
-                       f"single-row prologue inside the base and shrink GEMMs: {plan}")  # fmt: skip
-        adapters = engine.adapters
-        assert adapters is not None
-        if adapters.mode != mode:  # another form on the same stacks: recapture
-            adapters.mode = mode
-            if engine.graphs is not None:
-                engine.graphs.clear()
-                engine.graphs.capture_all()
-        slots = adapters.num_adapters + (0 if storage == "fused" else 1)  # the padded stacks hold a zero adapter
-        one_adapter_bytes = adapters.nbytes() // slots  # every adapter has the same ranks here
-        results["stored_bytes"][mode] = {"all": adapters.nbytes(), "one_adapter": one_adapter_bytes}
-        log(lines, f"engine {mode}: stacks {adapters.nbytes() / 2**20:.0f} MiB (one adapter "
-                   f"{one_adapter_bytes / 2**20:.1f} MiB), shared with the blocks' LoraLinear")  # fmt: skip
-        try:
-            added = ops_per_step(engine, names[0], 8, gen)
-        except RuntimeError as e:  # the profiler (CUPTI) missing on the device: say so, keep timing
-            added = {}
-            results["ops_per_step_error"] = str(e)
-            log(lines, f"engine {mode}: op count failed: {e}")
-        results["ops_per_step"][mode] = added
-        aten = {k.removeprefix("aten::"): v for k, v in added.items() if k.startswith("aten::")}
-        kernels = f", {added['cuda kernels']} CUDA kernels" if "cuda kernels" in added else ""
-        log(lines, f"engine {mode}: an adapted row adds per decode step over {args.layers} layers (eager) "
-                   f"{sum(aten.values())} aten ops{kernels}: " + ", ".join(f"{k} {v}" for k, v in aten.items()))  # fmt: skip
-        rows_out: dict[str, dict[str, float]] = {}
-        for scenario, rows in scenarios.items():
-            sessions = open_sessions(engine, rows, args.prefix_tokens, length, gen)
-            ms = step_ms(engine, sessions, args.prefix_tokens, args.steps, gen)
-            for s in sessions:
-                s.close()
-            floor = floor_ms(rows, one_adapter_bytes)
-            rows_out[scenario] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor}
-            log(lines, f"engine {mode:7s} {scenario:22s} {ms:7.3f} ms/step (floor {floor:.3f} ms, "
-                       f"{ms / floor:.2f}x)")  # fmt: skip
-        one, same = rows_out["1_adapter"]["step_ms"], rows_out[f"{n}_one_adapter"]["step_ms"]
-        mixed = rows_out[f"{n}_different_adapters"]["step_ms"]
-        rows_out["ratios"] = {"mixed_vs_1_adapter": mixed / one, "mixed_vs_same_adapter": mixed / same}
-        log(lines, f"engine {mode}: {n} different adapters / 1 adapter step = {mixed / one:.2f}x; / {n} sessions on "
-                   f"one adapter = {mixed / same:.2f}x (target <= 1.5x)")  # fmt: skip
-        results["engine"][mode] = rows_out
-        save()
+    mark = time.perf_counter()
+    engine = SpanEngine.from_blocks(blocks, engine_config)
+    engine.warmup()
+    assert isinstance(engine.model, FastLlamaSpan)
+    weight_bytes = engine.model.weight_bytes()
+    results["weight_bytes"] = weight_bytes
+    plan = prologue_plan(engine.model, 0)
+    results["prologue_in_both_gemms"] = plan
+    log(lines, f"engine built and warmed up in {time.perf_counter() - mark:.1f} s; "
+               f"single-row prologue inside the base and shrink GEMMs: {plan}")  # fmt: skip
+    adapters = engine.adapters
+    assert adapters is not None
+    one_adapter_bytes = adapters.nbytes() // adapters.num_adapters  # every adapter has the same ranks here
+    results["stored_bytes"] = {"all": adapters.nbytes(), "one_adapter": one_adapter_bytes}
+    log(lines, f"engine: stacks {adapters.nbytes() / 2**20:.0f} MiB (one adapter "
+               f"{one_adapter_bytes / 2**20:.1f} MiB), shared with the blocks' LoraLinear")  # fmt: skip
+    try:
+        added = ops_per_step(engine, names[0], 8, gen)
+    except RuntimeError as e:  # the profiler (CUPTI) missing on the device: say so, keep timing
+        added = {}
+        results["ops_per_step_error"] = str(e)
+        log(lines, f"engine: op count failed: {e}")
+    results["ops_per_step"] = added
+    aten = {k.removeprefix("aten::"): v for k, v in added.items() if k.startswith("aten::")}
+    kernels = f", {added['cuda kernels']} CUDA kernels" if "cuda kernels" in added else ""
+    log(lines, f"engine: an adapted row adds per decode step over {args.layers} layers (eager) "
+               f"{sum(aten.values())} aten ops{kernels}: " + ", ".join(f"{k} {v}" for k, v in aten.items()))  # fmt: skip
+    rows_out: dict[str, dict[str, float]] = {}
+    for scenario, rows in scenarios.items():
+        sessions = open_sessions(engine, rows, args.prefix_tokens, length, gen)
+        ms = step_ms(engine, sessions, args.prefix_tokens, args.steps, gen)
+        for s in sessions:
+            s.close()
+        floor = floor_ms(rows, one_adapter_bytes)
+        rows_out[scenario] = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor}
+        log(lines, f"engine {scenario:22s} {ms:7.3f} ms/step (floor {floor:.3f} ms, {ms / floor:.2f}x)")
+    one, same = rows_out["1_adapter"]["step_ms"], rows_out[f"{n}_one_adapter"]["step_ms"]
+    mixed = rows_out[f"{n}_different_adapters"]["step_ms"]
+    rows_out["ratios"] = {"mixed_vs_1_adapter": mixed / one, "mixed_vs_same_adapter": mixed / same}
+    log(lines, f"engine: {n} different adapters / 1 adapter step = {mixed / one:.2f}x; / {n} sessions on "
+               f"one adapter = {mixed / same:.2f}x (target <= 1.5x)")  # fmt: skip
+    results["engine"] = rows_out
+    save()
 
     # the same span's engine without adapters: what base rows should cost
     assert engine is not None and isinstance(engine.model, FastLlamaSpan)
@@ -384,7 +346,7 @@ def main() -> None:
         results["plain"][scenario] = {"round_ms": ms}
         log(lines, f"plain path {scenario:22s} {ms:8.3f} ms per step of every session (one after another)")
         save()
-    mixed = results["engine"][modes[-1]][f"{n}_different_adapters"]["step_ms"]
+    mixed = results["engine"][f"{n}_different_adapters"]["step_ms"]
     plain_mixed = results["plain"][f"{n}_different_adapters"]["round_ms"]
     results["mixed_speedup_vs_plain"] = plain_mixed / mixed
     log(lines, f"{n} sessions on {n} adapters: engine {mixed:.3f} ms vs plain {plain_mixed:.2f} ms "

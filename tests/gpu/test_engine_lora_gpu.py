@@ -1,6 +1,6 @@
 """LoRA adapters on the fast path on a real GPU (bf16): a merged step of sessions on three adapters of different
-ranks (one on some modules only) and the base model gives the same rows from the CUDA graph as eagerly, in both
-the fused, stacked and gathered forms, and all agree with the blocks under `using_adapter`; single-row steps with
+ranks (one on some modules only) and the base model gives the same rows from the CUDA graph as eagerly, and
+both agree with the blocks under `using_adapter`; single-row steps with
 the norm/gating prologue inside both the base and the shrink GEMM (tuned kernels) or ahead of both equal the blocks;
 warm-up captures both graph variants and a base-model step from the graphs equals the eager one. Skipped without
 CUDA."""
@@ -55,9 +55,9 @@ def make_blocks(layers: int = 3) -> list[torch.nn.Module]:
     return blocks
 
 
-def make_engine(blocks, mode: str, graphs: bool) -> SpanEngine:
+def make_engine(blocks, graphs: bool) -> SpanEngine:
     config = EngineConfig(kv_pool_bytes=64 << 20, max_seq_len_tokens=MAX_LEN, max_batch_rows=8, use_cuda_graphs=graphs)
-    engine = SpanEngine.from_blocks(blocks, config, adapter_mode=mode)
+    engine = SpanEngine.from_blocks(blocks, config)
     engine.warmup()
     return engine
 
@@ -75,15 +75,14 @@ def run(engine: SpanEngine, names: list[str], prompts: list[torch.Tensor], token
     return outs
 
 
-@pytest.mark.parametrize("mode", ["fused", "stacked", "gather"])
-def test_graph_equals_eager_equals_blocks_with_mixed_adapters(mode: str) -> None:
+def test_graph_equals_eager_equals_blocks_with_mixed_adapters() -> None:
     blocks = make_blocks()
     names = ["r16", "", "r4", "r8", "r16"]
     gen = torch.Generator(device=DEV).manual_seed(1)
     prompts = [torch.randn(1, n, 512, device=DEV, generator=gen).to(BF16) for n in (40, 65, 7, 130, 12)]
     tokens = [[torch.randn(1, 1, 512, device=DEV, generator=gen).to(BF16) for _ in range(3)] for _ in names]
-    graph = run(make_engine(blocks, mode, graphs=True), names, prompts, tokens)
-    eager = run(make_engine(blocks, mode, graphs=False), names, prompts, tokens)
+    graph = run(make_engine(blocks, graphs=True), names, prompts, tokens)
+    eager = run(make_engine(blocks, graphs=False), names, prompts, tokens)
     for i, name in enumerate(names):
         steps = [(prompts[i], 0)] + [(t, prompts[i].shape[1] + k) for k, t in enumerate(tokens[i])]
         with using_adapter(name):
@@ -99,7 +98,7 @@ def test_graph_equals_eager_equals_blocks_with_mixed_adapters(mode: str) -> None
 @pytest.mark.parametrize("prologue_fused", [True, False])
 def test_single_row_steps_equal_the_blocks_with_the_prologue_in_both_gemms_or_ahead(prologue_fused: bool) -> None:
     blocks = make_blocks(layers=2)
-    engine = make_engine(blocks, "fused", graphs=True)
+    engine = make_engine(blocks, graphs=True)
     engine.model.lora_prologue_fused = prologue_fused
     assert engine.graphs is not None
     engine.graphs.clear()
@@ -117,12 +116,12 @@ def test_single_row_steps_equal_the_blocks_with_the_prologue_in_both_gemms_or_ah
 
 def test_base_rows_equal_eager_and_both_variants_are_captured() -> None:
     blocks = make_blocks(layers=2)
-    engine = make_engine(blocks, "auto", graphs=True)
+    engine = make_engine(blocks, graphs=True)
     assert engine.graphs is not None
     gen = torch.Generator(device=DEV).manual_seed(2)
     prompt = torch.randn(1, 20, 512, device=DEV, generator=gen).to(BF16)
     token = torch.randn(1, 1, 512, device=DEV, generator=gen).to(BF16)
-    eager_engine = make_engine(blocks, "auto", graphs=False)
+    eager_engine = make_engine(blocks, graphs=False)
     outs = []
     for e in (engine, eager_engine):
         with e.open_session(1, MAX_LEN) as s:

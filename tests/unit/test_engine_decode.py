@@ -156,15 +156,13 @@ def test_fused_span_refuses_unsupported_blocks_which_then_run_eagerly() -> None:
     config.activation = "relu"  # the Falcon/BLOOM span implements GELU MLPs only
     block = get_family(config).build_block(config, 0)
     with pytest.raises(ValueError, match="GELU"):
-        SpanEngine.fused_from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20), max_positions=64,
-                                     adapter_mode="auto")  # fmt: skip
+        SpanEngine.fused_from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20), max_positions=64)
     assert not SpanEngine.from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20)).fused
 
 
 def test_sliding_window_limits_the_fused_session_length_so_the_blocks_run_eagerly() -> None:
     blocks = make_blocks("mistral", num_layers=1)  # tiny mistral: window of 12 tokens
-    fused = SpanEngine.fused_from_blocks(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=64,
-                                         adapter_mode="auto")  # fmt: skip
+    fused = SpanEngine.fused_from_blocks(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=64)
     assert fused.max_seq_len_tokens == 12
     with pytest.raises(ValueError, match="max = 12"):
         fused.open_session(1, 13)

@@ -1,10 +1,10 @@
 """LoRA adapters on the fast-path engine (CPU, fp32): sessions on three adapters of different ranks (one on some
 modules and layers only) and a base-model session, merged in one decode step, equal the plain blocks under
-`using_adapter` (prefill, cached steps, rollback) in the fused, stacked and gathered forms; the blocks' adapter
-tensors are views of the engine's stacks, which hold exactly the blocks' adapter bytes (fused form), what the
-server's sizing counts; a session's adapter is fixed; unknown adapters and adapters on modules the engine
-does not cover are refused; adapters on an NF4 span (bitsandbytes layers quantized on the CPU) equal the quantized
-blocks; the serving rule names the families without adapter support."""
+`using_adapter` (prefill, cached steps, rollback); the blocks' adapter tensors are views of the engine's stacks,
+which hold exactly the blocks' adapter bytes, what the server's sizing counts; a session's adapter is fixed;
+unknown adapters and adapters on modules the engine does not cover are refused; adapters on an NF4 span
+(bitsandbytes layers quantized on the CPU) equal the quantized blocks; the serving rule names the families without
+adapter support."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import StepRequest
-from corolla.engine.spans.fast_lora import FusedProjection, ProjectionAdapters
+from corolla.engine.spans.fast_lora import FusedProjection
 from corolla.models.lora import LoraWeights, add_adapter, using_adapter
 from corolla.models.registry import get_family
 from helpers.engine_reference import cached_block_steps
@@ -32,9 +32,9 @@ def _single_thread() -> Iterator[None]:
         yield
 
 
-def make_engine(blocks, mode: str = "auto") -> SpanEngine:
+def make_engine(blocks) -> SpanEngine:
     config = EngineConfig(kv_pool_bytes=2 << 20, page_size_tokens=16, max_seq_len_tokens=MAX_LEN, max_batch_rows=8)
-    return SpanEngine.from_blocks(blocks, config, adapter_mode=mode)
+    return SpanEngine.from_blocks(blocks, config)
 
 
 def reference(blocks, adapter: str, steps: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
@@ -42,10 +42,9 @@ def reference(blocks, adapter: str, steps: list[tuple[torch.Tensor, int]]) -> li
         return cached_block_steps(blocks, MAX_LEN, steps)
 
 
-@pytest.mark.parametrize("mode", ["fused", "stacked", "gather"])
-def test_merged_steps_of_sessions_on_different_adapters_equal_the_blocks(mode: str) -> None:
+def test_merged_steps_of_sessions_on_different_adapters_equal_the_blocks() -> None:
     blocks = make_blocks()
-    engine = make_engine(blocks, mode)
+    engine = make_engine(blocks)
     assert engine.adapters is not None and engine.adapters.names == ("big", "mid", "some")
     h = int(blocks[0].config.hidden_size)
     names = ["big", "", "some", "mid"]
@@ -93,24 +92,11 @@ def test_single_row_steps_equal_the_blocks_with_the_prologue_in_both_gemms_or_ah
                 torch.testing.assert_close(got, ref, atol=1e-4, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_padded_stacks_share_the_blocks_memory() -> None:
-    blocks = make_blocks()
-    engine = make_engine(blocks, "stacked")
-    assert engine.adapters is not None
-    qkv = blocks[0].attn.qkv
-    stack = engine.adapters.layers[0]["qkv"]
-    assert isinstance(stack, ProjectionAdapters)
-    key = qkv.slots["mid"]
-    assert qkv.lora_a[key].data_ptr() == stack.a[2].data_ptr()  # the plain path reads the engine's stack
-    assert qkv.lora_b[key].data_ptr() == stack.bt[2].data_ptr()
-    assert stack.rank == 8 * 3  # q, k, v of the rank-8 adapter, stacked in one A
-
-
 def test_adapters_change_the_output_and_share_the_blocks_memory() -> None:
     blocks = make_blocks()
     before = sum(p.numel() * p.element_size() for b in blocks for n, p in b.named_parameters() if ".lora_" in n)
     engine = make_engine(blocks)
-    assert engine.adapters is not None and engine.adapters.mode == "fused"
+    assert engine.adapters is not None
     qkv = blocks[0].attn.qkv
     stack = engine.adapters.layers[0]["qkv"]
     assert isinstance(stack, FusedProjection)
@@ -159,7 +145,7 @@ def test_adapters_on_modules_the_fused_span_does_not_cover_run_eagerly() -> None
     assert SpanEngine.from_blocks([block], config).fused  # attention: served by the fused span
     add_adapter(block, "router", LoraWeights("test", 0, dict([router])))
     with pytest.raises(ValueError, match="does not apply adapters"):
-        SpanEngine.fused_from_blocks([block], config, max_positions=32, adapter_mode="auto")
+        SpanEngine.fused_from_blocks([block], config, max_positions=32)
     assert not SpanEngine.from_blocks([block], config).fused  # the blocks apply it themselves
 
 
@@ -245,5 +231,3 @@ def test_server_sizing_counts_the_bytes_the_engine_stores(tmp_path) -> None:
     assert engine.adapters.layers[0]["qkv"].ranks == (0, 4, 24)  # names sorted: r2 (q, v), r8 (q, k, v)
     stored = sum(t.nbytes for layer in engine.adapters.layers for p in layer.values() for t in (p.a, p.bt))
     assert estimate == stored == engine.adapters.nbytes()
-    padded = make_engine(loaded(), "stacked").adapters  # the first form pads r2 to 24 and keeps a zero adapter
-    assert padded is not None and padded.nbytes() > stored

@@ -211,8 +211,7 @@ def test_active_bytes_count_the_chosen_experts_only() -> None:
 def test_unsupported_deepseek_blocks_are_refused_by_the_fused_span_and_run_eagerly() -> None:
     blocks = make_blocks(num_layers=1, hidden_act="gelu")
     with pytest.raises(ValueError, match="silu"):
-        SpanEngine.fused_from_blocks(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=64,
-                                     adapter_mode="auto")  # fmt: skip
+        SpanEngine.fused_from_blocks(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=64)
     assert not make_engine(blocks).fused
 
 

@@ -164,19 +164,18 @@ class SpanEngine:
         blocks: Sequence[torch.nn.Module],
         config: EngineConfig = EngineConfig(),
         *,
-        adapter_mode: str = "auto",
         fused: bool = True,
     ) -> SpanEngine:
         """An engine over loaded blocks (their tensors are used in place). `fused`: the span type with fused kernels
         for the blocks' model type (llama family, DeepSeek-V3, Falcon/BLOOM) where it takes these blocks, else (or
         without `fused`) the blocks themselves run eagerly over the pool (`eager_span`). LoRA adapters on
-        llama-family blocks are stacked (`fast_lora`, `adapter_mode` "auto", "stacked" or "gather")."""
+        llama-family blocks are stacked (`fast_lora`)."""
         hf_config: PretrainedConfig | None = getattr(blocks[0], "config", None)  # corolla blocks keep their model's
         trained = getattr(hf_config, "max_position_embeddings", None)  # BLOOM (ALiBi) has no such limit
         max_positions = min(config.max_seq_len_tokens, int(trained or config.max_seq_len_tokens))
         if fused:
             try:
-                model, adapters = fused_model(blocks, config, max_positions=max_positions, adapter_mode=adapter_mode)
+                model, adapters = fused_model(blocks, config, max_positions=max_positions)
                 window = model.spec.sliding_window_tokens
                 if window is not None and window < max_positions:
                     raise ValueError(f"the fused span attends to {window} tokens at most, the blocks' window slides")
@@ -188,10 +187,10 @@ class SpanEngine:
 
     @classmethod
     def fused_from_blocks(
-        cls, blocks: Sequence[torch.nn.Module], config: EngineConfig, *, max_positions: int, adapter_mode: str
+        cls, blocks: Sequence[torch.nn.Module], config: EngineConfig, *, max_positions: int
     ) -> SpanEngine:
         """An engine on the fused span type of the blocks' model type; ValueError where it can't take them."""
-        model, adapters = fused_model(blocks, config, max_positions=max_positions, adapter_mode=adapter_mode)
+        model, adapters = fused_model(blocks, config, max_positions=max_positions)
         return cls(model, config, adapters=adapters)
 
     @property
@@ -581,7 +580,7 @@ class SpanEngine:
 
 
 def fused_model(
-    blocks: Sequence[torch.nn.Module], config: EngineConfig, *, max_positions: int, adapter_mode: str
+    blocks: Sequence[torch.nn.Module], config: EngineConfig, *, max_positions: int
 ) -> tuple[SpanModel, SpanAdapters | None]:
     """The fused span of the blocks' model type (and its stacked LoRA adapters); ValueError where it can't take
     them (a layer type, activation, quantization or adapter target it does not implement)."""
@@ -601,6 +600,5 @@ def fused_model(
         max_positions=max_positions,
         use_triton=config.use_triton,
         attention_splits_max=config.attention_splits_max,
-        adapter_mode=adapter_mode,
     )
     return llama, llama.adapters

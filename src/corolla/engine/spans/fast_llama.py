@@ -184,16 +184,14 @@ class FastLlamaSpan(ChunkedPrefill):
     # ------------------------------------------------------------------------------------------ construction
 
     @classmethod
-    def from_blocks(
-        cls, blocks: Sequence[torch.nn.Module], *, max_positions: int, adapter_mode: str = "auto", **kwargs
-    ) -> FastLlamaSpan:
+    def from_blocks(cls, blocks: Sequence[torch.nn.Module], *, max_positions: int, **kwargs) -> FastLlamaSpan:
         """Uses the tensors of loaded `corolla.models.llama` blocks in place, bitsandbytes NF4/Int8 linears in their
         packed form, LoRA adapters stacked (`fast_lora`; ValueError for an adapter on another module, split linears
         or a block that is not a llama-family layer)."""
         if not blocks:
             raise ValueError("from_blocks needs at least one block")
         spec = LlamaSpec.from_hf_config(blocks[0].config)
-        adapters = adapters_from_blocks(blocks, mode=adapter_mode)  # first: refuses adapters on other modules
+        adapters = adapters_from_blocks(blocks)  # first: refuses adapters on other modules
         layers = []
         for block in blocks:
             attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)

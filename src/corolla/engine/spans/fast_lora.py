@@ -7,20 +7,15 @@ shrink of a fused projection is one matmul for all its sub-projections and all a
 parameters are re-pointed at views of the stacks: the plain path (forward, backward) reads the same memory, nothing
 is stored twice.
 
-Two storage forms, per layer and fused projection (`qkv`, `o`, `gate_up`, `down`) that some adapter targets:
-- `FusedProjection` (modes "fused" and "auto"): A [C, in] and B^T [C, out], C = the sum of the adapters' ranks
-  there (scaling folded into B, no padding, no zero adapter): exactly the bytes of the blocks' `LoraLinear`s, which
-  is what `models.lora.adapter_stored_bytes` (the server's sizing) counts;
-- `ProjectionAdapters` (modes "stacked" and "gather", the first form, kept to measure against): A [n + 1, r, in]
-  and B^T [n + 1, r, out], ranks zero-padded to the largest, adapter 0 = zeros.
+Per layer and fused projection (`qkv`, `o`, `gate_up`, `down`) that some adapter targets, a `FusedProjection`:
+A [C, in] and B^T [C, out], C = the sum of the adapters' ranks there (scaling folded into B, no padding, no zero
+adapter): exactly the bytes of the blocks' `LoraLinear`s, which is what `models.lora.adapter_stored_bytes` (the
+server's sizing) counts. (The padded forms it replaced lost: `docs/decisions/0026-lora-fused-form.md`.)
 
 A decode step reads each row's adapter index from the static buffer `row_ids` (filled by the engine before the
-step, like positions; CUDA-graph safe) and adds `x @ A[id]^T @ B[id]` per row:
-- "fused": `y.addmm_(mask(x @ A_all^T), B_all)`: three kernels per projection (shrink, mask, expand accumulating
-  into the projection's output in place); the [B, C] masks are built once per step per column layout;
-- "stacked": the same on the padded stacks, the expand out of place (`torch.addmm`: a copy and a GEMM);
-- "gather": `bmm` on each row's gathered padded A and B (reads one adapter copy per row).
-The masks set other adapters' columns to zero (`masked_fill_`, not a multiply: an overflow there must not leak).
+step, like positions; CUDA-graph safe) and adds `x @ A[id]^T @ B[id]` per row as
+`y.addmm_(mask(x @ A_all^T), B_all)`: three kernels per projection (shrink, mask, expand accumulating into the
+projection's output in place); the [B, C] masks are built once per step per column layout. The masks set other adapters' columns to zero (`masked_fill_`, not a multiply: an overflow there must not leak).
 Steps where no row uses an adapter skip all of it (the engine captures a graph without adapters for them).
 Prefill runs one sequence with its session's adapter."""
 
@@ -39,35 +34,6 @@ logger = get_logger(__name__)
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _MODULE_PATHS = {"qkv": "attn.qkv", "o": "attn.o_proj", "gate_up": "mlp.gate_up", "down": "mlp.down"}
-MODES = ("auto", "fused", "stacked", "gather")
-# "auto" = "fused". On the padded stacks, measured on an H100 (32 Llama-3-8B layers, 8 rank-16 adapters,
-# benchmarks/results/lora-*-2008): stacked beat gather at 1 row (8.29 vs 8.94 ms) and at 8 rows (8.75 vs 10.11 ms).
-STORAGE = {"auto": "fused", "fused": "fused", "stacked": "padded", "gather": "padded"}
-
-
-@dataclass
-class ProjectionAdapters:
-    """One projection's adapters in one layer: a [n + 1, r, in], bt [n + 1, r, out]; index 0 is zeros; `targets[k]`
-    says whether adapter k changes this projection at all."""
-
-    a: torch.Tensor  # [n + 1, r, in]
-    bt: torch.Tensor  # [n + 1, r, out], scaling folded in
-    targets: tuple[bool, ...]  # [n + 1]
-
-    @property
-    def rank(self) -> int:
-        return int(self.a.shape[1])
-
-    @property
-    def stacked_a(self) -> torch.Tensor:  # [n r, in], a view
-        return self.a[1:].reshape(-1, self.a.shape[2])
-
-    @property
-    def stacked_bt(self) -> torch.Tensor:  # [n r, out], a view
-        return self.bt[1:].reshape(-1, self.bt.shape[2])
-
-    def nbytes(self) -> int:
-        return self.a.numel() * self.a.element_size() + self.bt.numel() * self.bt.element_size()
 
 
 @dataclass
@@ -95,54 +61,34 @@ class DecodeRows:
     def __init__(self, adapters: SpanAdapters, rows: int):
         self.adapters = adapters
         self.ids = adapters.row_ids[:rows]  # [B] long, 0 = no adapter
-        self.mode = adapters.mode
-        self._masks: dict[int, torch.Tensor] = {}  # rank -> [B, n r] bool: the column is another adapter's
-        self._fused_masks: dict[tuple[int, ...], torch.Tensor] = {}  # ranks -> [B, C] bool, likewise
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}  # ranks -> [B, C] bool: the column is another adapter's
 
     def targets(self, layer: int, projection: str) -> bool:
         return projection in self.adapters.layers[layer]
 
-    def _others(self, rank: int) -> torch.Tensor:
-        mask = self._masks.get(rank)
+    def _others(self, p: FusedProjection) -> torch.Tensor:
+        mask = self._masks.get(p.ranks)
         if mask is None:
-            columns = self.adapters.column_ids(rank)  # [n r]: the adapter index of each stacked column
-            mask = self.ids[:, None] != columns[None, :]  # [B, n r]
-            self._masks[rank] = mask
-        return mask
-
-    def _fused_others(self, p: FusedProjection) -> torch.Tensor:
-        mask = self._fused_masks.get(p.ranks)
-        if mask is None:
-            columns = self.adapters.fused_column_ids(p.ranks)  # [C]: the adapter index of each column
+            columns = self.adapters.column_ids(p.ranks)  # [C]: the adapter index of each column
             mask = self.ids[:, None] != columns[None, :]  # [B, C]
-            self._fused_masks[p.ranks] = mask
+            self._masks[p.ranks] = mask
         return mask
 
     def fused(self, layer: int, projection: str) -> FusedProjection | None:
-        """The projection's concatenated adapters when this step runs the fused form, else None."""
-        p = self.adapters.layers[layer].get(projection)
-        return p if isinstance(p, FusedProjection) else None
+        """The projection's concatenated adapters, or None where no adapter targets it."""
+        return self.adapters.layers[layer].get(projection)
 
     def expand(self, p: FusedProjection, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """t [B, C] = x @ A_all^T (the shrink, overwritten), y [B, out] -> y += each row's own columns of t @ B^T, in
         place (other adapters' columns set to 0 first: an overflow there must not leak)."""
-        t.masked_fill_(self._fused_others(p), 0.0)  # [B, C]
+        t.masked_fill_(self._others(p), 0.0)  # [B, C]
         return y.addmm_(t, p.bt)  # [B, out]: the GEMM accumulates into y (beta = 1)
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x [B, in] (the projection's input), y [B, out] (its output, a fresh tensor) -> y + per-row delta [B, out]
-        ("fused": y itself, accumulated in place)."""
+        (y itself, accumulated in place)."""
         p = self.adapters.layers[layer].get(projection)
-        if p is None:
-            return y
-        if isinstance(p, FusedProjection):
-            return self.expand(p, torch.mm(x, p.a.t()), y)
-        if self.mode == "stacked":
-            # [B, n r]; other adapters' columns set to 0 (not multiplied by 0: an overflow there must not leak)
-            t = torch.mm(x, p.stacked_a.t()).masked_fill_(self._others(p.rank), 0.0)
-            return torch.addmm(y, t, p.stacked_bt)  # [B, out]
-        t = torch.bmm(p.a[self.ids], x[:, :, None])  # [B, r, 1]
-        return y + torch.bmm(t.transpose(1, 2), p.bt[self.ids])[:, 0]  # [B, out]
+        return y if p is None else self.expand(p, torch.mm(x, p.a.t()), y)
 
 
 class OneAdapter:
@@ -161,10 +107,8 @@ class OneAdapter:
         p = self.adapters.layers[layer].get(projection)
         if p is None or not p.targets[self.index]:
             return y
-        if isinstance(p, FusedProjection):
-            rows = slice(p.offsets[self.index], p.offsets[self.index] + p.ranks[self.index])
-            return y.addmm_(torch.mm(x, p.a[rows].t()), p.bt[rows])  # in place
-        return torch.addmm(y, torch.mm(x, p.a[self.index].t()), p.bt[self.index])
+        rows = slice(p.offsets[self.index], p.offsets[self.index] + p.ranks[self.index])
+        return y.addmm_(torch.mm(x, p.a[rows].t()), p.bt[rows])  # in place
 
 
 class SpanAdapters:
@@ -175,30 +119,19 @@ class SpanAdapters:
     def __init__(
         self,
         names: Sequence[str],
-        layers: Sequence[dict[str, ProjectionAdapters | FusedProjection]],
+        layers: Sequence[dict[str, FusedProjection]],
         *,
         device: torch.device,
         dtype: torch.dtype,
-        mode: str = "auto",
     ):
-        if mode not in MODES:
-            raise ValueError(f"adapter mode must be one of {MODES}, got {mode!r}")
         if not names:
             raise ValueError("SpanAdapters needs at least one adapter")
         self.names = tuple(names)
         self.layers = list(layers)
         self.device = device
         self.dtype = dtype
-        self.mode = "fused" if mode == "auto" else mode
-        kinds = {type(p) for layer in layers for p in layer.values()}
-        expected = FusedProjection if STORAGE[mode] == "fused" else ProjectionAdapters
-        if kinds - {expected}:
-            raise ValueError(
-                f"adapter mode {mode!r} needs {expected.__name__} stacks, got {sorted(k.__name__ for k in kinds)}"
-            )
         self._index = {name: i + 1 for i, name in enumerate(self.names)}
-        self._columns: dict[int, torch.Tensor] = {}
-        self._fused_columns: dict[tuple[int, ...], torch.Tensor] = {}
+        self._columns: dict[tuple[int, ...], torch.Tensor] = {}
         self.row_ids = torch.zeros((0,), dtype=torch.long, device=device)  # [max_rows]; see allocate_rows
         self.decode_enabled = False  # the next decode steps apply the rows' adapters
         self.prefill_index = 0  # the adapter of the next prefills
@@ -222,21 +155,13 @@ class SpanAdapters:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.row_ids = torch.zeros((max_rows,), dtype=torch.long, device=self.device)
 
-    def fused_column_ids(self, ranks: tuple[int, ...]) -> torch.Tensor:
+    def column_ids(self, ranks: tuple[int, ...]) -> torch.Tensor:
         """[C] long: the adapter index (1..n) of each row of a `FusedProjection` with these `ranks`."""
-        columns = self._fused_columns.get(ranks)
+        columns = self._columns.get(ranks)
         if columns is None:
             counts = torch.tensor(ranks[1:], device=self.device)
             columns = torch.arange(1, self.num_adapters + 1, device=self.device).repeat_interleave(counts)
-            self._fused_columns[ranks] = columns
-        return columns
-
-    def column_ids(self, rank: int) -> torch.Tensor:
-        """[n r] long: the adapter index (1..n) of each column of a rank-`rank` stack."""
-        columns = self._columns.get(rank)
-        if columns is None:
-            columns = torch.arange(1, self.num_adapters + 1, device=self.device).repeat_interleave(rank)
-            self._columns[rank] = columns
+            self._columns[ranks] = columns
         return columns
 
     def nbytes(self) -> int:
@@ -290,29 +215,6 @@ def _lora_linears(block: torch.nn.Module) -> dict[str, LoraLinear]:
 
 
 @torch.no_grad()
-def _stack(linear: LoraLinear, names: Sequence[str]) -> ProjectionAdapters:
-    """Stacks one projection's adapters and re-points the linear's adapter parameters at views of the stack."""
-    params = {name: (linear.lora_a[key], linear.lora_b[key]) for name, key in linear.slots.items()}
-    rank = max(a.shape[0] for a, _ in params.values())
-    some_a, _ = next(iter(params.values()))
-    n = len(names)
-    a = torch.zeros((n + 1, rank, linear.in_features), dtype=some_a.dtype, device=some_a.device)
-    bt = torch.zeros((n + 1, rank, linear.out_features), dtype=some_a.dtype, device=some_a.device)
-    targets = [False] * (n + 1)
-    for k, name in enumerate(names, start=1):
-        if name not in params:
-            continue
-        pa, pb = params[name]  # [r, in], [out, r]
-        r = pa.shape[0]
-        a[k, :r] = pa
-        bt[k, :r] = pb.t()
-        pa.data = a[k, :r]  # the plain path reads the stack: [r, in] contiguous view
-        pb.data = bt[k, :r].t()  # [out, r] view
-        targets[k] = True
-    return ProjectionAdapters(a, bt, tuple(targets))
-
-
-@torch.no_grad()
 def _fuse(linear: LoraLinear, names: Sequence[str]) -> FusedProjection:
     """Concatenates one projection's adapters (no padding) and re-points the linear's adapter parameters at views."""
     params = {name: (linear.lora_a[key], linear.lora_b[key]) for name, key in linear.slots.items()}
@@ -336,30 +238,24 @@ def _fuse(linear: LoraLinear, names: Sequence[str]) -> FusedProjection:
     return FusedProjection(a, bt, tuple(ranks), tuple(offsets))
 
 
-def adapters_from_blocks(blocks: Sequence[torch.nn.Module], *, mode: str = "auto") -> SpanAdapters | None:
-    """The stacked adapters of loaded llama-family blocks (None when they carry none), in the storage form of
-    `mode`; ValueError for an unknown mode or when an adapter targets a module other than the fused q/k/v, o,
-    gate/up and down projections (e.g. routed experts)."""
-    if mode not in MODES:
-        raise ValueError(f"adapter mode must be one of {MODES}, got {mode!r}")
-    build = _fuse if STORAGE[mode] == "fused" else _stack
+def adapters_from_blocks(blocks: Sequence[torch.nn.Module]) -> SpanAdapters | None:
+    """The stacked adapters of loaded llama-family blocks (None when they carry none); ValueError when an adapter
+    targets a module other than the fused q/k/v, o, gate/up and down projections (e.g. routed experts)."""
     names = sorted({name for block in blocks for name in getattr(block, "adapter_names", ())})
     if not names:
         return None
     layers = []
     device, dtype = None, None
     for block in blocks:
-        stacks: dict[str, ProjectionAdapters | FusedProjection] = {
-            proj: build(linear, names) for proj, linear in _lora_linears(block).items()
-        }
+        stacks = {proj: _fuse(linear, names) for proj, linear in _lora_linears(block).items()}
         for p in stacks.values():
             device, dtype = p.a.device, p.a.dtype
         layers.append(stacks)
     if device is None or dtype is None:
         raise ValueError(f"The blocks name adapters {names} but no projection carries one")
-    adapters = SpanAdapters(names, layers, device=device, dtype=dtype, mode=mode)
+    adapters = SpanAdapters(names, layers, device=device, dtype=dtype)
     logger.info(
-        f"fast_lora.stacked(mode={adapters.mode}, adapters={len(names)}, layers={len(layers)}, "
+        f"fast_lora.stacked(adapters={len(names)}, layers={len(layers)}, "
         f"projections={sum(len(s) for s in layers)}, mib={adapters.nbytes() / 2**20:.1f})"
     )
     return adapters
