@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import urllib.request
+from bisect import bisect_left
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from corolla.server.core.runtime import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, BatchCounts
 from corolla.server.metrics import REJECT_REASONS, TOKEN_KINDS, ServerMetrics
 
 
@@ -46,8 +48,29 @@ def test_all_series_exported_from_start():
         assert value(text, "corolla_requests_rejected_total", reason=reason) == 0
 
 
+class FakeWork:
+    """A `WorkSource`: batches as a runtime counts them (`BatchCounts`), tokens as an engine executor counts them."""
+
+    def __init__(self) -> None:
+        self.counts = BatchCounts()
+        self.inference_tokens = 0
+
+    def batch_counts(self) -> BatchCounts:
+        return self.counts
+
+    def ran(self, seconds: float, steps: int) -> None:
+        """One more batch, counted as the runtime counts it."""
+        at_s, at_steps = bisect_left(BATCH_SECONDS_BOUNDS, seconds), bisect_left(BATCH_STEPS_BOUNDS, steps)
+        one = BatchCounts(
+            tuple(int(i == at_s) for i in range(len(BATCH_SECONDS_BOUNDS) + 1)), seconds,
+            tuple(int(i == at_steps) for i in range(len(BATCH_STEPS_BOUNDS) + 1)), steps,
+        )  # fmt: skip
+        self.counts = self.counts.plus(one)
+
+
 def test_metrics_move_across_a_generation():
     m = ServerMetrics()
+    work = FakeWork()
     m.blocks_served(3)
     m.set_cache(0, 1000)
     before = m.render().decode()
@@ -59,12 +82,12 @@ def test_metrics_move_across_a_generation():
         assert value(during, "corolla_sessions_active") == 1
         assert value(during, "corolla_kv_cache_used_bytes") == 600
         assert value(during, "corolla_kv_cache_free_bytes") == 400
-        m.tokens("inference", 7)  # prefill of a 7-token prompt
-        for _ in range(5):  # five decode steps
+        m.read_work(work)
+        work.inference_tokens = 7  # prefill of a 7-token prompt
+        for _ in range(5):  # five merged decode steps of two sessions, each batch counted by the runtime
             m.queue_wait(0.002)
-            m.observe_step(0.03)
-            m.batch_size(2)
-            m.tokens("inference", 1)
+            work.ran(0.03, 2)
+            work.inference_tokens += 1
     m.tokens("forward", 16)
     m.set_cache(0, 1000)
     after = m.render().decode()
@@ -81,6 +104,7 @@ def test_metrics_move_across_a_generation():
     assert value(after, "corolla_queue_wait_seconds_count") == 5
     assert value(after, "corolla_batch_size_bucket", le="1.0") == 0
     assert value(after, "corolla_batch_size_bucket", le="2.0") == 5
+    assert value(after, "corolla_batch_size_sum") == 10
     assert value(after, "corolla_blocks_served") == 3
     assert value(after, "corolla_kv_cache_used_bytes") == 0
 
@@ -98,6 +122,23 @@ def test_session_closed_on_error_and_rejections_and_announces():
     assert value(text, "corolla_requests_rejected_total", reason="cache_full") == 2
     assert value(text, "corolla_requests_rejected_total", reason="other") == 1
     assert value(text, "corolla_announce_failures_total") == 1
+
+
+def test_a_replaced_source_keeps_its_counts():
+    """A span's move replaces the executor the metrics read: the counters never go back."""
+    m = ServerMetrics()
+    old, new = FakeWork(), FakeWork()
+    m.read_work(old)
+    old.ran(0.004, 3)
+    old.inference_tokens = 3
+    m.read_work(new)
+    new.ran(0.004, 1)
+    new.inference_tokens = 1
+    text = m.render().decode()
+    assert value(text, "corolla_tokens_processed_total", kind="inference") == 4
+    assert value(text, "corolla_step_seconds_count") == 2
+    assert value(text, "corolla_batch_size_sum") == 4
+    assert m.tokens_total() == 4
 
 
 def test_bad_input_rejected():

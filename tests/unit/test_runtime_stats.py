@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from bisect import bisect_left
 
-from corolla.server.core.runtime import KindStats, Runtime
+from corolla.server.core.runtime import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, KindStats, Runtime
 
 
 def test_merged_tasks_are_counted_per_batch_and_kind():
@@ -26,11 +27,17 @@ def test_merged_tasks_are_counted_per_batch_and_kind():
             await blocker
             assert await asyncio.gather(*merged) == [0, 2, 4, 6]
             after = runtime.stats()
+            counts = runtime.batch_counts()
         d = after["merge"].since(before.get("merge", KindStats()))
         assert (d.batches, d.tasks) == (1, 4)
         assert d.tasks_per_batch == 4.0
         generic = after["generic"]
         assert generic.batches == 1 and generic.busy_s >= gate_s * 0.9
+        # the metrics' histograms (read when scraped): both batches by seconds and by steps, every kind
+        assert sum(counts.seconds) == 2 and counts.seconds_sum >= gate_s * 0.9
+        assert counts.steps[BATCH_STEPS_BOUNDS.index(1)] == 1 and counts.steps[BATCH_STEPS_BOUNDS.index(4)] == 1
+        assert counts.steps_sum == 5
+        assert sum(counts.seconds[bisect_left(BATCH_SECONDS_BOUNDS, gate_s * 0.9) :]) >= 1  # the slow one's bucket
 
     asyncio.run(main())
 

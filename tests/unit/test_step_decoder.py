@@ -152,7 +152,7 @@ def test_bytes_taken_only_where_the_general_path_accepts_with_the_same_result(
         assert sent_dtype == block_dtype and mutate is None, name
         assert decoded.hidden_bytes is not None and not decoded.hidden_bytes.readonly  # a writable copy
     hidden = general.tensor()  # [B, T, H]
-    assert decoded.prefix_length == general.prefix_length and decoded.shape == tuple(hidden.shape)
+    assert decoded.prefix_length == general.prefix_length and decoded.tensor().shape == hidden.shape
     assert decoded.tensor().dtype == hidden.dtype and torch.equal(decoded.tensor(), hidden)
     for got, want in ((decoded.prompts, general.prompts), (decoded.hypo_ids, general.hypo_ids)):
         assert (got is None and want is None) or torch.equal(got, want)

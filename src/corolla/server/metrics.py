@@ -7,11 +7,10 @@ Usage from the server (every call is cheap, thread-safe and never raises):
     metrics.set_cache(used_bytes, free_bytes)    # after each KV allocation / free (the pool's bytes)
     metrics.set_prefix_cache(cached_bytes, evictions)  # with it: the prefix cache's pages and evictions so far
     metrics.prefix_probe(keyed_tokens=, hit_tokens=)   # a session's first step asked for its prefix
+    metrics.read_work(executor)                  # the runtime's batches and the engine's tokens, read when scraped
     with metrics.session():                      # around one open session (the core's `SpanCore.open_session`)
-        metrics.queue_wait(seconds)              # time a task waited in the runtime queue
-        metrics.observe_step(seconds)            # time the runtime spent executing one task
-        metrics.batch_size(n)                    # sessions/rows merged into that executed task
-        metrics.tokens("inference", n)           # tokens processed; kind in {"inference", "forward", "backward"}
+        metrics.queue_wait(seconds)              # time a training task waited in the runtime queue
+        metrics.tokens("forward", n)             # tokens processed by a task; kind in {"inference", "forward", "backward"}
     metrics.rejected("cache_full")               # a request refused; reason in REJECT_REASONS (others -> "other")
     metrics.announce_failed()                    # a DHT declare that failed or timed out
     metrics.span_loaded(seconds)                 # a span finished loading (at start and after each move)
@@ -19,8 +18,13 @@ Usage from the server (every call is cheap, thread-safe and never raises):
     metrics.tokens_total()                       # tokens processed so far, every kind (read back for announcements)
     exporter = metrics.serve(port)               # HTTP exporter at http://127.0.0.1:<port>/metrics; exporter.close()
 
+Nothing here runs per decode step: the runtime counts its batches (`core.runtime.BatchCounts`) and the engine its
+inference tokens in place, and a scrape reads them (`read_work`); a replaced source (a span moved) adds its totals
+to those kept, so the counters never go back.
+
 Names exported (prefix `corolla_`): sessions_active, sessions_opened_total, tokens_processed_total{kind},
-step_seconds, queue_wait_seconds, batch_size (histograms), requests_rejected_total{reason},
+step_seconds and batch_size (histograms, per executed batch of the runtime: its seconds and its steps),
+queue_wait_seconds (histogram, training tasks), requests_rejected_total{reason},
 kv_cache_used_bytes, kv_cache_free_bytes, prefix_keyed_tokens_total, prefix_hit_tokens_total, prefix_cache_bytes,
 prefix_cache_evictions, prefix_cache_limit_bytes, blocks_served, announce_failures_total, moves_total,
 span_load_seconds_total, span_loads_total.
@@ -30,12 +34,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import accumulate
+from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
+from corolla.server.core.runtime import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, BatchCounts
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -61,9 +69,15 @@ REJECT_REASONS = (
     "other",
 )  # fmt: skip
 
-# Decode steps on CPU take ~1 ms to ~1 s; on GPU ~0.1-50 ms. Exponential buckets cover both.
-_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+class WorkSource(Protocol):
+    """What the metrics read when scraped (the engine executor): its runtime's batches and the inference tokens
+    its engine ran, both counted in place by the threads that do the work."""
+
+    def batch_counts(self) -> BatchCounts: ...
+
+    @property
+    def inference_tokens(self) -> int: ...
 
 
 @dataclass
@@ -93,18 +107,15 @@ class ServerMetrics:
         r = self.registry
         self._sessions_active = Gauge("corolla_sessions_active", "Inference sessions open now", registry=r)
         self._sessions_opened = Counter("corolla_sessions_opened", "Inference sessions opened", registry=r)
-        self._tokens = Counter(
-            "corolla_tokens_processed", "Tokens processed by the served blocks, by kind", ["kind"], registry=r
-        )
-        self._step = Histogram(
-            "corolla_step_seconds", "Time the runtime spent executing one task", buckets=_LATENCY_BUCKETS_S, registry=r
-        )
         self._queue_wait = Histogram(
-            "corolla_queue_wait_seconds", "Time a task waited before execution", buckets=_LATENCY_BUCKETS_S, registry=r
-        )
-        self._batch = Histogram(
-            "corolla_batch_size", "Sessions or rows merged into one executed task", buckets=_BATCH_BUCKETS, registry=r
-        )
+            "corolla_queue_wait_seconds", "Time a task waited before execution", buckets=BATCH_SECONDS_BOUNDS,
+            registry=r,
+        )  # fmt: skip
+        self._lock = threading.Lock()
+        self._task_tokens = dict.fromkeys(TOKEN_KINDS, 0)  # `tokens()`: counted per task, not per decode step
+        self._source: WorkSource | None = None
+        self._retired = BatchCounts()  # the totals of replaced sources
+        self._retired_tokens = 0
         self._rejected = Counter("corolla_requests_rejected", "Requests refused, by reason", ["reason"], registry=r)
         self._cache_used = Gauge("corolla_kv_cache_used_bytes", "KV cache bytes allocated", registry=r)
         self._cache_free = Gauge("corolla_kv_cache_free_bytes", "KV cache bytes still free", registry=r)
@@ -143,10 +154,9 @@ class ServerMetrics:
         )
         self._loads = Counter("corolla_span_loads", "Spans loaded (joining and moves)", registry=r)
         # Pre-create labelled children so every series is exported (as 0) from the start.
-        # kept: labels() looks a child up under a lock each call (~7 us; a decode step counts its tokens)
-        self._token_series = {kind: self._tokens.labels(kind=kind) for kind in TOKEN_KINDS}
         for reason in REJECT_REASONS:
             self._rejected.labels(reason=reason)
+        r.register(_WorkCollector(self))
 
     # --- sessions ---
     def session_opened(self) -> None:
@@ -166,22 +176,39 @@ class ServerMetrics:
             self.session_closed()
 
     # --- work ---
+    def read_work(self, source: WorkSource) -> None:
+        """From now on a scrape reads `source`'s batches and inference tokens; a source it replaces (the span
+        before a move) adds what it counted to the totals kept."""
+        with self._lock:
+            old = self._source
+            if old is not None:
+                self._retired = self._retired.plus(old.batch_counts())
+                self._retired_tokens += old.inference_tokens
+            self._source = source
+
     def tokens(self, kind: str, n: int) -> None:
-        series = self._token_series.get(kind)
-        if series is None:
+        """Tokens a task processed (training forwards and backwards; the engine's inference steps are read from
+        the source)."""
+        if kind not in self._task_tokens:
             raise ValueError(f"token kind must be one of {TOKEN_KINDS}, got {kind!r}")
         if n < 0:
             raise ValueError(f"token count must be >= 0, got {n}")
-        series.inc(n)
-
-    def observe_step(self, seconds: float) -> None:
-        self._step.observe(max(0.0, seconds))
+        with self._lock:
+            self._task_tokens[kind] += n
 
     def queue_wait(self, seconds: float) -> None:
         self._queue_wait.observe(max(0.0, seconds))
 
-    def batch_size(self, n: int) -> None:
-        self._batch.observe(n)
+    def work(self) -> tuple[BatchCounts, dict[str, int]]:
+        """Every batch so far and the tokens per kind (the source's, the replaced sources' and the tasks')."""
+        with self._lock:
+            source, batches = self._source, self._retired
+            tokens = dict(self._task_tokens)
+            tokens["inference"] += self._retired_tokens
+        if source is not None:
+            batches = batches.plus(source.batch_counts())
+            tokens["inference"] += source.inference_tokens
+        return batches, tokens
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(reason=reason if reason in REJECT_REASONS else "other").inc()
@@ -222,8 +249,7 @@ class ServerMetrics:
 
     def tokens_total(self) -> int:
         """Tokens processed so far, every kind."""
-        samples = (sample for family in self._tokens.collect() for sample in family.samples)
-        return int(sum(sample.value for sample in samples if sample.name.endswith("_total")))
+        return sum(self.work()[1].values())
 
     # --- export ---
     def render(self) -> bytes:
@@ -236,3 +262,37 @@ class ServerMetrics:
         bound_port = server.server_address[1]
         logger.info(f"metrics.serve(url=http://{host}:{bound_port}/metrics)")
         return MetricsExporter(host=host, port=bound_port, _server=server, _thread=thread)
+
+
+class _WorkCollector:
+    """The work series, built from `ServerMetrics.work` at each scrape."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        batches, tokens = self.metrics.work()
+        counted = CounterMetricFamily(
+            "corolla_tokens_processed", "Tokens processed by the served blocks, by kind", labels=["kind"]
+        )
+        for kind in TOKEN_KINDS:
+            counted.add_metric([kind], tokens[kind])
+        yield counted
+        yield _histogram(
+            "corolla_step_seconds", "Time the runtime spent executing one batch", BATCH_SECONDS_BOUNDS,
+            batches.seconds, batches.seconds_sum,
+        )  # fmt: skip
+        yield _histogram(
+            "corolla_batch_size", "Steps merged into one executed batch", BATCH_STEPS_BOUNDS, batches.steps,
+            batches.steps_sum,
+        )  # fmt: skip
+
+
+def _histogram(
+    name: str, documentation: str, bounds: tuple[float, ...], counts: tuple[int, ...], total: float
+) -> HistogramMetricFamily:
+    """A histogram family from per-bucket counts (the last one past every bound): cumulative, as exported."""
+    cumulative = list(accumulate(counts))
+    buckets = [(repr(float(bound)), count) for bound, count in zip(bounds, cumulative, strict=False)]
+    buckets.append(("+Inf", cumulative[-1]))
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=total)

@@ -48,7 +48,7 @@ from corolla.server.core.executor import (
     TensorDescriptorLike,
 )
 from corolla.server.core.forward_chunks import run_forward_chunked
-from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, Runtime, Task
+from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, BatchCounts, Runtime, Task
 from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
 from corolla.server.throughput import default_cache_dir
@@ -73,17 +73,15 @@ CPU_PAGE_TOKENS = 16
 def measured(
     fn: Callable[[], T], metrics: ServerMetrics | None, kind: str, batch_size: int, num_tokens: int
 ) -> Callable[[], T]:
-    """Wraps a runtime task so that it reports its queue wait, execution time, batch size and tokens."""
+    """Wraps a runtime task so that it reports its queue wait and tokens (its seconds and steps: the runtime's
+    batch counts)."""
     if metrics is None:
         return fn
     submitted = time.perf_counter()
 
     def task() -> T:
-        started = time.perf_counter()
-        metrics.queue_wait(started - submitted)
+        metrics.queue_wait(time.perf_counter() - submitted)
         result = fn()
-        metrics.observe_step(time.perf_counter() - started)
-        metrics.batch_size(batch_size)
         metrics.tokens(kind, num_tokens)
         return result
 
@@ -144,6 +142,7 @@ class EngineExecutor:
         self.first_block = min(backend.block_indices)
         self.training = TrainingBatcher(backend, runtime, metrics)  # forwards and backwards, merged across clients
         self._merge_key = ("engine", id(engine))
+        self.inference_tokens = 0  # tokens of every inference batch run (in the runtime thread; the metrics read it)
         # one merged batch is at most what one decode forward serves (a graph bucket's rows): steps past it wait for
         # the next forward instead of adding a second forward (a second pass over the weights, for a few rows) that
         # every step of this batch would wait for
@@ -229,14 +228,11 @@ class EngineExecutor:
         """A mergeable runtime task: queued steps of this span go to one batch executor call, which merges their
         single-token steps into one batched forward. A lone session's step may run inline on an idle runtime."""
         prepared = self.prepare_step(cache, inputs)
-        started = time.perf_counter()
         output: torch.Tensor = await self._runtime.submit(
             prepared.fn, priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
             merge_key=prepared.merge_key, payload=prepared.payload, inline=prepared.inline,
             sessions=(prepared.session,),
         )  # fmt: skip
-        if prepared.observe is not None:
-            prepared.observe(time.perf_counter() - started)  # includes the queue wait
         return output
 
     def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> PreparedStep:
@@ -258,28 +254,26 @@ class EngineExecutor:
         # ValueError (refused here, before it is queued) for inputs this engine can't run; the device thread then
         # checks only the session's state (`SpanEngine.validate`)
         self.engine.check_inputs(request)
-        metrics = self.metrics
-        observe = None
-        if metrics is not None:
-            num_tokens = request.rows * request.num_tokens
-
-            def observe(seconds: float) -> None:
-                metrics.observe_step(seconds)
-                metrics.tokens("inference", num_tokens)
-
-        # positional (fn, priority, size_tokens, kind, merge_key, payload, inline, observe, session): keywords cost
-        # ~0.7 us more per step; `fn` a bound method, cheaper per step than a partial
+        # positional (fn, priority, size_tokens, kind, merge_key, payload, inline, session): keywords cost ~0.7 us
+        # more per step; `fn` a bound method, cheaper per step than a partial
         return PreparedStep(request.run, PRIORITY_INFERENCE, request.rows * max(request.num_tokens, 1),
-                            KIND_ENGINE_INFERENCE, self._merge_key, request, inputs.lone_session, observe,
+                            KIND_ENGINE_INFERENCE, self._merge_key, request, inputs.lone_session,
                             id(own.session))  # fmt: skip
+
+    def batch_counts(self) -> BatchCounts:
+        """The runtime's batches so far (the metrics' `WorkSource`)."""
+        return self._runtime.batch_counts()
 
     def _execute_tasks(self, tasks: list[Task]) -> list[StepResult | list[StepResult]]:
         requests, sizes = flatten_units(_units(tasks))
+        self.inference_tokens += sum(r.rows * r.num_tokens for r in requests)
         return regroup(execute_steps(self.engine, requests), sizes)
 
     def _launch_tasks(self, tasks: list[Task]) -> PendingUnits | None:
         requests, sizes = flatten_units(_units(tasks))
         pending = launch_steps(self.engine, requests)
+        if pending is not None:  # (else the executor runs them: counted there)
+            self.inference_tokens += sum(r.rows * r.num_tokens for r in requests)
         return None if pending is None else PendingUnits(pending, sizes)
 
     async def forward(
@@ -418,4 +412,5 @@ def build_engine_executor(
     logger.info(f"server.serving_path(path={executor.path}, reason={reason or 'fused kernels'!r})")
     if metrics is not None:
         metrics.serving_path(executor.path)
+        metrics.read_work(executor)
     return executor

@@ -73,15 +73,6 @@ class StepInputs(NamedTuple):
     # `hidden_bytes` as row `index` of a frame's steps in one buffer (`StepRequest.hidden_rows`), where so
     hidden_rows: tuple[HiddenRows, int] | None = None
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """[B, T, H] of the hidden states, without building a tensor where only their bytes are held."""
-        if self.hidden_states is not None:
-            return tuple(self.hidden_states.shape)
-        if self.hidden_meta is None:
-            raise ValueError("a step needs its hidden states: a tensor, or their bytes with a dtype and a shape")
-        return self.hidden_meta[1]
-
     def tensor(self) -> torch.Tensor:
         """The hidden states [B, T, H]: `hidden_states`, or a new tensor viewing `hidden_bytes` (writable)."""
         if self.hidden_states is not None:
@@ -128,7 +119,6 @@ class PreparedStep:
     merge_key: Hashable | None  # steps with equal (kind, merge_key) may run in one merged forward
     payload: object  # what the kind's batch executor reads
     inline: bool  # an idle runtime may run it in the submitting thread
-    observe: Callable[[float], None] | None  # metrics once it succeeded, given the seconds since it was queued
     session: Hashable  # its session's key (`Task.sessions`)
 
 

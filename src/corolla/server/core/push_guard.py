@@ -146,11 +146,7 @@ def screen_step(
     return replace(metadata, extra={})
 
 
-def mark_pushed_reply(
-    response: runtime_pb2.ExpertResponse, metadata: InferenceRequestMetadata
-) -> runtime_pb2.ExpertResponse:
-    """`response`, flagged (`corolla.pushed`) when it answers a step that came by push: the client counts them."""
-    if not metadata.pushed:
-        return response
+def mark_pushed_reply(response: runtime_pb2.ExpertResponse) -> runtime_pb2.ExpertResponse:
+    """`response` to a step that came by push, flagged (`corolla.pushed`): the client counts them."""
     merged = {**decode_metadata(response.metadata), PUSHED_REPLY_KEY: True}
     return runtime_pb2.ExpertResponse(tensors=response.tensors, metadata=encode_metadata(merged))

@@ -20,6 +20,7 @@ import heapq
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,6 +111,31 @@ class KindStats:
     def tasks_per_batch(self) -> float:
         """Mean steps merged into one forward (1.0 where nothing merges)."""
         return self.tasks / self.batches if self.batches else 0.0
+
+
+# The bucket bounds of the batches' counts (`BatchCounts`), the exported histograms' `le` (server.metrics): seconds a
+# batch took (decode steps take ~1 ms to ~1 s on a CPU, ~0.1-50 ms on a GPU) and steps merged into it
+BATCH_SECONDS_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_STEPS_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    """Batches of every kind since the runtime started, counted per bucket: `seconds[i]` batches took at most
+    `BATCH_SECONDS_BOUNDS[i]` and more than the bound before it (the last entry: more than every bound), `steps[i]`
+    merged as many steps against `BATCH_STEPS_BOUNDS`; with their sums. Kept per batch by plain counting in the
+    runtime thread and read by the metrics when scraped, so no metrics code runs per step."""
+
+    seconds: tuple[int, ...] = (0,) * (len(BATCH_SECONDS_BOUNDS) + 1)
+    seconds_sum: float = 0.0
+    steps: tuple[int, ...] = (0,) * (len(BATCH_STEPS_BOUNDS) + 1)
+    steps_sum: int = 0
+
+    def plus(self, other: BatchCounts) -> BatchCounts:
+        return BatchCounts(
+            tuple(a + b for a, b in zip(self.seconds, other.seconds, strict=True)), self.seconds_sum + other.seconds_sum,
+            tuple(a + b for a, b in zip(self.steps, other.steps, strict=True)), self.steps_sum + other.steps_sum,
+        )  # fmt: skip
 
 
 class PendingBatch(Protocol):
@@ -428,6 +454,11 @@ class Runtime:
         self.num_inline_batches = 0
         self.num_held_launches = 0  # batches whose launch waited for the forward in flight (`GatherRule.holds_launch`)
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
+        # `BatchCounts`' buckets and sums, counted in place (written only while `_executing` is held)
+        self._seconds_counts = [0] * (len(BATCH_SECONDS_BOUNDS) + 1)
+        self._steps_counts = [0] * (len(BATCH_STEPS_BOUNDS) + 1)
+        self._seconds_sum = 0.0
+        self._steps_sum = 0
         self._observers: list[BatchObserver] = []
         self._wake_scheduled: set[asyncio.AbstractEventLoop] = set()  # loops with a `_wake` pending
         # after a merged forward, wait briefly for its sessions' next steps (server.gather; fraction 0 disables)
@@ -437,6 +468,10 @@ class Runtime:
         """Calls `observer(kind, num_steps, seconds)` after every batch (benchmarks, profiling); it must be quick
         and must not raise (an exception is logged and the observer dropped)."""
         self._observers.append(observer)
+
+    def batch_counts(self) -> BatchCounts:
+        """Every batch so far by its seconds and its steps (a snapshot; read from any thread, e.g. a metrics scrape)."""
+        return BatchCounts(tuple(self._seconds_counts), self._seconds_sum, tuple(self._steps_counts), self._steps_sum)
 
     def stats(self) -> dict[str, KindStats]:
         """Per task kind: batches, steps (`Task.steps`) and busy seconds so far (a snapshot; diff two with `KindStats.since`)."""
@@ -773,6 +808,10 @@ class Runtime:
     def _account(self, kind: str, num_steps: int, elapsed_s: float, device_s: float | None = None) -> None:
         """Adds a batch to its kind's totals and tells the observers (with `_executing` held)."""
         self._kind_stats[kind] = self._kind_stats.get(kind, KindStats()).plus(num_steps, elapsed_s, device_s)
+        self._seconds_counts[bisect_left(BATCH_SECONDS_BOUNDS, elapsed_s)] += 1
+        self._steps_counts[bisect_left(BATCH_STEPS_BOUNDS, num_steps)] += 1
+        self._seconds_sum += max(0.0, elapsed_s)
+        self._steps_sum += num_steps
         for observer in list(self._observers):
             try:
                 observer(kind, num_steps, elapsed_s)

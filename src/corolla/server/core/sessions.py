@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from hivemind.proto import runtime_pb2
 
+from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.metadata import InferenceRequestMetadata
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import SessionCache
@@ -242,10 +243,19 @@ async def iterate_steps(
                 raise _eviction(session)  # (a client whose next step is always queued never makes it wait)
             parsed = InferenceRequestMetadata.from_bytes(request.metadata)
             step_id = parsed.step_id
-            metadata = screen_step(  # learns from the client's own steps; None: a pushed step that breaks the rules
-                session.push_guard, request, parsed, prefix_length=session.prefix_length,
-                args_structure=session.args_structure, already_seen=step_id in session.seen_step_ids,
-            )  # fmt: skip
+            guard = session.push_guard
+            metadata: InferenceRequestMetadata | None = parsed
+            # A session whose client named no upstream takes no push (every one is refused), so its guard has
+            # nothing to learn from a step that names neither an upstream nor a next hop: the push rules stay off
+            # such a session's steps (a lone client's, a stock Petals client's) until it names one
+            if parsed.pushed or (
+                guard is not None
+                and (guard.upstream is not None or parsed.next_servers or UPSTREAM_PEER_KEY in parsed.extra)
+            ):
+                metadata = screen_step(  # learns from the client's own steps; None: a pushed step breaking the rules
+                    guard, request, parsed, prefix_length=session.prefix_length,
+                    args_structure=session.args_structure, already_seen=step_id in session.seen_step_ids,
+                )  # fmt: skip
             if metadata is not None and not metadata.pushed and session.on_client_request is not None:
                 session.on_client_request(metadata)
             if metadata is None:

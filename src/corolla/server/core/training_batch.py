@@ -265,7 +265,6 @@ class TrainingBatcher:
         """The runtime's batch executor: tasks of one merge key (phase, block, length, adapter) as one block call.
         If the merged call fails, each work runs alone, so that one request's failure stays its own."""
         works: list[BlockWork] = [task.payload for task in tasks]
-        started = time.perf_counter()
         results: list[Any]
         try:
             results = run_block_works(self.backend, works)
@@ -284,10 +283,8 @@ class TrainingBatcher:
         metrics = self.metrics
         if metrics is not None:
             now = time.monotonic()
-            for task in tasks:
+            for task in tasks:  # (its seconds and steps: the runtime's batch counts)
                 metrics.queue_wait(now - task.submitted_at)
-            metrics.observe_step(time.perf_counter() - started)
-            metrics.batch_size(sum(work.rows for work in works))
         return results
 
     def _bound_in_flight(self) -> None:

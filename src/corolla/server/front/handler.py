@@ -432,11 +432,13 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
                         continue
                     session.record_output(step_metadata, output)
                     # (the guard learnt from a step of the session's own client when it was screened)
-                    if can_push and push_guard.may_push_on(step_metadata):
+                    if can_push and step_metadata.next_servers and push_guard.may_push_on(step_metadata):
                         self._schedule_push(request, output, step_metadata)
                     drain_deadline = self.core.drain.deadline  # (while draining: the session's time left)
                     seconds_left = None if drain_deadline is None else drain_deadline - time.monotonic()
-                    response = mark_pushed_reply(hw.step_response(output, seconds_left), step_metadata)
+                    response = hw.step_response(output, seconds_left)
+                    if step_metadata.pushed:
+                        response = mark_pushed_reply(response)
                     yield response if hit is None else with_hit(response, hit)
         except Exception as e:
             self._reject("rpc_inference", e)
@@ -496,7 +498,8 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             adapter=session.active_adapter,
             lone_session=self.sessions.num_open == 1,  # (a handler process's: the device checks its own count)
         )  # the session changes only once the step is valid
-        batch_size, length, _ = inputs.shape
+        meta = inputs.hidden_meta  # the usual step's record of its bytes (no tensor built), else the tensor's shape
+        batch_size, length, _ = meta[1] if meta is not None else inputs.tensor().shape
         if length == 0 or session.cache is None:
             output = self._serialize_output(inputs.tensor())  # zero tokens: nothing to compute, [B, 0, H] back
         else:

@@ -38,7 +38,6 @@ class _Entry:
     handle: int  # its session's (`ReturnTimes`)
     ticket: SessionTicket | None
     num_tokens: int  # B x T
-    observe: Callable[[float], None] | None
     request: StepRequest | None  # the fast path's request (its `output_bytes` once a launched forward collected them)
 
 
@@ -140,17 +139,17 @@ class FrameIntake:
                 ):
                     frame.add(step.request_id, step.handle, ticket, prepared, request)
                     continue
-                entry = _Entry(step.request_id, step.handle, ticket, shape[0] * shape[1], prepared.observe,
+                entry = _Entry(step.request_id, step.handle, ticket, shape[0] * shape[1],
                                request if isinstance(request, StepRequest) else None)  # fmt: skip
                 if prepared.inline:  # a lone session: may run right here on an idle runtime
-                    runtime.queue(self._task(entry, prepared, queued_at), inline=True)
+                    runtime.queue(self._task(entry, prepared), inline=True)
                 else:
-                    tasks.append(self._task(entry, prepared, queued_at))
+                    tasks.append(self._task(entry, prepared))
             except Exception as e:
                 refused.append((step.request_id, e, None))
         if frame.request_ids:
             try:
-                tasks.extend(self._frame_tasks(frame, queued_at))
+                tasks.extend(self._frame_tasks(frame))
             except Exception as e:  # the runtime stopped meanwhile: each of these steps is refused
                 refused.extend((rid, e, None) for rid in frame.request_ids)
         if tasks:
@@ -167,63 +166,58 @@ class FrameIntake:
             self._flush()
         return len(steps)
 
-    def _frame_tasks(self, frame: _FrameSteps, queued_at: float) -> list[Task]:
+    def _frame_tasks(self, frame: _FrameSteps) -> list[Task]:
         """The frame's decode steps in as few tasks as fit one merged forward each (in order): one task for the
         usual frame (one merge key, within the limit), else split where the limit or the merge key says."""
         first = frame.prepared[0]
         limit = self.executor.runtime.merge_limit(first.kind)
         n = len(frame.request_ids)
         if frame.tokens <= limit and not frame.mixed_keys:
-            return [self._group_task(frame, 0, n, frame.tokens, queued_at)]
+            return [self._group_task(frame, 0, n, frame.tokens)]
         tasks: list[Task] = []
         start, tokens = 0, 0
         for i, prepared in enumerate(frame.prepared):
             size = prepared.size_tokens
             if i > start and (tokens + size > limit or prepared.merge_key != frame.prepared[start].merge_key):
-                tasks.append(self._group_task(frame, start, i, tokens, queued_at))
+                tasks.append(self._group_task(frame, start, i, tokens))
                 start, tokens = i, 0
             tokens += size
-        tasks.append(self._group_task(frame, start, n, tokens, queued_at))
+        tasks.append(self._group_task(frame, start, n, tokens))
         return tasks
 
-    def _task(self, entry: _Entry, prepared: PreparedStep, queued_at: float) -> Task:
+    def _task(self, entry: _Entry, prepared: PreparedStep) -> Task:
         """One runtime task for one step: its own payload and callback."""
         return self.executor.runtime.task(
-            prepared.fn, on_done=partial(self._step_done, entry, queued_at), flush=self._flush,
+            prepared.fn, on_done=partial(self._step_done, entry), flush=self._flush,
             priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
             merge_key=prepared.merge_key, payload=prepared.payload, sessions=(prepared.session,),
         )  # fmt: skip
 
-    def _group_task(self, frame: _FrameSteps, start: int, end: int, tokens: int, queued_at: float) -> Task:
+    def _group_task(self, frame: _FrameSteps, start: int, end: int, tokens: int) -> Task:
         """One runtime task for steps [start, end) of a frame: a `StepGroup` (one step alone: its own task)."""
         first = frame.prepared[start]
         if end - start == 1:
             request = frame.requests[start]
             entry = _Entry(frame.request_ids[start], frame.handles[start], frame.tickets[start],
-                           request.rows * request.num_tokens,
-                           first.observe, request)  # fmt: skip
-            return self._task(entry, first, queued_at)
+                           request.rows * request.num_tokens, request)  # fmt: skip
+            return self._task(entry, first)
         part = frame if start == 0 and end == len(frame.request_ids) else frame.part(start, end)
         group = StepGroup(part.requests)
         self.num_frame_tasks += 1
         return self.executor.runtime.task(
-            group.run, on_done=partial(self._frame_done, part, queued_at), flush=self._flush,
+            group.run, on_done=partial(self._frame_done, part), flush=self._flush,
             priority=first.priority, size_tokens=tokens, kind=first.kind, merge_key=first.merge_key, payload=group,
             steps=end - start, sessions=tuple(p.session for p in part.prepared),
         )  # fmt: skip
 
-    def _step_done(
-        self, entry: _Entry, queued_at: float, output: torch.Tensor | None, error: BaseException | None
-    ) -> None:
+    def _step_done(self, entry: _Entry, output: torch.Tensor | None, error: BaseException | None) -> None:
         """One step's result, in the thread that ran it; the runtime then calls `flush` once for the batch."""
         now_s = time.perf_counter()
         if error is None:
             self.returns.done(entry.handle, now_s)
-        self._queue_replies([self._reply(entry, output if error is None else error, now_s - queued_at)])
+        self._queue_replies([self._reply(entry, output if error is None else error)])
 
-    def _frame_done(
-        self, frame: _FrameSteps, queued_at: float, outputs: list[StepResult] | None, error: BaseException | None
-    ) -> None:
+    def _frame_done(self, frame: _FrameSteps, outputs: list[StepResult] | None, error: BaseException | None) -> None:
         """A frame task's results (one per step; `error`: the whole batch failed), queued under one lock."""
         if error is not None or outputs is None:
             failed = error if error is not None else RuntimeError("the frame's steps returned nothing")
@@ -234,39 +228,33 @@ class FrameIntake:
             self._queue_replies([(rid, failed, None) for rid in frame.request_ids])
             return
         now_s = time.perf_counter()
-        elapsed_s = now_s - queued_at
         done = self.returns.done
         for handle in frame.handles:
             done(handle, now_s)
         reply = self._step_reply
         self._queue_replies([
-            reply(rid, ticket, request.rows * request.num_tokens, prepared.observe, request, out, elapsed_s)
-            for rid, ticket, prepared, request, out in zip(
-                frame.request_ids, frame.tickets, frame.prepared, frame.requests, outputs, strict=True
+            reply(rid, ticket, request.rows * request.num_tokens, request, out)
+            for rid, ticket, request, out in zip(
+                frame.request_ids, frame.tickets, frame.requests, outputs, strict=True
             )
         ])  # fmt: skip
 
     @classmethod
-    def _reply(cls, entry: _Entry, result: torch.Tensor | BaseException | None, elapsed_s: float) -> StepReply:
-        return cls._step_reply(entry.request_id, entry.ticket, entry.num_tokens, entry.observe, entry.request, result,
-                               elapsed_s)  # fmt: skip
+    def _reply(cls, entry: _Entry, result: torch.Tensor | BaseException | None) -> StepReply:
+        return cls._step_reply(entry.request_id, entry.ticket, entry.num_tokens, entry.request, result)
 
     @staticmethod
     def _step_reply(
         request_id: int,
         ticket: SessionTicket | None,
         num_tokens: int,
-        observe: Callable[[float], None] | None,
         request: StepRequest | None,
         result: torch.Tensor | BaseException | None,
-        elapsed_s: float,
     ) -> StepReply:
-        """A served step's reply (its session's ticket touched, its time observed) or a refused one's."""
+        """A served step's reply (its session's ticket touched) or a refused one's."""
         if result is None or isinstance(result, BaseException):
             return (request_id, result if result is not None else RuntimeError("the step returned nothing"), None)
         if ticket is not None:
             ticket.touch(num_tokens)
-        if observe is not None:
-            observe(elapsed_s)  # includes the queue wait
         # [B, T, H], encoded by whoever sends it (from its bytes, where a launched forward collected them)
         return (request_id, result, request.output_bytes if request is not None else None)
