@@ -25,12 +25,12 @@ import torch.nn.functional as F
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
 from benchmarks.engine.moe_numerics import three_way
-from corolla.engine.config import EngineConfig, LlamaSpec
+from corolla.engine.config import EngineConfig
 from corolla.engine.moe.moe import ExpertWeights, RoutedMoE, experts_forward, softmax_topk, tune_experts
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
 from corolla.engine.quant.quant import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import SpanEngine, StepRequest
-from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
+from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 
 SHAPES = {
     "mixtral-8x7b": dict(

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.config import EngineConfig, LlamaSpec
+from corolla.engine.config import EngineConfig
 from corolla.engine.moe.moe import softmax_topk
 from corolla.engine.span_engine import SpanEngine
-from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
+from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, sync
-from corolla.engine.config import EngineConfig, LlamaSpec
+from corolla.engine.config import EngineConfig
 from corolla.engine.kv.kv_pool import KVLayout
 from corolla.engine.quant.quant import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import SpanEngine, StepRequest
-from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
+from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 
 LLAMA3_8B = LlamaSpec(
     hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, rms_norm_eps=1e-5

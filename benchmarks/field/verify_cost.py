@@ -25,9 +25,8 @@ import torch
 from benchmarks.engine.quant import LLAMA3_8B, TINY, random_layer
 from benchmarks.field.verify_tolerance import engine_over
 from corolla.client.stretches import DEFAULT_FRACTION, DEFAULT_STRETCH_STEPS
-from corolla.engine.config import LlamaSpec
 from corolla.engine.span_engine import StepRequest
-from corolla.engine.spans.fast_llama import LayerWeights
+from corolla.engine.spans.fast_llama import LayerWeights, LlamaSpec
 
 
 def _sync(device: torch.device) -> None:

@@ -23,9 +23,9 @@ import torch
 
 from benchmarks.engine.quant import LLAMA3_8B, TINY, kv_pool_bytes_for, quantized, random_layer
 from corolla.client.stretches import position_errors, stretch_rtol
-from corolla.engine.config import EngineConfig, LlamaSpec
+from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import SpanEngine, StepRequest
-from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
+from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 
 
 def engine_over(

@@ -85,10 +85,10 @@ def test_qk_norm_kernel_matches_reference() -> None:
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_quantized_engine_graph_step_and_identical_sessions(kind) -> None:
-    from corolla.engine.config import EngineConfig, LlamaSpec
+    from corolla.engine.config import EngineConfig
     from corolla.engine.quant.quant import quantize_int8, quantize_nf4
     from corolla.engine.span_engine import SpanEngine, StepRequest
-    from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
+    from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 
     torch.manual_seed(3)
     spec = LlamaSpec(

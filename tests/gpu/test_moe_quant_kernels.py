@@ -116,7 +116,7 @@ def test_graph_replay_with_new_routes_matches_reference(kind: str) -> None:
 @torch.no_grad()
 def test_quantized_span_on_the_engine_matches_reference_ops(kind: str) -> None:
     from benchmarks.engine.moe import dequantized_layers, engine_layers, hf_model, quantized_layers
-    from corolla.engine.config import LlamaSpec
+    from corolla.engine.spans.fast_llama import LlamaSpec
 
     model = hf_model("tiny", 2, DEV, BF16)
     layers = quantized_layers(engine_layers(model), kind)

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from corolla.engine.config import EngineConfig, LlamaSpec
+from corolla.engine.config import EngineConfig
 from corolla.engine.kernels.ops import DecodeOps
 from corolla.engine.quant.quant import (
     NF4_LEVELS,
@@ -21,7 +21,7 @@ from corolla.engine.quant.quant import (
     quantized_weight_of,
 )
 from corolla.engine.span_engine import SpanEngine
-from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
+from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 bnb = pytest.importorskip("bitsandbytes")

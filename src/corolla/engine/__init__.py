@@ -6,8 +6,9 @@ of many sessions into batched forwards; the server's runtime calls it), `EngineC
 torch references, tuners), `quant/` (NF4/INT8 weights and kernels), `moe/` (routed experts). Runs on CPU too
 (reference ops, no graphs) so that tests check the same math."""
 
-from corolla.engine.config import EngineConfig, LlamaSpec
+from corolla.engine.config import EngineConfig
 from corolla.engine.kv.kv_pool import KVPool
 from corolla.engine.span_engine import EngineSession, SpanEngine
+from corolla.engine.spans.fast_llama import LlamaSpec
 
 __all__ = ["EngineConfig", "EngineSession", "KVPool", "LlamaSpec", "SpanEngine"]

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from corolla.engine.config import LlamaSpec
 from corolla.engine.kernels.cpu_linear import CpuLinearConfig, SlotKey
 from corolla.engine.kernels.ops import DecodeOps
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
-from corolla.engine.kv.kv_pool import KVPool, SequenceSlot
+from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.moe.moe import RoutedMoE, tune_experts
 from corolla.engine.quant.quant import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
 from corolla.engine.spans.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
@@ -32,6 +31,75 @@ logger = get_logger(__name__)
 
 
 Weight = torch.Tensor | NF4Weight | Int8Weight
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """Shapes and constants of one llama-family decoder layer (Llama 2/3.x, Mistral without a sliding window
+    shorter than the context, Qwen2-style q/k/v biases)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window_tokens: int | None = None
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of queries and keys before the rotary embedding
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, config) -> LlamaSpec:
+        """Reads a `LlamaConfig`-like object; ValueError for features the fast path does not implement."""
+        model_type = getattr(config, "model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"):
+            raise ValueError(f"The fast path supports llama-family and Mixtral/Qwen3-MoE blocks, not {model_type!r}")
+        if model_type in ("qwen3", "qwen3_moe") and getattr(config, "use_sliding_window", False):
+            raise ValueError("The fast path does not implement Qwen3's sliding-window layers")
+        num_heads = int(config.num_attention_heads)
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"The fast path implements silu MLPs only, not {act!r}")
+        qkv_bias = bool(getattr(config, "attention_bias", False)) or model_type == "qwen2"
+        return cls(
+            hidden_size=int(config.hidden_size),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            intermediate_size=int(config.intermediate_size),
+            rms_norm_eps=float(config.rms_norm_eps),
+            qkv_bias=qkv_bias,
+            o_bias=bool(getattr(config, "attention_bias", False)) and model_type != "qwen2",
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            sliding_window_tokens=(
+                getattr(config, "sliding_window", None) if model_type in ("mistral", "mixtral") else None
+            ),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        )
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """K and V heads per token per layer."""
+        return KVLayout.heads(self.num_kv_heads, self.head_dim)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int) -> int:
+        """K and V bytes that one token occupies across `num_layers` layers."""
+        return self.kv_layout.bytes_per_token(dtype, num_layers)
 
 
 @dataclass

@@ -18,16 +18,15 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.config import MlaSpec
 from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.kernels.mla_kernels import group_limited_route, paged_latent_attention, rope_rotate, store_latent
 from corolla.engine.kernels.ops import DecodeOps
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
-from corolla.engine.kv.kv_pool import KVPool, SequenceSlot
+from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.moe.moe import ExpertWeights, experts_forward, kernel_usable
 from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
 from corolla.models.deepseek_v3.block import DeepseekV3Block
-from corolla.models.deepseek_v3.mla import LatentAttention
+from corolla.models.deepseek_v3.mla import LATENT_NORM_EPS, LatentAttention, mla_softmax_scale
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE
 from corolla.models.layers import GatedMLP, RMSNorm
 from corolla.models.positions import RotaryEmbedding
@@ -38,6 +37,94 @@ logger = get_logger(__name__)
 # DecodeOps checks a head size before enabling its Triton kernels; the latent path uses none of its per-head kernels
 # (only norms, SwiGLU and single-row GEMMs), so it passes a size those kernels accept.
 OPS_HEAD_DIM = 64
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """Shapes and constants of DeepSeek-V3 decoder layers (multi-head latent attention; a dense SwiGLU MLP before
+    `first_k_dense_replace`, routed + shared experts with group-limited sigmoid routing from it on)."""
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None  # None: one q_proj instead of q_a -> norm -> q_b
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int  # the dense layers' MLP
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    num_groups: int
+    topk_groups: int
+    num_shared_experts: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    rms_norm_eps: float
+    latent_norm_eps: float
+    softmax_scale: float
+    rope_interleave: bool
+    attention_bias: bool
+    sliding_window_tokens: int | None = None  # MLA attends to the whole context
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The latent (kv_lora_rank) and the shared rotary key (qk_rope_head_dim) per token per layer."""
+        return KVLayout.latent(self.kv_lora_rank, self.qk_rope_head_dim)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int) -> int:
+        """(kv_lora_rank + qk_rope_head_dim) values per token per layer."""
+        return self.kv_layout.bytes_per_token(dtype, num_layers)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense_replace and self.num_experts > 0
+
+    @classmethod
+    def from_hf_config(cls, config) -> MlaSpec:
+        """Reads a `DeepseekV3Config`-like object; ValueError for features the fast path does not implement."""
+        model_type = getattr(config, "model_type", None)
+        if model_type != "deepseek_v3":
+            raise ValueError(f"MlaSpec reads deepseek_v3 configs, not {model_type!r}")
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"The fast path implements silu MLPs only, not {act!r}")
+        num_experts = int(config.n_routed_experts or 0)
+        num_groups = int(getattr(config, "n_group", 1) or 1)
+        if num_experts and num_experts % num_groups:
+            raise ValueError(f"n_routed_experts={num_experts} is not a multiple of n_group={num_groups}")
+        rope_dim = int(config.qk_rope_head_dim)
+        if rope_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {rope_dim}")
+        q_lora = getattr(config, "q_lora_rank", None)
+        return cls(
+            hidden_size=int(config.hidden_size),
+            num_heads=int(config.num_attention_heads),
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            kv_lora_rank=int(config.kv_lora_rank),
+            qk_rope_head_dim=rope_dim,
+            qk_nope_head_dim=int(config.qk_nope_head_dim),
+            v_head_dim=int(config.v_head_dim),
+            intermediate_size=int(config.intermediate_size),
+            moe_intermediate_size=int(config.moe_intermediate_size),
+            num_experts=num_experts,
+            num_experts_per_tok=int(config.num_experts_per_tok),
+            num_groups=num_groups,
+            topk_groups=int(getattr(config, "topk_group", 1) or 1),
+            num_shared_experts=int(config.n_shared_experts or 0),
+            norm_topk_prob=bool(config.norm_topk_prob),
+            routed_scaling_factor=float(config.routed_scaling_factor),
+            first_k_dense_replace=int(config.first_k_dense_replace),
+            rms_norm_eps=float(config.rms_norm_eps),
+            latent_norm_eps=LATENT_NORM_EPS,
+            softmax_scale=mla_softmax_scale(config),
+            rope_interleave=bool(getattr(config, "rope_interleave", False)),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+        )
 
 
 @dataclass
