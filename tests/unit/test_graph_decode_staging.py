@@ -1,4 +1,4 @@
-"""The host side of a launched merged forward (`engine.graphs.graph_decode`), on the CPU with plain buffers standing in for
+"""The host side of a launched merged forward (`engine.graph_decode`), on the CPU with plain buffers standing in for
 the pinned ones and the graphs' static inputs: rows staged from their bytes (`StepRequest.hidden_bytes`, a device
 channel's frame copy) and block tables with memoryview copies equal what `torch.cat`/`torch.stack` give, the
 bucket's rows past the live ones point at the trash page, slices are made once per row count, the collected output
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.graphs.graph_decode import (
+from corolla.engine.graph_decode import (
     HostStaging,
     PendingDecode,
     merge_rows,

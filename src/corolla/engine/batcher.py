@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corolla.engine.graphs.graph_decode import PendingDecode
+from corolla.engine.graph_decode import PendingDecode
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from corolla.engine.config import EngineConfig
-from corolla.engine.graphs.cuda_graphs import DecodeGraphs
-from corolla.engine.graphs.graph_decode import (
+from corolla.engine.graph_decode import (
     HostStaging,
     PendingDecode,
     advance_lengths,
@@ -24,6 +23,7 @@ from corolla.engine.graphs.graph_decode import (
     merge_rows,
     stage_row_inputs,
 )
+from corolla.engine.graphs.cuda_graphs import DecodeGraphs
 from corolla.engine.graphs.prefill_graphs import PrefillGraphs, graphs_serve
 from corolla.engine.kernels.kernel_choices import KernelChoices, device_scope
 from corolla.engine.kv.kv_pool import KVPool, SequenceSlot

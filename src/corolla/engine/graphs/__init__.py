@@ -1,2 +1,2 @@
-"""CUDA graphs: whole-span decode steps per batch bucket (`cuda_graphs`), a merged decode forward split into launch
-and finish (`graph_decode`), and short prefill chunks after a cached prefix (`prefill_graphs`)."""
+"""CUDA graphs: whole-span decode steps per batch bucket (`cuda_graphs`) and short prefill chunks after a cached
+prefix (`prefill_graphs`). The merged forward launched over the decode graphs is the engine's (`graph_decode`)."""
