@@ -2,7 +2,7 @@
 among `src/corolla` modules; no private name (`_x`) imported across modules; `corolla` imported at module level (a
 function-local import of a `corolla` module only where that module needs an optional dependency at its top); the
 folders' import directions (`engine` never imports `server`, `client` never imports `server`, nothing in `src/`
-imports the benchmarks, ...). A change that breaks one fails here, not in a later review."""
+imports the benchmarks, the engine's folders in layers, ...). A change that breaks one fails here, not in a later review."""
 
 from __future__ import annotations
 
@@ -39,6 +39,24 @@ FORBIDDEN_IMPORTS: tuple[tuple[str, str], ...] = (
     ("*", "benchmarks"),
 )
 
+# The engine's folders stand in layers (docs/design.md, "Layout"): the KV store at the bottom; kernels and quantized
+# weights; routed experts; span models; CUDA graphs; the engine's API at its top. A folder never imports one above.
+_ENGINE_TOP = tuple(
+    f"corolla.engine.{m}" for m in ("config", "serving", "span_engine", "step_request", "batcher", "graph_decode")
+)
+_ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("engine/kv", ("kernels", "quant", "moe", "spans", "graphs")),
+    ("engine/kernels", ("kv", "moe", "spans", "graphs")),
+    ("engine/quant", ("kv", "moe", "spans", "graphs")),
+    ("engine/moe", ("kv", "spans", "graphs")),
+    ("engine/spans", ("graphs",)),
+)
+FORBIDDEN_IMPORTS += tuple(
+    (folder, target)
+    for folder, above in _ENGINE_LAYERS
+    for target in (*(f"corolla.engine.{a}" for a in above), *_ENGINE_TOP)
+) + tuple(("engine/graphs", target) for target in _ENGINE_TOP)
+
 
 @dataclass
 class Import:
@@ -54,6 +72,7 @@ class Module:
     name: str  # dotted, e.g. corolla.server.core.runtime
     path: Path
     folder: str  # the first folder under corolla/ ("" for modules directly in it)
+    folders: str  # every folder under corolla/, e.g. "engine/kv" ("" for modules directly in it)
     is_package: bool
     has_docstring: bool
     imports: list[Import] = field(default_factory=list)
@@ -110,7 +129,9 @@ def read_tree(src: Path) -> dict[str, Module]:
         text = path.read_text(encoding="utf-8")
         tree = ast.parse(text)
         folder = parts[1] if len(parts) > 2 else ""
-        module = Module(name, path, folder, is_package, not text.strip() or ast.get_docstring(tree) is not None)
+        folders = "/".join(parts[1:-1])
+        has_docstring = not text.strip() or ast.get_docstring(tree) is not None
+        module = Module(name, path, folder, folders, is_package, has_docstring)
         _collect(module, tree)
         modules[name] = module
     return modules
@@ -175,8 +196,11 @@ def violations(src: Path = SRC, being_cleaned: frozenset[str] = BEING_CLEANED) -
             found.append(f"{where}: no module docstring stating its role")
         for imp in m.imports:
             for folder, forbidden in FORBIDDEN_IMPORTS:
-                if folder in ("*", m.folder) and (imp.target == forbidden or imp.target.startswith(forbidden + ".")):
-                    found.append(f"{where}:{imp.line}: {m.folder or 'corolla'}/ must not import {imp.target}")
+                inside = folder in ("*", m.folder) or f"{m.folders}/".startswith(f"{folder}/")
+                named = [imp.target, *(f"{imp.target}.{n}" for n in imp.names)]  # `from pkg import module` too
+                if inside and any(t == forbidden or t.startswith(forbidden + ".") for t in named):
+                    label = m.folder if folder == "*" else folder
+                    found.append(f"{where}:{imp.line}: {label or 'corolla'}/ must not import {imp.target}")
             if imp.target.split(".")[0] != "corolla" or m.folder in being_cleaned:
                 continue
             private = [n for n in imp.names if n.startswith("_") and not n.startswith("__")]
@@ -282,3 +306,21 @@ def test_catches_a_forbidden_direction_even_in_a_folder_being_cleaned(
     src = _tree(tmp_path, {importer: DOC + f"def f():\n    import {imported}\n"})
     folder = importer.split("/")[0]
     assert f"corolla/{importer}:3: {folder}/ must not import {imported}" in violations(src, frozenset({folder}))
+
+
+@pytest.mark.parametrize(
+    ("importer", "imported", "layer"),
+    [
+        ("engine/kv/a.py", "corolla.engine.spans.x", "engine/kv"),
+        ("engine/quant/a.py", "corolla.engine.moe.x", "engine/quant"),
+        ("engine/spans/a.py", "corolla.engine.span_engine", "engine/spans"),
+        ("engine/graphs/a.py", "corolla.engine.batcher", "engine/graphs"),
+    ],
+)
+def test_catches_an_engine_folder_importing_a_layer_above_it(
+    tmp_path: Path, importer: str, imported: str, layer: str
+) -> None:
+    src = _tree(tmp_path, {importer: DOC + f"import {imported}\n"})
+    assert violations(src, frozenset()) == [f"corolla/{importer}:2: {layer}/ must not import {imported}"]
+    below = _tree(tmp_path / "ok", {"engine/spans/a.py": DOC + "import corolla.engine.kv.x\n"})
+    assert violations(below, frozenset()) == []
