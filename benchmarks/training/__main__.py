@@ -10,9 +10,11 @@ merged per block call on the server (runtime counters); next to `transformers` r
 same process (frozen weights, gradients to the inputs) at 1 and N x `rows` rows.
 
 A/B phases: `--unmerged` (every work alone), `--no_reuse_ab` (no forward activations kept for backwards: every
-backward recomputes its blocks' inputs), `--forward_merge_ab TOKENS` (another forward merge limit), `--no_poll_ab`
-(the server's loop never polls after a lone session's inline decode step: on CUDA it polls for 5 ms, which may keep
-the GIL from the runtime thread's training launches).
+backward recomputes its blocks' inputs), `--forward_merge_ab TOKENS` and `--backward_merge_ab TOKENS` (another merge
+limit), `--no_poll_ab` (the server's loop never polls after a lone session's inline decode step: on CUDA it polls for
+5 ms, which may keep the GIL from the runtime thread's training launches), `--no_launch_ab` (training block calls as
+plain executor batches, run after the runtime waited for the decode batch it launched before, instead of launched
+batches, `TrainingBatcher._launch`). Each phase is printed as it ends, with the session's decode step meanwhile.
 
 CPU dry run: `python -m benchmarks.training --tiny`; the GPU figure: `python -m benchmarks.training` (32 Llama-3-8B
 layers, bf16, sequence 512)."""
@@ -33,10 +35,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from benchmarks.common.model import ModelShape, build_hf_model
-from benchmarks.training.clients import ServerAddress, inference_client, training_client
+from benchmarks.training.clients import WINDOWS_DONE, ServerAddress, inference_client, training_client
 from benchmarks.training.local import local_tokens_per_s
 from benchmarks.users.server import DHT_PREFIX, BenchServer, build_executor
-from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor
+from corolla.server.core.runtime import KindStats
 from corolla.server.core.training_activations import KeptActivations
 from corolla.server.core.training_batch import BACKWARD_MERGE_TOKENS, FORWARD_MERGE_TOKENS, training_stats
 
@@ -55,6 +58,7 @@ class PhaseSpec:
     backward_tokens: int = BACKWARD_MERGE_TOKENS
     reuse: bool = True
     poll: bool = True  # False: the handler's loop polling off for the phase (as on CPU)
+    launch: bool = True  # False: training block calls not launched ahead of a decode batch's wait (A/B)
 
 
 @dataclass
@@ -76,6 +80,11 @@ class Phase:
     reuse: bool = True  # False: the A/B phase with no forward activations kept (every backward recomputes)
     poll: bool = True  # False: the A/B phase with the server loop's polling after inline decode steps off
     inline_steps: int = 0  # decode steps the runtime ran inline (in the loop's thread, each followed by polling)
+    launch: bool = True  # False: the A/B phase with training block calls as plain executor batches
+    block_calls: int = 0  # training block calls on the server
+    call_ms: float = float("nan")  # per block call: the device thread running it (on a GPU: launching it)
+    call_wait_ms: float = float("nan")  # per block call: then waiting for the call before it (on a GPU)
+    decode_device_ms: float = float("nan")  # per decode batch: the device's own time (where the runtime measured it)
 
 
 @dataclass
@@ -116,7 +125,18 @@ def main(argv: list[str] | None = None) -> int:
         help="also the most clients with this forward merge limit in tokens (A/B)",
     )
     parser.add_argument(
+        "--backward_merge_ab",
+        type=int,
+        default=0,
+        help="also the most clients with this backward merge limit in tokens (A/B)",
+    )
+    parser.add_argument(
         "--no_poll_ab", action="store_true", help="also 1 and the most clients with the server loop's polling off (A/B)"
+    )
+    parser.add_argument(
+        "--no_launch_ab",
+        action="store_true",
+        help="also 1 and the most clients with training block calls not launched ahead (A/B)",
     )
     parser.add_argument("--steps", type=int, default=8, help="timed forward+backward steps per client and phase")
     parser.add_argument("--idle_s", type=float, default=3.0, help="the inference session alone, seconds")
@@ -138,10 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     phases = [PhaseSpec(n) for n in counts]
     if args.forward_merge_ab:
         phases.append(PhaseSpec(most, forward_tokens=args.forward_merge_ab))
+    if args.backward_merge_ab:
+        phases.append(PhaseSpec(most, backward_tokens=args.backward_merge_ab))
+    if args.no_launch_ab:
+        phases.extend(PhaseSpec(n, launch=False) for n in sorted({1, most}, reverse=True))
     if args.no_reuse_ab:
         phases.extend(PhaseSpec(n, reuse=False) for n in sorted({1, most}))
     if args.no_poll_ab:
-        phases.extend(PhaseSpec(n, poll=False) for n in sorted({1, most}))
+        phases.extend(PhaseSpec(n, poll=False) for n in sorted({1, most}, reverse=True))
     if args.unmerged:
         phases.append(PhaseSpec(most, forward_tokens=1, backward_tokens=1))
     report = run(shape, dtype, device, rows=args.rows, seq_len=args.seq_len, phases=phases, steps=args.steps,
@@ -203,10 +227,13 @@ def _serve(
             _expect(answers.get(timeout=READY_TIMEOUT_S), "ready", report)
         if report.errors:
             return
-        windows: list[tuple[int, float, float, float]] = []  # (clients, start, end, works per block call)
+        steps_seen = _InferenceWindows(inference_results)
         idle_start = time.time()
         time.sleep(idle_s)
         idle_end = time.time()
+        idle = steps_seen.within(idle_start, idle_end)
+        report.idle_inference_step_median_ms, report.idle_inference_steps = _median_ms(idle), len(idle)
+        print(f"inference session alone: {report.idle_inference_step_median_ms:.2f} ms/step ({len(idle)})", flush=True)
         executor = server.executor
         assert isinstance(executor, EngineExecutor), "the users bench builds the engine's executor"
         training = executor.training
@@ -216,12 +243,14 @@ def _serve(
         poll = handler.busy_poll
         for spec in phases:
             n, merged_phase = spec.clients, spec.forward_tokens > 1 or spec.backward_tokens > 1
-            training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens)
+            training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens, launch_ahead=spec.launch)
             training.kept = kept if spec.reuse else KeptActivations(0)
             handler.busy_poll = poll if spec.poll else None  # read by the handler at every decode step
             inline_before = server.runtime.num_inline_batches
             before = training_stats(server.runtime.stats())
             hits_before, misses_before = training.kept.hits, training.kept.misses
+            calls_before = (training.num_calls, training.call_s, training.wait_s)
+            decode_before = server.runtime.stats().get(KIND_ENGINE_INFERENCE, KindStats())
             for commands, _, _ in clients[:n]:
                 commands.put(steps)
             steps_of = [results.get(timeout=READY_TIMEOUT_S) for _, results, _ in clients[:n]]
@@ -231,34 +260,30 @@ def _serve(
                     _error(report, str(error))
                 return
             merged = training_stats(server.runtime.stats()).since(before)
+            calls = training.num_calls - calls_before[0]
+            decode = server.runtime.stats().get(KIND_ENGINE_INFERENCE, KindStats()).since(decode_before)
             starts = [start for client in steps_of for start, _, _, _ in client]
             ends = [end for client in steps_of for _, _, end, _ in client]
-            windows.append((n, min(starts), max(ends), merged.tasks_per_batch))
+            during = steps_seen.within(min(starts), max(ends))
             step_ms = statistics.median((end - start) * 1e3 for client in steps_of for start, _, end, _ in client)
             forward_ms = statistics.median((mid - start) * 1e3 for client in steps_of for start, mid, _, _ in client)
             retried = sum(count for client in steps_of for _, _, _, count in client)
             tokens, window_s = n * steps * rows * seq_len, max(ends) - min(starts)
-            report.phases.append(Phase(n, merged_phase, tokens / window_s, step_ms, float("nan"), 0,
+            report.phases.append(Phase(n, merged_phase, tokens / window_s, step_ms, _median_ms(during), len(during),
                                        merged.tasks_per_batch, forward_ms, merged.busy_s / window_s,
                                        training.kept.hits - hits_before, training.kept.misses - misses_before,
                                        retried, spec.forward_tokens, spec.backward_tokens, spec.reuse, spec.poll,
-                                       server.runtime.num_inline_batches - inline_before))  # fmt: skip
+                                       server.runtime.num_inline_batches - inline_before, spec.launch, calls,
+                                       (training.call_s - calls_before[1]) * 1e3 / max(calls, 1),
+                                       (training.wait_s - calls_before[2]) * 1e3 / max(calls, 1),
+                                       decode.device_s * 1e3 / decode.device_timed if decode.device_timed
+                                       else float("nan")))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
         training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
         training.kept = kept
         handler.busy_poll = poll
-        stop.set()
-        inference_steps = inference_results.get(timeout=READY_TIMEOUT_S)
-        if not isinstance(inference_steps, list):
-            _error(report, str(inference_steps))
-            return
-        idle = _within(inference_steps, idle_start, idle_end)
-        report.idle_inference_step_median_ms, report.idle_inference_steps = _median_ms(idle), len(idle)
-        for phase, (_, start, end, _) in zip(report.phases, windows, strict=True):
-            during = _within(inference_steps, start, end)
-            phase.inference_step_median_ms, phase.inference_steps = _median_ms(during), len(during)
-    except queue.Empty:
-        _error(report, "a client did not answer in time")
+    except (queue.Empty, _SessionFailed) as e:
+        _error(report, str(e) or "a client did not answer in time")
     finally:
         stop.set()
         for commands, _, _ in clients:
@@ -289,8 +314,29 @@ def _error(report: Report, error: str) -> None:
     report.errors.append(error)
 
 
-def _within(windows: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
-    return [(s, e) for s, e in windows if s >= start and e <= end]
+class _SessionFailed(RuntimeError):
+    """The inference client answered an error instead of its steps' windows."""
+
+
+class _InferenceWindows:
+    """The inference client's step windows as they come (`clients.WINDOWS_EVERY_S`)."""
+
+    def __init__(self, answers: multiprocessing.Queue) -> None:
+        self._answers = answers
+        self._windows: list[tuple[float, float]] = []
+        self._done = False
+
+    def within(self, start: float, end: float) -> list[tuple[float, float]]:
+        """The windows of the steps inside [start, end], once the client sent every step that ended by `end`."""
+        while not self._done and (not self._windows or self._windows[-1][1] < end):
+            answer = self._answers.get(timeout=READY_TIMEOUT_S)
+            if answer == WINDOWS_DONE:
+                self._done = True
+            elif isinstance(answer, list):
+                self._windows.extend(answer)
+            else:
+                raise _SessionFailed(str(answer))
+        return [(s, e) for s, e in self._windows if s >= start and e <= end]
 
 
 def _median_ms(windows: list[tuple[float, float]]) -> float:
@@ -304,7 +350,8 @@ def summary(report: Report) -> str:
         f"inference session alone: {report.idle_inference_step_median_ms:.2f} ms/step "
         f"({report.idle_inference_steps} steps)",
     ]
-    one = next((p.tokens_per_s for p in report.phases if p.clients == 1 and p.merged and p.reuse), None)
+    defaults = [p for p in report.phases if p.merged and p.reuse and p.poll and p.launch]
+    one = next((p.tokens_per_s for p in defaults if p.clients == 1), None)
     for p in report.phases:
         ratio = f" = {p.tokens_per_s / one:.2f}x one client" if one else ""
         slower = p.inference_step_median_ms / report.idle_inference_step_median_ms
@@ -318,14 +365,17 @@ def summary(report: Report) -> str:
             ab.append("no activations kept A/B")
         if not p.poll:
             ab.append("loop polling off A/B")
+        if not p.launch:
+            ab.append("not launched ahead A/B")
         lines.append(
             f"{p.clients} training clients{''.join(f' ({a})' for a in ab)}: {p.tokens_per_s:.0f} tok/s{ratio}, "
             f"step {p.step_median_ms:.1f} ms (forward {p.forward_median_ms:.1f} ms), "
             f"{p.works_per_block_call:.2f} works per block call, server busy with training "
             f"{p.training_busy_share:.0%} of the window, backwards reusing their forward's activations "
             f"{p.kept_hits}/{p.kept_hits + p.kept_misses}, calls retried after a stream closed without a reply "
-            f"{p.retried_calls}, inline decode steps {p.inline_steps}; inference step {p.inference_step_median_ms:.2f} ms "
-            f"({slower:.2f}x alone, {p.inference_steps} steps)"
+            f"{p.retried_calls}, inline decode steps {p.inline_steps}; {p.block_calls} block calls of {p.call_ms:.2f} ms "
+            f"+ {p.call_wait_ms:.2f} ms waiting for the one before; decode device time {p.decode_device_ms:.2f} ms; "
+            f"inference step {p.inference_step_median_ms:.2f} ms ({slower:.2f}x alone, {p.inference_steps} steps)"
         )
     for rows, rate in report.local_tokens_per_s.items():
         lines.append(f"transformers locally, {rows}: {rate:.0f} tok/s")

@@ -3,7 +3,9 @@ of several clients through one runtime run as fewer block calls than works, and 
 (different row counts, deep prompts of different lengths or none, a different sequence length grouped apart);
 inference queued meanwhile runs before the training works that wait; a failing block call fails only its own request;
 a backward after its own forward reuses the forward's block inputs (backward works only, the same gradients), and
-recomputes them for another client or other inputs."""
+recomputes them for another client or other inputs; a training block call is launched while a decode batch launched
+before it is still on the device, before the runtime waits for that batch; a request a block behind catches up and
+merges."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
-from corolla.server.core.runtime import KIND_INFERENCE, PRIORITY_INFERENCE, Runtime
+from corolla.server.core.runtime import KIND_INFERENCE, PRIORITY_INFERENCE, Runtime, RuntimeStopped, Task
 from corolla.server.core.training_batch import (
     KIND_TRAINING_BACKWARD,
     KIND_TRAINING_FORWARD,
@@ -175,3 +177,97 @@ async def test_forward_and_backward_works_merge_under_their_own_limits(backend: 
     assert (backward.tasks, backward.batches) == (2 * N_BLOCKS, 2 * N_BLOCKS)
     for (hidden, grad, _), (grad_in, _) in zip(clients, got, strict=True):
         torch.testing.assert_close(grad_in, backend.backward(SPAN, hidden, grad)[0], atol=1e-5, rtol=1e-5)
+
+
+class _LaunchedDecode:
+    """A decode batch on the fake device: `wait()` logs when the runtime waits for it."""
+
+    def __init__(self, log: list[str], size: int) -> None:
+        self.log, self.size = log, size
+
+    def wait(self) -> list[object]:
+        self.log.append("decode.wait")
+        return [None] * self.size
+
+    @property
+    def device_s(self) -> float | None:
+        return None
+
+
+async def test_a_training_call_launches_before_the_runtime_waits_for_a_launched_decode(
+    backend: SpanBackend, monkeypatch
+) -> None:
+    """A decode batch the runtime launched is on the device while a training work waits: the training block call is
+    launched before the runtime waits for the decode (its launch, CPU work, overlaps the decode's device time) rather
+    than after the decode's results came back (the device idle during that launch)."""
+    log: list[str] = []
+    block_forward = backend.block_forward
+
+    def logged_block_forward(index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+        log.append(f"block{index}")
+        return block_forward(index, hidden, prompt)
+
+    monkeypatch.setattr(backend, "block_forward", logged_block_forward)
+    release = threading.Event()
+
+    def launch_decode(tasks: list[Task]) -> _LaunchedDecode:
+        log.append("decode.launch")
+        return _LaunchedDecode(log, len(tasks))
+
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        runtime.register_batch_executor("decode", lambda tasks: [None] * len(tasks), launcher=launch_decode)
+        batcher = TrainingBatcher(backend, runtime)
+        blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
+        await asyncio.sleep(0.05)
+        training = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""))
+        decode = runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind="decode",
+                                merge_key="span")  # fmt: skip
+        await asyncio.sleep(0.05)  # both queued behind the blocker: the decode first (more urgent)
+        release.set()
+        await asyncio.gather(blocker, decode, training)
+    assert log[:3] == ["decode.launch", "block0", "decode.wait"]
+    assert log[3:] == ["block1", "block2"]
+
+
+async def test_a_request_a_block_behind_catches_up_and_merges(backend: SpanBackend, monkeypatch) -> None:
+    """A forward that arrives while another's first block runs runs its first block alone, then merges with the other
+    from the next block on: the chain ahead queues its next work as its call is launched, behind the late one's
+    first block (earlier blocks first), not once the runtime comes back to the call after launching another."""
+    calls: list[tuple[int, int]] = []
+    first_running, go_on = threading.Event(), threading.Event()
+    block_forward = backend.block_forward
+
+    def gated_block_forward(index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+        calls.append((index, int(hidden.shape[0])))
+        if len(calls) == 1:
+            first_running.set()
+            assert go_on.wait(5.0)
+        return block_forward(index, hidden, prompt)
+
+    monkeypatch.setattr(backend, "block_forward", gated_block_forward)
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        batcher = TrainingBatcher(backend, runtime)
+        ahead = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""))
+        assert await asyncio.to_thread(first_running.wait, 5.0)
+        behind = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(2, 8, H), None, ""))
+        await asyncio.sleep(0.05)  # queued while the first block call of `ahead` runs
+        go_on.set()
+        await asyncio.gather(ahead, behind)
+    assert calls == [(0, 1), (0, 2), (1, 3), (2, 3)]
+
+
+async def test_a_request_queued_when_the_runtime_stops_gets_runtime_stopped(backend: SpanBackend) -> None:
+    release = threading.Event()
+    runtime = Runtime(max_batch_size_tokens=1024)
+    with runtime:
+        batcher = TrainingBatcher(backend, runtime)
+        blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
+        await asyncio.sleep(0.05)
+        training = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""))
+        await asyncio.sleep(0.05)  # its first work queued behind the blocker
+        stopping = asyncio.ensure_future(asyncio.to_thread(runtime.stop))
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.gather(blocker, stopping)
+        with pytest.raises(RuntimeStopped):
+            await asyncio.wait_for(training, 5.0)

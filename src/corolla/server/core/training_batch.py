@@ -11,7 +11,9 @@ with no round trip through the event loop; the request's future resolves at the 
 Order: training works queue behind inference steps (`PRIORITY_INFERENCE` first) and never hold the device for more
 than one merged block task (`FORWARD_MERGE_TOKENS`, `BACKWARD_MERGE_TOKENS`); on a GPU the thread launches a block call while the one before
 it runs and waits for that one only (no device sync per call, at most one call queued on the device when an
-inference step comes). Among themselves they run by progress: earlier blocks of the
+inference step comes). Block calls are launched batches of the runtime (`_launch`): one popped while a decode batch
+is on the device is launched before the runtime waits for that decode, so its launch (CPU work) overlaps the decode's
+device time instead of following it with the device idle. Among themselves they run by progress: earlier blocks of the
 forward pass first, then the backward pass from the last block down, so that a request that arrived later catches
 up with the ones ahead and merges with them instead of trailing them by a few blocks for its whole pass.
 
@@ -44,10 +46,11 @@ KIND_TRAINING_BACKWARD = "training_backward"
 TRAINING_KINDS = (KIND_TRAINING_FORWARD, KIND_TRAINING_BACKWARD)
 # the most tokens (rows x length) of one merged block task, by phase: an inference step that arrives meanwhile waits for
 # at most one such task, so this bounds what training adds to a concurrent session's step (one request larger than
-# this still runs, alone); a backward work (its block's forward recomputed with autograd, then the backward) holds the
-# device about twice as long as a forward work of as many tokens
+# this still runs, alone); a backward work (its block's forward recomputed with autograd, then the gradient of its
+# input: no weight gradients) holds the device about twice as long as a forward work of as many tokens, so it merges
+# half as many
 FORWARD_MERGE_TOKENS = 2048
-BACKWARD_MERGE_TOKENS = 2048
+BACKWARD_MERGE_TOKENS = 1024
 # priority offsets (within PRIORITY_FORWARD's class, below the next class): forward works by ascending block index,
 # then backward works by descending block index
 PROGRESS_STEP = 1e-6
@@ -104,6 +107,11 @@ class BlockChain:
             self.plan.extend((PHASE_BACKWARD, i) for i in reversed(range(len(indices))))
         self.done = 0  # works finished
         self.is_forward = phase == PHASE_FORWARD
+        self.current: BlockWork | None = None  # the work queued in the runtime, not run yet
+        # the work it ended at (its last, or a failed one) and its answer or error, delivered by that work's `on_done`
+        self.ended_at: BlockWork | None = None
+        self.answer: Any = None
+        self.error: BaseException | None = None
         self.future: asyncio.Future | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -161,16 +169,23 @@ class TrainingBatcher:
         self._merge_id = id(self)
         self._cuda = backend.device.type == "cuda"
         self._in_flight: torch.cuda.Event | None = None  # the end of the last block call queued on the device
+        # where the device thread's time on training goes (benchmarks): block calls, seconds spent running (on a GPU:
+        # launching) them, seconds waiting for the call before each
+        self.num_calls = 0
+        self.call_s = 0.0
+        self.wait_s = 0.0
         # forwards' block inputs kept for their backwards (default: bounded by the sizing's autograd reserve)
         self.kept = kept if kept is not None else default_kept_activations(backend)
         self.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
 
-    def set_merge_tokens(self, forward_tokens: int, backward_tokens: int) -> None:
+    def set_merge_tokens(self, forward_tokens: int, backward_tokens: int, *, launch_ahead: bool = True) -> None:
         """The most tokens of one merged forward and backward block call (1: every work alone, as the benchmark's
-        unmerged A/B runs)."""
+        unmerged A/B runs). `launch_ahead` False: the block calls run as plain executor batches, after the runtime
+        finished the batch it launched before (the benchmark's A/B of `_launch`)."""
         register = self._runtime.register_batch_executor
-        register(KIND_TRAINING_FORWARD, self._execute, max_merged_tokens=forward_tokens)
-        register(KIND_TRAINING_BACKWARD, self._execute, max_merged_tokens=backward_tokens)
+        launcher = self._launch if launch_ahead else None
+        register(KIND_TRAINING_FORWARD, self._execute, max_merged_tokens=forward_tokens, launcher=launcher)
+        register(KIND_TRAINING_BACKWARD, self._execute, max_merged_tokens=backward_tokens, launcher=launcher)
 
     async def forward(
         self, block_indices: tuple[int, ...], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str,
@@ -228,7 +243,7 @@ class TrainingBatcher:
         return chain.future
 
     def _task(self, chain: BlockChain) -> Task:
-        work = chain.next_work()
+        work = chain.current = chain.next_work()
         rows, length = work.hidden.shape[:2]
         if work.phase == PHASE_FORWARD:
             priority, kind = PRIORITY_FORWARD + work.index * PROGRESS_STEP, KIND_TRAINING_FORWARD
@@ -238,54 +253,96 @@ class TrainingBatcher:
         backend = self.backend
         return self._runtime.task(
             lambda: run_block_works(backend, [work])[0], priority=priority, size_tokens=rows * length,
-            kind=kind, merge_key=(self._merge_id, work.phase, work.index, length, work.adapter), payload=work,
-            on_done=lambda result, error: self._continue(chain, result, error),
+            kind=kind, merge_key=(self._merge_id, work.phase, work.index, length, work.adapter),
+            payload=(chain, work), on_done=lambda _, error: self._done(chain, work, error),
         )  # fmt: skip
 
-    def _continue(self, chain: BlockChain, result: Any, error: BaseException | None) -> None:
-        """In the thread that ran the chain's work: queues its next work, or resolves its future."""
-        future, loop = chain.future, chain.loop
-        assert future is not None and loop is not None
+    def _continue(self, chain: BlockChain, work: BlockWork, result: Any, error: BaseException | None) -> None:
+        """In the device thread, once the chain's `work` ran (`_execute`): queues the chain's next work at once, or,
+        at its last work or an error, leaves the chain's answer for that work's `on_done` (after the runtime counted
+        the call)."""
+        chain.current = None
+        future = chain.future
+        assert future is not None
         if future.done():  # the caller gave up (cancelled): the rest is not run
+            chain.ended_at = work
             return
         if error is None:
             try:
                 if chain.advance(result):
                     self._runtime.queue(self._task(chain))
                     return
-                result = chain.result()
+                chain.answer = chain.result()
             except Exception as e:  # the runtime stopped meanwhile
-                result, error = None, e
+                error = e
+        chain.error, chain.ended_at = error, work
+
+    def _done(self, chain: BlockChain, work: BlockWork, error: BaseException | None) -> None:
+        """A work's `on_done`, once the runtime is through with its call: resolves the chain's future where the chain
+        ended at this work (its answer or error), or where the runtime failed the work without running it (stopped,
+        or a launch that failed before `_execute`)."""
+        if chain.current is work:  # never ran
+            chain.current = None
+            result = None
+            error = error if error is not None else RuntimeError("training work dropped by the runtime")
+        elif chain.ended_at is work:
+            result, error = chain.answer, chain.error
+        else:  # the chain went on past this work
+            return
+        future, loop = chain.future, chain.loop
+        assert future is not None and loop is not None
         try:
             loop.call_soon_threadsafe(resolve, future, result, error)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             logger.debug("training.deliver_dropped: event loop closed")
 
-    def _execute(self, tasks: list[Task]) -> list[Any]:
+    def _launch(self, tasks: list[Task]) -> LaunchedWorks:
+        """The runtime's launcher for training block calls: runs `_execute` at once, so that the runtime queues the
+        call on the device before it waits for the batch it launched before (a decode step: its device time hides
+        this call's launch, which is CPU work of about a decode step's length, instead of the device idling through
+        it afterwards); the results (device tensors, ordered on the stream) are in hand at once."""
+        return LaunchedWorks(self._execute(tasks))
+
+    def _execute(self, tasks: list[Task]) -> list[None]:
         """The runtime's batch executor: tasks of one merge key (phase, block, length, adapter) as one block call.
-        If the merged call fails, each work runs alone, so that one request's failure stays its own."""
-        works: list[BlockWork] = [task.payload for task in tasks]
+        If the merged call fails, each work runs alone, so that one request's failure stays its own. Each chain goes
+        on right here (its next work queued as soon as this call is launched, so that a request behind by a block
+        catches up and merges before the runtime pops again); the runtime's results are placeholders."""
+        payloads: list[tuple[BlockChain, BlockWork]] = [task.payload for task in tasks]
+        works = [work for _, work in payloads]
+        started = time.perf_counter()
         results: list[Any]
         try:
             results = run_block_works(self.backend, works)
         except Exception as e:
             if len(works) == 1:
-                raise
-            logger.warning(f"training.merged_failed(works={len(works)}, error={e!r}): running each alone")
-            results = []
-            for work in works:
-                try:
-                    results.extend(run_block_works(self.backend, [work]))
-                except Exception as error:
-                    results.append(error)
+                logger.warning(f"training.call_failed(phase={works[0].phase}, block={works[0].index}, error={e!r})")
+                results = [e]
+            else:
+                logger.warning(f"training.merged_failed(works={len(works)}, error={e!r}): running each alone")
+                results = []
+                for work in works:
+                    try:
+                        results.extend(run_block_works(self.backend, [work]))
+                    except Exception as error:
+                        results.append(error)
+        launched = time.perf_counter()
         if self._cuda:
             self._bound_in_flight()
+        self.num_calls += 1
+        self.call_s += launched - started
+        self.wait_s += time.perf_counter() - launched
         metrics = self.metrics
         if metrics is not None:
             now = time.monotonic()
             for task in tasks:  # (its seconds and steps: the runtime's batch counts)
                 metrics.queue_wait(now - task.submitted_at)
-        return results
+        for (chain, work), result in zip(payloads, results, strict=True):
+            if isinstance(result, BaseException):
+                self._continue(chain, work, None, result)
+            else:
+                self._continue(chain, work, result, None)
+        return [None] * len(tasks)
 
     def _bound_in_flight(self) -> None:
         """Leaves at most this block call queued on the device: waits for the one before it. The device runs this
@@ -300,6 +357,21 @@ class TrainingBatcher:
     def _count(self, phase: str, hidden: torch.Tensor) -> None:
         if self.metrics is not None:
             self.metrics.tokens(phase, int(hidden.shape[0] * hidden.shape[1]))
+
+
+class LaunchedWorks:
+    """A launched training block call (`runtime.PendingBatch`): nothing left to wait for (`_execute` already waited
+    for the call before it, so the device holds at most this one, and passed its results on to the chains)."""
+
+    def __init__(self, results: list[None]) -> None:
+        self._results = results
+
+    def wait(self) -> list[None]:
+        return self._results
+
+    @property
+    def device_s(self) -> float | None:
+        return None
 
 
 def training_stats(stats: dict[str, KindStats]) -> KindStats:
