@@ -12,9 +12,8 @@ same process (frozen weights, gradients to the inputs) at 1 and N x `rows` rows.
 A/B phases: `--unmerged` (every work alone), `--no_reuse_ab` (no forward activations kept for backwards: every
 backward recomputes its blocks' inputs), `--forward_merge_ab TOKENS` and `--backward_merge_ab TOKENS` (another merge
 limit), `--no_poll_ab` (the server's loop never polls after a lone session's inline decode step: on CUDA it polls for
-5 ms, which may keep the GIL from the runtime thread's training launches), `--no_launch_ab` (training block calls as
-plain executor batches, run after the runtime waited for the decode batch it launched before, instead of launched
-batches, `TrainingBatcher._launch`). Each phase is printed as it ends, with the session's decode step meanwhile.
+5 ms, which may keep the GIL from the runtime thread's training launches). Each phase is printed as it ends, with the
+session's decode step meanwhile.
 
 CPU dry run: `python -m benchmarks.training --tiny`; the GPU figure: `python -m benchmarks.training` (32 Llama-3-8B
 layers, bf16, sequence 512)."""
@@ -58,7 +57,6 @@ class PhaseSpec:
     backward_tokens: int = BACKWARD_MERGE_TOKENS
     reuse: bool = True
     poll: bool = True  # False: the handler's loop polling off for the phase (as on CPU)
-    launch: bool = True  # False: training block calls not launched ahead of a decode batch's wait (A/B)
 
 
 @dataclass
@@ -80,7 +78,6 @@ class Phase:
     reuse: bool = True  # False: the A/B phase with no forward activations kept (every backward recomputes)
     poll: bool = True  # False: the A/B phase with the server loop's polling after inline decode steps off
     inline_steps: int = 0  # decode steps the runtime ran inline (in the loop's thread, each followed by polling)
-    launch: bool = True  # False: the A/B phase with training block calls as plain executor batches
     block_calls: int = 0  # training block calls on the server
     call_ms: float = float("nan")  # per block call: the device thread running it (on a GPU: launching it)
     call_wait_ms: float = float("nan")  # per block call: then waiting for the call before it (on a GPU)
@@ -133,11 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no_poll_ab", action="store_true", help="also 1 and the most clients with the server loop's polling off (A/B)"
     )
-    parser.add_argument(
-        "--no_launch_ab",
-        action="store_true",
-        help="also 1 and the most clients with training block calls not launched ahead (A/B)",
-    )
+
     parser.add_argument("--steps", type=int, default=8, help="timed forward+backward steps per client and phase")
     parser.add_argument("--idle_s", type=float, default=3.0, help="the inference session alone, seconds")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -160,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
         phases.append(PhaseSpec(most, forward_tokens=args.forward_merge_ab))
     if args.backward_merge_ab:
         phases.append(PhaseSpec(most, backward_tokens=args.backward_merge_ab))
-    if args.no_launch_ab:
-        phases.extend(PhaseSpec(n, launch=False) for n in sorted({1, most}, reverse=True))
     if args.no_reuse_ab:
         phases.extend(PhaseSpec(n, reuse=False) for n in sorted({1, most}))
     if args.no_poll_ab:
@@ -243,7 +234,7 @@ def _serve(
         poll = handler.busy_poll
         for spec in phases:
             n, merged_phase = spec.clients, spec.forward_tokens > 1 or spec.backward_tokens > 1
-            training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens, launch_ahead=spec.launch)
+            training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens)
             training.kept = kept if spec.reuse else KeptActivations(0)
             handler.busy_poll = poll if spec.poll else None  # read by the handler at every decode step
             inline_before = server.runtime.num_inline_batches
@@ -273,7 +264,7 @@ def _serve(
                                        merged.tasks_per_batch, forward_ms, merged.busy_s / window_s,
                                        training.kept.hits - hits_before, training.kept.misses - misses_before,
                                        retried, spec.forward_tokens, spec.backward_tokens, spec.reuse, spec.poll,
-                                       server.runtime.num_inline_batches - inline_before, spec.launch, calls,
+                                       server.runtime.num_inline_batches - inline_before, calls,
                                        (training.call_s - calls_before[1]) * 1e3 / max(calls, 1),
                                        (training.wait_s - calls_before[2]) * 1e3 / max(calls, 1),
                                        decode.device_s * 1e3 / decode.device_timed if decode.device_timed
@@ -350,7 +341,7 @@ def summary(report: Report) -> str:
         f"inference session alone: {report.idle_inference_step_median_ms:.2f} ms/step "
         f"({report.idle_inference_steps} steps)",
     ]
-    defaults = [p for p in report.phases if p.merged and p.reuse and p.poll and p.launch]
+    defaults = [p for p in report.phases if p.merged and p.reuse and p.poll]
     one = next((p.tokens_per_s for p in defaults if p.clients == 1), None)
     for p in report.phases:
         ratio = f" = {p.tokens_per_s / one:.2f}x one client" if one else ""
@@ -365,8 +356,7 @@ def summary(report: Report) -> str:
             ab.append("no activations kept A/B")
         if not p.poll:
             ab.append("loop polling off A/B")
-        if not p.launch:
-            ab.append("not launched ahead A/B")
+
         lines.append(
             f"{p.clients} training clients{''.join(f' ({a})' for a in ab)}: {p.tokens_per_s:.0f} tok/s{ratio}, "
             f"step {p.step_median_ms:.1f} ms (forward {p.forward_median_ms:.1f} ms), "

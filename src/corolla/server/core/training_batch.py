@@ -46,11 +46,12 @@ KIND_TRAINING_BACKWARD = "training_backward"
 TRAINING_KINDS = (KIND_TRAINING_FORWARD, KIND_TRAINING_BACKWARD)
 # the most tokens (rows x length) of one merged block task, by phase: an inference step that arrives meanwhile waits for
 # at most one such task, so this bounds what training adds to a concurrent session's step (one request larger than
-# this still runs, alone); a backward work (its block's forward recomputed with autograd, then the gradient of its
-# input: no weight gradients) holds the device about twice as long as a forward work of as many tokens, so it merges
-# half as many
+# this still runs, alone). A backward work holds the device about twice as long as a forward work of as many tokens,
+# yet halving its limit lost on both counts (NVIDIA H200, 8 clients: 2,854 vs 3,115 tok/s, decode step 8.78 vs
+# 8.32 ms): each block call also holds the device thread for its launch (~3.5 ms, whatever its size), during which
+# a returning decode step waits too (docs/decisions/0026)
 FORWARD_MERGE_TOKENS = 2048
-BACKWARD_MERGE_TOKENS = 1024
+BACKWARD_MERGE_TOKENS = 2048
 # priority offsets (within PRIORITY_FORWARD's class, below the next class): forward works by ascending block index,
 # then backward works by descending block index
 PROGRESS_STEP = 1e-6
@@ -178,14 +179,12 @@ class TrainingBatcher:
         self.kept = kept if kept is not None else default_kept_activations(backend)
         self.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
 
-    def set_merge_tokens(self, forward_tokens: int, backward_tokens: int, *, launch_ahead: bool = True) -> None:
+    def set_merge_tokens(self, forward_tokens: int, backward_tokens: int) -> None:
         """The most tokens of one merged forward and backward block call (1: every work alone, as the benchmark's
-        unmerged A/B runs). `launch_ahead` False: the block calls run as plain executor batches, after the runtime
-        finished the batch it launched before (the benchmark's A/B of `_launch`)."""
+        unmerged A/B runs)."""
         register = self._runtime.register_batch_executor
-        launcher = self._launch if launch_ahead else None
-        register(KIND_TRAINING_FORWARD, self._execute, max_merged_tokens=forward_tokens, launcher=launcher)
-        register(KIND_TRAINING_BACKWARD, self._execute, max_merged_tokens=backward_tokens, launcher=launcher)
+        register(KIND_TRAINING_FORWARD, self._execute, max_merged_tokens=forward_tokens, launcher=self._launch)
+        register(KIND_TRAINING_BACKWARD, self._execute, max_merged_tokens=backward_tokens, launcher=self._launch)
 
     async def forward(
         self, block_indices: tuple[int, ...], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str,
@@ -298,9 +297,9 @@ class TrainingBatcher:
 
     def _launch(self, tasks: list[Task]) -> LaunchedWorks:
         """The runtime's launcher for training block calls: runs `_execute` at once, so that the runtime queues the
-        call on the device before it waits for the batch it launched before (a decode step: its device time hides
-        this call's launch, which is CPU work of about a decode step's length, instead of the device idling through
-        it afterwards); the results (device tensors, ordered on the stream) are in hand at once."""
+        call on the device before it waits for the batch it launched before (a decode step: its ~4.5 ms of device
+        time hide this call's launch, ~2.5-3.5 ms of the device thread on an H200, where the device used to idle
+        through the launch afterwards: docs/decisions/0026); the chains went on inside `_execute`."""
         return LaunchedWorks(self._execute(tasks))
 
     def _execute(self, tasks: list[Task]) -> list[None]:
