@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from corolla.cli.errors import add_common_flags, run_cli
+from corolla.cli.text_streamer import TextStreamer
 from corolla.client.config import ClientConfig
 from corolla.client.distributed_model import AutoDistributedModelForCausalLM
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
@@ -64,34 +65,6 @@ def split_blocks(num_blocks: int, num_servers: int) -> tuple[tuple[int, int], ..
     if not 1 <= num_servers <= num_blocks:
         raise ValueError(f"num_servers must be in 1..{num_blocks} (the model's blocks), got {num_servers}")
     return tuple(even_block_ranges(num_blocks, num_servers))
-
-
-class _TextStreamer:
-    """`generate(streamer=...)` sink: prints new text as it arrives and times the generated tokens."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self.num_printed_chars = 0
-        self.prompt_seen = False
-        self.first_token_at: float | None = None
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # the first call echoes the prompt
-            self.prompt_seen = True
-            return
-        if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        self.token_ids.extend(value.flatten().tolist()[:1])  # batch of one
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # the rest of a multi-byte character is still to come
-            sys.stdout.write(text[self.num_printed_chars :])
-            sys.stdout.flush()
-            self.num_printed_chars = len(text)
-
-    def end(self) -> None:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
 
 
 def wait_for_coverage(manager: Any, num_blocks: int, *, timeout_s: float) -> list[RemoteSpanInfo]:
@@ -275,12 +248,12 @@ def _generate(model: Any, tokenizer: Any, args: argparse.Namespace) -> None:
     print(RULE)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
-    streamer = _TextStreamer(tokenizer)
+    streamer = TextStreamer(tokenizer)
     started = time.perf_counter()
     model.generate(input_ids, max_new_tokens=args.max_new_tokens, streamer=streamer, **sampling)
     elapsed_s = time.perf_counter() - started
     print(RULE)
-    num_tokens = len(streamer.token_ids)
+    num_tokens = streamer.num_generated
     decode_s = time.perf_counter() - (streamer.first_token_at or started)
     decode_rate = (num_tokens - 1) / decode_s if num_tokens > 1 and decode_s > 0 else 0.0
     print(f"Generated {num_tokens} tokens in {elapsed_s:.2f} s: {num_tokens / elapsed_s:.1f} tokens/s "

@@ -11,46 +11,18 @@ import contextlib
 import dataclasses
 import sys
 import time
-from typing import TextIO
 
 import torch
 
 from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli, wants_verbose
 from corolla.cli.speculative_flags import add_speculative_flags, speculative_config
+from corolla.cli.text_streamer import TextStreamer
 from corolla.client.config import ClientConfig
 from corolla.client.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from corolla.utils.interrupts import wait_for_line
 from corolla.utils.logging import quiet_logs
 
 DEFAULT_SESSION_TOKENS = 2048  # an --interactive session's length unless --max_length or the model's positions say less
-
-
-class _TextStreamer:
-    """Prints decoded text as tokens arrive (skips the echoed prompt) and counts generated tokens."""
-
-    def __init__(self, tokenizer, out: TextIO | None = None):
-        # sys.stdout now, not when this module was imported (a caller may have redirected it since)
-        self.tokenizer, self.out = tokenizer, out if out is not None else sys.stdout
-        self.tokens: list[int] = []
-        self.printed = 0
-        self.skip_prompt = True
-        self.num_generated = 0
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.skip_prompt:
-            self.skip_prompt = False
-            return
-        self.num_generated += 1
-        self.tokens.extend(value.flatten().tolist()[:1])
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            self.out.write(text[self.printed :])
-            self.out.flush()
-            self.printed = len(text)
-
-    def end(self) -> None:
-        self.out.write("\n")
-        self.out.flush()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +130,7 @@ def _main(argv: list[str] | None = None) -> int:
         if not args.interactive:
             ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
             print(args.prompt, end="", flush=True)
-            streamer = _TextStreamer(tokenizer)
+            streamer = TextStreamer(tokenizer)
             started = time.perf_counter()
             model.generate(
                 ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, streamer=streamer, **sampling
@@ -186,7 +158,7 @@ def _main(argv: list[str] | None = None) -> int:
                 if session.position + ids.shape[1] + args.max_new_tokens + 1 > max_length:
                     print("[session is full; restart to continue]")
                     break
-                streamer = _TextStreamer(tokenizer)
+                streamer = TextStreamer(tokenizer)
                 started = time.perf_counter()
                 model.generate(
                     ids,
