@@ -5,7 +5,7 @@ inference queued meanwhile runs before the training works that wait; a failing b
 a backward after its own forward reuses the forward's block inputs (backward works only, the same gradients), and
 recomputes them for another client or other inputs; a training block call is launched while a decode batch launched
 before it is still on the device, before the runtime waits for that batch; a request a block behind catches up and
-merges."""
+merges; merged training calls leave the inference steps' gather rule alone."""
 
 from __future__ import annotations
 
@@ -171,6 +171,9 @@ async def test_forward_and_backward_works_merge_under_their_own_limits(backend: 
         )
         stats = runtime.stats()
     assert len(batcher.kept) == 0
+    # merged training calls carry no sessions' steps: they leave the inference steps' gather rule as it was (no
+    # forward time learned from them, no wait for pushes after them)
+    assert runtime.gather.forward_s is None and runtime.gather.wait(0.0, 0) is None
     forward, backward = stats[KIND_TRAINING_FORWARD], stats[KIND_TRAINING_BACKWARD]
     # the backwards reused the forwards' inputs; the second forward may start a block behind, then catches up
     assert forward.tasks == 2 * N_BLOCKS and forward.batches <= N_BLOCKS + 1

@@ -444,6 +444,7 @@ class Runtime:
         self._last_done_s = 0.0  # perf_counter when the last batch's device work was over (busy time accounting)
         self._merge_limits: dict[str, int] = {}  # kind -> most tokens merged into one batch (register_batch_executor)
         self._inline_kinds: set[str] = set()
+        self._ungathered_kinds: set[str] = set()  # kinds whose batches the gather rule ignores
         self._executing = threading.Lock()  # held while a batch runs or launches or is waited for
         self._inline_threads = threading.local()  # the CUDA device is set once per thread running inline batches
         self._thread: threading.Thread | None = None
@@ -534,13 +535,16 @@ class Runtime:
         inline_when_idle: bool = False,
         max_merged_tokens: int | None = None,
         launcher: BatchLauncher | None = None,
+        gathered: bool = True,
     ) -> None:
         """Lets tasks of `kind` with equal `merge_key` run together through `executor` (up to the token limit, and
         up to `max_merged_tokens` if given: what one device call of the executor serves, the rest waiting for the
         next batch rather than making this one call the device twice). `inline_when_idle`: a task submitted with
         `inline=True` may run at once in the submitting thread when the runtime is idle (for short device steps
         whose latency matters more than the caller's thread). `launcher`: runs a batch in two phases where it can
-        (see the module docstring); the batches it declines (None) go through `executor`."""
+        (see the module docstring); the batches it declines (None) go through `executor`. `gathered` False: its
+        merged batches are no sessions' steps and leave the gather rule alone (training works: after one, the
+        device thread would wait for pushes that never come, and its time would stand for a forward's)."""
         if max_merged_tokens is not None:
             if max_merged_tokens < 1:
                 raise ValueError(f"max_merged_tokens must be >= 1, got {max_merged_tokens}")
@@ -556,6 +560,10 @@ class Runtime:
             self._inline_kinds.add(kind)
         else:
             self._inline_kinds.discard(kind)
+        if gathered:
+            self._ungathered_kinds.discard(kind)
+        else:
+            self._ungathered_kinds.add(kind)
 
     # ---- submission: `task` builds a task, `queue` is the one way in (`submit`: both, for an event loop's caller)
 
@@ -757,6 +765,8 @@ class Runtime:
     def _gathered(self, batch: list[Task], forward_s: float) -> None:
         """The gather rule's bookkeeping once a merged batch finished, before its results go back: what came back of
         the forwards before, and this one's sessions watched for (`TaskQueue.watch`)."""
+        if batch[0].kind in self._ungathered_kinds:
+            return
         queue = self._queue
         now_s = time.monotonic()
         self.gather.learn(*queue.take_returns())

@@ -183,8 +183,10 @@ class TrainingBatcher:
         """The most tokens of one merged forward and backward block call (1: every work alone, as the benchmark's
         unmerged A/B runs)."""
         register = self._runtime.register_batch_executor
-        register(KIND_TRAINING_FORWARD, self._execute, max_merged_tokens=forward_tokens, launcher=self._launch)
-        register(KIND_TRAINING_BACKWARD, self._execute, max_merged_tokens=backward_tokens, launcher=self._launch)
+        for kind, tokens in ((KIND_TRAINING_FORWARD, forward_tokens), (KIND_TRAINING_BACKWARD, backward_tokens)):
+            # no sessions' steps: the gather rule is the inference steps' (a training call's next work is queued
+            # at its launch, not pushed back by a session)
+            register(kind, self._execute, max_merged_tokens=tokens, launcher=self._launch, gathered=False)
 
     async def forward(
         self, block_indices: tuple[int, ...], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str,
