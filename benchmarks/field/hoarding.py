@@ -10,6 +10,8 @@ their sessions are working ones (they hold real pages and are never idle); `--to
 makes them reopen a session with a one-token prefill every 1.5 s (fresh sessions, whose pace is never read). A `--max_length` beyond the demo model's
 1024 positions raises its `max_position_embeddings` in a copy (rotary: any length; the inputs are random hidden
 states): 32 sessions' pages of 16 tokens are a realistic share of a 4096-token cache, not of a 1024-token one.
+`--block_delay_s D` emulates a busy server (the test-only `COROLLA_TEST_BLOCK_DELAY_S`: each batch of n steps holds
+the runtime n * 4 * D seconds), so that prefills wait in its queue as they do on a loaded machine, reproducibly.
 
 `HoardingAttack` is the attacker of the suite's test too (`tests/integration/test_hoarding.py`)."""
 
@@ -39,6 +41,7 @@ from corolla.demo.checkpoint import ensure_demo_checkpoint
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.rpc import TransformerConnectionHandler
 from corolla.protocol.uids import make_chain
+from corolla.server.slowdown import BLOCK_DELAY_ENV
 
 RETRY_S = 0.02  # a refused or ended hoarder opens again this soon
 
@@ -278,7 +281,11 @@ def main() -> None:
     parser.add_argument("--settle_s", type=float, default=2.0, help="the attack runs this long before the user comes")
     parser.add_argument("--reopen_s", type=float, default=None,
                         help="hoarders send only a prefill and open again this often (fresh sessions)")  # fmt: skip
+    parser.add_argument("--block_delay_s", type=float, default=None,
+                        help="emulated device time per step per block: a busy server, prefills queued")  # fmt: skip
     args = parser.parse_args()
+    if args.block_delay_s is not None:  # read by the server at start (test-only knob)
+        os.environ[BLOCK_DELAY_ENV] = str(args.block_delay_s)
     from corolla.server.config import ServerConfig
     from corolla.server.server import Server
 

@@ -316,3 +316,28 @@ async def test_sessions_that_never_decode_after_their_prefill_do_not_keep_a_newc
             assert time.monotonic() - started < 1.0
             stop.set()
             await asyncio.gather(*hoarders)
+
+
+async def test_a_reopening_peers_queued_prefill_keeps_no_promise_beyond_its_tokens(backend) -> None:
+    """Two identities close their sessions after a one-token prefill and open them again; under load the new
+    sessions' prefills wait in the runtime's queue (opened, no step processed yet), where neither their pace nor
+    their tokens could be read. A newcomer asking for half of the cache is admitted at once: those peers closed a
+    session without work, so their queued sessions keep room for their opening token only (they open and run on).
+    (Before, a queued prefill kept its whole promise for `first_token_grace_s`: refused, as a peer without such a
+    close still is: `test_a_session_opened_without_a_step_yields_after_the_grace`.)"""
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(PeerLimits(), executor)
+        async with sessions() as held:
+            for i in range(2):  # a session with a prefill and nothing after it, closed
+                closed = await opened(held, admission, executor, f"sybil-{i}", FULL, first_tokens=1)
+                await closed.end()
+            queued = [await opened(held, admission, executor, f"sybil-{i}", FULL, first_tokens=1, step=False)
+                      for i in range(2)]  # fmt: skip
+            assert executor.bytes_left == 0
+            started = time.monotonic()
+            await opened(held, admission, executor, "user", FULL, first_tokens=5)
+            assert time.monotonic() - started < 1.0
+            assert all(q.cache.session.slots[0].promised_pages >= 1 and not q.task.done() for q in queued)
+            for session in queued:
+                session.work(1)  # their prefills run: room for them was kept
+            assert admission.num_evicted == 0

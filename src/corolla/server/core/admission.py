@@ -5,7 +5,8 @@ its tokens arrive; under memory pressure the least valuable holds yield first: s
 for `session_idle_evict_s`, then the promises of slow sessions beyond what they would use within `session_idle_evict_s`
 at their recent token rate (least recent work first; a session's pace is read only `first_token_grace_s` after its
 prefill), then unused promises beyond a fair share per peer of those holding promises, then the promises of sessions
-whose pace is not known yet. A session doing real work never loses the pages it holds. Runs in the server's asyncio
+whose pace is not known yet (first those of peers that recently closed a session with no token after its prefill,
+their queued prefills included). A session doing real work never loses the pages it holds. Runs in the server's asyncio
 loop; the KV bytes themselves belong to the executor (`SpanExecutor.open_session`). Why this shape:
 `docs/decisions/0016-hoarding.md` (and its addenda on trickling and fresh sessions)."""
 
@@ -15,7 +16,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -25,6 +26,8 @@ from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimi
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+MAX_REOPEN_RECORDS = 4096  # peers remembered for closing a session without work (oldest forgotten first)
 
 
 class CacheBudget(Protocol):
@@ -90,6 +93,8 @@ class SessionTicket:
     lease: CacheLease | None = None
     num_steps: int = 0
     num_tokens: int = 0
+    token_steps: int = 0  # steps that processed a token (its prefill is the first)
+    cache_opened: bool = False  # its cache was granted (a refused open never was: it closes nothing)
     withdrawn: bool = False  # part of its promise went to another session: restored at its next real token
     opening_tokens: int | None = None  # what its opening request brought (None: unknown)
     granting: bool = False  # admitted, its cache not open yet: it claims `reserved_bytes` of what is free
@@ -104,6 +109,7 @@ class SessionTicket:
         """Records a step; only one that processed at least one token counts as use."""
         self.num_steps += 1
         if num_tokens > 0:
+            self.token_steps += 1
             now = time.monotonic()
             if self.num_tokens:  # (the first tokens are its prefill: positions it holds, not its pace)
                 if self.work_horizon_s:
@@ -164,6 +170,8 @@ class SessionAdmission:
         self._per_peer: dict[str, set[SessionTicket]] = defaultdict(set)
         self.num_evicted = 0
         self.num_withdrawn = 0  # promises withdrawn (in part) from sessions that keep running
+        # peer -> when a session of it last closed with no token after its prefill (oldest first): a reopening peer
+        self._unworked_closes: OrderedDict[str, float] = OrderedDict()
         if isinstance(budget, ShortageSource):
             budget.on_shortage(self._on_short)
 
@@ -198,6 +206,8 @@ class SessionAdmission:
                 raise ticket.eviction
             yield ticket
         finally:
+            if ticket.cache_opened and ticket.token_steps < 2:
+                self._record_unworked_close(peer)
             self._tickets.discard(ticket)
             peer_tickets = self._per_peer.get(peer)
             if peer_tickets is not None:
@@ -235,6 +245,7 @@ class SessionAdmission:
             ticket.waiting = True  # (a refused allocation ends the ticket with it)
             async with executor.open_session(spec, alloc_timeout_s) as cache:
                 ticket.waiting = ticket.granting = False
+                ticket.cache_opened = True
                 ticket.opened_at = time.monotonic()  # the grace for its first step counts from here
                 ticket.lease = cache if isinstance(cache, CacheLease) else None
                 yield ticket, cache
@@ -319,22 +330,50 @@ class SessionAdmission:
         window_s = max(horizon_s * -math.expm1(-lived_s / horizon_s), self.limits.first_token_grace_s, 1e-3)
         return recent * horizon_s / window_s
 
+    def _record_unworked_close(self, peer: str) -> None:
+        """A session of `peer` closed (or was ended) with no token after its prefill: the peer reopens for the next
+        `session_idle_evict_s` (bounded: the oldest records go first)."""
+        now = time.monotonic()
+        self._unworked_closes[peer] = now
+        self._unworked_closes.move_to_end(peer)
+        horizon_s = self.limits.session_idle_evict_s
+        while self._unworked_closes:
+            oldest_peer, closed_at = next(iter(self._unworked_closes.items()))
+            if len(self._unworked_closes) <= MAX_REOPEN_RECORDS and now - closed_at < horizon_s:
+                break
+            del self._unworked_closes[oldest_peer]
+
+    def _reopening(self, peer: str) -> bool:
+        """A session of `peer` closed with no token after its prefill within `session_idle_evict_s`: its sessions
+        are opened and closed, not used (an honest client's close after a prefill alone is rare: a chain that broke
+        at once), so its prefills in the server's queue keep no promise beyond their tokens."""
+        closed_at = self._unworked_closes.get(peer)
+        return closed_at is not None and time.monotonic() - closed_at < self.limits.session_idle_evict_s
+
+    def _queued_reopen(self, ticket: SessionTicket) -> bool:
+        """Its opening request brought tokens not processed yet (its prefill waits in the runtime's queue), and its
+        peer reopens: under load a hoarder closing and reopening sessions keeps most of them in this state."""
+        return ticket.prefilled_at is None and bool(ticket.opening_tokens) and self._reopening(ticket.peer)
+
     def _pace_unknown(self, ticket: SessionTicket) -> bool:
-        """Less than `first_token_grace_s` since its prefill (a zero-token hold has none: it yields by
-        `never_worked`). A fresh session's first decode token follows its prefill by a round trip through the rest
-        of its chain, so right after its prefill it has processed no token at any pace: it is neither slow nor fast
-        yet."""
-        return (
-            ticket.prefilled_at is not None and time.monotonic() - ticket.prefilled_at < self.limits.first_token_grace_s
-        )
+        """Less than `first_token_grace_s` since its prefill, or a reopening peer's prefill still queued (a
+        zero-token hold has none: it yields by `never_worked`). A fresh session's first decode token follows its
+        prefill by a round trip through the rest of its chain, so right after its prefill it has processed no token
+        at any pace: it is neither slow nor fast yet. Another peer's queued prefill keeps its whole promise: it is
+        the guarantee the promise is for (decision 0016's addenda)."""
+        if ticket.prefilled_at is None:
+            return self._queued_reopen(ticket)
+        return time.monotonic() - ticket.prefilled_at < self.limits.first_token_grace_s
 
     def _unearned_promise(self, ticket: SessionTicket) -> int:
         """Promised cache beyond room for the tokens it holds and its pace (`num_tokens` counts positions times rows,
-        as `bytes_per_token` does); 0 before its first token (a zero-token hold yields whole: `never_worked`)."""
+        as `bytes_per_token` does), a reopening peer's queued prefill beyond room for its opening tokens; 0 for
+        another session with no token (a zero-token hold yields whole: `never_worked`)."""
         lease = ticket.lease
-        if lease is None or not self.limits.session_idle_evict_s or not ticket.bytes_per_token or not ticket.num_tokens:
+        tokens = ticket.num_tokens or (ticket.opening_tokens or 0 if self._queued_reopen(ticket) else 0)
+        if lease is None or not self.limits.session_idle_evict_s or not ticket.bytes_per_token or not tokens:
             return 0
-        needed = math.ceil((ticket.num_tokens + self._pace_tokens(ticket)) * ticket.bytes_per_token)
+        needed = math.ceil((tokens + self._pace_tokens(ticket)) * ticket.bytes_per_token)
         return max(0, min(lease.promised_bytes, lease.taken_bytes + lease.promised_bytes - needed))
 
     def _slow_promises(self, exclude: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
@@ -352,15 +391,20 @@ class SessionAdmission:
 
     def _fresh_promises(self, exclude: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
         """The same for sessions whose pace is not known yet (their promise beyond their tokens and what they did
-        since their prefill), the longest since its prefill first: they yield after every slow promise and every
-        share's excess (a session that just opened is not the slowest of all), and still yield (a hoarder opening
-        session after session, a token each, keeps no newcomer out)."""
+        since their prefill), reopening peers' first, then the longest since its prefill: they yield after every
+        slow promise and every share's excess (a session that just opened is not the slowest of all), and still
+        yield (a hoarder opening session after session, a token each, keeps no newcomer out, its prefills queued
+        or not)."""
         fresh = {
             t: self._unearned_promise(t)
             for t in self._tickets
             if t is not exclude and not t.evicted.is_set() and self._pace_unknown(t)
         }
-        for ticket in sorted((t for t in fresh if fresh[t]), key=lambda t: (t.prefilled_at, t.last_used_at)):
+
+        def order(t: SessionTicket) -> tuple[bool, float, float]:  # (a queued prefill is the freshest of its kind)
+            return (not self._reopening(t.peer), math.inf if t.prefilled_at is None else t.prefilled_at, t.last_used_at)
+
+        for ticket in sorted((t for t in fresh if fresh[t]), key=order):
             yield ticket, fresh[ticket]
 
     def _promises_over_share(self, ticket: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
@@ -458,16 +502,19 @@ class SessionAdmission:
         paced = ticket is None or ticket.opening_tokens != 0
         slow = self._slow_promises(ticket) if paced else iter(())
         fresh = self._fresh_promises(ticket) if paced else iter(())
-        for tier in (self._idle_promises(ticket), slow, self._promises_over_share(ticket), fresh):
+        # the pace tiers offer a session's whole unearned promise, not a part on top of what another tier took: a
+        # queued prefill keeps room for its tokens whatever took its share's excess before
+        tiers = ((self._idle_promises(ticket), False), (slow, True), (self._promises_over_share(ticket), False),
+                 (fresh, True))  # fmt: skip
+        for tier, offers_total in tiers:
             for candidate, nbytes in tier:
                 if free >= size:
                     break
                 if candidate in evicted:
                     continue
                 assert candidate.lease is not None  # (only sessions with a promise are offered)
-                nbytes = candidate.lease.withdrawable(withdrawn.get(candidate, 0) + nbytes) - withdrawn.get(
-                    candidate, 0
-                )
+                taken = withdrawn.get(candidate, 0)
+                nbytes = candidate.lease.withdrawable(max(taken, nbytes) if offers_total else taken + nbytes) - taken
                 if nbytes > 0:
                     withdrawn[candidate] = withdrawn.get(candidate, 0) + nbytes
                     free += nbytes
