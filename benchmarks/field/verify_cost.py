@@ -12,7 +12,7 @@ forwards), on the same engine. Cost = fraction x recompute time / decode time: t
 that verification adds (the replicas are servers of the same swarm). Each case runs twice; the second is reported
 (the first compiles the kernels).
 
-`--mode shadow` measures verification on a replica's spare rows instead (decision 0026): the replica keeps a shadow
+`--mode shadow` measures verification on a replica's spare rows instead (decision 0028): the replica keeps a shadow
 session of each session it verifies and replays that session's steps as extra single-token rows merged into the
 batched decode forwards it runs for its own `rows` sessions (a decode forward reads every weight once whatever its
 rows, so below the compute knee extra rows cost little), each position recomputed once (no stretch from position 0).
