@@ -8,7 +8,7 @@ prefill), then unused promises beyond a fair share per peer of those holding pro
 whose pace is not known yet (first those of peers that recently closed a session with no token after its prefill,
 their queued prefills included). A session doing real work never loses the pages it holds. Runs in the server's asyncio
 loop; the KV bytes themselves belong to the executor (`SpanExecutor.open_session`). Why this shape:
-`docs/decisions/0016-hoarding.md` (and its addenda on trickling and fresh sessions)."""
+`docs/decisions/0016-hoarding.md` (and its addenda on trickling, fresh and reopened sessions)."""
 
 from __future__ import annotations
 
