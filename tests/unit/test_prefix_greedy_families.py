@@ -5,8 +5,8 @@ fresh session computing the whole conversation gives.
 Why the engine and not a server per family: what a family changes about prefix caching lives in the engine (its
 span type, fused or eager, chosen by `SpanEngine.from_blocks` as the server chooses it; its pool layout: K/V heads,
 MLA latents, sliding windows, sinks). The keys (the client's hashes of token ids), the trust rule, the probe and the
-wire are the same code for every family and run end to end in test_prefix_cache_families / test_prefix_families,
-whose families (llama, BLOOM, Gemma-2, Qwen3) also compare against local transformers. The toy head here (a tied
+wire are the same code for every family and run end to end in test_prefix_cache_families (every family through a
+server, the client and corolla-api against local transformers; llama through a chain of two servers). The toy head here (a tied
 random embedding) turns hidden states into tokens; the claim is equality of the two ways, which it tests exactly."""
 
 from __future__ import annotations
