@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,19 @@ class RunReport:
         }
 
 
+# a loopback chain of two servers on the model at a path, with these server flags: its initial peers while entered
+ChainStarter = Callable[[Path, Sequence[str]], AbstractContextManager[Sequence[str]]]
+
+
+@contextlib.contextmanager
+def server_processes(path: Path, server_args: Sequence[str]) -> Iterator[Sequence[str]]:
+    """The benchmark's chain: two server processes splitting the blocks (`corolla.api.local_swarm.LocalSwarm`)."""
+    from corolla.api.local_swarm import LocalSwarm
+
+    with LocalSwarm(str(path), num_servers=2, server_args=server_args) as swarm:
+        yield swarm.initial_peers
+
+
 def run(
     workdir: str | Path,
     *,
@@ -116,14 +130,14 @@ def run(
     server_args: Sequence[str] = (),
     concurrency: int = 1,
     conversations: list[Conversation] | None = None,
+    start_chain: ChainStarter = server_processes,
 ) -> RunReport:
-    """Writes the model, starts the chain and the two gateways, replays the workload both ways; everything is stopped
-    before it returns."""
+    """Writes the model, starts the chain (`start_chain`) and the two gateways, replays the workload both ways;
+    everything is stopped before it returns."""
     import openai
 
     from corolla.api.app import ApiConfig, create_app
     from corolla.api.backend import load_swarm_backend
-    from corolla.api.local_swarm import LocalSwarm
     from corolla.api.serving import serve_in_thread
 
     path = write_checkpoint(Path(workdir) / f"model-h{shape.hidden_size}-l{shape.num_layers}", shape)
@@ -133,10 +147,10 @@ def run(
     # float32 blocks (a float32 checkpoint is served in bfloat16 by default): bfloat16's rounding (~1e-2 of a logit)
     # would flip many near ties of a random model between the passes and hide a real divergence among them
     all_server_args = ("--torch_dtype", "float32", *server_args)
-    with LocalSwarm(str(path), num_servers=2, server_args=all_server_args) as swarm, contextlib.ExitStack() as stack:
+    with start_chain(path, all_server_args) as initial_peers, contextlib.ExitStack() as stack:
         backends = []  # (the cache off, on)
         for _ in range(2):
-            backends.append(load_swarm_backend(str(path), initial_peers=swarm.initial_peers, model_id=MODEL_ID))
+            backends.append(load_swarm_backend(str(path), initial_peers=initial_peers, model_id=MODEL_ID))
             stack.callback(backends[-1].model.shutdown)
         gateways = [stack.enter_context(serve_in_thread(create_app(backend, ApiConfig()))) for backend in backends]
         clients = [
