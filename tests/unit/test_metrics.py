@@ -8,7 +8,7 @@ from bisect import bisect_left
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from corolla.server.core.runtime import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, BatchCounts
+from corolla.server.core.batch_counts import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, BatchCounts
 from corolla.server.metrics import REJECT_REASONS, TOKEN_KINDS, ServerMetrics
 
 

@@ -7,7 +7,8 @@ import asyncio
 import time
 from bisect import bisect_left
 
-from corolla.server.core.runtime import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, KindStats, Runtime
+from corolla.server.core.batch_counts import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS
+from corolla.server.core.runtime import KindStats, Runtime
 
 
 def test_merged_tasks_are_counted_per_batch_and_kind():

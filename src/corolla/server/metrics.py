@@ -43,7 +43,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from corolla.server.core.runtime import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, BatchCounts
+from corolla.server.core.batch_counts import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, BatchCounts
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

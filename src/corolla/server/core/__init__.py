@@ -1,6 +1,7 @@
 """The core: what a server owns once a request is valid. The seams every front talks to (`span_core.SessionCore`
 for sessions, `executor.SpanExecutor` for work) and their implementations (`span_core.SpanCore`; `engine_executor`,
-`forward_chunks`); the device thread, its task queue and scheduler (`runtime`) and its gather rule (`gather`); all session state:
+`forward_chunks`); the device thread, its task queue and scheduler (`runtime`), its gather rule (`gather`) and its batch counts
+(`batch_counts`, what the metrics read); all session state:
 admission and fair-use limits (`admission`, `limits`), the push table (`span_core`), what a pushed step may do
 (`push_guard`), a stream's sessions and step iterator (`sessions`), drain with KV hand-off (`drain`, `kv_handoff`);
 and every typed refusal (`refusals`)."""

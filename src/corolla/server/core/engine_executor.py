@@ -34,6 +34,7 @@ from corolla.engine.spans.eager_span import read_positions, write_positions
 from corolla.models.block_base import TensorDescriptor
 from corolla.protocol.prefix import PrefixKeys
 from corolla.server.backend import SpanBackend
+from corolla.server.core.batch_counts import BatchCounts
 from corolla.server.core.executor import (
     PATH_EAGER,
     PATH_FUSED,
@@ -48,7 +49,7 @@ from corolla.server.core.executor import (
     TensorDescriptorLike,
 )
 from corolla.server.core.forward_chunks import run_forward_chunked
-from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, BatchCounts, Runtime, Task
+from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, Runtime, Task
 from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
 from corolla.server.throughput import default_cache_dir
