@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import engine_steps, measure
-from benchmarks.common.model import ModelShape, build_hf_model
+from benchmarks.common.model import ModelShape, build_blocks, build_hf_model
 from benchmarks.serving import hf_baseline, report
 from corolla.utils.logging import get_logger
 
@@ -204,13 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         use_triton=not args.no_triton,
         tune_gemm=not args.no_tune,
     )
-    span = FastLlamaSpan.from_hf_state_dicts(
-        shape.hf_config(),
-        [layer.state_dict() for layer in layers],
-        max_positions=config.max_seq_len_tokens,
-        device=device,
-        dtype=dtype,
-        use_triton=config.use_triton,
+    blocks = build_blocks(model, shape, dtype, device, len(layers))  # corolla blocks holding the same weights
+    span = FastLlamaSpan.from_blocks(
+        list(blocks.values()), max_positions=config.max_seq_len_tokens, use_triton=config.use_triton
     )
     engine = SpanEngine(span, config)
     results["engine"] = {"triton": span.ops.use_triton, "graphs": engine.graphs is not None}

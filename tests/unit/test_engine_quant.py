@@ -22,6 +22,7 @@ from corolla.engine.quant.quant import (
 )
 from corolla.engine.span_engine import SpanEngine
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
+from corolla.models.registry import get_family
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 bnb = pytest.importorskip("bitsandbytes")
@@ -169,14 +170,10 @@ def test_qwen3_layer_matches_transformers() -> None:
             torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.1 if p.ndim == 1 else 0.05)
     spec = LlamaSpec.from_hf_config(config)
     assert spec.qk_norm
-    span = FastLlamaSpan.from_hf_state_dicts(
-        config,
-        [layer.state_dict() for layer in layers],
-        max_positions=256,
-        device="cpu",
-        dtype=torch.float32,
-        use_triton=False,
-    )
+    blocks = [get_family(config).build_block(config, i).eval() for i in range(2)]
+    for block, layer in zip(blocks, layers, strict=True):
+        block.load_hf_state_dict(layer.state_dict())  # the transformers layers' weights in corolla blocks
+    span = FastLlamaSpan.from_blocks(blocks, max_positions=256, use_triton=False)
     engine = SpanEngine(span, EngineConfig(kv_pool_bytes=4 << 20, page_size_tokens=16, max_seq_len_tokens=64))
     hidden = torch.randn(1, 6, 128)
     rotary = Qwen3RotaryEmbedding(config)

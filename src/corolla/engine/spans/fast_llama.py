@@ -24,7 +24,7 @@ from corolla.engine.spans.fast_lora import DecodeRows, FusedProjection, OneAdapt
 from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
 from corolla.models.layers import SparseMoE
 from corolla.models.lora import LoraLinear
-from corolla.models.positions import RotaryEmbedding, rope_parameters
+from corolla.models.positions import RotaryEmbedding
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -300,50 +300,6 @@ class FastLlamaSpan(ChunkedPrefill):
             raise ValueError("Dynamic rope changes past max_position_embeddings; lower max_seq_len_tokens")
         inv_freq = rotary.inv_freq(layers[0].ln1.device, 0)  # [D/2] fp32
         return cls(spec, layers, inv_freq, max_positions=max_positions, adapters=adapters, **kwargs)
-
-    @classmethod
-    def from_hf_state_dicts(
-        cls,
-        config,
-        state_dicts: Sequence[dict[str, torch.Tensor]],
-        *,
-        max_positions: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
-        **kwargs,
-    ) -> FastLlamaSpan:
-        """Builds fused copies from per-layer checkpoint tensors named as in transformers (`self_attn.q_proj.weight`)."""
-        spec = LlamaSpec.from_hf_config(config)
-
-        def get(sd, name):
-            return sd[name].to(device=device, dtype=dtype) if name in sd else None
-
-        layers = []
-        for sd in state_dicts:
-            qkv_names = [f"self_attn.{p}_proj" for p in "qkv"]
-            layers.append(
-                LayerWeights(
-                    ln1=get(sd, "input_layernorm.weight"),
-                    w_qkv=torch.cat([get(sd, f"{n}.weight") for n in qkv_names]),
-                    b_qkv=torch.cat([get(sd, f"{n}.bias") for n in qkv_names]) if spec.qkv_bias else None,
-                    w_o=get(sd, "self_attn.o_proj.weight"),
-                    b_o=get(sd, "self_attn.o_proj.bias"),
-                    ln2=get(sd, "post_attention_layernorm.weight"),
-                    w_gate_up=torch.cat([get(sd, "mlp.gate_proj.weight"), get(sd, "mlp.up_proj.weight")]),
-                    b_gate_up=(
-                        torch.cat([get(sd, "mlp.gate_proj.bias"), get(sd, "mlp.up_proj.bias")])
-                        if spec.mlp_bias
-                        else None
-                    ),
-                    w_down=get(sd, "mlp.down_proj.weight"),
-                    b_down=get(sd, "mlp.down_proj.bias"),
-                    q_norm=get(sd, "self_attn.q_norm.weight") if spec.qk_norm else None,
-                    k_norm=get(sd, "self_attn.k_norm.weight") if spec.qk_norm else None,
-                )
-            )
-        rotary = RotaryEmbedding(spec.head_dim, rope_parameters(config), config.max_position_embeddings)
-        inv_freq = rotary.inv_freq(torch.device(device), 0)
-        return cls(spec, layers, inv_freq, max_positions=max_positions, **kwargs)
 
     # ------------------------------------------------------------------------------------------ compute
 
