@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.span_engine import StepRequest
+from corolla.engine.span_engine import StepRequest, fused_model
 from corolla.models.registry import get_family
 from corolla.utils.errors import AllocationFailed
 from helpers.engine_reference import cached_block_steps
@@ -156,13 +156,15 @@ def test_fused_span_refuses_unsupported_blocks_which_then_run_eagerly() -> None:
     config.activation = "relu"  # the Falcon/BLOOM span implements GELU MLPs only
     block = get_family(config).build_block(config, 0)
     with pytest.raises(ValueError, match="GELU"):
-        SpanEngine.fused_from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20), max_positions=64)
+        fused_model([block], EngineConfig(kv_pool_bytes=1 << 20), max_positions=64)
     assert not SpanEngine.from_blocks([block], EngineConfig(kv_pool_bytes=1 << 20)).fused
 
 
 def test_sliding_window_limits_the_fused_session_length_so_the_blocks_run_eagerly() -> None:
     blocks = make_blocks("mistral", num_layers=1)  # tiny mistral: window of 12 tokens
-    fused = SpanEngine.fused_from_blocks(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=64)
+    config = EngineConfig(kv_pool_bytes=1 << 20)
+    model, adapters = fused_model(blocks, config, max_positions=64)
+    fused = SpanEngine(model, config, adapters=adapters)
     assert fused.max_seq_len_tokens == 12
     with pytest.raises(ValueError, match="max = 12"):
         fused.open_session(1, 13)

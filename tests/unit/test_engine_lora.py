@@ -15,7 +15,7 @@ import torch
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.serving import SpanTraits, unsupported_reason
-from corolla.engine.span_engine import StepRequest
+from corolla.engine.span_engine import StepRequest, fused_model
 from corolla.engine.spans.fast_lora import FusedProjection
 from corolla.models.lora import LoraWeights, add_adapter, using_adapter
 from corolla.models.registry import get_family
@@ -145,7 +145,7 @@ def test_adapters_on_modules_the_fused_span_does_not_cover_run_eagerly() -> None
     assert SpanEngine.from_blocks([block], config).fused  # attention: served by the fused span
     add_adapter(block, "router", LoraWeights("test", 0, dict([router])))
     with pytest.raises(ValueError, match="does not apply adapters"):
-        SpanEngine.fused_from_blocks([block], config, max_positions=32)
+        fused_model([block], config, max_positions=32)
     assert not SpanEngine.from_blocks([block], config).fused  # the blocks apply it themselves
 
 

@@ -14,7 +14,7 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.kernels.mla_kernels import group_limited_route
 from corolla.engine.kv.kv_pool import KVLayout
-from corolla.engine.span_engine import StepRequest
+from corolla.engine.span_engine import StepRequest, fused_model
 from corolla.engine.spans.fast_mla import FastMlaSpan
 from corolla.models.kv_sizing import kv_cache_bytes_per_token
 from corolla.models.registry import get_family
@@ -211,7 +211,7 @@ def test_active_bytes_count_the_chosen_experts_only() -> None:
 def test_unsupported_deepseek_blocks_are_refused_by_the_fused_span_and_run_eagerly() -> None:
     blocks = make_blocks(num_layers=1, hidden_act="gelu")
     with pytest.raises(ValueError, match="silu"):
-        SpanEngine.fused_from_blocks(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=64)
+        fused_model(blocks, EngineConfig(kv_pool_bytes=1 << 20), max_positions=64)
     assert not make_engine(blocks).fused
 
 

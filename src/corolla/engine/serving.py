@@ -1,7 +1,7 @@
 """Which spans the engine runs on fused kernels, as one question a server asks before building it:
 `unsupported_reason` says why a span can't use them (None when it can); such a span still runs on the engine, its
 blocks eagerly over the same paged pool (`eager_span`). The fused span types' own checks on the loaded blocks
-(`SpanEngine.fused_from_blocks`, ValueError) still apply after this; extend the rules here when the engine learns a
+(`span_engine.fused_model`, ValueError) still apply after this; extend the rules here when the engine learns a
 new case (a quantization, a family)."""
 
 from __future__ import annotations

@@ -185,14 +185,6 @@ class SpanEngine:
         eager = EagerSpan(blocks, max_positions=max_positions)
         return cls(eager, config, adapters=eager.adapters)
 
-    @classmethod
-    def fused_from_blocks(
-        cls, blocks: Sequence[torch.nn.Module], config: EngineConfig, *, max_positions: int
-    ) -> SpanEngine:
-        """An engine on the fused span type of the blocks' model type; ValueError where it can't take them."""
-        model, adapters = fused_model(blocks, config, max_positions=max_positions)
-        return cls(model, config, adapters=adapters)
-
     @property
     def fused(self) -> bool:
         """Whether the span runs on fused kernels (else its blocks run eagerly over the pool)."""
