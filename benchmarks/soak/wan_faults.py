@@ -51,6 +51,7 @@ class WanFaultLoop:
         self.config, self.rng, self.wan = config, rng, wan
         self.counters = WanCounters()
         self.proxies: dict[str, WanProxy] = {}  # server name -> the proxy it announces
+        self._host_ports: dict[str, int] = {}  # server name -> the port it was told to listen on
         self._t0 = time.monotonic()
         self._next_at = float("inf")
         self._kind = 0
@@ -60,11 +61,26 @@ class WanFaultLoop:
         """Flags for the server about to start as `name` (in place of `replaced`, whose proxy is closed: its dials
         would only fail): listen on a free port, announce a new proxy to it."""
         old = self.proxies.pop(replaced, None) if replaced is not None else None
+        if replaced is not None:
+            self._host_ports.pop(replaced, None)
         if old is not None:
             self._partitioned = [(p, at) for p, at in self._partitioned if p is not old]
             self.wan.remove(old)
         port = free_port()
+        while port in self._host_ports.values():  # (free again until its server binds it)
+            port = free_port()
+        # a proxy's listener (port 0) may get a port a server was told to listen on and has not bound yet (it
+        # starts seconds later): then that server can't start ("already in use"); such proxies are kept until one
+        # lands elsewhere, then closed
+        taken = {port, *self._host_ports.values()}
         proxy = self.wan.add(port, LINK)
+        spares = []
+        while proxy.port in taken:
+            spares.append(proxy)
+            proxy = self.wan.add(port, LINK)
+        for spare in spares:
+            self.wan.remove(spare)
+        self._host_ports[name] = port
         self.proxies[name] = proxy
         return ("--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}", "--announce_maddrs", f"/ip4/127.0.0.1/tcp/{proxy.port}")
 
