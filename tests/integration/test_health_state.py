@@ -147,7 +147,7 @@ def test_flow_load_and_moves():
     (report,) = state["model_reports"]
     rows = {r["peer_id"]: r for r in report["server_rows"]}
     assert rows[A]["load"] == {"sessions_active": 2, "busy_fraction": 0.5, "tokens_served": 1000, "num_moves": 0,
-                               "served_tps": 6.0}  # fmt: skip
+                               "moving_to": None, "served_tps": 6.0}  # fmt: skip
     assert rows[C]["load"] is None
     flow = report["flow"]
     # A and B in series (100 tok/s each) beside C over all blocks (100): 200 tok/s through every block
@@ -156,4 +156,24 @@ def test_flow_load_and_moves():
     assert flow["bound_tps"] == 200.0 and flow["efficiency"] == pytest.approx(1.0, rel=1e-6)
     assert flow["served_tps"] == pytest.approx(6.0 * 3 / 6)
     assert report["num_moves"] == 3 and report["moves_in_progress"] == 1
+    assert rows[E]["move"] == "reloading" and rows[A]["move"] is None and rows[C]["move"] is None
+    json.dumps(state, allow_nan=False)
+
+
+def test_a_fetch_while_serving_is_a_move_in_progress():
+    """A server that fetches the span it will move to keeps serving its own (ONLINE): its record's `moving_to`
+    makes it a move in progress, shown with the span it fetches."""
+    swarm = {
+        A: record(ServerState.ONLINE, 0, 3, num_moves=0, moving_to=(3, 6)),
+        B: record(ServerState.ONLINE, 3, 6, num_moves=0),
+        C: record(ServerState.JOINING, 2, 4, num_moves=1),
+    }
+    state = build_state([ModelEntry(dht_prefix=PREFIX, num_blocks=6)], {PREFIX: module_infos(swarm)},
+                        last_updated=1.0, update_period_s=1.0, update_duration_s=0.1)  # fmt: skip
+    (report,) = state["model_reports"]
+    rows = {r["peer_id"]: r for r in report["server_rows"]}
+    assert rows[A]["state"] == "online" and rows[A]["move"] == "fetching" and rows[A]["load"]["moving_to"] == [3, 6]
+    assert rows[B]["move"] is None and rows[C]["move"] == "reloading"
+    assert report["moves_in_progress"] == 2
+    assert all(block["state"] == "online" for block in report["blocks"])  # it still serves 0:3
     json.dumps(state, allow_nan=False)

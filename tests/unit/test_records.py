@@ -145,7 +145,7 @@ def test_load_fields_are_optional_extensions():
     assert not set(LOAD_FIELDS) & set(plain.to_tuple()[2])
     loaded = ServerInfo(
         state=ServerState.ONLINE, throughput=2.0, start_block=0, end_block=4, sessions_active=3, busy_fraction=0.25,
-        tokens_served=12345, num_moves=1,
+        tokens_served=12345, num_moves=1, moving_to=(8, 12),
     )  # fmt: skip
     state, throughput, extra = loaded.to_tuple()
     assert (state, throughput) == (2, 2.0) and extra["sessions_active"] == 3 and extra["busy_fraction"] == 0.25
@@ -164,7 +164,9 @@ def test_load_fields_are_optional_extensions():
         ("sessions_active", -1), ("sessions_active", True), ("sessions_active", 1.0), ("sessions_active", 1 << 40),
         ("busy_fraction", 1.5), ("busy_fraction", -0.1), ("busy_fraction", math.nan), ("busy_fraction", 1),
         ("busy_fraction", "0.5"), ("tokens_served", 1 << 63), ("tokens_served", -5), ("num_moves", [1]),
-        ("num_moves", 1 << 30),
+        ("num_moves", 1 << 30), ("moving_to", [4]), ("moving_to", [4, 4]), ("moving_to", [5, 4]),
+        ("moving_to", [-1, 4]), ("moving_to", [0, 1 << 20]), ("moving_to", [0.0, 4]), ("moving_to", [True, 4]),
+        ("moving_to", "0:4"), ("moving_to", {0: 4}),
     ],
 )  # fmt: skip
 def test_hostile_load_fields_are_refused(field, value):
@@ -193,7 +195,7 @@ def test_petals_reader_ignores_the_load_fields():
 
     loaded = ServerInfo(
         state=ServerState.ONLINE, throughput=2.0, start_block=0, end_block=4, inference_rps=9.0, sessions_active=3,
-        busy_fraction=0.25, tokens_served=12345, num_moves=1,
+        busy_fraction=0.25, tokens_served=12345, num_moves=1, moving_to=(8, 12),
     )  # fmt: skip
     state, throughput, extra = MSGPackSerializer.loads(MSGPackSerializer.dumps(loaded.to_tuple()))
     parsed = PetalsServerInfo(state=state, throughput=throughput, **extra)  # as Petals' from_tuple calls it

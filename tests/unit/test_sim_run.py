@@ -208,6 +208,9 @@ def test_a_corolla_server_serves_its_span_while_it_fetches_the_next() -> None:
         if server.state is not None:  # not gone meanwhile: still announced and serving its old span
             announced = sim.view.servers[server.peer_id]
             seen.append((server.peer_id, announced.state, server.num_moves))
+            # its record says where it moves, as the real server's does (`SwarmSeat.load_fields`)
+            assert announced.info is not None and server.fetching is not None
+            assert announced.info.moving_to == (server.fetching.start, server.fetching.stop)
         original(server, moves, reason)
         MOVED.add(server.peer_id)
 

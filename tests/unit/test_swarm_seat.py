@@ -60,6 +60,26 @@ def test_choose_span_and_move_through_the_policy(policy):
     assert "corolla_moves_total 1.0" in text and "corolla_span_load_seconds_total 5.0" in text
 
 
+def test_a_fetch_in_progress_is_announced_and_in_the_metrics():
+    """While a planned move fetches its span the server serves its own: its record says where it moves
+    (`moving_to`) and its metrics that it fetches; a move dropped after the fetch is counted."""
+    seat = make_seat("corolla", [span("A", 0, 2, 10.0)])
+    assert seat.load_fields(None)["moving_to"] is None
+    seat.fetch_started(range(2, 4))
+    assert seat.load_fields(None)["moving_to"] == (2, 4)
+    assert "corolla_span_fetching 1.0" in seat.metrics.render().decode()
+    seat.fetch_ended(dropped=True)
+    assert seat.load_fields(None)["moving_to"] is None  # given as None, so the announcer clears it
+    text = seat.metrics.render().decode()
+    assert "corolla_span_fetching 0.0" in text and "corolla_moves_dropped_total 1.0" in text
+    assert "corolla_moves_total 0.0" in text
+    seat.fetch_started(range(2, 4))
+    seat.fetch_ended(dropped=False)
+    seat.moving_to(range(2, 4))
+    text = seat.metrics.render().decode()
+    assert "corolla_moves_dropped_total 1.0" in text and "corolla_moves_total 1.0" in text
+
+
 def test_corolla_seat_places_its_cache_where_the_swarm_has_least_free():
     # equal throughput on 0..1 and 2..3, but 2..3 announce room for few tokens: the seat's own cache goes there
     def cached(peer: str, start: int, end: int, left: int) -> RemoteSpanInfo:
@@ -81,12 +101,17 @@ def test_corolla_seat_dwells_after_loading():
 
 def test_load_fields_sample_the_runtime():
     seat = make_seat("corolla", [])
-    assert seat.load_fields(None) == {"tokens_served": 0, "num_moves": 0}
+    assert seat.load_fields(None) == {"tokens_served": 0, "num_moves": 0, "moving_to": None}
     stats = {"inference": KindStats(busy_s=1.0)}
     service = SimpleNamespace(runtime=SimpleNamespace(stats=lambda: stats), core=SimpleNamespace(num_open=3))
     seat.metrics.tokens("inference", 7)
     first = seat.load_fields(service)
-    assert first == {"tokens_served": 7, "num_moves": 0, "sessions_active": 3}  # no busy share before two samples
+    assert first == {
+        "tokens_served": 7,
+        "num_moves": 0,
+        "moving_to": None,
+        "sessions_active": 3,
+    }  # no busy share before two samples
     stats["inference"] = KindStats(busy_s=1.0 + 1e9)  # more busy time than wall time passed: clipped to 1
     assert seat.load_fields(service)["busy_fraction"] == 1.0
     assert ServerInfo(state=ServerState.ONLINE, throughput=1.0, **seat.load_fields(service)).busy_fraction == 0.0

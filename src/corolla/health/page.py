@@ -104,7 +104,10 @@ function serverTable(report) {
       ", quant " + (info.quant_type || "?") +
       ", relay " + relay + "\\nforward rps " + num(info.forward_rps, 1) + ", network rps " + num(info.network_rps, 1) +
       "\\nadapters: " + (row.adapters.map((a) => a.short_name).join(", ") || "none");
-    const state = row.state === "joining" && load.num_moves ? "moving" : row.state;
+    // a move in progress: "fetching a:b" while it serves its span and fetches the next one's weights, "moving" while
+    // it reloads (serving nothing)
+    const fetching = "fetching " + (load.moving_to ? load.moving_to[0] + ":" + load.moving_to[1] : "");
+    const state = row.move === "fetching" ? fetching : (row.move === "reloading" ? "moving" : row.state);
     const cell = (text) => el("td", {"class": "num"}, text);
     const cells = [
       el("td", {}, info.public_name || ""),

@@ -9,7 +9,7 @@ Shape of `/api/v1/state` (health.petals.dev's keys, plus `blocks`, `num_servers`
          "num_servers": int,
          "blocks": [{"index", "num_servers", "throughput", "state": "online" | "joining" | "gap"}],   # coverage bar
          "flow": {"bottleneck_tps", "max_flow_tps", "bound_tps", "efficiency", "served_tps"},   # `swarm_flow`
-         "num_moves": int, "moves_in_progress": int,            # rebalancing moves announced; servers reloading now
+         "num_moves": int, "moves_in_progress": int,            # moves announced; servers fetching or reloading now
          "server_rows": [{
              "short_peer_id": "...abcdef", "peer_id", "peer_ip_info": "unknown", "show_public_name",
              "state": "online" | "joining" | "offline" | "unreachable",
@@ -18,8 +18,10 @@ Shape of `/api/v1/state` (health.petals.dev's keys, plus `blocks`, `num_servers`
                       using_relay, cache_tokens_left, next_pings, start_block, end_block}},
              "adapters": [{"name", "short_name"}], "pings_to_me": {peer_id: rtt_s},
              "cache_tokens_left_per_block": int (when announced), "ping_s": float | null (our reachability probe),
-             "load": {"sessions_active", "busy_fraction", "tokens_served", "num_moves", "served_tps"} (null: not
-                      announced, e.g. a Petals server; served_tps: tokens/s since the monitor's last refresh)}]}],
+             "load": {"sessions_active", "busy_fraction", "tokens_served", "num_moves", "moving_to", "served_tps"}
+                     (null: not announced, e.g. a Petals server; served_tps: tokens/s since the monitor's last
+                     refresh; moving_to: [start, end) of the span it fetches while serving its own),
+             "move": "fetching" | "reloading" | null}]}],
      "reachability_issues": [{"peer_id", "err"}],
      "last_updated": unix seconds, "update_period": s, "update_duration": s}
 Floats that are infinite (a failed ping) are reported as null, so the document is strict JSON.
@@ -167,6 +169,7 @@ def build_model_report(
             },
             "ping_s": rtts_s.get(peer_id),
             "load": _load_json(info, (served_tps or {}).get(peer_id)),
+            "move": move_phase(span),
         }
         if info.cache_tokens_left is not None:
             row["cache_tokens_left_per_block"] = info.cache_tokens_left // (span.length * 2)  # keys and values
@@ -190,10 +193,19 @@ def build_model_report(
             _served_per_block(online_spans, served_tps, model.num_blocks) if known else None,
         ),
         "num_moves": sum(span.server_info.num_moves or 0 for span in spans.values()),
-        "moves_in_progress": sum(
-            1 for span in spans.values() if span.state == ServerState.JOINING and (span.server_info.num_moves or 0) > 0
-        ),
+        "moves_in_progress": sum(1 for span in spans.values() if move_phase(span) is not None),
     }
+
+
+def move_phase(span: RemoteSpanInfo) -> str | None:
+    """Where a server is in a move: "fetching" the new span's weights while it serves its own (its record's
+    `moving_to`), "reloading" (JOINING after a move: it serves nothing), or None."""
+    info = span.server_info
+    if info.moving_to is not None and span.state == ServerState.ONLINE:
+        return "fetching"
+    if span.state == ServerState.JOINING and (info.num_moves or 0) > 0:
+        return "reloading"
+    return None
 
 
 def _served_per_block(

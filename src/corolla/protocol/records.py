@@ -16,7 +16,7 @@ MAX_SESSIONS_ACTIVE = 1 << 20  # far above what any server holds; a record claim
 MAX_TOKENS_SERVED = 1 << 62
 MAX_NUM_MOVES = 1 << 20
 # corolla's optional load fields: left out of the tuple when None, so a record without them is what Petals writes
-LOAD_FIELDS = ("sessions_active", "busy_fraction", "tokens_served", "num_moves")
+LOAD_FIELDS = ("sessions_active", "busy_fraction", "tokens_served", "num_moves", "moving_to")
 
 
 class ServerState(IntEnum):
@@ -67,6 +67,20 @@ def _check_fraction(name: str, value: Any) -> float | None:
     return value
 
 
+def _check_block_range(name: str, value: Any) -> tuple[int, int] | None:
+    """A `[start, end)` pair of block indices (msgpack gives a list), 0 <= start < end <= MAX_MODEL_BLOCKS."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise TypeError(f"{name} must be a [start, end) pair, got {value!r:.100}")
+    start = _check_bounded_int(name, value[0], MAX_MODEL_BLOCKS)
+    end = _check_bounded_int(name, value[1], MAX_MODEL_BLOCKS)
+    assert start is not None and end is not None, "pair items are not None (checked as ints)"
+    if end <= start:
+        raise ValueError(f"{name} must have end > start, got {start}:{end}")
+    return (start, end)
+
+
 def _check_optional(name: str, value: Any, kind: type) -> Any:
     if value is not None and not isinstance(value, kind):
         raise TypeError(f"{name} must be {kind.__name__} or None, got {type(value).__name__}")
@@ -102,6 +116,8 @@ class ServerInfo:
     busy_fraction: float | None = None  # share of the last announce period the server's device thread was busy
     tokens_served: int | None = None  # tokens its blocks processed since it started (every kind)
     num_moves: int | None = None  # rebalancing moves since it started
+    # while it fetches the weights of the span it will move to and keeps serving its own: that span's [start, end)
+    moving_to: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.state, bool) or not isinstance(self.state, int):
@@ -136,6 +152,7 @@ class ServerInfo:
         self.busy_fraction = _check_fraction("busy_fraction", self.busy_fraction)
         self.tokens_served = _check_bounded_int("tokens_served", self.tokens_served, MAX_TOKENS_SERVED)
         self.num_moves = _check_bounded_int("num_moves", self.num_moves, MAX_NUM_MOVES)
+        self.moving_to = _check_block_range("moving_to", self.moving_to)
 
     def to_tuple(self) -> tuple[int, float, dict[str, Any]]:
         extra = dataclasses.asdict(self)

@@ -15,6 +15,9 @@ Usage from the server (every call is cheap, thread-safe and never raises):
     metrics.announce_failed()                    # a DHT declare that failed or timed out
     metrics.span_loaded(seconds)                 # a span finished loading (at start and after each move)
     metrics.move_started()                       # the swarm policy decided to move this server
+    metrics.fetch_started()                      # a move's new span is fetched while the old one serves...
+    metrics.fetch_ended(seconds)                 # ...done (or given up: the server stops)
+    metrics.move_dropped()                       # the policy, asked again after the fetch, no longer wants the move
     metrics.tokens_total()                       # tokens processed so far, every kind (read back for announcements)
     exporter = metrics.serve(port)               # HTTP exporter at http://127.0.0.1:<port>/metrics; exporter.close()
 
@@ -27,7 +30,8 @@ step_seconds and batch_size (histograms, per executed batch of the runtime: its 
 queue_wait_seconds (histogram, training tasks), requests_rejected_total{reason},
 kv_cache_used_bytes, kv_cache_free_bytes, prefix_keyed_tokens_total, prefix_hit_tokens_total, prefix_cache_bytes,
 prefix_cache_evictions, prefix_cache_limit_bytes, blocks_served, announce_failures_total, moves_total,
-span_load_seconds_total, span_loads_total.
+span_load_seconds_total, span_loads_total, span_fetching (1 while a move's span is fetched), span_fetch_seconds_total,
+moves_dropped_total.
 """
 
 from __future__ import annotations
@@ -153,6 +157,15 @@ class ServerMetrics:
             "corolla_span_load_seconds", "Seconds spent loading spans (joining and moves)", registry=r
         )
         self._loads = Counter("corolla_span_loads", "Spans loaded (joining and moves)", registry=r)
+        self._fetching = Gauge(
+            "corolla_span_fetching", "1 while the server fetches a move's new span and serves its own", registry=r
+        )
+        self._fetch_seconds = Counter(
+            "corolla_span_fetch_seconds", "Seconds spent fetching moves' new spans while serving", registry=r
+        )
+        self._moves_dropped = Counter(
+            "corolla_moves_dropped", "Moves given up after their fetch: the policy no longer asked for them", registry=r
+        )
         # Pre-create labelled children so every series is exported (as 0) from the start.
         for reason in REJECT_REASONS:
             self._rejected.labels(reason=reason)
@@ -246,6 +259,16 @@ class ServerMetrics:
 
     def move_started(self) -> None:
         self._moves.inc()
+
+    def fetch_started(self) -> None:
+        self._fetching.set(1)
+
+    def fetch_ended(self, seconds: float) -> None:
+        self._fetching.set(0)
+        self._fetch_seconds.inc(max(0.0, seconds))
+
+    def move_dropped(self) -> None:
+        self._moves_dropped.inc()
 
     def tokens_total(self) -> int:
         """Tokens processed so far, every kind."""

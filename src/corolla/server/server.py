@@ -472,16 +472,27 @@ class Server:
                 continue
             # keep serving this span while the new one's weights come to the disk, then ask again: the swarm may have
             # changed meanwhile (the fetched files stay in the cache either way)
+            assert self.seat is not None
+            self.seat.fetch_started(target)
+            await self._announce_move_phase()
             fetched = await self._fetch_while_serving(service, target)
             if fetched != "fetched":
+                self.seat.fetch_ended(dropped=False)
                 return fetched
-            if await self._plan_move() is None:
+            dropped = await self._plan_move() is None
+            self.seat.fetch_ended(dropped=dropped)
+            if dropped:
                 logger.info(f"server.move_dropped(blocks={target.start}:{target.stop})")
+                await self._announce_move_phase()
                 continue
-            assert self.seat is not None
             self.seat.moving_to(target)
             logger.info(f"server.move(reason=swarm is imbalanced, blocks={target.start}:{target.stop})")
             return "move"
+
+    async def _announce_move_phase(self) -> None:
+        """Re-announces now (same state) so that the record's `moving_to` shows a fetch as it starts and ends."""
+        if self.announcer is not None:
+            await self.announcer.announce(self.announcer.state)
 
     @staticmethod
     def _report_stats(service: SpanService) -> None:

@@ -55,6 +55,8 @@ class SwarmSeat:
         self._busy_sample: tuple[float, float] | None = None  # (time.monotonic(), runtime busy seconds)
         self.rtt_book = RttBook()  # RTTs it measured to other servers, kept across balance checks
         self.next_span: range | None = None  # the span a move fetched, loaded next
+        self.fetching: range | None = None  # the span a planned move fetches while this server serves its own
+        self._fetch_started = 0.0
         self._rng = random.Random()
 
     def capacity(self, rtts_s: Mapping[str, float] | None = None) -> ServerCapacity:
@@ -143,6 +145,19 @@ class SwarmSeat:
         )
         return target
 
+    def fetch_started(self, span: range) -> None:
+        """A planned move fetches `span`'s weights while the server keeps serving: announced (`moving_to`, so
+        operators and `corolla-health` see the move in progress) and in the metrics (`corolla_span_fetching`)."""
+        self.fetching, self._fetch_started = span, time.monotonic()
+        self.metrics.fetch_started()
+
+    def fetch_ended(self, *, dropped: bool) -> None:
+        """The fetch is over: the server moves next, or (`dropped`) the policy asked again no longer wants the move."""
+        self.fetching = None
+        self.metrics.fetch_ended(time.monotonic() - self._fetch_started)
+        if dropped:
+            self.metrics.move_dropped()
+
     def moving_to(self, span: range) -> None:
         """The server leaves its span for `span` (whose weights it fetched): counted, and loaded next."""
         self.next_span = span
@@ -151,8 +166,13 @@ class SwarmSeat:
 
     def load_fields(self, service: Any) -> dict[str, Any]:
         """What the announcer puts in `ServerInfo`'s load fields: open sessions, the share of the time since the last
-        sample the runtime was busy, tokens served, moves made (`service`: the SpanService serving now, or None)."""
-        fields: dict[str, Any] = {"tokens_served": self.metrics.tokens_total(), "num_moves": self.num_moves}
+        sample the runtime was busy, tokens served, moves made, the span a move fetches now (None: no fetch; always
+        given, so that the announcer clears it) (`service`: the SpanService serving now, or None)."""
+        fields: dict[str, Any] = {
+            "tokens_served": self.metrics.tokens_total(),
+            "num_moves": self.num_moves,
+            "moving_to": None if self.fetching is None else (self.fetching.start, self.fetching.stop),
+        }
         if service is None:
             return fields
         now, busy_s = time.monotonic(), sum(stats.busy_s for stats in service.runtime.stats().values())

@@ -23,6 +23,7 @@ class FlowSample:
     decoding: int = 0  # sessions decoding at the snapshot
     waiting: int = 0  # sessions without a chain, backing off after a refusal or failure
     kv_reserved: float = 0.0  # share of the ONLINE servers' KV cache that sessions reserved
+    fetching: int = 0  # ONLINE servers fetching a move's new span while they serve their own
 
     @property
     def efficiency(self) -> float:

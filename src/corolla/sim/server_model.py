@@ -142,6 +142,7 @@ class SimServer:
             busy_fraction=float(min(max(self.busy_fraction, 0.0), 1.0)),
             tokens_served=self.tokens_served,
             num_moves=self.num_moves,
+            moving_to=None if self.fetching is None else (self.fetching.start, self.fetching.stop),
         )
         self.info = info
         return info

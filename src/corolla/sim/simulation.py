@@ -216,6 +216,7 @@ class Simulation:
         target = self._choose_span(server)
         fetch_s = server.fetch_s(len(target))
         server.fetching = target
+        self.view.refresh_one(server, self.loop.now_s)  # its record says where it moves (`moving_to`), as the real one
         self.metrics.fetch_s += fetch_s
         self.loop.after(fetch_s, self._fetched, server, server.num_moves, decision.reason)
 
@@ -225,6 +226,7 @@ class Simulation:
             return
         if not self._decide_move(server).move:  # the swarm changed while it fetched: it stays, the copy kept on disk
             self.metrics.moves_dropped += 1
+            self.view.refresh_one(server, self.loop.now_s)
             self._schedule_balance_check(server)
             return
         self._leave_span(server)
@@ -443,7 +445,10 @@ class Simulation:
         capacity = sum(s.kv_capacity_tokens for s in online)
         reserved = sum(min(s.kv_reserved_tokens, s.kv_capacity_tokens) for s in online) / max(capacity, 1)
         best_tps = max(best.flow_tps, flow)
-        self.metrics.flow.append(FlowSample(self.loop.now_s, flow, best_tps, len(online), decoding, waiting, reserved))
+        fetching = sum(1 for s in online if s.fetching is not None)
+        self.metrics.flow.append(
+            FlowSample(self.loop.now_s, flow, best_tps, len(online), decoding, waiting, reserved, fetching)
+        )
         logger.info(f"sim.state(time_s={self.loop.now_s:.0f}, decoding={decoding}, waiting={waiting}, "
                     f"kv_reserved={reserved:.2f}, flow_tps={flow:.0f})")  # fmt: skip
 
