@@ -5,9 +5,10 @@ without reuse (test_families_fam_a/b, test_client_families, test_client_generati
 block reuse nothing); after the cache was evicted between turns the turn reuses nothing and still gives the same
 tokens. Through corolla-api, a chat's second turn reports its reused prompt tokens (`cached_tokens`) and answers as
 local `transformers` and as the same request with the client's reuse off. One family (CHAIN_FAMILY) is served by a
-chain of two servers: the client probes both, reuses the shorter hit, and after one of them evicted reuses nothing;
-the chain, the probe and the API are the same code for every family. The servers run in this process (what they
-serve is under test)."""
+chain of two servers: the client probes both, reuses the shorter hit, after one of them evicted reuses nothing, and
+when the second leaves mid-answer after a hit, the chain restarts from position 0 on its replacement (which never
+had the inputs of the reused positions) with the same tokens; the chain, the probe and the API are the same code for
+every family. The servers run in this process (what they serve is under test)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ FOLLOW_UP = torch.tensor([[33, 12, 140, 56, 71, 18, 240, 6, 15, 88, 99, 101, 47,
 NEW_TOKENS = 12
 CHAT = [{"role": "user", "content": "The swarm keeps what it computed for the next turn."}]
 CHAT_FOLLOW_UP = {"role": "user", "content": "and reuses it"}
-SERVER = dict(inference_max_length_tokens=256, attn_cache_tokens=2048)
+# drain_timeout_s=0: a server that stops ends its sessions at once, as one that leaves (no hand-off of their KV)
+SERVER = dict(inference_max_length_tokens=256, attn_cache_tokens=2048, drain_timeout_s=0.0)
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_MODEL_TYPES)
@@ -68,11 +70,15 @@ def model(served):
         yield model
 
 
-def hit_tokens(server) -> float:
+def metric(server, name: str) -> float:
     for line in server.metrics.render().decode().splitlines():
-        if line.startswith("corolla_prefix_hit_tokens_total "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
-    raise AssertionError("no corolla_prefix_hit_tokens_total")
+    raise AssertionError(f"no {name}")
+
+
+def hit_tokens(server) -> float:
+    return metric(server, "corolla_prefix_hit_tokens_total")
 
 
 def evict_everything(server) -> None:
@@ -92,24 +98,42 @@ def generate(model, ids: torch.Tensor) -> tuple[list[int], int]:
         return out[0].tolist(), session.reused_tokens
 
 
-def test_the_next_turn_reuses_the_cached_prefix_with_the_same_tokens(served, model) -> None:
-    family, path, servers = served
-    way = f"{family} ({servers[0].service.handler.executor.path}, {len(servers)} server(s))"
-    expected_first = local_greedy(path, TURN1, NEW_TOKENS)
-    second_prompt = torch.tensor([expected_first + FOLLOW_UP[0].tolist()])
-    expected_second = local_greedy(path, second_prompt, NEW_TOKENS)
-    assert model.manager.config.prefix_reuse  # (the default)
-    hits = [hit_tokens(server) for server in servers]
-    assert generate(model, TURN1) == (expected_first, 0), way
-    # turn 1 computed 20 + 11 positions (its last token is never fed back): one whole 16-token page on every server
-    assert generate(model, second_prompt) == (expected_second, 16), way
-    assert [hit_tokens(server) - before for server, before in zip(servers, hits, strict=True)] == [16] * len(servers)
+class StopAt:
+    """A streamer that stops the server of `session`'s span `index` (its sessions end) at generated token `at`."""
 
-    # the cache is gone from the first server before the next turn (the chain's shortest hit is 0): a full prefill
-    evict_everything(servers[0])
-    hits = hit_tokens(servers[0])
-    assert generate(model, second_prompt) == (expected_second, 0), way
-    assert hit_tokens(servers[0]) == hits, way
+    def __init__(self, servers, session, index: int, at: int):
+        self.servers, self.session, self.index, self.at, self.count = servers, session, index, at, 0
+        self.stopped: list[str] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.count += 1
+        if self.count == self.at + 1:  # the first put is the prompt
+            peer_id = self.session.route[self.index][0].peer_id
+            next(server for server in self.servers if server.peer_id == peer_id).shutdown()
+            self.stopped.append(peer_id)
+
+    def end(self) -> None:
+        pass
+
+
+def a_server_leaves_mid_answer(model, path, servers, cache_dir, prompt: torch.Tensor, expected: list[int]) -> None:
+    """`prompt` was computed by the chain's last turn: a replacement for the second span joins, the next turn reuses
+    the prefix on the chain that held it, and its second server stops at the 4th generated token."""
+    with inprocess_servers([(path, "1:2")], cache_dir, servers[0].join_maddrs, **SERVER) as replacement:
+        model.manager.update()  # the client sees the replacement
+        opened = metric(servers[0], "corolla_sessions_opened_total")
+        with model.inference_session(max_length=prompt.shape[1] + NEW_TOKENS) as session:
+            streamer = StopAt([*servers, *replacement], session, index=1, at=4)
+            out = model.generate(
+                prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, session=session,
+                streamer=streamer,
+            )  # fmt: skip
+            assert session.reused_tokens == 32 and streamer.stopped  # 46 prompt positions: two whole pages
+            assert session.num_restarts == 1 and session.route[1][0].peer_id not in streamer.stopped
+        assert out[0].tolist() == expected
+        # the first server answered the restart (a new step from position 0) in its session: no reply of the step
+        # it had answered before (a wrong shape), no ban, no second session
+        assert metric(servers[0], "corolla_sessions_opened_total") == opened + 1
 
 
 def test_chat_completions_reuse_the_conversation_with_the_same_tokens(served, model) -> None:
@@ -142,3 +166,25 @@ def test_chat_completions_reuse_the_conversation_with_the_same_tokens(served, mo
             model.manager.config.prefix_reuse = True
         assert without.usage.prompt_tokens_details.cached_tokens == 0, way
         assert without.choices[0].message.content == second.choices[0].message.content, way
+
+
+def test_the_next_turn_reuses_the_cached_prefix_with_the_same_tokens(served, model, tmp_path) -> None:
+    family, path, servers = served
+    way = f"{family} ({servers[0].service.handler.executor.path}, {len(servers)} server(s))"
+    expected_first = local_greedy(path, TURN1, NEW_TOKENS)
+    second_prompt = torch.tensor([expected_first + FOLLOW_UP[0].tolist()])
+    expected_second = local_greedy(path, second_prompt, NEW_TOKENS)
+    assert model.manager.config.prefix_reuse  # (the default)
+    hits = [hit_tokens(server) for server in servers]
+    assert generate(model, TURN1) == (expected_first, 0), way
+    # turn 1 computed 20 + 11 positions (its last token is never fed back): one whole 16-token page on every server
+    assert generate(model, second_prompt) == (expected_second, 16), way
+    assert [hit_tokens(server) - before for server, before in zip(servers, hits, strict=True)] == [16] * len(servers)
+
+    # the cache is gone from the first server before the next turn (the chain's shortest hit is 0): a full prefill
+    evict_everything(servers[0])
+    hits = hit_tokens(servers[0])
+    assert generate(model, second_prompt) == (expected_second, 0), way
+    assert hit_tokens(servers[0]) == hits, way
+    if len(servers) > 1:  # the chain family, last: its second server is gone afterwards
+        a_server_leaves_mid_answer(model, path, servers, tmp_path, second_prompt, expected_second)

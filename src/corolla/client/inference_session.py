@@ -285,6 +285,9 @@ class InferenceSession:
                     not replacing and span_session.lacks_inputs(min(span_session.position, position), hidden_from)
                 ):
                     self._restart_before(index)  # then this span gets inputs from position 0
+                    # a new step id: a server that answered this step before takes the same id for a re-send of it
+                    # and would answer its old reply (the restart sends from position 0 instead)
+                    step_id = self.forwarding.take_step_id()
                     block, index, hidden, hidden_from = self.start, 0, inputs, position
                     continue
             try:
