@@ -154,11 +154,11 @@ def log_kernels(lines: list[str], kind: str, report: dict, layer: LayerWeights, 
     return rows
 
 
-NF4_FAMILIES = {  # (kernel, config field 4) -> name, for the per-shape micro-benchmark table
-    ("gemv", 0): "table GEMV (fp32 levels)",
-    ("stream", 2): "streaming GEMV",
-    ("tile", 0): "table tile (tl.dot)",
-    ("tile", 1): "register-lookup tile (tl.dot)",
+NF4_FAMILIES = {  # kernel -> name, for the per-shape micro-benchmark table
+    "gemv": "table GEMV (fp32 levels)",
+    "stream": "streaming GEMV",
+    "tile": "tile GEMV (mma, repacked)",
+    "mma": "matrix units (tl.dot)",
 }
 
 
@@ -171,8 +171,8 @@ def kernel_families(kind: str, row: dict) -> dict:
             parsed = ast.literal_eval(text) if text.startswith("(") else None
             name: str
             if isinstance(parsed, tuple) and len(parsed) == 2 and isinstance(parsed[1], tuple):  # quantized
-                kernel, config = str(parsed[0]), parsed[1]
-                name = NF4_FAMILIES.get((kernel, config[4]), kernel) if kind == "nf4" else kernel
+                kernel = str(parsed[0])
+                name = NF4_FAMILIES.get(kernel, kernel) if kind == "nf4" else kernel
                 name = "block tl.dot" if kernel == "block" else name
             elif isinstance(parsed, tuple):  # a dense single-row Triton config
                 name = f"Triton {parsed[0]}" if isinstance(parsed[0], str) else "Triton skinny GEMM"

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s
 from corolla.engine.kernels import triton_kernels
 from corolla.engine.kernels.graph_timing import graph_median_ms
-from corolla.engine.quant import quant_mma, quant_stream
+from corolla.engine.quant import quant_mma, quant_stream, quant_tile_gemv
 from corolla.engine.quant.quant import quantize_nf4
 
 SHAPES = {"w_qkv": (6144, 4096), "w_o": (4096, 4096), "w_gate_up": (28672, 4096), "w_down": (4096, 14336)}
@@ -40,11 +40,25 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # pipeline stages (8 blocks per step or 256 rows on 4 warps run out of registers; 4 stages were 1-5% slower than 2,
 # docs/decisions/0015)
 SWEEP_CONFIGS = [(bn, 4, s, w, st) for bn, w in ((128, 4), (128, 8), (256, 8)) for s in (1, 2, 4, 8) for st in (2, 3)]
-FAMILIES = ("new", "stream")  # the matrix-unit kernel, the streaming GEMV
+# --tile_sweep also times these tile GEMV configs
+TILE_SWEEP = [(ks, rp, pfg, 1, 1) for ks, rp, pfg in ((8, 2, 1), (16, 1, 1), (4, 6, 2), (8, 3, 1), (2, 16, 1))] + [
+    (ks, rp, 1, 0, mb) for ks, rp, mb in ((8, 1, 3), (4, 2, 3), (4, 3, 2), (2, 8, 2))
+]
+FAMILIES = ("new", "stream", "tile")  # the matrix-unit kernel, the streaming GEMV, the tile GEMV (one row)
+_TILES: dict[int, quant_tile_gemv.NF4Tiles] = {}  # id(weight) -> its tile layout (made on first use)
 
 
-def candidates(m: int, sweep: bool = False, families: tuple[str, ...] = FAMILIES) -> dict[str, list]:
-    """{kernel family: [(label, call(x, w))]} for m rows (`sweep`: the streaming GEMV's wider sweep too)."""
+def _tiles(w) -> quant_tile_gemv.NF4Tiles:
+    if id(w) not in _TILES:
+        _TILES[id(w)] = quant_tile_gemv.tile_layout(w)
+    return _TILES[id(w)]
+
+
+def candidates(
+    m: int, sweep: bool = False, families: tuple[str, ...] = FAMILIES, tile_sweep: bool = False
+) -> dict[str, list]:
+    """{kernel family: [(label, call(x, w))]} for m rows (`sweep` / `tile_sweep`: the streaming / tile GEMV's wider
+    sweeps too)."""
     new = []
     for c in quant_mma.NF4_MMA_CONFIGS:
         if (c[1] == 16) == (m <= 16):
@@ -55,7 +69,11 @@ def candidates(m: int, sweep: bool = False, families: tuple[str, ...] = FAMILIES
         configs += tuple(c for c in SWEEP_CONFIGS if c not in configs) if sweep else ()
         for c in configs:
             stream.append((f"stream{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c)))
-    found = {"new": new, "stream": stream}
+    tile = []
+    if m == 1:
+        for c in quant_tile_gemv.NF4_TILE_CONFIGS + (tuple(TILE_SWEEP) if tile_sweep else ()):
+            tile.append((f"tile{c}", lambda x, w, c=c: quant_tile_gemv.nf4_tile_gemv(x, w, _tiles(w), None, c)))
+    found = {"new": new, "stream": stream, "tile": tile}
     return {family: found[family] for family in families}
 
 
@@ -100,6 +118,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--stream_sweep", action="store_true", help="one row: the streaming GEMV's wider sweep")
+    parser.add_argument("--tile_sweep", action="store_true", help="one row: the tile GEMV's wider sweep")
     parser.add_argument(
         "--families", default=",".join(FAMILIES), help="kernel families timed (default: all; none: only --prescale)"
     )
@@ -133,7 +152,7 @@ def main() -> None:
                 configs = tuple(ast.literal_eval(args.stream_configs)) or quant_stream.NF4_STREAM_CONFIGS
                 row["prescale"] = prescale_ab(name, nf4, k, dev, configs)
             for family, cands in candidates(
-                m, args.stream_sweep, tuple(f for f in args.families.split(",") if f in FAMILIES)
+                m, args.stream_sweep, tuple(f for f in args.families.split(",") if f in FAMILIES), args.tile_sweep
             ).items():
                 for label, call in cands:
                     try:
@@ -155,7 +174,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_probe.json").write_text(json.dumps({"card": card, "copy_bw": bw, "rows": results}, indent=1))
     print(f"\n{card}, copy {bw / 1e12:.2f} TB/s; us per call (x floor = NF4 bytes / copy bandwidth)")
-    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'stream':>14}  best"
+    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'stream':>14} {'tile':>14}  best"
           " configs, max errors")  # fmt: skip
     for r in results:
         f = r["floor_us"]

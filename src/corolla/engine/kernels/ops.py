@@ -20,7 +20,7 @@ from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
     from corolla.engine.kernels import triton_kernels
-    from corolla.engine.quant import quant_choices, quant_gemv, quant_kernels, quant_stream
+    from corolla.engine.quant import quant_choices, quant_gemv, quant_kernels, quant_stream, quant_tile_gemv
     from corolla.engine.quant.quant_choices import quant_kernel
     from corolla.engine.quant.quant_splits import PROLOGUES
 
@@ -197,12 +197,16 @@ class DecodeOps:
         if self.use_triton and prologue != "none" and rows <= quant_gemv.GEMV_MAX_ROWS and mid is None:
             fused = self.quant_fused.get((*key, prologue))
         stream = self.quant_small.get(key) if self.use_triton and rows == 1 and mid is None else None
-        if fused is None and prologue != "none" and bias is None and stream is not None and stream[0] == "stream":
+        one_row = stream is not None and stream[0] in ("stream", "tile")
+        if fused is None and prologue != "none" and bias is None and stream is not None and one_row:
             # NF4 streaming GEMV after a norm / SiLU kernel (bf16): that kernel writes x already converted as the
             # GEMV would convert it (fp16, times X_SCALE), so that no GEMV program converts x again
             if weight.dtype == torch.bfloat16:
                 scale = quant_stream.X_SCALE
                 x = self.rms_norm(x, norm_weight, eps, scale) if prologue == "rmsnorm" else self.silu_mul(x, scale)
+                if stream[0] == "tile":
+                    tiles = quant_tile_gemv.tiles_of(weight)
+                    return quant_tile_gemv.nf4_tile_gemv(x, weight, tiles, residual, stream[1], prescaled=True)
                 return quant_stream.nf4_stream_gemv(x, weight, residual, stream[1], prescaled=True)
         if fused is None and prologue == "rmsnorm":
             x = self.rms_norm(x, norm_weight, eps)

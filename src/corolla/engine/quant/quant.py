@@ -86,6 +86,8 @@ class NF4Weight:
     pair_words16: torch.Tensor = field(init=False, repr=False)
     # see split_counters(); made on first use
     _split_counters: torch.Tensor | None = field(init=False, repr=False, default=None)
+    # quant_tile_gemv's repacked copy of the codes (an NF4Tiles, made by quant_tile_gemv.tiles_of on first use)
+    tile_copy: object | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         n, kh = self.packed.shape

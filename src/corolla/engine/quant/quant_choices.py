@@ -9,7 +9,7 @@ import zlib
 import torch
 
 from corolla.engine.kernels.graph_timing import graph_median_ms, time_configs
-from corolla.engine.quant import quant_gemv, quant_kernels, quant_mma, quant_stream
+from corolla.engine.quant import quant_gemv, quant_kernels, quant_mma, quant_stream, quant_tile_gemv
 from corolla.engine.quant.quant_splits import PROLOGUES
 
 Choice = tuple[str, tuple[int, int, int, int, int]]
@@ -19,12 +19,17 @@ MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-
 def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0):
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
     (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "stream"
-    (quant_stream.nf4_stream_gemv, NF4 in 16-bit dtypes, one row per program, no prologue), "block"
+    (quant_stream.nf4_stream_gemv, NF4 in 16-bit dtypes, one row per program, no prologue), "tile"
+    (quant_tile_gemv.nf4_tile_gemv on the weight's tile layout, NF4 in 16-bit dtypes, no prologue), "block"
     (quant_kernels.quant_matmul) or "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue)."""
     if kernel == "gemv":
         return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
     if kernel == "stream" and not prologue:
         return lambda x, w, res, nw=None, eps=0.0: quant_stream.nf4_stream_gemv(x, w, res, config)
+    if kernel == "tile" and not prologue:
+        return lambda x, w, res, nw=None, eps=0.0: quant_tile_gemv.nf4_tile_gemv(
+            x, w, quant_tile_gemv.tiles_of(w), res, config
+        )
     if kernel == "mma" and not prologue:
         return lambda x, w, res, nw=None, eps=0.0: quant_mma.nf4_mma_matmul(x, w, res, config)
     if kernel == "block":
@@ -83,8 +88,9 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         block_configs = [] if nf4 else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
         # NF4 in 16-bit dtypes: one row on the streaming GEMV, which beat every dequantize-GEMV on an H200
         # (docs/decisions/0015, 0017); fp32 NF4 weights on the fp32 table GEMV
-        if nf4:
+        if nf4:  # the tile GEMV against the streaming GEMV, timed side by side
             small_configs = [("stream", c) for c in quant_stream.NF4_STREAM_CONFIGS]
+            small_configs += [("tile", c) for c in quant_tile_gemv.NF4_TILE_CONFIGS]
         else:
             gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
             small_configs = [("gemv", c) for c in gemv_configs] + block_configs
@@ -96,6 +102,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         cached = ops.kernel_choices.get(problem) if ops.kernel_choices is not None else None
         if cached is not None:
             report[key] = _restore(ops, key, cached)
+            keep_tiles(items, ops.quant_small[key])
             continue
         k = key[2]
         one = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
@@ -107,6 +114,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         best, gemm_best = min(gemv, key=gemv.__getitem__), min(gemm, key=gemm.__getitem__)
         ops.quant_small[key] = best
         ops.quant_gemm[key] = gemm_best
+        keep_tiles(items, best)
         mid = {}
         if mma:  # 2 to MID_MAX_ROWS rows: the 16-row-tile configs, timed at that many rows
             rows16 = many[:MID_MAX_ROWS]
@@ -133,6 +141,16 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
                 "fused": {p: ops.quant_fused.get((*key, p)) for p in wanted},
             })  # fmt: skip
     return report
+
+
+def keep_tiles(items: list, best: Choice) -> None:
+    """Makes every weight's tile layout where the tile GEMV serves the shape (before any graph capture), and frees
+    the copies timing made where it does not (the layout is as many bytes again as the codes)."""
+    for w in items:
+        if best[0] == "tile":
+            quant_tile_gemv.tiles_of(w)
+        elif getattr(w, "tile_copy", None) is not None:
+            w.tile_copy = None
 
 
 def _restore(ops, key: tuple[str, int, int], cached: dict) -> dict:
