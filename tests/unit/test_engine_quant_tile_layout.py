@@ -44,4 +44,5 @@ def test_every_code_byte_lands_once() -> None:
         assert int(tiles.tiles[0, 0, 4 * g + t, 4 * s + 1]) == int(weight.packed[g + 8, 8 * t + 2 * s])
         assert int(tiles.tiles[1, 1, 4 * g + t, 4 * s + 2]) == int(weight.packed[16 + g, 32 + 8 * t + 2 * s + 1])
     codes = weight.absmax_codes.reshape(n, k // 64)
-    assert int(tiles.codes[1, 3, 5, 1]) == int(codes[16 + 8 + 5, 3])
+    assert int(tiles.codes[1, 0, 5, 3, 1]) == int(codes[16 + 8 + 5, 3])  # group 0, lane 4 * 5 + 3, row g + 8
+    assert int(tiles.codes[0, 1, 2, 1, 0]) == int(codes[2, 5])  # group 1, lane 4 * 2 + 1, row g, block 4 + 1

@@ -46,17 +46,27 @@ LANES = 32
 X_SCALE = 2.0**-8  # bf16 x into fp16: times this (as quant_stream.X_SCALE), the output times its inverse
 ZERO_CODE = 0x77  # a padding row's byte: NF4 level 7 (0.0) twice
 
-# (k splits: warps per row tile, row tiles a program works on at once, groups of 4 tiles in flight per warp, table at a
-# 64 KiB boundary (1: one byte permute per lookup, one program per multiprocessor) or not (a permute and an add),
+REGISTERS, ALIGNED, STAGED = 0, 1, 2  # modes: groups in flight in registers (table + an add per lookup, or the
+# table at a 64 KiB boundary: one permute per lookup, one program per multiprocessor), or staged through shared
+# memory by cp.async (no registers held per group in flight: deeper)
+MODES = (REGISTERS, ALIGNED, STAGED)
+
+# (k splits: warps per row tile, row tiles a program works on at once, groups of 4 tiles in flight per warp, mode,
 # programs per multiprocessor the compiler is told to fit): threads per program 32 x splits x row tiles
 NF4_TILE_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    (8, 4, 1, 1, 1),
-    (16, 2, 1, 1, 1),
-    (4, 8, 1, 1, 1),
-    (8, 3, 2, 1, 1),
-    (8, 2, 1, 0, 2),
-    (16, 1, 1, 0, 2),
-    (4, 4, 1, 0, 2),
+    (8, 4, 1, ALIGNED, 1),
+    (16, 2, 1, ALIGNED, 1),
+    (4, 8, 1, ALIGNED, 1),
+    (8, 3, 2, ALIGNED, 1),
+    (8, 2, 1, REGISTERS, 2),
+    (16, 1, 1, REGISTERS, 2),
+    (4, 4, 1, REGISTERS, 2),
+    (8, 2, 3, STAGED, 1),
+    (16, 1, 3, STAGED, 1),
+    (4, 4, 3, STAGED, 1),
+    (8, 1, 6, STAGED, 1),
+    (4, 2, 6, STAGED, 1),
+    (8, 2, 4, STAGED, 1),
 )
 
 
@@ -65,7 +75,8 @@ class NF4Tiles:
     """An NF4 weight repacked for the tile GEMV."""
 
     tiles: torch.Tensor  # [RT, KB, 32, 16] uint8: per tile, lane l's 16 bytes (see the module docstring)
-    codes: torch.Tensor  # [RT, KB, 8, 2] uint8: per tile, the absmax codes of rows (g, g + 8)
+    codes: torch.Tensor  # [RT, KB / 4, 8, 4, 2] uint8: per group of 4 tiles, lane 4 g + t's absmax codes of rows
+    # (g, g + 8) of the group's block t (64 bytes a group)
     n: int  # output features (rows past n in the last tile are padding)
     k: int
 
@@ -84,7 +95,8 @@ def tile_layout(weight: NF4Weight) -> NF4Tiles:
         codes = torch.nn.functional.pad(codes, (0, kbp - kb, 0, rt * TILE_ROWS - n), value=0)
     # packed [RT, h, g, KB, t, s, e]: row 16 rt + 8 h + g, byte 8 t + 2 s + e of block b -> [rt, b, g, t, s, e, h]
     tiles = packed.reshape(rt, 2, 8, kbp, 4, 4, 2).permute(0, 3, 2, 4, 5, 6, 1).contiguous()
-    pairs = codes.reshape(rt, 2, 8, kbp).permute(0, 3, 2, 1).contiguous()  # [RT, KBP, g, h]
+    # codes [RT, h, g, KG, t]: row 16 rt + 8 h + g, block 4 G + t -> [rt, G, g, t, h] (lane 4 g + t's pair)
+    pairs = codes.reshape(rt, 2, 8, kbp // 4, 4).permute(0, 3, 2, 4, 1).contiguous()
     return NF4Tiles(tiles.reshape(rt, kbp, LANES, 16), pairs, n, k)
 
 
@@ -155,16 +167,22 @@ static __device__ __forceinline__ u32 lds(u32 addr) {
   return v;
 }
 
+static __device__ __forceinline__ u32 lds16(u32 addr) {
+  u16 v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return v;
+}
+
 static __device__ __forceinline__ U4 lds128(u32 addr) {
   U4 v;
   asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
 
-// byte j of a packed word -> the table word's address: LUT_ALIGNED, the table at a 64 KiB boundary of the shared
-// window, so one byte permute puts the byte into the lane's base address (base | byte << 8 | lane << 2); else the
-// permute makes the offset and an add the address
-#if LUT_ALIGNED
+// byte j of a packed word -> the table word's address: MODE 1, the table at a 64 KiB boundary of the shared window,
+// so one byte permute puts the byte into the lane's base address (base | byte << 8 | lane << 2); else the permute
+// makes the offset and an add the address
+#if MODE == 1
 #define LUT_ADDR(w, j) __byte_perm(lanebase, (w), 0x3240 + 16 * (j))
 #else
 #define LUT_ADDR(w, j) (tabbase + __byte_perm(lane4, (w), 0x1140 + 16 * (j)))
@@ -231,9 +249,29 @@ nf4_tile_gemv(const U4* __restrict__ wt, const u16* __restrict__ ct, const float
 
   // the first PFG groups' loads go out before anything else (their DRAM round trip overlaps the tables' build)
   const U4* pw = wt + ((long long)(rt0 + rp) * KBP + lo) * 32 + lane;
-  const u16* pc = ct + ((long long)(rt0 + rp) * KBP + lo + t) * 8 + g;
-  const long long wstep = ((long long)RP * KBP - (hi - lo)) * 32, cstep = ((long long)RP * KBP - (hi - lo)) * 8;
+  const u32* pc = reinterpret_cast<const u32*>(ct) + ((long long)(rt0 + rp) * KG + (lo >> 2)) * 16;  // 64 B a group
+  const long long wstep = ((long long)RP * KBP - (hi - lo)) * 32, cstep = ((long long)RP * KG - tg) * 16;
   int p_gi = 0;
+  u32 sbase;
+  asm("mov.u32 %0, smem;" : "=r"(sbase));
+#if MODE == 2
+  // each group: lane l copies its 16 bytes of the 4 tiles, lanes 0-15 the group's 64 bytes of absmax codes, into
+  // this warp's slot p % PFG (2112 bytes) after the table; one commit group per group (empty past the last)
+  const u32 stage0 = sbase + (u32)data_bytes + 65536u + (u32)warp * (PFG * 2112u);
+#define ISSUE(slot)                                                                                            \
+  {                                                                                                            \
+    const u32 st = stage0 + (u32)(slot) * 2112u;                                                               \
+    for (int j = 0; j < 4; ++j)                                                                                \
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(st + j * 512 + lane * 16), "l"(pw + 32 * j)); \
+    if (lane < 16) asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(st + 2048 + lane * 4), "l"(pc + lane)); \
+    pw += 128; pc += 16;                                                                                       \
+    if (++p_gi == tg) { p_gi = 0; pw += wstep; pc += cstep; }                                                  \
+  }
+  for (int f = 0; f < PFG; ++f) {
+    if (f < groups) ISSUE(f)
+    asm volatile("cp.async.commit_group;");
+  }
+#else
   U4 buf[PFG][4];
   u32 cbuf[PFG];
 #pragma unroll
@@ -241,15 +279,14 @@ nf4_tile_gemv(const U4* __restrict__ wt, const u16* __restrict__ ct, const float
     if (f < groups) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) buf[f][q] = ld_stream(pw + 32 * q);
-      cbuf[f] = __ldg(pc);
-      pw += 128; pc += 32;
+      cbuf[f] = __ldg(reinterpret_cast<const u16*>(pc) + lane);
+      pw += 128; pc += 16;
       if (++p_gi == tg) { p_gi = 0; pw += wstep; pc += cstep; }
     }
   }
+#endif
 
-  u32 sbase;
-  asm("mov.u32 %0, smem;" : "=r"(sbase));
-#if LUT_ALIGNED
+#if MODE == 1
   const u32 tab = (sbase + (u32)data_bytes + 0xffffu) & ~0xffffu;  // window address of the table
   if (tab - sbase + 65536u > (u32)dyn_bytes) __trap();
   const u32 lanebase = tab | ((u32)lane << 2);
@@ -284,28 +321,28 @@ nf4_tile_gemv(const U4* __restrict__ wt, const u16* __restrict__ ct, const float
   const u32 xzero = sbase + 1024, xlane = sbase + XS_OFF + t * 32;
   float acc0 = 0.f, acc1 = 0.f;  // rows g, g + 8: the sums of this lane's blocks (position t of each group)
   int c_gi = 0, c_rt = rt0 + rp;
-  for (int base = 0; base < groups; base += PFG) {
-#pragma unroll
-    for (int f = 0; f < PFG; ++f) {
-      if (base + f < groups) {
-        // each tile's words are taken, then its slot reloaded with the same tile of group base + f + PFG
-        const bool more = base + f + PFG < groups;
-        const u32 code = cbuf[f];
-        if (more) cbuf[f] = __ldg(pc);
+#if MODE == 2
+  for (int p = 0; p < groups; ++p) {
+    {
+      const u32 st = stage0 + (u32)(p % PFG) * 2112u;
+      asm volatile("cp.async.wait_group %0;" :: "n"(PFG - 1));  // this lane's copies of group p have landed
+      __syncwarp();  // and the other lanes' (the codes were copied by lanes 0-15)
+      const u32 code = lds16(st + 2048 + lane * 2);
+#define TILE_WORDS(j) const U4 q = lds128(st + (j) * 512 + lane * 16);
+#define AFTER_TILES                                                                                            \
+  __syncwarp();  /* every lane has read the slot: it takes group p + PFG */                                    \
+  if (p + PFG < groups) ISSUE(p % PFG)                                                                         \
+  asm volatile("cp.async.commit_group;");
         const int b0 = lo + 4 * c_gi;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const U4 q = buf[f][j];
-          if (more) buf[f][j] = ld_stream(pw + 32 * j);
+          TILE_WORDS(j)
           const u32 xa0 = g == 2 * j ? xlane + (u32)((b0 + j) * 128) : xzero;
           const U4 xa = lds128(xa0), xb = lds128(xa0 + 16);
           DOT(c, q.x, xa.x, xa.y) DOT(c, q.y, xa.z, xa.w) DOT(c, q.z, xb.x, xb.y) DOT(c, q.w, xb.z, xb.w)
         }
-        if (more) {
-          pw += 128; pc += 32;
-          if (++p_gi == tg) { p_gi = 0; pw += wstep; pc += cstep; }
-        }
+        AFTER_TILES
         // this lane's block of the group (b0 + t), rows g and g + 8: decode the two absmaxes as the reference
         {
           const int bj = b0 + t;
@@ -330,9 +367,68 @@ nf4_tile_gemv(const U4* __restrict__ wt, const u16* __restrict__ ct, const float
           c_gi = 0;
           c_rt += RP;
         }
+#undef TILE_WORDS
+#undef AFTER_TILES
+    }
+  }
+  asm volatile("cp.async.wait_all;");
+#else
+  for (int base = 0; base < groups; base += PFG) {
+#pragma unroll
+    for (int f = 0; f < PFG; ++f) {
+      if (base + f < groups) {
+        // each tile's words are taken, then its slot reloaded with the same tile of group base + f + PFG
+        const bool more = base + f + PFG < groups;
+        const u32 code = cbuf[f];
+        if (more) cbuf[f] = __ldg(reinterpret_cast<const u16*>(pc) + lane);
+#define TILE_WORDS(j)                                                                                          \
+  const U4 q = buf[f][j];                                                                                      \
+  if (more) buf[f][j] = ld_stream(pw + 32 * (j));
+#define AFTER_TILES                                                                                            \
+  if (more) {                                                                                                  \
+    pw += 128; pc += 16;                                                                                       \
+    if (++p_gi == tg) { p_gi = 0; pw += wstep; pc += cstep; }                                                  \
+  }
+        const int b0 = lo + 4 * c_gi;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          TILE_WORDS(j)
+          const u32 xa0 = g == 2 * j ? xlane + (u32)((b0 + j) * 128) : xzero;
+          const U4 xa = lds128(xa0), xb = lds128(xa0 + 16);
+          DOT(c, q.x, xa.x, xa.y) DOT(c, q.y, xa.z, xa.w) DOT(c, q.z, xb.x, xb.y) DOT(c, q.w, xb.z, xb.w)
+        }
+        AFTER_TILES
+        // this lane's block of the group (b0 + t), rows g and g + 8: decode the two absmaxes as the reference
+        {
+          const int bj = b0 + t;
+          const int r0 = min(c_rt * 16 + g, N - 1), r1 = min(c_rt * 16 + g + 8, N - 1);
+          const int i0 = min(r0 * KB + bj, blocks - 1), i1 = min(r1 * KB + bj, blocks - 1);
+          const float* ncs = reinterpret_cast<const float*>(smem);
+          const float s0 = __fadd_rn(__fmul_rn(ncs[code & 255u], __ldg(na + (i0 >> 8))), offset);
+          const float s1 = __fadd_rn(__fmul_rn(ncs[code >> 8], __ldg(na + (i1 >> 8))), offset);
+          acc0 = __fmaf_rn(c[0], s0, acc0);
+          acc1 = __fmaf_rn(c[2], s1, acc1);
+        }
+        if (++c_gi == tg) {  // the row tile's end: a row's 4 lanes summed (the same order in each), then kept
+          float v0 = acc0 + __shfl_xor_sync(0xffffffffu, acc0, 1);
+          float v1 = acc1 + __shfl_xor_sync(0xffffffffu, acc1, 1);
+          v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+          v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+          if (t == 0) {
+            red[((c_rt - rt0) * KS + ks) * 16 + g] = v0;
+            red[((c_rt - rt0) * KS + ks) * 16 + g + 8] = v1;
+          }
+          acc0 = 0.f; acc1 = 0.f;
+          c_gi = 0;
+          c_rt += RP;
+        }
+#undef TILE_WORDS
+#undef AFTER_TILES
       }
     }
   }
+#endif
   __syncthreads();
   for (int i = tid; i < (rt1 - rt0) * 16; i += THREADS) {
     const int row = rt0 * 16 + i;
@@ -355,18 +451,20 @@ _TABLE_BYTES = 256 * 256  # 256 entries x (32 lanes' words + 32 unused): the byt
 
 
 def check_tile_config(config: tuple[int, int, int, int, int]) -> None:
-    """ValueError unless `config` is a valid (k splits, row tiles at once, groups in flight, aligned table,
-    launch-bound programs)."""
-    ks, rp, pfg, aligned, min_blocks = config
-    if not (1 <= ks and 1 <= rp and ks * rp <= 32 and 1 <= pfg <= 4 and aligned in (0, 1) and 1 <= min_blocks <= 8):
+    """ValueError unless `config` is a valid (k splits, row tiles at once, groups in flight, mode, launch-bound
+    programs)."""
+    ks, rp, depth, mode, min_blocks = config
+    if not (1 <= ks and 1 <= rp and ks * rp <= 32 and 1 <= depth <= 8 and mode in MODES and 1 <= min_blocks <= 8):
         raise ValueError(f"bad NF4 tile GEMV config {config}")
+    if mode != STAGED and depth > 4:
+        raise ValueError(f"NF4 tile GEMV config {config}: at most 4 groups in flight in registers")
 
 
 def _kernel(config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool, has_res: bool) -> NvrtcKernel:
     key = (*config, int(x_bf16), int(out_bf16), int(has_res))
     if key not in _KERNELS:
-        ks, rp, pfg, aligned, min_blocks = config
-        defines = {"KS": ks, "RP": rp, "PFG": pfg, "LUT_ALIGNED": aligned, "MIN_BLOCKS": min_blocks,
+        ks, rp, depth, mode, min_blocks = config
+        defines = {"KS": ks, "RP": rp, "PFG": depth, "MODE": mode, "MIN_BLOCKS": min_blocks,
                    "X_BF16": int(x_bf16), "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res)}  # fmt: skip
         _KERNELS[key] = NvrtcKernel(_SOURCE, "nf4_tile_gemv", defines)
     return _KERNELS[key]
@@ -374,11 +472,12 @@ def _kernel(config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool
 
 def shared_bytes(config: tuple[int, int, int, int, int], kbp: int, row_tiles_per_program: int) -> tuple[int, int]:
     """(data, dynamic) shared-memory bytes of a program: nested code table, zeros, x in fp16 and the warps' row
-    sums (data), then the pair table (aligned: at the next 64 KiB boundary of the shared window, whose start the
-    kernel reads)."""
-    ks, _, _, aligned, _ = config
+    sums (data), then the pair table (ALIGNED: at the next 64 KiB boundary of the shared window, whose start the
+    kernel reads), then (STAGED) each warp's slots of 2112 bytes a group."""
+    ks, rp, depth, mode, _ = config
     data = -(-(1056 + kbp * 128 + row_tiles_per_program * ks * 16 * 4) // 16) * 16
-    return data, data + _TABLE_BYTES + (65535 + 1) * aligned
+    extra = 65536 if mode == ALIGNED else ks * rp * depth * 2112 if mode == STAGED else 0
+    return data, data + _TABLE_BYTES + extra
 
 
 def nf4_tile_gemv(
