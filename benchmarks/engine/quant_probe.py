@@ -45,13 +45,6 @@ TILE_SWEEP = [(ks, rp, pfg, 1, 1) for ks, rp, pfg in ((8, 2, 1), (16, 1, 1), (4,
     (ks, rp, 1, 0, mb) for ks, rp, mb in ((8, 1, 3), (4, 2, 3), (4, 3, 2), (2, 8, 2))
 ]
 FAMILIES = ("new", "stream", "tile")  # the matrix-unit kernel, the streaming GEMV, the tile GEMV (one row)
-_TILES: dict[int, quant_tile_gemv.NF4Tiles] = {}  # id(weight) -> its tile layout (made on first use)
-
-
-def _tiles(w) -> quant_tile_gemv.NF4Tiles:
-    if id(w) not in _TILES:
-        _TILES[id(w)] = quant_tile_gemv.tile_layout(w)
-    return _TILES[id(w)]
 
 
 def candidates(
@@ -72,7 +65,12 @@ def candidates(
     tile = []
     if m == 1:
         for c in quant_tile_gemv.NF4_TILE_CONFIGS + (tuple(TILE_SWEEP) if tile_sweep else ()):
-            tile.append((f"tile{c}", lambda x, w, c=c: quant_tile_gemv.nf4_tile_gemv(x, w, _tiles(w), None, c)))
+            tile.append(
+                (
+                    f"tile{c}",
+                    lambda x, w, c=c: quant_tile_gemv.nf4_tile_gemv(x, w, quant_tile_gemv.tiles_of(w), None, c),
+                )
+            )
     found = {"new": new, "stream": stream, "tile": tile}
     return {family: found[family] for family in families}
 

@@ -149,6 +149,7 @@ class DecodeOps:
         # the tuners' choices kept on disk (SpanEngine.warmup sets it from EngineConfig.kernel_choices_dir); None:
         # every tune times every candidate
         self.kernel_choices: KernelChoices | None = None
+        self.nf4_tile_copy = False  # NF4: the tuner may choose the tile GEMV (EngineConfig.nf4_tile_copy)
 
     def linear(
         self,

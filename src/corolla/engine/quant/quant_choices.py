@@ -69,7 +69,8 @@ def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: d
 @torch.inference_mode()
 def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None):
     """For each quantized shape (kind, N, K) -> [weight per layer], times on a single-row input every streaming-GEMV
-    config (NF4 in 16-bit dtypes) or every dequantize-GEMV and "block" tl.dot config (INT8, fp32 NF4): the fastest
+    config (NF4 in 16-bit dtypes; and every tile-GEMV config where `ops.nf4_tile_copy`) or every dequantize-GEMV and
+    "block" tl.dot config (INT8, fp32 NF4): the fastest
     serves steps of up to GEMV_MAX_ROWS rows (NF4 in 16-bit dtypes: one row; ops.quant_small); NF4 in 16-bit dtypes: the matrix-unit kernel's 16-row-tile
     configs on MID_MAX_ROWS rows (2 to MID_MAX_ROWS rows, ops.quant_mid); on a `QUANT_KERNEL_MAX_ROWS`-row input
     the "block" configs (INT8, fp32 NF4) or the matrix-unit kernel's 64-row-tile configs (larger merged steps,
@@ -88,9 +89,10 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         block_configs = [] if nf4 else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
         # NF4 in 16-bit dtypes: one row on the streaming GEMV, which beat every dequantize-GEMV on an H200
         # (docs/decisions/0015, 0017); fp32 NF4 weights on the fp32 table GEMV
-        if nf4:  # the tile GEMV against the streaming GEMV, timed side by side
+        if nf4:  # with the tile copy allowed, the tile GEMV against the streaming GEMV, timed side by side
             small_configs = [("stream", c) for c in quant_stream.NF4_STREAM_CONFIGS]
-            small_configs += [("tile", c) for c in quant_tile_gemv.NF4_TILE_CONFIGS]
+            if getattr(ops, "nf4_tile_copy", False):
+                small_configs += [("tile", c) for c in quant_tile_gemv.NF4_TILE_CONFIGS]
         else:
             gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
             small_configs = [("gemv", c) for c in gemv_configs] + block_configs

@@ -46,10 +46,11 @@ LANES = 32
 X_SCALE = 2.0**-8  # bf16 x into fp16: times this (as quant_stream.X_SCALE), the output times its inverse
 ZERO_CODE = 0x77  # a padding row's byte: NF4 level 7 (0.0) twice
 
-REGISTERS, ALIGNED, STAGED = 0, 1, 2  # modes: groups in flight in registers (table + an add per lookup, or the
-# table at a 64 KiB boundary: one permute per lookup, one program per multiprocessor), or staged through shared
-# memory by cp.async (no registers held per group in flight: deeper)
-MODES = (REGISTERS, ALIGNED, STAGED)
+# table modes: the table after the data (a permute and an add per lookup) or at a 64 KiB boundary of the shared
+# window (one permute per lookup; one program per multiprocessor). Groups staged through shared memory by cp.async
+# (up to 6 in flight per warp, no registers held) lost to registers on every shape: docs/decisions/0030.
+REGISTERS, ALIGNED = 0, 1
+MODES = (REGISTERS, ALIGNED)
 
 # (k splits: warps per row tile, row tiles a program works on at once, groups of 4 tiles in flight per warp, mode,
 # programs per multiprocessor the compiler is told to fit): threads per program 32 x splits x row tiles
@@ -61,12 +62,6 @@ NF4_TILE_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (8, 2, 1, REGISTERS, 2),
     (16, 1, 1, REGISTERS, 2),
     (4, 4, 1, REGISTERS, 2),
-    (8, 2, 3, STAGED, 1),
-    (16, 1, 3, STAGED, 1),
-    (4, 4, 3, STAGED, 1),
-    (8, 1, 6, STAGED, 1),
-    (4, 2, 6, STAGED, 1),
-    (8, 2, 4, STAGED, 1),
 )
 
 
@@ -167,12 +162,6 @@ static __device__ __forceinline__ u32 lds(u32 addr) {
   return v;
 }
 
-static __device__ __forceinline__ u32 lds16(u32 addr) {
-  u16 v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-  return v;
-}
-
 static __device__ __forceinline__ U4 lds128(u32 addr) {
   U4 v;
   asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
@@ -254,24 +243,6 @@ nf4_tile_gemv(const U4* __restrict__ wt, const u16* __restrict__ ct, const float
   int p_gi = 0;
   u32 sbase;
   asm("mov.u32 %0, smem;" : "=r"(sbase));
-#if MODE == 2
-  // each group: lane l copies its 16 bytes of the 4 tiles, lanes 0-15 the group's 64 bytes of absmax codes, into
-  // this warp's slot p % PFG (2112 bytes) after the table; one commit group per group (empty past the last)
-  const u32 stage0 = sbase + (u32)data_bytes + 65536u + (u32)warp * (PFG * 2112u);
-#define ISSUE(slot)                                                                                            \
-  {                                                                                                            \
-    const u32 st = stage0 + (u32)(slot) * 2112u;                                                               \
-    for (int j = 0; j < 4; ++j)                                                                                \
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(st + j * 512 + lane * 16), "l"(pw + 32 * j)); \
-    if (lane < 16) asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(st + 2048 + lane * 4), "l"(pc + lane)); \
-    pw += 128; pc += 16;                                                                                       \
-    if (++p_gi == tg) { p_gi = 0; pw += wstep; pc += cstep; }                                                  \
-  }
-  for (int f = 0; f < PFG; ++f) {
-    if (f < groups) ISSUE(f)
-    asm volatile("cp.async.commit_group;");
-  }
-#else
   U4 buf[PFG][4];
   u32 cbuf[PFG];
 #pragma unroll
@@ -284,7 +255,6 @@ nf4_tile_gemv(const U4* __restrict__ wt, const u16* __restrict__ ct, const float
       if (++p_gi == tg) { p_gi = 0; pw += wstep; pc += cstep; }
     }
   }
-#endif
 
 #if MODE == 1
   const u32 tab = (sbase + (u32)data_bytes + 0xffffu) & ~0xffffu;  // window address of the table
@@ -321,58 +291,6 @@ nf4_tile_gemv(const U4* __restrict__ wt, const u16* __restrict__ ct, const float
   const u32 xzero = sbase + 1024, xlane = sbase + XS_OFF + t * 32;
   float acc0 = 0.f, acc1 = 0.f;  // rows g, g + 8: the sums of this lane's blocks (position t of each group)
   int c_gi = 0, c_rt = rt0 + rp;
-#if MODE == 2
-  for (int p = 0; p < groups; ++p) {
-    {
-      const u32 st = stage0 + (u32)(p % PFG) * 2112u;
-      asm volatile("cp.async.wait_group %0;" :: "n"(PFG - 1));  // this lane's copies of group p have landed
-      __syncwarp();  // and the other lanes' (the codes were copied by lanes 0-15)
-      const u32 code = lds16(st + 2048 + lane * 2);
-#define TILE_WORDS(j) const U4 q = lds128(st + (j) * 512 + lane * 16);
-#define AFTER_TILES                                                                                            \
-  __syncwarp();  /* every lane has read the slot: it takes group p + PFG */                                    \
-  if (p + PFG < groups) ISSUE(p % PFG)                                                                         \
-  asm volatile("cp.async.commit_group;");
-        const int b0 = lo + 4 * c_gi;
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          TILE_WORDS(j)
-          const u32 xa0 = g == 2 * j ? xlane + (u32)((b0 + j) * 128) : xzero;
-          const U4 xa = lds128(xa0), xb = lds128(xa0 + 16);
-          DOT(c, q.x, xa.x, xa.y) DOT(c, q.y, xa.z, xa.w) DOT(c, q.z, xb.x, xb.y) DOT(c, q.w, xb.z, xb.w)
-        }
-        AFTER_TILES
-        // this lane's block of the group (b0 + t), rows g and g + 8: decode the two absmaxes as the reference
-        {
-          const int bj = b0 + t;
-          const int r0 = min(c_rt * 16 + g, N - 1), r1 = min(c_rt * 16 + g + 8, N - 1);
-          const int i0 = min(r0 * KB + bj, blocks - 1), i1 = min(r1 * KB + bj, blocks - 1);
-          const float* ncs = reinterpret_cast<const float*>(smem);
-          const float s0 = __fadd_rn(__fmul_rn(ncs[code & 255u], __ldg(na + (i0 >> 8))), offset);
-          const float s1 = __fadd_rn(__fmul_rn(ncs[code >> 8], __ldg(na + (i1 >> 8))), offset);
-          acc0 = __fmaf_rn(c[0], s0, acc0);
-          acc1 = __fmaf_rn(c[2], s1, acc1);
-        }
-        if (++c_gi == tg) {  // the row tile's end: a row's 4 lanes summed (the same order in each), then kept
-          float v0 = acc0 + __shfl_xor_sync(0xffffffffu, acc0, 1);
-          float v1 = acc1 + __shfl_xor_sync(0xffffffffu, acc1, 1);
-          v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
-          v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
-          if (t == 0) {
-            red[((c_rt - rt0) * KS + ks) * 16 + g] = v0;
-            red[((c_rt - rt0) * KS + ks) * 16 + g + 8] = v1;
-          }
-          acc0 = 0.f; acc1 = 0.f;
-          c_gi = 0;
-          c_rt += RP;
-        }
-#undef TILE_WORDS
-#undef AFTER_TILES
-    }
-  }
-  asm volatile("cp.async.wait_all;");
-#else
   for (int base = 0; base < groups; base += PFG) {
 #pragma unroll
     for (int f = 0; f < PFG; ++f) {
@@ -428,7 +346,6 @@ nf4_tile_gemv(const U4* __restrict__ wt, const u16* __restrict__ ct, const float
       }
     }
   }
-#endif
   __syncthreads();
   for (int i = tid; i < (rt1 - rt0) * 16; i += THREADS) {
     const int row = rt0 * 16 + i;
@@ -454,10 +371,8 @@ def check_tile_config(config: tuple[int, int, int, int, int]) -> None:
     """ValueError unless `config` is a valid (k splits, row tiles at once, groups in flight, mode, launch-bound
     programs)."""
     ks, rp, depth, mode, min_blocks = config
-    if not (1 <= ks and 1 <= rp and ks * rp <= 32 and 1 <= depth <= 8 and mode in MODES and 1 <= min_blocks <= 8):
+    if not (1 <= ks and 1 <= rp and ks * rp <= 32 and 1 <= depth <= 4 and mode in MODES and 1 <= min_blocks <= 8):
         raise ValueError(f"bad NF4 tile GEMV config {config}")
-    if mode != STAGED and depth > 4:
-        raise ValueError(f"NF4 tile GEMV config {config}: at most 4 groups in flight in registers")
 
 
 def _kernel(config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool, has_res: bool) -> NvrtcKernel:
@@ -473,11 +388,10 @@ def _kernel(config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool
 def shared_bytes(config: tuple[int, int, int, int, int], kbp: int, row_tiles_per_program: int) -> tuple[int, int]:
     """(data, dynamic) shared-memory bytes of a program: nested code table, zeros, x in fp16 and the warps' row
     sums (data), then the pair table (ALIGNED: at the next 64 KiB boundary of the shared window, whose start the
-    kernel reads), then (STAGED) each warp's slots of 2112 bytes a group."""
-    ks, rp, depth, mode, _ = config
+    kernel reads)."""
+    ks, _, _, mode, _ = config
     data = -(-(1056 + kbp * 128 + row_tiles_per_program * ks * 16 * 4) // 16) * 16
-    extra = 65536 if mode == ALIGNED else ks * rp * depth * 2112 if mode == STAGED else 0
-    return data, data + _TABLE_BYTES + extra
+    return data, data + _TABLE_BYTES + (65536 if mode == ALIGNED else 0)
 
 
 def nf4_tile_gemv(
