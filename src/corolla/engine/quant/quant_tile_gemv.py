@@ -7,24 +7,26 @@ reads its tile's bytes 16 l .. 16 l + 15 with one 16-byte load (a warp reads the
 and those bytes are the A operand of the tile's four `mma.m16n8k16` steps as they stand: for step s, the four bytes
 of word s are rows (g, g + 8) of the byte pairs 8 t + 2 s and 8 t + 2 s + 1 of the block (two values each, as
 bitsandbytes packs them). The k order inside a block is permuted the same way for x, so a lane's x for a block is its
-16 contiguous values 16 t .. 16 t + 15 (two 16-byte shared-memory loads). The absmax codes are repacked per tile as
-(row g, row g + 8) byte pairs.
+16 contiguous values 16 t .. 16 t + 15 (two 16-byte shared-memory loads). The absmax codes are repacked 64 bytes per
+group of 4 tiles: lane 4 g + t's byte pair holds rows (g, g + 8) of the group's block t.
 
 Dequantization: each packed byte is one shared-memory load of the NF4 pair table (quant_pair_table: the byte's two
 levels as fp16x2, already the mma operand's register), the table 32 times over (one column per lane: no bank
-conflict), the byte put into the address with one byte permute (`__byte_perm`: byte << 8 | lane << 2, a 64 KiB
-table) or a shift and a mask (byte << 7 | lane << 2, 32 KiB). A word of 8 values costs 4 permutes and 4 shared loads;
-its products and sums are one quarter of an `mma` (fp16 operands, fp32 sums).
+conflict, 64 KiB), the byte put into the address by one byte permute (`__byte_perm`: byte << 8 | lane << 2), plus an
+add of the table's base unless the table sits at a 64 KiB boundary of the shared window (ALIGNED). A word of 8 values
+costs 4 permutes and 4 shared loads; its products and sums are one quarter of an `mma` (fp16 operands, fp32 sums).
 
 Scales. B's 8 columns are used to keep four consecutive blocks apart: block j of a group of 4 multiplies x in column
 2 j (the lanes of other columns read zeros), so after a group lane (g, t) holds block t's sums of rows g and g + 8 and
 decodes only those two absmaxes (uint8 code -> nested code * second-level absmax + offset, in fp32 as the reference)
 instead of every lane decoding every block's. A row's four lanes are summed by two shuffles at the end of a row tile.
 
-Work. A program (WARPS warps) owns a contiguous range of row tiles (balanced over a grid of as many programs as the
-device holds at once); warp w owns the blocks [w KB / WARPS, (w + 1) KB / WARPS) of each of them, streaming its tiles
-with PF 16-byte loads in flight (issued before the table is built), and the warps' partial sums are added in warp
-order through shared memory: the result does not depend on the grid, and a row never depends on another row.
+Work. A program (KS x RP warps) owns a contiguous range of row tiles (balanced over a grid of as many programs as
+the device holds at once); warp (k split s, row slot r) owns the groups of 4 blocks [s KG / KS, (s + 1) KG / KS) of
+the program's row tiles r, r + RP, ..., streaming them with the next 1-2 groups' 16-byte loads in registers (the first
+issued before the tables are built), and the k splits' partial sums are added in split order through shared memory:
+the result does not depend on the grid or RP, and a row never depends on another row. Served by the tuner when
+EngineConfig.nf4_tile_copy allows the copy (docs/decisions/0031).
 
 Numerics: fp16 levels (relative error <= 2^-11), x in fp16 (bf16 x times 2^-8, as quant_stream; or prescaled by the
 RMSNorm / SiLU kernel), products and sums in fp32 on the matrix units, then the block's fp32 absmax: within the bf16
