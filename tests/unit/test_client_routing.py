@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -185,6 +186,31 @@ def test_banned_server_is_avoided_then_retried_after_its_ban():
     now[0] += 15.0
     manager.update()
     assert chain(manager.make_sequence(mode="min_latency")) == [("fast", 0, 4)]
+
+
+def test_corolla_client_measures_its_whole_region_and_routes_there_first():
+    """Petals' client pings a few servers of the first, middle and last blocks; corolla's routes by region (near first,
+    decision 0026), so it also pings the servers it never measured, and passes how long a session has waited."""
+    servers = {f"s{i}": info(i, i + 1) for i in range(8)}
+    pinged: list[list[str]] = []
+
+    class Pinging(FakeSwarmManager):
+        def measure_rtts_s(self, peer_ids):
+            pinged.append(sorted(peer_ids))
+            return {p: 0.01 for p in peer_ids}
+
+    petals = Pinging(ClientConfig(max_pinged=1), servers, 8)
+    petals.update()
+    assert len(pinged[-1]) == 3  # one of block 0's, block 4's and block 7's servers
+    corolla = Pinging(ClientConfig(max_pinged=1, swarm_policy="corolla"), servers, 8)
+    corolla.update()
+    assert pinged[-1] == sorted(servers) and set(corolla.client_rtts_s) == set(servers)
+    corolla.update()
+    assert len(pinged[-1]) == 3  # measured once, kept
+    seen = []
+    corolla.policy = SimpleNamespace(choose_route=lambda *a, **kw: seen.append(kw["waited_s"]) or [])
+    corolla.make_sequence(0, 8, mode="min_latency", waited_s=7.0)
+    assert seen == [7.0]
 
 
 def test_bans_are_ignored_when_they_would_leave_a_block_uncovered():

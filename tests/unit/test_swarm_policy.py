@@ -320,6 +320,32 @@ def test_corolla_routes_within_the_clients_region_when_pings_are_unknown():
     assert estimated_rtt_s(spans[1], spans[3], {}) is None
 
 
+def test_corolla_waits_for_a_chain_in_the_clients_region_before_it_leaves_it():
+    """Near first (decision 0026): the client's region (A1, A2 within `region_rtt_s`) covers every block but is out
+    of cache; a far chain (B1, B2) has room. Until the session has waited `near_patience_s` corolla keeps to its
+    region (the refusal then makes it wait for room there) instead of spilling into the other region, whose own
+    clients need that cache and where every token pays the inter-region RTT; then it takes the far chain. A region
+    that lacks a block routes over the whole swarm at once. Petals takes the far chain at once."""
+    per_session = 2 * 100 * 2  # K and V of 100 tokens in each of 2 blocks
+    spans = [span("A1", 0, 2, 10.0, inference_rps=100.0, cache_tokens_left=0),
+             span("A2", 2, 4, 10.0, inference_rps=100.0, cache_tokens_left=0),
+             span("B1", 0, 2, 10.0, inference_rps=100.0, cache_tokens_left=50 * per_session),
+             span("B2", 2, 4, 10.0, inference_rps=100.0, cache_tokens_left=50 * per_session)]  # fmt: skip
+    rtts = {"A1": 0.01, "A2": 0.01, "B1": 0.15, "B2": 0.15}
+    policy = CorollaPolicy(route_jitter=0.0)
+
+    def route(spans, waited_s, policy=policy):
+        chain = policy.choose_route(spans, 0, 4, mode="min_latency", client_rtts_s=rtts, cache_tokens_needed=100,
+                                    waited_s=waited_s, rng=random.Random(0))  # fmt: skip
+        return [s.peer_id for s in chain]
+
+    assert route(spans, 0.0) == route(spans, policy.near_patience_s - 1) == ["A1", "A2"]
+    assert route(spans, policy.near_patience_s) == ["B1", "B2"]
+    assert route(spans, 0.0, PetalsPolicy()) == ["B1", "B2"]
+    assert route([s for s in spans if s.peer_id != "A2"], 0.0) == ["B1", "B2"]  # its region lacks blocks 2..3
+    assert route(spans[2:] + spans[:1], 0.0) == ["B1", "B2"]
+
+
 def test_loaded_block_time_is_capacity_share_once_saturated():
     s = span("A", 0, 3, 50.0, inference_rps=1000.0)  # 50 tok/s over 3 blocks: 100 token-blocks/s
     assert loaded_block_time_s(s) == pytest.approx(0.01)  # (0 + 1) / 100 > 1 / 1000

@@ -14,6 +14,8 @@ from corolla.swarm.route_planning import (
     MISSING_CACHE_PENALTY_S,
     SERIALIZATION_OVERHEAD_S,
     block_time_s,
+    covers,
+    find_missing_blocks,
     has_cache_for,
     make_min_latency_route,
 )
@@ -98,3 +100,16 @@ def test_min_latency_route_is_the_cheapest_chain(seed):
     assert route[0].start == start and route[-1].end == end
     assert all(a.end == b.start for a, b in zip(route, route[1:], strict=False))
     assert route_cost(route, rtts, 64) == pytest.approx(cheapest(infos, start, end, rtts, 64), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_covers_agrees_with_the_missing_blocks(seed):
+    rng = random.Random(seed)
+    spans = []
+    for i in range(rng.randint(0, 5)):
+        start = rng.randrange(10)
+        spans.append(RemoteSpanInfo(f"S{i}", start, min(10, start + rng.randint(1, 4)),
+                                    ServerInfo(state=ServerState.ONLINE, throughput=1.0)))  # fmt: skip
+    start = rng.randrange(10)
+    end = rng.randint(start + 1, 10)
+    assert covers(spans, start, end) == (not find_missing_blocks(spans, start, end))

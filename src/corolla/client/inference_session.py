@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 
 import torch
@@ -292,7 +293,8 @@ class InferenceSession:
                     continue
             try:
                 if span_session is None or span_session is pending_replacement:
-                    await self._replace_spans(index, block, span_session)
+                    waited_s = 0.0 if budget.failing_since_s is None else time.monotonic() - budget.failing_since_s
+                    await self._replace_spans(index, block, span_session, waited_s=waited_s)
                     pending_replacement = None
                     continue
                 span = span_session.span
@@ -371,18 +373,26 @@ class InferenceSession:
         return source[span.start - self.start : span.end - self.start]
 
     async def _replace_spans(
-        self, index: int, block: int, failed: SpanSession | None, *, route: list[RemoteSpanInfo] | None = None
+        self,
+        index: int,
+        block: int,
+        failed: SpanSession | None,
+        *,
+        route: list[RemoteSpanInfo] | None = None,
+        waited_s: float = 0.0,
     ) -> None:
         """Swaps `_spans[index]` (failed or missing) for a fresh chain covering the same blocks (`route`, else one
-        planned now); the first new session inherits the failed one's history so that its first step replays it."""
+        planned now, `waited_s` after the step's first failure); the first new session inherits the failed one's
+        history so that its first step replays it."""
         end = failed.span.end if failed is not None else self.end
         if failed is not None:
             await failed.close(drain=False)
         try:
             if route is None:
                 route = await asyncio.to_thread(
-                    self.manager.make_sequence, block, end, mode="min_latency", cache_tokens_needed=self.max_length
-                )
+                    self.manager.make_sequence, block, end, mode="min_latency", cache_tokens_needed=self.max_length,
+                    waited_s=waited_s,
+                )  # fmt: skip
         except MissingBlocksError:
             # its link went down, so the view lost it too (its DHT records are out of reach): while it is not
             # banned (a network failure of the only server), keep trying the server we had

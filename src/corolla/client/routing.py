@@ -29,7 +29,7 @@ from corolla.swarm.dht import PUBLIC_INITIAL_PEERS, SwarmConfig, create_dht, get
 from corolla.swarm.membership import RpcMembership, SwarmKeyAuthorizer, load_swarm_key
 from corolla.swarm.ping import PingAggregator, ping
 from corolla.swarm.policies import make_policy
-from corolla.swarm.policy import RouteMode
+from corolla.swarm.policy import PLACEMENT_PINGS, RouteMode
 from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
 from corolla.swarm.routed_load import RoutedLoad
 from corolla.swarm.spans import compute_spans
@@ -202,13 +202,23 @@ class RemoteSequenceManager:
         return result
 
     def _choose_peers_to_ping(self, infos: list[RemoteModuleInfo]) -> list[str]:
-        """Samples up to `max_pinged` servers from each of the first, middle and last blocks."""
+        """Samples up to `max_pinged` servers from each of the first, middle and last blocks (Petals' refresh); a
+        policy that routes by region (`uses_rtts`: the client's region is the servers within its RTT bound) adds up
+        to `PLACEMENT_PINGS` servers it has never measured, so that it knows its whole region after a few refreshes
+        (the RTTs are kept: a pair of hosts' RTT barely changes)."""
         if self.config.max_pinged <= 0 or not infos:
             return []
         chosen: set[str] = set()
         for index in sorted({0, len(infos) // 2, len(infos) - 1}):
             peers = [peer for peer, server in infos[index].servers.items() if server.state == ServerState.ONLINE]
             chosen.update(self.rng.sample(peers, min(len(peers), self.config.max_pinged)))
+        if self.policy.uses_rtts:
+            known = self._rtts.to_dict()
+            online = {
+                peer for info in infos for peer, server in info.servers.items() if server.state == ServerState.ONLINE
+            }
+            unknown = sorted(online - known.keys() - chosen)
+            chosen.update(self.rng.sample(unknown, min(len(unknown), PLACEMENT_PINGS)))
         return sorted(chosen)
 
     def _update_loop(self) -> None:
@@ -245,8 +255,10 @@ class RemoteSequenceManager:
         *,
         mode: RouteMode,
         cache_tokens_needed: int | None = None,
+        waited_s: float = 0.0,
     ) -> list[RemoteSpanInfo]:
-        """A chain of spans covering blocks `[start, end)`; raises MissingBlocksError if some block has no server."""
+        """A chain of spans covering blocks `[start, end)`; raises MissingBlocksError if some block has no server.
+        waited_s: how long the caller has been failing to get a chain (the policy may route differently then)."""
         end = self.num_blocks if end is None else end
         if not 0 <= start < end <= self.num_blocks:
             raise ValueError(f"block range [{start}, {end}) is outside [0, {self.num_blocks})")
@@ -257,7 +269,7 @@ class RemoteSequenceManager:
         now = time.monotonic()
         route = self.policy.choose_route(
             spans, start, end, mode=mode, client_rtts_s=rtts, cache_tokens_needed=cache_tokens_needed,
-            client_load=self.routed.load(now), rng=self.rng,
+            client_load=self.routed.load(now), waited_s=waited_s, rng=self.rng,
         )  # fmt: skip
         if mode == "min_latency":  # an inference session holds its servers until it ends
             self.note_routed(route, now)

@@ -388,6 +388,7 @@ class Simulation:
             client_rtts_s=self.view.client_rtts_s[region],
             cache_tokens_needed=need,
             client_load=None if client is None else client.load(self.loop.now_s),
+            waited_s=0.0 if session.wait_start_s is None else now - session.wait_start_s,
             rng=self.rngs["route"],
         )
         chain = [(span.peer_id, span.start, span.end) for span in route]

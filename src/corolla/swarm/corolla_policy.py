@@ -20,6 +20,7 @@ from corolla.swarm.route_planning import (
     MISSING_CACHE_PENALTY_S,
     announced_rtt_s,
     block_time_s,
+    covers,
     make_max_throughput_route,
     make_min_latency_route,
 )
@@ -62,7 +63,12 @@ class CorollaPolicy:
     half the RTT the first announced to the second, else half the client's RTTs to both (`estimated_rtt_s`).
     Entering a server costs by the room it announced (`cache_entry_cost_s`): sessions of this size its free cache
     holds, less the ones this client just routed there; none left costs Petals' 10 s, a little room
-    `crowding_cost_s` / room, so clients reading the same records do not all race for the last few places."""
+    `crowding_cost_s` / room, so clients reading the same records do not all race for the last few places.
+    Near first (`near_spans`): where the servers within `region_rtt_s` of the client cover every block of the route,
+    an inference chain stays among them until the session has waited `near_patience_s` for one (refused for cache):
+    a chain that leaves the client's region costs every token an inter-region RTT or two (0.1-0.4 s against a few
+    ms a hop), and the cache it holds there is what that region's own clients wait for; a full swarm whose clients
+    spill into each other's regions serves the same sessions at a slower pace (decision 0026)."""
 
     shorter_span_gain: float = 0.10
     min_gain: float = 0.10
@@ -73,6 +79,7 @@ class CorollaPolicy:
     region_rtt_s: float = 0.03
     route_jitter: float = 0.25
     crowding_cost_s: float = 0.05
+    near_patience_s: float = 120.0
     name: str = "corolla"
     uses_rtts: bool = True
 
@@ -239,12 +246,15 @@ class CorollaPolicy:
         client_rtts_s: Mapping[str, float],
         cache_tokens_needed: int | None = None,
         client_load: Mapping[str, float] | None = None,
+        waited_s: float = 0.0,
         rng: random.Random,
     ) -> list[RemoteSpanInfo]:
         if mode == "max_throughput":
             return make_max_throughput_route(spans, start, end, client_rtts_s=client_rtts_s, rng=rng)
         if mode != "min_latency":
             raise ValueError(f"mode must be 'min_latency' or 'max_throughput', got {mode!r}")
+        if waited_s < self.near_patience_s:
+            spans = near_spans(spans, start, end, client_rtts_s, self.region_rtt_s)
         load = client_load or {}
         jitter = {span.peer_id: math.exp(rng.gauss(0.0, self.route_jitter)) for span in spans}
 
@@ -340,6 +350,15 @@ def _soft_by_start(before: np.ndarray, after: np.ndarray, k: int, power: float) 
     window = sliding_window_view(delta, k).sum(axis=1)  # [n - k + 1]
     mean = np.maximum((inverse.sum() + window) / len(before), 1e-300)
     return scale * mean ** (-1.0 / power)
+
+
+def near_spans(
+    spans: Sequence[RemoteSpanInfo], start: int, end: int, client_rtts_s: Mapping[str, float], near_rtt_s: float
+) -> Sequence[RemoteSpanInfo]:
+    """The spans whose servers the client measured within `near_rtt_s` (its region) where they cover every block of
+    `[start, end)`, else all `spans` (a region that lacks a block routes over the whole swarm)."""
+    near = [span for span in spans if client_rtts_s.get(span.peer_id, math.inf) <= near_rtt_s]
+    return near if len(near) < len(spans) and covers(near, start, end) else spans
 
 
 def estimated_rtt_s(span: RemoteSpanInfo, other: RemoteSpanInfo, client_rtts_s: Mapping[str, float]) -> float | None:

@@ -66,6 +66,7 @@ class PetalsPolicy:
         client_rtts_s: Mapping[str, float],
         cache_tokens_needed: int | None = None,
         client_load: Mapping[str, float] | None = None,
+        waited_s: float = 0.0,
         rng: random.Random,
     ) -> list[RemoteSpanInfo]:
         if mode == "min_latency":

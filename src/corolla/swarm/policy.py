@@ -148,11 +148,13 @@ class SwarmPolicy(Protocol):
         client_rtts_s: Mapping[str, float],
         cache_tokens_needed: int | None = None,
         client_load: Mapping[str, float] | None = None,
+        waited_s: float = 0.0,
         rng: random.Random,
     ) -> list[RemoteSpanInfo]:
         """A chain of spans covering blocks `[start, end)` (MissingBlocksError if a block has no server).
         client_rtts_s: this client's RTTs (s) to servers; client_load: sessions this client recently routed to each
-        server (not yet visible in their announced load)."""
+        server (not yet visible in their announced load); waited_s: how long the session has been failing to get a
+        chain (refused for cache, failed), 0 for a first try."""
         ...
 
 

@@ -37,6 +37,18 @@ def find_missing_blocks(spans: Sequence[RemoteSpanInfo], start: int, end: int) -
     return [block for block in range(start, end) if block not in covered]
 
 
+def covers(spans: Sequence[RemoteSpanInfo], start: int, end: int) -> bool:
+    """Whether `spans` together hold every block of `[start, end)` (a sweep over spans sorted by start)."""
+    reach = start
+    for span in sorted(spans, key=lambda span: span.start):
+        if span.start > reach:
+            break
+        reach = max(reach, span.end)
+        if reach >= end:
+            return True
+    return reach >= end
+
+
 def has_cache_for(span: RemoteSpanInfo, cache_tokens_needed: int | None) -> bool:
     """`cache_tokens_left` counts K-or-V (token x block) slots, so a session needs 2 * tokens * blocks of them."""
     left = span.server_info.cache_tokens_left
