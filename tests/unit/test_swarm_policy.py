@@ -325,7 +325,8 @@ def test_corolla_waits_for_a_chain_in_the_clients_region_before_it_leaves_it():
     of cache; a far chain (B1, B2) has room. Until the session has waited `near_patience_s` corolla keeps to its
     region (the refusal then makes it wait for room there) instead of spilling into the other region, whose own
     clients need that cache and where every token pays the inter-region RTT; then it takes the far chain. A region
-    that lacks a block routes over the whole swarm at once. Petals takes the far chain at once."""
+    that lacks a block routes over the whole swarm at once; one with room leaves for speed as before. Petals takes
+    the far chain at once."""
     per_session = 2 * 100 * 2  # K and V of 100 tokens in each of 2 blocks
     spans = [span("A1", 0, 2, 10.0, inference_rps=100.0, cache_tokens_left=0),
              span("A2", 2, 4, 10.0, inference_rps=100.0, cache_tokens_left=0),
@@ -344,6 +345,10 @@ def test_corolla_waits_for_a_chain_in_the_clients_region_before_it_leaves_it():
     assert route(spans, 0.0, PetalsPolicy()) == ["B1", "B2"]
     assert route([s for s in spans if s.peer_id != "A2"], 0.0) == ["B1", "B2"]  # its region lacks blocks 2..3
     assert route(spans[2:] + spans[:1], 0.0) == ["B1", "B2"]
+    # with room in its region, a chain leaves it where that is faster (here A2 is 100x slower), as before
+    roomy = [span("A1", 0, 2, 10.0, inference_rps=100.0, cache_tokens_left=50 * per_session),
+             span("A2", 2, 4, 10.0, inference_rps=1.0, cache_tokens_left=50 * per_session), spans[3]]  # fmt: skip
+    assert route(roomy, 0.0) == ["A1", "B2"]
 
 
 def test_loaded_block_time_is_capacity_share_once_saturated():

@@ -64,11 +64,13 @@ class CorollaPolicy:
     Entering a server costs by the room it announced (`cache_entry_cost_s`): sessions of this size its free cache
     holds, less the ones this client just routed there; none left costs Petals' 10 s, a little room
     `crowding_cost_s` / room, so clients reading the same records do not all race for the last few places.
-    Near first (`near_spans`): where the servers within `region_rtt_s` of the client cover every block of the route,
-    an inference chain stays among them until the session has waited `near_patience_s` for one (refused for cache):
-    a chain that leaves the client's region costs every token an inter-region RTT or two (0.1-0.4 s against a few
-    ms a hop), and the cache it holds there is what that region's own clients wait for; a full swarm whose clients
-    spill into each other's regions serves the same sessions at a slower pace (decision 0026)."""
+    Near first (`near_spans`): where the servers within `region_rtt_s` of the client cover every block of the route
+    but lack room for the session, the client does not take a chain out of its region for the room (it takes the
+    near chain, is refused, and waits for room there) until the session has waited `near_patience_s`: a chain that
+    leaves the client's region costs every token an inter-region RTT or two (0.1-0.4 s against a few ms a hop), and
+    the cache it holds there is what that region's own clients wait for; a full swarm whose clients spill into each
+    other's regions serves the same sessions at a slower pace (decision 0026). A chain that leaves the region for
+    speed while the region has room is taken as before."""
 
     shorter_span_gain: float = 0.10
     min_gain: float = 0.10
@@ -253,8 +255,6 @@ class CorollaPolicy:
             return make_max_throughput_route(spans, start, end, client_rtts_s=client_rtts_s, rng=rng)
         if mode != "min_latency":
             raise ValueError(f"mode must be 'min_latency' or 'max_throughput', got {mode!r}")
-        if waited_s < self.near_patience_s:
-            spans = near_spans(spans, start, end, client_rtts_s, self.region_rtt_s)
         load = client_load or {}
         jitter = {span.peer_id: math.exp(rng.gauss(0.0, self.route_jitter)) for span in spans}
 
@@ -267,10 +267,23 @@ class CorollaPolicy:
         def entry_cost_s(span: RemoteSpanInfo) -> float:
             return cache_entry_cost_s(span, cache_tokens_needed, load.get(span.peer_id, 0.0), self.crowding_cost_s)
 
-        return make_min_latency_route(
-            spans, start, end, client_rtts_s=client_rtts_s, cache_tokens_needed=cache_tokens_needed,
-            block_cost_s=block_cost_s, hop_rtt_s=hop_rtt_s, entry_cost_s=entry_cost_s,
-        )  # fmt: skip
+        def route_over(spans: Sequence[RemoteSpanInfo]) -> list[RemoteSpanInfo]:
+            return make_min_latency_route(
+                spans, start, end, client_rtts_s=client_rtts_s, cache_tokens_needed=cache_tokens_needed,
+                block_cost_s=block_cost_s, hop_rtt_s=hop_rtt_s, entry_cost_s=entry_cost_s,
+            )  # fmt: skip
+
+        route = route_over(spans)
+        if waited_s >= self.near_patience_s or cache_tokens_needed is None:
+            return route
+        near = near_spans(spans, start, end, client_rtts_s, self.region_rtt_s)
+        near_peers = {span.peer_id for span in near}
+        if len(near) == len(spans) or all(span.peer_id in near_peers for span in route):
+            return route
+        # the chain leaves the client's region: if its region has no room for the session, it waits for room there
+        # (the near chain is refused, the client retries) rather than take the cache other regions' clients wait for
+        near_route = route_over(near)
+        return near_route if any(entry_cost_s(span) >= MISSING_CACHE_PENALTY_S for span in near_route) else route
 
 
 def _bottleneck_by_start(throughputs: np.ndarray, added: float, k: int) -> tuple[float, np.ndarray]:
