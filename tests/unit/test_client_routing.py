@@ -190,7 +190,7 @@ def test_banned_server_is_avoided_then_retried_after_its_ban():
 
 def test_corolla_client_measures_its_whole_region_and_routes_there_first():
     """Petals' client pings a few servers of the first, middle and last blocks; corolla's routes by region (near first,
-    decision 0026), so it also pings the servers it never measured, and passes how long a session has waited."""
+    decision 0030), so it also pings the servers it never measured, and passes how long a session has waited."""
     servers = {f"s{i}": info(i, i + 1) for i in range(8)}
     pinged: list[list[str]] = []
 

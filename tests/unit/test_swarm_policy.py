@@ -321,7 +321,7 @@ def test_corolla_routes_within_the_clients_region_when_pings_are_unknown():
 
 
 def test_corolla_waits_for_a_chain_in_the_clients_region_before_it_leaves_it():
-    """Near first (decision 0026): the client's region (A1, A2 within `region_rtt_s`) covers every block but is out
+    """Near first (decision 0030): the client's region (A1, A2 within `region_rtt_s`) covers every block but is out
     of cache; a far chain (B1, B2) has room. Until the session has waited `near_patience_s` corolla keeps to its
     region (the refusal then makes it wait for room there) instead of spilling into the other region, whose own
     clients need that cache and where every token pays the inter-region RTT; then it takes the far chain. A region

@@ -69,7 +69,7 @@ class CorollaPolicy:
     near chain, is refused, and waits for room there) until the session has waited `near_patience_s`: a chain that
     leaves the client's region costs every token an inter-region RTT or two (0.1-0.4 s against a few ms a hop), and
     the cache it holds there is what that region's own clients wait for; a full swarm whose clients spill into each
-    other's regions serves the same sessions at a slower pace (decision 0026). A chain that leaves the region for
+    other's regions serves the same sessions at a slower pace (decision 0030). A chain that leaves the region for
     speed while the region has room is taken as before."""
 
     shorter_span_gain: float = 0.10
