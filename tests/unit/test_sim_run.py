@@ -223,3 +223,5 @@ def test_a_corolla_server_serves_its_span_while_it_fetches_the_next() -> None:
     assert report.churn["reload_s"] == pytest.approx(sum(s.local_load_s(s.num_blocks) for s in moved))
     assert report.churn["fetch_s"] >= sum(s.fetch_s(s.num_blocks) for s in moved) > report.churn["reload_s"]
     assert report.churn["move_reasons"] == {"test move": len(moved)}
+    # servers fetching at each snapshot are in the report, as many as the simulator saw
+    assert [f["fetching"] for f in report.flow_efficiency] == [f.fetching for f in sim.metrics.flow]

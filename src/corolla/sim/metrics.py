@@ -159,6 +159,7 @@ class Report:
                     "decoding": s.decoding,
                     "waiting": s.waiting,
                     "kv_reserved": s.kv_reserved,
+                    "fetching": s.fetching,
                 }
                 for s in samples
             ],  # fmt: skip
