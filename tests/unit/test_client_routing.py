@@ -279,3 +279,22 @@ def test_a_cache_refusal_of_a_blocks_only_server_does_not_hide_it():
     manager.update()
     assert manager.avoided_peers() == set()
     assert chain(manager.make_sequence(mode="min_latency")) == [("lone", 0, 4)]
+
+
+@pytest.mark.parametrize("policy", ["petals", "corolla"])
+def test_a_cache_refusal_keeps_the_clients_region_whole_for_corolla(policy):
+    """corolla's client does not avoid a refusing server where its region (servers within the policy's RTT bound)
+    would lack a block without it: the session waits for room there rather than be routed out of its region by its own
+    avoidance (decision 0030). Where the region keeps every block, or with Petals' policy, it is avoided as before."""
+    servers = {"near_a": info(0, 2), "near_b": info(2, 4), "near_c": info(0, 2), "far": info(0, 4)}
+
+    class Regional(FakeSwarmManager):
+        def measure_rtts_s(self, peer_ids):
+            return {p: 0.2 if p == "far" else 0.01 for p in peer_ids}
+
+    manager = Regional(ClientConfig(swarm_policy=policy), servers, 4)
+    manager.update()
+    manager.on_cache_refusal("near_b")  # the region's only server of blocks 2..3
+    assert manager.avoided_peers() == (set() if policy == "corolla" else {"near_b"})
+    manager.on_cache_refusal("near_a")  # near_c still holds blocks 0..1 in the region
+    assert "near_a" in manager.avoided_peers()

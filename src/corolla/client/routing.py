@@ -24,7 +24,7 @@ from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
 from corolla.protocol.rpc import TransformerConnectionHandler, handle_name
 from corolla.protocol.uids import CHAIN_DELIMITER
-from corolla.swarm.cache_refusals import AVOID_S
+from corolla.swarm.cache_refusals import AVOID_S, may_avoid
 from corolla.swarm.dht import PUBLIC_INITIAL_PEERS, SwarmConfig, create_dht, get_peer_id, shutdown_dht
 from corolla.swarm.membership import RpcMembership, SwarmKeyAuthorizer, load_swarm_key
 from corolla.swarm.ping import PingAggregator, ping
@@ -320,12 +320,13 @@ class RemoteSequenceManager:
         """`peer_id` had no KV cache for a session: skip it for `AVOID_S` (not a failure: its ban record stays as it
         was) and re-read the records now (blocking, unless read within `MIN_REREAD_S`), so that the re-route that
         follows sees the servers' fresh free-cache figures. Like a ban, it is ignored where it would leave a block
-        without a server (not recorded at all then: every re-read would drop it from the view again)."""
+        without a server, or, with a policy that routes by region, the client's region without a block
+        (`cache_refusals.may_avoid`; not recorded at all then: every re-read would drop it from the view again)."""
+        rtts = self.client_rtts_s
         with self._lock:
-            remaining = [span for span in self._spans if span.peer_id != peer_id]
-            if self._covers_every_block(remaining):
+            if may_avoid(self._spans, peer_id, self.num_blocks, rtts, self.policy.route_region_rtt_s):
                 self._avoid_until[peer_id] = time.monotonic() + AVOID_S
-                self._spans = remaining
+                self._spans = [span for span in self._spans if span.peer_id != peer_id]
         logger.info("routing.cache_refusal(peer=...%s, avoid_s=%.0f)", peer_id[-6:], AVOID_S)
         if time.monotonic() - self._updated_at < MIN_REREAD_S:
             return

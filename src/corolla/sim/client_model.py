@@ -66,7 +66,7 @@ class ClientDriver:
         on_session_end: Callable[[SimSession], None],
         sessions_per_client: int = 1,
         view_age_max_s: float = 60.0,
-        on_cache_refusal: Callable[[SimSession], None] | None = None,
+        on_cache_refusal: Callable[[SimSession, str], bool] | None = None,
     ):
         self.loop, self.view, self.metrics, self.route_fn, self.rng = loop, view, metrics, route_fn, rng
         self.think_s, self.on_session_end = think_s, on_session_end
@@ -227,9 +227,9 @@ class ClientDriver:
             if self.on_cache_refusal is None:
                 session.banned[refusing.peer_id] = self.loop.now_s + BAN_TIMEOUT_S
             else:
-                session.banned[refusing.peer_id] = self.loop.now_s + AVOID_S
                 session.cache_refusals += 1
-                self.on_cache_refusal(session)
+                if self.on_cache_refusal(session, refusing.peer_id):  # its client avoids it (`may_avoid`), re-reads
+                    session.banned[refusing.peer_id] = self.loop.now_s + AVOID_S
             return False
         session.full, session.cache_refusals = False, 0
         for server, _, _ in hops:

@@ -23,6 +23,7 @@ from corolla.sim.regions import REGIONS, RttModel
 from corolla.sim.server_model import SimServer
 from corolla.sim.view import SwarmView
 from corolla.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
+from corolla.swarm.cache_refusals import may_avoid
 from corolla.swarm.early_announce import DEFAULT_EARLY_ANNOUNCE, EARLY_CHECK_PERIOD_S
 from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import PLACEMENT_PINGS, MoveDecision, ServerCapacity
@@ -98,7 +99,7 @@ class Simulation:
             self._ended,
             sessions_per_client=c.workload.sessions_per_client,
             view_age_max_s=c.client_update_period_s,
-            on_cache_refusal=self._reread if self.corolla_peers else None,
+            on_cache_refusal=self._on_cache_refusal if self.corolla_peers else None,
         )
         self.perfs = {name: ServerPerf(GPUS[name], c.model, c.dtype) for name in c.fleet}
         mean = c.workload
@@ -339,6 +340,18 @@ class Simulation:
         if session.slot is None:
             return ("session", session.sid)
         return ("client", session.slot // self.config.workload.sessions_per_client)
+
+    def _on_cache_refusal(self, session: SimSession, peer_id: str) -> bool:
+        """As the real client's `RemoteSequenceManager.on_cache_refusal`: whether it avoids `peer_id` for `AVOID_S`
+        (`may_avoid` over its view less the servers it skips now), then it re-reads the records."""
+        spans, _ = self._client_view(session)
+        now = self.loop.now_s
+        skipped = {peer for peer, until in session.banned.items() if until > now}
+        view = [span for span in spans if span.peer_id not in skipped]
+        rtts = self.view.client_rtts_s[session.conversation.region]
+        avoid = may_avoid(view, peer_id, self.config.model.num_blocks, rtts, self.policy.route_region_rtt_s)
+        self._reread(session)
+        return avoid
 
     def _reread(self, session: SimSession) -> None:
         """`session`'s client re-reads the records now (after a cache refusal): the servers' latest announcements."""

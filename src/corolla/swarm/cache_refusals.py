@@ -6,6 +6,11 @@ Pure: the real client (`client.retries`, `client.routing`) and `corolla.sim` app
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
+
+from corolla.protocol.records import RemoteSpanInfo
+from corolla.swarm.route_planning import covers
 from corolla.utils.errors import AllocationFailed
 
 AVOID_S = 15.0  # a full server is skipped this long (about the time for its early re-announcement to show room)
@@ -35,3 +40,24 @@ def reroute_delay_s(refusals_in_row: int, backoff_s: float) -> float:
     """The sleep before routing again after the `refusals_in_row`-th cache refusal in a row (1-based): none for the
     first `IMMEDIATE_REROUTES`, else `backoff_s` (the failure schedule's)."""
     return 0.0 if refusals_in_row <= IMMEDIATE_REROUTES else backoff_s
+
+
+def may_avoid(
+    spans: Sequence[RemoteSpanInfo],
+    peer_id: str,
+    num_blocks: int,
+    client_rtts_s: Mapping[str, float],
+    region_rtt_s: float | None,
+) -> bool:
+    """Whether the client may skip `peer_id` (refused for cache) for `AVOID_S`: where the other servers of `spans` (its
+    view) still cover every block, and, for a policy that routes by region (`region_rtt_s`: the RTT bound of the
+    client's region; None: the whole swarm), where its region still covers every block without it if it did with it.
+    Else the session's next chain would leave its region for want of that one server, which is what it waits for
+    (decision 0030)."""
+    others = [span for span in spans if span.peer_id != peer_id]
+    if not covers(others, 0, num_blocks):
+        return False
+    if region_rtt_s is None:
+        return True
+    near = [span for span in spans if client_rtts_s.get(span.peer_id, math.inf) <= region_rtt_s]
+    return not covers(near, 0, num_blocks) or covers([s for s in near if s.peer_id != peer_id], 0, num_blocks)

@@ -85,6 +85,10 @@ class CorollaPolicy:
     name: str = "corolla"
     uses_rtts: bool = True
 
+    @property
+    def route_region_rtt_s(self) -> float | None:
+        return self.region_rtt_s
+
     # ---- placement
 
     def choose_span(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo], total_blocks: int) -> range:

@@ -25,6 +25,7 @@ class PetalsPolicy:
     balance_quality: float = DEFAULT_BALANCE_QUALITY
     name: str = "petals"
     uses_rtts: bool = False
+    route_region_rtt_s: float | None = None  # routes over the whole swarm
 
     def choose_span(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo], total_blocks: int) -> range:
         num_blocks = min(me.max_blocks, total_blocks)

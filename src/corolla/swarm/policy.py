@@ -120,6 +120,13 @@ class SwarmPolicy(Protocol):
         """Whether placement reads `ServerCapacity.rtts_s` (a joining server then pings the swarm first)."""
         ...
 
+    @property
+    def route_region_rtt_s(self) -> float | None:
+        """The RTT bound (s) of the client's region that its routes keep to while they can (None: no region): a
+        client does not avoid a server where that would leave its region without a block
+        (`swarm.cache_refusals.may_avoid`)."""
+        ...
+
     def choose_span(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo], total_blocks: int) -> range:
         """The blocks a joining server should load (its own span in `spans`, if any, is ignored)."""
         ...
