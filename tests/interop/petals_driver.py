@@ -42,7 +42,7 @@ def prompt_tuning_results(args: argparse.Namespace, dht_prefix: str, input_ids) 
         args.model,
         initial_peers=args.initial_peers,
         dht_prefix=dht_prefix,
-        max_retries=3,
+        max_retries=6,  # a fresh client p2pd in dial backoff to a server (seen once in the suite's busiest first minute)
         daemon_startup_timeout=30,
         request_timeout=30,
         torch_dtype=torch.float32,
@@ -73,7 +73,7 @@ def prefix_results(args: argparse.Namespace, dht_prefix: str, cases: list[str]) 
         args.model,
         initial_peers=args.initial_peers,
         dht_prefix=dht_prefix,
-        max_retries=3,
+        max_retries=6,  # a fresh client p2pd in dial backoff to a server (seen once in the suite's busiest first minute)
         daemon_startup_timeout=30,
         request_timeout=30,
         torch_dtype=torch.float32,
