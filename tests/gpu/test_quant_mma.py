@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.nf4_weights import fp16_level_reference
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -29,13 +31,6 @@ def _weight(n: int, k: int, seed: int, dtype: torch.dtype, random_table: bool = 
     return NF4Weight(packed, w.absmax_codes, w.nested_absmax, w.nested_code, w.nested_offset, code, dtype)
 
 
-def _fp16_level_reference(weight) -> torch.Tensor:
-    # [N, K] fp32: the level rounded to fp16 (as the register lookup holds it) times the block absmax
-    n, k = weight.shape
-    codes = torch.stack(((weight.packed >> 4).long(), (weight.packed & 15).long()), dim=-1).reshape(n, k)
-    return (weight.code.half().float()[codes].reshape(-1, 64) * weight.block_absmax()[:, None]).reshape(n, k)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("random_table", [False, True])
 def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
@@ -43,7 +38,7 @@ def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
 
     n, k = 136, 1216  # 19 blocks per row, a partial row tile
     weight = _weight(n, k, seed=3 + int(random_table), dtype=dtype, random_table=random_table)
-    ref = _fp16_level_reference(weight)
+    ref = fp16_level_reference(weight)
     tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # one rounding to the output dtype
     cols = torch.arange(0, k, 3, device=DEV)[:64]  # 64 columns in every word position
     cols = torch.cat([cols, torch.arange(k - 64, k, device=DEV)])  # and the last block
@@ -88,7 +83,7 @@ def test_split_counters_reset_under_graph_replay() -> None:
     config = (64, 16, 5, 4, 1)  # 5 splits of 32 blocks: ragged
     eager = nf4_mma_matmul(x, weight, res, config)
     assert int(weight.split_counters().abs().sum()) == 0
-    expected = x.float() @ _fp16_level_reference(weight).t() + res.float()
+    expected = x.float() @ fp16_level_reference(weight).t() + res.float()
     assert float((eager.float() - expected).norm() / expected.norm()) < 1e-2
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.nf4_weights import fp16_level_reference, random_code_weight
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -22,25 +24,6 @@ DEV = torch.device("cuda")
 CONFIGS = [(64, 4, 1, 4, 2), (64, 4, 3, 4, 3), (32, 4, 2, 4, 1), (128, 2, 1, 8, 2)]
 
 
-def _weight(n: int, k: int, seed: int, dtype: torch.dtype, random_table: bool = False):
-    from corolla.engine.quant.quant import NF4Weight, quantize_nf4
-
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    w = quantize_nf4((torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype))
-    packed = torch.randint(0, 256, w.packed.shape, device=DEV, dtype=torch.uint8, generator=gen)  # every code
-    # a random table: magnitudes 0.5 to 2.5 (fp16 keeps them normal after x's 2^-8 scaling), random signs
-    signs = torch.randint(0, 2, (16,), device=DEV, generator=gen) * 2 - 1
-    code = (torch.rand(16, device=DEV, generator=gen) + 0.25) * 2 * signs if random_table else w.code
-    return NF4Weight(packed, w.absmax_codes, w.nested_absmax, w.nested_code, w.nested_offset, code, dtype)
-
-
-def _fp16_level_reference(weight) -> torch.Tensor:
-    # [N, K] fp32: the level rounded to fp16 (as the pair table holds it) times the block absmax
-    n, k = weight.shape
-    codes = torch.stack(((weight.packed >> 4).long(), (weight.packed & 15).long()), dim=-1).reshape(n, k)
-    return (weight.code.half().float()[codes].reshape(-1, 64) * weight.block_absmax()[:, None]).reshape(n, k)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("random_table", [False, True])
 @pytest.mark.parametrize("k", [2048, 1216])  # 32 blocks per row (whole 4-block steps), 19 (steps of one block)
@@ -48,8 +31,8 @@ def test_one_hot_rows_read_every_decoded_value(dtype, random_table, k) -> None:
     from corolla.engine.quant.quant_stream import nf4_stream_gemv
 
     n = 136  # a partial row tile
-    weight = _weight(n, k, seed=3 + int(random_table) + k, dtype=dtype, random_table=random_table)
-    ref = _fp16_level_reference(weight)  # [N, K]
+    weight = random_code_weight(n, k, seed=3 + int(random_table) + k, dtype=dtype, random_table=random_table)
+    ref = fp16_level_reference(weight)  # [N, K]
     eye = torch.eye(k, device=DEV, dtype=dtype)
     tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # one rounding to the output dtype
     for start in range(0, k, 8 * 37):  # columns from every block and word position, the last one included
@@ -65,7 +48,7 @@ def test_one_hot_rows_read_every_decoded_value(dtype, random_table, k) -> None:
 def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
     from corolla.engine.quant.quant_stream import nf4_stream_gemv
 
-    weight = _weight(520, 4096, seed=5, dtype=torch.bfloat16)
+    weight = random_code_weight(520, 4096, seed=5, dtype=torch.bfloat16)
     x = torch.randn(3, 4096, device=DEV, dtype=torch.bfloat16) * 4
     res = torch.randn(3, 520, device=DEV, dtype=torch.bfloat16)
     ref = x.float() @ weight.dequantize().float().t() + res.float()  # bitsandbytes' bf16 dequantized weight
@@ -86,7 +69,7 @@ def test_prescaled_x_from_the_norm_and_silu_kernels_gives_the_same_bits(producer
     from corolla.engine.quant.quant_stream import X_SCALE, nf4_stream_gemv
 
     k = 2048
-    weight = _weight(136, k, seed=31, dtype=torch.bfloat16)
+    weight = random_code_weight(136, k, seed=31, dtype=torch.bfloat16)
     gen = torch.Generator(device=DEV).manual_seed(32)
     if producer == "rmsnorm":
         h = (torch.randn(1, k, device=DEV, generator=gen) * 3).to(torch.bfloat16)
@@ -108,13 +91,13 @@ def test_prescaled_x_from_the_norm_and_silu_kernels_gives_the_same_bits(producer
 def test_split_counters_reset_under_graph_replay() -> None:
     from corolla.engine.quant.quant_stream import nf4_stream_gemv
 
-    weight = _weight(520, 2048, seed=12, dtype=torch.bfloat16)
+    weight = random_code_weight(520, 2048, seed=12, dtype=torch.bfloat16)
     x = torch.randn(1, 2048, device=DEV, dtype=torch.bfloat16)
     res = torch.randn(1, 520, device=DEV, dtype=torch.bfloat16)
     config = (64, 2, 5, 4, 2)  # 5 splits of 16 steps: ragged
     eager = nf4_stream_gemv(x, weight, res, config)
     assert int(weight.split_counters().abs().sum()) == 0
-    expected = x.float() @ _fp16_level_reference(weight).t() + res.float()
+    expected = x.float() @ fp16_level_reference(weight).t() + res.float()
     assert float((eager.float() - expected).norm() / expected.norm()) < 1e-2
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -137,7 +120,7 @@ def test_bad_inputs_are_refused() -> None:
     from corolla.engine.quant.quant import NF4Weight, quantize_nf4
     from corolla.engine.quant.quant_stream import nf4_stream_gemv
 
-    w = _weight(32, 256, seed=1, dtype=torch.bfloat16)
+    w = random_code_weight(32, 256, seed=1, dtype=torch.bfloat16)
     x = torch.randn(1, 256, device=DEV, dtype=torch.bfloat16)
     buf = torch.zeros(w.packed.numel() + 4, device=DEV, dtype=torch.uint8)
     shifted = buf[4:].view(32, 128)  # word-aligned, not 16-byte aligned

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.nf4_weights import fp16_level_reference, random_code_weight
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -20,32 +22,15 @@ DEV = torch.device("cuda")
 CONFIGS = [(4, 4, 1, 0, 2), (4, 8, 1, 1, 1), (2, 12, 2, 1, 1)]
 
 
-def _weight(n: int, k: int, seed: int, dtype: torch.dtype, random_table: bool = False):
-    from corolla.engine.quant.quant import NF4Weight, quantize_nf4
-
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    w = quantize_nf4((torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype))
-    packed = torch.randint(0, 256, w.packed.shape, device=DEV, dtype=torch.uint8, generator=gen)  # every code
-    signs = torch.randint(0, 2, (16,), device=DEV, generator=gen) * 2 - 1
-    code = (torch.rand(16, device=DEV, generator=gen) + 0.25) * 2 * signs if random_table else w.code
-    return NF4Weight(packed, w.absmax_codes, w.nested_absmax, w.nested_code, w.nested_offset, code, dtype)
-
-
-def _fp16_level_reference(weight) -> torch.Tensor:
-    n, k = weight.shape
-    codes = torch.stack(((weight.packed >> 4).long(), (weight.packed & 15).long()), dim=-1).reshape(n, k)
-    return (weight.code.half().float()[codes].reshape(-1, 64) * weight.block_absmax()[:, None]).reshape(n, k)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("random_table", [False, True])
 def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
     from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv, tile_layout
 
     n, k = 136, 1216  # a partial row tile; 19 blocks per row, padded to 20
-    weight = _weight(n, k, seed=3 + int(random_table), dtype=dtype, random_table=random_table)
+    weight = random_code_weight(n, k, seed=3 + int(random_table), dtype=dtype, random_table=random_table)
     tiles = tile_layout(weight)
-    ref = _fp16_level_reference(weight)  # [N, K]
+    ref = fp16_level_reference(weight)  # [N, K]
     eye = torch.eye(k, device=DEV, dtype=dtype)
     tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # one rounding to the output dtype
     for start in range(0, 64 * 3, 8):  # every position of three blocks, rows of every tile
@@ -62,7 +47,7 @@ def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
     from corolla.engine.kernels import triton_kernels
     from corolla.engine.quant.quant_tile_gemv import X_SCALE, nf4_tile_gemv, tile_layout
 
-    weight = _weight(520, 4096, seed=5, dtype=torch.bfloat16)
+    weight = random_code_weight(520, 4096, seed=5, dtype=torch.bfloat16)
     tiles = tile_layout(weight)
     x = torch.randn(3, 4096, device=DEV, dtype=torch.bfloat16) * 4
     res = torch.randn(3, 520, device=DEV, dtype=torch.bfloat16)
@@ -85,11 +70,13 @@ def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
 def test_graph_replays_are_bit_equal() -> None:
     from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv, tile_layout
 
-    weight = _weight(4096, 14336, seed=12, dtype=torch.bfloat16)  # Llama-3-8B's w_down: many row tiles per program
+    weight = random_code_weight(
+        4096, 14336, seed=12, dtype=torch.bfloat16
+    )  # Llama-3-8B's w_down: many row tiles per program
     tiles = tile_layout(weight)
     x = torch.randn(1, 14336, device=DEV, dtype=torch.bfloat16)
     res = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
-    dense = _fp16_level_reference(weight).t()
+    dense = fp16_level_reference(weight).t()
     for config in CONFIGS:
         expected = x.float() @ dense + res.float()  # (x changes below)
         eager = nf4_tile_gemv(x, weight, tiles, res, config)
@@ -113,7 +100,7 @@ def test_graph_replays_are_bit_equal() -> None:
 def test_bad_inputs_are_refused() -> None:
     from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv, tile_layout
 
-    w = _weight(32, 512, seed=1, dtype=torch.bfloat16)
+    w = random_code_weight(32, 512, seed=1, dtype=torch.bfloat16)
     tiles = tile_layout(w)
     x = torch.randn(1, 512, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="16-bit"):
@@ -123,7 +110,7 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="k splits"):
         nf4_tile_gemv(x, w, tiles, None, (4, 1, 1, 0, 1))  # 2 groups of 4 blocks per row
     with pytest.raises(ValueError, match="tiles of"):
-        nf4_tile_gemv(torch.randn(1, 256, device=DEV, dtype=torch.bfloat16), _weight(32, 256, 2, torch.bfloat16),
+        nf4_tile_gemv(torch.randn(1, 256, device=DEV, dtype=torch.bfloat16), random_code_weight(32, 256, 2, torch.bfloat16),
                       tiles, None, CONFIGS[0])  # fmt: skip
     with pytest.raises(ValueError, match="residual"):
         nf4_tile_gemv(x, w, tiles, torch.zeros(1, 31, device=DEV, dtype=torch.bfloat16), CONFIGS[0])
