@@ -63,7 +63,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from corolla.client.config import ClientConfig
-    from corolla.client.distributed_model import AutoDistributedModelForCausalLM
+    from corolla.client.models.distributed_model import AutoDistributedModelForCausalLM
     from corolla.server.config import ServerConfig
     from corolla.server.server import Server
 

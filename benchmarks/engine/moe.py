@@ -7,7 +7,7 @@ attention, norms, routers, the distinct experts the step's tokens chose (counted
 KV prefix, / bandwidth) and against transformers' forward of the same layers with a `DynamicCache` at the same
 batch; the expert kernel's per-layer time at 1 and 8 tokens against two/eight experts' bytes; and the engine's
 output against transformers' on the same inputs. `--quant none nf4 int8` measures each weight format in the same
-run (NF4/Int8: every projection quantized in bitsandbytes' layouts by `engine.quant.quant`'s quantizers, the experts read by
+run (NF4/Int8: every projection quantized in bitsandbytes' layouts by `engine.quant.quant_weights`'s quantizers, the experts read by
 `moe_quant`'s kernels; the floor counts the chosen experts' packed bytes + scales; numerics against the engine on
 the dequantized weights). `--numerics` adds the three-way comparison of `moe_numerics` (engine, transformers, fp32).
 `--shape tiny --device cpu` dry-runs the code paths."""
@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
 from benchmarks.engine.moe_numerics import three_way
 from corolla.engine.config import EngineConfig
-from corolla.engine.moe.moe import ExpertWeights, RoutedMoE, experts_forward, softmax_topk, tune_experts
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
-from corolla.engine.quant.quant import quantize_int8, quantize_nf4
+from corolla.engine.moe.routed_experts import ExpertWeights, RoutedMoE, experts_forward, softmax_topk, tune_experts
+from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 

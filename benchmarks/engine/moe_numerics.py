@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine.config import EngineConfig
-from corolla.engine.moe.moe import softmax_topk
+from corolla.engine.moe.routed_experts import softmax_topk
 from corolla.engine.span_engine import SpanEngine
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 

@@ -22,7 +22,7 @@ import torch
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, sync
 from corolla.engine.config import EngineConfig
 from corolla.engine.kv.kv_pool import KVLayout
-from corolla.engine.quant.quant import quantize_int8, quantize_nf4
+from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 
@@ -403,7 +403,7 @@ def bench_programmatic(
     """The NF4 / INT8 step again (of `kinds`; the same weights as bench_llama's) with programmatic dependent launch
     (quant_splits; sm_90+: the quantized kernels launched with it, the norm / attention / SiLU kernels before them
     releasing them early), tuned afresh; a failure is logged and recorded."""
-    from corolla.engine.quant import quant_splits  # needs Triton
+    from corolla.engine.kernels import quant_splits  # needs Triton
 
     for kind in (k for k in ("nf4", "int8") if k in kinds):
         gen = torch.Generator(device=dev).manual_seed(0)

@@ -6,7 +6,7 @@ Each trial is one liar's career: it serves sessions (a prompt step, then one dec
 [`min_new_tokens`, `max_new_tokens`]) of one span that two honest replicas also hold, and announces itself fastest, so
 every session goes through it; each of its steps is corrupted with probability `lie_rate` (its outputs plus noise of
 relative L2 size `lie_scale`: finite, the outputs' own scale). The client side is the real one
-(`client.stretches.StretchVerifier` with `ClientConfig`'s sampling, a real `RemoteSequenceManager` and `BanList`);
+(`client.verification.stretches.StretchVerifier` with `ClientConfig`'s sampling, a real `RemoteSequenceManager` and `BanList`);
 the servers are a tiny random causal transformer span computed for real: the liar's answers come from incremental
 decoding with a KV cache, the replicas recompute each sampled stretch in one pass over the span's inputs [0, b), as
 `rpc_forward` does. A trial ends when the liar is banned (caught at that step) or after `budget_steps` of its steps
@@ -29,8 +29,13 @@ import torch
 
 from corolla.client import background_loop
 from corolla.client.config import ClientConfig
-from corolla.client.routing import RemoteSequenceManager
-from corolla.client.stretches import DEFAULT_FRACTION, DEFAULT_STRETCH_STEPS, StretchVerifier, escape_probability
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.verification.stretches import (
+    DEFAULT_FRACTION,
+    DEFAULT_STRETCH_STEPS,
+    StretchVerifier,
+    escape_probability,
+)
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.utils.logging import quiet_logs
 

@@ -27,7 +27,7 @@ import torch
 
 from corolla.cli.demo import split_blocks
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.client.stretches import DEFAULT_FRACTION
+from corolla.client.verification.stretches import DEFAULT_FRACTION
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 

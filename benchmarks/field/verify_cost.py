@@ -4,7 +4,7 @@ benchmarks.field.verify_cost --out DIR` on a GPU (`--tiny` dry-runs the code on 
 A span of random Llama-3-8B-shaped bf16 layers serves `rows` sessions: one prefill of `--prompt` tokens each, then
 `steps` merged single-token decode steps through the engine's serving path (Triton kernels on CUDA, paged pool; no
 kernel tuning; `--graphs`: decode steps replay CUDA graphs, as a server's do). That decode time is the work served (the baseline,
-verification off). Verification as `client.stretches` samples it: at the end of each stretch of `--stretch_steps`
+verification off). Verification as `client.verification.stretches` samples it: at the end of each stretch of `--stretch_steps`
 steps of a session (and at its close) a replica, a server of the same kind, recomputes positions [0, b) of that
 session in ONE forward (b = prompt + 64, prompt + 128, ..., prompt + steps), each stretch with probability
 `--fraction`. Every such forward is timed here, per session, unmerged (an upper bound: a replica may merge concurrent
@@ -35,7 +35,7 @@ import torch
 
 from benchmarks.engine.quant import LLAMA3_8B, TINY, quantized, random_layer
 from benchmarks.field.verify_tolerance import engine_over
-from corolla.client.stretches import DEFAULT_FRACTION, DEFAULT_STRETCH_STEPS, position_errors, stretch_rtol
+from corolla.client.verification.stretches import DEFAULT_FRACTION, DEFAULT_STRETCH_STEPS, position_errors, stretch_rtol
 from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_llama import LayerWeights, LlamaSpec
 

@@ -1,4 +1,4 @@
-"""Does stretch verification's tolerance ever ban an honest server? (issue 37, `client.stretches`):
+"""Does stretch verification's tolerance ever ban an honest server? (issue 37, `client.verification.stretches`):
 `python -m benchmarks.field.verify_tolerance --out DIR` on a GPU (`--tiny` dry-runs the code on the CPU in seconds).
 
 An honest server answers a session step by step: prefill, then single-token decode steps through the engine's fused
@@ -7,7 +7,7 @@ recomputes the span's inputs for positions [0, b) in ONE forward with other kern
 engine's torch kernels, `use_triton=False`, a fresh session). Stretch verification compares every position's output
 by its relative L2 error (`stretches.position_errors`) against `stretches.stretch_rtol(dtype, quantized)`; one
 position over it, outvoted by a second replica, bans the server. For each of bf16 and NF4 weights (corolla's own NF4
-kernels: `engine.quant.quant.quantize_nf4`), `--sessions` sessions of `--prompt` + `--steps` tokens (64 x 160 = 10,240
+kernels: `engine.quant.quant_weights.quantize_nf4`), `--sessions` sessions of `--prompt` + `--steps` tokens (64 x 160 = 10,240
 decode positions: more than 10,000 verified steps), random Llama-3-8B-shaped layers (`--layers`), random inputs:
 the largest per-position error, its 99.9th percentile, the tolerance, and whether an honest server would be banned."""
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine.quant import LLAMA3_8B, TINY, kv_pool_bytes_for, quantized, random_layer
-from corolla.client.stretches import position_errors, stretch_rtol
+from corolla.client.verification.stretches import position_errors, stretch_rtol
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec

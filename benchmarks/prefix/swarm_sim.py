@@ -1,7 +1,7 @@
 """`python -m benchmarks.prefix.swarm_sim [--scenario scale-low] [--policy corolla] [--cache_tokens_per_server N]`:
 prefix caching in corolla-sim (`corolla.sim.prefix_scenario`): stateless multi-turn chats (5 turns of LMSYS-sized
 prompts and answers), a prefix cache per server, one run each without the cache, with it under the policy's plain
-routing and with cache-affine routing (the real `client.prefix_routes`), same seed. Prints one JSON line per way
+routing and with cache-affine routing (the real `client.prefix.prefix_routes`), same seed. Prints one JSON line per way
 and, with `--markdown`, a table for RESULTS.md."""
 
 from __future__ import annotations

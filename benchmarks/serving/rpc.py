@@ -185,8 +185,8 @@ def _measure_corolla_client(
     from hivemind.p2p import P2P
 
     from corolla.client.config import ClientConfig
-    from corolla.client.inference_session import InferenceSession
-    from corolla.client.routing import RemoteSequenceManager
+    from corolla.client.routing.sequence_manager import RemoteSequenceManager
+    from corolla.client.session.inference_session import InferenceSession
     from corolla.protocol.records import RemoteModuleInfo, ServerInfo, ServerState
 
     class FixedRoute(RemoteSequenceManager):

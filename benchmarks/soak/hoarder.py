@@ -65,7 +65,7 @@ async def run(args: argparse.Namespace) -> HoardStats:
     from hivemind.p2p import P2P
 
     from corolla.client.config import ClientConfig
-    from corolla.client.routing import RemoteSequenceManager
+    from corolla.client.routing.sequence_manager import RemoteSequenceManager
     from corolla.models.config import default_dht_prefix
     from corolla.protocol.uids import make_chain, make_uid
 

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from corolla.client.config import ClientConfig
-    from corolla.client.distributed_model import AutoDistributedModelForCausalLM
+    from corolla.client.models.distributed_model import AutoDistributedModelForCausalLM
 
     prompts = json.loads(args.prompts_file.read_text())
     if not prompts or not all(isinstance(p, list) and p for p in prompts):

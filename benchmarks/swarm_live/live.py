@@ -26,8 +26,8 @@ import torch
 from benchmarks.common.children import child_env
 from benchmarks.wan.chain import free_port
 from corolla.client.config import ClientConfig
-from corolla.client.inference_session import InferenceSession
-from corolla.client.routing import RemoteSequenceManager
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.inference_session import InferenceSession
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.server.slowdown import BLOCK_DELAY_ENV, slowed_throughput

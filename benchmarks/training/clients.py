@@ -35,7 +35,7 @@ class ServerAddress:
 
 def _manager(p2p, server: ServerAddress):
     from corolla.client.config import ClientConfig
-    from corolla.client.routing import RemoteSequenceManager
+    from corolla.client.routing.sequence_manager import RemoteSequenceManager
     from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
     from corolla.protocol.uids import make_uid
 
@@ -64,7 +64,7 @@ async def _training(
 ) -> None:  # fmt: skip
     from hivemind.p2p import P2P
 
-    from corolla.client.remote_forward_backward import run_remote_backward, run_remote_forward
+    from corolla.client.calls.remote_forward_backward import run_remote_backward, run_remote_forward
 
     torch.manual_seed(seed)
     dtype = getattr(torch, server.dtype_name)

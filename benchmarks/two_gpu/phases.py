@@ -197,7 +197,7 @@ def run_corolla(
     deadline_unix: float,
 ) -> None:
     from corolla.client.config import ClientConfig
-    from corolla.client.distributed_model import AutoDistributedModelForCausalLM
+    from corolla.client.models.distributed_model import AutoDistributedModelForCausalLM
 
     out.put(client_device=str(device), dtype=str(dtype), plan=asdict(plan))
     started = time.perf_counter()

@@ -269,7 +269,7 @@ def _run_phases(config: TwoGpuConfig, results: Results, deadline: float) -> None
     results.data["notes"] += [
         "corolla: the client reaches both servers over their same-host unix socket (its default for servers on its "
         "machine); server 0 pushes each step's outputs to server 1 over hivemind p2p (loopback), the client sends "
-        "server 1 its own copy too (client.forwarding)",
+        "server 1 its own copy too (client.session.forwarding)",
         "transformers: device_map='auto' with max_memory = each GPU's free memory less 1.5 GiB (no CPU offload); "
         "eager decode, accelerate's hooks move activations between the GPUs",
         "ms/token: median interval between consecutive tokens as the caller receives them (streamer), after warm-up",

@@ -3,7 +3,7 @@ sessions, and where they run.
 
 Two client kinds (`--clients`): `petals`, each session a stock-Petals-style hivemind stub stream
 (`users.petals_stream.PetalsStream`: `stub.rpc_inference(async generator)`, a queue, hivemind's writer task; over the same-host
-socket `open_local_inference` wrapped the same way), and `corolla`, each session a `client.span_session.SpanSession`
+socket `open_local_inference` wrapped the same way), and `corolla`, each session a `client.session.span_session.SpanSession`
 driven as `InferenceSession` drives a one-span chain (`CorollaStream`: opened over the same-host socket, the direct
 port or p2p; the prefill on the loop, each decode step `SpanSession.step_here` in the session's own thread).
 `--client_cpus` emulates clients on other machines: the client processes (and the p2pd daemons they start, which
@@ -31,16 +31,16 @@ if TYPE_CHECKING:
 
     from hivemind.p2p import P2P
 
-    from corolla.client.span_session import SpanSession
+    from corolla.client.session.span_session import SpanSession
 
 logger = get_logger(__name__)
 
 CLIENT_DESCRIPTIONS = {
     "petals": "stock-Petals-style rpc_inference streams (hivemind stub: an async generator fed by a queue, "
     "hivemind's writer task; over the socket open_local_inference wrapped the same way)",
-    "corolla": "corolla's client as InferenceSession drives a one-span chain (client.span_session.SpanSession: "
-    "opened over client.p2p_stream.P2PInferenceStream on the client's p2pd / client.local_transport."
-    "LocalInferenceStream / client.direct_transport.DirectInferenceStream on the server's direct port, ticket over "
+    "corolla": "corolla's client as InferenceSession drives a one-span chain (client.session.span_session.SpanSession: "
+    "opened over client.transport.p2p_stream.P2PInferenceStream on the client's p2pd / client.transport.local_transport."
+    "LocalInferenceStream / client.transport.direct_transport.DirectInferenceStream on the server's direct port, ticket over "
     "p2p; the prefill on the client's loop, every decode step SpanSession.step_here in the session's own thread: "
     "send, wait in poll(2), parse)",
 }
@@ -187,10 +187,10 @@ class CorollaStream:
         timeout_s: float,
     ):
         from corolla.client.config import ClientConfig
-        from corolla.client.forwarding import StepForwarding
-        from corolla.client.inference_session import DUMMY, DUMMY_INT64
-        from corolla.client.routing import RemoteSequenceManager
-        from corolla.client.span_session import SpanSession, steps_in_flight
+        from corolla.client.routing.sequence_manager import RemoteSequenceManager
+        from corolla.client.session.forwarding import StepForwarding
+        from corolla.client.session.inference_session import DUMMY, DUMMY_INT64
+        from corolla.client.session.span_session import SpanSession, steps_in_flight
         from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
         from corolla.protocol.uids import make_uid
 

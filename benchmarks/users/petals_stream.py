@@ -25,7 +25,7 @@ class PetalsStream:
         self.first = True
 
     async def open(self) -> PetalsStream:
-        from corolla.client.local_transport import open_local_inference
+        from corolla.client.transport.local_transport import open_local_inference
 
         async def requests():
             while True:

@@ -298,7 +298,7 @@ CLIENT_PRELOAD = (
     "benchmarks.users.clients",
     "benchmarks.users.petals_stream",
     "corolla.protocol.rpc",
-    "corolla.client.span_session",
+    "corolla.client.session.span_session",
     "hivemind.p2p",
 )
 

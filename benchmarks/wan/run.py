@@ -80,7 +80,7 @@ def _client_configs() -> dict[str, dict[str, bool]]:
 def _speculative_kwargs(mode: str) -> dict[str, object] | None:
     """generate() arguments of a speculative row, or None when this checkout has no speculative decoding."""
     try:
-        from corolla.client.speculative import SpeculativeConfig
+        from corolla.client.speculative.acceptance import SpeculativeConfig
     except ImportError:
         return None
     return {"speculative": SpeculativeConfig(drafter="draft" if mode == "spec_draft" else "lookup")}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.client.generation import GenerationLoop
+from corolla.client.models.generation import GenerationLoop
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,7 +18,7 @@ import transformers as tf
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
-from corolla.engine.kernels.ops import paged_decode_attention_ref
+from corolla.engine.ops.decode_ops import paged_decode_attention_ref
 from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_dense import FastDenseSpan
 from corolla.models.positions import alibi_slopes
@@ -155,7 +155,7 @@ def test_triton_alibi_attention_at_model_widths(nq: int, nkv: int, d: int, mode:
 @pytest.mark.parametrize("rows", [1, 8])
 def test_fused_add_layer_norm_at_model_widths(cols: int, rows: int) -> None:
     from corolla.engine.kernels import dense_kernels
-    from corolla.engine.kernels.dense_ops import add_layer_norm_ref
+    from corolla.engine.ops.dense_ops import add_layer_norm_ref
 
     torch.manual_seed(cols + rows)
     a, b, res = (torch.randn(rows, cols, device=DEV, dtype=BF16) * s for s in (1.0, 0.5, 4.0))
@@ -174,7 +174,7 @@ def test_fused_add_layer_norm_at_model_widths(cols: int, rows: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 8])
 def test_gelu_epilogue_matches_projection_then_gelu(rows: int) -> None:
-    from corolla.engine.kernels.dense_ops import DenseOps
+    from corolla.engine.ops.dense_ops import DenseOps
 
     torch.manual_seed(rows)
     ops = DenseOps(DEV, 128, use_triton=True)

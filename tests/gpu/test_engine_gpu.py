@@ -54,8 +54,8 @@ def make_engine(blocks, **kw) -> SpanEngine:
 
 
 def test_triton_kernels_match_reference() -> None:
-    from corolla.engine.kernels import ops
     from corolla.engine.kernels import triton_kernels as tk
+    from corolla.engine.ops import decode_ops as ops
 
     torch.manual_seed(1)
     for n, hsz in ((1, 4096), (7, 4096), (33, 1000)):
@@ -178,8 +178,8 @@ def test_device_inputs_stay_on_device_and_padding_rows_touch_no_session() -> Non
 
 
 def test_fused_skinny_gemm_matches_reference() -> None:
-    from corolla.engine.kernels import ops
     from corolla.engine.kernels import triton_kernels as tk
+    from corolla.engine.ops import decode_ops as ops
 
     torch.manual_seed(4)
     n, k = 384, 1024

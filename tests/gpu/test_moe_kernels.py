@@ -10,7 +10,7 @@ import torch
 from transformers import MixtralConfig
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.moe.moe import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
+from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
 from helpers.numerics import rel_err

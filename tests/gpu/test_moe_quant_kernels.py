@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.moe.moe import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
-from corolla.engine.quant.quant import quantize_int8, quantize_nf4
+from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
+from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan
 from helpers.numerics import rel_err

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from corolla.engine.kernels import ops
+from corolla.engine.ops import decode_ops as ops
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,7 +22,7 @@ BF16 = torch.bfloat16
 
 
 def _weight(kind: str, n: int, k: int, seed: int, dtype: torch.dtype = BF16):
-    from corolla.engine.quant.quant import quantize_int8, quantize_nf4
+    from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     dense = (torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype)
@@ -79,7 +79,7 @@ def test_gemv_rows_are_batch_invariant(kind) -> None:
 
 def test_gemv_refuses_bad_calls() -> None:
     from corolla.engine.quant import quant_gemv
-    from corolla.engine.quant.quant import quantize_nf4
+    from corolla.engine.quant.quant_weights import quantize_nf4
 
     nf4 = _weight("nf4", 64, 256, seed=1)
     int8 = _weight("int8", 64, 256, seed=1)
@@ -164,7 +164,7 @@ _PDL_CASES = [
 def test_programmatic_launch_reads_the_producers_output(kind, kernel, config) -> None:
     # launched programmatically the kernels give the same bits, and inside a CUDA graph they read the x that the
     # kernel right before them wrote (griddepcontrol.wait before any read of x or the residual)
-    from corolla.engine.quant import quant_splits
+    from corolla.engine.kernels import quant_splits
 
     weight = _weight(kind, 520, 1600, seed=41)
     x = torch.randn(3, 1600, device=DEV, dtype=BF16)
@@ -203,8 +203,7 @@ def test_programmatic_launch_reads_the_producers_output(kind, kernel, config) ->
 def test_early_released_streaming_gemv_reads_the_finished_producer(producer: str) -> None:
     # RMSNorm / SiLU release the streaming GEMV after them at their start (quant_splits.release_dependents): in a
     # replayed CUDA graph the GEMV still reads their finished output (bits equal to the plain launches)
-    from corolla.engine.kernels import triton_kernels
-    from corolla.engine.quant import quant_splits
+    from corolla.engine.kernels import quant_splits, triton_kernels
 
     weight = _weight("nf4", 4096, 1024, seed=43)
     h = torch.randn(1, 2048 if producer == "silu" else 1024, device=DEV, dtype=BF16)
@@ -241,7 +240,7 @@ def _run(kernel: str, config, x, weight, res):
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
-    from corolla.engine.kernels.ops import DecodeOps
+    from corolla.engine.ops.decode_ops import DecodeOps
     from corolla.engine.quant import quant_gemv, quant_kernels, quant_mma, quant_stream
 
     weights = [_weight(kind, 256, 1024, seed=20 + i) for i in range(2)]
@@ -282,9 +281,9 @@ def test_tuned_choices_come_back_from_disk_without_timing(tmp_path, monkeypatch)
     # a second DecodeOps over the same directory, card and versions takes the first one's choices (quantized shapes
     # and single-row dense projections) and times nothing; another scope (card or versions) misses
     from corolla.engine.kernels import graph_timing
-    from corolla.engine.kernels import ops as ops_module
     from corolla.engine.kernels.kernel_choices import KernelChoices, device_scope
-    from corolla.engine.kernels.ops import DecodeOps
+    from corolla.engine.ops import decode_ops as ops_module
+    from corolla.engine.ops.decode_ops import DecodeOps
     from corolla.engine.quant import quant_choices
 
     weights = {("nf4", 256, 1024): [_weight("nf4", 256, 1024, seed=50)],

@@ -25,7 +25,7 @@ SHAPES = {"w_qkv": (6144, 4096, "rmsnorm"), "w_gate_up": (28672, 4096, "rmsnorm"
 
 
 def _case(name: str, rows: int, seed: int, kind: str = "int8"):
-    from corolla.engine.quant.quant import quantize_int8, quantize_nf4
+    from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
 
     n, k, prologue = SHAPES[name]
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -42,8 +42,8 @@ def _case(name: str, rows: int, seed: int, kind: str = "int8"):
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_fused_prologue_against_the_separate_kernel_eager_and_in_a_graph(name: str, kind: str) -> None:
     from corolla.engine.kernels import triton_kernels
+    from corolla.engine.kernels.quant_splits import PROLOGUES
     from corolla.engine.quant import quant_choices
-    from corolla.engine.quant.quant_splits import PROLOGUES
 
     for rows in (1, 3, 8):
         weight, x, gain, res, prologue = _case(name, rows, seed=rows, kind=kind)
@@ -75,9 +75,9 @@ def test_fused_prologue_against_the_separate_kernel_eager_and_in_a_graph(name: s
 
 
 def test_tuner_choice_is_served_by_decode_ops() -> None:
-    from corolla.engine.kernels import ops as ops_module
+    from corolla.engine.ops import decode_ops as ops_module
     from corolla.engine.quant import quant_choices
-    from corolla.engine.quant.quant import quant_key
+    from corolla.engine.quant.quant_weights import quant_key
 
     weight, x, gain, res, _ = _case("w_qkv", 1, seed=3)
     ops = ops_module.DecodeOps(DEV, 128, use_triton=True)

@@ -117,8 +117,8 @@ def test_split_counters_reset_under_graph_replay() -> None:
 
 
 def test_bad_inputs_are_refused() -> None:
-    from corolla.engine.quant.quant import NF4Weight, quantize_nf4
     from corolla.engine.quant.quant_stream import nf4_stream_gemv
+    from corolla.engine.quant.quant_weights import NF4Weight, quantize_nf4
 
     w = random_code_weight(32, 256, seed=1, dtype=torch.bfloat16)
     x = torch.randn(1, 256, device=DEV, dtype=torch.bfloat16)

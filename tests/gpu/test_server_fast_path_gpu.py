@@ -13,7 +13,7 @@ import torch
 from hivemind.compression.serialization import deserialize_torch_tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from corolla.client.local_transport import open_local_inference
+from corolla.client.transport.local_transport import open_local_inference
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.server.core.executor import PATH_FUSED

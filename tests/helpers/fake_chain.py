@@ -10,7 +10,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client.config import ClientConfig
-from corolla.client.routing import RemoteSequenceManager
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.protocol.packing import unpack_args_kwargs

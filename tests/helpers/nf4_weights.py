@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from corolla.engine.quant.quant import NF4Weight, quantize_nf4
+from corolla.engine.quant.quant_weights import NF4Weight, quantize_nf4
 
 CUDA = torch.device("cuda")
 

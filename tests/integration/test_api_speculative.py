@@ -21,7 +21,7 @@ from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import TokenizerCodec
 from corolla.api.sampling import SampledToken, Sampler, SamplingParams
 from corolla.api.speculative import run_speculative_choice
-from corolla.client.speculative import SpeculativeConfig
+from corolla.client.speculative.acceptance import SpeculativeConfig
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR
 
 pytestmark = pytest.mark.timeout(240)

@@ -34,7 +34,7 @@ def test_churn_soak_loses_nothing(tmp_path: Path) -> None:
     # exactly one outage of a whole span (forced after a third): each costs a restart (15-45 s on 2 busy cores); the
     # abandoned client's bounded wait is shorter than make soak's (the same check, less idle time at the end). Chaos
     # acts every 10-16 s (not 3-8): every step is verified, so a span left with one server waits for a second one
-    # (`client.verification`), and each kill of one of two replicas leaves one until its restart is ready
+    # (`client.verification.step_verifier`), and each kill of one of two replicas leaves one until its restart is ready
     config = ChurnConfig(
         duration_s=CI_DURATION_S, seed=CI_SEED, work_dir=tmp_path, outage_probability=0.0, force_outage=True,
         probe_max_wait_s=10.0, hoarders=2, hoarder_max_length=512,

@@ -28,7 +28,7 @@ CLIENT = textwrap.dedent(
 
     dht_module.OrphanProofDHT._shutdown = _stalled_shutdown  # inherited by the forked DHT process
     from corolla.client.config import ClientConfig
-    from corolla.client.routing import RemoteSequenceManager
+    from corolla.client.routing.sequence_manager import RemoteSequenceManager
 
     manager = RemoteSequenceManager(ClientConfig(initial_peers=(sys.argv[1],)), ["exit-test.0"])
     manager.wait_ready(30)

@@ -17,7 +17,7 @@ from hivemind.utils import MSGPackSerializer
 from transformers import AutoModelForCausalLM
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.client.direct_transport import DirectInferenceStream
+from corolla.client.transport.direct_transport import DirectInferenceStream
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.protocol.rpc import handle_name

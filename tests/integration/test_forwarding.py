@@ -1,4 +1,4 @@
-"""Server-to-server forwarding (client.forwarding) through a chain of three in-process servers (tiny Llama, blocks
+"""Server-to-server forwarding (client.session.forwarding) through a chain of three in-process servers (tiny Llama, blocks
 0:2, 2:3, 3:4, plus a replica of 2:3), each behind a WAN proxy (corolla.wan) with a small one-way delay: greedy
 tokens identical to local transformers with the push path in use (replies flagged as answers to pushed steps), and
 the middle server cut off mid-generation (its proxy closed: connections reset, new ones refused, as for a killed

@@ -18,7 +18,7 @@ import pytest
 import torch
 from hivemind.compression.serialization import deserialize_torch_tensor
 
-from corolla.client.local_transport import LocalInferenceStream
+from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.models.loading import load_pretrained_block
 from corolla.protocol import local_stream as ls
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
@@ -262,7 +262,7 @@ def test_direct_streams_spread_over_the_processes_on_one_port(server, clients, b
     from hivemind.proto import runtime_pb2
     from hivemind.utils import MSGPackSerializer
 
-    from corolla.client.direct_transport import DirectInferenceStream
+    from corolla.client.transport.direct_transport import DirectInferenceStream
     from corolla.protocol import direct_stream as ds
     from corolla.protocol.rpc import handle_name
 
@@ -337,7 +337,7 @@ def test_direct_port_serves_without_placement_where_no_private_directory_can_be_
     from hivemind.proto import runtime_pb2
     from hivemind.utils import MSGPackSerializer
 
-    from corolla.client.direct_transport import DirectInferenceStream
+    from corolla.client.transport.direct_transport import DirectInferenceStream
     from corolla.protocol import direct_stream as ds
     from corolla.protocol.rpc import handle_name
     from corolla.server import span_service

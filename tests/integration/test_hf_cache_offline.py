@@ -109,7 +109,7 @@ def test_what_is_not_cached_offline_is_one_clear_error(hub, offline):
 
 
 def test_client_checkpoint_reads_offline(hub, offline):
-    from corolla.client.checkpoint import CheckpointReader
+    from corolla.client.models.checkpoint import CheckpointReader
 
     for repo in (SINGLE, SHARDED, BIN):
         tensors = CheckpointReader(repo).read(["model.embed_tokens.weight", "lm_head.weight"])

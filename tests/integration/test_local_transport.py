@@ -18,7 +18,7 @@ from hivemind.proto import runtime_pb2
 from transformers import AutoModelForCausalLM
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.client.local_transport import open_local_inference
+from corolla.client.transport.local_transport import open_local_inference
 from corolla.protocol import local_stream as ls
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model

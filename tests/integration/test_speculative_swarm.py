@@ -14,7 +14,7 @@ from tests.helpers.swarm import start_inprocess_server
 from transformers import AutoTokenizer
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.client.speculative import SpeculativeConfig
+from corolla.client.speculative.acceptance import SpeculativeConfig
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR
 from corolla.wan import LinkConfig, ProxyThread
 

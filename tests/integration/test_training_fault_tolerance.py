@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from corolla.client import AutoDistributedModelForCausalLM, ClientConfig, remote_sequential
+from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.client.training import remote_sequential
 from helpers.hostile_server import start_hostile_server
 from helpers.swarm import Swarm
 from helpers.tiny_models import make_tiny_model

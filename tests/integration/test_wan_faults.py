@@ -22,7 +22,7 @@ from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.client.stalls import STALL_MIN_S
+from corolla.client.session.stalls import STALL_MIN_S
 from corolla.wan import LinkConfig, ProxyThread, WanProxy
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]

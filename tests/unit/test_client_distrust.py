@@ -12,12 +12,12 @@ import torch
 from hivemind.proto import runtime_pb2
 from tests.helpers.hostile_server import corrupt
 
+from corolla.client.calls.output_checks import BadServerOutput, check_outputs, relative_error, verify_rtol
+from corolla.client.calls.retries import RetryBudget
 from corolla.client.config import ClientConfig
-from corolla.client.inference_session import InferenceSession
-from corolla.client.output_checks import BadServerOutput, check_outputs, relative_error, verify_rtol
-from corolla.client.remote_sequential import RemoteSequential
-from corolla.client.retries import RetryBudget
-from corolla.client.verification import LONE_TRUST_STEPS
+from corolla.client.session.inference_session import InferenceSession
+from corolla.client.training.remote_sequential import RemoteSequential
+from corolla.client.verification.step_verifier import LONE_TRUST_STEPS
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.packing import unpack_args_kwargs
@@ -133,7 +133,7 @@ def test_verification_without_a_majority_bans_both_and_with_a_lone_server_logs_o
 
     # below 1.0 a lone server's outputs are trusted (sampling deters; it cannot check): 0.999 samples nearly all
     manager = FakeManager({"A": Server(0, 2), "B": Server(2, 4)}, 4, verify_fraction=0.999)
-    with caplog.at_level("WARNING", logger="corolla.client.verification"):
+    with caplog.at_level("WARNING", logger="corolla.client.verification.step_verifier"):
         out = _generate(manager, tokens)
     torch.testing.assert_close(out, reference(tokens, 4), atol=1e-5, rtol=0)
     lone = [r for r in caplog.records if "single_server" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""The client's forwarding plan (client.forwarding): which following spans a step is pushed to, the announced step
+"""The client's forwarding plan (client.session.forwarding): which following spans a step is pushed to, the announced step
 ids, and when a span that may hold a pushed answer must be reopened."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from hivemind.proto import runtime_pb2
 
-from corolla.client.forwarding import StepForwarding, is_pushed_reply, push_chain, push_went_stale
+from corolla.client.session.forwarding import StepForwarding, is_pushed_reply, push_chain, push_went_stale
 from corolla.protocol.forwarding import NEXT_STEP_KEY, PUSHED_REPLY_KEY
 from corolla.protocol.metadata import encode_metadata
 

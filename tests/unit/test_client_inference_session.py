@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from corolla.client.config import ClientConfig
-from corolla.client.inference_session import InferenceSession
+from corolla.client.session.inference_session import InferenceSession
 from corolla.utils.errors import MissingBlocksError
 from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
 
@@ -126,7 +126,7 @@ def test_hung_server_is_detected_by_liveness_pings():
 
 
 def test_busy_poll_only_for_the_process_s_only_step_in_flight(monkeypatch):
-    from corolla.client import span_session as module
+    from corolla.client.session import span_session as module
 
     config = ClientConfig(busy_poll_ms=20)
     monkeypatch.setattr(module, "_steps_in_flight", 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hivemind.proto.runtime_pb2 import CompressionType
 
-from corolla.client.remote_forward_backward import serialize_activations
+from corolla.client.calls.remote_forward_backward import serialize_activations
 from corolla.protocol.codecs import deserialize_tensor
 
 

@@ -8,11 +8,11 @@ import torch
 from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
-from corolla.client.checkpoint import CheckpointReader
 from corolla.client.config import ClientConfig
-from corolla.client.distributed_model import LAYOUTS, DistributedModelForCausalLM
-from corolla.client.padding import padding_groups
-from corolla.client.routing import RemoteSequenceManager
+from corolla.client.models.checkpoint import CheckpointReader
+from corolla.client.models.distributed_model import LAYOUTS, DistributedModelForCausalLM
+from corolla.client.models.padding import padding_groups
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.models.config import load_config
 
 

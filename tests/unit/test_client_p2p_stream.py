@@ -18,18 +18,18 @@ from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import p2pd_pb2, runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
+from corolla.client.calls.output_checks import all_finite
+from corolla.client.calls.remote_forward_backward import serialize_activations
 from corolla.client.config import ClientConfig
-from corolla.client.output_checks import all_finite
-from corolla.client.p2p_stream import (
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.span_session import SpanSession
+from corolla.client.transport.p2p_stream import (
     END_OF_STREAM_FRAME,
     INFERENCE_HANDLE,
     MAX_ERROR_BYTES,
     P2PInferenceStream,
     request_frame,
 )
-from corolla.client.remote_forward_backward import serialize_activations
-from corolla.client.routing import RemoteSequenceManager
-from corolla.client.span_session import SpanSession
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from corolla.client.inference_session import InferenceSession
-from corolla.client.prefix_chain import PrefixChain, session_root
-from corolla.client.prefix_routes import PrefixRoutes
+from corolla.client.prefix.prefix_chain import PrefixChain, session_root
+from corolla.client.prefix.prefix_routes import PrefixRoutes
+from corolla.client.session.inference_session import InferenceSession
 from corolla.protocol.prefix import PREFIX_KEY, chain_hashes, prefix_root
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, PrefixFakeServer, reference
@@ -223,8 +223,8 @@ def test_generate_reuses_a_prefix_with_tuned_prompts_in_the_root(tuning_mode):
     with the tokens of a run without the cache; prompts that changed (a training step) share nothing."""
     from transformers import LlamaConfig
 
-    from corolla.client.distributed_model import LAYOUTS, DistributedModelForCausalLM
-    from corolla.client.prompt_tuning import TuningConfig
+    from corolla.client.models.distributed_model import LAYOUTS, DistributedModelForCausalLM
+    from corolla.client.training.prompt_tuning import TuningConfig
 
     config = LlamaConfig(
         vocab_size=64, hidden_size=HIDDEN, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,

@@ -10,9 +10,9 @@ import torch
 from tests.unit.test_client_remote_sequential import FakeForwardServer
 from transformers import LlamaConfig
 
-from corolla.client.distributed_model import LAYOUTS, DistributedModelForCausalLM
-from corolla.client.prompt_tuning import TuningConfig
-from corolla.client.sequence_classification import DistributedModelForSequenceClassification
+from corolla.client.models.distributed_model import LAYOUTS, DistributedModelForCausalLM
+from corolla.client.models.sequence_classification import DistributedModelForSequenceClassification
+from corolla.client.training.prompt_tuning import TuningConfig
 from helpers.fake_chain import HIDDEN, FakeManager, FakeServer, reference
 
 NUM_BLOCKS, VOCAB, PAD_ID = 4, 24, 0
@@ -134,7 +134,7 @@ def test_generate_puts_the_tuned_prefix_first_in_the_session():
     server = model.manager.servers["A"]
     assert server.first_requests[-1]["max_length"] == 2 + 3 + 4  # the prefix's positions too
     with pytest.raises(ValueError, match="speculative"):
-        from corolla.client.speculative import SpeculativeConfig
+        from corolla.client.speculative.acceptance import SpeculativeConfig
 
         model.generate(ids, max_new_tokens=2, speculative=SpeculativeConfig())
     with pytest.raises(ValueError, match="deep_ptune"):

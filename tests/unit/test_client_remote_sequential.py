@@ -10,8 +10,8 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.remote_forward_backward import run_remote_backward
-from corolla.client.remote_sequential import RemoteSequential
+from corolla.client.calls.remote_forward_backward import run_remote_backward
+from corolla.client.training.remote_sequential import RemoteSequential
 from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize_tensor, stream_messages
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.packing import unpack_args_kwargs

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import corolla.client.routing as routing_module
-from corolla.client.bans import BanList
+import corolla.client.routing.sequence_manager as routing_module
+from corolla.client.calls.retries import RetryBudget
 from corolla.client.config import ClientConfig
-from corolla.client.retries import RetryBudget
-from corolla.client.routing import RemoteSequenceManager
+from corolla.client.routing.bans import BanList
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.swarm.cache_refusals import IMMEDIATE_REROUTES, is_cache_refusal
 from corolla.swarm.route_planning import (

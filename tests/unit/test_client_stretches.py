@@ -1,4 +1,4 @@
-"""Cheap verification by recomputation (client.stretches, client.findings) on in-process fake servers: an honest
+"""Cheap verification by recomputation (client.verification.stretches, client.verification.findings) on in-process fake servers: an honest
 swarm's many verified stretches ban nobody; a server corrupting 1% of its steps with finite, plausible values is
 caught within 1,000 of its steps at the default sampling; a lying referee cannot get an honest server banned; with no
 third replica nobody is banned; a shared finding is re-verified first-hand (a fabricated one is refuted and bans
@@ -14,9 +14,9 @@ from tests.helpers.hostile_server import corrupt
 from tests.unit.test_client_distrust import Server
 
 from corolla.client import background_loop
-from corolla.client.findings import check_finding, decode_finding, encode_finding
-from corolla.client.inference_session import InferenceSession
-from corolla.client.stretches import DEFAULT_FRACTION, DEFAULT_STRETCH_STEPS, Finding, escape_probability
+from corolla.client.session.inference_session import InferenceSession
+from corolla.client.verification.findings import check_finding, decode_finding, encode_finding
+from corolla.client.verification.stretches import DEFAULT_FRACTION, DEFAULT_STRETCH_STEPS, Finding, escape_probability
 from helpers.fake_chain import HIDDEN, FakeManager
 
 
@@ -143,7 +143,7 @@ def test_hostile_finding_bytes_are_value_errors() -> None:
 
 
 async def _forward(manager, peer: str, inputs: torch.Tensor) -> torch.Tensor:
-    from corolla.client.remote_forward_backward import run_remote_forward
+    from corolla.client.calls.remote_forward_backward import run_remote_forward
 
     span = next(s for s in manager.spans if s.peer_id == peer)
     return await run_remote_forward(manager, span, inputs, torch.empty(0))

@@ -18,7 +18,7 @@ from corolla.engine.kernels.cpu_linear import (
     pick,
     tune,
 )
-from corolla.engine.kernels.ops import DecodeOps
+from corolla.engine.ops.decode_ops import DecodeOps
 from helpers.engine_reference import cached_block_steps
 from helpers.tiny_models import tiny_config
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from corolla.client.direct_transport import NO_DIRECT_RETRY_S, RENEW_BEFORE_EXPIRY_S, DirectOffers
+from corolla.client.transport.direct_transport import NO_DIRECT_RETRY_S, RENEW_BEFORE_EXPIRY_S, DirectOffers
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from corolla.engine.kernels import ops
 from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FP32, Alibi
 from corolla.engine.kernels.cpu_attention import paged_decode_attention_cpu
+from corolla.engine.ops import decode_ops as ops
 
 PAGES, PAGE, D = 64, 8, 16
 

@@ -16,7 +16,7 @@ import transformers as tf
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
-from corolla.engine.quant.quant import quantize_nf4
+from corolla.engine.quant.quant_weights import quantize_nf4
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_dense import FastDenseSpan

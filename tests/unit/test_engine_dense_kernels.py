@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.kernels.dense_ops import DenseOps, add_layer_norm_ref, decode_slots_ref
+from corolla.engine.ops.dense_ops import DenseOps, add_layer_norm_ref, decode_slots_ref
 
 TRITON_OK = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -11,8 +11,8 @@ import pytest
 import torch
 from tests.helpers import paged_cache
 
-from corolla.engine.kernels import ops
 from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi
+from corolla.engine.ops import decode_ops as ops
 from corolla.models.positions import alibi_slopes
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

@@ -13,7 +13,7 @@ import torch
 
 from corolla.engine.kernels.mla_kernels import paged_latent_attention as attention_ref
 from corolla.engine.kernels.mla_kernels import rope_rotate, store_latent
-from corolla.engine.kernels.ops import rms_norm_ref
+from corolla.engine.ops.decode_ops import rms_norm_ref
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)

@@ -1,4 +1,4 @@
-"""The routed-experts op of the fast path on CPU (`engine.moe.moe`): the torch reference against a per-token loop and
+"""The routed-experts op of the fast path on CPU (`engine.moe.routed_experts`): the torch reference against a per-token loop and
 against the plain `SparseMoE` block, the softmax top-k router, the three ways to build `ExpertWeights` (in place,
 no copies), ids outside the expert range, and input validation with the limit in the message."""
 
@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.moe.moe import ExpertWeights, RoutedMoE, experts_forward, experts_forward_ref, softmax_topk
+from corolla.engine.moe.routed_experts import (
+    ExpertWeights,
+    RoutedMoE,
+    experts_forward,
+    experts_forward_ref,
+    softmax_topk,
+)
 from corolla.models.layers import SparseMoE
 
 E, H, INTER = 5, 24, 16

@@ -15,9 +15,15 @@ from torch import nn
 
 import helpers.tiny_models_fam_a  # noqa: F401  (registers the tiny qwen3_moe config)
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.moe.moe import ExpertWeights, RoutedMoE, experts_forward, experts_forward_ref, softmax_topk
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
-from corolla.engine.quant.quant import quantize_int8, quantize_nf4, quantized_weight_of
+from corolla.engine.moe.routed_experts import (
+    ExpertWeights,
+    RoutedMoE,
+    experts_forward,
+    experts_forward_ref,
+    softmax_topk,
+)
+from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4, quantized_weight_of
 from corolla.models.layers import SparseMoE
 from corolla.models.quantization import KEEP_FULL_PRECISION, QuantType, _quantized_linear
 from corolla.models.registry import get_family

@@ -13,8 +13,8 @@ import pytest
 import torch
 from tests.helpers import paged_cache
 
-from corolla.engine.kernels import ops
 from corolla.engine.kernels.attention_counters import ATTENTION_COUNTERS, attention_counters, reserve_attention_counters
+from corolla.engine.ops import decode_ops as ops
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from corolla.engine.config import EngineConfig
-from corolla.engine.kernels.ops import DecodeOps
-from corolla.engine.quant.quant import (
+from corolla.engine.ops.decode_ops import DecodeOps
+from corolla.engine.quant.quant_weights import (
     NF4_LEVELS,
     Int8Weight,
     NF4Weight,

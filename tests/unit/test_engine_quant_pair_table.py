@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from corolla.engine.quant import quant_pair_table
-from corolla.engine.quant.quant import NF4_LEVELS
+from corolla.engine.quant.quant_weights import NF4_LEVELS
 
 
 def _x16(values: list[float]) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from corolla.engine.quant import quant_prmt
-from corolla.engine.quant.quant import NF4_LEVELS, quantize_nf4
+from corolla.engine.quant.quant_weights import NF4_LEVELS, quantize_nf4
 
 
 def _expected(word: int, levels: list[float]) -> list[float]:

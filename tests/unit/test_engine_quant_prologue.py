@@ -1,5 +1,5 @@
 """The RMSNorm and SiLU-gating prologues of the INT8 decode kernels (quant_kernels' tl.dot block kernel and
-quant_gemv's byte GEMV, engine/quant/quant_splits.py): against a float32 torch reference and against the separate
+quant_gemv's byte GEMV, engine/kernels/quant_splits.py): against a float32 torch reference and against the separate
 norm/SiLU kernel followed by the same kernel, for 1, 3 and 8 rows and 1, 4 and 8 K splits (every split holds
 work, so a split whose sum of squares is left out changes the row's 1/rms), repeated calls (the arrival counters
 back at zero, the bits repeated), a row's output independent of the other rows, the refusals, and DecodeOps'
@@ -19,11 +19,11 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 quant_gemv = pytest.importorskip("corolla.engine.quant.quant_gemv")
 
 
-from corolla.engine.kernels import ops as ops_module  # noqa: E402
 from corolla.engine.kernels import triton_kernels as tk  # noqa: E402
+from corolla.engine.kernels.quant_splits import PROLOGUES  # noqa: E402
+from corolla.engine.ops import decode_ops as ops_module  # noqa: E402
 from corolla.engine.quant import quant_choices, quant_kernels  # noqa: E402
-from corolla.engine.quant.quant import Int8Weight, quant_key, quantize_int8, quantize_nf4  # noqa: E402
-from corolla.engine.quant.quant_splits import PROLOGUES  # noqa: E402
+from corolla.engine.quant.quant_weights import Int8Weight, quant_key, quantize_int8, quantize_nf4  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 N, K, EPS = 48, 2048, 1e-5

@@ -1,4 +1,4 @@
-"""The split-K arrival counters of the quantized weights on CPU (the kernels that use them, engine/quant/quant_splits.py,
+"""The split-K arrival counters of the quantized weights on CPU (the kernels that use them, engine/kernels/quant_splits.py,
 run in tests/gpu/test_quant_gemv.py): each weight gets enough counters for the most output tiles any split-K
 kernel over it launches (GEMV tiles of >= 8 features x 2 row groups, tl.dot tiles of >= 16 features x 4 16-row
 tiles), one persistent zeroed tensor per weight (a CUDA graph replays the same addresses), and a call with more
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.engine.quant.quant import (
+from corolla.engine.quant.quant_weights import (
     SPLIT_COUNTERS,
     counters_for_tiles,
     quantize_int8,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.engine.quant.quant import quantize_nf4
 from corolla.engine.quant.quant_tile_gemv import emulate, tile_layout
+from corolla.engine.quant.quant_weights import quantize_nf4
 
 
 def _fp16_level_reference(weight) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.span_session import read_drain_notice
+from corolla.client.session.span_session import read_drain_notice
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block

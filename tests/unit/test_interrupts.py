@@ -54,7 +54,7 @@ CASES = {
     "socket_exchange": """
         import socket
         from hivemind.proto import runtime_pb2
-        from corolla.client.local_transport import LocalInferenceStream
+        from corolla.client.transport.local_transport import LocalInferenceStream
         ours, server = socket.socketpair()
         ours.setblocking(False)
         stream = LocalInferenceStream(ours, "QmSilentServer")

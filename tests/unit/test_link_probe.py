@@ -1,4 +1,4 @@
-"""The knock on a server's libp2p listener (`client.link_probe`), on loopback sockets: a listener that speaks first
+"""The knock on a server's libp2p listener (`client.transport.link_probe`), on loopback sockets: a listener that speaks first
 (as libp2p's multistream-select does) answers; one behind a dropped `corolla.wan` link answers only once the drop
 ends, and `wait_until_answering` returns soon after (or gives up when told to); a silent listener does not answer
 and a closed port refuses (the server gone, not the link: no more knocking); only direct TCP addresses are knocked
@@ -11,7 +11,13 @@ import time
 
 from hivemind.utils.multiaddr import Multiaddr
 
-from corolla.client.link_probe import KNOCK_TIMEOUT_S, MULTISTREAM_HEADER, knock, tcp_address, wait_until_answering
+from corolla.client.transport.link_probe import (
+    KNOCK_TIMEOUT_S,
+    MULTISTREAM_HEADER,
+    knock,
+    tcp_address,
+    wait_until_answering,
+)
 from corolla.wan import WanProxy
 
 

@@ -15,7 +15,7 @@ import pytest
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from corolla.client.local_transport import LocalInferenceStream, SocketTurns, fewer_streams_first
+from corolla.client.transport.local_transport import LocalInferenceStream, SocketTurns, fewer_streams_first
 from corolla.protocol import local_stream as ls
 
 
@@ -258,7 +258,7 @@ def test_forked_client_processes_each_take_their_own_start(tmp_path) -> None:
     """The process-wide `SOCKET_TURNS` is made at import; processes forked after it (a forkserver's children, a
     pre-forking web server's workers) each start their turns at a socket of their own, not all at the parent's: with
     one inherited generator, 16 one-session client processes landed 0 / 8 / 8 / 0 on 4 handler processes."""
-    from corolla.client.local_transport import SOCKET_TURNS
+    from corolla.client.transport.local_transport import SOCKET_TURNS
 
     paths = [tmp_path / f"QmForked.{i}.sock" for i in range(4)]  # no load files: the turn's order alone
     SOCKET_TURNS.order("QmForked", list(paths))  # the parent has a turn for this server too

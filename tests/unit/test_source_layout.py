@@ -19,6 +19,10 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # Every other folder is held to every rule now; the coordinator empties this set as their cleaning lands.
 BEING_CLEANED: frozenset[str] = frozenset()
 
+# Modules that may share their folder's name: `server.server` holds `Server`, the lifecycle of the whole folder
+# (issue 31's server part is reshaping server/). Anywhere else a file named like its folder says nothing.
+NAMED_LIKE_FOLDER: frozenset[str] = frozenset({"corolla.server.server"})
+
 # Third-party packages that are optional (extras or platform-dependent): a `corolla` module importing one of them at
 # its top may itself be imported inside a function, so that the rest of the package loads without it.
 OPTIONAL_DEPENDENCIES = frozenset({"triton", "bitsandbytes", "playwright", "matplotlib", "peft", "speedtest"})
@@ -39,16 +43,18 @@ FORBIDDEN_IMPORTS: tuple[tuple[str, str], ...] = (
     ("*", "benchmarks"),
 )
 
-# The engine's folders stand in layers (docs/design.md, "Layout"): the KV store at the bottom; kernels and quantized
-# weights; routed experts; span models; CUDA graphs; the engine's API at its top. A folder never imports one above.
+# The engine's folders stand in layers (docs/design.md, "Layout"): the KV store at the bottom; kernels; quantized
+# weights; routed experts and the decode step's ops (dispatching to kernels and quantized weights); span models; CUDA
+# graphs; the engine's API at its top. A folder never imports one above it, nor one beside it.
 _ENGINE_TOP = tuple(
     f"corolla.engine.{m}" for m in ("config", "serving", "span_engine", "step_request", "batcher", "graph_decode")
 )
 _ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("engine/kv", ("kernels", "quant", "moe", "spans", "graphs")),
-    ("engine/kernels", ("kv", "moe", "spans", "graphs")),
-    ("engine/quant", ("kv", "moe", "spans", "graphs")),
-    ("engine/moe", ("kv", "spans", "graphs")),
+    ("engine/kv", ("kernels", "quant", "moe", "ops", "spans", "graphs")),
+    ("engine/kernels", ("kv", "quant", "moe", "ops", "spans", "graphs")),
+    ("engine/quant", ("kv", "moe", "ops", "spans", "graphs")),
+    ("engine/moe", ("kv", "ops", "spans", "graphs")),
+    ("engine/ops", ("kv", "moe", "spans", "graphs")),
     ("engine/spans", ("graphs",)),
 )
 FORBIDDEN_IMPORTS += tuple(
@@ -56,6 +62,25 @@ FORBIDDEN_IMPORTS += tuple(
     for folder, above in _ENGINE_LAYERS
     for target in (*(f"corolla.engine.{a}" for a in above), *_ENGINE_TOP)
 ) + tuple(("engine/graphs", target) for target in _ENGINE_TOP)
+
+# The client's folders stand in layers too (corolla/client/__init__.py), from the streams to a server up to the
+# distributed models; each imports only folders before it in this list (and `client.config`, `client.background_loop`).
+_CLIENT_LAYERS = (
+    "transport",
+    "prefix",
+    "routing",
+    "calls",
+    "verification",
+    "session",
+    "training",
+    "speculative",
+    "models",
+)
+FORBIDDEN_IMPORTS += tuple(
+    (f"client/{folder}", f"corolla.client.{above}")
+    for i, folder in enumerate(_CLIENT_LAYERS)
+    for above in _CLIENT_LAYERS[i + 1 :]
+)
 
 
 @dataclass
@@ -194,6 +219,9 @@ def violations(src: Path = SRC, being_cleaned: frozenset[str] = BEING_CLEANED) -
         where = str(m.path.relative_to(src))
         if not m.has_docstring:
             found.append(f"{where}: no module docstring stating its role")
+        named_like_folder = m.folders and name.rsplit(".", 1)[-1] == m.folders.rsplit("/", 1)[-1]
+        if named_like_folder and not m.is_package and name not in NAMED_LIKE_FOLDER:
+            found.append(f"{where}: named like its folder: name the concept it holds")
         for imp in m.imports:
             for folder, forbidden in FORBIDDEN_IMPORTS:
                 inside = folder in ("*", m.folder) or f"{m.folders}/".startswith(f"{folder}/")
@@ -308,18 +336,27 @@ def test_catches_a_forbidden_direction_even_in_a_folder_being_cleaned(
     assert f"corolla/{importer}:3: {folder}/ must not import {imported}" in violations(src, frozenset({folder}))
 
 
+def test_catches_a_module_named_like_its_folder(tmp_path: Path) -> None:
+    src = _tree(tmp_path, {"engine/quant/quant.py": DOC, "engine/quant/quant_gemv.py": DOC, "utils.py": DOC})
+    assert violations(src, frozenset()) == [
+        "corolla/engine/quant/quant.py: named like its folder: name the concept it holds"
+    ]
+
+
 @pytest.mark.parametrize(
     ("importer", "imported", "layer"),
     [
         ("engine/kv/a.py", "corolla.engine.spans.x", "engine/kv"),
+        ("engine/kernels/a.py", "corolla.engine.quant.x", "engine/kernels"),
+        ("engine/quant/a.py", "corolla.engine.ops.x", "engine/quant"),
         ("engine/quant/a.py", "corolla.engine.moe.x", "engine/quant"),
+        ("client/routing/a.py", "corolla.client.calls.x", "client/routing"),
+        ("client/session/a.py", "corolla.client.models.x", "client/session"),
         ("engine/spans/a.py", "corolla.engine.span_engine", "engine/spans"),
         ("engine/graphs/a.py", "corolla.engine.batcher", "engine/graphs"),
     ],
 )
-def test_catches_an_engine_folder_importing_a_layer_above_it(
-    tmp_path: Path, importer: str, imported: str, layer: str
-) -> None:
+def test_catches_a_folder_importing_a_layer_above_it(tmp_path: Path, importer: str, imported: str, layer: str) -> None:
     src = _tree(tmp_path, {importer: DOC + f"import {imported}\n"})
     assert violations(src, frozenset()) == [f"corolla/{importer}:2: {layer}/ must not import {imported}"]
     below = _tree(tmp_path / "ok", {"engine/spans/a.py": DOC + "import corolla.engine.kv.x\n"})

@@ -14,10 +14,10 @@ from tests.helpers.speculative import LocalTarget
 from tests.unit.test_speculative_rule import chi_square_p_value
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from corolla.client.generation import GenerationLoop
-from corolla.client.speculative import KChooser, SpeculativeConfig
-from corolla.client.speculative_drafters import make_drafter
-from corolla.client.speculative_loop import SpeculativeLoop
+from corolla.client.models.generation import GenerationLoop
+from corolla.client.speculative.acceptance import KChooser, SpeculativeConfig
+from corolla.client.speculative.drafters import make_drafter
+from corolla.client.speculative.loop import SpeculativeLoop
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR
 
 pytestmark = pytest.mark.timeout(240)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from corolla.client.speculative import Draft, KChooser, SpeculativeConfig, accept_greedy, accept_sampled
-from corolla.client.speculative_drafters import PromptLookupDrafter
+from corolla.client.speculative.acceptance import Draft, KChooser, SpeculativeConfig, accept_greedy, accept_sampled
+from corolla.client.speculative.drafters import PromptLookupDrafter
 
 
 def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, float]:

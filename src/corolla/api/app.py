@@ -42,7 +42,7 @@ from corolla.api.route_trace import DEFAULT_ROUTE_LOG_ENTRIES
 from corolla.api.sampling import SamplingParams
 from corolla.api.schemas import ChatCompletionRequest, CompletionRequest
 from corolla.api.service_routes import add_service_routes
-from corolla.client.speculative import SpeculativeConfig
+from corolla.client.speculative.acceptance import SpeculativeConfig
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

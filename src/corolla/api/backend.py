@@ -20,7 +20,7 @@ import torch
 from corolla.api.prompt_cache import report_cached_tokens
 from corolla.api.route_trace import GenerationTrace, NoTrace, current_trace
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.client.speculative_loop import SessionTarget, VerifyTarget
+from corolla.client.speculative.loop import SessionTarget, VerifyTarget
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -46,7 +46,7 @@ class GenerationBackend(Protocol):
         ...
 
     def verify_target(self, prompt_ids: list[int], max_length: int) -> AbstractContextManager[VerifyTarget]:
-        """For speculative decoding: a fresh rollback-able target (`corolla.client.speculative_loop.VerifyTarget`,
+        """For speculative decoding: a fresh rollback-able target (`corolla.client.speculative.loop.VerifyTarget`,
         empty cache) for a sequence of at most `max_length` tokens, released on exit. Backends without one raise
         `NotImplementedError` (the app then refuses `--speculative` at start)."""
         ...

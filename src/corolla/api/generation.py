@@ -17,7 +17,7 @@ from corolla.api.prompt_cache import counting_cached_tokens
 from corolla.api.sampling import SampledToken, Sampler, SamplingParams
 from corolla.api.speculative import run_speculative_choice
 from corolla.api.textstream import TextStream
-from corolla.client.speculative import SpeculativeConfig
+from corolla.client.speculative.acceptance import SpeculativeConfig
 
 
 @dataclass(frozen=True)

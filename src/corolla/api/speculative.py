@@ -1,5 +1,5 @@
 """Speculative decoding behind the API (`corolla-api --speculative lookup|draft`): one choice runs through
-`corolla.client.speculative_loop.SpeculativeLoop` with the request's own `Sampler` as the target distribution.
+`corolla.client.speculative.loop.SpeculativeLoop` with the request's own `Sampler` as the target distribution.
 
 Exactness: at each drafted position the target distribution p is what the API's `Sampler` would draw from there
 (`Sampler.distribution_after`: logit bias, allowed tokens, `min_tokens`, repetition/presence/frequency penalties over
@@ -18,9 +18,9 @@ import torch
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
 from corolla.api.sampling import SampledToken, Sampler
-from corolla.client.speculative import KChooser, SpeculativeConfig
-from corolla.client.speculative_drafters import DraftModelDrafter, make_drafter
-from corolla.client.speculative_loop import SpeculativeLoop, SpeculativeStats, VerifyTarget
+from corolla.client.speculative.acceptance import KChooser, SpeculativeConfig
+from corolla.client.speculative.drafters import DraftModelDrafter, make_drafter
+from corolla.client.speculative.loop import SpeculativeLoop, SpeculativeStats, VerifyTarget
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -20,7 +20,7 @@ from corolla.api.local_swarm import LocalSwarm
 from corolla.api.serving import http_cli_parser, serve_until_signalled
 from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, check_port_free, run_cli
 from corolla.cli.speculative_flags import add_speculative_flags, speculative_config
-from corolla.client.speculative import SpeculativeConfig
+from corolla.client.speculative.acceptance import SpeculativeConfig
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

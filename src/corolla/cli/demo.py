@@ -26,7 +26,7 @@ import torch
 from corolla.cli.errors import add_common_flags, run_cli
 from corolla.cli.text_streamer import TextStreamer
 from corolla.client.config import ClientConfig
-from corolla.client.distributed_model import AutoDistributedModelForCausalLM
+from corolla.client.models.distributed_model import AutoDistributedModelForCausalLM
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges

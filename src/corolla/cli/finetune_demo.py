@@ -18,7 +18,7 @@ from pathlib import Path
 from corolla.cli.demo import split_blocks, wait_for_coverage
 from corolla.cli.errors import add_common_flags, run_cli
 from corolla.client.config import ClientConfig
-from corolla.client.sequence_classification import AutoDistributedModelForSequenceClassification
+from corolla.client.models.sequence_classification import AutoDistributedModelForSequenceClassification
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.demo.finetune import FinetuneConfig, FinetuneReport, finetune, init_prompts_from_text
 from corolla.demo.topics import LABELS

@@ -18,7 +18,7 @@ from corolla.cli.errors import add_common_flags, check_initial_peers, check_mode
 from corolla.cli.speculative_flags import add_speculative_flags, speculative_config
 from corolla.cli.text_streamer import TextStreamer
 from corolla.client.config import ClientConfig
-from corolla.client.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
+from corolla.client.models.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from corolla.utils.interrupts import wait_for_line
 from corolla.utils.logging import quiet_logs
 

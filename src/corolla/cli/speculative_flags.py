@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from corolla.client.speculative import MAX_DRAFT_TOKENS, SpeculativeConfig
-from corolla.client.speculative_drafters import make_drafter
+from corolla.client.speculative.acceptance import MAX_DRAFT_TOKENS, SpeculativeConfig
+from corolla.client.speculative.drafters import make_drafter
 
 
 def add_speculative_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,22 +1,23 @@
-"""Using remote spans as local modules. `config` (ClientConfig), `bans` + `routing` (RemoteSequenceManager; its
-route math is a `corolla.swarm` policy), `inference_session` (fail-over by replay), `remote_forward_backward` +
-`remote_sequential` (autograd through the swarm), `checkpoint` + `distributed_model` + `generation` (causal LMs
-with generate()), `prompt_tuning` + `sequence_classification` (training through the swarm: Petals' `tuning_mode`,
-task heads). All networking runs on one background asyncio loop (`background_loop`)."""
+"""Using remote spans as local modules. Folders in layers, each importing only those before it: `transport/` (the
+streams to a server) and `prefix/` (prefix reuse); `routing/` (RemoteSequenceManager, bans); `calls/` (one call to
+one span: forward/backward RPCs, output checks, the retry budget); `verification/`; `session/` (span sessions and
+`InferenceSession`, fail-over by replay); `training/` (`RemoteSequential`, prompt tuning); `speculative/`; `models/`
+(distributed models with `generate()`, sequence classification). `config` (ClientConfig) and `background_loop` (the
+one asyncio loop that runs all client networking) sit beside them; the public names are re-exported here."""
 
 from corolla.client.config import ClientConfig
-from corolla.client.distributed_model import (
+from corolla.client.models.distributed_model import (
     AutoDistributedModelForCausalLM,
     DistributedModel,
     DistributedModelForCausalLM,
 )
-from corolla.client.inference_session import InferenceSession
-from corolla.client.remote_sequential import RemoteSequential
-from corolla.client.routing import RemoteSequenceManager
-from corolla.client.sequence_classification import (
+from corolla.client.models.sequence_classification import (
     AutoDistributedModelForSequenceClassification,
     DistributedModelForSequenceClassification,
 )
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.inference_session import InferenceSession
+from corolla.client.training.remote_sequential import RemoteSequential
 
 __all__ = [
     "AutoDistributedModelForCausalLM",

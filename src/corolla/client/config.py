@@ -56,10 +56,10 @@ class ClientConfig:
     busy_poll_ms: float = 0.0
 
     # name the following spans as `next_servers` so each server pushes its outputs straight to the next one (n+1
-    # one-way delays per step instead of 2n); the client still sends every span its own copy (client.forwarding)
+    # one-way delays per step instead of 2n); the client still sends every span its own copy (client.session.forwarding)
     server_forwarding: bool = True
     # key each session's positions by their tokens (`corolla.prefix`) so that corolla servers keep them, and start
-    # a generation after the prefix its chain already holds (`client.prefix_reuse`); outputs are the same either way
+    # a generation after the prefix its chain already holds (`client.prefix.prefix_reuse`); outputs are the same either way
     prefix_reuse: bool = True
 
     # how chains are chosen (`corolla.swarm.policies`): "petals" = the reference's min-latency chain, "corolla" = cost
@@ -74,12 +74,12 @@ class ClientConfig:
     swarm_key_file: str | None = None  # private swarm with membership (`corolla-dht --new_swarm_key`); None = open
 
     # re-run this fraction of inference steps (sampled) on a second server of the same span and ban a server whose
-    # outputs disagree beyond the dtype-derived tolerance (`client.output_checks.verify_rtol`); 0 = off
+    # outputs disagree beyond the dtype-derived tolerance (`client.calls.output_checks.verify_rtol`); 0 = off
     verify_fraction: float = 0.0
     verify_rtol: float | None = None  # None = derived from the dtypes of the two outputs
     verify_max_referees: int = 2  # servers asked per verified span (a second, then a third to break a tie)
     # recompute this fraction of stretches (`verify_stretch_steps` steps of a span) on a replica as one rpc_forward,
-    # in the background, and ban a server outvoted 2:1 for good (`client.stretches`: 0.6 catches a server lying in
+    # in the background, and ban a server outvoted 2:1 for good (`client.verification.stretches`: 0.6 catches a server lying in
     # 1% of its steps with 99% probability within 1,000 of its steps); 0 = off
     verify_stretch_fraction: float = 0.0
     verify_stretch_steps: int = 64

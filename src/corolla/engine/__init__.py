@@ -3,7 +3,8 @@
 of many sessions into batched forwards; the server's runtime calls it; on the graph path a forward is launched and
 finished in two phases, `graph_decode`), `EngineConfig` (`config`) and `serving.unsupported_reason`. Below it, one folder per concept: `kv/` (the pool, page queue, prefix index), `spans/`
 (a span model per family behind the `SpanModel` seam), `graphs/` (CUDA graphs), `kernels/` (Triton kernels with
-torch references, tuners), `quant/` (NF4/INT8 weights and kernels), `moe/` (routed experts). Runs on CPU too
+torch references, tuners), `quant/` (NF4/INT8 weights and kernels), `moe/` (routed experts), `ops/` (the decode
+step's operations dispatched to them). Runs on CPU too
 (reference ops, no graphs) so that tests check the same math."""
 
 from corolla.engine.config import EngineConfig

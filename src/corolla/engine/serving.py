@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-# fused llama-family spans (Mixtral, Qwen3-MoE: with routed experts, engine.moe.moe); DeepSeek-V3 latent spans (fast_mla)
+# fused llama-family spans (Mixtral, Qwen3-MoE: with routed experts, engine.moe.routed_experts); DeepSeek-V3 latent spans (fast_mla)
 SUPPORTED_FAMILIES = ("llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "falcon", "bloom")  # + fast_dense
 UNQUANTIZED_EXPERT_FAMILIES = ("deepseek_v3",)  # fast_mla reads dense experts only (Mixtral/Qwen3-MoE: moe_quant)
 ADAPTER_FAMILIES = (
@@ -19,7 +19,11 @@ ADAPTER_FAMILIES = (
     "mixtral",
     "qwen3_moe",
 )  # FastLlamaSpan applies LoRA adapters (engine.spans.fast_lora)
-SUPPORTED_QUANT_TYPES = ("none", "nf4", "int8")  # bitsandbytes layouts read in place (corolla.engine.quant.quant)
+SUPPORTED_QUANT_TYPES = (
+    "none",
+    "nf4",
+    "int8",
+)  # bitsandbytes layouts read in place (corolla.engine.quant.quant_weights)
 GPU_DTYPES = (torch.bfloat16, torch.float16)
 DEVICE_TYPES = ("cuda", "cpu")  # the CPU runs the fused spans' reference ops (any float dtype)
 

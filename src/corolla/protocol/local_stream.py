@@ -11,7 +11,7 @@ endian) and the payload:
 
 Where: `<socket dir>/<server peer id>.sock` (a one-process server), or `<server peer id>.<i>.sock` for handler
 process i of a server with `--num_handlers` > 1 (each process serves its own socket; a client process takes them
-in turn from a random start, `client.local_transport.SocketTurns`, as p2pd deals streams round-robin, and of its
+in turn from a random start, `client.transport.local_transport.SocketTurns`, as p2pd deals streams round-robin, and of its
 first two candidates takes the one whose handler process serves fewer connections, as it says in a load file beside
 its socket, `<socket>.load`: `StreamLoad`, `read_load`), the socket
 dir being `$COROLLA_LOCAL_SOCKET_DIR` or `<tmp>/corolla-<uid>`, created 0700. A client only uses a socket in a dir

@@ -1,7 +1,7 @@
 """Prefix caching in the swarm simulator (issue 34): stateless multi-turn chats (each turn is its own inference
 session, as behind an OpenAI-style API, re-sending the whole conversation), a prefix cache per server
 (`prefix_cache.ServerPrefixCache`: capacity in tokens, least recently used forgotten first) and, optionally,
-cache-affine routing by the real client function (`client.prefix_routes.PrefixRoutes.route_for`: a conversation goes
+cache-affine routing by the real client function (`client.prefix.prefix_routes.PrefixRoutes.route_for`: a conversation goes
 back to the chain that held it unless a server of it left, is overloaded, or a slower chain costs more than the
 prefill it saves).
 
@@ -17,8 +17,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from corolla.client.prefix_chain import PrefixChain
-from corolla.client.prefix_routes import PrefixRoutes
+from corolla.client.prefix.prefix_chain import PrefixChain
+from corolla.client.prefix.prefix_routes import PrefixRoutes
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.sim.client_model import ClientDriver, SimSession

@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 
 from corolla.engine.kernels.graph_timing import time_configs
-from corolla.engine.kernels.ops import triton_usable
 from corolla.engine.kernels.prefill_attention import paged_prefill_attention_ref
 from corolla.engine.kv.kv_pool import TRASH_PAGE, KVPool, SequenceSlot
+from corolla.engine.ops.decode_ops import triton_usable
 from corolla.engine.spans.fast_llama import FastLlamaSpan, table_slots
 from corolla.utils.logging import get_logger
 

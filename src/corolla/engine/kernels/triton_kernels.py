@@ -10,7 +10,7 @@ import triton.language as tl
 
 from corolla.engine.kernels.alibi_triton import alibi_bias
 from corolla.engine.kernels.attention_counters import attention_counters
-from corolla.engine.quant.quant_splits import arrive_last, programmatic_launch, release_dependents, reset_counter
+from corolla.engine.kernels.quant_splits import arrive_last, programmatic_launch, release_dependents, reset_counter
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 

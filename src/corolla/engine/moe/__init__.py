@@ -1,2 +1,2 @@
-"""Routed mixture-of-experts on the fast path: experts read in place and routers (`moe`), their Triton kernels
+"""Routed mixture-of-experts on the fast path: experts read in place and routers (`routed_experts`), their Triton kernels
 (`moe_kernels`), and quantized experts with their kernels (`moe_quant`, `moe_quant_kernels`)."""

@@ -1,4 +1,4 @@
-"""Triton kernels of the routed experts (`engine.moe.moe.experts_forward` on CUDA): the token->expert assignments are
+"""Triton kernels of the routed experts (`engine.moe.routed_experts.experts_forward` on CUDA): the token->expert assignments are
 sorted by expert on the device, then one program per (expert, block of output columns) walks that expert's
 assignments in tiles of 16 rows, so each chosen expert's weights are read once per step and unchosen experts' not
 at all. Expert tensors are found through an int64 address table (read in place, no gather). Two kernels: gate_up

@@ -1,9 +1,9 @@
 """Quantized routed experts for the fast path: a layer's E SwiGLU experts whose projections are bitsandbytes NF4
-or Int8 layouts (`engine.quant.quant.NF4Weight` / `Int8Weight`), read in place by the grouped kernels of
-`moe_quant_kernels` and by the torch reference of `engine.moe.moe.experts_forward_ref` (which dequantizes only the
+or Int8 layouts (`engine.quant.quant_weights.NF4Weight` / `Int8Weight`), read in place by the grouped kernels of
+`moe_quant_kernels` and by the torch reference of `engine.moe.routed_experts.experts_forward_ref` (which dequantizes only the
 experts a call uses).
 
-`QuantizedExpertWeights` has the same surface as `engine.moe.moe.ExpertWeights` (num_experts, hidden_size,
+`QuantizedExpertWeights` has the same surface as `engine.moe.routed_experts.ExpertWeights` (num_experts, hidden_size,
 intermediate_size, dtype = the compute dtype, device, expert_nbytes, nbytes, dense(e)) plus address tables the
 kernels read: per expert, the address of each projection's packed codes and statistics (no gather, no repack, no
 copy per step: a step reads the chosen experts' packed bytes and their scales, nothing else). NF4 tables: packed
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from corolla.engine.quant.quant import Int8Weight, NF4Weight, QuantizedWeight, quantized_weight_of
+from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, QuantizedWeight, quantized_weight_of
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

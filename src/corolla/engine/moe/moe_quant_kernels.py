@@ -1,4 +1,4 @@
-"""Triton kernels of the quantized routed experts (`engine.moe.moe.experts_forward` on CUDA for
+"""Triton kernels of the quantized routed experts (`engine.moe.routed_experts.experts_forward` on CUDA for
 `moe_quant.QuantizedExpertWeights`): the grouped structure of `moe_kernels` (assignments sorted by expert on the
 device; one program per (expert, block of output columns) walks that expert's assignments in 16-row tiles; unused
 experts' bytes are never read) with the weight tiles decoded in registers from bitsandbytes' layouts, found through

@@ -9,8 +9,8 @@ import zlib
 import torch
 
 from corolla.engine.kernels.graph_timing import graph_median_ms, time_configs
+from corolla.engine.kernels.quant_splits import PROLOGUES
 from corolla.engine.quant import quant_gemv, quant_kernels, quant_mma, quant_stream, quant_tile_gemv
-from corolla.engine.quant.quant_splits import PROLOGUES
 
 Choice = tuple[str, tuple[int, int, int, int, int]]
 MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-row-tile configs (quant_mid)

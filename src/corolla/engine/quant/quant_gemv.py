@@ -1,5 +1,5 @@
 """Triton dequantize-GEMV kernels for decode steps of a few rows (up to `GEMV_MAX_ROWS`), reading the NF4 and Int8
-layouts of `engine.quant.quant` in place without the matrix units: out[M, N] = x[M, K] @ W[N, K]^T (+ residual).
+layouts of `engine.quant.quant_weights` in place without the matrix units: out[M, N] = x[M, K] @ W[N, K]^T (+ residual).
 
 Why not `tl.dot`: at one to a few rows a matrix instruction wastes 15/16 of its work and forces the decoded weight
 tile through a shared-memory layout change; here each program streams a [BLOCK_N, bytes] tile of packed weight
@@ -34,8 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from corolla.engine.quant.quant import Int8Weight, NF4Weight, counters_for_tiles
-from corolla.engine.quant.quant_splits import (
+from corolla.engine.kernels.quant_splits import (
     PROLOGUES,
     check_prologue,
     finish_row,
@@ -48,6 +47,7 @@ from corolla.engine.quant.quant_splits import (
     rstd_of,
     wait_for_producer,
 )
+from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, counters_for_tiles
 
 GEMV_MAX_ROWS = 8  # decode steps of at most this many rows run here, larger ones on quant_kernels' tl.dot kernel
 

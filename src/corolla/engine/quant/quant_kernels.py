@@ -1,5 +1,5 @@
 """Triton dequantize-GEMM kernels for few-row inputs (decode steps of up to `QUANT_KERNEL_MAX_ROWS` rows) reading
-the NF4 and Int8 layouts of `engine.quant.quant` in place: out[M, N] = x[M, K] @ W[N, K]^T (+ residual). DecodeOps runs
+the NF4 and Int8 layouts of `engine.quant.quant_weights` in place: out[M, N] = x[M, K] @ W[N, K]^T (+ residual). DecodeOps runs
 them for merged steps of more than `quant_gemv.GEMV_MAX_ROWS` rows (fewer go to quant_gemv's CUDA-core kernels).
 
 Batch invariance: every 16-row tile of the output is computed with the same instruction sequence and the same K
@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from corolla.engine.quant.quant import NF4_BLOCK_VALUES, Int8Weight, NF4Weight, counters_for_tiles
-from corolla.engine.quant.quant_splits import (
+from corolla.engine.kernels.quant_splits import (
     PROLOGUES,
     arrive_last,
     check_prologue,
@@ -30,6 +29,7 @@ from corolla.engine.quant.quant_splits import (
     sum_split_tile,
     wait_for_producer,
 )
+from corolla.engine.quant.quant_weights import NF4_BLOCK_VALUES, Int8Weight, NF4Weight, counters_for_tiles
 
 QUANT_KERNEL_MAX_ROWS = 64  # larger inputs (prefill) dequantize the weight and use cuBLAS
 TILE_M = 16

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from corolla.engine.quant.quant import NF4Weight, counters_for_tiles
+from corolla.engine.kernels.quant_splits import arrive_last, reset_counter, row_mask
 from corolla.engine.quant.quant_prmt import DECODE16_CONSTRAINTS, decode16_ptx
-from corolla.engine.quant.quant_splits import arrive_last, reset_counter, row_mask
+from corolla.engine.quant.quant_weights import NF4Weight, counters_for_tiles
 
 MMA_MAX_ROWS = 64
 MMA_MID_MAX_ROWS = 16  # DecodeOps serves 2 to this many rows with the 16-row-tile configs, more with 64-row tiles

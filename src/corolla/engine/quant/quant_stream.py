@@ -31,16 +31,16 @@ import torch
 import triton
 import triton.language as tl
 
-from corolla.engine.quant import quant_pair_table
-from corolla.engine.quant.quant import NF4Weight, counters_for_tiles
-from corolla.engine.quant.quant_mma import absmax_lookup
-from corolla.engine.quant.quant_splits import (
+from corolla.engine.kernels.quant_splits import (
     finish_row,
     finish_split_rows,
     launch_options,
     programmatic_launch,
     wait_for_producer,
 )
+from corolla.engine.quant import quant_pair_table
+from corolla.engine.quant.quant_mma import absmax_lookup
+from corolla.engine.quant.quant_weights import NF4Weight, counters_for_tiles
 
 # (BLOCK_N, 64-value blocks per step, K splits, num_warps, pipeline stages): the tilings within 5% of the best on
 # some Llama-3-8B projection on an H200, and the tuner's pick for w_gate_up in the step of that call

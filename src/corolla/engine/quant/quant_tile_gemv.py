@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from corolla.engine.kernels.nvrtc_kernels import NvrtcKernel
-from corolla.engine.quant.quant import NF4_BLOCK_VALUES, NF4Weight
+from corolla.engine.quant.quant_weights import NF4_BLOCK_VALUES, NF4Weight
 
 TILE_ROWS = 16
 LANES = 32

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, ALIBI_FP16, ALIBI_FP32, Alibi
-from corolla.engine.kernels.dense_ops import DenseOps
-from corolla.engine.kernels.ops import DecodeOps
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
-from corolla.engine.quant.quant import Int8Weight, NF4Weight, linear_bias, quant_key
+from corolla.engine.ops.decode_ops import DecodeOps
+from corolla.engine.ops.dense_ops import DenseOps
+from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key
 from corolla.engine.spans.fast_llama import Weight, projection_weight
 from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
 from corolla.models.attention import Attention

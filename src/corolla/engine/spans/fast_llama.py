@@ -1,9 +1,9 @@
 """A llama-family span as plain tensors: fused q/k/v and gate/up weights (shared with the loaded blocks, no copy),
 rotary tables, a batched single-token decode step over ragged per-row positions (CUDA-graph safe) and a chunked
 prefill for one sequence with large matmuls. Projection weights may be bitsandbytes' NF4/Int8 layouts
-(`engine.quant.quant`, read in place); Qwen3's per-head q/k RMSNorm runs when the layer has `q_norm`/`k_norm`. A layer
+(`engine.quant.quant_weights`, read in place); Qwen3's per-head q/k RMSNorm runs when the layer has `q_norm`/`k_norm`. A layer
 whose MLP is a routed mixture of experts (Mixtral, Qwen3-MoE) carries a `moe.RoutedMoE` instead of gate_up/down:
-softmax top-k routing and the grouped expert kernels of `engine.moe.moe`, inside the same CUDA-graphed step. LoRA
+softmax top-k routing and the grouped expert kernels of `engine.moe.routed_experts`, inside the same CUDA-graphed step. LoRA
 adapters (`engine.spans.fast_lora.SpanAdapters`) add each row's low-rank delta to the projections they target."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from corolla.engine.kernels.cpu_linear import CpuLinearConfig, SlotKey
-from corolla.engine.kernels.ops import DecodeOps
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
-from corolla.engine.moe.moe import RoutedMoE, tune_experts
-from corolla.engine.quant.quant import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
+from corolla.engine.moe.routed_experts import RoutedMoE, tune_experts
+from corolla.engine.ops.decode_ops import DecodeOps
+from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
 from corolla.engine.spans.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
 from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
 from corolla.models.layers import SparseMoE

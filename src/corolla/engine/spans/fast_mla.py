@@ -6,7 +6,7 @@ Decode (batched over ragged positions, CUDA-graph safe) uses the absorbed form: 
 into the latent space, scores are taken against the cached latents + rotary keys, and kv_b's value half is applied
 to the attention output in the latent space. Prefill (one sequence, chunked) decompresses the cached latents with
 kv_b and runs ordinary attention. The MoE layers route with `mla_kernels.group_limited_route` and run the chosen
-experts through `engine.moe.moe.experts_forward` (the blocks' per-expert tensors read in place); the shared experts are
+experts through `engine.moe.routed_experts.experts_forward` (the blocks' per-expert tensors read in place); the shared experts are
 one dense SwiGLU."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.kernels.mla_kernels import group_limited_route, paged_latent_attention, rope_rotate, store_latent
-from corolla.engine.kernels.ops import DecodeOps
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
-from corolla.engine.moe.moe import ExpertWeights, experts_forward, kernel_usable
+from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, kernel_usable
+from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
 from corolla.models.deepseek_v3.block import DeepseekV3Block
 from corolla.models.deepseek_v3.mla import LATENT_NORM_EPS, LatentAttention, mla_softmax_scale

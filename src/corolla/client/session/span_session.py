@@ -23,18 +23,18 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
+from corolla.client.calls.output_checks import BadServerOutput, check_outputs
+from corolla.client.calls.remote_forward_backward import serialize_activations
+from corolla.client.calls.retries import has_alternative
 from corolla.client.config import ClientConfig
-from corolla.client.direct_transport import DirectInferenceStream
-from corolla.client.forwarding import is_pushed_reply
-from corolla.client.framed_socket import FramedSocketStream
-from corolla.client.local_transport import LocalInferenceStream
-from corolla.client.output_checks import BadServerOutput, check_outputs
-from corolla.client.p2p_stream import InferenceStream, P2PInferenceStream
-from corolla.client.prefix_chain import PrefixChain
-from corolla.client.remote_forward_backward import serialize_activations
-from corolla.client.retries import has_alternative
-from corolla.client.routing import RemoteSequenceManager
-from corolla.client.stalls import StallAction, StallEvent, StepClock
+from corolla.client.prefix.prefix_chain import PrefixChain
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.forwarding import is_pushed_reply
+from corolla.client.session.stalls import StallAction, StallEvent, StepClock
+from corolla.client.transport.direct_transport import DirectInferenceStream
+from corolla.client.transport.framed_socket import FramedSocketStream
+from corolla.client.transport.local_transport import LocalInferenceStream
+from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.codecs import deserialize_tensor
 from corolla.protocol.handoff import DRAINING_KEY, DrainNotice
@@ -125,17 +125,19 @@ class SpanSession:
         self._history_len = 0  # == position, except in a replacement that has yet to replay its inherited history
         self.history_from = 0  # inputs before it were never sent: the server reused that prefix from its cache
         self.prefix: PrefixChain | None = None  # the session's token chain, when this server takes prefix keys
-        self._stream: InferenceStream | None = None  # open: p2p (client.p2p_stream) or `local`, driven on the loop
+        self._stream: InferenceStream | None = (
+            None  # open: p2p (client.transport.p2p_stream) or `local`, driven on the loop
+        )
         self.local: LocalInferenceStream | None = None  # the server's unix socket, if open
         self.tcp: DirectInferenceStream | None = None  # else the server's direct TCP port, if it offers one
         self._direct: FramedSocketStream | None = None  # `_stream` if a step may run in any one thread (`step_here`)
-        # where p2pd reached the server (direct TCP only): knocked on while the link is down (`client.link_probe`)
+        # where p2pd reached the server (direct TCP only): knocked on while the link is down (`client.transport.link_probe`)
         self.link_address: tuple[str, int] | None = None
         self._started = False
         self._closed = False
         self.upstream_peer: str | None = None  # the previous span's server: the only peer that may push to this one
         self._declared_upstream: str | None = None
-        # set when the server says it drains (client.handoff moves the span)
+        # set when the server says it drains (client.session.handoff moves the span)
         self.drain_notice: DrainNotice | None = None
         self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
         self.expected_push: tuple[str, int] | None = None  # (step_id, start) last named to reach it by push
@@ -279,7 +281,7 @@ class SpanSession:
             "start_from_position": send_from,
             "args_structure": structure,
             **self.manager.request_metadata(self.span.peer_id),
-            **extra,  # client.forwarding: next step id, next_servers
+            **extra,  # client.session.forwarding: next step id, next_servers
         }
         if keys is not None:
             metadata[PREFIX_KEY] = keys.to_wire()

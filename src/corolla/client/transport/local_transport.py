@@ -20,7 +20,7 @@ from pathlib import Path
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from corolla.client.framed_socket import MAX_RESPONSE_FRAME_BYTES, FramedSocketStream
+from corolla.client.transport.framed_socket import MAX_RESPONSE_FRAME_BYTES, FramedSocketStream
 from corolla.protocol import local_stream as ls
 from corolla.utils.logging import get_logger
 

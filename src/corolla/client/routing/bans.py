@@ -1,7 +1,7 @@
 """Bans of failing servers: `ban_timeout * rate^n` seconds after the n-th consecutive failure, cleared on success;
-servers caught lying (outvoted 2:1 by `client.stretches` or `client.verification`) are banned for the client's
+servers caught lying (outvoted 2:1 by `client.verification.stretches` or `client.verification.step_verifier`) are banned for the client's
 lifetime. Also each server's record of verified steps in a row that agreed with other servers (`agreed_in_a_row`):
-what lets `client.verification` trust a server when it is the only one left to answer."""
+what lets `client.verification.step_verifier` trust a server when it is the only one left to answer."""
 
 from __future__ import annotations
 

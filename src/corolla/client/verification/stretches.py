@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from corolla.client import background_loop
-from corolla.client.output_checks import verify_rtol
-from corolla.client.remote_forward_backward import run_remote_forward
-from corolla.client.routing import RemoteSequenceManager
+from corolla.client.calls.output_checks import verify_rtol
+from corolla.client.calls.remote_forward_backward import run_remote_forward
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -98,7 +98,7 @@ class SpanRecord:
 @dataclass(frozen=True)
 class Finding:
     """A server's claimed outputs shown wrong: blocks, the accused, the span's inputs for [0, b) and its claimed
-    outputs for [first, b). Shareable (`corolla.client.findings`); a receiver re-verifies, never bans on it."""
+    outputs for [first, b). Shareable (`corolla.client.verification.findings`); a receiver re-verifies, never bans on it."""
 
     peer_id: str
     blocks: tuple[int, int]

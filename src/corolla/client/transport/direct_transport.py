@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 
 from hivemind.proto import runtime_pb2
 
-from corolla.client.framed_socket import MAX_RESPONSE_FRAME_BYTES, FramedSocketStream
-from corolla.client.local_transport import frame_response
+from corolla.client.transport.framed_socket import MAX_RESPONSE_FRAME_BYTES, FramedSocketStream
+from corolla.client.transport.local_transport import frame_response
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.utils.logging import get_logger

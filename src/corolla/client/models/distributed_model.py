@@ -13,17 +13,17 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
-from corolla.client.checkpoint import CheckpointReader
 from corolla.client.config import ClientConfig
-from corolla.client.family_head import GEMMA_NORM, GPT_OSS_NORM, cap_logits, family_norm, scale_embeddings
-from corolla.client.generation import GenerationLoop
-from corolla.client.inference_session import InferenceSession
-from corolla.client.padding import padding_groups
-from corolla.client.prefix_chain import PrefixChain, prompts_digest, session_root
-from corolla.client.prompt_tuning import PromptTuning, TuningConfig
-from corolla.client.remote_sequential import RemoteSequential
-from corolla.client.routing import RemoteSequenceManager
-from corolla.client.speculative_loop import SpeculativeStats
+from corolla.client.models.checkpoint import CheckpointReader
+from corolla.client.models.family_head import GEMMA_NORM, GPT_OSS_NORM, cap_logits, family_norm, scale_embeddings
+from corolla.client.models.generation import GenerationLoop
+from corolla.client.models.padding import padding_groups
+from corolla.client.prefix.prefix_chain import PrefixChain, prompts_digest, session_root
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.inference_session import InferenceSession
+from corolla.client.speculative.loop import SpeculativeStats
+from corolla.client.training.prompt_tuning import PromptTuning, TuningConfig
+from corolla.client.training.remote_sequential import RemoteSequential
 from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
 from corolla.protocol.uids import make_uid
 from corolla.utils.logging import get_logger
@@ -388,7 +388,7 @@ class AutoDistributedModelForCausalLM:
         """Keyword arguments: `initial_peers`, `dht_prefix`, `client_config` (ClientConfig), `dht`, `revision`, `token`,
         `cache_dir`; `dtype=` (transformers 5's spelling) or `torch_dtype=`: the dtype of the local embeddings and
         head (default float32; "auto" = the checkpoint's); `tuning_mode=` "ptune" | "deep_ptune" with `pre_seq_len=`
-        (Petals' prompt tuning: trainable prompts, see `client.prompt_tuning`). Returned in eval mode."""
+        (Petals' prompt tuning: trainable prompts, see `client.training.prompt_tuning`). Returned in eval mode."""
         return load_distributed_model(DistributedModelForCausalLM, name_or_path, **kwargs)
 
 

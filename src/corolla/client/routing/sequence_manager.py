@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from corolla.client import background_loop
-from corolla.client.bans import BanList
 from corolla.client.config import ClientConfig
-from corolla.client.direct_transport import DirectOffers
-from corolla.client.p2p_stream import InferenceStream, P2PInferenceStream
-from corolla.client.prefix_routes import PrefixRoutes
+from corolla.client.prefix.prefix_routes import PrefixRoutes
+from corolla.client.routing.bans import BanList
+from corolla.client.transport.direct_transport import DirectOffers
+from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
 from corolla.protocol.auth import MEMBER_PROOF_KEY, join_info_uid
 from corolla.protocol.direct_stream import DirectOffer
 from corolla.protocol.metadata import decode_metadata
@@ -95,7 +95,9 @@ class RemoteSequenceManager:
         self._p2p: Any = p2p  # None: the DHT's replica, made on first use
         self._stubs: dict[str, Any] = {}
         self._input_compressions: dict[str, int] = {}  # peer -> compression its rpc_info asks for
-        self.direct_offers = DirectOffers(self._ask_direct_ticket)  # servers' direct ports (client.direct_transport)
+        self.direct_offers = DirectOffers(
+            self._ask_direct_ticket
+        )  # servers' direct ports (client.transport.direct_transport)
         self.membership, self.authorizer = _membership(config.swarm_key_file)  # private swarm: prove it per request
         self._thread: threading.Thread | None = None
         if start_updates:

@@ -17,8 +17,8 @@ from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import p2pd_pb2, runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr, protocols
 
-from corolla.client.framed_socket import FramedSocketStream
-from corolla.client.link_probe import tcp_address
+from corolla.client.transport.framed_socket import FramedSocketStream
+from corolla.client.transport.link_probe import tcp_address
 from corolla.protocol.rpc import handle_name
 from corolla.protocol.stream_frames import (
     END_OF_STREAM_FRAME,
@@ -104,7 +104,7 @@ def _daemon_socket(p2p: P2P) -> tuple[socket.socket, str | tuple[str, int]]:
 
 class P2PInferenceStream(FramedSocketStream):
     """One `rpc_inference` stream through p2pd (see the module docstring). `remote_address`: the (host, port) of the
-    daemon's connection to the server, where it is a direct TCP one (`client.link_probe`)."""
+    daemon's connection to the server, where it is a direct TCP one (`client.transport.link_probe`)."""
 
     remote_address: tuple[str, int] | None = None
 

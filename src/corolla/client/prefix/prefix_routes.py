@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from corolla.client.prefix_chain import PrefixChain
+from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
-from corolla.engine.quant.quant import quantized_weight_of
+from corolla.engine.quant.quant_weights import quantized_weight_of
 from corolla.models.layers import SparseMoE
 from corolla.utils.logging import get_logger
 

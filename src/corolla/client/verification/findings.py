@@ -1,4 +1,4 @@
-"""Sharing what verification caught (`client.stretches.Finding`) without letting a liar frame an honest server.
+"""Sharing what verification caught (`client.verification.stretches.Finding`) without letting a liar frame an honest server.
 
 A finding is bytes (`encode_finding` / `decode_finding`: safetensors, bounded before parsing, shapes checked): the
 accused, its blocks, the span's inputs for positions [0, b) and the outputs it is said to have returned for
@@ -6,7 +6,7 @@ accused, its blocks, the span's inputs for positions [0, b) and the outputs it i
 bans on a finding. `check_finding` re-verifies it first-hand: a replica other than the accused recomputes the
 inputs (a claim that matches the recomputation is `refuted`: the reporter lied or erred); otherwise the accused is
 asked to compute the same inputs itself, and only if a second replica confirms that the accused's own answer is wrong
-(2:1, the rule of `client.stretches`) is it banned (`caught`). A claim that checks out while the accused now answers
+(2:1, the rule of `client.verification.stretches`) is it banned (`caught`). A claim that checks out while the accused now answers
 honestly only marks the accused `suspect` (the receiver verifies its stretches with probability 1 from then on)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from corolla.client.routing import RemoteSequenceManager
-from corolla.client.stretches import Finding, StretchVerifier
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.verification.stretches import Finding, StretchVerifier
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.utils.logging import get_logger
 

@@ -1,5 +1,5 @@
 """The speculative decoding loop of one sequence: draft k tokens, verify them in ONE inference step of k + 1 tokens
-through the swarm, accept by the rule of `corolla.client.speculative`, roll the servers' caches back to the accepted
+through the swarm, accept by the rule of `corolla.client.speculative.acceptance`, roll the servers' caches back to the accepted
 text (the session's `position`), repeat. `VerifyTarget` hides where the target runs (`SessionTarget`: the swarm)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Protocol
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
-from corolla.client.inference_session import InferenceSession
-from corolla.client.speculative import Draft, Drafter, KChooser, accept_greedy, accept_sampled
+from corolla.client.session.inference_session import InferenceSession
+from corolla.client.speculative.acceptance import Draft, Drafter, KChooser, accept_greedy, accept_sampled
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -2,7 +2,7 @@
 `rpc_forward` over the span's recorded inputs) and compares the new positions; the server outvoted by the others is
 banned. Two servers that disagree with no third to decide are both banned. Training's forward and backward calls
 (`remote_sequential`) are sampled and voted on the same way. A server outvoted 2:1 is banned for good (first-hand
-evidence, as in `client.stretches`). A span served by one server only cannot be checked: at `verify_fraction` < 1
+evidence, as in `client.verification.stretches`). A span served by one server only cannot be checked: at `verify_fraction` < 1
 its outputs are trusted (sampling is a deterrent); at 1.0 (every output checked) they are trusted only from a server
 whose last `LONE_TRUST_STEPS` verified outputs all agreed with other servers (a server lying on a share q of its
 steps builds such a record with probability (1 - q)^64: 0.1% at q = 10%, and is banned for good at its first lie
@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
-from corolla.client.output_checks import BadServerOutput, relative_error, verify_rtol
-from corolla.client.remote_forward_backward import run_remote_backward, run_remote_forward
-from corolla.client.routing import RemoteSequenceManager
+from corolla.client.calls.output_checks import BadServerOutput, relative_error, verify_rtol
+from corolla.client.calls.remote_forward_backward import run_remote_backward, run_remote_forward
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 

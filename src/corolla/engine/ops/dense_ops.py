@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine.kernels.graph_timing import graph_median_ms
-from corolla.engine.kernels.ops import triton_usable
+from corolla.engine.ops.decode_ops import triton_usable
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.

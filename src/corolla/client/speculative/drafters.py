@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from corolla.client.speculative import Draft, Sampler, SpeculativeConfig
+from corolla.client.speculative.acceptance import Draft, Sampler, SpeculativeConfig
 from corolla.demo.draft import ensure_demo_draft
 from corolla.utils.logging import get_logger
 

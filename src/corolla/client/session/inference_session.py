@@ -2,9 +2,9 @@
 span's inputs so that when a server fails, a replacement chain for its span replays them (start_from_position=0) and
 rebuilds the KV cache. Steps run in the caller's thread when every span is on a local stream, else on the client's
 background loop, where failures are retried on replacement chains within a `RetryBudget` (a silent hop is noticed
-at its step deadline, `client.stalls`; the only server of a span is waited for, not banned, when its link fails, and
-dialled again once its listener answers a knock, `client.link_probe`).
-With a `PrefixChain` of the tokens, a fresh session asks its chain which prefix it already holds (`client.prefix_reuse`)
+at its step deadline, `client.session.stalls`; the only server of a span is waited for, not banned, when its link fails, and
+dialled again once its listener answers a knock, `client.transport.link_probe`).
+With a `PrefixChain` of the tokens, a fresh session asks its chain which prefix it already holds (`client.prefix.prefix_reuse`)
 and starts after the shortest hit; a span that must be rebuilt without the inputs of that prefix restarts the chain."""
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ from collections.abc import Callable
 import torch
 
 from corolla.client import background_loop
-from corolla.client.forwarding import StepForwarding, push_went_stale
-from corolla.client.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
-from corolla.client.link_probe import LINK_KNOCK_LIMIT_S, wait_until_answering
-from corolla.client.output_checks import BadServerOutput
-from corolla.client.prefix_chain import PrefixChain
-from corolla.client.prefix_reuse import probe_chain, speaks_prefix_keys
-from corolla.client.retries import RetryBudget, has_alternative
-from corolla.client.routing import RemoteSequenceManager
-from corolla.client.span_session import SpanSession, SpanUnreachable, steps_in_flight
-from corolla.client.stalls import StallEvent
-from corolla.client.stretches import FINISH_TIMEOUT_S, StretchVerifier
-from corolla.client.verification import StepVerifier
+from corolla.client.calls.output_checks import BadServerOutput
+from corolla.client.calls.retries import RetryBudget, has_alternative
+from corolla.client.prefix.prefix_chain import PrefixChain
+from corolla.client.prefix.prefix_reuse import probe_chain, speaks_prefix_keys
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.forwarding import StepForwarding, push_went_stale
+from corolla.client.session.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
+from corolla.client.session.span_session import SpanSession, SpanUnreachable, steps_in_flight
+from corolla.client.session.stalls import StallEvent
+from corolla.client.transport.link_probe import LINK_KNOCK_LIMIT_S, wait_until_answering
+from corolla.client.verification.step_verifier import StepVerifier
+from corolla.client.verification.stretches import FINISH_TIMEOUT_S, StretchVerifier
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.errors import MissingBlocksError
@@ -72,8 +72,10 @@ class InferenceSession:
         self.num_pushed_steps = 0  # span steps whose server answered the copy pushed by the previous server
         self.handoffs = HandoffLog()  # spans moved off draining servers with their KV cache
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
-        self.stretches = StretchVerifier(manager)  # recomputes sampled stretches of each span (client.stretches)
-        self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.stalls)
+        self.stretches = StretchVerifier(
+            manager
+        )  # recomputes sampled stretches of each span (client.verification.stretches)
+        self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.session.stalls)
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
         self.prefix = prefix  # the token ids of its positions and their chain hashes (None: no prefix keys)
@@ -176,7 +178,7 @@ class InferenceSession:
         return outputs.to(inputs.device)
 
     async def _open_reusing(self, inputs: torch.Tensor, prompt_length: int) -> int:
-        """Opens the chain (preferring the one that held this prefix last time: `client.prefix_reuse`) and asks its
+        """Opens the chain (preferring the one that held this prefix last time: `client.prefix.prefix_reuse`) and asks its
         servers which prefix of `inputs`' positions they hold; every span then starts at the shortest hit, which
         this returns (0 when a server does not take prefix keys, or when anything fails: the step then runs as
         without a cache, on the usual retry path)."""
@@ -229,7 +231,7 @@ class InferenceSession:
         if not spans or spans[0].span.start != self.start or spans[-1].span.end != self.end:
             return None
         if len(spans) > 1 and self.manager.config.server_forwarding and any(s.local is None for s in spans):
-            return None  # over p2p, pushes between servers save more than the hop (see client.forwarding)
+            return None  # over p2p, pushes between servers save more than the hop (see client.session.forwarding)
         if any(a.span.end != b.span.start for a, b in zip(spans[:-1], spans[1:], strict=True)) or not all(
             s.can_step_here() for s in spans
         ):
@@ -271,7 +273,9 @@ class InferenceSession:
         self, inputs: torch.Tensor, prompts: torch.Tensor | None, hypo_ids: torch.Tensor | None, *, verify: bool = False
     ) -> torch.Tensor:
         position, step_id = self._position, self.forwarding.take_step_id()
-        may_forward = prompts is None and hypo_ids is None and self._zero_prompts is None  # see client.forwarding
+        may_forward = (
+            prompts is None and hypo_ids is None and self._zero_prompts is None
+        )  # see client.session.forwarding
         if hypo_ids is not None:
             for reordered in self._spans:
                 reordered.reorder(hypo_ids)

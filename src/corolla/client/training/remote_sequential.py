@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from corolla.client import background_loop
-from corolla.client.inference_session import DUMMY, InferenceSession
-from corolla.client.remote_forward_backward import run_remote_backward, run_remote_forward
-from corolla.client.retries import RetryBudget
-from corolla.client.routing import RemoteSequenceManager
-from corolla.client.verification import StepVerifier
+from corolla.client.calls.remote_forward_backward import run_remote_backward, run_remote_forward
+from corolla.client.calls.retries import RetryBudget
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.inference_session import DUMMY, InferenceSession
+from corolla.client.verification.step_verifier import StepVerifier
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 

@@ -1,7 +1,7 @@
 """`generate()` for distributed models: our own decoding loop with `transformers`' logits processors (same order
 and defaults as `transformers.generate`), greedy or sampling, left-padded batches and sessions that continue,
 `stop_strings` (with `tokenizer=`, through `transformers`' `StopStringCriteria`), and opt-in speculative decoding
-(`speculative=SpeculativeConfig(...)`: `corolla.client.speculative_loop`). An argument it does not implement is a
+(`speculative=SpeculativeConfig(...)`: `corolla.client.speculative.loop`). An argument it does not implement is a
 ValueError, never silently ignored."""
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from corolla.client.inference_session import InferenceSession
-from corolla.client.padding import padding_groups
-from corolla.client.remote_sequential import RemoteSequential
-from corolla.client.routing import RemoteSequenceManager
-from corolla.client.speculative import KChooser, SpeculativeConfig
-from corolla.client.speculative_drafters import make_drafter
-from corolla.client.speculative_loop import LocalEnds, SessionTarget, SpeculativeLoop, SpeculativeStats
+from corolla.client.models.padding import padding_groups
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.inference_session import InferenceSession
+from corolla.client.speculative.acceptance import KChooser, SpeculativeConfig
+from corolla.client.speculative.drafters import make_drafter
+from corolla.client.speculative.loop import LocalEnds, SessionTarget, SpeculativeLoop, SpeculativeStats
+from corolla.client.training.remote_sequential import RemoteSequential
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from corolla.client.output_checks import BadServerOutput
-from corolla.client.routing import RemoteSequenceManager
+from corolla.client.calls.output_checks import BadServerOutput
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.swarm.cache_refusals import is_cache_refusal, reroute_delay_s
 from corolla.utils.errors import MissingBlocksError, NoHonestServerError
 from corolla.utils.logging import get_logger

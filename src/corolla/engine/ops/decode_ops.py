@@ -15,14 +15,14 @@ from corolla.engine.kernels.cpu_attention import paged_decode_attention_cpu
 from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.kernels.kernel_choices import KernelChoices
 from corolla.engine.kernels.qk_norm import qk_norm_ref, qk_norm_triton
-from corolla.engine.quant.quant import Int8Weight, NF4Weight, quant_key
+from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, quant_key
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
     from corolla.engine.kernels import triton_kernels
+    from corolla.engine.kernels.quant_splits import PROLOGUES
     from corolla.engine.quant import quant_choices, quant_gemv, quant_kernels, quant_stream, quant_tile_gemv
     from corolla.engine.quant.quant_choices import quant_kernel
-    from corolla.engine.quant.quant_splits import PROLOGUES
 
     TRITON_IMPORTED = True
 except ImportError:  # pragma: no cover - depends on the installation

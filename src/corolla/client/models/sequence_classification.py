@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from corolla.client.distributed_model import ClientLayout, DistributedModel, load_distributed_model
-from corolla.client.prompt_tuning import TuningConfig
-from corolla.client.routing import RemoteSequenceManager
+from corolla.client.models.distributed_model import ClientLayout, DistributedModel, load_distributed_model
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.training.prompt_tuning import TuningConfig
 
 SCORE = "score"  # the head's name in transformers' checkpoints of every family
 

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.routing import RemoteSequenceManager
-from corolla.client.span_session import SpanSession
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.span_session import SpanSession
 from corolla.protocol import handoff as wire
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.output_checks import BadServerOutput, check_outputs
-from corolla.client.routing import RemoteSequenceManager
+from corolla.client.calls.output_checks import BadServerOutput, check_outputs
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.codecs import (
     combine_parts,
     deserialize_tensor,
