@@ -59,12 +59,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--user_clients", default="petals", help="client kinds for --users: petals (hivemind stub streams), corolla"
     )
-    p.add_argument(
-        "--gil_switch_interval_ms",
-        type=float,
-        default=None,
-        help="the process's GIL switch interval in ms, as the server's flag (default: 0.5 with the GPU fast path)",
-    )
     p.add_argument("--out", default="benchmarks/results", help="where results go (git-ignored)")
     p.add_argument("--tag", default="")
     p.add_argument("--cpu_smoke", action="store_true", help="run on the CPU (tiny shapes only; checks the script)")
@@ -81,10 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not args.cpu_smoke:
         print("benchmarks.serving needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.gil_switch_interval_ms is not None:
-        from corolla.utils.gil import configure_switch_interval
-
-        configure_switch_interval(args.gil_switch_interval_ms)
     started = time.perf_counter()
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     dtype = getattr(torch, args.dtype)
@@ -104,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         "shape_desc": f"hidden {shape.hidden_size}, {shape.num_layers} layers, {shape.num_kv_heads} KV heads",
         "dtype": args.dtype,
         "prefix_tokens": args.prefix_tokens,
-        "gil_switch_interval_ms": args.gil_switch_interval_ms,
         "prefill_tokens": args.prefill_tokens,
         "notes": [],
         "checks": {},

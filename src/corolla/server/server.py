@@ -46,7 +46,6 @@ from corolla.swarm.membership import SwarmKeyAuthorizer, load_swarm_key
 from corolla.swarm.reachability import attach_reachability_protocol, check_direct_reachability
 from corolla.utils import busy_poll
 from corolla.utils.errors import ConfigurationError
-from corolla.utils.gil import configure_switch_interval, switch_interval_from_env
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -61,9 +60,6 @@ class Server:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        gil_switch_interval_ms = switch_interval_from_env()  # an experiment knob (docs/decisions/0007)
-        if gil_switch_interval_ms is not None:  # before the runtime and serving threads start
-            configure_switch_interval(gil_switch_interval_ms)
         # device and quantization first (no model needed): a setting that cannot run here ends in seconds
         device, quant_type = startup_checks.resolve_device_and_quant(
             config.device, config.quant_type, config.tensor_parallel_devices

@@ -11,6 +11,7 @@ across clients (`training_batch`)."""
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -53,7 +54,6 @@ from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, Runtim
 from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
 from corolla.server.throughput import default_cache_dir
-from corolla.utils.gil import lower_switch_interval
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -372,9 +372,11 @@ def _units(tasks: list[Task]) -> list[StepRequest | StepGroup]:
 
 
 def shorten_gil_switch_interval() -> None:
-    """Lowers this process's GIL switch interval to `GIL_SWITCH_INTERVAL_S` (never raises it; an operator's
-    `COROLLA_GIL_SWITCH_INTERVAL_MS` wins: `corolla.utils.gil`)."""
-    lower_switch_interval(GIL_SWITCH_INTERVAL_S, reason="fast_path")
+    """Lowers this process's GIL switch interval to `GIL_SWITCH_INTERVAL_S`, never raising it (no other setting:
+    its A/B found no better value, docs/decisions/0007)."""
+    if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        logger.info(f"gil.switch_interval(ms={GIL_SWITCH_INTERVAL_S * 1000:g}, source=fast_path)")
 
 
 def build_engine_executor(
