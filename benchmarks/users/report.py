@@ -370,15 +370,6 @@ def main(argv: list[str] | None = None) -> int:
                 + " / ".join(str(n) for n in row.sessions_per_handler)
             )
     for row in rows:
-        if row.return_ms:
-            r = row.return_ms
-            within = f", {r['within_forward']:.0%} within one merged forward" if "within_forward" in r else ""
-            notes.append(
-                f"return to the device, {row.sessions} sessions, {row.transport}, {row.client} client (a step's "
-                f"result to its session's next step at the device; {r['count']:.0f} returns): p50 {r['p50_ms']:.2f} "
-                f"/ p90 {r['p90_ms']:.2f} ms{within}"
-            )
-    for row in rows:
         if row.timeline_ms.get("steps"):  # stamped in the handler processes: socket and direct streams, not p2p
             t = row.timeline_ms
             notes.append(

@@ -41,8 +41,6 @@ from benchmarks.users.clients import (
 )
 from benchmarks.users.config import UsersConfig
 from benchmarks.users.timeline import (
-    return_counts,
-    return_summary,
     saved_timeline_summary,
     timeline_by_process,
     timeline_dir,
@@ -112,9 +110,6 @@ class UsersResult:
     # window it spent on forwards, and a merged forward's own time (`merged_forward_ms` is the runtime thread's view)
     device_time_share: float = float("nan")
     device_forward_ms: float = float("nan")
-    # from a step's result to its session's next step at the device (`server.return_times`): p50 / p90 ms and the
-    # share back within one merged forward (empty with one handler process)
-    return_ms: dict[str, float] = field(default_factory=dict)
     # a row's start: each untimed first step's median / worst ms over the sessions (`warmup_ms`: "step0_p50", ...),
     # the gather rule's learned return and forward at the start signal, the merged forwards (and their rows) run in
     # the first 100 ms after it, and the steps run inline on an idle runtime during the row
@@ -356,7 +351,6 @@ def run_users(
         for i, job in enumerate(jobs)
     ]
     opened_before = server.sessions_opened_per_handler()
-    returns_before = return_counts(server.service)
     for p in processes:
         p.start()
     collected: list[dict] = []
@@ -396,7 +390,6 @@ def run_users(
         start["inline_steps"] = server.runtime.num_inline_batches - inline_before
         first = [steps for done, steps in list(server.batches) if done - go_perf <= 0.1]
         start["forwards_first_100ms"], start["rows_first_100ms"] = len(first), sum(first)
-        returns_after = return_counts(server.service)
         cpu_server = probe.sample().since(cpu_before)
     finally:
         go.set()
@@ -415,8 +408,6 @@ def run_users(
     result.num_handlers = server.num_handlers
     result.sessions_per_handler = opened_per_handler
     result.handler_poll_ms = server.handler_poll_s * 1000
-    if returns_before is not None and returns_after is not None:
-        result.return_ms = return_summary(returns_after, returns_before, result.merged_forward_ms)
     steps = result.sessions_finished * config.decode_steps
     result.cpu_us_per_step = with_clients_per_step_us(cpu_server, collected, steps)
     if timeline is not None:

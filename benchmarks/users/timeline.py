@@ -3,24 +3,18 @@ save their step timelines to (`server.step_timeline`), and the medians and 90th 
 step over every saved stream (the handler's own part before and after the device, the device channel's round trip,
 the client's turnaround as the server sees it), also per handler process (`timeline_by_process`); and where a row's
 window goes beyond its timed steps (`window_breakdown`: the sessions' start and end spread, the steps' mean, the
-untimed time); and how long the sessions took to come back to the device (`return_summary`)."""
+untimed time)."""
 
 from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from benchmarks.common.measure import percentile
-from corolla.server.handlers.return_times import ReturnTimes
-
-if TYPE_CHECKING:
-    from corolla.server.span_service import SpanService
 
 
 def timeline_dir() -> Path | None:
@@ -111,26 +105,3 @@ def window_breakdown(windows: list[tuple[float, float]], latencies: list[list[fl
         "step_mean_ms": sum(flat) / len(flat) if flat else float("nan"),
         "untimed_ms_per_session": untimed_ms / len(windows),
     }
-
-
-def return_counts(service: SpanService | None) -> list[int] | None:
-    """The handler processes' sessions' return times so far, merged (`server.return_times`; None with one handler
-    process: no device channels)."""
-    pool = service.pool if service is not None else None
-    if pool is None:
-        return None
-    return ReturnTimes.merged(c.steps.returns for c in pool.channels if c is not None).counts
-
-
-def return_summary(after: list[int], before: list[int], forward_ms: float) -> dict[str, float]:
-    """A row's return times (`return_counts` at its end and start): p50 / p90 ms, how many, and the share back
-    within one merged forward of `forward_ms` (those can ride the forward after next); empty where none returned."""
-    returns = ReturnTimes(after).minus(before)
-    p50, p90 = returns.quantile_s(0.5), returns.quantile_s(0.9)
-    if p50 is None or p90 is None:
-        return {}
-    within = returns.share_within(forward_ms / 1000) if math.isfinite(forward_ms) else None
-    summary = {"p50_ms": p50 * 1000, "p90_ms": p90 * 1000, "count": float(returns.count)}
-    if within is not None:
-        summary["within_forward"] = within
-    return summary

@@ -1,7 +1,7 @@
 """The many-users bench's ratios to the in-process engine (`benchmarks.users.report.ratio_notes`): each row against the
 engine's row of the same session count and repeat (never another repeat's), one line per repeat, and with several
 repeats a line per configuration with every ratio and their median; lone-session rows have no ratio. Also each row's
-window breakdown (`bench.timeline.window_breakdown`), its return-time summary (`return_summary`), and the
+window breakdown (`bench.timeline.window_breakdown`) and the
 `--runs` entries (`ServerRun.parse`)."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import pytest
 
 from benchmarks.users.report import ServerRun, parse_args, ratio_notes
 from benchmarks.users.server import UsersResult
-from benchmarks.users.timeline import return_summary, window_breakdown
-from corolla.server.handlers.return_times import ReturnTimes
+from benchmarks.users.timeline import window_breakdown
 
 
 def _row(sessions: int, transport: str, tok_s: float, repeat: int, rates: float = float("nan")) -> UsersResult:
@@ -77,19 +76,3 @@ def test_run_entries_read_handlers_gather_and_polling() -> None:
         ServerRun.parse("4x:64", [16])
     with pytest.raises(ValueError, match="N\\[gF\\]"):  # writer threads (`w`) lost their A/B (decision 0003)
         ServerRun.parse("4g0.75w", [16])
-
-
-def test_a_rows_return_summary_counts_only_its_window_and_the_share_within_one_forward() -> None:
-    times = ReturnTimes()
-    for handle, back_s in enumerate((0.0005, 0.0008, 0.0030)):
-        times.done(handle, 0.0)
-        times.arrived(handle, back_s)
-    before = list(times.counts)
-    for handle, back_s in enumerate((0.000525, 0.001025, 0.002025, 0.003025)):
-        times.done(handle, 1.0)
-        times.arrived(handle, 1.0 + back_s)
-    summary = return_summary(times.counts, before, forward_ms=1.5)
-    assert summary["count"] == 4.0
-    assert summary["p50_ms"] == pytest.approx(1.05) and summary["p90_ms"] == pytest.approx(3.05)
-    assert summary["within_forward"] == 0.5
-    assert return_summary(before, before, forward_ms=1.5) == {}

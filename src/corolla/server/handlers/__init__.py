@@ -2,4 +2,4 @@
 each `handler_process` runs the same front with a `proxy_executor` that sends work (and asks the core's session seam,
 `RemoteCore`) over the one frame codec (`proxy_wire`); the device process serves each through a `device_channel`
 against its one `SpanCore`, all read by one intake thread (`channel_intake`, `channel_io`) that hands decode steps to the runtime
-a frame at a time (`frame_steps`, with `return_times` measuring each session's turn back)."""
+a frame at a time (`frame_steps`)."""

@@ -405,8 +405,6 @@ class DeviceChannel:
                 opened.set_exception(e if isinstance(e, Exception) else RuntimeError("session open was cancelled"))
             if not isinstance(e, Exception):
                 raise
-        finally:
-            self.steps.returns.forget(handle)
 
     async def _close(self, fields: wire.Reader) -> wire.Writer:
         held = self.sessions.pop(fields.u32(), None)

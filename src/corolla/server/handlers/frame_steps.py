@@ -10,7 +10,6 @@ still checked per step in the runtime thread (`SpanEngine.validate`): a closed s
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -24,7 +23,6 @@ from corolla.server.core.executor import DeviceExecutor, PreparedStep, SessionCa
 from corolla.server.core.runtime import Task
 from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.return_times import ReturnTimes
 
 # a step's reply as a channel queues it: request id, output [B, T, H] or what refused it, the output's bytes if known
 StepReply = tuple[int, torch.Tensor | BaseException, memoryview | None]
@@ -35,7 +33,6 @@ class _Entry:
     """A prepared step waiting for its result: what its reply and its accounting need."""
 
     request_id: int
-    handle: int  # its session's (`ReturnTimes`)
     ticket: SessionTicket | None
     num_tokens: int  # B x T
     request: StepRequest | None  # the fast path's request (its `output_bytes` once a launched forward collected them)
@@ -45,11 +42,10 @@ class _FrameSteps:
     """A frame's decode steps of the fast path, as columns (no record per step): request ids, session handles,
     tickets, the prepared steps and their requests, and their tokens in all."""
 
-    __slots__ = ("request_ids", "handles", "tickets", "prepared", "requests", "tokens", "mixed_keys")
+    __slots__ = ("request_ids", "tickets", "prepared", "requests", "tokens", "mixed_keys")
 
     def __init__(self) -> None:
         self.request_ids: list[int] = []
-        self.handles: list[int] = []
         self.tickets: list[SessionTicket | None] = []
         self.prepared: list[PreparedStep] = []
         self.requests: list[StepRequest] = []
@@ -57,12 +53,11 @@ class _FrameSteps:
         self.mixed_keys = False  # some step's merge key differs from the first's
 
     def add(
-        self, request_id: int, handle: int, ticket: SessionTicket | None, prepared: PreparedStep, request: StepRequest
+        self, request_id: int, ticket: SessionTicket | None, prepared: PreparedStep, request: StepRequest
     ) -> None:
         if self.prepared and prepared.merge_key != self.prepared[0].merge_key:
             self.mixed_keys = True
         self.request_ids.append(request_id)
-        self.handles.append(handle)
         self.tickets.append(ticket)
         self.prepared.append(prepared)
         self.requests.append(request)
@@ -72,7 +67,6 @@ class _FrameSteps:
         """Steps [start, end) as a frame of their own (a frame split at the merge limit)."""
         part = _FrameSteps()
         part.request_ids, part.tickets = self.request_ids[start:end], self.tickets[start:end]
-        part.handles = self.handles[start:end]
         part.prepared, part.requests = self.prepared[start:end], self.requests[start:end]
         part.tokens = sum(p.size_tokens for p in part.prepared)
         part.mixed_keys = any(p.merge_key != part.prepared[0].merge_key for p in part.prepared)
@@ -97,7 +91,6 @@ class FrameIntake:
         self.executor, self.core = executor, core
         self._held, self._queue_replies, self._flush = held, queue_replies, flush
         self.num_frame_tasks = 0  # tasks that carried two or more steps of one frame
-        self.returns = ReturnTimes()  # its sessions' turn from a step's result to their next step here
 
     def submit(self, kind: int, request_id: int, payload: memoryview) -> int:
         """Queues a STEP_BATCH's (or a STEP's) steps on the runtime, waking its thread once; refusals are answered
@@ -114,9 +107,8 @@ class FrameIntake:
         tasks: list[Task] = []
         frame = _FrameSteps()  # the fast path's queued decode steps: one task (or a few)
         runtime = self.executor.runtime
-        queued_at = time.perf_counter()
         may_run_alone = self.core.num_open <= 1  # alone in all processes (read once per frame)
-        held, prepare_step, arrived = self._held, self.executor.prepare_step, self.returns.arrived
+        held, prepare_step = self._held, self.executor.prepare_step
         for step in steps:
             try:
                 if isinstance(step, wire.BadStep):
@@ -125,7 +117,6 @@ class FrameIntake:
                 if shape is None or dtype is None or len(shape) != 3:
                     raise wire.FrameError("a step needs hidden states [B, T, H]")
                 cache, ticket = held(step.handle)
-                arrived(step.handle, queued_at)
                 # the hidden states as their bytes (no tensor unless the executor needs one: `StepInputs.tensor`)
                 prepared = prepare_step(cache, StepInputs(None, step.prefix_length, step.prompts, step.hypo_ids,
                                                           step.adapter, step.lone and may_run_alone, step.raw,
@@ -137,9 +128,9 @@ class FrameIntake:
                     and request.is_decode
                     and prepared.merge_key is not None
                 ):
-                    frame.add(step.request_id, step.handle, ticket, prepared, request)
+                    frame.add(step.request_id, ticket, prepared, request)
                     continue
-                entry = _Entry(step.request_id, step.handle, ticket, shape[0] * shape[1],
+                entry = _Entry(step.request_id, ticket, shape[0] * shape[1],
                                request if isinstance(request, StepRequest) else None)  # fmt: skip
                 if prepared.inline:  # a lone session: may run right here on an idle runtime
                     runtime.queue(self._task(entry, prepared), inline=True)
@@ -198,7 +189,7 @@ class FrameIntake:
         first = frame.prepared[start]
         if end - start == 1:
             request = frame.requests[start]
-            entry = _Entry(frame.request_ids[start], frame.handles[start], frame.tickets[start],
+            entry = _Entry(frame.request_ids[start], frame.tickets[start],
                            request.rows * request.num_tokens, request)  # fmt: skip
             return self._task(entry, first)
         part = frame if start == 0 and end == len(frame.request_ids) else frame.part(start, end)
@@ -212,9 +203,6 @@ class FrameIntake:
 
     def _step_done(self, entry: _Entry, output: torch.Tensor | None, error: BaseException | None) -> None:
         """One step's result, in the thread that ran it; the runtime then calls `flush` once for the batch."""
-        now_s = time.perf_counter()
-        if error is None:
-            self.returns.done(entry.handle, now_s)
         self._queue_replies([self._reply(entry, output if error is None else error)])
 
     def _frame_done(self, frame: _FrameSteps, outputs: list[StepResult] | None, error: BaseException | None) -> None:
@@ -227,10 +215,6 @@ class FrameIntake:
             failed = RuntimeError(f"{len(outputs)} results for a frame of {len(frame.request_ids)} steps")
             self._queue_replies([(rid, failed, None) for rid in frame.request_ids])
             return
-        now_s = time.perf_counter()
-        done = self.returns.done
-        for handle in frame.handles:
-            done(handle, now_s)
         reply = self._step_reply
         self._queue_replies([
             reply(rid, ticket, request.rows * request.num_tokens, request, out)
