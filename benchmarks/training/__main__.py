@@ -229,14 +229,12 @@ def _serve(
         assert isinstance(executor, EngineExecutor), "the users bench builds the engine's executor"
         training = executor.training
         kept = training.kept
-        handler = server.service.handler if server.service is not None else None
-        assert handler is not None, "the bench server is serving"
-        poll = handler.busy_poll
+        poll = server.runtime.after_inline  # the serving loop's polling after an inline step (None: off)
         for spec in phases:
             n, merged_phase = spec.clients, spec.forward_tokens > 1 or spec.backward_tokens > 1
             training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens)
             training.kept = kept if spec.reuse else KeptActivations(0)
-            handler.busy_poll = poll if spec.poll else None  # read by the handler at every decode step
+            server.runtime.after_inline = poll if spec.poll else None  # called after each inline step
             inline_before = server.runtime.num_inline_batches
             before = training_stats(server.runtime.stats())
             hits_before, misses_before = training.kept.hits, training.kept.misses
@@ -272,7 +270,7 @@ def _serve(
             print(f"phase: {report.phases[-1]}", flush=True)
         training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
         training.kept = kept
-        handler.busy_poll = poll
+        server.runtime.after_inline = poll
     except (queue.Empty, _SessionFailed) as e:
         _error(report, str(e) or "a client did not answer in time")
     finally:

@@ -242,7 +242,7 @@ class BenchServer:
             )
             # one bench process plays many users: the per-peer fair-use caps (sessions, KV share) would refuse
             # them (every socket client is the one peer "local"), so they are lifted here; the rest stay default
-            service.handler.configure_limits(PeerLimits(max_sessions_per_peer=0, max_kv_fraction_per_peer=1.0))
+            service.configure_limits(PeerLimits(max_sessions_per_peer=0, max_kv_fraction_per_peer=1.0))
             on_loop(service.start(p2p))
             self.service = service
             if self.cpus is not None and self.cpus.runtime:  # the runtime thread and handler processes exist now

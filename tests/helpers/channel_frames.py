@@ -1,8 +1,20 @@
-"""Blocking reads of a device channel's frames for tests (the server reads them from its intake thread)."""
+"""A device channel for tests: blocking reads of its frames (the server reads them from its intake thread), and a
+session opened through a handler process's seam to the core with the caps off."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
+from corolla.server.core.executor import SessionCache, SessionSpec
+from corolla.server.core.limits import PeerLimits
 from corolla.server.handlers.channel_io import FrameSocket
+from corolla.server.handlers.remote_core import RemoteCore
+
+# a core whose admission caps nothing (0 disables a cap): tests of the work, not of fair use
+NO_CAPS = PeerLimits(
+    max_sessions_per_peer=0, max_sessions_total=0, max_kv_fraction_per_peer=1.0, max_forwards_per_peer=0
+)
 
 
 def recv_frame(io: FrameSocket) -> tuple[int, int, memoryview]:
@@ -10,3 +22,13 @@ def recv_frame(io: FrameSocket) -> tuple[int, int, memoryview]:
     while (frame := io.next_frame()) is None:
         io.receive(block=True)
     return frame
+
+
+@contextlib.asynccontextmanager
+async def remote_session(
+    core: RemoteCore, spec: SessionSpec, alloc_timeout_s: float = 0
+) -> AsyncIterator[SessionCache]:
+    """A session of one peer opened through `core`; yields its cache."""
+    async with core.open_session("peer-a", spec, alloc_timeout_s, None, None) as (_, cache):
+        assert cache is not None
+        yield cache

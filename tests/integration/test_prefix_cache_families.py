@@ -83,7 +83,7 @@ def hit_tokens(server) -> float:
 
 def evict_everything(server) -> None:
     """What many other sessions would do between two turns: promise every page, evicting the idle cached ones."""
-    pool = server.service.handler.executor.engine.pool
+    pool = server.service.executor.engine.pool
     slots = pool.allocate(pool.pages_free, pool.page_size_tokens)
     pool.free(slots)
     assert pool.layer_pages_cached == 0
@@ -140,7 +140,7 @@ def test_chat_completions_reuse_the_conversation_with_the_same_tokens(served, mo
     """Two turns of a chat through corolla-api (the gateway's own session per request, `ignore_eos` greedy): the
     second reuses the first's prompt and answers as local transformers and as the gateway with reuse off."""
     family, path, servers = served
-    way = f"{family} ({servers[0].service.handler.executor.path}, {len(servers)} server(s))"
+    way = f"{family} ({servers[0].service.executor.path}, {len(servers)} server(s))"
     backend = SwarmBackend(model, AutoTokenizer.from_pretrained(path), model_id=family)
 
     def expected(messages: list[dict[str, str]]) -> str:
@@ -170,7 +170,7 @@ def test_chat_completions_reuse_the_conversation_with_the_same_tokens(served, mo
 
 def test_the_next_turn_reuses_the_cached_prefix_with_the_same_tokens(served, model, tmp_path) -> None:
     family, path, servers = served
-    way = f"{family} ({servers[0].service.handler.executor.path}, {len(servers)} server(s))"
+    way = f"{family} ({servers[0].service.executor.path}, {len(servers)} server(s))"
     expected_first = local_greedy(path, TURN1, NEW_TOKENS)
     second_prompt = torch.tensor([expected_first + FOLLOW_UP[0].tolist()])
     expected_second = local_greedy(path, second_prompt, NEW_TOKENS)

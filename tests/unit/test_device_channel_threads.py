@@ -15,18 +15,16 @@ import torch
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.server.backend import SpanBackend
-from corolla.server.core.admission import SessionAdmission
 from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec, StepInputs
-from corolla.server.core.limits import PeerLimits
 from corolla.server.core.refusals import BadRequest
 from corolla.server.core.runtime import Runtime, RuntimeStopped, Task
 from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.channel_io import FrameSocket
 from corolla.server.handlers.device_channel import DeviceChannel
-from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor
-from helpers.channel_frames import recv_frame
+from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
+from helpers.channel_frames import NO_CAPS, recv_frame, remote_session
 from helpers.tiny_models import tiny_span_backend
 
 H, SPAN = 64, (0, 1)
@@ -111,7 +109,7 @@ async def _served(
         real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
         device_end, handler_end = socket.socketpair()
         channel = DeviceChannel(
-            0, device_end, executor=real, core=SpanCore(real, SessionAdmission(PeerLimits(), real)),
+            0, device_end, executor=real, core=SpanCore(real, NO_CAPS),
             span=SPAN, max_frame_bytes=1 << 20,
         )  # fmt: skip
         serving = asyncio.create_task(channel.serve())
@@ -130,8 +128,8 @@ def _step(hidden: torch.Tensor, position: int) -> StepInputs:
 async def test_a_refused_step_fails_only_its_caller_and_the_session_goes_on(backend) -> None:
     spec = SessionSpec(SPAN, 1, 16)
     async with _served(backend) as (real, _, _, link), contextlib.AsyncExitStack() as stack:
-        proxy = ProxyExecutor(link)
-        a, b = [await stack.enter_async_context(proxy.open_session(spec, 0)) for _ in range(2)]
+        proxy = RemoteCore(link)
+        a, b = [await stack.enter_async_context(remote_session(proxy, spec)) for _ in range(2)]
         too_long = torch.randn(1, 17, H)  # past the session's 16 tokens: the engine refuses it
         results = await asyncio.gather(
             proxy.step(a, _step(torch.randn(1, 3, H), 0)), proxy.step(b, _step(too_long, 0)), return_exceptions=True
@@ -146,9 +144,9 @@ async def test_a_dead_handler_process_ends_its_sessions_and_leaves_no_thread(bac
     spec = SessionSpec(SPAN, 1, 16)
     async with _served(backend) as (real, channel, serving, link):
         free = real.bytes_left
-        proxy = ProxyExecutor(link)
+        proxy = RemoteCore(link)
         stack = contextlib.AsyncExitStack()
-        caches = [await stack.enter_async_context(proxy.open_session(spec, 0)) for _ in range(3)]
+        caches = [await stack.enter_async_context(remote_session(proxy, spec)) for _ in range(3)]
         await asyncio.gather(*(proxy.step(c, _step(torch.randn(1, 2, H), 0)) for c in caches))
         assert len(channel.sessions) == 3 and real.bytes_left < free and len(_channel_threads()) == 1
         link.writer.transport.abort()  # the handler process dies: its end of the socket is gone

@@ -1,4 +1,4 @@
-"""A handler process's link to the device process (`proxy_executor.DeviceLink.open`): a frame far larger than
+"""A handler process's link to the device process (`remote_core.DeviceLink.open`): a frame far larger than
 asyncio's default reader limit (a merged forward's replies for many sessions) is read without pausing and resuming
 the socket's reading, and arrives whole."""
 
@@ -11,12 +11,12 @@ import threading
 from hivemind.proto import runtime_pb2
 
 from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.proxy_executor import DeviceInfo, DeviceLink
+from corolla.server.handlers.remote_core import DeviceInfo, DeviceLink
 
 
 async def test_a_large_frame_is_read_without_pausing_the_socket() -> None:
     ours, theirs = socket.socketpair()
-    info = DeviceInfo("fused", 0, 8 << 20, {0: 1}, 1)
+    info = DeviceInfo("fused", 0, 8 << 20, {0: 1})
     state = wire.Writer().u64(1).u64(0).u64(1).u64(0).f64(None)
     big = runtime_pb2.ExpertRequest(uid="x", tensors=[runtime_pb2.Tensor(buffer=b"\1" * (3 << 20))])
     push = wire.Writer().text("session").text("").blob(big.SerializeToString())

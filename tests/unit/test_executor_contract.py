@@ -1,5 +1,6 @@
 """The `SpanExecutor` contract, run on CPU against the engine's executor over its paged pool with both span models
-(fused kernels, and the blocks run eagerly over the pool) and through a handler process's proxy: inference steps
+(fused kernels, and the blocks run eagerly over the pool) and through a handler process's seam to the core
+(`RemoteCore`, the same work through the device process's `SpanCore`): inference steps
 equal `SpanBackend.inference_step` on fresh caches (whole span, sub-span, deep prompts, beam reordering, rollback),
 forward and backward equal the backend's, cache accounting returns to where it was, allocations fail in time,
 concurrent sessions stay independent, a cache of another executor is refused, and KV hand-off either round-trips or
@@ -21,7 +22,6 @@ from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.models.registry import get_family
 from corolla.protocol.prefix import PrefixKeys, chain_hashes, prefix_root
 from corolla.server.backend import SpanBackend
-from corolla.server.core.admission import SessionAdmission
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
 from corolla.server.core.executor import (
     BackwardInputs,
@@ -34,9 +34,10 @@ from corolla.server.core.limits import PeerLimits
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers.device_channel import DeviceChannel
-from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor
+from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.errors import AllocationFailed
+from helpers.channel_frames import NO_CAPS
 from helpers.tiny_models import tiny_config
 
 H, FIRST, N_BLOCKS = 64, 3, 4  # the server holds blocks 3..6
@@ -72,37 +73,69 @@ def _eager(backend: SpanBackend, runtime: Runtime) -> EngineExecutor:
     return _engine(backend, runtime, fused=False)
 
 
-EXECUTORS: dict[str, Callable[[SpanBackend, Runtime], SpanExecutor]] = {"eager": _eager, "fused": _fused}
+EXECUTORS: dict[str, Callable[[SpanBackend, Runtime], EngineExecutor]] = {"eager": _eager, "fused": _fused}
 
 
-# a handler process's proxy (`--num_handlers` > 1) over a socketpair to a device channel serving the real executor
+# a handler process's seam to the core (`--num_handlers` > 1) over a socketpair to a device channel serving the
+# device process's core over the real executor
 KINDS = sorted(EXECUTORS) + ["proxy_eager", "proxy_fused"]
 
 
 @contextlib.asynccontextmanager
-async def _proxied(real: SpanExecutor, core: SpanCore | None = None) -> AsyncIterator[ProxyExecutor]:
+async def _proxied(real: EngineExecutor, core: SpanCore | None = None) -> AsyncIterator[DeviceLink]:
     device_end, handler_end = socket.socketpair()
     handler_reader, handler_writer = await asyncio.open_unix_connection(sock=handler_end)
     channel = DeviceChannel(
-        0, device_end, executor=real,
-        core=core if core is not None else SpanCore(real, SessionAdmission(PeerLimits(), real)), span=SPAN,
+        0, device_end, executor=real, core=core if core is not None else SpanCore(real, NO_CAPS), span=SPAN,
         max_frame_bytes=1 << 24,
     )  # fmt: skip
     serving = asyncio.create_task(channel.serve())
     link = await DeviceLink.connect(handler_reader, handler_writer)
     try:
-        yield ProxyExecutor(link)
+        yield link
     finally:
         await link.close()
         await asyncio.wait_for(serving, 10)
+
+
+class _ThroughCore:
+    """The executor contract's calls through a front's seam to the core (`RemoteCore`): sessions of one peer, the
+    rest as the executor's (the core adds admission, slots and routing; the work is the executor's)."""
+
+    def __init__(self, core: RemoteCore, real: EngineExecutor):
+        self.core, self.real = core, real
+        self.path, self.cache_bytes_per_token, self.step = core.path, core.cache_bytes_per_token, core.step
+        self.attach_prefix, self.add_prefix_keys = core.attach_prefix, core.add_prefix_keys
+        self.handoff_layout, self.read_kv, self.write_kv = core.handoff_layout, core.read_kv, core.write_kv
+        self.session_bytes = real.session_bytes  # (the core sizes sessions: a front never asks)
+
+    @property
+    def bytes_left(self) -> int:
+        return self.core.bytes_left
+
+    @property
+    def max_size_bytes(self) -> int:
+        return self.core.max_size_bytes
+
+    @contextlib.asynccontextmanager
+    async def open_session(self, spec: SessionSpec, alloc_timeout_s: float | None) -> AsyncIterator[object]:
+        async with self.core.open_session("peer-a", spec, alloc_timeout_s, None, None) as (_, cache):
+            yield cache
+
+    async def forward(self, blocks: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int) -> torch.Tensor:
+        return await self.core.forward("peer-a", blocks, inputs, chunk_tokens=chunk_tokens, timeout_s=30)
+
+    async def backward(self, blocks: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
+        return await self.core.backward("peer-a", blocks, inputs, timeout_s=30)
 
 
 @contextlib.asynccontextmanager
 async def _executor(backend: SpanBackend, kind: str) -> AsyncIterator[SpanExecutor]:
     with Runtime(max_batch_size_tokens=1024) as runtime:
         if kind.startswith("proxy_"):
-            async with _proxied(EXECUTORS[kind.removeprefix("proxy_")](backend, runtime)) as proxy:
-                yield proxy
+            real = EXECUTORS[kind.removeprefix("proxy_")](backend, runtime)
+            async with _proxied(real) as link:
+                yield _ThroughCore(RemoteCore(link), real)  # type: ignore[misc]
         else:
             yield EXECUTORS[kind](backend, runtime)
 
@@ -312,14 +345,13 @@ async def test_build_reports_how_the_engine_runs_the_span(backend) -> None:
         assert b'corolla_serving_path{path="eager"} 1.0' in text and b'corolla_serving_path{path="fused"} 0.0' in text
 
 
-# ---- the proxy's own promises (handler processes): sizes without asking, one global admission, routed pushes
+# ---- a handler process's seam (`RemoteCore`): figures without asking, one global admission, routed pushes
 
 
 @pytest.mark.parametrize("kind", sorted(EXECUTORS))
-async def test_proxy_sizes_sessions_as_the_device_does(backend, kind) -> None:
+async def test_remote_core_sizes_caches_as_the_device_does(backend, kind) -> None:
     async with _executor(backend, "proxy_" + kind) as proxy, _executor(backend, kind) as real:
         for spec in [SessionSpec(SPAN, 1, 1), SessionSpec(SPAN, 3, 17), SessionSpec(SPAN[1:3], 2, 64)]:
-            assert proxy.session_bytes(spec) == real.session_bytes(spec)
             assert proxy.cache_bytes_per_token(spec.block_indices) == real.cache_bytes_per_token(spec.block_indices)
             shapes = [[(tuple(d.shape), d.dtype) for d in block] for block in proxy.handoff_layout(spec)]
             assert shapes == [[(tuple(d.shape), d.dtype) for d in block] for block in real.handoff_layout(spec)]
@@ -328,13 +360,12 @@ async def test_proxy_sizes_sessions_as_the_device_does(backend, kind) -> None:
 
 async def test_admission_is_the_device_processes_and_evictions_reach_the_stream(backend) -> None:
     from corolla.server.core.limits import PeerLimitExceeded
-    from corolla.server.handlers.proxy_executor import RemoteCore
 
     limits = PeerLimits(max_sessions_per_peer=1, max_kv_fraction_per_peer=1.0, session_idle_evict_s=0.01)
     with Runtime(max_batch_size_tokens=1024) as runtime:
         real = _eager(backend, runtime)
-        device_admission = SessionAdmission(limits, real)
-        core = SpanCore(real, device_admission)
+        core = SpanCore(real, limits)
+        device_admission = core.admission
         async with _proxied(real, core) as first, _proxied(real, core) as second:
             spec = SessionSpec(SPAN, 1, 16)
             async with RemoteCore(first).open_session("peer-a", spec, 0, None, None) as (ticket, cache):
@@ -353,12 +384,11 @@ async def test_the_device_admission_learns_what_an_opening_request_brings(backen
     """The zero-token rule is the device's alone: a handler process's OPEN carries the opening request's tokens, so
     a session opened with none yields at once there (not after the first-token grace), and only there is it decided
     that such an open does not wait in the page line."""
-    from corolla.server.handlers.proxy_executor import RemoteCore
 
     with Runtime(max_batch_size_tokens=1024) as runtime:
         real = _eager(backend, runtime)
-        device_admission = SessionAdmission(PeerLimits(max_kv_fraction_per_peer=1.0), real)
-        core = SpanCore(real, device_admission)
+        core = SpanCore(real, PeerLimits(max_kv_fraction_per_peer=1.0))
+        device_admission = core.admission
         async with _proxied(real, core) as proxy:
             for opening in (0, 7, None):
                 async with RemoteCore(proxy).open_session("peer-a", SessionSpec(SPAN, 1, 16), 0, None, None,
@@ -370,14 +400,11 @@ async def test_the_device_admission_learns_what_an_opening_request_brings(backen
 async def test_forward_slots_are_the_device_processes(backend) -> None:
     """A peer's forwards through any handler process wait for its slots of the device process's core (one
     `max_forwards_per_peer` for the server, not one per process)."""
-    from corolla.server.core.admission import ForwardSlots
-    from corolla.server.handlers.proxy_executor import RemoteCore
 
     hidden = torch.randn(1, 3, H)
     with Runtime(max_batch_size_tokens=1024) as runtime:
         real = _eager(backend, runtime)
-        core = SpanCore(real, SessionAdmission(PeerLimits(), real))
-        core.forward_slots = ForwardSlots(1)
+        core = SpanCore(real, PeerLimits(max_forwards_per_peer=1))
         async with _proxied(real, core) as proxy:
             remote = RemoteCore(proxy)
             inputs = ForwardInputs(hidden, None, "")
@@ -394,18 +421,17 @@ async def test_push_is_routed_to_the_process_holding_the_session(backend) -> Non
 
     from corolla.server.core.push_guard import SessionPushGuard
     from corolla.server.core.sessions import PushInbox
-    from corolla.server.handlers.proxy_executor import RemoteCore
 
     with Runtime(max_batch_size_tokens=1024) as runtime:
         real = _eager(backend, runtime)
-        core = SpanCore(real, SessionAdmission(PeerLimits(), real))
+        core = SpanCore(real)
         async with _proxied(real, core) as holder, _proxied(real, core) as other:
             holding, receiving = RemoteCore(holder), RemoteCore(other)
             inbox = PushInbox("session-1", SessionPushGuard(upstream="upstream"))
             queue = inbox.queue
             async with holding.open_session("peer-a", SessionSpec(SPAN, 1, 16), 0, "session-1", inbox):
                 request = runtime_pb2.ExpertRequest(uid="x", metadata=b"step")
-                assert receiving.push("session-1", request, sender="upstream")  # landed on the other process
+                assert receiving.push("session-1", request, sender="upstream")  # routed by the core to the holder
                 got = await asyncio.wait_for(queue.get(), 5)
                 assert got.uid == "x" and got.metadata == b"step"
                 receiving.push("session-1", request, sender="someone-else")  # routed, then refused by the guard

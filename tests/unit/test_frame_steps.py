@@ -18,10 +18,8 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.batcher import PendingUnits, StepGroup, execute_steps, flatten_units, regroup
 from corolla.engine.span_engine import StepRequest
 from corolla.server.backend import SpanBackend
-from corolla.server.core.admission import SessionAdmission
 from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor, EngineSessionCache
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
-from corolla.server.core.limits import PeerLimits
 from corolla.server.core.runtime import MAX_WATCHES, Runtime, RuntimeStopped, Task, TaskQueue
 from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers import proxy_wire as wire
@@ -74,9 +72,7 @@ async def _setup(
         config = EngineConfig(kv_pool_bytes=1 << 21, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=ROWS)
         real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
         channel = _Channel()
-        intake = FrameIntake(
-            real, SpanCore(real, SessionAdmission(PeerLimits(), real)), channel.held, channel.queue, channel.flush
-        )
+        intake = FrameIntake(real, SpanCore(real), channel.held, channel.queue, channel.flush)
         async with contextlib.AsyncExitStack() as stack:
             caches = [
                 await stack.enter_async_context(real.open_session(SessionSpec(SPAN, 1, 32), 0))
@@ -300,9 +296,7 @@ async def test_stop_fails_every_step_of_a_queued_frame_task(backend) -> None:
     config = EngineConfig(kv_pool_bytes=1 << 21, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=ROWS)
     real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
     channel = _Channel()
-    intake = FrameIntake(
-        real, SpanCore(real, SessionAdmission(PeerLimits(), real)), channel.held, channel.queue, channel.flush
-    )
+    intake = FrameIntake(real, SpanCore(real), channel.held, channel.queue, channel.flush)
     async with contextlib.AsyncExitStack() as stack:
         for handle in (1, 2, 3):
             channel.caches[handle] = await stack.enter_async_context(real.open_session(SessionSpec(SPAN, 1, 32), 0))

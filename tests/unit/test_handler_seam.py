@@ -32,6 +32,7 @@ from corolla.server.core.limits import PeerLimits
 from corolla.server.core.refusals import BadRequest, TooLong
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.sessions import SessionTimeouts
+from corolla.server.core.span_core import SpanCore
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.prefix_keys import with_hit
@@ -121,7 +122,10 @@ class _Context:
 
 def _handler(executor: FakeExecutor) -> TransformerConnectionHandler:
     return TransformerConnectionHandler(
-        limits=LIMITS, executor=executor, timeouts=SessionTimeouts(5, 30, 5), metrics=ServerMetrics()
+        limits=LIMITS,
+        core=SpanCore(executor),
+        timeouts=SessionTimeouts(5, 30, 5),
+        metrics=ServerMetrics(),  # type: ignore[arg-type]
     )
 
 
@@ -192,7 +196,7 @@ def test_steps_reach_the_executor_typed_and_once() -> None:
 def test_refusals_are_typed_and_counted_once(requests, error, reason) -> None:
     executor = FakeExecutor(max_size_bytes=2 * 32 * 2 * BYTES_PER_TOKEN - 1)  # a batch of 2 x 32 tokens won't fit
     handler = _handler(executor)
-    handler.configure_limits(PeerLimits(max_kv_fraction_per_peer=1.0))  # the cache itself refuses, not a peer cap
+    handler.core.configure(PeerLimits(max_kv_fraction_per_peer=1.0))  # the cache itself refuses, not a peer cap
     with pytest.raises(error):
         _run(_session(handler, requests))
     assert _rejected(handler, reason) == 1

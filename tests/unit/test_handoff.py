@@ -26,6 +26,7 @@ from corolla.server.core.engine_executor import EngineExecutor, EngineSessionCac
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
 from corolla.server.core.refusals import Draining
 from corolla.server.core.runtime import Runtime
+from corolla.server.core.span_core import SpanCore
 from corolla.server.metrics import ServerMetrics
 
 DEMO = Path(__file__).parents[2] / "src/corolla/demo/assets/corolla-demo-llama"
@@ -111,7 +112,7 @@ def _server(backend: SpanBackend, runtime: Runtime, *, fused: bool = True) -> Si
     config = EngineConfig(kv_pool_bytes=8 * 2**20, page_size_tokens=16, max_seq_len_tokens=MAX_LENGTH)
     engine = SpanEngine.from_blocks([backend.blocks[i] for i in sorted(backend.blocks)], config, fused=fused)
     executor = EngineExecutor(backend, engine, runtime, ServerMetrics())
-    return SimpleNamespace(executor=executor, handoff=SessionHandoff(executor, request_timeout_s=2))
+    return SimpleNamespace(executor=executor, handoff=SessionHandoff(SpanCore(executor), request_timeout_s=2))
 
 
 class _Session:

@@ -20,11 +20,12 @@ from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.server.core.executor import PATH_EAGER, PrefixCacheStats, SessionCache, SessionSpec, StepInputs
 from corolla.server.core.sessions import SessionTimeouts
+from corolla.server.core.span_core import SpanCore
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.proxy_executor import DeviceInfo, DeviceLink, ProxyExecutor, ProxySessionCache
+from corolla.server.handlers.remote_core import DeviceInfo, DeviceLink, RemoteCore, RemoteSessionCache
 from corolla.server.metrics import ServerMetrics
 
 H = 8
@@ -243,9 +244,9 @@ async def _sent_and_answered(link: DeviceLink, writer: _CapturingWriter, call, r
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 async def test_a_step_as_bytes_sends_the_frame_of_the_tensor_and_reads_the_same_reply(dtype) -> None:
     writer = _CapturingWriter()
-    link = DeviceLink(asyncio.StreamReader(), writer, DeviceInfo(PATH_EAGER, 0, 1 << 20, {0: 1, 1: 1}, 1))  # type: ignore[arg-type]
-    executor = ProxyExecutor(link)
-    cache = ProxySessionCache(SessionSpec((0, 1), 2, 16), link, handle=7)
+    link = DeviceLink(asyncio.StreamReader(), writer, DeviceInfo(PATH_EAGER, 0, 1 << 20, {0: 1, 1: 1}))  # type: ignore[arg-type]
+    executor = RemoteCore(link)
+    cache = RemoteSessionCache(SessionSpec((0, 1), 2, 16), link, handle=7)
     hidden, reply = torch.randn(2, 1, H).to(dtype), torch.randn(2, 1, H).to(dtype)
     data = memoryview(bytearray(hidden.view(torch.uint8).numpy().tobytes()))
     inputs = StepInputs(hidden, 3, None, None, "lora", True)
@@ -311,7 +312,7 @@ async def _serve(dtype: torch.dtype) -> tuple[list[bytes], BaseException | None,
     executor = _DoublingExecutor()
     handler = TransformerConnectionHandler(
         limits=_limits(dtype),
-        executor=executor,  # type: ignore[arg-type]  # only what a session's steps use
+        core=SpanCore(executor),  # type: ignore[arg-type]  # only what a session's steps use
         timeouts=SessionTimeouts(5, 30, 5),
         metrics=ServerMetrics(),
     )

@@ -399,7 +399,7 @@ class Server:
             service.handler.peer_auth = self.peer_auth
             service.handler.handoff.enabled = c.kv_handoff
             service.handler.prefix_trust = PrefixTrust(shared=c.prefix_cache_shared)
-            service.handler.configure_limits(c.peer_limits)
+            service.configure_limits(c.peer_limits)
             c_public = not c.is_private_swarm
             if c_public and not c.skip_reachability_check and not self._validated_reachability:
                 await asyncio.to_thread(validate_reachability, self.peer_id or "")

@@ -6,11 +6,11 @@ together (stopping ends every session, which frees its KV cache)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from corolla.protocol import local_stream as ls
 from corolla.protocol.direct_stream import TicketSecret
-from corolla.server.core.admission import SessionAdmission
 from corolla.server.core.executor import DeviceExecutor
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.sessions import SessionTimeouts
@@ -60,19 +60,17 @@ class SpanService:
         self.handler_poll_s = handler_poll_s  # handler processes poll this long after each message (`HandlerSettings`)
         metrics = metrics if metrics is not None else ServerMetrics()  # the server's one set (its handler processes')
         # all session state, every front's (sessions counted here)
-        self.core = SpanCore(executor, SessionAdmission(PeerLimits(), executor), metrics)
+        self.core = SpanCore(executor, metrics=metrics)
         self.handler = TransformerConnectionHandler(
             limits=limits,
-            executor=executor,
+            core=self.core,
             timeouts=timeouts,
             compression=compression,
             dht_client_mode=dht_client_mode,
-            core=self.core,
             metrics=metrics,
-            busy_poll=busy_poll,
-            busy_poll_s=busy_poll_s,
-            runtime=executor.runtime,
         )
+        if busy_poll is not None and num_handlers == 1:  # after a lone session's inline step, its next one is due
+            self.runtime.after_inline = functools.partial(busy_poll.keep_hot, busy_poll_s)
         self.p2p: Any = None
         self.local_socket = local_socket
         self.local_endpoint: LocalEndpoint | None = None
@@ -81,6 +79,12 @@ class SpanService:
         self._direct_secret = TicketSecret()  # every handler process checks the tickets any of them issued
         self.pool: HandlerPool | None = None
         self._balance: BalanceDirectory | None = None  # with a pool and a direct port
+
+    def configure_limits(self, peer_limits: PeerLimits) -> None:
+        """Sets the fair-use limits (before serving): the core's (sessions, KV cache and forwards per peer, for every
+        front) and this process's front's (stream bytes; a handler process's get them with its settings)."""
+        self.core.configure(peer_limits)
+        self.handler.configure_limits(peer_limits)
 
     @property
     def healthy(self) -> bool:

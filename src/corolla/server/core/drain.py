@@ -19,9 +19,8 @@ from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.records import ServerState
 from corolla.server.announcer import Announcer
 from corolla.server.core import kv_handoff as kv
-from corolla.server.core.executor import SpanExecutor
 from corolla.server.core.sessions import SessionState
-from corolla.server.core.span_core import DrainState, SessionCore
+from corolla.server.core.span_core import CoreClient, DrainState
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -35,9 +34,9 @@ class SessionHandoff:
     sessions."""
 
     def __init__(
-        self, executor: SpanExecutor, request_timeout_s: float, *, enabled: bool = True, drain: DrainState | None = None
+        self, core: CoreClient, request_timeout_s: float, *, enabled: bool = True, drain: DrainState | None = None
     ):
-        self.executor = executor
+        self.core = core  # the sessions' caches: read and written through the one seam
         self.request_timeout_s = request_timeout_s  # an import's part messages must all arrive within this
         self.enabled = enabled  # --no_kv_handoff: neither export nor import (draining still refuses new sessions)
         self.drain = drain if drain is not None else DrainState()
@@ -98,9 +97,9 @@ class SessionHandoff:
         position = session.prefix_length
         if position < 1 or session.cache is None:
             raise ValueError("the session holds no tokens to export")
-        self.executor.handoff_layout(session.cache.spec)  # HandoffUnsupported: the client replays
+        self.core.handoff_layout(session.cache.spec)  # HandoffUnsupported: the client replays
         self._exported.add(id(session))
-        tensors = await self.executor.read_kv(session.cache, position)
+        tensors = await self.core.read_kv(session.cache, position)
         messages = wire.pack_messages(serialize_tensor(t) for t in tensors)
         header = wire.KvHeader(
             position=position,
@@ -133,7 +132,7 @@ class SessionHandoff:
             )
         if session.cache is None:
             raise ValueError("a KV import needs a session with max_length > 0")
-        descriptors = self.executor.handoff_layout(session.cache.spec)  # HandoffUnsupported: the client replays
+        descriptors = self.core.handoff_layout(session.cache.spec)  # HandoffUnsupported: the client replays
         expected = kv.canonical_nbytes(descriptors, header.position)
         if header.total_bytes != expected:
             raise ValueError(f"KV import announces {header.total_bytes} bytes; {header.position} tokens are {expected}")
@@ -141,7 +140,7 @@ class SessionHandoff:
         tensors = [deserialize_tensor(t) for t in combine_parts(parts)]
         del parts
         kv.validate_import(tensors, descriptors, header.position)
-        await self.executor.write_kv(session.cache, tensors, header.position)
+        await self.core.write_kv(session.cache, tensors, header.position)
         session.prefix_length = header.position
         if session.ticket is not None:  # the imported positions are real work (done on the old server)
             session.ticket.touch(header.position * session.batch_size)
@@ -176,9 +175,7 @@ class SessionHandoff:
         return parts
 
 
-async def drain_sessions(
-    handoff: SessionHandoff, sessions: SessionCore, announcer: Announcer, timeout_s: float
-) -> None:
+async def drain_sessions(handoff: SessionHandoff, sessions: CoreClient, announcer: Announcer, timeout_s: float) -> None:
     """Announces OFFLINE (so no client plans new sessions here) while waiting up to `timeout_s` for the sessions open
     through any front (`sessions`: the core's) to move away; then returns, and the caller ends whatever is left."""
     started = time.monotonic()

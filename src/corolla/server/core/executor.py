@@ -1,5 +1,5 @@
-"""The seam between the RPC handler and the device: `SpanExecutor`, the one interface the handler, admission and
-the drain hand-off talk to, and the typed records that cross it. `engine_executor.EngineExecutor` implements it on
+"""The seam between the core and the device: `SpanExecutor`, the interface the core (`span_core.SpanCore`, its
+admission) talks to, and the typed records that cross it and the front-to-core seam. `engine_executor.EngineExecutor` implements it on
 this process's `Runtime` (the engine's `SpanEngine` over its paged `KVPool`, the one KV store).
 
 Everything that crosses the seam was validated by the handler (`block_functions`), where it entered: an executor
@@ -146,9 +146,8 @@ class HandoffUnsupported(ValueError):
 
 
 class SpanExecutor(Protocol):
-    """What the handler needs from the device side of one span. Coroutines run in the server's event loop; a
-    failing step fails its caller only. Where the work runs is the implementation's business: on this process's
-    runtime (`DeviceExecutor`) or in the device process (`proxy_executor.ProxyExecutor`, a handler process's)."""
+    """What the core needs from the device side of one span (fronts reach it only through the core's seam,
+    `span_core.CoreClient`). Coroutines run in the server's event loop; a failing step fails its caller only."""
 
     @property
     def path(self) -> str:

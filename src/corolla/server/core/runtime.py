@@ -429,6 +429,9 @@ class Runtime:
         self.num_batches_done = 0
         self.num_tasks_done = 0  # steps (`Task.steps`: a frame task counts each of its steps)
         self.num_inline_batches = 0
+        # called after each inline batch in the thread that ran it: the serving loop polls for the lone session's next
+        # request (`utils.busy_poll`, docs/decisions/0005); set by the span service
+        self.after_inline: Callable[[], None] | None = None
         self.num_held_launches = 0  # batches whose launch waited for the forward in flight (`GatherRule.holds_launch`)
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
         # `BatchCounts`' buckets and sums, counted in place (written only while `_executing` is held)
@@ -665,6 +668,8 @@ class Runtime:
             resolve(task.future, *results[0])
         else:
             call_back([task], results)
+        if self.after_inline is not None:
+            self.after_inline()
         return True
 
     # ---- device thread

@@ -1,8 +1,10 @@
-"""The core's session seam: what every front asks of the core about sessions, in one place for all fronts of a
-server. `SpanCore` holds the one admission (per-peer caps, idle eviction, then the KV cache itself) and the one table
-of pushes by session id, the forward slots of each peer, and whether the server drains (`DrainState`); a front in
-this process calls it directly, a handler process through its device channel
-(`handlers.proxy_executor.RemoteCore` offers the same `SessionCore`). A front keeps only its own streams."""
+"""The one seam between a front and the core: `CoreClient`, everything a front asks of the core (sessions and their
+admission, steps, forwards and backwards, prefix caching, KV hand-off, pushes, the drain, the cache's figures).
+`SpanCore` is the core itself (one per span service): the one admission (per-peer caps, idle eviction, then the KV
+cache), the one table of pushes by session id, the forward slots of each peer, whether the server drains
+(`DrainState`) and the executor that runs the work. A front in the core's process calls it directly (frames reach the
+core without a socket); a front in a handler process calls `handlers.remote_core.RemoteCore`, the same seam over the
+one frame codec. A front keeps only its own streams."""
 
 from __future__ import annotations
 
@@ -16,8 +18,19 @@ from typing import Protocol
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core.admission import ForwardSlots, SessionAdmission, SessionTicket
-from corolla.server.core.executor import BackwardInputs, ForwardInputs, SessionCache, SessionSpec, SpanExecutor
+from corolla.server.core.executor import (
+    BackwardInputs,
+    DeviceExecutor,
+    ForwardInputs,
+    PrefixCacheStats,
+    SessionCache,
+    SessionSpec,
+    StepInputs,
+    TensorDescriptorLike,
+)
+from corolla.server.core.limits import PeerLimits
 from corolla.server.core.refusals import Draining
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
@@ -77,11 +90,15 @@ class DrainState:
             raise Draining("this server is draining (shutting down or moving); open the session elsewhere")
 
 
-class SessionCore(Protocol):
-    """The one seam between a front and the core for sessions (the work itself goes through `executor`)."""
+class CoreClient(Protocol):
+    """The one seam between a front and the core (see the module docstring). Coroutines run in the front's event
+    loop; a failing call fails its caller only. Everything a front passes was validated by its decoder
+    (`front.block_functions`) where it entered; typed refusals (`refusals`, `limits`) come back as they are."""
 
     @property
-    def executor(self) -> SpanExecutor: ...
+    def path(self) -> str:
+        """How the engine runs the span: `executor.PATH_FUSED` or `PATH_EAGER` (metrics, `rpc_info`, logs)."""
+        ...
 
     @property
     def num_open(self) -> int:
@@ -90,6 +107,18 @@ class SessionCore(Protocol):
 
     @property
     def drain(self) -> DrainState: ...
+
+    @property
+    def bytes_left(self) -> int:
+        """KV cache bytes neither taken nor promised (`rpc_info`'s `cache_tokens_available`, metrics)."""
+        ...
+
+    @property
+    def max_size_bytes(self) -> int: ...
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int: ...
+
+    def prefix_cache_stats(self) -> PrefixCacheStats: ...
 
     def open_session(
         self,
@@ -107,38 +136,87 @@ class SessionCore(Protocol):
         (`SessionAdmission.reserve`: none, no wait in line)."""
         ...
 
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+        """One inference step of an open session: [B, T, H] -> [B, T, H]."""
+        ...
+
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
-        """Hands a pushed step to the stream of its session, wherever it is; False if no stream holds it."""
+        """Hands a pushed step to the stream of its session, wherever it is; False if none holds it (as the core
+        knows at once)."""
         ...
 
     async def forward(
         self, peer: str, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int, timeout_s: float
     ) -> torch.Tensor:
-        """`executor.forward` once `peer` has one of its forward slots of the server (`max_forwards_per_peer`: its
+        """The blocks' forward once `peer` has one of its forward slots of the server (`max_forwards_per_peer`: its
         flood waits here, not in the runtime), within `timeout_s` from then (TimeoutError)."""
         ...
 
     async def backward(
         self, peer: str, block_indices: tuple[int, ...], inputs: BackwardInputs, *, timeout_s: float
     ) -> list[torch.Tensor]:
-        """`executor.backward` in one of `peer`'s forward slots, as `forward`."""
+        """The blocks' backward in one of `peer`'s forward slots, as `forward`."""
         ...
+
+    async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
+        """`SpanExecutor.attach_prefix` for an open session: the positions its fresh cache reuses."""
+        ...
+
+    def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
+        """`SpanExecutor.add_prefix_keys`: its pages are published once computed."""
+        ...
+
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+        """`SpanExecutor.handoff_layout` (HandoffUnsupported: the client replays)."""
+        ...
+
+    async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]: ...
+
+    async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None: ...
 
 
 class SpanCore:
-    """The core's sessions of one server (see the module docstring): runs in the server's event loop."""
+    """The core of one span service (see the module docstring), a `CoreClient` for the fronts of its own process:
+    runs in the server's event loop."""
 
-    def __init__(self, executor: SpanExecutor, admission: SessionAdmission, metrics: ServerMetrics | None = None):
+    def __init__(
+        self, executor: DeviceExecutor, peer_limits: PeerLimits | None = None, metrics: ServerMetrics | None = None
+    ):
         self.executor = executor
-        self.admission = admission  # replaced by `TransformerConnectionHandler.configure_limits` before serving
         self.metrics = metrics  # sessions are counted here, once for every front
         self.pushes = PushTable()
         self.drain = DrainState()
-        self.forward_slots = ForwardSlots(0)  # set with the admission (`configure_limits`)
+        self.configure(peer_limits if peer_limits is not None else PeerLimits())
+        # a step of an open session is the executor's own, bound once (no call of the core's per step)
+        self.step = executor.step
+
+    def configure(self, peer_limits: PeerLimits) -> None:
+        """Sets the fair-use limits of every front's sessions and forwards (before serving)."""
+        self.peer_limits = peer_limits
+        self.admission = SessionAdmission(peer_limits, self.executor)
+        self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)  # every front's, per peer
+
+    @property
+    def path(self) -> str:
+        return self.executor.path
 
     @property
     def num_open(self) -> int:
         return self.admission.num_open
+
+    @property
+    def bytes_left(self) -> int:
+        return self.executor.bytes_left
+
+    @property
+    def max_size_bytes(self) -> int:
+        return self.executor.max_size_bytes
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
+        return self.executor.cache_bytes_per_token(block_indices)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.executor.prefix_cache_stats()
 
     @contextlib.asynccontextmanager
     async def open_session(
@@ -175,3 +253,18 @@ class SpanCore:
     ) -> list[torch.Tensor]:
         async with self.forward_slots.hold(peer):
             return await asyncio.wait_for(self.executor.backward(block_indices, replace(inputs, owner=peer)), timeout_s)
+
+    async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
+        return await self.executor.attach_prefix(cache, namespace, keys)
+
+    def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
+        self.executor.add_prefix_keys(cache, namespace, keys)
+
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+        return self.executor.handoff_layout(spec)
+
+    async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
+        return await self.executor.read_kv(cache, position)
+
+    async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
+        await self.executor.write_kv(cache, tensors, position)

@@ -1,8 +1,8 @@
 """The RPC service (transport only): `TransformerConnectionHandler` with the seven Petals rpcs on a P2P replica of the
-DHT's daemon, all in the server's one asyncio loop. It decodes messages and metadata, validates them once
-(`block_functions`), opens sessions through the core's seam (`core`: admission and the push table of every
-front) and hands the typed records to its `SpanExecutor` (`executor`), keeps only its own streams (`sessions`),
-pushes steps to the next server, encodes replies and counts refusals (`refusals`)."""
+DHT's daemon, all in the front's one asyncio loop. It decodes messages and metadata, validates them once
+(`block_functions`), hands the typed records to the core through its one seam (`core`, a `span_core.CoreClient`:
+sessions, steps, forwards, pushes, the drain), keeps only its own streams (`sessions`), pushes steps to the next
+server, encodes replies and counts refusals (`refusals`)."""
 
 from __future__ import annotations
 
@@ -30,15 +30,13 @@ from corolla.protocol.metadata import (
 )
 from corolla.protocol.prefix import PREFIX_KEY
 from corolla.protocol.uids import make_chain
-from corolla.server.core.admission import ForwardSlots, SessionAdmission
 from corolla.server.core.drain import SessionHandoff
-from corolla.server.core.executor import SessionSpec, SpanExecutor
+from corolla.server.core.executor import SessionSpec
 from corolla.server.core.limits import PeerLimits, peer_key
 from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply
 from corolla.server.core.refusals import BadRequest, Draining, Refusals, RequestTimeout
-from corolla.server.core.runtime import Runtime
 from corolla.server.core.sessions import PushInbox, SessionRegistry, SessionState, SessionTimeouts, iterate_steps
-from corolla.server.core.span_core import SessionCore, SpanCore
+from corolla.server.core.span_core import CoreClient
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.direct_endpoint import DirectTicketRpc
@@ -48,7 +46,6 @@ from corolla.server.front.stream_guard import StreamBudget, register_handlers
 from corolla.server.front.stream_requests import gather_stream, stream_response
 from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import MembershipError
-from corolla.utils.busy_poll import BusyPollSelector
 from corolla.utils.deadlines import TaskDeadline
 from corolla.utils.logging import get_logger
 
@@ -82,49 +79,36 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         self,
         *,
         limits: ServingLimits,
-        executor: SpanExecutor,
+        core: CoreClient,
         timeouts: SessionTimeouts,
         compression: int = runtime_pb2.CompressionType.NONE,
         dht_client_mode: bool = False,
-        core: SessionCore | None = None,
         metrics: ServerMetrics | None = None,
-        busy_poll: BusyPollSelector | None = None,
-        busy_poll_s: float = 0.005,
-        runtime: Runtime | None = None,
         peer_limits: PeerLimits | None = None,
         peer_auth: PeerAuth | None = None,
     ):
         self.limits = limits
         self.peer_auth = peer_auth  # private swarm: every RPC proves membership (server.peer_auth); None = open
-        self.executor = executor
+        self.core = core  # the one seam to the core: in this process (`SpanCore`) or over a socket (`RemoteCore`)
         self.metrics = metrics if metrics is not None else ServerMetrics()
-        # the core's session seam: this process's own (`SpanCore`), or a handler process's way to the device's
-        self.core: SessionCore = (
-            core if core is not None else SpanCore(executor, SessionAdmission(PeerLimits(), executor), self.metrics)
-        )
         self.configure_limits(peer_limits if peer_limits is not None else PeerLimits())
-        self.busy_poll = busy_poll  # the serving loop's selector: hot after a lone session's inline step
-        self.busy_poll_s = busy_poll_s
-        self.runtime = runtime  # the executor's runtime in this process (None in a handler process): busy_poll only
         self.timeouts = timeouts
         self.compression = compression
         self.dht_client_mode = dht_client_mode
         self.sessions = SessionRegistry()  # this front's streams
         # drain (the core's state): refuses new sessions, moves KV
-        self.handoff = SessionHandoff(executor, timeouts.request_timeout_s, drain=self.core.drain)
+        self.handoff = SessionHandoff(core, timeouts.request_timeout_s, drain=core.drain)
         self.prefix_trust = PrefixTrust()  # whose cached prefixes a session reuses (the operator may share them all)
         self.refusals = Refusals(self.metrics)  # the one place a refusal becomes a metric and a log line
         self.p2p: P2P | None = None
         self._push_tasks: set[asyncio.Task] = set()
-        self.cache_bytes_per_token_block = max(1, executor.cache_bytes_per_token((limits.start_block,)))
+        self.cache_bytes_per_token_block = max(1, core.cache_bytes_per_token((limits.start_block,)))
         self.max_stream_bytes = 4 * limits.max_batch_size_tokens * limits.hidden_size * 8 + (1 << 20)
 
     def configure_limits(self, peer_limits: PeerLimits) -> None:
-        """Sets the fair-use limits (before serving): sessions and KV cache per peer, stream bytes, forwards."""
+        """Sets this front's fair-use limits (before serving): its stream bytes, and the forwards' chunks (the core's
+        own, sessions and forward slots, are set on the core: `SpanCore.configure`)."""
         self.peer_limits = peer_limits
-        if isinstance(self.core, SpanCore):  # (a handler process's sessions are admitted by the device's core)
-            self.core.admission = SessionAdmission(peer_limits, self.executor)
-            self.core.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)  # every front's, per peer
         step_bytes = self.limits.max_batch_size_tokens * self.limits.hidden_size * 4  # one step in float32
         self.stream_budget = StreamBudget(peer_limits.with_stream_defaults(step_bytes))  # unfinished streamed bytes
 
@@ -144,9 +128,9 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
     # ---- helpers --------------------------------------------------------------------------------------------------
 
     def _report_cache(self) -> None:
-        left = self.executor.bytes_left
-        self.metrics.set_cache(max(0, self.executor.max_size_bytes - left), left)
-        stats = self.executor.prefix_cache_stats()
+        left = self.core.bytes_left
+        self.metrics.set_cache(max(0, self.core.max_size_bytes - left), left)
+        stats = self.core.prefix_cache_stats()
         self.metrics.set_prefix_cache(stats.cached_bytes, stats.evictions, stats.limit_bytes)
 
     def _record_prefix_keys(self, session: SessionState, namespace: str, metadata: InferenceRequestMetadata) -> None:
@@ -157,12 +141,12 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             return
         keys = client_keys(metadata)
         if keys is not None and session.cache is not None:
-            self.executor.add_prefix_keys(session.cache, namespace, keys)
+            self.core.add_prefix_keys(session.cache, namespace, keys)
 
     @property
     def cache_tokens_available(self) -> int:
         """KV cache left in (token x block) units: a session of max_length over k blocks takes k * max_length."""
-        return max(0, self.executor.bytes_left // self.cache_bytes_per_token_block)
+        return max(0, self.core.bytes_left // self.cache_bytes_per_token_block)
 
     def _serialize_output(self, tensor: torch.Tensor, compression: int | None = None) -> runtime_pb2.Tensor:
         if tensor.dtype != self.limits.dtype:
@@ -282,7 +266,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             "version": PETALS_COMPAT_VERSION,
             "dht_client_mode": self.dht_client_mode,
             "cache_tokens_available": self.cache_tokens_available,
-            "serving_path": self.executor.path,  # corolla's: fused or eager (Petals clients ignore extra keys)
+            "serving_path": self.core.path,  # corolla's: fused or eager (Petals clients ignore extra keys)
         }
         if uid:
             bf.resolve_chain(uid, self.limits)
@@ -459,7 +443,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         keys = probe_keys(request, metadata)
         if keys is None:
             return None
-        hit = 0 if session.cache is None else await self.executor.attach_prefix(session.cache, namespace, keys)
+        hit = 0 if session.cache is None else await self.core.attach_prefix(session.cache, namespace, keys)
         session.prefix_length = hit
         if hit and session.ticket is not None:  # cached positions it starts with: real work, done before
             session.ticket.touch(hit * session.batch_size)
@@ -507,17 +491,13 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestTimeout(f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s")
-            runtime = self.runtime if self.busy_poll is not None else None
-            inline_before = runtime.num_inline_batches if runtime is not None else 0
             try:
-                step = self.executor.step(session.cache, inputs)
+                step = self.core.step(session.cache, inputs)
                 output = self._serialize_output(await self._step_within(session, step, remaining))
             except asyncio.TimeoutError:
                 raise RequestTimeout(
                     f"inference session exceeded session_timeout={self.timeouts.session_timeout_s} s"
                 ) from None
-            if self.busy_poll is not None and runtime is not None and runtime.num_inline_batches != inline_before:
-                self.busy_poll.keep_hot(self.busy_poll_s)  # a lone session: its next step is due in a moment
         session.prefix_length = inputs.prefix_length + length
         if session.ticket is not None:
             session.ticket.touch(batch_size * length)  # zero-token keep-alives are not use

@@ -36,7 +36,6 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.server.core.admission import SessionTicket
-from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import (
     BackwardInputs,
     DeviceExecutor,
@@ -51,7 +50,7 @@ from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.channel_intake import ChannelIntake
 from corolla.server.handlers.channel_io import FrameSocket
 from corolla.server.handlers.frame_steps import FrameIntake, StepReply
-from corolla.server.handlers.proxy_executor import DeviceInfo, check_handoff_frame
+from corolla.server.handlers.remote_core import DeviceInfo, check_handoff_frame
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
@@ -63,9 +62,6 @@ NOT_DRAINING = math.nan  # the STATE's drain deadline while the server does not 
 
 def device_info(executor: SpanExecutor, span: tuple[int, ...], handler_index: int, max_frame_bytes: int) -> DeviceInfo:
     """The HELLO a handler process gets: enough to size sessions and caches without asking."""
-    page_tokens = 1
-    if isinstance(executor, EngineExecutor):  # sessions reserve whole pages of the engine's pool
-        page_tokens = executor.engine.pool.page_size_tokens
     try:  # one block's canonical K/V for one sequence of one token (the same for every block of the span)
         layout = executor.handoff_layout(SessionSpec((span[0],), 1, 1))[0]
         shapes, refused = tuple((tuple(d.shape), str(d.dtype).removeprefix("torch.")) for d in layout), ""
@@ -76,7 +72,6 @@ def device_info(executor: SpanExecutor, span: tuple[int, ...], handler_index: in
         handler_index=handler_index,
         max_frame_bytes=max_frame_bytes,
         block_bytes_per_token={i: executor.cache_bytes_per_token((i,)) for i in span},
-        page_tokens=page_tokens,
         handoff_shapes=shapes,
         handoff_refused=refused,
     )
@@ -346,19 +341,16 @@ class DeviceChannel:
     async def _open(self, fields: wire.Reader) -> wire.Writer:
         blocks = self._blocks(fields.u32(), fields.u32())
         spec = SessionSpec(blocks, fields.u32(), fields.u32())
-        alloc_timeout_s, admit, peer, session_id = fields.f64(), fields.u8(), fields.text(), fields.text()
+        alloc_timeout_s, peer, session_id = fields.f64(), fields.text(), fields.text()
         known, opening = fields.u8(), fields.u64()
         fields.done()
         opening_tokens = opening if known else None  # what its opening request brings (admission: none, no wait)
-        if admit:
-            self.core.drain.check_accepting()  # Draining: no new sessions
+        self.core.drain.check_accepting()  # Draining: no new sessions
         held = _Held(spec)
         opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         handle = next(self._handles)
         held.task = asyncio.create_task(
-            self._hold(
-                handle, held, peer if admit else None, alloc_timeout_s, session_id or None, opening_tokens, opened
-            )  # fmt: skip
+            self._hold(handle, held, peer, alloc_timeout_s, session_id or None, opening_tokens, opened)
         )
         await opened  # raises the admission's or the allocation's refusal
         self.sessions[handle] = held
@@ -370,19 +362,13 @@ class DeviceChannel:
         self,
         handle: int,
         held: _Held,
-        peer: str | None,
+        peer: str,
         alloc_timeout_s: float | None,
         session_id: str | None,
         opening_tokens: int | None,
         opened: asyncio.Future[None],
     ) -> None:
         try:
-            if peer is None:  # the executor alone (the contract suite); the handler process always admits
-                async with self.executor.open_session(held.spec, alloc_timeout_s) as cache:
-                    held.cache = cache
-                    opened.set_result(None)
-                    await held.close.wait()
-                return
             sink = partial(self._push_out, session_id) if session_id is not None else None
             reservation = self.core.open_session(
                 peer, held.spec, alloc_timeout_s, session_id, sink, opening_tokens=opening_tokens
@@ -434,13 +420,10 @@ class DeviceChannel:
         chunk_tokens, adapter, hidden, prompts = fields.u32(), fields.text(), fields.tensor(), fields.tensor()
         peer, timeout_s = fields.text(), fields.f64()
         fields.done()
-        if hidden is None:
-            raise wire.FrameError("a forward needs hidden states")
-        inputs = ForwardInputs(hidden, prompts, adapter)
-        if peer and timeout_s is not None:  # a front's: in one of its peer's slots of the core
-            output = await self.core.forward(peer, blocks, inputs, chunk_tokens=chunk_tokens, timeout_s=timeout_s)
-        else:
-            output = await self.executor.forward(blocks, inputs, chunk_tokens=chunk_tokens)
+        if hidden is None or timeout_s is None:
+            raise wire.FrameError("a forward needs hidden states and a timeout")
+        inputs = ForwardInputs(hidden, prompts, adapter)  # in one of its peer's slots of the core
+        output = await self.core.forward(peer, blocks, inputs, chunk_tokens=chunk_tokens, timeout_s=timeout_s)
         return wire.Writer().u8(1).tensor(output)
 
     async def _read_kv(self, fields: wire.Reader) -> wire.Writer:
@@ -472,14 +455,10 @@ class DeviceChannel:
         adapter, hidden, grads, prompts = fields.text(), fields.tensor(), fields.tensor(), fields.tensor()
         peer, timeout_s = fields.text(), fields.f64()
         fields.done()
-        if hidden is None or grads is None:
-            raise wire.FrameError("a backward needs hidden states and output gradients")
+        if hidden is None or grads is None or timeout_s is None:
+            raise wire.FrameError("a backward needs hidden states, output gradients and a timeout")
         inputs = BackwardInputs(hidden, grads, prompts, adapter)
-        outputs: list[torch.Tensor]
-        if peer and timeout_s is not None:
-            outputs = await self.core.backward(peer, blocks, inputs, timeout_s=timeout_s)
-        else:
-            outputs = await self.executor.backward(blocks, inputs)
+        outputs = await self.core.backward(peer, blocks, inputs, timeout_s=timeout_s)
         body = wire.Writer().u8(len(outputs))
         for tensor in outputs:
             body.tensor(tensor)

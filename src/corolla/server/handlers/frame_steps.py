@@ -52,9 +52,7 @@ class _FrameSteps:
         self.tokens = 0
         self.mixed_keys = False  # some step's merge key differs from the first's
 
-    def add(
-        self, request_id: int, ticket: SessionTicket | None, prepared: PreparedStep, request: StepRequest
-    ) -> None:
+    def add(self, request_id: int, ticket: SessionTicket | None, prepared: PreparedStep, request: StepRequest) -> None:
         if self.prepared and prepared.merge_key != self.prepared[0].merge_key:
             self.mixed_keys = True
         self.request_ids.append(request_id)

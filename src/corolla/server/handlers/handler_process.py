@@ -1,8 +1,9 @@
 """One handler process of `--num_handlers` > 1: its own asyncio loop on a P2P replica of the server's p2pd, the
 same `TransformerConnectionHandler` as the one-process server registered with `balanced=True` (p2pd spreads
-incoming streams over the processes that registered a name), a `ProxyExecutor` that sends the decoded, validated
-work to the device process (`device_channel`) and a `RemoteCore` through which it opens sessions there and pushes. The process lives as long as its channel: when the device process
-closes it or dies, the handler ends its sessions, unregisters and exits (no orphans)."""
+incoming streams over the processes that registered a name), talking to the core in the device process through
+`RemoteCore`, the one front-to-core seam over its channel (`device_channel` there). The process lives as long as its
+channel: when the device process closes it or dies, the handler ends its sessions, unregisters and exits (no
+orphans)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.front.peer_auth import make_peer_auth
 from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.proxy_executor import DeviceLink, ProxyExecutor, RemoteCore
+from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import load_swarm_key
 from corolla.utils import busy_poll
@@ -105,15 +106,13 @@ def loop_selector(settings: HandlerSettings) -> busy_poll.BusyPollSelector | Non
 
 async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> None:
     link = await DeviceLink.open(sock)
-    executor = ProxyExecutor(link)
     metrics = ForwardedMetrics(link)
     handler = TransformerConnectionHandler(
         limits=settings.limits,
-        executor=executor,
+        core=RemoteCore(link),  # sessions are admitted, steps run and pushes routed by the device process's core
         timeouts=settings.timeouts,
         compression=settings.compression,
         dht_client_mode=settings.dht_client_mode,
-        core=RemoteCore(executor),  # sessions are admitted, and pushes routed, by the device process's core
         metrics=metrics,
         peer_limits=settings.peer_limits,
         peer_auth=make_peer_auth(load_swarm_key(settings.swarm_key_file), settings.peer_id, metrics),

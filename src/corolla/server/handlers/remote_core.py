@@ -1,11 +1,10 @@
-"""The handler process's side of `--num_handlers` > 1: `ProxyExecutor`, a `SpanExecutor` that forwards every
-session, step, forward and backward to the device process over the channel (`proxy_wire`), and `RemoteCore`, the
-core's session seam (`span_core.SessionCore`) over the same channel, so the unchanged `TransformerConnectionHandler`
-serves streams in this process while all session state, the KV caches, the runtime and the batching stay in the
-device process: sessions are admitted by its one `SpanCore` (sessions and KV per peer, idle eviction, counted once
-for all handler processes), and a push for a session whose stream another process holds goes through its push
-table. The device's figures (cache left, sessions open) come with every reply and whenever any process opens or
-closes a session."""
+"""A handler process's way to the core (`--num_handlers` > 1): `RemoteCore`, the one front-to-core seam
+(`span_core.CoreClient`) over the process's channel to the device process (`proxy_wire` frames), so the unchanged
+`TransformerConnectionHandler` serves streams here while all session state, the KV caches, the runtime and the
+batching stay with the device process's one `SpanCore` (its admission, push table, forward slots and drain). This
+process keeps only its own streams: its sessions' push sinks (a push the core routes here, PUSH_OUT) and their
+tickets (an EVICT ends the stream). The core's figures (cache left, sessions open, the drain's deadline) come with
+every reply and whenever any process opens or closes a session."""
 
 from __future__ import annotations
 
@@ -50,7 +49,6 @@ class DeviceInfo:
     handler_index: int
     max_frame_bytes: int
     block_bytes_per_token: dict[int, int]  # KV bytes of one token of one sequence, per block
-    page_tokens: int  # sessions reserve whole pages of this many tokens (in the blocks they use)
     # KV hand-off: each block's canonical tensors for one sequence of one token ([1, heads, 1, dim] shape, dtype name),
     # the same for every block; empty where the executor can't hand off (`handoff_refused` says why)
     handoff_shapes: tuple[tuple[tuple[int, ...], str], ...] = ()
@@ -67,15 +65,11 @@ class DeviceInfo:
         shapes = tuple((tuple(int(n) for n in shape), str(dtype)) for shape, dtype in fields.pop("handoff_shapes", ()))
         return cls(block_bytes_per_token=table, handoff_shapes=shapes, **fields)
 
-    def session_bytes(self, spec: SessionSpec) -> int:
-        pages = max(1, -(-spec.max_length_tokens // self.page_tokens))
-        return pages * self.page_tokens * spec.batch_size * self.cache_bytes_per_token(spec.block_indices)
-
     def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
         return sum(self.block_bytes_per_token[i] for i in block_indices)
 
 
-class ProxySessionCache(SessionCache):
+class RemoteSessionCache(SessionCache):
     """A session whose cache lives in the device process under `handle`."""
 
     def __init__(self, spec: SessionSpec, link: DeviceLink, handle: int):
@@ -163,9 +157,9 @@ class DeviceLink:
                     self._apply_state(fields)
                     self._resolve(request_id, kind, fields)
         except wire.ChannelClosed:
-            logger.info("proxy_executor.channel_closed")
+            logger.info("remote_core.channel_closed")
         except Exception as e:  # a malformed frame from our own device process: stop serving, never guess
-            logger.error(f"proxy_executor.channel_failed({e!r})")
+            logger.error(f"remote_core.channel_failed({e!r})")
         finally:
             self.closed.set()
             for future in self._pending.values():
@@ -234,68 +228,75 @@ class DeviceLink:
         self.writer.close()
 
 
-class ProxyExecutor:
-    """A `SpanExecutor` whose work runs in the device process (see the module docstring)."""
+class RemoteCore:
+    """The device process's `SpanCore` as this process's fronts see it: the same `CoreClient` (see the module
+    docstring)."""
 
     def __init__(self, link: DeviceLink):
         self.link = link
+        self.pushes = PushTable()  # this process's sessions: where a push the core routes here goes
+        self.link.on_push = self._deliver
 
     @property
     def path(self) -> str:
         return self.link.info.path
 
     @property
-    def max_size_bytes(self) -> int:
-        return self.link.max_size_bytes
+    def num_open(self) -> int:
+        return self.link.sessions_open
+
+    @property
+    def drain(self) -> DrainState:
+        return self.link.drain
 
     @property
     def bytes_left(self) -> int:
         return self.link.bytes_left
 
     @property
-    def bytes_waiting(self) -> int:
-        return self.link.bytes_waiting
-
-    def session_bytes(self, spec: SessionSpec) -> int:
-        return self.link.info.session_bytes(spec)
+    def max_size_bytes(self) -> int:
+        return self.link.max_size_bytes
 
     def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
-        return self.link.info.cache_bytes_per_token(block_indices)
+        return sum(self.link.info.block_bytes_per_token[i] for i in block_indices)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats()  # the device process reports the server's figures (`handler_pool`)
 
     @contextlib.asynccontextmanager
-    async def open_session(self, spec: SessionSpec, alloc_timeout_s: float | None) -> AsyncIterator[SessionCache]:
-        async with self.open_remote(spec, alloc_timeout_s, admit_peer=None) as (cache, _):
-            assert cache is not None  # max_length > 0 without admission always has a cache
-            yield cache
-
-    @contextlib.asynccontextmanager
-    async def open_remote(
+    async def open_session(
         self,
+        peer: str,
         spec: SessionSpec,
         alloc_timeout_s: float | None,
+        session_id: str | None,
+        sink: PushSink | None,
         *,
-        admit_peer: str | None,
-        session_id: str | None = None,
         opening_tokens: int | None = None,
-    ) -> AsyncIterator[tuple[ProxySessionCache | None, int]]:
-        """Opens a session in the device process: through its admission as `admit_peer` or (None) straight from
-        its executor. Yields the cache (None for a max_length=0 probe) and the device's handle of the session.
-        `opening_tokens`: what its opening request brings (None: unknown), for the device's admission."""
-        body = wire.Writer().u32(spec.block_indices[0]).u32(spec.block_indices[-1] + 1).u32(spec.batch_size)
-        body.u32(spec.max_length_tokens).f64(alloc_timeout_s).u8(admit_peer is not None).text(admit_peer)
-        body.text(session_id).u8(opening_tokens is not None).u64(opening_tokens or 0)
-        reply = await self.link.call(wire.OPEN, body)
-        handle, has_cache = reply.u32(), reply.u8()
-        try:
-            yield (ProxySessionCache(spec, self.link, handle) if has_cache else None), handle
-        finally:
-            self.link.tickets.pop(handle, None)
-            with contextlib.suppress(wire.ChannelClosed):
-                await asyncio.shield(self.link.call(wire.CLOSE, wire.Writer().u32(handle)))
+    ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
+        """Admitted by the device's core as `peer` (OPEN carries the session id, routed here while open, and what
+        its opening request brings: None unknown); yields this process's ticket (an EVICT sets it) and the cache
+        (None for a max_length=0 probe)."""
+        routed = session_id if sink is not None else None
+        with self.pushes.routing(routed, sink):
+            body = wire.Writer().u32(spec.block_indices[0]).u32(spec.block_indices[-1] + 1).u32(spec.batch_size)
+            body.u32(spec.max_length_tokens).f64(alloc_timeout_s).text(peer).text(routed)
+            body.u8(opening_tokens is not None).u64(opening_tokens or 0)
+            reply = await self.link.call(wire.OPEN, body)
+            handle, has_cache = reply.u32(), reply.u8()
+            ticket = SessionTicket(peer=peer, reserved_bytes=0)  # (the core's ticket holds the figures)
+            self.link.tickets[handle] = ticket
+            try:
+                yield ticket, (RemoteSessionCache(spec, self.link, handle) if has_cache else None)
+            finally:
+                ticket.released.set()
+                self.link.tickets.pop(handle, None)
+                with contextlib.suppress(wire.ChannelClosed):
+                    await asyncio.shield(self.link.call(wire.CLOSE, wire.Writer().u32(handle)))
 
-    def _own(self, cache: SessionCache) -> ProxySessionCache:
-        if not isinstance(cache, ProxySessionCache) or cache.link is not self.link:
-            raise TypeError(f"{type(cache).__name__} is not a cache of this proxy executor")
+    def _own(self, cache: SessionCache) -> RemoteSessionCache:
+        if not isinstance(cache, RemoteSessionCache) or cache.link is not self.link:
+            raise TypeError(f"{type(cache).__name__} is not a cache of this process's link to the core")
         return cache
 
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
@@ -306,33 +307,38 @@ class ProxyExecutor:
         else:
             body.tensor(inputs.tensor())
         body.tensor(inputs.prompts).tensor(inputs.hypo_ids)
-        return _one_tensor(await self._call_step(body))
-
-    async def _call_step(self, body: wire.Writer) -> wire.Reader:
-        """A STEP frame to the device and its reply, stamped on the stream's timeline (`step_timeline`, if on)."""
         if step_timeline.DIRECTORY is None:  # off (the bench's hook): no call per step
-            return await self.link.call(wire.STEP, body, batched=True)
+            return _one_tensor(await self.link.call(wire.STEP, body, batched=True))
         step_timeline.stamp(step_timeline.SENT)
         reply = await self.link.call(wire.STEP, body, batched=True)
         step_timeline.stamp(step_timeline.BACK)
-        return reply
+        return _one_tensor(reply)
+
+    def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
+        """To the core, which routes it to the process holding the session (this one too): True once sent."""
+        body = wire.Writer().text(session_id).text(sender).blob(request.SerializeToString())
+        try:
+            self.link.send(wire.PUSH_IN, 0, body)
+        except (wire.ChannelClosed, wire.FrameError) as e:
+            logger.info(f"remote_core.push_not_routed(session_id={session_id!r:.40}): {e!r}")
+            return False
+        return True
+
+    def _deliver(self, session_id: str, request: runtime_pb2.ExpertRequest, sender: str | None) -> None:
+        """A push the core routed here (PUSH_OUT): its stream's guard decides."""
+        sink = self.pushes.get(session_id)
+        if sink is not None:
+            sink(request, sender)
 
     async def forward(
-        self,
-        block_indices: tuple[int, ...],
-        inputs: ForwardInputs,
-        *,
-        chunk_tokens: int,
-        peer: str = "",
-        timeout_s: float | None = None,
+        self, peer: str, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int, timeout_s: float
     ) -> torch.Tensor:
-        """`peer` (`RemoteCore.forward`): run in one of its forward slots of the device's core, within `timeout_s`."""
         body = wire.Writer().u32(block_indices[0]).u32(block_indices[-1] + 1).u32(chunk_tokens).text(inputs.adapter)
         body.tensor(inputs.hidden_states).tensor(inputs.prompts).text(peer).f64(timeout_s)
         return _one_tensor(await self.link.call(wire.FORWARD, body))
 
     async def backward(
-        self, block_indices: tuple[int, ...], inputs: BackwardInputs, *, peer: str = "", timeout_s: float | None = None
+        self, peer: str, block_indices: tuple[int, ...], inputs: BackwardInputs, *, timeout_s: float
     ) -> list[torch.Tensor]:
         body = wire.Writer().u32(block_indices[0]).u32(block_indices[-1] + 1).text(inputs.adapter)
         body.tensor(inputs.hidden_states).tensor(inputs.grad_outputs).tensor(inputs.prompts)
@@ -351,9 +357,6 @@ class ProxyExecutor:
     def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
         if not self.link.closed.is_set():
             self.link.send(wire.PREFIX_KEYS, 0, wire.prefix_frame(self._own(cache).handle, namespace, keys))
-
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats()  # the device process reports the server's figures (`handler_pool`)
 
     def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
         """The device executor's layout (`DeviceInfo.handoff_shapes`) for `spec`'s batch and length."""
@@ -412,78 +415,3 @@ def _one_tensor(reader: wire.Reader) -> torch.Tensor:
     if len(tensors) != 1:
         raise wire.FrameError(f"expected one reply tensor, got {len(tensors)}")
     return tensors[0]
-
-
-class RemoteCore:
-    """The device process's `SpanCore` as this process's fronts see it (the same `SessionCore`): a session is
-    admitted there, its pushes routed from there to this process; pushes for this process's own sessions are
-    delivered here at once."""
-
-    def __init__(self, executor: ProxyExecutor):
-        self.executor = executor
-        self.link = executor.link
-        self.pushes = PushTable()  # this process's sessions
-        self.link.on_push = self._deliver
-
-    @property
-    def num_open(self) -> int:
-        return self.link.sessions_open
-
-    @property
-    def drain(self) -> DrainState:
-        return self.link.drain
-
-    @contextlib.asynccontextmanager
-    async def open_session(
-        self,
-        peer: str,
-        spec: SessionSpec,
-        alloc_timeout_s: float | None,
-        session_id: str | None,
-        sink: PushSink | None,
-        *,
-        opening_tokens: int | None = None,
-    ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
-        routed = session_id if sink is not None else None
-        with self.pushes.routing(routed, sink):
-            reserved = self.executor.session_bytes(spec) if spec.max_length_tokens else 0
-            opening = self.executor.open_remote(
-                spec, alloc_timeout_s, admit_peer=peer, session_id=routed, opening_tokens=opening_tokens
-            )
-            async with opening as (cache, handle):
-                ticket = SessionTicket(peer=peer, reserved_bytes=reserved)
-                self.link.tickets[handle] = ticket  # the device's EVICT ends the stream
-                try:
-                    yield ticket, cache
-                finally:
-                    ticket.released.set()
-
-    def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
-        sink = self.pushes.get(session_id)
-        if sink is not None:
-            return sink(request, sender)  # ours: refused here if not from its upstream
-        body = wire.Writer().text(session_id).text(sender).blob(request.SerializeToString())
-        try:
-            self.link.send(wire.PUSH_IN, 0, body)
-        except (wire.ChannelClosed, wire.FrameError) as e:
-            logger.info(f"proxy_executor.push_not_routed(session_id={session_id!r:.40}): {e!r}")
-            return False
-        return True
-
-    async def forward(
-        self, peer: str, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int, timeout_s: float
-    ) -> torch.Tensor:
-        return await self.executor.forward(
-            block_indices, inputs, chunk_tokens=chunk_tokens, peer=peer, timeout_s=timeout_s
-        )
-
-    async def backward(
-        self, peer: str, block_indices: tuple[int, ...], inputs: BackwardInputs, *, timeout_s: float
-    ) -> list[torch.Tensor]:
-        return await self.executor.backward(block_indices, inputs, peer=peer, timeout_s=timeout_s)
-
-    def _deliver(self, session_id: str, request: runtime_pb2.ExpertRequest, sender: str | None) -> None:
-        """A push the device routed here (PUSH_OUT)."""
-        sink = self.pushes.get(session_id)
-        if sink is not None:
-            sink(request, sender)
