@@ -1,4 +1,4 @@
-"""The handler <-> device channel batches steps both ways (`proxy_executor.DeviceLink`, `device_channel`): steps
+"""The handler <-> device channel batches steps both ways (`remote_core.DeviceLink`, `device_channel`): steps
 of many sessions issued in one loop iteration leave as one STEP_BATCH frame, their replies come back in fewer frames
 than steps, every session gets exactly its own output (equal to the executor's without the channel), and a step
 the device refuses inside a batch fails only its caller, with its typed refusal."""

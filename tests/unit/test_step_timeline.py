@@ -35,7 +35,7 @@ class _Writer:
 
 
 class _Handler:
-    """Answers each request as a handler process does, stamping the device hand-off as `ProxyExecutor` does."""
+    """Answers each request as a handler process does, stamping the device hand-off as `RemoteCore` does."""
 
     async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context) -> AsyncIterator:
         async for request in requests:
