@@ -75,7 +75,7 @@ def _run(coro):
 def test_socket_is_private_and_found_by_peer_id(server):
     path = server.service.local_endpoint.path
     assert path == ls.socket_path(server.peer_id)
-    assert ls.usable_socket(server.peer_id) == path
+    assert ls.usable_sockets(server.peer_id) == [path]
     assert path.stat().st_mode & 0o777 == 0o600
     assert path.parent.stat().st_mode & 0o777 == 0o700
 
@@ -225,9 +225,9 @@ def test_no_socket_or_a_stale_one_means_p2p_and_stop_removes_the_socket(server, 
     )
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        assert quiet.service.local_endpoint is None and ls.usable_socket(quiet.peer_id) is None
+        assert quiet.service.local_endpoint is None and ls.usable_sockets(quiet.peer_id) == []
         stale.bind(str(ls.socket_path(quiet.peer_id)))  # bound, never listening: connections are refused
-        assert ls.usable_socket(quiet.peer_id) is not None
+        assert ls.usable_sockets(quiet.peer_id) != []
         config = ClientConfig(allowed_servers=[quiet.peer_id], max_retries=2)
         with AutoDistributedModelForCausalLM.from_pretrained(
             model_path, initial_peers=server.join_maddrs, client_config=config

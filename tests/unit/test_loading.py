@@ -122,7 +122,7 @@ def test_lru_eviction_under_max_disk_space(tmp_path):
     mid, _ = _fake_cached_file(cache, "mid", 400, now - 200)
     new, _ = _fake_cached_file(cache, "new", 400, now - 100)
     disk_cache.mark_used(mid)  # a recent read makes "mid" the most recently used
-    assert disk_cache.cache_size_bytes(cache) == 1200
+    assert sum(f[1] for f in disk_cache.cached_files(cache)) == 1200
 
     disk_cache.free_disk_space_for(300, cache_dir=cache, max_disk_space_bytes=1500)  # fits: nothing evicted
     assert old.exists() and mid.exists() and new.exists()
@@ -207,12 +207,12 @@ def test_hub_loading_downloads_only_needed_shards_and_evicts(tmp_path, monkeypat
 
     # A disk budget that holds block 0's shards but not block 2's as well: the least recently used go.
     budget = size(shards(0) | {"model.safetensors.index.json"}) + 1024
-    assert budget < disk_cache.cache_size_bytes(cache) + size(shards(0) - shards(2))
+    assert budget < sum(f[1] for f in disk_cache.cached_files(cache)) + size(shards(0) - shards(2))
     block0 = load_pretrained_block(
         "org/tiny", 0, config=config, torch_dtype=torch.float32, cache_dir=cache, max_disk_space_bytes=budget
     )
     _same_weights(block0, _load(remote, 0))
-    assert disk_cache.cache_size_bytes(cache) <= budget
+    assert sum(f[1] for f in disk_cache.cached_files(cache)) <= budget
     with pytest.raises(AllocationFailed, match="Insufficient disk space"):
         load_pretrained_block(
             "org/tiny", 3, config=config, torch_dtype=torch.float32, cache_dir=tmp_path / "c2", max_disk_space_bytes=100

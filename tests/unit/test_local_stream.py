@@ -54,25 +54,25 @@ def test_only_private_dirs_and_own_sockets_are_trusted(tmp_path, monkeypatch) ->
     directory = tmp_path / "socks"
     monkeypatch.setenv(ls.SOCKET_DIR_ENV, str(directory))
     assert ls.socket_dir() == directory
-    assert ls.usable_socket("QmPeer") is None  # no dir yet
+    assert ls.usable_sockets("QmPeer") == []  # no dir yet
     assert ls.ensure_private_dir(directory) and (directory.stat().st_mode & 0o777) == 0o700
-    assert ls.usable_socket("QmPeer") is None  # no socket
+    assert ls.usable_sockets("QmPeer") == []  # no socket
     (directory / "QmFile.sock").write_text("")  # a plain file is not a socket
-    assert ls.usable_socket("QmFile") is None
+    assert ls.usable_sockets("QmFile") == []
     server = socket.socket(socket.AF_UNIX)
     try:
         server.bind(str(ls.socket_path("QmPeer")))
-        assert ls.usable_socket("QmPeer") == directory / "QmPeer.sock"
+        assert ls.usable_sockets("QmPeer") == [directory / "QmPeer.sock"]
         os.chmod(directory, 0o755)  # others could now have put sockets here
-        assert not ls.is_private_dir(directory) and ls.usable_socket("QmPeer") is None
+        assert not ls.is_private_dir(directory) and ls.usable_sockets("QmPeer") == []
         assert not ls.ensure_private_dir(directory)
     finally:
         server.close()
     for bad in ("", "../etc", "a/b", "x y"):
-        assert ls.usable_socket(bad) is None
+        assert ls.usable_sockets(bad) == []
         with pytest.raises(ValueError):
             ls.socket_path(bad)
-    assert ls.usable_socket("Q" * 200) is None  # longer than a unix socket path may be
+    assert ls.usable_sockets("Q" * 200) == []  # longer than a unix socket path may be
 
 
 def test_handler_process_sockets_are_found_tried_in_turn_and_removed(tmp_path) -> None:

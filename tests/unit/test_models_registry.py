@@ -12,7 +12,7 @@ import torch
 import transformers as tf
 
 from corolla.models.config import default_dht_prefix, load_config, resolve_block_dtype
-from corolla.models.quantization import QuantType, default_quant_type, quantize_block
+from corolla.models.quantization import QuantType, quantize_block
 from corolla.models.registry import SUPPORTED_MODEL_TYPES, get_family
 from corolla.models.sizing import block_size_bytes, count_block_parameters, kv_cache_bytes_per_token
 from helpers.tiny_models import make_tiny_model, tiny_config
@@ -111,8 +111,7 @@ def test_forward_validates_inputs():
 
 def test_quant_types():
     assert QuantType.parse("NF4") is QuantType.NF4 and QuantType.parse(None) is QuantType.NONE
-    assert QuantType.INT8.label == "int8" and default_quant_type("cpu") is QuantType.NONE
-    assert default_quant_type("cuda:0") is QuantType.NF4
+    assert QuantType.INT8.label == "int8"
     with pytest.raises(ValueError, match="Unknown quant_type 'int4'"):
         QuantType.parse("int4")
     config = tiny_config("llama")

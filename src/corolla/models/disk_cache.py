@@ -65,10 +65,6 @@ def cached_files(cache_dir: str | os.PathLike) -> list[tuple[Path, int, float]]:
     return result
 
 
-def cache_size_bytes(cache_dir: str | os.PathLike) -> int:
-    return sum(size for _, size, _ in cached_files(cache_dir))
-
-
 def _remove_dangling_links(cache_dir: str | os.PathLike) -> None:
     for root, _dirs, files in os.walk(cache_dir):
         for name in files:
@@ -89,11 +85,10 @@ def free_disk_space_for(
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     files = sorted(cached_files(cache_dir), key=lambda f: f[2])  # oldest access first
-    occupied = sum(size for _, size, _ in files)
+    reclaimable = sum(size for _, size, _ in files)  # every cached file may go
     available = shutil.disk_usage(cache_dir).free - os_quota_bytes
     if max_disk_space_bytes is not None:
-        available = min(available, max_disk_space_bytes - occupied)
-    reclaimable = sum(size for _, size, _ in files)
+        available = min(available, max_disk_space_bytes - reclaimable)
     if size_bytes > available + reclaimable:
         raise AllocationFailed(
             f"Insufficient disk space to cache a {size_bytes} byte checkpoint file in {cache_dir}: "

@@ -118,12 +118,6 @@ def load_adapter(
     return result
 
 
-def adapter_size_bytes(weights: LoraWeights, dtype: torch.dtype) -> int:
-    """The checkpoint's parameters of an adapter in one block, in `dtype` bytes (not what a block stores: an adapter
-    on a fused projection stores B over all its rows, see `adapter_stored_bytes`)."""
-    return weights.num_parameters() * torch.empty((), dtype=dtype).element_size()
-
-
 def _grouped(
     block: CorollaBlock, name: str, weights: LoraWeights
 ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor, float, torch.Tensor | None]]]:

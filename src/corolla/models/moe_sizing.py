@@ -27,11 +27,6 @@ class SpanParameterSplit:
     routed_expert_params: int  # the routed experts' parameters among them
     active_params: int  # parameters one token's forward pass reads (non-expert + its top-k experts)
 
-    @property
-    def expert_share(self) -> float:
-        """Routed experts' fraction of the span's parameter memory (0 for dense spans)."""
-        return self.routed_expert_params / self.total_params if self.total_params else 0.0
-
     def bytes(self, bytes_per_value: float) -> tuple[int, int]:
         """(memory bytes, active bytes per token) at `bytes_per_value` (e.g. 2 for bf16, 4.25/8 for nf4)."""
         return round(self.total_params * bytes_per_value), round(self.active_params * bytes_per_value)

@@ -43,11 +43,6 @@ class QuantType(enum.IntEnum):
 BYTES_PER_VALUE = {QuantType.INT8: 1.0, QuantType.NF4: 4.25 / 8}
 
 
-def default_quant_type(device: torch.device | str) -> QuantType:
-    """NF4 on CUDA, none elsewhere."""
-    return QuantType.NF4 if torch.device(device).type == "cuda" else QuantType.NONE
-
-
 def _import_bnb():
     try:
         import bitsandbytes as bnb

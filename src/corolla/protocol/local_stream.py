@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import re
 import stat
 import struct
@@ -197,12 +196,6 @@ def usable_sockets(peer_id: str, directory: Path | None = None) -> list[Path]:
         if stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid():
             usable.append(path)
     return usable
-
-
-def usable_socket(peer_id: str, directory: Path | None = None) -> Path | None:
-    """One of `usable_sockets` (chosen at random), or None."""
-    paths = usable_sockets(peer_id, directory)
-    return random.choice(paths) if paths else None
 
 
 @dataclass(frozen=True)
