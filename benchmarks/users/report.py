@@ -27,7 +27,7 @@ from benchmarks.common.model import ModelShape
 from benchmarks.users.clients import CLIENT_DESCRIPTIONS, CpuSplit, format_cpus
 from benchmarks.users.config import CLIENT_KINDS, UsersConfig
 from benchmarks.users.server import BenchServer, UsersResult, build_executor, run_users
-from corolla.server.core.executor import DeviceExecutor
+from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.gather import GatherRule, GatherSettings
 from corolla.server.front.step_timeline import TIMELINE_ENV
 
@@ -66,7 +66,7 @@ def markdown(rows: list[UsersResult], *, title: str, notes: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _engine_row(executor: DeviceExecutor, sessions: int, prefix_tokens: int, steps: int) -> dict | None:
+def _engine_row(executor: EngineExecutor, sessions: int, prefix_tokens: int, steps: int) -> dict | None:
     """The fast path's engine driven in this process by its `ContinuousBatcher` (no RPC): its own, labelled row."""
     from corolla.server.core.engine_executor import EngineExecutor
 
@@ -77,7 +77,7 @@ def _engine_row(executor: DeviceExecutor, sessions: int, prefix_tokens: int, ste
 
 
 def _engine_rows(
-    executor: DeviceExecutor,
+    executor: EngineExecutor,
     runs: list[ServerRun],
     args: argparse.Namespace,
     engine_rows: list[dict],
@@ -167,7 +167,7 @@ def _measure(
             print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
 
 
-def _server_step_ms(executor: DeviceExecutor, prefix_tokens: int) -> float:
+def _server_step_ms(executor: EngineExecutor, prefix_tokens: int) -> float:
     """A lone session's step on the engine itself (no RPC): the floor a client step is compared with."""
     from corolla.server.core.engine_executor import EngineExecutor
 
@@ -175,7 +175,7 @@ def _server_step_ms(executor: DeviceExecutor, prefix_tokens: int) -> float:
     return float(engine_steps.single_session(executor.engine, prefix_tokens=prefix_tokens, steps=64)["median_ms"])
 
 
-def _cpu_linear_off(executor: DeviceExecutor) -> None:
+def _cpu_linear_off(executor: EngineExecutor) -> None:
     """Drops the CPU projection choices the fast executor's warm-up made (`--cpu_linear off`)."""
     from corolla.engine.spans.fast_llama import FastLlamaSpan
     from corolla.server.core.engine_executor import EngineExecutor

@@ -50,7 +50,7 @@ from corolla.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from benchmarks.users.cpu_share import CpuProbe
-    from corolla.server.core.executor import DeviceExecutor
+    from corolla.server.core.engine_executor import EngineExecutor
     from corolla.server.core.runtime import Runtime
     from corolla.server.span_service import SpanService
 
@@ -129,7 +129,7 @@ def build_executor(
     cache_bytes: int,
     seed: int = 0,
     model: torch.nn.Module | None = None,
-) -> DeviceExecutor:
+) -> EngineExecutor:
     """The span executor of a random-weight span of `num_layers` corolla llama blocks, as the server builds it
     (`engine_executor`): the engine over its paged pool on fused kernels, or running the blocks eagerly over it
     (`serving_path` "fused" or "eager"; the steps of all sessions merged into one forward either way).
@@ -163,7 +163,7 @@ class BenchServer:
 
     def __init__(
         self,
-        executor: DeviceExecutor,
+        executor: EngineExecutor,
         *,
         hidden_size: int,
         num_layers: int,

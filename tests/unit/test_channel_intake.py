@@ -12,8 +12,7 @@ import time
 import pytest
 
 from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.channel_intake import THREAD_NAME, ChannelIntake
-from corolla.server.handlers.channel_io import FrameSocket
+from corolla.server.handlers.channel_intake import THREAD_NAME, ChannelIntake, FrameSocket
 
 
 class _Channel:

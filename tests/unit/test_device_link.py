@@ -11,7 +11,8 @@ import threading
 from hivemind.proto import runtime_pb2
 
 from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.remote_core import DeviceInfo, DeviceLink
+from corolla.server.handlers.proxy_wire import DeviceInfo
+from corolla.server.handlers.remote_core import DeviceLink
 
 
 async def test_a_large_frame_is_read_without_pausing_the_socket() -> None:

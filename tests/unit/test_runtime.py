@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from corolla.server.core.runtime import PRIORITY_FORWARD, PRIORITY_INFERENCE, Runtime, RuntimeStopped
+from corolla.server.core.refusals import RuntimeStopped
+from corolla.server.core.runtime import PRIORITY_FORWARD, PRIORITY_INFERENCE, Runtime
 
 
 async def _block_runtime(runtime: Runtime) -> tuple[threading.Event, asyncio.Future]:

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from corolla.server.core.runtime import Runtime, RuntimeStopped, Task
+from corolla.server.core.refusals import RuntimeStopped
+from corolla.server.core.runtime import Runtime, Task
 
 
 class _Channel:

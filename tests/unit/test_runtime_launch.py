@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from corolla.server.core.gather import GatherSettings
-from corolla.server.core.runtime import Runtime, RuntimeStopped, Task
+from corolla.server.core.refusals import RuntimeStopped
+from corolla.server.core.runtime import Runtime, Task
 
 WAIT_S = 5.0
 

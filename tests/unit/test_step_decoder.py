@@ -25,7 +25,8 @@ from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.remote_core import DeviceInfo, DeviceLink, RemoteCore, RemoteSessionCache
+from corolla.server.handlers.proxy_wire import DeviceInfo
+from corolla.server.handlers.remote_core import DeviceLink, RemoteCore, RemoteSessionCache
 from corolla.server.metrics import ServerMetrics
 
 H = 8

@@ -17,7 +17,8 @@ import torch
 
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
-from corolla.server.core.runtime import KIND_INFERENCE, PRIORITY_INFERENCE, Runtime, RuntimeStopped, Task
+from corolla.server.core.refusals import RuntimeStopped
+from corolla.server.core.runtime import KIND_INFERENCE, PRIORITY_INFERENCE, Runtime, Task
 from corolla.server.core.training_batch import (
     KIND_TRAINING_BACKWARD,
     KIND_TRAINING_FORWARD,

@@ -28,7 +28,6 @@ from corolla.server.block_loading import fetch_span_blocks, load_span_blocks
 from corolla.server.config import ServerConfig, handler_poll_s, ignored_flags
 from corolla.server.core.drain import drain_sessions
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
-from corolla.server.core.executor import DeviceExecutor
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.sessions import SessionTimeouts
 from corolla.server.front.block_functions import ServingLimits
@@ -363,7 +362,7 @@ class Server:
         self.announcer = announcer
         announcer.start(ServerState.JOINING)
         service: SpanService | None = None
-        executor: DeviceExecutor | None = None
+        executor: EngineExecutor | None = None
         try:
             logger.info(f"server.loading(blocks={block_indices.start}:{block_indices.stop})")
             load_started = time.monotonic()
@@ -438,7 +437,7 @@ class Server:
                 torch.cuda.empty_cache()
             logger.info(f"server.span_released(blocks={block_indices.start}:{block_indices.stop})")
 
-    def _make_executor(self, backend: SpanBackend, cache_bytes: int) -> DeviceExecutor:
+    def _make_executor(self, backend: SpanBackend, cache_bytes: int) -> EngineExecutor:
         """The executor of this span: the engine over its paged pool (fused kernels where it has them)."""
         return executor_for_span(self.config, self.settings, self.family.family, backend, cache_bytes, self.metrics)
 

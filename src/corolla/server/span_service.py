@@ -11,7 +11,7 @@ from typing import Any
 
 from corolla.protocol import local_stream as ls
 from corolla.protocol.direct_stream import TicketSecret
-from corolla.server.core.executor import DeviceExecutor
+from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.sessions import SessionTimeouts
 from corolla.server.core.span_core import SpanCore
@@ -21,7 +21,8 @@ from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.handlers.handler_pool import HandlerPool
-from corolla.server.handlers.handler_process import HandlerSettings
+from corolla.server.handlers.handler_process import main as handler_main
+from corolla.server.handlers.handler_settings import HandlerSettings
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.busy_poll import BusyPollSelector
 from corolla.utils.logging import get_logger
@@ -35,7 +36,7 @@ class SpanService:
     def __init__(
         self,
         *,
-        executor: DeviceExecutor,
+        executor: EngineExecutor,
         limits: ServingLimits,
         timeouts: SessionTimeouts,
         compression: int = 0,
@@ -141,6 +142,7 @@ class SpanService:
         self.pool = HandlerPool(
             self.num_handlers,
             settings,
+            handler_main,
             executor=self.executor,
             core=self.core,  # one admission and one push table for all processes
             span=tuple(range(self.limits.start_block, self.limits.end_block)),

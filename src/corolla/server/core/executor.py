@@ -16,7 +16,6 @@ import torch
 
 from corolla.engine.step_request import HiddenRows
 from corolla.protocol.prefix import PrefixKeys
-from corolla.server.core.runtime import Runtime
 from corolla.utils.tensor_bytes import view_bytes
 
 # how the engine runs a span (reported, not chosen by the operator): fused kernels, or the family's blocks eagerly
@@ -109,7 +108,7 @@ class BackwardInputs:
 
 @dataclass(slots=True)  # not frozen: built per decode step, where a frozen init costs ~2 us more
 class PreparedStep:
-    """A step checked and bound by its executor (`DeviceExecutor.prepare_step`), ready to be queued on the runtime
+    """A step checked and bound by its executor (`EngineExecutor.prepare_step`), ready to be queued on the runtime
     as one task by whoever waits for it: a coroutine (`step`) or a device channel's reader thread (a callback)."""
 
     fn: Callable[[], torch.Tensor]  # runs the step alone: [B, T, H] -> [B, T, H]
@@ -226,19 +225,4 @@ class SpanExecutor(Protocol):
 
     async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
         """Writes validated canonical K/V tensors into positions [0, position) of the session's cache."""
-        ...
-
-
-class DeviceExecutor(SpanExecutor, Protocol):
-    """A `SpanExecutor` whose work runs on a runtime in this process (`EngineExecutor`): the serving
-    part starts and stops that runtime, and a lone session's inline step keeps the serving loop polling."""
-
-    @property
-    def runtime(self) -> Runtime:
-        """The one device thread all work of this span runs on."""
-        ...
-
-    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> PreparedStep:
-        """What `step` does before it queues the step (cache ownership, adapter binding; the same typed refusals,
-        raised here), synchronously: a device channel's intake thread queues it with `Runtime.queue`."""
         ...

@@ -1,5 +1,5 @@
-"""Every way the server refuses a request, as typed exceptions, and the one place (`Refusals.record`) that maps a
-refusal to its `corolla_requests_rejected_total{reason}` label and its log line. The error the client sees is the
+"""Every way the server refuses a request, as typed exceptions, and the one place (`rejection_reason`) that maps a
+refusal to its `corolla_requests_rejected_total{reason}` label (the front counts and logs it). The error the client sees is the
 exception's message (hivemind sends `str(error)` back over the stream), so the type decides the label and the text
 is free to explain.
 
@@ -15,12 +15,7 @@ from __future__ import annotations
 import asyncio
 
 from corolla.server.core.limits import DuplicateStep, LimitExceeded, SessionEvicted, StreamStalled
-from corolla.server.core.runtime import RuntimeStopped
-from corolla.server.metrics import ServerMetrics
 from corolla.utils.errors import AllocationFailed
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
 
 
 class BadRequest(ValueError):
@@ -42,6 +37,12 @@ class TooLong(BadRequest):
 
 class Overloaded(RuntimeError):
     """The server can't take this work now (its device queue is closed or full)."""
+
+    reason = "overloaded"
+
+
+class RuntimeStopped(RuntimeError):
+    """The runtime stopped before a pending task could run (the server shuts down)."""
 
     reason = "overloaded"
 
@@ -75,16 +76,3 @@ def rejection_reason(error: BaseException) -> str:
     if isinstance(error, (ValueError, KeyError)):
         return "bad_request"
     return "other"
-
-
-class Refusals:
-    """Counts and logs refused requests of one server (by `rejection_reason`)."""
-
-    def __init__(self, metrics: ServerMetrics):
-        self.metrics = metrics
-
-    def record(self, name: str, error: BaseException) -> str:
-        reason = rejection_reason(error)
-        self.metrics.rejected(reason)
-        logger.info(f"{name}.rejected(reason={reason}): {error}")
-        return reason

@@ -30,6 +30,7 @@ import torch
 
 from corolla.server.core.batch_counts import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, BatchCounts
 from corolla.server.core.gather import GatherRule, GatherSettings
+from corolla.server.core.refusals import RuntimeStopped
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -382,10 +383,6 @@ BatchObserver = Callable[[str, int, float], None]
 # the largest task (batch x length) that may run inline: decode steps, never a long prefill that would hold the
 # caller's event loop for long
 INLINE_MAX_TOKENS = 64
-
-
-class RuntimeStopped(RuntimeError):
-    """The runtime stopped before a pending task could run."""
 
 
 class Runtime:

@@ -22,11 +22,11 @@ from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core.admission import ForwardSlots, SessionAdmission, SessionTicket
 from corolla.server.core.executor import (
     BackwardInputs,
-    DeviceExecutor,
     ForwardInputs,
     PrefixCacheStats,
     SessionCache,
     SessionSpec,
+    SpanExecutor,
     StepInputs,
     TensorDescriptorLike,
 )
@@ -180,7 +180,7 @@ class SpanCore:
     runs in the server's event loop."""
 
     def __init__(
-        self, executor: DeviceExecutor, peer_limits: PeerLimits | None = None, metrics: ServerMetrics | None = None
+        self, executor: SpanExecutor, peer_limits: PeerLimits | None = None, metrics: ServerMetrics | None = None
     ):
         self.executor = executor
         self.metrics = metrics  # sessions are counted here, once for every front

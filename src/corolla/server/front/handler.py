@@ -34,7 +34,7 @@ from corolla.server.core.drain import SessionHandoff
 from corolla.server.core.executor import SessionSpec
 from corolla.server.core.limits import PeerLimits, peer_key
 from corolla.server.core.push_guard import SessionPushGuard, mark_pushed_reply
-from corolla.server.core.refusals import BadRequest, Draining, Refusals, RequestTimeout
+from corolla.server.core.refusals import BadRequest, Draining, RequestTimeout, rejection_reason
 from corolla.server.core.sessions import PushInbox, SessionRegistry, SessionState, SessionTimeouts, iterate_steps
 from corolla.server.core.span_core import CoreClient
 from corolla.server.front import block_functions as bf
@@ -99,7 +99,6 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         # drain (the core's state): refuses new sessions, moves KV
         self.handoff = SessionHandoff(core, timeouts.request_timeout_s, drain=core.drain)
         self.prefix_trust = PrefixTrust()  # whose cached prefixes a session reuses (the operator may share them all)
-        self.refusals = Refusals(self.metrics)  # the one place a refusal becomes a metric and a log line
         self.p2p: P2P | None = None
         self._push_tasks: set[asyncio.Task] = set()
         self.cache_bytes_per_token_block = max(1, core.cache_bytes_per_token((limits.start_block,)))
@@ -242,8 +241,11 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         return await compute(uid, bf.deserialize_request(serialized), metadata, peer_key(context))
 
     def _reject(self, name: str, error: BaseException) -> None:
-        """Logs and counts a refused request by reason (`refusals`: by the error's type)."""
-        self.refusals.record(name, error)
+        """Logs and counts a refused request by reason (`refusals.rejection_reason`: by the error's type): the one
+        place a refusal becomes a metric and a log line."""
+        reason = rejection_reason(error)
+        self.metrics.rejected(reason)
+        logger.info(f"{name}.rejected(reason={reason}): {error}")
 
     async def _run_logged(self, name: str, coro: Awaitable[_T]) -> _T:
         try:

@@ -16,6 +16,8 @@ import multiprocessing
 import os
 import socket
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 
@@ -24,11 +26,10 @@ from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_s
 from hivemind.proto import p2pd_pb2 as p2pd_pb
 from hivemind.utils.multiaddr import Multiaddr
 
-from corolla.server.core.executor import DeviceExecutor
 from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers.channel_intake import ChannelIntake
-from corolla.server.handlers.device_channel import DeviceChannel
-from corolla.server.handlers.handler_process import HandlerSettings, main
+from corolla.server.handlers.device_channel import DeviceChannel, DeviceExecutor
+from corolla.server.handlers.handler_settings import HandlerSettings
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
@@ -38,9 +39,14 @@ MAX_RESTARTS_PER_MINUTE = 5
 START_TIMEOUT_S = 120.0
 
 
-def _context() -> BaseContext:
+# a handler process's entry point: (settings, its index, its end of the channel) -> None; a module-level function,
+# whose module the forkserver imports once (`handler_process.main`, passed by the span service)
+HandlerMain = Callable[[HandlerSettings, int, Connection], None]
+
+
+def _context(main: HandlerMain) -> BaseContext:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["corolla.server.handlers.handler_process"])
+    context.set_forkserver_preload([main.__module__])
     return context
 
 
@@ -75,6 +81,7 @@ class HandlerPool:
         self,
         num_handlers: int,
         settings: HandlerSettings,
+        main: HandlerMain,
         *,
         executor: DeviceExecutor,
         core: SpanCore,
@@ -85,6 +92,7 @@ class HandlerPool:
     ):
         if num_handlers < 2:
             raise ValueError(f"a handler pool needs num_handlers >= 2, got {num_handlers} (1 = no pool)")
+        self.main = main
         self.num_handlers, self.settings, self.executor = num_handlers, settings, executor
         self.core = core
         self.span, self.max_frame_bytes, self.metrics = span, max_frame_bytes, metrics
@@ -120,10 +128,10 @@ class HandlerPool:
         logger.info(f"handler_pool.started(num_handlers={self.num_handlers}, pids={self.pids})")
 
     async def _spawn(self, index: int) -> DeviceChannel:
-        context = _context()
+        context = _context(self.main)
         ours, theirs = context.Pipe(duplex=True)
         process = context.Process(  # type: ignore[attr-defined]
-            target=main, args=(self.settings, index, theirs), name=f"corolla-handler-{index}", daemon=True
+            target=self.main, args=(self.settings, index, theirs), name=f"corolla-handler-{index}", daemon=True
         )
         await asyncio.to_thread(process.start)
         theirs.close()

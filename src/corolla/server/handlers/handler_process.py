@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 import socket
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -19,15 +18,13 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.protocol.direct_stream import TicketSecret
-from corolla.server.core.limits import PeerLimits
-from corolla.server.core.sessions import SessionTimeouts
-from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.connection_balance import ConnectionHandoff
-from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
+from corolla.server.front.direct_endpoint import DirectEndpoint
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.front.peer_auth import make_peer_auth
 from corolla.server.handlers import proxy_wire as wire
+from corolla.server.handlers.handler_settings import HandlerSettings
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import load_swarm_key
@@ -35,28 +32,6 @@ from corolla.utils import busy_poll
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class HandlerSettings:
-    """What every handler process of one span needs (pickled to it at start)."""
-
-    daemon_listen_maddr: str  # the server's p2pd control socket
-    limits: ServingLimits
-    timeouts: SessionTimeouts
-    peer_limits: PeerLimits
-    compression: int
-    dht_client_mode: bool
-    peer_id: str
-    swarm_key_file: str | None  # private swarm: every RPC proves membership here too
-    kv_handoff: bool
-    local_socket_dir: str | None = None  # serve same-host clients on a unix socket of this process's own there
-    direct: DirectListen | None = None  # the direct TCP port every handler process listens on (SO_REUSEPORT)
-    direct_secret: bytes | None = None  # the server's ticket secret (any process checks any process's tickets)
-    direct_balance_dir: str | None = None  # the processes' direct-port load table and hand-off sockets (0700)
-    # the process's loop polls instead of sleeping for this long after each message (0: it sleeps at once); its loop
-    # is its only Python thread, so polling starves no other (`utils.busy_poll`)
-    poll_linger_s: float = 0.0
 
 
 class ForwardedMetrics(ServerMetrics):

@@ -28,6 +28,7 @@ one `torch.cat` per group of equal shapes), joined once per frame."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import struct
 from dataclasses import dataclass
@@ -38,8 +39,7 @@ from corolla.engine.step_request import HiddenRows
 from corolla.protocol.prefix import MAX_PREFIX_BLOCKS, PREFIX_DIGEST_BYTES, PrefixKeys
 from corolla.server.core.executor import HandoffUnsupported
 from corolla.server.core.limits import PeerLimitExceeded, ServerLimitExceeded, SessionEvicted
-from corolla.server.core.refusals import BadRequest, Draining, Overloaded, RequestTimeout, TooLong
-from corolla.server.core.runtime import RuntimeStopped
+from corolla.server.core.refusals import BadRequest, Draining, Overloaded, RequestTimeout, RuntimeStopped, TooLong
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.tensor_bytes import view_bytes
 
@@ -88,6 +88,47 @@ _RECORD_HEAD = struct.Struct(">BB")  # dtype code, ndim
 _USUAL = struct.Struct(">IIBHBB3I")
 _SHAPES = tuple(struct.Struct(f">{ndim}I") for ndim in range(MAX_TENSOR_DIMS + 1))  # a record's dims
 _REPLY_RECORDS_KEPT = 256  # distinct (dtype, shape) reply record headers cached
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the device process tells a handler process once (the HELLO frame)."""
+
+    path: str
+    handler_index: int
+    max_frame_bytes: int
+    block_bytes_per_token: dict[int, int]  # KV bytes of one token of one sequence, per block
+    # KV hand-off: each block's canonical tensors for one sequence of one token ([1, heads, 1, dim] shape, dtype name),
+    # the same for every block; empty where the executor can't hand off (`handoff_refused` says why)
+    handoff_shapes: tuple[tuple[tuple[int, ...], str], ...] = ()
+    handoff_refused: str = ""
+
+    def to_json(self) -> bytes:
+        fields = dict(self.__dict__, block_bytes_per_token={str(k): v for k, v in self.block_bytes_per_token.items()})
+        return json.dumps(fields).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> DeviceInfo:
+        fields = json.loads(data)
+        table = {int(k): int(v) for k, v in dict(fields.pop("block_bytes_per_token")).items()}
+        shapes = tuple((tuple(int(n) for n in shape), str(dtype)) for shape, dtype in fields.pop("handoff_shapes", ()))
+        return cls(block_bytes_per_token=table, handoff_shapes=shapes, **fields)
+
+    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
+        return sum(self.block_bytes_per_token[i] for i in block_indices)
+
+
+HANDOFF_FRAME_SLACK_BYTES = 1 << 16  # a hand-off frame's records and state beside its tensors' bytes
+
+
+def check_handoff_frame(tensors: list[torch.Tensor], max_frame_bytes: int) -> None:
+    """HandoffUnsupported (the client replays) where a session's cache does not fit one channel frame."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if len(tensors) > 255 or nbytes + HANDOFF_FRAME_SLACK_BYTES > max_frame_bytes:
+        raise HandoffUnsupported(
+            f"a KV hand-off of {len(tensors)} tensors, {nbytes} bytes, exceeds the handler channel's frame of "
+            f"{max_frame_bytes} bytes: the client replays"
+        )
 
 
 class ChannelClosed(ConnectionError):

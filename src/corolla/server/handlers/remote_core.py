@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import socket
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -41,34 +39,6 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class DeviceInfo:
-    """What the device process tells a handler process once (the HELLO frame)."""
-
-    path: str
-    handler_index: int
-    max_frame_bytes: int
-    block_bytes_per_token: dict[int, int]  # KV bytes of one token of one sequence, per block
-    # KV hand-off: each block's canonical tensors for one sequence of one token ([1, heads, 1, dim] shape, dtype name),
-    # the same for every block; empty where the executor can't hand off (`handoff_refused` says why)
-    handoff_shapes: tuple[tuple[tuple[int, ...], str], ...] = ()
-    handoff_refused: str = ""
-
-    def to_json(self) -> bytes:
-        fields = dict(self.__dict__, block_bytes_per_token={str(k): v for k, v in self.block_bytes_per_token.items()})
-        return json.dumps(fields).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> DeviceInfo:
-        fields = json.loads(data)
-        table = {int(k): int(v) for k, v in dict(fields.pop("block_bytes_per_token")).items()}
-        shapes = tuple((tuple(int(n) for n in shape), str(dtype)) for shape, dtype in fields.pop("handoff_shapes", ()))
-        return cls(block_bytes_per_token=table, handoff_shapes=shapes, **fields)
-
-    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
-        return sum(self.block_bytes_per_token[i] for i in block_indices)
-
-
 class RemoteSessionCache(SessionCache):
     """A session whose cache lives in the device process under `handle`."""
 
@@ -85,7 +55,7 @@ class DeviceLink:
     """One handler process's channel to the device process: requests with ids, replies matched to them, and the
     frames the device sends on its own (state, evictions, routed pushes)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: DeviceInfo):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: wire.DeviceInfo):
         self.reader, self.writer, self.info = reader, writer, info
         self.bytes_left = 0
         self.bytes_waiting = 0
@@ -119,7 +89,7 @@ class DeviceLink:
         kind, _, payload = await wire.read_frame(reader, max_hello_bytes)
         if kind != wire.HELLO:
             raise wire.FrameError(f"expected HELLO from the device process, got frame kind {kind}")
-        link = cls(reader, writer, DeviceInfo.from_json(payload))
+        link = cls(reader, writer, wire.DeviceInfo.from_json(payload))
         kind, _, payload = await wire.read_frame(reader, max_hello_bytes)
         if kind != wire.STATE:
             raise wire.FrameError(f"expected STATE after HELLO from the device process, got frame kind {kind}")
@@ -378,24 +348,11 @@ class RemoteCore:
 
     async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
         handle = self._own(cache).handle
-        check_handoff_frame(tensors, self.link.info.max_frame_bytes)
+        wire.check_handoff_frame(tensors, self.link.info.max_frame_bytes)
         body = wire.Writer().u32(handle).u32(position).u8(len(tensors))
         for tensor in tensors:
             body.tensor(tensor.contiguous())
         _tensors(await self.link.call(wire.WRITE_KV, body))
-
-
-HANDOFF_FRAME_SLACK_BYTES = 1 << 16  # a hand-off frame's records and state beside its tensors' bytes
-
-
-def check_handoff_frame(tensors: list[torch.Tensor], max_frame_bytes: int) -> None:
-    """HandoffUnsupported (the client replays) where a session's cache does not fit one channel frame."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    if len(tensors) > 255 or nbytes + HANDOFF_FRAME_SLACK_BYTES > max_frame_bytes:
-        raise HandoffUnsupported(
-            f"a KV hand-off of {len(tensors)} tensors, {nbytes} bytes, exceeds the handler channel's frame of "
-            f"{max_frame_bytes} bytes: the client replays"
-        )
 
 
 def _tensors(reader: wire.Reader) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""A device channel frame's decode steps travel as ONE runtime task (`server.frame_steps.FrameIntake`,
+"""A device channel frame's decode steps travel as ONE runtime task (`server.handlers.device_channel.FrameIntake`,
 `engine.batcher.StepGroup`): each step still gets exactly its own output, a frame larger than one merged forward is
 split at the merge limit, a refused step is answered at once and leaves the others in the task, a session closed
 while its step waits fails that step only, a failing forward fails only its steps, and the runtime's counters count
@@ -20,10 +20,11 @@ from corolla.engine.span_engine import StepRequest
 from corolla.server.backend import SpanBackend
 from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor, EngineSessionCache
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
-from corolla.server.core.runtime import MAX_WATCHES, Runtime, RuntimeStopped, Task, TaskQueue
+from corolla.server.core.refusals import RuntimeStopped
+from corolla.server.core.runtime import MAX_WATCHES, Runtime, Task, TaskQueue
 from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.frame_steps import FrameIntake, StepReply
+from corolla.server.handlers.device_channel import FrameIntake, StepReply
 from helpers.tiny_models import tiny_span_backend
 
 H, SPAN, ROWS = 64, (0, 1), 8  # ROWS: the engine's largest forward (the merge limit of a decode batch)
