@@ -168,7 +168,7 @@ class FrameIntake:
         tasks: list[Task] = []
         frame = _FrameSteps()  # the fast path's queued decode steps: one task (or a few)
         runtime = self.executor.runtime
-        may_run_alone = self.core.num_open <= 1  # alone in all processes (read once per frame)
+        may_run_alone = self.core.admission.num_open <= 1  # alone in all processes (read once per frame)
         held, prepare_step = self._held, self.executor.prepare_step
         for step in steps:
             try:
@@ -401,7 +401,7 @@ class DeviceChannel:
         executor, core = self.executor, self.core
         deadline = core.drain.deadline
         return _STATE.pack(
-            max(0, executor.bytes_left), executor.bytes_waiting, executor.max_size_bytes, core.num_open,
+            max(0, executor.bytes_left), executor.bytes_waiting, executor.max_size_bytes, core.admission.num_open,
             NOT_DRAINING if deadline is None else deadline,
         )  # fmt: skip
 
