@@ -128,7 +128,8 @@ def make_tiny_model(out: Path, num_layers: int) -> Path:
 
 def plan_spans(placement: str, servers: Sequence[LiveServer], num_layers: int) -> list[range]:
     """Each server's span when they join in order under `placement`: the policy's `choose_span` over the spans (and
-    the throughputs they announce) of the servers before it, as `corolla-server --swarm_policy` does on joining."""
+    the throughputs they announce) of the servers before it, as a joining server does (`corolla-server` by corolla's
+    policy; Petals' servers by Petals', the baseline)."""
     policy = make_policy(placement)
     joined: list[RemoteSpanInfo] = []
     for i, spec in enumerate(servers):
@@ -188,10 +189,11 @@ class LiveSwarm:
 
 def open_manager(swarm: LiveSwarm, config: LiveConfig, routing: str) -> RemoteSequenceManager:
     client_config = ClientConfig(
-        initial_peers=tuple(swarm.swarm.initial_peers), swarm_policy=routing, update_period_s=config.update_period_s,
-        show_route="never", local_transport=False, max_retries=3, request_timeout_s=60.0,
+        initial_peers=tuple(swarm.swarm.initial_peers), update_period_s=config.update_period_s, show_route="never",
+        local_transport=False, max_retries=3, request_timeout_s=60.0,
     )  # fmt: skip
-    manager = RemoteSequenceManager(client_config, [make_uid(DHT_PREFIX, i) for i in range(config.num_layers)])
+    uids = [make_uid(DHT_PREFIX, i) for i in range(config.num_layers)]
+    manager = RemoteSequenceManager(client_config, uids, policy=make_policy(routing))  # Petals' is the baseline
     manager.wait_ready(120.0)
     # a DHT read on a loaded machine may miss records: measure only once the client sees every server online
     deadline = time.monotonic() + 120.0

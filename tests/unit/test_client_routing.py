@@ -17,6 +17,7 @@ from corolla.client.routing.bans import BanList
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.swarm.cache_refusals import IMMEDIATE_REROUTES, is_cache_refusal
+from corolla.swarm.policies import make_policy
 from corolla.swarm.route_planning import (
     find_missing_blocks,
     has_cache_for,
@@ -131,8 +132,11 @@ def test_retry_schedule_and_config_validation():
 class FakeSwarmManager(RemoteSequenceManager):
     """A sequence manager whose block records come from a dict instead of the DHT."""
 
-    def __init__(self, config: ClientConfig, servers: dict[str, ServerInfo], num_blocks: int, clock=None):
-        super().__init__(config, [f"m.{i}" for i in range(num_blocks)], start_updates=False)
+    def __init__(
+        self, config: ClientConfig, servers: dict[str, ServerInfo], num_blocks: int, clock=None, policy: str = "corolla"
+    ):
+        uids = [f"m.{i}" for i in range(num_blocks)]
+        super().__init__(config, uids, start_updates=False, policy=make_policy(policy))
         self.servers = servers
         if clock is not None:
             self.bans = BanList(config.ban_timeout_s, config.ban_backoff_rate, clock=clock)
@@ -149,7 +153,10 @@ class FakeSwarmManager(RemoteSequenceManager):
 
 
 def info(start: int, end: int, state=ServerState.ONLINE, **kw) -> ServerInfo:
-    return ServerInfo(state=state, throughput=1.0, start_block=start, end_block=end, **kw)
+    """A record; a server given its `inference_rps` announces the throughput it implies (Petals' model: a token uses
+    (n + 1) / 2 of its n blocks), as a real one does, since corolla's routing costs a server by both."""
+    kw.setdefault("throughput", kw["inference_rps"] * 2 / (end - start + 1) if "inference_rps" in kw else 1.0)
+    return ServerInfo(state=state, start_block=start, end_block=end, **kw)
 
 
 def test_manager_ignores_joining_and_applies_allow_block_lists():
@@ -199,10 +206,10 @@ def test_corolla_client_measures_its_whole_region_and_routes_there_first():
             pinged.append(sorted(peer_ids))
             return {p: 0.01 for p in peer_ids}
 
-    petals = Pinging(ClientConfig(max_pinged=1), servers, 8)
+    petals = Pinging(ClientConfig(max_pinged=1), servers, 8, policy="petals")
     petals.update()
     assert len(pinged[-1]) == 3  # one of block 0's, block 4's and block 7's servers
-    corolla = Pinging(ClientConfig(max_pinged=1, swarm_policy="corolla"), servers, 8)
+    corolla = Pinging(ClientConfig(max_pinged=1), servers, 8)
     corolla.update()
     assert pinged[-1] == sorted(servers) and set(corolla.client_rtts_s) == set(servers)
     corolla.update()
@@ -292,7 +299,7 @@ def test_a_cache_refusal_keeps_the_clients_region_whole_for_corolla(policy):
         def measure_rtts_s(self, peer_ids):
             return {p: 0.2 if p == "far" else 0.01 for p in peer_ids}
 
-    manager = Regional(ClientConfig(swarm_policy=policy), servers, 4)
+    manager = Regional(ClientConfig(), servers, 4, policy=policy)
     manager.update()
     manager.on_cache_refusal("near_b")  # the region's only server of blocks 2..3
     assert manager.avoided_peers() == (set() if policy == "corolla" else {"near_b"})

@@ -17,6 +17,15 @@ from corolla.swarm.policy import MoveDecision
 
 @pytest.fixture(scope="module")
 def tiny_run() -> tuple[Simulation, dict]:
+    """The tiny scenario under Petals' policy (the baseline; its chains are one hop, the swarm holds every block)."""
+    sim = Simulation(scenario("tiny", seed=1, policy="petals"))
+    report = sim.run()
+    return sim, dataclasses.asdict(report)
+
+
+@pytest.fixture(scope="module")
+def corolla_tiny_run() -> tuple[Simulation, dict]:
+    """The same under corolla's policy (the default), whose chains here have two hops."""
     sim = Simulation(scenario("tiny", seed=1))
     report = sim.run()
     return sim, dataclasses.asdict(report)
@@ -31,8 +40,8 @@ def test_a_tiny_swarm_serves_its_clients(tiny_run: tuple[Simulation, dict]) -> N
     assert report["flow_efficiency"] and all(0 < s["efficiency"] <= 1.0 for s in report["flow_efficiency"])
 
 
-def test_the_same_seed_gives_the_same_report(tiny_run: tuple[Simulation, dict]) -> None:
-    _, first = tiny_run
+def test_the_same_seed_gives_the_same_report(corolla_tiny_run: tuple[Simulation, dict]) -> None:
+    _, first = corolla_tiny_run
     second = dataclasses.asdict(Simulation(scenario("tiny", seed=1)).run())
     third = dataclasses.asdict(Simulation(scenario("tiny", seed=2)).run())
     for report in (first, second, third):
@@ -43,8 +52,9 @@ def test_the_same_seed_gives_the_same_report(tiny_run: tuple[Simulation, dict]) 
     assert first != third
 
 
-def test_churn_accounting(tiny_run: tuple[Simulation, dict]) -> None:
-    sim, report = tiny_run
+@pytest.mark.parametrize("run", ["tiny_run", "corolla_tiny_run"])
+def test_churn_accounting(run: str, request: pytest.FixtureRequest) -> None:
+    sim, report = request.getfixturevalue(run)
     gone = [s for s in sim.servers if s.state is None]
     assert report["churn"]["leaves"] + report["churn"]["crashes"] == len(gone) > 0
     joined = [s for s in sim.servers if s.num_blocks > 0]
@@ -56,12 +66,13 @@ def test_churn_accounting(tiny_run: tuple[Simulation, dict]) -> None:
         if server.state is None:
             assert not sim.view.servers.get(server.peer_id)
     online = [s for s in sim.view.servers.values() if s.state == ServerState.ONLINE]
-    assert sum(s.rows for s in online) == sum(1 for x in sim.clients.sessions.values() if x.phase == "decode")
+    decoding = [x for x in sim.clients.sessions.values() if x.phase == "decode"]
+    assert decoding and sum(s.rows for s in online) == sum(len(x.route or ()) for x in decoding)  # a row per hop
 
 
 def test_moves_are_charged_their_load_time() -> None:
     # balance_quality > 1 is Petals' debug mode: every check moves, so moves happen in a short run
-    config = scenario("tiny", seed=3, duration_s=900.0)
+    config = scenario("tiny", seed=3, duration_s=900.0, policy="petals")
     sim = Simulation(config)
     sim.policy = petals_policy.PetalsPolicy(balance_quality=1.5)
     report = sim.run()
@@ -85,7 +96,7 @@ def test_the_real_policy_functions_are_called(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(petals_policy, "choose_best_span", place)
     monkeypatch.setattr(petals_policy, "make_min_latency_route", route)
-    report = Simulation(scenario("tiny", seed=1, duration_s=900.0)).run()
+    report = Simulation(scenario("tiny", seed=1, duration_s=900.0, policy="petals")).run()
     assert calls["place"] == report.churn["joins"] > 0
     assert calls["route"] == report.churn["route_calls"] > 0
 

@@ -13,6 +13,7 @@ from corolla.server.core.runtime import KindStats
 from corolla.server.metrics import ServerMetrics
 from corolla.server.slowdown import BLOCK_DELAY_ENV, BlockDelay, block_delay_s, slowed_throughput
 from corolla.server.swarm_seat import SwarmSeat
+from corolla.swarm.policies import make_policy
 
 
 def span(peer: str, start: int, end: int, throughput: float) -> RemoteSpanInfo:
@@ -29,9 +30,9 @@ def make_seat(
     cache_tokens_per_block: int | None = None,
 ) -> SwarmSeat:
     seat = SwarmSeat(
-        policy_name=policy, balance_quality=0.75, dht=None, module_uids=[f"m.{i}" for i in range(4)],
-        max_blocks=max_blocks, throughput_info={"throughput": throughput}, metrics=ServerMetrics(),
-        cache_tokens_per_block=cache_tokens_per_block,
+        dht=None, module_uids=[f"m.{i}" for i in range(4)], max_blocks=max_blocks,
+        throughput_info={"throughput": throughput}, metrics=ServerMetrics(),
+        cache_tokens_per_block=cache_tokens_per_block, policy=make_policy(policy),
     )  # fmt: skip
     seat.peer_id = "me"
 

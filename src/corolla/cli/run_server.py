@@ -23,7 +23,6 @@ from corolla.server.config import COMPRESSION_NAMES, QUANT_TYPE_NAMES, TORCH_DTY
 from corolla.server.core.limits import add_limit_flags
 from corolla.server.server import Server
 from corolla.server.startup_checks import check_settings
-from corolla.swarm.policy import POLICY_NAMES
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
@@ -143,10 +142,10 @@ def build_parser() -> configargparse.ArgParser:
     parser.add("--custom_module_path", default=None, help="legacy hivemind option (ignored)")
     parser.add("--identity_path", default=None, help="libp2p private key file (stable peer id)")
     parser.add("--swarm_key_file", default=None, help="private swarm: the key file from corolla-dht --new_swarm_key")
-    parser.add("--balance_quality", type=float, default=0.75, help="move if swarm throughput < this x optimum")
     parser.add(
-        "--swarm_policy", choices=POLICY_NAMES, default="petals",
-        help="placement and rebalancing: petals (the reference's) or corolla (flow-raising, reload-aware)",
+        "--balance_quality", type=float, default=0.75,
+        help="Petals' flag: 0 turns rebalancing off; other values are accepted and not used (corolla's moves weigh "
+        "their gain against the reload)",
     )  # fmt: skip
     parser.add("--mean_balance_check_period", type=float, default=60, help="mean seconds between balance checks")
     parser.add("--mean_block_selection_delay", type=float, default=5, help="mean random delay before choosing blocks")

@@ -14,6 +14,7 @@ from corolla.sim.helix import reproduction
 from corolla.sim.scenarios import SCENARIOS, scenario
 from corolla.sim.simulation import Simulation
 from corolla.sim.workload import WorkloadConfig
+from corolla.swarm.policy import POLICY_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate a scenario with one or more policies (same seed, one row each)")
     run.add_argument("--scenario", choices=sorted(SCENARIOS), default="scale")
-    run.add_argument("--policy", nargs="+", default=["petals"], help="policies to compare, e.g. petals corolla")
+    run.add_argument(
+        "--policy",
+        nargs="+",
+        default=["corolla"],
+        choices=POLICY_NAMES,
+        help="policies to compare on the same seed: corolla (what corolla-server and the client run) and petals "
+        "(the reference's, the baseline), e.g. --policy petals corolla",
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--servers", type=int, default=None, help="override the scenario's server count")
     run.add_argument("--duration_s", type=float, default=None, help="override the scenario's simulated seconds")

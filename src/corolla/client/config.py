@@ -7,8 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from corolla.swarm.policy import check_policy_name
-
 
 def _env_max_retries() -> int | None:
     value = os.environ.get("COROLLA_MAX_RETRIES", os.environ.get("PETALS_MAX_RETRIES"))
@@ -61,10 +59,6 @@ class ClientConfig:
     # key each session's positions by their tokens (`corolla.prefix`) so that corolla servers keep them, and start
     # a generation after the prefix its chain already holds (`client.prefix.prefix_reuse`); outputs are the same either way
     prefix_reuse: bool = True
-
-    # how chains are chosen (`corolla.swarm.policies`): "petals" = the reference's min-latency chain, "corolla" = cost
-    # by RTT, per-block time and announced load, spread over near-equal chains
-    swarm_policy: str = "petals"
 
     alloc_timeout_s: float = 0.0  # how long servers may wait for KV cache memory (sent as `alloc_timeout`)
     points: float = 0.0  # priority budget sent as `points`
@@ -119,7 +113,6 @@ class ClientConfig:
             raise ValueError(f"max_pinged must be >= 0, got {self.max_pinged}")
         if self.ban_backoff_rate < 1:
             raise ValueError(f"ban_backoff_rate must be >= 1, got {self.ban_backoff_rate}")
-        check_policy_name(self.swarm_policy)
         if self.show_route not in ("inference", "always", "never"):
             raise ValueError(f"show_route must be 'inference', 'always' or 'never', got {self.show_route!r}")
         if isinstance(self.initial_peers, str):

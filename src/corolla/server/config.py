@@ -13,7 +13,6 @@ from typing import Any
 from corolla.server.core.limits import PeerLimits
 from corolla.server.front.direct_endpoint import DirectListen
 from corolla.swarm.dht import PUBLIC_INITIAL_PEERS
-from corolla.swarm.policy import check_policy_name
 
 COMPRESSION_NAMES = ("NONE", "MEANSTD_16BIT", "FLOAT16", "QUANTILE_8BIT", "UNIFORM_8BIT", "BLOCKWISE_8BIT")
 TORCH_DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
@@ -125,10 +124,9 @@ class ServerConfig:
     reachable_via_relay: bool | None = None  # None -> check (public swarm only)
     update_period_s: float = 120.0
     expiration_s: float | None = None  # None -> max(2 * update_period_s, 3)
+    # Petals' flag: 0 (or less) turns rebalancing off; other values are accepted for Petals' command lines and not
+    # used: corolla's placement and moves (`swarm.corolla_policy`) weigh a move's gain against its reload instead
     balance_quality: float = 0.75
-    # placement and rebalancing (`corolla.swarm.policies`): "petals" = the reference's math, "corolla" = flow-raising
-    # span length and position, moves that pay back their reload
-    swarm_policy: str = "petals"
     mean_balance_check_period_s: float = 60.0
     mean_block_selection_delay_s: float = 5.0
     # throughput
@@ -231,7 +229,6 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.balance_quality < 0:
             raise ValueError(f"balance_quality must be >= 0, got {self.balance_quality}")
-        check_policy_name(self.swarm_policy)
         for name in ("inference_max_length_tokens", "max_batch_size_tokens", "attn_cache_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -235,8 +235,8 @@ class Server:
         self.throughput_info = self.measure_throughput()
         logger.info(f"server.throughput({', '.join(f'{k}={v:.1f}' for k, v in sorted(self.throughput_info.items()))})")
         self.seat = SwarmSeat(
-            policy_name=c.swarm_policy, balance_quality=c.balance_quality, dht=self.dht, module_uids=self.module_uids,
-            max_blocks=self.settings.num_blocks, throughput_info=self.throughput_info, metrics=self.metrics,
+            dht=self.dht, module_uids=self.module_uids, max_blocks=self.settings.num_blocks,
+            throughput_info=self.throughput_info, metrics=self.metrics,
             cache_tokens_per_block=self.settings.cache_bytes_per_block // self.settings.kv_bytes_per_token_block,
         )  # fmt: skip
         self.seat.peer_id = self.peer_id

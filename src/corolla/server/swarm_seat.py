@@ -1,5 +1,5 @@
-"""The server's seat in the swarm: reads every server's span from the DHT, asks the swarm policy
-(`corolla.swarm.policies`) which span to load and whether to move, and samples the load it announces."""
+"""The server's seat in the swarm: reads every server's span from the DHT, asks corolla's swarm policy
+(`swarm.corolla_policy`) which span to load and whether to move, and samples the load it announces."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 from corolla.protocol.records import RemoteSpanInfo, ServerState
 from corolla.server.metrics import ServerMetrics
+from corolla.swarm.corolla_policy import CorollaPolicy
 from corolla.swarm.ping import PingAggregator
-from corolla.swarm.policies import make_policy
-from corolla.swarm.policy import PLACEMENT_PINGS, ServerCapacity
+from corolla.swarm.policy import PLACEMENT_PINGS, ServerCapacity, SwarmPolicy
 from corolla.swarm.records_io import get_remote_module_infos
 from corolla.swarm.rtt_book import RttBook
 from corolla.swarm.spans import compute_spans
@@ -26,22 +26,21 @@ JOIN_PING_TIMEOUT_S = 2.0
 
 
 class SwarmSeat:
-    """Placement and rebalancing for one server (`policy_name`: `--swarm_policy`); `load_s` is what the last span
-    took to load (the cost of a move), `online_since` when it started serving it."""
+    """Placement and rebalancing for one server by `policy` (corolla's; tests may pass Petals' baseline to compare);
+    `load_s` is what the last span took to load (the cost of a move), `online_since` when it started serving it."""
 
     def __init__(
         self,
         *,
-        policy_name: str,
-        balance_quality: float,
         dht: Any,
         module_uids: list[str],
         max_blocks: int,
         throughput_info: dict[str, float],
         metrics: ServerMetrics,
         cache_tokens_per_block: int | None = None,
+        policy: SwarmPolicy = CorollaPolicy(),
     ):
-        self.policy = make_policy(policy_name, balance_quality=balance_quality)
+        self.policy = policy
         self.dht = dht
         self.module_uids = module_uids
         self.max_blocks = max_blocks

@@ -53,7 +53,7 @@ class SimConfig:
     fleet: Mapping[str, float]
     server_regions: Mapping[str, float] = field(default_factory=lambda: {r: 1.0 for r in REGIONS})
     churn: ChurnConfig = ChurnConfig()
-    policy: str = "petals"
+    policy: str = "corolla"  # "petals": the baseline (`swarm.policies`)
     seed: int = 0
     warmup_s: float = 600.0
     model: ModelSpec = LLAMA2_70B

@@ -1,4 +1,6 @@
-"""The policies by name (`--swarm_policy`): `petals` (the reference's math, the baseline) and `corolla`."""
+"""The policies by name, for what measures corolla's policy against Petals' (`corolla-sim run --policy`,
+`benchmarks.swarm_live`): `corolla` (what `corolla-server` and the client run) and `petals` (the reference's math,
+the measured baseline; no product option selects it)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ from corolla.swarm.petals_policy import PetalsPolicy
 from corolla.swarm.policy import SwarmPolicy, check_policy_name
 
 
-def make_policy(name: str, *, balance_quality: float | None = None) -> SwarmPolicy:
-    """The policy called `name`; `balance_quality` is Petals' move threshold (its CLI flag; Petals only)."""
+def make_policy(name: str) -> SwarmPolicy:
+    """The policy called `name` (one of `POLICY_NAMES`), with its defaults."""
     if check_policy_name(name) == "petals":
-        return PetalsPolicy() if balance_quality is None else PetalsPolicy(balance_quality=balance_quality)
+        return PetalsPolicy()
     return CorollaPolicy()

@@ -25,7 +25,9 @@ from typing import Literal, Protocol
 from corolla.protocol.records import RemoteSpanInfo
 
 RouteMode = Literal["min_latency", "max_throughput"]
-POLICY_NAMES = ("petals", "corolla")
+# corolla's is what `corolla-server` and the client run; Petals' is the baseline that `corolla-sim` and the live
+# benchmark measure it against (`swarm.policies.make_policy`)
+POLICY_NAMES = ("corolla", "petals")
 # servers a server pings before placing or moving when its policy places by RTT (`uses_rtts`), of those it has not
 # measured yet (`swarm.rtt_book`): the whole of a swarm of ~60 at its join, of 1,000 after ~16 checks; one small RPC
 # each
@@ -112,7 +114,7 @@ class SwarmPolicy(Protocol):
 
     @property
     def name(self) -> str:
-        """The policy's name in `POLICY_NAMES` (logs, `--swarm_policy`)."""
+        """The policy's name in `POLICY_NAMES` (logs, `corolla-sim --policy`)."""
         ...
 
     @property

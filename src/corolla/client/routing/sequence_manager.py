@@ -25,11 +25,11 @@ from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerSta
 from corolla.protocol.rpc import TransformerConnectionHandler, handle_name
 from corolla.protocol.uids import CHAIN_DELIMITER
 from corolla.swarm.cache_refusals import AVOID_S, may_avoid
+from corolla.swarm.corolla_policy import CorollaPolicy
 from corolla.swarm.dht import PUBLIC_INITIAL_PEERS, SwarmConfig, create_dht, get_peer_id, shutdown_dht
 from corolla.swarm.membership import RpcMembership, SwarmKeyAuthorizer, load_swarm_key
 from corolla.swarm.ping import PingAggregator, ping
-from corolla.swarm.policies import make_policy
-from corolla.swarm.policy import PLACEMENT_PINGS, RouteMode
+from corolla.swarm.policy import PLACEMENT_PINGS, RouteMode, SwarmPolicy
 from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
 from corolla.swarm.routed_load import RoutedLoad
 from corolla.swarm.spans import compute_spans
@@ -55,7 +55,9 @@ class RemoteSequenceManager:
     """Routing state for a sequence of block uids (usually all blocks of one model).
 
     A daemon thread refreshes block records every `update_period_s` (or at once when a failure leaves a block
-    uncovered); `make_sequence` plans a chain from the latest view. Servers in state JOINING are never used.
+    uncovered); `make_sequence` plans a chain from the latest view by corolla's routing (`swarm.corolla_policy`).
+    Servers in state JOINING are never used. `policy` is a benchmark and test seam, not a user option:
+    `benchmarks.swarm_live` passes Petals' policy (`swarm.petals_policy`) to measure its baseline on the same swarm.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class RemoteSequenceManager:
         dht: Any | None = None,
         start_updates: bool = True,
         p2p: Any | None = None,
+        policy: SwarmPolicy = CorollaPolicy(),
     ):
         if not block_uids:
             raise ValueError("block_uids must name at least one block")
@@ -79,7 +82,7 @@ class RemoteSequenceManager:
         self.bans = BanList(config.ban_timeout_s, config.ban_backoff_rate)
         self.prefix_routes = PrefixRoutes()  # which chain held which conversation's prefix (cache-affine routing)
         self.rng = random.Random()
-        self.policy = make_policy(config.swarm_policy)
+        self.policy = policy
         self.routed = RoutedLoad()  # sessions this client routed lately, by peer (time.monotonic())
         self._lock = threading.Lock()
         self._spans: list[RemoteSpanInfo] = []
