@@ -1,13 +1,15 @@
 """Server processes in a loopback swarm: `--throughput dry_run` measures and exits (a later start reuses the cached
-figures); automatic block selection covers the model; a `--block_indices` server stays put; an imbalanced swarm
-makes a movable server move; records go JOINING -> ONLINE -> OFFLINE; SIGTERM (OFFLINE first) and SIGKILL leave no
-process behind."""
+figures); automatic block selection (corolla's policy) covers the model; a `--block_indices` server stays put; a
+pinned server joining on a movable one's blocks, leaving the rest uncovered, makes the movable one move there at its
+next balance check (no dwelling while a block has no server), in its log and metrics; records go JOINING -> ONLINE ->
+OFFLINE; SIGTERM (OFFLINE first) and SIGKILL leave no process behind."""
 
 from __future__ import annotations
 
 import json
 import signal
 import time
+import urllib.request
 
 import pytest
 
@@ -61,12 +63,19 @@ def test_dry_run_then_swarm_lifecycle(swarm: Swarm, tmp_path, capsys):  # noqa: 
     reader = create_dht(SwarmConfig(initial_peers=swarm.initial_peers, client_mode=True))
     try:
         # A: movable, alone -> takes 0:2; B then pins 0:2 -> A should move to 2:4 (blocks 2-3 uncovered)
-        a = swarm.start_server(model, "--num_blocks", "2", "--throughput", "1", "--mean_balance_check_period", "1")
+        balance = ("--throughput", "1", "--mean_balance_check_period", "1")
+        a = swarm.start_server(model, "--num_blocks", "2", "--metrics_port", "0", *balance)
         assert (a.start_block, a.end_block) == (0, 2)
-        b = swarm.start_server(model, "--block_indices", "0:2", "--throughput", "1", "--mean_balance_check_period", "1")
+        assert any("server.placed(policy=corolla, blocks=0:2)" in line for line in a.lines)
+        b = swarm.start_server(model, "--block_indices", "0:2", *balance)
         assert (b.start_block, b.end_block) == (0, 2)
-        a.wait_ready(60, start=a.lines.index(a.ready_lines()[0]) + 1)
+        a.wait_ready(90, start=a.lines.index(a.ready_lines()[0]) + 1)
         assert (a.start_block, a.end_block) == (2, 4), a.tail()
+        assert any("server.balance_check(policy=corolla, move=True" in line for line in a.lines)
+        url = next(line.split("metrics at ")[1].strip() for line in a.lines if "corolla-server: metrics at " in line)
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        assert "corolla_moves_total 1.0" in text and "corolla_span_loads_total 2.0" in text
 
         # C: automatic selection with auto throughput, reusing the cached figures
         c = swarm.start_server(model, "--num_blocks", "2", "--throughput", "auto")
