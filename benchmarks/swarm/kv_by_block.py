@@ -19,7 +19,7 @@ def fitting_by_block(servers: list[SimServer], num_blocks: int, need_tokens: int
     fits = [0] * num_blocks
     for server in servers:
         for block in range(server.start, server.end):
-            fits[block] += server.kv_free_tokens // max(need_tokens, 1)
+            fits[block] += server.kv_free_tokens(block, block + 1) // max(need_tokens, 1)
     return fits
 
 
@@ -47,8 +47,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for region in [*sorted({s.region for s in online}), None]:
         servers = [s for s in online if region is None or s.region == region]
-        capacity = sum(s.kv_capacity_tokens for s in servers)
-        reserved = sum(min(s.kv_reserved_tokens, s.kv_capacity_tokens) for s in servers) / max(capacity, 1)
+        capacity = sum(s.kv_capacity_tokens * s.num_blocks for s in servers)
+        reserved = sum(s.kv_reserved_token_blocks for s in servers) / max(capacity, 1)
         fits = fitting_by_block(servers, n, need)
         scarcest = min(range(n), key=lambda b: fits[b])
         in_region = sum(1 for x in waiting if region is None or x.conversation.region == region)

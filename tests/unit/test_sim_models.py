@@ -60,6 +60,20 @@ def test_a_step_batches_the_rows_waiting_not_every_session_held() -> None:
     assert lone.batch(own_rate=100.0)[2] == 0.0
 
 
+def test_a_session_reserves_kv_on_the_blocks_its_hop_uses_only() -> None:
+    """As a real server allocates KV for the blocks a request names (not its whole span): a session over blocks
+    0..5 of a 0..10 span leaves 5..10 free for another session of the whole capacity (decision 0036)."""
+    server = SimServer("s", "europe", ServerPerf(GPUS["L4"], LLAMA2_70B, "nf4"), 20, joined_s=0.0, start=0, end=10)
+    capacity = server.kv_capacity_tokens
+    assert capacity > 0 and server.cache_tokens_left == 2 * 10 * capacity
+    server.reserve(0, 5, capacity)
+    assert server.kv_free_tokens(0, 10) == 0 and server.kv_free_tokens(0, 1) == 0
+    assert server.kv_free_tokens(5, 10) == capacity
+    assert server.cache_tokens_left == 2 * 5 * capacity and server.kv_reserved_token_blocks == 5 * capacity
+    server.reserve(0, 5, -capacity)
+    assert not server.kv_reserved and server.cache_tokens_left == 2 * 10 * capacity
+
+
 def test_churn_is_heavy_tailed_with_the_median_and_mean_asked_for() -> None:
     churn, rng = ChurnConfig(median_session_s=7200.0, mean_session_s=36000.0), random.Random(1)
     draws = [churn.session_s(rng) for _ in range(40_000)]

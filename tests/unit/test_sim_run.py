@@ -62,7 +62,9 @@ def test_churn_accounting(run: str, request: pytest.FixtureRequest) -> None:
     assert report["churn"]["moves"] == sum(s.num_moves for s in sim.servers)
     assert report["churn"]["reload_s"] >= report["churn"]["moves"] * 30.0
     for server in sim.servers:  # nothing is left reserved on a server no session uses
-        assert server.rows >= 0 and server.kv_reserved_tokens >= 0
+        assert server.rows >= 0 and all(tokens > 0 for tokens in server.kv_reserved.values())
+        if not server.sessions:
+            assert not server.kv_reserved
         if server.state is None:
             assert not sim.view.servers.get(server.peer_id)
     online = [s for s in sim.view.servers.values() if s.state == ServerState.ONLINE]
@@ -180,10 +182,10 @@ def test_corolla_peers_announce_cache_early_and_a_refused_client_rereads_and_rer
     sim.clients._release(session)
     server = next(s for s in sim.view.servers.values() if s.state == ServerState.ONLINE and s.num_blocks)
     sim.clients.route_fn = lambda s: [(server.peer_id, server.start, server.end)] if s is session else []
-    server.kv_reserved_tokens += server.kv_capacity_tokens  # full, while its record still announces room
+    server.reserve(server.start, server.end, server.kv_capacity_tokens)  # full, while its record announces room
     rereads = sim.metrics.rereads
     assert not sim.clients._reroute(session)
-    server.kv_reserved_tokens -= server.kv_capacity_tokens
+    server.reserve(server.start, server.end, -server.kv_capacity_tokens)
     assert session.banned[server.peer_id] == pytest.approx(sim.loop.now_s + cache_refusals.AVOID_S)
     assert sim.metrics.rereads == rereads + 1  # its own read of the records as the servers last announced them
     assert sim._client_view(session) == (sim.view.routing_spans(), -1)

@@ -196,10 +196,10 @@ class ClientDriver:
 
     def _release(self, session: SimSession) -> None:
         need = session.conversation.total_tokens
-        for server, _, _ in session.route or ():
+        for server, start, end in session.route or ():
             if session.sid in server.sessions:
                 server.sessions.discard(session.sid)
-                server.kv_reserved_tokens -= need
+                server.reserve(start, end, -need)
         session.route, session.kv_on_route = None, 0
 
     def _reroute(self, session: SimSession) -> bool:
@@ -220,7 +220,7 @@ class ClientDriver:
             session.cache_refusals = 0
             return False
         hops = [(self.view.servers[peer], start, end) for peer, start, end in chain]
-        refusing = next((server for server, _, _ in hops if server.kv_free_tokens < need), None)
+        refusing = next((server for server, start, end in hops if server.kv_free_tokens(start, end) < need), None)
         if refusing is not None:
             self._count(session, "refusals")  # out of cache
             session.full = True  # for this whole wait: a user who gives up after it was turned away by a full swarm
@@ -232,9 +232,9 @@ class ClientDriver:
                     session.banned[refusing.peer_id] = self.loop.now_s + AVOID_S
             return False
         session.full, session.cache_refusals = False, 0
-        for server, _, _ in hops:
+        for server, start, end in hops:
             server.sessions.add(session.sid)
-            server.kv_reserved_tokens += need
+            server.reserve(start, end, need)
         region, rtt = session.conversation.region, self.view.rtt
         net = self.view.client_rtts_s[region][hops[0][0].peer_id] / 2
         net += self.view.client_rtts_s[region][hops[-1][0].peer_id] / 2

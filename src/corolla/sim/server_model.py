@@ -43,7 +43,9 @@ class SimServer:
     rows: int = 0  # sessions decoding through it now
     visit_rate: float = 0.0  # their decode tokens arriving per second (the sum of 1 / time per token)
     context_tokens: int = 0  # their KV tokens, summed
-    kv_reserved_tokens: int = 0  # sessions' reserved max lengths, summed
+    # block -> the max lengths (tokens) its sessions reserved on that block: a session reserves on the blocks its hop
+    # uses only, as a real server allocates KV for the blocks a request names (corolla's pool: pages per layer)
+    kv_reserved: dict[int, int] = field(default_factory=dict)
     sessions: set[int] = field(default_factory=set)  # ids of sessions holding KV here
     busy_fraction: float = 0.0
     next_pings: dict[str, float] = field(default_factory=dict)
@@ -76,14 +78,30 @@ class SimServer:
     def kv_capacity_tokens(self) -> int:
         return self.perf.kv_tokens(self.num_blocks) if self.num_blocks else 0
 
+    def kv_free_tokens(self, start: int, end: int) -> int:
+        """Tokens a new session can still reserve on blocks `[start, end)` (the least free of those blocks)."""
+        reserved = max((self.kv_reserved.get(block, 0) for block in range(start, end)), default=0)
+        return max(0, self.kv_capacity_tokens - reserved)
+
+    def reserve(self, start: int, end: int, tokens: int) -> None:
+        """A session reserves `tokens` (negative: releases them) on blocks `[start, end)`."""
+        for block in range(start, end):
+            left = self.kv_reserved.get(block, 0) + tokens
+            if left:
+                self.kv_reserved[block] = left
+            else:
+                del self.kv_reserved[block]
+
     @property
-    def kv_free_tokens(self) -> int:
-        return max(0, self.kv_capacity_tokens - self.kv_reserved_tokens)
+    def kv_reserved_token_blocks(self) -> int:
+        """KV reserved on its span's blocks (token x block slots, each block at most its capacity)."""
+        capacity = self.kv_capacity_tokens
+        return sum(min(self.kv_reserved.get(block, 0), capacity) for block in range(self.start, self.end))
 
     @property
     def cache_tokens_left(self) -> int:
-        """Its free KV in Petals' announced unit (K-or-V token x block slots)."""
-        return 2 * self.num_blocks * self.kv_free_tokens
+        """Its free KV in Petals' announced unit (K-or-V token x block slots), summed over its blocks."""
+        return 2 * (self.num_blocks * self.kv_capacity_tokens - self.kv_reserved_token_blocks)
 
     def load_s(self, num_blocks: int) -> float:
         """Seconds to start serving `num_blocks` blocks whose weights are not on its disk (a join, Petals' move)."""

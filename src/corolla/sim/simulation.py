@@ -456,8 +456,8 @@ class Simulation:
         sessions = self.clients.sessions.values()
         decoding = sum(1 for x in sessions if x.phase == "decode")
         waiting = sum(1 for x in sessions if x.route is None and x.wait_start_s is not None)
-        capacity = sum(s.kv_capacity_tokens for s in online)
-        reserved = sum(min(s.kv_reserved_tokens, s.kv_capacity_tokens) for s in online) / max(capacity, 1)
+        capacity = sum(s.kv_capacity_tokens * s.num_blocks for s in online)
+        reserved = sum(s.kv_reserved_token_blocks for s in online) / max(capacity, 1)
         best_tps = max(best.flow_tps, flow)
         fetching = sum(1 for s in online if s.fetching is not None)
         self.metrics.flow.append(
