@@ -9,11 +9,11 @@ the first start to the last end), the median training step, the session's median
 merged per block call on the server (runtime counters); next to `transformers` running the same span locally in the
 same process (frozen weights, gradients to the inputs) at 1 and N x `rows` rows.
 
-A/B phases: `--unmerged` (every work alone), `--no_reuse_ab` (no forward activations kept for backwards: every
-backward recomputes its blocks' inputs), `--forward_merge_ab TOKENS` and `--backward_merge_ab TOKENS` (another merge
-limit), `--no_poll_ab` (the server's loop never polls after a lone session's inline decode step: on CUDA it polls for
-5 ms, which may keep the GIL from the runtime thread's training launches). Each phase is printed as it ends, with the
-session's decode step meanwhile.
+A/B phases: `--phase N:key=value,...` (repeatable) runs N clients with the server changed for that phase only:
+`merge=F/B` (merge limits in tokens; `1/1`: every work alone), `reuse=off` (no forward activations kept for
+backwards), `poll=off` (the server's loop never polls after a lone session's inline decode step), `trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out`
+writes it), `steps=N` (steps per client in this phase). Each phase is printed as it ends, with the session's decode
+step meanwhile.
 
 CPU dry run: `python -m benchmarks.training --tiny`; the GPU figure: `python -m benchmarks.training` (32 Llama-3-8B
 layers, bf16, sequence 512)."""
@@ -36,6 +36,7 @@ import torch
 from benchmarks.common.model import ModelShape, build_hf_model
 from benchmarks.training.clients import WINDOWS_DONE, ServerAddress, inference_client, training_client
 from benchmarks.training.local import local_tokens_per_s
+from benchmarks.training.timeline import Timeline, traced
 from benchmarks.users.server import DHT_PREFIX, BenchServer, build_executor
 from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor
 from corolla.server.core.runtime import KindStats
@@ -49,14 +50,43 @@ TEARDOWN_S = 10.0
 
 @dataclass(frozen=True)
 class PhaseSpec:
-    """One phase to run: `clients` concurrent training clients under these merge limits, with or without the forward
-    activations kept for backwards."""
+    """One phase to run: `clients` concurrent training clients with the server as served, or changed for the phase
+    (`--phase`)."""
 
     clients: int
     forward_tokens: int = FORWARD_MERGE_TOKENS
     backward_tokens: int = BACKWARD_MERGE_TOKENS
     reuse: bool = True
     poll: bool = True  # False: the handler's loop polling off for the phase (as on CPU)
+    trace: bool = False  # a CUDA trace of the phase (`timeline`)
+    steps: int | None = None  # steps per client (None: `--steps`)
+
+    @property
+    def served(self) -> bool:
+        """The server as served (the ratio's phases), not an A/B phase."""
+        return self == PhaseSpec(self.clients, trace=self.trace, steps=self.steps)
+
+    @classmethod
+    def parse(cls, text: str) -> PhaseSpec:
+        """`N[:key=value,...]` (see the module docstring)."""
+        count, _, options = text.partition(":")
+        fields: dict = {}
+        for option in filter(None, options.split(",")):
+            key, _, value = option.partition("=")
+            if key == "merge":
+                forward, backward = value.split("/")
+                fields.update(forward_tokens=int(forward), backward_tokens=int(backward))
+            elif key in ("reuse", "poll", "trace"):
+                fields[key] = _on(value)
+            elif key == "steps":
+                fields["steps"] = int(value)
+            else:
+                raise ValueError(f"unknown phase option {key!r} in {text!r}")
+        return cls(int(count), **fields)
+
+
+def _on(value: str) -> bool:
+    return {"on": True, "off": False}[value]
 
 
 @dataclass
@@ -82,6 +112,9 @@ class Phase:
     call_ms: float = float("nan")  # per block call: the device thread running it (on a GPU: launching it)
     call_wait_ms: float = float("nan")  # per block call: then waiting for the call before it (on a GPU)
     decode_device_ms: float = float("nan")  # per decode batch: the device's own time (where the runtime measured it)
+    served: bool = True  # the server as served (False: an A/B phase)
+    request_ms: float = float("nan")  # per training request on the server: from its first work queued to its answer
+    timeline: Timeline | None = None  # the phase's CUDA trace, summarized (trace=on)
 
 
 @dataclass
@@ -92,6 +125,7 @@ class Report:
     rows: int
     seq_len: int
     steps: int
+    num_handlers: int
     idle_inference_step_median_ms: float = float("nan")
     idle_inference_steps: int = 0
     phases: list[Phase] = field(default_factory=list)
@@ -109,30 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq_len", type=int, default=512)
     parser.add_argument("--rows", type=int, default=1, help="sequences per training step of one client")
     parser.add_argument("--clients", default="1,8", help="concurrent training clients of each phase")
-    parser.add_argument("--unmerged", action="store_true", help="also the most clients with every work alone (A/B)")
     parser.add_argument(
-        "--no_reuse_ab",
-        action="store_true",
-        help="also 1 and the most clients with no forward activations kept for backwards (A/B)",
+        "--phase", action="append", default=[], help="an A/B phase, N:key=value,... (see above); repeatable"
     )
-    parser.add_argument(
-        "--forward_merge_ab",
-        type=int,
-        default=0,
-        help="also the most clients with this forward merge limit in tokens (A/B)",
-    )
-    parser.add_argument(
-        "--backward_merge_ab",
-        type=int,
-        default=0,
-        help="also the most clients with this backward merge limit in tokens (A/B)",
-    )
-    parser.add_argument(
-        "--no_poll_ab", action="store_true", help="also 1 and the most clients with the server loop's polling off (A/B)"
-    )
-
+    parser.add_argument("--trace_out", default=None, help="write the traced phase's chrome trace here (gzipped)")
     parser.add_argument("--steps", type=int, default=8, help="timed forward+backward steps per client and phase")
     parser.add_argument("--idle_s", type=float, default=3.0, help="the inference session alone, seconds")
+    parser.add_argument(
+        "--num_handlers",
+        type=int,
+        default=1,
+        help="the server's handler processes (1: its own loop serves the streams)",
+    )
+    parser.add_argument("--no_local", action="store_true", help="no `transformers` baseline (a second run's call)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--out", default=None, help="also write the report here (JSON)")
@@ -147,40 +170,34 @@ def main(argv: list[str] | None = None) -> int:
             **{**asdict(shape), "hidden_size": args.hidden_size, "intermediate_size": args.hidden_size * 7 // 2}
         )
     counts = [int(c) for c in args.clients.split(",")]
-    most = max(counts)
-    phases = [PhaseSpec(n) for n in counts]
-    if args.forward_merge_ab:
-        phases.append(PhaseSpec(most, forward_tokens=args.forward_merge_ab))
-    if args.backward_merge_ab:
-        phases.append(PhaseSpec(most, backward_tokens=args.backward_merge_ab))
-    if args.no_reuse_ab:
-        phases.extend(PhaseSpec(n, reuse=False) for n in sorted({1, most}))
-    if args.no_poll_ab:
-        phases.extend(PhaseSpec(n, poll=False) for n in sorted({1, most}, reverse=True))
-    if args.unmerged:
-        phases.append(PhaseSpec(most, forward_tokens=1, backward_tokens=1))
+    phases = [PhaseSpec(n) for n in counts] + [PhaseSpec.parse(text) for text in args.phase]
     report = run(shape, dtype, device, rows=args.rows, seq_len=args.seq_len, phases=phases, steps=args.steps,
-                 idle_s=args.idle_s)  # fmt: skip
-    text = json.dumps(asdict(report), indent=1)
-    print(text)
+                 idle_s=args.idle_s, trace_out=args.trace_out, out=args.out, num_handlers=args.num_handlers,
+                 local=not args.no_local)  # fmt: skip
+    print(json.dumps(asdict(report), indent=1))
     print(summary(report))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    _write(report, args.out)
     return 1 if report.errors else 0
+
+
+def _write(report: Report, out: str | None) -> None:
+    if out:
+        with open(out, "w") as f:
+            json.dump(asdict(report), f, indent=1)
 
 
 def run(
     shape: ModelShape, dtype: torch.dtype, device: torch.device, *, rows: int, seq_len: int, phases: list[PhaseSpec],
-    steps: int, idle_s: float,
+    steps: int, idle_s: float, trace_out: str | None = None, out: str | None = None, num_handlers: int = 1,
+    local: bool = True,
 ) -> Report:  # fmt: skip
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    report = Report(name, asdict(shape), str(dtype).removeprefix("torch."), rows, seq_len, steps)
+    report = Report(name, asdict(shape), str(dtype).removeprefix("torch."), rows, seq_len, steps, num_handlers)
     model = build_hf_model(shape, dtype, device)
     executor = build_executor(shape, dtype, device, num_layers=shape.num_layers, serving_path="fused",
                               cache_bytes=256 * 2**20, model=model)  # fmt: skip
     most = max(spec.clients for spec in phases)
-    for n in sorted({1, most}):
+    for n in sorted({1, most}) if local else ():
         report.local_tokens_per_s[f"rows={n * rows}"] = local_tokens_per_s(model, n * rows, seq_len, steps)
         print(f"local transformers, {n * rows} rows: {report.local_tokens_per_s[f'rows={n * rows}']:.0f} tok/s")
     del model
@@ -188,17 +205,18 @@ def run(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     server = BenchServer(executor, hidden_size=shape.hidden_size, num_layers=shape.num_layers, dtype=dtype,
-                         device=device)  # fmt: skip
+                         device=device, num_handlers=num_handlers)  # fmt: skip
     with server.running():
         address = ServerAddress(server.maddrs, server.peer_id_b58, DHT_PREFIX, shape.num_layers, shape.hidden_size,
                                 report.dtype)  # fmt: skip
-        _serve(server, address, report, rows=rows, seq_len=seq_len, phases=phases, steps=steps, idle_s=idle_s)
+        _serve(server, address, report, rows=rows, seq_len=seq_len, phases=phases, steps=steps, idle_s=idle_s,
+               trace_out=trace_out, out=out)  # fmt: skip
     return report
 
 
 def _serve(
     server: BenchServer, address: ServerAddress, report: Report, *, rows: int, seq_len: int, phases: list[PhaseSpec],
-    steps: int, idle_s: float,
+    steps: int, idle_s: float, trace_out: str | None, out: str | None,
 ) -> None:  # fmt: skip
     context = multiprocessing.get_context("forkserver")
     stop = context.Event()
@@ -235,14 +253,18 @@ def _serve(
             training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens)
             training.kept = kept if spec.reuse else KeptActivations(0)
             server.runtime.after_inline = poll if spec.poll else None  # called after each inline step
+            requests_before = (training.num_requests, training.chain_s)
+            phase_steps = steps if spec.steps is None else spec.steps
             inline_before = server.runtime.num_inline_batches
             before = training_stats(server.runtime.stats())
             hits_before, misses_before = training.kept.hits, training.kept.misses
             calls_before = (training.num_calls, training.call_s, training.wait_s)
             decode_before = server.runtime.stats().get(KIND_ENGINE_INFERENCE, KindStats())
-            for commands, _, _ in clients[:n]:
-                commands.put(steps)
-            steps_of = [results.get(timeout=READY_TIMEOUT_S) for _, results, _ in clients[:n]]
+            timelines: list[Timeline] = []
+            with traced(trace_out, timelines) if spec.trace else contextlib.nullcontext():
+                for commands, _, _ in clients[:n]:
+                    commands.put(phase_steps)
+                steps_of = [results.get(timeout=READY_TIMEOUT_S) for _, results, _ in clients[:n]]
             bad = [s for s in steps_of if not isinstance(s, list)]
             if bad:
                 for error in bad:
@@ -250,6 +272,7 @@ def _serve(
                 return
             merged = training_stats(server.runtime.stats()).since(before)
             calls = training.num_calls - calls_before[0]
+            requests = max(training.num_requests - requests_before[0], 1)
             decode = server.runtime.stats().get(KIND_ENGINE_INFERENCE, KindStats()).since(decode_before)
             starts = [start for client in steps_of for start, _, _, _ in client]
             ends = [end for client in steps_of for _, _, end, _ in client]
@@ -257,7 +280,7 @@ def _serve(
             step_ms = statistics.median((end - start) * 1e3 for client in steps_of for start, _, end, _ in client)
             forward_ms = statistics.median((mid - start) * 1e3 for client in steps_of for start, mid, _, _ in client)
             retried = sum(count for client in steps_of for _, _, _, count in client)
-            tokens, window_s = n * steps * rows * seq_len, max(ends) - min(starts)
+            tokens, window_s = n * phase_steps * rows * seq_len, max(ends) - min(starts)
             report.phases.append(Phase(n, merged_phase, tokens / window_s, step_ms, _median_ms(during), len(during),
                                        merged.tasks_per_batch, forward_ms, merged.busy_s / window_s,
                                        training.kept.hits - hits_before, training.kept.misses - misses_before,
@@ -266,8 +289,11 @@ def _serve(
                                        (training.call_s - calls_before[1]) * 1e3 / max(calls, 1),
                                        (training.wait_s - calls_before[2]) * 1e3 / max(calls, 1),
                                        decode.device_s * 1e3 / decode.device_timed if decode.device_timed
-                                       else float("nan")))  # fmt: skip
+                                       else float("nan"), spec.served,
+                                       (training.chain_s - requests_before[1]) * 1e3 / requests,
+                                       timelines[0] if timelines else None))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
+            _write(report, out)  # a run cut short keeps the phases it finished
         training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
         training.kept = kept
         server.runtime.after_inline = poll
@@ -335,12 +361,11 @@ def _median_ms(windows: list[tuple[float, float]]) -> float:
 def summary(report: Report) -> str:
     lines = [
         f"{report.device}, {report.shape['num_layers']} layers of hidden {report.shape['hidden_size']}, "
-        f"{report.dtype}, {report.rows} x {report.seq_len} tokens per step",
+        f"{report.dtype}, {report.rows} x {report.seq_len} tokens per step, {report.num_handlers} handler process(es)",
         f"inference session alone: {report.idle_inference_step_median_ms:.2f} ms/step "
         f"({report.idle_inference_steps} steps)",
     ]
-    defaults = [p for p in report.phases if p.merged and p.reuse and p.poll]
-    one = next((p.tokens_per_s for p in defaults if p.clients == 1), None)
+    one = next((p.tokens_per_s for p in report.phases if p.served and p.clients == 1), None)
     for p in report.phases:
         ratio = f" = {p.tokens_per_s / one:.2f}x one client" if one else ""
         slower = p.inference_step_median_ms / report.idle_inference_step_median_ms
@@ -354,7 +379,13 @@ def summary(report: Report) -> str:
             ab.append("no activations kept A/B")
         if not p.poll:
             ab.append("loop polling off A/B")
-
+        if p.timeline is not None:
+            t = p.timeline
+            gaps = ", ".join(f"{label}: {int(c)} ({ms:.0f} ms)" for label, (c, ms) in t.idle_gaps.items())
+            ab.append(
+                f"traced: device busy {t.device_busy_share:.0%} of {t.window_ms:.0f} ms, graph (decode) kernels "
+                f"{t.graph_device_ms:.0f} ms, other kernels and copies {t.other_device_ms:.0f} ms, idle gaps {gaps}"
+            )
         lines.append(
             f"{p.clients} training clients{''.join(f' ({a})' for a in ab)}: {p.tokens_per_s:.0f} tok/s{ratio}, "
             f"step {p.step_median_ms:.1f} ms (forward {p.forward_median_ms:.1f} ms), "
@@ -362,7 +393,8 @@ def summary(report: Report) -> str:
             f"{p.training_busy_share:.0%} of the window, backwards reusing their forward's activations "
             f"{p.kept_hits}/{p.kept_hits + p.kept_misses}, calls retried after a stream closed without a reply "
             f"{p.retried_calls}, inline decode steps {p.inline_steps}; {p.block_calls} block calls of {p.call_ms:.2f} ms "
-            f"+ {p.call_wait_ms:.2f} ms waiting for the one before; decode device time {p.decode_device_ms:.2f} ms; "
+            f"+ {p.call_wait_ms:.2f} ms waiting for the one before; a request {p.request_ms:.1f} ms on the server; "
+            f"decode device time {p.decode_device_ms:.2f} ms; "
             f"inference step {p.inference_step_median_ms:.2f} ms ({slower:.2f}x alone, {p.inference_steps} steps)"
         )
     for rows, rate in report.local_tokens_per_s.items():

@@ -175,6 +175,9 @@ class TrainingBatcher:
         self.num_calls = 0
         self.call_s = 0.0
         self.wait_s = 0.0
+        # and requests answered, seconds from queuing a request's first work to its answer
+        self.num_requests = 0
+        self.chain_s = 0.0
         # forwards' block inputs kept for their backwards (default: bounded by the sizing's autograd reserve)
         self.kept = kept if kept is not None else default_kept_activations(backend)
         self.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
@@ -204,7 +207,7 @@ class TrainingBatcher:
             return hidden.clone()
         keep = len(indices) > 1 and self.kept.max_bytes > 0
         chain = BlockChain(PHASE_FORWARD, indices, per_block, adapter, hidden, keep_inputs=keep)
-        output = await self._start(chain)
+        output = await self._answer(chain)
         if keep:
             self.kept.put(owner, tuple(indices), adapter, received, received_prompts, chain.kept_inputs())
         self._count(PHASE_FORWARD, output)
@@ -232,9 +235,17 @@ class TrainingBatcher:
         if len(indices) > 1:
             kept = self.kept.take(owner, tuple(indices), adapter, received, received_prompts)
         chain = BlockChain(PHASE_BACKWARD, indices, per_block, adapter, inputs, grad_outputs, kept=kept)
-        grads = await self._start(chain)
+        grads = await self._answer(chain)
         self._count(PHASE_BACKWARD, inputs)
         return grads
+
+    async def _answer(self, chain: BlockChain) -> Any:
+        """The chain's result (`BlockChain.result`), its time on the server counted."""
+        started = time.perf_counter()
+        answer = await self._start(chain)
+        self.num_requests += 1
+        self.chain_s += time.perf_counter() - started
+        return answer
 
     def _start(self, chain: BlockChain) -> asyncio.Future:
         """Queues the chain's first work; the future of its result (resolved in this loop)."""

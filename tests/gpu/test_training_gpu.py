@@ -1,0 +1,77 @@
+"""Training work on a GPU (`server.core.training_batch`): concurrent clients' forwards and backwards (host tensors, as
+requests bring them) merge into fewer block calls, launched ahead on the device, and each client gets what the span
+computes for it alone (fp32); a backward after its own forward reuses
+the forward's block inputs. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from corolla.models.registry import get_family
+from corolla.server.backend import SpanBackend
+from corolla.server.core.runtime import Runtime
+from corolla.server.core.training_batch import TrainingBatcher
+from helpers.tiny_models import tiny_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.timeout(300),
+]
+
+H, N_BLOCKS = 64, 3
+SPAN = tuple(range(N_BLOCKS))
+
+
+@pytest.fixture(scope="module")
+def backend() -> SpanBackend:
+    torch.manual_seed(0)
+    config = tiny_config("llama", N_BLOCKS)
+    blocks = {}
+    for i in SPAN:
+        block = get_family(config).build_block(config, i)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.15)
+        blocks[i] = block.cuda()
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cuda")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    got, want = got.cpu(), want.cpu()
+    return bool(((got - want).norm() / want.norm()).item() < 1e-4)
+
+
+def test_clients_merge_on_gpu_and_get_their_own_results(backend: SpanBackend) -> None:
+    torch.manual_seed(3)
+    # (rows, deep prompt rows or None): all 16 tokens long, so that they merge
+    clients = [(1, None), (2, 1), (3, 3)]
+    inputs = []
+    for rows, prompt_rows in clients:
+        prompts = None if prompt_rows is None else torch.randn(N_BLOCKS, prompt_rows, 4, H) * 0.1
+        inputs.append((torch.randn(rows, 16, H), torch.randn(rows, 16, H), prompts))
+
+    async def go() -> list:
+        with Runtime(max_batch_size_tokens=4096, device=backend.device) as runtime:
+            batcher = TrainingBatcher(backend, runtime)
+            forwards = await asyncio.gather(
+                *(batcher.forward(SPAN, h, p, "", owner=f"peer{i}") for i, (h, _, p) in enumerate(inputs))
+            )
+            backwards = await asyncio.gather(
+                *(batcher.backward(SPAN, h, g, p, "", owner=f"peer{i}") for i, (h, g, p) in enumerate(inputs))
+            )
+            assert batcher.kept.hits == len(clients)  # each backward reused its own forward's block inputs
+            assert batcher.num_calls < 4 * N_BLOCKS * len(clients) / 2  # merged
+            return [forwards, backwards]
+
+    forwards, backwards = asyncio.run(asyncio.wait_for(go(), 120))
+    for (hidden, grad, prompts), output, (grad_input, grad_prompts) in zip(inputs, forwards, backwards, strict=True):
+        assert _close(output, backend.forward(SPAN, hidden, prompts))
+        want_input, want_prompts = backend.backward(SPAN, hidden, grad, prompts)
+        assert _close(grad_input, want_input)
+        if prompts is None:
+            assert grad_prompts is None
+        else:
+            assert _close(grad_prompts, want_prompts)
