@@ -1,4 +1,4 @@
-"""The catch rate of stretch verification, measured over many seeded trials (issue 37's target: a server corrupting 1%
+"""The catch rate of verification by shadow sessions, measured over many seeded trials (issue 37's target: a server corrupting 1%
 of its steps with finite, plausible values is caught with probability >= 99% within 1,000 of its steps, and an honest
 server is never banned): `python -m benchmarks.field.catch_rate [--trials 10000] [--seed 0]`.
 
@@ -6,17 +6,17 @@ Each trial is one liar's career: it serves sessions (a prompt step, then one dec
 [`min_new_tokens`, `max_new_tokens`]) of one span that two honest replicas also hold, and announces itself fastest, so
 every session goes through it; each of its steps is corrupted with probability `lie_rate` (its outputs plus noise of
 relative L2 size `lie_scale`: finite, the outputs' own scale). The client side is the real one
-(`client.verification.stretches.StretchVerifier` with `ClientConfig`'s sampling, a real `RemoteSequenceManager` and `BanList`);
-the servers are a tiny random causal transformer span computed for real: the liar's answers come from incremental
-decoding with a KV cache, the replicas recompute each sampled stretch in one pass over the span's inputs [0, b), as
-`rpc_forward` does. A trial ends when the liar is banned (caught at that step) or after `budget_steps` of its steps
-(escaped; the session in flight is cut without its closing verification, which would only help). Control trials run
-the same with an honest server in its place: nobody may be banned. Prints one JSON line."""
+(`client.shadows.ShadowVerifier` with `ClientConfig`'s sampling of whole sessions, its comparison and the 2:1 vote of
+`client.stretches.StretchReferees`, a real `RemoteSequenceManager` and `BanList`); the servers are a tiny random
+causal transformer span computed for real: the liar's answers come from incremental decoding with a KV cache, a
+shadow's replica replays the mirrored steps incrementally with its own cache (as a shadow session does), and the
+third replica that decides a disagreement recomputes [0, b) in one pass, as `rpc_forward` does. A trial ends when
+the liar is banned (caught at that step) or after `budget_steps` of its steps (escaped). Control trials run the same
+with an honest server in its place: nobody may be banned. Prints one JSON line."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import math
@@ -30,12 +30,8 @@ import torch
 from corolla.client import background_loop
 from corolla.client.config import ClientConfig
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.verification.stretches import (
-    DEFAULT_FRACTION,
-    DEFAULT_STRETCH_STEPS,
-    StretchVerifier,
-    escape_probability,
-)
+from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, Mirrored, Shadow, ShadowVerifier, escape_probability
+from corolla.client.verification.stretches import StretchReferees
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.utils.logging import quiet_logs
 
@@ -110,8 +106,8 @@ class LocalManager(RemoteSequenceManager):
         return {peer: 0.001 for peer in peer_ids}
 
 
-class RecomputingVerifier(StretchVerifier):
-    """The replicas' `rpc_forward`, computed here: one pass over the span's inputs [0, b)."""
+class RecomputingReferees(StretchReferees):
+    """The third replica's `rpc_forward`, computed here: one pass over the span's inputs [0, b)."""
 
     def __init__(self, manager: RemoteSequenceManager, span: ToySpan, rng: random.Random):
         super().__init__(manager, rng=rng)
@@ -119,6 +115,31 @@ class RecomputingVerifier(StretchVerifier):
 
     async def recompute(self, replica: RemoteSpanInfo, inputs: torch.Tensor, first: int) -> torch.Tensor | None:
         return self.span.run(inputs, None)[:, first:]
+
+
+class ReplayingShadows(ShadowVerifier):
+    """The shadows' replicas, computed here: each replays its mirrored steps incrementally over its own KV cache."""
+
+    def __init__(self, manager: RemoteSequenceManager, span: ToySpan, rng: random.Random):
+        super().__init__(manager, rng=rng)
+        self.span = span
+        self.referees = RecomputingReferees(manager, span, rng)
+        self.caches: dict[int, list[list[torch.Tensor]]] = {}
+
+    async def open_stream(self, shadow: Shadow) -> None:
+        self.caches[id(shadow)] = []
+
+    async def close_stream(self, shadow: Shadow) -> None:
+        self.caches.pop(id(shadow), None)
+
+    async def replay(self, shadow: Shadow, step: Mirrored) -> torch.Tensor:
+        caches = self.caches[id(shadow)]
+        if not caches:
+            empty = step.inputs[:, :0]
+            caches.extend([empty, empty] for _ in self.span.blocks)
+        for cache in caches:  # a rollback: the cache from `first` is overwritten
+            cache[0], cache[1] = cache[0][:, : step.first], cache[1][:, : step.first]
+        return self.span.run(step.inputs, caches)
 
 
 @dataclasses.dataclass
@@ -146,15 +167,16 @@ async def _career(pool: Pool, args: argparse.Namespace, seed: int, *, lying: boo
     rng = random.Random(seed)
     lies = random.Random(seed ^ 0x5EED)
     noise = torch.Generator().manual_seed(seed)
-    config = ClientConfig(verify_stretch_fraction=args.fraction, verify_stretch_steps=args.stretch_steps)
+    config = ClientConfig(verify_shadow_fraction=args.fraction)
     manager = LocalManager(config)
     server = next(s for s in manager.spans if s.peer_id == "server")
     steps = verified = 0
     while steps < args.budget_steps:
         index = rng.randrange(pool.inputs.shape[0])
         end = PROMPT_TOKENS + rng.randint(args.min_new_tokens, args.max_new_tokens)
-        verifier = RecomputingVerifier(manager, pool.span, random.Random(rng.random()))
-        session = SimpleNamespace(history=pool.inputs[index : index + 1])  # what the client sent the span
+        verifier = ReplayingShadows(manager, pool.span, random.Random(rng.random()))
+        # the span session: its inputs (all it will be sent) and its server
+        span_session = SimpleNamespace(span=server, history=pool.inputs[index : index + 1], max_length=end)
         first = 0
         while first < end and steps < args.budget_steps:
             last = PROMPT_TOKENS if first == 0 else first + 1
@@ -162,15 +184,14 @@ async def _career(pool: Pool, args: argparse.Namespace, seed: int, *, lying: boo
             if lying and lies.random() < args.lie_rate:
                 error = torch.randn(outputs.shape, generator=noise).to(outputs.dtype)
                 outputs = outputs + args.lie_scale * error * (outputs.float().norm() / error.float().norm())
-            verifier.after_step(0, session, server, outputs, first)
+            verifier.after_step(span_session, outputs, first)  # type: ignore[arg-type]
             steps += 1
-            for task in list(verifier.tasks):
-                await asyncio.wrap_future(task)
+            await verifier.settle()
             if manager.bans.is_liar("server"):
+                await verifier.finish()
                 return {"caught_at": steps, "bans": sorted(manager.bans.banned_peers()), "verified": verified}
             first = last
-        if first == end:  # the session ended: its close verifies what is left (sampled the same way)
-            await verifier.finish()
+        await verifier.finish()
         verified += verifier.num_positions_verified
         if manager.bans.banned_peers():
             break
@@ -206,13 +227,14 @@ def measure(args: argparse.Namespace) -> dict:
         honest_bans += bool(result["bans"])
         honest_positions += result["verified"]
     caught_at.sort()
+    mean_steps = 1 + (args.min_new_tokens + args.max_new_tokens) / 2  # a prompt step, then a step per new token
     return {
         "trials": args.trials, "lie_rate": args.lie_rate, "lie_scale": args.lie_scale, "budget_steps": args.budget_steps,
-        "fraction": args.fraction, "stretch_steps": args.stretch_steps, "dtype": args.dtype,
+        "fraction": args.fraction, "dtype": args.dtype,
         "new_tokens": [args.min_new_tokens, args.max_new_tokens], "caught": args.trials - escaped,
         "catch_rate": round((args.trials - escaped) / args.trials, 5),
         "escape_rate_95_upper": round(wilson_upper(escaped, args.trials), 5),
-        "model_escape_probability": round(escape_probability(args.lie_rate, args.budget_steps, args.stretch_steps,
+        "model_escape_probability": round(escape_probability(args.lie_rate, args.budget_steps, mean_steps,
                                                              args.fraction), 5),
         "caught_at_median": statistics.median(caught_at) if caught_at else None,
         "caught_at_p99": caught_at[min(len(caught_at) - 1, int(0.99 * len(caught_at)))] if caught_at else None,
@@ -229,8 +251,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lie_rate", type=float, default=0.01)
     p.add_argument("--lie_scale", type=float, default=1.0, help="relative L2 size of a lie's error")
     p.add_argument("--budget_steps", type=int, default=1000)
-    p.add_argument("--fraction", type=float, default=DEFAULT_FRACTION)
-    p.add_argument("--stretch_steps", type=int, default=DEFAULT_STRETCH_STEPS)
+    p.add_argument("--fraction", type=float, default=DEFAULT_SHADOW_FRACTION, help="sessions shadowed")
     p.add_argument("--min_new_tokens", type=int, default=16)
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--pool_sessions", type=int, default=16)

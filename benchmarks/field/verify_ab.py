@@ -1,9 +1,9 @@
 """A/B of verification's cost on this machine, in one run (inside `../shared/tools/loopback-only`):
 `python -m benchmarks.field.verify_ab [--new_tokens 48] [--repeats 3]`. The demo model on a loopback swarm with two
 honest servers per span; tokens/s of greedy generation with verification off, with the per-step re-run
-(`verify_fraction` 0.1 and 1.0) and with stretch recomputation (`verify_stretch_fraction` 0.6, the rate that catches a
+(`verify_fraction` 0.1 and 1.0) and with shadow sessions (`verify_shadow_fraction` 0.75, the rate that catches a
 1%-liar within 1,000 steps, and 1.0). Every generation's verification finishes before its time is taken (the
-session's close waits for it), so the cost counted is the whole recomputation on this machine's CPUs.
+session's close waits for its shadows), so the cost counted is the whole recomputation on this machine's CPUs.
 
 A lone client's tok/s is latency, not throughput: the servers idle between its steps and a background recomputation
 uses that idle time. So the bench also reports the servers' CPU time per generated token (every server process and
@@ -27,7 +27,7 @@ import torch
 
 from corolla.cli.demo import split_blocks
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.client.verification.stretches import DEFAULT_FRACTION
+from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 
@@ -35,8 +35,8 @@ VARIANTS: dict[str, dict[str, float]] = {
     "off": {},
     "step_0.1": {"verify_fraction": 0.1},
     "step_1.0": {"verify_fraction": 1.0},
-    f"stretch_{DEFAULT_FRACTION}": {"verify_stretch_fraction": DEFAULT_FRACTION},
-    "stretch_1.0": {"verify_stretch_fraction": 1.0},
+    f"shadow_{DEFAULT_SHADOW_FRACTION}": {"verify_shadow_fraction": DEFAULT_SHADOW_FRACTION},
+    "shadow_1.0": {"verify_shadow_fraction": 1.0},
 }
 
 

@@ -1,12 +1,12 @@
-"""benchmarks.field.catch_rate: seeded trials of a server corrupting 1% of its steps under stretch verification (the
-real client side, a tiny causal span recomputed for real). A cheap run: the catch rate is where the arithmetic puts
+"""benchmarks.field.catch_rate: seeded trials of a server corrupting 1% of its steps under verification by shadow
+sessions (the real client side, a tiny causal span computed for real). A cheap run: the catch rate is where the arithmetic puts
 it, honest servers are never banned, and the bench can tell a sampling rate that misses the target."""
 
 from __future__ import annotations
 
 from benchmarks.field.catch_rate import measure, parser
 
-FLAGS = ["--control_trials", "8", "--pool_sessions", "4", "--max_new_tokens", "128"]
+FLAGS = ["--control_trials", "3", "--pool_sessions", "4", "--max_new_tokens", "128"]
 
 
 def _run(trials: int, *flags: str) -> dict:
@@ -14,12 +14,12 @@ def _run(trials: int, *flags: str) -> dict:
 
 
 def test_a_one_percent_liar_is_caught_within_1000_steps_and_honest_servers_never_banned() -> None:
-    report = _run(60)
-    assert report["catch_rate"] >= 0.97  # expected ~0.99 (seeded: the same trials every run)
+    report = _run(20)
+    assert report["catch_rate"] >= 0.95  # expected ~0.997 (seeded: the same trials every run)
     assert report["honest_framed"] == 0 and report["honest_banned"] == 0
-    assert report["honest_positions_verified"] > 8 * 400  # the control was really checked, position by position
+    assert report["honest_positions_verified"] > 3 * 400  # the control was really checked, position by position
 
 
 def test_too_low_a_sampling_rate_misses_the_target() -> None:
-    report = _run(40, "--fraction", "0.15")  # the arithmetic: escape 1,000 steps with probability ~26%
+    report = _run(12, "--fraction", "0.15")  # the arithmetic: escape 1,000 steps with probability ~40%
     assert report["catch_rate"] < 0.9

@@ -72,11 +72,10 @@ class ClientConfig:
     verify_fraction: float = 0.0
     verify_rtol: float | None = None  # None = derived from the dtypes of the two outputs
     verify_max_referees: int = 2  # servers asked per verified span (a second, then a third to break a tie)
-    # recompute this fraction of stretches (`verify_stretch_steps` steps of a span) on a replica as one rpc_forward,
-    # in the background, and ban a server outvoted 2:1 for good (`client.verification.stretches`: 0.6 catches a server lying in
-    # 1% of its steps with 99% probability within 1,000 of its steps); 0 = off
-    verify_stretch_fraction: float = 0.0
-    verify_stretch_steps: int = 64
+    # mirror this fraction of span sessions (whole) to a replica as a shadow session on its spare rows, compare in the
+    # background, and ban a server outvoted 2:1 for good (`client.session.shadows`: 0.75 catches a server lying in 1%
+    # of its steps with >= 99% probability within 1,000 of its steps); 0 = off
+    verify_shadow_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -99,10 +98,8 @@ class ClientConfig:
             raise ValueError(f"max_wait_s must be >= 0 or None, got {self.max_wait_s!r}")
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction!r}")
-        if not 0.0 <= self.verify_stretch_fraction <= 1.0:
-            raise ValueError(f"verify_stretch_fraction must be in [0, 1], got {self.verify_stretch_fraction!r}")
-        if not 1 <= self.verify_stretch_steps <= 1 << 20:
-            raise ValueError(f"verify_stretch_steps must be in [1, {1 << 20}], got {self.verify_stretch_steps}")
+        if not 0.0 <= self.verify_shadow_fraction <= 1.0:
+            raise ValueError(f"verify_shadow_fraction must be in [0, 1], got {self.verify_shadow_fraction!r}")
         if self.verify_rtol is not None and not self.verify_rtol > 0:
             raise ValueError(f"verify_rtol must be > 0 or None, got {self.verify_rtol!r}")
         if self.verify_max_referees < 1:

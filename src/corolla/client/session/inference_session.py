@@ -24,11 +24,11 @@ from corolla.client.prefix.prefix_reuse import probe_chain, speaks_prefix_keys
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.forwarding import StepForwarding, push_went_stale
 from corolla.client.session.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
+from corolla.client.session.shadows import FINISH_TIMEOUT_S, ShadowVerifier
 from corolla.client.session.span_session import SpanSession, SpanUnreachable, steps_in_flight
 from corolla.client.session.stalls import StallEvent
 from corolla.client.transport.link_probe import LINK_KNOCK_LIMIT_S, wait_until_answering
 from corolla.client.verification.step_verifier import StepVerifier
-from corolla.client.verification.stretches import FINISH_TIMEOUT_S, StretchVerifier
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.errors import MissingBlocksError
@@ -72,9 +72,7 @@ class InferenceSession:
         self.num_pushed_steps = 0  # span steps whose server answered the copy pushed by the previous server
         self.handoffs = HandoffLog()  # spans moved off draining servers with their KV cache
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
-        self.stretches = StretchVerifier(
-            manager
-        )  # recomputes sampled stretches of each span (client.verification.stretches)
+        self.shadows = ShadowVerifier(manager)  # mirrors sampled span sessions to replicas (client.session.shadows)
         self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.session.stalls)
         self.on_enter: list[Callable[[], None]] = []  # hooks of the module that opened this session
         self.on_exit: list[Callable[[], None]] = []
@@ -149,6 +147,8 @@ class InferenceSession:
             hypo_ids = hypo_ids.cpu()
         if self._position == 0:
             self._zero_prompts = prompts
+        if prompts is not None or hypo_ids is not None:
+            self.shadows.stop("deep prompts or beam search")  # steps a shadow session does not repeat
         self._batch_size = batch_size
         cpu_inputs = inputs.detach().cpu()
         chain = self.prefix
@@ -263,9 +263,7 @@ class InferenceSession:
                 return None
             self.manager.on_request_success(span_session.span.peer_id)
             if span_session.last_outputs is not None:
-                self.stretches.after_step(
-                    id(span_session), span_session, span_session.span, span_session.last_outputs, hidden_from
-                )
+                self.shadows.after_step(span_session, span_session.last_outputs, hidden_from)
         self.num_steps_here += 1
         return hidden[:, position - hidden_from :]
 
@@ -321,9 +319,7 @@ class InferenceSession:
                 )
                 self.num_pushed_steps += span_session.last_reply_pushed
                 if span_session.last_outputs is not None:
-                    self.stretches.after_step(
-                        id(span_session), span_session, span, span_session.last_outputs, outputs_from
-                    )
+                    self.shadows.after_step(span_session, span_session.last_outputs, outputs_from)
                 if verify and span_session.last_outputs is not None and span_session.history is not None:
                     await self.verifier.verify(span, span_session.history, span_session.last_outputs)
                 self.manager.on_request_success(span.peer_id)
@@ -449,10 +445,10 @@ class InferenceSession:
 
         async def _close_all() -> None:
             await asyncio.gather(*(session.close() for session in self._spans), return_exceptions=True)
-            try:  # the last stretches (sampled as usual); a replica that does not answer in time is not waited for
-                await asyncio.wait_for(self.stretches.finish(), FINISH_TIMEOUT_S)
+            try:  # the shadows catch up; a replica that does not answer in time is not waited for
+                await asyncio.wait_for(self.shadows.finish(), FINISH_TIMEOUT_S)
             except asyncio.TimeoutError:
-                logger.info("inference_session.verification_unfinished(pending=%d)", len(self.stretches.tasks))
+                logger.info("inference_session.verification_unfinished(shadows=%d)", len(self.shadows.shadows))
 
         if self.prefix is not None and self._spans:  # the next turn of this conversation prefers this chain
             self.manager.prefix_routes.remember(self.prefix, [s.span for s in self._spans], self._position)

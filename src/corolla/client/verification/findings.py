@@ -7,7 +7,8 @@ bans on a finding. `check_finding` re-verifies it first-hand: a replica other th
 inputs (a claim that matches the recomputation is `refuted`: the reporter lied or erred); otherwise the accused is
 asked to compute the same inputs itself, and only if a second replica confirms that the accused's own answer is wrong
 (2:1, the rule of `client.verification.stretches`) is it banned (`caught`). A claim that checks out while the accused now answers
-honestly only marks the accused `suspect` (the receiver verifies its stretches with probability 1 from then on)."""
+honestly only marks the accused `suspect` (the receiver mirrors every session through it
+from then on: `client.session.shadows`)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.verification.stretches import Finding, StretchVerifier
+from corolla.client.verification.stretches import Finding, StretchReferees
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.utils.logging import get_logger
 
@@ -77,7 +78,7 @@ async def check_finding(
 ) -> Verdict:
     """Re-verifies `finding` first-hand (see the module docstring). `reporter`: the peer that sent it, never used as
     a replica. Bans only on the accused's own wrong answer, outvoted 2:1."""
-    verifier = StretchVerifier(manager, rng=rng)
+    verifier = StretchReferees(manager, rng=rng)
     accused = next((s for s in manager.spans if s.peer_id == finding.peer_id), None)
     span = RemoteSpanInfo(
         peer_id=finding.peer_id,
@@ -107,7 +108,8 @@ async def check_finding(
             "findings.suspect(accused=...%s): the claim checks out, its own answer is right", finding.peer_id[-6:]
         )
         return "suspect"
-    if await verifier.verify(span, finding.inputs, own, finding.first) is False:  # 2:1 with further replicas
+    own_finding = Finding(finding.peer_id, finding.blocks, finding.inputs, own, finding.first)
+    if await verifier.verify(span, own_finding) == "caught":  # 2:1 with further replicas
         return "caught"
     manager.bans.suspect(finding.peer_id)
     return "suspect"

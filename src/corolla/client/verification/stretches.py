@@ -1,35 +1,23 @@
-"""Cheap verification of a session's spans by recomputation (`StretchVerifier`): the client keeps, per span session,
-the outputs each server returned; when a span has `verify_stretch_steps` unverified steps (and at the session's
-end) the stretch is sampled with probability `verify_stretch_fraction`, and a replica of the span recomputes it as
-ONE stateless `rpc_forward` over the span's inputs for positions [0, b) (one prefill; an existing RPC, so stock
-Petals servers serve as replicas and are checked too). The outputs the server claimed for the stretch's positions
-[a, b) are compared position by position with the recomputation, within the dtype's tolerance. A disagreement is
+"""Deciding whether a server's claimed outputs for a stretch of a span's session are wrong (`StretchReferees`): a
+replica of the span recomputes the stretch as ONE stateless `rpc_forward` over the span's inputs for positions
+[0, b) (an existing RPC, so stock Petals servers serve as referees and are checked too), and the outputs the server
+claimed for positions [first, b) are compared position by position within the dtype's tolerance. A disagreement is
 decided by a second replica: the server outvoted 2:1 is banned for good (`BanList.ban_liar`); with no second replica
 nobody is banned (an honest server must never be banned because one referee lied), and the finding is kept.
 
-Why this catches a rare liar. A server corrupting a fraction q of its steps, with stretches of S steps each
-verified with probability f, escapes N of its steps with probability (1 - f (1 - (1 - q)^S))^(N / S). For q = 1%,
-N = 1,000, S = 64: f >= 0.54 gives >= 99% by that formula; measured (`python -m benchmarks.field.catch_rate`, 5,000
-seeded careers, the session in flight at the 1,000th step never verified) f = 0.55 caught 99.0% (95% interval down to
-98.7%), so `DEFAULT_FRACTION` is 0.6: 99.42% caught, 95% interval >= 99.17%. The liar cannot tell which stretches
-are checked: the draw happens after the stretch, on the client. Cost: one forward over b tokens per verified stretch
-on one replica (a second only on a disagreement), against the S decode steps the stretch took; b grows with the
-position (the replica holds no cache), so the recomputed tokens grow with the square of a session's length. Where a
-server decodes few sessions, a decode step is bandwidth-bound and such a forward costs about one step; where it
-merges many, each decoded token is cheap and the recomputation costs as much as the decoding (NVIDIA H200, 64
-sessions: `benchmarks.field.verify_cost`, docs/decisions/0013-stretch-verification.md).
-The verification runs in the background (a task on the client loop): it never delays a token."""
+Who asks: `client.session.shadows` (a sampled session's replica disagreed with its server: the shadow's outputs are the first
+referee's answer) and `client.verification.findings` (a shared finding, re-verified first-hand). Sessions are no longer verified
+by sampling stretches of them here: recomputing [0, b) from position 0 for each stretch cost a busy card 93-125% of
+its decode time, against the spare rows of a shadow session (docs/decisions/0042-shadow-sessions-built.md)."""
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import random
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from corolla.client import background_loop
 from corolla.client.calls.output_checks import verify_rtol
 from corolla.client.calls.remote_forward_backward import run_remote_forward
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
@@ -38,9 +26,6 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-DEFAULT_FRACTION = 0.6  # see the module docstring: q = 1%, N = 1,000, S = 64 -> 99.4% caught (measured)
-DEFAULT_STRETCH_STEPS = 64
-FINISH_TIMEOUT_S = 30.0  # the longest a session's close waits for its last verifications (a stuck replica's are lost)
 # Per-position tolerance (relative L2 error of one position's hidden state) between the server's incremental
 # outputs and a replica's one-pass prefill. float32: measured ~1e-6 on CPU; 1e-3 leaves room for other kernels.
 # float16 / bfloat16 / quantized weights (nf4, int8): `output_checks.verify_rtol` (32 eps: 0.031 / 0.25) and
@@ -49,13 +34,6 @@ FINISH_TIMEOUT_S = 30.0  # the longest a session's close waits for its last veri
 # both sides: 50x under each (benchmarks/RESULTS.md). A float replica checking a quantized server is not measured.
 FP32_STRETCH_RTOL = 1e-3
 QUANTIZED_STRETCH_RTOL = 0.3
-
-
-def escape_probability(lie_rate: float, steps: int, stretch_steps: int, fraction: float) -> float:
-    """The chance that a server corrupting `lie_rate` of its steps is not caught within `steps` of them, when each
-    stretch of `stretch_steps` steps is verified with probability `fraction` (see the module docstring)."""
-    caught_per_stretch = fraction * (1.0 - (1.0 - lie_rate) ** stretch_steps)
-    return float((1.0 - caught_per_stretch) ** (steps / stretch_steps))
 
 
 def stretch_rtol(dtype: torch.dtype, quantized: bool) -> float:
@@ -71,30 +49,6 @@ def position_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a32 - b32).norm(dim=-1) / scale
 
 
-@dataclass
-class SpanRecord:
-    """What one span session's server claimed: its outputs [B, n, H] per position, `verified_to` positions checked."""
-
-    span: RemoteSpanInfo
-    outputs: torch.Tensor | None = None  # [B, capacity, H]; positions [0, length) valid
-    length: int = 0
-    verified_to: int = 0
-    steps_since: int = 0  # steps since the last stretch ended
-
-    def record(self, outputs: torch.Tensor, first: int) -> None:
-        end = first + outputs.shape[1]
-        buf = self.outputs
-        if buf is None or buf.shape[1] < end or buf.shape[0] != outputs.shape[0]:
-            grown = outputs.new_empty(outputs.shape[0], max(2 * end, 16), outputs.shape[2])
-            if buf is not None and first > 0:
-                grown[:, : min(first, buf.shape[1])] = buf[:, : min(first, buf.shape[1])]
-            self.outputs = buf = grown
-        buf[:, first:end] = outputs
-        self.length = end
-        self.verified_to = min(self.verified_to, first)  # a rollback rewrote positions from `first` on
-        self.steps_since += 1
-
-
 @dataclass(frozen=True)
 class Finding:
     """A server's claimed outputs shown wrong: blocks, the accused, the span's inputs for [0, b) and its claimed
@@ -108,70 +62,15 @@ class Finding:
     max_error: float = field(default=0.0, compare=False)
 
 
-class StretchVerifier:
-    """Per inference session. `after_step(span_session_key, span, outputs, first)` records a span step's outputs and,
-    when a stretch is complete, may start its verification in the background; `finish()` verifies what is left
-    (sampled the same way) and waits for every verification; `findings` lists what was caught."""
+Verdict = Literal["agreed", "caught", "undecided", "referee_lied"]
+
+
+class StretchReferees:
+    """Replicas of a span, asked to recompute a stretch of its session and outvote a wrong answer 2:1."""
 
     def __init__(self, manager: RemoteSequenceManager, *, rng: random.Random | None = None):
         self.manager = manager
         self.rng = rng or random.Random()
-        self.records: dict[int, SpanRecord] = {}
-        self.histories: dict[int, object] = {}  # key -> the span session (its `history` holds the inputs)
-        self.tasks: set[concurrent.futures.Future[bool | None]] = set()
-        self.num_stretches = 0  # stretches completed
-        self.num_verified = 0  # stretches recomputed and compared
-        self.num_positions_verified = 0
-        self.findings: list[Finding] = []
-        self.undecided: list[Finding] = []  # disagreements no second replica could settle (nobody banned)
-
-    @property
-    def fraction(self) -> float:
-        return self.manager.config.verify_stretch_fraction
-
-    def after_step(
-        self, key: int, span_session: object, span: RemoteSpanInfo, outputs: torch.Tensor, first: int
-    ) -> None:
-        """After the span's server answered positions [first, first + T) with `outputs`."""
-        if self.fraction <= 0:
-            return
-        record = self.records.get(key)
-        if record is None or record.span.peer_id != span.peer_id:
-            record = self.records[key] = SpanRecord(span)
-        self.histories[key] = span_session
-        record.record(outputs.detach(), first)
-        if record.steps_since >= self.manager.config.verify_stretch_steps:
-            self._end_stretch(key)
-
-    def _end_stretch(self, key: int) -> None:
-        record, span_session = self.records[key], self.histories[key]
-        record.steps_since = 0
-        first, end = record.verified_to, record.length
-        if end <= first:
-            return
-        self.num_stretches += 1
-        record.verified_to = end
-        suspect = self.manager.bans.is_suspect(record.span.peer_id)
-        if not (suspect or self.fraction >= 1 or self.rng.random() < self.fraction):
-            return
-        history = getattr(span_session, "history", None)
-        if history is None or history.shape[1] < end or record.outputs is None:
-            return
-        inputs = history[:, :end].clone()  # [B, end, H]: copies, the session goes on writing its buffers
-        claimed = record.outputs[:, first:end].clone()
-        # on the client loop, whichever thread stepped (the caller's, for socket streams): never delays a token
-        task = asyncio.run_coroutine_threadsafe(
-            self.verify(record.span, inputs, claimed, first), background_loop.get_loop()
-        )
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def finish(self) -> None:
-        """Ends every open stretch (sampled as usual) and waits for the verifications in flight."""
-        for key in list(self.records):
-            self._end_stretch(key)
-        if self.tasks:
-            await asyncio.gather(*(asyncio.wrap_future(task) for task in list(self.tasks)), return_exceptions=True)
 
     def replicas(self, span: RemoteSpanInfo, exclude: set[str]) -> list[RemoteSpanInfo]:
         """Unbanned servers holding all of `span`'s blocks, not in `exclude`, in random order, as spans of them."""
@@ -201,47 +100,54 @@ class StretchVerifier:
         error = float(position_errors(a, b).max()) if a.numel() else 0.0
         return error <= rtol, error
 
-    async def verify(
-        self, span: RemoteSpanInfo, inputs: torch.Tensor, claimed: torch.Tensor, first: int
-    ) -> bool | None:
-        """True: the replica agrees; False: the server was outvoted and banned; None: nothing decided."""
+    async def verify(self, span: RemoteSpanInfo, finding: Finding) -> Verdict:
+        """Asks replicas of `span` (not its server) to recompute `finding`'s inputs: "agreed" (the first that
+        answers agrees with the claim), else `decide` with it; "undecided" where none answers."""
         referees = self.replicas(span, {span.peer_id})
         for index, referee in enumerate(referees):
-            recomputed = await self.recompute(referee, inputs, first)
+            recomputed = await self.recompute(referee, finding.inputs, finding.first)
             if recomputed is None:
                 continue
-            agrees, error = self.compare(claimed, recomputed, (span, referee))
-            self.num_verified += 1
-            self.num_positions_verified += claimed.shape[1]
+            agrees, error = self.compare(finding.claimed, recomputed, (span, referee))
             if agrees:
-                return True
-            finding = Finding(span.peer_id, (span.start, span.end), inputs, claimed, first, error)
-            logger.warning(
-                "stretches.disagreement(blocks=%d:%d, server=...%s, referee=...%s, positions=%d:%d, max_error=%.3g)",
-                span.start, span.end, span.peer_id[-6:], referee.peer_id[-6:], first, inputs.shape[1], error,
-            )  # fmt: skip
-            for third in referees[index + 1 :]:
-                decided = await self.recompute(third, inputs, first)
-                if decided is None:
-                    continue
-                if self.compare(decided, recomputed, (third, referee))[0]:  # two replicas outvote the server
-                    self._ban_liar(
-                        span.peer_id, span, f"outvoted by ...{referee.peer_id[-6:]}, ...{third.peer_id[-6:]}"
-                    )
-                    self.findings.append(finding)
-                    return False
-                if self.compare(decided, claimed, (third, span))[0]:  # the first referee lied
-                    self._ban_liar(
-                        referee.peer_id, span, f"outvoted by ...{span.peer_id[-6:]}, ...{third.peer_id[-6:]}"
-                    )
-                    return None
-            self.undecided.append(finding)
-            logger.warning(
-                "stretches.undecided(blocks=%d:%d, server=...%s, referee=...%s): no third replica; nobody banned",
-                span.start, span.end, span.peer_id[-6:], referee.peer_id[-6:],
-            )  # fmt: skip
-            return None
-        return None
+                return "agreed"
+            return await self.decide(span, referee, recomputed, finding, referees[index + 1 :])
+        return "undecided"
+
+    async def decide(
+        self,
+        span: RemoteSpanInfo,
+        referee: RemoteSpanInfo,
+        recomputed: torch.Tensor,
+        finding: Finding,
+        thirds: list[RemoteSpanInfo] | None = None,
+    ) -> Verdict:
+        """`referee` answered `recomputed` [B, b - first, H] where `span`'s server claimed `finding.claimed`: further
+        replicas (`thirds`, default: every other) recompute the stretch until one sides with either. The one
+        outvoted 2:1 is banned for good ("caught": the server; "referee_lied"); with no third, "undecided":
+        nobody is banned."""
+        logger.warning(
+            "stretches.disagreement(blocks=%d:%d, server=...%s, referee=...%s, positions=%d:%d, max_error=%.3g)",
+            span.start, span.end, span.peer_id[-6:], referee.peer_id[-6:], finding.first, finding.inputs.shape[1],
+            finding.max_error,
+        )  # fmt: skip
+        if thirds is None:
+            thirds = self.replicas(span, {span.peer_id, referee.peer_id})
+        for third in thirds:
+            decided = await self.recompute(third, finding.inputs, finding.first)
+            if decided is None:
+                continue
+            if self.compare(decided, recomputed, (third, referee))[0]:  # two replicas outvote the server
+                self._ban_liar(span.peer_id, span, f"outvoted by ...{referee.peer_id[-6:]}, ...{third.peer_id[-6:]}")
+                return "caught"
+            if self.compare(decided, finding.claimed, (third, span))[0]:  # the first referee lied
+                self._ban_liar(referee.peer_id, span, f"outvoted by ...{span.peer_id[-6:]}, ...{third.peer_id[-6:]}")
+                return "referee_lied"
+        logger.warning(
+            "stretches.undecided(blocks=%d:%d, server=...%s, referee=...%s): no third replica; nobody banned",
+            span.start, span.end, span.peer_id[-6:], referee.peer_id[-6:],
+        )  # fmt: skip
+        return "undecided"
 
     def _ban_liar(self, peer_id: str, span: RemoteSpanInfo, reason: str) -> None:
         logger.warning(

@@ -50,7 +50,14 @@ from corolla.server.core.executor import (
     TensorDescriptorLike,
 )
 from corolla.server.core.forward_chunks import run_forward_chunked
-from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, Runtime, Task
+from corolla.server.core.runtime import (
+    KIND_GENERIC,
+    PRIORITY_INFERENCE,
+    PRIORITY_SHADOW,
+    SHADOW_LEAD_AFTER_S,
+    Runtime,
+    Task,
+)
 from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
 from corolla.server.throughput import default_cache_dir
@@ -143,6 +150,7 @@ class EngineExecutor:
         self.first_block = min(backend.block_indices)
         self.training = TrainingBatcher(backend, runtime, metrics)  # forwards and backwards, merged across clients
         self._merge_key = ("engine", id(engine))
+        self._shadow_merge_key = ("engine_shadow", id(engine))  # shadow sessions' multi-token steps (`prepare_step`)
         self.inference_tokens = 0  # tokens of every inference batch run (in the runtime thread; the metrics read it)
         # one merged batch is at most what one decode forward serves (a graph bucket's rows): steps past it wait for
         # the next forward instead of adding a second forward (a second pass over the weights, for a few rows) that
@@ -232,7 +240,7 @@ class EngineExecutor:
         output: torch.Tensor = await self._runtime.submit(
             prepared.fn, priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
             merge_key=prepared.merge_key, payload=prepared.payload, inline=prepared.inline,
-            sessions=(prepared.session,),
+            sessions=(prepared.session,), lead_after_s=prepared.lead_after_s,
         )  # fmt: skip
         return output
 
@@ -255,11 +263,26 @@ class EngineExecutor:
         # ValueError (refused here, before it is queued) for inputs this engine can't run; the device thread then
         # checks only the session's state (`SpanEngine.validate`)
         self.engine.check_inputs(request)
+        if own.spec.shadow:
+            return self._shadow_step(request, id(own.session))
         # positional (fn, priority, size_tokens, kind, merge_key, payload, inline, session): keywords cost ~0.7 us
         # more per step; `fn` a bound method, cheaper per step than a partial
         return PreparedStep(request.run, PRIORITY_INFERENCE, request.rows * max(request.num_tokens, 1),
                             KIND_ENGINE_INFERENCE, self._merge_key, request, inputs.lone_session,
                             id(own.session))  # fmt: skip
+
+    def _shadow_step(self, request: StepRequest, session: int) -> PreparedStep:
+        """A shadow session's step (`protocol.shadow`): queued after every real step (`PRIORITY_SHADOW`, so a
+        merged batch takes it only where the real steps queued left room), and leading no batch before
+        `SHADOW_LEAD_AFTER_S`: a decode row rides the next forward the real sessions' steps lead (a spare row of a
+        forward that reads the weights anyway), and runs alone only where none came meanwhile. A longer step never
+        joins real rows (it would hold every real row of that batch until it ran): it runs in a batch of its own
+        once it may lead and no real step is queued, and holds back a real step arriving meanwhile by that one
+        forward (clients send a shadow's prefill in chunks of `client.session.shadows.SHADOW_CHUNK_TOKENS`)."""
+        merge_key = self._merge_key if request.is_decode else self._shadow_merge_key
+        return PreparedStep(request.run, PRIORITY_SHADOW, request.rows * max(request.num_tokens, 1),
+                            KIND_ENGINE_INFERENCE, merge_key, request, False, session,
+                            SHADOW_LEAD_AFTER_S)  # fmt: skip
 
     def batch_counts(self) -> BatchCounts:
         """The runtime's batches so far (the metrics' `WorkSource`)."""

@@ -45,6 +45,7 @@ class SessionSpec:
     block_indices: tuple[int, ...]
     batch_size: int
     max_length_tokens: int  # > 0; a max_length=0 probe opens no cache at all
+    shadow: bool = False  # a client's mirror of another server's session (`protocol.shadow`): its steps go last
 
     @property
     def num_blocks(self) -> int:
@@ -119,6 +120,7 @@ class PreparedStep:
     payload: object  # what the kind's batch executor reads
     inline: bool  # an idle runtime may run it in the submitting thread
     session: Hashable  # its session's key (`Task.sessions`)
+    lead_after_s: float = 0.0  # it may lead a merged batch only this long after it is queued (a shadow's step)
 
 
 class SessionCache:

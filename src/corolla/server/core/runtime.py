@@ -39,6 +39,12 @@ logger = get_logger(__name__)
 PRIORITY_INFERENCE: float = 1.0
 PRIORITY_FORWARD: float = 2.0
 PRIORITY_BACKWARD: float = 2.0
+# a shadow session's steps (`protocol.shadow`): after every real inference step queued, before training's work;
+# such a step rides a forward that real steps lead, and leads one itself only once it has waited SHADOW_LEAD_AFTER_S
+# (`Task.lead_after`): on a replica serving sessions it takes a spare row of their forwards, on an idle one it runs
+# alone a moment later
+PRIORITY_SHADOW: float = 1.5
+SHADOW_LEAD_AFTER_S: float = 0.02
 
 KIND_GENERIC = "generic"
 MAX_WATCHES = 8  # merged forwards watched at once for their sessions' return (`TaskQueue.watch`)
@@ -71,6 +77,8 @@ class Task:
     # its steps' sessions (any hashable key per session; empty where unknown): the gather rule learns how long a
     # merged forward's own sessions take to come back (`TaskQueue.watch`)
     sessions: tuple[Hashable, ...] = ()
+    # `time.monotonic()` before which it may join a batch that another task leads but lead none (0: any time)
+    lead_after: float = 0.0
 
     @property
     def sort_key(self) -> tuple[float, float, int]:
@@ -273,6 +281,19 @@ class TaskQueue:
             self._cond.notify_all()
         return remaining
 
+    def _leader(self, now: float) -> tuple[Task | None, float | None]:
+        """(The most urgent task that may lead a batch at `now`, taken off the heap; None) or, where every queued
+        task waits for its `lead_after`, (None, the earliest of those). Under the lock, with a non-empty heap."""
+        if self._heap[0][-1].lead_after <= now:
+            return heapq.heappop(self._heap)[-1], None
+        items = sorted(self._heap)
+        for index, item in enumerate(items):
+            if item[-1].lead_after <= now and not item[-1].abandoned:
+                del items[index]
+                self._heap = items  # a sorted list is a valid heap
+                return item[-1], None
+        return None, min(item[-1].lead_after for item in items)
+
     def pop_batch(
         self,
         *,
@@ -284,6 +305,7 @@ class TaskQueue:
         """Waits for work and returns the most urgent task, plus (if its kind is mergeable) the other pending tasks
         with the same `(kind, merge_key)` in priority order while their total size fits `max_batch_tokens` (and the
         kind's own `merge_limits` entry, if any; the most urgent task is always taken, whatever its size).
+        A task whose `lead_after` has not come is never the most urgent one here (it may join another's batch).
         Returns None once the queue is closed, or an empty list on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
@@ -292,14 +314,20 @@ class TaskQueue:
                     return None
                 while self._heap and self._heap[0][-1].abandoned:
                     heapq.heappop(self._heap)  # the caller was cancelled before the task ran
+                lead_at = None
                 if self._heap:
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
+                    leader, lead_at = self._leader(time.monotonic())
+                    if leader is not None:
+                        break
+                now = time.monotonic()
+                remaining = None if deadline is None else deadline - now
                 if remaining is not None and remaining <= 0:
                     return []
+                if lead_at is not None:
+                    remaining = lead_at - now if remaining is None else min(remaining, lead_at - now)
                 self._cond.wait(remaining)
 
-            first = heapq.heappop(self._heap)[-1]
+            first = leader
             batch = [first]
             if first.merge_key is None or first.kind not in mergeable_kinds:
                 return batch
@@ -556,12 +584,14 @@ class Runtime:
         flush: Callable[[], None] | None = None,
         steps: int = 1,
         sessions: tuple[Hashable, ...] = (),
+        lead_after_s: float = 0.0,
     ) -> Task:
         """A task for `queue`, not queued yet. Without `on_done` its result is `task.future`, resolved in the calling
         (running) asyncio loop; with `on_done` it is a callback task, built in any thread: `on_done(result, error)`
         runs in the thread that runs it (the device thread, or the queuing one when it runs inline), then `flush()`
         once per batch (several tasks sharing one flush get one call after all their `on_done`s). `steps`: the
-        sessions' steps it carries (`Task.steps`), `sessions` their sessions' keys (`Task.sessions`). Raises
+        sessions' steps it carries (`Task.steps`), `sessions` their sessions' keys (`Task.sessions`); `lead_after_s`:
+        it may lead a batch only that many seconds from now (`Task.lead_after`: a shadow step's). Raises
         ValueError if `size_tokens` exceeds `max_batch_size_tokens`, RuntimeStopped if the runtime is stopped."""
         if size_tokens > self.max_batch_size_tokens:
             raise ValueError(
@@ -579,6 +609,7 @@ class Runtime:
         return Task(
             fn=fn, priority=float(priority), size_tokens=size_tokens, future=future, loop=loop, kind=kind,
             merge_key=merge_key, payload=payload, on_done=on_done, flush=flush, steps=steps, sessions=sessions,
+            lead_after=time.monotonic() + lead_after_s if lead_after_s else 0.0,
         )  # fmt: skip
 
     def queue(self, tasks: Task | list[Task], *, inline: bool = False) -> None:
@@ -621,6 +652,7 @@ class Runtime:
         payload: Any = None,
         inline: bool = False,
         sessions: tuple[Hashable, ...] = (),
+        lead_after_s: float = 0.0,
     ) -> asyncio.Future:
         """`queue(task(fn, ...), inline=inline)` for a caller in a running asyncio loop: the future of `fn()`'s
         result (already resolved where it ran inline)."""
@@ -632,6 +664,7 @@ class Runtime:
             merge_key=merge_key,
             payload=payload,
             sessions=sessions,
+            lead_after_s=lead_after_s,
         )
         self.queue(task, inline=inline)
         assert task.future is not None

@@ -29,6 +29,7 @@ from corolla.protocol.metadata import (
     encode_metadata,
 )
 from corolla.protocol.prefix import PREFIX_KEY
+from corolla.protocol.shadow import parse_shadow
 from corolla.protocol.uids import make_chain
 from corolla.server.core.drain import SessionHandoff
 from corolla.server.core.executor import SessionSpec
@@ -359,6 +360,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
             push_guard = SessionPushGuard.from_open_request(metadata)  # who may push into it (ValueError: bad id)
             declared_batch = int(first.tensors[0].size[0]) if first.tensors and len(first.tensors[0].size) > 0 else 1
             max_length, batch_size = bf.validate_session_open(metadata.max_length, declared_batch, self.limits)
+            shadow = parse_shadow(metadata.extra)  # a client's mirror of another server's session: it goes last
         except (ValueError, Draining) as e:
             self._reject("rpc_inference", e)
             raise
@@ -370,7 +372,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         self.sessions.open()
         inbox = PushInbox(metadata.session_id, push_guard) if metadata.session_id is not None else None
         try:
-            spec = SessionSpec(tuple(block_indices), batch_size, max_length)
+            spec = SessionSpec(tuple(block_indices), batch_size, max_length, shadow=shadow)
             opening: int | None = kv_import.position if kv_import is not None else _opening_tokens(first)
             if opening == 0 and probe_keys(first, metadata) is not None:
                 opening = None  # a prefix probe: its tokens follow once the cached part is known

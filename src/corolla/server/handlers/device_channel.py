@@ -243,6 +243,7 @@ class FrameIntake:
             prepared.fn, on_done=partial(self._step_done, entry), flush=self._flush,
             priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
             merge_key=prepared.merge_key, payload=prepared.payload, sessions=(prepared.session,),
+            lead_after_s=prepared.lead_after_s,
         )  # fmt: skip
 
     def _group_task(self, frame: _FrameSteps, start: int, end: int, tokens: int) -> Task:
@@ -259,7 +260,7 @@ class FrameIntake:
         return self.executor.runtime.task(
             group.run, on_done=partial(self._frame_done, part), flush=self._flush,
             priority=first.priority, size_tokens=tokens, kind=first.kind, merge_key=first.merge_key, payload=group,
-            steps=end - start, sessions=tuple(p.session for p in part.prepared),
+            steps=end - start, sessions=tuple(p.session for p in part.prepared), lead_after_s=first.lead_after_s,
         )  # fmt: skip
 
     def _step_done(self, entry: _Entry, output: torch.Tensor | None, error: BaseException | None) -> None:
@@ -587,10 +588,11 @@ class DeviceChannel:
 
     async def _open(self, fields: wire.Reader) -> wire.Writer:
         blocks = self._blocks(fields.u32(), fields.u32())
-        spec = SessionSpec(blocks, fields.u32(), fields.u32())
+        batch_size, max_length = fields.u32(), fields.u32()
         alloc_timeout_s, peer, session_id = fields.f64(), fields.text(), fields.text()
-        known, opening = fields.u8(), fields.u64()
+        known, opening, shadow = fields.u8(), fields.u64(), fields.u8()
         fields.done()
+        spec = SessionSpec(blocks, batch_size, max_length, shadow=bool(shadow))
         opening_tokens = opening if known else None  # what its opening request brings (admission: none, no wait)
         self.core.drain.check_accepting()  # Draining: no new sessions
         held = _Held(spec)

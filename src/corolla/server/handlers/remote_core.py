@@ -251,7 +251,7 @@ class RemoteCore:
         with self.pushes.routing(routed, sink):
             body = wire.Writer().u32(spec.block_indices[0]).u32(spec.block_indices[-1] + 1).u32(spec.batch_size)
             body.u32(spec.max_length_tokens).f64(alloc_timeout_s).text(peer).text(routed)
-            body.u8(opening_tokens is not None).u64(opening_tokens or 0)
+            body.u8(opening_tokens is not None).u64(opening_tokens or 0).u8(spec.shadow)
             reply = await self.link.call(wire.OPEN, body)
             handle, has_cache = reply.u32(), reply.u8()
             ticket = SessionTicket(peer=peer, reserved_bytes=0)  # (the core's ticket holds the figures)

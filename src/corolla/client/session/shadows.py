@@ -1,0 +1,287 @@
+"""Verification on a replica's spare rows (`ShadowVerifier`): a sampled span session is mirrored, as it runs, to a
+replica of the span over a second `rpc_inference` stream (a "shadow session": the same span inputs at the same
+positions, its first request marked `protocol.shadow.SHADOW_KEY`), and each of the replica's outputs is compared,
+position by position within the dtype's tolerance (`stretches.stretch_rtol`), with what the span's server returned
+for it. A corolla replica runs a shadow's steps after every real step it has queued, its single-token rows merged
+into the batched forwards it runs for its own sessions (a decode forward reads every weight once whatever its rows;
+`server.core.engine_executor`); a stock Petals replica serves it as any session (the key is an unknown metadata
+key to it). Each position is recomputed once, against the shadow's own KV cache: linear in the session's length,
+not quadratic as recomputing stretches from position 0 was (docs/decisions/0042-shadow-sessions-built.md).
+
+A disagreement is the shadow's replica against the server: `stretches.StretchReferees.decide` asks a third replica
+to recompute the stretch [0, b) in one `rpc_forward` and bans whoever is outvoted 2:1 (with no third, nobody: a
+lying replica cannot get an honest server banned, and the `Finding` is kept; `client.findings` shares it).
+
+Sampling is by whole span session: a position can be recomputed only with the KV of every position before it, so a
+sampled session is mirrored from its position 0 (a span session that starts after a prefix its server reused from
+its cache, or that uses deep prompts or beam search, is not mirrored). A server corrupting a share q of its steps,
+in sessions of L steps each shadowed with probability f, escapes N of its steps with probability about
+(1 - f (1 - (1 - q)^L))^(N / L) (`escape_probability`); measured with this class
+(`python -m benchmarks.field.catch_rate`, 5,000 seeded careers, sessions of 17-257 steps): f = 0.75 catches a 1%-liar
+within 1,000 of its steps in >= 99% (`DEFAULT_SHADOW_FRACTION`; benchmarks/RESULTS.md). The liar cannot tell which
+sessions are mirrored: the replica is another server, and the draw is the client's.
+
+Cost to the client: each mirrored step is sent twice (to the server, then in the background to the replica; a token
+never waits for its shadow). A shadow's prefill goes in chunks of `SHADOW_CHUNK_TOKENS` so that, on a replica with
+no real step queued, it holds back a real step arriving meanwhile by one short forward at most."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from corolla.client import background_loop
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.session.span_session import SpanSession
+from corolla.client.verification.stretches import Finding, StretchReferees
+from corolla.protocol.records import RemoteSpanInfo
+from corolla.protocol.shadow import SHADOW_KEY
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+DEFAULT_SHADOW_FRACTION = 0.75  # sessions mirrored: catches a 1%-liar within 1,000 steps in >= 99% (measured)
+SHADOW_CHUNK_TOKENS = 64  # the most tokens (x batch) of one shadow step: a replica's longest shadow forward
+MAX_SHADOW_LAG_STEPS = 4096  # mirrored steps a slow replica may have queued; past it the shadow is given up
+FINISH_TIMEOUT_S = 30.0  # the longest a session's close waits for its shadows to catch up (the rest is not checked)
+NO_TENSOR, NO_IDS = torch.empty(0), torch.empty(0, dtype=torch.int64)
+
+ShadowState = Literal["mirroring", "agreed", "caught", "referee_lied", "undecided", "failed", "dropped"]
+
+
+def escape_probability(lie_rate: float, steps: int, session_steps: int, fraction: float) -> float:
+    """The chance that a server corrupting `lie_rate` of its steps is not caught within `steps` of them when each of
+    its sessions (`session_steps` steps) is mirrored with probability `fraction` (module docstring)."""
+    caught_per_session = fraction * (1.0 - (1.0 - lie_rate) ** session_steps)
+    return float((1.0 - caught_per_session) ** (steps / session_steps))
+
+
+@dataclass
+class Mirrored:
+    """One step of the span session as sent: its inputs [B, T, H] for positions [first, first + T) and the outputs
+    the server returned for them (as it sent them)."""
+
+    inputs: torch.Tensor
+    claimed: torch.Tensor
+    first: int
+
+
+@dataclass(eq=False)
+class Shadow:
+    """One span session's mirror on `replica`: its own stream (`session`), the steps waiting for it, its state."""
+
+    span: RemoteSpanInfo  # the server under test
+    replica: RemoteSpanInfo
+    session: SpanSession
+    queue: asyncio.Queue[Mirrored | None] = field(default_factory=asyncio.Queue)
+    queued: int = 0  # steps put and not yet taken (the lag; any thread reads it)
+    state: ShadowState = "mirroring"
+    positions_compared: int = 0
+    max_error: float = 0.0
+    task: concurrent.futures.Future[None] | None = None
+    sent: torch.Tensor | None = None  # [B, capacity, H]: the inputs replayed, positions [0, sent_length)
+    sent_length: int = 0
+
+    def record(self, step: Mirrored) -> None:
+        """Keeps `step`'s inputs as positions [first, first + T) (a rollback overwrites from `first`; the buffer
+        grows by doubling)."""
+        end = step.first + step.inputs.shape[1]
+        buf = self.sent
+        if buf is None or buf.shape[1] < end:
+            grown = step.inputs.new_empty(step.inputs.shape[0], max(2 * end, 16), step.inputs.shape[2])
+            if buf is not None:
+                grown[:, : step.first] = buf[:, : step.first]
+            self.sent = buf = grown
+        buf[:, step.first : end] = step.inputs
+        self.sent_length = end
+
+
+class ShadowVerifier:
+    """Per inference session. `after_step(span_session, outputs, first)` mirrors a span step to its shadow (drawn at
+    the span session's first step); `finish()` lets every shadow catch up and closes it; `findings` lists what was
+    caught, `undecided` the disagreements nobody could settle."""
+
+    def __init__(self, manager: RemoteSequenceManager, *, rng: random.Random | None = None):
+        self.manager = manager
+        self.rng = rng or random.Random()
+        self.referees = StretchReferees(manager, rng=self.rng)
+        self._drawn: dict[int, tuple[SpanSession, Shadow | None]] = {}  # id(span session) -> (it, its shadow)
+        self._lock = threading.Lock()  # steps run in the caller's thread or on the client loop
+        self._stopped = False
+        self.num_sessions = 0  # span sessions drawn
+        self.findings: list[Finding] = []
+        self.undecided: list[Finding] = []
+
+    @property
+    def fraction(self) -> float:
+        return self.manager.config.verify_shadow_fraction
+
+    @property
+    def shadows(self) -> list[Shadow]:
+        return [shadow for _, shadow in list(self._drawn.values()) if shadow is not None]
+
+    @property
+    def num_positions_verified(self) -> int:
+        return sum(shadow.positions_compared for shadow in self.shadows)
+
+    def stop(self, reason: str) -> None:
+        """No more mirroring in this session (beam search or deep prompts: steps a shadow would not repeat)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for shadow in self.shadows:
+            self._end(shadow, "dropped", reason)
+
+    def after_step(self, span_session: SpanSession, outputs: torch.Tensor, first: int) -> None:
+        """After `span_session`'s server answered positions [first, first + T) with `outputs` [B, T, H]."""
+        if self.fraction <= 0 or self._stopped:
+            return
+        with self._lock:
+            drawn = self._drawn.get(id(span_session))
+            if drawn is None:
+                drawn = self._drawn[id(span_session)] = (span_session, self._draw(span_session, first))
+        shadow = drawn[1]
+        if shadow is None or shadow.state != "mirroring":
+            return
+        history = span_session.history  # [B, n, H]: what the server's cache holds, these inputs included
+        if history is None or history.shape[1] < first + outputs.shape[1]:
+            self._end(shadow, "dropped", "the span's inputs are not all known")
+            return
+        if shadow.queued >= MAX_SHADOW_LAG_STEPS:
+            self._end(shadow, "dropped", f"the replica is {shadow.queued} steps behind")
+            return
+        step = Mirrored(history[:, first : first + outputs.shape[1]].clone(), outputs.detach().clone(), first)
+        with self._lock:
+            shadow.queued += 1
+        background_loop.get_loop().call_soon_threadsafe(shadow.queue.put_nowait, step)  # in order, from any thread
+
+    def _draw(self, span_session: SpanSession, first: int) -> Shadow | None:
+        """A shadow for a span session whose first step sent from position 0 (whole sessions), with probability
+        `fraction` (1 for a suspect server), on a random unbanned replica; None otherwise."""
+        self.num_sessions += 1
+        span = span_session.span
+        suspect = self.manager.bans.is_suspect(span.peer_id)
+        if first != 0 or not (suspect or self.fraction >= 1 or self.rng.random() < self.fraction):
+            return None
+        replicas = self.referees.replicas(span, {span.peer_id})
+        if not replicas:
+            logger.info(
+                "shadows.no_replica(blocks=%d:%d, server=...%s): the session is not verified",
+                span.start, span.end, span.peer_id[-6:],
+            )  # fmt: skip
+            return None
+        replica = replicas[0]
+        shadow = Shadow(span, replica, SpanSession(self.manager, replica, span_session.max_length))
+        shadow.task = asyncio.run_coroutine_threadsafe(self._run(shadow), background_loop.get_loop())
+        return shadow
+
+    def _end(self, shadow: Shadow, state: ShadowState, reason: str) -> None:
+        if shadow.state == "mirroring":
+            shadow.state = state
+            logger.info(
+                "shadows.end(blocks=%d:%d, server=...%s, replica=...%s, state=%s): %s", shadow.span.start,
+                shadow.span.end, shadow.span.peer_id[-6:], shadow.replica.peer_id[-6:], state, reason,
+            )  # fmt: skip
+        background_loop.get_loop().call_soon_threadsafe(shadow.queue.put_nowait, None)
+
+    async def _run(self, shadow: Shadow) -> None:
+        """The shadow's worker (on the client loop): opens its stream, replays each mirrored step in order and
+        compares; a disagreement is decided 2:1 and ends it, as does a replica failing (no verdict: a failed
+        referee is not a liar)."""
+        queue = shadow.queue
+        try:
+            await self.open_stream(shadow)
+            while True:
+                step = await queue.get()
+                try:
+                    if step is None:
+                        break
+                    with self._lock:
+                        shadow.queued -= 1
+                    if shadow.state != "mirroring":
+                        continue
+                    if step.first > shadow.sent_length:
+                        raise ConnectionError(f"the shadow lacks positions [{shadow.sent_length}, {step.first})")
+                    recomputed = await self.replay(shadow, step)
+                    shadow.record(step)
+                    agrees, error = self.referees.compare(step.claimed, recomputed, (shadow.span, shadow.replica))
+                    shadow.positions_compared += step.claimed.shape[1]
+                    shadow.max_error = max(shadow.max_error, error)
+                    if not agrees:
+                        await self._disagreement(shadow, step, recomputed, error)
+                finally:
+                    queue.task_done()
+        except Exception as e:
+            if isinstance(e, (AssertionError, asyncio.CancelledError)):
+                raise
+            self._end(shadow, "failed", f"the replica failed: {e!r}")
+        finally:
+            if shadow.state == "mirroring":
+                shadow.state = "agreed"
+            while not queue.empty():  # (nothing waits for what is left)
+                queue.get_nowait()
+                queue.task_done()
+            await self.close_stream(shadow)
+
+    async def open_stream(self, shadow: Shadow) -> None:
+        """Opens the shadow's stream to its replica."""
+        await shadow.session.open()
+
+    async def close_stream(self, shadow: Shadow) -> None:
+        """Ends the shadow's session on its replica (a failed one without waiting for it)."""
+        await shadow.session.close(drain=shadow.state == "agreed")
+
+    async def replay(self, shadow: Shadow, step: Mirrored) -> torch.Tensor:
+        """The replica's outputs [B, T, H] for the mirrored step, sent in chunks of `SHADOW_CHUNK_TOKENS` (a
+        rollback overwrites the shadow's cache from `step.first`, as it did the server's)."""
+        session = shadow.session
+        batch, length, _ = step.inputs.shape
+        chunk = max(1, SHADOW_CHUNK_TOKENS // batch)
+        outputs = []
+        for start in range(0, length, chunk):
+            position = step.first + start
+            extra = {SHADOW_KEY: True} if session.position == 0 and position == 0 else {}
+            out, _ = await session.step(
+                step.inputs[:, start : start + chunk], position, position=position, prompts=NO_TENSOR,
+                hypo_ids=NO_IDS, step_id=str(uuid.uuid4()), extra=extra,
+            )  # fmt: skip
+            outputs.append(out)
+        return torch.cat(outputs, dim=1)
+
+    async def _disagreement(self, shadow: Shadow, step: Mirrored, recomputed: torch.Tensor, error: float) -> None:
+        """The replica's answer differs from the server's: a third replica decides on the stretch [0, b)."""
+        assert shadow.sent is not None, "recorded before the comparison"
+        span = shadow.span
+        inputs = shadow.sent[:, : shadow.sent_length].clone()  # [B, b, H]: every input replayed, this step's last
+        finding = Finding(span.peer_id, (span.start, span.end), inputs, step.claimed, step.first, error)
+        thirds = self.referees.replicas(span, {span.peer_id, shadow.replica.peer_id})
+        verdict = await self.referees.decide(span, shadow.replica, recomputed, finding, thirds)
+        if verdict == "caught":
+            self.findings.append(finding)
+        elif verdict == "undecided":
+            self.undecided.append(finding)
+        self._end(shadow, verdict, f"max error {error:.3g}")
+
+    async def settle(self) -> None:
+        """On the client loop: waits until every shadow has replayed every step mirrored so far (benchmarks;
+        tests)."""
+        await asyncio.sleep(0)  # steps mirrored from this loop are put by callbacks that run first
+        for shadow in self.shadows:
+            if shadow.state == "mirroring":  # (an ended shadow's worker takes nothing more)
+                await shadow.queue.join()
+
+    async def finish(self) -> None:
+        """Lets every shadow replay what is left, then ends them (waits for their verdicts)."""
+        shadows = self.shadows
+        for shadow in shadows:
+            background_loop.get_loop().call_soon_threadsafe(shadow.queue.put_nowait, None)
+        tasks = [asyncio.wrap_future(s.task) for s in shadows if s.task is not None]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

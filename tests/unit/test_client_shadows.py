@@ -1,0 +1,184 @@
+"""Verification on shadow sessions (client.shadows, client.stretches' 2:1 vote, client.findings) on in-process fake
+servers: an honest swarm's every mirrored position agrees and bans nobody; a server corrupting 1% of its steps with
+finite, plausible values is caught within 1,000 of its steps at the default sampling; a lying shadow replica cannot
+get an honest server banned (with no third replica nobody is banned); the shadow stream is an ordinary
+rpc_inference session marked in its first request, its prefill chunked, rollbacks mirrored; a shared finding is
+re-verified first-hand (a fabricated one is refuted and bans nobody; a true one bans only on the accused's own wrong
+answer); the sampling arithmetic meets its target."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tests.helpers.hostile_server import corrupt
+from tests.unit.test_client_distrust import Server
+
+from corolla.client import background_loop
+from corolla.client.session.inference_session import InferenceSession
+from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, SHADOW_CHUNK_TOKENS, escape_probability
+from corolla.client.verification.findings import check_finding, decode_finding, encode_finding
+from corolla.client.verification.stretches import Finding
+from corolla.protocol.shadow import SHADOW_KEY
+from helpers.fake_chain import HIDDEN, FakeManager, reference
+
+
+class RareLiar(Server):
+    """Corrupts each answer (inference steps; rpc_forward when `lie_in_forward`) with probability `rate`:
+    finite noise of the outputs' own scale."""
+
+    def __init__(self, start: int, end: int, rate: float, seed: int, *, lie_in_forward: bool = False, **kw):
+        super().__init__(start, end, **kw)
+        self.rate, self.rng, self.lies, self.lie_in_forward = rate, random.Random(seed), 0, lie_in_forward
+        self.in_forward = False
+
+    def _lie(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.answers += 1
+        if self.in_forward and not self.lie_in_forward:
+            return tensor
+        if self.rng.random() < self.rate:
+            self.lies += 1
+            return corrupt(tensor, "garbage", self.generator)
+        return tensor
+
+    async def rpc_forward(self, request, timeout=None):
+        self.in_forward = True
+        try:
+            return await super().rpc_forward(request, timeout)
+        finally:
+            self.in_forward = False
+
+
+def _run_sessions(manager, sessions: int, tokens_each: int, seed: int = 0, prompt: int = 4) -> list[InferenceSession]:
+    torch.manual_seed(seed)
+    done = []
+    for _ in range(sessions):
+        tokens = torch.randn(1, tokens_each, HIDDEN)
+        with InferenceSession(manager, max_length=tokens_each) as session:
+            session.shadows.rng = session.shadows.referees.rng = random.Random(seed)
+            session.step(tokens[:, :prompt])
+            for t in range(prompt, tokens_each):
+                session.step(tokens[:, t : t + 1])
+        done.append(session)
+        seed += 1
+    return done
+
+
+def test_sampling_arithmetic_meets_the_target() -> None:
+    # sessions of ~137 steps (a prompt step and 16-256 new tokens): a 1%-liar escapes 1,000 steps with prob. <= 1%
+    assert escape_probability(0.01, 1000, 137, DEFAULT_SHADOW_FRACTION) <= 0.01
+    assert escape_probability(0.01, 1000, 137, 0.3) > 0.01  # a lower rate would not do
+    assert escape_probability(0.0, 1000, 137, 1.0) == 1.0  # an honest server is never "caught"
+
+
+def test_an_honest_swarm_is_never_banned_over_many_mirrored_sessions() -> None:
+    servers = {"A1": Server(0, 2), "A2": Server(0, 2), "A3": Server(0, 2), "B1": Server(2, 4), "B2": Server(2, 4)}
+    manager = FakeManager(servers, 4, verify_shadow_fraction=1.0)
+    sessions = _run_sessions(manager, 4, 96)
+    verified = sum(s.shadows.num_positions_verified for s in sessions)
+    assert verified == 4 * 2 * 96  # every position of both spans of every session, recomputed and compared
+    assert all(sh.state == "agreed" and sh.max_error == 0.0 for s in sessions for sh in s.shadows.shadows)
+    assert not manager.bans.banned_peers() and not any(s.shadows.findings or s.shadows.undecided for s in sessions)
+
+
+@pytest.mark.parametrize("seed", [1])  # the rate itself: tests/bench/test_catch_rate_bench.py
+def test_a_server_lying_in_one_percent_of_its_steps_is_caught_within_1000_steps(seed: int) -> None:
+    liar = RareLiar(0, 2, 0.01, seed, inference_rps=1e6)  # looks fastest: every route goes through it
+    servers = {"liar": liar, "A2": Server(0, 2), "A3": Server(0, 2), "B": Server(2, 4), "B2": Server(2, 4)}
+    manager = FakeManager(servers, 4, verify_shadow_fraction=DEFAULT_SHADOW_FRACTION)
+    rng_seed = seed * 1000
+    while not manager.bans.is_liar("liar"):
+        assert liar.answers < 1000, "not caught within 1,000 of its steps"
+        _run_sessions(manager, 1, 100, seed=rng_seed)
+        rng_seed += 1
+    assert not manager.bans.banned_peers() & {"A2", "A3", "B", "B2"}
+
+
+def test_a_lying_replica_is_outvoted_and_cannot_frame_the_honest_server() -> None:
+    servers = {
+        "honest": Server(0, 2, inference_rps=1e6),
+        "replica_liar": RareLiar(0, 2, 1.0, 0, lie_in_forward=True, inference_rps=1.0),
+        "third": Server(0, 2, inference_rps=1.0),
+        "B": Server(2, 4),
+        "B2": Server(2, 4),
+    }
+    manager = FakeManager(servers, 4, verify_shadow_fraction=1.0)
+    manager.bans.ban("third")  # the liar is the only replica: it shadows the session ...
+    sessions = _run_sessions(manager, 1, 12)
+    assert any(s.shadows.undecided for s in sessions)  # two servers disagreeing: nobody banned on that
+    assert not manager.bans.is_banned("honest") and not manager.bans.is_liar("replica_liar")
+    manager.bans.clear("third")  # ... and then, with the third replica back, decided
+    seed = 5
+    while not manager.bans.is_liar("replica_liar"):
+        assert seed < 40, "the lying replica was never outvoted"
+        sessions += _run_sessions(manager, 1, 12, seed=seed)
+        seed += 1
+    assert not manager.bans.is_banned("honest") and not any(s.shadows.findings for s in sessions)
+
+
+def test_the_shadow_is_a_marked_session_with_a_chunked_prefill_and_mirrored_rollbacks() -> None:
+    """A Petals server (this fake knows no corolla keys) serves the shadow as any session: its first request carries
+    the mark, a long prompt arrives in chunks, a rollback is sent from the same position as to the server."""
+    servers = {"A1": Server(0, 4, inference_rps=1e6), "A2": Server(0, 4)}
+    manager = FakeManager(servers, 4, verify_shadow_fraction=1.0)
+    torch.manual_seed(3)
+    tokens = torch.randn(1, 160, HIDDEN)
+    with InferenceSession(manager, max_length=160) as session:
+        session.step(tokens[:, :150])  # a 150-token prompt
+        session.step(tokens[:, 150:151])
+        session.position = 148  # roll back two positions (speculative decoding's rejection)
+        session.step(tokens[:, 151:153])
+        background_loop.run(session.shadows.settle())
+    replica = servers["A2"]
+    assert replica.first_requests[0].get(SHADOW_KEY) is True and SHADOW_KEY not in servers["A1"].first_requests[0]
+    sizes = [tokens for _, tokens in replica.requests]
+    starts = [metadata["start_from_position"] for metadata, _ in replica.requests]
+    assert max(sizes) <= SHADOW_CHUNK_TOKENS and sum(sizes[:3]) == 150 and starts[3:] == [150, 148]
+    shadow = session.shadows.shadows[0]
+    assert shadow.state == "agreed" and shadow.positions_compared == 150 + 1 + 2
+    expected = reference(torch.cat([tokens[:, :148], tokens[:, 151:153]], dim=1), 4)
+    assert torch.allclose(replica_outputs_last(session), expected[:, -2:], atol=1e-5)
+
+
+def replica_outputs_last(session: InferenceSession) -> torch.Tensor:
+    return session.shadows.shadows[0].session.last_outputs
+
+
+def test_a_shared_finding_is_reverified_first_hand() -> None:
+    torch.manual_seed(7)
+    servers = {"accused": Server(0, 2), "R1": Server(0, 2), "R2": Server(0, 2), "B": Server(2, 4)}
+    manager = FakeManager(servers, 4)
+    inputs = torch.randn(1, 10, HIDDEN)
+    honest_out = background_loop.run(_forward(manager, "R1", inputs))
+    # a fabricated finding against an honest server: refuted, nobody banned
+    forged = Finding("accused", (0, 2), inputs, corrupt(honest_out[:, 6:], "garbage", torch.Generator()), 6)
+    wire = decode_finding(encode_finding(forged))
+    assert torch.equal(wire.claimed, forged.claimed) and wire.first == 6 and wire.blocks == (0, 2)
+    assert (
+        background_loop.run(check_finding(manager, Finding("accused", (0, 2), inputs, honest_out[:, 6:], 6)))
+        == "refuted"
+    )
+    assert background_loop.run(check_finding(manager, wire, reporter="R2")) == "suspect"  # its own answer is right
+    assert not manager.bans.banned_peers() and manager.bans.is_suspect("accused")
+    # the accused really lies (to us too): caught first-hand, 2:1
+    servers["accused"].mode = "garbage"
+    assert background_loop.run(check_finding(manager, wire)) == "caught"
+    assert manager.bans.is_liar("accused") and not manager.bans.banned_peers() & {"R1", "R2", "B"}
+
+
+def test_hostile_finding_bytes_are_value_errors() -> None:
+    inputs = torch.randn(1, 4, HIDDEN)
+    good = encode_finding(Finding("peer", (0, 2), inputs, inputs[:, 1:], 1))
+    for bad in (b"", b"\xff" * 8 + b"{}", good[:-7], good.replace(b'"first":"1"', b'"first":"9"')):
+        with pytest.raises(ValueError):
+            decode_finding(bad)
+    with pytest.raises(ValueError, match="claimed outputs"):
+        decode_finding(encode_finding(Finding("peer", (0, 2), inputs, inputs[:, 2:], 1)))
+
+
+async def _forward(manager, peer: str, inputs: torch.Tensor) -> torch.Tensor:
+    from corolla.client.calls.remote_forward_backward import run_remote_forward
+
+    span = next(s for s in manager.spans if s.peer_id == peer)
+    return await run_remote_forward(manager, span, inputs, torch.empty(0))

@@ -1,0 +1,134 @@
+"""A shadow session's steps on a server (`protocol.shadow`, `EngineExecutor._shadow_step`): queued after every real
+step, so that a merged batch takes them only where the real steps left room; a shadow's decode row merges into the
+real sessions' forward (a spare row), a longer shadow step runs in a batch of its own; on an idle runtime a shadow's
+step waits `SHADOW_LEAD_AFTER_S` for a real step to ride with (and runs alone after it); the mark reaches the device
+process of a server with handler processes; anything but a bool is refused at the session's open."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import pytest
+import torch
+from tests.unit.test_executor_contract import SPAN, _eager, _proxied, backend  # noqa: F401  (a fixture)
+
+from corolla.engine import EngineConfig, SpanEngine
+from corolla.protocol.shadow import SHADOW_KEY, parse_shadow
+from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.runtime import KIND_GENERIC, SHADOW_LEAD_AFTER_S, Runtime
+from corolla.server.handlers.remote_core import RemoteCore
+from corolla.server.metrics import ServerMetrics
+
+H = 64
+
+
+async def _prefill(executor, cache, tokens: int) -> None:
+    await executor.step(cache, StepInputs(torch.randn(1, tokens, H), 0, None, None, "", lone_session=False))
+
+
+async def _order_of_a_held_queue(backend, max_batch_rows: int) -> tuple[list[str], list[int]]:  # noqa: F811
+    """Two real sessions and two shadows, each prefilled; then, while the runtime runs a held task, the shadows queue
+    a decode step and a 2-token step BEFORE the real sessions queue their decode steps. -> (the order the steps
+    completed in, the steps of each batch after the held one)."""
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64,
+                              max_batch_rows=max_batch_rows)  # fmt: skip
+        engine = SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config, fused=False)
+        executor = EngineExecutor(backend, engine, runtime, ServerMetrics())
+        specs = {"R1": SessionSpec(SPAN, 1, 32), "R2": SessionSpec(SPAN, 1, 32),
+                 "S1": SessionSpec(SPAN, 1, 32, shadow=True), "S2": SessionSpec(SPAN, 1, 32, shadow=True)}  # fmt: skip
+        async with contextlib.AsyncExitStack() as stack:
+            caches = {name: await stack.enter_async_context(executor.open_session(spec, None))
+                      for name, spec in specs.items()}  # fmt: skip
+            for cache in caches.values():
+                await _prefill(executor, cache, 4)
+            release = threading.Event()
+            held = runtime.submit(release.wait, priority=0.0, size_tokens=1, kind=KIND_GENERIC)
+            await asyncio.sleep(0.05)  # the runtime thread runs the held task
+            batches: list[int] = []
+            runtime.add_batch_observer(lambda kind, steps, seconds: batches.append(steps))
+            done: list[str] = []
+
+            async def step(name: str, tokens: int) -> None:
+                inputs = StepInputs(torch.randn(1, tokens, H), 4, None, None, "", lone_session=False)
+                await executor.step(caches[name], inputs)
+                done.append(name)
+
+            tasks = [asyncio.ensure_future(step(name, tokens)) for name, tokens in
+                     (("S1", 1), ("S2", 2), ("R1", 1), ("R2", 1))]  # fmt: skip
+            await asyncio.sleep(0.05)  # all four queued
+            release.set()
+            await held
+            await asyncio.gather(*tasks)
+    return done, batches[1:]  # (the first: the held task)
+
+
+async def test_shadow_rows_merge_into_the_real_forward_and_a_longer_shadow_step_runs_apart(backend) -> None:  # noqa: F811
+    done, batches = await _order_of_a_held_queue(backend, max_batch_rows=8)
+    # one forward for the real rows and the shadow's decode row, then the 2-token shadow step alone (as a real
+    # session's step would have it, it would ride in that first batch: every real row would wait for it)
+    assert batches == [3, 1], batches
+    assert done[:2] == ["R1", "R2"] and done[2:] == ["S1", "S2"], done
+
+
+async def test_real_steps_go_first_where_the_forward_has_no_room_for_shadows(backend) -> None:  # noqa: F811
+    done, batches = await _order_of_a_held_queue(backend, max_batch_rows=2)
+    # the shadows queued first, yet the real steps take the forward's two rows (at the same priority, the oldest
+    # steps, the shadows', would)
+    assert done[:2] == ["R1", "R2"], done
+    assert batches[0] == 2, batches
+
+
+async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_with(backend) -> None:  # noqa: F811
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        executor = _eager(backend, runtime)
+        async with (
+            executor.open_session(SessionSpec(SPAN, 1, 32), None) as real,
+            executor.open_session(SessionSpec(SPAN, 1, 32, shadow=True), None) as shadow,
+        ):
+            await _prefill(executor, real, 4)
+            await _prefill(executor, shadow, 4)
+            batches: list[int] = []
+            runtime.add_batch_observer(lambda kind, steps, seconds: batches.append(steps))
+
+            def decode(cache, position: int):
+                inputs = StepInputs(torch.randn(1, 1, H), position, None, None, "", lone_session=False)
+                return asyncio.ensure_future(executor.step(cache, inputs))
+
+            shadow_step = decode(shadow, 4)
+            await asyncio.sleep(SHADOW_LEAD_AFTER_S / 4)  # the runtime is idle: the shadow's row waits
+            await asyncio.gather(decode(real, 4), shadow_step)
+            assert batches == [2], batches  # one forward: the real row and the shadow's
+            started = asyncio.get_running_loop().time()
+            await decode(shadow, 5)  # no real step comes: it runs alone once it may lead
+            waited_s = asyncio.get_running_loop().time() - started
+            assert batches == [2, 1] and waited_s >= SHADOW_LEAD_AFTER_S * 0.9, (batches, waited_s)
+
+
+async def test_the_mark_reaches_a_handler_process_servers_device(backend) -> None:  # noqa: F811
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        real = _eager(backend, runtime)
+        opened: list[SessionSpec] = []
+        open_real = real.open_session
+
+        def spying(spec: SessionSpec, alloc_timeout_s):
+            opened.append(spec)
+            return open_real(spec, alloc_timeout_s)
+
+        real.open_session = spying  # type: ignore[method-assign]
+        async with _proxied(real) as link:
+            core = RemoteCore(link)
+            for shadow in (True, False):
+                async with core.open_session("peer", SessionSpec(SPAN, 1, 16, shadow=shadow), None, None, None):
+                    pass
+    assert [spec.shadow for spec in opened] == [True, False]
+
+
+def test_only_a_bool_marks_a_shadow() -> None:
+    assert parse_shadow({SHADOW_KEY: True}) and not parse_shadow({}) and not parse_shadow({SHADOW_KEY: False})
+    for bad in (1, "yes", None, [True], {"a": 1}):
+        with pytest.raises(ValueError, match=SHADOW_KEY):
+            parse_shadow({SHADOW_KEY: bad})
