@@ -6,11 +6,12 @@ Each trial is one liar's career: it serves sessions (a prompt step, then one dec
 [`min_new_tokens`, `max_new_tokens`]) of one span that two honest replicas also hold, and announces itself fastest, so
 every session goes through it; each of its steps is corrupted with probability `lie_rate` (its outputs plus noise of
 relative L2 size `lie_scale`: finite, the outputs' own scale). The client side is the real one
-(`client.shadows.ShadowVerifier` with `ClientConfig`'s sampling of whole sessions, its comparison and the 2:1 vote of
-`client.stretches.StretchReferees`, a real `RemoteSequenceManager` and `BanList`); the servers are a tiny random
-causal transformer span computed for real: the liar's answers come from incremental decoding with a KV cache, a
-shadow's replica replays the mirrored steps incrementally with its own cache (as a shadow session does), and the
-third replica that decides a disagreement recomputes [0, b) in one pass, as `rpc_forward` does. A trial ends when
+(`client.session.shadows.ShadowVerifier` with `ClientConfig`'s sampling of whole sessions, its comparison and the 2:1 vote of
+`client.verification.stretches.StretchReferees`, a real `RemoteSequenceManager` and `BanList`); the servers are a tiny random
+causal transformer span computed for real: the liar's answers come from incremental decoding with a KV cache (the
+prompt, then a position at a time; an honest shadow replica replaying the same steps computes the same, so its
+answers are those, computed once per pool session), and the third replica that decides a disagreement recomputes
+[0, b) in one pass, as `rpc_forward` does. A trial ends when
 the liar is banned (caught at that step) or after `budget_steps` of its steps (escaped). Control trials run the same
 with an honest server in its place: nobody may be banned. Prints one JSON line."""
 
@@ -118,28 +119,24 @@ class RecomputingReferees(StretchReferees):
 
 
 class ReplayingShadows(ShadowVerifier):
-    """The shadows' replicas, computed here: each replays its mirrored steps incrementally over its own KV cache."""
+    """The shadows' replicas, honest: a replica replaying a pool session's steps over its own KV cache computes what
+    the pool's incremental decode computed for it (the same steps: the prompt, then a position at a time; the same
+    op sequence), so its answers are `Pool.answers`, computed once per pool session instead of once per trial."""
 
-    def __init__(self, manager: RemoteSequenceManager, span: ToySpan, rng: random.Random):
+    def __init__(self, manager: RemoteSequenceManager, pool: Pool, index: int, rng: random.Random):
         super().__init__(manager, rng=rng)
-        self.span = span
-        self.referees = RecomputingReferees(manager, span, rng)
-        self.caches: dict[int, list[list[torch.Tensor]]] = {}
+        self.pool, self.index = pool, index
+        self.referees = RecomputingReferees(manager, pool.span, rng)
 
     async def open_stream(self, shadow: Shadow) -> None:
-        self.caches[id(shadow)] = []
+        return None
 
     async def close_stream(self, shadow: Shadow) -> None:
-        self.caches.pop(id(shadow), None)
+        return None
 
     async def replay(self, shadow: Shadow, step: Mirrored) -> torch.Tensor:
-        caches = self.caches[id(shadow)]
-        if not caches:
-            empty = step.inputs[:, :0]
-            caches.extend([empty, empty] for _ in self.span.blocks)
-        for cache in caches:  # a rollback: the cache from `first` is overwritten
-            cache[0], cache[1] = cache[0][:, : step.first], cache[1][:, : step.first]
-        return self.span.run(step.inputs, caches)
+        end = step.first + step.inputs.shape[1]
+        return self.pool.answers[self.index : self.index + 1, step.first : end]
 
 
 @dataclasses.dataclass
@@ -174,7 +171,7 @@ async def _career(pool: Pool, args: argparse.Namespace, seed: int, *, lying: boo
     while steps < args.budget_steps:
         index = rng.randrange(pool.inputs.shape[0])
         end = PROMPT_TOKENS + rng.randint(args.min_new_tokens, args.max_new_tokens)
-        verifier = ReplayingShadows(manager, pool.span, random.Random(rng.random()))
+        verifier = ReplayingShadows(manager, pool, index, random.Random(rng.random()))
         # the span session: its inputs (all it will be sent) and its server
         span_session = SimpleNamespace(span=server, history=pool.inputs[index : index + 1], max_length=end)
         first = 0

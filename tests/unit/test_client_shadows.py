@@ -1,4 +1,4 @@
-"""Verification on shadow sessions (client.shadows, client.stretches' 2:1 vote, client.findings) on in-process fake
+"""Verification on shadow sessions (client.session.shadows, client.verification.stretches' 2:1 vote and findings) on in-process fake
 servers: an honest swarm's every mirrored position agrees and bans nobody; a server corrupting 1% of its steps with
 finite, plausible values is caught within 1,000 of its steps at the default sampling; a lying shadow replica cannot
 get an honest server banned (with no third replica nobody is banned); the shadow stream is an ordinary

@@ -1,7 +1,7 @@
 """A shadow session's steps on a server (`protocol.shadow`, `EngineExecutor._shadow_step`): queued after every real
 step, so that a merged batch takes them only where the real steps left room; a shadow's decode row merges into the
 real sessions' forward (a spare row), a longer shadow step runs in a batch of its own; on an idle runtime a shadow's
-step waits `SHADOW_LEAD_AFTER_S` for a real step to ride with (and runs alone after it); the mark reaches the device
+step waits `runtime.SHADOW_LEAD_AFTER_S` for a real step to ride with (and runs alone after it); the mark reaches the device
 process of a server with handler processes; anything but a bool is refused at the session's open."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from tests.unit.test_executor_contract import SPAN, _eager, _proxied, backend  #
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.protocol.shadow import SHADOW_KEY, parse_shadow
+from corolla.server.core import engine_executor
 from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec, StepInputs
-from corolla.server.core.runtime import KIND_GENERIC, SHADOW_LEAD_AFTER_S, Runtime
+from corolla.server.core.runtime import KIND_GENERIC, Runtime
 from corolla.server.handlers.remote_core import RemoteCore
 from corolla.server.metrics import ServerMetrics
 
@@ -82,7 +83,9 @@ async def test_real_steps_go_first_where_the_forward_has_no_room_for_shadows(bac
     assert batches[0] == 2, batches
 
 
-async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_with(backend) -> None:  # noqa: F811
+async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_with(backend, monkeypatch) -> None:  # noqa: F811
+    lead_after_s = 0.4  # (longer than the server's, so that a loaded machine's late wake-up cannot pass it)
+    monkeypatch.setattr(engine_executor, "SHADOW_LEAD_AFTER_S", lead_after_s)
     with Runtime(max_batch_size_tokens=1024) as runtime:
         executor = _eager(backend, runtime)
         async with (
@@ -99,13 +102,13 @@ async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_wit
                 return asyncio.ensure_future(executor.step(cache, inputs))
 
             shadow_step = decode(shadow, 4)
-            await asyncio.sleep(SHADOW_LEAD_AFTER_S / 4)  # the runtime is idle: the shadow's row waits
+            await asyncio.sleep(0.05)  # the runtime is idle: the shadow's row waits
             await asyncio.gather(decode(real, 4), shadow_step)
             assert batches == [2], batches  # one forward: the real row and the shadow's
             started = asyncio.get_running_loop().time()
             await decode(shadow, 5)  # no real step comes: it runs alone once it may lead
             waited_s = asyncio.get_running_loop().time() - started
-            assert batches == [2, 1] and waited_s >= SHADOW_LEAD_AFTER_S * 0.9, (batches, waited_s)
+            assert batches == [2, 1] and waited_s >= lead_after_s * 0.9, (batches, waited_s)
 
 
 async def test_the_mark_reaches_a_handler_process_servers_device(backend) -> None:  # noqa: F811
