@@ -333,10 +333,10 @@ async def test_a_frames_steps_reach_the_executor_as_bytes_without_a_tensor(backe
         prepare = real.prepare_step
 
         def spy(cache: SessionCache, inputs: StepInputs):
-            prepared = prepare(cache, inputs)
-            assert isinstance(prepared.payload, StepRequest)
-            seen.append((inputs, prepared.payload.hidden_tensor is None))
-            return prepared
+            request = prepare(cache, inputs)
+            assert isinstance(request, StepRequest)
+            seen.append((inputs, request.hidden_tensor is None))
+            return request
 
         real.prepare_step = spy  # type: ignore[method-assign]
         torch.manual_seed(5)

@@ -165,9 +165,9 @@ async def test_prepare_step_refuses_inputs_the_engine_cannot_run_before_anything
     async with executor.open_session(SessionSpec(SPAN, 1, 16), None) as cache:
         with pytest.raises(ValueError, match=r"hidden states must be \[1, tokens, 64\]"):
             executor.prepare_step(cache, StepInputs(torch.randn(2, 1, H), 0, None, None, "", lone_session=False))
-        prepared = executor.prepare_step(cache, StepInputs(torch.randn(1, 1, H), 0, None, None, "", False))
-        assert prepared.payload.inputs_checked  # the device thread checks only the session's state
-        alone = prepared.fn()  # the step alone, on its session's engine
+        request = executor.prepare_step(cache, StepInputs(torch.randn(1, 1, H), 0, None, None, "", False))
+        assert request.inputs_checked  # the device thread checks only the session's state
+        alone = request.run()  # the step alone, on its session's engine
         assert alone.shape == (1, 1, H) and cache.session.length_tokens == 1
     assert runtime.num_pending == 0
     runtime.stop()

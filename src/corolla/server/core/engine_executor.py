@@ -14,7 +14,7 @@ import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,13 +37,13 @@ from corolla.protocol.prefix import PrefixKeys
 from corolla.server.backend import SpanBackend
 from corolla.server.core.batch_counts import BatchCounts
 from corolla.server.core.executor import (
+    KIND_ENGINE_INFERENCE,
     PATH_EAGER,
     PATH_FUSED,
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
     PrefixCacheStats,
-    PreparedStep,
     SessionCache,
     SessionSpec,
     StepInputs,
@@ -66,7 +66,6 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 T = TypeVar("T")
-KIND_ENGINE_INFERENCE = "engine_inference"
 
 # With a GPU span the device thread needs the GIL for short moments between GPU waits, while the serving loop can
 # run Python for a millisecond or more at a time (a burst of requests from many sessions); under the default 5 ms
@@ -236,16 +235,51 @@ class EngineExecutor:
     async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
         """A mergeable runtime task: queued steps of this span go to one batch executor call, which merges their
         single-token steps into one batched forward. A lone session's step may run inline on an idle runtime."""
-        prepared = self.prepare_step(cache, inputs)
-        output: torch.Tensor = await self._runtime.submit(
-            prepared.fn, priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
-            merge_key=prepared.merge_key, payload=prepared.payload, inline=prepared.inline,
-            sessions=(prepared.session,), lead_after_s=prepared.lead_after_s,
-        )  # fmt: skip
+        shadow = cache.spec.shadow
+        task = self.step_task(self.prepare_step(cache, inputs), shadow=shadow)
+        self._runtime.queue(task, inline=inputs.lone_session and not shadow)
+        assert task.future is not None
+        output: torch.Tensor = await task.future
         return output
 
-    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> PreparedStep:
-        """`step` up to the runtime (a device channel's reader thread queues it without a coroutine)."""
+    def step_task(
+        self,
+        work: StepRequest | StepGroup,
+        *,
+        shadow: bool = False,
+        on_done: Callable[[Any, BaseException | None], None] | None = None,
+        flush: Callable[[], None] | None = None,
+    ) -> Task:
+        """The runtime task of a prepared step, or of a device channel frame's decode steps (`StepGroup`, real
+        sessions' only): a mergeable task of this span's engine (`Runtime.task`: its future in the running loop, or
+        `on_done` in any thread).
+
+        A shadow session's step (`shadow`, `protocol.shadow`) is queued after every real step (`PRIORITY_SHADOW`, so
+        a merged batch takes it only where the real steps queued left room), and leads no batch before
+        `SHADOW_LEAD_AFTER_S`: a decode row rides the next forward the real sessions' steps lead (a spare row of a
+        forward that reads the weights anyway), and runs alone only where none came meanwhile. A longer step never
+        joins real rows (it would hold every real row of that batch until it ran): it runs in a batch of its own
+        once it may lead and no real step is queued, and holds back a real step arriving meanwhile by that one
+        forward (clients send a shadow's prefill in chunks of `client.session.shadows.SHADOW_CHUNK_TOKENS`)."""
+        if isinstance(work, StepGroup):
+            requests = work.requests
+            size = sum(r.rows * max(r.num_tokens, 1) for r in requests)
+            steps, sessions = len(requests), tuple(id(r.session) for r in requests)
+        else:
+            size, steps, sessions = work.rows * max(work.num_tokens, 1), 1, (id(work.session),)
+        priority, merge_key, lead_after_s = PRIORITY_INFERENCE, self._merge_key, 0.0
+        if shadow:
+            priority, lead_after_s = PRIORITY_SHADOW, SHADOW_LEAD_AFTER_S
+            if isinstance(work, StepRequest) and not work.is_decode:
+                merge_key = self._shadow_merge_key
+        return self._runtime.task(
+            work.run, priority=priority, size_tokens=size, kind=KIND_ENGINE_INFERENCE, merge_key=merge_key,
+            payload=work, on_done=on_done, flush=flush, steps=steps, sessions=sessions, lead_after_s=lead_after_s,
+        )  # fmt: skip
+
+    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> StepRequest:
+        """`step` up to its task (`step_task`): the engine's request of the step, checked and bound to its session
+        (a device channel's intake thread prepares a frame's steps, then queues them as one task)."""
         own = self._own(cache)
         self.engine.bind_adapter(own.session, inputs.adapter)  # ValueError: unknown, or not the session's adapter
         meta = inputs.hidden_meta  # (dtype, [B, T, H]) of `hidden_bytes` where no tensor was built
@@ -263,26 +297,7 @@ class EngineExecutor:
         # ValueError (refused here, before it is queued) for inputs this engine can't run; the device thread then
         # checks only the session's state (`SpanEngine.validate`)
         self.engine.check_inputs(request)
-        if own.spec.shadow:
-            return self._shadow_step(request, id(own.session))
-        # positional (fn, priority, size_tokens, kind, merge_key, payload, inline, session): keywords cost ~0.7 us
-        # more per step; `fn` a bound method, cheaper per step than a partial
-        return PreparedStep(request.run, PRIORITY_INFERENCE, request.rows * max(request.num_tokens, 1),
-                            KIND_ENGINE_INFERENCE, self._merge_key, request, inputs.lone_session,
-                            id(own.session))  # fmt: skip
-
-    def _shadow_step(self, request: StepRequest, session: int) -> PreparedStep:
-        """A shadow session's step (`protocol.shadow`): queued after every real step (`PRIORITY_SHADOW`, so a
-        merged batch takes it only where the real steps queued left room), and leading no batch before
-        `SHADOW_LEAD_AFTER_S`: a decode row rides the next forward the real sessions' steps lead (a spare row of a
-        forward that reads the weights anyway), and runs alone only where none came meanwhile. A longer step never
-        joins real rows (it would hold every real row of that batch until it ran): it runs in a batch of its own
-        once it may lead and no real step is queued, and holds back a real step arriving meanwhile by that one
-        forward (clients send a shadow's prefill in chunks of `client.session.shadows.SHADOW_CHUNK_TOKENS`)."""
-        merge_key = self._merge_key if request.is_decode else self._shadow_merge_key
-        return PreparedStep(request.run, PRIORITY_SHADOW, request.rows * max(request.num_tokens, 1),
-                            KIND_ENGINE_INFERENCE, merge_key, request, False, session,
-                            SHADOW_LEAD_AFTER_S)  # fmt: skip
+        return request
 
     def batch_counts(self) -> BatchCounts:
         """The runtime's batches so far (the metrics' `WorkSource`)."""

@@ -7,7 +7,7 @@ trusts shapes, dtypes, lengths and positions and only enforces what it alone kno
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -21,6 +21,8 @@ from corolla.utils.tensor_bytes import view_bytes
 # how the engine runs a span (reported, not chosen by the operator): fused kernels, or the family's blocks eagerly
 PATH_FUSED = "fused"
 PATH_EAGER = "eager"
+# the runtime task kind of the engine's inference steps (`EngineExecutor.step_task`), merged into one forward
+KIND_ENGINE_INFERENCE = "engine_inference"
 
 
 class TensorDescriptorLike(Protocol):
@@ -105,22 +107,6 @@ class BackwardInputs:
     @property
     def has_prompts(self) -> bool:
         return self.prompts is not None
-
-
-@dataclass(slots=True)  # not frozen: built per decode step, where a frozen init costs ~2 us more
-class PreparedStep:
-    """A step checked and bound by its executor (`EngineExecutor.prepare_step`), ready to be queued on the runtime
-    as one task by whoever waits for it: a coroutine (`step`) or a device channel's reader thread (a callback)."""
-
-    fn: Callable[[], torch.Tensor]  # runs the step alone: [B, T, H] -> [B, T, H]
-    priority: float
-    size_tokens: int
-    kind: str
-    merge_key: Hashable | None  # steps with equal (kind, merge_key) may run in one merged forward
-    payload: object  # what the kind's batch executor reads
-    inline: bool  # an idle runtime may run it in the submitting thread
-    session: Hashable  # its session's key (`Task.sessions`)
-    lead_after_s: float = 0.0  # it may lead a merged batch only this long after it is queued (a shadow's step)
 
 
 class SessionCache:

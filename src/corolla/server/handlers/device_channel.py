@@ -41,7 +41,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -50,10 +50,10 @@ from corolla.engine.batcher import StepGroup, StepResult
 from corolla.engine.span_engine import StepRequest
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import (
+    KIND_ENGINE_INFERENCE,
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
-    PreparedStep,
     SessionCache,
     SessionSpec,
     SpanExecutor,
@@ -73,17 +73,29 @@ NOT_DRAINING = math.nan  # the STATE's drain deadline while the server does not 
 
 
 class DeviceExecutor(SpanExecutor, Protocol):
-    """What a device channel needs of the core's executor (`EngineExecutor`): its runtime, and a step prepared
-    without a coroutine, so that the intake thread queues it itself."""
+    """What a device channel needs of the core's executor (`EngineExecutor`): its runtime, and a step prepared and
+    made a task without a coroutine, so that the intake thread queues it itself."""
 
     @property
     def runtime(self) -> Runtime:
         """The one device thread all work of this span runs on."""
         ...
 
-    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> PreparedStep:
+    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> StepRequest:
         """What `step` does before it queues the step (cache ownership, adapter binding; the same typed refusals,
-        raised here), synchronously: the intake thread queues it with `Runtime.queue`."""
+        raised here), synchronously."""
+        ...
+
+    def step_task(
+        self,
+        work: StepRequest | StepGroup,
+        *,
+        shadow: bool = False,
+        on_done: Callable[[Any, BaseException | None], None] | None = None,
+        flush: Callable[[], None] | None = None,
+    ) -> Task:
+        """The runtime task of a prepared step (of a shadow session: `shadow`) or of a frame's decode steps, for
+        `Runtime.queue`."""
         ...
 
 
@@ -98,39 +110,34 @@ class _Entry:
     request_id: int
     ticket: SessionTicket | None
     num_tokens: int  # B x T
-    request: StepRequest | None  # the fast path's request (its `output_bytes` once a launched forward collected them)
+    request: StepRequest  # the engine's request (its `output_bytes` once a launched forward collected them)
+    shadow: bool = False  # a shadow session's step (`EngineExecutor.step_task`): queued last, never grouped
 
 
 class _FrameSteps:
-    """A frame's decode steps of the fast path, as columns (no record per step): request ids, session handles,
-    tickets, the prepared steps and their requests, and their tokens in all."""
+    """A frame's decode steps, as columns (no record per step): request ids, tickets, the engine's requests, and
+    their tokens in all."""
 
-    __slots__ = ("request_ids", "tickets", "prepared", "requests", "tokens", "mixed_keys")
+    __slots__ = ("request_ids", "tickets", "requests", "tokens")
 
     def __init__(self) -> None:
         self.request_ids: list[int] = []
         self.tickets: list[SessionTicket | None] = []
-        self.prepared: list[PreparedStep] = []
         self.requests: list[StepRequest] = []
         self.tokens = 0
-        self.mixed_keys = False  # some step's merge key differs from the first's
 
-    def add(self, request_id: int, ticket: SessionTicket | None, prepared: PreparedStep, request: StepRequest) -> None:
-        if self.prepared and prepared.merge_key != self.prepared[0].merge_key:
-            self.mixed_keys = True
+    def add(self, request_id: int, ticket: SessionTicket | None, request: StepRequest) -> None:
         self.request_ids.append(request_id)
         self.tickets.append(ticket)
-        self.prepared.append(prepared)
         self.requests.append(request)
-        self.tokens += prepared.size_tokens
+        self.tokens += request.rows * request.num_tokens
 
     def part(self, start: int, end: int) -> _FrameSteps:
         """Steps [start, end) as a frame of their own (a frame split at the merge limit)."""
         part = _FrameSteps()
         part.request_ids, part.tickets = self.request_ids[start:end], self.tickets[start:end]
-        part.prepared, part.requests = self.prepared[start:end], self.requests[start:end]
-        part.tokens = sum(p.size_tokens for p in part.prepared)
-        part.mixed_keys = any(p.merge_key != part.prepared[0].merge_key for p in part.prepared)
+        part.requests = self.requests[start:end]
+        part.tokens = sum(r.rows * r.num_tokens for r in part.requests)
         return part
 
 
@@ -179,24 +186,19 @@ class FrameIntake:
                     raise wire.FrameError("a step needs hidden states [B, T, H]")
                 cache, ticket = held(step.handle)
                 # the hidden states as their bytes (no tensor unless the executor needs one: `StepInputs.tensor`)
-                prepared = prepare_step(cache, StepInputs(None, step.prefix_length, step.prompts, step.hypo_ids,
-                                                          step.adapter, step.lone and may_run_alone, step.raw,
-                                                          (dtype, shape), step.rows))  # fmt: skip
-                request = prepared.payload
-                if (
-                    not prepared.inline
-                    and isinstance(request, StepRequest)
-                    and request.is_decode
-                    and prepared.merge_key is not None
-                ):
-                    frame.add(step.request_id, ticket, prepared, request)
+                shadow = cache.spec.shadow
+                alone = step.lone and may_run_alone and not shadow
+                request = prepare_step(cache, StepInputs(None, step.prefix_length, step.prompts, step.hypo_ids,
+                                                         step.adapter, alone, step.raw, (dtype, shape),
+                                                         step.rows))  # fmt: skip
+                if not alone and not shadow and request.is_decode:
+                    frame.add(step.request_id, ticket, request)
                     continue
-                entry = _Entry(step.request_id, ticket, shape[0] * shape[1],
-                               request if isinstance(request, StepRequest) else None)  # fmt: skip
-                if prepared.inline:  # a lone session: may run right here on an idle runtime
-                    runtime.queue(self._task(entry, prepared), inline=True)
+                entry = _Entry(step.request_id, ticket, shape[0] * shape[1], request, shadow)
+                if alone:  # a lone session: may run right here on an idle runtime
+                    runtime.queue(self._task(entry), inline=True)
                 else:
-                    tasks.append(self._task(entry, prepared))
+                    tasks.append(self._task(entry))
             except Exception as e:
                 refused.append((step.request_id, e, None))
         if frame.request_ids:
@@ -220,48 +222,40 @@ class FrameIntake:
 
     def _frame_tasks(self, frame: _FrameSteps) -> list[Task]:
         """The frame's decode steps in as few tasks as fit one merged forward each (in order): one task for the
-        usual frame (one merge key, within the limit), else split where the limit or the merge key says."""
-        first = frame.prepared[0]
-        limit = self.executor.runtime.merge_limit(first.kind)
+        usual frame (within the limit), else split where the limit says (the executor's steps share one merge key)."""
+        limit = self.executor.runtime.merge_limit(KIND_ENGINE_INFERENCE)
         n = len(frame.request_ids)
-        if frame.tokens <= limit and not frame.mixed_keys:
-            return [self._group_task(frame, 0, n, frame.tokens)]
+        if frame.tokens <= limit:
+            return [self._group_task(frame, 0, n)]
         tasks: list[Task] = []
         start, tokens = 0, 0
-        for i, prepared in enumerate(frame.prepared):
-            size = prepared.size_tokens
-            if i > start and (tokens + size > limit or prepared.merge_key != frame.prepared[start].merge_key):
-                tasks.append(self._group_task(frame, start, i, tokens))
+        for i, request in enumerate(frame.requests):
+            size = request.rows * request.num_tokens
+            if i > start and tokens + size > limit:
+                tasks.append(self._group_task(frame, start, i))
                 start, tokens = i, 0
             tokens += size
-        tasks.append(self._group_task(frame, start, n, tokens))
+        tasks.append(self._group_task(frame, start, n))
         return tasks
 
-    def _task(self, entry: _Entry, prepared: PreparedStep) -> Task:
+    def _task(self, entry: _Entry) -> Task:
         """One runtime task for one step: its own payload and callback."""
-        return self.executor.runtime.task(
-            prepared.fn, on_done=partial(self._step_done, entry), flush=self._flush,
-            priority=prepared.priority, size_tokens=prepared.size_tokens, kind=prepared.kind,
-            merge_key=prepared.merge_key, payload=prepared.payload, sessions=(prepared.session,),
-            lead_after_s=prepared.lead_after_s,
-        )  # fmt: skip
+        return self.executor.step_task(
+            entry.request, shadow=entry.shadow, on_done=partial(self._step_done, entry), flush=self._flush
+        )
 
-    def _group_task(self, frame: _FrameSteps, start: int, end: int, tokens: int) -> Task:
+    def _group_task(self, frame: _FrameSteps, start: int, end: int) -> Task:
         """One runtime task for steps [start, end) of a frame: a `StepGroup` (one step alone: its own task)."""
-        first = frame.prepared[start]
         if end - start == 1:
             request = frame.requests[start]
             entry = _Entry(frame.request_ids[start], frame.tickets[start],
                            request.rows * request.num_tokens, request)  # fmt: skip
-            return self._task(entry, first)
+            return self._task(entry)
         part = frame if start == 0 and end == len(frame.request_ids) else frame.part(start, end)
-        group = StepGroup(part.requests)
         self.num_frame_tasks += 1
-        return self.executor.runtime.task(
-            group.run, on_done=partial(self._frame_done, part), flush=self._flush,
-            priority=first.priority, size_tokens=tokens, kind=first.kind, merge_key=first.merge_key, payload=group,
-            steps=end - start, sessions=tuple(p.session for p in part.prepared), lead_after_s=first.lead_after_s,
-        )  # fmt: skip
+        return self.executor.step_task(
+            StepGroup(part.requests), on_done=partial(self._frame_done, part), flush=self._flush
+        )
 
     def _step_done(self, entry: _Entry, output: torch.Tensor | None, error: BaseException | None) -> None:
         """One step's result, in the thread that ran it; the runtime then calls `flush` once for the batch."""
