@@ -1,4 +1,4 @@
-"""A shadow session's steps on a server (`protocol.shadow`, `EngineExecutor._shadow_step`): queued after every real
+"""A shadow session's steps on a server (`protocol.shadow`, `EngineExecutor.step_task(..., shadow=True)`): queued after every real
 step, so that a merged batch takes them only where the real steps left room; a shadow's decode row merges into the
 real sessions' forward (a spare row), a longer shadow step runs in a batch of its own; on an idle runtime a shadow's
 step waits `runtime.SHADOW_LEAD_AFTER_S` for a real step to ride with (and runs alone after it); the mark reaches the device
