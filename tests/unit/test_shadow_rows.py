@@ -1,7 +1,8 @@
 """A shadow session's steps on a server (`protocol.shadow`, `EngineExecutor.step_task(..., shadow=True)`): queued after every real
 step, so that a merged batch takes them only where the real steps left room; a shadow's decode row merges into the
 real sessions' forward (a spare row), a longer shadow step runs in a batch of its own; on an idle runtime a shadow's
-step waits `runtime.SHADOW_LEAD_AFTER_S` for a real step to ride with (and runs alone after it); the mark reaches the device
+step waits `runtime.SHADOW_LEAD_AFTER_S` for a real step to ride with (and runs alone after it), unless no real
+step came for as long (then at once); the mark reaches the device
 process of a server with handler processes; anything but a bool is refused at the session's open."""
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_wit
             executor.open_session(SessionSpec(SPAN, 1, 32), None) as real,
             executor.open_session(SessionSpec(SPAN, 1, 32, shadow=True), None) as shadow,
         ):
+            await _prefill(executor, shadow, 4)  # (nothing real came yet: it runs at once)
             await _prefill(executor, real, 4)
-            await _prefill(executor, shadow, 4)
             batches: list[int] = []
             runtime.add_batch_observer(lambda kind, steps, seconds: batches.append(steps))
 
@@ -109,6 +110,11 @@ async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_wit
             await decode(shadow, 5)  # no real step comes: it runs alone once it may lead
             waited_s = asyncio.get_running_loop().time() - started
             assert batches == [2, 1] and waited_s >= lead_after_s * 0.9, (batches, waited_s)
+            await asyncio.sleep(lead_after_s)  # a replica serving nobody for as long: a shadow's step runs at once
+            started = asyncio.get_running_loop().time()
+            await decode(shadow, 6)
+            waited_s = asyncio.get_running_loop().time() - started
+            assert batches == [2, 1, 1] and waited_s < lead_after_s / 2, (batches, waited_s)
 
 
 async def test_the_mark_reaches_a_handler_process_servers_device(backend) -> None:  # noqa: F811

@@ -256,7 +256,7 @@ class EngineExecutor:
 
         A shadow session's step (`shadow`, `protocol.shadow`) is queued after every real step (`PRIORITY_SHADOW`, so
         a merged batch takes it only where the real steps queued left room), and leads no batch before
-        `SHADOW_LEAD_AFTER_S`: a decode row rides the next forward the real sessions' steps lead (a spare row of a
+        `SHADOW_LEAD_AFTER_S` while real steps come (`TaskQueue._lead_at`): a decode row rides the next forward the real sessions' steps lead (a spare row of a
         forward that reads the weights anyway), and runs alone only where none came meanwhile. A longer step never
         joins real rows (it would hold every real row of that batch until it ran): it runs in a batch of its own
         once it may lead and no real step is queued, and holds back a real step arriving meanwhile by that one

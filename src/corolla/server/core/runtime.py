@@ -41,8 +41,8 @@ PRIORITY_FORWARD: float = 2.0
 PRIORITY_BACKWARD: float = 2.0
 # a shadow session's steps (`protocol.shadow`): after every real inference step queued, before training's work;
 # such a step rides a forward that real steps lead, and leads one itself only once it has waited SHADOW_LEAD_AFTER_S
-# (`Task.lead_after`): on a replica serving sessions it takes a spare row of their forwards, on an idle one it runs
-# alone a moment later
+# (`Task.lead_after`), or where no real step was queued for that long: on a replica serving sessions it takes a
+# spare row of their forwards, on an idle one it runs at once
 PRIORITY_SHADOW: float = 1.5
 SHADOW_LEAD_AFTER_S: float = 0.02
 
@@ -77,7 +77,8 @@ class Task:
     # its steps' sessions (any hashable key per session; empty where unknown): the gather rule learns how long a
     # merged forward's own sessions take to come back (`TaskQueue.watch`)
     sessions: tuple[Hashable, ...] = ()
-    # `time.monotonic()` before which it may join a batch that another task leads but lead none (0: any time)
+    # `time.monotonic()` before which it may join a batch that another task leads but lead none (0: any time), unless
+    # no task that may lead at once was queued for as long (`TaskQueue._lead_at`)
     lead_after: float = 0.0
 
     @property
@@ -170,6 +171,7 @@ class TaskQueue:
         self._seq = 0  # tasks pushed (their order)
         self._steps = 0  # steps pushed (`Task.steps` summed): what the gather rule counts
         self._closed = False
+        self._led_pushed_s = 0.0  # when a task that may lead at once was last pushed (`_lead_at`)
         # the last merged forwards watched for their sessions' next steps (oldest first), and those back, not yet taken
         self._watches: deque[_Watch] = deque()
         self._returns: list[tuple[float, float]] = []
@@ -192,6 +194,8 @@ class TaskQueue:
             self._seq += 1
             task.seq = self._seq
             self._steps += task.steps
+            if not task.lead_after:
+                self._led_pushed_s = task.submitted_at
             if self._watches:
                 self._count_back(task)
             heapq.heappush(self._heap, (*task.sort_key, task))
@@ -213,6 +217,8 @@ class TaskQueue:
                     self._count_back(task)
                 heapq.heappush(heap, (task.priority, task.submitted_at, seq, task))
             self._seq, self._steps = seq, steps
+            if any(not task.lead_after for task in tasks):
+                self._led_pushed_s = max(task.submitted_at for task in tasks if not task.lead_after)
             if steps >= self._wanted:
                 self.num_wakeups += 1
                 self._cond.notify()
@@ -281,18 +287,25 @@ class TaskQueue:
             self._cond.notify_all()
         return remaining
 
+    def _lead_at(self, task: Task) -> float:
+        """When `task` may lead a batch: at its `lead_after`, or once as long has passed since the last push of a
+        task that may lead at once (a replica serving nobody lets a shadow step run at once)."""
+        if not task.lead_after:
+            return 0.0
+        return min(task.lead_after, self._led_pushed_s + (task.lead_after - task.submitted_at))
+
     def _leader(self, now: float) -> tuple[Task | None, float | None]:
         """(The most urgent task that may lead a batch at `now`, taken off the heap; None) or, where every queued
-        task waits for its `lead_after`, (None, the earliest of those). Under the lock, with a non-empty heap."""
-        if self._heap[0][-1].lead_after <= now:
+        task has to wait (`_lead_at`), (None, the earliest time one may). Under the lock, with a non-empty heap."""
+        if self._lead_at(self._heap[0][-1]) <= now:
             return heapq.heappop(self._heap)[-1], None
         items = sorted(self._heap)
         for index, item in enumerate(items):
-            if item[-1].lead_after <= now and not item[-1].abandoned:
+            if self._lead_at(item[-1]) <= now and not item[-1].abandoned:
                 del items[index]
                 self._heap = items  # a sorted list is a valid heap
                 return item[-1], None
-        return None, min(item[-1].lead_after for item in items)
+        return None, min(self._lead_at(item[-1]) for item in items)
 
     def pop_batch(
         self,
