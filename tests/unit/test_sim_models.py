@@ -61,8 +61,9 @@ def test_a_step_batches_the_rows_waiting_not_every_session_held() -> None:
 
 
 def test_a_session_reserves_kv_on_the_blocks_its_hop_uses_only() -> None:
-    """As a real server allocates KV for the blocks a request names (not its whole span): a session over blocks
-    0..5 of a 0..10 span leaves 5..10 free for another session of the whole capacity (decision 0036)."""
+    """As a real server allocates KV for the blocks a request names (not its whole span): on corolla's (pages per
+    layer) a session over blocks 0..5 of a 0..10 span leaves 5..10 free for another session of the whole capacity;
+    Petals' pools its bytes over the span (decision 0036)."""
     server = SimServer("s", "europe", ServerPerf(GPUS["L4"], LLAMA2_70B, "nf4"), 20, joined_s=0.0, start=0, end=10)
     capacity = server.kv_capacity_tokens
     assert capacity > 0 and server.cache_tokens_left == 2 * 10 * capacity
@@ -72,6 +73,11 @@ def test_a_session_reserves_kv_on_the_blocks_its_hop_uses_only() -> None:
     assert server.cache_tokens_left == 2 * 5 * capacity and server.kv_reserved_token_blocks == 5 * capacity
     server.reserve(0, 5, -capacity)
     assert not server.kv_reserved and server.cache_tokens_left == 2 * 10 * capacity
+    # Petals' server pools its cache bytes: a request over 5 blocks may take the whole span's share
+    pooled = SimServer("p", "europe", server.perf, 20, joined_s=0.0, start=0, end=10, pooled_kv=True)
+    assert pooled.kv_free_tokens(0, 5) == 2 * capacity
+    pooled.reserve(0, 5, 2 * capacity)
+    assert pooled.kv_free_tokens(5, 10) == 0 and pooled.cache_tokens_left == 0
 
 
 def test_churn_is_heavy_tailed_with_the_median_and_mean_asked_for() -> None:

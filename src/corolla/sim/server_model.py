@@ -44,8 +44,12 @@ class SimServer:
     visit_rate: float = 0.0  # their decode tokens arriving per second (the sum of 1 / time per token)
     context_tokens: int = 0  # their KV tokens, summed
     # block -> the max lengths (tokens) its sessions reserved on that block: a session reserves on the blocks its hop
-    # uses only, as a real server allocates KV for the blocks a request names (corolla's pool: pages per layer)
+    # uses only, as a real server allocates KV for the blocks a request names
     kv_reserved: dict[int, int] = field(default_factory=dict)
+    # how its KV memory is shared between its blocks: corolla's pool has pages per layer, so each block holds
+    # `kv_capacity_tokens` (a full block refuses whatever the others have free); Petals' `MemoryCache` is one pool of
+    # bytes, so a request takes its blocks' share from the whole span's (`pooled_kv`)
+    pooled_kv: bool = False
     sessions: set[int] = field(default_factory=set)  # ids of sessions holding KV here
     busy_fraction: float = 0.0
     next_pings: dict[str, float] = field(default_factory=dict)
@@ -79,7 +83,12 @@ class SimServer:
         return self.perf.kv_tokens(self.num_blocks) if self.num_blocks else 0
 
     def kv_free_tokens(self, start: int, end: int) -> int:
-        """Tokens a new session can still reserve on blocks `[start, end)` (the least free of those blocks)."""
+        """Tokens a new session can still reserve on blocks `[start, end)`: the least free of those blocks, or with a
+        pooled cache the pool's free token x block slots over the blocks asked for."""
+        if self.pooled_kv:
+            return max(0, self.num_blocks * self.kv_capacity_tokens - self.kv_reserved_token_blocks) // max(
+                end - start, 1
+            )
         reserved = max((self.kv_reserved.get(block, 0) for block in range(start, end)), default=0)
         return max(0, self.kv_capacity_tokens - reserved)
 
@@ -94,8 +103,8 @@ class SimServer:
 
     @property
     def kv_reserved_token_blocks(self) -> int:
-        """KV reserved on its span's blocks (token x block slots, each block at most its capacity)."""
-        capacity = self.kv_capacity_tokens
+        """KV reserved on its span's blocks (token x block slots; each block at most its capacity unless pooled)."""
+        capacity = self.num_blocks * self.kv_capacity_tokens if self.pooled_kv else self.kv_capacity_tokens
         return sum(min(self.kv_reserved.get(block, 0), capacity) for block in range(self.start, self.end))
 
     @property

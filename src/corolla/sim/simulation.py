@@ -169,6 +169,7 @@ class Simulation:
             joined_s=at_s,
             curve=self.curves[gpu],
             cache_curve=self.cache_curves[gpu],
+            pooled_kv=not self.corolla_peers,
         )
         self.servers.append(server)
         self.loop.at(at_s, self._join, server)
