@@ -180,26 +180,6 @@ def test_corolla_moves_when_the_gain_pays_back_the_reload():
     assert move(CorollaPolicy(), gap, "B", since_move_s=1.0).target == range(4, 8)
 
 
-def test_corolla_sees_the_moves_others_have_in_progress():
-    """A move in progress (its server's record says `moving_to` while it fetches) counts as covering its target: a
-    second server does not plan the same move (on the old code both moved, and one was dropped after its fetch), the
-    mover itself still wants its move, and its old span still counts until it switches (decision 0036)."""
-    spans = [span("A", 0, 4, 10), span("B", 0, 4, 10), span("D", 0, 4, 10), span("C", 4, 8, 15)]
-    assert move(CorollaPolicy(), spans, "D").target == range(4, 8)
-    assert move(CorollaPolicy(), spans, "B").target == range(4, 8)
-    spans[1] = span("B", 0, 4, 10, moving_to=(4, 8))
-    decision = move(CorollaPolicy(), spans, "D")
-    assert not decision.move and decision.flow_now_tps == pytest.approx(25)
-    assert move(CorollaPolicy(), spans, "B").target == range(4, 8)
-    # a joiner weighs it as well: with B on its way to 4..8 (15 tok/s there then), E takes 0..4, which B leaves;
-    # blind to the move it took 4..8 (the weaker now), and B's move, re-asked, would open a gap on 0..4
-    spans = [span("B", 0, 4, 10, moving_to=(4, 8)), span("C", 4, 8, 5)]
-    me = ServerCapacity(peer_id="E", max_blocks=4, throughput=20.0)
-    assert CorollaPolicy().choose_span(me, spans, 8) == range(0, 4)
-    spans[0] = span("B", 0, 4, 10)
-    assert CorollaPolicy().choose_span(me, spans, 8) == range(4, 8)
-
-
 def test_corolla_moves_only_on_a_region_it_measured_in_full():
     """A server that has not measured every server announced may be missing part of its region (the unmeasured B
     here): its region's flows are unknown, so it moves only to fill a block the whole swarm lacks (decision 0025).

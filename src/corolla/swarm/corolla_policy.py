@@ -26,9 +26,6 @@ from corolla.swarm.route_planning import (
 )
 
 REL_EPS = 1e-9  # flows equal up to float noise are ties
-MOVING_SUFFIX = (
-    "~moving"  # the peer id of a move in progress's span, beside its server's current one (no peer id has "~")
-)
 GAP_TPS = 1e-6  # the least tokens/s a block counts as in the soft bottleneck (finite, so placements with gaps compare)
 
 
@@ -57,9 +54,7 @@ class CorollaPolicy:
     and the server has stayed `min_dwell_s` since its last move (unless its region has a block without a server:
     then it may fill the gap now). A server that places by region moves only once it has measured every server
     announced (`swarm.rtt_book` keeps its pings across checks): on a part of its region each check would weigh a
-    different swarm; until then it moves only to fill a block the whole swarm lacks. Placement and moves count the
-    moves other servers have in progress (`with_moves_in_progress`: a server fetching a span announces `moving_to`)
-    as covering their targets, so that servers checking during a fetch do not plan the same move.
+    different swarm; until then it moves only to fill a block the whole swarm lacks.
 
     Routing: Dijkstra over (server, block) as Petals, each block costing max(its one-session time, the share of the
     server's capacity left to one more session), where sessions = those the server announces plus the ones this
@@ -97,7 +92,7 @@ class CorollaPolicy:
     # ---- placement
 
     def choose_span(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo], total_blocks: int) -> range:
-        rest = with_moves_in_progress(self._region(me, others(spans, me.peer_id)), me.peer_id, total_blocks)
+        rest = self._region(me, others(spans, me.peer_id))
         return self._best_placement(me, rest, total_blocks)[2]
 
     def _region(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo]) -> list[RemoteSpanInfo]:
@@ -195,8 +190,7 @@ class CorollaPolicy:
                 flow = float(everyone.min())
                 return MoveDecision(None, flow, flow, "its region not yet measured in full")
             me = dataclasses.replace(me, rtts_s={})
-        # flows below are the region's (the whole swarm's if none is near), with the moves others have in progress
-        region = with_moves_in_progress(self._region(me, spans), me.peer_id, total_blocks)
+        region = self._region(me, spans)  # flows below are the region's (the whole swarm's if none is near)
         throughputs = compute_throughputs({s.peer_id: s for s in region}, total_blocks=total_blocks)
         flow_now = float(throughputs.min())
         mine = own_span(spans, me.peer_id)
@@ -294,34 +288,6 @@ class CorollaPolicy:
         # (the near chain is refused, the client retries) rather than take the cache other regions' clients wait for
         near_route = route_over(near)
         return near_route if any(entry_cost_s(span) >= MISSING_CACHE_PENALTY_S for span in near_route) else route
-
-
-def with_moves_in_progress(spans: Sequence[RemoteSpanInfo], peer_id: str, total_blocks: int) -> list[RemoteSpanInfo]:
-    """`spans` plus, for every server but `peer_id` whose record says it fetches a span to move to (`moving_to`), that
-    span as if it already served it as well, at its announced throughput scaled to the new length by Petals' model
-    (a token uses (n + 1) / 2 of n blocks) and with no free cache: a server placing itself or weighing a move then
-    sees the blocks a move in progress will cover. Without it every server that checked during a fetch (minutes)
-    saw the same weak blocks and planned a move there too, and most of those moves were dropped once the first landed
-    (scale: 70 of 74 planned moves began while another fetched an overlapping span; decision 0036). Its old span is
-    still counted: it serves it until it switches, and the move may yet be dropped."""
-    result = list(spans)
-    for span in spans:
-        target = span.server_info.moving_to
-        if span.peer_id == peer_id or target is None:
-            continue
-        start, end = target
-        if not 0 <= start < end <= total_blocks:
-            continue
-        info = dataclasses.replace(
-            span.server_info,
-            throughput=span.throughput * (span.length + 1) / (end - start + 1),
-            start_block=start,
-            end_block=end,
-            cache_tokens_left=0,
-            moving_to=None,
-        )
-        result.append(RemoteSpanInfo(f"{span.peer_id}{MOVING_SUFFIX}", start, end, info))
-    return result
 
 
 def _bottleneck_by_start(throughputs: np.ndarray, added: float, k: int) -> tuple[float, np.ndarray]:
