@@ -3,7 +3,8 @@ promised their length at open and take pages as tokens arrive): sessions held by
 (after a step, or a grace for the first one), then the unused promises of idle sessions (they keep their pages, and
 ask the promise back at their next token), then whole sessions idle for `session_idle_evict_s`, then promises beyond
 a fair share per peer; a session doing real work keeps its pages; a session that just ran its prefill is not judged
-by its pace before it has one (its promise goes last); an open that brings no token does not wait in line; an allocation in line gets room as holds become yieldable."""
+by its pace before it has one (its promise goes last); an open that brings no token does not wait in line; an allocation in line gets room as holds become yieldable; a working shadow session
+(verification) yields whole to a real newcomer, never to another shadow."""
 
 from __future__ import annotations
 
@@ -61,9 +62,10 @@ class Held:
 
     def __init__(self, admission: SessionAdmission, executor: EngineExecutor, peer: str, max_length: int, *,
                  first_tokens: int = 0, alloc_timeout_s: float = 0.0, step: bool = True,
-                 probe: bool = False):  # fmt: skip
+                 probe: bool = False, shadow: bool = False):  # fmt: skip
         self.admission, self.executor, self.peer = admission, executor, peer
         self.probe = probe  # its opening request is a prefix probe: tokens not known, none processed
+        self.shadow = shadow  # a shadow session (`protocol.shadow`)
         self.max_length, self.first_tokens, self.alloc_timeout_s, self.step = (
             max_length,
             first_tokens,
@@ -77,7 +79,7 @@ class Held:
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
-        spec = SessionSpec(SPAN, 1, self.max_length)
+        spec = SessionSpec(SPAN, 1, self.max_length, shadow=self.shadow)
         reservation = self.admission.reserve(self.peer, self.executor, spec, self.alloc_timeout_s,
                                              opening_tokens=None if self.probe else self.first_tokens)  # fmt: skip
         async with reservation as (ticket, cache):
@@ -341,3 +343,22 @@ async def test_a_reopening_peers_queued_prefill_keeps_no_promise_beyond_its_toke
             for session in queued:
                 session.work(1)  # their prefills run: room for them was kept
             assert admission.num_evicted == 0
+
+
+async def test_a_working_shadow_session_yields_whole_to_a_real_one_and_not_to_another_shadow(backend) -> None:
+    with executor_of(backend) as executor:
+        admission = SessionAdmission(PeerLimits(), executor)
+        async with sessions() as held:
+            shadows = [await opened(held, admission, executor, f"verifier-{i}", FULL, first_tokens=1, shadow=True)
+                       for i in range(2)]  # fmt: skip
+            for shadow in shadows:
+                shadow.work(PAGE)  # mirroring: 2 pages each, 2 more promised
+            with pytest.raises(AllocationFailed):  # a shadow takes nothing from shadows but their fair share's excess
+                await opened(held, admission, executor, "another-verifier", FULL, first_tokens=3, shadow=True)
+            assert admission.num_evicted == 0 and not any(s.task.done() for s in shadows)
+            user = await opened(held, admission, executor, "user", FULL, first_tokens=3)  # the whole length
+            assert user.ticket is not None and not user.ticket.withdrawn
+            await asyncio.sleep(0)
+            ended = [s for s in shadows if s.task.done()]
+            assert len(ended) == 1 and isinstance(ended[0].task.exception(), SessionEvicted)
+            assert "shadow session (verification)" in str(ended[0].task.exception())

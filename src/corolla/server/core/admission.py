@@ -1,7 +1,8 @@
 """Admission of inference sessions: per-peer and global caps on open sessions and on the KV cache they hold, and
 what yields when a new session does not fit. A session is promised its whole `max_length` at open and takes pages as
 its tokens arrive; under memory pressure the least valuable holds yield first: sessions that never processed a token
-(zero-token steps are not use), then the unused promises of sessions idle for `kv_promise_idle_s`, then sessions idle
+(zero-token steps are not use), then shadow sessions (`protocol.shadow`: a client's check of another server, youngest
+first; to a real newcomer only), then the unused promises of sessions idle for `kv_promise_idle_s`, then sessions idle
 for `session_idle_evict_s`, then the promises of slow sessions beyond what they would use within `session_idle_evict_s`
 at their recent token rate (least recent work first; a session's pace is read only `first_token_grace_s` after its
 prefill), then unused promises beyond a fair share per peer of those holding promises, then the promises of sessions
@@ -103,6 +104,7 @@ class SessionTicket:
     bytes_per_token: float = 0.0  # cache one token position of it takes (0: unknown, its promise is not weighed)
     work_horizon_s: float = 0.0  # time constant of `recent_tokens` (0: not weighed)
     prefilled_at: float | None = None  # when its first tokens were processed (None: none yet)
+    shadow: bool = False  # a client's mirror of another server's session (`protocol.shadow`): yields to real ones
     _recent_tokens: float = field(default=0.0, init=False)  # as of `last_used_at`
 
     def touch(self, num_tokens: int) -> None:
@@ -188,15 +190,18 @@ class SessionAdmission:
 
     @contextlib.asynccontextmanager
     async def admit(
-        self, peer: str, reserve_bytes: int, *, opening_tokens: int | None = None, granting: bool = False
-    ) -> AsyncIterator[SessionTicket]:
+        self, peer: str, reserve_bytes: int, *, opening_tokens: int | None = None, granting: bool = False,
+        shadow: bool = False,
+    ) -> AsyncIterator[SessionTicket]:  # fmt: skip
         """Admits a session of `peer` that will be promised `reserve_bytes` of KV cache (may first make others
         yield and wait up to `evict_wait_s` for evicted ones to free it). Raises PeerLimitExceeded or
         ServerLimitExceeded, or SessionEvicted where a worthier newcomer took its place meanwhile; the ticket is
-        released on every exit path. `granting`: its cache opens next (`reserve`), a claim on what is free."""
-        self._check(peer, reserve_bytes)
+        released on every exit path. `granting`: its cache opens next (`reserve`), a claim on what is free;
+        `shadow`: a shadow session (it yields whole to a real newcomer, after holds without work)."""
+        self._check(peer, reserve_bytes, shadow)
         ticket = SessionTicket(peer=peer, reserved_bytes=reserve_bytes, opening_tokens=opening_tokens,
-                               granting=granting, work_horizon_s=self.limits.session_idle_evict_s)  # fmt: skip
+                               granting=granting, work_horizon_s=self.limits.session_idle_evict_s,
+                               shadow=shadow)  # fmt: skip
         self._tickets.add(ticket)
         self._per_peer[peer].add(ticket)
         try:
@@ -237,7 +242,7 @@ class SessionAdmission:
         if opening_tokens == 0:
             alloc_timeout_s = 0.0
         async with self.admit(
-            peer, executor.session_bytes(spec), opening_tokens=opening_tokens, granting=True
+            peer, executor.session_bytes(spec), opening_tokens=opening_tokens, granting=True, shadow=spec.shadow
         ) as ticket:
             if ticket.awaits_release:  # in line first for the pages of the sessions ending for it
                 alloc_timeout_s = None if alloc_timeout_s is None else max(alloc_timeout_s, self.limits.evict_wait_s)
@@ -250,7 +255,7 @@ class SessionAdmission:
                 ticket.lease = cache if isinstance(cache, CacheLease) else None
                 yield ticket, cache
 
-    def _check(self, peer: str, reserve_bytes: int) -> None:
+    def _check(self, peer: str, reserve_bytes: int, shadow: bool) -> None:
         limits = self.limits
         if limits.max_sessions_per_peer and self.peer_sessions(peer) >= limits.max_sessions_per_peer:
             raise PeerLimitExceeded(
@@ -259,7 +264,7 @@ class SessionAdmission:
                 reason="peer_sessions",
             )
         if limits.max_sessions_total and len(self._tickets) >= limits.max_sessions_total:
-            if not self._evict_for_slot():
+            if not self._evict_for_slot(shadow):
                 raise ServerLimitExceeded(
                     f"Could not open a session: the server has {len(self._tickets)} open sessions, the limit is "
                     f"max_sessions_total={limits.max_sessions_total}, and none is idle",
@@ -288,6 +293,15 @@ class SessionAdmission:
         grace_s = self.limits.first_token_grace_s
         unused = [t for t in self._tickets if t is not exclude and not t.evicted.is_set() and t.never_worked(grace_s)]
         return sorted(unused, key=lambda t: t.opened_at)
+
+    def _shadows(self, newcomer: SessionTicket | None) -> list[SessionTicket]:
+        """Shadow sessions, youngest first, where `newcomer` is a real session (or the head of the line, None): they
+        yield whole (a shadow is a client's check of another server; ending it costs that client one session's
+        verification, no user a token), never to another shadow."""
+        if newcomer is not None and newcomer.shadow:
+            return []
+        shadows = [t for t in self._tickets if t is not newcomer and t.shadow and not t.evicted.is_set()]
+        return sorted(shadows, key=lambda t: -t.opened_at)
 
     def _idle_candidates(self, exclude: SessionTicket | None = None) -> list[SessionTicket]:
         """Sessions that did real work but none for `session_idle_evict_s`, longest idle first: they yield whole."""
@@ -429,22 +443,26 @@ class SessionAdmission:
                 left -= nbytes
 
     def _evict(self, ticket: SessionTicket, why: str) -> None:
-        if ticket.num_tokens:
-            cause = f"no token processed for {ticket.idle_s:.0f} s (session_idle_evict={self.limits.session_idle_evict_s} s)"
+        if ticket.shadow and not ticket.never_worked(self.limits.first_token_grace_s):
+            ticket.evict(f"Session ended by the server: a shadow session (verification) yields its {why} to a real one")
         else:
-            cause = "no token processed since it opened (zero-token steps are not use)"
-        ticket.evict(
-            f"Session ended by the server: {cause} and its {why} was needed by another user; open a new session "
-            f"(replay the history) to continue"
-        )
+            if ticket.num_tokens:
+                cause = f"no token processed for {ticket.idle_s:.0f} s (session_idle_evict={self.limits.session_idle_evict_s} s)"
+            else:
+                cause = "no token processed since it opened (zero-token steps are not use)"
+            ticket.evict(
+                f"Session ended by the server: {cause} and its {why} was needed by another user; open a new session "
+                f"(replay the history) to continue"
+            )
         self.num_evicted += 1
         logger.info(
             f"admission.evicted(peer={ticket.peer:.12}, bytes={ticket.held_bytes}, tokens={ticket.num_tokens}, "
             f"idle_s={ticket.idle_s:.1f}, why={why})"
         )
 
-    def _evict_for_slot(self) -> bool:
-        candidates = self._never_worked() + self._idle_candidates()
+    def _evict_for_slot(self, shadow: bool) -> bool:
+        """Ends the least valuable session for a newcomer's slot (a `shadow` newcomer takes none from a shadow)."""
+        candidates = self._never_worked() + ([] if shadow else self._shadows(None)) + self._idle_candidates()
         if not candidates:
             return False
         self._evict(candidates[0], "session slot")
@@ -492,7 +510,8 @@ class SessionAdmission:
         give; does nothing and returns None where all of them would not be enough, else the evicted tickets."""
         evicted: list[SessionTicket] = []
         withdrawn: dict[SessionTicket, int] = {}
-        for candidate in self._never_worked(exclude=ticket) + self._idle_candidates(exclude=ticket):
+        whole = self._never_worked(exclude=ticket) + self._shadows(ticket) + self._idle_candidates(exclude=ticket)
+        for candidate in whole:
             if free >= size:
                 break
             if candidate not in evicted and candidate.held_bytes > 0:
