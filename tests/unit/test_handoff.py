@@ -178,7 +178,7 @@ def test_export_then_import_continues_bit_for_bit(backend, fused):
                 await source.step(hidden[:, PREFIX : PREFIX + 1])
                 with pytest.raises(RuntimeError, match="only while the server drains"):
                     await _export(old, source)  # no export unless draining
-                old.handoff.start_draining(5.0)
+                old.handoff.drain.start(5.0)
                 with pytest.raises(Draining):
                     old.handoff.check_accepting()
                 header, messages = await _export(old, source)
@@ -207,7 +207,7 @@ def test_a_fused_servers_export_continues_on_an_eager_server(backend):
             async with _allocate(old, backend) as a, _allocate(new, backend) as b:
                 source, target = _Session(old, a), _Session(new, b)
                 await source.step(hidden[:, :PREFIX])
-                old.handoff.start_draining(5.0)
+                old.handoff.drain.start(5.0)
                 header, messages = await _export(old, source)
                 await new.handoff.import_kv(target, header, UID, _requests(messages))
                 torch.testing.assert_close(
@@ -284,7 +284,7 @@ def test_hostile_import_is_refused_and_writes_nothing(backend, attack):
             async with _allocate(old, backend) as a, _allocate(new, backend) as b:
                 source, target = _Session(old, a), _Session(new, b)
                 await source.step(hidden)
-                old.handoff.start_draining(5.0)
+                old.handoff.drain.start(5.0)
                 header, messages = await _export(old, source)
                 fields = header.to_dict()
                 uid = UID

@@ -425,7 +425,7 @@ class Server:
             return await self._watch(service)
         finally:
             if service is not None and service.healthy and c.drain_timeout_s > 0:  # stop or move: let sessions move
-                await drain_sessions(service.handler.handoff, service.core, announcer, c.drain_timeout_s)
+                await drain_sessions(service.core, announcer, c.drain_timeout_s)
             await announcer.announce(ServerState.OFFLINE)
             await announcer.stop()
             if service is not None:

@@ -33,23 +33,14 @@ class SessionHandoff:
     """A front's view of the drain (the core's `DrainState`) and the two hand-off operations (export, import) on its
     sessions."""
 
-    def __init__(
-        self, core: CoreClient, request_timeout_s: float, *, enabled: bool = True, drain: DrainState | None = None
-    ):
+    def __init__(self, core: CoreClient, request_timeout_s: float, *, enabled: bool = True):
         self.core = core  # the sessions' caches: read and written through the one seam
         self.request_timeout_s = request_timeout_s  # an import's part messages must all arrive within this
         self.enabled = enabled  # --no_kv_handoff: neither export nor import (draining still refuses new sessions)
-        self.drain = drain if drain is not None else DrainState()
+        self.drain: DrainState = core.drain  # the core's: started by `drain_sessions`
         self.num_exported = 0
         self.num_imported = 0
         self._exported: set[int] = set()  # id() of sessions already exported (no new sessions while draining)
-
-    @property
-    def draining(self) -> bool:
-        return self.drain.draining
-
-    def start_draining(self, timeout_s: float) -> None:
-        self.drain.start(timeout_s)
 
     # ---- hooks called by the handler
 
@@ -90,7 +81,7 @@ class SessionHandoff:
     async def _export_messages(self, session: SessionState) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
         if not self.enabled:
             raise kv.HandoffUnsupported("KV hand-off is disabled on this server (--no_kv_handoff)")
-        if not self.draining:
+        if not self.drain.draining:
             raise ValueError("a session's KV cache is exported only while the server drains")
         if id(session) in self._exported:
             raise ValueError("this session's KV cache was already exported")
@@ -175,18 +166,18 @@ class SessionHandoff:
         return parts
 
 
-async def drain_sessions(handoff: SessionHandoff, sessions: CoreClient, announcer: Announcer, timeout_s: float) -> None:
-    """Announces OFFLINE (so no client plans new sessions here) while waiting up to `timeout_s` for the sessions open
-    through any front (`sessions`: the core's) to move away; then returns, and the caller ends whatever is left."""
+async def drain_sessions(core: CoreClient, announcer: Announcer, timeout_s: float) -> None:
+    """Starts the core's drain (every front refuses new sessions and offers its sessions' KV to their clients) and
+    announces OFFLINE (so no client plans new sessions here) while waiting up to `timeout_s` for the sessions open
+    through any front to move away; then returns, and the caller ends whatever is left."""
     started = time.monotonic()
-    handoff.start_draining(timeout_s)
-    num_open = sessions.num_open
+    core.drain.start(timeout_s)
+    num_open = core.num_open
     logger.info(f"drain.start(sessions={num_open}, timeout_s={timeout_s})")
     offline = asyncio.ensure_future(announcer.announce(ServerState.OFFLINE))
-    while sessions.num_open > 0 and time.monotonic() - started < timeout_s:
+    while core.num_open > 0 and time.monotonic() - started < timeout_s:
         await asyncio.sleep(DRAIN_POLL_S)
     await offline
     logger.info(
-        f"drain.done(sessions_at_start={num_open}, exported={handoff.num_exported}, left={sessions.num_open}, "
-        f"seconds={time.monotonic() - started:.2f})"
+        f"drain.done(sessions_at_start={num_open}, left={core.num_open}, seconds={time.monotonic() - started:.2f})"
     )

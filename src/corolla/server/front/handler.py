@@ -98,7 +98,7 @@ class TransformerConnectionHandler(DirectTicketRpc, rpc.TransformerConnectionHan
         self.dht_client_mode = dht_client_mode
         self.sessions = SessionRegistry()  # this front's streams
         # drain (the core's state): refuses new sessions, moves KV
-        self.handoff = SessionHandoff(core, timeouts.request_timeout_s, drain=core.drain)
+        self.handoff = SessionHandoff(core, timeouts.request_timeout_s)
         self.prefix_trust = PrefixTrust()  # whose cached prefixes a session reuses (the operator may share them all)
         self.p2p: P2P | None = None
         self._push_tasks: set[asyncio.Task] = set()
