@@ -68,7 +68,7 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_STATE = struct.Struct(">QQQQd")  # what `_state` writes (`proxy_wire.Writer.u64` x 4, `f64`)
+_STATE = struct.Struct(">QQQd")  # what `_state` writes (`proxy_wire.Writer.u64` x 3, `f64`)
 NOT_DRAINING = math.nan  # the STATE's drain deadline while the server does not drain (`proxy_wire.Reader.f64`: None)
 
 
@@ -391,12 +391,13 @@ class DeviceChannel:
         return state
 
     def _state_bytes(self) -> bytes:
-        """The device's state as every reply carries it: bytes left, waiting, the cache's size, sessions open (four
-        u64), the drain's deadline (f64, `time.monotonic`; `NOT_DRAINING`)."""
+        """The core's figures as every reply carries them (what a handler process's fronts read without asking):
+        cache bytes left, the cache's size, sessions open (three u64), the drain's deadline (f64, `time.monotonic`;
+        `NOT_DRAINING`)."""
         executor, core = self.executor, self.core
         deadline = core.drain.deadline
         return _STATE.pack(
-            max(0, executor.bytes_left), executor.bytes_waiting, executor.max_size_bytes, core.admission.num_open,
+            max(0, executor.bytes_left), executor.max_size_bytes, core.admission.num_open,
             NOT_DRAINING if deadline is None else deadline,
         )  # fmt: skip
 

@@ -58,7 +58,6 @@ class DeviceLink:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: wire.DeviceInfo):
         self.reader, self.writer, self.info = reader, writer, info
         self.bytes_left = 0
-        self.bytes_waiting = 0
         self.max_size_bytes = 0
         self.sessions_open = 0  # on the server, through every process
         self.drain = DrainState()  # the device core's, as its STATE frames tell it
@@ -98,7 +97,7 @@ class DeviceLink:
         return link
 
     def _apply_state(self, reader: wire.Reader) -> None:
-        self.bytes_left, self.bytes_waiting, self.max_size_bytes = reader.u64(), reader.u64(), reader.u64()
+        self.bytes_left, self.max_size_bytes = reader.u64(), reader.u64()
         self.sessions_open = reader.u64()
         self.drain.deadline = reader.f64()  # None: the server does not drain
 
