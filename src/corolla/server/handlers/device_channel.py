@@ -22,11 +22,12 @@ frame could get wrong by itself (sizes, handles, block ranges inside the span).
 
 A frame's steps (`FrameIntake`): every step of a STEP_BATCH is checked and prepared by the executor
 (`DeviceExecutor.prepare_step`: the same typed refusals as `step`, each failing only its caller), then the frame's
-decode steps of the fast path travel as ONE runtime task (payload `engine.batcher.StepGroup`, `Task.steps` = their
-count): one queue entry, one pop, one callback that queues all of the frame's replies under one lock. A frame whose
+decode steps travel as ONE runtime task (`DeviceExecutor.step_task` of an `engine.batcher.StepGroup`, `Task.steps` =
+their count): one queue entry, one pop, one callback that queues all of the frame's replies under one lock. A frame whose
 steps exceed what one merged forward takes (`Runtime.merge_limit`) is split into tasks that each fit; the runtime
-merges whole frame tasks into a forward while they fit (a frame that does not waits for the next). Prefill steps and
-a lone session's step (which may run inline on an idle runtime) stay one task each. The session's state (open,
+merges whole frame tasks into a forward while they fit (a frame that does not waits for the next). Prefill steps, a
+shadow session's steps (queued last) and a lone session's step (which may run inline on an idle runtime) stay one
+task each. The session's state (open,
 length) is still checked per step in the runtime thread (`SpanEngine.validate`): a closed session fails its own step
 only."""
 
