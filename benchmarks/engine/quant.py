@@ -319,7 +319,8 @@ def bench_llama(
 ) -> None:  # fmt: skip
     """`kinds`: which of bf16, nf4, int8 to run, in the order given; `profile` > 0: also that many steps of each kind's
     single-session step under the profiler (CUDA only); `timeline`: one step's kernels by position in a layer;
-    `tile_copy`: the NF4 engine may serve one-row steps with the tile GEMV (EngineConfig.nf4_tile_copy)."""
+    `tile_copy`: the NF4 engine may serve one-row steps with the tile GEMV (EngineConfig.nf4_tile_copy). NF4 and bf16
+    also run `sessions_n` sessions merged in one step (bf16's: the same-run baseline of the merged NF4 step)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     spec = TINY if dev.type == "cpu" else LLAMA3_8B
     dense = [random_layer(spec, dev, gen) for _ in range(layers_n)]
@@ -327,10 +328,11 @@ def bench_llama(
     for kind in kinds:
         layers = dense if kind == "bf16" else [quantized(layer, kind) for layer in dense]
         # every session this kind opens: one, the others of the merged step and two twins (prefix + 64 tokens)
-        pool = kv_pool_bytes_for(spec, layers_n, sessions_n + 2 if kind == "nf4" else 1, prefix + 64)
+        merged = kind in ("nf4", "bf16")
+        pool = kv_pool_bytes_for(spec, layers_n, sessions_n + 2 if merged else 1, prefix + 64)
         started = time.perf_counter()
         # [1, 64] rows: graph buckets
-        engine, report = make_engine(spec, layers, 64 if kind == "nf4" else 1, pool, tile_copy)
+        engine, report = make_engine(spec, layers, 64 if merged else 1, pool, tile_copy)
         warmup_s = time.perf_counter() - started  # the engine's start: kernel tuning and graph capture
         floor = engine.model.weight_bytes() / bandwidth * 1000
         kernels = log_kernels(lines, kind, report, layers[0], bandwidth)
@@ -360,16 +362,22 @@ def bench_llama(
                 log_timeline(lines, kind, row["timeline"])
             except Exception as e:  # a measurement aid: its failure is logged, the step's row stands
                 log(lines, f"  {kind} timeline failed: {type(e).__name__}: {str(e)[:300]}")
-        if kind == "nf4":
+        if merged:
             many = open_prefilled(engine, sessions_n - 1, prefix, gen)
             ms64, _ = step_ms(engine, one + many, prefix, steps=max(1, STEPS // 2))
             row["sessions"] = sessions_n
             row["step_many_ms"] = ms64
             row["speedup_many"] = sessions_n * ms / ms64
-            log(
-                lines,
-                f"  {sessions_n} nf4 sessions: step {ms64:.3f} ms = {sessions_n * ms / ms64:.1f}x the tokens/s of one",
-            )
+            log(lines, f"  {sessions_n} {kind} sessions: step {ms64:.3f} ms = {sessions_n * ms / ms64:.1f}x the "
+                       f"tokens/s of one")  # fmt: skip
+            bf16_many = results.get("llama3_8b_bf16", {}).get("step_many_ms")
+            if kind == "nf4" and bf16_many:
+                row["many_x_bf16"] = ms64 / bf16_many
+                log(lines, f"  {sessions_n} nf4 / {sessions_n} bf16 sessions step = {ms64 / bf16_many:.2f}")
+        if kind == "bf16":
+            for s in one + many:
+                s.close()
+        if kind == "nf4":
             # two identical sessions merged in one step (plus others) must give identical rows
             twins = open_prefilled(engine, 0, prefix, gen)
             h0 = torch.randn(1, prefix, engine.hidden_size, device=dev, generator=gen).to(engine.dtype)
