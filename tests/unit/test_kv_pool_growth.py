@@ -116,3 +116,20 @@ def test_a_withdrawn_promise_grows_from_free_pages_and_can_come_back() -> None:
     assert len(idle.pages) == 4 and pool.withdraw([idle], 5) == 0
     pool.free([idle])
     assert pool.pages_free == 6 and pool.layer_pages_taken == 0
+
+
+def test_the_room_in_every_layer_is_what_a_sequence_over_all_layers_can_get() -> None:
+    """A sequence over layers 0..2 of 4 leaves the pool's mean free (`pages_free`) above what a sequence over every
+    layer can still be promised (`pages_free_in_every_layer`, what a server announces: decision 0036)."""
+    pool = make_pool(10, num_layers=4)
+    assert pool.pages_free == pool.pages_free_in_every_layer == 10
+    (part,) = pool.allocate(1, 4 * PAGE, (0, 2))
+    assert pool.pages_free == 8 and pool.pages_free_in_every_layer == 6
+    pool.grow([part], 4 * PAGE)  # taken now, no longer promised: the same room
+    assert pool.pages_free == 8 and pool.pages_free_in_every_layer == 6
+    with pytest.raises(AllocationFailed):
+        pool.allocate(1, 7 * PAGE)
+    (whole,) = pool.allocate(1, 6 * PAGE)
+    assert pool.pages_free_in_every_layer == 0
+    pool.free([part, whole])
+    assert pool.pages_free_in_every_layer == 10

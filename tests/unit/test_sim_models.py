@@ -70,7 +70,8 @@ def test_a_session_reserves_kv_on_the_blocks_its_hop_uses_only() -> None:
     server.reserve(0, 5, capacity)
     assert server.kv_free_tokens(0, 10) == 0 and server.kv_free_tokens(0, 1) == 0
     assert server.kv_free_tokens(5, 10) == capacity
-    assert server.cache_tokens_left == 2 * 5 * capacity and server.kv_reserved_token_blocks == 5 * capacity
+    # it announces the room a session over its whole span gets (none: blocks 0..5 are full)
+    assert server.cache_tokens_left == 0 and server.kv_reserved_token_blocks == 5 * capacity
     server.reserve(0, 5, -capacity)
     assert not server.kv_reserved and server.cache_tokens_left == 2 * 10 * capacity
     # Petals' server pools its cache bytes: a request over 5 blocks may take the whole span's share

@@ -109,7 +109,11 @@ class SimServer:
 
     @property
     def cache_tokens_left(self) -> int:
-        """Its free KV in Petals' announced unit (K-or-V token x block slots), summed over its blocks."""
+        """Its free KV in Petals' announced unit (K-or-V token x block slots): a Petals server's pool's free bytes; a
+        corolla server's room for a session over its whole span (its fullest block's free KV x its blocks, as the real
+        server announces `KVPool.pages_free_in_every_layer`)."""
+        if not self.pooled_kv:
+            return 2 * self.num_blocks * self.kv_free_tokens(self.start, self.end)
         return 2 * (self.num_blocks * self.kv_capacity_tokens - self.kv_reserved_token_blocks)
 
     def load_s(self, num_blocks: int) -> float:

@@ -204,6 +204,16 @@ class KVPool:
         """Free pages in whole-pool units (all layers): `layer_pages_free // num_layers`."""
         return self.layer_pages_free // self.num_layers
 
+    @property
+    def pages_free_in_every_layer(self) -> int:
+        """Pages a new sequence over every layer can still be promised: ids free in all layers less the largest
+        promise of any layer, idle cached pages counted (a promise evicts them). Sequences over parts of the layers
+        fill them unevenly, so this can be far below `pages_free` (the layers' mean): it is the room a server
+        announces, since clients read its free cache as room for sessions over its span (decision 0036)."""
+        with self._lock:
+            common = self._common_free(0, self.num_layers) + self._evictable(0, self.num_layers)
+            return max(0, common - max(self._promised))
+
     def check_layers(self, layers: tuple[int, int] | None) -> tuple[int, int]:
         """[first, end) of this pool's layers (default: all); ValueError for a bad range."""
         first, end = layers or (0, self.num_layers)

@@ -182,6 +182,13 @@ class EngineExecutor:
         return self.engine.pool.layer_pages_free * self.engine.pool.layer_page_bytes
 
     @property
+    def whole_span_bytes_left(self) -> int:
+        """Cache bytes a new session over every block of the span can still get (`KVPool.pages_free_in_every_layer`;
+        `bytes_left` sums the layers' free pages, which sessions over parts of the span leave unevenly): what the
+        server announces as its free cache."""
+        return self.engine.pool.pages_free_in_every_layer * self.engine.pool.page_bytes
+
+    @property
     def bytes_waiting(self) -> int:
         return self.pages.layer_pages_waiting * self.engine.pool.layer_page_bytes
 
