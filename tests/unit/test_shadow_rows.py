@@ -2,7 +2,9 @@
 step, so that a merged batch takes them only where the real steps left room; a shadow's decode row merges into the
 real sessions' forward (a spare row), a longer shadow step runs in a batch of its own; on an idle runtime a shadow's
 step waits `runtime.SHADOW_LEAD_AFTER_S` for a real step to ride with (and runs alone after it), unless no real
-step came for as long (then at once); the mark reaches the device
+step came for as long (then at once); a held step whose lead time came overtakes the real steps, at most once per
+its lead delay (a shadow's prefill chunk, which no real forward takes, ran only once the real sessions were done, and
+its decode rows rode none of their forwards); the mark reaches the device
 process of a server with handler processes; anything but a bool is refused at the session's open."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 
 import pytest
 import torch
@@ -20,7 +23,15 @@ from corolla.protocol.shadow import SHADOW_KEY, parse_shadow
 from corolla.server.core import engine_executor
 from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec, StepInputs
-from corolla.server.core.runtime import KIND_GENERIC, Runtime
+from corolla.server.core.runtime import (
+    KIND_GENERIC,
+    PRIORITY_INFERENCE,
+    PRIORITY_SHADOW,
+    SHADOW_LEAD_AFTER_S,
+    Runtime,
+    Task,
+    TaskQueue,
+)
 from corolla.server.handlers.remote_core import RemoteCore
 from corolla.server.metrics import ServerMetrics
 
@@ -115,6 +126,38 @@ async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_wit
             await decode(shadow, 6)
             waited_s = asyncio.get_running_loop().time() - started
             assert batches == [2, 1, 1] and waited_s < lead_after_s / 2, (batches, waited_s)
+
+
+def _step(merge_key: str, *, shadow: bool, lead_after_s: float = SHADOW_LEAD_AFTER_S, queued_s_ago: float = 0.0,
+          tokens: int = 1) -> Task:  # fmt: skip
+    submitted = time.monotonic() - queued_s_ago
+    return Task(fn=lambda: None, priority=PRIORITY_SHADOW if shadow else PRIORITY_INFERENCE, size_tokens=tokens,
+                future=None, loop=None, kind="engine", merge_key=merge_key, submitted_at=submitted,
+                lead_after=submitted + lead_after_s if shadow else 0.0)  # fmt: skip
+
+
+def test_a_shadow_prefill_passed_over_overtakes_real_steps_once_then_its_decode_rows_ride_theirs() -> None:
+    """Real sessions in a closed loop keep a real step queued at every pop: a shadow's prefill chunk (its own merge
+    key: no real forward takes it) that a real batch passed over past its lead time leads the next batch, and the
+    shadows' decode rows then ride the real forward (16 real + 12 shadow rows: one batch); another such chunk waits
+    for the first one's lead delay (here 10 s: never within the test)."""
+    queue = TaskQueue()
+    pop = lambda: queue.pop_batch(max_batch_tokens=64, mergeable_kinds={"engine"}, timeout_s=0.0)  # noqa: E731
+    chunk = _step("shadow_prefill", shadow=True, lead_after_s=10.0, queued_s_ago=20.0, tokens=32)
+    queue.push(chunk)
+    queue.push(_step("decode", shadow=False))
+    assert [task.merge_key for task in pop() or []] == ["decode"]  # (no batch passed the chunk over yet)
+    queue.push_many([_step("decode", shadow=False) for _ in range(16)])
+    queue.push_many([_step("decode", shadow=True) for _ in range(12)])
+    assert pop() == [chunk]
+    merged = pop() or []
+    assert len(merged) == 28 and sum(task.priority == PRIORITY_SHADOW for task in merged) == 12, merged
+    second = _step("shadow_prefill", shadow=True, queued_s_ago=1.0, tokens=32)
+    queue.push(second)
+    for _ in range(2):  # passed over, overdue, but one overtook less than its lead delay ago
+        queue.push(_step("decode", shadow=False))
+        assert [task.merge_key for task in pop() or []] == ["decode"]
+    assert pop() == [second] and not len(queue)
 
 
 async def test_the_mark_reaches_a_handler_process_servers_device(backend) -> None:  # noqa: F811

@@ -266,8 +266,11 @@ class EngineExecutor:
         `SHADOW_LEAD_AFTER_S` while real steps come (`TaskQueue._lead_at`): a decode row rides the next forward the real sessions' steps lead (a spare row of a
         forward that reads the weights anyway), and runs alone only where none came meanwhile. A longer step never
         joins real rows (it would hold every real row of that batch until it ran): it runs in a batch of its own
-        once it may lead and no real step is queued, and holds back a real step arriving meanwhile by that one
-        forward (clients send a shadow's prefill in chunks of `client.session.shadows.SHADOW_CHUNK_TOKENS`)."""
+        once it may lead and no real step is queued, or once a real batch passed it over after that
+        (`TaskQueue._overdue`: at most one such batch per `SHADOW_LEAD_AFTER_S`, so that real sessions in a closed
+        loop do not hold a shadow's prefill, and its decode rows behind it, until they end), and holds back the real
+        steps queued meanwhile by that one forward (clients send a shadow's prefill in chunks of
+        `client.session.shadows.SHADOW_CHUNK_TOKENS`)."""
         if isinstance(work, StepGroup):
             requests = work.requests
             size = sum(r.rows * max(r.num_tokens, 1) for r in requests)
