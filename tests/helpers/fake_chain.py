@@ -40,9 +40,14 @@ def info_of(server) -> ServerInfo:
     """What a fake announces: its own `server_info()` where it has one, else a stock record of its blocks."""
     if hasattr(server, "server_info"):
         return server.server_info()
-    return ServerInfo(
-        ServerState.ONLINE, 1.0, start_block=server.start, end_block=server.end, inference_rps=server.inference_rps
-    )
+    return record_of(server.start, server.end, server.inference_rps)
+
+
+def record_of(start: int, end: int, inference_rps: float) -> ServerInfo:
+    """An online record whose throughput is the one its `inference_rps` implies (Petals' model: a token uses
+    (n + 1) / 2 of a server's n blocks), as a real server's is: corolla's routing costs a server by both."""
+    throughput = inference_rps * 2 / (end - start + 1)
+    return ServerInfo(ServerState.ONLINE, throughput, start_block=start, end_block=end, inference_rps=inference_rps)
 
 
 class FakeServer:
@@ -58,9 +63,7 @@ class FakeServer:
         self.final_lengths: list[int] = []
 
     def server_info(self) -> ServerInfo:
-        return ServerInfo(
-            ServerState.ONLINE, 1.0, start_block=self.start, end_block=self.end, inference_rps=self.inference_rps
-        )
+        return record_of(self.start, self.end, self.inference_rps)
 
     async def rpc_inference(self, requests):
         return self._serve(requests)
