@@ -10,11 +10,10 @@ import asyncio
 import pytest
 import torch
 
-from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.training_batch import TrainingBatcher
-from helpers.tiny_models import tiny_config
+from helpers.training import tiny_llama_span
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,15 +27,7 @@ SPAN = tuple(range(N_BLOCKS))
 
 @pytest.fixture(scope="module")
 def backend() -> SpanBackend:
-    torch.manual_seed(0)
-    config = tiny_config("llama", N_BLOCKS)
-    blocks = {}
-    for i in SPAN:
-        block = get_family(config).build_block(config, i)
-        for p in block.parameters():
-            torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.15)
-        blocks[i] = block.cuda()
-    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cuda")
+    return tiny_llama_span(N_BLOCKS, "cuda")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

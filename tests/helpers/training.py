@@ -17,8 +17,10 @@ from transformers import AutoModelForCausalLM
 
 from corolla.cli.demo import wait_for_coverage
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.models.registry import get_family
+from corolla.server.backend import SpanBackend
 from helpers.swarm import Swarm, inprocess_servers
-from helpers.tiny_models import hf_layers, make_tiny_model
+from helpers.tiny_models import hf_layers, make_tiny_model, tiny_config
 
 PRE_SEQ_LEN = 3
 IDS = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 97, 9, 32, 38, 46]])
@@ -26,6 +28,20 @@ CLIENT = ClientConfig(max_retries=5, min_backoff_s=0.2, update_period_s=2.0)
 RTOL = 1e-4  # relative L2 error of every gradient against transformers, fp32
 SPLIT_SPANS = ("0:1", "1:2")
 WHOLE_SPAN = ("0:2",)
+
+
+def tiny_llama_span(num_blocks: int, device: str) -> SpanBackend:
+    """A tiny random Llama span of `num_blocks` blocks, fp32 on `device` (norm weights near 1, others std 0.15: large
+    enough that a wrong merge of clients' rows shows in the outputs), seeded: the same weights on every device."""
+    torch.manual_seed(0)
+    config = tiny_config("llama", num_blocks)
+    blocks = {}
+    for i in range(num_blocks):
+        block = get_family(config).build_block(config, i)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.15)
+        blocks[i] = block.to(device)
+    return SpanBackend(blocks, config=config, dtype=torch.float32, device=device)
 
 
 @contextmanager

@@ -15,7 +15,6 @@ import threading
 import pytest
 import torch
 
-from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
 from corolla.server.core.refusals import RuntimeStopped
 from corolla.server.core.runtime import KIND_INFERENCE, PRIORITY_INFERENCE, Runtime, Task
@@ -25,7 +24,7 @@ from corolla.server.core.training_batch import (
     TrainingBatcher,
     training_stats,
 )
-from helpers.tiny_models import tiny_config
+from helpers.training import tiny_llama_span
 
 H, N_BLOCKS = 64, 3
 SPAN = tuple(range(N_BLOCKS))
@@ -33,15 +32,7 @@ SPAN = tuple(range(N_BLOCKS))
 
 @pytest.fixture(scope="module")
 def backend() -> SpanBackend:
-    torch.manual_seed(0)
-    config = tiny_config("llama", N_BLOCKS)
-    blocks = {}
-    for i in SPAN:
-        block = get_family(config).build_block(config, i)
-        for p in block.parameters():
-            torch.nn.init.normal_(p, mean=1.0 if p.ndim == 1 else 0.0, std=0.15)
-        blocks[i] = block
-    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
+    return tiny_llama_span(N_BLOCKS, "cpu")
 
 
 def _client(rows: int, length: int, prompt: tuple[int, int] | None) -> tuple[torch.Tensor, ...]:
