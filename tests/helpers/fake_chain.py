@@ -43,10 +43,16 @@ def info_of(server) -> ServerInfo:
     return record_of(server.start, server.end, server.inference_rps)
 
 
+def implied_throughput(start: int, end: int, inference_rps: float) -> float:
+    """The throughput a server of blocks [start, end) announces for its per-block `inference_rps` (Petals' model: a
+    token uses (n + 1) / 2 of its n blocks), as a real server's record does: corolla's routing costs a server by both,
+    so a fake's two figures must agree."""
+    return inference_rps * 2 / (end - start + 1)
+
+
 def record_of(start: int, end: int, inference_rps: float) -> ServerInfo:
-    """An online record whose throughput is the one its `inference_rps` implies (Petals' model: a token uses
-    (n + 1) / 2 of a server's n blocks), as a real server's is: corolla's routing costs a server by both."""
-    throughput = inference_rps * 2 / (end - start + 1)
+    """An online record of blocks [start, end) serving `inference_rps` per block."""
+    throughput = implied_throughput(start, end, inference_rps)
     return ServerInfo(ServerState.ONLINE, throughput, start_block=start, end_block=end, inference_rps=inference_rps)
 
 

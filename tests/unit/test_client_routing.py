@@ -25,6 +25,7 @@ from corolla.swarm.route_planning import (
     make_min_latency_route,
 )
 from corolla.utils.errors import AllocationFailed, MissingBlocksError
+from helpers.fake_chain import implied_throughput
 
 
 def span(peer: str, start: int, end: int, **info) -> RemoteSpanInfo:
@@ -153,9 +154,8 @@ class FakeSwarmManager(RemoteSequenceManager):
 
 
 def info(start: int, end: int, state=ServerState.ONLINE, **kw) -> ServerInfo:
-    """A record; a server given its `inference_rps` announces the throughput it implies (Petals' model: a token uses
-    (n + 1) / 2 of its n blocks), as a real one does, since corolla's routing costs a server by both."""
-    kw.setdefault("throughput", kw["inference_rps"] * 2 / (end - start + 1) if "inference_rps" in kw else 1.0)
+    """A record; a server given its `inference_rps` announces the throughput it implies (`implied_throughput`)."""
+    kw.setdefault("throughput", implied_throughput(start, end, kw["inference_rps"]) if "inference_rps" in kw else 1.0)
     return ServerInfo(state=state, start_block=start, end_block=end, **kw)
 
 
