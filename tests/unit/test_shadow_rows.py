@@ -1,11 +1,12 @@
-"""A shadow session's steps on a server (`protocol.shadow`, `EngineExecutor.step_task(..., shadow=True)`): queued after every real
-step, so that a merged batch takes them only where the real steps left room; a shadow's decode row merges into the
-real sessions' forward (a spare row), a longer shadow step runs in a batch of its own; on an idle runtime a shadow's
-step waits `runtime.SHADOW_LEAD_AFTER_S` for a real step to ride with (and runs alone after it), unless no real
-step came for as long (then at once); a held step whose lead time came overtakes the real steps, at most once per
-its lead delay (a shadow's prefill chunk, which no real forward takes, ran only once the real sessions were done, and
-its decode rows rode none of their forwards); the mark reaches the device
-process of a server with handler processes; anything but a bool is refused at the session's open."""
+"""A shadow session's steps on a server (`protocol.shadow`, `EngineExecutor.step_task(..., shadow=True)`): each ranks
+as a real step queued `runtime.SHADOW_LEAD_AFTER_S` after it (`Task.lead_after`), so that a merged batch takes it
+only where the real steps queued before then left room; a shadow's decode row merges into the real sessions' forward
+(a spare row), a longer shadow step runs in a batch of its own; on an idle runtime a shadow's step waits its lead
+time for a real step to ride with (and runs alone after it), unless no real step came for as long (then at once);
+once its lead time has passed it goes ahead of the real steps queued after then (a shadow's prefill chunk, which no
+real forward takes, ran only once real sessions in a closed loop were done, and its decode rows rode none of their
+forwards); the mark reaches the device process of a server with handler processes; anything but a bool is refused at
+the session's open."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.runtime import (
     KIND_GENERIC,
+    PRIORITY_FORWARD,
     PRIORITY_INFERENCE,
-    PRIORITY_SHADOW,
     SHADOW_LEAD_AFTER_S,
     Runtime,
     Task,
@@ -42,11 +43,12 @@ async def _prefill(executor, cache, tokens: int) -> None:
     await executor.step(cache, StepInputs(torch.randn(1, tokens, H), 0, None, None, "", lone_session=False))
 
 
-async def _order_of_a_held_queue(backend, max_batch_rows: int) -> tuple[list[str], list[int]]:  # noqa: F811
+async def _order_of_a_held_queue(backend, max_batch_rows: int, reals_in_s: float = 0.0) -> tuple[list[str], list[int]]:  # noqa: F811
     """Two real sessions and two shadows, each prefilled; then, while the runtime runs a held task, the shadows queue
-    a decode step and a 2-token step BEFORE the real sessions queue their decode steps. -> (the order the steps
-    completed in, the steps of each batch after the held one)."""
-    with Runtime(max_batch_size_tokens=1024) as runtime:
+    a decode step and a 2-token step BEFORE the real sessions queue their decode steps: at once (within the shadows'
+    lead time, here 0.1 s: a loaded machine's pause between them cannot pass it), or `reals_in_s` later. -> (the
+    order the steps completed in, the steps of each batch after the held one)."""
+    with pytest.MonkeyPatch.context() as patch, Runtime(max_batch_size_tokens=1024) as runtime:
         config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64,
                               max_batch_rows=max_batch_rows)  # fmt: skip
         engine = SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config, fused=False)
@@ -58,6 +60,7 @@ async def _order_of_a_held_queue(backend, max_batch_rows: int) -> tuple[list[str
                       for name, spec in specs.items()}  # fmt: skip
             for cache in caches.values():
                 await _prefill(executor, cache, 4)
+            patch.setattr(engine_executor, "SHADOW_LEAD_AFTER_S", 0.1)
             release = threading.Event()
             held = runtime.submit(release.wait, priority=0.0, size_tokens=1, kind=KIND_GENERIC)
             await asyncio.sleep(0.05)  # the runtime thread runs the held task
@@ -70,8 +73,9 @@ async def _order_of_a_held_queue(backend, max_batch_rows: int) -> tuple[list[str
                 await executor.step(caches[name], inputs)
                 done.append(name)
 
-            tasks = [asyncio.ensure_future(step(name, tokens)) for name, tokens in
-                     (("S1", 1), ("S2", 2), ("R1", 1), ("R2", 1))]  # fmt: skip
+            tasks = [asyncio.ensure_future(step(name, tokens)) for name, tokens in (("S1", 1), ("S2", 2))]
+            await asyncio.sleep(reals_in_s)
+            tasks += [asyncio.ensure_future(step(name, tokens)) for name, tokens in (("R1", 1), ("R2", 1))]
             await asyncio.sleep(0.05)  # all four queued
             release.set()
             await held
@@ -89,10 +93,18 @@ async def test_shadow_rows_merge_into_the_real_forward_and_a_longer_shadow_step_
 
 async def test_real_steps_go_first_where_the_forward_has_no_room_for_shadows(backend) -> None:  # noqa: F811
     done, batches = await _order_of_a_held_queue(backend, max_batch_rows=2)
-    # the shadows queued first, yet the real steps take the forward's two rows (at the same priority, the oldest
-    # steps, the shadows', would)
+    # the shadows queued first, yet the real steps queued within their lead time take the forward's two rows (ranked
+    # by their queueing, the oldest steps, the shadows', would)
     assert done[:2] == ["R1", "R2"], done
     assert batches[0] == 2, batches
+
+
+async def test_shadow_steps_past_their_lead_time_go_ahead_of_the_real_steps_queued_after_it(backend) -> None:  # noqa: F811
+    done, batches = await _order_of_a_held_queue(backend, max_batch_rows=2, reals_in_s=0.15)
+    # the shadows waited past their lead time before the real steps came: the shadow's decode row takes a row of the
+    # first forward, its 2-token step leads the next (without ageing: [R1, R2], then the shadows after them; a
+    # replica's real sessions in a closed loop held a shadow's prefill, and its decode rows, until they ended)
+    assert batches == [2, 1, 1] and done == ["S1", "R1", "S2", "R2"], (batches, done)
 
 
 async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_with(backend, monkeypatch) -> None:  # noqa: F811
@@ -128,36 +140,45 @@ async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_wit
             assert batches == [2, 1, 1] and waited_s < lead_after_s / 2, (batches, waited_s)
 
 
-def _step(merge_key: str, *, shadow: bool, lead_after_s: float = SHADOW_LEAD_AFTER_S, queued_s_ago: float = 0.0,
-          tokens: int = 1) -> Task:  # fmt: skip
+def _step(merge_key: str, *, shadow: bool, queued_s_ago: float = 0.0, tokens: int = 1) -> Task:
     submitted = time.monotonic() - queued_s_ago
-    return Task(fn=lambda: None, priority=PRIORITY_SHADOW if shadow else PRIORITY_INFERENCE, size_tokens=tokens,
-                future=None, loop=None, kind="engine", merge_key=merge_key, submitted_at=submitted,
-                lead_after=submitted + lead_after_s if shadow else 0.0)  # fmt: skip
+    return Task(fn=lambda: None, priority=PRIORITY_INFERENCE, size_tokens=tokens, future=None, loop=None,
+                kind="engine", merge_key=merge_key, submitted_at=submitted,
+                lead_after=submitted + SHADOW_LEAD_AFTER_S if shadow else 0.0)  # fmt: skip
 
 
-def test_a_shadow_prefill_passed_over_overtakes_real_steps_once_then_its_decode_rows_ride_theirs() -> None:
+def test_the_queue_ranks_a_held_step_at_its_lead_time() -> None:
     """Real sessions in a closed loop keep a real step queued at every pop: a shadow's prefill chunk (its own merge
-    key: no real forward takes it) that a real batch passed over past its lead time leads the next batch, and the
-    shadows' decode rows then ride the real forward (16 real + 12 shadow rows: one batch); another such chunk waits
-    for the first one's lead delay (here 10 s: never within the test)."""
+    key: no real forward takes it) whose lead time has passed leads the next batch, and the shadows' decode rows then
+    ride the real forward (16 real + 12 shadow rows: one batch); where the forward has no spare row, a shadow's decode
+    row past its lead time takes one ahead of the real steps queued after then, not of those queued before; a held
+    step that may not lead yet lets a less urgent task lead, and stays queued."""
     queue = TaskQueue()
-    pop = lambda: queue.pop_batch(max_batch_tokens=64, mergeable_kinds={"engine"}, timeout_s=0.0)  # noqa: E731
-    chunk = _step("shadow_prefill", shadow=True, lead_after_s=10.0, queued_s_ago=20.0, tokens=32)
+
+    def pop(rows: int = 64) -> list[Task]:
+        batch = queue.pop_batch(max_batch_tokens=64, mergeable_kinds={"engine"}, timeout_s=0.0,
+                                merge_limits={"engine": rows})  # fmt: skip
+        return batch or []
+
+    chunk = _step("shadow_prefill", shadow=True, queued_s_ago=1.0, tokens=32)
     queue.push(chunk)
     queue.push(_step("decode", shadow=False))
-    assert [task.merge_key for task in pop() or []] == ["decode"]  # (no batch passed the chunk over yet)
+    assert pop() == [chunk]
+    assert [task.merge_key for task in pop()] == ["decode"]
     queue.push_many([_step("decode", shadow=False) for _ in range(16)])
     queue.push_many([_step("decode", shadow=True) for _ in range(12)])
-    assert pop() == [chunk]
-    merged = pop() or []
-    assert len(merged) == 28 and sum(task.priority == PRIORITY_SHADOW for task in merged) == 12, merged
-    second = _step("shadow_prefill", shadow=True, queued_s_ago=1.0, tokens=32)
-    queue.push(second)
-    for _ in range(2):  # passed over, overdue, but one overtook less than its lead delay ago
-        queue.push(_step("decode", shadow=False))
-        assert [task.merge_key for task in pop() or []] == ["decode"]
-    assert pop() == [second] and not len(queue)
+    merged = pop()
+    assert [bool(task.lead_after) for task in merged] == [False] * 16 + [True] * 12, merged
+    before = _step("decode", shadow=False, queued_s_ago=0.5)
+    aged = _step("decode", shadow=True, queued_s_ago=0.3)
+    after = [_step("decode", shadow=False) for _ in range(2)]
+    queue.push_many([*after, aged, before])
+    assert pop(rows=2) == [before, aged]
+    assert pop(rows=2) == after and not len(queue)
+    held = _step("decode", shadow=True)
+    training = Task(fn=lambda: None, priority=PRIORITY_FORWARD, size_tokens=1, future=None, loop=None)
+    queue.push_many([held, training])
+    assert pop() == [training] and pop() == [] and len(queue) == 1
 
 
 async def test_the_mark_reaches_a_handler_process_servers_device(backend) -> None:  # noqa: F811

@@ -53,7 +53,6 @@ from corolla.server.core.forward_chunks import run_forward_chunked
 from corolla.server.core.runtime import (
     KIND_GENERIC,
     PRIORITY_INFERENCE,
-    PRIORITY_SHADOW,
     SHADOW_LEAD_AFTER_S,
     Runtime,
     Task,
@@ -261,29 +260,28 @@ class EngineExecutor:
         sessions' only): a mergeable task of this span's engine (`Runtime.task`: its future in the running loop, or
         `on_done` in any thread).
 
-        A shadow session's step (`shadow`, `protocol.shadow`) is queued after every real step (`PRIORITY_SHADOW`, so
-        a merged batch takes it only where the real steps queued left room), and leads no batch before
-        `SHADOW_LEAD_AFTER_S` while real steps come (`TaskQueue._lead_at`): a decode row rides the next forward the real sessions' steps lead (a spare row of a
+        A shadow session's step (`shadow`, `protocol.shadow`) has a lead time `SHADOW_LEAD_AFTER_S` from its
+        queueing (`Task.lead_after`): it ranks as a real step queued then (behind the real steps queued before, so a
+        merged batch takes it only where they left room) and leads no batch before then while real steps come
+        (`TaskQueue._lead_at`): a decode row rides the next forward the real sessions' steps lead (a spare row of a
         forward that reads the weights anyway), and runs alone only where none came meanwhile. A longer step never
         joins real rows (it would hold every real row of that batch until it ran): it runs in a batch of its own
-        once it may lead and no real step is queued, or once a real batch passed it over after that
-        (`TaskQueue._overdue`: at most one such batch per `SHADOW_LEAD_AFTER_S`, so that real sessions in a closed
-        loop do not hold a shadow's prefill, and its decode rows behind it, until they end), and holds back the real
-        steps queued meanwhile by that one forward (clients send a shadow's prefill in chunks of
-        `client.session.shadows.SHADOW_CHUNK_TOKENS`)."""
+        once it may lead and the real steps ranked before it are served (real sessions in a closed loop keep it
+        behind them for one lead time, not until they end), and holds back the real steps queued meanwhile by that
+        one forward (clients send a shadow's prefill in chunks of `client.session.shadows.SHADOW_CHUNK_TOKENS`)."""
         if isinstance(work, StepGroup):
             requests = work.requests
             size = sum(r.rows * max(r.num_tokens, 1) for r in requests)
             steps, sessions = len(requests), tuple(id(r.session) for r in requests)
         else:
             size, steps, sessions = work.rows * max(work.num_tokens, 1), 1, (id(work.session),)
-        priority, merge_key, lead_after_s = PRIORITY_INFERENCE, self._merge_key, 0.0
+        merge_key, lead_after_s = self._merge_key, 0.0
         if shadow:
-            priority, lead_after_s = PRIORITY_SHADOW, SHADOW_LEAD_AFTER_S
+            lead_after_s = SHADOW_LEAD_AFTER_S
             if isinstance(work, StepRequest) and not work.is_decode:
                 merge_key = self._shadow_merge_key
         return self._runtime.task(
-            work.run, priority=priority, size_tokens=size, kind=KIND_ENGINE_INFERENCE, merge_key=merge_key,
+            work.run, priority=PRIORITY_INFERENCE, size_tokens=size, kind=KIND_ENGINE_INFERENCE, merge_key=merge_key,
             payload=work, on_done=on_done, flush=flush, steps=steps, sessions=sessions, lead_after_s=lead_after_s,
         )  # fmt: skip
 

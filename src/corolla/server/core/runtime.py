@@ -39,12 +39,11 @@ logger = get_logger(__name__)
 PRIORITY_INFERENCE: float = 1.0
 PRIORITY_FORWARD: float = 2.0
 PRIORITY_BACKWARD: float = 2.0
-# a shadow session's steps (`protocol.shadow`): after every real inference step queued, before training's work;
-# such a step rides a forward that real steps lead, and leads one itself only once it has waited SHADOW_LEAD_AFTER_S
-# (`Task.lead_after`), or where no real step was queued for that long: on a replica serving sessions it takes a
-# spare row of their forwards, on an idle one it runs at once; one that no real forward takes (a prefill chunk) and
-# that a real batch passed over past that time overtakes the real steps, once per SHADOW_LEAD_AFTER_S at most
-PRIORITY_SHADOW: float = 1.5
+# a shadow session's steps (`protocol.shadow`) are queued at PRIORITY_INFERENCE with a lead time (`Task.lead_after`)
+# SHADOW_LEAD_AFTER_S from their queueing: such a step ranks as a real step queued at its lead time (behind the real
+# steps queued before then, ahead of those queued after: ageing in the queue's own order) and leads no forward before
+# then unless no real step was queued for as long; on a replica serving sessions a decode row rides a forward that
+# real steps lead (a spare row), on an idle one it runs at once
 SHADOW_LEAD_AFTER_S: float = 0.02
 
 KIND_GENERIC = "generic"
@@ -79,12 +78,16 @@ class Task:
     # merged forward's own sessions take to come back (`TaskQueue.watch`)
     sessions: tuple[Hashable, ...] = ()
     # `time.monotonic()` before which it may join a batch that another task leads but lead none (0: any time), unless
-    # no task that may lead at once was queued for as long (`TaskQueue._lead_at`)
+    # no task that may lead at once was queued for as long (`TaskQueue._lead_at`); it ranks as a task of its priority
+    # queued then (`sort_key`)
     lead_after: float = 0.0
 
     @property
     def sort_key(self) -> tuple[float, float, int]:
-        return (self.priority, self.submitted_at, self.seq)
+        """Its place in the queue (lowest first): priority, then the time it ranks at: its queueing, or for a held
+        task its lead time (it waits behind the tasks of its priority queued before then and goes ahead of those
+        queued after: its place ages with no re-sort), then the order of pushes."""
+        return (self.priority, self.lead_after or self.submitted_at, self.seq)
 
     @property
     def abandoned(self) -> bool:
@@ -173,9 +176,6 @@ class TaskQueue:
         self._steps = 0  # steps pushed (`Task.steps` summed): what the gather rule counts
         self._closed = False
         self._led_pushed_s = 0.0  # when a task that may lead at once was last pushed (`_lead_at`)
-        self._num_held = 0  # queued tasks with a `lead_after` (`_overdue`)
-        self._overtake_at = 0.0  # before this, no held task overtakes a more urgent one (`_overdue`)
-        self._passed_seq = 0  # tasks pushed up to the last batch popped: those still queued were passed over by it
         # the last merged forwards watched for their sessions' next steps (oldest first), and those back, not yet taken
         self._watches: deque[_Watch] = deque()
         self._returns: list[tuple[float, float]] = []
@@ -200,8 +200,6 @@ class TaskQueue:
             self._steps += task.steps
             if not task.lead_after:
                 self._led_pushed_s = task.submitted_at
-            else:
-                self._num_held += 1
             if self._watches:
                 self._count_back(task)
             heapq.heappush(self._heap, (*task.sort_key, task))
@@ -221,9 +219,8 @@ class TaskQueue:
                 steps += task.steps
                 if self._watches:
                     self._count_back(task)
-                heapq.heappush(heap, (task.priority, task.submitted_at, seq, task))
+                heapq.heappush(heap, (*task.sort_key, task))
             self._seq, self._steps = seq, steps
-            self._num_held += sum(1 for task in tasks if task.lead_after)
             if any(not task.lead_after for task in tasks):
                 self._led_pushed_s = max(task.submitted_at for task in tasks if not task.lead_after)
             if steps >= self._wanted:
@@ -291,7 +288,6 @@ class TaskQueue:
             self._closed = True
             remaining = [item[-1] for item in sorted(self._heap)]
             self._heap.clear()
-            self._num_held = 0
             self._cond.notify_all()
         return remaining
 
@@ -302,47 +298,28 @@ class TaskQueue:
             return 0.0
         return min(task.lead_after, self._led_pushed_s + (task.lead_after - task.submitted_at))
 
-    def _overdue(self, now: float) -> Task | None:
-        """The most urgent held task (`Task.lead_after`) whose lead time has come, that a batch popped since it was
-        queued passed over and that the head's batch would not take (another kind or merge key), taken off the heap:
-        it overtakes the more urgent head, at most once per its own lead delay. Without this, such a task (a shadow's
-        prefill chunk) never led while real steps kept coming (the replica's sessions in a closed loop), and its
-        session's decode rows, behind it, rode none of their forwards: they ran apart once the real sessions were
-        done. Under the lock, with a non-empty heap."""
-        head = self._heap[0][-1]
-        if not self._num_held or now < self._overtake_at or head.lead_after:
-            return None  # none held, one overtook lately, or the head is held itself (`_leader` takes it)
-        items = sorted(self._heap)
-        for index, item in enumerate(items):
-            task = item[-1]
-            if (task.lead_after and task.seq <= self._passed_seq and self._lead_at(task) <= now
-                    and (task.kind, task.merge_key) != (head.kind, head.merge_key) and not task.abandoned):  # fmt: skip
-                del items[index]
-                self._heap = items  # a sorted list is a valid heap
-                self._num_held -= 1
-                self._overtake_at = now + (task.lead_after - task.submitted_at)
-                return task
-        return None
-
     def _leader(self, now: float) -> tuple[Task | None, float | None]:
-        """(The most urgent task that may lead a batch at `now`, or a held one overdue (`_overdue`), taken off the
-        heap; None) or, where every queued task has to wait (`_lead_at`), (None, the earliest time one may). Under
-        the lock, with a non-empty heap."""
-        if self._lead_at(self._heap[0][-1]) <= now:
-            overdue = self._overdue(now)
-            if overdue is not None:
-                return overdue, None
-            task = heapq.heappop(self._heap)[-1]
-            self._num_held -= bool(task.lead_after)
-            return task, None
-        items = sorted(self._heap)
-        for index, item in enumerate(items):
-            if self._lead_at(item[-1]) <= now and not item[-1].abandoned:
-                del items[index]
-                self._heap = items  # a sorted list is a valid heap
-                self._num_held -= bool(item[-1].lead_after)
-                return item[-1], None
-        return None, min(self._lead_at(item[-1]) for item in items)
+        """(The most urgent task that may lead a batch at `now`, taken off the heap; None) or, where every queued
+        task has to wait (`_lead_at`), (None, the earliest time one may). Held tasks rank at their lead time
+        (`Task.sort_key`), so one that may not lead yet is at the head only where no task of its priority that may
+        lead was queued before it; those set aside here go back. Under the lock."""
+        heap = self._heap
+        waiting: list[tuple[float, float, int, Task]] = []
+        leader = None
+        while heap:
+            task = heap[0][-1]
+            if task.abandoned:
+                heapq.heappop(heap)  # its caller was cancelled
+            elif self._lead_at(task) > now:
+                waiting.append(heapq.heappop(heap))
+            else:
+                leader = heapq.heappop(heap)[-1]
+                break
+        for item in waiting:
+            heapq.heappush(heap, item)
+        if leader is not None or not waiting:
+            return leader, None
+        return None, min(self._lead_at(item[-1]) for item in waiting)
 
     def pop_batch(
         self,
@@ -362,13 +339,9 @@ class TaskQueue:
             while True:
                 if self._closed:
                     return None
-                while self._heap and self._heap[0][-1].abandoned:
-                    self._num_held -= bool(heapq.heappop(self._heap)[-1].lead_after)  # its caller was cancelled
-                lead_at = None
-                if self._heap:
-                    leader, lead_at = self._leader(time.monotonic())
-                    if leader is not None:
-                        break
+                leader, lead_at = self._leader(time.monotonic())
+                if leader is not None:
+                    break
                 now = time.monotonic()
                 remaining = None if deadline is None else deadline - now
                 if remaining is not None and remaining <= 0:
@@ -378,7 +351,6 @@ class TaskQueue:
                 self._cond.wait(remaining)
 
             first = leader
-            self._passed_seq = self._seq
             batch = [first]
             if first.merge_key is None or first.kind not in mergeable_kinds:
                 return batch
@@ -386,7 +358,6 @@ class TaskQueue:
             if merge_limits is not None and first.kind in merge_limits:
                 max_batch_tokens = min(max_batch_tokens, merge_limits[first.kind])
             kept: list[tuple[float, float, int, Task]] = []
-            held = 0  # in `kept`
             for item in sorted(self._heap):
                 task = item[-1]
                 if task.abandoned:
@@ -400,10 +371,8 @@ class TaskQueue:
                     total_tokens += task.size_tokens
                 else:
                     kept.append(item)
-                    held += bool(task.lead_after)
             if len(batch) > 1:
                 self._heap = kept  # a sorted list is a valid heap
-                self._num_held = held
             return batch
 
 
