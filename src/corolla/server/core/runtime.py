@@ -9,9 +9,10 @@ replies) while the device runs the next. When nothing else is queued, a launched
 at once (a lone session's step takes no longer).
 
 What it executes: a `Task` (a callable plus its priority, size and merge identity) in the `TaskQueue` that orders
-pending tasks and picks the next batch (most urgent first, oldest first within a priority); a task's result goes back
-as a future resolved inside its own event loop, or through a callback task's `on_done` run in the thread that ran it,
-then its batch's flushes (`call_back`, `deliver`, `resolve_all`)."""
+pending tasks and picks the next batch (most urgent first, oldest first within a priority, a held task as queued at
+its lead time: `Task.sort_key`); a task's result goes back as a future resolved inside its own event loop, or through
+a callback task's `on_done` run in the thread that ran it, then its batch's flushes (`call_back`, `deliver`,
+`resolve_all`)."""
 
 from __future__ import annotations
 
