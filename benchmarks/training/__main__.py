@@ -11,7 +11,8 @@ same process (frozen weights, gradients to the inputs) at 1 and N x `rows` rows.
 
 A/B phases: `--phase N:key=value,...` (repeatable) runs N clients with the server changed for that phase only:
 `merge=F/B` (merge limits in tokens; `1/1`: every work alone), `reuse=off` (no forward activations kept for
-backwards), `poll=off` (the server's loop never polls after a lone session's inline decode step), `trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out`
+backwards), `poll=off` (the server's loop never polls after a lone session's inline decode step), `order=arrival`
+(training works ordered by their requests' arrival, `TrainingBatcher.order`), `trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out`
 writes it), `steps=N` (steps per client in this phase). Each phase is printed as it ends, with the session's decode
 step meanwhile.
 
@@ -41,7 +42,13 @@ from benchmarks.users.server import DHT_PREFIX, BenchServer, build_executor
 from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor
 from corolla.server.core.runtime import KindStats
 from corolla.server.core.training_activations import KeptActivations
-from corolla.server.core.training_batch import BACKWARD_MERGE_TOKENS, FORWARD_MERGE_TOKENS, training_stats
+from corolla.server.core.training_batch import (
+    BACKWARD_MERGE_TOKENS,
+    FORWARD_MERGE_TOKENS,
+    ORDER_ARRIVAL,
+    ORDER_PROGRESS,
+    training_stats,
+)
 
 TINY = ModelShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688)
 READY_TIMEOUT_S = 300.0
@@ -58,6 +65,7 @@ class PhaseSpec:
     backward_tokens: int = BACKWARD_MERGE_TOKENS
     reuse: bool = True
     poll: bool = True  # False: the handler's loop polling off for the phase (as on CPU)
+    order: str = ORDER_PROGRESS  # the training works' order among themselves (`TrainingBatcher.order`)
     trace: bool = False  # a CUDA trace of the phase (`timeline`)
     steps: int | None = None  # steps per client (None: `--steps`)
 
@@ -78,6 +86,8 @@ class PhaseSpec:
                 fields.update(forward_tokens=int(forward), backward_tokens=int(backward))
             elif key in ("reuse", "poll", "trace"):
                 fields[key] = _on(value)
+            elif key == "order":
+                fields["order"] = {ORDER_PROGRESS: ORDER_PROGRESS, ORDER_ARRIVAL: ORDER_ARRIVAL}[value]
             elif key == "steps":
                 fields["steps"] = int(value)
             else:
@@ -112,6 +122,7 @@ class Phase:
     call_ms: float = float("nan")  # per block call: the device thread running it (on a GPU: launching it)
     call_wait_ms: float = float("nan")  # per block call: then waiting for the call before it (on a GPU)
     decode_device_ms: float = float("nan")  # per decode batch: the device's own time (where the runtime measured it)
+    order: str = ORDER_PROGRESS  # the training works' order in the phase
     served: bool = True  # the server as served (False: an A/B phase)
     request_ms: float = float("nan")  # per training request on the server: from its first work queued to its answer
     timeline: Timeline | None = None  # the phase's CUDA trace, summarized (trace=on)
@@ -253,6 +264,7 @@ def _serve(
             training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens)
             training.kept = kept if spec.reuse else KeptActivations(0)
             server.runtime.after_inline = poll if spec.poll else None  # called after each inline step
+            training.order = spec.order
             requests_before = (training.num_requests, training.chain_s)
             phase_steps = steps if spec.steps is None else spec.steps
             inline_before = server.runtime.num_inline_batches
@@ -289,7 +301,7 @@ def _serve(
                                        (training.call_s - calls_before[1]) * 1e3 / max(calls, 1),
                                        (training.wait_s - calls_before[2]) * 1e3 / max(calls, 1),
                                        decode.device_s * 1e3 / decode.device_timed if decode.device_timed
-                                       else float("nan"), spec.served,
+                                       else float("nan"), spec.order, spec.served,
                                        (training.chain_s - requests_before[1]) * 1e3 / requests,
                                        timelines[0] if timelines else None))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
@@ -297,6 +309,7 @@ def _serve(
         training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
         training.kept = kept
         server.runtime.after_inline = poll
+        training.order = ORDER_PROGRESS
     except (queue.Empty, _SessionFailed) as e:
         _error(report, str(e) or "a client did not answer in time")
     finally:
@@ -379,6 +392,8 @@ def summary(report: Report) -> str:
             ab.append("no activations kept A/B")
         if not p.poll:
             ab.append("loop polling off A/B")
+        if p.order != ORDER_PROGRESS:
+            ab.append(f"{p.order} order A/B")
         if p.timeline is not None:
             t = p.timeline
             gaps = ", ".join(f"{label}: {int(c)} ({ms:.0f} ms)" for label, (c, ms) in t.idle_gaps.items())

@@ -23,6 +23,7 @@ exact, bounded); a backward that finds them runs its backward works only, one th
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,13 @@ BACKWARD_MERGE_TOKENS = 2048
 # then backward works by descending block index
 PROGRESS_STEP = 1e-6
 BACKWARD_OFFSET = 0.5
+# the orders of training works among themselves: by progress (above), or by the arrival of their requests (each
+# request's works before any later request's, so that requests ahead finish and go back to their clients while the
+# ones behind run: a client's transfers overlap other clients' block calls); arrival numbers wrap after ARRIVAL_WRAP
+ORDER_PROGRESS = "progress"
+ORDER_ARRIVAL = "arrival"
+ARRIVAL_STEP = 1e-9
+ARRIVAL_WRAP = 10**8
 # forward activations kept for backwards: at most this many times the memory the server's sizing leaves free for
 # autograd (`sizing.autograd_reserve_bytes`), and on a GPU only while that reserve stays free beside them
 KEPT_RESERVE_MULTIPLE = 4
@@ -115,6 +123,7 @@ class BlockChain:
         self.error: BaseException | None = None
         self.future: asyncio.Future | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.arrival = 0  # the request's number among the batcher's requests
 
     def next_work(self) -> BlockWork:
         phase, i = self.plan[self.done]
@@ -178,6 +187,8 @@ class TrainingBatcher:
         # and requests answered, seconds from queuing a request's first work to its answer
         self.num_requests = 0
         self.chain_s = 0.0
+        self.order = ORDER_PROGRESS
+        self._arrivals = itertools.count()
         # forwards' block inputs kept for their backwards (default: bounded by the sizing's autograd reserve)
         self.kept = kept if kept is not None else default_kept_activations(backend)
         self.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
@@ -251,6 +262,7 @@ class TrainingBatcher:
         """Queues the chain's first work; the future of its result (resolved in this loop)."""
         chain.loop = asyncio.get_running_loop()
         chain.future = chain.loop.create_future()
+        chain.arrival = next(self._arrivals)
         self._runtime.queue(self._task(chain))  # ValueError (too large) or RuntimeStopped here, to the caller
         return chain.future
 
@@ -262,6 +274,8 @@ class TrainingBatcher:
         else:
             priority = PRIORITY_BACKWARD + BACKWARD_OFFSET - work.index * PROGRESS_STEP
             kind = KIND_TRAINING_BACKWARD
+        if self.order == ORDER_ARRIVAL:
+            priority = PRIORITY_FORWARD + (chain.arrival % ARRIVAL_WRAP) * ARRIVAL_STEP
         backend = self.backend
         return self._runtime.task(
             lambda: run_block_works(backend, [work])[0], priority=priority, size_tokens=rows * length,
