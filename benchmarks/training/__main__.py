@@ -11,10 +11,12 @@ same process (frozen weights, gradients to the inputs) at 1 and N x `rows` rows.
 
 A/B phases: `--phase N:key=value,...` (repeatable) runs N clients with the server changed for that phase only:
 `merge=F/B` (merge limits in tokens; `1/1`: every work alone), `reuse=off` (no forward activations kept for
-backwards), `poll=off` (the server's loop never polls after a lone session's inline decode step), `order=arrival`
-(training works ordered by their requests' arrival, `TrainingBatcher.order`), `trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out`
-writes it), `steps=N` (steps per client in this phase). Each phase is printed as it ends, with the session's decode
-step meanwhile.
+backwards), `poll=off` (the server's loop never polls after a lone session's inline decode step),
+`order=progress|arrival` (the training works' order among themselves, `TrainingBatcher.order`), `pace=off` (training
+launched whenever the runtime is free, also while the session is on its way back: `Runtime.pace_hold_s` 0),
+`hold_ms=X` (that hold, ms), `trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out` writes
+it), `steps=N` (steps per client in this phase). Each phase is printed as it ends, with the session's decode step
+meanwhile; its ratio is to the 1-client phase with the same options.
 
 CPU dry run: `python -m benchmarks.training --tiny`; the GPU figure: `python -m benchmarks.training` (32 Llama-3-8B
 layers, bf16, sequence 512)."""
@@ -40,13 +42,14 @@ from benchmarks.training.local import local_tokens_per_s
 from benchmarks.training.timeline import Timeline, traced
 from benchmarks.users.server import DHT_PREFIX, BenchServer, build_executor
 from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor
-from corolla.server.core.runtime import KindStats
+from corolla.server.core.runtime import PACE_HOLD_S, KindStats
 from corolla.server.core.training_activations import KeptActivations
 from corolla.server.core.training_batch import (
     BACKWARD_MERGE_TOKENS,
     FORWARD_MERGE_TOKENS,
     ORDER_ARRIVAL,
     ORDER_PROGRESS,
+    TRAINING_ORDER,
     training_stats,
 )
 
@@ -65,7 +68,8 @@ class PhaseSpec:
     backward_tokens: int = BACKWARD_MERGE_TOKENS
     reuse: bool = True
     poll: bool = True  # False: the handler's loop polling off for the phase (as on CPU)
-    order: str = ORDER_PROGRESS  # the training works' order among themselves (`TrainingBatcher.order`)
+    order: str = TRAINING_ORDER  # the training works' order among themselves (`TrainingBatcher.order`)
+    pace_hold_ms: float = PACE_HOLD_S * 1e3  # `Runtime.pace_hold_s` (0: training not paced around the session)
     trace: bool = False  # a CUDA trace of the phase (`timeline`)
     steps: int | None = None  # steps per client (None: `--steps`)
 
@@ -88,11 +92,23 @@ class PhaseSpec:
                 fields[key] = _on(value)
             elif key == "order":
                 fields["order"] = {ORDER_PROGRESS: ORDER_PROGRESS, ORDER_ARRIVAL: ORDER_ARRIVAL}[value]
+            elif key == "pace":
+                fields["pace_hold_ms"] = PACE_HOLD_S * 1e3 if _on(value) else 0.0
+            elif key == "hold_ms":
+                fields["pace_hold_ms"] = float(value)
             elif key == "steps":
                 fields["steps"] = int(value)
             else:
                 raise ValueError(f"unknown phase option {key!r} in {text!r}")
         return cls(int(count), **fields)
+
+    @property
+    def label(self) -> str:
+        """Its options other than the served server's (not `trace`, `steps`): phases of equal labels compare."""
+        served = PhaseSpec(self.clients)
+        changed = [f"{key}={value}" for key, value in asdict(self).items()
+                   if key not in ("clients", "trace", "steps") and value != getattr(served, key)]  # fmt: skip
+        return ",".join(changed)
 
 
 def _on(value: str) -> bool:
@@ -122,7 +138,12 @@ class Phase:
     call_ms: float = float("nan")  # per block call: the device thread running it (on a GPU: launching it)
     call_wait_ms: float = float("nan")  # per block call: then waiting for the call before it (on a GPU)
     decode_device_ms: float = float("nan")  # per decode batch: the device's own time (where the runtime measured it)
-    order: str = ORDER_PROGRESS  # the training works' order in the phase
+    order: str = TRAINING_ORDER  # the training works' order in the phase
+    pace_hold_ms: float = PACE_HOLD_S * 1e3  # the runtime's hold of training for the session's return (0: none)
+    paced: int = 0  # holds the runtime waited (`Runtime.num_paced`)
+    paced_out: int = 0  # of them, holds that ran out with training queued and no session step
+    paced_share: float = 0.0  # of the window, the share the runtime held training back
+    label: str = ""  # the phase's options (`PhaseSpec.label`): its ratio is to the 1-client phase of the same
     served: bool = True  # the server as served (False: an A/B phase)
     request_ms: float = float("nan")  # per training request on the server: from its first work queued to its answer
     timeline: Timeline | None = None  # the phase's CUDA trace, summarized (trace=on)
@@ -265,6 +286,8 @@ def _serve(
             training.kept = kept if spec.reuse else KeptActivations(0)
             server.runtime.after_inline = poll if spec.poll else None  # called after each inline step
             training.order = spec.order
+            server.runtime.pace_hold_s = spec.pace_hold_ms / 1e3
+            paced_before = (server.runtime.num_paced, server.runtime.num_paced_out, server.runtime.paced_s)
             requests_before = (training.num_requests, training.chain_s)
             phase_steps = steps if spec.steps is None else spec.steps
             inline_before = server.runtime.num_inline_batches
@@ -301,7 +324,11 @@ def _serve(
                                        (training.call_s - calls_before[1]) * 1e3 / max(calls, 1),
                                        (training.wait_s - calls_before[2]) * 1e3 / max(calls, 1),
                                        decode.device_s * 1e3 / decode.device_timed if decode.device_timed
-                                       else float("nan"), spec.order, spec.served,
+                                       else float("nan"), spec.order, spec.pace_hold_ms,
+                                       server.runtime.num_paced - paced_before[0],
+                                       server.runtime.num_paced_out - paced_before[1],
+                                       (server.runtime.paced_s - paced_before[2]) / window_s, spec.label,
+                                       spec.served,
                                        (training.chain_s - requests_before[1]) * 1e3 / requests,
                                        timelines[0] if timelines else None))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
@@ -309,7 +336,8 @@ def _serve(
         training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
         training.kept = kept
         server.runtime.after_inline = poll
-        training.order = ORDER_PROGRESS
+        training.order = TRAINING_ORDER
+        server.runtime.pace_hold_s = PACE_HOLD_S
     except (queue.Empty, _SessionFailed) as e:
         _error(report, str(e) or "a client did not answer in time")
     finally:
@@ -378,8 +406,8 @@ def summary(report: Report) -> str:
         f"inference session alone: {report.idle_inference_step_median_ms:.2f} ms/step "
         f"({report.idle_inference_steps} steps)",
     ]
-    one = next((p.tokens_per_s for p in report.phases if p.served and p.clients == 1), None)
     for p in report.phases:
+        one = next((o.tokens_per_s for o in report.phases if o.label == p.label and o.clients == 1), None)
         ratio = f" = {p.tokens_per_s / one:.2f}x one client" if one else ""
         slower = p.inference_step_median_ms / report.idle_inference_step_median_ms
         ab = [] if p.merged else ["unmerged A/B"]
@@ -392,8 +420,10 @@ def summary(report: Report) -> str:
             ab.append("no activations kept A/B")
         if not p.poll:
             ab.append("loop polling off A/B")
-        if p.order != ORDER_PROGRESS:
+        if p.order != TRAINING_ORDER:
             ab.append(f"{p.order} order A/B")
+        if p.pace_hold_ms != PACE_HOLD_S * 1e3:
+            ab.append(f"training paced for {p.pace_hold_ms:g} ms A/B" if p.pace_hold_ms else "unpaced A/B")
         if p.timeline is not None:
             t = p.timeline
             gaps = ", ".join(f"{label}: {int(c)} ({ms:.0f} ms)" for label, (c, ms) in t.idle_gaps.items())
@@ -409,7 +439,8 @@ def summary(report: Report) -> str:
             f"{p.kept_hits}/{p.kept_hits + p.kept_misses}, calls retried after a stream closed without a reply "
             f"{p.retried_calls}, inline decode steps {p.inline_steps}; {p.block_calls} block calls of {p.call_ms:.2f} ms "
             f"+ {p.call_wait_ms:.2f} ms waiting for the one before; a request {p.request_ms:.1f} ms on the server; "
-            f"decode device time {p.decode_device_ms:.2f} ms; "
+            f"decode device time {p.decode_device_ms:.2f} ms; training held for the session {p.paced} times "
+            f"({p.paced_out} ran out), {p.paced_share:.0%} of the window; "
             f"inference step {p.inference_step_median_ms:.2f} ms ({slower:.2f}x alone, {p.inference_steps} steps)"
         )
     for rows, rate in report.local_tokens_per_s.items():

@@ -235,6 +235,52 @@ async def test_a_training_call_launches_before_the_runtime_waits_for_a_launched_
     assert log[3:] == ["block1", "block2"]
 
 
+async def test_training_waits_for_the_sessions_next_step_then_launches_behind_it(
+    backend: SpanBackend, monkeypatch
+) -> None:
+    """Once a decode batch is complete, a queued training work is not launched while the session is on its way back
+    (the device thread would be busy launching it when the session's next step comes): it waits for that step, which
+    launches first, and launches while the step is on the device; where no step comes, it waits `pace_hold_s`."""
+    log: list[str] = []
+    block_forward = backend.block_forward
+
+    def logged_block_forward(index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
+        log.append(f"block{index}")
+        return block_forward(index, hidden, prompt)
+
+    monkeypatch.setattr(backend, "block_forward", logged_block_forward)
+    release = threading.Event()
+
+    def launch_decode(tasks: list[Task]) -> _LaunchedDecode:
+        log.append("decode.launch")
+        return _LaunchedDecode(log, len(tasks))
+
+    def decode_step() -> asyncio.Future:
+        return runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind="decode",
+                              merge_key="span")  # fmt: skip
+
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        runtime.pace_hold_s = 30.0  # the session always comes back before the hold runs out, here
+        runtime.register_batch_executor("decode", lambda tasks: [None] * len(tasks), launcher=launch_decode)
+        batcher = TrainingBatcher(backend, runtime)
+        blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
+        await asyncio.sleep(0.05)
+        training = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""))
+        first = decode_step()
+        await asyncio.sleep(0.05)  # both queued behind the blocker
+        release.set()
+        await asyncio.gather(blocker, first)
+        await asyncio.sleep(0.2)  # the session's way back, slow: block1 waits for its step
+        assert log == ["decode.launch", "block0", "decode.wait"]
+        runtime.pace_hold_s = 0.05  # from the next decode batch on: its session does not come back
+        await decode_step()
+        await training
+        # block1 launched while the second decode step was on the device; block2 once the hold after it ran out
+        assert log[3:] == ["decode.launch", "block1", "decode.wait", "block2"]
+    assert (runtime.num_paced, runtime.num_paced_out) == (2, 1)
+    assert runtime.paced_s >= 0.2 + 0.05
+
+
 @pytest.mark.parametrize(
     ("order", "expected"),
     [

@@ -8,6 +8,11 @@ with the first (docs/decisions/0002-launch-ahead.md), and only then completes th
 replies) while the device runs the next. When nothing else is queued, a launched batch is completed
 at once (a lone session's step takes no longer).
 
+Background kinds (registered `gathered=False`: training block calls, no session's steps) are paced around the
+sessions: once a batch of sessions' steps is complete, background work is not popped until a session's next step is
+queued (or `PACE_HOLD_S` passed), so that the thread is never busy launching background work (milliseconds of CPU
+per call) when a session comes back; it launches it while that session's next step runs on the device instead.
+
 What it executes: a `Task` (a callable plus its priority, size and merge identity) in the `TaskQueue` that orders
 pending tasks and picks the next batch (most urgent first, oldest first within a priority, a held task as queued at
 its lead time: `Task.sort_key`); a task's result goes back as a future resolved inside its own event loop, or through
@@ -46,6 +51,12 @@ PRIORITY_BACKWARD: float = 2.0
 # then unless no real step was queued for as long; on a replica serving sessions a decode row rides a forward that
 # real steps lead (a spare row), on an idle one it runs at once
 SHADOW_LEAD_AFTER_S: float = 0.02
+
+# the longest that background work (`Runtime.register_batch_executor(gathered=False)`) waits after a batch of
+# sessions' steps for one of them to come back (`Runtime._pace`): a decode step's return through the serving loop takes
+# ~1.5 ms on an H200 server (up to ~3 ms while 8 training clients' tensors go through the same loop); a session that
+# ended, or one further away than this, costs background work this once per batch, and no more
+PACE_HOLD_S: float = 0.004
 
 KIND_GENERIC = "generic"
 MAX_WATCHES = 8  # merged forwards watched at once for their sessions' return (`TaskQueue.watch`)
@@ -189,6 +200,11 @@ class TaskQueue:
     def __len__(self) -> int:
         with self._cond:
             return len(self._heap)
+
+    def head_kind(self) -> str | None:
+        """The kind of the most urgent queued task (None: none queued)."""
+        with self._cond:
+            return self._heap[0][-1].kind if self._heap else None
 
     def push(self, task: Task, *, notify: bool = True) -> None:
         """Queues `task`; `notify=False` leaves waking the consumer to a later `wake()` (the runtime wakes it once
@@ -482,6 +498,12 @@ class Runtime:
         # request (`utils.busy_poll`, docs/decisions/0005); set by the span service
         self.after_inline: Callable[[], None] | None = None
         self.num_held_launches = 0  # batches whose launch waited for the forward in flight (`GatherRule.holds_launch`)
+        # background work waits for a session's next step until this `time.monotonic()` (0: no hold; `_pace`)
+        self.pace_hold_s = PACE_HOLD_S
+        self._paced_until = 0.0
+        self.num_paced = 0  # holds the device thread waited (benches)
+        self.num_paced_out = 0  # of them, holds that ran out with background work queued and no session's step
+        self.paced_s = 0.0  # seconds the device thread held background work back
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
         # `BatchCounts`' buckets and sums, counted in place (written only while `_executing` is held)
         self._seconds_counts = [0] * (len(BATCH_SECONDS_BOUNDS) + 1)
@@ -743,9 +765,14 @@ class Runtime:
                 wait = self.gather.wait(time.monotonic(), queue.num_pushed)
                 if wait is not None:
                     queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
+                self._pace(queue)
             elif self.gather.holds_launch():  # sessions come back while a forward runs: launch once it is done
                 held = True
                 self._wait(pending)  # (its replies still leave after the next launch), so they merge into one batch
+            elif self._paced(queue):  # background work next while a session is on its way back: not yet
+                self._finish(pending)
+                pending = None
+                continue
             batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
                 merge_limits=self._merge_limits, timeout_s=None if pending is None else 0.0,
@@ -757,6 +784,8 @@ class Runtime:
                 if batch is None:
                     break
                 continue
+            if batch[0].kind not in self._ungathered_kinds:
+                self._paced_until = 0.0  # the session is back: background work may launch behind its step
             launched = self._launch(batch)
             self.num_held_launches += held
             if pending is not None:  # the device runs `launched` (if any) while this one's replies leave
@@ -773,6 +802,31 @@ class Runtime:
             if batch[0].merge_key is not None and batch[0].kind in self._batch_executors:
                 self._gathered(batch, elapsed_s)
             self._complete(batch, results)
+
+    def _paced(self, queue: TaskQueue) -> bool:
+        """Whether background work heads the queue (or nothing does) while a session's step is due back."""
+        head = queue.head_kind()
+        return (
+            bool(self._paced_until)
+            and (head is None or head in self._ungathered_kinds)
+            and time.monotonic() < self._paced_until
+        )
+
+    def _pace(self, queue: TaskQueue) -> None:
+        """Waits while `_paced`: until a session's step is queued (it heads the queue: more urgent than any
+        background work) or the hold runs out; the thread then launches that step first, and background work while
+        the step runs on the device, not during the session's way back (a launch takes the thread ~3.5 ms for a
+        merged training block call on an H200, which a returning decode step used to wait for)."""
+        if not self._paced(queue):
+            return
+        started = time.monotonic()
+        while self._paced(queue):
+            queue.wait_for_pushes(queue.num_pushed + 1, self._paced_until - time.monotonic())
+        now = time.monotonic()
+        self.num_paced += 1
+        self.num_paced_out += now >= self._paced_until and queue.head_kind() in self._ungathered_kinds
+        self.paced_s += now - started
+        self._paced_until = 0.0
 
     def _launch(self, batch: list[Task]) -> LaunchedBatch | None:
         """Queues `batch` on the device through its kind's launcher; None where it has none or declines."""
@@ -804,6 +858,8 @@ class Runtime:
             return
         queue = self._queue
         now_s = time.monotonic()
+        if self._ungathered_kinds and self.pace_hold_s > 0:  # its sessions come back next: background work waits
+            self._paced_until = now_s + self.pace_hold_s
         self.gather.learn(*queue.take_returns())
         count = self.gather.finished(size=_steps(batch), forward_s=forward_s, now_s=now_s, num_pushed=queue.num_pushed)
         sessions = {session for task in batch for session in task.sessions}

@@ -64,6 +64,7 @@ ORDER_PROGRESS = "progress"
 ORDER_ARRIVAL = "arrival"
 ARRIVAL_STEP = 1e-9
 ARRIVAL_WRAP = 10**8
+TRAINING_ORDER = ORDER_ARRIVAL
 # forward activations kept for backwards: at most this many times the memory the server's sizing leaves free for
 # autograd (`sizing.autograd_reserve_bytes`), and on a GPU only while that reserve stays free beside them
 KEPT_RESERVE_MULTIPLE = 4
@@ -187,7 +188,7 @@ class TrainingBatcher:
         # and requests answered, seconds from queuing a request's first work to its answer
         self.num_requests = 0
         self.chain_s = 0.0
-        self.order = ORDER_PROGRESS
+        self.order = TRAINING_ORDER
         self._arrivals = itertools.count()
         # forwards' block inputs kept for their backwards (default: bounded by the sizing's autograd reserve)
         self.kept = kept if kept is not None else default_kept_activations(backend)
