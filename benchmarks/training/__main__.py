@@ -12,9 +12,8 @@ same process (frozen weights, gradients to the inputs) at 1 and N x `rows` rows.
 A/B phases: `--phase N:key=value,...` (repeatable) runs N clients with the server changed for that phase only:
 `merge=F/B` (merge limits in tokens; `1/1`: every work alone), `reuse=off` (no forward activations kept for
 backwards), `poll=off` (the server's loop never polls after a lone session's inline decode step),
-`order=progress|arrival` (the training works' order among themselves, `TrainingBatcher.order`), `pace=off` (training
-launched whenever the runtime is free, also while the session is on its way back: `Runtime.pace_hold_s` 0),
-`hold_ms=X` (that hold, ms), `trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out` writes
+`hold_ms=X` (how long training waits for the session's next step after each decode batch, `Runtime.pace_hold_s`;
+0: training launched whenever the runtime is free, also while the session is on its way back), `trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out` writes
 it), `steps=N` (steps per client in this phase). Each phase is printed as it ends, with the session's decode step
 meanwhile; its ratio is to the 1-client phase with the same options.
 
@@ -47,9 +46,6 @@ from corolla.server.core.training_activations import KeptActivations
 from corolla.server.core.training_batch import (
     BACKWARD_MERGE_TOKENS,
     FORWARD_MERGE_TOKENS,
-    ORDER_ARRIVAL,
-    ORDER_PROGRESS,
-    TRAINING_ORDER,
     training_stats,
 )
 
@@ -68,7 +64,6 @@ class PhaseSpec:
     backward_tokens: int = BACKWARD_MERGE_TOKENS
     reuse: bool = True
     poll: bool = True  # False: the handler's loop polling off for the phase (as on CPU)
-    order: str = TRAINING_ORDER  # the training works' order among themselves (`TrainingBatcher.order`)
     pace_hold_ms: float = PACE_HOLD_S * 1e3  # `Runtime.pace_hold_s` (0: training not paced around the session)
     trace: bool = False  # a CUDA trace of the phase (`timeline`)
     steps: int | None = None  # steps per client (None: `--steps`)
@@ -90,10 +85,6 @@ class PhaseSpec:
                 fields.update(forward_tokens=int(forward), backward_tokens=int(backward))
             elif key in ("reuse", "poll", "trace"):
                 fields[key] = _on(value)
-            elif key == "order":
-                fields["order"] = {ORDER_PROGRESS: ORDER_PROGRESS, ORDER_ARRIVAL: ORDER_ARRIVAL}[value]
-            elif key == "pace":
-                fields["pace_hold_ms"] = PACE_HOLD_S * 1e3 if _on(value) else 0.0
             elif key == "hold_ms":
                 fields["pace_hold_ms"] = float(value)
             elif key == "steps":
@@ -138,7 +129,6 @@ class Phase:
     call_ms: float = float("nan")  # per block call: the device thread running it (on a GPU: launching it)
     call_wait_ms: float = float("nan")  # per block call: then waiting for the call before it (on a GPU)
     decode_device_ms: float = float("nan")  # per decode batch: the device's own time (where the runtime measured it)
-    order: str = TRAINING_ORDER  # the training works' order in the phase
     pace_hold_ms: float = PACE_HOLD_S * 1e3  # the runtime's hold of training for the session's return (0: none)
     paced: int = 0  # holds the runtime waited (`Runtime.num_paced`)
     paced_out: int = 0  # of them, holds that ran out with training queued and no session step
@@ -285,7 +275,6 @@ def _serve(
             training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens)
             training.kept = kept if spec.reuse else KeptActivations(0)
             server.runtime.after_inline = poll if spec.poll else None  # called after each inline step
-            training.order = spec.order
             server.runtime.pace_hold_s = spec.pace_hold_ms / 1e3
             paced_before = (server.runtime.num_paced, server.runtime.num_paced_out, server.runtime.paced_s)
             requests_before = (training.num_requests, training.chain_s)
@@ -324,7 +313,7 @@ def _serve(
                                        (training.call_s - calls_before[1]) * 1e3 / max(calls, 1),
                                        (training.wait_s - calls_before[2]) * 1e3 / max(calls, 1),
                                        decode.device_s * 1e3 / decode.device_timed if decode.device_timed
-                                       else float("nan"), spec.order, spec.pace_hold_ms,
+                                       else float("nan"), spec.pace_hold_ms,
                                        server.runtime.num_paced - paced_before[0],
                                        server.runtime.num_paced_out - paced_before[1],
                                        (server.runtime.paced_s - paced_before[2]) / window_s, spec.label,
@@ -336,7 +325,6 @@ def _serve(
         training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
         training.kept = kept
         server.runtime.after_inline = poll
-        training.order = TRAINING_ORDER
         server.runtime.pace_hold_s = PACE_HOLD_S
     except (queue.Empty, _SessionFailed) as e:
         _error(report, str(e) or "a client did not answer in time")
@@ -420,8 +408,6 @@ def summary(report: Report) -> str:
             ab.append("no activations kept A/B")
         if not p.poll:
             ab.append("loop polling off A/B")
-        if p.order != TRAINING_ORDER:
-            ab.append(f"{p.order} order A/B")
         if p.pace_hold_ms != PACE_HOLD_S * 1e3:
             ab.append(f"training paced for {p.pace_hold_ms:g} ms A/B" if p.pace_hold_ms else "unpaced A/B")
         if p.timeline is not None:

@@ -4,9 +4,9 @@ of several clients through one runtime run as fewer block calls than works, and 
 inference queued meanwhile runs before the training works that wait; a failing block call fails only its own request;
 a backward after its own forward reuses the forward's block inputs (backward works only, the same gradients), and
 recomputes them for another client or other inputs; a training block call is launched while a decode batch launched
-before it is still on the device, before the runtime waits for that batch; a request a block behind catches up and
-merges (by progress) or waits for the one ahead (by arrival); merged training calls leave the inference steps'
-gather rule alone."""
+before it is still on the device, before the runtime waits for that batch, and never while the session is on its way
+back (it waits for the session's next step, or the runtime's hold); a request that arrives later waits for the one
+ahead; merged training calls leave the inference steps' gather rule alone."""
 
 from __future__ import annotations
 
@@ -22,8 +22,6 @@ from corolla.server.core.runtime import KIND_INFERENCE, PRIORITY_INFERENCE, Runt
 from corolla.server.core.training_batch import (
     KIND_TRAINING_BACKWARD,
     KIND_TRAINING_FORWARD,
-    ORDER_ARRIVAL,
-    ORDER_PROGRESS,
     TrainingBatcher,
     training_stats,
 )
@@ -281,20 +279,10 @@ async def test_training_waits_for_the_sessions_next_step_then_launches_behind_it
     assert runtime.paced_s >= 0.2 + 0.05
 
 
-@pytest.mark.parametrize(
-    ("order", "expected"),
-    [
-        (ORDER_PROGRESS, [(0, 1), (0, 2), (1, 3), (2, 3)]),
-        (ORDER_ARRIVAL, [(0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2)]),
-    ],
-)
-async def test_a_request_a_block_behind_catches_up_and_merges_or_waits_by_arrival(
-    backend: SpanBackend, monkeypatch, order: str, expected: list[tuple[int, int]]
-) -> None:
-    """A forward that arrives while another's first block runs: by progress, it runs its first block alone, then
-    merges with the other from the next block on (the chain ahead queues its next work as its call is launched,
-    behind the late one's first block, not once the runtime comes back to the call after launching another); by
-    arrival, the request ahead runs all its blocks first, then the late one."""
+async def test_a_request_that_arrives_later_waits_for_the_one_ahead(backend: SpanBackend, monkeypatch) -> None:
+    """A forward that arrives while another's first block runs waits until the request ahead ran all its blocks
+    (which then goes back to its client while the late one runs), though its first block comes before the one ahead's
+    next blocks (works by their requests' arrival, not by progress through the span)."""
     calls: list[tuple[int, int]] = []
     first_running, go_on = threading.Event(), threading.Event()
     block_forward = backend.block_forward
@@ -309,14 +297,13 @@ async def test_a_request_a_block_behind_catches_up_and_merges_or_waits_by_arriva
     monkeypatch.setattr(backend, "block_forward", gated_block_forward)
     with Runtime(max_batch_size_tokens=1024) as runtime:
         batcher = TrainingBatcher(backend, runtime)
-        batcher.order = order
         ahead = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""))
         assert await asyncio.to_thread(first_running.wait, 5.0)
         behind = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(2, 8, H), None, ""))
         await asyncio.sleep(0.05)  # queued while the first block call of `ahead` runs
         go_on.set()
         await asyncio.gather(ahead, behind)
-    assert calls == expected
+    assert calls == [(0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2)]
 
 
 async def test_a_request_queued_when_the_runtime_stops_gets_runtime_stopped(backend: SpanBackend) -> None:

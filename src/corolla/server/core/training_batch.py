@@ -13,9 +13,11 @@ than one merged block task (`FORWARD_MERGE_TOKENS`, `BACKWARD_MERGE_TOKENS`); on
 it runs and waits for that one only (no device sync per call, at most one call queued on the device when an
 inference step comes). Block calls are launched batches of the runtime (`_launch`): one popped while a decode batch
 is on the device is launched before the runtime waits for that decode, so its launch (CPU work) overlaps the decode's
-device time instead of following it with the device idle. Among themselves they run by progress: earlier blocks of the
-forward pass first, then the backward pass from the last block down, so that a request that arrived later catches
-up with the ones ahead and merges with them instead of trailing them by a few blocks for its whole pass.
+device time instead of following it with the device idle; they are background work (`gathered=False`), which the
+runtime does not launch while a session's step is on its way back (`runtime.PACE_HOLD_S`), so a returning decode step never
+waits for a training launch. Among themselves they run by their requests' arrival (all works of a request before any
+later request's; works at the same block still merge), so that the requests ahead go back to their clients while the
+ones behind run (docs/decisions/0045).
 
 A forward's block inputs are kept for the backward of the same micro-batch (`training_activations`: per client,
 exact, bounded); a backward that finds them runs its backward works only, one that doesn't recomputes them."""
@@ -53,18 +55,13 @@ TRAINING_KINDS = (KIND_TRAINING_FORWARD, KIND_TRAINING_BACKWARD)
 # a returning decode step waits too (docs/decisions/0026)
 FORWARD_MERGE_TOKENS = 2048
 BACKWARD_MERGE_TOKENS = 2048
-# priority offsets (within PRIORITY_FORWARD's class, below the next class): forward works by ascending block index,
-# then backward works by descending block index
-PROGRESS_STEP = 1e-6
-BACKWARD_OFFSET = 0.5
-# the orders of training works among themselves: by progress (above), or by the arrival of their requests (each
-# request's works before any later request's, so that requests ahead finish and go back to their clients while the
-# ones behind run: a client's transfers overlap other clients' block calls); arrival numbers wrap after ARRIVAL_WRAP
-ORDER_PROGRESS = "progress"
-ORDER_ARRIVAL = "arrival"
+# training works among themselves, by their requests' arrival: a request's works at PRIORITY_FORWARD + its arrival
+# number x ARRIVAL_STEP (within the training class, below the next one), so that the requests ahead finish and go
+# back to their clients while the ones behind run (the clients' transfers overlap other clients' block calls instead
+# of all clients moving their tensors at once while the device idles: docs/decisions/0045); numbers wrap after
+# ARRIVAL_WRAP requests
 ARRIVAL_STEP = 1e-9
 ARRIVAL_WRAP = 10**8
-TRAINING_ORDER = ORDER_ARRIVAL
 # forward activations kept for backwards: at most this many times the memory the server's sizing leaves free for
 # autograd (`sizing.autograd_reserve_bytes`), and on a GPU only while that reserve stays free beside them
 KEPT_RESERVE_MULTIPLE = 4
@@ -188,7 +185,6 @@ class TrainingBatcher:
         # and requests answered, seconds from queuing a request's first work to its answer
         self.num_requests = 0
         self.chain_s = 0.0
-        self.order = TRAINING_ORDER
         self._arrivals = itertools.count()
         # forwards' block inputs kept for their backwards (default: bounded by the sizing's autograd reserve)
         self.kept = kept if kept is not None else default_kept_activations(backend)
@@ -271,12 +267,10 @@ class TrainingBatcher:
         work = chain.current = chain.next_work()
         rows, length = work.hidden.shape[:2]
         if work.phase == PHASE_FORWARD:
-            priority, kind = PRIORITY_FORWARD + work.index * PROGRESS_STEP, KIND_TRAINING_FORWARD
+            base, kind = PRIORITY_FORWARD, KIND_TRAINING_FORWARD
         else:
-            priority = PRIORITY_BACKWARD + BACKWARD_OFFSET - work.index * PROGRESS_STEP
-            kind = KIND_TRAINING_BACKWARD
-        if self.order == ORDER_ARRIVAL:
-            priority = PRIORITY_FORWARD + (chain.arrival % ARRIVAL_WRAP) * ARRIVAL_STEP
+            base, kind = PRIORITY_BACKWARD, KIND_TRAINING_BACKWARD
+        priority = base + (chain.arrival % ARRIVAL_WRAP) * ARRIVAL_STEP
         backend = self.backend
         return self._runtime.task(
             lambda: run_block_works(backend, [work])[0], priority=priority, size_tokens=rows * length,
