@@ -594,7 +594,8 @@ class Runtime:
         whose latency matters more than the caller's thread). `launcher`: runs a batch in two phases where it can
         (see the module docstring); the batches it declines (None) go through `executor`. `gathered` False: its
         merged batches are no sessions' steps and leave the gather rule alone (training works: after one, the
-        device thread would wait for pushes that never come, and its time would stand for a forward's)."""
+        device thread would wait for pushes that never come, and its time would stand for a forward's); they are
+        background work, paced around the sessions (see the module docstring)."""
         if max_merged_tokens is not None:
             if max_merged_tokens < 1:
                 raise ValueError(f"max_merged_tokens must be >= 1, got {max_merged_tokens}")

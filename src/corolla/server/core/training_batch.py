@@ -327,8 +327,8 @@ class TrainingBatcher:
     def _execute(self, tasks: list[Task]) -> list[None]:
         """The runtime's batch executor: tasks of one merge key (phase, block, length, adapter) as one block call.
         If the merged call fails, each work runs alone, so that one request's failure stays its own. Each chain goes
-        on right here (its next work queued as soon as this call is launched, so that a request behind by a block
-        catches up and merges before the runtime pops again); the runtime's results are placeholders."""
+        on right here (its next work queued as soon as this call is launched, with no round trip through the runtime's
+        results); the runtime's results are placeholders."""
         payloads: list[tuple[BlockChain, BlockWork]] = [task.payload for task in tasks]
         works = [work for _, work in payloads]
         started = time.perf_counter()
