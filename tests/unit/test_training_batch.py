@@ -276,7 +276,7 @@ async def test_training_waits_for_the_sessions_next_step_then_launches_behind_it
         # block1 launched while the second decode step was on the device; block2 once the hold after it ran out
         assert log[3:] == ["decode.launch", "block1", "decode.wait", "block2"]
     assert (runtime.num_paced, runtime.num_paced_out) == (2, 1)
-    assert runtime.paced_s >= 0.2 + 0.05
+    assert runtime.paced_s >= 0.2  # the first hold lasted the session's way back
 
 
 async def test_a_request_that_arrives_later_waits_for_the_one_ahead(backend: SpanBackend, monkeypatch) -> None:
