@@ -45,11 +45,17 @@ def test_clients_merge_on_gpu_and_get_their_own_results(backend: SpanBackend) ->
         inputs.append((torch.randn(rows, 16, H), torch.randn(rows, 16, H), prompts))
 
     async def go() -> list:
-        with Runtime(max_batch_size_tokens=4096, device=backend.device) as runtime:
-            batcher = TrainingBatcher(backend, runtime)
-            forwards = await asyncio.gather(
-                *(batcher.forward(SPAN, h, p, "", owner=f"peer{i}") for i, (h, _, p) in enumerate(inputs))
-            )
+        runtime = Runtime(max_batch_size_tokens=4096, device=backend.device)
+        batcher = TrainingBatcher(backend, runtime)
+        requests = asyncio.gather(
+            *(batcher.forward(SPAN, h, p, "", owner=f"peer{i}") for i, (h, _, p) in enumerate(inputs))
+        )
+        for _ in range(100):  # every first work queued before the device thread starts (by arrival, a request
+            if runtime.num_pending == len(inputs):  # queued after the first call ran would trail it, unmerged)
+                break
+            await asyncio.sleep(0)
+        with runtime:
+            forwards = await requests
             backwards = await asyncio.gather(
                 *(batcher.backward(SPAN, h, g, p, "", owner=f"peer{i}") for i, (h, g, p) in enumerate(inputs))
             )

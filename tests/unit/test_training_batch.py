@@ -42,15 +42,27 @@ def _client(rows: int, length: int, prompt: tuple[int, int] | None) -> tuple[tor
     return hidden, grad, prompts
 
 
+async def _queued(runtime: Runtime, count: int) -> None:
+    """Lets the requests being started queue their first works (`count` of them) on a runtime not started yet."""
+    for _ in range(100):
+        if runtime.num_pending == count:
+            break
+        await asyncio.sleep(0)
+    assert runtime.num_pending == count
+
+
 async def test_concurrent_clients_merge_and_each_gets_its_own_result(backend: SpanBackend) -> None:
     torch.manual_seed(3)
     # (rows, length, deep prompt (rows, length) or None): the 7-token client can merge with nobody
     clients = [_client(1, 12, None), _client(2, 12, (1, 4)), _client(3, 12, (3, 6)), _client(1, 7, (1, 2))]
-    with Runtime(max_batch_size_tokens=1024) as runtime:
-        batcher = TrainingBatcher(backend, runtime)
-        forwards = [batcher.forward(SPAN, h, p, "") for h, _, p in clients]
-        backwards = [batcher.backward(SPAN, h, g, p, "") for h, g, p in clients]
-        got = await asyncio.gather(*forwards, *backwards)
+    runtime = Runtime(max_batch_size_tokens=1024)
+    batcher = TrainingBatcher(backend, runtime)
+    forwards = [batcher.forward(SPAN, h, p, "") for h, _, p in clients]
+    backwards = [batcher.backward(SPAN, h, g, p, "") for h, g, p in clients]
+    requests = asyncio.gather(*forwards, *backwards)
+    await _queued(runtime, 2 * len(clients))  # by arrival, a request queued after the first call ran would trail it
+    with runtime:
+        got = await requests
         stats = training_stats(runtime.stats())
     works = len(clients) * N_BLOCKS + len(clients) * (2 * N_BLOCKS - 1)  # a backward recomputes all but the last
     assert stats.tasks == works
@@ -155,11 +167,7 @@ async def test_forward_and_backward_works_merge_under_their_own_limits(backend: 
     batcher = TrainingBatcher(backend, runtime)
     batcher.set_merge_tokens(24, 12)  # two 12-token forward works per call, backward works alone
     forwards = asyncio.gather(*(batcher.forward(SPAN, h, None, "", f"peer-{i}") for i, (h, _, _) in enumerate(clients)))
-    for _ in range(100):  # both first works queued before the device thread starts: they merge from the first block
-        if runtime.num_pending == len(clients):
-            break
-        await asyncio.sleep(0)
-    assert runtime.num_pending == len(clients)
+    await _queued(runtime, len(clients))  # both first works queued before the device thread starts: they merge
     with runtime:
         await forwards
         kept = batcher.kept.kept_inputs()
