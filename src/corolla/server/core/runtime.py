@@ -319,24 +319,28 @@ class TaskQueue:
         """(The most urgent task that may lead a batch at `now`, taken off the heap; None) or, where every queued
         task has to wait (`_lead_at`), (None, the earliest time one may). Held tasks rank at their lead time
         (`Task.sort_key`), so one that may not lead yet is at the head only where no task of its priority that may
-        lead was queued before it; those set aside here go back. Under the lock."""
+        lead was queued before it: then one pass over the heap finds the leader. Under the lock."""
         heap = self._heap
-        waiting: list[tuple[float, float, int, Task]] = []
-        leader = None
-        while heap:
-            task = heap[0][-1]
-            if task.abandoned:
-                heapq.heappop(heap)  # its caller was cancelled
-            elif self._lead_at(task) > now:
-                waiting.append(heapq.heappop(heap))
-            else:
-                leader = heapq.heappop(heap)[-1]
-                break
-        for item in waiting:
-            heapq.heappush(heap, item)
-        if leader is not None or not waiting:
-            return leader, None
-        return None, min(self._lead_at(item[-1]) for item in waiting)
+        while heap and heap[0][-1].abandoned:
+            heapq.heappop(heap)  # its caller was cancelled
+        if not heap:
+            return None, None
+        if self._lead_at(heap[0][-1]) <= now:
+            return heapq.heappop(heap)[-1], None
+        best, lead_at = -1, None
+        for index, item in enumerate(heap):
+            task_lead_at = self._lead_at(item[-1])
+            if task_lead_at > now:
+                lead_at = task_lead_at if lead_at is None else min(lead_at, task_lead_at)
+            elif not item[-1].abandoned and (best < 0 or item < heap[best]):
+                best = index
+        if best < 0:
+            return None, lead_at
+        leader = heap[best][-1]
+        heap[best] = heap[-1]
+        heap.pop()
+        heapq.heapify(heap)
+        return leader, None
 
     def pop_batch(
         self,
