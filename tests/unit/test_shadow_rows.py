@@ -140,11 +140,12 @@ async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_wit
             assert batches == [2, 1, 1] and waited_s < lead_after_s / 2, (batches, waited_s)
 
 
-def _step(merge_key: str, *, shadow: bool, queued_s_ago: float = 0.0, tokens: int = 1) -> Task:
+def _step(merge_key: str, *, shadow: bool, queued_s_ago: float = 0.0, tokens: int = 1,
+          lead_after_s: float = SHADOW_LEAD_AFTER_S) -> Task:  # fmt: skip
     submitted = time.monotonic() - queued_s_ago
     return Task(fn=lambda: None, priority=PRIORITY_INFERENCE, size_tokens=tokens, future=None, loop=None,
                 kind="engine", merge_key=merge_key, submitted_at=submitted,
-                lead_after=submitted + SHADOW_LEAD_AFTER_S if shadow else 0.0)  # fmt: skip
+                lead_after=submitted + lead_after_s if shadow else 0.0)  # fmt: skip
 
 
 def test_the_queue_ranks_a_held_step_at_its_lead_time() -> None:
@@ -175,10 +176,10 @@ def test_the_queue_ranks_a_held_step_at_its_lead_time() -> None:
     queue.push_many([*after, aged, before])
     assert pop(rows=2) == [before, aged]
     assert pop(rows=2) == after and not len(queue)
-    held = _step("decode", shadow=True)
-    training = Task(fn=lambda: None, priority=PRIORITY_FORWARD, size_tokens=1, future=None, loop=None)
-    queue.push_many([held, training])
-    assert pop() == [training] and pop() == [] and len(queue) == 1
+    works = [Task(fn=lambda: None, priority=PRIORITY_FORWARD, size_tokens=1, future=None, loop=None) for _ in range(2)]
+    held = [_step("decode", shadow=True, lead_after_s=10.0) for _ in range(2)]
+    queue.push_many([held[0], works[0], held[1], works[1]])
+    assert pop() == [works[0]] and pop() == [works[1]] and pop() == [] and len(queue) == 2
 
 
 async def test_the_mark_reaches_a_handler_process_servers_device(backend) -> None:  # noqa: F811
