@@ -118,6 +118,28 @@ def test_a_held_launch_waits_for_the_forward_in_flight_and_takes_what_queued_mea
     assert runtime.num_held_launches == 1
 
 
+def test_a_held_launch_is_queued_before_the_forward_in_flight_ends_once_its_device_time_is_known() -> None:
+    """Once the device seconds of batches of its size and a launch's own seconds are learned, a held launch goes
+    behind the forward in flight shortly before that forward is expected to end (`Runtime._hold`), not after its
+    wait: the device does not idle between held forwards. b1's wait blocks until c1 launched, so a runtime that
+    waited for b1 first would never launch c1."""
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        runtime.gather.return_s, runtime.gather.forward_s = 0.002, 0.005  # as learned at 32 layers on an H200
+        bench = _Bench(runtime)
+        bench.device_s = {"a1": 0.005, "b1": 0.005}
+        bench.gates["b1"] = gate = threading.Event()
+        bench.on_launch["a1"] = lambda: bench.submit("b1")  # held: nothing learned yet, launched after a1's wait
+        bench.on_launch["b1"] = lambda: bench.submit("c1", last=True)
+        bench.on_launch["c1"] = gate.set
+        bench.submit("a1")
+        assert bench.done.wait(WAIT_S)
+    assert bench.log == [
+        ("launch", ["a1"]), ("wait", "a1"), ("launch", ["b1"]), ("done", "a1"), ("launch", ["c1"]), ("wait", "b1"),
+        ("done", "b1"), ("wait", "c1"), ("done", "c1"),
+    ]  # fmt: skip
+    assert runtime.num_held_launches == 2
+
+
 def test_a_lone_batch_completes_at_once() -> None:
     with _runtime() as runtime:
         bench = _Bench(runtime)

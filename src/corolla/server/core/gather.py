@@ -17,11 +17,11 @@ behind each other and sessions come back later than a forward lasts, the late se
 count as this one's, and the return would read as short as a forward (decision 0002, last section).
 
 The same learned return time decides whether a batch queued behind a running merged forward launches at once or
-once that forward is done (`holds_launch`): while the sessions come back sooner than a forward lasts, those of the
-forward before return while it runs, and holding the launch to its end merges them with the ones already queued (one
-forward of many rows instead of cohorts of few: at 32 Llama-3-8B layers on an H200 a forward costs 5.0 ms for 21 rows
-and 5.9 for 32); while they come back later than that (short forwards), the next launches at once
-(docs/decisions/0002-launch-ahead.md).
+as that forward is about to end (`holds_launch`, the runtime's hold): while the sessions come back sooner than a forward
+lasts, those of the forward before return while it runs, and holding the launch until then merges them with the ones
+already queued (one forward of many rows instead of cohorts of few: at 32 Llama-3-8B layers on an H200 a forward
+costs 5.0 ms for 21 rows and 5.9 for 32); while they come back later than that (short forwards), the next launches at
+once (docs/decisions/0002-launch-ahead.md).
 
 `GatherRule` is pure bookkeeping driven by the runtime's thread (`Runtime._run`); it never blocks by itself."""
 

@@ -3,9 +3,9 @@ in a `schedule -> execute -> complete` loop; results go back to the asyncio loop
 
 A kind with a launcher (`register_batch_executor(..., launcher=...)`) runs in two phases: the launcher queues the
 batch on the device and returns a `PendingBatch`; the thread launches the next batch, if one is queued, at once or,
-while the gather rule says sessions come back within a forward (`GatherRule.holds_launch`), once the device is done
-with the first (docs/decisions/0002-launch-ahead.md), and only then completes the first (encodes and sends its
-replies) while the device runs the next. When nothing else is queued, a launched batch is completed
+while the gather rule says sessions come back within a forward (`GatherRule.holds_launch`), as the device is about
+to end the first (its learned device seconds less a launch's own: `Runtime._hold`, docs/decisions/0002-launch-ahead.md),
+and only then completes the first (encodes and sends its replies) while the device runs the next. When nothing else is queued, a launched batch is completed
 at once (a lone session's step takes no longer).
 
 Background kinds (registered `gathered=False`: training block calls, no session's steps) are paced around the
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from corolla.server.core.batch_counts import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, BatchCounts
-from corolla.server.core.gather import GatherRule, GatherSettings
+from corolla.server.core.gather import EWMA_WEIGHT, GatherRule, GatherSettings
 from corolla.server.core.refusals import RuntimeStopped
 from corolla.utils.logging import get_logger
 
@@ -59,6 +59,9 @@ SHADOW_LEAD_AFTER_S: float = 0.02
 PACE_HOLD_S: float = 0.004
 
 KIND_GENERIC = "generic"
+# a held launch is queued this long before the forward in flight is expected to end, beyond the launch's own seconds
+# (`Runtime._hold`): the waiter's oversleep and its wait for the GIL (0.5 ms switch interval on a GPU server)
+LAUNCH_LEAD_S: float = 0.0003
 MAX_WATCHES = 8  # merged forwards watched at once for their sessions' return (`TaskQueue.watch`)
 KIND_INFERENCE = "inference"
 KIND_FORWARD = "forward"
@@ -165,6 +168,7 @@ class LaunchedBatch:
     handle: PendingBatch | None
     error: BaseException | None
     started_s: float  # perf_counter at the launch
+    queued_s: float = 0.0  # perf_counter once its launcher returned (the device has it queued)
     results: list[tuple[Any, BaseException | None]] | None = None  # once waited for
     elapsed_s: float = 0.0  # its busy seconds, once waited for
 
@@ -508,6 +512,10 @@ class Runtime:
         self.num_paced = 0  # holds the device thread waited (benches)
         self.num_paced_out = 0  # of them, holds that ran out with background work queued and no session's step
         self.paced_s = 0.0  # seconds the device thread held background work back
+        # learned for `_hold`: a launched batch's device seconds by its steps' bit length (batches of 2-3, 4-7, ...
+        # steps), and the seconds from a held launch's wake-up to its launcher's return
+        self._device_s: dict[int, float] = {}
+        self._launch_s: float | None = None
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
         # `BatchCounts`' buckets and sums, counted in place (written only while `_executing` is held)
         self._seconds_counts = [0] * (len(BATCH_SECONDS_BOUNDS) + 1)
@@ -771,13 +779,14 @@ class Runtime:
                 if wait is not None:
                     queue.wait_for_pushes(wait.num_pushed, wait.timeout_s)
                 self._pace(queue)
-            elif self.gather.holds_launch():  # sessions come back while a forward runs: launch once it is done
+            elif self.gather.holds_launch():  # sessions come back while a forward runs: launch as it ends
                 held = True
-                self._wait(pending)  # (its replies still leave after the next launch), so they merge into one batch
+                self._hold(pending)  # so that they merge into one batch, with no device gap before it
             elif self._paced(queue):  # background work next while a session is on its way back: not yet
                 self._finish(pending)
                 pending = None
                 continue
+            woke_s = time.perf_counter()
             batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
                 merge_limits=self._merge_limits, timeout_s=None if pending is None else 0.0,
@@ -793,6 +802,8 @@ class Runtime:
                 self._paced_until = 0.0  # the session is back: background work may launch behind its step
             launched = self._launch(batch)
             self.num_held_launches += held
+            if held and launched is not None:
+                self._launch_s = _ewma(self._launch_s, time.perf_counter() - woke_s)
             if pending is not None:  # the device runs `launched` (if any) while this one's replies leave
                 self._finish(pending)
                 pending = None
@@ -848,7 +859,23 @@ class Runtime:
             if handle is None:
                 return None
             self._num_in_flight += 1
-            return LaunchedBatch(batch, handle, None, started)
+            return LaunchedBatch(batch, handle, None, started, queued_s=time.perf_counter())
+
+    def _hold(self, launched: LaunchedBatch) -> None:
+        """Waits until the device is about to end `launched` (a held launch, `GatherRule.holds_launch`): its expected
+        end (from when the device had it queued, or the end of the forward before it, plus the device seconds learned for
+        batches of its size) less the seconds a launch takes here and `LAUNCH_LEAD_S`, so that the next forward is
+        queued behind it before it ends instead of after (the device idled 0.8-1.5 ms per forward between held
+        forwards: the waiter's wake-up, the GIL, the pop and the staging). Where nothing is learned yet, or the
+        batch is not device-timed, it waits for the end."""
+        expected_s = self._device_s.get(_steps(launched.batch).bit_length())
+        if expected_s is None or self._launch_s is None:
+            self._wait(launched)
+            return
+        start_s = max(launched.queued_s, self._last_done_s)
+        sleep_s = start_s + expected_s - self._launch_s - LAUNCH_LEAD_S - time.perf_counter()
+        if sleep_s > 0:
+            time.sleep(min(sleep_s, expected_s))
 
     def _finish(self, launched: LaunchedBatch) -> None:
         """Waits for a launched batch's results (if not done yet) and completes it."""
@@ -894,6 +921,9 @@ class Runtime:
             launched.elapsed_s = done_s - max(launched.started_s, self._last_done_s)
             self._last_done_s = done_s
             device_s = launched.handle.device_s if launched.handle is not None else None
+            if device_s is not None:  # what `_hold` expects of the next batch of this size
+                bucket = _steps(batch).bit_length()
+                self._device_s[bucket] = _ewma(self._device_s.get(bucket), device_s)
             self._account(batch[0].kind, _steps(batch), launched.elapsed_s, device_s)
         launched.results = results
         return results
@@ -954,6 +984,10 @@ class Runtime:
                 loop.call_soon_threadsafe(resolve_all, items)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
+
+
+def _ewma(previous: float | None, observed: float) -> float:
+    return observed if previous is None else previous + EWMA_WEIGHT * (observed - previous)
 
 
 def _steps(batch: list[Task]) -> int:  # the steps a batch carries (`Task.steps`): its counters count these
