@@ -68,6 +68,7 @@ def test_quantized_experts_equal_dense_op_on_dequantized_weights(kind: str) -> N
         H,
         INTER,
     )
+    assert (experts.dtype, experts.device) == (dense.dtype, dense.device)  # the compute dtype (ExpertSet)
     per_value = 0.5 + 1 / 64 if kind == "nf4" else 1.0  # codes + first-level absmax codes / codes
     assert experts.expert_nbytes() >= 3 * H * INTER * per_value
     assert experts.expert_nbytes() < 3 * H * INTER * per_value * 1.05  # plus the small second-level statistics

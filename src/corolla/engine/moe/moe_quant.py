@@ -3,8 +3,8 @@ or Int8 layouts (`engine.quant.quant_weights.NF4Weight` / `Int8Weight`), read in
 `moe_quant_kernels` and by the torch reference of `engine.moe.routed_experts.experts_forward_ref` (which dequantizes only the
 experts a call uses).
 
-`QuantizedExpertWeights` has the same surface as `engine.moe.routed_experts.ExpertWeights` (num_experts, hidden_size,
-intermediate_size, dtype = the compute dtype, device, expert_nbytes, nbytes, dense(e)) plus address tables the
+`QuantizedExpertWeights` has the same surface as `engine.moe.routed_experts.ExpertWeights` (their base `ExpertSet`'s
+num_experts, hidden_size, intermediate_size, dtype = the compute dtype, device; expert_nbytes, nbytes, dense(e)) plus address tables the
 kernels read: per expert, the address of each projection's packed codes and statistics (no gather, no repack, no
 copy per step: a step reads the chosen experts' packed bytes and their scales, nothing else). NF4 tables: packed
 codes, first-level absmax codes, second-level absmaxes, the second-level code table (each an int64 [E] address
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from corolla.engine.moe.expert_set import ExpertSet
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, QuantizedWeight, quantized_weight_of
 from corolla.utils.logging import get_logger
 
@@ -54,7 +55,7 @@ class ProjectionTables:
 
 
 @dataclass(frozen=True)
-class QuantizedExpertWeights:
+class QuantizedExpertWeights(ExpertSet):
     """E SwiGLU experts of one layer: `gate_up[e]` [2I, H] and `down[e]` [H, I] quantized weights of one kind
     (all NF4 or all Int8), one compute dtype, one device (see module docstring)."""
 
@@ -126,26 +127,6 @@ class QuantizedExpertWeights:
     def kind(self) -> str:
         """ "nf4" or "int8"."""
         return "nf4" if isinstance(self.gate_up[0], NF4Weight) else "int8"
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.gate_up)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.gate_up[0].shape[1])
-
-    @property
-    def intermediate_size(self) -> int:
-        return int(self.down[0].shape[1])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.gate_up[0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.gate_up[0].device
 
     def expert_nbytes(self) -> int:
         """Bytes of one expert's packed codes and scales (what a step reads per expert it uses)."""

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine.kernels.graph_timing import graph_median_ms
+from corolla.engine.moe.expert_set import ExpertSet
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
 from corolla.engine.quant.quant_weights import quantized_weight_of
 from corolla.models.layers import SparseMoE
@@ -51,7 +52,7 @@ KERNEL_MAX_TOKENS = 256  # above this (prefill chunks) one dense GEMM per used e
 
 
 @dataclass(frozen=True)
-class ExpertWeights:
+class ExpertWeights(ExpertSet):
     """E SwiGLU experts of one layer: `gate_up[e]` [2I, H], `down[e]` [H, I], read in place (see module docstring)."""
 
     gate_up: tuple[torch.Tensor, ...]
@@ -118,26 +119,6 @@ class ExpertWeights:
                     )
                 out.append(linear.weight.data)
         return cls(tuple(gate_up), tuple(down))
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.gate_up)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.gate_up[0].shape[1])
-
-    @property
-    def intermediate_size(self) -> int:
-        return int(self.down[0].shape[1])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.gate_up[0].dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.gate_up[0].device
 
     def expert_nbytes(self) -> int:
         """Bytes of one expert's weights (what a step reads per expert it uses)."""
