@@ -1,30 +1,39 @@
-"""The INT8 row GEMV for one-row decode steps: out[M, N] = x[M, K] @ W[N, K]^T * row_absmax / 127 (+ residual), LLM.int8's
-codes read in place, each output row on the CUDA cores of one program, every x row on its own.
+"""The INT8 row GEMVs for one-row decode steps: out[M, N] = x[M, K] @ W[N, K]^T * row_absmax / 127 (+ residual),
+LLM.int8's codes read in place, every x row on its own: `int8_row_gemv` on the CUDA cores and `int8_row_mma` on the
+matrix units, each timed per weight shape by the tuner (quant_choices) against the Triton kernels.
 
-Why a hand-written kernel: at one row the Triton kernels were bound by their instructions, not by the bytes (sm_90
+Why hand-written kernels: at one row the Triton kernels were bound by their instructions, not by the bytes (sm_90
 SASS compiled on CPU, Triton 3.9): the tl.dot block kernel spends ~314 warp instructions per 4 KiB of codes (a trip
-through shared memory, the conversion to bf16, the matrix instruction that wastes 15/16 of its work), about 0.3 per
-byte, while the H200 must retire 16 bytes per cycle per multiprocessor to reach its copy bandwidth: at 4 issues a
-cycle that allows 0.25. The Triton byte GEMV converts each code with I2F, whose rate (16 a cycle per multiprocessor)
-is that same 16 bytes a cycle, and shuffles x through shared memory behind three barriers a step.
+through shared memory, the conversion to bf16, the matrix instruction), about 0.3 per byte, while the H200 must
+retire 16 bytes per cycle per multiprocessor to reach its copy bandwidth: at 4 issues a cycle that allows 0.25. The
+Triton byte GEMV converts each code with I2F, whose rate (16 a cycle per multiprocessor) is that same 16 bytes a
+cycle, and shuffles x through shared memory behind three barriers a step.
 
-Here a code word (4 int8) costs one XOR (to 4 unsigned bytes biased by 128), then per value one byte permute that
-puts the byte under the exponent of 2^23 (an exact fp32 2^23 + 128 + code), one subtraction and one FMA with x in
-fp32: about 3.3 instructions per byte per lane (0.1 per byte per warp instruction), and no I2F.
+`int8_row_gemv` (CUDA cores): a code word (4 int8) costs one XOR (to 4 unsigned bytes biased by 128), then per value
+one byte permute that puts the byte under the exponent of 2^23 (an exact fp32 2^23 + 128 + code), one subtraction
+and one FMA with x in fp32 (~0.15 warp instructions per byte in its SASS). A program of W warps owns R consecutive
+output rows of one x row (grid [ceil(N / R), M]); K is cut into chunks of 512 values (32 lanes x 16 codes, one
+16-byte load per lane and row), chunk c going to warp c mod W; each warp keeps the next P chunks' codes in flight
+(registers). A lane sums its 16 products per chunk in k order into one fp32 accumulator per row; the 32 lanes are
+summed by a fixed butterfly of shuffles, the W warps' sums in warp order through shared memory.
 
-Work. A program of W warps owns R consecutive output rows of one x row (grid [ceil(N / R), M]); the K axis is cut
-into chunks of 512 values (32 lanes x 16 codes, one 16-byte load per lane and row), chunk c going to warp c mod W, so
-the W warps split K and their loads of a short K (W chunks: Llama-3-8B's K = 4096 is 8 chunks) all go out at once.
-Each warp keeps the next P chunks' codes in flight (registers) while it multiplies the current one. A lane sums its
-16 products per chunk in k order into one fp32 accumulator per row; the 32 lanes are summed by a fixed butterfly of
-shuffles, the W warps' sums in warp order through shared memory, then the row's scale (row absmax / 127, fp32) and
-the residual are applied and the value rounded once to the output dtype.
+`int8_row_mma` (matrix units, `mma.m16n8k16` fp16 x fp16 -> fp32): a program owns RT tiles of 16 rows; lane (g, t)
+of a warp loads the 16 bytes 16 t .. 16 t + 15 of a 64-value chunk of rows g and g + 8 of a tile (a warp: one chunk
+of 16 rows), and those bytes are the A operand as they stand: mma step s takes word s, its bytes 0, 1 in k slots 2 t,
+2 t + 1 and bytes 2, 3 in slots 2 t + 8, 2 t + 9; x's 16 values of the lane's chunk position sit in the same slots of
+column 0 of B (lanes g = 0; the other columns are zeros), so the k order inside a chunk is permuted alike for both.
+A code pair becomes an exact fp16 pair by one XOR per word, one byte permute under the exponent of 1024 and one
+fp16x2 subtraction of 1152 (~0.055 warp instructions per byte in its SASS). x is staged once per program in shared
+memory as fp16 (bf16 x times X_SCALE = 2^-8, against overflow; the sums times 2^8, exact), products and sums in
+fp32 on the matrix units; the warps' column-0 sums are added in warp order through shared memory.
 
-Batch invariance and determinism: a row's value depends only on its own x row (programs never mix x rows; the order
-of every sum is fixed by K, R and W alone). Rows past N in the last program read row N - 1 and store nothing; a
-lane past K (K a multiple of 16, not of 512) reads zeros. Numerics: exact codes, fp32 products and sums, as the
-Triton kernels (within the rounding of the dequantized weight). Compiled at run time (nvrtc_kernels); CUDA-graph
-safe. Importing needs no GPU."""
+Both: the row's scale (row absmax / 127, fp32) and the residual are applied to the finished sum and the value is
+rounded once to the output dtype. Batch invariance and determinism: a row's value depends only on its own x row
+(programs never mix x rows; every sum's order is fixed by K and the config alone). Rows past N in the last program
+read row N - 1 and store nothing. Numerics: exact codes, exact products, fp32 sums (within the rounding of the
+dequantized weight; the mma kernel's x in fp16 as the NF4 tile GEMV's). Compiled at run time (nvrtc_kernels);
+CUDA-graph safe; each reads the weight once per x row, so the tuner serves only one-row steps with them. Importing
+needs no GPU."""
 
 from __future__ import annotations
 
@@ -35,7 +44,6 @@ import torch
 from corolla.engine.kernels.nvrtc_kernels import NvrtcKernel
 from corolla.engine.quant.quant_weights import Int8Weight
 
-CHUNK_VALUES = 512  # 32 lanes x 16 codes: one 16-byte load per lane per row
 SEGMENT_VALUES = 16  # one lane's codes of a chunk; K must be a multiple of this
 
 # (R rows a program, W warps a program splitting K, P chunks in flight per warp, 0, 0): timed per weight shape by
@@ -46,6 +54,17 @@ INT8_ROW_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (2, 8, 2, 0, 0),
     (4, 4, 2, 0, 0),
     (8, 8, 1, 0, 0),
+)
+MMA_CHUNK_VALUES = 64  # the mma kernel: 4 lanes x 16 codes of each of a tile's 16 rows; K must be a multiple of this
+X_SCALE = 2.0**-8  # the mma kernel: bf16 x into fp16 times this (range), the sums times its inverse (exact)
+# (RT row tiles of 16 a program, W warps splitting K, P chunks in flight per warp, 0, 0) of the mma kernel
+INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (1, 8, 4, 0, 0),
+    (1, 16, 2, 0, 0),
+    (2, 8, 2, 0, 0),
+    (2, 4, 4, 0, 0),
+    (4, 4, 2, 0, 0),
+    (1, 4, 4, 0, 0),
 )
 
 _SOURCE = r"""
@@ -209,56 +228,267 @@ int8_row_gemv(const U4* __restrict__ codes, const float* __restrict__ scale, con
 }
 """
 
+_MMA_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+struct alignas(16) U4 { u32 x, y, z, w; };
+
+#define THREADS (W * 32)
+
+static __device__ __forceinline__ U4 ld_stream(const U4* p) {
+  U4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+static __device__ __forceinline__ U4 ld_x(const U4* p) {
+  U4 v;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// x's word (two values, the even one low) -> the fp16 pair of the mma's B operand (bf16: times 2^-8, one rounding)
+static __device__ __forceinline__ u32 x_f16x2(u32 v) {
+#if X_BF16
+  const float lo = __fmul_rn(__uint_as_float(v << 16), 0.00390625f);
+  const float hi = __fmul_rn(__uint_as_float(v & 0xffff0000u), 0.00390625f);
+  u32 d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return v;
+#endif
+}
+
+// bytes j, j + 1 of a biased code word (codes + 128) -> their codes as an exact fp16 pair: each byte under the
+// exponent of 1024 (one permute with 0x64 bytes: 1024 + 128 + code), minus 1152 in both halves
+static __device__ __forceinline__ u32 codes_f16x2(u32 b, u32 sel) {
+  const u32 h = __byte_perm(b, 0x64646464u, sel);
+  u32 d;
+  asm("sub.f16x2 %0, %1, %2;" : "=r"(d) : "r"(h), "r"(0x64806480u));
+  return d;
+}
+
+#define MMA(c, a0, a1, a2, a3, b0, b1)                                                                         \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "              \
+      "{%0,%1,%2,%3};"                                                                                         \
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                         \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+
+// one code word of rows g (wg) and g + 8 (w8) against x's pair words b0, b1: k slots 2t, 2t + 1 take the word's
+// bytes 0, 1 and slots 2t + 8, 2t + 9 its bytes 2, 3 (x's lane words in the same order)
+#define STEP(c, wg, w8, b0, b1)                                                                                \
+  {                                                                                                            \
+    const u32 bg = (wg) ^ 0x80808080u, b8 = (w8) ^ 0x80808080u;                                                \
+    MMA(c, codes_f16x2(bg, 0x5140), codes_f16x2(b8, 0x5140), codes_f16x2(bg, 0x5342), codes_f16x2(b8, 0x5342), \
+        b0, b1)                                                                                                \
+  }
+
+static __device__ __forceinline__ float load_out_type(const u16* p) {
+#if OUT_BF16
+  return __uint_as_float(((u32)*p) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
+  return f;
+#endif
+}
+
+static __device__ __forceinline__ u16 to_out_type(float v) {
+  u16 h;
+#if OUT_BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
+  return h;
+}
+
+extern __shared__ __align__(16) unsigned char smem[];
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, const u16* __restrict__ x,
+             const u16* __restrict__ res, u16* __restrict__ out, int N, int K, long long sxm, long long srm,
+             long long som, int has_res, float out_scale) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * (RT * 16);
+  const long long m = blockIdx.y;
+  const int kw = K >> 4;        // 16-byte words per weight row (K a multiple of 64)
+  const int chunks = kw >> 2;   // 64-value chunks: lane t's word 4 c + t of rows g and g + 8 of each tile
+  U4* xs = reinterpret_cast<U4*>(smem);                          // [K / 8] x as the B operand's fp16 pairs
+  float* red = reinterpret_cast<float*>(smem + 2 * (size_t)K);  // [W][RT * 16] the warps' row sums
+  // this warp's first chunk (warp), then every W-th; rows past N read row N - 1 (not stored)
+  const U4* pw[RT][2];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    pw[rt][0] = codes + (long long)min(n0 + 16 * rt + g, N - 1) * kw + 4 * warp + t;
+    pw[rt][1] = codes + (long long)min(n0 + 16 * rt + g + 8, N - 1) * kw + 4 * warp + t;
+  }
+
+  // the first P chunks' codes go out before x is staged (their DRAM round trip overlaps it)
+  U4 buf[P][RT][2];
+#pragma unroll
+  for (int f = 0; f < P; ++f) {
+    if (warp + f * W < chunks) {
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        buf[f][rt][0] = ld_stream(pw[rt][0] + f * 4 * W);
+        buf[f][rt][1] = ld_stream(pw[rt][1] + f * 4 * W);
+      }
+    }
+  }
+  {
+    const U4* xg = reinterpret_cast<const U4*>(x + m * sxm);
+    for (int i = tid; i < (K >> 3); i += THREADS) {
+      U4 v = ld_x(xg + i);
+      v.x = x_f16x2(v.x); v.y = x_f16x2(v.y); v.z = x_f16x2(v.z); v.w = x_f16x2(v.w);
+      xs[i] = v;
+    }
+  }
+  __syncthreads();
+
+  float acc[RT][4];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) acc[rt][0] = acc[rt][1] = acc[rt][2] = acc[rt][3] = 0.f;
+
+  for (int base = warp; base < chunks; base += P * W) {
+#pragma unroll
+    for (int f = 0; f < P; ++f) {
+      const int c = base + f * W;
+      if (c < chunks) {  // the same in every lane: the mma below runs in all of them
+        // B: x in column 0 (lanes g == 0: x[64 c + 16 t, + 16)), zeros in the other columns
+        U4 xa = {0u, 0u, 0u, 0u}, xb = {0u, 0u, 0u, 0u};
+        if (g == 0) {
+          xa = xs[2 * (4 * c + t)];
+          xb = xs[2 * (4 * c + t) + 1];
+        }
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+          STEP(acc[rt], buf[f][rt][0].x, buf[f][rt][1].x, xa.x, xa.y)
+          STEP(acc[rt], buf[f][rt][0].y, buf[f][rt][1].y, xa.z, xa.w)
+          STEP(acc[rt], buf[f][rt][0].z, buf[f][rt][1].z, xb.x, xb.y)
+          STEP(acc[rt], buf[f][rt][0].w, buf[f][rt][1].w, xb.z, xb.w)
+        }
+        if (c + P * W < chunks) {  // the slot takes the chunk P steps ahead
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            buf[f][rt][0] = ld_stream(pw[rt][0] + (f + P) * 4 * W);
+            buf[f][rt][1] = ld_stream(pw[rt][1] + (f + P) * 4 * W);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+      pw[rt][0] += P * 4 * W;
+      pw[rt][1] += P * 4 * W;
+    }
+  }
+
+  // column 0 of each tile: lane (g, 0) holds rows g (c[0]) and g + 8 (c[2]); the warps summed in order
+  if (t == 0) {
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+      red[warp * (RT * 16) + 16 * rt + g] = acc[rt][0];
+      red[warp * (RT * 16) + 16 * rt + g + 8] = acc[rt][2];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < RT * 16; i += THREADS) {
+    const int n = n0 + i;
+    if (n < N) {
+      float v = red[i];
+#pragma unroll
+      for (int w = 1; w < W; ++w) v += red[w * (RT * 16) + i];
+      v = __fmul_rn(__fmul_rn(v, out_scale), __ldg(scale + n));
+      if (has_res) v = __fadd_rn(v, load_out_type(res + m * srm + n));
+      out[m * som + n] = to_out_type(v);
+    }
+  }
+}
+"""
+
 _KERNELS: dict[tuple[int, ...], NvrtcKernel] = {}
 
 
 def check_row_config(config: tuple[int, int, int, int, int]) -> None:
-    """ValueError unless `config` is (R in 1..16 rows, W in 1..16 warps, P in 1..4 chunks in flight, 0, 0)."""
+    """ValueError unless `config` is (R in 1..16 rows or row tiles, W in 1..16 warps, P in 1..4 chunks in flight,
+    0, 0)."""
     rows, warps, depth, *rest = config
     if not (1 <= rows <= 16 and 1 <= warps <= 16 and 1 <= depth <= 4) or any(rest):
         raise ValueError(f"bad INT8 row GEMV config {config}")
 
 
-def _kernel(config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool) -> NvrtcKernel:
-    key = (*config[:3], int(x_bf16), int(out_bf16))
+def _kernel(mma: bool, config: tuple[int, int, int, int, int], bf16: bool) -> NvrtcKernel:
+    key = (int(mma), *config[:3], int(bf16))
     if key not in _KERNELS:
         rows, warps, depth = config[:3]
-        defines = {"R": rows, "W": warps, "P": depth, "X_BF16": int(x_bf16), "OUT_BF16": int(out_bf16)}
-        _KERNELS[key] = NvrtcKernel(_SOURCE, "int8_row_gemv", defines)
+        defines = {"RT" if mma else "R": rows, "W": warps, "P": depth, "X_BF16": int(bf16), "OUT_BF16": int(bf16)}
+        source, name = (_MMA_SOURCE, "int8_row_mma") if mma else (_SOURCE, "int8_row_gemv")
+        _KERNELS[key] = NvrtcKernel(source, name, defines)
     return _KERNELS[key]
+
+
+def _checked(
+    x: torch.Tensor, weight: Int8Weight, residual: torch.Tensor | None, config, multiple: int, name: str
+) -> torch.Tensor:
+    """ValueError for a bad config, shape, dtype or layout (K a multiple of `multiple`); x, copied once when its
+    rows do not start 16-byte aligned."""
+    check_row_config(config)
+    m, k = x.shape
+    n, wk = weight.shape
+    if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype or wk != k or m < 1:
+        raise ValueError(
+            f"{name} takes [M, {wk}] bf16/fp16 rows of the weight's dtype ({weight.dtype}), got {tuple(x.shape)} {x.dtype}"
+        )
+    codes = weight.codes
+    if k % multiple or not codes.is_contiguous() or codes.data_ptr() % 16:
+        raise ValueError(f"{name} needs contiguous 16-byte aligned codes with K % {multiple} == 0")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != weight.dtype):
+        raise ValueError(f"residual must be a [{m}, {n}] {weight.dtype} tensor with a contiguous last dim")
+    if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
+        x = x.contiguous().clone()  # a fresh allocation: aligned
+    return x
+
+
+def _args(x: torch.Tensor, weight: Int8Weight, residual: torch.Tensor | None, out: torch.Tensor) -> list:
+    res = residual if residual is not None else out
+    ptr = ctypes.c_void_p
+    n, k = weight.shape
+    return [
+        ptr(weight.codes.data_ptr()), ptr(weight.col_scale.data_ptr()), ptr(x.data_ptr()), ptr(res.data_ptr()),
+        ptr(out.data_ptr()), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x.stride(0)),
+        ctypes.c_longlong(res.stride(0)), ctypes.c_longlong(out.stride(0)), ctypes.c_int(int(residual is not None)),
+    ]  # fmt: skip
 
 
 def int8_row_gemv(
     x: torch.Tensor, weight: Int8Weight, residual: torch.Tensor | None, config: tuple[int, int, int, int, int]
 ) -> torch.Tensor:
     """x [M, K] @ W[N, K]^T * row_absmax / 127 (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16;
-    x in it too); ValueError for a bad shape, dtype, layout or config. x is copied once when its rows do not start
-    16-byte aligned."""
-    check_row_config(config)
-    m, k = x.shape
-    n, wk = weight.shape
-    if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype or wk != k or m < 1:
-        raise ValueError(
-            f"int8_row_gemv takes [M, {wk}] bf16/fp16 rows of the weight's dtype ({weight.dtype}), "
-            f"got {tuple(x.shape)} {x.dtype}"
-        )
-    codes = weight.codes
-    if k % SEGMENT_VALUES or not codes.is_contiguous() or codes.data_ptr() % 16:
-        raise ValueError(f"int8_row_gemv needs contiguous 16-byte aligned codes with K % {SEGMENT_VALUES} == 0")
-    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != weight.dtype):
-        raise ValueError(f"residual must be a [{m}, {n}] {weight.dtype} tensor with a contiguous last dim")
-    if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
-        x = x.contiguous().clone()  # a fresh allocation: aligned
-    bf16 = weight.dtype == torch.bfloat16
-    kernel = _kernel(config, bf16, bf16)
+    x in it too), on the CUDA cores (INT8_ROW_CONFIGS: R rows a program); ValueError for a bad shape, dtype, layout
+    (K a multiple of 16) or config."""
+    x = _checked(x, weight, residual, config, SEGMENT_VALUES, "int8_row_gemv")
+    m, n = x.shape[0], weight.shape[0]
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
-    res = residual if residual is not None else out
-    rows, warps = config[0], config[1]
-    ptr = ctypes.c_void_p
-    args = [
-        ptr(codes.data_ptr()), ptr(weight.col_scale.data_ptr()), ptr(x.data_ptr()), ptr(res.data_ptr()),
-        ptr(out.data_ptr()), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x.stride(0)),
-        ctypes.c_longlong(res.stride(0)), ctypes.c_longlong(out.stride(0)), ctypes.c_int(int(residual is not None)),
-    ]  # fmt: skip
-    kernel.launch(x.device, (-(-n // rows), m, 1), 32 * warps, 0, args)
+    kernel = _kernel(False, config, weight.dtype == torch.bfloat16)
+    kernel.launch(x.device, (-(-n // config[0]), m, 1), 32 * config[1], 0, _args(x, weight, residual, out))
+    return out
+
+
+def int8_row_mma(
+    x: torch.Tensor, weight: Int8Weight, residual: torch.Tensor | None, config: tuple[int, int, int, int, int]
+) -> torch.Tensor:
+    """The same product on the matrix units (INT8_MMA_CONFIGS: RT tiles of 16 rows a program; K a multiple of 64;
+    x staged in shared memory as fp16, bf16 x times X_SCALE)."""
+    x = _checked(x, weight, residual, config, MMA_CHUNK_VALUES, "int8_row_mma")
+    m, (n, k) = x.shape[0], weight.shape
+    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
+    bf16 = weight.dtype == torch.bfloat16
+    kernel = _kernel(True, config, bf16)
+    tiles, warps = config[0], config[1]
+    shared = 2 * k + warps * tiles * 16 * 4  # x in fp16, then the warps' row sums
+    args = [*_args(x, weight, residual, out), ctypes.c_float(1.0 / X_SCALE if bf16 else 1.0)]
+    kernel.launch(x.device, (-(-n // (16 * tiles)), m, 1), 32 * warps, shared, args)
     return out
