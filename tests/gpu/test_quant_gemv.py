@@ -234,7 +234,7 @@ def _run(kernel: str, config, x, weight, res):
     from corolla.engine.quant import quant_gemv, quant_int8_gemv, quant_kernels, quant_mma, quant_stream
 
     fn = {"gemv": quant_gemv.quant_gemv, "block": quant_kernels.quant_matmul, "mma": quant_mma.nf4_mma_matmul,
-          "stream": quant_stream.nf4_stream_gemv, "i8row": quant_int8_gemv.int8_row_gemv, "i8mma": quant_int8_gemv.int8_row_mma}  # fmt: skip
+          "stream": quant_stream.nf4_stream_gemv, "i8mma": quant_int8_gemv.int8_row_mma}  # fmt: skip
     return fn[kernel](x, weight, res, config)
 
 
@@ -249,20 +249,19 @@ def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
     entry = report[(kind, 256, 1024)]
     small, gemm, mid = entry["best"], entry["gemm_best"], entry["mid_best"]
     # NF4: the CUDA-core or streaming GEMV for one row, the matrix-unit kernel's 16-row tiles up to MMA_MID_MAX_ROWS
-    # rows and its 64-row tiles above; INT8: the GEMV, tl.dot block kernel or a row GEMV up to GEMV_MAX_ROWS rows (a
+    # rows and its 64-row tiles above; INT8: the GEMV, tl.dot block kernel or row GEMV up to GEMV_MAX_ROWS rows (the
     # row GEMV: one row, then the block kernel's 16-row tiles up to MMA_MID_MAX_ROWS rows), the block kernel above
     mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS]
     blocks = [] if kind == "nf4" else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
     streams = [("stream", c) for c in quant_stream.NF4_STREAM_CONFIGS] if kind == "nf4" else []
     gemvs = [] if kind == "nf4" else [("gemv", c) for c in _configs(kind)]  # NF4 16-bit: one row streams only
-    rows = [] if kind == "nf4" else [("i8row", c) for c in quant_int8_gemv.INT8_ROW_CONFIGS]
-    rows += [] if kind == "nf4" else [("i8mma", c) for c in quant_int8_gemv.INT8_MMA_CONFIGS]
+    rows = [] if kind == "nf4" else [("i8mma", c) for c in quant_int8_gemv.INT8_MMA_CONFIGS]
     assert small in gemvs + blocks + streams + rows
     assert gemm in (blocks or [c for c in mma if c[1][1] > quant_mma.MMA_MID_MAX_ROWS])
     if kind == "nf4":
         assert mid in [c for c in mma if c[1][1] <= quant_mma.MMA_MID_MAX_ROWS]
     else:
-        assert mid in blocks if small[0] in ("i8row", "i8mma") else mid is None
+        assert mid in blocks if small[0] == "i8mma" else mid is None
     assert len(entry["all_us"]) == len(gemvs) + len(blocks) + len(streams) + len(rows)  # every candidate ran
     assert entry["best_us"] > 0 and entry["gemm_best_us"] > 0
     assert ops.quant_small[(kind, 256, 1024)] == small and ops.quant_gemm[(kind, 256, 1024)] == gemm

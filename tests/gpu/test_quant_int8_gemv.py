@@ -1,8 +1,7 @@
-"""The INT8 row GEMVs (engine/quant/quant_int8_gemv.py) on a real GPU: every config of both kernels (CUDA cores,
-matrix units), bf16 and fp16, with and without residual, K not a multiple of a chunk (the CUDA-core kernel) and N
-not a multiple of a program's rows, equals the reference dequantizer + fp32 matmul (outputs poisoned first: every
-element written); a row's output is bit-identical alone, among other rows and on a repeat, and a CUDA graph replays
-it on new inputs; bad calls are refused. Skipped without CUDA."""
+"""The INT8 row GEMV on the matrix units (engine/quant/quant_int8_gemv.py) on a real GPU: every config, bf16 and
+fp16, with and without residual, N not a multiple of a program's rows, equals the reference dequantizer + fp32
+matmul (outputs poisoned first: every element written); a row's output is bit-identical alone, among other rows and
+on a repeat, and a CUDA graph replays it on new inputs; bad calls are refused. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -25,16 +24,10 @@ def _weight(n: int, k: int, seed: int, dtype: torch.dtype = BF16):
     return quantize_int8((torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype))
 
 
-def _kernels():
-    from corolla.engine.quant import quant_int8_gemv as q
-
-    return [(q.int8_row_gemv, c) for c in q.INT8_ROW_CONFIGS] + [(q.int8_row_mma, c) for c in q.INT8_MMA_CONFIGS]
-
-
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
-@pytest.mark.parametrize("shape", [(203, 1104), (203, 1152), (96, 4608)])
-def test_row_gemvs_match_reference(dtype, shape) -> None:
-    from corolla.engine.quant.quant_int8_gemv import MMA_CHUNK_VALUES, int8_row_mma
+@pytest.mark.parametrize("shape", [(203, 1152), (96, 4608)])
+def test_row_mma_matches_reference(dtype, shape) -> None:
+    from corolla.engine.quant.quant_int8_gemv import INT8_MMA_CONFIGS, int8_row_mma
 
     n, k = shape
     weight = _weight(n, k, seed=n + k, dtype=dtype)
@@ -43,67 +36,64 @@ def test_row_gemvs_match_reference(dtype, shape) -> None:
         x = torch.randn(m, k, device=DEV, dtype=dtype)
         res = torch.randn(m, n, device=DEV, dtype=dtype)
         expected = x.float() @ dense.t()  # [M, N]
-        for fn, config in _kernels():
-            if fn is int8_row_mma and k % MMA_CHUNK_VALUES:
-                continue
+        for config in INT8_MMA_CONFIGS:
             out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
-            out.copy_(fn(x, weight, None, config))
-            assert torch.isfinite(out).all(), (fn.__name__, m, config)
+            out.copy_(int8_row_mma(x, weight, None, config))
+            assert torch.isfinite(out).all(), (m, config)
             err = float((out.float() - expected).norm() / expected.norm())
-            assert err < 1e-2, (fn.__name__, m, config, err)
-            with_res = fn(x, weight, res, config)
+            assert err < 1e-2, (m, config, err)
+            with_res = int8_row_mma(x, weight, res, config)
             err = float((with_res.float() - expected - res.float()).norm() / expected.norm())
-            assert err < 1.5e-2, (fn.__name__, m, config, err)
+            assert err < 1.5e-2, (m, config, err)
 
 
 def test_rows_are_batch_invariant_deterministic_and_replayed_by_graphs() -> None:
+    from corolla.engine.quant.quant_int8_gemv import INT8_MMA_CONFIGS, int8_row_mma
+
     weight = _weight(520, 14336, seed=7)
     rows = torch.randn(5, 14336, device=DEV, dtype=BF16)
     res = torch.randn(5, 520, device=DEV, dtype=BF16)
-    for fn, config in _kernels():
-        merged = fn(rows, weight, res, config)
-        assert torch.equal(fn(rows, weight, res, config), merged), (fn.__name__, config)
+    for config in INT8_MMA_CONFIGS:
+        merged = int8_row_mma(rows, weight, res, config)
+        assert torch.equal(int8_row_mma(rows, weight, res, config), merged), config
         for r in (0, 4):
-            alone = fn(rows[r : r + 1].contiguous(), weight, res[r : r + 1].contiguous(), config)
-            assert torch.equal(alone[0], merged[r]), (fn.__name__, config, r)
-    for fn, config in (_kernels()[0], _kernels()[-1]):
-        x = torch.zeros(1, 14336, device=DEV, dtype=BF16)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn(x, weight, None, config)  # compiled before the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = fn(x, weight, None, config)
-        for r in (1, 3):
-            x.copy_(rows[r : r + 1])
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, fn(rows[r : r + 1].contiguous(), weight, None, config)), (fn.__name__, r)
+            alone = int8_row_mma(rows[r : r + 1].contiguous(), weight, res[r : r + 1].contiguous(), config)
+            assert torch.equal(alone[0], merged[r]), (config, r)
+    config = INT8_MMA_CONFIGS[-1]
+    x = torch.zeros(1, 14336, device=DEV, dtype=BF16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        int8_row_mma(x, weight, None, config)  # compiled before the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = int8_row_mma(x, weight, None, config)
+    for r in (1, 3):
+        x.copy_(rows[r : r + 1])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, int8_row_mma(rows[r : r + 1].contiguous(), weight, None, config)), r
 
 
-def test_row_gemvs_refuse_bad_calls() -> None:
-    from corolla.engine.quant.quant_int8_gemv import INT8_MMA_CONFIGS, INT8_ROW_CONFIGS, int8_row_gemv, int8_row_mma
+def test_row_mma_refuses_bad_calls() -> None:
+    from corolla.engine.quant.quant_int8_gemv import INT8_MMA_CONFIGS, int8_row_mma
     from corolla.engine.quant.quant_weights import quantize_int8
 
-    config = INT8_ROW_CONFIGS[0]
+    config = INT8_MMA_CONFIGS[0]
     weight = _weight(64, 256, seed=1)
     x = torch.randn(1, 256, device=DEV, dtype=BF16)
     with pytest.raises(ValueError, match="rows"):
-        int8_row_gemv(x.half(), weight, None, config)
+        int8_row_mma(x.half(), weight, None, config)
     with pytest.raises(ValueError, match="rows"):
-        int8_row_gemv(torch.randn(1, 128, device=DEV, dtype=BF16), weight, None, config)
+        int8_row_mma(torch.randn(1, 128, device=DEV, dtype=BF16), weight, None, config)
     with pytest.raises(ValueError, match="residual"):
-        int8_row_gemv(x, weight, torch.randn(2, 64, device=DEV, dtype=BF16), config)
+        int8_row_mma(x, weight, torch.randn(2, 64, device=DEV, dtype=BF16), config)
     with pytest.raises(ValueError, match="config"):
-        int8_row_gemv(x, weight, None, (0, 8, 2, 0, 0))
-    odd = quantize_int8(torch.randn(64, 200, device=DEV, dtype=BF16))
-    with pytest.raises(ValueError, match="K %"):
-        int8_row_gemv(torch.randn(1, 200, device=DEV, dtype=BF16), odd, None, config)
+        int8_row_mma(x, weight, None, (0, 8, 2, 0, 0))
     not_64 = quantize_int8(torch.randn(64, 208, device=DEV, dtype=BF16))
     with pytest.raises(ValueError, match="K % 64"):
-        int8_row_mma(torch.randn(1, 208, device=DEV, dtype=BF16), not_64, None, INT8_MMA_CONFIGS[0])
+        int8_row_mma(torch.randn(1, 208, device=DEV, dtype=BF16), not_64, None, config)
     fp32 = quantize_int8(torch.randn(64, 256, device=DEV))
     with pytest.raises(ValueError, match="bf16/fp16"):
-        int8_row_gemv(x.float(), fp32, None, config)
+        int8_row_mma(x.float(), fp32, None, config)

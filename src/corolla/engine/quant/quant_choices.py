@@ -20,8 +20,8 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
     (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "stream"
     (quant_stream.nf4_stream_gemv, NF4 in 16-bit dtypes, one row per program, no prologue), "tile"
-    (quant_tile_gemv.nf4_tile_gemv on the weight's tile layout, NF4 in 16-bit dtypes, no prologue), "i8row"
-    / "i8mma" (quant_int8_gemv's row GEMVs, INT8 in 16-bit dtypes, no prologue), "block" (quant_kernels.quant_matmul) or
+    (quant_tile_gemv.nf4_tile_gemv on the weight's tile layout, NF4 in 16-bit dtypes, no prologue), "i8mma"
+    (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes, no prologue), "block" (quant_kernels.quant_matmul) or
     "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue)."""
     if kernel == "gemv":
         return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
@@ -31,8 +31,6 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
         return lambda x, w, res, nw=None, eps=0.0: quant_tile_gemv.nf4_tile_gemv(
             x, w, quant_tile_gemv.tiles_of(w), res, config
         )
-    if kernel == "i8row" and not prologue:
-        return lambda x, w, res, nw=None, eps=0.0: quant_int8_gemv.int8_row_gemv(x, w, res, config)
     if kernel == "i8mma" and not prologue:
         return lambda x, w, res, nw=None, eps=0.0: quant_int8_gemv.int8_row_mma(x, w, res, config)
     if kernel == "mma" and not prologue:
@@ -75,10 +73,10 @@ def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: d
 def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None):
     """For each quantized shape (kind, N, K) -> [weight per layer], times on a single-row input every streaming-GEMV
     config (NF4 in 16-bit dtypes; and every tile-GEMV config where `ops.nf4_tile_copy`) or every dequantize-GEMV and
-    "block" tl.dot config (INT8, fp32 NF4; INT8 in 16-bit dtypes also the row GEMVs', "i8row" / "i8mma"): the fastest
+    "block" tl.dot config (INT8, fp32 NF4; INT8 in 16-bit dtypes also the row GEMV's, "i8mma"): the fastest
     serves steps of up to GEMV_MAX_ROWS rows (NF4 in 16-bit dtypes: one row; ops.quant_small); NF4 in 16-bit dtypes: the matrix-unit kernel's 16-row-tile
-    configs on MID_MAX_ROWS rows (2 to MID_MAX_ROWS rows, ops.quant_mid; INT8 where a row GEMV won one row: the
-    "block" configs on MID_MAX_ROWS rows, as the row GEMVs read the weight once per row); on a `QUANT_KERNEL_MAX_ROWS`-row input
+    configs on MID_MAX_ROWS rows (2 to MID_MAX_ROWS rows, ops.quant_mid; INT8 where the row GEMV won one row: the
+    "block" configs on MID_MAX_ROWS rows, as the row GEMV reads the weight once per row); on a `QUANT_KERNEL_MAX_ROWS`-row input
     the "block" configs (INT8, fp32 NF4) or the matrix-unit kernel's 64-row-tile configs (larger merged steps,
     ops.quant_gemm); each as a CUDA graph over all layers' weights. Then, per prologue (`prologues`: shape -> the
     names its projections take, none for a shape missing there; None: both "rmsnorm" and "silu"), the norm/SiLU
@@ -102,10 +100,8 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         else:
             gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
             small_configs = [("gemv", c) for c in gemv_configs] + block_configs
-            if key[0] == "int8" and items[0].dtype != torch.float32 and key[2] % quant_int8_gemv.SEGMENT_VALUES == 0:
-                small_configs += [("i8row", c) for c in quant_int8_gemv.INT8_ROW_CONFIGS]
-                if key[2] % quant_int8_gemv.MMA_CHUNK_VALUES == 0:
-                    small_configs += [("i8mma", c) for c in quant_int8_gemv.INT8_MMA_CONFIGS]
+            if key[0] == "int8" and items[0].dtype != torch.float32 and key[2] % quant_int8_gemv.CHUNK_VALUES == 0:
+                small_configs += [("i8mma", c) for c in quant_int8_gemv.INT8_MMA_CONFIGS]
         mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
         gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]
         # the candidates are part of the problem: a changed candidate list tunes again
@@ -135,7 +131,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
             mid = time_configs(mid_configs, lambda c, w, x=rows16: quant_kernel(*c)(x, w, None), items, reps)
             if mid:
                 ops.quant_mid[key] = min(mid, key=mid.__getitem__)
-        elif best[0] in ("i8row", "i8mma"):  # they read the weight once per x row: 2 to MID_MAX_ROWS rows on tiles
+        elif best[0] == "i8mma":  # it reads the weight once per x row: 2 to MID_MAX_ROWS rows on 16-row tiles
             rows16 = many[:MID_MAX_ROWS]
             mid = time_configs(block_configs, lambda c, w, x=rows16: quant_kernel(*c)(x, w, None), items, reps)
             if mid:

@@ -1,38 +1,35 @@
-"""The INT8 row GEMVs for one-row decode steps: out[M, N] = x[M, K] @ W[N, K]^T * row_absmax / 127 (+ residual),
-LLM.int8's codes read in place, every x row on its own: `int8_row_gemv` on the CUDA cores and `int8_row_mma` on the
-matrix units, each timed per weight shape by the tuner (quant_choices) against the Triton kernels.
+"""The INT8 row GEMV for one-row decode steps, on the matrix units: out[M, N] = x[M, K] @ W[N, K]^T * row_absmax /
+127 (+ residual), LLM.int8's codes read in place, every x row on its own. The tuner (quant_choices) times it per
+weight shape against the Triton kernels; on an H200 it won every Llama-3-8B projection (docs/decisions/0050).
 
-Why hand-written kernels: at one row the Triton kernels were bound by their instructions, not by the bytes (sm_90
-SASS compiled on CPU, Triton 3.9): the tl.dot block kernel spends ~314 warp instructions per 4 KiB of codes (a trip
+Why hand-written: at one row the Triton kernels were bound by their instructions, not by the bytes (sm_90 SASS
+compiled on CPU, Triton 3.9): the tl.dot block kernel spends ~314 warp instructions per 4 KiB of codes (a trip
 through shared memory, the conversion to bf16, the matrix instruction), about 0.3 per byte, while the H200 must
 retire 16 bytes per cycle per multiprocessor to reach its copy bandwidth: at 4 issues a cycle that allows 0.25. The
 Triton byte GEMV converts each code with I2F, whose rate (16 a cycle per multiprocessor) is that same 16 bytes a
-cycle, and shuffles x through shared memory behind three barriers a step.
+cycle. This kernel spends ~0.055 warp instructions per byte (its SASS); a CUDA-core version of it (per code one byte
+permute under 2^23's exponent, one subtraction, one FMA: ~0.15 per byte) lost every shape to it and is deleted
+(0050).
 
-`int8_row_gemv` (CUDA cores): a code word (4 int8) costs one XOR (to 4 unsigned bytes biased by 128), then per value
-one byte permute that puts the byte under the exponent of 2^23 (an exact fp32 2^23 + 128 + code), one subtraction
-and one FMA with x in fp32 (~0.15 warp instructions per byte in its SASS). A program of W warps owns R consecutive
-output rows of one x row (grid [ceil(N / R), M]); K is cut into chunks of 512 values (32 lanes x 16 codes, one
-16-byte load per lane and row), chunk c going to warp c mod W; each warp keeps the next P chunks' codes in flight
-(registers). A lane sums its 16 products per chunk in k order into one fp32 accumulator per row; the 32 lanes are
-summed by a fixed butterfly of shuffles, the W warps' sums in warp order through shared memory.
+Layout. `mma.m16n8k16` (fp16 x fp16 -> fp32): a program owns RT tiles of 16 rows; lane (g, t) of a warp loads the
+16 bytes 16 t .. 16 t + 15 of a 64-value chunk of rows g and g + 8 of a tile (a warp: one chunk of 16 rows, 1 KiB),
+and those bytes are the A operand as they stand: mma step s takes the lane's word s, its bytes 0, 1 in k slots 2 t,
+2 t + 1 and bytes 2, 3 in slots 2 t + 8, 2 t + 9. x's 16 values at the lane's chunk position sit in the same slots
+of column 0 of B (lanes g = 0; the other columns are zeros), so the k order inside a chunk is permuted alike for
+both. A code pair becomes an exact fp16 pair by one XOR per word (codes + 128 as unsigned bytes), one byte permute
+that puts each byte under the exponent of 1024 (1024 + 128 + code) and one fp16x2 subtraction of 1152.
 
-`int8_row_mma` (matrix units, `mma.m16n8k16` fp16 x fp16 -> fp32): a program owns RT tiles of 16 rows; lane (g, t)
-of a warp loads the 16 bytes 16 t .. 16 t + 15 of a 64-value chunk of rows g and g + 8 of a tile (a warp: one chunk
-of 16 rows), and those bytes are the A operand as they stand: mma step s takes word s, its bytes 0, 1 in k slots 2 t,
-2 t + 1 and bytes 2, 3 in slots 2 t + 8, 2 t + 9; x's 16 values of the lane's chunk position sit in the same slots of
-column 0 of B (lanes g = 0; the other columns are zeros), so the k order inside a chunk is permuted alike for both.
-A code pair becomes an exact fp16 pair by one XOR per word, one byte permute under the exponent of 1024 and one
-fp16x2 subtraction of 1152 (~0.055 warp instructions per byte in its SASS). x is staged once per program in shared
-memory as fp16 (bf16 x times X_SCALE = 2^-8, against overflow; the sums times 2^8, exact), products and sums in
-fp32 on the matrix units; the warps' column-0 sums are added in warp order through shared memory.
+Work. K's chunks go to the program's W warps in turn (chunk c to warp c mod W); each warp keeps the next P chunks'
+codes in flight (registers; the first P issued before anything else). x is staged once per program in shared
+memory as fp16 (bf16 x times X_SCALE = 2^-8, against overflow; the sums times 2^8, exact). The warps' column-0 sums
+are added in warp order through shared memory, then the row's scale (row absmax / 127, fp32) and the residual are
+applied and the value is rounded once to the output dtype.
 
-Both: the row's scale (row absmax / 127, fp32) and the residual are applied to the finished sum and the value is
-rounded once to the output dtype. Batch invariance and determinism: a row's value depends only on its own x row
-(programs never mix x rows; every sum's order is fixed by K and the config alone). Rows past N in the last program
-read row N - 1 and store nothing. Numerics: exact codes, exact products, fp32 sums (within the rounding of the
-dequantized weight; the mma kernel's x in fp16 as the NF4 tile GEMV's). Compiled at run time (nvrtc_kernels);
-CUDA-graph safe; each reads the weight once per x row, so the tuner serves only one-row steps with them. Importing
+Batch invariance and determinism: a row's value depends only on its own x row (grid [ceil(N / 16 RT), M]: programs
+never mix x rows; every sum's order is fixed by K and the config). Rows past N in the last tile read row N - 1 and
+store nothing. Numerics: exact codes, x in fp16 (as the NF4 tile GEMV's), exact products, fp32 sums: within the
+rounding of the dequantized weight. It reads the weight once per x row, so the tuner serves one-row steps with it
+(2-16 rows on the block kernel's 16-row tiles). Compiled at run time (nvrtc_kernels); CUDA-graph safe. Importing
 needs no GPU."""
 
 from __future__ import annotations
@@ -44,191 +41,18 @@ import torch
 from corolla.engine.kernels.nvrtc_kernels import NvrtcKernel
 from corolla.engine.quant.quant_weights import Int8Weight
 
-SEGMENT_VALUES = 16  # one lane's codes of a chunk; K must be a multiple of this
-
-# (R rows a program, W warps a program splitting K, P chunks in flight per warp, 0, 0): timed per weight shape by
-# the tuner (quant_choices) against the Triton kernels; the trailing zeros keep the tuner's 5-int configs
-INT8_ROW_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    (4, 8, 2, 0, 0),
-    (8, 4, 2, 0, 0),
-    (2, 8, 2, 0, 0),
-    (4, 4, 2, 0, 0),
-    (8, 8, 1, 0, 0),
-)
-MMA_CHUNK_VALUES = 64  # the mma kernel: 4 lanes x 16 codes of each of a tile's 16 rows; K must be a multiple of this
-X_SCALE = 2.0**-8  # the mma kernel: bf16 x into fp16 times this (range), the sums times its inverse (exact)
-# (RT row tiles of 16 a program, W warps splitting K, P chunks in flight per warp, 0, 0) of the mma kernel
+CHUNK_VALUES = 64  # 4 lanes x 16 codes of each of a tile's 16 rows; K must be a multiple of this
+X_SCALE = 2.0**-8  # bf16 x into fp16 times this (range), the sums times its inverse (exact)
+# (RT row tiles of 16 a program, W warps splitting K, P chunks in flight per warp, 0, 0; the zeros keep the tuner's
+# 5-int configs): each won a Llama-3-8B projection on an H200 (docs/decisions/0050: qkv (1, 8, 4), w_o and w_down
+# (1, 16, 2), w_gate_up (4, 4, 2)); (2, 8, 2), (2, 4, 4) and (1, 4, 4) won none and are not offered
 INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (1, 8, 4, 0, 0),
     (1, 16, 2, 0, 0),
-    (2, 8, 2, 0, 0),
-    (2, 4, 4, 0, 0),
     (4, 4, 2, 0, 0),
-    (1, 4, 4, 0, 0),
 )
 
 _SOURCE = r"""
-typedef unsigned int u32;
-typedef unsigned short u16;
-struct alignas(16) U4 { u32 x, y, z, w; };
-
-#define THREADS (W * 32)
-
-// 16 codes of a weight row: streamed once, kept out of L1
-static __device__ __forceinline__ U4 ld_stream(const U4* p) {
-  U4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-// 8 values of x: read by every program, cached
-static __device__ __forceinline__ U4 ld_x(const U4* p) {
-  U4 v;
-  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-// a word of two 16-bit x values -> (even, odd) in fp32
-static __device__ __forceinline__ void x_pair(u32 v, float& lo, float& hi) {
-#if X_BF16
-  lo = __uint_as_float(v << 16);
-  hi = __uint_as_float(v & 0xffff0000u);
-#else
-  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }"
-      : "=f"(lo), "=f"(hi) : "r"(v));
-#endif
-}
-
-// code byte i of a biased word (codes + 128 as unsigned bytes) -> the exact code in fp32: the byte under the exponent
-// of 2^23 (one permute: bytes [b, 0, 0, 0x4B]) is 2^23 + 128 + code
-#define CODE(v, i) __fsub_rn(__uint_as_float(__byte_perm((v), 0x4B000000u, 0x7540 + (i))), 8388736.0f)
-
-// acc += the 4 codes of word w (biased here) times xf[0..3], in k order
-#define DOT4(acc, w, xf)                                                                                       \
-  {                                                                                                            \
-    const u32 b = (w) ^ 0x80808080u;                                                                           \
-    acc = __fmaf_rn(CODE(b, 0), (xf)[0], acc);                                                                 \
-    acc = __fmaf_rn(CODE(b, 1), (xf)[1], acc);                                                                 \
-    acc = __fmaf_rn(CODE(b, 2), (xf)[2], acc);                                                                 \
-    acc = __fmaf_rn(CODE(b, 3), (xf)[3], acc);                                                                 \
-  }
-
-static __device__ __forceinline__ float load_out_type(const u16* p) {
-#if OUT_BF16
-  return __uint_as_float(((u32)*p) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
-  return f;
-#endif
-}
-
-static __device__ __forceinline__ u16 to_out_type(float v) {
-  u16 h;
-#if OUT_BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#endif
-  return h;
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS)
-int8_row_gemv(const U4* __restrict__ codes, const float* __restrict__ scale, const u16* __restrict__ x,
-              const u16* __restrict__ res, u16* __restrict__ out, int N, int K, long long sxm, long long srm,
-              long long som, int has_res) {
-  __shared__ float red[W][R];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n0 = blockIdx.x * R;
-  const long long m = blockIdx.y;
-  const int chunks = (K + 511) >> 9;
-  const int kw = K >> 4;  // 16-byte words per weight row
-  const U4* xrow = reinterpret_cast<const U4*>(x + m * sxm);  // 8 values a word
-
-  // this lane's word of row r in chunk c: codes[(n0 + r) * kw + 32 c + lane] (rows past N read row N - 1)
-  long long rbase[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) rbase[r] = (long long)min(n0 + r, N - 1) * kw + lane;
-
-  U4 buf[P][R];
-#pragma unroll
-  for (int f = 0; f < P; ++f) {
-    const int c = warp + f * W;
-    const bool ok = c < chunks && 32 * c + lane < kw;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      U4 v = {0u, 0u, 0u, 0u};
-      if (ok) v = ld_stream(codes + rbase[r] + 32 * c);
-      buf[f][r] = v;
-    }
-  }
-
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-
-  for (int base = warp; base < chunks; base += P * W) {
-#pragma unroll
-    for (int f = 0; f < P; ++f) {
-      const int c = base + f * W;
-      if (c < chunks) {
-        const int seg = 32 * c + lane;  // this lane's 16-value segment of the row
-        U4 cur[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) cur[r] = buf[f][r];
-        // the slot takes the chunk P steps ahead
-        const int cn = c + P * W;
-        const bool more = cn < chunks && 32 * cn + lane < kw;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          U4 v = {0u, 0u, 0u, 0u};
-          if (more) v = ld_stream(codes + rbase[r] + 32 * cn);
-          buf[f][r] = v;
-        }
-        if (seg < kw) {
-          const U4 xa = ld_x(xrow + 2 * seg), xb = ld_x(xrow + 2 * seg + 1);
-          float xf[16];
-          x_pair(xa.x, xf[0], xf[1]); x_pair(xa.y, xf[2], xf[3]); x_pair(xa.z, xf[4], xf[5]);
-          x_pair(xa.w, xf[6], xf[7]); x_pair(xb.x, xf[8], xf[9]); x_pair(xb.y, xf[10], xf[11]);
-          x_pair(xb.z, xf[12], xf[13]); x_pair(xb.w, xf[14], xf[15]);
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            DOT4(acc[r], cur[r].x, xf) DOT4(acc[r], cur[r].y, xf + 4) DOT4(acc[r], cur[r].z, xf + 8)
-            DOT4(acc[r], cur[r].w, xf + 12)
-          }
-        }
-      }
-    }
-  }
-
-  // the warp's 32 lanes in a fixed butterfly, then the warps in order
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    float v = acc[r];
-    v += __shfl_xor_sync(0xffffffffu, v, 16);
-    v += __shfl_xor_sync(0xffffffffu, v, 8);
-    v += __shfl_xor_sync(0xffffffffu, v, 4);
-    v += __shfl_xor_sync(0xffffffffu, v, 2);
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    if (lane == 0) red[warp][r] = v;
-  }
-  __syncthreads();
-  if (threadIdx.x < R) {
-    const int r = threadIdx.x, n = n0 + r;
-    if (n < N) {
-      float v = red[0][r];
-#pragma unroll
-      for (int w = 1; w < W; ++w) v += red[w][r];
-      v = __fmul_rn(v, __ldg(scale + n));
-      if (has_res) v = __fadd_rn(v, load_out_type(res + m * srm + n));
-      out[m * som + n] = to_out_type(v);
-    }
-  }
-}
-"""
-
-_MMA_SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct alignas(16) U4 { u32 x, y, z, w; };
@@ -413,82 +237,53 @@ _KERNELS: dict[tuple[int, ...], NvrtcKernel] = {}
 
 
 def check_row_config(config: tuple[int, int, int, int, int]) -> None:
-    """ValueError unless `config` is (R in 1..16 rows or row tiles, W in 1..16 warps, P in 1..4 chunks in flight,
-    0, 0)."""
-    rows, warps, depth, *rest = config
-    if not (1 <= rows <= 16 and 1 <= warps <= 16 and 1 <= depth <= 4) or any(rest):
+    """ValueError unless `config` is (RT in 1..8 row tiles, W in 1..16 warps, P in 1..4 chunks in flight, 0, 0)."""
+    tiles, warps, depth, *rest = config
+    if not (1 <= tiles <= 8 and 1 <= warps <= 16 and 1 <= depth <= 4) or any(rest):
         raise ValueError(f"bad INT8 row GEMV config {config}")
 
 
-def _kernel(mma: bool, config: tuple[int, int, int, int, int], bf16: bool) -> NvrtcKernel:
-    key = (int(mma), *config[:3], int(bf16))
+def _kernel(config: tuple[int, int, int, int, int], bf16: bool) -> NvrtcKernel:
+    key = (*config[:3], int(bf16))
     if key not in _KERNELS:
-        rows, warps, depth = config[:3]
-        defines = {"RT" if mma else "R": rows, "W": warps, "P": depth, "X_BF16": int(bf16), "OUT_BF16": int(bf16)}
-        source, name = (_MMA_SOURCE, "int8_row_mma") if mma else (_SOURCE, "int8_row_gemv")
-        _KERNELS[key] = NvrtcKernel(source, name, defines)
+        tiles, warps, depth = config[:3]
+        defines = {"RT": tiles, "W": warps, "P": depth, "X_BF16": int(bf16), "OUT_BF16": int(bf16)}
+        _KERNELS[key] = NvrtcKernel(_SOURCE, "int8_row_mma", defines)
     return _KERNELS[key]
-
-
-def _checked(
-    x: torch.Tensor, weight: Int8Weight, residual: torch.Tensor | None, config, multiple: int, name: str
-) -> torch.Tensor:
-    """ValueError for a bad config, shape, dtype or layout (K a multiple of `multiple`); x, copied once when its
-    rows do not start 16-byte aligned."""
-    check_row_config(config)
-    m, k = x.shape
-    n, wk = weight.shape
-    if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype or wk != k or m < 1:
-        raise ValueError(
-            f"{name} takes [M, {wk}] bf16/fp16 rows of the weight's dtype ({weight.dtype}), got {tuple(x.shape)} {x.dtype}"
-        )
-    codes = weight.codes
-    if k % multiple or not codes.is_contiguous() or codes.data_ptr() % 16:
-        raise ValueError(f"{name} needs contiguous 16-byte aligned codes with K % {multiple} == 0")
-    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != weight.dtype):
-        raise ValueError(f"residual must be a [{m}, {n}] {weight.dtype} tensor with a contiguous last dim")
-    if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
-        x = x.contiguous().clone()  # a fresh allocation: aligned
-    return x
-
-
-def _args(x: torch.Tensor, weight: Int8Weight, residual: torch.Tensor | None, out: torch.Tensor) -> list:
-    res = residual if residual is not None else out
-    ptr = ctypes.c_void_p
-    n, k = weight.shape
-    return [
-        ptr(weight.codes.data_ptr()), ptr(weight.col_scale.data_ptr()), ptr(x.data_ptr()), ptr(res.data_ptr()),
-        ptr(out.data_ptr()), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x.stride(0)),
-        ctypes.c_longlong(res.stride(0)), ctypes.c_longlong(out.stride(0)), ctypes.c_int(int(residual is not None)),
-    ]  # fmt: skip
-
-
-def int8_row_gemv(
-    x: torch.Tensor, weight: Int8Weight, residual: torch.Tensor | None, config: tuple[int, int, int, int, int]
-) -> torch.Tensor:
-    """x [M, K] @ W[N, K]^T * row_absmax / 127 (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16;
-    x in it too), on the CUDA cores (INT8_ROW_CONFIGS: R rows a program); ValueError for a bad shape, dtype, layout
-    (K a multiple of 16) or config."""
-    x = _checked(x, weight, residual, config, SEGMENT_VALUES, "int8_row_gemv")
-    m, n = x.shape[0], weight.shape[0]
-    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
-    kernel = _kernel(False, config, weight.dtype == torch.bfloat16)
-    kernel.launch(x.device, (-(-n // config[0]), m, 1), 32 * config[1], 0, _args(x, weight, residual, out))
-    return out
 
 
 def int8_row_mma(
     x: torch.Tensor, weight: Int8Weight, residual: torch.Tensor | None, config: tuple[int, int, int, int, int]
 ) -> torch.Tensor:
-    """The same product on the matrix units (INT8_MMA_CONFIGS: RT tiles of 16 rows a program; K a multiple of 64;
-    x staged in shared memory as fp16, bf16 x times X_SCALE)."""
-    x = _checked(x, weight, residual, config, MMA_CHUNK_VALUES, "int8_row_mma")
-    m, (n, k) = x.shape[0], weight.shape
-    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
+    """x [M, K] @ W[N, K]^T * row_absmax / 127 (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16;
+    x in it too); ValueError for a bad shape, dtype, layout (K a multiple of CHUNK_VALUES) or config. x is copied
+    once when its rows do not start 16-byte aligned."""
+    check_row_config(config)
+    m, k = x.shape
+    n, wk = weight.shape
+    if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype or wk != k or m < 1:
+        raise ValueError(
+            f"int8_row_mma takes [M, {wk}] bf16/fp16 rows of the weight's dtype ({weight.dtype}), "
+            f"got {tuple(x.shape)} {x.dtype}"
+        )
+    codes = weight.codes
+    if k % CHUNK_VALUES or not codes.is_contiguous() or codes.data_ptr() % 16:
+        raise ValueError(f"int8_row_mma needs contiguous 16-byte aligned codes with K % {CHUNK_VALUES} == 0")
+    if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != weight.dtype):
+        raise ValueError(f"residual must be a [{m}, {n}] {weight.dtype} tensor with a contiguous last dim")
+    if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
+        x = x.contiguous().clone()  # a fresh allocation: aligned
     bf16 = weight.dtype == torch.bfloat16
-    kernel = _kernel(True, config, bf16)
+    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
+    res = residual if residual is not None else out
     tiles, warps = config[0], config[1]
     shared = 2 * k + warps * tiles * 16 * 4  # x in fp16, then the warps' row sums
-    args = [*_args(x, weight, residual, out), ctypes.c_float(1.0 / X_SCALE if bf16 else 1.0)]
-    kernel.launch(x.device, (-(-n // (16 * tiles)), m, 1), 32 * warps, shared, args)
+    ptr = ctypes.c_void_p
+    args = [
+        ptr(codes.data_ptr()), ptr(weight.col_scale.data_ptr()), ptr(x.data_ptr()), ptr(res.data_ptr()),
+        ptr(out.data_ptr()), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x.stride(0)),
+        ctypes.c_longlong(res.stride(0)), ctypes.c_longlong(out.stride(0)), ctypes.c_int(int(residual is not None)),
+        ctypes.c_float(1.0 / X_SCALE if bf16 else 1.0),
+    ]  # fmt: skip
+    _kernel(config, bf16).launch(x.device, (-(-n // (16 * tiles)), m, 1), 32 * warps, shared, args)
     return out
