@@ -13,12 +13,15 @@ step per decode step, each sent as soon as its previous one came back (a client'
 its session; here it is never behind it: the most the replica has to do at once).
 
 Timed, interleaved, `--repeats` times each after one untimed warm-up of each (medians): the real sessions' prompts
-phase (from the start to the last real prefill) and decode phase (from there to the last real decode step): cost = time with shadows / time without - 1 (their tokens/s: what the replica's users
-lose); and the runtime's busy seconds over the whole run (`Runtime.stats`: every batch, from its launch to its
-results; what the swarm loses: `cost_busy`). The per-step latency of the real decode steps (median, p99) is
-reported for both. The shadows'
-outputs are compared with the real sessions' at every position (`stretches.position_errors` against
-`stretches.stretch_rtol`: an honest server must never be banned)."""
+phase (from the start to the last real prefill) and decode phase (from there to the last real decode step): cost =
+time with shadows / time without - 1 (their tokens/s: what the replica's users lose); and the runtime's busy seconds
+over the whole run (`Runtime.stats`: every batch, from its launch to its results; what the swarm loses:
+`cost_busy`), of them the device's own seconds on the decode forwards it timed (`cost_device`: against `cost_busy`
+and the real decode's wall time, where the cost lies: host or device) and the batches run. The per-step latency of
+the real decode steps (median, p99) is reported for both, and each timed run's real decode seconds
+(`decode_real_s_runs`: the spread behind the medians). The shadows' outputs are compared with the real sessions' at
+every position (`stretches.position_errors` against `stretches.stretch_rtol`: an honest server must never be
+banned)."""
 
 from __future__ import annotations
 
@@ -81,6 +84,13 @@ async def _session(
     record["done"], record["latencies"], record["outputs"] = time.perf_counter(), latencies, outputs
 
 
+def _totals(runtime: Runtime) -> tuple[float, float, int]:
+    """The runtime's busy seconds, device seconds (`KindStats.device_s`: CUDA events around each graph-replayed decode
+    forward; 0 on the CPU) and batches so far, over every kind."""
+    stats = runtime.stats().values()
+    return sum(s.busy_s for s in stats), sum(s.device_s for s in stats), sum(s.batches for s in stats)
+
+
 def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, args: argparse.Namespace) -> dict:
     device = layers[0].ln1.device
     total = args.prompt + steps
@@ -108,7 +118,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             caches.append(await context.__aenter__())
             opened.append(context)
         records: list[dict] = [{} for _ in specs]
-        busy_before = sum(stats.busy_s for stats in runtime.stats().values())
+        before = _totals(runtime)
         started = time.perf_counter()
         clients = [
             _session(executor, cache, inputs[i % rows : i % rows + 1], args.prompt, steps,
@@ -116,7 +126,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             for i, cache in enumerate(caches)
         ]  # fmt: skip
         await asyncio.gather(*clients)
-        busy_s = sum(stats.busy_s for stats in runtime.stats().values()) - busy_before
+        busy_s, device_s, batches = (after - earlier for after, earlier in zip(_totals(runtime), before, strict=True))
         for context in opened:
             await context.__aexit__(None, None, None)
         real, mirror = records[:rows], records[rows:]
@@ -130,6 +140,8 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             "prefill_real_s": max(r["prefilled"] for r in real) - started,
             "decode_real_s": max(r["done"] for r in real) - max(r["prefilled"] for r in real),
             "busy_s": busy_s,
+            "device_s": device_s,
+            "batches": batches,
             "step_p50_ms": 1e3 * latencies[len(latencies) // 2],
             "step_p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "errors": errors,
@@ -141,7 +153,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
     for _ in range(args.repeats):
         for variant in (False, True):
             runs[variant].append(run(variant))
-    keys = ("prefill_real_s", "decode_real_s", "busy_s", "step_p50_ms", "step_p99_ms")
+    keys = ("prefill_real_s", "decode_real_s", "busy_s", "device_s", "batches", "step_p50_ms", "step_p99_ms")
     median = {v: {k: statistics.median(r[k] for r in runs[v]) for k in keys} for v in runs}
     scale = args.fraction * rows / shadows  # the expected shadows over the measured ones
     off, on = median[False], median[True]
@@ -156,6 +168,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         "cost_decode_real": round(scale * (on["decode_real_s"] / off["decode_real_s"] - 1), 4),
         "cost_prompts_real": round(scale * (on["prefill_real_s"] / off["prefill_real_s"] - 1), 4),
         "cost_busy": round(scale * (on["busy_s"] / off["busy_s"] - 1), 4),
+        "cost_device": round(scale * (on["device_s"] / off["device_s"] - 1), 4) if off["device_s"] else None,
         "positions_compared": int(errors.numel()), "max_error": float(errors.max()), "tolerance": rtol,
         "honest_server_banned": bool((errors > rtol).any()),
     }  # fmt: skip
