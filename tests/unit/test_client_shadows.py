@@ -2,9 +2,9 @@
 servers: an honest swarm's every mirrored position agrees and bans nobody; a server corrupting 1% of its steps with
 finite, plausible values is caught within 1,000 of its steps at the default sampling; a lying shadow replica cannot
 get an honest server banned (with no third replica nobody is banned); the shadow stream is an ordinary
-rpc_inference session marked in its first request, its prefill chunked, rollbacks mirrored; a shared finding is
-re-verified first-hand (a fabricated one is refuted and bans nobody; a true one bans only on the accused's own wrong
-answer); the sampling arithmetic meets its target."""
+rpc_inference session marked in its first request, its prefill chunked, rollbacks and beam reorders mirrored; a
+shared finding is re-verified first-hand (a fabricated one is refuted and bans nobody; a true one bans only on the
+accused's own wrong answer); the sampling arithmetic meets its target."""
 
 from __future__ import annotations
 
@@ -141,6 +141,33 @@ def test_the_shadow_is_a_marked_session_with_a_chunked_prefill_and_mirrored_roll
     assert shadow.state == "agreed" and shadow.positions_compared == 150 + 1 + 2
     expected = reference(torch.cat([tokens[:, :148], tokens[:, 151:153]], dim=1), 4)
     assert torch.allclose(replica_outputs_last(session), expected[:, -2:], atol=1e-5)
+
+
+def _beam_search(manager, beams: int = 3, prompt: int = 4, steps: int = 10) -> InferenceSession:
+    """A session of `beams` rows: a prompt, then `steps` single-token steps, each after a random beam reorder."""
+    torch.manual_seed(5)
+    tokens = torch.randn(beams, prompt + steps, HIDDEN)
+    with InferenceSession(manager, max_length=prompt + steps) as session:
+        session.step(tokens[:, :prompt])
+        for t in range(prompt, prompt + steps):
+            session.step(tokens[:, t : t + 1], hypo_ids=torch.randint(0, beams, (beams,)))
+        background_loop.run(session.shadows.settle())
+    return session
+
+
+def test_beam_search_is_mirrored_with_its_reorders_and_a_server_lying_only_there_is_caught() -> None:
+    """The shadow gets each step's beam reorder with it (a server could lie in beam search steps alone, unwatched,
+    while shadows ended at the first reorder): an honest server agrees at every position of every beam; one that
+    lies in every answer after the prompt is caught."""
+    servers = {"A1": Server(0, 4), "A2": Server(0, 4)}
+    session = _beam_search(FakeManager(servers, 4, verify_shadow_fraction=1.0))
+    shadow = session.shadows.shadows[0]
+    assert shadow.state == "agreed" and shadow.positions_compared == 4 + 10 and shadow.max_error == 0.0, shadow.state
+    liar = Server(0, 4, mode="garbage", after=1, inference_rps=1e6)  # looks fastest: the route goes through it
+    manager = FakeManager({"liar": liar, "A2": Server(0, 4), "A3": Server(0, 4)}, 4, verify_shadow_fraction=1.0)
+    session = _beam_search(manager)
+    assert session.shadows.shadows[0].state == "caught" and manager.bans.is_liar("liar")
+    assert [finding.peer_id for finding in session.shadows.findings] == ["liar"]
 
 
 def replica_outputs_last(session: InferenceSession) -> torch.Tensor:

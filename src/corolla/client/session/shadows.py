@@ -14,7 +14,7 @@ lying replica cannot get an honest server banned, and the `Finding` is kept; `cl
 
 Sampling is by whole span session: a position can be recomputed only with the KV of every position before it, so a
 sampled session is mirrored from its position 0 (a span session that starts after a prefix its server reused from
-its cache, or that uses deep prompts or beam search, is not mirrored). A server corrupting a share q of its steps,
+its cache, or that uses deep prompts, is not mirrored; beam search's reorders are mirrored with their steps). A server corrupting a share q of its steps,
 in sessions of L steps each shadowed with probability f, escapes N of its steps with probability about
 (1 - f (1 - (1 - q)^L))^(N / L) (`escape_probability`); measured with this class
 (`python -m benchmarks.field.catch_rate`, 5,000 seeded careers, sessions of 17-257 steps): f = 0.75 catches a 1%-liar
@@ -65,12 +65,14 @@ def escape_probability(lie_rate: float, steps: int, session_steps: int, fraction
 
 @dataclass
 class Mirrored:
-    """One step of the span session as sent: its inputs [B, T, H] for positions [first, first + T) and the outputs
-    the server returned for them (as it sent them)."""
+    """One step of the span session as sent: its inputs [B, T, H] for positions [first, first + T), the outputs
+    the server returned for them (as it sent them) and the beam reorder it applied first (`hypo_ids` [B]: row i of
+    the cache continues row hypo_ids[i]; None: none)."""
 
     inputs: torch.Tensor
     claimed: torch.Tensor
     first: int
+    hypo_ids: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -90,8 +92,8 @@ class Shadow:
     sent_length: int = 0
 
     def record(self, step: Mirrored) -> None:
-        """Keeps `step`'s inputs as positions [first, first + T) (a rollback overwrites from `first`; the buffer
-        grows by doubling)."""
+        """Keeps `step`'s inputs as positions [first, first + T) (a rollback overwrites from `first`; a beam reorder
+        reorders the rows before `first`, as the servers' caches; the buffer grows by doubling)."""
         end = step.first + step.inputs.shape[1]
         buf = self.sent
         if buf is None or buf.shape[1] < end:
@@ -99,6 +101,8 @@ class Shadow:
             if buf is not None:
                 grown[:, : step.first] = buf[:, : step.first]
             self.sent = buf = grown
+        if step.hypo_ids is not None:
+            buf[:, : step.first] = buf[step.hypo_ids, : step.first]  # (the right side is a copy)
         buf[:, step.first : end] = step.inputs
         self.sent_length = end
 
@@ -132,15 +136,18 @@ class ShadowVerifier:
         return sum(shadow.positions_compared for shadow in self.shadows)
 
     def stop(self, reason: str) -> None:
-        """No more mirroring in this session (beam search or deep prompts: steps a shadow would not repeat)."""
+        """No more mirroring in this session (deep prompts: steps a shadow would not repeat)."""
         if self._stopped:
             return
         self._stopped = True
         for shadow in self.shadows:
             self._end(shadow, "dropped", reason)
 
-    def after_step(self, span_session: SpanSession, outputs: torch.Tensor, first: int) -> None:
-        """After `span_session`'s server answered positions [first, first + T) with `outputs` [B, T, H]."""
+    def after_step(
+        self, span_session: SpanSession, outputs: torch.Tensor, first: int, hypo_ids: torch.Tensor | None = None
+    ) -> None:
+        """After `span_session`'s server answered positions [first, first + T) with `outputs` [B, T, H], having
+        reordered its cache by `hypo_ids` [B] first (beam search; None: no reorder)."""
         if self.fraction <= 0 or self._stopped:
             return
         with self._lock:
@@ -157,7 +164,7 @@ class ShadowVerifier:
         if shadow.queued >= MAX_SHADOW_LAG_STEPS:
             self._end(shadow, "dropped", f"the replica is {shadow.queued} steps behind")
             return
-        step = Mirrored(history[:, first : first + outputs.shape[1]].clone(), outputs.detach().clone(), first)
+        step = Mirrored(history[:, first : first + outputs.shape[1]].clone(), outputs.detach().clone(), first, hypo_ids)
         with self._lock:
             shadow.queued += 1
         background_loop.get_loop().call_soon_threadsafe(shadow.queue.put_nowait, step)  # in order, from any thread
@@ -240,7 +247,8 @@ class ShadowVerifier:
 
     async def replay(self, shadow: Shadow, step: Mirrored) -> torch.Tensor:
         """The replica's outputs [B, T, H] for the mirrored step, sent in chunks of `SHADOW_CHUNK_TOKENS` (a
-        rollback overwrites the shadow's cache from `step.first`, as it did the server's)."""
+        rollback overwrites the shadow's cache from `step.first`, as it did the server's; a beam reorder goes with
+        the first chunk, as it went to the server)."""
         session = shadow.session
         batch, length, _ = step.inputs.shape
         chunk = max(1, SHADOW_CHUNK_TOKENS // batch)
@@ -248,9 +256,10 @@ class ShadowVerifier:
         for start in range(0, length, chunk):
             position = step.first + start
             extra = {SHADOW_KEY: True} if session.position == 0 and position == 0 else {}
+            hypo_ids = step.hypo_ids if step.hypo_ids is not None and start == 0 else NO_IDS
             out, _ = await session.step(
                 step.inputs[:, start : start + chunk], position, position=position, prompts=NO_TENSOR,
-                hypo_ids=NO_IDS, step_id=str(uuid.uuid4()), extra=extra,
+                hypo_ids=hypo_ids, step_id=str(uuid.uuid4()), extra=extra,
             )  # fmt: skip
             outputs.append(out)
         return torch.cat(outputs, dim=1)
