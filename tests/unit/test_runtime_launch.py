@@ -7,6 +7,7 @@ batch's results when it stops."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -138,6 +139,35 @@ def test_a_held_launch_is_queued_before_the_forward_in_flight_ends_once_its_devi
         ("done", "b1"), ("wait", "c1"), ("done", "c1"),
     ]  # fmt: skip
     assert runtime.num_held_launches == 2
+
+
+def test_a_held_launch_behind_a_kind_without_device_time_does_not_wait_on_another_kinds_figure() -> None:
+    """The device seconds a held launch expects are its kind's (training's block calls measure none): a batch of a
+    kind without them is waited for as before, never slept on with a decode forward's learned seconds."""
+    with Runtime(max_batch_size_tokens=64) as runtime:
+        runtime.gather.return_s, runtime.gather.forward_s = 0.002, 0.005
+        bench = _Bench(runtime)
+        bench.device_s = {"a1": 0.5, "b1": 0.5}  # a decode batch of one step "takes" 0.5 s on the device
+        bench.on_launch["a1"] = lambda: bench.submit("b1", last=True)
+        bench.submit("a1")
+        assert bench.done.wait(WAIT_S)  # 0.5 s learned for one-step decode batches (and a launch's seconds)
+        done = threading.Event()
+
+        def other(name: str) -> Task:
+            return runtime.task(lambda: None, on_done=lambda *_: done.set() if name == "o2" else None, flush=None,
+                                priority=1, size_tokens=1, kind="other", merge_key="span", payload=name)  # fmt: skip
+
+        def launch_other(tasks: list[Task]) -> _Pending:
+            if tasks[0].payload == "o1":
+                runtime.queue(other("o2"))  # queued behind o1 in flight: its launch is held
+            return _Pending(bench.log, str(tasks[0].payload), [None] * len(tasks))  # no device seconds
+
+        runtime.register_batch_executor("other", lambda tasks: [None] * len(tasks), launcher=launch_other)
+        held_before, started = runtime.num_held_launches, time.monotonic()
+        runtime.queue(other("o1"))
+        assert done.wait(WAIT_S)
+        assert runtime.num_held_launches == held_before + 1
+        assert time.monotonic() - started < 0.25  # not slept on decode's 0.5 s
 
 
 def test_a_lone_batch_completes_at_once() -> None:

@@ -512,9 +512,9 @@ class Runtime:
         self.num_paced = 0  # holds the device thread waited (benches)
         self.num_paced_out = 0  # of them, holds that ran out with background work queued and no session's step
         self.paced_s = 0.0  # seconds the device thread held background work back
-        # learned for `_hold`: a launched batch's device seconds by its steps' bit length (batches of 2-3, 4-7, ...
-        # steps), and the seconds from a held launch's wake-up to its launcher's return
-        self._device_s: dict[int, float] = {}
+        # learned for `_hold`: a launched batch's device seconds by its kind and its steps' bit length (batches of
+        # 2-3, 4-7, ... steps), and the seconds from a held launch's wake-up to its launcher's return
+        self._device_s: dict[tuple[str, int], float] = {}
         self._launch_s: float | None = None
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
         # `BatchCounts`' buckets and sums, counted in place (written only while `_executing` is held)
@@ -863,12 +863,12 @@ class Runtime:
 
     def _hold(self, launched: LaunchedBatch) -> None:
         """Waits until the device is about to end `launched` (a held launch, `GatherRule.holds_launch`): its expected
-        end (from when the device had it queued, or the end of the forward before it, plus the device seconds learned for
-        batches of its size) less the seconds a launch takes here and `LAUNCH_LEAD_S`, so that the next forward is
-        queued behind it before it ends instead of after (the device idled 0.8-1.5 ms per forward between held
-        forwards: the waiter's wake-up, the GIL, the pop and the staging). Where nothing is learned yet, or the
-        batch is not device-timed, it waits for the end."""
-        expected_s = self._device_s.get(_steps(launched.batch).bit_length())
+        end (from when the device had it queued, or the end of the forward before it, plus the device seconds learned
+        for batches of its kind and size) less the seconds a launch takes here and `LAUNCH_LEAD_S`, so that the next
+        forward is queued behind it before it ends instead of after (the device idled 0.7-1.3 ms per forward between
+        held forwards: the waiter's wake-up, the GIL, the pop and the staging). Where nothing is learned yet, or the
+        batch's kind is not device-timed, it waits for the end."""
+        expected_s = self._device_s.get(_device_key(launched.batch))
         if expected_s is None or self._launch_s is None:
             self._wait(launched)
             return
@@ -921,9 +921,9 @@ class Runtime:
             launched.elapsed_s = done_s - max(launched.started_s, self._last_done_s)
             self._last_done_s = done_s
             device_s = launched.handle.device_s if launched.handle is not None else None
-            if device_s is not None:  # what `_hold` expects of the next batch of this size
-                bucket = _steps(batch).bit_length()
-                self._device_s[bucket] = _ewma(self._device_s.get(bucket), device_s)
+            if device_s is not None:  # what `_hold` expects of the next batch of this kind and size
+                key = _device_key(batch)
+                self._device_s[key] = _ewma(self._device_s.get(key), device_s)
             self._account(batch[0].kind, _steps(batch), launched.elapsed_s, device_s)
         launched.results = results
         return results
@@ -988,6 +988,12 @@ class Runtime:
 
 def _ewma(previous: float | None, observed: float) -> float:
     return observed if previous is None else previous + EWMA_WEIGHT * (observed - previous)
+
+
+def _device_key(batch: list[Task]) -> tuple[str, int]:
+    """A launched batch's kind and its steps' bit length: the batches whose device seconds `Runtime._hold` expects
+    alike (a kind that never measures them, e.g. training's block calls, is always waited for)."""
+    return batch[0].kind, _steps(batch).bit_length()
 
 
 def _steps(batch: list[Task]) -> int:  # the steps a batch carries (`Task.steps`): its counters count these
