@@ -123,17 +123,22 @@ def test_a_held_launch_is_queued_before_the_forward_in_flight_ends_once_its_devi
     """Once the device seconds of batches of its size and a launch's own seconds are learned, a held launch goes
     behind the forward in flight shortly before that forward is expected to end (`Runtime._hold`), not after its
     wait: the device does not idle between held forwards. b1's wait blocks until c1 launched, so a runtime that
-    waited for b1 first would never launch c1."""
+    waited for b1 first would never launch c1; and c1 waits most of b1's expected 0.2 s (a sleep never ends early)."""
     with Runtime(max_batch_size_tokens=64) as runtime:
         runtime.gather.return_s, runtime.gather.forward_s = 0.002, 0.005  # as learned at 32 layers on an H200
         bench = _Bench(runtime)
-        bench.device_s = {"a1": 0.005, "b1": 0.005}
+        bench.device_s = {"a1": 0.2, "b1": 0.2}
         bench.gates["b1"] = gate = threading.Event()
+        launched_s: dict[str, float] = {}
         bench.on_launch["a1"] = lambda: bench.submit("b1")  # held: nothing learned yet, launched after a1's wait
-        bench.on_launch["b1"] = lambda: bench.submit("c1", last=True)
-        bench.on_launch["c1"] = gate.set
+        bench.on_launch["b1"] = lambda: (
+            launched_s.setdefault("b1", time.perf_counter()),
+            bench.submit("c1", last=True),
+        )
+        bench.on_launch["c1"] = lambda: (launched_s.setdefault("c1", time.perf_counter()), gate.set())
         bench.submit("a1")
         assert bench.done.wait(WAIT_S)
+    assert launched_s["c1"] - launched_s["b1"] > 0.1  # 0.2 s less a launch's seconds (learned: a1 -> b1) and 0.3 ms
     assert bench.log == [
         ("launch", ["a1"]), ("wait", "a1"), ("launch", ["b1"]), ("done", "a1"), ("launch", ["c1"]), ("wait", "b1"),
         ("done", "b1"), ("wait", "c1"), ("done", "c1"),
