@@ -875,7 +875,7 @@ class Runtime:
         start_s = max(launched.queued_s, self._last_done_s)
         sleep_s = start_s + expected_s - self._launch_s - LAUNCH_LEAD_S - time.perf_counter()
         if sleep_s > 0:
-            time.sleep(min(sleep_s, expected_s))
+            time.sleep(sleep_s)
 
     def _finish(self, launched: LaunchedBatch) -> None:
         """Waits for a launched batch's results (if not done yet) and completes it."""
