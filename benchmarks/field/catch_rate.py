@@ -32,7 +32,7 @@ from corolla.client import background_loop
 from corolla.client.config import ClientConfig
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, Mirrored, Shadow, ShadowVerifier, escape_probability
-from corolla.client.verification.stretches import StretchReferees
+from corolla.client.verification.stretches import Finding, StretchReferees
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.utils.logging import quiet_logs
 
@@ -114,8 +114,8 @@ class RecomputingReferees(StretchReferees):
         super().__init__(manager, rng=rng)
         self.span = span
 
-    async def recompute(self, replica: RemoteSpanInfo, inputs: torch.Tensor, first: int) -> torch.Tensor | None:
-        return self.span.run(inputs, None)[:, first:]
+    async def recompute(self, replica: RemoteSpanInfo, finding: Finding) -> torch.Tensor | None:
+        return self.span.run(finding.inputs, None)[:, finding.first :]  # (these sessions have no deep prompts)
 
 
 class ReplayingShadows(ShadowVerifier):

@@ -84,10 +84,16 @@ def _config(**overrides) -> ClientConfig:
     return ClientConfig(**settings)
 
 
-def _generate(swarm, model_path, config: ClientConfig):
+def _generate(swarm, model_path, config: ClientConfig, **tuning):
+    """Greedy generation through the swarm; with `tuning` (e.g. tuning_mode="deep_ptune"), random tuned prompts."""
     with AutoDistributedModelForCausalLM.from_pretrained(
-        model_path, initial_peers=swarm.initial_peers, client_config=config
+        model_path, initial_peers=swarm.initial_peers, client_config=config, **tuning
     ) as model:
+        if model.prompt_tuning is not None:
+            generator = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                for weight in model.prompt_tuning.parameters():
+                    weight.copy_(0.3 * torch.randn(weight.shape, generator=generator))
         model.manager.wait_ready()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # every server announced, with the pings it measured to the next one
@@ -136,8 +142,10 @@ def test_finite_garbage_is_caught_by_verification(swarm, model_path, mode_file, 
 
 
 def test_finite_garbage_is_caught_by_a_shadow_session(swarm, model_path, mode_file):
+    """A deep-prompt-tuned session (its prompts go with position 0, to the shadows too: they were dropped before)."""
     mode_file.write_text("garbage 3")
-    _, banned, first_hop, session = _generate(swarm, model_path, _config(verify_shadow_fraction=1.0))
+    config = _config(verify_shadow_fraction=1.0)
+    _, banned, first_hop, session = _generate(swarm, model_path, config, tuning_mode="deep_ptune", pre_seq_len=2)
     assert not banned & {server.peer_id for server in swarm.honest}  # two honest replicas never outvote each other
     if first_hop == swarm.liar.peer_id:  # the liar served 0:2: its shadow disagreed, a third replica decided
         assert swarm.liar.peer_id in banned and session.shadows.findings
@@ -145,6 +153,7 @@ def test_finite_garbage_is_caught_by_a_shadow_session(swarm, model_path, mode_fi
     assert session.shadows.num_positions_verified >= 1
     # the shadows were sessions of real corolla servers (marked, at their low priority), and agreed where honest
     assert any(shadow.state in ("agreed", "caught") for shadow in session.shadows.shadows)
+    assert not any(shadow.state == "dropped" for shadow in session.shadows.shadows)
 
 
 def test_lone_liar_ends_in_a_clear_error_within_max_wait(swarm, model_path, mode_file):

@@ -61,11 +61,14 @@ class Server(FakeServer):
             raise ConnectionError("server died")
         metadata = decode_metadata(request.metadata)
         args, _ = unpack_args_kwargs([deserialize_tensor(t) for t in request.tensors], metadata["args_structure"])
-        x = args[0]
+        x, prompts = args[0], args[1]
         if not bool(torch.isfinite(x).all()):
             self.rejected_inputs += 1
             raise ValueError("hidden states must be finite")
-        for uid in request.uid.split(" "):
+        for i, uid in enumerate(request.uid.split(" ")):
+            if prompts.numel():  # deep prompts [blocks, B|1, P, H], added to positions [0, P) as Petals does
+                x = x.clone()
+                x[:, : prompts.shape[2]] += prompts[i]
             x = block_fn(int(uid.split(".")[1]), x, x[:, :0])
         return runtime_pb2.ExpertResponse(tensors=[serialize_tensor(self._lie(x))])
 

@@ -2,9 +2,9 @@
 servers: an honest swarm's every mirrored position agrees and bans nobody; a server corrupting 1% of its steps with
 finite, plausible values is caught within 1,000 of its steps at the default sampling; a lying shadow replica cannot
 get an honest server banned (with no third replica nobody is banned); the shadow stream is an ordinary
-rpc_inference session marked in its first request, its prefill chunked, rollbacks and beam reorders mirrored; a
-shared finding is re-verified first-hand (a fabricated one is refuted and bans nobody; a true one bans only on the
-accused's own wrong answer); the sampling arithmetic meets its target."""
+rpc_inference session marked in its first request, its prefill chunked, rollbacks, beam reorders and deep prompts
+mirrored; a shared finding (deep prompts included) is re-verified first-hand (a fabricated one is refuted and bans
+nobody; a true one bans only on the accused's own wrong answer); the sampling arithmetic meets its target."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import random
 
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
+from safetensors.torch import save as save_tensors
 from tests.helpers.hostile_server import corrupt
 from tests.unit.test_client_distrust import Server
 
@@ -20,6 +22,7 @@ from corolla.client.session.inference_session import InferenceSession
 from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, SHADOW_CHUNK_TOKENS, escape_probability
 from corolla.client.verification.findings import check_finding, decode_finding, encode_finding
 from corolla.client.verification.stretches import Finding
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.shadow import SHADOW_KEY
 from helpers.fake_chain import HIDDEN, FakeManager, reference
 
@@ -170,6 +173,96 @@ def test_beam_search_is_mirrored_with_its_reorders_and_a_server_lying_only_there
     assert [finding.peer_id for finding in session.shadows.findings] == ["liar"]
 
 
+class PromptWatcher(Server):
+    """Keeps the deep prompts each inference session's first request carried (`prompts_seen`); with `lie_if_prompted`
+    it lies in every answer of a session opened with deep prompts, and only there."""
+
+    def __init__(self, start: int, end: int, *, lie_if_prompted: bool = False, **kw):
+        super().__init__(start, end, **kw)
+        self.lie_if_prompted, self.prompts_seen = lie_if_prompted, []
+
+    async def _serve(self, requests):
+        prompted: list[bool] = []  # this stream's: was its first request sent with prompts?
+
+        async def watched():
+            async for request in requests:
+                if not prompted:
+                    prompts = deserialize_tensor(request.tensors[1])
+                    prompted.append(prompts.numel() > 0)
+                    self.prompts_seen.append(prompts)
+                yield request
+
+        async for response in super()._serve(watched()):
+            if prompted[0] and self.lie_if_prompted:
+                lie = corrupt(deserialize_tensor(response.tensors[0]), "garbage", self.generator)
+                response = runtime_pb2.ExpertResponse(tensors=[serialize_tensor(lie)])
+            yield response
+
+
+def _prompted(manager, deep: torch.Tensor | None, tokens: int = 12, prompt: int = 4) -> InferenceSession:
+    """A session whose first step (a prompt of `prompt` tokens) carries the deep prompts `deep` [4, 1, P, H]."""
+    torch.manual_seed(9)
+    hidden = torch.randn(1, tokens, HIDDEN)
+    with InferenceSession(manager, max_length=tokens) as session:
+        session.step(hidden[:, :prompt], prompts=deep)
+        for t in range(prompt, tokens):
+            session.step(hidden[:, t : t + 1])
+        background_loop.run(session.shadows.settle())
+    return session
+
+
+def test_deep_prompts_are_mirrored_and_a_server_lying_only_in_those_sessions_is_caught() -> None:
+    """The shadow gets the span's deep prompts with its first chunk, as the server did (a server could lie in
+    deep-prompt sessions alone, unwatched, while their shadows were dropped): an honest replica agrees at every
+    position (prompts longer than a shadow chunk go with a first chunk that holds them all); a server lying only in
+    such sessions is caught 2:1 (the third replica recomputes with the prompts), and its finding carries them, so a
+    receiver's re-verification recomputes what the accused computed."""
+    generator = torch.Generator().manual_seed(2)
+    long_deep = 0.5 * torch.randn(4, 1, SHADOW_CHUNK_TOKENS + 6, HIDDEN, generator=generator)
+    servers = {"A1": PromptWatcher(0, 4), "A2": PromptWatcher(0, 4)}
+    session = _prompted(FakeManager(servers, 4, verify_shadow_fraction=1.0), long_deep, tokens=84, prompt=80)
+    assert session.shadows.shadows, "the session was not mirrored"
+    shadow = session.shadows.shadows[0]
+    assert shadow.state == "agreed" and shadow.positions_compared == 84 and shadow.max_error == 0.0, shadow.state
+    replica = servers[shadow.replica.peer_id]
+    assert torch.equal(replica.prompts_seen[0], long_deep)  # the prompts went to the replica, with its first request
+    assert [tokens for _, tokens in replica.requests[:2]] == [SHADOW_CHUNK_TOKENS + 6, 80 - SHADOW_CHUNK_TOKENS - 6]
+    deep = 0.5 * torch.randn(4, 1, 3, HIDDEN, generator=generator)
+    liar = PromptWatcher(0, 4, lie_if_prompted=True, inference_rps=1e6)  # looks fastest: the route goes through it
+    servers = {"liar": liar, "A2": Server(0, 4), "A3": Server(0, 4)}
+    manager = FakeManager(servers, 4, verify_shadow_fraction=1.0)
+    plain = _prompted(manager, None)
+    assert plain.shadows.shadows[0].span.peer_id == "liar"  # it served the plain session ...
+    assert plain.shadows.shadows[0].state == "agreed" and not manager.bans.banned_peers()  # ... honestly
+    session = _prompted(manager, deep)
+    assert session.shadows.shadows[0].state == "caught" and manager.bans.is_liar("liar"), session.shadows.shadows
+    (finding,) = session.shadows.findings
+    assert finding.peer_id == "liar" and finding.prompts is not None and torch.equal(finding.prompts, deep)
+    wire = decode_finding(encode_finding(finding))
+    assert wire.prompts is not None and torch.equal(wire.prompts, deep)
+    honest = FakeManager({"A2": Server(0, 4), "A3": Server(0, 4), "liar": Server(0, 4)}, 4)
+    framed = Finding("liar", (0, 4), wire.inputs, reference(wire.inputs, 4, deep)[:, wire.first :], wire.first, deep)
+    assert background_loop.run(check_finding(honest, framed)) == "refuted"  # its true answer, prompts and all
+    stripped = Finding("liar", (0, 4), framed.inputs, framed.claimed, framed.first)  # the prompts left out
+    assert background_loop.run(check_finding(honest, stripped)) == "suspect" and not honest.bans.banned_peers()
+
+
+def test_deep_prompts_after_position_0_end_the_shadow_without_a_verdict() -> None:
+    """Petals adds a later step's prompts to that step's first positions, corolla to positions [0, P): honest
+    servers of the two kinds would disagree there, so that span session is no longer mirrored (nobody banned)."""
+    servers = {"A1": Server(0, 4), "A2": Server(0, 4), "A3": Server(0, 4)}
+    manager = FakeManager(servers, 4, verify_shadow_fraction=1.0)
+    hidden = torch.randn(1, 8, HIDDEN)
+    with InferenceSession(manager, max_length=8) as session:
+        session.step(hidden[:, :4])
+        background_loop.run(session.shadows.settle())  # (the prompt step compared before the shadow ends)
+        session.step(hidden[:, 4:6], prompts=torch.randn(4, 1, 2, HIDDEN))
+        session.step(hidden[:, 6:7])
+        background_loop.run(session.shadows.settle())
+    shadow = session.shadows.shadows[0]
+    assert shadow.state == "dropped" and shadow.positions_compared == 4 and not manager.bans.banned_peers()
+
+
 def replica_outputs_last(session: InferenceSession) -> torch.Tensor:
     return session.shadows.shadows[0].session.last_outputs
 
@@ -204,6 +297,26 @@ def test_hostile_finding_bytes_are_value_errors() -> None:
             decode_finding(bad)
     with pytest.raises(ValueError, match="claimed outputs"):
         decode_finding(encode_finding(Finding("peer", (0, 2), inputs, inputs[:, 2:], 1)))
+    prompts = torch.randn(2, 1, 3, HIDDEN)
+    assert torch.equal(
+        decode_finding(encode_finding(Finding("peer", (0, 2), inputs, inputs[:, 1:], 1, prompts))).prompts, prompts
+    )
+    for bad_prompts in (
+        torch.randn(3, 1, 3, HIDDEN),  # not one per block of the span
+        torch.randn(2, 2, 3, HIDDEN),  # a batch of 2 for inputs of 1
+        torch.randn(2, 1, 5, HIDDEN),  # longer than the stretch
+        torch.randn(2, 1, 0, HIDDEN),  # empty
+        torch.randn(2, 1, 3, HIDDEN + 1),
+        torch.randn(2, 3, HIDDEN),
+        torch.ones(2, 1, 3, HIDDEN, dtype=torch.int32),
+        torch.full((2, 1, 3, HIDDEN), float("nan")),
+    ):
+        with pytest.raises(ValueError, match="prompts|finite"):
+            decode_finding(encode_finding(Finding("peer", (0, 2), inputs, inputs[:, 1:], 1, bad_prompts)))
+    meta = {"peer_id": "peer", "start": "0", "end": "2", "first": "1"}
+    extra = save_tensors({"inputs": inputs, "claimed": inputs[:, 1:].clone(), "more": inputs.clone()}, metadata=meta)
+    with pytest.raises(ValueError, match="unknown tensors"):
+        decode_finding(extra)
 
 
 async def _forward(manager, peer: str, inputs: torch.Tensor) -> torch.Tensor:

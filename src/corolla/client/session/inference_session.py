@@ -147,8 +147,6 @@ class InferenceSession:
             hypo_ids = hypo_ids.cpu()
         if self._position == 0:
             self._zero_prompts = prompts
-        if prompts is not None:
-            self.shadows.stop("deep prompts")  # steps a shadow session does not repeat
         self._batch_size = batch_size
         cpu_inputs = inputs.detach().cpu()
         chain = self.prefix
@@ -263,7 +261,7 @@ class InferenceSession:
                 return None
             self.manager.on_request_success(span_session.span.peer_id)
             if span_session.last_outputs is not None:
-                self.shadows.after_step(span_session, span_session.last_outputs, hidden_from)
+                self.shadows.after_step(span_session, span_session.last_outputs, hidden_from, prompts=span_prompts)
         self.num_steps_here += 1
         return hidden[:, position - hidden_from :]
 
@@ -319,7 +317,9 @@ class InferenceSession:
                 )
                 self.num_pushed_steps += span_session.last_reply_pushed
                 if span_session.last_outputs is not None:
-                    self.shadows.after_step(span_session, span_session.last_outputs, outputs_from, hypo_ids)
+                    self.shadows.after_step(
+                        span_session, span_session.last_outputs, outputs_from, hypo_ids, span_prompts
+                    )
                 if verify and span_session.last_outputs is not None and span_session.history is not None:
                     await self.verifier.verify(span, span_session.history, span_session.last_outputs)
                 self.manager.on_request_success(span.peer_id)

@@ -14,7 +14,12 @@ lying replica cannot get an honest server banned, and the `Finding` is kept; `cl
 
 Sampling is by whole span session: a position can be recomputed only with the KV of every position before it, so a
 sampled session is mirrored from its position 0 (a span session that starts after a prefix its server reused from
-its cache, or that uses deep prompts, is not mirrored; beam search's reorders are mirrored with their steps). A server corrupting a share q of its steps,
+its cache is not mirrored). Beam search's reorders are mirrored with their steps, and so are deep prompts (deep
+prompt tuning: the span's slice of `[blocks, B|1, P, H]`, sent with the requests from position 0, in the
+`rpc_inference` tensor where Petals takes them); a span session sent deep prompts with a step after position 0 is
+no longer mirrored (a Petals server adds a step's prompts to that step's first positions, a corolla server to
+positions [0, P): honest servers of both kinds would disagree, and no one-pass `rpc_forward` could decide). A server
+corrupting a share q of its steps,
 in sessions of L steps each shadowed with probability f, escapes N of its steps with probability about
 (1 - f (1 - (1 - q)^L))^(N / L) (`escape_probability`); measured with this class
 (`python -m benchmarks.field.catch_rate`, 5,000 seeded careers, sessions of 17-257 steps): f = 0.75 catches a 1%-liar
@@ -66,13 +71,15 @@ def escape_probability(lie_rate: float, steps: int, session_steps: int, fraction
 @dataclass
 class Mirrored:
     """One step of the span session as sent: its inputs [B, T, H] for positions [first, first + T), the outputs
-    the server returned for them (as it sent them) and the beam reorder it applied first (`hypo_ids` [B]: row i of
-    the cache continues row hypo_ids[i]; None: none)."""
+    the server returned for them (as it sent them), the beam reorder it applied first (`hypo_ids` [B]: row i of
+    the cache continues row hypo_ids[i]; None: none) and the span's deep prompts sent with it (`prompts`
+    [blocks, B|1, P, H], P <= T, only with first == 0; None: none)."""
 
     inputs: torch.Tensor
     claimed: torch.Tensor
     first: int
     hypo_ids: torch.Tensor | None = None
+    prompts: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -90,10 +97,12 @@ class Shadow:
     task: concurrent.futures.Future[None] | None = None
     sent: torch.Tensor | None = None  # [B, capacity, H]: the inputs replayed, positions [0, sent_length)
     sent_length: int = 0
+    prompts: torch.Tensor | None = None  # [blocks, B|1, P, H]: the deep prompts in the caches (sent at position 0)
 
     def record(self, step: Mirrored) -> None:
         """Keeps `step`'s inputs as positions [first, first + T) (a rollback overwrites from `first`; a beam reorder
-        reorders the rows before `first`, as the servers' caches; the buffer grows by doubling)."""
+        reorders the rows before `first`, as the servers' caches, per-row prompts included; a step from position 0
+        brings the prompts in effect; the buffer grows by doubling)."""
         end = step.first + step.inputs.shape[1]
         buf = self.sent
         if buf is None or buf.shape[1] < end:
@@ -103,6 +112,10 @@ class Shadow:
             self.sent = buf = grown
         if step.hypo_ids is not None:
             buf[:, : step.first] = buf[step.hypo_ids, : step.first]  # (the right side is a copy)
+            if self.prompts is not None and self.prompts.shape[1] > 1:
+                self.prompts = self.prompts[:, step.hypo_ids]  # row i now holds row hypo_ids[i]'s prompted states
+        if step.first == 0:
+            self.prompts = step.prompts
         buf[:, step.first : end] = step.inputs
         self.sent_length = end
 
@@ -118,7 +131,6 @@ class ShadowVerifier:
         self.referees = StretchReferees(manager, rng=self.rng)
         self._drawn: dict[int, tuple[SpanSession, Shadow | None]] = {}  # id(span session) -> (it, its shadow)
         self._lock = threading.Lock()  # steps run in the caller's thread or on the client loop
-        self._stopped = False
         self.num_sessions = 0  # span sessions drawn
         self.findings: list[Finding] = []
         self.undecided: list[Finding] = []
@@ -135,27 +147,30 @@ class ShadowVerifier:
     def num_positions_verified(self) -> int:
         return sum(shadow.positions_compared for shadow in self.shadows)
 
-    def stop(self, reason: str) -> None:
-        """No more mirroring in this session (deep prompts: steps a shadow would not repeat)."""
-        if self._stopped:
-            return
-        self._stopped = True
-        for shadow in self.shadows:
-            self._end(shadow, "dropped", reason)
-
     def after_step(
-        self, span_session: SpanSession, outputs: torch.Tensor, first: int, hypo_ids: torch.Tensor | None = None
+        self,
+        span_session: SpanSession,
+        outputs: torch.Tensor,
+        first: int,
+        hypo_ids: torch.Tensor | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> None:
         """After `span_session`'s server answered positions [first, first + T) with `outputs` [B, T, H], having
-        reordered its cache by `hypo_ids` [B] first (beam search; None: no reorder)."""
-        if self.fraction <= 0 or self._stopped:
+        reordered its cache by `hypo_ids` [B] first (beam search; None: no reorder), given the span's deep prompts
+        `prompts` [blocks, B|1, P, H] with the request (None or empty: none)."""
+        if self.fraction <= 0:
             return
+        if prompts is not None and prompts.numel() == 0:
+            prompts = None
         with self._lock:
             drawn = self._drawn.get(id(span_session))
             if drawn is None:
                 drawn = self._drawn[id(span_session)] = (span_session, self._draw(span_session, first))
         shadow = drawn[1]
         if shadow is None or shadow.state != "mirroring":
+            return
+        if prompts is not None and first > 0:
+            self._end(shadow, "dropped", "deep prompts after position 0 (placed differently by Petals and corolla)")
             return
         history = span_session.history  # [B, n, H]: what the server's cache holds, these inputs included
         if history is None or history.shape[1] < first + outputs.shape[1]:
@@ -164,7 +179,9 @@ class ShadowVerifier:
         if shadow.queued >= MAX_SHADOW_LAG_STEPS:
             self._end(shadow, "dropped", f"the replica is {shadow.queued} steps behind")
             return
-        step = Mirrored(history[:, first : first + outputs.shape[1]].clone(), outputs.detach().clone(), first, hypo_ids)
+        inputs = history[:, first : first + outputs.shape[1]].clone()
+        kept_prompts = None if prompts is None else prompts.detach().clone()  # (tuned prompts change as they train)
+        step = Mirrored(inputs, outputs.detach().clone(), first, hypo_ids, kept_prompts)
         with self._lock:
             shadow.queued += 1
         background_loop.get_loop().call_soon_threadsafe(shadow.queue.put_nowait, step)  # in order, from any thread
@@ -248,20 +265,27 @@ class ShadowVerifier:
     async def replay(self, shadow: Shadow, step: Mirrored) -> torch.Tensor:
         """The replica's outputs [B, T, H] for the mirrored step, sent in chunks of `SHADOW_CHUNK_TOKENS` (a
         rollback overwrites the shadow's cache from `step.first`, as it did the server's; a beam reorder goes with
-        the first chunk, as it went to the server)."""
+        the first chunk, as it went to the server, and so do deep prompts, that chunk then at least their P tokens
+        long: a Petals server adds them to its request's first P positions, a corolla server to positions [0, P))."""
         session = shadow.session
         batch, length, _ = step.inputs.shape
         chunk = max(1, SHADOW_CHUNK_TOKENS // batch)
+        prompts = NO_TENSOR if step.prompts is None else step.prompts
         outputs = []
-        for start in range(0, length, chunk):
+        start = 0
+        while start < length:
+            first_chunk = start == 0
+            end = start + (max(chunk, prompts.shape[2]) if first_chunk and prompts.numel() else chunk)
             position = step.first + start
             extra = {SHADOW_KEY: True} if session.position == 0 and position == 0 else {}
-            hypo_ids = step.hypo_ids if step.hypo_ids is not None and start == 0 else NO_IDS
             out, _ = await session.step(
-                step.inputs[:, start : start + chunk], position, position=position, prompts=NO_TENSOR,
-                hypo_ids=hypo_ids, step_id=str(uuid.uuid4()), extra=extra,
+                step.inputs[:, start:end], position, position=position,
+                prompts=prompts if first_chunk else NO_TENSOR,
+                hypo_ids=step.hypo_ids if step.hypo_ids is not None and first_chunk else NO_IDS,
+                step_id=str(uuid.uuid4()), extra=extra,
             )  # fmt: skip
             outputs.append(out)
+            start = end
         return torch.cat(outputs, dim=1)
 
     async def _disagreement(self, shadow: Shadow, step: Mirrored, recomputed: torch.Tensor, error: float) -> None:
@@ -269,7 +293,9 @@ class ShadowVerifier:
         assert shadow.sent is not None, "recorded before the comparison"
         span = shadow.span
         inputs = shadow.sent[:, : shadow.sent_length].clone()  # [B, b, H]: every input replayed, this step's last
-        finding = Finding(span.peer_id, (span.start, span.end), inputs, step.claimed, step.first, error)
+        finding = Finding(
+            span.peer_id, (span.start, span.end), inputs, step.claimed, step.first, shadow.prompts, max_error=error
+        )
         thirds = self.referees.replicas(span, {span.peer_id, shadow.replica.peer_id})
         verdict = await self.referees.decide(span, shadow.replica, recomputed, finding, thirds)
         if verdict == "caught":

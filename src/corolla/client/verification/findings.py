@@ -1,10 +1,11 @@
 """Sharing what verification caught (`client.verification.stretches.Finding`) without letting a liar frame an honest server.
 
 A finding is bytes (`encode_finding` / `decode_finding`: safetensors, bounded before parsing, shapes checked): the
-accused, its blocks, the span's inputs for positions [0, b) and the outputs it is said to have returned for
-[first, b). Servers do not sign their outputs, so nothing proves the accused sent those outputs: a receiver never
+accused, its blocks, the span's inputs for positions [0, b), the deep prompts its session sent with position 0 (if
+any: `[blocks, B|1, P, H]`, checked against the blocks and the inputs' shape) and the outputs it is said to have
+returned for [first, b). Servers do not sign their outputs, so nothing proves the accused sent those outputs: a receiver never
 bans on a finding. `check_finding` re-verifies it first-hand: a replica other than the accused recomputes the
-inputs (a claim that matches the recomputation is `refuted`: the reporter lied or erred); otherwise the accused is
+inputs with their prompts (a claim that matches the recomputation is `refuted`: the reporter lied or erred); otherwise the accused is
 asked to compute the same inputs itself, and only if a second replica confirms that the accused's own answer is wrong
 (2:1, the rule of `client.verification.stretches`) is it banned (`caught`). A claim that checks out while the accused now answers
 honestly only marks the accused `suspect` (the receiver mirrors every session through it
@@ -12,6 +13,7 @@ from then on: `client.session.shadows`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from typing import Literal
@@ -29,6 +31,7 @@ logger = get_logger(__name__)
 
 MAX_FINDING_BYTES = 256 << 20  # inputs + claimed outputs of one stretch; refuse anything larger before parsing
 MAX_FINDING_POSITIONS = 1 << 16
+FINDING_TENSORS = {"inputs", "claimed", "prompts"}  # prompts: only where the session had deep prompts
 
 Verdict = Literal["refuted", "caught", "suspect", "unverifiable"]
 
@@ -36,9 +39,10 @@ Verdict = Literal["refuted", "caught", "suspect", "unverifiable"]
 def encode_finding(finding: Finding) -> bytes:
     meta = {"peer_id": finding.peer_id, "start": str(finding.blocks[0]), "end": str(finding.blocks[1]),
             "first": str(finding.first)}  # fmt: skip
-    return save_tensors(
-        {"inputs": finding.inputs.contiguous().clone(), "claimed": finding.claimed.contiguous().clone()}, metadata=meta
-    )
+    tensors = {"inputs": finding.inputs.contiguous().clone(), "claimed": finding.claimed.contiguous().clone()}
+    if finding.prompts is not None:
+        tensors["prompts"] = finding.prompts.contiguous().clone()
+    return save_tensors(tensors, metadata=meta)
 
 
 def decode_finding(data: bytes) -> Finding:
@@ -54,7 +58,9 @@ def decode_finding(data: bytes) -> Finding:
         meta = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
         tensors = load_tensors(data)
         peer_id, start, end, first = meta["peer_id"], int(meta["start"]), int(meta["end"]), int(meta["first"])
-        inputs, claimed = tensors["inputs"], tensors["claimed"]
+        inputs, claimed, prompts = tensors["inputs"], tensors["claimed"], tensors.get("prompts")
+        if not set(tensors) <= FINDING_TENSORS:
+            raise ValueError(f"unknown tensors {sorted(set(tensors) - FINDING_TENSORS)}")
     except (KeyError, ValueError, TypeError, AttributeError, json.JSONDecodeError) as e:
         raise ValueError(f"undecodable finding: {e!r}") from e
     except Exception as e:  # safetensors' own errors
@@ -68,9 +74,30 @@ def decode_finding(data: bytes) -> Finding:
         raise ValueError(f"a finding's positions must satisfy 0 <= first < b <= {MAX_FINDING_POSITIONS}")
     if claimed.shape != (inputs.shape[0], length - first, inputs.shape[2]) or not inputs.is_floating_point():
         raise ValueError(f"claimed outputs {list(claimed.shape)} do not match inputs {list(inputs.shape)} from {first}")
-    if not (torch.isfinite(inputs).all() and torch.isfinite(claimed).all()):
+    if prompts is not None:
+        check_prompts(prompts, end - start, inputs.shape)
+    if not all(bool(torch.isfinite(t).all()) for t in (inputs, claimed, prompts) if t is not None):
         raise ValueError("a finding's tensors must be finite")
-    return Finding(peer_id, (start, end), inputs, claimed, first)
+    return Finding(peer_id, (start, end), inputs, claimed, first, prompts)
+
+
+def check_prompts(prompts: torch.Tensor, num_blocks: int, inputs_shape: torch.Size) -> None:
+    """ValueError unless `prompts` fit the stretch they go with: [num_blocks, B|1, P, H] for inputs [B, b, H], with
+    1 <= P <= b (a Petals server adds them to positions [0, P)), floating point."""
+    batch, length, hidden = inputs_shape
+    shape = tuple(prompts.shape)
+    if (
+        prompts.ndim != 4
+        or shape[0] != num_blocks
+        or shape[1] not in (1, batch)
+        or not 1 <= shape[2] <= length
+        or shape[3] != hidden
+        or not prompts.is_floating_point()
+    ):
+        raise ValueError(
+            f"a finding's prompts must be [{num_blocks} blocks, {batch} or 1, 1..{length}, {hidden}] floats, got "
+            f"{prompts.dtype} {list(shape)}"
+        )
 
 
 async def check_finding(
@@ -89,7 +116,7 @@ async def check_finding(
     replicas = verifier.replicas(span, {finding.peer_id} | ({reporter} if reporter else set()))
     reference = None
     for replica in replicas:
-        reference = await verifier.recompute(replica, finding.inputs, finding.first)
+        reference = await verifier.recompute(replica, finding)
         if reference is not None:
             break
     if reference is None:
@@ -99,7 +126,7 @@ async def check_finding(
         return "refuted"
     if accused is None:
         return "unverifiable"
-    own = await verifier.recompute(span, finding.inputs, finding.first)  # the accused, asked by us
+    own = await verifier.recompute(span, finding)  # the accused, asked by us
     if own is None:
         return "unverifiable"
     if verifier.compare(own, reference, (span, replica))[0]:
@@ -108,7 +135,7 @@ async def check_finding(
             "findings.suspect(accused=...%s): the claim checks out, its own answer is right", finding.peer_id[-6:]
         )
         return "suspect"
-    own_finding = Finding(finding.peer_id, finding.blocks, finding.inputs, own, finding.first)
+    own_finding = dataclasses.replace(finding, claimed=own)
     if await verifier.verify(span, own_finding) == "caught":  # 2:1 with further replicas
         return "caught"
     manager.bans.suspect(finding.peer_id)

@@ -1,6 +1,6 @@
 """Deciding whether a server's claimed outputs for a stretch of a span's session are wrong (`StretchReferees`): a
 replica of the span recomputes the stretch as ONE stateless `rpc_forward` over the span's inputs for positions
-[0, b) (an existing RPC, so stock Petals servers serve as referees and are checked too), and the outputs the server
+[0, b) and its session's deep prompts, if any (an existing RPC, so stock Petals servers serve as referees and are checked too), and the outputs the server
 claimed for positions [first, b) are compared position by position within the dtype's tolerance. A disagreement is
 decided by a second replica: the server outvoted 2:1 is banned for good (`BanList.ban_liar`); with no second replica
 nobody is banned (an honest server must never be banned because one referee lied), and the finding is kept.
@@ -34,6 +34,7 @@ logger = get_logger(__name__)
 # both sides: 50x under each (benchmarks/RESULTS.md). A float replica checking a quantized server is not measured.
 FP32_STRETCH_RTOL = 1e-3
 QUANTIZED_STRETCH_RTOL = 0.3
+NO_PROMPTS = torch.empty(0)  # Petals' dummy: a stretch without deep prompts
 
 
 def stretch_rtol(dtype: torch.dtype, quantized: bool) -> float:
@@ -51,14 +52,17 @@ def position_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Finding:
-    """A server's claimed outputs shown wrong: blocks, the accused, the span's inputs for [0, b) and its claimed
-    outputs for [first, b). Shareable (`corolla.client.verification.findings`); a receiver re-verifies, never bans on it."""
+    """A server's claimed outputs shown wrong: blocks, the accused, the span's inputs for [0, b), the deep prompts
+    its session sent with position 0 (part of what it computed: a recomputation without them would differ from an
+    honest answer) and its claimed outputs for [first, b). Shareable (`corolla.client.verification.findings`); a
+    receiver re-verifies, never bans on it."""
 
     peer_id: str
     blocks: tuple[int, int]
     inputs: torch.Tensor  # [B, b, H]
     claimed: torch.Tensor  # [B, b - first, H]
     first: int
+    prompts: torch.Tensor | None = None  # [end - start, B|1, P, H], P <= b, added at positions [0, P); None: none
     max_error: float = field(default=0.0, compare=False)
 
 
@@ -83,11 +87,12 @@ class StretchReferees:
         self.rng.shuffle(others)
         return others
 
-    async def recompute(self, replica: RemoteSpanInfo, inputs: torch.Tensor, first: int) -> torch.Tensor | None:
-        """The replica's outputs for positions [first, b) of `inputs` [B, b, H] in one rpc_forward; None if it
-        failed (a failed referee is not a liar)."""
+    async def recompute(self, replica: RemoteSpanInfo, finding: Finding) -> torch.Tensor | None:
+        """The replica's outputs for positions [first, b) of `finding`'s inputs [B, b, H] (with its deep prompts, as
+        Petals' rpc_forward takes them) in one rpc_forward; None if it failed (a failed referee is not a liar)."""
+        prompts = NO_PROMPTS if finding.prompts is None else finding.prompts
         try:
-            return (await run_remote_forward(self.manager, replica, inputs, torch.empty(0)))[:, first:]
+            return (await run_remote_forward(self.manager, replica, finding.inputs, prompts))[:, finding.first :]
         except Exception as e:
             logger.info("stretches.replica_failed(peer=...%s, error=%r)", replica.peer_id[-6:], e)
             return None
@@ -105,7 +110,7 @@ class StretchReferees:
         answers agrees with the claim), else `decide` with it; "undecided" where none answers."""
         referees = self.replicas(span, {span.peer_id})
         for index, referee in enumerate(referees):
-            recomputed = await self.recompute(referee, finding.inputs, finding.first)
+            recomputed = await self.recompute(referee, finding)
             if recomputed is None:
                 continue
             agrees, error = self.compare(finding.claimed, recomputed, (span, referee))
@@ -134,7 +139,7 @@ class StretchReferees:
         if thirds is None:
             thirds = self.replicas(span, {span.peer_id, referee.peer_id})
         for third in thirds:
-            decided = await self.recompute(third, finding.inputs, finding.first)
+            decided = await self.recompute(third, finding)
             if decided is None:
                 continue
             if self.compare(decided, recomputed, (third, referee))[0]:  # two replicas outvote the server
