@@ -206,12 +206,9 @@ class _LaunchedDecode:
         return None
 
 
-async def test_a_training_call_launches_before_the_runtime_waits_for_a_launched_decode(
-    backend: SpanBackend, monkeypatch
-) -> None:
-    """A decode batch the runtime launched is on the device while a training work waits: the training block call is
-    launched before the runtime waits for the decode (its launch, CPU work, overlaps the decode's device time) rather
-    than after the decode's results came back (the device idle during that launch)."""
+def _log_device(runtime: Runtime, backend: SpanBackend, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The order of work on the fake device: each training block call ("block<i>"), and each batch of kind "decode"
+    (registered on `runtime` here) when launched and when the runtime waits for it."""
     log: list[str] = []
     block_forward = backend.block_forward
 
@@ -219,15 +216,25 @@ async def test_a_training_call_launches_before_the_runtime_waits_for_a_launched_
         log.append(f"block{index}")
         return block_forward(index, hidden, prompt)
 
-    monkeypatch.setattr(backend, "block_forward", logged_block_forward)
-    release = threading.Event()
-
     def launch_decode(tasks: list[Task]) -> _LaunchedDecode:
         log.append("decode.launch")
         return _LaunchedDecode(log, len(tasks))
 
+    monkeypatch.setattr(backend, "block_forward", logged_block_forward)
+    runtime.register_batch_executor("decode", lambda tasks: [None] * len(tasks), launcher=launch_decode)
+    return log
+
+
+async def test_a_training_call_launches_before_the_runtime_waits_for_a_launched_decode(
+    backend: SpanBackend, monkeypatch
+) -> None:
+    """A decode batch the runtime launched is on the device while a training work waits: the training block call is
+    launched before the runtime waits for the decode (its launch, CPU work, overlaps the decode's device time) rather
+    than after the decode's results came back (the device idle during that launch)."""
+    release = threading.Event()
+
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        runtime.register_batch_executor("decode", lambda tasks: [None] * len(tasks), launcher=launch_decode)
+        log = _log_device(runtime, backend, monkeypatch)
         batcher = TrainingBatcher(backend, runtime)
         blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
         await asyncio.sleep(0.05)
@@ -247,19 +254,7 @@ async def test_training_waits_for_the_sessions_next_step_then_launches_behind_it
     """Once a decode batch is complete, a queued training work is not launched while the session is on its way back
     (the device thread would be busy launching it when the session's next step comes): it waits for that step, which
     launches first, and launches while the step is on the device; where no step comes, it waits `pace_hold_s`."""
-    log: list[str] = []
-    block_forward = backend.block_forward
-
-    def logged_block_forward(index: int, hidden: torch.Tensor, prompt: torch.Tensor | None) -> torch.Tensor:
-        log.append(f"block{index}")
-        return block_forward(index, hidden, prompt)
-
-    monkeypatch.setattr(backend, "block_forward", logged_block_forward)
     release = threading.Event()
-
-    def launch_decode(tasks: list[Task]) -> _LaunchedDecode:
-        log.append("decode.launch")
-        return _LaunchedDecode(log, len(tasks))
 
     def decode_step() -> asyncio.Future:
         return runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind="decode",
@@ -267,7 +262,7 @@ async def test_training_waits_for_the_sessions_next_step_then_launches_behind_it
 
     with Runtime(max_batch_size_tokens=1024) as runtime:
         runtime.pace_hold_s = 30.0  # the session always comes back before the hold runs out, here
-        runtime.register_batch_executor("decode", lambda tasks: [None] * len(tasks), launcher=launch_decode)
+        log = _log_device(runtime, backend, monkeypatch)
         batcher = TrainingBatcher(backend, runtime)
         blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
         await asyncio.sleep(0.05)
