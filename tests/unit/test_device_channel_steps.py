@@ -389,6 +389,44 @@ def test_pushes_short_of_what_the_runtime_waits_for_do_not_wake_it() -> None:
     assert len(queue.pop_batch(max_batch_tokens=100, mergeable_kinds=(), timeout_s=0)) == 1
 
 
+class _CountingCondition(threading.Condition):
+    """Counts the waits its waiter starts: one more each time it was woken and waits again."""
+
+    waits = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        return super().wait(timeout)
+
+
+def test_the_loops_deferred_wake_short_of_what_the_runtime_waits_for_does_not_wake_it() -> None:
+    # a front's steps are pushed without a notification and the loop wakes the device thread once per iteration
+    # (`Runtime.queue` -> `TaskQueue.wake`): that wake obeys the count `wait_for_pushes` waits for, as a push's does
+    # (before, every loop iteration with a step woke the gathering device thread: a futex wake for the loop and a
+    # GIL hand-off for both threads per iteration, ~12% of one front's loop at 16 sessions on the dev VM)
+    queue = TaskQueue()
+    condition = queue._cond = _CountingCondition()
+
+    def task(steps: int) -> Task:
+        return Task(fn=lambda: None, priority=1.0, size_tokens=steps, future=None, loop=None, steps=steps)
+
+    waiter = threading.Thread(target=queue.wait_for_pushes, args=(3, 10.0))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while condition.waits != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    for _ in range(2):
+        queue.push(task(1), notify=False)
+        queue.wake()
+    time.sleep(0.05)  # time enough for a woken waiter to wait again
+    assert condition.waits == 1 and waiter.is_alive() and queue.num_wakeups == 0
+    queue.push(task(1), notify=False)
+    queue.wake()  # 3 in all: wakes it
+    waiter.join(5)
+    assert not waiter.is_alive() and condition.waits == 1 and queue.num_wakeups == 1
+
+
 @pytest.mark.parametrize("shape", [(1, 1, H), (2, 3, H)])
 def test_a_request_of_bytes_is_the_request_the_constructor_builds(shape: tuple[int, int, int]) -> None:
     import dataclasses

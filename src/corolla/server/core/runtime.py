@@ -249,8 +249,12 @@ class TaskQueue:
                 self._cond.notify()
 
     def wake(self) -> None:
+        """The notification that pushes with `notify=False` left out, under the same rule as `push`'s: a consumer
+        waiting in `wait_for_pushes` is woken only once the steps it waits for are all there."""
         with self._cond:
-            self._cond.notify()
+            if self._steps >= self._wanted:
+                self.num_wakeups += 1
+                self._cond.notify()
 
     def _count_back(self, task: Task) -> None:
         """Counts each of `task`'s sessions back for the oldest watched forward that holds it (under the lock)."""
@@ -290,7 +294,7 @@ class TaskQueue:
 
     def wait_for_pushes(self, count: int, timeout_s: float) -> None:
         """Waits up to `timeout_s` until `count` steps were pushed in all (or the queue closed); pushes short of
-        `count` don't wake it (`wake()` and `close()` do)."""
+        `count` don't wake it (`close()` does)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             self._wanted = count
