@@ -160,7 +160,8 @@ _INFERENCE_KEYS = frozenset(
         "pushed",
     }
 )
-_STEP_KEYS = frozenset({"session_id", "step_id", "start_from_position", "args_structure"})  # a Petals decode step
+# a decode step as Petals' client sends it, and corolla's (which repeats the session's `points` and `active_adapter`)
+_STEP_KEYS = frozenset({"session_id", "step_id", "points", "active_adapter", "start_from_position", "args_structure"})
 _NOT_STEP_KEYS = _INFERENCE_KEYS - _STEP_KEYS  # known keys a decode step does not carry
 _FORWARD_KEYS = frozenset({"points", "active_adapter", "args_structure", "output_compression"})
 
@@ -188,15 +189,18 @@ class InferenceRequestMetadata:
         if not isinstance(source, Mapping):
             raise ValueError(f"metadata must be a dict, got {type(source).__name__}")
         if _NOT_STEP_KEYS.isdisjoint(source):
-            # a decode step as a Petals client sends it (corolla's adds extension keys, kept in `extra`): only these
-            # keys are checked, every other field is absent and keeps its default (exactly what the general path
-            # below returns for them). Built without the frozen init's one object.__setattr__ per field (~2.5 us a
-            # step): its fields set at once, the defaults' copy
+            # a decode step as a Petals or corolla client sends it (corolla's adds extension keys, kept in `extra`):
+            # only these keys are checked (in the general path's order: the same first error), every other field is
+            # absent and keeps its default (exactly what the general path below returns for them). Built without the
+            # frozen init's one object.__setattr__ per field (~2.5 us a step): its fields set at once, the defaults'
+            # copy
             step = object.__new__(cls)
             step.__dict__.update(
                 _STEP_DEFAULTS,
                 session_id=_get_str(source, "session_id", None),
                 step_id=_get_str(source, "step_id", None),
+                points=_get_points(source),
+                active_adapter=_get_str(source, "active_adapter", "") or "",
                 args_structure=source.get("args_structure"),
                 start_from_position=_get_nonneg_int(source, "start_from_position"),
                 extra={} if _STEP_KEYS.issuperset(source) else {k: v for k, v in source.items() if k not in _STEP_KEYS},
