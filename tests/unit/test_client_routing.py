@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import corolla.client.routing.sequence_manager as routing_module
-from corolla.client.calls.retries import RetryBudget
+from corolla.client.calls.retries import RetryBudget, has_alternative
 from corolla.client.config import ClientConfig
 from corolla.client.routing.bans import BanList
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
@@ -274,6 +274,24 @@ def test_a_cache_refusal_rereads_avoids_the_server_and_reroutes_at_once(monkeypa
     assert chain(manager.make_sequence(mode="min_latency")) == [("roomy", 0, 4)]
     assert "full" not in manager.bans.banned_peers() and manager.avoided_peers() == {"full"}
     assert budget.on_failure(refusal, "full", (0, 4)) > 0  # refused again and again: the swarm looks full
+
+
+def test_a_failing_sole_server_is_kept_and_the_records_are_read_again():
+    """The only server of the blocks fails on the network: it is not banned (its link may come back), and the client
+    asks for a fresh read of the records, so a replica that came online since the last read takes over instead of
+    the retries going to the dead server alone until the budget runs out."""
+    servers = {"lone": info(0, 4)}
+    manager = FakeSwarmManager(ClientConfig(), servers, 4)
+    manager.update()
+    servers["replica"] = info(0, 4)  # online after the client's last read
+    requested = []
+    manager.request_update = lambda: requested.append(1) or manager.update()  # the background thread's refresh
+    budget = RetryBudget(manager)
+    assert budget.on_failure(ConnectionError("reset by peer"), "lone", (0, 4)) <= 1.0
+    assert requested and "lone" not in manager.bans.banned_peers()
+    assert has_alternative(manager, "lone", (0, 4))  # the replica is in the view now
+    budget.on_failure(ConnectionError("reset by peer"), "lone", (0, 4))  # no longer the only one: banned
+    assert chain(manager.make_sequence(mode="min_latency")) == [("replica", 0, 4)]
 
 
 def test_a_cache_refusal_of_a_blocks_only_server_does_not_hide_it():

@@ -2,7 +2,8 @@
 that failed, sleeps with back-off, and ends in `NoHonestServerError` (naming the blocks and the servers tried and
 banned) once `ClientConfig.max_retries` failed attempts or `max_wait_s` seconds of failing have passed. A network
 failure of the only server of some block is not banned (a ban would hide the one server that can answer once its link
-is back): it is retried every `SOLE_SERVER_RETRY_S`. A server out of KV cache is not banned: the client avoids it for a
+is back): it is retried every `SOLE_SERVER_RETRY_S`, and the records are read again at once (a replica that joined
+since the last read takes over). A server out of KV cache is not banned: the client avoids it for a
 while, re-reads the records and re-routes at once (`swarm.cache_refusals`)."""
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def blame(manager: RemoteSequenceManager, error: BaseException, peer_id: str | N
             error,
             SOLE_SERVER_RETRY_S,
         )
+        manager.request_update()  # a replica that came online since the last read of the records may take over
         return False
     manager.on_request_failure(peer_id)
     return True
