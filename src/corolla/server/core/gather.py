@@ -30,8 +30,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-EWMA_WEIGHT = 0.2  # weight of the newest return-time observation
+EWMA_WEIGHT = 0.2  # weight of the newest observation of a learned time (`ewma`)
 MAX_RETURN_FORWARDS = 2.0  # an observed return counts for at most this many of the last forward's seconds
+
+
+def ewma(previous: float | None, observed: float) -> float:
+    """A learned time after one more observation (the first observation stands alone): the runtime thread's
+    estimates of return times, forwards' device seconds and launches' seconds."""
+    return observed if previous is None else previous + EWMA_WEIGHT * (observed - previous)
 
 
 @dataclass(frozen=True)
@@ -124,5 +130,4 @@ class GatherRule:
         observed_s = max(0.0, observed_s)
         if self.forward_s is not None:
             observed_s = min(observed_s, MAX_RETURN_FORWARDS * self.forward_s)
-        previous = self.return_s
-        self.return_s = observed_s if previous is None else previous + EWMA_WEIGHT * (observed_s - previous)
+        self.return_s = ewma(self.return_s, observed_s)

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from corolla.server.core.batch_counts import BATCH_SECONDS_BOUNDS, BATCH_STEPS_BOUNDS, BatchCounts
-from corolla.server.core.gather import EWMA_WEIGHT, GatherRule, GatherSettings
+from corolla.server.core.gather import GatherRule, GatherSettings, ewma
 from corolla.server.core.refusals import RuntimeStopped
 from corolla.utils.logging import get_logger
 
@@ -238,12 +238,12 @@ class TaskQueue:
                 seq += 1
                 task.seq = seq
                 steps += task.steps
+                if not task.lead_after:
+                    self._led_pushed_s = task.submitted_at
                 if self._watches:
                     self._count_back(task)
                 heapq.heappush(heap, (*task.sort_key, task))
             self._seq, self._steps = seq, steps
-            if any(not task.lead_after for task in tasks):
-                self._led_pushed_s = max(task.submitted_at for task in tasks if not task.lead_after)
             if steps >= self._wanted:
                 self.num_wakeups += 1
                 self._cond.notify()
@@ -807,7 +807,7 @@ class Runtime:
             launched = self._launch(batch)
             self.num_held_launches += held
             if held and launched is not None:
-                self._launch_s = _ewma(self._launch_s, time.perf_counter() - woke_s)
+                self._launch_s = ewma(self._launch_s, time.perf_counter() - woke_s)
             if pending is not None:  # the device runs `launched` (if any) while this one's replies leave
                 self._finish(pending)
                 pending = None
@@ -927,7 +927,7 @@ class Runtime:
             device_s = launched.handle.device_s if launched.handle is not None else None
             if device_s is not None:  # what `_hold` expects of the next batch of this kind and size
                 key = _device_key(batch)
-                self._device_s[key] = _ewma(self._device_s.get(key), device_s)
+                self._device_s[key] = ewma(self._device_s.get(key), device_s)
             self._account(batch[0].kind, _steps(batch), launched.elapsed_s, device_s)
         launched.results = results
         return results
@@ -988,10 +988,6 @@ class Runtime:
                 loop.call_soon_threadsafe(resolve_all, items)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
-
-
-def _ewma(previous: float | None, observed: float) -> float:
-    return observed if previous is None else previous + EWMA_WEIGHT * (observed - previous)
 
 
 def _device_key(batch: list[Task]) -> tuple[str, int]:
