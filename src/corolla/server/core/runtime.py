@@ -96,13 +96,16 @@ class Task:
     # no task that may lead at once was queued for as long (`TaskQueue._lead_at`); it ranks as a task of its priority
     # queued then (`sort_key`)
     lead_after: float = 0.0
+    # the `time.monotonic()` it ranks at among the tasks of its priority (0: its lead time, else its queueing): a
+    # training work ranks at its request's arrival, so that a request's works go before any later request's
+    ranks_at: float = 0.0
 
     @property
     def sort_key(self) -> tuple[float, float, int]:
-        """Its place in the queue (lowest first): priority, then the time it ranks at: its queueing, or for a held
-        task its lead time (it waits behind the tasks of its priority queued before then and goes ahead of those
-        queued after: its place ages with no re-sort), then the order of pushes."""
-        return (self.priority, self.lead_after or self.submitted_at, self.seq)
+        """Its place in the queue (lowest first): priority, then the time it ranks at: `ranks_at`, its queueing, or
+        for a held task its lead time (it waits behind the tasks of its priority queued before then and goes ahead of
+        those queued after: its place ages with no re-sort), then the order of pushes."""
+        return (self.priority, self.ranks_at or self.lead_after or self.submitted_at, self.seq)
 
     @property
     def abandoned(self) -> bool:
@@ -648,13 +651,15 @@ class Runtime:
         steps: int = 1,
         sessions: tuple[Hashable, ...] = (),
         lead_after_s: float = 0.0,
+        ranks_at: float = 0.0,
     ) -> Task:
         """A task for `queue`, not queued yet. Without `on_done` its result is `task.future`, resolved in the calling
         (running) asyncio loop; with `on_done` it is a callback task, built in any thread: `on_done(result, error)`
         runs in the thread that runs it (the device thread, or the queuing one when it runs inline), then `flush()`
         once per batch (several tasks sharing one flush get one call after all their `on_done`s). `steps`: the
         sessions' steps it carries (`Task.steps`), `sessions` their sessions' keys (`Task.sessions`); `lead_after_s`:
-        it may lead a batch only that many seconds from now (`Task.lead_after`: a shadow step's). Raises
+        it may lead a batch only that many seconds from now (`Task.lead_after`: a shadow step's); `ranks_at`: the
+        time it ranks at among its priority (`Task.ranks_at`: a training work's request's arrival). Raises
         ValueError if `size_tokens` exceeds `max_batch_size_tokens`, RuntimeStopped if the runtime is stopped."""
         if size_tokens > self.max_batch_size_tokens:
             raise ValueError(
@@ -672,7 +677,7 @@ class Runtime:
         return Task(
             fn=fn, priority=float(priority), size_tokens=size_tokens, future=future, loop=loop, kind=kind,
             merge_key=merge_key, payload=payload, on_done=on_done, flush=flush, steps=steps, sessions=sessions,
-            lead_after=time.monotonic() + lead_after_s if lead_after_s else 0.0,
+            lead_after=time.monotonic() + lead_after_s if lead_after_s else 0.0, ranks_at=ranks_at,
         )  # fmt: skip
 
     def queue(self, tasks: Task | list[Task], *, inline: bool = False) -> None:

@@ -14,10 +14,10 @@ it runs and waits for that one only (no device sync per call, at most one call q
 inference step comes). Block calls are launched batches of the runtime (`_launch`): one popped while a decode batch
 is on the device is launched before the runtime waits for that decode, so its launch (CPU work) overlaps the decode's
 device time instead of following it with the device idle; they are background work (`gathered=False`), which the
-runtime does not launch while a session's step is on its way back (`runtime.PACE_HOLD_S`), so a returning decode step never
-waits for a training launch. Among themselves they run by their requests' arrival (all works of a request before any
-later request's; works at the same block still merge), so that the requests ahead go back to their clients while the
-ones behind run (docs/decisions/0045).
+runtime does not launch while a session's step is on its way back (`runtime.PACE_HOLD_S`), so a returning decode step
+never waits for a training launch. Among themselves they run by their requests' arrival (all works of a request before
+any later request's: they rank at its arrival, `Task.ranks_at`; works at the same block still merge), so that the
+requests ahead go back to their clients while the ones behind run (docs/decisions/0045).
 
 A forward's block inputs are kept for the backward of the same micro-batch (`training_activations`: per client,
 exact, bounded); a backward that finds them runs its backward works only, one that doesn't recomputes them."""
@@ -25,7 +25,6 @@ exact, bounded); a backward that finds them runs its backward works only, one th
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -55,13 +54,6 @@ TRAINING_KINDS = (KIND_TRAINING_FORWARD, KIND_TRAINING_BACKWARD)
 # a returning decode step waits too (docs/decisions/0026)
 FORWARD_MERGE_TOKENS = 2048
 BACKWARD_MERGE_TOKENS = 2048
-# training works among themselves, by their requests' arrival: a request's works at PRIORITY_FORWARD + its arrival
-# number x ARRIVAL_STEP (within the training class, below the next one), so that the requests ahead finish and go
-# back to their clients while the ones behind run (the clients' transfers overlap other clients' block calls instead
-# of all clients moving their tensors at once while the device idles: docs/decisions/0045); numbers wrap after
-# ARRIVAL_WRAP requests
-ARRIVAL_STEP = 1e-9
-ARRIVAL_WRAP = 10**8
 # forward activations kept for backwards: at most this many times the memory the server's sizing leaves free for
 # autograd (`sizing.autograd_reserve_bytes`), and on a GPU only while that reserve stays free beside them
 KEPT_RESERVE_MULTIPLE = 4
@@ -121,7 +113,11 @@ class BlockChain:
         self.error: BaseException | None = None
         self.future: asyncio.Future | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.arrival = 0  # the request's number among the batcher's requests
+        # when the request arrived (`time.monotonic()`): its works rank there among the training works (`Task.ranks_at`),
+        # so that the requests ahead finish and go back to their clients while the ones behind run (the clients'
+        # transfers overlap other clients' block calls instead of all clients moving their tensors at once while the
+        # device idles: docs/decisions/0045)
+        self.arrived_s = 0.0
 
     def next_work(self) -> BlockWork:
         phase, i = self.plan[self.done]
@@ -185,7 +181,6 @@ class TrainingBatcher:
         # and requests answered, seconds from queuing a request's first work to its answer
         self.num_requests = 0
         self.chain_s = 0.0
-        self._arrivals = itertools.count()
         # forwards' block inputs kept for their backwards (default: bounded by the sizing's autograd reserve)
         self.kept = kept if kept is not None else default_kept_activations(backend)
         self.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
@@ -259,7 +254,7 @@ class TrainingBatcher:
         """Queues the chain's first work; the future of its result (resolved in this loop)."""
         chain.loop = asyncio.get_running_loop()
         chain.future = chain.loop.create_future()
-        chain.arrival = next(self._arrivals)
+        chain.arrived_s = time.monotonic()
         self._runtime.queue(self._task(chain))  # ValueError (too large) or RuntimeStopped here, to the caller
         return chain.future
 
@@ -267,15 +262,14 @@ class TrainingBatcher:
         work = chain.current = chain.next_work()
         rows, length = work.hidden.shape[:2]
         if work.phase == PHASE_FORWARD:
-            base, kind = PRIORITY_FORWARD, KIND_TRAINING_FORWARD
+            priority, kind = PRIORITY_FORWARD, KIND_TRAINING_FORWARD
         else:
-            base, kind = PRIORITY_BACKWARD, KIND_TRAINING_BACKWARD
-        priority = base + (chain.arrival % ARRIVAL_WRAP) * ARRIVAL_STEP
+            priority, kind = PRIORITY_BACKWARD, KIND_TRAINING_BACKWARD
         backend = self.backend
         return self._runtime.task(
             lambda: run_block_works(backend, [work])[0], priority=priority, size_tokens=rows * length,
             kind=kind, merge_key=(self._merge_id, work.phase, work.index, length, work.adapter),
-            payload=(chain, work), on_done=lambda _, error: self._done(chain, work, error),
+            payload=(chain, work), on_done=lambda _, error: self._done(chain, work, error), ranks_at=chain.arrived_s,
         )  # fmt: skip
 
     def _continue(self, chain: BlockChain, work: BlockWork, result: Any, error: BaseException | None) -> None:
