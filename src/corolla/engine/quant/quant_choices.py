@@ -124,16 +124,16 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         ops.quant_gemm[key] = gemm_best
         keep_tiles(items, best)
         ops.quant_mid.pop(key, None)  # (a tuning before may have left one)
-        mid = {}
-        if mma:  # 2 to MID_MAX_ROWS rows: the 16-row-tile configs, timed at that many rows
-            rows16 = many[:MID_MAX_ROWS]
+        # 2 to MID_MAX_ROWS rows, timed at that many rows: NF4's 16-row-tile matrix-unit configs; INT8's block
+        # configs where the row GEMV serves one row (it reads the weight once per x row)
+        if mma:
             mid_configs = [c for c in mma if c[1][1] <= MID_MAX_ROWS]
-            mid = time_configs(mid_configs, lambda c, w, x=rows16: quant_kernel(*c)(x, w, None), items, reps)
-            if mid:
-                ops.quant_mid[key] = min(mid, key=mid.__getitem__)
-        elif best[0] == "i8mma":  # it reads the weight once per x row: 2 to MID_MAX_ROWS rows on 16-row tiles
+        else:
+            mid_configs = block_configs if best[0] == "i8mma" else []
+        mid = {}
+        if mid_configs:
             rows16 = many[:MID_MAX_ROWS]
-            mid = time_configs(block_configs, lambda c, w, x=rows16: quant_kernel(*c)(x, w, None), items, reps)
+            mid = time_configs(mid_configs, lambda c, w, x=rows16: quant_kernel(*c)(x, w, None), items, reps)
             if mid:
                 ops.quant_mid[key] = min(mid, key=mid.__getitem__)
         per_call = 1000 / len(items)
