@@ -364,13 +364,15 @@ def test_step_inputs_give_a_tensor_from_bytes_or_refuse_without_either() -> None
         StepRequest(None, None, 0)  # type: ignore[arg-type]
 
 
+def _steps_task(steps: int) -> Task:
+    """A task carrying `steps` sessions' steps."""
+    return Task(fn=lambda: None, priority=1.0, size_tokens=steps, future=None, loop=None, steps=steps)
+
+
 def test_pushes_short_of_what_the_runtime_waits_for_do_not_wake_it() -> None:
     # the runtime thread waiting for a cohort's steps (`wait_for_pushes`) is woken once they are all there, not by
     # every frame on the way (each wake-up costs both threads a GIL hand-off); a pop waiter is woken by any push
     queue = TaskQueue()
-
-    def task(steps: int) -> Task:
-        return Task(fn=lambda: None, priority=1.0, size_tokens=steps, future=None, loop=None, steps=steps)
 
     waiter = threading.Thread(target=queue.wait_for_pushes, args=(8, 10.0))
     waiter.start()
@@ -378,13 +380,13 @@ def test_pushes_short_of_what_the_runtime_waits_for_do_not_wake_it() -> None:
     while queue._wanted != 8:
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    queue.push_many([task(3)])
-    queue.push(task(1))
+    queue.push_many([_steps_task(3)])
+    queue.push(_steps_task(1))
     assert queue.num_wakeups == 0 and waiter.is_alive()
-    queue.push_many([task(4)])  # 8 in all: wakes it
+    queue.push_many([_steps_task(4)])  # 8 in all: wakes it
     waiter.join(5)
     assert not waiter.is_alive() and queue.num_wakeups == 1
-    queue.push(task(1))  # nobody waits for a count: any push notifies
+    queue.push(_steps_task(1))  # nobody waits for a count: any push notifies
     assert queue.num_wakeups == 2
     assert len(queue.pop_batch(max_batch_tokens=100, mergeable_kinds=(), timeout_s=0)) == 1
 
@@ -407,9 +409,6 @@ def test_the_loops_deferred_wake_short_of_what_the_runtime_waits_for_does_not_wa
     queue = TaskQueue()
     condition = queue._cond = _CountingCondition()
 
-    def task(steps: int) -> Task:
-        return Task(fn=lambda: None, priority=1.0, size_tokens=steps, future=None, loop=None, steps=steps)
-
     waiter = threading.Thread(target=queue.wait_for_pushes, args=(3, 10.0))
     waiter.start()
     deadline = time.monotonic() + 5
@@ -417,11 +416,11 @@ def test_the_loops_deferred_wake_short_of_what_the_runtime_waits_for_does_not_wa
         assert time.monotonic() < deadline
         time.sleep(0.001)
     for _ in range(2):
-        queue.push(task(1), notify=False)
+        queue.push(_steps_task(1), notify=False)
         queue.wake()
     time.sleep(0.05)  # time enough for a woken waiter to wait again
     assert condition.waits == 1 and waiter.is_alive() and queue.num_wakeups == 0
-    queue.push(task(1), notify=False)
+    queue.push(_steps_task(1), notify=False)
     queue.wake()  # 3 in all: wakes it
     waiter.join(5)
     assert not waiter.is_alive() and condition.waits == 1 and queue.num_wakeups == 1
