@@ -13,6 +13,62 @@ from pathlib import Path
 
 import torch
 
+# The CUDA helpers the quantized row GEMVs share (quant_int8_gemv, quant_tile_gemv), put before a kernel's own source:
+# 16-byte loads of the weight stream and of x, bf16 x into fp16 for the matrix units, the output dtype's load and
+# rounding (the kernel's -D OUT_BF16: bf16, else fp16)
+CUDA_HELPERS = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+struct alignas(16) U4 { u32 x, y, z, w; };
+
+// 16 bytes of a stream read once (weight codes): read-only path, not kept in L1
+static __device__ __forceinline__ __attribute__((unused)) U4 ld_stream(const U4* p) {
+  U4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// 16 read-only bytes every program reads (x)
+static __device__ __forceinline__ __attribute__((unused)) U4 ld_nc(const U4* p) {
+  U4 v;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// a bf16 pair -> the fp16 pair of the values times 2^-8 (exact product, one rounding), the even value low: x as the
+// matrix units' fp16 operand, in range (the sums times 2^8 afterwards, exact)
+static __device__ __forceinline__ __attribute__((unused)) u32 bf16x2_to_f16x2(u32 v) {
+  const float lo = __fmul_rn(__uint_as_float(v << 16), 0.00390625f);
+  const float hi = __fmul_rn(__uint_as_float(v & 0xffff0000u), 0.00390625f);
+  u32 d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// a value of the output's dtype (a residual) -> fp32
+static __device__ __forceinline__ __attribute__((unused)) float load_out_type(const u16* p) {
+#if OUT_BF16
+  return __uint_as_float(((u32)*p) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
+  return f;
+#endif
+}
+
+// fp32 -> the output's dtype, rounded to nearest even
+static __device__ __forceinline__ __attribute__((unused)) u16 to_out_type(float v) {
+  u16 h;
+#if OUT_BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
+  return h;
+}
+"""
+
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}

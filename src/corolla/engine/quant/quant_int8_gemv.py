@@ -38,7 +38,7 @@ import ctypes
 
 import torch
 
-from corolla.engine.kernels.nvrtc_kernels import NvrtcKernel
+from corolla.engine.kernels.nvrtc_kernels import CUDA_HELPERS, NvrtcKernel
 from corolla.engine.quant.quant_weights import Int8Weight
 
 CHUNK_VALUES = 64  # 4 lanes x 16 codes of each of a tile's 16 rows; K must be a multiple of this
@@ -52,38 +52,9 @@ INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (4, 4, 2, 0, 0),
 )
 
+# the kernel, compiled after nvrtc_kernels.CUDA_HELPERS (the helpers the row GEMVs share)
 _SOURCE = r"""
-typedef unsigned int u32;
-typedef unsigned short u16;
-struct alignas(16) U4 { u32 x, y, z, w; };
-
 #define THREADS (W * 32)
-
-static __device__ __forceinline__ U4 ld_stream(const U4* p) {
-  U4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-static __device__ __forceinline__ U4 ld_x(const U4* p) {
-  U4 v;
-  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-// x's word (two values, the even one low) -> the fp16 pair of the mma's B operand (bf16: times 2^-8, one rounding)
-static __device__ __forceinline__ u32 x_f16x2(u32 v) {
-#if X_BF16
-  const float lo = __fmul_rn(__uint_as_float(v << 16), 0.00390625f);
-  const float hi = __fmul_rn(__uint_as_float(v & 0xffff0000u), 0.00390625f);
-  u32 d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-#else
-  return v;
-#endif
-}
 
 // bytes j, j + 1 of a biased code word (codes + 128) -> their codes as an exact fp16 pair: each byte under the
 // exponent of 1024 (one permute with 0x64 bytes: 1024 + 128 + code), minus 1152 in both halves
@@ -108,26 +79,6 @@ static __device__ __forceinline__ u32 codes_f16x2(u32 b, u32 sel) {
     MMA(c, codes_f16x2(bg, 0x5140), codes_f16x2(b8, 0x5140), codes_f16x2(bg, 0x5342), codes_f16x2(b8, 0x5342), \
         b0, b1)                                                                                                \
   }
-
-static __device__ __forceinline__ float load_out_type(const u16* p) {
-#if OUT_BF16
-  return __uint_as_float(((u32)*p) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
-  return f;
-#endif
-}
-
-static __device__ __forceinline__ u16 to_out_type(float v) {
-  u16 h;
-#if OUT_BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#endif
-  return h;
-}
 
 extern __shared__ __align__(16) unsigned char smem[];
 
@@ -165,8 +116,10 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
   {
     const U4* xg = reinterpret_cast<const U4*>(x + m * sxm);
     for (int i = tid; i < (K >> 3); i += THREADS) {
-      U4 v = ld_x(xg + i);
-      v.x = x_f16x2(v.x); v.y = x_f16x2(v.y); v.z = x_f16x2(v.z); v.w = x_f16x2(v.w);
+      U4 v = ld_nc(xg + i);
+#if X_BF16
+      v.x = bf16x2_to_f16x2(v.x); v.y = bf16x2_to_f16x2(v.y); v.z = bf16x2_to_f16x2(v.z); v.w = bf16x2_to_f16x2(v.w);
+#endif
       xs[i] = v;
     }
   }
@@ -248,7 +201,7 @@ def _kernel(config: tuple[int, int, int, int, int], bf16: bool) -> NvrtcKernel:
     if key not in _KERNELS:
         tiles, warps, depth = config[:3]
         defines = {"RT": tiles, "W": warps, "P": depth, "X_BF16": int(bf16), "OUT_BF16": int(bf16)}
-        _KERNELS[key] = NvrtcKernel(_SOURCE, "int8_row_mma", defines)
+        _KERNELS[key] = NvrtcKernel(CUDA_HELPERS + _SOURCE, "int8_row_mma", defines)
     return _KERNELS[key]
 
 

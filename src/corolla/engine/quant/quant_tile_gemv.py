@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from corolla.engine.kernels.nvrtc_kernels import NvrtcKernel
+from corolla.engine.kernels.nvrtc_kernels import CUDA_HELPERS, NvrtcKernel
 from corolla.engine.quant.quant_weights import NF4_BLOCK_VALUES, NF4Weight
 
 TILE_ROWS = 16
@@ -134,28 +134,12 @@ def emulate(x: torch.Tensor, weight: NF4Weight, tiles: NF4Tiles) -> torch.Tensor
     return (out[:, :n] * scale_out).to(x.dtype)
 
 
+# the kernel, compiled after nvrtc_kernels.CUDA_HELPERS (the helpers the row GEMVs share)
 _SOURCE = r"""
-typedef unsigned int u32;
-typedef unsigned short u16;
-struct alignas(16) U4 { u32 x, y, z, w; };
-
 #define THREADS (KS * RP * 32)
 #define XS_OFF 1056  // shared memory: [0, 1024) nested code table, [1024, 1056) zeros, then x, then the warps' sums
 
 extern __shared__ __align__(16) unsigned char smem[];
-
-static __device__ __forceinline__ U4 ld_stream(const U4* p) {
-  U4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-static __device__ __forceinline__ U4 ld_nc(const U4* p) {
-  U4 v;
-  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
 
 // a shared-memory word at window address `addr` (volatile: never above the barrier after the table's build)
 static __device__ __forceinline__ u32 lds(u32 addr) {
@@ -188,37 +172,6 @@ static __device__ __forceinline__ U4 lds128(u32 addr) {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                       \
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(xa), "r"(xb));                                               \
   }
-
-static __device__ __forceinline__ u32 bf16x2_to_f16x2(u32 v) {
-  // bf16 pair -> fp16 pair of the values times 2^-8 (exact product, one rounding), the even value low
-  const float lo = __fmul_rn(__uint_as_float(v << 16), 0.00390625f);
-  const float hi = __fmul_rn(__uint_as_float(v & 0xffff0000u), 0.00390625f);
-  u32 d;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
-
-#if HAS_RES
-static __device__ __forceinline__ float load_out_type(const u16* p) {
-#if OUT_BF16
-  return __uint_as_float(((u32)*p) << 16);
-#else
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
-  return f;
-#endif
-}
-#endif
-
-static __device__ __forceinline__ u16 to_out_type(float v) {
-  u16 h;
-#if OUT_BF16
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#else
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
-#endif
-  return h;
-}
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 nf4_tile_gemv(const U4* __restrict__ wt, const u16* __restrict__ ct, const float* __restrict__ na,
@@ -383,7 +336,7 @@ def _kernel(config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool
         ks, rp, depth, mode, min_blocks = config
         defines = {"KS": ks, "RP": rp, "PFG": depth, "MODE": mode, "MIN_BLOCKS": min_blocks,
                    "X_BF16": int(x_bf16), "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res)}  # fmt: skip
-        _KERNELS[key] = NvrtcKernel(_SOURCE, "nf4_tile_gemv", defines)
+        _KERNELS[key] = NvrtcKernel(CUDA_HELPERS + _SOURCE, "nf4_tile_gemv", defines)
     return _KERNELS[key]
 
 
