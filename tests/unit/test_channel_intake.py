@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from corolla.server.handlers import proxy_wire as wire
+from corolla.protocol import channel_frames as wire
 from corolla.server.handlers.channel_intake import THREAD_NAME, ChannelIntake, FrameSocket
 
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from corolla.server.handlers import proxy_wire as wire
+from corolla.protocol import channel_frames as wire
 from corolla.server.handlers.channel_intake import INITIAL_BUFFER_BYTES, FrameSocket
 from helpers.channel_frames import recv_frame
 

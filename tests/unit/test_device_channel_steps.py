@@ -17,13 +17,13 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.batcher import PendingUnits, StepGroup, execute_steps, flatten_units, regroup
 from corolla.engine.span_engine import StepRequest
+from corolla.protocol import channel_frames as wire
 from corolla.server.backend import SpanBackend
 from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor, EngineSessionCache
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
 from corolla.server.core.refusals import RuntimeStopped
 from corolla.server.core.runtime import MAX_WATCHES, Runtime, Task, TaskQueue
 from corolla.server.core.span_core import SpanCore
-from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.device_channel import FrameIntake, StepReply
 from helpers.tiny_models import tiny_span_backend
 
@@ -430,7 +430,7 @@ def test_the_loops_deferred_wake_short_of_what_the_runtime_waits_for_does_not_wa
 def test_a_request_of_bytes_is_the_request_the_constructor_builds(shape: tuple[int, int, int]) -> None:
     import dataclasses
 
-    from corolla.engine.step_request import HiddenRows
+    from corolla.utils.tensor_bytes import HiddenRows
 
     data = memoryview(bytearray(2 * shape[0] * shape[1] * H * 4))
     raw = data[: len(data) // 2]

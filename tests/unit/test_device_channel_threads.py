@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
+from corolla.protocol import channel_frames as wire
 from corolla.server.backend import SpanBackend
 from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.refusals import BadRequest, RuntimeStopped
 from corolla.server.core.runtime import Runtime, Task
 from corolla.server.core.span_core import SpanCore
-from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.channel_intake import FrameSocket
 from corolla.server.handlers.device_channel import DeviceChannel
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore

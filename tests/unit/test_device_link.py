@@ -10,8 +10,8 @@ import threading
 
 from hivemind.proto import runtime_pb2
 
-from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.proxy_wire import DeviceInfo
+from corolla.protocol import channel_frames as wire
+from corolla.protocol.channel_frames import DeviceInfo
 from corolla.server.handlers.remote_core import DeviceLink
 
 

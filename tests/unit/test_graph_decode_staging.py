@@ -21,8 +21,8 @@ from corolla.engine.graph_decode import (
 from corolla.engine.kv.kv_pool import TRASH_PAGE
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
-from corolla.server.handlers import proxy_wire
-from corolla.server.handlers import proxy_wire as wire
+from corolla.protocol import channel_frames
+from corolla.protocol import channel_frames as wire
 from helpers.tiny_models import tiny_config
 
 H = 64  # tiny_config hidden size
@@ -142,10 +142,10 @@ def test_a_step_batchs_bytes_are_what_its_hidden_states_view(count: int) -> None
         for i, h in enumerate(hiddens)
     ]
     payload = memoryview(bytearray(b"".join(wire.batch(items).parts)))
-    steps = proxy_wire.parse_steps(payload)
+    steps = channel_frames.parse_steps(payload)
     payload[:] = b"\0" * len(payload)  # the receive buffer is reused: the bytes are the step's own copy
     for step, hidden in zip(steps, hiddens, strict=True):
-        assert isinstance(step, proxy_wire.ParsedStep) and step.hidden is not None and step.raw is not None
+        assert isinstance(step, channel_frames.ParsedStep) and step.hidden is not None and step.raw is not None
         assert step.raw.nbytes == 16 and bytes(step.raw) == hidden.view(torch.uint8).numpy().tobytes()
         step.raw[:2] = b"\0\0"  # the same memory as the tensor
         assert step.hidden.view(-1)[0].item() == 0.0

@@ -15,13 +15,12 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from corolla.protocol import bounded_msgpack, codecs
+from corolla.protocol import bounded_msgpack, channel_frames, codecs
 from corolla.protocol import metadata as metadata_module
 from corolla.protocol.codecs import deserialize_tensor, is_plain_empty, serialize_tensor
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.server.front import block_functions as bf
-from corolla.server.handlers import proxy_wire
 from corolla.utils.deadlines import TaskDeadline
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -306,17 +305,17 @@ def test_step_metadata_shortcut_builds_a_frozen_record_of_its_own() -> None:
 # ---- the STEP frame's head --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("adapter", ["", "lora-ä", "x" * proxy_wire.MAX_STR_BYTES])
+@pytest.mark.parametrize("adapter", ["", "lora-ä", "x" * channel_frames.MAX_STR_BYTES])
 @pytest.mark.parametrize("lone", [False, True])
 def test_step_head_is_the_field_by_field_bytes(adapter: str, lone: bool) -> None:
-    packed = proxy_wire.Writer().step_head(7, 123456, lone, adapter)
-    fields = proxy_wire.Writer().u32(7).u32(123456).u8(lone).text(adapter)
+    packed = channel_frames.Writer().step_head(7, 123456, lone, adapter)
+    fields = channel_frames.Writer().u32(7).u32(123456).u8(lone).text(adapter)
     assert b"".join(packed.parts) == b"".join(fields.parts)
-    reader = proxy_wire.Reader(b"".join(packed.parts))
+    reader = channel_frames.Reader(b"".join(packed.parts))
     assert (reader.u32(), reader.u32(), reader.u8(), reader.text()) == (7, 123456, int(lone), adapter)
     reader.done()
 
 
 def test_step_head_refuses_an_oversized_adapter() -> None:
-    with pytest.raises(proxy_wire.FrameError, match="exceeds"):
-        proxy_wire.Writer().step_head(1, 0, False, "x" * (proxy_wire.MAX_STR_BYTES + 1))
+    with pytest.raises(channel_frames.FrameError, match="exceeds"):
+        channel_frames.Writer().step_head(1, 0, False, "x" * (channel_frames.MAX_STR_BYTES + 1))

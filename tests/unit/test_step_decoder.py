@@ -15,6 +15,8 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.protocol import channel_frames as wire
+from corolla.protocol.channel_frames import DeviceInfo
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
@@ -24,8 +26,6 @@ from corolla.server.core.span_core import SpanCore
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.handler import TransformerConnectionHandler
-from corolla.server.handlers import proxy_wire as wire
-from corolla.server.handlers.proxy_wire import DeviceInfo
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore, RemoteSessionCache
 from corolla.server.metrics import ServerMetrics
 

@@ -1,6 +1,6 @@
-"""The one frame codec's hot paths (`proxy_wire.parse_steps`, `reply_frames`) write and read exactly what its
-general ones do: reply frames equal `proxy_wire.batch_frames` byte for byte (grouping and bounds included), STEP_BATCH items parse to the same
-fields and tensors as `proxy_wire.Reader`, a malformed item fails alone, and no length a frame claims is trusted
+"""The one frame codec's hot paths (`channel_frames.parse_steps`, `reply_frames`) write and read exactly what its
+general ones do: reply frames equal `channel_frames.batch_frames` byte for byte (grouping and bounds included), STEP_BATCH items parse to the same
+fields and tensors as `channel_frames.Reader`, a malformed item fails alone, and no length a frame claims is trusted
 before it is checked."""
 
 from __future__ import annotations
@@ -10,8 +10,14 @@ import struct
 import pytest
 import torch
 
-from corolla.server.core.refusals import TooLong
-from corolla.server.handlers import proxy_wire as wire
+from corolla.protocol import channel_frames as wire
+from corolla.server.core.refusals import TooLong, encode_error
+
+
+def reply_frames(
+    results: list[tuple[int, torch.Tensor | BaseException, memoryview | None]], head: bytes, max_frame_bytes: int
+) -> list[bytes]:
+    return wire.reply_frames(results, head, max_frame_bytes, encode_error)
 
 
 def _state() -> wire.Writer:
@@ -20,7 +26,7 @@ def _state() -> wire.Writer:
 
 def _reference(results: list[tuple[int, torch.Tensor | BaseException]], max_frame_bytes: int) -> list[bytes]:
     items = [
-        (wire.REPLY_ERROR, rid, wire.encode_error(r)) if isinstance(r, BaseException)
+        (wire.REPLY_ERROR, rid, encode_error(r)) if isinstance(r, BaseException)
         else (wire.REPLY_TENSORS, rid, wire.Writer().u8(1).tensor(r))
         for rid, r in results
     ]  # fmt: skip
@@ -39,8 +45,8 @@ def test_reply_frames_equal_the_reference_encoder(max_frame_bytes: int) -> None:
     results.append((102, torch.empty(1, 0, 16)))
     results.append((103, torch.randn(1, 1, 5, requires_grad=True)))  # alone in its group, and needing a detach
     head = b"".join(_state().parts)
-    assert wire.reply_frames(_no_bytes(results), head, max_frame_bytes) == _reference(results, max_frame_bytes)
-    assert wire.reply_frames(_no_bytes(results[:1]), head, max_frame_bytes) == _reference(results[:1], max_frame_bytes)
+    assert reply_frames(_no_bytes(results), head, max_frame_bytes) == _reference(results, max_frame_bytes)
+    assert reply_frames(_no_bytes(results[:1]), head, max_frame_bytes) == _reference(results[:1], max_frame_bytes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -58,7 +64,7 @@ def test_reply_bytes_of_a_forwards_views_are_read_in_place(dtype: torch.dtype, m
 
     monkeypatch.setattr(torch, "cat", no_cat)
     head = b"".join(_state().parts)
-    assert wire.reply_frames(_no_bytes(results), head, 1 << 20) == expected
+    assert reply_frames(_no_bytes(results), head, 1 << 20) == expected
 
 
 def test_a_run_of_adjacent_outputs_stops_at_its_storages_end() -> None:
@@ -72,7 +78,7 @@ def test_a_run_of_adjacent_outputs_stops_at_its_storages_end() -> None:
     assert second.untyped_storage().data_ptr() != first[0].untyped_storage().data_ptr()
     results: list[tuple[int, torch.Tensor | BaseException]] = [(1, first[0]), (2, first[1]), (3, second)]
     head = b"".join(_state().parts)
-    assert wire.reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
+    assert reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -98,11 +104,11 @@ def test_outputs_with_their_bytes_are_encoded_from_them_without_a_torch_call(dty
     head = b"".join(_state().parts)
     monkeypatch.setattr(torch.Tensor, "untyped_storage", forbidden)
     monkeypatch.setattr(torch.Tensor, "data_ptr", forbidden)
-    assert wire.reply_frames(results[:4], head, 1 << 20) == _reference([(rid, r) for rid, r, _ in results[:4]], 1 << 20)
+    assert reply_frames(results[:4], head, 1 << 20) == _reference([(rid, r) for rid, r, _ in results[:4]], 1 << 20)
     monkeypatch.undo()
-    assert wire.reply_frames(results, head, 1 << 20) == expected
+    assert reply_frames(results, head, 1 << 20) == expected
     raw[:row] = bytes(row)  # the bytes sent are the output's memory
-    assert wire.reply_frames(results[:1], head, 1 << 20) == _reference([(1, pieces[0])], 1 << 20)
+    assert reply_frames(results[:1], head, 1 << 20) == _reference([(1, pieces[0])], 1 << 20)
 
 
 def _no_bytes(
@@ -236,9 +242,9 @@ def test_one_shape_replies_equal_the_reference_at_every_frame_bound(max_frame_by
     results[3] = (4, pieces[3].clone(), None)  # elsewhere: read from its tensor
     expected = _reference([(rid, r) for rid, r, _ in results], max_frame_bytes)
     head = b"".join(_state().parts)
-    assert wire.reply_frames(results, head, max_frame_bytes) == expected
+    assert reply_frames(results, head, max_frame_bytes) == expected
     for n in (1, 2, 5):
-        assert wire.reply_frames(results[:n], head, max_frame_bytes) == _reference(
+        assert reply_frames(results[:n], head, max_frame_bytes) == _reference(
             [(rid, r) for rid, r, _ in results[:n]], max_frame_bytes
         )
 
@@ -255,8 +261,8 @@ def test_a_list_of_mixed_shapes_dtypes_or_refusals_is_encoded_as_the_reference()
     head = b"".join(_state().parts)
     for tail in tails:
         results = [*base, tail]
-        assert wire.reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
-        assert wire.reply_frames(_no_bytes([tail, *base]), head, 1 << 20) == _reference([tail, *base], 1 << 20)
+        assert reply_frames(_no_bytes(results), head, 1 << 20) == _reference(results, 1 << 20)
+        assert reply_frames(_no_bytes([tail, *base]), head, 1 << 20) == _reference([tail, *base], 1 << 20)
 
 
 def test_a_frames_hidden_states_become_tensors_in_one_view_per_group(monkeypatch) -> None:
@@ -264,6 +270,7 @@ def test_a_frames_hidden_states_become_tensors_in_one_view_per_group(monkeypatch
     # first request's `hidden` views the whole copy once and every request gets its row of it, viewing its bytes
     from corolla.engine import step_request
     from corolla.engine.step_request import StepRequest
+    from corolla.utils import tensor_bytes
 
     torch.manual_seed(5)
     hiddens = [torch.randn(1, 1, 8) for _ in range(3)] + [torch.randn(2, 1, 8)]
@@ -279,6 +286,7 @@ def test_a_frames_hidden_states_become_tensors_in_one_view_per_group(monkeypatch
         return view_bytes(raw, dtype, shape)
 
     monkeypatch.setattr(step_request, "view_bytes", counted)
+    monkeypatch.setattr(tensor_bytes, "view_bytes", counted)  # (`HiddenRows.row`'s)
     requests = [StepRequest(None, None, 3, None, None, s.raw, s.dtype, s.shape, s.rows) for s in parsed]  # type: ignore[arg-type]
     for request, want in zip(requests, hiddens, strict=True):
         assert torch.equal(request.hidden, want) and request.hidden is request.hidden

@@ -12,7 +12,7 @@ import torch
 
 from corolla.engine.kv.kv_pool import SequenceSlot
 from corolla.engine.kv.session_prefix import SessionPrefix
-from corolla.utils.tensor_bytes import view_bytes
+from corolla.utils.tensor_bytes import HiddenRows, view_bytes
 
 
 class StepEngine(Protocol):
@@ -64,27 +64,6 @@ class StepSession(Protocol):
 
     @property
     def prefix(self) -> SessionPrefix | None: ...
-
-
-class HiddenRows:
-    """The hidden states of `count` steps of one dtype and shape in one C-order buffer, [count, *shape] (a device
-    channel frame's copy; each step holds its slice as `StepRequest.hidden_bytes`). Where the steps need tensors (the
-    eager/CPU path), `row(i)` is row i of one tensor viewing the buffer, unbound once for all of them: one
-    `frombuffer` and one `unbind` per frame instead of a view per step (the launched forward stages the bytes and
-    never calls it)."""
-
-    __slots__ = ("data", "dtype", "shape", "count", "_rows")
-
-    def __init__(self, data: memoryview, dtype: torch.dtype, shape: tuple[int, ...], count: int):
-        self.data, self.dtype, self.shape, self.count = data, dtype, shape, count  # data: count x shape elements
-        self._rows: tuple[torch.Tensor, ...] | None = None
-
-    def row(self, index: int) -> torch.Tensor:
-        """Step `index`'s hidden states [*shape], a view of its bytes in the buffer (writable)."""
-        rows = self._rows
-        if rows is None:
-            rows = self._rows = view_bytes(self.data, self.dtype, (self.count, *self.shape)).unbind(0)
-        return rows[index]
 
 
 @dataclass(eq=False, slots=True)  # built per decode step: slots make its init and reads cheaper

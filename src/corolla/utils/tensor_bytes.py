@@ -1,6 +1,6 @@
-"""A tensor over bytes that a step already holds (a device channel's frame copy): the one place where bytes with a
+"""Tensors over bytes that a step already holds (a device channel's frame copy): the one place where bytes with a
 dtype and a shape become a torch tensor without a copy, zero elements included (`torch.frombuffer` refuses an
-empty buffer)."""
+empty buffer), and the rows of several steps' hidden states in one buffer (`HiddenRows`)."""
 
 from __future__ import annotations
 
@@ -13,3 +13,24 @@ def view_bytes(raw: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> t
     if raw.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=dtype).view(shape)
+
+
+class HiddenRows:
+    """The hidden states of `count` steps of one dtype and shape in one C-order buffer, [count, *shape] (a device
+    channel frame's copy; each step holds its slice as `StepRequest.hidden_bytes`). Where the steps need tensors (the
+    eager/CPU path), `row(i)` is row i of one tensor viewing the buffer, unbound once for all of them: one
+    `frombuffer` and one `unbind` per frame instead of a view per step (the launched forward stages the bytes and
+    never calls it)."""
+
+    __slots__ = ("data", "dtype", "shape", "count", "_rows")
+
+    def __init__(self, data: memoryview, dtype: torch.dtype, shape: tuple[int, ...], count: int):
+        self.data, self.dtype, self.shape, self.count = data, dtype, shape, count  # data: count x shape elements
+        self._rows: tuple[torch.Tensor, ...] | None = None
+
+    def row(self, index: int) -> torch.Tensor:
+        """Step `index`'s hidden states [*shape], a view of its bytes in the buffer (writable)."""
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = view_bytes(self.data, self.dtype, (self.count, *self.shape)).unbind(0)
+        return rows[index]

@@ -14,9 +14,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from corolla.engine.step_request import HiddenRows
 from corolla.protocol.prefix import PrefixKeys
-from corolla.utils.tensor_bytes import view_bytes
+from corolla.utils.tensor_bytes import HiddenRows, view_bytes
 
 # how the engine runs a span (reported, not chosen by the operator): fused kernels, or the family's blocks eagerly
 PATH_FUSED = "fused"

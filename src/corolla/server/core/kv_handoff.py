@@ -16,7 +16,7 @@ from corolla.utils.finite import all_finite
 
 LENGTH_DIM = 2  # [B, kv_heads, max_length, head_dim]
 
-__all__ = ["HandoffUnsupported", "canonical_nbytes", "expected_shapes", "validate_import"]
+__all__ = ["HandoffUnsupported", "canonical_nbytes", "check_handoff_frame", "expected_shapes", "validate_import"]
 
 
 def expected_shapes(
@@ -52,3 +52,17 @@ def validate_import(
             )
         if not all_finite(tensor):
             raise ValueError(f"KV import tensor {i} contains NaN or infinite values")
+
+
+HANDOFF_FRAME_SLACK_BYTES = 1 << 16  # a hand-off frame's records and state beside its tensors' bytes
+
+
+def check_handoff_frame(tensors: list[torch.Tensor], max_frame_bytes: int) -> None:
+    """HandoffUnsupported (the client replays) where a session's cache does not fit one handler channel frame
+    (`protocol.channel_frames`)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if len(tensors) > 255 or nbytes + HANDOFF_FRAME_SLACK_BYTES > max_frame_bytes:
+        raise HandoffUnsupported(
+            f"a KV hand-off of {len(tensors)} tensors, {nbytes} bytes, exceeds the handler channel's frame of "
+            f"{max_frame_bytes} bytes: the client replays"
+        )

@@ -8,13 +8,25 @@ is free to explain.
 - `AllocationFailed` (utils.errors): no KV cache in time       -> cache_full (limits' own subclasses: their reason)
 - `Overloaded` / `RuntimeStopped`: the device can't take work   -> overloaded
 - `RequestTimeout` (TimeoutError): a deadline passed            -> timeout
-- `Draining`: the server takes no new sessions          -> draining"""
+- `Draining`: the server takes no new sessions          -> draining
+
+A refusal crosses a handler channel (`protocol.channel_frames`) as (code, reason, value, limit, message) and is raised
+again as the same type in the handler process (`encode_error` / `decode_error`)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from corolla.server.core.limits import DuplicateStep, LimitExceeded, SessionEvicted, StreamStalled
+from corolla.protocol.channel_frames import Reader, Writer
+from corolla.server.core.executor import HandoffUnsupported
+from corolla.server.core.limits import (
+    DuplicateStep,
+    LimitExceeded,
+    PeerLimitExceeded,
+    ServerLimitExceeded,
+    SessionEvicted,
+    StreamStalled,
+)
 from corolla.utils.errors import AllocationFailed
 
 
@@ -76,3 +88,60 @@ def rejection_reason(error: BaseException) -> str:
     if isinstance(error, (ValueError, KeyError)):
         return "bad_request"
     return "other"
+
+
+def encode_error(error: BaseException) -> Writer:
+    """A refusal as a handler channel's REPLY_ERROR body: (code, reason, value, limit, message)."""
+    code, reason, value, limit = 0, "", 0, 0
+    if isinstance(error, TooLong):
+        code, value, limit = 2, error.value, error.limit
+    elif isinstance(error, HandoffUnsupported):
+        code = 9
+    elif isinstance(error, BadRequest):
+        code = 1
+    elif isinstance(error, (PeerLimitExceeded, ServerLimitExceeded)):
+        code, reason = (4 if isinstance(error, PeerLimitExceeded) else 5), error.reason
+    elif isinstance(error, SessionEvicted):
+        code = 11
+    elif isinstance(error, AllocationFailed):
+        code = 3
+    elif isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+        code = 6
+    elif isinstance(error, (Overloaded, RuntimeStopped)):
+        code = 7
+    elif isinstance(error, TypeError):
+        code = 8
+    elif isinstance(error, Draining):
+        code = 10
+    elif isinstance(error, ValueError):
+        code = 1
+    return Writer().u8(code).text(reason).u64(max(0, value)).u64(max(0, limit)).text(str(error)[:4096])
+
+
+def decode_error(reader: Reader) -> Exception:
+    """The refusal of a REPLY_ERROR body, raised again as its type in the handler process (which counts and answers
+    it exactly as in one process)."""
+    code, reason, value, limit, message = reader.u8(), reader.text(), reader.u64(), reader.u64(), reader.text()
+    if code == 1:
+        return BadRequest(message)
+    if code == 2:
+        return TooLong(message, value=value, limit=limit)
+    if code == 3:
+        return AllocationFailed(message)
+    if code == 4:
+        return PeerLimitExceeded(message, reason=reason)
+    if code == 5:
+        return ServerLimitExceeded(message, reason=reason)
+    if code == 6:
+        return RequestTimeout(message)
+    if code == 7:
+        return Overloaded(message)
+    if code == 8:
+        return TypeError(message)
+    if code == 9:
+        return HandoffUnsupported(message)
+    if code == 10:
+        return Draining(message)
+    if code == 11:
+        return SessionEvicted(message)
+    return RuntimeError(message)

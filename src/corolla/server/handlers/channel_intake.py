@@ -29,7 +29,7 @@ import socket
 import threading
 from typing import Protocol
 
-from corolla.server.handlers import proxy_wire as wire
+from corolla.protocol import channel_frames as wire
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -38,7 +38,7 @@ INITIAL_BUFFER_BYTES = 1 << 16
 
 
 class FrameSocket:
-    """One end of a stream socket carrying `proxy_wire` frames (see the module docstring). Use as a context
+    """One end of a stream socket carrying `protocol.channel_frames` frames (see the module docstring). Use as a context
     manager: leaving it closes the socket (its reader then sees the end)."""
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int):

@@ -1,5 +1,5 @@
 """The device process's side of `--num_handlers` > 1: one `DeviceChannel` per handler process serves its
-requests (`proxy_wire` frames) against the real executor and the server's one `SpanCore` (admission, the push table),
+requests (`protocol.channel_frames` frames) against the real executor and the server's one `SpanCore` (admission, the push table),
 each request in a task of its own so that the runtime merges the steps of all processes' sessions into one batched
 forward; a session's OPEN routes its pushes to its process (PUSH_OUT), a PUSH_IN goes through the core's table. Steps arrive one frame per handler loop
 iteration (STEP_BATCH) and leave together: every step reply that became ready in one loop iteration (one merged
@@ -49,6 +49,7 @@ from hivemind.proto import runtime_pb2
 
 from corolla.engine.batcher import StepGroup, StepResult
 from corolla.engine.span_engine import StepRequest
+from corolla.protocol import channel_frames as wire
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import (
     KIND_ENGINE_INFERENCE,
@@ -60,17 +61,20 @@ from corolla.server.core.executor import (
     SpanExecutor,
     StepInputs,
 )
+from corolla.server.core.kv_handoff import check_handoff_frame
+from corolla.server.core.refusals import encode_error
 from corolla.server.core.runtime import Runtime, Task
 from corolla.server.core.span_core import SpanCore
-from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.channel_intake import ChannelIntake, FrameSocket
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_STATE = struct.Struct(">QQQd")  # what `_state` writes (`proxy_wire.Writer.u64` x 3, `f64`)
-NOT_DRAINING = math.nan  # the STATE's drain deadline while the server does not drain (`proxy_wire.Reader.f64`: None)
+_STATE = struct.Struct(">QQQd")  # what `_state` writes (`channel_frames.Writer.u64` x 3, `f64`)
+NOT_DRAINING = (
+    math.nan
+)  # the STATE's drain deadline while the server does not drain (`channel_frames.Reader.f64`: None)
 
 
 class DeviceExecutor(SpanExecutor, Protocol):
@@ -422,7 +426,7 @@ class DeviceChannel:
         if not results or self.io.closed:
             return
         head = self._state_bytes()
-        self.io.send_frames(wire.reply_frames(results, head, self.max_frame_bytes))  # [B, T, H] each
+        self.io.send_frames(wire.reply_frames(results, head, self.max_frame_bytes, encode_error))  # [B, T, H] each
 
     def send_state(self) -> None:
         self.send(wire.STATE, 0, self._state())
@@ -571,7 +575,7 @@ class DeviceChannel:
             else:
                 raise wire.FrameError(f"frame kind {kind} is not a request")
         except Exception as e:
-            self._reply(wire.REPLY_ERROR, request_id, wire.encode_error(e))
+            self._reply(wire.REPLY_ERROR, request_id, encode_error(e))
             return
         self._reply(wire.REPLY_CLOSED if kind == wire.CLOSE else
                     wire.REPLY_OPEN if kind == wire.OPEN else wire.REPLY_TENSORS, request_id, body)  # fmt: skip
@@ -676,7 +680,7 @@ class DeviceChannel:
         fields.done()
         assert held.cache is not None  # `_held` checked it
         tensors = await self.executor.read_kv(held.cache, position)
-        wire.check_handoff_frame(tensors, self.max_frame_bytes)  # the client replays a cache too big for one frame
+        check_handoff_frame(tensors, self.max_frame_bytes)  # the client replays a cache too big for one frame
         body = wire.Writer().u8(len(tensors))
         for tensor in tensors:
             body.tensor(tensor)

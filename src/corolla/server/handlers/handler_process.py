@@ -17,13 +17,13 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from corolla.protocol import channel_frames as wire
 from corolla.protocol.direct_stream import TicketSecret
 from corolla.server.front.connection_balance import ConnectionHandoff
 from corolla.server.front.direct_endpoint import DirectEndpoint
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.front.peer_auth import make_peer_auth
-from corolla.server.handlers import proxy_wire as wire
 from corolla.server.handlers.handler_settings import HandlerSettings
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 from corolla.server.metrics import ServerMetrics

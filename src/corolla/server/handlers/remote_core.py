@@ -1,5 +1,5 @@
 """A handler process's way to the core (`--num_handlers` > 1): `RemoteCore`, the one front-to-core seam
-(`span_core.CoreClient`) over the process's channel to the device process (`proxy_wire` frames), so the unchanged
+(`span_core.CoreClient`) over the process's channel to the device process (`protocol.channel_frames` frames), so the unchanged
 `TransformerConnectionHandler` serves streams here while all session state, the KV caches, the runtime and the
 batching stay with the device process's one `SpanCore` (its admission, push table, forward slots and drain). This
 process keeps only its own streams: its sessions' push sinks (a push the core routes here, PUSH_OUT) and their
@@ -18,6 +18,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from corolla.models.block_base import TensorDescriptor
+from corolla.protocol import channel_frames as wire
 from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core import kv_handoff as kv
 from corolla.server.core.admission import SessionTicket
@@ -31,9 +32,9 @@ from corolla.server.core.executor import (
     StepInputs,
     TensorDescriptorLike,
 )
+from corolla.server.core.refusals import decode_error
 from corolla.server.core.span_core import DrainState, PushSink, PushTable
 from corolla.server.front import step_timeline
-from corolla.server.handlers import proxy_wire as wire
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -163,7 +164,7 @@ class DeviceLink:
         finally:
             self._pending.pop(request_id, None)
         if reply_kind == wire.REPLY_ERROR:
-            raise wire.decode_error(reader)
+            raise decode_error(reader)
         return reader
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
@@ -347,7 +348,7 @@ class RemoteCore:
 
     async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
         handle = self._own(cache).handle
-        wire.check_handoff_frame(tensors, self.link.info.max_frame_bytes)
+        kv.check_handoff_frame(tensors, self.link.info.max_frame_bytes)
         body = wire.Writer().u32(handle).u32(position).u8(len(tensors))
         for tensor in tensors:
             body.tensor(tensor.contiguous())

@@ -1,4 +1,4 @@
-"""The handler <-> device channel's frames (`server.proxy_wire`): tensors of every carried dtype round-trip byte
+"""The handler <-> device channel's frames (`protocol.channel_frames`): tensors of every carried dtype round-trip byte
 for byte, a frame over the bound is refused before its payload is read, a tensor record that claims more bytes than
 its frame holds is refused before anything is allocated, and a typed refusal crosses as the same type."""
 
@@ -10,10 +10,10 @@ import struct
 import pytest
 import torch
 
+from corolla.protocol import channel_frames as wire
 from corolla.protocol.prefix import MAX_PREFIX_BLOCKS, PrefixKeys
 from corolla.server.core.limits import PeerLimitExceeded
-from corolla.server.core.refusals import TooLong
-from corolla.server.handlers import proxy_wire as wire
+from corolla.server.core.refusals import TooLong, decode_error, encode_error
 from corolla.utils.errors import AllocationFailed
 
 
@@ -71,7 +71,7 @@ async def test_oversized_frames_and_records_are_refused_before_allocation() -> N
     ],
 )
 def test_refusals_cross_as_the_same_type(error: Exception) -> None:
-    got = wire.decode_error(wire.Reader(b"".join(wire.encode_error(error).parts)))
+    got = decode_error(wire.Reader(b"".join(encode_error(error).parts)))
     assert type(got) is type(error) and str(got) == str(error)
     if isinstance(error, TooLong):
         assert isinstance(got, TooLong) and (got.value, got.limit) == (9000, 8192)

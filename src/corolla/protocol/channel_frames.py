@@ -1,5 +1,6 @@
-"""The channel between a handler process and the device process (`--num_handlers` > 1): compact frames over a
-unix socketpair, tensors as raw bytes behind a dtype/shape record.
+"""The frames of the channel between a handler process and the device process (`--num_handlers` > 1): compact
+frames over a unix socketpair, tensors as raw bytes behind a dtype/shape record. The server's ends
+(`server.handlers.remote_core`, `device_channel`) give them meaning; this codec knows no server type.
 
 Frame: a 9-byte header (payload length: u32, kind: u8, request id: u32; big endian) and the payload. The reader
 checks the length against the channel's `max_frame_bytes` before it reads (allocates) the payload, and every
@@ -20,7 +21,7 @@ with the core's figures (three u64 and an f64: `device_channel.DeviceChannel`'s 
 The hot paths of the device side read and write the same bytes (the one codec of these frames): `parse_steps` reads
 a STEP_BATCH in one pass (`struct.unpack_from` at offsets, each length checked against what is left of its item
 before anything is sliced or allocated) and copies the hidden states of all the items that share one dtype and
-shape out of the receive buffer at once (`engine.step_request.HiddenRows`: one copy per group, a view per step, a
+shape out of the receive buffer at once (`utils.tensor_bytes.HiddenRows`: one copy per group, a view per step, a
 tensor only where one is needed); `reply_frames` builds what `batch_frames(items, REPLY_BATCH, ...)` builds for a
 merged forward's results from a cached per-(dtype, shape) record header and the outputs' bytes (read in place, or
 one `torch.cat` per group of equal shapes), joined once per frame."""
@@ -31,17 +32,13 @@ import asyncio
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from corolla.engine.step_request import HiddenRows
 from corolla.protocol.prefix import MAX_PREFIX_BLOCKS, PREFIX_DIGEST_BYTES, PrefixKeys
-from corolla.server.core.executor import HandoffUnsupported
-from corolla.server.core.limits import PeerLimitExceeded, ServerLimitExceeded, SessionEvicted
-from corolla.server.core.refusals import BadRequest, Draining, Overloaded, RequestTimeout, RuntimeStopped, TooLong
-from corolla.utils.errors import AllocationFailed
-from corolla.utils.tensor_bytes import view_bytes
+from corolla.utils.tensor_bytes import HiddenRows, view_bytes
 
 # handler -> device
 OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, METRICS, READY = 1, 2, 3, 4, 5, 6, 9, 10
@@ -116,19 +113,6 @@ class DeviceInfo:
 
     def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
         return sum(self.block_bytes_per_token[i] for i in block_indices)
-
-
-HANDOFF_FRAME_SLACK_BYTES = 1 << 16  # a hand-off frame's records and state beside its tensors' bytes
-
-
-def check_handoff_frame(tensors: list[torch.Tensor], max_frame_bytes: int) -> None:
-    """HandoffUnsupported (the client replays) where a session's cache does not fit one channel frame."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    if len(tensors) > 255 or nbytes + HANDOFF_FRAME_SLACK_BYTES > max_frame_bytes:
-        raise HandoffUnsupported(
-            f"a KV hand-off of {len(tensors)} tensors, {nbytes} bytes, exceeds the handler channel's frame of "
-            f"{max_frame_bytes} bytes: the client replays"
-        )
 
 
 class ChannelClosed(ConnectionError):
@@ -369,10 +353,6 @@ async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tupl
     return kind, request_id, payload
 
 
-# ---- errors: the device's typed refusal crosses the channel as (code, reason, message) and is raised again as the
-# same type in the handler process, so the handler counts and answers it exactly as in one process
-
-
 def prefix_frame(handle: int, namespace: str, keys: PrefixKeys) -> Writer:
     """A PREFIX_ATTACH or PREFIX_KEYS body: the session's handle, whose namespace, the keys (digests back to back)."""
     return Writer().u32(handle).text(namespace).u32(keys.first_block).blob(b"".join(keys.hashes))
@@ -390,60 +370,6 @@ def read_prefix_frame(reader: Reader) -> tuple[int, str, PrefixKeys]:
         return handle, namespace, PrefixKeys(first, hashes)
     except ValueError as e:
         raise FrameError(str(e)) from None
-
-
-def encode_error(error: BaseException) -> Writer:
-    code, reason, value, limit = 0, "", 0, 0
-    if isinstance(error, TooLong):
-        code, value, limit = 2, error.value, error.limit
-    elif isinstance(error, HandoffUnsupported):
-        code = 9
-    elif isinstance(error, BadRequest):
-        code = 1
-    elif isinstance(error, (PeerLimitExceeded, ServerLimitExceeded)):
-        code, reason = (4 if isinstance(error, PeerLimitExceeded) else 5), error.reason
-    elif isinstance(error, SessionEvicted):
-        code = 11
-    elif isinstance(error, AllocationFailed):
-        code = 3
-    elif isinstance(error, (TimeoutError, asyncio.TimeoutError)):
-        code = 6
-    elif isinstance(error, (Overloaded, RuntimeStopped)):
-        code = 7
-    elif isinstance(error, TypeError):
-        code = 8
-    elif isinstance(error, Draining):
-        code = 10
-    elif isinstance(error, ValueError):
-        code = 1
-    return Writer().u8(code).text(reason).u64(max(0, value)).u64(max(0, limit)).text(str(error)[:4096])
-
-
-def decode_error(reader: Reader) -> Exception:
-    code, reason, value, limit, message = reader.u8(), reader.text(), reader.u64(), reader.u64(), reader.text()
-    if code == 1:
-        return BadRequest(message)
-    if code == 2:
-        return TooLong(message, value=value, limit=limit)
-    if code == 3:
-        return AllocationFailed(message)
-    if code == 4:
-        return PeerLimitExceeded(message, reason=reason)
-    if code == 5:
-        return ServerLimitExceeded(message, reason=reason)
-    if code == 6:
-        return RequestTimeout(message)
-    if code == 7:
-        return Overloaded(message)
-    if code == 8:
-        return TypeError(message)
-    if code == 9:
-        return HandoffUnsupported(message)
-    if code == 10:
-        return Draining(message)
-    if code == 11:
-        return SessionEvicted(message)
-    return RuntimeError(message)
 
 
 # ---- the device side's hot paths: a STEP_BATCH in one pass, a merged forward's replies in one join per frame
@@ -621,10 +547,14 @@ def _copy_group(
 
 
 def reply_frames(
-    results: list[tuple[int, torch.Tensor | BaseException, memoryview | None]], head: bytes, max_frame_bytes: int
+    results: list[tuple[int, torch.Tensor | BaseException, memoryview | None]],
+    head: bytes,
+    max_frame_bytes: int,
+    encode_error: Callable[[BaseException], Writer],
 ) -> list[bytes]:
     """What `batch_frames` makes of these step results (REPLY_TENSORS for a tensor [B, T, H], REPLY_ERROR
-    for a refusal), with `head` (the device's state) once per frame. A tensor's bytes, where given (C order, flat:
+    for a refusal, its body written by `encode_error`: the refusals are the server's), with `head` (the device's
+    state) once per frame. A tensor's bytes, where given (C order, flat:
     what the tensor views, e.g. `StepRequest.output_bytes`), are sent as they are (no torch call for that reply)."""
     uniform = _uniform_frames(results, head, max_frame_bytes) if results else None
     if uniform is not None:
