@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from corolla.server.core.executor import SessionCache, SessionSpec
 from corolla.server.core.limits import PeerLimits
-from corolla.server.handlers.channel_intake import FrameSocket
+from corolla.server.handlers.device_channel import FrameSocket
 from corolla.server.handlers.remote_core import RemoteCore
 
 # a core whose admission caps nothing (0 disables a cap): tests of the work, not of fair use

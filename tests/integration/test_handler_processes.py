@@ -112,7 +112,7 @@ def test_sessions_spread_over_processes_with_identical_outputs(server, clients, 
     # the handler processes' session counts reach the server's one set of metrics
     assert wait_until(lambda: _metric(server, "corolla_sessions_opened_total") >= 6, 10)
     assert wait_until(lambda: _metric(server, "corolla_sessions_active") == 0, 10)
-    # one thread reads both processes' channels (channel_intake): the runtime thread has one GIL competitor there
+    # one thread reads both processes' channels (device_channel.ChannelIntake): the runtime thread has one GIL competitor there
     readers = [t.name for t in threading.enumerate() if t.name.startswith("corolla-channel-")]
     assert readers == ["corolla-channel-intake"], readers
     assert server.service.pool.intake.num_frames > 0

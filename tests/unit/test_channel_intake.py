@@ -1,4 +1,4 @@
-"""The device process's one channel reader (`server.channel_intake.ChannelIntake`): one thread serves every channel
+"""The device process's one channel reader (`server.handlers.device_channel.ChannelIntake`): one thread serves every channel
 whatever their number, delivers each channel's frames whole and in order (cut anywhere, sent together), ends only
 the channel whose frame breaks the bounds, ends a channel whose other end goes, and ends every channel when it
 closes. Also the non-blocking read it uses (`FrameSocket.receive(block=False)`)."""
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from corolla.protocol import channel_frames as wire
-from corolla.server.handlers.channel_intake import THREAD_NAME, ChannelIntake, FrameSocket
+from corolla.server.handlers.device_channel import THREAD_NAME, ChannelIntake, FrameSocket
 
 
 class _Channel:

@@ -1,4 +1,4 @@
-"""The device side's frame reader (`server.handlers.channel_intake.FrameSocket`) reads frames that arrive together out of
+"""The device side's frame reader (`server.handlers.device_channel.FrameSocket`) reads frames that arrive together out of
 one buffer and frames cut anywhere across reads, grows its buffer only to the largest frame, refuses a frame over the
 bound from its header alone, and ends with ChannelClosed when the other end goes."""
 
@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from corolla.protocol import channel_frames as wire
-from corolla.server.handlers.channel_intake import INITIAL_BUFFER_BYTES, FrameSocket
+from corolla.server.handlers.device_channel import INITIAL_BUFFER_BYTES, FrameSocket
 from helpers.channel_frames import recv_frame
 
 

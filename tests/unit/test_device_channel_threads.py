@@ -1,4 +1,4 @@
-"""The device channel's step path without the event loop (`device_channel`, `channel_intake`, `Runtime.queue` of callback
+"""The device channel's step path without the event loop (`device_channel`, `Runtime.queue` of callback
 tasks): callback tasks report each result then flush once per merged batch, a refused step fails only its caller, a channel
 whose handler process dies ends its sessions (their cache comes back), and no reader thread outlives the channel."""
 
@@ -21,8 +21,7 @@ from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.refusals import BadRequest, RuntimeStopped
 from corolla.server.core.runtime import Runtime, Task
 from corolla.server.core.span_core import SpanCore
-from corolla.server.handlers.channel_intake import FrameSocket
-from corolla.server.handlers.device_channel import DeviceChannel
+from corolla.server.handlers.device_channel import DeviceChannel, FrameSocket
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 from helpers.channel_frames import NO_CAPS, recv_frame, remote_session
 from helpers.tiny_models import tiny_span_backend

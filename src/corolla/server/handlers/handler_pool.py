@@ -1,7 +1,7 @@
 """`--num_handlers N` (N > 1): N handler processes own the p2p streams (each on a P2P replica of the server's p2pd,
 registered `balanced=True`), and this process, the device process, keeps the runtime, the executor, the KV caches
 and all session state (the one `SpanCore`), serving each handler process through a `DeviceChannel`, all of them read
-by one intake thread (`channel_intake`).
+by one intake thread (`device_channel.ChannelIntake`).
 
 Processes come from a forkserver that imported the handler module once (a fork of it costs milliseconds, not a
 second interpreter importing torch). A handler process that dies is logged and restarted; more than
@@ -27,8 +27,7 @@ from hivemind.proto import p2pd_pb2 as p2pd_pb
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.server.core.span_core import SpanCore
-from corolla.server.handlers.channel_intake import ChannelIntake
-from corolla.server.handlers.device_channel import DeviceChannel, DeviceExecutor
+from corolla.server.handlers.device_channel import ChannelIntake, DeviceChannel, DeviceExecutor
 from corolla.server.handlers.handler_settings import HandlerSettings
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
@@ -99,7 +98,7 @@ class HandlerPool:
         self.stop_timeout_s = stop_timeout_s
         self.processes: list[BaseProcess | None] = [None] * num_handlers
         self.channels: list[DeviceChannel | None] = [None] * num_handlers
-        self.intake = ChannelIntake()  # one thread reads every channel (channel_intake says why)
+        self.intake = ChannelIntake()  # one thread reads every channel (device_channel says why)
         self._tasks: list[asyncio.Task[None]] = []
         self._deaths: list[float] = []
         self.num_restarts = 0
