@@ -63,7 +63,7 @@ async def _scenario(directory: Path) -> None:
     await lone.stop()
     again = LocalEndpoint(_Handler(), PEER, directory=directory, index=0)
     assert await again.start() and again.path is not None
-    again._connections.server.close()  # type: ignore[union-attr]  # as a process that died: socket and file left
+    again.connections.server.close()  # type: ignore[union-attr]  # as a process that died: socket and file left
     assert ls.remove_sockets(PEER.to_base58(), directory) == 1
     assert not again.path.exists() and not ls.load_path(again.path).exists()
     await again.stop()  # nothing left to remove: quiet

@@ -33,11 +33,12 @@ from corolla.server.front.connection_balance import ConnectionHandoff
 from corolla.server.front.peer_auth import PeerAuth, info_uid, remote_peer
 from corolla.server.front.stream_endpoint import (
     HELLO_TIMEOUT_S,
+    AcceptedStream,
     Connections,
     InferenceRpc,
     check_hello,
     read_hello,
-    serve_inference,
+    serve_connection,
 )
 from corolla.server.front.stream_guard import StreamBudget, StreamLease
 from corolla.server.metrics import ServerMetrics
@@ -152,11 +153,11 @@ class DirectEndpoint:
         self.refused = 0
         self._pending = 0
         self._per_peer: dict[str, int] = defaultdict(int)
-        self._connections = Connections()
+        self.connections = Connections()
 
     @property
     def num_open(self) -> int:
-        return self._connections.num_open
+        return self.connections.num_open
 
     async def start(self) -> int:
         """Listens; returns the port. The handler's ticket RPC offers it from now on."""
@@ -187,7 +188,7 @@ class DirectEndpoint:
         self._listeners = []
         if self.handoff is not None:
             self.handoff.stop_receiving()
-        await self._connections.close()
+        await self.connections.close()
         if self.handoff is not None:  # after the connections: each releases its count as it ends
             self.handoff.close()
 
@@ -212,26 +213,28 @@ class DirectEndpoint:
             if self.handoff is not None:
                 self.handoff.release()
             return
-        asyncio.get_running_loop().create_task(self._serve_socket(conn))
+        asyncio.get_running_loop().create_task(self._connect(conn))
 
-    async def _serve_socket(self, conn: socket.socket) -> None:
-        """One connection's task: counted open (and ended by `stop`) from its first step."""
+    async def _connect(self, conn: socket.socket) -> None:
+        """Makes streams of a connection accepted or handed here, then serves it in a task of its own
+        (`stream_endpoint.serve_connection`: this endpoint's code is not on each step's way)."""
+        loop = asyncio.get_running_loop()
         try:
-            with self._connections.serving():
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                loop = asyncio.get_running_loop()
-                reader = asyncio.StreamReader(limit=STREAM_LIMIT_BYTES)
-                protocol = asyncio.StreamReaderProtocol(reader)
-                try:
-                    transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
-                except OSError as e:
-                    conn.close()
-                    logger.debug(f"direct_endpoint.adopt_failed({e!r})")
-                    return
-                await self._serve(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
-        finally:
-            if self.handoff is not None:
-                self.handoff.release()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            reader = asyncio.StreamReader(limit=STREAM_LIMIT_BYTES)
+            protocol = asyncio.StreamReaderProtocol(reader)
+            transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
+        except OSError as e:
+            conn.close()
+            logger.debug(f"direct_endpoint.adopt_failed({e!r})")
+            self.ended(None)
+            return
+        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        if self._stopping:
+            writer.close()
+            self.ended(None)
+            return
+        loop.create_task(serve_connection(self, reader, writer))
 
     async def __aenter__(self) -> DirectEndpoint:
         await self.start()
@@ -240,31 +243,36 @@ class DirectEndpoint:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer: str | None = None
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AcceptedStream | None:
+        """The connection's hello checked against its ticket and the peer's connection share, and answered
+        (`stream_endpoint.StreamListener`)."""
+        if self._pending >= MAX_PENDING_HELLOS:
+            self._refused("pending", f"{MAX_PENDING_HELLOS} connections are still to say hello")
+            return None
+        self._pending += 1
         try:
-            if self._pending >= MAX_PENDING_HELLOS:
-                self._refused("pending", f"{MAX_PENDING_HELLOS} connections are still to say hello")
-                return
-            self._pending += 1
-            try:
-                accepted = await self._accept(reader, writer)
-            finally:
-                self._pending -= 1
-            if accepted is None:
-                return
-            peer, keys = accepted
-            self._per_peer[peer] += 1  # (checked in `_accept`, with no await in between)
-            self.streams_opened += 1
-            await self._stream(reader, writer, peer, keys)
-        except (ConnectionError, asyncio.IncompleteReadError) as e:
-            logger.debug(f"direct_endpoint.connection_lost({e!r})")
+            accepted = await self._accept(reader, writer)
         finally:
-            if peer is not None:
-                self._per_peer[peer] -= 1
-                if not self._per_peer[peer]:
-                    del self._per_peer[peer]
-            writer.close()
+            self._pending -= 1
+        if accepted is None:
+            return None
+        peer, keys = accepted
+        self._per_peer[peer] += 1  # (checked in `_accept`, with no await in between)
+        self.streams_opened += 1
+        context = P2PContext(handle_name="rpc_inference", local_id=self.peer_id, remote_id=PeerID.from_base58(peer))
+        budget = self.handler.stream_budget
+        idle_s = budget.limits.stream_idle_timeout_s or None
+        return AcceptedStream(context, SealedFrames(keys), StreamLease(budget, peer), idle_s, peer)
+
+    def ended(self, accepted: AcceptedStream | None) -> None:
+        """A connection closed: its peer's count and its place (`ConnectionHandoff`) released."""
+        peer = accepted.peer if accepted is not None else None
+        if peer is not None:
+            self._per_peer[peer] -= 1
+            if not self._per_peer[peer]:
+                del self._per_peer[peer]
+        if self.handoff is not None:
+            self.handoff.release()
 
     async def _accept(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -310,16 +318,6 @@ class DirectEndpoint:
             raise ConnectionShareExceeded(
                 f"the server has {total} direct connections open (max_sessions_total); retry later"
             )
-
-    async def _stream(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str, keys: ds.StreamKeys
-    ) -> None:
-        context = P2PContext(handle_name="rpc_inference", local_id=self.peer_id, remote_id=PeerID.from_base58(peer))
-        budget = self.handler.stream_budget
-        await serve_inference(
-            self.handler, reader, writer, context, SealedFrames(keys), self.max_frame_bytes,
-            lease=StreamLease(budget, peer), idle_s=budget.limits.stream_idle_timeout_s or None,
-        )  # fmt: skip
 
 
 def _listening_sockets(host: str, port: int, reuse_port: bool) -> list[socket.socket]:

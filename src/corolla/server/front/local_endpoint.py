@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from pathlib import Path
 
@@ -17,12 +18,13 @@ from hivemind.p2p import P2PContext, PeerID
 
 from corolla.protocol import local_stream as ls
 from corolla.server.front.stream_endpoint import (
+    AcceptedStream,
     Connections,
     InferenceRpc,
     PlainFrames,
     check_hello,
     read_hello,
-    serve_inference,
+    serve_connection,
 )
 from corolla.utils.logging import get_logger
 
@@ -49,12 +51,12 @@ class LocalEndpoint:
         self.path: Path | None = None
         self.max_frame_bytes = int(handler.max_stream_bytes) + (1 << 20)
         self.streams_opened = 0
-        self._connections = Connections()
+        self.connections = Connections()  # (each one's task runs `stream_endpoint.serve_connection`)
         self._load: ls.StreamLoad | None = None  # a handler process's load file (clients pick the less loaded)
 
     @property
     def num_open(self) -> int:
-        return self._connections.num_open
+        return self.connections.num_open
 
     async def start(self) -> bool:
         if not ls.ensure_private_dir(self.directory):
@@ -66,7 +68,9 @@ class LocalEndpoint:
             return False
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a socket left by an earlier run with the same identity
-        self._connections.server = await asyncio.start_unix_server(self._serve, path=str(path), limit=1 << 16)
+        self.connections.server = await asyncio.start_unix_server(
+            functools.partial(serve_connection, self), path=str(path), limit=1 << 16
+        )
         os.chmod(path, 0o600)
         self.path = path
         if self.index is not None:  # one of several handler processes' sockets
@@ -79,7 +83,7 @@ class LocalEndpoint:
 
     async def stop(self) -> None:
         """Stops accepting, ends open streams (their sessions free their caches) and removes the socket."""
-        await self._connections.close()
+        await self.connections.close()
         if self._load is not None:
             self._load.close()
             self._load = None
@@ -95,27 +99,16 @@ class LocalEndpoint:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            with self._connections.serving():
-                self._report_load()
-                if await self._accept(reader, writer):
-                    self.streams_opened += 1
-                    await self._stream(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError) as e:
-            logger.debug(f"local_endpoint.connection_lost({e!r})")
-        finally:
-            writer.close()
-            self._report_load()
-
     def _report_load(self) -> None:
         if self._load is not None:
             try:
-                self._load.write(self._connections.num_open)
+                self._load.write(self.connections.num_open)
             except OSError as e:  # clients then pick without it
                 logger.debug(f"local_endpoint.load_unwritten({e!r})")
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AcceptedStream | None:
+        """The connection's hello checked and answered (`stream_endpoint.StreamListener`)."""
+        self._report_load()
         try:
             hello = ls.LocalHello.from_bytes(await read_hello(reader))
             check_hello(
@@ -124,14 +117,15 @@ class LocalEndpoint:
             )  # fmt: skip
         except asyncio.TimeoutError:
             logger.info("local_endpoint.rejected(reason=no_hello)")
-            return False
+            return None
         except ValueError as e:
             logger.info(f"local_endpoint.rejected(reason=bad_hello): {e}")
             writer.writelines(ls.frame(ls.ERROR, str(e).encode()[: ls.MAX_ERROR_BYTES]))
-            return False
+            return None
         writer.writelines(ls.frame(ls.ACCEPT))
-        return True
-
-    async def _stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.streams_opened += 1
         context = P2PContext(handle_name="rpc_inference", local_id=self.peer_id, remote_id=None)
-        await serve_inference(self.handler, reader, writer, context, PlainFrames(), self.max_frame_bytes)
+        return AcceptedStream(context, PlainFrames())
+
+    def ended(self, accepted: AcceptedStream | None) -> None:
+        self._report_load()

@@ -1,6 +1,7 @@
 """Streams served outside p2pd, for the same-host socket (`local_endpoint`) and the direct port (`direct_endpoint`):
 the connections a listener serves (`Connections`), the hello every connection starts with (`read_hello`,
-`check_hello`), and one `rpc_inference` stream: frames in (`protocol.local_stream` framing, each payload opened by
+`check_hello`), one connection from its hello to its close (`serve_connection`, the task's own coroutine: a listener's
+code runs at the hello and at the end, not on each step's way), and one `rpc_inference` stream: frames in (`protocol.local_stream` framing, each payload opened by
 a `FrameCodec`), `ExpertRequest`s into the handler's own `rpc_inference`, its responses out as frames. Shared by the
 same-host socket (`local_endpoint`, plain frames) and the direct TCP port (`direct_endpoint`, sealed frames).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from google.protobuf.message import DecodeError
@@ -26,6 +28,9 @@ from corolla.server.core.limits import StreamStalled
 from corolla.server.front import step_timeline
 from corolla.server.front.stream_guard import StreamLease, within_idle
 from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
+from corolla.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 HELLO_TIMEOUT_S = 5.0  # a connection that has not said hello by then is dropped
 SERVED_RPCS = ("rpc_inference",)
@@ -128,6 +133,59 @@ class PlainFrames:
 
     def decode(self, kind: int, payload: bytes) -> bytes:
         return payload
+
+
+@dataclass(frozen=True)
+class AcceptedStream:
+    """What a listener's hello check grants a connection: its stream's context, framing and budget."""
+
+    context: P2PContext
+    codec: FrameCodec
+    lease: StreamLease | None = None  # a remote peer's stream: its payloads charged to the handler's budget
+    idle_s: float | None = None
+    peer: str | None = None  # the remote peer the listener admitted (None: the same host's)
+
+
+class StreamListener(Protocol):
+    """A listener as `serve_connection` drives it (`local_endpoint.LocalEndpoint`, `direct_endpoint.DirectEndpoint`)."""
+
+    @property
+    def handler(self) -> InferenceRpc: ...
+
+    @property
+    def max_frame_bytes(self) -> int: ...
+
+    @property
+    def connections(self) -> Connections: ...
+
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AcceptedStream | None:
+        """The connection's hello checked and answered (ACCEPT or ERROR); None: refused."""
+        ...
+
+    def ended(self, accepted: AcceptedStream | None) -> None:
+        """The connection closed (after `accept`'s grant, if any)."""
+        ...
+
+
+async def serve_connection(
+    listener: StreamListener, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """One connection's task: counted open while served (`Connections.serving`), its hello (`listener.accept`), then its
+    `rpc_inference` stream to the end; the connection closed and `listener.ended` called whatever happens."""
+    accepted: AcceptedStream | None = None
+    try:
+        with listener.connections.serving():
+            accepted = await listener.accept(reader, writer)
+            if accepted is not None:
+                await serve_inference(
+                    listener.handler, reader, writer, accepted.context, accepted.codec, listener.max_frame_bytes,
+                    lease=accepted.lease, idle_s=accepted.idle_s,
+                )  # fmt: skip
+    except (ConnectionError, asyncio.IncompleteReadError) as e:
+        logger.debug(f"stream_endpoint.connection_lost({e!r})")
+    finally:
+        writer.close()
+        listener.ended(accepted)
 
 
 async def _read_payload(
