@@ -125,6 +125,7 @@ def test_prologue_refusals() -> None:
     assert not quant_choices.fusable(("nf4", 64, K), BLOCK[0])
     assert not quant_choices.fusable(("int8", N, K), ("stream", (64, 4, 4, 4, 2)))
     assert quant_choices.fusable(("int8", N, K), BLOCK[0]) and quant_choices.fusable(("int8", N, K), GEMV[0])
+    assert quant_choices.fusable(("int8", N, K), ("i8mma", (1, 8, 4, 0, 0)))
 
 
 def _triton_ops() -> ops_module.DecodeOps:

@@ -21,7 +21,7 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
     (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "stream"
     (quant_stream.nf4_stream_gemv, NF4 in 16-bit dtypes, one row per program, no prologue), "tile"
     (quant_tile_gemv.nf4_tile_gemv on the weight's tile layout, NF4 in 16-bit dtypes, no prologue), "i8mma"
-    (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes, no prologue), "block" (quant_kernels.quant_matmul) or
+    (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes), "block" (quant_kernels.quant_matmul) or
     "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue)."""
     if kernel == "gemv":
         return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
@@ -31,8 +31,8 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
         return lambda x, w, res, nw=None, eps=0.0: quant_tile_gemv.nf4_tile_gemv(
             x, w, quant_tile_gemv.tiles_of(w), res, config
         )
-    if kernel == "i8mma" and not prologue:
-        return lambda x, w, res, nw=None, eps=0.0: quant_int8_gemv.int8_row_mma(x, w, res, config)
+    if kernel == "i8mma":
+        return lambda x, w, res, nw=None, eps=0.0: quant_int8_gemv.int8_row_mma(x, w, res, config, prologue, nw, eps)
     if kernel == "mma" and not prologue:
         return lambda x, w, res, nw=None, eps=0.0: quant_mma.nf4_mma_matmul(x, w, res, config)
     if kernel == "block":
@@ -41,10 +41,10 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
 
 
 def fusable(key: tuple[str, int, int], choice: Choice) -> bool:
-    """Whether the small-row kernel `choice` for shape `key` runs a norm/SiLU prologue (INT8: the block kernel and
-    the byte GEMV; no NF4 kernel does)."""
+    """Whether the small-row kernel `choice` for shape `key` runs a norm/SiLU prologue (INT8: the block kernel, the
+    byte GEMV and the matrix-unit row GEMV; no NF4 kernel does)."""
     int8 = key[0] == "int8"
-    return int8 and choice[0] == "block" or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
+    return int8 and choice[0] in ("block", "i8mma") or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
 
 
 def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: dict, reps: int) -> dict:
@@ -104,8 +104,9 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
                 small_configs += [("i8mma", c) for c in quant_int8_gemv.INT8_MMA_CONFIGS]
         mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
         gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]
-        # the candidates are part of the problem: a changed candidate list tunes again
-        candidates = zlib.crc32(repr((small_configs, mma, block_configs)).encode())
+        # the candidates are part of the problem (those that fuse a prologue too): a changed list tunes again
+        fusing = [c for c in small_configs if fusable(key, c)]
+        candidates = zlib.crc32(repr((small_configs, mma, block_configs, fusing)).encode())
         problem = f"quant {key[0]} {key[1]}x{key[2]} {items[0].dtype} prologues={','.join(wanted)} {candidates:08x}"
         cached = ops.kernel_choices.get(problem) if ops.kernel_choices is not None else None
         if cached is not None:

@@ -25,12 +25,19 @@ memory as fp16 (bf16 x times X_SCALE = 2^-8, against overflow; the sums times 2^
 are added in warp order through shared memory, then the row's scale (row absmax / 127, fp32) and the residual are
 applied and the value is rounded once to the output dtype.
 
+Prologues (quant_splits.PROLOGUES), the way the NF4 GEMVs take their x from the RMSNorm / SiLU kernel in fp16
+(docs/decisions/0023), but inside the staging itself, so that the step launches no norm or SiLU kernel before
+w_qkv, w_gate_up and w_down: RMSNorm sums x's squares while staging it raw (each thread in order, the warp by a fixed
+butterfly, the warps in order: every program forms the same 1/rms), then normalizes it in place; SiLU gating reads
+[gate | up] and stages silu(gate) x up. Each is rounded to x's dtype as triton_kernels.rms_norm / silu_mul round it,
+then converted as a plain x is.
+
 Batch invariance and determinism: a row's value depends only on its own x row (grid [ceil(N / 16 RT), M]: programs
 never mix x rows; every sum's order is fixed by K and the config). Rows past N in the last tile read row N - 1 and
 store nothing. Numerics: exact codes, x in fp16 (as the NF4 tile GEMV's), exact products, fp32 sums: within the
 rounding of the dequantized weight. It reads the weight once per x row, so the tuner serves one-row steps with it
 (2-16 rows on the block kernel's 16-row tiles). Compiled at run time (nvrtc_kernels); CUDA-graph safe. Importing
-needs no GPU."""
+fails without Triton (quant_splits)."""
 
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import ctypes
 import torch
 
 from corolla.engine.kernels.nvrtc_kernels import CUDA_HELPERS, NvrtcKernel
+from corolla.engine.kernels.quant_splits import PROLOGUES, check_prologue, prologue_width
 from corolla.engine.quant.quant_weights import Int8Weight
 
 CHUNK_VALUES = 64  # 4 lanes x 16 codes of each of a tile's 16 rows; K must be a multiple of this
@@ -65,6 +73,70 @@ static __device__ __forceinline__ u32 codes_f16x2(u32 b, u32 sel) {
   return d;
 }
 
+// a pair of x's dtype -> the mma's fp16 B operand pair (bf16: times 2^-8, one rounding; fp16: as it is)
+static __device__ __forceinline__ u32 x_operand(u32 v) {
+#if X_BF16
+  return bf16x2_to_f16x2(v);
+#else
+  return v;
+#endif
+}
+
+#if PRO
+// a pair of x's dtype -> fp32 (the even value in .x)
+static __device__ __forceinline__ float2 unpack_pair(u32 v) {
+#if X_BF16
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+#else
+  float lo, hi;
+  asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(lo), "=f"(hi) : "r"(v));
+  return make_float2(lo, hi);
+#endif
+}
+
+// two fp32 values -> a pair of x's dtype, each rounded to nearest even (lo the even value)
+static __device__ __forceinline__ u32 pack_pair(float lo, float hi) {
+  u32 d;
+#if X_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#endif
+  return d;
+}
+#endif
+
+#if PRO == 1
+static __device__ __forceinline__ float sum_squares(float s, u32 v) {
+  const float2 f = unpack_pair(v);
+  return __fmaf_rn(f.y, f.y, __fmaf_rn(f.x, f.x, s));
+}
+
+// RMSNorm of a pair as triton_kernels.rms_norm rounds it: x times 1/rms rounded to the dtype, times the gain,
+// rounded again
+static __device__ __forceinline__ u32 norm_pair(u32 v, u32 w, float rstd) {
+  const float2 f = unpack_pair(v), gw = unpack_pair(w);
+  const float2 a = unpack_pair(pack_pair(__fmul_rn(f.x, rstd), __fmul_rn(f.y, rstd)));
+  return pack_pair(__fmul_rn(a.x, gw.x), __fmul_rn(a.y, gw.y));
+}
+#endif
+
+#if PRO == 2
+// silu(gate) * up of a pair as triton_kernels.silu_mul forms it (fp32, exp by ex2.approx, the quotient by
+// div.full), rounded to the dtype
+static __device__ __forceinline__ float silu_times(float gt, float up) {
+  float e, q;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(-gt, 1.44269504088896341f)));
+  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(gt), "f"(__fadd_rn(1.f, e)));
+  return __fmul_rn(q, up);
+}
+
+static __device__ __forceinline__ u32 silu_pair(u32 gate, u32 up) {
+  const float2 g2 = unpack_pair(gate), u2 = unpack_pair(up);
+  return pack_pair(silu_times(g2.x, u2.x), silu_times(g2.y, u2.y));
+}
+#endif
+
 #define MMA(c, a0, a1, a2, a3, b0, b1)                                                                         \
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "              \
       "{%0,%1,%2,%3};"                                                                                         \
@@ -84,8 +156,8 @@ extern __shared__ __align__(16) unsigned char smem[];
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, const u16* __restrict__ x,
-             const u16* __restrict__ res, u16* __restrict__ out, int N, int K, long long sxm, long long srm,
-             long long som, int has_res, float out_scale) {
+             const u16* __restrict__ res, u16* __restrict__ out, const u16* __restrict__ nw, int N, int K,
+             long long sxm, long long srm, long long som, int has_res, float out_scale, float eps) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * (RT * 16);
   const long long m = blockIdx.y;
@@ -114,14 +186,52 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
     }
   }
   {
+    // x staged as the B operand's fp16 pairs (PRO: RMSNorm's or SiLU gating's result, rounded as their kernels
+    // round it, then converted as a plain x is)
     const U4* xg = reinterpret_cast<const U4*>(x + m * sxm);
+#if PRO == 1
+    // RMSNorm: x kept as it is (and the gain beside it, both loads in flight at once) while x's squares are summed
+    // (each thread its words in order, then the warp's lanes by a fixed butterfly, then the warps in order: every
+    // program gets the same 1/rms), then normalized in place
+    const U4* gain = reinterpret_cast<const U4*>(nw);
+    U4* gs = reinterpret_cast<U4*>(smem + 2 * (size_t)K + W * RT * 16 * 4);  // [K / 8] the gain
+    float ss = 0.f;
     for (int i = tid; i < (K >> 3); i += THREADS) {
-      U4 v = ld_nc(xg + i);
-#if X_BF16
-      v.x = bf16x2_to_f16x2(v.x); v.y = bf16x2_to_f16x2(v.y); v.z = bf16x2_to_f16x2(v.z); v.w = bf16x2_to_f16x2(v.w);
-#endif
+      const U4 v = ld_nc(xg + i), w = ld_nc(gain + i);
+      ss = sum_squares(ss, v.x); ss = sum_squares(ss, v.y); ss = sum_squares(ss, v.z); ss = sum_squares(ss, v.w);
+      xs[i] = v;
+      gs[i] = w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    ss = red[0];
+    for (int w = 1; w < W; ++w) ss += red[w];
+    const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), eps)));
+    for (int i = tid; i < (K >> 3); i += THREADS) {  // (the words this thread stored)
+      U4 v = xs[i];
+      const U4 w = gs[i];
+      v.x = x_operand(norm_pair(v.x, w.x, rstd)); v.y = x_operand(norm_pair(v.y, w.y, rstd));
+      v.z = x_operand(norm_pair(v.z, w.z, rstd)); v.w = x_operand(norm_pair(v.w, w.w, rstd));
       xs[i] = v;
     }
+#elif PRO == 2
+    // SiLU gating: x [2K] = [gate | up] -> silu(gate) * up
+    for (int i = tid; i < (K >> 3); i += THREADS) {
+      const U4 gt = ld_nc(xg + i), up = ld_nc(xg + (K >> 3) + i);
+      U4 v;
+      v.x = x_operand(silu_pair(gt.x, up.x)); v.y = x_operand(silu_pair(gt.y, up.y));
+      v.z = x_operand(silu_pair(gt.z, up.z)); v.w = x_operand(silu_pair(gt.w, up.w));
+      xs[i] = v;
+    }
+#else
+    for (int i = tid; i < (K >> 3); i += THREADS) {
+      U4 v = ld_nc(xg + i);
+      v.x = x_operand(v.x); v.y = x_operand(v.y); v.z = x_operand(v.z); v.w = x_operand(v.w);
+      xs[i] = v;
+    }
+#endif
   }
   __syncthreads();
 
@@ -196,29 +306,43 @@ def check_row_config(config: tuple[int, int, int, int, int]) -> None:
         raise ValueError(f"bad INT8 row GEMV config {config}")
 
 
-def _kernel(config: tuple[int, int, int, int, int], bf16: bool) -> NvrtcKernel:
-    key = (*config[:3], int(bf16))
+def _kernel(config: tuple[int, int, int, int, int], bf16: bool, prologue: int) -> NvrtcKernel:
+    key = (*config[:3], int(bf16), prologue)
     if key not in _KERNELS:
         tiles, warps, depth = config[:3]
-        defines = {"RT": tiles, "W": warps, "P": depth, "X_BF16": int(bf16), "OUT_BF16": int(bf16)}
+        defines = {"RT": tiles, "W": warps, "P": depth, "X_BF16": int(bf16), "OUT_BF16": int(bf16), "PRO": prologue}
         _KERNELS[key] = NvrtcKernel(CUDA_HELPERS + _SOURCE, "int8_row_mma", defines)
     return _KERNELS[key]
 
 
 def int8_row_mma(
-    x: torch.Tensor, weight: Int8Weight, residual: torch.Tensor | None, config: tuple[int, int, int, int, int]
+    x: torch.Tensor,
+    weight: Int8Weight,
+    residual: torch.Tensor | None,
+    config: tuple[int, int, int, int, int],
+    prologue: int = 0,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
-    """x [M, K] @ W[N, K]^T * row_absmax / 127 (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16;
-    x in it too); ValueError for a bad shape, dtype, layout (K a multiple of CHUNK_VALUES) or config. x is copied
-    once when its rows do not start 16-byte aligned."""
+    """f(x) [M, K] @ W[N, K]^T * row_absmax / 127 (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or
+    fp16; x in it too), f = `prologue` (quant_splits.PROLOGUES): the identity, RMSNorm with the gain `norm_weight`
+    [K] (x's dtype) and `eps`, or SiLU gating of x [M, 2K] = [gate | up]; each rounded to x's dtype as
+    triton_kernels.rms_norm / silu_mul round it. ValueError for a bad shape, dtype, layout (K a multiple of
+    CHUNK_VALUES), prologue or config. x (or the gain) is copied once when its rows do not start 16-byte aligned."""
     check_row_config(config)
-    m, k = x.shape
-    n, wk = weight.shape
-    if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype or wk != k or m < 1:
+    m, kx = x.shape
+    n, k = weight.shape
+    if (
+        weight.dtype not in (torch.bfloat16, torch.float16)
+        or x.dtype != weight.dtype
+        or kx != prologue_width(k, prologue)
+        or m < 1
+    ):
         raise ValueError(
-            f"int8_row_mma takes [M, {wk}] bf16/fp16 rows of the weight's dtype ({weight.dtype}), "
-            f"got {tuple(x.shape)} {x.dtype}"
+            f"int8_row_mma takes [M, {prologue_width(k, prologue)}] bf16/fp16 rows of the weight's dtype "
+            f"({weight.dtype}), got {tuple(x.shape)} {x.dtype}"
         )
+    check_prologue(k, prologue, norm_weight)
     codes = weight.codes
     if k % CHUNK_VALUES or not codes.is_contiguous() or codes.data_ptr() % 16:
         raise ValueError(f"int8_row_mma needs contiguous 16-byte aligned codes with K % {CHUNK_VALUES} == 0")
@@ -226,17 +350,24 @@ def int8_row_mma(
         raise ValueError(f"residual must be a [{m}, {n}] {weight.dtype} tensor with a contiguous last dim")
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
         x = x.contiguous().clone()  # a fresh allocation: aligned
+    nw = x  # (not read without the RMSNorm prologue)
+    if prologue == PROLOGUES["rmsnorm"]:
+        assert norm_weight is not None  # (check_prologue)
+        if norm_weight.dtype != weight.dtype:
+            raise ValueError(f"the RMSNorm gain must be {weight.dtype}, got {norm_weight.dtype}")
+        nw = norm_weight if norm_weight.data_ptr() % 16 == 0 else norm_weight.clone()
     bf16 = weight.dtype == torch.bfloat16
     out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
     res = residual if residual is not None else out
     tiles, warps = config[0], config[1]
-    shared = 2 * k + warps * tiles * 16 * 4  # x in fp16, then the warps' row sums
+    # x in fp16, the warps' row sums (first: their sums of squares), RMSNorm's gain
+    shared = 2 * k + warps * tiles * 16 * 4 + (2 * k if prologue == PROLOGUES["rmsnorm"] else 0)
     ptr = ctypes.c_void_p
     args = [
         ptr(codes.data_ptr()), ptr(weight.col_scale.data_ptr()), ptr(x.data_ptr()), ptr(res.data_ptr()),
-        ptr(out.data_ptr()), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x.stride(0)),
+        ptr(out.data_ptr()), ptr(nw.data_ptr()), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x.stride(0)),
         ctypes.c_longlong(res.stride(0)), ctypes.c_longlong(out.stride(0)), ctypes.c_int(int(residual is not None)),
-        ctypes.c_float(1.0 / X_SCALE if bf16 else 1.0),
+        ctypes.c_float(1.0 / X_SCALE if bf16 else 1.0), ctypes.c_float(eps),
     ]  # fmt: skip
-    _kernel(config, bf16).launch(x.device, (-(-n // (16 * tiles)), m, 1), 32 * warps, shared, args)
+    _kernel(config, bf16, prologue).launch(x.device, (-(-n // (16 * tiles)), m, 1), 32 * warps, shared, args)
     return out
