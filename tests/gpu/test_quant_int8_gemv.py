@@ -1,7 +1,7 @@
 """The INT8 row GEMV on the matrix units (engine/quant/quant_int8_gemv.py) on a real GPU: every config, bf16 and
 fp16, with and without residual, N not a multiple of a program's rows, equals the reference dequantizer + fp32
-matmul (outputs poisoned first: every element written); its RMSNorm / SiLU prologues equal the separate kernel + the
-same GEMV within one rounding of x and a float32 reference; a row's output is bit-identical alone, among other rows
+matmul (outputs poisoned first: every element written); its RMSNorm prologue equals the separate kernel + the same
+GEMV within one rounding of x and a float32 reference; a row's output is bit-identical alone, among other rows
 and on a repeat, and a CUDA graph replays it on new inputs; bad calls are refused. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ def test_row_mma_matches_reference(dtype, shape) -> None:
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
-@pytest.mark.parametrize("prologue", ["rmsnorm", "silu"])
-def test_row_mma_prologues_match_the_separate_kernels(dtype, prologue) -> None:
+def test_row_mma_rmsnorm_prologue_matches_the_separate_kernel(dtype) -> None:
     from corolla.engine.kernels import triton_kernels
     from corolla.engine.kernels.quant_splits import PROLOGUES
     from corolla.engine.quant.quant_int8_gemv import INT8_MMA_CONFIGS, int8_row_mma
@@ -58,30 +57,25 @@ def test_row_mma_prologues_match_the_separate_kernels(dtype, prologue) -> None:
     n, k, eps, m = 203, 1152, 1e-5, 5
     weight = _weight(n, k, seed=11, dtype=dtype)
     gen = torch.Generator(device=DEV).manual_seed(12)
-    x = (torch.randn(m, 2 * k if prologue == "silu" else k, device=DEV, generator=gen) * 3).to(dtype)
+    x = (torch.randn(m, k, device=DEV, generator=gen) * 3).to(dtype)
     gain = (torch.rand(k, device=DEV, generator=gen) + 0.5).to(dtype)
     res = torch.randn(m, n, device=DEV, generator=gen).to(dtype)
-    if prologue == "silu":
-        pre = triton_kernels.silu_mul(x)
-        xf = x.float()
-        ref_x = (torch.nn.functional.silu(xf[:, :k]) * xf[:, k:]).to(dtype)
-    else:
-        pre = triton_kernels.rms_norm(x, gain, eps)
-        xf = x.float()
-        ref_x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * gain  # as the reference layer
+    pre = triton_kernels.rms_norm(x, gain, eps)
+    xf = x.float()
+    ref_x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * gain  # as the reference layer
     dense = weight.dequantize().float()  # [N, K]
     expected = ref_x.float() @ dense.t() + res.float()  # [M, N]
     scale = pre.float().abs() @ dense.abs().t()  # [M, N] sum_k |x_k w_k|
-    code = PROLOGUES[prologue]
+    code = PROLOGUES["rmsnorm"]
     for config in INT8_MMA_CONFIGS:
         fused = int8_row_mma(x, weight, res, config, code, gain, eps)
         unfused = int8_row_mma(pre, weight, res, config)
-        # an x value one rounding of its dtype away from the separate kernel's at most (its 1/rms, exp and quotient
-        # are not formed by the same instructions)
+        # an x value one rounding of its dtype away from the separate kernel's at most (1/rms summed in another
+        # order; on an H200 the bits were equal at Llama-3-8B's shapes, decision 0063)
         bound = 2.0**-7 * (scale + unfused.float().abs()) + 1e-3
-        assert ((fused.float() - unfused.float()).abs() <= bound).all(), (config, prologue)
+        assert ((fused.float() - unfused.float()).abs() <= bound).all(), config
         err = float((fused.float() - expected).norm() / expected.norm())
-        assert err < 1e-2, (config, prologue, err)
+        assert err < 1e-2, (config, err)
         assert torch.equal(int8_row_mma(x, weight, res, config, code, gain, eps), fused), config
         for r in (0, m - 1):
             alone = int8_row_mma(x[r : r + 1].clone(), weight, res[r : r + 1].clone(), config, code, gain, eps)
@@ -139,7 +133,7 @@ def test_row_mma_refuses_bad_calls() -> None:
         int8_row_mma(x, weight, None, config, 1)  # RMSNorm without its gain
     with pytest.raises(ValueError, match="gain must be"):
         int8_row_mma(x, weight, None, config, 1, torch.ones(256, device=DEV), 1e-5)
-    with pytest.raises(ValueError, match="512"):  # SiLU gating reads [gate | up]
+    with pytest.raises(ValueError, match="runs no prologue 2"):  # SiLU gating: none here (decision 0063)
         int8_row_mma(x, weight, None, config, 2)
     fp32 = quantize_int8(torch.randn(64, 256, device=DEV))
     with pytest.raises(ValueError, match="bf16/fp16"):

@@ -121,11 +121,15 @@ def test_prologue_refusals() -> None:
         quant_kernels.quant_matmul(x, nf4, None, BLOCK[0][1], PROLOGUES["rmsnorm"], gain, EPS)
     with pytest.raises(ValueError, match="runs no prologue"):  # NF4's table GEMV has none
         quant_gemv.quant_gemv(x, nf4, None, quant_gemv.NF4_GEMV_CONFIGS[0], PROLOGUES["rmsnorm"], gain, EPS)
-    assert not quant_choices.fusable(("nf4", 64, K), ("gemv", quant_gemv.NF4_GEMV_CONFIGS[0]))
-    assert not quant_choices.fusable(("nf4", 64, K), BLOCK[0])
-    assert not quant_choices.fusable(("int8", N, K), ("stream", (64, 4, 4, 4, 2)))
-    assert quant_choices.fusable(("int8", N, K), BLOCK[0]) and quant_choices.fusable(("int8", N, K), GEMV[0])
-    assert quant_choices.fusable(("int8", N, K), ("i8mma", (1, 8, 4, 0, 0)))
+    for prologue in ("rmsnorm", "silu"):
+        assert not quant_choices.fusable(("nf4", 64, K), ("gemv", quant_gemv.NF4_GEMV_CONFIGS[0]), prologue)
+        assert not quant_choices.fusable(("nf4", 64, K), BLOCK[0], prologue)
+        assert not quant_choices.fusable(("int8", N, K), ("stream", (64, 4, 4, 4, 2)), prologue)
+        assert quant_choices.fusable(("int8", N, K), BLOCK[0], prologue)
+        assert quant_choices.fusable(("int8", N, K), GEMV[0], prologue)
+    # the INT8 matrix-unit row GEMV: RMSNorm only (its SiLU gating lost, decision 0063)
+    assert quant_choices.fusable(("int8", N, K), ("i8mma", (1, 8, 4, 0, 0)), "rmsnorm")
+    assert not quant_choices.fusable(("int8", N, K), ("i8mma", (1, 8, 4, 0, 0)), "silu")
 
 
 def _triton_ops() -> ops_module.DecodeOps:

@@ -40,18 +40,20 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
     raise ValueError(f"unknown quantized kernel {kernel!r} (prologue {prologue})")
 
 
-def fusable(key: tuple[str, int, int], choice: Choice) -> bool:
-    """Whether the small-row kernel `choice` for shape `key` runs a norm/SiLU prologue (INT8: the block kernel, the
-    byte GEMV and the matrix-unit row GEMV; no NF4 kernel does)."""
+def fusable(key: tuple[str, int, int], choice: Choice, prologue: str) -> bool:
+    """Whether the small-row kernel `choice` for shape `key` runs the norm/SiLU `prologue` (INT8: the block kernel and
+    the byte GEMV both, the matrix-unit row GEMV RMSNorm; no NF4 kernel does)."""
     int8 = key[0] == "int8"
-    return int8 and choice[0] in ("block", "i8mma") or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
+    if choice[0] == "i8mma":
+        return int8 and PROLOGUES[prologue] in quant_int8_gemv.PROLOGUE_CODES
+    return int8 and choice[0] == "block" or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
 
 
 def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: dict, reps: int) -> dict:
     """Times the `prologue` kernel (RMSNorm / SiLU gating, DecodeOps `ops`) + `best` against the three fastest
     small-row kernels of `timings` that run the prologue themselves, each as a CUDA graph over all layers; the faster
     serves decode rows with that prologue (ops.quant_fused). {} where no candidate fuses (NF4 table GEMVs, tl.dot)."""
-    candidates = sorted((c for c in timings if fusable(key, c)), key=timings.__getitem__)[:3]
+    candidates = sorted((c for c in timings if fusable(key, c, prologue)), key=timings.__getitem__)[:3]
     if not candidates:
         return {}
     k, code = key[2], PROLOGUES[prologue]
@@ -105,7 +107,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
         gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]
         # the candidates are part of the problem (those that fuse a prologue too): a changed list tunes again
-        fusing = [c for c in small_configs if fusable(key, c)]
+        fusing = [[c for c in small_configs if fusable(key, c, p)] for p in wanted]
         candidates = zlib.crc32(repr((small_configs, mma, block_configs, fusing)).encode())
         problem = f"quant {key[0]} {key[1]}x{key[2]} {items[0].dtype} prologues={','.join(wanted)} {candidates:08x}"
         cached = ops.kernel_choices.get(problem) if ops.kernel_choices is not None else None

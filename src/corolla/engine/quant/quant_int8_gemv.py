@@ -25,12 +25,12 @@ memory as fp16 (bf16 x times X_SCALE = 2^-8, against overflow; the sums times 2^
 are added in warp order through shared memory, then the row's scale (row absmax / 127, fp32) and the residual are
 applied and the value is rounded once to the output dtype.
 
-Prologues (quant_splits.PROLOGUES), the way the NF4 GEMVs take their x from the RMSNorm / SiLU kernel in fp16
-(docs/decisions/0023), but inside the staging itself, so that the step launches no norm or SiLU kernel before
-w_qkv, w_gate_up and w_down: RMSNorm sums x's squares while staging it raw (each thread in order, the warp by a fixed
-butterfly, the warps in order: every program forms the same 1/rms), then normalizes it in place; SiLU gating reads
-[gate | up] and stages silu(gate) x up. Each is rounded to x's dtype as triton_kernels.rms_norm / silu_mul round it,
-then converted as a plain x is.
+The RMSNorm prologue (quant_splits.PROLOGUES["rmsnorm"]): the norm before w_qkv and w_gate_up runs in the x
+staging, so that the step launches no norm kernel: x's squares are summed while x and the gain are staged raw (each
+thread in order, the warp by a fixed butterfly, the warps in order: every program forms the same 1/rms), then x is
+normalized in place, rounded as triton_kernels.rms_norm rounds it (the same bits on an H200), and converted as a
+plain x is. A SiLU-gating prologue (silu(gate) x up staged from [gate | up] before w_down) lost to silu_mul + this
+kernel and is deleted (docs/decisions/0063).
 
 Batch invariance and determinism: a row's value depends only on its own x row (grid [ceil(N / 16 RT), M]: programs
 never mix x rows; every sum's order is fixed by K and the config). Rows past N in the last tile read row N - 1 and
@@ -46,7 +46,7 @@ import ctypes
 import torch
 
 from corolla.engine.kernels.nvrtc_kernels import CUDA_HELPERS, NvrtcKernel
-from corolla.engine.kernels.quant_splits import PROLOGUES, check_prologue, prologue_width
+from corolla.engine.kernels.quant_splits import PROLOGUES, check_prologue
 from corolla.engine.quant.quant_weights import Int8Weight
 
 CHUNK_VALUES = 64  # 4 lanes x 16 codes of each of a tile's 16 rows; K must be a multiple of this
@@ -59,6 +59,9 @@ INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (1, 16, 2, 0, 0),
     (4, 4, 2, 0, 0),
 )
+
+# the prologues the kernel runs (quant_splits.PROLOGUES' codes): none and RMSNorm (SiLU gating lost: decision 0063)
+PROLOGUE_CODES = (PROLOGUES["none"], PROLOGUES["rmsnorm"])
 
 # the kernel, compiled after nvrtc_kernels.CUDA_HELPERS (the helpers the row GEMVs share)
 _SOURCE = r"""
@@ -82,7 +85,7 @@ static __device__ __forceinline__ u32 x_operand(u32 v) {
 #endif
 }
 
-#if PRO
+#if PRO == 1
 // a pair of x's dtype -> fp32 (the even value in .x)
 static __device__ __forceinline__ float2 unpack_pair(u32 v) {
 #if X_BF16
@@ -118,22 +121,6 @@ static __device__ __forceinline__ u32 norm_pair(u32 v, u32 w, float rstd) {
   const float2 f = unpack_pair(v), gw = unpack_pair(w);
   const float2 a = unpack_pair(pack_pair(__fmul_rn(f.x, rstd), __fmul_rn(f.y, rstd)));
   return pack_pair(__fmul_rn(a.x, gw.x), __fmul_rn(a.y, gw.y));
-}
-#endif
-
-#if PRO == 2
-// silu(gate) * up of a pair as triton_kernels.silu_mul forms it (fp32, exp by ex2.approx, the quotient by
-// div.full), rounded to the dtype
-static __device__ __forceinline__ float silu_times(float gt, float up) {
-  float e, q;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(-gt, 1.44269504088896341f)));
-  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(gt), "f"(__fadd_rn(1.f, e)));
-  return __fmul_rn(q, up);
-}
-
-static __device__ __forceinline__ u32 silu_pair(u32 gate, u32 up) {
-  const float2 g2 = unpack_pair(gate), u2 = unpack_pair(up);
-  return pack_pair(silu_times(g2.x, u2.x), silu_times(g2.y, u2.y));
 }
 #endif
 
@@ -186,8 +173,8 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
     }
   }
   {
-    // x staged as the B operand's fp16 pairs (PRO: RMSNorm's or SiLU gating's result, rounded as their kernels
-    // round it, then converted as a plain x is)
+    // x staged as the B operand's fp16 pairs (PRO 1: RMSNorm's result, rounded as its kernel rounds it, then
+    // converted as a plain x is)
     const U4* xg = reinterpret_cast<const U4*>(x + m * sxm);
 #if PRO == 1
     // RMSNorm: x kept as it is (and the gain beside it, both loads in flight at once) while x's squares are summed
@@ -214,15 +201,6 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
       const U4 w = gs[i];
       v.x = x_operand(norm_pair(v.x, w.x, rstd)); v.y = x_operand(norm_pair(v.y, w.y, rstd));
       v.z = x_operand(norm_pair(v.z, w.z, rstd)); v.w = x_operand(norm_pair(v.w, w.w, rstd));
-      xs[i] = v;
-    }
-#elif PRO == 2
-    // SiLU gating: x [2K] = [gate | up] -> silu(gate) * up
-    for (int i = tid; i < (K >> 3); i += THREADS) {
-      const U4 gt = ld_nc(xg + i), up = ld_nc(xg + (K >> 3) + i);
-      U4 v;
-      v.x = x_operand(silu_pair(gt.x, up.x)); v.y = x_operand(silu_pair(gt.y, up.y));
-      v.z = x_operand(silu_pair(gt.z, up.z)); v.w = x_operand(silu_pair(gt.w, up.w));
       xs[i] = v;
     }
 #else
@@ -325,24 +303,21 @@ def int8_row_mma(
     eps: float = 0.0,
 ) -> torch.Tensor:
     """f(x) [M, K] @ W[N, K]^T * row_absmax / 127 (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or
-    fp16; x in it too), f = `prologue` (quant_splits.PROLOGUES): the identity, RMSNorm with the gain `norm_weight`
-    [K] (x's dtype) and `eps`, or SiLU gating of x [M, 2K] = [gate | up]; each rounded to x's dtype as
-    triton_kernels.rms_norm / silu_mul round it. ValueError for a bad shape, dtype, layout (K a multiple of
-    CHUNK_VALUES), prologue or config. x (or the gain) is copied once when its rows do not start 16-byte aligned."""
+    fp16; x in it too), f = `prologue` (quant_splits.PROLOGUES): the identity or RMSNorm with the gain `norm_weight`
+    [K] (x's dtype) and `eps`, rounded to x's dtype as triton_kernels.rms_norm rounds it. ValueError for a bad shape,
+    dtype, layout (K a multiple of CHUNK_VALUES), prologue (SiLU gating: none here) or config. x (or the gain) is
+    copied once when its rows do not start 16-byte aligned."""
     check_row_config(config)
     m, kx = x.shape
     n, k = weight.shape
-    if (
-        weight.dtype not in (torch.bfloat16, torch.float16)
-        or x.dtype != weight.dtype
-        or kx != prologue_width(k, prologue)
-        or m < 1
-    ):
+    if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype or kx != k or m < 1:
         raise ValueError(
-            f"int8_row_mma takes [M, {prologue_width(k, prologue)}] bf16/fp16 rows of the weight's dtype "
-            f"({weight.dtype}), got {tuple(x.shape)} {x.dtype}"
+            f"int8_row_mma takes [M, {k}] bf16/fp16 rows of the weight's dtype ({weight.dtype}), "
+            f"got {tuple(x.shape)} {x.dtype}"
         )
     check_prologue(k, prologue, norm_weight)
+    if prologue not in PROLOGUE_CODES:
+        raise ValueError(f"int8_row_mma runs no prologue {prologue} (it runs {PROLOGUE_CODES}: none, RMSNorm)")
     codes = weight.codes
     if k % CHUNK_VALUES or not codes.is_contiguous() or codes.data_ptr() % 16:
         raise ValueError(f"int8_row_mma needs contiguous 16-byte aligned codes with K % {CHUNK_VALUES} == 0")
