@@ -8,9 +8,10 @@ server's do). `rows` real sessions, each a client coroutine that sends its next 
 its `--prompt`-token prefill, then `steps` single-token decode steps. With verification, `shadows` more sessions
 (`round(fraction x rows)`, at least one; a lone session's shadow is counted at the fraction, its expectation) are
 opened marked `shadow` (`SessionSpec.shadow`, as `protocol.shadow` marks them on the wire) and mirror the inputs of
-real sessions 0..shadows-1 as `client.shadows` sends them: the prefill in chunks of `SHADOW_CHUNK_TOKENS`, then one
-step per decode step, each sent as soon as its previous one came back (a client's shadow worker is never ahead of
-its session; here it is never behind it: the most the replica has to do at once).
+real sessions 0..shadows-1 as `client.shadows` sends them: the prefill in chunks of `SHADOW_CHUNK_TOKENS`, then the
+decode positions `SHADOW_BATCH_ROWS` at a time, each request sent as soon as its real session has done those
+positions and the shadow's previous request came back (a client's shadow worker is never ahead of its session; here
+it is never further behind it than it holds: the most the replica has to do at once).
 
 Timed, interleaved, `--repeats` times each after one untimed warm-up of each (medians): the real sessions' prompts
 phase (from the start to the last real prefill) and decode phase (from there to the last real decode step): cost =
@@ -39,7 +40,7 @@ from transformers import LlamaConfig
 
 from benchmarks.engine.quant import LLAMA3_8B, TINY, random_layer
 from benchmarks.field.verify_tolerance import engine_over
-from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, SHADOW_CHUNK_TOKENS
+from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, SHADOW_BATCH_ROWS, SHADOW_CHUNK_TOKENS
 from corolla.client.verification.stretches import position_errors, stretch_rtol
 from corolla.engine.spans.fast_llama import LayerWeights, LlamaSpec
 from corolla.server.core.engine_executor import EngineExecutor
@@ -62,25 +63,54 @@ def standin_backend(spec: LlamaSpec, layers: int, device: torch.device) -> Simpl
     return SimpleNamespace(block_indices=tuple(range(layers)), device=device, config=config, dtype=torch.bfloat16)
 
 
+class Progress:
+    """A real session's decode steps done so far, which its shadow waits for (`reach`)."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._target = 0
+
+    def advance(self) -> None:
+        self.done += 1
+        if self._waiter is not None and self.done >= self._target and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def reach(self, target: int) -> None:
+        if self.done < target:
+            self._waiter, self._target = asyncio.get_running_loop().create_future(), target
+            await self._waiter
+            self._waiter = None
+
+
 async def _session(
-    executor: EngineExecutor, cache, inputs: torch.Tensor, prompt: int, steps: int, chunk: int, record: dict
-) -> None:
+    executor: EngineExecutor, cache, inputs: torch.Tensor, prompt: int, steps: int, chunk: int, record: dict,
+    progress: Progress, mirrors: Progress | None = None,
+) -> None:  # fmt: skip
     """One client of a session: `inputs` [1, prompt + steps, H]: the prefill (in chunks of `chunk` tokens), then one
-    decode step at a time; `record`: prefill end time, each decode step's latency, the decode outputs [steps, H]."""
+    decode step at a time (`progress` advanced after each); a shadow (`mirrors`: its real session's progress) sends
+    the decode positions `SHADOW_BATCH_ROWS` at a time once its real session has done them. `record`: prefill end
+    time, each real decode step's latency, the decode outputs [steps, H]."""
     for start in range(0, prompt, chunk):
         piece = inputs[:, start : min(prompt, start + chunk)]
         await executor.step(cache, StepInputs(piece, start, None, None, "", lone_session=False))
     record["prefilled"] = time.perf_counter()
-    outputs = []
+    outputs: list[torch.Tensor] = []
     latencies = []
-    for t in range(steps):
+    t = 0
+    while t < steps:
+        n = 1 if mirrors is None else min(SHADOW_BATCH_ROWS, steps - t)
+        if mirrors is not None:
+            await mirrors.reach(t + n)
         position = prompt + t
         started = time.perf_counter()
         out = await executor.step(
-            cache, StepInputs(inputs[:, position : position + 1], position, None, None, "", lone_session=False)
+            cache, StepInputs(inputs[:, position : position + n], position, None, None, "", lone_session=False)
         )
         latencies.append(time.perf_counter() - started)
-        outputs.append(out.view(-1))
+        outputs.extend(out[0].unbind(0))
+        progress.advance()
+        t += n
     record["done"], record["latencies"], record["outputs"] = time.perf_counter(), latencies, outputs
 
 
@@ -120,9 +150,11 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         records: list[dict] = [{} for _ in specs]
         before = _totals(runtime)
         started = time.perf_counter()
+        progress = [Progress() for _ in specs]
         clients = [
             _session(executor, cache, inputs[i % rows : i % rows + 1], args.prompt, steps,
-                     args.prompt if i < rows else SHADOW_CHUNK_TOKENS, records[i])
+                     args.prompt if i < rows else SHADOW_CHUNK_TOKENS, records[i], progress[i],
+                     None if i < rows else progress[i - rows])
             for i, cache in enumerate(caches)
         ]  # fmt: skip
         await asyncio.gather(*clients)

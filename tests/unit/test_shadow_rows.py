@@ -1,7 +1,8 @@
 """A shadow session's steps on a server (`protocol.shadow`, `EngineExecutor.step_task(..., shadow=True)`): each ranks
 as a real step queued `runtime.SHADOW_LEAD_AFTER_S` after it (`Task.lead_after`), so that a merged batch takes it
 only where the real steps queued before then left room; a shadow's decode row merges into the real sessions' forward
-(a spare row), a longer shadow step runs in a batch of its own; on an idle runtime a shadow's step waits its lead
+(a spare row), and so do a shadow's steps of several positions, as that many rows (the same outputs as a real
+session's steps); a shadow's step that cannot ride (deep prompts) runs in a batch of its own; on an idle runtime a shadow's step waits its lead
 time for a real step to ride with (and runs alone after it), unless no real step came for as long (then at once);
 once its lead time has passed it goes ahead of the real steps queued after then (a shadow's prefill chunk, which no
 real forward takes, ran only once real sessions in a closed loop were done, and its decode rows rode none of their
@@ -17,7 +18,7 @@ import time
 
 import pytest
 import torch
-from tests.unit.test_executor_contract import SPAN, _eager, _proxied, backend  # noqa: F401  (a fixture)
+from tests.unit.test_executor_contract import SPAN, _eager, _engine, _proxied, backend  # noqa: F401  (a fixture)
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.protocol.shadow import SHADOW_KEY, parse_shadow
@@ -83,12 +84,50 @@ async def _order_of_a_held_queue(backend, max_batch_rows: int, reals_in_s: float
     return done, batches[1:]  # (the first: the held task)
 
 
-async def test_shadow_rows_merge_into_the_real_forward_and_a_longer_shadow_step_runs_apart(backend) -> None:  # noqa: F811
+async def test_shadow_rows_and_a_shadows_short_step_merge_into_the_real_forward(backend) -> None:  # noqa: F811
     done, batches = await _order_of_a_held_queue(backend, max_batch_rows=8)
-    # one forward for the real rows and the shadow's decode row, then the 2-token shadow step alone (as a real
-    # session's step would have it, it would ride in that first batch: every real row would wait for it)
-    assert batches == [3, 1], batches
-    assert done[:2] == ["R1", "R2"] and done[2:] == ["S1", "S2"], done
+    # one forward for the real rows, the shadow's decode row and the other shadow's 2-token step as two more rows
+    # (before: that step ran in a batch of its own after it, a forward per shadow request of several positions)
+    assert batches == [4], batches
+    assert sorted(done) == ["R1", "R2", "S1", "S2"], done
+
+
+@pytest.mark.parametrize("fused", [False, True])
+async def test_a_shadows_positions_ride_as_rows_and_equal_a_real_sessions_steps(backend, fused: bool) -> None:  # noqa: F811
+    """A shadow's step of several positions runs as that many rows of the merged decode forward (the engine's
+    `decode_many`, with a real session's decode row), and computes what a real session's prompt and single-token
+    steps over the same inputs compute; its cache then continues as the real one's."""
+    torch.manual_seed(4)
+    inputs = torch.randn(1, 12, H)
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        executor = _engine(backend, runtime, fused=fused)
+        decoded: list[list[int]] = []
+        decode_many = executor.engine.decode_many
+
+        def spying(reqs, **kw):
+            decoded.append([r.num_tokens for r in reqs])
+            return decode_many(reqs, **kw)
+
+        executor.engine.decode_many = spying  # type: ignore[method-assign]
+        async with (
+            executor.open_session(SessionSpec(SPAN, 1, 32), None) as real,
+            executor.open_session(SessionSpec(SPAN, 1, 32), None) as other,
+            executor.open_session(SessionSpec(SPAN, 1, 32, shadow=True), None) as shadow,
+        ):
+
+            def step(cache, start: int, end: int, hidden=inputs):
+                return executor.step(cache, StepInputs(hidden[:, start:end], start, None, None, "", lone_session=False))
+
+            expected = [await step(real, 0, 4)] + [await step(real, t, t + 1) for t in range(4, 11)]
+            await step(other, 0, 8)
+            decoded.clear()
+            got = [await step(shadow, 0, 4)]  # (alone: nothing real queued)
+            # (the real row goes first, at position 8: the eager span runs the rows by position all the same)
+            got += await asyncio.gather(step(shadow, 4, 11), step(other, 8, 9))
+            assert [sorted(d) for d in decoded] == [[4], [1, 7]], decoded  # the 7 positions rode with the real row
+            assert torch.allclose(torch.cat(got[:2], dim=1), torch.cat(expected, dim=1), atol=1e-4)
+            last_real, last_shadow = await asyncio.gather(step(real, 11, 12), step(shadow, 11, 12))
+            assert torch.allclose(last_shadow, last_real, atol=1e-4)
 
 
 async def test_real_steps_go_first_where_the_forward_has_no_room_for_shadows(backend) -> None:  # noqa: F811

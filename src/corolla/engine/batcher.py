@@ -1,6 +1,7 @@
 """Merging of queued steps: `execute_steps` runs a set of step requests of many sessions on one span with as much
-merging as is correct (single-token steps of distinct sessions share one batched decode forward per layer range,
-multi-token steps run one by one after it). The server's `Runtime` is the one scheduler in production: the fast
+merging as is correct (decode steps of distinct sessions share one batched decode forward per layer range: single-
+token steps, and short steps marked so as B x T rows (`StepRequest.is_decode`); other multi-token steps run one by
+one after it). The server's `Runtime` is the one scheduler in production: the fast
 executor registers `execute_steps` as its batch executor, and `launch_steps` as its launcher: a set of decode steps
 that one CUDA-graph forward serves is launched on the device and finished later (`PendingSteps.wait`), so that the
 runtime can launch the next forward before it sends this one's replies. A unit of queued work is one request or a
@@ -199,7 +200,7 @@ class PendingSteps:
             for i, out in zip(self._launched, outs, strict=True):
                 results[i] = out
                 req = self._requests[i]
-                end = start + req.rows * row_bytes
+                end = start + req.rows * req.num_tokens * row_bytes
                 req.output_bytes = data[start:end]  # what `out` views: a reply is encoded without a torch call
                 start = end
         except Exception as e:  # a device failure fails this forward's steps only

@@ -148,12 +148,12 @@ class HostStaging:
 
 
 class PendingDecode:
-    """A launched merged forward: `wait()` returns one output [B_i, 1, H] per request (CPU tensors that own their
+    """A launched merged forward: `wait()` returns one output [B_i, T_i, H] per request (CPU tensors that own their
     memory: views of one fresh copy of the output rows). Call `wait` once, from the launching thread."""
 
     def __init__(
         self, staging: HostStaging, done: torch.cuda.Event, rows: int, splits: list[int], hidden_size: int,
-        dtype: torch.dtype, start: torch.cuda.Event | None = None,
+        dtype: torch.dtype, start: torch.cuda.Event | None = None, shapes: dict[int, tuple[int, ...]] | None = None,
     ):  # fmt: skip
         self._staging: HostStaging | None = staging
         self._done = done
@@ -161,6 +161,7 @@ class PendingDecode:
         self.device_s: float | None = None  # once collected: the device's seconds from `start` to `done`
         self.rows = rows
         self._splits = splits  # rows per request
+        self._shapes = shapes  # request index -> its [B, T, H] where T > 1 (`MergedRows.shapes`)
         self._hidden_size = hidden_size
         self._dtype = dtype
         self._out: torch.Tensor | None = None  # [rows, H], once copied out
@@ -201,8 +202,20 @@ class PendingDecode:
             raise RuntimeError("PendingDecode.wait called twice")
         self._waited = True
         out = self.collect()
-        # one split into views: [rows, H] -> [B_i, 1, H] per request
-        return list(out.view(self.rows, 1, self._hidden_size).split(self._splits))
+        # one split into views: [rows, H] -> [B_i, 1, H] per request ([B_i, T_i, H] where T_i > 1)
+        return split_rows(out.view(self.rows, 1, self._hidden_size), self._splits, self._shapes)
+
+
+def split_rows(
+    out: torch.Tensor, splits: list[int], shapes: dict[int, tuple[int, ...]] | None
+) -> list[torch.Tensor]:
+    """A merged forward's output [rows, 1, H] as one view per request: [B_i, 1, H], or [B_i, T_i, H] for the
+    requests of several tokens (`shapes`, None where there are none: no per-request work then)."""
+    pieces = list(out.split(splits))
+    if shapes:
+        for i, shape in shapes.items():
+            pieces[i] = pieces[i].view(shape)
+    return pieces
 
 
 def launch_graph_decode(
@@ -213,7 +226,7 @@ def launch_graph_decode(
     dtype: torch.dtype,
     adapter_rows: torch.Tensor | None,
 ) -> PendingDecode:
-    """Queues one merged forward of `group` (single-token steps of distinct sessions over one layer range, hidden
+    """Queues one merged forward of `group` (decode steps of distinct sessions over one layer range, hidden
     states on the CPU, at most `graphs.max_rows` rows; validated and prepared by the caller) and returns at once.
     `adapter_rows`: the adapters' per-row index buffer on the device where a row uses an adapter, else None.
     Writes each session's new length (the rows' keys/values are written in stream order before any later step).
@@ -230,10 +243,10 @@ def launch_graph_decode(
     stream = torch.cuda.current_stream(graphs.hidden.device)
     if merged.same_dtype and merged.all_bytes:
         stage_hidden_bytes(staging.hidden_bytes, group)
-    elif merged.same_dtype:
+    elif merged.same_dtype and not merged.shapes:
         torch.cat([r.hidden for r in group], out=views.hidden.view(rows, 1, h))
     else:
-        torch.cat([r.hidden.reshape(r.rows, h).to(dtype) for r in group], out=views.hidden)
+        torch.cat([r.hidden.reshape(-1, h).to(dtype) for r in group], out=views.hidden)
     start = staging.begin(stream)  # the device's time on this forward starts at its first copy in
     views.graph_hidden.copy_(views.hidden, non_blocking=True)
     stage_row_inputs(staging, views, merged, adapter_rows)
@@ -244,7 +257,7 @@ def launch_graph_decode(
     # nothing beside the forward's milliseconds, and spinning held a core for the whole forward (the runtime
     # thread's CPU per step equalled the wall time per step)
     done = staging.mark(stream, sleep=rows > SPIN_MAX_ROWS)
-    return PendingDecode(staging, done, rows, merged.splits, h, dtype, start)  # the set's owner until it is out
+    return PendingDecode(staging, done, rows, merged.splits, h, dtype, start, merged.shapes)  # (the set's owner)
 
 
 @dataclass(eq=False)
@@ -258,6 +271,7 @@ class MergedRows:
     same_dtype: bool  # every request's hidden states already in the engine's dtype
     all_cpu: bool  # every request's hidden states on the CPU
     all_bytes: bool  # every request carries its hidden states' bytes (`StepRequest.hidden_bytes`)
+    shapes: dict[int, tuple[int, ...]] | None = None  # request index -> [B, T, H] for the requests of T > 1 tokens
 
     @property
     def rows(self) -> int:
@@ -269,27 +283,40 @@ class MergedRows:
 
 
 def merge_rows(group: Sequence[StepRequest], dtype: torch.dtype) -> MergedRows:
-    """The rows of `group` (single-token steps; a request of B rows gives B rows) in request order."""
+    """The rows of `group` in request order: a request of B rows and T tokens (`StepRequest.is_decode`) gives B x T
+    rows, row (b, t) at position + t over row b's block table (the hidden states' C order)."""
     merged = MergedRows([], [], [], [], True, True, True)
-    for r in group:  # one pass over the merged batch
+    for i, r in enumerate(group):  # one pass over the merged batch
         merged.same_dtype = merged.same_dtype and r.dtype == dtype
         merged.all_cpu = merged.all_cpu and r.on_cpu
         merged.all_bytes = merged.all_bytes and r.hidden_bytes is not None
-        merged.splits.append(r.rows)
         session = r.session
-        if r.rows == 1:
-            merged.positions.append(r.position)
-            merged.table_rows.append(session.table_rows[0])
-            merged.adapter_ids.append(session.adapter_index)
-        else:
-            merged.positions.extend([r.position] * r.rows)
-            merged.table_rows.extend(session.table_rows)
-            merged.adapter_ids.extend([session.adapter_index] * r.rows)
+        tokens = r.num_tokens
+        if tokens == 1:
+            merged.splits.append(r.rows)
+            if r.rows == 1:
+                merged.positions.append(r.position)
+                merged.table_rows.append(session.table_rows[0])
+                merged.adapter_ids.append(session.adapter_index)
+            else:
+                merged.positions.extend([r.position] * r.rows)
+                merged.table_rows.extend(session.table_rows)
+                merged.adapter_ids.extend([session.adapter_index] * r.rows)
+            continue
+        merged.splits.append(r.rows * tokens)
+        if merged.shapes is None:
+            merged.shapes = {}
+        merged.shapes[i] = r.shape
+        span = range(r.position, r.position + tokens)
+        for table in session.table_rows:
+            merged.positions.extend(span)
+            merged.table_rows.extend([table] * tokens)
+        merged.adapter_ids.extend([session.adapter_index] * (r.rows * tokens))
     return merged
 
 
 def stage_hidden_bytes(dst: memoryview, group: Sequence[StepRequest]) -> None:
-    """Copies the requests' hidden-state bytes (`StepRequest.hidden_bytes`, each [B_i, 1, H] in the engine's dtype,
+    """Copies the requests' hidden-state bytes (`StepRequest.hidden_bytes`, each [B_i, T_i, H] in the engine's dtype,
     its length checked by `SpanEngine.check_inputs`) one after another to the front of `dst` (a staging set's flat
     bytes): one memcpy per request, with the GIL held."""
     start = 0
@@ -329,10 +356,10 @@ def stage_row_inputs(
 
 
 def advance_lengths(group: Sequence[StepRequest]) -> None:
-    """Each session's length after its single-token step (its key/value written in stream order before any later
-    step reads it)."""
+    """Each session's length after its step (its keys/values written in stream order before any later step reads
+    them)."""
     for req in group:
-        length = req.position + 1
+        length = req.position + req.num_tokens
         for slot in req.session.slots:
             slot.length_tokens = length
 

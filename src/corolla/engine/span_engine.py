@@ -21,6 +21,7 @@ from corolla.engine.graph_decode import (
     host_bytes,
     launch_graph_decode,
     merge_rows,
+    split_rows,
     stage_row_inputs,
 )
 from corolla.engine.graphs.cuda_graphs import DecodeGraphs
@@ -462,12 +463,13 @@ class SpanEngine:
         return torch.stack(outs).to(req.hidden.device)
 
     def decode_many(self, reqs: Sequence[StepRequest], *, validated: bool = False) -> list[torch.Tensor]:
-        """Single-token steps of several sessions over the same layers as one batched forward per `max_batch_rows`
-        rows; every request must be valid (see `validate`) and no session may appear twice. Returns [B_i, 1, H]
-        per request. `validated=True` skips `validate` (the caller just ran it)."""
+        """Decode steps of several sessions over the same layers (`StepRequest.is_decode`: single-token steps, or
+        short steps marked so, as B x T rows) as one batched forward per `max_batch_rows` rows; every request must
+        be valid (see `validate`) and no session may appear twice. Returns [B_i, T_i, H] per request.
+        `validated=True` skips `validate` (the caller just ran it)."""
         for req in reqs:
             if not req.is_decode:
-                raise ValueError(f"decode_many takes single-token steps without prompts, got {req.num_tokens} tokens")
+                raise ValueError(f"decode_many takes decode steps without prompts, got {req.num_tokens} tokens")
             self._prepare(req, validated=validated)
         if len({id(r.session) for r in reqs}) != len(reqs):
             raise ValueError("decode_many got two steps of one session; run them one after another")
@@ -477,18 +479,18 @@ class SpanEngine:
         group: list[StepRequest] = []
         rows = 0
         for req in reqs:
-            if group and rows + req.rows > self.max_batch_rows:
+            if group and rows + req.rows * req.num_tokens > self.max_batch_rows:
                 results.extend(self._decode_group(group))
                 group, rows = [], 0
             group.append(req)
-            rows += req.rows
+            rows += req.rows * req.num_tokens
         if group:
             results.extend(self._decode_group(group))
         return results
 
     def can_launch(self, reqs: Sequence[StepRequest]) -> bool:
-        """Whether `launch_decode` takes these steps: single-token steps without prompts of distinct sessions over one
-        layer range, hidden states on the CPU, at most one CUDA-graph forward's rows (the graph path)."""
+        """Whether `launch_decode` takes these steps: decode steps (`StepRequest.is_decode`) of distinct sessions
+        over one layer range, hidden states on the CPU, at most one CUDA-graph forward's rows (the graph path)."""
         graphs = self.graphs
         if graphs is None or not reqs:
             return False
@@ -497,19 +499,19 @@ class SpanEngine:
         for r in reqs:
             if not r.is_decode or r.session.layers != layers or not r.on_cpu:
                 return False
-            rows += r.rows
+            rows += r.rows * r.num_tokens
         return rows <= graphs.max_rows and len({id(r.session) for r in reqs}) == len(reqs)
 
     def launch_decode(
         self, reqs: Sequence[StepRequest], *, validated: bool = False, launchable: bool = False
     ) -> PendingDecode:
         """`decode_many` in two phases: queues one merged forward of `reqs` on the device and returns at once;
-        `wait()` on the result gives [B_i, 1, H] per request. ValueError unless `can_launch(reqs)`; each request
+        `wait()` on the result gives [B_i, T_i, H] per request. ValueError unless `can_launch(reqs)`; each request
         must be valid (`validate`; `validated=True` skips it). `launchable=True`: the caller found `can_launch`
         true for these requests or a set that holds them all (not checked again). A later launch (or
         `decode_many`, `step`) may be made before `wait`: it runs after this forward in stream order."""
         if not reqs or (not launchable and not self.can_launch(reqs)):
-            raise ValueError("launch_decode takes single-token CPU steps of distinct sessions over one layer range, "
+            raise ValueError("launch_decode takes decode steps on the CPU of distinct sessions over one layer range, "
                              "on the CUDA-graph path, within one forward's rows")  # fmt: skip
         for req in reqs:
             self._prepare(req, validated=validated)
@@ -539,19 +541,17 @@ class SpanEngine:
             self._next_staging = 1 - self._next_staging
             staging.reuse()  # no queued copy of a launched forward reads it any more
             views = staging.row_views(g, rows)
-            views.graph_hidden.copy_(
-                torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
-            )
+            views.graph_hidden.copy_(torch.cat([r.hidden.reshape(-1, h).to(self.device, self.dtype) for r in group]))
             adapter_rows = self.adapters.row_ids if self.adapters is not None and adapted else None
             stage_row_inputs(staging, views, merged, adapter_rows)  # the whole bucket: no reset in `run`
             staging.mark(torch.cuda.current_stream(self.device))  # the set's copies above
             out = g.run(rows, group[0].session.layers, adapters=adapted, reset=False)  # [rows, H], static buffer
         else:
             on_device = all_cpu if self.device.type == "cpu" else all(r.hidden.device == self.device for r in group)
-            if same_dtype and on_device:
+            if same_dtype and on_device and not merged.shapes:
                 hidden = torch.cat([r.hidden for r in group]).view(rows, h)  # [rows, H]
             else:
-                hidden = torch.cat([r.hidden.reshape(r.rows, h).to(self.device, self.dtype) for r in group])
+                hidden = torch.cat([r.hidden.reshape(-1, h).to(self.device, self.dtype) for r in group])
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
             needed_pages = max(positions) // self.pool.page_size_tokens + 1  # eager path: attend to used pages only
             tab = merged.tables()[:, :needed_pages].to(self.device)
@@ -566,10 +566,10 @@ class SpanEngine:
             out = out.cpu()  # CPU callers (eager path: no CUDA graphs)
         elif self.device.type == "cuda":
             out = out.clone()  # the graph's static output is reused by the next replay
-        # one split into views: [rows, H] -> [B_i, 1, H] per request
-        pieces = out.view(rows, 1, h).split(merged.splits)
+        # one split into views: [rows, H] -> [B_i, T_i, H] per request
+        pieces = split_rows(out.view(rows, 1, h), merged.splits, merged.shapes)
         if all_cpu and out.device.type == "cpu":
-            return list(pieces)
+            return pieces
         return [p if p.device == r.hidden.device else p.to(r.hidden.device) for p, r in zip(pieces, group, strict=True)]
 
 

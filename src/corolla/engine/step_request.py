@@ -96,7 +96,10 @@ class StepRequest:
     rows: int = field(init=False)
     num_tokens: int = field(init=False)
     needs_prompts: bool = field(init=False)  # deep prompts touch this step's positions
-    is_decode: bool = field(init=False)  # a single-token step that can join a batched (graph) forward
+    # the step joins a merged (graph) decode forward as B x T rows, row (b, t) at position + t: a single-token step,
+    # or a shadow session's short step marked so by the server (`EngineExecutor.prepare_step`: its T consecutive
+    # positions attend to each other through the pool, every row's keys and values written before any row attends)
+    is_decode: bool = field(init=False)
     # the output's bytes (C order, flat: what the output tensor views) where a launched forward collected them
     # (`batcher.PendingSteps.wait`): a device channel encodes its reply from them
     output_bytes: memoryview | None = field(default=None, init=False)

@@ -27,8 +27,14 @@ within 1,000 of its steps in >= 99% (`DEFAULT_SHADOW_FRACTION`; benchmarks/RESUL
 sessions are mirrored: the replica is another server, and the draw is the client's.
 
 Cost to the client: each mirrored step is sent twice (to the server, then in the background to the replica; a token
-never waits for its shadow). A shadow's prefill goes in chunks of `SHADOW_CHUNK_TOKENS` so that, on a replica with
-no real step queued, it holds back a real step arriving meanwhile by one short forward at most."""
+never waits for its shadow). The replica gets a session's decode positions several at a time: the worker holds the
+steps mirrored after the last request it sent until they make `SHADOW_BATCH_ROWS` rows (positions x batch; a beam
+reorder, a rollback or the session's end sends what it holds first), then sends them as one request of consecutive
+positions, which a corolla replica runs as that many spare rows of one merged decode forward
+(`server.core.engine_executor`) and a Petals replica as a short prefill: one request, one reply, one comparison per
+`SHADOW_BATCH_ROWS` positions instead of one per position (a replica's host work per shadowed step, not its device's,
+was what shadows cost a busy replica: docs/decisions/0066). A lie is then caught up to that many of the session's
+steps later, or at its end. A shadow's prefill goes in chunks of `SHADOW_CHUNK_TOKENS`."""
 
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ logger = get_logger(__name__)
 
 DEFAULT_SHADOW_FRACTION = 0.75  # sessions mirrored: catches a 1%-liar within 1,000 steps in >= 99% (measured)
 SHADOW_CHUNK_TOKENS = 64  # the most tokens (x batch) of one shadow step: a replica's longest shadow forward
+SHADOW_BATCH_ROWS = 16  # mirrored positions (x batch) sent to the replica together (module docstring)
 MAX_SHADOW_LAG_STEPS = 4096  # mirrored steps a slow replica may have queued; past it the shadow is given up
 FINISH_TIMEOUT_S = 30.0  # the longest a session's close waits for its shadows to catch up (the rest is not checked)
 NO_TENSOR, NO_IDS = torch.empty(0), torch.empty(0, dtype=torch.int64)
@@ -89,7 +96,8 @@ class Shadow:
     span: RemoteSpanInfo  # the server under test
     replica: RemoteSpanInfo
     session: SpanSession
-    queue: asyncio.Queue[Mirrored | None] = field(default_factory=asyncio.Queue)
+    # mirrored steps in order; "flush": send what is held now (`settle`); None: the end (what is held is sent first)
+    queue: asyncio.Queue[Mirrored | Literal["flush"] | None] = field(default_factory=asyncio.Queue)
     queued: int = 0  # steps put and not yet taken (the lag; any thread reads it)
     state: ShadowState = "mirroring"
     positions_compared: int = 0
@@ -216,30 +224,38 @@ class ShadowVerifier:
         background_loop.get_loop().call_soon_threadsafe(shadow.queue.put_nowait, None)
 
     async def _run(self, shadow: Shadow) -> None:
-        """The shadow's worker (on the client loop): opens its stream, replays each mirrored step in order and
-        compares; a disagreement is decided 2:1 and ends it, as does a replica failing (no verdict: a failed
-        referee is not a liar)."""
+        """The shadow's worker (on the client loop): opens its stream, replays the mirrored steps in order,
+        consecutive ones `SHADOW_BATCH_ROWS` rows at a time (module docstring), and compares; a disagreement is
+        decided 2:1 and ends it, as does a replica failing (no verdict: a failed referee is not a liar)."""
         queue = shadow.queue
+        held: list[Mirrored] = []  # steps of consecutive positions not sent yet
+        held_rows = 0
         try:
             await self.open_stream(shadow)
             while True:
                 step = await queue.get()
                 try:
-                    if step is None:
-                        break
+                    if not isinstance(step, Mirrored):  # the end or a flush: what is held goes now
+                        if held and shadow.state == "mirroring":
+                            await self._check(shadow, joined(held))
+                        held, held_rows = [], 0
+                        if step is None:
+                            break
+                        continue
                     with self._lock:
                         shadow.queued -= 1
                     if shadow.state != "mirroring":
                         continue
-                    if step.first > shadow.sent_length:
-                        raise ConnectionError(f"the shadow lacks positions [{shadow.sent_length}, {step.first})")
-                    recomputed = await self.replay(shadow, step)
-                    shadow.record(step)
-                    agrees, error = self.referees.compare(step.claimed, recomputed, (shadow.span, shadow.replica))
-                    shadow.positions_compared += step.claimed.shape[1]
-                    shadow.max_error = max(shadow.max_error, error)
-                    if not agrees:
-                        await self._disagreement(shadow, step, recomputed, error)
+                    if held and not continues(held[-1], step):
+                        await self._check(shadow, joined(held))
+                        held, held_rows = [], 0
+                        if shadow.state != "mirroring":
+                            continue
+                    held.append(step)
+                    held_rows += step.inputs.shape[0] * step.inputs.shape[1]
+                    if held_rows >= SHADOW_BATCH_ROWS:
+                        await self._check(shadow, joined(held))
+                        held, held_rows = [], 0
                 finally:
                     queue.task_done()
         except Exception as e:
@@ -253,6 +269,18 @@ class ShadowVerifier:
                 queue.get_nowait()
                 queue.task_done()
             await self.close_stream(shadow)
+
+    async def _check(self, shadow: Shadow, step: Mirrored) -> None:
+        """Replays `step` on the shadow's replica and compares its outputs with the server's."""
+        if step.first > shadow.sent_length:
+            raise ConnectionError(f"the shadow lacks positions [{shadow.sent_length}, {step.first})")
+        recomputed = await self.replay(shadow, step)
+        shadow.record(step)
+        agrees, error = self.referees.compare(step.claimed, recomputed, (shadow.span, shadow.replica))
+        shadow.positions_compared += step.claimed.shape[1]
+        shadow.max_error = max(shadow.max_error, error)
+        if not agrees:
+            await self._disagreement(shadow, step, recomputed, error)
 
     async def open_stream(self, shadow: Shadow) -> None:
         """Opens the shadow's stream to its replica."""
@@ -304,12 +332,14 @@ class ShadowVerifier:
             self.undecided.append(finding)
         self._end(shadow, verdict, f"max error {error:.3g}")
 
-    async def settle(self) -> None:
+    async def settle(self, *, flush: bool = True) -> None:
         """On the client loop: waits until every shadow has replayed every step mirrored so far (benchmarks;
-        tests)."""
+        tests); `flush=False`: every step but those it holds for its next request (`SHADOW_BATCH_ROWS`)."""
         await asyncio.sleep(0)  # steps mirrored from this loop are put by callbacks that run first
         for shadow in self.shadows:
             if shadow.state == "mirroring":  # (an ended shadow's worker takes nothing more)
+                if flush:
+                    shadow.queue.put_nowait("flush")
                 await shadow.queue.join()
 
     async def finish(self) -> None:
@@ -320,3 +350,24 @@ class ShadowVerifier:
         tasks = [asyncio.wrap_future(s.task) for s in shadows if s.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def continues(last: Mirrored, step: Mirrored) -> bool:
+    """Whether `step` may go in one request with `last` and the steps held before it: the next positions of the
+    same rows, with no beam reorder (applied before its first position) and no deep prompts."""
+    return (
+        step.first == last.first + last.inputs.shape[1]
+        and step.hypo_ids is None
+        and step.prompts is None
+        and step.inputs.shape[0] == last.inputs.shape[0]
+    )
+
+
+def joined(steps: list[Mirrored]) -> Mirrored:
+    """Held steps of consecutive positions (`continues`) as one: [B, sum T, H], the first one's reorder and prompts."""
+    if len(steps) == 1:
+        return steps[0]
+    first = steps[0]
+    inputs = torch.cat([step.inputs for step in steps], dim=1)
+    claimed = torch.cat([step.claimed for step in steps], dim=1)
+    return Mirrored(inputs, claimed, first.first, first.hypo_ids, first.prompts)

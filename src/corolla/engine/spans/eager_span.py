@@ -179,7 +179,9 @@ class EagerSpan(ChunkedPrefill):
         pool: KVPool,
         layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """hidden [B, H] at `positions` [B] -> [B, H]: rows at one position (and adapter) run as one batch."""
+        """hidden [B, H] at `positions` [B] -> [B, H]: rows at one position (and adapter) run as one batch, the
+        batches in position order (rows of one sequence at consecutive positions, `StepRequest.is_decode`: each
+        attends to the keys the rows before it wrote)."""
         span = layers or (0, self.num_layers)
         rows = hidden.shape[0]
         adapters = self.adapters
@@ -192,7 +194,7 @@ class EagerSpan(ChunkedPrefill):
             return self._run(hidden[:, None], position, block_tables, pool, span, None, adapter)[:, 0]
         out = torch.empty_like(hidden)  # [B, H]
         tables = block_tables.cpu()
-        for (position, adapter), members in groups.items():
+        for (position, adapter), members in sorted(groups.items()):
             index = torch.tensor(members, dtype=torch.long)
             result = self._run(
                 hidden[index.to(hidden.device), None], position, tables[index], pool, span, None, adapter

@@ -148,7 +148,7 @@ class EngineExecutor:
         self.first_block = min(backend.block_indices)
         self.training = TrainingBatcher(backend, runtime, metrics)  # forwards and backwards, merged across clients
         self._merge_key = ("engine", id(engine))
-        self._shadow_merge_key = ("engine_shadow", id(engine))  # shadow sessions' multi-token steps (`prepare_step`)
+        self._shadow_merge_key = ("engine_shadow", id(engine))  # shadow steps that cannot ride (`step_task`)
         self.inference_tokens = 0  # tokens of every inference batch run (in the runtime thread; the metrics read it)
         # one merged batch is at most what one decode forward serves (a graph bucket's rows): steps past it wait for
         # the next forward instead of adding a second forward (a second pass over the weights, for a few rows) that
@@ -263,12 +263,12 @@ class EngineExecutor:
         A shadow session's step (`shadow`, `protocol.shadow`) has a lead time `SHADOW_LEAD_AFTER_S` from its
         queueing (`Task.lead_after`): it ranks as a real step queued then (behind the real steps queued before, so a
         merged batch takes it only where they left room) and leads no batch before then while real steps come
-        (`TaskQueue._lead_at`): a decode row rides the next forward the real sessions' steps lead (a spare row of a
-        forward that reads the weights anyway), and runs alone only where none came meanwhile. A longer step never
-        joins real rows (it would hold every real row of that batch until it ran): it runs in a batch of its own
-        once it may lead and the real steps ranked before it are served (real sessions in a closed loop keep it
-        behind them for one lead time, not until they end), and holds back the real steps queued meanwhile by that
-        one forward (clients send a shadow's prefill in chunks of `client.session.shadows.SHADOW_CHUNK_TOKENS`)."""
+        (`TaskQueue._lead_at`): its rows ride the next forward the real sessions' steps lead (spare rows of a
+        forward that reads the weights anyway; its T positions as T rows, `prepare_step`), and run alone only where
+        none came meanwhile. A step that cannot ride (deep prompts at its positions) never joins real rows (it
+        would hold every real row of that batch until it ran): it runs in a batch of its own once it may lead and
+        the real steps ranked before it are served, and holds back the real steps queued meanwhile by that one
+        forward (clients send a shadow's prefill in chunks of `client.session.shadows.SHADOW_CHUNK_TOKENS`)."""
         if isinstance(work, StepGroup):
             requests = work.requests
             size = sum(r.rows * max(r.num_tokens, 1) for r in requests)
@@ -287,7 +287,12 @@ class EngineExecutor:
 
     def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> StepRequest:
         """`step` up to its task (`step_task`): the engine's request of the step, checked and bound to its session
-        (a device channel's intake thread prepares a frame's steps, then queues them as one task)."""
+        (a device channel's intake thread prepares a frame's steps, then queues them as one task).
+
+        A shadow session's step of B x T <= `max_batch_rows` rows without deep prompts at its positions rides a
+        merged decode forward as B x T rows (`StepRequest.is_decode`): a client sends a shadow's decode positions
+        several at a time (`client.session.shadows.SHADOW_BATCH_ROWS`), one request, one task, one reply for them,
+        and the replica computes them as the spare rows of one forward instead of one per step."""
         own = self._own(cache)
         self.engine.bind_adapter(own.session, inputs.adapter)  # ValueError: unknown, or not the session's adapter
         meta = inputs.hidden_meta  # (dtype, [B, T, H]) of `hidden_bytes` where no tensor was built
@@ -305,6 +310,9 @@ class EngineExecutor:
         # ValueError (refused here, before it is queued) for inputs this engine can't run; the device thread then
         # checks only the session's state (`SpanEngine.validate`)
         self.engine.check_inputs(request)
+        if (own.spec.shadow and not request.is_decode and not request.needs_prompts
+                and 0 < request.rows * request.num_tokens <= self.engine.max_batch_rows):  # fmt: skip
+            request.is_decode = True  # its positions ride a decode forward as rows (see the docstring)
         return request
 
     def batch_counts(self) -> BatchCounts:
