@@ -3,8 +3,8 @@
 
 A span of random Llama-3-8B-shaped bf16 layers is served by the server's own device path: its `Runtime` (the device
 thread, the priority queue that merges steps, the gather rule, launch-ahead) and `EngineExecutor` (Triton kernels
-on CUDA, paged pool; `--graphs`: decode steps replay CUDA graphs of the buckets `rows` and `rows + shadows`, as a
-server's do). `rows` real sessions, each a client coroutine that sends its next step as soon as the last came back:
+on CUDA, paged pool; `--graphs`: decode steps replay CUDA graphs of the buckets `rows`, `rows + SHADOW_BATCH_ROWS`,
+... up to room for every shadow's row or one shadow's prompt, as a server's do). `rows` real sessions, each a client coroutine that sends its next step as soon as the last came back:
 its `--prompt`-token prefill, then `steps` single-token decode steps. With verification, `shadows` more sessions
 (`round(fraction x rows)`, at least one; a lone session's shadow is counted at the fraction, its expectation) are
 opened marked `shadow` (`SessionSpec.shadow`, as `protocol.shadow` marks them on the wire) and mirror the inputs of
@@ -128,8 +128,12 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
     gen = torch.Generator(device=device).manual_seed(rows * 1000 + steps)
     inputs = torch.randn(rows, total, spec.hidden_size, device=device, generator=gen).to(torch.bfloat16)  # [R, T, H]
     shadows = shadow_rows(rows, args.fraction)
+    # a forward's rows: the real sessions' and room for the shadows' (the most rows of one shadow request, or one row
+    # per shadow), in buckets of `SHADOW_BATCH_ROWS` rows (the rows one shadow request adds)
+    room = max(shadows, min(args.prompt, SHADOW_CHUNK_TOKENS))
+    buckets = tuple(rows + k for k in range(0, room + SHADOW_BATCH_ROWS, SHADOW_BATCH_ROWS))
     engine = engine_over(spec, layers, triton=device.type == "cuda", rows=rows + shadows, tokens=total,
-                         graphs=args.graphs, buckets=tuple(sorted({rows, rows + shadows})))  # fmt: skip
+                         graphs=args.graphs, buckets=buckets)  # fmt: skip
     backend = standin_backend(spec, len(layers), device)
 
     def run(with_shadows: bool) -> dict:

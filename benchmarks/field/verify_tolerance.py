@@ -40,12 +40,13 @@ def engine_over(
 ) -> SpanEngine:
     """An engine over `layers` whose pool holds `rows` sessions of `tokens` tokens (no kernel tuning: the default
     kernels; a server's tuner picks among kernels computing the same sums; `graphs`: decode steps of `rows` rows, or
-    of each of `buckets` rows, replay a CUDA graph, as a server's do)."""
+    of each of `buckets` rows, replay a CUDA graph, as a server's do); a merged forward holds `rows` rows, or the
+    largest bucket's."""
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
     model = FastLlamaSpan(spec, layers, inv_freq, max_positions=tokens + 64, use_triton=triton)
     config = EngineConfig(
         kv_pool_bytes=kv_pool_bytes_for(spec, len(layers), rows, tokens), max_seq_len_tokens=tokens + 64,
-        max_batch_rows=rows, graph_buckets=buckets or (rows,), use_cuda_graphs=graphs, tune_gemm=False,
+        max_batch_rows=max(rows, *buckets), graph_buckets=buckets or (rows,), use_cuda_graphs=graphs, tune_gemm=False,
     )  # fmt: skip
     return SpanEngine(model, config)
 

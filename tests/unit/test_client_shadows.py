@@ -2,8 +2,8 @@
 servers: an honest swarm's every mirrored position agrees and bans nobody; a server corrupting 1% of its steps with
 finite, plausible values is caught within 1,000 of its steps at the default sampling; a lying shadow replica cannot
 get an honest server banned (with no third replica nobody is banned); the shadow stream is an ordinary
-rpc_inference session marked in its first request, its prefill chunked, rollbacks, beam reorders and deep prompts
-mirrored; a shared finding (deep prompts included) is re-verified first-hand (a fabricated one is refuted and bans
+rpc_inference session marked in its first request, its prefill chunked, its decode positions sent several at a
+time, rollbacks, beam reorders and deep prompts mirrored; a shared finding (deep prompts included) is re-verified first-hand (a fabricated one is refuted and bans
 nobody; a true one bans only on the accused's own wrong answer); the sampling arithmetic meets its target."""
 
 from __future__ import annotations
@@ -19,7 +19,12 @@ from tests.unit.test_client_distrust import Server
 
 from corolla.client import background_loop
 from corolla.client.session.inference_session import InferenceSession
-from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, SHADOW_CHUNK_TOKENS, escape_probability
+from corolla.client.session.shadows import (
+    DEFAULT_SHADOW_FRACTION,
+    SHADOW_BATCH_ROWS,
+    SHADOW_CHUNK_TOKENS,
+    escape_probability,
+)
 from corolla.client.verification.findings import check_finding, decode_finding, encode_finding
 from corolla.client.verification.stretches import Finding
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
@@ -144,6 +149,21 @@ def test_the_shadow_is_a_marked_session_with_a_chunked_prefill_and_mirrored_roll
     assert shadow.state == "agreed" and shadow.positions_compared == 150 + 1 + 2
     expected = reference(torch.cat([tokens[:, :148], tokens[:, 151:153]], dim=1), 4)
     assert torch.allclose(replica_outputs_last(session), expected[:, -2:], atol=1e-5)
+
+
+def test_the_shadow_sends_decode_positions_several_at_a_time() -> None:
+    """The replica gets the session's positions `SHADOW_BATCH_ROWS` at a time (one request, one reply, one comparison
+    each: a replica's host work per shadowed step was the cost of shadows), the rest at the session's end; every
+    position is compared all the same."""
+    servers = {"A1": Server(0, 4), "A2": Server(0, 4)}
+    manager = FakeManager(servers, 4, verify_shadow_fraction=1.0)
+    (session,) = _run_sessions(manager, 1, 2 + 3 * SHADOW_BATCH_ROWS, prompt=4)
+    shadow = session.shadows.shadows[0]
+    replica = servers[shadow.replica.peer_id]
+    sizes = [tokens for _, tokens in replica.requests]
+    starts = [metadata["start_from_position"] for metadata, _ in replica.requests]
+    assert sizes == [SHADOW_BATCH_ROWS] * 3 + [2] and starts == [0, 16, 32, 48], (sizes, starts)
+    assert shadow.state == "agreed" and shadow.positions_compared == 50 and shadow.max_error == 0.0
 
 
 def _beam_search(manager, beams: int = 3, prompt: int = 4, steps: int = 10) -> InferenceSession:

@@ -206,9 +206,7 @@ class PendingDecode:
         return split_rows(out.view(self.rows, 1, self._hidden_size), self._splits, self._shapes)
 
 
-def split_rows(
-    out: torch.Tensor, splits: list[int], shapes: dict[int, tuple[int, ...]] | None
-) -> list[torch.Tensor]:
+def split_rows(out: torch.Tensor, splits: list[int], shapes: dict[int, tuple[int, ...]] | None) -> list[torch.Tensor]:
     """A merged forward's output [rows, 1, H] as one view per request: [B_i, 1, H], or [B_i, T_i, H] for the
     requests of several tokens (`shapes`, None where there are none: no per-request work then)."""
     pieces = list(out.split(splits))
