@@ -11,7 +11,11 @@ opened marked `shadow` (`SessionSpec.shadow`, as `protocol.shadow` marks them on
 real sessions 0..shadows-1 as `client.shadows` sends them: the prefill in chunks of `SHADOW_CHUNK_TOKENS`, then the
 decode positions `SHADOW_BATCH_ROWS` at a time, each request sent as soon as its real session has done those
 positions and the shadow's previous request came back (a client's shadow worker is never ahead of its session; here
-it is never further behind it than it holds: the most the replica has to do at once).
+it is never further behind it than it holds: the most the replica has to do at once). Sessions of a swarm start at
+different times, so their shadows' requests fall on different steps; here the real sessions start together and step
+in lockstep, so shadow i's first decode request holds i mod `SHADOW_BATCH_ROWS` positions (or all of them), which
+spreads the shadows' requests over the steps as different starts would (without it every shadow sent at the same
+step: bursts of 48 x 16 rows that outgrow a forward's spare rows and, once aged, take the real rows' places).
 
 Timed, interleaved, `--repeats` times each after one untimed warm-up of each (medians): the real sessions' prompts
 phase (from the start to the last real prefill) and decode phase (from there to the last real decode step): cost =
@@ -85,12 +89,13 @@ class Progress:
 
 async def _session(
     executor: EngineExecutor, cache, inputs: torch.Tensor, prompt: int, steps: int, chunk: int, record: dict,
-    progress: Progress, mirrors: Progress | None = None,
+    progress: Progress, mirrors: Progress | None = None, phase: int = 0,
 ) -> None:  # fmt: skip
     """One client of a session: `inputs` [1, prompt + steps, H]: the prefill (in chunks of `chunk` tokens), then one
     decode step at a time (`progress` advanced after each); a shadow (`mirrors`: its real session's progress) sends
-    the decode positions `SHADOW_BATCH_ROWS` at a time once its real session has done them. `record`: prefill end
-    time, each real decode step's latency, the decode outputs [steps, H]."""
+    the decode positions `SHADOW_BATCH_ROWS` at a time once its real session has done them (the first request
+    `phase` of them, where > 0: the module docstring). `record`: prefill end time, each real decode step's latency,
+    the decode outputs [steps, H]."""
     for start in range(0, prompt, chunk):
         piece = inputs[:, start : min(prompt, start + chunk)]
         await executor.step(cache, StepInputs(piece, start, None, None, "", lone_session=False))
@@ -99,7 +104,7 @@ async def _session(
     latencies = []
     t = 0
     while t < steps:
-        n = 1 if mirrors is None else min(SHADOW_BATCH_ROWS, steps - t)
+        n = 1 if mirrors is None else min((t == 0 and phase) or SHADOW_BATCH_ROWS, steps - t)
         if mirrors is not None:
             await mirrors.reach(t + n)
         position = prompt + t
@@ -158,7 +163,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         clients = [
             _session(executor, cache, inputs[i % rows : i % rows + 1], args.prompt, steps,
                      args.prompt if i < rows else SHADOW_CHUNK_TOKENS, records[i], progress[i],
-                     None if i < rows else progress[i - rows])
+                     None if i < rows else progress[i - rows], (i - rows) % SHADOW_BATCH_ROWS)
             for i, cache in enumerate(caches)
         ]  # fmt: skip
         await asyncio.gather(*clients)
