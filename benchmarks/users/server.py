@@ -213,8 +213,8 @@ class BenchServer:
         from hivemind.p2p import P2P
 
         from corolla.server.core.limits import PeerLimits
-        from corolla.server.core.sessions import SessionTimeouts
         from corolla.server.front.direct_endpoint import DirectListen
+        from corolla.server.front.inference_stream import SessionTimeouts
         from corolla.server.span_service import SpanService
         from corolla.utils.busy_poll import BusyPollSelector
 

@@ -28,7 +28,7 @@ from corolla.server.core.limits import (
     peer_key,
 )
 from corolla.server.core.refusals import rejection_reason
-from corolla.server.core.sessions import SessionState, SessionTimeouts, iterate_steps
+from corolla.server.front.inference_stream import SessionState, SessionTimeouts, iterate_steps
 from corolla.server.front.stream_guard import StreamBudget
 from corolla.utils.errors import AllocationFailed
 

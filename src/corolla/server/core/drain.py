@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from hivemind.proto import runtime_pb2
 
@@ -19,7 +20,8 @@ from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.records import ServerState
 from corolla.server.announcer import Announcer
 from corolla.server.core import kv_handoff as kv
-from corolla.server.core.sessions import SessionState
+from corolla.server.core.admission import SessionTicket
+from corolla.server.core.executor import SessionCache
 from corolla.server.core.span_core import CoreClient, DrainState
 from corolla.utils.logging import get_logger
 
@@ -27,6 +29,18 @@ logger = get_logger(__name__)
 
 DRAIN_POLL_S = 0.02
 __all__ = ["SessionHandoff", "drain_sessions"]
+
+
+class HandoffSession(Protocol):
+    """What the hand-off reads and moves of a front's session (`front.inference_stream.SessionState`)."""
+
+    session_id: str | None
+    block_indices: list[int]
+    batch_size: int
+    max_length: int
+    cache: SessionCache | None
+    prefix_length: int
+    ticket: SessionTicket | None
 
 
 class SessionHandoff:
@@ -59,7 +73,7 @@ class SessionHandoff:
 
     # ---- export (draining server -> its own client, on the session's stream)
 
-    async def export(self, session: SessionState) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    async def export(self, session: HandoffSession) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """The header message, then the part messages of the session's cache; one error message if it can't."""
         started = time.perf_counter()
         try:
@@ -78,7 +92,7 @@ class SessionHandoff:
             f"seconds={time.perf_counter() - started:.4f})"
         )
 
-    async def _export_messages(self, session: SessionState) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
+    async def _export_messages(self, session: HandoffSession) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
         if not self.enabled:
             raise kv.HandoffUnsupported("KV hand-off is disabled on this server (--no_kv_handoff)")
         if not self.drain.draining:
@@ -105,7 +119,11 @@ class SessionHandoff:
     # ---- import (client -> replacement server, first messages of a new stream)
 
     async def import_kv(
-        self, session: SessionState, header: wire.KvHeader, uid: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+        self,
+        session: HandoffSession,
+        header: wire.KvHeader,
+        uid: str,
+        requests: AsyncIterator[runtime_pb2.ExpertRequest],
     ) -> None:
         """Reads `header.num_messages` part messages from the stream, validates them against this session's own
         cache layout (exact bytes, shapes, dtypes, finite values) and writes them; the session then starts at
