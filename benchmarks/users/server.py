@@ -212,9 +212,8 @@ class BenchServer:
     def _serving(self, keep_runtime: bool) -> Iterator[BenchServer]:
         from hivemind.p2p import P2P
 
-        from corolla.server.core.limits import PeerLimits
+        from corolla.server.core.limits import PeerLimits, SessionTimeouts
         from corolla.server.front.direct_endpoint import DirectListen
-        from corolla.server.front.inference_stream import SessionTimeouts
         from corolla.server.span_service import SpanService
         from corolla.utils.busy_poll import BusyPollSelector
 

@@ -495,9 +495,9 @@ def test_eager_engine_through_the_handler(server, blocks):
     from corolla.engine import EngineConfig, SpanEngine
     from corolla.server.backend import SpanBackend
     from corolla.server.core.engine_executor import EngineExecutor
+    from corolla.server.core.limits import SessionTimeouts
     from corolla.server.core.runtime import Runtime
     from corolla.server.front.block_functions import ServingLimits
-    from corolla.server.front.inference_stream import SessionTimeouts
     from corolla.server.server import SpanService
 
     backend = SpanBackend(dict(enumerate(blocks)), config=server.model_config, dtype=torch.float32, device="cpu")

@@ -28,13 +28,12 @@ from corolla.server.core.executor import (
     StepInputs,
     TensorDescriptorLike,
 )
-from corolla.server.core.limits import PeerLimits
+from corolla.server.core.limits import PeerLimits, SessionTimeouts
 from corolla.server.core.refusals import BadRequest, TooLong
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.handler import TransformerConnectionHandler
-from corolla.server.front.inference_stream import SessionTimeouts
 from corolla.server.front.prefix_keys import with_hit
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.errors import AllocationFailed

@@ -21,12 +21,12 @@ from corolla.protocol import handoff as wire
 from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.server.backend import SpanBackend
-from corolla.server.core.drain import SessionHandoff
 from corolla.server.core.engine_executor import EngineExecutor, EngineSessionCache
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
 from corolla.server.core.refusals import Draining
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
+from corolla.server.front.inference_stream import SessionHandoff
 from corolla.server.metrics import ServerMetrics
 
 DEMO = Path(__file__).parents[2] / "src/corolla/demo/assets/corolla-demo-llama"

@@ -15,9 +15,9 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
 from corolla.server.core.admission import SessionTicket
-from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, SessionEvicted, StreamStalled
+from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, SessionEvicted, SessionTimeouts, StreamStalled
 from corolla.server.core.push_guard import SessionPushGuard
-from corolla.server.front.inference_stream import SessionState, SessionTimeouts, _may_get_pushes, iterate_steps
+from corolla.server.front.inference_stream import SessionState, _may_get_pushes, iterate_steps
 from corolla.server.front.stream_guard import StreamBudget, StreamLease, _read_message
 
 BOUND_S = 3.0  # every wait below is bounded: a read that ignores its deadline fails the test instead of hanging

@@ -24,11 +24,12 @@ from corolla.server.core.limits import (
     PeerLimits,
     ServerLimitExceeded,
     SessionEvicted,
+    SessionTimeouts,
     StreamStalled,
     peer_key,
 )
 from corolla.server.core.refusals import rejection_reason
-from corolla.server.front.inference_stream import SessionState, SessionTimeouts, iterate_steps
+from corolla.server.front.inference_stream import SessionState, iterate_steps
 from corolla.server.front.stream_guard import StreamBudget
 from corolla.utils.errors import AllocationFailed
 

@@ -21,11 +21,11 @@ from corolla.protocol.codecs import serialize_tensor
 from corolla.protocol.metadata import encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.server.core.executor import PATH_EAGER, PrefixCacheStats, SessionCache, SessionSpec, StepInputs
+from corolla.server.core.limits import SessionTimeouts
 from corolla.server.core.span_core import SpanCore
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.handler import TransformerConnectionHandler
-from corolla.server.front.inference_stream import SessionTimeouts
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore, RemoteSessionCache
 from corolla.server.metrics import ServerMetrics
 

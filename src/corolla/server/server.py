@@ -28,9 +28,9 @@ from corolla.server.block_loading import fetch_span_blocks, load_span_blocks
 from corolla.server.config import ServerConfig, handler_poll_s, ignored_flags
 from corolla.server.core.drain import drain_sessions
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
+from corolla.server.core.limits import SessionTimeouts
 from corolla.server.core.runtime import Runtime
 from corolla.server.front.block_functions import ServingLimits
-from corolla.server.front.inference_stream import SessionTimeouts
 from corolla.server.front.peer_auth import make_peer_auth
 from corolla.server.front.prefix_keys import PrefixTrust
 from corolla.server.front.reachability_gate import validate_reachability

@@ -12,13 +12,12 @@ from typing import Any
 from corolla.protocol import local_stream as ls
 from corolla.protocol.direct_stream import TicketSecret
 from corolla.server.core.engine_executor import EngineExecutor
-from corolla.server.core.limits import PeerLimits
+from corolla.server.core.limits import PeerLimits, SessionTimeouts
 from corolla.server.core.span_core import SpanCore
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.connection_balance import BalanceDirectory
 from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
 from corolla.server.front.handler import TransformerConnectionHandler
-from corolla.server.front.inference_stream import SessionTimeouts
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.handlers.handler_pool import HandlerPool
 from corolla.server.handlers.handler_process import main as handler_main

@@ -1,4 +1,4 @@
-"""Fair-use limits of one server (`PeerLimits`, flags with defaults), the typed errors a limit raises and their
+"""Fair-use limits of one server (`PeerLimits`, flags with defaults; a session's `SessionTimeouts`), the typed errors a limit raises and their
 reason labels (`refusals.rejection_reason` maps any refusal to its label). Peers are keyed by their
 authenticated libp2p id; every same-host unix-socket client counts as the one peer `LOCAL_PEER`."""
 
@@ -14,6 +14,16 @@ from corolla.utils.errors import AllocationFailed
 
 LOCAL_PEER = "local"  # every client of the same-host unix socket (one user: the socket dir is private to it)
 MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class SessionTimeouts:
+    """How long an inference session may wait for its next step (counted from its last token), live in all, and how
+    long one request may take."""
+
+    step_timeout_s: float
+    session_timeout_s: float
+    request_timeout_s: float
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,13 @@ from corolla.protocol.metadata import (
     decode_metadata,
     encode_metadata,
 )
-from corolla.server.core.drain import SessionHandoff
-from corolla.server.core.limits import PeerLimits, peer_key
+from corolla.server.core.limits import PeerLimits, SessionTimeouts, peer_key
 from corolla.server.core.refusals import BadRequest, RequestTimeout
 from corolla.server.core.span_core import CoreClient
 from corolla.server.front import block_functions as bf
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.direct_endpoint import DirectTicketRpc
-from corolla.server.front.inference_stream import InferenceStreams, SessionRegistry, SessionTimeouts
+from corolla.server.front.inference_stream import InferenceStreams, SessionHandoff, SessionRegistry
 from corolla.server.front.peer_auth import PeerAuth, check_request, gate_stream, info_uid, remote_peer
 from corolla.server.front.prefix_keys import PrefixTrust
 from corolla.server.front.stream_guard import StreamBudget, register_handlers

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from corolla.server.core.limits import PeerLimits
+from corolla.server.core.limits import PeerLimits, SessionTimeouts
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.direct_endpoint import DirectListen
-from corolla.server.front.inference_stream import SessionTimeouts
 
 
 @dataclass(frozen=True)
