@@ -1,6 +1,6 @@
 """Prefix caching in the swarm simulator (issue 34): stateless multi-turn chats (each turn is its own inference
 session, as behind an OpenAI-style API, re-sending the whole conversation), a prefix cache per server
-(`prefix_cache.ServerPrefixCache`: capacity in tokens, least recently used forgotten first) and, optionally,
+(`sim_cache.ServerPrefixCache`: capacity in tokens, least recently used forgotten first) and, optionally,
 cache-affine routing by the real client function (`client.prefix.prefix_routes.PrefixRoutes.route_for`: a conversation goes
 back to the chain that held it unless a server of it left, is overloaded, or a slower chain costs more than the
 prefill it saves).
@@ -17,13 +17,13 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.prefix.sim_cache import ServerPrefixCache
 from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.client.prefix.prefix_routes import PrefixRoutes
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.sim.client_model import ClientDriver, SimSession
 from corolla.sim.metrics import Report
-from corolla.sim.prefix_cache import ServerPrefixCache
 from corolla.sim.simulation import SimConfig, Simulation
 from corolla.sim.workload import WorkloadConfig
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from corolla.sim.prefix_cache import ServerPrefixCache
-from corolla.sim.prefix_scenario import compare, prefix_config
+from benchmarks.prefix.sim_cache import ServerPrefixCache
+from benchmarks.prefix.sim_scenario import compare, prefix_config
 from corolla.sim.scenarios import scenario
 
 
