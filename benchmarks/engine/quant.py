@@ -98,10 +98,10 @@ def kv_pool_bytes_for(spec: LlamaSpec, layers_n: int, sessions: int, tokens_per_
 
 
 def make_engine(
-    spec: LlamaSpec, layers: list[LayerWeights], max_rows: int, pool_bytes: int = 0, tile_copy: bool = False
+    spec: LlamaSpec, layers: list[LayerWeights], max_rows: int, pool_bytes: int = 0
 ) -> tuple[SpanEngine, dict]:
-    """The engine over `layers` (a KV pool of at least `pool_bytes`; `tile_copy`: EngineConfig.nf4_tile_copy) and
-    its warm-up's kernel timings (empty on CPU)."""
+    """The engine over `layers` (a KV pool of at least `pool_bytes`) and its warm-up's kernel timings (empty on
+    CPU)."""
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
     model = FastLlamaSpan(spec, layers, inv_freq, max_positions=2048, use_triton=layers[0].ln1.is_cuda)
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_rows)
@@ -110,7 +110,6 @@ def make_engine(
         max_seq_len_tokens=1024,
         max_batch_rows=max_rows,
         graph_buckets=buckets,
-        nf4_tile_copy=tile_copy,
     )
     engine = SpanEngine(model, config)
     report = engine.warmup() if engine.device.type == "cuda" else {}
@@ -157,8 +156,7 @@ def log_kernels(lines: list[str], kind: str, report: dict, layer: LayerWeights, 
 
 NF4_FAMILIES = {  # kernel -> name, for the per-shape micro-benchmark table
     "gemv": "table GEMV (fp32 levels)",
-    "stream": "streaming GEMV",
-    "tile": "tile GEMV (mma, repacked)",
+    "tile": "tile GEMV (mma)",
     "mma": "matrix units (tl.dot)",
 }
 
@@ -315,12 +313,10 @@ def log_profile(lines: list[str], kind: str, prof: dict) -> None:
 def bench_llama(
     results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev, sessions_n: int,
     kinds: tuple[str, ...] = ("bf16", "nf4", "int8"), profile: int = 0, timeline: bool = False,
-    tile_copy: bool = False,
 ) -> None:  # fmt: skip
     """`kinds`: which of bf16, nf4, int8 to run, in the order given; `profile` > 0: also that many steps of each kind's
-    single-session step under the profiler (CUDA only); `timeline`: one step's kernels by position in a layer;
-    `tile_copy`: the NF4 engine may serve one-row steps with the tile GEMV (EngineConfig.nf4_tile_copy). NF4 and bf16
-    also run `sessions_n` sessions merged in one step (bf16's: the same-run baseline of the merged NF4 step)."""
+    single-session step under the profiler (CUDA only); `timeline`: one step's kernels by position in a layer. NF4
+    and bf16 also run `sessions_n` sessions merged in one step (bf16's: the same-run baseline of the merged NF4 step)."""
     gen = torch.Generator(device=dev).manual_seed(0)
     spec = TINY if dev.type == "cpu" else LLAMA3_8B
     dense = [random_layer(spec, dev, gen) for _ in range(layers_n)]
@@ -332,7 +328,7 @@ def bench_llama(
         pool = kv_pool_bytes_for(spec, layers_n, sessions_n + 2 if merged else 1, prefix + 64)
         started = time.perf_counter()
         # [1, 64] rows: graph buckets
-        engine, report = make_engine(spec, layers, 64 if merged else 1, pool, tile_copy)
+        engine, report = make_engine(spec, layers, 64 if merged else 1, pool)
         warmup_s = time.perf_counter() - started  # the engine's start: kernel tuning and graph capture
         floor = engine.model.weight_bytes() / bandwidth * 1000
         kernels = log_kernels(lines, kind, report, layers[0], bandwidth)
@@ -497,7 +493,6 @@ def main() -> None:
         "--programmatic_launch", action="store_true", help="also NF4 / INT8 with programmatic dependent launch (sm_90+)"
     )
     parser.add_argument("--timeline", action="store_true", help="each kind's step: its kernels by position in a layer")
-    parser.add_argument("--nf4_tile_copy", action="store_true", help="NF4: the tuner may choose the tile GEMV")
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))  # run in the order given (bf16 first for the x bf16 ratios)
     if not kinds or set(kinds) - {"bf16", "nf4", "int8"} or len(set(kinds)) < len(kinds):
@@ -521,7 +516,6 @@ def main() -> None:
         kinds,
         args.profile_steps,
         args.timeline,
-        args.nf4_tile_copy,
     )
     if args.programmatic_launch and dev.type == "cuda":
         bench_programmatic(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, kinds)

@@ -1,15 +1,13 @@
 """Per-projection GPU timing of the NF4 kernels on Llama-3-8B's projection shapes:
 `python -m benchmarks.engine.quant_probe --out DIR [--rows 1,16,64]`. For each shape and row count, in one process
 on one card: the floor (NF4 bytes / measured copy bandwidth), cuBLAS on the bf16 weight (same run), every config of
-the matrix-unit kernel (quant_mma) and of the streaming GEMV (quant_stream, one row), each as a CUDA graph
-over enough distinct weights to defeat the L2; plus each kernel's error against x @ the dequantized weight. With
---prescale, one row: each streaming-GEMV config after its producer kernel (RMSNorm / SiLU), converting bf16 x in
-every program against reading x that the producer wrote converted. Prints a table last and writes it as JSON."""
+the matrix-unit kernel (quant_mma) and of the tile GEMV (quant_tile_gemv, one row; --tile_sweep: more tilings), each
+as a CUDA graph over enough distinct weights to defeat the L2; plus each kernel's error against x @ the dequantized
+weight. Prints a table last and writes it as JSON."""
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 from pathlib import Path
@@ -18,9 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s
-from corolla.engine.kernels import triton_kernels
 from corolla.engine.kernels.graph_timing import graph_median_ms
-from corolla.engine.quant import quant_mma, quant_stream, quant_tile_gemv
+from corolla.engine.quant import quant_mma, quant_tile_gemv
 from corolla.engine.quant.quant_weights import quantize_nf4
 
 SHAPES = {"w_qkv": (6144, 4096), "w_o": (4096, 4096), "w_gate_up": (28672, 4096), "w_down": (4096, 14336)}
@@ -36,78 +33,23 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
-# --stream_sweep: the streaming GEMV's tilings beyond its tuner configs: 128 or 256 rows, no split to 8, 2 or 3
-# pipeline stages (8 blocks per step or 256 rows on 4 warps run out of registers; 4 stages were 1-5% slower than 2,
-# docs/decisions/0015)
-SWEEP_CONFIGS = [(bn, 4, s, w, st) for bn, w in ((128, 4), (128, 8), (256, 8)) for s in (1, 2, 4, 8) for st in (2, 3)]
 # --tile_sweep also times these tile GEMV configs
-TILE_SWEEP = [(ks, rp, pfg, 1, 1) for ks, rp, pfg in ((8, 2, 1), (16, 1, 1), (4, 6, 2), (8, 3, 1), (2, 16, 1))] + [
-    (ks, rp, 1, 0, mb) for ks, rp, mb in ((8, 1, 3), (4, 2, 3), (4, 3, 2), (2, 8, 2))
-]
-FAMILIES = ("new", "stream", "tile")  # the matrix-unit kernel, the streaming GEMV, the tile GEMV (one row)
+TILE_SWEEP = [(24, 1, 1, 1, 0), (12, 2, 1, 1, 0), (16, 4, 1, 1, 0), (4, 4, 1, 2, 0), (32, 1, 0, 1, 0), (12, 3, 0, 1, 0)]
+FAMILIES = ("new", "tile")  # the matrix-unit kernel, the tile GEMV (one row)
 
 
-def candidates(
-    m: int, sweep: bool = False, families: tuple[str, ...] = FAMILIES, tile_sweep: bool = False
-) -> dict[str, list]:
-    """{kernel family: [(label, call(x, w))]} for m rows (`sweep` / `tile_sweep`: the streaming / tile GEMV's wider
-    sweeps too)."""
+def candidates(m: int, families: tuple[str, ...] = FAMILIES, tile_sweep: bool = False) -> dict[str, list]:
+    """{kernel family: [(label, call(x, w))]} for m rows (`tile_sweep`: the tile GEMV's wider sweep too)."""
     new = []
     for c in quant_mma.NF4_MMA_CONFIGS:
         if (c[1] == 16) == (m <= 16):
             new.append((f"mma{c}", lambda x, w, c=c: quant_mma.nf4_mma_matmul(x, w, None, c)))
-    stream = []
-    if m == 1:
-        configs = quant_stream.NF4_STREAM_CONFIGS
-        configs += tuple(c for c in SWEEP_CONFIGS if c not in configs) if sweep else ()
-        for c in configs:
-            stream.append((f"stream{c}", lambda x, w, c=c: quant_stream.nf4_stream_gemv(x, w, None, c)))
     tile = []
     if m == 1:
         for c in quant_tile_gemv.NF4_TILE_CONFIGS + (tuple(TILE_SWEEP) if tile_sweep else ()):
-            tile.append(
-                (
-                    f"tile{c}",
-                    lambda x, w, c=c: quant_tile_gemv.nf4_tile_gemv(x, w, quant_tile_gemv.tiles_of(w), None, c),
-                )
-            )
-    found = {"new": new, "stream": stream, "tile": tile}
+            tile.append((f"tile{c}", lambda x, w, c=c: quant_tile_gemv.nf4_tile_gemv(x, w, None, c)))
+    found = {"new": new, "tile": tile}
     return {family: found[family] for family in families}
-
-
-PRODUCERS = {"w_qkv": "rmsnorm", "w_o": None, "w_gate_up": "rmsnorm", "w_down": "silu"}  # the kernel before each
-
-
-def prescale_ab(name: str, nf4: list, k: int, dev: torch.device, configs: tuple) -> dict:
-    """--prescale, one row: each streaming-GEMV config after its producer kernel (RMSNorm or SiLU, as in the decode
-    step), the producer writing bf16 x that every GEMV program converts against writing x already converted
-    (fp16, times X_SCALE: `prescaled`), us per (producer + GEMV) over distinct weights; and whether the outputs are
-    equal bit for bit."""
-    producer = PRODUCERS[name]
-    if producer is None:
-        return {}
-    gain = (1 + 0.1 * torch.randn(k, device=dev)).to(torch.bfloat16)
-    src = torch.randn(1, 2 * k if producer == "silu" else k, device=dev, dtype=torch.bfloat16)
-    scale = quant_stream.X_SCALE
-
-    def make_x(f16_scale):
-        if producer == "rmsnorm":
-            return triton_kernels.rms_norm(src, gain, 1e-5, f16_scale)
-        return triton_kernels.silu_mul(src, f16_scale)
-
-    out = {}
-    for c in configs:
-        plain = graph_us(lambda c=c: [quant_stream.nf4_stream_gemv(make_x(None), w, None, c) for w in nf4], len(nf4))
-        pre = graph_us(lambda c=c: [quant_stream.nf4_stream_gemv(make_x(scale), w, None, c, prescaled=True)
-                                    for w in nf4], len(nf4))  # fmt: skip
-        same = torch.equal(quant_stream.nf4_stream_gemv(make_x(None), nf4[0], None, c),
-                           quant_stream.nf4_stream_gemv(make_x(scale), nf4[0], None, c, prescaled=True))  # fmt: skip
-        out[str(c)] = {"bf16_x_us": plain, "prescaled_us": pre, "same_bits": same}
-    best_plain = min(v["bf16_x_us"] for v in out.values())
-    best_pre = min(v["prescaled_us"] for v in out.values())
-    print(f"  {name} {producer} + stream, best config: bf16 x {best_plain:.1f} us, prescaled {best_pre:.1f} us "
-          f"({best_pre / best_plain:.3f}); same bits {all(v['same_bits'] for v in out.values())}", flush=True)  # fmt: skip
-    return {"configs": out, "best_bf16_x_us": best_plain, "best_prescaled_us": best_pre}
 
 
 def main() -> None:
@@ -115,13 +57,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--stream_sweep", action="store_true", help="one row: the streaming GEMV's wider sweep")
     parser.add_argument("--tile_sweep", action="store_true", help="one row: the tile GEMV's wider sweep")
-    parser.add_argument(
-        "--families", default=",".join(FAMILIES), help="kernel families timed (default: all; none: only --prescale)"
-    )
-    parser.add_argument("--prescale", action="store_true", help="one row: producer + GEMV, x converted where")
-    parser.add_argument("--stream_configs", default="()", help="--prescale: these tilings (default: the tuner's)")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="kernel families timed (default: all)")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -146,11 +83,8 @@ def main() -> None:
             bf16_us = graph_us(lambda x=x, dense=dense: [F.linear(x, d) for d in dense], len(dense))
             row = {"shape": name, "n": n, "k": k, "rows": m, "floor_us": floor_us, "bf16_us": bf16_us,
                    "bf16_floor_us": 2 * n * k / bw * 1e6, "kernels": {}}  # fmt: skip
-            if args.prescale and m == 1:
-                configs = tuple(ast.literal_eval(args.stream_configs)) or quant_stream.NF4_STREAM_CONFIGS
-                row["prescale"] = prescale_ab(name, nf4, k, dev, configs)
             for family, cands in candidates(
-                m, args.stream_sweep, tuple(f for f in args.families.split(",") if f in FAMILIES), args.tile_sweep
+                m, tuple(f for f in args.families.split(",") if f in FAMILIES), args.tile_sweep
             ).items():
                 for label, call in cands:
                     try:
@@ -172,7 +106,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quant_probe.json").write_text(json.dumps({"card": card, "copy_bw": bw, "rows": results}, indent=1))
     print(f"\n{card}, copy {bw / 1e12:.2f} TB/s; us per call (x floor = NF4 bytes / copy bandwidth)")
-    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'stream':>14} {'tile':>14}  best"
+    print(f"{'shape':10} {'M':>3} {'floor':>6} {'bf16':>14} {'mma':>14} {'tile':>14}  best"
           " configs, max errors")  # fmt: skip
     for r in results:
         f = r["floor_us"]

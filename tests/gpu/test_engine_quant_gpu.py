@@ -117,7 +117,6 @@ def test_quantized_engine_graph_step_and_identical_sessions(kind) -> None:
         model = FastLlamaSpan(spec, layers, inv_freq, max_positions=1024)
         config = EngineConfig(
             kv_pool_bytes=64 << 20, max_seq_len_tokens=512, max_batch_rows=16, use_cuda_graphs=graphs,
-            nf4_tile_copy=kind == "nf4",  # the tuner may pick the tile GEMV (w_down's rows are long enough)
         )  # fmt: skip
         engine = SpanEngine(model, config)
         engine.warmup()

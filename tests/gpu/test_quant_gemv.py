@@ -150,8 +150,6 @@ _PDL_CASES = [
     ("int8", "gemv", (8, 256, 1, 4, 0)),
     ("int8", "gemv", (8, 256, 4, 4, 0)),
     ("nf4", "gemv", (32, 2, 8, 4, 0)),
-    ("nf4", "stream", (64, 4, 4, 4, 2)),
-    ("nf4", "stream", (64, 2, 1, 4, 2)),
     ("int8", "block", (32, 128, 4, 4, 3)),
     ("nf4", "block", (16, 128, 1, 4, 3)),
 ]
@@ -196,65 +194,31 @@ def test_programmatic_launch_reads_the_producers_output(kind, kernel, config) ->
         assert int(weight.split_counters().abs().sum()) == 0
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9, reason="programmatic launch: sm_90+"
-)
-@pytest.mark.parametrize("producer", ["rmsnorm", "silu"])
-def test_early_released_streaming_gemv_reads_the_finished_producer(producer: str) -> None:
-    # RMSNorm / SiLU release the streaming GEMV after them at their start (quant_splits.release_dependents): in a
-    # replayed CUDA graph the GEMV still reads their finished output (bits equal to the plain launches)
-    from corolla.engine.kernels import quant_splits, triton_kernels
-
-    weight = _weight("nf4", 4096, 1024, seed=43)
-    h = torch.randn(1, 2048 if producer == "silu" else 1024, device=DEV, dtype=BF16)
-    gain = torch.rand(1024, device=DEV, dtype=BF16) + 0.5
-
-    def step(h: torch.Tensor) -> torch.Tensor:
-        x = triton_kernels.silu_mul(h) if producer == "silu" else triton_kernels.rms_norm(h, gain, 1e-5)
-        return _run("stream", (128, 4, 8, 4, 2), x, weight, None)
-
-    quant_splits.set_programmatic_launch(True)
-    try:
-        step(h)  # compiled outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(h)
-    finally:
-        quant_splits.set_programmatic_launch(False)
-    for seed in range(3):
-        h.copy_(torch.randn(h.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed)) * 4)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, step(h)), (producer, seed)
-        assert int(weight.split_counters().abs().sum()) == 0
-
-
 def _run(kernel: str, config, x, weight, res):
-    from corolla.engine.quant import quant_gemv, quant_int8_gemv, quant_kernels, quant_mma, quant_stream
+    from corolla.engine.quant import quant_gemv, quant_int8_gemv, quant_kernels, quant_mma, quant_tile_gemv
 
     fn = {"gemv": quant_gemv.quant_gemv, "block": quant_kernels.quant_matmul, "mma": quant_mma.nf4_mma_matmul,
-          "stream": quant_stream.nf4_stream_gemv, "i8mma": quant_int8_gemv.int8_row_mma}  # fmt: skip
+          "tile": quant_tile_gemv.nf4_tile_gemv, "i8mma": quant_int8_gemv.int8_row_mma}  # fmt: skip
     return fn[kernel](x, weight, res, config)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_decode_ops_routes_rows_to_the_tuned_kernels(kind) -> None:
     from corolla.engine.ops.decode_ops import DecodeOps
-    from corolla.engine.quant import quant_gemv, quant_int8_gemv, quant_kernels, quant_mma, quant_stream
+    from corolla.engine.quant import quant_gemv, quant_int8_gemv, quant_kernels, quant_mma, quant_tile_gemv
 
     weights = [_weight(kind, 256, 1024, seed=20 + i) for i in range(2)]
     ops = DecodeOps(DEV, 64, use_triton=True)
     report = ops.tune_quantized({(kind, 256, 1024): weights}, reps=3)
     entry = report[(kind, 256, 1024)]
     small, gemm, mid = entry["best"], entry["gemm_best"], entry["mid_best"]
-    # NF4: the CUDA-core or streaming GEMV for one row, the matrix-unit kernel's 16-row tiles up to MMA_MID_MAX_ROWS
+    # NF4: the tile GEMV for one row, the matrix-unit kernel's 16-row tiles up to MMA_MID_MAX_ROWS
     # rows and its 64-row tiles above; INT8: the GEMV, tl.dot block kernel or row GEMV up to GEMV_MAX_ROWS rows (the
     # row GEMV: one row, then the block kernel's 16-row tiles up to MMA_MID_MAX_ROWS rows), the block kernel above
     mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS]
     blocks = [] if kind == "nf4" else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
-    streams = [("stream", c) for c in quant_stream.NF4_STREAM_CONFIGS] if kind == "nf4" else []
-    gemvs = [] if kind == "nf4" else [("gemv", c) for c in _configs(kind)]  # NF4 16-bit: one row streams only
+    streams = [("tile", c) for c in quant_tile_gemv.NF4_TILE_CONFIGS] if kind == "nf4" else []
+    gemvs = [] if kind == "nf4" else [("gemv", c) for c in _configs(kind)]  # NF4 16-bit: one row on the tile GEMV
     rows = [] if kind == "nf4" else [("i8mma", c) for c in quant_int8_gemv.INT8_MMA_CONFIGS]
     assert small in gemvs + blocks + streams + rows
     assert gemm in (blocks or [c for c in mma if c[1][1] > quant_mma.MMA_MID_MAX_ROWS])

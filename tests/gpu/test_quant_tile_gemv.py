@@ -1,9 +1,10 @@
-"""The NF4 tile GEMV (engine/quant_tile_gemv.py, compiled by NVRTC) on a real GPU: one-hot rows read single weight
-columns back, so every decoded value of every tile position is checked against the fp16-level reference (NF4 and a
-random 16-level table, both dtypes, padded rows and blocks); random rows stay within the bf16 rounding of x @ the
-dequantized weight with a residual, a row's output is bit-identical alone and among other rows, prescaled fp16 x
-gives the bits of bf16 x converted in the kernel, graph replays are bit-equal, bad inputs are refused. Skipped
-without CUDA (tests/unit/test_engine_quant_tile_layout.py checks the layout on CPU)."""
+"""The NF4 tile GEMV (engine/quant/quant_tile_gemv.py, compiled by NVRTC, reading bitsandbytes' bytes) on a real GPU:
+one-hot rows read single weight columns back, so every decoded value of every position of a unit is checked against
+the fp16-level reference (NF4 and a random 16-level table, both dtypes, a partial row tile, a unit short of blocks);
+random rows stay within the bf16 rounding of x @ bitsandbytes' dequantized weight with a residual, a row's output is
+bit-identical alone and among other rows, prescaled fp16 x gives the bits of bf16 x converted in the kernel, graph
+replays are bit-equal, bad inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_tile_layout.py
+checks the kernel's data movement on CPU)."""
 
 from __future__ import annotations
 
@@ -18,99 +19,88 @@ pytestmark = [
 ]
 
 DEV = torch.device("cuda")
-# plain and aligned tables, 1 and 2 groups in flight (at most 5 k splits: the one-hot weight has 5 groups per row)
-CONFIGS = [(4, 4, 1, 0, 2), (4, 8, 1, 1, 1), (2, 12, 2, 1, 1)]
+# aligned and plain tables, 1 to 3 units in flight, a warp count that cuts row tiles unevenly
+CONFIGS = [(32, 1, 1, 1, 0), (8, 2, 0, 2, 0), (5, 3, 1, 1, 0)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("random_table", [False, True])
 def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
-    from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv, tile_layout
+    from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv
 
-    n, k = 136, 1216  # a partial row tile; 19 blocks per row, padded to 20
+    n, k = 136, 1216  # a partial row tile; 19 blocks per row: the last unit has 3
     weight = random_code_weight(n, k, seed=3 + int(random_table), dtype=dtype, random_table=random_table)
-    tiles = tile_layout(weight)
     ref = fp16_level_reference(weight)  # [N, K]
     eye = torch.eye(k, device=DEV, dtype=dtype)
     tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10  # one rounding to the output dtype
-    for start in range(0, 64 * 3, 8):  # every position of three blocks, rows of every tile
-        cols = [start + j for j in range(8)] + [k - 1 - start // 8]
+    # every position of the first unit's four blocks and of the last unit's three, rows of every tile
+    for start in [*range(0, 256, 8), *range(1024, k, 8)]:
+        cols = [start + j for j in range(8)]
         x = eye[cols].contiguous()  # one-hot rows, each its own program row
         want = ref[:, cols].t()
         for config in CONFIGS:
-            out = nf4_tile_gemv(x, weight, tiles, None, config)
+            out = nf4_tile_gemv(x, weight, None, config)
             diff = (out.float() - want).abs()
             assert bool((diff <= tol * want.abs() + 1e-30).all()), (config, start, float(diff.max()))
 
 
 def test_random_rows_match_the_reference_and_are_batch_invariant() -> None:
     from corolla.engine.kernels import triton_kernels
-    from corolla.engine.quant.quant_tile_gemv import X_SCALE, nf4_tile_gemv, tile_layout
+    from corolla.engine.quant.quant_tile_gemv import X_SCALE, nf4_tile_gemv
 
     weight = random_code_weight(520, 4096, seed=5, dtype=torch.bfloat16)
-    tiles = tile_layout(weight)
     x = torch.randn(3, 4096, device=DEV, dtype=torch.bfloat16) * 4
     res = torch.randn(3, 520, device=DEV, dtype=torch.bfloat16)
     ref = x.float() @ weight.dequantize().float().t() + res.float()  # bitsandbytes' bf16 dequantized weight
     x16 = triton_kernels.rms_norm(x, torch.ones(4096, device=DEV, dtype=torch.bfloat16), 1e-5, X_SCALE)
     for config in CONFIGS:
-        out = nf4_tile_gemv(x, weight, tiles, res, config)
+        out = nf4_tile_gemv(x, weight, res, config)
         assert bool(torch.isfinite(out).all())
         assert float((out.float() - ref).norm() / ref.norm()) < 5e-3, config
-        alone = nf4_tile_gemv(x[1:2].contiguous(), weight, tiles, res[1:2].contiguous(), config)
+        alone = nf4_tile_gemv(x[1:2].contiguous(), weight, res[1:2].contiguous(), config)
         assert torch.equal(alone, out[1:2]), config  # a row does not depend on the other rows
         normed = triton_kernels.rms_norm(x, torch.ones(4096, device=DEV, dtype=torch.bfloat16), 1e-5)
-        want = nf4_tile_gemv(normed, weight, tiles, res, config)
-        assert torch.equal(nf4_tile_gemv(x16, weight, tiles, res, config, prescaled=True), want), config
-    assert torch.equal(
-        nf4_tile_gemv(x, weight, tiles, res, CONFIGS[0]), nf4_tile_gemv(x, weight, tiles, res, CONFIGS[1])
-    )
+        want = nf4_tile_gemv(normed, weight, res, config)
+        assert torch.equal(nf4_tile_gemv(x16, weight, res, config, prescaled=True), want), config
 
 
 def test_graph_replays_are_bit_equal() -> None:
-    from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv, tile_layout
+    from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv
 
-    weight = random_code_weight(
-        4096, 14336, seed=12, dtype=torch.bfloat16
-    )  # Llama-3-8B's w_down: many row tiles per program
-    tiles = tile_layout(weight)
+    weight = random_code_weight(4096, 14336, seed=12, dtype=torch.bfloat16)  # Llama-3-8B's w_down
     x = torch.randn(1, 14336, device=DEV, dtype=torch.bfloat16)
     res = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
     dense = fp16_level_reference(weight).t()
     for config in CONFIGS:
         expected = x.float() @ dense + res.float()  # (x changes below)
-        eager = nf4_tile_gemv(x, weight, tiles, res, config)
+        eager = nf4_tile_gemv(x, weight, res, config)
         assert float((eager.float() - expected).norm() / expected.norm()) < 1e-2
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            nf4_tile_gemv(x, weight, tiles, res, config)
+            nf4_tile_gemv(x, weight, res, config)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = nf4_tile_gemv(x, weight, tiles, res, config)
+            out = nf4_tile_gemv(x, weight, res, config)
         for _ in range(2):
             x.copy_(torch.randn_like(x))
             out.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(out, nf4_tile_gemv(x, weight, tiles, res, config))
+            assert torch.equal(out, nf4_tile_gemv(x, weight, res, config))
 
 
 def test_bad_inputs_are_refused() -> None:
-    from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv, tile_layout
+    from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv
 
     w = random_code_weight(32, 512, seed=1, dtype=torch.bfloat16)
-    tiles = tile_layout(w)
     x = torch.randn(1, 512, device=DEV, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="16-bit"):
-        nf4_tile_gemv(x.float(), w, tiles, None, CONFIGS[0])
+        nf4_tile_gemv(x.float(), w, None, CONFIGS[0])
     with pytest.raises(ValueError, match="config"):
-        nf4_tile_gemv(x, w, tiles, None, (0, 1, 1, 0, 1))
-    with pytest.raises(ValueError, match="k splits"):
-        nf4_tile_gemv(x, w, tiles, None, (4, 1, 1, 0, 1))  # 2 groups of 4 blocks per row
-    with pytest.raises(ValueError, match="tiles of"):
-        nf4_tile_gemv(torch.randn(1, 256, device=DEV, dtype=torch.bfloat16), random_code_weight(32, 256, 2, torch.bfloat16),
-                      tiles, None, CONFIGS[0])  # fmt: skip
+        nf4_tile_gemv(x, w, None, (0, 1, 1, 1, 0))
+    with pytest.raises(ValueError, match="config"):
+        nf4_tile_gemv(x, w, None, (8, 5, 1, 1, 0))  # at most 4 units in flight
     with pytest.raises(ValueError, match="residual"):
-        nf4_tile_gemv(x, w, tiles, torch.zeros(1, 31, device=DEV, dtype=torch.bfloat16), CONFIGS[0])
+        nf4_tile_gemv(x, w, torch.zeros(1, 31, device=DEV, dtype=torch.bfloat16), CONFIGS[0])

@@ -124,7 +124,7 @@ def test_prologue_refusals() -> None:
     for prologue in ("rmsnorm", "silu"):
         assert not quant_choices.fusable(("nf4", 64, K), ("gemv", quant_gemv.NF4_GEMV_CONFIGS[0]), prologue)
         assert not quant_choices.fusable(("nf4", 64, K), BLOCK[0], prologue)
-        assert not quant_choices.fusable(("int8", N, K), ("stream", (64, 4, 4, 4, 2)), prologue)
+        assert not quant_choices.fusable(("int8", N, K), ("tile", (16, 2, 1, 1, 0)), prologue)
         assert quant_choices.fusable(("int8", N, K), BLOCK[0], prologue)
         assert quant_choices.fusable(("int8", N, K), GEMV[0], prologue)
     # the INT8 matrix-unit row GEMV: RMSNorm only (its SiLU gating lost, decision 0063)
@@ -172,7 +172,7 @@ def test_the_tuner_keeps_the_faster_of_pair_and_fused(fused_ms: float, monkeypat
     weight, *_ = _inputs(torch.bfloat16, 1, seed=9)
     ops = _triton_ops()
     key = quant_key(weight)
-    timings = {GEMV[0]: 1.0, ("stream", (64, 4, 4, 4, 2)): 0.9, BLOCK[1]: 1.2, GEMV[2]: 1.1}
+    timings = {GEMV[0]: 1.0, ("tile", (16, 2, 1, 1, 0)): 0.9, BLOCK[1]: 1.2, GEMV[2]: 1.1}
     monkeypatch.setattr(quant_choices, "graph_median_ms", lambda fn, reps: 1.0)  # the pair
     timed: list = []
 
@@ -183,7 +183,7 @@ def test_the_tuner_keeps_the_faster_of_pair_and_fused(fused_ms: float, monkeypat
     monkeypatch.setattr(quant_choices, "time_configs", fake_time)
     ops.quant_fused[(*key, "rmsnorm")] = BLOCK[2]  # a stale choice is replaced
     report = quant_choices.tune_prologue(ops, key, [weight], "rmsnorm", GEMV[0], timings, 3)
-    assert timed == [GEMV[0], GEMV[2], BLOCK[1]]  # the three fastest that fuse (a streaming GEMV does not)
+    assert timed == [GEMV[0], GEMV[2], BLOCK[1]]  # the three fastest that fuse (the NF4 tile GEMV does not)
     expected = GEMV[0] if fused_ms < 1.0 else None
     assert ops.quant_fused.get((*key, "rmsnorm")) == expected and report["fused"] == expected
     assert report["unfused_us"] == pytest.approx(1000.0)

@@ -1,14 +1,15 @@
-"""The NF4 tile GEMV's repacked layout (engine/quant_tile_gemv.py) on CPU: read back through the kernel's mma fragment
-mapping (which lane's bytes meet which x values and which absmax), it gives x @ the weight for ragged shapes (rows
-padded to a tile, blocks padded to a group of 4), bf16 and fp16; every code byte lands in exactly one place. The
-kernel itself runs in tests/gpu/test_quant_tile_gemv.py."""
+"""The NF4 tile GEMV's reading of bitsandbytes' bytes (engine/quant/quant_tile_gemv.py) on CPU: the kernel's data
+movement (which lane loads which bytes of rows g and g + 8, which B lanes hold which x, each column's block and
+absmax, each warp's range of units and the row's slots added in warp order) emulated through the PTX fragment
+layout of `mma.m16n8k16` gives x @ the weight for ragged shapes (rows padded to a tile, blocks short of a unit, more
+warps than units), bf16 and fp16. The kernel itself runs in tests/gpu/test_quant_tile_gemv.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from corolla.engine.quant.quant_tile_gemv import emulate, tile_layout
+from corolla.engine.quant.quant_tile_gemv import emulate, program_row_tiles, warp_units
 from corolla.engine.quant.quant_weights import quantize_nf4
 
 
@@ -19,30 +20,28 @@ def _fp16_level_reference(weight) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(40, 384), (32, 512)])  # padded rows and blocks; whole tiles and groups
-def test_emulated_kernel_reads_the_weight(dtype, shape) -> None:
+@pytest.mark.parametrize(
+    ("shape", "warps", "programs"),
+    # a partial tile and unit; whole ones; idle warps; more warps than units, empty ranges among the others
+    [((40, 384), 3, 2), ((32, 512), 4, 1), ((16, 192), 8, 1), ((40, 1216), 32, 2)],
+)
+def test_emulated_kernel_reads_the_weight(dtype, shape, warps, programs) -> None:
     n, k = shape
     gen = torch.Generator().manual_seed(n + k)
     weight = quantize_nf4((torch.randn(n, k, generator=gen) * 0.05).to(dtype))
     x = torch.randn(2, k, generator=gen).to(dtype)
-    tiles = tile_layout(weight)
-    assert tiles.tiles.shape == (-(-n // 16), -(-k // 256) * 4, 32, 16)
-    got = emulate(x, weight, tiles).double()
+    got = emulate(x, weight, warps, programs).double()
     xs = (x.float() * 2.0**-8).half().double() * 2.0**8 if dtype == torch.bfloat16 else x.double()
     want = xs @ _fp16_level_reference(weight).t()
     assert float((got - want).norm() / want.norm()) < 1e-2  # one rounding to the output dtype
 
 
-def test_every_code_byte_lands_once() -> None:
-    n, k = 32, 512
-    weight = quantize_nf4(torch.randn(n, k))
-    weight.packed.copy_(torch.arange(n * k // 2).reshape(n, k // 2) % 251)  # a position-dependent byte pattern
-    tiles = tile_layout(weight)
-    assert sorted(tiles.tiles.flatten().tolist()) == sorted(weight.packed.flatten().tolist())
-    # lane 4 g + t, word s, byte 1: row g + 8 of tile 0, block 0, byte pair 8 t + 2 s
-    for g, t, s in ((0, 0, 0), (3, 2, 1), (7, 3, 3)):
-        assert int(tiles.tiles[0, 0, 4 * g + t, 4 * s + 1]) == int(weight.packed[g + 8, 8 * t + 2 * s])
-        assert int(tiles.tiles[1, 1, 4 * g + t, 4 * s + 2]) == int(weight.packed[16 + g, 32 + 8 * t + 2 * s + 1])
-    codes = weight.absmax_codes.reshape(n, k // 64)
-    assert int(tiles.codes[1, 0, 5, 3, 1]) == int(codes[16 + 8 + 5, 3])  # group 0, lane 4 * 5 + 3, row g + 8
-    assert int(tiles.codes[0, 1, 2, 1, 0]) == int(codes[2, 5])  # group 1, lane 4 * 2 + 1, row g, block 4 + 1
+def test_work_ranges_cover_every_unit_once() -> None:
+    for row_tiles, programs in ((1792, 132), (3, 5), (256, 264)):
+        firsts = [program_row_tiles(row_tiles, programs, p) for p in range(programs)]
+        assert firsts[0][0] == 0 and firsts[-1][1] == row_tiles
+        assert all(a[1] == b[0] for a, b in zip(firsts, firsts[1:], strict=False))
+    for units, warps in ((224, 32), (3, 8), (48, 16)):
+        ranges = [warp_units(units, warps, w) for w in range(warps)]
+        assert sum(end - first for first, end in ranges) == units
+        assert max(end - first for first, end in ranges) - min(end - first for first, end in ranges) <= 1

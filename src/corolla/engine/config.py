@@ -32,10 +32,6 @@ class EngineConfig:
     # GPU: the warm-up tuner's choices kept here between starts, per card and versions (engine.kernels.kernel_choices);
     # None: every warm-up times every candidate
     kernel_choices_dir: str | None = None
-    # CUDA, NF4 in 16-bit dtypes: the tuner also times the tile GEMV for one-row steps (quant.quant_tile_gemv), which
-    # reads a repacked copy of each weight's codes kept beside them (+0.52 bytes per value, which the servers' block
-    # sizing does not count: off until the other NF4 kernels read the copy instead; docs/decisions/0031)
-    nf4_tile_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size_tokens < 16 or self.page_size_tokens & (self.page_size_tokens - 1):

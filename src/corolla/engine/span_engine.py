@@ -206,8 +206,6 @@ class SpanEngine:
             ops = getattr(self.model, "ops", None)
             if ops is not None and self.config.kernel_choices_dir is not None:
                 ops.kernel_choices = KernelChoices(self.config.kernel_choices_dir, device_scope(self.device))
-            if ops is not None:
-                ops.nf4_tile_copy = self.config.nf4_tile_copy
             report = self.model.tune()
         elif self.device.type == "cpu" and self.config.cpu_linear.enabled and isinstance(self.model, FastLlamaSpan):
             report = self.model.tune_cpu(self.config.cpu_linear)

@@ -1,5 +1,5 @@
 """Split-K sums inside the quantized GEMV/GEMM kernels themselves (no second kernel), shared by the NF4 and INT8
-kernels of quant_gemv, quant_stream, quant_mma and quant_kernels, and the row helpers they share
+kernels of quant_gemv, quant_mma and quant_kernels, and the row helpers they share
 (`rows_per_program`, `finish_row`), so that none of those modules imports another's kernels.
 
 A kernel that splits K over `splits` programs per output tile stores each program's fp32 partial sums in a
@@ -21,7 +21,7 @@ start while the kernel before them (RMSNorm, attention, SiLU) finishes; each wai
 griddepcontrol.wait: the previous grid complete and its writes visible) before it reads anything another kernel
 wrote (x, residual) and before it writes; only the immutable weight bytes may be read before. The kernels before the projections of a decode step (RMSNorm,
 paged attention, SiLU gating: triton_kernels) call `release_dependents` first, so the next projection's programs
-start while they run and fetch their first weight bytes (quant_stream) during them.
+start while they run.
 Prologues (`PROLOGUES`; the INT8 tl.dot block kernel and byte GEMV; decode rows): "rmsnorm" scales x by the
 norm's gain per k as it is loaded (fp32, not rounded to x's dtype before the product, as the separate kernel's
 output is) and sums x^2 over the program's K range; the row's 1/rms multiplies the finished dot product (before the

@@ -18,7 +18,7 @@ from corolla.engine.kernels.quant_splits import arrive_last, programmatic_launch
 @triton.jit
 def _store_out(ptrs, y, mask, out_scale, SCALED: tl.constexpr, x_dtype: tl.constexpr):
     # y rounded to the input's dtype; SCALED: then (exactly, in fp32) times out_scale and rounded to fp16 (the
-    # output's dtype), as the NF4 streaming GEMV would convert that input itself (quant_stream's prescaled x)
+    # output's dtype), as the NF4 tile GEMV would convert that input itself (quant_tile_gemv's prescaled x)
     y = y.to(x_dtype)
     if SCALED:
         y = (y.to(tl.float32) * out_scale).to(tl.float16)

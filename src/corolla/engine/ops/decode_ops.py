@@ -21,7 +21,7 @@ from corolla.utils.logging import get_logger
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference versions.
     from corolla.engine.kernels import triton_kernels
     from corolla.engine.kernels.quant_splits import PROLOGUES
-    from corolla.engine.quant import quant_choices, quant_gemv, quant_kernels, quant_stream, quant_tile_gemv
+    from corolla.engine.quant import quant_choices, quant_gemv, quant_kernels, quant_tile_gemv
     from corolla.engine.quant.quant_choices import quant_kernel
 
     TRITON_IMPORTED = True
@@ -135,7 +135,7 @@ class DecodeOps:
         # its own kernel, then cuBLAS); filled by tune_linear
         self.single_row_gemm: dict[tuple[int, int, str, bool], tuple[int, int, int, int]] = {}
         # (kind, N, K) -> (kernel, config) of quant_choices.quant_kernel for decode steps of up to GEMV_MAX_ROWS rows
-        # (quant_small: "gemv", "stream", "i8mma" or "block"; one row only where quant_mid has the shape), of 2 to
+        # (quant_small: "gemv", "tile", "i8mma" or "block"; one row only where quant_mid has the shape), of 2 to
         # quant_choices.MID_MAX_ROWS rows (quant_mid: NF4's "mma" with 16-row tiles, INT8's "block" where "i8mma"
         # serves one row) and for larger merged steps (quant_gemm: "block" or "mma"); filled by tune_quantized
         self.quant_small: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
@@ -149,7 +149,6 @@ class DecodeOps:
         # the tuners' choices kept on disk (SpanEngine.warmup sets it from EngineConfig.kernel_choices_dir); None:
         # every tune times every candidate
         self.kernel_choices: KernelChoices | None = None
-        self.nf4_tile_copy = False  # NF4: the tuner may choose the tile GEMV (EngineConfig.nf4_tile_copy)
 
     def linear(
         self,
@@ -198,17 +197,14 @@ class DecodeOps:
         if self.use_triton and prologue != "none" and rows <= quant_gemv.GEMV_MAX_ROWS and mid is None:
             fused = self.quant_fused.get((*key, prologue))
         stream = self.quant_small.get(key) if self.use_triton and rows == 1 and mid is None else None
-        one_row = stream is not None and stream[0] in ("stream", "tile")
+        one_row = stream is not None and stream[0] == "tile"
         if fused is None and prologue != "none" and bias is None and stream is not None and one_row:
-            # NF4 streaming GEMV after a norm / SiLU kernel (bf16): that kernel writes x already converted as the
+            # NF4 tile GEMV after a norm / SiLU kernel (bf16): that kernel writes x already converted as the
             # GEMV would convert it (fp16, times X_SCALE), so that no GEMV program converts x again
             if weight.dtype == torch.bfloat16:
-                scale = quant_stream.X_SCALE
+                scale = quant_tile_gemv.X_SCALE
                 x = self.rms_norm(x, norm_weight, eps, scale) if prologue == "rmsnorm" else self.silu_mul(x, scale)
-                if stream[0] == "tile":
-                    tiles = quant_tile_gemv.tiles_of(weight)
-                    return quant_tile_gemv.nf4_tile_gemv(x, weight, tiles, residual, stream[1], prescaled=True)
-                return quant_stream.nf4_stream_gemv(x, weight, residual, stream[1], prescaled=True)
+                return quant_tile_gemv.nf4_tile_gemv(x, weight, residual, stream[1], prescaled=True)
         if fused is None and prologue == "rmsnorm":
             x = self.rms_norm(x, norm_weight, eps)
         elif fused is None and prologue == "silu":

@@ -10,7 +10,7 @@ import torch
 
 from corolla.engine.kernels.graph_timing import graph_median_ms, time_configs
 from corolla.engine.kernels.quant_splits import PROLOGUES
-from corolla.engine.quant import quant_gemv, quant_int8_gemv, quant_kernels, quant_mma, quant_stream, quant_tile_gemv
+from corolla.engine.quant import quant_gemv, quant_int8_gemv, quant_kernels, quant_mma, quant_tile_gemv
 
 Choice = tuple[str, tuple[int, int, int, int, int]]
 MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-row-tile configs (quant_mid)
@@ -18,19 +18,14 @@ MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-
 
 def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0):
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
-    (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "stream"
-    (quant_stream.nf4_stream_gemv, NF4 in 16-bit dtypes, one row per program, no prologue), "tile"
-    (quant_tile_gemv.nf4_tile_gemv on the weight's tile layout, NF4 in 16-bit dtypes, no prologue), "i8mma"
+    (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "tile"
+    (quant_tile_gemv.nf4_tile_gemv, NF4 in 16-bit dtypes, each row on its own, no prologue), "i8mma"
     (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes), "block" (quant_kernels.quant_matmul) or
     "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue)."""
     if kernel == "gemv":
         return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
-    if kernel == "stream" and not prologue:
-        return lambda x, w, res, nw=None, eps=0.0: quant_stream.nf4_stream_gemv(x, w, res, config)
     if kernel == "tile" and not prologue:
-        return lambda x, w, res, nw=None, eps=0.0: quant_tile_gemv.nf4_tile_gemv(
-            x, w, quant_tile_gemv.tiles_of(w), res, config
-        )
+        return lambda x, w, res, nw=None, eps=0.0: quant_tile_gemv.nf4_tile_gemv(x, w, res, config)
     if kernel == "i8mma":
         return lambda x, w, res, nw=None, eps=0.0: quant_int8_gemv.int8_row_mma(x, w, res, config, prologue, nw, eps)
     if kernel == "mma" and not prologue:
@@ -73,8 +68,8 @@ def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: d
 
 @torch.inference_mode()
 def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None):
-    """For each quantized shape (kind, N, K) -> [weight per layer], times on a single-row input every streaming-GEMV
-    config (NF4 in 16-bit dtypes; and every tile-GEMV config where `ops.nf4_tile_copy`) or every dequantize-GEMV and
+    """For each quantized shape (kind, N, K) -> [weight per layer], times on a single-row input every tile-GEMV
+    config (NF4 in 16-bit dtypes) or every dequantize-GEMV and
     "block" tl.dot config (INT8, fp32 NF4; INT8 in 16-bit dtypes also the row GEMV's, "i8mma"): the fastest
     serves steps of up to GEMV_MAX_ROWS rows (NF4 in 16-bit dtypes: one row; ops.quant_small); NF4 in 16-bit dtypes: the matrix-unit kernel's 16-row-tile
     configs on MID_MAX_ROWS rows (2 to MID_MAX_ROWS rows, ops.quant_mid; INT8 where the row GEMV won one row: the
@@ -93,12 +88,10 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         # Llama-3-8B projection (docs/decisions/0012-nf4-matrix-units.md)
         nf4 = key[0] == "nf4" and items[0].dtype != torch.float32
         block_configs = [] if nf4 else [("block", c) for c in quant_kernels.QUANT_CONFIGS]
-        # NF4 in 16-bit dtypes: one row on the streaming GEMV, which beat every dequantize-GEMV on an H200
-        # (docs/decisions/0015, 0017); fp32 NF4 weights on the fp32 table GEMV
-        if nf4:  # with the tile copy allowed, the tile GEMV against the streaming GEMV, timed side by side
-            small_configs = [("stream", c) for c in quant_stream.NF4_STREAM_CONFIGS]
-            if getattr(ops, "nf4_tile_copy", False):
-                small_configs += [("tile", c) for c in quant_tile_gemv.NF4_TILE_CONFIGS]
+        # NF4 in 16-bit dtypes: one row on the tile GEMV, which beat the streaming GEMV on every Llama-3-8B
+        # projection of an H200 (docs/decisions/0031, 0060); fp32 NF4 weights on the fp32 table GEMV
+        if nf4:
+            small_configs = [("tile", c) for c in quant_tile_gemv.NF4_TILE_CONFIGS]
         else:
             gemv_configs = quant_gemv.NF4_GEMV_CONFIGS if key[0] == "nf4" else quant_gemv.INT8_GEMV_CONFIGS
             small_configs = [("gemv", c) for c in gemv_configs] + block_configs
@@ -113,7 +106,6 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         cached = ops.kernel_choices.get(problem) if ops.kernel_choices is not None else None
         if cached is not None:
             report[key] = _restore(ops, key, cached)
-            keep_tiles(items, ops.quant_small[key])
             continue
         k = key[2]
         one = torch.randn(1, k, device=items[0].device, dtype=items[0].dtype)
@@ -125,7 +117,6 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         best, gemm_best = min(gemv, key=gemv.__getitem__), min(gemm, key=gemm.__getitem__)
         ops.quant_small[key] = best
         ops.quant_gemm[key] = gemm_best
-        keep_tiles(items, best)
         ops.quant_mid.pop(key, None)  # (a tuning before may have left one)
         # 2 to MID_MAX_ROWS rows, timed at that many rows: NF4's 16-row-tile matrix-unit configs; INT8's block
         # configs where the row GEMV serves one row (it reads the weight once per x row)
@@ -158,16 +149,6 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
                 "fused": {p: ops.quant_fused.get((*key, p)) for p in wanted},
             })  # fmt: skip
     return report
-
-
-def keep_tiles(items: list, best: Choice) -> None:
-    """Makes every weight's tile layout where the tile GEMV serves the shape (before any graph capture), and frees
-    the copies timing made where it does not (the layout is as many bytes again as the codes)."""
-    for w in items:
-        if best[0] == "tile":
-            quant_tile_gemv.tiles_of(w)
-        elif getattr(w, "tile_copy", None) is not None:
-            w.tile_copy = None
 
 
 def _restore(ops, key: tuple[str, int, int], cached: dict) -> dict:

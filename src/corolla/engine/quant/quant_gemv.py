@@ -13,16 +13,16 @@ NF4 decode: each nibble looked up in the 16-entry fp32 level table (64 bytes: on
 are served in one L1 pass); the two nibbles are interleaved back into element order in registers (`tl.join`), each
 64-value block is summed against x and scaled once by its decoded absmax (uint8 code -> nested code table *
 second-level absmax + offset), accumulated in fp32. This serves NF4 weights kept in fp32 (and steps before tuning);
-NF4 in 16-bit dtypes runs one-row steps on quant_stream's streaming GEMV and 2-64 rows on quant_mma's matrix units,
-which beat every GEMV here on an H200 (docs/decisions/0015, 0017: the register-lookup and pair-table GEMVs are
-deleted).
+NF4 in 16-bit dtypes runs one-row steps on quant_tile_gemv's matrix-unit GEMV and 2-64 rows on quant_mma's matrix
+units, which beat every GEMV here on an H200 (docs/decisions/0015, 0017, 0060: the register-lookup, pair-table and
+streaming GEMVs are deleted).
 
 Batch invariance: a row's output is computed by the same instructions in the same K order whatever the other
 rows are: programs take ROWS rows each (1, 2 or 4, by M) and each row has its own accumulator, reduced in a
 fixed order; a split of K is summed in split order by the last program of each output tile to finish (an
 arrival count per tile, `quant_splits`; one launch per projection, not two). DecodeOps serves steps of
 up to `GEMV_MAX_ROWS` rows with one tuned (kernel, config) per weight shape and larger merged steps with another
-(a `tl.dot` kernel); NF4 in 16-bit dtypes in three ranges: one row on quant_stream's streaming GEMV, 2 to 16 and
+(a `tl.dot` kernel); NF4 in 16-bit dtypes in three ranges: one row on quant_tile_gemv's GEMV, 2 to 16 and
 17 to 64 rows on quant_mma's matrix-unit kernel (16- and 64-row tiles). Those round differently, so a row's output
 depends on which row range its step
 fell in (each within fp32-accumulation error of the reference), never on the other rows' values.

@@ -9,7 +9,7 @@ absmax + offset) and accumulated in fp32. The next two blocks' words, x tiles an
 one block is decoded. The cost of a step barely grows with its rows, unlike the CUDA-core GEMV (quant_gemv), which
 reads the weight again for every 4 rows: on an H200 (docs/decisions/0012-nf4-matrix-units.md) 16 rows of w_gate_up
 take 63 us here against 148 us for 8 rows there, and 64 rows 100 us against 137 us for the tl.dot tile kernel this
-replaced; one row runs a GEMV (46 us against 56 us here; quant_stream's streaming GEMV since, 37 us).
+replaced; one row runs a GEMV (46 us against 56 us here; quant_tile_gemv's matrix-unit GEMV since, ~24 us).
 
 Numerics: the levels are the fp16-rounded NF4 levels (relative error <= 2^-11, as quant_prmt's CUDA-core GEMV);
 x (bf16) is scaled by 2^-8 and converted to fp16, exact for |x| >= 2^-9 and within 2^-17 absolute below, finite up

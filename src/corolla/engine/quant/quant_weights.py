@@ -81,13 +81,11 @@ class NF4Weight:
     pair_levels: torch.Tensor = field(init=False, repr=False)  # [256] int32, derived from `code` (1 KiB)
     # the 8 table words of quant_prmt's register lookup (fp16 levels), derived from `code`; empty for fp32
     lut_words: tuple[int, ...] = field(init=False, repr=False)
-    # [256] int32 fp16x2 level pairs of quant_pair_table (the streaming GEMV's shared table), derived from `code`;
+    # [256] int32 fp16x2 level pairs of quant_pair_table (the tile GEMV's shared table), derived from `code`;
     # zeros for fp32
     pair_words16: torch.Tensor = field(init=False, repr=False)
     # see split_counters(); made on first use
     _split_counters: torch.Tensor | None = field(init=False, repr=False, default=None)
-    # quant_tile_gemv's repacked copy of the codes (an NF4Tiles, made by quant_tile_gemv.tiles_of on first use)
-    tile_copy: object | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         n, kh = self.packed.shape
