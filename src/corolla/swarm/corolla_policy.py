@@ -349,15 +349,6 @@ def free_cache_by_block(spans: Sequence[RemoteSpanInfo], total_blocks: int) -> n
     return free
 
 
-def soft_bottleneck(throughputs: np.ndarray, power: float, gap_tps: float = 0.0) -> float:
-    """The power mean of order -`power` of per-block throughputs (tokens/s): at least the bottleneck, tending to it
-    as `power` grows, and raised by lifting any weak block, not only the weakest (a flat bottleneck leaves ties).
-    A block without a server counts as `gap_tps` (what a server to come is expected to add there; at least
-    GAP_TPS), so a joiner covers gaps without taking more blocks than its throughput spreads well over."""
-    before, after = BlockStrength(throughputs, None, 1.0, 1.0, gap_tps).values(0.0, None)
-    return float(_soft_by_start(before, after, 1, power)[0])
-
-
 def _soft_by_start(before: np.ndarray, after: np.ndarray, k: int, power: float) -> np.ndarray:
     """soft[num_starts]: the power mean of order -`power` of per-block strengths when blocks [s, s + k) take their
     `after` value and the others their `before` one (both > 0)."""
