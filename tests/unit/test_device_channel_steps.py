@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
+from tests.helpers.channel_frames import batch_payload
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.batcher import PendingUnits, StepGroup, execute_steps, flatten_units, regroup
@@ -88,7 +89,7 @@ def _frame(items: list[tuple[int, int, int, torch.Tensor]]) -> memoryview:
         (wire.STEP, rid, wire.Writer().step_head(handle, pos, False, "").tensor(hidden).tensor(None).tensor(None))
         for rid, handle, pos, hidden in items
     ]
-    return memoryview(b"".join(wire.batch(writers).parts))
+    return memoryview(b"".join(batch_payload(writers).parts))
 
 
 async def _prefilled(real: EngineExecutor, caches: list[SessionCache]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.channel_frames import batch_payload
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.graph_decode import (
@@ -141,7 +142,7 @@ def test_a_step_batchs_bytes_are_what_its_hidden_states_view(count: int) -> None
         (wire.STEP, 10 + i, wire.Writer().u32(1).u32(2).u8(0).text("").tensor(h).tensor(None).tensor(None))
         for i, h in enumerate(hiddens)
     ]
-    payload = memoryview(bytearray(b"".join(wire.batch(items).parts)))
+    payload = memoryview(bytearray(b"".join(batch_payload(items).parts)))
     steps = channel_frames.parse_steps(payload)
     payload[:] = b"\0" * len(payload)  # the receive buffer is reused: the bytes are the step's own copy
     for step, hidden in zip(steps, hiddens, strict=True):

@@ -9,6 +9,7 @@ import struct
 
 import pytest
 import torch
+from tests.helpers.channel_frames import batch_payload
 
 from corolla.protocol import channel_frames as wire
 from corolla.server.core.refusals import TooLong, encode_error
@@ -122,7 +123,7 @@ def _step_body(handle: int, hidden: torch.Tensor | None, *, prompts=None, hypo_i
 
 
 def _payload(bodies: list[wire.Writer]) -> memoryview:
-    frame = wire.batch([(wire.STEP, 10 + i, body) for i, body in enumerate(bodies)]).frame(wire.STEP_BATCH, 0)
+    frame = batch_payload([(wire.STEP, 10 + i, body) for i, body in enumerate(bodies)]).frame(wire.STEP_BATCH, 0)
     return memoryview(bytearray(frame))[wire.HEADER_BYTES :]
 
 

@@ -206,23 +206,6 @@ class Writer:
     def nbytes(self) -> int:
         return sum(len(part) for part in self.parts)
 
-    def item(self, kind: int, request_id: int, body: Writer) -> Writer:
-        """Appends `body` as one item of a batch payload (see the module docstring)."""
-        self.parts.append(_ITEM.pack(kind, request_id, body.nbytes()))
-        self.parts.extend(body.parts)
-        return self
-
-
-def batch(items: list[tuple[int, int, Writer]], head: Writer | None = None) -> Writer:
-    """A batch payload of (kind, request id, body) items, after `head` (a reply batch's state)."""
-    if not 0 < len(items) <= MAX_BATCH_ITEMS:
-        raise FrameError(f"a batch holds 1 to {MAX_BATCH_ITEMS} items, got {len(items)}")
-    out = head if head is not None else Writer()
-    out.parts.append(_U16.pack(len(items)))
-    for kind, request_id, body in items:
-        out.item(kind, request_id, body)
-    return out
-
 
 def batch_frames(
     items: list[tuple[int, int, Writer]], batch_kind: int, max_frame_bytes: int, head: Writer | None = None
@@ -230,31 +213,8 @@ def batch_frames(
     """Frames for `items` (kind, request id, body): one item alone is its own frame (with `head` before its body);
     several go into `batch_kind` frames, each within `max_frame_bytes` and `MAX_BATCH_ITEMS` (an item too large to
     share a frame goes alone). `head`: the device's state, once per frame."""
-    frames: list[bytes] = []
-    group: list[tuple[int, int, Writer]] = []
-    head_bytes = head.nbytes() if head is not None else 0
-    size = head_bytes + _U16.size
-
-    def close_group() -> None:
-        if len(group) == 1:
-            kind, request_id, body = group[0]
-            single = Writer()
-            single.parts = [*(head.parts if head is not None else []), *body.parts]
-            frames.append(single.frame(kind, request_id))
-        elif group:
-            framed = Writer()
-            framed.parts = list(head.parts) if head is not None else []
-            frames.append(batch(group, framed).frame(batch_kind, 0))
-
-    for item in items:
-        item_bytes = _ITEM.size + item[2].nbytes()
-        if group and (size + item_bytes > max_frame_bytes or len(group) >= MAX_BATCH_ITEMS):
-            close_group()
-            group, size = [], head_bytes + _U16.size
-        group.append(item)
-        size += item_bytes
-    close_group()
-    return frames
+    encoded = [(kind, request_id, body.parts, body.nbytes()) for kind, request_id, body in items]
+    return _frames(encoded, b"".join(head.parts) if head is not None else b"", max_frame_bytes, batch_kind)
 
 
 def split_batch(reader: Reader, batch_kind: int) -> list[tuple[int, int, memoryview]]:
@@ -586,18 +546,7 @@ def reply_frames(
             kind, request_id, _, _ = encoded[index]
             parts: list[bytes | memoryview] = [prefix] if data is None else [prefix, data[i]]
             encoded[index] = (kind, request_id, parts, len(prefix) + nbytes)
-    frames: list[bytes] = []
-    head_bytes = len(head)
-    group_start, size = 0, head_bytes + _U16.size
-    for i, (_, _, _, body_bytes) in enumerate(encoded):
-        item_bytes = _ITEM.size + body_bytes
-        if i > group_start and (size + item_bytes > max_frame_bytes or i - group_start >= MAX_BATCH_ITEMS):
-            frames.append(_frame(encoded[group_start:i], head))
-            group_start, size = i, head_bytes + _U16.size
-        size += item_bytes
-    if group_start < len(encoded):
-        frames.append(_frame(encoded[group_start:], head))
-    return frames
+    return _frames(encoded, head, max_frame_bytes, REPLY_BATCH)
 
 
 def _uniform_frames(
@@ -655,7 +604,26 @@ def _uniform_frames(
 _item_heads: dict[int, struct.Struct] = {}  # by record prefix length: a REPLY_BATCH item's header and prefix
 
 
-def _frame(group: list[tuple[int, int, list[bytes | memoryview], int]], head: bytes) -> bytes:
+def _frames(
+    encoded: list[tuple[int, int, list[bytes | memoryview], int]], head: bytes, max_frame_bytes: int, batch_kind: int
+) -> list[bytes]:
+    """The frames of `encoded` items (kind, request id, body parts, body bytes), in order: as many per `batch_kind`
+    frame as fit `max_frame_bytes` and `MAX_BATCH_ITEMS` (an item too large to share a frame goes alone), `head` once
+    per frame."""
+    frames: list[bytes] = []
+    group_start, size = 0, len(head) + _U16.size
+    for i, (_, _, _, body_bytes) in enumerate(encoded):
+        item_bytes = _ITEM.size + body_bytes
+        if i > group_start and (size + item_bytes > max_frame_bytes or i - group_start >= MAX_BATCH_ITEMS):
+            frames.append(_frame(encoded[group_start:i], head, batch_kind))
+            group_start, size = i, len(head) + _U16.size
+        size += item_bytes
+    if group_start < len(encoded):
+        frames.append(_frame(encoded[group_start:], head, batch_kind))
+    return frames
+
+
+def _frame(group: list[tuple[int, int, list[bytes | memoryview], int]], head: bytes, batch_kind: int) -> bytes:
     if len(group) == 1:  # alone: its own frame, the state before its body
         kind, request_id, parts, body_bytes = group[0]
         return b"".join([HEADER.pack(len(head) + body_bytes, kind, request_id), head, *parts])
@@ -665,7 +633,7 @@ def _frame(group: list[tuple[int, int, list[bytes | memoryview], int]], head: by
         joined.append(_ITEM.pack(kind, request_id, body_bytes))
         joined.extend(parts)
         total += _ITEM.size + body_bytes
-    joined[0] = HEADER.pack(total, REPLY_BATCH, 0)
+    joined[0] = HEADER.pack(total, batch_kind, 0)
     return b"".join(joined)
 
 
