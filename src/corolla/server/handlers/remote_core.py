@@ -228,7 +228,7 @@ class RemoteCore:
         return self.link.max_size_bytes
 
     def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
-        return sum(self.link.info.block_bytes_per_token[i] for i in block_indices)
+        return self.link.info.cache_bytes_per_token(block_indices)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats()  # the device process reports the server's figures (`handler_pool`)
