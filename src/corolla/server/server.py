@@ -1,7 +1,8 @@
 """The server lifecycle: resolve settings (device, dtype, quantization, limits, cache budget, throughput), join the
 swarm, choose blocks, load them, serve them (`SpanService`: runtime + handler on a P2P replica, one asyncio loop),
-check the swarm balance and move when it should, restart the serving part if it crashes, and on stop announce
-OFFLINE, end sessions, free memory and leave no process behind."""
+check the swarm balance and move when it should, restart the serving part if it crashes, and on stop drain (the
+core's drain started, OFFLINE announced, open sessions given `drain_timeout_s` to move: `drain_sessions`), end
+sessions, free memory and leave no process behind."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ from corolla.server.announcer import Announcer
 from corolla.server.backend import SpanBackend
 from corolla.server.block_loading import fetch_span_blocks, load_span_blocks
 from corolla.server.config import ServerConfig, handler_poll_s, ignored_flags
-from corolla.server.core.drain import drain_sessions
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
 from corolla.server.core.limits import SessionTimeouts
 from corolla.server.core.runtime import Runtime
+from corolla.server.core.span_core import CoreClient
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.peer_auth import make_peer_auth
 from corolla.server.front.prefix_keys import PrefixTrust
@@ -51,6 +52,7 @@ logger = get_logger(__name__)
 
 READY_PREFIX = "corolla-server: ready"
 MAX_CONSECUTIVE_FAILURES = 5
+DRAIN_POLL_S = 0.02
 
 
 class Server:
@@ -566,4 +568,21 @@ def executor_for_span(
         metrics=metrics,
         max_alloc_timeout_s=config.max_alloc_timeout_s,
         prefix_cache_tokens=config.prefix_cache_tokens,
+    )
+
+
+async def drain_sessions(core: CoreClient, announcer: Announcer, timeout_s: float) -> None:
+    """Starts the core's drain (every front refuses new sessions and offers its sessions' KV to their clients) and
+    announces OFFLINE (so no client plans new sessions here) while waiting up to `timeout_s` for the sessions open
+    through any front to move away; then returns, and the caller ends whatever is left."""
+    started = time.monotonic()
+    core.drain.start(timeout_s)
+    num_open = core.num_open
+    logger.info(f"drain.start(sessions={num_open}, timeout_s={timeout_s})")
+    offline = asyncio.ensure_future(announcer.announce(ServerState.OFFLINE))
+    while core.num_open > 0 and time.monotonic() - started < timeout_s:
+        await asyncio.sleep(DRAIN_POLL_S)
+    await offline
+    logger.info(
+        f"drain.done(sessions_at_start={num_open}, left={core.num_open}, seconds={time.monotonic() - started:.2f})"
     )
