@@ -163,6 +163,8 @@ def _measure(
             row.launch_rule = "automatic" if type(gather) is GatherRule else "forced"
             row.rule_return_ms = 1000 * gather.return_s if gather.return_s is not None else math.nan
             row.rule_forward_ms = 1000 * gather.forward_s if gather.forward_s is not None else math.nan
+            launch_s = server.runtime.launch_s
+            row.held_launch_ms = 1000 * launch_s if launch_s is not None else math.nan
             rows.append(row)
             print(f"[{time.perf_counter() - started:6.1f}s] {json.dumps(asdict(row))}", flush=True)
 
@@ -361,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"launch rule, {row.sessions} sessions, {row.transport}, {row.client} client ({row.launch_rule}): at "
                 f"the row's end the learned return time {row.rule_return_ms:.2f} ms against a merged forward of "
                 f"{row.rule_forward_ms:.2f} ms: {'held' if row.held_launches else 'at once'}; launches held in the "
-                f"row (its prefills included): {row.held_launch_count}"
+                f"row (its prefills included): {row.held_launch_count}, a held launch's learned seconds "
+                f"{row.held_launch_ms:.2f} ms"
             )
     for row in rows:
         if row.sessions > 1 and len(row.sessions_per_handler) > 1:
