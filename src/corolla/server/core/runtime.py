@@ -59,9 +59,8 @@ SHADOW_LEAD_AFTER_S: float = 0.02
 PACE_HOLD_S: float = 0.004
 
 KIND_GENERIC = "generic"
-# a held launch is queued this long before the forward in flight is expected to end, beyond the launch's own learned
-# seconds (`Runtime._hold`; those count from the wake-up it asked for, so they include its oversleep and its wait for
-# the GIL): a margin for their spread from one launch to the next
+# a held launch is queued this long before the forward in flight is expected to end, beyond the launch's own seconds
+# (`Runtime._hold`): the waiter's oversleep and its wait for the GIL (0.5 ms switch interval on a GPU server)
 LAUNCH_LEAD_S: float = 0.0003
 MAX_WATCHES = 8  # merged forwards watched at once for their sessions' return (`TaskQueue.watch`)
 KIND_INFERENCE = "inference"
@@ -521,8 +520,8 @@ class Runtime:
         self.num_paced_out = 0  # of them, holds that ran out with background work queued and no session's step
         self.paced_s = 0.0  # seconds the device thread held background work back
         # learned for `_hold`: a launched batch's device seconds by its kind and its steps' bit length (batches of
-        # 2-3, 4-7, ... steps), and a held launch's seconds from the wake-up it asked for (its oversleep and its wait
-        # for the GIL count: the serving loop may hold it) to its launcher's return (benches read it)
+        # 2-3, 4-7, ... steps), and the seconds from a held launch's wake-up to its launcher's return (benches read
+        # it; counted from the wake-up it asked for instead, it lost its A/B: docs/decisions/0051)
         self._device_s: dict[tuple[str, int], float] = {}
         self.launch_s: float | None = None
         self._kind_stats: dict[str, KindStats] = {}  # written only while `_executing` is held
@@ -784,7 +783,7 @@ class Runtime:
         queue = self._queue
         pending: LaunchedBatch | None = None
         while True:  # (gather) -> schedule -> execute (or launch) -> complete
-            held, woke_s = False, 0.0
+            held = False
             if pending is None:
                 wait = self.gather.wait(time.monotonic(), queue.num_pushed)
                 if wait is not None:
@@ -792,12 +791,12 @@ class Runtime:
                 self._pace(queue)
             elif self.gather.holds_launch():  # sessions come back while a forward runs: launch as it ends
                 held = True
-                woke_s = self._hold(pending)  # so that they merge into one batch, with no device gap before it
+                self._hold(pending)  # so that they merge into one batch, with no device gap before it
             elif self._paced(queue):  # background work next while a session is on its way back: not yet
                 self._finish(pending)
                 pending = None
                 continue
-            woke_s = woke_s or time.perf_counter()
+            woke_s = time.perf_counter()
             batch = queue.pop_batch(
                 max_batch_tokens=self.max_batch_size_tokens, mergeable_kinds=self._batch_executors.keys(),
                 merge_limits=self._merge_limits, timeout_s=None if pending is None else 0.0,
@@ -872,25 +871,21 @@ class Runtime:
             self._num_in_flight += 1
             return LaunchedBatch(batch, handle, None, started, queued_s=time.perf_counter())
 
-    def _hold(self, launched: LaunchedBatch) -> float:
+    def _hold(self, launched: LaunchedBatch) -> None:
         """Waits until the device is about to end `launched` (a held launch, `GatherRule.holds_launch`): its expected
         end (from when the device had it queued, or the end of the forward before it, plus the device seconds learned
         for batches of its kind and size) less the seconds a launch takes here and `LAUNCH_LEAD_S`, so that the next
         forward is queued behind it before it ends instead of after (the device idled 0.7-1.3 ms per forward between
         held forwards: the waiter's wake-up, the GIL, the pop and the staging). Where nothing is learned yet, or the
-        batch's kind is not device-timed, it waits for the end. Returns the `perf_counter` the launch's seconds count
-        from: the wake-up it asked for where it slept (the oversleep and the wait for the GIL are the launch's), else
-        now."""
+        batch's kind is not device-timed, it waits for the end."""
         expected_s = self._device_s.get(_device_key(launched.batch))
         if expected_s is None or self.launch_s is None:
             self._wait(launched)
-            return time.perf_counter()
-        now_s = time.perf_counter()
-        sleep_s = max(launched.queued_s, self._last_done_s) + expected_s - self.launch_s - LAUNCH_LEAD_S - now_s
-        if sleep_s <= 0:
-            return now_s
-        time.sleep(sleep_s)
-        return now_s + sleep_s
+            return
+        start_s = max(launched.queued_s, self._last_done_s)
+        sleep_s = start_s + expected_s - self.launch_s - LAUNCH_LEAD_S - time.perf_counter()
+        if sleep_s > 0:
+            time.sleep(sleep_s)
 
     def _finish(self, launched: LaunchedBatch) -> None:
         """Waits for a launched batch's results (if not done yet) and completes it."""
