@@ -3,12 +3,14 @@ DHT's daemon, all in the front's one asyncio loop. It decodes messages and metad
 (`block_functions`), hands the typed records to the core through its one seam (`core`, a `span_core.CoreClient`:
 sessions, steps, forwards, pushes, the drain), encodes replies and counts refusals (`refusals`). Its inference
 streams (`rpc_inference`, their sessions and steps, pushes to the next server) are `inference_stream`'s
-`InferenceStreams`; here the unary and gathered rpcs (forward, backward, info, push) and the wiring."""
+`InferenceStreams`; here the unary and gathered rpcs (forward, backward, info, push: a `*_stream` request read whole, `gather_stream`,
+bounded in messages, size and time; byte budgets and stalled peers are `stream_guard`'s) and the wiring."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -19,7 +21,7 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from corolla import PETALS_COMPAT_VERSION
 from corolla.protocol import rpc
-from corolla.protocol.codecs import MAX_UNARY_PAYLOAD_BYTES
+from corolla.protocol.codecs import MAX_UNARY_PAYLOAD_BYTES, STREAM_CHUNK_BYTES, combine_parts, stream_messages
 from corolla.protocol.metadata import (
     ForwardRequestMetadata,
     InferenceRequestMetadata,
@@ -36,7 +38,6 @@ from corolla.server.front.inference_stream import InferenceStreams, SessionHando
 from corolla.server.front.peer_auth import PeerAuth, check_request, gate_stream, info_uid, remote_peer
 from corolla.server.front.prefix_keys import PrefixTrust
 from corolla.server.front.stream_guard import StreamBudget, register_handlers
-from corolla.server.front.stream_requests import gather_stream, stream_response
 from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import MembershipError
 from corolla.utils.logging import get_logger
@@ -46,6 +47,47 @@ logger = get_logger(__name__)
 _T = TypeVar("_T")
 # a unary or gathered-stream RPC's work: (uid, tensors, raw metadata, peer key) -> its output records
 _Compute = Callable[[str, list[torch.Tensor], bytes, str], Awaitable[list[runtime_pb2.Tensor]]]
+
+
+MAX_STREAM_MESSAGES = 4096
+
+
+async def gather_stream(
+    requests: AsyncIterator[runtime_pb2.ExpertRequest], *, request_timeout_s: float, max_stream_bytes: int
+) -> tuple[str, list[runtime_pb2.Tensor], bytes]:
+    """uid, combined serialized tensors and metadata of a stream request; the uid must be equal in all parts."""
+    uid: str | None = None
+    metadata = b""
+    parts: list[runtime_pb2.Tensor] = []
+    total_bytes = 0
+    deadline = time.monotonic() + request_timeout_s
+    iterator = requests.__aiter__()
+    for count in range(MAX_STREAM_MESSAGES + 1):
+        remaining = deadline - time.monotonic()
+        try:
+            message = await asyncio.wait_for(iterator.__anext__(), max(remaining, 0.001))
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise ValueError(f"stream request not complete within request_timeout={request_timeout_s} s") from None
+        if count == MAX_STREAM_MESSAGES:
+            raise ValueError(f"stream request has more than {MAX_STREAM_MESSAGES} messages")
+        if uid is None:
+            uid, metadata = message.uid, message.metadata
+        elif message.uid != uid:
+            raise ValueError("all messages of a stream request must carry the same uid")
+        total_bytes += sum(len(t.buffer) for t in message.tensors)
+        if total_bytes > max_stream_bytes:
+            raise ValueError(f"stream request is larger than the limit of {max_stream_bytes} bytes")
+        parts.extend(message.tensors)
+    if uid is None:
+        raise ValueError("stream request is empty: expected at least one message with uid and tensors")
+    return uid, combine_parts(parts), metadata
+
+
+def stream_response(tensors: Sequence[runtime_pb2.Tensor]) -> list[runtime_pb2.ExpertResponse]:
+    """A reply split into stream messages of at most `STREAM_CHUNK_BYTES` each."""
+    return stream_messages(runtime_pb2.ExpertResponse, tensors, STREAM_CHUNK_BYTES)
 
 
 class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.TransformerConnectionHandler):
