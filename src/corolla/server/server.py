@@ -34,7 +34,6 @@ from corolla.server.core.span_core import CoreClient
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.peer_auth import make_peer_auth
 from corolla.server.front.prefix_keys import PrefixTrust
-from corolla.server.front.reachability_gate import validate_reachability
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.settings import ResolvedSettings, describe_settings, resolve_settings
 from corolla.server.slowdown import BlockDelay, block_delay_s, slowed_throughput
@@ -43,7 +42,7 @@ from corolla.server.swarm_seat import SwarmSeat
 from corolla.server.throughput import get_server_throughput
 from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, get_visible_maddrs, shutdown_dht
 from corolla.swarm.membership import SwarmKeyAuthorizer, load_swarm_key
-from corolla.swarm.reachability import attach_reachability_protocol, check_direct_reachability
+from corolla.swarm.reachability import attach_reachability_protocol, check_direct_reachability, validate_reachability
 from corolla.utils import busy_poll
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger

@@ -1,12 +1,17 @@
 """Direct-reachability check for servers joining the public swarm, compatible with Petals' `ReachabilityProtocol`
 (handle `"ReachabilityProtocol.rpc_check"`, `dht_pb2.PingRequest`/`PingResponse`): a peer asks others to dial it
-back through a fresh connection. Private swarms skip the check entirely (`check_direct_reachability` -> None)."""
+back through a fresh connection. Private swarms skip the check entirely (`check_direct_reachability` -> None). And the
+public swarm's gate (`validate_reachability`): before going ONLINE, a server asks the swarm's health monitor whether it
+can reach it, and refuses to serve (with advice) when it can't; a monitor that is down skips the check."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
+import time
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +27,9 @@ logger = get_logger(__name__)
 
 CHECK_TIMEOUT_S = 5.0  # asking a peer to check us
 THIRD_PARTY_CHECK_TIMEOUT_S = 10.0  # a peer asks us to dial it back
+REACHABILITY_API_URL = "https://health.petals.dev"
+REACHABILITY_WAIT_S = 420.0
+REACHABILITY_RETRY_S = 15.0
 
 
 class ReachabilityProtocol(ServicerBase):
@@ -191,3 +199,26 @@ async def _daemon_maddr(_dht: hivemind.DHT, node: Any) -> Any:
 def attach_reachability_protocol(dht: hivemind.DHT) -> ReachabilityService:
     """Lets other peers ask this DHT node whether they are directly reachable (bootstrap nodes, servers)."""
     return ReachabilityService(dht)
+
+
+def validate_reachability(peer_id: str) -> None:
+    """Asks the health monitor whether it reaches `peer_id`, retrying for up to 7 minutes (RuntimeError then)."""
+    deadline = time.monotonic() + REACHABILITY_WAIT_S
+    url = f"{REACHABILITY_API_URL}/api/v1/is_reachable/{peer_id}"
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                answer = json.loads(response.read())
+        except Exception as e:
+            logger.info(f"server.reachability_validation_skipped({e!r:.200})")
+            return
+        if answer.get("success"):
+            logger.info("server.reachable(health monitor reached us directly)")
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"The swarm can't reach this server: {answer.get('message')}. Open a port and pass "
+                f"--port <port> (and --public_ip {answer.get('your_ip', '<your ip>')} if behind NAT)"
+            )
+        logger.info("server.not_reachable_yet(retrying; relays may take a while)")
+        time.sleep(REACHABILITY_RETRY_S)

@@ -1,5 +1,6 @@
 """Fronts: where requests enter a server. Each front terminates one transport (`handler`: the seven Petals rpcs
 over p2p; `local_endpoint`: the same-host socket; `direct_endpoint`: the direct port, `stream_endpoint` shared by
 both, `connection_balance` spreading its connections over handler processes), reads hostile bytes under bounds
-(`stream_guard`; `handler` for gathered streams), checks who may call (`peer_auth`, `reachability_gate`), validates with the one
-step decoder (`block_functions`) and hands typed records to the core through its `SpanExecutor` seam."""
+(`stream_guard`; `handler` for gathered streams), checks who may call (`peer_auth`), validates with the one
+step decoder (`block_functions`), serves each inference stream (`inference_stream`) and hands typed records to the
+core through its one seam (`span_core.CoreClient`)."""
