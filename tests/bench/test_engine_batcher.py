@@ -270,6 +270,7 @@ def test_launch_steps_checks_launchability_once_per_set() -> None:
     class Req:
         def __init__(self, value: int, rows: int) -> None:
             self.value, self.rows = value, rows
+            self.num_tokens = 1  # a decode step: one position per row, as StepRequest counts it
             self.output_bytes: memoryview | None = None
 
     class Engine:
