@@ -13,8 +13,11 @@ A/B phases: `--phase N:key=value,...` (repeatable) runs N clients with the serve
 `merge=F/B` (merge limits in tokens; `1/1`: every work alone), `reuse=off` (no forward activations kept for
 backwards), `poll=off` (the server's loop never polls after a lone session's inline decode step),
 `hold_ms=X` (how long training waits for the session's next step after each decode batch, `Runtime.pace_hold_s`;
-0: training launched whenever the runtime is free, also while the session is on its way back), `trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out` writes
-it), `steps=N` (steps per client in this phase). Each phase is printed as it ends, with the session's decode step
+0: training launched whenever the runtime is free, also while the session is on its way back), `fit=off` (training
+waits out the session's way back even where its launch is expected to be over before the session comes,
+`Runtime.pace_fits`), `graphs=off` (every training block call eager, no CUDA graphs: `TrainingBatcher.graphs`),
+`trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out` writes it), `steps=N` (steps per client
+in this phase). Each phase is printed as it ends, with the session's decode step
 meanwhile; its ratio is to the 1-client phase with the same options.
 
 CPU dry run: `python -m benchmarks.training --tiny`; the GPU figure: `python -m benchmarks.training` (32 Llama-3-8B
@@ -52,6 +55,9 @@ from corolla.server.core.training_batch import (
 TINY = ModelShape(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688)
 READY_TIMEOUT_S = 300.0
 TEARDOWN_S = 10.0
+# untimed steps of every phase's client count before the first phase (after each client's own warm-up step): the
+# training block calls' CUDA graphs (captured at a shape's first call) of each count's merged shapes
+WARMUP_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,8 @@ class PhaseSpec:
     reuse: bool = True
     poll: bool = True  # False: the handler's loop polling off for the phase (as on CPU)
     pace_hold_ms: float = PACE_HOLD_S * 1e3  # `Runtime.pace_hold_s` (0: training not paced around the session)
+    fit: bool = True  # False: `Runtime.pace_fits` off (training waits out the session's way back, however short)
+    graphs: bool = True  # False: training block calls eager (`TrainingBatcher.graphs` None)
     trace: bool = False  # a CUDA trace of the phase (`timeline`)
     steps: int | None = None  # steps per client (None: `--steps`)
 
@@ -83,7 +91,7 @@ class PhaseSpec:
             if key == "merge":
                 forward, backward = value.split("/")
                 fields.update(forward_tokens=int(forward), backward_tokens=int(backward))
-            elif key in ("reuse", "poll", "trace"):
+            elif key in ("reuse", "poll", "trace", "fit", "graphs"):
                 fields[key] = _on(value)
             elif key == "hold_ms":
                 fields["pace_hold_ms"] = float(value)
@@ -137,6 +145,11 @@ class Phase:
     served: bool = True  # the server as served (False: an A/B phase)
     request_ms: float = float("nan")  # per training request on the server: from its first work queued to its answer
     timeline: Timeline | None = None  # the phase's CUDA trace, summarized (trace=on)
+    fit: bool = True  # False: the A/B phase with `Runtime.pace_fits` off
+    graphs: bool = True  # False: the A/B phase with every training block call eager
+    fitted: int = 0  # training calls launched while the session was on its way back (`Runtime.num_fitted`)
+    graph_replays: int = 0  # training block calls replayed as CUDA graphs (`TrainingGraphs.num_replays`)
+    graph_captures: int = 0  # of them, captured in the phase (`TrainingGraphs.num_captured`)
 
 
 @dataclass
@@ -258,6 +271,15 @@ def _serve(
             _expect(answers.get(timeout=READY_TIMEOUT_S), "ready", report)
         if report.errors:
             return
+        for n in sorted({spec.clients for spec in phases}):  # untimed: the server's CUDA graphs of these shapes
+            for commands, _, _ in clients[:n]:
+                commands.put(WARMUP_STEPS)
+            for _, results, _ in clients[:n]:
+                warmed = results.get(timeout=READY_TIMEOUT_S)
+                if not isinstance(warmed, list):
+                    _error(report, str(warmed))
+        if report.errors:
+            return
         steps_seen = _InferenceWindows(inference_results)
         idle_start = time.time()
         time.sleep(idle_s)
@@ -270,12 +292,17 @@ def _serve(
         training = executor.training
         kept = training.kept
         poll = server.runtime.after_inline  # the serving loop's polling after an inline step (None: off)
+        graphs = training.graphs
         for spec in phases:
             n, merged_phase = spec.clients, spec.forward_tokens > 1 or spec.backward_tokens > 1
             training.set_merge_tokens(spec.forward_tokens, spec.backward_tokens)
             training.kept = kept if spec.reuse else KeptActivations(0)
             server.runtime.after_inline = poll if spec.poll else None  # called after each inline step
             server.runtime.pace_hold_s = spec.pace_hold_ms / 1e3
+            server.runtime.pace_fits = spec.fit
+            training.graphs = graphs if spec.graphs else None
+            fitted_before = server.runtime.num_fitted
+            graphs_before = (graphs.num_replays, graphs.num_captured) if graphs is not None else (0, 0)
             paced_before = (server.runtime.num_paced, server.runtime.num_paced_out, server.runtime.paced_s)
             requests_before = (training.num_requests, training.chain_s)
             phase_steps = steps if spec.steps is None else spec.steps
@@ -319,13 +346,18 @@ def _serve(
                                        (server.runtime.paced_s - paced_before[2]) / window_s, spec.label,
                                        spec.served,
                                        (training.chain_s - requests_before[1]) * 1e3 / requests,
-                                       timelines[0] if timelines else None))  # fmt: skip
+                                       timelines[0] if timelines else None, spec.fit, spec.graphs,
+                                       server.runtime.num_fitted - fitted_before,
+                                       graphs.num_replays - graphs_before[0] if graphs is not None else 0,
+                                       graphs.num_captured - graphs_before[1] if graphs is not None else 0))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
             _write(report, out)  # a run cut short keeps the phases it finished
         training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
         training.kept = kept
         server.runtime.after_inline = poll
         server.runtime.pace_hold_s = PACE_HOLD_S
+        server.runtime.pace_fits = True
+        training.graphs = graphs
     except (queue.Empty, _SessionFailed) as e:
         _error(report, str(e) or "a client did not answer in time")
     finally:
@@ -410,6 +442,10 @@ def summary(report: Report) -> str:
             ab.append("loop polling off A/B")
         if p.pace_hold_ms != PACE_HOLD_S * 1e3:
             ab.append(f"training paced for {p.pace_hold_ms:g} ms A/B" if p.pace_hold_ms else "unpaced A/B")
+        if not p.fit:
+            ab.append("no launch in the session's way back A/B")
+        if not p.graphs:
+            ab.append("eager block calls A/B")
         if p.timeline is not None:
             t = p.timeline
             gaps = ", ".join(f"{label}: {int(c)} ({ms:.0f} ms)" for label, (c, ms) in t.idle_gaps.items())
@@ -426,7 +462,8 @@ def summary(report: Report) -> str:
             f"{p.retried_calls}, inline decode steps {p.inline_steps}; {p.block_calls} block calls of {p.call_ms:.2f} ms "
             f"+ {p.call_wait_ms:.2f} ms waiting for the one before; a request {p.request_ms:.1f} ms on the server; "
             f"decode device time {p.decode_device_ms:.2f} ms; training held for the session {p.paced} times "
-            f"({p.paced_out} ran out), {p.paced_share:.0%} of the window; "
+            f"({p.paced_out} ran out), {p.paced_share:.0%} of the window, launched in its way back {p.fitted} times; "
+            f"block calls replayed as CUDA graphs {p.graph_replays} ({p.graph_captures} captured); "
             f"inference step {p.inference_step_median_ms:.2f} ms ({slower:.2f}x alone, {p.inference_steps} steps)"
         )
     for rows, rate in report.local_tokens_per_s.items():

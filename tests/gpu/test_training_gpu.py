@@ -1,7 +1,8 @@
 """Training work on a GPU (`server.core.training_batch`): concurrent clients' forwards and backwards (host tensors, as
-requests bring them) merge into fewer block calls, launched ahead on the device, and each client gets what the span
-computes for it alone (fp32); a backward after its own forward reuses
-the forward's block inputs. Skipped without CUDA."""
+requests bring them) merge into fewer block calls, launched ahead on the device (the calls without deep prompts
+replayed as CUDA graphs), and each client gets what the span computes for it alone (fp32); a backward after its own
+forward reuses the forward's block inputs; a block call's graph, replayed with new inputs, gives what the eager call
+gives. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from corolla.server.backend import SpanBackend
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.training_batch import TrainingBatcher
+from corolla.server.core.training_graphs import TrainingGraphs
 from helpers.training import tiny_llama_span
 
 pytestmark = [
@@ -61,6 +63,7 @@ def test_clients_merge_on_gpu_and_get_their_own_results(backend: SpanBackend) ->
             )
             assert batcher.kept.hits == len(clients)  # each backward reused its own forward's block inputs
             assert batcher.num_calls < 4 * N_BLOCKS * len(clients) / 2  # merged
+            assert batcher.graphs is not None and batcher.graphs.num_replays > 0  # the calls with no deep prompt
             return [forwards, backwards]
 
     forwards, backwards = asyncio.run(asyncio.wait_for(go(), 120))
@@ -72,3 +75,17 @@ def test_clients_merge_on_gpu_and_get_their_own_results(backend: SpanBackend) ->
             assert grad_prompts is None
         else:
             assert _close(grad_prompts, want_prompts)
+
+
+def test_a_block_calls_graph_gives_what_the_eager_call_gives(backend: SpanBackend) -> None:
+    torch.manual_seed(5)
+    graphs = TrainingGraphs(backend)
+    for _ in range(2):  # captured, then replayed with other inputs
+        hidden, grad = torch.randn(2, 16, H, device="cuda"), torch.randn(2, 16, H, device="cuda")
+        for index in SPAN:
+            output = graphs.forward(index, hidden)
+            assert output is not None and _close(output, backend.block_forward(index, hidden, None))
+            grad_input = graphs.backward(index, hidden, grad)
+            want, _ = backend.block_backward(index, hidden, grad, None)
+            assert grad_input is not None and _close(grad_input, want)
+    assert (graphs.num_captured, graphs.num_replays) == (2 * N_BLOCKS, 4 * N_BLOCKS)

@@ -5,7 +5,8 @@ inference queued meanwhile runs before the training works that wait; a failing b
 a backward after its own forward reuses the forward's block inputs (backward works only, the same gradients), and
 recomputes them for another client or other inputs; a training block call is launched while a decode batch launched
 before it is still on the device, before the runtime waits for that batch, and never while the session is on its way
-back (it waits for the session's next step, or the runtime's hold); a request that arrives later waits for the one
+back (it waits for the session's next step, or the runtime's hold) unless its launch is expected to be over before
+the session comes back; a request that arrives later waits for the one
 ahead; merged training calls leave the inference steps' gather rule alone."""
 
 from __future__ import annotations
@@ -280,6 +281,35 @@ async def test_training_waits_for_the_sessions_next_step_then_launches_behind_it
         assert log[3:] == ["decode.launch", "block1", "decode.wait", "block2"]
     assert (runtime.num_paced, runtime.num_paced_out) == (2, 1)
     assert runtime.paced_s >= 0.2  # the first hold lasted the session's way back
+
+
+async def test_a_training_launch_that_fits_the_sessions_way_back_is_not_held(backend: SpanBackend, monkeypatch) -> None:
+    """Once the runtime learned how long the session takes to come back (0.2 s here) and how long a training block
+    call's launch holds the thread (milliseconds on this CPU), a training work queued after a decode batch completes
+    is launched at once, with no step of the session in sight: its launch is over before the step comes."""
+    release = threading.Event()
+
+    def decode_step() -> asyncio.Future:
+        return runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind="decode",
+                              merge_key="span")  # fmt: skip
+
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        runtime.pace_hold_s = 30.0  # only a session's step ends a hold, here
+        log = _log_device(runtime, backend, monkeypatch)
+        batcher = TrainingBatcher(backend, runtime)
+        blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
+        await asyncio.sleep(0.05)
+        training = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""))
+        first = decode_step()
+        await asyncio.sleep(0.05)  # both queued behind the blocker
+        release.set()
+        await asyncio.gather(blocker, first)
+        await asyncio.sleep(0.2)  # the session's way back: nothing learned of it yet, block1 waits for its step
+        assert log == ["decode.launch", "block0", "decode.wait"]
+        await decode_step()  # block1 behind it; then block2 at once, within the session's way back learned here
+        await asyncio.wait_for(training, 5.0)
+        assert log[3:] == ["decode.launch", "block1", "decode.wait", "block2"]
+    assert runtime.num_fitted == 1
 
 
 async def test_a_request_that_arrives_later_waits_for_the_one_ahead(backend: SpanBackend, monkeypatch) -> None:

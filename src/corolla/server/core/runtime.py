@@ -11,7 +11,10 @@ at once (a lone session's step takes no longer).
 Background kinds (registered `gathered=False`: training block calls, no session's steps) are paced around the
 sessions: once a batch of sessions' steps is complete, background work is not popped until a session's next step is
 queued (or `PACE_HOLD_S` passed), so that the thread is never busy launching background work (milliseconds of CPU
-per call) when a session comes back; it launches it while that session's next step runs on the device instead.
+per call) when a session comes back; it launches it while that session's next step runs on the device instead. A
+background batch whose launch and device time are expected to be over before the session comes back (its kind's own
+estimate, `BackgroundEstimate`, against the sessions' learned return) is launched meanwhile: short calls (replayed
+CUDA graphs) fill the session's way back instead of waiting it out.
 
 What it executes: a `Task` (a callable plus its priority, size and merge identity) in the `TaskQueue` that orders
 pending tasks and picks the next batch (most urgent first, oldest first within a priority, a held task as queued at
@@ -57,6 +60,9 @@ SHADOW_LEAD_AFTER_S: float = 0.02
 # ~1.5 ms on an H200 server (up to ~3 ms while 8 training clients' tensors go through the same loop); a session that
 # ended, or one further away than this, costs background work this once per batch, and no more
 PACE_HOLD_S: float = 0.004
+# while background work waits out a session's way back only because its batch before is still on the device, the
+# runtime looks again this often whether it would now be over before the session comes (`Runtime._fits`)
+PACE_POLL_S: float = 0.0002
 
 KIND_GENERIC = "generic"
 # a held launch is queued this long before the forward in flight is expected to end, beyond the launch's own seconds
@@ -161,6 +167,11 @@ class PendingBatch(Protocol):
 # Queues a batch on the device and returns at once, or returns None (nothing done: the batch runs through the
 # kind's executor instead); raising fails the whole batch.
 BatchLauncher = Callable[[list[Task]], PendingBatch | None]
+
+# A background kind's estimate of the seconds from now until a batch of it launched now would be over, its launch on
+# the thread and its time on the device (float("inf") where it knows none); None while its batch before is still on
+# the device (the runtime asks again shortly: `PACE_POLL_S`)
+BackgroundEstimate = Callable[[], float | None]
 
 
 @dataclass(eq=False)
@@ -289,6 +300,10 @@ class TaskQueue:
             returns, self._returns = self._returns, []
             unreturned_s, self._unreturned_s = self._unreturned_s, None
             return returns, unreturned_s
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def num_pushed(self) -> int:
@@ -519,6 +534,15 @@ class Runtime:
         self.num_paced = 0  # holds the device thread waited (benches)
         self.num_paced_out = 0  # of them, holds that ran out with background work queued and no session's step
         self.paced_s = 0.0  # seconds the device thread held background work back
+        # learned for `_fits`: the seconds from a batch of sessions' steps complete to a session's next step queued;
+        # when that batch completed (0: a session's step came since); background kinds' own estimates; whether the
+        # last `_fits` found the kind's batch before still on the device
+        self._return_s: float | None = None
+        self._completed_s = 0.0
+        self._estimates: dict[str, BackgroundEstimate] = {}
+        self._estimate_busy = False
+        self.num_fitted = 0  # background batches launched while a session was on its way back (`_fits`)
+        self.pace_fits = True  # False: every background batch waits out the session's way back (the bench's A/B)
         # learned for `_hold`: a launched batch's device seconds by its kind and its steps' bit length (batches of
         # 2-3, 4-7, ... steps), and the seconds from a held launch's wake-up to its launcher's return (benches read
         # it; counted from the wake-up it asked for instead, it lost its A/B: docs/decisions/0051)
@@ -606,6 +630,7 @@ class Runtime:
         max_merged_tokens: int | None = None,
         launcher: BatchLauncher | None = None,
         gathered: bool = True,
+        estimate: BackgroundEstimate | None = None,
     ) -> None:
         """Lets tasks of `kind` with equal `merge_key` run together through `executor` (up to the token limit, and
         up to `max_merged_tokens` if given: what one device call of the executor serves, the rest waiting for the
@@ -615,7 +640,8 @@ class Runtime:
         (see the module docstring); the batches it declines (None) go through `executor`. `gathered` False: its
         merged batches are no sessions' steps and leave the gather rule alone (training works: after one, the
         device thread would wait for pushes that never come, and its time would stand for a forward's); they are
-        background work, paced around the sessions (see the module docstring)."""
+        background work, paced around the sessions (see the module docstring); `estimate` (background kinds): how
+        long a batch launched now would take, which lets one launch while a session is on its way back (`_fits`)."""
         if max_merged_tokens is not None:
             if max_merged_tokens < 1:
                 raise ValueError(f"max_merged_tokens must be >= 1, got {max_merged_tokens}")
@@ -635,6 +661,10 @@ class Runtime:
             self._ungathered_kinds.discard(kind)
         else:
             self._ungathered_kinds.add(kind)
+        if estimate is not None and not gathered:
+            self._estimates[kind] = estimate
+        else:
+            self._estimates.pop(kind, None)
 
     # ---- submission: `task` builds a task, `queue` is the one way in (`submit`: both, for an event loop's caller)
 
@@ -809,7 +839,10 @@ class Runtime:
                     break
                 continue
             if batch[0].kind not in self._ungathered_kinds:
+                self._returned(batch[0])
                 self._paced_until = 0.0  # the session is back: background work may launch behind its step
+            elif self._paced_until and time.monotonic() < self._paced_until:
+                self.num_fitted += 1  # launched in the session's way back: `_fits`
             launched = self._launch(batch)
             self.num_held_launches += held
             if held and launched is not None:
@@ -830,13 +863,42 @@ class Runtime:
             self._complete(batch, results)
 
     def _paced(self, queue: TaskQueue) -> bool:
-        """Whether background work heads the queue (or nothing does) while a session's step is due back."""
+        """Whether background work heads the queue (or nothing does) while a session's step is due back, and its
+        launch would not be over before the step comes (`_fits`)."""
+        if not self._paced_until:
+            return False
         head = queue.head_kind()
-        return (
-            bool(self._paced_until)
-            and (head is None or head in self._ungathered_kinds)
-            and time.monotonic() < self._paced_until
-        )
+        if head is not None and head not in self._ungathered_kinds:
+            return False
+        now = time.monotonic()
+        return now < self._paced_until and (head is None or not self._fits(head, now))
+
+    def _fits(self, kind: str, now: float) -> bool:
+        """Whether a batch of background `kind` launched `now` is expected to be over, on the thread and on the
+        device, before the session's step comes back (the learned return of the sessions, ~1.5 ms on an H200 server):
+        by the kind's estimate (a training block call replayed as a CUDA graph: ~0.2 ms of launch and 0.4-1 ms of
+        device for one 512-token row; an eager one, 2.5-5 ms of launch, never fits), and only once its batch before
+        left the device."""
+        estimate, return_s = self._estimates.get(kind), self._return_s
+        self._estimate_busy = False
+        if estimate is None or return_s is None or not self.pace_fits:
+            return False
+        over_s = estimate()
+        if over_s is None:
+            self._estimate_busy = True
+            return False
+        return now + over_s <= self._completed_s + return_s
+
+    def _returned(self, step: Task) -> None:
+        """A session's step popped after a batch of sessions' steps completed: learns how long the sessions took to
+        come back (from that batch's completion to the step's queueing; 0 where it was queued before), where it came
+        within the pace hold (a session further away, or a new one, says nothing of a decode step's way back)."""
+        if not self._completed_s:
+            return
+        back_s = max(0.0, step.submitted_at - self._completed_s)
+        if back_s <= self.pace_hold_s:
+            self._return_s = ewma(self._return_s, back_s)
+        self._completed_s = 0.0
 
     def _pace(self, queue: TaskQueue) -> None:
         """Waits while `_paced`: until a session's step is queued (it heads the queue: more urgent than any
@@ -846,13 +908,17 @@ class Runtime:
         if not self._paced(queue):
             return
         started = time.monotonic()
-        while self._paced(queue):
-            queue.wait_for_pushes(queue.num_pushed + 1, self._paced_until - time.monotonic())
+        while self._paced(queue) and not queue.closed:
+            timeout_s = self._paced_until - time.monotonic()
+            queue.wait_for_pushes(
+                queue.num_pushed + 1, min(timeout_s, PACE_POLL_S) if self._estimate_busy else timeout_s
+            )
         now = time.monotonic()
         self.num_paced += 1
-        self.num_paced_out += now >= self._paced_until and queue.head_kind() in self._ungathered_kinds
         self.paced_s += now - started
-        self._paced_until = 0.0
+        if now >= self._paced_until:  # ran out: no more holds until the next batch of sessions' steps
+            self.num_paced_out += queue.head_kind() in self._ungathered_kinds
+            self._paced_until = 0.0
 
     def _launch(self, batch: list[Task]) -> LaunchedBatch | None:
         """Queues `batch` on the device through its kind's launcher; None where it has none or declines."""
@@ -902,6 +968,7 @@ class Runtime:
         now_s = time.monotonic()
         if self._ungathered_kinds and self.pace_hold_s > 0:  # its sessions come back next: background work waits
             self._paced_until = now_s + self.pace_hold_s
+            self._completed_s = now_s
         self.gather.learn(*queue.take_returns())
         count = self.gather.finished(size=_steps(batch), forward_s=forward_s, now_s=now_s, num_pushed=queue.num_pushed)
         sessions = {session for task in batch for session in task.sessions}

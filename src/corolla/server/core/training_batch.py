@@ -25,6 +25,7 @@ exact, bounded); a backward that finds them runs its backward works only, one th
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +33,10 @@ from typing import Any
 import torch
 
 from corolla.server.backend import SpanBackend
+from corolla.server.core.gather import ewma
 from corolla.server.core.runtime import PRIORITY_BACKWARD, PRIORITY_FORWARD, KindStats, Runtime, Task, resolve
 from corolla.server.core.training_activations import KeptActivations, device_free_bytes
+from corolla.server.core.training_graphs import TrainingGraphs
 from corolla.server.metrics import ServerMetrics
 from corolla.server.sizing import autograd_reserve_bytes
 from corolla.utils.logging import get_logger
@@ -172,7 +175,12 @@ class TrainingBatcher:
         self.metrics = metrics
         self._merge_id = id(self)
         self._cuda = backend.device.type == "cuda"
-        self._in_flight: torch.cuda.Event | None = None  # the end of the last block call queued on the device
+        # the last block call queued on the device: its kind, and events before and after it on the stream
+        self._in_flight: tuple[str, torch.cuda.Event, torch.cuda.Event] | None = None
+        # per kind, learned for `estimate`: the thread's seconds running (on a GPU: launching) a block call, and on a
+        # GPU the device's seconds on one
+        self._launch_s: dict[str, float] = {}
+        self._device_s: dict[str, float] = {}
         # where the device thread's time on training goes (benchmarks): block calls, seconds spent running (on a GPU:
         # launching) them, seconds waiting for the call before each
         self.num_calls = 0
@@ -183,6 +191,8 @@ class TrainingBatcher:
         self.chain_s = 0.0
         # forwards' block inputs kept for their backwards (default: bounded by the sizing's autograd reserve)
         self.kept = kept if kept is not None else default_kept_activations(backend)
+        # on a GPU, block calls with no deep prompt and no adapter replay CUDA graphs (None: every call eager)
+        self.graphs = TrainingGraphs(backend) if self._cuda else None
         self.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
 
     def set_merge_tokens(self, forward_tokens: int, backward_tokens: int) -> None:
@@ -192,7 +202,19 @@ class TrainingBatcher:
         for kind, tokens in ((KIND_TRAINING_FORWARD, forward_tokens), (KIND_TRAINING_BACKWARD, backward_tokens)):
             # no sessions' steps: the gather rule is the inference steps' (a training call's next work is queued
             # at its launch, not pushed back by a session)
-            register(kind, self._execute, max_merged_tokens=tokens, launcher=self._launch, gathered=False)
+            register(kind, self._execute, max_merged_tokens=tokens, launcher=self._launch, gathered=False,
+                     estimate=functools.partial(self.estimate, kind))  # fmt: skip
+
+    def estimate(self, kind: str) -> float | None:
+        """The runtime's `BackgroundEstimate` for `kind`: the seconds a block call launched now would take, its launch
+        and (on a GPU) its device time as learned; None while the call before is still on the device."""
+        in_flight = self._in_flight
+        if in_flight is not None and not in_flight[2].query():
+            return None
+        launch_s = self._launch_s.get(kind)
+        if launch_s is None:
+            return float("inf")
+        return launch_s + (self._device_s.get(kind, float("inf")) if self._cuda else 0.0)
 
     async def forward(
         self, block_indices: tuple[int, ...], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str,
@@ -265,9 +287,9 @@ class TrainingBatcher:
             priority, kind = PRIORITY_FORWARD, KIND_TRAINING_FORWARD
         else:
             priority, kind = PRIORITY_BACKWARD, KIND_TRAINING_BACKWARD
-        backend = self.backend
+        backend, graphs = self.backend, self.graphs
         return self._runtime.task(
-            lambda: run_block_works(backend, [work])[0], priority=priority, size_tokens=rows * length,
+            lambda: run_block_works(backend, [work], graphs)[0], priority=priority, size_tokens=rows * length,
             kind=kind, merge_key=(self._merge_id, work.phase, work.index, length, work.adapter),
             payload=(chain, work), on_done=lambda _, error: self._done(chain, work, error), ranks_at=chain.arrived_s,
         )  # fmt: skip
@@ -325,10 +347,15 @@ class TrainingBatcher:
         results); the runtime's results are placeholders."""
         payloads: list[tuple[BlockChain, BlockWork]] = [task.payload for task in tasks]
         works = [work for _, work in payloads]
+        kind = tasks[0].kind
+        before = None
+        if self._cuda:
+            before = torch.cuda.Event(enable_timing=True)
+            before.record(torch.cuda.current_stream(self.backend.device))
         started = time.perf_counter()
         results: list[Any]
         try:
-            results = run_block_works(self.backend, works)
+            results = run_block_works(self.backend, works, self.graphs)
         except Exception as e:
             if len(works) == 1:
                 logger.warning(f"training.call_failed(phase={works[0].phase}, block={works[0].index}, error={e!r})")
@@ -338,12 +365,13 @@ class TrainingBatcher:
                 results = []
                 for work in works:
                     try:
-                        results.extend(run_block_works(self.backend, [work]))
+                        results.extend(run_block_works(self.backend, [work], self.graphs))
                     except Exception as error:
                         results.append(error)
         launched = time.perf_counter()
-        if self._cuda:
-            self._bound_in_flight()
+        self._launch_s[kind] = ewma(self._launch_s.get(kind), launched - started)
+        if before is not None:
+            self._bound_in_flight(kind, before)
         self.num_calls += 1
         self.call_s += launched - started
         self.wait_s += time.perf_counter() - launched
@@ -359,15 +387,19 @@ class TrainingBatcher:
                 self._continue(chain, work, result, None)
         return [None] * len(tasks)
 
-    def _bound_in_flight(self) -> None:
-        """Leaves at most this block call queued on the device: waits for the one before it. The device runs this
-        call while the thread launches the next (no idle device between blocks, as a sync after each call left it),
-        and an inference step queued next waits behind one block call at most, as it did behind a synced one."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.backend.device))
+    def _bound_in_flight(self, kind: str, before: torch.cuda.Event) -> None:
+        """Leaves at most this block call (of `kind`, queued after `before`) on the device: waits for the one before
+        it, and learns that one's device seconds. The device runs this call while the thread launches the next (no
+        idle device between blocks, as a sync after each call left it), and an inference step queued next waits
+        behind one block call at most, as it did behind a synced one."""
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(torch.cuda.current_stream(self.backend.device))
         if self._in_flight is not None:
-            self._in_flight.synchronize()
-        self._in_flight = event
+            last_kind, last_before, last_after = self._in_flight
+            last_after.synchronize()
+            device_s = last_before.elapsed_time(last_after) / 1e3
+            self._device_s[last_kind] = ewma(self._device_s.get(last_kind), device_s)
+        self._in_flight = (kind, before, after)
 
     def _count(self, phase: str, hidden: torch.Tensor) -> None:
         if self.metrics is not None:
@@ -423,29 +455,48 @@ def _present(prompts: torch.Tensor | None) -> torch.Tensor | None:
     return None if prompts is None or prompts.numel() == 0 else prompts
 
 
-def run_block_works(backend: SpanBackend, works: list[BlockWork]) -> list[Any]:
+def run_block_works(backend: SpanBackend, works: list[BlockWork], graphs: TrainingGraphs | None = None) -> list[Any]:
     """Works of one phase, block, length and adapter as one block call: per work, its output [B, T, H] (forward) or
     (gradient of its input [B, T, H], of its prompt [B|1, P, H] or None) (backward). A lone work runs exactly as
-    `SpanBackend.forward`/`backward` run that block."""
+    `SpanBackend.forward`/`backward` run that block; a call with no deep prompt and no adapter replays its CUDA graph
+    where `graphs` has one (the same kernels)."""
     first = works[0]
+    graphs = graphs if not first.adapter else None
     with backend.adapter_context(first.adapter):
         if len(works) == 1:
             if first.phase == PHASE_FORWARD:
-                return [backend.block_forward(first.index, first.hidden, first.prompt)]
+                return [_block_forward(backend, graphs, first.index, first.hidden, first.prompt)]
             assert first.grad_output is not None
-            return [backend.block_backward(first.index, first.hidden, first.grad_output, first.prompt)]
+            return [_block_backward(backend, graphs, first.index, first.hidden, first.grad_output, first.prompt)]
         rows = [work.rows for work in works]
         hidden = torch.cat([work.hidden for work in works])  # [sum B, T, H]
         prompt = _merged_prompt(works)  # [sum B, P_max, H] or None
         if first.phase == PHASE_FORWARD:
-            return list(backend.block_forward(first.index, hidden, prompt).split(rows))
+            return list(_block_forward(backend, graphs, first.index, hidden, prompt).split(rows))
         grad_output = torch.cat([work.grad_output for work in works if work.grad_output is not None])
-        grad_input, grad_prompt = backend.block_backward(first.index, hidden, grad_output, prompt)
+        grad_input, grad_prompt = _block_backward(backend, graphs, first.index, hidden, grad_output, prompt)
         grad_prompts = [None] * len(works) if grad_prompt is None else grad_prompt.split(rows)
         return [
             (grad, _own_prompt_grad(work, grad_rows))
             for work, grad, grad_rows in zip(works, grad_input.split(rows), grad_prompts, strict=True)
         ]
+
+
+def _block_forward(
+    backend: SpanBackend, graphs: TrainingGraphs | None, index: int, hidden: torch.Tensor, prompt: torch.Tensor | None
+) -> torch.Tensor:
+    """`SpanBackend.block_forward`, replayed as a CUDA graph where it has none of a prompt and `graphs` captures it."""
+    output = graphs.forward(index, hidden) if graphs is not None and prompt is None else None
+    return output if output is not None else backend.block_forward(index, hidden, prompt)
+
+
+def _block_backward(
+    backend: SpanBackend, graphs: TrainingGraphs | None, index: int, hidden: torch.Tensor, grad_output: torch.Tensor,
+    prompt: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """`SpanBackend.block_backward`, replayed as a CUDA graph where it has none of a prompt and `graphs` captures it."""
+    grad = graphs.backward(index, hidden, grad_output) if graphs is not None and prompt is None else None
+    return (grad, None) if grad is not None else backend.block_backward(index, hidden, grad_output, prompt)
 
 
 def _merged_prompt(works: list[BlockWork]) -> torch.Tensor | None:
