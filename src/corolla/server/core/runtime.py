@@ -865,6 +865,7 @@ class Runtime:
     def _paced(self, queue: TaskQueue) -> bool:
         """Whether background work heads the queue (or nothing does) while a session's step is due back, and its
         launch would not be over before the step comes (`_fits`)."""
+        self._estimate_busy = False
         if not self._paced_until:
             return False
         head = queue.head_kind()
@@ -880,7 +881,6 @@ class Runtime:
         device for one 512-token row; an eager one, 2.5-5 ms of launch, never fits), and only once its batch before
         left the device."""
         estimate, return_s = self._estimates.get(kind), self._return_s
-        self._estimate_busy = False
         if estimate is None or return_s is None or not self.pace_fits:
             return False
         over_s = estimate()
