@@ -312,6 +312,20 @@ async def test_a_training_launch_that_fits_the_sessions_way_back_is_not_held(bac
     assert runtime.num_fitted == 1
 
 
+async def test_training_is_not_held_after_a_session_step_run_to_its_end(backend: SpanBackend) -> None:
+    """Where a session's steps run to their end in the runtime (no launcher: a CPU server), a training work queued
+    after one is not held for the session's next step: there is no launch for it to go behind, and a session that
+    kept coming back within the hold would starve it."""
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        runtime.pace_hold_s = 30.0
+        runtime.register_batch_executor("decode", lambda tasks: [None] * len(tasks))  # no launcher
+        batcher = TrainingBatcher(backend, runtime)
+        await runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind="decode",
+                             merge_key="span")  # fmt: skip
+        await asyncio.wait_for(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""), 5.0)
+    assert runtime.num_paced == 0
+
+
 async def test_a_request_that_arrives_later_waits_for_the_one_ahead(backend: SpanBackend, monkeypatch) -> None:
     """A forward that arrives while another's first block runs waits until the request ahead ran all its blocks
     (which then goes back to its client while the late one runs), though its first block comes before the one ahead's
