@@ -4,8 +4,9 @@ eager call holds the device thread ~2.5-5 ms launching its kernels through Pytho
 
 Only calls with no deep prompt and no adapter are captured (the others run eagerly, as before). The graphs share one
 memory pool: a replay's output is copied out at once, before any other replay can reuse the memory under it. Bounded:
-a graph is captured only while the device keeps the sizing's autograd reserve free beside it; a call that fails to
-capture runs eagerly from then on."""
+a graph is captured only while the graphs' static outputs stay under `MAX_OUTPUT_BYTES` (so many request shapes, a
+client's lengths, cannot make a server hold graphs without end) and the device keeps the sizing's autograd reserve
+free beside it; a call that is not captured, or fails to capture, runs eagerly from then on."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from corolla.server.sizing import autograd_reserve_bytes
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+# the most bytes of the graphs' outputs (each graph keeps its own; 32 blocks x both phases x 1-4 rows of 512 tokens
+# of hidden 4096 in bf16, the merged shapes of 8 clients' 512-token steps: 2.5 GiB)
+MAX_OUTPUT_BYTES = 4 * 2**30
 
 # the graphs' keys: (backward?, block, rows, length)
 GraphKey = tuple[bool, int, int, int]
@@ -48,6 +53,7 @@ class TrainingGraphs:
         self._inputs: dict[tuple[bool, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._eager: set[GraphKey] = set()  # calls that failed to capture, or found the device too full
         self._reserve_bytes = autograd_reserve_bytes(backend.config)
+        self.output_bytes = 0  # the captured graphs' outputs
         self.num_captured = 0
         self.num_replays = 0
 
@@ -95,10 +101,13 @@ class TrainingGraphs:
         backward, index, rows, length = key
         device = self.backend.device
         output_bytes = hidden.numel() * hidden.element_size()
-        if device_free_bytes(device) < self._reserve_bytes + 4 * output_bytes:
+        if (
+            self.output_bytes + output_bytes > MAX_OUTPUT_BYTES
+            or device_free_bytes(device) < self._reserve_bytes + 4 * output_bytes
+        ):
             self._eager.add(key)
             logger.info(f"training_graphs.eager(block={index}, backward={backward}, rows={rows}, length={length}): "
-                        "the device is short of memory")  # fmt: skip
+                        f"graphs hold {self.output_bytes} bytes of outputs, or the device is short of memory")  # fmt: skip
             return None
         call = self._call(index, hidden, grad_output if backward else None)
         stream, current = self._stream, torch.cuda.current_stream(device)
@@ -121,6 +130,7 @@ class TrainingGraphs:
                            f"length={length}, error={e!r}): eager from now on")  # fmt: skip
             return None
         captured = self._graphs[key] = _Graph(graph, output)
+        self.output_bytes += output_bytes
         self.num_captured += 1
         logger.debug(f"training_graphs.capture(block={index}, backward={backward}, rows={rows}, length={length})")
         return captured
