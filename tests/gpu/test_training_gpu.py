@@ -39,12 +39,13 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def test_clients_merge_on_gpu_and_get_their_own_results(backend: SpanBackend) -> None:
     torch.manual_seed(3)
-    # (rows, deep prompt rows or None): all 16 tokens long, so that they merge
-    clients = [(1, None), (2, 1), (3, 3)]
+    # (rows, length, deep prompt rows or None): the 16-token ones merge (a merged deep prompt: eager calls); the
+    # 12-token one, with no deep prompt, runs alone as CUDA graphs
+    clients = [(1, 16, None), (2, 16, 1), (3, 16, 3), (2, 12, None)]
     inputs = []
-    for rows, prompt_rows in clients:
+    for rows, length, prompt_rows in clients:
         prompts = None if prompt_rows is None else torch.randn(N_BLOCKS, prompt_rows, 4, H) * 0.1
-        inputs.append((torch.randn(rows, 16, H), torch.randn(rows, 16, H), prompts))
+        inputs.append((torch.randn(rows, length, H), torch.randn(rows, length, H), prompts))
 
     async def go() -> list:
         runtime = Runtime(max_batch_size_tokens=4096, device=backend.device)
@@ -63,7 +64,7 @@ def test_clients_merge_on_gpu_and_get_their_own_results(backend: SpanBackend) ->
             )
             assert batcher.kept.hits == len(clients)  # each backward reused its own forward's block inputs
             assert batcher.num_calls < 4 * N_BLOCKS * len(clients) / 2  # merged
-            assert batcher.graphs is not None and batcher.graphs.num_replays > 0  # the calls with no deep prompt
+            assert batcher.graphs is not None and batcher.graphs.num_replays == 2 * N_BLOCKS  # the 12-token client's
             return [forwards, backwards]
 
     forwards, backwards = asyncio.run(asyncio.wait_for(go(), 120))
