@@ -13,9 +13,8 @@ A/B phases: `--phase N:key=value,...` (repeatable) runs N clients with the serve
 `merge=F/B` (merge limits in tokens; `1/1`: every work alone), `reuse=off` (no forward activations kept for
 backwards), `poll=off` (the server's loop never polls after a lone session's inline decode step),
 `hold_ms=X` (how long training waits for the session's next step after each decode batch, `Runtime.pace_hold_s`;
-0: training launched whenever the runtime is free, also while the session is on its way back), `fit=off` (training
-waits out the session's way back even where its launch is expected to be over before the session comes,
-`Runtime.pace_fits`), `graphs=off` (every training block call eager, no CUDA graphs: `TrainingBatcher.graphs`),
+0: training launched whenever the runtime is free, also while the session is on its way back), `graphs=off` (every
+training block call eager, no CUDA graphs: `TrainingBatcher.graphs`),
 `trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out` writes it), `steps=N` (steps per client
 in this phase). Each phase is printed as it ends, with the session's decode step
 meanwhile; its ratio is to the 1-client phase with the same options.
@@ -71,7 +70,6 @@ class PhaseSpec:
     reuse: bool = True
     poll: bool = True  # False: the handler's loop polling off for the phase (as on CPU)
     pace_hold_ms: float = PACE_HOLD_S * 1e3  # `Runtime.pace_hold_s` (0: training not paced around the session)
-    fit: bool = True  # False: `Runtime.pace_fits` off (training waits out the session's way back, however short)
     graphs: bool = True  # False: training block calls eager (`TrainingBatcher.graphs` None)
     trace: bool = False  # a CUDA trace of the phase (`timeline`)
     steps: int | None = None  # steps per client (None: `--steps`)
@@ -91,7 +89,7 @@ class PhaseSpec:
             if key == "merge":
                 forward, backward = value.split("/")
                 fields.update(forward_tokens=int(forward), backward_tokens=int(backward))
-            elif key in ("reuse", "poll", "trace", "fit", "graphs"):
+            elif key in ("reuse", "poll", "trace", "graphs"):
                 fields[key] = _on(value)
             elif key == "hold_ms":
                 fields["pace_hold_ms"] = float(value)
@@ -145,7 +143,6 @@ class Phase:
     served: bool = True  # the server as served (False: an A/B phase)
     request_ms: float = float("nan")  # per training request on the server: from its first work queued to its answer
     timeline: Timeline | None = None  # the phase's CUDA trace, summarized (trace=on)
-    fit: bool = True  # False: the A/B phase with `Runtime.pace_fits` off
     graphs: bool = True  # False: the A/B phase with every training block call eager
     fitted: int = 0  # training calls launched while the session was on its way back (`Runtime.num_fitted`)
     graph_replays: int = 0  # training block calls replayed as CUDA graphs (`TrainingGraphs.num_replays`)
@@ -299,7 +296,6 @@ def _serve(
             training.kept = kept if spec.reuse else KeptActivations(0)
             server.runtime.after_inline = poll if spec.poll else None  # called after each inline step
             server.runtime.pace_hold_s = spec.pace_hold_ms / 1e3
-            server.runtime.pace_fits = spec.fit
             training.graphs = graphs if spec.graphs else None
             fitted_before = server.runtime.num_fitted
             graphs_before = (graphs.num_replays, graphs.num_captured) if graphs is not None else (0, 0)
@@ -346,7 +342,7 @@ def _serve(
                                        (server.runtime.paced_s - paced_before[2]) / window_s, spec.label,
                                        spec.served,
                                        (training.chain_s - requests_before[1]) * 1e3 / requests,
-                                       timelines[0] if timelines else None, spec.fit, spec.graphs,
+                                       timelines[0] if timelines else None, spec.graphs,
                                        server.runtime.num_fitted - fitted_before,
                                        graphs.num_replays - graphs_before[0] if graphs is not None else 0,
                                        graphs.num_captured - graphs_before[1] if graphs is not None else 0))  # fmt: skip
@@ -356,7 +352,6 @@ def _serve(
         training.kept = kept
         server.runtime.after_inline = poll
         server.runtime.pace_hold_s = PACE_HOLD_S
-        server.runtime.pace_fits = True
         training.graphs = graphs
     except (queue.Empty, _SessionFailed) as e:
         _error(report, str(e) or "a client did not answer in time")
@@ -442,8 +437,6 @@ def summary(report: Report) -> str:
             ab.append("loop polling off A/B")
         if p.pace_hold_ms != PACE_HOLD_S * 1e3:
             ab.append(f"training paced for {p.pace_hold_ms:g} ms A/B" if p.pace_hold_ms else "unpaced A/B")
-        if not p.fit:
-            ab.append("no launch in the session's way back A/B")
         if not p.graphs:
             ab.append("eager block calls A/B")
         if p.timeline is not None:

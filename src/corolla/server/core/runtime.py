@@ -543,7 +543,6 @@ class Runtime:
         self._estimates: dict[str, BackgroundEstimate] = {}
         self._estimate_busy = False
         self.num_fitted = 0  # background batches launched while a session was on its way back (`_fits`)
-        self.pace_fits = True  # False: every background batch waits out the session's way back (the bench's A/B)
         # learned for `_hold`: a launched batch's device seconds by its kind and its steps' bit length (batches of
         # 2-3, 4-7, ... steps), and the seconds from a held launch's wake-up to its launcher's return (benches read
         # it; counted from the wake-up it asked for instead, it lost its A/B: docs/decisions/0051)
@@ -882,7 +881,7 @@ class Runtime:
         device for one 512-token row; an eager one, 2.5-5 ms of launch, never fits), and only once its batch before
         left the device."""
         estimate, return_s = self._estimates.get(kind), self._return_s
-        if estimate is None or return_s is None or not self.pace_fits:
+        if estimate is None or return_s is None:
             return False
         over_s = estimate()
         if over_s is None:
