@@ -7,7 +7,7 @@ import torch
 
 from corolla.api.backend import TokenizerCodec, plain_chat_prompt
 from corolla.api.local_swarm import LocalSwarm
-from corolla.api.sampling import SamplingParams, sample_next_token
+from corolla.api.sampling import SamplingParams, pick
 from corolla.api.textstream import TextStream
 from helpers.tiny_models import build_tokenizer
 
@@ -60,16 +60,14 @@ def test_earliest_of_several_stops_wins_and_empty_stop_rejected():
 
 def test_sampling():
     logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
-    assert sample_next_token(logits, SamplingParams(max_new_tokens=1, temperature=0.0), torch.Generator()) == 1
+    assert pick(logits, SamplingParams(max_new_tokens=1, temperature=0.0), torch.Generator()) == 1
     # top_p small enough keeps only the most likely token even at high temperature
     narrow = SamplingParams(max_new_tokens=1, temperature=2.0, top_p=0.01, seed=3)
-    assert {sample_next_token(logits, narrow, narrow.make_generator()) for _ in range(20)} == {1}
+    assert {pick(logits, narrow, narrow.make_generator()) for _ in range(20)} == {1}
     seeded = SamplingParams(max_new_tokens=1, temperature=1.5, seed=7)
     g1, g2 = seeded.make_generator(), seeded.make_generator()
-    assert [sample_next_token(logits, seeded, g1) for _ in range(30)] == [
-        sample_next_token(logits, seeded, g2) for _ in range(30)
-    ]
-    assert len({sample_next_token(logits, seeded, g1) for _ in range(200)}) >= 2  # really samples
+    assert [pick(logits, seeded, g1) for _ in range(30)] == [pick(logits, seeded, g2) for _ in range(30)]
+    assert len({pick(logits, seeded, g1) for _ in range(200)}) >= 2  # really samples
     for bad in (dict(max_new_tokens=0), dict(max_new_tokens=1, temperature=-1), dict(max_new_tokens=1, top_p=0)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)

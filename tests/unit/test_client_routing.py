@@ -229,15 +229,6 @@ def test_bans_are_ignored_when_they_would_leave_a_block_uncovered():
     assert chain(manager.make_sequence(mode="min_latency")) == [("only", 0, 3)]
 
 
-def test_check_retry_raises_after_max_retries():
-    manager = FakeSwarmManager(ClientConfig(max_retries=2, min_backoff_s=0.5), {}, 2)
-    error = MissingBlocksError([0, 1])
-    assert manager.check_retry(error, 1) == 0.0
-    assert manager.check_retry(error, 2) == 0.5
-    with pytest.raises(MissingBlocksError):
-        manager.check_retry(error, 3)
-
-
 def test_active_adapter_selects_servers_that_hold_it():
     servers = {"plain": info(0, 2, inference_rps=1000.0), "tuned": info(0, 2, adapters=("my-lora",))}
     manager = FakeSwarmManager(ClientConfig(active_adapter="my-lora"), servers, 2)

@@ -235,8 +235,3 @@ def truncated_probs(scores: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = probs / probs.sum()
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs / probs.sum()
-
-
-def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Picks one token id from `logits` [vocab] (any float dtype) under `params`, without history (no penalties)."""
-    return pick(logits.float(), params, generator)

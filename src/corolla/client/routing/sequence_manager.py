@@ -33,7 +33,6 @@ from corolla.swarm.policy import PLACEMENT_PINGS, RouteMode, SwarmPolicy
 from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
 from corolla.swarm.routed_load import RoutedLoad
 from corolla.swarm.spans import compute_spans
-from corolla.utils.errors import MissingBlocksError
 from corolla.utils.interrupts import event_wait
 from corolla.utils.logging import get_logger
 
@@ -363,17 +362,6 @@ class RemoteSequenceManager:
 
     def on_request_success(self, peer_id: str) -> None:
         self.bans.clear(peer_id)
-
-    def check_retry(self, error: BaseException, attempt: int) -> float:
-        """After failure number `attempt` (1-based): re-raises `error` if retries are exhausted, else returns the
-        sleep before the next try and, for missing blocks, asks for a fresh view."""
-        if self.config.retries_exhausted(attempt):
-            raise error
-        if isinstance(error, MissingBlocksError):
-            self.request_update()
-        delay_s = self.config.retry_delay_s(attempt - 1)
-        logger.warning("routing.retry(attempt=%d, delay_s=%.1f, error=%r)", attempt, delay_s, error)
-        return delay_s
 
     # ---------------------------------------------------------------- RPC plumbing
 
