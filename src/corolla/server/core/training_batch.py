@@ -194,8 +194,9 @@ class TrainingBatcher:
         self.chain_s = 0.0
         # forwards' block inputs kept for their backwards (default: bounded by the sizing's autograd reserve)
         self.kept = kept if kept is not None else default_kept_activations(backend)
-        # on a GPU, block calls with no deep prompt and no adapter replay CUDA graphs (None: every call eager)
-        self.graphs = TrainingGraphs(backend) if self._cuda else None
+        # on a GPU, block calls with no deep prompt and no adapter replay CUDA graphs (None: every call eager); not for
+        # a span over several devices (tensor parallel: a capture on one device's stream would miss the others' work)
+        self.graphs = TrainingGraphs(backend) if self._cuda and _one_device(backend) else None
         self.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
 
     def set_merge_tokens(self, forward_tokens: int, backward_tokens: int) -> None:
@@ -446,6 +447,12 @@ def default_kept_activations(backend: SpanBackend) -> KeptActivations:
     return KeptActivations(
         KEPT_RESERVE_MULTIPLE * reserve, floor_bytes=reserve, free_bytes=lambda: device_free_bytes(device)
     )
+
+
+def _one_device(backend: SpanBackend) -> bool:
+    """Whether every parameter and buffer of the span's blocks is on one device (a CUDA span's)."""
+    devices = {tensor.device for block in backend.blocks.values() for tensor in (*block.parameters(), *block.buffers())}
+    return len(devices) <= 1
 
 
 def _owning(tensor: torch.Tensor) -> torch.Tensor:
