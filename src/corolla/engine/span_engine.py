@@ -29,7 +29,8 @@ from corolla.engine.graphs.prefill_graphs import PrefillGraphs, graphs_serve
 from corolla.engine.kernels.kernel_choices import KernelChoices, device_scope
 from corolla.engine.kv.kv_pool import KVPool, SequenceSlot
 from corolla.engine.kv.session_prefix import SessionPrefix
-from corolla.engine.spans.eager_span import BlockAdapters, EagerSpan
+from corolla.engine.spans.adapter_rows import AdapterRows
+from corolla.engine.spans.eager_span import EagerSpan
 from corolla.engine.spans.fast_dense import DENSE_MODEL_TYPES, FastDenseSpan
 from corolla.engine.spans.fast_llama import FastLlamaSpan
 from corolla.engine.spans.fast_lora import SpanAdapters
@@ -105,7 +106,7 @@ class SpanEngine:
         model: SpanModel,
         config: EngineConfig = EngineConfig(),
         *,
-        adapters: SpanAdapters | BlockAdapters | None = None,
+        adapters: AdapterRows | None = None,
     ):
         self.model = model
         self.config = config
@@ -144,7 +145,9 @@ class SpanEngine:
                     config.max_batch_rows,
                 )
                 # only fused spans capture graphs (an eager span's `supports_graphs` is False): their adapters stack
-                assert not isinstance(adapters, BlockAdapters), "an eager span's block adapters are never captured"
+                assert adapters is None or isinstance(adapters, SpanAdapters), (
+                    "eager spans' adapters are never captured"
+                )
                 self.graphs = DecodeGraphs(model, self.pool, buckets, adapters=adapters)
                 self.max_batch_rows = self.graphs.max_rows
             if config.use_cuda_graphs and config.prefill_graph_tokens and graphs_serve(model):

@@ -10,14 +10,14 @@ read positions per step (the attention reads them anyway), gathered for all laye
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
+from corolla.engine.spans.adapter_rows import AdapterRows
 from corolla.engine.spans.span_model import ChunkedPrefill
 from corolla.models.block_base import TensorDescriptor
 from corolla.models.lora import using_adapter
@@ -87,50 +87,6 @@ class EagerSpec:
     sliding_window_tokens: int | None = None
 
 
-class BlockAdapters:
-    """The LoRA adapters of eager blocks under the surface `SpanEngine` drives (`fast_lora.SpanAdapters`'): adapter
-    indices (0 = none), the per-row index buffer of a merged decode step, and the adapter of a prefill. The blocks
-    apply the adapter named by `models.lora.using_adapter`."""
-
-    def __init__(self, names: Sequence[str], device: torch.device):
-        self.names = tuple(names)
-        self.device = device
-        self.row_ids = torch.zeros((0,), dtype=torch.long)  # [max_rows], host: the eager decode groups rows by it
-        self.decode_enabled = False
-        self.prefill_index = 0
-
-    @property
-    def num_adapters(self) -> int:
-        return len(self.names)
-
-    def index_of(self, name: str) -> int:
-        if name not in self.names:
-            raise ValueError(f"Unknown adapter {name!r}; this span has adapters {list(self.names)}")
-        return self.names.index(name) + 1
-
-    def name_of(self, index: int) -> str:
-        return "" if index == 0 else self.names[index - 1]
-
-    def allocate_rows(self, max_rows: int) -> None:
-        self.row_ids = torch.zeros((max_rows,), dtype=torch.long)
-
-    @contextlib.contextmanager
-    def decode_rows(self, enabled: bool) -> Iterator[None]:
-        saved, self.decode_enabled = self.decode_enabled, enabled
-        try:
-            yield
-        finally:
-            self.decode_enabled = saved
-
-    @contextlib.contextmanager
-    def prefill_adapter(self, index: int) -> Iterator[None]:
-        saved, self.prefill_index = self.prefill_index, index
-        try:
-            yield
-        finally:
-            self.prefill_index = saved
-
-
 class EagerSpan(ChunkedPrefill):
     """Consecutive loaded blocks run one by one over the pool (see the module docstring)."""
 
@@ -156,7 +112,7 @@ class EagerSpan(ChunkedPrefill):
         self.device = self.maps[0].parts[0].device  # the pool's (a tensor-parallel span: the first shard's)
         self.max_positions = max_positions
         names = sorted(set().union(*(getattr(b, "adapter_names", set()) for b in self.blocks)))
-        self.adapters = BlockAdapters(names, self.device) if names else None
+        self.adapters = AdapterRows(names, torch.device("cpu")) if names else None
 
     @property
     def num_layers(self) -> int:

@@ -21,12 +21,12 @@ Prefill runs one sequence with its session's adapter."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from corolla.engine.spans.adapter_rows import AdapterRows
 from corolla.models.lora import LoraLinear
 from corolla.utils.logging import get_logger
 
@@ -111,10 +111,9 @@ class OneAdapter:
         return y.addmm_(torch.mm(x, p.a[rows].t()), p.bt[rows])  # in place
 
 
-class SpanAdapters:
-    """Every loaded adapter of a span, stacked (see the module docstring). `row_ids` [max_rows] is the decode
-    step's static input; `decode_rows`/`prefill_adapter` say, for the duration, which form the span's next steps
-    take (the engine and the CUDA-graph capture set them)."""
+class SpanAdapters(AdapterRows):
+    """Every loaded adapter of a span, stacked (see the module docstring); the engine and the CUDA-graph capture say
+    through `AdapterRows` which form the span's next steps take."""
 
     def __init__(
         self,
@@ -124,36 +123,10 @@ class SpanAdapters:
         device: torch.device,
         dtype: torch.dtype,
     ):
-        if not names:
-            raise ValueError("SpanAdapters needs at least one adapter")
-        self.names = tuple(names)
+        super().__init__(names, device)
         self.layers = list(layers)
-        self.device = device
         self.dtype = dtype
-        self._index = {name: i + 1 for i, name in enumerate(self.names)}
         self._columns: dict[tuple[int, ...], torch.Tensor] = {}
-        self.row_ids = torch.zeros((0,), dtype=torch.long, device=device)  # [max_rows]; see allocate_rows
-        self.decode_enabled = False  # the next decode steps apply the rows' adapters
-        self.prefill_index = 0  # the adapter of the next prefills
-
-    @property
-    def num_adapters(self) -> int:
-        return len(self.names)
-
-    def index_of(self, name: str) -> int:
-        """0 for "" (the base model), else the adapter's index; ValueError naming the known ones."""
-        if not name:
-            return 0
-        index = self._index.get(name)
-        if index is None:
-            raise ValueError(f"Unknown adapter {name!r}; this span has adapters {list(self.names)}")
-        return index
-
-    def allocate_rows(self, max_rows: int) -> None:
-        """(Re)allocates the per-row index buffer for steps of up to `max_rows` rows (before any graph capture)."""
-        if max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        self.row_ids = torch.zeros((max_rows,), dtype=torch.long, device=self.device)
 
     def column_ids(self, ranks: tuple[int, ...]) -> torch.Tensor:
         """[C] long: the adapter index (1..n) of each row of a `FusedProjection` with these `ranks`."""
@@ -166,26 +139,6 @@ class SpanAdapters:
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for layer in self.layers for p in layer.values())
-
-    @contextlib.contextmanager
-    def decode_rows(self, enabled: bool) -> Iterator[None]:
-        """Decode steps in this context apply the rows' adapters (`row_ids`) when `enabled`, else none."""
-        saved, self.decode_enabled = self.decode_enabled, enabled
-        try:
-            yield
-        finally:
-            self.decode_enabled = saved
-
-    @contextlib.contextmanager
-    def prefill_adapter(self, index: int) -> Iterator[None]:
-        """Prefills in this context apply adapter `index` (0 = none)."""
-        if not 0 <= index <= self.num_adapters:
-            raise ValueError(f"adapter index must lie in [0, {self.num_adapters}], got {index}")
-        saved, self.prefill_index = self.prefill_index, index
-        try:
-            yield
-        finally:
-            self.prefill_index = saved
 
     def for_decode(self, rows: int) -> DecodeRows | None:
         return DecodeRows(self, rows) if self.decode_enabled else None
