@@ -22,7 +22,7 @@ from tests.helpers.tiny_models import make_tiny_model
 from corolla.models import disk_cache
 from corolla.models import loading as loading_module
 from corolla.models.config import load_config
-from corolla.models.loading import load_pretrained_block
+from corolla.models.loading import CheckpointSource, load_pretrained_block
 from corolla.utils.errors import ConfigurationError
 
 pytestmark = pytest.mark.timeout(300)
@@ -110,13 +110,11 @@ def test_what_is_not_cached_offline_is_one_clear_error(hub, offline):
 
 
 def test_client_checkpoint_reads_offline(hub, offline):
-    from corolla.client.models.checkpoint import CheckpointReader
-
     for repo in (SINGLE, SHARDED, BIN):
-        tensors = CheckpointReader(repo).read(["model.embed_tokens.weight", "lm_head.weight"])
+        tensors = CheckpointSource(repo, cache_dir=offline).read_named(["model.embed_tokens.weight", "lm_head.weight"])
         assert set(tensors) == {"model.embed_tokens.weight", "lm_head.weight"}, repo
     with pytest.raises(ConfigurationError, match="HF_HUB_OFFLINE"):
-        CheckpointReader("corolla-test/absent")
+        CheckpointSource("corolla-test/absent", cache_dir=offline).read_named(["lm_head.weight"])
 
 
 CLIENT_SCRIPT = """
@@ -137,7 +135,12 @@ print("RESULT " + json.dumps(out), flush=True)
 
 
 def test_servers_and_client_run_offline_from_the_hf_cache(hub, tmp_path):
-    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub.cache), "HF_HOME": str(tmp_path / "hf-home")}
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(hub.cache),
+        "HF_HOME": str(tmp_path / "hf-home"),
+        "COROLLA_CACHE": str(tmp_path / "client-cache"),
+    }  # the client's corolla cache, empty
     swarm = Swarm(tmp_path)  # its servers use an empty corolla --cache_dir: blocks must come from the HF cache
     try:
         servers = {  # one small swarm per repo, started side by side

@@ -9,25 +9,26 @@ from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from corolla.client.config import ClientConfig
-from corolla.client.models.checkpoint import CheckpointReader
 from corolla.client.models.distributed_model import LAYOUTS, DistributedModelForCausalLM
 from corolla.client.models.padding import padding_groups
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.models.config import load_config
+from corolla.models.loading import CheckpointSource
+from corolla.utils.errors import ConfigurationError
 
 
 @pytest.mark.parametrize(("family", "sharded"), [("llama", True), ("qwen2", False), ("bloom", True), ("falcon", False)])
 def test_client_weights_equal_the_checkpoint(tmp_path, family, sharded):
     path = make_tiny_model(family, tmp_path, sharded=sharded)
-    reader = CheckpointReader(path)
+    reader = CheckpointSource(path)
     config = load_config(path)
     manager = RemoteSequenceManager(
         ClientConfig(), [f"x.{i}" for i in range(config.num_hidden_layers)], start_updates=False
     )
     model = DistributedModelForCausalLM(config, LAYOUTS[config.model_type], manager)
     requested: list[str] = []
-    read = reader.read
-    reader.read = lambda names: read(requested.extend(names) or names)
+    read = reader.read_named
+    reader.read_named = lambda names: read(requested.extend(names) or names)
     model.load_client_weights(reader)
     assert requested and not [n for n in requested if ".layers." in n or ".h." in n]  # never a block tensor
     local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -47,10 +48,10 @@ def test_client_weights_equal_the_checkpoint(tmp_path, family, sharded):
 
 def test_reader_reads_only_what_is_asked(tmp_path):
     path = make_tiny_model("llama", tmp_path, sharded=True)
-    tensors = CheckpointReader(path).read(["model.embed_tokens.weight", "model.norm.weight", "no.such.tensor"])
+    tensors = CheckpointSource(path).read_named(["model.embed_tokens.weight", "model.norm.weight", "no.such.tensor"])
     assert set(tensors) == {"model.embed_tokens.weight", "model.norm.weight"}
-    with pytest.raises(FileNotFoundError):
-        CheckpointReader(tmp_path)
+    with pytest.raises(ConfigurationError):  # was FileNotFoundError: one reader (docs/decisions/0052)
+        CheckpointSource(tmp_path).read_named(["model.norm.weight"])
 
 
 def test_padding_groups():

@@ -145,9 +145,10 @@ def _torch_load(path: str) -> dict[str, torch.Tensor]:
 
 
 class CheckpointSource:
-    """A checkpoint in a local directory or a hub repo; hands out local paths of its files."""
+    """A checkpoint in a local directory or a hub repo; hands out local paths of its files and reads a block's
+    tensors (servers) or named tensors (a client's embeddings and head), fetching only the files that hold them."""
 
-    def __init__(self, name_or_path, *, cache_dir, revision, token, max_disk_space_bytes):
+    def __init__(self, name_or_path, *, cache_dir=None, revision=None, token=None, max_disk_space_bytes=None):
         self.name_or_path = str(name_or_path)
         self.local = is_local_path(name_or_path)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else disk_cache.DEFAULT_CACHE_DIR
@@ -229,6 +230,25 @@ class CheckpointSource:
             state_dict.update(tensors)
             origin.update({name: str(local_path) for name in tensors})
         return state_dict, origin
+
+    def read_named(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors named in `names` that the checkpoint holds (absent names left out), from the files holding
+        them only."""
+        wanted = set(names)
+        index_name = self._find_index_file()
+        files = [index_name]
+        if index_name.endswith(".index.json"):
+            with open(self.get_file(index_name)) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+            files = sorted({weight_map[name] for name in wanted if name in weight_map})
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            local_path = self.get_file(file)
+            with disk_cache.allow_cache_reads(self.cache_dir) if not self.local else contextlib.nullcontext():
+                tensors.update(read_named_tensors(local_path, wanted))
+            if not self.local:
+                disk_cache.mark_used(local_path)
+        return tensors
 
     # --- fetching -------------------------------------------------------------------------------------------
     def _cached_path(self, filename: str) -> str | None:

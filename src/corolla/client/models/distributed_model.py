@@ -14,7 +14,6 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
 from corolla.client.config import ClientConfig
-from corolla.client.models.checkpoint import CheckpointReader
 from corolla.client.models.family_head import GEMMA_NORM, GPT_OSS_NORM, cap_logits, family_norm, scale_embeddings
 from corolla.client.models.generation import GenerationLoop
 from corolla.client.models.padding import padding_groups
@@ -25,6 +24,7 @@ from corolla.client.speculative.loop import SpeculativeStats
 from corolla.client.training.prompt_tuning import PromptTuning, TuningConfig
 from corolla.client.training.remote_sequential import RemoteSequential
 from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
+from corolla.models.loading import CheckpointSource
 from corolla.protocol.uids import make_uid
 from corolla.utils.logging import get_logger
 
@@ -137,7 +137,7 @@ class DistributedModel(nn.Module):
             modules[self.layout.embeddings_norm] = self.embeddings_norm
         return modules
 
-    def load_client_weights(self, reader: CheckpointReader) -> None:
+    def load_client_weights(self, source: CheckpointSource) -> None:
         """Loads `client_modules()`' weights, then `load_head(tensors)` gets the tensors of `head_tensor_names()`."""
         wanted: dict[str, tuple[nn.Module, str]] = {}
         for prefix, module in self.client_modules().items():
@@ -145,13 +145,13 @@ class DistributedModel(nn.Module):
                 wanted[f"{prefix}.{param_name}"] = (module, param_name)
         names = list(wanted) + self.head_tensor_names()
         stripped = {n: n.removeprefix(self.layout.base_prefix) for n in names if self.layout.base_prefix}
-        tensors = reader.read(names + list(stripped.values()))
+        tensors = source.read_named(names + list(stripped.values()))
         for name in names:
             if name not in tensors and stripped.get(name) in tensors:
                 tensors[name] = tensors[stripped[name]]
         missing = [name for name in wanted if name not in tensors]
         if missing:
-            raise ValueError(f"checkpoint {reader.name_or_path} lacks client tensors {missing}")
+            raise ValueError(f"checkpoint {source.name_or_path} lacks client tensors {missing}")
         with torch.no_grad():
             for name, (module, param_name) in wanted.items():
                 getattr(module, param_name).copy_(tensors[name])
@@ -366,7 +366,7 @@ def load_distributed_model(
     manager = RemoteSequenceManager(client_config, block_uids, dht=dht)
     try:
         model = model_class(config, layout, manager, tuning, **model_kwargs)
-        model.load_client_weights(CheckpointReader(name_or_path, revision=revision, token=token, cache_dir=cache_dir))
+        model.load_client_weights(CheckpointSource(name_or_path, revision=revision, token=token, cache_dir=cache_dir))
         model.to(parse_dtype(torch_dtype) or checkpoint_dtype(config) or torch.float32)  # "auto": the checkpoint's
         if isinstance(model, DistributedModelForCausalLM):
             model.generation_config = _load_generation_config(name_or_path, config, revision, token, cache_dir)
