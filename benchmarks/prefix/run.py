@@ -1,4 +1,4 @@
-"""One run of the prefix benchmark: a loopback chain of two CPU servers (`corolla.api.local_swarm.LocalSwarm`), two
+"""One run of the prefix benchmark: a loopback chain of two CPU servers (`corolla.swarm.local.LocalSwarm`), two
 in-process corolla-api gateways over it, one with the client's prefix reuse off and one with it on, and the same
 workload replayed through both, request by request in turn (the off way sends no keys, so it leaves nothing in the
 servers' caches; its sessions' pages may evict idle cached ones under memory pressure, as other traffic would);
@@ -115,10 +115,13 @@ ChainStarter = Callable[[Path, Sequence[str]], AbstractContextManager[Sequence[s
 
 @contextlib.contextmanager
 def server_processes(path: Path, server_args: Sequence[str]) -> Iterator[Sequence[str]]:
-    """The benchmark's chain: two server processes splitting the blocks (`corolla.api.local_swarm.LocalSwarm`)."""
-    from corolla.api.local_swarm import LocalSwarm
+    """The benchmark's chain: two server processes splitting the blocks (`corolla.swarm.local.LocalSwarm`)."""
+    from corolla.models.config import load_config
+    from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 
-    with LocalSwarm(str(path), num_servers=2, server_args=server_args) as swarm:
+    config = LocalSwarmConfig(server_args=tuple(server_args), startup_timeout_s=180.0, stop_grace_s=10.0)
+    with LocalSwarm(config) as swarm:
+        swarm.start(path, even_block_ranges(load_config(str(path)).num_hidden_layers, 2))
         yield swarm.initial_peers
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from corolla.api.backend import TokenizerCodec, plain_chat_prompt
-from corolla.api.local_swarm import LocalSwarm
 from corolla.api.sampling import SamplingParams, pick
 from corolla.api.textstream import TextStream
+from corolla.swarm.local import even_block_ranges
 from helpers.tiny_models import build_tokenizer
 
 
@@ -90,8 +90,8 @@ def test_chat_prompt_template_and_fallback():
     assert codec.eos_token_ids == {tokenizer.eos_token_id}
 
 
-def test_local_swarm_splits_blocks_evenly():
-    assert LocalSwarm("m", num_servers=3, num_blocks=8)._spans() == [(0, 3), (3, 5), (5, 8)]
-    assert LocalSwarm("m", num_servers=4, num_blocks=2)._spans() == [(0, 1), (1, 2)]  # never an empty span
+def test_local_swarm_splits_blocks_evenly():  # `corolla-api --new_swarm N`'s split
+    assert even_block_ranges(8, 3) == [(0, 3), (3, 5), (5, 8)]
+    assert even_block_ranges(2, 4) == [(0, 1), (1, 2)]  # never an empty span
     with pytest.raises(ValueError):
-        LocalSwarm("m", num_servers=0)
+        even_block_ranges(8, 0)

@@ -16,11 +16,12 @@ import configargparse
 from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import default_model_id, load_swarm_backend
 from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES
-from corolla.api.local_swarm import LocalSwarm
 from corolla.api.serving import http_cli_parser, serve_until_signalled
 from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, check_port_free, run_cli
 from corolla.cli.speculative_flags import add_speculative_flags, speculative_config
 from corolla.client.speculative.acceptance import SpeculativeConfig
+from corolla.models.config import load_config
+from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -102,9 +103,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         initial_peers = args.initial_peers
         if args.new_swarm is not None:
-            swarm = stack.enter_context(
-                LocalSwarm(args.model, num_servers=args.new_swarm, server_args=shlex.split(args.server_args))
-            )
+            server_args = tuple(shlex.split(args.server_args))
+            config = LocalSwarmConfig(server_args=server_args, startup_timeout_s=180.0, stop_grace_s=10.0)
+            swarm = stack.enter_context(LocalSwarm(config))
+            swarm.start(args.model, even_block_ranges(load_config(args.model).num_hidden_layers, args.new_swarm))
             initial_peers = swarm.initial_peers
             print(f"corolla-api: started a local swarm; its initial peers: {' '.join(initial_peers)}", flush=True)
         serve(args, initial_peers, speculative)
