@@ -8,22 +8,23 @@ from typing import Any, TextIO
 
 import torch
 
+from corolla.api.textstream import TextStream
+
 
 class TextStreamer:
-    """Prints decoded text as tokens arrive (skips the echoed prompt), keeps the generated tokens and notes when the
-    first one came (`first_token_at`, `time.perf_counter`)."""
+    """Prints decoded text as tokens arrive (skips the echoed prompt; `TextStream` holds back a partial character)
+    and notes when the first token came (`first_token_at`, `time.perf_counter`)."""
 
     def __init__(self, tokenizer: Any, out: TextIO | None = None):
         # sys.stdout now, not when this module was imported (a caller may have redirected it since)
-        self.tokenizer, self.out = tokenizer, out if out is not None else sys.stdout
-        self.tokens: list[int] = []
-        self.printed = 0
+        self.out = out if out is not None else sys.stdout
+        self.text = TextStream(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self.skip_prompt = True
         self.first_token_at: float | None = None
 
     @property
     def num_generated(self) -> int:
-        return len(self.tokens)
+        return self.text.num_tokens
 
     def put(self, value: torch.Tensor) -> None:
         if self.skip_prompt:  # the first call echoes the prompt
@@ -31,13 +32,10 @@ class TextStreamer:
             return
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-        self.tokens.extend(value.flatten().tolist()[:1])  # batch of one
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-            self.out.write(text[self.printed :])
-            self.out.flush()
-            self.printed = len(text)
+        piece, _ = self.text.push(int(value.flatten()[0]))  # batch of one
+        self.out.write(piece)
+        self.out.flush()
 
     def end(self) -> None:
-        self.out.write("\n")
+        self.out.write(self.text.finish() + "\n")
         self.out.flush()
