@@ -13,8 +13,8 @@ import torch
 
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.spans.fast_mla import FastMlaSpan
-from corolla.models.kv_sizing import kv_cache_bytes_per_token
 from corolla.models.registry import get_family
+from corolla.models.sizing import kv_cache_bytes_per_token
 from corolla.server.backend import SpanBackend
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
 from corolla.server.core.executor import SessionSpec, StepInputs

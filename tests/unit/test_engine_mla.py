@@ -16,8 +16,8 @@ from corolla.engine.kernels.mla_kernels import group_limited_route
 from corolla.engine.kv.kv_pool import KVLayout
 from corolla.engine.span_engine import StepRequest, fused_model
 from corolla.engine.spans.fast_mla import FastMlaSpan
-from corolla.models.kv_sizing import kv_cache_bytes_per_token
 from corolla.models.registry import get_family
+from corolla.models.sizing import kv_cache_bytes_per_token
 from helpers.engine_reference import cached_block_steps
 from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of

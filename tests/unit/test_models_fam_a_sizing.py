@@ -15,11 +15,10 @@ from transformers import AutoModelForCausalLM
 import helpers.tiny_models_fam_a as fam_a
 from corolla.models import loading
 from corolla.models.config import load_config
-from corolla.models.kv_sizing import kv_cache_bytes_per_token, kv_cache_values_per_token
 from corolla.models.loading import load_pretrained_block
 from corolla.models.moe_sizing import span_parameter_split
 from corolla.models.registry import get_family
-from corolla.models.sizing import count_block_parameters
+from corolla.models.sizing import count_block_parameters, kv_cache_bytes_per_token, kv_cache_values_per_token
 from corolla.server import sizing as server_sizing
 from helpers.tiny_models import capture_hf_layer, make_tiny_model, torch_threads
 

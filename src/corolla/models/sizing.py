@@ -1,12 +1,16 @@
-"""Memory sizing of blocks: parameter bytes per quantization type (reference 6.1) and KV bytes per token."""
+"""Memory sizing of blocks: parameter bytes per quantization type (reference 6.1) and KV bytes per token, from the
+architecture: K + V of the cached heads for standard attention, the compressed latent + shared rotary key for
+multi-head latent attention (DeepSeek-V3). The server logs the KV figure at start-up and sizes its cache with it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from corolla.models.kv_sizing import kv_cache_bytes_per_token as kv_bytes_per_token_of_architecture
 from corolla.models.moe_sizing import largest_block_params
 from corolla.models.quantization import BYTES_PER_VALUE, QuantType
+from corolla.models.registry import get_family
 
 SIZE_MARGIN = 0.01  # the reference's 1% slack
 
@@ -28,6 +32,16 @@ def block_size_bytes(config, dtype: torch.dtype, quant_type: QuantType | str = Q
     return round(count_block_parameters(config) * bytes_per_value * (1 + SIZE_MARGIN))
 
 
-def kv_cache_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K and V bytes one token takes in one block's cache (all shards together; MLA: latent + rotary key)."""
-    return kv_bytes_per_token_of_architecture(config, dtype)
+def kv_cache_values_per_token(config: Any) -> int:
+    """Values one token takes in one block's KV cache (all tensor-parallel shards together)."""
+    family = get_family(config)
+    if family.cache_values_per_token is not None:
+        return int(family.cache_values_per_token(config))
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return 2 * int(family.num_kv_heads(config)) * head_dim
+
+
+def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """K and V bytes one token takes in one block's cache in `dtype` (all shards together; MLA: latent + rotary
+    key)."""
+    return kv_cache_values_per_token(config) * dtype.itemsize

@@ -11,9 +11,9 @@ import torch
 
 from corolla.models import sizing as models_sizing
 from corolla.models.block_base import CorollaBlock
-from corolla.models.kv_sizing import kv_cache_bytes_per_token
 from corolla.models.lora import adapter_stored_bytes, load_adapter
 from corolla.models.registry import get_family
+from corolla.models.sizing import kv_cache_bytes_per_token
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
 
