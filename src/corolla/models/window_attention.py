@@ -200,13 +200,3 @@ def fused_qkv_sizes(cfg: WindowedAttentionConfig) -> tuple[int, int]:
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap) (Gemma's logit soft-capping)."""
     return torch.tanh(x / cap) * cap
-
-
-__all__ = [
-    "DEFAULT_SLIDING_SLACK_TOKENS",
-    "WindowedAttention",
-    "WindowedAttentionConfig",
-    "fused_qkv_sizes",
-    "sliding_cache_capacity",
-    "softcap",
-]

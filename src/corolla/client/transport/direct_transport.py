@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from hivemind.proto import runtime_pb2
 
-from corolla.client.transport.framed_socket import MAX_RESPONSE_FRAME_BYTES, FramedSocketStream
+from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import frame_response
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
@@ -143,6 +143,3 @@ class DirectOffers:
         """`peer_id`'s direct port did not work: use p2p with it for `NO_DIRECT_RETRY_S`."""
         self._offers.pop(peer_id, None)
         self._none_until[peer_id] = self._time() + NO_DIRECT_RETRY_S
-
-
-__all__ = ["MAX_RESPONSE_FRAME_BYTES", "DirectInferenceStream", "DirectOffers"]

@@ -20,21 +20,11 @@ from pathlib import Path
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from corolla.client.transport.framed_socket import MAX_RESPONSE_FRAME_BYTES, FramedSocketStream
+from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.protocol import local_stream as ls
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-__all__ = [
-    "MAX_RESPONSE_FRAME_BYTES",
-    "SOCKET_TURNS",
-    "LocalInferenceStream",
-    "SocketTurns",
-    "fewer_streams_first",
-    "open_local_inference",
-    "responses_of",
-]
 
 
 class SocketTurns:
