@@ -199,7 +199,7 @@ def bench_corolla(config, device, dtype, args: argparse.Namespace, bandwidth: fl
     result: dict = {
         "active_bytes": active,
         "weight_bytes": span.weight_bytes(),
-        "kv_bytes_per_token_per_layer": span.spec.kv_bytes_per_token(dtype, 1),
+        "kv_bytes_per_token_per_layer": span.spec.kv_layout.bytes_per_token(dtype, 1),
         "floor_ms": floor_ms,
         "tuned_slots": len(tune),
         "graphs": engine.graphs is not None,

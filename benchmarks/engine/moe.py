@@ -263,7 +263,7 @@ def measure_steps(engine: SpanEngine, layers: list[LayerWeights], args, hf_ms: d
     assert moe0 is not None
     expert_bytes = moe0.experts.expert_nbytes()
     dense_bytes = sum(layer.nbytes() - layer.moe.experts.nbytes() for layer in layers if layer.moe is not None)
-    kv_bytes_per_row = spec.kv_bytes_per_token(dtype, args.layers) * args.prefix_tokens
+    kv_bytes_per_row = spec.kv_layout.bytes_per_token(dtype, args.layers) * args.prefix_tokens
     rows = {}
     for batch in sorted({1, args.sessions}):
         sessions = []

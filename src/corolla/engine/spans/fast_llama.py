@@ -97,10 +97,6 @@ class LlamaSpec:
         """K and V heads per token per layer."""
         return KVLayout.heads(self.num_kv_heads, self.head_dim)
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int) -> int:
-        """K and V bytes that one token occupies across `num_layers` layers."""
-        return self.kv_layout.bytes_per_token(dtype, num_layers)
-
 
 @dataclass
 class LayerWeights:

@@ -77,10 +77,6 @@ class MlaSpec:
         """The latent (kv_lora_rank) and the shared rotary key (qk_rope_head_dim) per token per layer."""
         return KVLayout.latent(self.kv_lora_rank, self.qk_rope_head_dim)
 
-    def kv_bytes_per_token(self, dtype: torch.dtype, num_layers: int) -> int:
-        """(kv_lora_rank + qk_rope_head_dim) values per token per layer."""
-        return self.kv_layout.bytes_per_token(dtype, num_layers)
-
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace and self.num_experts > 0
 
