@@ -32,7 +32,6 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
 _MODULE_PATHS = {"qkv": "attn.qkv", "o": "attn.o_proj", "gate_up": "mlp.gate_up", "down": "mlp.down"}
 
 
