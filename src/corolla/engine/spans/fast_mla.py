@@ -320,7 +320,7 @@ class FastMlaSpan(ChunkedPrefill):
                 raise ValueError(f"{type(block).__name__} is not a DeepSeek-V3 block")
             if getattr(block, "adapter_names", None):
                 raise ValueError("The fast path does not apply LoRA adapters")
-            layers.append(_layer_weights(block, spec))
+            layers.append(_layer_weights(block))
         rotary = _attention(blocks[0]).rotary
         if not isinstance(rotary, RotaryEmbedding) or rotary.rope_type == "dynamic":
             raise ValueError("The DeepSeek-V3 fast path needs static rotary tables (not dynamic NTK scaling)")
@@ -505,7 +505,7 @@ def _norm(module: RMSNorm | None) -> torch.Tensor:
     return module.weight.data
 
 
-def _layer_weights(block: DeepseekV3Block, spec: MlaSpec) -> MlaLayerWeights:
+def _layer_weights(block: DeepseekV3Block) -> MlaLayerWeights:
     """The tensors of one loaded `DeepseekV3Block` (no copies)."""
     attn = _attention(block)
     q_a: torch.Tensor | None
