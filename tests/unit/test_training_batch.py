@@ -226,27 +226,57 @@ def _log_device(runtime: Runtime, backend: SpanBackend, monkeypatch: pytest.Monk
     return log
 
 
+def _decode_step(runtime: Runtime) -> asyncio.Future:
+    """A session's step of the fake device's "decode" kind (`_log_device`)."""
+    return runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind="decode", merge_key="span")
+
+
+async def _forward_and_decode_step_after_a_busy_device(
+    runtime: Runtime, batcher: TrainingBatcher
+) -> tuple[asyncio.Future, asyncio.Future]:
+    """A 3-block training forward and then a decode step queued while the device is busy (the decode step ahead: more
+    urgent), then the device freed: their futures."""
+    release = threading.Event()
+    blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
+    await asyncio.sleep(0.05)
+    training = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""))
+    decode = _decode_step(runtime)
+    await asyncio.sleep(0.05)  # both queued behind the blocker
+    release.set()
+    await blocker
+    return training, decode
+
+
 async def test_a_training_call_launches_before_the_runtime_waits_for_a_launched_decode(
     backend: SpanBackend, monkeypatch
 ) -> None:
     """A decode batch the runtime launched is on the device while a training work waits: the training block call is
     launched before the runtime waits for the decode (its launch, CPU work, overlaps the decode's device time) rather
     than after the decode's results came back (the device idle during that launch)."""
-    release = threading.Event()
-
     with Runtime(max_batch_size_tokens=1024) as runtime:
         log = _log_device(runtime, backend, monkeypatch)
-        batcher = TrainingBatcher(backend, runtime)
-        blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
-        await asyncio.sleep(0.05)
-        training = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""))
-        decode = runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind="decode",
-                                merge_key="span")  # fmt: skip
-        await asyncio.sleep(0.05)  # both queued behind the blocker: the decode first (more urgent)
-        release.set()
-        await asyncio.gather(blocker, decode, training)
+        training, decode = await _forward_and_decode_step_after_a_busy_device(
+            runtime, TrainingBatcher(backend, runtime)
+        )
+        await asyncio.gather(decode, training)
     assert log[:3] == ["decode.launch", "block0", "decode.wait"]
     assert log[3:] == ["block1", "block2"]
+
+
+async def _forward_behind_a_decode_step(
+    runtime: Runtime, backend: SpanBackend, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[str], asyncio.Future]:
+    """On a started `runtime` holding training up to 30 s after a decode batch: a 3-block training forward and a decode
+    step queued behind a busy device, then the device freed; once the decode step is complete and its session has
+    been on its way back 0.2 s (nothing learned of its return yet: block1 waits for its step), the device's log and the
+    forward's future."""
+    runtime.pace_hold_s = 30.0
+    log = _log_device(runtime, backend, monkeypatch)
+    training, first = await _forward_and_decode_step_after_a_busy_device(runtime, TrainingBatcher(backend, runtime))
+    await first
+    await asyncio.sleep(0.2)  # the session's way back, slow
+    assert log == ["decode.launch", "block0", "decode.wait"]
+    return log, training
 
 
 async def test_training_waits_for_the_sessions_next_step_then_launches_behind_it(
@@ -255,27 +285,10 @@ async def test_training_waits_for_the_sessions_next_step_then_launches_behind_it
     """Once a decode batch is complete, a queued training work is not launched while the session is on its way back
     (the device thread would be busy launching it when the session's next step comes): it waits for that step, which
     launches first, and launches while the step is on the device; where no step comes, it waits `pace_hold_s`."""
-    release = threading.Event()
-
-    def decode_step() -> asyncio.Future:
-        return runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind="decode",
-                              merge_key="span")  # fmt: skip
-
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        runtime.pace_hold_s = 30.0  # the session always comes back before the hold runs out, here
-        log = _log_device(runtime, backend, monkeypatch)
-        batcher = TrainingBatcher(backend, runtime)
-        blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
-        await asyncio.sleep(0.05)
-        training = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""))
-        first = decode_step()
-        await asyncio.sleep(0.05)  # both queued behind the blocker
-        release.set()
-        await asyncio.gather(blocker, first)
-        await asyncio.sleep(0.2)  # the session's way back, slow: block1 waits for its step
-        assert log == ["decode.launch", "block0", "decode.wait"]
-        runtime.pace_hold_s = 0.05  # from the next decode batch on: its session does not come back
-        await decode_step()
+        log, training = await _forward_behind_a_decode_step(runtime, backend, monkeypatch)
+        runtime.pace_hold_s = 0.05  # from the next decode batch on: its session does not come back (nor is learned)
+        await _decode_step(runtime)
         await training
         # block1 launched while the second decode step was on the device; block2 once the hold after it ran out
         assert log[3:] == ["decode.launch", "block1", "decode.wait", "block2"]
@@ -287,26 +300,9 @@ async def test_a_training_launch_that_fits_the_sessions_way_back_is_not_held(bac
     """Once the runtime learned how long the session takes to come back (0.2 s here) and how long a training block
     call's launch holds the thread (milliseconds on this CPU), a training work queued after a decode batch completes
     is launched at once, with no step of the session in sight: its launch is over before the step comes."""
-    release = threading.Event()
-
-    def decode_step() -> asyncio.Future:
-        return runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind="decode",
-                              merge_key="span")  # fmt: skip
-
     with Runtime(max_batch_size_tokens=1024) as runtime:
-        runtime.pace_hold_s = 30.0  # only a session's step ends a hold, here
-        log = _log_device(runtime, backend, monkeypatch)
-        batcher = TrainingBatcher(backend, runtime)
-        blocker = runtime.submit(release.wait, priority=PRIORITY_INFERENCE, size_tokens=1)  # the device is busy
-        await asyncio.sleep(0.05)
-        training = asyncio.ensure_future(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""))
-        first = decode_step()
-        await asyncio.sleep(0.05)  # both queued behind the blocker
-        release.set()
-        await asyncio.gather(blocker, first)
-        await asyncio.sleep(0.2)  # the session's way back: nothing learned of it yet, block1 waits for its step
-        assert log == ["decode.launch", "block0", "decode.wait"]
-        await decode_step()  # block1 behind it; then block2 at once, within the session's way back learned here
+        log, training = await _forward_behind_a_decode_step(runtime, backend, monkeypatch)
+        await _decode_step(runtime)  # block1 behind it; then block2 at once, within the session's way back learned here
         await asyncio.wait_for(training, 5.0)
         assert log[3:] == ["decode.launch", "block1", "decode.wait", "block2"]
     assert runtime.num_fitted == 1
@@ -320,8 +316,7 @@ async def test_training_is_not_held_after_a_session_step_run_to_its_end(backend:
         runtime.pace_hold_s = 30.0
         runtime.register_batch_executor("decode", lambda tasks: [None] * len(tasks))  # no launcher
         batcher = TrainingBatcher(backend, runtime)
-        await runtime.submit(lambda: None, priority=PRIORITY_INFERENCE, size_tokens=1, kind="decode",
-                             merge_key="span")  # fmt: skip
+        await _decode_step(runtime)
         await asyncio.wait_for(batcher.forward(SPAN, torch.randn(1, 8, H), None, ""), 5.0)
     assert runtime.num_paced == 0
 
