@@ -12,8 +12,8 @@ import torch
 
 from corolla.protocol import channel_frames as wire
 from corolla.protocol.prefix import MAX_PREFIX_BLOCKS, PrefixKeys
-from corolla.server.core.limits import PeerLimitExceeded
-from corolla.server.core.refusals import TooLong, decode_error, encode_error
+from corolla.server.core.limits import PeerLimitExceeded, ServerLimitExceeded
+from corolla.server.core.refusals import MESSAGE_REFUSALS, TooLong, decode_error, encode_error
 from corolla.utils.errors import AllocationFailed
 
 
@@ -68,6 +68,8 @@ async def test_oversized_frames_and_records_are_refused_before_allocation() -> N
         AllocationFailed("no cache"),
         TypeError("foreign cache"),
         RuntimeError("anything else"),
+        *(refusal(f"refused: {code}") for code, refusal in MESSAGE_REFUSALS.items() if refusal is not TypeError),
+        ServerLimitExceeded("server full", reason="server_sessions"),
     ],
 )
 def test_refusals_cross_as_the_same_type(error: Exception) -> None:
@@ -77,6 +79,8 @@ def test_refusals_cross_as_the_same_type(error: Exception) -> None:
         assert isinstance(got, TooLong) and (got.value, got.limit) == (9000, 8192)
     if isinstance(error, PeerLimitExceeded):
         assert isinstance(got, PeerLimitExceeded) and got.reason == "peer_sessions"
+    if isinstance(error, ServerLimitExceeded):
+        assert got.reason == "server_sessions"
 
 
 async def test_step_batches_round_trip_and_split_within_the_frame_bound() -> None:

@@ -16,6 +16,7 @@ again as the same type in the handler process (`encode_error` / `decode_error`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from corolla.protocol.channel_frames import Reader, Writer
 from corolla.server.core.executor import HandoffUnsupported
@@ -90,6 +91,20 @@ def rejection_reason(error: BaseException) -> str:
     return "other"
 
 
+# the REPLY_ERROR codes of the refusals that carry their message alone (`encode_error` gives them; 2, 4 and 5 carry
+# a limit or a reason too, 0 is any other error)
+MESSAGE_REFUSALS: dict[int, Callable[[str], Exception]] = {
+    1: BadRequest,
+    3: AllocationFailed,
+    6: RequestTimeout,
+    7: Overloaded,
+    8: TypeError,
+    9: HandoffUnsupported,
+    10: Draining,
+    11: SessionEvicted,
+}
+
+
 def encode_error(error: BaseException) -> Writer:
     """A refusal as a handler channel's REPLY_ERROR body: (code, reason, value, limit, message)."""
     code, reason, value, limit = 0, "", 0, 0
@@ -122,26 +137,8 @@ def decode_error(reader: Reader) -> Exception:
     """The refusal of a REPLY_ERROR body, raised again as its type in the handler process (which counts and answers
     it exactly as in one process)."""
     code, reason, value, limit, message = reader.u8(), reader.text(), reader.u64(), reader.u64(), reader.text()
-    if code == 1:
-        return BadRequest(message)
     if code == 2:
         return TooLong(message, value=value, limit=limit)
-    if code == 3:
-        return AllocationFailed(message)
-    if code == 4:
-        return PeerLimitExceeded(message, reason=reason)
-    if code == 5:
-        return ServerLimitExceeded(message, reason=reason)
-    if code == 6:
-        return RequestTimeout(message)
-    if code == 7:
-        return Overloaded(message)
-    if code == 8:
-        return TypeError(message)
-    if code == 9:
-        return HandoffUnsupported(message)
-    if code == 10:
-        return Draining(message)
-    if code == 11:
-        return SessionEvicted(message)
-    return RuntimeError(message)
+    if code in (4, 5):
+        return (PeerLimitExceeded if code == 4 else ServerLimitExceeded)(message, reason=reason)
+    return MESSAGE_REFUSALS.get(code, RuntimeError)(message)
