@@ -290,21 +290,16 @@ def merge_rows(group: Sequence[StepRequest], dtype: torch.dtype) -> MergedRows:
         merged.all_bytes = merged.all_bytes and r.hidden_bytes is not None
         session = r.session
         tokens = r.num_tokens
-        if tokens == 1:
-            merged.splits.append(r.rows)
-            if r.rows == 1:
-                merged.positions.append(r.position)
-                merged.table_rows.append(session.table_rows[0])
-                merged.adapter_ids.append(session.adapter_index)
-            else:
-                merged.positions.extend([r.position] * r.rows)
-                merged.table_rows.extend(session.table_rows)
-                merged.adapter_ids.extend([session.adapter_index] * r.rows)
-            continue
         merged.splits.append(r.rows * tokens)
-        if merged.shapes is None:
-            merged.shapes = {}
-        merged.shapes[i] = r.shape
+        if tokens == 1 and r.rows == 1:  # the usual step: one row
+            merged.positions.append(r.position)
+            merged.table_rows.append(session.table_rows[0])
+            merged.adapter_ids.append(session.adapter_index)
+            continue
+        if tokens > 1:
+            if merged.shapes is None:
+                merged.shapes = {}
+            merged.shapes[i] = r.shape
         span = range(r.position, r.position + tokens)
         for table in session.table_rows:
             merged.positions.extend(span)
