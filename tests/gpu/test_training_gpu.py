@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from corolla.server.backend import SpanBackend
+from corolla.server.core import training_graphs
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.core.training_graphs import TrainingGraphs
@@ -90,3 +91,19 @@ def test_a_block_calls_graph_gives_what_the_eager_call_gives(backend: SpanBacken
             want, _ = backend.block_backward(index, hidden, grad, None)
             assert grad_input is not None and _close(grad_input, want)
     assert (graphs.num_captured, graphs.num_replays) == (2 * N_BLOCKS, 4 * N_BLOCKS)
+
+
+def test_shapes_past_the_bound_allocate_nothing(backend: SpanBackend, monkeypatch) -> None:
+    """A client that sends a new length every call (a new graph shape each) cannot make the server hold static inputs
+    without end: past `MAX_HELD_BYTES` a shape runs eagerly, with no graph and no input buffers kept for it."""
+    one_call_bytes = 2 * 8 * H * torch.empty(0, dtype=backend.dtype).element_size()  # [2, 8, H]: one input or output
+    monkeypatch.setattr(training_graphs, "MAX_HELD_BYTES", 3 * one_call_bytes)
+    graphs = TrainingGraphs(backend)
+    for length in range(8, 40):  # 32 shapes, each its own static inputs: room for one
+        hidden = torch.randn(2, length, H, device="cuda", dtype=backend.dtype)
+        output = graphs.forward(0, hidden)
+        if output is not None:
+            assert _close(output, backend.block_forward(0, hidden, None))
+    assert graphs.num_captured == 1 and graphs.held_bytes <= training_graphs.MAX_HELD_BYTES
+    assert graphs.forward(0, torch.randn(2, 30, H, device="cuda")) is None  # eager from then on
+    assert graphs.held_bytes <= training_graphs.MAX_HELD_BYTES

@@ -4,9 +4,10 @@ eager call holds the device thread ~2.5-5 ms launching its kernels through Pytho
 
 Only calls with no deep prompt and no adapter are captured (the others run eagerly, as before). The graphs share one
 memory pool: a replay's output is copied out at once, before any other replay can reuse the memory under it. Bounded:
-a graph is captured only while the graphs' static outputs stay under `MAX_OUTPUT_BYTES` (so many request shapes, a
-client's lengths, cannot make a server hold graphs without end) and the device keeps the sizing's autograd reserve
-free beside it; a call that is not captured, or fails to capture, runs eagerly from then on."""
+a graph is captured only while the graphs' static inputs and outputs stay under `MAX_HELD_BYTES` (so many request
+shapes, a client's lengths, cannot make a server hold graphs or their inputs without end: a shape past it allocates
+nothing) and the device keeps the sizing's autograd reserve free beside it; a call that is not captured, or fails to
+capture, runs eagerly from then on."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 # the most bytes of the graphs' outputs (each graph keeps its own; 32 blocks x both phases x 1-4 rows of 512 tokens
-# of hidden 4096 in bf16, the merged shapes of 8 clients' 512-token steps: 2.5 GiB)
-MAX_OUTPUT_BYTES = 4 * 2**30
+# of hidden 4096 in bf16, the merged shapes of 8 clients' 512-token steps: 2.5 GiB) and static inputs (one set per
+# phase and shape, shared by the blocks' graphs)
+MAX_HELD_BYTES = 4 * 2**30
 
 # the graphs' keys: (backward?, block, rows, length)
 GraphKey = tuple[bool, int, int, int]
@@ -53,7 +55,8 @@ class TrainingGraphs:
         self._inputs: dict[tuple[bool, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._eager: set[GraphKey] = set()  # calls that failed to capture, or found the device too full
         self._reserve_bytes = autograd_reserve_bytes(backend.config)
-        self.output_bytes = 0  # the captured graphs' outputs
+        self._element_bytes = torch.empty(0, dtype=backend.dtype).element_size()
+        self.held_bytes = 0  # the captured graphs' outputs and their static inputs
         self.num_captured = 0
         self.num_replays = 0
 
@@ -71,11 +74,13 @@ class TrainingGraphs:
         if key in self._eager:
             return None
         backward, _, rows, length = key
+        captured = self._graphs.get(key)
+        if captured is None and not self._room_for(key, hidden):
+            return None
         static_hidden, static_grad = self._static_inputs(backward, rows, length)
         static_hidden.copy_(hidden)
         if grad_output is not None:
             static_grad.copy_(grad_output)
-        captured = self._graphs.get(key)
         if captured is None:
             captured = self._capture(key, static_hidden, static_grad)
             if captured is None:
@@ -93,24 +98,31 @@ class TrainingGraphs:
             hidden = torch.zeros(shape, dtype=backend.dtype, device=backend.device)
             grad = torch.zeros(shape, dtype=backend.dtype, device=backend.device) if backward else hidden
             inputs = self._inputs[key] = (hidden, grad)
+            self.held_bytes += _nbytes(hidden) * (2 if backward else 1)
         return inputs
 
-    def _capture(self, key: GraphKey, hidden: torch.Tensor, grad_output: torch.Tensor) -> _Graph | None:
-        """Warms the call up on the side stream, then captures it there (the inputs already hold the call's values);
-        None (and eager from then on) where it fails or the device is short of memory."""
+    def _room_for(self, key: GraphKey, hidden: torch.Tensor) -> bool:
+        """Whether a graph of `key` (its output, and its static inputs where its shape has none yet) fits under
+        `MAX_HELD_BYTES` and the device's free memory; where not, `key` runs eagerly from now on, nothing allocated."""
         backward, index, rows, length = key
-        device = self.backend.device
-        output_bytes = hidden.numel() * hidden.element_size()
+        output_bytes = hidden.numel() * self._element_bytes  # (in the span's dtype, as the buffers are)
+        inputs_bytes = 0 if (backward, rows, length) in self._inputs else output_bytes * (2 if backward else 1)
         if (
-            self.output_bytes + output_bytes > MAX_OUTPUT_BYTES
-            or device_free_bytes(device) < self._reserve_bytes + 4 * output_bytes
+            self.held_bytes + output_bytes + inputs_bytes <= MAX_HELD_BYTES
+            and device_free_bytes(self.backend.device) >= self._reserve_bytes + 4 * output_bytes
         ):
-            self._eager.add(key)
-            logger.info(f"training_graphs.eager(block={index}, backward={backward}, rows={rows}, length={length}): "
-                        f"graphs hold {self.output_bytes} bytes of outputs, or the device is short of memory")  # fmt: skip
-            return None
+            return True
+        self._eager.add(key)
+        logger.info(f"training_graphs.eager(block={index}, backward={backward}, rows={rows}, length={length}): "
+                    f"graphs hold {self.held_bytes} bytes, or the device is short of memory")  # fmt: skip
+        return False
+
+    def _capture(self, key: GraphKey, hidden: torch.Tensor, grad_output: torch.Tensor) -> _Graph | None:
+        """Warms the call up on the side stream, then captures it there (the inputs already hold the call's values,
+        `_room_for` found room for it); None (and eager from then on) where it fails."""
+        backward, index, rows, length = key
         call = self._call(index, hidden, grad_output if backward else None)
-        stream, current = self._stream, torch.cuda.current_stream(device)
+        stream, current = self._stream, torch.cuda.current_stream(self.backend.device)
         graph = torch.cuda.CUDAGraph()
         try:
             stream.wait_stream(current)
@@ -130,7 +142,7 @@ class TrainingGraphs:
                            f"length={length}, error={e!r}): eager from now on")  # fmt: skip
             return None
         captured = self._graphs[key] = _Graph(graph, output)
-        self.output_bytes += output_bytes
+        self.held_bytes += _nbytes(output)
         self.num_captured += 1
         logger.debug(f"training_graphs.capture(block={index}, backward={backward}, rows={rows}, length={length})")
         return captured
@@ -153,3 +165,7 @@ class TrainingGraphs:
             return block_input.grad  # [B, T, H]
 
         return backward
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
