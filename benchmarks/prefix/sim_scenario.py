@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.prefix.sim_cache import ServerPrefixCache
+from benchmarks.sim.client_model import ClientDriver, SimSession
+from benchmarks.sim.metrics import Report
+from benchmarks.sim.simulation import SimConfig, Simulation
+from benchmarks.sim.workload import WorkloadConfig
 from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.client.prefix.prefix_routes import PrefixRoutes
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
 from corolla.protocol.records import RemoteSpanInfo
-from corolla.sim.client_model import ClientDriver, SimSession
-from corolla.sim.metrics import Report
-from corolla.sim.simulation import SimConfig, Simulation
-from corolla.sim.workload import WorkloadConfig
 
 ROOT = b"corolla.sim.prefix"  # the chain root of every simulated conversation (one model, no adapter)
 

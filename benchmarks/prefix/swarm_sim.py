@@ -1,5 +1,5 @@
 """`python -m benchmarks.prefix.swarm_sim [--scenario scale-low] [--policy corolla] [--cache_tokens_per_server N]`:
-prefix caching in corolla-sim (`benchmarks.prefix.sim_scenario`): stateless multi-turn chats (5 turns of LMSYS-sized
+prefix caching in python -m benchmarks.sim (`benchmarks.prefix.sim_scenario`): stateless multi-turn chats (5 turns of LMSYS-sized
 prompts and answers), a prefix cache per server, one run each without the cache, with it under the policy's plain
 routing and with cache-affine routing (the real `client.prefix.prefix_routes`), same seed. Prints one JSON line per way
 and, with `--markdown`, a table for RESULTS.md."""
@@ -10,7 +10,7 @@ import argparse
 import json
 
 from benchmarks.prefix.sim_scenario import compare, prefix_config
-from corolla.sim.scenarios import SCENARIOS, scenario
+from benchmarks.sim.scenarios import SCENARIOS, scenario
 
 COLUMNS = ("saved_prefill", "affine_routes", "later_turns", "later_ttft_p50_s", "later_ttft_mean_s", "ttft_p50_s",
            "tpot_p50_s", "sessions_completed", "failed")  # fmt: skip

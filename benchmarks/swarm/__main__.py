@@ -1,5 +1,5 @@
 """`python -m benchmarks.swarm [--part helix|scale|large] [--policy petals corolla] [--seed N]`: runs the parts asked
-for through `corolla.sim`, prints markdown tables and writes every report as JSON under `--out`."""
+for through `benchmarks.sim`, prints markdown tables and writes every report as JSON under `--out`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import os
 import time
 from pathlib import Path
 
-from corolla.sim.helix import reproduction
-from corolla.sim.scenarios import scenario
-from corolla.sim.simulation import Simulation
+from benchmarks.sim.helix import reproduction
+from benchmarks.sim.scenarios import scenario
+from benchmarks.sim.simulation import Simulation
 
 COLUMNS = ("policy", "decode_tok_s", "ttft_p50_s", "tpot_p50_s", "tpot_p99_s", "sessions_completed", "failed",
            "failed_covered", "turned_away", "retried", "moves", "reload_s", "flow_eff", "wall_s", "cpu_s", "calls_wall_s")  # fmt: skip

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import logging
 
+from benchmarks.sim.scenarios import scenario
+from benchmarks.sim.server_model import SimServer
+from benchmarks.sim.simulation import Simulation
 from corolla.protocol.records import ServerState
-from corolla.sim.scenarios import scenario
-from corolla.sim.server_model import SimServer
-from corolla.sim.simulation import Simulation
 
 
 def fitting_by_block(servers: list[SimServer], num_blocks: int, need_tokens: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Prefix caching in corolla-sim: a server's cache model (whole blocks, LRU in tokens, per span) and the scenario
+"""Prefix caching in benchmarks.sim: a server's cache model (whole blocks, LRU in tokens, per span) and the scenario
 (stateless turns): without the cache nothing is reused; with it later turns reuse most of their conversation and
 reach their first token sooner; cache-affine routing sends turns back to the chain that held them."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.prefix.sim_cache import ServerPrefixCache
 from benchmarks.prefix.sim_scenario import compare, prefix_config
-from corolla.sim.scenarios import scenario
+from benchmarks.sim.scenarios import scenario
 
 
 def test_the_cache_keeps_whole_blocks_per_span_and_forgets_the_least_recently_used() -> None:

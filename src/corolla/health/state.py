@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from corolla.protocol.records import LOAD_FIELDS, RemoteModuleInfo, RemoteSpanInfo, ServerState
-from corolla.sim.bound import placement_max_flow
+from corolla.swarm.placement_flow import placement_max_flow
 from corolla.swarm.spans import compute_spans
 from corolla.utils.logging import get_logger
 
@@ -96,7 +96,7 @@ def row_state(span: RemoteSpanInfo, rtt_s: float | None) -> str:
 def swarm_flow(spans: Sequence[RemoteSpanInfo], num_blocks: int, served_tps: float | None) -> dict[str, Any]:
     """The flow figures of online `spans` (throughputs as announced, tokens/s): bottleneck_tps, the least per-block
     sum (Petals' balance measure); max_flow_tps, the layout's max-flow when chains hand over inside spans
-    (`corolla.sim.bound`); bound_tps = sum(throughput * span length) / blocks: a token needs every block once, so
+    (`swarm.placement_flow`); bound_tps = sum(throughput * span length) / blocks: a token needs every block once, so
     no arrangement of these spans passes more; efficiency = max_flow / bound; served_tps, what servers serve now."""
     totals = [0.0] * num_blocks
     for span in spans:

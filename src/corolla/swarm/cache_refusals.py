@@ -2,7 +2,7 @@
 avoids the server for `AVOID_S` (a fixed time, not the escalating ban of a failure), re-reads the records (fresher
 free-cache figures: servers re-announce early, `swarm.early_announce`) and re-routes at once, up to
 `IMMEDIATE_REROUTES` refusals in a row; only then does it back off as after a failure (the swarm looks full).
-Pure: the real client (`client.calls.retries`, `client.routing.sequence_manager`) and `corolla.sim` apply the same rule (decision 0020)."""
+Pure: the real client (`client.calls.retries`, `client.routing.sequence_manager`) and `benchmarks.sim` apply the same rule (decision 0020)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ the record it last stored. Records are otherwise up to an update period old (60 
 them every period pile onto servers that announced room they no longer have (decision 0020). Rate-bounded: never
 sooner than `min_interval_s` after the last announcement, so a busy server stores at most
 update_period_s / min_interval_s times more records than Petals' heartbeat. Pure: the server's announcer and
-`corolla.sim` both call `EarlyAnnounce.due`."""
+`benchmarks.sim` both call `EarlyAnnounce.due`."""
 
 from __future__ import annotations
 

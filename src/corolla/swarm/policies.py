@@ -1,4 +1,4 @@
-"""The policies by name, for what measures corolla's policy against Petals' (`corolla-sim run --policy`,
+"""The policies by name, for what measures corolla's policy against Petals' (`python -m benchmarks.sim run --policy`,
 `benchmarks.swarm_live`): `corolla` (what `corolla-server` and the client run) and `petals` (the reference's math,
 the measured baseline; no product option selects it)."""
 

@@ -1,5 +1,5 @@
 """The swarm policy seam: placement, rebalancing and routing as pure functions of plain data (spans, throughputs,
-announced load, RTTs; no DHT, network or clock), called by the real server and client and by `corolla.sim`.
+announced load, RTTs; no DHT, network or clock), called by the real server and client and by `benchmarks.sim`.
 
 How to drive a policy (the simulator does exactly what the server and client do):
 
@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 from corolla.protocol.records import RemoteSpanInfo
 
 RouteMode = Literal["min_latency", "max_throughput"]
-# corolla's is what `corolla-server` and the client run; Petals' is the baseline that `corolla-sim` and the live
+# corolla's is what `corolla-server` and the client run; Petals' is the baseline that `python -m benchmarks.sim` and the live
 # benchmark measure it against (`swarm.policies.make_policy`)
 POLICY_NAMES = ("corolla", "petals")
 # servers a server pings before placing or moving when its policy places by RTT (`uses_rtts`), of those it has not
@@ -114,7 +114,7 @@ class SwarmPolicy(Protocol):
 
     @property
     def name(self) -> str:
-        """The policy's name in `POLICY_NAMES` (logs, `corolla-sim --policy`)."""
+        """The policy's name in `POLICY_NAMES` (logs, `python -m benchmarks.sim --policy`)."""
         ...
 
     @property

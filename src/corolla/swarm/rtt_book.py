@@ -3,7 +3,7 @@
 A policy that places by region (`SwarmPolicy.uses_rtts`) needs to know which servers are near. A server pings
 `PLACEMENT_PINGS` servers a check; a fresh random sample each time let a server of a 1,000-server swarm see a
 different ~13 of its region's ~200 servers at every check, so each check weighed a different swarm and the moves
-oscillated (6,419 moves in the simulated hour of `corolla-sim run --scenario large`, decision 0025). RTTs between two
+oscillated (6,419 moves in the simulated hour of `python -m benchmarks.sim run --scenario large`, decision 0025). RTTs between two
 hosts barely change, so the book keeps every figure it measured and pings first the servers it has not measured:
 its view of its region only grows, and once it has measured every server announced it is the whole region, the
 same for every server of that region."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from corolla.sim.churn import ChurnConfig
-from corolla.sim.simulation import SimConfig
-from corolla.sim.workload import WorkloadConfig
+from benchmarks.sim.churn import ChurnConfig
+from benchmarks.sim.simulation import SimConfig
+from benchmarks.sim.workload import WorkloadConfig
 
 FOUR_REGIONS = {"us-east": 1.0, "us-west": 1.0, "europe": 1.0, "asia": 1.0}
 # 40% 8-12 GB cards, 30% 24 GB consumer cards, 20% L4/A10, 10% 80 GB

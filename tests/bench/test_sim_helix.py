@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from corolla.sim import helix
-from corolla.sim.bound import best_known_placement, placement_max_flow
+from benchmarks.sim import helix
+from benchmarks.sim.bound import best_known_placement
+from corolla.swarm.placement_flow import placement_max_flow
 
 
 def test_petals_layout_reproduces_helix_max_flow() -> None:

@@ -9,12 +9,12 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from benchmarks.sim.clock import Event, EventLoop
+from benchmarks.sim.metrics import Metrics
+from benchmarks.sim.server_model import SimServer
+from benchmarks.sim.view import SwarmView
+from benchmarks.sim.workload import Conversation
 from corolla.protocol.records import ServerState
-from corolla.sim.clock import Event, EventLoop
-from corolla.sim.metrics import Metrics
-from corolla.sim.server_model import SimServer
-from corolla.sim.view import SwarmView
-from corolla.sim.workload import Conversation
 from corolla.swarm.cache_refusals import AVOID_S, reroute_delay_s
 from corolla.utils.errors import MissingBlocksError
 

@@ -19,8 +19,9 @@ import random
 from collections.abc import Sequence
 from statistics import median
 
+from benchmarks.sim.bound import ServerKind, best_known_placement
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
-from corolla.sim.bound import ServerKind, best_known_placement, placement_max_flow
+from corolla.swarm.placement_flow import placement_max_flow
 from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import ServerCapacity
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from corolla.sim.clock import EventLoop
+from benchmarks.sim.clock import EventLoop
 
 
 def test_events_run_in_time_order_and_ties_in_scheduling_order() -> None:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from corolla.sim.catalogue import GPUS, LLAMA2_70B, STEP_OVERHEAD_S, ServerPerf
-from corolla.sim.churn import ChurnConfig
-from corolla.sim.metrics import Metrics, Report
-from corolla.sim.regions import RttModel, base_rtt_s
-from corolla.sim.server_model import SimServer
-from corolla.sim.workload import WorkloadConfig, WorkloadGenerator, read_trace
+from benchmarks.sim.catalogue import GPUS, LLAMA2_70B, STEP_OVERHEAD_S, ServerPerf
+from benchmarks.sim.churn import ChurnConfig
+from benchmarks.sim.metrics import Metrics, Report
+from benchmarks.sim.regions import RttModel, base_rtt_s
+from benchmarks.sim.server_model import SimServer
+from benchmarks.sim.workload import WorkloadConfig, WorkloadGenerator, read_trace
 
 
 def test_decode_is_weights_over_bandwidth_at_one_row() -> None:

@@ -1,4 +1,4 @@
-"""`corolla-sim`: the Helix reproduction prints its figures, and a run writes one JSON report per policy."""
+"""`python -m benchmarks.sim`: the Helix reproduction prints its figures, and a run writes one JSON report per policy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from corolla.cli.sim import main
+from benchmarks.sim.__main__ import main
 
 
 @pytest.fixture(autouse=True)

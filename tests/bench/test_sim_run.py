@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
+from benchmarks.sim.scenarios import SCENARIOS, scenario
+from benchmarks.sim.simulation import Simulation
 from corolla.protocol.records import ServerState
-from corolla.sim.scenarios import SCENARIOS, scenario
-from corolla.sim.simulation import Simulation
 from corolla.swarm import cache_refusals, petals_policy
 from corolla.swarm.corolla_policy import CorollaPolicy
 from corolla.swarm.policy import MoveDecision

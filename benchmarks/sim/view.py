@@ -5,9 +5,9 @@ refresh (clients re-read the DHT every `update_period_s`, or at once when a bloc
 
 from __future__ import annotations
 
+from benchmarks.sim.regions import REGIONS, RttModel
+from benchmarks.sim.server_model import SimServer
 from corolla.protocol.records import RemoteSpanInfo, ServerState
-from corolla.sim.regions import REGIONS, RttModel
-from corolla.sim.server_model import SimServer
 
 
 class SwarmView:

@@ -12,19 +12,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from benchmarks.sim.bound import ServerKind, best_known_placement
+from benchmarks.sim.catalogue import GPUS, LLAMA2_70B, ModelSpec, ServerPerf
+from benchmarks.sim.churn import ChurnConfig
+from benchmarks.sim.client_model import ClientDriver, SimSession
+from benchmarks.sim.clock import EventLoop
+from benchmarks.sim.metrics import FlowSample, Metrics, Report
+from benchmarks.sim.regions import REGIONS, RttModel
+from benchmarks.sim.server_model import SimServer
+from benchmarks.sim.view import SwarmView
+from benchmarks.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
 from corolla.protocol.records import RemoteSpanInfo, ServerState
-from corolla.sim.bound import ServerKind, best_known_placement, placement_max_flow
-from corolla.sim.catalogue import GPUS, LLAMA2_70B, ModelSpec, ServerPerf
-from corolla.sim.churn import ChurnConfig
-from corolla.sim.client_model import ClientDriver, SimSession
-from corolla.sim.clock import EventLoop
-from corolla.sim.metrics import FlowSample, Metrics, Report
-from corolla.sim.regions import REGIONS, RttModel
-from corolla.sim.server_model import SimServer
-from corolla.sim.view import SwarmView
-from corolla.sim.workload import Conversation, WorkloadConfig, WorkloadGenerator, read_trace
 from corolla.swarm.cache_refusals import may_avoid
 from corolla.swarm.early_announce import DEFAULT_EARLY_ANNOUNCE, EARLY_CHECK_PERIOD_S
+from corolla.swarm.placement_flow import placement_max_flow
 from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import PLACEMENT_PINGS, MoveDecision, ServerCapacity
 from corolla.swarm.route_planning import find_missing_blocks

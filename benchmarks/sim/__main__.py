@@ -1,4 +1,4 @@
-"""`corolla-sim`: run a swarm scenario in simulated time with a placement/routing policy, compare policies on the
+"""`python -m benchmarks.sim`: run a swarm scenario in simulated time with a placement/routing policy, compare policies on the
 same scenario and seed, or reproduce Helix's max-flow anchor; prints a table and optionally writes JSON."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from corolla.sim.helix import reproduction
-from corolla.sim.scenarios import SCENARIOS, scenario
-from corolla.sim.simulation import Simulation
-from corolla.sim.workload import WorkloadConfig
+from benchmarks.sim.helix import reproduction
+from benchmarks.sim.scenarios import SCENARIOS, scenario
+from benchmarks.sim.simulation import Simulation
+from benchmarks.sim.workload import WorkloadConfig
 from corolla.swarm.policy import POLICY_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser("corolla-sim", description=__doc__)
+    parser = argparse.ArgumentParser("python -m benchmarks.sim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate a scenario with one or more policies (same seed, one row each)")
     run.add_argument("--scenario", choices=sorted(SCENARIOS), default="scale")

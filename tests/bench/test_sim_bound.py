@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from corolla.sim.bound import ServerKind, best_known_placement, placed_flow, placement_max_flow
+from benchmarks.sim.bound import ServerKind, best_known_placement, placed_flow
+from corolla.swarm.placement_flow import placement_max_flow
 
 
 def test_a_chain_passes_its_weakest_server() -> None:

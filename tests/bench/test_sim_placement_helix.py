@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from corolla.sim import helix
+from benchmarks.sim import helix
 from corolla.swarm.policy import ServerCapacity
 
 SEEDS = range(10)

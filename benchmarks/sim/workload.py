@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from corolla.sim.regions import REGIONS
+from benchmarks.sim.regions import REGIONS
 
 MAX_TRACE_LINES = 10_000_000
 LENGTH_SIGMA = 1.0  # lognormal spread of prompt/output lengths around their means (assumption)

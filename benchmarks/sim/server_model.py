@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from benchmarks.sim.catalogue import STEP_OVERHEAD_S, ServerPerf
 from corolla.protocol.records import ServerInfo, ServerState
 from corolla.server.throughput import derive_throughput
-from corolla.sim.catalogue import STEP_OVERHEAD_S, ServerPerf
 from corolla.swarm.policy import ServerCapacity
 from corolla.swarm.rtt_book import RttBook
 
