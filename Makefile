@@ -118,7 +118,7 @@ soak: $(STAMP)
 # Opt-in field soak (30 min by default): the churn soak (a server stopped every 20-40 s, not 3-8 s: every step is
 # verified, so a span left with one new server waits for a second, and restarts take a minute on a busy 2-core VM)
 # while a hostile process with FIELD_HOARDERS identities keeps every server's (small) cache full of sessions held by
-# zero-token steps, every server's p2p link (a `corolla.wan`
+# zero-token steps, every server's p2p link (a `benchmarks.wan_emulator`
 # proxy it announces) stalls for 5 s, drops for 30 s or is partitioned for 20 s in turn every 20-40 s, and one extra
 # server of the first span returns finite garbage for FIELD_LIAR_RATE of its answers (the clients verify every step);
 # the same pass criteria as `make soak` (0 failed, 0 differing, nothing left running), and the report counts the

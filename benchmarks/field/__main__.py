@@ -1,5 +1,5 @@
 """`python -m benchmarks.field [--stall_s 5] [--drop_s 30] [--new_tokens 48]` (inside `../shared/tools/loopback-only`):
-the demo model on a chain of 3 spans (the middle one with a replica), each server behind a `corolla.wan` proxy that
+the demo model on a chain of 3 spans (the middle one with a replica), each server behind a `benchmarks.wan_emulator` proxy that
 it announces (`--announce_maddrs`), one greedy generation per fault: the only server of the first span stalls for
 `stall_s`, the only server of the last span drops its link for `drop_s` (connections reset, new dials unanswered),
 the middle span's server in use is partitioned from every peer that dials it (its own DHT connections stay up).
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from benchmarks.wan.chain import free_port
+from benchmarks.wan_emulator import LinkConfig, ProxyThread, WanProxy
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
-from corolla.wan import LinkConfig, ProxyThread, WanProxy
 
 PROMPT = torch.tensor([[1, 15, 27, 30, 42, 7]])
 FAULT_AT = 12  # tokens out before the fault

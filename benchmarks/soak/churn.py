@@ -27,11 +27,11 @@ from benchmarks.soak.chaos import ChaosCounters, ChaosLoop
 from benchmarks.soak.leftovers import RUN_MARKER_ENV, kill_all, orphans_among, wait_for_no_leftovers
 from benchmarks.soak.wan_faults import WanCounters, WanFaultLoop
 from benchmarks.soak.worker import DONE_LINE, READY_LINE, RESULT_PREFIX, GenerationResult, write_go_file
+from benchmarks.wan_emulator import ProxyThread
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR
 from corolla.swarm.local import SERVER_READY_PREFIX, LocalSwarm, LocalSwarmConfig, even_block_ranges
 from corolla.utils.logging import get_logger
 from corolla.utils.processes import ChildProcess
-from corolla.wan import ProxyThread
 
 logger = get_logger(__name__)
 

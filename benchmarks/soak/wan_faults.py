@@ -1,4 +1,4 @@
-"""The bad-network side of the field soak: every server launch gets its own `corolla.wan` proxy, which it announces
+"""The bad-network side of the field soak: every server launch gets its own `benchmarks.wan_emulator` proxy, which it announces
 (`--announce_maddrs`), so every p2p byte to it crosses a link we can break; a seeded schedule then breaks the link of
 a random ready server in turn with a stall (every byte held, nothing lost), a drop (connections reset, new dials
 unanswered) and a partition from every peer that dials it (its own DHT connections stay up), healed after
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from benchmarks.wan.chain import free_port
+from benchmarks.wan_emulator import LinkConfig, ProxyThread, WanProxy
 from corolla.utils.logging import get_logger
-from corolla.wan import LinkConfig, ProxyThread, WanProxy
 
 logger = get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """The live check of the swarm policies: loopback swarms of corolla servers of different speeds (the test-only
-`COROLLA_TEST_BLOCK_DELAY_S` knob: device seconds per block per token) and memory, in regions behind `corolla.wan`
+`COROLLA_TEST_BLOCK_DELAY_S` knob: device seconds per block per token) and memory, in regions behind `benchmarks.wan_emulator`
 proxies (every connection to a server crosses its proxy's one-way delay), driven by many concurrent clients.
 
 The same servers are placed twice, by Petals' policy and by corolla's (each span is what that policy's `choose_span`
@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.common.children import child_env
 from benchmarks.wan.chain import free_port
+from benchmarks.wan_emulator import LinkConfig, ProxyThread
 from corolla.client.config import ClientConfig
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.inference_session import InferenceSession
@@ -35,7 +36,6 @@ from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
 from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import ServerCapacity
 from corolla.utils.logging import get_logger
-from corolla.wan import LinkConfig, ProxyThread
 
 logger = get_logger(__name__)
 

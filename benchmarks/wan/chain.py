@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from benchmarks.wan_emulator import LinkConfig, ProxyThread, WanProxy
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 from corolla.utils.logging import get_logger
 from corolla.utils.processes import ChildProcess
-from corolla.wan import LinkConfig, ProxyThread, WanProxy
 
 logger = get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """`python -m benchmarks.wan`: per-token latency and tokens/s of greedy generation through a chain of n servers, each
-behind a WAN proxy (corolla.wan) adding a one-way delay d, the client not behind one (so every link, client to server
+behind a WAN proxy (benchmarks.wan_emulator) adding a one-way delay d, the client not behind one (so every link, client to server
 or server to server, costs d one way). Rows: corolla relaying (the client carries every hop: 2n*d per token),
 corolla forwarding (`next_servers`: (n+1)*d), speculative decoding on top of forwarding (draft model and prompt
 lookup), and a stock Petals 2.2 client through stock Petals 2.2 servers behind the same proxies. The compute c per
@@ -23,8 +23,8 @@ import torch
 from benchmarks.wan.chain import CorollaChain, PetalsChain, petals_python_default
 from benchmarks.wan.measure import ModeResult, run_generate
 from benchmarks.wan.report import write_report
+from benchmarks.wan_emulator import LinkConfig, ProxyThread
 from corolla.utils.logging import get_logger
-from corolla.wan import LinkConfig, ProxyThread
 
 logger = get_logger(__name__)
 

@@ -2,7 +2,7 @@
 2 replicas) with small caches, two client processes generating greedily (one over the same-host socket, one over
 p2p), servers SIGKILLed, SIGTERMed and restarted at random (seeded; at least one outage of a whole span), while a
 hostile process with 2 identities keeps every server's cache full of sessions held by zero-token steps, every
-server's p2p link stalls, drops and is partitioned in turn (`corolla.wan` proxies) and one extra server of the first
+server's p2p link stalls, drops and is partitioned in turn (`benchmarks.wan_emulator` proxies) and one extra server of the first
 span returns finite garbage for a fifth of its answers (the clients verify every step): 0 failed and 0 differing
 generations, nothing left behind or orphaned, the servers ended the hoarders' sessions for the clients, and the
 liar's lies were caught. `make soak` and `make soak-field` run the long versions. Also checks that the soak's own checks can fail: a planted

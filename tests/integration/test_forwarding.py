@@ -1,5 +1,5 @@
 """Server-to-server forwarding (client.session.forwarding) through a chain of three in-process servers (tiny Llama, blocks
-0:2, 2:3, 3:4, plus a replica of 2:3), each behind a WAN proxy (corolla.wan) with a small one-way delay: greedy
+0:2, 2:3, 3:4, plus a replica of 2:3), each behind a WAN proxy (benchmarks.wan_emulator) with a small one-way delay: greedy
 tokens identical to local transformers with the push path in use (replies flagged as answers to pushed steps), and
 the middle server cut off mid-generation (its proxy closed: connections reset, new ones refused, as for a killed
 process) still gives identical tokens, the replacement chain being pushed to in turn."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks.wan_emulator import LinkConfig, ProxyThread
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.wan import LinkConfig, ProxyThread
 from helpers.ports import free_port
 from helpers.swarm import start_inprocess_server
 from helpers.tiny_models import make_tiny_model

@@ -1,4 +1,4 @@
-"""Speculative decoding through a 3-server chain of the demo model, each server behind a WAN proxy (corolla.wan,
+"""Speculative decoding through a 3-server chain of the demo model, each server behind a WAN proxy (benchmarks.wan_emulator,
 5 ms one-way): greedy text with each drafter (prompt lookup, the demo draft model) is token-identical to plain
 greedy with fewer passes through the swarm, and after a speculative generation (with rejections rolled back) the
 servers' caches equal a fresh session's (a following step gives the same logits)."""
@@ -13,10 +13,10 @@ from tests.helpers.ports import free_port
 from tests.helpers.swarm import start_inprocess_server
 from transformers import AutoTokenizer
 
+from benchmarks.wan_emulator import LinkConfig, ProxyThread
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.speculative.acceptance import SpeculativeConfig
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR
-from corolla.wan import LinkConfig, ProxyThread
 
 pytestmark = pytest.mark.timeout(180)
 

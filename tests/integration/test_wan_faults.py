@@ -1,4 +1,4 @@
-"""Sessions through a chain of servers behind WAN proxies (corolla.wan) while links fail: the only server of a span
+"""Sessions through a chain of servers behind WAN proxies (benchmarks.wan_emulator) while links fail: the only server of a span
 stalls for 8 s, the only server of another span drops its link for 8 s (connections reset, new dials unanswered),
 a server with a replica is partitioned from the client (not from the DHT). Each greedy generation must equal the
 fault-free output (no wrong, lost or duplicated token); a stalled hop is noticed at its step deadline (derived from
@@ -21,9 +21,9 @@ from tests.helpers.swarm import Swarm
 from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
+from benchmarks.wan_emulator import LinkConfig, ProxyThread, WanProxy
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.session.stalls import STALL_MIN_S
-from corolla.wan import LinkConfig, ProxyThread, WanProxy
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
 

@@ -1,4 +1,4 @@
-"""A server behind a WAN proxy (corolla.wan) with a 30 ms one-way delay, announcing the proxy's address: the address
+"""A server behind a WAN proxy (benchmarks.wan_emulator) with a 30 ms one-way delay, announcing the proxy's address: the address
 it gives peers is the proxy's only, a client's inference step takes at least one round trip (2 x 30 ms), and every TCP
 connection the server accepted (client, DHT) came through the proxy. One in-process server, one client."""
 
@@ -13,8 +13,8 @@ from tests.helpers.ports import free_port
 from tests.helpers.swarm import start_inprocess_server
 from tests.helpers.tiny_models import make_tiny_model
 
+from benchmarks.wan_emulator import LinkConfig, ProxyThread
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.wan import LinkConfig, ProxyThread
 
 pytestmark = pytest.mark.timeout(120)
 

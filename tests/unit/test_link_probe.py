@@ -1,5 +1,5 @@
 """The knock on a server's libp2p listener (`client.transport.link_probe`), on loopback sockets: a listener that speaks first
-(as libp2p's multistream-select does) answers; one behind a dropped `corolla.wan` link answers only once the drop
+(as libp2p's multistream-select does) answers; one behind a dropped `benchmarks.wan_emulator` link answers only once the drop
 ends, and `wait_until_answering` returns soon after (or gives up when told to); a silent listener does not answer
 and a closed port refuses (the server gone, not the link: no more knocking); only direct TCP addresses are knocked
 on. Every wait is bounded."""
@@ -11,6 +11,7 @@ import time
 
 from hivemind.utils.multiaddr import Multiaddr
 
+from benchmarks.wan_emulator import WanProxy
 from corolla.client.transport.link_probe import (
     KNOCK_TIMEOUT_S,
     MULTISTREAM_HEADER,
@@ -18,7 +19,6 @@ from corolla.client.transport.link_probe import (
     tcp_address,
     wait_until_answering,
 )
-from corolla.wan import WanProxy
 
 
 async def _listener(greeting: bytes) -> asyncio.Server:

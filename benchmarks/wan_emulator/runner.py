@@ -10,9 +10,9 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import TypeVar
 
+from benchmarks.wan_emulator.config import LinkConfig
+from benchmarks.wan_emulator.proxy import WanProxy
 from corolla.utils.logging import get_logger
-from corolla.wan.config import LinkConfig
-from corolla.wan.proxy import WanProxy
 
 logger = get_logger(__name__)
 T = TypeVar("T")

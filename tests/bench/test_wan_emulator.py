@@ -1,4 +1,4 @@
-"""The WAN emulator (corolla.wan): the shaper's schedule on a fake clock (delay bounds, order under jitter, bandwidth,
+"""The WAN emulator (benchmarks.wan_emulator): the shaper's schedule on a fake clock (delay bounds, order under jitter, bandwidth,
 stalls) and the proxy on real loopback sockets (delay in both directions, byte order and content, bandwidth cap,
 back-pressure bound, clean shutdown, config validation). Every wait is bounded."""
 
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from corolla.wan import LinkConfig, ProxyThread, WanProxy
-from corolla.wan.__main__ import parse_args
-from corolla.wan.shaper import Shaper
+from benchmarks.wan_emulator import LinkConfig, ProxyThread, WanProxy
+from benchmarks.wan_emulator.__main__ import parse_args
+from benchmarks.wan_emulator.shaper import Shaper
 
 # ---- shaper (pure, fake clock) ----------------------------------------------------------------------------------
 
@@ -319,7 +319,7 @@ def test_reply_bandwidth_caps_only_the_direction_from_the_server() -> None:
 
 
 def test_fault_durations_are_bounded() -> None:
-    from corolla.wan.faults import LinkFaults
+    from benchmarks.wan_emulator.faults import LinkFaults
 
     faults = LinkFaults()
     for bad in (0.0, -1.0, 1e9):

@@ -14,10 +14,10 @@ import contextlib
 import itertools
 from dataclasses import dataclass
 
+from benchmarks.wan_emulator.config import LinkConfig
+from benchmarks.wan_emulator.faults import LinkFaults
+from benchmarks.wan_emulator.shaper import Shaper
 from corolla.utils.logging import get_logger
-from corolla.wan.config import LinkConfig
-from corolla.wan.faults import LinkFaults
-from corolla.wan.shaper import Shaper
 
 logger = get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""`python -m corolla.wan --listen 127.0.0.1:9000 --target 127.0.0.1:31337 --delay_ms 25`: one WAN proxy in front of
+"""`python -m benchmarks.wan_emulator --listen 127.0.0.1:9000 --target 127.0.0.1:31337 --delay_ms 25`: one WAN proxy in front of
 one server until SIGINT/SIGTERM. Start the server with `--announce_maddrs /ip4/127.0.0.1/tcp/<listen port>` (and
 `--host_maddrs /ip4/127.0.0.1/tcp/<target port>`) so that every peer reaches it through the proxy."""
 
@@ -9,9 +9,9 @@ import asyncio
 import signal
 import sys
 
+from benchmarks.wan_emulator.config import LinkConfig
+from benchmarks.wan_emulator.proxy import WanProxy
 from corolla.utils.logging import get_logger
-from corolla.wan.config import LinkConfig
-from corolla.wan.proxy import WanProxy
 
 logger = get_logger(__name__)
 READY_PREFIX = "corolla-wan: listening on "
@@ -25,7 +25,7 @@ def _host_port(text: str) -> tuple[str, int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m corolla.wan", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.wan_emulator", description=__doc__)
     p.add_argument("--listen", type=_host_port, default=("127.0.0.1", 0), help="HOST:PORT to listen on (port 0: any)")
     p.add_argument("--target", type=_host_port, required=True, help="HOST:PORT of the server behind the proxy")
     p.add_argument("--delay_ms", type=float, default=0.0, help="one-way delay added in each direction")

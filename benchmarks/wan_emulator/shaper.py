@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from corolla.wan.config import LinkConfig
+from benchmarks.wan_emulator.config import LinkConfig
 
 
 class Shaper:
