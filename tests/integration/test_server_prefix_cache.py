@@ -235,6 +235,31 @@ def test_handler_processes_reuse_the_prefix_too(model_path, tmp_path_factory, bl
         server.shutdown()
 
 
+def test_handler_processes_share_prefixes_where_the_operator_says(model_path, tmp_path_factory, blocks) -> None:
+    """`--num_handlers 2 --prefix_cache_shared`: every front is built from the same settings, so the handler
+    processes' fronts share prefixes across clients as the one-process front does (they once ignored the flag)."""
+    server = start(
+        model_path, tmp_path_factory.mktemp("cache_handlers_shared"), num_handlers=2, prefix_cache_shared=True
+    )
+    first, second = (ClientThread(server.join_maddrs, server.peer_id) for _ in range(2))
+    try:
+        torch.manual_seed(6)
+        hidden = torch.randn(1, 40, HIDDEN)
+        opening = Session(first, server)
+        assert opening.probe(TOKENS[:16]) == 0
+        opening.step(hidden, 0, **{PREFIX_KEY: keys(TOKENS[:40])})
+        opening.close()
+        other = Session(second, server)  # another client: it reuses the pages only because the operator shares them
+        assert other.probe(TOKENS[:40]) == 32
+        torch.testing.assert_close(other.step(hidden[:, 32:], 32), local_forward(blocks, hidden)[:, 32:], atol=1e-4,
+                                   rtol=0)  # fmt: skip
+        other.close()
+    finally:
+        first.close()
+        second.close()
+        server.shutdown()
+
+
 def test_under_memory_pressure_cached_pages_go_first_and_live_sessions_keep_theirs(
     model_path, tmp_path_factory, blocks
 ):

@@ -32,8 +32,6 @@ from corolla.server.core.limits import SessionTimeouts
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import CoreClient
 from corolla.server.front.block_functions import ServingLimits
-from corolla.server.front.peer_auth import make_peer_auth
-from corolla.server.front.prefix_keys import PrefixTrust
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.settings import ResolvedSettings, describe_settings, resolve_settings
 from corolla.server.slowdown import BlockDelay, block_delay_s, slowed_throughput
@@ -96,7 +94,6 @@ class Server:
         self.num_restarts = 0
         self._reachability_service: Any = None
         self.metrics = ServerMetrics()
-        self.peer_auth: Any = None  # server.peer_auth.PeerAuth in a private swarm with a swarm key
         self.ping_authorizer: Any = None  # signs the announcer's pings in a private swarm (members refuse others)
         self.metrics_exporter: MetricsExporter | None = None
         self._validated_reachability = False
@@ -217,7 +214,6 @@ class Server:
         swarm_config.client_mode = self.using_relay
         self.dht = create_dht(swarm_config)  # before threads and CUDA: hivemind forks
         self.peer_id = get_peer_id(self.dht).to_base58()
-        self.peer_auth = make_peer_auth(swarm_config.swarm_key, self.peer_id, self.metrics)  # None: open swarm
         self.ping_authorizer = None if swarm_config.swarm_key is None else SwarmKeyAuthorizer(swarm_config.swarm_key)
         self.join_maddrs = get_visible_maddrs(self.dht)
         logger.info(f"server.dht_ready(peer_id={self.peer_id}, maddrs={' '.join(self.join_maddrs)})")
@@ -395,10 +391,8 @@ class Server:
                 num_handlers=c.num_handlers, swarm_key_file=c.swarm_key_file,  # N > 1: handler processes
                 direct=c.resolved_direct(),
                 handler_poll_s=handler_poll_s(c.busy_poll_ms, s.device.type),
+                kv_handoff=c.kv_handoff, prefix_cache_shared=c.prefix_cache_shared,
             )  # fmt: skip
-            service.handler.peer_auth = self.peer_auth
-            service.handler.handoff.enabled = c.kv_handoff
-            service.handler.prefix_trust = PrefixTrust(shared=c.prefix_cache_shared)
             service.configure_limits(c.peer_limits)
             c_public = not c.is_private_swarm
             if c_public and not c.skip_reachability_check and not self._validated_reachability:

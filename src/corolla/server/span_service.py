@@ -1,12 +1,13 @@
-"""The serving part for one span: the executor's runtime thread, the RPC handler registered on a P2P instance (or,
-with `num_handlers` > 1, the handler processes that serve the p2p streams, `handler_pool`) and the same-host
-unix-socket endpoint for inference streams (in this process, or one per handler process), started and stopped
-together (stopping ends every session, which frees its KV cache)."""
+"""The serving part for one span: the core (the executor, its runtime thread, the one `SpanCore`) and its N >= 1
+fronts (`front_service.FrontService`, all built from one `FrontSettings`): with N = 1 the one front runs in this
+process and calls the core itself; with `num_handlers` N > 1, N handler processes each run one (`handler_pool`).
+Started and stopped together (stopping ends every session, which frees its KV cache)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+from dataclasses import replace
 from typing import Any
 
 from corolla.protocol import local_stream as ls
@@ -17,11 +18,11 @@ from corolla.server.core.span_core import SpanCore
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.connection_balance import BalanceDirectory
 from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
+from corolla.server.front.front_service import FrontService, FrontSettings
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.handlers.handler_pool import HandlerPool
 from corolla.server.handlers.handler_process import main as handler_main
-from corolla.server.handlers.handler_settings import HandlerSettings
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.busy_poll import BusyPollSelector
 from corolla.utils.logging import get_logger
@@ -30,7 +31,7 @@ logger = get_logger(__name__)
 
 
 class SpanService:
-    """The serving part for one span: the executor's runtime thread + RPC handler registered on a P2P instance."""
+    """The serving part for one span: the core and its fronts (see the module docstring)."""
 
     def __init__(
         self,
@@ -48,43 +49,51 @@ class SpanService:
         swarm_key_file: str | None = None,
         direct: DirectListen | None = None,
         handler_poll_s: float = 0.0,
+        kv_handoff: bool = True,
+        prefix_cache_shared: bool = False,
     ):
         if num_handlers < 1:
             raise ValueError(f"num_handlers must be >= 1, got {num_handlers}")
         self.executor = executor
-        self.limits = limits
-        self.timeouts = timeouts
         self.runtime = executor.runtime  # started and stopped here
-        self.num_handlers = num_handlers  # 1: this process serves the streams; N > 1: N handler processes do
-        self.swarm_key_file = swarm_key_file
-        self.handler_poll_s = handler_poll_s  # handler processes poll this long after each message (`HandlerSettings`)
-        metrics = metrics if metrics is not None else ServerMetrics()  # the server's one set (its handler processes')
-        # all session state, every front's (sessions counted here)
-        self.core = SpanCore(executor, metrics=metrics)
-        self.handler = TransformerConnectionHandler(
-            limits=limits,
-            core=self.core,
-            timeouts=timeouts,
-            compression=compression,
-            dht_client_mode=dht_client_mode,
-            metrics=metrics,
-        )
+        self.num_handlers = num_handlers  # fronts: 1 in this process; N > 1 in N handler processes
+        self.metrics = metrics if metrics is not None else ServerMetrics()  # the server's one set (every front's)
+        self.core = SpanCore(executor, metrics=self.metrics)  # all session state, every front's (sessions counted here)
+        self.settings = FrontSettings(
+            limits=limits, timeouts=timeouts, compression=compression, dht_client_mode=dht_client_mode,
+            swarm_key_file=swarm_key_file, kv_handoff=kv_handoff, prefix_cache_shared=prefix_cache_shared,
+            local_socket_dir=str(ls.socket_dir()) if local_socket else None, direct=direct,
+            direct_secret=TicketSecret().secret,  # every front checks the tickets any of them issued
+            poll_linger_s=handler_poll_s,  # handler processes poll this long after each message
+        )  # fmt: skip
         if busy_poll is not None and num_handlers == 1:  # after a lone session's inline step, its next one is due
             self.runtime.after_inline = functools.partial(busy_poll.keep_hot, busy_poll_s)
-        self.p2p: Any = None
-        self.local_socket = local_socket
-        self.local_endpoint: LocalEndpoint | None = None
-        self.direct = direct  # corolla clients' direct TCP port (off: None)
-        self.direct_endpoint: DirectEndpoint | None = None
-        self._direct_secret = TicketSecret()  # every handler process checks the tickets any of them issued
-        self.pool: HandlerPool | None = None
+        self.front: FrontService | None = None  # N = 1: the front of this process
+        self.pool: HandlerPool | None = None  # N > 1
         self._balance: BalanceDirectory | None = None  # with a pool and a direct port
 
     def configure_limits(self, peer_limits: PeerLimits) -> None:
         """Sets the fair-use limits (before serving): the core's (sessions, KV cache and forwards per peer, for every
-        front) and this process's front's (stream bytes; a handler process's get them with its settings)."""
+        front) and every front's (stream bytes)."""
         self.core.configure(peer_limits)
-        self.handler.configure_limits(peer_limits)
+        self.settings = replace(self.settings, peer_limits=peer_limits)
+
+    @property
+    def handler(self) -> TransformerConnectionHandler:
+        """The RPC handler of this process's front (N = 1, once started)."""
+        if self.front is None:
+            raise RuntimeError("this span service has no front in this process (not started, or num_handlers > 1)")
+        return self.front.handler
+
+    @property
+    def local_endpoint(self) -> LocalEndpoint | None:
+        """This process's front's same-host socket (None: not listening, or no front here)."""
+        return self.front.local_endpoint if self.front is not None else None
+
+    @property
+    def direct_endpoint(self) -> DirectEndpoint | None:
+        """This process's front's direct port (None: not listening, or no front here)."""
+        return self.front.direct_endpoint if self.front is not None else None
 
     @property
     def healthy(self) -> bool:
@@ -93,83 +102,39 @@ class SpanService:
     async def start(self, p2p: Any) -> None:
         if not self.runtime.is_running:  # a bench may serve one executor with several services in turn
             await asyncio.to_thread(self.runtime.start)
-        self.p2p = p2p
-        if self.local_socket:  # no client may try a socket of a handler process an earlier run had
-            ls.remove_sockets(p2p.peer_id.to_base58())
+        settings = replace(self.settings, peer_id=p2p.peer_id.to_base58())
+        if settings.local_socket_dir is not None:  # no client may try a socket of a handler process an earlier run had
+            ls.remove_sockets(settings.peer_id)
         if self.num_handlers == 1:
-            await self.handler.add_p2p_handlers(p2p)
-        else:
-            await self._start_pool(p2p)  # each handler process serves its own same-host socket
-        if self.local_socket and self.num_handlers == 1:
-            endpoint = LocalEndpoint(self.handler, p2p.peer_id)
-            try:
-                if await endpoint.start():
-                    self.local_endpoint = endpoint
-            except OSError as e:  # same-host clients fall back to p2p
-                logger.warning(f"span_service.local_endpoint_failed({e!r})")
-        if self.direct is not None and self.num_handlers == 1:
-            direct = DirectEndpoint(self.handler, p2p.peer_id, self.direct, self._direct_secret, reuse_port=False)
-            try:
-                await direct.start()
-                self.direct_endpoint = direct
-            except OSError as e:  # clients keep to p2p
-                logger.warning(f"span_service.direct_endpoint_failed({e!r})")
-
-    async def _start_pool(self, p2p: Any) -> None:
-        handler = self.handler
-        if self.direct is not None:  # the handler processes place direct-port connections by load
+            self.front = FrontService(settings, self.core, self.metrics)
+            await self.front.start(p2p)
+            return
+        if settings.direct is not None:  # one port for all processes; they place its connections by load
+            settings = replace(settings, direct=settings.direct.with_free_port())
             try:
                 self._balance = BalanceDirectory(self.num_handlers)
+                settings = replace(settings, direct_balance_dir=str(self._balance.path))
             except OSError as e:  # no private temporary directory: the kernel's spread alone
                 logger.warning(f"span_service.direct_balance_unavailable({e!r})")
-        settings = HandlerSettings(
-            daemon_listen_maddr=str(p2p.daemon_listen_maddr),
-            limits=self.limits,
-            timeouts=self.timeouts,
-            peer_limits=handler.peer_limits,
-            compression=handler.compression,
-            dht_client_mode=handler.dht_client_mode,
-            peer_id=p2p.peer_id.to_base58(),
-            swarm_key_file=self.swarm_key_file,
-            kv_handoff=handler.handoff.enabled,
-            local_socket_dir=str(ls.socket_dir()) if self.local_socket else None,
-            direct=self.direct.with_free_port() if self.direct is not None else None,  # one port for all
-            direct_secret=self._direct_secret.secret,
-            direct_balance_dir=str(self._balance.path) if self._balance is not None else None,
-            poll_linger_s=self.handler_poll_s,
-        )
         self.pool = HandlerPool(
-            self.num_handlers,
-            settings,
-            handler_main,
-            executor=self.executor,
-            core=self.core,  # one admission and one push table for all processes
-            span=tuple(range(self.limits.start_block, self.limits.end_block)),
-            max_frame_bytes=4 * handler.max_stream_bytes,  # float16 on the wire may arrive as float32 here
-            metrics=handler.metrics,
-        )
+            self.num_handlers, settings, handler_main, str(p2p.daemon_listen_maddr),
+            executor=self.executor, core=self.core,  # one admission and one push table for all processes
+            span=tuple(range(settings.limits.start_block, settings.limits.end_block)),
+            max_frame_bytes=4 * settings.limits.max_stream_bytes,  # float16 on the wire may arrive as float32 here
+            metrics=self.metrics,
+        )  # fmt: skip
         await self.pool.start()
 
     async def stop(self, timeout_s: float = 10.0, *, keep_runtime: bool = False) -> None:
-        """Unregisters the handlers, ends every session (freeing its cache) and stops the runtime (unless
-        `keep_runtime`: the next service of the same executor uses it)."""
+        """Stops the fronts, which ends every session (freeing its cache), and the runtime (unless `keep_runtime`:
+        the next service of the same executor uses it)."""
         if self.pool is not None:
             await self.pool.stop()
             self.pool = None
         if self._balance is not None:
             self._balance.close()
             self._balance = None
-        if self.local_endpoint is not None:
-            await self.local_endpoint.stop()
-            self.local_endpoint = None
-        if self.direct_endpoint is not None:
-            await self.direct_endpoint.stop()
-            self.direct_endpoint = None
-        if self.p2p is not None and self.num_handlers == 1:
-            try:
-                await asyncio.wait_for(self.handler.remove_p2p_handlers(self.p2p), timeout_s)
-            except Exception as e:
-                logger.debug(f"span_service.remove_handlers_failed({e!r})")
-        await self.handler.shutdown()
+        if self.front is not None:
+            await self.front.stop(timeout_s)
         if not keep_runtime:
             await asyncio.to_thread(self.runtime.stop)

@@ -37,6 +37,11 @@ class ServingLimits:
     max_batch_size_tokens: int
     adapters: tuple[str, ...] = ()
 
+    @property
+    def max_stream_bytes(self) -> int:
+        """The largest request a front reads (a step of `max_batch_size_tokens` in float64, 4 x over, + 1 MiB)."""
+        return 4 * self.max_batch_size_tokens * self.hidden_size * 8 + (1 << 20)
+
 
 def is_dummy(tensor: torch.Tensor) -> bool:
     return tensor.numel() == 0

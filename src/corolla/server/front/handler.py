@@ -120,7 +120,7 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
         self.p2p: P2P | None = None
         self._push_tasks: set[asyncio.Task] = set()
         self.cache_bytes_per_token_block = max(1, core.cache_bytes_per_token((limits.start_block,)))
-        self.max_stream_bytes = 4 * limits.max_batch_size_tokens * limits.hidden_size * 8 + (1 << 20)
+        self.max_stream_bytes = limits.max_stream_bytes
 
     def configure_limits(self, peer_limits: PeerLimits) -> None:
         """Sets this front's fair-use limits (before serving): its stream bytes, and the forwards' chunks (the core's

@@ -27,8 +27,8 @@ from hivemind.proto import p2pd_pb2 as p2pd_pb
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.server.core.span_core import SpanCore
+from corolla.server.front.front_service import FrontSettings
 from corolla.server.handlers.device_channel import ChannelIntake, DeviceChannel, DeviceExecutor
-from corolla.server.handlers.handler_settings import HandlerSettings
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
@@ -38,9 +38,10 @@ MAX_RESTARTS_PER_MINUTE = 5
 START_TIMEOUT_S = 120.0
 
 
-# a handler process's entry point: (settings, its index, its end of the channel) -> None; a module-level function,
-# whose module the forkserver imports once (`handler_process.main`, passed by the span service)
-HandlerMain = Callable[[HandlerSettings, int, Connection], None]
+# a handler process's entry point: (its front's settings, the server's p2pd control socket, its index, its end of the
+# channel) -> None; a module-level function, whose module the forkserver imports once (`handler_process.main`, passed
+# by the span service)
+HandlerMain = Callable[[FrontSettings, str, int, Connection], None]
 
 
 def _context(main: HandlerMain) -> BaseContext:
@@ -79,8 +80,9 @@ class HandlerPool:
     def __init__(
         self,
         num_handlers: int,
-        settings: HandlerSettings,
+        settings: FrontSettings,
         main: HandlerMain,
+        daemon_listen_maddr: str,
         *,
         executor: DeviceExecutor,
         core: SpanCore,
@@ -91,7 +93,7 @@ class HandlerPool:
     ):
         if num_handlers < 2:
             raise ValueError(f"a handler pool needs num_handlers >= 2, got {num_handlers} (1 = no pool)")
-        self.main = main
+        self.main, self.daemon_listen_maddr = main, daemon_listen_maddr
         self.num_handlers, self.settings, self.executor = num_handlers, settings, executor
         self.core = core
         self.span, self.max_frame_bytes, self.metrics = span, max_frame_bytes, metrics
@@ -130,7 +132,10 @@ class HandlerPool:
         context = _context(self.main)
         ours, theirs = context.Pipe(duplex=True)
         process = context.Process(  # type: ignore[attr-defined]
-            target=self.main, args=(self.settings, index, theirs), name=f"corolla-handler-{index}", daemon=True
+            target=self.main,
+            args=(self.settings, self.daemon_listen_maddr, index, theirs),
+            name=f"corolla-handler-{index}",
+            daemon=True,
         )
         await asyncio.to_thread(process.start)
         theirs.close()
@@ -158,7 +163,7 @@ class HandlerPool:
             f"handler_pool.handler_died(index={index}, pid={process.pid}, exitcode={process.exitcode}, "
             f"deaths_last_minute={len(self._deaths)})"
         )
-        await remove_stream_handlers(self.settings.daemon_listen_maddr, channel.listen_maddr, channel.stream_names)
+        await remove_stream_handlers(self.daemon_listen_maddr, channel.listen_maddr, channel.stream_names)
         if len(self._deaths) > MAX_RESTARTS_PER_MINUTE:
             self.failed = True
             logger.error("handler_pool.failed(reason=handler processes keep dying): the server restarts serving")

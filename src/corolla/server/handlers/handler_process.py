@@ -1,7 +1,7 @@
-"""One handler process of `--num_handlers` > 1: its own asyncio loop on a P2P replica of the server's p2pd, the
-same `TransformerConnectionHandler` as the one-process server registered with `balanced=True` (p2pd spreads
-incoming streams over the processes that registered a name), talking to the core in the device process through
-`RemoteCore`, the one front-to-core seam over its channel (`device_channel` there). The process lives as long as its
+"""One handler process of `--num_handlers` > 1: its own asyncio loop on a P2P replica of the server's p2pd, running the
+same front as the one-process server (`front_service.FrontService`, registered balanced: p2pd spreads incoming
+streams over the processes that registered a name), talking to the core in the device process through `RemoteCore`,
+the one front-to-core seam over its channel (`device_channel` there). The process lives as long as its
 channel: when the device process closes it or dies, the handler ends its sessions, unregisters and exits (no
 orphans)."""
 
@@ -12,22 +12,15 @@ import os
 import signal
 import socket
 from multiprocessing.connection import Connection
-from pathlib import Path
 
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.protocol import channel_frames as wire
-from corolla.protocol.direct_stream import TicketSecret
-from corolla.server.front.connection_balance import ConnectionHandoff
-from corolla.server.front.direct_endpoint import DirectEndpoint
+from corolla.server.front.front_service import FrontService, FrontSettings
 from corolla.server.front.handler import TransformerConnectionHandler
-from corolla.server.front.local_endpoint import LocalEndpoint
-from corolla.server.front.peer_auth import make_peer_auth
-from corolla.server.handlers.handler_settings import HandlerSettings
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 from corolla.server.metrics import ServerMetrics
-from corolla.swarm.membership import load_swarm_key
 from corolla.utils import busy_poll
 from corolla.utils.logging import get_logger
 
@@ -65,47 +58,31 @@ def stream_handle_names(handler: TransformerConnectionHandler) -> list[str]:
     ]
 
 
-def main(settings: HandlerSettings, index: int, channel: Connection) -> None:
+def main(settings: FrontSettings, daemon_listen_maddr: str, index: int, channel: Connection) -> None:
     """The process's entry point (multiprocessing): serves until the channel to the device process ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which closes the channel
     sock = socket.socket(fileno=os.dup(channel.fileno()))
     channel.close()
-    busy_poll.run(_serve(settings, index, sock), loop_selector(settings))
+    busy_poll.run(_serve(settings, daemon_listen_maddr, index, sock), loop_selector(settings))
 
 
-def loop_selector(settings: HandlerSettings) -> busy_poll.BusyPollSelector | None:
+def loop_selector(settings: FrontSettings) -> busy_poll.BusyPollSelector | None:
     """The selector of the process's loop: one that lingers after each message (`poll_linger_s`), or None (the
     default selector: it sleeps at once)."""
     return busy_poll.BusyPollSelector(linger_s=settings.poll_linger_s) if settings.poll_linger_s > 0.0 else None
 
 
-async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> None:
+async def _serve(settings: FrontSettings, daemon_listen_maddr: str, index: int, sock: socket.socket) -> None:
     link = await DeviceLink.open(sock)
-    metrics = ForwardedMetrics(link)
-    handler = TransformerConnectionHandler(
-        limits=settings.limits,
-        core=RemoteCore(link),  # sessions are admitted, steps run and pushes routed by the device process's core
-        timeouts=settings.timeouts,
-        compression=settings.compression,
-        dht_client_mode=settings.dht_client_mode,
-        metrics=metrics,
-        peer_limits=settings.peer_limits,
-        peer_auth=make_peer_auth(load_swarm_key(settings.swarm_key_file), settings.peer_id, metrics),
-    )
-    handler.handoff.enabled = settings.kv_handoff
-    p2p = await P2P.replicate(Multiaddr(settings.daemon_listen_maddr))
-    endpoint: LocalEndpoint | None = None
-    direct: DirectEndpoint | None = None
+    # sessions are admitted, steps run and pushes routed by the device process's core
+    front = FrontService(settings, RemoteCore(link), ForwardedMetrics(link), index=index)
+    p2p = await P2P.replicate(Multiaddr(daemon_listen_maddr))
     try:
-        await handler.add_p2p_handlers(p2p, balanced=True)
+        await front.start(p2p)
         if link.closed.is_set():  # stopped while starting
             return
-        if settings.local_socket_dir is not None:
-            endpoint = await _start_endpoint(handler, settings, index)
-        if settings.direct is not None:
-            direct = await _start_direct(handler, settings, index)
         ready = wire.Writer().u32(os.getpid()).text(str(p2p._client_listen_maddr))  # where p2pd sends our streams
-        names = stream_handle_names(handler)
+        names = stream_handle_names(front.handler)
         ready.u8(len(names))
         for name in names:
             ready.text(name)
@@ -113,56 +90,10 @@ async def _serve(settings: HandlerSettings, index: int, sock: socket.socket) -> 
         logger.info(f"handler_process.ready(index={index}, pid={os.getpid()})")
         await link.closed.wait()
     finally:
-        logger.info(f"handler_process.stopping(index={index}, sessions={handler.sessions.num_open})")
-        for stopping in (endpoint, direct):
-            if stopping is not None:
-                await stopping.stop()
-        await handler.shutdown()
-        try:
-            await asyncio.wait_for(handler.remove_p2p_handlers(p2p), 5.0)
-        except Exception as e:
-            logger.debug(f"handler_process.remove_handlers_failed({e!r})")
+        logger.info(f"handler_process.stopping(index={index}, sessions={front.handler.sessions.num_open})")
+        await front.stop()
         await link.close()
         try:
             await asyncio.wait_for(p2p.shutdown(), 5.0)
         except Exception as e:
             logger.debug(f"handler_process.p2p_shutdown_failed({e!r})")
-
-
-async def _start_endpoint(
-    handler: TransformerConnectionHandler, settings: HandlerSettings, index: int
-) -> LocalEndpoint | None:
-    """This process's same-host socket, or None where it cannot listen (same-host clients then use p2p)."""
-    assert settings.local_socket_dir is not None
-    endpoint = LocalEndpoint(
-        handler, PeerID.from_base58(settings.peer_id), directory=Path(settings.local_socket_dir), index=index
-    )
-    try:
-        if await endpoint.start():
-            return endpoint
-    except OSError as e:
-        logger.warning(f"handler_process.local_endpoint_failed(index={index}): {e!r}")
-    return None
-
-
-async def _start_direct(
-    handler: TransformerConnectionHandler, settings: HandlerSettings, index: int
-) -> DirectEndpoint | None:
-    """This process's listener on the server's direct port, or None where it cannot listen (clients keep to p2p)."""
-    assert settings.direct is not None
-    secret = TicketSecret(settings.direct_secret)
-    handoff = None
-    if settings.direct_balance_dir is not None:
-        try:
-            handoff = ConnectionHandoff(Path(settings.direct_balance_dir), index)
-        except (OSError, ValueError) as e:  # connections stay where the kernel put them
-            logger.warning(f"handler_process.direct_balance_unavailable(index={index}): {e!r}")
-    endpoint = DirectEndpoint(
-        handler, PeerID.from_base58(settings.peer_id), settings.direct, secret, reuse_port=True, handoff=handoff
-    )
-    try:
-        await endpoint.start()
-        return endpoint
-    except OSError as e:
-        logger.warning(f"handler_process.direct_endpoint_failed(index={index}): {e!r}")
-    return None
