@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.sim.helix import reproduction
+from benchmarks.sim.policies import POLICY_NAMES
 from benchmarks.sim.scenarios import SCENARIOS, scenario
 from benchmarks.sim.simulation import Simulation
 from benchmarks.sim.workload import WorkloadConfig
-from corolla.swarm.policy import POLICY_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:

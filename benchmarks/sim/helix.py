@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from statistics import median
 
 from benchmarks.sim.bound import ServerKind, best_known_placement
+from benchmarks.sim.policies import make_policy
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.swarm.placement_flow import placement_max_flow
-from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import ServerCapacity
 
 NUM_BLOCKS = 80  # LLaMA-2-70B decoder layers

@@ -18,6 +18,7 @@ from benchmarks.sim.churn import ChurnConfig
 from benchmarks.sim.client_model import ClientDriver, SimSession
 from benchmarks.sim.clock import EventLoop
 from benchmarks.sim.metrics import FlowSample, Metrics, Report
+from benchmarks.sim.policies import make_policy
 from benchmarks.sim.regions import REGIONS, RttModel
 from benchmarks.sim.server_model import SimServer
 from benchmarks.sim.view import SwarmView
@@ -26,7 +27,6 @@ from corolla.protocol.records import RemoteSpanInfo, ServerState
 from corolla.swarm.cache_refusals import may_avoid
 from corolla.swarm.early_announce import DEFAULT_EARLY_ANNOUNCE, EARLY_CHECK_PERIOD_S
 from corolla.swarm.placement_flow import placement_max_flow
-from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import PLACEMENT_PINGS, MoveDecision, ServerCapacity
 from corolla.swarm.route_planning import find_missing_blocks
 from corolla.swarm.routed_load import RoutedLoad
@@ -54,7 +54,7 @@ class SimConfig:
     fleet: Mapping[str, float]
     server_regions: Mapping[str, float] = field(default_factory=lambda: {r: 1.0 for r in REGIONS})
     churn: ChurnConfig = ChurnConfig()
-    policy: str = "corolla"  # "petals": the baseline (`swarm.policies`)
+    policy: str = "corolla"  # "petals": the baseline (`policies`)
     seed: int = 0
     warmup_s: float = 600.0
     model: ModelSpec = LLAMA2_70B

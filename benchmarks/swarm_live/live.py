@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from benchmarks.common.children import child_env
+from benchmarks.sim.policies import make_policy
 from benchmarks.wan.chain import free_port
 from benchmarks.wan_emulator import LinkConfig, ProxyThread
 from corolla.client.config import ClientConfig
@@ -33,7 +34,6 @@ from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.server.slowdown import BLOCK_DELAY_ENV, slowed_throughput
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
-from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import ServerCapacity
 from corolla.utils.logging import get_logger
 

@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 
+from benchmarks.sim import petals_policy
 from benchmarks.sim.scenarios import SCENARIOS, scenario
 from benchmarks.sim.simulation import Simulation
 from corolla.protocol.records import ServerState
-from corolla.swarm import cache_refusals, petals_policy
+from corolla.swarm import cache_refusals
 from corolla.swarm.corolla_policy import CorollaPolicy
 from corolla.swarm.policy import MoveDecision
 

@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 import corolla.client.routing.sequence_manager as routing_module
+from benchmarks.sim.policies import make_policy
 from corolla.client.calls.retries import RetryBudget, has_alternative
 from corolla.client.config import ClientConfig
 from corolla.client.routing.bans import BanList
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.swarm.cache_refusals import IMMEDIATE_REROUTES, is_cache_refusal
-from corolla.swarm.policies import make_policy
 from corolla.swarm.route_planning import (
     find_missing_blocks,
     has_cache_for,

@@ -9,15 +9,14 @@ from collections import Counter
 
 import pytest
 
+from benchmarks.sim.petals_policy import PetalsPolicy, choose_best_blocks, should_choose_other_blocks
+from benchmarks.sim.policies import make_policy
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
-from corolla.swarm.block_selection import choose_best_blocks, compute_throughputs, should_choose_other_blocks
 from corolla.swarm.corolla_policy import CorollaPolicy, estimated_rtt_s, loaded_block_time_s
-from corolla.swarm.petals_policy import PetalsPolicy
-from corolla.swarm.policies import make_policy
 from corolla.swarm.policy import ServerCapacity
 from corolla.swarm.route_planning import make_min_latency_route
-from corolla.swarm.spans import compute_spans
+from corolla.swarm.spans import compute_spans, compute_throughputs
 
 
 def span(peer: str, start: int, end: int, throughput: float = 1.0, **info) -> RemoteSpanInfo:

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks.sim.policies import make_policy
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.server.core.runtime import KindStats
 from corolla.server.metrics import ServerMetrics
 from corolla.server.slowdown import BLOCK_DELAY_ENV, BlockDelay, block_delay_s, slowed_throughput
 from corolla.server.swarm_seat import SwarmSeat
-from corolla.swarm.policies import make_policy
 
 
 def span(peer: str, start: int, end: int, throughput: float) -> RemoteSpanInfo:

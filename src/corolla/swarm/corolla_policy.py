@@ -14,7 +14,6 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from corolla.protocol.records import RemoteSpanInfo
-from corolla.swarm.block_selection import compute_throughputs
 from corolla.swarm.policy import MoveDecision, RouteMode, ServerCapacity, others, own_span
 from corolla.swarm.route_planning import (
     MISSING_CACHE_PENALTY_S,
@@ -24,6 +23,7 @@ from corolla.swarm.route_planning import (
     make_max_throughput_route,
     make_min_latency_route,
 )
+from corolla.swarm.spans import compute_throughputs
 
 REL_EPS = 1e-9  # flows equal up to float noise are ties
 GAP_TPS = 1e-6  # the least tokens/s a block counts as in the soft bottleneck (finite, so placements with gaps compare)

@@ -25,9 +25,6 @@ from typing import Literal, Protocol
 from corolla.protocol.records import RemoteSpanInfo
 
 RouteMode = Literal["min_latency", "max_throughput"]
-# corolla's is what `corolla-server` and the client run; Petals' is the baseline that `python -m benchmarks.sim` and the live
-# benchmark measure it against (`swarm.policies.make_policy`)
-POLICY_NAMES = ("corolla", "petals")
 # servers a server pings before placing or moving when its policy places by RTT (`uses_rtts`), of those it has not
 # measured yet (`swarm.rtt_book`): the whole of a swarm of ~60 at its join, of 1,000 after ~16 checks; one small RPC
 # each
@@ -114,7 +111,7 @@ class SwarmPolicy(Protocol):
 
     @property
     def name(self) -> str:
-        """The policy's name in `POLICY_NAMES` (logs, `python -m benchmarks.sim --policy`)."""
+        """The policy's name (logs; the benchmarks' `--policy`)."""
         ...
 
     @property
@@ -174,9 +171,3 @@ def own_span(spans: Sequence[RemoteSpanInfo], peer_id: str) -> RemoteSpanInfo | 
 
 def others(spans: Sequence[RemoteSpanInfo], peer_id: str) -> list[RemoteSpanInfo]:
     return [span for span in spans if span.peer_id != peer_id]
-
-
-def check_policy_name(name: str) -> str:
-    if name not in POLICY_NAMES:
-        raise ValueError(f"swarm policy must be one of {POLICY_NAMES}, got {name!r}")
-    return name

@@ -1,9 +1,12 @@
 """Rebuilding each server's contiguous span from per-block records (reference semantics: one surviving key is
-enough, because records carry `start_block`/`end_block`; a higher state seen later replaces a lower one)."""
+enough, because records carry `start_block`/`end_block`; a higher state seen later replaces a lower one), and the
+throughput they sum to per block."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
 from corolla.protocol.uids import parse_uid
@@ -33,3 +36,12 @@ def compute_spans(module_infos: Sequence[RemoteModuleInfo], *, min_state: Server
             elif span.state == info.state:
                 span.end = max(span.end, block_idx + 1)
     return spans
+
+
+def compute_throughputs(spans: Mapping[str, RemoteSpanInfo], *, total_blocks: int) -> np.ndarray:
+    """Per-block sum of span throughputs `[total_blocks]`, summed in sorted peer-id order (bit-identical on peers)."""
+    throughputs = np.zeros(total_blocks)
+    for peer_id in sorted(spans):
+        span = spans[peer_id]
+        throughputs[span.start : span.end] += span.throughput
+    return throughputs

@@ -56,7 +56,7 @@ class RemoteSequenceManager:
     A daemon thread refreshes block records every `update_period_s` (or at once when a failure leaves a block
     uncovered); `make_sequence` plans a chain from the latest view by corolla's routing (`swarm.corolla_policy`).
     Servers in state JOINING are never used. `policy` is a benchmark and test seam, not a user option:
-    `benchmarks.swarm_live` passes Petals' policy (`swarm.petals_policy`) to measure its baseline on the same swarm.
+    `benchmarks.swarm_live` passes Petals' policy (`benchmarks.sim.petals_policy`) to measure its baseline on the same swarm.
     """
 
     def __init__(

@@ -7,16 +7,15 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
-from corolla.protocol.uids import make_uid
-from corolla.swarm.block_selection import (
+from benchmarks.sim.petals_policy import (
     choose_best_blocks,
     choose_best_span,
-    compute_throughputs,
     should_choose_other_blocks,
     should_move_span,
 )
-from corolla.swarm.spans import compute_spans
+from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
+from corolla.protocol.uids import make_uid
+from corolla.swarm.spans import compute_spans, compute_throughputs
 
 ONLINE, JOINING, OFFLINE = ServerState.ONLINE, ServerState.JOINING, ServerState.OFFLINE
 

@@ -1,36 +1,32 @@
-"""Block selection and rebalancing, pure functions with the reference's exact math (section 4): cover the weakest
-window (lexicographic on sorted window throughputs, ties to the lower start), and move only if a simulated
-re-convergence of the whole swarm improves its bottleneck throughput by more than `balance_quality` allows. The
-same decisions as the reference, computed faster: windows compared in numpy, and no re-convergence when no
-placement at all could reach the threshold."""
+"""`PetalsPolicy`: Petals 2.x's own placement, rebalancing and routing (reference sections 4 and 11.2), exact, behind
+the policy seam: the baseline corolla's policy is measured against (`benchmarks.sim`, `benchmarks.swarm_live`; no
+product option selects it, decision 0035). Its block selection is the reference's math as pure functions: cover the
+weakest window (lexicographic on sorted window throughputs, ties to the lower start), and move only if a simulated
+re-convergence of the whole swarm improves its bottleneck throughput by more than `balance_quality` allows; the same
+decisions as the reference, computed faster: windows compared in numpy, and no re-convergence when no placement at
+all could reach the threshold."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerState
-from corolla.swarm.spans import compute_spans
+from corolla.swarm.policy import MoveDecision, RouteMode, ServerCapacity, others, own_span
+from corolla.swarm.route_planning import make_max_throughput_route, make_min_latency_route
+from corolla.swarm.spans import compute_spans, compute_throughputs
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
+DEFAULT_BALANCE_QUALITY = 0.75  # Petals' --balance_quality
 EPS = 1e-3  # the current position wins ties (reduces oscillation between equally good spans)
 BOUND_SLACK = 1e-9  # relative float drift the re-convergence's in-place sums may add to a block's throughput
 _MAX_CONVERGENCE_PASSES = 1000  # the eps trick converges far sooner; this only bounds pathological inputs
-
-
-def compute_throughputs(spans: Mapping[str, RemoteSpanInfo], *, total_blocks: int) -> np.ndarray:
-    """Per-block sum of span throughputs `[total_blocks]`, summed in sorted peer-id order (bit-identical on peers)."""
-    throughputs = np.zeros(total_blocks)
-    for peer_id in sorted(spans):
-        span = spans[peer_id]
-        throughputs[span.start : span.end] += span.throughput
-    return throughputs
 
 
 def _choose_best_start(throughputs: np.ndarray, num_blocks: int) -> int:
@@ -143,3 +139,74 @@ def should_move_span(
     quality = initial_throughput / new_throughput
     logger.info(f"block_selection.balance(quality={quality * 100:.1f}%, threshold={balance_quality * 100:.1f}%)")
     return bool(quality < balance_quality - EPS)
+
+
+@dataclass(frozen=True)
+class PetalsPolicy:
+    """Cover the weakest window with all `max_blocks`; move when a simulated re-convergence of the swarm would raise
+    its bottleneck by more than `balance_quality` allows (ignoring the reload); route inference by min latency and
+    forward/backward by span-length-weighted random choice. Load fields and `client_load` are ignored."""
+
+    balance_quality: float = DEFAULT_BALANCE_QUALITY
+    name: str = "petals"
+    uses_rtts: bool = False
+    route_region_rtt_s: float | None = None  # routes over the whole swarm
+
+    def choose_span(self, me: ServerCapacity, spans: Sequence[RemoteSpanInfo], total_blocks: int) -> range:
+        num_blocks = min(me.max_blocks, total_blocks)
+        return choose_best_span(num_blocks, _by_peer(others(spans, me.peer_id)), total_blocks=total_blocks)
+
+    def choose_move(
+        self,
+        me: ServerCapacity,
+        spans: Sequence[RemoteSpanInfo],
+        total_blocks: int,
+        *,
+        reload_s: float,
+        since_move_s: float,
+        rng: random.Random,
+    ) -> MoveDecision:
+        by_peer = _by_peer(spans)
+        flow_now = _bottleneck(by_peer, total_blocks)
+        mine = own_span(spans, me.peer_id)
+        if mine is None:  # the reference asserts here (a known crash); not seeing ourselves is no reason to move
+            return MoveDecision(None, flow_now, flow_now, "own span not in the swarm's records")
+        if self.balance_quality <= 0 or not should_move_span(
+            me.peer_id, by_peer, total_blocks=total_blocks, balance_quality=self.balance_quality, rng=rng
+        ):
+            return MoveDecision(None, flow_now, flow_now, "balanced enough")
+        # Petals leaves (announces OFFLINE), then joins again by choose_best_blocks without itself
+        rest = _by_peer(others(spans, me.peer_id))
+        target = choose_best_span(mine.length, rest, total_blocks=total_blocks)
+        after = dict(rest)
+        after[me.peer_id] = RemoteSpanInfo(me.peer_id, target.start, target.stop, mine.server_info)
+        return MoveDecision(target, flow_now, _bottleneck(after, total_blocks), "swarm below balance_quality")
+
+    def choose_route(
+        self,
+        spans: Sequence[RemoteSpanInfo],
+        start: int,
+        end: int,
+        *,
+        mode: RouteMode,
+        client_rtts_s: Mapping[str, float],
+        cache_tokens_needed: int | None = None,
+        client_load: Mapping[str, float] | None = None,
+        waited_s: float = 0.0,
+        rng: random.Random,
+    ) -> list[RemoteSpanInfo]:
+        if mode == "min_latency":
+            return make_min_latency_route(
+                spans, start, end, client_rtts_s=client_rtts_s, cache_tokens_needed=cache_tokens_needed
+            )
+        if mode == "max_throughput":
+            return make_max_throughput_route(spans, start, end, client_rtts_s=client_rtts_s, rng=rng)
+        raise ValueError(f"mode must be 'min_latency' or 'max_throughput', got {mode!r}")
+
+
+def _by_peer(spans: Sequence[RemoteSpanInfo]) -> dict[str, RemoteSpanInfo]:
+    return {span.peer_id: span for span in spans}
+
+
+def _bottleneck(spans: Mapping[str, RemoteSpanInfo], total_blocks: int) -> float:
+    return float(compute_throughputs(spans, total_blocks=total_blocks).min()) if total_blocks else 0.0
