@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from corolla.protocol import channel_frames as wire
-from corolla.protocol.prefix import MAX_PREFIX_BLOCKS, PrefixKeys
 from corolla.server.core.limits import PeerLimitExceeded, ServerLimitExceeded
 from corolla.server.core.refusals import MESSAGE_REFUSALS, TooLong, decode_error, encode_error
 from corolla.utils.errors import AllocationFailed
@@ -125,7 +124,7 @@ async def test_step_batches_round_trip_and_split_within_the_frame_bound() -> Non
         (struct.pack(">H", wire.MAX_BATCH_ITEMS + 1), "1 to"),  # more items than allowed
         (struct.pack(">HBII", 1, wire.STEP, 1, 1 << 30) + b"\0" * 16, "runs past the payload"),  # a lying length
         (struct.pack(">HBII", 2, wire.STEP, 1, 0), "runs past the payload"),  # claims 2 items, holds 1
-        (struct.pack(">HBII", 1, wire.OPEN, 1, 0), "can't be an item"),  # only steps travel in a batch
+        (struct.pack(">HBII", 1, wire.CALL, 1, 0), "can't be an item"),  # only steps travel in a batch
         (struct.pack(">HBII", 1, wire.STEP, 1, 0) + b"x", "trailing"),
     ],
 )
@@ -134,14 +133,32 @@ def test_hostile_batches_are_refused_before_anything_is_sliced(payload: bytes, m
         wire.split_batch(wire.Reader(payload), wire.STEP_BATCH)
 
 
-def test_prefix_frames_round_trip_and_bound_their_digests() -> None:
-    keys = PrefixKeys(3, (b"a" * 16, b"b" * 16))
-    payload = wire.prefix_frame(7, "peer/", keys).frame(wire.PREFIX_KEYS, 0)[wire.HEADER_BYTES :]
-    assert wire.read_prefix_frame(wire.Reader(payload)) == (7, "peer/", keys)
-    for raw in (b"x" * 15, b"x" * 16 * (MAX_PREFIX_BLOCKS + 1)):  # not whole digests / too many: before any split
-        body = wire.Writer().u32(1).text("peer/").u32(0).blob(raw).frame(wire.PREFIX_KEYS, 0)[wire.HEADER_BYTES :]
-        with pytest.raises(wire.FrameError):
-            wire.read_prefix_frame(wire.Reader(body))
-    body = wire.Writer().u32(1).text("p").u32(MAX_PREFIX_BLOCKS).blob(b"x" * 16).frame(wire.PREFIX_KEYS, 0)
-    with pytest.raises(wire.FrameError, match="first block"):
-        wire.read_prefix_frame(wire.Reader(body[wire.HEADER_BYTES :]))
+def test_calls_round_trip_their_values_and_types() -> None:
+    args = (None, True, False, -(1 << 40), 2.5, "peer", b"\0raw", torch.randn(2, 3), ((0, 4), [b"a" * 16, b"b" * 16]))
+    payload = wire.named("forward", args).frame(wire.CALL, 1)[wire.HEADER_BYTES :]
+    name, got = wire.read_named(payload)
+    assert name == "forward" and got[:7] == args[:7] and got[8] == ((0, 4), (b"a" * 16, b"b" * 16))
+    assert torch.equal(got[7], args[7])
+    assert wire.matches(got[8], tuple[tuple[int, int], tuple[bytes, ...]])
+    assert wire.matches((3, None), tuple[float, float | None])  # an int is a float too
+    for value, kind in [
+        ((1, 2), tuple[int]), ((True,), tuple[int]), (("1",), tuple[int]), ((1, "x"), tuple[int, ...]), (None, tuple[int])
+    ]:  # fmt: skip
+        assert not wire.matches(value, kind)
+    with pytest.raises(wire.FrameError, match="can't send"):
+        wire.Writer().value({"a": 1})
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        (bytes([99]), "unknown value tag"),
+        (bytes([wire.V_SEQ]) + struct.pack(">H", 3) + bytes([wire.V_NONE]), "runs past the payload"),  # claims 3
+        (bytes([wire.V_BLOB]) + struct.pack(">I", 1 << 30), "runs past the payload"),  # a lying length
+        ((bytes([wire.V_SEQ]) + struct.pack(">H", 1)) * (wire.MAX_VALUE_DEPTH + 1) + bytes([wire.V_NONE]), "deeper"),
+    ],
+)
+def test_hostile_values_are_refused_before_anything_is_allocated(value: bytes, match: str) -> None:
+    payload = wire.Writer().text("call").parts[0] + value
+    with pytest.raises(wire.FrameError, match=match):
+        wire.read_named(payload)

@@ -118,14 +118,14 @@ def test_a_non_blocking_receive_returns_at_once_when_nothing_is_waiting() -> Non
         started = time.monotonic()
         assert io.receive(block=False) == 0 and io.next_frame() is None
         assert time.monotonic() - started < 0.5
-        data = _frame(wire.STEP, 3, b"abcdef") + _frame(wire.METRICS, 4, b"")
+        data = _frame(wire.STEP, 3, b"abcdef") + _frame(wire.NOTE, 4, b"")
         theirs.sendall(data[:5])  # part of a header
         assert io.receive(block=False) == 5 and io.next_frame() is None
         theirs.sendall(data[5:])
         while io.receive(block=False):
             pass
         got = [(k, r, bytes(p)) for k, r, p in iter(io.next_frame, None)]
-        assert got == [(wire.STEP, 3, b"abcdef"), (wire.METRICS, 4, b"")]
+        assert got == [(wire.STEP, 3, b"abcdef"), (wire.NOTE, 4, b"")]
         theirs.close()
         with pytest.raises(wire.ChannelClosed):
             io.receive(block=False)

@@ -16,7 +16,7 @@ from helpers.channel_frames import recv_frame
 
 def _frames() -> list[tuple[int, int, bytes]]:
     sizes = [0, 1, 7, 300, INITIAL_BUFFER_BYTES - 5, 3 * INITIAL_BUFFER_BYTES, 2, 40]
-    return [(wire.STEP if i % 2 else wire.METRICS, i + 1, bytes([i]) * n) for i, n in enumerate(sizes)]
+    return [(wire.STEP if i % 2 else wire.NOTE, i + 1, bytes([i]) * n) for i, n in enumerate(sizes)]
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 4096, 1 << 20])

@@ -170,3 +170,21 @@ async def test_prepare_step_refuses_inputs_the_engine_cannot_run_before_anything
         assert alone.shape == (1, 1, H) and cache.session.length_tokens == 1
     assert runtime.num_pending == 0
     runtime.stop()
+
+
+async def test_a_call_the_core_does_not_take_fails_only_its_caller(backend) -> None:
+    """A call whose name or argument types the device does not take (`DeviceChannel.calls`) is refused to its
+    caller before anything runs; the channel and its sessions go on."""
+    async with _served(backend) as (_, _, _, link), contextlib.AsyncExitStack() as stack:
+        for name, args in [
+            ("forward", ("peer", (0, 1), "no tensor", None, "", 16, 1.0)),  # a str where the hidden states go
+            ("forward", ("peer", (0, 1), torch.randn(1, 2, H))),  # too few
+            ("open_everything", ()),  # no such call
+        ]:
+            with pytest.raises(Exception, match="takes these arguments"):
+                await link.request(name, *args)
+        with pytest.raises(Exception, match="not inside the span"):
+            await link.request("forward", "peer", (0, 9), torch.randn(1, 2, H), None, "", 16, 1.0)
+        proxy = RemoteCore(link)
+        cache = await stack.enter_async_context(remote_session(proxy, SessionSpec(SPAN, 1, 16)))
+        assert (await proxy.step(cache, _step(torch.randn(1, 2, H), 0))).shape == (1, 2, H)

@@ -20,7 +20,7 @@ async def test_a_large_frame_is_read_without_pausing_the_socket() -> None:
     info = DeviceInfo("fused", 0, 8 << 20, {0: 1})
     state = wire.Writer().u64(1).u64(1).u64(0).f64(None)
     big = runtime_pb2.ExpertRequest(uid="x", tensors=[runtime_pb2.Tensor(buffer=b"\1" * (3 << 20))])
-    push = wire.Writer().text("session").text("").blob(big.SerializeToString())
+    push = wire.named("push", ("session", None, big.SerializeToString()))
     hello = wire.Writer()
     hello.parts.append(info.to_json())
     theirs.sendall(hello.frame(wire.HELLO, 0) + state.frame(wire.STATE, 0))
@@ -35,10 +35,10 @@ async def test_a_large_frame_is_read_without_pausing_the_socket() -> None:
 
     transport.pause_reading = counted  # type: ignore[method-assign]
     got = asyncio.get_running_loop().create_future()
-    link.on_push = lambda session_id, request, sender: got.set_result(request)
-    sender = threading.Thread(target=theirs.sendall, args=(push.frame(wire.PUSH_OUT, 0),))
+    link.notes["push"] = (tuple[str, str | None, bytes], lambda session_id, sender, raw: got.set_result(raw))
+    sender = threading.Thread(target=theirs.sendall, args=(push.frame(wire.NOTE, 0),))
     sender.start()
-    request = await asyncio.wait_for(got, 10)
+    request = runtime_pb2.ExpertRequest.FromString(await asyncio.wait_for(got, 10))
     sender.join(5)
     assert len(request.tensors[0].buffer) == 3 << 20  # whole
     assert pauses == []  # asyncio's default limit (64 KiB) pauses reading past 128 KiB

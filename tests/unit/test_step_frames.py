@@ -177,7 +177,7 @@ def _raw_batch(count: int, items: list[tuple[int, int, bytes]], trailing: bytes 
         _raw_batch(0, []),  # no items
         _raw_batch(wire.MAX_BATCH_ITEMS + 1, []),  # more items than a batch may hold (none follow)
         _raw_batch(2, [(wire.STEP, 1, b"x")]),  # claims two items, holds one
-        _raw_batch(1, [(wire.OPEN, 1, b"x")]),  # an item kind a step batch can't carry
+        _raw_batch(1, [(wire.CALL, 1, b"x")]),  # an item kind a step batch can't carry
         _raw_batch(1, [(wire.STEP, 1, b"x")], trailing=b"\0"),  # bytes after the last item
         memoryview(bytearray(struct.pack(">HBII", 1, wire.STEP, 1, 1 << 30))),  # an item claiming 1 GiB
         memoryview(bytearray(b"\1")),  # not even a count

@@ -11,6 +11,13 @@ Payload fields, in the order each message kind writes them (`Writer` / `Reader`)
 length + utf-8), blob (u32 length), tensor (u8 dtype code, u8 ndim, u32 per dim, then the raw bytes; dtype code
 255 = no tensor).
 
+Calls and notes: everything but a step crosses as a CALL (a reply comes back, REPLY_VALUE or REPLY_ERROR) or a NOTE
+(one way, either direction) whose body is a name (text) and one tagged value, the tuple of its arguments
+(`named` / `read_named`); a value is a u8 tag then None, a bool, an i64, an f64, a text, a blob, a tensor record,
+or a sequence (u16 count, then its values; at most `MAX_VALUE_DEPTH` deep, its count bounded by what is left of the
+payload). What each name means and takes is the server's (`matches` checks a value against a declared type); this
+codec carries values.
+
 Batches: a handler process sends the steps that became ready in one loop iteration as one STEP_BATCH frame, and
 the device answers the steps that one merged forward finished as one REPLY_BATCH frame per channel (one read, one
 write and one wake-up per batch instead of per step). A batch payload is a u16 item count and, per item, the
@@ -32,30 +39,24 @@ import asyncio
 import json
 import math
 import struct
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
-from corolla.protocol.prefix import MAX_PREFIX_BLOCKS, PREFIX_DIGEST_BYTES, PrefixKeys
 from corolla.utils.tensor_bytes import HiddenRows, view_bytes
 
-# handler -> device
-OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, METRICS, READY = 1, 2, 3, 4, 5, 6, 9, 10
-STEP_BATCH = 11
-READ_KV, WRITE_KV = 12, 13  # a session's KV hand-off (drain): its cache's canonical tensors out / in
-# a session's prefix keys (`protocol.prefix`): attach the cached run they name (a request: the hit comes back) / record
-# them for publication (one-way, like METRICS: nothing waits for it)
-PREFIX_ATTACH, PREFIX_KEYS = 14, 15
-# a METRICS frame's event: what a handler process reports to the device's metrics (its own are never scraped)
-METRIC_REJECTED, METRIC_PREFIX_PROBE = 3, 4
+# handler -> device: a call of the core (a reply comes back: REPLY_VALUE or REPLY_ERROR), a step, a frame of steps
+CALL, STEP, STEP_BATCH = 1, 3, 11
+# either way, nothing waits for it: a named note (`Writer.note`), e.g. a push routed, a session evicted, a refusal
+NOTE = 2
 # device -> handler
-HELLO, STATE, REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT = 20, 21, 22, 23, 24, 25, 26, 27
-REPLY_BATCH = 28
+HELLO, STATE, REPLY_VALUE, REPLY_TENSORS, REPLY_ERROR, REPLY_BATCH = 20, 21, 22, 23, 25, 28
 FRAME_KINDS = frozenset(
-    (OPEN, CLOSE, STEP, FORWARD, BACKWARD, PUSH_IN, METRICS, READY, STEP_BATCH, READ_KV, WRITE_KV, HELLO, STATE)
-    + (PREFIX_ATTACH, PREFIX_KEYS)
-    + (REPLY_OPEN, REPLY_TENSORS, REPLY_CLOSED, REPLY_ERROR, EVICT, PUSH_OUT, REPLY_BATCH)
+    (CALL, NOTE, STEP, STEP_BATCH, HELLO, STATE, REPLY_VALUE, REPLY_TENSORS, REPLY_ERROR, REPLY_BATCH)
 )
 BATCH_ITEM_KINDS = {STEP_BATCH: frozenset((STEP,)), REPLY_BATCH: frozenset((REPLY_TENSORS, REPLY_ERROR))}
 MAX_BATCH_ITEMS = 4096
@@ -65,6 +66,10 @@ HEADER_BYTES = HEADER.size  # 9
 MAX_TENSOR_DIMS = 8
 MAX_STR_BYTES = 65535
 NO_TENSOR = 255
+# a value's tag (`Writer.value`): what a call, a note or a call's reply carries
+V_NONE, V_FALSE, V_TRUE, V_INT, V_FLOAT, V_TEXT, V_BLOB, V_TENSOR, V_SEQ = range(9)
+MAX_VALUE_DEPTH = 4  # sequences inside sequences
+T = TypeVar("T")
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -76,6 +81,7 @@ _ITEM_BYTES = tuple(dtype.itemsize for dtype in _DTYPES)
 _NUMPY_VIEW = {torch.bfloat16: torch.int16}
 _U8, _U32, _U64, _F64 = struct.Struct(">B"), struct.Struct(">I"), struct.Struct(">Q"), struct.Struct(">d")
 _U16 = struct.Struct(">H")
+_TAGGED_INT, _TAGGED_FLOAT = struct.Struct(">Bq"), struct.Struct(">Bd")
 _ITEM = struct.Struct(">BII")  # kind, request id, payload length
 _STEP_HEAD = struct.Struct(">IIBH")  # a STEP's handle, prefix length, lone session, adapter length (then its utf-8)
 _TENSOR_HEADS = tuple(struct.Struct(f">BB{ndim}I") for ndim in range(MAX_TENSOR_DIMS + 1))  # dtype code, ndim, dims
@@ -164,6 +170,29 @@ class Writer:
     def blob(self, value: bytes) -> Writer:
         self.parts.append(_U32.pack(len(value)))
         self.parts.append(value)
+        return self
+
+    def value(self, value: object) -> Writer:
+        """One tagged value: None, a bool, an int (64 bits), a float, a str, bytes, a tensor, or a tuple or list of
+        values (read back as a tuple); FrameError for anything else."""
+        if value is None or isinstance(value, bool):
+            self.parts.append(_U8.pack(V_NONE if value is None else V_TRUE if value else V_FALSE))
+        elif isinstance(value, int):
+            self.parts.append(_TAGGED_INT.pack(V_INT, value))
+        elif isinstance(value, float):
+            self.parts.append(_TAGGED_FLOAT.pack(V_FLOAT, value))
+        elif isinstance(value, str):
+            self.u8(V_TEXT).text(value)
+        elif isinstance(value, bytes):
+            self.u8(V_BLOB).blob(value)
+        elif isinstance(value, torch.Tensor):
+            self.u8(V_TENSOR).tensor(value)
+        elif isinstance(value, (tuple, list)) and len(value) <= 0xFFFF:
+            self.parts.append(_U8.pack(V_SEQ) + _U16.pack(len(value)))
+            for item in value:
+                self.value(item)
+        else:
+            raise FrameError(f"can't send a value of type {type(value).__name__}")
         return self
 
     def tensor(self, tensor: torch.Tensor | None) -> Writer:
@@ -268,6 +297,31 @@ class Reader:
     def blob(self) -> bytes:
         return bytes(self.take(self.u32()))
 
+    def value(self, depth: int = 0) -> object:
+        """The next tagged value (`Writer.value`), every length bounded by the payload, sequences at most
+        `MAX_VALUE_DEPTH` deep."""
+        tag = self.u8()
+        if tag in (V_NONE, V_FALSE, V_TRUE):
+            return None if tag == V_NONE else tag == V_TRUE
+        if tag == V_INT:
+            return int(struct.unpack(">q", self.take(8))[0])
+        if tag == V_FLOAT:
+            return float(_F64.unpack(self.take(8))[0])
+        if tag == V_TEXT:
+            return self.text()
+        if tag == V_BLOB:
+            return self.blob()
+        if tag == V_TENSOR:
+            return self.tensor()
+        if tag != V_SEQ:
+            raise FrameError(f"unknown value tag {tag}")
+        if depth >= MAX_VALUE_DEPTH:
+            raise FrameError(f"values nested deeper than {MAX_VALUE_DEPTH}")
+        (count,) = _U16.unpack(self.take(2))
+        if count > len(self.data) - self.offset:  # every item takes a byte at least
+            raise FrameError(f"a sequence of {count} values runs past the payload")
+        return tuple(self.value(depth + 1) for _ in range(count))
+
     def tensor(self) -> torch.Tensor | None:
         """The next tensor record as a tensor of its own (a writable copy of the bytes), None for no tensor."""
         record = self.record()
@@ -295,6 +349,49 @@ class Reader:
             raise FrameError(f"{len(self.data) - self.offset} trailing bytes in a frame")
 
 
+def named(name: str, args: tuple[object, ...]) -> Writer:
+    """A CALL's or a NOTE's body: its name and its arguments."""
+    return Writer().text(name).value(args)
+
+
+def read_named(payload: bytes | memoryview) -> tuple[str, tuple[object, ...]]:
+    """(name, arguments) of a CALL's or a NOTE's body (FrameError if malformed)."""
+    reader = Reader(payload)
+    name, args = reader.text(), reader.value()
+    reader.done()
+    if not isinstance(args, tuple):
+        raise FrameError(f"the arguments of {name!r:.40} are no sequence")
+    return name, args
+
+
+def matches(value: object, kind: Any) -> bool:
+    """Whether `value`, as `Reader.value` gives it, is of `kind`: a class (an int is a float too, a bool no int),
+    `A | None`, `tuple[A, B]` or `tuple[A, ...]`."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(matches(item, args[0]) for item in value)
+        return len(value) == len(args) and all(matches(item, a) for item, a in zip(value, args, strict=True))
+    if origin is typing.Union or origin is types.UnionType:
+        return any(matches(value, a) for a in args)
+    if kind is None or kind is type(None):
+        return value is None
+    if kind is float or kind is int:
+        return isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def dispatch(table: Mapping[str, tuple[Any, Callable[..., T]]], name: str, args: tuple[object, ...]) -> T:
+    """Runs the function `table` names `name` on `args`, once they are of its declared type (`matches`); FrameError
+    for a name the table lacks or arguments of other types."""
+    entry = table.get(name)
+    if entry is None or not matches(args, entry[0]):
+        raise FrameError(f"no call {name!r:.40} takes these arguments")
+    return entry[1](*args)
+
+
 async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tuple[int, int, bytes]:
     """(kind, request id, payload) of the next frame; ChannelClosed at EOF, FrameError past the bounds."""
     try:
@@ -311,25 +408,6 @@ async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tupl
     except (asyncio.IncompleteReadError, ConnectionError) as e:
         raise ChannelClosed("handler channel closed mid-frame") from e
     return kind, request_id, payload
-
-
-def prefix_frame(handle: int, namespace: str, keys: PrefixKeys) -> Writer:
-    """A PREFIX_ATTACH or PREFIX_KEYS body: the session's handle, whose namespace, the keys (digests back to back)."""
-    return Writer().u32(handle).text(namespace).u32(keys.first_block).blob(b"".join(keys.hashes))
-
-
-def read_prefix_frame(reader: Reader) -> tuple[int, str, PrefixKeys]:
-    """(handle, namespace, keys) of a PREFIX_ATTACH or PREFIX_KEYS body; FrameError if malformed (the digests'
-    length is checked before they are split)."""
-    handle, namespace, first, raw = reader.u32(), reader.text(), reader.u32(), reader.blob()
-    reader.done()
-    if len(raw) % PREFIX_DIGEST_BYTES or len(raw) > MAX_PREFIX_BLOCKS * PREFIX_DIGEST_BYTES:
-        raise FrameError(f"prefix keys of {len(raw)} bytes are no whole number of at most {MAX_PREFIX_BLOCKS} digests")
-    hashes = tuple(raw[i : i + PREFIX_DIGEST_BYTES] for i in range(0, len(raw), PREFIX_DIGEST_BYTES))
-    try:
-        return handle, namespace, PrefixKeys(first, hashes)
-    except ValueError as e:
-        raise FrameError(str(e)) from None
 
 
 # ---- the device side's hot paths: a STEP_BATCH in one pass, a merged forward's replies in one join per frame

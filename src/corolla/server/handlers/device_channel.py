@@ -1,7 +1,10 @@
 """The core's end of the handler channels (`--num_handlers` > 1): one `DeviceChannel` per handler process serves its
-requests (`protocol.channel_frames` frames) against the real executor and the server's one `SpanCore` (admission, the push table),
-each request in a task of its own so that the runtime merges the steps of all processes' sessions into one batched
-forward; a session's OPEN routes its pushes to its process (PUSH_OUT), a PUSH_IN goes through the core's table. Steps arrive one frame per handler loop
+requests (`protocol.channel_frames` frames) against the real executor and the server's one `SpanCore` (admission, the
+push table). Every call but a step is a CALL of one of the core's seam methods by name with tagged values
+(`DeviceChannel.calls`: each one's argument types checked before it runs), answered in a task of its own; one-way
+notes (a push, prefix keys, a refusal counted, the process ready) likewise (`DeviceChannel.notes`). A session's
+"open" routes its pushes to its process (a "push" note back), a "push" note in goes through the core's table, an
+eviction goes back as an "evict" note. Steps arrive one frame per handler loop
 iteration (STEP_BATCH) and leave together: every step reply that became ready in one loop iteration (one merged
 forward resolves all of its steps in one callback) goes out in one REPLY_BATCH frame with the state once.
 
@@ -14,8 +17,8 @@ steps on the runtime as ONE callback task (others one task each), waking its thr
 forward the runtime thread appends each result to its channel's outbox (with its bytes where a launched forward
 collected them: `StepRequest.output_bytes`) and sends one REPLY_BATCH per channel with a blocking `sendall`
 (docs/decisions/0003-replies-from-the-runtime-thread.md). A refused step is answered from
-the intake thread and fails only its caller. Every other frame (OPEN, CLOSE, FORWARD, BACKWARD, pushes, routes) is
-handed to the event loop, as rare work.
+the intake thread and fails only its caller. Every other frame (calls and notes) is handed to the event loop, as rare
+work.
 
 The handler process validated every input (`block_functions`) before it sent it; this side re-checks only what a
 frame could get wrong by itself (sizes, handles, block ranges inside the span).
@@ -60,7 +63,7 @@ import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -71,6 +74,7 @@ from hivemind.proto import runtime_pb2
 from corolla.engine.batcher import StepGroup, StepResult
 from corolla.engine.span_engine import StepRequest
 from corolla.protocol import channel_frames as wire
+from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core.admission import SessionTicket
 from corolla.server.core.executor import (
     KIND_ENGINE_INFERENCE,
@@ -645,6 +649,25 @@ class DeviceChannel:
         # a frame's steps -> runtime tasks (a frame's decode steps in one) -> replies; `_flush` bound once: the runtime
         # flushes each distinct object once per batch
         self.steps = FrameIntake(executor, core, self._held_cache, self._queue_results, self._flush)
+        # what a handler process may call (`RemoteCore`: a reply comes back) and note (one way): each one's argument
+        # types, checked before it runs (a frame can get them wrong by itself), and what runs it
+        self.calls: dict[str, tuple[Any, Callable[..., Awaitable[object]]]] = {
+            "open": (tuple[tuple[int, int], int, int, float | None, str, str | None, int | None, bool], self._open),
+            "close": (tuple[int], self._close),
+            "forward": (tuple[str, tuple[int, int], torch.Tensor, torch.Tensor | None, str, int, float], self._forward),
+            "backward": (tuple[str, tuple[int, int], torch.Tensor, torch.Tensor, torch.Tensor | None, str, float],
+                         self._backward),
+            "attach_prefix": (tuple[int, str, int, tuple[bytes, ...]], self._attach_prefix),
+            "read_kv": (tuple[int, int], self._read_kv),
+            "write_kv": (tuple[int, int, tuple[torch.Tensor, ...]], self._write_kv),
+        }  # fmt: skip
+        self.notes: dict[str, tuple[Any, Callable[..., None]]] = {
+            "push": (tuple[str, str | None, bytes], self._push_in),
+            "add_prefix_keys": (tuple[int, str, int, tuple[bytes, ...]], self._add_prefix_keys),
+            "rejected": (tuple[str], self._rejected),
+            "prefix_probe": (tuple[int, int], self._prefix_probe),
+            "ready": (tuple[int, str, tuple[str, ...]], self._ready),
+        }
         self.num_requests = 0  # counted by the intake thread only
         self.num_frames_in = 0
         self.num_sessions_opened = 0
@@ -750,68 +773,61 @@ class DeviceChannel:
                 self._loop.call_soon_threadsafe(_set_done, self._ended)
 
     def _dispatch(self, kind: int, request_id: int, payload: bytes) -> None:
-        """A frame other than a step, in the event loop."""
+        """A frame other than a step, in the event loop: a call answered in a task of its own (a malformed one fails
+        its caller only), a note at once (a malformed one ends the channel)."""
+        if kind == wire.CALL:
+            self._start(request_id, payload)
+            return
         try:
-            if kind == wire.PUSH_IN:
-                fields = wire.Reader(payload)
-                session_id, sender, raw = fields.text(), fields.text(), fields.blob()
-                self.core.push(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender=sender or None)
-            elif kind == wire.METRICS:
-                self._count(wire.Reader(payload))
-            elif kind == wire.PREFIX_KEYS:
-                self._prefix_keys(wire.Reader(payload))
-            elif kind == wire.READY:
-                fields = wire.Reader(payload)
-                self.pid, self.listen_maddr = fields.u32(), fields.text()
-                self.stream_names = [fields.text() for _ in range(fields.u8())]
-                self.ready.set()
-            else:
-                self._start(kind, request_id, payload)
+            if kind != wire.NOTE:
+                raise wire.FrameError(f"frame kind {kind} is not a request")
+            wire.dispatch(self.notes, *wire.read_named(payload))
         except wire.FrameError as e:
             logger.error(f"device_channel.bad_frame(handler={self.index}, kind={kind}, error={e!r}): channel ends")
             self.io.shutdown()
 
-    # ---- steps (intake thread -> runtime -> runtime thread)
-
-    def _held_cache(self, handle: int) -> tuple[SessionCache, SessionTicket | None]:
-        """An open session's cache and ticket (FrameError where `_held` refuses the handle)."""
-        held = self._held(handle)
-        assert held.cache is not None  # `_held` checked it
-        return held.cache, held.ticket
-
-    def _start(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
-        task = asyncio.create_task(self._answer(kind, request_id, payload))
+    def _start(self, request_id: int, payload: bytes) -> None:
+        task = asyncio.create_task(self._answer(request_id, payload))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _prefix_keys(self, fields: wire.Reader) -> None:
-        """Keys of a session's own client for publication (one-way: a session that ended meanwhile drops them)."""
-        handle, namespace, keys = wire.read_prefix_frame(fields)
+    async def _answer(self, request_id: int, payload: bytes) -> None:
+        try:
+            body = wire.Writer().value(await wire.dispatch(self.calls, *wire.read_named(payload)))
+        except Exception as e:
+            self._reply(wire.REPLY_ERROR, request_id, encode_error(e))
+            return
+        self._reply(wire.REPLY_VALUE, request_id, body)
+
+    # ---- notes (one way)
+
+    def _push_in(self, session_id: str, sender: str | None, raw: bytes) -> None:
+        self.core.push(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender=sender or None)
+
+    def _add_prefix_keys(self, handle: int, namespace: str, first: int, hashes: tuple[bytes, ...]) -> None:
+        """Keys of a session's own client for publication (a session that ended meanwhile drops them)."""
         held = self.sessions.get(handle)
         if held is None or held.cache is None:
             return
         try:
-            self.executor.add_prefix_keys(held.cache, namespace, keys)
-        except ValueError as e:  # the handler checked the namespace: only a broken invariant gets here
+            self.executor.add_prefix_keys(held.cache, namespace, PrefixKeys(first, hashes))
+        except ValueError as e:  # the handler checked the keys and the namespace: only a broken invariant gets here
             logger.warning(f"device_channel.prefix_keys_refused(handler={self.index}, error={e!r})")
 
-    async def _prefix_attach(self, fields: wire.Reader) -> wire.Writer:
-        handle, namespace, keys = wire.read_prefix_frame(fields)
-        held = self._held(handle)
-        assert held.cache is not None  # `_held` checked it
-        return wire.Writer().u32(await self.executor.attach_prefix(held.cache, namespace, keys))
+    def _rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
 
-    def _count(self, fields: wire.Reader) -> None:
-        event, label = fields.u8(), fields.text()
-        if event == wire.METRIC_PREFIX_PROBE:
-            keyed, hit = fields.u32(), fields.u32()
-            if self.metrics is not None:
-                self.metrics.prefix_probe(keyed_tokens=keyed, hit_tokens=hit)
-            return
-        if self.metrics is None:
-            return
-        if event == wire.METRIC_REJECTED:
-            self.metrics.rejected(label)
+    def _prefix_probe(self, keyed_tokens: int, hit_tokens: int) -> None:
+        if self.metrics is not None:
+            self.metrics.prefix_probe(keyed_tokens=keyed_tokens, hit_tokens=hit_tokens)
+
+    def _ready(self, pid: int, listen_maddr: str, stream_names: tuple[str, ...]) -> None:
+        """The handler process registered its handlers: where p2pd sends its streams, and their names."""
+        self.pid, self.listen_maddr, self.stream_names = pid, listen_maddr, list(stream_names)
+        self.ready.set()
+
+    # ---- calls (each in a task of its own)
 
     async def _end_all(self) -> None:
         for task in list(self._tasks):
@@ -824,57 +840,45 @@ class DeviceChannel:
         self.sessions.clear()
         self.on_sessions_changed()
 
-    async def _answer(self, kind: int, request_id: int, payload: bytes | memoryview) -> None:
-        try:
-            fields = wire.Reader(payload)
-            if kind == wire.OPEN:
-                body = await self._open(fields)
-            elif kind == wire.CLOSE:
-                body = await self._close(fields)
-            elif kind == wire.FORWARD:
-                body = await self._forward(fields)
-            elif kind == wire.BACKWARD:
-                body = await self._backward(fields)
-            elif kind == wire.READ_KV:
-                body = await self._read_kv(fields)
-            elif kind == wire.WRITE_KV:
-                body = await self._write_kv(fields)
-            elif kind == wire.PREFIX_ATTACH:
-                body = await self._prefix_attach(fields)
-            else:
-                raise wire.FrameError(f"frame kind {kind} is not a request")
-        except Exception as e:
-            self._reply(wire.REPLY_ERROR, request_id, encode_error(e))
-            return
-        self._reply(wire.REPLY_CLOSED if kind == wire.CLOSE else
-                    wire.REPLY_OPEN if kind == wire.OPEN else wire.REPLY_TENSORS, request_id, body)  # fmt: skip
+    def _blocks(self, blocks: tuple[int, int]) -> tuple[int, ...]:
+        indices = tuple(range(*blocks))
+        if not indices or indices[0] < self.span[0] or indices[-1] > self.span[-1]:
+            raise wire.FrameError(f"blocks {blocks} are not inside the span {self.span[0]}:{self.span[-1] + 1}")
+        return indices
 
-    def _blocks(self, start: int, end: int) -> tuple[int, ...]:
-        blocks = tuple(range(start, end))
-        if not blocks or blocks[0] < self.span[0] or blocks[-1] > self.span[-1]:
-            raise wire.FrameError(f"blocks {start}:{end} are not inside the span {self.span[0]}:{self.span[-1] + 1}")
-        return blocks
+    def _held_cache(self, handle: int) -> tuple[SessionCache, SessionTicket | None]:
+        """An open session's cache and ticket (FrameError where `_held` refuses the handle)."""
+        held = self._held(handle)
+        assert held.cache is not None  # `_held` checked it
+        return held.cache, held.ticket
 
-    async def _open(self, fields: wire.Reader) -> wire.Writer:
-        blocks = self._blocks(fields.u32(), fields.u32())
-        batch_size, max_length = fields.u32(), fields.u32()
-        alloc_timeout_s, peer, session_id = fields.f64(), fields.text(), fields.text()
-        known, opening, shadow = fields.u8(), fields.u64(), fields.u8()
-        fields.done()
-        spec = SessionSpec(blocks, batch_size, max_length, shadow=bool(shadow))
-        opening_tokens = opening if known else None  # what its opening request brings (admission: none, no wait)
+    def _cache(self, handle: int) -> SessionCache:
+        return self._held_cache(handle)[0]
+
+    async def _open(
+        self,
+        blocks: tuple[int, int],
+        batch_size: int,
+        max_length: int,
+        alloc_timeout_s: float | None,
+        peer: str,
+        session_id: str | None,
+        opening_tokens: int | None,  # what its opening request brings (admission: none, no wait in line)
+        shadow: bool,
+    ) -> tuple[int, bool]:
+        spec = SessionSpec(self._blocks(blocks), batch_size, max_length, shadow=shadow)
         self.core.drain.check_accepting()  # Draining: no new sessions
         held = _Held(spec)
         opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         handle = next(self._handles)
         held.task = asyncio.create_task(
-            self._hold(handle, held, peer, alloc_timeout_s, session_id or None, opening_tokens, opened)
+            self._hold(handle, held, peer, alloc_timeout_s, session_id, opening_tokens, opened)
         )
         await opened  # raises the admission's or the allocation's refusal
         self.sessions[handle] = held
         self.num_sessions_opened += 1
         self.on_sessions_changed()
-        return wire.Writer().u32(handle).u8(held.cache is not None)
+        return handle, held.cache is not None
 
     async def _hold(
         self,
@@ -899,7 +903,7 @@ class DeviceChannel:
                 try:
                     await asyncio.wait({evicted, closing}, return_when=asyncio.FIRST_COMPLETED)
                     if not closing.done() and ticket.eviction is not None:  # the stream's process ends the session
-                        self.send(wire.EVICT, handle, wire.Writer().text(str(ticket.eviction)))
+                        self.send(wire.NOTE, 0, wire.named("evict", (handle, str(ticket.eviction))))
                         await closing
                 finally:
                     evicted.cancel()
@@ -910,21 +914,19 @@ class DeviceChannel:
             if not isinstance(e, Exception):
                 raise
 
-    async def _close(self, fields: wire.Reader) -> wire.Writer:
-        held = self.sessions.pop(fields.u32(), None)
-        fields.done()
+    async def _close(self, handle: int) -> None:
+        held = self.sessions.pop(handle, None)
         if held is not None:
             held.close.set()
             if held.task is not None:
                 await asyncio.wait({held.task}, timeout=10.0)
             self.on_sessions_changed()
-        return wire.Writer()
 
     def _push_out(self, session_id: str, request: runtime_pb2.ExpertRequest, sender: str | None) -> bool:
         """A push for a session of this channel's process: there, its stream's guard decides."""
         if self.io.closed:
             return False
-        self.send(wire.PUSH_OUT, 0, wire.Writer().text(session_id).text(sender).blob(request.SerializeToString()))
+        self.send(wire.NOTE, 0, wire.named("push", (session_id, sender, request.SerializeToString())))
         return True
 
     def _held(self, handle: int) -> _Held:
@@ -933,54 +935,32 @@ class DeviceChannel:
             raise wire.FrameError(f"no open session with a cache under handle {handle}")
         return held
 
-    async def _forward(self, fields: wire.Reader) -> wire.Writer:
-        blocks = self._blocks(fields.u32(), fields.u32())
-        chunk_tokens, adapter, hidden, prompts = fields.u32(), fields.text(), fields.tensor(), fields.tensor()
-        peer, timeout_s = fields.text(), fields.f64()
-        fields.done()
-        if hidden is None or timeout_s is None:
-            raise wire.FrameError("a forward needs hidden states and a timeout")
+    async def _forward(
+        self, peer: str, blocks: tuple[int, int], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str,
+        chunk_tokens: int, timeout_s: float,
+    ) -> torch.Tensor:  # fmt: skip
         inputs = ForwardInputs(hidden, prompts, adapter)  # in one of its peer's slots of the core
-        output = await self.core.forward(peer, blocks, inputs, chunk_tokens=chunk_tokens, timeout_s=timeout_s)
-        return wire.Writer().u8(1).tensor(output)
+        return await self.core.forward(
+            peer, self._blocks(blocks), inputs, chunk_tokens=chunk_tokens, timeout_s=timeout_s
+        )
 
-    async def _read_kv(self, fields: wire.Reader) -> wire.Writer:
-        held, position = self._held(fields.u32()), fields.u32()
-        fields.done()
-        assert held.cache is not None  # `_held` checked it
-        tensors = await self.executor.read_kv(held.cache, position)
-        check_handoff_frame(tensors, self.max_frame_bytes)  # the client replays a cache too big for one frame
-        body = wire.Writer().u8(len(tensors))
-        for tensor in tensors:
-            body.tensor(tensor)
-        return body
-
-    async def _write_kv(self, fields: wire.Reader) -> wire.Writer:
-        held, position = self._held(fields.u32()), fields.u32()
-        tensors = []
-        for _ in range(fields.u8()):
-            tensor = fields.tensor()
-            if tensor is None:
-                raise wire.FrameError("a KV import tensor is missing")
-            tensors.append(tensor)
-        fields.done()
-        assert held.cache is not None
-        await self.executor.write_kv(held.cache, tensors, position)  # validated by the handler process's front
-        return wire.Writer().u8(0)
-
-    async def _backward(self, fields: wire.Reader) -> wire.Writer:
-        blocks = self._blocks(fields.u32(), fields.u32())
-        adapter, hidden, grads, prompts = fields.text(), fields.tensor(), fields.tensor(), fields.tensor()
-        peer, timeout_s = fields.text(), fields.f64()
-        fields.done()
-        if hidden is None or grads is None or timeout_s is None:
-            raise wire.FrameError("a backward needs hidden states, output gradients and a timeout")
+    async def _backward(
+        self, peer: str, blocks: tuple[int, int], hidden: torch.Tensor, grads: torch.Tensor,
+        prompts: torch.Tensor | None, adapter: str, timeout_s: float,
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
         inputs = BackwardInputs(hidden, grads, prompts, adapter)
-        outputs = await self.core.backward(peer, blocks, inputs, timeout_s=timeout_s)
-        body = wire.Writer().u8(len(outputs))
-        for tensor in outputs:
-            body.tensor(tensor)
-        return body
+        return tuple(await self.core.backward(peer, self._blocks(blocks), inputs, timeout_s=timeout_s))
+
+    async def _attach_prefix(self, handle: int, namespace: str, first: int, hashes: tuple[bytes, ...]) -> int:
+        return await self.core.attach_prefix(self._cache(handle), namespace, PrefixKeys(first, hashes))
+
+    async def _read_kv(self, handle: int, position: int) -> tuple[torch.Tensor, ...]:
+        tensors = await self.core.read_kv(self._cache(handle), position)
+        check_handoff_frame(tensors, self.max_frame_bytes)  # the client replays a cache too big for one frame
+        return tuple(tensors)
+
+    async def _write_kv(self, handle: int, position: int, tensors: tuple[torch.Tensor, ...]) -> None:
+        await self.core.write_kv(self._cache(handle), list(tensors), position)  # validated by the handler's front
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

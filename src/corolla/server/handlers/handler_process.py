@@ -16,7 +16,6 @@ from multiprocessing.connection import Connection
 from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
-from corolla.protocol import channel_frames as wire
 from corolla.server.front.front_service import FrontService, FrontSettings
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
@@ -35,17 +34,11 @@ class ForwardedMetrics(ServerMetrics):
         super().__init__()
         self.link = link
 
-    def _send(self, event: int, label: str = "") -> None:
-        if not self.link.closed.is_set():
-            self.link.send(wire.METRICS, 0, wire.Writer().u8(event).text(label))
-
     def rejected(self, reason: str) -> None:
-        self._send(wire.METRIC_REJECTED, reason)
+        self.link.note("rejected", reason)
 
     def prefix_probe(self, *, keyed_tokens: int, hit_tokens: int) -> None:
-        if not self.link.closed.is_set():
-            body = wire.Writer().u8(wire.METRIC_PREFIX_PROBE).text("").u32(keyed_tokens).u32(hit_tokens)
-            self.link.send(wire.METRICS, 0, body)
+        self.link.note("prefix_probe", keyed_tokens, hit_tokens)
 
 
 def stream_handle_names(handler: TransformerConnectionHandler) -> list[str]:
@@ -81,12 +74,8 @@ async def _serve(settings: FrontSettings, daemon_listen_maddr: str, index: int, 
         await front.start(p2p)
         if link.closed.is_set():  # stopped while starting
             return
-        ready = wire.Writer().u32(os.getpid()).text(str(p2p._client_listen_maddr))  # where p2pd sends our streams
-        names = stream_handle_names(front.handler)
-        ready.u8(len(names))
-        for name in names:
-            ready.text(name)
-        link.send(wire.READY, 0, ready)
+        # where p2pd sends our streams, and their names
+        link.note("ready", os.getpid(), str(p2p._client_listen_maddr), tuple(stream_handle_names(front.handler)))
         logger.info(f"handler_process.ready(index={index}, pid={os.getpid()})")
         await link.closed.wait()
     finally:

@@ -1,9 +1,11 @@
 """A handler process's way to the core (`--num_handlers` > 1): `RemoteCore`, the one front-to-core seam
 (`span_core.CoreClient`) over the process's channel to the device process (`protocol.channel_frames` frames), so the unchanged
 `TransformerConnectionHandler` serves streams here while all session state, the KV caches, the runtime and the
-batching stay with the device process's one `SpanCore` (its admission, push table, forward slots and drain). This
-process keeps only its own streams: its sessions' push sinks (a push the core routes here, PUSH_OUT) and their
-tickets (an EVICT ends the stream). The core's figures (cache left, sessions open, the drain's deadline) come with
+batching stay with the device process's one `SpanCore` (its admission, push table, forward slots and drain). Each
+call of the seam but a step is one CALL of the core's method by name with its arguments as tagged values
+(`DeviceLink.request`; what it may call: `device_channel.DeviceChannel.calls`), one-way ones a NOTE. This process
+keeps only its own streams: its sessions' push sinks (a push the core routes here: a "push" note) and their tickets
+(an "evict" note ends the stream). The core's figures (cache left, sessions open, the drain's deadline) come with
 every reply and whenever any process opens or closes a session."""
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import contextlib
 import itertools
 import socket
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -62,8 +65,9 @@ class DeviceLink:
         self.max_size_bytes = 0
         self.sessions_open = 0  # on the server, through every process
         self.drain = DrainState()  # the device core's, as its STATE frames tell it
-        self.tickets: dict[int, SessionTicket] = {}  # this process's sessions by handle (an EVICT ends the stream)
-        self.on_push: Callable[[str, runtime_pb2.ExpertRequest, str | None], None] | None = None  # PUSH_OUT
+        self.tickets: dict[int, SessionTicket] = {}  # this process's sessions by handle (an eviction ends one)
+        # what the device tells on its own, and the types of its arguments (a "push": `RemoteCore` takes them)
+        self.notes: dict[str, tuple[Any, Callable[..., None]]] = {"evict": (tuple[int, str], self._evicted)}
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[int, wire.Reader]]] = {}  # the reply after the device's state
         self._outbox: list[tuple[int, int, wire.Writer]] = []  # steps of this loop iteration (one STEP_BATCH)
@@ -108,15 +112,8 @@ class DeviceLink:
                 kind, request_id, payload = await wire.read_frame(self.reader, self.info.max_frame_bytes)
                 if kind == wire.STATE:
                     self._apply_state(wire.Reader(payload))
-                elif kind == wire.EVICT:
-                    ticket = self.tickets.get(request_id)
-                    if ticket is not None:
-                        ticket.evict(wire.Reader(payload).text())
-                elif kind == wire.PUSH_OUT:
-                    fields = wire.Reader(payload)
-                    session_id, sender, raw = fields.text(), fields.text(), fields.blob()
-                    if self.on_push is not None:
-                        self.on_push(session_id, runtime_pb2.ExpertRequest.FromString(raw), sender or None)
+                elif kind == wire.NOTE:
+                    wire.dispatch(self.notes, *wire.read_named(payload))  # a push routed here, an eviction
                 elif kind == wire.REPLY_BATCH:  # the steps one merged forward finished: state once, then each reply
                     fields = wire.Reader(payload)
                     self._apply_state(fields)
@@ -136,6 +133,11 @@ class DeviceLink:
                 if not future.done():
                     future.set_exception(wire.ChannelClosed("the device process is gone"))
             self._pending.clear()
+
+    def _evicted(self, handle: int, reason: str) -> None:
+        ticket = self.tickets.get(handle)
+        if ticket is not None:  # (the session ended meanwhile: nothing to end)
+            ticket.evict(reason)
 
     def _resolve(self, request_id: int, kind: int, reply: wire.Reader) -> None:
         future = self._pending.pop(request_id, None)
@@ -166,6 +168,22 @@ class DeviceLink:
         if reply_kind == wire.REPLY_ERROR:
             raise decode_error(reader)
         return reader
+
+    async def request(self, name: str, *args: object) -> object:
+        """Calls the core's `name` (`device_channel.DeviceChannel.CALLS`) and returns what it returned."""
+        reply = await self.call(wire.CALL, wire.named(name, args))
+        value = reply.value()
+        reply.done()
+        return value
+
+    def note(self, name: str, *args: object) -> bool:
+        """Tells the core `name` (nothing waits for it); False once the channel is gone."""
+        try:
+            self.send(wire.NOTE, 0, wire.named(name, args))
+        except (wire.ChannelClosed, wire.FrameError) as e:
+            logger.info(f"remote_core.note_not_sent(name={name}): {e!r}")
+            return False
+        return True
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         """The loop this link serves, looked up once (`asyncio.get_running_loop` costs a getpid() syscall a call)."""
@@ -205,7 +223,7 @@ class RemoteCore:
     def __init__(self, link: DeviceLink):
         self.link = link
         self.pushes = PushTable()  # this process's sessions: where a push the core routes here goes
-        self.link.on_push = self._deliver
+        self.link.notes["push"] = (tuple[str, str | None, bytes], self._deliver)
 
     @property
     def path(self) -> str:
@@ -244,16 +262,15 @@ class RemoteCore:
         *,
         opening_tokens: int | None = None,
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
-        """Admitted by the device's core as `peer` (OPEN carries the session id, routed here while open, and what
-        its opening request brings: None unknown); yields this process's ticket (an EVICT sets it) and the cache
+        """Admitted by the device's core as `peer` ("open" carries the session id, routed here while open, and what
+        its opening request brings: None unknown); yields this process's ticket (an "evict" note sets it) and the cache
         (None for a max_length=0 probe)."""
         routed = session_id if sink is not None else None
         with self.pushes.routing(routed, sink):
-            body = wire.Writer().u32(spec.block_indices[0]).u32(spec.block_indices[-1] + 1).u32(spec.batch_size)
-            body.u32(spec.max_length_tokens).f64(alloc_timeout_s).text(peer).text(routed)
-            body.u8(opening_tokens is not None).u64(opening_tokens or 0).u8(spec.shadow)
-            reply = await self.link.call(wire.OPEN, body)
-            handle, has_cache = reply.u32(), reply.u8()
+            blocks = (spec.block_indices[0], spec.block_indices[-1] + 1)
+            opened = await self.link.request("open", blocks, spec.batch_size, spec.max_length_tokens, alloc_timeout_s,
+                                             peer, routed, opening_tokens, spec.shadow)  # fmt: skip
+            handle, has_cache = _typed(opened, tuple[int, bool])
             ticket = SessionTicket(peer=peer, reserved_bytes=0)  # (the core's ticket holds the figures)
             self.link.tickets[handle] = ticket
             try:
@@ -262,7 +279,7 @@ class RemoteCore:
                 ticket.released.set()
                 self.link.tickets.pop(handle, None)
                 with contextlib.suppress(wire.ChannelClosed):
-                    await asyncio.shield(self.link.call(wire.CLOSE, wire.Writer().u32(handle)))
+                    await asyncio.shield(self.link.request("close", handle))
 
     def _own(self, cache: SessionCache) -> RemoteSessionCache:
         if not isinstance(cache, RemoteSessionCache) or cache.link is not self.link:
@@ -286,47 +303,40 @@ class RemoteCore:
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
         """To the core, which routes it to the process holding the session (this one too): True once sent."""
-        body = wire.Writer().text(session_id).text(sender).blob(request.SerializeToString())
-        try:
-            self.link.send(wire.PUSH_IN, 0, body)
-        except (wire.ChannelClosed, wire.FrameError) as e:
-            logger.info(f"remote_core.push_not_routed(session_id={session_id!r:.40}): {e!r}")
-            return False
-        return True
+        return self.link.note("push", session_id, sender, request.SerializeToString())
 
-    def _deliver(self, session_id: str, request: runtime_pb2.ExpertRequest, sender: str | None) -> None:
-        """A push the core routed here (PUSH_OUT): its stream's guard decides."""
+    def _deliver(self, session_id: str, sender: str | None, raw: bytes) -> None:
+        """A push the core routed here (a "push" note): its stream's guard decides."""
         sink = self.pushes.get(session_id)
         if sink is not None:
-            sink(request, sender)
+            sink(runtime_pb2.ExpertRequest.FromString(raw), sender or None)
 
     async def forward(
         self, peer: str, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int, timeout_s: float
     ) -> torch.Tensor:
-        body = wire.Writer().u32(block_indices[0]).u32(block_indices[-1] + 1).u32(chunk_tokens).text(inputs.adapter)
-        body.tensor(inputs.hidden_states).tensor(inputs.prompts).text(peer).f64(timeout_s)
-        return _one_tensor(await self.link.call(wire.FORWARD, body))
+        output = await self.link.request("forward", peer, (block_indices[0], block_indices[-1] + 1), inputs.hidden_states,
+                                         inputs.prompts, inputs.adapter, chunk_tokens, timeout_s)  # fmt: skip
+        return _typed(output, torch.Tensor)
 
     async def backward(
         self, peer: str, block_indices: tuple[int, ...], inputs: BackwardInputs, *, timeout_s: float
     ) -> list[torch.Tensor]:
-        body = wire.Writer().u32(block_indices[0]).u32(block_indices[-1] + 1).text(inputs.adapter)
-        body.tensor(inputs.hidden_states).tensor(inputs.grad_outputs).tensor(inputs.prompts)
-        body.text(peer).f64(timeout_s)
-        return _tensors(await self.link.call(wire.BACKWARD, body))
+        outputs = await self.link.request("backward", peer, (block_indices[0], block_indices[-1] + 1),
+                                          inputs.hidden_states, inputs.grad_outputs, inputs.prompts, inputs.adapter,
+                                          timeout_s)  # fmt: skip
+        return list(_typed(outputs, tuple[torch.Tensor, ...]))
 
     # prefix caching: the device process's engine holds the cache; keys recorded for publication go one way, in
     # order with the session's steps (publication is lazy: before a later step or at close)
 
     async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
-        reply = await self.link.call(wire.PREFIX_ATTACH, wire.prefix_frame(self._own(cache).handle, namespace, keys))
-        hit = reply.u32()
-        reply.done()
-        return hit
+        hit = await self.link.request(
+            "attach_prefix", self._own(cache).handle, namespace, keys.first_block, keys.hashes
+        )
+        return _typed(hit, int)
 
     def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
-        if not self.link.closed.is_set():
-            self.link.send(wire.PREFIX_KEYS, 0, wire.prefix_frame(self._own(cache).handle, namespace, keys))
+        self.link.note("add_prefix_keys", self._own(cache).handle, namespace, keys.first_block, keys.hashes)
 
     def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
         """The device executor's layout (`DeviceInfo.handoff_shapes`) for `spec`'s batch and length."""
@@ -343,32 +353,28 @@ class RemoteCore:
         return [list(block) for _ in spec.block_indices]
 
     async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
-        body = wire.Writer().u32(self._own(cache).handle).u32(position)
-        return _tensors(await self.link.call(wire.READ_KV, body))
+        return list(
+            _typed(await self.link.request("read_kv", self._own(cache).handle, position), tuple[torch.Tensor, ...])
+        )
 
     async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
         handle = self._own(cache).handle
         kv.check_handoff_frame(tensors, self.link.info.max_frame_bytes)
-        body = wire.Writer().u32(handle).u32(position).u8(len(tensors))
-        for tensor in tensors:
-            body.tensor(tensor.contiguous())
-        _tensors(await self.link.call(wire.WRITE_KV, body))
+        await self.link.request("write_kv", handle, position, tuple(t.contiguous() for t in tensors))
 
 
-def _tensors(reader: wire.Reader) -> list[torch.Tensor]:
-    count = reader.u8()
-    tensors = []
-    for _ in range(count):
-        tensor = reader.tensor()
-        if tensor is None:
-            raise wire.FrameError("a reply tensor is missing")
-        tensors.append(tensor)
-    reader.done()
-    return tensors
+def _typed(value: object, kind: Any) -> Any:
+    """`value` if it is of `kind` (a type, or a tuple type: `tuple[int, bool]`, `tuple[torch.Tensor, ...]`), else
+    FrameError: what the device process replied is checked as what it returns."""
+    if not wire.matches(value, kind):
+        raise wire.FrameError(f"the device process replied {type(value).__name__} where {kind} was due")
+    return value
 
 
 def _one_tensor(reader: wire.Reader) -> torch.Tensor:
-    tensors = _tensors(reader)
-    if len(tensors) != 1:
-        raise wire.FrameError(f"expected one reply tensor, got {len(tensors)}")
-    return tensors[0]
+    """A step's reply: one tensor [B, T, H]."""
+    count, tensor = reader.u8(), reader.tensor()
+    reader.done()
+    if count != 1 or tensor is None:
+        raise wire.FrameError(f"expected one reply tensor, got {count}")
+    return tensor
