@@ -847,9 +847,10 @@ class DeviceChannel:
         return indices
 
     def _held_cache(self, handle: int) -> tuple[SessionCache, SessionTicket | None]:
-        """An open session's cache and ticket (FrameError where `_held` refuses the handle)."""
-        held = self._held(handle)
-        assert held.cache is not None  # `_held` checked it
+        """An open session's cache and ticket (FrameError if no session with a cache has that handle)."""
+        held = self.sessions.get(handle)
+        if held is None or held.cache is None:
+            raise wire.FrameError(f"no open session with a cache under handle {handle}")
         return held.cache, held.ticket
 
     def _cache(self, handle: int) -> SessionCache:
@@ -928,12 +929,6 @@ class DeviceChannel:
             return False
         self.send(wire.NOTE, 0, wire.named("push", (session_id, sender, request.SerializeToString())))
         return True
-
-    def _held(self, handle: int) -> _Held:
-        held = self.sessions.get(handle)
-        if held is None or held.cache is None:
-            raise wire.FrameError(f"no open session with a cache under handle {handle}")
-        return held
 
     async def _forward(
         self, peer: str, blocks: tuple[int, int], hidden: torch.Tensor, prompts: torch.Tensor | None, adapter: str,
