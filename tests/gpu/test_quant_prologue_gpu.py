@@ -1,8 +1,9 @@
 """The INT8 decode kernels' RMSNorm / SiLU prologues on a real GPU at Llama-3-8B's projection shapes (w_qkv and
 w_gate_up after RMSNorm, w_down after SiLU x up): fused against the separate kernel + the same kernel for 1, 3 and 8
 rows and 1/4/8 K splits, captured in a CUDA graph and replayed with new inputs (bits equal to eager calls, the
-arrival counters back at zero), and the tuner's choice served by DecodeOps (no NF4 kernel runs a prologue). tests/unit/test_engine_quant_prologue.py
-covers the same on small shapes (and on CPU under the interpreter). Skipped without CUDA."""
+arrival counters back at zero), and the tuner's choice served by DecodeOps (the NF4 tile GEMV's RMSNorm:
+tests/gpu/test_quant_tile_gemv.py). tests/unit/test_engine_quant_prologue.py covers the same on small shapes (and on
+CPU under the interpreter). Skipped without CUDA."""
 
 from __future__ import annotations
 

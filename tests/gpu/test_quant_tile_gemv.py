@@ -2,8 +2,9 @@
 one-hot rows read single weight columns back, so every decoded value of every position of a unit is checked against
 the fp16-level reference (NF4 and a random 16-level table, both dtypes, a partial row tile, a unit short of blocks);
 random rows stay within the bf16 rounding of x @ bitsandbytes' dequantized weight with a residual, a row's output is
-bit-identical alone and among other rows, prescaled fp16 x gives the bits of bf16 x converted in the kernel, graph
-replays are bit-equal, bad inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_tile_layout.py
+bit-identical alone and among other rows, prescaled fp16 x gives the bits of bf16 x converted in the kernel, the
+RMSNorm prologue stays within one x rounding of the separate norm kernel + the GEMV, graph replays are bit-equal,
+bad inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_tile_layout.py
 checks the kernel's data movement on CPU)."""
 
 from __future__ import annotations
@@ -91,6 +92,46 @@ def test_graph_replays_are_bit_equal() -> None:
             assert torch.equal(out, nf4_tile_gemv(x, weight, res, config))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rmsnorm_prologue_matches_the_separate_kernel(dtype) -> None:
+    from corolla.engine.kernels import triton_kernels
+    from corolla.engine.kernels.quant_splits import PROLOGUES
+    from corolla.engine.quant.quant_tile_gemv import RMSNORM, nf4_tile_gemv
+
+    assert RMSNORM == PROLOGUES["rmsnorm"]
+    n, k, eps, m = 203, 1152, 1e-5, 5  # 18 blocks: the last unit has 2
+    weight = random_code_weight(n, k, seed=11, dtype=dtype)
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    x = (torch.randn(m, k, device=DEV, generator=gen) * 3).to(dtype)
+    gain = (torch.rand(k, device=DEV, generator=gen) + 0.5).to(dtype)
+    res = torch.randn(m, n, device=DEV, generator=gen).to(dtype)
+    pre = triton_kernels.rms_norm(x, gain, eps)
+    xf = x.float()
+    ref_x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * gain  # as the reference layer
+    dense = weight.dequantize().float()  # [N, K]
+    expected = ref_x.float() @ dense.t() + res.float()  # [M, N]
+    scale = pre.float().abs() @ dense.abs().t()  # [M, N] sum_k |x_k w_k|
+    for config in CONFIGS:
+        fused = nf4_tile_gemv(x, weight, res, config, prologue=RMSNORM, norm_weight=gain, eps=eps)
+        unfused = nf4_tile_gemv(pre, weight, res, config)
+        # an x value one rounding of its dtype away from the separate kernel's at most (1/rms summed in another order)
+        bound = 2.0**-7 * (scale + unfused.float().abs()) + 1e-3
+        assert ((fused.float() - unfused.float()).abs() <= bound).all(), config
+        assert float((fused.float() - expected).norm() / expected.norm()) < 1e-2, config
+        assert torch.equal(nf4_tile_gemv(x, weight, res, config, prologue=RMSNORM, norm_weight=gain, eps=eps), fused)
+        for r in (0, m - 1):  # a row alone: its bits among the others
+            alone = nf4_tile_gemv(
+                x[r : r + 1].clone(),
+                weight,
+                res[r : r + 1].clone(),
+                config,
+                prologue=RMSNORM,
+                norm_weight=gain,
+                eps=eps,
+            )
+            assert torch.equal(alone[0], fused[r]), (config, r)
+
+
 def test_bad_inputs_are_refused() -> None:
     from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv
 
@@ -104,3 +145,10 @@ def test_bad_inputs_are_refused() -> None:
         nf4_tile_gemv(x, w, None, (8, 5, 1, 1, 0))  # at most 4 units in flight
     with pytest.raises(ValueError, match="residual"):
         nf4_tile_gemv(x, w, torch.zeros(1, 31, device=DEV, dtype=torch.bfloat16), CONFIGS[0])
+    gain = torch.ones(512, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="runs no prologue 2"):  # SiLU gating: none here
+        nf4_tile_gemv(x, w, None, CONFIGS[0], prologue=2, norm_weight=gain)
+    with pytest.raises(ValueError, match="runs no prologue 1"):  # a prescaled x is already normalized
+        nf4_tile_gemv(x.half(), w, None, CONFIGS[0], prescaled=True, prologue=1, norm_weight=gain)
+    with pytest.raises(ValueError, match="gain"):
+        nf4_tile_gemv(x, w, None, CONFIGS[0], prologue=1, norm_weight=gain[:256])

@@ -127,6 +127,9 @@ def test_prologue_refusals() -> None:
         assert not quant_choices.fusable(("int8", N, K), ("tile", (16, 2, 1, 1, 0)), prologue)
         assert quant_choices.fusable(("int8", N, K), BLOCK[0], prologue)
         assert quant_choices.fusable(("int8", N, K), GEMV[0], prologue)
+    # the NF4 tile GEMV: RMSNorm in its x staging, no SiLU gating
+    assert quant_choices.fusable(("nf4", 64, K), ("tile", (16, 2, 1, 1, 0)), "rmsnorm")
+    assert not quant_choices.fusable(("nf4", 64, K), ("tile", (16, 2, 1, 1, 0)), "silu")
     # the INT8 matrix-unit row GEMV: RMSNorm only (its SiLU gating lost, decision 0063)
     assert quant_choices.fusable(("int8", N, K), ("i8mma", (1, 8, 4, 0, 0)), "rmsnorm")
     assert not quant_choices.fusable(("int8", N, K), ("i8mma", (1, 8, 4, 0, 0)), "silu")

@@ -19,13 +19,15 @@ MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-
 def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0):
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
     (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "tile"
-    (quant_tile_gemv.nf4_tile_gemv, NF4 in 16-bit dtypes, each row on its own, no prologue), "i8mma"
+    (quant_tile_gemv.nf4_tile_gemv, NF4 in 16-bit dtypes, each row on its own, RMSNorm), "i8mma"
     (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes), "block" (quant_kernels.quant_matmul) or
     "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue)."""
     if kernel == "gemv":
         return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
-    if kernel == "tile" and not prologue:
-        return lambda x, w, res, nw=None, eps=0.0: quant_tile_gemv.nf4_tile_gemv(x, w, res, config)
+    if kernel == "tile" and prologue in quant_tile_gemv.PROLOGUE_CODES:
+        return lambda x, w, res, nw=None, eps=0.0: quant_tile_gemv.nf4_tile_gemv(
+            x, w, res, config, prologue=prologue, norm_weight=nw, eps=eps
+        )
     if kernel == "i8mma":
         return lambda x, w, res, nw=None, eps=0.0: quant_int8_gemv.int8_row_mma(x, w, res, config, prologue, nw, eps)
     if kernel == "mma" and not prologue:
@@ -37,25 +39,39 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
 
 def fusable(key: tuple[str, int, int], choice: Choice, prologue: str) -> bool:
     """Whether the small-row kernel `choice` for shape `key` runs the norm/SiLU `prologue` (INT8: the block kernel and
-    the byte GEMV both, the matrix-unit row GEMV RMSNorm; no NF4 kernel does)."""
+    the byte GEMV both, the matrix-unit row GEMV RMSNorm; NF4: the tile GEMV RMSNorm)."""
     int8 = key[0] == "int8"
     if choice[0] == "i8mma":
         return int8 and PROLOGUES[prologue] in quant_int8_gemv.PROLOGUE_CODES
+    if choice[0] == "tile":
+        return not int8 and PROLOGUES[prologue] in quant_tile_gemv.PROLOGUE_CODES
     return int8 and choice[0] == "block" or choice[0] == "gemv" and quant_gemv.fusable(int8, choice[1])
 
 
 def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: dict, reps: int) -> dict:
     """Times the `prologue` kernel (RMSNorm / SiLU gating, DecodeOps `ops`) + `best` against the three fastest
     small-row kernels of `timings` that run the prologue themselves, each as a CUDA graph over all layers; the faster
-    serves decode rows with that prologue (ops.quant_fused). {} where no candidate fuses (NF4 table GEMVs, tl.dot)."""
+    serves decode rows with that prologue (ops.quant_fused). The pair is timed as DecodeOps runs it: before the NF4
+    tile GEMV (bf16) the norm / SiLU kernel writes x prescaled for it. {} where no candidate fuses."""
     candidates = sorted((c for c in timings if fusable(key, c, prologue)), key=timings.__getitem__)[:3]
     if not candidates:
         return {}
     k, code = key[2], PROLOGUES[prologue]
     x = torch.randn(1, 2 * k if prologue == "silu" else k, device=items[0].device, dtype=items[0].dtype)
     nw = torch.ones(k, device=x.device, dtype=x.dtype)  # the gain's values do not change the time
-    pre = (lambda: ops.silu_mul(x)) if prologue == "silu" else (lambda: ops.rms_norm(x, nw, 1e-6))
-    unfused = graph_median_ms(lambda: [quant_kernel(*best)(pre(), w, None) for w in items], reps)
+    if best[0] == "tile" and x.dtype == torch.bfloat16:
+        scale = quant_tile_gemv.X_SCALE
+        pre = (lambda: ops.silu_mul(x, scale)) if prologue == "silu" else (lambda: ops.rms_norm(x, nw, 1e-6, scale))
+
+        def pair(w):
+            return quant_tile_gemv.nf4_tile_gemv(pre(), w, None, best[1], prescaled=True)
+    else:
+        pre = (lambda: ops.silu_mul(x)) if prologue == "silu" else (lambda: ops.rms_norm(x, nw, 1e-6))
+
+        def pair(w):
+            return quant_kernel(*best)(pre(), w, None)
+
+    unfused = graph_median_ms(lambda: [pair(w) for w in items], reps)
     fused = time_configs(candidates, lambda c, w: quant_kernel(c[0], c[1], code)(x, w, None, nw, 1e-6), items, reps)
     choice = min(fused, key=fused.__getitem__) if fused else None
     ops.quant_fused.pop((*key, prologue), None)

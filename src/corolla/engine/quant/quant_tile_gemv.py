@@ -6,8 +6,7 @@ Lane l = 4 g + t of a warp loads, of rows g and g + 8 of the unit, the 16 bytes 
 64 + 16 t + 15 (four 16-byte loads: each instruction reads 64 contiguous bytes of 8 rows), and those bytes are the A
 operand of 16 `mma.m16n8k16` steps as they stand: the k order inside an mma step is free as long as x (B) follows it,
 so step (u, w, p) of lane t takes bytes 2p and 2p + 1 of word w of its u-th load of rows g and g + 8, i.e. values
-256 G + 128 u + 32 t + 8 w + 4 p + [0, 4), and x's B fragment is those 4 values (one 8-byte shared load per step
-pair: a lane's x for a unit is 2 x 64 contiguous bytes).
+256 G + 128 u + 32 t + 8 w + 4 p + [0, 4), and x's B fragment is those 4 values.
 
 Dequantization: each packed byte is one shared-memory load of the NF4 pair table (quant_pair_table: the byte's two
 levels as fp16x2, already the mma operand's register), the table 32 times over (one column per lane: no bank
@@ -16,16 +15,27 @@ add of the table's base unless the table sits at a 64 KiB boundary of the shared
 costs 4 permutes and 4 shared loads; its products and sums are one quarter of an `mma` (fp16 operands, fp32 sums).
 
 Scales. B's 8 columns keep the unit's 4 blocks apart: lane t's load u is block 2 u + t / 2 of the unit, and the lanes
-of column 2 j (g = 2 j) read x for block j, every other lane reads zeros; so after a unit lane (g, t) holds block t's
-sums of rows g and g + 8 and decodes only those two absmaxes (uint8 code -> nested code * second-level absmax +
-offset, in fp32 as the reference).
+of column 4 u + 2 (t / 2) (g = 4 u + 2 (t / 2)) read x for it. A lane reads x for at most one load, so it reads those
+64 bytes once per unit (four 16-byte shared loads; the lanes of no column keep zeros) and gives them to both loads'
+steps; each load sums into its own accumulators, whose columns of the other load are never read (the same bits as
+zeros there). After a unit lane (g, t) holds block t's sums of rows g and g + 8 (column 2 t of load t / 2) and
+decodes only those two absmaxes (uint8 code -> nested code * second-level absmax + offset, in fp32 as the
+reference).
 
 Work. A program owns a contiguous range of 16-row tiles (balanced over a grid of as many programs as the device
 holds at once); its units (row tile, group of 4 blocks), row-tile major, are cut into one contiguous equal range per
 warp (every warp busy, at most one unit apart), which streams them with the next DEPTH units' 16-byte loads in
-registers (the first issued before the tables are built). A warp's partial sum of a row tile goes to its own
+registers (the first issued before the tables are built): DEPTH + 1 register slots, unit j decoded from slot j mod
+(DEPTH + 1) after the load of unit j + DEPTH went into the slot unit j - 1 left (no register copies). The pair
+table's loads all go out before its first store (one L2 round trip). A warp's partial sum of a row tile goes to its own
 shared-memory slot; the row's slots are added in warp order (K order) at the end: no atomics, the result depends
 on the shape, config and device only, and a row never depends on another row.
+
+The RMSNorm prologue (PROLOGUE_CODES; before w_qkv and w_gate_up where the tuner chose it): each program stages x and
+the gain as they are, sums x's squares (each thread its words in order, the warp by a fixed butterfly, the warps in
+order: every program forms the same 1/rms, as int8_row_mma does), normalizes x in place as triton_kernels.rms_norm
+rounds it, then converts it as a plain x: the step launches no norm kernel (bit-equal to the norm kernel + this GEMV
+at Llama-3-8B's shapes on an H200, docs/decisions/0043).
 
 Numerics: fp16 levels (relative error <= 2^-11), x in fp16 (bf16 x times 2^-8, as the RMSNorm / SiLU kernels write
 it prescaled, or converted here), products and sums in fp32 on the matrix units, then the block's fp32 absmax: within
@@ -44,6 +54,10 @@ from corolla.engine.quant.quant_weights import NF4_BLOCK_VALUES, NF4Weight
 TILE_ROWS = 16
 UNIT_VALUES = 4 * NF4_BLOCK_VALUES  # a unit's values per row (4 blocks, 128 packed bytes)
 X_SCALE = 2.0**-8  # bf16 x into fp16: times this, the output times its inverse (RMSNorm / SiLU write x so prescaled)
+# the prologues the kernel runs, as quant_splits.PROLOGUES codes them (that module needs Triton, this one imports
+# without it): none and RMSNorm in its x staging
+RMSNORM = 1
+PROLOGUE_CODES = (0, RMSNORM)
 
 # table modes: the table after the data (a permute and an add per lookup) or at a 64 KiB boundary of the shared
 # window (one permute per lookup; one program per multiprocessor). Units staged through shared memory by cp.async
@@ -52,12 +66,12 @@ REGISTERS, ALIGNED = 0, 1
 MODES = (REGISTERS, ALIGNED)
 
 # (warps per program, units in flight per warp, table mode, programs per multiprocessor the compiler is told to fit,
-# 0): threads per program 32 x warps. On an H200 (docs/decisions/0060) 16 warps with 2 units in flight won all four
-# Llama-3-8B projections and 3 units came within 5%; the best two-programs tiling is kept for cards where a 128 KiB
-# window does not fit; 32 warps with 1 unit (64 registers, spills) and 8 warps were 5-22% slower and are not offered.
+# 0): threads per program 32 x warps. On an H200 (docs/decisions/0060, 0043) 16 warps with 2 units in flight won all
+# four Llama-3-8B projections; the best two-programs tiling is kept for cards where a 128 KiB window does not fit.
+# Not offered (0043: 4-18% slower on every shape): 16 warps x 3 units, 12 x 3, 8 x 3, 8 x 4; 32 warps x 1 unit and
+# 24 x 2 spill.
 NF4_TILE_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (16, 2, ALIGNED, 1, 0),
-    (16, 3, ALIGNED, 1, 0),
     (8, 2, REGISTERS, 2, 0),
 )
 
@@ -76,9 +90,9 @@ def program_row_tiles(row_tiles: int, programs: int, program: int) -> tuple[int,
 def emulate(x: torch.Tensor, weight: NF4Weight, warps: int, programs: int) -> torch.Tensor:
     """The kernel's data movement on CPU (float64 sums): x [M, K] -> [M, N]. Per program and warp the kernel's
     units; per unit, each mma step's A fragment built from the bytes lane (g, t) loads (rows g and g + 8, loads u at
-    bytes 128 G + 64 u + 16 t) and its B fragment from the x addresses the kernel's lanes read (zeros outside the
-    block's column), multiplied by the PTX fragment layout of m16n8k16; lane (g, t)'s column 2 t scaled by its
-    block's absmax; each warp's partial sum of a row tile in its slot, the slots added in warp order (a check of
+    bytes 128 G + 64 u + 16 t) and its B fragment from the x the kernel's lanes hold (a lane of column 4 v + 2 (t /
+    2) the x of load v, in both loads' steps; zeros elsewhere), multiplied by the PTX fragment layout of m16n8k16
+    into each load's own sums; lane (g, t)'s column 2 t of load t / 2's sums scaled by its block's absmax; each warp's partial sum of a row tile in its slot, the slots added in warp order (a check of
     the indexing and of the work's coverage, not of rounding)."""
     n, k = weight.shape
     kb = k // NF4_BLOCK_VALUES
@@ -105,7 +119,8 @@ def emulate(x: torch.Tensor, weight: NF4Weight, warps: int, programs: int) -> to
                 rh = (rt * TILE_ROWS + g + 8).clamp(max=n - 1)
                 if unit == first or unit % kg == 0:  # the warp's first unit of a row tile: its slot starts at 0
                     slots[rt - rt0, wp] = 0.0
-                c = torch.zeros(m, TILE_ROWS, 8, dtype=torch.float64)  # the mma accumulator C [M, 16, 8]
+                # the mma sums of load 0 and of load 1, C [M, 16, 8] each
+                c = torch.zeros(2, m, TILE_ROWS, 8, dtype=torch.float64)
                 for u in range(2):
                     for w in range(4):
                         for p in range(2):
@@ -120,15 +135,18 @@ def emulate(x: torch.Tensor, weight: NF4Weight, warps: int, programs: int) -> to
                                     a[g, 2 * t + kofs], a[g, 2 * t + kofs + 1] = pair_lo[bg >> 4], pair_lo[bg & 15]
                                     a[g + 8, 2 * t + kofs] = pair_lo[bh >> 4]
                                     a[g + 8, 2 * t + kofs + 1] = pair_lo[bh & 15]
-                                col = 4 * u + 2 * (t // 2)  # the one B column whose lanes read x (others zeros)
-                                k0 = UNIT_VALUES * gi + 128 * u + 32 * t + 8 * w + 4 * p
-                                b[:, 2 * t, col], b[:, 2 * t + 1, col] = xs[:, k0], xs[:, k0 + 1]
-                                b[:, 2 * t + 8, col], b[:, 2 * t + 9, col] = xs[:, k0 + 2], xs[:, k0 + 3]
-                            c += torch.einsum("rk,mkc->mrc", a, b)
-                for t in range(4):  # lane (g, t): column 2 t, rows g and g + 8, times block 4 G + t's absmax
-                    bj = min(4 * gi + t, kb - 1)
+                                # lane (col, t) gives B's column col: x of the one load it reads (col = 4 v + 2 (t /
+                                # 2)), the same for both loads' steps; zeros where it reads none
+                                for v in range(2):
+                                    col = 4 * v + 2 * (t // 2)
+                                    k0 = UNIT_VALUES * gi + 128 * v + 32 * t + 8 * w + 4 * p
+                                    b[:, 2 * t, col], b[:, 2 * t + 1, col] = xs[:, k0], xs[:, k0 + 1]
+                                    b[:, 2 * t + 8, col], b[:, 2 * t + 9, col] = xs[:, k0 + 2], xs[:, k0 + 3]
+                            c[u] += torch.einsum("rk,mkc->mrc", a, b)
+                for t in range(4):  # lane (g, t): column 2 t of load t / 2's sums, rows g and g + 8, times block
+                    bj = min(4 * gi + t, kb - 1)  # 4 G + t's absmax (the other load's columns are never read)
                     scale = torch.cat((absmax[rg, bj], absmax[rh, bj]))  # [16]
-                    slots[rt - rt0, wp] += c[:, :, 2 * t] * scale
+                    slots[rt - rt0, wp] += c[t // 2, :, :, 2 * t] * scale
         for rt in range(rt1 - rt0):  # the row's slots in warp order, only the warps whose range meets the tile
             for wp in range(warps):
                 first, end = warp_units(units, warps, wp)
@@ -143,8 +161,8 @@ _SOURCE = r"""
 typedef unsigned char u8;
 
 #define THREADS (WARPS * 32)
-#define ZERO_OFF 1024  // shared memory: [0, 1024) nested code table, [1024, 1088) zeros, then x, then the warps' sums
-#define XS_OFF 1088
+#define SLOTS (DEPTH + 1)  // register slots of units: DEPTH in flight while one is decoded
+#define XS_OFF 1024  // shared memory: [0, 1024) nested code table, then x, then the warps' sums
 
 extern __shared__ __align__(16) unsigned char smem[];
 
@@ -155,10 +173,56 @@ static __device__ __forceinline__ u32 lds(u32 addr) {
   return v;
 }
 
-static __device__ __forceinline__ U4 lds128(u32 addr) {
-  U4 v;
-  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+// 16 bytes of shared memory into v where `on` (else v keeps its value: the lanes that read no x keep zeros)
+static __device__ __forceinline__ void lds128_if(U4& v, u32 addr, u32 on) {
+  asm volatile("{.reg .pred p; setp.ne.u32 p, %4, 0; @p ld.shared.v4.b32 {%0,%1,%2,%3}, [%5];}"
+               : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "r"(on), "r"(addr));
+}
+
+#if PRO == 1
+// a pair of x's dtype -> fp32 (the even value in .x)
+static __device__ __forceinline__ float2 unpack_pair(u32 v) {
+#if X_BF16
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+#else
+  float lo, hi;
+  asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(lo), "=f"(hi) : "r"(v));
+  return make_float2(lo, hi);
+#endif
+}
+
+// two fp32 values -> a pair of x's dtype, each rounded to nearest even (lo the even value)
+static __device__ __forceinline__ u32 pack_pair(float lo, float hi) {
+  u32 d;
+#if X_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#endif
+  return d;
+}
+
+static __device__ __forceinline__ float sum_squares(float s, u32 v) {
+  const float2 f = unpack_pair(v);
+  return __fmaf_rn(f.y, f.y, __fmaf_rn(f.x, f.x, s));
+}
+
+// RMSNorm of a pair as triton_kernels.rms_norm rounds it: x times 1/rms rounded to the dtype, times the gain,
+// rounded again
+static __device__ __forceinline__ u32 norm_pair(u32 v, u32 w, float rstd) {
+  const float2 f = unpack_pair(v), gw = unpack_pair(w);
+  const float2 a = unpack_pair(pack_pair(__fmul_rn(f.x, rstd), __fmul_rn(f.y, rstd)));
+  return pack_pair(__fmul_rn(a.x, gw.x), __fmul_rn(a.y, gw.y));
+}
+#endif
+
+// a pair of x's dtype -> the mma's fp16 operand pair (bf16: times 2^-8, one rounding; fp16: as it is)
+static __device__ __forceinline__ u32 x_operand(u32 v) {
+#if X_BF16
+  return bf16x2_to_f16x2(v);
+#else
   return v;
+#endif
 }
 
 // byte j of a packed word -> the table word's address: MODE 1, the table at a 64 KiB boundary of the shared window,
@@ -181,44 +245,53 @@ static __device__ __forceinline__ U4 lds128(u32 addr) {
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(xa), "r"(xb));                                               \
   }
 
-// load u of rows g, g + 8 (16 bytes each) against x at xaddr (64 bytes: words 0-3, two steps each)
-#define WORD_DOTS(c, wg, wh, xaddr)                                                                            \
-  {                                                                                                            \
-    const U4 xv = lds128(xaddr);                                                                               \
-    DOT(c, wg, wh, 0, xv.x, xv.y) DOT(c, wg, wh, 1, xv.z, xv.w)                                                \
-  }
-#define LOAD_DOTS(c, qg, qh, xaddr)                                                                            \
-  WORD_DOTS(c, qg.x, qh.x, xaddr) WORD_DOTS(c, qg.y, qh.y, (xaddr) + 16)                                       \
-  WORD_DOTS(c, qg.z, qh.z, (xaddr) + 32) WORD_DOTS(c, qg.w, qh.w, (xaddr) + 48)
+// load u of rows g, g + 8 (16 bytes each, words w = 0..3, two steps each) against the lane's x words xv[w]
+#define LOAD_DOTS(c, qg, qh, xv)                                                                               \
+  DOT(c, qg.x, qh.x, 0, xv[0].x, xv[0].y) DOT(c, qg.x, qh.x, 1, xv[0].z, xv[0].w)                              \
+  DOT(c, qg.y, qh.y, 0, xv[1].x, xv[1].y) DOT(c, qg.y, qh.y, 1, xv[1].z, xv[1].w)                              \
+  DOT(c, qg.z, qh.z, 0, xv[2].x, xv[2].y) DOT(c, qg.z, qh.z, 1, xv[2].z, xv[2].w)                              \
+  DOT(c, qg.w, qh.w, 0, xv[3].x, xv[3].y) DOT(c, qg.w, qh.w, 1, xv[3].z, xv[3].w)
 
-// a unit's place: row tile, group of 4 blocks
+// a unit's place (row tile, group of 4 blocks) and its rows' offsets (rows g and g + 8, clamped to N - 1: bytes
+// from the weight's start and absmax indices of the row's first block), kept from one unit to the next
 struct Cursor {
   int rt, G;
+  u32 b0, b1, a0, a1;
 };
 
-static __device__ __forceinline__ void cursor_next(Cursor& c, int KG) {
-  if (++c.G == KG) { c.G = 0; ++c.rt; }
+static __device__ __forceinline__ void cursor_rows(Cursor& c, int g, int N, int KB, u32 rowb) {
+  const u32 r0 = (u32)min(c.rt * 16 + g, N - 1), r1 = (u32)min(c.rt * 16 + g + 8, N - 1);
+  c.b0 = r0 * rowb; c.b1 = r1 * rowb; c.a0 = r0 * (u32)KB; c.a1 = r1 * (u32)KB;
+}
+
+static __device__ __forceinline__ void cursor_start(Cursor& c, int unit, int rt0, int KG, int g, int N, int KB,
+                                                    u32 rowb) {
+  c.rt = rt0 + unit / KG; c.G = unit % KG;
+  cursor_rows(c, g, N, KB, rowb);
+}
+
+static __device__ __forceinline__ void cursor_next(Cursor& c, int KG, int g, int N, int KB, u32 rowb) {
+  if (++c.G == KG) { c.G = 0; ++c.rt; cursor_rows(c, g, N, KB, rowb); }
 }
 
 // the unit's four 16-byte loads and its two absmax codes (code of row g low byte, row g + 8 high byte)
-static __device__ __forceinline__ void unit_loads(const Cursor& c, const u8* wq, const u8* ac, int g, int t, int N,
-                                                  int KB, u32 rowb, U4* q, u32& code) {
-  const int r0 = min(c.rt * 16 + g, N - 1), r1 = min(c.rt * 16 + g + 8, N - 1);  // rows g, g + 8 (clamped)
-  const int b0 = 4 * c.G + (t >> 1), b1 = b0 + 2;  // the blocks of loads 0 and 1 (a missing block: the row's start)
-  const u32 o0 = b0 < KB ? 128 * c.G + 16 * t : 0, o1 = b1 < KB ? 128 * c.G + 64 + 16 * t : 0;
-  const u8* rg = wq + (size_t)((u32)r0 * rowb);
-  const u8* rh = wq + (size_t)((u32)r1 * rowb);
-  q[0] = ld_stream(reinterpret_cast<const U4*>(rg + o0)); q[1] = ld_stream(reinterpret_cast<const U4*>(rh + o0));
-  q[2] = ld_stream(reinterpret_cast<const U4*>(rg + o1)); q[3] = ld_stream(reinterpret_cast<const U4*>(rh + o1));
-  const int bj = min(4 * c.G + t, KB - 1);
-  code = (u32)__ldg(ac + (size_t)((u32)r0 * (u32)KB + bj)) | ((u32)__ldg(ac + (size_t)((u32)r1 * (u32)KB + bj)) << 8);
+static __device__ __forceinline__ void unit_loads(const Cursor& c, const u8* wq, const u8* ac, int t, int KB,
+                                                  U4* q, u32& code) {
+  const int b0 = 4 * c.G + (t >> 1);  // the block of load 0 (load 1: + 2; a missing block reads the row's start)
+  const u32 o0 = b0 < KB ? 128 * c.G + 16 * t : 0, o1 = b0 + 2 < KB ? 128 * c.G + 64 + 16 * t : 0;
+  q[0] = ld_stream(reinterpret_cast<const U4*>(wq + c.b0 + o0));
+  q[1] = ld_stream(reinterpret_cast<const U4*>(wq + c.b1 + o0));
+  q[2] = ld_stream(reinterpret_cast<const U4*>(wq + c.b0 + o1));
+  q[3] = ld_stream(reinterpret_cast<const U4*>(wq + c.b1 + o1));
+  const u32 bj = (u32)min(4 * c.G + t, KB - 1);
+  code = (u32)__ldg(ac + (c.a0 + bj)) | ((u32)__ldg(ac + (c.a1 + bj)) << 8);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float* __restrict__ na,
               const float* __restrict__ nc, const u32* __restrict__ pairs, const u16* __restrict__ x,
-              const u16* __restrict__ res, u16* __restrict__ out, int N, int K, int RT,
-              long long sxm, long long srm, long long som, float offset, float out_scale,
+              const u16* __restrict__ res, u16* __restrict__ out, const u16* __restrict__ nw, int N, int K, int RT,
+              long long sxm, long long srm, long long som, float offset, float out_scale, float eps,
               int data_bytes, int dyn_bytes) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -233,14 +306,14 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
 
   // the first DEPTH units' loads go out before anything else (their DRAM round trip overlaps the tables' build)
   Cursor pc;
-  pc.rt = rt0 + ua / KG; pc.G = ua % KG;
-  U4 buf[DEPTH][4];
-  u32 cbuf[DEPTH];
+  cursor_start(pc, ua, rt0, KG, g, N, KB, rowb);
+  U4 buf[SLOTS][4];
+  u32 cbuf[SLOTS];
 #pragma unroll
   for (int f = 0; f < DEPTH; ++f) {
     if (f < count) {
-      unit_loads(pc, wq, ac, g, t, N, KB, rowb, buf[f], cbuf[f]);
-      cursor_next(pc, KG);
+      unit_loads(pc, wq, ac, t, KB, buf[f], cbuf[f]);
+      cursor_next(pc, KG, g, N, KB, rowb);
     }
   }
 
@@ -254,62 +327,113 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   const u32 tab = sbase + (u32)data_bytes;
   const u32 tabbase = tab, lane4 = (u32)lane << 2;
 #endif
+  // the warps' row sums [row tiles of this program][WARPS][16], after x (and with PRO 1 the gain)
+  float* red = reinterpret_cast<float*>(smem + XS_OFF + KG * 512 * (1 + PRO));
   {
-    // the pair table (entry e's word for lane l at e * 256 + l * 4), nested code table, zeros, x in fp16
-    u32* tw = reinterpret_cast<u32*>(smem + (tab - sbase));
-    for (int i = tid; i < 256 * 32; i += THREADS) tw[(i >> 5) * 64 + (i & 31)] = __ldg(pairs + (i >> 5));
-    float* ncs = reinterpret_cast<float*>(smem);
-    for (int i = tid; i < 256; i += THREADS) ncs[i] = __ldg(nc + i);
-    if (tid < 16) reinterpret_cast<u32*>(smem + ZERO_OFF)[tid] = 0u;
+    // x as the mma's fp16 operand (PRO 1: RMSNorm's result first), the pair table (entry e's word for lane l at
+    // e * 256 + l * 4: every load of the table issued before its first store, one L2 round trip), nested code table
     const U4* xg = reinterpret_cast<const U4*>(x + m * sxm);
     U4* xs = reinterpret_cast<U4*>(smem + XS_OFF);
+#if PRO == 1
+    // RMSNorm: x kept as it is (and the gain beside it) while x's squares are summed (each thread its words in
+    // order, then the warp's lanes by a fixed butterfly, then the warps in order: every program gets the same 1/rms,
+    // as int8_row_mma gets it), then normalized in place (each thread the words it stored) and converted
+    const U4* gain = reinterpret_cast<const U4*>(nw);
+    U4* gs = reinterpret_cast<U4*>(smem + XS_OFF + KG * 512);  // [K / 8] the gain
+    float ss = 0.f;
     for (int i = tid; i < KG * 32; i += THREADS) {
       U4 v = {0u, 0u, 0u, 0u};
       if (i < (K >> 3)) {
         v = ld_nc(xg + i);
-#if X_BF16
-        v.x = bf16x2_to_f16x2(v.x); v.y = bf16x2_to_f16x2(v.y); v.z = bf16x2_to_f16x2(v.z); v.w = bf16x2_to_f16x2(v.w);
-#endif
+        gs[i] = ld_nc(gain + i);
+        ss = sum_squares(ss, v.x); ss = sum_squares(ss, v.y); ss = sum_squares(ss, v.z); ss = sum_squares(ss, v.w);
       }
       xs[i] = v;
     }
+#else
+    for (int i = tid; i < KG * 32; i += THREADS) {
+      U4 v = {0u, 0u, 0u, 0u};
+      if (i < (K >> 3)) {
+        v = ld_nc(xg + i);
+        v.x = x_operand(v.x); v.y = x_operand(v.y); v.z = x_operand(v.z); v.w = x_operand(v.w);
+      }
+      xs[i] = v;
+    }
+#endif
+    u32* tw = reinterpret_cast<u32*>(smem + (tab - sbase));
+    constexpr int PER = (256 * 32 + THREADS - 1) / THREADS;
+    u32 pw[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = tid + j * THREADS;
+      pw[j] = i < 256 * 32 ? __ldg(pairs + (i >> 5)) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = tid + j * THREADS;
+      if (i < 256 * 32) tw[(i >> 5) * 64 + (i & 31)] = pw[j];
+    }
+#if PRO == 1
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) red[warp] = ss;  // (the warps' row sums are written after the barrier below the staging)
+    __syncthreads();
+    ss = red[0];
+    for (int w = 1; w < WARPS; ++w) ss += red[w];
+    const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), eps)));
+    for (int i = tid; i < (K >> 3); i += THREADS) {  // (the words this thread stored)
+      U4 v = xs[i];
+      const U4 w = gs[i];
+      v.x = x_operand(norm_pair(v.x, w.x, rstd)); v.y = x_operand(norm_pair(v.y, w.y, rstd));
+      v.z = x_operand(norm_pair(v.z, w.z, rstd)); v.w = x_operand(norm_pair(v.w, w.w, rstd));
+      xs[i] = v;
+    }
+#endif
+    float* ncs = reinterpret_cast<float*>(smem);
+    for (int i = tid; i < 256; i += THREADS) ncs[i] = __ldg(nc + i);
   }
   __syncthreads();
 
-  float* red = reinterpret_cast<float*>(smem + XS_OFF + KG * 512);  // [row tiles of this program][WARPS][16]
   const float* ncs = reinterpret_cast<const float*>(smem);
-  // B lanes of column 4 u + 2 (t / 2) read x for load u (block 2 u + t / 2 of the unit), every other lane zeros
-  const u32 xzero = sbase + ZERO_OFF, xlane = sbase + XS_OFF + 64 * t;
+  // B: lane (g, t) gives column g. The lanes of column 4 u + 2 (t / 2) read x for load u (block 2 u + t / 2 of the
+  // unit): a lane reads x for at most one load, so it loads that load's 64 bytes once per unit and gives them to
+  // both loads' steps; each load has its own sums (c0, c1), whose other load's columns are never read. Every other
+  // lane keeps zeros.
   const bool xon0 = g == 2 * (t >> 1), xon1 = g == 4 + 2 * (t >> 1);
+  const u32 xon = (xon0 || xon1) ? 1u : 0u;
+  const u32 xlane = sbase + XS_OFF + 64 * t + (xon1 ? 256u : 0u);
+  U4 xv[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) xv[w] = U4{0u, 0u, 0u, 0u};
   float acc0 = 0.f, acc1 = 0.f;  // rows g, g + 8: the sums of this lane's blocks (position t of each unit)
   Cursor cc;
-  cc.rt = rt0 + ua / KG; cc.G = ua % KG;
-  for (int base = 0; base < count; base += DEPTH) {
+  cursor_start(cc, ua, rt0, KG, g, N, KB, rowb);
+  // unit j decodes slot j % SLOTS while units j + 1 .. j + DEPTH are in flight; the load of unit j + DEPTH goes
+  // into the slot unit j - 1 left (no register copies)
+  for (int base = 0; base < count; base += SLOTS) {
 #pragma unroll
-    for (int f = 0; f < DEPTH; ++f) {
+    for (int f = 0; f < SLOTS; ++f) {
       if (base + f < count) {
-        // the slot's words are taken, then it is reloaded with unit base + f + DEPTH
-        U4 q[4];
-        q[0] = buf[f][0]; q[1] = buf[f][1]; q[2] = buf[f][2]; q[3] = buf[f][3];
-        const u32 code = cbuf[f];
         if (base + f + DEPTH < count) {
-          unit_loads(pc, wq, ac, g, t, N, KB, rowb, buf[f], cbuf[f]);
-          cursor_next(pc, KG);
+          unit_loads(pc, wq, ac, t, KB, buf[(f + DEPTH) % SLOTS], cbuf[(f + DEPTH) % SLOTS]);
+          cursor_next(pc, KG, g, N, KB, rowb);
         }
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
         const u32 xu = xlane + (u32)cc.G * 512u;
-        const u32 xa0 = xon0 ? xu : xzero, xa1 = xon1 ? xu + 256u : xzero;
-        LOAD_DOTS(c, q[0], q[1], xa0)
-        LOAD_DOTS(c, q[2], q[3], xa1)
-        // this lane's block of the unit (4 G + t), rows g and g + 8: decode the two absmaxes as the reference
+#pragma unroll
+        for (int w = 0; w < 4; ++w) lds128_if(xv[w], xu + 16 * w, xon);
+        float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
+        LOAD_DOTS(c0, buf[f][0], buf[f][1], xv)
+        LOAD_DOTS(c1, buf[f][2], buf[f][3], xv)
+        // this lane's block of the unit (4 G + t: column 2 t of load t / 2), rows g and g + 8: decode the two
+        // absmaxes as the reference
         {
-          const int bj = min(4 * cc.G + t, KB - 1);
-          const int r0 = min(cc.rt * 16 + g, N - 1), r1 = min(cc.rt * 16 + g + 8, N - 1);
-          const u32 i0 = (u32)r0 * (u32)KB + bj, i1 = (u32)r1 * (u32)KB + bj;
+          const u32 code = cbuf[f];
+          const u32 bj = (u32)min(4 * cc.G + t, KB - 1);
+          const u32 i0 = cc.a0 + bj, i1 = cc.a1 + bj;
           const float s0 = __fadd_rn(__fmul_rn(ncs[code & 255u], __ldg(na + (i0 >> 8))), offset);
           const float s1 = __fadd_rn(__fmul_rn(ncs[code >> 8], __ldg(na + (i1 >> 8))), offset);
-          acc0 = __fmaf_rn(c[0], s0, acc0);
-          acc1 = __fmaf_rn(c[2], s1, acc1);
+          acc0 = __fmaf_rn(t < 2 ? c0[0] : c1[0], s0, acc0);
+          acc1 = __fmaf_rn(t < 2 ? c0[2] : c1[2], s1, acc1);
         }
         if (cc.G + 1 == KG || base + f + 1 == count) {  // the row tile's end (or the warp's): its rows kept
           float v0 = acc0 + __shfl_xor_sync(0xffffffffu, acc0, 1);
@@ -322,7 +446,7 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
           }
           acc0 = 0.f; acc1 = 0.f;
         }
-        cursor_next(cc, KG);
+        cursor_next(cc, KG, g, N, KB, rowb);
       }
     }
   }
@@ -359,23 +483,28 @@ def check_tile_config(config: tuple[int, int, int, int, int]) -> None:
         raise ValueError(f"bad NF4 tile GEMV config {config}")
 
 
-def _kernel(config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool, has_res: bool) -> NvrtcKernel:
-    key = (*config, int(x_bf16), int(out_bf16), int(has_res))
+def _kernel(
+    config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool, has_res: bool, prologue: int
+) -> NvrtcKernel:
+    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue)
     if key not in _KERNELS:
         warps, depth, mode, min_blocks, _ = config
-        defines = {"WARPS": warps, "DEPTH": depth, "MODE": mode, "MIN_BLOCKS": min_blocks,
-                   "X_BF16": int(x_bf16), "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res)}  # fmt: skip
+        defines = {"WARPS": warps, "DEPTH": depth, "MODE": mode, "MIN_BLOCKS": min_blocks, "X_BF16": int(x_bf16),
+                   "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res), "PRO": prologue}  # fmt: skip
         _KERNELS[key] = NvrtcKernel(CUDA_HELPERS + _SOURCE, "nf4_tile_gemv", defines)
     return _KERNELS[key]
 
 
-def shared_bytes(config: tuple[int, int, int, int, int], k: int, row_tiles_per_program: int) -> tuple[int, int]:
-    """(data, dynamic) shared-memory bytes of a program: nested code table, zeros, x in fp16 (whole units) and the
-    warps' row-tile sums (data), then the pair table (ALIGNED: at the next 64 KiB boundary of the shared window,
-    whose start the kernel reads)."""
+def shared_bytes(
+    config: tuple[int, int, int, int, int], k: int, row_tiles_per_program: int, prologue: int = 0
+) -> tuple[int, int]:
+    """(data, dynamic) shared-memory bytes of a program: nested code table, x in fp16 (whole units; with the
+    RMSNorm prologue the gain beside it) and the warps' row-tile sums (data), then the pair table (ALIGNED: at the
+    next 64 KiB boundary of the shared window, whose start the kernel reads)."""
     warps, _, mode, _, _ = config
     kg = -(-k // UNIT_VALUES)
-    data = -(-(1088 + kg * 512 + row_tiles_per_program * warps * 16 * 4) // 16) * 16
+    xs = kg * 512 * (2 if prologue == RMSNORM else 1)
+    data = -(-(1024 + xs + row_tiles_per_program * warps * 16 * 4) // 16) * 16
     return data, data + _TABLE_BYTES + (65536 if mode == ALIGNED else 0)
 
 
@@ -386,14 +515,28 @@ def nf4_tile_gemv(
     config: tuple[int, int, int, int, int],
     *,
     prescaled: bool = False,
+    prologue: int = 0,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:
-    """x [M, K] @ W[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16), W read from its
-    packed bytes; ValueError for a bad shape, dtype or config, or one that does not fit the device. `prescaled`
-    (bf16 weights): x is fp16 holding the bf16 input times X_SCALE (as the RMSNorm / SiLU kernels write it). x is
-    copied once when its rows do not start 16-byte aligned."""
+    """f(x) [M, K] @ W[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16), W read from its
+    packed bytes; f = `prologue` (PROLOGUE_CODES): the identity, or RMSNorm with gain `norm_weight` [K] and `eps`
+    (rounded as triton_kernels.rms_norm rounds it). ValueError for a bad shape, dtype, prologue or config, or one
+    that does not fit the device. `prescaled` (bf16 weights, no prologue): x is fp16 holding the bf16 input times
+    X_SCALE (as the RMSNorm / SiLU kernels write it). x is copied once when its rows do not start 16-byte aligned."""
     check_tile_config(config)
     m, k = x.shape
     n, wk = weight.shape
+    if prologue not in PROLOGUE_CODES or (prologue and prescaled):
+        raise ValueError(f"nf4_tile_gemv runs no prologue {prologue} (prescaled: {prescaled})")
+    if prologue and (
+        norm_weight is None
+        or norm_weight.shape != (k,)
+        or norm_weight.stride(0) != 1
+        or norm_weight.dtype != weight.dtype
+        or norm_weight.data_ptr() % 16
+    ):
+        raise ValueError(f"the RMSNorm prologue needs a contiguous [{k}] {weight.dtype} gain starting 16-byte aligned")
     x_dtype = torch.float16 if prescaled else weight.dtype
     if wk != k or m < 1 or x.dtype != x_dtype or weight.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"nf4_tile_gemv takes [M, {wk}] 16-bit {x_dtype} rows, got {tuple(x.shape)} {x.dtype}")
@@ -410,13 +553,13 @@ def nf4_tile_gemv(
     rt = -(-n // TILE_ROWS)
     x_bf16 = x.dtype == torch.bfloat16
     has_res = residual is not None
-    kernel = _kernel(config, x_bf16, weight.dtype == torch.bfloat16, has_res)
+    kernel = _kernel(config, x_bf16, weight.dtype == torch.bfloat16, has_res, prologue)
     dev = x.device
-    grid_key = (config, x_bf16, weight.dtype, has_res, rt, k, dev.index)
+    grid_key = (config, x_bf16, weight.dtype, has_res, prologue, rt, k, dev.index)
     if grid_key not in _GRIDS:
         props = torch.cuda.get_device_properties(dev)
         sms = props.multi_processor_count
-        data, dyn = shared_bytes(config, k, -(-rt // sms))  # sized for one program per multiprocessor or more
+        data, dyn = shared_bytes(config, k, -(-rt // sms), prologue)  # sized for one program per multiprocessor or more
         optin = props.shared_memory_per_block_optin  # type: ignore[attr-defined]  # (PyTorch's stubs lack it)
         if dyn > optin:
             raise ValueError(f"NF4 tile GEMV config {config} needs {dyn} bytes of shared memory ({optin} allowed)")
@@ -427,14 +570,17 @@ def nf4_tile_gemv(
     programs, data, dyn = _GRIDS[grid_key]
     out = torch.empty((m, n), dtype=weight.dtype, device=dev)
     res = residual if residual is not None else out
+    gain = norm_weight if norm_weight is not None and prologue else out  # (not read without the prologue)
     scale = 1.0 / X_SCALE if weight.dtype == torch.bfloat16 else 1.0
     ptr = ctypes.c_void_p
     args = [
         ptr(packed.data_ptr()), ptr(weight.absmax_codes.data_ptr()), ptr(weight.nested_absmax.data_ptr()),
         ptr(weight.nested_code.data_ptr()), ptr(weight.pair_words16.data_ptr()), ptr(x.data_ptr()),
-        ptr(res.data_ptr()), ptr(out.data_ptr()), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(rt),
+        ptr(res.data_ptr()), ptr(out.data_ptr()), ptr(gain.data_ptr()),
+        ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(rt),
         ctypes.c_longlong(x.stride(0)), ctypes.c_longlong(res.stride(0)), ctypes.c_longlong(out.stride(0)),
-        ctypes.c_float(weight.nested_offset), ctypes.c_float(scale), ctypes.c_int(data), ctypes.c_int(dyn),
+        ctypes.c_float(weight.nested_offset), ctypes.c_float(scale), ctypes.c_float(eps), ctypes.c_int(data),
+        ctypes.c_int(dyn),
     ]  # fmt: skip
     kernel.launch(dev, (programs, m, 1), 32 * warps, dyn, args)
     return out
