@@ -25,7 +25,7 @@ API (stable; the DeepSeek-V3 fast path calls `experts_forward` with its own grou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -302,29 +302,49 @@ class RoutedMoE:
 
 @torch.inference_mode()
 def tune_experts(layers: Sequence[RoutedMoE], *, rows: Sequence[int] = (1, 8), reps: int = 7) -> dict:
-    """Times every `expert_configs` entry of the layers' kind at each token count in `rows` (random tokens routed by each
-    layer's own router), as one CUDA graph over all `layers` (distinct weights, no launch gaps), and keeps the
-    config with the least summed slowdown against each count's fastest. One config then serves every batch size
-    (rows stay batch-invariant). Returns {"best": config, "best_us": per layer call at rows[0], "us": {rows:
-    {config: us}}}; {} without CUDA + Triton."""
-    if not layers or not kernel_usable(layers[0].experts.device):
+    """`time_expert_configs` for Mixtral / Qwen3-MoE layers, each routed by its own router."""
+    if not layers:
         return {}
-    first = layers[0]
-    per_call = 1000 / len(layers)
+
+    def calls_at(n: int) -> Callable[[tuple[int, ...]], object]:
+        first = layers[0].experts
+        x = torch.randn(n, first.hidden_size, device=first.device, dtype=first.dtype)  # [n, H]
+        return lambda config: [moe.forward(x, config=config) for moe in layers]
+
+    return time_expert_configs(layers[0].experts, len(layers), calls_at, rows=rows, reps=reps)
+
+
+def time_expert_configs(
+    experts: Experts,
+    num_layers: int,
+    calls_at: Callable[[int], Callable[[tuple[int, ...]], object]],
+    *,
+    rows: Sequence[int] = (1, 8),
+    reps: int = 7,
+) -> dict:
+    """Times every `expert_configs` entry of `experts`' kind at each token count in `rows` (`calls_at(n)(config)`
+    runs random tokens of n rows, routed by each layer's own router, through the experts of all `num_layers` layers),
+    as one CUDA graph (distinct weights, no launch gaps), and keeps the config with the least summed slowdown against
+    each count's fastest. One config then serves every batch size (rows stay
+    batch-invariant). Returns {"best": config, "best_us": per layer call at rows[0], "us": {rows: {config: us}}};
+    {} without CUDA + Triton."""
+    configs = expert_configs(experts)
+    if not configs:
+        return {}
     timings: dict[int, dict[tuple[int, ...], float]] = {}
     for n in rows:
-        x = torch.randn(n, first.experts.hidden_size, device=first.experts.device, dtype=first.experts.dtype)
+        call = calls_at(n)
         timings[n] = {}
-        for config in expert_configs(first.experts):
+        for config in configs:
             try:
-                ms = graph_median_ms(lambda c=config, x=x: [moe.forward(x, config=c) for moe in layers], reps)
+                ms = graph_median_ms(lambda c=config, call=call: call(c), reps)
             except Exception as e:  # a config that does not compile or fit is skipped
                 logger.info(f"moe.tune_experts.skip(config={config}, rows={n}, error={type(e).__name__})")
                 continue
-            timings[n][config] = ms * per_call
+            timings[n][config] = ms * 1000 / num_layers
     common = set.intersection(*(set(t) for t in timings.values()))
     if not common:
-        raise RuntimeError(f"no expert kernel config runs for {first.shape}")
+        raise RuntimeError(f"no expert kernel config runs for {experts.hidden_size} x {experts.intermediate_size}")
     fastest = {n: min(t.values()) for n, t in timings.items()}
     best = min(common, key=lambda c: sum(timings[n][c] / fastest[n] for n in rows))
     return {

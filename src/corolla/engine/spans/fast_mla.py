@@ -11,18 +11,17 @@ one dense SwiGLU."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.kernels.mla_kernels import group_limited_route, paged_latent_attention, rope_rotate, store_latent
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
-from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, kernel_usable
+from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, time_expert_configs
 from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
 from corolla.models.deepseek_v3.block import DeepseekV3Block
@@ -266,42 +265,25 @@ class FastMlaSpan(ChunkedPrefill):
         return report
 
     @torch.inference_mode()
-    def _tune_experts(self, rows: Sequence[int] = (1, 8), reps: int = 7) -> dict:
-        """Times every grouped-experts kernel config at each token count in `rows` (random tokens routed by each
-        MoE layer's own group-limited router), one CUDA graph over all MoE layers, and keeps the config with the
-        least summed slowdown against each count's fastest (one config for every batch size: rows stay
-        batch-invariant). {} without CUDA + Triton or MoE layers."""
+    def _tune_experts(self) -> dict:
+        """The grouped-experts kernel config for every MoE layer (`time_expert_configs`, tokens routed by each
+        layer's own group-limited router); {} without CUDA + Triton or MoE layers."""
         moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoeWeights)]
-        if not moes or not self.ops.use_triton or not kernel_usable(self.device):
+        if not moes or not self.ops.use_triton:
             return {}
-        from corolla.engine.moe import moe_kernels  # Triton: optional
 
-        timings: dict[int, dict[tuple[int, int, int, int], float]] = {}
-        for n in rows:
+        def calls_at(n: int) -> Callable[[tuple[int, ...]], object]:
             x = torch.randn(n, self.spec.hidden_size, device=self.device, dtype=self.dtype)  # [n, H]
             routes = [self._route(m, x) for m in moes]  # (weights, ids) [n, k] each
-            timings[n] = {}
-            for config in moe_kernels.EXPERT_CONFIGS:
-                try:
-                    ms = graph_median_ms(
-                        lambda c=config, x=x, routes=routes: [
-                            experts_forward(x, ids, w, m.experts, config=c)
-                            for m, (w, ids) in zip(moes, routes, strict=True)
-                        ],
-                        reps,
-                    )
-                except Exception as e:  # a config that does not compile or fit is skipped
-                    logger.info(f"fast_mla.tune_experts.skip(config={config}, rows={n}, error={type(e).__name__})")
-                    continue
-                timings[n][config] = ms * 1000 / len(moes)
-        common = set.intersection(*(set(t) for t in timings.values()))
-        if not common:
-            raise RuntimeError("no grouped-experts kernel config runs for this span's experts")
-        fastest = {n: min(t.values()) for n, t in timings.items()}
-        best = min(common, key=lambda c: sum(timings[n][c] / fastest[n] for n in rows))
-        self.expert_config = best
-        logger.info(f"fast_mla.tune_experts(best={best}, us={timings[rows[0]][best]:.1f}, rows={rows[0]})")
-        return {"best": best, "us": {n: {str(c): us for c, us in t.items()} for n, t in timings.items()}}
+            return lambda config: [
+                experts_forward(x, ids, w, m.experts, config=config) for m, (w, ids) in zip(moes, routes, strict=True)
+            ]
+
+        result = time_expert_configs(moes[0].experts, len(moes), calls_at)
+        if result:
+            self.expert_config = result["best"]
+            logger.info(f"fast_mla.tune_experts(best={result['best']}, us={result['best_us']:.1f})")
+        return result
 
     # ------------------------------------------------------------------------------------------ construction
 
