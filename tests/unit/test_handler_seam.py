@@ -120,11 +120,12 @@ class _Context:
 
 
 def _handler(executor: FakeExecutor) -> TransformerConnectionHandler:
+    metrics = ServerMetrics()  # the server's one set: the core's and its front's
     return TransformerConnectionHandler(
         limits=LIMITS,
-        core=SpanCore(executor),
+        core=SpanCore(executor, metrics=metrics),
         timeouts=SessionTimeouts(5, 30, 5),
-        metrics=ServerMetrics(),  # type: ignore[arg-type]
+        metrics=metrics,  # type: ignore[arg-type]
     )
 
 

@@ -23,7 +23,6 @@ from corolla.server.core.admission import ForwardSlots, SessionAdmission, Sessio
 from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
-    PrefixCacheStats,
     SessionCache,
     SessionSpec,
     SpanExecutor,
@@ -118,8 +117,6 @@ class CoreClient(Protocol):
 
     def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int: ...
 
-    def prefix_cache_stats(self) -> PrefixCacheStats: ...
-
     def open_session(
         self,
         peer: str,
@@ -131,7 +128,7 @@ class CoreClient(Protocol):
         opening_tokens: int | None = None,
     ) -> contextlib.AbstractAsyncContextManager[tuple[SessionTicket, SessionCache | None]]:
         """Admits a session of `peer` and opens its cache (none for a max_length=0 probe), counted in the server's
-        metrics while open; pushes for `session_id` reach `sink` from before the admission until the exit.
+        metrics while open (the cache's figures too, as it opens and closes); pushes for `session_id` reach `sink` from before the admission until the exit.
         ValueError if `session_id` is open already. `opening_tokens`: what its opening request brings
         (`SessionAdmission.reserve`: none, no wait in line)."""
         ...
@@ -215,9 +212,6 @@ class SpanCore:
     def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
         return self.executor.cache_bytes_per_token(block_indices)
 
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        return self.executor.prefix_cache_stats()
-
     @contextlib.asynccontextmanager
     async def open_session(
         self,
@@ -229,13 +223,25 @@ class SpanCore:
         *,
         opening_tokens: int | None = None,
     ) -> AsyncIterator[tuple[SessionTicket, SessionCache | None]]:
-        with self.pushes.routing(session_id, sink):
-            reservation = self.admission.reserve(
-                peer, self.executor, spec, alloc_timeout_s, opening_tokens=opening_tokens
-            )
-            async with reservation as opened:
-                with self.metrics.session() if self.metrics is not None else contextlib.nullcontext():
-                    yield opened
+        try:
+            with self.pushes.routing(session_id, sink):
+                reservation = self.admission.reserve(
+                    peer, self.executor, spec, alloc_timeout_s, opening_tokens=opening_tokens
+                )
+                async with reservation as opened:
+                    self.report_cache()
+                    with self.metrics.session() if self.metrics is not None else contextlib.nullcontext():
+                        yield opened
+        finally:
+            self.report_cache()
+
+    def report_cache(self) -> None:
+        """The KV cache's figures to the server's metrics, once a session's cache opened or closed (any front's)."""
+        if self.metrics is not None:
+            left = self.executor.bytes_left
+            self.metrics.set_cache(max(0, self.executor.max_size_bytes - left), left)
+            stats = self.executor.prefix_cache_stats()
+            self.metrics.set_prefix_cache(stats.cached_bytes, stats.evictions, stats.limit_bytes)
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
         sink = self.pushes.get(session_id)

@@ -544,7 +544,6 @@ class InferenceStreams:
                 peer_key(context), spec, metadata.alloc_timeout_s, metadata.session_id, inbox, opening_tokens=opening
             )  # per-peer caps, what yields under pressure, then the KV cache itself (none for a max_length=0 probe)
             async with reservation as (ticket, cache):
-                self._report_cache()
                 session = SessionState(
                     session_id=metadata.session_id,
                     block_indices=block_indices,
@@ -597,7 +596,6 @@ class InferenceStreams:
             raise
         finally:
             self.sessions.close()
-            self._report_cache()
             logger.info(
                 f"rpc_inference.close(session_id={metadata.session_id!r:.40}, seconds={time.monotonic() - started:.2f})"
             )
@@ -718,12 +716,6 @@ class InferenceStreams:
             await stub.rpc_push(pushed, timeout=self.timeouts.request_timeout_s)
         except Exception as e:
             logger.info(f"rpc_push.failed(peer={hop.peer_id:.12}): {e!r}")
-
-    def _report_cache(self) -> None:
-        left = self.core.bytes_left
-        self.metrics.set_cache(max(0, self.core.max_size_bytes - left), left)
-        stats = self.core.prefix_cache_stats()
-        self.metrics.set_prefix_cache(stats.cached_bytes, stats.evictions, stats.limit_bytes)
 
     def _reject(self, name: str, error: BaseException) -> None:
         """Logs and counts a refused request by reason (`refusals.rejection_reason`: by the error's type): the one

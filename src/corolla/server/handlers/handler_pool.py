@@ -176,16 +176,10 @@ class HandlerPool:
             logger.error(f"handler_pool.restart_failed(index={index}): {e!r}")
 
     def broadcast_state(self) -> None:
-        """A session opened or closed: every handler process learns the device's figures; the server's metrics the
-        cache's."""
+        """A session opened or closed, or the drain started: every handler process learns the core's figures."""
         for channel in self.channels:
             if channel is not None and not channel.io.closed:
                 channel.send_state()
-        if self.metrics is not None:
-            left = self.executor.bytes_left
-            self.metrics.set_cache(max(0, self.executor.max_size_bytes - left), left)
-            stats = self.executor.prefix_cache_stats()
-            self.metrics.set_prefix_cache(stats.cached_bytes, stats.evictions, stats.limit_bytes)
 
     async def stop(self) -> None:
         """Closes every channel and waits for the processes to exit (killing any that does not)."""

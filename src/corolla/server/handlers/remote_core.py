@@ -29,7 +29,6 @@ from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
     HandoffUnsupported,
-    PrefixCacheStats,
     SessionCache,
     SessionSpec,
     StepInputs,
@@ -247,9 +246,6 @@ class RemoteCore:
 
     def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
         return self.link.info.cache_bytes_per_token(block_indices)
-
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats()  # the device process reports the server's figures (`handler_pool`)
 
     @contextlib.asynccontextmanager
     async def open_session(
