@@ -192,11 +192,6 @@ class WindowedAttention(nn.Module):
         return out.reshape(B, h, T, hd)
 
 
-def fused_qkv_sizes(cfg: WindowedAttentionConfig) -> tuple[int, int]:
-    """(query rows, key-or-value rows) of the fused qkv projection."""
-    return cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-
-
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap) (Gemma's logit soft-capping)."""
     return torch.tanh(x / cap) * cap
