@@ -2,7 +2,10 @@
 fp16, with and without residual, N not a multiple of a program's rows, equals the reference dequantizer + fp32
 matmul (outputs poisoned first: every element written); its RMSNorm prologue equals the separate kernel + the same
 GEMV within one rounding of x and a float32 reference; a row's output is bit-identical alone, among other rows
-and on a repeat, and a CUDA graph replays it on new inputs; bad calls are refused. Skipped without CUDA."""
+and on a repeat, and a CUDA graph replays it on new inputs; the gated form (w_gate_up writing silu(gate) * up) has
+the bits of the same kernel + silu_mul, and the tuner's gated choice is what DecodeOps.gate_up and the engine's
+graph step serve; kernels launched back to back (programmatic launch: each may start before the one ahead ends)
+give the bits of launches separated by a synchronization; bad calls are refused. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -111,6 +114,145 @@ def test_rows_are_batch_invariant_deterministic_and_replayed_by_graphs() -> None
         assert torch.equal(out, int8_row_mma(rows[r : r + 1].contiguous(), weight, None, config)), r
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_gated_form_has_the_bits_of_the_kernel_then_silu_mul(dtype) -> None:
+    from corolla.engine.kernels import triton_kernels
+    from corolla.engine.kernels.quant_splits import PROLOGUES
+    from corolla.engine.ops.decode_ops import silu_mul_ref
+    from corolla.engine.quant.quant_int8_gemv import GATED_CONFIGS, int8_row_mma
+
+    inter, k, eps, m = 203, 1152, 1e-5, 3  # I = 203: the last program's rows ragged in both halves
+    weight = _weight(2 * inter, k, seed=21, dtype=dtype)
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    x = (torch.randn(m, k, device=DEV, generator=gen) * 3).to(dtype)
+    gain = (torch.rand(k, device=DEV, generator=gen) + 0.5).to(dtype)
+    rms = PROLOGUES["rmsnorm"]
+    expected = silu_mul_ref((x.float() @ weight.dequantize().float().t()).to(dtype)).float()  # [M, I]
+    configs = GATED_CONFIGS if dtype == BF16 else GATED_CONFIGS[:1]
+    for config in configs:
+        for prologue, nw in ((0, None), (rms, gain)) if dtype == BF16 else ((0, None),):
+            out = torch.full((m, inter), float("nan"), device=DEV, dtype=dtype)
+            out.copy_(int8_row_mma(x, weight, None, config, prologue, nw, eps, gated=True))
+            plain = int8_row_mma(x, weight, None, config, prologue, nw, eps)  # [M, 2I]
+            assert torch.equal(out, triton_kernels.silu_mul(plain)), (config, prologue)
+            if prologue == 0:
+                err = float((out.float() - expected).norm() / expected.norm())
+                assert err < 1e-2, (config, err)
+            for r in (0, m - 1):
+                alone = int8_row_mma(x[r : r + 1].clone(), weight, None, config, prologue, nw, eps, gated=True)
+                assert torch.equal(alone[0], out[r]), (config, prologue, r)
+
+
+def test_back_to_back_launches_have_the_bits_of_synchronized_ones() -> None:
+    # each kernel reads the one before's output: a launch that read it before that kernel ended would differ
+    from corolla.engine.kernels.quant_splits import PROLOGUES
+    from corolla.engine.quant.quant_int8_gemv import GATED_CONFIGS, INT8_MMA_CONFIGS, int8_row_mma
+
+    h, inter, eps = 1024, 1536, 1e-5
+    w_o, w_up, w_down = _weight(h, h, seed=31), _weight(2 * inter, h, seed=32), _weight(h, inter, seed=33)
+    gain = (torch.rand(h, device=DEV) + 0.5).to(BF16)
+    rms = PROLOGUES["rmsnorm"]
+
+    def chain(x: torch.Tensor, sync: bool) -> torch.Tensor:
+        outs = [x]
+        for _ in range(3):
+            y = int8_row_mma(outs[-1], w_o, outs[-1], INT8_MMA_CONFIGS[1])  # [1, H] + residual
+            outs.append(y)
+            if sync:
+                torch.cuda.synchronize()
+            act = int8_row_mma(y, w_up, None, GATED_CONFIGS[0], rms, gain, eps, gated=True)  # [1, I]
+            if sync:
+                torch.cuda.synchronize()
+            outs.append(int8_row_mma(act, w_down, y, INT8_MMA_CONFIGS[0]))  # [1, H]
+            if sync:
+                torch.cuda.synchronize()
+        return outs[-1]
+
+    gen = torch.Generator(device=DEV).manual_seed(34)
+    inputs = [torch.randn(1, h, device=DEV, generator=gen).to(BF16) for _ in range(3)]
+    expected = [chain(x, sync=True) for x in inputs]
+    assert torch.equal(chain(inputs[0], sync=False), expected[0])
+    static_x = inputs[0].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = chain(static_x, sync=False)
+    for x, want in zip(inputs[1:], expected[1:], strict=True):
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
+def test_tuner_gated_choice_is_served_by_decode_ops_and_the_engine_step() -> None:
+    from corolla.engine.config import EngineConfig
+    from corolla.engine.ops.decode_ops import DecodeOps
+    from corolla.engine.quant import quant_choices
+    from corolla.engine.quant.quant_int8_gemv import GATED_CONFIGS, INT8_MMA_CONFIGS, int8_row_mma
+    from corolla.engine.quant.quant_weights import quant_key, quantize_int8
+    from corolla.engine.span_engine import SpanEngine, StepRequest
+    from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
+
+    weight, eps = _weight(2 * 1536, 1024, seed=41), 1e-5
+    key = quant_key(weight)
+    gain = (torch.rand(1024, device=DEV) + 0.5).to(BF16)
+    x = torch.randn(1, 1024, device=DEV, dtype=BF16)
+    ops = DecodeOps(DEV, 128, use_triton=True)
+    ops.quant_small[key] = ("i8mma", INT8_MMA_CONFIGS[0])  # (what tune_quantized keeps before it tunes "gated")
+    r = quant_choices.tune_gated(ops, key, [weight, weight], reps=3)
+    assert r["unfused_us"] > 0 and len(r["all_us"]) == len(GATED_CONFIGS)
+    assert ops.quant_fused.get((*key, "gated")) == r["fused"]
+    config = GATED_CONFIGS[0]
+    ops.quant_fused[(*key, "gated")] = ("i8mma", config)
+    act, owed = ops.gate_up(x, weight, None, gain, eps)
+    assert owed == "none" and torch.equal(act, int8_row_mma(x, weight, None, config, 1, gain, eps, gated=True))
+    del ops.quant_fused[(*key, "gated")]
+    gate_up, owed = ops.gate_up(x, weight, None, gain, eps)
+    assert owed == "silu" and gate_up.shape == (1, 2 * 1536)
+
+    # the engine's graph step, gated or not, with the same tiling for w_gate_up (its RMSNorm fused in both; w_down
+    # on its default kernel after silu_mul or on the gated output): the same bits
+    torch.manual_seed(5)
+    spec = LlamaSpec(
+        hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=1024, rms_norm_eps=eps,
+    )  # fmt: skip
+
+    def mat(n, k):
+        return quantize_int8((torch.randn(n, k, device=DEV) * 0.03).to(BF16))
+
+    def vec(n):
+        return (1 + 0.1 * torch.randn(n, device=DEV)).to(BF16)
+
+    layers = [
+        LayerWeights(
+            ln1=vec(512), w_qkv=mat(512 + 2 * 128, 512), b_qkv=None, w_o=mat(512, 512), b_o=None, ln2=vec(512),
+            w_gate_up=mat(2048, 512), b_gate_up=None, w_down=mat(512, 1024), b_down=None,
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    model = FastLlamaSpan(spec, layers, inv_freq, max_positions=256)
+    engine = SpanEngine(
+        model, EngineConfig(kv_pool_bytes=32 << 20, max_seq_len_tokens=128, max_batch_rows=1, tune_gemm=False)
+    )
+    up_key = quant_key(layers[0].w_gate_up)
+    fused = model.ops.quant_fused
+    fused[(*up_key, "rmsnorm")] = ("i8mma", config)
+    session = engine.open_session(1, 64)
+    engine.step(session, torch.randn(1, 9, 512, device=DEV).to(BF16), 0)
+    h = torch.randn(1, 1, 512, device=DEV).to(BF16)
+    outs = {}
+    for gated in (True, False):
+        fused.pop((*up_key, "gated"), None)
+        if gated:
+            fused[(*up_key, "gated")] = ("i8mma", config)
+        assert engine.graphs is not None
+        engine.graphs.clear()  # captured again with this choice
+        outs[gated] = engine.decode_many([StepRequest(session, h, 9)])[0].clone()
+    assert torch.isfinite(outs[True]).all() and torch.equal(outs[True], outs[False])
+
+
 def test_row_mma_refuses_bad_calls() -> None:
     from corolla.engine.quant.quant_int8_gemv import INT8_MMA_CONFIGS, int8_row_mma
     from corolla.engine.quant.quant_weights import quantize_int8
@@ -135,6 +277,10 @@ def test_row_mma_refuses_bad_calls() -> None:
         int8_row_mma(x, weight, None, config, 1, torch.ones(256, device=DEV), 1e-5)
     with pytest.raises(ValueError, match="runs no prologue 2"):  # SiLU gating: none here (decision 0063)
         int8_row_mma(x, weight, None, config, 2)
+    with pytest.raises(ValueError, match="gated"):
+        int8_row_mma(x, weight, None, (1, 8, 4, 0, 0), gated=True)  # an odd row-tile count
+    with pytest.raises(ValueError, match="gated"):
+        int8_row_mma(x, weight, torch.randn(1, 32, device=DEV, dtype=BF16), (2, 8, 4, 0, 0), gated=True)
     fp32 = quantize_int8(torch.randn(64, 256, device=DEV))
     with pytest.raises(ValueError, match="bf16/fp16"):
         int8_row_mma(x.float(), fp32, None, config)

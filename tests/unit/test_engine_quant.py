@@ -210,7 +210,8 @@ def test_int8_weight_is_read_after_a_plain_forward_moved_its_scales() -> None:
 
 def test_warm_up_tunes_only_the_prologues_each_quantized_shape_takes() -> None:
     """The fused norm/SiLU candidates are timed only where a projection takes them: RMSNorm before w_qkv and
-    w_gate_up, SiLU x up before w_down, none for w_o (a shape tuned for both cost warm-up time for nothing)."""
+    w_gate_up, SiLU x up before w_down, none for w_o (a shape tuned for both cost warm-up time for nothing); the
+    gated form (SiLU x up after the kernel, DecodeOps.gate_up) for w_gate_up only."""
     spec = LlamaSpec(
         hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256, rms_norm_eps=1e-5
     )
@@ -233,6 +234,6 @@ def test_warm_up_tunes_only_the_prologues_each_quantized_shape_takes() -> None:
     assert set(seen["weights"]) == {("int8", 256, 128), ("int8", 128, 128), ("int8", 512, 128), ("int8", 128, 256)}
     assert seen["prologues"] == {
         ("int8", 256, 128): ("rmsnorm",),  # w_qkv: (4 + 2 + 2) heads x 32
-        ("int8", 512, 128): ("rmsnorm",),  # w_gate_up
+        ("int8", 512, 128): ("gated", "rmsnorm"),  # w_gate_up (INT8: its kernel may gate its own output too)
         ("int8", 128, 256): ("silu",),  # w_down
     }

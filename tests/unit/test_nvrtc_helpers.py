@@ -3,6 +3,7 @@ defining their own copies (no GPU: the sources are read as text)."""
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 import corolla.engine.kernels.nvrtc_kernels as nvrtc_kernels
 import corolla.engine.quant as quant
 
-HELPERS = ("ld_stream", "ld_nc", "bf16x2_to_f16x2", "load_out_type", "to_out_type")
+HELPERS = ("ld_stream", "ld_nc", "bf16x2_to_f16x2", "load_out_type", "to_out_type", "unpack_pair", "pack_pair",
+           "sum_squares", "norm_pair", "grid_release", "grid_wait")  # fmt: skip
 
 
 def _definitions(text: str, name: str) -> int:
@@ -29,3 +31,37 @@ def test_row_gemvs_use_the_shared_snippet(module: str) -> None:
     assert "NvrtcKernel(CUDA_HELPERS + _SOURCE, " in text
     for name in HELPERS:
         assert _definitions(text, name) == 0, (module, name)
+
+
+@pytest.mark.parametrize("module", ["quant_int8_gemv.py", "quant_tile_gemv.py"])
+def test_row_gemvs_release_first_and_wait_before_reading_x(module: str) -> None:
+    # every launch is programmatic (nvrtc_kernels): the kernel ahead may still run until grid_wait() returns
+    text = (Path(quant.__file__).parent / module).read_text()
+    release, wait = text.index("grid_release();"), text.index("grid_wait();")
+    assert text.count("grid_wait();") == 1 and release < wait < text.index("ld_nc(xg")
+    assert wait < text.index("out[m * som")
+
+
+def test_a_source_without_the_programmatic_calls_is_refused() -> None:
+    body = 'extern "C" __global__ void k(float* p) { p[0] = 1.f; }'
+    with pytest.raises(ValueError, match="grid_release"):
+        nvrtc_kernels.NvrtcKernel(nvrtc_kernels.CUDA_HELPERS + body, "k", {})
+    released = 'extern "C" __global__ void k(float* p) { grid_release(); p[0] = 1.f; }'
+    with pytest.raises(ValueError, match="grid_wait"):
+        nvrtc_kernels.NvrtcKernel(nvrtc_kernels.CUDA_HELPERS + released, "k", {})
+    waited = 'extern "C" __global__ void k(float* p) { grid_release(); grid_wait(); p[0] = 1.f; }'
+    assert nvrtc_kernels.NvrtcKernel(nvrtc_kernels.CUDA_HELPERS + waited, "k", {}).name == "k"
+
+
+def test_launch_config_has_cuda_h_layout() -> None:
+    # CUlaunchAttribute: 72 bytes, 8-aligned, value at 8; CUlaunchConfig: 56 bytes, hStream at 32, attrs at 40,
+    # numAttrs at 48 (cuda.h, 64-bit); attribute 6 = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr_type, config_type = nvrtc_kernels._LaunchAttribute, nvrtc_kernels._LaunchConfig
+    assert (ctypes.sizeof(attr_type), ctypes.alignment(attr_type), attr_type.value.offset) == (72, 8, 8)
+    assert ctypes.sizeof(config_type) == 56
+    assert (config_type.stream.offset, config_type.attrs.offset, config_type.num_attrs.offset) == (32, 40, 48)
+    config, attr = nvrtc_kernels.launch_config((3, 2, 1), 256, 4096, 1234, True)
+    assert (config.grid_x, config.grid_y, config.grid_z, config.block_x, config.block_y) == (3, 2, 1, 256, 1)
+    assert (config.shared_bytes, config.stream, config.num_attrs) == (4096, 1234, 1)
+    assert (config.attrs.contents.id, config.attrs.contents.value) == (6, 1)
+    assert nvrtc_kernels.launch_config((1, 1, 1), 32, 0, 0, False)[0].num_attrs == 0

@@ -2,7 +2,16 @@
 no nvcc on the server: NVRTC ships with PyTorch's CUDA wheels). `NvrtcKernel(source, name, defines)` compiles
 `source` for the current device's architecture (sm_XY, or sm_90a on compute capability 9.0) into a cubin once per
 process and device, and `launch` puts it on PyTorch's current stream, so launches are captured by CUDA graphs like any
-other kernel. Importing needs no GPU; compiling needs libnvrtc and libcuda (ctypes finds the ones PyTorch loaded)."""
+other kernel. Importing needs no GPU; compiling needs libnvrtc and libcuda (ctypes finds the ones PyTorch loaded).
+
+Programmatic dependent launch (sm_90+): every launch allows the kernel's programs to start before the kernel ahead
+of it in the stream has finished (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION; kept as a programmatic edge
+in a captured CUDA graph), once that kernel's programs have all released their dependents or ended. So each source
+calls CUDA_HELPERS' `grid_release()` first (the next kernel may start: its programs wait before they read what this
+one writes) and `grid_wait()` (the kernel ahead complete, its writes visible) before it reads anything another kernel
+wrote or writes anything, in every program; before the wait only immutable inputs (weights, tables) are read. A
+row GEMV's first weight loads and its setup then overlap the tail of the kernel ahead (docs/decisions/0047).
+NvrtcKernel refuses a source without both calls. On older cards both are no-ops and launches are plain."""
 
 from __future__ import annotations
 
@@ -14,12 +23,28 @@ from pathlib import Path
 import torch
 
 # The CUDA helpers the quantized row GEMVs share (quant_int8_gemv, quant_tile_gemv), put before a kernel's own source:
-# 16-byte loads of the weight stream and of x, bf16 x into fp16 for the matrix units, the output dtype's load and
-# rounding (the kernel's -D OUT_BF16: bf16, else fp16)
+# the programmatic launch's release and wait (every NVRTC kernel calls both, see above), 16-byte loads of the weight
+# stream and of x, bf16 x into fp16 for the matrix units, RMSNorm's pairs (x's dtype: the kernel's -D X_BF16), the
+# output dtype's load and rounding (-D OUT_BF16: bf16, else fp16)
 CUDA_HELPERS = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 struct alignas(16) U4 { u32 x, y, z, w; };
+
+// programmatic dependent launch: the next kernel in the stream may start its programs now (it waits before reading)
+static __device__ __forceinline__ void grid_release() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// programmatic dependent launch: wait until the kernel ahead has completed and its writes are visible (a no-op when
+// it already had or the launch was plain)
+static __device__ __forceinline__ void grid_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 // 16 bytes of a stream read once (weight codes): read-only path, not kept in L1
 static __device__ __forceinline__ __attribute__((unused)) U4 ld_stream(const U4* p) {
@@ -57,6 +82,42 @@ static __device__ __forceinline__ __attribute__((unused)) float load_out_type(co
 #endif
 }
 
+// a pair of x's dtype (the kernel's -D X_BF16: bf16, else fp16) -> fp32 (the even value in .x)
+static __device__ __forceinline__ __attribute__((unused)) float2 unpack_pair(u32 v) {
+#if X_BF16
+  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+#else
+  float lo, hi;
+  asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(lo), "=f"(hi) : "r"(v));
+  return make_float2(lo, hi);
+#endif
+}
+
+// two fp32 values -> a pair of x's dtype, each rounded to nearest even (lo the even value)
+static __device__ __forceinline__ __attribute__((unused)) u32 pack_pair(float lo, float hi) {
+  u32 d;
+#if X_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+#endif
+  return d;
+}
+
+// RMSNorm's sum of squares over a pair of x's dtype, each square added in order
+static __device__ __forceinline__ __attribute__((unused)) float sum_squares(float s, u32 v) {
+  const float2 f = unpack_pair(v);
+  return __fmaf_rn(f.y, f.y, __fmaf_rn(f.x, f.x, s));
+}
+
+// RMSNorm of a pair as triton_kernels.rms_norm rounds it: x times 1/rms rounded to the dtype, times the gain,
+// rounded again
+static __device__ __forceinline__ __attribute__((unused)) u32 norm_pair(u32 v, u32 w, float rstd) {
+  const float2 f = unpack_pair(v), gw = unpack_pair(w);
+  const float2 a = unpack_pair(pack_pair(__fmul_rn(f.x, rstd), __fmul_rn(f.y, rstd)));
+  return pack_pair(__fmul_rn(a.x, gw.x), __fmul_rn(a.y, gw.y));
+}
+
 // fp32 -> the output's dtype, rounded to nearest even
 static __device__ __forceinline__ __attribute__((unused)) u16 to_out_type(float v) {
   u16 h;
@@ -70,6 +131,25 @@ static __device__ __forceinline__ __attribute__((unused)) u16 to_out_type(float 
 """
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    # CUlaunchAttribute: the id (an enum), padding to 8 bytes, a 64-byte value union (8-byte aligned)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int), ("pad_value", ctypes.c_int),
+                ("rest", ctypes.c_longlong * 7)]  # fmt: skip
+
+
+class _LaunchConfig(ctypes.Structure):
+    # CUlaunchConfig
+    _fields_ = [
+        ("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+        ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+        ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint),
+    ]  # fmt: skip
+
+
 _LOCK = threading.Lock()
 _LIBS: dict[str, ctypes.CDLL] = {}
 
@@ -143,17 +223,35 @@ def _ensure_context(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def launch_config(
+    grid: tuple[int, int, int], threads: int, shared_bytes: int, stream: int, programmatic: bool
+) -> tuple[_LaunchConfig, _LaunchAttribute]:
+    """cuLaunchKernelEx's config (and the attribute it points to, to be kept alive with it): `programmatic`, the
+    programmatic stream serialization attribute (the kernel may start before the one ahead of it ends)."""
+    attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig(
+        grid[0], grid[1], grid[2], threads, 1, 1, shared_bytes, ctypes.c_void_p(stream),
+        ctypes.pointer(attr), int(programmatic),
+    )  # fmt: skip
+    return config, attr
+
+
 class NvrtcKernel:
     """One `extern "C" __global__` function of `source`, compiled with `-D` `defines` (name -> int) per device on
-    first use. Arguments are passed as ctypes values (c_void_p for pointers, c_int, c_float, c_longlong)."""
+    first use. Arguments are passed as ctypes values (c_void_p for pointers, c_int, c_float, c_longlong). ValueError
+    for a source that does not call both `grid_release()` and `grid_wait()` (every launch is programmatic)."""
 
     def __init__(self, source: str, name: str, defines: dict[str, int]) -> None:
+        for call in ("grid_release();", "grid_wait();"):
+            if call not in source:
+                raise ValueError(f"{name}: an NVRTC kernel's source must call {call} (programmatic launch)")
         self.source = source
         self.name = name
         self.defines = dict(defines)
         self._functions: dict[int, ctypes.c_void_p] = {}
         self._modules: list[ctypes.c_void_p] = []  # kept loaded for the process's life
         self._shared_limit: dict[int, int] = {}
+        self._programmatic: dict[int, bool] = {}  # device index -> sm_90 or newer
 
     def function(self, device: torch.device) -> ctypes.c_void_p:
         """The loaded function on `device` (compiled and loaded on the first call)."""
@@ -177,6 +275,7 @@ class NvrtcKernel:
                 self._modules.append(module)
                 self._functions[index] = fn
                 self._shared_limit[index] = 48 * 1024
+                self._programmatic[index] = torch.cuda.get_device_capability(dev)[0] >= 9
         return self._functions[index]
 
     def blocks_per_sm(self, device: torch.device, threads: int, shared_bytes: int) -> int:
@@ -206,14 +305,14 @@ class NvrtcKernel:
     def launch(
         self, device: torch.device, grid: tuple[int, int, int], threads: int, shared_bytes: int, args: list
     ) -> None:
-        """Launches on PyTorch's current stream of `device` (captured when that stream captures a graph)."""
+        """Launches on PyTorch's current stream of `device` (captured when that stream captures a graph), as a
+        programmatic dependent launch on sm_90+."""
         fn = self.function(device)
         self._allow_shared(device, fn, shared_bytes)
+        index = device.index if device.index is not None else torch.cuda.current_device()
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
-        stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        config, _attr = launch_config(grid, threads, shared_bytes, stream, self._programmatic[index])
         _check_cu(
-            _lib("cuda").cuLaunchKernel(
-                fn, grid[0], grid[1], grid[2], threads, 1, 1, ctypes.c_uint(shared_bytes), stream, params, None
-            ),
-            f"cuLaunchKernel({self.name})",
+            _lib("cuda").cuLaunchKernelEx(ctypes.byref(config), fn, params, None), f"cuLaunchKernelEx({self.name})"
         )

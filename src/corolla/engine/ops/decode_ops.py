@@ -142,7 +142,8 @@ class DecodeOps:
         self.quant_mid: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
         self.quant_gemm: dict[tuple[str, int, int], tuple[str, tuple[int, int, int, int, int]]] = {}
         # (kind, N, K, prologue) -> the quant_small kernel that runs the prologue itself, where the tuner timed it
-        # faster than the norm/SiLU kernel + quant_small's choice (absent: that pair)
+        # faster than the norm/SiLU kernel + quant_small's choice (absent: that pair); prologue "gated" (w_gate_up):
+        # the INT8 row GEMV that runs the RMSNorm and gates its own output (gate_up), where it beat that + silu_mul
         self.quant_fused: dict[tuple[str, int, int, str], tuple[str, tuple[int, int, int, int, int]]] = {}
         # CPU: the formulation of each projection per row bucket (engine.kernels.cpu_linear); None: F.linear / addmm
         self.cpu_linear: cpu_linear.CpuLinearChoices | None = None
@@ -172,6 +173,25 @@ class DecodeOps:
             if config is not None:
                 return self._fused(x, weight, residual, prologue, norm_weight, eps, config)
         return self._unfused(x, weight, bias, residual, prologue, norm_weight, eps)
+
+    def gate_up(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | NF4Weight | Int8Weight,
+        bias: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, str]:
+        """A gated MLP's first projection of RMSNorm(x) [M, H]: (silu(gate) * up [M, I], "none") where the tuner
+        chose a quantized kernel that gates its own output for these rows (quant_fused's "gated"), else
+        ([gate | up] [M, 2I], "silu"): the prologue the down projection still owes it."""
+        if self.use_triton and bias is None and isinstance(weight, Int8Weight):
+            key, rows = quant_key(weight), x.shape[0]
+            gated = self.quant_fused.get((*key, "gated"))
+            if gated is not None and rows <= quant_gemv.GEMV_MAX_ROWS and self._quant_choice(key, rows) is None:
+                kernel = quant_kernel(*gated, PROLOGUES["rmsnorm"], gated=True)
+                return kernel(x.contiguous(), weight, None, norm_weight, eps), "none"  # [M, I]
+        return self.linear(x, weight, bias, prologue="rmsnorm", norm_weight=norm_weight, eps=eps), "silu"
 
     def _fused(self, x, weight, residual, prologue, norm_weight, eps, config):
         if config[0] == "pad":  # cuBLAS on a zero-padded batch: other kernels than its single-row GEMV

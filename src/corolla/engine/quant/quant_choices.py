@@ -16,12 +16,18 @@ Choice = tuple[str, tuple[int, int, int, int, int]]
 MID_MAX_ROWS = quant_mma.MMA_MID_MAX_ROWS  # NF4: 2 to this many rows on the 16-row-tile configs (quant_mid)
 
 
-def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0):
+def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: int = 0, *, gated: bool = False):
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
     (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "tile"
     (quant_tile_gemv.nf4_tile_gemv, NF4 in 16-bit dtypes, each row on its own, RMSNorm), "i8mma"
-    (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes), "block" (quant_kernels.quant_matmul) or
-    "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue)."""
+    (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes; `gated`: silu(gate) * up of W = [gate | up]), "block"
+    (quant_kernels.quant_matmul) or "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue)."""
+    if gated:
+        if kernel != "i8mma":
+            raise ValueError(f"only the INT8 row GEMV gates its output, not {kernel!r}")
+        return lambda x, w, res, nw=None, eps=0.0: quant_int8_gemv.int8_row_mma(
+            x, w, res, config, prologue, nw, eps, gated=True
+        )
     if kernel == "gemv":
         return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
     if kernel == "tile" and prologue in quant_tile_gemv.PROLOGUE_CODES:
@@ -82,6 +88,37 @@ def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: d
             "all_us": {str(c): t * per_call for c, t in fused.items()}}  # fmt: skip
 
 
+def tune_gated(ops, key, items: list, reps: int) -> dict:
+    """For a [gate | up] shape (w_gate_up, RMSNorm before it): its one-row path as the step runs it ungated (the
+    RMSNorm choice `tune_prologue` kept, or the norm kernel + quant_small's choice; then silu_mul) against the INT8 row
+    GEMV gating its own output (GATED_CONFIGS, the norm in its x staging), each as a CUDA graph over all layers; the
+    faster: ops.quant_fused[(*key, "gated")] (DecodeOps.gate_up), absent for the pair. {} for a shape it cannot take
+    (not INT8 in a 16-bit dtype, N odd, K not a multiple of CHUNK_VALUES)."""
+    if key[0] != "int8" or items[0].dtype == torch.float32 or key[1] % 2 or key[2] % quant_int8_gemv.CHUNK_VALUES:
+        return {}
+    rms = PROLOGUES["rmsnorm"]
+    x = torch.randn(1, key[2], device=items[0].device, dtype=items[0].dtype)
+    nw = torch.ones(key[2], device=x.device, dtype=x.dtype)  # the gain's values do not change the time
+    fused: Choice | None = ops.quant_fused.get((*key, "rmsnorm"))
+    if fused is not None:  # the RMSNorm in the GEMV's x staging
+        norm_gemv = quant_kernel(fused[0], fused[1], rms)
+        unfused = graph_median_ms(lambda: [ops.silu_mul(norm_gemv(x, w, None, nw, 1e-6)) for w in items], reps)
+    else:  # the norm kernel, then the GEMV
+        gemv = quant_kernel(*ops.quant_small[key])
+        unfused = graph_median_ms(lambda: [ops.silu_mul(gemv(ops.rms_norm(x, nw, 1e-6), w, None)) for w in items], reps)
+    candidates = [("i8mma", c) for c in quant_int8_gemv.GATED_CONFIGS]
+    gated = time_configs(
+        candidates, lambda c, w: quant_kernel(c[0], c[1], rms, gated=True)(x, w, None, nw, 1e-6), items, reps
+    )
+    choice = min(gated, key=gated.__getitem__) if gated else None
+    ops.quant_fused.pop((*key, "gated"), None)
+    if choice is not None and gated[choice] < unfused:
+        ops.quant_fused[(*key, "gated")] = choice
+    per_call = 1000 / len(items)
+    return {"unfused_us": unfused * per_call, "fused": ops.quant_fused.get((*key, "gated")),
+            "all_us": {str(c): t * per_call for c, t in gated.items()}}  # fmt: skip
+
+
 @torch.inference_mode()
 def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int = 7, prologues: dict | None = None):
     """For each quantized shape (kind, N, K) -> [weight per layer], times on a single-row input every tile-GEMV
@@ -93,7 +130,8 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
     the "block" configs (INT8, fp32 NF4) or the matrix-unit kernel's 64-row-tile configs (larger merged steps,
     ops.quant_gemm); each as a CUDA graph over all layers' weights. Then, per prologue (`prologues`: shape -> the
     names its projections take, none for a shape missing there; None: both "rmsnorm" and "silu"), the norm/SiLU
-    kernel + the one-row best against the fused kernels (`tune_prologue`). One (kernel, config) per row range and
+    kernel + the one-row best against the fused kernels (`tune_prologue`); "gated" (w_gate_up's shape): after
+    "rmsnorm", that path + silu_mul against the row GEMV gating its own output (`tune_gated`). One (kernel, config) per row range and
     prologue keeps rows batch-invariant within it. A shape whose choices `ops.kernel_choices` holds (same card and
     versions) takes them without timing anything. Returns {shape: {"best", "best_us", "all_us", "mid_best",
     "mid_all_us", "gemm_best", "gemm_best_us", "gemm_all_us", "prologues"}}, microseconds per layer call."""
@@ -116,8 +154,9 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         mma = [("mma", c) for c in quant_mma.NF4_MMA_CONFIGS] if nf4 else []
         gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]
         # the candidates are part of the problem (those that fuse a prologue too): a changed list tunes again
-        fusing = [[c for c in small_configs if fusable(key, c, p)] for p in wanted]
-        candidates = zlib.crc32(repr((small_configs, mma, block_configs, fusing)).encode())
+        fusing = [[c for c in small_configs if fusable(key, c, p)] for p in wanted if p != "gated"]
+        gating = quant_int8_gemv.GATED_CONFIGS if "gated" in wanted else ()
+        candidates = zlib.crc32(repr((small_configs, mma, block_configs, fusing, gating)).encode())
         problem = f"quant {key[0]} {key[1]}x{key[2]} {items[0].dtype} prologues={','.join(wanted)} {candidates:08x}"
         cached = ops.kernel_choices.get(problem) if ops.kernel_choices is not None else None
         if cached is not None:
@@ -156,7 +195,13 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
             "gemm_best": gemm_best,
             "gemm_best_us": gemm[gemm_best] * per_call,
             "gemm_all_us": {str(c): t * per_call for c, t in gemm.items()},
-            "prologues": {p: tune_prologue(ops, key, items, p, best, gemv, reps) for p in wanted},
+            # "gated" last: it starts from the RMSNorm choice
+            "prologues": {
+                p: tune_gated(ops, key, items, reps)
+                if p == "gated"
+                else tune_prologue(ops, key, items, p, best, gemv, reps)
+                for p in sorted(wanted, key=lambda p: p == "gated")
+            },
         }
         if ops.kernel_choices is not None:
             ops.kernel_choices.put(problem, {

@@ -32,6 +32,16 @@ normalized in place, rounded as triton_kernels.rms_norm rounds it (the same bits
 plain x is. A SiLU-gating prologue (silu(gate) x up staged from [gate | up] before w_down) lost to silu_mul + this
 kernel and is deleted (docs/decisions/0063).
 
+The gated form (`gated`, w_gate_up = [gate | up]): a program's first RT / 2 row tiles are gate rows and the other
+RT / 2 the same rows of the up half, so it holds both sums of each of its rows and writes silu(gate) * up [I] itself,
+gate and up rounded to the dtype first as the GEMV stores them, then gated as triton_kernels.silu_mul gates them
+(the same bits as the GEMV + silu_mul): the step launches no SiLU kernel and w_down reads I values, not 2I
+(docs/decisions/0048).
+
+Launch: programmatic (nvrtc_kernels): each program releases the next kernel at once and loads its first P chunks
+before it waits for the kernel ahead, so the codes' round trip and the launch overlap that kernel's tail
+(docs/decisions/0047).
+
 Batch invariance and determinism: a row's value depends only on its own x row (grid [ceil(N / 16 RT), M]: programs
 never mix x rows; every sum's order is fixed by K and the config). Rows past N in the last tile read row N - 1 and
 store nothing. Numerics: exact codes, x in fp16 (as the NF4 tile GEMV's), exact products, fp32 sums: within the
@@ -60,12 +70,18 @@ INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     (4, 4, 2, 0, 0),
 )
 
+# the tilings offered for the gated form (w_gate_up: silu(gate) * up written; an even row-tile count: half of the
+# program's tiles gate rows, half the same up rows): (4, 4, 2) won on an H200, 33.6 us a layer against 38.4 for
+# (2, 8, 4) and 41.6 for (2, 16, 2), which are not offered (docs/decisions/0048)
+GATED_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((4, 4, 2, 0, 0),)
+
 # the prologues the kernel runs (quant_splits.PROLOGUES' codes): none and RMSNorm (SiLU gating lost: decision 0063)
 PROLOGUE_CODES = (PROLOGUES["none"], PROLOGUES["rmsnorm"])
 
-# the kernel, compiled after nvrtc_kernels.CUDA_HELPERS (the helpers the row GEMVs share)
+# the kernel, compiled after nvrtc_kernels.CUDA_HELPERS (the helpers the row GEMVs share, RMSNorm's pairs among them)
 _SOURCE = r"""
 #define THREADS (W * 32)
+#define OUT_ROWS (GATED ? RT * 8 : RT * 16)  // output rows of a program (GATED: half its weight rows)
 
 // bytes j, j + 1 of a biased code word (codes + 128) -> their codes as an exact fp16 pair: each byte under the
 // exponent of 1024 (one permute with 0x64 bytes: 1024 + 128 + code), minus 1152 in both halves
@@ -85,44 +101,33 @@ static __device__ __forceinline__ u32 x_operand(u32 v) {
 #endif
 }
 
-#if PRO == 1
-// a pair of x's dtype -> fp32 (the even value in .x)
-static __device__ __forceinline__ float2 unpack_pair(u32 v) {
-#if X_BF16
-  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+#if GATED
+// fp32 -> the output's dtype -> fp32 (a value as the GEMV would store it)
+static __device__ __forceinline__ float rounded(float v) {
+  const u16 h = to_out_type(v);
+  return load_out_type(&h);
+}
+
+// silu(gate) * up as triton_kernels.silu_mul forms it from the stored gate and up (fp32, exp by ex2.approx, the
+// quotient by div.full)
+static __device__ __forceinline__ float silu_times(float gt, float up) {
+  float e, q;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(-gt, 1.44269504088896341f)));
+  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(gt), "f"(__fadd_rn(1.f, e)));
+  return __fmul_rn(q, up);
+}
+#endif
+
+// the weight row of row r (0..15) of the program's tile rt: GATED, tiles [0, RT / 2) are rows of the gate half and
+// [RT / 2, RT) the same rows of the up half (N: the half's rows); rows past N read row N - 1 of their half
+static __device__ __forceinline__ int weight_row(int n0, int rt, int r, int N) {
+#if GATED
+  const int up = rt >= RT / 2;
+  return min(n0 + 16 * (rt - up * (RT / 2)) + r, N - 1) + up * N;
 #else
-  float lo, hi;
-  asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(lo), "=f"(hi) : "r"(v));
-  return make_float2(lo, hi);
+  return min(n0 + 16 * rt + r, N - 1);
 #endif
 }
-
-// two fp32 values -> a pair of x's dtype, each rounded to nearest even (lo the even value)
-static __device__ __forceinline__ u32 pack_pair(float lo, float hi) {
-  u32 d;
-#if X_BF16
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-#else
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-#endif
-  return d;
-}
-#endif
-
-#if PRO == 1
-static __device__ __forceinline__ float sum_squares(float s, u32 v) {
-  const float2 f = unpack_pair(v);
-  return __fmaf_rn(f.y, f.y, __fmaf_rn(f.x, f.x, s));
-}
-
-// RMSNorm of a pair as triton_kernels.rms_norm rounds it: x times 1/rms rounded to the dtype, times the gain,
-// rounded again
-static __device__ __forceinline__ u32 norm_pair(u32 v, u32 w, float rstd) {
-  const float2 f = unpack_pair(v), gw = unpack_pair(w);
-  const float2 a = unpack_pair(pack_pair(__fmul_rn(f.x, rstd), __fmul_rn(f.y, rstd)));
-  return pack_pair(__fmul_rn(a.x, gw.x), __fmul_rn(a.y, gw.y));
-}
-#endif
 
 #define MMA(c, a0, a1, a2, a3, b0, b1)                                                                         \
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "              \
@@ -145,8 +150,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, const u16* __restrict__ x,
              const u16* __restrict__ res, u16* __restrict__ out, const u16* __restrict__ nw, int N, int K,
              long long sxm, long long srm, long long som, int has_res, float out_scale, float eps) {
+  grid_release();  // the next kernel's programs may start (they wait for this one's output)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.x * (RT * 16);
+  const int n0 = blockIdx.x * OUT_ROWS;
   const long long m = blockIdx.y;
   const int kw = K >> 4;        // 16-byte words per weight row (K a multiple of 64)
   const int chunks = kw >> 2;   // 64-value chunks: lane t's word 4 c + t of rows g and g + 8 of each tile
@@ -156,11 +162,12 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
   const U4* pw[RT][2];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt) {
-    pw[rt][0] = codes + (long long)min(n0 + 16 * rt + g, N - 1) * kw + 4 * warp + t;
-    pw[rt][1] = codes + (long long)min(n0 + 16 * rt + g + 8, N - 1) * kw + 4 * warp + t;
+    pw[rt][0] = codes + (long long)weight_row(n0, rt, g, N) * kw + 4 * warp + t;
+    pw[rt][1] = codes + (long long)weight_row(n0, rt, g + 8, N) * kw + 4 * warp + t;
   }
 
-  // the first P chunks' codes go out before x is staged (their DRAM round trip overlaps it)
+  // the first P chunks' codes go out before the wait for the kernel ahead and x's staging (their DRAM round trip
+  // overlaps both: the codes are immutable)
   U4 buf[P][RT][2];
 #pragma unroll
   for (int f = 0; f < P; ++f) {
@@ -172,6 +179,7 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
       }
     }
   }
+  grid_wait();  // x (and the residual) come from the kernels ahead
   {
     // x staged as the B operand's fp16 pairs (PRO 1: RMSNorm's result, rounded as its kernel rounds it, then
     // converted as a plain x is)
@@ -260,14 +268,23 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
     }
   }
   __syncthreads();
-  for (int i = tid; i < RT * 16; i += THREADS) {
+  for (int i = tid; i < OUT_ROWS; i += THREADS) {
     const int n = n0 + i;
     if (n < N) {
       float v = red[i];
 #pragma unroll
       for (int w = 1; w < W; ++w) v += red[w * (RT * 16) + i];
       v = __fmul_rn(__fmul_rn(v, out_scale), __ldg(scale + n));
+#if GATED
+      // GATED: the up row's sum sits RT / 2 tiles on; gate and up rounded as stored, then gated as silu_mul gates
+      float u = red[RT * 8 + i];
+#pragma unroll
+      for (int w = 1; w < W; ++w) u += red[w * (RT * 16) + RT * 8 + i];
+      u = __fmul_rn(__fmul_rn(u, out_scale), __ldg(scale + N + n));
+      v = silu_times(rounded(v), rounded(u));
+#else
       if (has_res) v = __fadd_rn(v, load_out_type(res + m * srm + n));
+#endif
       out[m * som + n] = to_out_type(v);
     }
   }
@@ -284,11 +301,12 @@ def check_row_config(config: tuple[int, int, int, int, int]) -> None:
         raise ValueError(f"bad INT8 row GEMV config {config}")
 
 
-def _kernel(config: tuple[int, int, int, int, int], bf16: bool, prologue: int) -> NvrtcKernel:
-    key = (*config[:3], int(bf16), prologue)
+def _kernel(config: tuple[int, int, int, int, int], bf16: bool, prologue: int, gated: bool) -> NvrtcKernel:
+    key = (*config[:3], int(bf16), prologue, int(gated))
     if key not in _KERNELS:
         tiles, warps, depth = config[:3]
-        defines = {"RT": tiles, "W": warps, "P": depth, "X_BF16": int(bf16), "OUT_BF16": int(bf16), "PRO": prologue}
+        defines = {"RT": tiles, "W": warps, "P": depth, "X_BF16": int(bf16), "OUT_BF16": int(bf16), "PRO": prologue,
+                   "GATED": int(gated)}  # fmt: skip
         _KERNELS[key] = NvrtcKernel(CUDA_HELPERS + _SOURCE, "int8_row_mma", defines)
     return _KERNELS[key]
 
@@ -301,15 +319,20 @@ def int8_row_mma(
     prologue: int = 0,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    gated: bool = False,
 ) -> torch.Tensor:
     """f(x) [M, K] @ W[N, K]^T * row_absmax / 127 (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or
     fp16; x in it too), f = `prologue` (quant_splits.PROLOGUES): the identity or RMSNorm with the gain `norm_weight`
-    [K] (x's dtype) and `eps`, rounded to x's dtype as triton_kernels.rms_norm rounds it. ValueError for a bad shape,
-    dtype, layout (K a multiple of CHUNK_VALUES), prologue (SiLU gating: none here) or config. x (or the gain) is
-    copied once when its rows do not start 16-byte aligned."""
+    [K] (x's dtype) and `eps`, rounded to x's dtype as triton_kernels.rms_norm rounds it. `gated` (W = [gate | up],
+    N even, no residual, an even number of row tiles in `config`): silu(gate) * up [M, N / 2] of that result instead,
+    formed as triton_kernels.silu_mul forms it from the stored [gate | up] (GATED_CONFIGS: the tilings offered for
+    it). ValueError for a bad shape, dtype, layout (K a multiple of CHUNK_VALUES), prologue (SiLU gating: none here)
+    or config. x (or the gain) is copied once when its rows do not start 16-byte aligned."""
     check_row_config(config)
     m, kx = x.shape
     n, k = weight.shape
+    if gated and (n % 2 or residual is not None or config[0] % 2):
+        raise ValueError(f"a gated int8_row_mma takes an even N ({n}), no residual and an even row-tile count {config}")
     if weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype or kx != k or m < 1:
         raise ValueError(
             f"int8_row_mma takes [M, {k}] bf16/fp16 rows of the weight's dtype ({weight.dtype}), "
@@ -332,7 +355,8 @@ def int8_row_mma(
             raise ValueError(f"the RMSNorm gain must be {weight.dtype}, got {norm_weight.dtype}")
         nw = norm_weight if norm_weight.data_ptr() % 16 == 0 else norm_weight.clone()
     bf16 = weight.dtype == torch.bfloat16
-    out = torch.empty((m, n), dtype=weight.dtype, device=x.device)
+    n_out = n // 2 if gated else n
+    out = torch.empty((m, n_out), dtype=weight.dtype, device=x.device)
     res = residual if residual is not None else out
     tiles, warps = config[0], config[1]
     # x in fp16, the warps' row sums (first: their sums of squares), RMSNorm's gain
@@ -340,9 +364,11 @@ def int8_row_mma(
     ptr = ctypes.c_void_p
     args = [
         ptr(codes.data_ptr()), ptr(weight.col_scale.data_ptr()), ptr(x.data_ptr()), ptr(res.data_ptr()),
-        ptr(out.data_ptr()), ptr(nw.data_ptr()), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(x.stride(0)),
+        ptr(out.data_ptr()), ptr(nw.data_ptr()), ctypes.c_int(n_out), ctypes.c_int(k), ctypes.c_longlong(x.stride(0)),
         ctypes.c_longlong(res.stride(0)), ctypes.c_longlong(out.stride(0)), ctypes.c_int(int(residual is not None)),
         ctypes.c_float(1.0 / X_SCALE if bf16 else 1.0), ctypes.c_float(eps),
     ]  # fmt: skip
-    _kernel(config, bf16, prologue).launch(x.device, (-(-n // (16 * tiles)), m, 1), 32 * warps, shared, args)
+    rows_per_program = 8 * tiles if gated else 16 * tiles  # (GATED: tiles of gate and of up rows)
+    grid = (-(-n_out // rows_per_program), m, 1)
+    _kernel(config, bf16, prologue, gated).launch(x.device, grid, 32 * warps, shared, args)
     return out

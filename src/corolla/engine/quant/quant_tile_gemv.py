@@ -179,43 +179,6 @@ static __device__ __forceinline__ void lds128_if(U4& v, u32 addr, u32 on) {
                : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "r"(on), "r"(addr));
 }
 
-#if PRO == 1
-// a pair of x's dtype -> fp32 (the even value in .x)
-static __device__ __forceinline__ float2 unpack_pair(u32 v) {
-#if X_BF16
-  return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
-#else
-  float lo, hi;
-  asm("{.reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}" : "=f"(lo), "=f"(hi) : "r"(v));
-  return make_float2(lo, hi);
-#endif
-}
-
-// two fp32 values -> a pair of x's dtype, each rounded to nearest even (lo the even value)
-static __device__ __forceinline__ u32 pack_pair(float lo, float hi) {
-  u32 d;
-#if X_BF16
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-#else
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-#endif
-  return d;
-}
-
-static __device__ __forceinline__ float sum_squares(float s, u32 v) {
-  const float2 f = unpack_pair(v);
-  return __fmaf_rn(f.y, f.y, __fmaf_rn(f.x, f.x, s));
-}
-
-// RMSNorm of a pair as triton_kernels.rms_norm rounds it: x times 1/rms rounded to the dtype, times the gain,
-// rounded again
-static __device__ __forceinline__ u32 norm_pair(u32 v, u32 w, float rstd) {
-  const float2 f = unpack_pair(v), gw = unpack_pair(w);
-  const float2 a = unpack_pair(pack_pair(__fmul_rn(f.x, rstd), __fmul_rn(f.y, rstd)));
-  return pack_pair(__fmul_rn(a.x, gw.x), __fmul_rn(a.y, gw.y));
-}
-#endif
-
 // a pair of x's dtype -> the mma's fp16 operand pair (bf16: times 2^-8, one rounding; fp16: as it is)
 static __device__ __forceinline__ u32 x_operand(u32 v) {
 #if X_BF16
@@ -293,6 +256,7 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
               const u16* __restrict__ res, u16* __restrict__ out, const u16* __restrict__ nw, int N, int K, int RT,
               long long sxm, long long srm, long long som, float offset, float out_scale, float eps,
               int data_bytes, int dyn_bytes) {
+  grid_release();  // the next kernel's programs may start (they wait for this one's output: nvrtc_kernels)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const long long m = blockIdx.y;
@@ -329,6 +293,7 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
 #endif
   // the warps' row sums [row tiles of this program][WARPS][16], after x (and with PRO 1 the gain)
   float* red = reinterpret_cast<float*>(smem + XS_OFF + KG * 512 * (1 + PRO));
+  grid_wait();  // x (and the residual) come from the kernels ahead; the weight units above are immutable
   {
     // x as the mma's fp16 operand (PRO 1: RMSNorm's result first), the pair table (entry e's word for lane l at
     // e * 256 + l * 4: every load of the table issued before its first store, one L2 round trip), nested code table

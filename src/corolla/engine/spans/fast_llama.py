@@ -200,6 +200,8 @@ class FastLlamaSpan(ChunkedPrefill):
             ):
                 if isinstance(w, NF4Weight | Int8Weight) and prologue != "none":
                     prologues.setdefault(quant_key(w), set()).add(prologue)
+                    if w is layer.w_gate_up and isinstance(w, Int8Weight):  # may gate its own output (ops.gate_up)
+                        prologues[quant_key(w)].add("gated")
                 if bias is None and isinstance(w, torch.Tensor):
                     slots.setdefault((w.shape[0], w.shape[1], prologue, has_res), []).append((w, norm_w))
         for layer, stacks in zip(self.layers, self.adapters.layers if self.adapters is not None else (), strict=False):
@@ -344,8 +346,9 @@ class FastLlamaSpan(ChunkedPrefill):
             if lora is not None and (lora.targets(i, "gate_up") or lora.targets(i, "down")):
                 h = self._adapted_mlp(lora, i, w, h)
                 continue
-            gate_up = self.ops.linear(h, w.w_gate_up, w.b_gate_up, prologue="rmsnorm", norm_weight=w.ln2, eps=eps)
-            h = self.ops.linear(gate_up, w.w_down, w.b_down, residual=h, prologue="silu")  # [B, H]
+            # [B, I] gated by the projection's kernel, or [B, 2I] with the gating left to w_down's ("silu")
+            act, owed = self.ops.gate_up(h, w.w_gate_up, w.b_gate_up, w.ln2, eps)
+            h = self.ops.linear(act, w.w_down, w.b_down, residual=h, prologue=owed)  # [B, H]
         return h
 
     def prologue_fused(self, n: int, k: int, c: int, prologue: str, has_residual: bool) -> bool:
