@@ -12,7 +12,7 @@ Steps skip the event loop: the device process's one intake thread (`ChannelIntak
 not a thread per channel, so that the runtime thread has one competitor for the GIL whatever the number of handler
 processes) receives every frame (non-blocking `recv_into`, `FrameSocket`) and hands a STEP_BATCH to
 `FrameIntake` (below), which parses it (sizes before slicing, handles, block ranges), asks the executor to
-prepare each step (`EngineExecutor.prepare_step`: the same typed refusals as `step`) and queues the frame's decode
+prepare each step (`DeviceExecutor.prepare_step`: the same typed refusals as `step`) and queues the frame's decode
 steps on the runtime as ONE callback task (others one task each), waking its thread once per frame; after a merged
 forward the runtime thread appends each result to its channel's outbox (with its bytes where a launched forward
 collected them: `StepRequest.output_bytes`) and sends one REPLY_BATCH per channel with a blocking `sendall`
@@ -24,8 +24,8 @@ The handler process validated every input (`block_functions`) before it sent it;
 frame could get wrong by itself (sizes, handles, block ranges inside the span).
 
 A frame's steps (`FrameIntake`): every step of a STEP_BATCH is checked and prepared by the executor
-(`EngineExecutor.prepare_step`: the same typed refusals as `step`, each failing only its caller), then the frame's
-decode steps travel as ONE runtime task (`EngineExecutor.step_task` of an `engine.batcher.StepGroup`, `Task.steps` =
+(`DeviceExecutor.prepare_step`: the same typed refusals as `step`, each failing only its caller), then the frame's
+decode steps travel as ONE runtime task (`DeviceExecutor.step_task` of an `engine.batcher.StepGroup`, `Task.steps` =
 their count): one queue entry, one pop, one callback that queues all of the frame's replies under one lock. A frame whose
 steps exceed what one merged forward takes (`Runtime.merge_limit`) is split into tasks that each fit; the runtime
 merges whole frame tasks into a forward while they fit (a frame that does not waits for the next). Prefill steps, a
@@ -76,7 +76,6 @@ from corolla.engine.span_engine import StepRequest
 from corolla.protocol import channel_frames as wire
 from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core.admission import SessionTicket
-from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import (
     KIND_ENGINE_INFERENCE,
     BackwardInputs,
@@ -84,11 +83,12 @@ from corolla.server.core.executor import (
     HandoffUnsupported,
     SessionCache,
     SessionSpec,
+    SpanExecutor,
     StepInputs,
 )
 from corolla.server.core.kv_handoff import check_handoff_frame
 from corolla.server.core.refusals import encode_error
-from corolla.server.core.runtime import Task
+from corolla.server.core.runtime import Runtime, Task
 from corolla.server.core.span_core import SpanCore
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
@@ -350,6 +350,33 @@ class ChannelIntake:
             logger.warning(f"device_channel.intake_on_end_failed(error={e!r})")
 
 
+class DeviceExecutor(SpanExecutor, Protocol):
+    """What a device channel needs of the core's executor (`EngineExecutor`): its runtime, and a step prepared and
+    made a task without a coroutine, so that the intake thread queues it itself."""
+
+    @property
+    def runtime(self) -> Runtime:
+        """The one device thread all work of this span runs on."""
+        ...
+
+    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> StepRequest:
+        """What `step` does before it queues the step (cache ownership, adapter binding; the same typed refusals,
+        raised here), synchronously."""
+        ...
+
+    def step_task(
+        self,
+        work: StepRequest | StepGroup,
+        *,
+        shadow: bool = False,
+        on_done: Callable[[Any, BaseException | None], None] | None = None,
+        flush: Callable[[], None] | None = None,
+    ) -> Task:
+        """The runtime task of a prepared step (of a shadow session: `shadow`) or of a frame's decode steps, for
+        `Runtime.queue`."""
+        ...
+
+
 # a step's reply as a channel queues it: request id, output [B, T, H] or what refused it, the output's bytes if known
 StepReply = tuple[int, torch.Tensor | BaseException, memoryview | None]
 
@@ -401,7 +428,7 @@ class FrameIntake:
 
     def __init__(
         self,
-        executor: EngineExecutor,
+        executor: DeviceExecutor,
         core: SpanCore,
         held: Callable[[int], tuple[SessionCache, SessionTicket | None]],
         queue_replies: Callable[[list[StepReply]], None],
@@ -552,7 +579,7 @@ class FrameIntake:
 
 
 def device_info(
-    executor: EngineExecutor, span: tuple[int, ...], handler_index: int, max_frame_bytes: int
+    executor: SpanExecutor, span: tuple[int, ...], handler_index: int, max_frame_bytes: int
 ) -> wire.DeviceInfo:
     """The HELLO a handler process gets: enough to size sessions and caches without asking."""
     try:  # one block's canonical K/V for one sequence of one token (the same for every block of the span)
@@ -589,7 +616,7 @@ class DeviceChannel:
         index: int,
         sock: socket.socket,
         *,
-        executor: EngineExecutor,
+        executor: DeviceExecutor,
         core: SpanCore,
         span: tuple[int, ...],
         max_frame_bytes: int,
