@@ -306,7 +306,7 @@ def _start_forkserver() -> None:
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["corolla.server.handlers.handler_process", *CLIENT_PRELOAD]
+        ["corolla.server.front.front_service", *CLIENT_PRELOAD]
     )
     forkserver.ensure_running()
 

@@ -24,7 +24,7 @@ from corolla.protocol import local_stream as ls
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.forwarding import NEXT_STEP_KEY
 from corolla.server.core.limits import PeerLimits
-from corolla.server.handlers.handler_process import loop_selector
+from corolla.server.front.front_service import loop_selector
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
 from helpers.tiny_models import make_tiny_model
 

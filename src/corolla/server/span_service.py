@@ -18,11 +18,12 @@ from corolla.server.core.span_core import SpanCore
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.connection_balance import BalanceDirectory
 from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
-from corolla.server.front.front_service import FrontService, FrontSettings
+from corolla.server.front.front_service import FrontService
+from corolla.server.front.front_service import main as handler_main
+from corolla.server.front.front_settings import FrontSettings
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.handlers.handler_pool import HandlerPool
-from corolla.server.handlers.handler_process import main as handler_main
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.busy_poll import BusyPollSelector
 from corolla.utils.logging import get_logger

@@ -1,56 +1,42 @@
 """One front: the transports of one process (the seven Petals RPCs on p2p, the same-host socket, the direct port) over
 one `TransformerConnectionHandler`, which reaches the core through one `span_core.CoreClient`. A server runs N >= 1
-fronts, every one built here from the same `FrontSettings`: with N = 1 (the default) the one front lives in the
-core's process and its client is the `SpanCore` itself (frames reach the core without a socket); with N > 1 each
-handler process runs one (`handlers.handler_process`), registered `balanced` on a replica of the server's p2pd, and
-its client is `RemoteCore` (the same seam over the process's channel). Only the client differs between topologies."""
+fronts, every one built here from the same `front_settings.FrontSettings`: with N = 1 (the default) the one front
+lives in the core's process and its client is the `SpanCore` itself (frames reach the core without a socket); with
+N > 1 each handler process runs one (`main`, below, the process's entry point), registered `balanced` on a replica of
+the server's p2pd (p2pd spreads incoming streams over the processes that registered a name), and its client is
+`handlers.remote_core.RemoteCore` (the same seam over the process's channel to the core, `device_channel` there).
+Only the client differs between topologies. A handler process lives as long as its channel: when the device process
+closes it or dies, the front ends its sessions, unregisters and the process exits (no orphans)."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+import os
+import signal
+import socket
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.protocol.direct_stream import TicketSecret
-from corolla.server.core.limits import PeerLimits, SessionTimeouts
 from corolla.server.core.span_core import CoreClient
-from corolla.server.front.block_functions import ServingLimits
 from corolla.server.front.connection_balance import ConnectionHandoff
-from corolla.server.front.direct_endpoint import DirectEndpoint, DirectListen
+from corolla.server.front.direct_endpoint import DirectEndpoint
+from corolla.server.front.front_settings import FrontSettings
 from corolla.server.front.handler import TransformerConnectionHandler
 from corolla.server.front.local_endpoint import LocalEndpoint
 from corolla.server.front.peer_auth import make_peer_auth
 from corolla.server.front.prefix_keys import PrefixTrust
+from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 from corolla.server.metrics import ServerMetrics
 from corolla.swarm.membership import load_swarm_key
+from corolla.utils import busy_poll
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class FrontSettings:
-    """What every front of one span serves by (pickled to each handler process)."""
-
-    limits: ServingLimits
-    timeouts: SessionTimeouts
-    peer_limits: PeerLimits = field(default_factory=PeerLimits)  # this front's stream bytes (the core's: its own)
-    compression: int = 0
-    dht_client_mode: bool = False
-    peer_id: str = ""  # the server's (its p2pd's): every front answers as it
-    swarm_key_file: str | None = None  # private swarm: every RPC proves membership
-    kv_handoff: bool = True  # a draining session's KV to its client / from a client (`SessionHandoff.enabled`)
-    prefix_cache_shared: bool = False  # every client's cached prefixes are everyone's (`PrefixTrust.shared`)
-    local_socket_dir: str | None = None  # serve same-host clients on a unix socket there (None: not)
-    direct: DirectListen | None = None  # the direct TCP port (handler processes share one, SO_REUSEPORT)
-    direct_secret: bytes | None = None  # the server's ticket secret (any front checks any front's tickets)
-    direct_balance_dir: str | None = None  # handler processes' direct-port load table and hand-off sockets (0700)
-    # a handler process's loop polls instead of sleeping for this long after each message (0: it sleeps at once); its
-    # loop is its only Python thread, so polling starves no other (`utils.busy_poll`)
-    poll_linger_s: float = 0.0
 
 
 class FrontService:
@@ -120,3 +106,68 @@ class FrontService:
                 logger.debug(f"front_service.remove_handlers_failed({e!r})")
             self.p2p = None
         await self.handler.shutdown()
+
+
+# ---- a front in a handler process of its own (`--num_handlers` N > 1; `handlers.handler_pool` starts it)
+
+
+class ForwardedMetrics(ServerMetrics):
+    """Refusal counts go to the device process, which exports one set of metrics for the server (it counts the
+    sessions itself: its core opens them)."""
+
+    def __init__(self, link: DeviceLink):
+        super().__init__()
+        self.link = link
+
+    def rejected(self, reason: str) -> None:
+        self.link.note("rejected", reason)
+
+    def prefix_probe(self, *, keyed_tokens: int, hit_tokens: int) -> None:
+        self.link.note("prefix_probe", keyed_tokens, hit_tokens)
+
+
+def stream_handle_names(handler: TransformerConnectionHandler) -> list[str]:
+    """The handle names p2pd routes as streams to this process (a dead process's must be unregistered)."""
+    handler._collect_rpc_handlers()
+    return [
+        handler._get_handle_name(None, rpc.method_name)
+        for rpc in handler._rpc_handlers
+        if rpc.stream_input or rpc.stream_output
+    ]
+
+
+def main(settings: FrontSettings, daemon_listen_maddr: str, index: int, channel: Connection) -> None:
+    """The process's entry point (multiprocessing): serves until the channel to the device process ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which closes the channel
+    sock = socket.socket(fileno=os.dup(channel.fileno()))
+    channel.close()
+    busy_poll.run(_serve(settings, daemon_listen_maddr, index, sock), loop_selector(settings))
+
+
+def loop_selector(settings: FrontSettings) -> busy_poll.BusyPollSelector | None:
+    """The selector of the process's loop: one that lingers after each message (`poll_linger_s`), or None (the
+    default selector: it sleeps at once)."""
+    return busy_poll.BusyPollSelector(linger_s=settings.poll_linger_s) if settings.poll_linger_s > 0.0 else None
+
+
+async def _serve(settings: FrontSettings, daemon_listen_maddr: str, index: int, sock: socket.socket) -> None:
+    link = await DeviceLink.open(sock)
+    # sessions are admitted, steps run and pushes routed by the device process's core
+    front = FrontService(settings, RemoteCore(link), ForwardedMetrics(link), index=index)
+    p2p = await P2P.replicate(Multiaddr(daemon_listen_maddr))
+    try:
+        await front.start(p2p)
+        if link.closed.is_set():  # stopped while starting
+            return
+        # where p2pd sends our streams, and their names
+        link.note("ready", os.getpid(), str(p2p._client_listen_maddr), tuple(stream_handle_names(front.handler)))
+        logger.info(f"front_service.handler_ready(index={index}, pid={os.getpid()})")
+        await link.closed.wait()
+    finally:
+        logger.info(f"front_service.handler_stopping(index={index}, sessions={front.handler.sessions.num_open})")
+        await front.stop()
+        await link.close()
+        try:
+            await asyncio.wait_for(p2p.shutdown(), 5.0)
+        except Exception as e:
+            logger.debug(f"front_service.p2p_shutdown_failed({e!r})")

@@ -27,7 +27,7 @@ from hivemind.proto import p2pd_pb2 as p2pd_pb
 from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.server.core.span_core import SpanCore
-from corolla.server.front.front_service import FrontSettings
+from corolla.server.front.front_settings import FrontSettings
 from corolla.server.handlers.device_channel import ChannelIntake, DeviceChannel, DeviceExecutor
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
@@ -39,7 +39,7 @@ START_TIMEOUT_S = 120.0
 
 
 # a handler process's entry point: (its front's settings, the server's p2pd control socket, its index, its end of the
-# channel) -> None; a module-level function, whose module the forkserver imports once (`handler_process.main`, passed
+# channel) -> None; a module-level function, whose module the forkserver imports once (`front_service.main`, passed
 # by the span service)
 HandlerMain = Callable[[FrontSettings, str, int, Connection], None]
 
