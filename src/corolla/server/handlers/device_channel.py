@@ -1,58 +1,32 @@
 """The core's end of the handler channels (`--num_handlers` > 1): one `DeviceChannel` per handler process serves its
-requests (`protocol.channel_frames` frames) against the real executor and the server's one `SpanCore` (admission, the
-push table). Every call but a step is a CALL of one of the core's seam methods by name with tagged values
-(`DeviceChannel.calls`: each one's argument types checked before it runs), answered in a task of its own; one-way
-notes (a push, prefix keys, a refusal counted, the process ready) likewise (`DeviceChannel.notes`). A session's
-"open" routes its pushes to its process (a "push" note back), a "push" note in goes through the core's table, an
-eviction goes back as an "evict" note. Steps arrive one frame per handler loop
-iteration (STEP_BATCH) and leave together: every step reply that became ready in one loop iteration (one merged
-forward resolves all of its steps in one callback) goes out in one REPLY_BATCH frame with the state once.
+frames (`protocol.channel_frames`) against the real executor and the server's one `SpanCore` (admission, the push
+table, the drain). The handler process validated every input (`block_functions`); this side re-checks only what a
+frame can get wrong by itself (sizes, handles, block ranges, argument types).
 
-Steps skip the event loop: the device process's one intake thread (`ChannelIntake`, below: a selector over every channel,
-not a thread per channel, so that the runtime thread has one competitor for the GIL whatever the number of handler
-processes) receives every frame (non-blocking `recv_into`, `FrameSocket`) and hands a STEP_BATCH to
-`FrameIntake` (below), which parses it (sizes before slicing, handles, block ranges), asks the executor to
-prepare each step (`DeviceExecutor.prepare_step`: the same typed refusals as `step`) and queues the frame's decode
-steps on the runtime as ONE callback task (others one task each), waking its thread once per frame; after a merged
-forward the runtime thread appends each result to its channel's outbox (with its bytes where a launched forward
-collected them: `StepRequest.output_bytes`) and sends one REPLY_BATCH per channel with a blocking `sendall`
-(docs/decisions/0003-replies-from-the-runtime-thread.md). A refused step is answered from
-the intake thread and fails only its caller. Every other frame (calls and notes) is handed to the event loop, as rare
-work.
+Calls and notes (rare work, in the event loop): every call of the seam but a step is a CALL of the core's method by
+name with tagged values (`DeviceChannel.calls`: argument types checked before it runs), answered in a task of its
+own; one-way notes likewise (`DeviceChannel.notes`: a push, prefix keys, a refusal counted, the process ready). A
+session's "open" routes its pushes to its process ("push" notes back); an eviction goes back as an "evict" note.
 
-The handler process validated every input (`block_functions`) before it sent it; this side re-checks only what a
-frame could get wrong by itself (sizes, handles, block ranges inside the span).
+Steps skip the event loop. The device process's one intake thread (`ChannelIntake`: a selector over every channel,
+not a reader per channel, whose threads would each compete with the runtime thread for the GIL: decision 0004)
+receives every frame without blocking (`FrameSocket.receive`) and hands a STEP_BATCH (the steps of one handler loop
+iteration) to its channel's `FrameIntake`: each step is prepared by the executor (`DeviceExecutor.prepare_step`: the
+same typed refusals as `step`, a refused step answered at once, failing only its caller) and the frame's decode steps
+go to the runtime as ONE task (`DeviceExecutor.step_task` of an `engine.batcher.StepGroup`, split where they exceed
+one merged forward, `Runtime.merge_limit`), one wake of its thread per frame; prefill steps, a shadow session's
+(queued last) and a lone session's (which may run inline on an idle runtime) stay one task each. A session's state
+(open, length) is still checked per step in the runtime thread (`SpanEngine.validate`). After a merged forward the
+runtime thread queues each result in its channel's outbox (with its bytes where a launched forward collected them:
+`StepRequest.output_bytes`) and sends one REPLY_BATCH per channel, the core's figures once, with a blocking `sendall`
+(decision 0003).
 
-A frame's steps (`FrameIntake`): every step of a STEP_BATCH is checked and prepared by the executor
-(`DeviceExecutor.prepare_step`: the same typed refusals as `step`, each failing only its caller), then the frame's
-decode steps travel as ONE runtime task (`DeviceExecutor.step_task` of an `engine.batcher.StepGroup`, `Task.steps` =
-their count): one queue entry, one pop, one callback that queues all of the frame's replies under one lock. A frame whose
-steps exceed what one merged forward takes (`Runtime.merge_limit`) is split into tasks that each fit; the runtime
-merges whole frame tasks into a forward while they fit (a frame that does not waits for the next). Prefill steps, a
-shadow session's steps (queued last) and a lone session's step (which may run inline on an idle runtime) stay one
-task each. The session's state (open,
-length) is still checked per step in the runtime thread (`SpanEngine.validate`): a closed session fails its own step
-only.
-
-The intake (`ChannelIntake`): one thread reads every handler channel of the device process, a selector over the channels'
-sockets; a readable channel's bytes are received without blocking (`FrameSocket.receive`) and each whole
-frame is handed to its channel (`FrameSource.on_frame`: steps straight to the runtime, the rest to the event loop).
-
-One thread and not one per channel: every Python thread of the device process competes with the runtime thread for
-the GIL, and with a reader per handler process the merged forward grew with their number (docs/decisions/0004).
-
-A channel ends (`FrameSource.on_end`) when its socket ends, when a frame breaks the wire's bounds (FrameError), or
-when the intake closes; it is then unregistered and never called again. Channels are added from any thread: the
-intake thread applies additions between selects (woken through a socket pair), so the selector is only ever touched
-by its own thread.
-
-Frame I/O (`FrameSocket`, one per channel): the intake receives each channel's frames with non-blocking `recv_into`s
-into one reused buffer per channel when its socket is readable, and any thread (the event loop, the runtime's device
-thread) sends whole frames with `sendall` under one lock (the GIL is released in the syscall). Reads take whatever
-the socket holds (up to the buffer's free space), so frames that arrived together are parsed out of one `recv_into`
-(each syscall also gives up and retakes the GIL). The header is checked (kind, length against `max_frame_bytes`)
-before the buffer grows; the buffer only ever grows to the largest frame seen plus a header, never past the bound. A
-payload view is valid until the next `receive`: the caller parses (copies) what it keeps before it reads again."""
+A channel ends (`FrameSource.on_end`, once) when its socket ends, when a frame breaks the wire's bounds (FrameError),
+or when the intake closes. Channels are added from any thread; the intake thread applies additions between selects
+(woken through a socket pair), so only it touches the selector. Frame I/O (`FrameSocket`): non-blocking `recv_into`s
+into one reused buffer per channel (frames that arrived together are parsed out of one syscall), the header checked
+(kind, length against `max_frame_bytes`) before the buffer grows, never past the bound; a payload view is valid until
+the next `receive`. Any thread sends whole frames with `sendall` under one lock."""
 
 from __future__ import annotations
 
