@@ -23,7 +23,7 @@ the device answers the steps that one merged forward finished as one REPLY_BATCH
 write and one wake-up per batch instead of per step). A batch payload is a u16 item count and, per item, the
 item's kind (u8), request id (u32) and payload length (u32) then its payload; `split_batch` checks the count and
 every item's length against what is left of the frame before it slices (views, no copies). A reply batch starts
-with the core's figures (three u64 and an f64: `device_channel.DeviceChannel`'s state) once, its items carry none.
+with the core's figures (two u64 and an f64: `device_channel.DeviceChannel`'s state) once, its items carry none.
 
 The hot paths of the device side read and write the same bytes (the one codec of these frames): `parse_steps` reads
 a STEP_BATCH in one pass (`struct.unpack_from` at offsets, each length checked against what is left of its item

@@ -30,7 +30,7 @@ from corolla.server.config import ServerConfig, handler_poll_s, ignored_flags
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
 from corolla.server.core.limits import SessionTimeouts
 from corolla.server.core.runtime import Runtime
-from corolla.server.core.span_core import CoreClient
+from corolla.server.core.span_core import SpanCore
 from corolla.server.front.block_functions import ServingLimits
 from corolla.server.metrics import MetricsExporter, ServerMetrics
 from corolla.server.settings import ResolvedSettings, describe_settings, resolve_settings
@@ -564,7 +564,7 @@ def executor_for_span(
     )
 
 
-async def drain_sessions(core: CoreClient, announcer: Announcer, timeout_s: float) -> None:
+async def drain_sessions(core: SpanCore, announcer: Announcer, timeout_s: float) -> None:
     """Starts the core's drain (every front refuses new sessions and offers its sessions' KV to their clients) and
     announces OFFLINE (so no client plans new sessions here) while waiting up to `timeout_s` for the sessions open
     through any front to move away; then returns, and the caller ends whatever is left."""

@@ -100,11 +100,6 @@ class CoreClient(Protocol):
         ...
 
     @property
-    def num_open(self) -> int:
-        """Sessions open on the server, through every front."""
-        ...
-
-    @property
     def drain(self) -> DrainState: ...
 
     @property
@@ -199,6 +194,7 @@ class SpanCore:
 
     @property
     def num_open(self) -> int:
+        """Sessions open on the server, through every front."""
         return self.admission.num_open
 
     @property

@@ -69,7 +69,7 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_STATE = struct.Struct(">QQQd")  # what `_state` writes (`channel_frames.Writer.u64` x 3, `f64`)
+_STATE = struct.Struct(">QQd")  # what `_state` writes (`channel_frames.Writer.u64` x 2, `f64`)
 # the STATE's drain deadline while the server does not drain (`channel_frames.Reader.f64`: None)
 NOT_DRAINING = math.nan
 
@@ -663,12 +663,12 @@ class DeviceChannel:
 
     def _state_bytes(self) -> bytes:
         """The core's figures as every reply carries them (what a handler process's fronts read without asking):
-        cache bytes left, the cache's size, sessions open (three u64), the drain's deadline (f64, `time.monotonic`;
+        cache bytes left, the cache's size (two u64), the drain's deadline (f64, `time.monotonic`;
         `NOT_DRAINING`)."""
         executor, core = self.executor, self.core
         deadline = core.drain.deadline
         return _STATE.pack(
-            max(0, executor.bytes_left), executor.max_size_bytes, core.admission.num_open,
+            max(0, executor.bytes_left), executor.max_size_bytes,
             NOT_DRAINING if deadline is None else deadline,
         )  # fmt: skip
 

@@ -5,7 +5,7 @@ batching stay with the device process's one `SpanCore` (its admission, push tabl
 call of the seam but a step is one CALL of the core's method by name with its arguments as tagged values
 (`DeviceLink.request`; what it may call: `device_channel.DeviceChannel.calls`), one-way ones a NOTE. This process
 keeps only its own streams: its sessions' push sinks (a push the core routes here: a "push" note) and their tickets
-(an "evict" note ends the stream). The core's figures (cache left, sessions open, the drain's deadline) come with
+(an "evict" note ends the stream). The core's figures (cache left, its size, the drain's deadline) come with
 every reply and whenever any process opens or closes a session."""
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ class DeviceLink:
         self.reader, self.writer, self.info = reader, writer, info
         self.bytes_left = 0
         self.max_size_bytes = 0
-        self.sessions_open = 0  # on the server, through every process
         self.drain = DrainState()  # the device core's, as its STATE frames tell it
         self.tickets: dict[int, SessionTicket] = {}  # this process's sessions by handle (an eviction ends one)
         # what the device tells on its own, and the types of its arguments (a "push": `RemoteCore` takes them)
@@ -102,7 +101,6 @@ class DeviceLink:
 
     def _apply_state(self, reader: wire.Reader) -> None:
         self.bytes_left, self.max_size_bytes = reader.u64(), reader.u64()
-        self.sessions_open = reader.u64()
         self.drain.deadline = reader.f64()  # None: the server does not drain
 
     async def _read_forever(self) -> None:
@@ -227,10 +225,6 @@ class RemoteCore:
     @property
     def path(self) -> str:
         return self.link.info.path
-
-    @property
-    def num_open(self) -> int:
-        return self.link.sessions_open
 
     @property
     def drain(self) -> DrainState:
