@@ -17,7 +17,7 @@ from corolla.server.handlers.remote_core import DeviceLink
 
 async def test_a_large_frame_is_read_without_pausing_the_socket() -> None:
     ours, theirs = socket.socketpair()
-    info = DeviceInfo("fused", 0, 8 << 20, {0: 1})
+    info = DeviceInfo("fused", 8 << 20, {0: 1})
     state = wire.Writer().u64(1).u64(1).f64(None)
     big = runtime_pb2.ExpertRequest(uid="x", tensors=[runtime_pb2.Tensor(buffer=b"\1" * (3 << 20))])
     push = wire.named("push", ("session", None, big.SerializeToString()))

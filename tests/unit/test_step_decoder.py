@@ -245,7 +245,7 @@ async def _sent_and_answered(link: DeviceLink, writer: _CapturingWriter, call, r
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 async def test_a_step_as_bytes_sends_the_frame_of_the_tensor_and_reads_the_same_reply(dtype) -> None:
     writer = _CapturingWriter()
-    link = DeviceLink(asyncio.StreamReader(), writer, DeviceInfo(PATH_EAGER, 0, 1 << 20, {0: 1, 1: 1}))  # type: ignore[arg-type]
+    link = DeviceLink(asyncio.StreamReader(), writer, DeviceInfo(PATH_EAGER, 1 << 20, {0: 1, 1: 1}))  # type: ignore[arg-type]
     executor = RemoteCore(link)
     cache = RemoteSessionCache(SessionSpec((0, 1), 2, 16), link, handle=7)
     hidden, reply = torch.randn(2, 1, H).to(dtype), torch.randn(2, 1, H).to(dtype)

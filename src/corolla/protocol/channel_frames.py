@@ -98,7 +98,6 @@ class DeviceInfo:
     """What the device process tells a handler process once (the HELLO frame)."""
 
     path: str
-    handler_index: int
     max_frame_bytes: int
     block_bytes_per_token: dict[int, int]  # KV bytes of one token of one sequence, per block
     # KV hand-off: each block's canonical tensors for one sequence of one token ([1, heads, 1, dim] shape, dtype name),

@@ -552,9 +552,7 @@ class FrameIntake:
         return (request_id, result, request.output_bytes if request is not None else None)
 
 
-def device_info(
-    executor: SpanExecutor, span: tuple[int, ...], handler_index: int, max_frame_bytes: int
-) -> wire.DeviceInfo:
+def device_info(executor: SpanExecutor, span: tuple[int, ...], max_frame_bytes: int) -> wire.DeviceInfo:
     """The HELLO a handler process gets: enough to size sessions and caches without asking."""
     try:  # one block's canonical K/V for one sequence of one token (the same for every block of the span)
         layout = executor.handoff_layout(SessionSpec((span[0],), 1, 1))[0]
@@ -563,7 +561,6 @@ def device_info(
         shapes, refused = (), str(e)
     return wire.DeviceInfo(
         path=executor.path,
-        handler_index=handler_index,
         max_frame_bytes=max_frame_bytes,
         block_bytes_per_token={i: executor.cache_bytes_per_token((i,)) for i in span},
         handoff_shapes=shapes,
@@ -706,7 +703,7 @@ class DeviceChannel:
 
     async def serve(self) -> None:
         """Serves until the handler process closes the channel or dies; then ends all of its sessions."""
-        info = device_info(self.executor, self.span, self.index, self.max_frame_bytes)
+        info = device_info(self.executor, self.span, self.max_frame_bytes)
         hello = wire.Writer()
         hello.parts.append(info.to_json())
         self.send(wire.HELLO, 0, hello)
