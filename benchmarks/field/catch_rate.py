@@ -232,14 +232,14 @@ def measure(args: argparse.Namespace) -> dict:
         honest_bans += bool(result["bans"])
         honest_positions += result["verified"]
     caught_at.sort()
-    mean_steps = 1 + (args.min_new_tokens + args.max_new_tokens) / 2  # a prompt step, then a step per new token
+    lengths = range(1 + args.min_new_tokens, 2 + args.max_new_tokens)  # a prompt step, then a step per new token
     return {
         "trials": args.trials, "lie_rate": args.lie_rate, "lie_scale": args.lie_scale, "budget_steps": args.budget_steps,
         "fraction": args.fraction, "dtype": args.dtype,
         "new_tokens": [args.min_new_tokens, args.max_new_tokens], "caught": args.trials - escaped,
         "catch_rate": round((args.trials - escaped) / args.trials, 5),
         "escape_rate_95_upper": round(wilson_upper(escaped, args.trials), 5),
-        "model_escape_probability": round(escape_probability(args.lie_rate, args.budget_steps, mean_steps,
+        "model_escape_probability": round(escape_probability(args.lie_rate, args.budget_steps, lengths,
                                                              args.fraction), 5),
         "caught_at_median": statistics.median(caught_at) if caught_at else None,
         "caught_at_p99": caught_at[min(len(caught_at) - 1, int(0.99 * len(caught_at)))] if caught_at else None,

@@ -2,36 +2,40 @@
 `python -m benchmarks.field.verify_cost --graphs --out DIR` on a GPU (`--tiny` dry-runs the code on the CPU).
 
 A span of random Llama-3-8B-shaped bf16 layers is served by the server's own device path: its `Runtime` (the device
-thread, the priority queue that merges steps, the gather rule, launch-ahead) and `EngineExecutor` (Triton kernels
-on CUDA, paged pool; `--graphs`: decode steps replay CUDA graphs of the buckets `rows`, `rows + SHADOW_BATCH_ROWS`,
-... up to room for every shadow's row or one shadow's prompt, as a server's do). `rows` real sessions, each a client coroutine that sends its next step as soon as the last came back:
-its `--prompt`-token prefill, then `steps` single-token decode steps. With verification, `shadows` more sessions
-(`round(fraction x rows)`, at least one; a lone session's shadow is counted at the fraction, its expectation) are
-opened marked `shadow` (`SessionSpec.shadow`, as `protocol.shadow` marks them on the wire) and mirror the inputs of
-real sessions 0..shadows-1 as `client.shadows` sends them: the prefill in chunks of `SHADOW_CHUNK_TOKENS`, then the
-decode positions `SHADOW_BATCH_ROWS` at a time, each request sent as soon as its real session has done those
-positions and the shadow's previous request came back (a client's shadow worker is never ahead of its session; here
-it is never further behind it than it holds: the most the replica has to do at once). Sessions of a swarm start at
-different times, so their shadows' requests fall on different steps; here the real sessions start together and step
-in lockstep, so shadow i's first decode request holds i mod `SHADOW_BATCH_ROWS` positions (or all of them), which
-spreads the shadows' requests over the steps as different starts would (without it every shadow sent at the same
-step: bursts of 48 x 16 rows that outgrow a forward's spare rows and, once aged, take the real rows' places).
+thread, the priority queue that merges steps, the gather rule, launch-ahead and held launches) and `EngineExecutor`
+(Triton kernels on CUDA, paged pool; `--graphs`: decode steps replay CUDA graphs of the buckets `rows`, `rows + 16`,
+... up to room for every shadow's row or one shadow's prompt and `BUCKET_ROWS` more), in a process with a GPU
+server's GIL switch interval. Each step's inputs reach the executor as a server's front hands them over: the hidden
+states' bytes in CPU memory (`StepInputs.hidden_bytes`), so that merged decode steps take the launched-forward path a
+server's do (with inputs already on the device, as this bench had them before, every forward ran to its end before
+the next was popped: no launch-ahead, and host work the server does not do). `rows` real sessions, each a client
+coroutine that sends its next step as soon as the last came back: its `--prompt`-token prefill, then `steps`
+single-token decode steps. With verification, `shadows` more sessions (`round(fraction x rows)`, at least one; a lone
+session's shadow is counted at the fraction, its expectation) are opened marked `shadow` (`SessionSpec.shadow`, as
+`protocol.shadow` marks them on the wire) and mirror the inputs of real sessions 0..shadows-1 as `client.shadows`
+sends them: the prefill in chunks of `SHADOW_CHUNK_TOKENS`, then the decode positions `SHADOW_BATCH_ROWS` at a time,
+each request sent as soon as its real session has done those positions and the shadow's previous request came back
+(a client's shadow worker is never ahead of its session; here it is never further behind it than it holds: the most
+the replica has to do at once). Sessions of a swarm start at different times, so their shadows' requests fall on
+different steps; here the real sessions start together and step in lockstep, so shadow j's first decode request
+holds j x `SHADOW_BATCH_ROWS` / shadows positions (or all of them), which spreads the shadows' requests evenly over
+the steps as different starts would.
 
-Timed, interleaved, `--repeats` times each after one untimed warm-up of each (medians): the real sessions' prompts
-phase (from the start to the last real prefill) and decode phase (from there to the last real decode step): cost =
-time with shadows / time without - 1 (their tokens/s: what the replica's users lose); and the runtime's busy seconds
-over the whole run (`Runtime.stats`: every batch, from its launch to its results; what the swarm loses:
-`cost_busy`), of them the device's own seconds on the decode forwards it timed (`cost_device`: against `cost_busy`
-and the real decode's wall time, where the cost lies: host or device) and the batches run. The per-step latency of
-the real decode steps (median, p99) is reported for both, and each timed run's real decode seconds
-(`decode_real_s_runs`: the spread behind the medians). The shadows' outputs are compared with the real sessions' at
-every position (`stretches.position_errors` against `stretches.stretch_rtol`: an honest server must never be
-banned)."""
+Timed, interleaved, `--repeats` times each after one untimed warm-up of each (medians; a garbage collection before
+each run): the real sessions' prompts phase (from the start to the last real prefill) and decode phase (from there
+to the last real decode step): cost = time with shadows / time without - 1 (their tokens/s: what the replica's users
+lose), and the same per timed pair (`cost_decode_real_pairs`: median, quartiles, extremes: the spread behind the
+medians; each run's real decode seconds in `decode_real_s_runs`); the runtime's busy seconds over the whole run
+(`Runtime.stats`: every batch, from its launch to its results; `cost_busy`), of them the device's own seconds on the
+launched decode forwards (`cost_device`) and the batches run. The per-step latency of the real decode steps (median,
+p99) is reported for both. The shadows' outputs are compared with the real sessions' at every position
+(`stretches.position_errors` against `stretches.stretch_rtol`: an honest server must never be banned)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import platform
 import statistics
@@ -46,10 +50,13 @@ from benchmarks.engine.quant import LLAMA3_8B, TINY, random_layer
 from benchmarks.field.verify_tolerance import engine_over
 from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, SHADOW_BATCH_ROWS, SHADOW_CHUNK_TOKENS
 from corolla.client.verification.stretches import position_errors, stretch_rtol
+from corolla.engine.graph_decode import host_bytes
 from corolla.engine.spans.fast_llama import LayerWeights, LlamaSpec
-from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.engine_executor import EngineExecutor, shorten_gil_switch_interval
 from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.runtime import Runtime
+
+BUCKET_ROWS = 16  # the graph buckets' step: rows, rows + 16, ... (a server's buckets are finer still)
 
 
 def shadow_rows(rows: int, fraction: float) -> int:
@@ -58,13 +65,15 @@ def shadow_rows(rows: int, fraction: float) -> int:
 
 
 def standin_backend(spec: LlamaSpec, layers: int, device: torch.device) -> SimpleNamespace:
-    """What `EngineExecutor` reads of a `SpanBackend` beside the engine (its training batcher's sizing): blocks,
-    device, the model's config. No training runs here."""
+    """What `EngineExecutor` reads of a `SpanBackend` beside the engine (its training batcher's sizing): block indices
+    and (no) blocks, device, the model's config. No training runs here."""
     config = LlamaConfig(
         hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, num_hidden_layers=layers,
     )  # fmt: skip
-    return SimpleNamespace(block_indices=tuple(range(layers)), device=device, config=config, dtype=torch.bfloat16)
+    return SimpleNamespace(
+        block_indices=tuple(range(layers)), blocks={}, device=device, config=config, dtype=torch.bfloat16
+    )
 
 
 class Progress:
@@ -87,18 +96,27 @@ class Progress:
             self._waiter = None
 
 
+def _inputs(raw: memoryview, dtype: torch.dtype, start: int, end: int, hidden: int) -> StepInputs:
+    """Positions [start, end) of one sequence as a server's front hands a step to its core: the hidden states' bytes
+    as they came off the wire (CPU memory: a launched forward stages them with a memcpy)."""
+    row = hidden * dtype.itemsize
+    return StepInputs(
+        None, start, None, None, "", False, raw[start * row : end * row], (dtype, (1, end - start, hidden))
+    )
+
+
 async def _session(
     executor: EngineExecutor, cache, inputs: torch.Tensor, prompt: int, steps: int, chunk: int, record: dict,
     progress: Progress, mirrors: Progress | None = None, phase: int = 0,
 ) -> None:  # fmt: skip
-    """One client of a session: `inputs` [1, prompt + steps, H]: the prefill (in chunks of `chunk` tokens), then one
-    decode step at a time (`progress` advanced after each); a shadow (`mirrors`: its real session's progress) sends
-    the decode positions `SHADOW_BATCH_ROWS` at a time once its real session has done them (the first request
-    `phase` of them, where > 0: the module docstring). `record`: prefill end time, each real decode step's latency,
-    the decode outputs [steps, H]."""
+    """One client of a session: `inputs` [1, prompt + steps, H] (CPU): the prefill (in chunks of `chunk` tokens),
+    then one decode step at a time (`progress` advanced after each); a shadow (`mirrors`: its real session's
+    progress) sends the decode positions `SHADOW_BATCH_ROWS` at a time once its real session has done them (the first
+    request `phase` of them, where > 0: the module docstring). `record`: prefill end time, each real decode step's
+    latency, the decode outputs [steps, H]."""
+    raw, dtype, hidden = host_bytes(inputs[0].contiguous()), inputs.dtype, inputs.shape[2]
     for start in range(0, prompt, chunk):
-        piece = inputs[:, start : min(prompt, start + chunk)]
-        await executor.step(cache, StepInputs(piece, start, None, None, "", lone_session=False))
+        await executor.step(cache, _inputs(raw, dtype, start, min(prompt, start + chunk), hidden))
     record["prefilled"] = time.perf_counter()
     outputs: list[torch.Tensor] = []
     latencies = []
@@ -109,9 +127,7 @@ async def _session(
             await mirrors.reach(t + n)
         position = prompt + t
         started = time.perf_counter()
-        out = await executor.step(
-            cache, StepInputs(inputs[:, position : position + n], position, None, None, "", lone_session=False)
-        )
+        out = await executor.step(cache, _inputs(raw, dtype, position, position + n, hidden))
         latencies.append(time.perf_counter() - started)
         outputs.extend(out[0].unbind(0))
         progress.advance()
@@ -129,19 +145,22 @@ def _totals(runtime: Runtime) -> tuple[float, float, int]:
 def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, args: argparse.Namespace) -> dict:
     device = layers[0].ln1.device
     total = args.prompt + steps
-    # no inference mode here: the pool's tensors are written by the runtime's thread, as a server's are
-    gen = torch.Generator(device=device).manual_seed(rows * 1000 + steps)
-    inputs = torch.randn(rows, total, spec.hidden_size, device=device, generator=gen).to(torch.bfloat16)  # [R, T, H]
+    # no inference mode here: the pool's tensors are written by the runtime's thread, as a server's are; the inputs
+    # in CPU memory, as a server receives them
+    gen = torch.Generator().manual_seed(rows * 1000 + steps)
+    inputs = torch.randn(rows, total, spec.hidden_size, generator=gen).to(torch.bfloat16)  # [R, T, H]
     shadows = shadow_rows(rows, args.fraction)
-    # a forward's rows: the real sessions' and room for the shadows' (the most rows of one shadow request, or one row
-    # per shadow), in buckets of `SHADOW_BATCH_ROWS` rows (the rows one shadow request adds)
-    room = max(shadows, min(args.prompt, SHADOW_CHUNK_TOKENS))
-    buckets = tuple(rows + k for k in range(0, room + SHADOW_BATCH_ROWS, SHADOW_BATCH_ROWS))
+    # a forward's rows: the real sessions' and room for the shadows' (one row per shadow, or a shadow's prompt, and a
+    # bucket more: the shadows' rows come in bursts, and where they fill every spare row the replica falls behind and
+    # their aged requests take real rows' places), in buckets of `BUCKET_ROWS`
+    room = max(shadows, min(args.prompt, SHADOW_CHUNK_TOKENS)) + BUCKET_ROWS
+    buckets = tuple(rows + k for k in range(0, room + BUCKET_ROWS, BUCKET_ROWS))
     engine = engine_over(spec, layers, triton=device.type == "cuda", rows=rows + shadows, tokens=total,
                          graphs=args.graphs, buckets=buckets)  # fmt: skip
     backend = standin_backend(spec, len(layers), device)
 
     def run(with_shadows: bool) -> dict:
+        gc.collect()  # (not inside the timed window)
         with Runtime(max_batch_size_tokens=4096, device=device) as runtime:
             executor = EngineExecutor(backend, engine, runtime)  # type: ignore[arg-type]
             return asyncio.run(_run(runtime, executor, with_shadows))
@@ -160,10 +179,12 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         before = _totals(runtime)
         started = time.perf_counter()
         progress = [Progress() for _ in specs]
+        # shadow j's first decode request: j x SHADOW_BATCH_ROWS / shadows positions (the shadows' requests spread
+        # evenly over the steps, as sessions starting at different times would send them)
         clients = [
             _session(executor, cache, inputs[i % rows : i % rows + 1], args.prompt, steps,
                      args.prompt if i < rows else SHADOW_CHUNK_TOKENS, records[i], progress[i],
-                     None if i < rows else progress[i - rows], (i - rows) % SHADOW_BATCH_ROWS)
+                     None if i < rows else progress[i - rows], (i - rows) * SHADOW_BATCH_ROWS // max(1, shadows))
             for i, cache in enumerate(caches)
         ]  # fmt: skip
         await asyncio.gather(*clients)
@@ -198,6 +219,10 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
     median = {v: {k: statistics.median(r[k] for r in runs[v]) for k in keys} for v in runs}
     scale = args.fraction * rows / shadows  # the expected shadows over the measured ones
     off, on = median[False], median[True]
+    # each timed pair (run with shadows against the run without it right before): the spread behind the medians
+    pairs = sorted(
+        scale * (b["decode_real_s"] / a["decode_real_s"] - 1) for a, b in zip(runs[False], runs[True], strict=True)
+    )
     errors = runs[True][-1]["errors"]
     rtol = stretch_rtol(torch.bfloat16, False)
     return {
@@ -207,6 +232,10 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         "decode_real_s_runs": {("on" if v else "off"): [round(r["decode_real_s"], 4) for r in runs[v]] for v in runs},
         "off_decode_ms_per_step": round(1e3 * off["decode_real_s"] / steps, 3),
         "cost_decode_real": round(scale * (on["decode_real_s"] / off["decode_real_s"] - 1), 4),
+        "cost_decode_real_pairs": {"median": round(statistics.median(pairs), 4), "min": round(pairs[0], 4),
+                                   "max": round(pairs[-1], 4), "quartiles": [round(q, 4) for q in
+                                                                              statistics.quantiles(pairs, n=4)]}
+        if len(pairs) > 1 else None,
         "cost_prompts_real": round(scale * (on["prefill_real_s"] / off["prefill_real_s"] - 1), 4),
         "cost_busy": round(scale * (on["busy_s"] / off["busy_s"] - 1), 4),
         "cost_device": round(scale * (on["device_s"] / off["device_s"] - 1), 4) if off["device_s"] else None,
@@ -223,10 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="64:160,16:160,1:160", help="rows:steps, comma-separated")
     p.add_argument("--fraction", type=float, default=DEFAULT_SHADOW_FRACTION, help="sessions shadowed")
     p.add_argument("--graphs", action="store_true", help="decode steps replay CUDA graphs")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of each variant (median)")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs of each variant (median; pairs' spread)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
+    if device.type == "cuda":
+        shorten_gil_switch_interval()  # as a server serving a GPU span does (`build_engine_executor`)
     spec = TINY if args.tiny else LLAMA3_8B
     gen = torch.Generator(device=device).manual_seed(0)
     layers = [random_layer(spec, device, gen) for _ in range(args.layers)]
