@@ -293,10 +293,28 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
 #endif
   // the warps' row sums [row tiles of this program][WARPS][16], after x (and with PRO 1 the gain)
   float* red = reinterpret_cast<float*>(smem + XS_OFF + KG * 512 * (1 + PRO));
-  grid_wait();  // x (and the residual) come from the kernels ahead; the weight units above are immutable
   {
-    // x as the mma's fp16 operand (PRO 1: RMSNorm's result first), the pair table (entry e's word for lane l at
-    // e * 256 + l * 4: every load of the table issued before its first store, one L2 round trip), nested code table
+    // the pair table (entry e's word for lane l at e * 256 + l * 4: every load issued before the first store, one
+    // L2 round trip) and the nested code table: the weight's constants, built while the kernels ahead finish
+    u32* tw = reinterpret_cast<u32*>(smem + (tab - sbase));
+    constexpr int PER = (256 * 32 + THREADS - 1) / THREADS;
+    u32 pw[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = tid + j * THREADS;
+      pw[j] = i < 256 * 32 ? __ldg(pairs + (i >> 5)) : 0u;
+    }
+    float* ncs = reinterpret_cast<float*>(smem);
+    for (int i = tid; i < 256; i += THREADS) ncs[i] = __ldg(nc + i);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = tid + j * THREADS;
+      if (i < 256 * 32) tw[(i >> 5) * 64 + (i & 31)] = pw[j];
+    }
+  }
+  grid_wait();  // x (and the residual) come from the kernels ahead; the weight and its tables above are immutable
+  {
+    // x as the mma's fp16 operand (PRO 1: RMSNorm's result first)
     const U4* xg = reinterpret_cast<const U4*>(x + m * sxm);
     U4* xs = reinterpret_cast<U4*>(smem + XS_OFF);
 #if PRO == 1
@@ -325,19 +343,6 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
       xs[i] = v;
     }
 #endif
-    u32* tw = reinterpret_cast<u32*>(smem + (tab - sbase));
-    constexpr int PER = (256 * 32 + THREADS - 1) / THREADS;
-    u32 pw[PER];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int i = tid + j * THREADS;
-      pw[j] = i < 256 * 32 ? __ldg(pairs + (i >> 5)) : 0u;
-    }
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int i = tid + j * THREADS;
-      if (i < 256 * 32) tw[(i >> 5) * 64 + (i & 31)] = pw[j];
-    }
 #if PRO == 1
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -354,8 +359,6 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
       xs[i] = v;
     }
 #endif
-    float* ncs = reinterpret_cast<float*>(smem);
-    for (int i = tid; i < 256; i += THREADS) ncs[i] = __ldg(nc + i);
   }
   __syncthreads();
 
