@@ -16,7 +16,8 @@ backwards), `poll=off` (the server's loop never polls after a lone session's inl
 0: training launched whenever the runtime is free, also while the session is on its way back), `graphs=off` (every
 training block call eager, no CUDA graphs: `TrainingBatcher.graphs`),
 `trace=on` (a CUDA trace of the phase, summarized by `timeline`; `--trace_out` writes it), `steps=N` (steps per client
-in this phase). Each phase is printed as it ends, with the session's decode step
+in this phase), `transport=p2p|local` (the clients' calls through both p2pd daemons, or over the same-host unix socket,
+instead of the server's direct port: `clients.TRANSPORTS`). Each phase is printed as it ends, with the session's decode step
 meanwhile; its ratio is to the 1-client phase with the same options.
 
 CPU dry run: `python -m benchmarks.training --tiny`; the GPU figure: `python -m benchmarks.training` (32 Llama-3-8B
@@ -38,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from benchmarks.common.model import ModelShape, build_hf_model
-from benchmarks.training.clients import WINDOWS_DONE, ServerAddress, inference_client, training_client
+from benchmarks.training.clients import TRANSPORTS, WINDOWS_DONE, ServerAddress, inference_client, training_client
 from benchmarks.training.local import local_tokens_per_s
 from benchmarks.training.timeline import Timeline, traced
 from benchmarks.users.server import DHT_PREFIX, BenchServer, build_executor
@@ -73,6 +74,7 @@ class PhaseSpec:
     graphs: bool = True  # False: training block calls eager (`TrainingBatcher.graphs` None)
     trace: bool = False  # a CUDA trace of the phase (`timeline`)
     steps: int | None = None  # steps per client (None: `--steps`)
+    transport: str = "direct"  # the clients' way to the server (`clients.TRANSPORTS`)
 
     @property
     def served(self) -> bool:
@@ -95,6 +97,8 @@ class PhaseSpec:
                 fields["pace_hold_ms"] = float(value)
             elif key == "steps":
                 fields["steps"] = int(value)
+            elif key == "transport" and value in TRANSPORTS:
+                fields["transport"] = value
             else:
                 raise ValueError(f"unknown phase option {key!r} in {text!r}")
         return cls(int(count), **fields)
@@ -147,6 +151,7 @@ class Phase:
     fitted: int = 0  # training calls launched while the session was on its way back (`Runtime.num_fitted`)
     graph_replays: int = 0  # training block calls replayed as CUDA graphs (`TrainingGraphs.num_replays`)
     graph_captures: int = 0  # of them, captured in the phase (`TrainingGraphs.num_captured`)
+    transport: str = "direct"  # the clients' way to the server (`clients.TRANSPORTS`)
 
 
 @dataclass
@@ -270,7 +275,7 @@ def _serve(
             return
         for n in sorted({spec.clients for spec in phases}):  # untimed: the server's CUDA graphs of these shapes
             for commands, _, _ in clients[:n]:
-                commands.put(WARMUP_STEPS)
+                commands.put((WARMUP_STEPS, "direct"))
             for _, results, _ in clients[:n]:
                 warmed = results.get(timeout=READY_TIMEOUT_S)
                 if not isinstance(warmed, list):
@@ -310,7 +315,7 @@ def _serve(
             timelines: list[Timeline] = []
             with traced(trace_out, timelines) if spec.trace else contextlib.nullcontext():
                 for commands, _, _ in clients[:n]:
-                    commands.put(phase_steps)
+                    commands.put((phase_steps, spec.transport))
                 steps_of = [results.get(timeout=READY_TIMEOUT_S) for _, results, _ in clients[:n]]
             bad = [s for s in steps_of if not isinstance(s, list)]
             if bad:
@@ -345,7 +350,8 @@ def _serve(
                                        timelines[0] if timelines else None, spec.graphs,
                                        server.runtime.num_fitted - fitted_before,
                                        graphs.num_replays - graphs_before[0] if graphs is not None else 0,
-                                       graphs.num_captured - graphs_before[1] if graphs is not None else 0))  # fmt: skip
+                                       graphs.num_captured - graphs_before[1] if graphs is not None else 0,
+                                       transport=spec.transport))  # fmt: skip
             print(f"phase: {report.phases[-1]}", flush=True)
             _write(report, out)  # a run cut short keeps the phases it finished
         training.set_merge_tokens(FORWARD_MERGE_TOKENS, BACKWARD_MERGE_TOKENS)
@@ -439,6 +445,8 @@ def summary(report: Report) -> str:
             ab.append(f"training paced for {p.pace_hold_ms:g} ms A/B" if p.pace_hold_ms else "unpaced A/B")
         if not p.graphs:
             ab.append("eager block calls A/B")
+        if p.transport != "direct":
+            ab.append(f"calls over {p.transport} A/B")
         if p.timeline is not None:
             t = p.timeline
             gaps = ", ".join(f"{label}: {int(c)} ({ms:.0f} ms)" for label, (c, ms) in t.idle_gaps.items())

@@ -1,7 +1,8 @@
 """The processes that use the server (forked from the users bench's forkserver, each with its own P2P: its own peer,
 so the per-peer caps hold as for real users): a training client runs forward+backward steps through corolla's client
 calls (`run_remote_forward` / `run_remote_backward`, `RemoteSequenceManager` without a DHT: the `rpc_forward` and
-`rpc_backward` a `RemoteSequential` sends), one step at a time, when told to; the inference client decodes one token
+`rpc_backward` a `RemoteSequential` sends), one step at a time, when told to, over the transport it is told
+(`TRANSPORTS`: the server's direct port by default, as a remote corolla client reaches a server that offers one); the inference client decodes one token
 at a time in one session until told to stop, recording every step's wall-clock window."""
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ INFERENCE_POSITIONS = 256  # decode positions cycle through [prefix, prefix + th
 REQUEST_TIMEOUT_S = 300.0
 WINDOWS_EVERY_S = 0.5  # the inference client sends its steps' windows this often
 WINDOWS_DONE = "done"
+# a training call's transport: the client config's (local_transport, direct_transport). "direct": the server's direct
+# TCP port (a remote corolla client's way; each client its own peer); "local": the same-host unix socket (every client
+# the one peer "local": its per-peer forward slots shared); "p2p": through both p2pd daemons
+TRANSPORTS = {"direct": (False, True), "local": (True, False), "p2p": (False, False)}
 CONNECTION_RETRIES = 1  # a call whose stream closed without a reply runs again once (counted in the report)
 
 
@@ -33,13 +38,15 @@ class ServerAddress:
     dtype_name: str
 
 
-def _manager(p2p, server: ServerAddress):
+def _manager(p2p, server: ServerAddress, transport: str):
     from corolla.client.config import ClientConfig
     from corolla.client.routing.sequence_manager import RemoteSequenceManager
     from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
     from corolla.protocol.uids import make_uid
 
-    config = ClientConfig(max_retries=0, request_timeout_s=REQUEST_TIMEOUT_S, liveness_check_period_s=0)
+    local, direct = TRANSPORTS[transport]
+    config = ClientConfig(max_retries=0, request_timeout_s=REQUEST_TIMEOUT_S, liveness_check_period_s=0,
+                          local_transport=local, direct_transport=direct)  # fmt: skip
     uids = [make_uid(server.prefix, i) for i in range(server.num_layers)]
     manager = RemoteSequenceManager(config, uids, start_updates=False, p2p=p2p)
     info = ServerInfo(ServerState.ONLINE, 1.0, start_block=0, end_block=server.num_layers)
@@ -50,8 +57,9 @@ def training_client(
     server: ServerAddress, rows: int, length: int, seed: int, commands: multiprocessing.Queue,
     results: multiprocessing.Queue,
 ) -> None:  # fmt: skip
-    """Waits for commands: an int n runs n forward+backward steps and answers their (start, forward's end, end)
-    `time.time()` windows and calls retried after a connection closed without a reply; None ends it. Answers "ready" after one warm-up step first."""
+    """Waits for commands: (n, transport) runs n forward+backward steps over `transport` (`TRANSPORTS`) and answers
+    their (start, forward's end, end) `time.time()` windows and calls retried after a connection closed without a
+    reply; None ends it. Answers "ready" after one warm-up step (over the direct port) first."""
     try:
         asyncio.run(_training(server, rows, length, seed, commands, results))
     except BaseException as e:
@@ -72,7 +80,7 @@ async def _training(
     grad_outputs = (torch.randn(rows, length, server.hidden_size) * 1e-3).to(dtype)
     no_prompts = torch.empty(0, dtype=dtype)
     p2p = await P2P.create(initial_peers=server.maddrs, host_maddrs=_LOOPBACK, **_P2P_FLAGS)
-    manager, span = _manager(p2p, server)
+    managers = {transport: _manager(p2p, server, transport) for transport in TRANSPORTS}
 
     retried = 0
 
@@ -88,8 +96,9 @@ async def _training(
                     raise
                 retried += 1
 
-    async def step() -> tuple[float, float, float, int]:
+    async def step(transport: str = "direct") -> tuple[float, float, float, int]:
         nonlocal retried
+        manager, span = managers[transport]
         retried, started = 0, time.time()
         await once_more(run_remote_forward, manager, span, inputs, no_prompts)
         forwarded = time.time()
@@ -102,8 +111,9 @@ async def _training(
         await step()
         results.put("ready")
         loop = asyncio.get_running_loop()
-        while (count := await loop.run_in_executor(None, commands.get)) is not None:
-            results.put([await step() for _ in range(count)])
+        while (command := await loop.run_in_executor(None, commands.get)) is not None:
+            count, transport = command
+            results.put([await step(transport) for _ in range(count)])
     finally:
         await p2p.shutdown()
 

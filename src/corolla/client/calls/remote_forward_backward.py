@@ -1,6 +1,9 @@
-"""One forward or backward call to one server span (`rpc_forward`/`rpc_backward`, or their `_stream` variants
-when the payload exceeds 1 MiB). A streamed reply that ends before its first message or in the middle of a tensor is
-a `ConnectionError`: hivemind ends a stream cut under it (about 1 in 8,600 4-MiB replies in a stress on the dev VM)
+"""One forward or backward call to one server span: the `rpc_forward_stream`/`rpc_backward_stream` stream over the
+server's unix socket where it runs on this machine, else over its direct TCP port where it offers one (as inference
+streams go, `client.transport`: no p2pd on either side; through p2pd a 512-token step's tensors moved at ~100 MB/s
+on loopback, docs/decisions/0059), else through p2p (`rpc_forward`/`rpc_backward`, or their `_stream` variants when
+the payload exceeds 1 MiB). A streamed reply that ends before its first message or in the middle of a tensor is a
+`ConnectionError`: hivemind ends a stream cut under it (about 1 in 8,600 4-MiB replies in a stress on the dev VM)
 silently, and what came is not the server's answer."""
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client.calls.output_checks import BadServerOutput, check_outputs
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.transport.direct_transport import open_direct
+from corolla.client.transport.framed_socket import FramedSocketStream
+from corolla.client.transport.local_transport import LocalInferenceStream, responses_of
 from corolla.protocol.codecs import (
     combine_parts,
     deserialize_tensor,
@@ -81,16 +87,21 @@ async def _call(
     compression = await manager.input_compression(span.peer_id, manager.block_uids[span.start])
     serialized = serialize_activations(tensors, compression)
     config = manager.config
-    if not needs_streaming(tensors):
-        request = runtime_pb2.ExpertRequest(uid=uid, tensors=serialized, metadata=metadata)
-        response = await getattr(stub, method)(request, timeout=config.request_timeout_s)
-        return [deserialize_tensor(t) for t in response.tensors]
 
     async def _requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
         for request in stream_messages(runtime_pb2.ExpertRequest, serialized, uid=uid, metadata=metadata):
             yield request
 
-    stream = await asyncio.wait_for(getattr(stub, f"{method}_stream")(_requests()), config.connect_timeout_s)
+    socket_stream = await _socket_stream(manager, span.peer_id, f"{method}_stream")
+    over_socket = None if socket_stream is None else responses_of(socket_stream, _requests())
+    if over_socket is not None:
+        stream: AsyncIterator[runtime_pb2.ExpertResponse] = over_socket
+    elif not needs_streaming(tensors):
+        request = runtime_pb2.ExpertRequest(uid=uid, tensors=serialized, metadata=metadata)
+        response = await getattr(stub, method)(request, timeout=config.request_timeout_s)
+        return [deserialize_tensor(t) for t in response.tensors]
+    else:
+        stream = await asyncio.wait_for(getattr(stub, f"{method}_stream")(_requests()), config.connect_timeout_s)
     reply = ReplyParts()
     parts: list[runtime_pb2.Tensor] = []
     replies = 0
@@ -102,12 +113,27 @@ async def _call(
             reply.add(response.tensors)
             parts.extend(response.tensors)
 
-    await asyncio.wait_for(_read(), config.request_timeout_s)
+    try:
+        await asyncio.wait_for(_read(), config.request_timeout_s)
+    finally:
+        if over_socket is not None:
+            await over_socket.aclose()  # its sending task ended and its socket closed, whatever happened
     if not replies:  # hivemind ends a stream closed under it silently: a broken connection, not a server's answer
         raise ConnectionError(f"{method}_stream of {span.peer_id} closed without a reply")
     if reply.cut:
         raise ConnectionError(f"{method}_stream of {span.peer_id} closed in the middle of its reply")
     return [deserialize_tensor(t) for t in combine_parts(parts)]
+
+
+async def _socket_stream(manager: RemoteSequenceManager, peer_id: str, rpc: str) -> FramedSocketStream | None:
+    """A stream of `rpc` over `peer_id`'s unix socket (a server on this machine), else its direct port; None: p2p."""
+    config = manager.config
+    stream: FramedSocketStream | None = None
+    if config.local_transport:
+        stream = await LocalInferenceStream.open(peer_id, timeout_s=config.connect_timeout_s, rpc=rpc)
+    if stream is None and config.direct_transport:
+        stream = await open_direct(manager.direct_offers, peer_id, timeout_s=config.direct_connect_timeout_s, rpc=rpc)
+    return stream
 
 
 async def run_remote_forward(

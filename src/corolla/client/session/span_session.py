@@ -31,7 +31,7 @@ from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.forwarding import is_pushed_reply
 from corolla.client.session.stalls import StallAction, StallEvent, StepClock
-from corolla.client.transport.direct_transport import DirectInferenceStream
+from corolla.client.transport.direct_transport import DirectInferenceStream, open_direct
 from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
@@ -152,7 +152,9 @@ class SpanSession:
         if config.local_transport:
             self.local = await LocalInferenceStream.open(self.span.peer_id, timeout_s=config.connect_timeout_s)
         if self.local is None and config.direct_transport:
-            self.tcp = await self._open_direct(config.direct_connect_timeout_s)
+            self.tcp = await open_direct(
+                self.manager.direct_offers, self.span.peer_id, timeout_s=config.direct_connect_timeout_s
+            )
         if self.local is not None or self.tcp is not None:
             self._stream = self._direct = self.local or self.tcp
         else:
@@ -160,22 +162,6 @@ class SpanSession:
             self._stream = stream = await asyncio.wait_for(opening, config.connect_timeout_s)
             self._direct = stream if isinstance(stream, FramedSocketStream) else None  # a test's fake may not be
             self.link_address = stream.remote_address if isinstance(stream, P2PInferenceStream) else None
-
-    async def _open_direct(self, timeout_s: float) -> DirectInferenceStream | None:
-        """The server's direct port with the kept ticket, else with a fresh one (the server may have restarted and
-        forgotten the old); None (and p2p with this server for a while) if neither works."""
-        offers, peer_id = self.manager.direct_offers, self.span.peer_id
-        kept = await offers.get(peer_id)
-        if kept is None:
-            return None
-        stream = await DirectInferenceStream.open(kept, peer_id, timeout_s=timeout_s)
-        if stream is None:
-            fresh = await offers.get(peer_id, fresh=True)
-            if fresh is not None and fresh.ticket != kept.ticket:
-                stream = await DirectInferenceStream.open(fresh, peer_id, timeout_s=timeout_s)
-        if stream is None:
-            offers.unusable(peer_id)
-        return stream
 
     @property
     def accepts_pushes(self) -> bool:

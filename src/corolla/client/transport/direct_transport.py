@@ -1,4 +1,4 @@
-"""Inference streams to a corolla server over its direct TCP port (see `protocol.direct_stream`) instead of through
+"""Inference streams (and training calls' streams) to a corolla server over its direct TCP port (see `protocol.direct_stream`) instead of through
 the two p2pd daemons.
 
 `DirectInferenceStream` is one such stream on a raw non-blocking TCP socket (`framed_socket.FramedSocketStream`):
@@ -40,32 +40,35 @@ class DirectInferenceStream(FramedSocketStream):
         self._opener: ds.Opener | None = None
         self.address: tuple[str, int] | None = None
 
+    rpc = "rpc_inference"  # the rpc it opened
+
     @classmethod
-    async def open(cls, offer: ds.DirectOffer, peer_id: str, *, timeout_s: float) -> DirectInferenceStream | None:
-        """Connects to the first of the offer's hosts that answers and completes the handshake; None if none does
-        (then nothing was sent but a hello)."""
+    async def open(
+        cls, offer: ds.DirectOffer, peer_id: str, *, timeout_s: float, rpc: str = "rpc_inference"
+    ) -> DirectInferenceStream | None:
+        """Connects to the first of the offer's hosts that answers and completes the handshake for `rpc`; None if none
+        does (then nothing was sent but a hello)."""
         for host in offer.hosts:
-            stream = await cls._open_at(host, offer, peer_id, timeout_s)
+            stream = await cls._open_at(host, offer, peer_id, timeout_s, rpc)
             if stream is not None:
                 return stream
         return None
 
     @classmethod
     async def _open_at(
-        cls, host: str, offer: ds.DirectOffer, peer_id: str, timeout_s: float
+        cls, host: str, offer: ds.DirectOffer, peer_id: str, timeout_s: float, rpc: str
     ) -> DirectInferenceStream | None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         stream = cls(sock, peer_id)
+        stream.rpc = rpc
         loop = asyncio.get_running_loop()
         client_nonce = os.urandom(ds.NONCE_BYTES)
         try:
             await asyncio.wait_for(loop.sock_connect(sock, (host, offer.port)), timeout_s)
-            hello = ds.DirectHello(
-                rpc="rpc_inference", peer_id=peer_id, token=offer.ticket.token, client_nonce=client_nonce
-            )
+            hello = ds.DirectHello(rpc=rpc, peer_id=peer_id, token=offer.ticket.token, client_nonce=client_nonce)
             await loop.sock_sendall(sock, b"".join(ls.frame(ls.HELLO, hello.to_bytes())))
             kind, payload = await asyncio.wait_for(stream._receive_frame(ls.MAX_ERROR_BYTES), timeout_s)
             if kind != ls.ACCEPT:
@@ -108,7 +111,25 @@ class DirectInferenceStream(FramedSocketStream):
             opened = self._opener.open(kind, payload)
         except ValueError as e:  # changed, dropped or replayed bytes: this stream is unusable
             raise ConnectionError(f"direct stream from ...{self.peer_id[-6:]}: {e}") from None
-        return frame_response(kind, opened, self.peer_id, "direct")
+        return frame_response(kind, opened, self.peer_id, "direct", self.rpc)
+
+
+async def open_direct(
+    offers: DirectOffers, peer_id: str, *, timeout_s: float, rpc: str = "rpc_inference"
+) -> DirectInferenceStream | None:
+    """A stream of `rpc` on `peer_id`'s direct port with the kept ticket, else with a fresh one (the server may have
+    restarted and forgotten the old); None (and p2p with this server for a while) if neither works."""
+    kept = await offers.get(peer_id)
+    if kept is None:
+        return None
+    stream = await DirectInferenceStream.open(kept, peer_id, timeout_s=timeout_s, rpc=rpc)
+    if stream is None:
+        fresh = await offers.get(peer_id, fresh=True)
+        if fresh is not None and fresh.ticket != kept.ticket:
+            stream = await DirectInferenceStream.open(fresh, peer_id, timeout_s=timeout_s, rpc=rpc)
+    if stream is None:
+        offers.unusable(peer_id)
+    return stream
 
 
 class DirectOffers:

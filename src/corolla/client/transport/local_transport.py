@@ -1,5 +1,5 @@
-"""Inference streams to a corolla server on this machine over its unix socket (see `protocol.local_stream`) instead
-of through the two p2pd daemons.
+"""Inference streams (and training calls' streams: `rpc_forward_stream`, `rpc_backward_stream`) to a corolla server on
+this machine over its unix socket (see `protocol.local_stream`) instead of through the two p2pd daemons.
 
 `LocalInferenceStream` is one such stream on a raw non-blocking socket (`framed_socket.FramedSocketStream`): its
 async methods run on the client loop, and between them its sync `exchange` may run in any one thread.
@@ -14,7 +14,7 @@ import os
 import random
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 from hivemind.p2p import P2PHandlerError
@@ -89,29 +89,32 @@ class LocalInferenceStream(FramedSocketStream):
 
     # ---- opening
 
+    rpc = "rpc_inference"  # the rpc it opened
+
     @classmethod
     async def open(
-        cls, peer_id: str, *, timeout_s: float, directory: Path | None = None
+        cls, peer_id: str, *, timeout_s: float, directory: Path | None = None, rpc: str = "rpc_inference"
     ) -> LocalInferenceStream | None:
-        """Connects and says hello; None when the server has no usable socket here or does not accept. A server
+        """Connects and says hello for `rpc`; None when the server has no usable socket here or does not accept. A server
         with several handler processes has a socket per process: they are tried in `SOCKET_TURNS` order (the less
         loaded of the turn's first two first; a stale socket left by a dead process refuses the connection at once,
         and the next is tried)."""
         for path in SOCKET_TURNS.order(peer_id, ls.usable_sockets(peer_id, directory)):
-            stream = await cls._open_at(path, peer_id, timeout_s)
+            stream = await cls._open_at(path, peer_id, timeout_s, rpc)
             if stream is not None:
                 return stream
         return None
 
     @classmethod
-    async def _open_at(cls, path: Path, peer_id: str, timeout_s: float) -> LocalInferenceStream | None:
+    async def _open_at(cls, path: Path, peer_id: str, timeout_s: float, rpc: str) -> LocalInferenceStream | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         stream = cls(sock, peer_id)
+        stream.rpc = rpc
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(loop.sock_connect(sock, str(path)), timeout_s)
-            hello = ls.LocalHello(rpc="rpc_inference", peer_id=peer_id).to_bytes()
+            hello = ls.LocalHello(rpc=rpc, peer_id=peer_id).to_bytes()
             await loop.sock_sendall(sock, b"".join(ls.frame(ls.HELLO, hello)))
             kind, payload = await asyncio.wait_for(stream._receive_frame(ls.MAX_ERROR_BYTES), timeout_s)
             if kind != ls.ACCEPT:
@@ -141,17 +144,19 @@ class LocalInferenceStream(FramedSocketStream):
         return kind, length, ls.HEADER_BYTES
 
     def _response(self, kind: int, payload: bytes) -> runtime_pb2.ExpertResponse | None:
-        return frame_response(kind, payload, self.peer_id, "local")
+        return frame_response(kind, payload, self.peer_id, "local", self.rpc)
 
 
-def frame_response(kind: int, payload: bytes, peer_id: str, transport: str) -> runtime_pb2.ExpertResponse | None:
+def frame_response(
+    kind: int, payload: bytes, peer_id: str, transport: str, rpc: str
+) -> runtime_pb2.ExpertResponse | None:
     """The response a `local_stream` frame (payload opened, where sealed) carries: the message, None for the end of
     the stream, `P2PHandlerError` for the server's error (as over p2p), ConnectionError for any other kind."""
     if kind == ls.MESSAGE:
         return runtime_pb2.ExpertResponse.FromString(payload)
     if kind == ls.ERROR:
         message = payload.decode(errors="replace")
-        raise P2PHandlerError(f"Failed to call handler `rpc_inference` at ...{peer_id[-6:]} ({transport}): {message}")
+        raise P2PHandlerError(f"Failed to call handler `{rpc}` at ...{peer_id[-6:]} ({transport}): {message}")
     if kind == ls.END:
         return None
     raise ConnectionError(f"unexpected {transport} stream frame kind {kind} from ...{peer_id[-6:]}")
@@ -177,8 +182,8 @@ async def open_local_inference(
 
 
 async def responses_of(
-    stream: LocalInferenceStream, requests: AsyncIterator[runtime_pb2.ExpertRequest]
-) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    stream: FramedSocketStream, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+) -> AsyncGenerator[runtime_pb2.ExpertResponse, None]:
     """Sends `requests` (then END) in a task and yields the responses; closes the stream when done."""
 
     async def pump() -> None:

@@ -35,7 +35,7 @@ from corolla.server.front.stream_endpoint import (
     HELLO_TIMEOUT_S,
     AcceptedStream,
     Connections,
-    InferenceRpc,
+    StreamRpcs,
     check_hello,
     read_hello,
     serve_connection,
@@ -99,7 +99,7 @@ class DirectTicketRpc:
         return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(offer.to_dict()))
 
 
-class DirectFront(InferenceRpc, Protocol):
+class DirectFront(StreamRpcs, Protocol):
     """What the direct port needs of the front it serves (`handler.TransformerConnectionHandler`): its
     `rpc_inference`, the offer its ticket RPC hands out, its metrics, per-peer limits and stream byte budget."""
 
@@ -256,10 +256,10 @@ class DirectEndpoint:
             self._pending -= 1
         if accepted is None:
             return None
-        peer, keys = accepted
+        peer, keys, rpc = accepted
         self._per_peer[peer] += 1  # (checked in `_accept`, with no await in between)
         self.streams_opened += 1
-        context = P2PContext(handle_name="rpc_inference", local_id=self.peer_id, remote_id=PeerID.from_base58(peer))
+        context = P2PContext(handle_name=rpc, local_id=self.peer_id, remote_id=PeerID.from_base58(peer))
         budget = self.handler.stream_budget
         idle_s = budget.limits.stream_idle_timeout_s or None
         return AcceptedStream(context, SealedFrames(keys), StreamLease(budget, peer), idle_s, peer)
@@ -276,8 +276,8 @@ class DirectEndpoint:
 
     async def _accept(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> tuple[str, ds.StreamKeys] | None:
-        """(the ticket's peer, this connection's keys) once the hello checks out and ACCEPT is sent; None after a
+    ) -> tuple[str, ds.StreamKeys, str] | None:
+        """(the ticket's peer, this connection's keys, the rpc it opens) once the hello checks out and ACCEPT is sent; None after a
         refusal (an ERROR frame where the client said something) or silence."""
         try:
             hello = ds.DirectHello.from_bytes(await read_hello(reader))
@@ -297,7 +297,7 @@ class DirectEndpoint:
         server_nonce = os.urandom(ds.NONCE_BYTES)
         keys = ds.StreamKeys.derive(ticket_key, hello.client_nonce, server_nonce)
         writer.write(b"".join(ls.frame(ls.ACCEPT, ds.accept_payload(server_nonce, keys))))
-        return peer, keys
+        return peer, keys, hello.rpc
 
     def _refused(self, reason: str, detail: str) -> None:
         """Counts a refused connection here and in the server's metrics (`corolla_requests_rejected{reason=direct_*}`;

@@ -20,8 +20,8 @@ from corolla.protocol import local_stream as ls
 from corolla.server.front.stream_endpoint import (
     AcceptedStream,
     Connections,
-    InferenceRpc,
     PlainFrames,
+    StreamRpcs,
     check_hello,
     read_hello,
     serve_connection,
@@ -37,7 +37,7 @@ class LocalEndpoint:
 
     def __init__(
         self,
-        handler: InferenceRpc,
+        handler: StreamRpcs,
         peer_id: PeerID,
         *,
         directory: Path | None = None,
@@ -124,7 +124,7 @@ class LocalEndpoint:
             return None
         writer.writelines(ls.frame(ls.ACCEPT))
         self.streams_opened += 1
-        context = P2PContext(handle_name="rpc_inference", local_id=self.peer_id, remote_id=None)
+        context = P2PContext(handle_name=hello.rpc, local_id=self.peer_id, remote_id=None)
         return AcceptedStream(context, PlainFrames())
 
     def ended(self, accepted: AcceptedStream | None) -> None:

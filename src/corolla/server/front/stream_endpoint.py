@@ -2,7 +2,8 @@
 the connections a listener serves (`Connections`), the hello every connection starts with (`read_hello`,
 `check_hello`), one connection from its hello to its close (`serve_connection`, the task's own coroutine: a listener's
 code runs at the hello and at the end, not on each step's way), and one `rpc_inference` stream: frames in (`protocol.local_stream` framing, each payload opened by
-a `FrameCodec`), `ExpertRequest`s into the handler's own `rpc_inference`, its responses out as frames. Shared by the
+a `FrameCodec`), `ExpertRequest`s into the handler's own `rpc_inference` (or the `rpc_forward_stream` /
+`rpc_backward_stream` of a training call: the hello names the rpc), its responses out as frames. Shared by the
 same-host socket (`local_endpoint`, plain frames) and the direct TCP port (`direct_endpoint`, sealed frames).
 
 Every frame's declared length is checked against `max_frame_bytes` before its payload is read; where a `StreamLease` is
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,7 +34,9 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 HELLO_TIMEOUT_S = 5.0  # a connection that has not said hello by then is dropped
-SERVED_RPCS = ("rpc_inference",)
+# a training call's tensors (4-12 MiB a 512-token step of hidden 4096) through p2pd moved at ~100 MB/s on loopback:
+# ~210 of a lone client's 529 ms step on an H200 (docs/decisions/0059)
+SERVED_RPCS = ("rpc_inference", "rpc_forward_stream", "rpc_backward_stream")
 CLOSE_WAIT_S = 10.0
 READ_CHUNK_BYTES = 1 << 20
 LINGER_S = 2.0  # after its last frame, how long the server waits for the client to close its side
@@ -98,13 +101,21 @@ def check_hello(what: str, *, version: int, expected_version: int, peer_id: str,
         raise ValueError(f"rpc {rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
 
 
-class InferenceRpc(Protocol):
-    """What a stream endpoint serves: the p2p front's own `rpc_inference` (`handler.TransformerConnectionHandler`),
-    so every transport shares its decoder, sessions and refusals."""
+class StreamRpcs(Protocol):
+    """What a stream endpoint serves: the p2p front's own streamed rpcs (`handler.TransformerConnectionHandler`,
+    `SERVED_RPCS`), so every transport shares its decoder, sessions, training batches and refusals."""
 
     max_stream_bytes: int  # the largest message the front takes (a frame's payload bound follows from it)
 
     def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]: ...
+
+    def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]: ...
+
+    def rpc_backward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]: ...
 
@@ -150,7 +161,7 @@ class StreamListener(Protocol):
     """A listener as `serve_connection` drives it (`local_endpoint.LocalEndpoint`, `direct_endpoint.DirectEndpoint`)."""
 
     @property
-    def handler(self) -> InferenceRpc: ...
+    def handler(self) -> StreamRpcs: ...
 
     @property
     def max_frame_bytes(self) -> int: ...
@@ -170,8 +181,9 @@ class StreamListener(Protocol):
 async def serve_connection(
     listener: StreamListener, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
-    """One connection's task: counted open while served (`Connections.serving`), its hello (`listener.accept`), then its
-    `rpc_inference` stream to the end; the connection closed and `listener.ended` called whatever happens."""
+    """One connection's task: counted open while served (`Connections.serving`), its hello (`listener.accept`), then the
+    stream of the rpc it named (the context's `handle_name`) to the end; the connection closed and `listener.ended`
+    called whatever happens."""
     accepted: AcceptedStream | None = None
     try:
         with listener.connections.serving():
@@ -179,7 +191,7 @@ async def serve_connection(
             if accepted is not None:
                 await serve_inference(
                     listener.handler, reader, writer, accepted.context, accepted.codec, listener.max_frame_bytes,
-                    lease=accepted.lease, idle_s=accepted.idle_s,
+                    lease=accepted.lease, idle_s=accepted.idle_s, rpc=accepted.context.handle_name,
                 )  # fmt: skip
     except (ConnectionError, asyncio.IncompleteReadError) as e:
         logger.debug(f"stream_endpoint.connection_lost({e!r})")
@@ -244,7 +256,7 @@ async def read_frame(
 
 
 async def serve_inference(
-    handler: InferenceRpc,
+    handler: StreamRpcs,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     context: P2PContext,
@@ -253,9 +265,11 @@ async def serve_inference(
     *,
     lease: StreamLease | None = None,
     idle_s: float | None = None,
+    rpc: str = "rpc_inference",
 ) -> None:
-    """Runs one accepted connection's `rpc_inference` to its end (the last frame END, or ERROR with the handler's
-    error text), then reads what the client still sends for up to `LINGER_S` before the caller closes."""
+    """Runs one accepted connection's stream of `rpc` (one of `SERVED_RPCS`, checked at the hello) to its end (the last
+    frame END, or ERROR with the handler's error text), then reads what the client still sends for up to `LINGER_S`
+    before the caller closes."""
     charged = 0
     deadlines = TaskDeadline() if idle_s is not None else None
     timeline = step_timeline.open_stream()  # None unless the bench asked for step timelines
@@ -285,7 +299,7 @@ async def serve_inference(
             yield request
 
     try:
-        async for response in handler.rpc_inference(requests(), context):
+        async for response in _served(handler, rpc)(requests(), context):
             writer.writelines(codec.encode(ls.MESSAGE, response.SerializeToString()))
             if timeline is not None:
                 timeline.stamp(step_timeline.OUT)
@@ -303,6 +317,18 @@ async def serve_inference(
         writer.writelines(last)
         writer.write_eof()
         await _discard_until_eof(reader, LINGER_S)
+
+
+def _served(
+    handler: StreamRpcs, rpc: str
+) -> Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], AsyncIterator[runtime_pb2.ExpertResponse]]:
+    if rpc == "rpc_forward_stream":
+        return handler.rpc_forward_stream
+    if rpc == "rpc_backward_stream":
+        return handler.rpc_backward_stream
+    if rpc == "rpc_inference":
+        return handler.rpc_inference
+    raise ValueError(f"rpc {rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
 
 
 async def _discard_until_eof(reader: asyncio.StreamReader, timeout_s: float) -> None:
