@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from petals.server.server import RuntimeWithDeduplicatedPools
     from petals.utils.convert_block import QuantType, convert_block
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() and not args.tiny else torch.device("cpu")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     shape = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2) if args.tiny else dict(

@@ -48,25 +48,36 @@ def test_clients_merge_on_gpu_and_get_their_own_results(backend: SpanBackend) ->
         prompts = None if prompt_rows is None else torch.randn(N_BLOCKS, prompt_rows, 4, H) * 0.1
         inputs.append((torch.randn(rows, length, H), torch.randn(rows, length, H), prompts))
 
-    async def go() -> list:
-        runtime = Runtime(max_batch_size_tokens=4096, device=backend.device)
-        batcher = TrainingBatcher(backend, runtime)
-        requests = asyncio.gather(
-            *(batcher.forward(SPAN, h, p, "", owner=f"peer{i}") for i, (h, _, p) in enumerate(inputs))
-        )
-        for _ in range(100):  # every first work queued before the device thread starts (by arrival, a request
-            if runtime.num_pending == len(inputs):  # queued after the first call ran would trail it, unmerged)
+    async def merged(runtime: Runtime, calls: list) -> list:
+        """`calls` (one request each) with every first work queued before the device thread starts: by arrival, a
+        request queued after the first call ran would trail it, unmerged (the backwards as much as the forwards)."""
+        requests = asyncio.gather(*calls)
+        for _ in range(100):
+            if runtime.num_pending == len(calls):
                 break
             await asyncio.sleep(0)
         with runtime:
-            forwards = await requests
-            backwards = await asyncio.gather(
-                *(batcher.backward(SPAN, h, g, p, "", owner=f"peer{i}") for i, (h, g, p) in enumerate(inputs))
-            )
-            assert batcher.kept.hits == len(clients)  # each backward reused its own forward's block inputs
-            assert batcher.num_calls < 4 * N_BLOCKS * len(clients) / 2  # merged
-            assert batcher.graphs is not None and batcher.graphs.num_replays == 2 * N_BLOCKS  # the 12-token client's
-            return [forwards, backwards]
+            return await requests
+
+    async def go() -> list:
+        runtime = Runtime(max_batch_size_tokens=4096, device=backend.device)
+        batcher = TrainingBatcher(backend, runtime)
+        forwards = await merged(
+            runtime, [batcher.forward(SPAN, h, p, "", owner=f"peer{i}") for i, (h, _, p) in enumerate(inputs)]
+        )
+        # the backwards on a second runtime, started once they are all queued; the forwards' kept block inputs and
+        # captured graphs carried over
+        runtime = Runtime(max_batch_size_tokens=4096, device=backend.device)
+        backward_batcher = TrainingBatcher(backend, runtime, kept=batcher.kept)
+        backward_batcher.graphs = batcher.graphs
+        backwards = await merged(
+            runtime,
+            [backward_batcher.backward(SPAN, h, g, p, "", owner=f"peer{i}") for i, (h, g, p) in enumerate(inputs)],
+        )
+        assert batcher.kept.hits == len(clients)  # each backward reused its own forward's block inputs
+        assert batcher.num_calls + backward_batcher.num_calls < 4 * N_BLOCKS * len(clients) / 2  # merged
+        assert batcher.graphs is not None and batcher.graphs.num_replays == 2 * N_BLOCKS  # the 12-token client's
+        return [forwards, backwards]
 
     forwards, backwards = asyncio.run(asyncio.wait_for(go(), 120))
     for (hidden, grad, prompts), output, (grad_input, grad_prompts) in zip(inputs, forwards, backwards, strict=True):
