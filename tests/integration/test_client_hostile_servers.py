@@ -2,7 +2,9 @@
 announces itself as the fastest (so routes go through it) lies as a file tells it to; two honest replicas of 0:2 and
 two honest servers of 2:4 (in this process). NaN, wrong shapes and hangs fail over to an honest replica with greedy output identical to
 local `transformers` and only the liar banned; finite garbage is caught by verification (the liar as the span's
-server or as a referee; in the background, by a shadow session on a replica); a lone liar or missing blocks end in NoHonestServerError (corolla-generate: one line, exit
+server or as a referee; in the background, by a shadow session on a replica, whose finding another client re-checks
+first-hand with `corolla-findings` and bans the liar on, while the same finding forged against an honest replica
+bans nobody); a lone liar or missing blocks end in NoHonestServerError (corolla-generate: one line, exit
 1) within max_wait_s."""
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from tests.helpers.swarm import Swarm, inprocess_servers
 from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
+from corolla.cli.findings import main as findings_main
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.verification.findings import Finding, decode_finding, encode_finding
 from corolla.utils.errors import NoHonestServerError
 
 pytestmark = pytest.mark.timeout(300)
@@ -154,6 +159,43 @@ def test_finite_garbage_is_caught_by_a_shadow_session(swarm, model_path, mode_fi
     # the shadows were sessions of real corolla servers (marked, at their low priority), and agreed where honest
     assert any(shadow.state in ("agreed", "caught") for shadow in session.shadows.shadows)
     assert not any(shadow.state == "dropped" for shadow in session.shadows.shadows)
+
+
+def test_a_shared_finding_bans_the_liar_first_hand_and_a_forged_one_bans_nobody(
+    swarm, model_path, mode_file, tmp_path, capsys
+):
+    """Client A's shadow catches the liar and keeps its finding in A's findings_dir; client B re-checks that file
+    against the live swarm (`corolla-findings`) and bans the liar (in B's directory, banned again by B's next client);
+    the same finding with an honest replica named as the accused (what a liar would send to frame it) comes out
+    "unverifiable" and bans nobody."""
+    mode_file.write_text("garbage 0")
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    liar = swarm.liar.peer_id
+    for _ in range(3):  # on a loaded machine the route may start at an honest replica (see above): ask again
+        config = _config(verify_shadow_fraction=1.0, findings_dir=str(a_dir))
+        _, banned, first_hop, _ = _generate(swarm, model_path, config)
+        if first_hop == liar:
+            break
+    assert first_hop == liar and liar in banned
+    caught = a_dir / f"{liar}.finding"
+    assert caught.is_file() and (a_dir / "liars").read_text().split() == [liar]
+    honest = swarm.honest[0].peer_id  # a replica of 0:2
+    forged = tmp_path / "forged.finding"
+    finding = decode_finding(caught.read_bytes())
+    forged.write_bytes(encode_finding(Finding(honest, finding.blocks, finding.inputs, finding.claimed, finding.first)))
+    started = time.monotonic()
+    code = findings_main(
+        [str(model_path), str(forged), str(caught), "--initial_peers", *swarm.initial_peers,
+         "--findings_dir", str(b_dir), "--timeout_s", "120"]
+    )  # fmt: skip
+    assert code == 0 and time.monotonic() - started < 150
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith(f"{forged}: unverifiable (accused {honest}"), lines
+    assert lines[-1].startswith(f"{caught}: caught (accused {liar}"), lines
+    assert (b_dir / "liars").read_text().split() == [liar]  # the honest replica is not there
+    assert {entry.name for entry in b_dir.glob("*.finding")} == {f"{liar}.finding"}  # B's own first-hand finding
+    b_next = RemoteSequenceManager(ClientConfig(findings_dir=str(b_dir)), ["x.0"], start_updates=False)
+    assert b_next.bans.banned_peers() == {liar}
 
 
 def test_lone_liar_ends_in_a_clear_error_within_max_wait(swarm, model_path, mode_file):

@@ -25,8 +25,8 @@ from corolla.client.session.shadows import (
     SHADOW_CHUNK_TOKENS,
     escape_probability,
 )
-from corolla.client.verification.findings import check_finding, decode_finding, encode_finding
-from corolla.client.verification.stretches import Finding
+from corolla.client.verification.finding_check import check_finding
+from corolla.client.verification.findings import Finding, decode_finding, encode_finding
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.shadow import SHADOW_KEY
 from helpers.fake_chain import HIDDEN, FakeManager, reference
@@ -203,6 +203,7 @@ def test_beam_search_is_mirrored_with_its_reorders_and_a_server_lying_only_there
     session = _beam_search(manager)
     assert session.shadows.shadows[0].state == "caught" and manager.bans.is_liar("liar")
     assert [finding.peer_id for finding in session.shadows.findings] == ["liar"]
+    assert [entry.peer_id for entry in manager.findings.entries()] == ["liar"]  # kept for its user to share
 
 
 class PromptWatcher(Server):
@@ -276,7 +277,7 @@ def test_deep_prompts_are_mirrored_and_a_server_lying_only_in_those_sessions_is_
     framed = Finding("liar", (0, 4), wire.inputs, reference(wire.inputs, 4, deep)[:, wire.first :], wire.first, deep)
     assert background_loop.run(check_finding(honest, framed)) == "refuted"  # its true answer, prompts and all
     stripped = Finding("liar", (0, 4), framed.inputs, framed.claimed, framed.first)  # the prompts left out
-    assert background_loop.run(check_finding(honest, stripped)) == "suspect" and not honest.bans.banned_peers()
+    assert background_loop.run(check_finding(honest, stripped)) == "unverifiable" and not honest.bans.banned_peers()
 
 
 def test_deep_prompts_after_position_0_end_the_shadow_without_a_verdict() -> None:
@@ -313,12 +314,18 @@ def test_a_shared_finding_is_reverified_first_hand() -> None:
         background_loop.run(check_finding(manager, Finding("accused", (0, 2), inputs, honest_out[:, 6:], 6)))
         == "refuted"
     )
-    assert background_loop.run(check_finding(manager, wire, reporter="R2")) == "suspect"  # its own answer is right
-    assert not manager.bans.banned_peers() and manager.bans.is_suspect("accused")
-    # the accused really lies (to us too): caught first-hand, 2:1
+    # the claim is wrong but the accused answers us right: unverifiable, and nothing changes (no ban, nothing kept)
+    before = [server.answers for server in servers.values()]
+    assert background_loop.run(check_finding(manager, wire, reporter="R2")) == "unverifiable"
+    assert not manager.bans.banned_peers() and not manager.findings.entries() and not manager.findings.liars()
+    assert servers["R2"].answers == before[2]  # the reporter is never asked
+    # the accused really lies (to us too): caught first-hand, 2:1, and its own wrong answer kept
     servers["accused"].mode = "garbage"
     assert background_loop.run(check_finding(manager, wire)) == "caught"
     assert manager.bans.is_liar("accused") and not manager.bans.banned_peers() & {"R1", "R2", "B"}
+    assert manager.findings.liars() == ["accused"] and [e.peer_id for e in manager.findings.entries()] == ["accused"]
+    kept = decode_finding(manager.findings.read("accused") or b"")
+    assert torch.equal(kept.inputs, inputs) and not torch.equal(kept.claimed, wire.claimed)  # its answer to us
 
 
 def test_hostile_finding_bytes_are_value_errors() -> None:

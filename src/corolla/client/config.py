@@ -76,6 +76,11 @@ class ClientConfig:
     # background, and ban a server outvoted 2:1 for good (`client.session.shadows`: 0.75 catches a server lying in 1%
     # of its steps with >= 99% probability within 1,000 of its steps); 0 = off
     verify_shadow_fraction: float = 0.0
+    # where the findings of servers this client caught lying are kept for its user to share, and the peer ids it
+    # caught, banned again by a client given the same directory (`client.verification.finding_store`); None = memory
+    findings_dir: str | None = None
+    findings_max_count: int = 16  # findings kept (one per liar); past it the oldest goes
+    findings_max_bytes: int = 256 << 20  # bytes of the findings kept (one larger than this is not kept)
 
     def __post_init__(self) -> None:
         for name in (
@@ -102,6 +107,11 @@ class ClientConfig:
             raise ValueError(f"verify_shadow_fraction must be in [0, 1], got {self.verify_shadow_fraction!r}")
         if self.verify_rtol is not None and not self.verify_rtol > 0:
             raise ValueError(f"verify_rtol must be > 0 or None, got {self.verify_rtol!r}")
+        if self.findings_max_count < 0 or self.findings_max_bytes < 0:
+            raise ValueError(
+                f"findings_max_count and findings_max_bytes must be >= 0, got {self.findings_max_count}, "
+                f"{self.findings_max_bytes}"
+            )
         if self.verify_max_referees < 1:
             raise ValueError(f"verify_max_referees must be >= 1, got {self.verify_max_referees}")
         if self.max_retries is not None and self.max_retries < 0:

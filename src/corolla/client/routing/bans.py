@@ -25,7 +25,6 @@ class BanList:
         self.base_timeout_s, self.backoff_rate, self._clock = base_timeout_s, backoff_rate, clock
         self._records: dict[str, _BanRecord] = {}
         self._liars: set[str] = set()  # outvoted 2:1 on outputs they sent us: never cleared
-        self._suspects: set[str] = set()  # named by a finding: every stretch of theirs is verified
         self._agreed: dict[str, int] = {}  # verified steps in a row that agreed with another server
         self._lock = threading.Lock()
 
@@ -42,15 +41,6 @@ class BanList:
         """Bans a server caught lying to this client, for good (first-hand evidence only, never hearsay)."""
         with self._lock:
             self._liars.add(peer_id)
-
-    def suspect(self, peer_id: str) -> None:
-        """Marks a server named by a finding we could not confirm first-hand: not banned, verified always."""
-        with self._lock:
-            self._suspects.add(peer_id)
-
-    def is_suspect(self, peer_id: str) -> bool:
-        with self._lock:
-            return peer_id in self._suspects
 
     def is_liar(self, peer_id: str) -> bool:
         with self._lock:

@@ -18,6 +18,7 @@ from corolla.client.prefix.prefix_routes import PrefixRoutes
 from corolla.client.routing.bans import BanList
 from corolla.client.transport.direct_transport import DirectOffers
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
+from corolla.client.verification.finding_store import FindingStore
 from corolla.protocol.auth import MEMBER_PROOF_KEY, join_info_uid
 from corolla.protocol.direct_stream import DirectOffer
 from corolla.protocol.metadata import decode_metadata
@@ -79,6 +80,12 @@ class RemoteSequenceManager:
             self._own_dht = True
         self.dht = dht
         self.bans = BanList(config.ban_timeout_s, config.ban_backoff_rate)
+        # servers caught lying first-hand (`client.verification.finding_store`): banned again by a client given their dir
+        self.findings = FindingStore(
+            config.findings_dir, max_count=config.findings_max_count, max_bytes=config.findings_max_bytes
+        )
+        for peer_id in self.findings.liars():
+            self.bans.ban_liar(peer_id)
         self.prefix_routes = PrefixRoutes()  # which chain held which conversation's prefix (cache-affine routing)
         self.rng = random.Random()
         self.policy = policy

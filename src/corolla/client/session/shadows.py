@@ -10,7 +10,9 @@ not quadratic as recomputing stretches from position 0 was (docs/decisions/0042-
 
 A disagreement is the shadow's replica against the server: `stretches.StretchReferees.decide` asks a third replica
 to recompute the stretch [0, b) in one `rpc_forward` and bans whoever is outvoted 2:1 (with no third, nobody: a
-lying replica cannot get an honest server banned, and the `Finding` is kept; `client.findings` shares it).
+lying replica cannot get an honest server banned). The `Finding` of a server caught goes to the client's
+`FindingStore` (`RemoteSequenceManager.findings`), for its user to share; one nobody could decide is kept in
+`undecided`.
 
 Sampling is by whole span session: a position can be recomputed only with the KV of every position before it, so a
 sampled session is mirrored from its position 0 (a span session that starts after a prefix its server reused from
@@ -55,7 +57,8 @@ import torch
 from corolla.client import background_loop
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.span_session import SpanSession
-from corolla.client.verification.stretches import Finding, StretchReferees
+from corolla.client.verification.findings import Finding
+from corolla.client.verification.stretches import StretchReferees
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.protocol.shadow import SHADOW_KEY
 from corolla.utils.logging import get_logger
@@ -210,11 +213,10 @@ class ShadowVerifier:
 
     def _draw(self, span_session: SpanSession, first: int) -> Shadow | None:
         """A shadow for a span session whose first step sent from position 0 (whole sessions), with probability
-        `fraction` (1 for a suspect server), on a random unbanned replica; None otherwise."""
+        `fraction`, on a random unbanned replica; None otherwise."""
         self.num_sessions += 1
         span = span_session.span
-        suspect = self.manager.bans.is_suspect(span.peer_id)
-        if first != 0 or not (suspect or self.fraction >= 1 or self.rng.random() < self.fraction):
+        if first != 0 or not (self.fraction >= 1 or self.rng.random() < self.fraction):
             return None
         replicas = self.referees.replicas(span, {span.peer_id})
         if not replicas:
@@ -342,6 +344,7 @@ class ShadowVerifier:
         verdict = await self.referees.decide(span, shadow.replica, recomputed, finding, thirds)
         if verdict == "caught":
             self.findings.append(finding)
+            self.manager.findings.record_caught(finding)
         elif verdict == "undecided":
             self.undecided.append(finding)
         self._end(shadow, verdict, f"max error {error:.3g}")

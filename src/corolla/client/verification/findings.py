@@ -1,39 +1,43 @@
-"""Sharing what verification caught (`client.verification.stretches.Finding`) without letting a liar frame an honest server.
-
-A finding is bytes (`encode_finding` / `decode_finding`: safetensors, bounded before parsing, shapes checked): the
-accused, its blocks, the span's inputs for positions [0, b), the deep prompts its session sent with position 0 (if
-any: `[blocks, B|1, P, H]`, checked against the blocks and the inputs' shape) and the outputs it is said to have
-returned for [first, b). Servers do not sign their outputs, so nothing proves the accused sent those outputs: a receiver never
-bans on a finding. `check_finding` re-verifies it first-hand: a replica other than the accused recomputes the
-inputs with their prompts (a claim that matches the recomputation is `refuted`: the reporter lied or erred); otherwise the accused is
-asked to compute the same inputs itself, and only if a second replica confirms that the accused's own answer is wrong
-(2:1, the rule of `client.verification.stretches`) is it banned (`caught`). A claim that checks out while the accused now answers
-honestly only marks the accused `suspect` (the receiver mirrors every session through it
-from then on: `client.session.shadows`)."""
+"""A `Finding` (a server's claimed outputs for a stretch of a span's session, shown wrong by verification) and its
+bytes (`encode_finding` / `decode_finding`: safetensors, bounded before parsing, shapes checked): the accused, its
+blocks, the span's inputs for positions [0, b), the deep prompts its session sent with position 0 (if any:
+`[blocks, B|1, P, H]`, checked against the blocks and the inputs' shape) and the outputs it is said to have returned
+for [first, b). Servers do not sign their outputs, so nothing proves the accused sent those outputs: a finding is
+hearsay to anyone but the client that caught it. A receiver re-verifies it first-hand
+(`client.verification.finding_check`); the client that caught it keeps it (`client.verification.finding_store`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import random
-from typing import Literal
+import re
+from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.verification.stretches import Finding, StretchReferees
-from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
-
 MAX_FINDING_BYTES = 256 << 20  # inputs + claimed outputs of one stretch; refuse anything larger before parsing
 MAX_FINDING_POSITIONS = 1 << 16
 FINDING_TENSORS = {"inputs", "claimed", "prompts"}  # prompts: only where the session had deep prompts
+# a peer id as it may appear in a finding: base58 for libp2p ids; no path separators, no leading dot (the store names
+# a finding's file after its accused)
+PEER_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 
-Verdict = Literal["refuted", "caught", "suspect", "unverifiable"]
+
+@dataclass(frozen=True)
+class Finding:
+    """A server's claimed outputs shown wrong: blocks, the accused, the span's inputs for [0, b), the deep prompts
+    its session sent with position 0 (part of what it computed: a recomputation without them would differ from an
+    honest answer) and its claimed outputs for [first, b). Shareable as bytes (`encode_finding`); a receiver
+    re-verifies, never bans on it (`client.verification.finding_check`)."""
+
+    peer_id: str
+    blocks: tuple[int, int]
+    inputs: torch.Tensor  # [B, b, H]
+    claimed: torch.Tensor  # [B, b - first, H]
+    first: int
+    prompts: torch.Tensor | None = None  # [end - start, B|1, P, H], P <= b, added at positions [0, P); None: none
+    max_error: float = field(default=0.0, compare=False)
 
 
 def encode_finding(finding: Finding) -> bytes:
@@ -65,15 +69,17 @@ def decode_finding(data: bytes) -> Finding:
         raise ValueError(f"undecodable finding: {e!r}") from e
     except Exception as e:  # safetensors' own errors
         raise ValueError(f"undecodable finding: {e!r}") from e
-    if not isinstance(peer_id, str) or not 0 < len(peer_id) <= 128:
-        raise ValueError("a finding's peer_id must be a string of 1-128 characters")
+    if not isinstance(peer_id, str) or not PEER_ID_PATTERN.fullmatch(peer_id):
+        raise ValueError("a finding's peer_id must be 1-128 letters, digits, '_' or '-'")
     if not 0 <= start < end or inputs.ndim != 3 or claimed.ndim != 3:
         raise ValueError("a finding needs blocks start < end and [B, T, H] tensors")
     length = inputs.shape[1]
     if not 0 <= first < length <= MAX_FINDING_POSITIONS:
         raise ValueError(f"a finding's positions must satisfy 0 <= first < b <= {MAX_FINDING_POSITIONS}")
-    if claimed.shape != (inputs.shape[0], length - first, inputs.shape[2]) or not inputs.is_floating_point():
+    if claimed.shape != (inputs.shape[0], length - first, inputs.shape[2]):
         raise ValueError(f"claimed outputs {list(claimed.shape)} do not match inputs {list(inputs.shape)} from {first}")
+    if not inputs.is_floating_point() or not claimed.is_floating_point():
+        raise ValueError(f"a finding's tensors must be floats, got {inputs.dtype} and {claimed.dtype}")
     if prompts is not None:
         check_prompts(prompts, end - start, inputs.shape)
     if not all(bool(torch.isfinite(t).all()) for t in (inputs, claimed, prompts) if t is not None):
@@ -98,45 +104,3 @@ def check_prompts(prompts: torch.Tensor, num_blocks: int, inputs_shape: torch.Si
             f"a finding's prompts must be [{num_blocks} blocks, {batch} or 1, 1..{length}, {hidden}] floats, got "
             f"{prompts.dtype} {list(shape)}"
         )
-
-
-async def check_finding(
-    manager: RemoteSequenceManager, finding: Finding, *, reporter: str | None = None, rng: random.Random | None = None
-) -> Verdict:
-    """Re-verifies `finding` first-hand (see the module docstring). `reporter`: the peer that sent it, never used as
-    a replica. Bans only on the accused's own wrong answer, outvoted 2:1."""
-    verifier = StretchReferees(manager, rng=rng)
-    accused = next((s for s in manager.spans if s.peer_id == finding.peer_id), None)
-    span = RemoteSpanInfo(
-        peer_id=finding.peer_id,
-        start=finding.blocks[0],
-        end=finding.blocks[1],
-        server_info=accused.server_info if accused is not None else ServerInfo(ServerState.ONLINE, 1.0),
-    )
-    replicas = verifier.replicas(span, {finding.peer_id} | ({reporter} if reporter else set()))
-    reference = None
-    for replica in replicas:
-        reference = await verifier.recompute(replica, finding)
-        if reference is not None:
-            break
-    if reference is None:
-        return "unverifiable"
-    if verifier.compare(finding.claimed, reference, (span, replica))[0]:
-        logger.warning("findings.refuted(accused=...%s, reporter=%s)", finding.peer_id[-6:], reporter)
-        return "refuted"
-    if accused is None:
-        return "unverifiable"
-    own = await verifier.recompute(span, finding)  # the accused, asked by us
-    if own is None:
-        return "unverifiable"
-    if verifier.compare(own, reference, (span, replica))[0]:
-        manager.bans.suspect(finding.peer_id)
-        logger.warning(
-            "findings.suspect(accused=...%s): the claim checks out, its own answer is right", finding.peer_id[-6:]
-        )
-        return "suspect"
-    own_finding = dataclasses.replace(finding, claimed=own)
-    if await verifier.verify(span, own_finding) == "caught":  # 2:1 with further replicas
-        return "caught"
-    manager.bans.suspect(finding.peer_id)
-    return "suspect"

@@ -6,14 +6,13 @@ decided by a second replica: the server outvoted 2:1 is banned for good (`BanLis
 nobody is banned (an honest server must never be banned because one referee lied), and the finding is kept.
 
 Who asks: `client.session.shadows` (a sampled session's replica disagreed with its server: the shadow's outputs are the first
-referee's answer) and `client.verification.findings` (a shared finding, re-verified first-hand). Sessions are no longer verified
+referee's answer) and `client.verification.finding_check` (a shared finding, re-verified first-hand). Sessions are no longer verified
 by sampling stretches of them here: recomputing [0, b) from position 0 for each stretch cost a busy card 93-125% of
 its decode time, against the spare rows of a shadow session (docs/decisions/0042-shadow-sessions-built.md)."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from corolla.client.calls.output_checks import verify_rtol
 from corolla.client.calls.remote_forward_backward import run_remote_forward
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.verification.findings import Finding
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -48,22 +48,6 @@ def position_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a32, b32 = a.float(), b.float()
     scale = torch.maximum(a32.norm(dim=-1), b32.norm(dim=-1)).clamp_min(1e-12)
     return (a32 - b32).norm(dim=-1) / scale
-
-
-@dataclass(frozen=True)
-class Finding:
-    """A server's claimed outputs shown wrong: blocks, the accused, the span's inputs for [0, b), the deep prompts
-    its session sent with position 0 (part of what it computed: a recomputation without them would differ from an
-    honest answer) and its claimed outputs for [first, b). Shareable (`corolla.client.verification.findings`); a
-    receiver re-verifies, never bans on it."""
-
-    peer_id: str
-    blocks: tuple[int, int]
-    inputs: torch.Tensor  # [B, b, H]
-    claimed: torch.Tensor  # [B, b - first, H]
-    first: int
-    prompts: torch.Tensor | None = None  # [end - start, B|1, P, H], P <= b, added at positions [0, P); None: none
-    max_error: float = field(default=0.0, compare=False)
 
 
 Verdict = Literal["agreed", "caught", "undecided", "referee_lied"]
