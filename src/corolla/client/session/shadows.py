@@ -344,7 +344,7 @@ class ShadowVerifier:
         verdict = await self.referees.decide(span, shadow.replica, recomputed, finding, thirds)
         if verdict == "caught":
             self.findings.append(finding)
-            self.manager.findings.record_caught(finding)
+            await asyncio.to_thread(self.manager.findings.record_caught, finding)  # (disk: off the client loop)
         elif verdict == "undecided":
             self.undecided.append(finding)
         self._end(shadow, verdict, f"max error {error:.3g}")

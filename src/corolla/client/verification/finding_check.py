@@ -14,6 +14,7 @@ Only "caught" changes anything about the accused; a forged finding against an ho
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 from typing import Literal
@@ -68,7 +69,7 @@ async def check_finding(
     thirds = referees.replicas(span, excluded | {replica.peer_id})
     if await referees.decide(span, replica, reference, own_finding, thirds) != "caught":
         return _unverifiable(finding, "no second replica sided with the first")
-    manager.findings.record_caught(own_finding)
+    await asyncio.to_thread(manager.findings.record_caught, own_finding)  # (disk: off the client loop)
     return "caught"
 
 
