@@ -185,13 +185,13 @@ def test_a_shared_finding_bans_the_liar_first_hand_and_a_forged_one_bans_nobody(
     forged.write_bytes(encode_finding(Finding(honest, finding.blocks, finding.inputs, finding.claimed, finding.first)))
     started = time.monotonic()
     code = findings_main(
-        [str(model_path), str(forged), str(caught), "--initial_peers", *swarm.initial_peers,
+        [str(model_path), str(caught), str(forged), "--initial_peers", *swarm.initial_peers,
          "--findings_dir", str(b_dir), "--timeout_s", "120"]
     )  # fmt: skip
     assert code == 0 and time.monotonic() - started < 150
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-2].startswith(f"{forged}: unverifiable (accused {honest}"), lines
-    assert lines[-1].startswith(f"{caught}: caught (accused {liar}"), lines
+    assert lines[-2].startswith(f"{caught}: caught (accused {liar}"), lines
+    assert lines[-1].startswith(f"{forged}: unverifiable (accused {honest}"), lines  # the liar, banned, not asked
     assert (b_dir / "liars").read_text().split() == [liar]  # the honest replica is not there
     assert {entry.name for entry in b_dir.glob("*.finding")} == {f"{liar}.finding"}  # B's own first-hand finding
     b_next = RemoteSequenceManager(ClientConfig(findings_dir=str(b_dir)), ["x.0"], start_updates=False)

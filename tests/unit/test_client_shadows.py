@@ -123,6 +123,7 @@ def test_a_lying_replica_is_outvoted_and_cannot_frame_the_honest_server() -> Non
     sessions = _run_sessions(manager, 1, 12)
     assert any(s.shadows.undecided for s in sessions)  # two servers disagreeing: nobody banned on that
     assert not manager.bans.is_banned("honest") and not manager.bans.is_liar("liar")
+    assert not manager.findings.liars() and not manager.findings.entries()  # undecided: nothing kept
     servers["third"] = Server(0, 2)  # ... and then, with a third replica, decided
     manager.update()
     seed = 5
@@ -132,6 +133,11 @@ def test_a_lying_replica_is_outvoted_and_cannot_frame_the_honest_server() -> Non
         seed += 1
     assert not manager.bans.is_banned("honest") and not manager.bans.is_banned("third")
     assert all(f.peer_id == "liar" for s in sessions for f in s.shadows.findings)
+    # kept either way (its answers as the server or as the shadow), and another client confirms it first-hand
+    assert manager.findings.liars() == ["liar"] and [e.peer_id for e in manager.findings.entries()] == ["liar"]
+    receiver = FakeManager(servers, 4)
+    kept = decode_finding(manager.findings.read("liar") or b"")
+    assert background_loop.run(check_finding(receiver, kept)) == "caught" and receiver.bans.banned_peers() == {"liar"}
 
 
 def test_the_shadow_is_a_marked_session_with_a_chunked_prefill_and_mirrored_rollbacks() -> None:

@@ -49,7 +49,7 @@ import random
 import threading
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -345,6 +345,9 @@ class ShadowVerifier:
         if verdict == "caught":
             self.findings.append(finding)
             await asyncio.to_thread(self.manager.findings.record_caught, finding)  # (disk: off the client loop)
+        elif verdict == "referee_lied":  # the shadow's replica outvoted: its answers are the finding against it
+            against = replace(finding, peer_id=shadow.replica.peer_id, claimed=recomputed)
+            await asyncio.to_thread(self.manager.findings.record_caught, against)
         elif verdict == "undecided":
             self.undecided.append(finding)
         self._end(shadow, verdict, f"max error {error:.3g}")

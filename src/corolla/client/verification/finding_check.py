@@ -67,7 +67,11 @@ async def check_finding(
         return _unverifiable(finding, "its own answer is right")
     own_finding = dataclasses.replace(finding, claimed=own)
     thirds = referees.replicas(span, excluded | {replica.peer_id})
-    if await referees.decide(span, replica, reference, own_finding, thirds) != "caught":
+    verdict = await referees.decide(span, replica, reference, own_finding, thirds)
+    if verdict == "referee_lied":  # the replica lied to us, outvoted by the accused and a third: first-hand too
+        replica_finding = dataclasses.replace(finding, peer_id=replica.peer_id, claimed=reference)
+        await asyncio.to_thread(manager.findings.record_caught, replica_finding)
+    if verdict != "caught":
         return _unverifiable(finding, "no second replica sided with the first")
     await asyncio.to_thread(manager.findings.record_caught, own_finding)  # (disk: off the client loop)
     return "caught"
