@@ -3,8 +3,9 @@ one-hot rows read single weight columns back, so every decoded value of every po
 the fp16-level reference (NF4 and a random 16-level table, both dtypes, a partial row tile, a unit short of blocks);
 random rows stay within the bf16 rounding of x @ bitsandbytes' dequantized weight with a residual, a row's output is
 bit-identical alone and among other rows, prescaled fp16 x gives the bits of bf16 x converted in the kernel, the
-RMSNorm prologue stays within one x rounding of the separate norm kernel + the GEMV, graph replays are bit-equal,
-bad inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_tile_layout.py
+RMSNorm prologue stays within one x rounding of the separate norm kernel + the GEMV, the gated output of [gate | up]
+is silu_mul of the GEMV's (bit-equal where a program sums its rows in one warp), graph replays are bit-equal, bad
+inputs are refused. Skipped without CUDA (tests/unit/test_engine_quant_tile_layout.py
 checks the kernel's data movement on CPU)."""
 
 from __future__ import annotations
@@ -132,6 +133,34 @@ def test_rmsnorm_prologue_matches_the_separate_kernel(dtype) -> None:
             assert torch.equal(alone[0], fused[r]), (config, r)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_output_is_the_gemv_then_silu_mul(dtype) -> None:
+    from corolla.engine.kernels import triton_kernels
+    from corolla.engine.quant.quant_tile_gemv import RMSNORM, nf4_tile_gemv
+
+    n, k, eps, m = 416, 1152, 1e-5, 3  # [gate | up] of 208 rows each: 13 row tiles a half
+    weight = random_code_weight(n, k, seed=21, dtype=dtype)
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    x = (torch.randn(m, k, device=DEV, generator=gen) * 3).to(dtype)
+    gain = (torch.rand(k, device=DEV, generator=gen) + 0.5).to(dtype)
+    dense = weight.dequantize().double()  # [N, K]
+    for prologue in (0, RMSNORM):
+        xs = triton_kernels.rms_norm(x, gain, eps) if prologue else x
+        gate_up = xs.double() @ dense.t()
+        ref = torch.nn.functional.silu(gate_up[:, : n // 2]) * gate_up[:, n // 2 :]  # [M, I]
+        # one warp a program: every row summed in the same order gated or not, so the bits of GEMV + silu_mul
+        for config in [(1, 2, 1, 1, 0), *CONFIGS]:
+            kw = {"prologue": prologue, "norm_weight": gain, "eps": eps}
+            gated = nf4_tile_gemv(x, weight, None, config, gated=True, **kw)
+            assert gated.shape == (m, n // 2)
+            want = triton_kernels.silu_mul(nf4_tile_gemv(x, weight, None, config, **kw))
+            if config[0] == 1:
+                assert torch.equal(gated, want), (prologue, config)
+            assert float((gated.double() - ref).norm() / ref.norm()) < 1e-2, (prologue, config)
+            alone = nf4_tile_gemv(x[1:2].clone(), weight, None, config, gated=True, **kw)
+            assert torch.equal(alone[0], gated[1]), (prologue, config)  # a row does not depend on the other rows
+
+
 def test_bad_inputs_are_refused() -> None:
     from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv
 
@@ -152,3 +181,7 @@ def test_bad_inputs_are_refused() -> None:
         nf4_tile_gemv(x.half(), w, None, CONFIGS[0], prescaled=True, prologue=1, norm_weight=gain)
     with pytest.raises(ValueError, match="gain"):
         nf4_tile_gemv(x, w, None, CONFIGS[0], prologue=1, norm_weight=gain[:256])
+    with pytest.raises(ValueError, match="gated"):  # a gated output takes no residual
+        nf4_tile_gemv(x, w, torch.zeros(1, 32, device=DEV, dtype=torch.bfloat16), CONFIGS[0], gated=True)
+    with pytest.raises(ValueError, match="gated"):  # N = 48: halves of 24 rows, not whole row tiles
+        nf4_tile_gemv(x, random_code_weight(48, 512, seed=2, dtype=torch.bfloat16), None, CONFIGS[0], gated=True)

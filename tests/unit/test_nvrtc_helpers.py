@@ -12,7 +12,7 @@ import pytest
 import corolla.engine.kernels.nvrtc_kernels as nvrtc_kernels
 import corolla.engine.quant as quant
 
-HELPERS = ("ld_stream", "ld_nc", "bf16x2_to_f16x2", "load_out_type", "to_out_type", "unpack_pair", "pack_pair",
+HELPERS = ("ld_stream", "ld_nc", "bf16x2_to_f16x2", "load_out_type", "to_out_type", "rounded", "silu_times", "unpack_pair", "pack_pair",
            "sum_squares", "norm_pair", "grid_release", "grid_wait")  # fmt: skip
 
 

@@ -128,6 +128,21 @@ static __device__ __forceinline__ __attribute__((unused)) u16 to_out_type(float 
 #endif
   return h;
 }
+
+// fp32 -> the output's dtype -> fp32 (a value as a GEMV stores it)
+static __device__ __forceinline__ __attribute__((unused)) float rounded(float v) {
+  const u16 h = to_out_type(v);
+  return load_out_type(&h);
+}
+
+// silu(gate) * up as triton_kernels.silu_mul forms it from the stored gate and up (fp32, exp by ex2.approx, the
+// quotient by div.full): the gated GEMVs' output before its rounding
+static __device__ __forceinline__ __attribute__((unused)) float silu_times(float gt, float up) {
+  float e, q;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(-gt, 1.44269504088896341f)));
+  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(gt), "f"(__fadd_rn(1.f, e)));
+  return __fmul_rn(q, up);
+}
 """
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8

@@ -185,7 +185,7 @@ class DecodeOps:
         """A gated MLP's first projection of RMSNorm(x) [M, H]: (silu(gate) * up [M, I], "none") where the tuner
         chose a quantized kernel that gates its own output for these rows (quant_fused's "gated"), else
         ([gate | up] [M, 2I], "silu"): the prologue the down projection still owes it."""
-        if self.use_triton and bias is None and isinstance(weight, Int8Weight):
+        if self.use_triton and bias is None and isinstance(weight, Int8Weight | NF4Weight):
             key, rows = quant_key(weight), x.shape[0]
             gated = self.quant_fused.get((*key, "gated"))
             if gated is not None and rows <= quant_gemv.GEMV_MAX_ROWS and self._quant_choice(key, rows) is None:

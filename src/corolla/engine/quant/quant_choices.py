@@ -20,14 +20,19 @@ def quant_kernel(kernel: str, config: tuple[int, int, int, int, int], prologue: 
     """(x, weight, residual, norm_weight, eps) -> out of the quantized kernel `kernel` with `config` and `prologue`
     (quant_splits.PROLOGUES; see fusable): "gemv" (quant_gemv, up to GEMV_MAX_ROWS rows), "tile"
     (quant_tile_gemv.nf4_tile_gemv, NF4 in 16-bit dtypes, each row on its own, RMSNorm), "i8mma"
-    (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes; `gated`: silu(gate) * up of W = [gate | up]), "block"
-    (quant_kernels.quant_matmul) or "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue)."""
+    (quant_int8_gemv.int8_row_mma, INT8 in 16-bit dtypes), "block"
+    (quant_kernels.quant_matmul) or "mma" (quant_mma.nf4_mma_matmul, NF4, no prologue); `gated` ("i8mma", "tile"):
+    silu(gate) * up of W = [gate | up]."""
     if gated:
-        if kernel != "i8mma":
-            raise ValueError(f"only the INT8 row GEMV gates its output, not {kernel!r}")
-        return lambda x, w, res, nw=None, eps=0.0: quant_int8_gemv.int8_row_mma(
-            x, w, res, config, prologue, nw, eps, gated=True
-        )
+        if kernel == "i8mma":
+            return lambda x, w, res, nw=None, eps=0.0: quant_int8_gemv.int8_row_mma(
+                x, w, res, config, prologue, nw, eps, gated=True
+            )
+        if kernel == "tile" and prologue in quant_tile_gemv.PROLOGUE_CODES:
+            return lambda x, w, res, nw=None, eps=0.0: quant_tile_gemv.nf4_tile_gemv(
+                x, w, res, config, prologue=prologue, norm_weight=nw, eps=eps, gated=True
+            )
+        raise ValueError(f"only the INT8 row GEMV and the NF4 tile GEMV gate their output, not {kernel!r}")
     if kernel == "gemv":
         return lambda x, w, res, nw=None, eps=0.0: quant_gemv.quant_gemv(x, w, res, config, prologue, nw, eps)
     if kernel == "tile" and prologue in quant_tile_gemv.PROLOGUE_CODES:
@@ -88,13 +93,26 @@ def tune_prologue(ops, key, items: list, prologue: str, best: Choice, timings: d
             "all_us": {str(c): t * per_call for c, t in fused.items()}}  # fmt: skip
 
 
+def gating_candidates(key: tuple[str, int, int], dtype: torch.dtype) -> list[Choice]:
+    """The kernels that gate a [gate | up] shape's output themselves: INT8's row GEMV (GATED_CONFIGS; N even, K a
+    multiple of its CHUNK_VALUES) and NF4's tile GEMV (its configs; N a multiple of 32), in 16-bit dtypes."""
+    if dtype == torch.float32:
+        return []
+    if key[0] == "int8" and not key[1] % 2 and not key[2] % quant_int8_gemv.CHUNK_VALUES:
+        return [("i8mma", c) for c in quant_int8_gemv.GATED_CONFIGS]
+    if key[0] == "nf4" and not key[1] % (2 * quant_tile_gemv.TILE_ROWS):
+        return [("tile", c) for c in quant_tile_gemv.NF4_TILE_CONFIGS]
+    return []
+
+
 def tune_gated(ops, key, items: list, reps: int) -> dict:
     """For a [gate | up] shape (w_gate_up, RMSNorm before it): its one-row path as the step runs it ungated (the
-    RMSNorm choice `tune_prologue` kept, or the norm kernel + quant_small's choice; then silu_mul) against the INT8 row
-    GEMV gating its own output (GATED_CONFIGS, the norm in its x staging), each as a CUDA graph over all layers; the
-    faster: ops.quant_fused[(*key, "gated")] (DecodeOps.gate_up), absent for the pair. {} for a shape it cannot take
-    (not INT8 in a 16-bit dtype, N odd, K not a multiple of CHUNK_VALUES)."""
-    if key[0] != "int8" or items[0].dtype == torch.float32 or key[1] % 2 or key[2] % quant_int8_gemv.CHUNK_VALUES:
+    RMSNorm choice `tune_prologue` kept, or the norm kernel + quant_small's choice; then silu_mul) against the row
+    GEMVs gating their own output (`gating_candidates`, the norm in their x staging), each as a CUDA graph over all
+    layers; the faster: ops.quant_fused[(*key, "gated")] (DecodeOps.gate_up), absent for the pair. {} for a shape no
+    gating kernel takes."""
+    candidates = gating_candidates(key, items[0].dtype)
+    if not candidates:
         return {}
     rms = PROLOGUES["rmsnorm"]
     x = torch.randn(1, key[2], device=items[0].device, dtype=items[0].dtype)
@@ -106,7 +124,6 @@ def tune_gated(ops, key, items: list, reps: int) -> dict:
     else:  # the norm kernel, then the GEMV
         gemv = quant_kernel(*ops.quant_small[key])
         unfused = graph_median_ms(lambda: [ops.silu_mul(gemv(ops.rms_norm(x, nw, 1e-6), w, None)) for w in items], reps)
-    candidates = [("i8mma", c) for c in quant_int8_gemv.GATED_CONFIGS]
     gated = time_configs(
         candidates, lambda c, w: quant_kernel(c[0], c[1], rms, gated=True)(x, w, None, nw, 1e-6), items, reps
     )
@@ -155,7 +172,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
         gemm_configs = block_configs + [c for c in mma if c[1][1] > MID_MAX_ROWS]
         # the candidates are part of the problem (those that fuse a prologue too): a changed list tunes again
         fusing = [[c for c in small_configs if fusable(key, c, p)] for p in wanted if p != "gated"]
-        gating = quant_int8_gemv.GATED_CONFIGS if "gated" in wanted else ()
+        gating = gating_candidates(key, items[0].dtype) if "gated" in wanted else []
         candidates = zlib.crc32(repr((small_configs, mma, block_configs, fusing, gating)).encode())
         problem = f"quant {key[0]} {key[1]}x{key[2]} {items[0].dtype} prologues={','.join(wanted)} {candidates:08x}"
         cached = ops.kernel_choices.get(problem) if ops.kernel_choices is not None else None

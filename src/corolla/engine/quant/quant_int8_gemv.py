@@ -101,23 +101,6 @@ static __device__ __forceinline__ u32 x_operand(u32 v) {
 #endif
 }
 
-#if GATED
-// fp32 -> the output's dtype -> fp32 (a value as the GEMV would store it)
-static __device__ __forceinline__ float rounded(float v) {
-  const u16 h = to_out_type(v);
-  return load_out_type(&h);
-}
-
-// silu(gate) * up as triton_kernels.silu_mul forms it from the stored gate and up (fp32, exp by ex2.approx, the
-// quotient by div.full)
-static __device__ __forceinline__ float silu_times(float gt, float up) {
-  float e, q;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(e) : "f"(__fmul_rn(-gt, 1.44269504088896341f)));
-  asm("div.full.f32 %0, %1, %2;" : "=f"(q) : "f"(gt), "f"(__fadd_rn(1.f, e)));
-  return __fmul_rn(q, up);
-}
-#endif
-
 // the weight row of row r (0..15) of the program's tile rt: GATED, tiles [0, RT / 2) are rows of the gate half and
 // [RT / 2, RT) the same rows of the up half (N: the half's rows); rows past N read row N - 1 of their half
 static __device__ __forceinline__ int weight_row(int n0, int rt, int r, int N) {

@@ -218,23 +218,34 @@ static __device__ __forceinline__ u32 x_operand(u32 v) {
 // a unit's place (row tile, group of 4 blocks) and its rows' offsets (rows g and g + 8, clamped to N - 1: bytes
 // from the weight's start and absmax indices of the row's first block), kept from one unit to the next
 struct Cursor {
-  int rt, G;
+  int lt, G;  // the program's row tile (0, 1, ...: Tiles) and group
   u32 b0, b1, a0, a1;
 };
 
-static __device__ __forceinline__ void cursor_rows(Cursor& c, int g, int N, int KB, u32 rowb) {
-  const u32 r0 = (u32)min(c.rt * 16 + g, N - 1), r1 = (u32)min(c.rt * 16 + g + 8, N - 1);
+// a program's row tiles: span tiles from rt0, and (GATED) the same tiles of the up half (up tiles on) after them
+struct Tiles {
+  int rt0, span, up;
+};
+
+static __device__ __forceinline__ int weight_tile(const Tiles& p, int lt) {
+  return lt < p.span ? p.rt0 + lt : p.up + p.rt0 + lt - p.span;
+}
+
+static __device__ __forceinline__ void cursor_rows(Cursor& c, const Tiles& p, int g, int N, int KB, u32 rowb) {
+  const int rt = weight_tile(p, c.lt);
+  const u32 r0 = (u32)min(rt * 16 + g, N - 1), r1 = (u32)min(rt * 16 + g + 8, N - 1);
   c.b0 = r0 * rowb; c.b1 = r1 * rowb; c.a0 = r0 * (u32)KB; c.a1 = r1 * (u32)KB;
 }
 
-static __device__ __forceinline__ void cursor_start(Cursor& c, int unit, int rt0, int KG, int g, int N, int KB,
+static __device__ __forceinline__ void cursor_start(Cursor& c, const Tiles& p, int unit, int KG, int g, int N, int KB,
                                                     u32 rowb) {
-  c.rt = rt0 + unit / KG; c.G = unit % KG;
-  cursor_rows(c, g, N, KB, rowb);
+  c.lt = unit / KG; c.G = unit % KG;
+  cursor_rows(c, p, g, N, KB, rowb);
 }
 
-static __device__ __forceinline__ void cursor_next(Cursor& c, int KG, int g, int N, int KB, u32 rowb) {
-  if (++c.G == KG) { c.G = 0; ++c.rt; cursor_rows(c, g, N, KB, rowb); }
+static __device__ __forceinline__ void cursor_next(Cursor& c, const Tiles& p, int KG, int g, int N, int KB,
+                                                   u32 rowb) {
+  if (++c.G == KG) { c.G = 0; ++c.lt; cursor_rows(c, p, g, N, KB, rowb); }
 }
 
 // the unit's four 16-byte loads and its two absmax codes (code of row g low byte, row g + 8 high byte)
@@ -250,6 +261,17 @@ static __device__ __forceinline__ void unit_loads(const Cursor& c, const u8* wq,
   code = (u32)__ldg(ac + (c.a0 + bj)) | ((u32)__ldg(ac + (c.a1 + bj)) << 8);
 }
 
+// row r of the program's row tile lt: its warps' slots in warp order (its K order), only the warps whose (non-empty)
+// unit range meets the tile (the others' slots hold whatever the shared memory held before)
+static __device__ __forceinline__ float row_sum(const float* red, int lt, int r, int units, int KG) {
+  float v = 0.f;
+  for (int w = 0; w < WARPS; ++w) {
+    const int wa = (int)((long long)w * units / WARPS), wb = (int)((long long)(w + 1) * units / WARPS);
+    if (wa < wb && wa < (lt + 1) * KG && wb > lt * KG) v += red[(lt * WARPS + w) * 16 + r];
+  }
+  return v;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float* __restrict__ na,
               const float* __restrict__ nc, const u32* __restrict__ pairs, const u16* __restrict__ x,
@@ -262,22 +284,26 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   const long long m = blockIdx.y;
   const int KB = K >> 6, KG = (KB + 3) >> 2;
   const u32 rowb = (u32)K >> 1;
-  const int rt0 = (int)((long long)blockIdx.x * RT / gridDim.x);
-  const int rt1 = (int)((long long)(blockIdx.x + 1) * RT / gridDim.x);
-  const int units = (rt1 - rt0) * KG;
+  // the programs split the row tiles (GATED: those of the gate half; a program takes the same tiles of the up half)
+  const int RTS = GATED ? RT / 2 : RT;
+  const int rt0 = (int)((long long)blockIdx.x * RTS / gridDim.x);
+  const int rt1 = (int)((long long)(blockIdx.x + 1) * RTS / gridDim.x);
+  const Tiles tiles = {rt0, rt1 - rt0, RT / 2};
+  const int ntiles = (rt1 - rt0) * (1 + GATED);
+  const int units = ntiles * KG;
   const int ua = (int)((long long)warp * units / WARPS), ub = (int)((long long)(warp + 1) * units / WARPS);
   const int count = ub - ua;
 
   // the first DEPTH units' loads go out before anything else (their DRAM round trip overlaps the tables' build)
   Cursor pc;
-  cursor_start(pc, ua, rt0, KG, g, N, KB, rowb);
+  cursor_start(pc, tiles, ua, KG, g, N, KB, rowb);
   U4 buf[SLOTS][4];
   u32 cbuf[SLOTS];
 #pragma unroll
   for (int f = 0; f < DEPTH; ++f) {
     if (f < count) {
       unit_loads(pc, wq, ac, t, KB, buf[f], cbuf[f]);
-      cursor_next(pc, KG, g, N, KB, rowb);
+      cursor_next(pc, tiles, KG, g, N, KB, rowb);
     }
   }
 
@@ -375,7 +401,7 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   for (int w = 0; w < 4; ++w) xv[w] = U4{0u, 0u, 0u, 0u};
   float acc0 = 0.f, acc1 = 0.f;  // rows g, g + 8: the sums of this lane's blocks (position t of each unit)
   Cursor cc;
-  cursor_start(cc, ua, rt0, KG, g, N, KB, rowb);
+  cursor_start(cc, tiles, ua, KG, g, N, KB, rowb);
   // unit j decodes slot j % SLOTS while units j + 1 .. j + DEPTH are in flight; the load of unit j + DEPTH goes
   // into the slot unit j - 1 left (no register copies)
   for (int base = 0; base < count; base += SLOTS) {
@@ -384,7 +410,7 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
       if (base + f < count) {
         if (base + f + DEPTH < count) {
           unit_loads(pc, wq, ac, t, KB, buf[(f + DEPTH) % SLOTS], cbuf[(f + DEPTH) % SLOTS]);
-          cursor_next(pc, KG, g, N, KB, rowb);
+          cursor_next(pc, tiles, KG, g, N, KB, rowb);
         }
         const u32 xu = xlane + (u32)cc.G * 512u;
 #pragma unroll
@@ -409,28 +435,26 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
           v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
           v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
           if (t == 0) {
-            red[((cc.rt - rt0) * WARPS + warp) * 16 + g] = v0;
-            red[((cc.rt - rt0) * WARPS + warp) * 16 + g + 8] = v1;
+            red[(cc.lt * WARPS + warp) * 16 + g] = v0;
+            red[(cc.lt * WARPS + warp) * 16 + g + 8] = v1;
           }
           acc0 = 0.f; acc1 = 0.f;
         }
-        cursor_next(cc, KG, g, N, KB, rowb);
+        cursor_next(cc, tiles, KG, g, N, KB, rowb);
       }
     }
   }
   __syncthreads();
-  // a row's slots in warp order (its K order): only the warps whose (non-empty) unit range meets the row tile wrote
-  // one; the others' slots hold whatever the shared memory held before
   for (int i = tid; i < (rt1 - rt0) * 16; i += THREADS) {
     const int row = rt0 * 16 + i, rtl = i >> 4;
-    if (row < N) {
-      float v = 0.f;
-      for (int w = 0; w < WARPS; ++w) {
-        const int wa = (int)((long long)w * units / WARPS), wb = (int)((long long)(w + 1) * units / WARPS);
-        if (wa < wb && wa < (rtl + 1) * KG && wb > rtl * KG) v += red[(rtl * WARPS + w) * 16 + (i & 15)];
-      }
+    if (row < (GATED ? N / 2 : N)) {
+      float v = row_sum(red, rtl, i & 15, units, KG);
       v *= out_scale;
-#if HAS_RES
+#if GATED
+      // the up row's sum: the same row of the program's up tiles; gate and up rounded as the GEMV stores them,
+      // then gated as silu_mul gates them
+      v = silu_times(rounded(v), rounded(row_sum(red, rtl + (rt1 - rt0), i & 15, units, KG) * out_scale));
+#elif HAS_RES
       v += load_out_type(res + m * srm + row);
 #endif
       out[m * som + row] = to_out_type(v);
@@ -452,13 +476,13 @@ def check_tile_config(config: tuple[int, int, int, int, int]) -> None:
 
 
 def _kernel(
-    config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool, has_res: bool, prologue: int
+    config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool, has_res: bool, prologue: int, gated: bool
 ) -> NvrtcKernel:
-    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue)
+    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue, int(gated))
     if key not in _KERNELS:
         warps, depth, mode, min_blocks, _ = config
         defines = {"WARPS": warps, "DEPTH": depth, "MODE": mode, "MIN_BLOCKS": min_blocks, "X_BF16": int(x_bf16),
-                   "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res), "PRO": prologue}  # fmt: skip
+                   "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res), "PRO": prologue, "GATED": int(gated)}  # fmt: skip
         _KERNELS[key] = NvrtcKernel(CUDA_HELPERS + _SOURCE, "nf4_tile_gemv", defines)
     return _KERNELS[key]
 
@@ -486,12 +510,15 @@ def nf4_tile_gemv(
     prologue: int = 0,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    gated: bool = False,
 ) -> torch.Tensor:
     """f(x) [M, K] @ W[N, K]^T (+ residual [M, N]) -> [M, N] in the weight's dtype (bf16 or fp16), W read from its
     packed bytes; f = `prologue` (PROLOGUE_CODES): the identity, or RMSNorm with gain `norm_weight` [K] and `eps`
     (rounded as triton_kernels.rms_norm rounds it). ValueError for a bad shape, dtype, prologue or config, or one
     that does not fit the device. `prescaled` (bf16 weights, no prologue): x is fp16 holding the bf16 input times
-    X_SCALE (as the RMSNorm / SiLU kernels write it). x is copied once when its rows do not start 16-byte aligned."""
+    X_SCALE (as the RMSNorm / SiLU kernels write it). `gated` (W = [gate | up], N a multiple of 32, no residual):
+    silu(gate) * up [M, N / 2] instead, gate and up rounded as stored and gated as triton_kernels.silu_mul gates
+    them (a program's up rows are its gate rows' own). x is copied once when its rows do not start 16-byte aligned."""
     check_tile_config(config)
     m, k = x.shape
     n, wk = weight.shape
@@ -510,6 +537,8 @@ def nf4_tile_gemv(
         raise ValueError(f"nf4_tile_gemv takes [M, {wk}] 16-bit {x_dtype} rows, got {tuple(x.shape)} {x.dtype}")
     if prescaled and weight.dtype != torch.bfloat16:
         raise ValueError("a prescaled fp16 x goes with bf16 weights (fp16 x is read as it is)")
+    if gated and (n % (2 * TILE_ROWS) or residual is not None):
+        raise ValueError(f"a gated nf4_tile_gemv takes N a multiple of {2 * TILE_ROWS} ({n}) and no residual")
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != weight.dtype):
         raise ValueError(f"residual must be a [{m}, {n}] {weight.dtype} tensor with a contiguous last dim")
     packed = weight.packed
@@ -521,22 +550,24 @@ def nf4_tile_gemv(
     rt = -(-n // TILE_ROWS)
     x_bf16 = x.dtype == torch.bfloat16
     has_res = residual is not None
-    kernel = _kernel(config, x_bf16, weight.dtype == torch.bfloat16, has_res, prologue)
+    kernel = _kernel(config, x_bf16, weight.dtype == torch.bfloat16, has_res, prologue, gated)
     dev = x.device
-    grid_key = (config, x_bf16, weight.dtype, has_res, prologue, rt, k, dev.index)
+    split = rt // 2 if gated else rt  # the row tiles the programs split (gated: a program takes their up tiles too)
+    grid_key = (config, x_bf16, weight.dtype, has_res, prologue, gated, rt, k, dev.index)
     if grid_key not in _GRIDS:
         props = torch.cuda.get_device_properties(dev)
         sms = props.multi_processor_count
-        data, dyn = shared_bytes(config, k, -(-rt // sms), prologue)  # sized for one program per multiprocessor or more
+        # sized for one program per multiprocessor or more
+        data, dyn = shared_bytes(config, k, -(-split // sms) * (2 if gated else 1), prologue)
         optin = props.shared_memory_per_block_optin  # type: ignore[attr-defined]  # (PyTorch's stubs lack it)
         if dyn > optin:
             raise ValueError(f"NF4 tile GEMV config {config} needs {dyn} bytes of shared memory ({optin} allowed)")
         per_sm = kernel.blocks_per_sm(dev, 32 * warps, dyn)
         if per_sm < 1:
             raise ValueError(f"NF4 tile GEMV config {config} does not fit a multiprocessor")
-        _GRIDS[grid_key] = (min(rt, per_sm * sms), data, dyn)
+        _GRIDS[grid_key] = (min(split, per_sm * sms), data, dyn)
     programs, data, dyn = _GRIDS[grid_key]
-    out = torch.empty((m, n), dtype=weight.dtype, device=dev)
+    out = torch.empty((m, n // 2 if gated else n), dtype=weight.dtype, device=dev)
     res = residual if residual is not None else out
     gain = norm_weight if norm_weight is not None and prologue else out  # (not read without the prologue)
     scale = 1.0 / X_SCALE if weight.dtype == torch.bfloat16 else 1.0

@@ -200,7 +200,7 @@ class FastLlamaSpan(ChunkedPrefill):
             ):
                 if isinstance(w, NF4Weight | Int8Weight) and prologue != "none":
                     prologues.setdefault(quant_key(w), set()).add(prologue)
-                    if w is layer.w_gate_up and isinstance(w, Int8Weight):  # may gate its own output (ops.gate_up)
+                    if w is layer.w_gate_up:  # may gate its own output (ops.gate_up)
                         prologues[quant_key(w)].add("gated")
                 if bias is None and isinstance(w, torch.Tensor):
                     slots.setdefault((w.shape[0], w.shape[1], prologue, has_res), []).append((w, norm_w))
