@@ -148,7 +148,7 @@ def tune_quantized(ops, weights: dict[tuple[str, int, int], list], *, reps: int 
     ops.quant_gemm); each as a CUDA graph over all layers' weights. Then, per prologue (`prologues`: shape -> the
     names its projections take, none for a shape missing there; None: both "rmsnorm" and "silu"), the norm/SiLU
     kernel + the one-row best against the fused kernels (`tune_prologue`); "gated" (w_gate_up's shape): after
-    "rmsnorm", that path + silu_mul against the row GEMV gating its own output (`tune_gated`). One (kernel, config) per row range and
+    "rmsnorm", that path + silu_mul against the row GEMVs gating their own output (`tune_gated`). One (kernel, config) per row range and
     prologue keeps rows batch-invariant within it. A shape whose choices `ops.kernel_choices` holds (same card and
     versions) takes them without timing anything. Returns {shape: {"best", "best_us", "all_us", "mid_best",
     "mid_all_us", "gemm_best", "gemm_best_us", "gemm_all_us", "prologues"}}, microseconds per layer call."""

@@ -37,6 +37,11 @@ order: every program forms the same 1/rms, as int8_row_mma does), normalizes x i
 rounds it, then converts it as a plain x: the step launches no norm kernel (bit-equal to the norm kernel + this GEMV
 at Llama-3-8B's shapes on an H200, docs/decisions/0043).
 
+The gated form (`gated`, W = [gate | up], N a multiple of 32): the programs split the gate half's row tiles and
+each takes the same tiles of the up half after its own, so a program holds both sums of each of its rows and writes
+silu(gate) * up [M, N / 2] itself (gate and up rounded as stored, then gated as triton_kernels.silu_mul gates them):
+no SiLU kernel before w_down, which reads half the bytes. Where the tuner chose it (quant_choices.tune_gated).
+
 Numerics: fp16 levels (relative error <= 2^-11), x in fp16 (bf16 x times 2^-8, as the RMSNorm / SiLU kernels write
 it prescaled, or converted here), products and sums in fp32 on the matrix units, then the block's fp32 absmax: within
 the bf16 rounding of bitsandbytes' dequantized weights. Compiled at run time (nvrtc_kernels); CUDA-graph safe.
