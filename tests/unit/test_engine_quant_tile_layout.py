@@ -36,6 +36,20 @@ def test_emulated_kernel_reads_the_weight(dtype, shape, warps, programs) -> None
     assert float((got - want).norm() / want.norm()) < 1e-2  # one rounding to the output dtype
 
 
+@pytest.mark.parametrize(("warps", "programs"), [(3, 2), (8, 3), (32, 2)])
+def test_emulated_gated_form_pairs_each_gate_row_with_its_up_row(warps, programs) -> None:
+    n, k = 96, 384  # [gate | up] of 48 rows: 3 row tiles a half, split over 2 or 3 programs
+    gen = torch.Generator().manual_seed(7)
+    weight = quantize_nf4((torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16))
+    x = torch.randn(2, k, generator=gen).to(torch.bfloat16)
+    got = emulate(x, weight, warps, programs, gated=True).double()
+    xs = (x.float() * 2.0**-8).half().double() * 2.0**8
+    gate_up = xs @ _fp16_level_reference(weight).t()
+    want = torch.nn.functional.silu(gate_up[:, : n // 2]) * gate_up[:, n // 2 :]
+    assert got.shape == (2, n // 2)
+    assert float((got - want).norm() / want.norm()) < 1e-2
+
+
 def test_work_ranges_cover_every_unit_once() -> None:
     for row_tiles, programs in ((1792, 132), (3, 5), (256, 264)):
         firsts = [program_row_tiles(row_tiles, programs, p) for p in range(programs)]

@@ -92,13 +92,16 @@ def program_row_tiles(row_tiles: int, programs: int, program: int) -> tuple[int,
     return program * row_tiles // programs, (program + 1) * row_tiles // programs
 
 
-def emulate(x: torch.Tensor, weight: NF4Weight, warps: int, programs: int) -> torch.Tensor:
-    """The kernel's data movement on CPU (float64 sums): x [M, K] -> [M, N]. Per program and warp the kernel's
+def emulate(x: torch.Tensor, weight: NF4Weight, warps: int, programs: int, gated: bool = False) -> torch.Tensor:
+    """The kernel's data movement on CPU (float64 sums): x [M, K] -> [M, N] (`gated`: silu(gate) * up [M, N / 2] of
+    the gated form's sums, the programs' row tiles those of the gate half and then their up tiles, not rounded as
+    stored). Per program and warp the kernel's
     units; per unit, each mma step's A fragment built from the bytes lane (g, t) loads (rows g and g + 8, loads u at
     bytes 128 G + 64 u + 16 t) and its B fragment from the x the kernel's lanes hold (a lane of column 4 v + 2 (t /
     2) the x of load v, in both loads' steps; zeros elsewhere), multiplied by the PTX fragment layout of m16n8k16
-    into each load's own sums; lane (g, t)'s column 2 t of load t / 2's sums scaled by its block's absmax; each warp's partial sum of a row tile in its slot, the slots added in warp order (a check of
-    the indexing and of the work's coverage, not of rounding)."""
+    into each load's own sums; lane (g, t)'s column 2 t of load t / 2's sums scaled by its block's absmax; each
+    warp's partial sum of a row tile in its slot, the slots added in warp order (a check of the indexing and of the
+    work's coverage, not of rounding)."""
     n, k = weight.shape
     kb = k // NF4_BLOCK_VALUES
     kg = -(-kb // 4)
@@ -112,18 +115,20 @@ def emulate(x: torch.Tensor, weight: NF4Weight, warps: int, programs: int) -> to
     g = torch.arange(8)
     out = torch.zeros(m, rts * TILE_ROWS, dtype=torch.float64)
     for prog in range(programs):
-        rt0, rt1 = program_row_tiles(rts, programs, prog)
-        units = (rt1 - rt0) * kg
-        # [row tile, warp, M, row]: NaN where no warp writes (the kernel's shared memory holds stale values there)
-        slots = torch.full((rt1 - rt0, warps, m, TILE_ROWS), float("nan"), dtype=torch.float64)
+        rt0, rt1 = program_row_tiles(rts // 2 if gated else rts, programs, prog)
+        tiles = [*range(rt0, rt1), *(range(rt0 + rts // 2, rt1 + rts // 2) if gated else ())]  # by local tile
+        units = len(tiles) * kg
+        # [local tile, warp, M, row]: NaN where no warp writes (the kernel's shared memory holds stale values there)
+        slots = torch.full((len(tiles), warps, m, TILE_ROWS), float("nan"), dtype=torch.float64)
         for wp in range(warps):
             first, end = warp_units(units, warps, wp)
             for unit in range(first, end):
-                rt, gi = rt0 + unit // kg, unit % kg
+                lt, gi = unit // kg, unit % kg
+                rt = tiles[lt]
                 rg = (rt * TILE_ROWS + g).clamp(max=n - 1)  # [8] rows g and g + 8 (padding rows read the last)
                 rh = (rt * TILE_ROWS + g + 8).clamp(max=n - 1)
                 if unit == first or unit % kg == 0:  # the warp's first unit of a row tile: its slot starts at 0
-                    slots[rt - rt0, wp] = 0.0
+                    slots[lt, wp] = 0.0
                 # the mma sums of load 0 and of load 1, C [M, 16, 8] each
                 c = torch.zeros(2, m, TILE_ROWS, 8, dtype=torch.float64)
                 for u in range(2):
@@ -151,14 +156,16 @@ def emulate(x: torch.Tensor, weight: NF4Weight, warps: int, programs: int) -> to
                 for t in range(4):  # lane (g, t): column 2 t of load t / 2's sums, rows g and g + 8, times block
                     bj = min(4 * gi + t, kb - 1)  # 4 G + t's absmax (the other load's columns are never read)
                     scale = torch.cat((absmax[rg, bj], absmax[rh, bj]))  # [16]
-                    slots[rt - rt0, wp] += c[t // 2, :, :, 2 * t] * scale
-        for rt in range(rt1 - rt0):  # the row's slots in warp order, only the warps whose range meets the tile
+                    slots[lt, wp] += c[t // 2, :, :, 2 * t] * scale
+        for lt, rt in enumerate(tiles):  # the row's slots in warp order, only the warps whose range meets the tile
             for wp in range(warps):
                 first, end = warp_units(units, warps, wp)
-                if first < end and first < (rt + 1) * kg and end > rt * kg:
-                    out[:, (rt0 + rt) * TILE_ROWS : (rt0 + rt + 1) * TILE_ROWS] += slots[rt, wp]
-    scale_out = 1 / X_SCALE if x.dtype == torch.bfloat16 else 1.0
-    return (out[:, :n] * scale_out).to(x.dtype)
+                if first < end and first < (lt + 1) * kg and end > lt * kg:
+                    out[:, rt * TILE_ROWS : (rt + 1) * TILE_ROWS] += slots[lt, wp]
+    out = out[:, :n] * (1 / X_SCALE if x.dtype == torch.bfloat16 else 1.0)
+    if gated:
+        out = torch.nn.functional.silu(out[:, : n // 2]) * out[:, n // 2 :]
+    return out.to(x.dtype)
 
 
 # the kernel, compiled after nvrtc_kernels.CUDA_HELPERS (the helpers the row GEMVs share)
