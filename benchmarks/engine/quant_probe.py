@@ -3,7 +3,9 @@
 on one card: the floor (NF4 bytes / measured copy bandwidth), cuBLAS on the bf16 weight (same run), every config of
 the matrix-unit kernel (quant_mma) and of the tile GEMV (quant_tile_gemv, one row; --tile_sweep: more tilings), each
 as a CUDA graph over enough distinct weights to defeat the L2; plus each kernel's error against x @ the dequantized
-weight. Prints a table last and writes it as JSON."""
+weight. Prints a table last and writes it as JSON. `--gated`: w_gate_up's one-row path with its RMSNorm, the tile
+GEMV + silu_mul against the tile GEMV gating its own output, and w_down on the prescaled fp16 x the pair leaves
+against the bf16 x the gated form leaves (the last line: "gated ... faster" or "... slower")."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s
+from corolla.engine.kernels import triton_kernels
 from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.quant import quant_mma, quant_tile_gemv
 from corolla.engine.quant.quant_weights import quantize_nf4
@@ -52,6 +55,46 @@ def candidates(m: int, families: tuple[str, ...] = FAMILIES, tile_sweep: bool = 
     return {family: found[family] for family in families}
 
 
+def distinct_weights(n: int, k: int, dev: torch.device) -> list:
+    """NF4 [N, K] weights (random, bf16) enough to defeat the L2 (L2_FLUSH_BYTES), at least 2."""
+    first = quantize_nf4((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16))
+    more = max(2, math.ceil(L2_FLUSH_BYTES / first.nbytes())) - 1
+    return [first] + [quantize_nf4((torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)) for _ in range(more)]
+
+
+def gated_ab(dev: torch.device, rounds: int = 3) -> dict:
+    """w_gate_up's one-row path with its RMSNorm, (16, 2): tile GEMV + silu_mul (x prescaled for w_down) against the
+    gated tile GEMV, and w_down on the two x forms; us per call, min over alternated rounds; how many of the gated
+    outputs equal the pair's bits."""
+    config = quant_tile_gemv.NF4_TILE_CONFIGS[0]
+    (n, k), (n_down, k_down) = SHAPES["w_gate_up"], SHAPES["w_down"]
+    gate_up, down = distinct_weights(n, k, dev), distinct_weights(n_down, k_down, dev)
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    gain = (torch.rand(k, device=dev) + 0.5).to(torch.bfloat16)
+    norm = {"prologue": quant_tile_gemv.RMSNORM, "norm_weight": gain, "eps": 1e-5}
+    act = torch.randn(1, k_down, device=dev, dtype=torch.bfloat16)  # [1, I] silu(gate) * up
+    act16 = (act.float() * quant_tile_gemv.X_SCALE).half()  # the same, as silu_mul writes it prescaled
+    res = torch.randn(1, n_down, device=dev, dtype=torch.bfloat16)
+    tile = quant_tile_gemv.nf4_tile_gemv
+    gated = tile(x, gate_up[0], None, config, gated=True, **norm)
+    pair = triton_kernels.silu_mul(tile(x, gate_up[0], None, config, **norm))
+    calls = {
+        "pair": lambda: [triton_kernels.silu_mul(tile(x, w, None, config, **norm), quant_tile_gemv.X_SCALE)
+                         for w in gate_up],
+        "gated": lambda: [tile(x, w, None, config, gated=True, **norm) for w in gate_up],
+        "down_fp16": lambda: [tile(act16, w, res, config, prescaled=True) for w in down],
+        "down_bf16": lambda: [tile(act, w, res, config) for w in down],
+    }  # fmt: skip
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            count = len(down) if name.startswith("down") else len(gate_up)
+            times.setdefault(name, []).append(graph_us(fn, count))
+    us = {name: min(v) for name, v in times.items()}
+    return {"us": us, "equal_frac": float((gated == pair).float().mean()),
+            "max_abs_diff": float((gated.float() - pair.float()).abs().max())}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -59,12 +102,24 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--tile_sweep", action="store_true", help="one row: the tile GEMV's wider sweep")
     parser.add_argument("--families", default=",".join(FAMILIES), help="kernel families timed (default: all)")
+    parser.add_argument("--gated", action="store_true", help="only the gated w_gate_up A/B (see the docstring)")
     args = parser.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     bw = copy_bandwidth_bytes_per_s(dev)
     card = torch.cuda.get_device_name(dev)
     print(f"device {card}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    if args.gated:
+        ab = gated_ab(dev)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "quant_probe_gated.json").write_text(json.dumps({"card": card, "copy_bw": bw, **ab}, indent=1))
+        u = ab["us"]
+        pair, gated = u["pair"] + u["down_fp16"], u["gated"] + u["down_bf16"]
+        print(f"{card}: w_gate_up + silu_mul {u['pair']:.2f} us, gated {u['gated']:.2f} us; w_down on fp16 x "
+              f"{u['down_fp16']:.2f} us, on bf16 x {u['down_bf16']:.2f} us; gated outputs equal to the pair's "
+              f"{ab['equal_frac']:.4f} (max diff {ab['max_abs_diff']:.2e})")  # fmt: skip
+        print(f"gated {gated:.2f} us vs pair {pair:.2f} us: {'faster' if gated < pair else 'slower'}")
+        return
     rows = [int(r) for r in args.rows.split(",")]
     results = []
     for name in args.shapes.split(","):

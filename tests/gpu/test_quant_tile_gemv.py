@@ -161,6 +161,32 @@ def test_gated_output_is_the_gemv_then_silu_mul(dtype) -> None:
             assert torch.equal(alone[0], gated[1]), (prologue, config)  # a row does not depend on the other rows
 
 
+def test_tuner_offers_the_gated_form_and_decode_ops_serves_it() -> None:
+    from corolla.engine.ops import decode_ops as ops_module
+    from corolla.engine.quant import quant_choices
+    from corolla.engine.quant.quant_tile_gemv import NF4_TILE_CONFIGS, RMSNORM, nf4_tile_gemv
+    from corolla.engine.quant.quant_weights import quant_key
+
+    weight = random_code_weight(416, 512, seed=31, dtype=torch.bfloat16)
+    key = quant_key(weight)
+    assert quant_choices.gating_candidates(key, torch.bfloat16) == [("tile", c) for c in NF4_TILE_CONFIGS]
+    assert quant_choices.gating_candidates(("nf4", 48, 512), torch.bfloat16) == []  # halves of 24 rows
+    assert quant_choices.gating_candidates(key, torch.float32) == []
+    ops = ops_module.DecodeOps(DEV, 128, use_triton=True)
+    report = ops.tune_quantized({key: [weight, weight]}, reps=3, prologues={key: ("rmsnorm", "gated")})
+    r = report[key]["prologues"]["gated"]
+    assert r["unfused_us"] > 0 and len(r["all_us"]) == len(NF4_TILE_CONFIGS)
+    x = torch.randn(1, 512, device=DEV, dtype=torch.bfloat16)
+    gain = (torch.rand(512, device=DEV) + 0.5).to(torch.bfloat16)
+    ops.quant_fused[(*key, "gated")] = ("tile", NF4_TILE_CONFIGS[0])  # as if it had won
+    out, owed = ops.gate_up(x, weight, None, gain, 1e-5)
+    want = nf4_tile_gemv(x, weight, None, NF4_TILE_CONFIGS[0], prologue=RMSNORM, norm_weight=gain, eps=1e-5, gated=True)
+    assert owed == "none" and torch.equal(out, want)
+    del ops.quant_fused[(*key, "gated")]
+    out, owed = ops.gate_up(x, weight, None, gain, 1e-5)
+    assert owed == "silu" and out.shape == (1, 416)  # the pair: [gate | up], SiLU owed to the down projection
+
+
 def test_bad_inputs_are_refused() -> None:
     from corolla.engine.quant.quant_tile_gemv import nf4_tile_gemv
 
