@@ -4,15 +4,13 @@ token steps, and short steps marked so as B x T rows (`StepRequest.is_decode`); 
 one after it). The server's `Runtime` is the one scheduler in production: the fast
 executor registers `execute_steps` as its batch executor, and `launch_steps` as its launcher: a set of decode steps
 that one CUDA-graph forward serves is launched on the device and finished later (`PendingSteps.wait`), so that the
-runtime can launch the next forward before it sends this one's replies. A unit of queued work is one request or a
-`StepGroup` (a device channel frame's decode steps, one runtime task): `flatten_units` lays units out as one request
-list for `execute_steps`/`launch_steps` and `regroup` hands each unit its results. (The bench's own-thread driver is
+runtime can launch the next forward before it sends this one's replies. How the server groups requests into its
+tasks is the server's (`server.core.step_units`). (The bench's own-thread driver is
 `benchmarks.common.batcher.ContinuousBatcher`.)"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -109,63 +107,6 @@ _BYTE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.fl
 StepResult = torch.Tensor | BaseException  # one request's output [B, T, H], or what failed it alone
 
 
-@dataclass(eq=False, slots=True)
-class StepGroup:
-    """Step requests queued and answered as one unit (a device channel frame's decode steps: one runtime task, one
-    callback), in the order of their rows in the merged forward. Its result is a list with one `StepResult` per
-    request (each step fails alone); a failure of the whole batch fails the unit."""
-
-    requests: list[StepRequest]
-
-    def run(self) -> list[StepResult]:
-        """The unit outside a merged batch: its requests merged as `execute_steps` merges them."""
-        if not self.requests:
-            return []
-        engine = self.requests[0].session.engine
-        assert isinstance(engine, SpanEngine), "a step group runs on the span engine of its sessions"
-        return execute_steps(engine, self.requests)
-
-
-# per unit of a batch: 0 for a lone request (its result handed over as it is), n >= 1 for a `StepGroup` of n
-UnitSizes = list[int]
-
-
-def flatten_units(units: Sequence[StepRequest | StepGroup]) -> tuple[list[StepRequest], UnitSizes | None]:
-    """The requests of a batch's units, in order, and each unit's size (None where every unit is a lone request:
-    the results need no regrouping)."""
-    requests: list[StepRequest] = []
-    sizes: UnitSizes = []
-    grouped = False
-    for unit in units:
-        if isinstance(unit, StepGroup):
-            requests.extend(unit.requests)
-            sizes.append(len(unit.requests))
-            grouped = True
-        else:
-            requests.append(unit)
-            sizes.append(0)
-    return requests, sizes if grouped else None
-
-
-def regroup(results: Sequence[StepResult], sizes: UnitSizes | None) -> list[StepResult | list[StepResult]]:
-    """One result per unit from one per request (`flatten_units`' order): a lone request's own, a group's list."""
-    if sizes is None:
-        return list(results)
-    expected = sum(max(size, 1) for size in sizes)
-    if expected != len(results):
-        raise RuntimeError(f"{len(results)} step results for units of {expected} requests")
-    out: list[StepResult | list[StepResult]] = []
-    start = 0
-    for size in sizes:
-        if size == 0:
-            out.append(results[start])
-            start += 1
-        else:
-            out.append(list(results[start : start + size]))
-            start += size
-    return out
-
-
 class PendingSteps:
     """Step requests whose valid ones run in one launched forward: `wait()` gives one result per request, in order
     (a `ValueError` instance for an invalid request; a device failure fails the launched ones only) and sets each
@@ -208,21 +149,6 @@ class PendingSteps:
             for i in self._launched:
                 results[i] = e
         return results  # type: ignore[return-value]
-
-
-class PendingUnits:
-    """`PendingSteps` of a batch of units (`flatten_units`): `wait()` gives one result per unit (`regroup`)."""
-
-    def __init__(self, pending: PendingSteps, sizes: UnitSizes | None):
-        self._pending = pending
-        self._sizes = sizes
-
-    @property
-    def device_s(self) -> float | None:
-        return self._pending.device_s
-
-    def wait(self) -> list[StepResult | list[StepResult]]:
-        return regroup(self._pending.wait(), self._sizes)
 
 
 def launch_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> PendingSteps | None:

@@ -18,15 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from corolla.engine.batcher import (
-    PendingUnits,
-    StepGroup,
-    StepResult,
-    execute_steps,
-    flatten_units,
-    launch_steps,
-    regroup,
-)
+from corolla.engine.batcher import StepResult, execute_steps, launch_steps
 from corolla.engine.config import EngineConfig
 from corolla.engine.kv.page_queue import PageQueue
 from corolla.engine.serving import SpanTraits, unsupported_reason
@@ -57,6 +49,7 @@ from corolla.server.core.runtime import (
     Runtime,
     Task,
 )
+from corolla.server.core.step_units import PendingUnits, StepGroup, flatten_units, regroup
 from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
 from corolla.server.throughput import default_cache_dir

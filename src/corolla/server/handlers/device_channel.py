@@ -13,7 +13,7 @@ not a reader per channel, whose threads would each compete with the runtime thre
 receives every frame without blocking (`FrameSocket.receive`) and hands a STEP_BATCH (the steps of one handler loop
 iteration) to its channel's `FrameIntake`: each step is prepared by the executor (`DeviceExecutor.prepare_step`: the
 same typed refusals as `step`, a refused step answered at once, failing only its caller) and the frame's decode steps
-go to the runtime as ONE task (`DeviceExecutor.step_task` of an `engine.batcher.StepGroup`, split where they exceed
+go to the runtime as ONE task (`DeviceExecutor.step_task` of an `server.core.step_units.StepGroup`, split where they exceed
 one merged forward, `Runtime.merge_limit`), one wake of its thread per frame; prefill steps, a shadow session's
 (queued last) and a lone session's (which may run inline on an idle runtime) stay one task each. A session's state
 (open, length) is still checked per step in the runtime thread (`SpanEngine.validate`). After a merged forward the
@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.engine.batcher import StepGroup, StepResult
+from corolla.engine.batcher import StepResult
 from corolla.engine.span_engine import StepRequest
 from corolla.protocol import channel_frames as wire
 from corolla.protocol.prefix import PrefixKeys
@@ -64,6 +64,7 @@ from corolla.server.core.kv_handoff import check_handoff_frame
 from corolla.server.core.refusals import encode_error
 from corolla.server.core.runtime import Runtime, Task
 from corolla.server.core.span_core import SpanCore
+from corolla.server.core.step_units import StepGroup
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
