@@ -148,8 +148,10 @@ def test_gated_output_is_the_gemv_then_silu_mul(dtype) -> None:
         xs = triton_kernels.rms_norm(x, gain, eps) if prologue else x
         gate_up = xs.double() @ dense.t()
         ref = torch.nn.functional.silu(gate_up[:, : n // 2]) * gate_up[:, n // 2 :]  # [M, I]
-        # one warp a program: every row summed in the same order gated or not, so the bits of GEMV + silu_mul
-        for config in [(1, 2, 1, 1, 0), *CONFIGS]:
+        # one warp a program (bf16 with the norm: its 256-word table load takes seconds to compile): every row summed
+        # in the same order gated or not, so the bits of GEMV + silu_mul
+        one_warp = [(1, 2, 1, 1, 0)] if prologue and dtype == torch.bfloat16 else []
+        for config in [*one_warp, *CONFIGS]:
             kw = {"prologue": prologue, "norm_weight": gain, "eps": eps}
             gated = nf4_tile_gemv(x, weight, None, config, gated=True, **kw)
             assert gated.shape == (m, n // 2)
