@@ -3,13 +3,15 @@
 One loopback swarm for the whole module, three models (DHT prefixes) on it:
 - `tiny-llama`: a corolla server holds 0:2, a stock Petals server picks 2:4 itself from corolla's records;
 - `tiny-llama-pf`: a Petals server holds 0:2, a corolla server picks 2:4 itself from Petals' records;
-- `tiny-llama-f16`: a corolla server of 0:4 that asks for FLOAT16 inputs (`--compression`).
+- `tiny-llama-f16`: a corolla server of 0:4 that asks for FLOAT16 inputs (`--compression`);
+- `tiny-llama-shadow` (started for its one test): a corolla server and a stock Petals server, both of 0:4.
 A stock Petals client (one process for all three) and corolla's client each run forward, greedy generation, an
 inference session and a backward pass through both mixed chains (equal to local transformers), deep prompt tuning
 through the first, and compress their inputs as the f16 server asks; corolla's client with server-to-server
 forwarding pushes into a stock server (which runs the pushed steps) and, through a stock server first, falls back
 to relaying (a stock server forwards with its session's first request's metadata, whose `next_servers` our client
-leaves empty)."""
+leaves empty). corolla's deep-prompt-tuned client, verifying by shadow sessions, mirrors its session on one stack's
+server to the other stack's replica (prompts with position 0) and every position agrees."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +37,7 @@ DEFAULT_PETALS_PYTHON = REPO_ROOT / ".venv-petals" / "bin" / "python"
 DHT_PREFIX = "tiny-llama"  # corolla 0:2 -> Petals 2:4
 PETALS_FIRST_PREFIX = "tiny-llama-pf"  # Petals 0:2 -> corolla 2:4
 F16_PREFIX = "tiny-llama-f16"  # one corolla server asking for FLOAT16 inputs
+SHADOW_PREFIX = "tiny-llama-shadow"  # a corolla and a stock Petals server of 0:4: one serves, the other shadows
 NUM_LAYERS = 4
 INPUT_IDS = [1, 72, 101, 108, 108, 111, 44, 32, 119]
 NEW_TOKENS = 6
@@ -418,3 +422,58 @@ def test_forwarding_through_a_stock_server_falls_back_to_relaying(interop_swarm,
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+@pytest.fixture(scope="module")
+def shadow_pair(interop_swarm, petals_py: Path, model_dir: Path) -> tuple[ServerProcess, PetalsServer]:
+    """A corolla server and a stock Petals server of every block of SHADOW_PREFIX (stopped with the module's swarm);
+    the corolla one announces a far higher throughput (routes go through it: the Petals one is the shadow's replica)."""
+    swarm = interop_swarm.swarm
+    every = ["--block_indices", f"0:{NUM_LAYERS}"]
+    corolla = start_corolla_server(swarm, model_dir, SHADOW_PREFIX, [*every, "--throughput", "1000"])
+    petals = start_petals_server(swarm, petals_py, model_dir, SHADOW_PREFIX, every, swarm.initial_peers)
+    corolla.wait_ready(180.0)
+    petals.wait_ready(180.0)
+    return corolla, petals
+
+
+def test_a_deep_prompt_session_is_shadowed_across_stacks(interop_swarm, shadow_pair, model_dir, ptune_prompts):
+    """corolla's deep-prompt-tuned client with `verify_shadow_fraction=1` generates through the corolla server of
+    0:4 and mirrors the session to the stock Petals replica (a shadow session: an ordinary rpc_inference stream to
+    it): the prompts go with position 0 to both, both add them to positions [0, P), and every position of the
+    prompts, the prompt and each new token agrees within fp32's tolerance (a disagreement would end "undecided": two
+    servers, no third); nobody is banned."""
+    from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+
+    corolla, petals = shadow_pair
+    input_ids = torch.tensor([INPUT_IDS])  # [1, T]
+    config = ClientConfig(max_retries=3, verify_shadow_fraction=1.0)
+    with (
+        torch_threads(1),
+        AutoDistributedModelForCausalLM.from_pretrained(
+            model_dir, initial_peers=interop_swarm.swarm.initial_peers, dht_prefix=SHADOW_PREFIX,
+            client_config=config, tuning_mode="deep_ptune", pre_seq_len=PTUNE_PRE_SEQ_LEN,
+        ) as model,
+    ):  # fmt: skip
+        tables = dict(model.prompt_tuning.named_parameters())
+        with torch.no_grad():
+            for name, value in ptune_prompts[0].items():
+                tables[f"{name}.weight"].copy_(value)
+        model.manager.wait_ready()
+        for _ in range(30):  # both servers' records read (the shadow needs a replica)
+            if {span.peer_id for span in model.manager.spans} >= {corolla.peer_id, petals.peer_id}:
+                break
+            time.sleep(1.0)
+            model.manager.update()
+        with torch.no_grad(), model.inference_session(max_length=len(INPUT_IDS) + NEW_TOKENS) as session:
+            model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, session=session)
+        banned = model.manager.bans.banned_peers()
+    (shadow,) = session.shadows.shadows
+    assert (shadow.span.peer_id, shadow.replica.peer_id) == (corolla.peer_id, petals.peer_id)
+    assert shadow.prompts is not None and shadow.prompts.shape[2] == PTUNE_PRE_SEQ_LEN  # the prompts were mirrored
+    assert shadow.state == "agreed", (shadow.state, shadow.max_error)
+    # every position the server computed: the P prompt positions, the prompt, each new token but the last
+    assert shadow.positions_compared == PTUNE_PRE_SEQ_LEN + len(INPUT_IDS) + NEW_TOKENS - 1, shadow.positions_compared
+    assert shadow.max_error < 1e-3  # (1.5e-6 measured: fp32 on CPU)
+    assert not banned
+    assert_clean_logs(interop_swarm.swarm.servers)
