@@ -34,7 +34,7 @@ READY_TIMEOUT_S = 150.0
 DRAIN_TIMEOUT_S = 5.0  # corolla-server's --drain_timeout_s default
 SIGTERM_EXIT_LIMIT_S = 10.0  # target <= 5 s with no open session; margin for a loaded 2-core machine
 UNREACHABLE_PEER = "/ip4/127.0.0.1/tcp/{port}/p2p/QmedTaZXmULqwspJXz44SsPZyTNKxhnnFvYRajfH7MGhCY"
-CLIS = ("run_dht", "run_server", "generate", "api", "health", "demo")
+CLIS = ("run_dht", "run_server", "generate", "api", "health", "demo", "findings")
 CLI_FORK = Path(__file__).resolve().parents[1] / "helpers" / "cli_fork.py"
 
 
