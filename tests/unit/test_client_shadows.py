@@ -330,6 +330,9 @@ def test_a_shared_finding_is_reverified_first_hand() -> None:
     assert background_loop.run(check_finding(manager, wire)) == "caught"
     assert manager.bans.is_liar("accused") and not manager.bans.banned_peers() & {"R1", "R2", "B"}
     assert manager.findings.liars() == ["accused"] and [e.peer_id for e in manager.findings.entries()] == ["accused"]
+    answers = sum(server.answers for server in servers.values())
+    assert background_loop.run(check_finding(manager, wire)) == "unverifiable"  # banned already: nothing re-asked
+    assert sum(server.answers for server in servers.values()) == answers
     kept = decode_finding(manager.findings.read("accused") or b"")
     assert torch.equal(kept.inputs, inputs) and not torch.equal(kept.claimed, wire.claimed)  # its answer to us
 

@@ -10,7 +10,8 @@ servers do not sign them), so the receiver asks the swarm itself:
    (`StretchReferees.decide`, the rule shadows use): the accused outvoted is banned for good and its own answer
    kept as this client's first-hand finding (`FindingStore.record_caught`): "caught"; the replica outvoted by the
    accused and a third is banned instead, or no third answers: "unverifiable" for the accused.
-Only "caught" changes anything about the accused; a forged finding against an honest server ends in 2 or 3."""
+Only "caught" changes anything about the accused; a forged finding against an honest server ends in 2 or 3. A finding
+against a server this client has banned as a liar already is not re-checked ("unverifiable")."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ async def check_finding(
     manager: RemoteSequenceManager, finding: Finding, *, reporter: str | None = None, rng: random.Random | None = None
 ) -> Verdict:
     """Re-verifies `finding` first-hand (module docstring). `reporter`: the peer that sent it, never asked."""
+    if manager.bans.is_liar(finding.peer_id):  # (out of the view: it could not be asked)
+        return _unverifiable(finding, "this client banned it as a liar already")
     referees = StretchReferees(manager, rng=rng)
     accused = next((s for s in manager.spans if s.peer_id == finding.peer_id), None)
     span = RemoteSpanInfo(
