@@ -401,37 +401,6 @@ def bench_llama(
     free_cache(dev)
 
 
-def bench_programmatic(
-    results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev, kinds: tuple[str, ...]
-) -> None:
-    """The NF4 / INT8 step again (of `kinds`; the same weights as bench_llama's) with programmatic dependent launch
-    (quant_splits; sm_90+: the quantized kernels launched with it, the norm / attention / SiLU kernels before them
-    releasing them early), tuned afresh; a failure is logged and recorded."""
-    from corolla.engine.kernels import quant_splits  # needs Triton
-
-    for kind in (k for k in ("nf4", "int8") if k in kinds):
-        gen = torch.Generator(device=dev).manual_seed(0)
-        spec = LLAMA3_8B
-        layers = [quantized(random_layer(spec, dev, gen), kind) for _ in range(layers_n)]
-        quant_splits.set_programmatic_launch(True)
-        try:
-            engine, report = make_engine(spec, layers, 1, kv_pool_bytes_for(spec, layers_n, 1, prefix + 64))
-            floor = engine.model.weight_bytes() / bandwidth * 1000
-            kernels = log_kernels(lines, f"{kind} (programmatic launch)", report, layers[0], bandwidth)
-            ms, _ = step_ms(engine, open_prefilled(engine, 1, prefix, gen), prefix)
-            row = {"step_ms": ms, "floor_ms": floor, "x_floor": ms / floor, "kernels": kernels}
-            results[f"llama3_8b_{kind}_pdl"] = row
-            log(lines, f"llama3-8b x{layers_n} {kind}, programmatic launch: step {ms:.3f} ms ({ms / floor:.2f}x floor)")
-            del engine
-        except Exception as e:  # an experiment: its failure is reported, the other rows stand
-            results[f"llama3_8b_{kind}_pdl"] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
-            log(lines, f"{kind} with programmatic launch failed: {type(e).__name__}: {str(e)[:400]}")
-        finally:
-            quant_splits.set_programmatic_launch(False)
-        del layers
-        free_cache(dev)
-
-
 def bench_qwen3(results: dict, lines: list[str], bandwidth: float, prefix: int, layers_n: int, dev) -> None:
     from transformers import DynamicCache, Qwen3Config, Qwen3Model
 
@@ -489,9 +458,6 @@ def main() -> None:
         "--kinds", default="bf16,nf4,int8", help="comma-separated subset of bf16,nf4,int8, run in this order"
     )
     parser.add_argument("--profile_steps", type=int, default=0, help="> 0: each kind's step under the profiler too")
-    parser.add_argument(
-        "--programmatic_launch", action="store_true", help="also NF4 / INT8 with programmatic dependent launch (sm_90+)"
-    )
     parser.add_argument("--timeline", action="store_true", help="each kind's step: its kernels by position in a layer")
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))  # run in the order given (bf16 first for the x bf16 ratios)
@@ -517,8 +483,6 @@ def main() -> None:
         args.profile_steps,
         args.timeline,
     )
-    if args.programmatic_launch and dev.type == "cuda":
-        bench_programmatic(results, lines, bandwidth, args.prefix_tokens, args.llama_layers, dev, kinds)
     if args.qwen3_layers > 0:
         bench_qwen3(results, lines, bandwidth, args.prefix_tokens, args.qwen3_layers, dev)
     stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())

@@ -15,13 +15,6 @@ outputs, and a row's output does not depend on the other rows of the call. The c
 (`NF4Weight.split_counters()` / `Int8Weight.split_counters()`): calls on one weight must not run concurrently on
 two streams.
 
-Programmatic dependent launch (an experiment, off unless `set_programmatic_launch(True)`; `quant_bench
---programmatic_launch` measures it): on sm_90+ the kernels are launched with `launch_pdl`, so their programs may
-start while the kernel before them (RMSNorm, attention, SiLU) finishes; each waits (`wait_for_producer`,
-griddepcontrol.wait: the previous grid complete and its writes visible) before it reads anything another kernel
-wrote (x, residual) and before it writes; only the immutable weight bytes may be read before. The kernels before the projections of a decode step (RMSNorm,
-paged attention, SiLU gating: triton_kernels) call `release_dependents` first, so the next projection's programs
-start while they run.
 Prologues (`PROLOGUES`; the INT8 tl.dot block kernel and byte GEMV; decode rows): "rmsnorm" scales x by the
 norm's gain per k as it is loaded (fp32, not rounded to x's dtype before the product, as the separate kernel's
 output is) and sums x^2 over the program's K range; the row's 1/rms multiplies the finished dot product (before the
@@ -37,21 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-_PROGRAMMATIC_LAUNCH = {"enabled": False}
 PROLOGUES = {"none": 0, "rmsnorm": 1, "silu": 2}  # the kernels' PRO codes
-
-
-def set_programmatic_launch(enabled: bool) -> None:
-    """Turns programmatic dependent launch of the quantized GEMV/GEMM kernels on or off for this process (calls
-    made after it; a CUDA graph keeps what it captured)."""
-    _PROGRAMMATIC_LAUNCH["enabled"] = bool(enabled)
-
-
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with programmatic dependent launch (turned on, and sm_90 or newer)."""
-    if not _PROGRAMMATIC_LAUNCH["enabled"] or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def prologue_width(k: int, prologue: int) -> int:
@@ -67,27 +46,6 @@ def check_prologue(k: int, prologue: int, norm_weight: torch.Tensor | None) -> N
         norm_weight is None or norm_weight.shape != (k,) or norm_weight.stride(0) != 1
     ):
         raise ValueError(f"the RMSNorm prologue needs a contiguous [{k}] gain")
-
-
-def launch_options(use_pdl: bool) -> dict[str, bool]:
-    """Extra launch keywords of a kernel call: none unless programmatic launch is on (older Tritons know no
-    `launch_pdl`)."""
-    return {"launch_pdl": True} if use_pdl else {}
-
-
-@triton.jit
-def wait_for_producer(USE_PDL: tl.constexpr):
-    # with programmatic launch: wait until the previous kernel completed and its writes are visible
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def release_dependents(USE_PDL: tl.constexpr):
-    # with programmatic launch: let the next kernel's programs start now (they wait for this grid to complete before
-    # reading its output: `wait_for_producer`), so that they load their weights while this kernel runs
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from corolla.engine.kernels.alibi_triton import alibi_bias
 from corolla.engine.kernels.attention_counters import attention_counters
-from corolla.engine.kernels.quant_splits import arrive_last, programmatic_launch, release_dependents, reset_counter
+from corolla.engine.kernels.quant_splits import arrive_last, reset_counter
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
@@ -27,8 +27,7 @@ def _store_out(ptrs, y, mask, out_scale, SCALED: tl.constexpr, x_dtype: tl.const
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n_cols, eps, out_scale, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr, SCALED: tl.constexpr):  # fmt: skip
-    release_dependents(PDL)  # the projection after it may start (quant_splits)
+                     SCALED: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -54,7 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, f16_scale: float
     block = triton.next_power_of_2(h)
     _rms_norm_kernel[(n,)](
         x, weight, out, x.stride(0), out.stride(0), h, eps, f16_scale or 1.0, BLOCK=block,
-        PDL=programmatic_launch(x.device), SCALED=f16_scale is not None, num_warps=8,
+        SCALED=f16_scale is not None, num_warps=8,
     )  # fmt: skip
     return out
 
@@ -160,10 +159,8 @@ def _paged_attn_kernel(
     SP: tl.constexpr,
     GC: tl.constexpr,
     ALIBI: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     # ALIBI (ops.ALIBI_*): 0 none; else score += round(slope[head] * key_position) * alibi_scale (alibi_triton)
-    release_dependents(PDL)  # the output projection after it may start (quant_splits)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -274,7 +271,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, out, m, l_, acc, counters, slopes,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), scale, alibi_scale,
         G=group, GP=gp, NKV=nkv, D=d, PAGE=page, S=splits, SP=triton.next_power_of_2(splits),
-        GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, PDL=programmatic_launch(q.device), num_warps=4,
+        GC=max(2, triton.next_power_of_2(group)), ALIBI=alibi_mode, num_warps=4,
         num_stages=2,
     )  # fmt: skip
     return out
@@ -284,9 +281,8 @@ def paged_decode_attention(
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, out_scale, BLOCK: tl.constexpr, PDL: tl.constexpr,
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n_cols, out_scale, BLOCK: tl.constexpr,
                      SCALED: tl.constexpr):  # fmt: skip
-    release_dependents(PDL)  # the down projection after it may start (quant_splits)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -305,7 +301,7 @@ def silu_mul(gate_up: torch.Tensor, f16_scale: float | None = None) -> torch.Ten
     block = 1024
     _silu_mul_kernel[(n, triton.cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter, f16_scale or 1.0, BLOCK=block,
-        PDL=programmatic_launch(out.device), SCALED=f16_scale is not None, num_warps=4,
+        SCALED=f16_scale is not None, num_warps=4,
     )  # fmt: skip
     return out
 

@@ -39,13 +39,10 @@ from corolla.engine.kernels.quant_splits import (
     check_prologue,
     finish_row,
     finish_split_rows,
-    launch_options,
-    programmatic_launch,
     prologue_width,
     prologue_x,
     rows_per_program,
     rstd_of,
-    wait_for_producer,
 )
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, counters_for_tiles
 
@@ -108,7 +105,6 @@ def _nf4_gemv_kernel(
     ROWS: tl.constexpr,
     USE_WS: tl.constexpr,
     HAS_RES: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     # program (n tile, split, row group): rows pid_m * ROWS + [0, ROWS) against W[n tile, k-range of the split].
     # Packed row n: byte j holds element 2j (high nibble) and 2j + 1 (low nibble); absmax block b of row n is
@@ -129,7 +125,6 @@ def _nf4_gemv_kernel(
     acc1 = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
-    wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
     for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
         b0 = step * NB  # first absmax block of this step
         cols = b0 * 32 + offs_bb  # [BB] byte columns
@@ -216,7 +211,6 @@ def _int8_gemv_kernel(
     ROWS: tl.constexpr,
     USE_WS: tl.constexpr,
     HAS_RES: tl.constexpr,
-    USE_PDL: tl.constexpr,
     PRO: tl.constexpr,
 ):
     # program (n tile, split, row group): per-element fp32 accumulators over the split's K range, summed once at
@@ -246,7 +240,6 @@ def _int8_gemv_kernel(
     k_end = tl.minimum(K, hi * BLOCK_K)
     # each step's codes are loaded one step ahead (registers): their latency overlaps the previous step's FMAs
     codes = tl.load(w_ptrs + lo * BLOCK_K, mask=n_mask[:, None] & (lo * BLOCK_K + offs_k0 < k_end)[None, :], other=0)
-    wait_for_producer(USE_PDL)  # the first codes are in flight; x and the residual come from the previous kernel
     for step in range(lo, hi):
         offs_k = step * BLOCK_K + offs_k0
         nk = offs_k + BLOCK_K
@@ -323,7 +316,6 @@ def quant_gemv(
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, rows))
     # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
     counters = counters_for_tiles(weight, grid[0] * grid[2]) if use_ws else ws
-    pdl = programmatic_launch(x.device)
     if isinstance(weight, NF4Weight):
         if config not in NF4_GEMV_CONFIGS:
             raise ValueError(f"{config} is not an NF4 GEMV config")
@@ -333,7 +325,7 @@ def quant_gemv(
             weight.code, ws, res, out, counters,
             m, n, k, x.stride(0), weight.packed.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
             BLOCK_N=block_n, NB=blocks, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None,
-            USE_PDL=pdl, num_warps=warps, **launch_options(pdl),
+            num_warps=warps,
         )  # fmt: skip
     else:
         if config not in INT8_GEMV_CONFIGS:
@@ -343,7 +335,7 @@ def quant_gemv(
         _int8_gemv_kernel[grid](
             x, weight.codes, weight.col_scale, ws, res, out, counters, norm_weight if prologue == 1 else ws, ss,
             m, n, k, x.stride(0), weight.codes.stride(0), res.stride(0), out.stride(0), splits, eps,
-            BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None, USE_PDL=pdl,
-            PRO=prologue, num_warps=warps, **launch_options(pdl),
+            BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, USE_WS=use_ws, HAS_RES=residual is not None,
+            PRO=prologue, num_warps=warps,
         )  # fmt: skip
     return out

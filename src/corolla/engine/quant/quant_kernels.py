@@ -19,15 +19,12 @@ from corolla.engine.kernels.quant_splits import (
     PROLOGUES,
     arrive_last,
     check_prologue,
-    launch_options,
-    programmatic_launch,
     prologue_width,
     reset_counter,
     rstd_of,
     silu_gate,
     split_rstd,
     sum_split_tile,
-    wait_for_producer,
 )
 from corolla.engine.quant.quant_weights import NF4_BLOCK_VALUES, Int8Weight, NF4Weight, counters_for_tiles
 
@@ -107,7 +104,6 @@ def _nf4_gemm_kernel(
     SPLIT: tl.constexpr,
     HAS_RES: tl.constexpr,
     TILES: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     # code_ptr: int32 [256] pair table of the levels in x's dtype (NF4Weight.pair_levels).
     # ws[split, M, N] (fp32) = x[M, K-range of split] @ dequant(W)[N, K-range]^T for TILES 16-row tiles and
@@ -132,7 +128,6 @@ def _nf4_gemm_kernel(
     acc1 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc3 = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
     for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
         for b in tl.static_range(NB):
             blk = step * NB + b
@@ -202,7 +197,6 @@ def _int8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_RES: tl.constexpr,
-    USE_PDL: tl.constexpr,
     PRO: tl.constexpr,
 ):
     # ws[split, M, N] (fp32) = f(x)[M, K-range] @ codes[N, K-range]^T (int8 codes are exact in bf16/fp16); f: the
@@ -222,7 +216,6 @@ def _int8_gemm_kernel(
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([16], dtype=tl.float32)  # RMSNorm: sum of x^2 over this program's K range, per row
-    wait_for_producer(USE_PDL)  # x and the residual come from the previous kernel
     for step in range(split * per_split, tl.minimum((split + 1) * per_split, steps)):
         offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -292,13 +285,12 @@ def quant_matmul(
         grid = (triton.cdiv(m, TILE_M) * triton.cdiv(n, block_n), split)
     # [split_counter_slots(N)] int32 arrival counts of the output tiles (not read without a split)
     counters = counters_for_tiles(weight, grid[0]) if split > 1 else ws
-    pdl = programmatic_launch(x.device)
     if isinstance(weight, NF4Weight):
         _nf4_gemm_kernel[grid](
             x, weight.packed, weight.absmax_codes, weight.nested_absmax, weight.nested_code, weight.pair_levels, ws,
             res, out, counters, m, n, k, x.stride(0), res.stride(0), out.stride(0), weight.nested_offset,
             BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_RES=residual is not None, TILES=tiles,
-            USE_PDL=pdl, num_warps=warps, num_stages=stages, **launch_options(pdl),
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
     else:
         norm = prologue == PROLOGUES["rmsnorm"] and split > 1  # [split, M, N tiles] fp32 partial sums of squares
@@ -306,8 +298,7 @@ def quant_matmul(
         _int8_gemm_kernel[grid](
             x, weight.codes, ws, res, weight.col_scale, out, counters, norm_weight if prologue == 1 else ws, ss,
             m, n, k, x.stride(0), res.stride(0), out.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-            HAS_RES=residual is not None, USE_PDL=pdl, PRO=prologue, num_warps=warps, num_stages=stages,
-            **launch_options(pdl),
+            HAS_RES=residual is not None, PRO=prologue, num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out
 
