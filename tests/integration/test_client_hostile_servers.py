@@ -20,6 +20,7 @@ from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM
 
 from corolla.cli.findings import main as findings_main
+from corolla.cli.generate import main as generate_main
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.findings import Finding, decode_finding, encode_finding
@@ -164,20 +165,24 @@ def test_finite_garbage_is_caught_by_a_shadow_session(swarm, model_path, mode_fi
 def test_a_shared_finding_bans_the_liar_first_hand_and_a_forged_one_bans_nobody(
     swarm, model_path, mode_file, tmp_path, capsys
 ):
-    """Client A's shadow catches the liar and keeps its finding in A's findings_dir; client B re-checks that file
-    against the live swarm (`corolla-findings`) and bans the liar (in B's directory, banned again by B's next client);
-    the same finding with an honest replica named as the accused (what a liar would send to frame it) comes out
-    "unverifiable" and bans nobody."""
+    """Client A (`corolla-generate --verify_shadow_fraction 1 --findings_dir A`) catches the liar by a shadow session
+    and keeps its finding in A; client B re-checks that file against the live swarm (`corolla-findings`) and bans
+    the liar (in B's directory, banned again by B's next client); the same finding with an honest replica named as
+    the accused (what a liar would send to frame it) comes out "unverifiable" and bans nobody."""
     mode_file.write_text("garbage 0")
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     liar = swarm.liar.peer_id
-    for _ in range(3):  # on a loaded machine the route may start at an honest replica (see above): ask again
-        config = _config(verify_shadow_fraction=1.0, findings_dir=str(a_dir))
-        _, banned, first_hop, _ = _generate(swarm, model_path, config)
-        if first_hop == liar:
-            break
-    assert first_hop == liar and liar in banned
     caught = a_dir / f"{liar}.finding"
+    for _ in range(3):  # caught as the span's server or as its shadow; on a loaded machine maybe neither: ask again
+        code = generate_main(
+            [str(model_path), "hello", "--initial_peers", *swarm.initial_peers, "--max_new_tokens", "4",
+             "--verify_shadow_fraction", "1", "--findings_dir", str(a_dir), "--max_wait_s", "20"]
+        )  # fmt: skip
+        out = capsys.readouterr().out
+        assert code == 0, out
+        if caught.is_file():
+            break
+    assert f"caught lying: {liar} (findings in {a_dir})" in out, out
     assert caught.is_file() and (a_dir / "liars").read_text().split() == [liar]
     honest = swarm.honest[0].peer_id  # a replica of 0:2
     forged = tmp_path / "forged.finding"

@@ -65,6 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-run this fraction of steps on a second server of each span and ban servers that disagree",
     )
     parser.add_argument(
+        "--verify_shadow_fraction",
+        type=float,
+        default=ClientConfig.verify_shadow_fraction,
+        help="mirror this fraction of sessions to a replica in the background and ban servers outvoted 2:1 "
+        "(0.75 catches a server lying in 1%% of its steps within 1,000 of them)",
+    )
+    parser.add_argument(
+        "--findings_dir",
+        default=None,
+        help="keep the finding of each server caught lying here (<peer id>.finding, for corolla-findings), and ban "
+        "the servers caught in earlier runs with this directory",
+    )
+    parser.add_argument(
         "--server_forwarding",
         action=argparse.BooleanOptionalAction,
         default=ClientConfig.server_forwarding,
@@ -108,7 +121,12 @@ def _main(argv: list[str] | None = None) -> int:
     )
     wait_s = args.max_wait_s if args.max_wait_s > 0 else None
     config = dataclasses.replace(
-        config, max_wait_s=wait_s, verify_fraction=args.verify_fraction, server_forwarding=args.server_forwarding
+        config,
+        max_wait_s=wait_s,
+        verify_fraction=args.verify_fraction,
+        server_forwarding=args.server_forwarding,
+        verify_shadow_fraction=args.verify_shadow_fraction,
+        findings_dir=args.findings_dir,
     )
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
     sampling: dict = {
@@ -127,6 +145,7 @@ def _main(argv: list[str] | None = None) -> int:
         client_config=config,
         torch_dtype=dtype,
     ) as model:
+        known_liars = set(model.manager.findings.liars())
         if not args.interactive:
             ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
             print(args.prompt, end="", flush=True)
@@ -138,7 +157,7 @@ def _main(argv: list[str] | None = None) -> int:
             elapsed_s = time.perf_counter() - started
             print(
                 f"[{streamer.num_generated} tokens in {elapsed_s:.2f} s: {streamer.num_generated / elapsed_s:.2f} tokens/s"
-                f"{_speculative_summary(model)}]"
+                f"{_speculative_summary(model)}{_findings_summary(model, known_liars, args.findings_dir)}]"
             )
             return 0
         # servers refuse sessions longer than the positions the model was trained for
@@ -169,7 +188,10 @@ def _main(argv: list[str] | None = None) -> int:
                     **sampling,
                 )
                 elapsed_s = time.perf_counter() - started
-                print(f"[{streamer.num_generated / elapsed_s:.2f} tokens/s{_speculative_summary(model)}]")
+                print(
+                    f"[{streamer.num_generated / elapsed_s:.2f} tokens/s{_speculative_summary(model)}"
+                    f"{_findings_summary(model, known_liars, args.findings_dir)}]"
+                )
     return 0
 
 
@@ -187,6 +209,17 @@ def _speculative_summary(model: DistributedModelForCausalLM) -> str:
     rate = stats.acceptance_rate
     accepted = "n/a" if rate is None else f"{rate:.0%}"
     return f"; speculative: {accepted} of drafts accepted, {stats.tokens_per_round:.2f} tokens per pass"
+
+
+def _findings_summary(model: DistributedModelForCausalLM, known: set[str], findings_dir: str | None) -> str:
+    """The servers caught lying and not in `known` (then added to it; their findings:
+    `client.verification.finding_store`)."""
+    caught = [peer for peer in model.manager.findings.liars() if peer not in known]
+    known.update(caught)
+    if not caught:
+        return ""
+    where = f"findings in {findings_dir}" if findings_dir else "banned; --findings_dir keeps the findings"
+    return f"; caught lying: {', '.join(caught)} ({where})"
 
 
 if __name__ == "__main__":
