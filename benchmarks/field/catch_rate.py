@@ -33,9 +33,9 @@ import torch
 
 from corolla.client import background_loop
 from corolla.client.config import ClientConfig
+from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, Mirrored, Shadow, ShadowVerifier, escape_probability
-from corolla.client.verification.findings import Finding
 from corolla.client.verification.stretches import StretchReferees
 from corolla.protocol.records import RemoteModuleInfo, RemoteSpanInfo, ServerInfo, ServerState
 from corolla.utils.logging import quiet_logs

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 from corolla.cli.findings import main as findings_main
 from corolla.cli.generate import main as generate_main
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+from corolla.client.routing.findings import Finding, decode_finding, encode_finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.verification.findings import Finding, decode_finding, encode_finding
 from corolla.utils.errors import NoHonestServerError
 
 pytestmark = pytest.mark.timeout(300)

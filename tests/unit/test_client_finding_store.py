@@ -1,4 +1,4 @@
-"""The findings a client caught first-hand (client.verification.finding_store): one per accused, bounded in count and
+"""The findings a client caught first-hand (client.routing.finding_store): one per accused, bounded in count and
 bytes (the oldest goes), in memory or in a directory; the peer ids caught are banned again by a client given the same
 directory, and nothing else there bans anyone (a finding received from someone else and put in the directory, a
 forged `liars` line that is not a peer id)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from corolla.cli.findings import main as findings_main
-from corolla.client.verification.finding_store import LIARS_FILE, MAX_LIARS, FindingStore
-from corolla.client.verification.findings import Finding, decode_finding, encode_finding
+from corolla.client.routing.finding_store import LIARS_FILE, MAX_LIARS, FindingStore
+from corolla.client.routing.findings import Finding, decode_finding, encode_finding
 from helpers.fake_chain import HIDDEN, FakeManager
 
 

@@ -18,6 +18,7 @@ from tests.helpers.hostile_server import corrupt
 from tests.unit.test_client_distrust import Server
 
 from corolla.client import background_loop
+from corolla.client.routing.findings import Finding, decode_finding, encode_finding
 from corolla.client.session.inference_session import InferenceSession
 from corolla.client.session.shadows import (
     DEFAULT_SHADOW_FRACTION,
@@ -26,7 +27,6 @@ from corolla.client.session.shadows import (
     escape_probability,
 )
 from corolla.client.verification.finding_check import check_finding
-from corolla.client.verification.findings import Finding, decode_finding, encode_finding
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.shadow import SHADOW_KEY
 from helpers.fake_chain import HIDDEN, FakeManager, reference

@@ -17,9 +17,9 @@ from pathlib import Path
 from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli, wants_verbose
 from corolla.client import background_loop
 from corolla.client.config import ClientConfig
+from corolla.client.routing.findings import MAX_FINDING_BYTES, Finding, decode_finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.finding_check import check_finding
-from corolla.client.verification.findings import MAX_FINDING_BYTES, Finding, decode_finding
 from corolla.models.config import default_dht_prefix, load_config
 from corolla.protocol.uids import make_uid
 from corolla.utils.logging import quiet_logs

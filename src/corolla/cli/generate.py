@@ -213,7 +213,7 @@ def _speculative_summary(model: DistributedModelForCausalLM) -> str:
 
 def _findings_summary(model: DistributedModelForCausalLM, known: set[str], findings_dir: str | None) -> str:
     """The servers caught lying and not in `known` (then added to it; their findings:
-    `client.verification.finding_store`)."""
+    `client.routing.finding_store`)."""
     caught = [peer for peer in model.manager.findings.liars() if peer not in known]
     known.update(caught)
     if not caught:

@@ -77,7 +77,7 @@ class ClientConfig:
     # of its steps with >= 99% probability within 1,000 of its steps); 0 = off
     verify_shadow_fraction: float = 0.0
     # where the findings of servers this client caught lying are kept for its user to share, and the peer ids it
-    # caught, banned again by a client given the same directory (`client.verification.finding_store`); None = memory
+    # caught, banned again by a client given the same directory (`client.routing.finding_store`); None = memory
     findings_dir: str | None = None
     findings_max_count: int = 16  # findings kept (one per liar); past it the oldest goes
     findings_max_bytes: int = 256 << 20  # bytes of the findings kept (one larger than this is not kept)

@@ -16,9 +16,9 @@ from corolla.client import background_loop
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_routes import PrefixRoutes
 from corolla.client.routing.bans import BanList
+from corolla.client.routing.finding_store import FindingStore
 from corolla.client.transport.direct_transport import DirectOffers
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
-from corolla.client.verification.finding_store import FindingStore
 from corolla.protocol.auth import MEMBER_PROOF_KEY, join_info_uid
 from corolla.protocol.direct_stream import DirectOffer
 from corolla.protocol.metadata import decode_metadata
@@ -80,7 +80,7 @@ class RemoteSequenceManager:
             self._own_dht = True
         self.dht = dht
         self.bans = BanList(config.ban_timeout_s, config.ban_backoff_rate)
-        # servers caught lying first-hand (`client.verification.finding_store`): banned again by a client given their dir
+        # servers caught lying first-hand (`client.routing.finding_store`): banned again by a client given their dir
         self.findings = FindingStore(
             config.findings_dir, max_count=config.findings_max_count, max_bytes=config.findings_max_bytes
         )

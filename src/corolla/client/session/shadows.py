@@ -55,9 +55,9 @@ from typing import Literal
 import torch
 
 from corolla.client import background_loop
+from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.span_session import SpanSession
-from corolla.client.verification.findings import Finding
 from corolla.client.verification.stretches import StretchReferees
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.protocol.shadow import SHADOW_KEY

@@ -1,3 +1,4 @@
 """Checking that servers compute what they claim: sampled steps re-run on other servers (`step_verifier`),
-stretches recomputed by a replica (`stretches`), and what was caught kept (`finding_store`) and shared as bytes
-(`findings`) without letting a liar frame anyone (`finding_check`)."""
+stretches recomputed by a replica (`stretches`), and a finding shared by someone else re-checked first-hand without
+letting a liar frame anyone (`finding_check`; the finding record and the store of what this client caught are
+routing's, `client.routing.findings` / `finding_store`, as they decide whom a client bans)."""

@@ -20,8 +20,8 @@ import dataclasses
 import random
 from typing import Literal
 
+from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.verification.findings import Finding
 from corolla.client.verification.stretches import StretchReferees
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.utils.logging import get_logger

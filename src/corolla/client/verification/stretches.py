@@ -19,8 +19,8 @@ import torch
 
 from corolla.client.calls.output_checks import verify_rtol
 from corolla.client.calls.remote_forward_backward import run_remote_forward
+from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.verification.findings import Finding
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 

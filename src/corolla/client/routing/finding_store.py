@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from corolla.client.verification.findings import MAX_FINDING_BYTES, PEER_ID_PATTERN, Finding, encode_finding
+from corolla.client.routing.findings import MAX_FINDING_BYTES, PEER_ID_PATTERN, Finding, encode_finding
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)

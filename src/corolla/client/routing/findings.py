@@ -4,7 +4,7 @@ blocks, the span's inputs for positions [0, b), the deep prompts its session sen
 `[blocks, B|1, P, H]`, checked against the blocks and the inputs' shape) and the outputs it is said to have returned
 for [first, b). Servers do not sign their outputs, so nothing proves the accused sent those outputs: a finding is
 hearsay to anyone but the client that caught it. A receiver re-verifies it first-hand
-(`client.verification.finding_check`); the client that caught it keeps it (`client.verification.finding_store`)."""
+(`client.verification.finding_check`); the client that caught it keeps it (`client.routing.finding_store`)."""
 
 from __future__ import annotations
 
