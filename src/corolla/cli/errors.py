@@ -6,6 +6,7 @@ failures (unreachable peers, missing blocks, timeouts, anything else), 130 for C
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import logging
 import os
@@ -18,6 +19,7 @@ from typing import Any
 from corolla import __version__
 from corolla.swarm.dht import check_peer_maddr
 from corolla.utils.errors import BootstrapError, ConfigurationError, MissingBlocksError, PortInUseError
+from corolla.utils.logging import quiet_logs
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -68,11 +70,13 @@ def _one_line(text: str) -> str:
     return line if len(line) <= _MAX_LINE_CHARS else line[: _MAX_LINE_CHARS - 3] + "..."
 
 
-def run_cli(prog: str, body: Callable[[], int], argv: Sequence[str] | None = None) -> int:
-    """Runs a CLI's body; an exception becomes one line `PROG: error: ...` on stderr and its exit code."""
+def run_cli(prog: str, body: Callable[[], int], argv: Sequence[str] | None = None, *, quiet: bool = False) -> int:
+    """Runs a CLI's body; an exception becomes one line `PROG: error: ...` on stderr and its exit code. `quiet`: the
+    body's logs are silenced unless `--verbose` (a client command whose output is its answer)."""
     verbose = wants_verbose(argv)
     try:
-        return body()
+        with quiet_logs() if quiet and not verbose else contextlib.nullcontext():
+            return body()
     except SystemExit:
         raise  # argparse's usage errors (code 2) and `--version` / `--help` (code 0)
     except BaseException as e:  # the CLI boundary: everything becomes one line

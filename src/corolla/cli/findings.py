@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import sys
 from pathlib import Path
 
-from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli, wants_verbose
+from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli
 from corolla.client import background_loop
 from corolla.client.config import ClientConfig
 from corolla.client.routing.findings import MAX_FINDING_BYTES, Finding, decode_finding
@@ -22,7 +21,6 @@ from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.finding_check import check_finding
 from corolla.models.config import default_dht_prefix, load_config
 from corolla.protocol.uids import make_uid
-from corolla.utils.logging import quiet_logs
 
 DEFAULT_TIMEOUT_S = 300.0  # the longest the whole check may take (each request is bounded by --request_timeout_s)
 
@@ -49,10 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    with contextlib.ExitStack() as stack:
-        if not wants_verbose(argv):
-            stack.enter_context(quiet_logs())
-        return run_cli("corolla-findings", lambda: _main(argv), argv)
+    return run_cli("corolla-findings", lambda: _main(argv), argv, quiet=True)
 
 
 def _main(argv: list[str] | None = None) -> int:

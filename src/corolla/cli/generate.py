@@ -7,20 +7,18 @@ sampling) and reports the acceptance rate. Text goes to stdout; logs are off unl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import sys
 import time
 
 import torch
 
-from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli, wants_verbose
+from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, run_cli
 from corolla.cli.speculative_flags import add_speculative_flags, speculative_config
 from corolla.cli.text_streamer import TextStreamer
 from corolla.client.config import ClientConfig
 from corolla.client.models.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from corolla.utils.interrupts import wait_for_line
-from corolla.utils.logging import quiet_logs
 
 DEFAULT_SESSION_TOKENS = 2048  # an --interactive session's length unless --max_length or the model's positions say less
 
@@ -92,10 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Missing blocks past --max_wait_s, unreachable peers, a bad path: one line on stderr, exit 1 or 2; Ctrl-C: 130."""
-    with contextlib.ExitStack() as stack:
-        if not wants_verbose(argv):
-            stack.enter_context(quiet_logs())
-        return run_cli("corolla-generate", lambda: _main(argv), argv)
+    return run_cli("corolla-generate", lambda: _main(argv), argv, quiet=True)
 
 
 def _main(argv: list[str] | None = None) -> int:
