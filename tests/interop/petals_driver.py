@@ -1,7 +1,8 @@
 """Runs stock Petals (2.2.0) from its own venv for tests/interop: `server` serves blocks with petals' Server
 (`benchmarks.wan.petals_server.serve`, shared with `python -m benchmarks.wan`), `client` drives petals'
 AutoDistributedModelForCausalLM and saves what it saw (torch.save) for the corolla-side test to check. Every DHT it
-creates listens on 127.0.0.1 only, with relays, AutoNAT and NAT port mapping off."""
+creates listens on 127.0.0.1 only, with relays, AutoNAT and NAT port mapping off. `server --lie_file PATH` makes the
+stock server lie in its inference sessions as PATH says (`install_lie`: the interop tests' liar, never shipped)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,49 @@ def _load_petals_server():
 
 petals_server = _load_petals_server()
 READY_PREFIX = "petals-server: ready"
+
+
+LIE_MODES = ("honest", "garbage")
+
+
+def lie_mode(path: str) -> tuple[str, int]:
+    """(mode, honest_steps) from `path` (`MODE [HONEST_STEPS]`; a missing file: honest)."""
+    try:
+        parts = Path(path).read_text().split() or ["honest"]
+    except OSError:
+        parts = ["honest"]
+    if parts[0] not in LIE_MODES:
+        raise ValueError(f"lie file {path}: mode must be one of {LIE_MODES}, got {parts[0]!r}")
+    return parts[0], int(parts[1]) if len(parts) > 1 else 0
+
+
+def install_lie(path: str) -> None:
+    """Wraps petals' `iterate_rpc_inference` (the steps of one `rpc_inference` session, as its handler calls it) so
+    that, while `path` reads `garbage N`, each session's steps after its first N are answered with finite noise of
+    the true outputs' scale and shape (only a recomputation tells it from the truth). Installed before the server
+    starts: its connection handlers are forked from this process and inherit the wrapper; `path` is read at every
+    step, so a test switches the lie on and off without restarting the server."""
+    import petals.server.handler as handler
+    import torch
+    from hivemind import deserialize_torch_tensor, serialize_torch_tensor
+
+    original = handler.iterate_rpc_inference
+    generator = torch.Generator().manual_seed(1234)
+
+    async def iterate_rpc_inference(*args, **kwargs):
+        step = 0
+        async for output_tensors, can_push in original(*args, **kwargs):
+            mode, honest_steps = lie_mode(path)
+            if mode == "garbage" and step >= honest_steps:
+                proto = output_tensors[0]
+                true = deserialize_torch_tensor(proto)  # [B, T, H]
+                noise = torch.randn(true.shape, generator=generator) * true.float().std().clamp_min(1e-3)
+                output_tensors = [serialize_torch_tensor(noise.to(true.dtype), proto.compression), *output_tensors[1:]]
+            step += 1
+            yield output_tensors, can_push
+
+    handler.iterate_rpc_inference = iterate_rpc_inference
+    print(f"petals-server: lies as {path} says", file=sys.stderr, flush=True)
 
 
 def prompt_tuning_results(args: argparse.Namespace, dht_prefix: str, input_ids) -> dict:
@@ -136,7 +180,8 @@ def run_client(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    petals_server.add_server_args(sub.add_parser("server"), inference_max_length=256, ready_timeout_s=90.0)
+    server = petals_server.add_server_args(sub.add_parser("server"), inference_max_length=256, ready_timeout_s=90.0)
+    server.add_argument("--lie_file", default=None, help="lie in inference sessions as this file says (install_lie)")
     client = sub.add_parser("client")
     client.add_argument("--model", required=True)
     client.add_argument("--initial_peers", nargs="+", required=True)
@@ -146,7 +191,11 @@ def main() -> int:
     client.add_argument("--ptune_init", default=None, help="prompts for the ptune case (torch.save'd dict)")
     client.add_argument("--out", required=True)
     args = parser.parse_args()
-    return petals_server.serve(args, READY_PREFIX) if args.command == "server" else run_client(args)
+    if args.command == "client":
+        return run_client(args)
+    if args.lie_file is not None:
+        install_lie(args.lie_file)
+    return petals_server.serve(args, READY_PREFIX)
 
 
 if __name__ == "__main__":

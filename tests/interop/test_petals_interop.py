@@ -4,14 +4,17 @@ One loopback swarm for the whole module, three models (DHT prefixes) on it:
 - `tiny-llama`: a corolla server holds 0:2, a stock Petals server picks 2:4 itself from corolla's records;
 - `tiny-llama-pf`: a Petals server holds 0:2, a corolla server picks 2:4 itself from Petals' records;
 - `tiny-llama-f16`: a corolla server of 0:4 that asks for FLOAT16 inputs (`--compression`);
-- `tiny-llama-shadow` (started for its one test): a corolla server and a stock Petals server, both of 0:4.
+- `tiny-llama-shadow` (started for its one test): a corolla server and a stock Petals server, both of 0:4;
+- `tiny-llama-ps` (started for its tests): a stock Petals server of 0:4, which lies when a test tells it to, and two
+  slower corolla servers of 0:4.
 A stock Petals client (one process for all three) and corolla's client each run forward, greedy generation, an
 inference session and a backward pass through both mixed chains (equal to local transformers), deep prompt tuning
 through the first, and compress their inputs as the f16 server asks; corolla's client with server-to-server
 forwarding pushes into a stock server (which runs the pushed steps) and, through a stock server first, falls back
 to relaying (a stock server forwards with its session's first request's metadata, whose `next_servers` our client
 leaves empty). corolla's deep-prompt-tuned client, verifying by shadow sessions, mirrors its session on one stack's
-server to the other stack's replica (prompts with position 0) and every position agrees."""
+server to the other stack's replica (prompts with position 0) and every position agrees; through a stock server, its
+corolla replicas agree with it at every position and never ban it, and catch it (2:1) once it returns finite noise."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from corolla.client.session.shadows import ShadowVerifier
 from helpers.swarm import ManagedProcess, ServerProcess, Swarm
 from helpers.tiny_models import make_tiny_model, torch_threads
 
@@ -38,6 +42,7 @@ DHT_PREFIX = "tiny-llama"  # corolla 0:2 -> Petals 2:4
 PETALS_FIRST_PREFIX = "tiny-llama-pf"  # Petals 0:2 -> corolla 2:4
 F16_PREFIX = "tiny-llama-f16"  # one corolla server asking for FLOAT16 inputs
 SHADOW_PREFIX = "tiny-llama-shadow"  # a corolla and a stock Petals server of 0:4: one serves, the other shadows
+PETALS_SERVED_PREFIX = "tiny-llama-ps"  # a stock Petals server of 0:4 serves, two corolla ones shadow and referee
 NUM_LAYERS = 4
 INPUT_IDS = [1, 72, 101, 108, 108, 111, 44, 32, 119]
 NEW_TOKENS = 6
@@ -105,12 +110,16 @@ class PetalsServer(ManagedProcess):
 
 
 def start_petals_server(
-    swarm: Swarm, petals_py: Path, model_dir: Path, dht_prefix: str, where: list[str], initial_peers: list[str]
-) -> PetalsServer:
+    swarm: Swarm, petals_py: Path, model_dir: Path, dht_prefix: str, where: list[str], initial_peers: list[str],
+    lie_file: Path | None = None,
+) -> PetalsServer:  # fmt: skip
     """`where` is ["--block_indices", "a:b"] or ["--num_blocks", "n"] (petals' own block selection); logs at debug
-    level (where a pushed step it runs shows). Not waited for: `wait_ready` it."""
+    level (where a pushed step it runs shows); lies in its inference sessions as `lie_file` says (petals_driver's
+    `install_lie`; None: never). Not waited for: `wait_ready` it."""
     args = [str(petals_py), str(DRIVER), "server", "--model", str(model_dir), "--dht_prefix", dht_prefix, *where,
             "--cache_dir", str(swarm.workdir / "petals-cache"), "--initial_peers", *initial_peers]  # fmt: skip
+    if lie_file is not None:
+        args += ["--lie_file", str(lie_file)]
     env = {"PYTHONUNBUFFERED": "1", "HIVEMIND_LOGLEVEL": "DEBUG"}
     process = PetalsServer(args, name=f"petals-server{len(swarm.processes)}", env=env)
     swarm.processes.append(process)
@@ -477,3 +486,121 @@ def test_a_deep_prompt_session_is_shadowed_across_stacks(interop_swarm, shadow_p
     assert shadow.max_error < 1e-3  # (1.5e-6 measured: fp32 on CPU)
     assert not banned
     assert_clean_logs(interop_swarm.swarm.servers)
+
+
+@dataclass
+class PetalsServed:
+    petals: PetalsServer  # PETALS_SERVED_PREFIX 0:4, lying as `lie_file` says
+    replicas: list[ServerProcess]  # PETALS_SERVED_PREFIX 0:4 each, far slower as announced
+    lie_file: Path  # petals_driver.install_lie's mode: "honest" unless a test says otherwise
+
+
+@pytest.fixture(scope="module")
+def petals_served(interop_swarm, petals_py: Path, model_dir: Path) -> PetalsServed:
+    """A stock Petals server and two corolla servers of every block of PETALS_SERVED_PREFIX (stopped with the module's
+    swarm); the corolla ones announce a far lower throughput (0.01 tokens/s against Petals' 1): routes go through the
+    Petals one, the corolla ones are its shadows' replicas and their referee."""
+    swarm = interop_swarm.swarm
+    every = ["--block_indices", f"0:{NUM_LAYERS}"]
+    lie_file = swarm.workdir / "petals-served-lie"
+    lie_file.write_text("honest")
+    petals = start_petals_server(
+        swarm, petals_py, model_dir, PETALS_SERVED_PREFIX, every, swarm.initial_peers, lie_file=lie_file
+    )
+    replicas = [
+        start_corolla_server(swarm, model_dir, PETALS_SERVED_PREFIX, [*every, "--throughput", "0.01"]) for _ in (0, 1)
+    ]
+    for server in (petals, *replicas):
+        server.wait_ready(180.0)
+    return PetalsServed(petals, replicas, lie_file)
+
+
+@dataclass
+class VerifiedGeneration:
+    tokens: list[list[int]]
+    route: list[str]  # the session's servers, in order
+    shadows: ShadowVerifier
+    banned: set[str]
+
+
+def generate_verified(
+    model_dir: Path, initial_peers: list[str], servers: set[str], prompts: dict[str, torch.Tensor] | None
+) -> VerifiedGeneration:
+    """corolla's client with `verify_shadow_fraction=1` (deep-prompt-tuned with `prompts` unless None) generating
+    greedily through PETALS_SERVED_PREFIX once it sees every one of `servers`."""
+    from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
+
+    input_ids = torch.tensor([INPUT_IDS])  # [1, T]
+    config = ClientConfig(max_retries=3, verify_shadow_fraction=1.0)
+    tuning = {} if prompts is None else {"tuning_mode": "deep_ptune", "pre_seq_len": PTUNE_PRE_SEQ_LEN}
+    with (
+        torch_threads(1),
+        AutoDistributedModelForCausalLM.from_pretrained(
+            model_dir, initial_peers=initial_peers, dht_prefix=PETALS_SERVED_PREFIX, client_config=config, **tuning
+        ) as model,
+    ):
+        if prompts is not None:
+            tables = dict(model.prompt_tuning.named_parameters())
+            with torch.no_grad():
+                for name, value in prompts.items():
+                    tables[f"{name}.weight"].copy_(value)
+        model.manager.wait_ready()
+        for _ in range(30):  # every server's records read (a shadow needs a replica, a disagreement a third)
+            if {span.peer_id for span in model.manager.spans} >= servers:
+                break
+            time.sleep(1.0)
+            model.manager.update()
+        with torch.no_grad(), model.inference_session(max_length=len(INPUT_IDS) + NEW_TOKENS) as session:
+            tokens = model.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, session=session)
+            route = [span.peer_id for span, _ in session.route]
+        banned = set(model.manager.bans.banned_peers())
+    return VerifiedGeneration(tokens.tolist(), route, session.shadows, banned)
+
+
+@pytest.mark.parametrize("tuning", ["plain", "deep_ptune"])
+def test_a_stock_servers_sessions_are_shadowed_by_corolla_replicas(
+    interop_swarm, petals_served, model_dir, reference, ptune_prompts, tuning
+):
+    """corolla's client routes through the stock Petals server of 0:4 and mirrors its session to one of the two
+    corolla replicas (deep prompts with position 0 to both: Petals adds them to its first request's first P
+    positions, corolla to positions [0, P)); every position the Petals server computed agrees within fp32's
+    tolerance, and the honest stock server is not banned (with a tolerance too tight for two stacks' float
+    rounding, the other corolla replica would side with the shadow's and ban it)."""
+    petals, replicas = petals_served.petals, petals_served.replicas
+    prompts = ptune_prompts[0] if tuning == "deep_ptune" else None
+    servers = {petals.peer_id, *(replica.peer_id for replica in replicas)}
+    run = generate_verified(model_dir, interop_swarm.swarm.initial_peers, servers, prompts)
+    assert run.route == [petals.peer_id]
+    if prompts is None:
+        assert run.tokens == reference["generated"].tolist()
+    (shadow,) = run.shadows.shadows
+    assert shadow.span.peer_id == petals.peer_id and shadow.replica.peer_id in servers - {petals.peer_id}
+    assert shadow.state == "agreed", (shadow.state, shadow.max_error)
+    prompt_positions = 0 if prompts is None else PTUNE_PRE_SEQ_LEN
+    assert (shadow.prompts is not None) == (prompts is not None)
+    # every position the server computed: the P prompt positions, the prompt, each new token but the last
+    assert shadow.positions_compared == prompt_positions + len(INPUT_IDS) + NEW_TOKENS - 1, shadow.positions_compared
+    assert shadow.max_error < 1e-3
+    assert not run.banned and not run.shadows.findings and not run.shadows.undecided
+    assert_clean_logs(interop_swarm.swarm.servers)
+
+
+def test_a_lying_stock_server_is_caught_by_corolla_replicas(interop_swarm, petals_served, model_dir):
+    """The stock Petals server answers each session's prefill honestly, then finite noise of its outputs' scale
+    (petals_driver's `install_lie`): the corolla replica shadowing the session disagrees, the other corolla replica
+    recomputes the stretch in one `rpc_forward` and sides with it, and the client bans the Petals server (and
+    neither replica) with a finding against it."""
+    petals, replicas = petals_served.petals, petals_served.replicas
+    servers = {petals.peer_id, *(replica.peer_id for replica in replicas)}
+    petals_served.lie_file.write_text("garbage 1")
+    try:
+        run = generate_verified(model_dir, interop_swarm.swarm.initial_peers, servers, None)
+    finally:
+        petals_served.lie_file.write_text("honest")
+    assert run.route == [petals.peer_id]
+    (shadow,) = run.shadows.shadows
+    assert shadow.span.peer_id == petals.peer_id
+    assert shadow.state == "caught", (shadow.state, shadow.max_error)
+    assert [finding.peer_id for finding in run.shadows.findings] == [petals.peer_id]
+    assert run.shadows.findings[0].max_error > 0.1  # noise, not rounding
+    assert run.banned == {petals.peer_id}
