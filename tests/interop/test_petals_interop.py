@@ -580,7 +580,7 @@ def test_a_stock_servers_sessions_are_shadowed_by_corolla_replicas(
     assert (shadow.prompts is not None) == (prompts is not None)
     # every position the server computed: the P prompt positions, the prompt, each new token but the last
     assert shadow.positions_compared == prompt_positions + len(INPUT_IDS) + NEW_TOKENS - 1, shadow.positions_compared
-    assert shadow.max_error < 1e-3
+    assert shadow.max_error < 1e-3  # (1.5e-6 measured: fp32 on CPU, either prompt case)
     assert not run.banned and not run.shadows.findings and not run.shadows.undecided
     assert_clean_logs(interop_swarm.swarm.servers)
 
