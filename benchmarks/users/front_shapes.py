@@ -70,16 +70,27 @@ def work_out(data) -> bytes:
 
 
 class Device:
-    """Pops everything queued, 'runs' it for device_s, hands the batch back to the loop in one callback."""
+    """Pops everything queued, 'runs' it for device_s, hands the batch back to the loop in one callback. `put` (on the
+    loop) gathers a loop iteration's items and queues them at once, as the runtime's one wake per iteration does."""
 
     def __init__(self, loop, device_s, on_batch):
         self.loop, self.device_s, self.on_batch = loop, device_s, on_batch
         self.cond = threading.Condition()
         self.items = []
+        self.pending = []  # this loop iteration's items, not yet queued
+        self.scheduled = False
         self.stop = False
         threading.Thread(target=self.run, daemon=True).start()
 
-    def push_many(self, items):
+    def put(self, item):
+        self.pending.append(item)
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self):
+        self.scheduled = False
+        items, self.pending = self.pending, []
         with self.cond:
             self.items.extend(items)
             self.cond.notify()
@@ -156,13 +167,6 @@ def run(shape, n, steps, device_ms):
                     fut.set_result(out)
 
         device = Device(loop, device_ms / 1000, on_batch)
-        pending, scheduled = [], [False]
-
-        def flush():
-            scheduled[0] = False
-            items = pending[:]
-            pending.clear()
-            device.push_many(items)
 
         async def serve(sock):
             reader, writer = await asyncio.open_connection(sock=sock)
@@ -190,10 +194,7 @@ def run(shape, n, steps, device_ms):
                 async for payload in steps_of(reqs):
                     data = work_in(payload)
                     fut = loop.create_future()
-                    pending.append((fut, data))
-                    if not scheduled[0]:
-                        scheduled[0] = True
-                        loop.call_soon(flush)
+                    device.put((fut, data))
                     with deadlines.scope(loop.time() + 100):
                         out = await fut
                     yield work_out(out)
@@ -219,13 +220,6 @@ def run(shape, n, steps, device_ms):
                 counted()
 
         device = Device(loop, device_ms / 1000, on_batch)
-        pending, scheduled = [], [False]
-
-        def flush():
-            scheduled[0] = False
-            items = pending[:]
-            pending.clear()
-            device.push_many(items)
 
         class Conn(asyncio.Protocol):
             def connection_made(self, transport):
@@ -242,10 +236,7 @@ def run(shape, n, steps, device_ms):
                         break
                     payload = bytes(buf[ls.HEADER_BYTES : end])
                     del buf[:end]
-                    pending.append((self, work_in(payload)))
-                    if not scheduled[0]:
-                        scheduled[0] = True
-                        loop.call_soon(flush)
+                    device.put((self, work_in(payload)))
 
         async def serve_all():
             for a, _ in pairs:
