@@ -248,6 +248,21 @@ def start_inprocess_server(model_path: str | Path, cache_dir: str | Path, **over
 
 
 @contextmanager
+def served_with_client(
+    model_path: str | Path, cache_dir: str | Path, **overrides: Any
+) -> Iterator[tuple[Any, ClientThread]]:
+    """`start_inprocess_server` and one `ClientThread` connected to it; the client is closed and the server shut down
+    on exit."""
+    server = start_inprocess_server(model_path, cache_dir, **overrides)
+    client = ClientThread(server.join_maddrs, server.peer_id)
+    try:
+        yield server, client
+    finally:
+        client.close()
+        server.shutdown()
+
+
+@contextmanager
 def inprocess_servers(
     spans: Sequence[tuple[str | Path, str] | tuple[str | Path, str, dict[str, Any]]],
     cache_dir: str | Path,

@@ -15,7 +15,7 @@ from hivemind.compression.serialization import deserialize_torch_tensor
 from hivemind.p2p import P2PHandlerError
 from transformers import AutoModelForCausalLM
 
-from helpers.swarm import ClientThread, packed_request, start_inprocess_server
+from helpers.swarm import ClientThread, packed_request, served_with_client
 from helpers.tiny_models import capture_hf_layer, hf_layers, make_tiny_model
 
 HIDDEN, NUM_BLOCKS, MAX_BATCH_TOKENS = 64, 2, 64
@@ -30,16 +30,11 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def served(model_path, tmp_path_factory: pytest.TempPathFactory):
-    server = start_inprocess_server(
+    with served_with_client(
         model_path, tmp_path_factory.mktemp("cache"), block_indices=(0, NUM_BLOCKS),
         max_batch_size_tokens=MAX_BATCH_TOKENS, request_timeout_s=10.0,
-    )  # fmt: skip
-    client = ClientThread(server.join_maddrs, server.peer_id)
-    try:
-        yield server, client
-    finally:
-        client.close()
-        server.shutdown()
+    ) as pair:  # fmt: skip
+        yield pair
 
 
 def chain(server: Any) -> str:

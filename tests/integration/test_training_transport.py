@@ -17,7 +17,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.protocol.records import RemoteSpanInfo, ServerInfo, ServerState
 from corolla.protocol.uids import make_uid
-from helpers.swarm import ClientThread, start_inprocess_server
+from helpers.swarm import ClientThread, served_with_client
 from helpers.tiny_models import capture_hf_layer, hf_layers, make_tiny_model
 
 HIDDEN, NUM_BLOCKS = 64, 3
@@ -34,15 +34,10 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def served(model_path, tmp_path_factory: pytest.TempPathFactory):
-    server = start_inprocess_server(
+    with served_with_client(
         model_path, tmp_path_factory.mktemp("cache"), block_indices=(0, NUM_BLOCKS), direct_port=0
-    )
-    client = ClientThread(server.join_maddrs, server.peer_id)
-    try:
-        yield server, client
-    finally:
-        client.close()
-        server.shutdown()
+    ) as pair:
+        yield pair
 
 
 def _manager(server: Any, client: ClientThread, transport: str) -> tuple[RemoteSequenceManager, RemoteSpanInfo]:
