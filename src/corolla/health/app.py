@@ -1,8 +1,11 @@
-"""The monitor's FastAPI app: `/` (the page), `/api/v1/state` (JSON, see `corolla.health.state`) and `/metrics`
-(Prometheus gauges of the swarm: servers and blocks online per model)."""
+"""The monitor's FastAPI app: `/` (the page, `static/index.html`: no external assets; it renders everything from
+`/api/v1/state`, so the page and the API never disagree), `/api/v1/state` (JSON, see `corolla.health.state`) and
+`/metrics` (Prometheus gauges of the swarm: servers and blocks online per model)."""
 
 from __future__ import annotations
 
+from functools import cache
+from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI
@@ -10,7 +13,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from corolla.health.collector import StateCollector
-from corolla.health.page import PAGE_HTML
+
+
+@cache
+def _page_html() -> str:
+    return resources.files("corolla.health").joinpath("static/index.html").read_text(encoding="utf-8")
 
 
 def _metrics_text(state: dict[str, Any]) -> bytes:
@@ -35,7 +42,7 @@ def create_app(collector: StateCollector) -> FastAPI:
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
-        return HTMLResponse(PAGE_HTML, headers={"Cache-Control": "no-store"})
+        return HTMLResponse(_page_html(), headers={"Cache-Control": "no-store"})
 
     @app.get("/api/v1/state")
     async def state() -> JSONResponse:
