@@ -31,8 +31,8 @@ from corolla.swarm.reachability import attach_reachability_protocol, check_direc
 from corolla.swarm.records_io import (
     declare_active_modules,
     declare_model_info,
-    get_model_infos,
     get_remote_module_infos,
+    get_verified_model_infos,
 )
 from corolla.swarm.spans import compute_spans
 from corolla.utils.errors import BootstrapError
@@ -148,7 +148,7 @@ def test_model_index_record(swarm):
     assert boot.store(MODELS_INDEX_KEY, {"num_blocks": "six"}, exp, subkey="broken", return_future=True).result(
         TIMEOUT_S
     )
-    models = get_model_infos(boot, timeout_s=TIMEOUT_S)
+    models = get_verified_model_infos(boot, timeout_s=TIMEOUT_S)
     assert models[PREFIX] == ModelInfo(num_blocks=6, repository="local")
     assert "_private" not in models and "broken" not in models
 

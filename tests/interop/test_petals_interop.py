@@ -231,13 +231,13 @@ def read_petals_records(initial_peers: list[str], server: PetalsServer) -> dict:
     records of PETALS_FIRST_PREFIX and that model's `_petals.models` entry (Petals' alone: read before a corolla
     server joins the model)."""
     from corolla.swarm.dht import SwarmConfig, create_dht, shutdown_dht
-    from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
+    from corolla.swarm.records_io import get_remote_module_infos, get_verified_model_infos
 
     dht = create_dht(SwarmConfig(initial_peers=initial_peers, client_mode=True))
     try:
         uids = [f"{PETALS_FIRST_PREFIX}.{i}" for i in range(server.start_block, server.end_block)]
         infos = get_remote_module_infos(dht, uids, latest=True, timeout_s=20)
-        model_info = get_model_infos(dht, timeout_s=20).get(PETALS_FIRST_PREFIX)
+        model_info = get_verified_model_infos(dht, timeout_s=20).get(PETALS_FIRST_PREFIX)
     finally:
         shutdown_dht(dht)
     return {"records": [info.servers.get(server.peer_id) for info in infos], "model_info": model_info}

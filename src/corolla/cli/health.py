@@ -16,7 +16,7 @@ from corolla.health.state import ModelEntry
 from corolla.models.config import default_dht_prefix, is_local_path, load_config
 from corolla.swarm.dht import SwarmConfig, create_dht, shutdown_dht
 from corolla.swarm.membership import load_swarm_key
-from corolla.swarm.records_io import get_model_infos
+from corolla.swarm.records_io import get_verified_model_infos
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
@@ -73,7 +73,7 @@ def model_entries(args: argparse.Namespace, dht) -> list[ModelEntry]:
             entries.append(ModelEntry(dht_prefix=prefix, num_blocks=int(num_blocks)))
             continue
         if index is None:
-            index = get_model_infos(dht, latest=True)
+            index = get_verified_model_infos(dht, latest=True)
         if spec not in index:
             served = ", ".join(sorted(index)) or "none"
             raise ConfigurationError(

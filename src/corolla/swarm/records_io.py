@@ -244,26 +244,6 @@ def declare_model_info(
     return bool(call_with_timeout(future, timeout_s, f"declare_model_info({dht_prefix})"))
 
 
-def get_model_infos(
-    dht: hivemind.DHT, *, latest: bool = True, timeout_s: float = DEFAULT_DHT_TIMEOUT_S
-) -> dict[str, ModelInfo]:
-    """Reads the `_petals.models` index: `{dht_prefix: ModelInfo}`; malformed entries are skipped with a log line."""
-    coro = partial(_get_records, keys=[MODELS_INDEX_KEY], latest=latest)
-    raw = run_in_dht(dht, coro, timeout_s=timeout_s, what="get_model_infos").get(MODELS_INDEX_KEY)
-    if not isinstance(raw, dict):
-        return {}
-    models = {}
-    for prefix, value in raw.items():
-        try:
-            if not isinstance(prefix, str):
-                raise ValueError("prefix must be a str")
-            validate_dht_prefix(prefix)
-            models[prefix] = ModelInfo.from_dict(value)
-        except (TypeError, ValueError) as e:
-            logger.warning(f"records.malformed(key={MODELS_INDEX_KEY}, subkey={str(prefix)[:60]!r}): {e}")
-    return models
-
-
 async def _get_index_and_signed(
     dht: hivemind.DHT, node: Any, *, latest: bool, max_signed_lookups: int
 ) -> tuple[dict[str, Any], SignedLookup]:

@@ -12,6 +12,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
 from corolla.client import background_loop
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_routes import PrefixRoutes
@@ -31,7 +34,7 @@ from corolla.swarm.dht import PUBLIC_INITIAL_PEERS, SwarmConfig, create_dht, get
 from corolla.swarm.membership import RpcMembership, SwarmKeyAuthorizer, load_swarm_key
 from corolla.swarm.ping import PingAggregator, ping
 from corolla.swarm.policy import PLACEMENT_PINGS, RouteMode, SwarmPolicy
-from corolla.swarm.records_io import get_model_infos, get_remote_module_infos
+from corolla.swarm.records_io import get_remote_module_infos, get_verified_model_infos
 from corolla.swarm.routed_load import RoutedLoad
 from corolla.swarm.spans import compute_spans
 from corolla.utils.interrupts import event_wait
@@ -41,8 +44,6 @@ logger = get_logger(__name__)
 
 PING_EMA_ALPHA = 0.2  # weight of the newest RTT sample
 MIN_REREAD_S = 1.0  # a cache refusal re-reads the records at once unless they were read this recently
-# sessions this client routed to a server count as its load (beside what the server announces) with this half-life:
-# about the time until the server's next announcement shows them
 
 
 def _membership(swarm_key_file: str | None) -> tuple[Any, Any]:
@@ -104,9 +105,7 @@ class RemoteSequenceManager:
         self._p2p: Any = p2p  # None: the DHT's replica, made on first use
         self._stubs: dict[str, Any] = {}
         self._input_compressions: dict[str, int] = {}  # peer -> compression its rpc_info asks for
-        self.direct_offers = DirectOffers(
-            self._ask_direct_ticket
-        )  # servers' direct ports (client.transport.direct_transport)
+        self.direct_offers = DirectOffers(self._ask_direct_ticket)  # servers' direct ports
         self.membership, self.authorizer = _membership(config.swarm_key_file)  # private swarm: prove it per request
         self._thread: threading.Thread | None = None
         if start_updates:
@@ -152,8 +151,6 @@ class RemoteSequenceManager:
 
     async def ping_s(self, peer_id: str) -> float:
         """Round-trip time in seconds to one server (inf = unreachable); runs on the client loop."""
-        from hivemind.p2p import PeerID
-
         try:
             p2p = await self._get_p2p()
             return float(
@@ -356,7 +353,7 @@ class RemoteSequenceManager:
         if self.dht is None:
             return text
         try:
-            served = sorted(get_model_infos(self.dht, latest=True, timeout_s=timeout_s))
+            served = sorted(get_verified_model_infos(self.dht, latest=True, timeout_s=timeout_s))
         except Exception as e:  # a diagnosis must not hide the real error
             return f"{text} (could not read the swarm's model index: {type(e).__name__})"
         others = [p for p in served if p != prefix]
@@ -400,8 +397,6 @@ class RemoteSequenceManager:
         """RPC stub of a server (must be awaited on the client loop)."""
         stub = self._stubs.get(peer_id)
         if stub is None:
-            from hivemind.p2p import PeerID
-
             stub = TransformerConnectionHandler.get_stub(await self._get_p2p(), PeerID.from_base58(peer_id))
             self._stubs[peer_id] = stub
         return stub
@@ -414,9 +409,6 @@ class RemoteSequenceManager:
     async def _ask_direct_ticket(self, peer_id: str) -> DirectOffer:
         """A ticket for `peer_id`'s direct port, asked for over p2p (must be awaited on the client loop); raises
         where the server has none (a stock Petals server does not know the RPC) or answers nonsense."""
-        from hivemind.p2p import PeerID
-        from hivemind.proto import runtime_pb2
-
         uid = ""
         if self.membership is not None:  # a private swarm's server wants the proof on the uid, as for rpc_info
             uid = join_info_uid(uid, self.membership.make_proof(sender=self._local_peer_id(), receiver=peer_id))
@@ -438,8 +430,6 @@ class RemoteSequenceManager:
         cached = self._input_compressions.get(peer_id)
         if cached is not None:
             return cached
-        from hivemind.proto import runtime_pb2
-
         try:
             stub = await self.get_stub(peer_id)
             if self.membership is not None:  # rpc_info has no metadata: the proof rides on the uid

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from hivemind.proto import runtime_pb2
 
 from corolla.client.transport.framed_socket import FramedSocketStream
-from corolla.client.transport.local_transport import frame_response
+from corolla.client.transport.local_transport import frame_response, say_hello
 from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.utils.logging import get_logger
@@ -41,6 +41,7 @@ class DirectInferenceStream(FramedSocketStream):
         self.address: tuple[str, int] | None = None
 
     rpc = "rpc_inference"  # the rpc it opened
+    header_bytes = ls.HEADER_BYTES
 
     @classmethod
     async def open(
@@ -69,12 +70,7 @@ class DirectInferenceStream(FramedSocketStream):
         try:
             await asyncio.wait_for(loop.sock_connect(sock, (host, offer.port)), timeout_s)
             hello = ds.DirectHello(rpc=rpc, peer_id=peer_id, token=offer.ticket.token, client_nonce=client_nonce)
-            await loop.sock_sendall(sock, b"".join(ls.frame(ls.HELLO, hello.to_bytes())))
-            kind, payload = await asyncio.wait_for(stream._receive_frame(ls.MAX_ERROR_BYTES), timeout_s)
-            if kind != ls.ACCEPT:
-                message = payload.decode(errors="replace") if kind == ls.ERROR else f"frame kind {kind}"
-                raise ConnectionError(f"refused: {message}")
-            server_nonce, proof = ds.parse_accept(payload)
+            server_nonce, proof = ds.parse_accept(await say_hello(stream, hello.to_bytes(), timeout_s))
             keys = ds.StreamKeys.derive(offer.ticket.key, client_nonce, server_nonce)
             if not hmac.compare_digest(proof, keys.proof):
                 raise ConnectionError("the server at the direct port does not hold our ticket's key")
@@ -89,10 +85,6 @@ class DirectInferenceStream(FramedSocketStream):
 
     # ---- framing (sealed once open)
 
-    @property
-    def header_bytes(self) -> int:
-        return ls.HEADER_BYTES
-
     def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
         assert self._sealer is not None, "the stream is not open"
         return self._sealer.seal(ls.MESSAGE, request.SerializeToString())
@@ -101,9 +93,8 @@ class DirectInferenceStream(FramedSocketStream):
         assert self._sealer is not None, "the stream is not open"
         return self._sealer.seal(ls.END)
 
-    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int, int]:
-        kind, length = ls.parse_header(buffer, max_payload_bytes + ds.TAG_BYTES)
-        return kind, length, ls.HEADER_BYTES
+    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int]:
+        return ls.parse_header(buffer, max_payload_bytes + ds.TAG_BYTES)
 
     def _response(self, kind: int, payload: bytes) -> runtime_pb2.ExpertResponse | None:
         assert self._opener is not None, "the stream is not open"

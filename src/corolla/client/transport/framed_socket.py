@@ -42,15 +42,12 @@ class FramedSocketStream(ABC):
     def _end_frame(self) -> bytes:
         """The bytes that end our side of the stream."""
 
-    @abstractmethod
-    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int, int]:
-        """(kind, payload length, header bytes) of the frame at the start of `buffer` (which holds at least
-        `header_bytes`); ValueError for a frame no honest server sends or one over its limit."""
+    header_bytes: int  # of every frame's header
 
-    @property
     @abstractmethod
-    def header_bytes(self) -> int:
-        """Bytes needed to read a frame's header."""
+    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int]:
+        """(kind, payload length) of the frame at the start of `buffer` (which holds at least `header_bytes`);
+        ValueError for a frame no honest server sends or one over its limit."""
 
     @abstractmethod
     def _response(self, kind: int, payload: bytes) -> runtime_pb2.ExpertResponse | None:
@@ -67,12 +64,12 @@ class FramedSocketStream(ABC):
     async def receive(self) -> runtime_pb2.ExpertResponse | None:
         """The next response; None once the server ended the stream (or went away)."""
         try:
-            kind, payload = await self._receive_frame(MAX_RESPONSE_FRAME_BYTES)
+            kind, payload = await self.receive_frame(MAX_RESPONSE_FRAME_BYTES)
         except (EOFError, ConnectionResetError, BrokenPipeError):
             return None
         return self._response(kind, payload)
 
-    async def _receive_frame(self, max_payload_bytes: int) -> tuple[int, bytes]:
+    async def receive_frame(self, max_payload_bytes: int) -> tuple[int, bytes]:
         loop = asyncio.get_running_loop()
         while (parsed := self._parse_frame(max_payload_bytes)) is None:
             chunk = await loop.sock_recv(self.sock, RECV_BYTES)
@@ -146,14 +143,14 @@ class FramedSocketStream(ABC):
         if len(buffer) < self.header_bytes:
             return None
         try:
-            kind, length, header_bytes = self._header(buffer, max_payload_bytes)
+            kind, length = self._header(buffer, max_payload_bytes)
         except ValueError as e:  # the server broke the framing: this stream is unusable
             raise ConnectionError(f"stream from ...{self.peer_id[-6:]}: {e}") from None
-        end = header_bytes + length
+        end = self.header_bytes + length
         if len(buffer) < end:
             return None
         with memoryview(buffer) as view:
-            payload = bytes(view[header_bytes:end])
+            payload = bytes(view[self.header_bytes : end])
         del buffer[:end]
         return kind, payload
 

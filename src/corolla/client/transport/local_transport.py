@@ -86,10 +86,8 @@ class LocalInferenceStream(FramedSocketStream):
     thread-safe: one caller at a time, either the client loop (`send`, `receive`) or one thread (`exchange`)."""
 
     path: Path | None = None  # the socket it connected to
-
-    # ---- opening
-
     rpc = "rpc_inference"  # the rpc it opened
+    header_bytes = ls.HEADER_BYTES
 
     @classmethod
     async def open(
@@ -114,12 +112,7 @@ class LocalInferenceStream(FramedSocketStream):
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(loop.sock_connect(sock, str(path)), timeout_s)
-            hello = ls.LocalHello(rpc=rpc, peer_id=peer_id).to_bytes()
-            await loop.sock_sendall(sock, b"".join(ls.frame(ls.HELLO, hello)))
-            kind, payload = await asyncio.wait_for(stream._receive_frame(ls.MAX_ERROR_BYTES), timeout_s)
-            if kind != ls.ACCEPT:
-                message = payload.decode(errors="replace") if kind == ls.ERROR else f"frame kind {kind}"
-                raise ConnectionError(f"refused: {message}")
+            await say_hello(stream, ls.LocalHello(rpc=rpc, peer_id=peer_id).to_bytes(), timeout_s)
         except (OSError, EOFError, ValueError, asyncio.TimeoutError) as e:
             logger.debug(f"local_transport.unavailable(peer=...{peer_id[-6:]}, path={path.name}, error={e!r})")
             stream.close()
@@ -129,22 +122,28 @@ class LocalInferenceStream(FramedSocketStream):
 
     # ---- framing
 
-    @property
-    def header_bytes(self) -> int:
-        return ls.HEADER_BYTES
-
     def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
         return _request_frame(request)
 
     def _end_frame(self) -> bytes:
         return b"".join(ls.frame(ls.END))
 
-    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int, int]:
-        kind, length = ls.parse_header(buffer, max_payload_bytes)
-        return kind, length, ls.HEADER_BYTES
+    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int]:
+        return ls.parse_header(buffer, max_payload_bytes)
 
     def _response(self, kind: int, payload: bytes) -> runtime_pb2.ExpertResponse | None:
         return frame_response(kind, payload, self.peer_id, "local", self.rpc)
+
+
+async def say_hello(stream: FramedSocketStream, hello: bytes, timeout_s: float) -> bytes:
+    """Sends the HELLO frame `hello` (a `local_stream` or `direct_stream` handshake) and returns the server's ACCEPT
+    payload (ConnectionError if it refuses)."""
+    await asyncio.get_running_loop().sock_sendall(stream.sock, b"".join(ls.frame(ls.HELLO, hello)))
+    kind, payload = await asyncio.wait_for(stream.receive_frame(ls.MAX_ERROR_BYTES), timeout_s)
+    if kind != ls.ACCEPT:
+        message = payload.decode(errors="replace") if kind == ls.ERROR else f"frame kind {kind}"
+        raise ConnectionError(f"refused: {message}")
+    return payload
 
 
 def frame_response(

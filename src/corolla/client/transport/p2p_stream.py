@@ -107,6 +107,7 @@ class P2PInferenceStream(FramedSocketStream):
     daemon's connection to the server, where it is a direct TCP one (`client.transport.link_probe`)."""
 
     remote_address: tuple[str, int] | None = None
+    header_bytes = FRAME_HEADER_BYTES
 
     @classmethod
     async def open(cls, p2p: P2P, peer_id: str) -> P2PInferenceStream:
@@ -131,24 +132,20 @@ class P2PInferenceStream(FramedSocketStream):
         stream.remote_address = tcp_address(remote)
         return stream
 
-    @property
-    def header_bytes(self) -> int:
-        return FRAME_HEADER_BYTES
-
     def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
         return request_frame(request)
 
     def _end_frame(self) -> bytes:
         return END_OF_STREAM_FRAME
 
-    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int, int]:
+    def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int]:
         marker, length = buffer[0], int.from_bytes(buffer[1:FRAME_HEADER_BYTES], "big")
         if marker not in (MESSAGE_MARKER, ERROR_MARKER):
             raise ValueError(f"unknown frame marker {marker}")
         limit = max_payload_bytes if marker == MESSAGE_MARKER else MAX_ERROR_BYTES
         if length > limit:
             raise ValueError(f"a frame of {length} bytes exceeds the limit of {limit} bytes")
-        return marker, length, FRAME_HEADER_BYTES
+        return marker, length
 
     def _response(self, kind: int, payload: bytes) -> runtime_pb2.ExpertResponse | None:
         if kind == MESSAGE_MARKER:
