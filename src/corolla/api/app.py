@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -300,7 +300,9 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
             if len(prompt) != 1:
                 raise invalid_param("Only one prompt per request is supported", "prompt")
             prompt = prompt[0]
-        prompt_ids = backend.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        # The schema's lists are homogeneous (pydantic took one branch of the union): a list left here, whose
+        # first item is a token id (or that is empty), is all token ids, which mypy cannot infer from one item.
+        prompt_ids = backend.encode(prompt) if isinstance(prompt, str) else list(cast("list[int]", prompt))
         check_token_ids(prompt_ids, "prompt")
         max_tokens = budget(prompt_ids, req.max_tokens, 16, "max_tokens", "prompt")
         gen = generation_request(req, prompt_ids, max_tokens, req.logprobs)

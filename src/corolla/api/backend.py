@@ -30,8 +30,10 @@ class GenerationBackend(Protocol):
     model_id: str
     max_context_tokens: int
     eos_token_ids: frozenset[int]
-    vocab_size: int | None
     generation_defaults: dict[str, Any]  # SamplingParams field -> default (from generation_config.json)
+
+    @property
+    def vocab_size(self) -> int | None: ...  # read-only, so a backend may declare a plain int
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

@@ -43,7 +43,7 @@ _ROUTE_ID = re.compile(r"[0-9a-f]{32}")
 
 @cache
 def _static_text(name: str) -> str:
-    return resources.files("corolla.api").joinpath("static", name).read_text(encoding="utf-8")
+    return (resources.files("corolla.api") / "static" / name).read_text(encoding="utf-8")
 
 
 def install_chat_page(

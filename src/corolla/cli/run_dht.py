@@ -157,8 +157,8 @@ def run(argv: Sequence[str] | None = None) -> int:
             attach_reachability_protocol(dht)
         while not event_wait(stop, args.refresh_period):  # in slices: see utils.interrupts
             try:
-                key = f"heartbeat_{secrets.token_hex(16)}"
-                size = run_in_dht(dht, _make_refresh(key), timeout_s=REFRESH_TIMEOUT_S, what="refresh")
+                heartbeat_key = f"heartbeat_{secrets.token_hex(16)}"
+                size = run_in_dht(dht, _make_refresh(heartbeat_key), timeout_s=REFRESH_TIMEOUT_S, what="refresh")
                 logger.info(f"dht.refresh(routing_table_size={size})")
             except Exception as e:  # a slow refresh must not kill the bootstrap node
                 logger.warning(f"dht.refresh_failed: {e!r:.200}")

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corolla.models.block_base import TensorDescriptor
+from corolla.models.block_base import BlockAttention, TensorDescriptor
 from corolla.models.layers import RMSNorm
 from corolla.models.positions import RotaryEmbedding, alibi_slopes
 
 
-class Attention(nn.Module):
+class Attention(BlockAttention):
     """Multi-head / grouped-query / multi-query attention over `num_heads` query heads and `num_kv_heads` KV heads.
 
     `head_ids` are the global ids of the query heads held here (all unless tensor parallel split them); they pick

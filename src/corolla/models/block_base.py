@@ -65,6 +65,14 @@ def set_active_adapter(name: str) -> Iterator[None]:
         _ACTIVE_ADAPTER.reset(token)
 
 
+class BlockAttention(nn.Module):
+    """What a block's `attn` is (plain, windowed, latent or tensor-parallel attention): the module that owns the
+    block's KV cache and describes it."""
+
+    def cache_descriptors(self, batch_size: int, max_length: int, dtype: torch.dtype) -> list[TensorDescriptor]:
+        raise NotImplementedError
+
+
 class CorollaBlock(nn.Module):
     """One decoder layer. Subclasses build `self.attn` (an `attention.Attention` or its tensor-parallel
     replacement) and implement `_forward` and `checkpoint_layout`.
@@ -76,7 +84,10 @@ class CorollaBlock(nn.Module):
       * without `cache`: causal attention over the T tokens (positions start at `position`); supports autograd.
     """
 
-    attn: nn.Module
+    attn: BlockAttention
+    mlp: nn.Module
+    # The devices `tensor_parallel.make_tensor_parallel` split this block over (empty: not split).
+    tensor_parallel_devices: tuple[torch.device, ...] = ()
 
     def __init__(self, config, layer_idx: int):
         super().__init__()

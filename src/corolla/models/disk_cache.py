@@ -22,7 +22,7 @@ OS_QUOTA_BYTES = 1024**3  # keep this much of the disk free for everything else
 
 
 @contextlib.contextmanager
-def _locked(cache_dir: str | os.PathLike, mode: int) -> Iterator[None]:
+def _locked(cache_dir: str | os.PathLike[str], mode: int) -> Iterator[None]:
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(cache_dir / LOCK_FILE_NAME, "a+") as lock:
@@ -33,17 +33,17 @@ def _locked(cache_dir: str | os.PathLike, mode: int) -> Iterator[None]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def allow_cache_reads(cache_dir: str | os.PathLike) -> contextlib.AbstractContextManager[None]:
+def allow_cache_reads(cache_dir: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
     """Shared lock: many servers may read while nobody evicts or writes."""
     return _locked(cache_dir, fcntl.LOCK_SH)
 
 
-def allow_cache_writes(cache_dir: str | os.PathLike) -> contextlib.AbstractContextManager[None]:
+def allow_cache_writes(cache_dir: str | os.PathLike[str]) -> contextlib.AbstractContextManager[None]:
     """Exclusive lock: for downloading and evicting."""
     return _locked(cache_dir, fcntl.LOCK_EX)
 
 
-def mark_used(path: str | os.PathLike) -> None:
+def mark_used(path: str | os.PathLike[str]) -> None:
     """Records a read for LRU (atime is often not updated by the OS: relatime/noatime mounts)."""
     real = Path(path).resolve()
     with contextlib.suppress(OSError):
@@ -51,7 +51,7 @@ def mark_used(path: str | os.PathLike) -> None:
         os.utime(real, (time.time(), st.st_mtime))
 
 
-def cached_files(cache_dir: str | os.PathLike) -> list[tuple[Path, int, float]]:
+def cached_files(cache_dir: str | os.PathLike[str]) -> list[tuple[Path, int, float]]:
     """Regular files in the cache (not symlinks, not the lock): (path, size_bytes, last_access_time)."""
     result = []
     for root, _dirs, files in os.walk(cache_dir):
@@ -65,7 +65,7 @@ def cached_files(cache_dir: str | os.PathLike) -> list[tuple[Path, int, float]]:
     return result
 
 
-def _remove_dangling_links(cache_dir: str | os.PathLike) -> None:
+def _remove_dangling_links(cache_dir: str | os.PathLike[str]) -> None:
     for root, _dirs, files in os.walk(cache_dir):
         for name in files:
             path = Path(root) / name
@@ -76,7 +76,7 @@ def _remove_dangling_links(cache_dir: str | os.PathLike) -> None:
 def free_disk_space_for(
     size_bytes: int,
     *,
-    cache_dir: str | os.PathLike,
+    cache_dir: str | os.PathLike[str],
     max_disk_space_bytes: int | None,
     os_quota_bytes: int = OS_QUOTA_BYTES,
 ) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from corolla.models.block_base import CorollaBlock, active_adapter, set_active_adapter
 from corolla.models.loading import CheckpointSource
-from corolla.models.tensor_parallel import SPLIT_ATTR
+from corolla.models.tensor_parallel import SPLIT_ATTR, ParallelAttention, ParallelMLP
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -154,7 +154,7 @@ class LoraLinear(nn.Module):
     (`using_adapter`) adds `(x @ A.T) @ B.T`, scaling folded into B. Adapters on fused projections keep their
     rows: B is zero outside the rows the checkpoint's module maps to."""
 
-    def __init__(self, base: nn.Module):
+    def __init__(self, base: nn.Linear):  # bitsandbytes' quantized linears are nn.Linear subclasses
         super().__init__()
         self.base = base
         self.lora_a = nn.ParameterDict()
@@ -197,8 +197,8 @@ def _targets(root: nn.Module, path: str) -> list[tuple[nn.Module, str]]:
     parts = path.split(".")
     module = root
     for i, part in enumerate(parts[:-1]):
-        child = getattr(module, part) if not part.isdigit() else module[int(part)]
-        if hasattr(child, "route"):
+        child = module.get_submodule(part)  # a ModuleList's items are its submodules "0", "1", ...
+        if isinstance(child, ParallelAttention | ParallelMLP):
             rest = ".".join(parts[i + 1 :])
             return [t for sub, subpath in child.route(rest) for t in _targets(sub, subpath)]
         module = child

@@ -8,12 +8,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from corolla.models.block_base import CorollaBlock
 from corolla.models.quantization import QuantType, quantize_block
 from corolla.models.tensor_parallel import make_tensor_parallel
 
 
 def place_block(
-    block: nn.Module,
+    block: CorollaBlock,
     *,
     device: torch.device | str,
     quant_type: QuantType | str = QuantType.NONE,

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from corolla.models.block_base import CorollaBlock
 from corolla.models.bloom.block import BloomBlock
 from corolla.models.deepseek_v3.block import DeepseekV3Block, is_moe_layer
 from corolla.models.falcon.block import FalconBlock
@@ -80,7 +81,7 @@ class ModelFamily:
     model_type: str
     family: str  # the folder under corolla.models implementing the block
     block_prefix: str  # e.g. "model.layers": block i's tensors are "<block_prefix>.<i>.<name>"
-    build_block: Callable[..., nn.Module]  # (config, layer_idx) -> CorollaBlock, on the current default device
+    build_block: Callable[..., CorollaBlock]  # (config, layer_idx) -> the block, on the current default device
     num_kv_heads: Callable[[Any], int]  # (config) -> KV heads cached per block (all shards together)
     default_dht_prefix: Callable[[str], str]  # (hub repo id) -> DHT prefix; local paths: see config.default_dht_prefix
     hf_layer_path: str  # "module:Class" of the transformers reference decoder layer
@@ -167,9 +168,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
 def get_family(config_or_type) -> ModelFamily:
     """The family for a config (or a `model_type` string); `ValueError` listing the supported types otherwise."""
     model_type = config_or_type if isinstance(config_or_type, str) else getattr(config_or_type, "model_type", None)
-    try:
-        return _FAMILIES[model_type]
-    except KeyError:
-        raise ValueError(
-            f"Unsupported model_type {model_type!r}; corolla supports {', '.join(SUPPORTED_MODEL_TYPES)}"
-        ) from None
+    family = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ValueError(f"Unsupported model_type {model_type!r}; corolla supports {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return family

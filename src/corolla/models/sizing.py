@@ -25,6 +25,7 @@ def block_size_bytes(config, dtype: torch.dtype, quant_type: QuantType | str = Q
     """Bytes one block takes in device memory: parameters x bytes per value (dtype size, 1 for int8, 4.25/8 for
     nf4), plus 1%."""
     quant_type = QuantType.parse(quant_type)
+    bytes_per_value: float
     if quant_type == QuantType.NONE:
         bytes_per_value = torch.empty((), dtype=dtype).element_size()
     else:

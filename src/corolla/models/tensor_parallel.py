@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from corolla.models.attention import Attention
-from corolla.models.block_base import CorollaBlock, TensorDescriptor
+from corolla.models.block_base import BlockAttention, CorollaBlock, TensorDescriptor
 from corolla.models.layers import DenseMLP, GatedMLP, SparseMoE
 from corolla.utils.logging import get_logger
 
@@ -25,12 +25,12 @@ def make_tensor_parallel(
 ) -> CorollaBlock:
     """Splits `block` in place over `devices` (call before `quantize_block` and `add_adapter`) and returns it.
     Inputs and outputs live on `output_device` (default: the first device). One device: just moves the block."""
-    devices = [torch.device(d) for d in devices]
-    if not devices:
+    targets = [torch.device(d) for d in devices]
+    if not targets:
         raise ValueError("make_tensor_parallel needs at least one device")
-    out = torch.device(output_device) if output_device is not None else devices[0]
-    if len(devices) == 1:
-        return block.to(devices[0])
+    out = torch.device(output_device) if output_device is not None else targets[0]
+    if len(targets) == 1:
+        return block.to(targets[0])
     for name, module in block.named_modules():
         if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
             raise ValueError(f"{name} is already quantized ({type(module).__name__}): call make_tensor_parallel first")
@@ -38,44 +38,49 @@ def make_tensor_parallel(
         raise ValueError("block is already tensor parallel")
     if not isinstance(block.attn, Attention):  # e.g. DeepSeek-V3's latent attention
         raise ValueError(f"tensor parallelism can't split {type(block.attn).__name__}")
-    block.attn = ParallelAttention(_split_attention(block.attn, devices), out)
+    attn = ParallelAttention(_split_attention(block.attn, targets), out)
+    block.attn = attn
     if isinstance(block.mlp, SparseMoE):
-        block.mlp = ParallelMLP(_split_moe(block.mlp, devices), out)
+        block.mlp = ParallelMLP(_split_moe(block.mlp, targets), out)
     elif isinstance(block.mlp, GatedMLP | DenseMLP):
-        block.mlp = ParallelMLP(_split_mlp(block.mlp, devices), out)
+        block.mlp = ParallelMLP(_split_mlp(block.mlp, targets), out)
     else:
         raise ValueError(f"Cannot split MLP {type(block.mlp).__name__}")
     for name, child in block.named_children():
         if name not in ("attn", "mlp"):
             child.to(out)
-    block.tensor_parallel_devices = devices
+    block.tensor_parallel_devices = tuple(targets)
     logger.info(
         "tensor_parallel.split(layer=%d, devices=%s, heads=%s)",
-        block.layer_idx, [str(d) for d in devices], [s.num_heads for s in block.attn.shards],
+        block.layer_idx, [str(d) for d in targets], [s.num_heads for s in attn.attention_shards],
     )  # fmt: skip
     return block
 
 
-class ParallelAttention(nn.Module):
+class ParallelAttention(BlockAttention):
     """Attention shards (each an `Attention` over some heads, on its device); outputs summed on `output_device`."""
 
-    def __init__(self, shards: list[Attention], output_device: torch.device):
+    def __init__(self, shards: Sequence[Attention], output_device: torch.device):
         super().__init__()
-        self.shards = nn.ModuleList(shards)
+        if not shards:
+            raise ValueError("ParallelAttention needs at least one shard")
+        self.shards = nn.ModuleList(shards)  # registers them: their parameters are `shards.<i>.*`
+        self.attention_shards = tuple(shards)  # the same modules as `Attention`s (a ModuleList yields nn.Modules)
         self.output_device = output_device
 
     def cache_descriptors(self, batch_size: int, max_length: int, dtype: torch.dtype) -> list[TensorDescriptor]:
-        return [d for shard in self.shards for d in shard.cache_descriptors(batch_size, max_length, dtype)]
+        return [d for shard in self.attention_shards for d in shard.cache_descriptors(batch_size, max_length, dtype)]
 
     def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
         if cache is not None and len(cache) != 2 * len(self.shards):
             raise ValueError(f"expected {2 * len(self.shards)} cache tensors (K, V per shard), got {len(cache)}")
-        total = None
-        for i, shard in enumerate(self.shards):
+        total: torch.Tensor | None = None
+        for i, shard in enumerate(self.attention_shards):
             device = shard.o_proj.weight.device
             part = shard(x.to(device), None if cache is None else cache[2 * i : 2 * i + 2], position)  # [B, T, H]
             part = part.to(self.output_device)
             total = part if total is None else total + part
+        assert total is not None  # __init__ refuses an empty shard list
         return total
 
     def route(self, subpath: str) -> list[tuple[nn.Module, str]]:
@@ -86,17 +91,20 @@ class ParallelAttention(nn.Module):
 class ParallelMLP(nn.Module):
     """MLP shards (slices of the intermediate dimension, or subsets of experts); outputs summed."""
 
-    def __init__(self, shards: list[nn.Module], output_device: torch.device):
+    def __init__(self, shards: Sequence[nn.Module], output_device: torch.device):
         super().__init__()
+        if not shards:
+            raise ValueError("ParallelMLP needs at least one shard")
         self.shards = nn.ModuleList(shards)
         self.output_device = output_device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        total = None
+        total: torch.Tensor | None = None
         for shard in self.shards:
             device = next(shard.parameters()).device
             part = shard(x.to(device)).to(self.output_device)  # [B, T, H]
             total = part if total is None else total + part
+        assert total is not None  # __init__ refuses an empty shard list
         return total
 
     def route(self, subpath: str) -> list[tuple[nn.Module, str]]:
@@ -104,7 +112,7 @@ class ParallelMLP(nn.Module):
         if parts[0] == "experts":  # whole experts live on one shard each
             expert = int(parts[1])
             for shard in self.shards:
-                if expert in shard.expert_ids:
+                if isinstance(shard, SparseMoE) and expert in shard.expert_ids:
                     local = shard.expert_ids.index(expert)
                     return [(shard.experts[local], ".".join(parts[2:]))]
             raise KeyError(f"expert {expert} not found in any shard")
@@ -186,7 +194,7 @@ def _split_attention(attn: Attention, devices: list[torch.device]) -> list[Atten
 def _split_mlp(mlp: GatedMLP | DenseMLP, devices: list[torch.device]) -> list[nn.Module]:
     inter = mlp.intermediate_size
     chunks = torch.arange(inter).tensor_split(len(devices))
-    shards = []
+    shards: list[nn.Module] = []
     for i, chunk in enumerate(chunks):
         if len(chunk) == 0:
             continue

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from corolla.models.block_base import TensorDescriptor
+from corolla.models.block_base import BlockAttention, TensorDescriptor
 from corolla.models.positions import RotaryEmbedding
 
 DEFAULT_SLIDING_SLACK_TOKENS = 64  # rollback room of a sliding layer's ring (speculative drafts are shorter)
@@ -48,7 +48,7 @@ def sliding_cache_capacity(window_tokens: int, slack_tokens: int, max_length: in
     return min(max_length, window_tokens + slack_tokens)
 
 
-class WindowedAttention(nn.Module):
+class WindowedAttention(BlockAttention):
     """GQA attention with the extras above. q/k norms (`q_norm`, `k_norm`: modules over head_dim) run before
     the rotary embedding, as Gemma 3 does. Weights: fused `qkv` (rows `[q heads | k heads | v heads]`),
     `o_proj`, optional `sinks` [num_heads]."""

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-class BusyPollSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+class BusyPollSelector(selectors.DefaultSelector):
     """`select` polls without blocking until the hot period ends (or the caller's timeout), then blocks as usual:
     a loop that is not hot sleeps and costs nothing. With `linger_s` > 0, every `select` that found events keeps the
     loop hot for `linger_s` more (a loop that serves a stream of messages on a thread of its own: it sleeps only

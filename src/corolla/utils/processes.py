@@ -60,7 +60,8 @@ class _Spawner:
         self._pid = os.getpid()
 
     def run(self, fn: Callable[[], Any]) -> Any:
-        done, result = threading.Event(), []
+        done = threading.Event()
+        result: list[Any] = []
         with self._lock:
             if self._thread is None or self._pid != os.getpid():  # none yet, or inherited dead through a fork
                 self._thread, self._pid = (

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corolla.models.block_base import TensorDescriptor
+from corolla.models.block_base import BlockAttention, TensorDescriptor
 from corolla.models.layers import RMSNorm
 from corolla.models.positions import RotaryEmbedding, rope_parameters
 
@@ -37,7 +37,7 @@ def latent_cache_dims(config) -> tuple[int, int]:
     return int(config.kv_lora_rank), int(config.qk_rope_head_dim)
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(BlockAttention):
     """MLA over `num_attention_heads` heads; forward(x [B,T,H], cache, position) -> [B,T,H] like `Attention`."""
 
     def __init__(self, config):
