@@ -10,7 +10,8 @@ from corolla.engine.config import EngineConfig
 from corolla.engine.graphs.prefill_graphs import PrefillGraphs, chunk_bucket
 from corolla.engine.kv.kv_pool import TRASH_PAGE
 from corolla.engine.span_engine import SpanEngine
-from corolla.engine.spans.fast_llama import FastLlamaSpan, table_slots
+from corolla.engine.spans.fast_llama import FastLlamaSpan
+from corolla.engine.spans.span_model import table_slots
 from corolla.engine.step_request import StepRequest
 from corolla.models.registry import get_family
 from helpers.tiny_models import tiny_config

@@ -30,7 +30,8 @@ from corolla.engine.kernels.graph_timing import time_configs
 from corolla.engine.kernels.prefill_attention import paged_prefill_attention_ref
 from corolla.engine.kv.kv_pool import TRASH_PAGE, KVPool, SequenceSlot
 from corolla.engine.ops.decode_ops import triton_usable
-from corolla.engine.spans.fast_llama import FastLlamaSpan, table_slots
+from corolla.engine.spans.fast_llama import FastLlamaSpan
+from corolla.engine.spans.span_model import table_slots
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs run the graphs' work eagerly, with the reference

@@ -18,7 +18,7 @@ import torch
 
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.spans.adapter_rows import AdapterRows
-from corolla.engine.spans.span_model import ChunkedPrefill
+from corolla.engine.spans.span_model import ChunkedPrefill, add_prompt
 from corolla.models.block_base import TensorDescriptor
 from corolla.models.lora import using_adapter
 
@@ -263,14 +263,3 @@ def write_positions(layer_cache: torch.Tensor, tables: torch.Tensor, start: int,
     flat = layer_cache.view(-1, *layer_cache.shape[2:])
     slots = page_slots(tables, start, start + values.shape[1], page_size).to(flat.device)
     flat[slots] = values.to(flat.dtype)
-
-
-def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, position: int) -> torch.Tensor:
-    """`hidden` [n, T, H] at [position, position + T) plus a deep prompt [1, P, H] where positions < P."""
-    if prompt is None:
-        return hidden
-    overlap = min(prompt.shape[1] - position, hidden.shape[1])
-    if overlap <= 0:
-        return hidden
-    head = hidden[:, :overlap] + prompt[:, position : position + overlap].to(hidden.dtype)  # [n, overlap, H]
-    return torch.cat([head, hidden[:, overlap:]], dim=1)

@@ -22,7 +22,7 @@ from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.ops.dense_ops import DenseOps
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key
 from corolla.engine.spans.fast_llama import Weight, projection_weight
-from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
+from corolla.engine.spans.span_model import ChunkedPrefill, add_prompt, rotary_tables, table_slots, tensors_nbytes
 from corolla.models.attention import Attention
 from corolla.models.bloom.block import BloomBlock
 from corolla.models.falcon.block import FalconBlock
@@ -108,13 +108,7 @@ class DenseLayerWeights:
 
     def nbytes(self) -> int:
         """Bytes of this layer's weights (quantized ones as stored): what one batch-1 decode step reads."""
-        total = 0
-        for t in vars(self).values():
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-            elif isinstance(t, NF4Weight | Int8Weight):
-                total += t.nbytes()
-        return total
+        return tensors_nbytes(vars(self).values())
 
 
 class FastDenseSpan(ChunkedPrefill):
@@ -144,24 +138,14 @@ class FastDenseSpan(ChunkedPrefill):
         self.max_positions = max_positions
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.alibi = alibi
-        half = spec.head_dim // 2
         if inv_freq is not None:
-            positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)  # [P]
-            freqs = positions[:, None] * inv_freq.to(self.device, torch.float32)[None, :]  # [P, D/2]
-            self.cos, self.sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+            self.cos, self.sin = rotary_tables(inv_freq, max_positions, self.device)  # [P, D/2] each
         else:  # never read (rope_and_store(rotate=False))
-            self.cos = self.sin = torch.zeros((1, half), dtype=torch.float32, device=self.device)
+            self.cos = self.sin = torch.zeros((1, spec.head_dim // 2), dtype=torch.float32, device=self.device)
         self.ops = DecodeOps(
             self.device, spec.head_dim, use_triton=use_triton, attention_splits_max=attention_splits_max
         )
         self.dense = DenseOps(self.device, spec.head_dim, use_triton=use_triton)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def weight_bytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
 
     def tune(self) -> dict:
         """Times cuBLAS against the fused Triton GEMVs for the bias-free dense projections (Falcon; a decode step's
@@ -248,16 +232,13 @@ class FastDenseSpan(ChunkedPrefill):
             return self.dense.up_gelu(x, w.w_up, w.b_up)
         return self.ops.gelu(self.ops.linear(x, w.w_up, w.b_up), self.spec.gelu_approximate)
 
-    def _mlp(self, w: DenseLayerWeights, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # x [N, H] normed -> residual + down(gelu(up(x))) [N, H]
-        return self.ops.linear(self._mlp_act(w, x), w.w_down, w.b_down, residual=residual)
-
-    def _decode_tail(
+    def _tail(
         self, w: DenseLayerWeights, h: torch.Tensor, x: torch.Tensor, attn: torch.Tensor, nxt: DenseLayerWeights | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # h [N, H] layer input, x [N, H] its ln1, attn [N, nq D] -> (the layer's output [N, H], its LayerNorm by the
-        # next layer's ln1 or None for the span's last layer). Projections add no residual: each residual add runs
-        # with the LayerNorm after it in one kernel, rounded as the blocks round (Falcon: h + (mlp + attention)).
+        # next layer's ln1 (decode) or None (prefill, or the span's last layer)). Projections add no residual: each
+        # residual add runs with the LayerNorm after it in one kernel, rounded as the blocks round (Falcon:
+        # h + (mlp + attention)).
         s, eps = self.spec, self.spec.layer_norm_eps
         o = self.ops.linear(attn, w.w_o, w.b_o)  # [N, H]
         if s.parallel_attn:
@@ -273,16 +254,6 @@ class FastDenseSpan(ChunkedPrefill):
             return self.dense.add(a, b, res), None
         return self.dense.add_norm(a, b, res, nxt.ln1_w, nxt.ln1_b, eps)
 
-    def _after_attention(self, w: DenseLayerWeights, h: torch.Tensor, x: torch.Tensor, attn: torch.Tensor):
-        # h [N, H] layer input, x [N, H] its norm (ln1), attn [N, nq D] -> the layer's output [N, H]
-        s = self.spec
-        if s.parallel_attn:  # Falcon: h + attention + MLP, the MLP on ln_mlp(h) or on the shared norm
-            h_attn = self.ops.linear(attn, w.w_o, w.b_o, residual=h)  # [N, H]
-            return self._mlp(w, x if w.ln2_w is None else self._norm(h, w.ln2_w, w.ln2_b), h_attn)
-        h = self.ops.linear(attn, w.w_o, w.b_o, residual=x if s.residual_after_norm else h)  # [N, H]
-        x2 = self._norm(h, w.ln2_w, w.ln2_b)
-        return self._mlp(w, x2, x2 if s.residual_after_norm else h)
-
     @torch.inference_mode()
     def decode(
         self,
@@ -292,9 +263,6 @@ class FastDenseSpan(ChunkedPrefill):
         pool: KVPool,
         layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """One token per row through layers [start, end) (default: all): hidden [B, H]; positions [B] long (row b
-        writes at positions[b] and attends to [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H].
-        Static shapes, no host sync."""
         s = self.spec
         b = hidden.shape[0]
         slots, seq_lens = self.dense.decode_slots(positions, block_tables, pool.page_size_tokens)  # [B] long, int32
@@ -313,7 +281,7 @@ class FastDenseSpan(ChunkedPrefill):
                 q, pool.k[i], pool.v[i], block_tables, seq_lens, self.scale, self.alibi
             )  # [B, nq, D]
             nxt = self.layers[i + 1] if i + 1 < end else None
-            h, x = self._decode_tail(w, h, x, attn.reshape(b, s.q_size), nxt)
+            h, x = self._tail(w, h, x, attn.reshape(b, s.q_size), nxt)
         return h
 
     def _prefill_chunk(
@@ -328,18 +296,15 @@ class FastDenseSpan(ChunkedPrefill):
         s = self.spec
         t = hidden.shape[0]
         total = start + t
-        table = slot.table.to(self.device, non_blocking=True)[None]  # [1, maxp]
         all_pos = torch.arange(total, device=self.device)  # [L]
-        all_slots = row_slots(table.expand(total, -1), all_pos, pool.page_size_tokens)  # [L]
+        all_slots = table_slots(slot.table.to(self.device, non_blocking=True), all_pos, pool.page_size_tokens)  # [L]
         positions, slots = all_pos[start:], all_slots[start:]  # [T]
         bias = None if self.alibi is None else self.alibi.bias(all_pos).to(self.dtype)  # [nq, L]
         h = hidden
-        overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here
         for j, i in enumerate(range(*layers)):
             w = self.layers[i]
-            if overlap and prompts is not None:
-                h = h.clone() if j == 0 else h
-                h[:overlap] += prompts[j, start : start + overlap].to(h.dtype)
+            if prompts is not None:
+                h = add_prompt(h[None], prompts[j][None], start)[0]  # [T, H]
             x = self._norm(h, w.ln1_w, w.ln1_b)  # [T, H]
             qkv = self.ops.linear(x, w.w_qkv, w.b_qkv)  # [T, (nq+2nkv)D]
             q = self.ops.rope_and_store(
@@ -349,7 +314,7 @@ class FastDenseSpan(ChunkedPrefill):
             k = pool.k[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, all_slots).transpose(0, 1)[None]
             v = pool.v[i].view(-1, s.num_kv_heads, s.head_dim).index_select(0, all_slots).transpose(0, 1)[None]
             attn = self._prefill_attention(q.transpose(0, 1)[None], k, v, positions, all_pos, bias)  # [1, nq, T, D]
-            h = self._after_attention(w, h, x, attn[0].transpose(0, 1).reshape(t, s.q_size))
+            h = self._tail(w, h, x, attn[0].transpose(0, 1).reshape(t, s.q_size), None)[0]
         return h
 
     def _prefill_attention(

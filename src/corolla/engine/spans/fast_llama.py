@@ -21,7 +21,14 @@ from corolla.engine.moe.routed_experts import RoutedMoE, tune_experts
 from corolla.engine.ops.decode_ops import DecodeOps
 from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight, linear_bias, quant_key, quantized_weight_of
 from corolla.engine.spans.fast_lora import DecodeRows, FusedProjection, OneAdapter, SpanAdapters, adapters_from_blocks
-from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
+from corolla.engine.spans.span_model import (
+    ChunkedPrefill,
+    add_prompt,
+    rotary_tables,
+    row_slots,
+    table_slots,
+    tensors_nbytes,
+)
 from corolla.models.layers import SparseMoE
 from corolla.models.lora import LoraLinear
 from corolla.models.positions import RotaryEmbedding
@@ -125,13 +132,7 @@ class LayerWeights:
     def nbytes(self) -> int:
         """Bytes of this layer's weights (quantized ones as stored; every expert of a mixture): what one decode
         step of a dense layer reads."""
-        total = 0 if self.moe is None else self.moe.nbytes()
-        for t in vars(self).values():
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-            elif isinstance(t, NF4Weight | Int8Weight):
-                total += t.nbytes()
-        return total
+        return tensors_nbytes(vars(self).values()) + (0 if self.moe is None else self.moe.nbytes())
 
     def projections(self) -> tuple[Weight, Weight, Weight | None, Weight | None]:
         return self.w_qkv, self.w_o, self.w_gate_up, self.w_down
@@ -159,10 +160,7 @@ class FastLlamaSpan(ChunkedPrefill):
         self.dtype = layers[0].ln1.dtype
         self.max_positions = max_positions
         self.scale = 1.0 / math.sqrt(spec.head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)  # [P]
-        freqs = positions[:, None] * inv_freq.to(self.device, torch.float32)[None, :]  # [P, D/2]
-        self.cos = freqs.cos().contiguous()
-        self.sin = freqs.sin().contiguous()
+        self.cos, self.sin = rotary_tables(inv_freq, max_positions, self.device)  # [P, D/2] each
         self.ops = DecodeOps(
             self.device, spec.head_dim, use_triton=use_triton, attention_splits_max=attention_splits_max
         )
@@ -174,13 +172,6 @@ class FastLlamaSpan(ChunkedPrefill):
         # decode steps with adapters (fused form): run a projection's norm/gating prologue inside both its GEMM and
         # the adapters' shrink GEMM (None: when both have a tuned single-row Triton kernel; True/False: always/never)
         self.lora_prologue_fused: bool | None = None
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def weight_bytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
 
     def tune(self) -> dict:
         """Picks, per projection of the single-row decode step, the unfused path (norm/gating kernel + cuBLAS) or
@@ -310,9 +301,6 @@ class FastLlamaSpan(ChunkedPrefill):
         pool: KVPool,
         layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """One token per row through layers [start, end) (default: all): hidden [B, H]; positions [B] long (row b
-        writes at positions[b] and attends to [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H].
-        Static shapes, no host sync."""
         s = self.spec
         b = hidden.shape[0]
         seq_lens = (positions + 1).to(torch.int32)  # [B]
@@ -421,14 +409,11 @@ class FastLlamaSpan(ChunkedPrefill):
         table = slot.table.to(self.device, non_blocking=True)  # [maxp]
         key_slots = table_slots(table, torch.arange(total, device=self.device), pool.page_size_tokens)  # [L]
         positions = torch.arange(start, total, device=self.device)  # [T]
-        overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here
-        deep = None if prompts is None or not overlap else prompts[:, start : start + overlap]  # [n, overlap, H]
         lora = None if self.adapters is None else self.adapters.for_prefill()  # the sequence's adapter, or None
         h = hidden
         for j, i in enumerate(range(*layers)):
-            if deep is not None:
-                h = h.clone() if j == 0 else h
-                h[: deep.shape[1]] += deep[j].to(h.dtype)
+            if prompts is not None:
+                h = add_prompt(h[None], prompts[j][None], start)[0]  # [T, H]
             q = self.chunk_pre(i, h, positions, key_slots[start:], pool, lora)  # [T, nq, D]
             h = self.chunk_post(i, h, self.chunk_attend(i, q, key_slots, pool), lora)  # [T, H]
         return h
@@ -486,12 +471,6 @@ class FastLlamaSpan(ChunkedPrefill):
         x = self.ops.rms_norm(h, w.ln2, s.rms_norm_eps)
         act = self.ops.silu_mul(self.ops.linear(x, w.w_gate_up, w.b_gate_up))  # [T, I]
         return self.ops.linear(act, w.w_down, w.b_down, residual=h)  # [T, H]
-
-
-def table_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
-    """The flat cache slot [N] long of each of `positions` [N] long in a sequence whose pages `table` [maxp] int32
-    names."""
-    return table.index_select(0, positions // page).long() * page + positions % page
 
 
 def _norm_weight(block: torch.nn.Module, name: str) -> torch.Tensor:

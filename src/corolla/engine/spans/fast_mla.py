@@ -23,7 +23,7 @@ from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, time_expert_configs
 from corolla.engine.ops.decode_ops import DecodeOps
-from corolla.engine.spans.span_model import ChunkedPrefill, row_slots
+from corolla.engine.spans.span_model import ChunkedPrefill, add_prompt, row_slots, table_slots, tensors_nbytes
 from corolla.models.deepseek_v3.block import DeepseekV3Block
 from corolla.models.deepseek_v3.mla import LATENT_NORM_EPS, LatentAttention, mla_softmax_scale
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE
@@ -164,22 +164,19 @@ class MlaLayerWeights:
 
     def nbytes(self) -> int:
         """Bytes of all this layer's weights."""
-        return _nbytes(self.ln1, self.ln2, *vars(self.attn).values()) + _mlp_bytes(self.mlp, None)
+        return tensors_nbytes((self.ln1, self.ln2, *vars(self.attn).values())) + _mlp_bytes(self.mlp, None)
 
     def active_nbytes(self, num_experts_used: int) -> int:
         """Bytes one decode step reads when `num_experts_used` distinct routed experts are chosen."""
-        return _nbytes(self.ln1, self.ln2, *vars(self.attn).values()) + _mlp_bytes(self.mlp, num_experts_used)
-
-
-def _nbytes(*tensors: object) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        attention = tensors_nbytes((self.ln1, self.ln2, *vars(self.attn).values()))
+        return attention + _mlp_bytes(self.mlp, num_experts_used)
 
 
 def _mlp_bytes(mlp: DenseMlpWeights | MoeWeights, num_experts_used: int | None) -> int:
     if isinstance(mlp, DenseMlpWeights):
-        return _nbytes(mlp.gate_up, mlp.down)
+        return tensors_nbytes((mlp.gate_up, mlp.down))
     experts = mlp.experts.nbytes() if num_experts_used is None else num_experts_used * mlp.experts.expert_nbytes()
-    return _nbytes(mlp.router, mlp.score_bias, mlp.shared.gate_up, mlp.shared.down) + experts
+    return tensors_nbytes((mlp.router, mlp.score_bias, mlp.shared.gate_up, mlp.shared.down)) + experts
 
 
 class FastMlaSpan(ChunkedPrefill):
@@ -221,13 +218,6 @@ class FastMlaSpan(ChunkedPrefill):
         # per layer: kv_b viewed as [n, nope + v, c]; key half [n, nope, c], value half transposed [n, c, v]: views
         self._w_uk = [w.attn.kv_b.view(n, nope + spec.v_head_dim, -1)[:, :nope] for w in self.layers]
         self._w_uv_t = [w.attn.kv_b.view(n, nope + spec.v_head_dim, -1)[:, nope:].transpose(1, 2) for w in self.layers]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def weight_bytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
 
     def active_weight_bytes(self) -> int:
         """Bytes a batch-1 decode step reads: attention, dense MLPs, routers, top-k routed and shared experts."""
@@ -378,9 +368,6 @@ class FastMlaSpan(ChunkedPrefill):
         pool: KVPool,
         layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """One token per row through layers [start, end) (default: all): hidden [B, H]; positions [B] long (row b
-        writes at positions[b] and attends to [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H].
-        Static shapes, no host sync."""
         s = self.spec
         b = hidden.shape[0]
         seq_lens = (positions + 1).to(torch.int32)  # [B]
@@ -430,17 +417,14 @@ class FastMlaSpan(ChunkedPrefill):
         t = hidden.shape[0]
         n, nope, c = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
         total = start + t
-        table = slot.table.to(self.device, non_blocking=True)[None]  # [1, maxp]
         all_pos = torch.arange(total, device=self.device)  # [L]
-        all_slots = row_slots(table.expand(total, -1), all_pos, pool.page_size_tokens)  # [L]
+        all_slots = table_slots(slot.table.to(self.device, non_blocking=True), all_pos, pool.page_size_tokens)  # [L]
         positions, slots = all_pos[start:], all_slots[start:]  # [T]
         h = hidden
-        overlap = 0 if prompts is None else max(0, min(prompts.shape[1], total) - start)  # prompt positions here
         for j, i in enumerate(range(*layers)):
             w = self.layers[i]
-            if overlap and prompts is not None:
-                h = h.clone() if j == 0 else h
-                h[:overlap] += prompts[j, start : start + overlap].to(h.dtype)
+            if prompts is not None:
+                h = add_prompt(h[None], prompts[j][None], start)[0]  # [T, H]
             x = self.ops.rms_norm(h, w.ln1, s.rms_norm_eps)  # [T, H]
             q_nope, q_rope, latent, k_rope = self._project(i, x, positions)
             store_latent(latent, k_rope, slots, pool.k[i], pool.v[i])

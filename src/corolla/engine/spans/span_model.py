@@ -6,11 +6,13 @@ says what one token takes in that pool per layer (`KVLayout`). Implemented by `f
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
 
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
+from corolla.engine.quant.quant_weights import Int8Weight, NF4Weight
 
 
 class SpanSpec(Protocol):
@@ -84,13 +86,56 @@ def row_slots(block_tables: torch.Tensor, positions: torch.Tensor, page: int) ->
     return pages * page + positions % page
 
 
+def table_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+    """The flat cache slot [N] long of each of `positions` [N] long in a sequence whose pages `table` [maxp] int32
+    names."""
+    return table.index_select(0, positions // page).long() * page + positions % page
+
+
+def rotary_tables(
+    inv_freq: torch.Tensor, max_positions: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [P, D/2] float32 of positions [0, max_positions) for the frequencies `inv_freq` [D/2]."""
+    positions = torch.arange(max_positions, dtype=torch.float32, device=device)  # [P]
+    freqs = positions[:, None] * inv_freq.to(device, torch.float32)[None, :]  # [P, D/2]
+    return freqs.cos().contiguous(), freqs.sin().contiguous()
+
+
+def tensors_nbytes(values: Iterable[object]) -> int:
+    """Bytes of the tensors and quantized weights (`nbytes()`, as stored) among `values` (a layer's fields)."""
+    total = 0
+    for t in values:
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+        elif isinstance(t, NF4Weight | Int8Weight):
+            total += t.nbytes()
+    return total
+
+
+def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, position: int) -> torch.Tensor:
+    """`hidden` [n, T, H] at [position, position + T) plus a deep prompt [1, P, H] where positions < P."""
+    if prompt is None:
+        return hidden
+    overlap = min(prompt.shape[1] - position, hidden.shape[1])
+    if overlap <= 0:
+        return hidden
+    head = hidden[:, :overlap] + prompt[:, position : position + overlap].to(hidden.dtype)  # [n, overlap, H]
+    return torch.cat([head, hidden[:, overlap:]], dim=1)
+
+
 class ChunkedPrefill:
-    """The `prefill` every span type shares: the sequence in chunks of at most `chunk_tokens` tokens, each run by the
-    span's own `_prefill_chunk(chunk [t, H], chunk_start, slot, pool, (first, last), prompts) -> [t, H]`."""
+    """What every span type shares: its `layers` (each with `nbytes()`), and the `prefill` that runs the sequence
+    in chunks of at most `chunk_tokens` tokens, each by the span's own
+    `_prefill_chunk(chunk [t, H], chunk_start, slot, pool, (first, last), prompts) -> [t, H]`."""
+
+    layers: list
 
     @property
     def num_layers(self) -> int:
-        raise NotImplementedError
+        return len(self.layers)
+
+    def weight_bytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
 
     def _prefill_chunk(
         self,
