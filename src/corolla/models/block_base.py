@@ -48,6 +48,11 @@ class TensorTarget:
     rows: torch.Tensor | None = None
 
 
+def same_names(*names: str) -> dict[str, TensorTarget]:
+    """Checkpoint tensors stored under our parameter names (`norm.weight` -> `norm.weight`)."""
+    return {name: TensorTarget(name) for name in names}
+
+
 # The adapter selected for the current request (see `lora.using_adapter`); "" means none.
 _ACTIVE_ADAPTER: contextvars.ContextVar[str] = contextvars.ContextVar("corolla_active_adapter", default="")
 

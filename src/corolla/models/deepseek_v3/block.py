@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from corolla.models.block_base import CorollaBlock, TensorTarget
+from corolla.models.block_base import CorollaBlock, TensorTarget, same_names
 from corolla.models.deepseek_v3.mla import LatentAttention
 from corolla.models.deepseek_v3.moe import GroupLimitedMoE
 from corolla.models.expert_names import swiglu_layout, unstack_experts
@@ -45,10 +45,7 @@ class DeepseekV3Block(CorollaBlock):
 
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
         config = self.config
-        layout = {
-            "input_layernorm.weight": TensorTarget("input_layernorm.weight"),
-            "post_attention_layernorm.weight": TensorTarget("post_attention_layernorm.weight"),
-        }
+        layout = same_names("input_layernorm.weight", "post_attention_layernorm.weight")
         attn_names = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
         attn_names += ["q_proj"] if config.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
         for name in attn_names:

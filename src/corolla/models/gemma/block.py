@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from corolla.models.block_base import CorollaBlock, TensorTarget
+from corolla.models.block_base import CorollaBlock, TensorTarget, same_names
+from corolla.models.expert_names import swiglu_layout
 from corolla.models.layers import GatedMLP
 from corolla.models.llama.block import head_dim_of, num_kv_heads_of, qkv_layout
 from corolla.models.positions import RotaryEmbedding, rope_parameters
@@ -99,15 +100,9 @@ class Gemma2Block(CorollaBlock):
 
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
         bias = bool(getattr(self.config, "attention_bias", False))
-        inter = self.config.intermediate_size
-        layout = qkv_layout(
-            self.config, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            qkv_bias=bias, out_bias=bias,
-        )  # fmt: skip
-        layout.update({f"{name}.weight": TensorTarget(f"{name}.weight") for name in self.NORMS})
-        layout["mlp.gate_proj.weight"] = TensorTarget("mlp.gate_up.weight", torch.arange(0, inter))
-        layout["mlp.up_proj.weight"] = TensorTarget("mlp.gate_up.weight", torch.arange(inter, 2 * inter))
-        layout["mlp.down_proj.weight"] = TensorTarget("mlp.down.weight")
+        layout = qkv_layout(self.config, qkv_bias=bias, out_bias=bias)
+        layout.update(same_names(*(f"{name}.weight" for name in self.NORMS)))
+        layout.update(swiglu_layout("mlp", "mlp", self.config.intermediate_size))
         if self.QK_NORM:
             layout["self_attn.q_norm.weight"] = TensorTarget("attn.q_norm.weight")
             layout["self_attn.k_norm.weight"] = TensorTarget("attn.k_norm.weight")

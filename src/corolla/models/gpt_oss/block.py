@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corolla.models.block_base import CorollaBlock, TensorTarget
+from corolla.models.block_base import CorollaBlock, TensorTarget, same_names
 from corolla.models.gemma.block import sliding_window_of
 from corolla.models.gpt_oss.mxfp4 import dequantize_expert_tensors
 from corolla.models.llama.block import head_dim_of, num_kv_heads_of, qkv_layout
@@ -117,18 +117,13 @@ class GptOssBlock(CorollaBlock):
 
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
         bias = bool(getattr(self.config, "attention_bias", True))
-        layout = qkv_layout(
-            self.config, "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            qkv_bias=bias, out_bias=bias,
-        )  # fmt: skip
+        layout = qkv_layout(self.config, qkv_bias=bias, out_bias=bias)
         layout["self_attn.sinks"] = TensorTarget("attn.sinks")
-        layout["input_layernorm.weight"] = TensorTarget("input_layernorm.weight")
-        layout["post_attention_layernorm.weight"] = TensorTarget("post_attention_layernorm.weight")
-        layout["mlp.router.weight"] = TensorTarget("mlp.router.weight")
-        layout["mlp.router.bias"] = TensorTarget("mlp.router.bias")
-        for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
-            layout[f"mlp.experts.{name}"] = TensorTarget(f"mlp.experts.{name}")
-        return layout
+        experts = (
+            f"mlp.experts.{name}" for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+        )
+        layout.update(same_names("input_layernorm.weight", "post_attention_layernorm.weight", *experts))
+        return {**layout, **same_names("mlp.router.weight", "mlp.router.bias")}
 
     def normalize_checkpoint_names(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """OpenAI's MXFP4 checkpoints store the experts' matrices as `*_blocks` + `*_scales`: dequantized here."""

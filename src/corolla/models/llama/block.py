@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from corolla.models.attention import Attention
-from corolla.models.block_base import CorollaBlock, TensorTarget
+from corolla.models.block_base import CorollaBlock, TensorTarget, same_names
+from corolla.models.expert_names import swiglu_layout
 from corolla.models.layers import GatedMLP, RMSNorm
 from corolla.models.positions import RotaryEmbedding, rope_parameters
 
@@ -31,25 +32,38 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
     return int(window)
 
 
-def make_rotary_attention(config, layer_idx: int) -> Attention:
+def attention_biases(config) -> tuple[bool, bool]:
+    """(q/k/v biases, o bias): `attention_bias` for both; Qwen2 has q/k/v biases always."""
+    bias = bool(getattr(config, "attention_bias", False))
+    return bias or getattr(config, "model_type", None) == "qwen2", bias
+
+
+def make_rotary_attention(config, layer_idx: int, *, qk_norm: bool = False) -> Attention:
+    """Rotary GQA attention; `qk_norm` (Qwen3): RMSNorm over each head's q and k (eps `rms_norm_eps`)."""
     hd = head_dim_of(config)
-    qwen2 = getattr(config, "model_type", None) == "qwen2"
-    attention_bias = bool(getattr(config, "attention_bias", False))
-    rotary = RotaryEmbedding(hd, rope_parameters(config), config.max_position_embeddings)
+    qkv_bias, out_bias = attention_biases(config)
     return Attention(
         config.hidden_size,
         config.num_attention_heads,
         num_kv_heads_of(config),
         hd,
-        qkv_bias=attention_bias or qwen2,
-        out_bias=attention_bias,
-        rotary=rotary,
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+        rotary=RotaryEmbedding(hd, rope_parameters(config), config.max_position_embeddings),
         sliding_window=sliding_window_of(config, layer_idx),
+        qk_norm_eps=float(config.rms_norm_eps) if qk_norm else None,
     )
 
 
-def qkv_layout(config, q_name: str, k_name: str, v_name: str, o_name: str, *, qkv_bias: bool, out_bias: bool):
-    """Separate checkpoint q/k/v projections -> row ranges of our fused `attn.qkv`."""
+def qkv_layout(
+    config,
+    *,
+    qkv_bias: bool,
+    out_bias: bool,
+    names: tuple[str, str, str, str] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+) -> dict[str, TensorTarget]:
+    """Separate checkpoint q/k/v projections (`names`: q, k, v, o) -> row ranges of our fused `attn.qkv`."""
+    q_name, k_name, v_name, o_name = names
     hd = head_dim_of(config)
     nq, nkv = config.num_attention_heads * hd, num_kv_heads_of(config) * hd
     rows = {
@@ -70,7 +84,10 @@ def qkv_layout(config, q_name: str, k_name: str, v_name: str, o_name: str, *, qk
 
 class LlamaBlock(CorollaBlock):
     """x + attn(norm(x)), then + mlp(norm(.)). Checkpoint names: `self_attn.{q,k,v,o}_proj`,
-    `mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm`."""
+    `mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm` (and `self_attn.{q,k}_norm` where
+    `QK_NORM`)."""
+
+    QK_NORM = False  # Qwen3: per-head RMSNorm of queries and keys before rotary
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -80,7 +97,7 @@ class LlamaBlock(CorollaBlock):
         self.mlp = self._make_mlp(config)
 
     def _make_attention(self, config, layer_idx: int):
-        return make_rotary_attention(config, layer_idx)
+        return make_rotary_attention(config, layer_idx, qk_norm=self.QK_NORM)
 
     def _make_mlp(self, config):
         return GatedMLP(
@@ -96,31 +113,19 @@ class LlamaBlock(CorollaBlock):
         return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, H]
 
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
-        attn = self.attn_layout()
-        mlp_bias = bool(getattr(self.config, "mlp_bias", False))
         inter = self.config.intermediate_size
-        layout = {
-            "input_layernorm.weight": TensorTarget("input_layernorm.weight"),
-            "post_attention_layernorm.weight": TensorTarget("post_attention_layernorm.weight"),
-            "mlp.gate_proj.weight": TensorTarget("mlp.gate_up.weight", torch.arange(0, inter)),
-            "mlp.up_proj.weight": TensorTarget("mlp.gate_up.weight", torch.arange(inter, 2 * inter)),
-            "mlp.down_proj.weight": TensorTarget("mlp.down.weight"),
-        }
-        if mlp_bias:
+        layout = {**self.attn_layout(), **same_names("input_layernorm.weight", "post_attention_layernorm.weight")}
+        layout.update(swiglu_layout("mlp", "mlp", inter))
+        if getattr(self.config, "mlp_bias", False):
             layout["mlp.gate_proj.bias"] = TensorTarget("mlp.gate_up.bias", torch.arange(0, inter))
             layout["mlp.up_proj.bias"] = TensorTarget("mlp.gate_up.bias", torch.arange(inter, 2 * inter))
             layout["mlp.down_proj.bias"] = TensorTarget("mlp.down.bias")
-        return {**attn, **layout}
+        return layout
 
     def attn_layout(self) -> dict[str, TensorTarget]:
-        qwen2 = getattr(self.config, "model_type", None) == "qwen2"
-        attention_bias = bool(getattr(self.config, "attention_bias", False))
-        return qkv_layout(
-            self.config,
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            qkv_bias=attention_bias or qwen2,
-            out_bias=attention_bias,
-        )
+        qkv_bias, out_bias = attention_biases(self.config)
+        layout = qkv_layout(self.config, qkv_bias=qkv_bias, out_bias=out_bias)
+        if self.QK_NORM:
+            layout["self_attn.q_norm.weight"] = TensorTarget("attn.q_norm.weight")
+            layout["self_attn.k_norm.weight"] = TensorTarget("attn.k_norm.weight")
+        return layout

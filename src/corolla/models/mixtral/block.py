@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from corolla.models.block_base import TensorTarget
+from corolla.models.block_base import TensorTarget, same_names
 from corolla.models.expert_names import experts_layout, unstack_experts
 from corolla.models.layers import SparseMoE
 from corolla.models.llama.block import LlamaBlock
@@ -32,8 +32,7 @@ class MixtralBlock(LlamaBlock):
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
         layout = {
             **self.attn_layout(),
-            "input_layernorm.weight": TensorTarget("input_layernorm.weight"),
-            "post_attention_layernorm.weight": TensorTarget("post_attention_layernorm.weight"),
+            **same_names("input_layernorm.weight", "post_attention_layernorm.weight"),
             "block_sparse_moe.gate.weight": TensorTarget("mlp.router.weight"),
         }
         inter, experts = self.config.intermediate_size, self.config.num_local_experts

@@ -6,7 +6,7 @@ order of our fused parameters), optional partial rotary (`partial_rotary_factor`
 from __future__ import annotations
 
 from corolla.models.attention import Attention
-from corolla.models.block_base import TensorTarget
+from corolla.models.block_base import TensorTarget, same_names
 from corolla.models.llama.block import LlamaBlock, head_dim_of, num_kv_heads_of
 from corolla.models.phi3.rotary import make_phi3_rotary
 
@@ -35,8 +35,7 @@ class Phi3Block(LlamaBlock):
 
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
         return {
-            "input_layernorm.weight": TensorTarget("input_layernorm.weight"),
-            "post_attention_layernorm.weight": TensorTarget("post_attention_layernorm.weight"),
+            **same_names("input_layernorm.weight", "post_attention_layernorm.weight"),
             "self_attn.qkv_proj.weight": TensorTarget("attn.qkv.weight"),
             "self_attn.o_proj.weight": TensorTarget("attn.o_proj.weight"),
             "mlp.gate_up_proj.weight": TensorTarget("mlp.gate_up.weight"),

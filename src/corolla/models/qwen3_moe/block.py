@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from corolla.models.block_base import TensorTarget
+from corolla.models.block_base import TensorTarget, same_names
 from corolla.models.expert_names import experts_layout, unstack_experts
 from corolla.models.layers import GatedMLP, SparseMoE
 from corolla.models.qwen3.block import Qwen3Block
@@ -49,8 +49,7 @@ class Qwen3MoeBlock(Qwen3Block):
             return super().checkpoint_layout()  # Llama's dense MLP names with Qwen3's attention
         layout = {
             **self.attn_layout(),
-            "input_layernorm.weight": TensorTarget("input_layernorm.weight"),
-            "post_attention_layernorm.weight": TensorTarget("post_attention_layernorm.weight"),
+            **same_names("input_layernorm.weight", "post_attention_layernorm.weight"),
             "mlp.gate.weight": TensorTarget("mlp.router.weight"),
         }
         return {**layout, **experts_layout("mlp.experts", self.config.num_experts, self.config.moe_intermediate_size)}
