@@ -16,13 +16,14 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.server.backend import SpanBackend
 from corolla.server.core.engine_executor import EngineExecutor
-from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.executor import SessionSpec
 from corolla.server.core.refusals import BadRequest
 from corolla.server.core.runtime import Runtime
 from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers.device_channel import DeviceChannel
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore, RemoteSessionCache
 from helpers.channel_frames import NO_CAPS, remote_session
+from helpers.executor_runs import step_inputs
 from helpers.tiny_models import tiny_span_backend
 
 H, SPAN, SESSIONS = 64, (0, 1), 6
@@ -52,10 +53,6 @@ async def _channel(backend: SpanBackend) -> AsyncIterator[tuple[EngineExecutor, 
             await asyncio.wait_for(serving, 10)
 
 
-def _step(hidden: torch.Tensor, position: int) -> StepInputs:
-    return StepInputs(hidden, position, None, None, "", lone_session=False)
-
-
 async def test_steps_of_many_sessions_travel_in_batches_and_each_gets_its_own_output(backend) -> None:
     torch.manual_seed(1)
     prompts = [torch.randn(1, 3, H) for _ in range(SESSIONS)]
@@ -65,12 +62,12 @@ async def test_steps_of_many_sessions_travel_in_batches_and_each_gets_its_own_ou
         direct = [await stack.enter_async_context(real.open_session(spec, 0)) for _ in range(SESSIONS)]
         remote = [await stack.enter_async_context(remote_session(proxy, spec)) for _ in range(SESSIONS)]
         for i in range(SESSIONS):
-            await real.step(direct[i], _step(prompts[i], 0))
-            await proxy.step(remote[i], _step(prompts[i], 0))
+            await real.step(direct[i], step_inputs(prompts[i], 0))
+            await proxy.step(remote[i], step_inputs(prompts[i], 0))
         frames_in, frames_out, requests = channel.num_frames_in, channel.num_frames_out, channel.num_requests
         for step, row in enumerate(tokens):  # every session steps in the same loop iteration
-            want = [await real.step(direct[i], _step(row[i], 3 + step)) for i in range(SESSIONS)]
-            got = await asyncio.gather(*(proxy.step(remote[i], _step(row[i], 3 + step)) for i in range(SESSIONS)))
+            want = [await real.step(direct[i], step_inputs(row[i], 3 + step)) for i in range(SESSIONS)]
+            got = await asyncio.gather(*(proxy.step(remote[i], step_inputs(row[i], 3 + step)) for i in range(SESSIONS)))
             for w, g in zip(want, got, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         steps = len(tokens) * SESSIONS
@@ -87,7 +84,7 @@ async def test_a_refused_step_inside_a_batch_fails_only_its_caller(backend) -> N
         ghost = RemoteSessionCache(spec, proxy.link, handle=999_999)  # no such session in the device process
         frames_in = channel.num_frames_in
         results = await asyncio.gather(
-            *(proxy.step(c, _step(torch.randn(1, 2, H), 0)) for c in (*caches, ghost)), return_exceptions=True
+            *(proxy.step(c, step_inputs(torch.randn(1, 2, H), 0)) for c in (*caches, ghost)), return_exceptions=True
         )
         assert channel.num_frames_in - frames_in == 1  # all four in one frame
         assert all(isinstance(r, torch.Tensor) and r.shape == (1, 2, H) for r in results[:3])

@@ -24,6 +24,7 @@ from corolla.server.core.span_core import SpanCore
 from corolla.server.handlers.device_channel import DeviceChannel, FrameSocket
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 from helpers.channel_frames import NO_CAPS, recv_frame, remote_session
+from helpers.executor_runs import step_inputs
 from helpers.tiny_models import tiny_span_backend
 
 H, SPAN = 64, (0, 1)
@@ -120,10 +121,6 @@ async def _served(
             await asyncio.wait_for(serving, 10)
 
 
-def _step(hidden: torch.Tensor, position: int) -> StepInputs:
-    return StepInputs(hidden, position, None, None, "", lone_session=False)
-
-
 async def test_a_refused_step_fails_only_its_caller_and_the_session_goes_on(backend) -> None:
     spec = SessionSpec(SPAN, 1, 16)
     async with _served(backend) as (real, _, _, link), contextlib.AsyncExitStack() as stack:
@@ -131,11 +128,13 @@ async def test_a_refused_step_fails_only_its_caller_and_the_session_goes_on(back
         a, b = [await stack.enter_async_context(remote_session(proxy, spec)) for _ in range(2)]
         too_long = torch.randn(1, 17, H)  # past the session's 16 tokens: the engine refuses it
         results = await asyncio.gather(
-            proxy.step(a, _step(torch.randn(1, 3, H), 0)), proxy.step(b, _step(too_long, 0)), return_exceptions=True
+            proxy.step(a, step_inputs(torch.randn(1, 3, H), 0)),
+            proxy.step(b, step_inputs(too_long, 0)),
+            return_exceptions=True,
         )
         assert isinstance(results[0], torch.Tensor) and results[0].shape == (1, 3, H)
         assert isinstance(results[1], (BadRequest, ValueError)), results[1]
-        out = await proxy.step(b, _step(torch.randn(1, 2, H), 0))  # the refused session still serves
+        out = await proxy.step(b, step_inputs(torch.randn(1, 2, H), 0))  # the refused session still serves
         assert out.shape == (1, 2, H) and torch.isfinite(out).all()
 
 
@@ -146,7 +145,7 @@ async def test_a_dead_handler_process_ends_its_sessions_and_leaves_no_thread(bac
         proxy = RemoteCore(link)
         stack = contextlib.AsyncExitStack()
         caches = [await stack.enter_async_context(remote_session(proxy, spec)) for _ in range(3)]
-        await asyncio.gather(*(proxy.step(c, _step(torch.randn(1, 2, H), 0)) for c in caches))
+        await asyncio.gather(*(proxy.step(c, step_inputs(torch.randn(1, 2, H), 0)) for c in caches))
         assert len(channel.sessions) == 3 and real.bytes_left < free and len(_channel_threads()) == 1
         link.writer.transport.abort()  # the handler process dies: its end of the socket is gone
         await asyncio.wait_for(asyncio.shield(serving), 10)
@@ -187,4 +186,4 @@ async def test_a_call_the_core_does_not_take_fails_only_its_caller(backend) -> N
             await link.request("forward", "peer", (0, 9), torch.randn(1, 2, H), None, "", 16, 1.0)
         proxy = RemoteCore(link)
         cache = await stack.enter_async_context(remote_session(proxy, SessionSpec(SPAN, 1, 16)))
-        assert (await proxy.step(cache, _step(torch.randn(1, 2, H), 0))).shape == (1, 2, H)
+        assert (await proxy.step(cache, step_inputs(torch.randn(1, 2, H), 0))).shape == (1, 2, H)

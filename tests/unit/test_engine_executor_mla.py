@@ -5,7 +5,6 @@ chooses its fused latent span for the family, inference steps (prefill, merged d
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -17,9 +16,10 @@ from corolla.models.registry import get_family
 from corolla.models.sizing import kv_cache_bytes_per_token
 from corolla.server.backend import SpanBackend
 from corolla.server.core.engine_executor import EngineExecutor, build_engine_executor
-from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.executor import SessionSpec
 from corolla.server.core.runtime import Runtime
 from corolla.server.metrics import ServerMetrics
+from helpers.executor_runs import backend_steps, cpu_traits, merged_sessions_run, random_span_backend, two_session_plans
 from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of
 
@@ -37,44 +37,14 @@ def _single_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def backend() -> SpanBackend:
-    torch.manual_seed(0)
-    config = tiny_config_of("deepseek_v3", N_BLOCKS)
-    blocks = {}
-    for i in SPAN:
-        block = get_family(config).build_block(config, i)
-        for name, p in block.named_parameters():
-            if p.ndim > 1:
-                torch.nn.init.normal_(p, std=0.15)
-            else:
-                torch.nn.init.normal_(p, mean=0.0 if "bias" in name else 1.0, std=0.2)
-        blocks[i] = block.eval()
-    return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
-
-
-def _step(hidden: torch.Tensor, position: int) -> StepInputs:
-    return StepInputs(hidden, position, None, None, "", lone_session=False)
+    return random_span_backend(tiny_config_of("deepseek_v3", N_BLOCKS), SPAN)
 
 
 async def test_deepseek_span_runs_on_the_fast_path(backend: SpanBackend) -> None:
-    traits = SpanTraits(
-        device_type="cpu", dtype=torch.float32, quant_type="none", family=get_family(backend.config).family,
-        num_adapters=0, tensor_parallel_devices=0,
-    )  # fmt: skip
-    h = int(backend.config.hidden_size)
     torch.manual_seed(1)
-    prompts = [torch.randn(1, 9, h), torch.randn(1, 4, h)]
-    tokens = [torch.randn(1, 1, h), torch.randn(1, 1, h)]
-    redo = torch.randn(1, 2, h)
-    expected = []
-    for prompt, token in zip(prompts, tokens, strict=True):
-        caches = [[torch.zeros(tuple(d.shape)) for d in per] for per in backend.cache_descriptors(SPAN, 1, 32)]
-        run = [_step(prompt, 0), _step(token, prompt.shape[1])]
-        if prompt is prompts[0]:
-            run.append(_step(redo, 5))  # rollback onto position 5
-        expected.append(
-            [backend.inference_step(SPAN, s.hidden_states, caches, prefix_length=s.prefix_length, max_length=32)
-             for s in run]
-        )  # fmt: skip
+    plans = two_session_plans(int(backend.config.hidden_size))
+    expected = [backend_steps(backend, SPAN, plan, 32) for plan in plans]
+    traits = cpu_traits(get_family(backend.config).family)
     with Runtime(max_batch_size_tokens=1024) as runtime:
         executor = build_engine_executor(backend, runtime, traits, kv_pool_bytes=POOL_BYTES, max_seq_len_tokens=64,
                                          metrics=ServerMetrics(), warmup=False)  # fmt: skip
@@ -88,20 +58,16 @@ async def test_deepseek_span_runs_on_the_fast_path(backend: SpanBackend) -> None
         assert executor.cache_bytes_per_token(SPAN) == per_token
         left = executor.bytes_left
         spec = SessionSpec(SPAN, 1, 32)
-        async with executor.open_session(spec, 0) as a, executor.open_session(spec, 0) as b:
+
+        async def check_accounting(_sessions: list) -> None:
             assert executor.bytes_left == left - 2 * executor.session_bytes(spec)
             assert executor.session_bytes(spec) == executor.engine.pool.pages_for(32) * page * per_token
-            got_a = [await executor.step(a, _step(prompts[0], 0))]
-            got_b = [await executor.step(b, _step(prompts[1], 0))]
-            pair = await asyncio.wait_for(
-                asyncio.gather(executor.step(a, _step(tokens[0], 9)), executor.step(b, _step(tokens[1], 4))), 30
-            )
-            got_a.append(pair[0])
-            got_b.append(pair[1])
-            got_a.append(await executor.step(a, _step(redo, 5)))
+
+        got = await merged_sessions_run(executor, spec, plans, while_open=check_accounting)
         assert executor.bytes_left == left
-    for got, ref in zip(got_a + got_b, expected[0] + expected[1], strict=True):
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    for outputs, refs in zip(got, expected, strict=True):
+        for out, ref in zip(outputs, refs, strict=True):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 
 def test_quantized_deepseek_spans_run_eagerly_with_the_reason() -> None:

@@ -19,6 +19,7 @@ from corolla.engine.spans.fast_mla import FastMlaSpan
 from corolla.models.registry import get_family
 from corolla.models.sizing import kv_cache_bytes_per_token
 from helpers.engine_reference import cached_block_steps
+from helpers.executor_runs import randomize_
 from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of
 
@@ -58,15 +59,7 @@ def make_config(num_layers: int = 3, **changes):
 def make_blocks(num_layers: int = 3, seed: int = 0, **changes) -> list[torch.nn.Module]:
     torch.manual_seed(seed)
     config = make_config(num_layers, **changes)
-    blocks = [get_family(config).build_block(config, i) for i in range(num_layers)]
-    for block in blocks:
-        for name, p in block.named_parameters():  # norms away from 1, biases away from 0: every tensor matters
-            if p.ndim > 1:
-                torch.nn.init.normal_(p, std=0.15)
-            else:
-                torch.nn.init.normal_(p, mean=0.0 if "bias" in name else 1.0, std=0.2)
-        block.eval()
-    return blocks
+    return [randomize_(get_family(config).build_block(config, i)) for i in range(num_layers)]
 
 
 def make_engine(blocks, **overrides) -> SpanEngine:

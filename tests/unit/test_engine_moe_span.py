@@ -21,6 +21,7 @@ from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.runtime import Runtime
 from corolla.server.metrics import ServerMetrics
 from helpers.engine_reference import cached_block_steps
+from helpers.executor_runs import backend_steps
 from helpers.tiny_models import HIDDEN_SIZE as H
 from helpers.tiny_models import tiny_config
 
@@ -97,14 +98,7 @@ async def test_fast_executor_over_a_mixtral_span_equals_the_backend() -> None:
         StepInputs(torch.randn(2, 1, H), 6, prompts, torch.tensor([1, 0]), "", lone_session=False),  # beams swap
         StepInputs(torch.randn(2, 1, H), 5, None, None, "", lone_session=False),  # rollback
     ]
-    caches = [[torch.zeros(tuple(d.shape)) for d in per_block] for per_block in backend.cache_descriptors(span, 2, 32)]
-    expected = [
-        backend.inference_step(
-            span, st.hidden_states, caches, prefix_length=st.prefix_length, max_length=32, hypo_ids=st.hypo_ids,
-            prompts=st.prompts,
-        )
-        for st in steps
-    ]  # fmt: skip
+    expected = backend_steps(backend, span, steps, 32)
     with Runtime(max_batch_size_tokens=1024) as runtime:
         engine = make_engine(blocks)
         executor = EngineExecutor(backend, engine, runtime, ServerMetrics())
