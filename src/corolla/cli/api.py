@@ -45,11 +45,6 @@ def build_parser() -> configargparse.ArgParser:
     )
     parser.add_argument("--dht_prefix", default=None, help="DHT prefix of the model's blocks (default: from --model)")
     parser.add_argument(
-        "--swarm_key_file",
-        default=None,
-        help="private swarm with membership: the swarm key file (made by corolla-dht --new_swarm_key PATH)",
-    )
-    parser.add_argument(
         "--served_model_name",
         nargs="+",
         default=[],
@@ -84,7 +79,7 @@ def build_parser() -> configargparse.ArgParser:
     )
     parser.add_argument("--torch_dtype", default="float32", help="dtype of the local embeddings and LM head")
     add_speculative_flags(parser)
-    add_common_flags(parser)
+    add_common_flags(parser, swarm=True)
     return parser
 
 

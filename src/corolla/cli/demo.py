@@ -55,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--startup_timeout_s", type=float, default=90.0, help="limit for the swarm to come up")
     parser.add_argument("--keep_running", action="store_true", help="leave the swarm up until Ctrl-C")
     parser.add_argument("--no_web", action="store_true", help="do not start the health page and the OpenAI API")
-    parser.add_argument("--verbose", action="store_true", help="show corolla's logs (servers log to files)")
-    add_common_flags(parser)
+    add_common_flags(parser, verbose_help="show corolla's logs (servers log to files)")
     return parser
 
 

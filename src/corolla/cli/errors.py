@@ -31,13 +31,19 @@ def version_string() -> str:
     return f"corolla {__version__}"
 
 
-def add_common_flags(parser: argparse.ArgumentParser, *, verbose_help: str | None = None) -> None:
-    """`--version` and `--verbose` (tracebacks on errors, and the CLI's logs where it is quiet by default)."""
+def add_common_flags(parser: argparse.ArgumentParser, *, verbose_help: str | None = None, swarm: bool = False) -> None:
+    """`--version` and `--verbose` (tracebacks on errors, and the CLI's logs where it is quiet by default); with
+    `swarm` (a CLI that joins one), `--swarm_key_file`."""
     parser.add_argument("--version", action="version", version=f"%(prog)s ({version_string()})")
-    if "--verbose" not in parser._option_string_actions:  # demo declares its own
+    if swarm:
         parser.add_argument(
-            "--verbose", action="store_true", help=verbose_help or "print a traceback with errors, and debug details"
+            "--swarm_key_file",
+            default=None,
+            help="private swarm with membership: the swarm key file (made by corolla-dht --new_swarm_key PATH)",
         )
+    parser.add_argument(
+        "--verbose", action="store_true", help=verbose_help or "print a traceback with errors, and debug details"
+    )
 
 
 def wants_verbose(argv: Sequence[str] | None) -> bool:

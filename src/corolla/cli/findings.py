@@ -36,13 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="this machine's findings directory (ClientConfig.findings_dir): a server caught is banned there",
     )
     parser.add_argument("--dht_prefix", default=None, help="DHT prefix the servers announce (default: from model)")
-    parser.add_argument("--swarm_key_file", default=None, help="private swarm with membership: the swarm key file")
     parser.add_argument(
         "--reporter", default=None, help="peer id of the server that sent the findings (never asked to re-check them)"
     )
     parser.add_argument("--request_timeout_s", type=float, default=60.0)
     parser.add_argument("--timeout_s", type=float, default=DEFAULT_TIMEOUT_S, help="the longest the check may take")
-    add_common_flags(parser, verbose_help="show logs (on stderr) and tracebacks; quiet by default")
+    add_common_flags(parser, swarm=True, verbose_help="show logs (on stderr) and tracebacks; quiet by default")
     return parser
 
 

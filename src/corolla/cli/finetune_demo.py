@@ -48,8 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--startup_timeout_s", type=float, default=120.0, help="limit for the swarm to come up")
     parser.add_argument("--json_out", type=Path, default=None, help="write the figures here (JSON)")
-    parser.add_argument("--verbose", action="store_true", help="show corolla's logs")
-    add_common_flags(parser)
+    add_common_flags(parser, verbose_help="show corolla's logs")
     return parser
 
 

@@ -29,11 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("prompt", nargs="?", default=None, help="text to continue (omit with --interactive)")
     parser.add_argument("--initial_peers", nargs="+", default=(), help="multiaddrs of swarm members")
     parser.add_argument("--dht_prefix", default=None, help="DHT prefix the servers announce (default: from model)")
-    parser.add_argument(
-        "--swarm_key_file",
-        default=None,
-        help="private swarm with membership: the swarm key file (made by corolla-dht --new_swarm_key PATH)",
-    )
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--do_sample", action="store_true")
     parser.add_argument("--temperature", type=float, default=None)
@@ -84,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_speculative_flags(parser)
     parser.add_argument("--torch_dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
-    add_common_flags(parser, verbose_help="show logs (on stderr) and tracebacks; quiet by default")
+    add_common_flags(parser, swarm=True, verbose_help="show logs (on stderr) and tracebacks; quiet by default")
     return parser
 
 

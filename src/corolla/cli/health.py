@@ -31,11 +31,6 @@ def build_parser() -> configargparse.ArgParser:
     )
     parser.add_argument("--initial_peers", nargs="+", required=True, help="multiaddrs of peers of the swarm")
     parser.add_argument(
-        "--swarm_key_file",
-        default=None,
-        help="private swarm with membership: the swarm key file (made by corolla-dht --new_swarm_key PATH)",
-    )
-    parser.add_argument(
         "--model", nargs="*", default=[], help="models to watch (repo or local path; prefix and blocks from its config)"
     )
     parser.add_argument(
@@ -50,7 +45,7 @@ def build_parser() -> configargparse.ArgParser:
     parser.add_argument("--refresh_period", type=float, default=30.0, help="seconds between state refreshes")
     parser.add_argument("--ping_timeout", type=float, default=3.0, help="seconds before a server counts as unreachable")
     parser.add_argument("--no_reachability", action="store_true", help="do not ping servers")
-    add_common_flags(parser)
+    add_common_flags(parser, swarm=True)
     return parser
 
 

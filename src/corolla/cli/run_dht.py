@@ -66,11 +66,6 @@ def build_parser() -> configargparse.ArgParser:
         "--identity_path", default=None, help="libp2p private key file for a stable peer id (created if absent)"
     )
     parser.add_argument(
-        "--swarm_key_file",
-        default=None,
-        help="private swarm with membership: the swarm key file (made by corolla-dht --new_swarm_key PATH)",
-    )
-    parser.add_argument(
         "--new_swarm_key",
         default=None,
         metavar="PATH",
@@ -90,7 +85,7 @@ def build_parser() -> configargparse.ArgParser:
     parser.add_argument(
         "--startup_timeout", type=float, default=60.0, help="seconds to wait for the p2p daemon and bootstrap"
     )
-    add_common_flags(parser)
+    add_common_flags(parser, swarm=True)
     return parser
 
 
