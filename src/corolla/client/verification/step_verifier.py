@@ -19,6 +19,7 @@ import torch
 from corolla.client.calls.output_checks import BadServerOutput, relative_error, verify_rtol
 from corolla.client.calls.remote_forward_backward import run_remote_backward, run_remote_forward
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
+from corolla.client.verification.stretches import StretchReferees
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.utils.logging import get_logger
 
@@ -57,17 +58,6 @@ class StepVerifier:
 
     def sample(self) -> bool:
         return self.fraction > 0 and (self.fraction >= 1 or self.rng.random() < self.fraction)
-
-    def _referees(self, span: RemoteSpanInfo) -> list[RemoteSpanInfo]:
-        """Other unbanned servers holding all of the span's blocks, in random order, as spans of exactly its blocks."""
-        banned = self.manager.bans.banned_peers()
-        others = [
-            RemoteSpanInfo(peer_id=s.peer_id, start=span.start, end=span.end, server_info=s.server_info)
-            for s in self.manager.spans
-            if s.peer_id != span.peer_id and s.peer_id not in banned and s.start <= span.start and span.end <= s.end
-        ]
-        self.rng.shuffle(others)
-        return others
 
     def _agree(
         self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], spans: tuple[RemoteSpanInfo, ...]
@@ -125,7 +115,7 @@ class StepVerifier:
     ) -> None:
         """Compares `claimed` with what referees (`ask(referee)`) compute for the same request; raises
         BadServerOutput for the span's server when outvoted, bans referees that failed or cannot be outvoted."""
-        referees = self._referees(span)
+        referees = StretchReferees(self.manager, rng=self.rng).replicas(span, {span.peer_id})
         if not referees:
             if self.fraction >= 1 and self.manager.bans.agreed_in_a_row(span.peer_id) < LONE_TRUST_STEPS:
                 raise UnverifiableOutput(span.peer_id, (span.start, span.end))
@@ -139,9 +129,7 @@ class StepVerifier:
                     span.peer_id[-6:],
                 )
             return
-        dissent: list[
-            tuple[RemoteSpanInfo, tuple[torch.Tensor, ...]]
-        ] = []  # referees that disagreed with the span's server
+        dissent: list[tuple[RemoteSpanInfo, tuple[torch.Tensor, ...]]] = []  # referees that disagreed with the server
         for referee in referees[: self.manager.config.verify_max_referees]:
             try:
                 other = await ask(referee)
