@@ -25,7 +25,7 @@ from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -234,13 +234,38 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
             metrics.running(-1)
             cancelled.set()
 
-    async def stream(
-        request: GenerationRequest,
-        make_chunk: Callable[[int, str | None, ChoiceDone | None, list[TokenLogprob]], dict[str, Any]],
-        prelude: list[dict[str, Any]],
-        usage_chunk: Callable[[Finished], dict[str, Any]] | None,
-    ) -> Response:
-        queue, cancelled = await start_generation(request)
+    async def respond(
+        req: CompletionRequest | ChatCompletionRequest,
+        gen: GenerationRequest,
+        prompt_ids: list[int],
+        done_choice: Callable[[ChoiceDone], dict[str, Any]],
+        chunk_choice: Callable[[int, str | None, ChoiceDone | None, list[TokenLogprob]], dict[str, Any]],
+        prelude: tuple[dict[str, Any], ...] = (),  # chat: a first chunk per choice naming its role
+    ) -> Any:
+        """The response in OpenAI's shape: one object, or (`stream`) SSE chunks of `chunk_choice`s after `prelude`'s,
+        then a usage chunk when `stream_options.include_usage`, then `[DONE]`. Choices end with `finish_reason` and
+        `stop_reason`."""
+        chat = isinstance(req, ChatCompletionRequest)
+        rid, now = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        if not req.stream:
+            done = await complete(gen)
+            choices = [{**done_choice(d), "finish_reason": d.finish_reason, "stop_reason": d.stop_reason} for d in done]
+            usage_now = usage(len(prompt_ids), sum(d.completion_tokens for d in done), done[0].cached_tokens)
+            return envelope(
+                rid, "chat.completion" if chat else "text_completion", now, req.model, choices, usage=usage_now
+            )
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choice: dict[str, Any], done: ChoiceDone | None) -> str:
+            choice["finish_reason"] = done.finish_reason if done else None
+            if done is not None:
+                choice["stop_reason"] = done.stop_reason
+            return json.dumps(
+                envelope(rid, kind, now, req.model, [choice], **({"usage": None} if include_usage else {}))
+            )
+
+        queue, cancelled = await start_generation(gen)
         # Wait for the first event so that failures before any output get a proper HTTP status.
         first = await queue.get()
         if isinstance(first, Failed):
@@ -250,17 +275,18 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         async def events() -> AsyncIterator[str]:
             metrics.running(1)
             try:
-                for chunk in prelude:
-                    yield json.dumps(chunk)
+                for choice in prelude:
+                    yield chunk(choice, None)
                 event = first
                 while True:
                     if isinstance(event, Delta):
-                        yield json.dumps(make_chunk(event.index, event.text, None, event.logprobs))
+                        yield chunk(chunk_choice(event.index, event.text, None, event.logprobs), None)
                     elif isinstance(event, ChoiceDone):
-                        yield json.dumps(make_chunk(event.index, None, event, []))
+                        yield chunk(chunk_choice(event.index, None, event, []), event)
                     elif isinstance(event, Finished):
-                        if usage_chunk is not None:
-                            yield json.dumps(usage_chunk(event))
+                        if include_usage:
+                            final = usage(len(prompt_ids), event.completion_tokens, event.cached_tokens)
+                            yield json.dumps(envelope(rid, kind, now, req.model, [], usage=final))
                         yield "[DONE]"
                         return
                     elif isinstance(event, Failed):
@@ -306,7 +332,6 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         check_token_ids(prompt_ids, "prompt")
         max_tokens = budget(prompt_ids, req.max_tokens, 16, "max_tokens", "prompt")
         gen = generation_request(req, prompt_ids, max_tokens, req.logprobs)
-        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         offsets = [0] * gen.n  # text offset of the next logprobs entry, per choice
 
         def logprobs_of(index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -314,40 +339,17 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
                 return None
             return completion_logprobs(entries, offsets, index)
 
-        if not req.stream:
-            done = await complete(gen)
-            choices = [
-                {
-                    "text": d.text,
-                    "index": d.index,
-                    "logprobs": logprobs_of(d.index, d.logprobs),
-                    "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason,
-                }
-                for d in done
-            ]
-            usage_now = usage(len(prompt_ids), sum(d.completion_tokens for d in done), done[0].cached_tokens)
-            return envelope(rid, "text_completion", now, req.model, choices, usage=usage_now)
+        def done_choice(d: ChoiceDone) -> dict[str, Any]:
+            return {"text": d.text, "index": d.index, "logprobs": logprobs_of(d.index, d.logprobs)}
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(index: int, text: str | None, done: ChoiceDone | None, entries: list[TokenLogprob]) -> dict[str, Any]:
-            choice = {
+        def chunk_choice(index: int, text: str | None, done: ChoiceDone | None, entries: list[TokenLogprob]) -> dict:
+            return {
                 "text": text or "",
                 "index": index,
                 "logprobs": logprobs_of(index, entries) if done is None else None,
-                "finish_reason": done.finish_reason if done else None,
             }
-            if done is not None:
-                choice["stop_reason"] = done.stop_reason
-            extra = {"usage": None} if include_usage else {}
-            return envelope(rid, "text_completion", now, req.model, [choice], **extra)
 
-        def usage_chunk(finished: Finished) -> dict[str, Any]:
-            final_usage = usage(len(prompt_ids), finished.completion_tokens, finished.cached_tokens)
-            return envelope(rid, "text_completion", now, req.model, [], usage=final_usage)
-
-        return await stream(gen, chunk, [], usage_chunk if include_usage else None)
+        return await respond(req, gen, prompt_ids, done_choice, chunk_choice)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -368,49 +370,21 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = budget(prompt_ids, requested, config.default_chat_max_tokens, param, "messages")
         gen = generation_request(req, prompt_ids, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs_of(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
             return None if entries is None or gen.params.logprobs is None else chat_logprobs(entries)
 
-        if not req.stream:
-            done = await complete(gen)
-            choices = [
-                {
-                    "index": d.index,
-                    "message": {"role": "assistant", "content": d.text, "refusal": None},
-                    "logprobs": logprobs_of(d.logprobs),
-                    "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason,
-                }
-                for d in done
-            ]
-            usage_now = usage(len(prompt_ids), sum(d.completion_tokens for d in done), done[0].cached_tokens)
-            return envelope(rid, "chat.completion", now, req.model, choices, usage=usage_now)
+        def done_choice(d: ChoiceDone) -> dict[str, Any]:
+            message = {"role": "assistant", "content": d.text, "refusal": None}
+            return {"index": d.index, "message": message, "logprobs": logprobs_of(d.logprobs)}
 
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk_with(index: int, delta: dict[str, Any], done: ChoiceDone | None, logprobs: Any) -> dict[str, Any]:
-            choice = {
-                "index": index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": done.finish_reason if done else None,
-            }
-            if done is not None:
-                choice["stop_reason"] = done.stop_reason
-            extra = {"usage": None} if include_usage else {}
-            return envelope(rid, "chat.completion.chunk", now, req.model, [choice], **extra)
-
-        def chunk(index: int, text: str | None, done: ChoiceDone | None, entries: list[TokenLogprob]) -> dict[str, Any]:
+        def chunk_choice(index: int, text: str | None, done: ChoiceDone | None, entries: list[TokenLogprob]) -> dict:
             delta = {} if text is None else {"content": text}
-            return chunk_with(index, delta, done, logprobs_of(entries) if done is None else None)
+            return {"index": index, "delta": delta, "logprobs": logprobs_of(entries) if done is None else None}
 
-        def usage_chunk(finished: Finished) -> dict[str, Any]:
-            final_usage = usage(len(prompt_ids), finished.completion_tokens, finished.cached_tokens)
-            return envelope(rid, "chat.completion.chunk", now, req.model, [], usage=final_usage)
-
-        prelude = [chunk_with(i, {"role": "assistant", "content": ""}, None, None) for i in range(gen.n)]
-        return await stream(gen, chunk, prelude, usage_chunk if include_usage else None)
+        prelude = tuple(
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None} for i in range(gen.n)
+        )
+        return await respond(req, gen, prompt_ids, done_choice, chunk_choice, prelude)
 
     return app

@@ -76,10 +76,7 @@ def add_service_routes(
             except ValueError as e:
                 raise invalid_param(str(e), "messages") from None
         else:
-            if req.add_special_tokens:
-                tokens = backend.encode(req.prompt)
-            else:
-                tokens = backend.encode(req.prompt, add_special_tokens=False)
+            tokens = backend.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(tokens), "max_model_len": backend.max_context_tokens, "tokens": tokens, "token_strs": None}
 
     @app.post("/detokenize")
