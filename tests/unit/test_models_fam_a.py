@@ -16,67 +16,14 @@ from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.models.registry import get_family
 from corolla.models.tensor_parallel import make_tensor_parallel
-from helpers.tiny_models import capture_hf_layer, hf_layers, make_tiny_model, save_tiny_model, torch_threads
-
-SEQ = 13  # = the inference steps 10, 1, 1, 1
-ROLLBACK_TO, ROLLBACK_TOKENS = 8, 3
+from helpers.hf_equivalence import check_block_matches_transformers
+from helpers.tiny_models import hf_layers, make_tiny_model, save_tiny_model, torch_threads
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
     with torch_threads(1):
         yield
-
-
-def check_block(model_dir: Path, layer: int = 1, *, check_grads: bool = True) -> None:
-    torch.manual_seed(123)
-    config = load_config(model_dir)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    block = load_pretrained_block(model_dir, layer, config=config, torch_dtype=torch.float32)
-    ids = torch.randint(3, config.vocab_size, (2, SEQ))
-    x, ref, ref_kwargs = capture_hf_layer(hf, layer, ids)  # [2, SEQ, H]
-
-    with torch.no_grad():
-        torch.testing.assert_close(block(x), ref, atol=1e-4, rtol=0)
-        cache = [d.make_zeros() for d in block.cache_descriptors(2, 32)]
-        position = 0
-        for n in (10, 1, 1, 1):
-            out = block(x[:, position : position + n], cache=cache, position=position)
-            torch.testing.assert_close(out, ref[:, position : position + n], atol=1e-3, rtol=0)
-            position += n
-        # Rollback to position 8 with other tokens: the stale entries beyond must not count.
-        ids2 = torch.cat([ids[:, :ROLLBACK_TO], torch.randint(3, config.vocab_size, (2, ROLLBACK_TOKENS))], dim=1)
-        x2, ref2, _ = capture_hf_layer(hf, layer, ids2)
-        out = block(x2[:, ROLLBACK_TO:], cache=cache, position=ROLLBACK_TO)
-        torch.testing.assert_close(out, ref2[:, ROLLBACK_TO:], atol=1e-3, rtol=0)
-
-    if not check_grads:
-        return
-    block.requires_grad_(True)
-    weight = torch.randn_like(ref)
-    ours_in = x.clone().requires_grad_(True)
-    (block(ours_in) * weight).sum().backward()
-    hf_layer = hf_layers(hf)[layer]
-    ref_in = x.clone().requires_grad_(True)
-    ref_out = hf_layer(ref_in, **ref_kwargs)
-    ref_out = ref_out[0] if isinstance(ref_out, tuple) else ref_out
-    (ref_out * weight).sum().backward()
-    torch.testing.assert_close(ours_in.grad, ref_in.grad, atol=1e-4, rtol=1e-4)
-
-    ref_grads = block.normalize_checkpoint_names({n: p.grad for n, p in hf_layer.named_parameters()})
-    params = dict(block.named_parameters())
-    layout = block.checkpoint_layout()
-    buffers = {n for n, _ in hf_layer.named_buffers()}
-    assert set(layout) - buffers <= set(ref_grads)
-    for name, target in layout.items():
-        if name in buffers:  # e.g. DeepSeek's e_score_correction_bias: a buffer there, frozen here
-            continue
-        grad = params[target.param].grad
-        if grad is None:  # an expert no token chose: no gradient here, none (or zeros) there
-            assert ref_grads[name] is None or not ref_grads[name].any(), f"grad of {name}"
-            continue
-        grad = grad if target.rows is None else grad[target.rows]
-        torch.testing.assert_close(grad, ref_grads[name], atol=1e-4, rtol=1e-4, msg=f"grad of {name}")
 
 
 def save_with_random_router_bias(config, out: Path) -> Path:
@@ -95,36 +42,36 @@ def save_with_random_router_bias(config, out: Path) -> Path:
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "phi3"])
 def test_block_matches_transformers(family, tmp_path):
-    check_block(make_tiny_model(family, tmp_path, num_layers=2))
+    check_block_matches_transformers(make_tiny_model(family, tmp_path, num_layers=2))
 
 
 def test_qwen3_moe_dense_layer_matches_transformers(tmp_path):
-    check_block(make_tiny_model("qwen3_moe", tmp_path, num_layers=2), layer=0, check_grads=False)
+    check_block_matches_transformers(make_tiny_model("qwen3_moe", tmp_path, num_layers=2), layer=0, check_grads=False)
 
 
 def test_qwen3_moe_without_topk_renormalization(tmp_path):
     config = fam_a.qwen3_moe_config(2)
     config.norm_topk_prob = False
     config.mlp_only_layers = []
-    check_block(save_tiny_model(config, tmp_path / "m"), check_grads=False)
+    check_block_matches_transformers(save_tiny_model(config, tmp_path / "m"), check_grads=False)
 
 
 def test_deepseek_v3_moe_layer_matches_transformers(tmp_path):
-    check_block(save_with_random_router_bias(fam_a.deepseek_v3_config(2), tmp_path / "m"))
+    check_block_matches_transformers(save_with_random_router_bias(fam_a.deepseek_v3_config(2), tmp_path / "m"))
 
 
 def test_deepseek_v3_dense_layer_and_plain_q_proj(tmp_path):
     config = fam_a.deepseek_v3_config(2)
     config.q_lora_rank = None
     config.rope_interleave = False
-    check_block(save_tiny_model(config, tmp_path / "m"), layer=0)
+    check_block_matches_transformers(save_tiny_model(config, tmp_path / "m"), layer=0)
 
 
 def test_phi3_partial_rotary_and_sliding_window(tmp_path):
     config = fam_a.phi3_config(2)
     config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
     config.sliding_window = 6
-    check_block(save_tiny_model(config, tmp_path / "m"), check_grads=False)
+    check_block_matches_transformers(save_tiny_model(config, tmp_path / "m"), check_grads=False)
 
 
 def test_deepseek_v3_yarn_rope_with_mscale(tmp_path):
@@ -134,7 +81,7 @@ def test_deepseek_v3_yarn_rope_with_mscale(tmp_path):
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 8,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
     }  # fmt: skip
-    check_block(save_with_random_router_bias(config, tmp_path / "m"), check_grads=False)
+    check_block_matches_transformers(save_with_random_router_bias(config, tmp_path / "m"), check_grads=False)
 
 
 def test_deepseek_v3_router_bias_changes_the_choice(tmp_path):
@@ -159,7 +106,7 @@ def test_phi3_longrope_with_partial_rotary(original_max, tmp_path):
         "original_max_position_embeddings": original_max,
     }  # fmt: skip
     config.original_max_position_embeddings = original_max
-    check_block(save_tiny_model(config, tmp_path / "m"), check_grads=False)
+    check_block_matches_transformers(save_tiny_model(config, tmp_path / "m"), check_grads=False)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "phi3"])

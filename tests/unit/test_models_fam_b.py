@@ -12,6 +12,7 @@ import helpers.tiny_models_fam_b as fam_b
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.models.registry import get_family
+from helpers.hf_equivalence import check_grads_match
 from helpers.tiny_models import capture_hf_layer, hf_layers, make_tiny_model, torch_threads
 
 SEQ = 20  # > the tiny window (6) and > the ring (window + slack 2 = 8)
@@ -78,22 +79,4 @@ def test_forward_cached_steps_rollback_and_grads(tiny):
             else:  # full layers keep every position
                 out = block(x2[:, far_back : far_back + 1], cache=cache, position=far_back)
                 torch.testing.assert_close(out, ref2[:, far_back : far_back + 1], atol=1e-4, rtol=0)
-        _check_grads(block, hf_layers(hf)[layer], x, ref, ref_kwargs)
-
-
-def _check_grads(block, layer, x, ref, ref_kwargs) -> None:
-    block.requires_grad_(True)
-    weight = torch.randn_like(ref)
-    ours_in = x.clone().requires_grad_(True)
-    (block(ours_in) * weight).sum().backward()
-    ref_in = x.clone().requires_grad_(True)
-    ref_out = layer(ref_in, **ref_kwargs)
-    ref_out = ref_out[0] if isinstance(ref_out, tuple) else ref_out
-    (ref_out * weight).sum().backward()
-    torch.testing.assert_close(ours_in.grad, ref_in.grad, atol=1e-4, rtol=1e-4)
-    ref_grads = {n: p.grad for n, p in layer.named_parameters()}
-    params = dict(block.named_parameters())
-    for name, target in block.checkpoint_layout().items():
-        grad = params[target.param].grad
-        grad = grad if target.rows is None else grad[target.rows]
-        torch.testing.assert_close(grad, ref_grads[name], atol=1e-4, rtol=1e-4, msg=f"grad of {name}")
+        check_grads_match(block, hf_layers(hf)[layer], x, ref, ref_kwargs)
