@@ -180,7 +180,7 @@ def test_export_then_import_continues_bit_for_bit(backend, fused):
                     await _export(old, source)  # no export unless draining
                 old.handoff.drain.start(5.0)
                 with pytest.raises(Draining):
-                    old.handoff.check_accepting()
+                    old.handoff.drain.check_accepting()
                 header, messages = await _export(old, source)
                 assert header.position == PREFIX + 1
                 with pytest.raises(RuntimeError, match="already exported"):

@@ -264,6 +264,7 @@ class _DoublingExecutor:
     path = PATH_EAGER
     max_size_bytes = bytes_left = 1 << 30
     bytes_waiting = 0
+    attach_prefix = add_prefix_keys = handoff_layout = read_kv = write_kv = None  # (no step here uses them)
 
     def __init__(self) -> None:
         self.byte_steps = 0

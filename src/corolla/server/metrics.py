@@ -37,6 +37,7 @@ moves_dropped_total.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -109,62 +110,52 @@ class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
-        self._sessions_active = Gauge("corolla_sessions_active", "Inference sessions open now", registry=r)
-        self._sessions_opened = Counter("corolla_sessions_opened", "Inference sessions opened", registry=r)
-        self._queue_wait = Histogram(
-            "corolla_queue_wait_seconds", "Time a task waited before execution", buckets=BATCH_SECONDS_BOUNDS,
-            registry=r,
-        )  # fmt: skip
+        counter, gauge = functools.partial(Counter, registry=r), functools.partial(Gauge, registry=r)
+        self._sessions_active = gauge("corolla_sessions_active", "Inference sessions open now")
+        self._sessions_opened = counter("corolla_sessions_opened", "Inference sessions opened")
+        self._queue_wait = Histogram("corolla_queue_wait_seconds", "Time a task waited before execution",
+                                     buckets=BATCH_SECONDS_BOUNDS, registry=r)  # fmt: skip
         self._lock = threading.Lock()
         self._task_tokens = dict.fromkeys(TOKEN_KINDS, 0)  # `tokens()`: counted per task, not per decode step
         self._source: WorkSource | None = None
         self._retired = BatchCounts()  # the totals of replaced sources
         self._retired_tokens = 0
-        self._rejected = Counter("corolla_requests_rejected", "Requests refused, by reason", ["reason"], registry=r)
-        self._cache_used = Gauge("corolla_kv_cache_used_bytes", "KV cache bytes allocated", registry=r)
-        self._cache_free = Gauge("corolla_kv_cache_free_bytes", "KV cache bytes still free", registry=r)
-        self._prefix_keyed = Counter(
-            "corolla_prefix_keyed_tokens", "Positions sessions named by prefix keys when they opened", registry=r
+        self._rejected = counter("corolla_requests_rejected", "Requests refused, by reason", ["reason"])
+        self._cache_used = gauge("corolla_kv_cache_used_bytes", "KV cache bytes allocated")
+        self._cache_free = gauge("corolla_kv_cache_free_bytes", "KV cache bytes still free")
+        self._prefix_keyed = counter(
+            "corolla_prefix_keyed_tokens", "Positions sessions named by prefix keys when they opened"
         )
-        self._prefix_hits = Counter(
-            "corolla_prefix_hit_tokens", "Positions sessions reused from the prefix cache when they opened", registry=r
+        self._prefix_hits = counter(
+            "corolla_prefix_hit_tokens", "Positions sessions reused from the prefix cache when they opened"
         )
-        self._prefix_bytes = Gauge(
-            "corolla_prefix_cache_bytes", "KV bytes of the cached prefix pages (held by sessions or idle)", registry=r
+        self._prefix_bytes = gauge(
+            "corolla_prefix_cache_bytes", "KV bytes of the cached prefix pages (held by sessions or idle)"
         )
-        self._prefix_evictions = Gauge(
+        self._prefix_evictions = gauge(
             "corolla_prefix_cache_evictions",
             "Cached prefix pages evicted so far (for new sessions or past the operator's cap)",
-            registry=r,
         )
-        self._prefix_limit = Gauge(
+        self._prefix_limit = gauge(
             "corolla_prefix_cache_limit_bytes",
             "The operator's cap on cached prefix pages no session holds (--prefix_cache_tokens; -1: none)",
-            registry=r,
         )
-        self._blocks = Gauge("corolla_blocks_served", "Transformer blocks this server holds", registry=r)
-        self._serving_path = Gauge(
-            "corolla_serving_path",
-            "1 for how the engine runs this span (fused kernels or eager blocks)",
-            ["path"],
-            registry=r,
+        self._blocks = gauge("corolla_blocks_served", "Transformer blocks this server holds")
+        self._serving_path = gauge(
+            "corolla_serving_path", "1 for how the engine runs this span (fused kernels or eager blocks)", ["path"]
         )
-        self._announce_failures = Counter(
-            "corolla_announce_failures", "DHT announcements that failed or timed out", registry=r
+        self._announce_failures = counter("corolla_announce_failures", "DHT announcements that failed or timed out")
+        self._moves = counter("corolla_moves", "Rebalancing moves the swarm policy decided")
+        self._load_seconds = counter("corolla_span_load_seconds", "Seconds spent loading spans (joining and moves)")
+        self._loads = counter("corolla_span_loads", "Spans loaded (joining and moves)")
+        self._fetching = gauge(
+            "corolla_span_fetching", "1 while the server fetches a move's new span and serves its own"
         )
-        self._moves = Counter("corolla_moves", "Rebalancing moves the swarm policy decided", registry=r)
-        self._load_seconds = Counter(
-            "corolla_span_load_seconds", "Seconds spent loading spans (joining and moves)", registry=r
+        self._fetch_seconds = counter(
+            "corolla_span_fetch_seconds", "Seconds spent fetching moves' new spans while serving"
         )
-        self._loads = Counter("corolla_span_loads", "Spans loaded (joining and moves)", registry=r)
-        self._fetching = Gauge(
-            "corolla_span_fetching", "1 while the server fetches a move's new span and serves its own", registry=r
-        )
-        self._fetch_seconds = Counter(
-            "corolla_span_fetch_seconds", "Seconds spent fetching moves' new spans while serving", registry=r
-        )
-        self._moves_dropped = Counter(
-            "corolla_moves_dropped", "Moves given up after their fetch: the policy no longer asked for them", registry=r
+        self._moves_dropped = counter(
+            "corolla_moves_dropped", "Moves given up after their fetch: the policy no longer asked for them"
         )
         # Pre-create labelled children so every series is exported (as 0) from the start.
         for reason in REJECT_REASONS:

@@ -740,31 +740,10 @@ class Runtime:
         except RuntimeError as e:
             raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks") from e
 
-    def submit(
-        self,
-        fn: Callable[[], Any],
-        *,
-        priority: float,
-        size_tokens: int,
-        kind: str = KIND_GENERIC,
-        merge_key: Hashable | None = None,
-        payload: Any = None,
-        inline: bool = False,
-        sessions: tuple[Hashable, ...] = (),
-        lead_after_s: float = 0.0,
-    ) -> asyncio.Future:
-        """`queue(task(fn, ...), inline=inline)` for a caller in a running asyncio loop: the future of `fn()`'s
-        result (already resolved where it ran inline)."""
-        task = self.task(
-            fn,
-            priority=priority,
-            size_tokens=size_tokens,
-            kind=kind,
-            merge_key=merge_key,
-            payload=payload,
-            sessions=sessions,
-            lead_after_s=lead_after_s,
-        )
+    def submit(self, fn: Callable[[], Any], *, inline: bool = False, **task_args: Any) -> asyncio.Future:
+        """`queue(task(fn, **task_args), inline=inline)` for a caller in a running asyncio loop (no `on_done`): the
+        future of `fn()`'s result (already resolved where it ran inline)."""
+        task = self.task(fn, **task_args)
         self.queue(task, inline=inline)
         assert task.future is not None
         return task.future
@@ -784,8 +763,8 @@ class Runtime:
         try:
             if len(self._queue) > 0 or self._num_in_flight:  # priority order; nothing overtakes a launched batch
                 return False
-            if self.device is not None and self.device.type == "cuda" and not getattr(self._inline_threads, "set", 0):
-                torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
+            if not getattr(self._inline_threads, "set", 0):
+                self._set_device()
                 self._inline_threads.set = 1
             results = self._execute([task])
         finally:
@@ -803,11 +782,15 @@ class Runtime:
 
     # ---- device thread
 
+    def _set_device(self) -> None:
+        """Makes the runtime's CUDA device this thread's (a bare "cuda" has no index: the current device, which
+        `set_device` rejects)."""
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
+
     def _run(self) -> None:
         try:
-            if self.device is not None and self.device.type == "cuda":
-                # a bare "cuda" has no index: it means the current device, which set_device rejects
-                torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
+            self._set_device()
         finally:
             self._ready.set()
         queue = self._queue

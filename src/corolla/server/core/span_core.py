@@ -179,18 +179,16 @@ class SpanCore:
         self.pushes = PushTable()
         self.drain = DrainState()
         self.configure(peer_limits if peer_limits is not None else PeerLimits())
-        # a step of an open session is the executor's own, bound once (no call of the core's per step)
-        self.step = executor.step
+        # what the core passes through is the executor's own, bound once (no call of the core's per step)
+        self.path, self.step, self.cache_bytes_per_token = executor.path, executor.step, executor.cache_bytes_per_token
+        self.attach_prefix, self.add_prefix_keys = executor.attach_prefix, executor.add_prefix_keys
+        self.handoff_layout, self.read_kv, self.write_kv = executor.handoff_layout, executor.read_kv, executor.write_kv
 
     def configure(self, peer_limits: PeerLimits) -> None:
         """Sets the fair-use limits of every front's sessions and forwards (before serving)."""
         self.peer_limits = peer_limits
         self.admission = SessionAdmission(peer_limits, self.executor)
         self.forward_slots = ForwardSlots(peer_limits.max_forwards_per_peer)  # every front's, per peer
-
-    @property
-    def path(self) -> str:
-        return self.executor.path
 
     @property
     def num_open(self) -> int:
@@ -204,9 +202,6 @@ class SpanCore:
     @property
     def max_size_bytes(self) -> int:
         return self.executor.max_size_bytes
-
-    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
-        return self.executor.cache_bytes_per_token(block_indices)
 
     @contextlib.asynccontextmanager
     async def open_session(
@@ -255,18 +250,3 @@ class SpanCore:
     ) -> list[torch.Tensor]:
         async with self.forward_slots.hold(peer):
             return await asyncio.wait_for(self.executor.backward(block_indices, replace(inputs, owner=peer)), timeout_s)
-
-    async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
-        return await self.executor.attach_prefix(cache, namespace, keys)
-
-    def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
-        self.executor.add_prefix_keys(cache, namespace, keys)
-
-    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
-        return self.executor.handoff_layout(spec)
-
-    async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
-        return await self.executor.read_kv(cache, position)
-
-    async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
-        await self.executor.write_kv(cache, tensors, position)

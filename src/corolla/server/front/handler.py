@@ -199,43 +199,48 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
         return [self._serialize_output(g, c) for g, c in zip(grads, compressions, strict=True)]
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        check_request(self.peer_auth, "rpc_forward", context, request)
-        outputs = await self._run_logged("rpc_forward", self._unary(self._forward, request, context))
-        return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), "rpc_forward")
+        return await self._unary("rpc_forward", self._forward, request, context)
 
-    async def rpc_forward_stream(
+    def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        requests = gate_stream(self.peer_auth, "rpc_forward_stream", requests, context)
-        outputs = await self._run_logged("rpc_forward_stream", self._streamed(self._forward, requests, context))
-        for response in stream_response(outputs):
-            yield response
+        return self._streamed("rpc_forward_stream", self._forward, requests, context)
 
     async def rpc_backward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        check_request(self.peer_auth, "rpc_backward", context, request)
-        outputs = await self._run_logged("rpc_backward", self._unary(self._backward, request, context))
-        return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), "rpc_backward")
+        return await self._unary("rpc_backward", self._backward, request, context)
 
-    async def rpc_backward_stream(
+    def rpc_backward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        requests = gate_stream(self.peer_auth, "rpc_backward_stream", requests, context)
-        outputs = await self._run_logged("rpc_backward_stream", self._streamed(self._backward, requests, context))
-        for response in stream_response(outputs):
-            yield response
+        return self._streamed("rpc_backward_stream", self._backward, requests, context)
 
     async def _unary(
-        self, compute: _Compute, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> list[runtime_pb2.Tensor]:
-        return await compute(request.uid, bf.deserialize_request(request.tensors), request.metadata, peer_key(context))
+        self, name: str, compute: _Compute, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """A unary rpc: its request checked and computed, its reply within the unary size limit."""
+        check_request(self.peer_auth, name, context, request)
+
+        async def run() -> list[runtime_pb2.Tensor]:
+            tensors = bf.deserialize_request(request.tensors)
+            return await compute(request.uid, tensors, request.metadata, peer_key(context))
+
+        outputs = await self._run_logged(name, run())
+        return self._check_unary_size(runtime_pb2.ExpertResponse(tensors=outputs), name)
 
     async def _streamed(
-        self, compute: _Compute, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> list[runtime_pb2.Tensor]:
-        uid, serialized, metadata = await gather_stream(
-            requests, request_timeout_s=self.timeouts.request_timeout_s, max_stream_bytes=self.max_stream_bytes
-        )
-        return await compute(uid, bf.deserialize_request(serialized), metadata, peer_key(context))
+        self, name: str, compute: _Compute, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A streamed rpc: its request gathered whole and computed, its reply split into stream messages."""
+        requests = gate_stream(self.peer_auth, name, requests, context)
+
+        async def run() -> list[runtime_pb2.Tensor]:
+            uid, serialized, metadata = await gather_stream(
+                requests, request_timeout_s=self.timeouts.request_timeout_s, max_stream_bytes=self.max_stream_bytes
+            )
+            return await compute(uid, bf.deserialize_request(serialized), metadata, peer_key(context))
+
+        for response in stream_response(await self._run_logged(name, run())):
+            yield response
 
     async def _run_logged(self, name: str, coro: Awaitable[_T]) -> _T:
         try:

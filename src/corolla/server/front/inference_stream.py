@@ -43,7 +43,6 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 _T = TypeVar("_T")
 
 MAX_PUSH_QUEUE = 8  # pushed steps waiting per session; a session is driven one step at a time
@@ -247,9 +246,9 @@ async def iterate_steps(
     deadline: float,
 ) -> AsyncIterator[tuple[runtime_pb2.ExpertRequest, InferenceRequestMetadata]]:
     """Yields the session's steps: the first request, then whichever comes first of the next client message and a
-        pushed message, until an empty request, the end of the client stream, `step_timeout` or the session `deadline`
-    (a `time.monotonic()` value). A step whose `step_id`
-        was already processed (it came both pushed and directly) is skipped."""
+    pushed message, until an empty request, the end of the client stream, `step_timeout` or the session `deadline`
+    (a `time.monotonic()` value). A step whose `step_id` was already processed (it came both pushed and directly) is
+    skipped."""
     request: runtime_pb2.ExpertRequest | None = first
     client_next: asyncio.Task | None = None
     push_next: asyncio.Task | None = None
@@ -344,12 +343,6 @@ class SessionHandoff:
         self.num_exported = 0
         self.num_imported = 0
         self._exported: set[int] = set()  # id() of sessions already exported (no new sessions while draining)
-
-    # ---- hooks called by the handler
-
-    def check_accepting(self) -> None:
-        """Raises `Draining` (the handler counts it as a refusal) when the server takes no new sessions."""
-        self.drain.check_accepting()
 
     def import_header(self, metadata: InferenceRequestMetadata) -> hw.KvHeader | None:
         """The `KvHeader` of a session opened with an imported cache, None for a plain session; ValueError if bad."""
@@ -473,15 +466,6 @@ class SessionHandoff:
         return parts
 
 
-async def _await_within(coro: Awaitable[_T], timeout_s: float) -> _T:
-    """`await coro` with a deadline (TimeoutError past it). On Python >= 3.11 without the task of its own and the
-    extra loop iterations that `asyncio.wait_for` costs each step."""
-    if _timeout is None:
-        return await asyncio.wait_for(coro, timeout_s)
-    async with _timeout(timeout_s):
-        return await coro
-
-
 def _opening_tokens(first: runtime_pb2.ExpertRequest) -> int:
     """Tokens the opening request of a session brings: its hidden states' length `[B, T, H]` (0 for none)."""
     size = list(first.tensors[0].size) if first.tensors else []
@@ -516,7 +500,7 @@ class InferenceStreams:
             logger.info("rpc_inference.no_first_request")
             return
         try:
-            self.handoff.check_accepting()
+            self.handoff.drain.check_accepting()  # Draining: no new sessions
             block_indices = bf.resolve_chain(first.uid, self.limits)
             metadata = InferenceRequestMetadata.from_bytes(first.metadata)
             kv_import = self.handoff.import_header(metadata)  # a session moved here from a draining server
@@ -660,9 +644,9 @@ class InferenceStreams:
 
     async def _step_within(self, session: SessionState, step: Awaitable[_T], remaining_s: float) -> _T:
         """The executor's `step` under the session's deadline: the session's `TaskDeadline` (one lazily moved timer
-        for all its waits) where the loop has one, else `asyncio.timeout`."""
-        if _timeout is None:
-            return await _await_within(step, remaining_s)
+        for all its waits)."""
+        if not TASK_DEADLINES:  # (Python < 3.11: a task of its own)
+            return await asyncio.wait_for(step, remaining_s)
         deadlines = session.deadlines
         if deadlines is None:
             deadlines = session.deadlines = TaskDeadline(asyncio.get_running_loop())
