@@ -362,7 +362,6 @@ class _Entry:
 
     request_id: int
     ticket: SessionTicket | None
-    num_tokens: int  # B x T
     request: StepRequest  # the engine's request (its `output_bytes` once a launched forward collected them)
     shadow: bool = False  # a shadow session's step (`EngineExecutor.step_task`): queued last, never grouped
 
@@ -447,7 +446,7 @@ class FrameIntake:
                 if not alone and not shadow and request.is_decode:
                     frame.add(step.request_id, ticket, request)
                     continue
-                entry = _Entry(step.request_id, ticket, shape[0] * shape[1], request, shadow)
+                entry = _Entry(step.request_id, ticket, request, shadow)
                 if alone:  # a lone session: may run right here on an idle runtime
                     runtime.queue(self._task(entry), inline=True)
                 else:
@@ -477,18 +476,17 @@ class FrameIntake:
         """The frame's decode steps in as few tasks as fit one merged forward each (in order): one task for the
         usual frame (within the limit), else split where the limit says (the executor's steps share one merge key)."""
         limit = self.executor.runtime.merge_limit(KIND_ENGINE_INFERENCE)
-        n = len(frame.request_ids)
         if frame.tokens <= limit:
-            return [self._group_task(frame, 0, n)]
+            return [self._group_task(frame)]
         tasks: list[Task] = []
         start, tokens = 0, 0
         for i, request in enumerate(frame.requests):
             size = request.rows * request.num_tokens
             if i > start and tokens + size > limit:
-                tasks.append(self._group_task(frame, start, i))
+                tasks.append(self._group_task(frame.part(start, i)))
                 start, tokens = i, 0
             tokens += size
-        tasks.append(self._group_task(frame, start, n))
+        tasks.append(self._group_task(frame.part(start, len(frame.requests))))
         return tasks
 
     def _task(self, entry: _Entry) -> Task:
@@ -497,60 +495,42 @@ class FrameIntake:
             entry.request, shadow=entry.shadow, on_done=partial(self._step_done, entry), flush=self._flush
         )
 
-    def _group_task(self, frame: _FrameSteps, start: int, end: int) -> Task:
-        """One runtime task for steps [start, end) of a frame: a `StepGroup` (one step alone: its own task)."""
-        if end - start == 1:
-            request = frame.requests[start]
-            entry = _Entry(frame.request_ids[start], frame.tickets[start],
-                           request.rows * request.num_tokens, request)  # fmt: skip
-            return self._task(entry)
-        part = frame if start == 0 and end == len(frame.request_ids) else frame.part(start, end)
+    def _group_task(self, frame: _FrameSteps) -> Task:
+        """One runtime task for a frame's steps: a `StepGroup` (one step alone: its own task)."""
+        if len(frame.requests) == 1:
+            return self._task(_Entry(frame.request_ids[0], frame.tickets[0], frame.requests[0]))
         self.num_frame_tasks += 1
         return self.executor.step_task(
-            StepGroup(part.requests), on_done=partial(self._frame_done, part), flush=self._flush
+            StepGroup(frame.requests), on_done=partial(self._frame_done, frame), flush=self._flush
         )
 
     def _step_done(self, entry: _Entry, output: torch.Tensor | None, error: BaseException | None) -> None:
         """One step's result, in the thread that ran it; the runtime then calls `flush` once for the batch."""
-        self._queue_replies([self._reply(entry, output if error is None else error)])
+        self._queue_replies([_step_reply(entry.request_id, entry.ticket, entry.request, error or output)])
 
     def _frame_done(self, frame: _FrameSteps, outputs: list[StepResult] | None, error: BaseException | None) -> None:
         """A frame task's results (one per step; `error`: the whole batch failed), queued under one lock."""
-        if error is not None or outputs is None:
-            failed = error if error is not None else RuntimeError("the frame's steps returned nothing")
+        if error is not None or outputs is None or len(outputs) != len(frame.request_ids):
+            count = "no" if outputs is None else len(outputs)
+            failed = error or RuntimeError(f"{count} results for a frame of {len(frame.request_ids)} steps")
             self._queue_replies([(rid, failed, None) for rid in frame.request_ids])
             return
-        if len(outputs) != len(frame.request_ids):
-            failed = RuntimeError(f"{len(outputs)} results for a frame of {len(frame.request_ids)} steps")
-            self._queue_replies([(rid, failed, None) for rid in frame.request_ids])
-            return
-        reply = self._step_reply
         self._queue_replies([
-            reply(rid, ticket, request.rows * request.num_tokens, request, out)
-            for rid, ticket, request, out in zip(
-                frame.request_ids, frame.tickets, frame.requests, outputs, strict=True
-            )
+            _step_reply(rid, ticket, request, out)
+            for rid, ticket, request, out in zip(frame.request_ids, frame.tickets, frame.requests, outputs, strict=True)
         ])  # fmt: skip
 
-    @classmethod
-    def _reply(cls, entry: _Entry, result: torch.Tensor | BaseException | None) -> StepReply:
-        return cls._step_reply(entry.request_id, entry.ticket, entry.num_tokens, entry.request, result)
 
-    @staticmethod
-    def _step_reply(
-        request_id: int,
-        ticket: SessionTicket | None,
-        num_tokens: int,
-        request: StepRequest | None,
-        result: torch.Tensor | BaseException | None,
-    ) -> StepReply:
-        """A served step's reply (its session's ticket touched) or a refused one's."""
-        if result is None or isinstance(result, BaseException):
-            return (request_id, result if result is not None else RuntimeError("the step returned nothing"), None)
-        if ticket is not None:
-            ticket.touch(num_tokens)
-        # [B, T, H], encoded by whoever sends it (from its bytes, where a launched forward collected them)
-        return (request_id, result, request.output_bytes if request is not None else None)
+def _step_reply(
+    request_id: int, ticket: SessionTicket | None, request: StepRequest, result: torch.Tensor | BaseException | None
+) -> StepReply:
+    """A served step's reply (its session's ticket touched with its B x T tokens) or a refused one's."""
+    if result is None or isinstance(result, BaseException):
+        return (request_id, result if result is not None else RuntimeError("the step returned nothing"), None)
+    if ticket is not None:
+        ticket.touch(request.rows * request.num_tokens)
+    # [B, T, H], encoded by whoever sends it (from its bytes, where a launched forward collected them)
+    return (request_id, result, request.output_bytes)
 
 
 def device_info(executor: SpanExecutor, span: tuple[int, ...], max_frame_bytes: int) -> wire.DeviceInfo:
