@@ -288,11 +288,14 @@ class SessionAdmission:
 
     # ---- who yields, least valuable first
 
+    def _live(self, exclude: SessionTicket | None) -> list[SessionTicket]:
+        """The sessions not evicted yet, but `exclude`."""
+        return [t for t in self._tickets if t is not exclude and not t.evicted.is_set()]
+
     def _never_worked(self, exclude: SessionTicket | None = None) -> list[SessionTicket]:
         """Sessions held by zero-token steps alone, oldest first: they yield whole, at once."""
         grace_s = self.limits.first_token_grace_s
-        unused = [t for t in self._tickets if t is not exclude and not t.evicted.is_set() and t.never_worked(grace_s)]
-        return sorted(unused, key=lambda t: t.opened_at)
+        return sorted((t for t in self._live(exclude) if t.never_worked(grace_s)), key=lambda t: t.opened_at)
 
     def _shadows(self, newcomer: SessionTicket | None) -> list[SessionTicket]:
         """Shadow sessions, youngest first, where `newcomer` is a real session (or the head of the line, None): they
@@ -300,21 +303,13 @@ class SessionAdmission:
         verification, no user a token), never to another shadow."""
         if newcomer is not None and newcomer.shadow:
             return []
-        shadows = [t for t in self._tickets if t is not newcomer and t.shadow and not t.evicted.is_set()]
-        return sorted(shadows, key=lambda t: -t.opened_at)
+        return sorted((t for t in self._live(newcomer) if t.shadow), key=lambda t: -t.opened_at)
 
     def _idle_candidates(self, exclude: SessionTicket | None = None) -> list[SessionTicket]:
         """Sessions that did real work but none for `session_idle_evict_s`, longest idle first: they yield whole."""
         if not self.limits.session_idle_evict_s:
             return []
-        idle = [
-            t
-            for t in self._tickets
-            if t is not exclude
-            and not t.evicted.is_set()
-            and t.num_tokens
-            and t.idle_s >= self.limits.session_idle_evict_s
-        ]
+        idle = (t for t in self._live(exclude) if t.num_tokens and t.idle_s >= self.limits.session_idle_evict_s)
         return sorted(idle, key=lambda t: t.last_used_at)
 
     def _idle_promises(self, exclude: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
@@ -322,12 +317,7 @@ class SessionAdmission:
         pages and run on."""
         if not self.limits.kv_promise_idle_s:
             return
-        idle = [
-            t
-            for t in self._tickets
-            if t is not exclude and not t.evicted.is_set() and t.promised_bytes > 0
-            and t.idle_s >= self.limits.kv_promise_idle_s
-        ]  # fmt: skip
+        idle = (t for t in self._live(exclude) if t.promised_bytes > 0 and t.idle_s >= self.limits.kv_promise_idle_s)
         for ticket in sorted(idle, key=lambda t: t.last_used_at):
             yield ticket, ticket.promised_bytes
 
@@ -390,44 +380,31 @@ class SessionAdmission:
         needed = math.ceil((tokens + self._pace_tokens(ticket)) * ticket.bytes_per_token)
         return max(0, min(lease.promised_bytes, lease.taken_bytes + lease.promised_bytes - needed))
 
-    def _slow_promises(self, exclude: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
-        """Promises beyond the pace of their sessions (`_unearned_promise`), slowest first: a trickle of tokens (a
-        cheap identity's step every few seconds) keeps a promise of a few tokens, not its whole `max_length`. Not
-        those whose pace is not known yet (`_fresh_promises`). The sessions keep their pages and run on; their next
-        token asks the whole promise back."""
-        slow = {
-            t: self._unearned_promise(t)
-            for t in self._tickets
-            if t is not exclude and not t.evicted.is_set() and not self._pace_unknown(t)
-        }
-        for ticket in sorted((t for t in slow if slow[t]), key=lambda t: (self._pace_tokens(t), t.last_used_at)):
-            yield ticket, slow[ticket]
+    def _pace_promises(self, exclude: SessionTicket | None, *, fresh: bool) -> Iterator[tuple[SessionTicket, int]]:
+        """Promises beyond the pace of their sessions (`_unearned_promise`). Of sessions whose pace is known, slowest
+        first: a trickle of tokens (a cheap identity's step every few seconds) keeps a promise of a few tokens, not its
+        whole `max_length`. Of those whose pace is not known yet (`fresh`: their promise beyond their tokens and what
+        they did since their prefill), reopening peers' first, then the longest since its prefill: they yield after
+        every slow promise and every share's excess (a session that just opened is not the slowest of all), and still
+        yield (a hoarder opening session after session, a token each, keeps no newcomer out, its prefills queued or
+        not). The sessions keep their pages and run on; their next token asks the whole promise back."""
+        offers = {t: self._unearned_promise(t) for t in self._live(exclude) if self._pace_unknown(t) == fresh}
 
-    def _fresh_promises(self, exclude: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
-        """The same for sessions whose pace is not known yet (their promise beyond their tokens and what they did
-        since their prefill), reopening peers' first, then the longest since its prefill: they yield after every
-        slow promise and every share's excess (a session that just opened is not the slowest of all), and still
-        yield (a hoarder opening session after session, a token each, keeps no newcomer out, its prefills queued
-        or not)."""
-        fresh = {
-            t: self._unearned_promise(t)
-            for t in self._tickets
-            if t is not exclude and not t.evicted.is_set() and self._pace_unknown(t)
-        }
-
-        def order(t: SessionTicket) -> tuple[bool, float, float]:  # (a queued prefill is the freshest of its kind)
+        def order(t: SessionTicket) -> tuple[float, ...]:  # (a queued prefill is the freshest of its kind)
+            if not fresh:
+                return (self._pace_tokens(t), t.last_used_at)
             return (not self._reopening(t.peer), math.inf if t.prefilled_at is None else t.prefilled_at, t.last_used_at)
 
-        for ticket in sorted((t for t in fresh if fresh[t]), key=order):
-            yield ticket, fresh[ticket]
+        for ticket in sorted((t for t in offers if offers[t]), key=order):
+            yield ticket, offers[ticket]
 
     def _promises_over_share(self, ticket: SessionTicket | None) -> Iterator[tuple[SessionTicket, int]]:
         """Unused promises beyond a fair share: the cache split evenly among the peers holding promises and the
         newcomer's, largest excess first. A crowd of identities only splits the share finer: each of n holders of
         a full cache holds more than 1/(n+1) of it, so a newcomer always reaches its share."""
         holders: dict[str, list[SessionTicket]] = defaultdict(list)
-        for t in self._tickets:
-            if t is not ticket and not t.evicted.is_set() and t.promised_bytes > 0:
+        for t in self._live(ticket):
+            if t.promised_bytes > 0:
                 holders[t.peer].append(t)
         newcomer = None if ticket is None else ticket.peer
         share = int(self.budget.max_size_bytes) // (len(holders) + (newcomer not in holders))
@@ -519,8 +496,8 @@ class SessionAdmission:
                 free += candidate.held_bytes
         # an open that brings no token takes nothing from sessions by their pace: it is the least of holds itself
         paced = ticket is None or ticket.opening_tokens != 0
-        slow = self._slow_promises(ticket) if paced else iter(())
-        fresh = self._fresh_promises(ticket) if paced else iter(())
+        slow = self._pace_promises(ticket, fresh=False) if paced else iter(())
+        fresh = self._pace_promises(ticket, fresh=True) if paced else iter(())
         # the pace tiers offer a session's whole unearned promise, not a part on top of what another tier took: a
         # queued prefill keeps room for its tokens whatever took its share's excess before
         tiers = ((self._idle_promises(ticket), False), (slow, True), (self._promises_over_share(ticket), False),

@@ -58,15 +58,9 @@ class PeerLimits:
     forward_chunk_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_sessions_per_peer",
-            "max_sessions_total",
-            "max_stream_message_bytes",
-            "max_stream_bytes_per_peer",
-            "max_stream_bytes_total",
-            "max_forwards_per_peer",
-            "forward_chunk_tokens",
-        ):
+        for name in ("max_sessions_per_peer", "max_sessions_total", "max_stream_message_bytes",
+                     "max_stream_bytes_per_peer", "max_stream_bytes_total", "max_forwards_per_peer",
+                     "forward_chunk_tokens"):  # fmt: skip
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = unlimited), got {getattr(self, name)}")
         if not 0 < self.max_kv_fraction_per_peer <= 1:
@@ -78,12 +72,10 @@ class PeerLimits:
 
     def with_stream_defaults(self, step_bytes: int) -> PeerLimits:
         """These limits with each unset stream budget derived from `step_bytes` (the largest valid step)."""
-        message = self.max_stream_message_bytes
-        message = step_bytes + MiB if message is None else message
+        message = step_bytes + MiB if self.max_stream_message_bytes is None else self.max_stream_message_bytes
         per_peer = self.max_stream_bytes_per_peer
         per_peer = max(96 * MiB, 2 * message) if per_peer is None else per_peer
-        total = self.max_stream_bytes_total
-        total = max(128 * MiB, 3 * message) if total is None else total
+        total = max(128 * MiB, 3 * message) if self.max_stream_bytes_total is None else self.max_stream_bytes_total
         return dataclasses.replace(
             self, max_stream_message_bytes=message, max_stream_bytes_per_peer=per_peer, max_stream_bytes_total=total
         )
@@ -92,23 +84,17 @@ class PeerLimits:
 class LimitExceeded(AllocationFailed):
     """A fair-use limit refused the request; `reason` is its metrics label."""
 
-    reason = "limit"
+    def __init__(self, message: str, *, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 class PeerLimitExceeded(LimitExceeded):
     """One peer asked for more than its share (sessions, KV cache, stream bytes, concurrent forwards)."""
 
-    def __init__(self, message: str, *, reason: str):
-        super().__init__(message)
-        self.reason = reason
-
 
 class ServerLimitExceeded(LimitExceeded):
     """All peers together reached a global cap and nothing could be evicted."""
-
-    def __init__(self, message: str, *, reason: str):
-        super().__init__(message)
-        self.reason = reason
 
 
 class SessionEvicted(AllocationFailed):
@@ -157,8 +143,6 @@ LIMIT_FLAG_HELP = {
 
 def add_limit_flags(parser: Any) -> None:
     """Adds one `--<field>` flag per `PeerLimits` field to an argparse-like parser (default None = the field's)."""
-    import dataclasses
-
     for f in dataclasses.fields(PeerLimits):
         kind = float if isinstance(f.default, float) else int  # None defaults: byte counts
         parser.add_argument(f"--{f.name}", type=kind, default=None, help=f"{LIMIT_FLAG_HELP[f.name]} [{f.default}]")

@@ -72,64 +72,45 @@ class RequestTimeout(TimeoutError):
     reason = "timeout"
 
 
+# the typed refusals: each carries its own metrics label (`reason`)
+REFUSALS = (
+    LimitExceeded, SessionEvicted, StreamStalled, DuplicateStep, BadRequest, Overloaded, RuntimeStopped, Draining,
+    RequestTimeout,
+)  # fmt: skip
+
+
 def rejection_reason(error: BaseException) -> str:
     """The metrics label of a refused request, from the error's type (never from its text)."""
-    if isinstance(error, (LimitExceeded, SessionEvicted, StreamStalled, DuplicateStep)):
+    if isinstance(error, REFUSALS):
         return error.reason
     if isinstance(error, AllocationFailed):
         return "cache_full"
     if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
         return "timeout"
-    if isinstance(error, (Overloaded, RuntimeStopped)):
-        return "overloaded"
-    if isinstance(error, Draining):
-        return "draining"
-    if isinstance(error, TooLong):
-        return "too_long"
     if isinstance(error, (ValueError, KeyError)):
         return "bad_request"
     return "other"
 
 
-# the REPLY_ERROR codes of the refusals that carry their message alone (`encode_error` gives them; 2, 4 and 5 carry
-# a limit or a reason too, 0 is any other error)
+# a REPLY_ERROR's code by the refusal's type, the first that matches (0: any other error); TooLong carries its value
+# and limit, the limits their reason
+ERROR_CODES: tuple[tuple[int, type[BaseException] | tuple[type[BaseException], ...]], ...] = (
+    (2, TooLong), (9, HandoffUnsupported), (1, BadRequest), (4, PeerLimitExceeded), (5, ServerLimitExceeded),
+    (11, SessionEvicted), (3, AllocationFailed), (6, (TimeoutError, asyncio.TimeoutError)),
+    (7, (Overloaded, RuntimeStopped)), (8, TypeError), (10, Draining), (1, ValueError),
+)  # fmt: skip
+# the codes whose refusal carries its message alone
 MESSAGE_REFUSALS: dict[int, Callable[[str], Exception]] = {
-    1: BadRequest,
-    3: AllocationFailed,
-    6: RequestTimeout,
-    7: Overloaded,
-    8: TypeError,
-    9: HandoffUnsupported,
-    10: Draining,
-    11: SessionEvicted,
-}
+    1: BadRequest, 3: AllocationFailed, 6: RequestTimeout, 7: Overloaded, 8: TypeError, 9: HandoffUnsupported,
+    10: Draining, 11: SessionEvicted,
+}  # fmt: skip
 
 
 def encode_error(error: BaseException) -> Writer:
     """A refusal as a handler channel's REPLY_ERROR body: (code, reason, value, limit, message)."""
-    code, reason, value, limit = 0, "", 0, 0
-    if isinstance(error, TooLong):
-        code, value, limit = 2, error.value, error.limit
-    elif isinstance(error, HandoffUnsupported):
-        code = 9
-    elif isinstance(error, BadRequest):
-        code = 1
-    elif isinstance(error, (PeerLimitExceeded, ServerLimitExceeded)):
-        code, reason = (4 if isinstance(error, PeerLimitExceeded) else 5), error.reason
-    elif isinstance(error, SessionEvicted):
-        code = 11
-    elif isinstance(error, AllocationFailed):
-        code = 3
-    elif isinstance(error, (TimeoutError, asyncio.TimeoutError)):
-        code = 6
-    elif isinstance(error, (Overloaded, RuntimeStopped)):
-        code = 7
-    elif isinstance(error, TypeError):
-        code = 8
-    elif isinstance(error, Draining):
-        code = 10
-    elif isinstance(error, ValueError):
-        code = 1
+    code = next((code for code, kind in ERROR_CODES if isinstance(error, kind)), 0)
+    value, limit = (error.value, error.limit) if isinstance(error, TooLong) else (0, 0)
+    reason = error.reason if isinstance(error, (PeerLimitExceeded, ServerLimitExceeded)) else ""
     return Writer().u8(code).text(reason).u64(max(0, value)).u64(max(0, limit)).text(str(error)[:4096])
 
 
