@@ -332,16 +332,12 @@ class Reader:
     def record(self) -> tuple[torch.dtype, tuple[int, ...], memoryview] | None:
         """The next tensor record as (dtype, shape, its bytes: a view of the payload, no copy), None for no tensor;
         every length bounded by the payload before anything is allocated."""
-        code = self.u8()
-        if code == NO_TENSOR:
+        found, end = _record(self.data, self.offset)
+        self.offset = end
+        if found is None:
             return None
-        if code >= len(_DTYPES):
-            raise FrameError(f"unknown dtype code {code}")
-        ndim = self.u8()
-        if ndim > MAX_TENSOR_DIMS:
-            raise FrameError(f"tensor of {ndim} dims exceeds {MAX_TENSOR_DIMS}")
-        shape: tuple[int, ...] = struct.unpack(f">{ndim}I", self.take(4 * ndim))
-        return _DTYPES[code], shape, self.take(math.prod(shape) * _ITEM_BYTES[code])
+        code, shape, start = found
+        return _DTYPES[code], shape, self.data[start:end]
 
     def done(self) -> None:
         if self.offset != len(self.data):
@@ -542,22 +538,23 @@ def _parse_item(request_id: int, item: memoryview) -> tuple[ParsedStep, tuple[in
 
 
 def _record(item: memoryview, offset: int) -> tuple[tuple[int, tuple[int, ...], int] | None, int]:
-    """The tensor record at `offset`: ((code, shape, data offset) or None for no tensor, the offset after it)."""
+    """The tensor record at `offset`: ((code, shape, data offset) or None for no tensor, the offset after it); every
+    length bounded by `item` before anything is allocated."""
     if offset + 1 > len(item):
-        raise FrameError("a tensor record runs past the step item")
+        raise FrameError("a tensor record runs past the payload")
     code = item[offset]
     if code == NO_TENSOR:
         return None, offset + 1
     if code >= len(_DTYPES):
         raise FrameError(f"unknown dtype code {code}")
     if offset + 2 > len(item):
-        raise FrameError("a tensor record runs past the step item")
+        raise FrameError("a tensor record runs past the payload")
     ndim = item[offset + 1]
     if ndim > MAX_TENSOR_DIMS:
         raise FrameError(f"tensor of {ndim} dims exceeds {MAX_TENSOR_DIMS}")
     start = offset + 2 + 4 * ndim
     if start > len(item):
-        raise FrameError("a tensor record's shape runs past the step item")
+        raise FrameError("a tensor record's shape runs past the payload")
     shape = _SHAPES[ndim].unpack_from(item, offset + 2)
     nbytes = _ITEM_BYTES[code]
     for dim in shape:

@@ -240,7 +240,6 @@ class Server:
 
     def _check_reachability(self, swarm_config: Any) -> bool:
         """Public swarm only: True if we must go through relays. Unknown -> assume directly reachable."""
-
         try:
             result = check_direct_reachability(swarm_config)
         except Exception as e:
@@ -326,10 +325,6 @@ class Server:
         assert self.seat is not None
         return await self.seat.choose_span()
 
-    def _load_blocks(self, block_indices: range) -> dict[int, Any]:
-        return load_span_blocks(self.config, self.model_config, block_indices, dtype=self.settings.dtype,
-                                device=self.settings.device, quant_type=self.settings.quant_type)  # fmt: skip
-
     async def _serve_once(self, p2p: Any) -> str:
         """Chooses, loads and serves one span until stop ("stop"), a crash ("crashed") or a move ("move")."""
         c, s = self.config, self.settings
@@ -363,7 +358,8 @@ class Server:
         try:
             logger.info(f"server.loading(blocks={block_indices.start}:{block_indices.stop})")
             load_started = time.monotonic()
-            blocks = await asyncio.to_thread(self._load_blocks, block_indices)
+            blocks = await asyncio.to_thread(load_span_blocks, self.config, self.model_config, block_indices,
+                                             dtype=s.dtype, device=s.device, quant_type=s.quant_type)  # fmt: skip
             backend = SpanBackend(
                 blocks,
                 config=self.model_config,
@@ -375,9 +371,8 @@ class Server:
             del blocks
             if self._stop.is_set():  # stopped while loading: never go ONLINE
                 return "stop"
-            executor = await asyncio.to_thread(
-                self._make_executor, backend, s.cache_bytes_per_block * len(block_indices)
-            )
+            executor = await asyncio.to_thread(executor_for_span, c, s, self.family.family, backend,
+                                               s.cache_bytes_per_block * len(block_indices), self.metrics)  # fmt: skip
             del backend
             limits = ServingLimits(
                 dht_prefix=s.dht_prefix, start_block=block_indices.start, end_block=block_indices.stop,
@@ -431,10 +426,6 @@ class Server:
             if s.device.type == "cuda":
                 torch.cuda.empty_cache()
             logger.info(f"server.span_released(blocks={block_indices.start}:{block_indices.stop})")
-
-    def _make_executor(self, backend: SpanBackend, cache_bytes: int) -> EngineExecutor:
-        """The executor of this span: the engine over its paged pool (fused kernels where it has them)."""
-        return executor_for_span(self.config, self.settings, self.family.family, backend, cache_bytes, self.metrics)
 
     def _cache_tokens_left(self) -> int:
         """Announced cache_tokens_left (K or V of one token in one block): the whole budget until serving, then the

@@ -322,13 +322,9 @@ async def serve_inference(
 def _served(
     handler: StreamRpcs, rpc: str
 ) -> Callable[[AsyncIterator[runtime_pb2.ExpertRequest], P2PContext], AsyncIterator[runtime_pb2.ExpertResponse]]:
-    if rpc == "rpc_forward_stream":
-        return handler.rpc_forward_stream
-    if rpc == "rpc_backward_stream":
-        return handler.rpc_backward_stream
-    if rpc == "rpc_inference":
-        return handler.rpc_inference
-    raise ValueError(f"rpc {rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
+    if rpc not in SERVED_RPCS:
+        raise ValueError(f"rpc {rpc!r:.40} is not served here (only {', '.join(SERVED_RPCS)})")
+    return getattr(handler, rpc)
 
 
 async def _discard_until_eof(reader: asyncio.StreamReader, timeout_s: float) -> None:
