@@ -1,32 +1,27 @@
 """The core's end of the handler channels (`--num_handlers` > 1): one `DeviceChannel` per handler process serves its
-frames (`protocol.channel_frames`) against the real executor and the server's one `SpanCore` (admission, the push
-table, the drain). The handler process validated every input (`block_functions`); this side re-checks only what a
-frame can get wrong by itself (sizes, handles, block ranges, argument types).
+frames (`protocol.channel_frames`) against the real executor and the server's one `SpanCore`. The handler process
+validated every input (`block_functions`); this side re-checks only what a frame can get wrong by itself (sizes,
+handles, block ranges, argument types).
 
-Calls and notes (rare work, in the event loop): every call of the seam but a step is a CALL of the core's method by
-name with tagged values (`DeviceChannel.calls`: argument types checked before it runs), answered in a task of its
-own; one-way notes likewise (`DeviceChannel.notes`: a push, prefix keys, a refusal counted, the process ready). A
-session's "open" routes its pushes to its process ("push" notes back); an eviction goes back as an "evict" note.
+Calls and notes (rare work, in the event loop): a CALL names a core method and carries its arguments as tagged
+values (`DeviceChannel.calls`: types checked before it runs), answered in a task of its own; a NOTE is one way
+(`DeviceChannel.notes`). A session's "open" routes its pushes to its process ("push" notes back); an eviction goes
+back as an "evict" note.
 
-Steps skip the event loop. The device process's one intake thread (`ChannelIntake`: a selector over every channel,
-not a reader per channel, whose threads would each compete with the runtime thread for the GIL: decision 0004)
-receives every frame without blocking (`FrameSocket.receive`) and hands a STEP_BATCH (the steps of one handler loop
-iteration) to its channel's `FrameIntake`: each step is prepared by the executor (`DeviceExecutor.prepare_step`: the
-same typed refusals as `step`, a refused step answered at once, failing only its caller) and the frame's decode steps
-go to the runtime as ONE task (`DeviceExecutor.step_task` of an `server.core.step_units.StepGroup`, split where they exceed
-one merged forward, `Runtime.merge_limit`), one wake of its thread per frame; prefill steps, a shadow session's
-(queued last) and a lone session's (which may run inline on an idle runtime) stay one task each. A session's state
-(open, length) is still checked per step in the runtime thread (`SpanEngine.validate`). After a merged forward the
-runtime thread queues each result in its channel's outbox (with its bytes where a launched forward collected them:
-`StepRequest.output_bytes`) and sends one REPLY_BATCH per channel, the core's figures once, with a blocking `sendall`
-(decision 0003).
+Steps skip the event loop. One intake thread (`ChannelIntake`: a selector over every channel, not a reader per
+channel, each of which would take the GIL from the runtime thread: decision 0004) reads every frame without blocking
+(`FrameSocket`) and hands a STEP_BATCH to its channel's `FrameIntake`: each step is prepared by the executor
+(`prepare_step`: the same typed refusals as `step`; a refused step is answered at once) and the frame's decode steps go
+to the runtime as ONE task (a `StepGroup`, split at `Runtime.merge_limit`), one wake of its thread per frame; prefill
+steps, a shadow session's and a lone session's (which may run inline on an idle runtime) are one task each. After a
+merged forward the runtime thread queues each result in its channel's outbox and sends one REPLY_BATCH per channel,
+the core's figures once, with a blocking `sendall` (decision 0003).
 
-A channel ends (`FrameSource.on_end`, once) when its socket ends, when a frame breaks the wire's bounds (FrameError),
-or when the intake closes. Channels are added from any thread; the intake thread applies additions between selects
-(woken through a socket pair), so only it touches the selector. Frame I/O (`FrameSocket`): non-blocking `recv_into`s
-into one reused buffer per channel (frames that arrived together are parsed out of one syscall), the header checked
-(kind, length against `max_frame_bytes`) before the buffer grows, never past the bound; a payload view is valid until
-the next `receive`. Any thread sends whole frames with `sendall` under one lock."""
+A channel ends (`FrameSource.on_end`, once) when its socket ends, a frame breaks the wire's bounds, or the intake
+closes. Channels are added from any thread and registered by the intake thread between selects (woken through a
+socket pair): only it touches the selector. `FrameSocket` reads with non-blocking `recv_into`s into one reused buffer
+per channel (frames that arrived together parsed out of one syscall), the header checked (kind, length against
+`max_frame_bytes`) before the buffer grows; any thread sends whole frames under one lock."""
 
 from __future__ import annotations
 
@@ -634,11 +629,6 @@ class DeviceChannel:
 
     # ---- output
 
-    def _state(self) -> wire.Writer:
-        state = wire.Writer()
-        state.parts.append(self._state_bytes())
-        return state
-
     def _state_bytes(self) -> bytes:
         """The core's figures as every reply carries them (what a handler process's fronts read without asking):
         cache bytes left, the cache's size (two u64), the drain's deadline (f64, `time.monotonic`;
@@ -673,12 +663,12 @@ class DeviceChannel:
         self.io.send_frames(wire.reply_frames(results, head, self.max_frame_bytes, encode_error))  # [B, T, H] each
 
     def send_state(self) -> None:
-        self.send(wire.STATE, 0, self._state())
+        self._reply(wire.STATE, 0, wire.Writer())
 
     def _reply(self, kind: int, request_id: int, body: wire.Writer) -> None:
-        state = self._state()
-        state.parts.extend(body.parts)
-        self.send(kind, request_id, state)
+        """Sends `body` behind the core's figures (what every frame to a handler process but a note starts with)."""
+        body.parts.insert(0, self._state_bytes())
+        self.send(kind, request_id, body)
 
     # ---- input
 
@@ -805,9 +795,6 @@ class DeviceChannel:
             raise wire.FrameError(f"no open session with a cache under handle {handle}")
         return held.cache, held.ticket
 
-    def _cache(self, handle: int) -> SessionCache:
-        return self._held_cache(handle)[0]
-
     async def _open(
         self,
         blocks: tuple[int, int],
@@ -899,15 +886,17 @@ class DeviceChannel:
         return tuple(await self.core.backward(peer, self._blocks(blocks), inputs, timeout_s=timeout_s))
 
     async def _attach_prefix(self, handle: int, namespace: str, first: int, hashes: tuple[bytes, ...]) -> int:
-        return await self.core.attach_prefix(self._cache(handle), namespace, PrefixKeys(first, hashes))
+        return await self.core.attach_prefix(self._held_cache(handle)[0], namespace, PrefixKeys(first, hashes))
 
     async def _read_kv(self, handle: int, position: int) -> tuple[torch.Tensor, ...]:
-        tensors = await self.core.read_kv(self._cache(handle), position)
+        tensors = await self.core.read_kv(self._held_cache(handle)[0], position)
         check_handoff_frame(tensors, self.max_frame_bytes)  # the client replays a cache too big for one frame
         return tuple(tensors)
 
     async def _write_kv(self, handle: int, position: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        await self.core.write_kv(self._cache(handle), list(tensors), position)  # validated by the handler's front
+        await self.core.write_kv(
+            self._held_cache(handle)[0], list(tensors), position
+        )  # validated by the handler's front
 
 
 def _set_done(future: asyncio.Future[None]) -> None:

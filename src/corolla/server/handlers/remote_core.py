@@ -221,14 +221,8 @@ class RemoteCore:
         self.link = link
         self.pushes = PushTable()  # this process's sessions: where a push the core routes here goes
         self.link.notes["push"] = (tuple[str, str | None, bytes], self._deliver)
-
-    @property
-    def path(self) -> str:
-        return self.link.info.path
-
-    @property
-    def drain(self) -> DrainState:
-        return self.link.drain
+        # what the device told once (HELLO), and its drain state as its STATE frames keep it
+        self.path, self.cache_bytes_per_token, self.drain = link.info.path, link.info.cache_bytes_per_token, link.drain
 
     @property
     def bytes_left(self) -> int:
@@ -237,9 +231,6 @@ class RemoteCore:
     @property
     def max_size_bytes(self) -> int:
         return self.link.max_size_bytes
-
-    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
-        return self.link.info.cache_bytes_per_token(block_indices)
 
     @contextlib.asynccontextmanager
     async def open_session(
