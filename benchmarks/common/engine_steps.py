@@ -12,7 +12,35 @@ import torch
 from benchmarks.common.batcher import ContinuousBatcher
 from benchmarks.common.measure import event_median_ms, median, percentile, sync
 from corolla.engine import SpanEngine
-from corolla.engine.span_engine import StepRequest
+from corolla.engine.span_engine import EngineSession, StepRequest
+
+
+def device_token_inputs(
+    engine: SpanEngine, sessions: int, steps: int, gen: torch.Generator
+) -> list[list[torch.Tensor]]:
+    """`steps` x `sessions` random one-token inputs [1, 1, H] on the engine's device, in its dtype."""
+    h, dev = engine.hidden_size, engine.device
+
+    def token() -> torch.Tensor:
+        return torch.randn(1, 1, h, device=dev, generator=gen).to(engine.dtype)
+
+    return [[token() for _ in range(sessions)] for _ in range(steps)]
+
+
+def merged_decode_ms(
+    engine: SpanEngine, sessions: list[EngineSession], position: int, inputs: list[list[torch.Tensor]]
+) -> list[float]:
+    """Host milliseconds of each merged decode step: step i feeds `inputs[i][k]` to `sessions[k]` at `position + i`
+    (the device synchronized before and after, so each figure is the step's own)."""
+    times = []
+    for i, step_inputs in enumerate(inputs):
+        reqs = [StepRequest(s, x, position + i) for s, x in zip(sessions, step_inputs, strict=True)]
+        sync(engine.device)
+        start = time.perf_counter()
+        engine.decode_many(reqs)
+        sync(engine.device)
+        times.append((time.perf_counter() - start) * 1000)
+    return times
 
 
 def _cpu_inputs(n: int, rows: int, tokens: int, hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -3,9 +3,22 @@ engine built from the same tensors, so both paths compute the same function."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to `dtype` inside (modules built there get parameters of it), restored on exit."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 @dataclass(frozen=True)
@@ -43,13 +56,8 @@ def build_hf_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, 
     from transformers import LlamaModel
 
     torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaModel(shape.hf_config())
-    finally:
-        torch.set_default_dtype(previous)
+    with default_dtype(dtype), torch.device(device):
+        model = LlamaModel(shape.hf_config())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
@@ -64,14 +72,10 @@ def build_blocks(model, shape, dtype: torch.dtype, device: torch.device, num_lay
     config = shape.hf_config()
     family = get_family(config)
     blocks = {}
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
+    with default_dtype(dtype):
         for i in range(num_layers):
             with torch.device(device):
                 block = family.build_block(config, i)
             block.load_hf_state_dict(model.layers[i].state_dict())
             blocks[i] = block.eval().requires_grad_(False)
-    finally:
-        torch.set_default_dtype(previous)
     return blocks

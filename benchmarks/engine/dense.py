@@ -19,9 +19,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common.measure import copy_bandwidth_bytes_per_s, event_median_ms, host_median_ms, sync
+from benchmarks.common.engine_steps import device_token_inputs, merged_decode_ms
+from benchmarks.common.hf_steps import hf_step_ms
+from benchmarks.common.measure import copy_bandwidth_bytes_per_s, event_median_ms
+from benchmarks.common.model import default_dtype
+from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
-from corolla.engine.span_engine import SpanEngine, StepRequest
+from corolla.engine.span_engine import SpanEngine
 from corolla.engine.spans.fast_dense import DenseSpec
 from corolla.models.block_base import CorollaBlock
 from corolla.models.registry import get_family
@@ -37,11 +41,6 @@ SHAPES: dict[str, tuple[str, dict]] = {
 }
 
 
-def log(lines: list[str], text: str) -> None:
-    print(text, flush=True)
-    lines.append(text)
-
-
 def hf_model(shape: str, layers: int, device: torch.device, dtype: torch.dtype):
     """transformers' FalconModel / BloomModel of `layers` layers, random weights built in `dtype` on `device`."""
     import transformers as tf
@@ -53,14 +52,9 @@ def hf_model(shape: str, layers: int, device: torch.device, dtype: torch.dtype):
     else:
         config = tf.BloomConfig(**fields, n_layer=layers, vocab_size=32)
         model_cls = tf.BloomModel
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            model = model_cls(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    with default_dtype(dtype), torch.device(device):
+        torch.manual_seed(0)
+        model = model_cls(config).eval()
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():  # our own init, whatever the transformers version initializes
         for name, p in model.named_parameters():
@@ -131,36 +125,12 @@ def agreement(engine: SpanEngine, model, prefix: int, gen: torch.Generator) -> d
 def engine_step_ms(engine: SpanEngine, sessions: list, prefix: int, steps: int, gen: torch.Generator) -> dict:
     """Median merged decode step of `sessions` (GPU inputs, CUDA graphs where the device has them), and the
     device time of replaying that step's graph alone."""
-    h, dev = engine.hidden_size, engine.device
-    inputs = [
-        [torch.randn(1, 1, h, device=dev, generator=gen).to(engine.dtype) for _ in sessions] for _ in range(steps)
-    ]
-    times = []
-    for i in range(steps):
-        reqs = [StepRequest(s, x, prefix + i) for s, x in zip(sessions, inputs[i], strict=True)]
-        sync(dev)
-        start = time.perf_counter()
-        engine.decode_many(reqs)
-        sync(dev)
-        times.append((time.perf_counter() - start) * 1000)
+    times = merged_decode_ms(engine, sessions, prefix, device_token_inputs(engine, len(sessions), steps, gen))
     result = {"step_ms": sorted(times)[len(times) // 2]}
     if engine.graphs is not None:  # replays rewrite the last step's KV slots with the same values: harmless
         graphs, rows = engine.graphs, len(sessions)
         result["replay_ms"] = event_median_ms(lambda: graphs.run(rows), steps)
     return result
-
-
-def hf_step_ms(model, batch: int, prefix: int, steps: int, gen: torch.Generator) -> float:
-    from transformers import DynamicCache
-
-    h, dev, dt = model.config.hidden_size, model.device, model.dtype
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(inputs_embeds=torch.randn(batch, prefix, h, device=dev, generator=gen).to(dt), past_key_values=cache)
-        tokens = iter([torch.randn(batch, 1, h, device=dev, generator=gen).to(dt) for _ in range(steps + 3)])
-        return host_median_ms(
-            lambda: model(inputs_embeds=next(tokens), past_key_values=cache, use_cache=True), steps, dev
-        )
 
 
 def bench_shape(shape: str, args, dev: torch.device, dtype: torch.dtype, bandwidth: float, lines: list[str]) -> dict:

@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
+from benchmarks.common.engine_steps import device_token_inputs, merged_decode_ms
+from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms
+from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan
@@ -42,11 +44,6 @@ NO_KERNEL_OPS = frozenset(
     "alias resolve_conj resolve_neg empty lift_fresh numpy_T".split()
 )
 MODULES = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
-
-
-def log(lines: list[str], text: str) -> None:
-    print(text, flush=True)
-    lines.append(text)
 
 
 def build_blocks(
@@ -97,19 +94,9 @@ def open_sessions(engine: SpanEngine, adapters: list[str], prefix: int, length: 
 
 def step_ms(engine: SpanEngine, sessions: list[EngineSession], prefix: int, steps: int, gen) -> float:
     """Median host time of one merged decode step of `sessions` (inputs on the device)."""
-    h, dev = engine.hidden_size, engine.device
-    inputs = [
-        [torch.randn(1, 1, h, device=dev, generator=gen).to(engine.dtype) for _ in sessions] for _ in range(steps)
-    ]
+    inputs = device_token_inputs(engine, len(sessions), steps, gen)
     engine.decode_many([StepRequest(s, x, prefix) for s, x in zip(sessions, inputs[0], strict=True)])  # warm
-    times = []
-    for i in range(steps):
-        reqs = [StepRequest(s, x, prefix + i) for s, x in zip(sessions, inputs[i], strict=True)]
-        sync(dev)
-        start = time.perf_counter()
-        engine.decode_many(reqs)
-        sync(dev)
-        times.append((time.perf_counter() - start) * 1000)
+    times = merged_decode_ms(engine, sessions, prefix, inputs)
     return sorted(times)[len(times) // 2]
 
 

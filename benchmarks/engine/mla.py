@@ -15,13 +15,13 @@ import gc
 import json
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
+from benchmarks.common.model import default_dtype
+from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import SpanEngine
 from corolla.engine.spans.fast_mla import FastMlaSpan
@@ -84,21 +84,6 @@ def make_config(shapes: dict, num_layers: int, max_positions: int):
     )
     config._attn_implementation = "sdpa"
     return config
-
-
-def log(lines: list[str], text: str) -> None:
-    print(text, flush=True)
-    lines.append(text)
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(saved)
 
 
 @torch.no_grad()

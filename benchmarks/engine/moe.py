@@ -23,7 +23,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms, sync
+from benchmarks.common.engine_steps import device_token_inputs, merged_decode_ms
+from benchmarks.common.hf_steps import hf_step_ms
+from benchmarks.common.measure import copy_bandwidth_bytes_per_s
+from benchmarks.common.model import default_dtype
+from benchmarks.common.report import log
 from benchmarks.engine.moe_numerics import three_way
 from corolla.engine.config import EngineConfig
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
@@ -60,11 +64,6 @@ SHAPES = {
 }
 
 
-def log(lines: list[str], text: str) -> None:
-    print(text, flush=True)
-    lines.append(text)
-
-
 def hf_model(shape: str, layers: int, device: torch.device, dtype: torch.dtype):
     """transformers' MixtralModel of `layers` layers with random weights built directly in `dtype` on `device`."""
     from transformers import MixtralConfig, MixtralModel
@@ -77,14 +76,9 @@ def hf_model(shape: str, layers: int, device: torch.device, dtype: torch.dtype):
         rms_norm_eps=1e-5,
         attn_implementation="sdpa",
     )
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            model = MixtralModel(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    with default_dtype(dtype), torch.device(device):
+        torch.manual_seed(0)
+        model = MixtralModel(config).eval()
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():  # our own init, whatever the transformers version initializes
         for p in model.parameters():
@@ -169,10 +163,7 @@ class ExpertCounter:
 def engine_step_ms(engine: SpanEngine, sessions: list, prefix: int, steps: int, gen: torch.Generator) -> dict:
     """Median merged decode step of `sessions` (GPU inputs, CUDA graphs) and the distinct experts per layer that
     the same steps' tokens chose, counted in an eager replay of the first three steps."""
-    h, dev = engine.hidden_size, engine.device
-    inputs = [
-        [torch.randn(1, 1, h, device=dev, generator=gen).to(engine.dtype) for _ in sessions] for _ in range(steps)
-    ]
+    inputs = device_token_inputs(engine, len(sessions), steps, gen)
     model = engine.model
     assert isinstance(model, FastLlamaSpan)
     counter = ExpertCounter(model)
@@ -184,28 +175,8 @@ def engine_step_ms(engine: SpanEngine, sessions: list, prefix: int, steps: int, 
     finally:
         engine.graphs = graphs
         del model._experts
-    times = []
-    for i in range(steps):
-        reqs = [StepRequest(s, x, prefix + i) for s, x in zip(sessions, inputs[i], strict=True)]
-        sync(dev)
-        start = time.perf_counter()
-        engine.decode_many(reqs)
-        sync(dev)
-        times.append((time.perf_counter() - start) * 1000)
+    times = merged_decode_ms(engine, sessions, prefix, inputs)
     return {"step_ms": sorted(times)[len(times) // 2], "distinct_experts_per_layer": counter.counts}
-
-
-def hf_step_ms(model, batch: int, prefix: int, steps: int, gen: torch.Generator) -> float:
-    from transformers import DynamicCache
-
-    h, dev, dt = model.config.hidden_size, model.device, model.dtype
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(inputs_embeds=torch.randn(batch, prefix, h, device=dev, generator=gen).to(dt), past_key_values=cache)
-        tokens = iter([torch.randn(batch, 1, h, device=dev, generator=gen).to(dt) for _ in range(steps + 3)])
-        return host_median_ms(
-            lambda: model(inputs_embeds=next(tokens), past_key_values=cache, use_cache=True), steps, dev
-        )
 
 
 @torch.inference_mode()

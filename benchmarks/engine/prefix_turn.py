@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import platform
 import time
@@ -38,9 +37,11 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig
 
+from benchmarks.common.engine_steps import device_token_inputs, merged_decode_ms
 from benchmarks.common.measure import sync
+from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
-from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
+from corolla.engine.span_engine import EngineSession, SpanEngine
 from corolla.models.block_base import CorollaBlock
 from corolla.models.registry import get_family
 from corolla.protocol.prefix import PrefixKeys, chain_hashes, prefix_root
@@ -52,11 +53,6 @@ SHAPES = {
 }
 NAMESPACE = "bench/"
 T = TypeVar("T")
-
-
-def log(lines: list[str], text: str) -> None:
-    print(text, flush=True)
-    lines.append(text)
 
 
 def build_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> SpanEngine:
@@ -153,16 +149,7 @@ def profile_turn(engine: SpanEngine, prompt: torch.Tensor, keys: PrefixKeys | No
 
 def decode_step_ms(engine: SpanEngine, sessions: list[EngineSession], position: int, steps: int, gen) -> list[float]:
     """Host ms of `steps` merged single-token steps of `sessions` from `position` (inputs on the device)."""
-    h, dev = engine.hidden_size, engine.device
-    times = []
-    for i in range(steps):
-        reqs = [
-            StepRequest(s, torch.randn(1, 1, h, device=dev, generator=gen).to(engine.dtype), position + i)
-            for s in sessions
-        ]
-        ms, _ = timed_ms(functools.partial(engine.decode_many, reqs), dev)
-        times.append(ms)
-    return times
+    return merged_decode_ms(engine, sessions, position, device_token_inputs(engine, len(sessions), steps, gen))
 
 
 def median(values: list[float]) -> float:

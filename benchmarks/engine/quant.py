@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, sync
+from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
 from corolla.engine.kv.kv_pool import KVLayout
 from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
@@ -47,11 +48,6 @@ PROJECTIONS = ("w_qkv", "w_o", "w_gate_up", "w_down")
 def free_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def log(lines: list[str], text: str) -> None:
-    print(text, flush=True)
-    lines.append(text)
 
 
 def random_layer(spec: LlamaSpec, device: torch.device, gen: torch.Generator) -> LayerWeights:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common.model import ModelShape
+from benchmarks.common.report import log
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.models.loading import load_pretrained_block
 from corolla.models.placement import place_block
@@ -31,11 +32,6 @@ from corolla.swarm.local import SERVER_READY_PREFIX
 from corolla.utils.processes import ChildProcess
 
 TINY = ModelShape(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512)
-
-
-def log(lines: list[str], text: str) -> None:
-    print(text, flush=True)
-    lines.append(text)
 
 
 def write_checkpoint(directory: Path, config, layers: int) -> int:
