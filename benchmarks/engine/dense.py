@@ -24,6 +24,7 @@ from benchmarks.common.hf_steps import hf_step_ms
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, event_median_ms
 from benchmarks.common.model import default_dtype
 from benchmarks.common.report import log
+from benchmarks.engine.quant import log_timeline, step_timeline
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import SpanEngine
 from corolla.engine.spans.fast_dense import DenseSpec
@@ -157,11 +158,13 @@ def bench_shape(shape: str, args, dev: torch.device, dtype: torch.dtype, bandwid
     result["tuned"] = {str(k): {"best": str(r["best"]), "best_us": r["best_us"]} for k, r in tuned.items()}
     for key, r in tuned.items():
         log(lines, f"{shape} tune {key}: {r['best']} {r['best_us']:.1f} us")
-    rel = agreement(engine, model, args.prefix_tokens, gen)
-    result["rel_err"] = rel
-    log(lines, f"{shape}: one decode step, relative error: engine vs transformers {rel['engine_vs_transformers']:.4f}, "
-               f"engine vs transformers fp32 {rel['engine_vs_transformers_fp32']:.4f}, transformers vs its fp32 "
-               f"{rel['transformers_vs_transformers_fp32']:.4f}")  # fmt: skip
+    if not args.skip_transformers:
+        rel = agreement(engine, model, args.prefix_tokens, gen)
+        result["rel_err"] = rel
+        log(lines, f"{shape}: one decode step, relative error: engine vs transformers "
+                   f"{rel['engine_vs_transformers']:.4f}, engine vs transformers fp32 "
+                   f"{rel['engine_vs_transformers_fp32']:.4f}, transformers vs its fp32 "
+                   f"{rel['transformers_vs_transformers_fp32']:.4f}")  # fmt: skip
     kv_per_row = engine.model.spec.kv_layout.bytes_per_token(dtype, args.layers) * args.prefix_tokens
     for batch in sorted({1, args.sessions}):
         sessions = []
@@ -171,26 +174,25 @@ def bench_shape(shape: str, args, dev: torch.device, dtype: torch.dtype, bandwid
             engine.step(s, prompt, 0)
             sessions.append(s)
         measured = engine_step_ms(engine, sessions, args.prefix_tokens, args.steps, gen)
+        if args.timeline and batch == 1 and dev.type == "cuda":
+            measured["timeline"] = step_timeline(engine, sessions, args.prefix_tokens, args.layers)
+            log_timeline(lines, f"{shape} batch 1", measured["timeline"])
         for s in sessions:
             s.close()
         floor_bytes = result["weight_bytes"] + batch * kv_per_row
         floor_ms = floor_bytes / bandwidth * 1000
-        hf_ms = hf_step_ms(model, batch, args.prefix_tokens, args.steps, gen)
-        row = {
-            **measured,
-            "floor_ms": floor_ms,
-            "floor_bytes": floor_bytes,
-            "x_floor": measured["step_ms"] / floor_ms,
-            "transformers_ms": hf_ms,
-            "speedup_vs_transformers": hf_ms / measured["step_ms"],
-        }
+        row = {**measured, "floor_ms": floor_ms, "floor_bytes": floor_bytes, "x_floor": measured["step_ms"] / floor_ms}
+        hf = ""
+        if not args.skip_transformers:
+            row["transformers_ms"] = hf_ms = hf_step_ms(model, batch, args.prefix_tokens, args.steps, gen)
+            row["speedup_vs_transformers"] = hf_ms / measured["step_ms"]
+            hf = f", transformers {hf_ms:.2f} ms (the engine {row['speedup_vs_transformers']:.1f}x faster)"
         if "replay_ms" in measured:
             row["replay_x_floor"] = measured["replay_ms"] / floor_ms
         result[f"batch_{batch}"] = row
         replay = f", graph replay {row['replay_ms']:.3f} ms" if "replay_ms" in row else ""
         log(lines, f"{shape} batch {batch}: engine {row['step_ms']:.3f} ms/step{replay}, floor {floor_ms:.3f} ms "
-                   f"({row['x_floor']:.2f}x), transformers {hf_ms:.2f} ms "
-                   f"(the engine {row['speedup_vs_transformers']:.1f}x faster)")  # fmt: skip
+                   f"({row['x_floor']:.2f}x){hf}")  # fmt: skip
     del engine, blocks, model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -206,6 +208,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cuda", help="cpu only for a dry run of the code paths")
+    parser.add_argument("--skip_transformers", action="store_true", help="no transformers timings or agreement")
+    parser.add_argument("--timeline", action="store_true", help="the batch-1 step's kernels by position in a layer")
     args = parser.parse_args()
     shapes = args.shapes.split(",")
     if unknown := [s for s in shapes if s not in SHAPES]:

@@ -1,5 +1,5 @@
 """The paged decode attention's in-kernel split combine on a real GPU, at Llama-3-8B's attention shape (32 query
-heads over 8 kv heads of 128, 64-token pages): captured once in a CUDA graph and replayed with new queries and
+heads over 8 kv heads of 128, 64-token pages) and Falcon-7B's (71 query heads on one kv head of 64): captured once in a CUDA graph and replayed with new queries and
 lengths, each replay equals the reference and the eager call bit for bit, and the arrival counters are zero after
 every replay (the last program of each (row, kv head) resets its own). Skipped without CUDA."""
 
@@ -18,14 +18,19 @@ pytestmark = [
 ]
 
 DEV = torch.device("cuda")
-NQ, NKV, D, PAGE, PAGES = 32, 8, 128, 64, 200
+PAGE, PAGES = 64, 200
+LLAMA, FALCON = (32, 8, 128), (71, 1, 64)  # query heads, kv heads, head size
 
 
-@pytest.mark.parametrize(("rows", "splits"), [(1, 16), (3, 11), (8, 4)])
-def test_graph_replays_combine_every_split(rows: int, splits: int) -> None:
+@pytest.mark.parametrize(
+    ("shape", "rows", "splits"),
+    [(LLAMA, 1, 16), (LLAMA, 3, 11), (LLAMA, 8, 4), (FALCON, 1, 16), (FALCON, 3, 11), (FALCON, 8, 2)],
+)
+def test_graph_replays_combine_every_split(shape: tuple[int, int, int], rows: int, splits: int) -> None:
     from corolla.engine.kernels import triton_kernels as tk
     from corolla.engine.kernels.attention_counters import attention_counters
 
+    NQ, NKV, D = shape
     gen = torch.Generator(device=DEV).manual_seed(rows * 100 + splits)
     kc = torch.randn(PAGES, PAGE, NKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
     vc = torch.randn(PAGES, PAGE, NKV, D, device=DEV, dtype=torch.bfloat16, generator=gen)
