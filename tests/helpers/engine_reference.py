@@ -1,10 +1,14 @@
-"""The reference the fast-path engine tests compare with: the blocks' own cached forward, step by step."""
+"""The references the fast-path engine tests compare with: the blocks' own cached forward, step by step, and each
+session decoded alone."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+from corolla.engine.span_engine import StepRequest
 
 
 @torch.no_grad()
@@ -22,3 +26,26 @@ def cached_block_steps(
             h = block(h, cache=cache, position=position)
         outs.append(h)
     return outs
+
+
+def check_merged_decode_equals_solo(
+    solo: Any, merged: Any, prompts: list[torch.Tensor], tokens: list[list[torch.Tensor]], max_length_tokens: int
+) -> None:
+    """Each session (prompt [B, T, H], then its one-token steps [B, 1, H]) run alone on engine `solo`, then all of
+    them on engine `merged` with every decode step of all sessions in one `decode_many`: equal outputs (atol 1e-5)."""
+    expected = []
+    for prompt, toks in zip(prompts, tokens, strict=True):
+        with solo.open_session(prompt.shape[0], max_length_tokens) as s:
+            solo.step(s, prompt, 0)
+            expected.append([solo.step(s, t, prompt.shape[1] + i) for i, t in enumerate(toks)])
+    sessions = [merged.open_session(p.shape[0], max_length_tokens) for p in prompts]
+    try:
+        for s, prompt in zip(sessions, prompts, strict=True):
+            merged.step(s, prompt, 0)
+        for i in range(len(tokens[0])):
+            reqs = [StepRequest(s, t[i], p.shape[1] + i) for s, t, p in zip(sessions, tokens, prompts, strict=True)]
+            for k, out in enumerate(merged.decode_many(reqs)):
+                torch.testing.assert_close(out, expected[k][i], atol=1e-5, rtol=0)
+    finally:
+        for s in sessions:
+            s.close()

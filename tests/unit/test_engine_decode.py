@@ -11,7 +11,7 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.span_engine import StepRequest, fused_model
 from corolla.models.registry import get_family
 from corolla.utils.errors import AllocationFailed
-from helpers.engine_reference import cached_block_steps
+from helpers.engine_reference import cached_block_steps, check_merged_decode_equals_solo
 from helpers.tiny_models import tiny_config
 
 H = 64  # tiny_config hidden size
@@ -64,21 +64,7 @@ def test_batched_ragged_decode_equals_each_session_alone() -> None:
     batch_sizes = [1, 2, 1, 3, 1]
     prompts = [torch.randn(b, n, H) for b, n in zip(batch_sizes, prefixes, strict=True)]
     tokens = [[torch.randn(b, 1, H) for _ in range(3)] for b in batch_sizes]
-    expected = []
-    for prompt, toks in zip(prompts, tokens, strict=True):
-        with solo.open_session(prompt.shape[0], MAX_LEN) as s:
-            solo.step(s, prompt, 0)
-            expected.append([solo.step(s, t, prompt.shape[1] + i) for i, t in enumerate(toks)])
-    sessions = [merged.open_session(p.shape[0], MAX_LEN) for p in prompts]
-    for s, prompt in zip(sessions, prompts, strict=True):
-        merged.step(s, prompt, 0)
-    for i in range(3):
-        reqs = [StepRequest(s, toks[i], p.shape[1] + i) for s, toks, p in zip(sessions, tokens, prompts, strict=True)]
-        outs = merged.decode_many(reqs)  # 8 rows > max_batch_rows? no: 8 rows exactly, one forward
-        for k, out in enumerate(outs):
-            torch.testing.assert_close(out, expected[k][i], atol=1e-5, rtol=0)
-    for s in sessions:
-        s.close()
+    check_merged_decode_equals_solo(solo, merged, prompts, tokens, MAX_LEN)  # 8 rows = max_batch_rows: one forward
 
 
 def test_decode_many_splits_batches_above_max_rows() -> None:

@@ -14,11 +14,11 @@ import torch
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.kernels.mla_kernels import group_limited_route
 from corolla.engine.kv.kv_pool import KVLayout
-from corolla.engine.span_engine import StepRequest, fused_model
+from corolla.engine.span_engine import fused_model
 from corolla.engine.spans.fast_mla import FastMlaSpan
 from corolla.models.registry import get_family
 from corolla.models.sizing import kv_cache_bytes_per_token
-from helpers.engine_reference import cached_block_steps
+from helpers.engine_reference import cached_block_steps, check_merged_decode_equals_solo
 from helpers.executor_runs import randomize_
 from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of
@@ -112,20 +112,7 @@ def test_batched_ragged_decode_equals_each_session_alone() -> None:
     prefixes, batch_sizes = [3, 17, 40, 1], [1, 2, 1, 3]  # rows at different positions and pages; 7 rows
     prompts = [torch.randn(b, n, h) for b, n in zip(batch_sizes, prefixes, strict=True)]
     tokens = [[torch.randn(b, 1, h) for _ in range(2)] for b in batch_sizes]
-    expected = []
-    for prompt, toks in zip(prompts, tokens, strict=True):
-        with solo.open_session(prompt.shape[0], MAX_LEN) as s:
-            solo.step(s, prompt, 0)
-            expected.append([solo.step(s, t, prompt.shape[1] + i) for i, t in enumerate(toks)])
-    sessions = [merged.open_session(p.shape[0], MAX_LEN) for p in prompts]
-    for s, prompt in zip(sessions, prompts, strict=True):
-        merged.step(s, prompt, 0)
-    for i in range(2):
-        reqs = [StepRequest(s, t[i], p.shape[1] + i) for s, t, p in zip(sessions, tokens, prompts, strict=True)]
-        for k, out in enumerate(merged.decode_many(reqs)):  # one forward of 7 rows
-            torch.testing.assert_close(out, expected[k][i], atol=1e-5, rtol=0)
-    for s in sessions:
-        s.close()
+    check_merged_decode_equals_solo(solo, merged, prompts, tokens, MAX_LEN)  # one forward of 7 rows a step
 
 
 def test_rollback_and_beam_reordering() -> None:

@@ -11,7 +11,6 @@ import torch
 import helpers.tiny_models_fam_a  # noqa: F401  (registers the tiny qwen3_moe config)
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.serving import SpanTraits, unsupported_reason
-from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights
 from corolla.models.layers import SparseMoE
 from corolla.models.registry import get_family
@@ -20,7 +19,7 @@ from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.runtime import Runtime
 from corolla.server.metrics import ServerMetrics
-from helpers.engine_reference import cached_block_steps
+from helpers.engine_reference import cached_block_steps, check_merged_decode_equals_solo
 from helpers.executor_runs import backend_steps
 from helpers.tiny_models import HIDDEN_SIZE as H
 from helpers.tiny_models import tiny_config
@@ -69,22 +68,7 @@ def test_merged_decode_of_sessions_equals_each_alone(family: str) -> None:
     solo, merged = make_engine(blocks), make_engine(blocks)
     prompts = [torch.randn(b, n, H) for b, n in ((1, 5), (2, 17), (1, 30))]
     tokens = [[torch.randn(p.shape[0], 1, H) for _ in range(2)] for p in prompts]
-    expected = []
-    for prompt, toks in zip(prompts, tokens, strict=True):
-        with solo.open_session(prompt.shape[0], MAX_LEN) as s:
-            solo.step(s, prompt, 0)
-            expected.append([solo.step(s, t, prompt.shape[1] + i) for i, t in enumerate(toks)])
-    sessions = [merged.open_session(p.shape[0], MAX_LEN) for p in prompts]
-    try:
-        for s, prompt in zip(sessions, prompts, strict=True):
-            merged.step(s, prompt, 0)
-        for i in range(2):
-            reqs = [StepRequest(s, t[i], p.shape[1] + i) for s, t, p in zip(sessions, tokens, prompts, strict=True)]
-            for k, out in enumerate(merged.decode_many(reqs)):  # 4 rows of 3 sessions in one forward
-                torch.testing.assert_close(out, expected[k][i], atol=1e-5, rtol=0)
-    finally:
-        for s in sessions:
-            s.close()
+    check_merged_decode_equals_solo(solo, merged, prompts, tokens, MAX_LEN)  # 4 rows of 3 sessions in one forward
 
 
 async def test_fast_executor_over_a_mixtral_span_equals_the_backend() -> None:
