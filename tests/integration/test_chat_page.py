@@ -8,7 +8,6 @@ loads. Screenshot: test-artifacts/chat-page.png. Skips when Chromium or Playwrig
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -18,20 +17,10 @@ from contextlib import ExitStack
 
 import pytest
 
+from helpers.browser import ARTIFACTS, headless_page
 from helpers.swarm import ManagedProcess, Swarm, inprocess_servers
 from helpers.tiny_models import make_tiny_model
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-ARTIFACTS = os.path.join(os.path.dirname(__file__), "..", "..", "test-artifacts")
 API_BANNER = "corolla-api: serving "
 API_KEY = "chat-page-test-key"
 HOSTILE_NAME = '<img src=x onerror="window.pwned=1">srv2'
@@ -39,10 +28,6 @@ SPANS = ((0, 2), (2, 4))
 MAX_TOKENS = 400  # far more than the test waits for: the generation is still running when Stop is pressed
 
 pytestmark = pytest.mark.timeout(240)
-
-if not os.access(CHROMIUM, os.X_OK):
-    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
-sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
 
 
 def get_json(url: str, *, key: str | None = API_KEY) -> dict:
@@ -99,87 +84,81 @@ def test_route_endpoints_need_the_key(gateway):
 
 def test_chat_streams_stops_and_shows_route(gateway):
     url, servers = gateway
-    os.makedirs(ARTIFACTS, exist_ok=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 720})
-            page.add_init_script(
-                """window.cspViolations = [];
-                document.addEventListener('securitypolicyviolation',
-                    (e) => window.cspViolations.push(e.violatedDirective + ' ' + e.blockedURI));"""
-            )
-            external: list[str] = []
-            page.on("request", lambda r: None if r.url.startswith(url) else external.append(r.url))
-            response = page.goto(url)
-            csp = response.headers["content-security-policy"]
-            assert "default-src 'none'" in csp and "script-src 'self'" in csp and "connect-src 'self'" in csp
+    with headless_page(1280, 720) as page:
+        page.add_init_script(
+            """window.cspViolations = [];
+            document.addEventListener('securitypolicyviolation',
+                (e) => window.cspViolations.push(e.violatedDirective + ' ' + e.blockedURI));"""
+        )
+        external: list[str] = []
+        page.on("request", lambda r: None if r.url.startswith(url) else external.append(r.url))
+        response = page.goto(url)
+        csp = response.headers["content-security-policy"]
+        assert "default-src 'none'" in csp and "script-src 'self'" in csp and "connect-src 'self'" in csp
 
-            # without the key the gateway refuses; with it, the model list loads
-            page.wait_for_function("() => document.getElementById('status').textContent.includes('API key')")
-            page.fill("#api-key", API_KEY)
-            page.dispatch_event("#api-key", "change")
-            page.wait_for_function("() => document.querySelectorAll('#model option').length === 1")
+        # without the key the gateway refuses; with it, the model list loads
+        page.wait_for_function("() => document.getElementById('status').textContent.includes('API key')")
+        page.fill("#api-key", API_KEY)
+        page.dispatch_event("#api-key", "change")
+        page.wait_for_function("() => document.querySelectorAll('#model option').length === 1")
 
-            page.fill("#temperature", "0")
-            page.fill("#max-tokens", str(MAX_TOKENS))
-            page.fill("#system", "You are a tiny test model.")
-            page.fill("#prompt", "Hello <b>swarm</b>")
-            page.focus("#prompt")
-            page.keyboard.press("Enter")
+        page.fill("#temperature", "0")
+        page.fill("#max-tokens", str(MAX_TOKENS))
+        page.fill("#system", "You are a tiny test model.")
+        page.fill("#prompt", "Hello <b>swarm</b>")
+        page.focus("#prompt")
+        page.keyboard.press("Enter")
 
-            # streamed text arrives while the generation runs
-            page.wait_for_function(
-                """() => document.body.dataset.state === 'streaming'
-                   && (document.querySelector('.message.assistant .content')?.textContent.length || 0) >= 8
-                   && document.querySelectorAll('#route-hops tr.hop').length === 2""",
-                timeout=60_000,
-            )
-            assert page.locator(".message.user b").count() == 0  # the user's text is text, not markup
-            assert page.locator(".message.user .content").text_content() == "Hello <b>swarm</b>"
-            page.click("#stop")
-            page.wait_for_function("() => document.body.dataset.state === 'stopped'", timeout=30_000)
-            shown = page.locator(".message.assistant .content").text_content()
-            assert 8 <= len(shown) < MAX_TOKENS
+        # streamed text arrives while the generation runs
+        page.wait_for_function(
+            """() => document.body.dataset.state === 'streaming'
+               && (document.querySelector('.message.assistant .content')?.textContent.length || 0) >= 8
+               && document.querySelectorAll('#route-hops tr.hop').length === 2""",
+            timeout=60_000,
+        )
+        assert page.locator(".message.user b").count() == 0  # the user's text is text, not markup
+        assert page.locator(".message.user .content").text_content() == "Hello <b>swarm</b>"
+        page.click("#stop")
+        page.wait_for_function("() => document.body.dataset.state === 'stopped'", timeout=30_000)
+        shown = page.locator(".message.assistant .content").text_content()
+        assert 8 <= len(shown) < MAX_TOKENS
 
-            # the gateway stopped generating: its session is closed and no more steps run
-            route_id = page.evaluate("() => window.renderedRoute.id")
-            trace = get_json(url + f"corolla/route/{route_id}")
-            assert trace["state"] == "finished"
-            time.sleep(1.0)
-            assert get_json(url + f"corolla/route/{route_id}")["steps"] == trace["steps"]
-            assert len(shown) <= trace["steps"] < MAX_TOKENS  # one character per token, at most one step more
+        # the gateway stopped generating: its session is closed and no more steps run
+        route_id = page.evaluate("() => window.renderedRoute.id")
+        trace = get_json(url + f"corolla/route/{route_id}")
+        assert trace["state"] == "finished"
+        time.sleep(1.0)
+        assert get_json(url + f"corolla/route/{route_id}")["steps"] == trace["steps"]
+        assert len(shown) <= trace["steps"] < MAX_TOKENS  # one character per token, at most one step more
 
-            # the route panel shows the two servers, exactly as the gateway reports them
-            hops = [(h["peer_id"], h["start"], h["end"]) for h in trace["route"]]
-            assert hops == [(s.peer_id, a, b) for s, (a, b) in zip(servers, SPANS, strict=True)]
-            assert page.evaluate("() => window.renderedRoute") == trace
-            rows = page.evaluate(
-                """() => [...document.querySelectorAll('#route-hops tr.hop')].map(
-                    (tr) => [tr.dataset.peerId, Number(tr.dataset.start), Number(tr.dataset.end)])"""
-            )
-            assert [tuple(r) for r in rows] == hops
-            assert page.locator("#route").get_attribute("data-state") == "finished"
-            # a server's hostile name is shown as text: no element made, no handler run
-            assert page.get_by_text(HOSTILE_NAME).count() == 1
-            assert page.locator("#route img").count() == 0
-            assert page.evaluate("() => window.pwned") is None
-            assert get_json(url + "corolla/route?limit=1")["generations"][0]["id"] == route_id
+        # the route panel shows the two servers, exactly as the gateway reports them
+        hops = [(h["peer_id"], h["start"], h["end"]) for h in trace["route"]]
+        assert hops == [(s.peer_id, a, b) for s, (a, b) in zip(servers, SPANS, strict=True)]
+        assert page.evaluate("() => window.renderedRoute") == trace
+        rows = page.evaluate(
+            """() => [...document.querySelectorAll('#route-hops tr.hop')].map(
+                (tr) => [tr.dataset.peerId, Number(tr.dataset.start), Number(tr.dataset.end)])"""
+        )
+        assert [tuple(r) for r in rows] == hops
+        assert page.locator("#route").get_attribute("data-state") == "finished"
+        # a server's hostile name is shown as text: no element made, no handler run
+        assert page.get_by_text(HOSTILE_NAME).count() == 1
+        assert page.locator("#route img").count() == 0
+        assert page.evaluate("() => window.pwned") is None
+        assert get_json(url + "corolla/route?limit=1")["generations"][0]["id"] == route_id
 
-            page.screenshot(path=os.path.join(ARTIFACTS, "chat-page.png"))
-            assert external == []  # nothing was fetched from outside the gateway
-            assert page.evaluate("() => window.cspViolations") == []  # the page lives within its own policy
+        page.screenshot(path=str(ARTIFACTS / "chat-page.png"))
+        assert external == []  # nothing was fetched from outside the gateway
+        assert page.evaluate("() => window.cspViolations") == []  # the page lives within its own policy
 
-            # the policy refuses a load from outside the gateway
-            violation = page.evaluate(
-                """() => new Promise((resolve) => {
-                    document.addEventListener('securitypolicyviolation', (e) => resolve(e.violatedDirective));
-                    const img = document.createElement('img');
-                    img.src = 'http://192.0.2.1/pixel.png';
-                    document.body.appendChild(img);
-                    setTimeout(() => resolve(null), 3000);
-                })"""
-            )
-            assert violation == "img-src"
-        finally:
-            browser.close()
+        # the policy refuses a load from outside the gateway
+        violation = page.evaluate(
+            """() => new Promise((resolve) => {
+                document.addEventListener('securitypolicyviolation', (e) => resolve(e.violatedDirective));
+                const img = document.createElement('img');
+                img.src = 'http://192.0.2.1/pixel.png';
+                document.body.appendChild(img);
+                setTimeout(() => resolve(null), 3000);
+            })"""
+        )
+        assert violation == "img-src"

@@ -6,37 +6,21 @@ test-artifacts/. Skips when Chromium or Playwright is missing."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
+from helpers.browser import ARTIFACTS, headless_page
 from helpers.swarm import ManagedProcess, Swarm, inprocess_servers
 from helpers.tiny_models import make_tiny_model
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 HEALTH_BANNER = "corolla-health: serving at "
 SPANS = ((0, 2), (2, 4), (4, 6))
 
 pytestmark = pytest.mark.timeout(240)
-
-if not os.access(CHROMIUM, os.X_OK):
-    pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)", allow_module_level=True)
-sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
 
 
 def fetch_state(url: str) -> dict:
@@ -114,54 +98,48 @@ def monitored_swarm(tmp_path_factory):
 
 def test_page_shows_servers_then_gap(monitored_swarm):
     swarm, servers, url = monitored_swarm
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 700})
-            external = []
-            page.on("request", lambda r: None if r.url.startswith(url) else external.append(r.url))
-            page.goto(url)
+    with headless_page(1280, 700) as page:
+        external = []
+        page.on("request", lambda r: None if r.url.startswith(url) else external.append(r.url))
+        page.goto(url)
 
-            # all three servers online and every block covered (bounded wait for announcements and refreshes)
-            page.wait_for_function(
-                """() => document.querySelectorAll('tr.server-row[data-state="online"]').length === 3
-                   && document.querySelectorAll('.coverage .block').length === 6
-                   && document.querySelectorAll('.coverage .block.gap').length === 0""",
-                timeout=60_000,
-            )
-            page.screenshot(path=str(ARTIFACTS / "health-complete.png"), full_page=True)
-            view = assert_page_matches_api(page, url)
-            # everything fits a 1280-pixel window: no horizontal scrolling
-            assert page.evaluate("() => document.documentElement.scrollWidth") <= 1280
-            flow = page.get_by_test_id("flow").inner_text()
-            assert "max-flow" in flow and "tok/s" in flow and "moves 0" in flow
-            assert set(view["rows"]) == {s.peer_id for s in servers}
-            assert {tuple(v) for v in view["rows"].values()} == {("online", f"{a}:{b}") for a, b in SPANS}
-            assert view["blocks"] == [["online", 1]] * 6
-            assert page.locator("section.model").get_attribute("data-state") == "healthy"
-            for a, _ in SPANS:
-                assert page.get_by_text(f"srv{a}").count() == 1
+        # all three servers online and every block covered (bounded wait for announcements and refreshes)
+        page.wait_for_function(
+            """() => document.querySelectorAll('tr.server-row[data-state="online"]').length === 3
+               && document.querySelectorAll('.coverage .block').length === 6
+               && document.querySelectorAll('.coverage .block.gap').length === 0""",
+            timeout=60_000,
+        )
+        page.screenshot(path=str(ARTIFACTS / "health-complete.png"), full_page=True)
+        view = assert_page_matches_api(page, url)
+        # everything fits a 1280-pixel window: no horizontal scrolling
+        assert page.evaluate("() => document.documentElement.scrollWidth") <= 1280
+        flow = page.get_by_test_id("flow").inner_text()
+        assert "max-flow" in flow and "tok/s" in flow and "moves 0" in flow
+        assert set(view["rows"]) == {s.peer_id for s in servers}
+        assert {tuple(v) for v in view["rows"].values()} == {("online", f"{a}:{b}") for a, b in SPANS}
+        assert view["blocks"] == [["online", 1]] * 6
+        assert page.locator("section.model").get_attribute("data-state") == "healthy"
+        for a, _ in SPANS:
+            assert page.get_by_text(f"srv{a}").count() == 1
 
-            # one server leaves: its blocks become a red gap
-            servers[2].shutdown()  # a clean stop, as SIGTERM to a server process
-            page.wait_for_function(
-                """() => document.querySelectorAll('.coverage .block.gap').length === 2""", timeout=60_000
-            )
-            page.screenshot(path=str(ARTIFACTS / "health-gap.png"), full_page=True)
-            view = assert_page_matches_api(page, url)
-            assert [b[0] for b in view["blocks"]] == ["online"] * 4 + ["gap"] * 2
-            # its row says offline/unreachable until its records expire, then it is gone
-            assert view["rows"].get(servers[2].peer_id, ["gone"])[0] in ("offline", "unreachable", "gone")
-            assert [view["rows"][s.peer_id][0] for s in servers[:2]] == ["online", "online"]
-            assert page.locator("section.model").get_attribute("data-state") == "broken"
-            # read the colour from the element on the page now, in one evaluation: the page re-renders on each
-            # refresh, and a node detached between finding and reading it has no computed style ('')
-            gap_color = page.evaluate(
-                """() => { const b = document.querySelector('.coverage .block.gap');
-                           return b ? getComputedStyle(b).backgroundColor : 'no gap block'; }"""
-            )
-            assert gap_color == "rgb(209, 52, 47)"  # red
-            assert external == []  # nothing loaded from outside the monitor
-        finally:
-            browser.close()
+        # one server leaves: its blocks become a red gap
+        servers[2].shutdown()  # a clean stop, as SIGTERM to a server process
+        page.wait_for_function(
+            """() => document.querySelectorAll('.coverage .block.gap').length === 2""", timeout=60_000
+        )
+        page.screenshot(path=str(ARTIFACTS / "health-gap.png"), full_page=True)
+        view = assert_page_matches_api(page, url)
+        assert [b[0] for b in view["blocks"]] == ["online"] * 4 + ["gap"] * 2
+        # its row says offline/unreachable until its records expire, then it is gone
+        assert view["rows"].get(servers[2].peer_id, ["gone"])[0] in ("offline", "unreachable", "gone")
+        assert [view["rows"][s.peer_id][0] for s in servers[:2]] == ["online", "online"]
+        assert page.locator("section.model").get_attribute("data-state") == "broken"
+        # read the colour from the element on the page now, in one evaluation: the page re-renders on each
+        # refresh, and a node detached between finding and reading it has no computed style ('')
+        gap_color = page.evaluate(
+            """() => { const b = document.querySelector('.coverage .block.gap');
+                       return b ? getComputedStyle(b).backgroundColor : 'no gap block'; }"""
+        )
+        assert gap_color == "rgb(209, 52, 47)"  # red
+        assert external == []  # nothing loaded from outside the monitor
