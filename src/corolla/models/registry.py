@@ -16,10 +16,9 @@ from corolla.models.deepseek_v3.block import DeepseekV3Block, is_moe_layer
 from corolla.models.falcon.block import FalconBlock
 from corolla.models.gemma.block import Gemma2Block, Gemma3Block
 from corolla.models.gpt_oss.block import GptOssBlock
-from corolla.models.llama.block import LlamaBlock
+from corolla.models.llama.block import LlamaBlock, Qwen3Block
 from corolla.models.mixtral.block import MixtralBlock
 from corolla.models.phi3.block import Phi3Block
-from corolla.models.qwen3.block import Qwen3Block
 from corolla.models.qwen3_moe.block import Qwen3MoeBlock, is_sparse_layer
 
 
@@ -79,7 +78,7 @@ class ModelFamily:
     """What corolla needs to know about one `model_type`."""
 
     model_type: str
-    family: str  # the folder under corolla.models implementing the block
+    family: str  # the family's name (its folder under corolla.models, but Qwen3 whose block is in llama/)
     block_prefix: str  # e.g. "model.layers": block i's tensors are "<block_prefix>.<i>.<name>"
     build_block: Callable[..., CorollaBlock]  # (config, layer_idx) -> the block, on the current default device
     num_kv_heads: Callable[[Any], int]  # (config) -> KV heads cached per block (all shards together)

@@ -1,6 +1,2 @@
 """DeepSeek-V3 (also Kimi K2): multi-head latent attention with a compressed KV cache, and a mixture of routed
 plus shared experts with group-limited sigmoid routing after the first dense layers."""
-
-from corolla.models.deepseek_v3.block import DeepseekV3Block
-
-__all__ = ["DeepseekV3Block"]

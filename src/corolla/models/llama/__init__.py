@@ -1,5 +1,1 @@
 """Llama family: Llama 2/3/3.x (rope scaling), Mistral (sliding window) and Qwen2 (q/k/v biases) share one block."""
-
-from corolla.models.llama.block import LlamaBlock
-
-__all__ = ["LlamaBlock"]

@@ -1,4 +1,5 @@
-"""The Llama decoder layer (also Mistral and Qwen2): pre-RMSNorm, rotary GQA attention, SwiGLU MLP."""
+"""The Llama decoder layer (also Mistral and Qwen2): pre-RMSNorm, rotary GQA attention, SwiGLU MLP; and Qwen3's, the
+same with queries and keys RMS-normalized per head before rotary."""
 
 from __future__ import annotations
 
@@ -129,3 +130,9 @@ class LlamaBlock(CorollaBlock):
             layout["self_attn.q_norm.weight"] = TensorTarget("attn.q_norm.weight")
             layout["self_attn.k_norm.weight"] = TensorTarget("attn.k_norm.weight")
         return layout
+
+
+class Qwen3Block(LlamaBlock):
+    """Checkpoint names: Llama's and `self_attn.{q,k}_norm` (weights `[head_dim]`)."""
+
+    QK_NORM = True

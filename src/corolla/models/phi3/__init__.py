@@ -1,5 +1,1 @@
 """Phi-3 / Phi-4: the Llama layer with q/k/v and gate/up projections fused in the checkpoint."""
-
-from corolla.models.phi3.block import Phi3Block
-
-__all__ = ["Phi3Block"]

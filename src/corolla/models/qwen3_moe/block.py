@@ -13,7 +13,7 @@ from torch import nn
 from corolla.models.block_base import TensorTarget, same_names
 from corolla.models.expert_names import experts_layout, unstack_experts
 from corolla.models.layers import GatedMLP, SparseMoE
-from corolla.models.qwen3.block import Qwen3Block
+from corolla.models.llama.block import Qwen3Block
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
