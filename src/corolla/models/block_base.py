@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -156,18 +157,26 @@ class CorollaBlock(nn.Module):
         return shapes
 
     @torch.no_grad()
-    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, source: str = "state_dict") -> None:
+    def load_hf_state_dict(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        source: str = "state_dict",
+        origin: Mapping[str, str] | None = None,
+    ) -> None:
         """Copies checkpoint tensors (names relative to the layer prefix, e.g. `self_attn.q_proj.weight`) into
-        this block, casting floats to the block's dtype. Missing or mis-shaped tensors raise `ValueError`
-        naming the tensor and `source`; unknown names are ignored with a log line."""
-        state_dict = self.normalize_checkpoint_names(state_dict)
+        this block, casting floats to the block's dtype. Missing or mis-shaped tensors raise `ConfigurationError`
+        naming the tensor and `source` (or the file `origin` says it came from); unknown names are ignored with a
+        log line."""
+        state_dict, origin = self.normalize_checkpoint_names(state_dict), origin or {}
         layout = self.checkpoint_layout()
         shapes = self.expected_checkpoint_shapes()
         params = dict(self.named_parameters())
         missing = sorted(set(layout) - set(state_dict))
         if missing:
-            raise ValueError(
-                f"Tensor {missing[0]!r} (layer {self.layer_idx}) is missing from {source}: missing {missing}"
+            raise ConfigurationError(
+                f"Tensor {missing[0]!r} of block {self.layer_idx} is missing from {source} (looked in "
+                f"{sorted(set(origin.values())) or source}): missing {missing}"
             )
         unknown = sorted(set(state_dict) - set(layout))
         if unknown:
@@ -175,9 +184,9 @@ class CorollaBlock(nn.Module):
         for name, target in layout.items():
             value = state_dict[name]
             if tuple(value.shape) != shapes[name]:
-                raise ValueError(
-                    f"Tensor {name!r} (layer {self.layer_idx}) in {source} has shape {tuple(value.shape)}, "
-                    f"expected {shapes[name]}"
+                raise ConfigurationError(
+                    f"Tensor {name!r} of block {self.layer_idx} in {origin.get(name, source)} has shape "
+                    f"{tuple(value.shape)}, expected {shapes[name]}"
                 )
             param = params[target.param]
             value = value.to(device=param.device, dtype=param.dtype if value.is_floating_point() else value.dtype)

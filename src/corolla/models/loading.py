@@ -63,20 +63,7 @@ def load_pretrained_block(
     source = CheckpointSource(name_or_path, cache_dir=cache_dir, revision=revision, token=token,
                                max_disk_space_bytes=max_disk_space_bytes)  # fmt: skip
     state_dict, origin = source.read_block(family.block_prefixes, block_index)
-    expected = block.expected_checkpoint_shapes()
-    normalized = block.normalize_checkpoint_names(state_dict)
-    for name, shape in expected.items():
-        if name not in normalized:
-            raise ConfigurationError(
-                f"Tensor {name!r} of block {block_index} is missing from the checkpoint {source.describe()} "
-                f"(looked in {sorted(set(origin.values())) or source.describe()})"
-            )
-        if tuple(normalized[name].shape) != shape:
-            raise ConfigurationError(
-                f"Tensor {name!r} of block {block_index} in {origin.get(name, source.describe())} has shape "
-                f"{tuple(normalized[name].shape)}, expected {shape}"
-            )
-    block.load_hf_state_dict(normalized, source=source.describe())
+    block.load_hf_state_dict(state_dict, source=f"the checkpoint {source.describe()}", origin=origin)
     block.requires_grad_(False)
     logger.info(
         "load_pretrained_block.done(model=%s, block=%d, dtype=%s, files=%d, seconds=%.2f)",
@@ -115,12 +102,6 @@ def read_tensors(path: str | os.PathLike, prefix: str) -> dict[str, torch.Tensor
     """Tensors whose names start with `prefix`, with the prefix stripped (see `read_file_tensors`)."""
     loaded = read_file_tensors(path, lambda name: name.startswith(prefix))
     return {k[len(prefix) :]: v for k, v in loaded.items()}
-
-
-def read_named_tensors(path: str | os.PathLike, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """The tensors of one checkpoint file named in `names` (absent names are left out)."""
-    wanted = set(names)
-    return read_file_tensors(path, wanted.__contains__)
 
 
 def read_file_tensors(path: str | os.PathLike, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
@@ -191,11 +172,9 @@ class CheckpointSource:
 
     def block_files(self, prefixes: tuple[str, ...], block_index: int) -> tuple[list[str], str | None]:
         """(the checkpoint files holding block `block_index`, its tensors' name prefix where the index names it)."""
-        index_name = self._find_index_file()
-        if not index_name.endswith(".index.json"):
+        index_name, weight_map = self._weight_map()
+        if weight_map is None:
             return [index_name], None
-        with open(self.get_file(index_name)) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
         prefix = _pick_prefix(prefixes, block_index, weight_map.keys())
         if prefix is None:
             raise ConfigurationError(
@@ -216,39 +195,52 @@ class CheckpointSource:
         files, prefix = self.block_files(prefixes, block_index)
         state_dict: dict[str, torch.Tensor] = {}
         origin: dict[str, str] = {}
+
+        def read(path: str) -> dict[str, torch.Tensor]:
+            nonlocal prefix
+            if prefix is None:
+                prefix = _pick_prefix(prefixes, block_index, tensor_names(path))
+                if prefix is None:
+                    raise ConfigurationError(f"No tensors of block {block_index} in {path}")
+            return read_tensors(path, prefix)
+
         progress = tqdm(files, desc=f"Loading block {block_index}", unit="file", disable=len(files) < 4, leave=False)
         for file in progress:
-            local_path = self.get_file(file)
-            with disk_cache.allow_cache_reads(self.cache_dir) if not self.local else contextlib.nullcontext():
-                if prefix is None:
-                    prefix = _pick_prefix(prefixes, block_index, tensor_names(local_path))
-                    if prefix is None:
-                        raise ConfigurationError(f"No tensors of block {block_index} in {local_path}")
-                tensors = read_tensors(local_path, prefix)
-            if not self.local:
-                disk_cache.mark_used(local_path)
+            local_path, tensors = self._read_file(file, read)
             state_dict.update(tensors)
-            origin.update({name: str(local_path) for name in tensors})
+            origin.update({name: local_path for name in tensors})
         return state_dict, origin
 
     def read_named(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The tensors named in `names` that the checkpoint holds (absent names left out), from the files holding
         them only."""
         wanted = set(names)
-        index_name = self._find_index_file()
-        files = [index_name]
-        if index_name.endswith(".index.json"):
-            with open(self.get_file(index_name)) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-            files = sorted({weight_map[name] for name in wanted if name in weight_map})
+        index_name, weight_map = self._weight_map()
+        files = [index_name] if weight_map is None else sorted({weight_map[n] for n in wanted if n in weight_map})
         tensors: dict[str, torch.Tensor] = {}
         for file in files:
-            local_path = self.get_file(file)
-            with disk_cache.allow_cache_reads(self.cache_dir) if not self.local else contextlib.nullcontext():
-                tensors.update(read_named_tensors(local_path, wanted))
-            if not self.local:
-                disk_cache.mark_used(local_path)
+            tensors.update(self._read_file(file, lambda path: read_file_tensors(path, wanted.__contains__))[1])
         return tensors
+
+    def _weight_map(self) -> tuple[str, dict[str, str] | None]:
+        """(the checkpoint's index or single file, the index's {tensor name: file}, None for a single file)."""
+        index_name = self._find_index_file()
+        if not index_name.endswith(".index.json"):
+            return index_name, None
+        with open(self.get_file(index_name)) as f:
+            return index_name, json.load(f)["weight_map"]
+
+    def _read_file(
+        self, file: str, read: Callable[[str], dict[str, torch.Tensor]]
+    ) -> tuple[str, dict[str, torch.Tensor]]:
+        """(local path, `read(local path)`) of one checkpoint file, fetched if needed, read under the disk cache's
+        read lock and marked used there."""
+        local_path = self.get_file(file)
+        with disk_cache.allow_cache_reads(self.cache_dir) if not self.local else contextlib.nullcontext():
+            tensors = read(local_path)
+        if not self.local:
+            disk_cache.mark_used(local_path)
+        return local_path, tensors
 
     # --- fetching -------------------------------------------------------------------------------------------
     def _cached_path(self, filename: str) -> str | None:
