@@ -13,10 +13,10 @@ from torch import nn
 from corolla.models.block_base import CorollaBlock
 from corolla.models.bloom.block import BloomBlock
 from corolla.models.deepseek_v3.block import DeepseekV3Block, is_moe_layer
-from corolla.models.falcon.block import FalconBlock
+from corolla.models.falcon.block import FalconBlock, falcon_kv_heads
 from corolla.models.gemma.block import Gemma2Block, Gemma3Block
 from corolla.models.gpt_oss.block import GptOssBlock
-from corolla.models.llama.block import LlamaBlock, Qwen3Block
+from corolla.models.llama.block import LlamaBlock, Qwen3Block, num_kv_heads_of
 from corolla.models.mixtral.block import MixtralBlock
 from corolla.models.phi3.block import Phi3Block
 from corolla.models.qwen3_moe.block import Qwen3MoeBlock, is_sparse_layer
@@ -45,18 +45,6 @@ def _mixtral_prefix(repo_id: str) -> str:
 def _bloom_prefix(repo_id: str) -> str:
     """Full repo id + "-petals", "." -> "-" (e.g. `bigscience/bloom-petals`)."""
     return (str(repo_id) + "-petals").replace(".", "-")
-
-
-def _config_kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def _falcon_kv_heads(config) -> int:
-    if getattr(config, "new_decoder_architecture", False):
-        return config.num_kv_heads
-    if getattr(config, "multi_query", False):
-        return 1
-    return config.num_attention_heads
 
 
 def _bloom_kv_heads(config) -> int:
@@ -101,61 +89,50 @@ class ModelFamily:
 
 
 _TF = "transformers.models"
+
+
+def _family(
+    model_type: str,
+    family: str,
+    build_block: Callable[..., CorollaBlock],
+    hf_layer: str,
+    *,
+    module: str | None = None,
+    block_prefix: str = "model.layers",
+    num_kv_heads: Callable[[Any], int] = num_kv_heads_of,
+    dht_prefix: Callable[[str], str] = _llama_prefix,
+    **more: Any,
+) -> ModelFamily:
+    """A `ModelFamily` whose reference layer is `hf_layer` in transformers' `<module>.modeling_<module>` (module:
+    the model type unless given); llama-style block names, KV heads and DHT prefixes unless given."""
+    module = module or model_type
+    path = f"{_TF}.{module}.modeling_{module}:{hf_layer}"
+    return ModelFamily(model_type, family, block_prefix, build_block, num_kv_heads, dht_prefix, path, **more)
+
+
 _FAMILIES: dict[str, ModelFamily] = {
     f.model_type: f
     for f in [
-        ModelFamily(
-            "llama", "llama", "model.layers", LlamaBlock, _config_kv_heads,
-            _llama_prefix, f"{_TF}.llama.modeling_llama:LlamaDecoderLayer",
+        _family("llama", "llama", LlamaBlock, "LlamaDecoderLayer"),
+        _family("mistral", "llama", LlamaBlock, "MistralDecoderLayer"),
+        _family("qwen2", "llama", LlamaBlock, "Qwen2DecoderLayer"),
+        _family("mixtral", "mixtral", MixtralBlock, "MixtralDecoderLayer", dht_prefix=_mixtral_prefix),
+        _family(
+            "falcon", "falcon", FalconBlock, "FalconDecoderLayer", block_prefix="transformer.h",
+            num_kv_heads=falcon_kv_heads, dht_prefix=_falcon_prefix,
         ),
-        ModelFamily(
-            "mistral", "llama", "model.layers", LlamaBlock, _config_kv_heads,
-            _llama_prefix, f"{_TF}.mistral.modeling_mistral:MistralDecoderLayer",
+        _family("gemma2", "gemma", Gemma2Block, "Gemma2DecoderLayer"),
+        _family("gemma3_text", "gemma", Gemma3Block, "Gemma3DecoderLayer", module="gemma3"),
+        _family("gpt_oss", "gpt_oss", GptOssBlock, "GptOssDecoderLayer"),
+        _family(
+            "bloom", "bloom", BloomBlock, "BloomBlock", block_prefix="h", num_kv_heads=_bloom_kv_heads,
+            dht_prefix=_bloom_prefix, alt_block_prefixes=("transformer.h",),
         ),
-        ModelFamily(
-            "qwen2", "llama", "model.layers", LlamaBlock, _config_kv_heads,
-            _llama_prefix, f"{_TF}.qwen2.modeling_qwen2:Qwen2DecoderLayer",
-        ),
-        ModelFamily(
-            "mixtral", "mixtral", "model.layers", MixtralBlock,
-            _config_kv_heads, _mixtral_prefix, f"{_TF}.mixtral.modeling_mixtral:MixtralDecoderLayer",
-        ),
-        ModelFamily(
-            "falcon", "falcon", "transformer.h", FalconBlock, _falcon_kv_heads,
-            _falcon_prefix, f"{_TF}.falcon.modeling_falcon:FalconDecoderLayer",
-        ),
-        ModelFamily(
-            "gemma2", "gemma", "model.layers", Gemma2Block, _config_kv_heads,
-            _llama_prefix, f"{_TF}.gemma2.modeling_gemma2:Gemma2DecoderLayer",
-        ),
-        ModelFamily(
-            "gemma3_text", "gemma", "model.layers", Gemma3Block,
-            _config_kv_heads, _llama_prefix, f"{_TF}.gemma3.modeling_gemma3:Gemma3DecoderLayer",
-        ),
-        ModelFamily(
-            "gpt_oss", "gpt_oss", "model.layers", GptOssBlock,
-            _config_kv_heads, _llama_prefix, f"{_TF}.gpt_oss.modeling_gpt_oss:GptOssDecoderLayer",
-        ),
-        ModelFamily(
-            "bloom", "bloom", "h", BloomBlock, _bloom_kv_heads,
-            _bloom_prefix, f"{_TF}.bloom.modeling_bloom:BloomBlock", alt_block_prefixes=("transformer.h",),
-        ),
-        ModelFamily(
-            "qwen3", "qwen3", "model.layers", Qwen3Block, _config_kv_heads,
-            _llama_prefix, f"{_TF}.qwen3.modeling_qwen3:Qwen3DecoderLayer",
-        ),
-        ModelFamily(
-            "qwen3_moe", "qwen3_moe", "model.layers", Qwen3MoeBlock,
-            _config_kv_heads, _llama_prefix, f"{_TF}.qwen3_moe.modeling_qwen3_moe:Qwen3MoeDecoderLayer",
-            is_sparse_layer=is_sparse_layer,
-        ),
-        ModelFamily(
-            "phi3", "phi3", "model.layers", Phi3Block, _config_kv_heads,
-            _llama_prefix, f"{_TF}.phi3.modeling_phi3:Phi3DecoderLayer",
-        ),
-        ModelFamily(
-            "deepseek_v3", "deepseek_v3", "model.layers", DeepseekV3Block,
-            _mla_kv_heads, _llama_prefix, f"{_TF}.deepseek_v3.modeling_deepseek_v3:DeepseekV3DecoderLayer",
+        _family("qwen3", "qwen3", Qwen3Block, "Qwen3DecoderLayer"),
+        _family("qwen3_moe", "qwen3_moe", Qwen3MoeBlock, "Qwen3MoeDecoderLayer", is_sparse_layer=is_sparse_layer),
+        _family("phi3", "phi3", Phi3Block, "Phi3DecoderLayer"),
+        _family(
+            "deepseek_v3", "deepseek_v3", DeepseekV3Block, "DeepseekV3DecoderLayer", num_kv_heads=_mla_kv_heads,
             cache_values_per_token=_mla_cache_values, is_sparse_layer=is_moe_layer,
         ),
     ]
