@@ -31,13 +31,18 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from corolla.api.backend import GenerationBackend
-from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES
 from corolla.api.chat_page import install_chat_page
 from corolla.api.errors import ApiError, invalid_param
 from corolla.api.generation import ChoiceDone, Delta, Failed, Finished, GenerationRequest, TokenLogprob, run_generation
 from corolla.api.metrics import ApiMetrics
 from corolla.api.openai_objects import chat_logprobs, completion_logprobs, envelope, usage
-from corolla.api.request_handling import RequestCounter, error_for, parse_body, validation_message
+from corolla.api.request_handling import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    RequestCounter,
+    error_for,
+    parse_body,
+    validation_message,
+)
 from corolla.api.route_trace import DEFAULT_ROUTE_LOG_ENTRIES
 from corolla.api.sampling import SamplingParams
 from corolla.api.schemas import ChatCompletionRequest, CompletionRequest

@@ -1,5 +1,6 @@
-"""Request plumbing of `corolla-api` shared by its routes: the JSON body read within a byte limit and validated
-against the pydantic request model (unsupported parameters refused by name), validation errors worded as OpenAI
+"""Request plumbing of `corolla-api` shared by its routes: the JSON body read within a byte limit (the declared
+`Content-Length` refused up front, the body counted while it streams in, so an oversized request costs at most the
+limit plus one chunk, never its size) and validated against the pydantic request model (unsupported parameters refused by name), validation errors worded as OpenAI
 words them, generation failures mapped to OpenAI-style errors (`error_for`), and `RequestCounter`, the ASGI
 middleware counting answers per route and HTTP status."""
 
@@ -13,7 +14,6 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from corolla.api.body import read_body
 from corolla.api.errors import ApiError, invalid_param, missing_blocks
 from corolla.api.metrics import ApiMetrics
 from corolla.api.schemas import refuse_unsupported
@@ -21,6 +21,33 @@ from corolla.utils.errors import MissingBlocksError
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: a prompt of the largest context fits many times over
+
+
+def _too_large(size: str, limit: int) -> ApiError:
+    logger.info(f"api.request_rejected(reason=too_large, size={size}, limit={limit})")
+    return ApiError(
+        413,
+        f"The request body is {size} bytes, more than the limit of {limit} bytes (--max_request_bytes)",
+        code="request_too_large",
+    )
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, or ApiError 413 as soon as it is known to exceed `max_bytes` (400 for a bad length)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise ApiError(400, "The Content-Length header must be a non-negative integer", code="invalid_request")
+        if int(declared) > max_bytes:
+            raise _too_large(declared.strip()[:20], max_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(f"over {max_bytes}", max_bytes)
+    return bytes(body)
 
 
 def error_for(exc: BaseException, model_id: str) -> ApiError:

@@ -15,7 +15,6 @@ import configargparse
 
 from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import default_model_id, load_swarm_backend
-from corolla.api.body import DEFAULT_MAX_REQUEST_BYTES
 from corolla.api.serving import http_cli_parser, serve_until_signalled
 from corolla.cli.errors import add_common_flags, check_initial_peers, check_model_argument, check_port_free, run_cli
 from corolla.cli.speculative_flags import add_speculative_flags, speculative_config
@@ -25,6 +24,11 @@ from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+# flags named as the ApiConfig fields they set
+API_CONFIG_FLAGS = (
+    "api_key max_concurrent_requests default_chat_max_tokens max_n max_logprobs route_log_entries max_request_bytes"
+).split()
 
 
 def build_parser() -> configargparse.ArgParser:
@@ -56,23 +60,25 @@ def build_parser() -> configargparse.ArgParser:
         default=os.environ.get("COROLLA_API_KEY"),
         help="require `Authorization: Bearer <key>` (default: $COROLLA_API_KEY; unset = no key)",
     )
-    parser.add_argument("--max_concurrent_requests", type=int, default=64, help="generations running at once")
-    parser.add_argument("--default_chat_max_tokens", type=int, default=512)
-    parser.add_argument("--max_n", type=int, default=8, help="most choices per request (`n`); more is a 400")
     parser.add_argument(
-        "--max_logprobs", type=int, default=20, help="most top log-probabilities per token (`logprobs`/`top_logprobs`)"
+        "--max_concurrent_requests", type=int, default=ApiConfig.max_concurrent_requests, help="generations at once"
+    )
+    parser.add_argument("--default_chat_max_tokens", type=int, default=ApiConfig.default_chat_max_tokens)
+    parser.add_argument("--max_n", type=int, default=ApiConfig.max_n, help="most choices per request (`n`); more: 400")
+    parser.add_argument(
+        "--max_logprobs", type=int, default=ApiConfig.max_logprobs, help="most `logprobs`/`top_logprobs` per token"
     )
     parser.add_argument(
         "--route_log_entries",
         type=int,
-        default=256,
+        default=ApiConfig.route_log_entries,
         help="generations whose servers /corolla/route (and the chat page at /) can show; 0 = no route tracking",
     )
     parser.add_argument(
         "--max_request_bytes",
         type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="larger request bodies get 413 before they are read (default: 1 MiB)",
+        default=ApiConfig.max_request_bytes,
+        help="larger bodies get 413, unread (1 MiB)",
     )
     parser.add_argument(
         "--max_retries", type=int, default=3, help="client fail-over retries before a request fails (503)"
@@ -119,17 +125,9 @@ def serve(args: argparse.Namespace, initial_peers: Sequence[str], speculative: S
         torch_dtype=args.torch_dtype,
         swarm_key_file=args.swarm_key_file,
     )
+    flags = {name: getattr(args, name) for name in API_CONFIG_FLAGS}
     config = ApiConfig(
-        api_key=args.api_key,
-        model_aliases=tuple(names[1:]),
-        unlisted_model_names=(str(args.model),),
-        max_n=args.max_n,
-        max_logprobs=args.max_logprobs,
-        route_log_entries=args.route_log_entries,
-        max_concurrent_requests=args.max_concurrent_requests,
-        default_chat_max_tokens=args.default_chat_max_tokens,
-        max_request_bytes=args.max_request_bytes,
-        speculative=speculative,
+        **flags, model_aliases=tuple(names[1:]), unlisted_model_names=(str(args.model),), speculative=speculative
     )
     try:
         banner = f"corolla-api: serving {names[0]} at {{url}}/v1"
