@@ -84,40 +84,22 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         for name in (
-            "daemon_startup_timeout_s",
-            "connect_timeout_s",
-            "request_timeout_s",
-            "liveness_check_period_s",
-            "dht_timeout_s",
-            "update_period_s",
-            "min_backoff_s",
-            "max_backoff_s",
-            "ban_timeout_s",
-            "ping_timeout_s",
-            "alloc_timeout_s",
-            "busy_poll_ms",
-        ):
+            "daemon_startup_timeout_s", "connect_timeout_s", "request_timeout_s", "liveness_check_period_s",
+            "dht_timeout_s", "update_period_s", "min_backoff_s", "max_backoff_s", "ban_timeout_s", "ping_timeout_s",
+            "alloc_timeout_s", "busy_poll_ms", "max_pinged", "findings_max_count", "findings_max_bytes",
+        ):  # fmt: skip
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.max_wait_s is not None and not self.max_wait_s >= 0:
-            raise ValueError(f"max_wait_s must be >= 0 or None, got {self.max_wait_s!r}")
-        if not 0.0 <= self.verify_fraction <= 1.0:
-            raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction!r}")
-        if not 0.0 <= self.verify_shadow_fraction <= 1.0:
-            raise ValueError(f"verify_shadow_fraction must be in [0, 1], got {self.verify_shadow_fraction!r}")
+        for name in ("max_wait_s", "max_retries"):
+            if getattr(self, name) is not None and not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {getattr(self, name)!r}")
+        for name in ("verify_fraction", "verify_shadow_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if self.verify_rtol is not None and not self.verify_rtol > 0:
             raise ValueError(f"verify_rtol must be > 0 or None, got {self.verify_rtol!r}")
-        if self.findings_max_count < 0 or self.findings_max_bytes < 0:
-            raise ValueError(
-                f"findings_max_count and findings_max_bytes must be >= 0, got {self.findings_max_count}, "
-                f"{self.findings_max_bytes}"
-            )
         if self.verify_max_referees < 1:
             raise ValueError(f"verify_max_referees must be >= 1, got {self.verify_max_referees}")
-        if self.max_retries is not None and self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0 or None, got {self.max_retries}")
-        if self.max_pinged < 0:
-            raise ValueError(f"max_pinged must be >= 0, got {self.max_pinged}")
         if self.ban_backoff_rate < 1:
             raise ValueError(f"ban_backoff_rate must be >= 1, got {self.ban_backoff_rate}")
         if self.show_route not in ("inference", "always", "never"):

@@ -92,7 +92,7 @@ async def _call(
         for request in stream_messages(runtime_pb2.ExpertRequest, serialized, uid=uid, metadata=metadata):
             yield request
 
-    socket_stream = await _socket_stream(manager, span.peer_id, f"{method}_stream")
+    socket_stream = await open_socket_stream(manager, span.peer_id, f"{method}_stream")
     over_socket = None if socket_stream is None else responses_of(socket_stream, _requests())
     if over_socket is not None:
         stream: AsyncIterator[runtime_pb2.ExpertResponse] = over_socket
@@ -125,7 +125,7 @@ async def _call(
     return [deserialize_tensor(t) for t in combine_parts(parts)]
 
 
-async def _socket_stream(manager: RemoteSequenceManager, peer_id: str, rpc: str) -> FramedSocketStream | None:
+async def open_socket_stream(manager: RemoteSequenceManager, peer_id: str, rpc: str) -> FramedSocketStream | None:
     """A stream of `rpc` over `peer_id`'s unix socket (a server on this machine), else its direct port; None: p2p."""
     config = manager.config
     stream: FramedSocketStream | None = None

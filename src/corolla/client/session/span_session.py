@@ -24,14 +24,14 @@ from hivemind.proto import runtime_pb2
 
 from corolla.client import background_loop
 from corolla.client.calls.output_checks import BadServerOutput, check_outputs
-from corolla.client.calls.remote_forward_backward import serialize_activations
+from corolla.client.calls.remote_forward_backward import open_socket_stream, serialize_activations
 from corolla.client.calls.retries import has_alternative
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.forwarding import is_pushed_reply
 from corolla.client.session.stalls import StallAction, StallEvent, StepClock
-from corolla.client.transport.direct_transport import DirectInferenceStream, open_direct
+from corolla.client.transport.direct_transport import DirectInferenceStream
 from corolla.client.transport.framed_socket import FramedSocketStream
 from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
@@ -125,12 +125,10 @@ class SpanSession:
         self._history_len = 0  # == position, except in a replacement that has yet to replay its inherited history
         self.history_from = 0  # inputs before it were never sent: the server reused that prefix from its cache
         self.prefix: PrefixChain | None = None  # the session's token chain, when this server takes prefix keys
-        self._stream: InferenceStream | None = (
-            None  # open: p2p (client.transport.p2p_stream) or `local`, driven on the loop
-        )
-        self.local: LocalInferenceStream | None = None  # the server's unix socket, if open
-        self.tcp: DirectInferenceStream | None = None  # else the server's direct TCP port, if it offers one
-        self._direct: FramedSocketStream | None = None  # `_stream` if a step may run in any one thread (`step_here`)
+        self._stream: InferenceStream | None = None  # once open (p2p, or a socket stream), driven on the loop
+        # `_stream` if a step may run in any one thread (`step_here`): the server's unix socket, else its direct TCP
+        # port where it offers one, else p2pd's (a test's fake stream may be none of them)
+        self._direct: FramedSocketStream | None = None
         # where p2pd reached the server (direct TCP only): knocked on while the link is down (`client.transport.link_probe`)
         self.link_address: tuple[str, int] | None = None
         self._started = False
@@ -148,20 +146,17 @@ class SpanSession:
 
     async def open(self) -> None:
         """Opens the stream: over the server's unix socket when it runs on this machine, else through p2p."""
-        config = self.manager.config
-        if config.local_transport:
-            self.local = await LocalInferenceStream.open(self.span.peer_id, timeout_s=config.connect_timeout_s)
-        if self.local is None and config.direct_transport:
-            self.tcp = await open_direct(
-                self.manager.direct_offers, self.span.peer_id, timeout_s=config.direct_connect_timeout_s
-            )
-        if self.local is not None or self.tcp is not None:
-            self._stream = self._direct = self.local or self.tcp
-        else:
+        self._stream = self._direct = await open_socket_stream(self.manager, self.span.peer_id, "rpc_inference")
+        if self._stream is None:
             opening = self.manager.open_inference_stream(self.span.peer_id)
-            self._stream = stream = await asyncio.wait_for(opening, config.connect_timeout_s)
-            self._direct = stream if isinstance(stream, FramedSocketStream) else None  # a test's fake may not be
+            self._stream = stream = await asyncio.wait_for(opening, self.manager.config.connect_timeout_s)
+            self._direct = stream if isinstance(stream, FramedSocketStream) else None
             self.link_address = stream.remote_address if isinstance(stream, P2PInferenceStream) else None
+
+    @property
+    def local(self) -> LocalInferenceStream | None:
+        """The stream when it runs over the server's unix socket (the server runs on this machine), else None."""
+        return self._stream if isinstance(self._stream, LocalInferenceStream) else None
 
     @property
     def accepts_pushes(self) -> bool:
@@ -178,7 +173,7 @@ class SpanSession:
         """`local` (unix socket), `direct` (the server's TCP port) or `p2p` once open, else None."""
         if self._stream is None:
             return None
-        return "local" if self.local is not None else "direct" if self.tcp is not None else "p2p"
+        return "local" if self.local is not None else "direct" if isinstance(self._stream, DirectInferenceStream) else "p2p"
 
     @property
     def history(self) -> torch.Tensor | None:
