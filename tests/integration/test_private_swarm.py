@@ -11,6 +11,8 @@ import torch
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
+from corolla.health.collector import HealthConfig, StateCollector
+from corolla.health.state import ModelEntry
 from corolla.protocol.auth import MEMBER_PROOF_KEY, join_info_uid
 from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, shutdown_dht
 from corolla.swarm.membership import RpcMembership, SwarmKey
@@ -93,6 +95,25 @@ def test_outsider_cannot_read_write_or_announce(server, keys):
         assert server.dht.get("member_record", latest=True).value["y"].value == b"hi"
     finally:
         shutdown_dht(outsider)
+        shutdown_dht(member)
+
+
+def test_member_health_monitor_sees_its_servers_answer_pings(server, keys):
+    """A member's health monitor signs its pings with the swarm key (members refuse unsigned ones): the server and
+    the bootstrap peer are online on its page, not unreachable."""
+    member = create_dht(
+        SwarmConfig(initial_peers=server.join_maddrs, client_mode=True, startup_timeout_s=15, swarm_key=keys[0])
+    )
+    try:
+        config = HealthConfig(use_models_index=False, initial_peers=tuple(server.join_maddrs))
+        collector = StateCollector(member, [ModelEntry(dht_prefix=server.settings.dht_prefix, num_blocks=4)], config)
+        deadline = time.monotonic() + 20
+        while not (state := collector.refresh())["model_reports"][0]["server_rows"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        rows = state["model_reports"][0]["server_rows"]
+        assert [(row["peer_id"], row["state"]) for row in rows] == [(server.peer_id, "online")], rows
+        assert state["bootstrap_states"] == ["online"] * len(state["bootstrap_states"])
+    finally:
         shutdown_dht(member)
 
 

@@ -22,7 +22,7 @@ from corolla.health.state import ModelEntry, build_state
 from corolla.protocol.records import RemoteModuleInfo, ServerState
 from corolla.protocol.uids import make_uid
 from corolla.swarm.dht import run_in_dht
-from corolla.swarm.ping import ping_parallel
+from corolla.swarm.ping import ping_from_dht
 from corolla.swarm.records_io import get_remote_module_infos, get_verified_model_infos
 from corolla.utils.logging import get_logger
 
@@ -47,10 +47,6 @@ class HealthConfig:
         for name in ("max_model_blocks", "max_blocks_per_refresh", "blocks_per_read"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-async def _ping_peers(_dht: hivemind.DHT, node: Any, *, peer_ids: list[str], timeout_s: float) -> dict[str, float]:
-    return await ping_parallel(peer_ids, node.p2p, timeout_s, node.protocol.node_info)
 
 
 def _bootstrap_peer_ids(initial_peers: Sequence[str]) -> list[str]:
@@ -163,7 +159,7 @@ class StateCollector:
                 | set(bootstrap_ids)
             )
             if online:
-                coro = partial(_ping_peers, peer_ids=online, timeout_s=self.config.ping_timeout_s)
+                coro = partial(ping_from_dht, peer_ids=online, timeout_s=self.config.ping_timeout_s)
                 rtts = run_in_dht(self.dht, coro, timeout_s=self.config.ping_timeout_s + 10, what="health.ping")
         bootstrap_states = ["unreachable" if rtts.get(p) == float("inf") else "online" for p in bootstrap_ids]
         served = self._served_tps(infos, time.monotonic())

@@ -265,26 +265,19 @@ def _start_dht(config: SwarmConfig, kwargs: dict[str, Any], initial_peers: list[
     dht.start()
     try:
         dht.wait_until_ready(timeout=wait_s)
-    except concurrent.futures.TimeoutError as e:
+    except BaseException as e:
         shutdown_dht(dht)
         identity.cleanup()
-        raise TimeoutError(
-            f"DHT did not start within {wait_s:.0f} s (startup_timeout_s={config.startup_timeout_s})"
-        ) from e
-    except Exception as e:
-        shutdown_dht(dht)
-        identity.cleanup()
-        if initial_peers and "bootstrap" in str(
-            e
-        ):  # p2pd: "failed to connect to bootstrap peers"; DHTNode: "bootstrap failed"
+        if isinstance(e, concurrent.futures.TimeoutError):
+            raise TimeoutError(
+                f"DHT did not start within {wait_s:.0f} s (startup_timeout_s={config.startup_timeout_s})"
+            ) from e
+        # p2pd: "failed to connect to bootstrap peers"; DHTNode: "bootstrap failed"
+        if isinstance(e, Exception) and initial_peers and "bootstrap" in str(e):
             raise BootstrapError(
                 f"could not reach any of --initial_peers {' '.join(initial_peers)} (wrong address or peer id, the peer "
                 "is down, or another network namespace or swarm key)"
             ) from e
-        raise
-    except BaseException:
-        shutdown_dht(dht)
-        identity.cleanup()
         raise
     set_signer(dht, identity.load_signer())
     logger.debug(f"dht.ready(pid={dht.pid}, initial_peers={len(initial_peers)}, client_mode={config.client_mode})")

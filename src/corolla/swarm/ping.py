@@ -7,7 +7,7 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -64,15 +64,9 @@ async def ping(
         return math.inf
 
 
-async def ping_parallel(
-    peer_ids: Sequence[PeerID | str], p2p: P2P, timeout_s: float = DEFAULT_PING_TIMEOUT_S, node_info: Any = None
-) -> dict[str, float]:
-    """`{peer_id_base58: rtt_s}` for all peers, pinged concurrently."""
-    rtts = await asyncio.gather(*(ping(p, p2p, timeout_s, node_info) for p in peer_ids))
-    return {_as_peer_id(p).to_base58(): rtt for p, rtt in zip(peer_ids, rtts, strict=True)}
-
-
-async def _ping_from_dht(_dht: hivemind.DHT, node: Any, *, peer_ids: list[str], timeout_s: float) -> dict[str, float]:
+async def ping_from_dht(_dht: hivemind.DHT, node: Any, *, peer_ids: list[str], timeout_s: float) -> dict[str, float]:
+    """`{peer_id: rtt_s}`, pinged concurrently inside the DHT process (`run_in_dht`), signed with the DHT's
+    authorizer in a private swarm."""
     authorizer = node.protocol.authorizer
     rtts = await asyncio.gather(*(ping(p, node.p2p, timeout_s, node.protocol.node_info, authorizer) for p in peer_ids))
     return dict(zip(peer_ids, rtts, strict=True))
@@ -115,7 +109,7 @@ class PingAggregator:
         peer_ids = [_as_peer_id(p).to_base58() for p in peer_ids]
         if not peer_ids:
             return
-        coro = partial(_ping_from_dht, peer_ids=peer_ids, timeout_s=timeout_s)
+        coro = partial(ping_from_dht, peer_ids=peer_ids, timeout_s=timeout_s)
         rtts = run_in_dht(self.dht, coro, timeout_s=timeout_s + 5.0, what=f"ping(n={len(peer_ids)})")
         for peer_id, rtt in rtts.items():
             self.update(peer_id, rtt)

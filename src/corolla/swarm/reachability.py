@@ -13,14 +13,13 @@ import threading
 import time
 import urllib.request
 from collections.abc import Sequence
-from typing import Any
 
 import hivemind
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import dht_pb2
 
-from corolla.swarm.dht import SwarmConfig, install_p2pd_deathsig, run_in_dht
+from corolla.swarm.dht import SwarmConfig, install_p2pd_deathsig, replicate_p2p
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -170,8 +169,7 @@ class ReachabilityService:
     async def _serve(self) -> None:
         try:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            maddr = run_in_dht(self._dht, _daemon_maddr, timeout_s=30, what="reachability.replicate")
-            replica = await P2P.replicate(maddr)
+            replica = await replicate_p2p(self._dht, timeout_s=30)
             probe = await _create_probe(await _known_maddrs(replica))
             protocol = ReachabilityProtocol(probe=probe)
             await protocol.add_p2p_handlers(replica)
@@ -190,10 +188,6 @@ class ReachabilityService:
         if self._loop is not None and self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout_s)
-
-
-async def _daemon_maddr(_dht: hivemind.DHT, node: Any) -> Any:
-    return node.p2p.daemon_listen_maddr
 
 
 def attach_reachability_protocol(dht: hivemind.DHT) -> ReachabilityService:
