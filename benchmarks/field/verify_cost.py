@@ -21,15 +21,20 @@ different steps; here the real sessions start together and step in lockstep, so 
 holds j x `SHADOW_BATCH_ROWS` / shadows positions (or all of them), which spreads the shadows' requests evenly over
 the steps as different starts would.
 
-Timed, interleaved, `--repeats` times each after one untimed warm-up of each (medians; a garbage collection before
-each run): the real sessions' prompts phase (from the start to the last real prefill) and decode phase (from there
-to the last real decode step): cost = time with shadows / time without - 1 (their tokens/s: what the replica's users
-lose), and the same per timed pair (`cost_decode_real_pairs`: median, quartiles, extremes: the spread behind the
-medians; each run's real decode seconds in `decode_real_s_runs`); the runtime's busy seconds over the whole run
-(`Runtime.stats`: every batch, from its launch to its results; `cost_busy`), of them the device's own seconds on the
-launched decode forwards (`cost_device`) and the batches run. The per-step latency of the real decode steps (median,
-p99) is reported for both. The shadows' outputs are compared with the real sessions' at every position
-(`stretches.position_errors` against `stretches.stretch_rtol`: an honest server must never be banned)."""
+Timed, `--repeats` times each after one untimed warm-up of each, the variants' order alternated from one repeat to
+the next (a drift over the process's runs hits every variant alike; a garbage collection before each run): without
+shadows, and with shadows whose requests hold `--shadow_rows` positions (one variant per value; the client's
+`SHADOW_BATCH_ROWS` by default). Per run: the real sessions' prompts phase (from the start to the last real prefill)
+and decode phase (from there to the last real decode step); cost = time with shadows / time without - 1 (their
+tokens/s: what the replica's users lose), as medians and per repeat (`cost_decode_real_pairs`: median, quartiles,
+extremes); the runtime's busy seconds (`Runtime.stats`: every batch, from its launch to its results; `cost_busy`),
+of them the device's own seconds on the launched decode forwards (`cost_device`), and the host's CPU seconds (this
+process's event loop, where the clients and the executor's step intake run, plus the runtime thread: `cost_host_cpu`),
+the two resources a replica's throughput is bound by. How the runtime batched the steps, per run: forwards per real
+decode step, rows per forward, and its gather rule's learned return and forward times (whether it held launches:
+docs/decisions/0002, 0009). The per-step latency of the real decode steps (median, p99) is reported for both. The
+shadows' outputs are compared with the real sessions' at every position (`stretches.position_errors` against
+`stretches.stretch_rtol`: an honest server must never be banned)."""
 
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ import gc
 import json
 import platform
 import statistics
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -107,11 +113,11 @@ def _inputs(raw: memoryview, dtype: torch.dtype, start: int, end: int, hidden: i
 
 async def _session(
     executor: EngineExecutor, cache, inputs: torch.Tensor, prompt: int, steps: int, chunk: int, record: dict,
-    progress: Progress, mirrors: Progress | None = None, phase: int = 0,
+    progress: Progress, mirrors: Progress | None = None, phase: int = 0, batch_rows: int = SHADOW_BATCH_ROWS,
 ) -> None:  # fmt: skip
     """One client of a session: `inputs` [1, prompt + steps, H] (CPU): the prefill (in chunks of `chunk` tokens),
     then one decode step at a time (`progress` advanced after each); a shadow (`mirrors`: its real session's
-    progress) sends the decode positions `SHADOW_BATCH_ROWS` at a time once its real session has done them (the first
+    progress) sends the decode positions `batch_rows` at a time once its real session has done them (the first
     request `phase` of them, where > 0: the module docstring). `record`: prefill end time, each real decode step's
     latency, the decode outputs [steps, H]."""
     raw, dtype, hidden = host_bytes(inputs[0].contiguous()), inputs.dtype, inputs.shape[2]
@@ -122,7 +128,7 @@ async def _session(
     latencies = []
     t = 0
     while t < steps:
-        n = 1 if mirrors is None else min((t == 0 and phase) or SHADOW_BATCH_ROWS, steps - t)
+        n = 1 if mirrors is None else min((t == 0 and phase) or batch_rows, steps - t)
         if mirrors is not None:
             await mirrors.reach(t + n)
         position = prompt + t
@@ -142,6 +148,24 @@ def _totals(runtime: Runtime) -> tuple[float, float, int]:
     return sum(s.busy_s for s in stats), sum(s.device_s for s in stats), sum(s.batches for s in stats)
 
 
+def _thread_cpu_s(thread: threading.Thread | None) -> float:
+    """CPU seconds `thread` (alive) used so far (its own clock: host work, not its waits)."""
+    assert thread is not None and thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def _spread(values: list[float]) -> dict:
+    """Median, quartiles and extremes of per-pair costs."""
+    values = sorted(values)
+    quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return {"median": round(statistics.median(values), 4), "quartiles": [round(quartiles[0], 4),
+            round(quartiles[2], 4)], "min": round(values[0], 4), "max": round(values[-1], 4)}  # fmt: skip
+
+
+KEYS = ("prefill_real_s", "decode_real_s", "busy_s", "device_s", "host_cpu_s", "batches", "forwards_per_step",
+        "rows_per_forward", "step_p50_ms", "step_p99_ms")  # fmt: skip
+
+
 def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, args: argparse.Namespace) -> dict:
     device = layers[0].ln1.device
     total = args.prompt + steps
@@ -150,25 +174,32 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
     gen = torch.Generator().manual_seed(rows * 1000 + steps)
     inputs = torch.randn(rows, total, spec.hidden_size, generator=gen).to(torch.bfloat16)  # [R, T, H]
     shadows = shadow_rows(rows, args.fraction)
-    # a forward's rows: the real sessions' and room for the shadows' (one row per shadow, or a shadow's prompt, and a
-    # bucket more: the shadows' rows come in bursts, and where they fill every spare row the replica falls behind and
-    # their aged requests take real rows' places), in buckets of `BUCKET_ROWS`
-    room = max(shadows, min(args.prompt, SHADOW_CHUNK_TOKENS)) + BUCKET_ROWS
+    batch_rows = [int(x) for x in args.shadow_rows.split(",")]
+    # a forward's rows: the real sessions' and room for the shadows' (one row per shadow, a request of the most
+    # positions, or a shadow's prompt, and a bucket more: the shadows' rows come in bursts, and where they fill every
+    # spare row the replica falls behind and their aged requests take real rows' places), in buckets of `BUCKET_ROWS`
+    room = max(shadows, *batch_rows, min(args.prompt, SHADOW_CHUNK_TOKENS)) + BUCKET_ROWS
     buckets = tuple(rows + k for k in range(0, room + BUCKET_ROWS, BUCKET_ROWS))
     engine = engine_over(spec, layers, triton=device.type == "cuda", rows=rows + shadows, tokens=total,
                          graphs=args.graphs, buckets=buckets)  # fmt: skip
     backend = standin_backend(spec, len(layers), device)
 
-    def run(with_shadows: bool) -> dict:
+    def run(shadow_batch_rows: int) -> dict:  # 0: without shadows
         gc.collect()  # (not inside the timed window)
         with Runtime(max_batch_size_tokens=4096, device=device) as runtime:
             executor = EngineExecutor(backend, engine, runtime)  # type: ignore[arg-type]
-            return asyncio.run(_run(runtime, executor, with_shadows))
+            tokens_before = executor.inference_tokens
+            result = asyncio.run(_run(runtime, executor, shadow_batch_rows))
+            result["rows_per_forward"] = (executor.inference_tokens - tokens_before) / max(1, result["batches"])
+            result["held_launches"], result["gather_skipped"] = runtime.num_held_launches, runtime.gather.num_skipped
+            result["return_ms"] = None if runtime.gather.return_s is None else 1e3 * runtime.gather.return_s
+            result["forward_ms"] = None if runtime.gather.forward_s is None else 1e3 * runtime.gather.forward_s
+        return result
 
-    async def _run(runtime: Runtime, executor: EngineExecutor, with_shadows: bool) -> dict:
+    async def _run(runtime: Runtime, executor: EngineExecutor, shadow_batch_rows: int) -> dict:
         blocks = tuple(range(len(layers)))
         specs = [SessionSpec(blocks, 1, total) for _ in range(rows)]
-        specs += [SessionSpec(blocks, 1, total, shadow=True) for _ in range(shadows if with_shadows else 0)]
+        specs += [SessionSpec(blocks, 1, total, shadow=True) for _ in range(shadows if shadow_batch_rows else 0)]
         caches = []
         opened = []
         for spec_ in specs:
@@ -177,17 +208,20 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             opened.append(context)
         records: list[dict] = [{} for _ in specs]
         before = _totals(runtime)
+        cpu_before = time.thread_time() + _thread_cpu_s(runtime.thread)  # this loop's clients, the runtime thread
         started = time.perf_counter()
         progress = [Progress() for _ in specs]
-        # shadow j's first decode request: j x SHADOW_BATCH_ROWS / shadows positions (the shadows' requests spread
-        # evenly over the steps, as sessions starting at different times would send them)
+        # shadow j's first decode request: j x batch rows / shadows positions (the shadows' requests spread evenly
+        # over the steps, as sessions starting at different times would send them)
         clients = [
             _session(executor, cache, inputs[i % rows : i % rows + 1], args.prompt, steps,
                      args.prompt if i < rows else SHADOW_CHUNK_TOKENS, records[i], progress[i],
-                     None if i < rows else progress[i - rows], (i - rows) * SHADOW_BATCH_ROWS // max(1, shadows))
+                     None if i < rows else progress[i - rows], (i - rows) * shadow_batch_rows // max(1, shadows),
+                     shadow_batch_rows or SHADOW_BATCH_ROWS)
             for i, cache in enumerate(caches)
         ]  # fmt: skip
         await asyncio.gather(*clients)
+        host_cpu_s = time.thread_time() + _thread_cpu_s(runtime.thread) - cpu_before
         busy_s, device_s, batches = (after - earlier for after, earlier in zip(_totals(runtime), before, strict=True))
         for context in opened:
             await context.__aexit__(None, None, None)
@@ -204,44 +238,54 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             "busy_s": busy_s,
             "device_s": device_s,
             "batches": batches,
+            "forwards_per_step": batches / steps,
             "step_p50_ms": 1e3 * latencies[len(latencies) // 2],
             "step_p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "host_cpu_s": host_cpu_s,
             "errors": errors,
         }
 
-    run(False)  # compiles the kernels and captures the graphs of both buckets
-    run(True)
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(args.repeats):
-        for variant in (False, True):
+    variants = [0, *batch_rows]  # 0: without shadows; else the positions of a shadow's request
+    for variant in variants:  # compiles the kernels and captures the graphs of the buckets
+        run(variant)
+    runs: dict[int, list[dict]] = {v: [] for v in variants}
+    for repeat in range(args.repeats):  # alternated (ABBA...): a drift over the process hits every variant alike
+        for variant in variants if repeat % 2 == 0 else variants[::-1]:
             runs[variant].append(run(variant))
-    keys = ("prefill_real_s", "decode_real_s", "busy_s", "device_s", "batches", "step_p50_ms", "step_p99_ms")
-    median = {v: {k: statistics.median(r[k] for r in runs[v]) for k in keys} for v in runs}
     scale = args.fraction * rows / shadows  # the expected shadows over the measured ones
-    off, on = median[False], median[True]
-    # each timed pair (run with shadows against the run without it right before): the spread behind the medians
-    pairs = sorted(
-        scale * (b["decode_real_s"] / a["decode_real_s"] - 1) for a, b in zip(runs[False], runs[True], strict=True)
-    )
-    errors = runs[True][-1]["errors"]
-    rtol = stretch_rtol(torch.bfloat16, False)
-    return {
+    median = {v: {k: statistics.median(r[k] for r in runs[v]) for k in KEYS} for v in variants}
+    off = median[0]
+    result: dict = {
         "rows": rows, "shadows": shadows, "fraction": args.fraction, "steps": steps, "prompt": args.prompt,
         "graphs": args.graphs, "repeats": args.repeats,
-        "off": {k: round(v, 4) for k, v in off.items()}, "on": {k: round(v, 4) for k, v in on.items()},
-        "decode_real_s_runs": {("on" if v else "off"): [round(r["decode_real_s"], 4) for r in runs[v]] for v in runs},
+        "off": {k: round(v, 4) for k, v in off.items()},
         "off_decode_ms_per_step": round(1e3 * off["decode_real_s"] / steps, 3),
-        "cost_decode_real": round(scale * (on["decode_real_s"] / off["decode_real_s"] - 1), 4),
-        "cost_decode_real_pairs": {"median": round(statistics.median(pairs), 4), "min": round(pairs[0], 4),
-                                   "max": round(pairs[-1], 4), "quartiles": [round(q, 4) for q in
-                                                                              statistics.quantiles(pairs, n=4)]}
-        if len(pairs) > 1 else None,
-        "cost_prompts_real": round(scale * (on["prefill_real_s"] / off["prefill_real_s"] - 1), 4),
-        "cost_busy": round(scale * (on["busy_s"] / off["busy_s"] - 1), 4),
-        "cost_device": round(scale * (on["device_s"] / off["device_s"] - 1), 4) if off["device_s"] else None,
-        "positions_compared": int(errors.numel()), "max_error": float(errors.max()), "tolerance": rtol,
-        "honest_server_banned": bool((errors > rtol).any()),
+        "off_runs": {k: [round(r[k], 4) for r in runs[0]]
+                     for k in ("decode_real_s", "forwards_per_step", "return_ms", "forward_ms", "gather_skipped",
+                               "held_launches")},
     }  # fmt: skip
+    rtol = stretch_rtol(torch.bfloat16, False)
+    for variant in batch_rows:
+        on = median[variant]
+
+        def cost(key: str, on: dict = on) -> float | None:
+            return round(scale * (on[key] / off[key] - 1), 4) if off[key] else None
+
+        # each timed pair (the runs of one repeat, next to each other): the spread behind the medians
+        pairs = [scale * (b["decode_real_s"] / a["decode_real_s"] - 1) for a, b in zip(runs[0], runs[variant],
+                                                                                       strict=True)]  # fmt: skip
+        errors = runs[variant][-1]["errors"]
+        result[f"shadow_rows_{variant}"] = {
+            "on": {k: round(v, 4) for k, v in on.items()},
+            "on_runs": {k: [round(r[k], 4) for r in runs[variant]]
+                        for k in ("decode_real_s", "forwards_per_step", "return_ms", "forward_ms")},
+            "cost_decode_real": cost("decode_real_s"), "cost_decode_real_pairs": _spread(pairs),
+            "cost_prompts_real": cost("prefill_real_s"), "cost_busy": cost("busy_s"), "cost_device": cost("device_s"),
+            "cost_host_cpu": cost("host_cpu_s"),
+            "positions_compared": int(errors.numel()), "max_error": float(errors.max()), "tolerance": rtol,
+            "honest_server_banned": bool((errors > rtol).any()),
+        }  # fmt: skip
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fraction", type=float, default=DEFAULT_SHADOW_FRACTION, help="sessions shadowed")
     p.add_argument("--graphs", action="store_true", help="decode steps replay CUDA graphs")
     p.add_argument("--repeats", type=int, default=7, help="timed runs of each variant (median; pairs' spread)")
+    p.add_argument("--shadow_rows", default=str(SHADOW_BATCH_ROWS),
+                   help="positions of a shadow's request, comma-separated: one variant each")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")

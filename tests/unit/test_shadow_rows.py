@@ -179,6 +179,44 @@ async def test_on_an_idle_runtime_a_shadow_row_waits_for_a_real_step_to_ride_wit
             assert batches == [2, 1, 1] and waited_s < lead_after_s / 2, (batches, waited_s)
 
 
+async def test_a_full_replica_gives_aged_shadows_one_request_per_forward(backend, monkeypatch) -> None:  # noqa: F811
+    """A replica whose forwards are full of real rows (`max_batch_rows` 8, 8 real sessions) with two shadows'
+    4-position requests queued past their lead time before the real steps: each forward carries one shadow request
+    and 4 real rows, and every step completes (before: the two aged requests took the first forward's 8 rows, the
+    real rows none)."""
+    monkeypatch.setattr(engine_executor, "SHADOW_LEAD_AFTER_S", 0.1)
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
+        engine = SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config, fused=False)
+        executor = EngineExecutor(backend, engine, runtime, ServerMetrics())
+        specs = {f"R{i}": SessionSpec(SPAN, 1, 32) for i in range(8)}
+        specs |= {f"S{i}": SessionSpec(SPAN, 1, 32, shadow=True) for i in range(2)}
+        async with contextlib.AsyncExitStack() as stack:
+            caches = {name: await stack.enter_async_context(executor.open_session(spec, None))
+                      for name, spec in specs.items()}  # fmt: skip
+            for cache in caches.values():
+                await _prefill(executor, cache, 4)
+            release = threading.Event()
+            held = runtime.submit(release.wait, priority=0.0, size_tokens=1, kind=KIND_GENERIC)
+            await asyncio.sleep(0.05)  # the runtime thread runs the held task
+            batches: list[int] = []
+            runtime.add_batch_observer(lambda kind, steps, seconds: batches.append(steps))
+
+            def step(name: str, tokens: int) -> asyncio.Future:
+                inputs = StepInputs(torch.randn(1, tokens, H), 4, None, None, "", lone_session=False)
+                return asyncio.ensure_future(executor.step(caches[name], inputs))
+
+            shadows = [step("S0", 4), step("S1", 4)]
+            await asyncio.sleep(0.15)  # past their lead time
+            reals = [step(f"R{i}", 1) for i in range(8)]
+            await asyncio.sleep(0.05)  # all queued
+            release.set()
+            await held
+            outputs = await asyncio.gather(*shadows, *reals)
+    assert batches[1:] == [5, 5], batches  # a shadow request and 4 real rows each (the first: the held task)
+    assert [tuple(out.shape) for out in outputs] == [(1, 4, H)] * 2 + [(1, 1, H)] * 8
+
+
 def _step(merge_key: str, *, shadow: bool, queued_s_ago: float = 0.0, tokens: int = 1,
           lead_after_s: float = SHADOW_LEAD_AFTER_S) -> Task:  # fmt: skip
     submitted = time.monotonic() - queued_s_ago
@@ -215,6 +253,14 @@ def test_the_queue_ranks_a_held_step_at_its_lead_time() -> None:
     queue.push_many([*after, aged, before])
     assert pop(rows=2) == [before, aged]
     assert pop(rows=2) == after and not len(queue)
+    # a burst of aged shadow requests at a full forward (64 rows): one goes ahead of the real steps, the others take
+    # the rows left (before: the first four took all 64, the 64 real steps none)
+    reals = [_step("decode", shadow=False) for _ in range(64)]
+    aged_requests = [_step("decode", shadow=True, queued_s_ago=1.0, tokens=16) for _ in range(6)]
+    queue.push_many([*reals, *aged_requests])
+    assert pop() == [aged_requests[0], *reals[:48]]
+    assert pop() == [aged_requests[1], *reals[48:], *aged_requests[2:4]]
+    assert pop() == aged_requests[4:] and not len(queue)
     works = [Task(fn=lambda: None, priority=PRIORITY_FORWARD, size_tokens=1, future=None, loop=None) for _ in range(2)]
     held = [_step("decode", shadow=True, lead_after_s=10.0) for _ in range(2)]
     queue.push_many([held[0], works[0], held[1], works[1]])

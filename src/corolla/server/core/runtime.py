@@ -53,7 +53,8 @@ PRIORITY_BACKWARD: float = 2.0
 # SHADOW_LEAD_AFTER_S from their queueing: such a step ranks as a real step queued at its lead time (behind the real
 # steps queued before then, ahead of those queued after: ageing in the queue's own order) and leads no forward before
 # then unless no real step was queued for as long; on a replica serving sessions a decode row rides a forward that
-# real steps lead (a spare row), on an idle one it runs at once
+# real steps lead (a spare row), on an idle one it runs at once; on a full one (no spare row), one aged shadow request
+# per forward takes rows ahead of the real steps queued after its lead time (`TaskQueue.pop_batch`)
 SHADOW_LEAD_AFTER_S: float = 0.02
 
 # the longest that background work (`Runtime.register_batch_executor(gathered=False)`) waits after a batch of
@@ -380,7 +381,9 @@ class TaskQueue:
         """Waits for work and returns the most urgent task, plus (if its kind is mergeable) the other pending tasks
         with the same `(kind, merge_key)` in priority order while their total size fits `max_batch_tokens` (and the
         kind's own `merge_limits` entry, if any; the most urgent task is always taken, whatever its size).
-        A task whose `lead_after` has not come is never the most urgent one here (it may join another's batch).
+        A task whose `lead_after` has not come is never the most urgent one here (it may join another's batch); of
+        the held tasks (`lead_after`) one at most joins ahead of the tasks ranked after it, the others only where
+        room is left (a shadow's ageing takes one request's rows of a full forward, never all of them).
         Returns None once the queue is closed, or an empty list on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
@@ -406,21 +409,34 @@ class TaskQueue:
             if merge_limits is not None and first.kind in merge_limits:
                 max_batch_tokens = min(max_batch_tokens, merge_limits[first.kind])
             kept: list[tuple[float, float, int, Task]] = []
+            # one held task goes ahead of the tasks ranked after it (the leader, if held); the other held ones take
+            # only the room those leave (`spare`): a full forward carries at most one shadow request ahead of real
+            # steps, so a burst of aged shadows never takes a saturated replica's every row, and they still advance
+            ahead = not first.lead_after
+            spare: list[tuple[float, float, int, Task]] = []
             for item in sorted(self._heap):
                 task = item[-1]
                 if task.abandoned:
                     continue
-                if (
-                    task.kind == first.kind
-                    and task.merge_key == first.merge_key
-                    and total_tokens + task.size_tokens <= max_batch_tokens
-                ):
+                if task.kind != first.kind or task.merge_key != first.merge_key:
+                    kept.append(item)
+                elif task.lead_after and not ahead:
+                    spare.append(item)
+                elif total_tokens + task.size_tokens <= max_batch_tokens:
+                    batch.append(task)
+                    total_tokens += task.size_tokens
+                    ahead = ahead and not task.lead_after
+                else:
+                    kept.append(item)
+            for item in spare:
+                task = item[-1]
+                if total_tokens + task.size_tokens <= max_batch_tokens:
                     batch.append(task)
                     total_tokens += task.size_tokens
                 else:
                     kept.append(item)
             if len(batch) > 1:
-                self._heap = kept  # a sorted list is a valid heap
+                self._heap = sorted(kept) if spare else kept  # a sorted list is a valid heap
             return batch
 
 
