@@ -162,8 +162,8 @@ def _spread(values: list[float]) -> dict:
             round(quartiles[2], 4)], "min": round(values[0], 4), "max": round(values[-1], 4)}  # fmt: skip
 
 
-KEYS = ("prefill_real_s", "decode_real_s", "busy_s", "device_s", "host_cpu_s", "batches", "forwards_per_step",
-        "rows_per_forward", "step_p50_ms", "step_p99_ms")  # fmt: skip
+KEYS = ("prefill_real_s", "decode_real_s", "busy_s", "device_s", "host_cpu_s", "loop_cpu_s", "runtime_cpu_s",
+        "batches", "forwards_per_step", "rows_per_forward", "step_p50_ms", "step_p99_ms")  # fmt: skip
 
 
 def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, args: argparse.Namespace) -> dict:
@@ -208,7 +208,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             opened.append(context)
         records: list[dict] = [{} for _ in specs]
         before = _totals(runtime)
-        cpu_before = time.thread_time() + _thread_cpu_s(runtime.thread)  # this loop's clients, the runtime thread
+        cpu_before = time.thread_time(), _thread_cpu_s(runtime.thread)  # this loop's clients, the runtime thread
         started = time.perf_counter()
         progress = [Progress() for _ in specs]
         # shadow j's first decode request: j x batch rows / shadows positions (the shadows' requests spread evenly
@@ -221,7 +221,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             for i, cache in enumerate(caches)
         ]  # fmt: skip
         await asyncio.gather(*clients)
-        host_cpu_s = time.thread_time() + _thread_cpu_s(runtime.thread) - cpu_before
+        loop_cpu_s, runtime_cpu_s = time.thread_time() - cpu_before[0], _thread_cpu_s(runtime.thread) - cpu_before[1]
         busy_s, device_s, batches = (after - earlier for after, earlier in zip(_totals(runtime), before, strict=True))
         for context in opened:
             await context.__aexit__(None, None, None)
@@ -241,7 +241,9 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             "forwards_per_step": batches / steps,
             "step_p50_ms": 1e3 * latencies[len(latencies) // 2],
             "step_p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-            "host_cpu_s": host_cpu_s,
+            "host_cpu_s": loop_cpu_s + runtime_cpu_s,
+            "loop_cpu_s": loop_cpu_s,
+            "runtime_cpu_s": runtime_cpu_s,
             "errors": errors,
         }
 
@@ -281,7 +283,8 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
                         for k in ("decode_real_s", "forwards_per_step", "return_ms", "forward_ms")},
             "cost_decode_real": cost("decode_real_s"), "cost_decode_real_pairs": _spread(pairs),
             "cost_prompts_real": cost("prefill_real_s"), "cost_busy": cost("busy_s"), "cost_device": cost("device_s"),
-            "cost_host_cpu": cost("host_cpu_s"),
+            "cost_host_cpu": cost("host_cpu_s"), "cost_loop_cpu": cost("loop_cpu_s"),
+            "cost_runtime_cpu": cost("runtime_cpu_s"),
             "positions_compared": int(errors.numel()), "max_error": float(errors.max()), "tolerance": rtol,
             "honest_server_banned": bool((errors > rtol).any()),
         }  # fmt: skip
