@@ -21,10 +21,9 @@ different steps; here the real sessions start together and step in lockstep, so 
 holds j x `SHADOW_BATCH_ROWS` / shadows positions (or all of them), which spreads the shadows' requests evenly over
 the steps as different starts would.
 
-Timed, `--repeats` times each after one untimed warm-up of each, the variants' order alternated from one repeat to
-the next (a drift over the process's runs hits every variant alike; a garbage collection before each run): without
-shadows, and with shadows whose requests hold `--shadow_rows` positions (one variant per value; the client's
-`SHADOW_BATCH_ROWS` by default). Per run: the real sessions' prompts phase (from the start to the last real prefill)
+Timed, `--repeats` times each after one untimed warm-up of each, without and with shadows, their order alternated
+from one repeat to the next (a drift over the process's runs hits both alike; a garbage collection before each run).
+Per run: the real sessions' prompts phase (from the start to the last real prefill)
 and decode phase (from there to the last real decode step); cost = time with shadows / time without - 1 (their
 tokens/s: what the replica's users lose), as medians and per repeat (`cost_decode_real_pairs`: median, quartiles,
 extremes); the runtime's busy seconds (`Runtime.stats`: every batch, from its launch to its results; `cost_busy`),
@@ -113,11 +112,11 @@ def _inputs(raw: memoryview, dtype: torch.dtype, start: int, end: int, hidden: i
 
 async def _session(
     executor: EngineExecutor, cache, inputs: torch.Tensor, prompt: int, steps: int, chunk: int, record: dict,
-    progress: Progress, mirrors: Progress | None = None, phase: int = 0, batch_rows: int = SHADOW_BATCH_ROWS,
+    progress: Progress, mirrors: Progress | None = None, phase: int = 0,
 ) -> None:  # fmt: skip
     """One client of a session: `inputs` [1, prompt + steps, H] (CPU): the prefill (in chunks of `chunk` tokens),
     then one decode step at a time (`progress` advanced after each); a shadow (`mirrors`: its real session's
-    progress) sends the decode positions `batch_rows` at a time once its real session has done them (the first
+    progress) sends the decode positions `SHADOW_BATCH_ROWS` at a time once its real session has done them (the first
     request `phase` of them, where > 0: the module docstring). `record`: prefill end time, each real decode step's
     latency, the decode outputs [steps, H]."""
     raw, dtype, hidden = host_bytes(inputs[0].contiguous()), inputs.dtype, inputs.shape[2]
@@ -128,7 +127,7 @@ async def _session(
     latencies = []
     t = 0
     while t < steps:
-        n = 1 if mirrors is None else min((t == 0 and phase) or batch_rows, steps - t)
+        n = 1 if mirrors is None else min((t == 0 and phase) or SHADOW_BATCH_ROWS, steps - t)
         if mirrors is not None:
             await mirrors.reach(t + n)
         position = prompt + t
@@ -174,32 +173,31 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
     gen = torch.Generator().manual_seed(rows * 1000 + steps)
     inputs = torch.randn(rows, total, spec.hidden_size, generator=gen).to(torch.bfloat16)  # [R, T, H]
     shadows = shadow_rows(rows, args.fraction)
-    batch_rows = [int(x) for x in args.shadow_rows.split(",")]
-    # a forward's rows: the real sessions' and room for the shadows' (one row per shadow, a request of the most
-    # positions, or a shadow's prompt, and a bucket more: the shadows' rows come in bursts, and where they fill every
-    # spare row the replica falls behind and their aged requests take real rows' places), in buckets of `BUCKET_ROWS`
-    room = max(shadows, *batch_rows, min(args.prompt, SHADOW_CHUNK_TOKENS)) + BUCKET_ROWS
+    # a forward's rows: the real sessions' and room for the shadows' (one row per shadow, or a shadow's prompt, and a
+    # bucket more: the shadows' rows come in bursts, and where they fill every spare row the replica falls behind and
+    # their aged requests take real rows' places), in buckets of `BUCKET_ROWS`
+    room = max(shadows, min(args.prompt, SHADOW_CHUNK_TOKENS)) + BUCKET_ROWS
     buckets = tuple(rows + k for k in range(0, room + BUCKET_ROWS, BUCKET_ROWS))
     engine = engine_over(spec, layers, triton=device.type == "cuda", rows=rows + shadows, tokens=total,
                          graphs=args.graphs, buckets=buckets)  # fmt: skip
     backend = standin_backend(spec, len(layers), device)
 
-    def run(shadow_batch_rows: int) -> dict:  # 0: without shadows
+    def run(with_shadows: bool) -> dict:
         gc.collect()  # (not inside the timed window)
         with Runtime(max_batch_size_tokens=4096, device=device) as runtime:
             executor = EngineExecutor(backend, engine, runtime)  # type: ignore[arg-type]
             tokens_before = executor.inference_tokens
-            result = asyncio.run(_run(runtime, executor, shadow_batch_rows))
+            result = asyncio.run(_run(runtime, executor, with_shadows))
             result["rows_per_forward"] = (executor.inference_tokens - tokens_before) / max(1, result["batches"])
             result["held_launches"], result["gather_skipped"] = runtime.num_held_launches, runtime.gather.num_skipped
             result["return_ms"] = None if runtime.gather.return_s is None else 1e3 * runtime.gather.return_s
             result["forward_ms"] = None if runtime.gather.forward_s is None else 1e3 * runtime.gather.forward_s
         return result
 
-    async def _run(runtime: Runtime, executor: EngineExecutor, shadow_batch_rows: int) -> dict:
+    async def _run(runtime: Runtime, executor: EngineExecutor, with_shadows: bool) -> dict:
         blocks = tuple(range(len(layers)))
         specs = [SessionSpec(blocks, 1, total) for _ in range(rows)]
-        specs += [SessionSpec(blocks, 1, total, shadow=True) for _ in range(shadows if shadow_batch_rows else 0)]
+        specs += [SessionSpec(blocks, 1, total, shadow=True) for _ in range(shadows if with_shadows else 0)]
         caches = []
         opened = []
         for spec_ in specs:
@@ -211,13 +209,12 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         cpu_before = time.thread_time(), _thread_cpu_s(runtime.thread)  # this loop's clients, the runtime thread
         started = time.perf_counter()
         progress = [Progress() for _ in specs]
-        # shadow j's first decode request: j x batch rows / shadows positions (the shadows' requests spread evenly
-        # over the steps, as sessions starting at different times would send them)
+        # shadow j's first decode request: j x SHADOW_BATCH_ROWS / shadows positions (the shadows' requests spread
+        # evenly over the steps, as sessions starting at different times would send them)
         clients = [
             _session(executor, cache, inputs[i % rows : i % rows + 1], args.prompt, steps,
                      args.prompt if i < rows else SHADOW_CHUNK_TOKENS, records[i], progress[i],
-                     None if i < rows else progress[i - rows], (i - rows) * shadow_batch_rows // max(1, shadows),
-                     shadow_batch_rows or SHADOW_BATCH_ROWS)
+                     None if i < rows else progress[i - rows], (i - rows) * SHADOW_BATCH_ROWS // max(1, shadows))
             for i, cache in enumerate(caches)
         ]  # fmt: skip
         await asyncio.gather(*clients)
@@ -247,48 +244,39 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
             "errors": errors,
         }
 
-    variants = [0, *batch_rows]  # 0: without shadows; else the positions of a shadow's request
-    for variant in variants:  # compiles the kernels and captures the graphs of the buckets
-        run(variant)
-    runs: dict[int, list[dict]] = {v: [] for v in variants}
-    for repeat in range(args.repeats):  # alternated (ABBA...): a drift over the process hits every variant alike
-        for variant in variants if repeat % 2 == 0 else variants[::-1]:
+    run(False)  # compiles the kernels and captures the graphs of the buckets
+    run(True)
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for repeat in range(args.repeats):  # alternated (ABBA...): a drift over the process hits both alike
+        for variant in (False, True) if repeat % 2 == 0 else (True, False):
             runs[variant].append(run(variant))
     scale = args.fraction * rows / shadows  # the expected shadows over the measured ones
-    median = {v: {k: statistics.median(r[k] for r in runs[v]) for k in KEYS} for v in variants}
-    off = median[0]
-    result: dict = {
+    off, on = ({k: statistics.median(r[k] for r in runs[v]) for k in KEYS} for v in (False, True))
+
+    def cost(key: str) -> float | None:
+        return round(scale * (on[key] / off[key] - 1), 4) if off[key] else None
+
+    # each timed pair (the two runs of one repeat, next to each other): the spread behind the medians
+    pairs = [
+        scale * (b["decode_real_s"] / a["decode_real_s"] - 1) for a, b in zip(runs[False], runs[True], strict=True)
+    ]
+    errors = runs[True][-1]["errors"]
+    rtol = stretch_rtol(torch.bfloat16, False)
+    per_run = ("decode_real_s", "forwards_per_step", "return_ms", "forward_ms", "gather_skipped", "held_launches")
+    return {
         "rows": rows, "shadows": shadows, "fraction": args.fraction, "steps": steps, "prompt": args.prompt,
         "graphs": args.graphs, "repeats": args.repeats,
-        "off": {k: round(v, 4) for k, v in off.items()},
+        "off": {k: round(v, 4) for k, v in off.items()}, "on": {k: round(v, 4) for k, v in on.items()},
+        "runs": {("on" if v else "off"): {k: [None if r[k] is None else round(r[k], 4) for r in runs[v]]
+                                          for k in per_run} for v in runs},
         "off_decode_ms_per_step": round(1e3 * off["decode_real_s"] / steps, 3),
-        "off_runs": {k: [round(r[k], 4) for r in runs[0]]
-                     for k in ("decode_real_s", "forwards_per_step", "return_ms", "forward_ms", "gather_skipped",
-                               "held_launches")},
+        "cost_decode_real": cost("decode_real_s"), "cost_decode_real_pairs": _spread(pairs),
+        "cost_prompts_real": cost("prefill_real_s"), "cost_busy": cost("busy_s"), "cost_device": cost("device_s"),
+        "cost_host_cpu": cost("host_cpu_s"), "cost_loop_cpu": cost("loop_cpu_s"),
+        "cost_runtime_cpu": cost("runtime_cpu_s"),
+        "positions_compared": int(errors.numel()), "max_error": float(errors.max()), "tolerance": rtol,
+        "honest_server_banned": bool((errors > rtol).any()),
     }  # fmt: skip
-    rtol = stretch_rtol(torch.bfloat16, False)
-    for variant in batch_rows:
-        on = median[variant]
-
-        def cost(key: str, on: dict = on) -> float | None:
-            return round(scale * (on[key] / off[key] - 1), 4) if off[key] else None
-
-        # each timed pair (the runs of one repeat, next to each other): the spread behind the medians
-        pairs = [scale * (b["decode_real_s"] / a["decode_real_s"] - 1) for a, b in zip(runs[0], runs[variant],
-                                                                                       strict=True)]  # fmt: skip
-        errors = runs[variant][-1]["errors"]
-        result[f"shadow_rows_{variant}"] = {
-            "on": {k: round(v, 4) for k, v in on.items()},
-            "on_runs": {k: [round(r[k], 4) for r in runs[variant]]
-                        for k in ("decode_real_s", "forwards_per_step", "return_ms", "forward_ms")},
-            "cost_decode_real": cost("decode_real_s"), "cost_decode_real_pairs": _spread(pairs),
-            "cost_prompts_real": cost("prefill_real_s"), "cost_busy": cost("busy_s"), "cost_device": cost("device_s"),
-            "cost_host_cpu": cost("host_cpu_s"), "cost_loop_cpu": cost("loop_cpu_s"),
-            "cost_runtime_cpu": cost("runtime_cpu_s"),
-            "positions_compared": int(errors.numel()), "max_error": float(errors.max()), "tolerance": rtol,
-            "honest_server_banned": bool((errors > rtol).any()),
-        }  # fmt: skip
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,9 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="64:160,16:160,1:160", help="rows:steps, comma-separated")
     p.add_argument("--fraction", type=float, default=DEFAULT_SHADOW_FRACTION, help="sessions shadowed")
     p.add_argument("--graphs", action="store_true", help="decode steps replay CUDA graphs")
-    p.add_argument("--repeats", type=int, default=7, help="timed runs of each variant (median; pairs' spread)")
-    p.add_argument("--shadow_rows", default=str(SHADOW_BATCH_ROWS),
-                   help="positions of a shadow's request, comma-separated: one variant each")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=7, help="timed runs with and without shadows (median; pairs' spread)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     device = torch.device("cpu" if args.tiny else "cuda")
