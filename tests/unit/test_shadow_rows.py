@@ -6,7 +6,8 @@ session's steps); a shadow's step that cannot ride (deep prompts) runs in a batc
 time for a real step to ride with (and runs alone after it), unless no real step came for as long (then at once);
 once its lead time has passed it goes ahead of the real steps queued after then (a shadow's prefill chunk, which no
 real forward takes, ran only once real sessions in a closed loop were done, and its decode rows rode none of their
-forwards); the mark reaches the device process of a server with handler processes; anything but a bool is refused at
+forwards), but at a full forward one aged shadow request at most goes ahead of real steps, the others take only the
+rows left (a burst of aged requests took every row of a full replica's forwards); the mark reaches the device process of a server with handler processes; anything but a bool is refused at
 the session's open."""
 
 from __future__ import annotations
