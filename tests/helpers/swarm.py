@@ -248,17 +248,30 @@ def start_inprocess_server(model_path: str | Path, cache_dir: str | Path, **over
 
 
 @contextmanager
+def connected_clients(server: Any, count: int) -> Iterator[list[ClientThread]]:
+    """`count` `ClientThread`s (a libp2p identity and p2pd each) connected to the in-process `server`; every one
+    made is closed on exit."""
+    clients: list[ClientThread] = []
+    try:
+        for _ in range(count):
+            clients.append(ClientThread(server.join_maddrs, server.peer_id))
+        yield clients
+    finally:
+        for client in clients:
+            client.close()
+
+
+@contextmanager
 def served_with_client(
     model_path: str | Path, cache_dir: str | Path, **overrides: Any
 ) -> Iterator[tuple[Any, ClientThread]]:
     """`start_inprocess_server` and one `ClientThread` connected to it; the client is closed and the server shut down
     on exit."""
     server = start_inprocess_server(model_path, cache_dir, **overrides)
-    client = ClientThread(server.join_maddrs, server.peer_id)
     try:
-        yield server, client
+        with connected_clients(server, 1) as (client,):
+            yield server, client
     finally:
-        client.close()
         server.shutdown()
 
 

@@ -11,7 +11,6 @@ from contextlib import redirect_stdout
 import pytest
 import torch
 from tests.helpers.swarm import Swarm, inprocess_servers
-from tests.helpers.tiny_models import make_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig, RemoteSequential
@@ -19,11 +18,6 @@ from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

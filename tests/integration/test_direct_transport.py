@@ -23,7 +23,6 @@ from corolla.protocol import local_stream as ls
 from corolla.protocol.rpc import handle_name
 from corolla.server.core.limits import PeerLimits
 from helpers.swarm import ClientThread, chain, packed_request, start_inprocess_server, wait_until
-from helpers.tiny_models import make_tiny_model
 
 HIDDEN = 64
 NUM_BLOCKS = 4
@@ -31,11 +30,6 @@ PROMPT = torch.tensor([[1, 17, 42, 99, 7, 250, 31]])
 MAX_SESSIONS_PER_PEER = 2
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +45,6 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
     )
     yield server
     server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    client = ClientThread(server.join_maddrs, server.peer_id)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -68,13 +68,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     server.shutdown()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    client = ClientThread(server.join_maddrs, server.peer_id)
-    yield client
-    client.close()
-
-
 # ---- hostile ingredients -------------------------------------------------------------------------------------------
 
 BAD_DTYPES = ["S16000000", "object", "float128", "<U9", "complex64", "", "V8", "bfloat16", "float64", "int64", "bool"]

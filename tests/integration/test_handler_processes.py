@@ -25,18 +25,20 @@ from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.forwarding import NEXT_STEP_KEY
 from corolla.server.core.limits import PeerLimits
 from corolla.server.front.front_service import loop_selector
-from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
-from helpers.tiny_models import make_tiny_model
+from helpers.swarm import (
+    ClientThread,
+    InferenceStream,
+    chain,
+    connected_clients,
+    packed_request,
+    start_inprocess_server,
+    wait_until,
+)
 
 HIDDEN = 64
 NUM_BLOCKS = 4
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +60,8 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def clients(server):
-    clients = [ClientThread(server.join_maddrs, server.peer_id) for _ in range(2)]  # two peers, two p2pd daemons
-    yield clients
-    for client in clients:
-        client.close()
+    with connected_clients(server, 2) as clients:  # two peers, two p2pd daemons
+        yield clients
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,15 @@ import torch
 from hivemind.p2p import PeerID
 
 from benchmarks.field.hoarding import HoardingAttack
-from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
+from helpers.swarm import (
+    ClientThread,
+    InferenceStream,
+    chain,
+    connected_clients,
+    packed_request,
+    start_inprocess_server,
+    wait_until,
+)
 from helpers.tiny_models import make_tiny_model
 
 HIDDEN = 64
@@ -52,10 +60,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def clients(server):
     """The real user and the honest long session's client: a libp2p identity each."""
-    pair = [ClientThread(server.join_maddrs, server.peer_id) for _ in range(2)]
-    yield pair
-    for client in pair:
-        client.close()
+    with connected_clients(server, 2) as pair:
+        yield pair
 
 
 class Attack:

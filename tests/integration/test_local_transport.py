@@ -21,18 +21,12 @@ from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.transport.local_transport import open_local_inference
 from corolla.protocol import local_stream as ls
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
-from helpers.tiny_models import make_tiny_model
 
 HIDDEN = 64
 NUM_BLOCKS = 4
 PROMPT = torch.tensor([[1, 17, 42, 99, 7, 250, 31]])
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

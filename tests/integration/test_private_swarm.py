@@ -17,7 +17,6 @@ from corolla.protocol.auth import MEMBER_PROOF_KEY, join_info_uid
 from corolla.swarm.dht import SwarmConfig, create_dht, get_peer_id, shutdown_dht
 from corolla.swarm.membership import RpcMembership, SwarmKey
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server
-from helpers.tiny_models import make_tiny_model
 
 HIDDEN = 64
 DHT_TIMEOUT_S = 10.0
@@ -30,11 +29,6 @@ def keys(tmp_path_factory: pytest.TempPathFactory):
     directory = tmp_path_factory.mktemp("keys")
     good, wrong = SwarmKey.generate(), SwarmKey.generate()
     return good, good.save(directory / "swarm.key"), wrong
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

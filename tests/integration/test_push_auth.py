@@ -15,18 +15,19 @@ from hivemind.compression.serialization import deserialize_torch_tensor
 from corolla.models.loading import load_pretrained_block
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.forwarding import NEXT_STEP_KEY
-from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server
-from helpers.tiny_models import make_tiny_model
+from helpers.swarm import (
+    ClientThread,
+    InferenceStream,
+    chain,
+    connected_clients,
+    packed_request,
+    start_inprocess_server,
+)
 
 HIDDEN = 64
 NUM_BLOCKS = 4
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +47,8 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def peers(server):
     """Three independent libp2p identities: the victim's client, an attacker, the upstream the victim names."""
-    made = [ClientThread(server.join_maddrs, server.peer_id) for _ in range(3)]
-    yield made
-    for client in made:
-        client.close()
+    with connected_clients(server, 3) as made:
+        yield made
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,15 @@ from hivemind.p2p import P2P, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.server.core.limits import MiB, PeerLimits
-from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
+from helpers.swarm import (
+    ClientThread,
+    InferenceStream,
+    chain,
+    connected_clients,
+    packed_request,
+    start_inprocess_server,
+    wait_until,
+)
 from helpers.tiny_models import make_tiny_model
 
 HIDDEN = 64
@@ -63,10 +71,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def peers(server):
     """Three clients, each its own libp2p identity (peer id)."""
-    clients = [ClientThread(server.join_maddrs, server.peer_id) for _ in range(3)]
-    yield clients
-    for client in clients:
-        client.close()
+    with connected_clients(server, 3) as clients:
+        yield clients
 
 
 def open_session(client: ClientThread, server, *, tokens: int = 1, max_length: int = MAX_LENGTH) -> InferenceStream:

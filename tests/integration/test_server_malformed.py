@@ -59,13 +59,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     server.shutdown()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    client = ClientThread(server.join_maddrs, server.peer_id)
-    yield client
-    client.close()
-
-
 PREFIX: list[str] = []
 
 

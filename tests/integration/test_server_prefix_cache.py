@@ -15,8 +15,14 @@ from hivemind.proto import runtime_pb2
 from corolla.models.loading import load_pretrained_block
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.prefix import PREFIX_HIT_KEY, PREFIX_KEY, PrefixKeys, chain_hashes, prefix_root
-from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server
-from helpers.tiny_models import make_tiny_model
+from helpers.swarm import (
+    ClientThread,
+    InferenceStream,
+    chain,
+    connected_clients,
+    packed_request,
+    start_inprocess_server,
+)
 
 HIDDEN = 64
 NUM_BLOCKS = 4
@@ -31,11 +37,6 @@ def start(model_path, cache_dir, **overrides):
         session_timeout_s=60.0, request_timeout_s=30.0, metrics_port=0,
     )  # fmt: skip
     return start_inprocess_server(model_path, cache_dir, **{**settings, **overrides})
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -111,16 +112,14 @@ def metric(server, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def alice(server):
-    client = ClientThread(server.join_maddrs, server.peer_id)
-    yield client
-    client.close()
+    with connected_clients(server, 1) as (client,):
+        yield client
 
 
 @pytest.fixture(scope="module")
 def mallory(server):
-    client = ClientThread(server.join_maddrs, server.peer_id)
-    yield client
-    client.close()
+    with connected_clients(server, 1) as (client,):
+        yield client
 
 
 def test_a_later_session_of_the_same_client_reuses_its_prefix(server, alice, blocks) -> None:

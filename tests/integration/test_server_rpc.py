@@ -18,7 +18,6 @@ from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.forwarding import NEXT_STEP_KEY
 from corolla.server.core.limits import PeerLimits
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
-from helpers.tiny_models import make_tiny_model
 
 HIDDEN = 64
 NUM_BLOCKS = 4
@@ -28,11 +27,6 @@ CACHE_TOKENS_PER_BLOCK = 160
 STEP_TIMEOUT_S = 1.5
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +47,6 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
     )
     yield server
     server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    client = ClientThread(server.join_maddrs, server.peer_id)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

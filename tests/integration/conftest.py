@@ -1,0 +1,26 @@
+"""Fixtures several integration files share: the tiny Llama checkpoint their in-process server loads and one client
+of the module's own `server` fixture (a module's fixture of the same name replaces either)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers.swarm import ClientThread, connected_clients
+from helpers.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama checkpoint (4 layers), one per module."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> Iterator[ClientThread]:
+    """One `ClientThread` (a libp2p identity of its own) connected to the module's in-process `server`."""
+    with connected_clients(server, 1) as (only,):
+        yield only
