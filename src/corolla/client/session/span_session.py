@@ -173,7 +173,9 @@ class SpanSession:
         """`local` (unix socket), `direct` (the server's TCP port) or `p2p` once open, else None."""
         if self._stream is None:
             return None
-        return "local" if self.local is not None else "direct" if isinstance(self._stream, DirectInferenceStream) else "p2p"
+        if self.local is not None:
+            return "local"
+        return "direct" if isinstance(self._stream, DirectInferenceStream) else "p2p"
 
     @property
     def history(self) -> torch.Tensor | None:
