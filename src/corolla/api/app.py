@@ -48,9 +48,6 @@ from corolla.api.sampling import SamplingParams
 from corolla.api.schemas import ChatCompletionRequest, CompletionRequest
 from corolla.api.service_routes import add_service_routes
 from corolla.client.speculative.acceptance import SpeculativeConfig
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
 
 
 @dataclass

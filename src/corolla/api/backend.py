@@ -21,9 +21,6 @@ from corolla.api.prompt_cache import report_cached_tokens
 from corolla.api.route_trace import GenerationTrace, NoTrace, current_trace
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.speculative.loop import SessionTarget, VerifyTarget
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
 
 
 class GenerationBackend(Protocol):

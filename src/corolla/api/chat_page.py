@@ -22,9 +22,6 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from corolla.api.errors import ApiError
 from corolla.api.route_trace import DEFAULT_ROUTE_LOG_ENTRIES, RouteLog, RouteTraceMiddleware
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
 
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "

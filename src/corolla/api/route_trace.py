@@ -20,10 +20,6 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
-
 ROUTE_ID_HEADER = "x-corolla-route-id"
 DEFAULT_ROUTE_LOG_ENTRIES = 256
 MAX_PUBLIC_NAME_CHARS = 64  # server-chosen text, cut before it reaches a page

@@ -21,9 +21,6 @@ from corolla.cli.speculative_flags import add_speculative_flags, speculative_con
 from corolla.client.speculative.acceptance import SpeculativeConfig
 from corolla.models.config import load_config
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
 
 # flags named as the ApiConfig fields they set
 API_CONFIG_FLAGS = (

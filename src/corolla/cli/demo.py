@@ -31,11 +31,8 @@ from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.protocol.records import RemoteSpanInfo
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 from corolla.utils.interrupts import event_wait
-from corolla.utils.logging import get_logger
 from corolla.utils.netns import namespace_hint
 from corolla.utils.processes import ChildProcess
-
-logger = get_logger(__name__)
 
 DEFAULT_PROMPT = "The Python interpreter"
 RULE = "-" * 78

@@ -23,9 +23,6 @@ from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.demo.finetune import FinetuneConfig, FinetuneReport, finetune, init_prompts_from_text
 from corolla.demo.topics import LABELS
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
 
 PROMPT_INIT_TEXT = "The topic of this sentence is"
 

@@ -18,9 +18,6 @@ from corolla.swarm.dht import SwarmConfig, create_dht, shutdown_dht
 from corolla.swarm.membership import load_swarm_key
 from corolla.swarm.records_io import get_verified_model_infos
 from corolla.utils.errors import ConfigurationError
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
 
 
 def build_parser() -> configargparse.ArgParser:

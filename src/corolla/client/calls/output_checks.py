@@ -6,9 +6,6 @@ from __future__ import annotations
 import torch
 
 from corolla.utils.finite import all_finite
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
 
 WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what servers compute and send activations in
 

@@ -18,10 +18,6 @@ from typing import Protocol
 
 import torch
 
-from corolla.utils.logging import get_logger
-
-logger = get_logger(__name__)
-
 MAX_DRAFT_TOKENS = 32  # bound on k_max (one verification pass sends k + 1 tokens)
 
 
