@@ -46,21 +46,35 @@ async def run_forward_chunked(
     batch_size, length, _ = hidden.shape
     split_tokens = can_split_tokens(prompts, active_adapter)
     chunks = plan_token_chunks(length, batch_size, chunk_tokens) if split_tokens else [(0, length)]
-    # results[(position, chunk)]: that block's output for that chunk; written and read in the device thread only
+    # results[(position, chunk)]: that block's output for that chunk, until the next block read it; written and read
+    # in the device thread only
     results: dict[tuple[int, int], torch.Tensor] = {}
     caches: dict[int, list[torch.Tensor]] = {position: [] for position in range(len(block_indices))}
+
+    def block_task(position: int, index: int, k: int, start: int, end: int) -> Callable[[], torch.Tensor]:
+        def task() -> torch.Tensor:
+            if len(chunks) == 1:  # the whole block, with its deep prompts and the adapter
+                inputs = hidden if position == 0 else results.pop((position - 1, 0))
+                block_prompts = None if prompts is None else prompts[position : position + 1]
+                output = backend.forward([index], inputs, block_prompts, active_adapter)
+            else:  # one token chunk through the block's temporary cache (made on first use, freed with the request)
+                inputs = hidden[:, start:end] if position == 0 else results.pop((position - 1, k))
+                cache = caches[position]
+                if not cache:
+                    for d in backend.cache_descriptors([index], inputs.shape[0], length)[0]:
+                        cache.append(torch.zeros(tuple(d.shape), dtype=d.dtype, device=d.device))
+                output = backend.inference_step([index], inputs, [cache], prefix_length=start, max_length=length)
+            results[(position, k)] = output
+            return output
+
+        return task
+
     futures = []
     for k, (start, end) in enumerate(chunks):
         for position, index in enumerate(block_indices):
-            if len(chunks) == 1:
-                block_prompts = None if prompts is None else prompts[position : position + 1]
-                fn = _whole_block(backend, index, hidden, block_prompts, active_adapter, results, position)
-            else:
-                fn = _cached_chunk(backend, index, hidden, caches[position], results, position, k, start, end, length)
             size = batch_size * (end - start)
-            futures.append(
-                runtime.submit(measured(fn, size), priority=PRIORITY_FORWARD, size_tokens=size, kind=KIND_FORWARD)
-            )
+            fn = measured(block_task(position, index, k, start, end), size)
+            futures.append(runtime.submit(fn, priority=PRIORITY_FORWARD, size_tokens=size, kind=KIND_FORWARD))
     try:
         await asyncio.gather(*futures)
     finally:
@@ -69,46 +83,3 @@ async def run_forward_chunked(
     last = len(block_indices) - 1
     outputs = [results[(last, k)] for k in range(len(chunks))]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-
-
-def _whole_block(
-    backend: SpanBackend,
-    index: int,
-    hidden: torch.Tensor,
-    prompts: torch.Tensor | None,
-    adapter: str,
-    results: dict[tuple[int, int], torch.Tensor],
-    position: int,
-) -> Callable[[], torch.Tensor]:
-    def task() -> torch.Tensor:
-        inputs = hidden if position == 0 else results[(position - 1, 0)]
-        results[(position, 0)] = output = backend.forward([index], inputs, prompts, adapter)
-        return output
-
-    return task
-
-
-def _cached_chunk(
-    backend: SpanBackend,
-    index: int,
-    hidden: torch.Tensor,
-    cache: list[torch.Tensor],
-    results: dict[tuple[int, int], torch.Tensor],
-    position: int,
-    k: int,
-    start: int,
-    end: int,
-    length: int,
-) -> Callable[[], torch.Tensor]:
-    def task() -> torch.Tensor:
-        inputs = hidden[:, start:end] if position == 0 else results[(position - 1, k)]
-        if not cache:  # created in the device thread on first use; freed with the request
-            for d in backend.cache_descriptors([index], inputs.shape[0], length)[0]:
-                cache.append(torch.zeros(tuple(d.shape), dtype=d.dtype, device=d.device))
-        output = backend.inference_step([index], inputs, [cache], prefix_length=start, max_length=length)
-        results[(position, k)] = output
-        if position > 0:
-            del results[(position - 1, k)]  # consumed: keep only what later tasks read
-        return output
-
-    return task

@@ -33,7 +33,7 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -135,10 +135,10 @@ class KindStats:
     device_timed: int = 0
 
     def since(self, earlier: KindStats) -> KindStats:
-        return KindStats(
-            self.batches - earlier.batches, self.tasks - earlier.tasks, self.busy_s - earlier.busy_s,
-            self.device_s - earlier.device_s, self.device_timed - earlier.device_timed,
-        )  # fmt: skip
+        return KindStats(*(now - then for now, then in zip(astuple(self), astuple(earlier), strict=True)))
+
+    def __add__(self, other: KindStats) -> KindStats:
+        return KindStats(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def plus(self, num_steps: int, elapsed_s: float, device_s: float | None = None) -> KindStats:
         """These totals and one more batch of `num_steps` steps."""

@@ -427,14 +427,7 @@ class LaunchedWorks:
 
 def training_stats(stats: dict[str, KindStats]) -> KindStats:
     """The runtime's totals (`Runtime.stats()`) of the forward and backward works together."""
-    total = KindStats()
-    for kind in TRAINING_KINDS:
-        part = stats.get(kind, KindStats())
-        total = KindStats(
-            total.batches + part.batches, total.tasks + part.tasks, total.busy_s + part.busy_s,
-            total.device_s + part.device_s, total.device_timed + part.device_timed,
-        )  # fmt: skip
-    return total
+    return sum((stats.get(kind, KindStats()) for kind in TRAINING_KINDS), KindStats())
 
 
 def default_kept_activations(backend: SpanBackend) -> KeptActivations:
