@@ -5,6 +5,7 @@ JSON file keyed by model, device and dtype (under a file lock), and derive the f
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import time
@@ -104,14 +105,9 @@ def get_server_throughput(
         cached = cache.get(key)
         if force_eval or not _valid_figures(cached):
             info = measure_throughput_info(
-                config,
-                device,
-                dtype,
-                quant_type=quant_type,
-                tensor_parallel_devices=tensor_parallel_devices,
-                public_swarm=public_swarm,
-                forward_tokens=forward_tokens,
-            )
+                config, device, dtype, quant_type=quant_type, tensor_parallel_devices=tensor_parallel_devices,
+                public_swarm=public_swarm, forward_tokens=forward_tokens,
+            )  # fmt: skip
             cache[key] = info
             tmp_path = cache_path.with_suffix(".tmp")
             tmp_path.write_text(json.dumps(cache, indent=2, sort_keys=True))
@@ -150,25 +146,17 @@ def measure_throughput_info(
     on_cpu = device.type == "cpu"
     if forward_tokens is None:
         forward_tokens = FORWARD_TOKENS_CPU if on_cpu else FORWARD_TOKENS_ACCELERATOR
-    inference_rps = measure_compute_rps(
+    measure = functools.partial(
+        measure_compute_rps,
         config,
         device,
         dtype,
-        n_tokens=1,
-        n_steps=INFERENCE_STEPS_CPU if on_cpu else INFERENCE_STEPS,
-        inference=True,
         quant_type=quant_type,
         tensor_parallel_devices=tensor_parallel_devices,
     )
-    forward_rps = measure_compute_rps(
-        config,
-        device,
-        dtype,
-        n_tokens=forward_tokens,
-        n_steps=FORWARD_STEPS_CPU if on_cpu else FORWARD_STEPS,
-        inference=False,
-        quant_type=quant_type,
-        tensor_parallel_devices=tensor_parallel_devices,
+    inference_rps = measure(n_tokens=1, n_steps=INFERENCE_STEPS_CPU if on_cpu else INFERENCE_STEPS, inference=True)
+    forward_rps = measure(
+        n_tokens=forward_tokens, n_steps=FORWARD_STEPS_CPU if on_cpu else FORWARD_STEPS, inference=False
     )
     network_rps = measure_network_rps(config, public_swarm=public_swarm)
     info = {"inference_rps": inference_rps, "forward_rps": forward_rps, "network_rps": network_rps}

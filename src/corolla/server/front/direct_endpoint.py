@@ -236,13 +236,6 @@ class DirectEndpoint:
             return
         loop.create_task(serve_connection(self, reader, writer))
 
-    async def __aenter__(self) -> DirectEndpoint:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
-
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AcceptedStream | None:
         """The connection's hello checked against its ticket and the peer's connection share, and answered
         (`stream_endpoint.StreamListener`)."""

@@ -92,13 +92,6 @@ class LocalEndpoint:
                 self.path.unlink()
             self.path = None
 
-    async def __aenter__(self) -> LocalEndpoint:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
-
     def _report_load(self) -> None:
         if self._load is not None:
             try:
