@@ -55,8 +55,7 @@ def test_token_defaults_follow_the_kv_head_count(config, kv_heads, tokens) -> No
     assert sizing.num_kv_heads(config) == kv_heads
     assert sizing.default_attn_cache_tokens(config) == tokens
     expected_limit = 8192 if tokens == 16384 else 2048
-    assert sizing.default_inference_max_length_tokens(config) == expected_limit
-    assert sizing.default_max_batch_size_tokens(config) == expected_limit
+    assert sizing.default_length_limit_tokens(config) == expected_limit  # inference_max_length's and max_batch_size's
 
 
 def test_cache_bytes_match_the_worked_example_of_llama2_70b() -> None:

@@ -52,7 +52,7 @@ def resolve_settings(
     elif config.num_blocks is not None:
         num_blocks = min(config.num_blocks, total_blocks)
     else:
-        num_blocks = _choose_num_blocks(config, mc, device, dtype, quant_type, 2 * kv_bytes * attn_cache_tokens)
+        num_blocks = _choose_num_blocks(config, mc, device, dtype, quant_type, attn_cache_tokens)
     return ResolvedSettings(
         device=device,
         dtype=dtype,
@@ -61,32 +61,28 @@ def resolve_settings(
         total_blocks=total_blocks,
         num_blocks=num_blocks,
         hidden_size=int(mc.hidden_size),
-        inference_max_length_tokens=config.inference_max_length_tokens
-        or sizing.default_inference_max_length_tokens(mc),
-        max_batch_size_tokens=config.max_batch_size_tokens or sizing.default_max_batch_size_tokens(mc),
+        inference_max_length_tokens=config.inference_max_length_tokens or sizing.default_length_limit_tokens(mc),
+        max_batch_size_tokens=config.max_batch_size_tokens or sizing.default_length_limit_tokens(mc),
         attn_cache_tokens=attn_cache_tokens,
         kv_bytes_per_token_block=kv_bytes,
-        cache_bytes_per_block=2 * kv_bytes * attn_cache_tokens,
+        cache_bytes_per_block=sizing.cache_bytes_per_block(mc, dtype, attn_cache_tokens),
     )
 
 
 def _choose_num_blocks(
-    c: ServerConfig, model_config: Any, device: torch.device, dtype: torch.dtype, quant_type: str, cache_bytes: int
+    c: ServerConfig, model_config: Any, device: torch.device, dtype: torch.dtype, quant_type: str, cache_tokens: int
 ) -> int:
     adapter_bytes = sizing.adapter_bytes_per_block(
         c.adapters, dtype=dtype, model_config=model_config, cache_dir=c.cache_dir, revision=c.revision, token=c.token
     )
     return int(
         sizing.choose_num_blocks(
-            model_config,
-            device=device,
-            dtype=dtype,
-            quant_type=quant_type,
-            cache_bytes_per_block=cache_bytes,
+            model_config, device=device, dtype=dtype, quant_type=quant_type,
+            cache_bytes_per_block=sizing.cache_bytes_per_block(model_config, dtype, cache_tokens),
             adapter_bytes_per_block=adapter_bytes,
             tensor_parallel_devices=[torch.device(d) for d in c.tensor_parallel_devices or ()],
         )
-    )
+    )  # fmt: skip
 
 
 def describe_settings(s: ResolvedSettings, config: ServerConfig) -> str:

@@ -54,11 +54,8 @@ def default_attn_cache_tokens(config: Any) -> int:
     return GQA_ATTN_CACHE_TOKENS if is_grouped_query(config) else MHA_ATTN_CACHE_TOKENS
 
 
-def default_inference_max_length_tokens(config: Any) -> int:
-    return GQA_MAX_LENGTH_TOKENS if is_grouped_query(config) else MHA_MAX_LENGTH_TOKENS
-
-
-def default_max_batch_size_tokens(config: Any) -> int:
+def default_length_limit_tokens(config: Any) -> int:
+    """The default of both `inference_max_length` and `max_batch_size`: 8192 for GQA/MQA models, else 2048."""
     return GQA_MAX_LENGTH_TOKENS if is_grouped_query(config) else MHA_MAX_LENGTH_TOKENS
 
 
