@@ -51,6 +51,29 @@ class ModelShape:
         return config
 
 
+# The Llama shapes the engine benches take by name (`--shape`): Llama-3-8B's, and a tiny one for CPU dry runs.
+NAMED_SHAPES = {
+    "llama-3-8b": ModelShape(),
+    "tiny": ModelShape(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256),
+}
+
+
+def random_blocks(config, num_layers: int, device: torch.device, dtype: torch.dtype) -> list[torch.nn.Module]:
+    """corolla blocks 0..num_layers-1 of `config`, built on `device` in `dtype` with random weights (norms
+    ~ N(1, 0.05), matrices ~ N(0, 0.02), from torch's global generator), in eval mode."""
+    from corolla.models.registry import get_family
+
+    blocks = []
+    for i in range(num_layers):
+        with torch.device(device):
+            block = get_family(config).build_block(config, i).to(dtype).eval()
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(1.0, 0.05) if p.ndim == 1 else p.normal_(0.0, 0.02)
+        blocks.append(block)
+    return blocks
+
+
 def build_hf_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """`LlamaModel` with random weights (normal, std 0.02) built directly on `device` in `dtype`."""
     from transformers import LlamaModel

@@ -16,6 +16,7 @@ import argparse
 import collections
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from transformers import LlamaConfig
 
 from benchmarks.common.engine_steps import device_token_inputs, merged_decode_ms
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, host_median_ms
+from benchmarks.common.model import NAMED_SHAPES, random_blocks
 from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import EngineSession, SpanEngine, StepRequest
@@ -30,13 +32,8 @@ from corolla.engine.spans.fast_llama import FastLlamaSpan
 from corolla.models.block_base import CorollaBlock
 from corolla.models.lora import LoraWeights, add_adapter
 from corolla.models.positions import RotaryEmbedding
-from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
 
-SHAPES = {
-    "llama-3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336),
-    "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256),
-}
 # aten ops that only make views or metadata (no kernel on a GPU)
 NO_KERNEL_OPS = frozenset(
     f"aten::{op}"
@@ -50,25 +47,15 @@ def build_blocks(
     shape: str, layers: int, names: list[str], rank: int, dev: torch.device, dtype: torch.dtype
 ) -> tuple[LlamaConfig, list[CorollaBlock]]:
     """`layers` llama blocks with random weights on `dev`, each carrying every adapter of `names`."""
-
-    config = LlamaConfig(
-        **SHAPES[shape], num_hidden_layers=layers, vocab_size=32, max_position_embeddings=8192, rope_theta=500000.0
-    )
+    config = replace(NAMED_SHAPES[shape], num_layers=layers).hf_config()
     h, inter = config.hidden_size, config.intermediate_size
     d = h // config.num_attention_heads
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     shapes = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (inter, h), "up": (inter, h)}
     shapes["down"] = (h, inter)
     gen = torch.Generator().manual_seed(0)
-    blocks = []
-    for i in range(layers):
-        with torch.device(dev):
-            built = get_family(config).build_block(config, i)
-        assert isinstance(built, CorollaBlock)
-        block = built.to(dtype).eval()
-        with torch.no_grad():
-            for p in block.parameters():
-                p.normal_(1.0, 0.05) if p.ndim == 1 else p.normal_(0.0, 0.02)
+    blocks = random_blocks(config, layers, dev, dtype)
+    for i, block in enumerate(blocks):
         for name in names:
             weights = {}
             for module in MODULES:
@@ -77,7 +64,6 @@ def build_blocks(
                 b = torch.randn(out_f, rank, generator=gen) * 0.02
                 weights[module] = (a, b, 2.0)
             add_adapter(block, name, LoraWeights("bench", i, weights))
-        blocks.append(block)
     return config, blocks
 
 
@@ -197,7 +183,7 @@ def agreement(engine: SpanEngine, backend: SpanBackend, name: str, prefix: int, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
+    parser.add_argument("--shape", choices=sorted(NAMED_SHAPES), default="llama-3-8b")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)

@@ -29,28 +29,23 @@ import json
 import platform
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-from transformers import LlamaConfig
 
 from benchmarks.common.engine_steps import device_token_inputs, merged_decode_ms
 from benchmarks.common.measure import sync
+from benchmarks.common.model import NAMED_SHAPES, random_blocks
 from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import EngineSession, SpanEngine
-from corolla.models.block_base import CorollaBlock
-from corolla.models.registry import get_family
 from corolla.protocol.prefix import PrefixKeys, chain_hashes, prefix_root
 from corolla.server.core.engine_executor import CPU_PAGE_TOKENS, GPU_PAGE_TOKENS
 
-SHAPES = {
-    "llama-3-8b": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336),
-    "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256),
-}
 NAMESPACE = "bench/"
 T = TypeVar("T")
 
@@ -58,20 +53,8 @@ T = TypeVar("T")
 def build_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> SpanEngine:
     """`--layers` llama blocks with random weights (built on `device`) under an engine whose pool holds every
     session of the run."""
-    config = LlamaConfig(
-        **SHAPES[args.shape], num_hidden_layers=args.layers, vocab_size=32, max_position_embeddings=8192,
-        rope_theta=500000.0,
-    )  # fmt: skip
-    blocks = []
-    for i in range(args.layers):
-        with torch.device(device):
-            built = get_family(config).build_block(config, i)
-        assert isinstance(built, CorollaBlock)
-        block = built.to(dtype).eval()
-        with torch.no_grad():
-            for p in block.parameters():
-                p.normal_(1.0, 0.05) if p.ndim == 1 else p.normal_(0.0, 0.02)
-        blocks.append(block)
+    config = replace(NAMED_SHAPES[args.shape], num_layers=args.layers).hf_config()
+    blocks = random_blocks(config, args.layers, device, dtype)
     page = GPU_PAGE_TOKENS if device.type == "cuda" else CPU_PAGE_TOKENS
     engine_config = EngineConfig(
         kv_pool_bytes=args.kv_pool_gib << 30, page_size_tokens=page, max_seq_len_tokens=8192,
@@ -159,7 +142,7 @@ def median(values: list[float]) -> float:
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="llama-3-8b", choices=list(SHAPES))
+    p.add_argument("--shape", default="llama-3-8b", choices=list(NAMED_SHAPES))
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--history_tokens", type=int, default=4000, help="the conversation so far (cached)")
