@@ -1,18 +1,25 @@
-"""A device channel for tests: blocking reads of its frames (the server reads them from its intake thread), a batch
-payload built item by item (`batch_payload`), and a session opened through a handler process's seam to the core with
-the caps off."""
+"""A device channel for tests: one served over a socket pair (`served_channel`), blocking reads of its frames (the
+server reads them from its intake thread), a batch payload built item by item (`batch_payload`), and a session opened
+through a handler process's seam to the core with the caps off."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
+from corolla.engine import EngineConfig, SpanEngine
 from corolla.protocol import channel_frames as wire
+from corolla.server.backend import SpanBackend
+from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionCache, SessionSpec
 from corolla.server.core.limits import PeerLimits
-from corolla.server.handlers.device_channel import FrameSocket
-from corolla.server.handlers.remote_core import RemoteCore
+from corolla.server.core.runtime import Runtime
+from corolla.server.core.span_core import SpanCore
+from corolla.server.handlers.device_channel import DeviceChannel, FrameSocket
+from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 
 # a core whose admission caps nothing (0 disables a cap): tests of the work, not of fair use
 NO_CAPS = PeerLimits(
@@ -46,3 +53,26 @@ async def remote_session(
     async with core.open_session("peer-a", spec, alloc_timeout_s, None, None) as (_, cache):
         assert cache is not None
         yield cache
+
+
+@contextlib.asynccontextmanager
+async def served_channel(
+    backend: SpanBackend, span: Sequence[int]
+) -> AsyncIterator[tuple[EngineExecutor, DeviceChannel, asyncio.Task[None], DeviceLink]]:
+    """A CPU engine executor of `span` of `backend` (1 MiB of pages of 16 tokens, 8 rows) served by a `DeviceChannel`
+    (caps off) over a socket pair, and the handler end's `DeviceLink`; yields (executor, channel, its serving task,
+    link). On exit the link closes and the channel's serving ends."""
+    with Runtime(max_batch_size_tokens=1024) as runtime:
+        config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
+        real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in span], config), runtime)
+        device_end, handler_end = socket.socketpair()
+        channel = DeviceChannel(
+            0, device_end, executor=real, core=SpanCore(real, NO_CAPS), span=tuple(span), max_frame_bytes=1 << 20
+        )
+        serving = asyncio.create_task(channel.serve())
+        link = await DeviceLink.connect(*await asyncio.open_unix_connection(sock=handler_end))
+        try:
+            yield real, channel, serving, link
+        finally:
+            await link.close()
+            await asyncio.wait_for(serving, 10)

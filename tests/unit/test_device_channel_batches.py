@@ -7,22 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-from collections.abc import AsyncIterator
 
 import pytest
 import torch
 
-from corolla.engine import EngineConfig, SpanEngine
 from corolla.server.backend import SpanBackend
-from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec
 from corolla.server.core.refusals import BadRequest
-from corolla.server.core.runtime import Runtime
-from corolla.server.core.span_core import SpanCore
-from corolla.server.handlers.device_channel import DeviceChannel
-from corolla.server.handlers.remote_core import DeviceLink, RemoteCore, RemoteSessionCache
-from helpers.channel_frames import NO_CAPS, remote_session
+from corolla.server.handlers.remote_core import RemoteCore, RemoteSessionCache
+from helpers.channel_frames import remote_session, served_channel
 from helpers.executor_runs import step_inputs
 from helpers.tiny_models import tiny_span_backend
 
@@ -34,31 +27,13 @@ def backend() -> SpanBackend:
     return tiny_span_backend(SPAN)
 
 
-@contextlib.asynccontextmanager
-async def _channel(backend: SpanBackend) -> AsyncIterator[tuple[EngineExecutor, DeviceChannel, RemoteCore]]:
-    with Runtime(max_batch_size_tokens=1024) as runtime:
-        config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
-        real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
-        device_end, handler_end = socket.socketpair()
-        channel = DeviceChannel(
-            0, device_end, executor=real, core=SpanCore(real, NO_CAPS),
-            span=SPAN, max_frame_bytes=1 << 20,
-        )  # fmt: skip
-        serving = asyncio.create_task(channel.serve())
-        link = await DeviceLink.connect(*await asyncio.open_unix_connection(sock=handler_end))
-        try:
-            yield real, channel, RemoteCore(link)
-        finally:
-            await link.close()
-            await asyncio.wait_for(serving, 10)
-
-
 async def test_steps_of_many_sessions_travel_in_batches_and_each_gets_its_own_output(backend) -> None:
     torch.manual_seed(1)
     prompts = [torch.randn(1, 3, H) for _ in range(SESSIONS)]
     tokens = [[torch.randn(1, 1, H) for _ in range(SESSIONS)] for _ in range(4)]
     spec = SessionSpec(SPAN, 1, 16)
-    async with _channel(backend) as (real, channel, proxy), contextlib.AsyncExitStack() as stack:
+    async with served_channel(backend, SPAN) as (real, channel, _, link), contextlib.AsyncExitStack() as stack:
+        proxy = RemoteCore(link)
         direct = [await stack.enter_async_context(real.open_session(spec, 0)) for _ in range(SESSIONS)]
         remote = [await stack.enter_async_context(remote_session(proxy, spec)) for _ in range(SESSIONS)]
         for i in range(SESSIONS):
@@ -78,7 +53,8 @@ async def test_steps_of_many_sessions_travel_in_batches_and_each_gets_its_own_ou
 
 async def test_a_refused_step_inside_a_batch_fails_only_its_caller(backend) -> None:
     spec = SessionSpec(SPAN, 1, 16)
-    async with _channel(backend) as (_, channel, proxy), contextlib.AsyncExitStack() as stack:
+    async with served_channel(backend, SPAN) as (_, channel, _, link), contextlib.AsyncExitStack() as stack:
+        proxy = RemoteCore(link)
         caches = [await stack.enter_async_context(remote_session(proxy, spec)) for _ in range(3)]
         assert isinstance(caches[0], RemoteSessionCache)
         ghost = RemoteSessionCache(spec, proxy.link, handle=999_999)  # no such session in the device process

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import AsyncIterator
 
 import pytest
 import torch
@@ -20,10 +19,9 @@ from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.refusals import BadRequest, RuntimeStopped
 from corolla.server.core.runtime import Runtime, Task
-from corolla.server.core.span_core import SpanCore
-from corolla.server.handlers.device_channel import DeviceChannel, FrameSocket
-from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
-from helpers.channel_frames import NO_CAPS, recv_frame, remote_session
+from corolla.server.handlers.device_channel import FrameSocket
+from corolla.server.handlers.remote_core import RemoteCore
+from helpers.channel_frames import recv_frame, remote_session, served_channel
 from helpers.executor_runs import step_inputs
 from helpers.tiny_models import tiny_span_backend
 
@@ -100,30 +98,9 @@ def backend() -> SpanBackend:
     return tiny_span_backend(SPAN)
 
 
-@contextlib.asynccontextmanager
-async def _served(
-    backend: SpanBackend,
-) -> AsyncIterator[tuple[EngineExecutor, DeviceChannel, asyncio.Task[None], DeviceLink]]:
-    with Runtime(max_batch_size_tokens=1024) as runtime:
-        config = EngineConfig(kv_pool_bytes=1 << 20, page_size_tokens=16, max_seq_len_tokens=64, max_batch_rows=8)
-        real = EngineExecutor(backend, SpanEngine.from_blocks([backend.blocks[i] for i in SPAN], config), runtime)
-        device_end, handler_end = socket.socketpair()
-        channel = DeviceChannel(
-            0, device_end, executor=real, core=SpanCore(real, NO_CAPS),
-            span=SPAN, max_frame_bytes=1 << 20,
-        )  # fmt: skip
-        serving = asyncio.create_task(channel.serve())
-        link = await DeviceLink.connect(*await asyncio.open_unix_connection(sock=handler_end))
-        try:
-            yield real, channel, serving, link
-        finally:
-            await link.close()
-            await asyncio.wait_for(serving, 10)
-
-
 async def test_a_refused_step_fails_only_its_caller_and_the_session_goes_on(backend) -> None:
     spec = SessionSpec(SPAN, 1, 16)
-    async with _served(backend) as (real, _, _, link), contextlib.AsyncExitStack() as stack:
+    async with served_channel(backend, SPAN) as (real, _, _, link), contextlib.AsyncExitStack() as stack:
         proxy = RemoteCore(link)
         a, b = [await stack.enter_async_context(remote_session(proxy, spec)) for _ in range(2)]
         too_long = torch.randn(1, 17, H)  # past the session's 16 tokens: the engine refuses it
@@ -140,7 +117,7 @@ async def test_a_refused_step_fails_only_its_caller_and_the_session_goes_on(back
 
 async def test_a_dead_handler_process_ends_its_sessions_and_leaves_no_thread(backend) -> None:
     spec = SessionSpec(SPAN, 1, 16)
-    async with _served(backend) as (real, channel, serving, link):
+    async with served_channel(backend, SPAN) as (real, channel, serving, link):
         free = real.bytes_left
         proxy = RemoteCore(link)
         stack = contextlib.AsyncExitStack()
@@ -174,7 +151,7 @@ async def test_prepare_step_refuses_inputs_the_engine_cannot_run_before_anything
 async def test_a_call_the_core_does_not_take_fails_only_its_caller(backend) -> None:
     """A call whose name or argument types the device does not take (`DeviceChannel.calls`) is refused to its
     caller before anything runs; the channel and its sessions go on."""
-    async with _served(backend) as (_, _, _, link), contextlib.AsyncExitStack() as stack:
+    async with served_channel(backend, SPAN) as (_, _, _, link), contextlib.AsyncExitStack() as stack:
         for name, args in [
             ("forward", ("peer", (0, 1), "no tensor", None, "", 16, 1.0)),  # a str where the hidden states go
             ("forward", ("peer", (0, 1), torch.randn(1, 2, H))),  # too few
