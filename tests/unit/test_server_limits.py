@@ -270,7 +270,6 @@ async def test_chunked_forward_equals_one_task(llama_backend, batch_size: int) -
         None,
         active_adapter="",
         chunk_tokens=8,
-        measured=lambda fn, n: fn,
     )
     chunks = len(plan_token_chunks(37, batch_size, 8))
     assert runtime.num_tasks == 3 * chunks > 3
@@ -288,7 +287,6 @@ async def test_chunked_forward_equals_one_task(llama_backend, batch_size: int) -
         prompts,
         active_adapter="",
         chunk_tokens=8,
-        measured=lambda fn, n: fn,
     )
     assert runtime.num_tasks == 3 and torch.equal(got, expected)
 

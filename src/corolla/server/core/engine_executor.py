@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -67,24 +66,6 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 # index, so smaller pages waste less of the budget on short sessions
 GPU_PAGE_TOKENS = 64
 CPU_PAGE_TOKENS = 16
-
-
-def measured(
-    fn: Callable[[], T], metrics: ServerMetrics | None, kind: str, batch_size: int, num_tokens: int
-) -> Callable[[], T]:
-    """Wraps a runtime task so that it reports its queue wait and tokens (its seconds and steps: the runtime's
-    batch counts)."""
-    if metrics is None:
-        return fn
-    submitted = time.perf_counter()
-
-    def task() -> T:
-        metrics.queue_wait(time.perf_counter() - submitted)
-        result = fn()
-        metrics.tokens(kind, num_tokens)
-        return result
-
-    return task
 
 
 class EngineSessionCache(SessionCache):
@@ -333,8 +314,7 @@ class EngineExecutor:
         if chunk_tokens and batch_size * length > chunk_tokens:
             return await run_forward_chunked(
                 self.backend, self._runtime, list(block_indices), inputs.hidden_states, inputs.prompts,
-                active_adapter=inputs.adapter, chunk_tokens=chunk_tokens,
-                measured=lambda fn, num_tokens: measured(fn, self.metrics, "forward", batch_size, num_tokens),
+                active_adapter=inputs.adapter, chunk_tokens=chunk_tokens, metrics=self.metrics,
             )  # fmt: skip
         return await self.training.forward(
             block_indices, inputs.hidden_states, inputs.prompts, inputs.adapter, inputs.owner

@@ -6,13 +6,14 @@ concurrent forwards take turns, instead of waiting behind one long task."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from corolla.server.backend import SpanBackend
 from corolla.server.core.runtime import KIND_FORWARD, PRIORITY_FORWARD, Runtime
+from corolla.server.metrics import ServerMetrics
 
 
 def plan_token_chunks(length: int, batch_size: int, chunk_tokens: int) -> list[tuple[int, int]]:
@@ -35,10 +36,11 @@ async def run_forward_chunked(
     *,
     active_adapter: str,
     chunk_tokens: int,
-    measured: Callable[[Callable[[], Any], int], Callable[[], Any]],
+    metrics: ServerMetrics | None = None,
 ) -> torch.Tensor:
     """The same result as `backend.forward(block_indices, hidden, prompts, adapter)` ([B, T, H]) computed as
-    several runtime tasks. `measured(fn, num_tokens)` wraps each task for metrics.
+    several runtime tasks, each reporting its queue wait and its tokens to `metrics` (its seconds and steps: the
+    runtime's batch counts).
 
     All tasks are queued at once, in an order where each one's inputs come from tasks queued before it (chunk by
     chunk, block by block within a chunk): the runtime runs tasks of one priority oldest first, so no task waits
@@ -73,7 +75,7 @@ async def run_forward_chunked(
     for k, (start, end) in enumerate(chunks):
         for position, index in enumerate(block_indices):
             size = batch_size * (end - start)
-            fn = measured(block_task(position, index, k, start, end), size)
+            fn = _measured(block_task(position, index, k, start, end), metrics, size)
             futures.append(runtime.submit(fn, priority=PRIORITY_FORWARD, size_tokens=size, kind=KIND_FORWARD))
     try:
         await asyncio.gather(*futures)
@@ -83,3 +85,19 @@ async def run_forward_chunked(
     last = len(block_indices) - 1
     outputs = [results[(last, k)] for k in range(len(chunks))]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+
+
+def _measured(
+    fn: Callable[[], torch.Tensor], metrics: ServerMetrics | None, num_tokens: int
+) -> Callable[[], torch.Tensor]:
+    if metrics is None:
+        return fn
+    submitted = time.perf_counter()
+
+    def task() -> torch.Tensor:
+        metrics.queue_wait(time.perf_counter() - submitted)
+        result = fn()
+        metrics.tokens("forward", num_tokens)
+        return result
+
+    return task
