@@ -20,13 +20,7 @@ HIDDEN, HEADS, KV_HEADS, NUM_BLOCKS = 32, 4, 2, 4
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is fastest, above all on a loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 class FakeBlock(nn.Module):

@@ -8,8 +8,6 @@ span equals the span on its dequantized weights; the engine and the serving rule
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import transformers as tf
@@ -23,7 +21,6 @@ from corolla.engine.spans.fast_dense import FastDenseSpan
 from corolla.models.positions import alibi_slopes
 from corolla.models.registry import get_family
 from helpers.engine_reference import cached_block_steps
-from helpers.tiny_models import torch_threads
 
 H = 64
 MAX_LEN = 96
@@ -52,11 +49,7 @@ VARIANTS = {
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is fastest, above all on a loaded machine (restored after the module)."""
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def variant_config(name: str):

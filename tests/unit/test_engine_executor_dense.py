@@ -4,8 +4,6 @@ merged decode of two sessions at different lengths, rollback) equal `SpanBackend
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -16,16 +14,12 @@ from corolla.server.core.executor import SessionSpec
 from corolla.server.core.runtime import Runtime
 from corolla.server.metrics import ServerMetrics
 from helpers.executor_runs import backend_steps, cpu_traits, merged_sessions_run, random_span_backend, two_session_plans
-from helpers.tiny_models import tiny_config, torch_threads
+from helpers.tiny_models import tiny_config
 
 SPAN = (1, 2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is fastest, above all on a loaded machine (restored after the module)."""
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.mark.parametrize("family", ["falcon_mq", "bloom"])

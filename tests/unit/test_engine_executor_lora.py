@@ -6,8 +6,6 @@ LoRA kernels)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -19,16 +17,12 @@ from corolla.server.core.runtime import Runtime
 from corolla.server.metrics import ServerMetrics
 from helpers.executor_runs import backend_steps, cpu_traits, merged_sessions_run, step_inputs
 from helpers.lora_blocks import ADAPTERS, make_lora_blocks
-from helpers.tiny_models import torch_threads
 
 SPAN = (0, 1, 2)
 MAX_LEN = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ chooses its fused latent span for the family, inference steps (prefill, merged d
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -20,7 +18,6 @@ from corolla.server.core.executor import SessionSpec
 from corolla.server.core.runtime import Runtime
 from corolla.server.metrics import ServerMetrics
 from helpers.executor_runs import backend_steps, cpu_traits, merged_sessions_run, random_span_backend, two_session_plans
-from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of
 
 FIRST, N_BLOCKS = 0, 3  # block 0 dense, 1..2 MoE
@@ -28,11 +25,7 @@ SPAN = tuple(range(FIRST, FIRST + N_BLOCKS))
 POOL_BYTES = 1 << 20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is fastest, above all on a loaded machine (restored after the module)."""
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

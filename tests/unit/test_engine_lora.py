@@ -8,8 +8,6 @@ adapter support."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -21,15 +19,12 @@ from corolla.models.lora import LoraWeights, add_adapter, using_adapter
 from corolla.models.registry import get_family
 from helpers.engine_reference import cached_block_steps
 from helpers.lora_blocks import make_lora_blocks as make_blocks
-from helpers.tiny_models import tiny_config, torch_threads
+from helpers.tiny_models import tiny_config
 
 MAX_LEN = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def make_engine(blocks) -> SpanEngine:

@@ -6,8 +6,6 @@ block's router."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -20,7 +18,6 @@ from corolla.models.registry import get_family
 from corolla.models.sizing import kv_cache_bytes_per_token
 from helpers.engine_reference import cached_block_steps, check_merged_decode_equals_solo
 from helpers.executor_runs import randomize_
-from helpers.tiny_models import torch_threads
 from helpers.tiny_models_fam_a import tiny_config_of
 
 MAX_LEN = 96
@@ -42,11 +39,7 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Tiny tensors: one intra-op thread is fastest, above all on a loaded machine (restored after the module)."""
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def make_config(num_layers: int = 3, **changes):

@@ -16,13 +16,9 @@ from corolla.models import disk_cache, loading
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.utils.errors import AllocationFailed
-from helpers.tiny_models import make_tiny_model, torch_threads
+from helpers.tiny_models import make_tiny_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture

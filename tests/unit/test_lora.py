@@ -16,7 +16,7 @@ import helpers.tiny_models_fam_b  # noqa: F401
 from corolla.models.config import load_config
 from corolla.models.lora import add_adapter, load_adapter, using_adapter
 from corolla.models.tensor_parallel import make_tensor_parallel
-from helpers.tiny_models import capture_hf_layer, make_tiny_model, torch_threads
+from helpers.tiny_models import capture_hf_layer, make_tiny_model
 
 LAYER = 2
 TARGETS = {
@@ -34,10 +34,7 @@ TARGETS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def _make_adapter(model_dir, out_dir, targets, seed: int, **lora_kwargs):

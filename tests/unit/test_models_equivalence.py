@@ -16,16 +16,12 @@ from helpers.tiny_models import (
     make_tiny_model,
     save_tiny_model,
     tiny_config,
-    torch_threads,
 )
 
 LAYER = 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

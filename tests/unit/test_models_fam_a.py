@@ -17,13 +17,9 @@ from corolla.models.loading import load_pretrained_block
 from corolla.models.registry import get_family
 from corolla.models.tensor_parallel import make_tensor_parallel
 from helpers.hf_equivalence import check_block_matches_transformers
-from helpers.tiny_models import hf_layers, make_tiny_model, save_tiny_model, torch_threads
+from helpers.tiny_models import hf_layers, make_tiny_model, save_tiny_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def save_with_random_router_bias(config, out: Path) -> Path:

@@ -20,13 +20,9 @@ from corolla.models.moe_sizing import span_parameter_split
 from corolla.models.registry import get_family
 from corolla.models.sizing import count_block_parameters, kv_cache_bytes_per_token, kv_cache_values_per_token
 from corolla.server import sizing as server_sizing
-from helpers.tiny_models import capture_hf_layer, make_tiny_model, torch_threads
+from helpers.tiny_models import capture_hf_layer, make_tiny_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def deepseek_v3_real_shape(num_layers: int = 61):

@@ -13,17 +13,14 @@ from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.models.registry import get_family
 from helpers.hf_equivalence import check_grads_match
-from helpers.tiny_models import capture_hf_layer, hf_layers, make_tiny_model, torch_threads
+from helpers.tiny_models import capture_hf_layer, hf_layers, make_tiny_model
 
 SEQ = 20  # > the tiny window (6) and > the ring (window + slack 2 = 8)
 STEPS = (10, 1, 1, 1, 3, 1)  # first step longer than the ring: only its last 8 keys stay
 SLACK = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module", params=fam_b.FAM_B_FAMILIES)

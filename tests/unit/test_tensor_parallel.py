@@ -12,13 +12,9 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.models.tensor_parallel import make_tensor_parallel
-from helpers.tiny_models import FAMILIES, make_tiny_model, torch_threads
+from helpers.tiny_models import FAMILIES, make_tiny_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def _block(family, tmp_path):
