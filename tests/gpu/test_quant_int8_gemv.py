@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.rmsnorm_prologue import check_rmsnorm_prologue
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -53,36 +55,15 @@ def test_row_mma_matches_reference(dtype, shape) -> None:
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 def test_row_mma_rmsnorm_prologue_matches_the_separate_kernel(dtype) -> None:
-    from corolla.engine.kernels import triton_kernels
     from corolla.engine.kernels.quant_splits import PROLOGUES
     from corolla.engine.quant.quant_int8_gemv import INT8_MMA_CONFIGS, int8_row_mma
 
-    n, k, eps, m = 203, 1152, 1e-5, 5
-    weight = _weight(n, k, seed=11, dtype=dtype)
-    gen = torch.Generator(device=DEV).manual_seed(12)
-    x = (torch.randn(m, k, device=DEV, generator=gen) * 3).to(dtype)
-    gain = (torch.rand(k, device=DEV, generator=gen) + 0.5).to(dtype)
-    res = torch.randn(m, n, device=DEV, generator=gen).to(dtype)
-    pre = triton_kernels.rms_norm(x, gain, eps)
-    xf = x.float()
-    ref_x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * gain  # as the reference layer
-    dense = weight.dequantize().float()  # [N, K]
-    expected = ref_x.float() @ dense.t() + res.float()  # [M, N]
-    scale = pre.float().abs() @ dense.abs().t()  # [M, N] sum_k |x_k w_k|
-    code = PROLOGUES["rmsnorm"]
-    for config in INT8_MMA_CONFIGS:
-        fused = int8_row_mma(x, weight, res, config, code, gain, eps)
-        unfused = int8_row_mma(pre, weight, res, config)
-        # an x value one rounding of its dtype away from the separate kernel's at most (1/rms summed in another
-        # order; on an H200 the bits were equal at Llama-3-8B's shapes, decision 0063)
-        bound = 2.0**-7 * (scale + unfused.float().abs()) + 1e-3
-        assert ((fused.float() - unfused.float()).abs() <= bound).all(), config
-        err = float((fused.float() - expected).norm() / expected.norm())
-        assert err < 1e-2, (config, err)
-        assert torch.equal(int8_row_mma(x, weight, res, config, code, gain, eps), fused), config
-        for r in (0, m - 1):
-            alone = int8_row_mma(x[r : r + 1].clone(), weight, res[r : r + 1].clone(), config, code, gain, eps)
-            assert torch.equal(alone[0], fused[r]), (config, r)
+    weight = _weight(203, 1152, seed=11, dtype=dtype)
+
+    def run(x, res, config, gain=None, eps=0.0):
+        return int8_row_mma(x, weight, res, config, PROLOGUES["rmsnorm"] if gain is not None else 0, gain, eps)
+
+    check_rmsnorm_prologue(run, weight.dequantize().float(), INT8_MMA_CONFIGS, dtype)
 
 
 def test_rows_are_batch_invariant_deterministic_and_replayed_by_graphs() -> None:

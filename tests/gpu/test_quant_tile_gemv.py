@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from helpers.nf4_weights import fp16_level_reference, random_code_weight
+from helpers.rmsnorm_prologue import check_rmsnorm_prologue
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,42 +96,17 @@ def test_graph_replays_are_bit_equal() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rmsnorm_prologue_matches_the_separate_kernel(dtype) -> None:
-    from corolla.engine.kernels import triton_kernels
     from corolla.engine.kernels.quant_splits import PROLOGUES
     from corolla.engine.quant.quant_tile_gemv import RMSNORM, nf4_tile_gemv
 
     assert RMSNORM == PROLOGUES["rmsnorm"]
-    n, k, eps, m = 203, 1152, 1e-5, 5  # 18 blocks: the last unit has 2
-    weight = random_code_weight(n, k, seed=11, dtype=dtype)
-    gen = torch.Generator(device=DEV).manual_seed(12)
-    x = (torch.randn(m, k, device=DEV, generator=gen) * 3).to(dtype)
-    gain = (torch.rand(k, device=DEV, generator=gen) + 0.5).to(dtype)
-    res = torch.randn(m, n, device=DEV, generator=gen).to(dtype)
-    pre = triton_kernels.rms_norm(x, gain, eps)
-    xf = x.float()
-    ref_x = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * gain  # as the reference layer
-    dense = weight.dequantize().float()  # [N, K]
-    expected = ref_x.float() @ dense.t() + res.float()  # [M, N]
-    scale = pre.float().abs() @ dense.abs().t()  # [M, N] sum_k |x_k w_k|
-    for config in CONFIGS:
-        fused = nf4_tile_gemv(x, weight, res, config, prologue=RMSNORM, norm_weight=gain, eps=eps)
-        unfused = nf4_tile_gemv(pre, weight, res, config)
-        # an x value one rounding of its dtype away from the separate kernel's at most (1/rms summed in another order)
-        bound = 2.0**-7 * (scale + unfused.float().abs()) + 1e-3
-        assert ((fused.float() - unfused.float()).abs() <= bound).all(), config
-        assert float((fused.float() - expected).norm() / expected.norm()) < 1e-2, config
-        assert torch.equal(nf4_tile_gemv(x, weight, res, config, prologue=RMSNORM, norm_weight=gain, eps=eps), fused)
-        for r in (0, m - 1):  # a row alone: its bits among the others
-            alone = nf4_tile_gemv(
-                x[r : r + 1].clone(),
-                weight,
-                res[r : r + 1].clone(),
-                config,
-                prologue=RMSNORM,
-                norm_weight=gain,
-                eps=eps,
-            )
-            assert torch.equal(alone[0], fused[r]), (config, r)
+    weight = random_code_weight(203, 1152, seed=11, dtype=dtype)  # 18 blocks: the last unit has 2
+
+    def run(x, res, config, gain=None, eps=0.0):
+        pro = RMSNORM if gain is not None else 0
+        return nf4_tile_gemv(x, weight, res, config, prologue=pro, norm_weight=gain, eps=eps)
+
+    check_rmsnorm_prologue(run, weight.dequantize().float(), CONFIGS, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -12,8 +12,9 @@ import pytest
 import corolla.engine.kernels.nvrtc_kernels as nvrtc_kernels
 import corolla.engine.quant as quant
 
-HELPERS = ("ld_stream", "ld_nc", "bf16x2_to_f16x2", "load_out_type", "to_out_type", "rounded", "silu_times", "unpack_pair", "pack_pair",
-           "sum_squares", "norm_pair", "grid_release", "grid_wait")  # fmt: skip
+HELPERS = ("ld_stream", "ld_stream_256", "ld_nc", "bf16x2_to_f16x2", "load_out_type", "to_out_type", "rounded",
+           "silu_times", "unpack_pair", "pack_pair", "sum_squares", "norm_pair", "grid_release", "grid_wait",
+           "x_operand", "stage_x")  # fmt: skip
 
 
 def _definitions(text: str, name: str) -> int:
@@ -38,7 +39,7 @@ def test_row_gemvs_release_first_and_wait_before_reading_x(module: str) -> None:
     # every launch is programmatic (nvrtc_kernels): the kernel ahead may still run until grid_wait() returns
     text = (Path(quant.__file__).parent / module).read_text()
     release, wait = text.index("grid_release();"), text.index("grid_wait();")
-    assert text.count("grid_wait();") == 1 and release < wait < text.index("ld_nc(xg")
+    assert text.count("grid_wait();") == 1 and release < wait < text.index("stage_x<THREADS>(")
     assert wait < text.index("out[m * som")
 
 

@@ -24,8 +24,9 @@ import torch
 
 # The CUDA helpers the quantized row GEMVs share (quant_int8_gemv, quant_tile_gemv), put before a kernel's own source:
 # the programmatic launch's release and wait (every NVRTC kernel calls both, see above), 16-byte loads of the weight
-# stream and of x, bf16 x into fp16 for the matrix units, RMSNorm's pairs (x's dtype: the kernel's -D X_BF16), the
-# output dtype's load and rounding (-D OUT_BF16: bf16, else fp16)
+# stream and of x, bf16 x into fp16 for the matrix units, RMSNorm's pairs (x's dtype: the kernel's -D X_BF16), x's
+# staging in shared memory with the RMSNorm prologue (-D PRO: 1 RMSNorm), the output dtype's load and rounding
+# (-D OUT_BF16: bf16, else fp16)
 CUDA_HELPERS = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -50,6 +51,16 @@ static __device__ __forceinline__ void grid_wait() {
 static __device__ __forceinline__ __attribute__((unused)) U4 ld_stream(const U4* p) {
   U4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// ld_stream, the L2 fetching the 256 bytes around the 16 from DRAM: the INT8 row GEMV, whose other warps read the
+// rest of those bytes next (2-4% faster on every Llama-3-8B projection of an H200; the NF4 tile GEMV no faster with
+// it: docs/decisions/0069)
+static __device__ __forceinline__ __attribute__((unused)) U4 ld_stream_256(const U4* p) {
+  U4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
@@ -116,6 +127,63 @@ static __device__ __forceinline__ __attribute__((unused)) u32 norm_pair(u32 v, u
   const float2 f = unpack_pair(v), gw = unpack_pair(w);
   const float2 a = unpack_pair(pack_pair(__fmul_rn(f.x, rstd), __fmul_rn(f.y, rstd)));
   return pack_pair(__fmul_rn(a.x, gw.x), __fmul_rn(a.y, gw.y));
+}
+
+// a pair of x's dtype -> the matrix units' fp16 operand pair (bf16: times 2^-8, one rounding; fp16: as it is)
+static __device__ __forceinline__ __attribute__((unused)) u32 x_operand(u32 v) {
+#if X_BF16
+  return bf16x2_to_f16x2(v);
+#else
+  return v;
+#endif
+}
+
+// x's row `xg` (K values: K / 8 16-byte words) staged into shared memory `xs` as the matrix units' fp16 operand
+// pairs, zeros from word K / 8 to `words` (whole units). PRO 1, RMSNorm with the gain `gain` first, rounded as
+// triton_kernels.rms_norm rounds it: x and the gain (into `gs`, K / 8 words) staged as they are while x's squares are
+// summed (each thread its words in order, the warp's lanes by a fixed butterfly, the warps in order through `red`
+// [NT / 32]: every program forms the same 1/rms), then x normalized in place (each thread the words it stored)
+// and converted as a plain x. Called by all NT threads of the program; the caller's barrier comes before xs is read.
+template <int NT>
+static __device__ __forceinline__ __attribute__((unused)) void stage_x(U4* xs, const U4* xg, int K, int words,
+                                                                       const U4* gain, U4* gs, float* red,
+                                                                       float eps) {
+  const int tid = threadIdx.x;
+#if PRO == 1
+  float ss = 0.f;
+  for (int i = tid; i < words; i += NT) {
+    U4 v = {0u, 0u, 0u, 0u};
+    if (i < (K >> 3)) {
+      v = ld_nc(xg + i);
+      gs[i] = ld_nc(gain + i);
+      ss = sum_squares(ss, v.x); ss = sum_squares(ss, v.y); ss = sum_squares(ss, v.z); ss = sum_squares(ss, v.w);
+    }
+    xs[i] = v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((tid & 31) == 0) red[tid >> 5] = ss;
+  __syncthreads();
+  ss = red[0];
+  for (int w = 1; w < NT / 32; ++w) ss += red[w];
+  const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), eps)));
+  for (int i = tid; i < (K >> 3); i += NT) {  // (the words this thread stored)
+    U4 v = xs[i];
+    const U4 w = gs[i];
+    v.x = x_operand(norm_pair(v.x, w.x, rstd)); v.y = x_operand(norm_pair(v.y, w.y, rstd));
+    v.z = x_operand(norm_pair(v.z, w.z, rstd)); v.w = x_operand(norm_pair(v.w, w.w, rstd));
+    xs[i] = v;
+  }
+#else
+  for (int i = tid; i < words; i += NT) {
+    U4 v = {0u, 0u, 0u, 0u};
+    if (i < (K >> 3)) {
+      v = ld_nc(xg + i);
+      v.x = x_operand(v.x); v.y = x_operand(v.y); v.z = x_operand(v.z); v.w = x_operand(v.w);
+    }
+    xs[i] = v;
+  }
+#endif
 }
 
 // fp32 -> the output's dtype, rounded to nearest even

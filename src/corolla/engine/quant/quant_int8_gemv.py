@@ -20,17 +20,20 @@ both. A code pair becomes an exact fp16 pair by one XOR per word (codes + 128 as
 that puts each byte under the exponent of 1024 (1024 + 128 + code) and one fp16x2 subtraction of 1152.
 
 Work. K's chunks go to the program's W warps in turn (chunk c to warp c mod W); each warp keeps the next P chunks'
-codes in flight (registers; the first P issued before anything else). x is staged once per program in shared
-memory as fp16 (bf16 x times X_SCALE = 2^-8, against overflow; the sums times 2^8, exact). The warps' column-0 sums
-are added in warp order through shared memory, then the row's scale (row absmax / 127, fp32) and the residual are
-applied and the value is rounded once to the output dtype.
+codes in flight (registers; the first P issued before anything else), each load asking the L2 for the 256 bytes
+around it (`ld_stream_256`: the other warps' next chunks of the same rows; 2-4% faster per projection on an H200,
+docs/decisions/0069). x is staged once per program in shared memory as fp16 (bf16 x times X_SCALE = 2^-8, against
+overflow; the sums times 2^8, exact). The warps' column-0 sums are added in warp order through shared memory, then
+the row's scale (row absmax / 127, fp32) and the residual are applied and the value is rounded once to the output
+dtype.
 
 The RMSNorm prologue (quant_splits.PROLOGUES["rmsnorm"]): the norm before w_qkv and w_gate_up runs in the x
 staging, so that the step launches no norm kernel: x's squares are summed while x and the gain are staged raw (each
-thread in order, the warp by a fixed butterfly, the warps in order: every program forms the same 1/rms), then x is
-normalized in place, rounded as triton_kernels.rms_norm rounds it (the same bits on an H200), and converted as a
-plain x is. A SiLU-gating prologue (silu(gate) x up staged from [gate | up] before w_down) lost to silu_mul + this
-kernel and is deleted (docs/decisions/0063).
+thread in order, the warp by a fixed butterfly, the warps in order: every program forms the same 1/rms; the staging
+is nvrtc_kernels' stage_x, the NF4 tile GEMV's too), then x is normalized in place, rounded as
+triton_kernels.rms_norm rounds it (the same bits on an H200), and converted as a plain x is. A SiLU-gating prologue
+(silu(gate) x up staged from [gate | up] before w_down) lost to silu_mul + this kernel and is deleted
+(docs/decisions/0063).
 
 The gated form (`gated`, w_gate_up = [gate | up]): a program's first RT / 2 row tiles are gate rows and the other
 RT / 2 the same rows of the up half, so it holds both sums of each of its rows and writes silu(gate) * up [I] itself,
@@ -92,15 +95,6 @@ static __device__ __forceinline__ u32 codes_f16x2(u32 b, u32 sel) {
   return d;
 }
 
-// a pair of x's dtype -> the mma's fp16 B operand pair (bf16: times 2^-8, one rounding; fp16: as it is)
-static __device__ __forceinline__ u32 x_operand(u32 v) {
-#if X_BF16
-  return bf16x2_to_f16x2(v);
-#else
-  return v;
-#endif
-}
-
 // the weight row of row r (0..15) of the program's tile rt: GATED, tiles [0, RT / 2) are rows of the gate half and
 // [RT / 2, RT) the same rows of the up half (N: the half's rows); rows past N read row N - 1 of their half
 static __device__ __forceinline__ int weight_row(int n0, int rt, int r, int N) {
@@ -157,51 +151,16 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
     if (warp + f * W < chunks) {
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
-        buf[f][rt][0] = ld_stream(pw[rt][0] + f * 4 * W);
-        buf[f][rt][1] = ld_stream(pw[rt][1] + f * 4 * W);
+        buf[f][rt][0] = ld_stream_256(pw[rt][0] + f * 4 * W);
+        buf[f][rt][1] = ld_stream_256(pw[rt][1] + f * 4 * W);
       }
     }
   }
   grid_wait();  // x (and the residual) come from the kernels ahead
-  {
-    // x staged as the B operand's fp16 pairs (PRO 1: RMSNorm's result, rounded as its kernel rounds it, then
-    // converted as a plain x is)
-    const U4* xg = reinterpret_cast<const U4*>(x + m * sxm);
-#if PRO == 1
-    // RMSNorm: x kept as it is (and the gain beside it, both loads in flight at once) while x's squares are summed
-    // (each thread its words in order, then the warp's lanes by a fixed butterfly, then the warps in order: every
-    // program gets the same 1/rms), then normalized in place
-    const U4* gain = reinterpret_cast<const U4*>(nw);
-    U4* gs = reinterpret_cast<U4*>(smem + 2 * (size_t)K + W * RT * 16 * 4);  // [K / 8] the gain
-    float ss = 0.f;
-    for (int i = tid; i < (K >> 3); i += THREADS) {
-      const U4 v = ld_nc(xg + i), w = ld_nc(gain + i);
-      ss = sum_squares(ss, v.x); ss = sum_squares(ss, v.y); ss = sum_squares(ss, v.z); ss = sum_squares(ss, v.w);
-      xs[i] = v;
-      gs[i] = w;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) red[warp] = ss;
-    __syncthreads();
-    ss = red[0];
-    for (int w = 1; w < W; ++w) ss += red[w];
-    const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), eps)));
-    for (int i = tid; i < (K >> 3); i += THREADS) {  // (the words this thread stored)
-      U4 v = xs[i];
-      const U4 w = gs[i];
-      v.x = x_operand(norm_pair(v.x, w.x, rstd)); v.y = x_operand(norm_pair(v.y, w.y, rstd));
-      v.z = x_operand(norm_pair(v.z, w.z, rstd)); v.w = x_operand(norm_pair(v.w, w.w, rstd));
-      xs[i] = v;
-    }
-#else
-    for (int i = tid; i < (K >> 3); i += THREADS) {
-      U4 v = ld_nc(xg + i);
-      v.x = x_operand(v.x); v.y = x_operand(v.y); v.z = x_operand(v.z); v.w = x_operand(v.w);
-      xs[i] = v;
-    }
-#endif
-  }
+  // x staged as the B operand's fp16 pairs (PRO 1: RMSNorm's result first; nvrtc_kernels' stage_x), the gain after
+  // the warps' row sums
+  stage_x<THREADS>(xs, reinterpret_cast<const U4*>(x + m * sxm), K, K >> 3, reinterpret_cast<const U4*>(nw),
+                   reinterpret_cast<U4*>(smem + 2 * (size_t)K + W * RT * 16 * 4), red, eps);
   __syncthreads();
 
   float acc[RT][4];
@@ -229,8 +188,8 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
         if (c + P * W < chunks) {  // the slot takes the chunk P steps ahead
 #pragma unroll
           for (int rt = 0; rt < RT; ++rt) {
-            buf[f][rt][0] = ld_stream(pw[rt][0] + (f + P) * 4 * W);
-            buf[f][rt][1] = ld_stream(pw[rt][1] + (f + P) * 4 * W);
+            buf[f][rt][0] = ld_stream_256(pw[rt][0] + (f + P) * 4 * W);
+            buf[f][rt][1] = ld_stream_256(pw[rt][1] + (f + P) * 4 * W);
           }
         }
       }

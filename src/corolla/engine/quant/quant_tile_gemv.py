@@ -33,9 +33,9 @@ on the shape, config and device only, and a row never depends on another row.
 
 The RMSNorm prologue (PROLOGUE_CODES; before w_qkv and w_gate_up where the tuner chose it): each program stages x and
 the gain as they are, sums x's squares (each thread its words in order, the warp by a fixed butterfly, the warps in
-order: every program forms the same 1/rms, as int8_row_mma does), normalizes x in place as triton_kernels.rms_norm
-rounds it, then converts it as a plain x: the step launches no norm kernel (bit-equal to the norm kernel + this GEMV
-at Llama-3-8B's shapes on an H200, docs/decisions/0043).
+order: every program forms the same 1/rms), normalizes x in place as triton_kernels.rms_norm rounds it, then converts
+it as a plain x (nvrtc_kernels' stage_x, int8_row_mma's staging too): the step launches no norm kernel (bit-equal
+to the norm kernel + this GEMV at Llama-3-8B's shapes on an H200, docs/decisions/0043).
 
 The gated form (`gated`, W = [gate | up], N a multiple of 32): the programs split the gate half's row tiles and
 each takes the same tiles of the up half after its own, so a program holds both sums of each of its rows and writes
@@ -191,15 +191,6 @@ static __device__ __forceinline__ void lds128_if(U4& v, u32 addr, u32 on) {
                : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "r"(on), "r"(addr));
 }
 
-// a pair of x's dtype -> the mma's fp16 operand pair (bf16: times 2^-8, one rounding; fp16: as it is)
-static __device__ __forceinline__ u32 x_operand(u32 v) {
-#if X_BF16
-  return bf16x2_to_f16x2(v);
-#else
-  return v;
-#endif
-}
-
 // byte j of a packed word -> the table word's address: MODE 1, the table at a 64 KiB boundary of the shared window,
 // so one byte permute puts the byte into the lane's base address (base | byte << 8 | lane << 2); else the permute
 // makes the offset and an add the address
@@ -351,53 +342,10 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
     }
   }
   grid_wait();  // x (and the residual) come from the kernels ahead; the weight and its tables above are immutable
-  {
-    // x as the mma's fp16 operand (PRO 1: RMSNorm's result first)
-    const U4* xg = reinterpret_cast<const U4*>(x + m * sxm);
-    U4* xs = reinterpret_cast<U4*>(smem + XS_OFF);
-#if PRO == 1
-    // RMSNorm: x kept as it is (and the gain beside it) while x's squares are summed (each thread its words in
-    // order, then the warp's lanes by a fixed butterfly, then the warps in order: every program gets the same 1/rms,
-    // as int8_row_mma gets it), then normalized in place (each thread the words it stored) and converted
-    const U4* gain = reinterpret_cast<const U4*>(nw);
-    U4* gs = reinterpret_cast<U4*>(smem + XS_OFF + KG * 512);  // [K / 8] the gain
-    float ss = 0.f;
-    for (int i = tid; i < KG * 32; i += THREADS) {
-      U4 v = {0u, 0u, 0u, 0u};
-      if (i < (K >> 3)) {
-        v = ld_nc(xg + i);
-        gs[i] = ld_nc(gain + i);
-        ss = sum_squares(ss, v.x); ss = sum_squares(ss, v.y); ss = sum_squares(ss, v.z); ss = sum_squares(ss, v.w);
-      }
-      xs[i] = v;
-    }
-#else
-    for (int i = tid; i < KG * 32; i += THREADS) {
-      U4 v = {0u, 0u, 0u, 0u};
-      if (i < (K >> 3)) {
-        v = ld_nc(xg + i);
-        v.x = x_operand(v.x); v.y = x_operand(v.y); v.z = x_operand(v.z); v.w = x_operand(v.w);
-      }
-      xs[i] = v;
-    }
-#endif
-#if PRO == 1
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) red[warp] = ss;  // (the warps' row sums are written after the barrier below the staging)
-    __syncthreads();
-    ss = red[0];
-    for (int w = 1; w < WARPS; ++w) ss += red[w];
-    const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)K), eps)));
-    for (int i = tid; i < (K >> 3); i += THREADS) {  // (the words this thread stored)
-      U4 v = xs[i];
-      const U4 w = gs[i];
-      v.x = x_operand(norm_pair(v.x, w.x, rstd)); v.y = x_operand(norm_pair(v.y, w.y, rstd));
-      v.z = x_operand(norm_pair(v.z, w.z, rstd)); v.w = x_operand(norm_pair(v.w, w.w, rstd));
-      xs[i] = v;
-    }
-#endif
-  }
+  // x as the mma's fp16 operand, whole units (PRO 1: RMSNorm's result first, the gain after x; nvrtc_kernels'
+  // stage_x); the warps' row sums are written after the barrier below
+  stage_x<THREADS>(reinterpret_cast<U4*>(smem + XS_OFF), reinterpret_cast<const U4*>(x + m * sxm), K, KG * 32,
+                   reinterpret_cast<const U4*>(nw), reinterpret_cast<U4*>(smem + XS_OFF + KG * 512), red, eps);
   __syncthreads();
 
   const float* ncs = reinterpret_cast<const float*>(smem);
