@@ -582,18 +582,11 @@ def fused_model(
     model_type = getattr(getattr(blocks[0], "config", None), "model_type", None)
     if model_type == "deepseek_v3":
         return FastMlaSpan.from_blocks(blocks, max_positions=max_positions, use_triton=config.use_triton), None
-    if model_type in DENSE_MODEL_TYPES:
-        dense = FastDenseSpan.from_blocks(
-            blocks,
-            max_positions=max_positions,
-            use_triton=config.use_triton,
-            attention_splits_max=config.attention_splits_max,
-        )
-        return dense, None
-    llama = FastLlamaSpan.from_blocks(
+    span_type = FastDenseSpan if model_type in DENSE_MODEL_TYPES else FastLlamaSpan
+    span = span_type.from_blocks(
         blocks,
         max_positions=max_positions,
         use_triton=config.use_triton,
         attention_splits_max=config.attention_splits_max,
     )
-    return llama, llama.adapters
+    return span, span.adapters if isinstance(span, FastLlamaSpan) else None

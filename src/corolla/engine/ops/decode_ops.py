@@ -392,14 +392,6 @@ class DecodeOps:
             return paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, alibi)
 
-    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-        # x [N, H] -> [N, H]; one torch kernel (statistics in fp32) on every device
-        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-
-    def gelu(self, x: torch.Tensor, approximate: str) -> torch.Tensor:
-        # x [N, I] -> [N, I]; approximate "none" (erf) or "tanh"
-        return F.gelu(x, approximate=approximate)
-
     def silu_mul(self, gate_up: torch.Tensor, f16_scale: float | None = None) -> torch.Tensor:
         """gate_up [N, 2I] -> [N, I]; with `f16_scale` (Triton only): times it, in fp16 (`triton_kernels.silu_mul`)."""
         if self.use_triton:

@@ -230,7 +230,7 @@ class FastDenseSpan(ChunkedPrefill):
         # x [N, H] normed -> gelu(up(x)) [N, I]; bias and tanh GELU in the GEMM epilogue where tune() chose it
         if self.dense.gelu_epilogue and isinstance(w.w_up, torch.Tensor) and w.b_up is not None:
             return self.dense.up_gelu(x, w.w_up, w.b_up)
-        return self.ops.gelu(self.ops.linear(x, w.w_up, w.b_up), self.spec.gelu_approximate)
+        return F.gelu(self.ops.linear(x, w.w_up, w.b_up), approximate=self.spec.gelu_approximate)  # [N, I]
 
     def _tail(
         self, w: DenseLayerWeights, h: torch.Tensor, x: torch.Tensor, attn: torch.Tensor, nxt: DenseLayerWeights | None

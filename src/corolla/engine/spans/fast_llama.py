@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,7 +56,6 @@ class LlamaSpec:
     mlp_bias: bool = False
     sliding_window_tokens: int | None = None
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of queries and keys before the rotary embedding
-    extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def q_size(self) -> int:

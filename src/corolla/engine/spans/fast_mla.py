@@ -23,6 +23,7 @@ from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, time_expert_configs
 from corolla.engine.ops.decode_ops import DecodeOps
+from corolla.engine.quant.quant_weights import linear_bias
 from corolla.engine.spans.span_model import ChunkedPrefill, add_prompt, row_slots, table_slots, tensors_nbytes
 from corolla.models.deepseek_v3.block import DeepseekV3Block
 from corolla.models.deepseek_v3.mla import LATENT_NORM_EPS, LatentAttention, mla_softmax_scale
@@ -453,11 +454,6 @@ def _plain_weight(module: torch.nn.Module | None, name: str, *, allow_bias: bool
     return module.weight.data
 
 
-def _bias(module: torch.nn.Module | None) -> torch.Tensor | None:
-    bias = getattr(module, "bias", None)
-    return None if bias is None else bias.data
-
-
 def _attention(block: torch.nn.Module) -> LatentAttention:
     attn = block.get_submodule("attn")
     if not isinstance(attn, LatentAttention):
@@ -478,7 +474,7 @@ def _layer_weights(block: DeepseekV3Block) -> MlaLayerWeights:
     q_a_bias: torch.Tensor | None
     q_a_norm: torch.Tensor | None
     if attn.q_a_proj is not None:
-        q_a, q_a_bias = _plain_weight(attn.q_a_proj, "q_a_proj", allow_bias=True), _bias(attn.q_a_proj)
+        q_a, q_a_bias = _plain_weight(attn.q_a_proj, "q_a_proj", allow_bias=True), linear_bias(attn.q_a_proj)
         q_a_norm, q_b = _norm(attn.q_a_layernorm), _plain_weight(attn.q_b_proj, "q_b_proj")
     else:
         q_a = q_a_bias = q_a_norm = None
@@ -489,11 +485,11 @@ def _layer_weights(block: DeepseekV3Block) -> MlaLayerWeights:
         q_a_norm=q_a_norm,
         q_b=q_b,
         kv_a=_plain_weight(attn.kv_a_proj_with_mqa, "kv_a_proj_with_mqa", allow_bias=True),
-        kv_a_bias=_bias(attn.kv_a_proj_with_mqa),
+        kv_a_bias=linear_bias(attn.kv_a_proj_with_mqa),
         kv_a_norm=_norm(attn.kv_a_layernorm),
         kv_b=_plain_weight(attn.kv_b_proj, "kv_b_proj"),
         o=_plain_weight(attn.o_proj, "o_proj", allow_bias=True),
-        o_bias=_bias(attn.o_proj),
+        o_bias=linear_bias(attn.o_proj),
     )
     mlp_module = block.mlp
     mlp: DenseMlpWeights | MoeWeights
