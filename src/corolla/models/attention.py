@@ -70,34 +70,15 @@ class Attention(BlockAttention):
 
     def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
         B, T, _ = x.shape
-        h, kv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(x)  # [B, T, (h + 2 kv) hd]
-        q, k, v = qkv.split([h * hd, kv * hd, kv * hd], dim=-1)
-        q = q.view(B, T, h, hd).transpose(1, 2)  # [B, h, T, hd]
-        k = k.view(B, T, kv, hd).transpose(1, 2)  # [B, kv, T, hd]
-        v = v.view(B, T, kv, hd).transpose(1, 2)  # [B, kv, T, hd]
+        q, k, v = split_heads(self.qkv(x), self.num_heads, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, over hd
         if self.rotary is not None:
             q, k = self.rotary.apply(q, k, position)
-
-        if cache is not None:
-            k_cache, v_cache = cache  # [B, kv, L_max, hd] each
-            if k_cache.shape[0] != B or k_cache.shape[1] != kv or k_cache.shape[3] != hd:
-                raise ValueError(f"cache shape {tuple(k_cache.shape)} does not fit batch {B}, {kv} kv heads, {hd} dims")
-            if position + T > k_cache.shape[2]:
-                raise ValueError(f"position {position} + {T} tokens exceeds the cache length {k_cache.shape[2]}")
-            k_cache[:, :, position : position + T] = k.to(k_cache.dtype)
-            v_cache[:, :, position : position + T] = v.to(v_cache.dtype)
-            k_all = k_cache[:, :, : position + T].to(q.dtype)  # [B, kv, P+T, hd]
-            v_all = v_cache[:, :, : position + T].to(q.dtype)
-            key_start = 0
-        else:
-            k_all, v_all = k, v
-            key_start = position
+        key_start = position if cache is None else 0
+        k_all, v_all = (k, v) if cache is None else full_cache_step(cache, k, v, position)  # [B, kv, P+T, hd]
         out = self._attend(q, k_all, v_all, query_start=position, key_start=key_start)  # [B, h, T, hd]
-        out = out.transpose(1, 2).reshape(B, T, h * hd)  # [B, T, h hd]
-        return self.o_proj(out)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, query_start: int, key_start: int):
         """q [B,h,T,hd], k/v [B,kv,S,hd]; query i sits at absolute position query_start+i, key j at key_start+j."""
@@ -121,6 +102,39 @@ class Attention(BlockAttention):
             bias = (slopes[:, None] * k_pos[None, :].float() * self.alibi_scale).to(q.dtype)  # [h, S]
         mask = bias[:, None, :].masked_fill(~allowed[None], float("-inf"))  # [h, T, S]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None], scale=self.scale, enable_gqa=gqa)
+
+
+def split_heads(
+    qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused projection's output [B, T, (h + 2 kv) hd] -> q [B, h, T, hd], k and v [B, kv, T, hd] (views)."""
+    B, T, _ = qkv.shape
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(B, T, n, head_dim).transpose(1, 2) for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
+    return q, k, v
+
+
+def check_cache(tensors: list[torch.Tensor], k: torch.Tensor, expected: int) -> None:
+    """ValueError unless a layer's cache is `expected` tensors whose first (K [B, kv, L, hd]) fits k [B, kv, T, hd]."""
+    if len(tensors) != expected:
+        raise ValueError(f"expected {expected} cache tensors for this layer, got {len(tensors)}")
+    (B, kv, _, hd), shape = k.shape, tuple(tensors[0].shape)
+    if shape[0] != B or shape[1] != kv or shape[3] != hd:
+        raise ValueError(f"cache shape {shape} does not fit batch {B}, {kv} kv heads, {hd} dims")
+
+
+def full_cache_step(
+    cache: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, position: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes this step's k, v [B, kv, T, hd] at [position, position + T) of a full cache (K, V [B, kv, L, hd]) and
+    returns the keys and values of positions [0, position + T) in their dtype."""
+    check_cache(cache, k, 2)
+    (k_cache, v_cache), T = cache, k.shape[2]
+    if position + T > k_cache.shape[2]:
+        raise ValueError(f"position {position} + {T} tokens exceeds the cache length {k_cache.shape[2]}")
+    k_cache[:, :, position : position + T] = k.to(k_cache.dtype)
+    v_cache[:, :, position : position + T] = v.to(v_cache.dtype)
+    return k_cache[:, :, : position + T].to(k.dtype), v_cache[:, :, : position + T].to(v.dtype)
 
 
 def interleaved_qkv_rows(num_heads: int, head_dim: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from corolla.models.attention import check_cache, full_cache_step, split_heads
 from corolla.models.block_base import BlockAttention, TensorDescriptor
 from corolla.models.positions import RotaryEmbedding
 
@@ -99,49 +100,25 @@ class WindowedAttention(BlockAttention):
 
     def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
         B, T, _ = x.shape
-        h, kv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([h * hd, kv * hd, kv * hd], dim=-1)  # [B, T, * hd]
-        q = q.view(B, T, h, hd).transpose(1, 2)  # [B, h, T, hd]
-        k = k.view(B, T, kv, hd).transpose(1, 2)  # [B, kv, T, hd]
-        v = v.view(B, T, kv, hd).transpose(1, 2)  # [B, kv, T, hd]
+        q, k, v = split_heads(self.qkv(x), self.num_heads, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.apply(q, k, position)
         if cache is None:
             k_all, v_all, key_start = k, v, position
         elif self.sliding_window is None:
-            k_all, v_all = self._full_cache_step(cache, k, v, position)  # [B, kv, P+T, hd]
+            k_all, v_all = full_cache_step(cache, k, v, position)  # [B, kv, P+T, hd]
             key_start = 0
         else:
             k_all, v_all, key_start = self._ring_cache_step(cache, k, v, position)
         out = self._attend(q, k_all, v_all, query_start=position, key_start=key_start)  # [B, h, T, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, h * hd))
-
-    def _check_cache(self, tensors: list[torch.Tensor], B: int, expected: int) -> None:
-        if len(tensors) != expected:
-            raise ValueError(f"expected {expected} cache tensors for this layer, got {len(tensors)}")
-        k_cache = tensors[0]
-        if k_cache.shape[0] != B or k_cache.shape[1] != self.num_kv_heads or k_cache.shape[3] != self.head_dim:
-            raise ValueError(
-                f"cache shape {tuple(k_cache.shape)} does not fit batch {B}, {self.num_kv_heads} kv heads, "
-                f"{self.head_dim} dims"
-            )
-
-    def _full_cache_step(self, cache: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, position: int):
-        B, _, T, _ = k.shape
-        self._check_cache(cache, B, 2)
-        k_cache, v_cache = cache  # [B, kv, L_max, hd]
-        if position + T > k_cache.shape[2]:
-            raise ValueError(f"position {position} + {T} tokens exceeds the cache length {k_cache.shape[2]}")
-        k_cache[:, :, position : position + T] = k.to(k_cache.dtype)
-        v_cache[:, :, position : position + T] = v.to(v_cache.dtype)
-        return k_cache[:, :, : position + T].to(k.dtype), v_cache[:, :, : position + T].to(v.dtype)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))  # [B, T, H]
 
     def _ring_cache_step(self, cache: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, position: int):
         """Reads the held keys this step needs, then writes the new ones into the ring. Returns K/V
         `[B, kv, n, hd]` for positions [key_start, position + T) and key_start."""
-        B, _, T, _ = k.shape
-        self._check_cache(cache, B, 3)
+        T = k.shape[2]
+        check_cache(cache, k, 3)
         k_ring, v_ring, state = cache  # [B, kv, C, hd] x2, [B, 2] int64
         window, capacity = int(self.sliding_window or 0), k_ring.shape[2]
         held_from, held_end = (int(value) for value in state[0].tolist())
