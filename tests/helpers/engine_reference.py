@@ -12,6 +12,14 @@ from corolla.engine.span_engine import StepRequest
 
 
 @torch.no_grad()
+def blocks_forward(blocks: Sequence[torch.nn.Module], hidden: torch.Tensor) -> torch.Tensor:
+    """`hidden` [B, T, H] through `blocks` in turn, without a cache."""
+    for block in blocks:
+        hidden = block(hidden)
+    return hidden
+
+
+@torch.no_grad()
 def cached_block_steps(
     blocks: Sequence[torch.nn.Module], max_length_tokens: int, steps: list[tuple[torch.Tensor, int]]
 ) -> list[torch.Tensor]:

@@ -19,12 +19,12 @@ import torch
 from hivemind.compression.serialization import deserialize_torch_tensor
 
 from corolla.client.transport.local_transport import LocalInferenceStream
-from corolla.models.loading import load_pretrained_block
 from corolla.protocol import local_stream as ls
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.forwarding import NEXT_STEP_KEY
 from corolla.server.core.limits import PeerLimits
 from corolla.server.front.front_service import loop_selector
+from helpers.engine_reference import blocks_forward
 from helpers.swarm import (
     ClientThread,
     InferenceStream,
@@ -64,19 +64,6 @@ def clients(server):
         yield clients
 
 
-@pytest.fixture(scope="module")
-def blocks(model_path, server):
-    config = server.model_config
-    return [load_pretrained_block(model_path, i, config=config, torch_dtype=torch.float32).eval() for i in range(4)]
-
-
-def local_forward(blocks, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        for block in blocks[start:end]:
-            hidden = block(hidden)
-    return hidden
-
-
 def _opened_per_process(server) -> list[int]:
     return [channel.num_sessions_opened for channel in server.service.pool.channels]
 
@@ -102,7 +89,7 @@ def test_sessions_spread_over_processes_with_identical_outputs(server, clients, 
     assert sum(opened) == 6 and min(opened) >= 1, f"sessions per handler process: {opened}"
     for first, second in outputs[1:]:  # the same bytes whichever process served the stream
         assert torch.equal(first, outputs[0][0]) and torch.equal(second, outputs[0][1])
-    whole = local_forward(blocks, 0, 4, torch.cat([prefill, token], dim=1))
+    whole = blocks_forward(blocks[0:4], torch.cat([prefill, token], dim=1))
     torch.testing.assert_close(outputs[0][0], whole[:, :3], atol=1e-4, rtol=0)
     torch.testing.assert_close(outputs[0][1], whole[:, 3:], atol=1e-4, rtol=0)
     executor = server.service.executor
@@ -162,7 +149,7 @@ def test_forward_is_served_by_a_handler_process(server, clients, blocks):
     for client in clients:
         response = client.run(go)
         torch.testing.assert_close(
-            deserialize_torch_tensor(response.tensors[0]), local_forward(blocks, 1, 3, hidden), atol=1e-4, rtol=0
+            deserialize_torch_tensor(response.tensors[0]), blocks_forward(blocks[1:3], hidden), atol=1e-4, rtol=0
         )
 
 
@@ -207,7 +194,7 @@ def test_push_crosses_to_the_process_holding_the_session(server, clients, blocks
         pushed = client.run(next_response)
         whole = torch.cat([prefill, hidden], dim=1)
         torch.testing.assert_close(
-            deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 0, 4, whole)[:, 3:], atol=1e-3, rtol=0
+            deserialize_torch_tensor(pushed.tensors[0]), blocks_forward(blocks[0:4], whole)[:, 3:], atol=1e-3, rtol=0
         )
         upstream.close()
         downstream.close()
@@ -247,7 +234,7 @@ def test_same_host_sockets_are_served_by_the_handler_processes(server, blocks):
     assert {name for name, _, _ in results} == set(names), "12 sessions all chose one socket"
     opened = [after - b for after, b in zip(_opened_per_process(server), before, strict=True)]
     assert opened == [6, 6], f"sessions per handler process: {opened}"  # one process's sessions: in turn
-    whole = local_forward(blocks, 0, 4, torch.cat([prefill, token], dim=1))
+    whole = blocks_forward(blocks[0:4], torch.cat([prefill, token], dim=1))
     for _, first, second in results:
         torch.testing.assert_close(first, whole[:, :3], atol=1e-4, rtol=0)
         torch.testing.assert_close(second, whole[:, 3:], atol=1e-4, rtol=0)
@@ -295,7 +282,7 @@ def test_direct_streams_spread_over_the_processes_on_one_port(server, clients, b
     results = asyncio.run(sessions(16))
     opened = [after - b for after, b in zip(_opened_per_process(server), before, strict=True)]
     assert sorted(opened) == [8, 8], f"direct sessions per handler process: {opened}"
-    whole = local_forward(blocks, 0, 4, torch.cat([prefill, token], dim=1))
+    whole = blocks_forward(blocks[0:4], torch.cat([prefill, token], dim=1))
     for first, second in results:
         torch.testing.assert_close(first, whole[:, :3], atol=1e-4, rtol=0)
         torch.testing.assert_close(second, whole[:, 3:], atol=1e-4, rtol=0)
@@ -377,7 +364,7 @@ def test_direct_port_serves_without_placement_where_no_private_directory_can_be_
             return first, second
 
         first, second = asyncio.run(session())
-        whole = local_forward(blocks, 0, 4, torch.cat([prefill, token], dim=1))
+        whole = blocks_forward(blocks[0:4], torch.cat([prefill, token], dim=1))
         torch.testing.assert_close(first, whole[:, :3], atol=1e-4, rtol=0)
         torch.testing.assert_close(second, whole[:, 3:], atol=1e-4, rtol=0)
     finally:

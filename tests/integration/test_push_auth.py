@@ -12,9 +12,9 @@ import pytest
 import torch
 from hivemind.compression.serialization import deserialize_torch_tensor
 
-from corolla.models.loading import load_pretrained_block
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.forwarding import NEXT_STEP_KEY
+from helpers.engine_reference import blocks_forward
 from helpers.swarm import (
     ClientThread,
     InferenceStream,
@@ -51,21 +51,6 @@ def peers(server):
         yield made
 
 
-@pytest.fixture(scope="module")
-def blocks(model_path, server):
-    config = server.model_config
-    return [
-        load_pretrained_block(model_path, i, config=config, torch_dtype=torch.float32).eval() for i in range(NUM_BLOCKS)
-    ]
-
-
-def local_forward(blocks, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        for block in blocks[start:end]:
-            hidden = block(hidden)
-    return hidden
-
-
 def push_from(pusher: ClientThread, server, request) -> None:
     pusher.run(lambda _stub: pusher.stub_for(server.peer_id).rpc_push(request, timeout=10))
 
@@ -100,7 +85,7 @@ def test_third_peer_cannot_push_into_a_session(server, peers, blocks):
     honest = torch.randn(1, 2, HIDDEN)
     response = stream.step(packed_request(chain(server, 2, 4), honest, session_id=session_id, step_id="s1"))
     torch.testing.assert_close(
-        deserialize_torch_tensor(response.tensors[0]), local_forward(blocks, 2, 4, honest), atol=1e-3, rtol=0
+        deserialize_torch_tensor(response.tensors[0]), blocks_forward(blocks[2:4], honest), atol=1e-3, rtol=0
     )
     stream.close()
 
@@ -123,7 +108,7 @@ def test_declared_upstream_can_push_and_can_be_redeclared(server, peers, blocks)
         packed_request(chain(server, 2, 4), first, session_id=session_id, step_id="p1", start_from_position=2),
     )
     pushed = next_response(stream, 10)
-    expected = local_forward(blocks, 2, 4, torch.cat([prefill, first], dim=1))[:, 2:]
+    expected = blocks_forward(blocks[2:4], torch.cat([prefill, first], dim=1))[:, 2:]
     torch.testing.assert_close(deserialize_torch_tensor(pushed.tensors[0]), expected, atol=1e-3, rtol=0)
 
     # the client moves its upstream to the "attacker" peer (now its honest new upstream); the old one is refused
@@ -140,7 +125,7 @@ def test_declared_upstream_can_push_and_can_be_redeclared(server, peers, blocks)
         )
         push_from(pusher, server, request)
     pushed = next_response(stream, 10)
-    expected = local_forward(blocks, 2, 4, torch.cat([prefill, first, second], dim=1))[:, 3:]
+    expected = blocks_forward(blocks[2:4], torch.cat([prefill, first, second], dim=1))[:, 3:]
     torch.testing.assert_close(deserialize_torch_tensor(pushed.tensors[0]), expected, atol=1e-3, rtol=0)
     stream.close()
 
@@ -172,7 +157,7 @@ def test_declared_upstream_cannot_push_steps_the_client_did_not_announce(server,
     )
     honest = torch.randn(1, 1, HIDDEN)
     response = stream.step(packed_request(uid, honest, session_id=session_id, step_id="n1", start_from_position=2))
-    expected = local_forward(blocks, 2, 4, torch.cat([prefill, honest], dim=1))[:, 2:]
+    expected = blocks_forward(blocks[2:4], torch.cat([prefill, honest], dim=1))[:, 2:]
     torch.testing.assert_close(deserialize_torch_tensor(response.tensors[0]), expected, atol=1e-3, rtol=0)
     stream.close()
 
@@ -187,7 +172,7 @@ def test_session_without_declared_upstream_refuses_pushes(server, peers, blocks)
     honest = torch.randn(1, 1, HIDDEN)
     response = stream.step(packed_request(chain(server, 2, 4), honest, session_id=session_id, step_id="d1"))
     torch.testing.assert_close(
-        deserialize_torch_tensor(response.tensors[0]), local_forward(blocks, 2, 4, honest), atol=1e-3, rtol=0
+        deserialize_torch_tensor(response.tensors[0]), blocks_forward(blocks[2:4], honest), atol=1e-3, rtol=0
     )
     stream.close()
 
@@ -221,7 +206,7 @@ def test_pushed_next_servers_cannot_redirect_into_other_sessions(server, peers, 
     honest = torch.randn(1, 1, HIDDEN)
     response = stream_b.step(packed_request(chain(server, 2, 4), honest, session_id=session_b, step_id="b1"))
     torch.testing.assert_close(
-        deserialize_torch_tensor(response.tensors[0]), local_forward(blocks, 2, 4, honest), atol=1e-3, rtol=0
+        deserialize_torch_tensor(response.tensors[0]), blocks_forward(blocks[2:4], honest), atol=1e-3, rtol=0
     )
     stream_a.close()
     stream_b.close()

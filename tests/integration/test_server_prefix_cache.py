@@ -12,9 +12,9 @@ import torch
 from hivemind.compression.serialization import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from corolla.models.loading import load_pretrained_block
 from corolla.protocol.metadata import decode_metadata
 from corolla.protocol.prefix import PREFIX_HIT_KEY, PREFIX_KEY, PrefixKeys, chain_hashes, prefix_root
+from helpers.engine_reference import blocks_forward
 from helpers.swarm import (
     ClientThread,
     InferenceStream,
@@ -51,21 +51,6 @@ def shared_server(model_path, tmp_path_factory: pytest.TempPathFactory):
     server = start(model_path, tmp_path_factory.mktemp("cache_shared"), prefix_cache_shared=True)
     yield server
     server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def blocks(model_path, server):
-    return [
-        load_pretrained_block(model_path, i, config=server.model_config, torch_dtype=torch.float32).eval()
-        for i in range(NUM_BLOCKS)
-    ]
-
-
-def local_forward(blocks, hidden: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        for block in blocks:
-            hidden = block(hidden)
-    return hidden
 
 
 TOKENS = list(range(5, 5 + 80))
@@ -125,7 +110,7 @@ def mallory(server):
 def test_a_later_session_of_the_same_client_reuses_its_prefix(server, alice, blocks) -> None:
     torch.manual_seed(1)
     hidden = torch.randn(1, 80, HIDDEN)
-    expected = local_forward(blocks, hidden)
+    expected = blocks_forward(blocks, hidden)
     hits_before = metric(server, "corolla_prefix_hit_tokens_total")
 
     turn1 = Session(alice, server)
@@ -167,7 +152,7 @@ def test_a_poisoned_entry_never_reaches_another_client(server, alice, mallory, b
     torch.manual_seed(2)
     tokens = [t + 1000 for t in TOKENS]
     hidden = torch.randn(1, 80, HIDDEN)
-    expected = local_forward(blocks, hidden)
+    expected = blocks_forward(blocks, hidden)
     poison(server, mallory, tokens)
     victim = Session(alice, server)
     assert victim.probe(tokens) == 0  # mallory's pages are not alice's to reuse
@@ -186,7 +171,7 @@ def test_sharing_is_the_operators_opt_in(shared_server, blocks) -> None:
         other = Session(second, shared_server)
         assert other.probe(TOKENS) == 80  # another client reuses it here: what the trust rule prevents by default
         hidden = torch.randn(1, 80, HIDDEN)
-        assert not torch.allclose(other.step(hidden[:, 79:], 79), local_forward(blocks, hidden)[:, 79:], atol=1e-2)
+        assert not torch.allclose(other.step(hidden[:, 79:], 79), blocks_forward(blocks, hidden)[:, 79:], atol=1e-2)
         other.close()
     finally:
         first.close()
@@ -218,7 +203,7 @@ def test_handler_processes_reuse_the_prefix_too(model_path, tmp_path_factory, bl
     try:
         torch.manual_seed(4)
         hidden = torch.randn(1, 40, HIDDEN)
-        expected = local_forward(blocks, hidden)
+        expected = blocks_forward(blocks, hidden)
         first = Session(client, server)
         assert first.probe(TOKENS[:16]) == 0
         first.step(hidden, 0, **{PREFIX_KEY: keys(TOKENS[:40], first_block=1)})
@@ -250,7 +235,7 @@ def test_handler_processes_share_prefixes_where_the_operator_says(model_path, tm
         opening.close()
         other = Session(second, server)  # another client: it reuses the pages only because the operator shares them
         assert other.probe(TOKENS[:40]) == 32
-        torch.testing.assert_close(other.step(hidden[:, 32:], 32), local_forward(blocks, hidden)[:, 32:], atol=1e-4,
+        torch.testing.assert_close(other.step(hidden[:, 32:], 32), blocks_forward(blocks, hidden)[:, 32:], atol=1e-4,
                                    rtol=0)  # fmt: skip
         other.close()
     finally:
@@ -285,14 +270,14 @@ def test_under_memory_pressure_cached_pages_go_first_and_live_sessions_keep_thei
             hits.append(hit)
             out = session.step(hidden[:, hit:], hit) if hit < 64 else session.step(hidden[:, 48:], 48)
             start_at = min(hit, 48)
-            torch.testing.assert_close(out, local_forward(blocks, hidden)[:, start_at:], atol=1e-4, rtol=0)
+            torch.testing.assert_close(out, blocks_forward(blocks, hidden)[:, start_at:], atol=1e-4, rtol=0)
             session.close()
         assert hits[0] == 48 and 0 in hits  # the latest conversation hit, the oldest ones were evicted
         assert metric(server, "corolla_prefix_cache_evictions") > 0
         assert metric(server, "corolla_prefix_cache_limit_bytes") == -1  # no --prefix_cache_tokens: no cap
         assert metric(server, "corolla_prefix_hit_tokens_total") == sum(hits)
         assert metric(server, "corolla_prefix_keyed_tokens_total") == 10 * 48 + 10 * 64 + 32  # whole blocks
-        expected = local_forward(blocks, live_hidden)
+        expected = blocks_forward(blocks, live_hidden)
         torch.testing.assert_close(live.step(live_hidden[:, 40:], 40), expected[:, 40:], atol=1e-4, rtol=0)
         live.close()
     finally:

@@ -13,10 +13,10 @@ from hivemind.compression.serialization import deserialize_torch_tensor
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from corolla.models.loading import load_pretrained_block
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.forwarding import NEXT_STEP_KEY
 from corolla.server.core.limits import PeerLimits
+from helpers.engine_reference import blocks_forward
 from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
 
 HIDDEN = 64
@@ -49,21 +49,6 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
     server.shutdown()
 
 
-@pytest.fixture(scope="module")
-def blocks(model_path, server):
-    config = server.model_config
-    return [
-        load_pretrained_block(model_path, i, config=config, torch_dtype=torch.float32).eval() for i in range(NUM_BLOCKS)
-    ]
-
-
-def local_forward(blocks, start: int, end: int, hidden: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        for block in blocks[start:end]:
-            hidden = block(hidden)
-    return hidden
-
-
 def initial_cache_tokens() -> int:
     return NUM_BLOCKS * CACHE_TOKENS_PER_BLOCK
 
@@ -89,7 +74,7 @@ def test_forward_backward_equal_local_blocks(server, client, blocks):
     uid = chain(server, 1, 4)
     response = client.run(lambda stub: stub.rpc_forward(packed_request(uid, hidden, torch.empty(0)), timeout=20))
     output = deserialize_torch_tensor(response.tensors[0])
-    torch.testing.assert_close(output, local_forward(blocks, 1, 4, hidden), atol=1e-4, rtol=0)
+    torch.testing.assert_close(output, blocks_forward(blocks[1:4], hidden), atol=1e-4, rtol=0)
 
     # lossy response on request (output_compression), restored to the block dtype by the codec
     lossy = packed_request(uid, hidden, torch.empty(0), output_compression=(runtime_pb2.CompressionType.FLOAT16,))
@@ -155,13 +140,13 @@ def test_forward_stream_for_large_tensors(server, client, blocks):
         return [deserialize_torch_tensor(t) for t in combine_parts([t for r in responses for t in r.tensors])]
 
     (output,) = client.run(go)
-    torch.testing.assert_close(output, local_forward(blocks, 0, 2, hidden), atol=1e-4, rtol=0)
+    torch.testing.assert_close(output, blocks_forward(blocks[0:2], hidden), atol=1e-4, rtol=0)
 
 
 def test_multi_step_inference_equals_local(server, client, blocks):
     torch.manual_seed(2)
     tokens = torch.randn(1, 9, HIDDEN)
-    expected = local_forward(blocks, 0, 4, tokens)
+    expected = blocks_forward(blocks[0:4], tokens)
     uid = chain(server, 0, 4)
     session_id = str(uuid.uuid4())
     stream = InferenceStream(client).open()
@@ -186,7 +171,7 @@ def test_multi_step_inference_equals_local(server, client, blocks):
     response = stream.step(
         packed_request(uid, new_tail, torch.empty(0), torch.empty(0, dtype=torch.int64), start_from_position=5)
     )
-    expected_new = local_forward(blocks, 0, 4, torch.cat([tokens[:, :5], new_tail], dim=1))[:, 5:]
+    expected_new = blocks_forward(blocks[0:4], torch.cat([tokens[:, :5], new_tail], dim=1))[:, 5:]
     torch.testing.assert_close(deserialize_torch_tensor(response.tensors[0]), expected_new, atol=1e-3, rtol=0)
     stream.close()
     assert wait_until(lambda: client.info()["cache_tokens_available"] == initial_cache_tokens(), 5)
@@ -276,14 +261,14 @@ def test_push_to_next_session_and_step_dedup(server, client, blocks):
     )  # fmt: skip
     mid = deserialize_torch_tensor(response.tensors[0])
     whole = torch.cat([prefill, hidden], dim=1)
-    torch.testing.assert_close(mid, local_forward(blocks, 0, 2, whole)[:, 3:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(mid, blocks_forward(blocks[0:2], whole)[:, 3:], atol=1e-4, rtol=0)
 
     async def next_response(_stub):
         return await asyncio.wait_for(downstream.responses.__anext__(), 10)
 
     pushed = client.run(next_response)  # the downstream session answered the pushed step
     torch.testing.assert_close(
-        deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 0, 4, whole)[:, 3:], atol=1e-3, rtol=0
+        deserialize_torch_tensor(pushed.tensors[0]), blocks_forward(blocks[0:4], whole)[:, 3:], atol=1e-3, rtol=0
     )
     # the same step sent directly is skipped (no response); the next one continues at position 4
     direct = packed_request(
@@ -300,7 +285,7 @@ def test_push_to_next_session_and_step_dedup(server, client, blocks):
             chain(server, 2, 4), follow, session_id=downstream_id, step_id=step_ids[2], start_from_position=4
         )
     )
-    expected = local_forward(blocks, 2, 4, torch.cat([mid0, mid, follow], dim=1))[:, 4:]
+    expected = blocks_forward(blocks[2:4], torch.cat([mid0, mid, follow], dim=1))[:, 4:]
     torch.testing.assert_close(deserialize_torch_tensor(after.tensors[0]), expected, atol=1e-3, rtol=0)
     upstream.close()
     downstream.close()
@@ -344,7 +329,7 @@ def test_push_between_servers(server, client, blocks, model_path, tmp_path):
         pushed = client.run(next_response)
         whole = torch.cat([prefill, hidden], dim=1)
         torch.testing.assert_close(
-            deserialize_torch_tensor(pushed.tensors[0]), local_forward(blocks, 0, 4, whole)[:, 2:], atol=1e-3, rtol=0
+            deserialize_torch_tensor(pushed.tensors[0]), blocks_forward(blocks[0:4], whole)[:, 2:], atol=1e-3, rtol=0
         )
         upstream.close()
         downstream.close()
@@ -425,7 +410,7 @@ def test_hypo_ids_reorder_the_cache(server, client, blocks):
     stream = InferenceStream(client).open()
     stream.step(packed_request(uid, prefix, torch.empty(0), torch.empty(0, dtype=torch.int64), max_length=8))
     response = stream.step(packed_request(uid, new, torch.empty(0), torch.tensor([1, 0])))
-    expected = local_forward(blocks, 0, 4, torch.cat([prefix[[1, 0]], new], dim=1))[:, 3:]
+    expected = blocks_forward(blocks[0:4], torch.cat([prefix[[1, 0]], new], dim=1))[:, 3:]
     torch.testing.assert_close(deserialize_torch_tensor(response.tensors[0]), expected, atol=1e-3, rtol=0)
     stream.close()
 
@@ -516,7 +501,7 @@ def test_eager_engine_through_the_handler(server, blocks):
         assert client.info()["cache_tokens_available"] < base
         for i in range(3, 6):
             outputs.append(deserialize_torch_tensor(stream.step(packed_request(uid, tokens[:, i : i + 1])).tensors[0]))
-        torch.testing.assert_close(torch.cat(outputs, dim=1), local_forward(blocks, 0, 4, tokens), atol=1e-3, rtol=0)
+        torch.testing.assert_close(torch.cat(outputs, dim=1), blocks_forward(blocks[0:4], tokens), atol=1e-3, rtol=0)
         stream.close()
         assert wait_until(lambda: client.info()["cache_tokens_available"] == base, 5)
     finally:
