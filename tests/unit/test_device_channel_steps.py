@@ -1,5 +1,5 @@
 """A device channel frame's decode steps travel as ONE runtime task (`server.handlers.device_channel.FrameIntake`,
-`server.core.step_units.StepGroup`): each step still gets exactly its own output, a frame larger than one merged forward is
+`server.core.engine_executor.StepGroup`): each step still gets exactly its own output, a frame larger than one merged forward is
 split at the merge limit, a refused step is answered at once and leaves the others in the task, a session closed
 while its step waits fails that step only, a failing forward fails only its steps, and the runtime's counters count
 steps, not tasks."""
@@ -20,12 +20,19 @@ from corolla.engine.batcher import execute_steps
 from corolla.engine.span_engine import StepRequest
 from corolla.protocol import channel_frames as wire
 from corolla.server.backend import SpanBackend
-from corolla.server.core.engine_executor import KIND_ENGINE_INFERENCE, EngineExecutor, EngineSessionCache
+from corolla.server.core.engine_executor import (
+    KIND_ENGINE_INFERENCE,
+    EngineExecutor,
+    EngineSessionCache,
+    PendingUnits,
+    StepGroup,
+    flatten_units,
+    regroup,
+)
 from corolla.server.core.executor import SessionCache, SessionSpec, StepInputs
 from corolla.server.core.refusals import RuntimeStopped
 from corolla.server.core.runtime import MAX_WATCHES, Runtime, Task, TaskQueue
 from corolla.server.core.span_core import SpanCore
-from corolla.server.core.step_units import PendingUnits, StepGroup, flatten_units, regroup
 from corolla.server.handlers.device_channel import FrameIntake, StepReply
 from helpers.tiny_models import tiny_span_backend
 

@@ -5,7 +5,7 @@ one after it). The server's `Runtime` is the one scheduler in production: the fa
 executor registers `execute_steps` as its batch executor, and `launch_steps` as its launcher: a set of decode steps
 that one CUDA-graph forward serves is launched on the device and finished later (`PendingSteps.wait`), so that the
 runtime can launch the next forward before it sends this one's replies. How the server groups requests into its
-tasks is the server's (`server.core.step_units`). (The bench's own-thread driver is
+tasks is the server's (`server.core.engine_executor`). (The bench's own-thread driver is
 `benchmarks.common.batcher.ContinuousBatcher`.)"""
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from corolla.engine.span_engine import StepRequest
 from corolla.protocol import channel_frames as wire
 from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core.admission import SessionTicket
+from corolla.server.core.engine_executor import StepGroup
 from corolla.server.core.executor import (
     KIND_ENGINE_INFERENCE,
     BackwardInputs,
@@ -59,7 +60,6 @@ from corolla.server.core.kv_handoff import check_handoff_frame
 from corolla.server.core.refusals import encode_error
 from corolla.server.core.runtime import Runtime, Task
 from corolla.server.core.span_core import SpanCore
-from corolla.server.core.step_units import StepGroup
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
