@@ -69,21 +69,14 @@ def _get_nonneg_int(source: Mapping[str, Any], key: str) -> int | None:
     return value
 
 
-def _get_points(source: Mapping[str, Any]) -> float:
-    value = source.get("points", 0.0)
+def _get_finite(source: Mapping[str, Any], key: str, minimum: float = -math.inf) -> float:
+    """metadata[key] as a float (0.0 where absent or None); ValueError unless a finite number >= `minimum`."""
+    value = source.get(key)
     if value is None:
         return 0.0
-    if not _is_number(value) or not math.isfinite(value):
-        raise ValueError(f"metadata['points'] must be a finite number, got {value!r:.100}")
-    return float(value)
-
-
-def _get_alloc_timeout(source: Mapping[str, Any]) -> float:
-    value = source.get("alloc_timeout", 0.0)
-    if value is None:
-        return 0.0
-    if not _is_number(value) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"metadata['alloc_timeout'] must be a finite number >= 0, got {value!r:.100}")
+    if not _is_number(value) or not math.isfinite(value) or value < minimum:
+        at_least = "" if minimum == -math.inf else f" >= {minimum:g}"
+        raise ValueError(f"metadata[{key!r}] must be a finite number{at_least}, got {value!r:.100}")
     return float(value)
 
 
@@ -147,19 +140,9 @@ def _get_output_compression(source: Mapping[str, Any]) -> tuple[int, ...] | None
 
 
 _INFERENCE_KEYS = frozenset(
-    {
-        "session_id",
-        "step_id",
-        "max_length",
-        "points",
-        "alloc_timeout",
-        "active_adapter",
-        "args_structure",
-        "start_from_position",
-        "next_servers",
-        "pushed",
-    }
-)
+    {"session_id", "step_id", "max_length", "points", "alloc_timeout", "active_adapter", "args_structure",
+     "start_from_position", "next_servers", "pushed"}
+)  # fmt: skip
 # a decode step as Petals' client sends it, and corolla's (which repeats the session's `points` and `active_adapter`)
 _STEP_KEYS = frozenset({"session_id", "step_id", "points", "active_adapter", "start_from_position", "args_structure"})
 _NOT_STEP_KEYS = _INFERENCE_KEYS - _STEP_KEYS  # known keys a decode step does not carry
@@ -199,7 +182,7 @@ class InferenceRequestMetadata:
                 _STEP_DEFAULTS,
                 session_id=_get_str(source, "session_id", None),
                 step_id=_get_str(source, "step_id", None),
-                points=_get_points(source),
+                points=_get_finite(source, "points"),
                 active_adapter=_get_str(source, "active_adapter", "") or "",
                 args_structure=source.get("args_structure"),
                 start_from_position=_get_nonneg_int(source, "start_from_position"),
@@ -210,8 +193,8 @@ class InferenceRequestMetadata:
             session_id=_get_str(source, "session_id", None),
             step_id=_get_str(source, "step_id", None),
             max_length=_get_nonneg_int(source, "max_length"),
-            points=_get_points(source),
-            alloc_timeout_s=_get_alloc_timeout(source),
+            points=_get_finite(source, "points"),
+            alloc_timeout_s=_get_finite(source, "alloc_timeout", 0.0),
             active_adapter=_get_str(source, "active_adapter", "") or "",
             args_structure=source.get("args_structure"),
             start_from_position=_get_nonneg_int(source, "start_from_position"),
@@ -271,7 +254,7 @@ class ForwardRequestMetadata:
         if not isinstance(source, Mapping):
             raise ValueError(f"metadata must be a dict, got {type(source).__name__}")
         return cls(
-            points=_get_points(source),
+            points=_get_finite(source, "points"),
             active_adapter=_get_str(source, "active_adapter", "") or "",
             args_structure=source.get("args_structure"),
             output_compression=_get_output_compression(source),
