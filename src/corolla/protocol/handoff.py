@@ -13,6 +13,7 @@ of at most `STREAM_CHUNK_BYTES` and packed into messages of at most that many bu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -91,28 +92,15 @@ class KvHeader:
             raise ValueError(f"KV header announces {self.num_messages} messages for {self.total_bytes} bytes")
 
     def to_dict(self) -> dict[str, int]:
-        return {
-            "position": self.position,
-            "batch_size": self.batch_size,
-            "start_block": self.start_block,
-            "end_block": self.end_block,
-            "num_messages": self.num_messages,
-            "total_bytes": self.total_bytes,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, value: Any) -> KvHeader:
         """Parses a header from hostile metadata: ValueError for anything but the six non-negative ints."""
         if not isinstance(value, Mapping):
             raise ValueError(f"KV header must be a map, got {type(value).__name__}")
-        return cls(
-            position=_nonneg_int(value, "position", low=1),
-            batch_size=_nonneg_int(value, "batch_size", low=1),
-            start_block=_nonneg_int(value, "start_block"),
-            end_block=_nonneg_int(value, "end_block", low=1),
-            num_messages=_nonneg_int(value, "num_messages", low=1),
-            total_bytes=_nonneg_int(value, "total_bytes", low=1),
-        )
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{name: _nonneg_int(value, name, low=0 if name == "start_block" else 1) for name in names})
 
 
 def export_error(value: Any) -> str | None:
