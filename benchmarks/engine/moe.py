@@ -30,8 +30,16 @@ from benchmarks.common.model import default_dtype
 from benchmarks.common.report import log
 from benchmarks.engine.moe_numerics import three_way
 from corolla.engine.config import EngineConfig
+from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
-from corolla.engine.moe.routed_experts import ExpertWeights, RoutedMoE, experts_forward, softmax_topk, tune_experts
+from corolla.engine.moe.routed_experts import (
+    ExpertWeights,
+    RoutedMoE,
+    experts_forward,
+    softmax_topk,
+    tile_serves,
+    tune_experts,
+)
 from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
@@ -193,6 +201,29 @@ def engines_agreement(engine: SpanEngine, reference: SpanEngine, prefix: int, ge
     return float((outs[0] - outs[1]).norm() / outs[1].norm())
 
 
+def triton_experts_us(moes: list[RoutedMoE], rows: tuple[int, ...]) -> dict[int, dict[str, float]]:
+    """Per layer call, microseconds of every grouped Triton config (`moe_quant_kernels`, the quantized experts' path
+    above `moe_nf4_tile.TILE_MAX_TOKENS`) at token counts the tile GEMV serves: its baseline in the same run (each
+    layer's tokens routed by its own router, all layers in one CUDA graph)."""
+    from corolla.engine.moe import moe_quant_kernels  # (needs Triton: CUDA runs only)
+
+    first = moes[0].experts
+    assert isinstance(first, QuantizedExpertWeights)
+    result: dict[int, dict[str, float]] = {}
+    for n in rows:
+        x = torch.randn(n, first.hidden_size, device=first.device, dtype=first.dtype)  # [n, H]
+        routes = [softmax_topk(F.linear(x, m.router), m.top_k, normalize=m.normalize_top_k) for m in moes]
+        result[n] = {}
+        calls = [(x, ids, w, m.experts) for m, (w, ids) in zip(moes, routes, strict=True)]
+        for config in moe_quant_kernels.configs_for(first.kind):
+
+            def run(config: tuple[int, ...] = config, calls: list = calls) -> list[torch.Tensor]:
+                return [moe_quant_kernels.grouped_quant_experts(*call, config) for call in calls]
+
+            result[n][str(config)] = graph_median_ms(run, 7) * 1000 / len(moes)
+    return result
+
+
 def build_engine(spec: LlamaSpec, layers: list[LayerWeights], inv_freq: torch.Tensor, args, lines: list[str]):
     """A span engine over `layers` with tuned kernels (expert configs logged against their floors)."""
     dev = layers[0].ln1.device
@@ -211,6 +242,13 @@ def build_engine(spec: LlamaSpec, layers: list[LayerWeights], inv_freq: torch.Te
             log(lines, f"experts kernel, {n} tokens: " + ", ".join(f"{c} {us:.0f} us" for c, us in per_config.items())
                 + f"; floor of {used} experts {floor_us:.0f} us")  # fmt: skip
         log(lines, f"chosen expert config {tuned['best']}")
+        if any(tile_serves(moes[0].experts, n) for n in (1, args.sessions)):
+            triton = triton_experts_us(moes, (1, args.sessions))
+            tuned["triton_at_tile_rows"] = triton
+            for n, per_config in triton.items():
+                best = min(per_config, key=per_config.__getitem__)
+                log(lines, f"the grouped Triton kernels at {n} tokens (the tile GEMV's range, same call): best {best} "
+                           f"{per_config[best]:.0f} us; " + ", ".join(f"{c} {us:.0f}" for c, us in per_config.items()))  # fmt: skip
     engine = SpanEngine(
         span,
         EngineConfig(
@@ -320,6 +358,8 @@ def main() -> None:
         engine, tuned = build_engine(spec, layers, inv_freq, args, lines)
         if tuned:
             section["expert_kernel"] = {"best": str(tuned["best"]), "us": tuned["us"]}
+            if "triton_at_tile_rows" in tuned:
+                section["expert_kernel"]["triton_at_tile_rows"] = tuned["triton_at_tile_rows"]
         if kind == "none" and args.numerics:
             section["numerics"] = three_way(
                 model, engine, engine_layers, args.prefix_tokens, gen, fp32_engine=args.fp32_engine

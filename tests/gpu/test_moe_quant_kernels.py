@@ -1,6 +1,7 @@
 """The quantized routed-experts kernels (`engine.moe.moe_quant_kernels`) on a real GPU, NF4 and Int8 in bitsandbytes'
 layouts: equal to the torch reference on the dequantized weights in bf16 (several token counts and top-k, every
-tuning config of both NF4 decodes, ids outside the expert range), a row's output bit-identical alone and merged with other tokens, a
+tuning config of both NF4 decodes, ids outside the expert range), NF4 steps of a few tokens on the dense projections'
+tile GEMV (each assignment row bit-equal to that GEMV on its expert), a row's output bit-identical alone and merged with other tokens, a
 CUDA graph replayed with new tokens and routes equal to the eager reference, and a quantized Mixtral-shaped span on
 the engine (CUDA graphs, merged sessions) equal to the reference ops on the dequantized weights. Skipped without
 CUDA."""
@@ -11,9 +12,17 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
+from corolla.engine.moe.moe_nf4_tile import TILE_MAX_TOKENS, tile_experts
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
-from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, experts_forward_ref, softmax_topk
-from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
+from corolla.engine.moe.routed_experts import (
+    ExpertWeights,
+    experts_forward,
+    experts_forward_ref,
+    softmax_topk,
+    tile_serves,
+)
+from corolla.engine.quant.quant_tile_gemv import NF4_TILE_CONFIGS, nf4_tile_gemv, nf4_tile_gemv_experts
+from corolla.engine.quant.quant_weights import NF4Weight, quantize_int8, quantize_nf4
 from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan
 from helpers.numerics import rel_err
@@ -149,3 +158,34 @@ def test_quantized_span_on_the_engine_matches_reference_ops(kind: str) -> None:
             reference.step(s, prompt, 0)
             expected = reference.step(s, token, prompt.shape[1])
         assert rel_err(out, expected) < 2e-2
+
+
+@pytest.mark.parametrize("config", NF4_TILE_CONFIGS)
+def test_nf4_tile_rows_equal_the_dense_tile_gemv(config) -> None:
+    # each assignment row of the experts' GEMV: bit-equal to quant_tile_gemv's GEMV of its token on its own expert
+    # (gated gate_up, then down); an id outside [0, E) gives a zero row
+    experts = random_experts("nf4", 8, 512, 768, seed=8)
+    x = torch.randn(3, 512, device=DEV, dtype=BF16)
+    _, ids = routes(3, 8, 2, seed=9)
+    ids[1, 0] = 8
+    flat = ids.reshape(-1).contiguous()
+    gu, dn = experts.gate_up_tables, experts.down_tables
+    act = nf4_tile_gemv_experts(x, experts.gate_up[0], gu.addresses, gu.offsets, flat, 2, config, gated=True)
+    y = nf4_tile_gemv_experts(act, experts.down[0], dn.addresses, dn.offsets, flat, 1, config)
+    for a, e in enumerate(flat.tolist()):
+        if e == 8:
+            assert not act[a].any() and not y[a].any()
+            continue
+        gate_up, down = experts.gate_up[e], experts.down[e]
+        assert isinstance(gate_up, NF4Weight) and isinstance(down, NF4Weight)
+        assert torch.equal(act[a], nf4_tile_gemv(x[a // 2 : a // 2 + 1], gate_up, None, config, gated=True)[0]), a
+        assert torch.equal(y[a], nf4_tile_gemv(act[a : a + 1], down, None, config)[0]), a
+
+
+def test_nf4_steps_of_few_tokens_run_the_tile_gemv() -> None:
+    experts = random_experts("nf4", 8, 512, 768, seed=10)
+    for n in (1, TILE_MAX_TOKENS):
+        x = torch.randn(n, 512, device=DEV, dtype=BF16)
+        weights, ids = routes(n, 8, 2, seed=11)
+        assert tile_serves(experts, n) and not tile_serves(experts, TILE_MAX_TOKENS + 1)
+        assert torch.equal(experts_forward(x, ids, weights, experts), tile_experts(x, ids, weights, experts))

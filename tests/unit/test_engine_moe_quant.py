@@ -98,6 +98,10 @@ def test_validation() -> None:
     odd.code = odd.code * 2
     with pytest.raises(ValueError, match="same 16 NF4 levels"):
         QuantizedExpertWeights((*nf4.gate_up[:-1], odd), nf4.down)
+    other_table = quantize_nf4(torch.randn(2 * INTER, H))
+    other_table.nested_code = other_table.nested_code.flip(0)  # the tile GEMV stages one table for every expert
+    with pytest.raises(ValueError, match="absmax code table"):
+        QuantizedExpertWeights((*nf4.gate_up[:-1], other_table), nf4.down)
     shifted = quantize_int8(torch.randn(2 * INTER, H))
     shifted.codes = torch.empty(2 * INTER * H + 1, dtype=torch.int8)[1:].view(2 * INTER, H)  # 1 byte off
     with pytest.raises(ValueError, match="16-byte boundaries"):

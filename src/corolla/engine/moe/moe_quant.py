@@ -8,8 +8,8 @@ num_experts, hidden_size, intermediate_size, dtype = the compute dtype, device; 
 kernels read: per expert, the address of each projection's packed codes and statistics (no gather, no repack, no
 copy per step: a step reads the chosen experts' packed bytes and their scales, nothing else). NF4 tables: packed
 codes, first-level absmax codes, second-level absmaxes, the second-level code table (each an int64 [E] address
-table) and the absmax offsets (fp32 [E]); every expert must use the same 16 NF4 levels (bitsandbytes always
-does). Int8 tables: codes and the per-output-row scales (row absmax / 127)."""
+table) and the absmax offsets (fp32 [E]); every expert must use the same 16 NF4 levels and the same second-level
+code table (bitsandbytes always does; the tile GEMV of `moe_nf4_tile` stages that table once). Int8 tables: codes and the per-output-row scales (row absmax / 127)."""
 
 from __future__ import annotations
 
@@ -92,8 +92,11 @@ class QuantizedExpertWeights(ExpertSet):
                     raise ValueError(
                         f"expert {e}: codes must be contiguous from {CODE_ALIGNMENT_BYTES}-byte boundaries"
                     )
-                if isinstance(w, NF4Weight) and not torch.equal(w.code, first.code):  # type: ignore[union-attr]
-                    raise ValueError(f"expert {e}: every expert must use the same 16 NF4 levels")
+                if isinstance(w, NF4Weight) and not (
+                    torch.equal(w.code, first.code)  # type: ignore[union-attr]
+                    and torch.equal(w.nested_code, first.nested_code)  # type: ignore[union-attr]
+                ):
+                    raise ValueError(f"expert {e}: every expert must use the same 16 NF4 levels and absmax code table")
         dev = first.device
         object.__setattr__(self, "gate_up_tables", ProjectionTables.of(self.gate_up, dev))
         object.__setattr__(self, "down_tables", ProjectionTables.of(self.down, dev))

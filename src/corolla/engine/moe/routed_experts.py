@@ -20,8 +20,9 @@ API (stable; the DeepSeek-V3 fast path calls `experts_forward` with its own grou
 - `RoutedMoE`: router weight [E, H] + `ExpertWeights` + the rule, the MLP of one Mixtral / Qwen3-MoE layer.
 - Quantized experts (bitsandbytes NF4 / Int8 layouts read in place): `moe_quant.QuantizedExpertWeights` stands
   wherever `ExpertWeights` does (`Experts` is either); `experts_forward` runs `moe_quant_kernels`' grouped kernels
-  for them on CUDA (same contract, same routing and epilogues, the weight tiles decoded in registers) and the
-  reference dequantizes the used experts (`dense(e)`). `RoutedMoE.from_module` picks the kind from the modules."""
+  for them on CUDA (same contract, same routing and epilogues, the weight tiles decoded in registers), NF4 steps of
+  at most `moe_nf4_tile.TILE_MAX_TOKENS` tokens the dense NF4 projections' matrix-unit GEMV (`moe_nf4_tile`), and
+  the reference dequantizes the used experts (`dense(e)`). `RoutedMoE.from_module` picks the kind from the modules."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from corolla.models.layers import SparseMoE
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference.
-    from corolla.engine.moe import moe_kernels, moe_quant_kernels
+    from corolla.engine.moe import moe_kernels, moe_nf4_tile, moe_quant_kernels
 
     TRITON_IMPORTED = True
 except ImportError:  # pragma: no cover - depends on the installation
@@ -189,6 +190,8 @@ def experts_forward(
     `graph_safe=True` keeps the kernel (no host sync) on CUDA whatever N, as a step captured in a CUDA graph needs."""
     _check_inputs(x, expert_ids, expert_weights, experts)
     if use_triton and kernel_usable(experts.device) and (graph_safe or x.shape[0] <= KERNEL_MAX_TOKENS):
+        if isinstance(experts, QuantizedExpertWeights) and tile_serves(experts, x.shape[0]):
+            return moe_nf4_tile.tile_experts(x, expert_ids, expert_weights, experts)
         config = config or expert_configs(experts)[0]
         if isinstance(experts, QuantizedExpertWeights):
             return moe_quant_kernels.grouped_quant_experts(x, expert_ids, expert_weights, experts, config)
@@ -208,6 +211,16 @@ def expert_configs(experts: Experts) -> tuple[tuple[int, ...], ...]:
 
 def kernel_usable(device: torch.device) -> bool:
     return TRITON_IMPORTED and device.type == "cuda"
+
+
+def tile_serves(experts: Experts, tokens: int) -> bool:
+    """Whether a CUDA step of `tokens` tokens runs `moe_nf4_tile`'s GEMV (NF4 experts, at most TILE_MAX_TOKENS) rather
+    than the grouped Triton kernels (whose `config` then goes unused)."""
+    return (
+        isinstance(experts, QuantizedExpertWeights)
+        and tokens <= moe_nf4_tile.TILE_MAX_TOKENS
+        and moe_nf4_tile.tile_usable(experts)
+    )
 
 
 def experts_forward_ref(
@@ -325,12 +338,19 @@ def time_expert_configs(
     """Times every `expert_configs` entry of `experts`' kind at each token count in `rows` (`calls_at(n)(config)`
     runs random tokens of n rows, routed by each layer's own router, through the experts of all `num_layers` layers),
     as one CUDA graph (distinct weights, no launch gaps), and keeps the config with the least summed slowdown against
-    each count's fastest. One config then serves every batch size (rows stay
-    batch-invariant). Returns {"best": config, "best_us": per layer call at rows[0], "us": {rows: {config: us}}};
-    {} without CUDA + Triton."""
+    each count's fastest. One config then serves every batch size (rows stay batch-invariant), but for NF4 experts
+    the counts `tile_serves`, which run `moe_nf4_tile`'s GEMV (timed once, as "tile"; the configs then at the other
+    counts, or at twice its range). Returns {"best": config, "best_us": per layer call at the least count timed, "us":
+    {rows: {config or "tile": us}}}; {} without CUDA + Triton."""
     configs = expert_configs(experts)
     if not configs:
         return {}
+    # token counts the NF4 tile GEMV serves are timed once (it takes no config); the configs at the others, or at
+    # twice the tile range when every count is in it
+    tile_us: dict[int, float] = {}
+    for n in (n for n in rows if tile_serves(experts, n)):
+        tile_us[n] = graph_median_ms(lambda call=calls_at(n): call(configs[0]), reps) * 1000 / num_layers
+    rows = [n for n in rows if n not in tile_us] or [2 * moe_nf4_tile.TILE_MAX_TOKENS]
     timings: dict[int, dict[tuple[int, ...], float]] = {}
     for n in rows:
         call = calls_at(n)
@@ -347,8 +367,8 @@ def time_expert_configs(
         raise RuntimeError(f"no expert kernel config runs for {experts.hidden_size} x {experts.intermediate_size}")
     fastest = {n: min(t.values()) for n, t in timings.items()}
     best = min(common, key=lambda c: sum(timings[n][c] / fastest[n] for n in rows))
-    return {
-        "best": best,
-        "best_us": timings[rows[0]][best],
-        "us": {n: {str(c): us for c, us in t.items()} for n, t in timings.items()},
+    us = {n: {"tile": v} for n, v in tile_us.items()} | {
+        n: {str(c): v for c, v in t.items()} for n, t in timings.items()
     }
+    first = min(us)
+    return {"best": best, "best_us": tile_us[first] if first in tile_us else timings[first][best], "us": us}

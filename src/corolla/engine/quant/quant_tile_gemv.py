@@ -280,11 +280,12 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
               const float* __restrict__ nc, const u32* __restrict__ pairs, const u16* __restrict__ x,
               const u16* __restrict__ res, u16* __restrict__ out, const u16* __restrict__ nw, int N, int K, int RT,
               long long sxm, long long srm, long long som, float offset, float out_scale, float eps,
-              int data_bytes, int dyn_bytes) {
+              int data_bytes, int dyn_bytes, const long long* __restrict__ experts,
+              const float* __restrict__ offsets, const long long* __restrict__ routes, int E, int xdiv) {
   grid_release();  // the next kernel's programs may start (they wait for this one's output: nvrtc_kernels)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const long long m = blockIdx.y;
+  const long long m = blockIdx.y;  // the output row (EXPERTS: the assignment; its x row is m / xdiv)
   const int KB = K >> 6, KG = (KB + 3) >> 2;
   const u32 rowb = (u32)K >> 1;
   // the programs split the row tiles (GATED: those of the gate half; a program takes the same tiles of the up half)
@@ -302,13 +303,16 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   cursor_start(pc, tiles, ua, KG, g, N, KB, rowb);
   U4 buf[SLOTS][4];
   u32 cbuf[SLOTS];
-#pragma unroll
-  for (int f = 0; f < DEPTH; ++f) {
-    if (f < count) {
-      unit_loads(pc, wq, ac, t, KB, buf[f], cbuf[f]);
-      cursor_next(pc, tiles, KG, g, N, KB, rowb);
-    }
+#define FIRST_LOADS                                                                                            \
+  _Pragma("unroll") for (int f = 0; f < DEPTH; ++f) {                                                          \
+    if (f < count) {                                                                                           \
+      unit_loads(pc, wq, ac, t, KB, buf[f], cbuf[f]);                                                          \
+      cursor_next(pc, tiles, KG, g, N, KB, rowb);                                                              \
+    }                                                                                                          \
   }
+#if !EXPERTS
+  FIRST_LOADS
+#endif
 
   u32 sbase;
   asm("mov.u32 %0, smem;" : "=r"(sbase));
@@ -342,9 +346,28 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
     }
   }
   grid_wait();  // x (and the residual) come from the kernels ahead; the weight and its tables above are immutable
+#if EXPERTS
+  // this row's expert (written by the router ahead): its codes, absmax codes, second-level absmaxes and offset from
+  // the [4, E] address table (the nested code table, read above, is every expert's); an id outside [0, E) gives a
+  // zero row
+  {
+    const long long e = routes[m];
+    if (e < 0 || e >= E) {
+      if (blockIdx.x == 0)
+        for (int i = tid; i < (GATED ? N / 2 : N); i += THREADS) out[m * som + i] = to_out_type(0.f);
+      return;
+    }
+    wq = reinterpret_cast<const u8*>(experts[e]);
+    ac = reinterpret_cast<const u8*>(experts[E + e]);
+    na = reinterpret_cast<const float*>(experts[2 * E + e]);
+    offset = __ldg(offsets + e);
+  }
+  FIRST_LOADS
+#endif
   // x as the mma's fp16 operand, whole units (PRO 1: RMSNorm's result first, the gain after x; nvrtc_kernels'
   // stage_x); the warps' row sums are written after the barrier below
-  stage_x<THREADS>(reinterpret_cast<U4*>(smem + XS_OFF), reinterpret_cast<const U4*>(x + m * sxm), K, KG * 32,
+  const u16* xrow = x + (EXPERTS ? m / xdiv : m) * sxm;  // (EXPERTS: the row's token)
+  stage_x<THREADS>(reinterpret_cast<U4*>(smem + XS_OFF), reinterpret_cast<const U4*>(xrow), K, KG * 32,
                    reinterpret_cast<const U4*>(nw), reinterpret_cast<U4*>(smem + XS_OFF + KG * 512), red, eps);
   __syncthreads();
 
@@ -436,13 +459,20 @@ def check_tile_config(config: tuple[int, int, int, int, int]) -> None:
 
 
 def _kernel(
-    config: tuple[int, int, int, int, int], x_bf16: bool, out_bf16: bool, has_res: bool, prologue: int, gated: bool
+    config: tuple[int, int, int, int, int],
+    x_bf16: bool,
+    out_bf16: bool,
+    has_res: bool,
+    prologue: int,
+    gated: bool,
+    experts: bool = False,
 ) -> NvrtcKernel:
-    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue, int(gated))
+    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue, int(gated), int(experts))
     if key not in _KERNELS:
         warps, depth, mode, min_blocks, _ = config
         defines = {"WARPS": warps, "DEPTH": depth, "MODE": mode, "MIN_BLOCKS": min_blocks, "X_BF16": int(x_bf16),
-                   "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res), "PRO": prologue, "GATED": int(gated)}  # fmt: skip
+                   "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res), "PRO": prologue, "GATED": int(gated),
+                   "EXPERTS": int(experts)}  # fmt: skip
         _KERNELS[key] = NvrtcKernel(CUDA_HELPERS + _SOURCE, "nf4_tile_gemv", defines)
     return _KERNELS[key]
 
@@ -506,14 +536,82 @@ def nf4_tile_gemv(
         raise ValueError("nf4_tile_gemv reads contiguous packed rows that start 16-byte aligned")
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
         x = x.contiguous().clone()  # a fresh allocation: aligned
+    out = torch.empty((m, n // 2 if gated else n), dtype=weight.dtype, device=x.device)
+    res = residual if residual is not None else out
+    gain = norm_weight if norm_weight is not None and prologue else out  # (not read without the prologue)
+    kernel = _kernel(config, x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16, residual is not None,
+                     prologue, gated)  # fmt: skip
+    ptr = ctypes.c_void_p
+    weights = [ptr(packed.data_ptr()), ptr(weight.absmax_codes.data_ptr()), ptr(weight.nested_absmax.data_ptr())]
+    no_experts = [ptr(0), ptr(0), ptr(0), ctypes.c_int(0), ctypes.c_int(1)]
+    _launch(kernel, config, x, weight, weights, res, out, gain, eps, weight.nested_offset, no_experts, prologue, gated)
+    return out
+
+
+def nf4_tile_gemv_experts(
+    x: torch.Tensor,
+    first: NF4Weight,
+    addresses: torch.Tensor,
+    offsets: torch.Tensor,
+    routes: torch.Tensor,
+    rows_per_x: int,
+    config: tuple[int, int, int, int, int],
+    *,
+    gated: bool = False,
+) -> torch.Tensor:
+    """The GEMV for a group of E NF4 weights of one shape (a layer's experts): output row a [A = routes.numel()] is
+    x[a // rows_per_x] [K] @ W_e^T with e = routes[a] (int64 on the device, read by the kernel after the kernels ahead:
+    no host sync, CUDA-graph safe), or zeros for e outside [0, E); `gated` as `nf4_tile_gemv`. W_e is found through
+    `addresses` ([4, E] int64 on the device: packed codes, absmax codes, second-level absmaxes, (nested code table))
+    and `offsets` ([E] fp32 absmax offsets); `first` gives every weight's shape, dtype, levels and nested code table
+    (the caller checks that all E share them and that each one's codes are contiguous from 16-byte boundaries).
+    -> [A, N] (gated: [A, N / 2]) in the weights' dtype. ValueError for a bad shape, dtype or config."""
+    check_tile_config(config)
+    n, k = first.shape
+    e = addresses.shape[1] if addresses.ndim == 2 else 0
+    if addresses.shape != (4, e) or addresses.dtype != torch.int64 or offsets.shape != (e,) or e < 1:
+        raise ValueError(f"need a [4, E] int64 address table and [E] offsets, got {tuple(addresses.shape)}")
+    a = routes.numel()
+    if routes.dtype != torch.int64 or not routes.is_contiguous() or rows_per_x < 1 or x.shape[0] * rows_per_x < a:
+        raise ValueError(f"routes must be contiguous int64 for {x.shape[0]} x {rows_per_x} rows, got {routes.shape}")
+    if x.ndim != 2 or x.shape[1] != k or x.dtype != first.dtype or first.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nf4_tile_gemv_experts takes [R, {k}] 16-bit {first.dtype} rows, got {tuple(x.shape)}")
+    if gated and n % (2 * TILE_ROWS):
+        raise ValueError(f"a gated nf4_tile_gemv_experts takes N a multiple of {2 * TILE_ROWS} ({n})")
+    if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
+        x = x.contiguous().clone()  # a fresh allocation: aligned
+    out = torch.empty((a, n // 2 if gated else n), dtype=first.dtype, device=x.device)
+    kernel = _kernel(config, x.dtype == torch.bfloat16, first.dtype == torch.bfloat16, False, 0, gated, True)
+    ptr = ctypes.c_void_p
+    experts = [ptr(addresses.data_ptr()), ptr(offsets.data_ptr()), ptr(routes.data_ptr()), ctypes.c_int(e),
+               ctypes.c_int(rows_per_x)]  # fmt: skip
+    _launch(kernel, config, x, first, [ptr(0), ptr(0), ptr(0)], out, out, out, 0.0, 0.0, experts, 0, gated)
+    return out
+
+
+def _launch(
+    kernel: NvrtcKernel,
+    config: tuple[int, int, int, int, int],
+    x: torch.Tensor,
+    weight: NF4Weight,
+    weights: list,
+    res: torch.Tensor,
+    out: torch.Tensor,
+    gain: torch.Tensor,
+    eps: float,
+    offset: float,
+    experts: list,
+    prologue: int,
+    gated: bool,
+) -> None:
+    # one program row per output row: `weights` (codes, absmax codes, second-level absmaxes; null with EXPERTS: read
+    # from the address table `experts` holds) and `experts` (address table, offsets, routes, E, rows per x row)
     warps = config[0]
+    n, k = weight.shape
     rt = -(-n // TILE_ROWS)
-    x_bf16 = x.dtype == torch.bfloat16
-    has_res = residual is not None
-    kernel = _kernel(config, x_bf16, weight.dtype == torch.bfloat16, has_res, prologue, gated)
     dev = x.device
     split = rt // 2 if gated else rt  # the row tiles the programs split (gated: a program takes their up tiles too)
-    grid_key = (config, x_bf16, weight.dtype, has_res, prologue, gated, rt, k, dev.index)
+    grid_key = (id(kernel), rt, k, dev.index)  # (the kernel: its config, dtypes, residual, prologue, gated, experts)
     if grid_key not in _GRIDS:
         props = torch.cuda.get_device_properties(dev)
         sms = props.multi_processor_count
@@ -527,19 +625,14 @@ def nf4_tile_gemv(
             raise ValueError(f"NF4 tile GEMV config {config} does not fit a multiprocessor")
         _GRIDS[grid_key] = (min(split, per_sm * sms), data, dyn)
     programs, data, dyn = _GRIDS[grid_key]
-    out = torch.empty((m, n // 2 if gated else n), dtype=weight.dtype, device=dev)
-    res = residual if residual is not None else out
-    gain = norm_weight if norm_weight is not None and prologue else out  # (not read without the prologue)
     scale = 1.0 / X_SCALE if weight.dtype == torch.bfloat16 else 1.0
     ptr = ctypes.c_void_p
     args = [
-        ptr(packed.data_ptr()), ptr(weight.absmax_codes.data_ptr()), ptr(weight.nested_absmax.data_ptr()),
-        ptr(weight.nested_code.data_ptr()), ptr(weight.pair_words16.data_ptr()), ptr(x.data_ptr()),
+        *weights, ptr(weight.nested_code.data_ptr()), ptr(weight.pair_words16.data_ptr()), ptr(x.data_ptr()),
         ptr(res.data_ptr()), ptr(out.data_ptr()), ptr(gain.data_ptr()),
         ctypes.c_int(n), ctypes.c_int(k), ctypes.c_int(rt),
         ctypes.c_longlong(x.stride(0)), ctypes.c_longlong(res.stride(0)), ctypes.c_longlong(out.stride(0)),
-        ctypes.c_float(weight.nested_offset), ctypes.c_float(scale), ctypes.c_float(eps), ctypes.c_int(data),
-        ctypes.c_int(dyn),
+        ctypes.c_float(offset), ctypes.c_float(scale), ctypes.c_float(eps), ctypes.c_int(data), ctypes.c_int(dyn),
+        *experts,
     ]  # fmt: skip
-    kernel.launch(dev, (programs, m, 1), 32 * warps, dyn, args)
-    return out
+    kernel.launch(dev, (programs, out.shape[0], 1), 32 * warps, dyn, args)
