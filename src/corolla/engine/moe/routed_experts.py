@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from corolla.engine.kernels.graph_timing import graph_median_ms
+from corolla.engine.moe import moe_nf4_tile
 from corolla.engine.moe.expert_set import ExpertSet
 from corolla.engine.moe.moe_quant import QuantizedExpertWeights
 from corolla.engine.quant.quant_weights import quantized_weight_of
@@ -40,7 +41,7 @@ from corolla.models.layers import SparseMoE
 from corolla.utils.logging import get_logger
 
 try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs use the reference.
-    from corolla.engine.moe import moe_kernels, moe_nf4_tile, moe_quant_kernels
+    from corolla.engine.moe import moe_kernels, moe_quant_kernels
 
     TRITON_IMPORTED = True
 except ImportError:  # pragma: no cover - depends on the installation
