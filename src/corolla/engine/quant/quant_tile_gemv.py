@@ -37,6 +37,10 @@ order: every program forms the same 1/rms), normalizes x in place as triton_kern
 it as a plain x (nvrtc_kernels' stage_x, int8_row_mma's staging too): the step launches no norm kernel (bit-equal
 to the norm kernel + this GEMV at Llama-3-8B's shapes on an H200, docs/decisions/0043).
 
+The experts form (EXPERTS, `nf4_tile_gemv_experts`): a layer's E NF4 weights of one shape; program row a reads its
+weight's index from the routes after the wait (written by the router ahead), its addresses from the [4, E] table, and
+x row a / xdiv (engine.moe.moe_nf4_tile: the routed experts at a few tokens).
+
 The gated form (`gated`, W = [gate | up], N a multiple of 32): the programs split the gate half's row tiles and
 each takes the same tiles of the up half after its own, so a program holds both sums of each of its rows and writes
 silu(gate) * up [M, N / 2] itself (gate and up rounded as stored, then gated as triton_kernels.silu_mul gates them):
@@ -298,7 +302,8 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   const int ua = (int)((long long)warp * units / WARPS), ub = (int)((long long)(warp + 1) * units / WARPS);
   const int count = ub - ua;
 
-  // the first DEPTH units' loads go out before anything else (their DRAM round trip overlaps the tables' build)
+  // the first DEPTH units' loads go out before anything else (their DRAM round trip overlaps the tables' build;
+  // EXPERTS: after the wait, once the row's expert is known)
   Cursor pc;
   cursor_start(pc, tiles, ua, KG, g, N, KB, rowb);
   U4 buf[SLOTS][4];
