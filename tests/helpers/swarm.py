@@ -230,6 +230,11 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
     return predicate()
 
 
+def cache_used_bytes(server: Any) -> int:
+    """Bytes of an in-process server's attention cache held by sessions now."""
+    return server.service.executor.max_size_bytes - server.service.executor.bytes_left
+
+
 def start_inprocess_server(model_path: str | Path, cache_dir: str | Path, **overrides: Any) -> Any:
     """A `Server` on a tiny model in this process (own thread and loop), new private swarm, CPU float32."""
     from corolla.server.config import ServerConfig

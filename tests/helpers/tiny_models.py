@@ -173,6 +173,20 @@ def tiny_span_backend(span: tuple[int, ...], family: str = "llama", *, seed: int
     return SpanBackend(blocks, config=config, dtype=torch.float32, device="cpu")
 
 
+def hf_model(model_path: str | Path):
+    """transformers' causal LM of the checkpoint at `model_path`, float32, in eval mode: the reference of a swarm's
+    outputs."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model_path: str | Path, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """`prompt` [B, T] followed by exactly `new_tokens` greedy tokens of `hf_model(model_path)`: [B, T + new]."""
+    return hf_model(model_path).generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+
 def hf_layers(model) -> torch.nn.ModuleList:
     """The decoder layers of a transformers causal LM (`model.layers`, `transformer.h`)."""
     for path in ("model.layers", "transformer.h", "h"):

@@ -13,7 +13,7 @@ import torch
 
 from corolla.models.loading import load_pretrained_block
 from helpers.swarm import ClientThread, connected_clients
-from helpers.tiny_models import make_tiny_model
+from helpers.tiny_models import hf_model, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +31,12 @@ def blocks(model_path: Path, server: Any) -> list[torch.nn.Module]:
         load_pretrained_block(model_path, i, config=config, torch_dtype=torch.float32).eval()
         for i in range(config.num_hidden_layers)
     ]
+
+
+@pytest.fixture(scope="module")
+def local(model_path: Path) -> Any:
+    """transformers' model of `model_path` (float32): the reference of whole generations."""
+    return hf_model(model_path)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from contextlib import redirect_stdout
 import pytest
 import torch
 from tests.helpers.swarm import Swarm, inprocess_servers
-from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+from transformers import AutoTokenizer, pipeline
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig, RemoteSequential
 from corolla.models.config import load_config
@@ -42,11 +42,6 @@ def model(swarm, model_path):
         model_path, initial_peers=swarm.initial_peers, client_config=config
     ) as model:
         yield model
-
-
-@pytest.fixture(scope="module")
-def local(model_path):
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
 PROMPT = torch.tensor([[1, 17, 42, 99, 7, 250, 31]])

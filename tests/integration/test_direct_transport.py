@@ -14,7 +14,6 @@ import torch
 from hivemind.compression.serialization import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
-from transformers import AutoModelForCausalLM
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.transport.direct_transport import DirectInferenceStream
@@ -22,7 +21,7 @@ from corolla.protocol import direct_stream as ds
 from corolla.protocol import local_stream as ls
 from corolla.protocol.rpc import handle_name
 from corolla.server.core.limits import PeerLimits
-from helpers.swarm import ClientThread, chain, packed_request, start_inprocess_server, wait_until
+from helpers.swarm import ClientThread, cache_used_bytes, chain, packed_request, start_inprocess_server, wait_until
 
 HIDDEN = 64
 NUM_BLOCKS = 4
@@ -45,15 +44,6 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
     )
     yield server
     server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def local(model_path):
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-
-
-def cache_used(server) -> int:
-    return server.service.executor.max_size_bytes - server.service.executor.bytes_left
 
 
 def ticket_offer(client: ClientThread, server) -> ds.DirectOffer:
@@ -115,7 +105,7 @@ def test_stream_gives_the_blocks_outputs_and_frees_the_cache(server, client, mod
             await stream.send(request)
             response = await asyncio.wait_for(stream.receive(), 30)
             outputs.append(deserialize_torch_tensor(response.tensors[0]))
-        used = cache_used(server)
+        used = cache_used_bytes(server)
         await stream.send_end()
         assert await asyncio.wait_for(stream.receive(), 10) is None  # the server's END
         stream.close()
@@ -129,7 +119,7 @@ def test_stream_gives_the_blocks_outputs_and_frees_the_cache(server, client, mod
             whole = block(whole)
     torch.testing.assert_close(outputs[0], whole[:, :5], atol=1e-4, rtol=0)
     torch.testing.assert_close(outputs[1], whole[:, 5:], atol=1e-4, rtol=0)
-    assert wait_until(lambda: cache_used(server) == 0 and server.service.direct_endpoint.num_open == 0, 5)
+    assert wait_until(lambda: cache_used_bytes(server) == 0 and server.service.direct_endpoint.num_open == 0, 5)
 
 
 def server_blocks(server, path):
@@ -234,7 +224,7 @@ def test_frames_that_do_not_open_end_the_stream_without_a_step(server, client, a
     assert kind == ls.ERROR and len(reply) == ls.HEADER_BYTES + length
     assert b"failed authentication" in ds.Opener(keys.server_to_client).open(kind, reply[ls.HEADER_BYTES :])
     assert executor.runtime.stats() == steps_before  # nothing ran
-    assert wait_until(lambda: cache_used(server) == 0, 5)
+    assert wait_until(lambda: cache_used_bytes(server) == 0, 5)
 
 
 @pytest.mark.parametrize("attack", ["stalled", "oversized"])

@@ -12,8 +12,7 @@ import hivemind
 import pytest
 import torch
 from tests.helpers.swarm import Swarm, inprocess_servers
-from tests.helpers.tiny_models import make_tiny_model
-from transformers import AutoModelForCausalLM
+from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.health.collector import HealthConfig, StateCollector
@@ -76,9 +75,7 @@ def reader(swarm):
 
 @pytest.fixture(scope="module")
 def expected(model_path):
-    local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return local.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    return hf_greedy(model_path, PROMPT, NEW_TOKENS)
 
 
 def _store(dht: hivemind.DHT, key: str, value, expiration_time: float, subkey=None) -> bool:

@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from benchmarks.wan_emulator import LinkConfig, ProxyThread
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from helpers.ports import free_port
 from helpers.swarm import start_inprocess_server
-from helpers.tiny_models import make_tiny_model
+from helpers.tiny_models import hf_greedy, make_tiny_model
 
 pytestmark = pytest.mark.timeout(300)  # setup included: four servers start in 30-40 s at load 15 on 2 cores
 
@@ -74,9 +73,7 @@ def chain(model_path: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def expected(model_path: Path) -> list[list[int]]:
-    local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return local.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+    return hf_greedy(model_path, PROMPT, NEW_TOKENS).tolist()
 
 
 class AtToken:

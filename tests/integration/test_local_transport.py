@@ -15,12 +15,19 @@ import torch
 from hivemind.compression.serialization import deserialize_torch_tensor
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
-from transformers import AutoModelForCausalLM
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.transport.local_transport import open_local_inference
 from corolla.protocol import local_stream as ls
-from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server, wait_until
+from helpers.swarm import (
+    ClientThread,
+    InferenceStream,
+    cache_used_bytes,
+    chain,
+    packed_request,
+    start_inprocess_server,
+    wait_until,
+)
 
 HIDDEN = 64
 NUM_BLOCKS = 4
@@ -36,15 +43,6 @@ def server(model_path, tmp_path_factory: pytest.TempPathFactory):
     )
     yield server
     server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def local(model_path):
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-
-
-def cache_used(server) -> int:
-    return server.service.executor.max_size_bytes - server.service.executor.bytes_left
 
 
 def first_request(server, hidden: torch.Tensor, session_id: str, **metadata) -> runtime_pb2.ExpertRequest:
@@ -116,7 +114,7 @@ def test_stream_over_socket_equals_p2p_and_frees_the_cache_when_dropped(server):
         stream.close()
     finally:
         client.close()
-    assert wait_until(lambda: cache_used(server) == 0, 5)
+    assert wait_until(lambda: cache_used_bytes(server) == 0, 5)
 
     async def go():
         queue: asyncio.Queue = asyncio.Queue()
@@ -131,7 +129,7 @@ def test_stream_over_socket_equals_p2p_and_frees_the_cache_when_dropped(server):
         outputs = [deserialize_torch_tensor((await anext(responses)).tensors[0])]
         await queue.put(packed_request(chain(server, 0, NUM_BLOCKS), token, step_id="b", start_from_position=5))
         outputs.append(deserialize_torch_tensor((await anext(responses)).tensors[0]))
-        used = cache_used(server)
+        used = cache_used_bytes(server)
         await responses.aclose()  # drop the connection mid-session, like a crashed client
         return outputs, used
 
@@ -139,7 +137,7 @@ def test_stream_over_socket_equals_p2p_and_frees_the_cache_when_dropped(server):
     assert used_while_open > 0
     for over_socket, over_p2p in zip(local_outputs, p2p_outputs, strict=True):
         torch.testing.assert_close(over_socket, over_p2p, atol=1e-6, rtol=0)
-    assert wait_until(lambda: cache_used(server) == 0 and server.service.local_endpoint.num_open == 0, 5)
+    assert wait_until(lambda: cache_used_bytes(server) == 0 and server.service.local_endpoint.num_open == 0, 5)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +170,7 @@ def test_garbage_after_accept_ends_only_that_stream(server, header):
         return [deserialize_torch_tensor(r.tensors[0]).shape async for r in responses]
 
     assert _run(healthy()) == [torch.Size([1, 3, HIDDEN])]
-    assert wait_until(lambda: cache_used(server) == 0, 5)
+    assert wait_until(lambda: cache_used_bytes(server) == 0, 5)
 
 
 def test_handler_errors_reach_the_client_like_p2p_errors(server):

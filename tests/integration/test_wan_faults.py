@@ -18,8 +18,7 @@ import pytest
 import torch
 from tests.helpers.ports import free_port
 from tests.helpers.swarm import Swarm
-from tests.helpers.tiny_models import make_tiny_model
-from transformers import AutoModelForCausalLM
+from tests.helpers.tiny_models import hf_greedy, make_tiny_model
 
 from benchmarks.wan_emulator import LinkConfig, ProxyThread, WanProxy
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
@@ -43,9 +42,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def expected(model_path) -> list[int]:
-    local = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = local.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    out = hf_greedy(model_path, PROMPT, NEW_TOKENS)
     return out[0].tolist()
 
 
