@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from corolla.client.config import ClientConfig
 from corolla.client.models.distributed_model import LAYOUTS, DistributedModelForCausalLM
-from corolla.client.models.padding import padding_groups
+from corolla.client.models.generation import padding_groups
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.models.config import load_config
 from corolla.models.loading import CheckpointSource

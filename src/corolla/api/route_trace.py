@@ -11,6 +11,7 @@ a no-op object, so backends call it unconditionally.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -36,15 +37,6 @@ class RouteHop:
     end: int
     public_name: str | None
     transport: str | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "peer_id": self.peer_id,
-            "start": self.start,
-            "end": self.end,
-            "public_name": self.public_name,
-            "transport": self.transport,
-        }
 
 
 def hops_of(route: Sequence[tuple[Any, str | None]]) -> tuple[RouteHop, ...]:
@@ -119,7 +111,7 @@ class GenerationTrace:
                 "route_changes": self.route_changes,
                 "started_at": self.started_at,
                 "finished_at": self.finished_at,
-                "route": [hop.to_dict() for hop in self.hops],
+                "route": [dataclasses.asdict(hop) for hop in self.hops],
                 "route_truncated": self.route_length > len(self.hops),
             }
 

@@ -63,6 +63,16 @@ def split_blocks(num_blocks: int, num_servers: int) -> tuple[tuple[int, int], ..
     return tuple(even_block_ranges(num_blocks, num_servers))
 
 
+def demo_swarm_config(work_dir: Path, startup_timeout_s: float) -> LocalSwarmConfig:
+    """CPU servers in float32 announcing a fixed throughput (no start-up measurement), their logs and block cache in
+    `work_dir`."""
+    server_args = ("--device", "cpu", "--torch_dtype", "float32", "--throughput", "1.0")
+    return LocalSwarmConfig(
+        server_args=(*server_args, "--cache_dir", str(work_dir / "cache")), log_dir=work_dir,
+        startup_timeout_s=startup_timeout_s, stop_grace_s=15.0,
+    )  # fmt: skip
+
+
 def wait_for_coverage(manager: Any, num_blocks: int, *, timeout_s: float) -> list[RemoteSpanInfo]:
     """Re-reads the block records (rather than waiting for the next periodic refresh) until every block has an
     online server; returns the spans, or raises TimeoutError naming the uncovered blocks."""
@@ -194,13 +204,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory(prefix="corolla-demo-") as work:
         work_dir = Path(work)
-        config = LocalSwarmConfig(
-            server_args=("--device", "cpu", "--torch_dtype", "float32", "--throughput", "1.0",
-                         "--cache_dir", str(work_dir / "cache")),
-            log_dir=work_dir,
-            startup_timeout_s=args.startup_timeout_s,
-            stop_grace_s=15.0,
-        )  # fmt: skip
+        config = demo_swarm_config(work_dir, args.startup_timeout_s)
         print(f"Model: {model_dir} ({num_blocks} blocks)")
         print(f"Starting a private swarm on 127.0.0.1: a bootstrap node and {len(block_ranges)} servers "
               f"(blocks {', '.join(f'{a}:{b}' for a, b in block_ranges)}) ...", flush=True)  # fmt: skip

@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from corolla.cli.demo import split_blocks, wait_for_coverage
+from corolla.cli.demo import demo_swarm_config, split_blocks, wait_for_coverage
 from corolla.cli.errors import add_common_flags, run_cli
 from corolla.client.config import ClientConfig
 from corolla.client.models.sequence_classification import AutoDistributedModelForSequenceClassification
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.demo.finetune import FinetuneConfig, FinetuneReport, finetune, init_prompts_from_text
 from corolla.demo.topics import LABELS
-from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
+from corolla.swarm.local import LocalSwarm
 
 PROMPT_INIT_TEXT = "The topic of this sentence is"
 
@@ -66,11 +66,7 @@ def run(args: argparse.Namespace) -> int:
         if not initial_peers:
             work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corolla-finetune-")))
             block_ranges = split_blocks(num_blocks, args.num_servers)
-            swarm_config = LocalSwarmConfig(
-                server_args=("--device", "cpu", "--torch_dtype", "float32", "--throughput", "1.0",
-                             "--cache_dir", str(work_dir / "cache")),
-                log_dir=work_dir, startup_timeout_s=args.startup_timeout_s, stop_grace_s=15.0,
-            )  # fmt: skip
+            swarm_config = demo_swarm_config(work_dir, args.startup_timeout_s)
             print(f"Starting a private swarm on 127.0.0.1: {len(block_ranges)} servers "
                   f"(blocks {', '.join(f'{a}:{b}' for a, b in block_ranges)}) ...", flush=True)  # fmt: skip
             swarm = stack.enter_context(LocalSwarm(swarm_config))

@@ -57,7 +57,7 @@ class ClientConfig:
     # one-way delays per step instead of 2n); the client still sends every span its own copy (client.session.forwarding)
     server_forwarding: bool = True
     # key each session's positions by their tokens (`corolla.prefix`) so that corolla servers keep them, and start
-    # a generation after the prefix its chain already holds (`client.prefix.prefix_reuse`); outputs are the same either way
+    # a generation after the prefix its chain already holds (`client.prefix.prefix_chain`); outputs are the same either way
     prefix_reuse: bool = True
 
     alloc_timeout_s: float = 0.0  # how long servers may wait for KV cache memory (sent as `alloc_timeout`)

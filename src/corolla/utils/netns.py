@@ -1,6 +1,5 @@
-"""Whether this process runs in a network namespace that has only `lo` (the loopback-only tool, `unshare -n`), and
-how another terminal gets into it: its 127.0.0.1 is not the other terminal's. Imports nothing heavy, so a probe
-process can call it cheaply."""
+"""How another terminal reaches a swarm run in a network namespace that has only `lo` (the loopback-only tool,
+`unshare -n`). Imports nothing heavy, so a probe process can call it cheaply."""
 
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from corolla.client.config import ClientConfig
 from corolla.client.models.family_head import GEMMA_NORM, GPT_OSS_NORM, cap_logits, family_norm, scale_embeddings
-from corolla.client.models.generation import GenerationLoop
-from corolla.client.models.padding import padding_groups
+from corolla.client.models.generation import GenerationLoop, padding_groups
 from corolla.client.prefix.prefix_chain import PrefixChain, prompts_digest, session_root
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.inference_session import InferenceSession

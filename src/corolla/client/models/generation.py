@@ -1,8 +1,9 @@
 """`generate()` for distributed models: our own decoding loop with `transformers`' logits processors (same order
-and defaults as `transformers.generate`), greedy or sampling, left-padded batches and sessions that continue,
-`stop_strings` (with `tokenizer=`, through `transformers`' `StopStringCriteria`), and opt-in speculative decoding
-(`speculative=SpeculativeConfig(...)`: `corolla.client.speculative.loop`). An argument it does not implement is a
-ValueError, never silently ignored."""
+and defaults as `transformers.generate`), greedy or sampling, sessions that continue, `stop_strings` (with
+`tokenizer=`, through `transformers`' `StopStringCriteria`), left-padded batches (rows grouped by padding length,
+`padding_groups`, so that no pad position enters a server's cache; `forward` groups them so too) and opt-in
+speculative decoding (`speculative=SpeculativeConfig(...)`: `corolla.client.speculative.loop`). An argument it does
+not implement is a ValueError, never silently ignored."""
 
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from corolla.client.models.padding import padding_groups
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.inference_session import InferenceSession
 from corolla.client.speculative.acceptance import KChooser, SpeculativeConfig
@@ -52,6 +52,16 @@ _IMPLEMENTED = {
     "min_p", "typical_p", "repetition_penalty", "no_repeat_ngram_size", "eos_token_id", "pad_token_id",
     "bos_token_id", "stop_strings", "use_cache", *_UNSUPPORTED,
 }  # fmt: skip
+
+
+def padding_groups(attention_mask: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """Groups rows of a left-padded mask `[B, L]` by padding length: [(row indices, pad length)]."""
+    mask = attention_mask.bool()
+    pads = (~mask).int().cumprod(dim=1).sum(dim=1)  # leading zeros per row
+    for row, pad in enumerate(pads.tolist()):
+        if not bool(mask[row, pad:].all()):
+            raise ValueError("attention_mask must use left padding (zeros only before the first token)")
+    return [(torch.nonzero(pads == pad).flatten(), int(pad)) for pad in sorted(set(pads.tolist()))]
 
 
 class GeneratingModel(LocalEnds, Protocol):

@@ -1,2 +1,2 @@
 """Prefix reuse, client side: the token keys of a session's positions (`prefix_chain`), the probe of how much
-each server holds (`prefix_reuse`) and cache-affine routing (`prefix_routes`)."""
+each server holds (also `prefix_chain`) and cache-affine routing (`prefix_routes`)."""

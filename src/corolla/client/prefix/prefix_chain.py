@@ -1,14 +1,19 @@
 """`PrefixChain`: the token ids of one inference session's positions and their chain hashes (`protocol.prefix`), so
-that each request can name the blocks it writes and a fresh session can ask each server how much it already holds."""
+that each request can name the blocks it writes and a fresh session can ask each server how much it already holds:
+which servers take prefix keys, and the probe (each server's zero-token first step with the keys of the known
+positions, answered with how many it holds)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from corolla.protocol.prefix import MAX_PREFIX_BLOCKS, PREFIX_BLOCK_TOKENS, PrefixKeys, chain_hashes, prefix_root
+from corolla.protocol.records import ServerInfo
 
 
 def prompts_digest(*tensors: torch.Tensor | None) -> bytes:
@@ -63,3 +68,20 @@ class PrefixChain:
         if not self.active or stop <= first:
             return None
         return PrefixKeys(first_block=first, hashes=tuple(self.hashes[first:stop]))
+
+
+class Probed(Protocol):
+    """What the probe needs of a `span_session.SpanSession` (which imports this module's users: named by shape)."""
+
+    async def probe(self, keys_until: int, like: torch.Tensor) -> int: ...
+
+
+def speaks_prefix_keys(info: ServerInfo) -> bool:
+    """corolla servers announce their load (`tokens_served` always) and take `corolla.prefix` keys; a stock Petals
+    server's record has no load fields, and it gets the usual first step (it would not answer a probe's hit)."""
+    return info.tokens_served is not None
+
+
+async def probe_chain(spans: Sequence[Probed], *, keys_until: int, like: torch.Tensor) -> list[int]:
+    """Probes every span concurrently (one round trip for the chain); returns each server's hit in block order."""
+    return list(await asyncio.gather(*(span.probe(keys_until, like) for span in spans)))

@@ -239,14 +239,10 @@ async def _import(
     empty = old.history[:, :0]  # [B, 0, H]
     request, inputs, send_from = new._request(
         empty, header.position, header.position, torch.empty(0), torch.empty(0, dtype=torch.int64),
-        str(uuid.uuid4()), NONE, {},
+        str(uuid.uuid4()), NONE, {wire.IMPORT_KEY: header.to_dict()},
     )  # fmt: skip
-    metadata = decode_metadata(request.metadata)
-    metadata[wire.IMPORT_KEY] = header.to_dict()
     new._started = True
-    await new.send(
-        runtime_pb2.ExpertRequest(uid=request.uid, tensors=request.tensors, metadata=encode_metadata(metadata))
-    )
+    await new.send(request)
     for parts in messages:
         await new.send(runtime_pb2.ExpertRequest(uid=request.uid, tensors=parts))
     response = await new._next_response()

@@ -4,7 +4,7 @@ rebuilds the KV cache. Steps run in the caller's thread when every span is on a 
 background loop, where failures are retried on replacement chains within a `RetryBudget` (a silent hop is noticed
 at its step deadline, `client.session.stalls`; the only server of a span is waited for, not banned, when its link fails, and
 dialled again once its listener answers a knock, `client.transport.link_probe`).
-With a `PrefixChain` of the tokens, a fresh session asks its chain which prefix it already holds (`client.prefix.prefix_reuse`)
+With a `PrefixChain` of the tokens, a fresh session asks its chain which prefix it already holds (`client.prefix.prefix_chain`)
 and starts after the shortest hit; a span that must be rebuilt without the inputs of that prefix restarts the chain."""
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import torch
 from corolla.client import background_loop
 from corolla.client.calls.output_checks import BadServerOutput
 from corolla.client.calls.retries import RetryBudget, has_alternative
-from corolla.client.prefix.prefix_chain import PrefixChain
-from corolla.client.prefix.prefix_reuse import probe_chain, speaks_prefix_keys
+from corolla.client.prefix.prefix_chain import PrefixChain, probe_chain, speaks_prefix_keys
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.forwarding import StepForwarding, push_went_stale
 from corolla.client.session.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
@@ -176,7 +175,7 @@ class InferenceSession:
         return outputs.to(inputs.device)
 
     async def _open_reusing(self, inputs: torch.Tensor, prompt_length: int) -> int:
-        """Opens the chain (preferring the one that held this prefix last time: `client.prefix.prefix_reuse`) and asks its
+        """Opens the chain (preferring the one that held this prefix last time: `client.prefix.prefix_chain`) and asks its
         servers which prefix of `inputs`' positions they hold; every span then starts at the shortest hit, which
         this returns (0 when a server does not take prefix keys, or when anything fails: the step then runs as
         without a cache, on the usual retry path)."""
