@@ -60,7 +60,12 @@ def build_parser() -> configargparse.ArgParser:
     parser.add_argument(
         "--max_concurrent_requests", type=int, default=ApiConfig.max_concurrent_requests, help="generations at once"
     )
-    parser.add_argument("--default_chat_max_tokens", type=int, default=ApiConfig.default_chat_max_tokens)
+    parser.add_argument(
+        "--default_chat_max_tokens",
+        type=int,
+        default=ApiConfig.default_chat_max_tokens,
+        help="max_tokens of a chat request that sets none (at most the context left)",
+    )
     parser.add_argument("--max_n", type=int, default=ApiConfig.max_n, help="most choices per request (`n`); more: 400")
     parser.add_argument(
         "--max_logprobs", type=int, default=ApiConfig.max_logprobs, help="most `logprobs`/`top_logprobs` per token"

@@ -7,9 +7,9 @@ sampling) and reports the acceptance rate. Text goes to stdout; logs are off unl
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -20,6 +20,7 @@ from corolla.client.config import ClientConfig
 from corolla.client.models.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from corolla.utils.interrupts import wait_for_line
 
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "repetition_penalty")  # generate() arguments, passed when given
 DEFAULT_SESSION_TOKENS = 2048  # an --interactive session's length unless --max_length or the model's positions say less
 
 
@@ -107,25 +108,13 @@ def _main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     config = ClientConfig(
-        request_timeout_s=args.request_timeout_s, max_retries=args.max_retries, swarm_key_file=args.swarm_key_file
-    )
-    wait_s = args.max_wait_s if args.max_wait_s > 0 else None
-    config = dataclasses.replace(
-        config,
-        max_wait_s=wait_s,
-        verify_fraction=args.verify_fraction,
-        server_forwarding=args.server_forwarding,
-        verify_shadow_fraction=args.verify_shadow_fraction,
+        request_timeout_s=args.request_timeout_s, max_retries=args.max_retries, swarm_key_file=args.swarm_key_file,
+        max_wait_s=args.max_wait_s if args.max_wait_s > 0 else None, verify_fraction=args.verify_fraction,
+        server_forwarding=args.server_forwarding, verify_shadow_fraction=args.verify_shadow_fraction,
         findings_dir=args.findings_dir,
-    )
+    )  # fmt: skip
     dtype = args.torch_dtype if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
-    sampling: dict = {
-        k: v
-        for k, v in dict(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty
-        ).items()
-        if v is not None
-    }
+    sampling: dict = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
     if speculative is not None:
         sampling["speculative"] = speculative
     with AutoDistributedModelForCausalLM.from_pretrained(
@@ -136,19 +125,29 @@ def _main(argv: list[str] | None = None) -> int:
         torch_dtype=dtype,
     ) as model:
         known_liars = set(model.manager.findings.liars())
-        if not args.interactive:
-            ids = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
-            print(args.prompt, end="", flush=True)
+
+        def generate(ids: torch.Tensor, **kwargs: Any) -> str:
+            """Streams the continuation of `ids` [1, T]; returns its figures: tokens/s, speculation, liars caught."""
             streamer = TextStreamer(tokenizer)
             started = time.perf_counter()
             model.generate(
-                ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, streamer=streamer, **sampling
+                ids,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=args.do_sample,
+                streamer=streamer,
+                **sampling,
+                **kwargs,
             )
             elapsed_s = time.perf_counter() - started
-            print(
-                f"[{streamer.num_generated} tokens in {elapsed_s:.2f} s: {streamer.num_generated / elapsed_s:.2f} tokens/s"
-                f"{_speculative_summary(model)}{_findings_summary(model, known_liars, args.findings_dir)}]"
+            tokens = streamer.num_generated
+            return (
+                f"{tokens} tokens in {elapsed_s:.2f} s: {tokens / elapsed_s:.2f} tokens/s{_speculative_summary(model)}"
+                f"{_findings_summary(model, known_liars, args.findings_dir)}"
             )
+
+        if not args.interactive:
+            print(args.prompt, end="", flush=True)
+            print(f"[{generate(tokenizer(args.prompt, return_tensors='pt')['input_ids'])}]")
             return 0
         # servers refuse sessions longer than the positions the model was trained for
         trained = getattr(model.config, "max_position_embeddings", None)
@@ -167,21 +166,7 @@ def _main(argv: list[str] | None = None) -> int:
                 if session.position + ids.shape[1] + args.max_new_tokens + 1 > max_length:
                     print("[session is full; restart to continue]")
                     break
-                streamer = TextStreamer(tokenizer)
-                started = time.perf_counter()
-                model.generate(
-                    ids,
-                    session=session,
-                    max_new_tokens=args.max_new_tokens,
-                    do_sample=args.do_sample,
-                    streamer=streamer,
-                    **sampling,
-                )
-                elapsed_s = time.perf_counter() - started
-                print(
-                    f"[{streamer.num_generated / elapsed_s:.2f} tokens/s{_speculative_summary(model)}"
-                    f"{_findings_summary(model, known_liars, args.findings_dir)}]"
-                )
+                print(f"[{generate(ids, session=session)}]")
     return 0
 
 
