@@ -57,3 +57,31 @@ def check_merged_decode_equals_solo(
     finally:
         for s in sessions:
             s.close()
+
+
+def check_rollback(engine: Any, blocks: Sequence[torch.nn.Module], hidden_size: int, max_length_tokens: int) -> None:
+    """A prompt of 9 tokens, 3 more, then 2 written at position 6 (a speculative rollback): the last step equals
+    the blocks' own cached steps of the prompt's first 6 then those 2 (as if nothing else were ever sent)."""
+    h = hidden_size
+    prompt, a, b = torch.randn(1, 9, h), torch.randn(1, 3, h), torch.randn(1, 2, h)
+    expected = cached_block_steps(blocks, max_length_tokens, [(prompt, 0), (b, 6)])
+    with engine.open_session(1, max_length_tokens) as session:
+        engine.step(session, prompt, 0)
+        engine.step(session, a, 9)
+        out = engine.step(session, b, 6)
+        assert session.length_tokens == 8
+    torch.testing.assert_close(out, expected[1], atol=1e-4, rtol=0)
+
+
+def check_hypo_reorder(
+    engine: Any, blocks: Sequence[torch.nn.Module], hidden_size: int, max_length_tokens: int
+) -> None:
+    """Three rows of 7 tokens, then a step with hypo_ids [2, 0, 0] (beam search's reorder): equal to the blocks'
+    cached steps of the rows reordered first."""
+    h = hidden_size
+    prompt, tok, hypo = torch.randn(3, 7, h), torch.randn(3, 1, h), torch.tensor([2, 0, 0])
+    expected = cached_block_steps(blocks, max_length_tokens, [(prompt[hypo], 0), (tok, 7)])[1]
+    with engine.open_session(3, max_length_tokens) as session:
+        engine.step(session, prompt, 0)
+        out = engine.step(session, tok, 7, hypo_ids=hypo)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)

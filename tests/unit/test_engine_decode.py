@@ -11,7 +11,12 @@ from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.span_engine import StepRequest, fused_model
 from corolla.models.registry import get_family
 from corolla.utils.errors import AllocationFailed
-from helpers.engine_reference import cached_block_steps, check_merged_decode_equals_solo
+from helpers.engine_reference import (
+    cached_block_steps,
+    check_hypo_reorder,
+    check_merged_decode_equals_solo,
+    check_rollback,
+)
 from helpers.tiny_models import tiny_config
 
 H = 64  # tiny_config hidden size
@@ -80,27 +85,12 @@ def test_decode_many_splits_batches_above_max_rows() -> None:
 
 def test_rollback_overwrites_from_the_given_position() -> None:
     blocks = make_blocks()
-    engine = make_engine(blocks)
-    prompt, a, b = torch.randn(1, 9, H), torch.randn(1, 3, H), torch.randn(1, 2, H)
-    expected = cached_block_steps(blocks, MAX_LEN, [(prompt, 0), (b, 6)])  # as if only prompt[:6] then b were ever sent
-    with engine.open_session(1, MAX_LEN) as session:
-        engine.step(session, prompt, 0)
-        engine.step(session, a, 9)
-        out = engine.step(session, b, 6)  # speculative rollback to position 6
-        assert session.length_tokens == 8
-    torch.testing.assert_close(out, expected[1], atol=1e-4, rtol=0)
+    check_rollback(make_engine(blocks), blocks, H, MAX_LEN)
 
 
 def test_hypo_ids_reorder_rows() -> None:
     blocks = make_blocks()
-    engine = make_engine(blocks)
-    prompt, tok = torch.randn(3, 7, H), torch.randn(3, 1, H)
-    hypo = torch.tensor([2, 0, 0])
-    expected = cached_block_steps(blocks, MAX_LEN, [(prompt[hypo], 0), (tok, 7)])[1]
-    with engine.open_session(3, MAX_LEN) as session:
-        engine.step(session, prompt, 0)
-        out = engine.step(session, tok, 7, hypo_ids=hypo)
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+    check_hypo_reorder(make_engine(blocks), blocks, H, MAX_LEN)
 
 
 def test_invalid_steps_raise_value_error_naming_the_limit() -> None:

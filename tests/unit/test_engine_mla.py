@@ -16,7 +16,12 @@ from corolla.engine.span_engine import fused_model
 from corolla.engine.spans.fast_mla import FastMlaSpan
 from corolla.models.registry import get_family
 from corolla.models.sizing import kv_cache_bytes_per_token
-from helpers.engine_reference import cached_block_steps, check_merged_decode_equals_solo
+from helpers.engine_reference import (
+    cached_block_steps,
+    check_hypo_reorder,
+    check_merged_decode_equals_solo,
+    check_rollback,
+)
 from helpers.executor_runs import randomize_
 from helpers.tiny_models_fam_a import tiny_config_of
 
@@ -112,21 +117,8 @@ def test_rollback_and_beam_reordering() -> None:
     blocks = make_blocks()
     h = hidden_size(blocks)
     engine = make_engine(blocks)
-    prompt, a, b = torch.randn(1, 9, h), torch.randn(1, 3, h), torch.randn(1, 2, h)
-    expected = cached_block_steps(blocks, MAX_LEN, [(prompt, 0), (b, 6)])  # as if only prompt[:6] then b were ever sent
-    with engine.open_session(1, MAX_LEN) as session:
-        engine.step(session, prompt, 0)
-        engine.step(session, a, 9)
-        out = engine.step(session, b, 6)  # speculative rollback to position 6
-        assert session.length_tokens == 8
-    torch.testing.assert_close(out, expected[1], atol=1e-4, rtol=0)
-
-    beams, tok, hypo = torch.randn(3, 7, h), torch.randn(3, 1, h), torch.tensor([2, 0, 0])
-    expected_beams = cached_block_steps(blocks, MAX_LEN, [(beams[hypo], 0), (tok, 7)])[1]
-    with engine.open_session(3, MAX_LEN) as session:
-        engine.step(session, beams, 0)
-        got = engine.step(session, tok, 7, hypo_ids=hypo)  # latent pages copied between rows
-    torch.testing.assert_close(got, expected_beams, atol=1e-4, rtol=0)
+    check_rollback(engine, blocks, h, MAX_LEN)
+    check_hypo_reorder(engine, blocks, h, MAX_LEN)  # latent pages copied between rows
 
 
 def test_sub_span_sessions_and_deep_prompts() -> None:
