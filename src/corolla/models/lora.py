@@ -43,14 +43,9 @@ class LoraWeights:
         return sum(a.numel() + b.numel() for a, b, _ in self.modules.values())
 
 
-def _adapter_file(name_or_path: str, filename: str, *, cache_dir, revision, token, max_disk_space_bytes) -> Path:
-    if os.path.isdir(name_or_path):
-        return Path(name_or_path) / filename
-
-    source = CheckpointSource(
-        name_or_path, cache_dir=cache_dir, revision=revision, token=token, max_disk_space_bytes=max_disk_space_bytes
-    )
-    return Path(source.get_file(filename))
+def _adapter_file(name_or_path: str, filename: str, **options) -> Path:
+    """The local path of an adapter's file (a directory's, or fetched from the hub into the shared cache)."""
+    return Path(CheckpointSource(name_or_path, **options).get_file(filename))
 
 
 def load_adapter(

@@ -77,6 +77,7 @@ def span_parameter_split(config: Any, block_indices: Sequence[int]) -> SpanParam
     return SpanParameterSplit(total, experts, active)
 
 
-def largest_block_params(config: Any) -> int:
-    """Parameters of the largest block (a sparse one when the model has both kinds), for per-block memory sizing."""
+def count_block_parameters(config: Any) -> int:
+    """Parameters of one block (the largest: a routed-experts one when the model mixes dense and MoE layers), for
+    per-block memory sizing; counted on the meta device (no memory is used)."""
     return max(_layer_split(config, i).total_params for i in representative_layers(config).values())

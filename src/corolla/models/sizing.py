@@ -8,17 +8,11 @@ from typing import Any
 
 import torch
 
-from corolla.models.moe_sizing import largest_block_params
+from corolla.models.moe_sizing import count_block_parameters
 from corolla.models.quantization import BYTES_PER_VALUE, QuantType
 from corolla.models.registry import get_family
 
 SIZE_MARGIN = 0.01  # the reference's 1% slack
-
-
-def count_block_parameters(config) -> int:
-    """Parameters of one block (the largest: a routed-experts one when the model mixes dense and MoE layers),
-    counted on the meta device (no memory is used)."""
-    return largest_block_params(config)
 
 
 def block_size_bytes(config, dtype: torch.dtype, quant_type: QuantType | str = QuantType.NONE) -> int:
