@@ -63,7 +63,6 @@ class QuantizedExpertWeights(ExpertSet):
     down: tuple[QuantizedWeight, ...]
     gate_up_tables: ProjectionTables = field(init=False)
     down_tables: ProjectionTables = field(init=False)
-    levels: torch.Tensor = field(init=False)  # [16] fp32 NF4 levels (Int8: unused zeros)
     pair_levels: torch.Tensor = field(init=False)  # [256] int32 NF4 pair table (NF4Weight.pair_levels; Int8: zeros)
     boundaries: torch.Tensor = field(init=False)  # [E + 1] int64: 0..E, for segmenting sorted expert ids
 
@@ -100,8 +99,6 @@ class QuantizedExpertWeights(ExpertSet):
         dev = first.device
         object.__setattr__(self, "gate_up_tables", ProjectionTables.of(self.gate_up, dev))
         object.__setattr__(self, "down_tables", ProjectionTables.of(self.down, dev))
-        levels = first.code.float() if isinstance(first, NF4Weight) else torch.zeros(16, device=dev)
-        object.__setattr__(self, "levels", levels.contiguous())
         pairs = first.pair_levels if isinstance(first, NF4Weight) else torch.zeros(256, dtype=torch.int32, device=dev)
         object.__setattr__(self, "pair_levels", pairs.contiguous())
         object.__setattr__(self, "boundaries", torch.arange(len(self.gate_up) + 1, device=dev))

@@ -4,9 +4,10 @@ device; one program per (expert, block of output columns) walks that expert's as
 experts' bytes are never read) with the weight tiles decoded in registers from bitsandbytes' layouts, found through
 the per-expert address tables:
 
-- NF4: a [BLOCK_N, BLOCK_K / 2] tile of packed bytes (16-byte loads), each nibble looked up in the 16 fp32 levels,
-  times its 64-value block's absmax (8-bit code -> second-level code table * second-level absmax + offset), rounded
-  once to the compute dtype (the values of `NF4Weight.dequantize`), then `tl.dot` on the matrix units.
+- NF4: per 64-value block one gather per packed byte from the 256-entry pair table (both levels in the compute
+  dtype), two depth-32 `tl.dot`s against x's even and odd columns, the block's absmax (8-bit code -> second-level
+  code table * second-level absmax + offset) applied to the fp32 result. (At up to `moe_nf4_tile.TILE_MAX_TOKENS`
+  tokens NF4 experts run the tile GEMV instead.)
 - Int8: the codes converted to the compute dtype (exact: |code| <= 127), `tl.dot`, and each output column scaled
   by its row absmax / 127 in fp32 before rounding (as `quant_kernels` does for the dense Int8 projections).
 
@@ -27,14 +28,13 @@ if TYPE_CHECKING:
     from corolla.engine.moe.moe_quant import QuantizedExpertWeights
 
 BLOCK_M = 16  # assignment rows per tile (tl.dot's minimum)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, pair, down splits); BLOCK_K a multiple of 64 (NF4 absmax blocks). pair = 0: the weight
-# tile is dequantized (NF4: level * absmax rounded once, the reference's values) and multiplied in one tl.dot;
-# pair = 1 (NF4 only): per 64-value block one gather per byte from the 256-entry pair table (both levels in the
-# compute dtype, `NF4Weight.pair_levels`), two depth-32 dots against x's even and odd columns, the block's absmax
-# applied to the fp32 result (as `quant_kernels`' NF4 kernel; no dequantized tile, no layout change). On an H100
-# at the Mixtral-8x7B shape, one token, two experts (floor 61 us; benchmarks/results/moe-mixtral-8x7b-nvidia-h100-
-# 80gb-hbm3-20261126-2029.json): pair-1 0.85-1.30 ms per layer, pair-0 1.93-6.49 ms; Int8 (pair-0) 0.22-0.30 ms
-# (floor 117 us; ...-2021.json). down splits > 1: the down projection's K (the intermediate size, 224 serial NF4
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, pair, down splits); BLOCK_K a multiple of 64 (NF4 absmax blocks). pair = 0
+# (Int8): the codes converted and multiplied in one tl.dot; pair = 1 (NF4): the pair-table decode above (as
+# `quant_kernels`' NF4 kernel; no dequantized tile, no layout change). The NF4 tile dequantized to the compute dtype
+# and multiplied in one tl.dot (pair 0 for NF4) lost to the pair decode at every count measured and is deleted: H100,
+# Mixtral-8x7B shape, one token, 0.85-1.30 ms per layer for pair 1 against 1.93-6.49 ms; H200 (docs/decisions/0077)
+# 840 / 1,966 / 2,139 us at 1 / 8 / 16 tokens against at best 1,553 / 5,181 / 5,202 us.
+# down splits > 1: the down projection's K (the intermediate size, 224 serial NF4
 # blocks per program at Mixtral's shape) is cut into that many ranges run by separate programs, their fp32 partial
 # sums added in split order by torch (no atomics), then rounded and weighted. The pair decode with 4 and 8 down
 # splits was withdrawn: in its one real-shape GPU run (H200, 4 layers, ...-h200-20261126-2113.json) it was the
@@ -57,47 +57,22 @@ QUANT_EXPERT_CONFIGS: tuple[tuple[int, int, int, int, int, int], ...] = (
 
 
 def configs_for(kind: str) -> tuple[tuple[int, int, int, int, int, int], ...]:
-    """The configs valid for "nf4" or "int8" experts (Int8 has no pair decode)."""
-    return tuple(c for c in QUANT_EXPERT_CONFIGS if kind == "nf4" or not c[4])
+    """The configs of "nf4" (the pair decode) or "int8" experts."""
+    return tuple(c for c in QUANT_EXPERT_CONFIGS if bool(c[4]) == (kind == "nf4"))
 
 
 @triton.jit
-def _weight_tile(addr_ptr, E, e, levels_ptr, offset, rows, mask_rows, k0, K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NF4: tl.constexpr, like_ptr):  # fmt: skip
-    # -> W_e[rows, k0 : k0 + BLOCK_K]^T as [BLOCK_K, BLOCK_N] in like_ptr's dtype (NF4: dequantized; Int8: the
-    # codes, unscaled). addr_ptr: [4, E] int64 address table (codes, scales, nested absmax, nested code)
-    dt = like_ptr.dtype.element_ty
-    if NF4:
-        q_ptr = tl.multiple_of(tl.load(addr_ptr + e).to(tl.pointer_type(tl.uint8)), 16)
-        s_ptr = tl.load(addr_ptr + E + e).to(tl.pointer_type(tl.uint8))
-        na_ptr = tl.load(addr_ptr + 2 * E + e).to(tl.pointer_type(tl.float32))
-        nc_ptr = tl.load(addr_ptr + 3 * E + e).to(tl.pointer_type(tl.float32))
-        NB: tl.constexpr = BLOCK_K // 64  # absmax blocks per tile row
-        BB: tl.constexpr = BLOCK_K // 2  # packed bytes per tile row
-        cols = k0 // 2 + tl.arange(0, BB)  # [BB]
-        byte = tl.load(
-            q_ptr + rows[:, None].to(tl.int64) * (K // 2) + cols[None, :],
-            mask=mask_rows[:, None] & (cols < K // 2)[None, :],
-            other=0,
-        )  # [BN, BB] uint8: element 2j in the high nibble of byte j
-        hi = tl.load(levels_ptr + (byte >> 4).to(tl.int32))  # [BN, BB] fp32
-        lo = tl.load(levels_ptr + (byte & 15).to(tl.int32))
-        vals = tl.reshape(tl.join(hi, lo), [BLOCK_N, NB, 64])  # element order
-        blk = k0 // 64 + tl.arange(0, NB)  # [NB]
-        gb = rows[:, None].to(tl.int64) * (K // 64) + blk[None, :]  # [BN, NB] absmax block index
-        smask = mask_rows[:, None] & (blk < K // 64)[None, :]
-        aq = tl.load(s_ptr + gb, mask=smask, other=0).to(tl.int32)
-        absmax = tl.load(nc_ptr + aq) * tl.load(na_ptr + gb // 256, mask=smask, other=0.0) + offset  # [BN, NB]
-        return tl.trans(tl.reshape(vals * absmax[:, :, None], [BLOCK_N, BLOCK_K]).to(dt))  # [BK, BN]
-    else:
-        q_ptr = tl.multiple_of(tl.load(addr_ptr + e).to(tl.pointer_type(tl.int8)), 16)
-        rk = k0 + tl.arange(0, BLOCK_K)
-        codes = tl.load(
-            q_ptr + rows[None, :].to(tl.int64) * K + rk[:, None],
-            mask=(rk < K)[:, None] & mask_rows[None, :],
-            other=0,
-        )  # [BK, BN] int8
-        return codes.to(dt)
+def _int8_tile(addr_ptr, e, rows, mask_rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, like_ptr):
+    # -> Int8 W_e[rows, k0 : k0 + BLOCK_K]^T as [BLOCK_K, BLOCK_N] codes in like_ptr's dtype (exact, unscaled).
+    # addr_ptr: [4, E] int64 address table (codes first)
+    q_ptr = tl.multiple_of(tl.load(addr_ptr + e).to(tl.pointer_type(tl.int8)), 16)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    codes = tl.load(
+        q_ptr + rows[None, :].to(tl.int64) * K + rk[:, None],
+        mask=(rk < K)[:, None] & mask_rows[None, :],
+        other=0,
+    )  # [BK, BN] int8
+    return codes.to(like_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -145,7 +120,6 @@ def _quant_gate_up_kernel(
     bounds_ptr,  # [E + 1] int64: expert e's assignments are order[bounds[e]:bounds[e + 1]]
     tables_ptr,  # [4, E] int64 address tables of gate_up (ProjectionTables)
     offsets_ptr,  # [E] fp32 NF4 absmax offsets
-    levels_ptr,  # [16] fp32 NF4 levels
     pair_ptr,  # [256] int32 NF4 pair table (NF4Weight.pair_levels)
     act_ptr,  # [A, I] out, rows in sorted order
     E,
@@ -186,10 +160,8 @@ def _quant_gate_up_kernel(
                 xt = tl.load(
                     x_ptr + token[:, None] * stride_x + rk[None, :], mask=mask_m[:, None] & (rk < H)[None, :], other=0.0
                 )  # [BM, BK]
-                wg = _weight_tile(tables_ptr, E, e, levels_ptr, offset, rn, mask_n, k0, H, BLOCK_N, BLOCK_K, NF4, x_ptr)
-                wu = _weight_tile(
-                    tables_ptr, E, e, levels_ptr, offset, rn + INTER, mask_n, k0, H, BLOCK_N, BLOCK_K, NF4, x_ptr
-                )
+                wg = _int8_tile(tables_ptr, e, rn, mask_n, k0, H, BLOCK_K, x_ptr)
+                wu = _int8_tile(tables_ptr, e, rn + INTER, mask_n, k0, H, BLOCK_K, x_ptr)
                 acc_g = tl.dot(xt, wg, acc_g)
                 acc_u = tl.dot(xt, wu, acc_u)
         if not NF4:  # Int8: each output column times its row absmax / 127
@@ -210,7 +182,6 @@ def _quant_down_kernel(
     bounds_ptr,  # [E + 1] int64
     tables_ptr,  # [4, E] int64 address tables of down
     offsets_ptr,  # [E] fp32
-    levels_ptr,  # [16] fp32
     pair_ptr,  # [256] int32
     weights_ptr,  # [A] fp32 routing weight of each assignment (unsorted)
     out_ptr,  # SPLITS == 1: [A, H] fp32 weighted outputs; else [SPLITS, A, H] fp32 partial sums (rows by assignment)
@@ -255,9 +226,7 @@ def _quant_down_kernel(
                     mask=mask_m[:, None] & (rk < INTER)[None, :],
                     other=0.0,
                 )  # [BM, BK]
-                wd = _weight_tile(
-                    tables_ptr, E, e, levels_ptr, offset, rn, mask_n, k0, INTER, BLOCK_N, BLOCK_K, NF4, act_ptr
-                )
+                wd = _int8_tile(tables_ptr, e, rn, mask_n, k0, INTER, BLOCK_K, act_ptr)
                 acc = tl.dot(at, wd, acc)
         if not NF4:
             acc = acc * _column_scales(tables_ptr, E, e, rn, mask_n)[None, :]
@@ -297,13 +266,13 @@ def grouped_quant_experts(
     out = torch.zeros((splits, n * k, h), dtype=torch.float32, device=x.device)  # [S, A, H]
     gu, dn = experts.gate_up_tables, experts.down_tables
     _quant_gate_up_kernel[(num_experts, triton.cdiv(inter, block_n))](
-        x, order, bounds, gu.addresses, gu.offsets, experts.levels, experts.pair_levels, act, num_experts, h, inter,
+        x, order, bounds, gu.addresses, gu.offsets, experts.pair_levels, act, num_experts, h, inter,
         x.stride(0), TOP_K=k, NF4=nf4, PAIR=bool(pair), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     weights = expert_weights.reshape(-1).contiguous()  # [A] fp32
     _quant_down_kernel[(num_experts, triton.cdiv(h, block_n), splits)](
-        act, order, bounds, dn.addresses, dn.offsets, experts.levels, experts.pair_levels, weights, out, num_experts,
+        act, order, bounds, dn.addresses, dn.offsets, experts.pair_levels, weights, out, num_experts,
         n * k, h, inter, NF4=nf4, PAIR=bool(pair), SPLITS=splits, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
