@@ -18,6 +18,7 @@ from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import plain_chat_prompt
 from corolla.api.serving import serve_in_thread
 from corolla.utils.errors import MissingBlocksError
+from helpers.api_client import openai_client
 
 MODEL = "fake/scripted-model"
 EOS = 0
@@ -100,7 +101,7 @@ def api(backend):
 
 @pytest.fixture()
 def client(api):
-    return openai.OpenAI(base_url=api.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(api.url)
 
 
 def post_raw(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import openai
 import pytest
 import torch
 from tests.integration.test_api_app import MODEL, ScriptedBackend
@@ -13,6 +12,7 @@ from tests.integration.test_api_app import MODEL, ScriptedBackend
 from corolla.api.app import ApiConfig, create_app
 from corolla.api.prompt_cache import report_cached_tokens
 from corolla.api.serving import serve_in_thread
+from helpers.api_client import openai_client
 
 
 class CachingBackend(ScriptedBackend):
@@ -38,7 +38,7 @@ class CachingBackend(ScriptedBackend):
 @pytest.fixture(scope="module")
 def client():
     with serve_in_thread(create_app(CachingBackend(), ApiConfig())) as running:
-        yield openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        yield openai_client(running.url)
 
 
 def test_chat_usage_reports_cached_prompt_tokens(client):

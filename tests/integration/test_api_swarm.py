@@ -4,7 +4,6 @@ official `openai` client: same tokens as local `transformers` greedy generation,
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import threading
 import time
@@ -67,13 +66,6 @@ class Gateway:
         return self.tokenizer.decode(new, skip_special_tokens=True), len(new)
 
 
-def stop_all(swarm: Swarm) -> None:
-    """Asks every process to stop at once (graceful shutdowns overlap), then reaps them all."""
-    for proc in swarm.processes:
-        proc.signal(signal.SIGTERM)
-    swarm.close()
-
-
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("api-swarm")
@@ -91,7 +83,7 @@ def gateway(tmp_path_factory):
         with inprocess_servers(spans, workdir / "cache", swarm.initial_peers, update_period_s=2.0) as servers:
             yield Gateway(swarm, model_path, servers)
     finally:
-        stop_all(swarm)
+        swarm.close()
 
 
 def prompt_ids(gateway: Gateway) -> list[int]:

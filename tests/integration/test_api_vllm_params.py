@@ -20,6 +20,7 @@ from corolla.api.app import ApiConfig, create_app
 from corolla.api.backend import SwarmBackend, generation_defaults
 from corolla.api.sampling import Sampler, SamplingParams
 from corolla.api.serving import serve_in_thread
+from helpers.api_client import openai_client
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,13 +49,13 @@ def api(backend):
 
 @pytest.fixture(scope="module")
 def client(api):
-    return openai.OpenAI(base_url=api.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    return openai_client(api.url)
 
 
 @pytest.fixture(scope="module")
 def repeating():
     with serve_in_thread(create_app(RepeatingBackend())) as running:
-        yield openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        yield openai_client(running.url)
 
 
 def complete(client: openai.OpenAI, **kwargs) -> openai.types.Completion:
@@ -277,7 +278,7 @@ def test_generation_config_defaults_apply_when_unset():
     backend = ScriptedBackend()
     backend.generation_defaults = {"temperature": 0.0}  # greedy unless the request says otherwise
     with serve_in_thread(create_app(backend)) as running:
-        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        client = openai_client(running.url)
         by_default = {
             client.completions.create(model=MODEL, prompt="s", max_tokens=8, seed=s).choices[0].text for s in (1, 2)
         }
@@ -361,7 +362,7 @@ def test_service_routes(api, client, backend):
 def test_model_path_accepted_but_not_listed(backend):
     config = ApiConfig(unlisted_model_names=("/models/fake/scripted-model",))
     with serve_in_thread(create_app(backend, config)) as running:
-        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        client = openai_client(running.url)
         assert [m.id for m in client.models.list().data] == [MODEL]
         out = client.completions.create(model="/models/fake/scripted-model", prompt="p", max_tokens=2, temperature=0)
         assert out.choices[0].text == script_text(2)

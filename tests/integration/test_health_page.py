@@ -6,7 +6,6 @@ test-artifacts/. Skips when Chromium or Playwright is missing."""
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import time
 import urllib.request
@@ -63,13 +62,6 @@ def assert_page_matches_api(page, url: str, timeout_s: float = 15.0) -> dict:
         time.sleep(0.3)
 
 
-def stop_all(swarm: Swarm) -> None:
-    """Asks every process to stop at once (graceful shutdowns overlap), then reaps them all."""
-    for proc in swarm.processes:
-        proc.signal(signal.SIGTERM)
-    swarm.close()
-
-
 @pytest.fixture(scope="module")
 def monitored_swarm(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("health-swarm")
@@ -93,7 +85,7 @@ def monitored_swarm(tmp_path_factory):
             line = health.wait_for_line(lambda s: s.startswith(HEALTH_BANNER), 90)
             yield swarm, servers, line[len(HEALTH_BANNER) :].strip()
     finally:
-        stop_all(swarm)
+        swarm.close()
 
 
 def test_page_shows_servers_then_gap(monitored_swarm):

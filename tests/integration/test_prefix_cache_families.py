@@ -12,7 +12,6 @@ every family. The servers run in this process (what they serve is under test).""
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -25,6 +24,7 @@ from corolla.api.serving import serve_in_thread
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.models.registry import SUPPORTED_MODEL_TYPES
 from corolla.protocol.prefix import PREFIX_BLOCK_TOKENS
+from helpers.api_client import openai_client
 from helpers.family_swarm import local_argmax_tokens, local_greedy
 from helpers.swarm import inprocess_servers, start_inprocess_server
 from helpers.tiny_models import make_tiny_model
@@ -149,7 +149,7 @@ def test_chat_completions_reuse_the_conversation_with_the_same_tokens(served, mo
 
     body = {"model": family, "max_tokens": NEW_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
     with serve_in_thread(create_app(backend)) as running:
-        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai_client(running.url, timeout_s=60)
         first = client.chat.completions.create(messages=CHAT, **body)
         assert first.usage.prompt_tokens_details.cached_tokens == 0, way
         assert first.choices[0].message.content == expected(CHAT), way
