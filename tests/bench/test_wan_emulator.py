@@ -13,6 +13,7 @@ import pytest
 from benchmarks.wan_emulator import LinkConfig, ProxyThread, WanProxy
 from benchmarks.wan_emulator.__main__ import parse_args
 from benchmarks.wan_emulator.shaper import Shaper
+from helpers.ports import listening_port
 
 # ---- shaper (pure, fake clock) ----------------------------------------------------------------------------------
 
@@ -101,14 +102,13 @@ async def _echo_server() -> asyncio.Server:
     return await asyncio.start_server(echo, "127.0.0.1", 0)
 
 
-def _port(server: asyncio.Server) -> int:
-    return int(server.sockets[0].getsockname()[1])
-
-
 def test_round_trip_crosses_the_delay_twice_with_bytes_intact() -> None:
     async def go() -> None:
         echo = await _echo_server()
-        async with echo, WanProxy(target_port=_port(echo), config=LinkConfig(delay_ms=40, jitter_ms=20)) as proxy:
+        async with (
+            echo,
+            WanProxy(target_port=listening_port(echo), config=LinkConfig(delay_ms=40, jitter_ms=20)) as proxy,
+        ):
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
             payload = os.urandom(300_000)
             start = time.perf_counter()
@@ -131,7 +131,7 @@ def test_bandwidth_cap_limits_throughput() -> None:
     async def go() -> None:
         echo = await _echo_server()
         config = LinkConfig(bandwidth_bytes_per_s=400_000, burst_bytes=16_384, chunk_bytes=16_384)
-        async with echo, WanProxy(target_port=_port(echo), config=config) as proxy:
+        async with echo, WanProxy(target_port=listening_port(echo), config=config) as proxy:
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
             start = time.perf_counter()
             writer.write(b"x" * 200_000)
@@ -149,7 +149,7 @@ def test_stalls_delay_the_stream() -> None:
     async def go() -> None:
         echo = await _echo_server()
         config = LinkConfig(stall_probability=1.0, stall_ms=150, seed=5)
-        async with echo, WanProxy(target_port=_port(echo), config=config) as proxy:
+        async with echo, WanProxy(target_port=listening_port(echo), config=config) as proxy:
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
             start = time.perf_counter()
             writer.write(b"ping")
@@ -176,7 +176,7 @@ def test_back_pressure_bounds_what_a_direction_holds() -> None:
 
         target = await asyncio.start_server(sink, "127.0.0.1", 0)
         config = LinkConfig(max_in_flight_bytes=64 * 1024, chunk_bytes=16 * 1024)
-        async with target, WanProxy(target_port=_port(target), config=config) as proxy:
+        async with target, WanProxy(target_port=listening_port(target), config=config) as proxy:
             _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
             block = b"y" * (1 << 20)
             sent = 0
@@ -196,7 +196,7 @@ def test_back_pressure_bounds_what_a_direction_holds() -> None:
 def test_unreachable_target_closes_the_connection() -> None:
     async def go() -> None:
         probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-        dead_port = _port(probe)
+        dead_port = listening_port(probe)
         probe.close()
         await probe.wait_closed()
         async with WanProxy(target_port=dead_port, config=LinkConfig(delay_ms=5)) as proxy:
@@ -250,7 +250,7 @@ async def _round_trip_s(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
 def test_stall_holds_every_byte_then_delivers_all_in_order() -> None:
     async def go() -> None:
         echo = await _echo_server()
-        async with echo, WanProxy(target_port=_port(echo)) as proxy:
+        async with echo, WanProxy(target_port=listening_port(echo)) as proxy:
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
             assert await _round_trip_s(reader, writer, b"warm") < 0.5
             proxy.stall(0.6)
@@ -265,7 +265,7 @@ def test_stall_holds_every_byte_then_delivers_all_in_order() -> None:
 def test_drop_resets_connections_and_leaves_new_dials_unanswered_until_it_ends() -> None:
     async def go() -> None:
         echo = await _echo_server()
-        async with echo, WanProxy(target_port=_port(echo)) as proxy:
+        async with echo, WanProxy(target_port=listening_port(echo)) as proxy:
             reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
             assert await _round_trip_s(reader, writer, b"warm") < 0.5
             proxy.drop(0.8)
@@ -285,7 +285,7 @@ def test_drop_resets_connections_and_leaves_new_dials_unanswered_until_it_ends()
 def test_partition_cuts_only_the_chosen_peers_until_healed() -> None:
     async def go() -> None:
         echo = await _echo_server()
-        async with echo, WanProxy(target_port=_port(echo)) as proxy:
+        async with echo, WanProxy(target_port=listening_port(echo)) as proxy:
             cut_reader, cut_writer = await asyncio.open_connection("127.0.0.1", proxy.port)
             ok_reader, ok_writer = await asyncio.open_connection("127.0.0.1", proxy.port)
             assert await _round_trip_s(cut_reader, cut_writer, b"warm") < 0.5

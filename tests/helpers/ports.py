@@ -1,4 +1,5 @@
-"""A TCP port for a test server to bind later, chosen where nothing else takes ports by itself.
+"""A TCP port for a test server to bind later, chosen where nothing else takes ports by itself, and the port an
+asyncio server listens on.
 
 A port from `bind(("127.0.0.1", 0))` comes from the kernel's ephemeral range, which every outgoing connection on the
 machine also draws from (the other pytest worker's p2pd dials loopback all the time): between the choice and a
@@ -7,6 +8,7 @@ of its own per pytest-xdist worker, and checked bindable."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import socket
@@ -34,3 +36,8 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free TCP port in {low}-{high}")
+
+
+def listening_port(server: asyncio.Server) -> int:
+    """The port `server` (started on port 0) listens on."""
+    return int(server.sockets[0].getsockname()[1])

@@ -19,6 +19,7 @@ from corolla.client.transport.link_probe import (
     tcp_address,
     wait_until_answering,
 )
+from helpers.ports import listening_port
 
 
 async def _listener(greeting: bytes) -> asyncio.Server:
@@ -29,10 +30,6 @@ async def _listener(greeting: bytes) -> asyncio.Server:
         writer.close()
 
     return await asyncio.start_server(greet, "127.0.0.1", 0)
-
-
-def _port(server: asyncio.Server) -> int:
-    return int(server.sockets[0].getsockname()[1])
 
 
 def test_only_direct_tcp_addresses_are_knocked_on() -> None:
@@ -47,10 +44,10 @@ def test_only_direct_tcp_addresses_are_knocked_on() -> None:
 def test_a_listener_answers_a_silent_one_does_not_and_a_closed_port_refuses() -> None:
     async def go() -> None:
         async with await _listener(MULTISTREAM_HEADER) as speaking, await _listener(b"") as silent:
-            address = ("127.0.0.1", _port(speaking))
+            address = ("127.0.0.1", listening_port(speaking))
             assert await knock(address) == "answers"
             started = time.monotonic()
-            assert await knock(("127.0.0.1", _port(silent))) == "silent"
+            assert await knock(("127.0.0.1", listening_port(silent))) == "silent"
             assert time.monotonic() - started < KNOCK_TIMEOUT_S + 0.5
         assert await knock(address) == "refused"  # closed now: nothing listens there
         assert await wait_until_answering(address, 5.0) == "refused"  # at once: the server is gone, not the link
@@ -60,7 +57,10 @@ def test_a_listener_answers_a_silent_one_does_not_and_a_closed_port_refuses() ->
 
 def test_a_dropped_link_answers_once_the_drop_ends() -> None:
     async def go() -> None:
-        async with await _listener(MULTISTREAM_HEADER) as listener, WanProxy(target_port=_port(listener)) as proxy:
+        async with (
+            await _listener(MULTISTREAM_HEADER) as listener,
+            WanProxy(target_port=listening_port(listener)) as proxy,
+        ):
             address = ("127.0.0.1", proxy.port)
             assert await wait_until_answering(address, 5.0) == "up"
             proxy.drop(1.5)
