@@ -96,34 +96,34 @@ class SwarmBackend(TokenizerCodec):
         self.generation_defaults = generation_defaults(generation_config)
         self.eos_token_ids = self.eos_token_ids | frozenset(_ids(getattr(generation_config, "eos_token_id", None)))
 
-    def step_logits(self, prompt_ids: list[int], max_length: int) -> Generator[torch.Tensor, int, None]:
-        # An explicit session per request (never the model's shared `active_session`): requests run in parallel.
-        session = self.model.inference_session(max_length=max_length)
-        trace = current_trace()  # the servers of this request, for /corolla/route (a no-op outside a request)
-        try:
-            with torch.inference_mode():
-                input_ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T]
-                hidden = self.model.session_step(session, input_ids, may_reuse=True)  # [1, T - reused, H]
-                report_cached_tokens(session.reused_tokens)
-                while True:
-                    logits = self.model.head(hidden[:, -1:])  # [1, 1, V]
-                    trace.step(session.route)
-                    token = yield logits[0, -1]
-                    hidden = self.model.session_step(session, torch.tensor([[token]], dtype=torch.long))  # [1, 1, H]
-        finally:
-            session.close()
-            trace.finish()
-
     @contextlib.contextmanager
-    def verify_target(self, prompt_ids: list[int], max_length: int) -> Iterator[VerifyTarget]:
+    def _session(self, max_length: int) -> Iterator[tuple[Any, GenerationTrace | NoTrace]]:
+        """An explicit session per request (never the model's shared `active_session`: requests run in parallel)
+        and the request's trace (its servers, for /corolla/route; a no-op outside a request), both ended on exit."""
         session = self.model.inference_session(max_length=max_length)
         trace = current_trace()
         try:
             with torch.inference_mode():
-                yield _TracedTarget(self.model, session, trace)
+                yield session, trace
         finally:
             session.close()
             trace.finish()
+
+    def step_logits(self, prompt_ids: list[int], max_length: int) -> Generator[torch.Tensor, int, None]:
+        with self._session(max_length) as (session, trace):
+            input_ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, T]
+            hidden = self.model.session_step(session, input_ids, may_reuse=True)  # [1, T - reused, H]
+            report_cached_tokens(session.reused_tokens)
+            while True:
+                logits = self.model.head(hidden[:, -1:])  # [1, 1, V]
+                trace.step(session.route)
+                token = yield logits[0, -1]
+                hidden = self.model.session_step(session, torch.tensor([[token]], dtype=torch.long))  # [1, 1, H]
+
+    @contextlib.contextmanager
+    def verify_target(self, prompt_ids: list[int], max_length: int) -> Iterator[VerifyTarget]:
+        with self._session(max_length) as (session, trace):
+            yield _TracedTarget(self.model, session, trace)
 
 
 class _TracedTarget(SessionTarget):

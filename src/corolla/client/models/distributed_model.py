@@ -14,7 +14,6 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
 from corolla.client.config import ClientConfig
-from corolla.client.models.family_head import GEMMA_NORM, GPT_OSS_NORM, cap_logits, family_norm, scale_embeddings
 from corolla.client.models.generation import GenerationLoop, padding_groups
 from corolla.client.prefix.prefix_chain import PrefixChain, prompts_digest, session_root
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
@@ -23,7 +22,10 @@ from corolla.client.speculative.loop import SpeculativeStats
 from corolla.client.training.prompt_tuning import PromptTuning, TuningConfig
 from corolla.client.training.remote_sequential import RemoteSequential
 from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
+from corolla.models.gemma.block import GemmaRMSNorm
+from corolla.models.gpt_oss.block import GptOssRMSNorm
 from corolla.models.loading import CheckpointSource
+from corolla.models.window_attention import softcap
 from corolla.protocol.uids import make_uid
 from corolla.utils.logging import get_logger
 
@@ -32,18 +34,18 @@ logger = get_logger(__name__)
 
 @dataclass(frozen=True)
 class ClientLayout:
-    """Where a family keeps the client-side modules in its checkpoint."""
+    """Where a family keeps the client-side modules in its checkpoint, and which norm they use."""
 
     embeddings: str
     final_norm: str
-    norm_kind: str  # "rms" or "layer"
+    norm_kind: str  # "rms", "layer", "gemma" ((1 + weight) RMSNorm) or "gpt_oss_rms" (weight before the cast)
     embeddings_norm: str | None = None
     lm_head: str = "lm_head"
     base_prefix: str = ""  # some checkpoints (bigscience/bloom) omit it
 
 
 _RMS = ClientLayout(embeddings="model.embed_tokens", final_norm="model.norm", norm_kind="rms", base_prefix="model.")
-_GEMMA = dataclasses.replace(_RMS, norm_kind=GEMMA_NORM)
+_GEMMA = dataclasses.replace(_RMS, norm_kind="gemma")
 LAYOUTS: dict[str, ClientLayout] = {
     "llama": _RMS,
     "mistral": _RMS,
@@ -55,7 +57,7 @@ LAYOUTS: dict[str, ClientLayout] = {
     "deepseek_v3": _RMS,
     "gemma2": _GEMMA,
     "gemma3_text": _GEMMA,
-    "gpt_oss": dataclasses.replace(_RMS, norm_kind=GPT_OSS_NORM),
+    "gpt_oss": dataclasses.replace(_RMS, norm_kind="gpt_oss_rms"),
     "falcon": ClientLayout(
         embeddings="transformer.word_embeddings",
         final_norm="transformer.ln_f",
@@ -72,9 +74,14 @@ LAYOUTS: dict[str, ClientLayout] = {
 }
 
 
+SCALED_EMBEDDINGS = ("gemma2", "gemma3_text")  # embeddings times sqrt(hidden_size), rounded to their dtype
+
+
 def _make_norm(kind: str, hidden_size: int, config: Any) -> nn.Module:
-    if (family_specific := family_norm(kind, hidden_size, config)) is not None:
-        return family_specific
+    if kind == "gemma":
+        return GemmaRMSNorm(hidden_size, config.rms_norm_eps)
+    if kind == "gpt_oss_rms":
+        return GptOssRMSNorm(hidden_size, config.rms_norm_eps)
     if kind == "rms":
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -166,7 +173,9 @@ class DistributedModel(nn.Module):
         """Input hidden states [B, P + T, H]: the (trainable) `prefix` [B, P, H] before the token embeddings (scaled as
         the family scales them), then Bloom's embeddings norm: prompts live where `transformers`' `inputs_embeds` do,
         as in Petals and PEFT."""
-        hidden = scale_embeddings(self.config, self.embeddings(input_ids.to(self.device)))  # [B, T, H]
+        hidden = self.embeddings(input_ids.to(self.device))  # [B, T, H]
+        if self.config.model_type in SCALED_EMBEDDINGS:  # as the reference: sqrt(H) rounded to the dtype first
+            hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype, device=hidden.device)
         if prefix is not None:
             hidden = torch.cat([prefix.to(hidden.dtype), hidden], dim=1)  # [B, P + T, H]
         return self.embeddings_norm(hidden) if self.embeddings_norm is not None else hidden
@@ -269,7 +278,9 @@ class DistributedModelForCausalLM(DistributedModel):
             self.lm_head.weight.copy_(head)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return cap_logits(self.config, self.lm_head(self.final_norm(hidden)))  # [B, T, V]
+        logits = self.lm_head(self.final_norm(hidden))  # [B, T, V]
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if cap is None else softcap(logits, float(cap))
 
     def forward(
         self,

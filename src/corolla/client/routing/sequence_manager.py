@@ -46,12 +46,6 @@ PING_EMA_ALPHA = 0.2  # weight of the newest RTT sample
 MIN_REREAD_S = 1.0  # a cache refusal re-reads the records at once unless they were read this recently
 
 
-def _membership(swarm_key_file: str | None) -> tuple[Any, Any]:
-    """(RpcMembership, SwarmKeyAuthorizer) of a private swarm's key file, or (None, None)."""
-    key = load_swarm_key(swarm_key_file)
-    return (None, None) if key is None else (RpcMembership(key), SwarmKeyAuthorizer(key))
-
-
 class RemoteSequenceManager:
     """Routing state for a sequence of block uids (usually all blocks of one model).
 
@@ -75,10 +69,15 @@ class RemoteSequenceManager:
             raise ValueError("block_uids must name at least one block")
         self.config = config
         self.block_uids = list(block_uids)
-        self._own_dht = False
-        if dht is None and start_updates:
-            dht = self._create_client_dht(config)
-            self._own_dht = True
+        key = load_swarm_key(config.swarm_key_file)
+        # a private swarm: every request carries a membership proof, every ping the authorizer's signature
+        self.membership = None if key is None else RpcMembership(key)
+        self.authorizer = None if key is None else SwarmKeyAuthorizer(key)
+        self._own_dht = dht is None and start_updates
+        if self._own_dht:
+            initial_peers = list(config.initial_peers) or list(PUBLIC_INITIAL_PEERS)
+            timeout_s = config.daemon_startup_timeout_s
+            dht = create_dht(SwarmConfig(initial_peers, client_mode=True, startup_timeout_s=timeout_s, swarm_key=key))
         self.dht = dht
         self.bans = BanList(config.ban_timeout_s, config.ban_backoff_rate)
         # servers caught lying first-hand (`client.routing.finding_store`): banned again by a client given their dir
@@ -106,22 +105,10 @@ class RemoteSequenceManager:
         self._stubs: dict[str, Any] = {}
         self._input_compressions: dict[str, int] = {}  # peer -> compression its rpc_info asks for
         self.direct_offers = DirectOffers(self._ask_direct_ticket)  # servers' direct ports
-        self.membership, self.authorizer = _membership(config.swarm_key_file)  # private swarm: prove it per request
         self._thread: threading.Thread | None = None
         if start_updates:
             self._thread = threading.Thread(target=self._update_loop, name="corolla-routing-update", daemon=True)
             self._thread.start()
-
-    @staticmethod
-    def _create_client_dht(config: ClientConfig) -> Any:
-        initial_peers = list(config.initial_peers) or list(PUBLIC_INITIAL_PEERS)
-        swarm_config = SwarmConfig(
-            initial_peers=initial_peers,
-            client_mode=True,
-            startup_timeout_s=config.daemon_startup_timeout_s,
-            swarm_key=load_swarm_key(config.swarm_key_file),
-        )
-        return create_dht(swarm_config)
 
     # ---------------------------------------------------------------- view of the swarm
 
