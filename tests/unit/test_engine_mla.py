@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from corolla.engine import EngineConfig, SpanEngine
-from corolla.engine.kernels.mla_kernels import group_limited_route
 from corolla.engine.kv.kv_pool import KVLayout
 from corolla.engine.span_engine import fused_model
 from corolla.engine.spans.fast_mla import FastMlaSpan
+from corolla.models.deepseek_v3.moe import group_limited_route
 from corolla.models.registry import get_family
 from corolla.models.sizing import kv_cache_bytes_per_token
 from helpers.engine_reference import (

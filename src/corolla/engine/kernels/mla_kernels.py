@@ -1,15 +1,12 @@
 """The non-GEMM operations of the DeepSeek-V3 fast path, all CUDA-graph safe (static shapes, no host sync):
 `rope_rotate` (DeepSeek's interleaved pairs or rotate-half, math in fp32), `store_latent` (the token's latent and
 rotary key into the paged pool), `paged_latent_attention` (absorbed decode attention: queries already in the latent
-space score against cached latents + rotary keys, the output stays in the latent space) and `group_limited_route`
-(DeepSeek-V3's sigmoid router with group-limited top-k, as `models/deepseek_v3/moe.py` routes)."""
+space score against cached latents + rotary keys, the output stays in the latent space). (The router with group-limited
+top-k is the blocks' own: `models.deepseek_v3.moe.group_limited_route`.)"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
-NORM_EPS = 1e-20  # added to the top-k weight sum, as the reference router does
 
 
 def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
@@ -77,35 +74,3 @@ def paged_latent_attention(
 def _capturing(device: torch.device) -> bool:
     """Whether a CUDA graph is being captured on `device` (no host sync allowed; shapes must stay static)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def group_limited_route(
-    x: torch.Tensor,
-    router_weight: torch.Tensor,
-    score_bias: torch.Tensor,
-    *,
-    top_k: int,
-    num_groups: int,
-    topk_groups: int,
-    normalize: bool,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, H]; router_weight [E, H], score_bias [E] (fp32). Sigmoid scores in fp32; the biased scores choose:
-    the `topk_groups` best of `num_groups` groups (ranked by the sum of each group's two best), then the `top_k`
-    best experts inside them; the chosen unbiased scores are renormalized when `normalize` and scaled by `scaling`.
-    Returns (weights [N, k] fp32, ids [N, k] int64). No host sync (CUDA-graph safe)."""
-    n = x.shape[0]
-    num_experts = router_weight.shape[0]
-    scores = F.linear(x.float(), router_weight.float()).sigmoid()  # [N, E] fp32
-    biased = scores + score_bias.float()  # [N, E]: for the choice only
-    per_group = biased.view(n, num_groups, num_experts // num_groups)  # [N, G, E/G]
-    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)  # [N, G]
-    best_groups = group_scores.topk(topk_groups, dim=-1, sorted=False).indices  # [N, topk_groups]
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)  # [N, G]
-    expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(n, num_experts)  # [N, E]
-    choice = biased.masked_fill(~expert_mask, float("-inf"))  # [N, E]
-    ids = choice.topk(top_k, dim=-1, sorted=False).indices  # [N, k]
-    weights = scores.gather(1, ids)  # [N, k]
-    if normalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + NORM_EPS)
-    return weights * scaling, ids

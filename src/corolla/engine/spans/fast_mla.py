@@ -5,7 +5,7 @@ tensors shared with the loaded blocks, over the engine's paged pool whose pages 
 Decode (batched over ragged positions, CUDA-graph safe) uses the absorbed form: q_nope goes through kv_b's key half
 into the latent space, scores are taken against the cached latents + rotary keys, and kv_b's value half is applied
 to the attention output in the latent space. Prefill (one sequence, chunked) decompresses the cached latents with
-kv_b and runs ordinary attention. The MoE layers route with `mla_kernels.group_limited_route` and run the chosen
+kv_b and runs ordinary attention. The MoE layers route with the blocks' `group_limited_route` and run the chosen
 experts through `engine.moe.routed_experts.experts_forward` (the blocks' per-expert tensors read in place); the shared experts are
 one dense SwiGLU."""
 
@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from corolla.engine.kernels.mla_kernels import group_limited_route, paged_latent_attention, rope_rotate, store_latent
+from corolla.engine.kernels.mla_kernels import paged_latent_attention, rope_rotate, store_latent
 from corolla.engine.kernels.prefill_attention import causal_prefill_attention
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.moe.routed_experts import ExpertWeights, experts_forward, time_expert_configs
@@ -27,7 +27,7 @@ from corolla.engine.quant.quant_weights import linear_bias
 from corolla.engine.spans.span_model import ChunkedPrefill, add_prompt, row_slots, table_slots, tensors_nbytes
 from corolla.models.deepseek_v3.block import DeepseekV3Block
 from corolla.models.deepseek_v3.mla import LATENT_NORM_EPS, LatentAttention, mla_softmax_scale
-from corolla.models.deepseek_v3.moe import GroupLimitedMoE
+from corolla.models.deepseek_v3.moe import GroupLimitedMoE, group_limited_route
 from corolla.models.layers import GatedMLP, RMSNorm
 from corolla.models.positions import RotaryEmbedding
 from corolla.utils.logging import get_logger

@@ -51,21 +51,10 @@ class GroupLimitedMoE(nn.Module):
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """flat [N, H] -> (weights [N, k] fp32, expert ids [N, k])."""
-        logits = F.linear(flat.float(), self.router.weight.float())  # [N, E] fp32
-        scores = logits.sigmoid()  # [N, E]
-        biased = scores + self.e_score_correction_bias.float()  # [N, E]: for the choice only
-        N = flat.shape[0]
-        per_group = biased.view(N, self.n_group, self.num_experts // self.n_group)  # [N, G, E/G]
-        group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
-        best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices  # [N, topk_group]
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)  # [N, G]
-        expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(N, self.num_experts)  # [N, E]
-        choice = biased.masked_fill(~expert_mask, float("-inf"))
-        top_i = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [N, k]
-        top_w = scores.gather(1, top_i)  # [N, k] unbiased sigmoid scores
-        if self.norm_topk_prob:
-            top_w = top_w / (top_w.sum(dim=-1, keepdim=True) + NORM_EPS)
-        return top_w * self.routed_scaling_factor, top_i
+        return group_limited_route(
+            flat, self.router.weight, self.e_score_correction_bias, top_k=self.top_k, num_groups=self.n_group,
+            topk_groups=self.topk_group, normalize=self.norm_topk_prob, scaling=self.routed_scaling_factor,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B,T,H] -> [B,T,H]
         B, T, H = x.shape
@@ -77,3 +66,35 @@ class GroupLimitedMoE(nn.Module):
             y = self.experts[expert_id](flat[token_idx]) * top_w[token_idx, slot, None]  # [n, H] fp32
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out.reshape(B, T, H) + self.shared_experts(x)
+
+
+def group_limited_route(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    score_bias: torch.Tensor,
+    *,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    normalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, H]; router_weight [E, H], score_bias [E] (fp32). Sigmoid scores in fp32; the biased scores choose:
+    the `topk_groups` best of `num_groups` groups (ranked by the sum of each group's two best), then the `top_k`
+    best experts inside them; the chosen unbiased scores are renormalized when `normalize` and scaled by `scaling`.
+    Returns (weights [N, k] fp32, ids [N, k] int64). No host sync (CUDA-graph safe): the fast path routes with it."""
+    n = x.shape[0]
+    num_experts = router_weight.shape[0]
+    scores = F.linear(x.float(), router_weight.float()).sigmoid()  # [N, E] fp32
+    biased = scores + score_bias.float()  # [N, E]: for the choice only
+    per_group = biased.view(n, num_groups, num_experts // num_groups)  # [N, G, E/G]
+    group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)  # [N, G]
+    best_groups = group_scores.topk(topk_groups, dim=-1, sorted=False).indices  # [N, topk_groups]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)  # [N, G]
+    expert_mask = group_mask[:, :, None].expand_as(per_group).reshape(n, num_experts)  # [N, E]
+    choice = biased.masked_fill(~expert_mask, float("-inf"))  # [N, E]
+    ids = choice.topk(top_k, dim=-1, sorted=False).indices  # [N, k]
+    weights = scores.gather(1, ids)  # [N, k]
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + NORM_EPS)
+    return weights * scaling, ids
