@@ -114,21 +114,23 @@ def split_heads(
     return q, k, v
 
 
-def check_cache(tensors: list[torch.Tensor], k: torch.Tensor, expected: int) -> None:
-    """ValueError unless a layer's cache is `expected` tensors whose first (K [B, kv, L, hd]) fits k [B, kv, T, hd]."""
+def check_cache(tensors: list[torch.Tensor], expected: int, *new: torch.Tensor) -> None:
+    """ValueError unless a layer's cache is `expected` tensors whose first ones ([B, heads, L, dim]: K, V; MLA's
+    latent and rotary key) fit the step's `new` ones [B, heads, T, dim] in batch, heads and dim."""
     if len(tensors) != expected:
         raise ValueError(f"expected {expected} cache tensors for this layer, got {len(tensors)}")
-    (B, kv, _, hd), shape = k.shape, tuple(tensors[0].shape)
-    if shape[0] != B or shape[1] != kv or shape[3] != hd:
-        raise ValueError(f"cache shape {shape} does not fit batch {B}, {kv} kv heads, {hd} dims")
+    for held, step in zip(tensors, new, strict=False):
+        (B, heads, _, dim), shape = step.shape, tuple(held.shape)
+        if shape[0] != B or shape[1] != heads or shape[3] != dim:
+            raise ValueError(f"cache shape {shape} does not fit batch {B}, {heads} heads, {dim} dims")
 
 
 def full_cache_step(
     cache: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, position: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Writes this step's k, v [B, kv, T, hd] at [position, position + T) of a full cache (K, V [B, kv, L, hd]) and
-    returns the keys and values of positions [0, position + T) in their dtype."""
-    check_cache(cache, k, 2)
+    """Writes this step's k, v [B, kv, T, hd] at [position, position + T) of a full cache (K, V [B, kv, L, hd]; MLA:
+    latent and rotary key) and returns the keys and values of positions [0, position + T) in their dtype."""
+    check_cache(cache, 2, k, v)
     (k_cache, v_cache), T = cache, k.shape[2]
     if position + T > k_cache.shape[2]:
         raise ValueError(f"position {position} + {T} tokens exceeds the cache length {k_cache.shape[2]}")

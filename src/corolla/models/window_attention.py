@@ -118,7 +118,7 @@ class WindowedAttention(BlockAttention):
         """Reads the held keys this step needs, then writes the new ones into the ring. Returns K/V
         `[B, kv, n, hd]` for positions [key_start, position + T) and key_start."""
         T = k.shape[2]
-        check_cache(cache, k, 3)
+        check_cache(cache, 3, k, v)
         k_ring, v_ring, state = cache  # [B, kv, C, hd] x2, [B, 2] int64
         window, capacity = int(self.sliding_window or 0), k_ring.shape[2]
         held_from, held_end = (int(value) for value in state[0].tolist())

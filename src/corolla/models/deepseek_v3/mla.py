@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from corolla.models.attention import full_cache_step
 from corolla.models.block_base import BlockAttention, TensorDescriptor
 from corolla.models.layers import RMSNorm
 from corolla.models.positions import RotaryEmbedding, rope_parameters
@@ -104,19 +105,9 @@ class LatentAttention(BlockAttention):
         k_rope = k_rope.reshape(B, 1, T, self.rope_dim)  # [B, 1, T, r]
         q_rope, k_rope = self._rotate(q_rope, position), self._rotate(k_rope, position)
 
-        if cache is not None:
-            c_cache, r_cache = cache  # [B, 1, L_max, c], [B, 1, L_max, r]
-            if c_cache.shape[0] != B or c_cache.shape[3] != self.kv_lora_rank or r_cache.shape[3] != self.rope_dim:
-                raise ValueError(f"latent cache shapes {tuple(c_cache.shape)}, {tuple(r_cache.shape)} do not fit")
-            if position + T > c_cache.shape[2]:
-                raise ValueError(f"position {position} + {T} tokens exceeds the cache length {c_cache.shape[2]}")
-            c_cache[:, :, position : position + T] = latent.to(c_cache.dtype)
-            r_cache[:, :, position : position + T] = k_rope.to(r_cache.dtype)
-            latent = c_cache[:, :, : position + T].to(q.dtype)  # [B, 1, S, c] with S = P + T
-            k_rope = r_cache[:, :, : position + T].to(q.dtype)  # [B, 1, S, r]
-            key_start = 0
-        else:
-            key_start = position
+        key_start = position if cache is None else 0
+        if cache is not None:  # [B, 1, S, c], [B, 1, S, r] with S = P + T
+            latent, k_rope = full_cache_step(cache, latent, k_rope, position)
         S = latent.shape[2]
         kv = self.kv_b_proj(latent[:, 0]).view(B, S, h, self.nope_dim + self.v_dim).transpose(1, 2)  # [B,h,S,n+v]
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # [B,h,S,n], [B,h,S,v]
