@@ -148,8 +148,6 @@ def finetune(
     report.train_s = time.perf_counter() - started
     logger.info(
         "finetune.done(steps=%d, final_accuracy=%.3f, train_s=%.1f)",
-        config.num_steps,
-        report.final_accuracy,
-        report.train_s,
-    )
+        config.num_steps, report.final_accuracy, report.train_s,
+    )  # fmt: skip
     return report

@@ -39,12 +39,8 @@ def blame(manager: RemoteSequenceManager, error: BaseException, peer_id: str | N
     if peer_id is not None and not isinstance(error, BadServerOutput) and not has_alternative(manager, peer_id, blocks):
         logger.info(
             "retry.sole_server_kept(peer=...%s, blocks=%d:%d, error=%r): not banned, retried every %.0f s",
-            peer_id[-6:],
-            blocks[0],
-            blocks[1],
-            error,
-            SOLE_SERVER_RETRY_S,
-        )
+            peer_id[-6:], blocks[0], blocks[1], error, SOLE_SERVER_RETRY_S,
+        )  # fmt: skip
         manager.request_update()  # a replica that came online since the last read of the records may take over
         return False
     manager.on_request_failure(peer_id)
@@ -115,11 +111,6 @@ class RetryBudget:
             delay_s = min(delay_s, self.left_s)
         logger.warning(
             "retry.scheduled(blocks=%d:%d, attempt=%d, delay_s=%.1f, peer=...%s, error=%r)",
-            blocks[0],
-            blocks[1],
-            self.attempt,
-            delay_s,
-            (peer_id or "?")[-6:],
-            error,
-        )
+            blocks[0], blocks[1], self.attempt, delay_s, (peer_id or "?")[-6:], error,
+        )  # fmt: skip
         return max(delay_s, 0.0)

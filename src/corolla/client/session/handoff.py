@@ -110,11 +110,8 @@ async def hand_off_draining_spans(session: HandingOffSession) -> None:
             record.error = repr(e)[:300]
             logger.warning(
                 "handoff.failed(blocks=%d:%d, peer=...%s, error=%r): the next step replays the history",
-                old.span.start,
-                old.span.end,
-                old.span.peer_id[-6:],
-                e,
-            )
+                old.span.start, old.span.end, old.span.peer_id[-6:], e,
+            )  # fmt: skip
         record.seconds = time.perf_counter() - started
         session.handoffs.records.append(record)
         if record.to_peer is None:  # the next step finds this stream closed and replays on a replacement
@@ -126,14 +123,9 @@ async def hand_off_draining_spans(session: HandingOffSession) -> None:
         closing.add_done_callback(_closing.discard)
         logger.info(
             "handoff.moved(blocks=%d:%d, from=...%s, to=...%s, position=%d, bytes=%d, seconds=%.4f)",
-            record.start,
-            record.end,
-            record.from_peer[-6:],
-            record.to_peer[-6:],
-            record.position,
-            record.num_bytes,
+            record.start, record.end, record.from_peer[-6:], record.to_peer[-6:], record.position, record.num_bytes,
             record.seconds,
-        )
+        )  # fmt: skip
 
 
 def _candidates(session: HandingOffSession, old: SpanSession) -> list[RemoteSpanInfo]:

@@ -337,11 +337,8 @@ class InferenceSession:
                         later.position = 0
                 logger.warning(
                     "inference_session.span_failed(blocks=%d:%d, peer=...%s, error=%r)",
-                    block,
-                    span_session.span.end if span_session is not None else self.end,
-                    (failed or "?")[-6:],
-                    e,
-                )
+                    block, span_session.span.end if span_session is not None else self.end, (failed or "?")[-6:], e,
+                )  # fmt: skip
                 blocks = (block, span_session.span.end if span_session is not None else self.end)
                 delay_s = await asyncio.to_thread(budget.on_failure, e, failed, blocks)
                 knock_on = None  # (peer, address): the only server of the span, its link down
@@ -400,10 +397,8 @@ class InferenceSession:
             route = [failed.span]
             logger.info(
                 "inference_session.retry_known_server(blocks=%d:%d, peer=...%s): missing from the view",
-                block,
-                end,
-                failed.span.peer_id[-6:],
-            )
+                block, end, failed.span.peer_id[-6:],
+            )  # fmt: skip
         new_sessions: list[SpanSession] = []
         try:
             for span in route:
@@ -430,12 +425,11 @@ class InferenceSession:
             following.upstream_peer = previous.span.peer_id
         logger.debug(
             "inference_session.route(blocks=%d:%d) %s",
-            block,
-            end,
+            block, end,
             " => ".join(
                 f"{s.span.start}:{s.span.end} via ...{s.span.peer_id[-6:]} ({s.transport})" for s in new_sessions
             ),
-        )
+        )  # fmt: skip
 
     def close(self) -> None:
         if self._closed:

@@ -473,14 +473,9 @@ class SpanSession:
         logger.warning(
             "span_session.hop_silent(peer=...%s, blocks=%d:%d, waited_s=%.2f, step_deadline_s=%s, answers_ping=%s, "
             "action=%s)",
-            self.span.peer_id[-6:],
-            blocks[0],
-            blocks[1],
-            waited_s,
-            "none" if stall_deadline_s is None else f"{stall_deadline_s:.2f}",
-            alive,
-            action,
-        )
+            self.span.peer_id[-6:], blocks[0], blocks[1], waited_s,
+            "none" if stall_deadline_s is None else f"{stall_deadline_s:.2f}", alive, action,
+        )  # fmt: skip
         if failing_over:
             raise HopStalled(
                 f"server ...{self.span.peer_id[-6:]} silent for {waited_s:.1f} s (step deadline "

@@ -124,10 +124,8 @@ class StepVerifier:
                 logger.warning(
                     "verification.single_server(blocks=%d:%d, peer=...%s): no other server holds these blocks; "
                     "its outputs are not cross-checked",
-                    span.start,
-                    span.end,
-                    span.peer_id[-6:],
-                )
+                    span.start, span.end, span.peer_id[-6:],
+                )  # fmt: skip
             return
         dissent: list[tuple[RemoteSpanInfo, tuple[torch.Tensor, ...]]] = []  # referees that disagreed with the server
         for referee in referees[: self.manager.config.verify_max_referees]:
@@ -149,13 +147,8 @@ class StepVerifier:
                 return
             logger.info(
                 "verification.disagreement(blocks=%d:%d, what=%s, server=...%s, referee=...%s, rel_error=%.3g)",
-                span.start,
-                span.end,
-                what,
-                span.peer_id[-6:],
-                referee.peer_id[-6:],
-                error,
-            )
+                span.start, span.end, what, span.peer_id[-6:], referee.peer_id[-6:], error,
+            )  # fmt: skip
             for earlier, earlier_out in dissent:
                 if self._agree(other, earlier_out, (referee, earlier))[0]:  # two referees outvote the server
                     self.num_verified += 1
