@@ -22,7 +22,7 @@ GB = 10**9
 BANDWIDTH_EFFICIENCY = {"fp16": 0.6, "nf4": 0.4}
 BYTES_PER_PARAM = {"fp16": 2.0, "nf4": 0.5625}  # NF4: 4 bits + one fp32 absmax per 64 weights (bitsandbytes)
 FLOPS_EFFICIENCY = 0.5
-STEP_OVERHEAD_S = 1.2e-3  # server CPU per merged step through the real server (design.md section 4, measured)
+STEP_OVERHEAD_S = 1.2e-3  # server CPU per merged step through the real server (issue 31, H200: ~1.16 ms)
 USABLE_MEMORY_FRACTION = 0.92  # CUDA context, allocator slack (assumption)
 MAX_BATCH_ROWS = 256  # the most decode rows one merged step takes (assumption; corolla measured 64 on one H200)
 

@@ -150,7 +150,7 @@ class ServerConfig:
     drain_timeout_s: float = 5.0
     kv_handoff: bool = True  # export a draining session's KV cache to its client / import one from a client
     # reuse cached prefixes across clients (a private swarm whose operator trusts every client); off: a session reuses
-    # only what sessions of its own client identity computed (design.md section 10)
+    # only what sessions of its own client identity computed (docs/decisions/0082)
     prefix_cache_shared: bool = False
     # cap on cached prefix positions per block that no session holds (None: every free page of the KV cache; 0: none
     # stays cached once its sessions end); past it the least recently used are evicted

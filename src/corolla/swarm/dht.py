@@ -1,7 +1,7 @@
 """The hivemind DHT factory: safe network defaults (nothing leaves the machine unless joining the public swarm),
 a bounded start-up, and orphan-proofing (the DHT process and its `p2pd` die with their owner, even on SIGKILL).
 
-Pitfalls handled here (design.md section 3): no UPnP/NAT-PMP/AutoNAT/relays for private swarms; explicit listen
+Pitfalls handled here (docs/decisions/0081): no UPnP/NAT-PMP/AutoNAT/relays for private swarms; explicit listen
 addresses; every wait bounded (`call_with_timeout`); `DHT.run_coroutine` gets module-level functions only; create the
 DHT before starting threads (fork)."""
 

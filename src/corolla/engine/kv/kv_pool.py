@@ -6,7 +6,7 @@ charged for the tokens a session holds while the promise still guarantees it its
 layers [first, end) holds its page ids in those layers only (one block table for all of them): the same id stays free
 in the other layers for sequences over other blocks. Page 0 is never handed out: padded batch rows write there.
 
-Prefix caching (design.md section 10): pages are counted per (layer, page) by the sequences that hold them; a sequence
+Prefix caching (docs/decisions/0082): pages are counted per (layer, page) by the sequences that hold them; a sequence
 may start with pages another one published in the `PrefixIndex` (`attach_prefix`), and a page it shares or published
 is never written in place (`prepare_write` gives it its own copy first, out of its promise). Published pages stay
 cached when their last holder lets go; a promise that finds too few free pages evicts the least recently used of

@@ -1,4 +1,4 @@
-"""The front's part of prefix caching (design.md section 10): whose cached prefixes a session may reuse (the trust
+"""The front's part of prefix caching (docs/decisions/0082): whose cached prefixes a session may reuse (the trust
 rule: its own client's, or everyone's where the operator opted in), the keys its client's requests carry
 (`protocol.prefix`, bounded parsing), the first step that asks for a hit and the reply that answers it."""
 
