@@ -43,7 +43,7 @@ Weight = torch.Tensor | NF4Weight | Int8Weight
 @dataclass(frozen=True)
 class LlamaSpec:
     """Shapes and constants of one llama-family decoder layer (Llama 2/3.x, Mistral without a sliding window
-    shorter than the context, Qwen2-style q/k/v biases)."""
+    shorter than the context, Qwen2, Qwen3); biases are the loaded layers' own (`LayerWeights`)."""
 
     hidden_size: int
     num_heads: int
@@ -51,9 +51,6 @@ class LlamaSpec:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
     sliding_window_tokens: int | None = None
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of queries and keys before the rotary embedding
 
@@ -81,7 +78,6 @@ class LlamaSpec:
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"The fast path implements silu MLPs only, not {act!r}")
-        qkv_bias = bool(getattr(config, "attention_bias", False)) or model_type == "qwen2"
         return cls(
             hidden_size=int(config.hidden_size),
             num_heads=num_heads,
@@ -89,9 +85,6 @@ class LlamaSpec:
             head_dim=head_dim,
             intermediate_size=int(config.intermediate_size),
             rms_norm_eps=float(config.rms_norm_eps),
-            qkv_bias=qkv_bias,
-            o_bias=bool(getattr(config, "attention_bias", False)) and model_type != "qwen2",
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
             sliding_window_tokens=(
                 getattr(config, "sliding_window", None) if model_type in ("mistral", "mixtral") else None
             ),
