@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--reporter", default=None, help="peer id of the server that sent the findings (never asked to re-check them)"
     )
-    parser.add_argument("--request_timeout_s", type=float, default=60.0)
+    parser.add_argument("--request_timeout_s", type=float, default=60.0, help="wait for one server response")
     parser.add_argument("--timeout_s", type=float, default=DEFAULT_TIMEOUT_S, help="the longest the check may take")
     add_common_flags(parser, swarm=True, verbose_help="show logs (on stderr) and tracebacks; quiet by default")
     return parser

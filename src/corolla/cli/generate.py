@@ -44,8 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="session length in tokens (--interactive; default: 2048 or the model's positions, whichever is less)",
     )
     parser.add_argument("--interactive", action="store_true", help="chat loop; an empty line or Ctrl-D quits")
-    parser.add_argument("--request_timeout_s", type=float, default=ClientConfig.request_timeout_s)
-    parser.add_argument("--max_retries", type=int, default=None)
+    parser.add_argument(
+        "--request_timeout_s", type=float, default=ClientConfig.request_timeout_s, help="wait for one server response"
+    )
+    parser.add_argument(
+        "--max_retries", type=int, default=None, help="failed attempts a step may make (default: no cap)"
+    )
     parser.add_argument(
         "--max_wait_s",
         type=float,
