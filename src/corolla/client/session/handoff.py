@@ -13,7 +13,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -57,53 +57,37 @@ class HandoffRecord:
 
 @dataclass
 class HandoffLog:
-    """The hand-offs of one `InferenceSession` (each span stream is tried once)."""
+    """The hand-offs of one `InferenceSession` (each span stream is tried once) and what they need of it."""
 
+    manager: RemoteSequenceManager
+    max_length: int  # the session's: a replacement must hold it
     records: list[HandoffRecord] = field(default_factory=list)
     tried: set[str] = field(default_factory=set)  # span session ids already handed off or given up
 
 
-class HandingOffSession(Protocol):
-    """What a hand-off needs of an `InferenceSession` (which calls this module, so it is named here by shape)."""
-
-    @property
-    def manager(self) -> RemoteSequenceManager: ...
-
-    @property
-    def max_length(self) -> int: ...
-
-    @property
-    def handoffs(self) -> HandoffLog: ...
-
-    @property
-    def span_sessions(self) -> list[SpanSession]:
-        """The live chain, in block order: a hand-off swaps one entry in place."""
-        ...
-
-
-def needs_handoff(session: HandingOffSession) -> bool:
+def needs_handoff(log: HandoffLog, spans: list[SpanSession]) -> bool:
     """True when a span's server said it drains and that span was not handed off yet (`ClientConfig.kv_handoff`
     off: never; such spans are replayed once their server ends the stream)."""
-    if not session.manager.config.kv_handoff:
+    if not log.manager.config.kv_handoff:
         return False
-    log = session.handoffs
-    return any(s.drain_notice is not None and s.session_id not in log.tried for s in session.span_sessions)
+    return any(s.drain_notice is not None and s.session_id not in log.tried for s in spans)
 
 
-async def hand_off_draining_spans(session: HandingOffSession) -> None:
-    """Moves every span whose server drains (once per span stream); on failure, closes that stream so that the
-    next step replaces the span and replays its history."""
-    for index, old in enumerate(list(session.span_sessions)):
-        if old.drain_notice is None or old.session_id in session.handoffs.tried:
+async def hand_off_draining_spans(log: HandoffLog, spans: list[SpanSession]) -> None:
+    """Moves every span of the live chain `spans` (block order; each moved span is swapped in place) whose server
+    drains, once per span stream; on failure, closes that stream so that the next step replaces the span and
+    replays its history."""
+    for index, old in enumerate(list(spans)):
+        if old.drain_notice is None or old.session_id in log.tried:
             continue
-        session.handoffs.tried.add(old.session_id)
+        log.tried.add(old.session_id)
         started = time.perf_counter()
         record = HandoffRecord(old.span.start, old.span.end, old.span.peer_id, None, old.position, 0, 0.0)
-        timeout_s = max(MIN_HANDOFF_S, old.drain_notice.deadline_s) + session.manager.config.connect_timeout_s
+        timeout_s = max(MIN_HANDOFF_S, old.drain_notice.deadline_s) + log.manager.config.connect_timeout_s
         try:
-            new, record.num_bytes = await asyncio.wait_for(_move(session, old), timeout_s)
-            session.span_sessions[index] = new
-            for previous, following in zip(session.span_sessions, session.span_sessions[1:], strict=False):
+            new, record.num_bytes = await asyncio.wait_for(_move(log, old), timeout_s)
+            spans[index] = new
+            for previous, following in zip(spans, spans[1:], strict=False):
                 following.upstream_peer = previous.span.peer_id  # forwarding: who may push to it now
             record.to_peer = new.span.peer_id
         except Exception as e:  # anything at all: the replay path still works
@@ -113,7 +97,7 @@ async def hand_off_draining_spans(session: HandingOffSession) -> None:
                 old.span.start, old.span.end, old.span.peer_id[-6:], e,
             )  # fmt: skip
         record.seconds = time.perf_counter() - started
-        session.handoffs.records.append(record)
+        log.records.append(record)
         if record.to_peer is None:  # the next step finds this stream closed and replays on a replacement
             await old.close(drain=False)
             continue
@@ -128,15 +112,15 @@ async def hand_off_draining_spans(session: HandingOffSession) -> None:
         )  # fmt: skip
 
 
-def _candidates(session: HandingOffSession, old: SpanSession) -> list[RemoteSpanInfo]:
+def _candidates(log: HandoffLog, old: SpanSession) -> list[RemoteSpanInfo]:
     """Servers other than the draining one that hold all of its blocks and announce room for the session, nearest
     first; each cut to exactly the draining span."""
     start, end = old.span.start, old.span.end
-    rtts = session.manager.client_rtts_s
-    needed = session.max_length * (end - start)
+    rtts = log.manager.client_rtts_s
+    needed = log.max_length * (end - start)
     result = [
         dataclasses.replace(span, start=start, end=end)
-        for span in session.manager.spans
+        for span in log.manager.spans
         if span.peer_id != old.span.peer_id
         and span.start <= start
         and span.end >= end
@@ -146,17 +130,17 @@ def _candidates(session: HandingOffSession, old: SpanSession) -> list[RemoteSpan
     return result[:MAX_CANDIDATES]
 
 
-async def _move(session: HandingOffSession, old: SpanSession) -> tuple[SpanSession, int]:
+async def _move(log: HandoffLog, old: SpanSession) -> tuple[SpanSession, int]:
     """Exports the span's cache from `old` and imports it on a replacement; returns (new span session, bytes)."""
-    candidates = _candidates(session, old)
+    candidates = _candidates(log, old)
     if not candidates:
         raise HandoffFailed(f"no other server holds blocks {old.span.start}:{old.span.end}")
     if old.history is None or old.history.shape[1] != old.position:
         raise HandoffFailed("the span's history does not match its position")
-    first = SpanSession(session.manager, candidates[0], session.max_length)
+    first = SpanSession(log.manager, candidates[0], log.max_length)
     opening = asyncio.ensure_future(first.open())  # connect to the replacement while the cache is exported
     try:
-        header, messages = await _export(session, old)
+        header, messages = await _export(log.manager, old)
     except BaseException:
         opening.cancel()
         await asyncio.gather(opening, return_exceptions=True)
@@ -164,7 +148,7 @@ async def _move(session: HandingOffSession, old: SpanSession) -> tuple[SpanSessi
         raise
     errors = []
     for span in candidates:
-        new = first if span is candidates[0] else SpanSession(session.manager, span, session.max_length)
+        new = first if span is candidates[0] else SpanSession(log.manager, span, log.max_length)
         try:
             await (opening if new is first else new.open())
             await _import(new, old, header, messages)
@@ -183,10 +167,11 @@ def _empty_step(old: SpanSession) -> tuple[list[runtime_pb2.Tensor], Any, torch.
     return [serialize_tensor(t, NONE) for t in tensors], structure, empty
 
 
-async def _export(session: HandingOffSession, old: SpanSession) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
+async def _export(
+    manager: RemoteSequenceManager, old: SpanSession
+) -> tuple[wire.KvHeader, list[list[runtime_pb2.Tensor]]]:
     """Asks the draining server for the span's cache on its stream; checks what comes back against what we know
     (position, batch, blocks, byte counts, `kv_handoff_max_bytes`)."""
-    manager = session.manager
     tensors, structure, empty = _empty_step(old)
     metadata = {"session_id": old.session_id, "args_structure": structure, wire.EXPORT_KEY: {}}
     uid = manager.make_chain(old.span.start, old.span.end)

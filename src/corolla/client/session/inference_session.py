@@ -69,7 +69,7 @@ class InferenceSession:
         self.num_steps_here = 0  # steps run in the caller's thread over socket streams (no client-loop hop)
         self.forwarding = StepForwarding(manager.config.server_forwarding)  # step ids, next_servers
         self.num_pushed_steps = 0  # span steps whose server answered the copy pushed by the previous server
-        self.handoffs = HandoffLog()  # spans moved off draining servers with their KV cache
+        self.handoffs = HandoffLog(manager, max_length)  # spans moved off draining servers with their KV cache
         self.verifier = StepVerifier(manager)  # cross-checks a `verify_fraction` of steps on other servers
         self.shadows = ShadowVerifier(manager)  # mirrors sampled span sessions to replicas (client.session.shadows)
         self.stall_events: list[StallEvent] = []  # silent hops checked, and what was done (client.session.stalls)
@@ -83,11 +83,6 @@ class InferenceSession:
     @property
     def num_blocks(self) -> int:
         return self.end - self.start
-
-    @property
-    def span_sessions(self) -> list[SpanSession]:
-        """The live chain of span sessions, in block order (a hand-off swaps one entry in place)."""
-        return self._spans
 
     @property
     def route(self) -> list[tuple[RemoteSpanInfo, str | None]]:
@@ -169,8 +164,8 @@ class InferenceSession:
             outputs = self._step_here(cpu_inputs, prompts) if hypo_ids is None and not verify else None
             if outputs is None:
                 outputs = background_loop.run(self._step(cpu_inputs, prompts, hypo_ids, verify=verify))
-        if needs_handoff(self):  # a server drains: move its span's cache to another server (no replay)
-            background_loop.run(hand_off_draining_spans(self))
+        if needs_handoff(self.handoffs, self._spans):  # a server drains: move its span's cache elsewhere (no replay)
+            background_loop.run(hand_off_draining_spans(self.handoffs, self._spans))
         self._position += cpu_inputs.shape[1]
         return outputs.to(inputs.device)
 
