@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 from hivemind.proto import runtime_pb2
 
-from corolla.client.session.forwarding import StepForwarding, is_pushed_reply, push_chain, push_went_stale
+from corolla.client.session.forwarding import StepForwarding, push_chain, push_went_stale
+from corolla.client.session.span_session import is_pushed_reply
 from corolla.protocol.forwarding import NEXT_STEP_KEY, PUSHED_REPLY_KEY
 from corolla.protocol.metadata import encode_metadata
 

@@ -20,36 +20,18 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
-from hivemind.proto import runtime_pb2
-
-from corolla.protocol.forwarding import NEXT_STEP_KEY, PUSHED_REPLY_KEY
-from corolla.protocol.metadata import decode_metadata
-from corolla.protocol.records import RemoteSpanInfo
+from corolla.client.session.span_session import SpanSession
+from corolla.protocol.forwarding import NEXT_STEP_KEY
 
 
-class ForwardingSpan(Protocol):
-    """What the planner reads of a span session (`span_session.SpanSession`)."""
-
-    span: RemoteSpanInfo
-    session_id: str
-    position: int
-    expected_push: tuple[str, int] | None  # (step_id, start position) of the last step named to be pushed to it
-
-    @property
-    def accepts_pushes(self) -> bool: ...
-
-    @property
-    def declared_upstream(self) -> str | None: ...
-
-
-def _start(span: ForwardingSpan, position: int) -> int:
+def _start(span: SpanSession, position: int) -> int:
     """The position a span's request for a step at `position` starts from (a replacement replays from 0)."""
     return min(span.position, position)
 
 
-def can_push(source: ForwardingSpan, target: ForwardingSpan, position: int) -> bool:
+def can_push(source: SpanSession, target: SpanSession, position: int) -> bool:
     """Whether `source`'s outputs for a step at `position` are exactly `target`'s next request."""
     return (
         source.span.end == target.span.start
@@ -60,9 +42,9 @@ def can_push(source: ForwardingSpan, target: ForwardingSpan, position: int) -> b
     )
 
 
-def push_chain(spans: Sequence[ForwardingSpan], index: int, position: int) -> list[ForwardingSpan]:
+def push_chain(spans: Sequence[SpanSession], index: int, position: int) -> list[SpanSession]:
     """The spans after `spans[index]` that this step's outputs reach by push, in order (maybe none)."""
-    chain: list[ForwardingSpan] = []
+    chain: list[SpanSession] = []
     source = spans[index]
     for target in spans[index + 1 :]:
         if not can_push(source, target, position):
@@ -85,7 +67,7 @@ class StepForwarding:
         return step_id
 
     def request_extra(
-        self, spans: Sequence[ForwardingSpan], index: int, position: int, step_id: str, *, allowed: bool
+        self, spans: Sequence[SpanSession], index: int, position: int, step_id: str, *, allowed: bool
     ) -> dict[str, Any]:
         """Metadata to add to `spans[index]`'s request: the next step's id and, when `allowed` (no prompts, no
         hypo_ids), the `next_servers` chain; marks the spans named there as expecting this step by push."""
@@ -100,7 +82,7 @@ class StepForwarding:
         return extra
 
 
-def push_went_stale(span: ForwardingSpan, step_id: str, position: int) -> bool:
+def push_went_stale(span: SpanSession, step_id: str, position: int) -> bool:
     """True when `span` may have answered this step by push from another start position than the request the
     client must send it now (e.g. a tainted history makes it replay): its stream may hold an answer that is not the
     one the client needs, so the span must be reopened instead."""
@@ -109,13 +91,3 @@ def push_went_stale(span: ForwardingSpan, step_id: str, position: int) -> bool:
         and span.expected_push[0] == step_id
         and (span.expected_push[1] != _start(span, position))
     )
-
-
-def is_pushed_reply(response: runtime_pb2.ExpertResponse) -> bool:
-    """Whether a corolla server flagged `response` as the answer to a step that reached it by push."""
-    if not response.metadata:
-        return False
-    try:
-        return decode_metadata(response.metadata).get(PUSHED_REPLY_KEY) is True
-    except ValueError:
-        return False  # only a statistic: a malformed flag counts as not pushed

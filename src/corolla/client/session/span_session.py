@@ -29,7 +29,6 @@ from corolla.client.calls.retries import has_alternative
 from corolla.client.config import ClientConfig
 from corolla.client.prefix.prefix_chain import PrefixChain
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
-from corolla.client.session.forwarding import is_pushed_reply
 from corolla.client.session.stalls import StallAction, StallEvent, StepClock
 from corolla.client.transport.direct_transport import DirectInferenceStream
 from corolla.client.transport.framed_socket import FramedSocketStream
@@ -37,6 +36,7 @@ from corolla.client.transport.local_transport import LocalInferenceStream
 from corolla.client.transport.p2p_stream import InferenceStream, P2PInferenceStream
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
 from corolla.protocol.codecs import deserialize_tensor
+from corolla.protocol.forwarding import PUSHED_REPLY_KEY
 from corolla.protocol.handoff import DRAINING_KEY, DrainNotice
 from corolla.protocol.metadata import TUPLE_EXT_TYPE, decode_metadata, encode_metadata
 from corolla.protocol.packing import pack_args_kwargs
@@ -93,6 +93,16 @@ def read_drain_notice(response: runtime_pb2.ExpertResponse) -> DrainNotice | Non
         return None if raw is None else DrainNotice.from_dict(raw)
     except ValueError:
         return None
+
+
+def is_pushed_reply(response: runtime_pb2.ExpertResponse) -> bool:
+    """Whether a corolla server flagged `response` as the answer to a step that reached it by push."""
+    if not response.metadata:
+        return False
+    try:
+        return decode_metadata(response.metadata).get(PUSHED_REPLY_KEY) is True
+    except ValueError:
+        return False  # only a statistic: a malformed flag counts as not pushed
 
 
 class HopStalled(ConnectionError):
