@@ -57,7 +57,6 @@ class MlaSpec:
     num_experts_per_tok: int
     num_groups: int
     topk_groups: int
-    num_shared_experts: int
     norm_topk_prob: bool
     routed_scaling_factor: float
     first_k_dense_replace: int
@@ -65,7 +64,6 @@ class MlaSpec:
     latent_norm_eps: float
     softmax_scale: float
     rope_interleave: bool
-    attention_bias: bool
     sliding_window_tokens: int | None = None  # MLA attends to the whole context
 
     @property
@@ -111,7 +109,6 @@ class MlaSpec:
             num_experts_per_tok=int(config.num_experts_per_tok),
             num_groups=num_groups,
             topk_groups=int(getattr(config, "topk_group", 1) or 1),
-            num_shared_experts=int(config.n_shared_experts or 0),
             norm_topk_prob=bool(config.norm_topk_prob),
             routed_scaling_factor=float(config.routed_scaling_factor),
             first_k_dense_replace=int(config.first_k_dense_replace),
@@ -119,7 +116,6 @@ class MlaSpec:
             latent_norm_eps=LATENT_NORM_EPS,
             softmax_scale=mla_softmax_scale(config),
             rope_interleave=bool(getattr(config, "rope_interleave", False)),
-            attention_bias=bool(getattr(config, "attention_bias", False)),
         )
 
 
