@@ -1,2 +1,2 @@
-"""Prefix reuse, client side: the token keys of a session's positions (`prefix_chain`), the probe of how much
-each server holds (also `prefix_chain`) and cache-affine routing (`prefix_routes`)."""
+"""Prefix reuse, client side: the token keys of a session's positions and which servers take them (`prefix_chain`;
+`SpanSession.probe` asks a server how much it holds) and cache-affine routing (`prefix_routes`)."""

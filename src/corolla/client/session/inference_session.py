@@ -19,7 +19,7 @@ import torch
 from corolla.client import background_loop
 from corolla.client.calls.output_checks import BadServerOutput
 from corolla.client.calls.retries import RetryBudget, has_alternative
-from corolla.client.prefix.prefix_chain import PrefixChain, probe_chain, speaks_prefix_keys
+from corolla.client.prefix.prefix_chain import PrefixChain, speaks_prefix_keys
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.session.forwarding import StepForwarding, push_went_stale
 from corolla.client.session.handoff import HandoffLog, hand_off_draining_spans, needs_handoff
@@ -187,7 +187,8 @@ class InferenceSession:
                 return 0
             if inputs.shape[1] - 1 < PREFIX_BLOCK_TOKENS:
                 return 0  # no whole block to ask about
-            hits = await probe_chain(spans, keys_until=inputs.shape[1] - 1, like=inputs)
+            # one round trip for the chain: every server is probed at once
+            hits = list(await asyncio.gather(*(s.probe(inputs.shape[1] - 1, inputs) for s in spans)))
         except Exception as e:
             if isinstance(e, (AssertionError, asyncio.CancelledError)):
                 raise
