@@ -14,6 +14,7 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from corolla import __version__
@@ -124,8 +125,6 @@ def check_port_free(host: str, port: int, *, flag: str = "--port") -> None:
 def check_model_argument(name: str, what: str = "model") -> None:
     """ConfigurationError for a local-looking model path that is not there (instead of the Hub's "Repo id must use
     alphanumeric chars"), or a directory without `config.json`. `ORG/NAME` and `NAME` may be Hub ids: not checked."""
-    from pathlib import Path
-
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():

@@ -4,6 +4,7 @@ environment variables), build a `Server`, run it until SIGINT/SIGTERM and shut i
 from __future__ import annotations
 
 import argparse
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -187,8 +188,6 @@ def parse_config(argv: Sequence[str] | None = None) -> ServerConfig:
 def increase_file_limit(limit: int) -> None:
     if limit <= 0:
         return
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     new_hard = hard if hard == resource.RLIM_INFINITY or hard >= limit else limit
     try:

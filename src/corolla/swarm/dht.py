@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.multiaddr import Multiaddr
 
 from corolla.protocol.bounded_msgpack import install_bounded_serializer
 from corolla.swarm.identity import prepare_identity, set_signer
@@ -213,8 +214,6 @@ class OrphanProofDHT(hivemind.DHT):
 
 def check_peer_maddr(maddr: str) -> None:
     """ConfigurationError unless `maddr` is a multiaddr with a peer id, e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm..."""
-    from hivemind.utils.multiaddr import Multiaddr
-
     try:
         parsed = Multiaddr(maddr)
         problem = None if "p2p" in (p.name for p in parsed.protocols()) else "it has no /p2p/<peer id> part"

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 
 _ROOT = "corolla"
@@ -44,8 +45,6 @@ def quiet_logs(level: int = logging.ERROR) -> Iterator[None]:
     """For CLIs whose stdout carries the result (`corolla-generate` streams text): within the block, corolla's,
     hivemind's and transformers' logs only at `level` and above, and no Python warnings, so nothing lands in the
     streamed text. Enter before forking helpers (the DHT process inherits the levels); levels come back on exit."""
-    import warnings
-
     _configure()
     loggers = [logging.getLogger(name) for name in (_ROOT, "hivemind", "transformers")]
     previous = [logger.level for logger in loggers]

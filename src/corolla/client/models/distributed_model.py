@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 from transformers.modeling_outputs import CausalLMOutput
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from corolla.client.config import ClientConfig
 from corolla.client.models.generation import GenerationLoop, padding_groups
@@ -83,8 +85,6 @@ def _make_norm(kind: str, hidden_size: int, config: Any) -> nn.Module:
     if kind == "gpt_oss_rms":
         return GptOssRMSNorm(hidden_size, config.rms_norm_eps)
     if kind == "rms":
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
         return LlamaRMSNorm(hidden_size, eps=config.rms_norm_eps)
     return nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
 
@@ -403,8 +403,6 @@ class AutoDistributedModelForCausalLM:
 
 
 def _load_generation_config(name_or_path: Any, config: Any, revision: Any, token: Any, cache_dir: Any) -> Any:
-    from transformers import GenerationConfig
-
     try:
         return GenerationConfig.from_pretrained(str(name_or_path), revision=revision, token=token, cache_dir=cache_dir)
     except OSError:
