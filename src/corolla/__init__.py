@@ -1,7 +1,8 @@
 """corolla: run large language models collaboratively over a Petals-compatible swarm.
 
-Subpackages (see docs/design.md): `protocol` (wire records), `swarm` (DHT and block placement),
-`models` (block families), `server`, `client`, `cli` (entry points only) and `utils`.
+Subpackages (see docs/design.md): `protocol` (wire records), `swarm` (DHT and block placement), `models` (block
+families), `engine` (running spans fast), `server`, `client`, `api` (OpenAI-compatible gateway), `health` (swarm
+monitor), `cli` (entry points only), `demo` and `utils`.
 """
 
 __version__ = "0.1.0"
