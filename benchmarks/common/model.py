@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from corolla.models.registry import get_family
+
 
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
@@ -61,8 +63,6 @@ NAMED_SHAPES = {
 def random_blocks(config, num_layers: int, device: torch.device, dtype: torch.dtype) -> list[torch.nn.Module]:
     """corolla blocks 0..num_layers-1 of `config`, built on `device` in `dtype` with random weights (norms
     ~ N(1, 0.05), matrices ~ N(0, 0.02), from torch's global generator), in eval mode."""
-    from corolla.models.registry import get_family
-
     blocks = []
     for i in range(num_layers):
         with torch.device(device):
@@ -90,8 +90,6 @@ def build_hf_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, 
 
 def build_blocks(model, shape, dtype: torch.dtype, device: torch.device, num_layers: int) -> dict[int, torch.nn.Module]:
     """corolla llama blocks holding the same weights as the transformers model's first `num_layers` layers."""
-    from corolla.models.registry import get_family
-
     config = shape.hf_config()
     family = get_family(config)
     blocks = {}
