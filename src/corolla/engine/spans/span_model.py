@@ -62,7 +62,9 @@ class SpanModel(Protocol):
         pool: KVPool,
         layers: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """hidden [B, H], positions [B] long, block_tables [B, maxp] int32 -> [B, H]; static shapes, no host sync."""
+        """One token per row through layers [start, end) (default: all): hidden [B, H]; positions [B] long (row b
+        writes at positions[b] and attends to [0, positions[b]]); block_tables [B, maxp] int32. Returns [B, H].
+        Static shapes, no host sync."""
         ...
 
     def prefill(
