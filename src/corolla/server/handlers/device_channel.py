@@ -894,9 +894,8 @@ class DeviceChannel:
         return tuple(tensors)
 
     async def _write_kv(self, handle: int, position: int, tensors: tuple[torch.Tensor, ...]) -> None:
-        await self.core.write_kv(
-            self._held_cache(handle)[0], list(tensors), position
-        )  # validated by the handler's front
+        # the tensors were validated by the handler process's front
+        await self.core.write_kv(self._held_cache(handle)[0], list(tensors), position)
 
 
 def _set_done(future: asyncio.Future[None]) -> None:
