@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from corolla.client.speculative.acceptance import Draft, Sampler, SpeculativeConfig
 from corolla.demo.draft import ensure_demo_draft
@@ -46,19 +47,14 @@ class DraftModelDrafter:
     distribution; keeps a KV cache of the context it has seen and crops it to the common prefix each round."""
 
     def __init__(self, model: torch.nn.Module, generator: torch.Generator | None = None):
-        from transformers import DynamicCache
-
         self.model = model.eval()
         self.generator = generator
-        self._cache_type = DynamicCache
         self._cache: DynamicCache | None = None
         self._seen: list[int] = []  # tokens whose keys/values are in the cache
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> DraftModelDrafter:
         """A drafter over the model at `path`, loaded once per process (drafters share weights, not caches)."""
-        from transformers import AutoModelForCausalLM
-
         key = str(Path(path).resolve()) if Path(path).exists() else str(path)
         with _LOADED_LOCK:
             model = _LOADED.get(key)
@@ -77,7 +73,7 @@ class DraftModelDrafter:
             common += 1
         common = min(common, len(ids) - 1)  # always run at least the last token: its logits are needed
         if self._cache is None or common == 0:
-            self._cache, self._seen = self._cache_type(), []
+            self._cache, self._seen = DynamicCache(), []
             return ids
         if common < len(self._seen):
             self._cache.crop(common - len(self._seen))  # transformers 5: a negative count of tokens to drop
@@ -116,9 +112,5 @@ def make_drafter(config: SpeculativeConfig) -> PromptLookupDrafter | DraftModelD
     """The drafter a `SpeculativeConfig` names (the demo draft model when `draft_model_path` is None)."""
     if config.drafter == "lookup":
         return PromptLookupDrafter(config.lookup_max_ngram, config.lookup_min_ngram)
-    path: str | Path
-    if config.draft_model_path is not None:
-        path = config.draft_model_path
-    else:
-        path = ensure_demo_draft()
+    path = config.draft_model_path if config.draft_model_path is not None else ensure_demo_draft()
     return DraftModelDrafter.from_pretrained(path)
