@@ -158,7 +158,6 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
         req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], max_tokens: int, logprobs: int | None
     ) -> GenerationRequest:
         """The request's sampling: its own values, else generation_config.json's, else OpenAI's defaults."""
-        check_model(req.model)
         n = req.n or 1
         if n > config.max_n:
             raise invalid_param(f"n must be <= {config.max_n} (--max_n), got {n}", "n")
@@ -301,22 +300,19 @@ def create_app(backend: GenerationBackend, config: ApiConfig | None = None) -> F
 
         return EventSourceResponse(events(), sep="\n", ping=config.sse_ping_interval_s)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "corolla"}
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
         check_auth(request)
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": created, "owned_by": "corolla"}
-                for name in sorted(model_names)
-            ],
-        }
+        return {"object": "list", "data": [model_card(name) for name in sorted(model_names)]}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str, request: Request) -> dict[str, Any]:
         check_auth(request)
         check_model(name)
-        return {"id": name, "object": "model", "created": created, "owned_by": "corolla"}
+        return model_card(name)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

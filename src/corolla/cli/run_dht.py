@@ -4,8 +4,6 @@ its routing table fresh, and stops cleanly on SIGINT/SIGTERM (its DHT process an
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import secrets
 import signal
 import sys
@@ -16,7 +14,7 @@ from typing import Any
 
 import configargparse
 
-from corolla.cli.errors import add_common_flags, check_initial_peers, run_cli
+from corolla.cli.errors import add_common_flags, check_initial_peers, exit_now, run_cli
 from corolla.swarm.dht import (
     PRIVATE_HOST_MADDRS,
     PUBLIC_HOST_MADDRS,
@@ -110,11 +108,7 @@ async def _refresh(_dht: Any, node: Any, *, key: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: runs the node, then exits at once (interpreter teardown of torch takes seconds)."""
-    code = run_cli("corolla-dht", lambda: run(argv), argv)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return exit_now(run_cli("corolla-dht", lambda: run(argv), argv))
 
 
 def run(argv: Sequence[str] | None = None) -> int:
