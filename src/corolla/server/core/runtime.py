@@ -756,10 +756,16 @@ class Runtime:
         except RuntimeError as e:
             raise RuntimeStopped("The server's runtime is stopped; it accepts no new tasks") from e
 
-    def submit(self, fn: Callable[[], Any], *, inline: bool = False, **task_args: Any) -> asyncio.Future:
-        """`queue(task(fn, **task_args), inline=inline)` for a caller in a running asyncio loop (no `on_done`): the
-        future of `fn()`'s result (already resolved where it ran inline)."""
-        task = self.task(fn, **task_args)
+    def submit(
+        self, fn: Callable[[], Any], *, priority: float, size_tokens: int, kind: str = KIND_GENERIC,
+        merge_key: Hashable | None = None, payload: Any = None, inline: bool = False,
+        sessions: tuple[Hashable, ...] = (), lead_after_s: float = 0.0,
+    ) -> asyncio.Future:  # fmt: skip
+        """`queue(task(fn, ...), inline=inline)` for a caller in a running asyncio loop: the future of `fn()`'s result
+        (already resolved where it ran inline). Its keywords are `task`'s but the callback ones (`on_done`, `flush`),
+        named so that a caller's typo or a callback fails in mypy, not in the runtime."""
+        task = self.task(fn, priority=priority, size_tokens=size_tokens, kind=kind, merge_key=merge_key,
+                         payload=payload, sessions=sessions, lead_after_s=lead_after_s)  # fmt: skip
         self.queue(task, inline=inline)
         assert task.future is not None
         return task.future
