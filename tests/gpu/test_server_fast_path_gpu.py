@@ -13,11 +13,17 @@ import torch
 from hivemind.compression.serialization import deserialize_torch_tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from corolla.client.transport.local_transport import open_local_inference
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
 from corolla.server.core.executor import PATH_FUSED
-from helpers.swarm import ClientThread, InferenceStream, chain, packed_request, start_inprocess_server
+from helpers.swarm import (
+    ClientThread,
+    InferenceStream,
+    chain,
+    open_local_inference,
+    packed_request,
+    start_inprocess_server,
+)
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,7 +9,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +22,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from corolla.client.transport.local_transport import LocalInferenceStream, responses_of
 from corolla.protocol.packing import pack_args_kwargs
 from corolla.protocol.rpc import TransformerConnectionHandler
 from corolla.protocol.uids import make_chain
@@ -320,3 +321,18 @@ def inprocess_servers(
             yield servers
         finally:
             list(pool.map(lambda server: server.shutdown(), servers))
+
+
+async def open_local_inference(
+    peer_id: str,
+    requests: AsyncIterator[runtime_pb2.ExpertRequest],
+    *,
+    timeout_s: float,
+    directory: Path | None = None,
+) -> AsyncIterator[runtime_pb2.ExpertResponse] | None:
+    """The response stream of `rpc_inference` at the same-host server `peer_id`, sending `requests`; None when that
+    server has no usable socket here or does not accept (then nothing was read from `requests`)."""
+    stream = await LocalInferenceStream.open(peer_id, timeout_s=timeout_s, directory=directory)
+    if stream is None:
+        return None
+    return responses_of(stream, requests)

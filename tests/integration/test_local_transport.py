@@ -17,13 +17,13 @@ from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
-from corolla.client.transport.local_transport import open_local_inference
 from corolla.protocol import local_stream as ls
 from helpers.swarm import (
     ClientThread,
     InferenceStream,
     cache_used_bytes,
     chain,
+    open_local_inference,
     packed_request,
     start_inprocess_server,
     wait_until,

@@ -3,7 +3,7 @@ this machine over its unix socket (see `protocol.local_stream`) instead of throu
 
 `LocalInferenceStream` is one such stream on a raw non-blocking socket (`framed_socket.FramedSocketStream`): its
 async methods run on the client loop, and between them its sync `exchange` may run in any one thread.
-`open_local_inference` wraps one as the p2p stub's stream (an async iterator of `ExpertResponse`, `P2PHandlerError`
+`responses_of` drives one as the p2p stub's stream does (an async iterator of `ExpertResponse`, `P2PHandlerError`
 for the server's errors, end of iteration when the server closes). Any problem opening a stream means "use p2p"."""
 
 from __future__ import annotations
@@ -163,21 +163,6 @@ def frame_response(
 
 def _request_frame(request: runtime_pb2.ExpertRequest) -> bytes:
     return b"".join(ls.frame(ls.MESSAGE, request.SerializeToString()))
-
-
-async def open_local_inference(
-    peer_id: str,
-    requests: AsyncIterator[runtime_pb2.ExpertRequest],
-    *,
-    timeout_s: float,
-    directory: Path | None = None,
-) -> AsyncIterator[runtime_pb2.ExpertResponse] | None:
-    """The response stream of `rpc_inference` at the same-host server `peer_id`, sending `requests`; None when that
-    server has no usable socket here or does not accept (then nothing was read from `requests`)."""
-    stream = await LocalInferenceStream.open(peer_id, timeout_s=timeout_s, directory=directory)
-    if stream is None:
-        return None
-    return responses_of(stream, requests)
 
 
 async def responses_of(
