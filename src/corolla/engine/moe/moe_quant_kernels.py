@@ -30,10 +30,7 @@ if TYPE_CHECKING:
 BLOCK_M = 16  # assignment rows per tile (tl.dot's minimum)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, pair, down splits); BLOCK_K a multiple of 64 (NF4 absmax blocks). pair = 0
 # (Int8): the codes converted and multiplied in one tl.dot; pair = 1 (NF4): the pair-table decode above (as
-# `quant_kernels`' NF4 kernel; no dequantized tile, no layout change). The NF4 tile dequantized to the compute dtype
-# and multiplied in one tl.dot (pair 0 for NF4) lost to the pair decode at every count measured and is deleted: H100,
-# Mixtral-8x7B shape, one token, 0.85-1.30 ms per layer for pair 1 against 1.93-6.49 ms; H200 (docs/decisions/0077)
-# 840 / 1,966 / 2,139 us at 1 / 8 / 16 tokens against at best 1,553 / 5,181 / 5,202 us.
+# `quant_kernels`' NF4 kernel; no dequantized tile, no layout change; why NF4 has no other: docs/decisions/0077).
 # down splits > 1: the down projection's K (the intermediate size, 224 serial NF4
 # blocks per program at Mixtral's shape) is cut into that many ranges run by separate programs, their fp32 partial
 # sums added in split order by torch (no atomics), then rounded and weighted. The pair decode with 4 and 8 down
