@@ -3,7 +3,7 @@ sessions, and where they run.
 
 Two client kinds (`--clients`): `petals`, each session a stock-Petals-style hivemind stub stream
 (`users.petals_stream.PetalsStream`: `stub.rpc_inference(async generator)`, a queue, hivemind's writer task; over the same-host
-socket `open_local_inference` wrapped the same way), and `corolla`, each session a `client.session.span_session.SpanSession`
+socket a `LocalInferenceStream` driven the same way), and `corolla`, each session a `client.session.span_session.SpanSession`
 driven as `InferenceSession` drives a one-span chain (`CorollaStream`: opened over the same-host socket, the direct
 port or p2p; the prefill on the loop, each decode step `SpanSession.step_here` in the session's own thread).
 `--client_cpus` emulates clients on other machines: the client processes (and the p2pd daemons they start, which
@@ -37,7 +37,7 @@ logger = get_logger(__name__)
 
 CLIENT_DESCRIPTIONS = {
     "petals": "stock-Petals-style rpc_inference streams (hivemind stub: an async generator fed by a queue, "
-    "hivemind's writer task; over the socket open_local_inference wrapped the same way)",
+    "hivemind's writer task; over the socket a LocalInferenceStream driven the same way)",
     "corolla": "corolla's client as InferenceSession drives a one-span chain (client.session.span_session.SpanSession: "
     "opened over client.transport.p2p_stream.P2PInferenceStream on the client's p2pd / client.transport.local_transport."
     "LocalInferenceStream / client.transport.direct_transport.DirectInferenceStream on the server's direct port, ticket over "

@@ -1,5 +1,6 @@
 """One `rpc_inference` stream as a stock Petals client drives it (hivemind stub: an async generator fed by a queue;
-over the same-host socket `open_local_inference` wrapped the same way), shared by the RPC and many-users benches."""
+over the same-host socket a `LocalInferenceStream` driven the same way by `responses_of`), shared by the RPC and
+many-users benches."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import uuid
 from typing import Any
 
 import torch
+
+from corolla.client.transport.local_transport import LocalInferenceStream, responses_of
 
 BUSY_POLL_S = 0.02  # as ClientConfig(busy_poll_ms=20)
 
@@ -25,8 +28,6 @@ class PetalsStream:
         self.first = True
 
     async def open(self) -> PetalsStream:
-        from corolla.client.transport.local_transport import open_local_inference
-
         async def requests():
             while True:
                 item = await self.queue.get()
@@ -35,9 +36,10 @@ class PetalsStream:
                 yield item
 
         if self.local_peer_id is not None:
-            stream = await open_local_inference(self.local_peer_id, requests(), timeout_s=30)
-            if stream is None:
+            socket_stream = await LocalInferenceStream.open(self.local_peer_id, timeout_s=30)
+            if socket_stream is None:
                 raise RuntimeError("the server's local socket is not usable")
+            stream = responses_of(socket_stream, requests())
         else:
             stream = await asyncio.wait_for(self.stub.rpc_inference(requests()), 30)
         self.responses = stream.__aiter__()

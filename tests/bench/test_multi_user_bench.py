@@ -92,11 +92,12 @@ def _outputs_by_seed(clients: list[dict]) -> dict[int, torch.Tensor]:
 
 def test_corolla_clients_decode_what_petals_clients_decode_over_p2p_the_socket_and_the_direct_port(small_executor):
     """The same inputs (each client process's seed) through the same server: corolla's own client streams, over p2p,
-    the same-host socket and the server's direct port, get the outputs the stock-Petals-style streams get, every
-    session finishing; a Petals client has no direct transport."""
+    the same-host socket and the server's direct port, and the stock-Petals-style streams over the socket, get the
+    outputs the stock-Petals-style streams get over p2p, every session finishing; a Petals client has no direct
+    transport."""
     with pytest.raises(ValueError, match="needs client 'corolla'"):
         mu.UsersConfig(sessions=1, client_processes=1, transport="direct", client="petals")
-    runs = [("p2p", "petals"), ("p2p", "corolla"), ("socket", "corolla"), ("direct", "corolla")]
+    runs = [("p2p", "petals"), ("socket", "petals"), ("p2p", "corolla"), ("socket", "corolla"), ("direct", "corolla")]
     outputs, rows = {}, {}
     with _server(small_executor).running(keep_runtime=True) as server:
         for transport, client in runs:
