@@ -1,0 +1,220 @@
+"""The device process's host CPU per merged forward and per step, without a GPU (issues 31 and 37: one front at 64
+sessions is bound by that Python, docs/decisions/0049 and 0071): `python -m benchmarks.users.device_cpu`.
+
+The server's own device path runs as on a GPU server: its `Runtime` (the device thread, `TaskQueue.pop_batch`, the
+gather rule, launch-ahead and held launches) and `EngineExecutor` (`prepare_step`, `step_task`, `launch_steps`,
+`launch_graph_decode`'s staging into host buffers, `PendingDecode.wait`, the replies handed back to the loop) over a
+`SpanEngine` of one Llama-3-8B-wide layer on the CPU, with one thing replaced: the CUDA-graph forward
+(`NoopGraphs.run`) is a timed no-op on a simulated device (`SimulatedStream`: forwards queue one after another, each
+`--forward_ms` long; an event's `synchronize` sleeps until the device would pass it). The graphs' static device
+buffers are meta tensors (a host-to-device copy is a dispatch, no memcpy), the staging sets plain host memory; the
+output's device-to-host copy is a host memcpy here (a DMA on a GPU): a fixed cost per forward, alike in every run.
+
+`--sessions` clients live in this process's event loop, as one front's sessions do (no transport: what each costs
+its loop is `EngineExecutor.step` and the await of its result): each sends its `--prompt`-token prefill, then one
+decode step (its hidden states' bytes, as a front hands them over: `StepInputs.hidden_bytes`) as soon as the last
+came back. Timed over the decode phase, `--repeats` runs after one untimed warm-up: each thread's own CPU clock
+(the runtime thread's, the loop's), per merged forward and per step (medians over runs), forwards per step and rows
+per forward. `--profile FILE`: cProfile of the runtime thread (thread CPU clock) over the last run, its top
+functions printed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import dataclasses
+import gc
+import io
+import json
+import pstats
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.engine.quant import LLAMA3_8B, random_layer
+from benchmarks.field.verify_cost import standin_backend
+from benchmarks.field.verify_tolerance import engine_over
+from corolla.engine.graph_decode import HostStaging, host_bytes
+from corolla.engine.span_engine import SpanEngine
+from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.server.core.runtime import Runtime
+
+# one layer of Llama-3-8B's width (the wire's 8 KiB per bf16 row; its MLP narrow: only the prefill computes)
+SPEC = dataclasses.replace(LLAMA3_8B, intermediate_size=256)
+
+
+class SimulatedStream:
+    """A device that runs what is queued on it one after another: `tail_s` (perf_counter) is when it is done."""
+
+    def __init__(self) -> None:
+        self.tail_s = 0.0
+
+    def reach(self) -> float:
+        """When the device reaches what is queued now (now, or once the work before it is done)."""
+        self.tail_s = max(self.tail_s, time.perf_counter())
+        return self.tail_s
+
+
+class SimulatedEvent:
+    """`torch.cuda.Event` on a `SimulatedStream`: recorded at the time the device reaches it; `synchronize` sleeps
+    until then (a blocking-sync event's waiter: no CPU)."""
+
+    def __init__(self, stream: SimulatedStream) -> None:
+        self._stream = stream
+        self.at_s = 0.0
+
+    def record(self, stream: object = None) -> None:
+        self.at_s = self._stream.reach()
+
+    def synchronize(self) -> None:
+        wait_s = self.at_s - time.perf_counter()
+        if wait_s > 0:
+            time.sleep(wait_s)
+
+    def elapsed_time(self, end: SimulatedEvent) -> float:
+        return 1e3 * (end.at_s - self.at_s)
+
+
+class NoopGraphs:
+    """`DecodeGraphs`' surface for `launch_graph_decode`: static inputs (meta tensors), buckets, and a `run` that
+    queues `forward_s` of device time and returns the static output's first rows (its values are not read)."""
+
+    def __init__(self, engine: SpanEngine, buckets: tuple[int, ...], stream: SimulatedStream, forward_s: float):
+        rows, h, meta = max(buckets), engine.hidden_size, torch.device("meta")
+        self.buckets, self.max_rows = buckets, rows
+        self.hidden = torch.empty((rows, h), dtype=engine.dtype, device=meta)
+        self.positions = torch.empty((rows,), dtype=torch.long, device=meta)
+        self.block_tables = torch.empty((rows, engine.pool.max_pages_per_seq), dtype=torch.int32, device=meta)
+        self._out = torch.zeros((rows, h), dtype=engine.dtype)  # [rows, H]
+        self._stream, self._forward_s = stream, forward_s
+
+    def bucket_for(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def run(self, rows: int, layers: object = None, *, adapters: bool = False, reset: bool = True) -> torch.Tensor:
+        self._stream.tail_s = self._stream.reach() + self._forward_s
+        return self._out[:rows]
+
+
+def simulated_engine(rows: int, tokens: int, forward_s: float) -> SpanEngine:
+    """An engine over one random layer on the CPU whose decode forwards take the CUDA-graph path on a simulated
+    device (the module docstring)."""
+    gen = torch.Generator().manual_seed(0)
+    engine = engine_over(
+        SPEC, [random_layer(SPEC, torch.device("cpu"), gen)], triton=False, rows=rows, tokens=tokens, buckets=(rows,)
+    )
+    stream = SimulatedStream()
+    buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < rows) + (rows,)
+    engine.graphs = NoopGraphs(engine, buckets, stream, forward_s)  # type: ignore[assignment]
+    engine.max_batch_rows = rows
+    staging = [HostStaging.allocate(rows, SPEC.hidden_size, engine.pool.max_pages_per_seq, engine.dtype,
+                                    pin_memory=False) for _ in range(2)]  # fmt: skip
+    for s in staging:
+        s.start, s.event, s.sleeping_event = (SimulatedEvent(stream) for _ in range(3))  # type: ignore[assignment]
+    engine._staging, engine._next_staging = staging, 0
+    torch.cuda.current_stream = lambda device=None: stream  # type: ignore[assignment,return-value]
+    return engine
+
+
+def _thread_cpu_s(thread: threading.Thread | None) -> float:
+    assert thread is not None and thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+async def _client(executor: EngineExecutor, cache, raw: memoryview, prompt: int, steps: int, done: list) -> None:
+    row = SPEC.hidden_size * 2  # bf16
+
+    def inputs(start: int, end: int) -> StepInputs:
+        meta = (torch.bfloat16, (1, end - start, SPEC.hidden_size))
+        return StepInputs(None, start, None, None, "", False, raw[start * row : end * row], meta)
+
+    await executor.step(cache, inputs(0, prompt))
+    done.append(time.perf_counter())
+    await asyncio.sleep(0)
+    for t in range(prompt, prompt + steps):
+        await executor.step(cache, inputs(t, t + 1))
+
+
+def run_once(engine: SpanEngine, args: argparse.Namespace, profile: cProfile.Profile | None) -> dict:
+    gc.collect()
+    total = args.prompt + args.steps
+    backend = standin_backend(SPEC, 1, torch.device("cpu"))
+    with Runtime(max_batch_size_tokens=4096, device="cpu") as runtime:
+        executor = EngineExecutor(backend, engine, runtime)  # type: ignore[arg-type]
+
+        async def main() -> dict:
+            contexts = [executor.open_session(SessionSpec((0,), 1, total), None) for _ in range(args.sessions)]
+            caches = [await c.__aenter__() for c in contexts]
+            gen = torch.Generator().manual_seed(1)
+            raws = [host_bytes(torch.randn(total, SPEC.hidden_size, generator=gen).to(torch.bfloat16))
+                    for _ in caches]  # fmt: skip
+            prefilled: list[float] = []
+            clients = [asyncio.create_task(_client(executor, c, r, args.prompt, args.steps, prefilled))
+                       for c, r in zip(caches, raws, strict=True)]  # fmt: skip
+            while len(prefilled) < len(clients):  # the decode phase is timed: from the last prefill on
+                await asyncio.sleep(0.001)
+            if profile is not None:  # the runtime thread's own profile (cProfile is per thread)
+                await runtime.submit(profile.enable, priority=0, size_tokens=0)
+            tokens, batches = executor.inference_tokens, sum(s.batches for s in runtime.stats().values())
+            loop0, rt0, wall0 = time.thread_time(), _thread_cpu_s(runtime.thread), time.perf_counter()
+            await asyncio.gather(*clients)
+            if profile is not None:
+                await runtime.submit(profile.disable, priority=0, size_tokens=0)
+            loop_s, rt_s = time.thread_time() - loop0, _thread_cpu_s(runtime.thread) - rt0
+            wall_s = time.perf_counter() - wall0
+            forwards = sum(s.batches for s in runtime.stats().values()) - batches
+            rows = executor.inference_tokens - tokens
+            for c in contexts:
+                await c.__aexit__(None, None, None)
+            steps = args.sessions * args.steps
+            return {
+                "wall_ms_per_step": 1e3 * wall_s / args.steps,
+                "forwards_per_step": forwards / args.steps, "rows_per_forward": rows / max(1, forwards),
+                "runtime_us_per_forward": 1e6 * rt_s / max(1, forwards), "runtime_us_per_step": 1e6 * rt_s / steps,
+                "loop_us_per_step": 1e6 * loop_s / steps, "held_launches": runtime.num_held_launches,
+            }  # fmt: skip
+
+        return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", default="64,16", help="comma-separated session counts")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--forward_ms", type=float, default=6.0, help="the simulated device's time per forward")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", type=Path, default=None, help="cProfile of the runtime thread (last run) to FILE")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    results = []
+    for sessions in (int(s) for s in args.sessions.split(",")):
+        args.sessions = sessions
+        engine = simulated_engine(sessions, args.prompt + args.steps, args.forward_ms / 1e3)
+        run_once(engine, args, None)  # warm-up
+        profile = None if args.profile is None else cProfile.Profile(time.thread_time)
+        runs = [run_once(engine, args, profile if i == args.repeats - 1 else None) for i in range(args.repeats)]
+        if profile is not None:
+            profile.dump_stats(f"{args.profile}.{sessions}")
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+            print(text.getvalue())
+        result = {"sessions": sessions, "forward_ms": args.forward_ms, "steps": args.steps,
+                  **{k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]},
+                  "runs": {k: [round(r[k], 1) for r in runs] for k in ("runtime_us_per_forward", "loop_us_per_step")}}  # fmt: skip
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "device_cpu.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
