@@ -116,7 +116,7 @@ class PendingSteps:
         self,
         requests: Sequence[StepRequest],
         results: list[torch.Tensor | BaseException | None],
-        launched: list[int],
+        launched: Sequence[int],
         pending: PendingDecode | None,
     ):
         self._requests = requests
@@ -159,14 +159,17 @@ def launch_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> Pending
     if not engine.can_launch(requests):
         return None
     results: list[torch.Tensor | BaseException | None] = [None] * len(requests)
-    launched: list[int] = []
+    validate, refused = engine.validate, False
     for i, req in enumerate(requests):
         try:
-            engine.validate(req)
+            validate(req)
         except (ValueError, AllocationFailed) as e:
             results[i] = e
-            continue
-        launched.append(i)
+            refused = True
+    if not refused:  # the usual forward: every request in it, as they came
+        return PendingSteps(requests, results, range(len(requests)), engine.launch_decode(
+            requests, validated=True, launchable=True))  # fmt: skip
+    launched = [i for i, result in enumerate(results) if result is None]
     if not launched:
         return PendingSteps(requests, results, [], None)
     pending = engine.launch_decode([requests[i] for i in launched], validated=True, launchable=True)  # a subset

@@ -330,12 +330,8 @@ def stage_row_inputs(
     get position 0, the trash page and no adapter (the graph is then run with `reset=False`)."""
     rows, bucket = merged.rows, views.bucket
     staging.positions_np[:rows] = merged.positions
-    tables = staging.tables_bytes
-    start = 0
-    for table in merged.table_rows:  # one memcpy per row, GIL held
-        end = start + len(table)
-        tables[start:end] = table
-        start = end
+    tables = b"".join(merged.table_rows)  # the rows' tables in one C loop (GIL held), then one memcpy
+    staging.tables_bytes[: len(tables)] = tables
     if bucket > rows:
         staging.positions_np[rows:bucket] = 0
         staging.tables_np[rows:bucket] = TRASH_PAGE

@@ -364,10 +364,14 @@ class SpanEngine:
             self.publish_prefix(session)
             prefix.rewind(position)
         page_tokens = self.pool.page_size_tokens
-        for slot in session.slots:  # (the test `prepare_write` starts with, inlined: every decode step passes here)
+        end = position + req.num_tokens
+        pages, grow = -(-end // page_tokens), False
+        for slot in session.slots:  # (the tests `prepare_write` and `grow` start with, inlined: every decode step)
             if position < slot.length_tokens or position < slot.shared_pages * page_tokens:
                 self.pool.prepare_write(slot, position)
-        self.pool.grow(session.slots, position + req.num_tokens)
+            grow = grow or len(slot.pages) < pages
+        if grow:  # a page fills
+            self.pool.grow(session.slots, end)
 
     def check_inputs(self, req: StepRequest) -> None:
         """ValueError for a step request whose inputs can't run on this engine whatever the session's state (its
@@ -514,8 +518,12 @@ class SpanEngine:
         if not reqs or (not launchable and not self.can_launch(reqs)):
             raise ValueError("launch_decode takes decode steps on the CPU of distinct sessions over one layer range, "
                              "on the CUDA-graph path, within one forward's rows")  # fmt: skip
-        for req in reqs:
-            self._prepare(req, validated=validated)
+        pool = self.pool
+        for req in reqs:  # (`_prepare` inlined: every decode step of a launched forward passes here)
+            if not validated:
+                self.validate(req)
+            if req.hypo_ids is not None and req.hypo_ids.numel() > 0:
+                pool.reorder(req.session.slots, req.hypo_ids)
         return self._launch_group(reqs)
 
     def _launch_group(self, reqs: Sequence[StepRequest]) -> PendingDecode:

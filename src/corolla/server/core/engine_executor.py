@@ -294,12 +294,12 @@ class EngineExecutor:
         return self._runtime.batch_counts()
 
     def _execute_tasks(self, tasks: list[Task]) -> list[StepResult | list[StepResult]]:
-        requests, sizes = flatten_units(_units(tasks))
+        requests, sizes = _requests(tasks)
         self.inference_tokens += sum(r.rows * r.num_tokens for r in requests)
         return regroup(execute_steps(self.engine, requests), sizes)
 
     def _launch_tasks(self, tasks: list[Task]) -> PendingUnits | None:
-        requests, sizes = flatten_units(_units(tasks))
+        requests, sizes = _requests(tasks)
         pending = launch_steps(self.engine, requests)
         if pending is not None:  # (else the executor runs them: counted there)
             self.inference_tokens += sum(r.rows * r.num_tokens for r in requests)
@@ -387,15 +387,15 @@ class EngineExecutor:
         await self._runtime.submit(task, priority=PRIORITY_INFERENCE, size_tokens=1, kind=KIND_GENERIC)
 
 
-def _units(tasks: list[Task]) -> list[StepRequest | StepGroup]:
-    """Each task's payload: one step (`prepare_step`) or a device channel frame's steps (`StepGroup`, one task)."""
-    units: list[StepRequest | StepGroup] = []
-    for task in tasks:
-        payload = task.payload
-        if not isinstance(payload, StepRequest | StepGroup):
-            raise TypeError(f"{KIND_ENGINE_INFERENCE} task without a StepRequest or StepGroup payload")
-        units.append(payload)
-    return units
+def _requests(tasks: list[Task]) -> tuple[list[StepRequest], UnitSizes | None]:
+    """The requests of a batch's tasks, in order, and each unit's size (`flatten_units`): each task's payload is one
+    step (`prepare_step`) or a device channel frame's steps (`StepGroup`, one task). A batch of lone steps (one
+    front's) is its payloads as they are: no per-step Python beyond the list and the set of their types."""
+    units = [task.payload for task in tasks]
+    types = set(map(type, units))
+    if not types <= _UNIT_TYPES:
+        raise TypeError(f"{KIND_ENGINE_INFERENCE} task without a StepRequest or StepGroup payload")
+    return (units, None) if StepGroup not in types else flatten_units(units)
 
 
 def shorten_gil_switch_interval() -> None:
@@ -520,3 +520,6 @@ class PendingUnits:
 
     def wait(self) -> list[StepResult | list[StepResult]]:
         return regroup(self._pending.wait(), self._sizes)
+
+
+_UNIT_TYPES = frozenset({StepRequest, StepGroup})  # (exact types: neither has subclasses)

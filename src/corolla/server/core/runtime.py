@@ -181,6 +181,7 @@ class LaunchedBatch:
     """A batch queued on the device by its launcher (`handle`), or whose launch failed (`error`)."""
 
     batch: list[Task]
+    steps: int  # the steps it carries (`Task.steps` summed)
     handle: PendingBatch | None
     error: BaseException | None
     started_s: float  # perf_counter at the launch
@@ -788,7 +789,7 @@ class Runtime:
             if not getattr(self._inline_threads, "set", 0):
                 self._set_device()
                 self._inline_threads.set = 1
-            results = self._execute([task])
+            results = self._execute([task], task.steps)
         finally:
             self._executing.release()
         self.num_batches_done += 1
@@ -843,12 +844,13 @@ class Runtime:
                 if batch is None:
                     break
                 continue
+            steps = _steps(batch)  # (once per batch: its counters, the gather rule and the hold read it)
             if batch[0].kind not in self._ungathered_kinds:
                 self._returned(batch[0])
                 self._paced_until = 0.0  # the session is back: background work may launch behind its step
             elif self._paced_until and time.monotonic() < self._paced_until:
                 self.num_fitted += 1  # launched in the session's way back: `_fits`
-            launched = self._launch(batch)
+            launched = self._launch(batch, steps)
             self.num_held_launches += held
             if held and launched is not None:
                 self.launch_s = ewma(self.launch_s, time.perf_counter() - woke_s)
@@ -860,12 +862,12 @@ class Runtime:
                 continue
             with self._executing:
                 started = time.perf_counter()
-                results = self._execute(batch)
+                results = self._execute(batch, steps)
                 elapsed_s = time.perf_counter() - started
                 self._last_done_s = time.perf_counter()
             if batch[0].merge_key is not None and batch[0].kind in self._batch_executors:
-                self._gathered(batch, elapsed_s)
-            self._complete(batch, results)
+                self._gathered(batch, steps, elapsed_s)
+            self._complete(batch, results, steps)
 
     def _paced(self, queue: TaskQueue) -> bool:
         """Whether background work heads the queue (or nothing does) while a session's step is due back, and its
@@ -925,7 +927,7 @@ class Runtime:
             self.num_paced_out += queue.head_kind() in self._ungathered_kinds
             self._paced_until = 0.0
 
-    def _launch(self, batch: list[Task]) -> LaunchedBatch | None:
+    def _launch(self, batch: list[Task], steps: int) -> LaunchedBatch | None:
         """Queues `batch` on the device through its kind's launcher; None where it has none or declines."""
         launcher = self._launchers.get(batch[0].kind) if batch[0].merge_key is not None else None
         if launcher is None:
@@ -936,11 +938,11 @@ class Runtime:
                 handle = launcher(batch)
             except Exception as e:  # the launch failed: every task of the batch fails, when its turn comes
                 logger.warning(f"runtime.launch_failed(kind={batch[0].kind}, tasks={len(batch)}, error={e!r})")
-                return LaunchedBatch(batch, None, e, started)
+                return LaunchedBatch(batch, steps, None, e, started)
             if handle is None:
                 return None
             self._num_in_flight += 1
-            return LaunchedBatch(batch, handle, None, started, queued_s=time.perf_counter())
+            return LaunchedBatch(batch, steps, handle, None, started, queued_s=time.perf_counter())
 
     def _hold(self, launched: LaunchedBatch) -> None:
         """Waits until the device is about to end `launched` (a held launch, `GatherRule.holds_launch`): its expected
@@ -949,7 +951,7 @@ class Runtime:
         forward is queued behind it before it ends instead of after (the device idled 0.7-1.3 ms per forward between
         held forwards: the waiter's wake-up, the GIL, the pop and the staging). Where nothing is learned yet, or the
         batch's kind is not device-timed, it waits for the end."""
-        expected_s = self._device_s.get(_device_key(launched.batch))
+        expected_s = self._device_s.get(_device_key(launched))
         if expected_s is None or self.launch_s is None:
             self._wait(launched)
             return
@@ -961,10 +963,10 @@ class Runtime:
     def _finish(self, launched: LaunchedBatch) -> None:
         """Waits for a launched batch's results (if not done yet) and completes it."""
         results = self._wait(launched)
-        self._gathered(launched.batch, launched.elapsed_s, launched=True)
-        self._complete(launched.batch, results)
+        self._gathered(launched.batch, launched.steps, launched.elapsed_s, launched=True)
+        self._complete(launched.batch, results, launched.steps)
 
-    def _gathered(self, batch: list[Task], forward_s: float, *, launched: bool = False) -> None:
+    def _gathered(self, batch: list[Task], steps: int, forward_s: float, *, launched: bool = False) -> None:
         """The gather rule's bookkeeping once a merged batch finished, before its results go back: what came back of
         the forwards before, and this one's sessions watched for (`TaskQueue.watch`). After a `launched` batch,
         background work waits for its sessions (`_pace`): their next step is launched, and background work behind it.
@@ -979,7 +981,7 @@ class Runtime:
             self._paced_until = now_s + self.pace_hold_s
             self._completed_s = now_s
         self.gather.learn(*queue.take_returns())
-        count = self.gather.finished(size=_steps(batch), forward_s=forward_s, now_s=now_s, num_pushed=queue.num_pushed)
+        count = self.gather.finished(size=steps, forward_s=forward_s, now_s=now_s, num_pushed=queue.num_pushed)
         sessions = {session for task in batch for session in task.sessions}
         if count is not None and sessions:
             queue.watch(sessions, count, now_s)
@@ -1008,13 +1010,13 @@ class Runtime:
             self._last_done_s = done_s
             device_s = launched.handle.device_s if launched.handle is not None else None
             if device_s is not None:  # what `_hold` expects of the next batch of this kind and size
-                key = _device_key(batch)
+                key = _device_key(launched)
                 self._device_s[key] = ewma(self._device_s.get(key), device_s)
-            self._account(batch[0].kind, _steps(batch), launched.elapsed_s, device_s)
+            self._account(batch[0].kind, launched.steps, launched.elapsed_s, device_s)
         launched.results = results
         return results
 
-    def _execute(self, batch: list[Task]) -> list[tuple[Any, BaseException | None]]:
+    def _execute(self, batch: list[Task], steps: int) -> list[tuple[Any, BaseException | None]]:
         started = time.perf_counter()
         try:
             executor = self._batch_executors.get(batch[0].kind) if batch[0].merge_key is not None else None
@@ -1024,7 +1026,7 @@ class Runtime:
             logger.debug("runtime.task_failed traceback", exc_info=True)
             return [(None, e)] * len(batch)
         finally:
-            self._account(batch[0].kind, _steps(batch), time.perf_counter() - started)
+            self._account(batch[0].kind, steps, time.perf_counter() - started)
         return results
 
     def _account(self, kind: str, num_steps: int, elapsed_s: float, device_s: float | None = None) -> None:
@@ -1043,10 +1045,17 @@ class Runtime:
         if logger.isEnabledFor(logging.DEBUG):  # not formatted per batch unless it is logged
             logger.debug(f"runtime.execute(kind={kind}, steps={num_steps}, ms={elapsed_s * 1000:.2f})")
 
-    def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]]) -> None:
+    def _complete(self, batch: list[Task], results: list[tuple[Any, BaseException | None]], steps: int) -> None:
         self.num_batches_done += 1  # counted before the callers can observe their results
-        self.num_tasks_done += _steps(batch)
-        if batch[0].future is None and all(t.future is None for t in batch):  # only callback tasks (device channels)
+        self.num_tasks_done += steps
+        if len(batch) == 1:
+            deliver(batch[0], *results[0])
+            return
+        loop = batch[0].loop
+        if loop is not None and all(t.loop is loop for t in batch):  # the usual batch: futures of one event loop
+            _resolve_in(loop, [(t.future, r, e) for t, (r, e) in zip(batch, results, strict=True)], batch[0].kind)
+            return
+        if all(t.future is None for t in batch):  # only callback tasks (device channels)
             call_back(batch, results)
             return
         if any(t.future is None for t in batch):  # callback tasks: their replies leave from this thread
@@ -1056,26 +1065,26 @@ class Runtime:
             )
             kept = [(t, r) for t, r in zip(batch, results, strict=True) if t.future is not None]
             batch, results = [t for t, _ in kept], [r for _, r in kept]
-            if not batch:
-                return
-        if len(batch) == 1:
-            deliver(batch[0], *results[0])
-            return
         by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}  # one loop wake-up per batch, not per task
         for task, (result, error) in zip(batch, results, strict=True):
             assert task.loop is not None
             by_loop.setdefault(id(task.loop), (task.loop, []))[1].append((task.future, result, error))
         for loop, items in by_loop.values():
-            try:
-                loop.call_soon_threadsafe(resolve_all, items)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                logger.debug(f"runtime.deliver_dropped(kind={batch[0].kind}, tasks={len(items)}): event loop closed")
+            _resolve_in(loop, items, batch[0].kind)
 
 
-def _device_key(batch: list[Task]) -> tuple[str, int]:
+def _resolve_in(loop: asyncio.AbstractEventLoop, items: list[tuple[Any, Any, BaseException | None]], kind: str) -> None:
+    """Resolves a batch's futures of one event loop in one wake-up of that loop (`resolve_all`)."""
+    try:
+        loop.call_soon_threadsafe(resolve_all, items)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        logger.debug(f"runtime.deliver_dropped(kind={kind}, tasks={len(items)}): event loop closed")
+
+
+def _device_key(launched: LaunchedBatch) -> tuple[str, int]:
     """A launched batch's kind and its steps' bit length: the batches whose device seconds `Runtime._hold` expects
     alike (a kind that never measures them, e.g. training's block calls, is always waited for)."""
-    return batch[0].kind, _steps(batch).bit_length()
+    return launched.batch[0].kind, launched.steps.bit_length()
 
 
 def _steps(batch: list[Task]) -> int:  # the steps a batch carries (`Task.steps`): its counters count these
