@@ -417,7 +417,8 @@ class TaskQueue:
             spare: list[tuple[float, float, int, Task]] = []
             for item in sorted(self._heap):
                 task = item[-1]
-                if task.abandoned:
+                future = task.future
+                if future is not None and future.done():  # abandoned (`Task.abandoned`, inlined: once per row)
                     continue
                 if task.kind != first.kind or task.merge_key != first.merge_key:
                     kept.append(item)
