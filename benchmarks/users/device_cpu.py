@@ -32,6 +32,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -91,13 +92,13 @@ class NoopGraphs:
         self.positions = torch.empty((rows,), dtype=torch.long, device=meta)
         self.block_tables = torch.empty((rows, engine.pool.max_pages_per_seq), dtype=torch.int32, device=meta)
         self._out = torch.zeros((rows, h), dtype=engine.dtype)  # [rows, H]
-        self._stream, self._forward_s = stream, forward_s
+        self.stream, self._forward_s = stream, forward_s  # (`torch.cuda.current_stream` while a run lasts)
 
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
     def run(self, rows: int, layers: object = None, *, adapters: bool = False, reset: bool = True) -> torch.Tensor:
-        self._stream.tail_s = self._stream.reach() + self._forward_s
+        self.stream.tail_s = self.stream.reach() + self._forward_s
         return self._out[:rows]
 
 
@@ -117,7 +118,6 @@ def simulated_engine(rows: int, tokens: int, forward_s: float) -> SpanEngine:
     for s in staging:
         s.start, s.event, s.sleeping_event = (SimulatedEvent(stream) for _ in range(3))  # type: ignore[assignment]
     engine._staging, engine._next_staging = staging, 0
-    torch.cuda.current_stream = lambda device=None: stream  # type: ignore[assignment,return-value]
     return engine
 
 
@@ -144,7 +144,11 @@ def run_once(engine: SpanEngine, args: argparse.Namespace, profile: cProfile.Pro
     gc.collect()
     total = args.prompt + args.steps
     backend = standin_backend(SPEC, 1, torch.device("cpu"))
-    with Runtime(max_batch_size_tokens=4096, device="cpu") as runtime:
+    stream = engine.graphs.stream  # type: ignore[union-attr]
+    with (
+        mock.patch.object(torch.cuda, "current_stream", lambda device=None: stream),
+        Runtime(max_batch_size_tokens=4096, device="cpu") as runtime,
+    ):
         executor = EngineExecutor(backend, engine, runtime)  # type: ignore[arg-type]
 
         async def main() -> dict:

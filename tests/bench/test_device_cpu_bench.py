@@ -1,0 +1,31 @@
+"""`benchmarks.users.device_cpu`: the server's device path on a simulated device reports CPU per forward and per
+step, merges lockstep sessions into shared forwards, and leaves `torch.cuda` as it found it."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.users import device_cpu
+
+
+def test_lockstep_sessions_share_launched_forwards_and_the_cuda_stream_is_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    current_stream = torch.cuda.current_stream
+    launched: list[int] = []
+    run = device_cpu.NoopGraphs.run
+
+    def counted(self, rows, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launched.append(rows)
+        return run(self, rows, *args, **kwargs)
+
+    monkeypatch.setattr(device_cpu.NoopGraphs, "run", counted)
+    argv = ["--sessions", "4", "--steps", "12", "--prompt", "4", "--repeats", "1", "--forward_ms", "3"]
+    assert device_cpu.main([*argv, "--out", str(tmp_path)]) == 0
+    (result,) = json.loads((tmp_path / "device_cpu.json").read_text())
+    assert torch.cuda.current_stream is current_stream
+    assert launched and max(launched) == 4  # the decode steps took the launched (graph) path, merged
+    assert 1.0 <= result["forwards_per_step"] <= 2.0 and result["rows_per_forward"] >= 2.0
+    assert result["runtime_us_per_forward"] > 0 and result["loop_us_per_step"] > 0
