@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -437,7 +437,7 @@ def _summarize(config: UsersConfig, serving_path: str, collected, before, after,
     wall_s = (max(w[1] for w in windows) - min(w[0] for w in windows)) if windows else ended - started
     deltas = {k: s.since(before.get(k, KindStats())) for k, s in after.items()}
     inference = [deltas[k] for k in INFERENCE_KINDS if k in deltas]
-    delta = KindStats(*(sum(column) for column in zip(*(astuple(d) for d in inference), strict=True)))
+    delta = sum(inference, KindStats())  # KindStats add field-wise
     busy_all = sum(d.busy_s for d in deltas.values())
     device_all = sum(d.device_s for d in deltas.values())
     window_s = ended - started
