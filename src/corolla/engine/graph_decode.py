@@ -164,14 +164,15 @@ class PendingDecode:
         self._shapes = shapes  # request index -> its [B, T, H] where T > 1 (`MergedRows.shapes`)
         self._hidden_size = hidden_size
         self._dtype = dtype
-        self._out: torch.Tensor | None = None  # [rows, H], once copied out
+        self._out: torch.Tensor | None = None  # [rows, 1, H], once copied out
         self._data: memoryview | None = None  # its bytes
         self._waited = False
         staging.done, staging.owner = done, self
 
     def collect(self) -> torch.Tensor:
         """Waits for this forward's output copy (not for the forwards queued after it) and copies the rows out of
-        the pinned buffer, once; the buffer is then free for another launch. Returns [rows, H]."""
+        the pinned buffer, once; the buffer is then free for another launch. Returns [rows, 1, H] (the shape `wait`
+        splits: one torch call fewer per forward)."""
         if self._out is None:
             staging = self._staging
             assert staging is not None
@@ -182,7 +183,7 @@ class PendingDecode:
             # KiB lets it go, and a reader thread of the server may then keep it while this thread waits)
             nbytes = self.rows * self._hidden_size * self._dtype.itemsize
             data = bytearray(staging.out_bytes[:nbytes])
-            self._out = torch.frombuffer(data, dtype=self._dtype).view(self.rows, self._hidden_size)  # [rows, H]
+            self._out = torch.frombuffer(data, dtype=self._dtype).view(self.rows, 1, self._hidden_size)  # [rows, 1, H]
             self._data = memoryview(data)
             if staging.owner is self:
                 staging.owner = None
@@ -201,9 +202,8 @@ class PendingDecode:
         if self._waited:
             raise RuntimeError("PendingDecode.wait called twice")
         self._waited = True
-        out = self.collect()
-        # one split into views: [rows, H] -> [B_i, 1, H] per request ([B_i, T_i, H] where T_i > 1)
-        return split_rows(out.view(self.rows, 1, self._hidden_size), self._splits, self._shapes)
+        # one split into views: [rows, 1, H] -> [B_i, 1, H] per request ([B_i, T_i, H] where T_i > 1)
+        return split_rows(self.collect(), self._splits, self._shapes)
 
 
 def split_rows(out: torch.Tensor, splits: list[int], shapes: dict[int, tuple[int, ...]] | None) -> list[torch.Tensor]:
