@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from hivemind.proto import runtime_pb2
 
 from corolla.client.session.forwarding import StepForwarding, push_chain, push_went_stale
-from corolla.client.session.span_session import is_pushed_reply
+from corolla.client.session.span_session import reply_flags
 from corolla.protocol.forwarding import NEXT_STEP_KEY, PUSHED_REPLY_KEY
 from corolla.protocol.metadata import encode_metadata
 
@@ -85,6 +85,6 @@ def test_a_span_named_for_a_push_from_another_start_is_stale():
 
 def test_pushed_reply_flag():
     flagged = runtime_pb2.ExpertResponse(metadata=encode_metadata({PUSHED_REPLY_KEY: True}))
-    assert is_pushed_reply(flagged)
-    assert not is_pushed_reply(runtime_pb2.ExpertResponse())
-    assert not is_pushed_reply(runtime_pb2.ExpertResponse(metadata=b"\xc1garbage"))
+    assert reply_flags(flagged)[1]
+    assert not reply_flags(runtime_pb2.ExpertResponse())[1]
+    assert not reply_flags(runtime_pb2.ExpertResponse(metadata=b"\xc1garbage"))[1]

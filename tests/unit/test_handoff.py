@@ -13,7 +13,7 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from corolla.client.session.span_session import read_drain_notice
+from corolla.client.session.span_session import reply_flags
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.models.config import load_config
 from corolla.models.loading import load_pretrained_block
@@ -93,7 +93,7 @@ def test_pack_messages_stays_within_bounds(sizes):
     ],
 )
 def test_read_drain_notice_never_raises(metadata, expected):
-    notice = read_drain_notice(runtime_pb2.ExpertResponse(metadata=metadata))
+    notice = reply_flags(runtime_pb2.ExpertResponse(metadata=metadata))[0]
     assert (notice.deadline_s if notice is not None else None) == expected
 
 

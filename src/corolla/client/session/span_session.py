@@ -84,25 +84,19 @@ def _poll_s(config: ClientConfig) -> float:
     return config.busy_poll_ms / 1000 if config.busy_poll_ms > 0 and _steps_in_flight == 1 else 0.0
 
 
-def read_drain_notice(response: runtime_pb2.ExpertResponse) -> DrainNotice | None:
-    """The server's drain notice in a response's metadata; None when absent or garbled (never raises)."""
-    if not response.metadata:
-        return None
+def reply_flags(response: runtime_pb2.ExpertResponse) -> tuple[DrainNotice | None, bool]:
+    """The server's drain notice in a response's metadata, and whether a corolla server flagged the response as the
+    answer to a step that reached it by push; None / False when absent or garbled (never raises: the flag is only a
+    statistic, and a garbled notice means no hand-off)."""
     try:
-        raw = decode_metadata(response.metadata).get(DRAINING_KEY)
-        return None if raw is None else DrainNotice.from_dict(raw)
+        metadata = decode_metadata(response.metadata) if response.metadata else {}
     except ValueError:
-        return None
-
-
-def is_pushed_reply(response: runtime_pb2.ExpertResponse) -> bool:
-    """Whether a corolla server flagged `response` as the answer to a step that reached it by push."""
-    if not response.metadata:
-        return False
+        return None, False
+    pushed, raw = metadata.get(PUSHED_REPLY_KEY) is True, metadata.get(DRAINING_KEY)
     try:
-        return decode_metadata(response.metadata).get(PUSHED_REPLY_KEY) is True
+        return (None if raw is None else DrainNotice.from_dict(raw)), pushed
     except ValueError:
-        return False  # only a statistic: a malformed flag counts as not pushed
+        return None, pushed
 
 
 class HopStalled(ConnectionError):
@@ -144,7 +138,9 @@ class SpanSession:
         self._started = False
         self._closed = False
         self.upstream_peer: str | None = None  # the previous span's server: the only peer that may push to this one
-        self._declared_upstream: str | None = None
+        self.declared_upstream: str | None = (
+            None  # the upstream peer its server was told (it accepts pushes only from it)
+        )
         # set when the server says it drains (client.session.handoff moves the span)
         self.drain_notice: DrainNotice | None = None
         self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
@@ -172,11 +168,6 @@ class SpanSession:
     def accepts_pushes(self) -> bool:
         """Open on its server (a push into a session the server does not have yet is dropped)."""
         return self._started and not self._closed
-
-    @property
-    def declared_upstream(self) -> str | None:
-        """The upstream peer this span's server was told (the only peer it accepts pushes from)."""
-        return self._declared_upstream
 
     @property
     def transport(self) -> str | None:
@@ -258,7 +249,8 @@ class SpanSession:
         keys_until: int | None = None,
     ) -> tuple[runtime_pb2.ExpertRequest, torch.Tensor, int]:
         """The request for positions `[min(self.position, position), ...)`: (request, its inputs, their start). With
-        prefix keys, it names the blocks it completes (or, for the probe, those of positions `[0, keys_until)`)."""
+        prefix keys, it names the blocks it completes (or, for the probe, those of positions `[0, keys_until)`, and
+        no start position)."""
         send_from = min(self.position, position)
         inputs = self.inputs_from(send_from, hidden, hidden_from)  # [B, n, H]
         keys = None
@@ -271,15 +263,16 @@ class SpanSession:
         metadata: dict[str, Any] = {
             "session_id": self.session_id,
             "step_id": step_id,
-            "start_from_position": send_from,
             "args_structure": structure,
             **self.manager.request_metadata(self.span.peer_id),
             **extra,  # client.session.forwarding: next step id, next_servers
         }
+        if keys_until is None:  # a probe's session starts at the server's hit, not at 0 (which truncates)
+            metadata["start_from_position"] = send_from
         if keys is not None:
             metadata[PREFIX_KEY] = keys.to_wire()
-        if self.upstream_peer is not None and self.upstream_peer != self._declared_upstream:
-            metadata[UPSTREAM_PEER_KEY] = self._declared_upstream = self.upstream_peer  # who may rpc_push to it
+        if self.upstream_peer is not None and self.upstream_peer != self.declared_upstream:
+            metadata[UPSTREAM_PEER_KEY] = self.declared_upstream = self.upstream_peer  # who may rpc_push to it
         if not self._started:
             metadata["max_length"] = self.max_length
             if self.manager.config.alloc_timeout_s:
@@ -305,9 +298,8 @@ class SpanSession:
             raise BadServerOutput(peer_id, f"undecodable inference output: {e}") from e
         check_outputs(outputs, expected_shape=inputs.shape, peer_id=peer_id, what="inference output")
         self._record(inputs, send_from)
-        self.drain_notice = read_drain_notice(response)
+        self.drain_notice, self.last_reply_pushed = reply_flags(response)
         self.last_outputs = outputs
-        self.last_reply_pushed = is_pushed_reply(response)
         return outputs.to(dtype), send_from
 
     async def step(
@@ -350,9 +342,6 @@ class SpanSession:
         request, _, _ = self._request(
             empty, 0, 0, _NO_TENSOR, _NO_IDS, str(uuid.uuid4()), compression, {}, keys_until=keys_until
         )
-        metadata = decode_metadata(request.metadata)
-        del metadata["start_from_position"]  # the session starts at the server's hit, not at 0 (which truncates)
-        request.metadata = encode_metadata(metadata)
         self._started = True
         await self.send(request)
         response = await self._next_response(None)
