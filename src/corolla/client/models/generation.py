@@ -207,29 +207,6 @@ class GenerationLoop:
                 raise ValueError("speculative decoding of a prompt-tuned model (tuning_mode) is not supported")
             if new_ids.shape[0] != 1 or padded:
                 raise ValueError("speculative decoding generates one unpadded sequence at a time (batch size 1)")
-            with contextlib.ExitStack() as stack:
-                if session is None:
-                    session = stack.enter_context(
-                        InferenceSession(model.manager, max(prompt_length + max_new_tokens, 1))
-                    )
-                if streamer is not None:
-                    streamer.put(new_ids.cpu())
-                ids = self._speculative(
-                    session,
-                    speculative,
-                    all_ids,
-                    max_new_tokens,
-                    processors,
-                    config,
-                    eos_tensor,
-                    stop_strings,
-                    prompts,
-                    streamer,
-                )
-                if streamer is not None:
-                    streamer.end()
-                session.output_ids = ids
-            return ids[:, previous.shape[1] :] if previous is not None else ids
 
         with contextlib.ExitStack() as stack:
             if padded and attention_mask is not None:  # (padded implies a mask)
@@ -245,29 +222,40 @@ class GenerationLoop:
                 groups = [(torch.arange(new_ids.shape[0]), 0, session)]
             if streamer is not None:
                 streamer.put(new_ids.cpu())
-
-            unfinished = torch.ones(all_ids.shape[0], dtype=torch.bool)
-            first = True
-            for _ in range(max_new_tokens):
-                logits = self._step(groups, to_send, first, prompts)  # [B, V] fp32
-                first = False
-                scores = processors(all_ids, logits)
-                if config.do_sample:
-                    next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-                else:
-                    next_tokens = torch.argmax(scores, dim=-1)
-                if stops and pad_token_id is not None:
-                    next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad_token_id))
-                all_ids = torch.cat([all_ids, next_tokens[:, None]], dim=1)
-                if streamer is not None:
-                    streamer.put(next_tokens.cpu())
-                if eos_tensor is not None:
-                    unfinished &= ~torch.isin(next_tokens, eos_tensor)
-                if stop_strings is not None:
-                    unfinished &= ~stop_strings(all_ids, scores).to(unfinished.device)
-                if stops and not bool(unfinished.any()):
-                    break
-                to_send = next_tokens[:, None]
+            if speculative is not None and session is not None:
+                all_ids = self._speculative(
+                    session,
+                    speculative,
+                    all_ids,
+                    max_new_tokens,
+                    processors,
+                    config,
+                    eos_tensor,
+                    stop_strings,
+                    prompts,
+                    streamer,
+                )
+            else:
+                unfinished = torch.ones(all_ids.shape[0], dtype=torch.bool)
+                for step in range(max_new_tokens):
+                    logits = self._step(groups, to_send, step == 0, prompts)  # [B, V] fp32
+                    scores = processors(all_ids, logits)
+                    if config.do_sample:
+                        next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                    else:
+                        next_tokens = torch.argmax(scores, dim=-1)
+                    if stops and pad_token_id is not None:
+                        next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad_token_id))
+                    all_ids = torch.cat([all_ids, next_tokens[:, None]], dim=1)
+                    if streamer is not None:
+                        streamer.put(next_tokens.cpu())
+                    if eos_tensor is not None:
+                        unfinished &= ~torch.isin(next_tokens, eos_tensor)
+                    if stop_strings is not None:
+                        unfinished &= ~stop_strings(all_ids, scores).to(unfinished.device)
+                    if stops and not bool(unfinished.any()):
+                        break
+                    to_send = next_tokens[:, None]
             if streamer is not None:
                 streamer.end()
             if session is not None and not padded:
