@@ -25,6 +25,7 @@ from corolla.api.route_trace import (
     MAX_PUBLIC_NAME_CHARS,
     MAX_ROUTE_HOPS,
     ROUTE_ID_HEADER,
+    GenerationTrace,
     RouteLog,
     current_trace,
     hops_of,
@@ -238,7 +239,7 @@ def test_long_routes_are_cut():
     MAX_ROUTE_HOPS hops and says so; the same chain stepped again is not converted again."""
     log = RouteLog(4)
     route = [(FakeSpan(f"peer{i}", i, i + 1, FakeInfo(f"s{i}")), "p2p") for i in range(4096)]
-    trace = log.new_trace()
+    trace = GenerationTrace(log)
     trace.step(route)
     first_hops = trace.hops
     trace.step(route)

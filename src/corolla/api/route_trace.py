@@ -52,8 +52,8 @@ def hops_of(route: Sequence[tuple[Any, str | None]]) -> tuple[RouteHop, ...]:
 class GenerationTrace:
     """The route of one request's generation: hops (the latest chain), steps run, running or finished."""
 
-    def __init__(self, log: RouteLog, trace_id: str | None = None):
-        self.id = trace_id or uuid.uuid4().hex
+    def __init__(self, log: RouteLog):
+        self.id = uuid.uuid4().hex
         self._log = log
         self._lock = threading.Lock()
         self.hops: tuple[RouteHop, ...] = ()
@@ -145,13 +145,6 @@ class RouteLog:
         self._lock = threading.Lock()
         self._traces: OrderedDict[str, GenerationTrace] = OrderedDict()
 
-    @property
-    def enabled(self) -> bool:
-        return self.max_entries > 0
-
-    def new_trace(self) -> GenerationTrace:
-        return GenerationTrace(self)
-
     def add(self, trace: GenerationTrace) -> None:
         with self._lock:
             self._traces[trace.id] = trace
@@ -168,10 +161,6 @@ class RouteLog:
             traces = list(self._traces.values())
         return traces[::-1][: max(0, limit)]
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._traces)
-
 
 class RouteTraceMiddleware:
     """Pure ASGI middleware: a trace per POST to a completion endpoint, in the context of the whole request, and
@@ -183,14 +172,14 @@ class RouteTraceMiddleware:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if (
-            not self.route_log.enabled
+            self.route_log.max_entries == 0
             or scope["type"] != "http"
             or scope.get("method") != "POST"
             or scope.get("path") not in TRACED_PATHS
         ):
             await self.app(scope, receive, send)
             return
-        trace = self.route_log.new_trace()
+        trace = GenerationTrace(self.route_log)
 
         async def send_with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start" and trace.registered:

@@ -31,17 +31,11 @@ NO_DIRECT_RETRY_S = 300.0  # after a server had no direct port (or we could not 
 
 
 class DirectInferenceStream(FramedSocketStream):
-    """One `rpc_inference` stream over a server's direct port. Not thread-safe: one caller at a time, either the
-    client loop (`send`, `receive`) or one thread (`exchange`)."""
+    """One `rpc_inference` stream over a server's direct port (sealed frames once open)."""
 
-    def __init__(self, sock: socket.socket, peer_id: str):
-        super().__init__(sock, peer_id)
-        self._sealer: ds.Sealer | None = None
-        self._opener: ds.Opener | None = None
-        self.address: tuple[str, int] | None = None
-
-    rpc = "rpc_inference"  # the rpc it opened
-    header_bytes = ls.HEADER_BYTES
+    _sealer: ds.Sealer | None = None
+    _opener: ds.Opener | None = None
+    address: tuple[str, int] | None = None
 
     @classmethod
     async def open(
@@ -63,8 +57,7 @@ class DirectInferenceStream(FramedSocketStream):
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        stream = cls(sock, peer_id)
-        stream.rpc = rpc
+        stream = cls(sock, peer_id, rpc)
         loop = asyncio.get_running_loop()
         client_nonce = os.urandom(ds.NONCE_BYTES)
         try:

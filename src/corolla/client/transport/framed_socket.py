@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from hivemind.proto import runtime_pb2
 
+from corolla.protocol import local_stream as ls
 from corolla.utils.interrupts import WAIT_SLICE_S
 
 MAX_RESPONSE_FRAME_BYTES = 1 << 30  # a 2048-token bf16 prefill at hidden 16384 is 64 MiB: far below
@@ -26,8 +27,10 @@ class FramedSocketStream(ABC):
     """One `rpc_inference` stream. Not thread-safe: one caller at a time, either the client loop (`send`,
     `receive`) or one thread (`exchange`)."""
 
-    def __init__(self, sock: socket.socket, peer_id: str):
-        self.sock, self.peer_id = sock, peer_id
+    header_bytes = ls.HEADER_BYTES  # of every frame's header (the local and direct framing; p2pd's has its own)
+
+    def __init__(self, sock: socket.socket, peer_id: str, rpc: str = "rpc_inference"):
+        self.sock, self.peer_id, self.rpc = sock, peer_id, rpc  # rpc: the one it opened
         self._buffer = bytearray()
         self.closed = False
         self.polled_responses = 0  # `exchange` responses that arrived while it polled (no sleep, no wake-up)
@@ -41,8 +44,6 @@ class FramedSocketStream(ABC):
     @abstractmethod
     def _end_frame(self) -> bytes:
         """The bytes that end our side of the stream."""
-
-    header_bytes: int  # of every frame's header
 
     @abstractmethod
     def _header(self, buffer: bytearray, max_payload_bytes: int) -> tuple[int, int]:

@@ -82,12 +82,9 @@ os.register_at_fork(after_in_child=SOCKET_TURNS.reseed)
 
 
 class LocalInferenceStream(FramedSocketStream):
-    """One `rpc_inference` stream over a same-host server's socket (`protocol.local_stream` frames). Not
-    thread-safe: one caller at a time, either the client loop (`send`, `receive`) or one thread (`exchange`)."""
+    """One `rpc_inference` stream over a same-host server's socket (`protocol.local_stream` frames)."""
 
     path: Path | None = None  # the socket it connected to
-    rpc = "rpc_inference"  # the rpc it opened
-    header_bytes = ls.HEADER_BYTES
 
     @classmethod
     async def open(
@@ -107,8 +104,7 @@ class LocalInferenceStream(FramedSocketStream):
     async def _open_at(cls, path: Path, peer_id: str, timeout_s: float, rpc: str) -> LocalInferenceStream | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
-        stream = cls(sock, peer_id)
-        stream.rpc = rpc
+        stream = cls(sock, peer_id, rpc)
         loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(loop.sock_connect(sock, str(path)), timeout_s)
