@@ -2,36 +2,17 @@
 frames over a unix socketpair, tensors as raw bytes behind a dtype/shape record. The server's ends
 (`server.handlers.remote_core`, `device_channel`) give them meaning; this codec knows no server type.
 
-Frame: a 9-byte header (payload length: u32, kind: u8, request id: u32; big endian) and the payload. The reader
-checks the length against the channel's `max_frame_bytes` before it reads (allocates) the payload, and every
-tensor record's byte count against what is left of the payload before it copies. Both ends are processes of the
-same server, but the sizes are still bounded: a bug on one side must fail a request, not exhaust memory.
+Frame: a 9-byte header (payload length: u32, kind: u8, request id: u32; big endian) and the payload. Both ends are
+processes of one server, but every size is still bounded (a frame's length before its payload is read, a tensor
+record's bytes before they are copied): a bug on one side must fail a request, not exhaust memory.
 
-Payload fields, in the order each message kind writes them (`Writer` / `Reader`): u8, u32, u64, f64, text (u16
-length + utf-8), blob (u32 length), tensor (u8 dtype code, u8 ndim, u32 per dim, then the raw bytes; dtype code
-255 = no tensor).
-
-Calls and notes: everything but a step crosses as a CALL (a reply comes back, REPLY_VALUE or REPLY_ERROR) or a NOTE
-(one way, either direction) whose body is a name (text) and one tagged value, the tuple of its arguments
-(`named` / `read_named`); a value is a u8 tag then None, a bool, an i64, an f64, a text, a blob, a tensor record,
-or a sequence (u16 count, then its values; at most `MAX_VALUE_DEPTH` deep, its count bounded by what is left of the
-payload). What each name means and takes is the server's (`matches` checks a value against a declared type); this
-codec carries values.
-
-Batches: a handler process sends the steps that became ready in one loop iteration as one STEP_BATCH frame, and
-the device answers the steps that one merged forward finished as one REPLY_BATCH frame per channel (one read, one
-write and one wake-up per batch instead of per step). A batch payload is a u16 item count and, per item, the
-item's kind (u8), request id (u32) and payload length (u32) then its payload; `split_batch` checks the count and
-every item's length against what is left of the frame before it slices (views, no copies). A reply batch starts
-with the core's figures (two u64 and an f64: `device_channel.DeviceChannel`'s state) once, its items carry none.
-
-The hot paths of the device side read and write the same bytes (the one codec of these frames): `parse_steps` reads
-a STEP_BATCH in one pass (`struct.unpack_from` at offsets, each length checked against what is left of its item
-before anything is sliced or allocated) and copies the hidden states of all the items that share one dtype and
-shape out of the receive buffer at once (`utils.tensor_bytes.HiddenRows`: one copy per group, a view per step, a
-tensor only where one is needed); `reply_frames` builds what `batch_frames(items, REPLY_BATCH, ...)` builds for a
-merged forward's results from a cached per-(dtype, shape) record header and the outputs' bytes (read in place, or
-one `torch.cat` per group of equal shapes), joined once per frame."""
+Everything but a step crosses as a CALL (answered by REPLY_VALUE or REPLY_ERROR) or a one-way NOTE: a name and one
+tagged value, the tuple of its arguments (`named` / `read_named`, `Writer.value`); `matches` checks a value against
+the type the server declares. Steps and their replies cross in batches: the steps that became ready in one loop
+iteration of a handler process as one STEP_BATCH, the replies of one merged forward as one REPLY_BATCH per channel
+(a u16 item count, then per item its kind, request id, length and payload; a reply batch starts with the core's
+figures once). `parse_steps` reads a STEP_BATCH in one pass, copying the hidden states of the items that share a
+dtype and shape at once; `reply_frames` writes a merged forward's replies with one join per frame."""
 
 from __future__ import annotations
 
@@ -387,6 +368,14 @@ def dispatch(table: Mapping[str, tuple[Any, Callable[..., T]]], name: str, args:
     return entry[1](*args)
 
 
+def check_header(length: int, kind: int, max_frame_bytes: int) -> None:
+    """FrameError for an unknown frame kind or a payload over `max_frame_bytes` (before anything is read for it)."""
+    if kind not in FRAME_KINDS:
+        raise FrameError(f"unknown frame kind {kind}")
+    if length > max_frame_bytes:
+        raise FrameError(f"frame of {length} bytes exceeds max_frame_bytes={max_frame_bytes}")
+
+
 async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tuple[int, int, bytes]:
     """(kind, request id, payload) of the next frame; ChannelClosed at EOF, FrameError past the bounds."""
     try:
@@ -394,10 +383,7 @@ async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tupl
     except (asyncio.IncompleteReadError, ConnectionError) as e:
         raise ChannelClosed("handler channel closed") from e
     length, kind, request_id = HEADER.unpack(header)
-    if kind not in FRAME_KINDS:
-        raise FrameError(f"unknown frame kind {kind}")
-    if length > max_frame_bytes:
-        raise FrameError(f"frame of {length} bytes exceeds max_frame_bytes={max_frame_bytes}")
+    check_header(length, kind, max_frame_bytes)
     try:
         payload = await reader.readexactly(length)
     except (asyncio.IncompleteReadError, ConnectionError) as e:

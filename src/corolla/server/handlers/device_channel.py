@@ -3,25 +3,13 @@ frames (`protocol.channel_frames`) against the real executor and the server's on
 validated every input (`block_functions`); this side re-checks only what a frame can get wrong by itself (sizes,
 handles, block ranges, argument types).
 
-Calls and notes (rare work, in the event loop): a CALL names a core method and carries its arguments as tagged
-values (`DeviceChannel.calls`: types checked before it runs), answered in a task of its own; a NOTE is one way
-(`DeviceChannel.notes`). A session's "open" routes its pushes to its process ("push" notes back); an eviction goes
-back as an "evict" note.
+Calls and notes (rare work) run in the event loop: a CALL names a core method (`DeviceChannel.calls`, argument types
+checked before it runs) and is answered from a task of its own; a NOTE is one way (`DeviceChannel.notes`).
 
-Steps skip the event loop. One intake thread (`ChannelIntake`: a selector over every channel, not a reader per
-channel, each of which would take the GIL from the runtime thread: decision 0004) reads every frame without blocking
-(`FrameSocket`) and hands a STEP_BATCH to its channel's `FrameIntake`: each step is prepared by the executor
-(`prepare_step`: the same typed refusals as `step`; a refused step is answered at once) and the frame's decode steps go
-to the runtime as ONE task (a `StepGroup`, split at `Runtime.merge_limit`), one wake of its thread per frame; prefill
-steps, a shadow session's and a lone session's (which may run inline on an idle runtime) are one task each. After a
-merged forward the runtime thread queues each result in its channel's outbox and sends one REPLY_BATCH per channel,
-the core's figures once, with a blocking `sendall` (decision 0003).
-
-A channel ends (`FrameSource.on_end`, once) when its socket ends, a frame breaks the wire's bounds, or the intake
-closes. Channels are added from any thread and registered by the intake thread between selects (woken through a
-socket pair): only it touches the selector. `FrameSocket` reads with non-blocking `recv_into`s into one reused buffer
-per channel (frames that arrived together parsed out of one syscall), the header checked (kind, length against
-`max_frame_bytes`) before the buffer grows; any thread sends whole frames under one lock."""
+Steps skip the event loop: one intake thread reads every channel (`ChannelIntake`: a selector, not a reader per
+channel, each of which would take the GIL from the runtime thread: decision 0004) and its `FrameIntake` queues a
+frame's decode steps as ONE runtime task (a `StepGroup`); the runtime thread sends each channel one REPLY_BATCH per
+merged forward with a blocking `sendall` (decision 0003)."""
 
 from __future__ import annotations
 
@@ -74,8 +62,8 @@ INITIAL_BUFFER_BYTES = 1 << 16
 
 
 class FrameSocket:
-    """One end of a stream socket carrying `protocol.channel_frames` frames (see the module docstring). Use as a context
-    manager: leaving it closes the socket (its reader then sees the end)."""
+    """One end of a stream socket carrying `protocol.channel_frames` frames: non-blocking `recv_into`s into one reused
+    buffer (frames that arrived together parsed out of one syscall), whole frames sent under one lock."""
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int):
         if max_frame_bytes < 1:
@@ -87,12 +75,8 @@ class FrameSocket:
         self._start = 0  # received bytes not parsed yet: self._buffer[self._start : self._end]
         self._end = 0
         self._send_lock = threading.Lock()
-        self._closed = False
+        self.closed = False  # set under the send lock
         self.frames_sent = 0  # counted under the send lock
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def _header(self) -> tuple[int, int, int] | None:
         """(length, kind, request id) of the next frame if its header is buffered, checked against the bounds
@@ -100,10 +84,7 @@ class FrameSocket:
         if self._end - self._start < wire.HEADER_BYTES:
             return None
         length, kind, request_id = wire.HEADER.unpack_from(self._buffer, self._start)
-        if kind not in wire.FRAME_KINDS:
-            raise wire.FrameError(f"unknown frame kind {kind}")
-        if length > self.max_frame_bytes:
-            raise wire.FrameError(f"frame of {length} bytes exceeds max_frame_bytes={self.max_frame_bytes}")
+        wire.check_header(length, kind, self.max_frame_bytes)
         return length, kind, request_id
 
     def next_frame(self) -> tuple[int, int, memoryview] | None:
@@ -153,7 +134,7 @@ class FrameSocket:
         """Sends whole frames in order (never interleaved with another thread's); False if the socket is closed or
         the other end is gone (the reader sees that end and ends the channel)."""
         with self._send_lock:
-            if self._closed:
+            if self.closed:
                 return False
             try:
                 for frame in frames:
@@ -174,7 +155,7 @@ class FrameSocket:
     def close(self) -> None:
         self.shutdown()
         with self._send_lock:
-            self._closed = True
+            self.closed = True
             self.sock.close()
 
     def __enter__(self) -> FrameSocket:
@@ -321,18 +302,14 @@ class ChannelIntake:
 
 
 class DeviceExecutor(SpanExecutor, Protocol):
-    """What a device channel needs of the core's executor (`EngineExecutor`): its runtime, and a step prepared and
-    made a task without a coroutine, so that the intake thread queues it itself."""
+    """What a device channel needs of the core's executor (`EngineExecutor`): its runtime, and a step prepared
+    (`step`'s checks and refusals, synchronously) and made a task without a coroutine, so that the intake thread
+    queues it itself."""
 
     @property
-    def runtime(self) -> Runtime:
-        """The one device thread all work of this span runs on."""
-        ...
+    def runtime(self) -> Runtime: ...
 
-    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> StepRequest:
-        """What `step` does before it queues the step (cache ownership, adapter binding; the same typed refusals,
-        raised here), synchronously."""
-        ...
+    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> StepRequest: ...
 
     def step_task(
         self,
@@ -341,10 +318,7 @@ class DeviceExecutor(SpanExecutor, Protocol):
         shadow: bool = False,
         on_done: Callable[[Any, BaseException | None], None] | None = None,
         flush: Callable[[], None] | None = None,
-    ) -> Task:
-        """The runtime task of a prepared step (of a shadow session: `shadow`) or of a frame's decode steps, for
-        `Runtime.queue`."""
-        ...
+    ) -> Task: ...
 
 
 # a step's reply as a channel queues it: request id, output [B, T, H] or what refused it, the output's bytes if known
@@ -587,9 +561,7 @@ class DeviceChannel:
         self.sessions: dict[int, _Held] = {}
         self._handles = iter(range(1, 1 << 32))
         self._tasks: set[asyncio.Task[None]] = set()
-        # step results not sent yet: (request id, output [B, T, H] or the refusal, the output's bytes if known), from
-        # the intake and runtime threads
-        self._outbox: list[tuple[int, torch.Tensor | BaseException, memoryview | None]] = []
+        self._outbox: list[StepReply] = []  # step results not sent yet, from the intake and runtime threads
         self._outbox_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended: asyncio.Future[None] | None = None
@@ -655,7 +627,7 @@ class DeviceChannel:
             results, self._outbox = self._outbox, []
         self._send_results(results)
 
-    def _send_results(self, results: list[tuple[int, torch.Tensor | BaseException, memoryview | None]]) -> None:
+    def _send_results(self, results: list[StepReply]) -> None:
         """Encodes results as few REPLY_BATCH frames as the bound allows, with the state once each, and sends them."""
         if not results or self.io.closed:
             return
