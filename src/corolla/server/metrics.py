@@ -1,38 +1,9 @@
-"""Prometheus metrics of one server: a private registry, the metric objects, and a small API the server calls.
-
-Usage from the server (every call is cheap, thread-safe and never raises):
-
-    metrics = ServerMetrics()                    # one per Server; own CollectorRegistry (several servers per process ok)
-    metrics.blocks_served(end - start)           # after loading blocks
-    metrics.set_cache(used_bytes, free_bytes)    # after each KV allocation / free (the pool's bytes)
-    metrics.set_prefix_cache(cached_bytes, evictions)  # with it: the prefix cache's pages and evictions so far
-    metrics.prefix_probe(keyed_tokens=, hit_tokens=)   # a session's first step asked for its prefix
-    metrics.read_work(executor)                  # the runtime's batches and the engine's tokens, read when scraped
-    with metrics.session():                      # around one open session (the core's `SpanCore.open_session`)
-        metrics.queue_wait(seconds)              # time a training task waited in the runtime queue
-        metrics.tokens("forward", n)             # tokens processed by a task; kind in {"inference", "forward", "backward"}
-    metrics.rejected("cache_full")               # a request refused; reason in REJECT_REASONS (others -> "other")
-    metrics.announce_failed()                    # a DHT declare that failed or timed out
-    metrics.span_loaded(seconds)                 # a span finished loading (at start and after each move)
-    metrics.move_started()                       # the swarm policy decided to move this server
-    metrics.fetch_started()                      # a move's new span is fetched while the old one serves...
-    metrics.fetch_ended(seconds)                 # ...done (or given up: the server stops)
-    metrics.move_dropped()                       # the policy, asked again after the fetch, no longer wants the move
-    metrics.tokens_total()                       # tokens processed so far, every kind (read back for announcements)
-    exporter = metrics.serve(port)               # HTTP exporter at http://127.0.0.1:<port>/metrics; exporter.close()
+"""Prometheus metrics of one server: a private registry (several servers per process are fine), the metric
+objects (prefix `corolla_`), and the calls the server makes on events; each is cheap, thread-safe and never raises.
 
 Nothing here runs per decode step: the runtime counts its batches (`core.runtime.BatchCounts`) and the engine its
 inference tokens in place, and a scrape reads them (`read_work`); a replaced source (a span moved) adds its totals
-to those kept, so the counters never go back.
-
-Names exported (prefix `corolla_`): sessions_active, sessions_opened_total, tokens_processed_total{kind},
-step_seconds and batch_size (histograms, per executed batch of the runtime: its seconds and its steps),
-queue_wait_seconds (histogram, training tasks), requests_rejected_total{reason},
-kv_cache_used_bytes, kv_cache_free_bytes, prefix_keyed_tokens_total, prefix_hit_tokens_total, prefix_cache_bytes,
-prefix_cache_evictions, prefix_cache_limit_bytes, blocks_served, announce_failures_total, moves_total,
-span_load_seconds_total, span_loads_total, span_fetching (1 while a move's span is fetched), span_fetch_seconds_total,
-moves_dropped_total.
-"""
+to those kept, so the counters never go back."""
 
 from __future__ import annotations
 
@@ -163,21 +134,15 @@ class ServerMetrics:
         r.register(_WorkCollector(self))
 
     # --- sessions ---
-    def session_opened(self) -> None:
-        self._sessions_opened.inc()
-        self._sessions_active.inc()
-
-    def session_closed(self) -> None:
-        self._sessions_active.dec()
-
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
         """Counts one open session for the duration of the block, on every exit path."""
-        self.session_opened()
+        self._sessions_opened.inc()
+        self._sessions_active.inc()
         try:
             yield
         finally:
-            self.session_closed()
+            self._sessions_active.dec()
 
     # --- work ---
     def read_work(self, source: WorkSource) -> None:

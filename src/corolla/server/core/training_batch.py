@@ -1,29 +1,15 @@
 """Training work (`rpc_forward`, `rpc_backward`) of all clients as runtime tasks of one block each, merged across
 clients: the works of several requests at the same block, in the same phase, with the same length and adapter run as
 one batched block call (their rows concatenated; deep prompts zero-padded to the longest, which adds exactly 0 where a
-request has none). A backward recomputes its blocks' inputs with forward works (mergeable with other clients'
-forwards of those blocks), then runs one backward work per block from the last down; nothing is kept on the server
-between a client's forward and its backward (Petals' protocol: the backward carries its inputs again).
+request has none). A backward recomputes its blocks' inputs with forward works, unless the same client's forward kept
+them (`training_activations`), then runs one backward work per block from the last down (Petals' protocol: the
+backward carries its inputs again). A request's works follow each other in the device thread (`BlockChain`), with no
+round trip through the event loop.
 
-A request's works follow each other in the device thread (`BlockChain`): a finished work queues the next at once,
-with no round trip through the event loop; the request's future resolves at the end.
-
-Order: training works queue behind inference steps (`PRIORITY_INFERENCE` first) and never hold the device for more
-than one merged block task (`FORWARD_MERGE_TOKENS`, `BACKWARD_MERGE_TOKENS`); on a GPU the thread launches a block call while the one before
-it runs and waits for that one only (no device sync per call, at most one call queued on the device when an
-inference step comes). Block calls are launched batches of the runtime (`_launch`): one popped while a decode batch
-is on the device is launched before the runtime waits for that decode, so its launch (CPU work) overlaps the decode's
-device time instead of following it with the device idle; they are background work (`gathered=False`), which the
-runtime does not launch while a session's step is on its way back (`runtime.PACE_HOLD_S`), so a returning decode step
-never waits for a training launch, unless the call is expected to be over before the step comes (`estimate`: its
-learned launch and device seconds, once the call before left the device). On a GPU a call with no deep prompt and no
-adapter replays a CUDA graph of the block (`training_graphs`: ~0.2 ms of launch instead of 2.5-4 ms, so that a lone
-client's calls also fit the session's way back: docs/decisions/0057). Among themselves they run by their requests' arrival (all works of a request before
-any later request's: they rank at its arrival, `Task.ranks_at`; works at the same block still merge), so that the
-requests ahead go back to their clients while the ones behind run (docs/decisions/0045).
-
-A forward's block inputs are kept for the backward of the same micro-batch (`training_activations`: per client,
-exact, bounded); a backward that finds them runs its backward works only, one that doesn't recomputes them."""
+Training works queue behind inference steps and hold the device for at most one merged block call
+(`FORWARD_MERGE_TOKENS`, `BACKWARD_MERGE_TOKENS`); block calls are background launched batches of the runtime
+(`TrainingBatcher._launch`: decision 0026), replayed as CUDA graphs where they can (`training_graphs`: decision 0057),
+and run by their requests' arrival (`Task.ranks_at`: decision 0045)."""
 
 from __future__ import annotations
 
