@@ -245,9 +245,7 @@ class KVPool:
             )
         needed = per_seq * num_sequences
         with self._lock:
-            available = self._common_free(first, end) - max(self._promised[first:end])
-            if needed > available and needed <= available + self._evictable(first, end):
-                available = self._evict_for(needed, first, end)
+            available = self._room(needed, first, end)
             if needed > available:
                 raise AllocationFailed(
                     f"KV pool is full: need {needed} pages ({num_sequences} x {max_length_tokens} tokens), "
@@ -289,16 +287,12 @@ class KVPool:
                 first, end = slot.layers
                 promised = min(need, slot.promised_pages - slot.spare_pages)
                 unpromised = need - promised
-                if unpromised:
-                    available = self._common_free(first, end) - max(self._promised[first:end])
-                    if unpromised > available and unpromised <= available + self._evictable(first, end):
-                        available = self._evict_for(unpromised, first, end)
-                    if unpromised > available:
-                        raise AllocationFailed(
-                            f"KV cache is full: this session needs {unpromised} more pages and the rest of its "
-                            f"promise went to another session while it processed no token; replay it here later "
-                            f"or elsewhere"
-                        )
+                if unpromised and unpromised > self._room(unpromised, first, end):
+                    raise AllocationFailed(
+                        f"KV cache is full: this session needs {unpromised} more pages and the rest of its "
+                        f"promise went to another session while it processed no token; replay it here later "
+                        f"or elsewhere"
+                    )
                 taken = self._take(need, first, end)
                 start = len(slot.pages)
                 slot.pages.extend(taken)
@@ -333,7 +327,7 @@ class KVPool:
             if needed == 0:
                 return True
             first, end = slots[0].layers
-            if needed > self._common_free(first, end) - max(self._promised[first:end]):
+            if needed > self._unpromised(first, end):
                 return False
             for slot, count in zip(slots, missing, strict=True):
                 self._unpromise(slot, -count)
@@ -362,18 +356,28 @@ class KVPool:
             for page, layers in covered.items()
         )
 
-    def _evict_for(self, needed: int, first: int, end: int) -> int:
-        """Evicts idle cached pages over [first, end), least recently used first, until `needed` pages may be
-        promised there (`_evictable` said they can be); returns what may be promised then (under the lock)."""
-        available = self._common_free(first, end) - max(self._promised[first:end])
+    def _unpromised(self, first: int, end: int) -> int:
+        """Ids free in every layer of [first, end) beyond the largest promise there (under the lock)."""
+        return self._common_free(first, end) - max(self._promised[first:end])
+
+    def _room(self, needed: int, first: int, end: int) -> int:
+        """What may be promised over [first, end), after evicting idle cached pages, least recently used first, until
+        `needed` pages fit where evicting them all would make them fit (under the lock)."""
+        available = self._unpromised(first, end)
+        if not available < needed <= available + self._evictable(first, end):
+            return available
         while needed > available:
-            block = self.prefix_index.evict((first, end))
-            assert block is not None, "_evictable promised enough idle pages"
-            self._return_block(block)
-            self.num_evictions += 1
-            available = self._common_free(first, end) - max(self._promised[first:end])
+            self._evict_one((first, end))
+            available = self._unpromised(first, end)
         logger.debug(f"kv_pool.evicted(total={self.num_evictions}, layers={first}:{end})")
         return available
+
+    def _evict_one(self, layers: tuple[int, int]) -> None:
+        """The least recently used idle cached page over `layers` goes back to the free sets (under the lock)."""
+        block = self.prefix_index.evict(layers)
+        assert block is not None, "idle pages are counted"
+        self._return_block(block)
+        self.num_evictions += 1
 
     def _return_block(self, block: PageBlock) -> None:
         """A page no sequence holds and no key names goes back to the free sets (under the lock)."""
@@ -404,10 +408,7 @@ class KVPool:
         lock)."""
         cap = self.idle_cache_layer_pages
         while cap is not None and self.prefix_index.idle_layer_pages > cap:
-            block = self.prefix_index.evict((0, self.num_layers))
-            assert block is not None, "idle pages are counted"
-            self._return_block(block)
-            self.num_evictions += 1
+            self._evict_one((0, self.num_layers))
 
     def _common_free(self, first: int, end: int) -> int:
         """Ids free in every layer of [first, end) (under the lock)."""
@@ -452,9 +453,7 @@ class KVPool:
                     continue
                 slot.freed = True
                 first, end = slot.layers
-                for layer in range(first, end):
-                    self._promised[layer] -= slot.promised_pages
-                self._promised_layer_pages -= slot.promised_pages * (end - first)
+                self._unpromise(slot, slot.promised_pages)
                 if not slot.shared_pages:  # every page its own and unpublished: one update for all
                     self._refs[first:end, slot.pages] = 0
                     for layer in range(first, end):
@@ -540,15 +539,11 @@ class KVPool:
                     unpublish.append(page)
             from_spares = min(len(replace), slot.spare_pages)
             extra = len(replace) - from_spares
-            if extra:  # beyond the promise: pages no promise counts on (taken before anything changes)
-                available = self._common_free(first, end) - max(self._promised[first:end])
-                if extra > available and extra <= available + self._evictable(first, end):
-                    available = self._evict_for(extra, first, end)
-                if extra > available:
-                    raise AllocationFailed(
-                        f"KV pool is full: a write into {extra} shared pages needs pages of its own, "
-                        f"{max(0, available)} free in layers {first}:{end}"
-                    )
+            if extra and extra > (available := self._room(extra, first, end)):  # pages no promise counts on
+                raise AllocationFailed(
+                    f"KV pool is full: a write into {extra} shared pages needs pages of its own, "
+                    f"{max(0, available)} free in layers {first}:{end}"
+                )
             taken = self._take(len(replace), first, end) if replace else []
             self._unpromise(slot, from_spares)
             slot.spare_pages -= from_spares
