@@ -568,12 +568,9 @@ class KVPool:
 
     @torch.no_grad()
     def reorder(self, slots: Sequence[SequenceSlot], hypo_ids: torch.Tensor) -> None:
-        """Beam-search reordering: sequence i takes the keys/values (and length) of sequence `hypo_ids[i]`."""
-        if hypo_ids.ndim != 1 or len(hypo_ids) != len(slots):
-            raise ValueError(f"hypo_ids must have shape [{len(slots)}], got {tuple(hypo_ids.shape)}")
-        order = [int(i) for i in hypo_ids.tolist()]
-        if any(i < 0 or i >= len(slots) for i in order):
-            raise ValueError(f"hypo_ids must lie in [0, {len(slots)}), got {order}")
+        """Beam-search reordering: sequence i takes the keys/values (and length) of sequence `hypo_ids[i]` (int64
+        [len(slots)] in [0, len(slots)): checked by `SpanEngine.check_inputs`)."""
+        order = hypo_ids.tolist()
         if order == list(range(len(slots))):
             return
         # beams never attach or publish (prefix keys name one sequence): the pages written in place are their own
