@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import BloomConfig, FalconConfig, LlamaConfig, MixtralConfig
 
+from corolla.models.sizing import count_block_parameters
 from corolla.server import sizing
 from corolla.utils.errors import AllocationFailed
 
@@ -68,7 +69,7 @@ def test_cache_bytes_match_the_worked_example_of_llama2_70b() -> None:
 def test_block_bytes_per_quant_type() -> None:
     config = llama()
     params = hf_layer_params(config)
-    assert sizing.block_num_params(config) == params
+    assert count_block_parameters(config) == params
     assert sizing.block_size_bytes(config, dtype=torch.bfloat16) == round(params * 2 * 1.01)
     assert sizing.block_size_bytes(config, dtype=torch.float32) == round(params * 4 * 1.01)
     assert sizing.block_size_bytes(config, dtype=torch.bfloat16, quant_type="int8") == round(params * 1.01)
@@ -89,7 +90,7 @@ def test_falcon_and_bloom_blocks_can_be_sized() -> None:
          falcon_params),
         (BloomConfig(hidden_size=hidden, n_head=heads), bloom_params),
     ):  # fmt: skip
-        assert sizing.block_num_params(config) == params
+        assert count_block_parameters(config) == params
         assert sizing.block_size_bytes(config, dtype=torch.float16) == round(params * 2 * 1.01)
 
 

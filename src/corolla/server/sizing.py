@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 
-from corolla.models import sizing as models_sizing
 from corolla.models.block_base import CorollaBlock
 from corolla.models.lora import adapter_stored_bytes, load_adapter
 from corolla.models.registry import get_family
-from corolla.models.sizing import kv_cache_bytes_per_token
+from corolla.models.sizing import block_size_bytes, kv_cache_bytes_per_token
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
 
@@ -38,10 +37,6 @@ def num_kv_heads(config: Any) -> int:
         return int(get_family(config).num_kv_heads(config))
     except ValueError:  # unknown family: the common config attribute
         return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-
-
-def head_dim(config: Any) -> int:
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 def is_grouped_query(config: Any) -> bool:
@@ -78,32 +73,6 @@ def cache_bytes_per_block(config: Any, dtype: torch.dtype, attn_cache_tokens: in
 
 
 _cache_bytes_per_block = cache_bytes_per_block  # reachable inside functions whose argument shares the name
-
-
-def block_num_params(config: Any) -> int:
-    """Parameters of one decoder block (the largest one), counted on the meta device (no memory used)."""
-    return int(models_sizing.count_block_parameters(config))
-
-
-def block_size_bytes(
-    config: Any, *, dtype: torch.dtype, quant_type: Any = "none", location: str = "memory", eps: float = 0.01
-) -> int:
-    """Bytes of one block: in `memory` with `quant_type` (models/sizing.py: none: dtype bytes, int8: 1, nf4: 4.25/8
-    per parameter, plus 1%), or on `disk` in the checkpoint's dtype (plus `eps`)."""
-    if location == "memory":
-        return int(models_sizing.block_size_bytes(config, dtype, quant_type))
-    if location == "disk":
-        bytes_per_param = float(_checkpoint_dtype(config).itemsize)
-    else:
-        raise ValueError(f"location must be 'memory' or 'disk', got {location!r}")
-    return round(block_num_params(config) * bytes_per_param * (1 + eps))
-
-
-def _checkpoint_dtype(config: Any) -> torch.dtype:
-    value = getattr(config, "dtype", None) or vars(config).get("torch_dtype")  # older configs: torch_dtype
-    if isinstance(value, str):
-        value = getattr(torch, value, None)
-    return value if isinstance(value, torch.dtype) else torch.float32
 
 
 def adapter_bytes_per_block(
@@ -171,7 +140,6 @@ def choose_num_blocks(
     dtype: torch.dtype,
     quant_type: Any = "none",
     cache_bytes_per_block: int | None = None,
-    attn_cache_tokens: int | None = None,
     adapter_bytes_per_block: int = 0,
     tensor_parallel_devices: Sequence[torch.device | str] = (),
     total_memory_bytes: int | None = None,
@@ -183,7 +151,7 @@ def choose_num_blocks(
     if total_memory_bytes is None:
         total_memory_bytes = device_memory_bytes(device, tensor_parallel_devices)
     if cache_bytes_per_block is None:
-        cache_bytes_per_block = _cache_bytes_per_block(config, dtype, attn_cache_tokens)
+        cache_bytes_per_block = _cache_bytes_per_block(config, dtype)
     block_bytes = block_size_bytes(config, dtype=dtype, quant_type=quant_type)
     per_block = block_bytes + cache_bytes_per_block + adapter_bytes_per_block
     reserve = autograd_reserve_bytes(config, num_devices)
