@@ -5,8 +5,8 @@ authenticated libp2p id; every same-host unix-socket client counts as the one pe
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from hivemind.p2p import P2PContext
 
@@ -14,6 +14,7 @@ from corolla.utils.errors import AllocationFailed
 
 LOCAL_PEER = "local"  # every client of the same-host unix socket (one user: the socket dir is private to it)
 MiB = 1 << 20
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -26,36 +27,57 @@ class SessionTimeouts:
     request_timeout_s: float
 
 
+def _flag(default: T, help: str) -> T:
+    """A `PeerLimits` field: its default and its flag's help (`add_limit_flags`)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class PeerLimits:
-    """Caps that keep one peer (or a crowd of them) from starving the others. 0 or None disables a cap."""
+    """Caps that keep one peer (or a crowd of them) from starving the others. 0 or None disables a cap. Each field
+    is also a flag of the same name (`add_limit_flags`)."""
 
-    max_sessions_per_peer: int = 64  # open inference sessions of one peer
-    max_sessions_total: int = 1024  # open inference sessions of all peers together
-    max_kv_fraction_per_peer: float = 0.5  # share of the KV cache budget one peer may reserve
-    # under memory pressure a session that processed no token for this long is ended to admit a new one
-    # (zero-token keep-alive steps do not count as use); 0 = never evict
-    session_idle_evict_s: float = 60.0
-    # under memory pressure the promised, not yet used pages of a session that processed no token for this long go
-    # to a new session (it keeps the pages it holds and runs on; its next token asks the promise back); 0 = never
-    kv_promise_idle_s: float = 5.0
-    # a session that processed no token yields its cache at once under memory pressure when its opening request
-    # brought none, after a step beyond the opening one, or this long after it opened (its prefill comes by then)
-    first_token_grace_s: float = 2.0
-    evict_wait_s: float = 5.0  # how long a new session waits for the evicted ones to free their cache
-    # streamed requests (rpc_*_stream, rpc_inference): bytes received but not yet processed
-    # None = derived from the span (`with_stream_defaults`): a message may hold one step of the server's
-    # max_batch_size tokens in float32 (hivemind would buffer any declared length); one peer twice that, at least
-    # 96 MiB; all peers three times that, at least 128 MiB (a received message is briefly held twice while parsed:
-    # on the demo model a crowd of stalled streams then stays within ~256 MiB of RSS)
-    max_stream_message_bytes: int | None = None
-    max_stream_bytes_per_peer: int | None = None
-    max_stream_bytes_total: int | None = None
-    stream_idle_timeout_s: float = 10.0  # no byte of a started message (or of a forward stream) for this long
-    max_forwards_per_peer: int = 2  # concurrent forward/backward requests of one peer (others wait)
-    # a longer forward runs as runtime tasks of <= this many tokens x one block; a shorter one as one task per block
-    # merged with other clients' (`training_batch`); 0 = never chunked
-    forward_chunk_tokens: int = 2048
+    max_sessions_per_peer: int = _flag(64, "open inference sessions one peer may hold (0 = unlimited)")
+    max_sessions_total: int = _flag(1024, "open inference sessions of all peers together (0 = unlimited)")
+    max_kv_fraction_per_peer: float = _flag(0.5, "share of the KV cache one peer may reserve, in (0, 1]")
+    session_idle_evict_s: float = _flag(
+        60.0, "end a session idle this long (no token processed) when a new one needs its cache (0 = never)"
+    )
+    kv_promise_idle_s: float = _flag(
+        5.0,
+        "under memory pressure, give the unused promised cache of a session idle this long to a new one (it "
+        "keeps what it holds and runs on; its next token asks the promise back; 0 = never)",
+    )
+    first_token_grace_s: float = _flag(
+        2.0,
+        "a session with no token processed yields at once under pressure when its opening request brought "
+        "none, after its second step, or this long after it opened",
+    )
+    evict_wait_s: float = _flag(5.0, "how long a new session waits for evicted sessions to free their cache")
+    # streamed requests' bytes received and not yet processed; None: derived from the span (`with_stream_defaults`),
+    # a message may hold one step of max_batch_size tokens in float32 (hivemind would buffer any declared length),
+    # a received message is briefly held twice while parsed (on the demo model a crowd of stalled streams then stays
+    # within ~256 MiB of RSS)
+    max_stream_message_bytes: int | None = _flag(
+        None, "largest message of a streamed request (unset: max_batch_size x hidden x 4 + 1 MiB)"
+    )
+    max_stream_bytes_per_peer: int | None = _flag(
+        None, "bytes of unfinished streamed requests of one peer (unset: max(96 MiB, 2 x message))"
+    )
+    max_stream_bytes_total: int | None = _flag(
+        None, "bytes of unfinished streamed requests of all peers (unset: max(128 MiB, 3 x message))"
+    )
+    stream_idle_timeout_s: float = _flag(
+        10.0, "cut a stream whose peer sends nothing for this long mid-message or mid-request (0 = off)"
+    )
+    max_forwards_per_peer: int = _flag(
+        2, "concurrent forward/backward requests of one peer; the rest wait (0 = unlimited)"
+    )
+    forward_chunk_tokens: int = _flag(
+        2048,
+        "forwards longer than this run as one-block tasks of at most this many tokens; shorter ones as one "
+        "task per block, merged with other clients' (0 = never chunked)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_sessions_per_peer", "max_sessions_total", "max_stream_message_bytes",
@@ -122,27 +144,8 @@ def peer_key(context: P2PContext | None) -> str:
     return LOCAL_PEER if remote is None else remote.to_base58()
 
 
-LIMIT_FLAG_HELP = {
-    "max_sessions_per_peer": "open inference sessions one peer may hold (0 = unlimited)",
-    "max_sessions_total": "open inference sessions of all peers together (0 = unlimited)",
-    "max_kv_fraction_per_peer": "share of the KV cache one peer may reserve, in (0, 1]",
-    "session_idle_evict_s": "end a session idle this long (no token processed) when a new one needs its cache (0 = never)",
-    "kv_promise_idle_s": "under memory pressure, give the unused promised cache of a session idle this long to a "
-    "new one (it keeps what it holds; 0 = never)",
-    "first_token_grace_s": "a session with no token processed yields at once under pressure after its second step or this long",
-    "evict_wait_s": "how long a new session waits for evicted sessions to free their cache",
-    "max_stream_message_bytes": "largest message of a streamed request (unset: max_batch_size x hidden x 4 + 1 MiB)",
-    "max_stream_bytes_per_peer": "bytes of unfinished streamed requests of one peer (unset: max(96 MiB, 2 x message))",
-    "max_stream_bytes_total": "bytes of unfinished streamed requests of all peers (unset: max(128 MiB, 3 x message))",
-    "stream_idle_timeout_s": "cut a stream whose peer sends nothing for this long mid-message or mid-request (0 = off)",
-    "max_forwards_per_peer": "concurrent forward/backward requests of one peer; the rest wait (0 = unlimited)",
-    "forward_chunk_tokens": "forwards longer than this run as one-block tasks of at most this many tokens; shorter ones "
-    "as one task per block, merged with other clients' (0 = never chunked)",
-}
-
-
 def add_limit_flags(parser: Any) -> None:
     """Adds one `--<field>` flag per `PeerLimits` field to an argparse-like parser (default None = the field's)."""
     for f in dataclasses.fields(PeerLimits):
         kind = float if isinstance(f.default, float) else int  # None defaults: byte counts
-        parser.add_argument(f"--{f.name}", type=kind, default=None, help=f"{LIMIT_FLAG_HELP[f.name]} [{f.default}]")
+        parser.add_argument(f"--{f.name}", type=kind, default=None, help=f"{f.metadata['help']} [{f.default}]")
