@@ -31,20 +31,6 @@ logger = get_logger(__name__)
 MAX_REOPEN_RECORDS = 4096  # peers remembered for closing a session without work (oldest forgotten first)
 
 
-class CacheBudget(Protocol):
-    """The KV cache bytes admission weighs sessions against (a `SpanExecutor`): `bytes_left` neither held nor
-    promised, `bytes_waiting` asked for by allocations in line."""
-
-    @property
-    def max_size_bytes(self) -> int: ...
-
-    @property
-    def bytes_left(self) -> int: ...
-
-    @property
-    def bytes_waiting(self) -> int: ...
-
-
 @runtime_checkable
 class CacheLease(Protocol):
     """A session's hold on the KV store (the engine executor's `SessionCache`): bytes holding its positions, bytes
@@ -165,7 +151,9 @@ class SessionAdmission:
     """Decides whether a new session may open and what yields to it under memory pressure (see the module
     docstring)."""
 
-    def __init__(self, limits: PeerLimits, budget: CacheBudget):
+    def __init__(self, limits: PeerLimits, budget: SpanExecutor):
+        # the KV cache bytes sessions are weighed against: `bytes_left` neither held nor promised, `bytes_waiting`
+        # asked for by allocations in line
         self.limits = limits
         self.budget = budget
         self._tickets: set[SessionTicket] = set()
