@@ -33,7 +33,7 @@ from corolla.engine.span_engine import StepRequest
 from corolla.protocol import channel_frames as wire
 from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core.admission import SessionTicket
-from corolla.server.core.engine_executor import StepGroup
+from corolla.server.core.engine_executor import EngineExecutor, StepGroup
 from corolla.server.core.executor import (
     KIND_ENGINE_INFERENCE,
     BackwardInputs,
@@ -46,7 +46,7 @@ from corolla.server.core.executor import (
 )
 from corolla.server.core.kv_handoff import check_handoff_frame
 from corolla.server.core.refusals import encode_error
-from corolla.server.core.runtime import Runtime, Task
+from corolla.server.core.runtime import Task
 from corolla.server.core.span_core import SpanCore
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
@@ -301,26 +301,6 @@ class ChannelIntake:
             logger.warning(f"device_channel.intake_on_end_failed(error={e!r})")
 
 
-class DeviceExecutor(SpanExecutor, Protocol):
-    """What a device channel needs of the core's executor (`EngineExecutor`): its runtime, and a step prepared
-    (`step`'s checks and refusals, synchronously) and made a task without a coroutine, so that the intake thread
-    queues it itself."""
-
-    @property
-    def runtime(self) -> Runtime: ...
-
-    def prepare_step(self, cache: SessionCache, inputs: StepInputs) -> StepRequest: ...
-
-    def step_task(
-        self,
-        work: StepRequest | StepGroup,
-        *,
-        shadow: bool = False,
-        on_done: Callable[[Any, BaseException | None], None] | None = None,
-        flush: Callable[[], None] | None = None,
-    ) -> Task: ...
-
-
 # a step's reply as a channel queues it: request id, output [B, T, H] or what refused it, the output's bytes if known
 StepReply = tuple[int, torch.Tensor | BaseException, memoryview | None]
 
@@ -371,7 +351,7 @@ class FrameIntake:
 
     def __init__(
         self,
-        executor: DeviceExecutor,
+        executor: EngineExecutor,
         core: SpanCore,
         held: Callable[[int], tuple[SessionCache, SessionTicket | None]],
         queue_replies: Callable[[list[StepReply]], None],
@@ -537,7 +517,7 @@ class DeviceChannel:
         index: int,
         sock: socket.socket,
         *,
-        executor: DeviceExecutor,
+        executor: EngineExecutor,
         core: SpanCore,
         span: tuple[int, ...],
         max_frame_bytes: int,

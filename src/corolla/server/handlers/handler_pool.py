@@ -26,9 +26,10 @@ from hivemind.p2p.p2p_daemon_bindings.utils import raise_if_failed, read_pbmsg_s
 from hivemind.proto import p2pd_pb2 as p2pd_pb
 from hivemind.utils.multiaddr import Multiaddr
 
+from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.span_core import SpanCore
 from corolla.server.front.front_settings import FrontSettings
-from corolla.server.handlers.device_channel import ChannelIntake, DeviceChannel, DeviceExecutor
+from corolla.server.handlers.device_channel import ChannelIntake, DeviceChannel
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
 
@@ -84,7 +85,7 @@ class HandlerPool:
         main: HandlerMain,
         daemon_listen_maddr: str,
         *,
-        executor: DeviceExecutor,
+        executor: EngineExecutor,
         core: SpanCore,
         span: tuple[int, ...],
         max_frame_bytes: int,
