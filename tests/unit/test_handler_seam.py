@@ -14,6 +14,7 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from corolla.models.block_base import TensorDescriptor
 from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
 from corolla.protocol.metadata import decode_metadata, encode_metadata
 from corolla.protocol.prefix import PREFIX_HIT_KEY, PREFIX_KEY, PrefixKeys
@@ -26,7 +27,6 @@ from corolla.server.core.executor import (
     SessionCache,
     SessionSpec,
     StepInputs,
-    TensorDescriptorLike,
 )
 from corolla.server.core.limits import PeerLimits, SessionTimeouts
 from corolla.server.core.refusals import BadRequest, TooLong
@@ -105,7 +105,7 @@ class FakeExecutor:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(cached_bytes=123, evictions=4)
 
-    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptor]]:
         raise HandoffUnsupported("fake")
 
     async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:

@@ -39,7 +39,6 @@ from corolla.server.core.executor import (
     SessionCache,
     SessionSpec,
     StepInputs,
-    TensorDescriptorLike,
 )
 from corolla.server.core.forward_chunks import run_forward_chunked
 from corolla.server.core.runtime import (
@@ -342,7 +341,7 @@ class EngineExecutor:
 
     # ---- KV hand-off: the pool's positions in the canonical layout, one K and one V [B, heads, length, dim] per block
 
-    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptor]]:
         pool = self.engine.pool
         (k_heads, k_dim), (v_heads, v_dim) = pool.layout.k_token_shape, pool.layout.v_token_shape
         if len(pool.layout.k_token_shape) != 2 or len(pool.layout.v_token_shape) != 2:

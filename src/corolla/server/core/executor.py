@@ -7,13 +7,13 @@ trusts shapes, dtypes, lengths and positions and only enforces what it alone kno
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
+from corolla.models.block_base import TensorDescriptor
 from corolla.protocol.prefix import PrefixKeys
 from corolla.utils.tensor_bytes import HiddenRows, view_bytes
 
@@ -22,20 +22,6 @@ PATH_FUSED = "fused"
 PATH_EAGER = "eager"
 # the runtime task kind of the engine's inference steps (`EngineExecutor.step_task`), merged into one forward
 KIND_ENGINE_INFERENCE = "engine_inference"
-
-
-class TensorDescriptorLike(Protocol):
-    """What `models.block_base.TensorDescriptor` offers: the shape, dtype and device of one cache tensor (read-only
-    properties, so that frozen dataclasses match)."""
-
-    @property
-    def shape(self) -> Sequence[int]: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-    @property
-    def device(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -201,7 +187,7 @@ class SpanExecutor(Protocol):
 
     # ---- KV hand-off (drain)
 
-    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptor]]:
         """The canonical K and V descriptors per block of a session of `spec` ([B, kv_heads, max_length,
         head_dim] each); HandoffUnsupported if this executor can't export or import caches."""
         ...

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from corolla.server.core.executor import HandoffUnsupported, TensorDescriptorLike
+from corolla.models.block_base import TensorDescriptor
+from corolla.server.core.executor import HandoffUnsupported
 from corolla.utils.finite import all_finite
 
 LENGTH_DIM = 2  # [B, kv_heads, max_length, head_dim]
@@ -20,7 +21,7 @@ __all__ = ["HandoffUnsupported", "canonical_nbytes", "check_handoff_frame", "exp
 
 
 def expected_shapes(
-    descriptors_per_block: Sequence[Sequence[TensorDescriptorLike]], position: int
+    descriptors_per_block: Sequence[Sequence[TensorDescriptor]], position: int
 ) -> list[tuple[torch.Size, torch.dtype]]:
     """(shape, dtype) of each canonical tensor for `position` tokens, from this server's own descriptors."""
     result = []
@@ -32,13 +33,13 @@ def expected_shapes(
     return result
 
 
-def canonical_nbytes(descriptors_per_block: Sequence[Sequence[TensorDescriptorLike]], position: int) -> int:
+def canonical_nbytes(descriptors_per_block: Sequence[Sequence[TensorDescriptor]], position: int) -> int:
     """Raw bytes of the canonical tensors of `position` tokens (what an import must carry, exactly)."""
     return sum(math.prod(shape) * dtype.itemsize for shape, dtype in expected_shapes(descriptors_per_block, position))
 
 
 def validate_import(
-    tensors: Sequence[torch.Tensor], descriptors_per_block: Sequence[Sequence[TensorDescriptorLike]], position: int
+    tensors: Sequence[torch.Tensor], descriptors_per_block: Sequence[Sequence[TensorDescriptor]], position: int
 ) -> None:
     """ValueError unless `tensors` are exactly this session's canonical K/V for `position` tokens: count, shape,
     dtype (the block's, no cast) and finite values."""

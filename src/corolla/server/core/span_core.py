@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 from hivemind.proto import runtime_pb2
 
+from corolla.models.block_base import TensorDescriptor
 from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core.admission import ForwardSlots, SessionAdmission, SessionTicket
 from corolla.server.core.executor import (
@@ -27,7 +28,6 @@ from corolla.server.core.executor import (
     SessionSpec,
     SpanExecutor,
     StepInputs,
-    TensorDescriptorLike,
 )
 from corolla.server.core.limits import PeerLimits
 from corolla.server.core.refusals import Draining
@@ -158,7 +158,7 @@ class CoreClient(Protocol):
         """`SpanExecutor.add_prefix_keys`: its pages are published once computed."""
         ...
 
-    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptor]]:
         """`SpanExecutor.handoff_layout` (HandoffUnsupported: the client replays)."""
         ...
 

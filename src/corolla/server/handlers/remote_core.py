@@ -32,7 +32,6 @@ from corolla.server.core.executor import (
     SessionCache,
     SessionSpec,
     StepInputs,
-    TensorDescriptorLike,
 )
 from corolla.server.core.refusals import decode_error
 from corolla.server.core.span_core import DrainState, PushSink, PushTable
@@ -319,14 +318,14 @@ class RemoteCore:
     def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
         self.link.note("add_prefix_keys", self._own(cache).handle, namespace, keys.first_block, keys.hashes)
 
-    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptorLike]]:
+    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptor]]:
         """The device executor's layout (`DeviceInfo.handoff_shapes`) for `spec`'s batch and length."""
         info = self.link.info
         if not info.handoff_shapes:
             raise HandoffUnsupported(
                 info.handoff_refused or "this server's executor can't hand off KV: the client replays"
             )
-        block: list[TensorDescriptorLike] = []
+        block: list[TensorDescriptor] = []
         for shape, dtype in info.handoff_shapes:
             full = list(shape)
             full[0], full[kv.LENGTH_DIM] = spec.batch_size, spec.max_length_tokens
