@@ -25,7 +25,7 @@ import torch
 
 from corolla.client import AutoDistributedModelForCausalLM
 from corolla.client.config import ClientConfig
-from corolla.demo.assets import DEMO_CHECKPOINT_DIR
+from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR
 from corolla.server.config import ServerConfig
 from corolla.server.server import Server
 

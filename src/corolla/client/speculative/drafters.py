@@ -1,6 +1,6 @@
 """Drafters for speculative decoding: prompt lookup (n-gram matches in the context, no model) and a small local
 draft model (a `transformers` causal LM with the target's tokenizer, e.g. the demo model's draft in
-`corolla.demo.draft`), which keeps its own KV cache in step with the accepted text."""
+`corolla.demo.checkpoint.ensure_demo_draft`), which keeps its own KV cache in step with the accepted text."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from corolla.client.speculative.acceptance import Draft, Sampler, SpeculativeConfig
-from corolla.demo.draft import ensure_demo_draft
+from corolla.demo.checkpoint import ensure_demo_draft
 from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
