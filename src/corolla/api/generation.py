@@ -182,7 +182,7 @@ class _Choice:
             self.pending = []
         if hit_stop:
             self.finish_reason = "stop"
-            self.stop_reason = _which_stop(self.stream.text, self.request.stops, self.stream)
+            self.stop_reason = self.stream.stop
             return True
         return self.num_tokens >= params.max_new_tokens
 
@@ -192,14 +192,6 @@ class _Choice:
             self.emit(Delta(self.index, tail, self.pending))
         logprobs = self.every if self.want_logprobs else None
         return ChoiceDone(self.index, self.finish_reason, self.num_tokens, self.stream.text, logprobs, self.stop_reason)
-
-
-def _which_stop(text: str, stops: list[str], stream: TextStream) -> str | None:
-    full = stream.full_text
-    for stop in sorted(stops, key=len, reverse=True):
-        if full.startswith(stop, len(text)):
-            return stop
-    return None
 
 
 def _logprob_entry(backend: GenerationBackend, sampled: SampledToken) -> TokenLogprob:

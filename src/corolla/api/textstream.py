@@ -20,12 +20,8 @@ class TextStream:
         self._full = ""
         self._emitted = 0  # characters of self._full already returned
         self.stopped = False
+        self.stop: str | None = None  # the stop sequence hit (the longest of those starting where the text ends)
         self.text = ""  # the final text once finished (stop removed)
-
-    @property
-    def full_text(self) -> str:
-        """Everything decoded so far, stop sequences included."""
-        return self._full
 
     @property
     def num_tokens(self) -> int:
@@ -36,8 +32,9 @@ class TextStream:
             raise RuntimeError("TextStream.push after a stop sequence was hit")
         self._ids.append(token_id)
         self._full = self._decode(self._ids)
-        hit = self._find_stop()
-        if hit is not None:
+        found = self._find_stop()
+        if found is not None:
+            hit, self.stop = found
             out = self._full[self._emitted : hit]
             self.text = self._full[:hit]
             self._emitted = hit
@@ -60,13 +57,14 @@ class TextStream:
         self.text = self._full
         return out
 
-    def _find_stop(self) -> int | None:
-        best = None
+    def _find_stop(self) -> tuple[int, str] | None:
+        """(where the first stop sequence starts, the longest one starting there), or None."""
+        best: tuple[int, str] | None = None
         for stop in self._stops:
             # Text before self._emitted was checked to hold no stop start, so search from there.
             i = self._full.find(stop, max(0, self._emitted - len(stop) + 1))
-            if i >= 0 and i >= self._emitted and (best is None or i < best):
-                best = i
+            if i >= self._emitted and (best is None or (i, -len(stop)) < (best[0], -len(best[1]))):
+                best = (i, stop)
         return best
 
     def _held_back(self, end: int) -> int:
