@@ -28,14 +28,10 @@ EXIT_INTERRUPTED = 130
 _MAX_LINE_CHARS = 600
 
 
-def version_string() -> str:
-    return f"corolla {__version__}"
-
-
 def add_common_flags(parser: argparse.ArgumentParser, *, verbose_help: str | None = None, swarm: bool = False) -> None:
     """`--version` and `--verbose` (tracebacks on errors, and the CLI's logs where it is quiet by default); with
     `swarm` (a CLI that joins one), `--swarm_key_file`."""
-    parser.add_argument("--version", action="version", version=f"%(prog)s ({version_string()})")
+    parser.add_argument("--version", action="version", version=f"%(prog)s (corolla {__version__})")
     if swarm:
         parser.add_argument(
             "--swarm_key_file",
@@ -90,18 +86,14 @@ def run_cli(prog: str, body: Callable[[], int], argv: Sequence[str] | None = Non
         code, line = classify(e)
         if verbose and not isinstance(e, KeyboardInterrupt):
             traceback.print_exc()
-        _quiet_logs_after_error()
+        # the line below is the verdict: teardown chatter (hivemind's "shutting down" warnings) would bury it
+        logging.getLogger("hivemind").setLevel(logging.CRITICAL)
         if isinstance(e, KeyboardInterrupt):
             print(f"\n{prog}: interrupted", file=sys.stderr, flush=True)
         else:
             hint = "" if verbose else " (--verbose for details)" if code == EXIT_RUNTIME else ""
             print(f"\n{prog}: error: {_one_line(line)}{hint}", file=sys.stderr, flush=True)
         return code
-
-
-def _quiet_logs_after_error() -> None:
-    # the line above is the verdict: teardown chatter (hivemind's "shutting down" warnings) would bury it
-    logging.getLogger("hivemind").setLevel(logging.CRITICAL)
 
 
 def check_port_free(host: str, port: int, *, flag: str = "--port") -> None:

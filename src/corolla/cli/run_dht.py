@@ -147,7 +147,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         while not event_wait(stop, args.refresh_period):  # in slices: see utils.interrupts
             try:
                 heartbeat_key = f"heartbeat_{secrets.token_hex(16)}"
-                size = run_in_dht(dht, _make_refresh(heartbeat_key), timeout_s=REFRESH_TIMEOUT_S, what="refresh")
+                size = run_in_dht(
+                    dht, partial(_refresh, key=heartbeat_key), timeout_s=REFRESH_TIMEOUT_S, what="refresh"
+                )
                 logger.info(f"dht.refresh(routing_table_size={size})")
             except Exception as e:  # a slow refresh must not kill the bootstrap node
                 logger.warning(f"dht.refresh_failed: {e!r:.200}")
@@ -155,10 +157,6 @@ def run(argv: Sequence[str] | None = None) -> int:
         shutdown_dht(dht)
         logger.info("dht.stopped")
     return 0
-
-
-def _make_refresh(key: str) -> Any:
-    return partial(_refresh, key=key)
 
 
 if __name__ == "__main__":
