@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from corolla.models import disk_cache, hub_files
 from corolla.models.block_base import CorollaBlock
 from corolla.models.config import checkpoint_dtype, is_local_path, parse_dtype
-from corolla.models.registry import get_family
+from corolla.models.registry import ModelFamily, get_family
 from corolla.utils.errors import ConfigurationError
 from corolla.utils.logging import get_logger
 
@@ -47,9 +47,7 @@ def load_pretrained_block(
 ) -> CorollaBlock:
     """Builds block `block_index` of the model on CPU in `torch_dtype` ("auto": the checkpoint's dtype unless
     float32, else bfloat16) with its parameters frozen, reading only that block's tensors."""
-    family = get_family(config)
-    if not 0 <= block_index < config.num_hidden_layers:
-        raise ValueError(f"block_index must be in [0, {config.num_hidden_layers}), got {block_index}")
+    family, source = _block_source(name_or_path, block_index, config, cache_dir, revision, token, max_disk_space_bytes)
     dtype = parse_dtype(torch_dtype)
     if dtype is None:
         dtype = checkpoint_dtype(config)
@@ -59,11 +57,8 @@ def load_pretrained_block(
     with torch.device("meta"):
         block = family.build_block(config, block_index)
     block = block.to(dtype).to_empty(device="cpu")
-
-    source = CheckpointSource(name_or_path, cache_dir=cache_dir, revision=revision, token=token,
-                               max_disk_space_bytes=max_disk_space_bytes)  # fmt: skip
     state_dict, origin = source.read_block(family.block_prefixes, block_index)
-    block.load_hf_state_dict(state_dict, source=f"the checkpoint {source.describe()}", origin=origin)
+    block.load_hf_state_dict(state_dict, source=f"the checkpoint {source.name_or_path}", origin=origin)
     block.requires_grad_(False)
     logger.info(
         "load_pretrained_block.done(model=%s, block=%d, dtype=%s, files=%d, seconds=%.2f)",
@@ -84,24 +79,26 @@ def fetch_pretrained_block(
 ) -> None:
     """Brings the checkpoint files of block `block_index` to the local cache without building the block
     (`load_pretrained_block` then reads them from the disk)."""
-    family = get_family(config)
+    family, source = _block_source(name_or_path, block_index, config, cache_dir, revision, token, max_disk_space_bytes)
+    source.fetch_block(family.block_prefixes, block_index)
+
+
+def _block_source(
+    name_or_path, block_index: int, config, cache_dir, revision, token, max_disk_space_bytes
+) -> tuple[ModelFamily, CheckpointSource]:
+    """The family of `config` and the checkpoint to read block `block_index` from (ValueError past the last block)."""
     if not 0 <= block_index < config.num_hidden_layers:
         raise ValueError(f"block_index must be in [0, {config.num_hidden_layers}), got {block_index}")
-    source = CheckpointSource(name_or_path, cache_dir=cache_dir, revision=revision, token=token,
-                               max_disk_space_bytes=max_disk_space_bytes)  # fmt: skip
-    source.fetch_block(family.block_prefixes, block_index)
+    source = CheckpointSource(
+        name_or_path, cache_dir=cache_dir, revision=revision, token=token, max_disk_space_bytes=max_disk_space_bytes
+    )
+    return get_family(config), source
 
 
 def _notify_open(path: str) -> None:
     logger.debug("load.open_file(path=%s)", path)
     for hook in list(FILE_OPEN_HOOKS):
         hook(path)
-
-
-def read_tensors(path: str | os.PathLike, prefix: str) -> dict[str, torch.Tensor]:
-    """Tensors whose names start with `prefix`, with the prefix stripped (see `read_file_tensors`)."""
-    loaded = read_file_tensors(path, lambda name: name.startswith(prefix))
-    return {k[len(prefix) :]: v for k, v in loaded.items()}
 
 
 def read_file_tensors(path: str | os.PathLike, keep: Callable[[str], bool]) -> dict[str, torch.Tensor]:
@@ -138,9 +135,6 @@ class CheckpointSource:
         self.token = True if token is None and self.name_or_path.startswith("meta-llama/Llama-2-") else token
         self.max_disk_space_bytes = max_disk_space_bytes
         self.search_dirs = hub_files.search_dirs(self.cache_dir)  # corolla's cache, then Hugging Face's
-
-    def describe(self) -> str:
-        return self.name_or_path
 
     # --- which files -------------------------------------------------------------------------------------
     def _find_index_file(self) -> str:
@@ -179,7 +173,7 @@ class CheckpointSource:
         if prefix is None:
             raise ConfigurationError(
                 f"No tensors of block {block_index} (prefixes {[f'{p}.{block_index}.' for p in prefixes]}) "
-                f"in {self.describe()}/{index_name}"
+                f"in {self.name_or_path}/{index_name}"
             )
         return sorted({file for name, file in weight_map.items() if name.startswith(prefix)}), prefix
 
@@ -202,7 +196,8 @@ class CheckpointSource:
                 prefix = _pick_prefix(prefixes, block_index, tensor_names(path))
                 if prefix is None:
                     raise ConfigurationError(f"No tensors of block {block_index} in {path}")
-            return read_tensors(path, prefix)
+            loaded = read_file_tensors(path, lambda name: name.startswith(prefix))
+            return {k[len(prefix) :]: v for k, v in loaded.items()}  # names relative to the layer prefix
 
         progress = tqdm(files, desc=f"Loading block {block_index}", unit="file", disable=len(files) < 4, leave=False)
         for file in progress:
