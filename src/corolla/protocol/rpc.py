@@ -58,7 +58,7 @@ class TransformerConnectionHandler(ServicerBase):
 
     @classmethod
     def handle_names(cls) -> dict[str, bool]:
-        """`{handle name: is_stream}` for every rpc this class serves (used by tests and diagnostics)."""
+        """`{handle name: is_stream}` for every rpc this class serves."""
         cls._collect_rpc_handlers()
         return {
             cls._get_handle_name(None, h.method_name): (h.stream_input or h.stream_output) for h in cls._rpc_handlers

@@ -126,16 +126,6 @@ class ForwardedMetrics(ServerMetrics):
         self.link.note("prefix_probe", keyed_tokens, hit_tokens)
 
 
-def stream_handle_names(handler: TransformerConnectionHandler) -> list[str]:
-    """The handle names p2pd routes as streams to this process (a dead process's must be unregistered)."""
-    handler._collect_rpc_handlers()
-    return [
-        handler._get_handle_name(None, rpc.method_name)
-        for rpc in handler._rpc_handlers
-        if rpc.stream_input or rpc.stream_output
-    ]
-
-
 def main(settings: FrontSettings, daemon_listen_maddr: str, index: int, channel: Connection) -> None:
     """The process's entry point (multiprocessing): serves until the channel to the device process ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the server, which closes the channel
@@ -159,8 +149,9 @@ async def _serve(settings: FrontSettings, daemon_listen_maddr: str, index: int, 
         await front.start(p2p)
         if link.closed.is_set():  # stopped while starting
             return
-        # where p2pd sends our streams, and their names
-        link.note("ready", os.getpid(), str(p2p._client_listen_maddr), tuple(stream_handle_names(front.handler)))
+        # where p2pd sends our streams, and their names (a dead process's must be unregistered)
+        streams = tuple(name for name, is_stream in front.handler.handle_names().items() if is_stream)
+        link.note("ready", os.getpid(), str(p2p._client_listen_maddr), streams)
         logger.info(f"front_service.handler_ready(index={index}, pid={os.getpid()})")
         await link.closed.wait()
     finally:
