@@ -49,8 +49,6 @@ class Announcer:
         local_peer_id: str | None = None,
         ping_authorizer: Any = None,
         on_failure: Callable[[], None] | None = None,
-        early_announce: EarlyAnnounce | None = DEFAULT_EARLY_ANNOUNCE,
-        early_check_period_s: float = EARLY_CHECK_PERIOD_S,
     ):
         self.dht = dht
         self.dht_prefix = dht_prefix
@@ -76,8 +74,8 @@ class Announcer:
         self._pings = PingAggregator(ema_alpha=PING_EMA_ALPHA, expiration_s=PING_FORGET_ROUNDS * update_period_s)
         self._trigger = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.early_announce = early_announce  # None: only the heartbeat (Petals' behaviour)
-        self.early_check_period_s = early_check_period_s
+        self.early_announce: EarlyAnnounce | None = DEFAULT_EARLY_ANNOUNCE  # None: only the heartbeat (Petals')
+        self.early_check_period_s = EARLY_CHECK_PERIOD_S
         self.num_early_announcements = 0
         self._cache_capacity = 0  # the most free cache it ever had: the scale of a "large" change
 
