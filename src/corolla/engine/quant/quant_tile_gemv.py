@@ -39,7 +39,11 @@ to the norm kernel + this GEMV at Llama-3-8B's shapes on an H200, docs/decisions
 
 The experts form (EXPERTS, `nf4_tile_gemv_experts`): a layer's E NF4 weights of one shape; program row a reads its
 weight's index from the routes after the wait (written by the router ahead), its addresses from the [4, E] table, and
-x row a / xdiv (engine.moe.moe_nf4_tile: the routed experts at a few tokens).
+x row a / xdiv (engine.moe.moe_nf4_tile: the routed experts at a few tokens). With PAIRS (steps of several tokens),
+up to two assignment rows of one weight per program row: after the wait each warp reads the routes and finds its
+program row's pair (`expert_pairs`); the second row's x goes into B's odd columns (unused by the one-row form), its
+sums come out in C's odd columns of the same mma steps and absmaxes: the weight's bytes are read once for both rows,
+each row's bits those of the one-row form.
 
 The gated form (`gated`, W = [gate | up], N a multiple of 32): the programs split the gate half's row tiles and
 each takes the same tiles of the up half after its own, so a program holds both sums of each of its rows and writes
@@ -285,11 +289,15 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
               const u16* __restrict__ res, u16* __restrict__ out, const u16* __restrict__ nw, int N, int K, int RT,
               long long sxm, long long srm, long long som, float offset, float out_scale, float eps,
               int data_bytes, int dyn_bytes, const long long* __restrict__ experts,
-              const float* __restrict__ offsets, const long long* __restrict__ routes, int E, int xdiv) {
+              const float* __restrict__ offsets, const long long* __restrict__ routes, int E, int xdiv, int A) {
   grid_release();  // the next kernel's programs may start (they wait for this one's output: nvrtc_kernels)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+#if PAIRS
+  long long m = -1, mb = -1;  // the pair of assignment rows of program row blockIdx.y (read after the wait)
+#else
   const long long m = blockIdx.y;  // the output row (EXPERTS: the assignment; its x row is m / xdiv)
+#endif
   const int KB = K >> 6, KG = (KB + 3) >> 2;
   const u32 rowb = (u32)K >> 1;
   // the programs split the row tiles (GATED: those of the gate half; a program takes the same tiles of the up half)
@@ -329,8 +337,9 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   const u32 tab = sbase + (u32)data_bytes;
   const u32 tabbase = tab, lane4 = (u32)lane << 2;
 #endif
-  // the warps' row sums [row tiles of this program][WARPS][16], after x (and with PRO 1 the gain)
-  float* red = reinterpret_cast<float*>(smem + XS_OFF + KG * 512 * (1 + PRO));
+  // the warps' row sums [row tiles of this program][WARPS][16] (PAIRS: of the pair's two rows, one after the
+  // other), after x (and with PRO 1 the gain; PAIRS: the pair's second x)
+  float* red = reinterpret_cast<float*>(smem + XS_OFF + KG * 512 * (1 + PRO + PAIRS));
   {
     // the pair table (entry e's word for lane l at e * 256 + l * 4: every load issued before the first store, one
     // L2 round trip) and the nested code table: the weight's constants, built while the kernels ahead finish
@@ -351,7 +360,55 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
     }
   }
   grid_wait();  // x (and the residual) come from the kernels ahead; the weight and its tables above are immutable
-#if EXPERTS
+#if PAIRS
+  // the pair of program row blockIdx.y (the routes are the router's, ahead): the A assignment rows in chunks of 32,
+  // in each the rows of one expert paired in row order (every id outside [0, E) counts as one more expert); pair s
+  // is the s-th row that is the 1st, 3rd, ... of its expert in its chunk, with the next row of that expert (if
+  // any). Every warp finds it alone (no barrier). Rows past the last pair: nothing to do.
+  {
+    const u32 lower = (1u << lane) - 1u, higher = lane == 31 ? 0u : ~0u << (lane + 1);
+    int seen = 0;  // the pairs of the chunks before
+    for (int c0 = 0; c0 < A && m < 0; c0 += 32) {
+      const int a = c0 + lane;
+      long long e = -1;  // (a row past A: never in `same`)
+      if (a < A) {
+        e = routes[a];
+        if (e < 0 || e >= E) e = E;  // every id outside [0, E): one key
+      }
+      const u32 same = __match_any_sync(0xffffffffu, e) & __ballot_sync(0xffffffffu, a < A);
+      const bool head = a < A && (__popc(same & lower) & 1) == 0;
+      const u32 heads = __ballot_sync(0xffffffffu, head);
+      const u32 hit = __ballot_sync(0xffffffffu, head && seen + __popc(heads & lower) == (int)blockIdx.y);
+      const u32 next = same & higher;
+      const int partner = next ? c0 + __ffs(next) - 1 : -1;
+      if (hit) {
+        const int src = __ffs(hit) - 1;
+        m = c0 + src;
+        mb = __shfl_sync(0xffffffffu, partner, src);
+      }
+      seen += __popc(heads);
+    }
+  }
+  if (m < 0) return;
+  // the pair's expert: its codes, absmax codes, second-level absmaxes and offset from the [4, E] address table (the
+  // nested code table, read above, is every expert's); an id outside [0, E) gives zero rows
+  {
+    const long long e = routes[m];
+    if (e < 0 || e >= E) {
+      if (blockIdx.x == 0)
+        for (int i = tid; i < (GATED ? N / 2 : N); i += THREADS) {
+          out[m * som + i] = to_out_type(0.f);
+          if (mb >= 0) out[mb * som + i] = to_out_type(0.f);
+        }
+      return;
+    }
+    wq = reinterpret_cast<const u8*>(experts[e]);
+    ac = reinterpret_cast<const u8*>(experts[E + e]);
+    na = reinterpret_cast<const float*>(experts[2 * E + e]);
+    offset = __ldg(offsets + e);
+  }
+  FIRST_LOADS
+#elif EXPERTS
   // this row's expert (written by the router ahead): its codes, absmax codes, second-level absmaxes and offset from
   // the [4, E] address table (the nested code table, read above, is every expert's); an id outside [0, E) gives a
   // zero row
@@ -374,6 +431,11 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   const u16* xrow = x + (EXPERTS ? m / xdiv : m) * sxm;  // (EXPERTS: the row's token)
   stage_x<THREADS>(reinterpret_cast<U4*>(smem + XS_OFF), reinterpret_cast<const U4*>(xrow), K, KG * 32,
                    reinterpret_cast<const U4*>(nw), reinterpret_cast<U4*>(smem + XS_OFF + KG * 512), red, eps);
+#if PAIRS
+  if (mb >= 0)  // the pair's second x after the first
+    stage_x<THREADS>(reinterpret_cast<U4*>(smem + XS_OFF + KG * 512), reinterpret_cast<const U4*>(x + mb / xdiv * sxm),
+                     K, KG * 32, reinterpret_cast<const U4*>(nw), nullptr, red, eps);
+#endif
   __syncthreads();
 
   const float* ncs = reinterpret_cast<const float*>(smem);
@@ -381,9 +443,19 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   // unit): a lane reads x for at most one load, so it loads that load's 64 bytes once per unit and gives them to
   // both loads' steps; each load has its own sums (c0, c1), whose other load's columns are never read. Every other
   // lane keeps zeros.
+  // PAIRS: the odd columns (g + 1) carry the pair's second x as the even ones the first; its sums are then
+  // columns 2 t + 1 of the same loads, scaled by the same absmaxes (a column's sums do not depend on the others)
+#if PAIRS
+  const int gx = g & ~1;
+  const bool xon0 = gx == 2 * (t >> 1), xon1 = gx == 4 + 2 * (t >> 1);
+  const u32 xon = (xon0 || xon1) && (!(g & 1) || mb >= 0) ? 1u : 0u;
+  const u32 xlane = sbase + XS_OFF + 64 * t + (xon1 ? 256u : 0u) + ((g & 1) ? (u32)KG * 512u : 0u);
+  float acc2 = 0.f, acc3 = 0.f;  // the second row's acc0, acc1
+#else
   const bool xon0 = g == 2 * (t >> 1), xon1 = g == 4 + 2 * (t >> 1);
   const u32 xon = (xon0 || xon1) ? 1u : 0u;
   const u32 xlane = sbase + XS_OFF + 64 * t + (xon1 ? 256u : 0u);
+#endif
   U4 xv[4];
 #pragma unroll
   for (int w = 0; w < 4; ++w) xv[w] = U4{0u, 0u, 0u, 0u};
@@ -416,6 +488,10 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
           const float s1 = __fadd_rn(__fmul_rn(ncs[code >> 8], __ldg(na + (i1 >> 8))), offset);
           acc0 = __fmaf_rn(t < 2 ? c0[0] : c1[0], s0, acc0);
           acc1 = __fmaf_rn(t < 2 ? c0[2] : c1[2], s1, acc1);
+#if PAIRS
+          acc2 = __fmaf_rn(t < 2 ? c0[1] : c1[1], s0, acc2);
+          acc3 = __fmaf_rn(t < 2 ? c0[3] : c1[3], s1, acc3);
+#endif
         }
         if (cc.G + 1 == KG || base + f + 1 == count) {  // the row tile's end (or the warp's): its rows kept
           float v0 = acc0 + __shfl_xor_sync(0xffffffffu, acc0, 1);
@@ -427,6 +503,17 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
             red[(cc.lt * WARPS + warp) * 16 + g + 8] = v1;
           }
           acc0 = 0.f; acc1 = 0.f;
+#if PAIRS
+          float v2 = acc2 + __shfl_xor_sync(0xffffffffu, acc2, 1);
+          float v3 = acc3 + __shfl_xor_sync(0xffffffffu, acc3, 1);
+          v2 += __shfl_xor_sync(0xffffffffu, v2, 2);
+          v3 += __shfl_xor_sync(0xffffffffu, v3, 2);
+          if (t == 0) {
+            red[((ntiles + cc.lt) * WARPS + warp) * 16 + g] = v2;
+            red[((ntiles + cc.lt) * WARPS + warp) * 16 + g + 8] = v3;
+          }
+          acc2 = 0.f; acc3 = 0.f;
+#endif
         }
         cursor_next(cc, tiles, KG, g, N, KB, rowb);
       }
@@ -436,16 +523,26 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   for (int i = tid; i < (rt1 - rt0) * 16; i += THREADS) {
     const int row = rt0 * 16 + i, rtl = i >> 4;
     if (row < (GATED ? N / 2 : N)) {
-      float v = row_sum(red, rtl, i & 15, units, KG);
-      v *= out_scale;
-#if GATED
-      // the up row's sum: the same row of the program's up tiles; gate and up rounded as the GEMV stores them,
-      // then gated as silu_mul gates them
-      v = silu_times(rounded(v), rounded(row_sum(red, rtl + (rt1 - rt0), i & 15, units, KG) * out_scale));
-#elif HAS_RES
-      v += load_out_type(res + m * srm + row);
+#pragma unroll
+      for (int q = 0; q <= PAIRS; ++q) {  // (PAIRS: the pair's second row from its own sums)
+        const float* rq = red + q * ntiles * WARPS * 16;
+#if PAIRS
+        const long long mq = q ? mb : m;
+        if (mq < 0) continue;
+#else
+        const long long mq = m;
 #endif
-      out[m * som + row] = to_out_type(v);
+        float v = row_sum(rq, rtl, i & 15, units, KG);
+        v *= out_scale;
+#if GATED
+        // the up row's sum: the same row of the program's up tiles; gate and up rounded as the GEMV stores them,
+        // then gated as silu_mul gates them
+        v = silu_times(rounded(v), rounded(row_sum(rq, rtl + (rt1 - rt0), i & 15, units, KG) * out_scale));
+#elif HAS_RES
+        v += load_out_type(res + mq * srm + row);
+#endif
+        out[mq * som + row] = to_out_type(v);
+      }
     }
   }
 }
@@ -471,27 +568,35 @@ def _kernel(
     prologue: int,
     gated: bool,
     experts: bool = False,
+    pairs: bool = False,
 ) -> NvrtcKernel:
-    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue, int(gated), int(experts))
+    key = (*config, int(x_bf16), int(out_bf16), int(has_res), prologue, int(gated), int(experts), int(pairs))
     if key not in _KERNELS:
         warps, depth, mode, min_blocks, _ = config
         defines = {"WARPS": warps, "DEPTH": depth, "MODE": mode, "MIN_BLOCKS": min_blocks, "X_BF16": int(x_bf16),
                    "OUT_BF16": int(out_bf16), "HAS_RES": int(has_res), "PRO": prologue, "GATED": int(gated),
-                   "EXPERTS": int(experts)}  # fmt: skip
+                   "EXPERTS": int(experts), "PAIRS": int(pairs)}  # fmt: skip
         _KERNELS[key] = NvrtcKernel(CUDA_HELPERS + _SOURCE, "nf4_tile_gemv", defines)
     return _KERNELS[key]
 
 
 def shared_bytes(
-    config: tuple[int, int, int, int, int], k: int, row_tiles_per_program: int, prologue: int = 0
+    config: tuple[int, int, int, int, int],
+    k: int,
+    row_tiles_per_program: int,
+    prologue: int = 0,
+    *,
+    pairs: bool = False,
 ) -> tuple[int, int]:
     """(data, dynamic) shared-memory bytes of a program: nested code table, x in fp16 (whole units; with the
-    RMSNorm prologue the gain beside it) and the warps' row-tile sums (data), then the pair table (ALIGNED: at the
-    next 64 KiB boundary of the shared window, whose start the kernel reads)."""
+    RMSNorm prologue the gain beside it; `pairs`: the pair's two x) and the warps' row-tile sums (`pairs`: of
+    both rows) (data), then the pair table (ALIGNED: at the next 64 KiB boundary of the shared window, whose start
+    the kernel reads)."""
     warps, _, mode, _, _ = config
     kg = -(-k // UNIT_VALUES)
-    xs = kg * 512 * (2 if prologue == RMSNORM else 1)
-    data = -(-(1024 + xs + row_tiles_per_program * warps * 16 * 4) // 16) * 16
+    rows = 2 if pairs else 1
+    xs = kg * 512 * (rows + (prologue == RMSNORM))
+    data = -(-(1024 + xs + rows * row_tiles_per_program * warps * 16 * 4) // 16) * 16
     return data, data + _TABLE_BYTES + (65536 if mode == ALIGNED else 0)
 
 
@@ -548,9 +653,17 @@ def nf4_tile_gemv(
                      prologue, gated)  # fmt: skip
     ptr = ctypes.c_void_p
     weights = [ptr(packed.data_ptr()), ptr(weight.absmax_codes.data_ptr()), ptr(weight.nested_absmax.data_ptr())]
-    no_experts = [ptr(0), ptr(0), ptr(0), ctypes.c_int(0), ctypes.c_int(1)]
+    no_experts = [ptr(0), ptr(0), ptr(0), ctypes.c_int(0), ctypes.c_int(1), ctypes.c_int(0)]
     _launch(kernel, config, x, weight, weights, res, out, gain, eps, weight.nested_offset, no_experts, prologue, gated)
     return out
+
+
+def expert_pairs(rows: int, num_weights: int) -> int:
+    """The program rows of `nf4_tile_gemv_experts` for `rows` assignment rows over `num_weights` weights: at most
+    this many pairs (per chunk of 32 rows, each key's rows paired in order, the ids outside [0, E) one more key:
+    (n + keys with an odd count) / 2, those keys at most min(E + 1, n))."""
+    chunks = [min(32, rows - c) for c in range(0, rows, 32)]
+    return sum((n + min(num_weights + 1, n)) // 2 for n in chunks)
 
 
 def nf4_tile_gemv_experts(
@@ -563,10 +676,14 @@ def nf4_tile_gemv_experts(
     config: tuple[int, int, int, int, int],
     *,
     gated: bool = False,
+    paired: bool = False,
 ) -> torch.Tensor:
     """The GEMV for a group of E NF4 weights of one shape (a layer's experts): output row a [A = routes.numel()] is
     x[a // rows_per_x] [K] @ W_e^T with e = routes[a] (int64 on the device, read by the kernel after the kernels ahead:
-    no host sync, CUDA-graph safe), or zeros for e outside [0, E); `gated` as `nf4_tile_gemv`. W_e is found through
+    no host sync, CUDA-graph safe), or zeros for e outside [0, E); `gated` as `nf4_tile_gemv`. `paired`: two rows
+    of one weight share a program row (`expert_pairs`: that weight's bytes read once for both; for routes that
+    repeat a weight: its fixed cost is a loss where they cannot, docs/decisions/0061). Each row's bits are those of
+    `nf4_tile_gemv` on its own either way. W_e is found through
     `addresses` ([4, E] int64 on the device: packed codes, absmax codes, second-level absmaxes, (nested code table))
     and `offsets` ([E] fp32 absmax offsets); `first` gives every weight's shape, dtype, levels and nested code table
     (the caller checks that all E share them and that each one's codes are contiguous from 16-byte boundaries).
@@ -586,11 +703,12 @@ def nf4_tile_gemv_experts(
     if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:
         x = x.contiguous().clone()  # a fresh allocation: aligned
     out = torch.empty((a, n // 2 if gated else n), dtype=first.dtype, device=x.device)
-    kernel = _kernel(config, x.dtype == torch.bfloat16, first.dtype == torch.bfloat16, False, 0, gated, True)
+    kernel = _kernel(config, x.dtype == torch.bfloat16, first.dtype == torch.bfloat16, False, 0, gated, True, paired)
     ptr = ctypes.c_void_p
     experts = [ptr(addresses.data_ptr()), ptr(offsets.data_ptr()), ptr(routes.data_ptr()), ctypes.c_int(e),
-               ctypes.c_int(rows_per_x)]  # fmt: skip
-    _launch(kernel, config, x, first, [ptr(0), ptr(0), ptr(0)], out, out, out, 0.0, 0.0, experts, 0, gated)
+               ctypes.c_int(rows_per_x), ctypes.c_int(a)]  # fmt: skip
+    _launch(kernel, config, x, first, [ptr(0), ptr(0), ptr(0)], out, out, out, 0.0, 0.0, experts, 0, gated,
+            expert_pairs(a, e) if paired else 0)  # fmt: skip
     return out
 
 
@@ -608,9 +726,11 @@ def _launch(
     experts: list,
     prologue: int,
     gated: bool,
+    pairs: int = 0,
 ) -> None:
-    # one program row per output row: `weights` (codes, absmax codes, second-level absmaxes; null with EXPERTS: read
-    # from the address table `experts` holds) and `experts` (address table, offsets, routes, E, rows per x row)
+    # one program row per output row (`pairs` > 0, PAIRS: per pair of rows, that many): `weights` (codes, absmax
+    # codes, second-level absmaxes; null with EXPERTS: read from the address table `experts` holds) and `experts`
+    # (address table, offsets, routes, E, rows per x row, rows)
     warps = config[0]
     n, k = weight.shape
     rt = -(-n // TILE_ROWS)
@@ -621,7 +741,9 @@ def _launch(
         props = torch.cuda.get_device_properties(dev)
         sms = props.multi_processor_count
         # sized for one program per multiprocessor or more
-        data, dyn = shared_bytes(config, k, -(-split // sms) * (2 if gated else 1), prologue)
+        data, dyn = shared_bytes(
+            config, k, -(-split // sms) * (2 if gated else 1), prologue, pairs=bool(kernel.defines["PAIRS"])
+        )
         optin = props.shared_memory_per_block_optin  # type: ignore[attr-defined]  # (PyTorch's stubs lack it)
         if dyn > optin:
             raise ValueError(f"NF4 tile GEMV config {config} needs {dyn} bytes of shared memory ({optin} allowed)")
@@ -640,4 +762,4 @@ def _launch(
         ctypes.c_float(offset), ctypes.c_float(scale), ctypes.c_float(eps), ctypes.c_int(data), ctypes.c_int(dyn),
         *experts,
     ]  # fmt: skip
-    kernel.launch(dev, (programs, out.shape[0], 1), 32 * warps, dyn, args)
+    kernel.launch(dev, (programs, pairs or out.shape[0], 1), 32 * warps, dyn, args)
