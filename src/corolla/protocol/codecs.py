@@ -444,10 +444,6 @@ def _combined(parts: list[runtime_pb2.Tensor]) -> runtime_pb2.Tensor:
     return parts[0] if len(parts) == 1 else combine_from_streaming(parts)
 
 
-def raw_size_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def needs_streaming(tensors: Iterable[torch.Tensor]) -> bool:
     """True if these tensors should travel through a `*_stream` handler rather than a unary call."""
-    return raw_size_bytes(tensors) > STREAM_THRESHOLD_BYTES
+    return sum(t.numel() * t.element_size() for t in tensors) > STREAM_THRESHOLD_BYTES

@@ -439,7 +439,7 @@ class SessionAdmission:
         cache opens next (`granting`) does not wait here for evicted sessions to end: it waits in the page line,
         first in line for what they free (`awaits_release`)."""
         pending = [t for t in self._tickets if t.evicted.is_set() and not t.released.is_set()]
-        free = self._free_bytes(ticket) - self._bytes_waited_for()
+        free = self._free_bytes(ticket) - int(self.budget.bytes_waiting)  # queued allocations are served first
         evicted = self._yield_for(size, free, ticket) if free < size else []
         if evicted is None:
             return
@@ -519,9 +519,6 @@ class SessionAdmission:
             f"admission.withdrawn(peer={ticket.peer:.12}, bytes={dropped}, tokens={ticket.num_tokens}, "
             f"idle_s={ticket.idle_s:.1f})"
         )
-
-    def _bytes_waited_for(self) -> int:
-        return int(self.budget.bytes_waiting)  # queued allocations are served first
 
     async def _wait_released(self, tickets: list[SessionTicket]) -> None:
         if not tickets:

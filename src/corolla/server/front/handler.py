@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import torch
@@ -21,7 +21,7 @@ from hivemind.utils.tensor_descr import BatchTensorDescriptor
 
 from corolla import PETALS_COMPAT_VERSION
 from corolla.protocol import rpc
-from corolla.protocol.codecs import MAX_UNARY_PAYLOAD_BYTES, STREAM_CHUNK_BYTES, combine_parts, stream_messages
+from corolla.protocol.codecs import MAX_UNARY_PAYLOAD_BYTES, combine_parts, stream_messages
 from corolla.protocol.metadata import (
     ForwardRequestMetadata,
     InferenceRequestMetadata,
@@ -83,11 +83,6 @@ async def gather_stream(
     if uid is None:
         raise ValueError("stream request is empty: expected at least one message with uid and tensors")
     return uid, combine_parts(parts), metadata
-
-
-def stream_response(tensors: Sequence[runtime_pb2.Tensor]) -> list[runtime_pb2.ExpertResponse]:
-    """A reply split into stream messages of at most `STREAM_CHUNK_BYTES` each."""
-    return stream_messages(runtime_pb2.ExpertResponse, tensors, STREAM_CHUNK_BYTES)
 
 
 class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.TransformerConnectionHandler):
@@ -239,7 +234,8 @@ class TransformerConnectionHandler(InferenceStreams, DirectTicketRpc, rpc.Transf
             )
             return await compute(uid, bf.deserialize_request(serialized), metadata, peer_key(context))
 
-        for response in stream_response(await self._run_logged(name, run())):
+        # the reply split into stream messages of at most `STREAM_CHUNK_BYTES` each
+        for response in stream_messages(runtime_pb2.ExpertResponse, await self._run_logged(name, run())):
             yield response
 
     async def _run_logged(self, name: str, coro: Awaitable[_T]) -> _T:
