@@ -22,11 +22,6 @@ def plan_token_chunks(length: int, batch_size: int, chunk_tokens: int) -> list[t
     return [(start, min(length, start + step)) for start in range(0, length, step)]
 
 
-def can_split_tokens(prompts: torch.Tensor | None, adapter: str) -> bool:
-    """Token chunks use temporary per-block caches; deep prompts and adapters go block by block, whole."""
-    return prompts is None and not adapter
-
-
 async def run_forward_chunked(
     backend: SpanBackend,
     runtime: Runtime,
@@ -46,7 +41,8 @@ async def run_forward_chunked(
     chunk, block by block within a chunk): the runtime runs tasks of one priority oldest first, so no task waits
     for a round trip through the event loop, and more urgent tasks still run between any two of them."""
     batch_size, length, _ = hidden.shape
-    split_tokens = can_split_tokens(prompts, active_adapter)
+    # token chunks use temporary per-block caches; deep prompts and adapters go block by block, whole
+    split_tokens = prompts is None and not active_adapter
     chunks = plan_token_chunks(length, batch_size, chunk_tokens) if split_tokens else [(0, length)]
     # results[(position, chunk)]: that block's output for that chunk, until the next block read it; written and read
     # in the device thread only
