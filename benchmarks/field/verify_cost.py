@@ -33,7 +33,7 @@ the two resources a replica's throughput is bound by. How the runtime batched th
 decode step, rows per forward, and its gather rule's learned return and forward times (whether it held launches:
 docs/decisions/0002, 0009). The per-step latency of the real decode steps (median, p99) is reported for both. The
 shadows' outputs are compared with the real sessions' at every position (`stretches.position_errors` against
-`stretches.stretch_rtol`: an honest server must never be banned)."""
+`output_checks.verify_rtol`: an honest server must never be banned)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ from transformers import LlamaConfig
 
 from benchmarks.engine.quant import LLAMA3_8B, TINY, random_layer
 from benchmarks.field.verify_tolerance import engine_over
+from corolla.client.calls.output_checks import verify_rtol
 from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION, SHADOW_BATCH_ROWS, SHADOW_CHUNK_TOKENS
-from corolla.client.verification.stretches import position_errors, stretch_rtol
+from corolla.client.verification.stretches import position_errors
 from corolla.engine.graph_decode import host_bytes
 from corolla.engine.spans.fast_llama import LayerWeights, LlamaSpec
 from corolla.server.core.engine_executor import EngineExecutor, shorten_gil_switch_interval
@@ -261,7 +262,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         scale * (b["decode_real_s"] / a["decode_real_s"] - 1) for a, b in zip(runs[False], runs[True], strict=True)
     ]
     errors = runs[True][-1]["errors"]
-    rtol = stretch_rtol(torch.bfloat16, False)
+    rtol = verify_rtol(torch.bfloat16)
     per_run = ("decode_real_s", "forwards_per_step", "return_ms", "forward_ms", "gather_skipped", "held_launches")
     return {
         "rows": rows, "shadows": shadows, "fraction": args.fraction, "steps": steps, "prompt": args.prompt,

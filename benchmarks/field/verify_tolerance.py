@@ -5,7 +5,7 @@ An honest server answers a session step by step: prefill, then single-token deco
 kernels (Triton on CUDA) over its paged KV pool, many sessions merged per step. A replica checking a stretch
 recomputes the span's inputs for positions [0, b) in ONE forward with other kernels (here: the same weights on the
 engine's torch kernels, `use_triton=False`, a fresh session). Stretch verification compares every position's output
-by its relative L2 error (`stretches.position_errors`) against `stretches.stretch_rtol(dtype, quantized)`; one
+by its relative L2 error (`stretches.position_errors`) against `output_checks.verify_rtol(dtype, quantized=)`; one
 position over it, outvoted by a second replica, bans the server. For each of bf16 and NF4 weights (corolla's own NF4
 kernels: `engine.quant.quant_weights.quantize_nf4`), `--sessions` sessions of `--prompt` + `--steps` tokens (64 x 160 = 10,240
 decode positions: more than 10,000 verified steps), random Llama-3-8B-shaped layers (`--layers`), random inputs:
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine.quant import LLAMA3_8B, TINY, kv_pool_bytes_for, quantized, random_layer
-from corolla.client.verification.stretches import position_errors, stretch_rtol
+from corolla.client.calls.output_checks import verify_rtol
+from corolla.client.verification.stretches import position_errors
 from corolla.engine.config import EngineConfig
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
@@ -80,7 +81,7 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], args: argparse.Namespac
     if device.type == "cuda":
         torch.cuda.synchronize()
     error = torch.cat(errors).float().cpu()  # [sessions * steps]
-    rtol = stretch_rtol(torch.bfloat16, quantized_weights)
+    rtol = verify_rtol(torch.bfloat16, quantized=quantized_weights)
     return {
         "weights": "nf4" if quantized_weights else "bf16",
         "positions_compared": int(error.numel()),

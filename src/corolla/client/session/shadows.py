@@ -1,7 +1,7 @@
 """Verification on a replica's spare rows (`ShadowVerifier`): a sampled span session is mirrored, as it runs, to a
 replica of the span over a second `rpc_inference` stream (a "shadow session": the same span inputs at the same
 positions, its first request marked `protocol.shadow.SHADOW_KEY`), and each of the replica's outputs is compared,
-position by position within the dtype's tolerance (`stretches.stretch_rtol`), with what the span's server returned
+position by position within the dtype's tolerance (`output_checks.comparison_rtol`), with what the span's server returned
 for it. A corolla replica runs a shadow's steps after every real step it has queued, its single-token rows merged
 into the batched forwards it runs for its own sessions (a decode forward reads every weight once whatever its rows;
 `server.core.engine_executor`); a stock Petals replica serves it as any session (the key is an unknown metadata

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
-from corolla.client.calls.output_checks import BadServerOutput, relative_error, verify_rtol
+from corolla.client.calls.output_checks import BadServerOutput, comparison_rtol, relative_error
 from corolla.client.calls.remote_forward_backward import run_remote_backward, run_remote_forward
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.client.verification.stretches import StretchReferees
@@ -25,7 +25,6 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-QUANTIZED_RTOL = 0.3  # a server announcing int8/nf4 weights differs from a float one by more than rounding
 LONE_TRUST_STEPS = 64  # verified outputs in a row that agreed with other servers: trusted when no other is left
 DUMMY = torch.empty(0)
 
@@ -66,10 +65,7 @@ class StepVerifier:
         largest error."""
         if len(a) != len(b):
             return False, float("inf")
-        config = self.manager.config
-        rtol = config.verify_rtol if config.verify_rtol is not None else verify_rtol(a[0].dtype, b[0].dtype)
-        if config.verify_rtol is None and any(s.server_info.quant_type not in (None, "", "none") for s in spans):
-            rtol = max(rtol, QUANTIZED_RTOL)
+        rtol = comparison_rtol(self.manager.config.verify_rtol, spans, a[0].dtype, b[0].dtype)
         error = max(relative_error(x, y) for x, y in zip(a, b, strict=True))
         return error <= rtol, error
 

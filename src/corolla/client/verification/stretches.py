@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from corolla.client.calls.output_checks import verify_rtol
+from corolla.client.calls.output_checks import comparison_rtol
 from corolla.client.calls.remote_forward_backward import run_remote_forward
 from corolla.client.routing.findings import Finding
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
@@ -26,21 +26,7 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-# Per-position tolerance (relative L2 error of one position's hidden state) between the server's incremental
-# outputs and a replica's one-pass prefill. float32: measured ~1e-6 on CPU; 1e-3 leaves room for other kernels.
-# float16 / bfloat16 / quantized weights (nf4, int8): `output_checks.verify_rtol` (32 eps: 0.031 / 0.25) and
-# QUANTIZED_STRETCH_RTOL. Measured on an H200 (`benchmarks.field.verify_tolerance`, 10,240 positions, 8 layers, the
-# server's Triton decode against a replica's torch prefill): max error 0.0048 in bf16, 0.0054 with NF4 weights on
-# both sides: 50x under each (benchmarks/RESULTS.md). A float replica checking a quantized server is not measured.
-FP32_STRETCH_RTOL = 1e-3
-QUANTIZED_STRETCH_RTOL = 0.3
 NO_PROMPTS = torch.empty(0)  # Petals' dummy: a stretch without deep prompts
-
-
-def stretch_rtol(dtype: torch.dtype, quantized: bool) -> float:
-    """The per-position tolerance for outputs in `dtype` (`quantized`: either server announces quantized weights)."""
-    rtol = FP32_STRETCH_RTOL if dtype == torch.float32 else verify_rtol(dtype)
-    return max(rtol, QUANTIZED_STRETCH_RTOL) if quantized else rtol
 
 
 def position_errors(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -82,10 +68,9 @@ class StretchReferees:
             return None
 
     def compare(self, a: torch.Tensor, b: torch.Tensor, spans: tuple[RemoteSpanInfo, ...]) -> tuple[bool, float]:
-        """(every position of `a` and `b` [B, T, H] agrees within the tolerance, the largest per-position error)."""
-        quantized = any(s.server_info.quant_type not in (None, "", "none") for s in spans)
-        config_rtol = self.manager.config.verify_rtol
-        rtol = config_rtol if config_rtol is not None else stretch_rtol(max(a.dtype, b.dtype, key=_eps), quantized)
+        """(every position of `a` and `b` [B, T, H] agrees within the tolerance (`output_checks.comparison_rtol`, per
+        position), the largest per-position error)."""
+        rtol = comparison_rtol(self.manager.config.verify_rtol, spans, a.dtype, b.dtype)
         error = float(position_errors(a, b).max()) if a.numel() else 0.0
         return error <= rtol, error
 
@@ -144,7 +129,3 @@ class StretchReferees:
         )
         self.manager.bans.ban_liar(peer_id)
         self.manager.on_request_failure(peer_id)
-
-
-def _eps(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).eps if dtype.is_floating_point else 1.0
