@@ -234,9 +234,7 @@ class InferenceSession:
         for span_index, span_session in enumerate(spans):
             if span_session.lacks_inputs(min(span_session.position, position), hidden_from):
                 return None  # the async path restarts the chain
-            span_prompts = self._prompts_for(
-                span_session.span, prompts, sends_from_zero=min(span_session.position, position) == 0
-            )
+            span_prompts = self._prompts_for(span_session, prompts, position)
             try:
                 hidden, hidden_from = span_session.step_here(
                     hidden,
@@ -298,9 +296,7 @@ class InferenceSession:
                     span_session.expected_push = None
                     pending_replacement = span_session
                     continue
-                span_prompts = self._prompts_for(
-                    span, prompts, sends_from_zero=min(span_session.position, position) == 0
-                )
+                span_prompts = self._prompts_for(span_session, prompts, position)
                 outputs, outputs_from = await span_session.step(
                     hidden,
                     hidden_from,
@@ -331,11 +327,9 @@ class InferenceSession:
                 if isinstance(e, BadServerOutput) and e.taints_history:
                     for later in self._spans[index + 1 :]:  # they may hold states built from its earlier lies
                         later.position = 0
-                logger.warning(
-                    "inference_session.span_failed(blocks=%d:%d, peer=...%s, error=%r)",
-                    block, span_session.span.end if span_session is not None else self.end, (failed or "?")[-6:], e,
-                )  # fmt: skip
                 blocks = (block, span_session.span.end if span_session is not None else self.end)
+                logger.warning("inference_session.span_failed(blocks=%d:%d, peer=...%s, error=%r)", *blocks,
+                               (failed or "?")[-6:], e)  # fmt: skip
                 delay_s = await asyncio.to_thread(budget.on_failure, e, failed, blocks)
                 knock_on = None  # (peer, address): the only server of the span, its link down
                 if span_session is not None and failed == span_session.span.peer_id and budget.kept_sole_server:
@@ -355,14 +349,13 @@ class InferenceSession:
         assert hidden_from <= position, "the last span always covers the new tokens"
         return hidden[:, position - hidden_from :]
 
-    def _prompts_for(
-        self, span: RemoteSpanInfo, prompts: torch.Tensor | None, *, sends_from_zero: bool
-    ) -> torch.Tensor:
-        """Deep prompts for a span's request; a request replaying from position 0 needs the prompts of position 0."""
-        source = self._zero_prompts if sends_from_zero else prompts
+    def _prompts_for(self, span_session: SpanSession, prompts: torch.Tensor | None, position: int) -> torch.Tensor:
+        """Deep prompts for a span's request of a step at `position`; a request replaying from position 0 (the span's
+        cache is behind) needs the prompts of position 0."""
+        source = self._zero_prompts if min(span_session.position, position) == 0 else prompts
         if source is None:
             return DUMMY
-        return source[span.start - self.start : span.end - self.start]
+        return source[span_session.span.start - self.start : span_session.span.end - self.start]
 
     async def _replace_spans(
         self,
