@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from corolla.engine.kv.kv_pool import KVLayout, KVPool, SequenceSlot
 from corolla.engine.spans.adapter_rows import AdapterRows
 from corolla.engine.spans.span_model import ChunkedPrefill, add_prompt
-from corolla.models.block_base import CorollaBlock
+from corolla.models.block_base import TensorDescriptor
 from corolla.models.lora import using_adapter
 
 PROBE_LENGTH_TOKENS = 1 << 30  # descriptors for a sequence this long show a sliding layer's ring capacity
@@ -35,6 +36,16 @@ class KVPart:
     device: torch.device
 
 
+@runtime_checkable
+class CachingBlock(Protocol):
+    """What an eager span reads of a block (the `models.block_base.CorollaBlock` contract): its width and the cache
+    tensors it keeps for `batch_size` sequences of up to `max_length` tokens."""
+
+    hidden_size: int
+
+    def cache_descriptors(self, batch_size: int, max_length: int) -> list[TensorDescriptor]: ...
+
+
 @dataclass(frozen=True)
 class LayerCacheMap:
     """How one block's contiguous cache (`cache_descriptors`: K and V `[B, heads, length, dim]` per part, then a
@@ -45,7 +56,7 @@ class LayerCacheMap:
     ring_capacity_tokens: int | None
 
     @classmethod
-    def of_block(cls, block: CorollaBlock) -> tuple[LayerCacheMap, KVLayout]:
+    def of_block(cls, block: CachingBlock) -> tuple[LayerCacheMap, KVLayout]:
         """The map of `block` and the pool layout it needs; ValueError for a cache the pool can't page."""
         descriptors = list(block.cache_descriptors(1, PROBE_LENGTH_TOKENS))
         ring = None
@@ -84,7 +95,7 @@ class EagerSpan(ChunkedPrefill):
     def __init__(self, blocks: Sequence[torch.nn.Module], *, max_positions: int):
         if not blocks:
             raise ValueError("An eager span needs at least one block")
-        caching = [block for block in blocks if isinstance(block, CorollaBlock)]
+        caching = [block for block in blocks if isinstance(block, CachingBlock)]
         if len(caching) != len(blocks):
             raise ValueError("An eager span runs blocks that describe their caches (models.block_base.CorollaBlock)")
         self.blocks = list(blocks)
