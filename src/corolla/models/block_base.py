@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -81,7 +82,8 @@ class BlockAttention(nn.Module):
 
 class CorollaBlock(nn.Module):
     """One decoder layer. Subclasses build `self.attn` (an `attention.Attention` or its tensor-parallel
-    replacement) and implement `_forward` and `checkpoint_layout`.
+    replacement) and implement `checkpoint_layout`; `_forward` is the pre-norm residual layer of Llama and most
+    families (over `input_layernorm` and `post_attention_layernorm`), else the subclass's own.
 
     forward(hidden_states [B,T,H], *, cache=None, position=0) -> [B,T,H]:
       * with `cache` (the tensors described by `cache_descriptors`: K and V `[B, kv_heads, max_length, head_dim]`
@@ -92,6 +94,9 @@ class CorollaBlock(nn.Module):
 
     attn: BlockAttention
     mlp: nn.Module
+    # the pre-norm blocks' norms (each family's own class: callers that read their weights know which)
+    input_layernorm: Any
+    post_attention_layernorm: Any
     # The devices `tensor_parallel.make_tensor_parallel` split this block over (empty: not split).
     tensor_parallel_devices: tuple[torch.device, ...] = ()
 
@@ -119,7 +124,9 @@ class CorollaBlock(nn.Module):
         return self._forward(hidden_states, cache=cache, position=position)
 
     def _forward(self, hidden_states: torch.Tensor, *, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
-        raise NotImplementedError
+        x = hidden_states  # [B, T, H]
+        x = x + self.attn(self.input_layernorm(x), cache, position)  # [B, T, H]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, H]
 
     def cache_descriptors(self, batch_size: int, max_length: int) -> list[TensorDescriptor]:
         """The attention's cache tensors (K and V `[batch, kv_heads, max_length, head_dim]` per shard; MLA: latent

@@ -38,11 +38,6 @@ class DeepseekV3Block(CorollaBlock):
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def _forward(self, hidden_states: torch.Tensor, *, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
-        x = hidden_states  # [B, T, H]
-        x = x + self.attn(self.input_layernorm(x), cache, position)  # [B, T, H]
-        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, H]
-
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
         config = self.config
         layout = same_names("input_layernorm.weight", "post_attention_layernorm.weight")

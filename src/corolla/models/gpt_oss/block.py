@@ -110,11 +110,6 @@ class GptOssBlock(CorollaBlock):
             float(config.swiglu_alpha), float(config.swiglu_limit),
         )  # fmt: skip
 
-    def _forward(self, hidden_states: torch.Tensor, *, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
-        x = hidden_states  # [B, T, H]
-        x = x + self.attn(self.input_layernorm(x), cache, position)  # [B, T, H]
-        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, H]
-
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
         bias = bool(getattr(self.config, "attention_bias", True))
         layout = qkv_layout(self.config, qkv_bias=bias, out_bias=bias)

@@ -108,11 +108,6 @@ class LlamaBlock(CorollaBlock):
             bias=bool(getattr(config, "mlp_bias", False)),
         )
 
-    def _forward(self, hidden_states: torch.Tensor, *, cache: list[torch.Tensor] | None, position: int) -> torch.Tensor:
-        x = hidden_states  # [B, T, H]
-        x = x + self.attn(self.input_layernorm(x), cache, position)  # [B, T, H]
-        return x + self.mlp(self.post_attention_layernorm(x))  # [B, T, H]
-
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
         inter = self.config.intermediate_size
         layout = {**self.attn_layout(), **same_names("input_layernorm.weight", "post_attention_layernorm.weight")}
