@@ -141,7 +141,6 @@ def build_parser() -> configargparse.ArgParser:
     parser.add("--stats_report_interval", type=float, default=None, help="log runtime stats every N seconds")
     parser.add("--custom_module_path", default=None, help="legacy hivemind option (ignored)")
     parser.add("--identity_path", default=None, help="libp2p private key file (stable peer id)")
-    parser.add("--swarm_key_file", default=None, help="private swarm: the key file from corolla-dht --new_swarm_key")
     parser.add(
         "--balance_quality", type=float, default=0.75,
         help="Petals' flag: 0 turns rebalancing off; other values are accepted and not used (corolla's moves weigh "
@@ -160,7 +159,7 @@ def build_parser() -> configargparse.ArgParser:
     parser.add("--skip_reachability_check", action="store_true", help="skip the public reachability check")
     parser.add("--adapters", nargs="*", default=(), help="LoRA adapters to pre-load")
     add_limit_flags(parser)  # fair-use limits: --max_sessions_per_peer, --max_kv_fraction_per_peer, ...
-    add_common_flags(parser)
+    add_common_flags(parser, swarm=True)
     return parser
 
 
@@ -240,11 +239,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         print(f"corolla-server: error: {e}", file=sys.stderr, flush=True)
         return 2
     if config.throughput == "dry_run":
-        try:
-            return server.run()  # measures, prints the figures and returns: no swarm, no signal handlers
-        except ConfigurationError as e:
-            print(f"corolla-server: error: {e}", file=sys.stderr, flush=True)
-            return 2
+        return server.run()  # measures, prints the figures and returns: no swarm, no signal handlers
 
     stop_reason: dict[str, Any] = {}
 
@@ -254,10 +249,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return server.run()
-    except ConfigurationError as e:  # found while loading (checkpoint missing offline, ...): never retried
-        print(f"corolla-server: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return server.run()  # a ConfigurationError found while loading (a checkpoint missing offline): run_cli's line
     except KeyboardInterrupt:
         return 0
     finally:
