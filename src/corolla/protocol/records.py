@@ -25,12 +25,6 @@ class ServerState(IntEnum):
     ONLINE = 2
 
 
-def _check_rps(name: str, value: Any, *, optional: bool) -> float | None:
-    if value is None and optional:
-        return None
-    return _check_finite_rps(name, value)
-
-
 def _check_finite_rps(name: str, value: Any) -> float:
     # Petals uses `confloat(strict=True)`: ints and bools are rejected, only real floats pass.
     if not isinstance(value, float):
@@ -129,7 +123,8 @@ class ServerInfo:
         if self.start_block is not None and self.end_block is not None and self.end_block <= self.start_block:
             raise ValueError(f"end_block ({self.end_block}) must be > start_block ({self.start_block})")
         for name in ("network_rps", "forward_rps", "inference_rps"):
-            setattr(self, name, _check_rps(name, getattr(self, name), optional=True))
+            if getattr(self, name) is not None:
+                _check_finite_rps(name, getattr(self, name))
         for name in ("public_name", "version", "torch_dtype", "quant_type"):
             _check_optional(name, getattr(self, name), str)
         _check_optional("using_relay", self.using_relay, bool)
