@@ -61,6 +61,7 @@ from corolla.engine.spans.fast_llama import LayerWeights, LlamaSpec
 from corolla.server.core.engine_executor import EngineExecutor, shorten_gil_switch_interval
 from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.runtime import Runtime
+from corolla.utils.tensor_bytes import TensorBytes
 
 BUCKET_ROWS = 16  # the graph buckets' step: rows, rows + 16, ... (a server's buckets are finer still)
 
@@ -119,12 +120,12 @@ async def _session(
     then one decode step at a time (`progress` advanced after each); a shadow (`mirrors`: its real session's
     progress) sends the decode positions `SHADOW_BATCH_ROWS` at a time once its real session has done them (the first
     request `phase` of them, where > 0: the module docstring). `record`: prefill end time, each real decode step's
-    latency, the decode outputs [steps, H]."""
+    latency, the decode steps' outputs (`_positions`: [steps, H])."""
     raw, dtype, hidden = host_bytes(inputs[0].contiguous()), inputs.dtype, inputs.shape[2]
     for start in range(0, prompt, chunk):
         await executor.step(cache, _inputs(raw, dtype, start, min(prompt, start + chunk), hidden))
     record["prefilled"] = time.perf_counter()
-    outputs: list[torch.Tensor] = []
+    outputs: list[torch.Tensor | TensorBytes] = []  # per step [1, n, H] (a launched step's: its bytes)
     latencies = []
     t = 0
     while t < steps:
@@ -135,10 +136,15 @@ async def _session(
         started = time.perf_counter()
         out = await executor.step(cache, _inputs(raw, dtype, position, position + n, hidden))
         latencies.append(time.perf_counter() - started)
-        outputs.extend(out[0].unbind(0))
+        outputs.append(out)  # (made tensors after the timed part: `_decoded`)
         progress.advance()
         t += n
     record["done"], record["latencies"], record["outputs"] = time.perf_counter(), latencies, outputs
+
+
+def _positions(outputs: list[torch.Tensor | TensorBytes]) -> torch.Tensor:
+    """A session's decode outputs [steps, H] from its steps' [1, n, H] (a launched step's are its bytes)."""
+    return torch.cat([(out.tensor() if isinstance(out, TensorBytes) else out)[0] for out in outputs])
 
 
 def _totals(runtime: Runtime) -> tuple[float, float, int]:
@@ -226,8 +232,8 @@ def measure(spec: LlamaSpec, layers: list[LayerWeights], rows: int, steps: int, 
         real, mirror = records[:rows], records[rows:]
         errors = None
         if mirror:  # real session j against its shadow, every decode position
-            claimed = torch.stack([torch.stack(r["outputs"]) for r in real[: len(mirror)]])  # [V, S, H]
-            recomputed = torch.stack([torch.stack(r["outputs"]) for r in mirror])
+            claimed = torch.stack([_positions(r["outputs"]) for r in real[: len(mirror)]])  # [V, S, H]
+            recomputed = torch.stack([_positions(r["outputs"]) for r in mirror])
             errors = position_errors(claimed, recomputed).flatten().float().cpu()
         latencies = sorted(x for r in real for x in r["latencies"])
         return {

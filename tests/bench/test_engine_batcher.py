@@ -17,6 +17,7 @@ from corolla.engine.batcher import execute_steps
 from corolla.engine.span_engine import StepRequest
 from corolla.models.registry import get_family
 from corolla.server.core.runtime import KIND_INFERENCE, PRIORITY_INFERENCE, Runtime
+from corolla.utils.tensor_bytes import TensorBytes
 from helpers.tiny_models import tiny_config
 
 H = 64
@@ -271,6 +272,7 @@ def test_launch_steps_checks_launchability_once_per_set() -> None:
         def __init__(self, value: int, rows: int) -> None:
             self.value, self.rows = value, rows
             self.num_tokens = 1  # a decode step: one position per row, as StepRequest counts it
+            self.shape = (rows, 1, 1)  # [B, T, H]
             self.output_bytes: memoryview | None = None
 
     class Engine:
@@ -290,28 +292,32 @@ def test_launch_steps_checks_launchability_once_per_set() -> None:
 
         def launch_decode(self, reqs, *, validated: bool = False, launchable: bool = False):
             self.launched.append(([r.value for r in reqs], launchable))
-            return _Pending([r.value * 10 for r in reqs], sum(r.rows for r in reqs))
+            return _Pending(sum(r.rows for r in reqs))
 
     class _Pending:
-        def __init__(self, outs: list[int], rows: int) -> None:
-            self.outs, self.rows = outs, rows
-            self.data = memoryview(bytes(range(4 * rows)))  # 4 bytes per row
+        dtype = torch.int32  # one element (4 bytes) per row
 
-        def wait(self) -> list[int]:
-            return self.outs
+        def __init__(self, rows: int) -> None:
+            self.rows = rows
+            self.data = memoryview(bytearray(torch.arange(10, 10 + rows, dtype=torch.int32).numpy().tobytes()))
 
         def output_bytes(self) -> memoryview:
-            return self.data
+            return self.data  # (no `wait`: a launched step's result is its bytes, no tensor is built for it)
 
     engine = Engine()
     requests = [Req(1, 2), Req(-1, 1), Req(2, 1)]
     pending = launch_steps(engine, requests)  # type: ignore[arg-type]
     assert pending is not None
     results = pending.wait()
-    assert results[0] == 10 and isinstance(results[1], ValueError) and results[2] == 20
-    # each launched request gets its rows' bytes of the collected output, in row order; a refused one none
-    assert bytes(requests[0].output_bytes or b"") == bytes(range(8)) and requests[1].output_bytes is None
-    assert bytes(requests[2].output_bytes or b"") == bytes(range(8, 12))
+    assert isinstance(results[1], ValueError)
+    # each launched request gets its rows' bytes of the collected output, in row order, as its result (shape and
+    # dtype its output's) and as its `output_bytes`; a refused one none
+    first, last = results[0], results[2]
+    assert isinstance(first, TensorBytes) and isinstance(last, TensorBytes)
+    assert first.shape == (2, 1, 1) and first.dtype == torch.int32 and last.shape == (1, 1, 1)
+    assert first.tensor().flatten().tolist() == [10, 11] and last.tensor().flatten().tolist() == [12]
+    assert first.data is requests[0].output_bytes and requests[1].output_bytes is None
+    assert bytes(requests[2].output_bytes or b"") == bytes(last.data)
     assert engine.can_launch_calls == 1 and engine.launched == [([1, 2], True)]
 
 

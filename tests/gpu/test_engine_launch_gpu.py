@@ -13,6 +13,7 @@ from test_engine_gpu import BF16, DEV, make_blocks, make_engine
 
 from corolla.engine.batcher import launch_steps
 from corolla.engine.span_engine import StepRequest
+from corolla.utils.tensor_bytes import TensorBytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,7 +71,7 @@ def test_launch_steps_fails_an_invalid_step_alone_and_declines_what_one_forward_
     pending = launch_steps(engine, [StepRequest(a, x, 0), StepRequest(b, x, 5)])  # b: position past its length
     assert pending is not None
     out_a, err_b = pending.wait()
-    assert isinstance(out_a, torch.Tensor) and out_a.shape == (1, 1, 512)
+    assert isinstance(out_a, TensorBytes) and out_a.shape == (1, 1, 512)  # a launched step's bytes
     assert isinstance(err_b, ValueError) and "start position" in str(err_b)
     assert launch_steps(engine, [StepRequest(a, torch.randn(1, 3, 512, dtype=BF16), 1)]) is None  # a prefill
     assert launch_steps(engine, [StepRequest(a, x, 1), StepRequest(a, x, 2)]) is None  # one session twice

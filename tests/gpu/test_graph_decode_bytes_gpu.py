@@ -10,6 +10,7 @@ import torch
 from test_engine_gpu import BF16, make_blocks, make_engine
 
 from corolla.engine.span_engine import StepRequest
+from corolla.utils.tensor_bytes import TensorBytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -81,8 +82,8 @@ def test_launched_steps_carry_their_outputs_bytes() -> None:
     pending = launch_steps(engine, reqs)
     assert pending is not None
     outs = pending.wait()
-    for r, out in zip(reqs, outs, strict=True):
-        assert isinstance(out, torch.Tensor) and r.output_bytes is not None
-        assert bytes(r.output_bytes) == out.contiguous().view(torch.uint8).numpy().tobytes()
+    for r, out in zip(reqs, outs, strict=True):  # each a launched step's bytes, no tensor built (`TensorBytes`)
+        assert isinstance(out, TensorBytes) and out.data is r.output_bytes and out.shape == r.shape
+        assert out.dtype == BF16 and out.tensor().shape == (r.rows, 1, 512)
     for s in sessions:
         s.close()

@@ -13,9 +13,10 @@ import torch
 from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from corolla.protocol.codecs import deserialize_tensor, serialize_tensor
+from corolla.protocol.codecs import deserialize_tensor, serialize_tensor, serialize_tensor_bytes
 from corolla.server.core.runtime import Runtime
 from corolla.server.front.block_functions import all_finite
+from corolla.utils.tensor_bytes import TensorBytes
 
 DTYPES = [
     torch.bfloat16,
@@ -71,6 +72,30 @@ def test_legacy_bfloat16_forms_decode_and_encode_like_hivemind(monkeypatch: pyte
     monkeypatch.setattr(hivemind.compression.base, "USE_LEGACY_BFLOAT16", False)
     decoded = deserialize_tensor(legacy)
     assert decoded.dtype == torch.bfloat16 and torch.equal(decoded, tensor)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 1, 16), (1, 4, 8)])
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_launched_steps_bytes_serialize_as_its_tensor_would(
+    dtype: torch.dtype, shape: tuple[int, ...], legacy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a launched decode step's output comes as its rows' bytes (`TensorBytes`): its reply is what hivemind writes for
+    # the tensor they hold, in every compression (NONE built from the bytes; the others, and legacy bf16, through the
+    # tensor)
+    monkeypatch.setattr(hivemind.compression.base, "USE_LEGACY_BFLOAT16", legacy)
+    tensor = _sample(dtype, shape)
+    output = TensorBytes(memoryview(bytearray(tensor.view(torch.uint8).numpy().tobytes())), dtype, shape)
+    none = serialize_tensor_bytes(output).SerializeToString()
+    assert none == serialize_tensor(tensor).SerializeToString() == serialize_torch_tensor(tensor).SerializeToString()
+    meanstd = runtime_pb2.CompressionType.MEANSTD_16BIT
+    try:
+        reference = serialize_tensor(tensor, meanstd).SerializeToString()
+    except ValueError:  # (hivemind's legacy bf16 form refuses it)
+        with pytest.raises(ValueError):
+            serialize_tensor_bytes(output, meanstd)
+    else:
+        assert serialize_tensor_bytes(output, meanstd).SerializeToString() == reference
 
 
 def test_decoded_tensor_is_writable_and_owns_its_memory() -> None:

@@ -18,15 +18,19 @@ from corolla.engine.graph_decode import PendingDecode
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.utils.errors import AllocationFailed
 from corolla.utils.logging import get_logger
+from corolla.utils.tensor_bytes import TensorBytes
 
 logger = get_logger(__name__)
 
+# one request's output [B, T, H] (a tensor, or a launched step's bytes: `TensorBytes`), or what failed it alone
+StepResult = torch.Tensor | TensorBytes | BaseException
 
-def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[torch.Tensor | BaseException]:
+
+def execute_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> list[StepResult]:
     """Runs a set of step requests with as much merging as is correct and returns one result per request, in order
     (a `ValueError` instance for an invalid request, without affecting the others). Single-token steps of distinct
     sessions share one batched forward; a session's later steps in the same set run in later rounds, in order."""
-    results: list[torch.Tensor | BaseException | None] = [None] * len(requests)
+    results: list[StepResult | None] = [None] * len(requests)
     remaining = list(range(len(requests)))
     while remaining:
         seen: set[int] = set()
@@ -104,18 +108,16 @@ def attach_output_bytes(requests: Sequence[StepRequest], outs: Sequence[torch.Te
 _BYTE_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 
 
-StepResult = torch.Tensor | BaseException  # one request's output [B, T, H], or what failed it alone
-
-
 class PendingSteps:
     """Step requests whose valid ones run in one launched forward: `wait()` gives one result per request, in order
-    (a `ValueError` instance for an invalid request; a device failure fails the launched ones only) and sets each
-    launched request's `output_bytes` (the bytes its output tensor views)."""
+    (a `ValueError` instance for an invalid request; a device failure fails the launched ones only): a launched
+    request's output as its rows' bytes in the forward's one copy of the output (`TensorBytes`, also set as its
+    `output_bytes`), no tensor built on the device thread (a reply is encoded from the bytes)."""
 
     def __init__(
         self,
         requests: Sequence[StepRequest],
-        results: list[torch.Tensor | BaseException | None],
+        results: list[StepResult | None],
         launched: Sequence[int],
         pending: PendingDecode | None,
     ):
@@ -129,20 +131,20 @@ class PendingSteps:
         """The forward's device seconds once waited for (`PendingDecode.device_s`); None where nothing launched."""
         return self._pending.device_s if self._pending is not None else None
 
-    def wait(self) -> list[torch.Tensor | BaseException]:
+    def wait(self) -> list[StepResult]:
         results = self._results
-        if self._pending is None:
+        pending = self._pending
+        if pending is None:
             return results  # type: ignore[return-value]
         try:
-            outs = self._pending.wait()
-            data = self._pending.output_bytes()  # [rows, H]: each launched request's output bytes, in row order
-            row_bytes = len(data) // self._pending.rows
+            data = pending.output_bytes()  # [rows, H]: each launched request's output bytes, in row order
+            row_bytes, dtype, requests = len(data) // pending.rows, pending.dtype, self._requests
             start = 0
-            for i, out in zip(self._launched, outs, strict=True):
-                results[i] = out
-                req = self._requests[i]
+            for i in self._launched:
+                req = requests[i]
                 end = start + req.rows * req.num_tokens * row_bytes
-                req.output_bytes = data[start:end]  # what `out` views: a reply is encoded without a torch call
+                out = req.output_bytes = data[start:end]  # its [B, T, H] (the engine's dtype)
+                results[i] = TensorBytes(out, dtype, req.shape)
                 start = end
         except Exception as e:  # a device failure fails this forward's steps only
             logger.warning(f"batcher.decode_failed(steps={len(self._launched)}, error={e!r})")
@@ -158,7 +160,7 @@ def launch_steps(engine: SpanEngine, requests: Sequence[StepRequest]) -> Pending
     set fails."""
     if not engine.can_launch(requests):
         return None
-    results: list[torch.Tensor | BaseException | None] = [None] * len(requests)
+    results: list[StepResult | None] = [None] * len(requests)
     validate, refused = engine.validate, False
     for i, req in enumerate(requests):
         try:

@@ -25,6 +25,7 @@ import torch
 from corolla.engine.graphs.cuda_graphs import DecodeGraphs
 from corolla.engine.kv.kv_pool import TRASH_PAGE
 from corolla.engine.step_request import StepRequest
+from corolla.utils.tensor_bytes import view_bytes
 
 # the most rows of a forward whose waiter spins on the CPU until the device is done (`HostStaging.mark`)
 SPIN_MAX_ROWS = 1
@@ -99,7 +100,7 @@ class HostStaging:
         """Waits until no queued copy reads or writes these buffers any more (at once if none does), first copying
         out the output of a forward launched from them and not waited for yet."""
         if self.owner is not None:
-            self.owner.collect()
+            self.owner.output_bytes()
         if self.done is not None:
             self.done.synchronize()
             self.done = None
@@ -148,8 +149,8 @@ class HostStaging:
 
 
 class PendingDecode:
-    """A launched merged forward: `wait()` returns one output [B_i, T_i, H] per request (CPU tensors that own their
-    memory: views of one fresh copy of the output rows). Call `wait` once, from the launching thread."""
+    """A launched merged forward: `output_bytes()` gives its output rows' bytes (one fresh copy), `wait()` one output
+    [B_i, T_i, H] per request (CPU tensors viewing that copy). Call them from the launching thread, `wait` once."""
 
     def __init__(
         self, staging: HostStaging, done: torch.cuda.Event, rows: int, splits: list[int], hidden_size: int,
@@ -163,17 +164,18 @@ class PendingDecode:
         self._splits = splits  # rows per request
         self._shapes = shapes  # request index -> its [B, T, H] where T > 1 (`MergedRows.shapes`)
         self._hidden_size = hidden_size
-        self._dtype = dtype
-        self._out: torch.Tensor | None = None  # [rows, 1, H], once copied out
-        self._data: memoryview | None = None  # its bytes
+        self.dtype = dtype  # the output's (the engine's)
+        self._data: memoryview | None = None  # the output's bytes [rows, H], once copied out
         self._waited = False
         staging.done, staging.owner = done, self
 
-    def collect(self) -> torch.Tensor:
+    def output_bytes(self) -> memoryview:
         """Waits for this forward's output copy (not for the forwards queued after it) and copies the rows out of
-        the pinned buffer, once; the buffer is then free for another launch. Returns [rows, 1, H] (the shape `wait`
-        splits: one torch call fewer per forward)."""
-        if self._out is None:
+        the pinned buffer, once; the buffer is then free for another launch. Returns their bytes ([rows, H] in C
+        order, flat): no torch call beyond the event's (a launched step's reply is encoded from them, `wait` views
+        them as tensors)."""
+        data = self._data
+        if data is None:
             staging = self._staging
             assert staging is not None
             self._done.synchronize()
@@ -181,29 +183,21 @@ class PendingDecode:
                 self.device_s = self._start.elapsed_time(self._done) / 1e3
             # one memcpy into a fresh buffer in this thread, holding the GIL (a torch or numpy copy of a few hundred
             # KiB lets it go, and a reader thread of the server may then keep it while this thread waits)
-            nbytes = self.rows * self._hidden_size * self._dtype.itemsize
-            data = bytearray(staging.out_bytes[:nbytes])
-            self._out = torch.frombuffer(data, dtype=self._dtype).view(self.rows, 1, self._hidden_size)  # [rows, 1, H]
-            self._data = memoryview(data)
+            nbytes = self.rows * self._hidden_size * self.dtype.itemsize
+            data = self._data = memoryview(bytearray(staging.out_bytes[:nbytes]))
             if staging.owner is self:
                 staging.owner = None
                 staging.done = None
             self._staging = None
-        return self._out
-
-    def output_bytes(self) -> memoryview:
-        """The collected output's bytes ([rows, H] in C order, flat: what the tensors of `wait` view), once
-        collected (`wait` or `collect`)."""
-        if self._data is None:
-            raise RuntimeError("PendingDecode.output_bytes before the output was collected")
-        return self._data
+        return data
 
     def wait(self) -> list[torch.Tensor]:
         if self._waited:
             raise RuntimeError("PendingDecode.wait called twice")
         self._waited = True
+        out = view_bytes(self.output_bytes(), self.dtype, (self.rows, 1, self._hidden_size))  # [rows, 1, H]
         # one split into views: [rows, 1, H] -> [B_i, 1, H] per request ([B_i, T_i, H] where T_i > 1)
-        return split_rows(self.collect(), self._splits, self._shapes)
+        return split_rows(out, self._splits, self._shapes)
 
 
 def split_rows(out: torch.Tensor, splits: list[int], shapes: dict[int, tuple[int, ...]] | None) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from corolla.utils.tensor_bytes import HiddenRows, view_bytes
+from corolla.utils.tensor_bytes import HiddenRows, TensorBytes, view_bytes
 
 # handler -> device: a call of the core (a reply comes back: REPLY_VALUE or REPLY_ERROR), a step, a frame of steps
 CALL, STEP, STEP_BATCH = 1, 3, 11
@@ -567,7 +567,7 @@ def _copy_group(
 
 
 def reply_frames(
-    results: list[tuple[int, torch.Tensor | BaseException, memoryview | None]],
+    results: list[tuple[int, torch.Tensor | TensorBytes | BaseException, memoryview | None]],
     head: bytes,
     max_frame_bytes: int,
     encode_error: Callable[[BaseException], Writer],
@@ -593,9 +593,10 @@ def reply_frames(
                 if raw.nbytes == nbytes:
                     encoded.append((REPLY_TENSORS, request_id, [prefix, raw], len(prefix) + nbytes))
                     continue
-            groups.setdefault((result.dtype, dims), []).append((len(encoded), result))
+            tensor = result.tensor() if isinstance(result, TensorBytes) else result  # (its bytes are `raw`: not here)
+            groups.setdefault((result.dtype, dims), []).append((len(encoded), tensor))
         else:  # elsewhere than the CPU, or a dtype the channel can't carry (the writer raises FrameError for it)
-            body = Writer().u8(1).tensor(result)
+            body = Writer().u8(1).tensor(result.tensor() if isinstance(result, TensorBytes) else result)
             encoded.append((REPLY_TENSORS, request_id, body.parts, body.nbytes()))
             continue
         encoded.append((REPLY_TENSORS, request_id, [], 0))  # its body is filled in below, with its group's
@@ -610,7 +611,9 @@ def reply_frames(
 
 
 def _uniform_frames(
-    results: list[tuple[int, torch.Tensor | BaseException, memoryview | None]], head: bytes, max_frame_bytes: int
+    results: list[tuple[int, torch.Tensor | TensorBytes | BaseException, memoryview | None]],
+    head: bytes,
+    max_frame_bytes: int,
 ) -> list[bytes] | None:
     """`reply_frames` of a merged forward's usual replies: every result a CPU tensor of one dtype and shape (not
     empty), as one frame task's outputs are. The same bytes, with one pack per item (its header and record prefix)
@@ -632,7 +635,7 @@ def _uniform_frames(
             return None
         if raw is None or raw.nbytes != nbytes:
             loose.append(len(data))
-            tensors.append(result)
+            tensors.append(result.tensor() if isinstance(result, TensorBytes) else result)
             data.append(b"")  # filled in below
         else:
             data.append(raw)

@@ -23,6 +23,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.streaming import split_for_streaming as _hivemind_split
 
+from corolla.utils.tensor_bytes import TensorBytes
+
 _Message = TypeVar("_Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 
 # Like Petals: raw bf16 on the wire unless the user explicitly asks for the legacy fp32 form.
@@ -109,6 +111,22 @@ def serialize_tensor(tensor: torch.Tensor, compression: int = CompressionType.NO
     if compression == _NONE and tensor.dtype in _RAW_VIEWS:
         return _serialize_raw(tensor)
     return serialize_torch_tensor(tensor, compression)
+
+
+def serialize_tensor_bytes(output: TensorBytes, compression: int = CompressionType.NONE) -> runtime_pb2.Tensor:
+    """`serialize_tensor(output.tensor(), compression)` without building the tensor where the NONE codec writes the
+    bytes as they are (a launched decode step's reply: its bytes copied once into the message, no torch call)."""
+    dtype = output.dtype
+    if (
+        compression == _NONE
+        and dtype in _RAW_VIEWS
+        and not (dtype == torch.bfloat16 and hivemind.compression.base.USE_LEGACY_BFLOAT16)
+    ):
+        return runtime_pb2.Tensor(
+            compression=_NONE, buffer=bytes(output.data), size=output.shape, dtype=_DTYPE_NAMES[dtype],
+            requires_grad=False,
+        )  # fmt: skip
+    return serialize_tensor(output.tensor(), compression)
 
 
 def _serialize_raw(tensor: torch.Tensor) -> runtime_pb2.Tensor:

@@ -1,8 +1,11 @@
 """Tensors over bytes that a step already holds (a device channel's frame copy): the one place where bytes with a
 dtype and a shape become a torch tensor without a copy, zero elements included (`torch.frombuffer` refuses an
-empty buffer), and the rows of several steps' hidden states in one buffer (`HiddenRows`)."""
+empty buffer), the rows of several steps' hidden states in one buffer (`HiddenRows`), and a step's output as the
+bytes of its rows in a merged forward's output (`TensorBytes`)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -34,3 +37,19 @@ class HiddenRows:
         if rows is None:
             rows = self._rows = view_bytes(self.data, self.dtype, (self.count, *self.shape)).unbind(0)
         return rows[index]
+
+
+class TensorBytes(NamedTuple):
+    """A tensor [*shape] of `dtype` on the CPU given as its bytes (C order, flat), with no tensor built: a launched
+    decode step's output, its rows' bytes in the merged forward's one copy of the output (`StepRequest.output_bytes`).
+    A reply is encoded from `data` (no torch call per step on the device thread or in the front); `tensor()` views
+    them for a caller that needs a tensor. `shape`, `dtype` and `is_cpu` read as a CPU tensor's do."""
+
+    data: memoryview
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    is_cpu: bool = True
+
+    def tensor(self) -> torch.Tensor:
+        """A tensor viewing `data` (writable)."""
+        return view_bytes(self.data, self.dtype, self.shape)

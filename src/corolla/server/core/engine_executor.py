@@ -52,6 +52,7 @@ from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
 from corolla.server.throughput import default_cache_dir
 from corolla.utils.logging import get_logger
+from corolla.utils.tensor_bytes import TensorBytes
 
 logger = get_logger(__name__)
 
@@ -211,14 +212,16 @@ class EngineExecutor:
 
     # ---- compute
 
-    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor | TensorBytes:
         """A mergeable runtime task: queued steps of this span go to one batch executor call, which merges their
-        single-token steps into one batched forward. A lone session's step may run inline on an idle runtime."""
+        single-token steps into one batched forward. A lone session's step may run inline on an idle runtime. A
+        launched forward's step returns its output's bytes (`TensorBytes`: no tensor built per step), others a
+        tensor."""
         shadow = cache.spec.shadow
         task = self.step_task(self.prepare_step(cache, inputs), shadow=shadow)
         self._runtime.queue(task, inline=inputs.lone_session and not shadow)
         assert task.future is not None
-        output: torch.Tensor = await task.future
+        output: torch.Tensor | TensorBytes = await task.future
         return output
 
     def step_task(

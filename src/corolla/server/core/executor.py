@@ -15,7 +15,7 @@ import torch
 
 from corolla.models.block_base import TensorDescriptor
 from corolla.protocol.prefix import PrefixKeys
-from corolla.utils.tensor_bytes import HiddenRows, view_bytes
+from corolla.utils.tensor_bytes import HiddenRows, TensorBytes, view_bytes
 
 # how the engine runs a span (reported, not chosen by the operator): fused kernels, or the family's blocks eagerly
 PATH_FUSED = "fused"
@@ -156,8 +156,8 @@ class SpanExecutor(Protocol):
 
     # ---- compute (event loop side: submits to the runtime)
 
-    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
-        """One inference step: [B, T, H] -> [B, T, H]."""
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor | TensorBytes:
+        """One inference step: [B, T, H] -> [B, T, H] (a launched decode step's: its bytes, `TensorBytes`)."""
         ...
 
     async def forward(

@@ -33,6 +33,7 @@ from corolla.server.core.limits import PeerLimits
 from corolla.server.core.refusals import Draining
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
+from corolla.utils.tensor_bytes import TensorBytes
 
 logger = get_logger(__name__)
 
@@ -128,8 +129,8 @@ class CoreClient(Protocol):
         (`SessionAdmission.reserve`: none, no wait in line)."""
         ...
 
-    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
-        """One inference step of an open session: [B, T, H] -> [B, T, H]."""
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor | TensorBytes:
+        """One inference step of an open session: [B, T, H] -> [B, T, H] (or its bytes, `TensorBytes`)."""
         ...
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:

@@ -21,7 +21,7 @@ from hivemind.proto import runtime_pb2
 from corolla.protocol import handoff as hw
 from corolla.protocol import rpc
 from corolla.protocol.auth import UPSTREAM_PEER_KEY
-from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize_tensor
+from corolla.protocol.codecs import combine_parts, deserialize_tensor, serialize_tensor, serialize_tensor_bytes
 from corolla.protocol.metadata import InferenceRequestMetadata, encode_metadata
 from corolla.protocol.prefix import PREFIX_KEY
 from corolla.protocol.shadow import parse_shadow
@@ -40,6 +40,7 @@ from corolla.server.front.prefix_keys import PrefixTrust, client_keys, probe_key
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.deadlines import TASK_DEADLINES, TaskDeadline
 from corolla.utils.logging import get_logger
+from corolla.utils.tensor_bytes import TensorBytes
 
 logger = get_logger(__name__)
 
@@ -663,10 +664,19 @@ class InferenceStreams:
         if keys is not None and session.cache is not None:
             self.core.add_prefix_keys(session.cache, namespace, keys)
 
-    def _serialize_output(self, tensor: torch.Tensor, compression: int | None = None) -> runtime_pb2.Tensor:
-        if tensor.dtype != self.limits.dtype:
-            tensor = tensor.to(self.limits.dtype)
-        return serialize_tensor(tensor, self.compression if compression is None else compression)
+    def _serialize_output(
+        self, output: torch.Tensor | TensorBytes, compression: int | None = None
+    ) -> runtime_pb2.Tensor:
+        """The reply's tensor in the span's dtype: a launched step's bytes as they are (`TensorBytes`: one pass, no
+        torch call), else the tensor's."""
+        compression = self.compression if compression is None else compression
+        if isinstance(output, TensorBytes):
+            if output.dtype == self.limits.dtype:
+                return serialize_tensor_bytes(output, compression)
+            output = output.tensor()
+        if output.dtype != self.limits.dtype:
+            output = output.to(self.limits.dtype)
+        return serialize_tensor(output, compression)
 
     def _schedule_push(
         self, request: runtime_pb2.ExpertRequest, output: runtime_pb2.Tensor, metadata: InferenceRequestMetadata

@@ -50,6 +50,7 @@ from corolla.server.core.runtime import Task
 from corolla.server.core.span_core import SpanCore
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.logging import get_logger
+from corolla.utils.tensor_bytes import TensorBytes
 
 logger = get_logger(__name__)
 
@@ -302,7 +303,7 @@ class ChannelIntake:
 
 
 # a step's reply as a channel queues it: request id, output [B, T, H] or what refused it, the output's bytes if known
-StepReply = tuple[int, torch.Tensor | BaseException, memoryview | None]
+StepReply = tuple[int, torch.Tensor | TensorBytes | BaseException, memoryview | None]
 
 
 @dataclass(eq=False, slots=True)
@@ -471,7 +472,10 @@ class FrameIntake:
 
 
 def _step_reply(
-    request_id: int, ticket: SessionTicket | None, request: StepRequest, result: torch.Tensor | BaseException | None
+    request_id: int,
+    ticket: SessionTicket | None,
+    request: StepRequest,
+    result: torch.Tensor | TensorBytes | BaseException | None,
 ) -> StepReply:
     """A served step's reply (its session's ticket touched with its B x T tokens) or a refused one's."""
     if result is None or isinstance(result, BaseException):
