@@ -249,6 +249,8 @@ def test_row_mma_refuses_bad_calls() -> None:
         int8_row_mma(x, weight, torch.randn(2, 64, device=DEV, dtype=BF16), config)
     with pytest.raises(ValueError, match="config"):
         int8_row_mma(x, weight, None, (0, 8, 2, 0, 0))
+    with pytest.raises(ValueError, match="config"):  # 64 output rows, 32 threads: a thread per row
+        int8_row_mma(x, weight, None, (4, 1, 2, 0, 0))
     not_64 = quantize_int8(torch.randn(64, 208, device=DEV, dtype=BF16))
     with pytest.raises(ValueError, match="K % 64"):
         int8_row_mma(torch.randn(1, 208, device=DEV, dtype=BF16), not_64, None, config)

@@ -14,7 +14,8 @@ import corolla.engine.quant as quant
 
 HELPERS = ("ld_stream", "ld_stream_256", "ld_nc", "bf16x2_to_f16x2", "load_out_type", "to_out_type", "rounded",
            "silu_times", "unpack_pair", "pack_pair", "sum_squares", "norm_pair", "grid_release", "grid_wait",
-           "x_operand", "stage_x")  # fmt: skip
+           "x_operand", "stage_x", "copy_async4", "copy_async_wait",
+           "load_written_out_type")  # fmt: skip
 
 
 def _definitions(text: str, name: str) -> int:

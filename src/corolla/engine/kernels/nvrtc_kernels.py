@@ -24,9 +24,9 @@ import torch
 
 # The CUDA helpers the quantized row GEMVs share (quant_int8_gemv, quant_tile_gemv), put before a kernel's own source:
 # the programmatic launch's release and wait (every NVRTC kernel calls both, see above), 16-byte loads of the weight
-# stream and of x, bf16 x into fp16 for the matrix units, RMSNorm's pairs (x's dtype: the kernel's -D X_BF16), x's
-# staging in shared memory with the RMSNorm prologue (-D PRO: 1 RMSNorm), the output dtype's load and rounding
-# (-D OUT_BF16: bf16, else fp16)
+# stream and of x, 4-byte copies into shared memory (cp.async), bf16 x into fp16 for the matrix units, RMSNorm's
+# pairs (x's dtype: the kernel's -D X_BF16), x's staging in shared memory with the RMSNorm prologue (-D PRO: 1
+# RMSNorm), the output dtype's loads (a residual) and rounding (-D OUT_BF16: bf16, else fp16)
 CUDA_HELPERS = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -65,6 +65,18 @@ static __device__ __forceinline__ __attribute__((unused)) U4 ld_stream_256(const
   return v;
 }
 
+// 4 bytes from global to shared memory without a register (cp.async; copy_async_wait completes this thread's): an
+// immutable input read before grid_wait, used at the program's end (the INT8 row GEMV's row scales: docs/decisions/0055)
+static __device__ __forceinline__ __attribute__((unused)) void copy_async4(float* dst, const float* src) {
+  unsigned d;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(d) : "l"(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src) : "memory");
+}
+
+static __device__ __forceinline__ __attribute__((unused)) void copy_async_wait() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 // 16 read-only bytes every program reads (x)
 static __device__ __forceinline__ __attribute__((unused)) U4 ld_nc(const U4* p) {
   U4 v;
@@ -91,6 +103,14 @@ static __device__ __forceinline__ __attribute__((unused)) float load_out_type(co
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
   return f;
 #endif
+}
+
+// a value of the output's dtype that the kernel ahead wrote (a residual) -> fp32, read where it stands: a volatile
+// load, kept after grid_wait() (a plain load through a const __restrict__ pointer was hoisted above the wait)
+static __device__ __forceinline__ __attribute__((unused)) float load_written_out_type(const u16* p) {
+  u16 h;
+  asm volatile("ld.global.u16 %0, [%1];" : "=h"(h) : "l"(p) : "memory");
+  return load_out_type(&h);
 }
 
 // a pair of x's dtype (the kernel's -D X_BF16: bf16, else fp16) -> fp32 (the even value in .x)
@@ -212,6 +232,7 @@ static __device__ __forceinline__ __attribute__((unused)) float silu_times(float
   return __fmul_rn(q, up);
 }
 """
+
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6

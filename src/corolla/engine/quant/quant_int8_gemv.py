@@ -25,7 +25,10 @@ around it (`ld_stream_256`: the other warps' next chunks of the same rows; 2-4% 
 docs/decisions/0069). x is staged once per program in shared memory as fp16 (bf16 x times X_SCALE = 2^-8, against
 overflow; the sums times 2^8, exact). The warps' column-0 sums are added in warp order through shared memory, then
 the row's scale (row absmax / 127, fp32) and the residual are applied and the value is rounded once to the output
-dtype.
+dtype. Both are asked for at the program's start, a thread per output row (16 RT <= 32 W): the scale before the wait
+by cp.async into shared memory, the residual right after it by a volatile load (the compiler hoisted a plain one
+above the wait); read after the sums, the scale was a cold DRAM round trip at the end of every program, on the
+step's critical path (docs/decisions/0055: the step 2.644 -> 2.611 ms on an H200, same engine).
 
 The RMSNorm prologue (quant_splits.PROLOGUES["rmsnorm"]): the norm before w_qkv and w_gate_up runs in the x
 staging, so that the step launches no norm kernel: x's squares are summed while x and the gain are staged raw (each
@@ -84,7 +87,10 @@ PROLOGUE_CODES = (PROLOGUES["none"], PROLOGUES["rmsnorm"])
 # the kernel, compiled after nvrtc_kernels.CUDA_HELPERS (the helpers the row GEMVs share, RMSNorm's pairs among them)
 _SOURCE = r"""
 #define THREADS (W * 32)
+// [2][OUT_ROWS] floats after RMSNorm's gain: each output row's scale and its residual (GATED: its up row's scale)
+#define ENDS reinterpret_cast<float*>(smem + 2 * (size_t)K + W * RT * 16 * 4 + (PRO == 1 ? 2 * (size_t)K : 0))
 #define OUT_ROWS (GATED ? RT * 8 : RT * 16)  // output rows of a program (GATED: half its weight rows)
+static_assert(OUT_ROWS <= THREADS, "a thread per output row");
 
 // bytes j, j + 1 of a biased code word (codes + 128) -> their codes as an exact fp16 pair: each byte under the
 // exponent of 1024 (one permute with 0x64 bytes: 1024 + 128 + code), minus 1152 in both halves
@@ -156,11 +162,29 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
       }
     }
   }
+  // thread i < OUT_ROWS owns output row n0 + i: its weight row's scale (GATED: and its up row's) copied into shared
+  // memory now (immutable; cp.async: no register waits for it before the sums), so that no program ends on a cold
+  // DRAM round trip after its sums
+  if (tid < OUT_ROWS) {
+    float* ends = ENDS;
+    const int own = min(n0 + tid, N - 1);
+    copy_async4(ends + tid, scale + own);
+#if GATED
+    copy_async4(ends + OUT_ROWS + tid, scale + N + own);
+#endif
+  }
   grid_wait();  // x (and the residual) come from the kernels ahead
+#if !GATED
+  // the residual of the thread's row, in flight while x is staged
+  const float rv = has_res && tid < OUT_ROWS && n0 + tid < N ? load_written_out_type(res + m * srm + n0 + tid) : 0.f;
+#endif
   // x staged as the B operand's fp16 pairs (PRO 1: RMSNorm's result first; nvrtc_kernels' stage_x), the gain after
   // the warps' row sums
   stage_x<THREADS>(xs, reinterpret_cast<const U4*>(x + m * sxm), K, K >> 3, reinterpret_cast<const U4*>(nw),
                    reinterpret_cast<U4*>(smem + 2 * (size_t)K + W * RT * 16 * 4), red, eps);
+#if !GATED
+  if (tid < OUT_ROWS) ENDS[OUT_ROWS + tid] = rv;  // (no register held through the main loop)
+#endif
   __syncthreads();
 
   float acc[RT][4];
@@ -201,6 +225,8 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
     }
   }
 
+  copy_async_wait();  // the scales (long arrived), visible to the other threads after the barrier below
+
   // column 0 of each tile: lane (g, 0) holds rows g (c[0]) and g + 8 (c[2]); the warps summed in order
   if (t == 0) {
 #pragma unroll
@@ -210,22 +236,23 @@ int8_row_mma(const U4* __restrict__ codes, const float* __restrict__ scale, cons
     }
   }
   __syncthreads();
-  for (int i = tid; i < OUT_ROWS; i += THREADS) {
+  const float* ends = ENDS;
+  for (int i = tid; i < OUT_ROWS; i += THREADS) {  // (once: OUT_ROWS <= THREADS; a loop holds fewer registers)
     const int n = n0 + i;
     if (n < N) {
       float v = red[i];
 #pragma unroll
       for (int w = 1; w < W; ++w) v += red[w * (RT * 16) + i];
-      v = __fmul_rn(__fmul_rn(v, out_scale), __ldg(scale + n));
+      v = __fmul_rn(__fmul_rn(v, out_scale), ends[i]);
 #if GATED
       // GATED: the up row's sum sits RT / 2 tiles on; gate and up rounded as stored, then gated as silu_mul gates
       float u = red[RT * 8 + i];
 #pragma unroll
       for (int w = 1; w < W; ++w) u += red[w * (RT * 16) + RT * 8 + i];
-      u = __fmul_rn(__fmul_rn(u, out_scale), __ldg(scale + N + n));
+      u = __fmul_rn(__fmul_rn(u, out_scale), ends[OUT_ROWS + i]);
       v = silu_times(rounded(v), rounded(u));
 #else
-      if (has_res) v = __fadd_rn(v, load_out_type(res + m * srm + n));
+      if (has_res) v = __fadd_rn(v, ends[OUT_ROWS + i]);
 #endif
       out[m * som + n] = to_out_type(v);
     }
@@ -237,9 +264,10 @@ _KERNELS: dict[tuple[int, ...], NvrtcKernel] = {}
 
 
 def check_row_config(config: tuple[int, int, int, int, int]) -> None:
-    """ValueError unless `config` is (RT in 1..8 row tiles, W in 1..16 warps, P in 1..4 chunks in flight, 0, 0)."""
+    """ValueError unless `config` is (RT in 1..8 row tiles, W in 1..16 warps, P in 1..4 chunks in flight, 0, 0) with
+    a thread per output row (16 RT <= 32 W)."""
     tiles, warps, depth, *rest = config
-    if not (1 <= tiles <= 8 and 1 <= warps <= 16 and 1 <= depth <= 4) or any(rest):
+    if not (1 <= tiles <= 8 and 1 <= warps <= 16 and 1 <= depth <= 4 and tiles <= 2 * warps) or any(rest):
         raise ValueError(f"bad INT8 row GEMV config {config}")
 
 
@@ -301,8 +329,9 @@ def int8_row_mma(
     out = torch.empty((m, n_out), dtype=weight.dtype, device=x.device)
     res = residual if residual is not None else out
     tiles, warps = config[0], config[1]
-    # x in fp16, the warps' row sums (first: their sums of squares), RMSNorm's gain
-    shared = 2 * k + warps * tiles * 16 * 4 + (2 * k if prologue == PROLOGUES["rmsnorm"] else 0)
+    rows_per_program = 8 * tiles if gated else 16 * tiles  # (GATED: tiles of gate and of up rows)
+    # x in fp16, the warps' row sums (first: their sums of squares), RMSNorm's gain, the rows' scales and residuals
+    shared = 2 * k + warps * tiles * 16 * 4 + (2 * k if prologue == PROLOGUES["rmsnorm"] else 0) + 8 * rows_per_program
     ptr = ctypes.c_void_p
     args = [
         ptr(codes.data_ptr()), ptr(weight.col_scale.data_ptr()), ptr(x.data_ptr()), ptr(res.data_ptr()),
@@ -310,7 +339,6 @@ def int8_row_mma(
         ctypes.c_longlong(res.stride(0)), ctypes.c_longlong(out.stride(0)), ctypes.c_int(int(residual is not None)),
         ctypes.c_float(1.0 / X_SCALE if bf16 else 1.0), ctypes.c_float(eps),
     ]  # fmt: skip
-    rows_per_program = 8 * tiles if gated else 16 * tiles  # (GATED: tiles of gate and of up rows)
     grid = (-(-n_out // rows_per_program), m, 1)
     _kernel(config, bf16, prologue, gated).launch(x.device, grid, 32 * warps, shared, args)
     return out
