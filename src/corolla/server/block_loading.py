@@ -32,24 +32,13 @@ def load_span_blocks(
     with TerminalTqdm(total=len(block_indices), desc="Loading blocks", unit="block", leave=False) as progress:
         for index in block_indices:
             block = load_pretrained_block(
-                c.model_name_or_path,
-                index,
-                config=model_config,
-                torch_dtype=dtype,
-                cache_dir=c.cache_dir,
-                revision=c.revision,
-                token=c.token,
-                max_disk_space_bytes=c.max_disk_space_bytes,
+                c.model_name_or_path, index, config=model_config, torch_dtype=dtype, **_hub_options(c)
             )
             placed = place_block(block, device=device, quant_type=quant_type, tensor_parallel_devices=tp_devices)
             if not isinstance(placed, CorollaBlock):  # place_block splits and quantizes the block in place
                 raise TypeError(f"place_block returned a {type(placed).__name__}, not the block it was given")
             for adapter in c.adapters:
-                weights = load_adapter(
-                    adapter, index, cache_dir=c.cache_dir, revision=c.revision, token=c.token,
-                    max_disk_space_bytes=c.max_disk_space_bytes,
-                )  # fmt: skip
-                add_adapter(placed, adapter, weights)
+                add_adapter(placed, adapter, load_adapter(adapter, index, **_hub_options(c)))
             blocks[index] = placed
             progress.update(1)
     return blocks
@@ -58,9 +47,15 @@ def load_span_blocks(
 def fetch_span_blocks(config: ServerConfig, model_config: Any, block_indices: range) -> None:
     """Brings the checkpoint files of `block_indices` to the local cache (no tensor read, nothing on the device): a
     server moving to this span fetches it while still serving its old one, then loads it from the disk."""
-    c = config
     for index in block_indices:
-        fetch_pretrained_block(
-            c.model_name_or_path, index, config=model_config, cache_dir=c.cache_dir, revision=c.revision,
-            token=c.token, max_disk_space_bytes=c.max_disk_space_bytes,
-        )  # fmt: skip
+        fetch_pretrained_block(config.model_name_or_path, index, config=model_config, **_hub_options(config))
+
+
+def _hub_options(c: ServerConfig) -> dict[str, Any]:
+    """Where the checkpoint's and the adapters' files come from and may be kept (the same for every file)."""
+    return {
+        "cache_dir": c.cache_dir,
+        "revision": c.revision,
+        "token": c.token,
+        "max_disk_space_bytes": c.max_disk_space_bytes,
+    }
