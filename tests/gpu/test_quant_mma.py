@@ -1,8 +1,10 @@
-"""The NF4 matrix-unit kernel (engine/quant/quant_mma.py) on a real GPU: one-hot rows read single weight columns back, so
-every decoded value is checked against the fp16-level reference (NF4 and a random 16-level table, both dtypes,
-with and without a K split); random inputs stay within the bf16 rounding of x @ the dequantized weight, with a
-residual; a row's output is bit-identical alone and among other rows of its row tile; the split counters are left
-at zero under graph replay; bad inputs are refused. Small shapes: each kernel compiles once per tiling."""
+"""The NF4 matrix-unit kernel (engine/quant/quant_mma.py) on a real GPU: one-hot rows read single weight columns back,
+so every decoded value is checked against the fp16-level reference, within one rounding to the output dtype (bf16
+weights decode bf16 levels: their rounding fits in that; NF4 and a random 16-level table, both dtypes, with and
+without a K split, x loaded in 1 and in 3 pipeline stages); random inputs stay within the bf16 rounding of x @ the
+dequantized weight, with a residual; a row's output is bit-identical alone and among other rows of its row tile; the
+split counters are left at zero under graph replay; bad inputs are refused. Small shapes: each kernel compiles once
+per tiling."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ pytestmark = [
 ]
 
 DEV = torch.device("cuda")
-# one tiling per row range, each with and without a split (compiled once for the whole file)
-CONFIGS = [(64, 16, 1, 4, 1), (64, 16, 3, 4, 1), (64, 64, 1, 4, 1), (64, 64, 2, 4, 1)]
+# one tiling per row range, each with and without a split; the 64-row tiles also with x in 3 pipeline stages, as
+# NF4_MMA_CONFIGS runs them (compiled once for the whole file)
+CONFIGS = [(64, 16, 1, 4, 1), (64, 16, 3, 4, 1), (64, 64, 1, 4, 1), (64, 64, 2, 4, 3)]
 
 
 def _weight(n: int, k: int, seed: int, dtype: torch.dtype, random_table: bool = False):

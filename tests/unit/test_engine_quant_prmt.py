@@ -54,9 +54,10 @@ def test_table_words_hold_the_fp16_levels() -> None:
         low = (words[entry // 4] >> (8 * (entry % 4))) & 0xFF
         high = (words[4 + entry // 4] >> (8 * (entry % 4))) & 0xFF
         assert (high << 8 | low) == bits[entry]
-    # an NF4 weight carries the words of its own table (16-bit compute dtypes only)
+    # an NF4 weight carries the words of its own table in its compute dtype (16-bit dtypes only)
+    assert quantize_nf4(torch.randn(8, 128), dtype=torch.float16).lut_words == words
     weight = quantize_nf4(torch.randn(8, 128), dtype=torch.bfloat16)
-    assert weight.lut_words == words
+    assert weight.lut_words == quant_prmt.lut_words(code, torch.bfloat16) != words
     assert quantize_nf4(torch.randn(8, 128), dtype=torch.float32).lut_words == ()
 
 
@@ -67,19 +68,23 @@ def test_bad_tables_are_refused() -> None:
         quant_prmt.lut_words(torch.tensor([1e5] + [0.0] * 15))
     with pytest.raises(ValueError, match="fp16 range"):
         quant_prmt.lut_words(torch.tensor([float("nan")] + [0.0] * 15))
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        quant_prmt.lut_words(torch.zeros(16), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("table", ["nf4", "random"])
-def test_fp16_program_gives_every_level_in_element_order(table: str) -> None:
-    # the matrix-unit kernel's decode (quant_mma): the same lookups, fp16x2 words in element order, no conversions
+def test_fp16_program_gives_every_level_in_element_order(table: str, dtype: torch.dtype) -> None:
+    # the matrix-unit kernel's decode (quant_mma): the same lookups, 16-bit pairs in element order, no conversions;
+    # the table's type (the weight's compute dtype) is the levels' type
     code = torch.tensor(NF4_LEVELS) if table == "nf4" else torch.sort(torch.randn(16) * 3).values
-    words = quant_prmt.lut_words(code)
-    levels = code.to(torch.float16).float().tolist()
+    words = quant_prmt.lut_words(code, dtype)
+    levels = code.to(dtype).float().tolist()
     rng = random.Random(11)
     for word in [0x00000000, 0xFFFFFFFF, 0x78877887, 0x8F7F08F0] + [rng.getrandbits(32) for _ in range(1500)]:
-        got = quant_prmt.emulate_decode16(word, words)
-        assert [torch.tensor(v).half().view(torch.int16).item() for v in got] == [
-            torch.tensor(v).half().view(torch.int16).item() for v in _expected(word, levels)
+        got = quant_prmt.emulate_decode16(word, words, dtype)
+        assert [torch.tensor(v).to(dtype).view(torch.int16).item() for v in got] == [
+            torch.tensor(v).to(dtype).view(torch.int16).item() for v in _expected(word, levels)
         ], hex(word)
     ptx = quant_prmt.decode16_ptx()
     ops = [op for op, _, _ in quant_prmt.DECODE16_PROGRAM]

@@ -1,21 +1,21 @@
 """NF4 projections on the matrix units for merged decode steps of 2 to `MMA_MAX_ROWS` rows (any 1..64 works),
 reading bitsandbytes' NF4 layout in place: out[M, N] = x[M, K] @ W[N, K]^T (+ residual).
 
-Each program decodes a 64-value block of BLOCK_N weight rows per step with the register lookup straight to fp16
-levels (`quant_prmt.DECODE16_PROGRAM`: 21 instructions per 8 values, no conversion) and multiplies it with one
-`tl.dot` (wgmma on Hopper) against a [64, BLOCK_M] tile of x, padded with zero rows up to BLOCK_M (16 or 64); each
+Each program decodes a 64-value block of BLOCK_N weight rows per step with the register lookup straight to levels
+in the compute dtype (`quant_prmt.DECODE16_PROGRAM`: 21 instructions per 8 values, no conversion; the weight's
+`lut_words` hold bf16 levels for bf16 weights, fp16 for fp16) and multiplies it with one `tl.dot` (wgmma on Hopper)
+against a [64, BLOCK_M] tile of x as it is (no conversion), padded with zero rows up to BLOCK_M (16 or 64); each
 block's fp32 partial product is scaled once by its decoded absmax (uint8 code -> nested code table * second-level
-absmax + offset) and accumulated in fp32. The next two blocks' words, x tiles and absmax codes are in flight while
-one block is decoded. The cost of a step barely grows with its rows, unlike the CUDA-core GEMV (quant_gemv), which
-reads the weight again for every 4 rows: on an H200 (docs/decisions/0012-nf4-matrix-units.md) 16 rows of w_gate_up
-take 63 us here against 148 us for 8 rows there, and 64 rows 100 us against 137 us for the tl.dot tile kernel this
-replaced; one row runs a GEMV (46 us against 56 us here; quant_tile_gemv's matrix-unit GEMV since, ~24 us).
+absmax + offset) and accumulated in fp32. Block b + 1 is decoded while block b's wgmma runs (its product is
+consumed after the decode); the words and absmax codes of the next two blocks are in flight in registers, and
+with num_stages > 1 Triton's pipeliner streams the x tiles into shared memory ahead (cp.async). On an H200 this
+took a Llama-3-8B layer's four projections at 64 rows from 198 to 157 us (cuBLAS bf16: 136 us; 64 merged sessions
+8.86 -> 7.36 ms against bf16's 6.25 ms: docs/decisions/0068-nf4-mma-bf16-levels-deferred-product.md).
 
-Numerics: the levels are the fp16-rounded NF4 levels (relative error <= 2^-11, as quant_prmt's CUDA-core GEMV);
-x (bf16) is scaled by 2^-8 and converted to fp16, exact for |x| >= 2^-9 and within 2^-17 absolute below, finite up
-to 2^24 (fp16 inputs are used as they are); the products are exact and summed in fp32, and the output multiplied
-back by 2^8 (exact). Against the bf16 reference (x @ dequantized W) this stays within the bf16 rounding of the
-dequantized weights.
+Numerics: the levels are rounded once to the compute dtype (bf16: relative error <= 2^-8, the size of the bf16
+rounding of bitsandbytes' own dequantized weight; fp16: <= 2^-11); the products are exact and summed in fp32.
+Against the bf16 reference (x @ dequantized W) the error stays within the bf16 rounding of the dequantized weights
+(relative 2.7e-3 on random rows, against 2.3e-3 with the fp16 levels and fp16-converted x this replaced).
 
 Batch invariance: each output element is its own column of the matrix product, computed by the same instructions
 in the same K order whatever the other rows hold; a split of K is summed in split order by the last program of
@@ -35,17 +35,18 @@ from corolla.engine.quant.quant_weights import NF4Weight, counters_for_tiles
 
 MMA_MAX_ROWS = 64
 MMA_MID_MAX_ROWS = 16  # DecodeOps serves 2 to this many rows with the 16-row-tile configs, more with 64-row tiles
-X_SCALE_LOG2 = 8  # bf16 x is multiplied by 2^-8 before its fp16 conversion, the output by 2^8
+# registers a thread for 64-row tiles: ptxas fits them unspilled, and 4 programs of 4 warps (2 of 8) stay resident
+# on a multiprocessor (uncapped, the pipelined builds take 130 and one program fewer)
+MAX_REGS_64 = 128
 
 # (BLOCK_N, BLOCK_M, K splits, num_warps, num_stages): the tilings that came within 10% of the best on some Llama-3-8B
-# projection on an H200 (16 rows: 16-row tiles, 64 rows: 64-row tiles; 256-wide tiles, a single split and 2 or 3
-# pipeline stages never did, docs/decisions/0012-nf4-matrix-units.md)
+# projection on an H200 (16 rows: 16-row tiles; 64 rows: 64-row tiles with x pipelined in 3 stages, each better than
+# its 1-stage twin on every projection; docs/decisions/0068-nf4-mma-bf16-levels-deferred-product.md)
 NF4_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
     *((64, 16, s, 4, 1) for s in (2, 4, 8)),
-    *((128, 16, s, 4, 1) for s in (4, 8)),
-    *((64, 64, s, 4, 1) for s in (2, 4)),
-    (128, 64, 4, 4, 1),
-    (128, 64, 4, 8, 1),
+    *((128, 16, s, 4, 1) for s in (2, 4, 8)),
+    *((64, 64, s, 4, 3) for s in (2, 4, 8)),
+    *((128, 64, s, 8, 3) for s in (4, 8)),
 )
 
 _PTX16 = tl.constexpr(decode16_ptx())
@@ -53,12 +54,19 @@ _CONSTRAINTS16 = tl.constexpr(DECODE16_CONSTRAINTS)
 
 
 @triton.jit
-def _levels16(words, t0, t1, t2, t3, t4, t5, t6, t7):
-    # words [B, C] int32 -> [B, 8 C] fp16 levels, element 8c + t of the row at 8c + t
-    v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-        _PTX16, _CONSTRAINTS16, [words, t0, t1, t2, t3, t4, t5, t6, t7],
-        dtype=(tl.float16,) * 8, is_pure=True, pack=1,
-    )  # fmt: skip
+def _levels(words, t0, t1, t2, t3, t4, t5, t6, t7, BF16: tl.constexpr):
+    # words [B, C] int32 -> [B, 8 C] levels in the table's 16-bit type (bf16 or fp16: the same byte permutes),
+    # element 8c + t of the row at 8c + t
+    if BF16:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _PTX16, _CONSTRAINTS16, [words, t0, t1, t2, t3, t4, t5, t6, t7],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _PTX16, _CONSTRAINTS16, [words, t0, t1, t2, t3, t4, t5, t6, t7],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
     even = tl.join(tl.join(v0, v4), tl.join(v2, v6))  # [B, C, 2, 2]: t = 4 a + 2 b
     odd = tl.join(tl.join(v1, v5), tl.join(v3, v7))
     return tl.reshape(tl.join(even, odd), [words.shape[0], words.shape[1] * 8])
@@ -101,7 +109,7 @@ def _nf4_mma_kernel(
     x_ptr, q_ptr, aq_ptr, na_ptr, nc_ptr, ws_ptr, res_ptr, out_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_qn, stride_rm, stride_om, offset, splits,
     t0, t1, t2, t3, t4, t5, t6, t7,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, X_BF16: tl.constexpr, USE_WS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BF16: tl.constexpr, USE_WS: tl.constexpr,
     HAS_RES: tl.constexpr,
 ):  # fmt: skip
     # program (n tile, split, row tile): out^T[n tile, row tile] over the split's 64-value blocks. q_ptr: the packed
@@ -122,41 +130,33 @@ def _nf4_mma_kernel(
     x_mask = (offs_m < M)[None, :]
     row_blocks = tl.minimum(offs_n, N - 1) * kb  # [BLOCK_N] first absmax block of each row (clamped)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    # software pipeline in registers, two blocks deep: block b + 2's words, absmax code and x are loaded while
-    # block b is decoded and multiplied, and block b + 1's absmax is looked up (its code arrived a block ago), so no
-    # load latency (nor the code -> table chain) sits between two blocks. Indices past the split are clamped in
-    # bounds (their words masked to zero, their values unused).
+    # block b's wgmma is issued, then block b + 1 decoded, then block b's product scaled into acc: the decode runs
+    # while the matrix units work (its result waits in registers for the next step). Block b + 2's words and absmax
+    # code are loaded and block b + 1's absmax looked up (its code arrived a step ago) a step ahead, so no load
+    # latency (nor the code -> table chain) sits between two blocks. Indices past the split are clamped in bounds
+    # (their words masked to zero, their values unused); x is loaded where it is used, for the pipeliner.
     last = kb - 1
     words0 = tl.load(w_ptrs + lo * 8, mask=row_mask(offs_n, N, lo, hi)[:, None], other=0)
     words1 = tl.load(w_ptrs + (lo + 1) * 8, mask=row_mask(offs_n, N, lo + 1, hi)[:, None], other=0)
-    x0 = tl.load(x_ptrs + tl.minimum(lo, last) * 64, mask=x_mask, other=0.0)  # [64, BLOCK_M]
-    x1 = tl.load(x_ptrs + tl.minimum(lo + 1, last) * 64, mask=x_mask, other=0.0)
     gb = row_blocks + tl.minimum(lo, last)
     code0, nested0 = _absmax_code(aq_ptr + gb, na_ptr + gb // 256)
     gb = row_blocks + tl.minimum(lo + 1, last)
     code1, nested1 = _absmax_code(aq_ptr + gb, na_ptr + gb // 256)
     scale0 = absmax_lookup(code0, nested0, nc_ptr, offset)  # [BLOCK_N]
+    w = _levels(words0, t0, t1, t2, t3, t4, t5, t6, t7, BF16)  # [BLOCK_N, 64] block lo
     for b in range(lo, hi):
         words2 = tl.load(w_ptrs + (b + 2) * 8, mask=row_mask(offs_n, N, b + 2, hi)[:, None], other=0)
-        x2 = tl.load(x_ptrs + tl.minimum(b + 2, last) * 64, mask=x_mask, other=0.0)
         gb = row_blocks + tl.minimum(b + 2, last)
         code2, nested2 = _absmax_code(aq_ptr + gb, na_ptr + gb // 256)
         scale1 = absmax_lookup(code1, nested1, nc_ptr, offset)
-        w = _levels16(words0, t0, t1, t2, t3, t4, t5, t6, t7)  # [BLOCK_N, 64] fp16
-        xt = x0
-        if X_BF16:
-            xt = (xt.to(tl.float32) * 0.00390625).to(tl.float16)  # 2^-X_SCALE_LOG2
+        xt = tl.load(x_ptrs + b * 64, mask=x_mask, other=0.0)  # [64, BLOCK_M]
         part = tl.dot(w, xt)  # [BLOCK_N, BLOCK_M] fp32
+        w = _levels(words1, t0, t1, t2, t3, t4, t5, t6, t7, BF16)  # block b + 1
         acc += part * scale0[:, None]
-        words0 = words1
         words1 = words2
-        x0 = x1
-        x1 = x2
         code1 = code2
         nested1 = nested2
         scale0 = scale1
-    if X_BF16:
-        acc = acc * 256.0  # 2^X_SCALE_LOG2
     mask = (offs_n < N)[:, None] & x_mask  # [BLOCK_N, BLOCK_M]
     o_off = offs_m[None, :] * stride_om + offs_n[:, None]
     r_off = offs_m[None, :] * stride_rm + offs_n[:, None]
@@ -202,13 +202,13 @@ def nf4_mma_matmul(
     res = residual if residual is not None else out
     words = weight.packed.view(torch.int32)  # [N, K / 8]
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))
-    x_bf16 = weight.dtype == torch.bfloat16
     counters = counters_for_tiles(weight, grid[0] * grid[2]) if use_ws else words
     _nf4_mma_kernel[grid](
         x, words, weight.absmax_codes, weight.nested_absmax, weight.nested_code, ws, res, out, counters,
         m, n, k, x.stride(0), words.stride(0), res.stride(0), out.stride(0), weight.nested_offset, splits,
         *weight.lut_words,
-        BLOCK_N=block_n, BLOCK_M=block_m, X_BF16=x_bf16, USE_WS=use_ws,
+        BLOCK_N=block_n, BLOCK_M=block_m, BF16=weight.dtype == torch.bfloat16, USE_WS=use_ws,
         HAS_RES=residual is not None, num_warps=warps, num_stages=stages,
+        maxnreg=MAX_REGS_64 if block_m == 64 else None,
     )  # fmt: skip
     return out

@@ -1,21 +1,21 @@
 """The NF4 register lookup: 4-bit codes to their levels with byte permutes (`prmt`) instead of memory lookups.
 
-The 16 levels, as fp16, are 32 bytes: their low bytes make four 32-bit words L0..L3 (L0 holds the low bytes of
-levels 0-3, ...) and their high bytes four more, H0..H3 (`lut_words`). One `prmt.b32 d, a, b, sel` picks four bytes
-out of the eight of {b, a} by four 3-bit indices (the low 16 bits of `sel`), so for four codes at once:
-`prmt(L0, L1, codes & 7)` gives the low bytes of their levels if each code is < 8, `prmt(L2, L3, codes & 7)` if each
-is >= 8, and a third `prmt` with the selector `0x3210 + 4 * bit3(code)` per byte merges the two by bit 3 of each
-code; the same for the high bytes; two more `prmt`s interleave low and high bytes into two fp16x2 words in element
-order (element 2j in the low half). One packed 32-bit word (4 bytes, 8 codes) costs 5 selector instructions + 2 x 8
-permutes (`DECODE16_PROGRAM`), all in registers, instead of 8 table loads: the operand of the matrix units
-(quant_mma). (The one-row streaming GEMV reads a shared-memory pair table instead, quant_pair_table: fewer integer
-instructions, docs/decisions/0021.)
+The 16 levels, as fp16 (or bf16: the program moves bytes, whatever they encode), are 32 bytes: their low bytes make
+four 32-bit words L0..L3 (L0 holds the low bytes of levels 0-3, ...) and their high bytes four more, H0..H3
+(`lut_words`). One `prmt.b32 d, a, b, sel` picks four bytes out of the eight of {b, a} by four 3-bit indices (the
+low 16 bits of `sel`), so for four codes at once: `prmt(L0, L1, codes & 7)` gives the low bytes of their levels if
+each code is < 8, `prmt(L2, L3, codes & 7)` if each is >= 8, and a third `prmt` with the selector `0x3210 + 4 *
+bit3(code)` per byte merges the two by bit 3 of each code; the same for the high bytes; two more `prmt`s interleave
+low and high bytes into two words of 16-bit pairs in element order (element 2j in the low half). One packed 32-bit word (4
+bytes, 8 codes) costs 5 selector instructions + 2 x 8 permutes (`DECODE16_PROGRAM`), all in registers, instead of 8
+table loads: the operand of the matrix units (quant_mma). (The one-row streaming GEMV reads a shared-memory pair
+table instead, quant_pair_table: fewer integer instructions, docs/decisions/0021.)
 
-The program is an instruction sequence as data: `decode16_ptx` writes it as inline PTX and `emulate_decode16` runs the
-same list on CPU integers (the instructions' documented semantics), so the CPU tests check the exact sequence the GPU
-runs. Levels are rounded to fp16 once (relative error <= 2^-11, below the bf16 rounding of bitsandbytes' own
-dequantized weight). (The fp32 variant of the lookup, 8 conversions per word, served the register-lookup GEMV,
-deleted: docs/decisions/0017.)"""
+The program is an instruction sequence as data: `decode16_ptx` writes it as inline PTX and `emulate_decode16` runs
+the same list on CPU integers (the instructions' documented semantics), so the CPU tests check the exact sequence
+the GPU runs. Levels are rounded once to the table's type (fp16: relative error <= 2^-11; bf16: <= 2^-8, the size of
+the bf16 rounding of bitsandbytes' own dequantized weight). (The fp32 variant of the lookup, 8 conversions per word,
+served the register-lookup GEMV, deleted: docs/decisions/0017.)"""
 
 from __future__ import annotations
 
@@ -61,14 +61,17 @@ _SCRATCH = ("i", "j", "s", "m", "n", "a", "b", "p", "q")
 MASK32 = 0xFFFFFFFF
 
 
-def lut_words(code: torch.Tensor) -> tuple[int, ...]:
-    """[16] levels -> the 8 table words (L0..L3, H0..H3) as signed 32-bit ints (kernel arguments)."""
+def lut_words(code: torch.Tensor, dtype: torch.dtype = torch.float16) -> tuple[int, ...]:
+    """[16] levels -> the 8 table words (L0..L3, H0..H3) of the levels in `dtype` (fp16 or bf16) as signed 32-bit
+    ints (kernel arguments)."""
     if code.numel() != 16:
         raise ValueError(f"the NF4 register lookup takes 16 levels, got {code.numel()}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the NF4 register lookup holds fp16 or bf16 levels, not {dtype}")
     levels = code.detach().to("cpu", torch.float32)
     if not bool(torch.isfinite(levels).all()) or float(levels.abs().max()) > 65504.0:
         raise ValueError("NF4 levels must be finite and within fp16 range")
-    bits = [int(b) & 0xFFFF for b in levels.to(torch.float16).view(torch.int16).tolist()]
+    bits = [int(b) & 0xFFFF for b in levels.to(dtype).view(torch.int16).tolist()]
     words = []
     for shift in (0, 8):  # low bytes, then high bytes
         for q in range(4):
@@ -94,11 +97,16 @@ def _f16_to_f32(half_bits: int) -> float:
     return struct.unpack("<e", struct.pack("<H", half_bits & 0xFFFF))[0]
 
 
-def emulate_decode16(word: int, table: tuple[int, ...]) -> list[float]:
+def emulate_decode16(word: int, table: tuple[int, ...], dtype: torch.dtype = torch.float16) -> list[float]:
     """Runs DECODE16_PROGRAM on one packed word and the table words: the 8 levels in element order, read from the
-    fp16 halves of its 4 output words (the CPU twin of `decode16_ptx`)."""
+    16-bit halves of its 4 output words as `dtype` (fp16 or bf16, the table's type; the CPU twin of
+    `decode16_ptx`)."""
     regs = _run(DECODE16_PROGRAM, word, table)
-    return [_f16_to_f32(regs[f"e{t // 2}"] >> (16 * (t % 2))) for t in range(8)]
+    halves = [(regs[f"e{t // 2}"] >> (16 * (t % 2))) & 0xFFFF for t in range(8)]
+    if dtype == torch.float16:
+        return [_f16_to_f32(h) for h in halves]
+    signed = torch.tensor([h - (1 << 16) if h >= 1 << 15 else h for h in halves], dtype=torch.int16)
+    return signed.view(dtype).float().tolist()
 
 
 def _run(
@@ -126,7 +134,7 @@ def _run(
 
 
 def decode16_ptx() -> str:
-    """DECODE16_PROGRAM as inline PTX for `tl.inline_asm_elementwise`: outputs $0..$7 (the fp16 levels of the
+    """DECODE16_PROGRAM as inline PTX for `tl.inline_asm_elementwise`: outputs $0..$7 (the 16-bit levels of the
     word's elements 0..7, 16-bit registers), inputs $8 (the word) and $9..$16 (the table words)."""
     operand = {"w": "$8"}
     operand.update({name: f"${9 + i}" for i, name in enumerate(TABLE_OPERANDS)})

@@ -79,7 +79,8 @@ class NF4Weight:
     code: torch.Tensor  # [16] fp32: the 4-bit levels
     dtype: torch.dtype  # compute dtype (inputs and outputs)
     pair_levels: torch.Tensor = field(init=False, repr=False)  # [256] int32, derived from `code` (1 KiB)
-    # the 8 table words of quant_prmt's register lookup (fp16 levels), derived from `code`; empty for fp32
+    # the 8 table words of quant_prmt's register lookup (levels in the compute dtype), derived from `code`; empty
+    # for fp32
     lut_words: tuple[int, ...] = field(init=False, repr=False)
     # [256] int32 fp16x2 level pairs of quant_pair_table (the tile GEMV's shared table), derived from `code`;
     # zeros for fp32
@@ -104,7 +105,7 @@ class NF4Weight:
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"NF4 compute dtype must be a float type, got {self.dtype}")
         self.pair_levels = self._pair_levels()
-        self.lut_words = () if self.dtype == torch.float32 else quant_prmt.lut_words(self.code)
+        self.lut_words = () if self.dtype == torch.float32 else quant_prmt.lut_words(self.code, self.dtype)
         fp32 = self.dtype == torch.float32
         pairs = torch.zeros(256, dtype=torch.int32) if fp32 else quant_pair_table.pair_words16(self.code)
         self.pair_words16 = pairs.to(self.code.device)
