@@ -14,6 +14,7 @@ from collections.abc import Callable
 from corolla.client.calls.output_checks import BadServerOutput
 from corolla.client.routing.sequence_manager import RemoteSequenceManager
 from corolla.swarm.cache_refusals import is_cache_refusal, reroute_delay_s
+from corolla.swarm.route_planning import covers, find_missing_blocks
 from corolla.utils.errors import MissingBlocksError, NoHonestServerError
 from corolla.utils.logging import get_logger
 
@@ -25,12 +26,8 @@ SOLE_SERVER_RETRY_S = 1.0  # retry period while the only server of a block is un
 def has_alternative(manager: RemoteSequenceManager, peer_id: str, blocks: tuple[int, int]) -> bool:
     """True when servers other than `peer_id` (and not banned) cover every block of `[blocks[0], blocks[1])` in the
     client's current view."""
-    banned = manager.bans.banned_peers()
-    covered: set[int] = set()
-    for span in manager.spans:
-        if span.peer_id != peer_id and span.peer_id not in banned:
-            covered.update(range(max(span.start, blocks[0]), min(span.end, blocks[1])))
-    return len(covered) >= blocks[1] - blocks[0]
+    unusable = manager.bans.banned_peers() | {peer_id}
+    return covers([span for span in manager.spans if span.peer_id not in unusable], *blocks)
 
 
 def blame(manager: RemoteSequenceManager, error: BaseException, peer_id: str | None, blocks: tuple[int, int]) -> bool:
@@ -67,8 +64,7 @@ class RetryBudget:
         """The blocks of `blocks` that no server but the ones that failed covers in the current view (a dead sole
         server's record outlives it, and it is not banned for a network failure): all of them if every block has one."""
         others = [span for span in self.manager.spans if span.peer_id not in self.tried]
-        missing = [b for b in range(*blocks) if not any(span.start <= b < span.end for span in others)]
-        return missing or list(range(*blocks))
+        return find_missing_blocks(others, *blocks) or list(range(*blocks))
 
     def on_failure(self, error: BaseException, peer_id: str | None, blocks: tuple[int, int]) -> float:
         """Bans `peer_id` (None: no server to blame, e.g. no route) and returns the sleep before the next attempt;

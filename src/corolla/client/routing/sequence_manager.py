@@ -35,6 +35,7 @@ from corolla.swarm.membership import RpcMembership, SwarmKeyAuthorizer, load_swa
 from corolla.swarm.ping import PingAggregator, ping
 from corolla.swarm.policy import PLACEMENT_PINGS, RouteMode, SwarmPolicy
 from corolla.swarm.records_io import get_remote_module_infos, get_verified_model_infos
+from corolla.swarm.route_planning import covers
 from corolla.swarm.routed_load import RoutedLoad
 from corolla.swarm.spans import compute_spans
 from corolla.utils.interrupts import event_wait
@@ -294,14 +295,8 @@ class RemoteSequenceManager:
         with self._lock:
             remaining = [span for span in self._spans if span.peer_id != peer_id]
             self._spans = remaining
-        if not self._covers_every_block(remaining):
+        if not covers(remaining, 0, self.num_blocks):
             self.request_update()
-
-    def _covers_every_block(self, spans: Sequence[RemoteSpanInfo]) -> bool:
-        covered: set[int] = set()
-        for span in spans:
-            covered.update(range(span.start, span.end))
-        return len(covered) == self.num_blocks
 
     def avoided_peers(self) -> set[str]:
         """Servers skipped for now because they refused a session for want of KV cache."""
