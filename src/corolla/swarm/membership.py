@@ -143,7 +143,6 @@ class SwarmKeyAuthorizer(AuthorizerBase):
         self._key = key.dht_key
         self.max_clock_skew_s = max_clock_skew_s
         self._nonces: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # nonce -> forget after
-        self.num_refused = 0
 
     def _mac(self, label: bytes, message: bytes) -> bytes:
         return hmac.new(self._key, label + b"\0" + message, hashlib.sha256).digest()
@@ -176,7 +175,6 @@ class SwarmKeyAuthorizer(AuthorizerBase):
         elif len(auth.nonce) != DHT_NONCE_BYTES or self._seen(auth.nonce, now):
             reason = "replayed"
         if reason is not None:
-            self.num_refused += 1
             logger.debug(f"membership.dht_request_refused(reason={reason})")
             return False
         return True
@@ -201,6 +199,5 @@ class SwarmKeyAuthorizer(AuthorizerBase):
             self._mac(b"response", payload), signature
         )
         if not valid:
-            self.num_refused += 1
             logger.debug("membership.dht_response_refused")
         return valid
