@@ -68,15 +68,8 @@ class StateCollector:
         self.dht = dht
         self.config = config or HealthConfig()
         self.pinned_models = list(models)
-        self._state: dict[str, Any] = {
-            "bootstrap_states": [],
-            "top_contributors": {},
-            "model_reports": [],
-            "reachability_issues": [],
-            "last_updated": None,
-            "update_period": self.config.refresh_period_s,
-            "update_duration": None,
-        }
+        period_s = self.config.refresh_period_s  # until the first refresh: no model, never updated
+        self._state = build_state([], {}, last_updated=None, update_period_s=period_s, update_duration_s=None)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._refreshed = threading.Event()

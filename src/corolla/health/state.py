@@ -225,9 +225,9 @@ def build_state(
     *,
     rtts_s: Mapping[str, float] | None = None,
     bootstrap_states: Sequence[str] = (),
-    last_updated: float,
+    last_updated: float | None,
     update_period_s: float,
-    update_duration_s: float,
+    update_duration_s: float | None,
     served_tps: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The whole `/api/v1/state` document; `module_infos[prefix]` aligned with blocks 0..n-1 of each model;
