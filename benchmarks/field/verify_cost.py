@@ -61,7 +61,7 @@ from corolla.engine.spans.fast_llama import LayerWeights, LlamaSpec
 from corolla.server.core.engine_executor import EngineExecutor, shorten_gil_switch_interval
 from corolla.server.core.executor import SessionSpec, StepInputs
 from corolla.server.core.runtime import Runtime
-from corolla.utils.tensor_bytes import TensorBytes
+from corolla.utils.tensor_bytes import TensorBytes, as_tensor
 
 BUCKET_ROWS = 16  # the graph buckets' step: rows, rows + 16, ... (a server's buckets are finer still)
 
@@ -144,7 +144,7 @@ async def _session(
 
 def _positions(outputs: list[torch.Tensor | TensorBytes]) -> torch.Tensor:
     """A session's decode outputs [steps, H] from its steps' [1, n, H] (a launched step's are its bytes)."""
-    return torch.cat([(out.tensor() if isinstance(out, TensorBytes) else out)[0] for out in outputs])
+    return torch.cat([as_tensor(out)[0] for out in outputs])
 
 
 def _totals(runtime: Runtime) -> tuple[float, float, int]:

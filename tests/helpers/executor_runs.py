@@ -15,6 +15,7 @@ from corolla.engine.serving import SpanTraits
 from corolla.models.registry import get_family
 from corolla.server.backend import SpanBackend
 from corolla.server.core.executor import SessionSpec, StepInputs
+from corolla.utils.tensor_bytes import as_tensor
 
 MERGED_STEP_TIMEOUT_S = 30.0
 
@@ -92,14 +93,16 @@ async def merged_sessions_run(
     before the sessions close. Returns each plan's outputs."""
     async with contextlib.AsyncExitStack() as stack:
         sessions = [await stack.enter_async_context(executor.open_session(spec, 0)) for _ in plans]
-        got = [[await executor.step(session, plan[0])] for session, plan in zip(sessions, plans, strict=True)]
+        got = [
+            [as_tensor(await executor.step(session, plan[0]))] for session, plan in zip(sessions, plans, strict=True)
+        ]
         merged = await asyncio.wait_for(
             asyncio.gather(*[executor.step(session, plan[1]) for session, plan in zip(sessions, plans, strict=True)]),
             MERGED_STEP_TIMEOUT_S,
         )
         for outputs, session, plan, decoded in zip(got, sessions, plans, merged, strict=True):
-            outputs.append(decoded)
-            outputs += [await executor.step(session, step) for step in plan[2:]]
+            outputs.append(as_tensor(decoded))
+            outputs += [as_tensor(await executor.step(session, step)) for step in plan[2:]]
         if while_open is not None:
             await while_open(sessions)
     return got

@@ -15,6 +15,7 @@ from corolla.server.backend import SpanBackend
 from corolla.server.core.executor import SessionSpec
 from corolla.server.core.refusals import BadRequest
 from corolla.server.handlers.remote_core import RemoteCore, RemoteSessionCache
+from corolla.utils.tensor_bytes import TensorBytes, as_tensor
 from helpers.channel_frames import remote_session, served_channel
 from helpers.executor_runs import step_inputs
 from helpers.tiny_models import tiny_span_backend
@@ -44,7 +45,7 @@ async def test_steps_of_many_sessions_travel_in_batches_and_each_gets_its_own_ou
             want = [await real.step(direct[i], step_inputs(row[i], 3 + step)) for i in range(SESSIONS)]
             got = await asyncio.gather(*(proxy.step(remote[i], step_inputs(row[i], 3 + step)) for i in range(SESSIONS)))
             for w, g in zip(want, got, strict=True):
-                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(as_tensor(g), as_tensor(w), rtol=1e-5, atol=1e-5)
         steps = len(tokens) * SESSIONS
         assert channel.num_requests - requests == steps
         assert channel.num_frames_in - frames_in == len(tokens)  # one STEP_BATCH per round
@@ -63,6 +64,6 @@ async def test_a_refused_step_inside_a_batch_fails_only_its_caller(backend) -> N
             *(proxy.step(c, step_inputs(torch.randn(1, 2, H), 0)) for c in (*caches, ghost)), return_exceptions=True
         )
         assert channel.num_frames_in - frames_in == 1  # all four in one frame
-        assert all(isinstance(r, torch.Tensor) and r.shape == (1, 2, H) for r in results[:3])
+        assert all(isinstance(r, TensorBytes) and r.tensor().shape == (1, 2, H) for r in results[:3])
         assert isinstance(results[3], BadRequest)  # the device's FrameError crosses as the handler's BadRequest
         assert "handle 999999" in str(results[3])

@@ -21,6 +21,7 @@ from corolla.server.core.refusals import BadRequest, RuntimeStopped
 from corolla.server.core.runtime import Runtime, Task
 from corolla.server.handlers.device_channel import FrameSocket
 from corolla.server.handlers.remote_core import RemoteCore
+from corolla.utils.tensor_bytes import TensorBytes, as_tensor
 from helpers.channel_frames import recv_frame, remote_session, served_channel
 from helpers.executor_runs import step_inputs
 from helpers.tiny_models import tiny_span_backend
@@ -109,9 +110,9 @@ async def test_a_refused_step_fails_only_its_caller_and_the_session_goes_on(back
             proxy.step(b, step_inputs(too_long, 0)),
             return_exceptions=True,
         )
-        assert isinstance(results[0], torch.Tensor) and results[0].shape == (1, 3, H)
+        assert isinstance(results[0], TensorBytes) and results[0].tensor().shape == (1, 3, H)
         assert isinstance(results[1], (BadRequest, ValueError)), results[1]
-        out = await proxy.step(b, step_inputs(torch.randn(1, 2, H), 0))  # the refused session still serves
+        out = as_tensor(await proxy.step(b, step_inputs(torch.randn(1, 2, H), 0)))  # the refused session still serves
         assert out.shape == (1, 2, H) and torch.isfinite(out).all()
 
 

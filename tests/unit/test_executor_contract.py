@@ -37,6 +37,7 @@ from corolla.server.handlers.device_channel import DeviceChannel
 from corolla.server.handlers.remote_core import DeviceLink, RemoteCore
 from corolla.server.metrics import ServerMetrics
 from corolla.utils.errors import AllocationFailed
+from corolla.utils.tensor_bytes import as_tensor
 from helpers.channel_frames import NO_CAPS
 from helpers.tiny_models import tiny_config
 
@@ -175,7 +176,7 @@ async def test_steps_equal_the_backend(backend, kind, blocks) -> None:
         spec = SessionSpec(blocks, 2, 40)
         async with executor.open_session(spec, alloc_timeout_s=0) as cache:
             assert executor.bytes_left == left - executor.session_bytes(spec) < left
-            got = [await executor.step(cache, s) for s in steps]
+            got = [as_tensor(await executor.step(cache, s)) for s in steps]
         assert executor.bytes_left == left
     for out, ref in zip(got, expected, strict=True):
         assert out.shape == ref.shape
@@ -229,7 +230,7 @@ async def test_concurrent_sessions_stay_independent_and_caches_are_not_interchan
         for cache, p in zip(caches, prefixes, strict=True):
             await executor.step(cache, _step(p, 0))
         steps = [executor.step(c, _step(t, p.shape[1])) for c, t, p in zip(caches, tokens, prefixes, strict=True)]
-        got = await asyncio.wait_for(asyncio.gather(*steps), 30)
+        got = [as_tensor(out) for out in await asyncio.wait_for(asyncio.gather(*steps), 30)]
         with Runtime(max_batch_size_tokens=1024) as other_runtime:
             other = EXECUTORS["fused" if kind == "eager" else "eager"](backend, other_runtime)
             async with other.open_session(SessionSpec(SPAN, 1, 16), 0) as foreign:
@@ -253,8 +254,8 @@ async def test_kv_handoff_round_trips(backend, kind) -> None:
             tensors = await executor.read_kv(source, 6)
             assert [t.shape[2] for t in tensors] == [6] * 2 * len(layout)
             await executor.write_kv(target, tensors, 6)
-            expected = await executor.step(source, _step(nxt, 6))
-            got = await executor.step(target, _step(nxt, 6))
+            expected = as_tensor(await executor.step(source, _step(nxt, 6)))
+            got = as_tensor(await executor.step(target, _step(nxt, 6)))
     assert torch.equal(got, expected)
 
 
@@ -274,7 +275,9 @@ async def test_prefix_keys_publish_pages_that_later_sessions_of_the_namespace_at
             executor.add_prefix_keys(cache, "alice/", keys)  # the rest of the keys, after the states
         async with executor.open_session(spec, 0) as cache:
             assert await executor.attach_prefix(cache, "alice/", keys) == 32  # two whole 16-token pages
-            torch.testing.assert_close(await executor.step(cache, _step(hidden[:, 32:], 32)), expected[:, 32:])
+            torch.testing.assert_close(
+                as_tensor(await executor.step(cache, _step(hidden[:, 32:], 32))), expected[:, 32:]
+            )
         async with executor.open_session(spec, 0) as cache:
             assert await executor.attach_prefix(cache, "mallory/", keys) == 0
 

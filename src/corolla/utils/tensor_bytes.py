@@ -53,3 +53,8 @@ class TensorBytes(NamedTuple):
     def tensor(self) -> torch.Tensor:
         """A tensor viewing `data` (writable)."""
         return view_bytes(self.data, self.dtype, self.shape)
+
+
+def as_tensor(output: torch.Tensor | TensorBytes) -> torch.Tensor:
+    """A step's output as a tensor: itself, or a view of its bytes (`TensorBytes.tensor`)."""
+    return output.tensor() if isinstance(output, TensorBytes) else output

@@ -37,6 +37,7 @@ from corolla.server.core.refusals import decode_error
 from corolla.server.core.span_core import DrainState, PushSink, PushTable
 from corolla.server.front import step_timeline
 from corolla.utils.logging import get_logger
+from corolla.utils.tensor_bytes import TensorBytes
 
 logger = get_logger(__name__)
 
@@ -266,7 +267,7 @@ class RemoteCore:
             raise TypeError(f"{type(cache).__name__} is not a cache of this process's link to the core")
         return cache
 
-    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor:
+    async def step(self, cache: SessionCache, inputs: StepInputs) -> TensorBytes:
         handle = self._own(cache).handle
         body = wire.Writer().step_head(handle, inputs.prefix_length, inputs.lone_session, inputs.adapter)
         if inputs.hidden_states is None and inputs.hidden_bytes is not None and inputs.hidden_meta is not None:
@@ -275,11 +276,11 @@ class RemoteCore:
             body.tensor(inputs.tensor())
         body.tensor(inputs.prompts).tensor(inputs.hypo_ids)
         if step_timeline.DIRECTORY is None:  # off (the bench's hook): no call per step
-            return _one_tensor(await self.link.call(wire.STEP, body, batched=True))
+            return _one_output(await self.link.call(wire.STEP, body, batched=True))
         step_timeline.stamp(step_timeline.SENT)
         reply = await self.link.call(wire.STEP, body, batched=True)
         step_timeline.stamp(step_timeline.BACK)
-        return _one_tensor(reply)
+        return _one_output(reply)
 
     def push(self, session_id: str, request: runtime_pb2.ExpertRequest, *, sender: str | None) -> bool:
         """To the core, which routes it to the process holding the session (this one too): True once sent."""
@@ -351,10 +352,12 @@ def _typed(value: object, kind: Any) -> Any:
     return value
 
 
-def _one_tensor(reader: wire.Reader) -> torch.Tensor:
-    """A step's reply: one tensor [B, T, H]."""
-    count, tensor = reader.u8(), reader.tensor()
+def _one_output(reader: wire.Reader) -> TensorBytes:
+    """A step's reply: one tensor [B, T, H], as a copy of its bytes with its dtype and shape (no tensor built: the
+    front encodes its reply from them, `codecs.serialize_tensor_bytes`)."""
+    count, record = reader.u8(), reader.record()
     reader.done()
-    if count != 1 or tensor is None:
+    if count != 1 or record is None:
         raise wire.FrameError(f"expected one reply tensor, got {count}")
-    return tensor
+    dtype, shape, raw = record
+    return TensorBytes(memoryview(bytearray(raw)), dtype, shape)
