@@ -112,7 +112,4 @@ class AutoDistributedModelForSequenceClassification:
     def from_pretrained(
         cls, name_or_path: str | os.PathLike, **kwargs: Any
     ) -> DistributedModelForSequenceClassification:
-        model: DistributedModelForSequenceClassification = load_distributed_model(
-            DistributedModelForSequenceClassification, name_or_path, **kwargs
-        )
-        return model
+        return load_distributed_model(DistributedModelForSequenceClassification, name_or_path, **kwargs)
