@@ -213,10 +213,7 @@ def _parse_server(uid: str, subkey: Any, value: Any) -> tuple[str, ServerInfo] |
             raise ValueError(f"subkey must be a base58 peer id str, got {type(subkey).__name__}")
         peer_id = PeerID.from_base58(subkey).to_base58()
         return peer_id, ServerInfo.from_tuple(value)
-    except (TypeError, ValueError) as e:
-        logger.warning(f"records.malformed(uid={uid}, subkey={str(subkey)[:60]!r}): {e}")
-        return None
-    except Exception as e:  # PeerID parsing raises library-specific errors on garbage
+    except Exception as e:  # TypeError, ValueError, or PeerID parsing's library-specific errors on garbage
         logger.warning(f"records.malformed(uid={uid}, subkey={str(subkey)[:60]!r}): {e!r:.200}")
         return None
 
