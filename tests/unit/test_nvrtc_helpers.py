@@ -15,7 +15,7 @@ import corolla.engine.quant as quant
 HELPERS = ("ld_stream", "ld_stream_256", "ld_nc", "bf16x2_to_f16x2", "load_out_type", "to_out_type", "rounded",
            "silu_times", "unpack_pair", "pack_pair", "sum_squares", "norm_pair", "grid_release", "grid_wait",
            "x_operand", "stage_x", "copy_async4", "copy_async_wait",
-           "load_written_out_type")  # fmt: skip
+           "load_written_out_type", "load_written_i64")  # fmt: skip
 
 
 def _definitions(text: str, name: str) -> int:
@@ -42,6 +42,22 @@ def test_row_gemvs_release_first_and_wait_before_reading_x(module: str) -> None:
     release, wait = text.index("grid_release();"), text.index("grid_wait();")
     assert text.count("grid_wait();") == 1 and release < wait < text.index("stage_x<THREADS>(")
     assert wait < text.index("out[m * som")
+
+
+@pytest.mark.parametrize(("module", "pointer", "load"), [("quant_int8_gemv.py", "res", "load_written_out_type"),
+                                                         ("quant_tile_gemv.py", "routes", "load_written_i64")])  # fmt: skip
+def test_what_the_kernels_ahead_wrote_is_read_by_a_volatile_load_after_the_wait(
+    module: str, pointer: str, load: str
+) -> None:
+    # a plain load through a const __restrict__ pointer may be moved above griddepcontrol.wait (NVVM did it to the
+    # INT8 residual; ptxas to the NF4 experts' routes[m] in every one-row EXPERTS build: SASS, NVRTC 12.9 sm_90a)
+    text = (Path(quant.__file__).parent / module).read_text()
+    text = text[text.index('_SOURCE = r"""') :]
+    text = text[: text.index('"""\n', 16)]  # the CUDA source
+    wait = text.index("grid_wait();")
+    reads = [i for i in range(len(text)) if text.startswith(f"{load}({pointer} + ", i)]
+    assert reads and all(i > wait for i in reads)
+    assert f"{pointer}[" not in text and f"load_out_type({pointer} " not in text
 
 
 def test_a_source_without_the_programmatic_calls_is_refused() -> None:

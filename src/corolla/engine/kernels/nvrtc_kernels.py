@@ -26,7 +26,8 @@ import torch
 # the programmatic launch's release and wait (every NVRTC kernel calls both, see above), 16-byte loads of the weight
 # stream and of x, 4-byte copies into shared memory (cp.async), bf16 x into fp16 for the matrix units, RMSNorm's
 # pairs (x's dtype: the kernel's -D X_BF16), x's staging in shared memory with the RMSNorm prologue (-D PRO: 1
-# RMSNorm), the output dtype's loads (a residual) and rounding (-D OUT_BF16: bf16, else fp16)
+# RMSNorm), the output dtype's loads (a residual) and rounding (-D OUT_BF16: bf16, else fp16), and the volatile
+# loads of what the kernels ahead wrote (after grid_wait)
 CUDA_HELPERS = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -111,6 +112,14 @@ static __device__ __forceinline__ __attribute__((unused)) float load_written_out
   u16 h;
   asm volatile("ld.global.u16 %0, [%1];" : "=h"(h) : "l"(p) : "memory");
   return load_out_type(&h);
+}
+
+// an int64 the kernels ahead wrote (the routed experts' ids), read where it stands: a volatile load, kept after
+// grid_wait() (ptxas moved a plain load through a const __restrict__ pointer above the wait)
+static __device__ __forceinline__ __attribute__((unused)) long long load_written_i64(const long long* p) {
+  long long v;
+  asm volatile("ld.global.s64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
 }
 
 // a pair of x's dtype (the kernel's -D X_BF16: bf16, else fp16) -> fp32 (the even value in .x)

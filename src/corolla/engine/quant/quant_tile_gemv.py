@@ -372,7 +372,7 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
       const int a = c0 + lane;
       long long e = -1;  // (a row past A: never in `same`)
       if (a < A) {
-        e = routes[a];
+        e = load_written_i64(routes + a);
         if (e < 0 || e >= E) e = E;  // every id outside [0, E): one key
       }
       const u32 same = __match_any_sync(0xffffffffu, e) & __ballot_sync(0xffffffffu, a < A);
@@ -393,7 +393,7 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   // the pair's expert: its codes, absmax codes, second-level absmaxes and offset from the [4, E] address table (the
   // nested code table, read above, is every expert's); an id outside [0, E) gives zero rows
   {
-    const long long e = routes[m];
+    const long long e = load_written_i64(routes + m);
     if (e < 0 || e >= E) {
       if (blockIdx.x == 0)
         for (int i = tid; i < (GATED ? N / 2 : N); i += THREADS) {
@@ -413,7 +413,7 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
   // the [4, E] address table (the nested code table, read above, is every expert's); an id outside [0, E) gives a
   // zero row
   {
-    const long long e = routes[m];
+    const long long e = load_written_i64(routes + m);
     if (e < 0 || e >= E) {
       if (blockIdx.x == 0)
         for (int i = tid; i < (GATED ? N / 2 : N); i += THREADS) out[m * som + i] = to_out_type(0.f);
