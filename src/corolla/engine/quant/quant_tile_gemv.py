@@ -390,33 +390,21 @@ nf4_tile_gemv(const u8* __restrict__ wq, const u8* __restrict__ ac, const float*
     }
   }
   if (m < 0) return;
-  // the pair's expert: its codes, absmax codes, second-level absmaxes and offset from the [4, E] address table (the
-  // nested code table, read above, is every expert's); an id outside [0, E) gives zero rows
+#endif
+#if EXPERTS
+  // the row's expert (PAIRS: the pair's; written by the router ahead): its codes, absmax codes, second-level absmaxes
+  // and offset from the [4, E] address table (the nested code table, read above, is every expert's); an id outside
+  // [0, E) gives zero rows
   {
     const long long e = load_written_i64(routes + m);
     if (e < 0 || e >= E) {
       if (blockIdx.x == 0)
         for (int i = tid; i < (GATED ? N / 2 : N); i += THREADS) {
           out[m * som + i] = to_out_type(0.f);
+#if PAIRS
           if (mb >= 0) out[mb * som + i] = to_out_type(0.f);
+#endif
         }
-      return;
-    }
-    wq = reinterpret_cast<const u8*>(experts[e]);
-    ac = reinterpret_cast<const u8*>(experts[E + e]);
-    na = reinterpret_cast<const float*>(experts[2 * E + e]);
-    offset = __ldg(offsets + e);
-  }
-  FIRST_LOADS
-#elif EXPERTS
-  // this row's expert (written by the router ahead): its codes, absmax codes, second-level absmaxes and offset from
-  // the [4, E] address table (the nested code table, read above, is every expert's); an id outside [0, E) gives a
-  // zero row
-  {
-    const long long e = load_written_i64(routes + m);
-    if (e < 0 || e >= E) {
-      if (blockIdx.x == 0)
-        for (int i = tid; i < (GATED ? N / 2 : N); i += THREADS) out[m * som + i] = to_out_type(0.f);
       return;
     }
     wq = reinterpret_cast<const u8*>(experts[e]);
