@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from corolla.utils.tensor_bytes import HiddenRows, TensorBytes, view_bytes
+from corolla.utils.tensor_bytes import HiddenRows, TensorBytes, as_tensor, view_bytes
 
 # handler -> device: a call of the core (a reply comes back: REPLY_VALUE or REPLY_ERROR), a step, a frame of steps
 CALL, STEP, STEP_BATCH = 1, 3, 11
@@ -593,10 +593,9 @@ def reply_frames(
                 if raw.nbytes == nbytes:
                     encoded.append((REPLY_TENSORS, request_id, [prefix, raw], len(prefix) + nbytes))
                     continue
-            tensor = result.tensor() if isinstance(result, TensorBytes) else result  # (its bytes are `raw`: not here)
-            groups.setdefault((result.dtype, dims), []).append((len(encoded), tensor))
+            groups.setdefault((result.dtype, dims), []).append((len(encoded), as_tensor(result)))
         else:  # elsewhere than the CPU, or a dtype the channel can't carry (the writer raises FrameError for it)
-            body = Writer().u8(1).tensor(result.tensor() if isinstance(result, TensorBytes) else result)
+            body = Writer().u8(1).tensor(as_tensor(result))
             encoded.append((REPLY_TENSORS, request_id, body.parts, body.nbytes()))
             continue
         encoded.append((REPLY_TENSORS, request_id, [], 0))  # its body is filled in below, with its group's
@@ -635,7 +634,7 @@ def _uniform_frames(
             return None
         if raw is None or raw.nbytes != nbytes:
             loose.append(len(data))
-            tensors.append(result.tensor() if isinstance(result, TensorBytes) else result)
+            tensors.append(as_tensor(result))
             data.append(b"")  # filled in below
         else:
             data.append(raw)
