@@ -63,7 +63,8 @@ async def test_late_sessions_merge_with_the_others_instead_of_alternating() -> N
     without, _, _ = await _drive(0.0, think, steps=8)
     assert sum(with_rule) == sum(without) == 8 * 8
     assert len(with_rule) <= 10, with_rule  # ~one forward per round (the first rounds may learn)
-    assert len(without) >= 14, without  # two cohorts alternate
+    # two cohorts alternate (16 forwards when apart; a loaded host merges a round now and then: 13 seen on 2 cores)
+    assert len(without) >= 12, without
 
 
 async def test_a_slow_session_does_not_stall_the_others() -> None:
