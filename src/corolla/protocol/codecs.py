@@ -122,10 +122,7 @@ def serialize_tensor_bytes(output: TensorBytes, compression: int = CompressionTy
         and dtype in _RAW_VIEWS
         and not (dtype == torch.bfloat16 and hivemind.compression.base.USE_LEGACY_BFLOAT16)
     ):
-        return runtime_pb2.Tensor(
-            compression=_NONE, buffer=bytes(output.data), size=output.shape, dtype=_DTYPE_NAMES[dtype],
-            requires_grad=False,
-        )  # fmt: skip
+        return _raw_message(bytes(output.data), output.shape, dtype, requires_grad=False)
     return serialize_tensor(output.tensor(), compression)
 
 
@@ -138,12 +135,13 @@ def _serialize_raw(tensor: torch.Tensor) -> runtime_pb2.Tensor:
         data = data.float()
     elif data.dtype == torch.bfloat16:
         data = data.view(torch.int16)  # numpy has no bfloat16: same bytes as a 2-byte integer type
+    return _raw_message(data.numpy().tobytes(), tensor.shape, tensor.dtype, requires_grad=requires_grad)
+
+
+def _raw_message(buffer: bytes, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool) -> runtime_pb2.Tensor:
+    """The NONE codec's message around bytes already in their wire form (both raw serializers)."""
     return runtime_pb2.Tensor(
-        compression=_NONE,
-        buffer=data.numpy().tobytes(),
-        size=tensor.shape,
-        dtype=_DTYPE_NAMES[tensor.dtype],
-        requires_grad=requires_grad,
+        compression=_NONE, buffer=buffer, size=shape, dtype=_DTYPE_NAMES[dtype], requires_grad=requires_grad
     )
 
 
