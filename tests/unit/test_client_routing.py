@@ -220,6 +220,33 @@ def test_corolla_client_measures_its_whole_region_and_routes_there_first():
     assert seen == [7.0]
 
 
+@pytest.mark.parametrize("policy", ["petals", "corolla"])
+def test_a_server_whose_link_is_down_is_not_pinged_while_a_session_knocks_on_it(policy):
+    """A ping dials through p2pd; one that fails late in an outage puts the address in libp2p's dial back-off and keeps
+    the knocking session from the server after its link returns. The last block's only server is pinged on every
+    refresh, except while some session knocks on it (`link_down`, nestable); afterwards it is pinged again."""
+    servers = {"first": info(0, 2), "last": info(2, 4)}
+    pinged: list[list[str]] = []
+
+    class Pinging(FakeSwarmManager):
+        def measure_rtts_s(self, peer_ids):
+            pinged.append(sorted(peer_ids))
+            return {p: 0.01 for p in peer_ids}
+
+    manager = Pinging(ClientConfig(max_pinged=3), servers, 4, policy=policy)
+    manager.update()
+    assert "last" in pinged[-1]
+    with manager.link_down("last"):
+        with manager.link_down("last"):  # two sessions knock on it
+            manager.update()
+            assert pinged[-1] == ["first"]
+        manager.update()
+        assert pinged[-1] == ["first"]
+        assert {s.peer_id for s in manager.spans} == {"first", "last"}  # still routed to: only the pings stop
+    manager.update()
+    assert "last" in pinged[-1]
+
+
 def test_bans_are_ignored_when_they_would_leave_a_block_uncovered():
     manager = FakeSwarmManager(ClientConfig(), {"only": info(0, 3)}, 3)
     manager.update()

@@ -4,12 +4,13 @@ bans, allow/block lists, pings) and turns it into chains of server spans for inf
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hivemind.p2p import PeerID
@@ -101,6 +102,7 @@ class RemoteSequenceManager:
         self._last_update_error: BaseException | None = None
         self._update_lock = threading.Lock()
         self._avoid_until: dict[str, float] = {}  # servers that refused for cache -> time.monotonic() to skip them to
+        self._links_down: dict[str, int] = {}  # servers some session knocks on (`link_down`) -> how many sessions
         self._updated_at = -math.inf  # time.monotonic() of the last completed update
         self._p2p: Any = p2p  # None: the DHT's replica, made on first use
         self._stubs: dict[str, Any] = {}
@@ -204,16 +206,22 @@ class RemoteSequenceManager:
         (the RTTs are kept: a pair of hosts' RTT barely changes)."""
         if self.config.max_pinged <= 0 or not infos:
             return []
+        with self._lock:
+            down = set(self._links_down)
         chosen: set[str] = set()
         for index in sorted({0, len(infos) // 2, len(infos) - 1}):
-            peers = [peer for peer, server in infos[index].servers.items() if server.state == ServerState.ONLINE]
+            peers = [
+                peer
+                for peer, server in infos[index].servers.items()
+                if server.state == ServerState.ONLINE and peer not in down
+            ]
             chosen.update(self.rng.sample(peers, min(len(peers), self.config.max_pinged)))
         if self.policy.uses_rtts:
             known = self._rtts.to_dict()
             online = {
                 peer for info in infos for peer, server in info.servers.items() if server.state == ServerState.ONLINE
             }
-            unknown = sorted(online - known.keys() - chosen)
+            unknown = sorted(online - known.keys() - chosen - down)
             chosen.update(self.rng.sample(unknown, min(len(unknown), PLACEMENT_PINGS)))
         return sorted(chosen)
 
@@ -305,6 +313,21 @@ class RemoteSequenceManager:
             for peer in [peer for peer, until in self._avoid_until.items() if until <= now]:
                 del self._avoid_until[peer]
             return set(self._avoid_until)
+
+    @contextlib.contextmanager
+    def link_down(self, peer_id: str) -> Iterator[None]:
+        """While a session knocks on `peer_id`'s listener (`client.transport.link_probe`: its link is down), the refresh
+        does not ping it: a ping dials through p2pd, and every dial that fails adds to libp2p's back-off for the
+        address, so a ping failing late in the outage kept the session from the server for seconds after the link
+        returned. The knock answers the same question without the daemon."""
+        with self._lock:
+            self._links_down[peer_id] = self._links_down.get(peer_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                if (left := self._links_down.pop(peer_id) - 1) > 0:
+                    self._links_down[peer_id] = left
 
     def on_cache_refusal(self, peer_id: str) -> None:
         """`peer_id` had no KV cache for a session: skip it for `AVOID_S` (not a failure: its ban record stays as it

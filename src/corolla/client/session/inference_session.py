@@ -341,7 +341,9 @@ class InferenceSession:
                     # re-plan at once if another server comes to cover the span (the view is re-read meanwhile)
                     limit_s = LINK_KNOCK_LIMIT_S if budget.left_s is None else budget.left_s
                     replica_appeared = functools.partial(has_alternative, self.manager, knock_on[0], blocks)
-                    if await wait_until_answering(knock_on[1], limit_s, replica_appeared) in ("up", "refused"):
+                    with self.manager.link_down(knock_on[0]):
+                        link = await wait_until_answering(knock_on[1], limit_s, replica_appeared)
+                    if link in ("up", "refused"):
                         await asyncio.sleep(delay_s)  # not a link outage: the usual pace of retries
                 else:
                     await asyncio.sleep(delay_s)
