@@ -4,6 +4,8 @@ replace or slice them."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,19 +24,27 @@ def activation(name: str):
     raise ValueError(f"Unsupported activation {name!r}")
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, scaled in the input dtype (as Llama/Mistral/Mixtral do)."""
+RMSNormKind = Literal["llama", "gemma", "gpt_oss"]
 
-    def __init__(self, hidden_size: int, eps: float):
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32. How the gain applies differs by family, each as its reference rounds:
+    "llama" (Llama/Mistral/Mixtral) scales in the input dtype; "gemma" multiplies by (1 + weight) in fp32 before the
+    cast (weights stored as offsets); "gpt_oss" multiplies by the weight before the cast."""
+
+    def __init__(self, hidden_size: int, eps: float, *, kind: RMSNormKind = "llama"):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if kind == "gemma" else torch.ones(hidden_size))
+        self.eps, self.kind = eps, kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
-        dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if self.kind == "gemma":
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        if self.kind == "gpt_oss":
+            return (self.weight * x32).to(x.dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 class GatedMLP(nn.Module):

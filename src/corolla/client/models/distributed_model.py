@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from transformers import GenerationConfig
 from transformers.modeling_outputs import CausalLMOutput
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from corolla.client.config import ClientConfig
 from corolla.client.models.generation import GenerationLoop, padding_groups
@@ -24,8 +23,7 @@ from corolla.client.speculative.loop import SpeculativeStats
 from corolla.client.training.prompt_tuning import PromptTuning, TuningConfig
 from corolla.client.training.remote_sequential import RemoteSequential
 from corolla.models.config import checkpoint_dtype, default_dht_prefix, load_config, parse_dtype
-from corolla.models.gemma.block import GemmaRMSNorm
-from corolla.models.gpt_oss.block import GptOssRMSNorm
+from corolla.models.layers import RMSNorm, RMSNormKind
 from corolla.models.loading import CheckpointSource
 from corolla.models.window_attention import softcap
 from corolla.protocol.uids import make_uid
@@ -40,13 +38,13 @@ class ClientLayout:
 
     embeddings: str
     final_norm: str
-    norm_kind: str  # "rms", "layer", "gemma" ((1 + weight) RMSNorm) or "gpt_oss_rms" (weight before the cast)
+    norm_kind: RMSNormKind | Literal["layer"]  # an RMSNorm's kind, or "layer" (LayerNorm)
     embeddings_norm: str | None = None
     lm_head: str = "lm_head"
     base_prefix: str = ""  # some checkpoints (bigscience/bloom) omit it
 
 
-_RMS = ClientLayout(embeddings="model.embed_tokens", final_norm="model.norm", norm_kind="rms", base_prefix="model.")
+_RMS = ClientLayout(embeddings="model.embed_tokens", final_norm="model.norm", norm_kind="llama", base_prefix="model.")
 _GEMMA = dataclasses.replace(_RMS, norm_kind="gemma")
 LAYOUTS: dict[str, ClientLayout] = {
     "llama": _RMS,
@@ -59,7 +57,7 @@ LAYOUTS: dict[str, ClientLayout] = {
     "deepseek_v3": _RMS,
     "gemma2": _GEMMA,
     "gemma3_text": _GEMMA,
-    "gpt_oss": dataclasses.replace(_RMS, norm_kind="gpt_oss_rms"),
+    "gpt_oss": dataclasses.replace(_RMS, norm_kind="gpt_oss"),
     "falcon": ClientLayout(
         embeddings="transformer.word_embeddings",
         final_norm="transformer.ln_f",
@@ -79,14 +77,10 @@ LAYOUTS: dict[str, ClientLayout] = {
 SCALED_EMBEDDINGS = ("gemma2", "gemma3_text")  # embeddings times sqrt(hidden_size), rounded to their dtype
 
 
-def _make_norm(kind: str, hidden_size: int, config: Any) -> nn.Module:
-    if kind == "gemma":
-        return GemmaRMSNorm(hidden_size, config.rms_norm_eps)
-    if kind == "gpt_oss_rms":
-        return GptOssRMSNorm(hidden_size, config.rms_norm_eps)
-    if kind == "rms":
-        return LlamaRMSNorm(hidden_size, eps=config.rms_norm_eps)
-    return nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
+def _make_norm(kind: RMSNormKind | Literal["layer"], hidden_size: int, config: Any) -> nn.Module:
+    if kind == "layer":
+        return nn.LayerNorm(hidden_size, eps=config.layer_norm_epsilon)
+    return RMSNorm(hidden_size, config.rms_norm_eps, kind=kind)
 
 
 class DistributedModel(nn.Module):

@@ -8,30 +8,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from torch import nn
 
 from corolla.models.block_base import CorollaBlock, TensorTarget, same_names
 from corolla.models.expert_names import swiglu_layout
-from corolla.models.layers import GatedMLP
+from corolla.models.layers import GatedMLP, RMSNorm
 from corolla.models.llama.block import head_dim_of, num_kv_heads_of, qkv_layout
 from corolla.models.positions import RotaryEmbedding, rope_parameters
 from corolla.models.window_attention import WindowedAttention, WindowedAttentionConfig
 
 SLIDING = "sliding_attention"
-
-
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), all in fp32, cast back to the input dtype (weights are stored as offsets)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
 def layer_type_of(config, layer_idx: int) -> str:
@@ -72,8 +57,10 @@ def make_gemma_attention(config, layer_idx: int, *, qk_norm: bool) -> WindowedAt
         logit_softcap=getattr(config, "attn_logit_softcapping", None),
     )
     rotary = RotaryEmbedding(hd, layer_rope_parameters(config, layer_idx), config.max_position_embeddings)
-    norms = (GemmaRMSNorm(hd, config.rms_norm_eps), GemmaRMSNorm(hd, config.rms_norm_eps)) if qk_norm else (None, None)
-    return WindowedAttention(cfg, rotary, q_norm=norms[0], k_norm=norms[1])
+    if not qk_norm:
+        return WindowedAttention(cfg, rotary)
+    eps = config.rms_norm_eps
+    return WindowedAttention(cfg, rotary, q_norm=RMSNorm(hd, eps, kind="gemma"), k_norm=RMSNorm(hd, eps, kind="gemma"))
 
 
 class Gemma2Block(CorollaBlock):
@@ -86,10 +73,10 @@ class Gemma2Block(CorollaBlock):
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         H, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(H, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(H, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(H, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(H, eps)
+        self.input_layernorm = RMSNorm(H, eps, kind="gemma")
+        self.post_attention_layernorm = RMSNorm(H, eps, kind="gemma")
+        self.pre_feedforward_layernorm = RMSNorm(H, eps, kind="gemma")
+        self.post_feedforward_layernorm = RMSNorm(H, eps, kind="gemma")
         self.attn = make_gemma_attention(config, layer_idx, qk_norm=self.QK_NORM)
         self.mlp = GatedMLP(H, config.intermediate_size, config.hidden_activation)
 

@@ -15,23 +15,10 @@ from torch import nn
 from corolla.models.block_base import CorollaBlock, TensorTarget, same_names
 from corolla.models.gemma.block import sliding_window_of
 from corolla.models.gpt_oss.mxfp4 import dequantize_expert_tensors
+from corolla.models.layers import RMSNorm
 from corolla.models.llama.block import head_dim_of, num_kv_heads_of, qkv_layout
 from corolla.models.positions import RotaryEmbedding, rope_parameters
 from corolla.models.window_attention import WindowedAttention, WindowedAttentionConfig
-
-
-class GptOssRMSNorm(nn.Module):
-    """x / rms(x) * weight in fp32, cast back to the input dtype (the weight multiplies before the cast)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32).to(x.dtype)
 
 
 class GptOssExperts(nn.Module):
@@ -89,8 +76,8 @@ class GptOssBlock(CorollaBlock):
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         H, hd = config.hidden_size, head_dim_of(config)
-        self.input_layernorm = GptOssRMSNorm(H, config.rms_norm_eps)
-        self.post_attention_layernorm = GptOssRMSNorm(H, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(H, config.rms_norm_eps, kind="gpt_oss")
+        self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps, kind="gpt_oss")
         bias = bool(getattr(config, "attention_bias", True))
         cfg = WindowedAttentionConfig(
             hidden_size=H,
