@@ -1,9 +1,15 @@
-"""A `VerifyTarget` over a local `transformers` model (no swarm) for speculative decoding tests: it keeps the token
-list and recomputes the whole prefix each call, so a rollback is exact by construction."""
+"""For speculative decoding tests: a `VerifyTarget` over a local `transformers` model (no swarm), which keeps the
+token list and recomputes the whole prefix each call, so a rollback is exact by construction; and a wrong acceptance
+rule (`accept_all`, `broken_acceptance`) that shows the distribution tests can fail."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import torch
+
+from corolla.client.speculative.acceptance import Draft, Verdict
 
 
 class LocalTarget:
@@ -30,3 +36,16 @@ class LocalTarget:
         self.tokens.extend(ids.tolist())
         logits = self.model(input_ids=torch.tensor([self.tokens])).logits  # [1, L, V]
         return logits[0, -num_logits:].to(torch.float32)  # [num_logits, V]
+
+
+def accept_all(draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
+    """A wrong rule: every drafted token accepted, then the bonus token drawn from the last p."""
+    bonus = int(torch.multinomial(target_probs[len(draft)], 1, generator=generator))
+    return Verdict(len(draft), draft.tokens.tolist() + [bonus])
+
+
+def broken_acceptance(broken: bool = True) -> contextlib.AbstractContextManager:
+    """A block in which (if `broken`) `SpeculativeLoop` accepts every drafted token (`accept_all`)."""
+    if not broken:
+        return contextlib.nullcontext()
+    return mock.patch("corolla.client.speculative.loop.accept_sampled", accept_all)

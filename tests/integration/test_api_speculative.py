@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from tests.helpers.speculative import LocalTarget
+from tests.helpers.speculative import LocalTarget, broken_acceptance
 from tests.unit.test_speculative_distribution import MemoTarget
 from tests.unit.test_speculative_rule import chi_square_p_value
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,9 +133,8 @@ def _sampled_joint(target: MemoTarget, prompt: list[int], *, always_accept: bool
             return len(tokens) >= SAMPLED.max_new_tokens
 
         target.position = 0
-        run_speculative_choice(
-            target, config, sampler, prompt, 3, on_token, threading.Event(), always_accept=always_accept
-        )
+        with broken_acceptance(always_accept):
+            run_speculative_choice(target, config, sampler, prompt, 3, on_token, threading.Event())
         counts[tokens[0] * vocab + tokens[1]] += 1
     return counts
 

@@ -10,7 +10,7 @@ import functools
 
 import pytest
 import torch
-from tests.helpers.speculative import LocalTarget
+from tests.helpers.speculative import LocalTarget, broken_acceptance
 from tests.unit.test_speculative_rule import chi_square_p_value
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -81,11 +81,10 @@ def _sampled_joint(target: MemoTarget, prompt: list[int], drafter: str, *, alway
     drafted = 0
     for _ in range(samples):
         target.position = 0
-        loop = SpeculativeLoop(
-            target, draft, KChooser(max_k=2, fixed_k=2), _processors(len(prompt)), True, always_accept=always_accept
-        )
+        loop = SpeculativeLoop(target, draft, KChooser(max_k=2, fixed_k=2), _processors(len(prompt)), True)
         # three tokens so that the first round drafts two (k <= tokens left - 1): both counted ones were drafted
-        ids = loop.run(prompt, 3, lambda ids, logits: False)
+        with broken_acceptance(always_accept):
+            ids = loop.run(prompt, 3, lambda ids, logits: False)
         drafted += loop.stats.drafted_tokens
         counts[ids[len(prompt)] * vocab + ids[len(prompt) + 1]] += 1
     assert drafted >= samples  # every sample verified at least one drafted token

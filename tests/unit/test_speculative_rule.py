@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.speculative import accept_all
 
 from corolla.client.speculative.acceptance import Draft, KChooser, SpeculativeConfig, accept_greedy, accept_sampled
 from corolla.client.speculative.drafters import PromptLookupDrafter
@@ -30,11 +31,11 @@ P = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.3, 0.3, 0.2]])  # targ
 Q = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1]])  # the drafter's distribution at position 0
 
 
-def _first_tokens(draw_draft, p: torch.Tensor, trials: int, *, always_accept: bool = False) -> torch.Tensor:
+def _first_tokens(draw_draft, p: torch.Tensor, trials: int, *, rule=accept_sampled) -> torch.Tensor:
     generator = torch.Generator().manual_seed(7)
     counts = torch.zeros(p.shape[1])
     for _ in range(trials):
-        verdict = accept_sampled(draw_draft(generator), p, generator, always_accept=always_accept)
+        verdict = rule(draw_draft(generator), p, generator)
         counts[verdict.tokens[0]] += 1
     return counts
 
@@ -56,7 +57,7 @@ def test_first_token_follows_target_distribution(draw) -> None:
 
 
 def test_always_accepting_follows_the_draft_instead() -> None:
-    counts = _first_tokens(_sampled_draft, P, 1500, always_accept=True)
+    counts = _first_tokens(_sampled_draft, P, 1500, rule=accept_all)
     _, p_value = chi_square_p_value(counts, P[0])
     assert p_value < 1e-6
 

@@ -56,12 +56,10 @@ def run_speculative_choice(
     max_new_tokens: int,
     on_token: Callable[[SampledToken], bool],
     cancelled: threading.Event,
-    *,
-    always_accept: bool = False,
 ) -> SpeculativeStats:
     """Generates one choice through `target` (a fresh cache of the prompt's session): `on_token` gets each emitted
     token (recorded by `sampler`) and returns True when the choice ends there (EOS, stop token or string, length);
-    a set `cancelled` ends it after the current token. `always_accept` is for tests only (a broken rule)."""
+    a set `cancelled` ends it after the current token."""
     drafter = make_drafter(config)
     if isinstance(drafter, DraftModelDrafter):
         drafter.generator = sampler.generator  # a seeded request drafts reproducibly too
@@ -72,7 +70,6 @@ def run_speculative_choice(
         processors=LogitsProcessorList([SamplerProcessor(sampler, len(prompt_ids))]),
         do_sample=not sampler.params.greedy,
         generator=sampler.generator,
-        always_accept=always_accept,
     )
 
     def stop(ids: list[int], logits: torch.Tensor) -> bool:

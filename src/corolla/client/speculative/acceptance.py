@@ -95,11 +95,9 @@ def accept_greedy(draft_tokens: torch.Tensor, target_scores: torch.Tensor) -> Ve
     return Verdict(n, draft_tokens[:n].tolist() + [int(best[n])])
 
 
-def accept_sampled(
-    draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None = None, *, always_accept: bool = False
-) -> Verdict:
+def accept_sampled(draft: Draft, target_probs: torch.Tensor, generator: torch.Generator | None = None) -> Verdict:
     """Rejection sampling: `target_probs` `[k + 1, V]` (the processed p at each draft position, then the bonus
-    position). `always_accept` exists only so tests can show that a wrong rule fails the distribution test."""
+    position)."""
     k = len(draft)
     tokens = draft.tokens.tolist()
     for i in range(k):
@@ -108,7 +106,7 @@ def accept_sampled(
         q_x = float(draft.probs[i, x]) if draft.probs is not None else 1.0
         p_x = float(p[x])
         u = float(torch.rand((), generator=generator))
-        if always_accept or (q_x > 0 and u * q_x < p_x):  # u < p/q without dividing by a tiny q
+        if q_x > 0 and u * q_x < p_x:  # u < p/q without dividing by a tiny q
             continue
         if draft.probs is not None:
             residual = torch.clamp(p - draft.probs[i], min=0.0)  # [V]

@@ -89,7 +89,7 @@ class SpeculativeLoop:
     """Generates up to `max_new_tokens` after `ids` for one sequence. `processors` are the plain loop's (p at each
     position is `processors(prefix, logits)`). After each emitted token, `stop(ids, logits)` (the text so far and the
     raw logits `[V]` the token was chosen from) says whether generation ends there (EOS, stop strings, a cancelled
-    request). `always_accept` is for tests only (shows that a wrong acceptance rule fails the distribution test)."""
+    request)."""
 
     target: VerifyTarget
     drafter: Drafter
@@ -97,7 +97,6 @@ class SpeculativeLoop:
     processors: LogitsProcessorList
     do_sample: bool
     generator: torch.Generator | None = None  # draws of the acceptance rule (None: torch's global generator)
-    always_accept: bool = False
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 
     def _probs(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -105,11 +104,7 @@ class SpeculativeLoop:
         return torch.softmax(self.processors(prefix[None], logits[None].clone())[0], dim=-1)
 
     def run(
-        self,
-        ids: list[int],
-        max_new_tokens: int,
-        stop: Callable[[list[int], torch.Tensor], bool],
-        streamer: Any = None,
+        self, ids: list[int], max_new_tokens: int, stop: Callable[[list[int], torch.Tensor], bool], streamer: Any = None
     ) -> list[int]:
         """Returns `ids` + the new tokens. On return `target.position == len(result) - 1` (the last token was never
         sent, as in the plain loop)."""
@@ -139,7 +134,7 @@ class SpeculativeLoop:
                 probs = torch.softmax(scores, dim=-1)  # [drafted + 1, V]
                 if draft is None:
                     draft = Draft(torch.empty(0, dtype=torch.int64))
-                verdict = accept_sampled(draft, probs, self.generator, always_accept=self.always_accept)
+                verdict = accept_sampled(draft, probs, self.generator)
             else:
                 verdict = accept_greedy(torch.tensor(draft_list, dtype=torch.int64), scores)
             # the prompt's pass is not a verification round: keep it out of the round-trip fit
