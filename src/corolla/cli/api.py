@@ -22,10 +22,15 @@ from corolla.client.speculative.acceptance import SpeculativeConfig
 from corolla.models.config import load_config
 from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 
-# flags named as the ApiConfig fields they set
-API_CONFIG_FLAGS = (
-    "api_key max_concurrent_requests default_chat_max_tokens max_n max_logprobs route_log_entries max_request_bytes"
-).split()
+# integer flags named as the ApiConfig fields they set (defaults: ApiConfig's), with their help
+API_CONFIG_INT_FLAGS = {
+    "max_concurrent_requests": "generations at once",
+    "default_chat_max_tokens": "max_tokens of a chat request that sets none (at most the context left)",
+    "max_n": "most choices per request (`n`); more: 400",
+    "max_logprobs": "most `logprobs`/`top_logprobs` per token",
+    "route_log_entries": "generations whose servers /corolla/route (and the chat page at /) can show; 0 = none",
+    "max_request_bytes": "larger bodies get 413, unread (1 MiB)",
+}
 
 
 def build_parser() -> configargparse.ArgParser:
@@ -57,31 +62,8 @@ def build_parser() -> configargparse.ArgParser:
         default=os.environ.get("COROLLA_API_KEY"),
         help="require `Authorization: Bearer <key>` (default: $COROLLA_API_KEY; unset = no key)",
     )
-    parser.add_argument(
-        "--max_concurrent_requests", type=int, default=ApiConfig.max_concurrent_requests, help="generations at once"
-    )
-    parser.add_argument(
-        "--default_chat_max_tokens",
-        type=int,
-        default=ApiConfig.default_chat_max_tokens,
-        help="max_tokens of a chat request that sets none (at most the context left)",
-    )
-    parser.add_argument("--max_n", type=int, default=ApiConfig.max_n, help="most choices per request (`n`); more: 400")
-    parser.add_argument(
-        "--max_logprobs", type=int, default=ApiConfig.max_logprobs, help="most `logprobs`/`top_logprobs` per token"
-    )
-    parser.add_argument(
-        "--route_log_entries",
-        type=int,
-        default=ApiConfig.route_log_entries,
-        help="generations whose servers /corolla/route (and the chat page at /) can show; 0 = no route tracking",
-    )
-    parser.add_argument(
-        "--max_request_bytes",
-        type=int,
-        default=ApiConfig.max_request_bytes,
-        help="larger bodies get 413, unread (1 MiB)",
-    )
+    for name, help_text in API_CONFIG_INT_FLAGS.items():
+        parser.add_argument(f"--{name}", type=int, default=getattr(ApiConfig, name), help=help_text)
     parser.add_argument(
         "--max_retries", type=int, default=3, help="client fail-over retries before a request fails (503)"
     )
@@ -127,7 +109,7 @@ def serve(args: argparse.Namespace, initial_peers: Sequence[str], speculative: S
         torch_dtype=args.torch_dtype,
         swarm_key_file=args.swarm_key_file,
     )
-    flags = {name: getattr(args, name) for name in API_CONFIG_FLAGS}
+    flags = {name: getattr(args, name) for name in ("api_key", *API_CONFIG_INT_FLAGS)}
     config = ApiConfig(
         **flags, model_aliases=tuple(names[1:]), unlisted_model_names=(str(args.model),), speculative=speculative
     )

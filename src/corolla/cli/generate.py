@@ -20,7 +20,8 @@ from corolla.client.config import ClientConfig
 from corolla.client.models.distributed_model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from corolla.utils.interrupts import wait_for_line
 
-SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "repetition_penalty")  # generate() arguments, passed when given
+# generate() arguments, passed when given
+SAMPLING_FLAGS = {"temperature": float, "top_k": int, "top_p": float, "repetition_penalty": float}
 DEFAULT_SESSION_TOKENS = 2048  # an --interactive session's length unless --max_length or the model's positions say less
 
 
@@ -32,10 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dht_prefix", default=None, help="DHT prefix the servers announce (default: from model)")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--do_sample", action="store_true")
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top_k", type=int, default=None)
-    parser.add_argument("--top_p", type=float, default=None)
-    parser.add_argument("--repetition_penalty", type=float, default=None)
+    for name, kind in SAMPLING_FLAGS.items():
+        parser.add_argument(f"--{name}", type=kind, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument(
         "--max_length",

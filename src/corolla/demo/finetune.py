@@ -100,11 +100,7 @@ def init_prompts_from_text(model: Any, tokenizer: Any, text: str) -> None:
 
 
 def finetune(
-    model: Any,
-    tokenizer: Any,
-    config: FinetuneConfig,
-    *,
-    on_progress: Callable[[str], None] = lambda line: None,
+    model: Any, tokenizer: Any, config: FinetuneConfig, *, on_progress: Callable[[str], None] = lambda line: None
 ) -> FinetuneReport:
     """Trains `model` (a prompt-tuned DistributedModelForSequenceClassification with len(LABELS) labels)."""
     train_set = make_examples(config.num_train_examples, seed=config.seed)

@@ -12,11 +12,7 @@ from corolla.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-DTYPE_NAMES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+DTYPE_NAMES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def load_config(name_or_path: str | os.PathLike, *, revision: str | None = None, token=None, cache_dir=None):

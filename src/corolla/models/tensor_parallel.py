@@ -218,14 +218,9 @@ def _split_moe(moe: SparseMoE, devices: list[torch.device]) -> list[SparseMoE]:
         expert_ids = [moe.expert_ids[int(e)] for e in ids]
         with torch.device("meta"):
             shard = SparseMoE(
-                moe.hidden_size,
-                moe.intermediate_size,
-                moe.num_experts,
-                moe.top_k,
-                moe.act_name,
-                expert_ids,
+                moe.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.act_name, expert_ids,
                 normalize_top_k=moe.normalize_top_k,
-            )
+            )  # fmt: skip
         shard.router = copy.deepcopy(moe.router).to(devices[i])  # the router is small: every shard has it
         shard.experts = nn.ModuleList(copy.deepcopy(moe.experts[int(e)]).to(devices[i]) for e in ids)
         shards.append(shard)

@@ -232,11 +232,7 @@ def declare_model_info(
         return False
     _check_record_size("ModelInfo", model_info.to_dict())
     future = dht.store(
-        MODELS_INDEX_KEY,
-        model_info.to_dict(),
-        expiration_time=expiration_time,
-        subkey=dht_prefix,
-        return_future=True,
+        MODELS_INDEX_KEY, model_info.to_dict(), expiration_time=expiration_time, subkey=dht_prefix, return_future=True
     )
     return bool(call_with_timeout(future, timeout_s, f"declare_model_info({dht_prefix})"))
 

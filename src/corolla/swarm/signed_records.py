@@ -98,11 +98,7 @@ class SignedServerRecord:
 
 
 def sign_server_record(
-    signer: RecordSigner,
-    prefix: str,
-    server_info: ServerInfo,
-    model_info: ModelInfo | None,
-    expiration_time: float,
+    signer: RecordSigner, prefix: str, server_info: ServerInfo, model_info: ModelInfo | None, expiration_time: float
 ) -> tuple[str, str, tuple[int, bytes, bytes, bytes]]:
     """`(key, subkey, value)` to store: `server_info` must carry its span (start_block < end_block)."""
     if server_info.start_block is None or server_info.end_block is None:

@@ -224,17 +224,9 @@ class GenerationLoop:
                 streamer.put(new_ids.cpu())
             if speculative is not None and session is not None:
                 all_ids = self._speculative(
-                    session,
-                    speculative,
-                    all_ids,
-                    max_new_tokens,
-                    processors,
-                    config,
-                    eos_tensor,
-                    stop_strings,
-                    prompts,
-                    streamer,
-                )
+                    session, speculative, all_ids, max_new_tokens, processors, config, eos_tensor, stop_strings,
+                    prompts, streamer,
+                )  # fmt: skip
             else:
                 unfinished = torch.ones(all_ids.shape[0], dtype=torch.bool)
                 for step in range(max_new_tokens):

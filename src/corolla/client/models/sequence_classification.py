@@ -53,10 +53,7 @@ class DistributedModelForSequenceClassification(DistributedModel):
             self.score.weight.copy_(weight)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
     ) -> SequenceClassifierOutput:
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {list(input_ids.shape)}")

@@ -133,14 +133,13 @@ class SpanSession:
         # `_stream` if a step may run in any one thread (`step_here`): the server's unix socket, else its direct TCP
         # port where it offers one, else p2pd's (a test's fake stream may be none of them)
         self._direct: FramedSocketStream | None = None
-        # where p2pd reached the server (direct TCP only): knocked on while the link is down (`client.transport.link_probe`)
+        # where p2pd reached the server (direct TCP only): knocked on while the link is down (`transport.link_probe`)
         self.link_address: tuple[str, int] | None = None
         self._started = False
         self._closed = False
         self.upstream_peer: str | None = None  # the previous span's server: the only peer that may push to this one
-        self.declared_upstream: str | None = (
-            None  # the upstream peer its server was told (it accepts pushes only from it)
-        )
+        # the upstream peer its server was told (it accepts pushes only from it)
+        self.declared_upstream: str | None = None
         # set when the server says it drains (client.session.handoff moves the span)
         self.drain_notice: DrainNotice | None = None
         self.last_outputs: torch.Tensor | None = None  # the last response's tensor as the server sent it (its dtype)
@@ -278,9 +277,7 @@ class SpanSession:
             if self.manager.config.alloc_timeout_s:
                 metadata["alloc_timeout"] = float(self.manager.config.alloc_timeout_s)
         request = runtime_pb2.ExpertRequest(
-            uid=self._uid,
-            tensors=serialize_activations(tensors, compression),
-            metadata=encode_metadata(metadata),
+            uid=self._uid, tensors=serialize_activations(tensors, compression), metadata=encode_metadata(metadata)
         )
         return request, inputs, send_from
 
@@ -411,10 +408,11 @@ class SpanSession:
         return not math.isinf(background_loop.run(self.manager.ping_s(self.span.peer_id)))
 
     async def _next_response(self, stall_deadline_s: float | None = None) -> runtime_pb2.ExpertResponse:
-        """The next response within `request_timeout_s` (`last_step_suspect`: it came after `stall_deadline_s`). While waiting, pings the server every `liveness_check_period_s`, and once when the step
-        deadline passes. A silent server that does not answer the ping fails the step (`HopStalled`,
-        ConnectionError) when another server holds its blocks; when it is the only one, the client keeps waiting
-        (its link may come back) up to `max_wait_s`. ConnectionError when the server ended the stream."""
+        """The next response within `request_timeout_s` (`last_step_suspect`: it came after `stall_deadline_s`).
+        While waiting, pings the server every `liveness_check_period_s`, and once when the step deadline passes. A
+        silent server that does not answer the ping fails the step (`HopStalled`, ConnectionError) when another
+        server holds its blocks; when it is the only one, the client keeps waiting (its link may come back) up to
+        `max_wait_s`. ConnectionError when the server ended the stream."""
         config = self.manager.config
         if self._stream is None:
             raise ConnectionError(f"the stream to ...{self.span.peer_id[-6:]} is not open")

@@ -46,17 +46,9 @@ class FalconBlock(CorollaBlock):
         alibi = bool(config.alibi)
         rotary = None if alibi else RotaryEmbedding(hd, rope_parameters(config), config.max_position_embeddings)
         self.attn = Attention(
-            H,
-            heads,
-            falcon_kv_heads(config),
-            hd,
-            qkv_bias=bool(config.bias),
-            out_bias=bool(config.bias),
-            rotary=rotary,
-            alibi=alibi,
-            alibi_scale=1.0 / math.sqrt(hd),
-            alibi_bf16_product=True,
-        )
+            H, heads, falcon_kv_heads(config), hd, qkv_bias=bool(config.bias), out_bias=bool(config.bias),
+            rotary=rotary, alibi=alibi, alibi_scale=1.0 / math.sqrt(hd), alibi_bf16_product=True,
+        )  # fmt: skip
         ffn = getattr(config, "ffn_hidden_size", None) or 4 * H
         self.mlp = DenseMLP(H, ffn, getattr(config, "activation", "gelu"), bias=bool(config.bias))
 

@@ -22,12 +22,9 @@ class MixtralBlock(LlamaBlock):
 
     def _make_mlp(self, config):
         return SparseMoE(
-            config.hidden_size,
-            config.intermediate_size,
-            config.num_local_experts,
-            config.num_experts_per_tok,
+            config.hidden_size, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok,
             config.hidden_act,
-        )
+        )  # fmt: skip
 
     def checkpoint_layout(self) -> dict[str, TensorTarget]:
         layout = {

@@ -15,15 +15,9 @@ def make_phi3_attention(config) -> Attention:
     hd = head_dim_of(config)
     window = getattr(config, "sliding_window", None)
     return Attention(
-        config.hidden_size,
-        config.num_attention_heads,
-        num_kv_heads_of(config),
-        hd,
-        qkv_bias=False,
-        out_bias=False,
-        rotary=make_phi3_rotary(config, hd),
-        sliding_window=None if window is None else int(window),
-    )
+        config.hidden_size, config.num_attention_heads, num_kv_heads_of(config), hd, qkv_bias=False, out_bias=False,
+        rotary=make_phi3_rotary(config, hd), sliding_window=None if window is None else int(window),
+    )  # fmt: skip
 
 
 class Phi3Block(LlamaBlock):

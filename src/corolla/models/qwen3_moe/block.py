@@ -32,13 +32,9 @@ class Qwen3MoeBlock(Qwen3Block):
         if not is_sparse_layer(config, self.layer_idx):
             return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         return SparseMoE(
-            config.hidden_size,
-            config.moe_intermediate_size,
-            config.num_experts,
-            config.num_experts_per_tok,
-            config.hidden_act,
-            normalize_top_k=bool(config.norm_topk_prob),
-        )
+            config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
+            config.hidden_act, normalize_top_k=bool(config.norm_topk_prob),
+        )  # fmt: skip
 
     @property
     def sparse(self) -> bool:
