@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from tests.helpers.kernel_emulation import emulate_decode16
 
 from corolla.engine.quant import quant_prmt
 from corolla.engine.quant.quant_weights import NF4_LEVELS, quantize_nf4
@@ -37,7 +38,7 @@ def test_emulated_program_looks_up_every_code(table: str) -> None:
     levels = code.to(torch.float16).float().tolist()
     edge = [0x00000000, 0xFFFFFFFF, 0x78877887, 0x0F0F0F0F, 0xF0F0F0F0, 0x80808080, 0x07070707, 0x8F7F08F0]
     for word in edge + [rng.getrandbits(32) for _ in range(1500)]:
-        got = quant_prmt.emulate_decode16(word, words)
+        got = emulate_decode16(word, words)
         want = _expected(word, levels)
         # compare bit patterns (signed zeros included)
         assert [torch.tensor(v).half().view(torch.int16).item() for v in got] == [
@@ -82,7 +83,7 @@ def test_fp16_program_gives_every_level_in_element_order(table: str, dtype: torc
     levels = code.to(dtype).float().tolist()
     rng = random.Random(11)
     for word in [0x00000000, 0xFFFFFFFF, 0x78877887, 0x8F7F08F0] + [rng.getrandbits(32) for _ in range(1500)]:
-        got = quant_prmt.emulate_decode16(word, words, dtype)
+        got = emulate_decode16(word, words, dtype)
         assert [torch.tensor(v).to(dtype).view(torch.int16).item() for v in got] == [
             torch.tensor(v).to(dtype).view(torch.int16).item() for v in _expected(word, levels)
         ], hex(word)

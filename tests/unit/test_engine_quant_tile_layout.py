@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.kernel_emulation import emulate_tile_gemv, program_row_tiles, warp_units
 
-from corolla.engine.quant.quant_tile_gemv import emulate, program_row_tiles, warp_units
 from corolla.engine.quant.quant_weights import quantize_nf4
 
 
@@ -30,7 +30,7 @@ def test_emulated_kernel_reads_the_weight(dtype, shape, warps, programs) -> None
     gen = torch.Generator().manual_seed(n + k)
     weight = quantize_nf4((torch.randn(n, k, generator=gen) * 0.05).to(dtype))
     x = torch.randn(2, k, generator=gen).to(dtype)
-    got = emulate(x, weight, warps, programs).double()
+    got = emulate_tile_gemv(x, weight, warps, programs).double()
     xs = (x.float() * 2.0**-8).half().double() * 2.0**8 if dtype == torch.bfloat16 else x.double()
     want = xs @ _fp16_level_reference(weight).t()
     assert float((got - want).norm() / want.norm()) < 1e-2  # one rounding to the output dtype
@@ -42,7 +42,7 @@ def test_emulated_gated_form_pairs_each_gate_row_with_its_up_row(warps, programs
     gen = torch.Generator().manual_seed(7)
     weight = quantize_nf4((torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16))
     x = torch.randn(2, k, generator=gen).to(torch.bfloat16)
-    got = emulate(x, weight, warps, programs, gated=True).double()
+    got = emulate_tile_gemv(x, weight, warps, programs, gated=True).double()
     xs = (x.float() * 2.0**-8).half().double() * 2.0**8
     gate_up = xs @ _fp16_level_reference(weight).t()
     want = torch.nn.functional.silu(gate_up[:, : n // 2]) * gate_up[:, n // 2 :]

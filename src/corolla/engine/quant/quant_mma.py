@@ -21,7 +21,7 @@ Batch invariance: each output element is its own column of the matrix product, c
 in the same K order whatever the other rows hold; a split of K is summed in split order by the last program of
 each output tile to finish (an arrival count per tile in `NF4Weight.split_counters()`, reset by that program, as in
 `quant_splits`: one launch per projection). DecodeOps keeps one config per row range. CUDA-graph safe. Importing
-fails without Triton; the inline PTX runs on NVIDIA GPUs only (`quant_prmt.emulate_decode16` is its CPU twin)."""
+fails without Triton; the inline PTX runs on NVIDIA GPUs only (tests/helpers/kernel_emulation.py runs its CPU twin)."""
 
 from __future__ import annotations
 

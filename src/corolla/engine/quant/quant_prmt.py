@@ -11,15 +11,13 @@ bytes, 8 codes) costs 5 selector instructions + 2 x 8 permutes (`DECODE16_PROGRA
 table loads: the operand of the matrix units (quant_mma). (The one-row streaming GEMV reads a shared-memory pair
 table instead, quant_pair_table: fewer integer instructions, docs/decisions/0021.)
 
-The program is an instruction sequence as data: `decode16_ptx` writes it as inline PTX and `emulate_decode16` runs
-the same list on CPU integers (the instructions' documented semantics), so the CPU tests check the exact sequence
-the GPU runs. Levels are rounded once to the table's type (fp16: relative error <= 2^-11; bf16: <= 2^-8, the size of
+The program is an instruction sequence as data: `decode16_ptx` writes it as inline PTX and the tests run the same
+list on CPU integers (the instructions' documented semantics, tests/helpers/kernel_emulation.py), so they check the
+exact sequence the GPU runs. Levels are rounded once to the table's type (fp16: relative error <= 2^-11; bf16: <= 2^-8, the size of
 the bf16 rounding of bitsandbytes' own dequantized weight). (The fp32 variant of the lookup, 8 conversions per word,
 served the register-lookup GEMV, deleted: docs/decisions/0017.)"""
 
 from __future__ import annotations
-
-import struct
 
 import torch
 
@@ -58,7 +56,6 @@ DECODE16_PROGRAM: tuple[tuple[str, str, tuple[str | int, ...]], ...] = (
 )
 TABLE_OPERANDS = ("L0", "L1", "L2", "L3", "H0", "H1", "H2", "H3")
 _SCRATCH = ("i", "j", "s", "m", "n", "a", "b", "p", "q")
-MASK32 = 0xFFFFFFFF
 
 
 def lut_words(code: torch.Tensor, dtype: torch.dtype = torch.float16) -> tuple[int, ...]:
@@ -77,60 +74,6 @@ def lut_words(code: torch.Tensor, dtype: torch.dtype = torch.float16) -> tuple[i
         for q in range(4):
             words.append(sum(((bits[4 * q + e] >> shift) & 0xFF) << (8 * e) for e in range(4)))
     return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in words)
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    # PTX prmt.b32 default mode: byte i of d = byte (sel nibble i & 7) of the 8 bytes {b, a}, or that byte's sign
-    # bit replicated when the nibble's bit 3 is set; only sel[15:0] is read
-    src = ((b & MASK32) << 32) | (a & MASK32)
-    out = 0
-    for i in range(4):
-        nib = (sel >> (4 * i)) & 0xF
-        byte = (src >> (8 * (nib & 7))) & 0xFF
-        if nib & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * i)
-    return out
-
-
-def _f16_to_f32(half_bits: int) -> float:
-    return struct.unpack("<e", struct.pack("<H", half_bits & 0xFFFF))[0]
-
-
-def emulate_decode16(word: int, table: tuple[int, ...], dtype: torch.dtype = torch.float16) -> list[float]:
-    """Runs DECODE16_PROGRAM on one packed word and the table words: the 8 levels in element order, read from the
-    16-bit halves of its 4 output words as `dtype` (fp16 or bf16, the table's type; the CPU twin of
-    `decode16_ptx`)."""
-    regs = _run(DECODE16_PROGRAM, word, table)
-    halves = [(regs[f"e{t // 2}"] >> (16 * (t % 2))) & 0xFFFF for t in range(8)]
-    if dtype == torch.float16:
-        return [_f16_to_f32(h) for h in halves]
-    signed = torch.tensor([h - (1 << 16) if h >= 1 << 15 else h for h in halves], dtype=torch.int16)
-    return signed.view(dtype).float().tolist()
-
-
-def _run(
-    program: tuple[tuple[str, str, tuple[str | int, ...]], ...], word: int, table: tuple[int, ...]
-) -> dict[str, int]:
-    # the instructions' documented semantics on CPU integers: the registers after the program
-    regs: dict[str, int] = {"w": word & MASK32}
-    regs.update({name: value & MASK32 for name, value in zip(TABLE_OPERANDS, table, strict=True)})
-
-    def val(x: str | int) -> int:
-        return x if isinstance(x, int) else regs[x]
-
-    for op, dst, src in program:
-        if op == "and":
-            regs[dst] = val(src[0]) & val(src[1])
-        elif op == "shr":
-            regs[dst] = (val(src[0]) & MASK32) >> val(src[1])
-        elif op == "andor":
-            regs[dst] = (val(src[0]) & val(src[1])) | val(src[2])
-        elif op == "prmt":
-            regs[dst] = _prmt(val(src[0]), val(src[1]), val(src[2]))
-        else:
-            raise ValueError(f"unknown decode op {op!r}")
-    return regs
 
 
 def decode16_ptx() -> str:
