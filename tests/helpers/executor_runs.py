@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
+from tests.helpers import reference_backend as oracle
 
 from corolla.engine.serving import SpanTraits
 from corolla.models.registry import get_family
@@ -73,8 +74,7 @@ def backend_steps(
     for s in steps:
         assert s.hidden_states is not None
         outputs.append(
-            backend.inference_step(
-                span, s.hidden_states, caches, prefix_length=s.prefix_length, max_length=max_length,
+            oracle.inference_step(backend, span, s.hidden_states, caches, prefix_length=s.prefix_length, max_length=max_length,
                 hypo_ids=s.hypo_ids, prompts=s.prompts, adapter=s.adapter,
             )
         )  # fmt: skip

@@ -1,4 +1,5 @@
-"""SpanBackend: forward / backward / inference_step over a chain of blocks (chunking, hypo_ids, rollback, limits)."""
+"""SpanBackend (forward, each block's forward and backward, long forwards through a cache) and the reference built on
+it (`tests/helpers/reference_backend`: backward, inference steps with chunking, hypo_ids, rollback, limits)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.helpers import reference_backend as oracle
 from torch import nn
 
 from corolla.engine import EngineConfig, SpanEngine
@@ -149,16 +151,18 @@ def test_inference_prefill_then_decode_equals_forward_chunked_or_not(blocks_and_
     expected = reference.forward(indices, x)  # [2, 12, H]
     for backend in (reference, chunked):
         cache = new_cache(backend, indices, batch_size=2, max_length=16)
-        out_prefill = backend.inference_step(indices, x[:, :9], cache, prefix_length=0, max_length=16)
+        out_prefill = oracle.inference_step(backend, indices, x[:, :9], cache, prefix_length=0, max_length=16)
         steps = [out_prefill]
         for t in range(9, 12):
-            steps.append(backend.inference_step(indices, x[:, t : t + 1], cache, prefix_length=t, max_length=16))
+            steps.append(
+                oracle.inference_step(backend, indices, x[:, t : t + 1], cache, prefix_length=t, max_length=16)
+            )
         assert torch.allclose(torch.cat(steps, dim=1), expected, atol=1e-4)
     # chunked prefill writes the same cache as unchunked
     cache_a = new_cache(reference, indices, 2, 16)
     cache_b = new_cache(chunked, indices, 2, 16)
-    out_a = reference.inference_step(indices, x, cache_a, prefix_length=0, max_length=16)
-    out_b = chunked.inference_step(indices, x, cache_b, prefix_length=0, max_length=16)
+    out_a = oracle.inference_step(reference, indices, x, cache_a, prefix_length=0, max_length=16)
+    out_b = oracle.inference_step(chunked, indices, x, cache_b, prefix_length=0, max_length=16)
     assert torch.allclose(out_a, out_b, atol=1e-4)
     for tensors_a, tensors_b in zip(cache_a, cache_b, strict=True):
         for a, b in zip(tensors_a, tensors_b, strict=True):
@@ -177,12 +181,12 @@ def test_hypo_ids_reorder_the_cache(blocks_and_config) -> None:
     x, new_token = torch.randn(3, 6, HIDDEN), torch.randn(3, 1, HIDDEN)
     hypo_ids = torch.tensor([2, 0, 0])
     cache = new_cache(backend, indices, 3, 8)
-    backend.inference_step(indices, x, cache, prefix_length=0, max_length=8)
-    out = backend.inference_step(indices, new_token, cache, prefix_length=6, max_length=8, hypo_ids=hypo_ids)
+    oracle.inference_step(backend, indices, x, cache, prefix_length=0, max_length=8)
+    out = oracle.inference_step(backend, indices, new_token, cache, prefix_length=6, max_length=8, hypo_ids=hypo_ids)
 
     fresh = new_cache(backend, indices, 3, 8)
-    backend.inference_step(indices, x[hypo_ids], fresh, prefix_length=0, max_length=8)
-    expected = backend.inference_step(indices, new_token, fresh, prefix_length=6, max_length=8)
+    oracle.inference_step(backend, indices, x[hypo_ids], fresh, prefix_length=0, max_length=8)
+    expected = oracle.inference_step(backend, indices, new_token, fresh, prefix_length=6, max_length=8)
     assert torch.allclose(out, expected, atol=1e-5)
     for tensors_a, tensors_b in zip(cache, fresh, strict=True):
         for a, b in zip(tensors_a, tensors_b, strict=True):
@@ -190,19 +194,22 @@ def test_hypo_ids_reorder_the_cache(blocks_and_config) -> None:
 
     for bad in (torch.tensor([0, 1, 3]), torch.tensor([-1, 0, 0]), torch.tensor([0, 1]), torch.tensor([0.0, 1, 2])):
         with pytest.raises(ValueError, match="hypo_ids"):
-            backend.inference_step(indices, new_token, cache, prefix_length=7, max_length=8, hypo_ids=bad)
+            oracle.inference_step(backend, indices, new_token, cache, prefix_length=7, max_length=8, hypo_ids=bad)
 
 
 def test_zero_token_step_returns_empty_without_touching_the_cache(blocks_and_config) -> None:
     backend = make_backend(blocks_and_config)
     cache = new_cache(backend, [0, 1], 2, 8)
-    backend.inference_step([0, 1], torch.randn(2, 4, HIDDEN), cache, prefix_length=0, max_length=8)
+    oracle.inference_step(backend, [0, 1], torch.randn(2, 4, HIDDEN), cache, prefix_length=0, max_length=8)
     snapshot = [[t.clone() for t in tensors] for tensors in cache]
-    out = backend.inference_step([0, 1], torch.randn(2, 0, HIDDEN), cache, prefix_length=4, max_length=8)
+    out = oracle.inference_step(backend, [0, 1], torch.randn(2, 0, HIDDEN), cache, prefix_length=4, max_length=8)
     assert out.shape == (2, 0, HIDDEN)
     assert all(torch.equal(a, b) for ta, tb in zip(cache, snapshot, strict=True) for a, b in zip(ta, tb, strict=True))
     # a zero-token step is allowed even when the cache is full
-    assert backend.inference_step([0, 1], torch.randn(2, 0, HIDDEN), cache, prefix_length=8, max_length=8).numel() == 0
+    assert (
+        oracle.inference_step(backend, [0, 1], torch.randn(2, 0, HIDDEN), cache, prefix_length=8, max_length=8).numel()
+        == 0
+    )
 
 
 def test_rollback_overwrites_the_cache(blocks_and_config) -> None:
@@ -210,13 +217,13 @@ def test_rollback_overwrites_the_cache(blocks_and_config) -> None:
     indices = [0, 1, 2]
     a, b = torch.randn(1, 8, HIDDEN), torch.randn(1, 3, HIDDEN)
     cache = new_cache(backend, indices, 1, 10)
-    backend.inference_step(indices, a, cache, prefix_length=0, max_length=10)
-    out = backend.inference_step(indices, b, cache, prefix_length=5, max_length=10)  # back to position 5
+    oracle.inference_step(backend, indices, a, cache, prefix_length=0, max_length=10)
+    out = oracle.inference_step(backend, indices, b, cache, prefix_length=5, max_length=10)  # back to position 5
     expected = backend.forward(indices, torch.cat([a[:, :5], b], dim=1))[:, 5:]
     assert torch.allclose(out, expected, atol=1e-4)
     # and decoding continues from the rolled-back state
     c = torch.randn(1, 1, HIDDEN)
-    out_c = backend.inference_step(indices, c, cache, prefix_length=8, max_length=10)
+    out_c = oracle.inference_step(backend, indices, c, cache, prefix_length=8, max_length=10)
     expected_c = backend.forward(indices, torch.cat([a[:, :5], b, c], dim=1))[:, 8:]
     assert torch.allclose(out_c, expected_c, atol=1e-4)
 
@@ -224,12 +231,14 @@ def test_rollback_overwrites_the_cache(blocks_and_config) -> None:
 def test_max_length_is_enforced(blocks_and_config) -> None:
     backend = make_backend(blocks_and_config)
     cache = new_cache(backend, [0], 1, 6)
-    backend.inference_step([0], torch.randn(1, 4, HIDDEN), cache, prefix_length=0, max_length=6)
+    oracle.inference_step(backend, [0], torch.randn(1, 4, HIDDEN), cache, prefix_length=0, max_length=6)
     with pytest.raises(ValueError, match=r"prefix_length 4 \+ 3 new tokens > max_length 6"):
-        backend.inference_step([0], torch.randn(1, 3, HIDDEN), cache, prefix_length=4, max_length=6)
+        oracle.inference_step(backend, [0], torch.randn(1, 3, HIDDEN), cache, prefix_length=4, max_length=6)
     with pytest.raises(ValueError, match="prefix_length"):
-        backend.inference_step([0], torch.randn(1, 1, HIDDEN), cache, prefix_length=-1, max_length=6)
-    assert backend.inference_step([0], torch.randn(1, 2, HIDDEN), cache, prefix_length=4, max_length=6).shape == (
+        oracle.inference_step(backend, [0], torch.randn(1, 1, HIDDEN), cache, prefix_length=-1, max_length=6)
+    assert oracle.inference_step(
+        backend, [0], torch.randn(1, 2, HIDDEN), cache, prefix_length=4, max_length=6
+    ).shape == (
         1,
         2,
         HIDDEN,
@@ -249,18 +258,18 @@ def test_backward_matches_autograd_on_a_plain_stack(blocks_and_config) -> None:
         hidden = backend.blocks[index](hidden)
     torch.autograd.backward(hidden, grad_out)
 
-    grad_x, grad_prompts = backend.backward(indices, x, grad_out, prompts)
+    grad_x, grad_prompts = oracle.backward(backend, indices, x, grad_out, prompts)
     assert torch.allclose(grad_x, x_ref.grad, atol=1e-4)
     assert grad_prompts is not None and grad_prompts.shape == prompts.shape
     assert torch.allclose(grad_prompts, prompts_ref.grad, atol=1e-4)
     # forward applies the same deep prompts
     assert torch.allclose(backend.forward(indices, x, prompts), hidden.detach(), atol=1e-4)
 
-    grad_empty, grad_prompts_empty = backend.backward(indices, x[:, :0], grad_out[:, :0], prompts)
+    grad_empty, grad_prompts_empty = oracle.backward(backend, indices, x[:, :0], grad_out[:, :0], prompts)
     assert grad_empty.shape == (2, 0, HIDDEN) and grad_prompts_empty is not None
     assert grad_prompts_empty.shape == prompts.shape and not grad_prompts_empty.any()
 
-    grad_plain, none = backend.backward(indices, x, grad_out)
+    grad_plain, none = oracle.backward(backend, indices, x, grad_out)
     assert none is None and grad_plain.shape == x.shape
     assert all(p.grad is None and not p.requires_grad for b in backend.blocks.values() for p in b.parameters())
 
@@ -271,8 +280,8 @@ def test_deep_prompts_in_inference_apply_at_absolute_positions(blocks_and_config
     x, prompts = torch.randn(2, 6, HIDDEN), torch.randn(2, 2, 3, HIDDEN)
     expected = backend.forward(indices, x, prompts)
     cache = new_cache(backend, indices, 2, 6)
-    first = backend.inference_step(indices, x[:, :2], cache, prefix_length=0, max_length=6, prompts=prompts)
-    second = backend.inference_step(indices, x[:, 2:], cache, prefix_length=2, max_length=6, prompts=prompts)
+    first = oracle.inference_step(backend, indices, x[:, :2], cache, prefix_length=0, max_length=6, prompts=prompts)
+    second = oracle.inference_step(backend, indices, x[:, 2:], cache, prefix_length=2, max_length=6, prompts=prompts)
     assert torch.allclose(torch.cat([first, second], dim=1), expected, atol=1e-4)
 
 
@@ -288,12 +297,12 @@ def test_bad_requests_are_value_errors(blocks_and_config) -> None:
         "floating": lambda: backend.forward([0], torch.ones(1, 2, HIDDEN, dtype=torch.int64)),
         "prompts": lambda: backend.forward([0, 1], x, torch.randn(3, 1, 1, HIDDEN)),
         "Unknown adapter": lambda: backend.forward([0], x, None, "missing"),
-        "grad_outputs": lambda: backend.backward([0], x, torch.randn(1, 3, HIDDEN)),
-        "batch size": lambda: backend.inference_step(
-            [0], torch.randn(2, 1, HIDDEN), new_cache(backend, [0], 1, 4), prefix_length=0, max_length=4
+        "grad_outputs": lambda: oracle.backward(backend, [0], x, torch.randn(1, 3, HIDDEN)),
+        "batch size": lambda: oracle.inference_step(
+            backend, [0], torch.randn(2, 1, HIDDEN), new_cache(backend, [0], 1, 4), prefix_length=0, max_length=4
         ),
-        "cache tensors for": lambda: backend.inference_step(
-            [0, 1], x, new_cache(backend, [0], 1, 4), prefix_length=0, max_length=4
+        "cache tensors for": lambda: oracle.inference_step(
+            backend, [0, 1], x, new_cache(backend, [0], 1, 4), prefix_length=0, max_length=4
         ),
     }
     for message, call in cases.items():
@@ -373,14 +382,14 @@ def test_adapters_are_selected_per_request() -> None:
     assert torch.allclose(tuned, expected, atol=1e-4)
 
     cache = new_cache(backend, indices, 1, 5)
-    steps = backend.inference_step(indices, x, cache, prefix_length=0, max_length=5, adapter="tuned")
+    steps = oracle.inference_step(backend, indices, x, cache, prefix_length=0, max_length=5, adapter="tuned")
     assert torch.allclose(steps, expected, atol=1e-4)
 
     grad_out = torch.randn_like(x)
     x_ref = x.clone().requires_grad_(True)
     with using_adapter("tuned"):
         torch.autograd.backward(plain_stack(backend, indices, x_ref), grad_out)
-    grad_x, _ = backend.backward(indices, x, grad_out, None, "tuned")
+    grad_x, _ = oracle.backward(backend, indices, x, grad_out, None, "tuned")
     assert torch.allclose(grad_x, x_ref.grad, atol=1e-4)
     with pytest.raises(ValueError, match="Unknown adapter"):
         backend.forward(indices, x, None, "other")
@@ -401,8 +410,8 @@ def test_tensor_parallel_blocks_give_the_same_steps() -> None:
     outputs = []
     for backend in (plain, split):
         cache = new_cache(backend, indices, 2, 8)
-        first = backend.inference_step(indices, x, cache, prefix_length=0, max_length=8)
-        second = backend.inference_step(indices, token, cache, prefix_length=6, max_length=8, hypo_ids=hypo_ids)
+        first = oracle.inference_step(backend, indices, x, cache, prefix_length=0, max_length=8)
+        second = oracle.inference_step(backend, indices, token, cache, prefix_length=6, max_length=8, hypo_ids=hypo_ids)
         outputs.append(torch.cat([first, second], dim=1))
     assert len(split.cache_descriptors(indices, 2, 8)[0]) == 4  # K and V per shard
     assert torch.allclose(outputs[0], outputs[1], atol=1e-4)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 import torch
+from tests.helpers import reference_backend as oracle
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.serving import SpanTraits, unsupported_reason
@@ -147,8 +148,7 @@ def _reference(backend: SpanBackend, blocks: tuple[int, ...], steps: list[StepIn
     for per_block in backend.cache_descriptors(blocks, batch, max_length):
         caches.append([torch.zeros(tuple(d.shape), dtype=d.dtype) for d in per_block])
     return [
-        backend.inference_step(
-            blocks, s.hidden_states, caches, prefix_length=s.prefix_length, max_length=max_length,
+        oracle.inference_step(backend, blocks, s.hidden_states, caches, prefix_length=s.prefix_length, max_length=max_length,
             hypo_ids=s.hypo_ids, prompts=s.prompts,
         )
         for s in steps
@@ -193,7 +193,7 @@ async def test_forward_and_backward_equal_the_backend(backend, kind) -> None:
         got = await executor.backward(SPAN, BackwardInputs(hidden, grads, prompts, ""))
     torch.testing.assert_close(out, backend.forward(SPAN, hidden), atol=1e-5, rtol=0)
     assert torch.equal(whole, backend.forward(SPAN, hidden, prompts))
-    grad_inputs, grad_prompts = backend.backward(SPAN, hidden, grads, prompts)
+    grad_inputs, grad_prompts = oracle.backward(backend, SPAN, hidden, grads, prompts)
     assert len(got) == 2 and torch.equal(got[0], grad_inputs) and torch.equal(got[1], grad_prompts)
 
 

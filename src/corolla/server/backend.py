@@ -1,15 +1,17 @@
-"""The span of blocks a server holds and the math it runs on them (in the runtime thread): `forward`, `backward`
-and `inference_step` over a contiguous chain of block indices, with deep prompts, adapters, KV reordering and chunking."""
+"""The span of blocks a server holds and the math it runs on them (in the runtime thread) outside the engine:
+forwards and each block's forward and backward (training, with deep prompts and adapters), and long forwards' token
+chunks through a temporary cache (`forward_chunks`)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from corolla.engine.spans.span_model import add_prompt
 from corolla.models.lora import using_adapter
 from corolla.utils.logging import get_logger
 
@@ -132,37 +134,6 @@ class SpanBackend:
                 hidden = self.block_forward(index, hidden, prompt)
         return hidden
 
-    def backward(
-        self,
-        block_indices: Sequence[int],
-        inputs: torch.Tensor,
-        grad_outputs: torch.Tensor,
-        prompts: torch.Tensor | None = None,
-        adapter: str = "",
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Gradients of the span's outputs (weighted by `grad_outputs`) w.r.t. `inputs` [B, T, H] and, if given,
-        `prompts` [n_blocks, B|1, P, H]. Recomputes activations one block at a time; parameters get no gradients."""
-        indices, inputs, grad_outputs, per_block_prompts = self.check_backward(
-            block_indices, inputs, grad_outputs, prompts
-        )
-        has_prompts = per_block_prompts[0] is not None
-        if inputs.shape[1] == 0:  # nothing flows back
-            present = [p for p in per_block_prompts if p is not None]  # all or none: see split_prompts
-            empty_prompts = torch.zeros_like(torch.stack(present)) if has_prompts else None
-            return torch.zeros_like(inputs), empty_prompts
-        with self.adapter_context(adapter):
-            # inputs of every block, without keeping activations: [B, T, H] each
-            block_inputs = [inputs]
-            for index, prompt in zip(indices[:-1], per_block_prompts[:-1], strict=True):
-                block_inputs.append(self.block_forward(index, block_inputs[-1], prompt))
-            grad = grad_outputs
-            grad_prompts: list[torch.Tensor | None] = [None] * len(indices)
-            for i in reversed(range(len(indices))):
-                grad, grad_prompts[i] = self.block_backward(indices[i], block_inputs[i], grad, per_block_prompts[i])
-        grads_prompts = torch.stack([_filled_grad(g) for g in grad_prompts]) if has_prompts else None
-        # grads_prompts: [n_blocks, B|1, P, H]
-        return grad, grads_prompts
-
     def check_backward(
         self,
         block_indices: Sequence[int],
@@ -186,7 +157,7 @@ class SpanBackend:
         no autograd, under the caller's `adapter_context`: [B, T, H]. Inputs as `check_hidden`/`split_prompts` give."""
         # no_grad, not inference_mode: outputs and anything a block caches stay usable by later autograd passes
         with torch.no_grad():
-            return self.blocks[index](_add_prompt(hidden, prompt, position=0))
+            return self.blocks[index](add_prompt(hidden, prompt, 0))
 
     def block_backward(
         self, index: int, hidden: torch.Tensor, grad_output: torch.Tensor, prompt: torch.Tensor | None
@@ -198,83 +169,30 @@ class SpanBackend:
         if prompt is not None:
             prompt = prompt.detach().requires_grad_(True)
         with torch.enable_grad():
-            output = self.blocks[index](_add_prompt(block_input, prompt, position=0))
+            output = self.blocks[index](add_prompt(block_input, prompt, 0))
             torch.autograd.backward(output, grad_output)
         return _filled_grad(block_input.grad), None if prompt is None else _filled_grad(prompt.grad)
 
-    # ---- inference
+    # ---- long forwards (`forward_chunks`)
 
-    def inference_step(
-        self,
-        block_indices: Sequence[int],
-        hidden: torch.Tensor,
-        cache_tensors: Sequence[Sequence[torch.Tensor]],
-        *,
-        prefix_length: int,
-        max_length: int,
-        hypo_ids: torch.Tensor | None = None,
-        prompts: torch.Tensor | None = None,
-        adapter: str = "",
+    def cached_forward(
+        self, index: int, hidden: torch.Tensor, cache: list[torch.Tensor], position: int
     ) -> torch.Tensor:
-        """Processes T new tokens `hidden` [B, T, H] at positions [prefix_length, prefix_length + T): reorders each
-        block's cache by `hypo_ids` [B] first, writes the new keys/values and returns [B, T, H]. Earlier cache
-        contents past `prefix_length` are overwritten (rollback). Long inputs run in chunks whose attention scores
-        stay under `max_chunk_size_bytes`. Zero-token steps only reorder and return [B, 0, H]."""
-        indices = self.validate_block_indices(block_indices)
+        """One served block over `hidden` [B, T, H] at positions [position, position + T): writes their keys and
+        values into `cache` (the block's layout, `cache_descriptors`) and attends to the earlier ones there, in
+        chunks whose attention scores stay under `max_chunk_size_bytes`, under the caller's `adapter_context` (none
+        by default). Returns [B, T, H]."""
         hidden = self.check_hidden(hidden)
-        batch_size, num_tokens, _ = hidden.shape
-        if len(cache_tensors) != len(indices):
-            raise ValueError(f"Got cache tensors for {len(cache_tensors)} blocks, expected {len(indices)}")
-        cache_batch = {int(t.shape[0]) for tensors in cache_tensors for t in tensors}
-        if cache_batch != {batch_size}:
-            raise ValueError(
-                f"hidden_states batch size {batch_size} does not match the session's cache batch size "
-                f"{sorted(cache_batch)}"
-            )
-        if isinstance(prefix_length, bool) or not isinstance(prefix_length, int) or prefix_length < 0:
-            raise ValueError(f"prefix_length must be an int >= 0, got {prefix_length!r}")
-        if prefix_length + num_tokens > max_length:
-            raise ValueError(
-                f"Maximum length exceeded: prefix_length {prefix_length} + {num_tokens} new tokens > "
-                f"max_length {max_length} allocated for this session"
-            )
-        hypo_ids = self._check_hypo_ids(hypo_ids, batch_size)
-        per_block_prompts = self.split_prompts(prompts, len(indices), batch_size)
-
-        with torch.inference_mode(), self.adapter_context(adapter):
-            if hypo_ids is not None:
-                ids_on: dict[torch.device, torch.Tensor] = {}  # tensor-parallel caches live on several devices
-                for tensors in cache_tensors:
-                    for tensor in tensors:
-                        ids = ids_on.setdefault(tensor.device, hypo_ids.to(tensor.device))
-                        tensor.copy_(tensor.index_select(0, ids))  # whole cache, all positions
-            if num_tokens == 0:
-                return hidden.clone()
-            chunk_length = self._max_chunk_length(batch_size, prefix_length + num_tokens)
-            for index, cache, prompt in zip(indices, cache_tensors, per_block_prompts, strict=True):
-                block, cache = self.blocks[index], list(cache)
-                hidden = _add_prompt(hidden, prompt, position=prefix_length)
-                if chunk_length >= num_tokens:
-                    hidden = block(hidden, cache=cache, position=prefix_length)
-                    continue
-                output = torch.empty_like(hidden)  # [B, T, H]
-                for start, end in _chunks(num_tokens, chunk_length):
-                    output[:, start:end] = block(hidden[:, start:end], cache=cache, position=prefix_length + start)
-                hidden = output
-        return hidden
-
-    def _check_hypo_ids(self, hypo_ids: torch.Tensor | None, batch_size: int) -> torch.Tensor | None:
-        if hypo_ids is None or hypo_ids.numel() == 0:
-            return None
-        if hypo_ids.dtype != torch.int64 or hypo_ids.ndim != 1 or hypo_ids.shape[0] != batch_size:
-            raise ValueError(
-                f"hypo_ids must be an int64 tensor of shape [{batch_size}], got {hypo_ids.dtype} "
-                f"{tuple(hypo_ids.shape)}"
-            )
-        low, high = int(hypo_ids.min()), int(hypo_ids.max())
-        if low < 0 or high >= batch_size:
-            raise ValueError(f"hypo_ids must be in [0, {batch_size}), got values in [{low}, {high}]")
-        return hypo_ids
+        block, num_tokens = self.blocks[index], hidden.shape[1]
+        chunk_length = self._max_chunk_length(hidden.shape[0], position + num_tokens)
+        with torch.inference_mode():
+            if chunk_length >= num_tokens:
+                return block(hidden, cache=cache, position=position)
+            output = torch.empty_like(hidden)  # [B, T, H]
+            for start in range(0, num_tokens, chunk_length):
+                end = min(start + chunk_length, num_tokens)
+                output[:, start:end] = block(hidden[:, start:end], cache=cache, position=position + start)
+        return output
 
     def _max_chunk_length(self, batch_size: int, total_length: int) -> int:
         """Tokens per chunk so that attention scores [B, heads, chunk, total_length] fit `max_chunk_size_bytes`."""
@@ -303,21 +221,3 @@ def _filled_grad(grad: torch.Tensor | None) -> torch.Tensor:
     if grad is None:
         raise RuntimeError("autograd left an input of the span without a gradient")
     return grad
-
-
-def _add_prompt(hidden: torch.Tensor, prompt: torch.Tensor | None, *, position: int) -> torch.Tensor:
-    """Adds a deep prompt [B|1, P, H] to the tokens at absolute positions < P; `hidden` [B, T, H] starts at
-    `position`. Returns a new tensor (autograd-friendly); the input is never modified."""
-    if prompt is None:
-        return hidden
-    num_tokens, prompt_length = hidden.shape[1], prompt.shape[1]
-    overlap = min(prompt_length - position, num_tokens)
-    if overlap <= 0:
-        return hidden
-    head = hidden[:, :overlap] + prompt[:, position : position + overlap]  # [B, overlap, H]
-    return torch.cat([head, hidden[:, overlap:]], dim=1)
-
-
-def _chunks(length: int, chunk_length: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, length, chunk_length):
-        yield start, min(start + chunk_length, length)

@@ -61,7 +61,7 @@ async def run_forward_chunked(
                 if not cache:
                     for d in backend.cache_descriptors([index], inputs.shape[0], length)[0]:
                         cache.append(torch.zeros(tuple(d.shape), dtype=d.dtype, device=d.device))
-                output = backend.inference_step([index], inputs, [cache], prefix_length=start, max_length=length)
+                output = backend.cached_forward(index, inputs, cache, start)
             results[(position, k)] = output
             return output
 

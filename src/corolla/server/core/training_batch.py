@@ -237,15 +237,16 @@ class TrainingBatcher:
         adapter: str,
         owner: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`SpanBackend.backward`'s result: the gradient w.r.t. `inputs` [B, T, H] and, with deep prompts, w.r.t.
-        them [n_blocks, B|1, P, H]; each block's forward and backward a runtime task merged with other requests'
-        (the forwards skipped where `owner`'s forward of the same inputs and prompts kept its block inputs)."""
+        """The gradient of the blocks' output (weighted by `grad_outputs`) w.r.t. `inputs` [B, T, H] and, with deep
+        prompts, w.r.t. them [n_blocks, B|1, P, H]; each block's forward and backward a runtime task merged with other
+        requests' (the forwards skipped where `owner`'s forward of the same inputs and prompts kept its block inputs)."""
         backend = self.backend
         received, received_prompts = inputs, _present(prompts)
         indices, inputs, grad_outputs, per_block = backend.check_backward(block_indices, inputs, grad_outputs, prompts)
         backend.adapter_context(adapter)  # ValueError for an unknown adapter, before anything is queued
-        if inputs.shape[1] == 0:  # nothing flows back: zeros, as the backend gives them
-            return backend.backward(indices, inputs, grad_outputs, prompts, adapter)
+        if inputs.shape[1] == 0:  # nothing flows back: zeros
+            present = [p for p in per_block if p is not None]  # all or none (`split_prompts`)
+            return torch.zeros_like(inputs), torch.zeros_like(torch.stack(present)) if present else None
         kept = None
         if len(indices) > 1:
             kept = self.kept.take(owner, tuple(indices), adapter, received, received_prompts)
@@ -447,7 +448,7 @@ def _present(prompts: torch.Tensor | None) -> torch.Tensor | None:
 def run_block_works(backend: SpanBackend, works: list[BlockWork], graphs: TrainingGraphs | None = None) -> list[Any]:
     """Works of one phase, block, length and adapter as one block call: per work, its output [B, T, H] (forward) or
     (gradient of its input [B, T, H], of its prompt [B|1, P, H] or None) (backward). A lone work runs exactly as
-    `SpanBackend.forward`/`backward` run that block; a call with no deep prompt and no adapter replays its CUDA graph
+    `SpanBackend.block_forward`/`block_backward` run it; a call with no deep prompt and no adapter replays its CUDA graph
     where `graphs` has one (the same kernels)."""
     first = works[0]
     graphs = graphs if not first.adapter else None
