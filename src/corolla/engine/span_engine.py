@@ -101,13 +101,7 @@ class SpanEngine:
     """Fast inference for one span (any `SpanModel`); every compute method must be called from one thread (the
     server's device thread), while `open_session` and `EngineSession.close` are thread-safe."""
 
-    def __init__(
-        self,
-        model: SpanModel,
-        config: EngineConfig = EngineConfig(),
-        *,
-        adapters: AdapterRows | None = None,
-    ):
+    def __init__(self, model: SpanModel, config: EngineConfig = EngineConfig(), *, adapters: AdapterRows | None = None):
         self.model = model
         self.config = config
         self.adapters = adapters  # the span's stacked LoRA adapters (the model reads the same object), or None
@@ -164,11 +158,7 @@ class SpanEngine:
 
     @classmethod
     def from_blocks(
-        cls,
-        blocks: Sequence[torch.nn.Module],
-        config: EngineConfig = EngineConfig(),
-        *,
-        fused: bool = True,
+        cls, blocks: Sequence[torch.nn.Module], config: EngineConfig = EngineConfig(), *, fused: bool = True
     ) -> SpanEngine:
         """An engine over loaded blocks (their tensors are used in place). `fused`: the span type with fused kernels
         for the blocks' model type (llama family, DeepSeek-V3, Falcon/BLOOM) where it takes these blocks, else (or
@@ -248,12 +238,7 @@ class SpanEngine:
         return self.pool.check_layers(layers)
 
     def session_of(
-        self,
-        slots: list[SequenceSlot],
-        max_length_tokens: int,
-        *,
-        layers: tuple[int, int],
-        adapter: str | None = None,
+        self, slots: list[SequenceSlot], max_length_tokens: int, *, layers: tuple[int, int], adapter: str | None = None
     ) -> EngineSession:
         """A session over `slots` taken from this engine's pool in `layers` (by `open_session` or a
         `page_queue.PageQueue`), after `check_session`."""

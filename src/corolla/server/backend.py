@@ -117,11 +117,7 @@ class SpanBackend:
     # ---- forward / backward
 
     def forward(
-        self,
-        block_indices: Sequence[int],
-        hidden: torch.Tensor,
-        prompts: torch.Tensor | None = None,
-        adapter: str = "",
+        self, block_indices: Sequence[int], hidden: torch.Tensor, prompts: torch.Tensor | None = None, adapter: str = ""
     ) -> torch.Tensor:
         """Runs the blocks over `hidden` [B, T, H] without cache; returns [B, T, H] on this backend's device."""
         indices = self.validate_block_indices(block_indices)

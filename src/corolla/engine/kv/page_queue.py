@@ -56,11 +56,7 @@ class PageQueue:
         return sum(1 for w in self._waiters if not w.future.done())
 
     async def allocate(
-        self,
-        num_sequences: int,
-        max_length_tokens: int,
-        timeout_s: float | None,
-        layers: tuple[int, int] | None = None,
+        self, num_sequences: int, max_length_tokens: int, timeout_s: float | None, layers: tuple[int, int] | None = None
     ) -> list[SequenceSlot]:
         """The pages of `num_sequences` sequences of `max_length_tokens` in `layers` [first, end) (default: all),
         waiting up to `timeout_s` (None: up to

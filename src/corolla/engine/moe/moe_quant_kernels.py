@@ -65,9 +65,7 @@ def _int8_tile(addr_ptr, e, rows, mask_rows, k0, K: tl.constexpr, BLOCK_K: tl.co
     q_ptr = tl.multiple_of(tl.load(addr_ptr + e).to(tl.pointer_type(tl.int8)), 16)
     rk = k0 + tl.arange(0, BLOCK_K)
     codes = tl.load(
-        q_ptr + rows[None, :].to(tl.int64) * K + rk[:, None],
-        mask=(rk < K)[:, None] & mask_rows[None, :],
-        other=0,
+        q_ptr + rows[None, :].to(tl.int64) * K + rk[:, None], mask=(rk < K)[:, None] & mask_rows[None, :], other=0
     )  # [BK, BN] int8
     return codes.to(like_ptr.dtype.element_ty)
 

@@ -70,11 +70,7 @@ X_SCALE = 2.0**-8  # bf16 x into fp16 times this (range), the sums times its inv
 # (RT row tiles of 16 a program, W warps splitting K, P chunks in flight per warp, 0, 0; the zeros keep the tuner's
 # 5-int configs): each won a Llama-3-8B projection on an H200 (docs/decisions/0050: qkv (1, 8, 4), w_o and w_down
 # (1, 16, 2), w_gate_up (4, 4, 2)); (2, 8, 2), (2, 4, 4) and (1, 4, 4) won none and are not offered
-INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    (1, 8, 4, 0, 0),
-    (1, 16, 2, 0, 0),
-    (4, 4, 2, 0, 0),
-)
+INT8_MMA_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((1, 8, 4, 0, 0), (1, 16, 2, 0, 0), (4, 4, 2, 0, 0))
 
 # the tilings offered for the gated form (w_gate_up: silu(gate) * up written; an even row-tile count: half of the
 # program's tiles gate rows, half the same up rows): (4, 4, 2) won on an H200, 33.6 us a layer against 38.4 for

@@ -83,10 +83,7 @@ MODES = (REGISTERS, ALIGNED)
 # four Llama-3-8B projections; the best two-programs tiling is kept for cards where a 128 KiB window does not fit.
 # Not offered (0043: 4-18% slower on every shape): 16 warps x 3 units, 12 x 3, 8 x 3, 8 x 4; 32 warps x 1 unit and
 # 24 x 2 spill.
-NF4_TILE_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = (
-    (16, 2, ALIGNED, 1, 0),
-    (8, 2, REGISTERS, 2, 0),
-)
+NF4_TILE_CONFIGS: tuple[tuple[int, int, int, int, int], ...] = ((16, 2, ALIGNED, 1, 0), (8, 2, REGISTERS, 2, 0))
 
 
 # the kernel, compiled after nvrtc_kernels.CUDA_HELPERS (the helpers the row GEMVs share)

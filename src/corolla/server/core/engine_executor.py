@@ -41,13 +41,7 @@ from corolla.server.core.executor import (
     StepInputs,
 )
 from corolla.server.core.forward_chunks import run_forward_chunked
-from corolla.server.core.runtime import (
-    KIND_GENERIC,
-    PRIORITY_INFERENCE,
-    SHADOW_LEAD_AFTER_S,
-    Runtime,
-    Task,
-)
+from corolla.server.core.runtime import KIND_GENERIC, PRIORITY_INFERENCE, SHADOW_LEAD_AFTER_S, Runtime, Task
 from corolla.server.core.training_batch import TrainingBatcher
 from corolla.server.metrics import ServerMetrics
 from corolla.server.throughput import default_cache_dir
