@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tests.helpers.quantize import quantize_int8, quantize_nf4
 
 from benchmarks.common.engine_steps import device_token_inputs, merged_decode_ms
 from benchmarks.common.hf_steps import hf_step_ms
@@ -40,7 +41,6 @@ from corolla.engine.moe.routed_experts import (
     tile_serves,
     tune_experts,
 )
-from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 

@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 import torch
+from tests.helpers.quantize import quantize_int8, quantize_nf4
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s, sync
 from benchmarks.common.report import log
 from corolla.engine.config import EngineConfig
 from corolla.engine.kv.kv_pool import KVLayout
-from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
 from corolla.engine.span_engine import SpanEngine, StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan, LayerWeights, LlamaSpec
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tests.helpers.quantize import quantize_nf4
 
 from benchmarks.common.measure import copy_bandwidth_bytes_per_s
 from corolla.engine.kernels import triton_kernels
 from corolla.engine.kernels.graph_timing import graph_median_ms
 from corolla.engine.quant import quant_mma, quant_tile_gemv
-from corolla.engine.quant.quant_weights import quantize_nf4
 
 SHAPES = {"w_qkv": (6144, 4096), "w_o": (4096, 4096), "w_gate_up": (28672, 4096), "w_down": (4096, 14336)}
 L2_FLUSH_BYTES = 240_000_000  # distinct weight bytes per graph: several times an H100/H200 L2 (50-60 MB)

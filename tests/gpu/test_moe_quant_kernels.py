@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.quantize import quantize_int8, quantize_nf4
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.moe.moe_nf4_tile import TILE_MAX_TOKENS, tile_experts
@@ -22,7 +23,7 @@ from corolla.engine.moe.routed_experts import (
     tile_serves,
 )
 from corolla.engine.quant.quant_tile_gemv import NF4_TILE_CONFIGS, nf4_tile_gemv, nf4_tile_gemv_experts
-from corolla.engine.quant.quant_weights import NF4Weight, quantize_int8, quantize_nf4
+from corolla.engine.quant.quant_weights import NF4Weight
 from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_llama import FastLlamaSpan
 from helpers.numerics import rel_err

@@ -21,7 +21,7 @@ BF16 = torch.bfloat16
 
 
 def _weight(kind: str, n: int, k: int, seed: int, dtype: torch.dtype = BF16):
-    from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4
+    from tests.helpers.quantize import quantize_int8, quantize_nf4
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     dense = (torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype)
@@ -77,8 +77,9 @@ def test_gemv_rows_are_batch_invariant(kind) -> None:
 
 
 def test_gemv_refuses_bad_calls() -> None:
+    from tests.helpers.quantize import quantize_nf4
+
     from corolla.engine.quant import quant_gemv
-    from corolla.engine.quant.quant_weights import quantize_nf4
 
     nf4 = _weight("nf4", 64, 256, seed=1)
     int8 = _weight("int8", 64, 256, seed=1)

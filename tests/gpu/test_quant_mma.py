@@ -25,7 +25,9 @@ CONFIGS = [(64, 16, 1, 4, 1), (64, 16, 3, 4, 1), (64, 64, 1, 4, 1), (64, 64, 2, 
 
 
 def _weight(n: int, k: int, seed: int, dtype: torch.dtype, random_table: bool = False):
-    from corolla.engine.quant.quant_weights import NF4Weight, quantize_nf4
+    from tests.helpers.quantize import quantize_nf4
+
+    from corolla.engine.quant.quant_weights import NF4Weight
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     w = quantize_nf4((torch.randn(n, k, device=DEV, generator=gen) * 0.03).to(dtype))
@@ -58,8 +60,9 @@ def test_one_hot_rows_read_every_decoded_value(dtype, random_table) -> None:
 
 
 def test_random_rows_match_the_dequantized_reference_and_are_batch_invariant() -> None:
+    from tests.helpers.quantize import quantize_nf4
+
     from corolla.engine.quant.quant_mma import nf4_mma_matmul
-    from corolla.engine.quant.quant_weights import quantize_nf4
 
     n, k = 200, 2048
     gen = torch.Generator(device=DEV).manual_seed(7)

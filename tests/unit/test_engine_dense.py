@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from tests.helpers.quantize import quantize_nf4
 
 from corolla.engine import EngineConfig, SpanEngine
 from corolla.engine.kernels.alibi import ALIBI_BF16, ALIBI_FALCON_BF16, Alibi
-from corolla.engine.quant.quant_weights import quantize_nf4
 from corolla.engine.serving import SpanTraits, unsupported_reason
 from corolla.engine.span_engine import StepRequest
 from corolla.engine.spans.fast_dense import FastDenseSpan

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.helpers.quantize import quantize_int8, quantize_nf4
 from torch import nn
 
 import helpers.tiny_models_fam_a  # noqa: F401  (registers the tiny qwen3_moe config)
@@ -23,7 +24,7 @@ from corolla.engine.moe.routed_experts import (
     experts_forward_ref,
     softmax_topk,
 )
-from corolla.engine.quant.quant_weights import quantize_int8, quantize_nf4, quantized_weight_of
+from corolla.engine.quant.quant_weights import quantized_weight_of
 from corolla.models.layers import SparseMoE
 from corolla.models.quantization import KEEP_FULL_PRECISION, QuantType, _quantized_linear
 from corolla.models.registry import get_family

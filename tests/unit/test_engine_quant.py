@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from tests.helpers.quantize import quantize_int8, quantize_nf4
 
 from corolla.engine.config import EngineConfig
 from corolla.engine.ops.decode_ops import DecodeOps
@@ -16,8 +17,6 @@ from corolla.engine.quant.quant_weights import (
     NF4_LEVELS,
     Int8Weight,
     NF4Weight,
-    quantize_int8,
-    quantize_nf4,
     quantized_weight_of,
 )
 from corolla.engine.span_engine import SpanEngine

@@ -19,11 +19,13 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 quant_gemv = pytest.importorskip("corolla.engine.quant.quant_gemv")
 
 
+from tests.helpers.quantize import quantize_int8, quantize_nf4  # noqa: E402
+
 from corolla.engine.kernels import triton_kernels as tk  # noqa: E402
 from corolla.engine.kernels.quant_splits import PROLOGUES  # noqa: E402
 from corolla.engine.ops import decode_ops as ops_module  # noqa: E402
 from corolla.engine.quant import quant_choices, quant_kernels  # noqa: E402
-from corolla.engine.quant.quant_weights import Int8Weight, quant_key, quantize_int8, quantize_nf4  # noqa: E402
+from corolla.engine.quant.quant_weights import Int8Weight, quant_key  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 N, K, EPS = 48, 2048, 1e-5

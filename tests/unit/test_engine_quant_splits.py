@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.quantize import quantize_int8, quantize_nf4
 
 from corolla.engine.quant.quant_weights import (
     SPLIT_COUNTERS,
     counters_for_tiles,
-    quantize_int8,
-    quantize_nf4,
     split_counter_slots,
 )
 

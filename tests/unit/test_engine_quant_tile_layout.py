@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.helpers.kernel_emulation import emulate_tile_gemv, program_row_tiles, warp_units
-
-from corolla.engine.quant.quant_weights import quantize_nf4
+from tests.helpers.quantize import quantize_nf4
 
 
 def _fp16_level_reference(weight) -> torch.Tensor:
