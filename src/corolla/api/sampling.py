@@ -119,7 +119,6 @@ class Sampler:
     def choose(self, logits: torch.Tensor) -> SampledToken:
         """Picks the next token from the last position's logits [V] and records it."""
         logits = logits.float()  # [V]
-        self._ensure_state(logits.shape[-1])
         token = pick(self.process(logits), self.params, self.generator)
         return self.record(token, logits)
 
@@ -128,8 +127,7 @@ class Sampler:
         speculative rule over `distribution_after`); returns it with its log-probabilities when asked."""
         logits = logits.float()  # [V]
         vocab = logits.shape[-1]
-        self._ensure_state(vocab)
-        assert self._counts is not None and self._seen is not None
+        counts, seen = self._state(vocab)
         result = SampledToken(token)
         if self.params.logprobs is not None:
             logprobs = torch.log_softmax(logits, dim=-1)  # [V]: the model's own distribution
@@ -139,30 +137,31 @@ class Sampler:
             result = SampledToken(token, float(logprobs[token]), top)
         self.generated.append(token)
         if 0 <= token < vocab:
-            self._counts[token] += 1
-            self._seen[token] = True
+            counts[token] += 1
+            seen[token] = True
         return result
 
-    def _ensure_state(self, vocab: int) -> None:
-        if self._counts is None:
+    def _state(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(occurrences of each token in the output [V], whether each is in the prompt or the output [V] bool),
+        made at the first use."""
+        if self._counts is None or self._seen is None:
             self._counts = torch.zeros(vocab)
             self._seen = torch.zeros(vocab, dtype=torch.bool)
             prompt = torch.tensor([t for t in self.prompt_ids if 0 <= t < vocab], dtype=torch.long)
             self._seen[prompt] = True
             self._prepare_masks(vocab)
+        return self._counts, self._seen
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits after every processor except temperature and truncation (a new tensor)."""
-        return self._process(logits, self._counts, self._seen, len(self.generated))
+        return self._process(logits, *self._state(logits.shape[-1]), len(self.generated))
 
     def scores_after(self, extra: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """`process` as it would be after the tokens `extra` had also been recorded (nothing is recorded): the
         penalties and `min_tokens` of a drafted continuation. `logits` [V] raw; returns [V]."""
         logits = logits.float()  # [V]
         vocab = logits.shape[-1]
-        self._ensure_state(vocab)
-        assert self._counts is not None and self._seen is not None
-        counts, seen = self._counts, self._seen
+        counts, seen = self._state(vocab)
         extra_ids = torch.tensor([t for t in extra if 0 <= t < vocab], dtype=torch.long)
         if extra_ids.numel():
             counts = counts.clone().index_add_(0, extra_ids, torch.ones(extra_ids.numel()))
@@ -179,7 +178,7 @@ class Sampler:
         return truncated_probs(scores, self.params)
 
     def _process(
-        self, logits: torch.Tensor, counts: torch.Tensor | None, seen: torch.Tensor | None, num_generated: int
+        self, logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, num_generated: int
     ) -> torch.Tensor:
         params, scores = self.params, logits.clone()
         vocab = scores.shape[-1]
@@ -192,10 +191,10 @@ class Sampler:
         if num_generated < params.min_tokens and self._min_tokens_masked:
             ids = torch.tensor([t for t in self._min_tokens_masked if t < vocab], dtype=torch.long)
             scores[ids] = float("-inf")
-        if params.repetition_penalty != 1.0 and seen is not None:
+        if params.repetition_penalty != 1.0:
             penalized = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
             scores = torch.where(seen, penalized, scores)
-        if (params.presence_penalty or params.frequency_penalty) and counts is not None:
+        if params.presence_penalty or params.frequency_penalty:
             scores = scores - counts * params.frequency_penalty - (counts > 0) * params.presence_penalty
         return scores
 

@@ -68,10 +68,7 @@ def placement_max_flow(
     for i, (_, end) in enumerate(spans):
         if end == num_blocks:
             continue
-        if exact_boundaries:
-            targets = by_start.get(end, [])
-        else:
-            targets = np.flatnonzero((starts <= end) & (end < ends)).tolist()
+        targets = by_start.get(end, []) if exact_boundaries else np.flatnonzero((starts <= end) & (end < ends)).tolist()
         for j in targets:
             if j != i:
                 edge(2 * i + 1, 2 * j, link)

@@ -5,6 +5,7 @@ Every call is bounded by `timeout_s`."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -253,10 +254,8 @@ async def _get_index_and_signed(
         except ValueError:
             continue
         entries[prefix] = value
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             probe.append(make_uid(prefix, ModelInfo.from_dict(value).num_blocks - 1))
-        except (TypeError, ValueError):
-            pass
         if len(entries) >= MAX_INDEXED_MODELS:
             logger.warning(f"records.index_capped(max_models={MAX_INDEXED_MODELS})")
             break

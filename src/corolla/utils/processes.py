@@ -3,6 +3,7 @@ with us on Linux), keeps every output line for bounded waits, and stops the whol
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -270,15 +271,11 @@ class ChildProcess:
         self.terminate()
         if not self.wait_group_gone(grace_s):
             logger.warning(f"processes.stop_timeout(name={self.name}, grace_s={grace_s}): killing its group")
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.wait_group_gone(_REAP_TIMEOUT_S)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=_REAP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
         self._reader.join(timeout=2.0)
         if self.proc.stdout is not None and not self._reader.is_alive():
             self.proc.stdout.close()

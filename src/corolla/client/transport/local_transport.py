@@ -119,7 +119,7 @@ class LocalInferenceStream(FramedSocketStream):
     # ---- framing
 
     def _request_frame(self, request: runtime_pb2.ExpertRequest) -> bytes:
-        return _request_frame(request)
+        return b"".join(ls.frame(ls.MESSAGE, request.SerializeToString()))
 
     def _end_frame(self) -> bytes:
         return b"".join(ls.frame(ls.END))
@@ -155,10 +155,6 @@ def frame_response(
     if kind == ls.END:
         return None
     raise ConnectionError(f"unexpected {transport} stream frame kind {kind} from ...{peer_id[-6:]}")
-
-
-def _request_frame(request: runtime_pb2.ExpertRequest) -> bytes:
-    return b"".join(ls.frame(ls.MESSAGE, request.SerializeToString()))
 
 
 async def responses_of(
