@@ -1,14 +1,11 @@
 """The model families corolla serves, keyed by `config.model_type`: weight prefix, block builder, KV head count,
-default DHT prefix rule (Petals' rules for hub names) and, for tests, the transformers reference layer."""
+default DHT prefix rule (Petals' rules for hub names)."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-from torch import nn
 
 from corolla.models.block_base import CorollaBlock
 from corolla.models.bloom.block import BloomBlock
@@ -71,7 +68,6 @@ class ModelFamily:
     build_block: Callable[..., CorollaBlock]  # (config, layer_idx) -> the block, on the current default device
     num_kv_heads: Callable[[Any], int]  # (config) -> KV heads cached per block (all shards together)
     default_dht_prefix: Callable[[str], str]  # (hub repo id) -> DHT prefix; local paths: see config.default_dht_prefix
-    hf_layer_path: str  # "module:Class" of the transformers reference decoder layer
     alt_block_prefixes: tuple[str, ...] = field(default=())  # other spellings found in checkpoints
     # (config) -> values one token takes in one block's KV cache; None: K + V = 2 * kv heads * head_dim
     cache_values_per_token: Callable[[Any], int] | None = None
@@ -79,60 +75,47 @@ class ModelFamily:
     is_sparse_layer: Callable[[Any, int], bool] | None = None
 
     @property
-    def hf_layer_class(self) -> type[nn.Module]:
-        module_name, attr = self.hf_layer_path.rsplit(":", 1)
-        return getattr(importlib.import_module(module_name), attr)
-
-    @property
     def block_prefixes(self) -> tuple[str, ...]:
         return (self.block_prefix, *self.alt_block_prefixes)
-
-
-_TF = "transformers.models"
 
 
 def _family(
     model_type: str,
     family: str,
     build_block: Callable[..., CorollaBlock],
-    hf_layer: str,
     *,
-    module: str | None = None,
     block_prefix: str = "model.layers",
     num_kv_heads: Callable[[Any], int] = num_kv_heads_of,
     dht_prefix: Callable[[str], str] = _llama_prefix,
     **more: Any,
 ) -> ModelFamily:
-    """A `ModelFamily` whose reference layer is `hf_layer` in transformers' `<module>.modeling_<module>` (module:
-    the model type unless given); llama-style block names, KV heads and DHT prefixes unless given."""
-    module = module or model_type
-    path = f"{_TF}.{module}.modeling_{module}:{hf_layer}"
-    return ModelFamily(model_type, family, block_prefix, build_block, num_kv_heads, dht_prefix, path, **more)
+    """A `ModelFamily` with llama-style block names, KV heads and DHT prefixes unless given."""
+    return ModelFamily(model_type, family, block_prefix, build_block, num_kv_heads, dht_prefix, **more)
 
 
 _FAMILIES: dict[str, ModelFamily] = {
     f.model_type: f
     for f in [
-        _family("llama", "llama", LlamaBlock, "LlamaDecoderLayer"),
-        _family("mistral", "llama", LlamaBlock, "MistralDecoderLayer"),
-        _family("qwen2", "llama", LlamaBlock, "Qwen2DecoderLayer"),
-        _family("mixtral", "mixtral", MixtralBlock, "MixtralDecoderLayer", dht_prefix=_mixtral_prefix),
+        _family("llama", "llama", LlamaBlock),
+        _family("mistral", "llama", LlamaBlock),
+        _family("qwen2", "llama", LlamaBlock),
+        _family("mixtral", "mixtral", MixtralBlock, dht_prefix=_mixtral_prefix),
         _family(
-            "falcon", "falcon", FalconBlock, "FalconDecoderLayer", block_prefix="transformer.h",
+            "falcon", "falcon", FalconBlock, block_prefix="transformer.h",
             num_kv_heads=falcon_kv_heads, dht_prefix=_falcon_prefix,
         ),
-        _family("gemma2", "gemma", Gemma2Block, "Gemma2DecoderLayer"),
-        _family("gemma3_text", "gemma", Gemma3Block, "Gemma3DecoderLayer", module="gemma3"),
-        _family("gpt_oss", "gpt_oss", GptOssBlock, "GptOssDecoderLayer"),
+        _family("gemma2", "gemma", Gemma2Block),
+        _family("gemma3_text", "gemma", Gemma3Block),
+        _family("gpt_oss", "gpt_oss", GptOssBlock),
         _family(
-            "bloom", "bloom", BloomBlock, "BloomBlock", block_prefix="h", num_kv_heads=_bloom_kv_heads,
+            "bloom", "bloom", BloomBlock, block_prefix="h", num_kv_heads=_bloom_kv_heads,
             dht_prefix=_bloom_prefix, alt_block_prefixes=("transformer.h",),
         ),
-        _family("qwen3", "qwen3", Qwen3Block, "Qwen3DecoderLayer"),
-        _family("qwen3_moe", "qwen3_moe", Qwen3MoeBlock, "Qwen3MoeDecoderLayer", is_sparse_layer=is_sparse_layer),
-        _family("phi3", "phi3", Phi3Block, "Phi3DecoderLayer"),
+        _family("qwen3", "qwen3", Qwen3Block),
+        _family("qwen3_moe", "qwen3_moe", Qwen3MoeBlock, is_sparse_layer=is_sparse_layer),
+        _family("phi3", "phi3", Phi3Block),
         _family(
-            "deepseek_v3", "deepseek_v3", DeepseekV3Block, "DeepseekV3DecoderLayer", num_kv_heads=_mla_kv_heads,
+            "deepseek_v3", "deepseek_v3", DeepseekV3Block, num_kv_heads=_mla_kv_heads,
             cache_values_per_token=_mla_cache_values, is_sparse_layer=is_moe_layer,
         ),
     ]
