@@ -39,9 +39,6 @@ class LoraWeights:
     block_index: int
     modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
 
-    def num_parameters(self) -> int:
-        return sum(a.numel() + b.numel() for a, b, _ in self.modules.values())
-
 
 def _adapter_file(name_or_path: str, filename: str, **options) -> Path:
     """The local path of an adapter's file (a directory's, or fetched from the hub into the shared cache)."""
