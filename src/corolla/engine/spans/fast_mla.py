@@ -59,7 +59,6 @@ class MlaSpec:
     topk_groups: int
     norm_topk_prob: bool
     routed_scaling_factor: float
-    first_k_dense_replace: int
     rms_norm_eps: float
     latent_norm_eps: float
     softmax_scale: float
@@ -74,9 +73,6 @@ class MlaSpec:
     def kv_layout(self) -> KVLayout:
         """The latent (kv_lora_rank) and the shared rotary key (qk_rope_head_dim) per token per layer."""
         return KVLayout.latent(self.kv_lora_rank, self.qk_rope_head_dim)
-
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        return layer_idx >= self.first_k_dense_replace and self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, config) -> MlaSpec:
@@ -111,7 +107,6 @@ class MlaSpec:
             topk_groups=int(getattr(config, "topk_group", 1) or 1),
             norm_topk_prob=bool(config.norm_topk_prob),
             routed_scaling_factor=float(config.routed_scaling_factor),
-            first_k_dense_replace=int(config.first_k_dense_replace),
             rms_norm_eps=float(config.rms_norm_eps),
             latent_norm_eps=LATENT_NORM_EPS,
             softmax_scale=mla_softmax_scale(config),
