@@ -34,9 +34,8 @@ REACHABILITY_RETRY_S = 15.0
 class ReachabilityProtocol(ServicerBase):
     """Answers "can you reach peer X directly?" by dialing X through `probe`, a P2P with no prior connections."""
 
-    def __init__(self, *, probe: P2P, wait_timeout_s: float = CHECK_TIMEOUT_S):
+    def __init__(self, *, probe: P2P):
         self.probe = probe
-        self.wait_timeout_s = wait_timeout_s
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:

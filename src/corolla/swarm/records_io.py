@@ -21,8 +21,8 @@ from corolla.protocol.uids import make_uid, parse_uid, validate_dht_prefix
 from corolla.swarm.dht import DEFAULT_DHT_TIMEOUT_S, call_with_timeout, run_in_dht
 from corolla.swarm.identity import get_signer
 from corolla.swarm.signed_records import (
-    SignedLookup,
     SignedRecordError,
+    SignedRecords,
     apply_signed_records,
     candidate_pairs,
     check_found_entry,
@@ -138,14 +138,14 @@ async def _get_records(dht: hivemind.DHT, node: Any, *, keys: list[str], latest:
 
 async def _lookup_signed(
     dht: hivemind.DHT, node: Any, *, keys: list[str], raw: dict[str, Any], latest: bool, max_signed_lookups: int
-) -> SignedLookup:
+) -> SignedRecords:
     """One batched get of the signed records of every peer announced under `keys`, verified here (cached)."""
     pairs, skipped = candidate_pairs(keys, raw, max_signed_lookups)
-    lookup = SignedLookup(skipped_lookups=skipped)
     if skipped:
         logger.warning(f"records.signed_lookups_capped(max_signed_lookups={max_signed_lookups}, skipped={skipped})")
+    records: SignedRecords = {}
     if not pairs:
-        return lookup
+        return records
     signed_keys = [signed_record_key(prefix, peer) for prefix, peer in pairs]
     expiration = math.inf if latest else get_dht_time()
     found = await node.get_many(signed_keys, expiration, num_workers=min(len(signed_keys), dht.num_workers))
@@ -153,22 +153,21 @@ async def _lookup_signed(
         try:
             record = check_found_entry(key, found.get(key))
         except SignedRecordError as e:
-            lookup.refused += 1
             logger.warning(f"records.signed_refused(peer={pair[1][:60]}): {e}")
             continue
         if record is not None:
-            lookup.records[pair] = record
-    return lookup
+            records[pair] = record
+    return records
 
 
 async def _get_block_records(
     dht: hivemind.DHT, node: Any, *, keys: list[str], latest: bool, max_signed_lookups: int
-) -> tuple[dict[str, Any], SignedLookup]:
+) -> tuple[dict[str, Any], SignedRecords]:
     raw = await _get_records(dht, node, keys=keys, latest=latest)
     if max_signed_lookups <= 0:
-        return raw, SignedLookup()
-    lookup = await _lookup_signed(dht, node, keys=keys, raw=raw, latest=latest, max_signed_lookups=max_signed_lookups)
-    return raw, lookup
+        return raw, {}
+    signed = await _lookup_signed(dht, node, keys=keys, raw=raw, latest=latest, max_signed_lookups=max_signed_lookups)
+    return raw, signed
 
 
 def get_remote_module_infos(
@@ -189,7 +188,7 @@ def get_remote_module_infos(
         return []
     coro = partial(_get_block_records, keys=uids, latest=latest, max_signed_lookups=max_signed_lookups)
     what = f"get_remote_module_infos({uids[0]}.., n={len(uids)})"
-    raw, lookup = run_in_dht(dht, coro, timeout_s=timeout_s, what=what)
+    raw, signed = run_in_dht(dht, coro, timeout_s=timeout_s, what=what)
     infos = []
     for uid in uids:
         info = RemoteModuleInfo(uid=uid, servers={})
@@ -205,7 +204,7 @@ def get_remote_module_infos(
                     continue
                 info.servers[server[0]] = server[1]
         infos.append(info)
-    return apply_signed_records(infos, lookup.records, active_adapter=active_adapter)
+    return apply_signed_records(infos, signed, active_adapter=active_adapter)
 
 
 def _parse_server(uid: str, subkey: Any, value: Any) -> tuple[str, ServerInfo] | None:
@@ -240,12 +239,12 @@ def declare_model_info(
 
 async def _get_index_and_signed(
     dht: hivemind.DHT, node: Any, *, latest: bool, max_signed_lookups: int
-) -> tuple[dict[str, Any], SignedLookup]:
+) -> tuple[dict[str, Any], SignedRecords]:
     """The raw `_petals.models` entries and the signed records of the servers of each indexed model's first block
     (and last block, if the entry names a plausible size)."""
     index = (await _get_records(dht, node, keys=[MODELS_INDEX_KEY], latest=latest)).get(MODELS_INDEX_KEY)
     if not isinstance(index, dict):
-        return {}, SignedLookup()
+        return {}, {}
     entries: dict[str, Any] = {}
     probe: list[str] = []
     for prefix, value in index.items():
@@ -260,11 +259,11 @@ async def _get_index_and_signed(
             logger.warning(f"records.index_capped(max_models={MAX_INDEXED_MODELS})")
             break
     if max_signed_lookups <= 0 or not probe:
-        return entries, SignedLookup()
+        return entries, {}
     probe = list(dict.fromkeys(probe))
     raw = await _get_records(dht, node, keys=probe, latest=latest)
-    lookup = await _lookup_signed(dht, node, keys=probe, raw=raw, latest=latest, max_signed_lookups=max_signed_lookups)
-    return entries, lookup
+    signed = await _lookup_signed(dht, node, keys=probe, raw=raw, latest=latest, max_signed_lookups=max_signed_lookups)
+    return entries, signed
 
 
 def get_verified_model_infos(
@@ -278,10 +277,10 @@ def get_verified_model_infos(
     entry was overwritten with garbage, described by the `ModelInfo` its servers' signed records agree on; the
     unsigned entry is used only for models no signed record speaks for (stock Petals servers: forgeable)."""
     coro = partial(_get_index_and_signed, latest=latest, max_signed_lookups=max_signed_lookups)
-    entries, lookup = run_in_dht(dht, coro, timeout_s=timeout_s, what="get_verified_model_infos")
+    entries, signed_records = run_in_dht(dht, coro, timeout_s=timeout_s, what="get_verified_model_infos")
     models = {}
     for prefix, value in entries.items():
-        signed = vote_model_info(lookup.records.values(), prefix)
+        signed = vote_model_info(signed_records.values(), prefix)
         if signed is not None:
             models[prefix] = signed
             continue

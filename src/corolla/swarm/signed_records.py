@@ -12,7 +12,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -261,13 +261,8 @@ def default_record_validators() -> list[RecordValidatorBase]:
 # ---------------------------------------------------------------------------------------------- reading
 
 
-@dataclass
-class SignedLookup:
-    """What one read found: verified records by `(prefix, peer)`, and how many entries were refused."""
-
-    records: dict[tuple[str, str], SignedServerRecord] = field(default_factory=dict)
-    refused: int = 0
-    skipped_lookups: int = 0  # peers not looked up because of `max_lookups`
+# what one read found: verified records by `(prefix, peer)`
+SignedRecords = dict[tuple[str, str], SignedServerRecord]
 
 
 def candidate_pairs(uids: Iterable[str], raw: Mapping[str, Any], max_lookups: int) -> tuple[list[tuple[str, str]], int]:
