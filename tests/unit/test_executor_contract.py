@@ -1,4 +1,4 @@
-"""The `SpanExecutor` contract, run on CPU against the engine's executor over its paged pool with both span models
+"""The executor contract (what the core asks of `EngineExecutor`), run on CPU against the engine's executor over its paged pool with both span models
 (fused kernels, and the blocks run eagerly over the pool) and through a handler process's seam to the core
 (`RemoteCore`, the same work through the device process's `SpanCore`): inference steps
 equal `SpanBackend.inference_step` on fresh caches (whole span, sub-span, deep prompts, beam reordering, rollback),
@@ -28,7 +28,6 @@ from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
     SessionSpec,
-    SpanExecutor,
     StepInputs,
 )
 from corolla.server.core.limits import PeerLimits
@@ -132,7 +131,7 @@ class _ThroughCore:
 
 
 @contextlib.asynccontextmanager
-async def _executor(backend: SpanBackend, kind: str) -> AsyncIterator[SpanExecutor]:
+async def _executor(backend: SpanBackend, kind: str) -> AsyncIterator[EngineExecutor]:
     with Runtime(max_batch_size_tokens=1024) as runtime:
         if kind.startswith("proxy_"):
             real = EXECUTORS[kind.removeprefix("proxy_")](backend, runtime)

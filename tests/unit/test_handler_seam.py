@@ -1,6 +1,6 @@
-"""The RPC handler against a fake `SpanExecutor` (no model, no network): what reaches the executor is validated
-once and typed (positions, rollback, lone session), refusals are typed and counted under their reason (too long,
-bad request, cache full) before any device work, and `rpc_info` names the serving path."""
+"""The RPC handler against a fake executor with `EngineExecutor`'s methods (no model, no network): what reaches the
+executor is validated once and typed (positions, rollback, lone session), refusals are typed and counted under their
+reason (too long, bad request, cache full) before any device work, and `rpc_info` names the serving path."""
 
 from __future__ import annotations
 

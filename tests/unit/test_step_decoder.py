@@ -260,7 +260,7 @@ async def test_a_step_as_bytes_sends_the_frame_of_the_tensor_and_reads_the_same_
 
 
 class _DoublingExecutor:
-    """A `SpanExecutor` that doubles the hidden states; counts the steps that came as bytes."""
+    """An executor (`EngineExecutor`'s methods) that doubles the hidden states; counts the steps that came as bytes."""
 
     path = PATH_EAGER
     max_size_bytes = bytes_left = 1 << 30

@@ -8,7 +8,7 @@ at their recent token rate (least recent work first; a session's pace is read on
 prefill), then unused promises beyond a fair share per peer of those holding promises, then the promises of sessions
 whose pace is not known yet (first those of peers that recently closed a session with no token after its prefill,
 their queued prefills included). A session doing real work never loses the pages it holds. Runs in the server's asyncio
-loop; the KV bytes themselves belong to the executor (`SpanExecutor.open_session`). Why this shape:
+loop; the KV bytes themselves belong to the executor (`EngineExecutor.open_session`). Why this shape:
 `docs/decisions/0016-hoarding.md` (and its addenda on trickling, fresh and reopened sessions)."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from corolla.server.core.executor import SessionCache, SessionSpec, SpanExecutor
+from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.executor import SessionCache, SessionSpec
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded, SessionEvicted
 from corolla.utils.logging import get_logger
 
@@ -151,7 +152,7 @@ class SessionAdmission:
     """Decides whether a new session may open and what yields to it under memory pressure (see the module
     docstring)."""
 
-    def __init__(self, limits: PeerLimits, budget: SpanExecutor):
+    def __init__(self, limits: PeerLimits, budget: EngineExecutor):
         # the KV cache bytes sessions are weighed against: `bytes_left` neither held nor promised, `bytes_waiting`
         # asked for by allocations in line
         self.limits = limits
@@ -213,7 +214,7 @@ class SessionAdmission:
     async def reserve(
         self,
         peer: str,
-        executor: SpanExecutor,
+        executor: EngineExecutor,
         spec: SessionSpec,
         alloc_timeout_s: float | None,
         *,

@@ -1,4 +1,4 @@
-"""The `SpanExecutor` of every server: inference steps run on the engine's `SpanEngine` over its paged `KVPool`, the
+"""The executor of every server (the core's device side): inference steps run on the engine's `SpanEngine` over its paged `KVPool`, the
 one KV store (fused kernels where the engine has them for the family, else the family's blocks run eagerly over the
 same pool: an engine-internal choice, `SpanEngine.fused`), and single-token steps of all sessions queued at once are
 merged into one batched forward by the runtime (`engine.batcher.execute_steps` as its batch executor). Forward and
@@ -97,7 +97,9 @@ class EngineSessionCache(SessionCache):
 
 
 class EngineExecutor:
-    """`SpanExecutor` over a `SpanEngine` built from the blocks of `backend` (see the module docstring)."""
+    """The device side of one span as the core (`span_core.SpanCore`, its admission) sees it: a `SpanEngine` built
+    from the blocks of `backend` (see the module docstring). Coroutines run in the server's event loop; a failing
+    step fails its caller only."""
 
     def __init__(
         self,
@@ -157,6 +159,7 @@ class EngineExecutor:
 
     @property
     def bytes_waiting(self) -> int:
+        """Bytes asked for by allocations queued for free cache (served before new ones)."""
         return self.pages.layer_pages_waiting * self.engine.pool.layer_page_bytes
 
     def on_shortage(self, make_room: Callable[[int], None]) -> None:
@@ -166,6 +169,7 @@ class EngineExecutor:
         self.pages.on_short = lambda layer_pages: make_room(layer_pages * layer_page_bytes)
 
     def session_bytes(self, spec: SessionSpec) -> int:
+        """Cache bytes a session of `spec` reserves (admission's per-peer accounting)."""
         pool = self.engine.pool
         return (
             pool.pages_for(spec.max_length_tokens)
@@ -317,6 +321,7 @@ class EngineExecutor:
         )
 
     async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
+        """`[grad_inputs]`, or `[grad_inputs, grad_prompts]` with deep prompts (block tasks merged as `forward`'s)."""
         grad_inputs, grad_prompts = await self.training.backward(
             block_indices, inputs.hidden_states, inputs.grad_outputs, inputs.prompts, inputs.adapter, inputs.owner
         )
@@ -325,9 +330,13 @@ class EngineExecutor:
     # ---- prefix caching: the engine's (`SpanEngine.attach_prefix`); nothing of a session runs on the device meanwhile
 
     async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
+        """Starts a fresh session with the longest run of cached pages that `keys` name in `namespace` and its
+        blocks; returns the positions reused (whole pages, 0 where nothing is cached). The front applies the trust
+        rule: `namespace` names whose pages are reused."""
         return self.engine.attach_prefix(self._own(cache).session, namespace, keys)
 
     def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
+        """Records keys of the session's positions: its pages are published once computed."""
         self.engine.add_prefix_keys(self._own(cache).session, namespace, keys)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -339,6 +348,8 @@ class EngineExecutor:
     # ---- KV hand-off: the pool's positions in the canonical layout, one K and one V [B, heads, length, dim] per block
 
     def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptor]]:
+        """The canonical K and V descriptors per block of a session of `spec` ([B, kv_heads, max_length, head_dim]
+        each); HandoffUnsupported where the pool's layout can't be expressed so."""
         pool = self.engine.pool
         (k_heads, k_dim), (v_heads, v_dim) = pool.layout.k_token_shape, pool.layout.v_token_shape
         if len(pool.layout.k_token_shape) != 2 or len(pool.layout.v_token_shape) != 2:
@@ -349,6 +360,7 @@ class EngineExecutor:
         return [[k, v] for _ in spec.block_indices]
 
     async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
+        """CPU copies of the first `position` tokens of every block's K and V (canonical layout)."""
         session, pool = self._own(cache).session, self.engine.pool
 
         def task() -> list[torch.Tensor]:
@@ -364,6 +376,7 @@ class EngineExecutor:
         return await self._runtime.submit(task, priority=PRIORITY_INFERENCE, size_tokens=1, kind=KIND_GENERIC)
 
     async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
+        """Writes validated canonical K/V tensors into positions [0, position) of the session's cache."""
         session, pool = self._own(cache).session, self.engine.pool
 
         def task() -> None:

@@ -1,21 +1,17 @@
-"""The seam between the core and the device: `SpanExecutor`, the interface the core (`span_core.SpanCore`, its
-admission) talks to, and the typed records that cross it and the front-to-core seam. `engine_executor.EngineExecutor` implements it on
-this process's `Runtime` (the engine's `SpanEngine` over its paged `KVPool`, the one KV store).
+"""The typed records that cross the seam between the core and the device (`engine_executor.EngineExecutor`, on this
+process's `Runtime`: the engine's `SpanEngine` over its paged `KVPool`, the one KV store) and the front-to-core seam.
 
 Everything that crosses the seam was validated by the handler (`block_functions`), where it entered: an executor
 trusts shapes, dtypes, lengths and positions and only enforces what it alone knows (free cache)."""
 
 from __future__ import annotations
 
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
-from corolla.models.block_base import TensorDescriptor
-from corolla.protocol.prefix import PrefixKeys
-from corolla.utils.tensor_bytes import HiddenRows, TensorBytes, view_bytes
+from corolla.utils.tensor_bytes import HiddenRows, view_bytes
 
 # how the engine runs a span (reported, not chosen by the operator): fused kernels, or the family's blocks eagerly
 PATH_FUSED = "fused"
@@ -95,7 +91,7 @@ class BackwardInputs:
 
 
 class SessionCache:
-    """An open session's KV cache, as an executor hands it out (`SpanExecutor.open_session`). Each executor
+    """An open session's KV cache, as an executor hands it out (`EngineExecutor.open_session`). Each executor
     subclasses it with what it needs; an executor refuses (TypeError) a cache of another executor."""
 
     def __init__(self, spec: SessionSpec):
@@ -115,87 +111,3 @@ class PrefixCacheStats:
 class HandoffUnsupported(ValueError):
     """This executor's cache can't be exported or imported (a layout it can't express, a cache past a handler
     channel's frame, a server with hand-off off): the client replays."""
-
-
-class SpanExecutor(Protocol):
-    """What the core needs from the device side of one span (fronts reach it only through the core's seam,
-    `span_core.CoreClient`). Coroutines run in the server's event loop; a failing step fails its caller only."""
-
-    @property
-    def path(self) -> str:
-        """`PATH_FUSED` or `PATH_EAGER`: how the engine runs the span (metrics, `rpc_info`, logs)."""
-        ...
-
-    # ---- cache accounting (event loop)
-
-    @property
-    def max_size_bytes(self) -> int: ...
-
-    @property
-    def bytes_left(self) -> int: ...
-
-    @property
-    def bytes_waiting(self) -> int:
-        """Bytes asked for by allocations queued for free cache (served before new ones)."""
-        ...
-
-    def session_bytes(self, spec: SessionSpec) -> int:
-        """Cache bytes a session of `spec` reserves (admission's per-peer accounting)."""
-        ...
-
-    def cache_bytes_per_token(self, block_indices: tuple[int, ...]) -> int:
-        """Cache bytes of one token of one sequence over `block_indices`."""
-        ...
-
-    def open_session(
-        self, spec: SessionSpec, alloc_timeout_s: float | None
-    ) -> AbstractAsyncContextManager[SessionCache]:
-        """Reserves the session's cache (waiting up to `alloc_timeout_s` for free space; AllocationFailed past
-        it) and frees it on exit, whatever the exit path."""
-        ...
-
-    # ---- compute (event loop side: submits to the runtime)
-
-    async def step(self, cache: SessionCache, inputs: StepInputs) -> torch.Tensor | TensorBytes:
-        """One inference step: [B, T, H] -> [B, T, H] (a launched decode step's: its bytes, `TensorBytes`)."""
-        ...
-
-    async def forward(
-        self, block_indices: tuple[int, ...], inputs: ForwardInputs, *, chunk_tokens: int
-    ) -> torch.Tensor:
-        """Hidden states after the blocks: [B, T, H]. `chunk_tokens` > 0 splits long forwards into runtime tasks."""
-        ...
-
-    async def backward(self, block_indices: tuple[int, ...], inputs: BackwardInputs) -> list[torch.Tensor]:
-        """`[grad_inputs]`, or `[grad_inputs, grad_prompts]` with deep prompts."""
-        ...
-
-    # ---- prefix caching (event loop; the handler applies the trust rule: `namespace` names whose pages are reused)
-
-    async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
-        """Starts a fresh session with the longest run of cached pages that `keys` name in `namespace` and its
-        blocks; returns the positions reused (whole pages, 0 where nothing is cached or the cache is not here)."""
-        ...
-
-    def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
-        """Records keys of the session's positions: its pages are published once computed."""
-        ...
-
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """What the prefix cache holds and has given back (metrics)."""
-        ...
-
-    # ---- KV hand-off (drain)
-
-    def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptor]]:
-        """The canonical K and V descriptors per block of a session of `spec` ([B, kv_heads, max_length,
-        head_dim] each); HandoffUnsupported if this executor can't export or import caches."""
-        ...
-
-    async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]:
-        """CPU copies of the first `position` tokens of every block's K and V (canonical layout)."""
-        ...
-
-    async def write_kv(self, cache: SessionCache, tensors: list[torch.Tensor], position: int) -> None:
-        """Writes validated canonical K/V tensors into positions [0, position) of the session's cache."""
-        ...

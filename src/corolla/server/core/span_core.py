@@ -21,12 +21,12 @@ from hivemind.proto import runtime_pb2
 from corolla.models.block_base import TensorDescriptor
 from corolla.protocol.prefix import PrefixKeys
 from corolla.server.core.admission import ForwardSlots, SessionAdmission, SessionTicket
+from corolla.server.core.engine_executor import EngineExecutor
 from corolla.server.core.executor import (
     BackwardInputs,
     ForwardInputs,
     SessionCache,
     SessionSpec,
-    SpanExecutor,
     StepInputs,
 )
 from corolla.server.core.limits import PeerLimits
@@ -152,15 +152,15 @@ class CoreClient(Protocol):
         ...
 
     async def attach_prefix(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> int:
-        """`SpanExecutor.attach_prefix` for an open session: the positions its fresh cache reuses."""
+        """`EngineExecutor.attach_prefix` for an open session: the positions its fresh cache reuses."""
         ...
 
     def add_prefix_keys(self, cache: SessionCache, namespace: str, keys: PrefixKeys) -> None:
-        """`SpanExecutor.add_prefix_keys`: its pages are published once computed."""
+        """`EngineExecutor.add_prefix_keys`: its pages are published once computed."""
         ...
 
     def handoff_layout(self, spec: SessionSpec) -> list[list[TensorDescriptor]]:
-        """`SpanExecutor.handoff_layout` (HandoffUnsupported: the client replays)."""
+        """`EngineExecutor.handoff_layout` (HandoffUnsupported: the client replays)."""
         ...
 
     async def read_kv(self, cache: SessionCache, position: int) -> list[torch.Tensor]: ...
@@ -173,7 +173,7 @@ class SpanCore:
     runs in the server's event loop."""
 
     def __init__(
-        self, executor: SpanExecutor, peer_limits: PeerLimits | None = None, metrics: ServerMetrics | None = None
+        self, executor: EngineExecutor, peer_limits: PeerLimits | None = None, metrics: ServerMetrics | None = None
     ):
         self.executor = executor
         self.metrics = metrics  # sessions are counted here, once for every front

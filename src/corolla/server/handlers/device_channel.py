@@ -41,7 +41,6 @@ from corolla.server.core.executor import (
     HandoffUnsupported,
     SessionCache,
     SessionSpec,
-    SpanExecutor,
     StepInputs,
 )
 from corolla.server.core.kv_handoff import check_handoff_frame
@@ -486,7 +485,7 @@ def _step_reply(
     return (request_id, result, request.output_bytes)
 
 
-def device_info(executor: SpanExecutor, span: tuple[int, ...], max_frame_bytes: int) -> wire.DeviceInfo:
+def device_info(executor: EngineExecutor, span: tuple[int, ...], max_frame_bytes: int) -> wire.DeviceInfo:
     """The HELLO a handler process gets: enough to size sessions and caches without asking."""
     try:  # one block's canonical K/V for one sequence of one token (the same for every block of the span)
         layout = executor.handoff_layout(SessionSpec((span[0],), 1, 1))[0]
