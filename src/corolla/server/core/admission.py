@@ -18,11 +18,10 @@ import contextlib
 import math
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
-from corolla.server.core.engine_executor import EngineExecutor
+from corolla.server.core.engine_executor import EngineExecutor, EngineSessionCache
 from corolla.server.core.executor import SessionCache, SessionSpec
 from corolla.server.core.limits import PeerLimitExceeded, PeerLimits, ServerLimitExceeded, SessionEvicted
 from corolla.utils.logging import get_logger
@@ -30,40 +29,6 @@ from corolla.utils.logging import get_logger
 logger = get_logger(__name__)
 
 MAX_REOPEN_RECORDS = 4096  # peers remembered for closing a session without work (oldest forgotten first)
-
-
-@runtime_checkable
-class CacheLease(Protocol):
-    """A session's hold on the KV store (the engine executor's `SessionCache`): bytes holding its positions, bytes
-    promised and not yet taken; a promise can be withdrawn in part and asked back."""
-
-    @property
-    def taken_bytes(self) -> int: ...
-
-    @property
-    def promised_bytes(self) -> int: ...
-
-    def withdrawable(self, nbytes: int) -> int:
-        """What `withdraw(nbytes)` would drop: `nbytes` rounded down to whole pages, at most the promise."""
-        ...
-
-    def withdraw(self, nbytes: int) -> int:
-        """Drops `withdrawable(nbytes)` bytes of the promise; returns them."""
-        ...
-
-    def restore(self) -> bool:
-        """Promises the session its whole length again if the store can; False where it can't now."""
-        ...
-
-
-@runtime_checkable
-class ShortageSource(Protocol):
-    """A budget whose allocations in line ask for room (the engine executor's page queue): admission's yield rule
-    answers them."""
-
-    def on_shortage(self, make_room: Callable[[int], None]) -> None:
-        """Registers `make_room(nbytes)`, called while the head of the line lacks room for `nbytes`."""
-        ...
 
 
 @dataclass(eq=False)
@@ -78,7 +43,7 @@ class SessionTicket:
     evicted: asyncio.Event = field(default_factory=asyncio.Event)
     released: asyncio.Event = field(default_factory=asyncio.Event)
     eviction: SessionEvicted | None = None
-    lease: CacheLease | None = None
+    lease: EngineSessionCache | None = None
     num_steps: int = 0
     num_tokens: int = 0
     token_steps: int = 0  # steps that processed a token (its prefill is the first)
@@ -163,7 +128,7 @@ class SessionAdmission:
         self.num_withdrawn = 0  # promises withdrawn (in part) from sessions that keep running
         # peer -> when a session of it last closed with no token after its prefill (oldest first): a reopening peer
         self._unworked_closes: OrderedDict[str, float] = OrderedDict()
-        if isinstance(budget, ShortageSource):
+        if isinstance(budget, EngineExecutor):  # its page line asks for room
             budget.on_shortage(self._on_short)
 
     @property
@@ -241,7 +206,7 @@ class SessionAdmission:
                 ticket.waiting = ticket.granting = False
                 ticket.cache_opened = True
                 ticket.opened_at = time.monotonic()  # the grace for its first step counts from here
-                ticket.lease = cache if isinstance(cache, CacheLease) else None
+                ticket.lease = cache if isinstance(cache, EngineSessionCache) else None
                 yield ticket, cache
 
     def _check(self, peer: str, reserve_bytes: int, shadow: bool) -> None:

@@ -64,7 +64,8 @@ CPU_PAGE_TOKENS = 16
 
 class EngineSessionCache(SessionCache):
     """One engine session (all blocks of the request share its pages) and its lease on the pool as admission weighs
-    it (`admission.CacheLease`): pages taken, pages promised, a promise withdrawn and asked back."""
+    it: bytes holding its positions, bytes promised and not yet taken; a promise can be withdrawn in part and asked
+    back."""
 
     def __init__(self, spec: SessionSpec, session: EngineSession, pages: PageQueue):
         super().__init__(spec)
@@ -82,9 +83,11 @@ class EngineSessionCache(SessionCache):
         return sum(slot.promised_pages for slot in self.session.slots) * self.page_bytes
 
     def withdrawable(self, nbytes: int) -> int:
+        """What `withdraw(nbytes)` would drop: `nbytes` rounded down to whole pages, at most the promise."""
         return min(self._pages_per_slot(nbytes) * len(self.session.slots) * self.page_bytes, self.promised_bytes)
 
     def withdraw(self, nbytes: int) -> int:
+        """Drops `withdrawable(nbytes)` bytes of the promise; returns them."""
         dropped = self.session.engine.pool.withdraw(self.session.slots, self._pages_per_slot(nbytes)) * self.page_bytes
         self.pages.wake()  # allocations in line may fit now
         return dropped
@@ -93,6 +96,7 @@ class EngineSessionCache(SessionCache):
         return nbytes // (self.page_bytes * len(self.session.slots))  # never below what was asked to stay
 
     def restore(self) -> bool:
+        """Promises the session its whole length again if the pool can; False where it can't now."""
         return self.session.engine.pool.restore(self.session.slots)
 
 
@@ -163,8 +167,8 @@ class EngineExecutor:
         return self.pages.layer_pages_waiting * self.engine.pool.layer_page_bytes
 
     def on_shortage(self, make_room: Callable[[int], None]) -> None:
-        """Admission's yield rule for the head of the page line (`admission.ShortageSource`): called with the bytes
-        it lacks room for."""
+        """Registers admission's yield rule for the head of the page line: `make_room(nbytes)`, called while it
+        lacks room for `nbytes`."""
         layer_page_bytes = self.engine.pool.layer_page_bytes
         self.pages.on_short = lambda layer_pages: make_room(layer_pages * layer_page_bytes)
 
