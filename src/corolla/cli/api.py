@@ -101,14 +101,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
 def serve(args: argparse.Namespace, initial_peers: Sequence[str], speculative: SpeculativeConfig | None = None) -> None:
     names = list(args.served_model_name) or [default_model_id(args.model)]
     backend = load_swarm_backend(
-        args.model,
-        initial_peers=initial_peers,
-        dht_prefix=args.dht_prefix,
-        model_id=names[0],
-        max_retries=args.max_retries,
-        torch_dtype=args.torch_dtype,
-        swarm_key_file=args.swarm_key_file,
-    )
+        args.model, initial_peers=initial_peers, dht_prefix=args.dht_prefix, model_id=names[0],
+        max_retries=args.max_retries, torch_dtype=args.torch_dtype, swarm_key_file=args.swarm_key_file,
+    )  # fmt: skip
     flags = {name: getattr(args, name) for name in ("api_key", *API_CONFIG_INT_FLAGS)}
     config = ApiConfig(
         **flags, model_aliases=tuple(names[1:]), unlisted_model_names=(str(args.model),), speculative=speculative

@@ -121,12 +121,9 @@ def _main(argv: list[str] | None = None) -> int:
     if speculative is not None:
         sampling["speculative"] = speculative
     with AutoDistributedModelForCausalLM.from_pretrained(
-        args.model,
-        initial_peers=args.initial_peers,
-        dht_prefix=args.dht_prefix,
-        client_config=config,
+        args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, client_config=config,
         torch_dtype=dtype,
-    ) as model:
+    ) as model:  # fmt: skip
         known_liars = set(model.manager.findings.liars())
 
         def generate(ids: torch.Tensor, **kwargs: Any) -> str:
@@ -134,13 +131,9 @@ def _main(argv: list[str] | None = None) -> int:
             streamer = TextStreamer(tokenizer)
             started = time.perf_counter()
             model.generate(
-                ids,
-                max_new_tokens=args.max_new_tokens,
-                do_sample=args.do_sample,
-                streamer=streamer,
-                **sampling,
-                **kwargs,
-            )
+                ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, streamer=streamer,
+                **sampling, **kwargs,
+            )  # fmt: skip
             elapsed_s = time.perf_counter() - started
             tokens = streamer.num_generated
             return (

@@ -55,20 +55,12 @@ class DemoTrainConfig:
 
     def model_config(self) -> LlamaConfig:
         return LlamaConfig(
-            vocab_size=VOCAB_SIZE,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            max_position_embeddings=self.max_position_embeddings_tokens,
-            rms_norm_eps=1e-5,
-            rope_theta=10000.0,
-            tie_word_embeddings=False,
-            bos_token_id=BOS_ID,
-            eos_token_id=EOS_ID,
-            pad_token_id=PAD_ID,
-        )
+            vocab_size=VOCAB_SIZE, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, max_position_embeddings=self.max_position_embeddings_tokens,
+            rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+            bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        )  # fmt: skip
 
 
 # ~0.4M parameters (the demo model has 3.0M): one draft token costs a few hundred microseconds on one CPU core

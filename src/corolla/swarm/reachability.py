@@ -74,14 +74,9 @@ async def _create_probe(initial_peers: list[str]) -> P2P:
     """A listen-less client P2P that finds third parties through the libp2p DHT of `initial_peers`: it has no
     connection to them yet, so reaching them proves they accept direct dials."""
     return await P2P.create(
-        initial_peers or None,
-        dht_mode="client",
-        use_relay=False,
-        auto_nat=False,
-        nat_port_map=False,
-        no_listen=True,
+        initial_peers or None, dht_mode="client", use_relay=False, auto_nat=False, nat_port_map=False, no_listen=True,
         startup_timeout=30,
-    )
+    )  # fmt: skip
 
 
 async def _known_maddrs(p2p: P2P) -> list[str]:

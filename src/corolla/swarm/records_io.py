@@ -103,13 +103,10 @@ async def _store_records(
         keys.append(signed[0])
         subkeys.append(signed[1])
         values.append(signed[2])
-    store_ok = await node.store_many(
-        keys=keys,
-        subkeys=subkeys,
-        values=values,
-        expiration_time=expiration_time,
+    store_ok = await node.store_many(  # keyed by (key, subkey)
+        keys=keys, subkeys=subkeys, values=values, expiration_time=expiration_time,
         num_workers=min(len(keys), dht.num_workers),
-    )  # keyed by (key, subkey)
+    )  # fmt: skip
     if len(keys) > len(uids) and not store_ok.get((keys[-1], subkeys[-1])):
         logger.warning(f"records.signed_store_failed(key={keys[-1][:80]})")
     return {uid: bool(store_ok.get((uid, subkey))) for uid in uids}

@@ -80,16 +80,10 @@ class GptOssBlock(CorollaBlock):
         self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps, kind="gpt_oss")
         bias = bool(getattr(config, "attention_bias", True))
         cfg = WindowedAttentionConfig(
-            hidden_size=H,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=num_kv_heads_of(config),
-            head_dim=hd,
-            scale=hd**-0.5,
-            qkv_bias=bias,
-            out_bias=bias,
-            sliding_window_tokens=sliding_window_of(config, layer_idx),
-            sinks=True,
-        )
+            hidden_size=H, num_heads=config.num_attention_heads, num_kv_heads=num_kv_heads_of(config), head_dim=hd,
+            scale=hd**-0.5, qkv_bias=bias, out_bias=bias,
+            sliding_window_tokens=sliding_window_of(config, layer_idx), sinks=True,
+        )  # fmt: skip
         rotary = RotaryEmbedding(hd, rope_parameters(config), config.max_position_embeddings)
         self.attn = WindowedAttention(cfg, rotary)
         self.mlp = GptOssMoE(
