@@ -164,7 +164,6 @@ class ServerConfig:
     num_handlers: int = 1
     prefetch_batches: int = 1  # accepted, no effect (`ignored_flags`)
     sender_threads: int = 1  # accepted, no effect
-    extra: dict[str, Any] = field(default_factory=dict)
     # fair-use limits per peer and in total (sessions, KV share, idle eviction, stream bytes, forward chunks);
     # each field of `PeerLimits` is also a flag of the same name
     peer_limits: PeerLimits = field(default_factory=PeerLimits)
