@@ -105,10 +105,7 @@ def resolve_quant_type(requested: str | None, device: torch.device, *, log: bool
 def _bf16_supported(device: torch.device) -> bool:
     if device.type != "cuda":
         return True  # CPU runs bf16 (slowly without AVX512-BF16/AMX); MPS is switched to fp16 by resolve_block_dtype
-    try:
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:  # torch without the keyword
-        return bool(torch.cuda.is_bf16_supported())
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))  # (the keyword: torch >= 2.4)
 
 
 def resolve_dtype(model_config, requested: str, device: torch.device) -> torch.dtype:
