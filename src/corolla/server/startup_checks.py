@@ -24,7 +24,7 @@ def default_device() -> torch.device:
     """cuda:0 when CUDA works, else mps when available, else cpu."""
     if torch.cuda.is_available():
         return torch.device("cuda:0")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
 
@@ -48,8 +48,7 @@ def check_device(requested: str | torch.device, *, flag: str = "--device") -> to
             raise ConfigurationError(f"{flag} {requested}: this machine has {count} CUDA device(s) (0..{count - 1})")
         return torch.device("cuda", index)
     if device.type == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
+        if not torch.backends.mps.is_available():
             raise ConfigurationError(f"{flag} {requested}: MPS (Apple GPU) is not available here; use --device cpu")
         return device
     if device.type == "cpu":
