@@ -13,6 +13,7 @@ as plain greedy.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,18 +63,16 @@ class Draft:
         return int(self.tokens.numel())
 
 
+# (prefix `[L]`, raw logits `[V]`) -> the processed distribution `[V]` (fp32) after the tokens `prefix`
+Sampler = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class Drafter(Protocol):
     """Proposes up to k next tokens after `context` (int64 `[L]`, every token so far, prompt included).
-    `scores_to_probs` maps a drafter's raw logits `[V]` at a prefix to its sampling distribution (the same processors
-    as the target's), so the draft's q is close to the target's p; greedy drafters ignore it."""
+    `sample` maps a drafter's raw logits `[V]` at a prefix to its sampling distribution (the same processors as the
+    target's), so the draft's q is close to the target's p; greedy drafters ignore it (None: greedy)."""
 
     def propose(self, context: torch.Tensor, k: int, sample: Sampler | None) -> Draft: ...
-
-
-class Sampler(Protocol):
-    """The processed distribution `[V]` (fp32) for raw `logits` `[V]` after the tokens `prefix` `[L]`."""
-
-    def __call__(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
