@@ -88,11 +88,7 @@ class Attention(BlockAttention):
         if simple_causal and (T == 1 or query_start - key_start == S - T == 0):
             # One query sees every key; or a fresh square causal block.
             return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale, enable_gqa=gqa)
-        q_pos = torch.arange(query_start, query_start + T, device=q.device)  # [T]
-        k_pos = torch.arange(key_start, key_start + S, device=q.device)  # [S]
-        allowed = k_pos[None, :] <= q_pos[:, None]  # [T, S]
-        if self.sliding_window is not None:
-            allowed &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
+        allowed, k_pos = causal_mask(query_start, T, key_start, S, self.sliding_window, q.device)  # [T, S], [S]
         if not self.alibi:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=gqa)
         slopes = alibi_slopes(self.total_heads).to(q.device)[self.head_ids]  # [h] fp32
@@ -158,3 +154,16 @@ def grouped_qkv_rows(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.
         for our_head in heads:
             rows.append(torch.arange(our_head * head_dim, (our_head + 1) * head_dim))
     return torch.cat(rows)  # [(h + 2 kv) hd]
+
+
+def causal_mask(
+    query_start: int, num_queries: int, key_start: int, num_keys: int, window: int | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(allowed [T, S] bool: key position <= query position, and within `window` of it when given; the key
+    positions [S])."""
+    q_pos = torch.arange(query_start, query_start + num_queries, device=device)  # [T]
+    k_pos = torch.arange(key_start, key_start + num_keys, device=device)  # [S]
+    allowed = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed, k_pos

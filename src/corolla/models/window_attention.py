@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from corolla.models.attention import check_cache, full_cache_step, split_heads
+from corolla.models.attention import causal_mask, check_cache, full_cache_step, split_heads
 from corolla.models.block_base import BlockAttention, TensorDescriptor
 from corolla.models.positions import RotaryEmbedding
 
@@ -154,11 +154,7 @@ class WindowedAttention(BlockAttention):
         scores = torch.matmul(qg, k.float()[:, :, None].transpose(-1, -2)) * self.cfg.scale  # [B, kv, g, T, S]
         if self.cfg.logit_softcap is not None:
             scores = softcap(scores, float(self.cfg.logit_softcap))
-        q_pos = torch.arange(query_start, query_start + T, device=q.device)  # [T]
-        k_pos = torch.arange(key_start, key_start + S, device=q.device)  # [S]
-        allowed = k_pos[None, :] <= q_pos[:, None]  # [T, S]
-        if self.sliding_window is not None:
-            allowed &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
+        allowed, _ = causal_mask(query_start, T, key_start, S, self.sliding_window, q.device)  # [T, S]
         scores = scores.masked_fill(~allowed, float("-inf"))
         if self.sinks is not None:
             sink = self.sinks.float().reshape(1, kv, group, 1, 1).expand(B, kv, group, T, 1)  # [B, kv, g, T, 1]

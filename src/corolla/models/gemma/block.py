@@ -12,7 +12,7 @@ import torch
 from corolla.models.block_base import CorollaBlock, TensorTarget, same_names
 from corolla.models.expert_names import swiglu_layout
 from corolla.models.layers import GatedMLP, RMSNorm
-from corolla.models.llama.block import head_dim_of, num_kv_heads_of, qkv_layout
+from corolla.models.llama.block import QK_NORM_LAYOUT, head_dim_of, num_kv_heads_of, qkv_layout
 from corolla.models.positions import RotaryEmbedding, rope_parameters
 from corolla.models.window_attention import WindowedAttention, WindowedAttentionConfig
 
@@ -90,10 +90,7 @@ class Gemma2Block(CorollaBlock):
         layout = qkv_layout(self.config, qkv_bias=bias, out_bias=bias)
         layout.update(same_names(*(f"{name}.weight" for name in self.NORMS)))
         layout.update(swiglu_layout("mlp", "mlp", self.config.intermediate_size))
-        if self.QK_NORM:
-            layout["self_attn.q_norm.weight"] = TensorTarget("attn.q_norm.weight")
-            layout["self_attn.k_norm.weight"] = TensorTarget("attn.k_norm.weight")
-        return layout
+        return {**layout, **QK_NORM_LAYOUT} if self.QK_NORM else layout
 
 
 class Gemma3Block(Gemma2Block):

@@ -78,6 +78,10 @@ def qkv_layout(
     return layout
 
 
+# per-head q and k norms (Qwen3, Gemma 3): `self_attn.{q,k}_norm.weight` -> `attn.{q,k}_norm.weight`
+QK_NORM_LAYOUT = {f"self_attn.{n}_norm.weight": TensorTarget(f"attn.{n}_norm.weight") for n in "qk"}
+
+
 class LlamaBlock(CorollaBlock):
     """x + attn(norm(x)), then + mlp(norm(.)). Checkpoint names: `self_attn.{q,k,v,o}_proj`,
     `mlp.{gate,up,down}_proj`, `input_layernorm`, `post_attention_layernorm` (and `self_attn.{q,k}_norm` where
@@ -116,10 +120,7 @@ class LlamaBlock(CorollaBlock):
     def attn_layout(self) -> dict[str, TensorTarget]:
         qkv_bias, out_bias = attention_biases(self.config)
         layout = qkv_layout(self.config, qkv_bias=qkv_bias, out_bias=out_bias)
-        if self.QK_NORM:
-            layout["self_attn.q_norm.weight"] = TensorTarget("attn.q_norm.weight")
-            layout["self_attn.k_norm.weight"] = TensorTarget("attn.k_norm.weight")
-        return layout
+        return {**layout, **QK_NORM_LAYOUT} if self.QK_NORM else layout
 
 
 class Qwen3Block(LlamaBlock):
