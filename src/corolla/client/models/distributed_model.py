@@ -46,6 +46,10 @@ class ClientLayout:
 
 _RMS = ClientLayout(embeddings="model.embed_tokens", final_norm="model.norm", norm_kind="llama", base_prefix="model.")
 _GEMMA = dataclasses.replace(_RMS, norm_kind="gemma")
+_FALCON = ClientLayout(
+    embeddings="transformer.word_embeddings", final_norm="transformer.ln_f", norm_kind="layer",
+    base_prefix="transformer.",
+)  # fmt: skip
 LAYOUTS: dict[str, ClientLayout] = {
     "llama": _RMS,
     "mistral": _RMS,
@@ -58,19 +62,8 @@ LAYOUTS: dict[str, ClientLayout] = {
     "gemma2": _GEMMA,
     "gemma3_text": _GEMMA,
     "gpt_oss": dataclasses.replace(_RMS, norm_kind="gpt_oss"),
-    "falcon": ClientLayout(
-        embeddings="transformer.word_embeddings",
-        final_norm="transformer.ln_f",
-        norm_kind="layer",
-        base_prefix="transformer.",
-    ),
-    "bloom": ClientLayout(
-        embeddings="transformer.word_embeddings",
-        embeddings_norm="transformer.word_embeddings_layernorm",
-        final_norm="transformer.ln_f",
-        norm_kind="layer",
-        base_prefix="transformer.",
-    ),
+    "falcon": _FALCON,
+    "bloom": dataclasses.replace(_FALCON, embeddings_norm="transformer.word_embeddings_layernorm"),
 }
 
 
