@@ -11,7 +11,7 @@ relative L2 size `lie_scale`: finite, the outputs' own scale). The client side i
 causal transformer span computed for real: the liar's answers come from incremental decoding with a KV cache (the
 prompt, then a position at a time; an honest shadow replica replaying the same steps computes the same, so its
 answers are those, computed once per pool session), and the third replica that decides a disagreement recomputes
-[0, b) in one pass, as `rpc_forward` does. The shadow's worker holds mirrored steps until they make
+[0, b) in one pass, as `rpc_forward` does. The shadow holds mirrored steps until they make
 `SHADOW_BATCH_ROWS` positions, as the client's does: a lie is caught when the request holding it is compared (up to
 that many of the session's steps later, or at its end); what the session in flight at the budget's end still holds
 counts as never verified (conservative). A trial ends when the liar is banned (caught at that step) or after
@@ -187,7 +187,7 @@ async def _career(pool: Pool, args: argparse.Namespace, seed: int, *, lying: boo
                 outputs = outputs + args.lie_scale * error * (outputs.float().norm() / error.float().norm())
             verifier.after_step(span_session, outputs, first)  # type: ignore[arg-type]
             steps += 1
-            await verifier.settle(flush=False)  # (what the worker holds for its next request waits)
+            await verifier.settle(flush=False)  # (what is held for the next request waits)
             if manager.bans.is_liar("server"):
                 await verifier.finish()
                 return {"caught_at": steps, "bans": sorted(manager.bans.banned_peers()), "verified": verified}

@@ -8,7 +8,9 @@ nobody; a true one bans only on the accused's own wrong answer); the sampling ar
 
 from __future__ import annotations
 
+import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +24,12 @@ from corolla.client.routing.findings import Finding, decode_finding, encode_find
 from corolla.client.session.inference_session import InferenceSession
 from corolla.client.session.shadows import (
     DEFAULT_SHADOW_FRACTION,
+    NO_TENSOR,
     SHADOW_BATCH_ROWS,
     SHADOW_CHUNK_TOKENS,
+    Mirrored,
+    Shadow,
+    ShadowVerifier,
     escape_probability,
 )
 from corolla.client.verification.finding_check import check_finding
@@ -372,3 +378,67 @@ async def _forward(manager, peer: str, inputs: torch.Tensor) -> torch.Tensor:
 
     span = next(s for s in manager.spans if s.peer_id == peer)
     return await run_remote_forward(manager, span, inputs, torch.empty(0))
+
+
+class _StalledReplicas(ShadowVerifier):
+    """Shadows whose streams never open: their workers take nothing, so their queues show what `after_step` put."""
+
+    async def open_stream(self, shadow: Shadow) -> None:
+        await asyncio.Event().wait()
+
+    async def close_stream(self, shadow: Shadow) -> None:
+        return None
+
+
+def test_mirrored_steps_reach_the_worker_as_one_queued_request_per_request() -> None:
+    """A session's decode steps are held where they are mirrored and reach the shadow's worker as one queued item per
+    request (`SHADOW_BATCH_ROWS` positions; what is held goes at the end), not one per step: the per-step
+    queueing and wake-up of the worker was most of a client's work per shadowed step (docs/decisions/0075)."""
+    servers = {"A1": Server(0, 2), "A2": Server(0, 2)}
+    manager = FakeManager(servers, 2, verify_shadow_fraction=1.0)
+    server = next(s for s in manager.spans if s.peer_id == "A1")
+    prompt, steps = 4, 3 * SHADOW_BATCH_ROWS + 2
+    inputs, outputs = torch.randn(1, prompt + steps, HIDDEN), torch.randn(1, prompt + steps, HIDDEN)
+    verifier = _StalledReplicas(manager, rng=random.Random(0))
+    span_session = SimpleNamespace(span=server, history=inputs, max_length=prompt + steps)
+    first = 0
+    while first < prompt + steps:
+        last = prompt if first == 0 else first + 1
+        verifier.after_step(span_session, outputs[:, first:last], first)  # type: ignore[arg-type]
+        first = last
+
+    async def queued() -> int:
+        await asyncio.sleep(0)  # (puts from this thread are callbacks on the loop: they run first)
+        return verifier.shadows[0].queue.qsize()
+
+    # the prompt and 12 positions, then 16, 16, 16 (the last 2 positions held)
+    assert background_loop.run(queued()) == 3
+    (shadow,) = verifier.shadows
+    assert shadow.queued == 1 + steps  # the lag counts every mirrored step not taken, held ones too
+    shadow.end_queue(send_held=True)
+    assert background_loop.run(queued()) == 5  # the held request, then the end
+    shadow.task.cancel()
+
+
+def test_the_inputs_replayed_are_rebuilt_as_the_replica_holds_them() -> None:
+    """`Shadow.replayed_inputs` (a finding's inputs [0, b)) after rollbacks and beam reorders equals the buffer
+    that writes each replayed request as it goes (a rollback overwrites from its first position, a reorder reorders
+    the rows before it), also once the kept requests were folded into one (rollbacks past twice the positions)."""
+    generator = torch.Generator().manual_seed(7)
+    shadow = Shadow(span=None, replica=None, session=None)  # type: ignore[arg-type]
+    expected = torch.zeros(3, 2048, HIDDEN)
+    end = 0
+    rng = random.Random(7)
+    for index in range(120):
+        first = 0 if index == 0 else max(0, end - rng.choice([0, 0, 1, 3, 16]))  # rollbacks now and then
+        length = 5 if index == 0 else rng.choice([1, 1, 2, 16])
+        hypo_ids = torch.randint(0, 3, (3,), generator=generator) if index and rng.random() < 0.2 else None
+        step = Mirrored(torch.randn(3, length, HIDDEN, generator=generator), NO_TENSOR, first, hypo_ids)
+        if hypo_ids is not None:
+            expected[:, :first] = expected[hypo_ids, :first]
+        expected[:, first : first + length] = step.inputs
+        end = first + length
+        shadow.record(step)
+        assert shadow.sent_length == end
+    assert len(shadow.replayed) < 120  # folded at least once
+    assert torch.equal(shadow.replayed_inputs(), expected[:, :end])

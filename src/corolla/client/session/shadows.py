@@ -32,10 +32,11 @@ rates cost fewer rows (0.70: 6.7% fewer) for less margin: over those lengths a 1
 sessions are mirrored: the replica is another server, and the draw is the client's.
 
 Cost to the client: each mirrored step is sent twice (to the server, then in the background to the replica; a token
-never waits for its shadow). The replica gets a session's decode positions several at a time: the worker holds the
-steps mirrored after the last request it sent until they make `SHADOW_BATCH_ROWS` rows (positions x batch; a beam
-reorder, a rollback or the session's end sends what it holds first), then sends them as one request of consecutive
-positions, which a corolla replica runs as that many spare rows of one merged decode forward
+never waits for its shadow). The replica gets a session's decode positions several at a time: `after_step` copies
+each mirrored step's inputs and outputs into the request being filled (`HeldSteps`: no wake-up of the worker, no
+queueing per step) until it holds `SHADOW_BATCH_ROWS` rows (positions x batch; a beam reorder, a rollback, deep
+prompts or the session's end send what it holds first), then hands it to the shadow's worker, which sends it as one
+request of consecutive positions, which a corolla replica runs as that many spare rows of one merged decode forward
 (`server.core.engine_executor`) and a Petals replica as a short prefill: one request, one reply, one comparison per
 `SHADOW_BATCH_ROWS` positions instead of one per position (a replica's host work per shadowed step, not its device's,
 was what shadows cost a busy replica: docs/decisions/0066). A lie is then caught up to that many of the session's
@@ -78,8 +79,8 @@ ShadowState = Literal["mirroring", "agreed", "caught", "referee_lied", "undecide
 def escape_probability(lie_rate: float, steps: int, session_steps: Sequence[int], fraction: float) -> float:
     """The chance that a server corrupting each of its steps with probability `lie_rate` is not caught within `steps`
     of them when each of its sessions, of a length drawn uniformly from `session_steps`, is mirrored with probability
-    `fraction` (exact, by recursion over the steps left; a lie counts as caught at once: the worker's hold for its
-    next request is left out). A session of L steps escapes with 1 - f (1 - (1 - q)^L), the last one cut at the
+    `fraction` (exact, by recursion over the steps left; a lie counts as caught at once: the hold of mirrored steps
+    for their request is left out). A session of L steps escapes with 1 - f (1 - (1 - q)^L), the last one cut at the
     budget; sessions are independent."""
     keep = 1.0 - lie_rate
     escaped = [1.0] * (steps + 1)  # escaped[n]: the chance of escaping the next n steps, from a session's start
@@ -107,42 +108,138 @@ class Mirrored:
 
 
 @dataclass(eq=False)
+class HeldSteps:
+    """Mirrored steps of consecutive positions not sent yet, the one request they will make: each step's inputs and
+    the server's outputs [B, T, H] (copies), for positions [first, first + length), the first step's beam reorder
+    and deep prompts (the steps after it have none: `continues`)."""
+
+    def __init__(self, first: int, hypo_ids: torch.Tensor | None, prompts: torch.Tensor | None) -> None:
+        self.inputs: list[torch.Tensor] = []
+        self.claimed: list[torch.Tensor] = []
+        self.first, self.length, self.batch = first, 0, 0
+        self.hypo_ids, self.prompts = hypo_ids, prompts
+
+    def continues(self, first: int, batch: int, hypo_ids: torch.Tensor | None, prompts: torch.Tensor | None) -> bool:
+        """Whether a step at `first` of `batch` rows may go in this request: the next positions of the same rows,
+        with no beam reorder (applied before its first position) and no deep prompts."""
+        return first == self.first + self.length and hypo_ids is None and prompts is None and batch == self.batch
+
+    def add(self, inputs: torch.Tensor, outputs: torch.Tensor) -> int:
+        """Copies a step's inputs and outputs [B, T, H] in as the next T positions (a clone each: cheaper than a copy
+        into a slice of a buffer, and one `cat` per request); -> the rows held (positions x batch)."""
+        self.inputs.append(inputs.clone())
+        self.claimed.append(outputs.clone())
+        self.length += outputs.shape[1]
+        self.batch = outputs.shape[0]
+        return self.length * self.batch
+
+    @property
+    def steps(self) -> int:
+        return len(self.claimed)
+
+    def request(self) -> Mirrored:
+        """The held steps as one mirrored step [B, length, H]."""
+        if len(self.claimed) == 1:
+            return Mirrored(self.inputs[0], self.claimed[0], self.first, self.hypo_ids, self.prompts)
+        inputs, claimed = torch.cat(self.inputs, dim=1), torch.cat(self.claimed, dim=1)
+        return Mirrored(inputs, claimed, self.first, self.hypo_ids, self.prompts)
+
+
+@dataclass(eq=False)
 class Shadow:
-    """One span session's mirror on `replica`: its own stream (`session`), the steps waiting for it, its state."""
+    """One span session's mirror on `replica`: its own stream (`session`), the requests waiting for it, its state."""
 
     span: RemoteSpanInfo  # the server under test
     replica: RemoteSpanInfo
     session: SpanSession
-    # mirrored steps in order; "flush": send what is held now (`settle`); None: the end (what is held is sent first)
-    queue: asyncio.Queue[Mirrored | Literal["flush"] | None] = field(default_factory=asyncio.Queue)
-    queued: int = 0  # steps put and not yet taken (the lag; any thread reads it)
+    # requests for the worker in order, each with the mirrored steps it holds; None: the end
+    queue: asyncio.Queue[tuple[Mirrored, int] | None] = field(default_factory=asyncio.Queue)
+    queued: int = 0  # mirrored steps not yet taken by the worker, held ones included (the lag; any thread reads it)
+    held: HeldSteps | None = None  # the request being filled (`hold`)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # `held`, `queued` and the order of puts
     state: ShadowState = "mirroring"
     positions_compared: int = 0
     max_error: float = 0.0
     task: concurrent.futures.Future[None] | None = None
-    sent: torch.Tensor | None = None  # [B, capacity, H]: the inputs replayed, positions [0, sent_length)
-    sent_length: int = 0
+    replayed: list[Mirrored] = field(default_factory=list)  # the requests replayed, in order (`replayed_inputs`)
+    replayed_positions: int = 0  # their positions summed
+    sent_length: int = 0  # positions [0, sent_length) in the replica's cache
     prompts: torch.Tensor | None = None  # [blocks, B|1, P, H]: the deep prompts in the caches (sent at position 0)
 
+    def hold(
+        self,
+        inputs: torch.Tensor,
+        outputs: torch.Tensor,
+        first: int,
+        hypo_ids: torch.Tensor | None,
+        prompts: torch.Tensor | None,
+    ) -> None:
+        """Takes a mirrored step (its inputs and the server's outputs [B, T, H] for positions [first, first + T)) into
+        the request being filled, which goes to the worker once it holds `SHADOW_BATCH_ROWS` rows; a step that does
+        not continue it sends it first (a step of that many rows or more then goes as a request of its own)."""
+        batch = outputs.shape[0]
+        with self.lock:
+            self.queued += 1
+            held = self.held
+            if held is not None and not held.continues(first, batch, hypo_ids, prompts):
+                self._send_held()
+                held = None
+            if held is None:
+                held = self.held = HeldSteps(first, hypo_ids, prompts)
+            if held.add(inputs, outputs) >= SHADOW_BATCH_ROWS:
+                self._send_held()
+
+    def send_held(self) -> None:
+        """Sends the request being filled now (any thread)."""
+        with self.lock:
+            self._send_held()
+
+    def end_queue(self, *, send_held: bool) -> None:
+        """Ends the worker's queue after what was put (any thread), the request being filled sent first or dropped."""
+        with self.lock:
+            if send_held:
+                self._send_held()
+            self.held = None
+            self._put(None)
+
+    def _send_held(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            self._put((held.request(), held.steps))
+
+    def _put(self, item: tuple[Mirrored, int] | None) -> None:
+        """Queues `item` for the worker, in order, from any thread (the client loop's own calls included: a
+        callback that runs before the loop's next task step, as `settle` expects)."""
+        background_loop.get_loop().call_soon_threadsafe(self.queue.put_nowait, item)
+
     def record(self, step: Mirrored) -> None:
-        """Keeps `step`'s inputs as positions [first, first + T) (a rollback overwrites from `first`; a beam reorder
-        reorders the rows before `first`, as the servers' caches, per-row prompts included; a step from position 0
-        brings the prompts in effect; the buffer grows by doubling)."""
-        end = step.first + step.inputs.shape[1]
-        buf = self.sent
-        if buf is None or buf.shape[1] < end:
-            grown = step.inputs.new_empty(step.inputs.shape[0], max(2 * end, 16), step.inputs.shape[2])
-            if buf is not None:
-                grown[:, : step.first] = buf[:, : step.first]
-            self.sent = buf = grown
-        if step.hypo_ids is not None:
-            buf[:, : step.first] = buf[step.hypo_ids, : step.first]  # (the right side is a copy)
-            if self.prompts is not None and self.prompts.shape[1] > 1:
-                self.prompts = self.prompts[:, step.hypo_ids]  # row i now holds row hypo_ids[i]'s prompted states
+        """Keeps the replayed `step` (its inputs are its request's own: no copy; `replayed_inputs` builds the
+        positions from them only where a disagreement needs them) and the deep prompts in effect (a beam reorder
+        reorders per-row prompts, as the servers' caches; a step from position 0 brings them). Where rollbacks made
+        the kept requests twice the positions in the cache, they are folded into one."""
+        if step.hypo_ids is not None and self.prompts is not None and self.prompts.shape[1] > 1:
+            self.prompts = self.prompts[:, step.hypo_ids]  # row i now holds row hypo_ids[i]'s prompted states
         if step.first == 0:
             self.prompts = step.prompts
-        buf[:, step.first : end] = step.inputs
-        self.sent_length = end
+        self.replayed.append(Mirrored(step.inputs, NO_TENSOR, step.first, step.hypo_ids))  # (not its outputs)
+        self.replayed_positions += step.inputs.shape[1]
+        self.sent_length = step.first + step.inputs.shape[1]
+        if self.replayed_positions > 2 * self.sent_length + SHADOW_CHUNK_TOKENS:
+            self.replayed = [Mirrored(self.replayed_inputs(), NO_TENSOR, 0)]
+            self.replayed_positions = self.sent_length
+
+    def replayed_inputs(self) -> torch.Tensor:
+        """The inputs replayed for positions [0, sent_length) [B, sent_length, H] (a new tensor): each request's
+        as positions [first, first + T), in order (a rollback overwrote from `first`; a beam reorder reordered the
+        rows before `first`, as the servers' caches)."""
+        first_step = self.replayed[0].inputs
+        capacity = max(step.first + step.inputs.shape[1] for step in self.replayed)
+        buf = first_step.new_empty(first_step.shape[0], capacity, first_step.shape[2])
+        for step in self.replayed:
+            if step.hypo_ids is not None:
+                buf[:, : step.first] = buf[step.hypo_ids, : step.first]  # (the right side is a copy)
+            buf[:, step.first : step.first + step.inputs.shape[1]] = step.inputs
+        return buf[:, : self.sent_length].contiguous()
 
 
 class ShadowVerifier:
@@ -187,10 +284,12 @@ class ShadowVerifier:
             return
         if prompts is not None and prompts.numel() == 0:
             prompts = None
-        with self._lock:
-            drawn = self._drawn.get(id(span_session))
-            if drawn is None:
-                drawn = self._drawn[id(span_session)] = (span_session, self._draw(span_session, first))
+        drawn = self._drawn.get(id(span_session))  # (a dict's get is atomic: the lock only where it draws)
+        if drawn is None:
+            with self._lock:
+                drawn = self._drawn.get(id(span_session))
+                if drawn is None:
+                    drawn = self._drawn[id(span_session)] = (span_session, self._draw(span_session, first))
         shadow = drawn[1]
         if shadow is None or shadow.state != "mirroring":
             return
@@ -198,18 +297,15 @@ class ShadowVerifier:
             self._end(shadow, "dropped", "deep prompts after position 0 (placed differently by Petals and corolla)")
             return
         history = span_session.history  # [B, n, H]: what the server's cache holds, these inputs included
-        if history is None or history.shape[1] < first + outputs.shape[1]:
+        end = first + outputs.shape[1]
+        if history is None or history.shape[1] < end:
             self._end(shadow, "dropped", "the span's inputs are not all known")
             return
         if shadow.queued >= MAX_SHADOW_LAG_STEPS:
             self._end(shadow, "dropped", f"the replica is {shadow.queued} steps behind")
             return
-        inputs = history[:, first : first + outputs.shape[1]].clone()
         kept_prompts = None if prompts is None else prompts.detach().clone()  # (tuned prompts change as they train)
-        step = Mirrored(inputs, outputs.detach().clone(), first, hypo_ids, kept_prompts)
-        with self._lock:
-            shadow.queued += 1
-        background_loop.get_loop().call_soon_threadsafe(shadow.queue.put_nowait, step)  # in order, from any thread
+        shadow.hold(history[:, first:end], outputs.detach(), first, hypo_ids, kept_prompts)  # (copied there)
 
     def _draw(self, span_session: SpanSession, first: int) -> Shadow | None:
         """A shadow for a span session whose first step sent from position 0 (whole sessions), with probability
@@ -237,41 +333,25 @@ class ShadowVerifier:
                 "shadows.end(blocks=%d:%d, server=...%s, replica=...%s, state=%s): %s", shadow.span.start,
                 shadow.span.end, shadow.span.peer_id[-6:], shadow.replica.peer_id[-6:], state, reason,
             )  # fmt: skip
-        background_loop.get_loop().call_soon_threadsafe(shadow.queue.put_nowait, None)
+        shadow.end_queue(send_held=False)
 
     async def _run(self, shadow: Shadow) -> None:
-        """The shadow's worker (on the client loop): opens its stream, replays the mirrored steps in order,
-        consecutive ones `SHADOW_BATCH_ROWS` rows at a time (module docstring), and compares; a disagreement is
+        """The shadow's worker (on the client loop): opens its stream, replays the mirrored requests in order (each
+        up to `SHADOW_BATCH_ROWS` rows of consecutive positions: `Shadow.hold`), and compares; a disagreement is
         decided 2:1 and ends it, as does a replica failing (no verdict: a failed referee is not a liar)."""
         queue = shadow.queue
-        held: list[Mirrored] = []  # steps of consecutive positions not sent yet
-        held_rows = 0
         try:
             await self.open_stream(shadow)
             while True:
-                step = await queue.get()
+                item = await queue.get()
                 try:
-                    if not isinstance(step, Mirrored):  # the end or a flush: what is held goes now
-                        if held and shadow.state == "mirroring":
-                            await self._check(shadow, joined(held))
-                        held, held_rows = [], 0
-                        if step is None:
-                            break
-                        continue
-                    with self._lock:
-                        shadow.queued -= 1
-                    if shadow.state != "mirroring":
-                        continue
-                    if held and not continues(held[-1], step):
-                        await self._check(shadow, joined(held))
-                        held, held_rows = [], 0
-                        if shadow.state != "mirroring":
-                            continue
-                    held.append(step)
-                    held_rows += step.inputs.shape[0] * step.inputs.shape[1]
-                    if held_rows >= SHADOW_BATCH_ROWS:
-                        await self._check(shadow, joined(held))
-                        held, held_rows = [], 0
+                    if item is None:
+                        break
+                    step, steps = item
+                    with shadow.lock:
+                        shadow.queued -= steps
+                    if shadow.state == "mirroring":
+                        await self._check(shadow, step)
                 finally:
                     queue.task_done()
         except Exception as e:
@@ -334,9 +414,9 @@ class ShadowVerifier:
 
     async def _disagreement(self, shadow: Shadow, step: Mirrored, recomputed: torch.Tensor, error: float) -> None:
         """The replica's answer differs from the server's: a third replica decides on the stretch [0, b)."""
-        assert shadow.sent is not None, "recorded before the comparison"
+        assert shadow.replayed, "recorded before the comparison"
         span = shadow.span
-        inputs = shadow.sent[:, : shadow.sent_length].clone()  # [B, b, H]: every input replayed, this step's last
+        inputs = shadow.replayed_inputs()  # [B, b, H]: every input replayed, this step's last
         finding = Finding(
             span.peer_id, (span.start, span.end), inputs, step.claimed, step.first, shadow.prompts, max_error=error
         )
@@ -354,40 +434,20 @@ class ShadowVerifier:
 
     async def settle(self, *, flush: bool = True) -> None:
         """On the client loop: waits until every shadow has replayed every step mirrored so far (benchmarks;
-        tests); `flush=False`: every step but those it holds for its next request (`SHADOW_BATCH_ROWS`)."""
-        await asyncio.sleep(0)  # steps mirrored from this loop are put by callbacks that run first
-        for shadow in self.shadows:
-            if shadow.state == "mirroring":  # (an ended shadow's worker takes nothing more)
-                if flush:
-                    shadow.queue.put_nowait("flush")
-                await shadow.queue.join()
+        tests); `flush=False`: every step but those held for the next request (`Shadow.hold`)."""
+        shadows = [shadow for shadow in self.shadows if shadow.state == "mirroring"]  # (an ended one takes no more)
+        if flush:
+            for shadow in shadows:
+                shadow.send_held()
+        await asyncio.sleep(0)  # requests are put by callbacks queued before this task's next step: they run first
+        for shadow in shadows:
+            await shadow.queue.join()
 
     async def finish(self) -> None:
         """Lets every shadow replay what is left, then ends them (waits for their verdicts)."""
         shadows = self.shadows
         for shadow in shadows:
-            background_loop.get_loop().call_soon_threadsafe(shadow.queue.put_nowait, None)
+            shadow.end_queue(send_held=shadow.state == "mirroring")
         tasks = [asyncio.wrap_future(s.task) for s in shadows if s.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def continues(last: Mirrored, step: Mirrored) -> bool:
-    """Whether `step` may go in one request with `last` and the steps held before it: the next positions of the
-    same rows, with no beam reorder (applied before its first position) and no deep prompts."""
-    return (
-        step.first == last.first + last.inputs.shape[1]
-        and step.hypo_ids is None
-        and step.prompts is None
-        and step.inputs.shape[0] == last.inputs.shape[0]
-    )
-
-
-def joined(steps: list[Mirrored]) -> Mirrored:
-    """Held steps of consecutive positions (`continues`) as one: [B, sum T, H], the first one's reorder and prompts."""
-    if len(steps) == 1:
-        return steps[0]
-    first = steps[0]
-    inputs = torch.cat([step.inputs for step in steps], dim=1)
-    claimed = torch.cat([step.claimed for step in steps], dim=1)
-    return Mirrored(inputs, claimed, first.first, first.hypo_ids, first.prompts)
