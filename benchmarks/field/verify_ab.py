@@ -25,11 +25,10 @@ from pathlib import Path
 import psutil
 import torch
 
-from corolla.cli.demo import split_blocks
 from corolla.client import AutoDistributedModelForCausalLM, ClientConfig
 from corolla.client.session.shadows import DEFAULT_SHADOW_FRACTION
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
-from corolla.swarm.local import LocalSwarm, LocalSwarmConfig
+from corolla.swarm.local import LocalSwarm, LocalSwarmConfig, even_block_ranges
 
 VARIANTS: dict[str, dict[str, float]] = {
     "off": {},
@@ -63,7 +62,7 @@ def main() -> None:
     model_dir = ensure_demo_checkpoint(Path(args.model_dir) if args.model_dir else DEMO_CHECKPOINT_DIR)
     from transformers import AutoConfig
 
-    ranges = split_blocks(AutoConfig.from_pretrained(model_dir).num_hidden_layers, 2)
+    ranges = even_block_ranges(AutoConfig.from_pretrained(model_dir).num_hidden_layers, 2)
     prompt = torch.tensor([[1, 15, 27, 30, 42, 7]])
     with tempfile.TemporaryDirectory(prefix="corolla-verify-ab-") as work:
         config = LocalSwarmConfig(

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from corolla.cli.demo import split_blocks
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, is_complete
 from corolla.demo.corpus import prose_paragraphs
 from corolla.demo.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 from corolla.demo.train import TRAINING_INFO_FILE, DemoTrainConfig, train_demo_model
+from corolla.swarm.local import even_block_ranges
 
 
 def test_tokenizer_is_one_token_per_byte_and_round_trips(tmp_path: Path) -> None:
@@ -65,12 +65,11 @@ def test_training_is_deterministic(tmp_path: Path) -> None:
     [(4, 2, ((0, 2), (2, 4))), (5, 2, ((0, 2), (2, 5))), (6, 3, ((0, 2), (2, 4), (4, 6))), (3, 1, ((0, 3),))],
 )
 def test_split_blocks(num_blocks: int, num_servers: int, expected: tuple[tuple[int, int], ...]) -> None:
-    assert split_blocks(num_blocks, num_servers) == expected
+    assert tuple(even_block_ranges(num_blocks, num_servers)) == expected
 
 
-def test_split_blocks_rejects_more_servers_than_blocks() -> None:
-    with pytest.raises(ValueError, match="1..4"):
-        split_blocks(4, 5)
+def test_more_servers_than_blocks_start_one_server_per_block() -> None:
+    assert even_block_ranges(4, 5) == [(0, 1), (1, 2), (2, 3), (3, 4)]
 
 
 @pytest.mark.skipif(not is_complete(DEMO_CHECKPOINT_DIR), reason="demo checkpoint is not built")

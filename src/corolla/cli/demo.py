@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text for the model to continue")
     parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens (bytes) to generate")
     parser.add_argument("--model_dir", type=Path, default=DEMO_CHECKPOINT_DIR, help="checkpoint (built if missing)")
-    parser.add_argument("--num_servers", type=int, default=2, help="servers splitting the blocks evenly")
+    parser.add_argument(
+        "--num_servers", type=int, default=2, help="servers splitting the blocks evenly (at most one per block)"
+    )
     parser.add_argument("--greedy", action="store_true", help="greedy decoding instead of seeded sampling")
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--top_k", type=int, default=20)
@@ -54,13 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no_web", action="store_true", help="do not start the health page and the OpenAI API")
     add_common_flags(parser, verbose_help="show corolla's logs (servers log to files)")
     return parser
-
-
-def split_blocks(num_blocks: int, num_servers: int) -> tuple[tuple[int, int], ...]:
-    """Contiguous, nearly equal block ranges [start, end), one per server."""
-    if not 1 <= num_servers <= num_blocks:
-        raise ValueError(f"num_servers must be in 1..{num_blocks} (the model's blocks), got {num_servers}")
-    return tuple(even_block_ranges(num_blocks, num_servers))
 
 
 def demo_swarm_config(work_dir: Path, startup_timeout_s: float) -> LocalSwarmConfig:
@@ -200,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = ensure_demo_checkpoint(args.model_dir)
     num_blocks = AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    block_ranges = split_blocks(num_blocks, args.num_servers)
+    block_ranges = even_block_ranges(num_blocks, args.num_servers)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory(prefix="corolla-demo-") as work:
         work_dir = Path(work)

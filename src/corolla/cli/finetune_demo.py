@@ -15,14 +15,14 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from corolla.cli.demo import demo_swarm_config, split_blocks, wait_for_coverage
+from corolla.cli.demo import demo_swarm_config, wait_for_coverage
 from corolla.cli.errors import add_common_flags, run_cli
 from corolla.client.config import ClientConfig
 from corolla.client.models.sequence_classification import AutoDistributedModelForSequenceClassification
 from corolla.demo.checkpoint import DEMO_CHECKPOINT_DIR, ensure_demo_checkpoint
 from corolla.demo.finetune import FinetuneConfig, FinetuneReport, finetune, init_prompts_from_text
 from corolla.demo.topics import LABELS
-from corolla.swarm.local import LocalSwarm
+from corolla.swarm.local import LocalSwarm, even_block_ranges
 
 PROMPT_INIT_TEXT = "The topic of this sentence is"
 
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         initial_peers = args.initial_peers
         if not initial_peers:
             work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="corolla-finetune-")))
-            block_ranges = split_blocks(num_blocks, args.num_servers)
+            block_ranges = even_block_ranges(num_blocks, args.num_servers)
             swarm_config = demo_swarm_config(work_dir, args.startup_timeout_s)
             print(f"Starting a private swarm on 127.0.0.1: {len(block_ranges)} servers "
                   f"(blocks {', '.join(f'{a}:{b}' for a, b in block_ranges)}) ...", flush=True)  # fmt: skip
