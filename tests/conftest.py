@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers.file_order import DURATIONS_OUT_ENV, DurationRecorder, expected_durations, longest_files_first
+from helpers.file_order import (
+    COMMITTED_DURATIONS,
+    DURATIONS_OUT_ENV,
+    DurationRecorder,
+    expected_durations,
+    longest_files_first,
+    read_durations,
+)
 
 RUN_ID_ENV = "COROLLA_TEST_RUN_ID"
 LEAK_GRACE_S = 5.0
@@ -131,7 +138,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # the controller sees every worker's reports; only whole files are worth recording (no -k, no single tests)
     whole_files = not config.option.keyword and not any("::" in arg for arg in config.args)
     if out and whole_files and not os.environ.get("PYTEST_XDIST_WORKER"):
-        config.pluginmanager.register(DurationRecorder(Path(out)), "corolla-duration-recorder")
+        config.pluginmanager.register(
+            DurationRecorder(Path(out), read_durations(COMMITTED_DURATIONS)), "corolla-duration-recorder"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

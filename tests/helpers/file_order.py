@@ -11,7 +11,9 @@ teardown of its tests), overlaid by the file named in `COROLLA_TEST_DURATIONS_OU
 points it at `build/test-durations.json`, which each `make test` rewrites from what it measured). A file in neither
 gets a default by kind (a swarm test or a unit test). The order changes only which worker runs a file and when,
 never the order of the tests inside a file (module fixtures stay shared). To refresh the committed table, copy
-`build/test-durations.json` over it after a full `make test` on the reference VM."""
+`build/test-durations.json` over it after a full `make test` on the reference VM: files that skip there (the Docker
+image test, tests/interop without the Petals venv) keep the committed entry, measured where they ran (Docker: the
+README's figures, wheel + rebuild + `docker run`)."""
 
 from __future__ import annotations
 
@@ -102,20 +104,28 @@ def longest_files_first(items: Sequence[ItemT], durations: Mapping[str, float]) 
 class DurationRecorder:
     """A pytest plugin for the controller (or a run without xdist): sums each file's setup, call and teardown
     seconds from the test reports and, at the end, merges them into `path` (the files that ran replace their old
-    entries; the others stay). Written via a temporary file and a rename, so a reader never sees half a table."""
+    entries; the others stay). A file none of whose tests ran (all skipped: no Docker daemon, no Petals venv, no GPU
+    here) did not run: its old entry stays. Its ~0 s would otherwise schedule it last where it does run (CI), as
+    one worker's long tail (tests/interop's ~150 s did exactly that once a refresh from a VM without the Petals venv
+    zeroed it). Written via a temporary file and a rename, so a reader never sees half a table."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, base: Mapping[str, float] | None = None):
         self.path = path
+        self.base = dict(base or {})  # under the previous record (the committed table: see the module's doc)
         self.seconds: dict[str, float] = defaultdict(float)
+        self.ran: set[str] = set()  # files with at least one test that passed or failed (xfail included)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.seconds[file_of(report.nodeid)] += report.duration
+        file = file_of(report.nodeid)
+        self.seconds[file] += report.duration
+        if report.when == "call" and (not report.skipped or hasattr(report, "wasxfail")):
+            self.ran.add(file)
 
     def pytest_sessionfinish(self) -> None:
-        if not self.seconds:
+        ran = {file: round(seconds, 1) for file, seconds in self.seconds.items() if file in self.ran}
+        if not ran:
             return
-        merged = read_durations(self.path)
-        merged.update({file: round(seconds, 1) for file, seconds in self.seconds.items()})
+        merged = {**self.base, **read_durations(self.path), **ran}
         write_durations(self.path, merged)
 
 

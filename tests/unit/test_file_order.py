@@ -22,6 +22,8 @@ from helpers.file_order import (
 class Node:
     nodeid: str
     duration: float = 0.0
+    when: str = "call"
+    skipped: bool = False
 
 
 def test_files_go_longest_first_and_keep_their_tests_in_order() -> None:
@@ -85,3 +87,36 @@ def test_recorder_sums_phases_per_file_and_merges(tmp_path: Path) -> None:
         "tests/unit/test_b.py": 0.5,
     }
     assert [p.name for p in path.parent.iterdir()] == ["durations.json"]  # no temporary file left
+
+
+def test_recorder_keeps_the_entry_of_a_file_whose_tests_all_skipped(tmp_path: Path) -> None:
+    """A file skipped here (no Docker daemon, no Petals venv) keeps the seconds it took where it ran: recorded as ~0 s
+    it would be scheduled last there, one worker's long tail."""
+    path = tmp_path / "durations.json"
+    path.write_text(json.dumps({"tests/interop/test_stock.py": 150.0, "tests/unit/test_a.py": 9.0}))
+    committed = {"tests/integration/test_image.py": 90.0, "tests/interop/test_stock.py": 140.0}
+    recorder = DurationRecorder(path, committed)
+    reports = [
+        Node("tests/interop/test_stock.py::t1", 0.01, "setup", skipped=True),  # a skip mark or a fixture's skip
+        Node("tests/interop/test_stock.py::t1", 0.0, "teardown"),
+        Node("tests/interop/test_stock.py::t2", 0.1, "call", skipped=True),  # pytest.skip() in the test body
+        Node("tests/unit/test_a.py::t1", 0.5, "setup"),
+        Node("tests/unit/test_a.py::t1", 1.0, "call"),
+        Node("tests/unit/test_a.py::t2", 0.2, "call", skipped=True),  # one skip among tests that ran
+        Node("tests/integration/test_image.py::t", 0.1, "call", skipped=True),  # no Docker daemon here
+    ]
+    for report in reports:
+        recorder.pytest_runtest_logreport(report)  # type: ignore[arg-type]
+    recorder.pytest_sessionfinish()
+    # the record is complete (the committed table under the previous record under this run): it can replace the
+    # committed table without losing the files that skipped here
+    assert read_durations(path) == {
+        "tests/integration/test_image.py": 90.0,
+        "tests/interop/test_stock.py": 150.0,
+        "tests/unit/test_a.py": 1.7,
+    }
+
+    only_skips = DurationRecorder(path)
+    only_skips.pytest_runtest_logreport(Node("tests/unit/test_a.py::t2", 0.2, "call", skipped=True))  # type: ignore[arg-type]
+    only_skips.pytest_sessionfinish()
+    assert read_durations(path)["tests/unit/test_a.py"] == 1.7
